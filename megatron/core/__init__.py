@@ -1,0 +1,1 @@
+"""Megatron-Core-style building blocks: parallel state, tensor-parallel layers, GPT model, optimizer, FSDP."""
