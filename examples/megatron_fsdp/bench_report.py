@@ -1,0 +1,225 @@
+"""Formatting of the benchmark's results: markdown tables for docs/benchmarks.md and a hand-written SVG plot.
+
+Pure functions of the summaries built by `bench_summary.summarise`; nothing here measures anything.
+"""
+
+import html
+
+from examples.megatron_fsdp.bench_theory import MIB, evaluate_targets
+
+COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
+
+
+def markdown_table(headers, rows):
+    """A GitHub markdown table; cells are str()-ed and pipes inside cells are escaped."""
+
+    def cell(value):
+        return str(value).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(cell(h) for h in headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def format_mib(num_bytes, digits=1):
+    return "" if num_bytes is None else f"{num_bytes / MIB:.{digits}f}"
+
+
+def format_seconds(seconds):
+    if seconds is None:
+        return ""
+    return f"{seconds:.3f}" if seconds < 10 else f"{seconds:.2f}"
+
+
+def format_ratio(value):
+    return "" if value is None else f"{value:.2f}"
+
+
+def format_loss_diff(value):
+    if value is None:
+        return ""
+    return "0" if value == 0 else f"{value:.1e}"
+
+
+def timing_and_memory_rows(summaries, memory_modes):
+    rows = []
+    for name, arm in summaries.items():
+        if arm["error"] and "step_time" not in arm:
+            rows.append([name, arm["label"], arm["error"]] + [""] * (3 + 2 * len(memory_modes)))
+            continue
+        rss_cells = []
+        for mode in memory_modes:
+            rss = arm["rss"].get(mode, {})
+            rss_cells += [format_mib(rss.get("peak"), 0), format_mib(rss.get("growth"), 0)]
+        rows.append(
+            [name, arm["label"], format_seconds(arm.get("step_time")), format_ratio(arm.get("vs_ddp")),
+             format_ratio(arm.get("vs_fsdp2"))]
+            + rss_cells
+            + [format_loss_diff(arm.get("loss_max_abs_diff"))]
+        )
+    return rows
+
+
+def state_rows(summaries):
+    rows = []
+    for name, arm in summaries.items():
+        if "state" not in arm:
+            rows.append([name, arm["error"] or "not run", "", ""])
+            continue
+        measured = " / ".join(format_mib(arm["state"][key]) for key in ("params", "grads", "optimizer"))
+        theory = " / ".join(format_mib(arm["theory_state"][key]) for key in ("params", "grads", "optimizer"))
+        rows.append([name, measured, theory, f"ZeRO-{arm['theory_zero_strategy']}"])
+    return rows
+
+
+def comm_rows(summaries):
+    rows = []
+    for name, arm in summaries.items():
+        if "comm_payloads" not in arm:
+            rows.append([name] + [""] * len(COMM_KINDS) + ["", format_mib(arm["theory_volume"], 2), "", "", ""])
+            continue
+        payloads = arm["comm_payloads"]
+        kind_cells = [
+            f"{format_mib(payloads[kind], 2)} ({arm['comm_calls'][kind]})" if kind in payloads else ""
+            for kind in COMM_KINDS
+        ]
+        volume_ratio = arm["volume"] / arm["theory_volume"] if arm["theory_volume"] else None
+        rows.append(
+            [name]
+            + kind_cells
+            + [format_mib(arm["volume"], 2), format_mib(arm["theory_volume"], 2), format_ratio(volume_ratio),
+               format_mib(arm["wire_bytes"], 2), "yes" if arm["comm_steady"] else "no"]
+        )
+    return rows
+
+
+def render_markdown(meta, summaries, memory_modes, method_text):
+    """The whole docs/benchmarks.md: header facts, the four tables, targets, raw package reports, method."""
+    parts = [f"# Megatron-FSDP benchmark: `{meta['model']}` model", ""]
+    if meta.get("provisional"):
+        parts += [
+            "> **Provisional numbers.** This run was taken while the machine was shared with other work; "
+            "timings are noisy. Re-run on a quiet machine before quoting them.",
+            "",
+        ]
+    parts += [
+        f"- device: {meta['device']}",
+        f"- torch: {meta['torch_version']}, backend {meta['backend']}, {meta['world_size']} ranks, "
+        f"{meta['threads']} thread(s) per rank, fp32, AdamW",
+        f"- date: {meta['date']}",
+        f"- command: `{meta['command']}`",
+        f"- launch: {meta['launch']}",
+        f"- model: {meta['model_description']}",
+        f"- steps per measurement: {meta['steps']} ({meta['warmup']} warm-up), repetitions: "
+        + ", ".join(f"{mode} {count}" for mode, count in meta["repeats"].items())
+        + " (interleaved: every arm once, then every arm again)",
+        f"- wall time of the whole benchmark: {meta['wall_s']:.0f} s",
+        "",
+        "## Step time, peak RSS and loss",
+        "",
+        "Step time: median over repetitions of the median post-warm-up step (slowest rank per step), "
+        f"memory mode `{meta['timing_mode']}`. RSS per rank, MiB: *peak* is the process high-water mark "
+        "(`ru_maxrss`, one arm per process), *growth* is the sampled high-water mark above the RSS at the start "
+        "of the arm. dloss: max abs difference of the global loss from DDP's over all steps.",
+        "",
+    ]
+    rss_headers = []
+    for mode in memory_modes:
+        rss_headers += [f"peak RSS ({mode})", f"growth ({mode})"]
+    parts.append(
+        markdown_table(
+            ["arm", "config", "step s", "vs DDP", "vs FSDP2"] + rss_headers + ["max abs dloss vs DDP"],
+            timing_and_memory_rows(summaries, memory_modes),
+        )
+    )
+    parts += [
+        "",
+        "## State bytes per rank",
+        "",
+        "MiB held per rank after the last step: parameters / gradients / optimizer state, from the storages of "
+        "the tensors the model and optimizer actually hold (shard padding included; views of one flat buffer "
+        "counted once). Theory: ZeRO formulas without padding.",
+        "",
+        markdown_table(["arm", "measured p / g / opt", "theory p / g / opt", "theory"], state_rows(summaries)),
+        "",
+        "## Communication per step",
+        "",
+        "MiB of payload per collective kind in the last step (number of calls in parentheses), counted by "
+        "wrapping `torch.distributed` collectives in the rank processes. Volume = all-reduce payload x 2 + all "
+        "other payloads; ZeRO theory: 2 psi for ZeRO-0/1/2, 3 psi for ZeRO-3 (2 psi without resharding after "
+        f"forward), psi = {format_mib(meta['param_bytes'], 2)} MiB of parameters. Wire: bytes one rank sends "
+        "on a ring.",
+        "",
+        markdown_table(
+            ["arm"] + [f"{kind} MiB" for kind in COMM_KINDS] + ["volume MiB", "theory MiB", "ratio", "wire MiB/rank",
+                                                                   "same every step"],
+            comm_rows(summaries),
+        ),
+        "",
+        "## Targets",
+        "",
+        markdown_table(["target", "result", "detail"], evaluate_targets(summaries)),
+        "",
+    ]
+    reports = {name: arm["reports"] for name, arm in summaries.items() if arm.get("reports")}
+    if reports:
+        parts += ["## Megatron-FSDP's own reports (rank 0, after the last step)", ""]
+        for name, arm_reports in reports.items():
+            parts.append(f"- `{name}`:")
+            parts += [f"  - `{method}`: `{value}`" for method, value in arm_reports.items()]
+        parts.append("")
+    if meta.get("plot"):
+        parts += [f"![step time and peak RSS per arm]({meta['plot']})", ""]
+    parts += [method_text.strip(), ""]
+    return "\n".join(parts)
+
+
+def render_svg(summaries, memory_modes, title):
+    """Two horizontal bar charts side by side: step time, and peak RSS per memory mode."""
+    names = list(summaries)
+    row_height, label_width, chart_width, gap = 22, 150, 260, 40
+    top = 50
+    height = top + row_height * len(names) + 40
+    width = label_width + 2 * chart_width + gap + 40
+    colours = ["#4a78b5", "#d08a2e", "#5aa469"]
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+        'font-size="11">',
+        f'<text x="10" y="18" font-size="13" font-weight="bold">{html.escape(title)}</text>',
+    ]
+
+    def panel(x0, heading, values_by_series, unit):
+        out.append(f'<text x="{x0}" y="{top - 10}" font-weight="bold">{html.escape(heading)}</text>')
+        largest = max((v for series in values_by_series for v in series if v), default=0) or 1
+        bar = (row_height - 6) / max(1, len(values_by_series))
+        for row, name in enumerate(names):
+            y = top + row * row_height
+            for index, series in enumerate(values_by_series):
+                value = series[row]
+                if not value:
+                    continue
+                length = chart_width * value / largest
+                out.append(
+                    f'<rect x="{x0}" y="{y + index * bar:.1f}" width="{length:.1f}" height="{bar - 1:.1f}" '
+                    f'fill="{colours[index % len(colours)]}"/>'
+                )
+                out.append(
+                    f'<text x="{x0 + length + 3:.1f}" y="{y + (index + 1) * bar - 2:.1f}" font-size="9">'
+                    f"{value:.3g}{unit}</text>"
+                )
+
+    for row, name in enumerate(names):
+        out.append(f'<text x="10" y="{top + row * row_height + 14}">{html.escape(name)}</text>')
+    panel(label_width, "median step time (s)", [[summaries[n].get("step_time") for n in names]], " s")
+    rss_series = []
+    for mode in memory_modes:
+        values = []
+        for name in names:
+            rss = summaries[name]["rss"].get(mode, {})
+            value = rss.get("peak") or rss.get("growth")
+            values.append(value / MIB if value else None)
+        rss_series.append(values)
+    legend = ", ".join(f"{mode} ({colour})" for mode, colour in zip(memory_modes, ("blue", "orange", "green")))
+    panel(label_width + chart_width + gap, f"peak RSS per rank, MiB: {legend}", rss_series, "")
+    out.append("</svg>")
+    return "\n".join(out) + "\n"

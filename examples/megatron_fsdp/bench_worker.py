@@ -1,0 +1,102 @@
+"""What one rank does for one measurement of one arm: build, train N steps, measure, return a JSON-able dict.
+
+The process group must already exist. Collectives are counted per step (the counter is reset before each
+step), state bytes are read after the last optimizer step (gradients still held), and peak RSS comes from both
+the lifetime high-water mark and a sampler started just before the model is built.
+"""
+
+import gc
+import os
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from examples.megatron_fsdp import comm_counter
+from examples.megatron_fsdp.bench_arms import ARMS, MegatronFSDPUnavailable, build_arm, megatron_fsdp_reports
+from examples.megatron_fsdp.bench_model import MODEL_PRESETS, build_model, mock_batches, rank_micro_batch
+from examples.megatron_fsdp.memory_probe import RssSampler, held_state_bytes, lifetime_peak_rss_bytes
+
+DATA_SEED_OFFSET = 1
+
+
+def device_for_backend():
+    """cuda:LOCAL_RANK under NCCL, cpu otherwise: the device follows the process group, not the machine."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def synchronize(device):
+    if device.type != "cpu":
+        getattr(torch, device.type).synchronize(device)
+
+
+def init_process_group_from_env(timeout_s):
+    """Join the group described by torchrun-style env vars; NCCL when CUDA is usable, gloo otherwise."""
+    backend = "nccl" if torch.cuda.is_available() and os.environ.get("BENCH_BACKEND", "") != "gloo" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
+def run_arm(arm_name, model_name, steps, warmup_steps, seed, lr):
+    """Train one arm on this rank; returns measurements, or `{"error": ...}` if the arm could not run."""
+    spec = ARMS[arm_name]
+    config = MODEL_PRESETS[model_name]
+    device = device_for_backend()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    counter = comm_counter.install()
+    all_tokens = mock_batches(config, steps, seed + DATA_SEED_OFFSET)
+    gc.collect()
+    sampler = RssSampler().start()
+    result = {"arm": arm_name, "rank": rank, "world_size": world_size, "error": None}
+    model = optimizer = None
+    try:
+        model = build_model(config, seed, device)
+        train_model, optimizer = build_arm(spec, model, device, lr)
+        step_times, losses, comm_per_step = [], [], []
+        for step in range(steps):
+            tokens, labels = rank_micro_batch(all_tokens, step, rank, world_size, device)
+            counter.reset()
+            synchronize(device)
+            started = time.perf_counter()
+            with counter.counting():
+                optimizer.zero_grad()
+                loss = train_model(tokens, labels)
+                loss.backward()
+                optimizer.step()
+            synchronize(device)
+            step_times.append(time.perf_counter() - started)
+            losses.append(loss.item())
+            comm_per_step.append(counter.snapshot())
+        result.update(
+            step_times=step_times,
+            losses=losses,
+            comm_per_step=comm_per_step,
+            state_bytes=held_state_bytes(train_model, optimizer),
+            reports=megatron_fsdp_reports(train_model, optimizer) if spec.is_megatron_fsdp else {},
+        )
+    except MegatronFSDPUnavailable as error:
+        result["error"] = str(error)
+    except Exception as error:
+        label = "megatron_fsdp failed" if spec.is_megatron_fsdp else "failed"
+        result["error"] = f"{label}: {type(error).__name__}: {error}"
+        result["traceback"] = traceback.format_exc()
+    finally:
+        model = optimizer = train_model = None  # noqa: F841 - release before the RSS reading below
+        sampler.stop()
+    result.update(
+        rss_baseline=sampler.baseline,
+        rss_arm_peak=sampler.peak,
+        rss_lifetime_peak=lifetime_peak_rss_bytes(),
+        warmup_steps=warmup_steps,
+        malloc_mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+        threads=torch.get_num_threads(),
+        backend=dist.get_backend(),
+        device=str(device),
+    )
+    gc.collect()
+    return result

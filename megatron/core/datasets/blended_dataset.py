@@ -1,0 +1,55 @@
+"""`BlendedDataset`: several datasets mixed by weight with a fixed, reproducible sample schedule."""
+
+import numpy as np
+import torch
+
+from megatron.core.datasets.utils import build_blending_indices, load_or_build_indices, normalize_weights
+
+
+def blending_schedule(weights, size, path_to_cache=None, description=None):
+    """(dataset_index, dataset_sample_index) for `size` samples, cached in `path_to_cache` when given.
+
+    `description` identifies the blend in the cache key (dataset names, split, seed, ...).
+    """
+    weights = normalize_weights(weights, len(weights))
+    key = {"weights": weights.tolist(), "size": int(size), "blend": description}
+    arrays, _ = load_or_build_indices(
+        path_to_cache,
+        "BlendedDataset",
+        key,
+        lambda: dict(zip(("dataset_index", "dataset_sample_index"), build_blending_indices(weights, size))),
+    )
+    return arrays["dataset_index"], arrays["dataset_sample_index"]
+
+
+class BlendedDataset(torch.utils.data.Dataset):
+    """Sample i is `datasets[dataset_index[i]][dataset_sample_index[i]]`.
+
+    The schedule gives every dataset its weighted share within one sample (see `build_blending_indices`).
+    A dataset whose share is zero samples may be None.
+    """
+
+    def __init__(self, datasets, weights, size, dataset_index=None, dataset_sample_index=None):
+        self.datasets = list(datasets)
+        self.weights = normalize_weights(weights, len(self.datasets))
+        self.size = int(size)
+        if dataset_index is None:
+            dataset_index, dataset_sample_index = blending_schedule(self.weights, self.size)
+        if len(dataset_index) != self.size or len(dataset_sample_index) != self.size:
+            raise ValueError(f"blending schedule has {len(dataset_index)} entries for {self.size} samples")
+        self.dataset_index = dataset_index
+        self.dataset_sample_index = dataset_sample_index
+        self.samples_per_dataset = np.bincount(np.asarray(dataset_index), minlength=len(self.datasets))
+        for position, (dataset, needed) in enumerate(zip(self.datasets, self.samples_per_dataset)):
+            available = 0 if dataset is None else len(dataset)
+            if needed > available:
+                raise ValueError(f"blended dataset {position} has {available} samples, the schedule needs {needed}")
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, idx):
+        if not 0 <= idx < self.size:
+            raise IndexError(f"sample {idx} out of range for a blended dataset of {self.size} samples")
+        dataset = self.datasets[int(self.dataset_index[idx])]
+        return dataset[int(self.dataset_sample_index[idx])]

@@ -1,0 +1,263 @@
+"""GPT pretraining datasets: documents packed into fixed-length samples, a mock variant, and the builder.
+
+The token stream of a split is its documents concatenated in the (shuffled, per-epoch) document index
+order; documents are separated by the eod token that `tools/preprocess_data.py --append-eod` stored at the
+end of each. Sample i is the window of `sequence_length + 1` tokens starting at token `i * sequence_length`
+of that stream; `tokens` are its first `sequence_length` tokens and `labels` its last.
+"""
+
+import dataclasses
+import os
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from megatron.core.datasets.blended_dataset import BlendedDataset, blending_schedule
+from megatron.core.datasets.gpt_indices import build_gpt_indices
+from megatron.core.datasets.indexed_dataset import IndexedDataset, data_file_path, index_file_path
+from megatron.core.datasets.utils import (
+    Split,
+    load_or_build_indices,
+    normalize_weights,
+    parse_split,
+    split_document_ranges,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTDatasetConfig:
+    """What to read and how to cut it into samples.
+
+    `blend` is `(prefixes, weights)` as parsed from `--data-path` (weights None: equal shares), e.g.
+    `(["a_text_document", "b_text_document"], [0.3, 0.7])`. `split` divides each dataset's documents into
+    train/valid/test (`--split 969,30,1`). Index arrays are cached as .npy files in `path_to_cache`.
+    """
+
+    random_seed: int
+    sequence_length: int
+    blend: Optional[tuple] = None
+    split: str = "969,30,1"
+    path_to_cache: Optional[str] = None
+    tokenizer: Any = None
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    create_attention_mask: bool = False
+    mock: bool = False
+
+    def __post_init__(self):
+        if int(self.sequence_length) < 1:
+            raise ValueError(f"--seq-length must be a positive integer (got {self.sequence_length})")
+        object.__setattr__(self, "split_fractions", parse_split(self.split))
+        if self.mock:
+            if self.tokenizer is None:
+                raise ValueError("--mock-data needs a tokenizer (e.g. --tokenizer-type NullTokenizer --vocab-size N)")
+        elif self.blend is None:
+            raise ValueError("no data: give --data-path PREFIX [PREFIX ...] (or --mock-data)")
+        else:
+            object.__setattr__(self, "blend", self._normalized_blend(self.blend))
+        needs_eod = self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss
+        if needs_eod and self.tokenizer is None:
+            raise ValueError(
+                "--reset-position-ids / --reset-attention-mask / --eod-mask-loss need a tokenizer for the eod id"
+            )
+
+    @staticmethod
+    def _normalized_blend(blend):
+        if not (isinstance(blend, (tuple, list)) and len(blend) == 2 and isinstance(blend[0], (tuple, list))):
+            raise ValueError(
+                f"blend {blend!r} must be (prefixes, weights or None); parse --data-path with blend_from_data_path"
+            )
+        prefixes, weights = tuple(str(prefix) for prefix in blend[0]), blend[1]
+        if not prefixes:
+            raise ValueError("--data-path names no dataset")
+        if weights is not None:
+            weights = tuple(float(weight) for weight in weights)
+            normalize_weights(weights, len(prefixes))  # validates count and signs
+        return prefixes, weights
+
+
+def _eod(config):
+    return None if config.tokenizer is None else int(config.tokenizer.eod)
+
+
+def sample_from_tokens(token_window, config):
+    """The training dict for one window of `sequence_length + 1` token ids (a numpy array)."""
+    window = torch.from_numpy(np.asarray(token_window, dtype=np.int64))
+    tokens, labels = window[:-1].contiguous(), window[1:].contiguous()
+    length = tokens.numel()
+    eod = _eod(config)
+    loss_mask = torch.ones(length, dtype=torch.float32)
+    position_ids = torch.arange(length, dtype=torch.int64)
+    eod_positions = (tokens == eod).nonzero().flatten() if eod is not None else torch.empty(0, dtype=torch.int64)
+    if config.eod_mask_loss:
+        loss_mask[tokens == eod] = 0.0
+    if config.reset_position_ids and eod_positions.numel():
+        # Each document restarts its positions at 0 after the eod that closes the previous one.
+        document_starts = torch.zeros(length, dtype=torch.int64)
+        next_starts = eod_positions[eod_positions + 1 < length] + 1
+        document_starts[next_starts] = next_starts
+        position_ids = position_ids - torch.cummax(document_starts, dim=0).values
+    sample = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+    if config.create_attention_mask:
+        allowed = torch.tril(torch.ones(length, length, dtype=torch.bool))
+        if config.reset_attention_mask:
+            for position in eod_positions.tolist():
+                allowed[position + 1 :, : position + 1] = False
+        sample["attention_mask"] = (~allowed).unsqueeze(0)  # True = masked out, Megatron's convention
+    return sample
+
+
+class GPTDataset(torch.utils.data.Dataset):
+    """`num_samples` packed samples from the documents `[document_begin, document_end)` of `indexed_dataset`.
+
+    Every sequence of the indexed dataset counts as one document (what the preprocessing tool writes).
+    """
+
+    def __init__(self, indexed_dataset, config, split, document_range, num_samples):
+        self.indexed_dataset = indexed_dataset
+        self.config = config
+        self.split = split
+        self.document_range = tuple(int(bound) for bound in document_range)
+        documents = np.arange(*self.document_range, dtype=np.int64)
+        if documents.size == 0:
+            raise ValueError(f"the {split.name} split of {indexed_dataset.path_prefix} has no documents; adjust --split")
+        description = {
+            "class": type(self).__name__,
+            "path_prefix": os.path.abspath(indexed_dataset.path_prefix),
+            "index_bytes": os.path.getsize(index_file_path(indexed_dataset.path_prefix)),
+            "data_bytes": os.path.getsize(data_file_path(indexed_dataset.path_prefix)),
+            "split": split.name,
+            "document_range": list(self.document_range),
+            "sequence_length": int(config.sequence_length),
+            "num_samples": None if num_samples is None else int(num_samples),
+            "random_seed": int(config.random_seed),
+        }
+        arrays, self.indices_loaded_from_cache = load_or_build_indices(
+            config.path_to_cache,
+            f"{type(self).__name__}-{split.name}",
+            description,
+            lambda: build_gpt_indices(
+                indexed_dataset.sequence_lengths, documents, config.sequence_length, num_samples, config.random_seed
+            ),
+        )
+        self.document_index = arrays["document_index"]
+        self.sample_index = arrays["sample_index"]
+        self.shuffle_index = arrays["shuffle_index"]
+
+    def __len__(self):
+        return len(self.shuffle_index)
+
+    def token_window(self, idx):
+        """The `sequence_length + 1` token ids of sample `idx` (before any shuffling: use `shuffle_index`)."""
+        (first_position, first_offset), (last_position, last_offset) = self.sample_index[idx], self.sample_index[idx + 1]
+        first_position, last_position = int(first_position), int(last_position)
+        read = self.indexed_dataset.get
+        if first_position == last_position:
+            return read(int(self.document_index[first_position]), int(first_offset), int(last_offset - first_offset + 1))
+        pieces = [read(int(self.document_index[first_position]), int(first_offset))]
+        for position in range(first_position + 1, last_position):
+            pieces.append(read(int(self.document_index[position])))
+        pieces.append(read(int(self.document_index[last_position]), 0, int(last_offset) + 1))
+        return np.concatenate(pieces)
+
+    def __getitem__(self, idx):
+        if not 0 <= idx < len(self):
+            raise IndexError(f"sample {idx} out of range for a {self.split.name} dataset of {len(self)} samples")
+        return sample_from_tokens(self.token_window(int(self.shuffle_index[idx])), self.config)
+
+
+class MockGPTDataset(torch.utils.data.Dataset):
+    """`num_samples` samples of random token ids, reproducible from (seed, split, sample index); no files.
+
+    Ids are drawn from `[0, vocab_size - 1)`, so the eod id never appears.
+    """
+
+    def __init__(self, config, split, num_samples):
+        self.config = config
+        self.split = split
+        self.num_samples = int(num_samples)
+        self.vocab_size = int(config.tokenizer.vocab_size)
+        if self.vocab_size < 2:
+            raise ValueError(f"--mock-data needs --vocab-size of at least 2 (got {self.vocab_size})")
+
+    def __len__(self):
+        return self.num_samples
+
+    def token_window(self, idx):
+        rng = np.random.default_rng([int(self.config.random_seed), self.split.value, int(idx)])
+        return rng.integers(0, self.vocab_size - 1, size=self.config.sequence_length + 1, dtype=np.int64)
+
+    def __getitem__(self, idx):
+        if not 0 <= idx < self.num_samples:
+            raise IndexError(f"sample {idx} out of range for a mock dataset of {self.num_samples} samples")
+        return sample_from_tokens(self.token_window(idx), self.config)
+
+
+def _check_data_files(prefixes):
+    missing = []
+    for prefix in prefixes:
+        missing += [path for path in (index_file_path(prefix), data_file_path(prefix)) if not os.path.isfile(path)]
+    if missing:
+        raise FileNotFoundError(
+            f"--data-path names datasets whose files do not exist: {', '.join(missing)} "
+            "(give the prefix without .bin/.idx, e.g. my_corpus_text_document; build it with tools/preprocess_data.py)"
+        )
+
+
+def _build_split_datasets(config, train_valid_test_num_samples):
+    if config.mock:
+        return tuple(
+            MockGPTDataset(config, split, count) if count else None
+            for split, count in zip(Split, train_valid_test_num_samples)
+        )
+    prefixes, weights = config.blend
+    _check_data_files(prefixes)
+    indexed = [IndexedDataset(prefix) for prefix in prefixes]
+    ranges = [split_document_ranges(len(dataset), config.split_fractions) for dataset in indexed]
+    results = []
+    for split, count in zip(Split, train_valid_test_num_samples):
+        if count == 0 or config.split_fractions[split.value] == 0:
+            results.append(None)
+            continue
+        if len(indexed) == 1:
+            results.append(GPTDataset(indexed[0], config, split, ranges[0][split.value], count))
+            continue
+        if count is None:
+            raise ValueError(f"a blend of several --data-path datasets needs a sample count for the {split.name} split")
+        blend_description = {
+            "prefixes": [os.path.abspath(prefix) for prefix in prefixes],
+            "split": split.name,
+            "split_fractions": list(config.split_fractions),
+        }
+        shares = normalize_weights(weights, len(indexed))
+        dataset_index, dataset_sample_index = blending_schedule(shares, count, config.path_to_cache, blend_description)
+        samples_per_dataset = np.bincount(np.asarray(dataset_index), minlength=len(indexed))
+        parts = [
+            GPTDataset(dataset, config, split, dataset_ranges[split.value], int(part_count)) if part_count else None
+            for dataset, dataset_ranges, part_count in zip(indexed, ranges, samples_per_dataset)
+        ]
+        results.append(BlendedDataset(parts, shares, count, dataset_index, dataset_sample_index))
+    return tuple(results)
+
+
+def build_gpt_datasets(config, train_valid_test_num_samples):
+    """(train, valid, test) datasets; a split is None when it gets no samples or no share of `--split`.
+
+    With `torch.distributed` initialised and a cache directory, rank 0 builds (and caches) the indices
+    first and the other ranks then load them, so the work is done once.
+    """
+    counts = tuple(train_valid_test_num_samples)
+    if len(counts) != 3:
+        raise ValueError(f"train_valid_test_num_samples must have three entries (got {counts})")
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not distributed or config.path_to_cache is None or torch.distributed.get_world_size() == 1:
+        return _build_split_datasets(config, counts)
+    datasets = None
+    if torch.distributed.get_rank() == 0:
+        datasets = _build_split_datasets(config, counts)
+    torch.distributed.barrier()
+    if datasets is None:
+        datasets = _build_split_datasets(config, counts)
+    return datasets

@@ -1,0 +1,277 @@
+"""Megatron's indexed token storage: a flat `.bin` of token ids plus an `.idx` describing where each sequence is.
+
+Layout of the `.idx` file (little endian):
+
+    magic            9 bytes   b"MMIDIDX\\x00\\x00"
+    version          uint64    1
+    dtype code       uint8     see `DTYPE_CODES`
+    sequence count   uint64    S
+    document count   uint64    D (= number of documents + 1)
+    sequence lengths int32[S]  tokens per sequence
+    sequence pointers int64[S] byte offset of each sequence in the `.bin`
+    document indices int64[D]  sequence index where each document starts, then S
+
+A document is a run of consecutive sequences (one sequence per document unless sentences were split).
+Both files are memory-mapped by the reader, so opening a multi-GB dataset costs nothing up front.
+"""
+
+import os
+import shutil
+import struct
+
+import numpy as np
+
+INDEX_MAGIC = b"MMIDIDX\x00\x00"
+INDEX_VERSION = 1
+_HEADER_STRUCT = struct.Struct("<QBQQ")  # version, dtype code, sequence count, document count
+HEADER_SIZE = len(INDEX_MAGIC) + _HEADER_STRUCT.size
+
+DTYPE_CODES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
+_CODE_OF_DTYPE = {np.dtype(dtype): code for code, dtype in DTYPE_CODES.items()}
+
+
+class IndexFileError(ValueError):
+    """An `.idx`/`.bin` pair that is missing, corrupt, truncated or inconsistent."""
+
+
+def data_file_path(path_prefix):
+    return path_prefix + ".bin"
+
+
+def index_file_path(path_prefix):
+    return path_prefix + ".idx"
+
+
+def dtype_code(dtype):
+    try:
+        return _CODE_OF_DTYPE[np.dtype(dtype)]
+    except KeyError:
+        supported = ", ".join(np.dtype(d).name for d in DTYPE_CODES.values())
+        raise ValueError(f"dtype {np.dtype(dtype).name} cannot be stored in an indexed dataset; use one of {supported}")
+
+
+def optimal_token_dtype(vocab_size):
+    """The smallest dtype that holds every id of a vocabulary (uint16 up to 65,500 ids, as Megatron does)."""
+    if vocab_size is not None and vocab_size < 65500:
+        return np.uint16
+    return np.int32
+
+
+def dataset_exists(path_prefix):
+    return os.path.isfile(index_file_path(path_prefix)) and os.path.isfile(data_file_path(path_prefix))
+
+
+def write_index_file(idx_path, dtype, sequence_lengths, document_indices):
+    """Write an `.idx` for sequences stored back to back (pointers follow from the lengths)."""
+    lengths = np.asarray(sequence_lengths, dtype=np.int32)
+    documents = np.asarray(document_indices, dtype=np.int64)
+    itemsize = np.dtype(dtype).itemsize
+    pointers = np.zeros(len(lengths), dtype=np.int64)
+    if len(lengths) > 1:
+        np.cumsum(lengths[:-1].astype(np.int64) * itemsize, out=pointers[1:])
+    with open(idx_path, "wb") as index_file:
+        index_file.write(INDEX_MAGIC)
+        index_file.write(_HEADER_STRUCT.pack(INDEX_VERSION, dtype_code(dtype), len(lengths), len(documents)))
+        index_file.write(lengths.tobytes(order="C"))
+        index_file.write(pointers.tobytes(order="C"))
+        index_file.write(documents.tobytes(order="C"))
+
+
+class IndexedDatasetBuilder:
+    """Streams sequences into a `.bin` and writes the matching `.idx` on `finalize`.
+
+    `add_item` appends one sequence; `end_document` closes the current document; `add_document` does both
+    for a document given as a flat token list plus its sequence lengths; `add_index` appends a whole
+    existing dataset (used to merge shards written by parallel workers).
+    """
+
+    def __init__(self, bin_path, dtype=np.int32):
+        self.bin_path = bin_path
+        self.dtype = np.dtype(dtype)
+        dtype_code(self.dtype)  # reject unsupported dtypes before creating the file
+        self._data_file = open(bin_path, "wb")
+        self._sequence_lengths = []
+        self._document_indices = [0]
+
+    def add_item(self, tokens):
+        array = np.asarray(tokens)
+        if array.ndim != 1:
+            array = array.reshape(-1)
+        self._data_file.write(array.astype(self.dtype, copy=False).tobytes(order="C"))
+        self._sequence_lengths.append(array.size)
+
+    def end_document(self):
+        self._document_indices.append(len(self._sequence_lengths))
+
+    def add_document(self, tokens, lengths):
+        array = np.asarray(tokens).reshape(-1)
+        if sum(lengths) != array.size:
+            raise ValueError(f"sequence lengths {list(lengths)} do not add up to the {array.size} tokens given")
+        self._data_file.write(array.astype(self.dtype, copy=False).tobytes(order="C"))
+        self._sequence_lengths.extend(int(length) for length in lengths)
+        self.end_document()
+
+    def add_index(self, path_prefix):
+        """Append every sequence and document of the dataset at `path_prefix` (same dtype required)."""
+        other = IndexedDataset(path_prefix)
+        if other.dtype != self.dtype:
+            raise ValueError(
+                f"cannot merge {path_prefix}: its dtype is {other.dtype.name}, this builder writes {self.dtype.name}"
+            )
+        offset = len(self._sequence_lengths)
+        self._sequence_lengths.extend(other.sequence_lengths.tolist())
+        self._document_indices.extend((offset + other.document_indices[1:]).tolist())
+        del other  # release the memory maps before copying the raw bytes
+        with open(data_file_path(path_prefix), "rb") as source:
+            shutil.copyfileobj(source, self._data_file)
+
+    def finalize(self, idx_path):
+        self._data_file.close()
+        write_index_file(idx_path, self.dtype, self._sequence_lengths, self._document_indices)
+
+
+class _IndexReader:
+    """Validated, memory-mapped view of one `.idx` file."""
+
+    def __init__(self, idx_path, bin_size):
+        self.path = idx_path
+        file_size = os.path.getsize(idx_path)
+        if file_size < HEADER_SIZE:
+            self._fail(f"it is {file_size} bytes, shorter than the {HEADER_SIZE}-byte header (truncated?)")
+        with open(idx_path, "rb") as index_file:
+            magic = index_file.read(len(INDEX_MAGIC))
+            if magic != INDEX_MAGIC:
+                self._fail(f"bad magic {magic!r}, expected {INDEX_MAGIC!r}: not a Megatron indexed dataset index")
+            version, code, sequence_count, document_count = _HEADER_STRUCT.unpack(index_file.read(_HEADER_STRUCT.size))
+        if version != INDEX_VERSION:
+            self._fail(f"unsupported version {version}, this reader understands version {INDEX_VERSION}")
+        if code not in DTYPE_CODES:
+            self._fail(f"unknown dtype code {code}, known codes are {sorted(DTYPE_CODES)}")
+        self.dtype = np.dtype(DTYPE_CODES[code])
+        expected_size = HEADER_SIZE + sequence_count * (4 + 8) + document_count * 8
+        if file_size != expected_size:
+            self._fail(
+                f"header declares {sequence_count} sequences and {document_count} document indices, which need "
+                f"{expected_size} bytes, but the file has {file_size} bytes (truncated or corrupt)"
+            )
+        buffer = np.memmap(idx_path, mode="r", order="C") if file_size > 0 else np.zeros(0, np.uint8)
+        offset = HEADER_SIZE
+        self.sequence_lengths = np.frombuffer(buffer, dtype=np.int32, count=sequence_count, offset=offset)
+        offset += self.sequence_lengths.nbytes
+        self.sequence_pointers = np.frombuffer(buffer, dtype=np.int64, count=sequence_count, offset=offset)
+        offset += self.sequence_pointers.nbytes
+        self.document_indices = np.frombuffer(buffer, dtype=np.int64, count=document_count, offset=offset)
+        self._check_consistency(bin_size)
+
+    def _fail(self, problem):
+        raise IndexFileError(f"invalid index file {self.path}: {problem}")
+
+    def _check_consistency(self, bin_size):
+        lengths = self.sequence_lengths
+        if lengths.size and lengths.min() < 0:
+            self._fail("it contains negative sequence lengths")
+        itemsize = self.dtype.itemsize
+        total_bytes = int(lengths.sum(dtype=np.int64)) * itemsize
+        if total_bytes != bin_size:
+            self._fail(
+                f"its sequence lengths add up to {total_bytes} bytes of {self.dtype.name} tokens, but the data file "
+                f"has {bin_size} bytes (the .bin and .idx do not belong together, or one is truncated)"
+            )
+        expected_pointers = np.zeros_like(self.sequence_pointers)
+        if lengths.size > 1:
+            np.cumsum(lengths[:-1].astype(np.int64) * itemsize, out=expected_pointers[1:])
+        if not np.array_equal(expected_pointers, self.sequence_pointers):
+            self._fail("its sequence pointers do not match the sequence lengths")
+        documents = self.document_indices
+        if documents.size == 0 or documents[0] != 0 or documents[-1] != lengths.size:
+            self._fail(f"document indices must start at 0 and end at the sequence count {lengths.size}")
+        if np.any(np.diff(documents) < 0):
+            self._fail("document indices are not non-decreasing")
+
+
+class IndexedDataset:
+    """Read-only access to the sequences of `path_prefix.bin` / `path_prefix.idx`.
+
+    `dataset[i]` is sequence i as a numpy array; `dataset[a:b]` is a list of sequences; `get(i, offset,
+    length)` reads part of a sequence without touching the rest.
+    """
+
+    def __init__(self, path_prefix):
+        self.path_prefix = path_prefix
+        bin_path, idx_path = data_file_path(path_prefix), index_file_path(path_prefix)
+        missing = [path for path in (idx_path, bin_path) if not os.path.isfile(path)]
+        if missing:
+            raise FileNotFoundError(f"indexed dataset {path_prefix!r} is missing {', '.join(missing)}")
+        bin_size = os.path.getsize(bin_path)
+        self._index = _IndexReader(idx_path, bin_size)
+        self.dtype = self._index.dtype
+        # np.memmap cannot map an empty file; an empty dataset gets an empty array instead.
+        self._tokens = (
+            np.memmap(bin_path, mode="r", dtype=self.dtype, order="C") if bin_size > 0 else np.zeros(0, self.dtype)
+        )
+
+    @property
+    def sequence_lengths(self):
+        return self._index.sequence_lengths
+
+    @property
+    def sequence_pointers(self):
+        return self._index.sequence_pointers
+
+    @property
+    def document_indices(self):
+        return self._index.document_indices
+
+    @property
+    def num_documents(self):
+        return len(self._index.document_indices) - 1
+
+    def __len__(self):
+        return len(self._index.sequence_lengths)
+
+    def _token_start(self, idx):
+        return int(self._index.sequence_pointers[idx]) // self.dtype.itemsize
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            start, stop, step = idx.indices(len(self))
+            if step != 1:
+                raise ValueError("indexed datasets only support contiguous slices")
+            return [self[i] for i in range(start, stop)]
+        idx = int(idx)
+        if idx < 0:
+            idx += len(self)
+        if not 0 <= idx < len(self):
+            raise IndexError(f"sequence index {idx} out of range for {len(self)} sequences in {self.path_prefix}")
+        start = self._token_start(idx)
+        return np.array(self._tokens[start : start + int(self._index.sequence_lengths[idx])])
+
+    def get(self, idx, offset=0, length=None):
+        """Tokens `[offset, offset + length)` of sequence `idx` (to its end when `length` is None)."""
+        sequence_length = int(self._index.sequence_lengths[idx])
+        if length is None:
+            length = sequence_length - offset
+        if offset < 0 or length < 0 or offset + length > sequence_length:
+            raise IndexError(
+                f"cannot read {length} tokens at offset {offset} from sequence {idx} of length {sequence_length}"
+            )
+        start = self._token_start(idx) + offset
+        return np.array(self._tokens[start : start + length])
+
+    def document(self, document_idx):
+        """All sequences of one document concatenated."""
+        first, last = self._index.document_indices[document_idx], self._index.document_indices[document_idx + 1]
+        if first == last:
+            return np.zeros(0, dtype=self.dtype)
+        start = self._token_start(first)
+        stop = self._token_start(last - 1) + int(self._index.sequence_lengths[last - 1])
+        return np.array(self._tokens[start:stop])

@@ -1,0 +1,142 @@
+"""Small pure helpers of the dataset layer: splits, `--data-path` blends, blending schedules, cache files.
+
+Nothing here imports torch, so the preprocessing tools stay quick to start.
+"""
+
+import enum
+import hashlib
+import json
+import os
+import tempfile
+
+import numpy as np
+
+
+class Split(enum.Enum):
+    train = 0
+    valid = 1
+    test = 2
+
+
+def parse_split(split):
+    """`"969,30,1"` (or `"98/2/0"`, or fewer numbers padded with zeros) -> three fractions summing to 1."""
+    text = str(split).replace("/", ",")
+    try:
+        parts = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--split {split!r} must be comma-separated numbers, e.g. 969,30,1") from None
+    if not 1 <= len(parts) <= 3:
+        raise ValueError(f"--split {split!r} must have one to three numbers (train, valid, test)")
+    if any(part < 0 for part in parts) or sum(parts) <= 0:
+        raise ValueError(f"--split {split!r} must be non-negative numbers with a positive sum")
+    parts += [0.0] * (3 - len(parts))
+    total = sum(parts)
+    return tuple(part / total for part in parts)
+
+
+def split_document_ranges(num_documents, split_fractions):
+    """[(begin, end)] document ranges for train, valid, test: contiguous, disjoint, covering everything.
+
+    Boundaries are the rounded cumulative fractions, so each split gets its share within half a document.
+    """
+    cumulative = np.cumsum(split_fractions)
+    bounds = [0] + [int(round(fraction * num_documents)) for fraction in cumulative[:-1]] + [num_documents]
+    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+
+
+def blend_from_data_path(data_path):
+    """`--data-path` values -> (prefixes, weights or None).
+
+    Accepts `["prefix"]`, `["p1", "p2"]` (equal weights, returned as None) and `["0.3", "p1", "0.7", "p2"]`.
+    """
+    values = [str(value) for value in data_path]
+    if not values:
+        raise ValueError("--data-path is empty; give one or more dataset prefixes (optionally with weights)")
+
+    def is_number(text):
+        try:
+            float(text)
+            return True
+        except ValueError:
+            return False
+
+    if len(values) % 2 == 0 and all(is_number(value) for value in values[0::2]):
+        weights = [float(value) for value in values[0::2]]
+        return list(values[1::2]), weights
+    if any(is_number(value) for value in values):
+        raise ValueError(f"--data-path {' '.join(values)}: give either prefixes only or 'weight prefix' pairs")
+    return values, None
+
+
+def normalize_weights(weights, count):
+    if weights is None:
+        return np.full(count, 1.0 / count)
+    weights = np.asarray(weights, dtype=np.float64)
+    if weights.shape != (count,) or np.any(weights <= 0) or not np.all(np.isfinite(weights)):
+        raise ValueError(f"--data-path weights {weights.tolist()} must be {count} positive numbers")
+    return weights / weights.sum()
+
+
+def build_blending_indices(weights, size):
+    """Assign `size` blended samples to datasets: (dataset index, sample index within that dataset) arrays.
+
+    Greedy: each sample goes to the dataset furthest behind its target share `weight * samples so far`,
+    ties to the lowest index. Every prefix of the schedule keeps each dataset within one sample of its share.
+    """
+    weights = [float(weight) for weight in normalize_weights(weights, len(weights))]
+    counts = [0] * len(weights)
+    dataset_index = np.empty(size, dtype=np.int16 if len(weights) < 2**15 else np.int64)
+    dataset_sample_index = np.empty(size, dtype=np.int64)
+    candidates = range(len(weights))
+    for sample in range(size):
+        chosen = max(candidates, key=lambda d: weights[d] * (sample + 1) - counts[d])
+        dataset_index[sample] = chosen
+        dataset_sample_index[sample] = counts[chosen]
+        counts[chosen] += 1
+    return dataset_index, dataset_sample_index
+
+
+def description_hash(description):
+    """Stable hash of a JSON-serialisable description (the cache key of index files)."""
+    return hashlib.md5(json.dumps(description, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def _save_atomically(path, array):
+    directory = os.path.dirname(path)
+    handle, temporary = tempfile.mkstemp(dir=directory, suffix=".npy.tmp")
+    try:
+        with os.fdopen(handle, "wb") as output:
+            np.save(output, array, allow_pickle=False)
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+
+
+def load_or_build_indices(path_to_cache, kind, description, build):
+    """Index arrays for `description`, from `path_to_cache` when present there, else from `build()`.
+
+    `build()` returns {name: array}. Files are `<hash>-<kind>-<name>.npy` plus `<hash>-<kind>-description.json`,
+    written through a temporary file and a rename so a concurrent reader never sees half a file.
+    Returns (arrays, loaded_from_cache).
+    """
+    if path_to_cache is None:
+        return build(), False
+    os.makedirs(path_to_cache, exist_ok=True)
+    stem = os.path.join(path_to_cache, f"{description_hash(description)}-{kind}")
+    description_path = f"{stem}-description.json"
+    if os.path.isfile(description_path):
+        with open(description_path) as description_file:
+            names = json.load(description_file)["arrays"]
+        paths = {name: f"{stem}-{name}.npy" for name in names}
+        if all(os.path.isfile(path) for path in paths.values()):
+            return {name: np.load(path, mmap_mode="r", allow_pickle=False) for name, path in paths.items()}, True
+    arrays = build()
+    for name, array in arrays.items():
+        _save_atomically(f"{stem}-{name}.npy", np.asarray(array))
+    handle, temporary = tempfile.mkstemp(dir=path_to_cache, suffix=".json.tmp")
+    with os.fdopen(handle, "w") as description_file:
+        json.dump({"description": description, "arrays": sorted(arrays)}, description_file, indent=2, sort_keys=True)
+    os.replace(temporary, description_path)
+    return arrays, False

@@ -1,0 +1,193 @@
+"""`DistributedDataParallel`: gradients accumulate into flat per-dtype buffers and are reduced bucket by bucket.
+
+Each parameter gets `param.main_grad`, a view into its buffer. A post-accumulate-grad hook adds `param.grad`
+into it and frees `param.grad`. With `overlap_grad_reduce` a bucket's reduction starts as soon as every
+parameter in it has its gradient (buckets are issued in one fixed order on all ranks, which collectives
+require); otherwise everything is reduced in `finish_grad_sync()`. Inside `no_sync()` gradients only
+accumulate. Gradients are pre-scaled by 1/DP before a SUM (gloo has no PREMUL_SUM), or averaged by the
+collective with `average_in_collective`.
+"""
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron.core.distributed.param_and_grad_buffer import BucketCommunicationGroups, ParamAndGradBuffer
+
+DEFAULT_OVERLAP_BUCKET_SIZE = 40_000_000
+
+
+def _default_groups(ddp_config):
+    """DP(+CP) groups from parallel state when it is initialised, else the whole world."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return BucketCommunicationGroups(dist.group.WORLD)
+    data_parallel_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if ddp_config.num_distributed_optimizer_instances > 1:
+        return BucketCommunicationGroups(
+            data_parallel_group,
+            shard_group=parallel_state.get_inner_data_parallel_group(),
+            outer_group=parallel_state.get_outer_data_parallel_group(),
+        )
+    return BucketCommunicationGroups(data_parallel_group)
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Wraps `module`; `config` is the model's (Transformer/ModelParallel) config, `ddp_config` the DDP one."""
+
+    def __init__(self, config, ddp_config: DistributedDataParallelConfig, module, disable_bucketing=False,
+                 groups: BucketCommunicationGroups = None):
+        super().__init__()
+        self.config = config
+        self.ddp_config = ddp_config
+        self.module = module
+        self.groups = groups if groups is not None else _default_groups(ddp_config)
+        self.data_parallel_group = self.groups.data_parallel_group
+        data_parallel_size = dist.get_world_size(self.data_parallel_group)
+
+        bucket_size = ddp_config.bucket_size
+        if bucket_size is None and ddp_config.overlap_grad_reduce:
+            bucket_size = max(DEFAULT_OVERLAP_BUCKET_SIZE, 1_000_000 * data_parallel_size)
+        if disable_bucketing:
+            bucket_size = None
+        self.bucket_size = bucket_size
+
+        if getattr(config, "calculate_per_token_loss", False) or ddp_config.average_in_collective:
+            # Per-token losses are divided by the global token count in finalize_model_grads; AVG divides itself.
+            gradient_scaling_factor = 1.0
+        else:
+            gradient_scaling_factor = 1.0 / data_parallel_size
+
+        param_names = {param: name for name, param in module.named_parameters()}
+        params_by_dtype = {}
+        for param in reversed(list(module.parameters())):
+            if not param.requires_grad:
+                continue
+            grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param.dtype
+            params_by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
+        self.buffers = [
+            ParamAndGradBuffer(ddp_config, params, param_dtype, grad_dtype, bucket_size, self.groups,
+                               gradient_scaling_factor, param_names)
+            for (param_dtype, grad_dtype), params in params_by_dtype.items()
+        ]
+        # One global issue order for all buckets of all buffers: every rank must start collectives in the same order.
+        self._buckets = [bucket for buffer in self.buffers for bucket in buffer.buckets]
+        self._param_to_bucket = {param: bucket for buffer in self.buffers for param, bucket in buffer.param_to_bucket.items()}
+        self._next_bucket_to_start = 0
+        self._ready_buckets = set()
+        self.is_last_microbatch = True
+
+        self._hook_handles = [
+            param.register_post_accumulate_grad_hook(self._accumulate_into_main_grad)
+            for param in self._param_to_bucket
+        ]
+        if ddp_config.overlap_param_gather:
+            for submodule in module.modules():
+                if any(True for _ in submodule.parameters(recurse=False)):
+                    self._hook_handles.append(submodule.register_forward_pre_hook(self._wait_for_param_gather))
+
+    # ---- hooks -------------------------------------------------------------------------------------------------
+    def _accumulate_into_main_grad(self, param):
+        if param.grad is not None and not getattr(param, "grad_added_to_main_grad", False):
+            param.main_grad.add_(param.grad)
+        param.grad = None
+        param.grad_added_to_main_grad = False
+        if self.ddp_config.overlap_grad_reduce and self.is_last_microbatch:
+            bucket = self._param_to_bucket[param]
+            if bucket.register_grad_ready(param):
+                self._ready_buckets.add(id(bucket))
+                self._start_ready_buckets_in_order()
+
+    def _start_ready_buckets_in_order(self):
+        while self._next_bucket_to_start < len(self._buckets):
+            bucket = self._buckets[self._next_bucket_to_start]
+            if id(bucket) not in self._ready_buckets:
+                return
+            bucket.start_grad_sync(async_op=True)
+            self._next_bucket_to_start += 1
+
+    def _wait_for_param_gather(self, submodule, args):
+        for param in submodule.parameters(recurse=False):
+            bucket = self._param_to_bucket.get(param)
+            if bucket is not None and bucket.param_sync_pending():
+                bucket.finish_param_sync()
+
+    # ---- public API ------------------------------------------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        return self.module(*inputs, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally; the reduction happens after the first backward outside the context."""
+        self.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            self.is_last_microbatch = True
+
+    def start_grad_sync(self):
+        """Start reducing every bucket not yet started (asynchronously), in the fixed bucket order."""
+        for bucket in self._buckets[self._next_bucket_to_start:]:
+            bucket.start_grad_sync(async_op=True)
+        self._next_bucket_to_start = len(self._buckets)
+
+    def finish_grad_sync(self):
+        """Complete all gradient reductions; afterwards every `main_grad` (or owned shard) is reduced."""
+        self.finish_param_sync()
+        for bucket in self._buckets[self._next_bucket_to_start:]:
+            bucket.start_grad_sync(async_op=False)
+        for bucket in self._buckets:
+            bucket.finish_grad_sync()
+        self._next_bucket_to_start = 0
+        self._ready_buckets = set()
+        for bucket in self._buckets:
+            bucket.reset_grad_state()
+
+    def zero_grad_buffer(self):
+        """Zero all main grads and forget this step's communication state (call before each step)."""
+        for param in self._param_to_bucket:
+            param.grad = None
+            param.grad_added_to_main_grad = False
+        for buffer in self.buffers:
+            buffer.reset()
+        self._next_bucket_to_start = 0
+        self._ready_buckets = set()
+
+    def scale_gradients(self, scaling_factor):
+        for buffer in self.buffers:
+            buffer.scale_gradients(scaling_factor)
+
+    def start_param_sync(self, force_sync=False):
+        """All-gather updated parameter shards (distributed optimizer); async with overlap_param_gather."""
+        async_op = self.ddp_config.overlap_param_gather and not force_sync
+        for bucket in self._buckets:
+            bucket.start_param_sync(async_op=async_op)
+        if not async_op:
+            self.finish_param_sync()
+
+    def finish_param_sync(self):
+        for bucket in self._buckets:
+            bucket.finish_param_sync()
+
+    def broadcast_params(self):
+        """Copy DP rank 0's parameters to every data-parallel replica."""
+        source = dist.get_global_rank(self.data_parallel_group, 0)
+        with torch.no_grad():
+            for param in self.module.parameters():
+                dist.broadcast(param.data, src=source, group=self.data_parallel_group)
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict=True):
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    def __getattr__(self, name):
+        """Fall back to the wrapped module (e.g. `set_input_tensor`, `shared_embedding_or_output_weight`)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("module"), name)

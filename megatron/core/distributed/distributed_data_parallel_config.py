@@ -1,0 +1,102 @@
+"""`DistributedDataParallelConfig`: how gradients are bucketed, reduced and (optionally) sharded."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+DATA_PARALLEL_SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+OUTER_DP_SHARDING_STRATEGIES = ("no_shard", "optim")
+
+
+@dataclass(frozen=True)
+class DistributedDataParallelConfig:
+    """Settings for `DistributedDataParallel` (and the Megatron-FSDP adapter); validated at construction."""
+
+    grad_reduce_in_fp32: bool = False
+    """Accumulate and reduce gradients in fp32 even when the parameters are bf16/fp16."""
+
+    overlap_grad_reduce: bool = False
+    """Start a bucket's reduction as soon as all its gradients are ready, overlapping the backward pass."""
+
+    overlap_param_gather: bool = False
+    """All-gather updated parameters (distributed optimizer) asynchronously, waiting per module in forward."""
+
+    align_param_gather: bool = False
+    """Issue all parameter all-gathers together at the first forward (same order on every rank)."""
+
+    use_distributed_optimizer: bool = False
+    """Reduce-scatter gradients and keep a flat parameter buffer so the optimizer can shard its state."""
+
+    num_distributed_optimizer_instances: int = 1
+    """>1: hybrid sharding, optimizer state sharded over DP/N ranks and replicated N times."""
+
+    check_for_nan_in_grad: bool = False
+    """Raise before communication if a bucket's local gradients hold inf/nan."""
+
+    check_for_large_grads: bool = False
+    """Raise before communication if a bucket's local gradient norm exceeds `large_grad_threshold`."""
+
+    large_grad_threshold: float = 1.0e10
+
+    bucket_size: Optional[int] = None
+    """Elements per bucket; None: one bucket per dtype, or max(40M, 1M * DP) with overlap_grad_reduce."""
+
+    pad_buckets_for_high_nccl_busbw: bool = False
+    """Pad buckets to a multiple of lcm(DP, 128) * 2**16 elements instead of a multiple of DP."""
+
+    average_in_collective: bool = False
+    """Average with ReduceOp.AVG in the collective instead of pre-scaling gradients by 1/DP."""
+
+    fp8_param_gather: bool = False
+
+    use_megatron_fsdp: bool = False
+    """Wrap the model with Megatron-FSDP instead of this DDP (selects the sharding strategy below)."""
+
+    data_parallel_sharding_strategy: str = "no_shard"
+    """Megatron-FSDP ZeRO level: no_shard | optim | optim_grads | optim_grads_params."""
+
+    outer_dp_sharding_strategy: str = "no_shard"
+    """Megatron-FSDP across the outer DP dimension: no_shard (HSDP) | optim (HFSDP)."""
+
+    fsdp_double_buffer: bool = False
+    preserve_fp32_weights: bool = True
+    keep_fp8_transpose_cache: bool = False
+
+    def __post_init__(self):
+        if self.overlap_param_gather and not (self.use_distributed_optimizer or self.use_megatron_fsdp):
+            raise ValueError(
+                "DistributedDataParallelConfig.overlap_param_gather needs a sharded optimizer: set "
+                "use_distributed_optimizer=True (--use-distributed-optimizer) or use_megatron_fsdp=True."
+            )
+        if self.overlap_param_gather and not self.overlap_grad_reduce:
+            raise ValueError(
+                "DistributedDataParallelConfig.overlap_param_gather needs overlap_grad_reduce=True "
+                "(--overlap-grad-reduce)."
+            )
+        if self.bucket_size is not None and self.bucket_size <= 0:
+            raise ValueError(
+                f"DistributedDataParallelConfig.bucket_size={self.bucket_size} must be positive, or None for the default."
+            )
+        if self.num_distributed_optimizer_instances < 1:
+            raise ValueError(
+                "DistributedDataParallelConfig.num_distributed_optimizer_instances="
+                f"{self.num_distributed_optimizer_instances} must be >= 1."
+            )
+        if self.num_distributed_optimizer_instances > 1 and not (
+            self.use_distributed_optimizer or self.use_megatron_fsdp
+        ):
+            raise ValueError(
+                "DistributedDataParallelConfig.num_distributed_optimizer_instances > 1 needs "
+                "use_distributed_optimizer=True or use_megatron_fsdp=True."
+            )
+        if self.data_parallel_sharding_strategy not in DATA_PARALLEL_SHARDING_STRATEGIES:
+            raise ValueError(
+                f"DistributedDataParallelConfig.data_parallel_sharding_strategy="
+                f"{self.data_parallel_sharding_strategy!r}: choose one of {DATA_PARALLEL_SHARDING_STRATEGIES}."
+            )
+        if self.outer_dp_sharding_strategy not in OUTER_DP_SHARDING_STRATEGIES:
+            raise ValueError(
+                f"DistributedDataParallelConfig.outer_dp_sharding_strategy={self.outer_dp_sharding_strategy!r}: "
+                f"choose one of {OUTER_DP_SHARDING_STRATEGIES}."
+            )
+        if self.check_for_large_grads and self.large_grad_threshold <= 0:
+            raise ValueError("DistributedDataParallelConfig.large_grad_threshold must be > 0.")

@@ -1,0 +1,77 @@
+"""Configuration of data-parallel training under Megatron-FSDP, validated once when it is built."""
+
+import enum
+from dataclasses import dataclass
+from typing import Union
+
+
+class ShardingStrategy(enum.IntEnum):
+    """ZeRO level: what is sharded across the data-parallel ranks."""
+
+    no_shard = 0  # nothing: DDP-like all-reduce of gradients
+    optim = 1  # main weights and optimizer state
+    optim_grads = 2  # ... plus gradients
+    optim_grads_params = 3  # ... plus the compute weights
+
+    @classmethod
+    def parse(cls, value: Union[str, int, "ShardingStrategy"], flag: str = "zero_dp_strategy") -> "ShardingStrategy":
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            if value in cls.__members__:
+                return cls[value]
+            if value.isdigit():
+                value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool) and value in {s.value for s in cls}:
+            return cls(value)
+        choices = ", ".join(f"{s.name} ({s.value})" for s in cls)
+        raise ValueError(f"{flag}={value!r} is not a sharding strategy; choose one of {choices}")
+
+
+@dataclass(frozen=True)
+class DistributedDataParallelConfig:
+    """Data-parallel options shared by Megatron-FSDP and Megatron-Core's DDP.
+
+    `data_parallel_sharding_strategy` and `outer_dp_sharding_strategy` accept names or ZeRO levels and are
+    normalised to `ShardingStrategy`. `bucket_size` caps (in elements) the groups of parameters that live
+    outside any FSDP unit; None picks a default that scales with the data-parallel size.
+    """
+
+    grad_reduce_in_fp32: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    use_distributed_optimizer: bool = False
+    use_megatron_fsdp: bool = False
+    data_parallel_sharding_strategy: Union[str, int, ShardingStrategy] = "no_shard"
+    outer_dp_sharding_strategy: Union[str, int, ShardingStrategy] = "no_shard"
+    num_distributed_optimizer_instances: int = 1
+    check_for_nan_in_grad: bool = False
+    bucket_size: Union[int, None] = None
+    average_in_collective: bool = False
+    fsdp_double_buffer: bool = False
+    preproc_state_dict_for_dcp_ckpt: bool = True
+
+    def __post_init__(self):
+        strategy = ShardingStrategy.parse(self.data_parallel_sharding_strategy, "data_parallel_sharding_strategy")
+        outer = ShardingStrategy.parse(self.outer_dp_sharding_strategy, "outer_dp_sharding_strategy")
+        object.__setattr__(self, "data_parallel_sharding_strategy", strategy)
+        object.__setattr__(self, "outer_dp_sharding_strategy", outer)
+        if outer not in (ShardingStrategy.no_shard, ShardingStrategy.optim):
+            raise ValueError(
+                f"outer_dp_sharding_strategy={outer.name} is not supported; use 'no_shard' (HSDP) or 'optim' (HFSDP)"
+            )
+        if outer == ShardingStrategy.optim and strategy != ShardingStrategy.optim_grads_params:
+            raise ValueError(
+                "outer_dp_sharding_strategy='optim' (HFSDP) needs data_parallel_sharding_strategy="
+                "'optim_grads_params'"
+            )
+        if self.overlap_param_gather and not self.overlap_grad_reduce:
+            raise ValueError("overlap_param_gather=True needs overlap_grad_reduce=True; enable both or neither")
+        if self.fsdp_double_buffer and strategy != ShardingStrategy.optim_grads_params:
+            raise ValueError(
+                "fsdp_double_buffer=True only applies to data_parallel_sharding_strategy='optim_grads_params'"
+            )
+        if self.num_distributed_optimizer_instances < 1:
+            raise ValueError("num_distributed_optimizer_instances must be >= 1")
+        if self.bucket_size is not None and self.bucket_size < 0:
+            raise ValueError(f"bucket_size={self.bucket_size} must be >= 0 (0 disables bucketing)")

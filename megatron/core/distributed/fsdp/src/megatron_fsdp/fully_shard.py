@@ -1,0 +1,85 @@
+"""Entry points: `fully_shard_model`, `fully_shard_optimizer` and `fully_shard` (both at once)."""
+
+from typing import Optional, Tuple, Union
+
+import torch
+
+from .distributed_data_parallel_config import DistributedDataParallelConfig, ShardingStrategy
+from .megatron_fsdp import MegatronFSDP
+from .mixed_precision import MixedPrecisionPolicy
+from .optimizer import fully_shard_optimizer
+
+
+def fully_shard_model(
+    module: torch.nn.Module,
+    device_mesh=None,
+    dp_shard_dim=None,
+    dp_outer_dim=None,
+    tp_dim=None,
+    hybrid_fsdp_group=None,
+    fsdp_unit_modules=None,
+    zero_dp_strategy: Union[str, int, ShardingStrategy] = 3,
+    outer_dp_sharding_strategy: Union[str, int, ShardingStrategy] = 0,
+    device: Optional[torch.device] = None,
+    init_model_with_meta_device: bool = False,
+    mixed_precision_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    overlap_grad_reduce: bool = True,
+    overlap_param_gather: bool = True,
+    sync_model_each_microbatch: bool = True,
+    preproc_state_dict_for_dcp_ckpt: bool = True,
+    report_nan_in_param_grad: bool = False,
+    average_in_collective: bool = False,
+    disable_bucketing: bool = False,
+    calculate_per_token_loss: bool = False,
+    fsdp_double_buffer: bool = False,
+) -> MegatronFSDP:
+    """Shard `module` over the data-parallel ranks (a 1-D mesh over the world when no mesh is given).
+
+    `fsdp_unit_modules`: classes (or dotted names) whose outermost instances become gather/reduce units.
+    `zero_dp_strategy`: no_shard (0) | optim (1) | optim_grads (2) | optim_grads_params (3).
+    `dp_outer_dim` + `hybrid_fsdp_group`: replicate across the outer dim (HSDP).
+    """
+    config = DistributedDataParallelConfig(
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather and overlap_grad_reduce,
+        use_distributed_optimizer=True,
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy=ShardingStrategy.parse(zero_dp_strategy),
+        outer_dp_sharding_strategy=ShardingStrategy.parse(outer_dp_sharding_strategy, "outer_dp_sharding_strategy"),
+        average_in_collective=average_in_collective,
+        fsdp_double_buffer=fsdp_double_buffer,
+        check_for_nan_in_grad=report_nan_in_param_grad,
+        preproc_state_dict_for_dcp_ckpt=preproc_state_dict_for_dcp_ckpt,
+    )
+    return MegatronFSDP(
+        module,
+        config,
+        device_mesh=device_mesh,
+        dp_shard_dim=dp_shard_dim,
+        dp_outer_dim=dp_outer_dim,
+        tp_dim=tp_dim,
+        hybrid_fsdp_group=hybrid_fsdp_group,
+        fsdp_unit_modules=fsdp_unit_modules,
+        mixed_precision_policy=mixed_precision_policy,
+        device=device,
+        init_model_with_meta_device=init_model_with_meta_device,
+        sync_model_each_microbatch=sync_model_each_microbatch,
+        disable_bucketing=disable_bucketing,
+        calculate_per_token_loss=calculate_per_token_loss,
+        report_nan_in_param_grad=report_nan_in_param_grad,
+    )
+
+
+def fully_shard(module: torch.nn.Module, optimizer: torch.optim.Optimizer, **kwargs) -> Tuple[MegatronFSDP,
+                                                                                                torch.optim.Optimizer]:
+    """`fully_shard_model(module, **kwargs)` then `fully_shard_optimizer(optimizer)`; returns both.
+
+    The optimizer must have been built from `module`'s parameters (the same Parameter objects stay in the
+    wrapped model, so building it before or after wrapping both work; with a meta-device model, build it after).
+    """
+    preproc = kwargs.get("preproc_state_dict_for_dcp_ckpt", True)
+    model = fully_shard_model(module, **kwargs)
+    return model, fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt=preproc)
+
+
+__all__ = ["fully_shard_model", "fully_shard_optimizer", "fully_shard"]

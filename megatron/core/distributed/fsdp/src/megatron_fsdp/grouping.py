@@ -1,0 +1,57 @@
+"""Which parameters form which communication group: one group per FSDP unit (split by dtype and
+requires_grad), and size-capped buckets for everything outside the units."""
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch.nn as nn
+
+from .layout import bucket_by_size
+from .utils import outermost_unit_modules, parameter_owners
+
+DEFAULT_BUCKET_NUMEL = 40_000_000
+
+
+@dataclass
+class GroupPlan:
+    unit_index: Optional[int]  # None: outside any unit (stays gathered for the whole step under strategy 3)
+    params: List[nn.Parameter] = field(default_factory=list)
+    names: List[str] = field(default_factory=list)
+
+
+def _split_by_kind(entries: List[Tuple[str, nn.Parameter]]) -> List[List[Tuple[str, nn.Parameter]]]:
+    """Keep first-appearance order of (dtype, requires_grad) kinds and of parameters within a kind."""
+    kinds: Dict[tuple, List[Tuple[str, nn.Parameter]]] = {}
+    for name, param in entries:
+        kinds.setdefault((param.dtype, param.requires_grad), []).append((name, param))
+    return list(kinds.values())
+
+
+def plan_groups(module: nn.Module, unit_classes: tuple, bucket_numel: Optional[int], disable_bucketing: bool):
+    """Returns (unit modules, group plans). A parameter shared between a unit and anything outside it
+    (a tied embedding/output weight, say) goes to the root groups, which stay gathered during the step."""
+    units = outermost_unit_modules(module, unit_classes)
+    owners = parameter_owners(module)
+    module_to_unit = {}
+    for unit_index, unit in enumerate(units):
+        for inner in unit.modules():
+            module_to_unit[id(inner)] = unit_index
+
+    per_unit: List[List[Tuple[str, nn.Parameter]]] = [[] for _ in units]
+    root: List[Tuple[str, nn.Parameter]] = []
+    for name, param in module.named_parameters():
+        unit_ids = {module_to_unit.get(id(owner)) for owner, _ in owners[id(param)]}
+        if len(unit_ids) == 1 and None not in unit_ids:
+            per_unit[unit_ids.pop()].append((name, param))
+        else:
+            root.append((name, param))
+
+    plans: List[GroupPlan] = []
+    for unit_index, entries in enumerate(per_unit):
+        for kind in _split_by_kind(entries):
+            plans.append(GroupPlan(unit_index, [p for _, p in kind], [n for n, _ in kind]))
+    cap = 0 if disable_bucketing else (DEFAULT_BUCKET_NUMEL if bucket_numel is None else bucket_numel)
+    for kind in _split_by_kind(root):
+        for bucket in bucket_by_size([p.numel() for _, p in kind], cap):
+            plans.append(GroupPlan(None, [kind[i][1] for i in bucket], [kind[i][0] for i in bucket]))
+    return units, plans

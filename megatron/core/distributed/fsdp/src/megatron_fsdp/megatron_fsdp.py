@@ -1,0 +1,313 @@
+"""`MegatronFSDP`: the module wrapper that shards a model's parameters, gradients and optimizer state."""
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from . import collectives
+from .distributed_data_parallel_config import DistributedDataParallelConfig, ShardingStrategy
+from .grouping import plan_groups
+from .meta_init import materialize_meta_model
+from .mixed_precision import MixedPrecisionPolicy
+from .param_and_grad_buffer import DoubleBufferPool, ParamGroup
+from .schedule import Schedule, Unit
+from .utils import parameter_owners, replace_parameter, resolve_module_classes, tensor_bytes
+
+WRAPPED_ATTR = "_megatron_fsdp_wrapper"
+
+
+class DataParallelTopology:
+    """The process groups (and DTensor mesh) Megatron-FSDP shards and replicates over."""
+
+    def __init__(self, device_mesh=None, dp_shard_dim=None, dp_outer_dim=None, tp_dim=None,
+                 hybrid_fsdp_group=None, outer_dp_sharding_strategy=ShardingStrategy.no_shard):
+        self.device_mesh, self.dp_shard_dim, self.dp_outer_dim, self.tp_dim = (
+            device_mesh, dp_shard_dim, dp_outer_dim, tp_dim)
+        self.outer_group = None
+        if not collectives.is_initialized():
+            raise RuntimeError("Megatron-FSDP needs torch.distributed initialised (init_process_group) first")
+        if dp_outer_dim is not None and hybrid_fsdp_group is None:
+            raise ValueError("dp_outer_dim needs hybrid_fsdp_group (the process group spanning the outer and "
+                             "shard dims); pass both or neither")
+        if device_mesh is None:
+            if dp_shard_dim is not None or dp_outer_dim is not None or tp_dim is not None:
+                raise ValueError("dp_shard_dim / dp_outer_dim / tp_dim name dims of device_mesh; pass device_mesh")
+            self.dp_group = torch.distributed.group.WORLD
+            return
+        names = tuple(device_mesh.mesh_dim_names or ())
+        if dp_shard_dim is None:
+            if device_mesh.ndim != 1:
+                raise ValueError(f"device_mesh has {device_mesh.ndim} dims {names}; name the sharding dim with "
+                                 "dp_shard_dim")
+            dp_shard_dim = names[0] if names else 0
+            self.dp_shard_dim = dp_shard_dim
+        for flag, dim in (("dp_shard_dim", dp_shard_dim), ("dp_outer_dim", dp_outer_dim), ("tp_dim", tp_dim)):
+            if dim is not None and not isinstance(dim, int) and dim not in names:
+                raise ValueError(f"{flag}={dim!r} is not a dim of device_mesh (dims: {names})")
+        self.dp_group = device_mesh[dp_shard_dim].get_group() if device_mesh.ndim > 1 else device_mesh.get_group()
+        if dp_outer_dim is not None:
+            if outer_dp_sharding_strategy != ShardingStrategy.no_shard:
+                raise NotImplementedError(
+                    "outer_dp_sharding_strategy='optim' (HFSDP) is not implemented; use 'no_shard' (HSDP)")
+            self.outer_group = device_mesh[dp_outer_dim].get_group()
+
+    @property
+    def dp_size(self) -> int:
+        return collectives.group_size(self.dp_group)
+
+    @property
+    def dp_rank(self) -> int:
+        return collectives.group_rank(self.dp_group)
+
+    @property
+    def outer_size(self) -> int:
+        return 1 if self.outer_group is None else collectives.group_size(self.outer_group)
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self.tp_dim is None else self.device_mesh[self.tp_dim].size()
+
+    def checkpoint_mesh(self):
+        """(mesh, index of the shard dim) on which state-dict DTensors are placed."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self.device_mesh is None:
+            if getattr(self, "_world_mesh", None) is None:
+                device_type = collectives.device_for_group(self.dp_group).type
+                self._world_mesh = init_device_mesh(device_type, (collectives.default_world_size(),),
+                                                    mesh_dim_names=("dp",))
+            return self._world_mesh, 0
+        if self.dp_outer_dim is not None:
+            return self.device_mesh[(self.dp_outer_dim, self.dp_shard_dim)], 1
+        if self.device_mesh.ndim == 1:
+            return self.device_mesh, 0
+        return self.device_mesh[self.dp_shard_dim], 0
+
+
+class MegatronFSDP(nn.Module):
+    """Wraps `module`; sharding follows `ddp_config.data_parallel_sharding_strategy` (ZeRO-0..3).
+
+    Use through `fully_shard_model` / `fully_shard`. The wrapped model is `self.module`; its parameters become
+    views into flat per-group buffers (see `param_and_grad_buffer.py`) and the hooks in `schedule.py` move
+    them between their sharded and gathered forms.
+    """
+
+    def __init__(self, module: nn.Module, ddp_config: Optional[DistributedDataParallelConfig] = None, *,
+                 device_mesh=None, dp_shard_dim=None, dp_outer_dim=None, tp_dim=None, hybrid_fsdp_group=None,
+                 fsdp_unit_modules=None, mixed_precision_policy: Optional[MixedPrecisionPolicy] = None,
+                 device: Optional[torch.device] = None, init_model_with_meta_device: bool = False,
+                 sync_model_each_microbatch: bool = True, disable_bucketing: bool = False,
+                 calculate_per_token_loss: bool = False, report_nan_in_param_grad: bool = False):
+        super().__init__()
+        if isinstance(module, MegatronFSDP) or getattr(module, WRAPPED_ATTR, None) is not None:
+            raise ValueError("this module is already wrapped by MegatronFSDP; wrap each model once")
+        if any(getattr(p, WRAPPED_ATTR, None) is not None for p in module.parameters()):
+            raise ValueError("some parameters of this module already belong to a MegatronFSDP model; wrap once")
+        config = ddp_config or DistributedDataParallelConfig(
+            data_parallel_sharding_strategy=ShardingStrategy.optim_grads_params)
+        self.ddp_config = config
+        self.strategy = ShardingStrategy.parse(config.data_parallel_sharding_strategy)
+        if init_model_with_meta_device and self.strategy == ShardingStrategy.no_shard:
+            raise ValueError("init_model_with_meta_device=True needs a sharded strategy; zero_dp_strategy="
+                             "'no_shard' would materialise the whole model on every rank")
+        self.topology = DataParallelTopology(device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, hybrid_fsdp_group,
+                                             config.outer_dp_sharding_strategy)
+        self.policy = mixed_precision_policy or MixedPrecisionPolicy()
+        self.device = torch.device(device) if device is not None else collectives.device_for_group(
+            self.topology.dp_group)
+        self.module = module
+        self.calculate_per_token_loss = calculate_per_token_loss
+        self.counter = collectives.CommunicationCounter()
+        self.optimizer = None
+        self.steps_recorded = 0
+
+        meta = any(p.is_meta for p in module.parameters())
+        if meta and not init_model_with_meta_device:
+            raise ValueError("the module has meta-device parameters; pass init_model_with_meta_device=True")
+        self._build_groups(resolve_module_classes(fsdp_unit_modules), config, disable_bucketing, meta)
+        for buffer_owner in module.modules():
+            for name, buffer in buffer_owner._buffers.items():
+                if buffer is not None and not buffer.is_meta and buffer.device != self.device:
+                    buffer_owner._buffers[name] = buffer.to(self.device)
+
+        total_dp = self.topology.dp_size * self.topology.outer_size
+        average = config.average_in_collective and not calculate_per_token_loss
+        grad_scale = 1.0 if (average or calculate_per_token_loss) else 1.0 / total_dp
+        self.schedule = Schedule(
+            units=self.units, root_groups=self.root_groups, strategy=self.strategy,
+            dp_group=self.topology.dp_group, outer_group=self.topology.outer_group, counter=self.counter,
+            grad_scale=grad_scale, average_in_collective=average, overlap_grad_reduce=config.overlap_grad_reduce,
+            overlap_param_gather=config.overlap_param_gather, sync_model_each_microbatch=sync_model_each_microbatch,
+            report_nan_in_param_grad=report_nan_in_param_grad or config.check_for_nan_in_grad, pool=self.pool)
+        self.schedule.register_hooks()
+        setattr(module, WRAPPED_ATTR, self)
+
+    # ---- construction ---------------------------------------------------------------------------------------------
+    def _build_groups(self, unit_classes, config, disable_bucketing, meta):
+        unit_modules, plans = plan_groups(self.module, unit_classes, config.bucket_size, disable_bucketing)
+        owners = parameter_owners(self.module)
+        dp_rank, dp_size = self.topology.dp_rank, self.topology.dp_size
+        self.pool = self._make_pool(plans, len(unit_modules), dp_size) if config.fsdp_double_buffer else None
+        pool_offsets = [0] * len(unit_modules)
+        groups_by_unit = {index: [] for index in range(len(unit_modules))}
+        self.root_groups, self.groups = [], []
+        for plan in plans:
+            compute_buffer = None
+            if self.pool is not None and plan.unit_index is not None:
+                numel = -(-sum(p.numel() for p in plan.params) // dp_size) * dp_size
+                numel = max(numel, dp_size)
+                compute_buffer = self.pool.view(plan.unit_index % 2, pool_offsets[plan.unit_index], numel,
+                                                plan.params[0].dtype)
+                pool_offsets[plan.unit_index] += DoubleBufferPool.aligned(tensor_bytes(compute_buffer))
+            group = ParamGroup(plan.params, plan.names, strategy=self.strategy, dp_rank=dp_rank, dp_size=dp_size,
+                               device=self.device, policy=self.policy, unit_index=plan.unit_index,
+                               compute_buffer=compute_buffer)
+            for index, param in enumerate(group.params):
+                view = group.param_view(index)
+                if param.is_meta:
+                    new_param = nn.Parameter(view, requires_grad=param.requires_grad)
+                    new_param.__dict__.update(param.__dict__)
+                    replace_parameter(owners[id(param)], new_param)
+                    group.params[index] = new_param
+                else:
+                    with torch.no_grad():
+                        view.copy_(param.detach())
+                    param.data = view
+            if not meta:
+                group.commit_compute_to_shards()
+                group.release_compute()
+            for param in group.params:
+                setattr(param, WRAPPED_ATTR, self)
+            self.groups.append(group)
+            (groups_by_unit[plan.unit_index] if plan.unit_index is not None else self.root_groups).append(group)
+        self.units = [Unit(i, m, groups_by_unit[i]) for i, m in enumerate(unit_modules)]
+        self.param_to_group = {id(p): (g, i) for g in self.groups for i, p in enumerate(g.params)}
+        if meta:
+            for group in self.groups:
+                group.release_compute()
+            materialize_meta_model(self.module, unit_modules, groups_by_unit, self.root_groups, self.device,
+                                   release=lambda groups: [g.release_compute() for g in groups])
+
+    def _make_pool(self, plans, num_units, dp_size):
+        unit_bytes = [0] * num_units
+        for plan in plans:
+            if plan.unit_index is None:
+                continue
+            numel = max(dp_size, -(-sum(p.numel() for p in plan.params) // dp_size) * dp_size)
+            unit_bytes[plan.unit_index] += DoubleBufferPool.aligned(numel * plan.params[0].element_size())
+        return DoubleBufferPool(max(unit_bytes, default=0), self.device) if num_units else None
+
+    # ---- forward ----------------------------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        self.schedule.root_pre_forward()
+        output = self.module(*args, **kwargs)
+        self.schedule.root_post_forward(output)
+        return output
+
+    # ---- gradient and weight synchronisation ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Skip gradient communication (strategies 0-1) for the microbatches run inside this context."""
+        previous = self.schedule.sync_enabled
+        self.schedule.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.schedule.sync_enabled = previous
+
+    @contextlib.contextmanager
+    def sync(self):
+        """Force gradient communication for the microbatches run inside this context."""
+        previous = self.schedule.sync_enabled
+        self.schedule.sync_enabled = True
+        try:
+            yield
+        finally:
+            self.schedule.sync_enabled = previous
+
+    def start_grad_sync(self):
+        self.schedule.start_grad_sync()
+
+    def finish_grad_sync(self):
+        if self.schedule.finish_grad_sync():
+            self.steps_recorded += 1
+
+    def start_param_sync(self, force_sync: bool = False):
+        self.schedule.start_param_sync(async_op=not force_sync)
+
+    def zero_grad_buffer(self):
+        self.schedule.zero_grad_buffer()
+
+    def scale_gradients(self, scaling_factor: float):
+        for group in self.groups:
+            target = group.grad_buffer if group.grad_buffer is not None else group.main_grads
+            if target is not None:
+                target.mul_(scaling_factor)
+
+    def install_optimized_model_weights(self):
+        self.schedule.install_optimized_model_weights()
+
+    def broadcast_params(self):
+        """Make every data-parallel replica hold DP-rank 0's weights (no-op for the shards of strategy 3)."""
+        if self.strategy == ShardingStrategy.optim_grads_params:
+            groups_to_sync = [self.topology.outer_group] if self.topology.outer_group is not None else []
+            for process_group in groups_to_sync:
+                for group in self.groups:
+                    collectives.broadcast(group.compute_shard, process_group, self.counter)
+                    if group.main_weights is not None and group.main_weights is not group.compute_shard:
+                        group.main_weights.copy_(group.compute_shard)
+            return
+        for process_group in [self.topology.dp_group] + ([self.topology.outer_group] if self.topology.outer_group
+                                                         else []):
+            for group in self.groups:
+                collectives.broadcast(group.compute_buffer, process_group, self.counter)
+                group.commit_compute_to_shards()
+
+    # ---- reports -----------------------------------------------------------------------------------------------------
+    def memory_report(self) -> dict:
+        """Bytes this rank holds, by kind; transient = gathered weights and in-flight gradient buffers now."""
+        report = {"compute_weights": 0, "main_weights": 0, "grads": 0}
+        for group in self.groups:
+            for kind, value in group.persistent_bytes().items():
+                report[kind] += value
+        state_bytes = 0
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                state_bytes += sum(tensor_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+        report["optimizer_state"] = state_bytes
+        report["transient_now"] = sum(group.transient_bytes() for group in self.groups) + (
+            self.pool.total_bytes() if self.pool is not None else 0)
+        report["transient_peak"] = max(self.schedule.peak_transient_bytes, report["transient_now"])
+        report["total_persistent"] = sum(report[k] for k in ("compute_weights", "main_weights", "grads",
+                                                               "optimizer_state"))
+        return report
+
+    def communication_report(self) -> dict:
+        """Bytes this rank sent since the last reset, by collective kind, plus the number of grad syncs."""
+        report = self.counter.snapshot()
+        report["steps"] = self.steps_recorded
+        return report
+
+    def reset_communication_counters(self):
+        self.counter.reset()
+        self.steps_recorded = 0
+
+    # ---- checkpointing ----------------------------------------------------------------------------------------------
+    def state_dict(self, *args, **kwargs):
+        """Parameter name -> DTensor (full logical shape, Shard(0) rows over the data-parallel ranks); buffers
+        as plain tensors. Loadable at another data-parallel size with torch.distributed.checkpoint."""
+        from .state_dict import model_state_dict
+
+        return model_state_dict(self)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        from .state_dict import load_model_state_dict
+
+        return load_model_state_dict(self, state_dict, strict=strict)
+
+    def named_group_params(self):
+        for group in self.groups:
+            for index, name in enumerate(group.names):
+                yield name, group, index

@@ -1,0 +1,39 @@
+"""Which dtypes the sharded training state uses: main weights, main gradients and gradient communication."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes of the optimizer-facing state; compute always runs in the model's own parameter dtype.
+
+    main_params_dtype: dtype of the sharded main weights the optimizer updates (fp32 by default).
+    main_grads_dtype: dtype of the gradient buffers; None means the model parameter's dtype.
+    grad_comm_dtype: dtype in which gradients are reduced; None means the main grads dtype.
+    """
+
+    main_params_dtype: torch.dtype = torch.float32
+    main_grads_dtype: Optional[torch.dtype] = None
+    grad_comm_dtype: Optional[torch.dtype] = None
+
+    def __post_init__(self):
+        for flag in ("main_params_dtype", "main_grads_dtype", "grad_comm_dtype"):
+            value = getattr(self, flag)
+            if value is None and flag != "main_params_dtype":
+                continue
+            if value not in _FLOAT_DTYPES:
+                raise ValueError(
+                    f"MixedPrecisionPolicy.{flag}={value} is not supported; use one of "
+                    f"{[str(d) for d in _FLOAT_DTYPES]}" + (" or None" if flag != "main_params_dtype" else "")
+                )
+
+    def grads_dtype_for(self, param_dtype: torch.dtype) -> torch.dtype:
+        return self.main_grads_dtype or param_dtype
+
+    def comm_dtype_for(self, param_dtype: torch.dtype) -> torch.dtype:
+        return self.grad_comm_dtype or self.grads_dtype_for(param_dtype)

@@ -1,0 +1,141 @@
+"""Re-point a torch optimizer at Megatron-FSDP's sharded main weights, and global grad-norm clipping."""
+
+import math
+import types
+from typing import Optional
+
+import torch
+
+from . import collectives
+from .distributed_data_parallel_config import ShardingStrategy
+from .megatron_fsdp import WRAPPED_ATTR
+
+
+def _scalar_dtype() -> torch.dtype:
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def initialize_optimizer_state(optimizer: torch.optim.Optimizer):
+    """Create Adam/AdamW state as a first step would, without stepping: zero moments and a step count of 0,
+    so the first real update equals a fresh optimizer's. Other optimizers keep their lazy state."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return
+    for param_group in optimizer.param_groups:
+        for param in param_group["params"]:
+            state = optimizer.state[param]
+            if state:
+                continue
+            on_device = param_group.get("capturable") or param_group.get("fused")
+            state["step"] = (torch.zeros((), dtype=_scalar_dtype(), device=param.device) if on_device
+                             else torch.tensor(0.0, dtype=_scalar_dtype()))
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            if param_group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def _find_fsdp_model(optimizer):
+    models = set()
+    for param_group in optimizer.param_groups:
+        for param in param_group["params"]:
+            model = getattr(param, WRAPPED_ATTR, None)
+            if model is None:
+                raise ValueError("the optimizer holds a parameter that is not part of any MegatronFSDP model; "
+                                 "build the optimizer from the wrapped model's parameters (after fully_shard_model)")
+            models.add(id(model))
+            found = model
+    if not models:
+        raise ValueError("the optimizer holds no parameters")
+    if len(models) > 1:
+        raise ValueError("the optimizer holds parameters of several MegatronFSDP models; use one per model")
+    return found
+
+
+def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_for_dcp_ckpt: bool = True):
+    """Make `optimizer` step on the sharded fp32 main weights of the MegatronFSDP model owning its params.
+
+    Param groups keep their hyper-parameters; each model parameter is replaced by its main-weight view (its
+    shard piece under strategies 1-3). `step()` finishes gradient sync, steps and installs the new weights;
+    `zero_grad()` also zeroes the gradient buffers; `state_dict()` is keyed by parameter name.
+    """
+    if getattr(optimizer, "_megatron_fsdp_model", None) is not None:
+        raise ValueError("this optimizer was already passed to fully_shard_optimizer")
+    model = _find_fsdp_model(optimizer)
+    if any(len(state) for state in optimizer.state.values()):
+        raise ValueError("the optimizer already has state (it has stepped); shard it before the first step")
+    names = {}
+    for param_group in optimizer.param_groups:
+        main_views = []
+        for param in param_group["params"]:
+            group, index = model.param_to_group[id(param)]
+            if not group.trainable:
+                continue  # frozen parameters have no main weights
+            view = group.main_param_views[index]
+            main_views.append(view)
+            names[id(view)] = group.names[index]
+        param_group["params"] = main_views
+    optimizer.state.clear()
+    optimizer._megatron_fsdp_model = model
+    optimizer._megatron_fsdp_param_names = names
+    optimizer._megatron_fsdp_preproc_for_dcp = preproc_state_dict_for_dcp_ckpt
+    model.optimizer = optimizer
+    initialize_optimizer_state(optimizer)
+
+    original_step, original_zero_grad = optimizer.step, optimizer.zero_grad
+
+    def step(self, closure=None):
+        model.finish_grad_sync()
+        result = original_step(closure) if closure is not None else original_step()
+        model.install_optimized_model_weights()
+        return result
+
+    def zero_grad(self, set_to_none: bool = True):
+        original_zero_grad(set_to_none=set_to_none)
+        model.zero_grad_buffer()
+
+    def state_dict(self):
+        from .state_dict import optimizer_state_dict
+
+        return optimizer_state_dict(self)
+
+    def load_state_dict(self, state_dict):
+        from .state_dict import load_optimizer_state_dict
+
+        return load_optimizer_state_dict(self, state_dict)
+
+    optimizer.step = types.MethodType(step, optimizer)
+    optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
+    optimizer.state_dict = types.MethodType(state_dict, optimizer)
+    optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
+    optimizer._megatron_fsdp_original_load_state_dict = torch.optim.Optimizer.load_state_dict.__get__(optimizer)
+    optimizer._megatron_fsdp_original_state_dict = torch.optim.Optimizer.state_dict.__get__(optimizer)
+    return optimizer
+
+
+def clip_grad_norm_(optimizer_or_model, max_norm: float, norm_type: float = 2.0,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """Clip the gradients of a sharded model by their global norm (each element counted once); returns the
+    norm before clipping. Finishes gradient synchronisation first."""
+    model = getattr(optimizer_or_model, "_megatron_fsdp_model", optimizer_or_model)
+    model.finish_grad_sync()
+    grads = [g for group in model.groups for g in group.optimizer_grad_views() if g.numel()]
+    if math.isinf(norm_type):
+        local = torch.stack([g.abs().max().float() for g in grads]).max() if grads else torch.zeros(())
+        if model.strategy != ShardingStrategy.no_shard:
+            collectives.all_reduce_max(local, model.topology.dp_group)
+        total = local
+    else:
+        local = sum((g.float().norm(norm_type) ** norm_type for g in grads), torch.zeros((), device=model.device))
+        if model.strategy != ShardingStrategy.no_shard:
+            collectives.all_reduce_scalar_sum(local, model.topology.dp_group)
+        total = local ** (1.0 / norm_type)
+    clip_coefficient = max_norm / (float(total) + eps)
+    if clip_coefficient < 1.0:
+        for group in model.groups:
+            for grad in group.optimizer_grad_views():
+                grad.mul_(clip_coefficient)
+    return total
+
+
+def optimizer_param_name(optimizer, tensor) -> Optional[str]:
+    return optimizer._megatron_fsdp_param_names.get(id(tensor))

@@ -1,0 +1,297 @@
+"""Flat storage of one parameter group: compute weights, fp32 main weights and gradients, and views into them.
+
+Which tensors exist depends on the sharding strategy (S = shard size, N = padded group size = S * DP):
+
+| strategy            | compute weights          | main weights (optimizer)  | gradients                             |
+|---------------------|--------------------------|---------------------------|---------------------------------------|
+| 0 no_shard          | N, persistent            | N (aliases compute if same dtype) | N, persistent                |
+| 1 optim             | N, persistent            | S (aliases compute shard) | N persistent; reduced into its shard  |
+| 2 optim_grads       | N, persistent            | S (aliases compute shard) | S main + N transient during backward  |
+| 3 optim_grads_params| S shard; N while gathered| S (is the shard if same dtype) | S main + N transient during backward |
+
+Model parameters are views into the flat compute buffer. Under strategy 3 the buffer's storage is resized to
+zero when released and back when gathered, so the views (and any views autograd saved, such as `weight.t()`)
+stay valid across gathers without re-pointing anything. Gradients arrive through a post-accumulate-grad hook
+that writes `param.grad` into the flat gradient buffer and drops it, so gradients are reduced straight from
+one flat buffer. The optimizer sees one view of the main weights per parameter: its shard piece (strategies
+1-3, flat) or the whole parameter (strategy 0, original shape).
+"""
+
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from .distributed_data_parallel_config import ShardingStrategy
+from .layout import GroupLayout
+from .mixed_precision import MixedPrecisionPolicy
+from .utils import tensor_bytes
+
+
+class DoubleBufferPool:
+    """Two fixed byte buffers, each large enough for the largest unit's gathered weights.
+
+    Unit `i` always gathers into slot `i % 2` at the same offsets, so views saved by autograd in forward
+    still point at the right bytes when the unit is gathered again for backward.
+    """
+
+    ALIGN_BYTES = 64
+
+    def __init__(self, slot_bytes: int, device: torch.device):
+        self.slot_bytes = slot_bytes
+        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        self.owner = [None, None]
+
+    @classmethod
+    def aligned(cls, num_bytes: int) -> int:
+        return -(-num_bytes // cls.ALIGN_BYTES) * cls.ALIGN_BYTES
+
+    def view(self, slot: int, byte_offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        num_bytes = numel * torch.empty((), dtype=dtype).element_size()
+        return self.slots[slot][byte_offset:byte_offset + num_bytes].view(dtype)
+
+    def total_bytes(self) -> int:
+        return 2 * self.slot_bytes
+
+
+class ParamGroup:
+    """One unit of communication: parameters of one dtype and requires_grad, laid out flat and sharded."""
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        names: Sequence[str],
+        *,
+        strategy: ShardingStrategy,
+        dp_rank: int,
+        dp_size: int,
+        device: torch.device,
+        policy: MixedPrecisionPolicy,
+        unit_index: Optional[int],
+        compute_buffer: Optional[torch.Tensor] = None,
+    ):
+        self.params: List[nn.Parameter] = list(params)
+        self.names = list(names)
+        self.strategy = strategy
+        self.unit_index = unit_index
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.device = device
+        self.trainable = self.params[0].requires_grad
+        self.param_dtype = self.params[0].dtype
+        self.main_dtype = policy.main_params_dtype
+        self.grad_dtype = policy.grads_dtype_for(self.param_dtype)
+        self.comm_dtype = policy.comm_dtype_for(self.param_dtype)
+        self.layout = GroupLayout([tuple(p.shape) for p in self.params], dp_size)
+        self.pieces = self.layout.local_pieces(dp_rank)
+        shard_start, shard_end = self.layout.shard_range(dp_rank)
+        padded, shard = self.layout.padded_numel, self.layout.shard_numel
+        self.shards_params = strategy == ShardingStrategy.optim_grads_params
+        self.uses_pool = compute_buffer is not None
+
+        self.compute_buffer = compute_buffer if compute_buffer is not None else self._zeros(padded, self.param_dtype)
+        self._compute_nbytes = padded * self.compute_buffer.element_size()
+        self.compute_buffer_shard = self.compute_buffer[shard_start:shard_end]
+        self.gathered = True
+
+        self.main_weights = self.compute_shard = self.grad_buffer = self.main_grads = None
+        same_dtype = self.main_dtype == self.param_dtype
+        if self.trainable:
+            if strategy == ShardingStrategy.no_shard:
+                self.main_weights = self.compute_buffer if same_dtype else self._zeros(padded, self.main_dtype)
+            elif strategy in (ShardingStrategy.optim, ShardingStrategy.optim_grads):
+                self.main_weights = self.compute_buffer_shard if same_dtype else self._zeros(shard, self.main_dtype)
+            else:
+                self.main_weights = self._zeros(shard, self.main_dtype)
+            if strategy in (ShardingStrategy.no_shard, ShardingStrategy.optim):
+                self.grad_buffer = self._zeros(padded, self.grad_dtype)
+                self.main_grads = self.grad_buffer if strategy == ShardingStrategy.no_shard else (
+                    self.grad_buffer[shard_start:shard_end])
+            else:
+                self.main_grads = self._zeros(shard, self.grad_dtype)
+        if self.shards_params:
+            reuse_main = self.trainable and same_dtype
+            self.compute_shard = self.main_weights if reuse_main else self._zeros(shard, self.param_dtype)
+
+        # Views the optimizer steps on, one per parameter.
+        self.main_param_views: List[Optional[torch.Tensor]] = []
+        for index, param in enumerate(self.params):
+            self.main_param_views.append(self._main_view(self.main_weights, index) if self.trainable else None)
+        self._optimizer_grad_storage = None
+        # Gradient bookkeeping for the current backward.
+        self.transient_grads: Optional[torch.Tensor] = None
+        self.filled = [False] * len(self.params)
+        self.grads_pending = 0  # params whose grad arrived since the last reduction
+        self.params_waiting = self._trainable_count()
+        self.grads_dirty = False  # unreduced gradient data present
+        self.reduced = False  # a reduction already landed in the persistent buffer this step (strategies 0/1)
+        # Scale applied to already-reduced gradients before more local gradients are added on top, so that a
+        # second reduction in the same step counts them once (set by the schedule from the collective ops).
+        self.reopen_factor = 1.0
+
+    # ---- construction helpers -------------------------------------------------------------------------------
+    def _zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype, device=self.device)
+
+    def _trainable_count(self) -> int:
+        return len(self.params) if self.trainable else 0
+
+    def _main_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        if self.strategy == ShardingStrategy.no_shard:
+            span = self.layout.spans[index]
+            return flat[span.flat_start:span.flat_end].view(span.shape)
+        piece = self.pieces[index]
+        return flat[piece.shard_start:piece.shard_end]
+
+    def param_view(self, index: int) -> torch.Tensor:
+        span = self.layout.spans[index]
+        return self.compute_buffer[span.flat_start:span.flat_end].view(span.shape)
+
+    # ---- compute-weight storage -----------------------------------------------------------------------------
+    def allocate_compute(self):
+        """Give the compute buffer its full storage (values are undefined until gathered or written)."""
+        if not self.uses_pool:
+            storage = self.compute_buffer.untyped_storage()
+            if storage.nbytes() != self._compute_nbytes:
+                storage.resize_(self._compute_nbytes)
+
+    def release_compute(self):
+        """Drop the gathered compute weights (strategy 3 only); the parameter views stay registered."""
+        if not self.shards_params:
+            return
+        if not self.uses_pool:
+            self.compute_buffer.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def compute_bytes_held(self) -> int:
+        if self.uses_pool:
+            return 0
+        return self.compute_buffer.untyped_storage().nbytes()
+
+    def gather_source(self) -> torch.Tensor:
+        """The shard this rank contributes to a gather of the compute weights."""
+        return self.compute_shard if self.shards_params else self.compute_buffer_shard
+
+    def commit_compute_to_shards(self):
+        """After the full compute buffer was written (init, load): derive this rank's shard and main weights."""
+        if self.shards_params and self.compute_shard is not None:
+            self.compute_shard.copy_(self.compute_buffer_shard)
+        if self.main_weights is not None:
+            if self.strategy == ShardingStrategy.no_shard:
+                source = self.compute_buffer
+            else:
+                source = self.compute_buffer_shard
+            if self.main_weights.data_ptr() != source.data_ptr():
+                self.main_weights.copy_(source)
+
+    def install_main_into_compute(self):
+        """Cast the updated main weights into the compute weights of this rank (the shard, or everything)."""
+        if self.main_weights is None:
+            return
+        target = self.compute_shard if self.shards_params else (
+            self.compute_buffer if self.strategy == ShardingStrategy.no_shard else self.compute_buffer_shard)
+        if target.data_ptr() != self.main_weights.data_ptr():
+            target.copy_(self.main_weights)
+
+    # ---- gradients -------------------------------------------------------------------------------------------
+    def write_grad(self, index: int, grad: torch.Tensor, scale: float):
+        """Add (or, in a fresh transient buffer, write) one parameter's gradient into the flat gradient buffer."""
+        span = self.layout.spans[index]
+        flat_grad = grad.reshape(-1)
+        if self.grad_buffer is not None:
+            if self.reduced:
+                self._reopen_reduced_grads()
+            target = self.grad_buffer[span.flat_start:span.flat_end]
+            target.add_(flat_grad, alpha=scale) if scale != 1.0 else target.add_(flat_grad)
+        else:
+            if self.transient_grads is None:
+                self.transient_grads = torch.empty(self.layout.padded_numel, dtype=self.comm_dtype, device=self.device)
+                self.filled = [False] * len(self.params)
+            target = self.transient_grads[span.flat_start:span.flat_end]
+            if self.filled[index]:
+                target.add_(flat_grad, alpha=scale)
+            elif scale != 1.0:
+                torch.mul(flat_grad, scale, out=target)
+            else:
+                target.copy_(flat_grad)
+            self.filled[index] = True
+        self.grads_dirty = True
+
+    def _reopen_reduced_grads(self):
+        """Make an already-reduced persistent buffer accept more local gradients (another microbatch)."""
+        if self.strategy == ShardingStrategy.optim:
+            shard_start, shard_end = self.layout.shard_range(self.dp_rank)
+            self.grad_buffer[:shard_start].zero_()
+            self.grad_buffer[shard_end:].zero_()
+            target = self.main_grads
+        else:
+            target = self.grad_buffer
+        if self.reopen_factor != 1.0:
+            target.mul_(self.reopen_factor)
+        self.reduced = False
+
+    def reduce_input(self) -> torch.Tensor:
+        """The flat buffer to reduce: transient grads with unwritten spans zeroed, or the persistent buffer."""
+        if self.grad_buffer is not None:
+            return self.grad_buffer if self.comm_dtype == self.grad_dtype else self.grad_buffer.to(self.comm_dtype)
+        if self.transient_grads is None:
+            self.transient_grads = torch.zeros(self.layout.padded_numel, dtype=self.comm_dtype, device=self.device)
+            return self.transient_grads
+        for index, was_filled in enumerate(self.filled):
+            if not was_filled:
+                span = self.layout.spans[index]
+                self.transient_grads[span.flat_start:span.flat_end].zero_()
+        self.transient_grads[self.layout.numel:].zero_()
+        return self.transient_grads
+
+    def drop_transient_grads(self):
+        self.transient_grads = None
+        self.filled = [False] * len(self.params)
+
+    def zero_grads(self):
+        if self.grad_buffer is not None:
+            self.grad_buffer.zero_()
+        elif self.main_grads is not None:
+            self.main_grads.zero_()
+        self.grads_dirty = False
+        self.reduced = False
+        self._optimizer_grad_storage = None
+        for view in self.main_param_views:
+            if view is not None:
+                view.grad = None
+
+    def attach_optimizer_grads(self):
+        """Point each main-weight view's `.grad` at its gradient (cast to the main dtype when they differ)."""
+        if self.main_weights is None:
+            return
+        grads = self.main_grads
+        if grads.dtype != self.main_dtype:
+            self._optimizer_grad_storage = grads.to(self.main_dtype)
+            grads = self._optimizer_grad_storage
+        for index, view in enumerate(self.main_param_views):
+            view.grad = self._main_view(grads, index)
+
+    def optimizer_grad_views(self) -> List[torch.Tensor]:
+        if self.main_weights is None:
+            return []
+        grads = self._optimizer_grad_storage if self._optimizer_grad_storage is not None else self.main_grads
+        return [self._main_view(grads, index) for index in range(len(self.params))]
+
+    # ---- reporting -------------------------------------------------------------------------------------------
+    def persistent_bytes(self) -> dict:
+        """Bytes this group holds outside transient buffers, by kind (aliased storage counted once)."""
+        compute = 0
+        if not self.shards_params:
+            compute = tensor_bytes(self.compute_buffer)
+        elif self.compute_shard is not None and self.compute_shard is not self.main_weights:
+            compute = tensor_bytes(self.compute_shard)
+        main = 0
+        if self.main_weights is not None:
+            aliased = (not self.shards_params) and self.main_weights.untyped_storage().data_ptr() == (
+                self.compute_buffer.untyped_storage().data_ptr())
+            main = 0 if aliased else tensor_bytes(self.main_weights)
+        grads = tensor_bytes(self.grad_buffer) if self.grad_buffer is not None else tensor_bytes(self.main_grads)
+        return {"compute_weights": compute, "main_weights": main, "grads": grads}
+
+    def transient_bytes(self) -> int:
+        gathered = self.compute_bytes_held() if self.shards_params else 0
+        return gathered + tensor_bytes(self.transient_grads)

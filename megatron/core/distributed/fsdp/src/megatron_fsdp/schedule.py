@@ -1,0 +1,315 @@
+"""When to gather, release and reduce: the forward/backward hooks of Megatron-FSDP.
+
+One step under strategy 3 (units U0..Un in forward order, R = parameters outside units):
+
+    forward:  gather R | pre-fwd U0: wait/gather U0, prefetch U1 | U0 fwd | post-fwd U0: release U0 | ...
+    backward: pre-bwd Un (grad of Un's outputs): wait/gather Un, prefetch Un-1 | Un bwd |
+              all grads of a group written -> reduce-scatter it (async if overlapping), release its weights |
+              ... | end of backward: reduce leftovers, release R and anything still gathered
+    step:     finish_grad_sync (wait reduces) -> optimizer.step on shards -> write shards into compute shards
+
+Strategies 0-2 keep the compute weights gathered; their gathers happen after the optimizer step
+(strategies 1-2, async when `overlap_param_gather`, waited in the next forward). Strategies 0/1 reduce their
+persistent gradient buffers only when sync is enabled (not inside `no_sync()` and, with
+`sync_model_each_microbatch=False`, only at `finish_grad_sync`).
+"""
+
+from typing import Dict, List, Optional
+
+import torch
+
+from . import collectives
+from .distributed_data_parallel_config import ShardingStrategy
+from .param_and_grad_buffer import DoubleBufferPool, ParamGroup
+from .utils import in_backward_pass, queue_end_of_backward_callback, tensors_requiring_grad
+
+
+class Unit:
+    """An FSDP unit: a module whose parameter groups are gathered and released together."""
+
+    def __init__(self, index: int, module: torch.nn.Module, groups: List[ParamGroup]):
+        self.index, self.module, self.groups = index, module, groups
+
+
+class Schedule:
+    """Owns the hooks and every collective issued during a step."""
+
+    def __init__(self, *, units: List[Unit], root_groups: List[ParamGroup], strategy: ShardingStrategy,
+                 dp_group, outer_group, counter: collectives.CommunicationCounter, grad_scale: float,
+                 average_in_collective: bool, overlap_grad_reduce: bool, overlap_param_gather: bool,
+                 sync_model_each_microbatch: bool, report_nan_in_param_grad: bool,
+                 pool: Optional[DoubleBufferPool]):
+        self.units, self.root_groups = units, root_groups
+        self.groups = [g for unit in units for g in unit.groups] + list(root_groups)
+        self.strategy = strategy
+        self.dp_group, self.outer_group = dp_group, outer_group
+        self.counter = counter
+        self.grad_scale = grad_scale
+        self.average_in_collective = average_in_collective
+        self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
+        self.sync_model_each_microbatch = sync_model_each_microbatch
+        self.report_nan_in_param_grad = report_nan_in_param_grad
+        self.pool = pool
+        self.sync_enabled = True
+        self.pending_gathers: Dict[int, collectives.PendingCollective] = {}
+        self.pending_reduces: List[tuple] = []
+        self.post_backward_queued = False
+        self.grads_synced = False  # finish_grad_sync already ran and no gradient arrived since
+        self.peak_transient_bytes = 0
+        self.hook_handles = []
+        inner = collectives.group_size(dp_group)
+        for group in self.groups:
+            if strategy == ShardingStrategy.no_shard:
+                group.reopen_factor = 1.0 if average_in_collective else 1.0 / inner
+            elif strategy == ShardingStrategy.optim:
+                group.reopen_factor = float(inner) if average_in_collective else 1.0
+
+    # ---- registration -----------------------------------------------------------------------------------------
+    def register_hooks(self):
+        for unit in self.units:
+            self.hook_handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
+            self.hook_handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+        for group in self.groups:
+            if not group.trainable:
+                continue
+            for index, param in enumerate(group.params):
+                self.hook_handles.append(param.register_post_accumulate_grad_hook(self._make_grad_hook(group, index)))
+
+    def remove_hooks(self):
+        for handle in self.hook_handles:
+            handle.remove()
+        self.hook_handles = []
+
+    # ---- gathering ----------------------------------------------------------------------------------------------
+    def _claim_pool_slot(self, group: ParamGroup):
+        slot = group.unit_index % 2
+        previous = self.pool.owner[slot]
+        if previous is not None and previous != group.unit_index:
+            for other in self.units[previous].groups:
+                self._wait_gather(other)
+                other.gathered = False
+        self.pool.owner[slot] = group.unit_index
+
+    def gather(self, groups: List[ParamGroup], async_op: bool):
+        for group in groups:
+            if group.gathered or id(group) in self.pending_gathers:
+                continue
+            if group.uses_pool:
+                self._claim_pool_slot(group)
+            group.allocate_compute()
+            self.pending_gathers[id(group)] = collectives.all_gather_flat(
+                group.compute_buffer, group.gather_source(), self.dp_group, self.counter, async_op=True)
+            group.gathered = True
+        if not async_op:
+            self.wait_gathered(groups)
+        self._track_transient()
+
+    def _wait_gather(self, group: ParamGroup):
+        pending = self.pending_gathers.pop(id(group), None)
+        if pending is not None:
+            pending.wait()
+
+    def wait_gathered(self, groups: List[ParamGroup]):
+        for group in groups:
+            self._wait_gather(group)
+
+    def ensure_gathered(self, groups: List[ParamGroup]):
+        self.gather(groups, async_op=True)
+        self.wait_gathered(groups)
+
+    def release(self, groups: List[ParamGroup]):
+        if self.strategy != ShardingStrategy.optim_grads_params:
+            return
+        for group in groups:
+            self._wait_gather(group)
+            group.release_compute()  # a pooled group keeps its slot until another unit claims it
+
+    def _track_transient(self):
+        current = sum(group.transient_bytes() for group in self.groups)
+        if self.pool is not None:
+            current += self.pool.total_bytes()
+        self.peak_transient_bytes = max(self.peak_transient_bytes, current)
+
+    # ---- forward ------------------------------------------------------------------------------------------------
+    def root_pre_forward(self):
+        if self.strategy == ShardingStrategy.optim_grads_params:
+            self.gather(self.root_groups, async_op=True)
+            if self.overlap_param_gather and self.units:
+                self.gather(self.units[0].groups, async_op=True)
+        self.wait_gathered(self.root_groups)
+
+    def root_post_forward(self, output):
+        tensors = tensors_requiring_grad(output) if torch.is_grad_enabled() else []
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self._root_pre_backward(), mode="any")
+        elif not torch.is_grad_enabled():
+            self.release(self.root_groups)
+
+    def _make_pre_forward(self, unit: Unit):
+        def pre_forward(module, args):
+            self.ensure_gathered(unit.groups)
+            if in_backward_pass():
+                return None
+            if self.overlap_param_gather and self.strategy == ShardingStrategy.optim_grads_params:
+                if unit.index + 1 < len(self.units):
+                    self.gather(self.units[unit.index + 1].groups, async_op=True)
+            return None
+
+        return pre_forward
+
+    def _make_post_forward(self, unit: Unit):
+        def post_forward(module, args, output):
+            if in_backward_pass():
+                return None  # activation-checkpoint recompute: the unit stays gathered for its backward
+            self.release(unit.groups)
+            tensors = tensors_requiring_grad(output) if torch.is_grad_enabled() else []
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda grads: self._unit_pre_backward(unit), mode="any")
+            return None
+
+        return post_forward
+
+    # ---- backward -----------------------------------------------------------------------------------------------
+    def _queue_post_backward(self):
+        if not self.post_backward_queued:
+            self.post_backward_queued = True
+            queue_end_of_backward_callback(self._post_backward)
+
+    def _root_pre_backward(self):
+        self._queue_post_backward()
+        if self.strategy == ShardingStrategy.optim_grads_params:
+            self.ensure_gathered(self.root_groups)
+            if self.overlap_param_gather and self.units:
+                self.gather(self.units[-1].groups, async_op=True)
+
+    def _unit_pre_backward(self, unit: Unit):
+        self._queue_post_backward()
+        if self.strategy != ShardingStrategy.optim_grads_params:
+            return
+        self.ensure_gathered(unit.groups)
+        if self.overlap_param_gather and unit.index > 0:
+            self.gather(self.units[unit.index - 1].groups, async_op=True)
+
+    def _make_grad_hook(self, group: ParamGroup, index: int):
+        def on_grad_accumulated(param):
+            grad = param.grad
+            if grad is None:
+                return
+            if self.report_nan_in_param_grad and torch.isnan(grad).any():
+                raise RuntimeError(f"NaN found in the gradient of parameter '{group.names[index]}' "
+                                   f"(report_nan_in_param_grad=True)")
+            group.write_grad(index, grad, self.grad_scale)
+            param.grad = None
+            self.grads_synced = False
+            group.params_waiting -= 1
+            if group.params_waiting == 0:
+                self._on_group_grads_ready(group)
+
+        return on_grad_accumulated
+
+    def _reduces_now(self, group: ParamGroup) -> bool:
+        if self.strategy >= ShardingStrategy.optim_grads:
+            return True
+        return self.sync_enabled and self.sync_model_each_microbatch
+
+    def _on_group_grads_ready(self, group: ParamGroup):
+        if self._reduces_now(group):
+            self.launch_reduce(group, async_op=self.overlap_grad_reduce)
+        if group.unit_index is not None:
+            self.release([group])
+
+    def _post_backward(self):
+        self.post_backward_queued = False
+        for group in self.groups:
+            if group.grads_dirty and self._reduces_now(group):
+                self.launch_reduce(group, async_op=self.overlap_grad_reduce)
+        if self.strategy == ShardingStrategy.optim_grads_params:
+            self.release(self.groups)
+        for group in self.groups:
+            group.params_waiting = group._trainable_count()
+
+    # ---- reduction ----------------------------------------------------------------------------------------------
+    def launch_reduce(self, group: ParamGroup, async_op: bool):
+        """Reduce one group's gradients; keeps at most one reduction in flight (bounds transient memory)."""
+        self.wait_reduces()
+        self._track_transient()
+        flat = group.reduce_input()
+        average = self.average_in_collective
+        if self.strategy == ShardingStrategy.no_shard:
+            copy_back = flat.data_ptr() != group.grad_buffer.data_ptr()
+            pending = collectives.all_reduce(flat, self.dp_group, self.counter, average=average, async_op=True)
+            epilogue = (lambda: group.grad_buffer.copy_(flat)) if copy_back else None
+        else:
+            accumulate = self.strategy >= ShardingStrategy.optim_grads
+            pending = collectives.reduce_scatter_flat(group.main_grads, flat, self.dp_group, self.counter,
+                                                      average=average, accumulate=accumulate, async_op=True)
+            epilogue = group.drop_transient_grads if accumulate else None
+        group.grads_dirty = False
+        group.reduced = group.grad_buffer is not None
+        self.pending_reduces.append((pending, epilogue))
+        if not async_op:
+            self.wait_reduces()
+
+    def wait_reduces(self):
+        while self.pending_reduces:
+            pending, epilogue = self.pending_reduces.pop(0)
+            pending.wait()
+            if epilogue is not None:
+                epilogue()
+
+    def start_grad_sync(self):
+        for group in self.groups:
+            if group.grads_dirty:
+                self.launch_reduce(group, async_op=True)
+
+    def finish_grad_sync(self) -> bool:
+        """Complete every gradient reduction of the step and hand the gradients to the optimizer.
+
+        Returns False when there was nothing left to synchronise (already finished this step)."""
+        if self.grads_synced:
+            return False
+        for group in self.groups:
+            if group.grads_dirty:
+                self.launch_reduce(group, async_op=self.overlap_grad_reduce)
+        self.wait_reduces()
+        if self.outer_group is not None and collectives.group_size(self.outer_group) > 1:
+            for group in self.groups:
+                if group.main_grads is not None:
+                    collectives.all_reduce(group.main_grads, self.outer_group, self.counter,
+                                           average=self.average_in_collective)
+        for group in self.groups:
+            group.attach_optimizer_grads()
+        self.grads_synced = True
+        return True
+
+    # ---- after the optimizer step ---------------------------------------------------------------------------------
+    def install_optimized_model_weights(self):
+        for group in self.groups:
+            group.install_main_into_compute()
+        if self.strategy in (ShardingStrategy.optim, ShardingStrategy.optim_grads):
+            self.start_param_sync(async_op=self.overlap_param_gather)
+        elif self.strategy == ShardingStrategy.optim_grads_params:
+            for group in self.groups:
+                if group.gathered and group.trainable:
+                    group.gathered = False
+                    self.ensure_gathered([group])
+
+    def start_param_sync(self, async_op: bool = True):
+        """All-gather the compute weights of strategies 1-2 from every rank's updated shard."""
+        if self.strategy not in (ShardingStrategy.optim, ShardingStrategy.optim_grads):
+            return
+        for group in self.groups:
+            if not group.trainable:
+                continue
+            self._wait_gather(group)
+            self.pending_gathers[id(group)] = collectives.all_gather_flat(
+                group.compute_buffer, group.gather_source(), self.dp_group, self.counter, async_op=True)
+        if not async_op:
+            self.wait_gathered(self.groups)
+
+    def zero_grad_buffer(self):
+        self.wait_reduces()
+        self.grads_synced = False
+        for group in self.groups:
+            group.zero_grads()

@@ -1,0 +1,255 @@
+"""Flat gradient (and parameter) storage for DDP, cut into buckets that are reduced as one collective each.
+
+Layout: parameters are laid out one after another in the order given (DDP passes them in reverse, roughly
+the order their gradients appear in backward). A bucket closes once it holds at least `bucket_size` elements
+and is padded so its length divides the data-parallel shard count; every parameter's `main_grad` (and, with
+the distributed optimizer, its `.data`) is a view into the flat buffer. With the distributed optimizer, rank
+`r` of the shard group owns elements `[r * n / D, (r + 1) * n / D)` of every bucket of length `n`.
+
+Communication: `Bucket.start_grad_sync` reduces a bucket (all-reduce, or reduce-scatter with the distributed
+optimizer), `Bucket.start_param_sync` all-gathers the updated parameter shards; both may run asynchronously
+and are completed by the matching `finish_*` call.
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+
+
+def _is_gloo(group):
+    return "gloo" in str(dist.get_backend(group)).lower()
+
+
+def _world_size(group):
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _rank(group):
+    return 0 if group is None else dist.get_rank(group)
+
+
+class BucketCommunicationGroups:
+    """Who a bucket talks to.
+
+    `data_parallel_group` spans every replica of the gradients; `shard_group` is the group the distributed
+    optimizer shards over (the whole DP group, or its inner part under hybrid sharding, with
+    `outer_group` connecting the shard-group replicas).
+    """
+
+    def __init__(self, data_parallel_group, shard_group=None, outer_group=None):
+        self.data_parallel_group = data_parallel_group
+        self.shard_group = shard_group if shard_group is not None else data_parallel_group
+        self.outer_group = outer_group if _world_size(outer_group) > 1 else None
+
+
+class Bucket:
+    """A contiguous slice of the buffer holding whole parameters; the unit of communication."""
+
+    def __init__(self, bucket_id, params, offset, numel, grad_data, param_data, buffer):
+        self.bucket_id = bucket_id
+        self.params = params
+        self.offset = offset
+        self.numel = numel
+        self.grad_data = grad_data
+        self.param_data = param_data
+        self.buffer = buffer
+        self._params_with_grad = set()
+        self._grad_works = []
+        self._param_gather_works = []
+        self.grad_sync_started = False
+
+    # ---- sharding arithmetic --------------------------------------------------------------------------------
+    def shard_size(self):
+        return self.numel // _world_size(self.buffer.groups.shard_group)
+
+    def local_shard_range(self):
+        """This rank's `[start, end)` within the bucket (bucket-relative)."""
+        shard_size = self.shard_size()
+        start = _rank(self.buffer.groups.shard_group) * shard_size
+        return start, start + shard_size
+
+    # ---- gradient reduction ---------------------------------------------------------------------------------
+    def register_grad_ready(self, param):
+        """Records that `param`'s gradient is final for this step; True once the whole bucket is ready."""
+        self._params_with_grad.add(param)
+        return len(self._params_with_grad) == len(self.params)
+
+    def start_grad_sync(self, async_op):
+        if self.grad_sync_started:
+            return
+        self.grad_sync_started = True
+        config = self.buffer.ddp_config
+        if config.check_for_nan_in_grad or config.check_for_large_grads:
+            self._check_grads(config)
+        if self.buffer.gradient_scaling_factor != 1.0:
+            self.grad_data.mul_(self.buffer.gradient_scaling_factor)
+        op = dist.ReduceOp.AVG if config.average_in_collective else dist.ReduceOp.SUM
+        groups = self.buffer.groups
+        if not config.use_distributed_optimizer:
+            if _world_size(groups.data_parallel_group) > 1:
+                self._grad_works.append(
+                    dist.all_reduce(self.grad_data, op=op, group=groups.data_parallel_group, async_op=async_op)
+                )
+        elif _is_gloo(groups.data_parallel_group):
+            # gloo's reduce-scatter is several times slower than its all-reduce of the same size (measured),
+            # so reduce everything; the shard this rank owns then holds exactly the reduce-scatter result.
+            if _world_size(groups.data_parallel_group) > 1:
+                self._grad_works.append(
+                    dist.all_reduce(self.grad_data, op=op, group=groups.data_parallel_group, async_op=async_op)
+                )
+        else:
+            start, end = self.local_shard_range()
+            shard = self.grad_data[start:end]
+            if _world_size(groups.shard_group) > 1:
+                self._grad_works.append(
+                    dist.reduce_scatter_tensor(shard, self.grad_data, op=op, group=groups.shard_group, async_op=async_op)
+                )
+            if groups.outer_group is not None:
+                # Issued after the reduce-scatter on the same device stream, so it sees the reduced shard.
+                self._grad_works.append(dist.all_reduce(shard, op=op, group=groups.outer_group, async_op=async_op))
+        self._grad_works = [work for work in self._grad_works if work is not None]
+
+    def finish_grad_sync(self):
+        if not self.grad_sync_started:
+            self.start_grad_sync(async_op=False)
+        for work in self._grad_works:
+            work.wait()
+        self._grad_works = []
+
+    def reset_grad_state(self):
+        self._params_with_grad = set()
+        self._grad_works = []
+        self.grad_sync_started = False
+
+    def _check_grads(self, config):
+        norm = self.grad_data.float().norm().item()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        names = self.buffer.param_names
+        where = f"rank {rank}, bucket {self.bucket_id} ({', '.join(names[p] for p in self.params[:4])}, ...)"
+        if config.check_for_nan_in_grad and not math.isfinite(norm):
+            raise RuntimeError(f"Gradient norm is {norm} on {where} before data-parallel reduction.")
+        if config.check_for_large_grads and norm > config.large_grad_threshold:
+            raise RuntimeError(
+                f"Gradient norm {norm:.3e} exceeds large_grad_threshold={config.large_grad_threshold:.3e} on {where}."
+            )
+
+    # ---- parameter all-gather (distributed optimizer) ---------------------------------------------------------
+    def start_param_sync(self, async_op):
+        shard_group = self.buffer.groups.shard_group
+        if self.param_data is None or _world_size(shard_group) == 1 or self._param_gather_works:
+            return
+        start, end = self.local_shard_range()
+        # The input is a copy: gathering a tensor into a buffer that contains it is not safe on every backend.
+        local_shard = self.param_data[start:end].clone()
+        work = dist.all_gather_into_tensor(self.param_data, local_shard, group=shard_group, async_op=async_op)
+        if work is not None:
+            self._param_gather_works.append(work)
+
+    def finish_param_sync(self):
+        for work in self._param_gather_works:
+            work.wait()
+        self._param_gather_works = []
+
+    def param_sync_pending(self):
+        return bool(self._param_gather_works)
+
+
+class ParamAndGradBuffer:
+    """Flat storage for the gradients (and, with the distributed optimizer, the values) of same-dtype params."""
+
+    def __init__(self, ddp_config, params, param_dtype, grad_dtype, bucket_size, groups, gradient_scaling_factor,
+                 param_names=None):
+        self.ddp_config = ddp_config
+        self.param_dtype = param_dtype
+        self.grad_dtype = grad_dtype
+        self.groups = groups
+        self.gradient_scaling_factor = gradient_scaling_factor
+        self.param_names = param_names or {param: f"param{index}" for index, param in enumerate(params)}
+        self.params = list(params)
+        device = self.params[0].device
+
+        bucket_bounds, self.param_index_map = self._layout(self.params, bucket_size)
+        self.numel = bucket_bounds[-1][1] if bucket_bounds else 0
+        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        self.param_data = None
+        if ddp_config.use_distributed_optimizer:
+            self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
+
+        for param in self.params:
+            start, end, _ = self.param_index_map[param]
+            if self.param_data is not None:
+                with torch.no_grad():
+                    self.param_data[start:end].copy_(param.data.reshape(-1))
+                param.data = self.param_data[start:end].view(param.shape)
+            param.main_grad = self.grad_data[start:end].view(param.shape)
+
+        self.buckets = []
+        for bucket_id, (start, end) in enumerate(bucket_bounds):
+            bucket_params = [p for p in self.params if self.param_index_map[p][2] == bucket_id]
+            self.buckets.append(
+                Bucket(
+                    bucket_id,
+                    bucket_params,
+                    start,
+                    end - start,
+                    self.grad_data[start:end],
+                    None if self.param_data is None else self.param_data[start:end],
+                    self,
+                )
+            )
+        self.param_to_bucket = {param: self.buckets[index] for param, (_, _, index) in self.param_index_map.items()}
+
+    def _pad_divisor(self):
+        shard_count = _world_size(self.groups.shard_group)
+        if self.ddp_config.pad_buckets_for_high_nccl_busbw:
+            return math.lcm(shard_count, 128) * 2**16
+        return shard_count
+
+    def _layout(self, params, bucket_size):
+        """Returns bucket bounds `[(start, end)]` and `{param: (start, end, bucket_id)}`."""
+        divisor = self._pad_divisor()
+        separate_shared_embedding = self.ddp_config.use_distributed_optimizer
+        bounds, index_map = [], {}
+        bucket_start, offset, open_params = 0, 0, []
+
+        def close_bucket():
+            nonlocal bucket_start, offset, open_params
+            offset = -(-offset // divisor) * divisor
+            bounds.append((bucket_start, offset))
+            bucket_start, open_params = offset, []
+
+        for param in params:
+            # A shared embedding gets a bucket of its own so that the first and last pipeline stages shard it
+            # identically and can all-reduce its gradient shard after the data-parallel reduce-scatter.
+            is_shared_embedding = separate_shared_embedding and getattr(param, "shared_embedding", False)
+            if is_shared_embedding and open_params:
+                close_bucket()
+            index_map[param] = (offset, offset + param.numel(), len(bounds))
+            offset += param.numel()
+            open_params.append(param)
+            if is_shared_embedding or (bucket_size is not None and offset - bucket_start >= bucket_size):
+                close_bucket()
+        if open_params:
+            close_bucket()
+        return bounds, index_map
+
+    def local_shard_ranges(self, param):
+        """The part of `param` owned by this rank: `(param_start, param_end, buffer_start)` or None."""
+        start, end, bucket_id = self.param_index_map[param]
+        bucket = self.buckets[bucket_id]
+        shard_start, shard_end = bucket.local_shard_range()
+        shard_start += bucket.offset
+        shard_end += bucket.offset
+        overlap_start, overlap_end = max(start, shard_start), min(end, shard_end)
+        if overlap_start >= overlap_end:
+            return None
+        return overlap_start - start, overlap_end - start, overlap_start
+
+    def reset(self):
+        self.grad_data.zero_()
+        for bucket in self.buckets:
+            bucket.reset_grad_state()
+
+    def scale_gradients(self, factor):
+        self.grad_data.mul_(factor)

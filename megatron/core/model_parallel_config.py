@@ -1,0 +1,90 @@
+"""`ModelParallelConfig`: parallel sizes, dtypes and communication switches shared by every model-parallel module.
+
+Frozen and validated once in `__post_init__`; error messages name the command-line flag and say what to do.
+`TransformerConfig` subclasses it: subclasses extend `__post_init__` and call `super().__post_init__()`.
+To change a field after construction use `dataclasses.replace(config, field=value)`, which re-validates.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class ModelParallelConfig:
+    # Parallel sizes
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+
+    # Initialisation
+    perform_initialization: bool = True
+    use_cpu_initialization: bool = False
+    init_model_with_meta_device: bool = False
+
+    # Precision
+    fp16: bool = False
+    bf16: bool = False
+    params_dtype: torch.dtype = torch.float32
+
+    # Tensor-parallel linear layers
+    gradient_accumulation_fusion: bool = False
+
+    # Pipeline parallel
+    pipeline_dtype: Optional[torch.dtype] = None
+    variable_seq_lengths: bool = False
+    batch_p2p_comm: bool = True
+    deallocate_pipeline_outputs: bool = False
+
+    # Hooks the training loop installs (with dataclasses.replace) for the pipeline schedules
+    finalize_model_grads_func: Optional[Callable] = None
+    grad_scale_func: Optional[Callable] = None
+    no_sync_func: Optional[Callable] = None
+    grad_sync_func: Optional[Callable] = None
+    param_sync_func: Optional[Callable] = None
+    timers: Optional[object] = None
+
+    def __post_init__(self):
+        sizes = {
+            "--tensor-model-parallel-size": self.tensor_model_parallel_size,
+            "--pipeline-model-parallel-size": self.pipeline_model_parallel_size,
+            "--context-parallel-size": self.context_parallel_size,
+            "--expert-model-parallel-size": self.expert_model_parallel_size,
+        }
+        for flag, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
+        if self.virtual_pipeline_model_parallel_size is not None:
+            raise ValueError(
+                "virtual pipeline stages (--num-layers-per-virtual-pipeline-stage) are not supported; "
+                "leave virtual_pipeline_model_parallel_size as None"
+            )
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError(
+                "--sequence-parallel needs --tensor-model-parallel-size > 1; drop --sequence-parallel or raise "
+                "the tensor-parallel size"
+            )
+        if self.fp16 and self.bf16:
+            raise ValueError("--fp16 and --bf16 are mutually exclusive; pick one")
+        if self.params_dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"params_dtype must be one of {_FLOAT_DTYPES}, got {self.params_dtype}")
+        if self.fp16 and self.params_dtype != torch.float16:
+            raise ValueError("--fp16 needs params_dtype=torch.float16 (set params_dtype with --fp16)")
+        if self.bf16 and self.params_dtype != torch.bfloat16:
+            raise ValueError("--bf16 needs params_dtype=torch.bfloat16 (set params_dtype with --bf16)")
+        if not (self.fp16 or self.bf16) and self.params_dtype != torch.float32:
+            raise ValueError(
+                f"params_dtype={self.params_dtype} needs the matching precision flag: --fp16 for float16, "
+                "--bf16 for bfloat16"
+            )
+        if self.pipeline_dtype is not None and self.pipeline_dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"pipeline_dtype must be one of {_FLOAT_DTYPES} or None, got {self.pipeline_dtype}")
+        if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
+            # The activations sent between stages have the parameters' dtype unless told otherwise.
+            object.__setattr__(self, "pipeline_dtype", self.params_dtype)

@@ -1,0 +1,1 @@
+"""Pieces shared by the models: embeddings and position encodings."""

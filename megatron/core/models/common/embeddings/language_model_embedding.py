@@ -1,0 +1,93 @@
+"""Token embedding (vocab-parallel) plus an optional learned absolute position embedding, then dropout.
+
+Output is `[s, b, h]`, or `[s / tp, b, h]` with sequence parallelism, where the embedding is computed on the
+whole sequence and each tensor-parallel rank keeps its own slice of it.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import tensor_parallel
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import initialize_from_cpu_master, parameter_device
+
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+
+
+class LearnedPositionEmbedding(torch.nn.Module):
+    """A `[max_sequence_length, h]` table, whole on every tensor-parallel rank, initialised by `init_method`."""
+
+    def __init__(self, config: TransformerConfig, max_sequence_length: int):
+        super().__init__()
+        self.config = config
+        self.weight = torch.nn.Parameter(
+            torch.empty(
+                max_sequence_length, config.hidden_size, device=parameter_device(config), dtype=config.params_dtype
+            )
+        )
+        self.weight.tensor_model_parallel = False
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        if self.config.perform_initialization:
+            initialize_from_cpu_master(self.weight, self.config.init_method)
+
+    def forward(self, position_ids):
+        return F.embedding(position_ids, self.weight)
+
+
+class LanguageModelEmbedding(torch.nn.Module):
+    """Word embeddings split over the vocabulary across tensor-parallel ranks, and position embeddings.
+
+    Args:
+        config: the transformer config (hidden size, init method, dropout, sequence parallelism).
+        vocab_size: rows of the word embedding (already padded to a multiple of the TP size).
+        max_sequence_length: rows of the learned position embedding.
+        position_embedding_type: "learned_absolute" adds a learned position embedding here; "rope" and "none"
+            add nothing (rope is applied inside attention).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        vocab_size: int,
+        max_sequence_length: int,
+        position_embedding_type: str = "learned_absolute",
+    ):
+        super().__init__()
+        if position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise ValueError(
+                f"--position-embedding-type must be one of {POSITION_EMBEDDING_TYPES}, got {position_embedding_type!r}"
+            )
+        self.config = config
+        self.vocab_size = vocab_size
+        self.max_sequence_length = max_sequence_length
+        self.add_position_embedding = position_embedding_type == "learned_absolute"
+
+        self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
+            vocab_size, config.hidden_size, init_method=config.init_method, config=config
+        )
+        if self.add_position_embedding:
+            self.position_embeddings = LearnedPositionEmbedding(config, max_sequence_length)
+        self.embedding_dropout = torch.nn.Dropout(config.hidden_dropout)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor = None) -> torch.Tensor:
+        """`input_ids`, `position_ids`: `[b, s]` -> embeddings `[s, b, h]` (sequence-split when SP is on)."""
+        embeddings = self.word_embeddings(input_ids)
+        if self.add_position_embedding:
+            if position_ids is None:
+                raise ValueError("learned_absolute position embeddings need position_ids")
+            seq_len = input_ids.shape[1]
+            if seq_len > self.max_sequence_length:
+                raise ValueError(
+                    f"sequence length {seq_len} exceeds --max-position-embeddings ({self.max_sequence_length})"
+                )
+            embeddings = embeddings + self.position_embeddings(position_ids)
+        embeddings = embeddings.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
+
+        if self.config.sequence_parallel:
+            embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
+            # Each rank now holds different tokens, so each needs its own dropout mask.
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return self.embedding_dropout(embeddings)
+        return self.embedding_dropout(embeddings)

@@ -1,0 +1,185 @@
+"""GPT: embedding -> transformer block -> final norm -> vocab-parallel output layer -> per-token loss.
+
+One instance is one pipeline stage: the first stage (`pre_process`) owns the embedding, the last
+(`post_process`) the output layer and the loss, and every stage only its own layers. Activations inside are
+`[s, b, h]`; the public inputs and outputs are batch-first (`[b, s]` ids, `[b, s]` loss, `[b, s, vocab]` logits).
+
+With tied embeddings (`share_embeddings_and_output_weights`) a single-stage model multiplies by the word
+embedding itself. When first and last stage are different processes the last stage keeps its own copy: it is
+made equal to the embedding at construction (zero-filled, then summed with the first stage's weight over the
+embedding group), and both copies carry `shared_embedding=True` so gradient finalisation all-reduces their
+gradients over the embedding group, keeping them equal.
+"""
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+
+
+class GPTModel(torch.nn.Module):
+    """Decoder-only language model (one pipeline stage of it).
+
+    Args:
+        config: the transformer config.
+        vocab_size: padded vocabulary size (a multiple of the tensor-parallel size).
+        max_sequence_length: `--max-position-embeddings`, rows of the learned position embedding.
+        pre_process: this stage holds the embedding (first pipeline stage).
+        post_process: this stage holds the output layer and computes the loss (last pipeline stage).
+        share_embeddings_and_output_weights: tie the output layer to the word embedding.
+        position_embedding_type: "learned_absolute" or "rope".
+        rotary_percent, rotary_base: fraction of each head rotated and the RoPE base (rope only).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        vocab_size: int,
+        max_sequence_length: int,
+        pre_process: bool = True,
+        post_process: bool = True,
+        share_embeddings_and_output_weights: bool = True,
+        position_embedding_type: str = "learned_absolute",
+        rotary_percent: float = 1.0,
+        rotary_base: int = 10000,
+    ):
+        super().__init__()
+        if position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise ValueError(
+                f"--position-embedding-type must be one of {POSITION_EMBEDDING_TYPES}, got {position_embedding_type!r}"
+            )
+        if vocab_size % config.tensor_model_parallel_size != 0:
+            raise ValueError(
+                f"vocabulary size {vocab_size} must be divisible by --tensor-model-parallel-size "
+                f"({config.tensor_model_parallel_size}); pad it with --make-vocab-size-divisible-by"
+            )
+        self.config = config
+        self.vocab_size = vocab_size
+        self.max_sequence_length = max_sequence_length
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.position_embedding_type = position_embedding_type
+
+        # Modules are created in the same order at every parallel size so the random stream, and hence the
+        # initial weights, do not depend on the layout.
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(
+                config, vocab_size, max_sequence_length, position_embedding_type=position_embedding_type
+            )
+        self.rotary_pos_emb = (
+            RotaryEmbedding(config.kv_channels, rotary_percent=rotary_percent, rotary_base=rotary_base)
+            if position_embedding_type == "rope"
+            else None
+        )
+        self.decoder = TransformerBlock(config, pre_process=pre_process, post_process=post_process)
+        self.output_layer = None
+        if post_process:
+            # A single stage with tied weights multiplies by the embedding's own weight (passed to forward).
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                config.hidden_size,
+                vocab_size,
+                config=config,
+                init_method=config.init_method,
+                bias=False,
+                gather_output=False,
+                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+            )
+        self._setup_embeddings_and_output_layer()
+
+    # ----------------------------------------------------------------------------------------------------
+    # Tied embedding bookkeeping
+    # ----------------------------------------------------------------------------------------------------
+
+    def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
+        """The word-embedding weight on a first stage, else the output-layer weight (None on middle stages)."""
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.output_layer is not None:
+            return self.output_layer.weight
+        return None
+
+    def _setup_embeddings_and_output_layer(self):
+        if self.pre_process:
+            self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
+        if self.output_layer is not None and self.output_layer.weight is not None:
+            self.output_layer.weight.is_embedding_or_output_parameter = True
+        if not self.share_embeddings_and_output_weights:
+            return
+        weight = self.shared_embedding_or_output_weight()
+        if weight is None:  # a middle pipeline stage holds neither copy
+            return
+        weight.shared_embedding = True
+        if self.pre_process and self.post_process:
+            return  # one process holds the only copy
+        if not self.pre_process:
+            weight.shared = True
+            with torch.no_grad():
+                weight.zero_()
+        # Parameters on the meta device are synchronised after materialisation, by whoever materialises them.
+        if not weight.is_meta and dist.is_initialized() and parallel_state.is_rank_in_embedding_group():
+            with torch.no_grad():
+                dist.all_reduce(weight.data, group=parallel_state.get_embedding_group())
+
+    # ----------------------------------------------------------------------------------------------------
+    # Forward
+    # ----------------------------------------------------------------------------------------------------
+
+    def set_input_tensor(self, input_tensor):
+        """The previous pipeline stage's output `[s, b, h]` (a tensor, a one-element list, or None)."""
+        if isinstance(input_tensor, (list, tuple)):
+            if len(input_tensor) != 1:
+                raise ValueError(f"GPTModel takes one input tensor per stage, got {len(input_tensor)}")
+            input_tensor = input_tensor[0]
+        self.decoder.set_input_tensor(input_tensor)
+
+    def _rotary_angles(self, input_ids, decoder_input):
+        if self.rotary_pos_emb is None:
+            return None
+        if input_ids is not None:
+            seq_len, device = input_ids.shape[1], input_ids.device
+        else:
+            received = decoder_input if decoder_input is not None else self.decoder.input_tensor
+            seq_len, device = received.shape[0], received.device
+            if self.config.sequence_parallel:
+                seq_len *= self.config.tensor_model_parallel_size
+        return self.rotary_pos_emb(seq_len, device=device)
+
+    def _vocab_parallel_logits(self, hidden_states):
+        """`[s, b, h]` -> this rank's vocabulary slice of the logits, `[s, b, vocab / tp]`."""
+        tied_weight = self.shared_embedding_or_output_weight() if self.output_layer.weight is None else None
+        logits, _ = self.output_layer(hidden_states, weight=tied_weight)
+        return logits
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor],
+        position_ids: Optional[torch.Tensor],
+        attention_mask: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Returns the per-token loss `[b, s]` (fp32) when `labels` are given, else the logits `[b, s, vocab]`.
+
+        A stage that is not last returns its hidden states `[s, b, h]` for the next stage. `attention_mask` is
+        None (causal) or a bool tensor broadcastable to `[b, heads, s, s]`, True where attention is masked.
+        """
+        decoder_input = self.embedding(input_ids, position_ids) if self.pre_process else None
+        rotary_angles = self._rotary_angles(input_ids, decoder_input)
+        hidden_states = self.decoder(decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary_angles)
+        if not self.post_process:
+            return hidden_states
+
+        logits = self._vocab_parallel_logits(hidden_states)
+        if labels is None:
+            full_logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+            return full_logits.transpose(0, 1).contiguous()
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1).contiguous())
+        return loss.transpose(0, 1).contiguous()

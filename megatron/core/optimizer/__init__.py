@@ -1,0 +1,140 @@
+"""`get_megatron_optimizer`: param groups, the torch optimizer, and the precision/sharding wrapper around it.
+
+Parameter groups: weights get `config.weight_decay`; biases and 1-D parameters (norms) get none, unless
+`no_weight_decay_cond(name, param)` decides otherwise; `scale_lr_cond(name, param)` selects parameters whose
+learning rate is multiplied by `lr_mult`. Each group carries `wd_mult` and `lr_mult`, which the
+`OptimizerParamScheduler` applies when it sets `lr` and `weight_decay` every step.
+"""
+
+import torch
+
+from megatron.core import optional_deps
+from megatron.core.optimizer.clip_grads import (
+    clip_grad_by_total_norm_fp32,
+    count_zeros_fp32,
+    get_grad_norm_fp32,
+    param_is_not_shared,
+    param_is_not_tensor_parallel_duplicate,
+)
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron.core.optimizer.optimizer import Float16Optimizer, FP32Optimizer, MegatronOptimizer
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+
+__all__ = [
+    "OptimizerConfig",
+    "MegatronOptimizer",
+    "FP32Optimizer",
+    "Float16Optimizer",
+    "DistributedOptimizer",
+    "ConstantGradScaler",
+    "DynamicGradScaler",
+    "get_megatron_optimizer",
+    "get_param_groups",
+    "get_grad_norm_fp32",
+    "clip_grad_by_total_norm_fp32",
+    "count_zeros_fp32",
+    "param_is_not_shared",
+    "param_is_not_tensor_parallel_duplicate",
+]
+
+
+def _default_no_weight_decay(name, param):
+    return name.endswith(".bias") or param.dim() == 1
+
+
+def get_param_groups(model_chunks, config, no_weight_decay_cond=None, scale_lr_cond=None, lr_mult=1.0):
+    """Groups keyed by (wd_mult, lr_mult), weight-decayed group first; each parameter appears once."""
+    no_weight_decay_cond = no_weight_decay_cond or _default_no_weight_decay
+    grouped, seen = {}, set()
+    for chunk in model_chunks:
+        for name, param in chunk.named_parameters():
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            wd_mult = 0.0 if no_weight_decay_cond(name, param) else 1.0
+            group_lr_mult = lr_mult if scale_lr_cond is not None and scale_lr_cond(name, param) else 1.0
+            grouped.setdefault((wd_mult, group_lr_mult), []).append(param)
+    return [
+        {
+            "params": params,
+            "wd_mult": wd_mult,
+            "lr_mult": group_lr_mult,
+            "weight_decay": config.weight_decay * wd_mult,
+            "lr": config.lr * group_lr_mult,
+        }
+        for (wd_mult, group_lr_mult), params in sorted(grouped.items(), key=lambda item: (-item[0][0], item[0][1]))
+    ]
+
+
+def _torch_optimizer_factory(config, device):
+    def build(groups):
+        if config.optimizer == "adam":
+            if optional_deps.HAVE_APEX and device.type == "cuda":
+                from apex.optimizers import FusedAdam
+
+                return FusedAdam(groups, lr=config.lr, weight_decay=config.weight_decay,
+                                 betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, adam_w_mode=True)
+            implementation = {"fused": True} if device.type == "cuda" else {"foreach": True}
+            return torch.optim.AdamW(groups, lr=config.lr, weight_decay=config.weight_decay,
+                                     betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                                     **implementation)
+        return torch.optim.SGD(groups, lr=config.lr, weight_decay=config.weight_decay,
+                               momentum=config.sgd_momentum, foreach=True)
+
+    return build
+
+
+def _grad_scaler(config, device):
+    if not config.fp16:
+        return None
+    if config.loss_scale is not None:
+        return ConstantGradScaler(config.loss_scale, device=device)
+    return DynamicGradScaler(
+        initial_scale=config.initial_loss_scale,
+        min_scale=config.min_loss_scale,
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        growth_interval=config.loss_scale_window,
+        hysteresis=config.hysteresis,
+        device=device,
+    )
+
+
+def _communication_groups(model_chunks, use_distributed_optimizer):
+    """(grad_stats_groups, found_inf_groups): model-parallel group plus the relevant data-parallel group."""
+    from megatron.core import parallel_state
+
+    initialized = parallel_state.model_parallel_is_initialized()
+    model_parallel = [parallel_state.get_model_parallel_group()] if initialized else []
+    ddp_groups = getattr(model_chunks[0], "groups", None)
+    if ddp_groups is not None:
+        data_parallel, shard_group = ddp_groups.data_parallel_group, ddp_groups.shard_group
+    elif initialized:
+        data_parallel = shard_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    else:
+        data_parallel = shard_group = None
+    grad_stats = model_parallel + ([shard_group] if use_distributed_optimizer and shard_group is not None else [])
+    found_inf = model_parallel + ([data_parallel] if data_parallel is not None else [])
+    return grad_stats, found_inf
+
+
+def get_megatron_optimizer(config: OptimizerConfig, model_chunks, no_weight_decay_cond=None, scale_lr_cond=None,
+                           lr_mult=1.0):
+    """Build the optimizer for `model_chunks` (DDP-wrapped or plain modules) as `config` asks."""
+    if isinstance(model_chunks, torch.nn.Module):
+        model_chunks = [model_chunks]
+    param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult)
+    all_params = [param for group in param_groups for param in group["params"]]
+    device = all_params[0].device if all_params else torch.device("cpu")
+    factory = _torch_optimizer_factory(config, device)
+    grad_scaler = _grad_scaler(config, device)
+    grad_stats_groups, found_inf_groups = _communication_groups(model_chunks, config.use_distributed_optimizer)
+
+    if config.use_distributed_optimizer:
+        return DistributedOptimizer(param_groups, factory, config, model_chunks, grad_scaler, grad_stats_groups,
+                                    found_inf_groups)
+    has_half_params = any(param.dtype in (torch.float16, torch.bfloat16) for param in all_params)
+    if config.fp16 or config.bf16 or has_half_params:
+        return Float16Optimizer(param_groups, factory, config, grad_scaler, grad_stats_groups, found_inf_groups)
+    return FP32Optimizer(factory(param_groups), config, None, grad_stats_groups, found_inf_groups)

@@ -1,0 +1,189 @@
+"""`DistributedOptimizer`: ZeRO-1 over the data-parallel group, on top of DDP's flat buffers.
+
+DDP (with `use_distributed_optimizer=True`) lays out parameters and gradients in flat buffers whose buckets
+are split evenly over the shard group (see param_and_grad_buffer.py). This optimizer keeps fp32 main
+parameters and optimizer state only for the elements this rank owns. A step reads the reduced gradient shard
+from the grad buffer, unscales/clips it (norms are summed over the model-parallel and shard groups), steps,
+writes the updated shard into the parameter buffer and all-gathers the buffer (asynchronously with
+`overlap_param_gather`, completed per module in the next forward).
+
+Checkpoints: `state_dict()` holds this rank's shards and can be loaded back on the same data-parallel layout.
+`gathered_state_dict()` assembles full, unsharded tensors per parameter (a collective; every rank gets the
+same result) and `load_gathered_state_dict()` takes the local shard out of it, so it moves across DP sizes.
+"""
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.device_utils import get_current_device
+from megatron.core.optimizer.optimizer import MegatronOptimizer, copy_parallel_attributes
+
+
+class _ParamShard:
+    """The elements `[param_start, param_end)` of `model_param` owned by this rank, and their main copy."""
+
+    def __init__(self, model_param, buffer, param_start, param_end, buffer_start):
+        self.model_param = model_param
+        self.buffer = buffer
+        self.param_start = param_start
+        self.param_end = param_end
+        self.buffer_start = buffer_start
+        flat = model_param.detach().reshape(-1)[param_start:param_end]
+        self.main_param = torch.nn.Parameter(flat.clone().float())
+        copy_parallel_attributes(model_param, self.main_param)
+
+    def grad_view(self):
+        return self.model_param.main_grad.reshape(-1)[self.param_start:self.param_end]
+
+    def param_buffer_view(self):
+        return self.buffer.param_data[self.buffer_start:self.buffer_start + self.param_end - self.param_start]
+
+
+class DistributedOptimizer(MegatronOptimizer):
+    """Shards main parameters and optimizer state of `model_chunks` (DDP modules) over their shard groups."""
+
+    def __init__(self, param_groups, optimizer_factory, config, model_chunks, grad_scaler=None,
+                 grad_stats_groups=None, found_inf_groups=None):
+        self.model_chunks = list(model_chunks)
+        param_to_buffer = {}
+        for chunk in self.model_chunks:
+            if not getattr(chunk, "ddp_config", None) or not chunk.ddp_config.use_distributed_optimizer:
+                raise ValueError(
+                    "DistributedOptimizer needs every model chunk wrapped in DistributedDataParallel with "
+                    "DistributedDataParallelConfig(use_distributed_optimizer=True)."
+                )
+            for buffer in chunk.buffers:
+                param_to_buffer.update({param: buffer for param in buffer.params})
+
+        self._model_params = []
+        self._shards = []
+        main_groups = []
+        for group in param_groups:
+            main_group_params = []
+            for param in group["params"]:
+                self._model_params.append(param)
+                buffer = param_to_buffer[param]
+                ranges = buffer.local_shard_ranges(param)
+                if ranges is None:
+                    continue
+                shard = _ParamShard(param, buffer, *ranges)
+                self._shards.append(shard)
+                main_group_params.append(shard.main_param)
+            main_groups.append({**group, "params": main_group_params})
+        super().__init__(optimizer_factory(main_groups), config, grad_scaler, grad_stats_groups, found_inf_groups)
+
+    def model_params(self):
+        return list(self._model_params)
+
+    def _copy_model_grads_to_main_grads(self):
+        for shard in self._shards:
+            shard.main_param.grad = shard.grad_view().float()
+        for param in self._model_params:
+            param.grad = None
+
+    @torch.no_grad()
+    def _copy_main_params_to_model_params(self):
+        for shard in self._shards:
+            shard.param_buffer_view().copy_(shard.main_param)
+        for chunk in self.model_chunks:
+            chunk.start_param_sync()
+
+    # ---- checkpoints --------------------------------------------------------------------------------------------
+    def _layout_signature(self):
+        index_of = {id(param): index for index, param in enumerate(self._model_params)}
+        return [(index_of[id(shard.model_param)], shard.param_start, shard.param_end) for shard in self._shards]
+
+    def state_dict(self):
+        state = super().state_dict()
+        state["fp32_main_params"] = [shard.main_param.detach().clone() for shard in self._shards]
+        state["shard_layout"] = self._layout_signature()
+        return state
+
+    def load_state_dict(self, state_dict):
+        if state_dict.get("shard_layout") != self._layout_signature():
+            raise ValueError(
+                "DistributedOptimizer.load_state_dict: the checkpoint was sharded differently (another data-parallel "
+                "size or model layout); save it with gathered_state_dict() and load with load_gathered_state_dict()."
+            )
+        super().load_state_dict(state_dict)
+        with torch.no_grad():
+            for shard, saved in zip(self._shards, state_dict["fp32_main_params"], strict=True):
+                shard.main_param.copy_(saved)
+        self._copy_main_params_to_model_params()
+
+    def gathered_state_dict(self):
+        """Full fp32 main params and optimizer state per model parameter (in param-group order); collective."""
+        shard_of = {id(shard.model_param): shard for shard in self._shards}
+        param_states = []
+        for param in self._model_params:
+            shard = shard_of.get(id(param))
+            local = {"main_param": None if shard is None else shard.main_param.detach()}
+            if shard is not None:
+                for key, value in self.optimizer.state.get(shard.main_param, {}).items():
+                    if key != "step" and torch.is_tensor(value) and value.shape == shard.main_param.shape:
+                        local[key] = value.detach()
+            keys = sorted(key for key in local if local[key] is not None)
+            param_states.append(self._assemble(param, shard, keys))
+        return {
+            "param_states": param_states,
+            "step": self._local_step(),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+            "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
+        }
+
+    def _assemble(self, param, shard, keys):
+        group = self._shard_group_of(param)
+        # Ranks may own different state keys for a parameter (or none at all): agree on the union first.
+        gathered_keys = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered_keys, keys, group=group)
+        all_keys = sorted({key for rank_keys in gathered_keys for key in rank_keys})
+        full = {}
+        for key in all_keys:
+            flat = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+            if shard is not None:
+                source = shard.main_param if key == "main_param" else self.optimizer.state[shard.main_param][key]
+                flat[shard.param_start:shard.param_end] = source.detach().float()
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(flat, group=group)
+            full[key] = flat.view(param.shape).cpu()
+        return full
+
+    def _shard_group_of(self, param):
+        for chunk in self.model_chunks:
+            for buffer in chunk.buffers:
+                if param in buffer.param_index_map:
+                    return buffer.groups.shard_group
+        raise KeyError("parameter not found in any DDP buffer")
+
+    def _local_step(self):
+        """The optimizer's step count; ranks owning no elements ask the others."""
+        steps = [float(state["step"]) for state in self.optimizer.state.values() if "step" in state]
+        step = torch.tensor([max(steps, default=0.0)])
+        if dist.is_initialized():
+            step = step.to(get_current_device())
+            dist.all_reduce(step, op=dist.ReduceOp.MAX)
+        return step.item()
+
+    def load_gathered_state_dict(self, state_dict):
+        """Take this rank's shards out of `gathered_state_dict()` output (saved at any DP size)."""
+        param_states = state_dict["param_states"]
+        if len(param_states) != len(self._model_params):
+            raise ValueError(
+                f"load_gathered_state_dict: checkpoint has {len(param_states)} parameters, model has "
+                f"{len(self._model_params)}."
+            )
+        index_of = {id(param): index for index, param in enumerate(self._model_params)}
+        with torch.no_grad():
+            for shard in self._shards:
+                full = param_states[index_of[id(shard.model_param)]]
+                local = {key: value.reshape(-1)[shard.param_start:shard.param_end] for key, value in full.items()}
+                shard.main_param.copy_(local.pop("main_param"))
+                state = self.optimizer.state[shard.main_param]
+                for key, value in local.items():
+                    state[key] = value.to(shard.main_param.device).clone()
+                state["step"] = torch.tensor(float(state_dict["step"]))
+        for group, saved in zip(self.optimizer.param_groups, state_dict["param_groups"], strict=True):
+            group.update(saved)
+        if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        self._copy_main_params_to_model_params()

@@ -1,0 +1,221 @@
+"""Optimizer wrappers: one step = gather grads into main grads, unscale, clip, step, write params back.
+
+`MegatronOptimizer` owns that sequence; subclasses only say what the *main* parameters are and how gradients
+and weights travel between them and the model:
+- `FP32Optimizer`: the model parameters are the main parameters;
+- `Float16Optimizer`: fp32 copies of bf16/fp16 model parameters (fp16 adds a loss scaler and skips steps
+  whose gradients overflowed);
+- `DistributedOptimizer` (distrib_optimizer.py): fp32 copies of this rank's data-parallel shard only.
+Gradients are read from `param.main_grad` (the DDP buffer view) when the model is wrapped in DDP, else from
+`param.grad`.
+"""
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.optimizer.clip_grads import (
+    clip_grad_by_total_norm_fp32,
+    count_zeros_fp32,
+    default_grad_stats_groups,
+    get_grad_norm_fp32,
+    grads_for_grad_stats,
+)
+
+# Attributes that decide how a parameter is counted in the global grad norm; main copies inherit them.
+PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared_embedding",
+                       "sequence_parallel", "allreduce")
+
+
+def copy_parallel_attributes(source, destination):
+    for name in PARALLEL_ATTRIBUTES:
+        if hasattr(source, name):
+            setattr(destination, name, getattr(source, name))
+
+
+def model_grad(param):
+    """The accumulated gradient of a model parameter: the DDP buffer view if there is one."""
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if main_grad is not None else param.grad
+
+
+class MegatronOptimizer:
+    """Common step logic around a `torch.optim.Optimizer` that steps on `main_params()`.
+
+    `found_inf_groups`: groups over which an fp16 overflow is agreed on (model-parallel and data-parallel),
+    so that every rank skips the same steps. `grad_stats_groups`: groups over which gradient norms and zero
+    counts are summed.
+    """
+
+    def __init__(self, optimizer, config, grad_scaler=None, grad_stats_groups=None, found_inf_groups=None):
+        self.optimizer = optimizer
+        self.config = config
+        self.grad_scaler = grad_scaler
+        self.grad_stats_groups = default_grad_stats_groups() if grad_stats_groups is None else grad_stats_groups
+        self.found_inf_groups = self.grad_stats_groups if found_inf_groups is None else found_inf_groups
+
+    # ---- what subclasses define -------------------------------------------------------------------------
+    def main_params(self):
+        return [param for group in self.optimizer.param_groups for param in group["params"]]
+
+    def _copy_model_grads_to_main_grads(self):
+        raise NotImplementedError
+
+    def _copy_main_params_to_model_params(self):
+        raise NotImplementedError
+
+    def model_params(self):
+        raise NotImplementedError
+
+    # ---- public API ----------------------------------------------------------------------------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def get_lr(self):
+        return self.optimizer.param_groups[0]["lr"]
+
+    def get_loss_scale(self):
+        if self.grad_scaler is None:
+            return torch.tensor(1.0)
+        return self.grad_scaler.scale
+
+    def scale_loss(self, loss):
+        return loss * self.get_loss_scale().to(loss.device)
+
+    def zero_grad(self, set_to_none=True):
+        for param in self.model_params() + self.main_params():
+            if set_to_none:
+                param.grad = None
+            elif param.grad is not None:
+                param.grad.detach_()
+                param.grad.zero_()
+
+    def main_grads_for_grad_stats(self):
+        return grads_for_grad_stats(self.main_params())
+
+    def get_grad_norm(self):
+        return get_grad_norm_fp32(self.main_grads_for_grad_stats(), 2.0, self.grad_stats_groups, self._device())
+
+    def clip_grad_norm(self, clip_grad):
+        grad_norm = self.get_grad_norm()
+        if clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32([param.grad for param in self.main_params()], clip_grad, grad_norm)
+        return grad_norm
+
+    def count_zeros(self):
+        return count_zeros_fp32(self.main_grads_for_grad_stats(), self.grad_stats_groups, self._device())
+
+    def _device(self):
+        params = self.main_params()
+        return params[0].device if params else torch.device("cpu")
+
+    def _unscale_main_grads_and_check_for_nan(self):
+        """Divide main grads by the loss scale; True on every rank if any rank saw inf/nan."""
+        found_inf = torch.zeros(1, dtype=torch.float32, device=self._device())
+        grads = [param.grad for param in self.main_params() if param.grad is not None]
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                grads, found_inf, self.grad_scaler.inv_scale.to(found_inf.device)
+            )
+        for group in self.found_inf_groups:
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+        return found_inf.item() > 0
+
+    @torch.no_grad()
+    def step(self):
+        """Returns `(update_successful, grad_norm, num_zeros_in_grad)`; fp16 overflow skips the update."""
+        self._copy_model_grads_to_main_grads()
+        if self.grad_scaler is not None:
+            found_inf = self._unscale_main_grads_and_check_for_nan()
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                return False, None, None
+        grad_norm = self.clip_grad_norm(self.config.clip_grad)
+        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+        self.optimizer.step()
+        self._copy_main_params_to_model_params()
+        return True, grad_norm, num_zeros
+
+    def state_dict(self):
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict):
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+
+
+class FP32Optimizer(MegatronOptimizer):
+    """The model's fp32 parameters are stepped directly; DDP main grads are handed over as `.grad`."""
+
+    def model_params(self):
+        return self.main_params()
+
+    def _copy_model_grads_to_main_grads(self):
+        for param in self.main_params():
+            main_grad = getattr(param, "main_grad", None)
+            if main_grad is not None:
+                param.grad = main_grad if main_grad.dtype == param.dtype else main_grad.to(param.dtype)
+
+    def _copy_main_params_to_model_params(self):
+        pass
+
+
+class Float16Optimizer(MegatronOptimizer):
+    """bf16/fp16 model parameters get fp32 main copies; fp32 model parameters are stepped directly.
+
+    Build it with the model's param groups; `optimizer_factory(groups)` receives the same groups with the
+    half-precision parameters replaced by their fp32 main copies.
+    """
+
+    def __init__(self, param_groups, optimizer_factory, config, grad_scaler=None, grad_stats_groups=None,
+                 found_inf_groups=None):
+        self._model_and_main = []  # (model param, main param); the same object twice for fp32 params
+        main_groups = []
+        for group in param_groups:
+            main_group_params = []
+            for param in group["params"]:
+                if param.dtype in (torch.float16, torch.bfloat16):
+                    main_param = torch.nn.Parameter(param.detach().clone().float())
+                    copy_parallel_attributes(param, main_param)
+                else:
+                    main_param = param
+                self._model_and_main.append((param, main_param))
+                main_group_params.append(main_param)
+            main_groups.append({**group, "params": main_group_params})
+        super().__init__(optimizer_factory(main_groups), config, grad_scaler, grad_stats_groups, found_inf_groups)
+
+    def model_params(self):
+        return [model_param for model_param, _ in self._model_and_main]
+
+    def _copy_model_grads_to_main_grads(self):
+        for model_param, main_param in self._model_and_main:
+            grad = model_grad(model_param)
+            main_param.grad = None if grad is None else grad.float()
+            if model_param is not main_param:
+                model_param.grad = None
+
+    def _copy_main_params_to_model_params(self):
+        for model_param, main_param in self._model_and_main:
+            if model_param is not main_param:
+                model_param.data.copy_(main_param.data)
+
+    def state_dict(self):
+        state = super().state_dict()
+        state["fp32_main_params"] = [main_param.detach().clone() for _, main_param in self._model_and_main]
+        return state
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        with torch.no_grad():
+            for (_, main_param), saved in zip(self._model_and_main, state_dict["fp32_main_params"], strict=True):
+                main_param.copy_(saved)
+            self._copy_main_params_to_model_params()

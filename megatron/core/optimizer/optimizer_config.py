@@ -1,0 +1,91 @@
+"""`OptimizerConfig`: what to optimize with, at which precision, and how to scale and clip gradients."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+SUPPORTED_OPTIMIZERS = ("adam", "sgd")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Settings read by `get_megatron_optimizer`; validated once, at construction."""
+
+    optimizer: str = "adam"
+    """`adam` (AdamW: decoupled weight decay) or `sgd` (with momentum)."""
+
+    lr: Optional[float] = None
+    """Peak learning rate. The scheduler overwrites the optimizer's lr every step from this value."""
+
+    min_lr: Optional[float] = None
+    """Learning rate at the end of decay (None: 0)."""
+
+    weight_decay: float = 0.01
+    """Decoupled weight decay for weights with two or more dimensions; biases and norms get none."""
+
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+
+    clip_grad: float = 1.0
+    """Clip the global L2 norm of the gradients to this value; 0 disables clipping."""
+
+    bf16: bool = False
+    """The model's parameters are bf16: keep fp32 main parameters, no loss scaling."""
+
+    fp16: bool = False
+    """The model's parameters are fp16: keep fp32 main parameters and scale the loss."""
+
+    params_dtype: torch.dtype = torch.float32
+
+    loss_scale: Optional[float] = None
+    """Static loss scale for fp16; None selects dynamic loss scaling."""
+
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    """Steps without overflow after which the dynamic loss scale doubles."""
+
+    hysteresis: int = 2
+    """Overflowing steps tolerated before the dynamic loss scale is halved."""
+
+    use_distributed_optimizer: bool = False
+    """Shard the fp32 main parameters and optimizer state over the data-parallel group (ZeRO-1)."""
+
+    log_num_zeros_in_grad: bool = False
+    """Count zero gradient entries each step (returned by `step()`)."""
+
+    def __post_init__(self):
+        if self.optimizer not in SUPPORTED_OPTIMIZERS:
+            raise ValueError(f"OptimizerConfig.optimizer={self.optimizer!r}: choose one of {SUPPORTED_OPTIMIZERS}.")
+        if self.lr is None or self.lr < 0:
+            raise ValueError(f"OptimizerConfig.lr={self.lr!r}: set a non-negative peak learning rate (--lr).")
+        if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
+            raise ValueError(
+                f"OptimizerConfig.min_lr={self.min_lr} must lie in [0, lr={self.lr}]: lower --min-lr or raise --lr."
+            )
+        if self.fp16 and self.bf16:
+            raise ValueError("OptimizerConfig: fp16 and bf16 are exclusive; pick one of --fp16 / --bf16.")
+        if self.weight_decay < 0:
+            raise ValueError(f"OptimizerConfig.weight_decay={self.weight_decay} must be >= 0.")
+        for name in ("adam_beta1", "adam_beta2", "sgd_momentum"):
+            value = getattr(self, name)
+            if not 0 <= value < 1:
+                raise ValueError(f"OptimizerConfig.{name}={value} must lie in [0, 1).")
+        if self.adam_eps <= 0:
+            raise ValueError(f"OptimizerConfig.adam_eps={self.adam_eps} must be > 0.")
+        if self.clip_grad < 0:
+            raise ValueError(f"OptimizerConfig.clip_grad={self.clip_grad} must be >= 0 (0 disables clipping).")
+        if self.loss_scale is not None and self.loss_scale <= 0:
+            raise ValueError(f"OptimizerConfig.loss_scale={self.loss_scale} must be > 0, or None for dynamic scaling.")
+        if not 0 < self.min_loss_scale <= self.initial_loss_scale:
+            raise ValueError(
+                f"OptimizerConfig: need 0 < min_loss_scale ({self.min_loss_scale}) <= initial_loss_scale "
+                f"({self.initial_loss_scale})."
+            )
+        if self.loss_scale_window < 1:
+            raise ValueError(f"OptimizerConfig.loss_scale_window={self.loss_scale_window} must be >= 1.")
+        if self.hysteresis < 1:
+            raise ValueError(f"OptimizerConfig.hysteresis={self.hysteresis} must be >= 1.")

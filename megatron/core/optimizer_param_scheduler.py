@@ -1,0 +1,128 @@
+"""`OptimizerParamScheduler`: learning-rate warmup and decay, and weight-decay increase, set on the optimizer.
+
+Learning rate at step `n` (warmup `W`, decay end `D`):
+- `n <= W` (W > 0): linear from `init_lr` to `max_lr`;
+- `constant`: `max_lr` after warmup;
+- `n > D`: `min_lr`;
+- otherwise, with `r = (n - W) / (D - W)`: `min_lr + c(r) * (max_lr - min_lr)` where `c = 1 - r` (linear),
+  `c = (cos(pi * r) + 1) / 2` (cosine), or `c = sqrt(max(W, 1)) / sqrt(max(n, 1))` (inverse-square-root,
+  which has no end and ignores D).
+Weight decay goes from `start_wd` to `end_wd` over `wd_incr_steps` (constant | linear | cosine).
+Each param group receives `lr * group["lr_mult"]` and `wd * group["wd_mult"]` (both default 1); a group may
+override `max_lr`/`min_lr`.
+"""
+
+import math
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+WD_INCR_STYLES = ("constant", "linear", "cosine")
+
+# Saved in state_dict; checked against the constructor's arguments on load.
+_CHECKED_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "start_wd", "end_wd",
+                 "wd_incr_steps", "wd_incr_style")
+
+
+class OptimizerParamScheduler:
+    """Sets `lr` and `weight_decay` of every param group of `optimizer` from the step count."""
+
+    def __init__(self, optimizer, init_lr, max_lr, min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style,
+                 start_wd, end_wd, wd_incr_steps, wd_incr_style, use_checkpoint_opt_param_scheduler=True,
+                 override_opt_param_scheduler=False):
+        self.optimizer = optimizer
+        self.init_lr = float(init_lr)
+        self.max_lr = float(max_lr)
+        self.min_lr = float(min_lr)
+        self.lr_warmup_steps = int(lr_warmup_steps)
+        self.lr_decay_steps = int(lr_decay_steps)
+        self.lr_decay_style = lr_decay_style
+        self.start_wd = float(start_wd)
+        self.end_wd = float(end_wd)
+        self.wd_incr_steps = int(wd_incr_steps)
+        self.wd_incr_style = wd_incr_style
+        self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
+        self.override_opt_param_scheduler = override_opt_param_scheduler
+        self.num_steps = 0
+        self._validate()
+        self.step(0)
+
+    def _validate(self):
+        if not 0.0 <= self.min_lr <= self.max_lr:
+            raise ValueError(f"OptimizerParamScheduler: need 0 <= min_lr ({self.min_lr}) <= max_lr ({self.max_lr}).")
+        if self.init_lr < 0 or self.init_lr > self.max_lr:
+            raise ValueError(f"OptimizerParamScheduler: need 0 <= init_lr ({self.init_lr}) <= max_lr ({self.max_lr}).")
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"OptimizerParamScheduler: lr_decay_style={self.lr_decay_style!r}; choose from {LR_DECAY_STYLES}.")
+        if self.lr_decay_steps <= 0:
+            raise ValueError(f"OptimizerParamScheduler: lr_decay_steps={self.lr_decay_steps} must be > 0 (--lr-decay-iters).")
+        if self.lr_warmup_steps < 0 or self.lr_warmup_steps >= self.lr_decay_steps:
+            raise ValueError(
+                f"OptimizerParamScheduler: lr_warmup_steps={self.lr_warmup_steps} must lie in [0, lr_decay_steps="
+                f"{self.lr_decay_steps}); lower --lr-warmup-iters or raise --lr-decay-iters."
+            )
+        if self.wd_incr_style not in WD_INCR_STYLES:
+            raise ValueError(f"OptimizerParamScheduler: wd_incr_style={self.wd_incr_style!r}; choose from {WD_INCR_STYLES}.")
+        if self.start_wd < 0 or self.end_wd < self.start_wd:
+            raise ValueError(f"OptimizerParamScheduler: need 0 <= start_wd ({self.start_wd}) <= end_wd ({self.end_wd}).")
+        if self.wd_incr_style == "constant" and self.start_wd != self.end_wd:
+            raise ValueError("OptimizerParamScheduler: wd_incr_style='constant' needs start_wd == end_wd.")
+        if self.wd_incr_style != "constant" and self.wd_incr_steps <= 0:
+            raise ValueError(f"OptimizerParamScheduler: wd_incr_steps={self.wd_incr_steps} must be > 0.")
+
+    def get_wd(self):
+        if self.wd_incr_style == "constant" or self.num_steps > self.wd_incr_steps:
+            return self.end_wd
+        ratio = self.num_steps / self.wd_incr_steps
+        if self.wd_incr_style == "linear":
+            coeff = ratio
+        else:
+            coeff = 0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0)
+        return self.start_wd + coeff * (self.end_wd - self.start_wd)
+
+    def get_lr(self, param_group=None):
+        param_group = param_group or {}
+        max_lr = param_group.get("max_lr", self.max_lr)
+        min_lr = param_group.get("min_lr", self.min_lr)
+        warmup, steps = self.lr_warmup_steps, self.num_steps
+        if warmup > 0 and steps <= warmup:
+            return self.init_lr + (max_lr - self.init_lr) * steps / warmup
+        if self.lr_decay_style == "constant":
+            return max_lr
+        if self.lr_decay_style == "inverse-square-root":
+            return max(min_lr, max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(max(steps, 1)))
+        if steps > self.lr_decay_steps:
+            return min_lr
+        ratio = (steps - warmup) / (self.lr_decay_steps - warmup)
+        if self.lr_decay_style == "linear":
+            coeff = 1.0 - ratio
+        else:
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        return min_lr + coeff * (max_lr - min_lr)
+
+    def step(self, increment=1):
+        self.num_steps += increment
+        new_wd = self.get_wd()
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.get_lr(group) * group.get("lr_mult", 1.0)
+            group["weight_decay"] = new_wd * group.get("wd_mult", 1.0)
+
+    def state_dict(self):
+        return {"num_steps": self.num_steps, **{key: getattr(self, key) for key in _CHECKED_KEYS}}
+
+    def _checked(self, name, current, saved):
+        """The value to use for `name`: ours with override, else the checkpoint's (must match unless trusted)."""
+        if self.override_opt_param_scheduler:
+            return current
+        if not self.use_checkpoint_opt_param_scheduler and current != saved:
+            raise ValueError(
+                f"OptimizerParamScheduler: {name} is {current} but the checkpoint has {saved}; pass "
+                "override_opt_param_scheduler=True to keep the new value or use_checkpoint_opt_param_scheduler=True "
+                "to take the checkpoint's."
+            )
+        return saved
+
+    def load_state_dict(self, state_dict):
+        for key in _CHECKED_KEYS:
+            if key in state_dict:
+                setattr(self, key, self._checked(key, getattr(self, key), state_dict[key]))
+        self.num_steps = 0
+        self.step(increment=state_dict["num_steps"])

@@ -1,0 +1,231 @@
+"""Point-to-point transfers between adjacent pipeline stages: activations forward, their gradients backward.
+
+Every exchange posts all of its sends and receives at once with `torch.distributed.batch_isend_irecv` and
+waits for all of them before returning, so two stages that call matching functions (`send_forward` here,
+`recv_forward` on the next stage; `send_forward_recv_backward` here, `send_backward_recv_forward` there)
+never wait on each other in the wrong order, on gloo as on NCCL. Receive buffers are allocated from the shape
+known up front (`[seq_length, micro_batch_size, hidden_size]`, the sequence split over context-parallel ranks
+and, with sequence parallelism, over tensor-parallel ranks); with `variable_seq_lengths` the shapes are
+exchanged first. Peers are the global ranks of the next and previous pipeline stage.
+"""
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.device_utils import get_device_for_group
+from megatron.core.pipeline_parallel.model_access import schedule_setting
+
+SHAPE_RANK = 3  # activations between stages are [sequence, batch, hidden]
+
+
+def pipeline_dtype(config):
+    """The dtype of tensors sent between stages: `pipeline_dtype`, else `params_dtype`, else float32."""
+    dtype = schedule_setting(config, "pipeline_dtype")
+    if dtype is None:
+        dtype = schedule_setting(config, "params_dtype") or torch.float32
+    return dtype
+
+
+def activation_shape(*, seq_length, micro_batch_size, config):
+    """The shape of one microbatch's activation (and its gradient) as it travels between stages."""
+    hidden_size = schedule_setting(config, "hidden_size")
+    if hidden_size is None:
+        raise ValueError(
+            "pipeline parallelism needs the activation shape: give the model a config with hidden_size "
+            "(model.config.hidden_size)"
+        )
+    local_seq_length = seq_length
+    context_parallel_size = parallel_state.get_context_parallel_world_size()
+    if schedule_setting(config, "sequence_parallel"):
+        local_seq_length_divisor = context_parallel_size * parallel_state.get_tensor_model_parallel_world_size()
+    else:
+        local_seq_length_divisor = context_parallel_size
+    if seq_length % local_seq_length_divisor != 0:
+        raise ValueError(
+            f"seq_length {seq_length} must be divisible by {local_seq_length_divisor} (the context-parallel size, "
+            "times the tensor-parallel size with --sequence-parallel)"
+        )
+    local_seq_length //= local_seq_length_divisor
+    return (local_seq_length, micro_batch_size, hidden_size)
+
+
+def _check_outgoing(tensor, expected_shape, dtype, what):
+    if tensor.dtype != dtype:
+        raise TypeError(
+            f"{what} has dtype {tensor.dtype} but pipeline stages exchange {dtype}; set the config's "
+            "pipeline_dtype to the dtype the stages produce"
+        )
+    if expected_shape is not None and tuple(tensor.shape) != tuple(expected_shape):
+        raise ValueError(
+            f"{what} has shape {tuple(tensor.shape)} but the receiving stage expects {tuple(expected_shape)} "
+            "([seq_length, micro_batch_size, hidden_size]); set variable_seq_lengths=True in the config if "
+            "shapes change between microbatches"
+        )
+
+
+def _run_batched_p2p(*, send_prev, recv_prev, send_next, recv_next):
+    """Post every given send/receive at once on the pipeline group, then wait for all of them."""
+    group = parallel_state.get_pipeline_model_parallel_group()
+    prev_rank = parallel_state.get_pipeline_model_parallel_prev_rank()
+    next_rank = parallel_state.get_pipeline_model_parallel_next_rank()
+    operations = []
+    if send_prev is not None:
+        operations.append(dist.P2POp(dist.isend, send_prev, prev_rank, group))
+    if recv_prev is not None:
+        operations.append(dist.P2POp(dist.irecv, recv_prev, prev_rank, group))
+    if send_next is not None:
+        operations.append(dist.P2POp(dist.isend, send_next, next_rank, group))
+    if recv_next is not None:
+        operations.append(dist.P2POp(dist.irecv, recv_next, next_rank, group))
+    if not operations:
+        return
+    for request in dist.batch_isend_irecv(operations):
+        request.wait()
+
+
+def _exchange_shapes(*, tensor_send_next, tensor_send_prev, recv_prev, recv_next, device):
+    """With variable sequence lengths the receiver learns each tensor's shape in a first, small exchange."""
+
+    def shape_of(tensor):
+        return None if tensor is None else torch.tensor(tensor.shape, dtype=torch.int64, device=device)
+
+    def shape_buffer(wanted):
+        return torch.empty(SHAPE_RANK, dtype=torch.int64, device=device) if wanted else None
+
+    recv_prev_shape, recv_next_shape = shape_buffer(recv_prev), shape_buffer(recv_next)
+    _run_batched_p2p(
+        send_prev=shape_of(tensor_send_prev),
+        recv_prev=recv_prev_shape,
+        send_next=shape_of(tensor_send_next),
+        recv_next=recv_next_shape,
+    )
+    as_shape = lambda shape: None if shape is None else tuple(shape.tolist())  # noqa: E731
+    return as_shape(recv_prev_shape), as_shape(recv_next_shape)
+
+
+def _communicate(*, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape, config):
+    """One exchange with the neighbouring stages; returns (tensor from prev, tensor from next), None if not asked.
+
+    The tensor received from the previous stage is an activation the local backward differentiates with
+    respect to, so it comes back as a leaf with requires_grad=True; gradients from the next stage do not.
+    """
+    group = parallel_state.get_pipeline_model_parallel_group()
+    device = get_device_for_group(group)
+    dtype = pipeline_dtype(config)
+    variable_shapes = schedule_setting(config, "variable_seq_lengths")
+    expected_shape = None if variable_shapes else tensor_shape
+    if tensor_send_next is not None:
+        _check_outgoing(tensor_send_next, expected_shape, dtype, "the activation sent to the next stage")
+        tensor_send_next = tensor_send_next.detach().contiguous()
+    if tensor_send_prev is not None:
+        _check_outgoing(tensor_send_prev, expected_shape, dtype, "the gradient sent to the previous stage")
+        tensor_send_prev = tensor_send_prev.detach().contiguous()
+
+    if variable_shapes:
+        recv_prev_shape, recv_next_shape = _exchange_shapes(
+            tensor_send_next=tensor_send_next,
+            tensor_send_prev=tensor_send_prev,
+            recv_prev=recv_prev,
+            recv_next=recv_next,
+            device=device,
+        )
+    else:
+        recv_prev_shape = recv_next_shape = tensor_shape
+    tensor_recv_prev = torch.empty(recv_prev_shape, dtype=dtype, device=device) if recv_prev else None
+    tensor_recv_next = torch.empty(recv_next_shape, dtype=dtype, device=device) if recv_next else None
+
+    _run_batched_p2p(
+        send_prev=tensor_send_prev, recv_prev=tensor_recv_prev, send_next=tensor_send_next, recv_next=tensor_recv_next
+    )
+    if tensor_recv_prev is not None:
+        tensor_recv_prev.requires_grad_()
+    return tensor_recv_prev, tensor_recv_next
+
+
+def recv_forward(tensor_shape, config):
+    """The activation from the previous stage (None on the first stage)."""
+    if parallel_state.is_pipeline_first_stage():
+        return None
+    received, _ = _communicate(
+        tensor_send_next=None,
+        tensor_send_prev=None,
+        recv_prev=True,
+        recv_next=False,
+        tensor_shape=tensor_shape,
+        config=config,
+    )
+    return received
+
+
+def recv_backward(tensor_shape, config):
+    """The gradient of this stage's output from the next stage (None on the last stage)."""
+    if parallel_state.is_pipeline_last_stage():
+        return None
+    _, received = _communicate(
+        tensor_send_next=None,
+        tensor_send_prev=None,
+        recv_prev=False,
+        recv_next=True,
+        tensor_shape=tensor_shape,
+        config=config,
+    )
+    return received
+
+
+def send_forward(output_tensor, config, tensor_shape=None):
+    """Send this stage's activation to the next stage (nothing on the last stage)."""
+    if parallel_state.is_pipeline_last_stage():
+        return
+    _communicate(
+        tensor_send_next=output_tensor,
+        tensor_send_prev=None,
+        recv_prev=False,
+        recv_next=False,
+        tensor_shape=tensor_shape,
+        config=config,
+    )
+
+
+def send_backward(input_tensor_grad, config, tensor_shape=None):
+    """Send the gradient of this stage's input to the previous stage (nothing on the first stage)."""
+    if parallel_state.is_pipeline_first_stage():
+        return
+    _communicate(
+        tensor_send_next=None,
+        tensor_send_prev=input_tensor_grad,
+        recv_prev=False,
+        recv_next=False,
+        tensor_shape=tensor_shape,
+        config=config,
+    )
+
+
+def send_forward_recv_backward(output_tensor, tensor_shape, config):
+    """Send the activation to the next stage and receive its gradient in the same exchange."""
+    if parallel_state.is_pipeline_last_stage():
+        return None
+    _, output_tensor_grad = _communicate(
+        tensor_send_next=output_tensor,
+        tensor_send_prev=None,
+        recv_prev=False,
+        recv_next=True,
+        tensor_shape=tensor_shape,
+        config=config,
+    )
+    return output_tensor_grad
+
+
+def send_backward_recv_forward(input_tensor_grad, tensor_shape, config):
+    """Send the input gradient to the previous stage and receive its next activation in the same exchange."""
+    if parallel_state.is_pipeline_first_stage():
+        return None
+    input_tensor, _ = _communicate(
+        tensor_send_next=None,
+        tensor_send_prev=input_tensor_grad,
+        recv_prev=True,
+        recv_next=False,
+        tensor_shape=tensor_shape,
+        config=config,
+    )
+    return input_tensor

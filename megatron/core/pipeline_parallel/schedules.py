@@ -1,0 +1,352 @@
+"""Forward/backward schedules over the microbatches of one global batch.
+
+`get_forward_backward_func()` picks the schedule for this rank's pipeline layout:
+- `forward_backward_no_pipelining` (one stage): forward and backward each microbatch in turn, accumulating
+  gradients;
+- `forward_backward_pipelining_without_interleaving` (several stages, one model chunk each): the 1F1B
+  schedule. Stage `r` of `p` first runs `p - r - 1` warm-up forwards, then alternates one forward with one
+  backward, then drains the remaining backwards, so at most `p - r` microbatches' activations are alive.
+
+Both take Megatron's keyword arguments and return the loss dicts of every microbatch on the last stage
+(an empty list elsewhere). Each microbatch's loss is divided by `num_microbatches` before its backward, so the
+accumulated gradients are those of the mean loss over the batch; with `calculate_per_token_loss` the loss
+sums are back-propagated unscaled and `finalize_model_grads_func` receives the total token count to divide by.
+
+Hooks come from the model's config (see `model_access`): `no_sync_func` is a context manager that holds
+back gradient synchronisation during every backward but the last microbatch's; `finalize_model_grads_func(
+[model], num_tokens)` finishes the step's gradients (data-parallel reduction, shared embeddings, ...) when the
+schedule computed gradients. With one model chunk per stage the last backward already runs outside
+`no_sync_func`, which is where a data-parallel wrapper starts its reduction, so `grad_sync_func` (used to
+start the reduction of one chunk of an interleaved pipeline early) is not called by these schedules.
+"""
+
+import contextlib
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.device_utils import get_current_device
+from megatron.core.pipeline_parallel import p2p_communication
+from megatron.core.pipeline_parallel.model_access import (
+    get_model_config,
+    schedule_setting,
+    set_input_tensor,
+    single_model_chunk,
+)
+
+
+def get_forward_backward_func():
+    """The schedule for this rank: 1F1B when there are several pipeline stages, else no pipelining."""
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        return forward_backward_pipelining_without_interleaving
+    return forward_backward_no_pipelining
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One microbatch
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _unpack_loss(outputs):
+    """(loss, num_tokens or None, reported) from a loss_func's 2-tuple or per-token 3-tuple."""
+    if not isinstance(outputs, (tuple, list)) or len(outputs) not in (2, 3):
+        got = type(outputs).__name__
+        if isinstance(outputs, (tuple, list)):
+            got += f" of length {len(outputs)}"
+        raise ValueError(
+            "loss_func must return (loss, {'lm loss': value}) or (loss_sum, num_tokens, {'lm loss': tensor([sum, "
+            f"count])}}), got {got}"
+        )
+    if len(outputs) == 3:
+        return outputs[0], outputs[1], outputs[2]
+    return outputs[0], None, outputs[1]
+
+
+def forward_step(
+    forward_step_func,
+    data_iterator,
+    model,
+    num_microbatches,
+    input_tensor,
+    forward_data_store,
+    config,
+    collect_non_loss_data=False,
+    is_last_stage=True,
+):
+    """Run one microbatch forward; returns (output tensor or scaled loss, number of tokens in its loss or 0).
+
+    On the last stage the loss function runs here: its report goes to `forward_data_store`, and the returned
+    tensor is the loss ready for backward (divided by `num_microbatches`, and by the token count for a
+    3-tuple loss, unless `calculate_per_token_loss`). Elsewhere the stage's output activation is returned.
+    """
+    set_input_tensor(model, input_tensor)
+    output_tensor, loss_func = forward_step_func(data_iterator, model)
+    num_tokens = 0
+    if not is_last_stage:
+        return output_tensor, num_tokens
+    if collect_non_loss_data:
+        forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
+        return output_tensor, num_tokens
+
+    loss, loss_num_tokens, reported = _unpack_loss(loss_func(output_tensor))
+    per_token_loss = schedule_setting(config, "calculate_per_token_loss")
+    if loss_num_tokens is not None:
+        # int64 on every stage, so that stages without a loss (count 0) can exchange counts with the last one.
+        num_tokens = torch.as_tensor(loss_num_tokens, device=loss.device).detach().round().to(torch.int64)
+        if not per_token_loss:
+            loss = loss / loss_num_tokens
+    if not per_token_loss:
+        loss = loss / num_microbatches
+    forward_data_store.append(reported)
+    return loss, num_tokens
+
+
+def backward_step(input_tensor, output_tensor, output_tensor_grad, config):
+    """Back-propagate one microbatch; returns the gradient of its input activation (None on the first stage).
+
+    On the last stage `output_tensor` is the loss and `output_tensor_grad` is None; the config's
+    `grad_scale_func` (fp16 loss scaling) is applied to the loss first.
+    """
+    if input_tensor is not None:
+        input_tensor.retain_grad()
+    if output_tensor_grad is None:
+        grad_scale_func = schedule_setting(config, "grad_scale_func")
+        if grad_scale_func is not None:
+            output_tensor = grad_scale_func(output_tensor)
+    if output_tensor.requires_grad:
+        if schedule_setting(config, "deallocate_pipeline_outputs"):
+            _backward_from_released_output(output_tensor, output_tensor_grad)
+        else:
+            torch.autograd.backward(output_tensor, grad_tensors=output_tensor_grad)
+    elif output_tensor_grad is not None:
+        raise RuntimeError(
+            "this stage's output does not require grad, so the gradient from the next stage cannot flow back; "
+            "the stage must compute its output from its parameters or its input tensor"
+        )
+    if input_tensor is None:
+        return None
+    if input_tensor.grad is None:
+        # The stage ignored its input: its gradient is zero.
+        return torch.zeros_like(input_tensor)
+    return input_tensor.grad
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Releasing activations that were already sent
+# ---------------------------------------------------------------------------------------------------------
+
+
+def deallocate_output_tensor(output_tensor, deallocate_pipeline_outputs):
+    """Free the data of an activation that was sent to the next stage, keeping its autograd graph.
+
+    Only the graph is needed for this stage's backward, so the tensor's storage is swapped for a one-element
+    placeholder; `_backward_from_released_output` then runs the backward without torch's output-shape check.
+    Views are left alone because their storage belongs to another tensor.
+    """
+    if not deallocate_pipeline_outputs or output_tensor is None or output_tensor._base is not None:
+        return
+    output_tensor.data = torch.empty((1,), device=output_tensor.device, dtype=output_tensor.dtype)
+
+
+def _backward_from_released_output(output_tensor, output_tensor_grad):
+    """`torch.autograd.backward` for an output whose data may have been released after sending.
+
+    The autograd engine only needs the graph and the incoming gradient; the shape comparison between output
+    and gradient is a Python-side check that a released output would fail, so the engine is called directly.
+    """
+    if output_tensor_grad is None:  # the last stage's loss, never released
+        torch.autograd.backward(output_tensor)
+        return
+    torch.autograd.Variable._execution_engine.run_backward(
+        tensors=(output_tensor,),
+        grad_tensors=(output_tensor_grad,),
+        keep_graph=False,
+        create_graph=False,
+        inputs=(),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Gradient synchronisation around the backwards
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _GradSyncControl:
+    """Holds `no_sync_func()` open from the first backward until the last microbatch's backward."""
+
+    def __init__(self, config):
+        self._no_sync_func = schedule_setting(config, "no_sync_func") or contextlib.nullcontext
+        self._context = None
+
+    def disable(self):
+        if self._context is None:
+            self._context = self._no_sync_func()
+            self._context.__enter__()
+
+    def enable(self):
+        if self._context is not None:
+            self._context.__exit__(None, None, None)
+            self._context = None
+
+
+def _zero_token_count():
+    """Token counts live on the compute device so that `finalize_model_grads_func` can reduce them."""
+    return torch.zeros((), dtype=torch.int64, device=get_current_device())
+
+
+def _finalize(model, config, total_num_tokens):
+    finalize_model_grads_func = schedule_setting(config, "finalize_model_grads_func")
+    if finalize_model_grads_func is not None:
+        per_token_loss = schedule_setting(config, "calculate_per_token_loss")
+        finalize_model_grads_func([model], total_num_tokens if per_token_loss else None)
+
+
+def _prepare(model, data_iterator, num_microbatches):
+    model = single_model_chunk(model)
+    if isinstance(data_iterator, (list, tuple)):
+        if len(data_iterator) != 1:
+            raise ValueError(f"one data iterator per model chunk: got {len(data_iterator)} for 1 chunk")
+        data_iterator = data_iterator[0]
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
+    config = get_model_config(model)
+    return model, data_iterator, config
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Schedules
+# ---------------------------------------------------------------------------------------------------------
+
+
+def forward_backward_no_pipelining(
+    *,
+    forward_step_func,
+    data_iterator,
+    model,
+    num_microbatches,
+    seq_length=None,
+    micro_batch_size=None,
+    decoder_seq_length=None,
+    forward_only=False,
+    collect_non_loss_data=False,
+    first_val_step=None,
+):
+    """Forward and backward each microbatch in turn on a single stage; returns the loss dicts."""
+    model, data_iterator, config = _prepare(model, data_iterator, num_microbatches)
+    forward_data_store = []
+    total_num_tokens = _zero_token_count()
+    grad_sync = _GradSyncControl(config)
+    if not forward_only:
+        grad_sync.disable()
+    for microbatch in range(num_microbatches):
+        if not forward_only and microbatch == num_microbatches - 1:
+            grad_sync.enable()
+        output_tensor, num_tokens = forward_step(
+            forward_step_func, data_iterator, model, num_microbatches, None, forward_data_store, config,
+            collect_non_loss_data, is_last_stage=True,
+        )  # fmt: skip
+        total_num_tokens = total_num_tokens + num_tokens
+        if not forward_only:
+            backward_step(None, output_tensor, None, config)
+    if not forward_only:
+        _finalize(model, config, total_num_tokens)
+    return forward_data_store
+
+
+def forward_backward_pipelining_without_interleaving(
+    *,
+    forward_step_func,
+    data_iterator,
+    model,
+    num_microbatches,
+    seq_length,
+    micro_batch_size,
+    decoder_seq_length=None,
+    forward_only=False,
+    collect_non_loss_data=False,
+    first_val_step=None,
+):
+    """The 1F1B schedule for one model chunk per stage; returns the loss dicts on the last stage, else []."""
+    model, data_iterator, config = _prepare(model, data_iterator, num_microbatches)
+    is_last_stage = parallel_state.is_pipeline_last_stage()
+    deallocate = schedule_setting(config, "deallocate_pipeline_outputs")
+    tensor_shape = p2p_communication.activation_shape(
+        seq_length=seq_length, micro_batch_size=micro_batch_size, config=config
+    )
+    pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
+    pipeline_size = parallel_state.get_pipeline_model_parallel_world_size()
+    num_warmup_microbatches = min(pipeline_size - pipeline_rank - 1, num_microbatches)
+    num_steady_microbatches = num_microbatches - num_warmup_microbatches
+
+    forward_data_store = []
+    total_num_tokens = _zero_token_count()
+    grad_sync = _GradSyncControl(config)
+    if not forward_only:
+        grad_sync.disable()
+    # Inputs and outputs of microbatches whose backward is still to come, oldest first.
+    pending_inputs, pending_outputs = [], []
+
+    def run_forward(input_tensor):
+        nonlocal total_num_tokens
+        output_tensor, num_tokens = forward_step(
+            forward_step_func, data_iterator, model, num_microbatches, input_tensor, forward_data_store, config,
+            collect_non_loss_data, is_last_stage=is_last_stage,
+        )  # fmt: skip
+        total_num_tokens = total_num_tokens + num_tokens
+        return output_tensor
+
+    def remember(input_tensor, output_tensor):
+        pending_inputs.append(input_tensor)
+        pending_outputs.append(output_tensor)
+
+    def run_oldest_backward(output_tensor_grad, is_last_backward):
+        if is_last_backward:
+            grad_sync.enable()
+        return backward_step(pending_inputs.pop(0), pending_outputs.pop(0), output_tensor_grad, config)
+
+    # Warm-up: forwards only, filling the pipeline.
+    for _ in range(num_warmup_microbatches):
+        input_tensor = p2p_communication.recv_forward(tensor_shape, config)
+        output_tensor = run_forward(input_tensor)
+        p2p_communication.send_forward(output_tensor, config, tensor_shape)
+        if not forward_only:
+            remember(input_tensor, output_tensor)
+            if not is_last_stage:
+                deallocate_output_tensor(output_tensor, deallocate)
+
+    # Steady state: one forward, one backward.
+    if num_steady_microbatches > 0:
+        input_tensor = p2p_communication.recv_forward(tensor_shape, config)
+    for step in range(num_steady_microbatches):
+        is_last_steady_step = step == num_steady_microbatches - 1
+        output_tensor = run_forward(input_tensor)
+        if forward_only:
+            p2p_communication.send_forward(output_tensor, config, tensor_shape)
+            if not is_last_steady_step:
+                input_tensor = p2p_communication.recv_forward(tensor_shape, config)
+            continue
+        output_tensor_grad = p2p_communication.send_forward_recv_backward(output_tensor, tensor_shape, config)
+        remember(input_tensor, output_tensor)
+        if not is_last_stage:
+            deallocate_output_tensor(output_tensor, deallocate)
+        input_tensor_grad = run_oldest_backward(
+            output_tensor_grad, is_last_backward=is_last_steady_step and num_warmup_microbatches == 0
+        )
+        if is_last_steady_step:
+            p2p_communication.send_backward(input_tensor_grad, config, tensor_shape)
+        else:
+            input_tensor = p2p_communication.send_backward_recv_forward(input_tensor_grad, tensor_shape, config)
+
+    # Cool-down: the backwards of the warm-up microbatches.
+    if not forward_only:
+        for step in range(num_warmup_microbatches):
+            output_tensor_grad = p2p_communication.recv_backward(tensor_shape, config)
+            input_tensor_grad = run_oldest_backward(
+                output_tensor_grad, is_last_backward=step == num_warmup_microbatches - 1
+            )
+            p2p_communication.send_backward(input_tensor_grad, config, tensor_shape)
+        grad_sync.enable()
+        _finalize(model, config, total_num_tokens)
+    return forward_data_store if is_last_stage else []

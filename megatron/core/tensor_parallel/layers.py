@@ -1,0 +1,372 @@
+"""Tensor-parallel layers: column- and row-parallel linear layers and the vocabulary-parallel embedding.
+
+Weight shapes follow Megatron: a column-parallel weight is `[output_size / tp, input_size]` (split along
+dim 0), a row-parallel weight `[output_size, input_size / tp]` (split along dim 1), a vocabulary-parallel
+embedding `[num_embeddings / tp, embedding_dim]`.
+
+Initialisation is independent of the tensor-parallel size: every rank initialises the full master weight
+on the CPU in fp32 with `init_method` under the default generator, keeps its own slice and casts it to
+`config.params_dtype`. All ranks draw the same random numbers, so their default generators stay in lockstep
+and a partition equals the matching slice of a single-rank layer built with the same seed. The same code
+runs in `reset_parameters()`, which meta-device construction calls after materialising the parameters.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parameter import Parameter
+
+from megatron.core import parallel_state
+from megatron.core.device_utils import get_current_device
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megatron.core.tensor_parallel.utils import VocabUtility, divide, strided_partition
+
+_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
+
+
+# --------------------------------------------------------------------------------------------------------
+# Parameter attributes
+# --------------------------------------------------------------------------------------------------------
+
+
+def set_tensor_model_parallel_attributes(tensor, is_parallel, dim, stride):
+    """Record how `tensor` is partitioned across tensor-parallel ranks."""
+    tensor.tensor_model_parallel = is_parallel
+    tensor.partition_dim = dim
+    tensor.partition_stride = stride
+
+
+def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor):
+    for attribute, value in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS.items():
+        if not hasattr(tensor, attribute):
+            setattr(tensor, attribute, value)
+
+
+def copy_tensor_model_parallel_attributes(destination, source):
+    for attribute in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
+        if hasattr(source, attribute):
+            setattr(destination, attribute, getattr(source, attribute))
+
+
+def param_is_not_tensor_parallel_duplicate(param):
+    """True for partitioned params, and for duplicated ones on tensor-parallel rank 0 (count each once)."""
+    return getattr(param, "tensor_model_parallel", False) or parallel_state.get_tensor_model_parallel_rank() == 0
+
+
+def _parameter_device(config):
+    if getattr(config, "init_model_with_meta_device", False) or torch.get_default_device().type == "meta":
+        return torch.device("meta")
+    if getattr(config, "use_cpu_initialization", False):
+        return torch.device("cpu")
+    return get_current_device()
+
+
+def initialize_partition_from_master(param, full_shape, init_method, partition_dim, stride=1):
+    """Fill `param` with this rank's slice of a full fp32 CPU weight initialised by `init_method`."""
+    if param.is_meta:
+        return
+    master = torch.empty(full_shape, dtype=torch.float32, device="cpu")
+    init_method(master)
+    partition = strided_partition(
+        master,
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_rank(),
+        partition_dim,
+        stride,
+    )
+    with torch.no_grad():
+        param.copy_(partition.to(dtype=param.dtype))
+
+
+def _zero_(param):
+    if param is not None and not param.is_meta:
+        with torch.no_grad():
+            param.zero_()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Linear with optional weight-gradient accumulation into `main_grad`
+# --------------------------------------------------------------------------------------------------------
+
+
+class LinearWithGradAccumulation(torch.autograd.Function):
+    """`input @ weight.T + bias` whose weight gradient is added straight into `weight.main_grad`.
+
+    Used when `gradient_accumulation_fusion` is on and the data-parallel wrapper gave the weight a
+    `main_grad` buffer. If the weight also has a `grad_added_to_main_grad` flag it is set and a zero
+    gradient is returned (so gradient hooks still run); otherwise the weight gradient is None.
+    """
+
+    @staticmethod
+    def forward(ctx, input_, weight, bias):
+        ctx.save_for_backward(input_, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(input_, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input_, weight = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight)
+        grad_output_2d = grad_output.reshape(-1, grad_output.size(-1))
+        input_2d = input_.reshape(-1, input_.size(-1))
+        grad_weight = grad_output_2d.t().matmul(input_2d)
+        if hasattr(weight, "main_grad"):
+            weight.main_grad.add_(grad_weight.to(weight.main_grad.dtype))
+            if hasattr(weight, "grad_added_to_main_grad"):
+                weight.grad_added_to_main_grad = True
+                grad_weight = torch.zeros_like(weight)
+            else:
+                grad_weight = None
+        grad_bias = grad_output_2d.sum(dim=0) if ctx.has_bias else None
+        return grad_input, grad_weight, grad_bias
+
+
+def _linear(input_, weight, bias, gradient_accumulation_fusion):
+    if gradient_accumulation_fusion and torch.is_grad_enabled() and weight.requires_grad:
+        return LinearWithGradAccumulation.apply(input_, weight, bias)
+    return F.linear(input_, weight, bias)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Layers
+# --------------------------------------------------------------------------------------------------------
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """Y = XA + b with A split by columns: rank r holds output features [r*out/tp, (r+1)*out/tp).
+
+    `forward(x) -> (output, output_bias)`; `output_bias` is the bias when `skip_bias_add` (for a later
+    fused add) and None otherwise. With `gather_output` the output is all-gathered to the full width.
+    With `config.sequence_parallel` the input arrives split along the sequence (dim 0) and is all-gathered
+    first. `skip_weight_param_allocation` makes the layer weightless: `forward(x, weight)` then uses the
+    given weight (a tied output layer reusing the embedding).
+    """
+
+    def __init__(
+        self,
+        input_size,
+        output_size,
+        *,
+        config,
+        init_method,
+        bias=True,
+        gather_output=False,
+        stride=1,
+        skip_bias_add=False,
+        skip_weight_param_allocation=False,
+        is_expert=False,
+        tp_comm_buffer_name=None,
+    ):
+        super().__init__()
+        self.config = config
+        self.input_size = input_size
+        self.output_size = output_size
+        self.gather_output = gather_output
+        self.skip_bias_add = skip_bias_add
+        self.init_method = init_method
+        self.stride = stride
+        self.is_expert = is_expert
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.output_size_per_partition = divide(output_size, tp_size, "ColumnParallelLinear output_size")
+        self.sequence_parallel = config.sequence_parallel and tp_size > 1
+        if self.sequence_parallel and gather_output:
+            raise ValueError("ColumnParallelLinear: gather_output=True cannot be used with --sequence-parallel")
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
+        device = _parameter_device(config)
+
+        if skip_weight_param_allocation:
+            self.weight = None
+        else:
+            self.weight = Parameter(
+                torch.empty(self.output_size_per_partition, input_size, dtype=config.params_dtype, device=device)
+            )
+            set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
+            self.weight.allreduce = not is_expert
+        if bias:
+            self.bias = Parameter(torch.empty(self.output_size_per_partition, dtype=config.params_dtype, device=device))
+            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+            self.bias.allreduce = not is_expert
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        if self.weight is not None and self.config.perform_initialization:
+            initialize_partition_from_master(
+                self.weight, (self.output_size, self.input_size), self.init_method, 0, self.stride
+            )
+        _zero_(self.bias)
+
+    def forward(self, input_, weight=None):
+        if weight is None:
+            if self.weight is None:
+                raise ValueError("ColumnParallelLinear built with skip_weight_param_allocation needs forward(x, weight)")
+            weight = self.weight
+        elif tuple(weight.shape) != (self.output_size_per_partition, self.input_size):
+            raise ValueError(
+                f"weight of shape {tuple(weight.shape)} given; expected "
+                f"{(self.output_size_per_partition, self.input_size)}"
+            )
+        if self.sequence_parallel:
+            input_parallel = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True)
+        else:
+            input_parallel = copy_to_tensor_model_parallel_region(input_)
+        bias = self.bias if not self.skip_bias_add else None
+        output_parallel = _linear(input_parallel, weight, bias, self.gradient_accumulation_fusion)
+        output = gather_from_tensor_model_parallel_region(output_parallel) if self.gather_output else output_parallel
+        return output, (self.bias if self.skip_bias_add else None)
+
+    def extra_repr(self):
+        return (
+            f"in_features={self.input_size}, out_features={self.output_size}, "
+            f"out_features_per_partition={self.output_size_per_partition}, bias={self.bias is not None}, "
+            f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class RowParallelLinear(torch.nn.Module):
+    """Y = XA + b with A split by rows: rank r holds input features [r*in/tp, (r+1)*in/tp).
+
+    The partial products are summed over the tensor-parallel group (reduce-scattered along the sequence
+    with `config.sequence_parallel`). The bias is the same on every rank (`tensor_model_parallel=False`)
+    and is added after the reduction. Without `input_is_parallel` the full-width input is split first.
+    """
+
+    def __init__(
+        self,
+        input_size,
+        output_size,
+        *,
+        config,
+        init_method,
+        bias=True,
+        input_is_parallel=False,
+        stride=1,
+        skip_bias_add=False,
+        is_expert=False,
+        tp_comm_buffer_name=None,
+    ):
+        super().__init__()
+        self.config = config
+        self.input_size = input_size
+        self.output_size = output_size
+        self.input_is_parallel = input_is_parallel
+        self.skip_bias_add = skip_bias_add
+        self.init_method = init_method
+        self.stride = stride
+        self.is_expert = is_expert
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.input_size_per_partition = divide(input_size, tp_size, "RowParallelLinear input_size")
+        self.sequence_parallel = config.sequence_parallel and tp_size > 1
+        if self.sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: --sequence-parallel needs input_is_parallel=True")
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
+        device = _parameter_device(config)
+
+        self.weight = Parameter(
+            torch.empty(output_size, self.input_size_per_partition, dtype=config.params_dtype, device=device)
+        )
+        set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
+        self.weight.allreduce = not is_expert
+        if bias:
+            self.bias = Parameter(torch.empty(output_size, dtype=config.params_dtype, device=device))
+            set_tensor_model_parallel_attributes(self.bias, False, -1, 1)
+            # Under sequence parallelism each rank's bias gradient covers only its sequence chunk.
+            self.bias.sequence_parallel = self.sequence_parallel
+            self.bias.allreduce = not is_expert
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        if self.config.perform_initialization:
+            initialize_partition_from_master(
+                self.weight, (self.output_size, self.input_size), self.init_method, 1, self.stride
+            )
+        _zero_(self.bias)
+
+    def forward(self, input_):
+        input_parallel = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_)
+        output_parallel = _linear(input_parallel, self.weight, None, self.gradient_accumulation_fusion)
+        if self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(output_parallel)
+        else:
+            output = reduce_from_tensor_model_parallel_region(output_parallel)
+        if self.skip_bias_add:
+            return output, self.bias
+        if self.bias is not None:
+            output = output + self.bias
+        return output, None
+
+    def extra_repr(self):
+        return (
+            f"in_features={self.input_size}, out_features={self.output_size}, "
+            f"in_features_per_partition={self.input_size_per_partition}, bias={self.bias is not None}, "
+            f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Embedding table split along the vocabulary: rank r holds rows [r*V/tp, (r+1)*V/tp).
+
+    Each rank looks up the ids in its range (zeros elsewhere) and the results are summed over the
+    tensor-parallel group. With `reduce_scatter_embeddings` a `[b, s]` input yields `[s/tp, b, h]`:
+    transposed to sequence-first and reduce-scattered along the sequence for sequence parallelism.
+    """
+
+    def __init__(self, num_embeddings, embedding_dim, *, init_method, config, reduce_scatter_embeddings=False):
+        super().__init__()
+        self.config = config
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.init_method = init_method
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        if num_embeddings % tp_size != 0:
+            raise ValueError(
+                f"vocabulary size {num_embeddings} is not divisible by --tensor-model-parallel-size {tp_size}; "
+                "pad the vocabulary (--make-vocab-size-divisible-by) to a multiple of it"
+            )
+        self.num_embeddings_per_partition = num_embeddings // tp_size
+        self.vocab_start_index, self.vocab_end_index = VocabUtility.vocab_range_from_global_vocab_size(
+            num_embeddings, parallel_state.get_tensor_model_parallel_rank(), tp_size
+        )
+        self.tensor_model_parallel_size = tp_size
+        device = _parameter_device(config)
+        self.weight = Parameter(
+            torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=config.params_dtype, device=device)
+        )
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        if self.config.perform_initialization:
+            initialize_partition_from_master(
+                self.weight, (self.num_embeddings, self.embedding_dim), self.init_method, 0, 1
+            )
+
+    def forward(self, input_):
+        if self.tensor_model_parallel_size > 1:
+            out_of_range = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
+            local_ids = (input_ - self.vocab_start_index).masked_fill(out_of_range, 0)
+        else:
+            local_ids = input_
+        output_parallel = F.embedding(local_ids, self.weight)
+        if self.tensor_model_parallel_size > 1:
+            output_parallel = output_parallel.masked_fill(out_of_range.unsqueeze(-1), 0.0)
+        if self.reduce_scatter_embeddings:
+            output_parallel = output_parallel.transpose(0, 1).contiguous()
+            return reduce_scatter_to_sequence_parallel_region(output_parallel)
+        return reduce_from_tensor_model_parallel_region(output_parallel)
+
+    def extra_repr(self):
+        return (
+            f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "
+            f"num_embeddings_per_partition={self.num_embeddings_per_partition}"
+        )

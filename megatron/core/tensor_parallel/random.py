@@ -1,0 +1,163 @@
+"""Random-number streams for model parallelism, and activation recomputation that replays them.
+
+Dropout inside a tensor-parallel region must differ between tensor-parallel ranks (each holds different
+activations) while dropout outside it must agree. The default generator of this process's device is seeded
+identically on every rank; the tracker keeps extra named generator states ("model-parallel-rng" seeded per
+tensor-parallel rank) and `fork(name)` swaps one in for the duration of a block. "cuda" in the names is
+historical: the generator is the one of the current device, the CPU generator when running on gloo.
+"""
+
+import contextlib
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.device_utils import get_current_device, get_rng_state, manual_seed_device, set_rng_state
+
+_MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
+_EXPERT_PARALLEL_RNG_TRACKER_NAME = "expert-parallel-rng"
+_DATA_PARALLEL_RNG_TRACKER_NAME = "data-parallel-rng"
+MODEL_PARALLEL_SEED_OFFSET = 2718
+EXPERT_PARALLEL_SEED_OFFSET = 1024
+
+
+class RNGStatesTracker:
+    """Named generator states for the current device; `fork(name)` runs a block on one of them."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.states_ = {}
+        self.seeds_ = set()
+
+    def is_initialized(self):
+        return bool(self.states_)
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self.states_ = dict(states)
+
+    def add(self, name, seed):
+        if seed in self.seeds_:
+            raise ValueError(f"seed {seed} already used by another random-number stream")
+        if name in self.states_:
+            raise ValueError(f"random-number stream {name!r} already exists")
+        self.seeds_.add(seed)
+        device = get_current_device()
+        saved = get_rng_state(device)
+        manual_seed_device(seed, device)
+        self.states_[name] = get_rng_state(device)
+        set_rng_state(saved, device)
+
+    @contextlib.contextmanager
+    def fork(self, name=_MODEL_PARALLEL_RNG_TRACKER_NAME):
+        """Run the block with the device generator set to stream `name`; the stream advances, the default does not."""
+        if name not in self.states_:
+            raise KeyError(f"random-number stream {name!r} is not registered; call model_parallel_cuda_manual_seed")
+        device = get_current_device()
+        saved = get_rng_state(device)
+        set_rng_state(self.states_[name], device)
+        try:
+            yield
+        finally:
+            self.states_[name] = get_rng_state(device)
+            set_rng_state(saved, device)
+
+
+_RNG_STATE_TRACKER = RNGStatesTracker()
+
+
+def get_cuda_rng_tracker():
+    """The process-wide tracker (for the current device, despite the name)."""
+    return _RNG_STATE_TRACKER
+
+
+def model_parallel_cuda_manual_seed(seed):
+    """Seed the default generators with `seed` and register the model-, expert- and data-parallel streams.
+
+    The default stream is identical on all ranks (so weights initialised outside `fork` agree); the
+    model-parallel stream is `seed + 2718 + tensor_model_parallel_rank`.
+    """
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    torch.manual_seed(seed)  # CPU and every accelerator's default generator
+    tracker = get_cuda_rng_tracker()
+    tracker.reset()
+    tracker.add(_DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank)
+    tracker.add(
+        _EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + EXPERT_PARALLEL_SEED_OFFSET + 100 * ep_rank + tp_rank
+    )
+
+
+# --------------------------------------------------------------------------------------------------------
+# Activation recomputation
+# --------------------------------------------------------------------------------------------------------
+
+
+def _capture_rng_states():
+    device = get_current_device()
+    return torch.get_rng_state(), get_rng_state(device), get_cuda_rng_tracker().get_states()
+
+
+def _restore_rng_states(states):
+    cpu_state, device_state, tracker_states = states
+    device = get_current_device()
+    torch.set_rng_state(cpu_state)
+    set_rng_state(device_state, device)
+    get_cuda_rng_tracker().set_states(tracker_states)
+
+
+class CheckpointFunction(torch.autograd.Function):
+    """Run `function` without keeping activations; recompute it in backward under the same RNG states."""
+
+    @staticmethod
+    def forward(ctx, function, *args):
+        ctx.function = function
+        ctx.rng_states = _capture_rng_states()
+        with torch.no_grad():
+            outputs = function(*args)
+        ctx.input_requires_grad = [torch.is_tensor(a) and a.requires_grad for a in args]
+        tensor_args = [a if torch.is_tensor(a) else None for a in args]
+        ctx.non_tensor_args = [None if torch.is_tensor(a) else a for a in args]
+        ctx.save_for_backward(*[a for a in tensor_args if a is not None])
+        ctx.tensor_positions = [i for i, a in enumerate(tensor_args) if a is not None]
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError("activation recomputation does not support torch.autograd.grad; use .backward()")
+        args = list(ctx.non_tensor_args)
+        for position, saved in zip(ctx.tensor_positions, ctx.saved_tensors):
+            detached = saved.detach()
+            detached.requires_grad_(saved.requires_grad)
+            args[position] = detached
+        states_now = _capture_rng_states()
+        _restore_rng_states(ctx.rng_states)
+        try:
+            with torch.enable_grad():
+                outputs = ctx.function(*args)
+        finally:
+            _restore_rng_states(states_now)
+        if torch.is_tensor(outputs):
+            outputs = (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if torch.is_tensor(o) and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        grads = tuple(a.grad if torch.is_tensor(a) and a.requires_grad else None for a in args)
+        return (None,) + grads
+
+
+def checkpoint(function, distribute_saved_activations, *args):
+    """Recompute `function(*args)` during backward instead of storing its activations.
+
+    `distribute_saved_activations` (splitting the saved input across tensor-parallel ranks) is not
+    supported and must be False.
+    """
+    if distribute_saved_activations:
+        raise ValueError("distribute_saved_activations=True is not supported; pass False")
+    return CheckpointFunction.apply(function, *args)

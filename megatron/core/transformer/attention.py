@@ -1,0 +1,88 @@
+"""Causal multi-head self-attention with its heads split across tensor-parallel ranks.
+
+The fused QKV projection is column-parallel; its output, viewed per head, is laid out as
+`[heads, (q | k | v) of head_dim each]`, so a contiguous slice of output rows is a set of whole heads with their
+own q, k and v. Each rank thus attends with its own heads only, and the output projection is row-parallel and
+sums the heads' contributions across ranks. The layout does not depend on the tensor-parallel size, so the same
+full weight gives the same model at every TP size.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import tensor_parallel
+from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
+from megatron.core.transformer.recompute import checkpointed
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class SelfAttention(torch.nn.Module):
+    """Self-attention of one transformer layer.
+
+    Args:
+        config: the transformer config.
+        layer_number: 1-based index of the owning layer in the whole model (not the stage).
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int):
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number
+        tp_size = config.tensor_model_parallel_size
+        self.head_dim = config.kv_channels
+        self.num_heads_per_partition = config.num_attention_heads // tp_size
+        projection_size = config.num_attention_heads * config.kv_channels
+
+        self.linear_qkv = tensor_parallel.ColumnParallelLinear(
+            config.hidden_size,
+            3 * projection_size,
+            config=config,
+            init_method=config.init_method,
+            bias=config.add_bias_linear,
+            gather_output=False,
+        )
+        self.linear_proj = tensor_parallel.RowParallelLinear(
+            projection_size,
+            config.hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+        )
+
+    def core_attention(self, query, key, value, attention_mask):
+        """Scaled dot-product attention on `[s, b, heads, head_dim]` inputs -> `[s, b, heads * head_dim]`.
+
+        `attention_mask` follows Megatron: a bool tensor broadcastable to `[b, heads, s, s]` that is True where
+        attention is NOT allowed; None means causal.
+        """
+        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # -> [b, heads, s, head_dim]
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        if attention_mask is None:
+            mask_kwargs = {"is_causal": True}
+        else:
+            mask_kwargs = {"attn_mask": ~attention_mask.to(torch.bool)}
+        # Ranks hold different heads, so their attention dropout masks must differ: use the tracker's stream.
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            context = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, **mask_kwargs)
+        seq_len, batch = context.shape[2], context.shape[0]
+        return context.permute(2, 0, 1, 3).reshape(seq_len, batch, -1)
+
+    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None):
+        """`hidden_states` `[s, b, h]` (`[s / tp, b, h]` with sequence parallelism) -> same shape."""
+        mixed_qkv, _ = self.linear_qkv(hidden_states)  # [s, b, 3 * heads_per_partition * head_dim]
+        seq_len, batch = mixed_qkv.shape[0], mixed_qkv.shape[1]
+        mixed_qkv = mixed_qkv.view(seq_len, batch, self.num_heads_per_partition, 3 * self.head_dim)
+        query, key, value = torch.split(mixed_qkv, self.head_dim, dim=-1)
+
+        if rotary_pos_emb is not None:
+            query = apply_rotary_pos_emb(query, rotary_pos_emb)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb)
+
+        if self.config.recompute_granularity == "selective":
+            context = checkpointed(self.core_attention, query, key, value, attention_mask)
+        else:
+            context = self.core_attention(query, key, value, attention_mask)
+
+        output, _ = self.linear_proj(context)
+        return output

@@ -1,0 +1,88 @@
+"""The layers one pipeline stage owns, plus the final norm on the last stage.
+
+Stage p of P holds global layers p * L/P + 1 .. (p + 1) * L/P (1-based `layer_number`); inside the module they
+are `layers.0 .. layers.{L/P - 1}`. A stage that is not first takes its input from `set_input_tensor` (what the
+previous stage sent) instead of the `hidden_states` argument.
+"""
+
+from typing import Optional
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.transformer.norms import build_norm
+from megatron.core.transformer.recompute import checkpointed
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+
+def pipeline_stage_layer_range(config: TransformerConfig):
+    """(offset, count): the 0-based index of this stage's first layer and how many layers it holds."""
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    if pp_size != config.pipeline_model_parallel_size:
+        raise ValueError(
+            f"--pipeline-model-parallel-size in the config ({config.pipeline_model_parallel_size}) differs from "
+            f"the initialised pipeline group size ({pp_size}); build the config with the same size"
+        )
+    layers_per_stage = config.num_layers // pp_size
+    return parallel_state.get_pipeline_model_parallel_rank() * layers_per_stage, layers_per_stage
+
+
+class TransformerBlock(torch.nn.Module):
+    """Args: config; pre_process: this stage is first (takes `hidden_states` from the embedding);
+    post_process: this stage is last (applies the final norm)."""
+
+    def __init__(self, config: TransformerConfig, pre_process: bool = True, post_process: bool = True):
+        super().__init__()
+        self.config = config
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.layer_offset, num_local_layers = pipeline_stage_layer_range(config)
+        self.layers = torch.nn.ModuleList(
+            TransformerLayer(config, layer_number=self.layer_offset + index + 1) for index in range(num_local_layers)
+        )
+        self.final_layernorm = build_norm(config, config.hidden_size) if post_process else None
+        self.input_tensor: Optional[torch.Tensor] = None
+
+    def set_input_tensor(self, input_tensor: Optional[torch.Tensor]):
+        """The activation received from the previous pipeline stage (`[s, b, h]`), used instead of the argument."""
+        self.input_tensor = input_tensor
+
+    def _run_layers(self, start, end):
+        def run(hidden_states, attention_mask, rotary_pos_emb):
+            for layer in self.layers[start:end]:
+                hidden_states = layer(hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+            return hidden_states
+
+        return run
+
+    def _forward_with_full_recompute(self, hidden_states, attention_mask, rotary_pos_emb):
+        num_layers = len(self.layers)
+        chunk = self.config.recompute_num_layers
+        if self.config.recompute_method == "uniform":
+            for start in range(0, num_layers, chunk):
+                run_chunk = self._run_layers(start, min(start + chunk, num_layers))
+                hidden_states = checkpointed(run_chunk, hidden_states, attention_mask, rotary_pos_emb)
+            return hidden_states
+        # "block": recompute the first `chunk` layers of this stage, keep the activations of the rest.
+        for index in range(num_layers):
+            run_layer = self._run_layers(index, index + 1)
+            if index < chunk:
+                hidden_states = checkpointed(run_layer, hidden_states, attention_mask, rotary_pos_emb)
+            else:
+                hidden_states = run_layer(hidden_states, attention_mask, rotary_pos_emb)
+        return hidden_states
+
+    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None):
+        """`[s, b, h]` (`[s / tp, b, h]` with sequence parallelism) -> same shape."""
+        if not self.pre_process:
+            if self.input_tensor is None:
+                raise RuntimeError("a pipeline stage that is not first needs set_input_tensor() before forward")
+            hidden_states = self.input_tensor
+        if self.config.recompute_granularity == "full" and self.training:
+            hidden_states = self._forward_with_full_recompute(hidden_states, attention_mask, rotary_pos_emb)
+        else:
+            hidden_states = self._run_layers(0, len(self.layers))(hidden_states, attention_mask, rotary_pos_emb)
+        if self.final_layernorm is not None:
+            hidden_states = self.final_layernorm(hidden_states)
+        return hidden_states

@@ -1,0 +1,163 @@
+"""`TransformerConfig`: the shape and training switches of a transformer, validated once when it is built.
+
+It extends `ModelParallelConfig` (parallel sizes, dtypes) with the model's own fields. The dataclass is frozen;
+derived defaults (ffn size, head size, init methods, activation) are filled in `__post_init__`, and every bad
+combination is rejected there with a message that names the command-line flag to change.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch.nn.functional as F
+
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.transformer.init_methods import init_method_normal, scaled_init_method_normal
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+RECOMPUTE_GRANULARITIES = (None, "full", "selective")
+RECOMPUTE_METHODS = (None, "uniform", "block")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransformerConfig(ModelParallelConfig):
+    """Transformer shape, regularisation, initialisation and activation-recompute settings."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: Optional[int] = None
+    """MLP width; None means 4 * hidden_size (also for swiglu, where it is the width of each of gate and up)."""
+    kv_channels: Optional[int] = None
+    """Width of one attention head; None means hidden_size // num_attention_heads."""
+
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+
+    init_method_std: float = 0.02
+    init_method: Optional[Callable] = None
+    """Initialiser of input-side weights; None means normal(0, init_method_std)."""
+    output_layer_init_method: Optional[Callable] = None
+    """Initialiser of attention-out and fc2 weights; None means normal(0, init_method_std / sqrt(2 * num_layers))."""
+
+    normalization: str = "LayerNorm"
+    layernorm_epsilon: float = 1e-5
+
+    gated_linear_unit: bool = False
+    """Gated MLP: act(gate) * up. With the default activation this is swiglu (`--swiglu`)."""
+    activation_func: Optional[Callable] = None
+    """MLP activation; None means silu for a gated MLP (swiglu) and gelu otherwise."""
+    add_bias_linear: bool = True
+
+    recompute_granularity: Optional[str] = None
+    """None, "full" (recompute whole layers, see recompute_method) or "selective" (only core attention)."""
+    recompute_method: Optional[str] = None
+    """With "full": "uniform" checkpoints chunks of recompute_num_layers layers; "block" checkpoints the first
+    recompute_num_layers layers of each pipeline stage."""
+    recompute_num_layers: Optional[int] = None
+
+    def __post_init__(self):
+        parent_post_init = getattr(super(), "__post_init__", None)
+        if parent_post_init is not None:
+            parent_post_init()
+        self._validate_shape()
+        self._fill_derived_defaults()
+        self._validate_parallel_split()
+        self._validate_regularisation_and_norm()
+        self._validate_recompute()
+
+    def _set(self, name, value):
+        object.__setattr__(self, name, value)
+
+    def _validate_shape(self):
+        for flag, value in (
+            ("--num-layers", self.num_layers),
+            ("--hidden-size", self.hidden_size),
+            ("--num-attention-heads", self.num_attention_heads),
+        ):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
+                f"({self.num_attention_heads}); change one of them or set kv_channels explicitly"
+            )
+        if self.ffn_hidden_size is not None and self.ffn_hidden_size <= 0:
+            raise ValueError(f"--ffn-hidden-size must be positive, got {self.ffn_hidden_size}")
+        if self.kv_channels is not None and self.kv_channels <= 0:
+            raise ValueError(f"kv_channels must be positive, got {self.kv_channels}")
+        if self.init_method_std <= 0:
+            raise ValueError(f"--init-method-std must be positive, got {self.init_method_std}")
+
+    def _fill_derived_defaults(self):
+        if self.ffn_hidden_size is None:
+            self._set("ffn_hidden_size", 4 * self.hidden_size)
+        if self.kv_channels is None:
+            self._set("kv_channels", self.hidden_size // self.num_attention_heads)
+        if self.init_method is None:
+            self._set("init_method", init_method_normal(self.init_method_std))
+        if self.output_layer_init_method is None:
+            self._set("output_layer_init_method", scaled_init_method_normal(self.init_method_std, self.num_layers))
+        if self.activation_func is None:
+            self._set("activation_func", F.silu if self.gated_linear_unit else F.gelu)
+
+    def _validate_parallel_split(self):
+        tp = self.tensor_model_parallel_size
+        pp = self.pipeline_model_parallel_size
+        if self.hidden_size % tp != 0:
+            raise ValueError(
+                f"--hidden-size ({self.hidden_size}) must be divisible by --tensor-model-parallel-size ({tp})"
+            )
+        if self.num_attention_heads % tp != 0:
+            raise ValueError(
+                f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
+                f"--tensor-model-parallel-size ({tp}): each tensor-parallel rank holds whole heads"
+            )
+        if self.ffn_hidden_size % tp != 0:
+            raise ValueError(
+                f"--ffn-hidden-size ({self.ffn_hidden_size}) must be divisible by --tensor-model-parallel-size ({tp})"
+            )
+        if self.num_layers % pp != 0:
+            raise ValueError(
+                f"--num-layers ({self.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp}): "
+                "every pipeline stage holds the same number of layers"
+            )
+
+    def _validate_regularisation_and_norm(self):
+        for flag, value in (("--hidden-dropout", self.hidden_dropout), ("--attention-dropout", self.attention_dropout)):
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{flag} must be in [0, 1), got {value}")
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"--normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
+        if self.layernorm_epsilon <= 0:
+            raise ValueError(f"layernorm_epsilon must be positive, got {self.layernorm_epsilon}")
+
+    def _validate_recompute(self):
+        if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(
+                f"--recompute-granularity must be one of full, selective (or unset), got {self.recompute_granularity!r}"
+            )
+        if self.recompute_method not in RECOMPUTE_METHODS:
+            raise ValueError(f"--recompute-method must be one of uniform, block (or unset), got {self.recompute_method!r}")
+        if self.recompute_method is not None and self.recompute_granularity != "full":
+            raise ValueError(
+                f"--recompute-method {self.recompute_method} needs --recompute-granularity full "
+                f"(got {self.recompute_granularity!r})"
+            )
+        if self.recompute_granularity == "full":
+            if self.recompute_method is None:
+                raise ValueError("--recompute-granularity full needs --recompute-method uniform or block")
+            if self.recompute_num_layers is None or self.recompute_num_layers < 1:
+                raise ValueError(
+                    f"--recompute-granularity full needs --recompute-num-layers >= 1, got {self.recompute_num_layers}"
+                )
+            layers_per_stage = self.num_layers // self.pipeline_model_parallel_size
+            if self.recompute_method == "block" and self.recompute_num_layers > layers_per_stage:
+                raise ValueError(
+                    f"--recompute-num-layers ({self.recompute_num_layers}) with --recompute-method block cannot "
+                    f"exceed the layers of one pipeline stage ({layers_per_stage})"
+                )
+        elif self.recompute_num_layers is not None:
+            raise ValueError(
+                "--recompute-num-layers only applies to --recompute-granularity full "
+                f"(got granularity {self.recompute_granularity!r}); drop it"
+            )

@@ -1,0 +1,1 @@
+"""The training driver: command-line arguments, `pretrain()`, checkpoints and training logs."""

@@ -1,0 +1,43 @@
+"""The only place in the training driver that talks to `torch.cuda`: device choice and memory counters."""
+
+import resource
+import sys
+
+import torch
+
+
+def cuda_available():
+    return torch.cuda.is_available()
+
+
+def default_backend():
+    return "nccl" if cuda_available() else "gloo"
+
+
+def device_for_backend(backend, local_rank):
+    """cuda:LOCAL_RANK for NCCL (and make it current), cpu for gloo."""
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_bytes(device):
+    """Max allocated bytes on a GPU; peak resident set size of this process on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports kilobytes, macOS bytes.
+    return int(max_rss if sys.platform == "darwin" else max_rss * 1024)
+
+
+def allocated_memory_bytes(device):
+    """Currently allocated bytes on a GPU; None on CPU (where the training log reports tensor bytes instead)."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    return None

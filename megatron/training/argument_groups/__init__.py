@@ -1,0 +1,20 @@
+"""Command-line flags of `pretrain_gpt.py`, one module per concern.
+
+Each module offers `add_arguments(parser)` (its flags, in one argparse group) and `validate(args)` (its rules;
+it may fill in derived values such as defaults computed from other flags). Errors are `ValueError`s whose
+messages name the flags involved.
+"""
+
+from megatron.training.argument_groups import (
+    checkpoint,
+    data,
+    data_parallel,
+    fp8,
+    logging_eval,
+    model,
+    parallelism,
+    training,
+)
+
+# Order matters for validation: later groups read values derived by earlier ones (e.g. data_parallel_size).
+ARGUMENT_GROUPS = (parallelism, model, training, data, logging_eval, checkpoint, data_parallel, fp8)

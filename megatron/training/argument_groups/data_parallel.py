@@ -1,0 +1,123 @@
+"""Data-parallel flags: DDP, the distributed optimizer, Megatron-FSDP and PyTorch FSDP2."""
+
+import os
+
+SHARDING_STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+
+
+def add_arguments(parser):
+    group = parser.add_argument_group("data parallel")
+    group.add_argument("--use-distributed-optimizer", action="store_true", help="ZeRO-1 for the DDP path.")
+    group.add_argument("--overlap-grad-reduce", action="store_true", help="Overlap grad reduction with backward.")
+    group.add_argument("--overlap-param-gather", action="store_true", help="Overlap param gather with forward.")
+    group.add_argument("--ddp-bucket-size", type=int, default=None, help="Elements per gradient bucket.")
+    group.add_argument(
+        "--ddp-average-in-collective", action="store_true", help="Average in the collective instead of pre-scaling."
+    )
+    group.add_argument(
+        "--accumulate-allreduce-grads-in-fp32", action="store_true", help="fp32 gradient buffers with bf16/fp16."
+    )
+    group.add_argument(
+        "--no-gradient-accumulation-fusion",
+        action="store_false",
+        dest="gradient_accumulation_fusion",
+        help="Turn off the fused weight-gradient accumulation.",
+    )
+    group.add_argument(
+        "--data-parallel-random-init", action="store_true", help="Different initial weights per data-parallel rank."
+    )
+    group.add_argument("--use-megatron-fsdp", action="store_true", help="Wrap the model with Megatron-FSDP.")
+    group.add_argument(
+        "--data-parallel-sharding-strategy",
+        default="optim_grads_params",
+        choices=SHARDING_STRATEGIES,
+        help="ZeRO level under Megatron-FSDP.",
+    )
+    group.add_argument(
+        "--outer-dp-sharding-strategy",
+        default="no_shard",
+        choices=["no_shard", "optim"],
+        help="Across the outer data-parallel dimension: replicate (HSDP) or shard optimizer state (HFSDP).",
+    )
+    group.add_argument(
+        "--num-distributed-optimizer-instances",
+        type=int,
+        default=1,
+        help="N>1: hybrid sharding, N replicas each sharded over DP/N ranks.",
+    )
+    group.add_argument(
+        "--init-model-with-meta-device", action="store_true", help="Build on meta, materialise shard by shard."
+    )
+    group.add_argument("--fsdp-double-buffer", action="store_true", help="Two unit-sized gather buffers.")
+    group.add_argument("--use-torch-fsdp2", action="store_true", help="PyTorch FSDP2 instead of DDP.")
+    group.add_argument(
+        "--torch-fsdp2-no-reshard-after-forward",
+        action="store_false",
+        dest="torch_fsdp2_reshard_after_forward",
+        help="Keep FSDP2 parameters gathered between forward and backward.",
+    )
+
+
+def _cuda_visible():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def validate(args):
+    if args.use_megatron_fsdp and args.use_torch_fsdp2:
+        raise ValueError("--use-megatron-fsdp and --use-torch-fsdp2 are exclusive: pick one")
+    if args.use_megatron_fsdp:
+        # Megatron-FSDP shards optimizer state itself and always overlaps its communication.
+        args.use_distributed_optimizer = True
+        args.overlap_grad_reduce = True
+        args.overlap_param_gather = True
+        if args.init_model_with_meta_device and args.data_parallel_sharding_strategy == "no_shard":
+            raise ValueError(
+                "--init-model-with-meta-device needs a sharded --data-parallel-sharding-strategy "
+                "(optim, optim_grads or optim_grads_params), not no_shard"
+            )
+        if args.outer_dp_sharding_strategy == "optim":
+            if args.data_parallel_sharding_strategy != "optim_grads_params":
+                raise ValueError(
+                    "--outer-dp-sharding-strategy optim needs --data-parallel-sharding-strategy optim_grads_params"
+                )
+            if args.num_distributed_optimizer_instances < 2:
+                raise ValueError("--outer-dp-sharding-strategy optim needs --num-distributed-optimizer-instances > 1")
+        if _cuda_visible() and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+            raise ValueError(
+                "--use-megatron-fsdp must not run with CUDA_DEVICE_MAX_CONNECTIONS=1 (it serialises "
+                "communication with compute); unset it"
+            )
+    elif args.init_model_with_meta_device and not args.use_torch_fsdp2:
+        raise ValueError("--init-model-with-meta-device needs --use-megatron-fsdp or --use-torch-fsdp2")
+    if args.use_torch_fsdp2:
+        if args.ckpt_format not in ("torch_dist", "torch_dcp"):
+            raise ValueError("--use-torch-fsdp2 needs --ckpt-format torch_dist or torch_dcp")
+        if not args.untie_embeddings_and_output_weights:
+            raise ValueError("--use-torch-fsdp2 needs --untie-embeddings-and-output-weights")
+        if args.fp16:
+            raise ValueError("--use-torch-fsdp2 does not support --fp16; use --bf16")
+        if args.use_distributed_optimizer:
+            raise ValueError("--use-torch-fsdp2 and --use-distributed-optimizer are exclusive")
+    if args.overlap_param_gather:
+        if not args.overlap_grad_reduce:
+            raise ValueError("--overlap-param-gather needs --overlap-grad-reduce")
+        if not (args.use_distributed_optimizer or args.use_megatron_fsdp):
+            raise ValueError("--overlap-param-gather needs --use-distributed-optimizer or --use-megatron-fsdp")
+    instances = args.num_distributed_optimizer_instances
+    if instances < 1:
+        raise ValueError(f"--num-distributed-optimizer-instances must be >= 1, got {instances}")
+    if instances > 1:
+        if not (args.use_distributed_optimizer or args.use_megatron_fsdp):
+            raise ValueError(
+                "--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer or --use-megatron-fsdp"
+            )
+        data_and_context_parallel = args.data_parallel_size * args.context_parallel_size
+        if data_and_context_parallel % instances != 0:
+            raise ValueError(
+                f"data-parallel x --context-parallel-size ({data_and_context_parallel}) must be divisible by "
+                f"--num-distributed-optimizer-instances ({instances})"
+            )
+    if args.ddp_bucket_size is not None and args.ddp_bucket_size <= 0:
+        raise ValueError(f"--ddp-bucket-size must be positive, got {args.ddp_bucket_size}")

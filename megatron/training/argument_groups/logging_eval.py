@@ -1,0 +1,30 @@
+"""Logging and evaluation flags."""
+
+
+def add_arguments(parser):
+    group = parser.add_argument_group("logging and evaluation")
+    group.add_argument("--log-interval", type=int, default=100, help="Iterations between log lines.")
+    group.add_argument("--eval-interval", type=int, default=1000, help="Iterations between validation runs.")
+    group.add_argument("--eval-iters", type=int, default=100, help="Batches per validation run (0 disables).")
+    group.add_argument("--tensorboard-dir", default=None, help="Write TensorBoard scalars here.")
+    group.add_argument("--tensorboard-log-interval", type=int, default=1, help="Iterations between scalars.")
+    group.add_argument("--log-num-zeros-in-grad", action="store_true", help="Count zero gradient elements.")
+    group.add_argument("--log-throughput", action="store_true", help="Log tokens/s and TFLOP/s per rank.")
+    group.add_argument("--log-memory-to-tensorboard", action="store_true", help="Memory scalars and log line.")
+    group.add_argument(
+        "--metrics-file",
+        default=None,
+        help="JSON-lines metrics, one line per iteration; default <tensorboard-dir or save>/metrics.jsonl.",
+    )
+
+
+def validate(args):
+    for flag, value in (
+        ("--log-interval", args.log_interval),
+        ("--eval-interval", args.eval_interval),
+        ("--tensorboard-log-interval", args.tensorboard_log_interval),
+    ):
+        if value <= 0:
+            raise ValueError(f"{flag} must be positive, got {value}")
+    if args.eval_iters < 0:
+        raise ValueError(f"--eval-iters must be >= 0, got {args.eval_iters}")

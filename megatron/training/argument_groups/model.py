@@ -1,0 +1,97 @@
+"""Model-shape flags: layers, widths, heads, embeddings, normalisation, dropout, vocabulary padding."""
+
+
+def add_arguments(parser):
+    group = parser.add_argument_group("model")
+    group.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers.")
+    group.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size.")
+    group.add_argument(
+        "--ffn-hidden-size",
+        type=int,
+        default=None,
+        help="MLP hidden size; default 4 x hidden size (with --swiglu: 2/3 of that, rounded down to 64).",
+    )
+    group.add_argument("--num-attention-heads", type=int, default=None, help="Number of attention heads.")
+    group.add_argument(
+        "--kv-channels", type=int, default=None, help="Per-head projection size; default hidden size / heads."
+    )
+    group.add_argument("--seq-length", type=int, default=None, help="Sequence length of a training sample.")
+    group.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        default=None,
+        help="Size of the learned position table; default --seq-length.",
+    )
+    group.add_argument(
+        "--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope"]
+    )
+    group.add_argument("--rotary-base", type=int, default=10000, help="Base of rotary position embeddings.")
+    group.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    group.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of the normalisation layers.")
+    group.add_argument("--swiglu", action="store_true", help="Gated SiLU MLP instead of GeLU.")
+    group.add_argument(
+        "--untie-embeddings-and-output-weights",
+        action="store_true",
+        help="Separate output-layer weights instead of sharing the input embedding.",
+    )
+    group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
+                       help="No biases in the linear layers.")
+    group.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal weight init.")
+    group.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout after attention and MLP.")
+    group.add_argument("--attention-dropout", type=float, default=0.1, help="Dropout on attention probabilities.")
+    group.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="Pad the vocabulary to a multiple of this value x tensor-parallel size.",
+    )
+    group.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size (needed by NullTokenizer).")
+
+
+def _swiglu_ffn_hidden_size(hidden_size):
+    # Keeps the gated MLP's parameter count close to the 4h GeLU MLP's: 3 matrices of 2/3 the width.
+    return int((4 * hidden_size * 2 / 3) / 64) * 64
+
+
+def validate(args):
+    for flag, value in (
+        ("--num-layers", args.num_layers),
+        ("--hidden-size", args.hidden_size),
+        ("--num-attention-heads", args.num_attention_heads),
+        ("--seq-length", args.seq_length),
+    ):
+        if value is None:
+            raise ValueError(f"{flag} is required")
+        if value <= 0:
+            raise ValueError(f"{flag} must be positive, got {value}")
+    if args.hidden_size % args.num_attention_heads != 0 and args.kv_channels is None:
+        raise ValueError(
+            f"--hidden-size ({args.hidden_size}) must be divisible by --num-attention-heads "
+            f"({args.num_attention_heads}), or set --kv-channels"
+        )
+    if args.num_attention_heads % args.tensor_model_parallel_size != 0:
+        raise ValueError(
+            f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
+            f"--tensor-model-parallel-size ({args.tensor_model_parallel_size})"
+        )
+    if args.kv_channels is None:
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = _swiglu_ffn_hidden_size(args.hidden_size) if args.swiglu else 4 * args.hidden_size
+    if args.ffn_hidden_size % args.tensor_model_parallel_size != 0:
+        raise ValueError(
+            f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by "
+            f"--tensor-model-parallel-size ({args.tensor_model_parallel_size})"
+        )
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.position_embedding_type == "learned_absolute" and args.seq_length > args.max_position_embeddings:
+        raise ValueError(
+            f"--seq-length ({args.seq_length}) must not exceed --max-position-embeddings "
+            f"({args.max_position_embeddings}) with learned absolute position embeddings"
+        )
+    for flag, value in (("--hidden-dropout", args.hidden_dropout), ("--attention-dropout", args.attention_dropout)):
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{flag} must be in [0, 1), got {value}")
+    if args.make_vocab_size_divisible_by <= 0:
+        raise ValueError(f"--make-vocab-size-divisible-by must be positive, got {args.make_vocab_size_divisible_by}")

@@ -1,0 +1,88 @@
+"""Optimisation flags: batch sizes, iterations, learning-rate schedule, optimizer, precision, recompute."""
+
+
+def add_arguments(parser):
+    group = parser.add_argument_group("training")
+    group.add_argument("--micro-batch-size", type=int, default=None, help="Samples per micro-batch per rank.")
+    group.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="Samples per optimizer step over all data-parallel ranks; default micro-batch x data-parallel size.",
+    )
+    group.add_argument("--train-iters", type=int, default=None, help="Number of optimizer steps to train for.")
+    group.add_argument("--exit-interval", type=int, default=None, help="Exit after an iteration divisible by this.")
+    group.add_argument(
+        "--exit-signal-handler",
+        action="store_true",
+        help="Accepted for compatibility: SIGTERM always saves a checkpoint (with --save) and exits.",
+    )
+    group.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
+    group.add_argument("--min-lr", type=float, default=0.0, help="Learning rate at the end of decay.")
+    group.add_argument("--lr-decay-style", default="linear", choices=["constant", "linear", "cosine"])
+    group.add_argument("--lr-warmup-iters", type=int, default=0, help="Linear warm-up steps.")
+    group.add_argument("--lr-warmup-init", type=float, default=0.0, help="Learning rate at the start of warm-up.")
+    group.add_argument("--lr-decay-iters", type=int, default=None, help="Decay steps; default --train-iters.")
+    group.add_argument("--weight-decay", type=float, default=0.01, help="Decoupled weight decay.")
+    group.add_argument("--clip-grad", type=float, default=1.0, help="Global gradient-norm clip (0 disables).")
+    group.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    group.add_argument("--adam-beta1", type=float, default=0.9)
+    group.add_argument("--adam-beta2", type=float, default=0.999)
+    group.add_argument("--adam-eps", type=float, default=1e-8)
+    group.add_argument("--sgd-momentum", type=float, default=0.9)
+    group.add_argument("--seed", type=int, default=1234, help="Random seed of initialisation and dropout.")
+    group.add_argument("--bf16", action="store_true", help="bfloat16 model parameters (fp32 main copies).")
+    group.add_argument("--fp16", action="store_true", help="float16 model parameters with loss scaling.")
+    group.add_argument("--loss-scale", type=float, default=None, help="Static loss scale (fp16); default dynamic.")
+    group.add_argument("--initial-loss-scale", type=float, default=2.0**32, help="Start of the dynamic loss scale.")
+    group.add_argument("--min-loss-scale", type=float, default=1.0, help="Floor of the dynamic loss scale.")
+    group.add_argument("--loss-scale-window", type=int, default=1000, help="Steps between loss-scale increases.")
+    group.add_argument("--hysteresis", type=int, default=2, help="Overflows tolerated before lowering the scale.")
+    group.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
+    group.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
+    group.add_argument("--recompute-num-layers", type=int, default=None)
+    group.add_argument(
+        "--calculate-per-token-loss",
+        action="store_true",
+        help="Average the loss over all tokens of the global batch instead of per micro-batch.",
+    )
+
+
+def validate(args):
+    if args.micro_batch_size is None or args.micro_batch_size <= 0:
+        raise ValueError("--micro-batch-size is required and must be positive")
+    samples_per_pass = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = samples_per_pass
+    if args.global_batch_size <= 0 or args.global_batch_size % samples_per_pass != 0:
+        raise ValueError(
+            f"--global-batch-size ({args.global_batch_size}) must be a positive multiple of --micro-batch-size "
+            f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size}) = {samples_per_pass}"
+        )
+    if args.train_iters is None or args.train_iters <= 0:
+        raise ValueError("--train-iters is required and must be positive")
+    if args.exit_interval is not None and args.exit_interval <= 0:
+        raise ValueError(f"--exit-interval must be positive, got {args.exit_interval}")
+    if args.lr is None:
+        raise ValueError("--lr is required")
+    if args.min_lr > args.lr:
+        raise ValueError(f"--min-lr ({args.min_lr}) must not exceed --lr ({args.lr})")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_iters < 0 or args.lr_warmup_iters > args.lr_decay_iters:
+        raise ValueError(
+            f"--lr-warmup-iters ({args.lr_warmup_iters}) must be in [0, --lr-decay-iters ({args.lr_decay_iters})]"
+        )
+    if args.bf16 and args.fp16:
+        raise ValueError("--bf16 and --fp16 are exclusive: pick one")
+    if args.clip_grad < 0:
+        raise ValueError(f"--clip-grad must be >= 0, got {args.clip_grad}")
+    if args.recompute_method is not None and args.recompute_granularity != "full":
+        raise ValueError("--recompute-method needs --recompute-granularity full")
+    if args.recompute_granularity == "full" and args.recompute_method is None:
+        raise ValueError("--recompute-granularity full needs --recompute-method {uniform,block}")
+    if args.recompute_method is not None and args.recompute_num_layers is None:
+        raise ValueError("--recompute-method needs --recompute-num-layers")
+    if args.recompute_num_layers is not None and args.recompute_method is None:
+        raise ValueError("--recompute-num-layers needs --recompute-method")
+    args.params_dtype_name = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")

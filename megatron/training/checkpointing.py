@@ -1,0 +1,246 @@
+"""`--save` / `--load` in Megatron's `torch` format: one file per model-parallel rank, plus a tracker file.
+
+Layout under the checkpoint root:
+
+    latest_checkpointed_iteration.txt            the last complete checkpoint's iteration number
+    iter_0000010/mp_rank_00/model_optim_rng.pt   (mp_rank_TT_PPP with pipeline parallelism)
+    iter_0000010/mp_rank_00/distrib_optim_dp_rank_001.pt   optimizer shard of DP rank 1 (distributed optimizer)
+
+Only data-parallel rank 0 of each model-parallel rank writes `model_optim_rng.pt` (model, optimizer unless
+distributed, scheduler, every DP rank's RNG state, args, iteration). Every file is written to a temporary
+name and renamed, and the tracker is written last, after a barrier, by global rank 0: a save interrupted at
+any point leaves the previous checkpoint as the latest, and readable.
+"""
+
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+MODEL_FILENAME = "model_optim_rng.pt"
+IMPLEMENTED_FORMATS = ("torch",)
+WRAPPER_CLASS_NAMES = {"DistributedDataParallel", "Float16Module", "MegatronFSDP", "FullyShardedDataParallel"}
+
+
+def check_checkpoint_format(args):
+    """Fail early, naming the flag, when --save/--load asks for a format this build cannot write yet."""
+    if (args.save or args.load) and args.ckpt_format not in IMPLEMENTED_FORMATS:
+        raise NotImplementedError(
+            f"not implemented yet: --ckpt-format {args.ckpt_format} with --save/--load; use --ckpt-format torch"
+        )
+
+
+def iteration_dir_name(iteration):
+    return f"iter_{iteration:07d}"
+
+
+def model_parallel_dir_name(tensor_rank, pipeline_rank, pipeline_size):
+    if pipeline_size == 1:
+        return f"mp_rank_{tensor_rank:02d}"
+    return f"mp_rank_{tensor_rank:02d}_{pipeline_rank:03d}"
+
+
+def checkpoint_dir(root, iteration, tensor_rank, pipeline_rank, pipeline_size):
+    return os.path.join(
+        root, iteration_dir_name(iteration), model_parallel_dir_name(tensor_rank, pipeline_rank, pipeline_size)
+    )
+
+
+def distributed_optimizer_filename(data_parallel_rank):
+    return f"distrib_optim_dp_rank_{data_parallel_rank:03d}.pt"
+
+
+def atomic_torch_save(obj, path):
+    """Write `obj` to `path` so that `path` either does not exist or holds the complete object."""
+    temporary = f"{path}.tmp.{os.getpid()}"
+    with open(temporary, "wb") as stream:
+        torch.save(obj, stream)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(temporary, path)
+
+
+def write_tracker(root, iteration):
+    """Point the tracker at `iteration`, atomically (temporary file + rename)."""
+    path = os.path.join(root, TRACKER_FILENAME)
+    temporary = f"{path}.tmp.{os.getpid()}"
+    with open(temporary, "w") as stream:
+        stream.write(str(iteration))
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(temporary, path)
+
+
+def read_tracker(root):
+    """The iteration of the latest complete checkpoint under `root`, or None when there is none."""
+    path = os.path.join(root, TRACKER_FILENAME)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{path} should hold an iteration number, found {text!r}") from None
+
+
+def unwrap_model(module):
+    """Strip DDP / FSDP / mixed-precision wrappers, returning the module whose state dict is saved."""
+    while type(module).__name__ in WRAPPER_CLASS_NAMES and hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def _parallel_ranks():
+    from megatron.core import parallel_state
+
+    return {
+        "tensor_rank": parallel_state.get_tensor_model_parallel_rank(),
+        "pipeline_rank": parallel_state.get_pipeline_model_parallel_rank(),
+        "pipeline_size": parallel_state.get_pipeline_model_parallel_world_size(),
+        "data_rank": parallel_state.get_data_parallel_rank(with_context_parallel=True),
+        "data_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
+    }
+
+
+def rng_state():
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "rng_tracker_states": get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state):
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+    if "cuda_rng_state" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+
+
+def _model_state(model_chunks):
+    if len(model_chunks) == 1:
+        return {"model": unwrap_model(model_chunks[0]).state_dict()}
+    return {f"model{index}": unwrap_model(chunk).state_dict() for index, chunk in enumerate(model_chunks)}
+
+
+def _load_model_state(model_chunks, state, strict):
+    if len(model_chunks) == 1:
+        unwrap_model(model_chunks[0]).load_state_dict(state["model"], strict=strict)
+        return
+    for index, chunk in enumerate(model_chunks):
+        unwrap_model(chunk).load_state_dict(state[f"model{index}"], strict=strict)
+
+
+def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args):
+    """Save a checkpoint of `iteration` under `args.save`; collective over all ranks."""
+    check_checkpoint_format(args)
+    model_chunks = model if isinstance(model, (list, tuple)) else [model]
+    ranks = _parallel_ranks()
+    directory = checkpoint_dir(
+        args.save, iteration, ranks["tensor_rank"], ranks["pipeline_rank"], ranks["pipeline_size"]
+    )
+    # Collectives first, on every rank: some optimizers gather their state inside state_dict().
+    save_optimizer = optimizer is not None and not args.no_save_optim
+    optimizer_state = optimizer.state_dict() if save_optimizer else None
+    all_rng_states = None
+    if not args.no_save_rng:
+        all_rng_states = [None] * dist.get_world_size(ranks["data_group"])
+        dist.all_gather_object(all_rng_states, rng_state(), group=ranks["data_group"])
+
+    os.makedirs(directory, exist_ok=True)
+    if save_optimizer and args.use_distributed_optimizer:
+        atomic_torch_save(
+            {"optimizer": optimizer_state}, os.path.join(directory, distributed_optimizer_filename(ranks["data_rank"]))
+        )
+    if ranks["data_rank"] == 0:
+        state = {
+            "args": args,
+            "checkpoint_version": 3.0,
+            "iteration": iteration,
+            "consumed_train_samples": getattr(args, "consumed_train_samples", 0),
+            **_model_state(model_chunks),
+        }
+        if save_optimizer and not args.use_distributed_optimizer:
+            state["optimizer"] = optimizer_state
+        if save_optimizer and opt_param_scheduler is not None:
+            state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+        if all_rng_states is not None:
+            state["rng_state"] = all_rng_states
+        atomic_torch_save(state, os.path.join(directory, MODEL_FILENAME))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        write_tracker(args.save, iteration)
+    dist.barrier()
+
+
+def _check_layout_matches(saved_args, args, path):
+    for name, flag in (
+        ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+        ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+    ):
+        saved, current = getattr(saved_args, name, None), getattr(args, name)
+        if saved is not None and saved != current:
+            raise ValueError(
+                f"{path} was saved with {flag} {saved} but this run uses {current}; the torch format cannot "
+                f"change the model-parallel layout"
+            )
+
+
+def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
+    """Load the latest checkpoint under `args.load`; returns the iteration to resume from (0 if none).
+
+    Sets `args.consumed_train_samples`. `--finetune` loads weights only and restarts at iteration 0;
+    `--no-load-optim` skips optimizer and scheduler, `--no-load-rng` the RNG state.
+    """
+    check_checkpoint_format(args)
+    model_chunks = model if isinstance(model, (list, tuple)) else [model]
+    iteration = read_tracker(args.load)
+    if iteration is None:
+        if args.exit_on_missing_checkpoint:
+            raise FileNotFoundError(f"--load {args.load}: no {TRACKER_FILENAME} found")
+        return 0
+    ranks = _parallel_ranks()
+    directory = checkpoint_dir(
+        args.load, iteration, ranks["tensor_rank"], ranks["pipeline_rank"], ranks["pipeline_size"]
+    )
+    path = os.path.join(directory, MODEL_FILENAME)
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    _check_layout_matches(state.get("args"), args, path)
+    _load_model_state(model_chunks, state, strict)
+
+    load_optimizer = optimizer is not None and not args.finetune and not args.no_load_optim
+    if load_optimizer:
+        if args.use_distributed_optimizer:
+            shard_path = os.path.join(directory, distributed_optimizer_filename(ranks["data_rank"]))
+            optimizer.load_state_dict(torch.load(shard_path, map_location="cpu", weights_only=False)["optimizer"])
+        else:
+            optimizer.load_state_dict(state["optimizer"])
+        if opt_param_scheduler is not None and "opt_param_scheduler" in state:
+            opt_param_scheduler.load_state_dict(state["opt_param_scheduler"])
+    elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
+        # Main (fp32) copies of the parameters must follow the weights just loaded.
+        optimizer.reload_model_params()
+
+    if not args.finetune and not args.no_load_rng and "rng_state" in state:
+        states = state["rng_state"]
+        set_rng_state(states[ranks["data_rank"]] if ranks["data_rank"] < len(states) else states[0])
+
+    if args.finetune:
+        iteration, args.consumed_train_samples = 0, 0
+    else:
+        args.consumed_train_samples = state.get("consumed_train_samples", 0)
+    dist.barrier()
+    return iteration

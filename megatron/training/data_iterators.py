@@ -1,0 +1,48 @@
+"""Train / validation / test data iterators for `pretrain()`: sample counts, datasets, samplers, loaders."""
+
+from megatron.core import parallel_state
+
+
+def dataset_sample_counts(args):
+    """Samples each split must provide for the whole run (Megatron's train_val_test_num_samples)."""
+    train_samples = args.train_iters * args.global_batch_size
+    evaluations = args.train_iters // args.eval_interval + 1
+    valid_samples = evaluations * args.eval_iters * args.global_batch_size
+    test_samples = args.eval_iters * args.global_batch_size
+    return [train_samples, valid_samples, test_samples]
+
+
+def _cyclic(loader):
+    while True:
+        yield from loader
+
+
+def build_data_iterators(train_valid_test_dataset_provider, args):
+    """(train, valid, test) iterators for this rank's data-parallel slice; None for a missing split.
+
+    The training iterator starts after `args.consumed_train_samples` (so a resumed run sees the samples an
+    uninterrupted run would), the validation iterator after the samples earlier evaluations consumed.
+    """
+    from megatron.training.datasets.data_samplers import build_pretraining_data_loader
+
+    train_dataset, valid_dataset, test_dataset = train_valid_test_dataset_provider(dataset_sample_counts(args))
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+
+    def loader(dataset, consumed_samples):
+        if dataset is None or len(dataset) == 0:
+            return None
+        return build_pretraining_data_loader(
+            dataset, consumed_samples, args.micro_batch_size, dp_rank, dp_size, args.num_workers
+        )
+
+    iteration = getattr(args, "iteration", 0)
+    consumed_valid_samples = (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
+    train_loader = loader(train_dataset, args.consumed_train_samples)
+    valid_loader = loader(valid_dataset, consumed_valid_samples)
+    test_loader = loader(test_dataset, 0)
+    return (
+        iter(train_loader) if train_loader is not None else None,
+        _cyclic(valid_loader) if valid_loader is not None else None,
+        iter(test_loader) if test_loader is not None else None,
+    )

@@ -1,0 +1,1 @@
+"""Data loading for the training loop: samplers that split global batches across data-parallel ranks."""

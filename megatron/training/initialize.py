@@ -1,0 +1,84 @@
+"""Process start-up: arguments, the default process group, model-parallel groups, threads and seeds."""
+
+import os
+import random
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.training import accelerator
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.global_vars import set_args
+
+
+def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unknown_args=False, args=None):
+    """Parse and validate flags, join the process group launched by torchrun, build parallel groups, seed.
+
+    Returns the validated arguments (also available from `megatron.training.global_vars.get_args()`).
+    """
+    parsed = parse_args(extra_args_provider, ignore_unknown_args, args)
+    validate_args(parsed, args_defaults)
+    set_args(parsed)
+    set_cpu_threads()
+    initialize_distributed(parsed)
+    set_random_seed(parsed.seed, parsed.data_parallel_random_init)
+    return parsed
+
+
+def set_cpu_threads():
+    """Share the cores between the ranks of this node so they do not fight over them (CPU runs only)."""
+    if accelerator.cuda_available():
+        return
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+
+
+def initialize_distributed(args):
+    """Join (or reuse) the default process group, then build Megatron's model-parallel groups."""
+    from megatron.core import parallel_state
+
+    backend = args.distributed_backend or accelerator.default_backend()
+    args.distributed_backend = backend
+    local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
+    args.local_rank = local_rank
+    args.device = accelerator.device_for_backend(backend, local_rank)
+    args.created_process_group = not dist.is_initialized()
+    if args.created_process_group:
+        init_kwargs = {}
+        if args.device.type == "cuda":
+            init_kwargs["device_id"] = args.device
+        dist.init_process_group(
+            backend=backend,
+            rank=args.rank,
+            world_size=args.world_size,
+            timeout=timedelta(minutes=args.distributed_timeout_minutes),
+            **init_kwargs,
+        )
+    if dist.get_world_size() != args.world_size:
+        raise ValueError(
+            f"the process group has {dist.get_world_size()} ranks but WORLD_SIZE says {args.world_size}"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+    )
+
+
+def set_random_seed(seed, data_parallel_random_init=False):
+    """Seed Python, numpy and torch like Megatron: offset per pipeline stage (and per DP rank if asked)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    if data_parallel_random_init:
+        seed = seed + 10 * parallel_state.get_data_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)

@@ -1,0 +1,71 @@
+"""Builds what `pretrain()` trains: the model chunk of this pipeline stage (DDP-wrapped), the optimizer and
+the learning-rate / weight-decay scheduler, and installs the gradient hooks the pipeline schedules call."""
+
+import dataclasses
+
+from megatron.core import parallel_state
+from megatron.training.model_config import ddp_config_from_args, optimizer_config_from_args
+
+
+def get_model(model_provider_func, args, wrap_with_ddp=True):
+    """[model chunk] for this pipeline stage, on this process's device, wrapped in Megatron's DDP.
+
+    Like Megatron the model is always DDP-wrapped (also with one data-parallel rank): the wrapper owns the
+    contiguous gradient buffers the optimizer reads (`param.main_grad`).
+    """
+    from megatron.core.distributed import DistributedDataParallel
+
+    model = model_provider_func(
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage()
+    )
+    model.to(args.device)
+    if not wrap_with_ddp:
+        return [model]
+    wrapped = DistributedDataParallel(config=model.config, ddp_config=ddp_config_from_args(args), module=model)
+    if args.data_parallel_random_init:
+        wrapped.broadcast_params()
+    return [wrapped]
+
+
+def install_schedule_hooks(model_chunks, optimizer, args):
+    """Give the schedules the hooks they read from the model config: hold back DP gradient reduction until
+    the last microbatch, finish gradients after the last backward, and scale the loss (fp16)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    chunk = model_chunks[0]
+    hooks = {"no_sync_func": chunk.no_sync, "finalize_model_grads_func": finalize_model_grads}
+    if args.fp16:
+        hooks["grad_scale_func"] = optimizer.scale_loss
+    # Frozen config: replace it on the outermost wrapper, which is where the schedules look first.
+    chunk.config = dataclasses.replace(chunk.config, **hooks)
+    return chunk.config
+
+
+def build_scheduler(optimizer, args):
+    """Megatron's scheduler, counted in samples (steps x global batch) so batch-size changes stay exact."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=args.lr_warmup_init,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
+        lr_decay_steps=args.lr_decay_iters * args.global_batch_size,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * args.global_batch_size,
+        wd_incr_style="constant",
+    )
+
+
+def setup_model_and_optimizer(model_provider_func, args):
+    """(model chunks, optimizer, scheduler, model config with hooks installed)."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    model_chunks = get_model(model_provider_func, args)
+    optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model_chunks)
+    scheduler = build_scheduler(optimizer, args)
+    config = install_schedule_hooks(model_chunks, optimizer, args)
+    return model_chunks, optimizer, scheduler, config

@@ -1,0 +1,35 @@
+"""SIGTERM handling: remember the signal, and let all ranks agree on it at an iteration boundary.
+
+A scheduler that preempts a job sends SIGTERM (torchrun forwards it to every rank, but not necessarily at the
+same moment). The handler only records it; the training loop asks `received_on_any_rank()` after each
+iteration, a MAX all-reduce, so that every rank saves the same checkpoint and exits together.
+"""
+
+import signal
+
+import torch
+import torch.distributed as dist
+
+
+class SigtermHandler:
+    def __init__(self, signal_number=signal.SIGTERM):
+        self.signal_number = signal_number
+        self.received = False
+        self._previous_handler = None
+
+    def __enter__(self):
+        self._previous_handler = signal.signal(self.signal_number, self._record)
+        return self
+
+    def __exit__(self, *exc_info):
+        signal.signal(self.signal_number, self._previous_handler)
+        return False
+
+    def _record(self, signal_number, frame):
+        self.received = True
+
+    def received_on_any_rank(self, device):
+        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32, device=device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())

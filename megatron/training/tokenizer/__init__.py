@@ -1,0 +1,25 @@
+"""Tokenizers behind one interface (`tokenize`, `detokenize`, `vocab_size`, `eod`, `pad`) and `build_tokenizer`."""
+
+from megatron.training.tokenizer.abstract_tokenizer import MegatronTokenizer
+from megatron.training.tokenizer.byte_level_tokenizer import ByteLevelTokenizer
+from megatron.training.tokenizer.gpt2_bpe_tokenizer import GPT2BPETokenizer
+from megatron.training.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
+from megatron.training.tokenizer.null_tokenizer import NullTokenizer
+from megatron.training.tokenizer.tokenizer import (
+    TOKENIZER_TYPES,
+    build_tokenizer,
+    build_tokenizer_from_args,
+    pad_vocab_size,
+)
+
+__all__ = [
+    "MegatronTokenizer",
+    "ByteLevelTokenizer",
+    "GPT2BPETokenizer",
+    "HuggingFaceTokenizer",
+    "NullTokenizer",
+    "TOKENIZER_TYPES",
+    "build_tokenizer",
+    "build_tokenizer_from_args",
+    "pad_vocab_size",
+]

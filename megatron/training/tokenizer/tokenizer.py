@@ -1,0 +1,50 @@
+"""`build_tokenizer` (the `--tokenizer-type` switch) and the vocabulary padding rule of the training code."""
+
+from megatron.training.tokenizer.byte_level_tokenizer import ByteLevelTokenizer
+from megatron.training.tokenizer.gpt2_bpe_tokenizer import GPT2BPETokenizer
+from megatron.training.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
+from megatron.training.tokenizer.null_tokenizer import NullTokenizer
+
+TOKENIZER_TYPES = ("NullTokenizer", "ByteLevelTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer")
+
+
+def build_tokenizer(tokenizer_type, vocab_size=None, vocab_file=None, merge_file=None, tokenizer_model=None):
+    """The tokenizer named by `--tokenizer-type`, built from the file/size flags that type needs."""
+    if tokenizer_type == "NullTokenizer":
+        if vocab_size is None:
+            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
+        return NullTokenizer(vocab_size)
+    if tokenizer_type == "ByteLevelTokenizer":
+        return ByteLevelTokenizer()
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(tokenizer_model)
+    if tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}")
+
+
+def build_tokenizer_from_args(args):
+    """`build_tokenizer` reading `tokenizer_type`, `vocab_size`, `vocab_file`, `merge_file`, `tokenizer_model`."""
+    return build_tokenizer(
+        args.tokenizer_type,
+        vocab_size=getattr(args, "vocab_size", None),
+        vocab_file=getattr(args, "vocab_file", None),
+        merge_file=getattr(args, "merge_file", None),
+        tokenizer_model=getattr(args, "tokenizer_model", None),
+    )
+
+
+def pad_vocab_size(orig_vocab_size, make_vocab_size_divisible_by, tensor_model_parallel_size=1):
+    """Round the vocabulary up to a multiple of `--make-vocab-size-divisible-by` x TP size.
+
+    The embedding is split by rows across tensor-parallel ranks, and each shard should have an
+    efficient size, hence the product.
+    """
+    if orig_vocab_size < 1:
+        raise ValueError(f"vocabulary size must be positive (got {orig_vocab_size})")
+    if make_vocab_size_divisible_by < 1:
+        raise ValueError(f"--make-vocab-size-divisible-by must be positive (got {make_vocab_size_divisible_by})")
+    if tensor_model_parallel_size < 1:
+        raise ValueError(f"--tensor-model-parallel-size must be positive (got {tensor_model_parallel_size})")
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return -(-orig_vocab_size // multiple) * multiple

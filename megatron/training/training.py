@@ -1,0 +1,261 @@
+"""`pretrain()`: Megatron's training driver.
+
+initialize (flags, process groups, seeds) -> tokenizer -> model, optimizer, scheduler -> checkpoint load ->
+data iterators -> train loop (one `train_step` per global batch: the pipeline schedule runs forward/backward
+over the microbatches, then the optimizer and scheduler step) with periodic evaluation, checkpoints and logs;
+stops at --train-iters, --exit-interval or SIGTERM (saving a checkpoint first when --save is set).
+"""
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.training import checkpointing
+from megatron.training.data_iterators import build_data_iterators
+from megatron.training.global_vars import get_args, set_tokenizer
+from megatron.training.initialize import initialize_megatron
+from megatron.training.model_setup import setup_model_and_optimizer
+from megatron.training.signal_handler import SigtermHandler
+from megatron.training.training_log import TrainingLogger, memory_usage
+
+LOSS_NAME = "lm loss"
+
+
+def pretrain(
+    train_valid_test_dataset_provider,
+    model_provider,
+    model_type,
+    forward_step_func,
+    extra_args_provider=None,
+    args_defaults={},
+    argv=None,
+):
+    """Train a model end to end as the command line describes.
+
+    `model_provider(pre_process, post_process)` builds this pipeline stage's model;
+    `train_valid_test_dataset_provider([train, valid, test] sample counts)` returns three datasets (or None);
+    `forward_step_func(data_iterator, model)` returns `(output, loss_func)`. `model_type` is accepted for
+    Megatron compatibility (decoder-only models). `argv` replaces `sys.argv[1:]` (tests). Returns the
+    iteration training stopped at.
+    """
+    args = initialize_megatron(extra_args_provider, args_defaults, args=argv)
+    try:
+        return _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func, args)
+    finally:
+        _teardown(args)
+
+
+def _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func, args):
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+    from megatron.training.tokenizer import build_tokenizer_from_args, pad_vocab_size
+
+    checkpointing.check_checkpoint_format(args)
+    tokenizer = build_tokenizer_from_args(args)
+    set_tokenizer(tokenizer)
+    args.padded_vocab_size = pad_vocab_size(
+        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
+    )
+    init_num_microbatches_calculator(
+        args.rank, args.global_batch_size, args.micro_batch_size, args.data_parallel_size
+    )
+    model, optimizer, scheduler, config = setup_model_and_optimizer(model_provider, args)
+
+    args.consumed_train_samples = 0
+    args.iteration = 0
+    if args.load is not None:
+        args.iteration = checkpointing.load_checkpoint(model, optimizer, scheduler, args)
+    train_iterator, valid_iterator, test_iterator = build_data_iterators(train_valid_test_dataset_provider, args)
+
+    logger = TrainingLogger(args, is_logging_rank=dist.get_rank() == dist.get_world_size() - 1)
+    try:
+        iteration = train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_iterator,
+                          config, logger, args)
+    finally:
+        logger.close()
+    return iteration
+
+
+def _teardown(args):
+    from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
+
+    destroy_num_microbatches_calculator()
+    if getattr(args, "created_process_group", False):
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One iteration
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _loss_sums(losses_reduced, device):
+    """Sum of [loss sum, token count] over the microbatch reports of this rank (zeros off the last stage)."""
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for report in losses_reduced:
+        value = report[LOSS_NAME]
+        if torch.is_tensor(value) and value.numel() == 2:
+            total += value.detach().to(torch.float64)
+        else:  # a per-microbatch mean: count it as one unit
+            total += torch.tensor([float(value), 1.0], dtype=torch.float64, device=device)
+    return total
+
+
+def reduce_reported_loss(losses_reduced, device):
+    """The token-weighted mean loss over all microbatches of all data-parallel ranks, on every rank.
+
+    The last pipeline stage reduces over data-parallel ranks and broadcasts along its pipeline group, so
+    every rank (not only the logging one) holds the same number.
+    """
+    total = _loss_sums(losses_reduced, device)
+    if parallel_state.is_pipeline_last_stage():
+        dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        pipeline_group = parallel_state.get_pipeline_model_parallel_group()
+        last_stage_rank = dist.get_process_group_ranks(pipeline_group)[-1]
+        dist.broadcast(total, src=last_stage_rank, group=pipeline_group)
+    loss_sum, count = total.tolist()
+    return loss_sum / count if count > 0 else float("nan")
+
+
+def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, config, args):
+    """One global batch: forward/backward over all microbatches, then an optimizer step.
+
+    Returns (reported loss, update_successful, grad_norm, num_zeros).
+    """
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses_reduced = get_forward_backward_func()(
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=get_num_microbatches(),
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        decoder_seq_length=args.seq_length,
+        forward_only=False,
+    )
+    update_successful, grad_norm, num_zeros = optimizer.step()
+    if update_successful:
+        scheduler.step(increment=args.global_batch_size)
+    loss = reduce_reported_loss(losses_reduced, args.device)
+    return loss, update_successful, _as_float(grad_norm), _as_float(num_zeros)
+
+
+def _as_float(value):
+    if value is None:
+        return None
+    return float(value.item() if torch.is_tensor(value) else value)
+
+
+def evaluate(forward_step_func, data_iterator, model, config, args):
+    """Mean validation loss over --eval-iters global batches (no gradients)."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for chunk in model:
+        chunk.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=args.device)
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            losses_reduced = get_forward_backward_func()(
+                forward_step_func=forward_step_func,
+                data_iterator=data_iterator,
+                model=model,
+                num_microbatches=get_num_microbatches(),
+                seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size,
+                decoder_seq_length=args.seq_length,
+                forward_only=True,
+            )
+            total += _loss_sums(losses_reduced, args.device)
+    for chunk in model:
+        chunk.train()
+    # Reuse the training reduction on a single synthetic report holding the accumulated sums.
+    return {LOSS_NAME: reduce_reported_loss([{LOSS_NAME: total}], args.device)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _save(iteration, model, optimizer, scheduler, args):
+    if args.save is None:
+        return False
+    checkpointing.save_checkpoint(iteration, model, optimizer, scheduler, args)
+    if dist.get_rank() == 0:
+        print(f"saved checkpoint at iteration {iteration} to {args.save}", flush=True)
+    return True
+
+
+def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_iterator, config, logger,
+          args=None):
+    """Run iterations from `args.iteration` to --train-iters; returns the last iteration reached."""
+    args = args or get_args()
+    for chunk in model:
+        chunk.train()
+    iteration = args.iteration
+    last_saved_iteration = iteration if args.load is not None else None
+    print_memory_on_this_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+    with SigtermHandler() as sigterm:
+        while iteration < args.train_iters:
+            start = time.perf_counter()
+            loss, update_successful, grad_norm, num_zeros = train_step(
+                forward_step_func, train_iterator, model, optimizer, scheduler, config, args
+            )
+            _synchronize(args.device)
+            iteration_time_s = time.perf_counter() - start
+            iteration += 1
+            args.iteration = iteration
+            args.consumed_train_samples += args.global_batch_size
+            logger.log_iteration(
+                {
+                    "iteration": iteration,
+                    "rank": dist.get_rank(),
+                    "losses": {LOSS_NAME: loss},
+                    "learning_rate": optimizer.param_groups[0]["lr"],
+                    "loss_scale": float(optimizer.get_loss_scale()),
+                    "grad_norm": grad_norm,
+                    "num_zeros": num_zeros,
+                    "skipped": not update_successful,
+                    "nan": loss != loss,
+                    "iteration_time_s": iteration_time_s,
+                    "consumed_samples": args.consumed_train_samples,
+                    "global_batch_size": args.global_batch_size,
+                    "memory": memory_usage(model, optimizer, args.device),
+                    "print_memory_on_this_rank": print_memory_on_this_rank,
+                }
+            )
+            if valid_iterator is not None and args.eval_iters > 0 and iteration % args.eval_interval == 0:
+                logger.log_evaluation(iteration, evaluate(forward_step_func, valid_iterator, model, config, args))
+            if args.save_interval and iteration % args.save_interval == 0:
+                if _save(iteration, model, optimizer, scheduler, args):
+                    last_saved_iteration = iteration
+            stop_reason = None
+            if sigterm.received_on_any_rank(args.device):
+                stop_reason = "received SIGTERM"
+            elif args.exit_interval and iteration % args.exit_interval == 0:
+                stop_reason = f"reached --exit-interval {args.exit_interval}"
+            if stop_reason is not None:
+                if last_saved_iteration != iteration and _save(iteration, model, optimizer, scheduler, args):
+                    last_saved_iteration = iteration
+                if dist.get_rank() == 0:
+                    print(f"exiting at iteration {iteration}: {stop_reason}", flush=True)
+                return iteration
+    if last_saved_iteration != iteration and iteration > 0:
+        _save(iteration, model, optimizer, scheduler, args)
+    return iteration
+
+
+def _synchronize(device):
+    from megatron.training.accelerator import synchronize
+
+    synchronize(device)

@@ -1,0 +1,285 @@
+"""What training reports: Megatron's log line, throughput and memory lines, TensorBoard scalars and a
+JSON-lines metrics file (one record per iteration, read by the functional tests).
+
+The log line and the metrics file are written by the last rank, which holds the loss (every rank computes the
+same reported loss, averaged over data-parallel ranks, so any rank would do).
+"""
+
+import json
+import os
+
+import torch
+
+from megatron.training import accelerator
+
+
+def format_log_line(
+    iteration,
+    train_iters,
+    consumed_samples,
+    elapsed_ms_per_iteration,
+    learning_rate,
+    global_batch_size,
+    losses,
+    loss_scale,
+    grad_norm,
+    num_zeros,
+    skipped_iterations,
+    nan_iterations,
+):
+    """Megatron's training log line: `iteration 10/ 100 | consumed samples: 320 | ... | number of nan
+    iterations: 0 |`. `losses` maps a name ("lm loss") to its value; `grad_norm` / `num_zeros` may be None.
+    """
+    fields = [
+        f"iteration {iteration}/ {train_iters}",
+        f"consumed samples: {consumed_samples}",
+        f"elapsed time per iteration (ms): {elapsed_ms_per_iteration:.1f}",
+        f"learning rate: {learning_rate:.6E}",
+        f"global batch size: {global_batch_size}",
+    ]
+    fields += [f"{name}: {value:.3E}" for name, value in losses.items()]
+    fields.append(f"loss scale: {loss_scale:.1f}")
+    if grad_norm is not None:
+        fields.append(f"grad norm: {grad_norm:.3f}")
+    if num_zeros is not None:
+        fields.append(f"num zeros: {num_zeros:.1f}")
+    fields.append(f"number of skipped iterations: {skipped_iterations}")
+    fields.append(f"number of nan iterations: {nan_iterations}")
+    return " | ".join(fields) + " |"
+
+
+def format_throughput_line(tokens_per_second, num_ranks, tflops_per_rank):
+    return (
+        f"throughput | tokens/s: {tokens_per_second:.1f} | tokens/s per rank: {tokens_per_second / num_ranks:.1f} "
+        f"| estimated TFLOP/s per rank: {tflops_per_rank:.4f} |"
+    )
+
+
+def format_memory_line(rank, memory):
+    peak_name = "max allocated" if memory["on_gpu"] else "peak RSS"
+    return (
+        f"memory (rank {rank}) | params: {memory['params_bytes']} bytes | grads: {memory['grads_bytes']} bytes "
+        f"| optimizer state: {memory['optimizer_state_bytes']} bytes | {peak_name}: {memory['peak_bytes']} bytes |"
+    )
+
+
+def training_flops_per_iteration(args, global_batch_size):
+    """Estimated matmul FLOPs of one iteration (forward + backward = 3 x forward) over all ranks."""
+    hidden, layers, seq = args.hidden_size, args.num_layers, args.seq_length
+    heads_width = args.kv_channels * args.num_attention_heads
+    mlp_matrices = 3 if args.swiglu else 2
+    per_token_forward = layers * (
+        2 * hidden * 3 * heads_width  # QKV projection
+        + 2 * heads_width * hidden  # attention output projection
+        + 2 * 2 * seq * heads_width  # scores and weighted sum over the sequence
+        + 2 * mlp_matrices * hidden * args.ffn_hidden_size
+    ) + 2 * hidden * args.padded_vocab_size  # logits
+    return 3 * per_token_forward * seq * global_batch_size
+
+
+def _tensor_bytes(tensor):
+    return tensor.numel() * tensor.element_size()
+
+
+def _torch_optimizers(optimizer):
+    """The torch.optim optimizers inside Megatron's wrappers (chained or not)."""
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    found = []
+    for chained in getattr(optimizer, "chained_optimizers", []) or []:
+        found += _torch_optimizers(chained)
+    inner = getattr(optimizer, "optimizer", None)
+    if inner is not None and inner is not optimizer:
+        found += _torch_optimizers(inner)
+    return found
+
+
+def memory_usage(model_chunks, optimizer, device):
+    """Bytes this rank holds in parameters, gradients and optimizer state (incl. main parameter copies)."""
+    params = [param for chunk in model_chunks for param in chunk.parameters()]
+    model_param_ptrs = {param.data_ptr() for param in params}
+    params_bytes = sum(_tensor_bytes(param) for param in params)
+    grads_bytes = 0
+    for param in params:
+        main_grad = getattr(param, "main_grad", None)
+        if main_grad is not None:
+            grads_bytes += _tensor_bytes(main_grad)
+        elif param.grad is not None:
+            grads_bytes += _tensor_bytes(param.grad)
+    optimizer_state_bytes = 0
+    for torch_optimizer in _torch_optimizers(optimizer):
+        for state in torch_optimizer.state.values():
+            optimizer_state_bytes += sum(_tensor_bytes(v) for v in state.values() if torch.is_tensor(v))
+        for group in torch_optimizer.param_groups:
+            for param in group["params"]:
+                if param.data_ptr() not in model_param_ptrs:  # a main (fp32) copy or a shard of one
+                    optimizer_state_bytes += _tensor_bytes(param)
+    allocated = accelerator.allocated_memory_bytes(device)
+    return {
+        "on_gpu": device.type == "cuda",
+        "params_bytes": params_bytes,
+        "grads_bytes": grads_bytes,
+        "optimizer_state_bytes": optimizer_state_bytes,
+        "allocated_bytes": allocated if allocated is not None else params_bytes + grads_bytes + optimizer_state_bytes,
+        "peak_bytes": accelerator.peak_memory_bytes(device),
+    }
+
+
+def default_metrics_path(args):
+    if args.metrics_file:
+        return args.metrics_file
+    directory = args.tensorboard_dir or args.save
+    return os.path.join(directory, "metrics.jsonl") if directory else None
+
+
+class TrainingLogger:
+    """Collects per-iteration results and writes the log lines, TensorBoard scalars and metrics records."""
+
+    def __init__(self, args, is_logging_rank):
+        self.args = args
+        self.is_logging_rank = is_logging_rank
+        self._interval_losses = {}
+        self._interval_iterations = 0
+        self._interval_time_s = 0.0
+        self._skipped_iterations = 0
+        self._nan_iterations = 0
+        self._memory_line_printed = False
+        self._metrics_stream = None
+        self._tensorboard = None
+        if not is_logging_rank:
+            return
+        metrics_path = default_metrics_path(args)
+        if metrics_path:
+            os.makedirs(os.path.dirname(os.path.abspath(metrics_path)), exist_ok=True)
+            # Appending lets a resumed run continue the record of the run it resumes.
+            self._metrics_stream = open(metrics_path, "a")
+        if args.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=1000)
+
+    def log_iteration(self, report):
+        """`report`: iteration, losses (dict), learning_rate, loss_scale, grad_norm, num_zeros, skipped, nan,
+        iteration_time_s, consumed_samples, global_batch_size, memory (from `memory_usage`), rank."""
+        args = self.args
+        iteration = report["iteration"]
+        for name, value in report["losses"].items():
+            self._interval_losses[name] = self._interval_losses.get(name, 0.0) + value
+        self._interval_iterations += 1
+        self._interval_time_s += report["iteration_time_s"]
+        self._skipped_iterations += int(report["skipped"])
+        self._nan_iterations += int(report["nan"])
+        memory = report["memory"]
+        if self.is_logging_rank:
+            self._write_metrics_record(report)
+            self._write_tensorboard(report)
+        if iteration % args.log_interval != 0:
+            return
+        show_memory = args.log_memory_to_tensorboard or not self._memory_line_printed
+        if show_memory and (self.is_logging_rank or report.get("print_memory_on_this_rank", False)):
+            print(format_memory_line(report["rank"], memory), flush=True)
+        self._memory_line_printed = True
+        if self.is_logging_rank:
+            count = self._interval_iterations
+            elapsed_s = self._interval_time_s / count
+            line = format_log_line(
+                iteration=iteration,
+                train_iters=args.train_iters,
+                consumed_samples=report["consumed_samples"],
+                elapsed_ms_per_iteration=elapsed_s * 1000.0,
+                learning_rate=report["learning_rate"],
+                global_batch_size=report["global_batch_size"],
+                losses={name: total / count for name, total in self._interval_losses.items()},
+                loss_scale=report["loss_scale"],
+                grad_norm=report["grad_norm"],
+                num_zeros=report["num_zeros"],
+                skipped_iterations=self._skipped_iterations,
+                nan_iterations=self._nan_iterations,
+            )
+            print(line, flush=True)
+            if args.log_throughput:
+                tokens_per_second = report["global_batch_size"] * args.seq_length / elapsed_s
+                flops = training_flops_per_iteration(args, report["global_batch_size"])
+                tflops_per_rank = flops / elapsed_s / args.world_size / 1e12
+                print(format_throughput_line(tokens_per_second, args.world_size, tflops_per_rank), flush=True)
+                if self._tensorboard is not None:
+                    self._tensorboard.add_scalar("throughput-tokens-per-second", tokens_per_second, iteration)
+                    self._tensorboard.add_scalar("throughput-tflops-per-rank", tflops_per_rank, iteration)
+        self._interval_losses, self._interval_iterations, self._interval_time_s = {}, 0, 0.0
+        self._skipped_iterations, self._nan_iterations = 0, 0
+
+    def log_evaluation(self, iteration, losses, prefix="validation"):
+        if not self.is_logging_rank:
+            return
+        text = " | ".join(f"{name} value: {value:.6E} | {name} PPL: {_perplexity(value):.6E}" for name, value in
+                          losses.items())
+        print(f"{prefix} loss at iteration {iteration} | {text} |", flush=True)
+        if self._tensorboard is not None:
+            for name, value in losses.items():
+                self._tensorboard.add_scalar(f"{name} {prefix}", value, iteration)
+                self._tensorboard.add_scalar(f"{name} {prefix} ppl", _perplexity(value), iteration)
+        if self._metrics_stream is not None:
+            record = {"iteration": iteration, "split": prefix}
+            record.update({f"{name}": value for name, value in losses.items()})
+            self._metrics_stream.write(json.dumps(record) + "\n")
+            self._metrics_stream.flush()
+
+    def _write_metrics_record(self, report):
+        if self._metrics_stream is None:
+            return
+        memory = report["memory"]
+        record = {
+            "iteration": report["iteration"],
+            "split": "train",
+            **report["losses"],
+            "grad norm": report["grad_norm"],
+            "num-zeros": report["num_zeros"],
+            "learning-rate": report["learning_rate"],
+            "loss-scale": report["loss_scale"],
+            "iteration-time": report["iteration_time_s"],
+            "consumed-samples": report["consumed_samples"],
+            "skipped": bool(report["skipped"]),
+            "mem-allocated-bytes": memory["allocated_bytes"],
+            "mem-max-allocated-bytes": memory["peak_bytes"],
+            "params-bytes": memory["params_bytes"],
+            "grads-bytes": memory["grads_bytes"],
+            "optimizer-state-bytes": memory["optimizer_state_bytes"],
+        }
+        self._metrics_stream.write(json.dumps(record) + "\n")
+        self._metrics_stream.flush()
+
+    def _write_tensorboard(self, report):
+        writer, args, iteration = self._tensorboard, self.args, report["iteration"]
+        if writer is None or iteration % args.tensorboard_log_interval != 0:
+            return
+        for name, value in report["losses"].items():
+            writer.add_scalar(name, value, iteration)
+        writer.add_scalar("learning-rate", report["learning_rate"], iteration)
+        writer.add_scalar("loss-scale", report["loss_scale"], iteration)
+        writer.add_scalar("batch-size", report["global_batch_size"], iteration)
+        writer.add_scalar("iteration-time", report["iteration_time_s"], iteration)
+        if report["grad_norm"] is not None:
+            writer.add_scalar("grad-norm", report["grad_norm"], iteration)
+        if report["num_zeros"] is not None:
+            writer.add_scalar("num-zeros", report["num_zeros"], iteration)
+        if args.log_memory_to_tensorboard:
+            memory = report["memory"]
+            for key in ("params_bytes", "grads_bytes", "optimizer_state_bytes", "allocated_bytes", "peak_bytes"):
+                writer.add_scalar(f"mem-{key.replace('_', '-')}", memory[key], iteration)
+
+    def close(self):
+        if self._metrics_stream is not None:
+            self._metrics_stream.close()
+            self._metrics_stream = None
+        if self._tensorboard is not None:
+            self._tensorboard.flush()
+            self._tensorboard.close()
+            self._tensorboard = None
+
+
+def _perplexity(loss):
+    import math
+
+    return math.exp(min(20.0, loss))

@@ -1,0 +1,82 @@
+"""Pretrain a GPT model: `torchrun --nproc-per-node N pretrain_gpt.py --num-layers ... --mock-data ...`.
+
+Supplies the three pieces `pretrain()` needs: the model of a pipeline stage, the forward step with its loss,
+and the train/valid/test datasets (mock token ids, or `--data-path` files with blending and `--split`).
+"""
+
+from functools import partial
+
+import torch
+
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, build_gpt_datasets
+from megatron.core.datasets.utils import blend_from_data_path
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.training.global_vars import get_args, get_tokenizer
+from megatron.training.model_config import core_transformer_config_from_args
+from megatron.training.training import pretrain
+
+MODEL_TYPE = "encoder_or_decoder"
+
+
+def model_provider(pre_process=True, post_process=True):
+    """The GPT layers of this pipeline stage, shaped by the command line."""
+    args = get_args()
+    return GPTModel(
+        config=core_transformer_config_from_args(args),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+    )
+
+
+def get_batch(data_iterator):
+    """The next micro-batch on this process's device (every stage draws it, keeping iterators in step)."""
+    batch = next(data_iterator)
+    device = get_args().device
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+
+
+def loss_func(loss_mask, output_tensor):
+    """(sum of masked per-token losses, token count, report): the schedule divides by the count."""
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.float().reshape(-1)
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum()
+    report = torch.stack([loss_sum.detach(), num_tokens.detach()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model):
+    """Forward one micro-batch; returns (per-token loss on the last stage / hidden states elsewhere, loss_func)."""
+    batch = get_batch(data_iterator)
+    output_tensor = model(
+        batch["tokens"], batch["position_ids"], attention_mask=batch.get("attention_mask"), labels=batch["labels"]
+    )
+    return output_tensor, partial(loss_func, batch["loss_mask"])
+
+
+def train_valid_test_datasets_provider(train_valid_test_num_samples):
+    """GPT datasets of the requested sizes from --mock-data or --data-path (weights, --split)."""
+    args = get_args()
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend_from_data_path(args.data_path) if args.data_path else None,
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.reset_attention_mask,
+        mock=args.mock_data,
+    )
+    return build_gpt_datasets(config, train_valid_test_num_samples)
+
+
+if __name__ == "__main__":
+    pretrain(train_valid_test_datasets_provider, model_provider, MODEL_TYPE, forward_step)

@@ -1,0 +1,235 @@
+"""Runs a functional test case end to end and compares its metrics with golden values.
+
+A case is a folder `test_cases/<model>/<case>/` with `model_config.yaml`:
+
+    NPROC_PER_NODE: 2            # ranks torchrun starts (default 1)
+    ENV_VARS: {NAME: value}      # extra environment of the run
+    TEST_TYPE: regular           # or ckpt-resume
+    MODEL_ARGS: {--flag: value}  # `true` = bare flag, `false` = left out, a list = several values
+    METRICS: [lm loss, num-zeros, mem-allocated-bytes]   # optional; these are the defaults
+
+and `golden_values_cpu.json`: metric -> {"start_step", "end_step", "step_interval", "values": {"1": ...}}.
+
+The run is `torchrun --nproc-per-node N pretrain_gpt.py <MODEL_ARGS> --metrics-file <tmp>`; the metrics
+file holds one JSON record per iteration (see `megatron.training.training_log`). A `ckpt-resume` case trains
+N iterations once uninterrupted, then again in two launches (stop and save at N/2, load, continue to N); its
+metrics are the uninterrupted run's, and `resumed_metrics` holds the second launch's.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+FUNCTIONAL_TESTS_DIR = Path(__file__).resolve().parent
+CASES_DIR = FUNCTIONAL_TESTS_DIR / "test_cases"
+REPO_ROOT = FUNCTIONAL_TESTS_DIR.parents[1]
+GOLDEN_FILENAME = "golden_values_cpu.json"
+DEFAULT_METRICS = ("lm loss", "num-zeros", "mem-allocated-bytes")
+TEST_TYPES = ("regular", "ckpt-resume")
+DEFAULT_TIMEOUT_S = 300
+
+# Relative tolerances per metric. Loss: these fp32 CPU runs are bitwise reproducible on one machine (fixed
+# thread counts, a deterministic gloo ring, no atomics), so 1e-5 only has to absorb a different CPU's kernels
+# (AVX2 vs AVX-512 change summation order, ~1e-7 per op, amplified over a few steps) - far below the ~1e-3
+# a real regression (a wrong gradient scale, a skipped reduction) moves the loss by. Zero counts are exact
+# counts of structurally-zero gradient entries. Memory on CPU is the bytes of tensors the rank holds:
+# exact unless the layout changes, 5% as upstream. Peak RSS depends on the allocator: loose.
+RELATIVE_TOLERANCE = {
+    "lm loss": 1e-5,
+    "num-zeros": 0.0,
+    "mem-allocated-bytes": 0.05,
+    "mem-max-allocated-bytes": 0.5,
+    "iteration-time": None,  # not compared: CPU timing spread on shared machines is 10-30%
+}
+ABSOLUTE_TOLERANCE = {"num-zeros": 0.5}
+
+
+@dataclasses.dataclass(frozen=True)
+class FunctionalCase:
+    name: str  # "<model>/<case>"
+    directory: Path
+    nproc_per_node: int
+    env_vars: dict
+    model_args: dict
+    test_type: str
+    metrics: tuple
+
+    @property
+    def golden_path(self):
+        return self.directory / GOLDEN_FILENAME
+
+    @property
+    def train_iters(self):
+        return int(self.model_args["--train-iters"])
+
+
+def list_cases(model="gpt"):
+    return sorted(f"{model}/{path.parent.name}" for path in (CASES_DIR / model).glob("*/model_config.yaml"))
+
+
+def load_case(name):
+    directory = CASES_DIR / name
+    config_path = directory / "model_config.yaml"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no functional test case {name!r}: {config_path} does not exist")
+    config = yaml.safe_load(config_path.read_text())
+    unknown = set(config) - {"NPROC_PER_NODE", "ENV_VARS", "TEST_TYPE", "MODEL_ARGS", "METRICS"}
+    if unknown:
+        raise ValueError(f"{config_path}: unknown keys {sorted(unknown)}")
+    test_type = config.get("TEST_TYPE", "regular")
+    if test_type not in TEST_TYPES:
+        raise ValueError(f"{config_path}: TEST_TYPE must be one of {TEST_TYPES}, got {test_type!r}")
+    model_args = dict(config["MODEL_ARGS"])
+    if "--train-iters" not in model_args:
+        raise ValueError(f"{config_path}: MODEL_ARGS needs --train-iters")
+    return FunctionalCase(
+        name=name,
+        directory=directory,
+        nproc_per_node=int(config.get("NPROC_PER_NODE", 1)),
+        env_vars={key: str(value) for key, value in (config.get("ENV_VARS") or {}).items()},
+        model_args=model_args,
+        test_type=test_type,
+        metrics=tuple(config.get("METRICS") or DEFAULT_METRICS),
+    )
+
+
+def model_args_to_argv(model_args):
+    argv = []
+    for flag, value in model_args.items():
+        if value is False or value is None:
+            continue
+        argv.append(flag)
+        if value is True:
+            continue
+        argv += [str(item) for item in value] if isinstance(value, (list, tuple)) else [str(value)]
+    return argv
+
+
+def read_metrics(path):
+    """{metric: {iteration: value}} from a metrics file's training records (later records win)."""
+    metrics = {}
+    with open(path) as stream:
+        for line in stream:
+            record = json.loads(line)
+            if record.get("split", "train") != "train":
+                continue
+            iteration = int(record["iteration"])
+            for key, value in record.items():
+                if key not in ("iteration", "split"):
+                    metrics.setdefault(key, {})[iteration] = value
+    return metrics
+
+
+def launch(case, workdir, extra_model_args=None, timeout_s=DEFAULT_TIMEOUT_S, tag="run"):
+    """One torchrun launch of the case; returns its metrics. Raises with the log tail if it fails."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    metrics_path = workdir / f"{tag}_metrics.jsonl"
+    log_path = workdir / f"{tag}.log"
+    if metrics_path.exists():
+        metrics_path.unlink()
+    model_args = {**case.model_args, **(extra_model_args or {}), "--metrics-file": str(metrics_path)}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(case.nproc_per_node),
+        str(REPO_ROOT / "pretrain_gpt.py"), *model_args_to_argv(model_args),
+    ]  # fmt: skip
+    env = {**os.environ, **case.env_vars}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    with open(log_path, "w") as log:
+        try:
+            completed = subprocess.run(
+                command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s
+            )
+            returncode = completed.returncode
+        except subprocess.TimeoutExpired:
+            returncode = f"timeout after {timeout_s}s"
+    if returncode != 0:
+        tail = "".join(log_path.read_text().splitlines(keepends=True)[-40:])
+        raise RuntimeError(f"{case.name} ({tag}) failed: {returncode}\n$ {' '.join(command)}\n{tail}")
+    return read_metrics(metrics_path)
+
+
+@dataclasses.dataclass
+class CaseResult:
+    metrics: dict  # {metric: {iteration: value}} of the (uninterrupted) run
+    resumed_metrics: dict = None  # ckpt-resume: the launch that loaded the checkpoint
+
+
+def run_case(case, workdir, timeout_s=DEFAULT_TIMEOUT_S):
+    workdir = Path(workdir)
+    metrics = launch(case, workdir, timeout_s=timeout_s, tag="full")
+    if case.test_type == "regular":
+        return CaseResult(metrics)
+    half = case.train_iters // 2
+    checkpoint_dir = workdir / "checkpoints"
+    checkpoint_args = {"--save": str(checkpoint_dir), "--ckpt-format": case.model_args.get("--ckpt-format", "torch")}
+    launch(case, workdir, {**checkpoint_args, "--exit-interval": half}, timeout_s, tag="first_half")
+    resumed = launch(case, workdir, {**checkpoint_args, "--load": str(checkpoint_dir)}, timeout_s, tag="second_half")
+    return CaseResult(metrics, resumed)
+
+
+def golden_from_metrics(case, metrics):
+    golden = {}
+    for metric in case.metrics:
+        if metric not in metrics:
+            raise KeyError(f"{case.name}: the run reported no {metric!r} (have {sorted(metrics)})")
+        values = metrics[metric]
+        steps = sorted(values)
+        golden[metric] = {
+            "start_step": steps[0],
+            "end_step": steps[-1],
+            "step_interval": 1,
+            "values": {str(step): values[step] for step in steps},
+        }
+    return golden
+
+
+def load_golden(case):
+    if not case.golden_path.is_file():
+        raise FileNotFoundError(
+            f"{case.golden_path} is missing; create it with: python -m tests.functional_tests.regenerate_golden "
+            f"{case.name}"
+        )
+    return json.loads(case.golden_path.read_text())
+
+
+def compare_series(metric, expected, actual, rtol, atol=0.0):
+    """Mismatch descriptions (empty when equal within tolerance) of {iteration: value} series."""
+    problems = []
+    missing = sorted(set(expected) - set(actual))
+    if missing:
+        problems.append(f"{metric}: no value for iterations {missing}")
+    for iteration in sorted(set(expected) & set(actual)):
+        want, got = expected[iteration], actual[iteration]
+        if want is None or got is None:
+            if want is not got:
+                problems.append(f"{metric} @ {iteration}: expected {want}, got {got}")
+            continue
+        if abs(got - want) > atol + rtol * abs(want):
+            relative = abs(got - want) / abs(want) if want else float("inf")
+            problems.append(f"{metric} @ {iteration}: expected {want!r}, got {got!r} (rel. diff {relative:.3g} > {rtol})")
+    return problems
+
+
+def compare_with_golden(case, metrics, golden):
+    problems = []
+    for metric in case.metrics:
+        rtol = RELATIVE_TOLERANCE.get(metric, 1e-5)
+        if rtol is None:
+            continue
+        if metric not in golden:
+            problems.append(f"{metric}: not in {case.golden_path.name}; regenerate the golden values")
+            continue
+        spec = golden[metric]
+        expected = {
+            int(step): value
+            for step, value in spec["values"].items()
+            if (int(step) - spec["start_step"]) % spec["step_interval"] == 0
+        }
+        problems += compare_series(metric, expected, metrics.get(metric, {}), rtol, ABSOLUTE_TOLERANCE.get(metric, 0.0))
+    return problems

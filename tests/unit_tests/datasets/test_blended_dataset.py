@@ -1,0 +1,91 @@
+import numpy as np
+import pytest
+import torch
+
+from megatron.core.datasets.blended_dataset import BlendedDataset
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, build_gpt_datasets
+from megatron.core.datasets.utils import blend_from_data_path, build_blending_indices
+from tests.unit_tests.datasets.gpt_test_data import EodOnlyTokenizer, write_documents
+
+
+@pytest.mark.parametrize(
+    "weights,size",
+    [([0.3, 0.7], 1000), ([1, 1, 1], 301), ([0.05, 0.15, 0.8], 997), ([5, 1, 3, 1], 10), ([0.999, 0.001], 5000)],
+)
+def test_schedule_tracks_weights_within_one_sample(weights, size):
+    dataset_index, dataset_sample_index = build_blending_indices(weights, size)
+    shares = np.asarray(weights, dtype=np.float64) / np.sum(weights)
+    # After every prefix of the schedule, each dataset is within one sample of its share.
+    one_hot = np.eye(len(weights), dtype=np.int64)[dataset_index.astype(np.int64)]
+    counts_so_far = np.cumsum(one_hot, axis=0)
+    targets = np.arange(1, size + 1)[:, None] * shares[None, :]
+    assert np.abs(counts_so_far - targets).max() <= 1.0
+    # Sample indices within each dataset count up from zero in schedule order.
+    for dataset in range(len(weights)):
+        picked = dataset_sample_index[dataset_index == dataset]
+        np.testing.assert_array_equal(picked, np.arange(len(picked)))
+
+
+def test_schedule_is_deterministic_and_interleaved():
+    first = build_blending_indices([0.5, 0.5], 8)
+    second = build_blending_indices([0.5, 0.5], 8)
+    np.testing.assert_array_equal(first[0], second[0])
+    np.testing.assert_array_equal(first[0], [0, 1, 0, 1, 0, 1, 0, 1])
+
+
+class _Labelled(torch.utils.data.Dataset):
+    def __init__(self, label, size):
+        self.label, self.size = label, size
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, idx):
+        return (self.label, idx)
+
+
+def test_blended_dataset_reads_the_scheduled_samples():
+    blended = BlendedDataset([_Labelled("a", 40), _Labelled("b", 80)], [1, 2], 90)
+    samples = [blended[i] for i in range(len(blended))]
+    assert sum(1 for label, _ in samples if label == "a") == 30
+    assert [idx for label, idx in samples if label == "b"] == list(range(60))
+    with pytest.raises(ValueError, match="has 40 samples, the schedule needs 50"):
+        BlendedDataset([_Labelled("a", 40), _Labelled("b", 80)], [1, 1], 100)
+
+
+def test_blend_from_data_path_forms():
+    assert blend_from_data_path(["a"]) == (["a"], None)
+    assert blend_from_data_path(["a", "b"]) == (["a", "b"], None)
+    assert blend_from_data_path(["0.3", "a", "0.7", "b"]) == (["a", "b"], [0.3, 0.7])
+    with pytest.raises(ValueError, match="--data-path"):
+        blend_from_data_path(["0.3", "a", "b"])
+
+
+def test_blend_of_gpt_datasets(tmp_path):
+    prefixes = [str(tmp_path / name) for name in ("first", "second")]
+    write_documents(prefixes[0], 30, seed=1)
+    write_documents(prefixes[1], 50, seed=2)
+    config = GPTDatasetConfig(
+        random_seed=11,
+        sequence_length=12,
+        blend=blend_from_data_path(["0.25", prefixes[0], "0.75", prefixes[1]]),
+        split="90,10,0",
+        path_to_cache=str(tmp_path / "cache"),
+        tokenizer=EodOnlyTokenizer(),
+    )
+    train, valid, test = build_gpt_datasets(config, (200, 21, 5))
+    assert test is None
+    for blended, size in ((train, 200), (valid, 21)):
+        assert isinstance(blended, BlendedDataset) and len(blended) == size
+        np.testing.assert_allclose(blended.samples_per_dataset, [0.25 * size, 0.75 * size], atol=1.0)
+        for part, count in zip(blended.datasets, blended.samples_per_dataset):
+            assert len(part) == count
+        for i in (0, 1, 2, size - 1):
+            part = blended.datasets[int(blended.dataset_index[i])]
+            torch.testing.assert_close(blended[i], part[int(blended.dataset_sample_index[i])], rtol=0, atol=0)
+    # The component datasets keep their own split documents.
+    assert set(np.unique(train.datasets[0].document_index)) == set(range(27))
+    assert set(np.unique(valid.datasets[1].document_index)) == set(range(45, 50))
+    again, _, _ = build_gpt_datasets(config, (200, 21, 5))
+    np.testing.assert_array_equal(again.dataset_index, train.dataset_index)
+    assert all(part.indices_loaded_from_cache for part in again.datasets)

@@ -1,0 +1,66 @@
+import pytest
+import torch
+
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.utils import Split
+from megatron.training.datasets.data_samplers import MegatronPretrainingSampler, build_pretraining_data_loader
+from megatron.training.tokenizer import NullTokenizer
+
+
+def _all_rank_batches(total, consumed, micro_batch_size, data_parallel_size, drop_last=True):
+    return [
+        list(MegatronPretrainingSampler(total, consumed, micro_batch_size, rank, data_parallel_size, drop_last))
+        for rank in range(data_parallel_size)
+    ]
+
+
+@pytest.mark.parametrize("total,consumed,micro_batch_size,data_parallel_size", [(50, 0, 2, 3), (64, 16, 4, 2), (9, 0, 1, 1)])
+def test_ranks_read_contiguous_slices_of_each_global_micro_batch(total, consumed, micro_batch_size, data_parallel_size):
+    per_rank = _all_rank_batches(total, consumed, micro_batch_size, data_parallel_size)
+    global_size = micro_batch_size * data_parallel_size
+    steps = (total - consumed) // global_size
+    assert all(len(batches) == steps for batches in per_rank)
+    for step in range(steps):
+        start = consumed + step * global_size
+        for rank in range(data_parallel_size):
+            first = start + rank * micro_batch_size
+            assert per_rank[rank][step] == list(range(first, first + micro_batch_size))
+    # Together the ranks cover every full global batch exactly once.
+    covered = sorted(index for batches in per_rank for batch in batches for index in batch)
+    assert covered == list(range(consumed, consumed + steps * global_size))
+
+
+def test_resume_continues_where_the_run_stopped():
+    full = _all_rank_batches(100, 0, 2, 2)
+    resumed = _all_rank_batches(100, 40, 2, 2)
+    assert [batches[10:] for batches in full] == resumed
+
+
+def test_last_partial_batch_kept_when_asked():
+    per_rank = _all_rank_batches(11, 0, 2, 2, drop_last=False)
+    assert per_rank[0][-1] == [8, 9] and per_rank[1][-1] == [10]
+
+
+def test_sampler_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="consumed_samples"):
+        MegatronPretrainingSampler(10, 10, 1, 0, 1)
+    with pytest.raises(ValueError, match="rank 2"):
+        MegatronPretrainingSampler(10, 0, 1, 2, 2)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_data_loader_yields_batch_dicts(num_workers):
+    config = GPTDatasetConfig(random_seed=3, sequence_length=8, mock=True, tokenizer=NullTokenizer(32))
+    dataset = MockGPTDataset(config, Split.train, 24)
+    loader = build_pretraining_data_loader(dataset, 4, micro_batch_size=2, data_parallel_rank=1,
+                                           data_parallel_size=2, num_workers=num_workers)
+    batches = list(loader)
+    assert len(batches) == 5
+    first = batches[0]
+    assert set(first) == {"tokens", "labels", "loss_mask", "position_ids"}
+    assert first["tokens"].shape == (2, 8) and first["tokens"].dtype == torch.int64
+    assert first["loss_mask"].dtype == torch.float32 and first["position_ids"].shape == (2, 8)
+    # Rank 1 of 2 after 4 consumed samples reads samples 6 and 7 first.
+    expected = torch.stack([dataset[6]["tokens"], dataset[7]["tokens"]])
+    torch.testing.assert_close(first["tokens"], expected, rtol=0, atol=0)
+    assert build_pretraining_data_loader(None, 0, 2, 0, 1) is None

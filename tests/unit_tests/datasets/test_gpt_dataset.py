@@ -1,0 +1,237 @@
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset, build_gpt_datasets
+from megatron.core.datasets.gpt_indices import samples_in_tokens
+from megatron.core.datasets.utils import Split, blend_from_data_path
+from megatron.training.tokenizer import NullTokenizer
+from tests.unit_tests.datasets.gpt_test_data import EOD, EodOnlyTokenizer, write_documents
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+SEQ = 16
+
+
+def _config(prefix, **overrides):
+    settings = dict(
+        random_seed=1234,
+        sequence_length=SEQ,
+        blend=blend_from_data_path([prefix]),
+        split="80,10,10",
+        tokenizer=EodOnlyTokenizer(),
+    )
+    settings.update(overrides)
+    return GPTDatasetConfig(**settings)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    prefix = str(tmp_path / "corpus_text_document")
+    return prefix, write_documents(prefix, num_documents=40, seed=7)
+
+
+def _check_windows(dataset, documents):
+    """Every sample is the window [j*SEQ, j*SEQ + SEQ + 1) of the stream of documents in document-index order."""
+    stream = np.concatenate([documents[d] for d in dataset.document_index])
+    assert dataset.shuffle_index.min() >= 0
+    assert len(np.unique(dataset.shuffle_index)) == len(dataset)
+    assert dataset.shuffle_index.max() < samples_in_tokens(len(stream), SEQ)
+    for i in range(len(dataset)):
+        j = int(dataset.shuffle_index[i])
+        window = stream[j * SEQ : j * SEQ + SEQ + 1]
+        sample = dataset[i]
+        np.testing.assert_array_equal(sample["tokens"].numpy(), window[:-1])
+        np.testing.assert_array_equal(sample["labels"].numpy(), window[1:])
+        assert sample["tokens"].dtype == torch.int64 and sample["labels"].dtype == torch.int64
+        assert sample["loss_mask"].dtype == torch.float32 and torch.all(sample["loss_mask"] == 1)
+        np.testing.assert_array_equal(sample["position_ids"].numpy(), np.arange(SEQ))
+        assert "attention_mask" not in sample
+
+
+def test_samples_are_windows_of_the_document_stream(corpus):
+    prefix, documents = corpus
+    train, valid, test = build_gpt_datasets(_config(prefix), (50, 5, 3))
+    for dataset, count, document_range in ((train, 50, (0, 32)), (valid, 5, (32, 36)), (test, 3, (36, 40))):
+        assert len(dataset) == count
+        assert dataset.document_range == document_range
+        tokens_per_epoch = sum(len(documents[d]) for d in range(*document_range))
+        # Enough epochs of the split's documents, each document once per epoch.
+        epochs = len(dataset.document_index) // (document_range[1] - document_range[0])
+        assert samples_in_tokens(epochs * tokens_per_epoch, SEQ) >= count
+        assert samples_in_tokens((epochs - 1) * tokens_per_epoch, SEQ) < count
+        np.testing.assert_array_equal(
+            np.bincount(dataset.document_index, minlength=40)[range(*document_range)], epochs
+        )
+        _check_windows(dataset, documents)
+
+
+def test_consecutive_samples_share_one_token(corpus):
+    prefix, _ = corpus
+    train, _, _ = build_gpt_datasets(_config(prefix, split="1,0,0"), (30, 0, 0))
+    windows = [train.token_window(j) for j in range(len(train) - 1)]
+    for first, second in zip(windows, windows[1:]):
+        assert len(first) == SEQ + 1
+        assert first[-1] == second[0]
+
+
+def test_final_partial_epoch_is_shuffled_separately(corpus):
+    prefix, documents = corpus
+    config = _config(prefix, split="1,0,0")
+    tokens_per_epoch = sum(map(len, documents))
+    per_epoch = samples_in_tokens(tokens_per_epoch, SEQ)
+    requested = samples_in_tokens(2 * tokens_per_epoch, SEQ) + per_epoch // 4  # a quarter of a third epoch
+    train, _, _ = build_gpt_datasets(config, (requested, 0, 0))
+    assert len(train) == requested
+    before_final = samples_in_tokens(2 * tokens_per_epoch, SEQ)
+    # The last epoch's documents are a permutation of their own, after two shuffled epochs.
+    np.testing.assert_array_equal(np.sort(train.document_index[-40:]), np.arange(40))
+    np.testing.assert_array_equal(np.bincount(train.document_index[:-40]), np.full(40, 2))
+    # Every sample of the first two epochs is served, then part of the third.
+    np.testing.assert_array_equal(np.sort(train.shuffle_index[:before_final]), np.arange(before_final))
+    assert np.all(train.shuffle_index[before_final:] >= before_final)
+    _check_windows(train, documents)
+
+
+def test_splits_are_disjoint_by_document(corpus):
+    prefix, _ = corpus
+    datasets = build_gpt_datasets(_config(prefix, split="6,2,2"), (20, 20, 20))
+    seen = [set(np.unique(dataset.document_index).tolist()) for dataset in datasets]
+    assert [len(documents) for documents in seen] == [24, 8, 8]
+    assert not (seen[0] & seen[1]) and not (seen[0] & seen[2]) and not (seen[1] & seen[2])
+    assert seen[0] | seen[1] | seen[2] == set(range(40))
+
+
+def test_zero_share_split_is_none(corpus):
+    prefix, _ = corpus
+    train, valid, test = build_gpt_datasets(_config(prefix, split="9,1,0"), (10, 0, 5))
+    assert len(train) == 10 and valid is None and test is None
+
+
+def test_index_cache_is_reused(corpus, tmp_path):
+    prefix, _ = corpus
+    cache = str(tmp_path / "cache")
+    config = _config(prefix, path_to_cache=cache)
+    first = build_gpt_datasets(config, (40, 5, 3))
+    files = sorted(os.listdir(cache))
+    assert len([name for name in files if name.endswith(".npy")]) == 9
+    second = build_gpt_datasets(config, (40, 5, 3))
+    assert sorted(os.listdir(cache)) == files
+    for built, loaded in zip(first, second):
+        assert not built.indices_loaded_from_cache and loaded.indices_loaded_from_cache
+        for name in ("document_index", "sample_index", "shuffle_index"):
+            np.testing.assert_array_equal(getattr(built, name), getattr(loaded, name))
+        torch.testing.assert_close(built[2], loaded[2], rtol=0, atol=0)
+    # Another seed is another cache entry with other indices.
+    reseeded = build_gpt_datasets(_config(prefix, path_to_cache=cache, random_seed=99), (40, 5, 3))[0]
+    assert not reseeded.indices_loaded_from_cache
+    assert not np.array_equal(reseeded.shuffle_index, first[0].shuffle_index)
+
+
+def test_same_seed_same_samples_without_cache(corpus):
+    prefix, _ = corpus
+    first, _, _ = build_gpt_datasets(_config(prefix), (25, 0, 0))
+    second, _, _ = build_gpt_datasets(_config(prefix), (25, 0, 0))
+    for i in range(25):
+        torch.testing.assert_close(first[i], second[i], rtol=0, atol=0)
+
+
+def _reference_positions_and_mask(tokens):
+    """Position ids and allowed-attention matrix computed position by position."""
+    positions, allowed = [], np.zeros((len(tokens), len(tokens)), dtype=bool)
+    document_start = 0
+    for query in range(len(tokens)):
+        positions.append(query - document_start)
+        for key in range(document_start, query + 1):
+            allowed[query, key] = True
+        if tokens[query] == EOD:
+            document_start = query + 1
+    return np.array(positions), allowed
+
+
+def test_eod_features(tmp_path):
+    prefix = str(tmp_path / "short_docs")
+    documents = write_documents(prefix, num_documents=30, seed=3, max_length=6)
+    config = _config(
+        prefix,
+        split="1,0,0",
+        reset_position_ids=True,
+        reset_attention_mask=True,
+        eod_mask_loss=True,
+        create_attention_mask=True,
+    )
+    train, _, _ = build_gpt_datasets(config, (8, 0, 0))
+    eods_seen = 0
+    for i in range(len(train)):
+        sample = train[i]
+        tokens = sample["tokens"].numpy()
+        eods_seen += int((tokens == EOD).sum())
+        positions, allowed = _reference_positions_and_mask(tokens)
+        np.testing.assert_array_equal(sample["position_ids"].numpy(), positions)
+        np.testing.assert_array_equal(sample["loss_mask"].numpy(), (tokens != EOD).astype(np.float32))
+        assert sample["attention_mask"].shape == (1, SEQ, SEQ) and sample["attention_mask"].dtype == torch.bool
+        np.testing.assert_array_equal(sample["attention_mask"][0].numpy(), ~allowed)
+    assert eods_seen > 8  # short documents: the features were exercised
+
+
+def test_causal_mask_without_reset(corpus):
+    prefix, _ = corpus
+    train, _, _ = build_gpt_datasets(_config(prefix, create_attention_mask=True), (2, 0, 0))
+    mask = train[0]["attention_mask"][0]
+    np.testing.assert_array_equal(mask.numpy(), np.triu(np.ones((SEQ, SEQ), dtype=bool), k=1))
+
+
+def test_missing_data_path_names_flag_and_files(tmp_path):
+    existing = str(tmp_path / "present")
+    write_documents(existing, 5, seed=0)
+    missing = str(tmp_path / "absent_text_document")
+    config = _config(existing, blend=blend_from_data_path(["0.5", existing, "0.5", missing]))
+    with pytest.raises(FileNotFoundError, match=r"--data-path.*absent_text_document\.idx.*absent_text_document\.bin"):
+        build_gpt_datasets(config, (10, 0, 0))
+
+
+def test_config_errors_name_flags(tmp_path):
+    with pytest.raises(ValueError, match="--data-path"):
+        GPTDatasetConfig(random_seed=1, sequence_length=8)
+    with pytest.raises(ValueError, match="--split"):
+        GPTDatasetConfig(random_seed=1, sequence_length=8, blend=(["x"], None), split="a,b")
+    with pytest.raises(ValueError, match="--seq-length"):
+        GPTDatasetConfig(random_seed=1, sequence_length=0, blend=(["x"], None))
+    with pytest.raises(ValueError, match="--mock-data"):
+        GPTDatasetConfig(random_seed=1, sequence_length=8, mock=True)
+    with pytest.raises(ValueError, match="weights"):
+        GPTDatasetConfig(random_seed=1, sequence_length=8, blend=(["x", "y"], [1.0]))
+    config = GPTDatasetConfig(random_seed=1, sequence_length=8, blend=(["x"], None))
+    with pytest.raises(Exception):
+        config.sequence_length = 4  # frozen
+
+
+def test_mock_dataset_is_deterministic():
+    config = GPTDatasetConfig(random_seed=5, sequence_length=SEQ, mock=True, tokenizer=NullTokenizer(50))
+    train, valid, test = build_gpt_datasets(config, (6, 4, 0))
+    assert isinstance(train, MockGPTDataset) and (len(train), len(valid), test) == (6, 4, None)
+    again = MockGPTDataset(config, Split.train, 6)
+    for i in range(6):
+        sample = train[i]
+        torch.testing.assert_close(sample, again[i], rtol=0, atol=0)
+        assert sample["tokens"].shape == (SEQ,)
+        assert 0 <= int(sample["tokens"].min()) and int(sample["tokens"].max()) < 49
+        torch.testing.assert_close(sample["tokens"][1:], sample["labels"][:-1], rtol=0, atol=0)
+    assert not torch.equal(train[0]["tokens"], valid[0]["tokens"])
+    other_seed = MockGPTDataset(GPTDatasetConfig(random_seed=6, sequence_length=SEQ, mock=True,
+                                                 tokenizer=NullTokenizer(50)), Split.train, 6)
+    assert not torch.equal(train[0]["tokens"], other_seed[0]["tokens"])
+
+
+def _build_on_ranks_with_shared_cache(prefix, cache):
+    train, _, _ = build_gpt_datasets(_config(prefix, path_to_cache=cache), (30, 0, 0))
+    return train.indices_loaded_from_cache, train.shuffle_index.tolist(), train[7]["tokens"].tolist()
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_rank_zero_builds_cache_others_load(world_size, corpus, tmp_path):
+    prefix, _ = corpus
+    results = run_on_ranks(world_size, _build_on_ranks_with_shared_cache, prefix, str(tmp_path / "shared_cache"))
+    assert results[0][0] is False and all(loaded for loaded, _, _ in results[1:])
+    assert all(result[1:] == results[0][1:] for result in results)

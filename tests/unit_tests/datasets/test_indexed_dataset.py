@@ -1,0 +1,179 @@
+import os
+import struct
+
+import numpy as np
+import pytest
+
+from megatron.core.datasets.indexed_dataset import (
+    HEADER_SIZE,
+    INDEX_MAGIC,
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    IndexFileError,
+    optimal_token_dtype,
+)
+
+
+def _random_documents(seed, num_documents, max_sequences, max_length, high):
+    """[[sequence arrays] per document] with some empty sequences."""
+    rng = np.random.default_rng(seed)
+    return [
+        [rng.integers(0, high, size=rng.integers(0, max_length)) for _ in range(rng.integers(1, max_sequences + 1))]
+        for _ in range(num_documents)
+    ]
+
+
+def _write(prefix, documents, dtype):
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
+    for document in documents:
+        for sequence in document:
+            builder.add_item(sequence)
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+
+
+def _check_matches(dataset, documents, dtype):
+    sequences = [sequence for document in documents for sequence in document]
+    assert len(dataset) == len(sequences)
+    assert dataset.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(dataset.sequence_lengths, [len(s) for s in sequences])
+    expected_document_indices = np.cumsum([0] + [len(document) for document in documents])
+    np.testing.assert_array_equal(dataset.document_indices, expected_document_indices)
+    assert dataset.num_documents == len(documents)
+    for index, sequence in enumerate(sequences):
+        np.testing.assert_array_equal(dataset[index], sequence.astype(dtype))
+        assert dataset[index].dtype == np.dtype(dtype)
+    for document_index, document in enumerate(documents):
+        np.testing.assert_array_equal(dataset.document(document_index), np.concatenate(document).astype(dtype))
+
+
+@pytest.mark.parametrize(
+    "dtype,high", [(np.uint8, 256), (np.uint16, 65535), (np.int32, 2**31 - 1), (np.int64, 2**40), (np.float32, 1000)]
+)
+def test_round_trip(tmp_path, dtype, high):
+    documents = _random_documents(seed=int(high) % 97, num_documents=25, max_sequences=3, max_length=40, high=high)
+    prefix = str(tmp_path / "data")
+    _write(prefix, documents, dtype)
+    dataset = IndexedDataset(prefix)
+    _check_matches(dataset, documents, dtype)
+    # Header fields are at the documented places.
+    with open(prefix + ".idx", "rb") as index_file:
+        header = index_file.read(HEADER_SIZE)
+    assert header[:9] == INDEX_MAGIC
+    version, code, sequences, document_count = struct.unpack("<QBQQ", header[9:])
+    assert (version, sequences, document_count) == (1, len(dataset), len(documents) + 1)
+    assert os.path.getsize(prefix + ".bin") == sum(map(len, dataset[:])) * np.dtype(dtype).itemsize
+
+
+def test_get_reads_partial_sequences_and_slices(tmp_path):
+    prefix = str(tmp_path / "data")
+    tokens = np.arange(100, 130)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    builder.add_document(tokens, [10, 20])
+    builder.finalize(prefix + ".idx")
+    dataset = IndexedDataset(prefix)
+    np.testing.assert_array_equal(dataset.get(1, offset=5, length=7), np.arange(115, 122))
+    np.testing.assert_array_equal(dataset.get(1, offset=18), [128, 129])
+    np.testing.assert_array_equal(dataset.get(0), np.arange(100, 110))
+    np.testing.assert_array_equal(dataset[-1], np.arange(110, 130))
+    assert [len(sequence) for sequence in dataset[0:2]] == [10, 20]
+    with pytest.raises(IndexError):
+        dataset.get(0, offset=5, length=6)
+    with pytest.raises(IndexError):
+        dataset[2]
+
+
+def test_merge_appends_datasets_in_order(tmp_path):
+    parts = [_random_documents(seed, 7, 2, 20, 50000) for seed in (1, 2, 3)]
+    prefixes = []
+    for number, documents in enumerate(parts):
+        prefixes.append(str(tmp_path / f"part{number}"))
+        _write(prefixes[-1], documents, np.uint16)
+    merged = str(tmp_path / "merged")
+    builder = IndexedDatasetBuilder(merged + ".bin", dtype=np.uint16)
+    for prefix in prefixes:
+        builder.add_index(prefix)
+    builder.finalize(merged + ".idx")
+    _check_matches(IndexedDataset(merged), [document for part in parts for document in part], np.uint16)
+
+
+def test_merge_rejects_other_dtype(tmp_path):
+    prefix = str(tmp_path / "part")
+    _write(prefix, [[np.arange(5)]], np.int32)
+    builder = IndexedDatasetBuilder(str(tmp_path / "merged.bin"), dtype=np.uint16)
+    with pytest.raises(ValueError, match="dtype is int32"):
+        builder.add_index(prefix)
+
+
+def test_empty_dataset(tmp_path):
+    prefix = str(tmp_path / "empty")
+    IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16).finalize(prefix + ".idx")
+    dataset = IndexedDataset(prefix)
+    assert len(dataset) == 0 and dataset.num_documents == 0
+
+
+def test_optimal_token_dtype():
+    assert optimal_token_dtype(257) == np.uint16
+    assert optimal_token_dtype(65499) == np.uint16
+    assert optimal_token_dtype(128256) == np.int32
+
+
+@pytest.fixture
+def small_dataset(tmp_path):
+    prefix = str(tmp_path / "data")
+    _write(prefix, [[np.arange(10)], [np.arange(7), np.arange(3)]], np.int32)
+    return prefix
+
+
+def _rewrite(path, edit):
+    data = bytearray(open(path, "rb").read())
+    edit(data)
+    open(path, "wb").write(bytes(data))
+
+
+def test_bad_magic_names_file_and_problem(small_dataset):
+    _rewrite(small_dataset + ".idx", lambda data: data.__setitem__(slice(0, 4), b"XXXX"))
+    with pytest.raises(IndexFileError, match=r"data\.idx.*bad magic"):
+        IndexedDataset(small_dataset)
+
+
+def test_wrong_version(small_dataset):
+    _rewrite(small_dataset + ".idx", lambda data: data.__setitem__(slice(9, 17), struct.pack("<Q", 7)))
+    with pytest.raises(IndexFileError, match=r"data\.idx.*unsupported version 7"):
+        IndexedDataset(small_dataset)
+
+
+def test_unknown_dtype_code(small_dataset):
+    _rewrite(small_dataset + ".idx", lambda data: data.__setitem__(17, 99))
+    with pytest.raises(IndexFileError, match="unknown dtype code 99"):
+        IndexedDataset(small_dataset)
+
+
+def test_truncated_index(small_dataset):
+    _rewrite(small_dataset + ".idx", lambda data: data.__delitem__(slice(-12, None)))
+    with pytest.raises(IndexFileError, match=r"data\.idx.*truncated or corrupt"):
+        IndexedDataset(small_dataset)
+
+
+def test_truncated_header(small_dataset):
+    _rewrite(small_dataset + ".idx", lambda data: data.__delitem__(slice(12, None)))
+    with pytest.raises(IndexFileError, match="shorter than the 34-byte header"):
+        IndexedDataset(small_dataset)
+
+
+def test_data_file_size_mismatch(small_dataset):
+    _rewrite(small_dataset + ".bin", lambda data: data.__delitem__(slice(-4, None)))
+    with pytest.raises(IndexFileError, match=r"data\.idx.*80 bytes.*data file has 76 bytes"):
+        IndexedDataset(small_dataset)
+
+
+def test_inconsistent_pointers(small_dataset):
+    pointer_offset = HEADER_SIZE + 3 * 4 + 8  # second sequence pointer
+    _rewrite(small_dataset + ".idx", lambda data: data.__setitem__(slice(pointer_offset, pointer_offset + 8), struct.pack("<q", 4)))
+    with pytest.raises(IndexFileError, match="pointers do not match"):
+        IndexedDataset(small_dataset)
+
+
+def test_missing_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nothing\.idx.*nothing\.bin"):
+        IndexedDataset(str(tmp_path / "nothing"))

@@ -1,0 +1,42 @@
+"""Markdown and SVG formatting of the Megatron-FSDP benchmark, and the model's parameter-count formula."""
+
+import dataclasses
+
+from examples.megatron_fsdp import bench_report
+from examples.megatron_fsdp.bench_model import MODEL_PRESETS, BenchGPT, count_parameters
+from examples.megatron_fsdp.bench_theory import MIB
+
+
+def test_markdown_table_escapes_pipes():
+    table = bench_report.markdown_table(["arm", "step s"], [["ddp", 0.25], ["a|b", ""]])
+    assert table == "| arm | step s |\n|---|---|\n| ddp | 0.25 |\n| a\\|b |  |"
+
+
+def test_number_formats():
+    assert bench_report.format_mib(3 * MIB / 2) == "1.5"
+    assert bench_report.format_mib(None) == ""
+    assert bench_report.format_seconds(0.12345) == "0.123"
+    assert bench_report.format_seconds(12.345) == "12.35"
+    assert bench_report.format_ratio(1.234) == "1.23"
+    assert bench_report.format_loss_diff(0.0) == "0"
+    assert bench_report.format_loss_diff(1.5e-6) == "1.5e-06"
+
+
+def test_svg_has_one_bar_per_measured_value():
+    summaries = {
+        "ddp": {"step_time": 0.2, "rss": {"default": {"peak": 400 * MIB}, "neutral": {"peak": 300 * MIB}}},
+        "mfsdp3": {"step_time": None, "rss": {}},
+    }
+    svg = bench_report.render_svg(summaries, ["default", "neutral"], "tiny & co")
+    assert svg.startswith("<svg") and svg.rstrip().endswith("</svg>")
+    assert svg.count("<rect") == 3  # one step-time bar, two RSS bars; the failed arm draws none
+    assert "tiny &amp; co" in svg
+
+
+def test_parameter_count_formula_matches_the_module():
+    tiny = MODEL_PRESETS["tiny"]
+    assert count_parameters(tiny) == sum(p.numel() for p in BenchGPT(tiny).parameters()) == 3_716_608  # 4 x 789_760 per block + 294_912 embeddings + 512 final norm + 262_144 head
+    odd = dataclasses.replace(tiny, num_layers=1, hidden_size=24, num_attention_heads=3, seq_length=5, vocab_size=7)
+    assert count_parameters(odd) == sum(p.numel() for p in BenchGPT(odd).parameters())
+    # small by formula only (building it costs ~400 MiB): 97.8 M as in the peer baseline
+    assert round(count_parameters(MODEL_PRESETS["small"]) / 1e6, 1) == 97.8

@@ -1,0 +1,167 @@
+"""GPTModel: the loss equals an independent plain-torch transformer, and tensor parallelism (with and without
+sequence parallelism, for every MLP / norm / position-embedding variant) reproduces TP=1 loss and gradients."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from tests.unit_tests.models.gpt.gpt_test_utils import (
+    VOCAB_SIZE,
+    fixed_batch,
+    reference_then_parallel,
+    seeded_model,
+    tiny_config,
+)
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+LOSS_TOLERANCE = 1e-5
+GRAD_TOLERANCE = 1e-5
+
+VARIANTS = {
+    "gelu_layernorm_learned_tied": ({}, {}),
+    "swiglu_rmsnorm_rope": (
+        {"gated_linear_unit": True, "normalization": "RMSNorm", "ffn_hidden_size": 48},
+        {"position_embedding_type": "rope"},
+    ),
+    "untied": ({}, {"share_embeddings_and_output_weights": False}),
+}
+
+
+# --------------------------------------------------------------------------------------------------------
+# An independent reference: the same network written out with plain tensor operations
+# --------------------------------------------------------------------------------------------------------
+
+
+def _norm(x, params, prefix, config):
+    weight = params[f"{prefix}.weight"]
+    if config.normalization == "RMSNorm":
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.layernorm_epsilon) * weight
+    mean = x.mean(-1, keepdim=True)
+    variance = (x - mean).pow(2).mean(-1, keepdim=True)
+    return (x - mean) / torch.sqrt(variance + config.layernorm_epsilon) * weight + params[f"{prefix}.bias"]
+
+
+def _rope_as_complex_rotation(x, base):
+    """RoPE via complex numbers: channel i and i + d/2 form z_i, multiplied by exp(i * pos * base^(-2i/d))."""
+    seq, half = x.shape[-2], x.shape[-1] // 2
+    frequencies = base ** (-torch.arange(half, dtype=torch.float64) * 2 / x.shape[-1])
+    angles = torch.arange(seq, dtype=torch.float64)[:, None] * frequencies[None, :]
+    z = torch.complex(x[..., :half].double(), x[..., half:].double()) * torch.polar(torch.ones_like(angles), angles)
+    return torch.cat((z.real, z.imag), dim=-1).to(x.dtype)
+
+
+def _reference_per_token_loss(params, config, tokens, labels, position_ids, rope_base=None, tied=True):
+    heads, head_dim = config.num_attention_heads, config.kv_channels
+    batch, seq = tokens.shape
+    x = params["embedding.word_embeddings.weight"][tokens]
+    if rope_base is None:
+        x = x + params["embedding.position_embeddings.weight"][position_ids]
+    causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)
+    for index in range(config.num_layers):
+        prefix = f"decoder.layers.{index}"
+
+        def linear(h, name):
+            return h @ params[f"{prefix}.{name}.weight"].T + params[f"{prefix}.{name}.bias"]
+
+        qkv = linear(_norm(x, params, f"{prefix}.input_layernorm", config), "self_attention.linear_qkv")
+        qkv = qkv.view(batch, seq, heads, 3, head_dim).permute(3, 0, 2, 1, 4)  # [3, b, heads, s, d]
+        query, key, value = qkv[0], qkv[1], qkv[2]
+        if rope_base is not None:
+            query, key = _rope_as_complex_rotation(query, rope_base), _rope_as_complex_rotation(key, rope_base)
+        scores = (query @ key.transpose(-1, -2)) / math.sqrt(head_dim)
+        probabilities = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
+        context = (probabilities @ value).permute(0, 2, 1, 3).reshape(batch, seq, heads * head_dim)
+        x = x + linear(context, "self_attention.linear_proj")
+
+        fc1 = linear(_norm(x, params, f"{prefix}.pre_mlp_layernorm", config), "mlp.linear_fc1")
+        if config.gated_linear_unit:
+            gate, up = fc1[..., 0::2], fc1[..., 1::2]  # rows are interleaved per unit: gate_i, up_i
+            activated = F.silu(gate) * up
+        else:
+            activated = F.gelu(fc1)
+        x = x + linear(activated, "mlp.linear_fc2")
+    x = _norm(x, params, "decoder.final_layernorm", config)
+    output_weight = params["embedding.word_embeddings.weight"] if tied else params["output_layer.weight"]
+    logits = x @ output_weight.T
+    return F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), labels.reshape(-1), reduction="none").view(batch, seq)
+
+
+def _model_matches_reference(config_overrides, model_kwargs):
+    parallel_state.initialize_model_parallel()
+    config = tiny_config(**config_overrides)
+    model = seeded_model(config, **model_kwargs)
+    tokens, labels, position_ids = fixed_batch()
+    with torch.no_grad():
+        loss = model(tokens, position_ids, labels=labels)
+        logits = model(tokens, position_ids)
+        params = {name: p.detach() for name, p in model.named_parameters()}
+        rope_base = 10000 if model_kwargs.get("position_embedding_type") == "rope" else None
+        tied = model_kwargs.get("share_embeddings_and_output_weights", True)
+        expected = _reference_per_token_loss(params, config, tokens, labels, position_ids, rope_base, tied)
+        # An explicit Megatron-style mask (True = masked) that is causal must give the causal result.
+        causal_mask = torch.triu(torch.ones(1, 1, tokens.shape[1], tokens.shape[1], dtype=torch.bool), diagonal=1)
+        masked_loss = model(tokens, position_ids, attention_mask=causal_mask, labels=labels)
+    logits_loss = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), labels.reshape(-1), reduction="none")
+    return {
+        "loss_shape": tuple(loss.shape),
+        "loss_dtype": str(loss.dtype),
+        "logits_shape": tuple(logits.shape),
+        "loss_vs_reference": (loss - expected).abs().max().item(),
+        "logits_vs_loss": (logits_loss.view_as(loss) - loss).abs().max().item(),
+        "explicit_mask_vs_causal": (masked_loss - loss).abs().max().item(),
+        "mean_loss": loss.mean().item(),
+    }
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("world_size", [1])
+def test_loss_matches_plain_torch_reference(world_size, variant):
+    config_overrides, model_kwargs = VARIANTS[variant]
+    (result,) = run_on_ranks(world_size, _model_matches_reference, config_overrides, model_kwargs)
+    assert result["loss_shape"] == (2, 8)
+    assert result["loss_dtype"] == "torch.float32"
+    assert result["logits_shape"] == (2, 8, VOCAB_SIZE)
+    assert result["loss_vs_reference"] < LOSS_TOLERANCE
+    assert result["logits_vs_loss"] < LOSS_TOLERANCE
+    assert result["explicit_mask_vs_causal"] < LOSS_TOLERANCE
+    # Initial loss of a near-uniform predictor over 64 tokens is about ln(64).
+    assert abs(result["mean_loss"] - math.log(VOCAB_SIZE)) < 0.5
+
+
+# --------------------------------------------------------------------------------------------------------
+# Tensor parallelism reproduces TP=1
+# --------------------------------------------------------------------------------------------------------
+
+
+def _assert_equivalent(result, check_grads=True):
+    assert result["param_diff"] == 0.0, "initial weights must not depend on the tensor-parallel size"
+    assert result["loss_diff"] < LOSS_TOLERANCE, result
+    if check_grads:
+        assert result["largest_grad"] > 1e-3, "gradients too small for the comparison to mean anything"
+        assert result["grad_diff"] < GRAD_TOLERANCE, result
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("world_size", [2])
+def test_tp2_matches_tp1_loss_and_full_gradients(world_size, variant):
+    config_overrides, model_kwargs = VARIANTS[variant]
+    for result in run_on_ranks(world_size, reference_then_parallel, 2, False, config_overrides, model_kwargs):
+        _assert_equivalent(result)
+
+
+@pytest.mark.parametrize("variant", ["gelu_layernorm_learned_tied", "swiglu_rmsnorm_rope"])
+@pytest.mark.parametrize("world_size", [2])
+def test_sequence_parallel_tp2_matches_tp1(world_size, variant):
+    config_overrides, model_kwargs = VARIANTS[variant]
+    for result in run_on_ranks(world_size, reference_then_parallel, 2, True, config_overrides, model_kwargs):
+        _assert_equivalent(result)
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_tp4_matches_tp1(world_size):
+    for sequence_parallel in (False, True):
+        for result in run_on_ranks(world_size, reference_then_parallel, 4, sequence_parallel, {}, {}):
+            _assert_equivalent(result)

@@ -1,0 +1,313 @@
+"""Tensor-parallel layers against single-rank torch layers built from the same full weights."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+from tests.unit_tests.tensor_parallel.tp_helpers import (
+    assert_close,
+    chunk,
+    gather_partitions,
+    setup_tensor_parallel,
+    shared_randn,
+)
+
+IN_FEATURES, OUT_FEATURES = 8, 12
+
+
+def _normal(std=0.02):
+    return lambda tensor: torch.nn.init.normal_(tensor, mean=0.0, std=std)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Forward and backward against nn.Linear / nn.Embedding
+# --------------------------------------------------------------------------------------------------------
+
+
+def _column_parallel_matches_linear():
+    config, rank, tp = setup_tensor_parallel()
+    weight, bias = shared_randn(OUT_FEATURES, IN_FEATURES, seed=1), shared_randn(OUT_FEATURES, seed=2)
+    x, upstream = shared_randn(3, 2, IN_FEATURES, seed=3), shared_randn(3, 2, OUT_FEATURES, seed=4)
+    reference = torch.nn.Linear(IN_FEATURES, OUT_FEATURES)
+    with torch.no_grad():
+        reference.weight.copy_(weight)
+        reference.bias.copy_(bias)
+    x_reference = x.clone().requires_grad_()
+    y_reference = reference(x_reference)
+    y_reference.backward(upstream)
+
+    for gather_output, skip_bias_add in [(True, False), (False, False), (False, True)]:
+        layer = ColumnParallelLinear(
+            IN_FEATURES, OUT_FEATURES, config=config, init_method=_normal(),
+            gather_output=gather_output, skip_bias_add=skip_bias_add,
+        )
+        assert tuple(layer.weight.shape) == (OUT_FEATURES // tp, IN_FEATURES)
+        assert (layer.weight.tensor_model_parallel, layer.weight.partition_dim, layer.weight.partition_stride) == (True, 0, 1)
+        assert layer.bias.tensor_model_parallel and layer.bias.partition_dim == 0
+        with torch.no_grad():
+            layer.weight.copy_(chunk(weight, 0, rank, tp))
+            layer.bias.copy_(chunk(bias, 0, rank, tp))
+        x_parallel = x.clone().requires_grad_()
+        output, output_bias = layer(x_parallel)
+        case = f"gather_output={gather_output} skip_bias_add={skip_bias_add}"
+        if skip_bias_add:
+            assert output_bias is layer.bias
+            output = output + output_bias
+        else:
+            assert output_bias is None
+        if gather_output:
+            assert_close(output, y_reference, f"{case} output")
+            output.backward(upstream)
+        else:
+            assert_close(output, chunk(y_reference, -1, rank, tp), f"{case} output")
+            output.backward(chunk(upstream, -1, rank, tp))
+        assert_close(x_parallel.grad, x_reference.grad, f"{case} input grad")
+        assert_close(gather_partitions(layer.weight.grad, 0), reference.weight.grad, f"{case} weight grad")
+        assert_close(gather_partitions(layer.bias.grad, 0), reference.bias.grad, f"{case} bias grad")
+    return True
+
+
+def _row_parallel_matches_linear():
+    config, rank, tp = setup_tensor_parallel()
+    weight, bias = shared_randn(OUT_FEATURES, IN_FEATURES, seed=5), shared_randn(OUT_FEATURES, seed=6)
+    x, upstream = shared_randn(3, 2, IN_FEATURES, seed=7), shared_randn(3, 2, OUT_FEATURES, seed=8)
+    reference = torch.nn.Linear(IN_FEATURES, OUT_FEATURES)
+    with torch.no_grad():
+        reference.weight.copy_(weight)
+        reference.bias.copy_(bias)
+    x_reference = x.clone().requires_grad_()
+    y_reference = reference(x_reference)
+    y_reference.backward(upstream)
+
+    for input_is_parallel, skip_bias_add in [(True, False), (False, False), (True, True)]:
+        layer = RowParallelLinear(
+            IN_FEATURES, OUT_FEATURES, config=config, init_method=_normal(),
+            input_is_parallel=input_is_parallel, skip_bias_add=skip_bias_add,
+        )
+        assert tuple(layer.weight.shape) == (OUT_FEATURES, IN_FEATURES // tp)
+        assert (layer.weight.tensor_model_parallel, layer.weight.partition_dim) == (True, 1)
+        assert layer.bias.tensor_model_parallel is False and tuple(layer.bias.shape) == (OUT_FEATURES,)
+        with torch.no_grad():
+            layer.weight.copy_(chunk(weight, 1, rank, tp))
+            layer.bias.copy_(bias)
+        case = f"input_is_parallel={input_is_parallel} skip_bias_add={skip_bias_add}"
+        x_input = (chunk(x, -1, rank, tp) if input_is_parallel else x).clone().requires_grad_()
+        output, output_bias = layer(x_input)
+        if skip_bias_add:
+            output = output + output_bias
+        assert_close(output, y_reference, f"{case} output")
+        output.backward(upstream)
+        expected_input_grad = chunk(x_reference.grad, -1, rank, tp) if input_is_parallel else x_reference.grad
+        assert_close(x_input.grad, expected_input_grad, f"{case} input grad")
+        assert_close(gather_partitions(layer.weight.grad, 1), reference.weight.grad, f"{case} weight grad")
+        assert_close(layer.bias.grad, reference.bias.grad, f"{case} bias grad")
+    return True
+
+
+def _vocab_parallel_embedding_matches_embedding():
+    config, rank, tp = setup_tensor_parallel()
+    vocab, hidden = 16, 6
+    table = shared_randn(vocab, hidden, seed=9)
+    ids = torch.randint(0, vocab, (4, 5), generator=torch.Generator().manual_seed(10))
+    ids[0, :] = torch.tensor([0, vocab - 1, vocab // tp, vocab // tp - 1, 1])  # partition edges
+    upstream = shared_randn(4, 5, hidden, seed=11)
+    reference = torch.nn.Embedding(vocab, hidden)
+    with torch.no_grad():
+        reference.weight.copy_(table)
+    expected = reference(ids)
+    expected.backward(upstream)
+
+    layer = VocabParallelEmbedding(vocab, hidden, init_method=_normal(), config=config)
+    assert tuple(layer.weight.shape) == (vocab // tp, hidden)
+    assert (layer.vocab_start_index, layer.vocab_end_index) == (rank * vocab // tp, (rank + 1) * vocab // tp)
+    with torch.no_grad():
+        layer.weight.copy_(chunk(table, 0, rank, tp))
+    output = layer(ids)
+    assert_close(output, expected, "embedding output")
+    output.backward(upstream)
+    assert_close(gather_partitions(layer.weight.grad, 0), reference.weight.grad, "embedding weight grad")
+    with pytest.raises(ValueError, match="vocabulary size 15 is not divisible by --tensor-model-parallel-size"):
+        VocabParallelEmbedding(15, hidden, init_method=_normal(), config=config)
+    return True
+
+
+def _sequence_parallel_mlp_matches_reference():
+    config, rank, tp = setup_tensor_parallel(sequence_parallel=True)
+    seq, batch, hidden, ffn = 8, 2, 4, 8
+    w1, b1 = shared_randn(ffn, hidden, seed=12), shared_randn(ffn, seed=13)
+    w2, b2 = shared_randn(hidden, ffn, seed=14), shared_randn(hidden, seed=15)
+    x, upstream = shared_randn(seq, batch, hidden, seed=16), shared_randn(seq, batch, hidden, seed=17)
+
+    reference_in, reference_out = torch.nn.Linear(hidden, ffn), torch.nn.Linear(ffn, hidden)
+    with torch.no_grad():
+        reference_in.weight.copy_(w1), reference_in.bias.copy_(b1)
+        reference_out.weight.copy_(w2), reference_out.bias.copy_(b2)
+    x_reference = x.clone().requires_grad_()
+    y_reference = reference_out(F.gelu(reference_in(x_reference)))
+    y_reference.backward(upstream)
+
+    column = ColumnParallelLinear(hidden, ffn, config=config, init_method=_normal())
+    row = RowParallelLinear(ffn, hidden, config=config, init_method=_normal(), input_is_parallel=True)
+    assert row.bias.sequence_parallel is True
+    with torch.no_grad():
+        column.weight.copy_(chunk(w1, 0, rank, tp)), column.bias.copy_(chunk(b1, 0, rank, tp))
+        row.weight.copy_(chunk(w2, 1, rank, tp)), row.bias.copy_(b2)
+    x_local = chunk(x, 0, rank, tp).clone().requires_grad_()
+    hidden_parallel, _ = column(x_local)
+    assert tuple(hidden_parallel.shape) == (seq, batch, ffn // tp)
+    output, _ = row(F.gelu(hidden_parallel))
+    assert tuple(output.shape) == (seq // tp, batch, hidden)
+    assert_close(output, chunk(y_reference, 0, rank, tp), "sequence-parallel output")
+    output.backward(chunk(upstream, 0, rank, tp))
+    assert_close(x_local.grad, chunk(x_reference.grad, 0, rank, tp), "sequence-parallel input grad")
+    assert_close(gather_partitions(column.weight.grad, 0), reference_in.weight.grad, "column weight grad")
+    assert_close(gather_partitions(column.bias.grad, 0), reference_in.bias.grad, "column bias grad")
+    assert_close(gather_partitions(row.weight.grad, 1), reference_out.weight.grad, "row weight grad")
+    # Each rank's row-bias gradient covers its sequence chunk: the sum over ranks is the full gradient.
+    row_bias_grad = row.bias.grad.clone()
+    dist.all_reduce(row_bias_grad)
+    assert_close(row_bias_grad, reference_out.bias.grad, "row bias grad")
+    with pytest.raises(ValueError, match="input_is_parallel=True"):
+        RowParallelLinear(ffn, hidden, config=config, init_method=_normal(), input_is_parallel=False)
+    with pytest.raises(ValueError, match="gather_output=True"):
+        ColumnParallelLinear(hidden, ffn, config=config, init_method=_normal(), gather_output=True)
+    return True
+
+
+def _run_all_layer_checks():
+    from megatron.core import parallel_state as ps
+
+    results = []
+    for check in (
+        _column_parallel_matches_linear,
+        _row_parallel_matches_linear,
+        _vocab_parallel_embedding_matches_embedding,
+        _sequence_parallel_mlp_matches_reference,
+    ):
+        results.append(check())
+        ps.destroy_model_parallel()
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_layers_match_single_rank_reference(world_size):
+    assert run_on_ranks(world_size, _run_all_layer_checks) == [[True] * 4] * world_size
+
+
+# --------------------------------------------------------------------------------------------------------
+# Initialisation: partitions are slices of the single-rank initialisation
+# --------------------------------------------------------------------------------------------------------
+
+
+def _build_layers(config, seed):
+    torch.manual_seed(seed)
+    column = ColumnParallelLinear(IN_FEATURES, OUT_FEATURES, config=config, init_method=_normal(1.0))
+    row = RowParallelLinear(OUT_FEATURES, IN_FEATURES, config=config, init_method=_normal(1.0))
+    embedding = VocabParallelEmbedding(16, IN_FEATURES, init_method=_normal(1.0), config=config)
+    fused = ColumnParallelLinear(IN_FEATURES, OUT_FEATURES, config=config, init_method=_normal(1.0), stride=2)
+    return column, row, embedding, fused
+
+
+def _partitions_after_seeding(seed):
+    config, _, _ = setup_tensor_parallel()
+    layers = _build_layers(config, seed)
+    next_draw = torch.rand(4)  # the default generator must be in lockstep across ranks afterwards
+    return [layer.weight.detach().clone() for layer in layers], next_draw
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_partitions_are_slices_of_single_rank_init(world_size):
+    seed = 1234
+    results = run_on_ranks(world_size, _partitions_after_seeding, seed)
+    full = [layer.weight.detach() for layer in _build_layers(ModelParallelConfig(), seed)]
+    expected_draw = torch.rand(4)
+    column_full, row_full, embedding_full, fused_full = full
+    for rank, (partitions, next_draw) in enumerate(results):
+        column, row, embedding, fused = partitions
+        torch.testing.assert_close(column, chunk(column_full, 0, rank, world_size), atol=0, rtol=0)
+        torch.testing.assert_close(row, chunk(row_full, 1, rank, world_size), atol=0, rtol=0)
+        torch.testing.assert_close(embedding, chunk(embedding_full, 0, rank, world_size), atol=0, rtol=0)
+        block = OUT_FEATURES // (2 * world_size)
+        expected_fused = torch.cat(
+            [fused_full[rank * block : (rank + 1) * block],
+             fused_full[(rank + world_size) * block : (rank + world_size + 1) * block]]
+        )
+        torch.testing.assert_close(fused, expected_fused, atol=0, rtol=0)
+        torch.testing.assert_close(next_draw, expected_draw, atol=0, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Single-process behaviour (tensor-parallel size 1)
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_meta_device_then_reset_parameters_reproduces_init():
+    config = ModelParallelConfig()
+    eager = _build_layers(config, seed=99)
+    with torch.device("meta"):
+        deferred = _build_layers(config, seed=0)
+    assert all(layer.weight.is_meta for layer in deferred)
+    torch.manual_seed(99)
+    for layer in deferred:
+        layer.to_empty(device="cpu")
+        layer.reset_parameters()
+    for eager_layer, deferred_layer in zip(eager, deferred):
+        torch.testing.assert_close(deferred_layer.weight, eager_layer.weight, atol=0, rtol=0)
+        if getattr(eager_layer, "bias", None) is not None:
+            assert torch.count_nonzero(deferred_layer.bias) == 0
+
+
+def test_params_dtype_and_perform_initialization():
+    config = ModelParallelConfig(bf16=True, params_dtype=torch.bfloat16)
+    torch.manual_seed(3)
+    layer = ColumnParallelLinear(4, 6, config=config, init_method=_normal(1.0))
+    torch.manual_seed(3)
+    expected = torch.empty(6, 4).normal_(0.0, 1.0).to(torch.bfloat16)
+    assert layer.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(layer.weight.detach(), expected, atol=0, rtol=0)
+
+    state = torch.get_rng_state()
+    ColumnParallelLinear(4, 6, config=ModelParallelConfig(perform_initialization=False), init_method=_normal())
+    assert torch.equal(torch.get_rng_state(), state)  # no random numbers consumed
+
+
+def test_gradient_accumulation_fusion_adds_into_main_grad():
+    config = ModelParallelConfig(gradient_accumulation_fusion=True)
+    torch.manual_seed(0)
+    layer = RowParallelLinear(4, 3, config=config, init_method=_normal(1.0))
+    reference = torch.nn.Linear(4, 3)
+    with torch.no_grad():
+        reference.weight.copy_(layer.weight), reference.bias.copy_(layer.bias)
+    x = torch.randn(5, 4)
+    reference(x).sum().backward()
+
+    layer.weight.main_grad = torch.zeros(3, 4)
+    for _ in range(2):
+        layer(x)[0].sum().backward()
+    assert layer.weight.grad is None
+    torch.testing.assert_close(layer.weight.main_grad, 2 * reference.weight.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer.bias.grad, 2 * reference.bias.grad, atol=1e-5, rtol=1e-5)
+
+    layer.weight.grad_added_to_main_grad = False
+    layer(x)[0].sum().backward()
+    assert layer.weight.grad_added_to_main_grad is True
+    assert torch.count_nonzero(layer.weight.grad) == 0
+    torch.testing.assert_close(layer.weight.main_grad, 3 * reference.weight.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_weightless_column_layer_uses_given_weight():
+    config = ModelParallelConfig()
+    layer = ColumnParallelLinear(4, 6, config=config, init_method=_normal(), bias=False, skip_weight_param_allocation=True)
+    assert layer.weight is None and list(layer.parameters()) == []
+    weight = torch.randn(6, 4, requires_grad=True)
+    x = torch.randn(2, 4)
+    output, _ = layer(x, weight)
+    torch.testing.assert_close(output, x @ weight.t(), atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="needs forward"):
+        layer(x)
+    with pytest.raises(ValueError, match="expected"):
+        layer(x, torch.randn(5, 4))

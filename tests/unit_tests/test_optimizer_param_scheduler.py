@@ -1,0 +1,105 @@
+"""Learning-rate and weight-decay curves against closed forms, and the scheduler's checkpoint checks."""
+
+import math
+
+import pytest
+import torch
+
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+
+def _optimizer(lr_mult=1.0, wd_mult=1.0):
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))]
+    return torch.optim.SGD(
+        [{"params": params[:1]}, {"params": params[1:], "lr_mult": lr_mult, "wd_mult": wd_mult}], lr=1.0
+    )
+
+
+def _scheduler(optimizer, style, warmup=10, decay=110, init_lr=0.0, max_lr=1.0, min_lr=0.1, **kwargs):
+    arguments = dict(init_lr=init_lr, max_lr=max_lr, min_lr=min_lr, lr_warmup_steps=warmup, lr_decay_steps=decay,
+                     lr_decay_style=style, start_wd=0.01, end_wd=0.01, wd_incr_steps=100, wd_incr_style="constant")
+    arguments.update(kwargs)
+    return OptimizerParamScheduler(optimizer, **arguments)
+
+
+def _expected_lr(style, step, warmup=10, decay=110, init_lr=0.0, max_lr=1.0, min_lr=0.1):
+    if step <= warmup:
+        return init_lr + (max_lr - init_lr) * step / warmup
+    if style == "constant":
+        return max_lr
+    if step > decay:
+        return min_lr
+    ratio = (step - warmup) / (decay - warmup)
+    coeff = 1 - ratio if style == "linear" else 0.5 * (1 + math.cos(math.pi * ratio))
+    return min_lr + coeff * (max_lr - min_lr)
+
+
+@pytest.mark.parametrize("style", ["constant", "linear", "cosine"])
+def test_lr_curve_matches_closed_form(style):
+    optimizer = _optimizer(lr_mult=0.5)
+    scheduler = _scheduler(optimizer, style, init_lr=0.05)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)  # step 0 is applied at construction
+    for step in range(1, 131):
+        scheduler.step()
+        expected = _expected_lr(style, step, init_lr=0.05)
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(expected, abs=1e-12), step
+        assert optimizer.param_groups[1]["lr"] == pytest.approx(0.5 * expected, abs=1e-12), step
+    # Spot values: end of warmup is max_lr, the cosine midpoint is halfway, after decay it is min_lr.
+    if style == "cosine":
+        assert _expected_lr(style, 60) == pytest.approx(0.55)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1.0 if style == "constant" else 0.1)
+
+
+def test_step_increment_skips_ahead():
+    optimizer = _optimizer()
+    scheduler = _scheduler(optimizer, "linear")
+    scheduler.step(increment=35)
+    assert scheduler.num_steps == 35
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1.0 - 0.9 * 25 / 100)
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine"])
+def test_weight_decay_increment(style):
+    optimizer = _optimizer(wd_mult=0.0)
+    scheduler = _scheduler(optimizer, "constant", start_wd=0.0, end_wd=0.1, wd_incr_steps=20, wd_incr_style=style)
+    for step in range(1, 26):
+        scheduler.step()
+        ratio = min(step / 20, 1.0)
+        coeff = ratio if style == "linear" else 0.5 * (math.cos(math.pi * (1 - ratio)) + 1)
+        assert optimizer.param_groups[0]["weight_decay"] == pytest.approx(0.1 * coeff, abs=1e-12)
+        assert optimizer.param_groups[1]["weight_decay"] == 0.0
+
+
+def test_state_dict_round_trip_and_mismatch_checks():
+    scheduler = _scheduler(_optimizer(), "cosine")
+    scheduler.step(increment=42)
+    state = scheduler.state_dict()
+
+    restored_optimizer = _optimizer()
+    restored = _scheduler(restored_optimizer, "cosine")
+    restored.load_state_dict(state)
+    assert restored.num_steps == 42
+    assert restored_optimizer.param_groups[0]["lr"] == pytest.approx(_expected_lr("cosine", 42))
+
+    strict = _scheduler(_optimizer(), "cosine", max_lr=2.0, use_checkpoint_opt_param_scheduler=False)
+    with pytest.raises(ValueError, match="max_lr"):
+        strict.load_state_dict(state)
+
+    overriding_optimizer = _optimizer()
+    overriding = _scheduler(overriding_optimizer, "cosine", max_lr=2.0, override_opt_param_scheduler=True)
+    overriding.load_state_dict(state)
+    assert overriding.max_lr == 2.0 and overriding.num_steps == 42
+    assert overriding_optimizer.param_groups[0]["lr"] == pytest.approx(_expected_lr("cosine", 42, max_lr=2.0))
+
+    trusting = _scheduler(_optimizer(), "cosine", max_lr=2.0)
+    trusting.load_state_dict(state)
+    assert trusting.max_lr == 1.0  # the checkpoint's value wins by default
+
+
+def test_invalid_arguments_are_rejected():
+    with pytest.raises(ValueError, match="lr_warmup_steps"):
+        _scheduler(_optimizer(), "linear", warmup=200, decay=100)
+    with pytest.raises(ValueError, match="min_lr"):
+        _scheduler(_optimizer(), "linear", min_lr=2.0)
+    with pytest.raises(ValueError, match="lr_decay_style"):
+        _scheduler(_optimizer(), "exponential")

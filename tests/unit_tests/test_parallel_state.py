@@ -1,0 +1,223 @@
+"""Rank layouts (pure arithmetic, checked against hand-written lists) and the real process groups built from them."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state as ps
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+# --------------------------------------------------------------------------------------------------------
+# Pure layouts at world size 8
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_tp2_pp2_dp2_default_order():
+    groups = ps.generate_rank_groups(8, tp=2, pp=2)
+    assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["dp-cp"] == groups["dp"]
+    assert groups["cp"] == [[r] for r in range(8)]
+    assert groups["mp"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert groups["embedding"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["ep"] == [[r] for r in range(8)]
+
+
+def test_tp2_cp2_dp2_with_two_optimizer_instances():
+    groups = ps.generate_rank_groups(8, tp=2, cp=2, num_distributed_optimizer_instances=2)
+    assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["dp-cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert groups["tp-cp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups["inner-dp-cp"] == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert groups["outer-dp-cp"] == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    assert groups["embedding"] == [[r] for r in range(8)]
+
+
+def test_pp4_dp2_embedding_is_first_and_last_stage():
+    groups = ps.generate_rank_groups(8, pp=4)
+    assert groups["pp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert groups["embedding"] == [[0, 6], [1, 7]]
+    assert groups["dp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["tp"] == [[r] for r in range(8)]
+    assert groups["mp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
+def test_expert_parallel_regroups_data_parallel_ranks():
+    groups = ps.generate_rank_groups(8, tp=2, ep=2)
+    assert groups["dp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert groups["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["expt-dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["tp-ep"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_tp4_dp2_two_instances_gives_singleton_inner_groups():
+    groups = ps.generate_rank_groups(8, tp=4, num_distributed_optimizer_instances=2)
+    assert groups["dp-cp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["inner-dp-cp"] == [[0], [4], [1], [5], [2], [6], [3], [7]]
+    assert groups["outer-dp-cp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_custom_order_puts_pipeline_before_data():
+    groups = ps.generate_rank_groups(8, tp=2, pp=2, order="tp-pp-dp")
+    assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["pp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["embedding"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+def test_every_kind_of_group_partitions_the_world():
+    groups = ps.generate_rank_groups(8, tp=2, pp=2, cp=2, num_distributed_optimizer_instances=1)
+    for name in ("tp", "pp", "cp", "dp", "dp-cp", "mp", "inner-dp-cp", "outer-dp-cp", "ep", "expt-dp"):
+        flat = sorted(r for ranks in groups[name] for r in ranks)
+        assert flat == list(range(8)), name
+
+
+def test_device_mesh_layout_per_stage():
+    groups = ps.generate_rank_groups(8, tp=2, cp=2, num_distributed_optimizer_instances=2)
+    assert ps.device_mesh_layout(groups, 5, 2) == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    groups = ps.generate_rank_groups(8, tp=2, pp=2)
+    assert ps.device_mesh_layout(groups, 0, 1) == [[[0, 1], [2, 3]]]
+    assert ps.device_mesh_layout(groups, 7, 1) == [[[4, 5], [6, 7]]]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(world_size=6, tp=4), r"world size 6 is not divisible by tensor \(4\) x pipeline \(1\) x context \(1\)"),
+        (dict(world_size=8, tp=2, pp=3), r"world size 8 is not divisible by tensor \(2\) x pipeline \(3\)"),
+        (dict(world_size=8, tp=2, num_distributed_optimizer_instances=3), "--num-distributed-optimizer-instances"),
+        (dict(world_size=8, tp=2, ep=3), "--expert-model-parallel-size"),
+        (dict(world_size=8, tp=0), "--tensor-model-parallel-size must be a positive integer"),
+        (dict(world_size=8, tp=2, order="tp-xp-dp"), "unknown dimensions"),
+        (dict(world_size=8, tp=2, pp=2, order="tp-dp"), "missing"),
+        (dict(world_size=8, tp=2, dp=2), "data-parallel size 2 does not match"),
+    ],
+)
+def test_bad_sizes_raise_value_errors(kwargs, message):
+    world_size = kwargs.pop("world_size")
+    with pytest.raises(ValueError, match=message):
+        ps.generate_rank_groups(world_size, **kwargs)
+
+
+def test_getters_before_initialisation():
+    assert not ps.model_parallel_is_initialized()
+    assert ps.get_tensor_model_parallel_world_size() == 1
+    assert ps.get_tensor_model_parallel_rank() == 0
+    with pytest.raises(RuntimeError, match="initialize_model_parallel"):
+        ps.get_tensor_model_parallel_group()
+    with pytest.raises(RuntimeError, match="initialize_model_parallel"):
+        ps.get_device_mesh()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Real process groups
+# --------------------------------------------------------------------------------------------------------
+
+
+def _group_ranks(group):
+    return dist.get_process_group_ranks(group)
+
+
+def _check_layout_on_rank(tp, pp, cp, ep, instances):
+    """Initialise, compare every getter with the pure layout, exercise the groups, destroy."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ps.initialize_model_parallel(tp, pp, cp, ep, num_distributed_optimizer_instances=instances)
+    groups = ps.generate_rank_groups(world, tp=tp, pp=pp, cp=cp, ep=ep, num_distributed_optimizer_instances=instances)
+
+    def mine(name):
+        return next(ranks for ranks in groups[name] if rank in ranks)
+
+    checks = [
+        (ps.get_tensor_model_parallel_group(), "tp", ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()),
+        (ps.get_pipeline_model_parallel_group(), "pp", ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()),
+        (ps.get_context_parallel_group(), "cp", ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()),
+        (ps.get_data_parallel_group(), "dp", ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()),
+        (ps.get_data_parallel_group(with_context_parallel=True), "dp-cp",
+         ps.get_data_parallel_rank(with_context_parallel=True), ps.get_data_parallel_world_size(with_context_parallel=True)),
+        (ps.get_expert_model_parallel_group(), "ep", ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()),
+    ]
+    for group, name, group_rank, group_size in checks:
+        assert _group_ranks(group) == mine(name), name
+        assert group_rank == mine(name).index(rank), name
+        assert group_size == len(mine(name)), name
+    assert _group_ranks(ps.get_model_parallel_group()) == mine("mp")
+    assert _group_ranks(ps.get_inner_data_parallel_group()) == mine("inner-dp-cp")
+    assert _group_ranks(ps.get_outer_data_parallel_group()) == mine("outer-dp-cp")
+    assert dist.get_world_size(ps.get_outer_data_parallel_group()) == instances
+    if any(rank in ranks for ranks in groups["embedding"]):
+        assert _group_ranks(ps.get_embedding_group()) == mine("embedding")
+        assert ps.is_rank_in_embedding_group()
+    else:
+        assert not ps.is_rank_in_embedding_group()
+        with pytest.raises(RuntimeError, match="belongs to no embedding group"):
+            ps.get_embedding_group()
+
+    pipeline = mine("pp")
+    stage = pipeline.index(rank)
+    assert ps.is_pipeline_first_stage() == (stage == 0)
+    assert ps.is_pipeline_last_stage() == (stage == pp - 1)
+    assert ps.get_pipeline_model_parallel_next_rank() == pipeline[(stage + 1) % pp]
+    assert ps.get_pipeline_model_parallel_prev_rank() == pipeline[(stage - 1) % pp]
+
+    # The groups carry real traffic: the sum of global ranks over the tensor-parallel group.
+    value = torch.tensor([float(rank)])
+    dist.all_reduce(value, group=ps.get_tensor_model_parallel_group())
+    assert value.item() == sum(mine("tp"))
+
+    mesh = ps.get_device_mesh()
+    mesh_info = (tuple(mesh.mesh.shape), mesh.mesh_dim_names, mesh.device_type, mesh.mesh.tolist())
+    assert mesh.mesh.tolist() == ps.device_mesh_layout(groups, rank, instances)
+    assert _group_ranks(mesh.get_group("tp")) == mine("tp")
+    assert _group_ranks(mesh.get_group("dp_shard_cp")) == mine("inner-dp-cp")
+    assert _group_ranks(mesh.get_group("dp_outer")) == mine("outer-dp-cp")
+    ps.destroy_model_parallel()
+    assert not ps.model_parallel_is_initialized()
+    return mesh_info
+
+
+def _run_layouts(layouts):
+    return [_check_layout_on_rank(*layout) for layout in layouts]
+
+
+def _reinitialise_and_reject_bad_sizes():
+    ps.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+    with pytest.raises(RuntimeError, match="already initialised"):
+        ps.initialize_model_parallel()
+    ps.destroy_model_parallel()
+    with pytest.raises(ValueError, match="is not divisible by tensor"):
+        ps.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size() + 1)
+    with pytest.raises(ValueError, match="--num-distributed-optimizer-instances"):
+        ps.initialize_model_parallel(num_distributed_optimizer_instances=dist.get_world_size() + 1)
+    assert not ps.model_parallel_is_initialized()
+    ps.initialize_model_parallel()
+    return ps.get_data_parallel_world_size()
+
+
+@pytest.mark.parametrize("world_size", [8])
+def test_world_8_getters_and_device_mesh(world_size):
+    # (tp, pp, cp, ep, num_distributed_optimizer_instances)
+    layouts = [(2, 1, 2, 1, 2), (2, 2, 1, 2, 1), (1, 4, 1, 1, 2), (8, 1, 1, 1, 1)]
+    results = run_on_ranks(world_size, _run_layouts, layouts)
+    for rank, per_layout in enumerate(results):
+        (shape_a, names_a, device_a, mesh_a), (shape_b, _, _, mesh_b), (shape_c, _, _, _), (shape_d, _, _, _) = per_layout
+        assert names_a == ("dp_outer", "dp_shard_cp", "tp") and device_a == "cpu"
+        assert shape_a == (2, 2, 2) and mesh_a == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+        # PP == 2: one mesh per pipeline stage.
+        assert shape_b == (1, 2, 2)
+        assert mesh_b == ([[[0, 1], [2, 3]]] if rank < 4 else [[[4, 5], [6, 7]]])
+        assert shape_c == (2, 1, 1)
+        assert shape_d == (1, 1, 8)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_small_worlds(world_size):
+    layouts = [(1, 1, 1, 1, 1), (world_size, 1, 1, 1, 1), (1, world_size, 1, 1, 1), (1, 1, world_size, 1, 1),
+               (1, 1, 1, world_size, world_size)]
+    if world_size == 4:
+        layouts += [(2, 2, 1, 1, 1), (2, 1, 1, 2, 2)]
+    results = run_on_ranks(world_size, _run_layouts, layouts)
+    assert all(mesh_info[0][0] == (1, world_size, 1) for mesh_info in results)
+    assert run_on_ranks(world_size, _reinitialise_and_reject_bad_sizes) == [world_size] * world_size

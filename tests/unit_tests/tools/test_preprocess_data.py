@@ -1,0 +1,104 @@
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.training.tokenizer import build_tokenizer
+from megatron.training.tokenizer.bpe_training import save_bpe_tokenizer, train_bpe_tokenizer
+
+REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, os.pardir))
+TOOL = os.path.join(REPO_ROOT, "tools", "preprocess_data.py")
+
+
+def _documents():
+    rng = np.random.default_rng(0)
+    words = ["tensor", "parallel", "naïve", "中文", "🙂", "pipeline", "\n", "\t", "the", "data"]
+    documents = []
+    for number in range(57):
+        text = " ".join(words[i] for i in rng.integers(0, len(words), size=int(rng.integers(1, 40))))
+        documents.append({"text": text, "title": f"document {number}"})
+    documents[5]["text"] = ""  # tokenizes to nothing: no sequence is written for it
+    return documents
+
+
+def _write_jsonl(path, documents, blank_line_at=None):
+    lines = [json.dumps(document, ensure_ascii=False) + "\n" for document in documents]
+    if blank_line_at is not None:
+        lines.insert(blank_line_at, "\n")
+    with open(path, "w", encoding="utf-8") as output:
+        output.writelines(lines)
+
+
+def _run_tool(*arguments):
+    completed = subprocess.run(
+        [sys.executable, TOOL, *arguments], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120
+    )
+    assert completed.returncode == 0, completed.stderr
+    return completed.stderr
+
+
+@pytest.fixture(scope="module")
+def trained_bpe(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("bpe")
+    backend = train_bpe_tokenizer([document["text"] for document in _documents()] * 3, vocab_size=290)
+    return save_bpe_tokenizer(backend, str(directory))
+
+
+@pytest.mark.parametrize("tokenizer_type", ["ByteLevelTokenizer", "HuggingFaceTokenizer"])
+def test_workers_give_identical_output_equal_to_direct_tokenization(tmp_path, tokenizer_type, trained_bpe):
+    documents = _documents()
+    corpus = str(tmp_path / "corpus.jsonl")
+    _write_jsonl(corpus, documents, blank_line_at=20)
+    tokenizer_flags = ["--tokenizer-type", tokenizer_type]
+    if tokenizer_type == "HuggingFaceTokenizer":
+        tokenizer_flags += ["--tokenizer-model", trained_bpe]
+    outputs = {}
+    for workers in (1, 2):
+        prefix = str(tmp_path / f"workers{workers}" / "out")
+        log = _run_tool("--input", corpus, "--output-prefix", prefix, *tokenizer_flags, "--append-eod",
+                        "--json-keys", "text", "--workers", str(workers), "--log-interval", "10")
+        progress = [line for line in log.splitlines() if line.startswith("processed")]
+        assert progress[0].startswith("processed 10 documents") and "docs/s" in progress[0] and "MB/s" in progress[0]
+        assert progress[-1].startswith("processed 58 documents")  # 57 documents and a blank line
+        outputs[workers] = prefix + "_text_document"
+    for suffix in (".bin", ".idx"):
+        with open(outputs[1] + suffix, "rb") as one, open(outputs[2] + suffix, "rb") as two:
+            assert one.read() == two.read()
+    tokenizer = build_tokenizer(tokenizer_type, tokenizer_model=trained_bpe)
+    expected = [tokenizer.tokenize(document["text"]) + [tokenizer.eod] for document in documents if document["text"]]
+    dataset = IndexedDataset(outputs[1])
+    assert dataset.dtype == np.uint16
+    assert len(dataset) == len(expected) == 56
+    assert int(dataset.sequence_lengths.sum()) == sum(map(len, expected))
+    for index, tokens in enumerate(expected):
+        np.testing.assert_array_equal(dataset[index], tokens)
+    assert tokenizer.detokenize(dataset[0][:-1].tolist()) == documents[0]["text"]
+
+
+def test_null_tokenizer_and_several_keys(tmp_path):
+    documents = [{"text": " ".join(str(i) for i in range(n, n + 5)), "extra": str(n)} for n in range(12)]
+    corpus = str(tmp_path / "ids.jsonl")
+    _write_jsonl(corpus, documents)
+    prefix = str(tmp_path / "ids")
+    _run_tool("--input", corpus, "--output-prefix", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "64",
+              "--json-keys", "text", "extra", "--workers", "2")
+    text = IndexedDataset(prefix + "_text_document")
+    extra = IndexedDataset(prefix + "_extra_document")
+    assert len(text) == len(extra) == 12
+    np.testing.assert_array_equal(text[3], [3, 4, 5, 6, 7])  # no --append-eod: no eod
+    np.testing.assert_array_equal(extra[11], [11])
+
+
+def test_missing_key_is_reported(tmp_path):
+    corpus = str(tmp_path / "corpus.jsonl")
+    _write_jsonl(corpus, [{"body": "x"}])
+    completed = subprocess.run(
+        [sys.executable, TOOL, "--input", corpus, "--output-prefix", str(tmp_path / "o"),
+         "--tokenizer-type", "ByteLevelTokenizer", "--workers", "1"],
+        capture_output=True, text=True, cwd=REPO_ROOT, timeout=120,
+    )
+    assert completed.returncode != 0 and "--json-keys" in completed.stderr
