@@ -28,8 +28,6 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron", "megatron.*"]) + megatron_fsdp_packages(),
     package_dir=megatron_fsdp_package_dirs(),
-    package_data={"megatron": ["data/corpus/*"]},
-    include_package_data=True,
     install_requires=[TORCH_REQUIREMENT, "numpy", "pyyaml"],
     extras_require={
         "dev": ["pytest>=7", "tokenizers>=0.15", "tensorboard"],

@@ -122,40 +122,30 @@ def build_arm(spec, model, device, lr):
     raise ValueError(f"unknown arm family {spec.family!r}")
 
 
-_REPORT_NAME_WORDS = ("bytes", "memory", "report")
-
-
-def _json_safe(value, depth=0):
-    if isinstance(value, (bool, int, float, str)) or value is None:
-        return value
+def _json_safe(value):
+    if isinstance(value, dict):
+        return {str(key): _json_safe(item) for key, item in value.items()}
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
-    if isinstance(value, dict) and depth < 4:
-        return {str(key): _json_safe(item, depth + 1) for key, item in value.items()}
-    if isinstance(value, (list, tuple)) and depth < 4:
-        return [_json_safe(item, depth + 1) for item in value]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _json_safe(dataclasses.asdict(value), depth + 1)
-    return repr(value)[:200]
+    return value if isinstance(value, (bool, int, float, str, type(None))) else repr(value)
 
 
-def megatron_fsdp_reports(model, optimizer):
-    """Results of the wrapper's and optimizer's public no-argument report methods (bytes held, communicated).
+def package_memory_report(model):
+    """Megatron-FSDP's own account of the bytes this rank holds (`memory_report()`), or None for other arms."""
+    method = getattr(model, "memory_report", None)
+    return _json_safe(method()) if callable(method) else None
 
-    The methods are found by name (containing "bytes", "memory" or "report"), so the benchmark needs no
-    change when the package adds one; a method that needs arguments or fails is listed with its error.
-    """
-    reports = {}
-    base_names = set(dir(torch.nn.Module)) | set(dir(torch.optim.Optimizer))
-    for owner_name, owner in (("model", model), ("optimizer", optimizer)):
-        for name in sorted(dir(type(owner))):
-            if name.startswith("_") or name in base_names or not any(w in name for w in _REPORT_NAME_WORDS):
-                continue
-            method = getattr(owner, name, None)
-            if not callable(method):
-                continue
-            try:
-                reports[f"{owner_name}.{name}()"] = _json_safe(method())
-            except Exception as error:
-                reports[f"{owner_name}.{name}()"] = f"error: {type(error).__name__}: {error}"
-    return reports
+
+def package_communication_report(model):
+    """Megatron-FSDP's cumulative bytes sent by this rank per collective kind, or None for other arms."""
+    method = getattr(model, "communication_report", None)
+    return _json_safe(method()) if callable(method) else None
+
+
+def state_from_memory_report(report):
+    """(params, grads, optimizer) bytes from a Megatron-FSDP memory report: compute + main weights are params."""
+    return {
+        "params": report.get("compute_weights", 0) + report.get("main_weights", 0),
+        "grads": report.get("grads", 0),
+        "optimizer": report.get("optimizer_state", 0),
+    }

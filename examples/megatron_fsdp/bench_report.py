@@ -60,15 +60,21 @@ def timing_and_memory_rows(summaries, memory_modes):
     return rows
 
 
+def _triple(state):
+    return " / ".join(format_mib(state[key]) for key in ("params", "grads", "optimizer"))
+
+
 def state_rows(summaries):
     rows = []
     for name, arm in summaries.items():
         if "state" not in arm:
-            rows.append([name, arm["error"] or "not run", "", ""])
+            rows.append([name, arm["error"] or "not run", "", "", "", ""])
             continue
-        measured = " / ".join(format_mib(arm["state"][key]) for key in ("params", "grads", "optimizer"))
-        theory = " / ".join(format_mib(arm["theory_state"][key]) for key in ("params", "grads", "optimizer"))
-        rows.append([name, measured, theory, f"ZeRO-{arm['theory_zero_strategy']}"])
+        package = arm.get("package_memory")
+        rows.append(
+            [name, _triple(arm["state"]), _triple(arm["state_storages"]), _triple(arm["theory_state"]),
+             f"ZeRO-{arm['theory_zero_strategy']}", format_mib(package.get("transient_peak")) if package else ""]
+        )  # fmt: skip
     return rows
 
 
@@ -76,7 +82,7 @@ def comm_rows(summaries):
     rows = []
     for name, arm in summaries.items():
         if "comm_payloads" not in arm:
-            rows.append([name] + [""] * len(COMM_KINDS) + ["", format_mib(arm["theory_volume"], 2), "", "", ""])
+            rows.append([name] + [""] * len(COMM_KINDS) + ["", format_mib(arm["theory_volume"], 2), "", "", "", ""])
             continue
         payloads = arm["comm_payloads"]
         kind_cells = [
@@ -88,7 +94,8 @@ def comm_rows(summaries):
             [name]
             + kind_cells
             + [format_mib(arm["volume"], 2), format_mib(arm["theory_volume"], 2), format_ratio(volume_ratio),
-               format_mib(arm["wire_bytes"], 2), "yes" if arm["comm_steady"] else "no"]
+               format_mib(arm["wire_bytes"], 2), format_mib(arm.get("package_sent"), 2),
+               "yes" if arm["comm_steady"] else "no"]
         )
     return rows
 
@@ -136,11 +143,16 @@ def render_markdown(meta, summaries, memory_modes, method_text):
         "",
         "## State bytes per rank",
         "",
-        "MiB held per rank after the last step: parameters / gradients / optimizer state, from the storages of "
-        "the tensors the model and optimizer actually hold (shard padding included; views of one flat buffer "
-        "counted once). Theory: ZeRO formulas without padding.",
+        "MiB held per rank after the last step: parameters / gradients / optimizer state. *held*: Megatron-FSDP's "
+        "own `memory_report()` where the arm has one (parameters = compute + main weights), else the storages. "
+        "*storages*: the storages of the tensors the model and optimizer expose, each counted once (shard padding "
+        "included). Theory: ZeRO formulas without padding. Transient peak: the package's largest gathered-weight "
+        "and in-flight gradient bytes.",
         "",
-        markdown_table(["arm", "measured p / g / opt", "theory p / g / opt", "theory"], state_rows(summaries)),
+        markdown_table(
+            ["arm", "held p / g / opt", "storages p / g / opt", "theory p / g / opt", "theory", "transient peak"],
+            state_rows(summaries),
+        ),
         "",
         "## Communication per step",
         "",
@@ -148,11 +160,12 @@ def render_markdown(meta, summaries, memory_modes, method_text):
         "wrapping `torch.distributed` collectives in the rank processes. Volume = all-reduce payload x 2 + all "
         "other payloads; ZeRO theory: 2 psi for ZeRO-0/1/2, 3 psi for ZeRO-3 (2 psi without resharding after "
         f"forward), psi = {format_mib(meta['param_bytes'], 2)} MiB of parameters. Wire: bytes one rank sends "
-        "on a ring.",
+        "on a ring, from the counted payloads. Package sent: Megatron-FSDP's own `communication_report()` for the "
+        "same step.",
         "",
         markdown_table(
             ["arm"] + [f"{kind} MiB" for kind in COMM_KINDS] + ["volume MiB", "theory MiB", "ratio", "wire MiB/rank",
-                                                                   "same every step"],
+                                                                   "package sent MiB/rank", "same every step"],
             comm_rows(summaries),
         ),
         "",
@@ -163,7 +176,7 @@ def render_markdown(meta, summaries, memory_modes, method_text):
     ]
     reports = {name: arm["reports"] for name, arm in summaries.items() if arm.get("reports")}
     if reports:
-        parts += ["## Megatron-FSDP's own reports (rank 0, after the last step)", ""]
+        parts += ["## Megatron-FSDP's own reports (rank 0, bytes)", ""]
         for name, arm_reports in reports.items():
             parts.append(f"- `{name}`:")
             parts += [f"  - `{method}`: `{value}`" for method, value in arm_reports.items()]
@@ -174,8 +187,8 @@ def render_markdown(meta, summaries, memory_modes, method_text):
     return "\n".join(parts)
 
 
-def render_svg(summaries, memory_modes, title):
-    """Two horizontal bar charts side by side: step time, and peak RSS per memory mode."""
+def render_svg(summaries, memory_modes, title, rss_heading="peak RSS per rank, MiB"):
+    """Two horizontal bar charts side by side: step time, and peak RSS (or its growth) per memory mode."""
     names = list(summaries)
     row_height, label_width, chart_width, gap = 22, 150, 260, 40
     top = 50
@@ -220,6 +233,6 @@ def render_svg(summaries, memory_modes, title):
             values.append(value / MIB if value else None)
         rss_series.append(values)
     legend = ", ".join(f"{mode} ({colour})" for mode, colour in zip(memory_modes, ("blue", "orange", "green")))
-    panel(label_width + chart_width + gap, f"peak RSS per rank, MiB: {legend}", rss_series, "")
+    panel(label_width + chart_width + gap, f"{rss_heading}: {legend}", rss_series, "")
     out.append("</svg>")
     return "\n".join(out) + "\n"

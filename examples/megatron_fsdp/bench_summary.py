@@ -8,7 +8,7 @@ is summarised separately for every memory mode.
 import statistics
 
 from examples.megatron_fsdp import bench_theory
-from examples.megatron_fsdp.bench_arms import ARMS, regathered_param_bytes
+from examples.megatron_fsdp.bench_arms import ARMS, regathered_param_bytes, state_from_memory_report
 
 
 def _first_error(repetitions):
@@ -22,6 +22,12 @@ def _first_error(repetitions):
 def _global_losses(ranks):
     """Mean of the ranks' micro-batch losses per step: the global-batch loss (equal micro-batch sizes)."""
     return [statistics.fmean(values) for values in zip(*(r["losses"] for r in ranks))]
+
+
+def _largest_rank(per_rank_dicts):
+    """Key-wise maximum over ranks (shards can differ by padding)."""
+    per_rank_dicts = list(per_rank_dicts)
+    return {key: max(d[key] for d in per_rank_dicts) for key in per_rank_dicts[0]}
 
 
 def _rss_summary(repetitions, in_process):
@@ -79,7 +85,11 @@ def summarise(results, arm_names, param_bytes, world_size, timing_mode, in_proce
                 summary["loss_max_abs_diff"] = max(diffs + [summary.get("loss_max_abs_diff", 0.0)])
             first = repetitions[0]
             summary["losses"] = _global_losses(first)
-            summary["state"] = {key: max(r["state_bytes"][key] for r in first) for key in ("params", "grads", "optimizer")}
+            summary["state_storages"] = _largest_rank(r["state_bytes"] for r in first)
+            summary["state"] = summary["state_storages"]
+            if all(r.get("package_memory") for r in first):
+                summary["package_memory"] = _largest_rank(r["package_memory"] for r in first)
+                summary["state"] = state_from_memory_report(summary["package_memory"])
             last_step = first[0]["comm_per_step"][-1]
             summary["comm_payloads"] = last_step["payload_bytes"]
             summary["comm_calls"] = last_step["calls"]
@@ -88,7 +98,13 @@ def summarise(results, arm_names, param_bytes, world_size, timing_mode, in_proce
             summary["comm_steady"] = all(
                 step["payload_bytes"] == last_step["payload_bytes"] for step in first[0]["comm_per_step"][1:]
             )
-            summary["reports"] = first[0].get("reports", {})
+            package_comm = first[0].get("package_comm_last_step")
+            if package_comm is not None:
+                summary["package_sent"] = sum(v for kind, v in package_comm.items() if kind != "steps")
+                summary["reports"] = {
+                    "memory_report()": first[0]["package_memory"],
+                    "communication_report(), last step": package_comm,
+                }
         summary["theory_state"] = bench_theory.zero_state_bytes(spec.zero_strategy, param_bytes, world_size)
         theory_payloads = bench_theory.zero_comm_payloads(
             spec.zero_strategy, param_bytes, regathered_param_bytes(spec, param_bytes)

@@ -15,7 +15,13 @@ import torch
 import torch.distributed as dist
 
 from examples.megatron_fsdp import comm_counter
-from examples.megatron_fsdp.bench_arms import ARMS, MegatronFSDPUnavailable, build_arm, megatron_fsdp_reports
+from examples.megatron_fsdp.bench_arms import (
+    ARMS,
+    MegatronFSDPUnavailable,
+    build_arm,
+    package_communication_report,
+    package_memory_report,
+)
 from examples.megatron_fsdp.bench_model import MODEL_PRESETS, build_model, mock_batches, rank_micro_batch
 from examples.megatron_fsdp.memory_probe import RssSampler, held_state_bytes, lifetime_peak_rss_bytes
 
@@ -42,6 +48,15 @@ def init_process_group_from_env(timeout_s):
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
 
 
+def _last_step_difference(cumulative_reports):
+    """Per-kind bytes of the last step from cumulative reports (None when the arm has no such report)."""
+    if not cumulative_reports or cumulative_reports[-1] is None:
+        return None
+    last = cumulative_reports[-1]
+    before = cumulative_reports[-2] if len(cumulative_reports) > 1 else {}
+    return {kind: value - before.get(kind, 0) for kind, value in last.items() if isinstance(value, (int, float))}
+
+
 def run_arm(arm_name, model_name, steps, warmup_steps, seed, lr):
     """Train one arm on this rank; returns measurements, or `{"error": ...}` if the arm could not run."""
     spec = ARMS[arm_name]
@@ -57,7 +72,7 @@ def run_arm(arm_name, model_name, steps, warmup_steps, seed, lr):
     try:
         model = build_model(config, seed, device)
         train_model, optimizer = build_arm(spec, model, device, lr)
-        step_times, losses, comm_per_step = [], [], []
+        step_times, losses, comm_per_step, package_comm_per_step = [], [], [], []
         for step in range(steps):
             tokens, labels = rank_micro_batch(all_tokens, step, rank, world_size, device)
             counter.reset()
@@ -72,12 +87,14 @@ def run_arm(arm_name, model_name, steps, warmup_steps, seed, lr):
             step_times.append(time.perf_counter() - started)
             losses.append(loss.item())
             comm_per_step.append(counter.snapshot())
+            package_comm_per_step.append(package_communication_report(train_model))  # cumulative, or None
         result.update(
             step_times=step_times,
             losses=losses,
             comm_per_step=comm_per_step,
             state_bytes=held_state_bytes(train_model, optimizer),
-            reports=megatron_fsdp_reports(train_model, optimizer) if spec.is_megatron_fsdp else {},
+            package_memory=package_memory_report(train_model),
+            package_comm_last_step=_last_step_difference(package_comm_per_step),
         )
     except MegatronFSDPUnavailable as error:
         result["error"] = str(error)

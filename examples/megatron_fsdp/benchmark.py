@@ -161,7 +161,11 @@ def torchrun_main(args, argv):
                 _print_progress(mode, repetition, arm, gathered)
     if dist.get_rank() == 0:
         command = "torchrun --nproc-per-node {} {}".format(dist.get_world_size(), shlex.join(argv))
-        launch = "torchrun, all arms in the same rank processes (RSS: sampled growth only)"
+        launch = (
+            "torchrun, all arms in the same rank processes. RSS: sampled growth only; under default malloc "
+            "memory freed by an earlier arm stays resident and hides later arms' growth (use the spawning "
+            "launcher, or MALLOC_MMAP_THRESHOLD_=65536, for memory comparisons)"
+        )
         finish(args, results, command, launch, started, in_process=True, repeats={mode: args.repeats})
     dist.barrier()
     dist.destroy_process_group()
@@ -322,7 +326,9 @@ def finish(args, results, command, launch, started, in_process, repeats):
             handle.write(markdown)
     if plot_path:
         with open(plot_path, "w") as handle:
-            handle.write(bench_report.render_svg(summaries, memory_modes, f"{args.model}: {command}"))
+            title = f"Megatron-FSDP benchmark, {args.model} model, {meta['world_size']} ranks, {meta['date']}"
+            rss_heading = "RSS growth per rank, MiB" if in_process else "peak RSS per rank, MiB"
+            handle.write(bench_report.render_svg(summaries, memory_modes, title, rss_heading))
     if args.raw_json:
         with open(args.raw_json, "w") as handle:
             json.dump({"meta": meta, "results": results}, handle)

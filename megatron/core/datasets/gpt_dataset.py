@@ -122,7 +122,9 @@ class GPTDataset(torch.utils.data.Dataset):
         self.document_range = tuple(int(bound) for bound in document_range)
         documents = np.arange(*self.document_range, dtype=np.int64)
         if documents.size == 0:
-            raise ValueError(f"the {split.name} split of {indexed_dataset.path_prefix} has no documents; adjust --split")
+            raise ValueError(
+                f"the {split.name} split of {indexed_dataset.path_prefix} has no documents; adjust --split"
+            )
         description = {
             "class": type(self).__name__,
             "path_prefix": os.path.abspath(indexed_dataset.path_prefix),
@@ -151,15 +153,15 @@ class GPTDataset(torch.utils.data.Dataset):
 
     def token_window(self, idx):
         """The `sequence_length + 1` token ids of sample `idx` (before any shuffling: use `shuffle_index`)."""
-        (first_position, first_offset), (last_position, last_offset) = self.sample_index[idx], self.sample_index[idx + 1]
-        first_position, last_position = int(first_position), int(last_position)
+        first_position, first_offset = (int(value) for value in self.sample_index[idx])
+        last_position, last_offset = (int(value) for value in self.sample_index[idx + 1])
         read = self.indexed_dataset.get
         if first_position == last_position:
-            return read(int(self.document_index[first_position]), int(first_offset), int(last_offset - first_offset + 1))
-        pieces = [read(int(self.document_index[first_position]), int(first_offset))]
+            return read(int(self.document_index[first_position]), first_offset, last_offset - first_offset + 1)
+        pieces = [read(int(self.document_index[first_position]), first_offset)]
         for position in range(first_position + 1, last_position):
             pieces.append(read(int(self.document_index[position])))
-        pieces.append(read(int(self.document_index[last_position]), 0, int(last_offset) + 1))
+        pieces.append(read(int(self.document_index[last_position]), 0, last_offset + 1))
         return np.concatenate(pieces)
 
     def __getitem__(self, idx):

@@ -206,6 +206,9 @@ class IndexedDataset:
     """
 
     def __init__(self, path_prefix):
+        self._open(path_prefix)
+
+    def _open(self, path_prefix):
         self.path_prefix = path_prefix
         bin_path, idx_path = data_file_path(path_prefix), index_file_path(path_prefix)
         missing = [path for path in (idx_path, bin_path) if not os.path.isfile(path)]
@@ -218,6 +221,13 @@ class IndexedDataset:
         self._tokens = (
             np.memmap(bin_path, mode="r", dtype=self.dtype, order="C") if bin_size > 0 else np.zeros(0, self.dtype)
         )
+
+    def __getstate__(self):
+        # Reopen by path in another process (e.g. a spawned DataLoader worker) instead of pickling the maps.
+        return self.path_prefix
+
+    def __setstate__(self, path_prefix):
+        self._open(path_prefix)
 
     @property
     def sequence_lengths(self):

@@ -140,3 +140,7 @@ def load_or_build_indices(path_to_cache, kind, description, build):
         json.dump({"description": description, "arrays": sorted(arrays)}, description_file, indent=2, sort_keys=True)
     os.replace(temporary, description_path)
     return arrays, False
+
+
+# Megatron-Core's name for the `--data-path` parser.
+get_blend_from_list = blend_from_data_path

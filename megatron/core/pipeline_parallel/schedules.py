@@ -11,6 +11,8 @@ Both take Megatron's keyword arguments and return the loss dicts of every microb
 (an empty list elsewhere). Each microbatch's loss is divided by `num_microbatches` before its backward, so the
 accumulated gradients are those of the mean loss over the batch; with `calculate_per_token_loss` the loss
 sums are back-propagated unscaled and `finalize_model_grads_func` receives the total token count to divide by.
+`decoder_seq_length` and `first_val_step` are accepted for call-site compatibility and unused (there are no
+encoder-decoder models here).
 
 Hooks come from the model's config (see `model_access`): `no_sync_func` is a context manager that holds
 back gradient synchronisation during every backward but the last microbatch's; `finalize_model_grads_func(

@@ -46,4 +46,4 @@ def checkpointed(function, *args):
     """
     if not torch.is_grad_enabled():
         return function(*args)
-    return checkpoint(function, *args, use_reentrant=False)
+    return checkpoint(function, *args, use_reentrant=False, context_fn=_rng_tracker_contexts)

@@ -3,6 +3,9 @@
 It extends `ModelParallelConfig` (parallel sizes, dtypes) with the model's own fields. The dataclass is frozen;
 derived defaults (ffn size, head size, init methods, activation) are filled in `__post_init__`, and every bad
 combination is rejected there with a message that names the command-line flag to change.
+
+Derived fields keep their values once filled: `dataclasses.replace(config, hidden_size=...)` re-validates but
+keeps the old ffn_hidden_size / kv_channels / init methods unless they are passed as None again.
 """
 
 from dataclasses import dataclass

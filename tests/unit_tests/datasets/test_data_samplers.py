@@ -14,7 +14,9 @@ def _all_rank_batches(total, consumed, micro_batch_size, data_parallel_size, dro
     ]
 
 
-@pytest.mark.parametrize("total,consumed,micro_batch_size,data_parallel_size", [(50, 0, 2, 3), (64, 16, 4, 2), (9, 0, 1, 1)])
+@pytest.mark.parametrize(
+    "total,consumed,micro_batch_size,data_parallel_size", [(50, 0, 2, 3), (64, 16, 4, 2), (9, 0, 1, 1)]
+)
 def test_ranks_read_contiguous_slices_of_each_global_micro_batch(total, consumed, micro_batch_size, data_parallel_size):
     per_rank = _all_rank_batches(total, consumed, micro_batch_size, data_parallel_size)
     global_size = micro_batch_size * data_parallel_size

@@ -1,4 +1,5 @@
 import os
+import pickle
 import struct
 
 import numpy as np
@@ -81,6 +82,15 @@ def test_get_reads_partial_sequences_and_slices(tmp_path):
         dataset.get(0, offset=5, length=6)
     with pytest.raises(IndexError):
         dataset[2]
+
+
+def test_pickling_reopens_by_path(tmp_path):
+    prefix = str(tmp_path / "data")
+    documents = _random_documents(seed=5, num_documents=4, max_sequences=2, max_length=10, high=100)
+    _write(prefix, documents, np.int32)
+    payload = pickle.dumps(IndexedDataset(prefix))
+    assert len(payload) < 200  # the path, not the tokens
+    _check_matches(pickle.loads(payload), documents, np.int32)
 
 
 def test_merge_appends_datasets_in_order(tmp_path):
@@ -169,7 +179,8 @@ def test_data_file_size_mismatch(small_dataset):
 
 def test_inconsistent_pointers(small_dataset):
     pointer_offset = HEADER_SIZE + 3 * 4 + 8  # second sequence pointer
-    _rewrite(small_dataset + ".idx", lambda data: data.__setitem__(slice(pointer_offset, pointer_offset + 8), struct.pack("<q", 4)))
+    pointer_bytes = slice(pointer_offset, pointer_offset + 8)
+    _rewrite(small_dataset + ".idx", lambda data: data.__setitem__(pointer_bytes, struct.pack("<q", 4)))
     with pytest.raises(IndexFileError, match="pointers do not match"):
         IndexedDataset(small_dataset)
 

@@ -16,7 +16,7 @@ from tests.unit_tests.tensor_parallel.tp_helpers import (
     shared_randn,
 )
 
-IN_FEATURES, OUT_FEATURES = 8, 12
+IN_FEATURES, OUT_FEATURES = 8, 16
 
 
 def _normal(std=0.02):

@@ -117,8 +117,9 @@ def test_locally_trained_bpe_round_trips_and_compresses(tmp_path):
     assert build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "bpe")).tokenize(seen) == (
         tokenizer.tokenize(seen)
     )
+    bpe_dir = tmp_path / "bpe"
     as_gpt2 = build_tokenizer(
-        "GPT2BPETokenizer", vocab_file=str(tmp_path / "bpe" / "vocab.json"), merge_file=str(tmp_path / "bpe" / "merges.txt")
+        "GPT2BPETokenizer", vocab_file=str(bpe_dir / "vocab.json"), merge_file=str(bpe_dir / "merges.txt")
     )
     for text in SAMPLE_TEXTS + TRAINING_TEXTS[:3]:
         assert as_gpt2.tokenize(text) == tokenizer.tokenize(text)
@@ -142,7 +143,14 @@ def test_huggingface_tokenizer_errors(tmp_path):
 
 @pytest.mark.parametrize(
     "orig,divisible_by,tp,expected",
-    [(50257, 128, 1, 50304), (50257, 128, 2, 50432), (257, 128, 1, 384), (256, 128, 2, 256), (1, 1, 1, 1), (1000, 7, 3, 1008)],
+    [
+        (50257, 128, 1, 50304),
+        (50257, 128, 2, 50432),
+        (257, 128, 1, 384),
+        (256, 128, 2, 256),
+        (1, 1, 1, 1),
+        (1000, 7, 3, 1008),
+    ],
 )
 def test_pad_vocab_size(orig, divisible_by, tp, expected):
     padded = pad_vocab_size(orig, divisible_by, tp)

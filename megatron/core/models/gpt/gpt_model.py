@@ -147,7 +147,7 @@ class GPTModel(torch.nn.Module):
         if input_ids is not None:
             seq_len, device = input_ids.shape[1], input_ids.device
         else:
-            received = decoder_input if decoder_input is not None else self.decoder.input_tensor
+            received = self.decoder.input_tensor
             seq_len, device = received.shape[0], received.device
             if self.config.sequence_parallel:
                 seq_len *= self.config.tensor_model_parallel_size
@@ -171,6 +171,8 @@ class GPTModel(torch.nn.Module):
         A stage that is not last returns its hidden states `[s, b, h]` for the next stage. `attention_mask` is
         None (causal) or a bool tensor broadcastable to `[b, heads, s, s]`, True where attention is masked.
         """
+        if not self.pre_process and self.decoder.input_tensor is None:
+            raise RuntimeError("a pipeline stage that is not first needs set_input_tensor() before forward")
         decoder_input = self.embedding(input_ids, position_ids) if self.pre_process else None
         rotary_angles = self._rotary_angles(input_ids, decoder_input)
         hidden_states = self.decoder(decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary_angles)

@@ -19,6 +19,9 @@ REDUCE_SCATTER = "reduce_scatter"
 ALL_REDUCE = "all_reduce"
 BROADCAST = "broadcast"
 
+# Newer torch names the flat all-gather `all_gather_single` and deprecates `all_gather_into_tensor`.
+_ALL_GATHER_INTO_FLAT = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class CommunicationCounter:
     """Bytes sent by this rank, per collective kind, since the last reset."""
@@ -94,7 +97,7 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group, counter: C
             output.copy_(shard)
         return PendingCollective()
     counter.record(ALL_GATHER, shard.numel() * shard.element_size() * (world - 1))
-    work = dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
+    work = _ALL_GATHER_INTO_FLAT(output, shard, group=group, async_op=async_op)
     return _finish(work, None, async_op)
 
 

@@ -1,0 +1,71 @@
+"""DTensors for checkpointing flat-sharded parameters.
+
+A rank's flat shard of a parameter is generally not a rectangular block, so checkpoints use a different,
+rectangular split: rows of dim 0, cut the way DTensor's `Shard(0)` cuts them (`ceil(rows / DP)` rows per rank,
+trailing ranks fewer or none). Such DTensors carry standard metadata, so torch.distributed.checkpoint can
+save them at one data-parallel size and load them at another. 0-dim tensors are replicated.
+"""
+
+from typing import Tuple
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .layout import chunk_rows
+
+
+def contiguous_stride(shape) -> Tuple[int, ...]:
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def row_range(shape, dp_size: int, dp_rank: int) -> Tuple[int, int]:
+    """Rows `[start, end)` of a tensor of `shape` this rank holds in a checkpoint (all of a 0-dim tensor on
+    rank 0 only, so that sums over ranks count it once)."""
+    if len(shape) == 0:
+        return (0, 1) if dp_rank == 0 else (0, 0)
+    return chunk_rows(shape[0], dp_size, dp_rank)
+
+
+def row_slice_of_flat(flat: torch.Tensor, shape, dp_size: int, dp_rank: int) -> torch.Tensor:
+    """This rank's rows of a full parameter given as a flat tensor."""
+    if len(shape) == 0:
+        return flat.view(())
+    start, end = chunk_rows(shape[0], dp_size, dp_rank)
+    row_numel = flat.numel() // shape[0] if shape[0] else 0
+    return flat[start * row_numel:end * row_numel].view((end - start,) + tuple(shape[1:]))
+
+
+def make_row_sharded_dtensor(local_rows: torch.Tensor, global_shape, mesh, shard_mesh_dim: int) -> DTensor:
+    """A DTensor of `global_shape` whose local part is this rank's rows, sharded over `shard_mesh_dim` of
+    `mesh` and replicated over its other dims."""
+    global_shape = torch.Size(global_shape)
+    placements = [Replicate()] * mesh.ndim
+    if len(global_shape) > 0:
+        placements[shard_mesh_dim] = Shard(0)
+    return DTensor.from_local(local_rows.contiguous(), mesh, placements, run_check=False, shape=global_shape,
+                              stride=contiguous_stride(global_shape))
+
+
+def local_rows_of(value, global_shape, dp_size: int, dp_rank: int) -> torch.Tensor:
+    """This rank's rows from a checkpoint value: a row-sharded DTensor at this DP size, or a full tensor."""
+    if isinstance(value, DTensor):
+        if all(isinstance(p, Replicate) for p in value.placements):
+            value = value.to_local()
+        else:
+            local = value.to_local()
+            expected = row_range(global_shape, dp_size, dp_rank)
+            if len(global_shape) and local.shape[0] != expected[1] - expected[0]:
+                raise ValueError(f"DTensor rows {tuple(local.shape)} do not match this rank's {expected} rows of "
+                                 f"{tuple(global_shape)}; build the target state dict on the loading model")
+            return local
+    if tuple(value.shape) != tuple(global_shape):
+        raise ValueError(f"checkpoint tensor of shape {tuple(value.shape)} does not match parameter shape "
+                         f"{tuple(global_shape)}")
+    if len(global_shape) == 0:
+        return value
+    start, end = chunk_rows(global_shape[0], dp_size, dp_rank)
+    return value[start:end]

@@ -1,0 +1,146 @@
+"""The distributed optimizer (ZeRO-1 over DP) reproduces single-process AdamW, and its checkpoints round-trip."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.optimizer import DistributedOptimizer, OptimizerConfig, get_megatron_optimizer
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+from tests.unit_tests.optimizer.toy_models import build_toy_model, mse_loss, reference_param_groups, toy_batch
+
+LR, WEIGHT_DECAY, CLIP_GRAD, SAMPLES_PER_RANK = 0.01, 0.1, 0.05, 2
+
+
+def _build(overlap, seed=0):
+    model = build_toy_model(seed=seed)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=overlap,
+                                               overlap_param_gather=overlap, bucket_size=40)
+    ddp = DistributedDataParallel(ModelParallelConfig(), ddp_config, model)
+    config = OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=CLIP_GRAD, use_distributed_optimizer=True,
+                             log_num_zeros_in_grad=True)
+    optimizer = get_megatron_optimizer(config, [ddp])
+    assert isinstance(optimizer, DistributedOptimizer)
+    return model, ddp, optimizer
+
+
+def _train_step(ddp, optimizer, step):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    inputs, targets = toy_batch(step, SAMPLES_PER_RANK * world_size)
+    local = slice(rank * SAMPLES_PER_RANK, (rank + 1) * SAMPLES_PER_RANK)
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    mse_loss(ddp, inputs[local], targets[local]).backward()
+    finalize_model_grads([ddp])
+    return optimizer.step()
+
+
+def _reference_step(reference, reference_optimizer, step):
+    inputs, targets = toy_batch(step, SAMPLES_PER_RANK * dist.get_world_size())
+    reference_optimizer.zero_grad()
+    mse_loss(reference, inputs, targets).backward()
+    num_zeros = sum(int((param.grad == 0).sum()) for param in reference.parameters())
+    grad_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP_GRAD).item()
+    reference_optimizer.step()
+    return grad_norm, num_zeros
+
+
+def _assert_params_equal(model, reference):
+    for (name, param), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(param, expected, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def _matches_adamw(overlap):
+    model, ddp, optimizer = _build(overlap)
+    reference = copy.deepcopy(build_toy_model())
+    reference_optimizer = torch.optim.AdamW(reference_param_groups(reference, WEIGHT_DECAY, LR))
+
+    owned = torch.tensor([sum(p.numel() for p in optimizer.main_params())])
+    dist.all_reduce(owned)
+    assert owned.item() == sum(p.numel() for p in model.parameters())  # shards partition the model exactly
+    for step in range(3):
+        update_successful, grad_norm, num_zeros = _train_step(ddp, optimizer, step)
+        expected_norm, expected_zeros = _reference_step(reference, reference_optimizer, step)
+        assert update_successful
+        assert grad_norm == pytest.approx(expected_norm, rel=1e-5)
+        assert grad_norm > CLIP_GRAD  # clipping is exercised
+        assert num_zeros == expected_zeros
+    ddp.finish_param_sync()
+    _assert_params_equal(model, reference)
+    return True
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_distributed_optimizer_matches_single_process_adamw(world_size, overlap):
+    assert all(run_on_ranks(world_size, _matches_adamw, overlap))
+
+
+def _state_dict_round_trips():
+    model, ddp, optimizer = _build(overlap=False)
+    for step in range(2):
+        _train_step(ddp, optimizer, step)
+    saved_model = copy.deepcopy(ddp.state_dict())
+    saved_optimizer = copy.deepcopy(optimizer.state_dict())
+
+    restored_model, restored_ddp, restored_optimizer = _build(overlap=False, seed=7)
+    restored_ddp.load_state_dict(saved_model)
+    restored_optimizer.load_state_dict(saved_optimizer)
+    _train_step(ddp, optimizer, 2)
+    _train_step(restored_ddp, restored_optimizer, 2)
+    for param, expected in zip(restored_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(param, expected)
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_sharded_state_dict_round_trip_on_same_dp_size(world_size):
+    assert all(run_on_ranks(world_size, _state_dict_round_trips))
+
+
+def _gathered_state_is_dp_independent():
+    """Gathered state equals the single-process AdamW state, and a state built from it loads at this DP size."""
+    model, ddp, optimizer = _build(overlap=False)
+    reference = copy.deepcopy(build_toy_model())
+    groups = reference_param_groups(reference, WEIGHT_DECAY, LR)
+    reference_optimizer = torch.optim.AdamW(groups)
+    for step in range(3):
+        _train_step(ddp, optimizer, step)
+        _reference_step(reference, reference_optimizer, step)
+
+    gathered = optimizer.gathered_state_dict()
+    reference_params = groups[0]["params"] + groups[1]["params"]
+    assert gathered["step"] == 3.0
+    for state, param in zip(gathered["param_states"], reference_params, strict=True):
+        torch.testing.assert_close(state["main_param"], param.detach(), atol=1e-6, rtol=1e-5)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state[key], reference_optimizer.state[param][key], atol=1e-7, rtol=1e-5)
+
+    # A checkpoint that knows nothing of sharding (built from the reference) loads into fresh sharded optimizers.
+    unsharded = {
+        "param_states": [
+            {"main_param": p.detach().clone(), **{k: reference_optimizer.state[p][k].clone()
+                                                  for k in ("exp_avg", "exp_avg_sq")}}
+            for p in reference_params
+        ],
+        "step": 3.0,
+        "param_groups": gathered["param_groups"],
+        "grad_scaler": None,
+    }
+    restored_model, restored_ddp, restored_optimizer = _build(overlap=False, seed=3)
+    restored_optimizer.load_gathered_state_dict(unsharded)
+    _assert_params_equal(restored_model, reference)
+    _train_step(restored_ddp, restored_optimizer, 3)
+    _reference_step(reference, reference_optimizer, 3)
+    _assert_params_equal(restored_model, reference)
+    with pytest.raises(ValueError, match="sharded differently"):
+        restored_optimizer.load_state_dict({**optimizer.state_dict(), "shard_layout": [(0, 0, 1)]})
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gathered_state_dict_moves_across_dp_sizes(world_size):
+    assert all(run_on_ranks(world_size, _gathered_state_is_dp_independent))
