@@ -160,3 +160,28 @@ def full_params(model):
 
 def clone_module(module):
     return copy.deepcopy(module)
+
+
+def reference_losses_mixed(num_steps, dtype=torch.bfloat16, seed=0):
+    """Single-process reference with low-precision compute weights and fp32 AdamW master weights."""
+    model = make_model(seed, dtype)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    masters = [p.detach().float().clone() for p in trainable]
+    optimizer = make_optimizer(masters)
+    batches = make_batches(num_steps + 1, dtype=dtype)
+    losses = []
+    for step in range(num_steps + 1):
+        inputs, target = batches[step]
+        loss = loss_fn(model(inputs), target)
+        losses.append(loss.item())
+        if step == num_steps:
+            break
+        model.zero_grad()
+        loss.backward()
+        for master, param in zip(masters, trainable):
+            master.grad = param.grad.float()
+        optimizer.step()
+        with torch.no_grad():
+            for master, param in zip(masters, trainable):
+                param.copy_(master)
+    return losses

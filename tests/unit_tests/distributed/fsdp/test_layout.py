@@ -1,0 +1,60 @@
+"""Flat-buffer arithmetic: every element of every parameter is owned by exactly one rank."""
+
+import math
+
+import pytest
+
+from megatron_fsdp.layout import GroupLayout, bucket_by_size, chunk_rows
+
+SHAPES = [(13, 7), (13,), (0,), (2,), (7, 13), (1, 1, 3), ()]
+
+
+@pytest.mark.parametrize("dp_size", [1, 2, 3, 4, 5, 6])
+def test_every_element_owned_once(dp_size):
+    layout = GroupLayout(SHAPES, dp_size)
+    total = sum(math.prod(s) for s in SHAPES)
+    assert layout.numel == total
+    assert layout.padded_numel % dp_size == 0 and layout.padded_numel - total < dp_size
+    for index, shape in enumerate(SHAPES):
+        owned = []
+        for rank in range(dp_size):
+            piece = layout.local_piece(index, rank)
+            shard_start, _ = layout.shard_range(rank)
+            assert 0 <= piece.shard_start <= piece.shard_end <= layout.shard_numel
+            # the piece's shard position maps back to the same flat elements
+            assert shard_start + piece.shard_start == layout.spans[index].flat_start + piece.param_start or (
+                piece.numel == 0)
+            owned.extend(range(piece.param_start, piece.param_end))
+        assert owned == list(range(math.prod(shape)))
+
+
+def test_spans_are_contiguous_and_ordered():
+    layout = GroupLayout([(3, 2), (5,), (0,), (4,)], 4)
+    assert [(s.flat_start, s.flat_end) for s in layout.spans] == [(0, 6), (6, 11), (11, 11), (11, 15)]
+    assert layout.shard_numel == 4 and layout.padded_numel == 16
+    assert layout.local_piece(1, 1) == layout.local_piece(1, 1)
+    piece = layout.local_piece(1, 1)  # rank 1 owns flat [4, 8): elements 0..1 of param 1 at shard offset 2
+    assert (piece.param_start, piece.param_end, piece.shard_start, piece.shard_end) == (0, 2, 2, 4)
+    assert layout.owners_of_param(3) == [2, 3]
+
+
+def test_empty_group_still_has_one_element_per_rank():
+    layout = GroupLayout([(0,)], 3)
+    assert layout.shard_numel == 1 and layout.padded_numel == 3
+
+
+def test_chunk_rows_matches_torch_chunk():
+    import torch
+
+    for rows in [0, 1, 2, 5, 7, 13]:
+        for world in [1, 2, 3, 4]:
+            chunks = torch.arange(rows).chunk(world) if rows else []
+            for rank in range(world):
+                start, end = chunk_rows(rows, world, rank)
+                expected = chunks[rank].tolist() if rank < len(chunks) else []
+                assert list(range(start, end)) == expected
+
+
+def test_bucket_by_size():
+    assert bucket_by_size([4, 4, 4, 10, 1], 8) == [[0, 1], [2], [3], [4]]
+    assert bucket_by_size([4, 4, 4], 0) == [[0, 1, 2]]

@@ -1,0 +1,67 @@
+"""vocab_parallel_cross_entropy against F.cross_entropy on the full vocabulary, forward and backward."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+from tests.unit_tests.tensor_parallel.tp_helpers import (
+    assert_close,
+    chunk,
+    gather_partitions,
+    setup_tensor_parallel,
+    shared_randn,
+)
+
+SEQ, BATCH, VOCAB = 5, 3, 16
+
+
+def _reference(logits, target, upstream, label_smoothing):
+    logits = logits.clone().requires_grad_()
+    loss = F.cross_entropy(
+        logits.reshape(-1, VOCAB), target.reshape(-1), reduction="none", label_smoothing=label_smoothing
+    ).reshape(target.shape)
+    loss.backward(upstream)
+    return loss.detach(), logits.grad
+
+
+def _cross_entropy_matches_reference():
+    _, rank, tp = setup_tensor_parallel()
+    target = torch.randint(0, VOCAB, (SEQ, BATCH), generator=torch.Generator().manual_seed(1))
+    target[0] = torch.tensor([0, VOCAB - 1, VOCAB // tp])  # targets on partition edges
+    upstream = shared_randn(SEQ, BATCH, seed=2)
+    cases = [
+        ("plain", 3.0 * shared_randn(SEQ, BATCH, VOCAB, seed=3), 0.0),
+        ("label smoothing", shared_randn(SEQ, BATCH, VOCAB, seed=4), 0.1),
+        # Large logits: exp() would overflow without subtracting the global maximum.
+        ("large logits", shared_randn(SEQ, BATCH, VOCAB, seed=5) + 200.0, 0.0),
+    ]
+    for name, logits, label_smoothing in cases:
+        expected_loss, expected_grad = _reference(logits, target, upstream, label_smoothing)
+        local_logits = chunk(logits, -1, rank, tp).clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(local_logits, target, label_smoothing=label_smoothing)
+        assert loss.dtype == torch.float32 and loss.shape == target.shape
+        tolerance = 1e-4 if name == "large logits" else 1e-5  # fp32 spacing near 200 is 1.5e-5
+        torch.testing.assert_close(loss.detach(), expected_loss, atol=tolerance, rtol=1e-5, msg=name)
+        loss.backward(upstream)
+        assert_close(gather_partitions(local_logits.grad, -1), expected_grad, f"{name} logits grad")
+    with pytest.raises(ValueError, match="logits shape"):
+        vocab_parallel_cross_entropy(torch.zeros(SEQ, VOCAB // tp), target)
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_vocab_parallel_cross_entropy(world_size):
+    assert run_on_ranks(world_size, _cross_entropy_matches_reference) == [True] * world_size
+
+
+def test_single_rank_bf16_logits_return_fp32_loss_and_bf16_grad():
+    logits = torch.randn(4, VOCAB).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(0, VOCAB, (4,))
+    loss = vocab_parallel_cross_entropy(logits, target)
+    assert loss.dtype == torch.float32
+    expected = F.cross_entropy(logits.detach().float(), target, reduction="none")
+    torch.testing.assert_close(loss.detach(), expected, atol=1e-5, rtol=1e-5)
+    loss.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16

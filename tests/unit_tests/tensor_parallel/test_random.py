@@ -1,0 +1,81 @@
+"""RNG tracker streams, their seeds per tensor-parallel rank, and recomputation under replayed streams."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core.tensor_parallel import checkpoint, get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+from tests.unit_tests.tensor_parallel.tp_helpers import setup_tensor_parallel
+
+
+def _draws(seed, n=5):
+    return torch.rand(n, generator=torch.Generator().manual_seed(seed))
+
+
+def test_seeding_and_fork_single_process():
+    model_parallel_cuda_manual_seed(42)
+    default_stream = _draws(42, 10)
+    model_parallel_stream = _draws(42 + 2718, 10)
+    tracker = get_cuda_rng_tracker()
+    assert tracker.is_initialized()
+    first = torch.rand(5)
+    with tracker.fork():
+        forked = torch.rand(5)
+    second = torch.rand(5)
+    with tracker.fork("model-parallel-rng"):
+        forked_again = torch.rand(5)
+    torch.testing.assert_close(first, default_stream[:5], atol=0, rtol=0)
+    torch.testing.assert_close(second, default_stream[5:], atol=0, rtol=0)  # fork left the default alone
+    torch.testing.assert_close(forked, model_parallel_stream[:5], atol=0, rtol=0)
+    torch.testing.assert_close(forked_again, model_parallel_stream[5:], atol=0, rtol=0)  # stream advanced
+    with pytest.raises(KeyError, match="not registered"):
+        with tracker.fork("no-such-stream"):
+            pass
+    with pytest.raises(ValueError, match="already exists"):
+        tracker.add("model-parallel-rng", 7)
+
+
+def _streams_per_rank(seed):
+    _, rank, _ = setup_tensor_parallel()
+    model_parallel_cuda_manual_seed(seed)
+    default = torch.rand(4)
+    with get_cuda_rng_tracker().fork():
+        forked = torch.rand(4)
+    get_cuda_rng_tracker().reset()
+    return rank, default, forked
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_model_parallel_stream_differs_per_tensor_parallel_rank(world_size):
+    results = run_on_ranks(world_size, _streams_per_rank, 5)
+    for rank, default, forked in results:
+        torch.testing.assert_close(default, _draws(5, 4), atol=0, rtol=0)
+        torch.testing.assert_close(forked, _draws(5 + 2718 + rank, 4), atol=0, rtol=0)
+    assert not torch.equal(results[0][2], results[1][2])
+
+
+def test_checkpoint_recomputes_with_same_dropout_and_gradients():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(6, 6)
+    x = torch.randn(4, 6)
+
+    def block(inputs):
+        with get_cuda_rng_tracker().fork():
+            dropped = torch.nn.functional.dropout(linear(inputs), p=0.5, training=True)
+        return torch.nn.functional.dropout(dropped, p=0.3, training=True) * 2.0
+
+    results = []
+    for use_checkpoint in (False, True):
+        model_parallel_cuda_manual_seed(11)
+        linear.zero_grad()
+        inputs = x.clone().requires_grad_()
+        output = checkpoint(block, False, inputs) if use_checkpoint else block(inputs)
+        output.sum().backward()
+        after = torch.rand(3)  # recomputation must not disturb the stream seen afterwards
+        results.append((output.detach(), inputs.grad, linear.weight.grad.clone(), after))
+    for plain, recomputed in zip(*results):
+        torch.testing.assert_close(recomputed, plain, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="distribute_saved_activations"):
+        checkpoint(block, True, x)
+    get_cuda_rng_tracker().reset()

@@ -1,0 +1,47 @@
+"""Partition arithmetic and the tensor-parallel batch broadcast."""
+
+import pytest
+import torch
+
+from megatron.core.tensor_parallel import VocabUtility, broadcast_data, divide, split_tensor_along_last_dim
+from megatron.core.tensor_parallel.utils import strided_partition
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+from tests.unit_tests.tensor_parallel.tp_helpers import setup_tensor_parallel
+
+
+def test_divide_and_split():
+    assert divide(12, 4) == 3
+    with pytest.raises(ValueError, match="10 is not divisible by 4"):
+        divide(10, 4)
+    parts = split_tensor_along_last_dim(torch.arange(12.0).reshape(2, 6), 3)
+    assert [p.tolist() for p in parts] == [[[0, 1], [6, 7]], [[2, 3], [8, 9]], [[4, 5], [10, 11]]]
+
+
+def test_strided_partition_interleaves_blocks():
+    full = torch.arange(8).reshape(8, 1)
+    assert strided_partition(full, 2, 0, 0, stride=1).flatten().tolist() == [0, 1, 2, 3]
+    assert strided_partition(full, 2, 0, 0, stride=2).flatten().tolist() == [0, 1, 4, 5]
+    assert strided_partition(full, 2, 1, 0, stride=2).flatten().tolist() == [2, 3, 6, 7]
+    assert strided_partition(full.t(), 4, 3, 1).flatten().tolist() == [6, 7]
+
+
+def test_vocab_ranges():
+    assert VocabUtility.vocab_range_from_global_vocab_size(16, 2, 4) == (8, 12)
+    assert VocabUtility.vocab_range_from_per_partition_vocab_size(5, 1, 2) == (5, 10)
+    with pytest.raises(ValueError, match="vocabulary size 10 is not divisible by 4"):
+        VocabUtility.vocab_range_from_global_vocab_size(10, 0, 4)
+
+
+def _broadcast_from_rank_zero():
+    _, rank, _ = setup_tensor_parallel()
+    data = None
+    if rank == 0:
+        data = {"tokens": torch.arange(6).reshape(2, 3), "labels": torch.arange(4).reshape(1, 4) + 100}
+    output = broadcast_data(["tokens", "labels"], data, torch.int64)
+    return output["tokens"].tolist(), output["labels"].tolist()
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_broadcast_data(world_size):
+    expected = ([[0, 1, 2], [3, 4, 5]], [[100, 101, 102, 103]])
+    assert run_on_ranks(world_size, _broadcast_from_rank_zero) == [expected] * world_size
