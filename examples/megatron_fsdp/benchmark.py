@@ -99,6 +99,9 @@ def parse_args(argv=None):
     parser.add_argument("--raw-json", default=None, help="also write every rank's raw results here")
     parser.add_argument("--provisional", action="store_true", help="mark the report as taken on a noisy machine")
     parser.add_argument("--timeout-s", type=int, default=1800, help="limit for one measurement's processes")
+    parser.add_argument(
+        "--pg-timeout-s", type=int, default=300, help="collective timeout, so a rank whose peer failed stops"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--arm", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
@@ -133,7 +136,7 @@ def worker_main(args):
 
     from examples.megatron_fsdp.bench_worker import run_arm
 
-    _start_rank(args.timeout_s)
+    _start_rank(args.pg_timeout_s)
     result = run_arm(args.arm, args.model, args.steps, args.warmup, args.seed, args.lr)
     with open(args.result_file, "w") as handle:
         json.dump(result, handle)
@@ -148,7 +151,7 @@ def torchrun_main(args, argv):
     from examples.megatron_fsdp.bench_worker import run_arm
 
     started = time.time()
-    _start_rank(args.timeout_s)
+    _start_rank(args.pg_timeout_s)
     mode = "neutral" if os.environ.get("MALLOC_MMAP_THRESHOLD_") else "default"
     results = {mode: {arm: [] for arm in args.configs}}
     for repetition in range(args.repeats):
@@ -205,7 +208,7 @@ def run_measurement(args, arm, memory_mode, work_dir, tag):
         command = [
             sys.executable, os.path.abspath(__file__), "--worker", "--arm", arm, "--model", args.model,
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed), "--lr", str(args.lr),
-            "--timeout-s", str(args.timeout_s), "--result-file", result_file,
+            "--pg-timeout-s", str(args.pg_timeout_s), "--result-file", result_file,
         ]  # fmt: skip
         log = open(log_path, "w")
         processes.append(

@@ -12,7 +12,6 @@ re-read as tp x ep x expert-dp (context parallelism folded into expert data para
 """
 
 import itertools
-import math
 
 import torch
 import torch.distributed as dist
@@ -361,20 +360,32 @@ def get_pipeline_model_parallel_prev_rank():
 
 
 # Data parallel
-def get_data_parallel_group(with_context_parallel=False):
-    return _group("dp-cp" if with_context_parallel else "dp")
+def _data_parallel_name(with_context_parallel, partial_data_parallel):
+    if partial_data_parallel:
+        if not with_context_parallel:
+            raise ValueError("partial_data_parallel=True needs with_context_parallel=True (the inner dp-cp group)")
+        return "inner-dp-cp"
+    return "dp-cp" if with_context_parallel else "dp"
 
 
-def get_data_parallel_rank(with_context_parallel=False):
+def get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False):
+    """Ranks with equal tp/pp (and cp unless `with_context_parallel`) coordinates.
+
+    `partial_data_parallel` selects the inner group of hybrid sharding (one distributed-optimizer instance).
+    """
+    return _group(_data_parallel_name(with_context_parallel, partial_data_parallel))
+
+
+def get_data_parallel_rank(with_context_parallel=False, partial_data_parallel=False):
     if not model_parallel_is_initialized():
         return 0
-    return _rank_in("dp-cp" if with_context_parallel else "dp")
+    return _rank_in(_data_parallel_name(with_context_parallel, partial_data_parallel))
 
 
-def get_data_parallel_world_size(with_context_parallel=False):
+def get_data_parallel_world_size(with_context_parallel=False, partial_data_parallel=False):
     if not model_parallel_is_initialized():
         return 1
-    return len(_ranks("dp-cp" if with_context_parallel else "dp"))
+    return len(_ranks(_data_parallel_name(with_context_parallel, partial_data_parallel)))
 
 
 def get_data_parallel_global_ranks(with_context_parallel=False):

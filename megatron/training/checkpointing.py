@@ -53,11 +53,15 @@ def distributed_optimizer_filename(data_parallel_rank):
     return f"distrib_optim_dp_rank_{data_parallel_rank:03d}.pt"
 
 
+def _serialize(obj, stream):
+    torch.save(obj, stream)
+
+
 def atomic_torch_save(obj, path):
     """Write `obj` to `path` so that `path` either does not exist or holds the complete object."""
     temporary = f"{path}.tmp.{os.getpid()}"
     with open(temporary, "wb") as stream:
-        torch.save(obj, stream)
+        _serialize(obj, stream)
         stream.flush()
         os.fsync(stream.fileno())
     os.replace(temporary, path)

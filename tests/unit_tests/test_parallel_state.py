@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron.core import device_utils
 from megatron.core import parallel_state as ps
 from tests.unit_tests.multiprocess_harness import run_on_ranks
 
@@ -145,6 +146,10 @@ def _check_layout_on_rank(tp, pp, cp, ep, instances):
         assert group_size == len(mine(name)), name
     assert _group_ranks(ps.get_model_parallel_group()) == mine("mp")
     assert _group_ranks(ps.get_inner_data_parallel_group()) == mine("inner-dp-cp")
+    assert ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True) is (
+        ps.get_inner_data_parallel_group()
+    )
+    assert ps.get_data_parallel_world_size(True, True) == len(mine("inner-dp-cp"))
     assert _group_ranks(ps.get_outer_data_parallel_group()) == mine("outer-dp-cp")
     assert dist.get_world_size(ps.get_outer_data_parallel_group()) == instances
     if any(rank in ranks for ranks in groups["embedding"]):
@@ -193,7 +198,8 @@ def _reinitialise_and_reject_bad_sizes():
         ps.initialize_model_parallel(num_distributed_optimizer_instances=dist.get_world_size() + 1)
     assert not ps.model_parallel_is_initialized()
     ps.initialize_model_parallel()
-    return ps.get_data_parallel_world_size()
+    devices = (device_utils.get_current_device(), device_utils.get_device_for_group(ps.get_data_parallel_group()))
+    return ps.get_data_parallel_world_size(), devices
 
 
 @pytest.mark.parametrize("world_size", [8])
@@ -220,4 +226,18 @@ def test_small_worlds(world_size):
         layouts += [(2, 2, 1, 1, 1), (2, 1, 1, 2, 2)]
     results = run_on_ranks(world_size, _run_layouts, layouts)
     assert all(mesh_info[0][0] == (1, world_size, 1) for mesh_info in results)
-    assert run_on_ranks(world_size, _reinitialise_and_reject_bad_sizes) == [world_size] * world_size
+    cpu = torch.device("cpu")
+    assert run_on_ranks(world_size, _reinitialise_and_reject_bad_sizes) == [(world_size, (cpu, cpu))] * world_size
+
+
+def test_device_helpers_follow_the_backend():
+    assert device_utils.device_type_for_backend("gloo") == "cpu"
+    assert device_utils.device_type_for_backend("nccl") == "cuda"
+    assert device_utils.device_type_for_backend("cpu:gloo,cuda:nccl") == "cuda"
+    assert device_utils.get_current_device() == torch.device("cpu")  # no process group in this process
+    state = device_utils.get_rng_state("cpu")
+    first = torch.rand(3)
+    device_utils.set_rng_state(state, "cpu")
+    assert torch.equal(torch.rand(3), first)
+    device_utils.manual_seed_device(3, "cpu")
+    assert torch.equal(torch.rand(2), torch.rand(2, generator=torch.Generator().manual_seed(3)))

@@ -62,6 +62,7 @@ class DistributedDataParallel(torch.nn.Module):
             gradient_scaling_factor = 1.0 / data_parallel_size
 
         param_names = {param: name for name, param in module.named_parameters()}
+        self._param_names = param_names
         params_by_dtype = {}
         for param in reversed(list(module.parameters())):
             if not param.requires_grad:
@@ -91,6 +92,12 @@ class DistributedDataParallel(torch.nn.Module):
 
     # ---- hooks -------------------------------------------------------------------------------------------------
     def _accumulate_into_main_grad(self, param):
+        if self._param_to_bucket[param].grad_sync_started:
+            raise RuntimeError(
+                f"DistributedDataParallel: a gradient for {self._param_names[param]} arrived after its bucket's "
+                "reduction started; run earlier microbatches under no_sync() and call zero_grad_buffer() "
+                "before each step."
+            )
         if param.grad is not None and not getattr(param, "grad_added_to_main_grad", False):
             param.main_grad.add_(param.grad)
         param.grad = None

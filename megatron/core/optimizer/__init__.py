@@ -124,6 +124,16 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks, no_weight_deca
     """Build the optimizer for `model_chunks` (DDP-wrapped or plain modules) as `config` asks."""
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
+    for chunk in model_chunks:
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if getattr(ddp_config, "use_megatron_fsdp", False):
+            continue  # Megatron-FSDP shards optimizer state itself
+        if ddp_config is not None and ddp_config.use_distributed_optimizer != config.use_distributed_optimizer:
+            raise ValueError(
+                f"OptimizerConfig.use_distributed_optimizer={config.use_distributed_optimizer} but the model was "
+                f"wrapped with DistributedDataParallelConfig.use_distributed_optimizer="
+                f"{ddp_config.use_distributed_optimizer}; set both from --use-distributed-optimizer."
+            )
     param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult)
     all_params = [param for group in param_groups for param in group["params"]]
     device = all_params[0].device if all_params else torch.device("cpu")

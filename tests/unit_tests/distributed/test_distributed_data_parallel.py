@@ -86,8 +86,6 @@ def _overlap_starts_buckets_during_backward():
     inputs, targets = toy_batch(0, 4)
     mse_loss(ddp, inputs, targets).backward()
     started_after_backward = [bucket.grad_sync_started for bucket in ddp.buffers[0].buckets]
-    with ddp.no_sync():
-        mse_loss(ddp, inputs, targets).backward()
     ddp.finish_grad_sync()
     ddp.zero_grad_buffer()
     with ddp.no_sync():
@@ -157,3 +155,24 @@ def test_config_validation():
         DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_param_gather=True)
     with pytest.raises(ValueError, match="bucket_size"):
         DistributedDataParallelConfig(bucket_size=0)
+
+
+def _late_gradient_raises():
+    model = build_toy_model()
+    ddp = DistributedDataParallel(ModelParallelConfig(), DistributedDataParallelConfig(overlap_grad_reduce=True), model)
+    ddp.zero_grad_buffer()
+    mse_loss(ddp, *toy_batch(0, 4)).backward()  # starts the reduction of the only bucket
+    try:
+        mse_loss(ddp, *toy_batch(1, 4)).backward()
+    except RuntimeError as error:
+        message = str(error)
+    else:
+        message = None
+    ddp.finish_grad_sync()
+    return message
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_gradient_after_reduction_started_raises(world_size):
+    for message in run_on_ranks(world_size, _late_gradient_raises):
+        assert message is not None and "no_sync" in message

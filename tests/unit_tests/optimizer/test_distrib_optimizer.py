@@ -144,3 +144,33 @@ def _gathered_state_is_dp_independent():
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_gathered_state_dict_moves_across_dp_sizes(world_size):
     assert all(run_on_ranks(world_size, _gathered_state_is_dp_independent))
+
+
+def _fp16_overflow_in_one_shard_skips_everywhere():
+    rank = dist.get_rank()
+    model = build_toy_model(dtype=torch.float16)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+    ddp = DistributedDataParallel(ModelParallelConfig(), ddp_config, model)
+    config = OptimizerConfig(lr=LR, fp16=True, initial_loss_scale=64.0, hysteresis=1, use_distributed_optimizer=True)
+    optimizer = get_megatron_optimizer(config, [ddp])
+    assert all(p.dtype == torch.float32 for p in optimizer.main_params())
+    assert all(p.main_grad.dtype == torch.float32 for p in model.parameters())
+    before = [param.detach().clone() for param in model.parameters()]
+    ddp.zero_grad_buffer()
+    inputs, targets = toy_batch(rank, 4, dtype=torch.float16)
+    optimizer.scale_loss(mse_loss(ddp, inputs, targets)).backward()
+    finalize_model_grads([ddp])
+    if rank == 0:  # an element only rank 0's shard covers: the others must learn of it through found_inf
+        ddp.buffers[0].grad_data[0] = float("inf")
+    update_successful, grad_norm, _ = optimizer.step()
+    unchanged = all(torch.equal(param, old) for param, old in zip(model.parameters(), before))
+    return update_successful, grad_norm, optimizer.get_loss_scale().item(), unchanged
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_fp16_overflow_on_one_rank_skips_the_step_on_all(world_size):
+    for update_successful, grad_norm, loss_scale, unchanged in run_on_ranks(
+        world_size, _fp16_overflow_in_one_shard_skips_everywhere
+    ):
+        assert not update_successful and grad_norm is None
+        assert loss_scale == 32.0 and unchanged

@@ -130,6 +130,14 @@ def _vocab_parallel_embedding_matches_embedding():
     assert_close(output, expected, "embedding output")
     output.backward(upstream)
     assert_close(gather_partitions(layer.weight.grad, 0), reference.weight.grad, "embedding weight grad")
+
+    # Sequence-parallel variant: [b, s] ids -> this rank's [s / tp, b, h] chunk of the summed embeddings.
+    scattering = VocabParallelEmbedding(vocab, hidden, init_method=_normal(), config=config, reduce_scatter_embeddings=True)
+    with torch.no_grad():
+        scattering.weight.copy_(chunk(table, 0, rank, tp))
+    ids_for_sequence_split = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(12))
+    expected_sequence_first = reference(ids_for_sequence_split).detach().transpose(0, 1)
+    assert_close(scattering(ids_for_sequence_split), chunk(expected_sequence_first, 0, rank, tp), "reduce-scattered")
     with pytest.raises(ValueError, match="vocabulary size 15 is not divisible by --tensor-model-parallel-size"):
         VocabParallelEmbedding(15, hidden, init_method=_normal(), config=config)
     return True

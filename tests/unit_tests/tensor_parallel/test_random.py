@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron.core.tensor_parallel import checkpoint, get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 from tests.unit_tests.multiprocess_harness import run_on_ranks
@@ -34,6 +33,7 @@ def test_seeding_and_fork_single_process():
             pass
     with pytest.raises(ValueError, match="already exists"):
         tracker.add("model-parallel-rng", 7)
+    tracker.reset()
 
 
 def _streams_per_rank(seed):

@@ -56,6 +56,11 @@ class TinyModel(nn.Module):
         self.register_buffer("offset", torch.linspace(-0.1, 0.1, HIDDEN))
         self.checkpoint_blocks = checkpoint_blocks
 
+    def reset_parameters(self):
+        """Fills this module's own buffer (its parameters belong to submodules with their own resets)."""
+        with torch.no_grad():
+            self.offset.copy_(torch.linspace(-0.1, 0.1, HIDDEN))
+
     def forward(self, x):
         h = self.inp(x) * self.scale.weight + self.offset
         for block in self.blocks:

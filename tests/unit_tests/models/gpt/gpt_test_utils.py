@@ -105,6 +105,8 @@ def reference_then_parallel(tp, sp, config_overrides, model_kwargs, batch_seed=7
     reference = seeded_model(tiny_config(**config_overrides), **model_kwargs)
     reference_params = full_params(reference)
     reference_loss, reference_grads = loss_and_grads(reference, batch)
+    with torch.no_grad():
+        reference_logits = reference(batch[0], batch[2])
     parallel_state.destroy_model_parallel()
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
@@ -112,10 +114,13 @@ def reference_then_parallel(tp, sp, config_overrides, model_kwargs, batch_seed=7
     parallel_params = full_params(parallel)
     parallel_loss, _ = loss_and_grads(parallel, batch)
     parallel_grads = full_grads(parallel)
+    with torch.no_grad():
+        parallel_logits = parallel(batch[0], batch[2])
     largest_grad = max(g.abs().max().item() for g in reference_grads.values())
     return {
         "param_diff": max_abs_diff(reference_params, parallel_params),
         "loss_diff": (reference_loss - parallel_loss).abs().max().item(),
+        "logits_diff": (reference_logits - parallel_logits).abs().max().item(),
         "grad_diff": max_abs_diff(reference_grads, parallel_grads),
         "largest_grad": largest_grad,
         "mean_loss": reference_loss.mean().item(),

@@ -126,6 +126,8 @@ class Schedule:
 
     def _track_transient(self):
         current = sum(group.transient_bytes() for group in self.groups)
+        current += sum(flat.numel() * flat.element_size() for _, _, flat in self.pending_reduces
+                       if not any(flat is group.grad_buffer for group in self.groups))
         if self.pool is not None:
             current += self.pool.total_bytes()
         self.peak_transient_bytes = max(self.peak_transient_bytes, current)
@@ -199,6 +201,8 @@ class Schedule:
             if self.report_nan_in_param_grad and torch.isnan(grad).any():
                 raise RuntimeError(f"NaN found in the gradient of parameter '{group.names[index]}' "
                                    f"(report_nan_in_param_grad=True)")
+            if group.reduced:
+                self.wait_reduces()  # the persistent buffer may still be in flight from the previous microbatch
             group.write_grad(index, grad, self.grad_scale)
             param.grad = None
             self.grads_synced = False
@@ -244,16 +248,18 @@ class Schedule:
             accumulate = self.strategy >= ShardingStrategy.optim_grads
             pending = collectives.reduce_scatter_flat(group.main_grads, flat, self.dp_group, self.counter,
                                                       average=average, accumulate=accumulate, async_op=True)
-            epilogue = group.drop_transient_grads if accumulate else None
+            epilogue = None
+            # The in-flight buffer now belongs to the collective; the next microbatch writes a fresh one.
+            group.drop_transient_grads()
         group.grads_dirty = False
         group.reduced = group.grad_buffer is not None
-        self.pending_reduces.append((pending, epilogue))
+        self.pending_reduces.append((pending, epilogue, flat))
         if not async_op:
             self.wait_reduces()
 
     def wait_reduces(self):
         while self.pending_reduces:
-            pending, epilogue = self.pending_reduces.pop(0)
+            pending, epilogue, _ = self.pending_reduces.pop(0)
             pending.wait()
             if epilogue is not None:
                 epilogue()

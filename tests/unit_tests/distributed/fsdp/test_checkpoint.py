@@ -1,0 +1,110 @@
+"""DTensor state dicts saved with torch.distributed.checkpoint at one DP size load at another, and meta-device
+initialisation reproduces an eager build."""
+
+import pytest
+import torch
+
+from tests.unit_tests.distributed.fsdp import fsdp_test_models as models
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+STEPS_BEFORE_SAVE, STEPS_AFTER_LOAD = 2, 2
+
+
+def _wrap(strategy):
+    import megatron_fsdp
+
+    model = models.make_model(0)
+    optimizer = models.make_optimizer([p for p in model.parameters() if p.requires_grad])
+    return megatron_fsdp.fully_shard(model, optimizer, fsdp_unit_modules=[models.Block], zero_dp_strategy=strategy)
+
+
+def _train_steps(model, optimizer, steps, first_step):
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = models.make_batches(first_step + steps + 1)
+    losses = []
+    for step in range(first_step, first_step + steps + 1):
+        inputs, target = (models.local_slice(t, rank, world) for t in batches[step])
+        optimizer.zero_grad()
+        loss = models.loss_fn(model(inputs), target)
+        losses.append(models.global_mean(loss.item()))
+        if step == first_step + steps:
+            break
+        loss.backward()
+        optimizer.step()
+    return losses
+
+
+def _save(directory, strategy):
+    import torch.distributed.checkpoint as dcp
+
+    model, optimizer = _wrap(strategy)
+    _train_steps(model, optimizer, STEPS_BEFORE_SAVE, 0)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    local_shapes = {name: tuple(value.to_local().shape) for name, value in state["model"].items()
+                    if hasattr(value, "to_local")}
+    dcp.save(state, checkpoint_id=directory)
+    return _train_steps(model, optimizer, STEPS_AFTER_LOAD, STEPS_BEFORE_SAVE), local_shapes
+
+
+def _load(directory, strategy):
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(123)  # a different init: everything must come from the checkpoint
+    model, optimizer = _wrap(strategy)
+    with torch.no_grad():
+        for param in model.module.parameters():
+            param.zero_() if param.numel() else None
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    dcp.load(state, checkpoint_id=directory)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    return _train_steps(model, optimizer, STEPS_AFTER_LOAD, STEPS_BEFORE_SAVE)
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("strategy", [3, 1])
+def test_dcp_save_at_dp4_loads_at_dp2_and_dp3(tmp_path, strategy):
+    directory = str(tmp_path / "ckpt")
+    results = run_on_ranks(4, _save, directory, strategy)
+    uninterrupted, local_shapes = results[0]
+    # rank 3 holds no rows of the 2-element vector (rows split 1,1,0,0) but a full share of wide params
+    assert results[3][1]["tiny.weight"] == (0,) and results[0][1]["tiny.weight"] == (1,)
+    assert local_shapes["inp.weight"] == (4, 7) and results[3][1]["inp.weight"] == (1, 7)
+    for world_size in (2, 3):
+        resumed = run_on_ranks(world_size, _load, directory, strategy)[0]
+        assert resumed == pytest.approx(uninterrupted, abs=1e-6), world_size
+
+
+def _meta_versus_eager(strategy, double_buffer):
+    import megatron_fsdp
+
+    torch.manual_seed(0)
+    eager = models.TinyModel()
+    eager_model = megatron_fsdp.fully_shard_model(eager, fsdp_unit_modules=[models.Block], zero_dp_strategy=strategy)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta = models.TinyModel()
+    meta_model = megatron_fsdp.fully_shard_model(meta, fsdp_unit_modules=[models.Block], zero_dp_strategy=strategy,
+                                                 init_model_with_meta_device=True, fsdp_double_buffer=double_buffer)
+    assert meta.blocks[0].fc2.weight is meta.inp.weight  # tying survives materialisation
+    assert not any(p.is_meta for p in meta.parameters())
+    eager_params, meta_params = models.full_params(eager_model), models.full_params(meta_model)
+    report = meta_model.memory_report()
+    batch = torch.randn(4, models.IN_FEATURES, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        outputs_equal = torch.equal(eager_model(batch), meta_model(batch))
+    return ({name: torch.equal(eager_params[name], meta_params[name]) for name in eager_params}, outputs_equal,
+            report["main_weights"], sum(p.numel() for p in eager.parameters()) * 4)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_meta_init_equals_eager_init(world_size):
+    for strategy, double_buffer in ((3, False), (3, True), (2, False)):
+        equal, outputs_equal, main_bytes, model_bytes = run_on_ranks(world_size, _meta_versus_eager, strategy,
+                                                                     double_buffer)[0]
+        assert equal and all(equal.values()), equal
+        assert outputs_equal
+        assert main_bytes < 0.6 * model_bytes  # each rank keeps about half of the model's main weights
+

@@ -1,0 +1,98 @@
+"""Global grad norm / zero count over hand-partitioned TP and PP parameters equals the single-process value."""
+
+import math
+
+import pytest
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.optimizer import OptimizerConfig, count_zeros_fp32, get_grad_norm_fp32, get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import grads_for_grad_stats
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+# name -> (full shape, TP partition dim or None if duplicated across TP, PP stages holding it, shared embedding)
+LOGICAL_PARAMS = {
+    "embedding": ((10, 6), 0, (0, -1), True),
+    "norm": ((6,), None, (0,), False),
+    "column_weight": ((8, 6), 0, (0,), False),
+    "column_bias": ((8,), 0, (0,), False),
+    "row_weight": ((4, 8), 1, (-1,), False),
+    "row_bias": ((4,), None, (-1,), False),
+}
+
+
+def _full_grads():
+    generator = torch.Generator().manual_seed(11)
+    grads = {name: torch.randn(shape, generator=generator) for name, (shape, _, _, _) in LOGICAL_PARAMS.items()}
+    grads["column_weight"][0, :] = 0.0  # 6 known zeros
+    grads["row_bias"][1] = 0.0  # and one more
+    return grads
+
+
+def _reference_stats():
+    grads = list(_full_grads().values())
+    l2 = math.sqrt(sum(float(g.pow(2).sum()) for g in grads))
+    inf = max(float(g.abs().max()) for g in grads)
+    zeros = sum(int((g == 0).sum()) for g in grads)
+    return l2, inf, zeros
+
+
+def _local_module():
+    """This rank's pieces of the logical model, with the TP attributes a tensor-parallel layer would set."""
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    module = torch.nn.Module()
+    for name, grad in _full_grads().items():
+        _, partition_dim, stages, shared = LOGICAL_PARAMS[name]
+        if pp_rank not in {stage % pp_size for stage in stages}:
+            continue
+        if partition_dim is not None:
+            grad = grad.chunk(tp_size, dim=partition_dim)[tp_rank]
+        param = torch.nn.Parameter(torch.zeros_like(grad))
+        param.grad = grad.clone()
+        param.tensor_model_parallel = partition_dim is not None
+        if partition_dim is not None:
+            param.partition_dim = partition_dim
+        if shared:
+            param.shared_embedding = True
+        module.register_parameter(name, param)
+    return module
+
+
+def _grad_stats(tp, pp):
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    module = _local_module()
+    params = list(module.parameters())
+    groups = [parallel_state.get_model_parallel_group()]
+    grads = grads_for_grad_stats(params)
+    l2 = get_grad_norm_fp32(grads, 2.0, groups)
+    inf = get_grad_norm_fp32(grads, math.inf, groups)
+    zeros = count_zeros_fp32(grads, groups)
+
+    # Through the optimizer: clipping scales every local piece by max_norm / total_norm.
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=0.0, clip_grad=1.0, log_num_zeros_in_grad=True), [module])
+    before = {name: param.grad.clone() for name, param in module.named_parameters()}
+    optimizer_norm = optimizer.clip_grad_norm(1.0)
+    for name, param in module.named_parameters():
+        torch.testing.assert_close(param.grad, before[name] / (l2 + 1e-6), atol=1e-7, rtol=1e-6)
+    return l2, inf, zeros, optimizer_norm, optimizer.count_zeros()
+
+
+@pytest.mark.parametrize("world_size, tp, pp", [(2, 2, 1), (2, 1, 2), (4, 2, 2)])
+def test_grad_norm_counts_each_parameter_once(world_size, tp, pp):
+    expected_l2, expected_inf, expected_zeros = _reference_stats()
+    for l2, inf, zeros, optimizer_norm, optimizer_zeros in run_on_ranks(world_size, _grad_stats, tp, pp):
+        assert l2 == pytest.approx(expected_l2, rel=1e-6)
+        assert optimizer_norm == pytest.approx(expected_l2, rel=1e-6)
+        assert inf == pytest.approx(expected_inf, rel=1e-7)
+        assert zeros == expected_zeros and optimizer_zeros == expected_zeros
+
+
+def test_single_process_norm_without_parallel_state():
+    grads = list(_full_grads().values())
+    expected_l2, expected_inf, expected_zeros = _reference_stats()
+    assert get_grad_norm_fp32(grads) == pytest.approx(expected_l2, rel=1e-6)
+    assert get_grad_norm_fp32(grads, norm_type=math.inf) == pytest.approx(expected_inf)
+    assert count_zeros_fp32(grads) == expected_zeros

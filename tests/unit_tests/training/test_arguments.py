@@ -1,0 +1,170 @@
+"""Flag parsing and validation: derived values, the rules with their messages, unknown flags, unfinished features."""
+
+import pytest
+
+from megatron.training.arguments import parse_args, validate_args
+
+BASE = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+    "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128"
+)
+
+
+def validated(extra="", world_size=1, monkeypatch=None, defaults=None):
+    if monkeypatch is not None:
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+        monkeypatch.setenv("RANK", "0")
+    return validate_args(parse_args(args=(BASE + " " + extra).split()), defaults)
+
+
+@pytest.fixture(autouse=True)
+def single_process_env(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+
+
+def test_megatron_defaults():
+    args = validated()
+    assert args.ckpt_format == "torch_dist"
+    assert args.log_interval == 100
+    assert args.init_method_std == 0.02
+    assert args.hidden_dropout == 0.1 and args.attention_dropout == 0.1
+    assert args.make_vocab_size_divisible_by == 128
+    assert args.split == "969, 30, 1"
+    assert args.data_parallel_sharding_strategy == "optim_grads_params"
+    assert args.outer_dp_sharding_strategy == "no_shard"
+    assert args.num_distributed_optimizer_instances == 1
+    assert args.gradient_accumulation_fusion is True
+    assert (args.adam_beta1, args.adam_beta2, args.adam_eps, args.weight_decay) == (0.9, 0.999, 1e-8, 0.01)
+    assert (args.clip_grad, args.seed, args.min_lr) == (1.0, 1234, 0.0)
+
+
+def test_derived_values(monkeypatch):
+    args = validated("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2", 8, monkeypatch)
+    assert args.data_parallel_size == 2
+    assert args.global_batch_size == 2 * 2  # micro x DP
+    assert args.ffn_hidden_size == 4 * 64
+    assert args.kv_channels == 16
+    assert args.max_position_embeddings == 32
+    assert args.lr_decay_iters == 10
+    assert args.tokenizer_type == "NullTokenizer"
+
+
+def test_swiglu_ffn_default_is_two_thirds_rounded_to_64():
+    assert validated("--hidden-size 768 --num-attention-heads 12 --swiglu").ffn_hidden_size == 2048
+    assert validated("--ffn-hidden-size 100").ffn_hidden_size == 100
+
+
+def test_args_defaults_fill_only_unset_options():
+    args = validated("--lr 2e-3", defaults={"lr": 5.0, "save": "/ckpt"})
+    assert args.lr == 2e-3 and args.save == "/ckpt"
+
+
+@pytest.mark.parametrize(
+    "extra, world_size, message",
+    [
+        ("--global-batch-size 6", 2, r"--global-batch-size \(6\) must be a positive multiple of --micro-batch-size \(2\) x data-parallel size \(2\)"),
+        ("--tensor-model-parallel-size 3", 4, r"world size \(4\) must be divisible by --tensor-model-parallel-size \(3\)"),
+        ("--num-attention-heads 3 --hidden-size 63 --tensor-model-parallel-size 2", 2, r"--num-attention-heads \(3\) must be divisible by --tensor-model-parallel-size \(2\)"),
+        ("--hidden-size 65", 1, r"--hidden-size \(65\) must be divisible by --num-attention-heads \(4\)"),
+        ("--seq-length 64 --max-position-embeddings 32", 1, r"--seq-length \(64\) must not exceed --max-position-embeddings \(32\)"),
+        ("--overlap-param-gather", 1, r"--overlap-param-gather needs --overlap-grad-reduce"),
+        ("--overlap-param-gather --overlap-grad-reduce", 1, r"--overlap-param-gather needs --use-distributed-optimizer or --use-megatron-fsdp"),
+        ("--use-distributed-optimizer --num-distributed-optimizer-instances 3", 4, r"data-parallel x --context-parallel-size \(4\) must be divisible by --num-distributed-optimizer-instances \(3\)"),
+        ("--num-distributed-optimizer-instances 2", 4, r"--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer"),
+        ("--use-megatron-fsdp --init-model-with-meta-device --data-parallel-sharding-strategy no_shard", 2, r"--init-model-with-meta-device needs a sharded --data-parallel-sharding-strategy"),
+        ("--init-model-with-meta-device", 1, r"--init-model-with-meta-device needs --use-megatron-fsdp or --use-torch-fsdp2"),
+        ("--use-megatron-fsdp --outer-dp-sharding-strategy optim --data-parallel-sharding-strategy optim_grads --num-distributed-optimizer-instances 2", 4, r"--outer-dp-sharding-strategy optim needs --data-parallel-sharding-strategy optim_grads_params"),
+        ("--use-torch-fsdp2 --ckpt-format torch --untie-embeddings-and-output-weights", 2, r"--use-torch-fsdp2 needs --ckpt-format torch_dist or torch_dcp"),
+        ("--use-torch-fsdp2", 2, r"--use-torch-fsdp2 needs --untie-embeddings-and-output-weights"),
+        ("--use-torch-fsdp2 --untie-embeddings-and-output-weights --fp16", 2, r"--use-torch-fsdp2 does not support --fp16"),
+        ("--use-torch-fsdp2 --untie-embeddings-and-output-weights --use-distributed-optimizer", 2, r"--use-torch-fsdp2 and --use-distributed-optimizer are exclusive"),
+        ("--use-megatron-fsdp --use-torch-fsdp2", 2, r"--use-megatron-fsdp and --use-torch-fsdp2 are exclusive"),
+        ("--fp8-format e4m3 --fp4-format e2m1", 1, r"--fp8-format and --fp4-format are exclusive"),
+        ("--fp8-param-gather", 1, r"--fp8-param-gather needs --fp8-format"),
+        ("--bf16 --fp16", 1, r"--bf16 and --fp16 are exclusive"),
+        ("--min-lr 1.0", 1, r"--min-lr \(1.0\) must not exceed --lr"),
+        ("--lr-warmup-iters 11", 1, r"--lr-warmup-iters \(11\) must be in \[0, --lr-decay-iters \(10\)\]"),
+        ("--recompute-granularity full", 1, r"--recompute-granularity full needs --recompute-method"),
+        ("--recompute-method uniform", 1, r"--recompute-method needs --recompute-granularity full"),
+        ("--save-interval 5", 1, r"--save-interval needs --save"),
+        ("--data-path a_text_document", 1, r"--mock-data and --data-path are exclusive"),
+        ("--split 1,x", 1, r"--split must be comma-separated numbers"),
+    ],
+)
+def test_rule_violations_name_the_flags(monkeypatch, extra, world_size, message):
+    with pytest.raises(ValueError, match=message):
+        validated(extra, world_size, monkeypatch)
+
+
+def test_required_flags_are_named():
+    with pytest.raises(ValueError, match="--num-layers is required"):
+        validate_args(parse_args(args="--hidden-size 8 --num-attention-heads 2 --seq-length 4".split()))
+    with pytest.raises(ValueError, match="--tokenizer-type NullTokenizer needs --vocab-size"):
+        validate_args(parse_args(args=BASE.replace("--vocab-size 128", "").split()))
+    with pytest.raises(ValueError, match="give --data-path PREFIX"):
+        validate_args(parse_args(args=BASE.replace("--mock-data", "").split()))
+
+
+def test_unknown_flags_are_an_argparse_error(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(args=(BASE + " --no-such-flag 3").split())
+    assert "unrecognized arguments: --no-such-flag 3" in capsys.readouterr().err
+    known = parse_args(args=(BASE + " --no-such-flag 3").split(), ignore_unknown_args=True)
+    assert known.num_layers == 2
+
+
+def test_abbreviations_are_not_accepted():
+    with pytest.raises(SystemExit):
+        parse_args(args=(BASE + " --tensor-model 2").split())
+
+
+def test_extra_args_provider_adds_flags():
+    def provider(parser):
+        parser.add_argument("--my-flag", type=int, default=7)
+        return parser
+
+    assert parse_args(provider, args=(BASE + " --my-flag 9").split()).my_flag == 9
+
+
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        ("--use-megatron-fsdp", "--use-megatron-fsdp"),
+        ("--use-megatron-fsdp --data-parallel-sharding-strategy optim", "--use-megatron-fsdp"),
+        ("--use-torch-fsdp2 --untie-embeddings-and-output-weights", "--use-torch-fsdp2"),
+        ("--fp8-format hybrid", "--fp8-format"),
+        ("--fp8-format e4m3 --fp8-recipe tensorwise --fp8-param-gather", "--fp8-format"),
+        ("--fp4-format e2m1", "--fp4-format"),
+        ("--async-save --save /tmp/x", "--async-save"),
+    ],
+)
+def test_declared_but_unfinished_features_fail_clearly(extra, flag):
+    with pytest.raises(ValueError, match=f"^not implemented yet: {flag}$"):
+        validated(extra)
+
+
+def test_megatron_fsdp_turns_on_distributed_optimizer_and_overlaps():
+    args = parse_args(args=(BASE + " --use-megatron-fsdp").split())
+    from megatron.training.argument_groups import data_parallel
+
+    args.data_parallel_size, args.context_parallel_size = 2, 1
+    data_parallel.validate(args)
+    assert args.use_distributed_optimizer and args.overlap_grad_reduce and args.overlap_param_gather
+
+
+def test_fsdp_rejects_serialised_cuda_connections(monkeypatch):
+    from megatron.training.argument_groups import data_parallel
+
+    monkeypatch.setattr(data_parallel, "_cuda_visible", lambda: True)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    args = parse_args(args=(BASE + " --use-megatron-fsdp").split())
+    args.data_parallel_size, args.context_parallel_size = 2, 1
+    with pytest.raises(ValueError, match="CUDA_DEVICE_MAX_CONNECTIONS=1"):
+        data_parallel.validate(args)
+
+
+def test_sequence_parallel_is_dropped_without_tensor_parallelism():
+    with pytest.warns(UserWarning, match="--sequence-parallel has no effect"):
+        args = validated("--sequence-parallel")
+    assert args.sequence_parallel is False

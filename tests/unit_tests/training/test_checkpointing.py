@@ -1,0 +1,223 @@
+"""Checkpoints in the torch format: layout, round trip on ranks, and that an interrupted save never leaves the
+latest checkpoint unreadable."""
+
+import argparse
+import os
+
+import pytest
+import torch
+
+from megatron.training import checkpointing
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+
+def test_directory_names_follow_megatron():
+    assert checkpointing.iteration_dir_name(10) == "iter_0000010"
+    assert checkpointing.model_parallel_dir_name(1, 0, 1) == "mp_rank_01"
+    assert checkpointing.model_parallel_dir_name(1, 3, 4) == "mp_rank_01_003"
+    assert checkpointing.checkpoint_dir("/c", 7, 0, 1, 2) == os.path.join("/c", "iter_0000007", "mp_rank_00_001")
+
+
+def test_tracker_round_trip_and_missing(tmp_path):
+    assert checkpointing.read_tracker(tmp_path) is None
+    checkpointing.write_tracker(tmp_path, 20)
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "20"
+    assert checkpointing.read_tracker(tmp_path) == 20
+    assert [p.name for p in tmp_path.iterdir()] == ["latest_checkpointed_iteration.txt"]
+
+
+def test_tracker_write_interrupted_before_rename_keeps_previous(tmp_path, monkeypatch):
+    checkpointing.write_tracker(tmp_path, 10)
+
+    def crash(*args):
+        raise OSError("disk died")
+
+    monkeypatch.setattr(checkpointing.os, "replace", crash)
+    with pytest.raises(OSError):
+        checkpointing.write_tracker(tmp_path, 20)
+    assert checkpointing.read_tracker(tmp_path) == 10
+
+
+def test_atomic_save_interrupted_mid_write_leaves_no_file(tmp_path, monkeypatch):
+    target = tmp_path / "model_optim_rng.pt"
+
+    def partial_save(obj, stream):
+        stream.write(b"PK\x03\x04 half a checkpoint")
+        raise RuntimeError("killed mid-save")
+
+    monkeypatch.setattr(checkpointing, "_serialize", partial_save)
+    with pytest.raises(RuntimeError):
+        checkpointing.atomic_torch_save({"a": 1}, target)
+    assert not target.exists()
+
+
+def test_torch_dist_is_rejected_only_when_saving_or_loading():
+    args = argparse.Namespace(save=None, load=None, ckpt_format="torch_dist")
+    checkpointing.check_checkpoint_format(args)  # no --save/--load: the default format is fine
+    args.save = "/tmp/ckpt"
+    with pytest.raises(NotImplementedError, match="not implemented yet: --ckpt-format torch_dist"):
+        checkpointing.check_checkpoint_format(args)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Save / load on ranks (data parallel 2, or pipeline parallel 2)
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _Scheduler:
+    def __init__(self):
+        self.num_steps = 0
+
+    def state_dict(self):
+        return {"num_steps": self.num_steps}
+
+    def load_state_dict(self, state):
+        self.num_steps = state["num_steps"]
+
+
+def _args(root, **overrides):
+    values = dict(
+        save=root, load=root, ckpt_format="torch", no_save_optim=False, no_save_rng=False, no_load_optim=False,
+        no_load_rng=False, finetune=False, exit_on_missing_checkpoint=False, use_distributed_optimizer=False,
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, consumed_train_samples=0,
+    )  # fmt: skip
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+def _train_state(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    scheduler = _Scheduler()
+    scheduler.num_steps = seed
+    return model, optimizer, scheduler
+
+
+def _save_fail_then_load(root, pipeline_size, failure):
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pipeline_size)
+    model_parallel_cuda_manual_seed(5)
+    rank = torch.distributed.get_rank()
+    args = _args(root, pipeline_model_parallel_size=pipeline_size, consumed_train_samples=80)
+
+    # Data-parallel replicas hold equal states; pipeline stages different ones.
+    stage_seed = 10 + (rank if pipeline_size > 1 else 0)
+    model, optimizer, scheduler = _train_state(seed=stage_seed)
+    checkpointing.save_checkpoint(10, model, optimizer, scheduler, args)
+    saved_weight = model.weight.detach().clone()
+    saved_optimizer_step = optimizer.state_dict()["state"][0]["step"].item()
+    expected_random = torch.rand(3)  # drawn right after saving: loading the RNG state must replay it
+
+    # A later save dies, either while a rank writes its model file (every rank writes one here) or after
+    # all files are written but before the tracker is updated: either way iteration 10 stays the latest.
+    model_20, optimizer_20, scheduler_20 = _train_state(seed=99)
+    real_serialize, real_write_tracker = checkpointing._serialize, checkpointing.write_tracker
+
+    def dying_serialize(obj, stream):
+        stream.write(b"truncated")
+        raise RuntimeError("node lost")
+
+    def dying_write_tracker(root, iteration):
+        with open(os.path.join(root, checkpointing.TRACKER_FILENAME + ".tmp.dead"), "w") as stream:
+            stream.write("2")
+        raise RuntimeError("node lost")
+
+    if failure == "model_file":
+        checkpointing._serialize = dying_serialize
+    else:
+        checkpointing.write_tracker = dying_write_tracker
+    try:
+        if failure == "model_file" or rank == 0:
+            with pytest.raises(RuntimeError, match="node lost"):
+                checkpointing.save_checkpoint(20, model_20, optimizer_20, scheduler_20, args)
+        else:
+            checkpointing.save_checkpoint(20, model_20, optimizer_20, scheduler_20, args)
+    finally:
+        checkpointing._serialize, checkpointing.write_tracker = real_serialize, real_write_tracker
+    if failure == "tracker" and rank == 0:
+        torch.distributed.barrier()  # the barrier rank 0 missed by dying before it
+    torch.distributed.barrier()
+    assert checkpointing.read_tracker(root) == 10
+
+    fresh_model, fresh_optimizer, fresh_scheduler = _train_state(seed=1234)
+    args.consumed_train_samples = 0
+    iteration = checkpointing.load_checkpoint(fresh_model, fresh_optimizer, fresh_scheduler, args)
+    replayed_random = torch.rand(3)
+    expected_files = {
+        (1, 1): ["mp_rank_00"],
+        (2, 1): ["mp_rank_00"],
+        (2, 2): ["mp_rank_00_000", "mp_rank_00_001"],
+    }[(torch.distributed.get_world_size(), pipeline_size)]
+    assert sorted(os.listdir(os.path.join(root, "iter_0000010"))) == expected_files
+    return {
+        "iteration": iteration,
+        "consumed": args.consumed_train_samples,
+        "weights_equal": torch.equal(fresh_model.weight, saved_weight),
+        "optimizer_step": fresh_optimizer.state_dict()["state"][0]["step"].item() == saved_optimizer_step,
+        "scheduler_steps": fresh_scheduler.num_steps,
+        "rng_replayed": torch.equal(replayed_random, expected_random),
+        "iter_20_dirs": sorted(os.listdir(os.path.join(root, "iter_0000020"))),
+    }
+
+
+@pytest.mark.parametrize(
+    "world_size, pipeline_size, failure",
+    [(1, 1, "model_file"), (1, 1, "tracker"), (2, 1, "tracker"), (2, 2, "model_file"), (2, 2, "tracker")],
+)
+def test_interrupted_save_keeps_previous_checkpoint_loadable(tmp_path, world_size, pipeline_size, failure):
+    results = run_on_ranks(world_size, _save_fail_then_load, str(tmp_path), pipeline_size, failure)
+    for rank, result in enumerate(results):
+        assert result["iteration"] == 10 and result["consumed"] == 80
+        assert result["weights_equal"] and result["optimizer_step"] and result["rng_replayed"]
+        assert result["scheduler_steps"] == 10 + (rank if pipeline_size > 1 else 0)
+    written = [
+        name
+        for directory in results[0]["iter_20_dirs"]
+        for name in os.listdir(tmp_path / "iter_0000020" / directory)
+        if name.endswith(".pt")
+    ]
+    # A file dying mid-write never appears under its final name; a tracker failure leaves complete files.
+    assert written == ([] if failure == "model_file" else ["model_optim_rng.pt"] * len(results[0]["iter_20_dirs"]))
+
+
+def _finetune_and_no_load(root):
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(5)
+    model, optimizer, scheduler = _train_state(seed=3)
+    checkpointing.save_checkpoint(4, model, optimizer, scheduler, _args(root, consumed_train_samples=32))
+    results = {}
+    for flags in ({"finetune": True}, {"no_load_optim": True}):
+        fresh_model, fresh_optimizer, fresh_scheduler = _train_state(seed=77)
+        args = _args(root, **flags)
+        iteration = checkpointing.load_checkpoint(fresh_model, fresh_optimizer, fresh_scheduler, args)
+        results[next(iter(flags))] = {
+            "iteration": iteration,
+            "consumed": args.consumed_train_samples,
+            "weights_loaded": torch.equal(fresh_model.weight, model.weight),
+            "scheduler_steps": fresh_scheduler.num_steps,
+            "optimizer_untouched": fresh_optimizer.state_dict()["state"][0]["step"].item() == 1.0
+            and not torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"]),
+        }
+    mismatched = _args(root, pipeline_model_parallel_size=2)
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-size 1 but this run uses 2"):
+        checkpointing.load_checkpoint(*_train_state(seed=1), mismatched)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [1])
+def test_finetune_and_no_load_optim(tmp_path, world_size):
+    (results,) = run_on_ranks(world_size, _finetune_and_no_load, str(tmp_path))
+    assert results["finetune"] == {
+        "iteration": 0, "consumed": 0, "weights_loaded": True, "scheduler_steps": 77, "optimizer_untouched": True,
+    }  # fmt: skip
+    assert results["no_load_optim"] == {
+        "iteration": 4, "consumed": 32, "weights_loaded": True, "scheduler_steps": 77, "optimizer_untouched": True,
+    }  # fmt: skip

@@ -1,0 +1,122 @@
+"""The training log line, the throughput/memory numbers and the metrics file the functional tests read."""
+
+import argparse
+import json
+import re
+
+import torch
+
+from megatron.training import training_log
+
+
+def test_log_line_is_megatrons_format():
+    line = training_log.format_log_line(
+        iteration=10,
+        train_iters=100,
+        consumed_samples=320,
+        elapsed_ms_per_iteration=123.44,
+        learning_rate=1e-4,
+        global_batch_size=32,
+        losses={"lm loss": 10.3412},
+        loss_scale=1.0,
+        grad_norm=2.3454,
+        num_zeros=0.0,
+        skipped_iterations=0,
+        nan_iterations=0,
+    )
+    assert line == (
+        "iteration 10/ 100 | consumed samples: 320 | elapsed time per iteration (ms): 123.4 | learning rate: "
+        "1.000000E-04 | global batch size: 32 | lm loss: 1.034E+01 | loss scale: 1.0 | grad norm: 2.345 | "
+        "num zeros: 0.0 | number of skipped iterations: 0 | number of nan iterations: 0 |"
+    )
+
+
+def test_log_line_leaves_out_unknown_grad_stats():
+    line = training_log.format_log_line(3, 5, 6, 1.0, 0.5, 2, {"lm loss": 1.0}, 65536.0, None, None, 1, 0)
+    assert "grad norm" not in line and "num zeros" not in line
+    assert line.endswith("loss scale: 65536.0 | number of skipped iterations: 1 | number of nan iterations: 0 |")
+
+
+def _flops_args(**overrides):
+    values = dict(hidden_size=64, num_layers=2, seq_length=16, kv_channels=16, num_attention_heads=4, swiglu=False,
+                  ffn_hidden_size=256, padded_vocab_size=128)  # fmt: skip
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+def test_flops_estimate_counts_every_matmul():
+    h, s, f, v, layers, batch = 64, 16, 256, 128, 2, 3
+    per_token = layers * (2 * h * 3 * h + 2 * h * h + 4 * s * h + 4 * h * f) + 2 * h * v
+    assert training_log.training_flops_per_iteration(_flops_args(), batch) == 3 * per_token * s * batch
+    gated = training_log.training_flops_per_iteration(_flops_args(swiglu=True), batch)
+    assert gated - training_log.training_flops_per_iteration(_flops_args(), batch) == 3 * layers * 2 * h * f * s * batch
+
+
+def test_memory_usage_counts_params_grads_and_optimizer_state():
+    model = torch.nn.Linear(10, 5)  # 55 fp32 parameters
+    optimizer = torch.optim.Adam(model.parameters())
+    usage = training_log.memory_usage([model], optimizer, torch.device("cpu"))
+    assert (usage["params_bytes"], usage["grads_bytes"], usage["optimizer_state_bytes"]) == (220, 0, 0)
+    model(torch.ones(2, 10)).sum().backward()
+    optimizer.step()
+    model.weight.main_grad = torch.zeros(5, 10, dtype=torch.float64)  # a DDP main grad wins over .grad
+    usage = training_log.memory_usage([model], optimizer, torch.device("cpu"))
+    # Adam: exp_avg + exp_avg_sq (fp32) per element, plus a scalar fp32 step per parameter tensor.
+    assert usage["grads_bytes"] == 50 * 8 + 5 * 4
+    assert usage["optimizer_state_bytes"] == 2 * 220 + 2 * 4
+    assert usage["allocated_bytes"] == 220 + 420 + 448
+    assert usage["peak_bytes"] > 10_000_000  # this process's peak RSS
+
+
+def _report(iteration, loss):
+    memory = {"on_gpu": False, "params_bytes": 1, "grads_bytes": 2, "optimizer_state_bytes": 3,
+              "allocated_bytes": 6, "peak_bytes": 100}  # fmt: skip
+    return {
+        "iteration": iteration, "rank": 0, "losses": {"lm loss": loss}, "learning_rate": 0.01, "loss_scale": 1.0,
+        "grad_norm": 0.5, "num_zeros": 4.0, "skipped": False, "nan": False, "iteration_time_s": 0.25,
+        "consumed_samples": 8 * iteration, "global_batch_size": 8, "memory": memory,
+    }  # fmt: skip
+
+
+def test_logger_writes_metrics_tensorboard_and_interval_lines(tmp_path, capsys):
+    args = argparse.Namespace(
+        metrics_file=None, tensorboard_dir=str(tmp_path / "tb"), save=None, log_interval=2, train_iters=4,
+        tensorboard_log_interval=1, log_memory_to_tensorboard=False, log_throughput=True,
+        world_size=2, **vars(_flops_args()),
+    )  # fmt: skip
+    logger = training_log.TrainingLogger(args, is_logging_rank=True)
+    for iteration, loss in ((1, 4.0), (2, 2.0), (3, 1.0)):
+        logger.log_iteration(_report(iteration, loss))
+    logger.log_evaluation(2, {"lm loss": 1.5})
+    logger.close()
+
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("memory (rank 0) | params: 1 bytes | grads: 2 bytes | optimizer state: 3 bytes")
+    line = printed[1]
+    assert line.startswith("iteration 2/ 4 | consumed samples: 16 | elapsed time per iteration (ms): 250.0 |")
+    assert "| lm loss: 3.000E+00 |" in line  # the mean over the interval's two iterations
+    tokens_per_second = re.search(r"tokens/s: ([0-9.]+)", printed[2]).group(1)
+    assert float(tokens_per_second) == 8 * 16 / 0.25
+    assert printed[3].startswith("validation loss at iteration 2 | lm loss value: 1.500000E+00")
+    assert len(printed) == 4  # iteration 3 is not a log iteration
+
+    records = [json.loads(line) for line in (tmp_path / "tb" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2, 3, 2]
+    assert records[2] == {
+        "iteration": 3, "split": "train", "lm loss": 1.0, "grad norm": 0.5, "num-zeros": 4.0, "learning-rate": 0.01,
+        "loss-scale": 1.0, "iteration-time": 0.25, "consumed-samples": 24, "skipped": False,
+        "mem-allocated-bytes": 6, "mem-max-allocated-bytes": 100, "params-bytes": 1, "grads-bytes": 2,
+        "optimizer-state-bytes": 3,
+    }  # fmt: skip
+    assert records[3]["split"] == "validation"
+    event_files = list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert len(event_files) == 1 and event_files[0].stat().st_size > 0
+
+
+def test_non_logging_rank_writes_nothing(tmp_path, capsys):
+    args = argparse.Namespace(metrics_file=str(tmp_path / "m.jsonl"), tensorboard_dir=None, save=None,
+                              log_interval=1, train_iters=1, log_memory_to_tensorboard=False, log_throughput=False)
+    logger = training_log.TrainingLogger(args, is_logging_rank=False)
+    logger.log_iteration(_report(1, 1.0))
+    logger.close()
+    assert capsys.readouterr().out == "" and not (tmp_path / "m.jsonl").exists()
