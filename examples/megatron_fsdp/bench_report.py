@@ -35,6 +35,13 @@ def format_ratio(value):
     return "" if value is None else f"{value:.2f}"
 
 
+def format_spread(values):
+    """Spread of repeated measurements: largest over smallest, minus one, in percent."""
+    if not values or len(values) < 2 or min(values) <= 0:
+        return ""
+    return f"{max(values) / min(values) - 1:.0%}"
+
+
 def format_loss_diff(value):
     if value is None:
         return ""
@@ -45,15 +52,15 @@ def timing_and_memory_rows(summaries, memory_modes):
     rows = []
     for name, arm in summaries.items():
         if arm["error"] and "step_time" not in arm:
-            rows.append([name, arm["label"], arm["error"]] + [""] * (3 + 2 * len(memory_modes)))
+            rows.append([name, arm["label"], arm["error"]] + [""] * (4 + 2 * len(memory_modes)))
             continue
         rss_cells = []
         for mode in memory_modes:
             rss = arm["rss"].get(mode, {})
             rss_cells += [format_mib(rss.get("peak"), 0), format_mib(rss.get("growth"), 0)]
         rows.append(
-            [name, arm["label"], format_seconds(arm.get("step_time")), format_ratio(arm.get("vs_ddp")),
-             format_ratio(arm.get("vs_fsdp2"))]
+            [name, arm["label"], format_seconds(arm.get("step_time")), format_spread(arm.get("step_time_reps")),
+             format_ratio(arm.get("vs_ddp")), format_ratio(arm.get("vs_fsdp2"))]
             + rss_cells
             + [format_loss_diff(arm.get("loss_max_abs_diff"))]
         )
@@ -125,7 +132,7 @@ def render_markdown(meta, summaries, memory_modes, method_text):
         "## Step time, peak RSS and loss",
         "",
         "Step time: median over repetitions of the median post-warm-up step (slowest rank per step), "
-        f"memory mode `{meta['timing_mode']}`. RSS per rank, MiB: *peak* is the process high-water mark "
+        f"memory mode `{meta['timing_mode']}`; rep spread: slowest over fastest repetition, minus one. RSS per rank, MiB: *peak* is the process high-water mark "
         "(`ru_maxrss`, one arm per process), *growth* is the sampled high-water mark above the RSS at the start "
         "of the arm. dloss: max abs difference of the global loss from DDP's over all steps.",
         "",
@@ -135,7 +142,7 @@ def render_markdown(meta, summaries, memory_modes, method_text):
         rss_headers += [f"peak RSS ({mode})", f"growth ({mode})"]
     parts.append(
         markdown_table(
-            ["arm", "config", "step s", "vs DDP", "vs FSDP2"] + rss_headers + ["max abs dloss vs DDP"],
+            ["arm", "config", "step s", "rep spread", "vs DDP", "vs FSDP2"] + rss_headers + ["max abs dloss vs DDP"],
             timing_and_memory_rows(summaries, memory_modes),
         )
     )

@@ -97,6 +97,9 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=None, help="markdown report path (e.g. docs/benchmarks.md)")
     parser.add_argument("--plot", default=None, help="SVG path (default: --out with .svg; 'none' to skip)")
     parser.add_argument("--raw-json", default=None, help="also write every rank's raw results here")
+    parser.add_argument(
+        "--render-raw-json", default=None, help="only re-render --out from the raw results of an earlier run"
+    )
     parser.add_argument("--provisional", action="store_true", help="mark the report as taken on a noisy machine")
     parser.add_argument("--timeout-s", type=int, default=1800, help="limit for one measurement's processes")
     parser.add_argument(
@@ -285,23 +288,17 @@ def _device_description(first_result):
 
 
 def finish(args, results, command, launch, started, in_process, repeats):
+    """Describe the run, then write the report, the plot and (if asked) the raw results."""
     import torch
 
     config = MODEL_PRESETS[args.model]
     param_count = count_parameters(config)
     all_results = [r for mode in results.values() for reps in mode.values() for ranks in reps for r in ranks]
     first = next((r for r in all_results if not r.get("error")), all_results[0] if all_results else {})
-    timing_mode = "default" if "default" in results else next(iter(results))
-    summaries = bench_summary.summarise(
-        results, args.configs, param_count * BYTES_PER_PARAM,
-        first.get("world_size", args.nproc), timing_mode, in_process,
-    )  # fmt: skip
-    memory_modes = list(results)
     meta = {
         "model": args.model,
         "model_description": f"{config.num_layers} layers, hidden {config.hidden_size}, {config.num_attention_heads} "
         f"heads, seq {config.seq_length}, vocab {config.vocab_size}, {param_count / 1e6:.2f} M parameters",
-        "provisional": args.provisional,
         "device": _device_description(first),
         "torch_version": torch.__version__,
         "backend": first.get("backend", "?"),
@@ -310,13 +307,28 @@ def finish(args, results, command, launch, started, in_process, repeats):
         "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         "command": command,
         "launch": launch,
+        "in_process": in_process,
         "steps": args.steps,
         "warmup": args.warmup,
         "repeats": repeats,
-        "timing_mode": timing_mode,
         "wall_s": time.time() - started,
         "param_bytes": param_count * BYTES_PER_PARAM,
     }
+    if args.raw_json:
+        with open(args.raw_json, "w") as handle:
+            json.dump({"meta": meta, "results": results}, handle)
+    write_report(args, meta, results)
+    print(f"benchmark wall time {meta['wall_s']:.0f} s", flush=True)
+
+
+def write_report(args, meta, results):
+    memory_modes = list(results)
+    timing_mode = "default" if "default" in results else memory_modes[0]
+    arm_names = [name for name in ARMS if any(name in mode_results for mode_results in results.values())]
+    summaries = bench_summary.summarise(
+        results, arm_names, meta["param_bytes"], meta["world_size"], timing_mode, meta["in_process"]
+    )
+    meta = dict(meta, provisional=args.provisional, timing_mode=timing_mode)
     plot_path = None
     if args.out and args.plot != "none":
         plot_path = args.plot or os.path.splitext(args.out)[0] + ".svg"
@@ -328,20 +340,27 @@ def finish(args, results, command, launch, started, in_process, repeats):
         with open(args.out, "w") as handle:
             handle.write(markdown)
     if plot_path:
+        title = f"Megatron-FSDP benchmark, {meta['model']} model, {meta['world_size']} ranks, {meta['date']}"
+        rss_heading = "RSS growth per rank, MiB" if meta["in_process"] else "peak RSS per rank, MiB"
         with open(plot_path, "w") as handle:
-            title = f"Megatron-FSDP benchmark, {args.model} model, {meta['world_size']} ranks, {meta['date']}"
-            rss_heading = "RSS growth per rank, MiB" if in_process else "peak RSS per rank, MiB"
             handle.write(bench_report.render_svg(summaries, memory_modes, title, rss_heading))
-    if args.raw_json:
-        with open(args.raw_json, "w") as handle:
-            json.dump({"meta": meta, "results": results}, handle)
-    print(f"benchmark wall time {meta['wall_s']:.0f} s", flush=True)
+
+
+def render_main(args):
+    """Re-render the report from a --raw-json file of an earlier run, without measuring anything."""
+    with open(args.render_raw_json) as handle:
+        raw = json.load(handle)
+    meta = raw["meta"]
+    meta.setdefault("in_process", meta["launch"].startswith("torchrun"))
+    write_report(args, meta, raw["results"])
 
 
 def main(argv=None):
     argv = list(sys.argv if argv is None else argv)
     args = parse_args(argv[1:])
-    if args.worker:
+    if args.render_raw_json:
+        render_main(args)
+    elif args.worker:
         worker_main(args)
     elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         torchrun_main(args, argv)

@@ -51,18 +51,26 @@ class OptimizerParamScheduler:
         if self.init_lr < 0 or self.init_lr > self.max_lr:
             raise ValueError(f"OptimizerParamScheduler: need 0 <= init_lr ({self.init_lr}) <= max_lr ({self.max_lr}).")
         if self.lr_decay_style not in LR_DECAY_STYLES:
-            raise ValueError(f"OptimizerParamScheduler: lr_decay_style={self.lr_decay_style!r}; choose from {LR_DECAY_STYLES}.")
+            raise ValueError(
+                f"OptimizerParamScheduler: lr_decay_style={self.lr_decay_style!r}; choose from {LR_DECAY_STYLES}."
+            )
         if self.lr_decay_steps <= 0:
-            raise ValueError(f"OptimizerParamScheduler: lr_decay_steps={self.lr_decay_steps} must be > 0 (--lr-decay-iters).")
+            raise ValueError(
+                f"OptimizerParamScheduler: lr_decay_steps={self.lr_decay_steps} must be > 0 (--lr-decay-iters)."
+            )
         if self.lr_warmup_steps < 0 or self.lr_warmup_steps >= self.lr_decay_steps:
             raise ValueError(
                 f"OptimizerParamScheduler: lr_warmup_steps={self.lr_warmup_steps} must lie in [0, lr_decay_steps="
                 f"{self.lr_decay_steps}); lower --lr-warmup-iters or raise --lr-decay-iters."
             )
         if self.wd_incr_style not in WD_INCR_STYLES:
-            raise ValueError(f"OptimizerParamScheduler: wd_incr_style={self.wd_incr_style!r}; choose from {WD_INCR_STYLES}.")
+            raise ValueError(
+                f"OptimizerParamScheduler: wd_incr_style={self.wd_incr_style!r}; choose from {WD_INCR_STYLES}."
+            )
         if self.start_wd < 0 or self.end_wd < self.start_wd:
-            raise ValueError(f"OptimizerParamScheduler: need 0 <= start_wd ({self.start_wd}) <= end_wd ({self.end_wd}).")
+            raise ValueError(
+                f"OptimizerParamScheduler: need 0 <= start_wd ({self.start_wd}) <= end_wd ({self.end_wd})."
+            )
         if self.wd_incr_style == "constant" and self.start_wd != self.end_wd:
             raise ValueError("OptimizerParamScheduler: wd_incr_style='constant' needs start_wd == end_wd.")
         if self.wd_incr_style != "constant" and self.wd_incr_steps <= 0:

@@ -41,6 +41,15 @@ class DistributedDataParallel(torch.nn.Module):
     def __init__(self, config, ddp_config: DistributedDataParallelConfig, module, disable_bucketing=False,
                  groups: BucketCommunicationGroups = None):
         super().__init__()
+        if ddp_config.use_megatron_fsdp:
+            raise ValueError(
+                "DistributedDataParallel: ddp_config.use_megatron_fsdp=True selects the Megatron-FSDP wrapper "
+                "(megatron.core.distributed.fsdp); build that instead of DistributedDataParallel."
+            )
+        if ddp_config.fp8_param_gather:
+            raise ValueError(
+                "DistributedDataParallel does not gather fp8 parameters; drop --fp8-param-gather or use Megatron-FSDP."
+            )
         self.config = config
         self.ddp_config = ddp_config
         self.module = module
@@ -76,7 +85,9 @@ class DistributedDataParallel(torch.nn.Module):
         ]
         # One global issue order for all buckets of all buffers: every rank must start collectives in the same order.
         self._buckets = [bucket for buffer in self.buffers for bucket in buffer.buckets]
-        self._param_to_bucket = {param: bucket for buffer in self.buffers for param, bucket in buffer.param_to_bucket.items()}
+        self._param_to_bucket = {
+            param: bucket for buffer in self.buffers for param, bucket in buffer.param_to_bucket.items()
+        }
         self._next_bucket_to_start = 0
         self._ready_buckets = set()
         self.is_last_microbatch = True

@@ -21,7 +21,8 @@ class DistributedDataParallelConfig:
     """All-gather updated parameters (distributed optimizer) asynchronously, waiting per module in forward."""
 
     align_param_gather: bool = False
-    """Issue all parameter all-gathers together at the first forward (same order on every rank)."""
+    """Issue all parameter all-gathers together, in one order on every rank. `DistributedDataParallel` always
+    does so (right after the optimizer step), so the flag only matters to other data-parallel wrappers."""
 
     use_distributed_optimizer: bool = False
     """Reduce-scatter gradients and keep a flat parameter buffer so the optimizer can shard its state."""
@@ -47,6 +48,7 @@ class DistributedDataParallelConfig:
     """Average with ReduceOp.AVG in the collective instead of pre-scaling gradients by 1/DP."""
 
     fp8_param_gather: bool = False
+    """All-gather fp8 parameters (Megatron-FSDP only; `DistributedDataParallel` rejects it)."""
 
     use_megatron_fsdp: bool = False
     """Wrap the model with Megatron-FSDP instead of this DDP (selects the sharding strategy below)."""
@@ -74,7 +76,8 @@ class DistributedDataParallelConfig:
             )
         if self.bucket_size is not None and self.bucket_size <= 0:
             raise ValueError(
-                f"DistributedDataParallelConfig.bucket_size={self.bucket_size} must be positive, or None for the default."
+                f"DistributedDataParallelConfig.bucket_size={self.bucket_size} must be positive, "
+                "or None for the default."
             )
         if self.num_distributed_optimizer_instances < 1:
             raise ValueError(

@@ -52,7 +52,9 @@ def _all_reduce_grads(params, group):
 
 def _allreduce_sequence_parallel_grads(model_chunks):
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        _all_reduce_grads(_params_with(model_chunks, "sequence_parallel"), parallel_state.get_tensor_model_parallel_group())
+        _all_reduce_grads(
+            _params_with(model_chunks, "sequence_parallel"), parallel_state.get_tensor_model_parallel_group()
+        )
 
 
 def _allreduce_shared_embedding_grads(model_chunks):

@@ -103,7 +103,9 @@ class Bucket:
             shard = self.grad_data[start:end]
             if _world_size(groups.shard_group) > 1:
                 self._grad_works.append(
-                    dist.reduce_scatter_tensor(shard, self.grad_data, op=op, group=groups.shard_group, async_op=async_op)
+                    dist.reduce_scatter_tensor(
+                        shard, self.grad_data, op=op, group=groups.shard_group, async_op=async_op
+                    )
                 )
             if groups.outer_group is not None:
                 # Issued after the reduce-scatter on the same device stream, so it sees the reduced shard.

@@ -88,6 +88,11 @@ class DistributedOptimizer(MegatronOptimizer):
         for chunk in self.model_chunks:
             chunk.start_param_sync()
 
+    @torch.no_grad()
+    def reload_model_params(self):
+        for shard in self._shards:
+            shard.main_param.copy_(shard.model_param.detach().reshape(-1)[shard.param_start:shard.param_end])
+
     # ---- checkpoints --------------------------------------------------------------------------------------------
     def _layout_signature(self):
         index_of = {id(param): index for index, param in enumerate(self._model_params)}

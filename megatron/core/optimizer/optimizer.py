@@ -66,6 +66,9 @@ class MegatronOptimizer:
     def model_params(self):
         raise NotImplementedError
 
+    def reload_model_params(self):
+        """Refresh the main parameters from the model's (after loading weights without optimizer state)."""
+
     # ---- public API ----------------------------------------------------------------------------------------
     @property
     def param_groups(self):
@@ -207,6 +210,12 @@ class Float16Optimizer(MegatronOptimizer):
         for model_param, main_param in self._model_and_main:
             if model_param is not main_param:
                 model_param.data.copy_(main_param.data)
+
+    @torch.no_grad()
+    def reload_model_params(self):
+        for model_param, main_param in self._model_and_main:
+            if model_param is not main_param:
+                main_param.copy_(model_param)
 
     def state_dict(self):
         state = super().state_dict()

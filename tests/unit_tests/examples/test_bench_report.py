@@ -18,6 +18,8 @@ def test_number_formats():
     assert bench_report.format_seconds(0.12345) == "0.123"
     assert bench_report.format_seconds(12.345) == "12.35"
     assert bench_report.format_ratio(1.234) == "1.23"
+    assert bench_report.format_spread([0.2, 0.25, 0.22]) == "25%"
+    assert bench_report.format_spread([0.2]) == ""
     assert bench_report.format_loss_diff(0.0) == "0"
     assert bench_report.format_loss_diff(1.5e-6) == "1.5e-06"
 

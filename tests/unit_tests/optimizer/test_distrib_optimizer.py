@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.optimizer import DistributedOptimizer, OptimizerConfig, get_megatron_optimizer
@@ -15,10 +16,11 @@ from tests.unit_tests.optimizer.toy_models import build_toy_model, mse_loss, ref
 LR, WEIGHT_DECAY, CLIP_GRAD, SAMPLES_PER_RANK = 0.01, 0.1, 0.05, 2
 
 
-def _build(overlap, seed=0):
+def _build(overlap, seed=0, num_distributed_optimizer_instances=1):
     model = build_toy_model(seed=seed)
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=overlap,
-                                               overlap_param_gather=overlap, bucket_size=40)
+                                               overlap_param_gather=overlap, bucket_size=40,
+                                               num_distributed_optimizer_instances=num_distributed_optimizer_instances)
     ddp = DistributedDataParallel(ModelParallelConfig(), ddp_config, model)
     config = OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=CLIP_GRAD, use_distributed_optimizer=True,
                              log_num_zeros_in_grad=True)
@@ -53,14 +55,19 @@ def _assert_params_equal(model, reference):
         torch.testing.assert_close(param, expected, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
-def _matches_adamw(overlap):
-    model, ddp, optimizer = _build(overlap)
+def _matches_adamw(overlap, num_distributed_optimizer_instances=1):
+    if num_distributed_optimizer_instances > 1:
+        parallel_state.initialize_model_parallel(num_distributed_optimizer_instances=num_distributed_optimizer_instances)
+    model, ddp, optimizer = _build(overlap, num_distributed_optimizer_instances=num_distributed_optimizer_instances)
+    shard_group_size = dist.get_world_size(ddp.groups.shard_group)
+    assert shard_group_size == dist.get_world_size() // num_distributed_optimizer_instances
     reference = copy.deepcopy(build_toy_model())
     reference_optimizer = torch.optim.AdamW(reference_param_groups(reference, WEIGHT_DECAY, LR))
 
     owned = torch.tensor([sum(p.numel() for p in optimizer.main_params())])
     dist.all_reduce(owned)
-    assert owned.item() == sum(p.numel() for p in model.parameters())  # shards partition the model exactly
+    # Shards partition the model exactly, once per optimizer instance.
+    assert owned.item() == num_distributed_optimizer_instances * sum(p.numel() for p in model.parameters())
     for step in range(3):
         update_successful, grad_norm, num_zeros = _train_step(ddp, optimizer, step)
         expected_norm, expected_zeros = _reference_step(reference, reference_optimizer, step)
@@ -68,7 +75,11 @@ def _matches_adamw(overlap):
         assert grad_norm == pytest.approx(expected_norm, rel=1e-5)
         assert grad_norm > CLIP_GRAD  # clipping is exercised
         assert num_zeros == expected_zeros
-    ddp.finish_param_sync()
+    buckets = [bucket for buffer in ddp.buffers for bucket in buffer.buckets]
+    if overlap:  # the all-gathers are still in flight; the next forward's pre-hooks complete them
+        assert len(buckets) > 1 and all(bucket.param_sync_pending() for bucket in buckets)
+        ddp(toy_batch(9, 2)[0])
+    assert not any(bucket.param_sync_pending() for bucket in buckets)
     _assert_params_equal(model, reference)
     return True
 
@@ -77,6 +88,11 @@ def _matches_adamw(overlap):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_distributed_optimizer_matches_single_process_adamw(world_size, overlap):
     assert all(run_on_ranks(world_size, _matches_adamw, overlap))
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_hybrid_sharding_two_optimizer_instances_matches_adamw(world_size):
+    assert all(run_on_ranks(world_size, _matches_adamw, True, 2))
 
 
 def _state_dict_round_trips():
@@ -136,6 +152,12 @@ def _gathered_state_is_dp_independent():
     _train_step(restored_ddp, restored_optimizer, 3)
     _reference_step(reference, reference_optimizer, 3)
     _assert_params_equal(restored_model, reference)
+    # Weights loaded without optimizer state: the shards must follow them before the next step.
+    restored_model.load_state_dict(model.state_dict())
+    restored_optimizer.reload_model_params()
+    for shard in restored_optimizer._shards:
+        expected = shard.model_param.detach().reshape(-1)[shard.param_start:shard.param_end]
+        assert torch.equal(shard.main_param.detach(), expected)
     with pytest.raises(ValueError, match="sharded differently"):
         restored_optimizer.load_state_dict({**optimizer.state_dict(), "shard_layout": [(0, 0, 1)]})
     return True

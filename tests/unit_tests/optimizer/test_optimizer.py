@@ -199,3 +199,15 @@ def test_config_validation_names_the_flag():
         OptimizerConfig(lr=1.0, optimizer="lamb")
     with pytest.raises(ValueError, match="min_lr"):
         OptimizerConfig(lr=1.0, min_lr=2.0)
+
+
+def test_reload_model_params_refreshes_fp32_main_copies():
+    model = build_toy_model(dtype=torch.bfloat16)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=0.0, bf16=True), [model])
+    model.load_state_dict(build_toy_model(seed=3, dtype=torch.bfloat16).state_dict())
+    optimizer.reload_model_params()
+    optimizer.zero_grad()
+    _backward(model, 0)
+    optimizer.step()  # lr 0: the weights written back must be the freshly loaded ones
+    for param, expected in zip(model.parameters(), build_toy_model(seed=3, dtype=torch.bfloat16).parameters()):
+        assert torch.equal(param, expected)

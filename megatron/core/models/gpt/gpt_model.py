@@ -141,13 +141,13 @@ class GPTModel(torch.nn.Module):
             input_tensor = input_tensor[0]
         self.decoder.set_input_tensor(input_tensor)
 
-    def _rotary_angles(self, input_ids, decoder_input):
+    def _rotary_angles(self, input_ids):
         if self.rotary_pos_emb is None:
             return None
         if input_ids is not None:
             seq_len, device = input_ids.shape[1], input_ids.device
         else:
-            received = self.decoder.input_tensor
+            received = self.decoder.input_tensor  # [s, b, h], or [s / tp, b, h] with sequence parallelism
             seq_len, device = received.shape[0], received.device
             if self.config.sequence_parallel:
                 seq_len *= self.config.tensor_model_parallel_size
@@ -174,7 +174,7 @@ class GPTModel(torch.nn.Module):
         if not self.pre_process and self.decoder.input_tensor is None:
             raise RuntimeError("a pipeline stage that is not first needs set_input_tensor() before forward")
         decoder_input = self.embedding(input_ids, position_ids) if self.pre_process else None
-        rotary_angles = self._rotary_angles(input_ids, decoder_input)
+        rotary_angles = self._rotary_angles(input_ids)
         hidden_states = self.decoder(decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary_angles)
         if not self.post_process:
             return hidden_states
