@@ -77,6 +77,24 @@ METHOD_TEXT = """
   re-sharded units again in backward, reduce-scatter psi: 3 psi, or 2 psi when parameters stay gathered from forward to
   backward (`reshard_after_forward=False`). Communicating less than the theory is allowed by the targets.
 - **Loss**: mean of the ranks' micro-batch losses per step; max abs difference from DDP's curve.
+- **Targets** (checked for every Megatron-FSDP arm): loss equal to DDP's within 1e-5; per-step communication
+  volume at most ZeRO theory + 5%; state bytes within 2% of ZeRO theory; ZeRO-3 step time at most 1.10 x
+  FSDP2's; ZeRO-3 allocator-neutral peak RSS below DDP's.
+
+## How to reproduce
+
+Run on a quiet machine (no other jobs; run-to-run spread on shared machines is 10-30% or worse). Both memory
+modes are measured by one command; `--provisional` marks a report taken on a busy machine.
+
+```
+python examples/megatron_fsdp/benchmark.py --model tiny --out docs/benchmarks.md --raw-json /tmp/tiny.json
+python examples/megatron_fsdp/benchmark.py --model small --repeats 2 --out docs/benchmarks.md --append
+# the same arms inside one torchrun group (RSS as sampled growth), once per memory mode:
+torchrun --nproc-per-node 2 examples/megatron_fsdp/benchmark.py --model tiny --out /tmp/tiny_torchrun.md
+MALLOC_MMAP_THRESHOLD_=65536 torchrun --nproc-per-node 2 examples/megatron_fsdp/benchmark.py --out /tmp/n.md
+# re-render a report from saved raw results without measuring again:
+python examples/megatron_fsdp/benchmark.py --render-raw-json /tmp/tiny.json --out docs/benchmarks.md
+```
 """
 
 
@@ -95,7 +113,10 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--out", default=None, help="markdown report path (e.g. docs/benchmarks.md)")
-    parser.add_argument("--plot", default=None, help="SVG path (default: --out with .svg; 'none' to skip)")
+    parser.add_argument("--append", action="store_true", help="add the report to the end of --out")
+    parser.add_argument(
+        "--plot", default=None, help="SVG path (default: next to --out, named after it and the model; 'none': skip)"
+    )
     parser.add_argument("--raw-json", default=None, help="also write every rank's raw results here")
     parser.add_argument(
         "--render-raw-json", default=None, help="only re-render --out from the raw results of an earlier run"
@@ -331,14 +352,15 @@ def write_report(args, meta, results):
     meta = dict(meta, provisional=args.provisional, timing_mode=timing_mode)
     plot_path = None
     if args.out and args.plot != "none":
-        plot_path = args.plot or os.path.splitext(args.out)[0] + ".svg"
+        plot_path = args.plot or f"{os.path.splitext(args.out)[0]}_{meta['model']}.svg"
         meta["plot"] = os.path.relpath(plot_path, os.path.dirname(os.path.abspath(args.out)))
     markdown = bench_report.render_markdown(meta, summaries, memory_modes, METHOD_TEXT)
     print(markdown)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as handle:
-            handle.write(markdown)
+        appending = args.append and os.path.exists(args.out)
+        with open(args.out, "a" if appending else "w") as handle:
+            handle.write(("\n---\n\n" if appending else "") + markdown)
     if plot_path:
         title = f"Megatron-FSDP benchmark, {meta['model']} model, {meta['world_size']} ranks, {meta['date']}"
         rss_heading = "RSS growth per rank, MiB" if meta["in_process"] else "peak RSS per rank, MiB"

@@ -58,6 +58,10 @@ class TransformerConfig(ModelParallelConfig):
     recompute_num_layers layers of each pipeline stage."""
     recompute_num_layers: Optional[int] = None
 
+    calculate_per_token_loss: bool = False
+    """Loss is summed over tokens and divided once by the global token count (`--calculate-per-token-loss`),
+    instead of averaging per microbatch; the pipeline schedules and gradient finalisation read it."""
+
     def __post_init__(self):
         parent_post_init = getattr(super(), "__post_init__", None)
         if parent_post_init is not None:
