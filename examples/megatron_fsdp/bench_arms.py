@@ -32,7 +32,9 @@ ARMS = {
     for spec in (
         ArmSpec("ddp", "torch DDP", "ddp", 0),
         ArmSpec("fsdp2", "torch FSDP2, fully_shard per block + root", "fsdp2", 3),
-        ArmSpec("fsdp2_no_reshard", "torch FSDP2, reshard_after_forward=False", "fsdp2", 3, reshard_after_forward=False),
+        ArmSpec(
+            "fsdp2_no_reshard", "torch FSDP2, reshard_after_forward=False", "fsdp2", 3, reshard_after_forward=False
+        ),
         ArmSpec("mfsdp0", "megatron_fsdp no_shard (0)", "megatron_fsdp", 0),
         ArmSpec("mfsdp1", "megatron_fsdp optim (1)", "megatron_fsdp", 1),
         ArmSpec("mfsdp2", "megatron_fsdp optim_grads (2)", "megatron_fsdp", 2),

@@ -120,7 +120,8 @@ def evaluate_targets(arms):
             continue
         diff = arm.get("loss_max_abs_diff")
         if diff is not None:
-            rows.append((f"{name} loss equals DDP within {LOSS_TOLERANCE:g}", verdict(diff <= LOSS_TOLERANCE), f"{diff:.2e}"))
+            target = f"{name} loss equals DDP within {LOSS_TOLERANCE:g}"
+            rows.append((target, verdict(diff <= LOSS_TOLERANCE), f"{diff:.2e}"))
         volume, theory_volume = arm.get("volume"), arm.get("theory_volume")
         if volume is not None and theory_volume:
             rows.append(

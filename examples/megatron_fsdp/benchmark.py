@@ -354,11 +354,12 @@ def write_report(args, meta, results):
     if args.out and args.plot != "none":
         plot_path = args.plot or f"{os.path.splitext(args.out)[0]}_{meta['model']}.svg"
         meta["plot"] = os.path.relpath(plot_path, os.path.dirname(os.path.abspath(args.out)))
-    markdown = bench_report.render_markdown(meta, summaries, memory_modes, METHOD_TEXT)
+    appending = bool(args.out) and args.append and os.path.exists(args.out)
+    # An appended report shares the method section of the report it follows.
+    markdown = bench_report.render_markdown(meta, summaries, memory_modes, "" if appending else METHOD_TEXT)
     print(markdown)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        appending = args.append and os.path.exists(args.out)
         with open(args.out, "a" if appending else "w") as handle:
             handle.write(("\n---\n\n" if appending else "") + markdown)
     if plot_path:

@@ -47,6 +47,6 @@ def test_counter_records_payload_bytes_per_kind(world_size):
             "all_to_all": 16,
             "broadcast": 64,
         }
-        assert snapshot["calls"] == {"all_reduce": 1, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "broadcast": 1}
+        assert snapshot["calls"] == dict.fromkeys(snapshot["payload_bytes"], 1)
         # ring on 2 ranks: (2 * 40 + 48 + 24 + 16 + 64) / 2
         assert snapshot["wire_bytes"] == 116.0

@@ -1,0 +1,79 @@
+"""`pretrain()` in-process on ranks: the reported loss is the same on every rank, and SIGTERM on one rank makes
+all ranks save a checkpoint at the same iteration and stop."""
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+TINY_GPT = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --micro-batch-size 2 "
+    "--global-batch-size 8 --lr 1e-3 --mock-data --vocab-size 127 --make-vocab-size-divisible-by 64 "
+    "--hidden-dropout 0 --attention-dropout 0 --num-workers 0 --log-interval 1 --eval-iters 0 --ckpt-format torch"
+)
+
+
+def _reported_loss_on_ranks(pipeline_size):
+    from megatron.core import parallel_state
+    from megatron.training.training import reduce_reported_loss
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pipeline_size)
+    rank = torch.distributed.get_rank()
+    # Two microbatches: [loss sum, token count]; only the last stage has them.
+    reports = [{"lm loss": torch.tensor([10.0 + rank, 4.0])}, {"lm loss": torch.tensor([2.0 * rank, 2.0])}]
+    if not parallel_state.is_pipeline_last_stage():
+        reports = []
+    return reduce_reported_loss(reports, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_reported_loss_is_token_weighted_over_data_parallel_ranks(world_size):
+    # DP=2: (10 + 0 + 11 + 2) / (4 + 2 + 4 + 2).
+    assert run_on_ranks(world_size, _reported_loss_on_ranks, 1) == [23.0 / 12.0] * 2
+    # PP=2: the last stage (rank 1) holds (11 + 2) / 6 and every rank reports it.
+    assert run_on_ranks(world_size, _reported_loss_on_ranks, 2) == [13.0 / 6.0] * 2
+
+
+def _pretrain_until_sigterm(workdir, extra_args):
+    import pretrain_gpt
+    from megatron.training.checkpointing import read_tracker
+    from megatron.training.global_vars import get_args
+    from megatron.training.training import pretrain
+
+    rank = torch.distributed.get_rank()
+    calls = {"count": 0}
+
+    def forward_step_sending_sigterm(data_iterator, model):
+        calls["count"] += 1
+        # Rank 0 only, during iteration 3 (microbatches per rank: 8 / (2 x DP)).
+        microbatches = 8 // (2 * get_args().data_parallel_size)
+        if rank == 0 and calls["count"] == 2 * microbatches + 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return pretrain_gpt.forward_step(data_iterator, model)
+
+    argv = (
+        f"{TINY_GPT} --train-iters 6 --save {workdir} --metrics-file {workdir}/metrics.jsonl {extra_args}"
+    ).split()
+    iteration = pretrain(
+        pretrain_gpt.train_valid_test_datasets_provider,
+        pretrain_gpt.model_provider,
+        pretrain_gpt.MODEL_TYPE,
+        forward_step_sending_sigterm,
+        argv=argv,
+    )
+    handler_restored = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    return {"iteration": iteration, "tracker": read_tracker(workdir), "handler_restored": handler_restored}
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_sigterm_saves_and_stops_every_rank(tmp_path, world_size):
+    results = run_on_ranks(world_size, _pretrain_until_sigterm, str(tmp_path), "")
+    assert results == [{"iteration": 3, "tracker": 3, "handler_restored": True}] * 2
+    assert sorted(os.listdir(tmp_path / "iter_0000003")) == ["mp_rank_00"]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [record["iteration"] for record in records] == [1, 2, 3]
+    assert all(record["consumed-samples"] == 8 * record["iteration"] for record in records)
