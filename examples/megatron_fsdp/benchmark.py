@@ -32,7 +32,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from examples.megatron_fsdp import bench_report, bench_summary  # noqa: E402
+from examples.megatron_fsdp import bench_report, bench_summary, bench_theory  # noqa: E402
 from examples.megatron_fsdp.bench_arms import ARMS  # noqa: E402
 from examples.megatron_fsdp.bench_model import MODEL_PRESETS, count_parameters  # noqa: E402
 
@@ -286,9 +286,10 @@ def _print_progress(mode, repetition, arm, ranks):
     if errors:
         print(f"[{mode} rep {repetition}] {arm}: {errors[0][:300]}", flush=True)
         return
-    times = sorted(max(step) for step in zip(*(r["step_times"] for r in ranks)))
+    step_times = bench_theory.slowest_rank_step_times([r["step_times"] for r in ranks])
+    median = bench_theory.median_after_warmup(step_times, ranks[0]["warmup_steps"])
     peak = max(r["rss_lifetime_peak"] for r in ranks) / 2**20
-    print(f"[{mode} rep {repetition}] {arm}: median step {times[len(times) // 2]:.3f} s, peak RSS {peak:.0f} MiB, "
+    print(f"[{mode} rep {repetition}] {arm}: median step {median:.3f} s, peak RSS {peak:.0f} MiB, "
           f"last loss {ranks[0]['losses'][-1]:.5f}", flush=True)  # fmt: skip
 
 

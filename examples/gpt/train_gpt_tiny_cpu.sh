@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Train a tiny GPT on the bundled corpus on CPU: 2 ranks, gloo, a few minutes on 2 cores.
+#
+#   bash examples/gpt/train_gpt_tiny_cpu.sh [extra pretrain_gpt.py flags]
+#
+# The corpus (data/corpus/stdlib_docs.jsonl, CPython docstrings) is tokenized once with the byte-level tokenizer
+# into $CACHE_DIR; later runs reuse it. Set TP=2 (or PP=2) to split the model instead of the data.
+# Expect the loss to fall from ~5.6 (uniform over 257 byte tokens) to well under 3 within ~200 iterations.
+set -euo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+CACHE_DIR="${CACHE_DIR:-${REPO_ROOT}/runs/tiny_gpt}"
+OUTPUT_DIR="${OUTPUT_DIR:-${CACHE_DIR}/run}"
+NPROC="${NPROC:-2}"
+TP="${TP:-1}"
+PP="${PP:-1}"
+TRAIN_ITERS="${TRAIN_ITERS:-200}"
+DATA_PREFIX="${CACHE_DIR}/stdlib_docs"
+
+mkdir -p "${CACHE_DIR}" "${OUTPUT_DIR}"
+if [[ ! -f "${DATA_PREFIX}_text_document.idx" ]]; then
+    echo "tokenizing the bundled corpus into ${DATA_PREFIX}_text_document.{bin,idx}"
+    python "${REPO_ROOT}/tools/preprocess_data.py" \
+        --input "${REPO_ROOT}/data/corpus/stdlib_docs.jsonl" \
+        --output-prefix "${DATA_PREFIX}" \
+        --tokenizer-type ByteLevelTokenizer \
+        --append-eod \
+        --workers 2
+fi
+
+MODEL_ARGS=(
+    --num-layers 4
+    --hidden-size 128
+    --num-attention-heads 4
+    --seq-length 128
+    --max-position-embeddings 128
+    --position-embedding-type rope
+    --normalization RMSNorm
+    --swiglu
+    --hidden-dropout 0.0
+    --attention-dropout 0.0
+    --make-vocab-size-divisible-by 64
+)
+TRAINING_ARGS=(
+    --micro-batch-size 8
+    --global-batch-size 16
+    --train-iters "${TRAIN_ITERS}"
+    --lr 3e-3
+    --min-lr 3e-4
+    --lr-decay-style cosine
+    --lr-warmup-iters 20
+    --weight-decay 0.1
+    --clip-grad 1.0
+    --seed 1234
+)
+PARALLEL_ARGS=(
+    --tensor-model-parallel-size "${TP}"
+    --pipeline-model-parallel-size "${PP}"
+    --distributed-backend gloo
+)
+DATA_ARGS=(
+    --data-path "${DATA_PREFIX}_text_document"
+    --split 98,2,0
+    --tokenizer-type ByteLevelTokenizer
+    --data-cache-path "${CACHE_DIR}/index_cache"
+    --num-workers 0
+)
+OUTPUT_ARGS=(
+    --log-interval 10
+    --log-throughput
+    --eval-interval 100
+    --eval-iters 4
+    --tensorboard-dir "${OUTPUT_DIR}/tensorboard"
+    --metrics-file "${OUTPUT_DIR}/metrics.jsonl"
+    --save "${OUTPUT_DIR}/checkpoints"
+    --save-interval 100
+    --ckpt-format torch
+)
+
+rm -f "${OUTPUT_DIR}/metrics.jsonl"
+cd "${REPO_ROOT}"
+exec torchrun --standalone --nproc-per-node "${NPROC}" pretrain_gpt.py \
+    "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"
