@@ -260,6 +260,8 @@ def initialize_model_parallel(
         mesh=torch.tensor(mesh, dtype=torch.int),
         mesh_dim_names=DEVICE_MESH_DIM_NAMES,
     )
+    # No rank may go on (and possibly destroy these groups) while a peer is still connecting them.
+    dist.barrier()
 
 
 def model_parallel_is_initialized():

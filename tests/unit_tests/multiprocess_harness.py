@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 DEFAULT_TASK_TIMEOUT_S = 600
 PROCESS_GROUP_TIMEOUT_S = 120
+ERROR_GRACE_S = 5
 
 
 class MultiRankError(AssertionError):
@@ -96,6 +97,8 @@ class RankPool:
             try:
                 rank, status, value = self._result_queue.get(timeout=timeout_s)
             except queue.Empty:
+                if errors:
+                    break
                 dead = [r for r, p in enumerate(self._processes) if not p.is_alive()]
                 raise MultiRankError(
                     f"{what}: no answer within {timeout_s}s from ranks {sorted(pending)} of {self.world_size}"
@@ -105,8 +108,10 @@ class RankPool:
             pending.discard(rank)
             if status == "error":
                 errors[rank] = value
-                # Other ranks may now be blocked in a collective: do not wait for them.
-                break
+                # Other ranks may now be blocked in a collective: give them a moment to report their own
+                # errors (often the root cause), then stop waiting.
+                timeout_s = ERROR_GRACE_S
+                continue
             results[rank] = value
         if errors:
             raise MultiRankError(

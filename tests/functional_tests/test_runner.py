@@ -1,0 +1,56 @@
+"""The functional-test runner itself: case files, flag conversion and the comparisons that decide pass/fail."""
+
+import pytest
+
+from tests.functional_tests import runner
+
+
+def test_model_args_become_flags():
+    argv = runner.model_args_to_argv({"--num-layers": 4, "--mock-data": True, "--bf16": False, "--data-path": [0.3, "a", 0.7, "b"]})
+    assert argv == ["--num-layers", "4", "--mock-data", "--data-path", "0.3", "a", "0.7", "b"]
+
+
+def test_every_case_loads_and_has_golden_values_for_its_metrics():
+    names = runner.list_cases("gpt")
+    assert "gpt/single_rank" in names
+    for name in names:
+        case = runner.load_case(name)
+        golden = runner.load_golden(case)
+        for metric in case.metrics:
+            spec = golden[metric]
+            assert (spec["start_step"], spec["end_step"], spec["step_interval"]) == (1, case.train_iters, 1)
+            assert len(spec["values"]) == case.train_iters
+
+
+def test_loss_comparison_is_tight_and_reports_every_problem():
+    case = runner.load_case("gpt/single_rank")
+    golden = runner.load_golden(case)
+    metrics = {
+        metric: {int(step): value for step, value in spec["values"].items()} for metric, spec in golden.items()
+    }
+    assert runner.compare_with_golden(case, metrics, golden) == []
+
+    metrics["lm loss"][3] *= 1 + 2e-5  # a drift just above the 1e-5 bound
+    metrics["num-zeros"][4] += 1
+    del metrics["lm loss"][10]
+    metrics["mem-allocated-bytes"][2] *= 1.04  # within the 5% memory tolerance
+    problems = runner.compare_with_golden(case, metrics, golden)
+    assert len(problems) == 3
+    assert problems[0] == "lm loss: no value for iterations [10]"
+    assert problems[1].startswith("lm loss @ 3:") and "> 1e-05" in problems[1]
+    assert problems[2].startswith("num-zeros @ 4:")
+
+
+def test_missing_golden_file_says_how_to_create_it(tmp_path, monkeypatch):
+    case = runner.load_case("gpt/single_rank")
+    monkeypatch.setattr(runner.FunctionalCase, "golden_path", property(lambda self: tmp_path / "missing.json"))
+    with pytest.raises(FileNotFoundError, match="python -m tests.functional_tests.regenerate_golden gpt/single_rank"):
+        runner.load_golden(case)
+
+
+def test_unknown_case_keys_are_rejected(tmp_path, monkeypatch):
+    (tmp_path / "gpt" / "broken").mkdir(parents=True)
+    (tmp_path / "gpt" / "broken" / "model_config.yaml").write_text("MODEL_ARGS: {--train-iters: 2}\nGPUS: 8\n")
+    monkeypatch.setattr(runner, "CASES_DIR", tmp_path)
+    with pytest.raises(ValueError, match=r"unknown keys \['GPUS'\]"):
+        runner.load_case("gpt/broken")
