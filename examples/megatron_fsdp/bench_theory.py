@@ -94,11 +94,25 @@ def ratio(value, reference):
     return value / reference
 
 
-# Targets the benchmark checks for Megatron-FSDP. Each is (name, description); `evaluate_targets` decides them.
+# Targets the benchmark checks for Megatron-FSDP (strategy 3 against the torch peers on the same model).
 LOSS_TOLERANCE = 1e-5
-COMM_VOLUME_TOLERANCE = 0.05
-STATE_BYTES_TOLERANCE = 0.02
-STEP_TIME_VS_FSDP2_LIMIT = 1.10
+COMM_VOLUME_TOLERANCE = 0.02
+"""Bytes communicated per step may exceed the ZeRO theory by at most this fraction (less is allowed: groups
+that stay gathered for the whole step are not gathered again for backward)."""
+STATE_BYTES_TOLERANCE = 0.05
+STEP_TIME_VS_FSDP2_LIMIT = 0.80
+STEP_TIME_VS_DDP_LIMIT = 1.15
+NEUTRAL_RSS_VS_FSDP2_LIMIT = 0.90
+
+
+def _ratio_row(target, numerator, denominator, limit, unit_divisor=None):
+    if not numerator or not denominator:
+        return (target, "n/a", "an arm has no value")
+    value = numerator / denominator
+    detail = f"{value:.2f} x"
+    if unit_divisor:
+        detail += f" ({numerator / unit_divisor:.0f} vs {denominator / unit_divisor:.0f} MiB)"
+    return (target, "pass" if value <= limit else "FAIL", detail)
 
 
 def evaluate_targets(arms):
@@ -128,7 +142,7 @@ def evaluate_targets(arms):
                 (
                     f"{name} comm volume at most ZeRO theory + {COMM_VOLUME_TOLERANCE:.0%}",
                     verdict(volume <= theory_volume * (1.0 + COMM_VOLUME_TOLERANCE)),
-                    f"{volume / MIB:.2f} MiB vs {theory_volume / MIB:.2f} MiB",
+                    f"{volume / MIB:.2f} MiB vs {theory_volume / MIB:.2f} MiB ({volume / theory_volume:.3f} x)",
                 )
             )
         state, theory_state = arm.get("state"), arm.get("theory_state")
@@ -141,27 +155,23 @@ def evaluate_targets(arms):
                     f"worst deviation {worst:.1%}",
                 )
             )
-    zero3, fsdp2 = arms.get("mfsdp3", {}), arms.get("fsdp2", {})
-    if zero3.get("step_time") and fsdp2.get("step_time"):
-        step_ratio = zero3["step_time"] / fsdp2["step_time"]
-        rows.append(
-            (
-                f"mfsdp3 step time <= {STEP_TIME_VS_FSDP2_LIMIT:.2f} x FSDP2",
-                verdict(step_ratio <= STEP_TIME_VS_FSDP2_LIMIT),
-                f"{step_ratio:.2f} x",
-            )
+    zero3, fsdp2, ddp = arms.get("mfsdp3", {}), arms.get("fsdp2", {}), arms.get("ddp", {})
+    rows.append(
+        _ratio_row(
+            f"mfsdp3 step time <= {STEP_TIME_VS_FSDP2_LIMIT:.2f} x FSDP2",
+            zero3.get("step_time"), fsdp2.get("step_time"), STEP_TIME_VS_FSDP2_LIMIT,
         )
-    else:
-        rows.append((f"mfsdp3 step time <= {STEP_TIME_VS_FSDP2_LIMIT:.2f} x FSDP2", "n/a", "an arm has no time"))
-    ddp = arms.get("ddp", {})
-    if zero3.get("rss_neutral") and ddp.get("rss_neutral"):
-        rows.append(
-            (
-                "mfsdp3 allocator-neutral peak RSS below DDP's",
-                verdict(zero3["rss_neutral"] < ddp["rss_neutral"]),
-                f"{zero3['rss_neutral'] / MIB:.0f} vs {ddp['rss_neutral'] / MIB:.0f} MiB",
-            )
+    )
+    rows.append(
+        _ratio_row(
+            f"mfsdp3 step time <= {STEP_TIME_VS_DDP_LIMIT:.2f} x DDP",
+            zero3.get("step_time"), ddp.get("step_time"), STEP_TIME_VS_DDP_LIMIT,
         )
-    else:
-        rows.append(("mfsdp3 allocator-neutral peak RSS below DDP's", "n/a", "an arm has no neutral-mode RSS"))
+    )
+    rows.append(
+        _ratio_row(
+            f"mfsdp3 allocator-neutral peak RSS <= {NEUTRAL_RSS_VS_FSDP2_LIMIT:.2f} x FSDP2",
+            zero3.get("rss_neutral"), fsdp2.get("rss_neutral"), NEUTRAL_RSS_VS_FSDP2_LIMIT, MIB,
+        )
+    )
     return rows

@@ -110,6 +110,7 @@ def _parallel_ranks():
 
 
 def rng_state():
+    from megatron.core.device_utils import get_current_device, get_rng_state
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     state = {
@@ -118,20 +119,24 @@ def rng_state():
         "torch_rng_state": torch.get_rng_state(),
         "rng_tracker_states": get_cuda_rng_tracker().get_states(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    device = get_current_device()
+    if device.type != "cpu":
+        state["device_rng_state"] = get_rng_state(device)
     return state
 
 
 def set_rng_state(state):
+    from megatron.core.device_utils import get_current_device
+    from megatron.core.device_utils import set_rng_state as set_device_rng_state
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     random.setstate(state["random_rng_state"])
     np.random.set_state(state["np_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])
     get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
-    if "cuda_rng_state" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    device = get_current_device()
+    if "device_rng_state" in state and device.type != "cpu":
+        set_device_rng_state(state["device_rng_state"], device)
 
 
 def _model_state(model_chunks):

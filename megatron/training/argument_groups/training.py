@@ -69,10 +69,15 @@ def validate(args):
         raise ValueError(f"--min-lr ({args.min_lr}) must not exceed --lr ({args.lr})")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_iters < 0 or args.lr_warmup_iters > args.lr_decay_iters:
+    if args.lr_decay_iters <= 0:
+        raise ValueError(f"--lr-decay-iters must be positive, got {args.lr_decay_iters}")
+    if args.lr_warmup_iters < 0 or args.lr_warmup_iters >= args.lr_decay_iters:
         raise ValueError(
-            f"--lr-warmup-iters ({args.lr_warmup_iters}) must be in [0, --lr-decay-iters ({args.lr_decay_iters})]"
+            f"--lr-warmup-iters ({args.lr_warmup_iters}) must be in [0, --lr-decay-iters ({args.lr_decay_iters})): "
+            f"lower it or raise --lr-decay-iters"
         )
+    if not 0.0 <= args.lr_warmup_init <= args.lr:
+        raise ValueError(f"--lr-warmup-init ({args.lr_warmup_init}) must be in [0, --lr ({args.lr})]")
     if args.bf16 and args.fp16:
         raise ValueError("--bf16 and --fp16 are exclusive: pick one")
     if args.clip_grad < 0:
