@@ -59,9 +59,9 @@ def add_arguments(parser):
 
 
 def _cuda_visible():
-    import torch
+    from megatron.training.accelerator import cuda_available
 
-    return torch.cuda.is_available()
+    return cuda_available()
 
 
 def validate(args):
