@@ -10,12 +10,11 @@ import torch
 
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, build_gpt_datasets
 from megatron.core.datasets.utils import blend_from_data_path
+from megatron.core.enums import ModelType
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.training.global_vars import get_args, get_tokenizer
 from megatron.training.model_config import core_transformer_config_from_args
 from megatron.training.training import pretrain
-
-MODEL_TYPE = "encoder_or_decoder"
 
 
 def model_provider(pre_process=True, post_process=True):
@@ -79,4 +78,4 @@ def train_valid_test_datasets_provider(train_valid_test_num_samples):
 
 
 if __name__ == "__main__":
-    pretrain(train_valid_test_datasets_provider, model_provider, MODEL_TYPE, forward_step)
+    pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step)

@@ -25,6 +25,7 @@ def core_transformer_config_from_args(args, config_class=None):
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
+        init_seed=args.seed,
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,
         gated_linear_unit=args.swiglu,

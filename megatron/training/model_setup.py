@@ -3,6 +3,8 @@ the learning-rate / weight-decay scheduler, and installs the gradient hooks the 
 
 import dataclasses
 
+import torch
+
 from megatron.core import parallel_state
 from megatron.training.model_config import ddp_config_from_args, optimizer_config_from_args
 
@@ -12,12 +14,19 @@ def get_model(model_provider_func, args, wrap_with_ddp=True):
 
     Like Megatron the model is always DDP-wrapped (also with one data-parallel rank): the wrapper owns the
     contiguous gradient buffers the optimizer reads (`param.main_grad`).
+
+    The model is built with the default CPU generator seeded with the un-offset `--seed` (the per-stage offset
+    `set_random_seed` applies is for dropout), so a model whose config leaves `init_seed` unset still starts
+    from the same weights on every pipeline layout; the generator state is restored afterwards.
     """
     from megatron.core.distributed import DistributedDataParallel
 
-    model = model_provider_func(
-        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage()
-    )
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(args.seed)
+        model = model_provider_func(
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+        )
     model.to(args.device)
     if not wrap_with_ddp:
         return [model]

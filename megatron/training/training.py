@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.enums import ModelType
 from megatron.training import checkpointing
 from megatron.training.data_iterators import build_data_iterators
 from megatron.training.global_vars import get_args, set_tokenizer
@@ -36,15 +37,28 @@ def pretrain(
 
     `model_provider(pre_process, post_process)` builds this pipeline stage's model;
     `train_valid_test_dataset_provider([train, valid, test] sample counts)` returns three datasets (or None);
-    `forward_step_func(data_iterator, model)` returns `(output, loss_func)`. `model_type` is accepted for
-    Megatron compatibility (decoder-only models). `argv` replaces `sys.argv[1:]` (tests). Returns the
-    iteration training stopped at.
+    `forward_step_func(data_iterator, model)` returns `(output, loss_func)`. `model_type` is a `ModelType`
+    (or its name); only `ModelType.encoder_or_decoder` (decoder-only models) is supported. `argv` replaces
+    `sys.argv[1:]` (tests). Returns the iteration training stopped at.
     """
+    model_type = resolve_model_type(model_type)
     args = initialize_megatron(extra_args_provider, args_defaults, args=argv)
     try:
         return _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func, args)
     finally:
         _teardown(args)
+
+
+def resolve_model_type(model_type):
+    """`model_type` as a `ModelType`; accepts the member or its name, rejects anything unsupported."""
+    if isinstance(model_type, str) and model_type in ModelType.__members__:
+        model_type = ModelType[model_type]
+    if model_type is not ModelType.encoder_or_decoder:
+        raise ValueError(
+            f"pretrain() trains ModelType.encoder_or_decoder models only, got {model_type!r}; pass "
+            "megatron.core.enums.ModelType.encoder_or_decoder"
+        )
+    return model_type
 
 
 def _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func, args):

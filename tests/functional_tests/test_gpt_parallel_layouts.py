@@ -5,7 +5,9 @@ The bound is 1e-5 relative. Layouts change only the order of floating-point sums
 data-parallel ranks, row-parallel outputs and the vocabulary-parallel softmax summed over two tensor-parallel
 ranks), which moves fp32 results by ~1e-7 relative per step; over 10 Adam steps that stays well below 1e-5
 (measured: up to ~2e-8), while a real bug (a missing or doubled reduction, a wrong loss scale or data shard)
-moves the loss by 1e-4 or more within a few iterations.
+moves the loss by 1e-4 or more within a few iterations. Pipeline layouts start from the single-rank weights
+because every module draws its initial weights from a seed derived from `--seed` and its identity in the whole
+model, not from the generator state of the stage building it.
 """
 
 import pytest
@@ -15,17 +17,22 @@ from tests.functional_tests.runner import compare_series, load_case
 REFERENCE_CASE = "gpt/single_rank"
 LAYOUT_FLAGS = {"--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--use-distributed-optimizer"}
 RELATIVE_TOLERANCE = 1e-5
-PIPELINE_INIT_GAP = (
-    "GPTModel draws a pipeline stage's initial weights from the default generator in construction order, so a "
-    "stage that does not build the embedding or earlier layers starts from different weights than one rank does"
+
+TIED_EMBEDDING_TRAINING_GAP = (
+    "pipeline stages start from the single-rank weights and match its loss until the first update changes "
+    "them, then the tied word-embedding / output-layer copies on the first and last stage drift apart (1.7e-3 "
+    "relative by iteration 10; with --untie-embeddings-and-output-weights PP=2 matches to 6e-8)"
 )
 
 LAYOUTS = [
     "gpt/dp2_ddp",
     "gpt/dp2_distributed_optimizer",
     "gpt/tp2",
-    pytest.param("gpt/pp2", marks=pytest.mark.xfail(reason=PIPELINE_INIT_GAP, strict=True)),
-    pytest.param("gpt/tp2_pp2", marks=[pytest.mark.slow, pytest.mark.xfail(reason=PIPELINE_INIT_GAP, strict=True)]),
+    pytest.param("gpt/pp2", marks=pytest.mark.xfail(reason=TIED_EMBEDDING_TRAINING_GAP, strict=True)),
+    pytest.param(
+        "gpt/tp2_pp2",
+        marks=[pytest.mark.slow, pytest.mark.xfail(reason=TIED_EMBEDDING_TRAINING_GAP, strict=True)],
+    ),
 ]
 
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
+from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.recompute import checkpointed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -22,9 +23,11 @@ class SelfAttention(torch.nn.Module):
     Args:
         config: the transformer config.
         layer_number: 1-based index of the owning layer in the whole model (not the stage).
+        init_seed: seed of the owning layer's initial weights (see `init_seeds`); None derives it from
+            `config.init_seed` and `layer_number`.
     """
 
-    def __init__(self, config: TransformerConfig, layer_number: int):
+    def __init__(self, config: TransformerConfig, layer_number: int, init_seed=None):
         super().__init__()
         self.config = config
         self.layer_number = layer_number
@@ -32,22 +35,30 @@ class SelfAttention(torch.nn.Module):
         self.head_dim = config.kv_channels
         self.num_heads_per_partition = config.num_attention_heads // tp_size
         projection_size = config.num_attention_heads * config.kv_channels
+        if init_seed is None:
+            init_seed = derive_init_seed(resolve_base_init_seed(config), "layer", layer_number)
 
-        self.linear_qkv = tensor_parallel.ColumnParallelLinear(
-            config.hidden_size,
-            3 * projection_size,
-            config=config,
-            init_method=config.init_method,
-            bias=config.add_bias_linear,
-            gather_output=False,
+        self.linear_qkv = build_with_init_seed(
+            derive_init_seed(init_seed, "self_attention.linear_qkv"),
+            lambda: tensor_parallel.ColumnParallelLinear(
+                config.hidden_size,
+                3 * projection_size,
+                config=config,
+                init_method=config.init_method,
+                bias=config.add_bias_linear,
+                gather_output=False,
+            ),
         )
-        self.linear_proj = tensor_parallel.RowParallelLinear(
-            projection_size,
-            config.hidden_size,
-            config=config,
-            init_method=config.output_layer_init_method,
-            bias=config.add_bias_linear,
-            input_is_parallel=True,
+        self.linear_proj = build_with_init_seed(
+            derive_init_seed(init_seed, "self_attention.linear_proj"),
+            lambda: tensor_parallel.RowParallelLinear(
+                projection_size,
+                config.hidden_size,
+                config=config,
+                init_method=config.output_layer_init_method,
+                bias=config.add_bias_linear,
+                input_is_parallel=True,
+            ),
         )
 
     def core_attention(self, query, key, value, attention_mask):

@@ -10,29 +10,41 @@ reproduces TP=1 exactly from the same full initialisation.
 import torch
 
 from megatron.core import tensor_parallel
+from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 class MLP(torch.nn.Module):
-    def __init__(self, config: TransformerConfig):
+    """Args: config; init_seed: seed of the owning layer's initial weights (see `init_seeds`), None derives one
+    from `config.init_seed`."""
+
+    def __init__(self, config: TransformerConfig, init_seed=None):
         super().__init__()
         self.config = config
+        if init_seed is None:
+            init_seed = derive_init_seed(resolve_base_init_seed(config), "mlp")
         fc1_output_size = config.ffn_hidden_size * (2 if config.gated_linear_unit else 1)
-        self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
-            config.hidden_size,
-            fc1_output_size,
-            config=config,
-            init_method=config.init_method,
-            bias=config.add_bias_linear,
-            gather_output=False,
+        self.linear_fc1 = build_with_init_seed(
+            derive_init_seed(init_seed, "mlp.linear_fc1"),
+            lambda: tensor_parallel.ColumnParallelLinear(
+                config.hidden_size,
+                fc1_output_size,
+                config=config,
+                init_method=config.init_method,
+                bias=config.add_bias_linear,
+                gather_output=False,
+            ),
         )
-        self.linear_fc2 = tensor_parallel.RowParallelLinear(
-            config.ffn_hidden_size,
-            config.hidden_size,
-            config=config,
-            init_method=config.output_layer_init_method,
-            bias=config.add_bias_linear,
-            input_is_parallel=True,
+        self.linear_fc2 = build_with_init_seed(
+            derive_init_seed(init_seed, "mlp.linear_fc2"),
+            lambda: tensor_parallel.RowParallelLinear(
+                config.ffn_hidden_size,
+                config.hidden_size,
+                config=config,
+                init_method=config.output_layer_init_method,
+                bias=config.add_bias_linear,
+                input_is_parallel=True,
+            ),
         )
 
     def forward(self, hidden_states):

@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.transformer.init_seeds import resolve_base_init_seed
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.recompute import checkpointed
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -30,16 +31,23 @@ def pipeline_stage_layer_range(config: TransformerConfig):
 
 class TransformerBlock(torch.nn.Module):
     """Args: config; pre_process: this stage is first (takes `hidden_states` from the embedding);
-    post_process: this stage is last (applies the final norm)."""
+    post_process: this stage is last (applies the final norm); base_init_seed: the model's base init seed
+    (None: `config.init_seed`, else the default generator's seed). Each layer's initial weights depend only on
+    it and the layer's global number, so a stage's layers equal the same layers of a single-stage model."""
 
-    def __init__(self, config: TransformerConfig, pre_process: bool = True, post_process: bool = True):
+    def __init__(
+        self, config: TransformerConfig, pre_process: bool = True, post_process: bool = True, base_init_seed=None
+    ):
         super().__init__()
         self.config = config
         self.pre_process = pre_process
         self.post_process = post_process
         self.layer_offset, num_local_layers = pipeline_stage_layer_range(config)
+        if base_init_seed is None:
+            base_init_seed = resolve_base_init_seed(config)
         self.layers = torch.nn.ModuleList(
-            TransformerLayer(config, layer_number=self.layer_offset + index + 1) for index in range(num_local_layers)
+            TransformerLayer(config, layer_number=self.layer_offset + index + 1, base_init_seed=base_init_seed)
+            for index in range(num_local_layers)
         )
         self.final_layernorm = build_norm(config, config.hidden_size) if post_process else None
         self.input_tensor: Optional[torch.Tensor] = None

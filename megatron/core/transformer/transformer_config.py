@@ -41,6 +41,10 @@ class TransformerConfig(ModelParallelConfig):
     """Initialiser of input-side weights; None means normal(0, init_method_std)."""
     output_layer_init_method: Optional[Callable] = None
     """Initialiser of attention-out and fc2 weights; None means normal(0, init_method_std / sqrt(2 * num_layers))."""
+    init_seed: Optional[int] = None
+    """Base seed of the initial weights (`--seed`). Each module draws from a seed derived from it and the module's
+    identity (see `init_seeds`), so the weights do not depend on the pipeline split or on the construction order.
+    None means the seed the default CPU generator was last seeded with when the model is built."""
 
     normalization: str = "LayerNorm"
     layernorm_epsilon: float = 1e-5
@@ -94,6 +98,8 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(f"kv_channels must be positive, got {self.kv_channels}")
         if self.init_method_std <= 0:
             raise ValueError(f"--init-method-std must be positive, got {self.init_method_std}")
+        if self.init_seed is not None and (not isinstance(self.init_seed, int) or self.init_seed < 0):
+            raise ValueError(f"init_seed (--seed) must be a non-negative integer or None, got {self.init_seed!r}")
 
     def _fill_derived_defaults(self):
         if self.ffn_hidden_size is None:

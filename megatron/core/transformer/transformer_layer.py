@@ -4,23 +4,38 @@ import torch
 
 from megatron.core import tensor_parallel
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.init_seeds import derive_init_seed, reset_children_parameters, resolve_base_init_seed
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
-class TransformerLayer(torch.nn.Module):
-    """Args: config; layer_number: 1-based index of this layer in the whole model."""
+def layer_init_seed(base_seed: int, layer_number: int) -> int:
+    """Seed of the initial weights of global layer `layer_number` (the same on every pipeline layout)."""
+    return derive_init_seed(base_seed, "layer", layer_number)
 
-    def __init__(self, config: TransformerConfig, layer_number: int):
+
+class TransformerLayer(torch.nn.Module):
+    """Args: config; layer_number: 1-based index of this layer in the whole model; base_init_seed: the model's
+    base init seed (None: `config.init_seed`, else the default generator's seed). The layer's initial weights
+    depend only on the base seed and `layer_number`."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, base_init_seed=None):
         super().__init__()
         self.config = config
         self.layer_number = layer_number
+        if base_init_seed is None:
+            base_init_seed = resolve_base_init_seed(config)
+        self.init_seed = layer_init_seed(base_init_seed, layer_number)
         self.input_layernorm = build_norm(config, config.hidden_size)
-        self.self_attention = SelfAttention(config, layer_number)
+        self.self_attention = SelfAttention(config, layer_number, init_seed=self.init_seed)
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, init_seed=self.init_seed)
         self.hidden_dropout = torch.nn.Dropout(config.hidden_dropout)
+
+    def reset_parameters(self):
+        """Redraw this layer's initial weights; the same values as at construction, whatever else ran before."""
+        reset_children_parameters(self)
 
     def _dropout(self, x):
         if self.config.sequence_parallel:

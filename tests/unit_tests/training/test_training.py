@@ -40,6 +40,7 @@ def test_reported_loss_is_token_weighted_over_data_parallel_ranks(world_size):
 
 def _pretrain_until_sigterm(workdir, extra_args):
     import pretrain_gpt
+    from megatron.core.enums import ModelType
     from megatron.training.checkpointing import read_tracker
     from megatron.training.global_vars import get_args
     from megatron.training.training import pretrain
@@ -61,7 +62,7 @@ def _pretrain_until_sigterm(workdir, extra_args):
     iteration = pretrain(
         pretrain_gpt.train_valid_test_datasets_provider,
         pretrain_gpt.model_provider,
-        pretrain_gpt.MODEL_TYPE,
+        ModelType.encoder_or_decoder,
         forward_step_sending_sigterm,
         argv=argv,
     )

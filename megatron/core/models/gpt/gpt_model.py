@@ -9,6 +9,10 @@ embedding itself. When first and last stage are different processes the last sta
 made equal to the embedding at construction (zero-filled, then summed with the first stage's weight over the
 embedding group), and both copies carry `shared_embedding=True` so gradient finalisation all-reduces their
 gradients over the embedding group, keeping them equal.
+
+Initial weights depend only on the base init seed (`config.init_seed`, else the default generator's seed when the
+model is built) and on each module's identity in the whole model (`init_seeds`): a stage built alone draws the
+same weights for its modules as a single-stage model does, and a tied output layer draws the embedding's.
 """
 
 from typing import Optional
@@ -17,8 +21,12 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.common.embeddings.language_model_embedding import (
+    LanguageModelEmbedding,
+    word_embedding_init_seed,
+)
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -69,29 +77,42 @@ class GPTModel(torch.nn.Module):
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         self.position_embedding_type = position_embedding_type
 
-        # Modules are created in the same order at every parallel size so the random stream, and hence the
-        # initial weights, do not depend on the layout.
+        self.base_init_seed = resolve_base_init_seed(config)
         if pre_process:
             self.embedding = LanguageModelEmbedding(
-                config, vocab_size, max_sequence_length, position_embedding_type=position_embedding_type
+                config,
+                vocab_size,
+                max_sequence_length,
+                position_embedding_type=position_embedding_type,
+                base_init_seed=self.base_init_seed,
             )
         self.rotary_pos_emb = (
             RotaryEmbedding(config.kv_channels, rotary_percent=rotary_percent, rotary_base=rotary_base)
             if position_embedding_type == "rope"
             else None
         )
-        self.decoder = TransformerBlock(config, pre_process=pre_process, post_process=post_process)
+        self.decoder = TransformerBlock(
+            config, pre_process=pre_process, post_process=post_process, base_init_seed=self.base_init_seed
+        )
         self.output_layer = None
         if post_process:
-            # A single stage with tied weights multiplies by the embedding's own weight (passed to forward).
-            self.output_layer = tensor_parallel.ColumnParallelLinear(
-                config.hidden_size,
-                vocab_size,
-                config=config,
-                init_method=config.init_method,
-                bias=False,
-                gather_output=False,
-                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+            # A single stage with tied weights multiplies by the embedding's own weight (passed to forward). A
+            # last stage's tied copy draws from the word embedding's seed, so both copies start equal.
+            if share_embeddings_and_output_weights:
+                output_seed = word_embedding_init_seed(self.base_init_seed)
+            else:
+                output_seed = derive_init_seed(self.base_init_seed, "output_layer")
+            self.output_layer = build_with_init_seed(
+                output_seed,
+                lambda: tensor_parallel.ColumnParallelLinear(
+                    config.hidden_size,
+                    vocab_size,
+                    config=config,
+                    init_method=config.init_method,
+                    bias=False,
+                    gather_output=False,
+                    skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+                ),
             )
         self._setup_embeddings_and_output_layer()
 

@@ -8,10 +8,25 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
+from megatron.core.transformer.init_seeds import (
+    build_with_init_seed,
+    derive_init_seed,
+    reset_children_parameters,
+    resolve_base_init_seed,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import initialize_from_cpu_master, parameter_device
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+
+
+def word_embedding_init_seed(base_seed: int) -> int:
+    """Seed of the word embedding's initial weights (also of a tied output layer's copy on the last stage)."""
+    return derive_init_seed(base_seed, "embedding.word_embeddings")
+
+
+def position_embedding_init_seed(base_seed: int) -> int:
+    return derive_init_seed(base_seed, "embedding.position_embeddings")
 
 
 class LearnedPositionEmbedding(torch.nn.Module):
@@ -45,6 +60,8 @@ class LanguageModelEmbedding(torch.nn.Module):
         max_sequence_length: rows of the learned position embedding.
         position_embedding_type: "learned_absolute" adds a learned position embedding here; "rope" and "none"
             add nothing (rope is applied inside attention).
+        base_init_seed: the model's base init seed (None: `config.init_seed`, else the default generator's
+            seed); the word and position embeddings each draw from their own seed derived from it.
     """
 
     def __init__(
@@ -53,6 +70,7 @@ class LanguageModelEmbedding(torch.nn.Module):
         vocab_size: int,
         max_sequence_length: int,
         position_embedding_type: str = "learned_absolute",
+        base_init_seed=None,
     ):
         super().__init__()
         if position_embedding_type not in POSITION_EMBEDDING_TYPES:
@@ -64,12 +82,24 @@ class LanguageModelEmbedding(torch.nn.Module):
         self.max_sequence_length = max_sequence_length
         self.add_position_embedding = position_embedding_type == "learned_absolute"
 
-        self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
-            vocab_size, config.hidden_size, init_method=config.init_method, config=config
+        if base_init_seed is None:
+            base_init_seed = resolve_base_init_seed(config)
+        self.word_embeddings = build_with_init_seed(
+            word_embedding_init_seed(base_init_seed),
+            lambda: tensor_parallel.VocabParallelEmbedding(
+                vocab_size, config.hidden_size, init_method=config.init_method, config=config
+            ),
         )
         if self.add_position_embedding:
-            self.position_embeddings = LearnedPositionEmbedding(config, max_sequence_length)
+            self.position_embeddings = build_with_init_seed(
+                position_embedding_init_seed(base_init_seed),
+                lambda: LearnedPositionEmbedding(config, max_sequence_length),
+            )
         self.embedding_dropout = torch.nn.Dropout(config.hidden_dropout)
+
+    def reset_parameters(self):
+        """Redraw the word and position embeddings; the same values as at construction."""
+        reset_children_parameters(self)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor = None) -> torch.Tensor:
         """`input_ids`, `position_ids`: `[b, s]` -> embeddings `[s, b, h]` (sequence-split when SP is on)."""
