@@ -109,7 +109,10 @@ class DistributedDataParallel(torch.nn.Module):
                 "reduction started; run earlier microbatches under no_sync() and call zero_grad_buffer() "
                 "before each step."
             )
-        if param.grad is not None and not getattr(param, "grad_added_to_main_grad", False):
+        # A fused weight-gradient kernel has already added its share into main_grad and contributed zeros to
+        # param.grad; what param.grad holds is the sum of the other uses of the parameter (e.g. the embedding
+        # lookup of a weight tied to the output layer), so it is always added.
+        if param.grad is not None:
             param.main_grad.add_(param.grad)
         param.grad = None
         param.grad_added_to_main_grad = False

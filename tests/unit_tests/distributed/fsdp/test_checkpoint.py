@@ -10,10 +10,10 @@ from tests.unit_tests.multiprocess_harness import run_on_ranks
 STEPS_BEFORE_SAVE, STEPS_AFTER_LOAD = 2, 2
 
 
-def _wrap(strategy):
+def _wrap(strategy, seed=0):
     import megatron_fsdp
 
-    model = models.make_model(0)
+    model = models.make_model(seed)
     optimizer = models.make_optimizer([p for p in model.parameters() if p.requires_grad])
     return megatron_fsdp.fully_shard(model, optimizer, fsdp_unit_modules=[models.Block], zero_dp_strategy=strategy)
 
@@ -36,6 +36,14 @@ def _train_steps(model, optimizer, steps, first_step):
     return losses
 
 
+def _save_all(directory, strategies):
+    return {strategy: _save(f"{directory}_{strategy}", strategy) for strategy in strategies}
+
+
+def _load_all(directory, strategies):
+    return {strategy: _load(f"{directory}_{strategy}", strategy) for strategy in strategies}
+
+
 def _save(directory, strategy):
     import torch.distributed.checkpoint as dcp
 
@@ -51,11 +59,7 @@ def _save(directory, strategy):
 def _load(directory, strategy):
     import torch.distributed.checkpoint as dcp
 
-    torch.manual_seed(123)  # a different init: everything must come from the checkpoint
-    model, optimizer = _wrap(strategy)
-    with torch.no_grad():
-        for param in model.module.parameters():
-            param.zero_() if param.numel() else None
+    model, optimizer = _wrap(strategy, seed=123)  # a different init: everything must come from the checkpoint
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     dcp.load(state, checkpoint_id=directory)
     model.load_state_dict(state["model"])
@@ -64,17 +68,18 @@ def _load(directory, strategy):
 
 
 @pytest.mark.world_size(4)
-@pytest.mark.parametrize("strategy", [3, 1])
-def test_dcp_save_at_dp4_loads_at_dp2_and_dp3(tmp_path, strategy):
+def test_dcp_save_at_dp4_loads_at_dp2_and_dp3(tmp_path):
+    strategies = (1, 3)
     directory = str(tmp_path / "ckpt")
-    results = run_on_ranks(4, _save, directory, strategy)
-    uninterrupted, local_shapes = results[0]
-    # rank 3 holds no rows of the 2-element vector (rows split 1,1,0,0) but a full share of wide params
-    assert results[3][1]["tiny.weight"] == (0,) and results[0][1]["tiny.weight"] == (1,)
-    assert local_shapes["inp.weight"] == (4, 7) and results[3][1]["inp.weight"] == (1, 7)
-    for world_size in (2, 3):
-        resumed = run_on_ranks(world_size, _load, directory, strategy)[0]
-        assert resumed == pytest.approx(uninterrupted, abs=1e-6), world_size
+    saved = run_on_ranks(4, _save_all, directory, strategies)
+    loaded = {world_size: run_on_ranks(world_size, _load_all, directory, strategies)[0] for world_size in (2, 3)}
+    for strategy in strategies:
+        uninterrupted, local_shapes = saved[0][strategy]
+        # rows are split like Shard(0): the 2-element vector as 1,1,0,0 and the 13-row weights as 4,4,4,1
+        assert local_shapes["tiny.weight"] == (1,) and saved[3][strategy][1]["tiny.weight"] == (0,)
+        assert local_shapes["out.weight"] == (4, 13) and saved[3][strategy][1]["out.weight"] == (1, 13)
+        for world_size in (2, 3):
+            assert loaded[world_size][strategy] == pytest.approx(uninterrupted, abs=1e-6), (strategy, world_size)
 
 
 def _meta_versus_eager(strategy, double_buffer):

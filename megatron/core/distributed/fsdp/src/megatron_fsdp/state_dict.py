@@ -72,7 +72,7 @@ def model_state_dict(model) -> Dict[str, object]:
     return state
 
 
-def _shard_from_rows(model, group: ParamGroup, values: List[torch.Tensor], dtype) -> torch.Tensor:
+def _shard_from_rows(model, group: ParamGroup, values: List[torch.Tensor], dtype, full_group=False) -> torch.Tensor:
     """Rows of every parameter (this rank's) -> this rank's flat shard (or the full flat group for no_shard)."""
     topology = model.topology
     full = torch.zeros(group.layout.padded_numel, dtype=dtype, device=group.device)
@@ -83,7 +83,7 @@ def _shard_from_rows(model, group: ParamGroup, values: List[torch.Tensor], dtype
         row_numel = (span.numel // span.shape[0]) if (span.shape and span.shape[0]) else span.numel
         full[span.flat_start + start * row_numel:span.flat_start + end * row_numel].copy_(rows.reshape(-1))
     collectives.all_reduce_scalar_sum(full, topology.dp_group)
-    if model.strategy == ShardingStrategy.no_shard:
+    if full_group or model.strategy == ShardingStrategy.no_shard:
         return full
     shard_start, shard_end = group.layout.shard_range(topology.dp_rank)
     return full[shard_start:shard_end]
@@ -103,16 +103,16 @@ def load_model_state_dict(model, state_dict, strict: bool = True):
             if any(name not in state_dict for name in group.names):
                 continue
             dtype = group.main_dtype if group.main_weights is not None else group.param_dtype
-            values = _shard_from_rows(model, group, [state_dict[name] for name in group.names], dtype)
+            # Frozen groups of strategies 0-2 are never re-gathered, so they take the whole group at once.
+            full_group = group.main_weights is None and not group.shards_params
+            values = _shard_from_rows(model, group, [state_dict[name] for name in group.names], dtype, full_group)
             if group.main_weights is not None:
                 group.main_weights.copy_(values)
                 group.install_main_into_compute()
             elif group.shards_params:
                 group.compute_shard.copy_(values)
-            elif model.strategy == ShardingStrategy.no_shard:
-                group.compute_buffer.copy_(values)
             else:
-                group.compute_buffer_shard.copy_(values)
+                group.compute_buffer.copy_(values)
         for name, buffer in buffers.items():
             if name in state_dict:
                 value = state_dict[name]
