@@ -77,7 +77,7 @@ def test_dcp_save_at_dp4_loads_at_dp2_and_dp3(tmp_path):
         uninterrupted, local_shapes = saved[0][strategy]
         # rows are split like Shard(0): the 2-element vector as 1,1,0,0 and the 13-row weights as 4,4,4,1
         assert local_shapes["tiny.weight"] == (1,) and saved[3][strategy][1]["tiny.weight"] == (0,)
-        assert local_shapes["out.weight"] == (4, 13) and saved[3][strategy][1]["out.weight"] == (1, 13)
+        assert local_shapes["inp.weight"] == (4, 7) and saved[3][strategy][1]["inp.weight"] == (1, 7)
         for world_size in (2, 3):
             assert loaded[world_size][strategy] == pytest.approx(uninterrupted, abs=1e-6), (strategy, world_size)
 

@@ -101,7 +101,7 @@ class MegatronFSDP(nn.Module):
                  sync_model_each_microbatch: bool = True, disable_bucketing: bool = False,
                  calculate_per_token_loss: bool = False, report_nan_in_param_grad: bool = False):
         super().__init__()
-        if isinstance(module, MegatronFSDP) or getattr(module, WRAPPED_ATTR, None) is not None:
+        if isinstance(module, MegatronFSDP) or module.__dict__.get(WRAPPED_ATTR) is not None:
             raise ValueError("this module is already wrapped by MegatronFSDP; wrap each model once")
         if any(getattr(p, WRAPPED_ATTR, None) is not None for p in module.parameters()):
             raise ValueError("some parameters of this module already belong to a MegatronFSDP model; wrap once")
@@ -142,7 +142,7 @@ class MegatronFSDP(nn.Module):
             overlap_param_gather=config.overlap_param_gather, sync_model_each_microbatch=sync_model_each_microbatch,
             report_nan_in_param_grad=report_nan_in_param_grad or config.check_for_nan_in_grad, pool=self.pool)
         self.schedule.register_hooks()
-        setattr(module, WRAPPED_ATTR, self)
+        module.__dict__[WRAPPED_ATTR] = self  # a plain attribute: not registered as a submodule
 
     # ---- construction ---------------------------------------------------------------------------------------------
     def _build_groups(self, unit_classes, config, disable_bucketing, meta):

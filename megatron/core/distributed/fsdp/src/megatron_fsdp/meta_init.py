@@ -16,11 +16,6 @@ import torch.nn as nn
 from .param_and_grad_buffer import ParamGroup
 
 
-def _has_meta_state(module: nn.Module) -> bool:
-    tensors = list(module._parameters.values()) + list(module._buffers.values())
-    return any(t is not None and t.is_meta for t in tensors)
-
-
 def _initialise_module(module: nn.Module, name: str, device: torch.device, initialised: set):
     for buffer_name, buffer in module._buffers.items():
         if buffer is not None and buffer.is_meta:
