@@ -26,6 +26,21 @@ def _payload_bytes(value):
     return value.numel() * value.element_size()
 
 
+def _self_split_bytes(arguments, group):
+    """An all-to-all whose input leaves out this rank's own split (split size 0 for itself, the rank keeps that
+    piece locally) still stands for the whole logical tensor: count the kept piece too, sized like the others."""
+    splits = arguments.get("input_split_sizes")
+    if not splits:
+        return 0
+    own = splits[dist.get_rank(group)]
+    others = [size for index, size in enumerate(splits) if index != dist.get_rank(group)]
+    if own != 0 or not others:
+        return 0
+    tensor = arguments["input"]
+    row_bytes = tensor[0].numel() * tensor.element_size() if tensor.dim() > 0 and tensor.shape[0] else 0
+    return max(others) * row_bytes
+
+
 # name -> (collective kind, the argument whose size is the payload). The payload is the size of the whole
 # logical tensor: the gathered output, the reduce-scatter input, the all-reduced tensor.
 _PAYLOAD_ARGUMENT = {
@@ -79,7 +94,10 @@ class CollectiveCounter:
             if self.enabled and depth == 0:
                 arguments = signature.bind(*args, **kwargs).arguments
                 group_size = dist.get_world_size(arguments.get("group"))
-                self.record(kind, _payload_bytes(arguments[payload_argument]), group_size)
+                payload = _payload_bytes(arguments[payload_argument])
+                if name == "all_to_all_single":
+                    payload += _self_split_bytes(arguments, arguments.get("group"))
+                self.record(kind, payload, group_size)
             self._local.depth = depth + 1
             try:
                 return function(*args, **kwargs)

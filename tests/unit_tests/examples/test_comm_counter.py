@@ -50,3 +50,30 @@ def test_counter_records_payload_bytes_per_kind(world_size):
         assert snapshot["calls"] == dict.fromkeys(snapshot["payload_bytes"], 1)
         # ring on 2 ranks: (2 * 40 + 48 + 24 + 16 + 64) / 2
         assert snapshot["wire_bytes"] == 116.0
+
+
+def _count_all_to_all_that_keeps_own_split():
+    from examples.megatron_fsdp import comm_counter
+
+    counter = comm_counter.install()
+    try:
+        rank = dist.get_rank()
+        counter.reset()
+        with counter.counting():
+            # Each rank sends 3 floats to the other and keeps its own 3 locally: a 6-float logical exchange.
+            splits = [0, 3] if rank == 0 else [3, 0]
+            received = torch.empty(3)
+            dist.all_to_all_single(received, torch.full((3,), float(rank)), output_split_sizes=splits,
+                                   input_split_sizes=splits)
+        snapshot = counter.snapshot()
+    finally:
+        comm_counter.uninstall()
+    assert torch.equal(received, torch.full((3,), float(1 - rank)))
+    return snapshot
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_all_to_all_counts_the_split_a_rank_keeps(world_size):
+    for snapshot in run_on_ranks(world_size, _count_all_to_all_that_keeps_own_split):
+        assert snapshot["payload_bytes"] == {"all_to_all": 24}
+        assert snapshot["calls"] == {"all_to_all": 1}

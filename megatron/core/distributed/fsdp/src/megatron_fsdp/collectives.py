@@ -115,11 +115,12 @@ def reduce_scatter_flat(output: torch.Tensor, flat_input: torch.Tensor, group, c
     if world == 1:
         result = flat_input
     elif backend_of(group) == "gloo":
-        received = torch.empty_like(flat_input)
-        work = dist.all_to_all_single(received, flat_input, group=group, async_op=async_op)
+        received, work, own_shard = _all_to_all_shards(flat_input, shard_numel, group, world, async_op)
 
         def sum_received():
-            summed = received.view(world, shard_numel).sum(dim=0)
+            summed = received.view(-1, shard_numel).sum(dim=0)
+            if own_shard is not None:
+                summed.add_(own_shard)
             _store(output, summed.div_(world) if average else summed, accumulate)
 
         return _finish(work, sum_received, async_op)
@@ -132,6 +133,26 @@ def reduce_scatter_flat(output: torch.Tensor, flat_input: torch.Tensor, group, c
             return _finish(work, None, async_op)
         return _finish(work, lambda: _store(output, result, accumulate), async_op)
     return _finish(None, lambda: _store(output, result.div(world) if average else result, accumulate), False)
+
+
+def _all_to_all_shards(flat_input: torch.Tensor, shard_numel: int, group, world: int, async_op: bool):
+    """Send every rank its shard of `flat_input`; returns (received shards, work, own shard kept locally).
+
+    When this rank's own shard is at either end of the input (always with two ranks) it is not sent to itself,
+    so the receive buffer holds `world - 1` shards instead of a second full-size copy of the input.
+    """
+    rank = group_rank(group)
+    if rank not in (0, world - 1):
+        received = torch.empty_like(flat_input)
+        return received, dist.all_to_all_single(received, flat_input, group=group, async_op=async_op), None
+    own_start = rank * shard_numel
+    own_shard = flat_input[own_start:own_start + shard_numel]
+    others = flat_input[shard_numel:] if rank == 0 else flat_input[:own_start]
+    received = flat_input.new_empty((world - 1) * shard_numel)
+    sizes = [0 if peer == rank else shard_numel for peer in range(world)]
+    work = dist.all_to_all_single(received, others, output_split_sizes=sizes, input_split_sizes=sizes,
+                                  group=group, async_op=async_op)
+    return received, work, own_shard
 
 
 def _store(output: torch.Tensor, value: torch.Tensor, accumulate: bool):

@@ -14,7 +14,7 @@ DEFAULT_BUCKET_NUMEL = 40_000_000
 
 @dataclass
 class GroupPlan:
-    unit_index: Optional[int]  # None: outside any unit (stays gathered for the whole step under strategy 3)
+    unit_index: Optional[int]  # None: outside any unit (under strategy 3 gathered from forward until its grads)
     params: List[nn.Parameter] = field(default_factory=list)
     names: List[str] = field(default_factory=list)
 
@@ -27,9 +27,16 @@ def _split_by_kind(entries: List[Tuple[str, nn.Parameter]]) -> List[List[Tuple[s
     return list(kinds.values())
 
 
-def plan_groups(module: nn.Module, unit_classes: tuple, bucket_numel: Optional[int], disable_bucketing: bool):
+def plan_groups(module: nn.Module, unit_classes: tuple, bucket_numel: Optional[int], disable_bucketing: bool,
+                root_buckets_unit_sized: bool = False):
     """Returns (unit modules, group plans). A parameter shared between a unit and anything outside it
-    (a tied embedding/output weight, say) goes to the root groups, which stay gathered during the step."""
+    (a tied embedding/output weight, say) goes to the root groups; under strategy 3 those are gathered from
+    the forward until their gradients are in.
+
+    With `root_buckets_unit_sized` (strategy 3) and no explicit `bucket_numel`, root buckets are capped at the
+    largest unit's size rather than the default, so an output layer and an input embedding land in different
+    groups: each is reduced and released as soon as its own gradients are in, instead of both staying
+    gathered, with a transient gradient buffer for both, through the whole backward."""
     units = outermost_unit_modules(module, unit_classes)
     owners = parameter_owners(module)
     module_to_unit = {}
@@ -51,6 +58,9 @@ def plan_groups(module: nn.Module, unit_classes: tuple, bucket_numel: Optional[i
         for kind in _split_by_kind(entries):
             plans.append(GroupPlan(unit_index, [p for _, p in kind], [n for n, _ in kind]))
     cap = 0 if disable_bucketing else (DEFAULT_BUCKET_NUMEL if bucket_numel is None else bucket_numel)
+    if root_buckets_unit_sized and bucket_numel is None and not disable_bucketing and units:
+        largest_unit = max(sum(p.numel() for _, p in entries) for entries in per_unit)
+        cap = min(cap, max(largest_unit, 1))
     for kind in _split_by_kind(root):
         for bucket in bucket_by_size([p.numel() for _, p in kind], cap):
             plans.append(GroupPlan(None, [kind[i][1] for i in bucket], [kind[i][0] for i in bucket]))

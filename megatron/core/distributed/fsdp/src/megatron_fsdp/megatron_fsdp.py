@@ -146,7 +146,8 @@ class MegatronFSDP(nn.Module):
 
     # ---- construction ---------------------------------------------------------------------------------------------
     def _build_groups(self, unit_classes, config, disable_bucketing, meta):
-        unit_modules, plans = plan_groups(self.module, unit_classes, config.bucket_size, disable_bucketing)
+        unit_modules, plans = plan_groups(self.module, unit_classes, config.bucket_size, disable_bucketing,
+                                          root_buckets_unit_sized=self.strategy == ShardingStrategy.optim_grads_params)
         owners = parameter_owners(self.module)
         dp_rank, dp_size = self.topology.dp_rank, self.topology.dp_size
         self.pool = self._make_pool(plans, len(unit_modules), dp_size) if config.fsdp_double_buffer else None
@@ -243,7 +244,7 @@ class MegatronFSDP(nn.Module):
     def scale_gradients(self, scaling_factor: float):
         for group in self.groups:
             target = group.grad_buffer if group.grad_buffer is not None else group.main_grads
-            if target is not None:
+            if target is not None and not group.main_grads_released:  # a released buffer is all zeros
                 target.mul_(scaling_factor)
 
     def install_optimized_model_weights(self):

@@ -9,6 +9,9 @@ Which tensors exist depends on the sharding strategy (S = shard size, N = padded
 | 2 optim_grads       | N, persistent            | S (aliases compute shard) | S main + N transient during backward  |
 | 3 optim_grads_params| S shard; N while gathered| S (is the shard if same dtype) | S main + N transient during backward |
 
+Under strategies 2/3 the S main gradients hold no storage from `zero_grad` until the first reduction of the
+next backward (they are all zero then); they are counted at their full size in `persistent_bytes`.
+
 Model parameters are views into the flat compute buffer. Under strategy 3 the buffer's storage is resized to
 zero when released and back when gathered, so the views (and any views autograd saved, such as `weight.t()`)
 stay valid across gathers without re-pointing anything. Gradients arrive through a post-accumulate-grad hook
@@ -17,7 +20,7 @@ one flat buffer. The optimizer sees one view of the main weights per parameter: 
 1-3, flat) or the whole parameter (strategy 0, original shape).
 """
 
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -56,6 +59,11 @@ class DoubleBufferPool:
 
 class ParamGroup:
     """One unit of communication: parameters of one dtype and requires_grad, laid out flat and sharded."""
+
+    # A gradient smaller than 1/STASH_FRACTION of the group that arrives before the flat transient buffer exists
+    # is kept aside instead of allocating the buffer (a root group's norm gradient arriving long before its
+    # embedding gradient, say).
+    STASH_FRACTION = 8
 
     def __init__(
         self,
@@ -108,6 +116,12 @@ class ParamGroup:
                     self.grad_buffer[shard_start:shard_end])
             else:
                 self.main_grads = self._zeros(shard, self.grad_dtype)
+        # Strategies 2/3 reduce into a shard-sized gradient buffer that holds nothing between zero_grad and the
+        # first reduction of the next backward, so it gives its storage back in that window (the forward and
+        # the start of backward, where activations peak) and gets it back, zeroed, when a reduction needs it.
+        self.releases_main_grads = self.main_grads is not None and self.grad_buffer is None
+        self.main_grads_released = False
+        self.release_main_grads()
         if self.shards_params:
             reuse_main = self.trainable and same_dtype
             self.compute_shard = self.main_weights if reuse_main else self._zeros(shard, self.param_dtype)
@@ -119,6 +133,7 @@ class ParamGroup:
         self._optimizer_grad_storage = None
         # Gradient bookkeeping for the current backward.
         self.transient_grads: Optional[torch.Tensor] = None
+        self.stashed_grads: Dict[int, torch.Tensor] = {}  # small grads that arrived before the flat buffer
         self.filled = [False] * len(self.params)
         self.grads_pending = 0  # params whose grad arrived since the last reduction
         self.params_waiting = self._trainable_count()
@@ -203,9 +218,11 @@ class ParamGroup:
             target = self.grad_buffer[span.flat_start:span.flat_end]
             target.add_(flat_grad, alpha=scale) if scale != 1.0 else target.add_(flat_grad)
         else:
-            if self.transient_grads is None:
-                self.transient_grads = torch.empty(self.layout.padded_numel, dtype=self.comm_dtype, device=self.device)
-                self.filled = [False] * len(self.params)
+            if self.transient_grads is None and not self.starts_transient_grads(flat_grad):
+                self._stash_grad(index, flat_grad, scale)
+                self.grads_dirty = True
+                return
+            self._allocate_transient_grads()
             target = self.transient_grads[span.flat_start:span.flat_end]
             if self.filled[index]:
                 target.add_(flat_grad, alpha=scale)
@@ -215,6 +232,30 @@ class ParamGroup:
                 target.copy_(flat_grad)
             self.filled[index] = True
         self.grads_dirty = True
+
+    def starts_transient_grads(self, grad: torch.Tensor) -> bool:
+        """Whether writing `grad` now allocates the flat transient gradient buffer."""
+        if self.grad_buffer is not None or self.transient_grads is not None:
+            return False
+        return grad.numel() * self.STASH_FRACTION >= self.layout.numel
+
+    def _stash_grad(self, index: int, flat_grad: torch.Tensor, scale: float):
+        """Keep a small gradient aside until a large one makes the flat transient buffer worth allocating."""
+        scaled = flat_grad.to(self.comm_dtype) * scale if scale != 1.0 else flat_grad.to(self.comm_dtype, copy=True)
+        previous = self.stashed_grads.get(index)
+        self.stashed_grads[index] = scaled if previous is None else previous.add_(scaled)
+
+    def _allocate_transient_grads(self):
+        """Create the flat transient gradient buffer (once per reduction) and move stashed gradients into it."""
+        if self.transient_grads is not None:
+            return
+        self.transient_grads = torch.empty(self.layout.padded_numel, dtype=self.comm_dtype, device=self.device)
+        self.filled = [False] * len(self.params)
+        for index, stashed in self.stashed_grads.items():
+            span = self.layout.spans[index]
+            self.transient_grads[span.flat_start:span.flat_end].copy_(stashed)
+            self.filled[index] = True
+        self.stashed_grads = {}
 
     def _reopen_reduced_grads(self):
         """Make an already-reduced persistent buffer accept more local gradients (another microbatch)."""
@@ -233,9 +274,7 @@ class ParamGroup:
         """The flat buffer to reduce: transient grads with unwritten spans zeroed, or the persistent buffer."""
         if self.grad_buffer is not None:
             return self.grad_buffer if self.comm_dtype == self.grad_dtype else self.grad_buffer.to(self.comm_dtype)
-        if self.transient_grads is None:
-            self.transient_grads = torch.zeros(self.layout.padded_numel, dtype=self.comm_dtype, device=self.device)
-            return self.transient_grads
+        self._allocate_transient_grads()
         for index, was_filled in enumerate(self.filled):
             if not was_filled:
                 span = self.layout.spans[index]
@@ -245,13 +284,27 @@ class ParamGroup:
 
     def drop_transient_grads(self):
         self.transient_grads = None
+        self.stashed_grads = {}
         self.filled = [False] * len(self.params)
+
+    def release_main_grads(self):
+        """Drop the storage of an all-zero shard gradient buffer (strategies 2/3); views stay registered."""
+        if self.releases_main_grads and not self.main_grads_released:
+            self.main_grads.untyped_storage().resize_(0)
+            self.main_grads_released = True
+
+    def ensure_main_grads(self):
+        """Give a released shard gradient buffer its storage back, zeroed, before anything reads or adds to it."""
+        if self.main_grads_released:
+            self.main_grads.untyped_storage().resize_(self.main_grads.numel() * self.main_grads.element_size())
+            self.main_grads.zero_()
+            self.main_grads_released = False
 
     def zero_grads(self):
         if self.grad_buffer is not None:
             self.grad_buffer.zero_()
         elif self.main_grads is not None:
-            self.main_grads.zero_()
+            self.release_main_grads()
         self.grads_dirty = False
         self.reduced = False
         self._optimizer_grad_storage = None
@@ -263,6 +316,7 @@ class ParamGroup:
         """Point each main-weight view's `.grad` at its gradient (cast to the main dtype when they differ)."""
         if self.main_weights is None:
             return
+        self.ensure_main_grads()
         grads = self.main_grads
         if grads.dtype != self.main_dtype:
             self._optimizer_grad_storage = grads.to(self.main_dtype)
@@ -273,6 +327,7 @@ class ParamGroup:
     def optimizer_grad_views(self) -> List[torch.Tensor]:
         if self.main_weights is None:
             return []
+        self.ensure_main_grads()
         grads = self._optimizer_grad_storage if self._optimizer_grad_storage is not None else self.main_grads
         return [self._main_view(grads, index) for index in range(len(self.params))]
 
@@ -294,4 +349,5 @@ class ParamGroup:
 
     def transient_bytes(self) -> int:
         gathered = self.compute_bytes_held() if self.shards_params else 0
-        return gathered + tensor_bytes(self.transient_grads)
+        stashed = sum(tensor_bytes(grad) for grad in self.stashed_grads.values())
+        return gathered + tensor_bytes(self.transient_grads) + stashed

@@ -3,9 +3,10 @@
 One step under strategy 3 (units U0..Un in forward order, R = parameters outside units):
 
     forward:  gather R | pre-fwd U0: wait/gather U0, prefetch U1 | U0 fwd | post-fwd U0: release U0 | ...
-    backward: pre-bwd Un (grad of Un's outputs): wait/gather Un, prefetch Un-1 | Un bwd |
-              all grads of a group written -> reduce-scatter it (async if overlapping), release its weights |
-              ... | end of backward: reduce leftovers, release R and anything still gathered
+    backward: loss grad: gather R if released | pre-bwd Un (grad of Un's outputs): wait/gather Un, prefetch Un-1 |
+              Un's first gradient: wait for the reduction in flight | Un bwd |
+              all grads of a group written -> reduce-scatter it (async if overlapping), release its weights
+              (R's groups too) | ... | end of backward: reduce leftovers, release anything still gathered
     step:     finish_grad_sync (wait reduces) -> optimizer.step on shards -> write shards into compute shards
 
 Strategies 0-2 keep the compute weights gathered; their gathers happen after the optimizer step
@@ -181,9 +182,9 @@ class Schedule:
     def _root_pre_backward(self):
         self._queue_post_backward()
         if self.strategy == ShardingStrategy.optim_grads_params:
+            # The last unit is not prefetched here: the start of backward is where activations peak, and the
+            # unit's own pre-backward hook gathers it once the loss and output-layer gradients are done.
             self.ensure_gathered(self.root_groups)
-            if self.overlap_param_gather and self.units:
-                self.gather(self.units[-1].groups, async_op=True)
 
     def _unit_pre_backward(self, unit: Unit):
         self._queue_post_backward()
@@ -203,6 +204,8 @@ class Schedule:
                                    f"(report_nan_in_param_grad=True)")
             if group.reduced:
                 self.wait_reduces()  # the persistent buffer may still be in flight from the previous microbatch
+            elif self.pending_reduces and group.starts_transient_grads(grad):
+                self.wait_reduces()  # free the previous group's in-flight buffers before allocating this one's
             group.write_grad(index, grad, self.grad_scale)
             param.grad = None
             self.grads_synced = False
@@ -220,8 +223,9 @@ class Schedule:
     def _on_group_grads_ready(self, group: ParamGroup):
         if self._reduces_now(group):
             self.launch_reduce(group, async_op=self.overlap_grad_reduce)
-        if group.unit_index is not None:
-            self.release([group])
+        # Every parameter of the group has its gradient: its weights are not needed again in this backward
+        # (a root group too; the next forward or backward gathers it again).
+        self.release([group])
 
     def _post_backward(self):
         self.post_backward_queued = False
@@ -246,6 +250,7 @@ class Schedule:
             epilogue = (lambda: group.grad_buffer.copy_(flat)) if copy_back else None
         else:
             accumulate = self.strategy >= ShardingStrategy.optim_grads
+            group.ensure_main_grads()
             pending = collectives.reduce_scatter_flat(group.main_grads, flat, self.dp_group, self.counter,
                                                       average=average, accumulate=accumulate, async_op=True)
             epilogue = None
@@ -279,6 +284,8 @@ class Schedule:
             if group.grads_dirty:
                 self.launch_reduce(group, async_op=self.overlap_grad_reduce)
         self.wait_reduces()
+        for group in self.groups:
+            group.ensure_main_grads()
         if self.outer_group is not None and collectives.group_size(self.outer_group) > 1:
             for group in self.groups:
                 if group.main_grads is not None:

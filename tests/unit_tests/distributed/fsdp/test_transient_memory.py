@@ -1,0 +1,119 @@
+"""Strategy 3 holds less between and during steps: released shard gradients, split and early-released root
+groups, stashed small gradients, the half-size gloo reduce-scatter receive buffer; training stays exact."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests.unit_tests.distributed.fsdp import fsdp_test_models as models
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+VOCAB, SEQ, BATCH, NUM_STEPS = 12, 6, 4, 3  # a unit has 216 parameters, the embedding 156
+
+
+class TinyLM(nn.Module):
+    """Embedding, two units, a final norm and an untied output layer (the root parameters of a GPT)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, models.HIDDEN)
+        self.blocks = nn.ModuleList([models.Block() for _ in range(2)])
+        self.final_norm = nn.LayerNorm(models.HIDDEN)
+        self.head = nn.Linear(models.HIDDEN, VOCAB, bias=False)
+
+    def forward(self, tokens, labels, probe=None):
+        hidden = self.embedding(tokens)
+        if probe is not None and hidden.requires_grad:
+            hidden.register_hook(probe)  # runs once everything after the embedding has its gradient
+        for block in self.blocks:
+            hidden = block(hidden)
+        logits = self.head(self.final_norm(hidden))
+        return F.cross_entropy(logits.view(-1, VOCAB), labels.reshape(-1))
+
+
+def _batches():
+    generator = torch.Generator().manual_seed(3)
+    return [(torch.randint(VOCAB, (BATCH, SEQ), generator=generator),
+             torch.randint(VOCAB, (BATCH, SEQ), generator=generator)) for _ in range(NUM_STEPS)]
+
+
+def _reference(module):
+    optimizer = models.make_optimizer(module.parameters())
+    for tokens, labels in _batches():
+        optimizer.zero_grad()
+        module(tokens, labels).backward()
+        optimizer.step()
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def _train_and_observe():
+    import torch.distributed as dist
+
+    import megatron_fsdp
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    module = TinyLM()
+    expected = _reference(copy.deepcopy(module))
+    optimizer = models.make_optimizer(module.parameters())
+    model, optimizer = megatron_fsdp.fully_shard(module, optimizer, fsdp_unit_modules=[models.Block],
+                                                 zero_dp_strategy=3)
+    root_names = [list(group.names) for group in model.root_groups]
+    head_group = next(g for g in model.root_groups if "head.weight" in g.names)
+    embedding_group = next(g for g in model.root_groups if "embedding.weight" in g.names)
+    seen = []
+
+    def probe(grad):
+        # the output layer's group is reduced and released; the embedding's still waits for its gradient
+        seen.append((head_group.compute_bytes_held(), head_group.transient_grads is None,
+                     embedding_group.compute_bytes_held() > 0, sorted(embedding_group.stashed_grads)))
+        return grad
+
+    released_after_zero = []
+    for tokens, labels in _batches():
+        optimizer.zero_grad()
+        released_after_zero.append(all(g.main_grads.untyped_storage().nbytes() == 0 for g in model.groups))
+        per_rank = BATCH // world
+        part = slice(rank * per_rank, (rank + 1) * per_rank)
+        model(tokens[part], labels[part], probe).backward()
+        optimizer.step()
+    held_after_step = all(g.main_grads.untyped_storage().nbytes() > 0 for g in model.groups)
+    errors = {name: (value.float() - expected[name]).abs().max().item()
+              for name, value in models.full_params(model).items()}
+    return root_names, seen, released_after_zero, held_after_step, errors, model.memory_report()
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_strategy3_releases_early_and_trains_exactly(world_size):
+    for root_names, seen, released_after_zero, held_after_step, errors, memory in run_on_ranks(
+            world_size, _train_and_observe):
+        # root parameters are bucketed at unit size: the output layer is a group of its own
+        assert root_names == [["embedding.weight", "final_norm.weight", "final_norm.bias"], ["head.weight"]]
+        assert seen == [(0, True, True, [1, 2])] * NUM_STEPS  # final norm grads stashed, not a full buffer
+        assert released_after_zero == [True] * NUM_STEPS
+        assert held_after_step
+        assert max(errors.values()) < 1e-5, errors
+        assert memory["transient_now"] == 0 and memory["transient_peak"] > 0
+
+
+def _reduce_scatter_at_every_rank():
+    import torch.distributed as dist
+
+    from megatron_fsdp import collectives
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shard = 5
+    inputs = [torch.arange(world * shard, dtype=torch.float32) * (r + 1) + r for r in range(world)]
+    output = torch.full((shard,), 0.5)
+    collectives.reduce_scatter_flat(output, inputs[rank], dist.group.WORLD, collectives.CommunicationCounter(),
+                                    average=True, accumulate=True, async_op=True).wait()
+    expected = 0.5 + (sum(inputs) / world)[rank * shard:(rank + 1) * shard]
+    return (output - expected).abs().max().item()
+
+
+@pytest.mark.parametrize("world_size", [3])
+def test_gloo_reduce_scatter_with_end_and_middle_ranks(world_size):
+    assert max(run_on_ranks(world_size, _reduce_scatter_at_every_rank)) < 1e-6
