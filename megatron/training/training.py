@@ -140,13 +140,23 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, co
 
     Returns (reported loss, update_successful, grad_norm, num_zeros).
     """
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    losses_reduced = get_forward_backward_func()(
+    losses_reduced = _run_schedule(forward_step_func, data_iterator, model, args, forward_only=False)
+    update_successful, grad_norm, num_zeros = optimizer.step()
+    if update_successful:
+        scheduler.step(increment=args.global_batch_size)
+    loss = reduce_reported_loss(losses_reduced, args.device)
+    return loss, update_successful, _as_float(grad_norm), _as_float(num_zeros)
+
+
+def _run_schedule(forward_step_func, data_iterator, model, args, forward_only):
+    """One global batch through the pipeline schedule; returns the last stage's per-microbatch loss reports."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()(
         forward_step_func=forward_step_func,
         data_iterator=data_iterator,
         model=model,
@@ -154,13 +164,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, co
         seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size,
         decoder_seq_length=args.seq_length,
-        forward_only=False,
+        forward_only=forward_only,
     )
-    update_successful, grad_norm, num_zeros = optimizer.step()
-    if update_successful:
-        scheduler.step(increment=args.global_batch_size)
-    loss = reduce_reported_loss(losses_reduced, args.device)
-    return loss, update_successful, _as_float(grad_norm), _as_float(num_zeros)
 
 
 def _as_float(value):
@@ -171,24 +176,12 @@ def _as_float(value):
 
 def evaluate(forward_step_func, data_iterator, model, config, args):
     """Mean validation loss over --eval-iters global batches (no gradients)."""
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     for chunk in model:
         chunk.eval()
     total = torch.zeros(2, dtype=torch.float64, device=args.device)
     with torch.no_grad():
         for _ in range(args.eval_iters):
-            losses_reduced = get_forward_backward_func()(
-                forward_step_func=forward_step_func,
-                data_iterator=data_iterator,
-                model=model,
-                num_microbatches=get_num_microbatches(),
-                seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size,
-                decoder_seq_length=args.seq_length,
-                forward_only=True,
-            )
+            losses_reduced = _run_schedule(forward_step_func, data_iterator, model, args, forward_only=True)
             total += _loss_sums(losses_reduced, args.device)
     for chunk in model:
         chunk.train()
