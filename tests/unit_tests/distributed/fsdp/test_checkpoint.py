@@ -94,7 +94,9 @@ def _meta_versus_eager(strategy, double_buffer):
     meta_model = megatron_fsdp.fully_shard_model(meta, fsdp_unit_modules=[models.Block], zero_dp_strategy=strategy,
                                                  init_model_with_meta_device=True, fsdp_double_buffer=double_buffer)
     assert meta.blocks[0].fc2.weight is meta.inp.weight  # tying survives materialisation
-    assert not any(p.is_meta for p in meta.parameters())
+    # The real parameters are materialised (the module shows meta-device placeholders between steps under
+    # strategy 3, see test_resting_parameters.py).
+    assert not any(p.is_meta for group in meta_model.groups for p in group.params)
     eager_params, meta_params = models.full_params(eager_model), models.full_params(meta_model)
     report = meta_model.memory_report()
     batch = torch.randn(4, models.IN_FEATURES, generator=torch.Generator().manual_seed(5))

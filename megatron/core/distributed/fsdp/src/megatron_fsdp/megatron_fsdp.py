@@ -12,6 +12,7 @@ from .grouping import plan_groups
 from .meta_init import materialize_meta_model
 from .mixed_precision import MixedPrecisionPolicy
 from .param_and_grad_buffer import DoubleBufferPool, ParamGroup
+from .resting_parameters import RestingParameters
 from .schedule import Schedule, Unit
 from .utils import parameter_owners, replace_parameter, resolve_module_classes, tensor_bytes
 
@@ -142,6 +143,8 @@ class MegatronFSDP(nn.Module):
             overlap_param_gather=config.overlap_param_gather, sync_model_each_microbatch=sync_model_each_microbatch,
             report_nan_in_param_grad=report_nan_in_param_grad or config.check_for_nan_in_grad, pool=self.pool)
         self.schedule.register_hooks()
+        if self.strategy == ShardingStrategy.optim_grads_params:
+            self._install_resting_placeholders()
         module.__dict__[WRAPPED_ATTR] = self  # a plain attribute: not registered as a submodule
 
     # ---- construction ---------------------------------------------------------------------------------------------
@@ -191,6 +194,17 @@ class MegatronFSDP(nn.Module):
             materialize_meta_model(self.module, unit_modules, groups_by_unit, self.root_groups, self.device,
                                    release=lambda groups: [g.release_compute() for g in groups])
 
+    def _install_resting_placeholders(self):
+        """Strategy 3: released groups show placeholders in the module until gathered (see resting_parameters)."""
+        resting = RestingParameters(self.groups, parameter_owners(self.module))
+        for param_id, placeholder in resting.placeholders().items():
+            # An optimizer built from module.parameters() after wrapping holds placeholders: map them too.
+            self.param_to_group[id(placeholder)] = self.param_to_group[param_id]
+        self.schedule.resting = resting
+        for group in self.groups:
+            if not group.gathered:
+                resting.hide(group)
+
     def _make_pool(self, plans, num_units, dp_size):
         unit_bytes = [0] * num_units
         for plan in plans:
@@ -227,6 +241,24 @@ class MegatronFSDP(nn.Module):
             yield
         finally:
             self.schedule.sync_enabled = previous
+
+    @contextlib.contextmanager
+    def gathered_parameters(self):
+        """Between steps, make every parameter of `self.module` hold its full current weights (for reading).
+
+        Strategy 3 gathers each group (transiently, all at once) and releases them again on exit; other
+        strategies hold full weights already. Writes made inside are not copied back into the shards."""
+        if self.strategy != ShardingStrategy.optim_grads_params:
+            yield self.module
+            return
+        if self.pool is not None:
+            raise ValueError("gathered_parameters() gathers every unit at once, but fsdp_double_buffer=True bounds "
+                             "the gathered units to two; read the weights with state_dict() instead")
+        self.schedule.ensure_gathered(self.groups)
+        try:
+            yield self.module
+        finally:
+            self.schedule.release(self.groups, at_rest=True)
 
     def start_grad_sync(self):
         self.schedule.start_grad_sync()

@@ -35,6 +35,9 @@ class Unit:
 class Schedule:
     """Owns the hooks and every collective issued during a step."""
 
+    # Set by MegatronFSDP under strategy 3: swaps released groups' parameters for placeholders while at rest.
+    resting = None
+
     def __init__(self, *, units: List[Unit], root_groups: List[ParamGroup], strategy: ShardingStrategy,
                  dp_group, outer_group, counter: collectives.CommunicationCounter, grad_scale: float,
                  average_in_collective: bool, overlap_grad_reduce: bool, overlap_param_gather: bool,
@@ -101,6 +104,8 @@ class Schedule:
             self.pending_gathers[id(group)] = collectives.all_gather_flat(
                 group.compute_buffer, group.gather_source(), self.dp_group, self.counter, async_op=True)
             group.gathered = True
+            if self.resting is not None:
+                self.resting.show(group)
         if not async_op:
             self.wait_gathered(groups)
         self._track_transient()
@@ -118,12 +123,16 @@ class Schedule:
         self.gather(groups, async_op=True)
         self.wait_gathered(groups)
 
-    def release(self, groups: List[ParamGroup]):
+    def release(self, groups: List[ParamGroup], at_rest: bool = False):
+        """Drop gathered weights (strategy 3). `at_rest`: no backward of this step will need them, so the
+        module's parameters are swapped for placeholders until the next gather."""
         if self.strategy != ShardingStrategy.optim_grads_params:
             return
         for group in groups:
             self._wait_gather(group)
             group.release_compute()  # a pooled group keeps its slot until another unit claims it
+            if at_rest and self.resting is not None:
+                self.resting.hide(group)
 
     def _track_transient(self):
         current = sum(group.transient_bytes() for group in self.groups)
@@ -146,7 +155,7 @@ class Schedule:
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self._root_pre_backward(), mode="any")
         elif not torch.is_grad_enabled():
-            self.release(self.root_groups)
+            self.release(self.root_groups, at_rest=True)
 
     def _make_pre_forward(self, unit: Unit):
         def pre_forward(module, args):
@@ -164,8 +173,8 @@ class Schedule:
         def post_forward(module, args, output):
             if in_backward_pass():
                 return None  # activation-checkpoint recompute: the unit stays gathered for its backward
-            self.release(unit.groups)
             tensors = tensors_requiring_grad(output) if torch.is_grad_enabled() else []
+            self.release(unit.groups, at_rest=not tensors)  # no backward will come back for these weights
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, lambda grads: self._unit_pre_backward(unit), mode="any")
@@ -233,7 +242,7 @@ class Schedule:
             if group.grads_dirty and self._reduces_now(group):
                 self.launch_reduce(group, async_op=self.overlap_grad_reduce)
         if self.strategy == ShardingStrategy.optim_grads_params:
-            self.release(self.groups)
+            self.release(self.groups, at_rest=True)
         for group in self.groups:
             group.params_waiting = group._trainable_count()
 
