@@ -107,11 +107,12 @@ def _accumulation(microbatches, use_no_sync):
     return results
 
 
-@pytest.mark.parametrize("world_size", [2])
+@pytest.mark.parametrize("world_size", [3])
 def test_gradient_accumulation_equals_one_big_batch(world_size):
     reference, _ = models.reference_losses(NUM_STEPS)
     for use_no_sync in (True, False):
-        # without no_sync, strategies 0-1 reduce every microbatch and must still count each gradient once
-        results = run_on_ranks(world_size, _accumulation, 3, use_no_sync)[0]
+        # 4 microbatches of one sample per rank; without no_sync, strategies 0-1 reduce every microbatch and
+        # must still count each gradient once
+        results = run_on_ranks(world_size, _accumulation, 4, use_no_sync)[0]
         for strategy, losses in results.items():
             assert losses == pytest.approx(reference, abs=1e-5), (strategy, use_no_sync)
