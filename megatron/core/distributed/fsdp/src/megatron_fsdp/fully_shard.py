@@ -37,7 +37,9 @@ def fully_shard_model(
 
     `fsdp_unit_modules`: classes (or dotted names) whose outermost instances become gather/reduce units.
     `zero_dp_strategy`: no_shard (0) | optim (1) | optim_grads (2) | optim_grads_params (3).
-    `dp_outer_dim` + `hybrid_fsdp_group`: replicate across the outer dim (HSDP).
+    `dp_outer_dim` + `hybrid_fsdp_group`: replicate across the outer dim (HSDP, `outer_dp_sharding_strategy=
+    "no_shard"`), or also shard main weights, gradients and optimizer state across it (HFSDP, `"optim"`).
+    `tp_dim`: the mesh dim of Megatron tensor parallelism (state dicts then hold TP-full DTensors).
     """
     config = DistributedDataParallelConfig(
         overlap_grad_reduce=overlap_grad_reduce,

@@ -3,6 +3,10 @@
 A group's parameters are laid end to end in one flat buffer, padded at the end so the flat size divides the
 data-parallel size. Rank `r` owns the contiguous slice `[r * shard_numel, (r + 1) * shard_numel)`. A parameter
 may straddle shard boundaries, so each rank owns a (possibly empty) contiguous piece of each parameter.
+
+HFSDP shards the main weights a second time, over the `outer_size` ranks of the outer dim: the padding then
+makes every shard split into `outer_size` equal sub-shards, and outer rank `o` of shard rank `r` owns
+`[r * shard_numel + o * sub_shard_numel, ... + sub_shard_numel)`. With `outer_size=1` the sub-shard is the shard.
 Nothing here touches torch.distributed; everything can be unit-tested without processes.
 """
 
@@ -43,12 +47,15 @@ class LocalPiece:
 
 
 class GroupLayout:
-    """Offsets, padding and ownership for the parameters of one group sharded over `dp_size` ranks."""
+    """Offsets, padding and ownership for the parameters of one group sharded over `dp_size` ranks (and each
+    shard again over `outer_size` outer ranks, for HFSDP's main weights)."""
 
-    def __init__(self, shapes: Sequence[Sequence[int]], dp_size: int):
+    def __init__(self, shapes: Sequence[Sequence[int]], dp_size: int, outer_size: int = 1):
         if dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {dp_size}")
-        self.dp_size = dp_size
+        if outer_size < 1:
+            raise ValueError(f"outer_size must be >= 1, got {outer_size}")
+        self.dp_size, self.outer_size = dp_size, outer_size
         spans, offset = [], 0
         for shape in shapes:
             numel = math.prod(shape)
@@ -56,26 +63,46 @@ class GroupLayout:
             offset += numel
         self.spans: List[ParamSpan] = spans
         self.numel = offset
-        # At least one element per rank, so every rank has a non-empty shard to communicate.
-        self.shard_numel = max(1, math.ceil(offset / dp_size))
+        # At least one element per (sub-)shard, so every rank has something to communicate.
+        self.sub_shard_numel = max(1, math.ceil(offset / (dp_size * outer_size)))
+        self.shard_numel = self.sub_shard_numel * outer_size
         self.padded_numel = self.shard_numel * dp_size
 
     def shard_range(self, rank: int) -> Tuple[int, int]:
         """Flat elements `[start, end)` owned by `rank`."""
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
+    def sub_shard_offset(self, outer_rank: int) -> int:
+        """Where outer rank `outer_rank`'s sub-shard starts inside a shard."""
+        return outer_rank * self.sub_shard_numel
+
+    def sub_shard_range(self, rank: int, outer_rank: int) -> Tuple[int, int]:
+        """Flat elements `[start, end)` owned by outer rank `outer_rank` within the shard of `rank`."""
+        start = rank * self.shard_numel + self.sub_shard_offset(outer_rank)
+        return start, start + self.sub_shard_numel
+
     def local_piece(self, param_index: int, rank: int) -> LocalPiece:
         """The piece of parameter `param_index` that `rank` owns (possibly empty)."""
+        return self._piece_in_range(param_index, *self.shard_range(rank))
+
+    def sub_shard_piece(self, param_index: int, rank: int, outer_rank: int) -> LocalPiece:
+        """The piece of parameter `param_index` in the sub-shard of (`rank`, `outer_rank`); its
+        `shard_start:shard_end` index that sub-shard."""
+        return self._piece_in_range(param_index, *self.sub_shard_range(rank, outer_rank))
+
+    def _piece_in_range(self, param_index: int, range_start: int, range_end: int) -> LocalPiece:
         span = self.spans[param_index]
-        shard_start, shard_end = self.shard_range(rank)
-        start, end = max(span.flat_start, shard_start), min(span.flat_end, shard_end)
+        start, end = max(span.flat_start, range_start), min(span.flat_end, range_end)
         if end <= start:
-            clamp = min(max(span.flat_start, shard_start), shard_end) - shard_start
+            clamp = min(max(span.flat_start, range_start), range_end) - range_start
             return LocalPiece(0, 0, clamp, clamp)
-        return LocalPiece(start - span.flat_start, end - span.flat_start, start - shard_start, end - shard_start)
+        return LocalPiece(start - span.flat_start, end - span.flat_start, start - range_start, end - range_start)
 
     def local_pieces(self, rank: int) -> List[LocalPiece]:
         return [self.local_piece(index, rank) for index in range(len(self.spans))]
+
+    def sub_shard_pieces(self, rank: int, outer_rank: int) -> List[LocalPiece]:
+        return [self.sub_shard_piece(index, rank, outer_rank) for index in range(len(self.spans))]
 
     def owners_of_param(self, param_index: int) -> List[int]:
         """Ranks whose shard holds at least one element of the parameter."""

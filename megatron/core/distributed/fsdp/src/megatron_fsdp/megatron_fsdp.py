@@ -1,7 +1,7 @@
 """`MegatronFSDP`: the module wrapper that shards a model's parameters, gradients and optimizer state."""
 
 import contextlib
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -9,6 +9,7 @@ import torch.nn as nn
 from . import collectives
 from .distributed_data_parallel_config import DistributedDataParallelConfig, ShardingStrategy
 from .grouping import plan_groups
+from .layout import GroupLayout
 from .meta_init import materialize_meta_model
 from .mixed_precision import MixedPrecisionPolicy
 from .param_and_grad_buffer import DoubleBufferPool, ParamGroup
@@ -19,19 +20,36 @@ from .utils import parameter_owners, replace_parameter, resolve_module_classes, 
 WRAPPED_ATTR = "_megatron_fsdp_wrapper"
 
 
+class CheckpointMesh(NamedTuple):
+    """Where state-dict DTensors live: rows over mesh dim `dp_mesh_dim`, TP partitions over `tp_mesh_dim` (None
+    without tensor parallelism); any other dim replicates."""
+
+    mesh: object
+    dp_mesh_dim: int
+    tp_mesh_dim: Optional[int] = None
+
+
 class DataParallelTopology:
-    """The process groups (and DTensor mesh) Megatron-FSDP shards and replicates over."""
+    """The process groups (and DTensor mesh) Megatron-FSDP shards and replicates over.
+
+    With an outer dim, the outer ranks replicate the model (HSDP, `outer_dp_sharding_strategy='no_shard'`) or
+    additionally split the main weights, the optimizer's gradients and its state (HFSDP, `'optim'`)."""
 
     def __init__(self, device_mesh=None, dp_shard_dim=None, dp_outer_dim=None, tp_dim=None,
                  hybrid_fsdp_group=None, outer_dp_sharding_strategy=ShardingStrategy.no_shard):
         self.device_mesh, self.dp_shard_dim, self.dp_outer_dim, self.tp_dim = (
             device_mesh, dp_shard_dim, dp_outer_dim, tp_dim)
         self.outer_group = None
+        self.outer_shards_optimizer = ShardingStrategy.parse(
+            outer_dp_sharding_strategy, "outer_dp_sharding_strategy") == ShardingStrategy.optim
         if not collectives.is_initialized():
             raise RuntimeError("Megatron-FSDP needs torch.distributed initialised (init_process_group) first")
         if dp_outer_dim is not None and hybrid_fsdp_group is None:
             raise ValueError("dp_outer_dim needs hybrid_fsdp_group (the process group spanning the outer and "
                              "shard dims); pass both or neither")
+        if self.outer_shards_optimizer and dp_outer_dim is None:
+            raise ValueError("outer_dp_sharding_strategy='optim' (HFSDP) shards over the outer dim of device_mesh; "
+                             "pass device_mesh, dp_outer_dim and hybrid_fsdp_group")
         if device_mesh is None:
             if dp_shard_dim is not None or dp_outer_dim is not None or tp_dim is not None:
                 raise ValueError("dp_shard_dim / dp_outer_dim / tp_dim name dims of device_mesh; pass device_mesh")
@@ -49,9 +67,6 @@ class DataParallelTopology:
                 raise ValueError(f"{flag}={dim!r} is not a dim of device_mesh (dims: {names})")
         self.dp_group = device_mesh[dp_shard_dim].get_group() if device_mesh.ndim > 1 else device_mesh.get_group()
         if dp_outer_dim is not None:
-            if outer_dp_sharding_strategy != ShardingStrategy.no_shard:
-                raise NotImplementedError(
-                    "outer_dp_sharding_strategy='optim' (HFSDP) is not implemented; use 'no_shard' (HSDP)")
             self.outer_group = device_mesh[dp_outer_dim].get_group()
 
     @property
@@ -67,11 +82,33 @@ class DataParallelTopology:
         return 1 if self.outer_group is None else collectives.group_size(self.outer_group)
 
     @property
+    def outer_rank(self) -> int:
+        return 0 if self.outer_group is None else collectives.group_rank(self.outer_group)
+
+    @property
+    def optimizer_outer_size(self) -> int:
+        """How many outer ranks split each shard of the main weights (HFSDP); 1 under HSDP or without one."""
+        return self.outer_size if self.outer_shards_optimizer else 1
+
+    @property
+    def optimizer_outer_rank(self) -> int:
+        return self.outer_rank if self.outer_shards_optimizer else 0
+
+    @property
     def tp_size(self) -> int:
         return 1 if self.tp_dim is None else self.device_mesh[self.tp_dim].size()
 
-    def checkpoint_mesh(self):
-        """(mesh, index of the shard dim) on which state-dict DTensors are placed."""
+    @property
+    def tp_rank(self) -> int:
+        return 0 if self.tp_dim is None else self.device_mesh.get_local_rank(self.tp_dim)
+
+    @property
+    def tp_group(self):
+        """The tensor-parallel process group (None without a tp_dim)."""
+        return None if self.tp_dim is None else self.device_mesh.get_group(self.tp_dim)
+
+    def checkpoint_mesh(self) -> CheckpointMesh:
+        """The mesh on which state-dict DTensors are placed (see `CheckpointMesh`)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         if self.device_mesh is None:
@@ -79,12 +116,34 @@ class DataParallelTopology:
                 device_type = collectives.device_for_group(self.dp_group).type
                 self._world_mesh = init_device_mesh(device_type, (collectives.default_world_size(),),
                                                     mesh_dim_names=("dp",))
-            return self._world_mesh, 0
+            return CheckpointMesh(self._world_mesh, 0)
+        if self.tp_size > 1:
+            return self._tensor_parallel_checkpoint_mesh()
         if self.dp_outer_dim is not None:
-            return self.device_mesh[(self.dp_outer_dim, self.dp_shard_dim)], 1
+            return CheckpointMesh(self.device_mesh[(self.dp_outer_dim, self.dp_shard_dim)], 1)
         if self.device_mesh.ndim == 1:
-            return self.device_mesh, 0
-        return self.device_mesh[self.dp_shard_dim], 0
+            return CheckpointMesh(self.device_mesh, 0)
+        return CheckpointMesh(self.device_mesh[self.dp_shard_dim], 0)
+
+    def _tensor_parallel_checkpoint_mesh(self) -> CheckpointMesh:
+        """A (dp_outer?, tp, dp_shard) mesh. DTensor splits mesh dims in order, so tp must precede dp_shard for
+        a TP partition along dim 0 to be cut into rows afterwards; DeviceMesh slicing keeps the original order,
+        so the mesh is rebuilt from this rank's rank grid on the existing groups (no new process groups)."""
+        if getattr(self, "_tp_checkpoint_mesh", None) is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            mesh = self.device_mesh
+            names = tuple(mesh.mesh_dim_names or ())
+            dims = ([self.dp_outer_dim] if self.dp_outer_dim is not None else []) + [self.tp_dim, self.dp_shard_dim]
+            indices = [dim if isinstance(dim, int) else names.index(dim) for dim in dims]
+            others = [index for index in range(mesh.ndim) if index not in indices]
+            coordinate = mesh.get_coordinate()
+            grid = mesh.mesh.permute(others + indices)[tuple(coordinate[index] for index in others)]
+            self._tp_checkpoint_mesh = CheckpointMesh(
+                DeviceMesh.from_group([mesh.get_group(index) for index in indices], mesh.device_type, mesh=grid,
+                                      mesh_dim_names=tuple(names[index] for index in indices) if names else None),
+                dp_mesh_dim=len(dims) - 1, tp_mesh_dim=len(dims) - 2)
+        return self._tp_checkpoint_mesh
 
 
 class MegatronFSDP(nn.Module):
@@ -153,25 +212,29 @@ class MegatronFSDP(nn.Module):
                                           root_buckets_unit_sized=self.strategy == ShardingStrategy.optim_grads_params)
         owners = parameter_owners(self.module)
         dp_rank, dp_size = self.topology.dp_rank, self.topology.dp_size
-        self.pool = self._make_pool(plans, len(unit_modules), dp_size) if config.fsdp_double_buffer else None
+        outer_rank, outer_size = self.topology.optimizer_outer_rank, self.topology.optimizer_outer_size
+        self.pool = self._make_pool(plans, len(unit_modules)) if config.fsdp_double_buffer else None
         pool_offsets = [0] * len(unit_modules)
         groups_by_unit = {index: [] for index in range(len(unit_modules))}
         self.root_groups, self.groups = [], []
         for plan in plans:
             compute_buffer = None
             if self.pool is not None and plan.unit_index is not None:
-                numel = -(-sum(p.numel() for p in plan.params) // dp_size) * dp_size
-                numel = max(numel, dp_size)
-                compute_buffer = self.pool.view(plan.unit_index % 2, pool_offsets[plan.unit_index], numel,
-                                                plan.params[0].dtype)
+                compute_buffer = self.pool.view(plan.unit_index % 2, pool_offsets[plan.unit_index],
+                                                self._padded_numel(plan), plan.params[0].dtype)
                 pool_offsets[plan.unit_index] += DoubleBufferPool.aligned(tensor_bytes(compute_buffer))
             group = ParamGroup(plan.params, plan.names, strategy=self.strategy, dp_rank=dp_rank, dp_size=dp_size,
                                device=self.device, policy=self.policy, unit_index=plan.unit_index,
-                               compute_buffer=compute_buffer)
+                               compute_buffer=compute_buffer, outer_rank=outer_rank, outer_size=outer_size)
             for index, param in enumerate(group.params):
                 view = group.param_view(index)
                 if param.is_meta:
-                    new_param = nn.Parameter(view, requires_grad=param.requires_grad)
+                    # Point .data at the view rather than wrapping it: a wrapped view would share the flat
+                    # buffer's version counter, and every later gather would then look like an in-place change
+                    # to weights that autograd saved.
+                    new_param = nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device),
+                                             requires_grad=param.requires_grad)
+                    new_param.data = view
                     new_param.__dict__.update(param.__dict__)
                     replace_parameter(owners[id(param)], new_param)
                     group.params[index] = new_param
@@ -205,12 +268,17 @@ class MegatronFSDP(nn.Module):
             if not group.gathered:
                 resting.hide(group)
 
-    def _make_pool(self, plans, num_units, dp_size):
+    def _padded_numel(self, plan) -> int:
+        """The flat size a group built from `plan` pads to (what ParamGroup's layout computes)."""
+        return GroupLayout([tuple(p.shape) for p in plan.params], self.topology.dp_size,
+                           self.topology.optimizer_outer_size).padded_numel
+
+    def _make_pool(self, plans, num_units):
         unit_bytes = [0] * num_units
         for plan in plans:
             if plan.unit_index is None:
                 continue
-            numel = max(dp_size, -(-sum(p.numel() for p in plan.params) // dp_size) * dp_size)
+            numel = self._padded_numel(plan)
             unit_bytes[plan.unit_index] += DoubleBufferPool.aligned(numel * plan.params[0].element_size())
         return DoubleBufferPool(max(unit_bytes, default=0), self.device) if num_units else None
 
@@ -278,6 +346,8 @@ class MegatronFSDP(nn.Module):
             target = group.grad_buffer if group.grad_buffer is not None else group.main_grads
             if target is not None and not group.main_grads_released:  # a released buffer is all zeros
                 target.mul_(scaling_factor)
+            if group.optim_grads is not None and group.optim_grads is not group.main_grads:
+                group.optim_grads.mul_(scaling_factor)  # HFSDP: after finish_grad_sync the gradients live here
 
     def install_optimized_model_weights(self):
         self.schedule.install_optimized_model_weights()
@@ -287,10 +357,10 @@ class MegatronFSDP(nn.Module):
         if self.strategy == ShardingStrategy.optim_grads_params:
             groups_to_sync = [self.topology.outer_group] if self.topology.outer_group is not None else []
             for process_group in groups_to_sync:
+                self.schedule.refresh_compute_shards(self.groups, async_op=False)
                 for group in self.groups:
                     collectives.broadcast(group.compute_shard, process_group, self.counter)
-                    if group.main_weights is not None and group.main_weights is not group.compute_shard:
-                        group.main_weights.copy_(group.compute_shard)
+                    group.commit_compute_shard_to_main()
             return
         for process_group in [self.topology.dp_group] + ([self.topology.outer_group] if self.topology.outer_group
                                                          else []):

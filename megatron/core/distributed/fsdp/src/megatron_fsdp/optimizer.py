@@ -119,15 +119,29 @@ def clip_grad_norm_(optimizer_or_model, max_norm: float, norm_type: float = 2.0,
     model = getattr(optimizer_or_model, "_megatron_fsdp_model", optimizer_or_model)
     model.finish_grad_sync()
     grads = [g for group in model.groups for g in group.optimizer_grad_views() if g.numel()]
+    # Groups holding disjoint pieces of the gradients: the shard ranks, and under HFSDP the outer ranks too
+    # (HSDP's outer ranks hold identical copies and must not be counted twice).
+    groups = [] if model.strategy == ShardingStrategy.no_shard else [model.topology.dp_group]
+    if model.topology.outer_shards_optimizer:
+        groups.append(model.topology.outer_group)
+    # TP ranks hold different partitions of tensor-parallel parameters (marked `tensor_model_parallel`) and the
+    # same copy of the others: summed over the tp group, those enter at 1/tp_size so they count once.
+    tp_size = model.topology.tp_size
+    tp_weights = [1.0 if tp_size == 1 or getattr(param, "tensor_model_parallel", False) else 1.0 / tp_size
+                  for group in model.groups for g, param in zip(group.optimizer_grad_views(), group.params)
+                  if g.numel()]
+    if tp_size > 1:
+        groups.append(model.topology.tp_group)
     if math.isinf(norm_type):
         local = torch.stack([g.abs().max().float() for g in grads]).max() if grads else torch.zeros(())
-        if model.strategy != ShardingStrategy.no_shard:
-            collectives.all_reduce_max(local, model.topology.dp_group)
+        for process_group in groups:
+            collectives.all_reduce_max(local, process_group)
         total = local
     else:
-        local = sum((g.float().norm(norm_type) ** norm_type for g in grads), torch.zeros((), device=model.device))
-        if model.strategy != ShardingStrategy.no_shard:
-            collectives.all_reduce_scalar_sum(local, model.topology.dp_group)
+        local = sum((weight * g.float().norm(norm_type) ** norm_type for g, weight in zip(grads, tp_weights)),
+                    torch.zeros((), device=model.device))
+        for process_group in groups:
+            collectives.all_reduce_scalar_sum(local, process_group)
         total = local ** (1.0 / norm_type)
     clip_coefficient = max_norm / (float(total) + eps)
     if clip_coefficient < 1.0:

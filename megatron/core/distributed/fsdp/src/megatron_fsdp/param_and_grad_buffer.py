@@ -12,6 +12,13 @@ Which tensors exist depends on the sharding strategy (S = shard size, N = padded
 Under strategies 2/3 the S main gradients hold no storage from `zero_grad` until the first reduction of the
 next backward (they are all zero then); they are counted at their full size in `persistent_bytes`.
 
+HFSDP (strategy 3 with `outer_size` > 1) shards the optimizer's side once more over the outer ranks: main
+weights and the gradients handed to the optimizer are sub-shards of S / outer_size elements (see layout.py).
+The S main gradients are then only the target of the backward's reduce-scatters: `finish_grad_sync`
+reduce-scatters them over the outer group into the sub-shard gradients and drops their storage, so they count
+as transient. The S compute shard is a buffer of its own, refreshed from every outer rank's main weights by an
+all-gather over the outer group after each optimizer step.
+
 Model parameters are views into the flat compute buffer. Under strategy 3 the buffer's storage is resized to
 zero when released and back when gathered, so the views (and any views autograd saved, such as `weight.t()`)
 stay valid across gathers without re-pointing anything. Gradients arrive through a post-accumulate-grad hook
@@ -77,7 +84,11 @@ class ParamGroup:
         policy: MixedPrecisionPolicy,
         unit_index: Optional[int],
         compute_buffer: Optional[torch.Tensor] = None,
+        outer_rank: int = 0,
+        outer_size: int = 1,
     ):
+        """`outer_rank` / `outer_size`: this rank's place among the outer ranks that shard the main weights
+        further (HFSDP); 1 when the main weights are only sharded over the `dp_size` ranks."""
         self.params: List[nn.Parameter] = list(params)
         self.names = list(names)
         self.strategy = strategy
@@ -89,8 +100,17 @@ class ParamGroup:
         self.main_dtype = policy.main_params_dtype
         self.grad_dtype = policy.grads_dtype_for(self.param_dtype)
         self.comm_dtype = policy.comm_dtype_for(self.param_dtype)
-        self.layout = GroupLayout([tuple(p.shape) for p in self.params], dp_size)
-        self.pieces = self.layout.local_pieces(dp_rank)
+        self.outer_rank, self.outer_size = outer_rank, outer_size
+        self.outer_sharded = outer_size > 1
+        if self.outer_sharded and strategy != ShardingStrategy.optim_grads_params:
+            raise ValueError("sharding main weights over the outer dim (outer_dp_sharding_strategy='optim') needs "
+                             "data_parallel_sharding_strategy='optim_grads_params'")
+        self.layout = GroupLayout([tuple(p.shape) for p in self.params], dp_size, outer_size)
+        self.pieces = self.layout.local_pieces(dp_rank)  # pieces of the compute shard
+        # Pieces of the main weights (and of the optimizer's gradients and state): the sub-shard under HFSDP.
+        self.main_pieces = self.layout.sub_shard_pieces(dp_rank, outer_rank) if self.outer_sharded else self.pieces
+        sub_shard_start = self.layout.sub_shard_offset(outer_rank)
+        self.sub_shard_slice = slice(sub_shard_start, sub_shard_start + self.layout.sub_shard_numel)
         shard_start, shard_end = self.layout.shard_range(dp_rank)
         padded, shard = self.layout.padded_numel, self.layout.shard_numel
         self.shards_params = strategy == ShardingStrategy.optim_grads_params
@@ -109,21 +129,28 @@ class ParamGroup:
             elif strategy in (ShardingStrategy.optim, ShardingStrategy.optim_grads):
                 self.main_weights = self.compute_buffer_shard if same_dtype else self._zeros(shard, self.main_dtype)
             else:
-                self.main_weights = self._zeros(shard, self.main_dtype)
+                self.main_weights = self._zeros(self.layout.sub_shard_numel, self.main_dtype)
             if strategy in (ShardingStrategy.no_shard, ShardingStrategy.optim):
                 self.grad_buffer = self._zeros(padded, self.grad_dtype)
                 self.main_grads = self.grad_buffer if strategy == ShardingStrategy.no_shard else (
                     self.grad_buffer[shard_start:shard_end])
             else:
                 self.main_grads = self._zeros(shard, self.grad_dtype)
+        # The gradients the optimizer steps with: the main gradients, or under HFSDP their outer sub-shard.
+        self.optim_grads = self.main_grads
+        if self.outer_sharded and self.main_grads is not None:
+            self.optim_grads = self._zeros(self.layout.sub_shard_numel, self.grad_dtype)
         # Strategies 2/3 reduce into a shard-sized gradient buffer that holds nothing between zero_grad and the
         # first reduction of the next backward, so it gives its storage back in that window (the forward and
         # the start of backward, where activations peak) and gets it back, zeroed, when a reduction needs it.
         self.releases_main_grads = self.main_grads is not None and self.grad_buffer is None
         self.main_grads_released = False
         self.release_main_grads()
+        # Under HFSDP the compute shard is written by an all-gather over the outer group (see
+        # `outer_gather_source`); `compute_shard_stale` says the main weights changed since the last one.
+        self.compute_shard_stale = False
         if self.shards_params:
-            reuse_main = self.trainable and same_dtype
+            reuse_main = self.trainable and same_dtype and not self.outer_sharded
             self.compute_shard = self.main_weights if reuse_main else self._zeros(shard, self.param_dtype)
 
         # Views the optimizer steps on, one per parameter.
@@ -154,7 +181,7 @@ class ParamGroup:
         if self.strategy == ShardingStrategy.no_shard:
             span = self.layout.spans[index]
             return flat[span.flat_start:span.flat_end].view(span.shape)
-        piece = self.pieces[index]
+        piece = self.main_pieces[index]
         return flat[piece.shard_start:piece.shard_end]
 
     def param_view(self, index: int) -> torch.Tensor:
@@ -190,22 +217,42 @@ class ParamGroup:
         """After the full compute buffer was written (init, load): derive this rank's shard and main weights."""
         if self.shards_params and self.compute_shard is not None:
             self.compute_shard.copy_(self.compute_buffer_shard)
-        if self.main_weights is not None:
-            if self.strategy == ShardingStrategy.no_shard:
-                source = self.compute_buffer
-            else:
-                source = self.compute_buffer_shard
-            if self.main_weights.data_ptr() != source.data_ptr():
-                self.main_weights.copy_(source)
+        self.commit_compute_shard_to_main()
+
+    def commit_compute_shard_to_main(self):
+        """Derive the main weights from this rank's (up-to-date) compute shard or compute buffer."""
+        if self.main_weights is None:
+            return
+        if self.strategy == ShardingStrategy.no_shard:
+            source = self.compute_buffer
+        elif self.shards_params:
+            source = self.compute_shard[self.sub_shard_slice] if self.outer_sharded else self.compute_shard
+        else:
+            source = self.compute_buffer_shard
+        if self.main_weights.data_ptr() != source.data_ptr():
+            self.main_weights.copy_(source)
+        self.compute_shard_stale = False
 
     def install_main_into_compute(self):
-        """Cast the updated main weights into the compute weights of this rank (the shard, or everything)."""
+        """Cast the updated main weights into the compute weights of this rank (the shard, or everything).
+
+        Under HFSDP the main weights are only a sub-shard of the compute shard: the compute shard is marked
+        stale instead, and the schedule refreshes it with an all-gather of `outer_gather_source()` over the
+        outer group before gathering it."""
         if self.main_weights is None:
+            return
+        if self.outer_sharded:
+            self.compute_shard_stale = True
             return
         target = self.compute_shard if self.shards_params else (
             self.compute_buffer if self.strategy == ShardingStrategy.no_shard else self.compute_buffer_shard)
         if target.data_ptr() != self.main_weights.data_ptr():
             target.copy_(self.main_weights)
+
+    def outer_gather_source(self) -> torch.Tensor:
+        """HFSDP: this rank's contribution to the all-gather over the outer group that rebuilds the compute
+        shard, i.e. its main weights in the compute dtype (no copy when the dtypes match)."""
+        return self.main_weights.to(self.param_dtype)
 
     # ---- gradients -------------------------------------------------------------------------------------------
     def write_grad(self, index: int, grad: torch.Tensor, scale: float):
@@ -312,12 +359,16 @@ class ParamGroup:
             if view is not None:
                 view.grad = None
 
+    def _grads_for_optimizer(self) -> torch.Tensor:
+        if self.optim_grads is self.main_grads:
+            self.ensure_main_grads()
+        return self.optim_grads
+
     def attach_optimizer_grads(self):
         """Point each main-weight view's `.grad` at its gradient (cast to the main dtype when they differ)."""
         if self.main_weights is None:
             return
-        self.ensure_main_grads()
-        grads = self.main_grads
+        grads = self._grads_for_optimizer()
         if grads.dtype != self.main_dtype:
             self._optimizer_grad_storage = grads.to(self.main_dtype)
             grads = self._optimizer_grad_storage
@@ -327,8 +378,9 @@ class ParamGroup:
     def optimizer_grad_views(self) -> List[torch.Tensor]:
         if self.main_weights is None:
             return []
-        self.ensure_main_grads()
-        grads = self._optimizer_grad_storage if self._optimizer_grad_storage is not None else self.main_grads
+        grads = self._grads_for_optimizer()
+        if self._optimizer_grad_storage is not None:
+            grads = self._optimizer_grad_storage
         return [self._main_view(grads, index) for index in range(len(self.params))]
 
     # ---- reporting -------------------------------------------------------------------------------------------
@@ -344,10 +396,13 @@ class ParamGroup:
             aliased = (not self.shards_params) and self.main_weights.untyped_storage().data_ptr() == (
                 self.compute_buffer.untyped_storage().data_ptr())
             main = 0 if aliased else tensor_bytes(self.main_weights)
-        grads = tensor_bytes(self.grad_buffer) if self.grad_buffer is not None else tensor_bytes(self.main_grads)
+        grads = tensor_bytes(self.grad_buffer) if self.grad_buffer is not None else tensor_bytes(self.optim_grads)
         return {"compute_weights": compute, "main_weights": main, "grads": grads}
 
     def transient_bytes(self) -> int:
         gathered = self.compute_bytes_held() if self.shards_params else 0
         stashed = sum(tensor_bytes(grad) for grad in self.stashed_grads.values())
-        return gathered + tensor_bytes(self.transient_grads) + stashed
+        # HFSDP: the shard-sized reduce-scatter target lives from the first reduction to finish_grad_sync.
+        shard_grads = self.main_grads.untyped_storage().nbytes() if (
+            self.outer_sharded and self.main_grads is not None) else 0
+        return gathered + tensor_bytes(self.transient_grads) + stashed + shard_grads

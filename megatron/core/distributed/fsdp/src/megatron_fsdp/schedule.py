@@ -9,6 +9,10 @@ One step under strategy 3 (units U0..Un in forward order, R = parameters outside
               (R's groups too) | ... | end of backward: reduce leftovers, release anything still gathered
     step:     finish_grad_sync (wait reduces) -> optimizer.step on shards -> write shards into compute shards
 
+HSDP all-reduces the main gradients over the outer group in `finish_grad_sync`. HFSDP reduce-scatters them over
+the outer group into sub-shards instead; after the step, each compute shard is rebuilt by an all-gather of the
+outer ranks' main-weight sub-shards (async with `overlap_param_gather`), waited for before that group's gather.
+
 Strategies 0-2 keep the compute weights gathered; their gathers happen after the optimizer step
 (strategies 1-2, async when `overlap_param_gather`, waited in the next forward). Strategies 0/1 reduce their
 persistent gradient buffers only when sync is enabled (not inside `no_sync()` and, with
@@ -56,6 +60,8 @@ class Schedule:
         self.pool = pool
         self.sync_enabled = True
         self.pending_gathers: Dict[int, collectives.PendingCollective] = {}
+        # HFSDP: in-flight all-gathers over the outer group into compute shards, with the tensor they send.
+        self.pending_shard_refreshes: Dict[int, tuple] = {}
         self.pending_reduces: List[tuple] = []
         self.post_backward_queued = False
         self.grads_synced = False  # finish_grad_sync already ran and no gradient arrived since
@@ -98,6 +104,8 @@ class Schedule:
         for group in groups:
             if group.gathered or id(group) in self.pending_gathers:
                 continue
+            self._refresh_compute_shard(group)
+            self._wait_compute_shard_refresh(group)
             if group.uses_pool:
                 self._claim_pool_slot(group)
             group.allocate_compute()
@@ -111,9 +119,34 @@ class Schedule:
         self._track_transient()
 
     def _wait_gather(self, group: ParamGroup):
+        self._wait_compute_shard_refresh(group)
         pending = self.pending_gathers.pop(id(group), None)
         if pending is not None:
             pending.wait()
+
+    def _refresh_compute_shard(self, group: ParamGroup):
+        """HFSDP: start the all-gather of every outer rank's main-weight sub-shard into this rank's compute
+        shard, if the main weights changed since the last one."""
+        if not group.compute_shard_stale:
+            return
+        source = group.outer_gather_source()
+        pending = collectives.all_gather_flat(group.compute_shard, source, self.outer_group, self.counter,
+                                              async_op=True)
+        self.pending_shard_refreshes[id(group)] = (pending, source)
+        group.compute_shard_stale = False
+
+    def _wait_compute_shard_refresh(self, group: ParamGroup):
+        refresh = self.pending_shard_refreshes.pop(id(group), None)
+        if refresh is not None:
+            refresh[0].wait()
+
+    def refresh_compute_shards(self, groups: List[ParamGroup], async_op: bool):
+        """HFSDP: bring the compute shards of `groups` up to date with the main weights (no-op otherwise)."""
+        for group in groups:
+            self._refresh_compute_shard(group)
+        if not async_op:
+            for group in groups:
+                self._wait_compute_shard_refresh(group)
 
     def wait_gathered(self, groups: List[ParamGroup]):
         for group in groups:
@@ -287,6 +320,8 @@ class Schedule:
         """Complete every gradient reduction of the step and hand the gradients to the optimizer.
 
         Returns False when there was nothing left to synchronise (already finished this step)."""
+        for group in self.groups:  # HFSDP: the refreshes send the main weights the optimizer is about to step
+            self._wait_compute_shard_refresh(group)
         if self.grads_synced:
             return False
         for group in self.groups:
@@ -297,7 +332,13 @@ class Schedule:
             group.ensure_main_grads()
         if self.outer_group is not None and collectives.group_size(self.outer_group) > 1:
             for group in self.groups:
-                if group.main_grads is not None:
+                if group.main_grads is None:
+                    continue
+                if group.outer_sharded:  # HFSDP: keep this outer rank's sub-shard; the shard is not needed again
+                    collectives.reduce_scatter_flat(group.optim_grads, group.main_grads, self.outer_group,
+                                                    self.counter, average=self.average_in_collective)
+                    group.release_main_grads()
+                else:  # HSDP
                     collectives.all_reduce(group.main_grads, self.outer_group, self.counter,
                                            average=self.average_in_collective)
         for group in self.groups:
@@ -309,6 +350,8 @@ class Schedule:
     def install_optimized_model_weights(self):
         for group in self.groups:
             group.install_main_into_compute()
+        # HFSDP: each group's refresh is waited for before its next gather at the latest.
+        self.refresh_compute_shards(self.groups, async_op=self.overlap_param_gather)
         if self.strategy in (ShardingStrategy.optim, ShardingStrategy.optim_grads):
             self.start_param_sync(async_op=self.overlap_param_gather)
         elif self.strategy == ShardingStrategy.optim_grads_params:

@@ -3,6 +3,9 @@
 Saving gathers one group at a time (its flat shards -> the full flat group, transiently) and keeps only this
 rank's rows. Loading writes this rank's rows into a zeroed full flat group and sums over the data-parallel
 group (every element is written by exactly one rank), then keeps this rank's flat shard.
+
+With tensor parallelism a parameter's rows are those of this rank's TP partition, and its DTensor has the full,
+unpartitioned shape (see uneven_dtensor.py); loading cuts full values down to the partition first.
 """
 
 from typing import Dict, List
@@ -13,39 +16,91 @@ from torch.distributed.tensor import DTensor
 from . import collectives
 from .distributed_data_parallel_config import ShardingStrategy
 from .param_and_grad_buffer import ParamGroup
-from .uneven_dtensor import local_rows_of, make_row_sharded_dtensor, row_range, row_slice_of_flat
+from .uneven_dtensor import (
+    local_rows_of,
+    make_row_sharded_dtensor,
+    row_range,
+    row_slice_of_flat,
+    tensor_parallel_full_shape,
+    tensor_parallel_partition_of,
+)
+
+# Optimizer-state key of the main weights, saved when they are kept in another dtype than the compute weights
+# (the model state dict holds the compute dtype, so the main weights would otherwise come back rounded).
+MAIN_PARAM_KEY = "main_param"
+
+
+def _tp_partition_dim(model, param):
+    """The dim along which `param` holds its tensor-parallel partition, or None if it is replicated over TP
+    (Megatron-Core's TP layers mark partitioned parameters; read with getattr to stay free of megatron.core)."""
+    if model.topology.tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return None
+    return getattr(param, "partition_dim") % param.dim()
 
 
 def _check_checkpointable(model):
-    if model.topology.tp_size > 1:
-        raise NotImplementedError("DTensor state dicts of tensor-parallel parameters (tp_dim with size > 1) "
-                                  "are not implemented; save per TP rank instead")
+    if model.topology.tp_size == 1:
+        return
+    for group in model.groups:
+        for name, param in zip(group.names, group.params):
+            if _tp_partition_dim(model, param) is not None and getattr(param, "partition_stride", 1) != 1:
+                raise NotImplementedError(
+                    f"parameter '{name}' has partition_stride={param.partition_stride}: strided tensor-parallel "
+                    "partitions have no DTensor placement here; build the layer with stride=1 to checkpoint it")
+
+
+def _tensor_parallel_local_values(model, group: ParamGroup, values) -> list:
+    """Checkpoint values of the full (TP-unpartitioned) shape -> values of this rank's TP partitions (zeros for
+    a missing value, None)."""
+    topology = model.topology
+    return [torch.zeros(span.shape) if value is None else
+            tensor_parallel_partition_of(value, span.shape, _tp_partition_dim(model, param), topology.tp_size,
+                                         topology.tp_rank, topology.dp_size, topology.dp_rank)
+            for value, span, param in zip(values, group.layout.spans, group.params)]
+
+
+def _in_outer_sub_shards(group: ParamGroup) -> bool:
+    """Whether a trainable group's main weights, optimizer gradients and state are HFSDP sub-shards. Pieces
+    and loaded values of groups with main weights are at that level; those of frozen groups are compute shards."""
+    return group.outer_sharded and group.main_weights is not None
 
 
 def _full_flat(model, group: ParamGroup, pieces: List[torch.Tensor]) -> torch.Tensor:
-    """The full flat group from per-parameter local pieces (flat shard pieces, or whole params for no_shard)."""
+    """The full flat group from per-parameter local pieces (flat shard pieces, HFSDP sub-shard pieces of the
+    main weights / optimizer state, or whole params for no_shard)."""
     layout = group.layout
     if model.strategy == ShardingStrategy.no_shard:
         return torch.cat([piece.reshape(-1) for piece in pieces]) if pieces else torch.empty(0)
     dtype = pieces[0].dtype if pieces else group.main_dtype
-    shard = torch.zeros(layout.shard_numel, dtype=dtype, device=group.device)
-    for piece_range, piece in zip(group.pieces, pieces):
-        shard[piece_range.shard_start:piece_range.shard_end].copy_(piece.reshape(-1))
+    sub_shards = _in_outer_sub_shards(group)
+    local = torch.zeros(layout.sub_shard_numel if sub_shards else layout.shard_numel, dtype=dtype,
+                        device=group.device)
+    for piece_range, piece in zip(group.main_pieces if sub_shards else group.pieces, pieces):
+        local[piece_range.shard_start:piece_range.shard_end].copy_(piece.reshape(-1))
+    uncounted = collectives.CommunicationCounter()
+    if sub_shards:  # sub-shards -> shard over the outer group, then shards -> group as usual
+        shard = torch.empty(layout.shard_numel, dtype=dtype, device=group.device)
+        collectives.all_gather_flat(shard, local, model.topology.outer_group, uncounted)
+        local = shard
     full = torch.empty(layout.padded_numel, dtype=dtype, device=group.device)
-    collectives.all_gather_flat(full, shard, model.topology.dp_group, collectives.CommunicationCounter())
+    collectives.all_gather_flat(full, local, model.topology.dp_group, uncounted)
     return full
 
 
 def _row_dtensors(model, group: ParamGroup, pieces: List[torch.Tensor], dtype=None) -> List[DTensor]:
-    mesh, shard_dim = model.topology.checkpoint_mesh()
+    """One DTensor of the full (TP-unpartitioned) shape per parameter, holding this rank's rows of its
+    (partition of the) parameter."""
+    mesh, dp_mesh_dim, tp_mesh_dim = model.topology.checkpoint_mesh()
     full = _full_flat(model, group, pieces)
     if dtype is not None:
         full = full.to(dtype)
     result = []
-    for index, span in enumerate(group.layout.spans):
+    for span, param in zip(group.layout.spans, group.params):
         flat = full[span.flat_start:span.flat_end]
         rows = row_slice_of_flat(flat, span.shape, model.topology.dp_size, model.topology.dp_rank).clone()
-        result.append(make_row_sharded_dtensor(rows, span.shape, mesh, shard_dim))
+        partition_dim = _tp_partition_dim(model, param)
+        shape = tensor_parallel_full_shape(span.shape, partition_dim, model.topology.tp_size)
+        result.append(make_row_sharded_dtensor(rows, shape, mesh, dp_mesh_dim, tp_mesh_dim, partition_dim))
     return result
 
 
@@ -73,7 +128,8 @@ def model_state_dict(model) -> Dict[str, object]:
 
 
 def _shard_from_rows(model, group: ParamGroup, values: List[torch.Tensor], dtype, full_group=False) -> torch.Tensor:
-    """Rows of every parameter (this rank's) -> this rank's flat shard (or the full flat group for no_shard)."""
+    """Rows of every parameter (this rank's) -> this rank's flat shard (or the full flat group for no_shard);
+    for HFSDP main weights and optimizer state, this rank's sub-shard of it."""
     topology = model.topology
     full = torch.zeros(group.layout.padded_numel, dtype=dtype, device=group.device)
     for span, value in zip(group.layout.spans, values):
@@ -85,6 +141,9 @@ def _shard_from_rows(model, group: ParamGroup, values: List[torch.Tensor], dtype
     collectives.all_reduce_scalar_sum(full, topology.dp_group)
     if full_group or model.strategy == ShardingStrategy.no_shard:
         return full
+    if _in_outer_sub_shards(group):
+        start, end = group.layout.sub_shard_range(topology.dp_rank, group.outer_rank)
+        return full[start:end]
     shard_start, shard_end = group.layout.shard_range(topology.dp_rank)
     return full[shard_start:shard_end]
 
@@ -105,7 +164,8 @@ def load_model_state_dict(model, state_dict, strict: bool = True):
             dtype = group.main_dtype if group.main_weights is not None else group.param_dtype
             # Frozen groups of strategies 0-2 are never re-gathered, so they take the whole group at once.
             full_group = group.main_weights is None and not group.shards_params
-            values = _shard_from_rows(model, group, [state_dict[name] for name in group.names], dtype, full_group)
+            values = _tensor_parallel_local_values(model, group, [state_dict[name] for name in group.names])
+            values = _shard_from_rows(model, group, values, dtype, full_group)
             if group.main_weights is not None:
                 group.main_weights.copy_(values)
                 group.install_main_into_compute()
@@ -164,6 +224,9 @@ def optimizer_state_dict(optimizer) -> dict:
             for index, tensor in enumerate(_row_dtensors(model, group, pieces)):
                 if views[index] in optimizer.state:
                     state.setdefault(group.names[index], {})[key] = tensor
+        if group.main_dtype != group.param_dtype:
+            for index, tensor in enumerate(_row_dtensors(model, group, list(views))):
+                state.setdefault(group.names[index], {})[MAIN_PARAM_KEY] = tensor
         for index, view in enumerate(views):
             for key, value in optimizer.state.get(view, {}).items():
                 if not _is_sharded_state(value, view):
@@ -179,7 +242,10 @@ def optimizer_state_dict(optimizer) -> dict:
 
 def load_optimizer_state_dict(optimizer, state_dict):
     """Accepts the name-keyed form (DTensor or full-tensor states) or torch's own index-keyed form of the
-    sharded optimizer (as saved by `torch.optim.Optimizer.state_dict` at the same data-parallel size)."""
+    sharded optimizer (as saved by `torch.optim.Optimizer.state_dict` at the same data-parallel size).
+
+    Main weights saved under MAIN_PARAM_KEY replace those the model state dict set (in the compute dtype), so
+    load the model state first and the optimizer state second."""
     groups_in = state_dict["param_groups"]
     if groups_in and groups_in[0]["params"] and not isinstance(groups_in[0]["params"][0], str):
         return optimizer._megatron_fsdp_original_load_state_dict(state_dict)
@@ -194,17 +260,23 @@ def load_optimizer_state_dict(optimizer, state_dict):
     for saved, current in zip(groups_in, optimizer.param_groups):
         current.update({k: v for k, v in saved.items() if k != "params"})
     saved_state = state_dict["state"]
+    main_weights_loaded = False
     with torch.no_grad():
         for group in model.groups:
             if group.main_weights is None or not any(name in saved_state for name in group.names):
                 continue
+            if all(MAIN_PARAM_KEY in saved_state.get(name, {}) for name in group.names):
+                values = _tensor_parallel_local_values(model, group,
+                                                       [saved_state[name][MAIN_PARAM_KEY] for name in group.names])
+                group.main_weights.copy_(_shard_from_rows(model, group, values, group.main_dtype))
+                main_weights_loaded = True
             keys = set()
             for name in group.names:
                 keys.update(k for k, v in saved_state.get(name, {}).items()
-                            if isinstance(v, torch.Tensor) and v.dim() > 0)
+                            if isinstance(v, torch.Tensor) and v.dim() > 0 and k != MAIN_PARAM_KEY)
             for key in sorted(keys):
-                values = [saved_state.get(name, {}).get(key, torch.zeros(span.shape))
-                          for name, span in zip(group.names, group.layout.spans)]
+                values = _tensor_parallel_local_values(
+                    model, group, [saved_state.get(name, {}).get(key) for name in group.names])
                 flat = _shard_from_rows(model, group, values, group.main_dtype)
                 for index, view in enumerate(group.main_param_views):
                     target = group._main_view(flat, index)
@@ -216,3 +288,6 @@ def load_optimizer_state_dict(optimizer, state_dict):
                         if isinstance(value, DTensor):
                             value = value.full_tensor()
                         optimizer.state[view][key] = value.clone() if isinstance(value, torch.Tensor) else value
+    if main_weights_loaded:
+        model.install_optimized_model_weights()
+        model.schedule.wait_gathered(model.groups)

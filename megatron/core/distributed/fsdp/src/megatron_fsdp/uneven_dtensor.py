@@ -4,9 +4,14 @@ A rank's flat shard of a parameter is generally not a rectangular block, so chec
 rectangular split: rows of dim 0, cut the way DTensor's `Shard(0)` cuts them (`ceil(rows / DP)` rows per rank,
 trailing ranks fewer or none). Such DTensors carry standard metadata, so torch.distributed.checkpoint can
 save them at one data-parallel size and load them at another. 0-dim tensors are replicated.
+
+With tensor parallelism a parameter holds only its TP partition (an equal split along `partition_dim`). Its
+DTensor has the full, unpartitioned shape and is placed `Shard(partition_dim)` over the tp mesh dim, which comes
+before the data-parallel dim, so DTensor cuts the full tensor into TP partitions first and each partition into
+rows second: the local part is still this rank's rows of its TP partition.
 """
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -39,15 +44,60 @@ def row_slice_of_flat(flat: torch.Tensor, shape, dp_size: int, dp_rank: int) -> 
     return flat[start * row_numel:end * row_numel].view((end - start,) + tuple(shape[1:]))
 
 
-def make_row_sharded_dtensor(local_rows: torch.Tensor, global_shape, mesh, shard_mesh_dim: int) -> DTensor:
+def tensor_parallel_full_shape(local_shape, partition_dim: Optional[int], tp_size: int) -> Tuple[int, ...]:
+    """The unpartitioned shape of a parameter whose TP partition has `local_shape` (itself if not partitioned)."""
+    shape = list(local_shape)
+    if partition_dim is not None:
+        shape[partition_dim] *= tp_size
+    return tuple(shape)
+
+
+def make_row_sharded_dtensor(local_rows: torch.Tensor, global_shape, mesh, shard_mesh_dim: int,
+                             tp_mesh_dim: Optional[int] = None, tp_partition_dim: Optional[int] = None) -> DTensor:
     """A DTensor of `global_shape` whose local part is this rank's rows, sharded over `shard_mesh_dim` of
-    `mesh` and replicated over its other dims."""
+    `mesh` (and `Shard(tp_partition_dim)` over `tp_mesh_dim`, which must come first, for a TP partition) and
+    replicated over its other dims."""
     global_shape = torch.Size(global_shape)
     placements = [Replicate()] * mesh.ndim
     if len(global_shape) > 0:
         placements[shard_mesh_dim] = Shard(0)
+    if tp_partition_dim is not None:
+        if tp_mesh_dim is None or tp_mesh_dim >= shard_mesh_dim:
+            raise ValueError(f"the tp mesh dim ({tp_mesh_dim}) must come before the data-parallel mesh dim "
+                             f"({shard_mesh_dim}) so that rows are cut from each TP partition")
+        placements[tp_mesh_dim] = Shard(tp_partition_dim)
     return DTensor.from_local(local_rows.contiguous(), mesh, placements, run_check=False, shape=global_shape,
                               stride=contiguous_stride(global_shape))
+
+
+def tensor_parallel_partition_of(value, local_shape, partition_dim: Optional[int], tp_size: int, tp_rank: int,
+                                 dp_size: int, dp_rank: int):
+    """A checkpoint value of a parameter whose TP partition has `local_shape` -> what `local_rows_of` takes.
+
+    A sharded DTensor must have the full shape and hold this rank's rows of its partition; it is returned as is.
+    A replicated DTensor or a plain tensor of the full shape is cut to this rank's partition."""
+    full_shape = tensor_parallel_full_shape(local_shape, partition_dim, tp_size)
+    if isinstance(value, DTensor):
+        if tuple(value.shape) != full_shape:
+            raise ValueError(f"checkpoint DTensor of shape {tuple(value.shape)} does not match the parameter's full "
+                             f"(tensor-parallel unpartitioned) shape {full_shape}")
+        if all(isinstance(p, Replicate) for p in value.placements):
+            value = value.to_local()
+        else:
+            start, end = row_range(local_shape, dp_size, dp_rank)
+            expected = (end - start,) + tuple(local_shape[1:]) if len(local_shape) else ()
+            if tuple(value.to_local().shape) != expected:
+                raise ValueError(f"checkpoint DTensor holds a {tuple(value.to_local().shape)} block of "
+                                 f"{full_shape} on this rank, not its {expected} rows of its tensor-parallel "
+                                 "partition; build the target state dict on the loading model (then dcp.load)")
+            return value
+    if tuple(value.shape) != full_shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(value.shape)} does not match the parameter's full "
+                         f"(tensor-parallel unpartitioned) shape {full_shape}")
+    if partition_dim is None:
+        return value
+    size = local_shape[partition_dim]
+    return value.narrow(partition_dim, tp_rank * size, size)
 
 
 def local_rows_of(value, global_shape, dp_size: int, dp_rank: int) -> torch.Tensor:

@@ -1,0 +1,255 @@
+"""HFSDP (outer_dp_sharding_strategy='optim') on a 2x2 (dp_outer, dp_shard) mesh at world size 4.
+
+Compute weights are ZeRO-3 sharded over dp_shard; main weights, the optimizer's gradients and Adam state are
+split again over dp_outer, so each rank holds a quarter of them. Training must equal single-process AdamW,
+bytes held and sent must follow the formulas, clipping must see the global norm, and checkpoints must move
+between HFSDP and plain 1-D ZeRO-3.
+"""
+
+import math
+
+import pytest
+import torch
+
+from tests.unit_tests.distributed.fsdp import fsdp_test_models as models
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+NUM_STEPS = 3
+SHARD, OUTER = 2, 2
+STEPS_BEFORE_SAVE, STEPS_AFTER_LOAD = 2, 2
+
+
+def _mesh_kwargs():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (OUTER, SHARD), mesh_dim_names=("dp_outer", "dp_shard"))
+    return dict(device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
+                hybrid_fsdp_group=mesh._flatten("dp_outer_shard").get_group(), outer_dp_sharding_strategy="optim")
+
+
+def _wrap_hfsdp(module, optimizer, **kwargs):
+    import megatron_fsdp
+
+    model, optimizer = megatron_fsdp.fully_shard(module, optimizer, fsdp_unit_modules=[models.Block],
+                                                 zero_dp_strategy=3, **_mesh_kwargs(), **kwargs)
+    assert model.topology.dp_size == SHARD and model.topology.outer_size == OUTER
+    assert all(group.outer_sharded for group in model.groups)
+    return model, optimizer
+
+
+def _hfsdp_model(seed=0, dtype=torch.float32, **kwargs):
+    module = models.make_model(seed, dtype)
+    return _wrap_hfsdp(module, models.make_optimizer([p for p in module.parameters() if p.requires_grad]), **kwargs)
+
+
+def _train_variants():
+    results = {}
+    for overlap in (False, True):
+        model, optimizer = _hfsdp_model(overlap_grad_reduce=overlap, overlap_param_gather=overlap)
+        results[("fp32", overlap)] = (models.train_sharded(model, optimizer, NUM_STEPS), models.full_params(model))
+    model, optimizer = _hfsdp_model(fsdp_double_buffer=True)
+    results["double_buffer_accumulation"] = (models.train_sharded(model, optimizer, NUM_STEPS, microbatches=3), None)
+    model, optimizer = _hfsdp_model(dtype=torch.bfloat16)
+    results["bf16"] = (models.train_sharded(model, optimizer, NUM_STEPS, torch.bfloat16), None)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_hfsdp_matches_single_process(world_size):
+    reference, reference_params = models.reference_losses(NUM_STEPS)
+    reference_bf16 = models.reference_losses_mixed(NUM_STEPS)
+    results = run_on_ranks(world_size, _train_variants)
+    for rank_results in results:
+        for overlap in (False, True):
+            losses, params = rank_results[("fp32", overlap)]
+            assert losses == pytest.approx(reference, abs=1e-5), overlap
+            assert set(params) == set(reference_params)
+            for name, value in params.items():
+                torch.testing.assert_close(value, reference_params[name], atol=1e-5, rtol=1e-5, msg=name)
+        # overlapping communication changes when collectives run, never what they compute
+        assert rank_results[("fp32", False)][0] == rank_results[("fp32", True)][0]
+        assert rank_results["double_buffer_accumulation"][0] == pytest.approx(reference, abs=1e-5)
+        # bf16 compute weights, fp32 main weights: the tolerance of test_parity.py (gradients summed in bf16)
+        bf16_losses = rank_results["bf16"][0]
+        assert bf16_losses == pytest.approx(reference_bf16, abs=2e-2)
+        assert bf16_losses != pytest.approx(reference, abs=1e-6)
+
+
+def _meta_versus_eager():
+    """Meta-device init under HFSDP: main-weight sub-shards and compute shards equal an eager build's."""
+    import megatron_fsdp
+
+    wrapped = []
+    for device in ("cpu", "meta"):
+        torch.manual_seed(0)
+        with torch.device(device):
+            module = models.TinyModel()
+        wrapped.append(megatron_fsdp.fully_shard_model(module, fsdp_unit_modules=[models.Block], zero_dp_strategy=3,
+                                                       init_model_with_meta_device=device == "meta",
+                                                       **_mesh_kwargs()))
+    eager, meta = wrapped
+    batch = torch.randn(4, models.IN_FEATURES, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        outputs_equal = torch.equal(eager(batch), meta(batch))  # forward reads the compute shards
+    eager_params, meta_params = models.full_params(eager), models.full_params(meta)  # read the main weights
+    return outputs_equal, {name: torch.equal(eager_params[name], meta_params[name]) for name in eager_params}
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_meta_init_equals_eager_init_under_hfsdp(world_size):
+    for outputs_equal, params_equal in run_on_ranks(world_size, _meta_versus_eager):
+        assert outputs_equal
+        assert params_equal and all(params_equal.values()), params_equal
+
+
+def _accounting():
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(*[models.Block() for _ in range(4)])
+    model, optimizer = _wrap_hfsdp(module, models.make_optimizer(module.parameters()))
+    inputs = torch.randn(4, models.HIDDEN)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(inputs).square().mean().backward()
+        optimizer.step()
+    padded = [group.layout.padded_numel for group in model.groups]
+    return (padded, sum(p.numel() for p in module.parameters()), len(list(module.parameters())),
+            model.memory_report(), model.communication_report(), dict(model.counter.calls))
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_bytes_held_and_sent_match_hfsdp_theory(world_size):
+    for padded, numel, num_params, memory, comm, calls in run_on_ranks(world_size, _accounting):
+        assert all(size % (SHARD * OUTER) == 0 for size in padded)
+        total = 4 * sum(padded)  # fp32 bytes of every padded group
+        assert total - 4 * numel < 4 * SHARD * OUTER * len(padded)
+        # compute shard 1/SHARD; main weights, optimizer gradients and both Adam moments 1/(SHARD*OUTER);
+        # Adam's step counters are 4-byte scalars, one per parameter
+        assert memory["compute_weights"] == total // SHARD
+        assert memory["main_weights"] == total // (SHARD * OUTER)
+        assert memory["grads"] == total // (SHARD * OUTER)
+        assert memory["optimizer_state"] == 2 * total // (SHARD * OUTER) + 4 * num_params
+        assert memory["transient_now"] == 0  # the shard-sized gradients are dropped after finish_grad_sync
+        assert memory["transient_peak"] > 0
+        # per step: two gathers and one reduce-scatter over dp_shard (ring accounting, bytes x (n-1)/n), then a
+        # reduce-scatter of the shard gradients and an all-gather of the main-weight sub-shards over dp_outer
+        assert comm["steps"] == 2
+        shard_traffic = total * (SHARD - 1) / SHARD
+        outer_traffic = (total // SHARD) * (OUTER - 1) / OUTER
+        per_step = {kind: comm[kind] / comm["steps"] for kind in ("all_gather", "reduce_scatter", "all_reduce")}
+        assert per_step["all_gather"] == pytest.approx(2 * shard_traffic + outer_traffic, rel=1e-9)
+        assert per_step["reduce_scatter"] == pytest.approx(shard_traffic + outer_traffic, rel=1e-9)
+        assert per_step["all_reduce"] == 0
+        # one call per group and collective: 2 shard gathers + 1 outer gather, 1 shard + 1 outer reduce-scatter
+        assert calls["all_gather"] == 2 * 3 * len(padded) and calls["reduce_scatter"] == 2 * 2 * len(padded)
+
+
+def _clip(max_norm):
+    import torch.distributed as dist
+
+    import megatron_fsdp
+
+    module = models.make_model(0)
+    optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.1)
+    model, optimizer = _wrap_hfsdp(module, optimizer)
+    inputs, target = (models.local_slice(t, dist.get_rank(), dist.get_world_size()) for t in models.make_batches(1)[0])
+    models.loss_fn(model(inputs), target).backward()
+    max_abs = megatron_fsdp.clip_grad_norm_(optimizer, 1e9, norm_type=math.inf)  # too large to clip anything
+    norm = megatron_fsdp.clip_grad_norm_(optimizer, max_norm)
+    optimizer.step()
+    return norm.item(), max_abs.item(), models.full_params(model)
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_clip_grad_norm_counts_every_element_once(world_size):
+    model = models.make_model(0)
+    inputs, target = models.make_batches(1)[0]
+    models.loss_fn(model(inputs), target).backward()
+    trainable = [p for p in model.parameters() if p.grad is not None]
+    reference_max = max(p.grad.abs().max().item() for p in trainable if p.numel())
+    reference_norm = torch.nn.utils.clip_grad_norm_(trainable, 0.05).item()
+    assert reference_norm > 0.05  # the clip really scales the gradients
+    torch.optim.SGD(trainable, lr=0.1).step()
+    for norm, max_abs, params in run_on_ranks(world_size, _clip, 0.05):
+        assert norm == pytest.approx(reference_norm, rel=1e-5)
+        assert max_abs == pytest.approx(reference_max, rel=1e-5)
+        for name, value in params.items():
+            torch.testing.assert_close(value, dict(model.named_parameters())[name].detach(), atol=1e-6, rtol=1e-5)
+
+
+def _wrap_for_checkpoint(hybrid, seed):
+    import megatron_fsdp
+
+    if hybrid:
+        return _hfsdp_model(seed)
+    module = models.make_model(seed)
+    optimizer = models.make_optimizer([p for p in module.parameters() if p.requires_grad])
+    return megatron_fsdp.fully_shard(module, optimizer, fsdp_unit_modules=[models.Block], zero_dp_strategy=3)
+
+
+def _train_steps(model, optimizer, steps, first_step):
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = models.make_batches(first_step + steps + 1)
+    losses = []
+    for step in range(first_step, first_step + steps + 1):
+        inputs, target = (models.local_slice(t, rank, world) for t in batches[step])
+        optimizer.zero_grad()
+        loss = models.loss_fn(model(inputs), target)
+        losses.append(models.global_mean(loss.item()))
+        if step == first_step + steps:
+            break
+        loss.backward()
+        optimizer.step()
+    return losses
+
+
+def _save_then_load_across(directory):
+    """Save under one layout, load into the other (HFSDP <-> 1-D ZeRO-3), both ways."""
+    import torch.distributed.checkpoint as dcp
+
+    results = {}
+    for saved_hybrid in (True, False):
+        path = f"{directory}_{'hfsdp' if saved_hybrid else 'zero3'}"
+        model, optimizer = _wrap_for_checkpoint(saved_hybrid, seed=0)
+        _train_steps(model, optimizer, STEPS_BEFORE_SAVE, 0)
+        dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=path)
+        uninterrupted = _train_steps(model, optimizer, STEPS_AFTER_LOAD, STEPS_BEFORE_SAVE)
+
+        model, optimizer = _wrap_for_checkpoint(not saved_hybrid, seed=123)  # everything must come from the file
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        results[saved_hybrid] = (uninterrupted, _train_steps(model, optimizer, STEPS_AFTER_LOAD, STEPS_BEFORE_SAVE))
+    return results
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_checkpoint_moves_between_hfsdp_and_zero3(world_size, tmp_path):
+    reference, _ = models.reference_losses(STEPS_BEFORE_SAVE + STEPS_AFTER_LOAD)
+    results = run_on_ranks(world_size, _save_then_load_across, str(tmp_path / "ckpt"))[0]
+    for saved_hybrid, (uninterrupted, resumed) in results.items():
+        assert uninterrupted == pytest.approx(reference[STEPS_BEFORE_SAVE:], abs=1e-5)
+        assert resumed == pytest.approx(uninterrupted, abs=1e-6), saved_hybrid
+
+
+def _bad_hfsdp_inputs():
+    import megatron_fsdp
+
+    errors = {}
+    for key, kwargs in (("no_outer_dim", dict(outer_dp_sharding_strategy="optim")),
+                        ("zero1", dict(outer_dp_sharding_strategy="optim", zero_dp_strategy=1, **{
+                            k: v for k, v in _mesh_kwargs().items() if k != "outer_dp_sharding_strategy"}))):
+        try:
+            megatron_fsdp.fully_shard_model(models.make_model(), fsdp_unit_modules=[models.Block], **kwargs)
+        except ValueError as error:
+            errors[key] = str(error)
+    return errors
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_hfsdp_bad_inputs_name_the_flags(world_size):
+    errors = run_on_ranks(world_size, _bad_hfsdp_inputs)[0]
+    assert "outer_dp_sharding_strategy='optim' (HFSDP) shards over the outer dim" in errors["no_outer_dim"]
+    assert "data_parallel_sharding_strategy='optim_grads_params'" in errors["zero1"]
