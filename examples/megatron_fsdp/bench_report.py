@@ -67,6 +67,20 @@ def timing_and_memory_rows(summaries, memory_modes):
     return rows
 
 
+def phase_time_rows(summaries):
+    ddp_phases = summaries.get("ddp", {}).get("phase_times")
+    ddp_sum = sum(ddp_phases) if ddp_phases else None
+    rows = []
+    for name, arm in summaries.items():
+        phases = arm.get("phase_times")
+        if not phases:
+            continue
+        total = sum(phases)
+        ratio = format_ratio(total / ddp_sum) if ddp_sum else ""
+        rows.append([name] + [format_seconds(value) for value in phases] + [format_seconds(total), ratio])
+    return rows
+
+
 def _triple(state):
     return " / ".join(format_mib(state[key]) for key in ("params", "grads", "optimizer"))
 
@@ -147,6 +161,18 @@ def render_markdown(meta, summaries, memory_modes, method_text):
             timing_and_memory_rows(summaries, memory_modes),
         )
     )
+    phase_rows = phase_time_rows(summaries)
+    if phase_rows:
+        parts += [
+            "",
+            "## Where the step time goes",
+            "",
+            "Seconds per phase, same runs as above: *forward* includes `zero_grad`, *optimizer step* includes "
+            "Megatron-FSDP's `finish_grad_sync` and weight install; per phase the slowest rank per step, median "
+            "over post-warm-up steps, then over repetitions (so the phases need not add up to the step time exactly).",
+            "",
+            markdown_table(["arm", "forward s", "backward s", "optimizer step s", "sum s", "sum vs DDP"], phase_rows),
+        ]
     parts += [
         "",
         "## State bytes per rank",

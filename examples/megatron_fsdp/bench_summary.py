@@ -41,6 +41,22 @@ def _rss_summary(repetitions, in_process):
     }
 
 
+def _phase_medians(repetitions):
+    """(forward, backward, optimizer step) seconds: per phase, the slowest rank per step, the median over
+    post-warm-up steps, then the median over repetitions."""
+    per_phase = []
+    for phase in range(3):
+        per_rep = [
+            bench_theory.median_after_warmup(
+                bench_theory.slowest_rank_step_times([[step[phase] for step in r["phase_times"]] for r in ranks]),
+                ranks[0]["warmup_steps"],
+            )
+            for ranks in repetitions
+        ]
+        per_phase.append(statistics.median(per_rep))
+    return per_phase
+
+
 def summarise(results, arm_names, param_bytes, world_size, timing_mode, in_process):
     summaries = {}
     reference_losses = None
@@ -78,6 +94,8 @@ def summarise(results, arm_names, param_bytes, world_size, timing_mode, in_proce
                 ]
                 summary["step_time"] = statistics.median(per_rep)
                 summary["step_time_reps"] = per_rep
+                if all("phase_times" in r for ranks in repetitions for r in ranks):
+                    summary["phase_times"] = _phase_medians(repetitions)
             if reference_losses is not None:
                 diffs = [
                     bench_theory.max_abs_difference(_global_losses(ranks), reference_losses) for ranks in repetitions

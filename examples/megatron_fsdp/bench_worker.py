@@ -72,7 +72,7 @@ def run_arm(arm_name, model_name, steps, warmup_steps, seed, lr):
     try:
         model = build_model(config, seed, device)
         train_model, optimizer = build_arm(spec, model, device, lr)
-        step_times, losses, comm_per_step, package_comm_per_step = [], [], [], []
+        step_times, phase_times, losses, comm_per_step, package_comm_per_step = [], [], [], [], []
         for step in range(steps):
             tokens, labels = rank_micro_batch(all_tokens, step, rank, world_size, device)
             counter.reset()
@@ -81,15 +81,22 @@ def run_arm(arm_name, model_name, steps, warmup_steps, seed, lr):
             with counter.counting():
                 optimizer.zero_grad()
                 loss = train_model(tokens, labels)
+                synchronize(device)
+                forward_done = time.perf_counter()
                 loss.backward()
+                synchronize(device)
+                backward_done = time.perf_counter()
                 optimizer.step()
             synchronize(device)
-            step_times.append(time.perf_counter() - started)
+            finished = time.perf_counter()
+            step_times.append(finished - started)
+            phase_times.append([forward_done - started, backward_done - forward_done, finished - backward_done])
             losses.append(loss.item())
             comm_per_step.append(counter.snapshot())
             package_comm_per_step.append(package_communication_report(train_model))  # cumulative, or None
         result.update(
             step_times=step_times,
+            phase_times=phase_times,
             losses=losses,
             comm_per_step=comm_per_step,
             state_bytes=held_state_bytes(train_model, optimizer),
