@@ -2,8 +2,8 @@
 
 Compute weights are ZeRO-3 sharded over dp_shard; main weights, the optimizer's gradients and Adam state are
 split again over dp_outer, so each rank holds a quarter of them. Training must equal single-process AdamW,
-bytes held and sent must follow the formulas, clipping must see the global norm, and checkpoints must move
-between HFSDP and plain 1-D ZeRO-3.
+bytes held and sent must follow the formulas, clipping must see the global norm, `scale_gradients` must act like
+scaling the loss, and checkpoints must move between HFSDP, HSDP and plain 1-D ZeRO-3.
 """
 
 import math
@@ -176,14 +176,90 @@ def test_clip_grad_norm_counts_every_element_once(world_size):
             torch.testing.assert_close(value, dict(model.named_parameters())[name].detach(), atol=1e-6, rtol=1e-5)
 
 
-def _wrap_for_checkpoint(hybrid, seed):
+SCALE_FACTOR = 0.3  # not a power of two: a scaled gradient is rounded, so the checks compare within 1e-6
+SGD_LR = 0.1
+
+
+def _sgd_hfsdp_model(dtype=torch.float32, **kwargs):
+    """HFSDP with plain SGD (no momentum): unlike AdamW's, its update is proportional to the gradient scale."""
+    module = models.make_model(0, dtype)
+    optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=SGD_LR)
+    return _wrap_hfsdp(module, optimizer, **kwargs)
+
+
+def _train_with_scaling(model, optimizer, num_steps, loss_factor, grad_factor, scale_after_sync,
+                        dtype=torch.float32):
+    """Global mean losses; each step backpropagates `loss * loss_factor`, then (unless `grad_factor` is None)
+    calls `scale_gradients(grad_factor)` before `optimizer.step()`, after an explicit `finish_grad_sync()` when
+    `scale_after_sync` (the gradients are then the HFSDP sub-shards the optimizer steps on)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = models.make_batches(num_steps + 1, dtype=dtype)
+    losses = []
+    for step in range(num_steps + 1):
+        inputs, target = (models.local_slice(t, rank, world) for t in batches[step])
+        optimizer.zero_grad()
+        loss = models.loss_fn(model(inputs), target)
+        losses.append(models.global_mean(loss.item()))
+        if step == num_steps:
+            break
+        (loss * loss_factor).backward()
+        if grad_factor is not None:
+            if scale_after_sync:
+                model.finish_grad_sync()
+            model.scale_gradients(grad_factor)
+        optimizer.step()
+    return losses
+
+
+def _scaled_gradient_runs():
+    results = {}
+    for overlap in (False, True):
+        for scale_after_sync in (False, True):
+            model, optimizer = _sgd_hfsdp_model(overlap_grad_reduce=overlap, overlap_param_gather=overlap)
+            results[(overlap, scale_after_sync)] = _train_with_scaling(model, optimizer, NUM_STEPS, 1.0, SCALE_FACTOR,
+                                                                       scale_after_sync)
+    model, optimizer = _sgd_hfsdp_model()
+    results["scaled_loss"] = _train_with_scaling(model, optimizer, NUM_STEPS, SCALE_FACTOR, None, False)
+    model, optimizer = _sgd_hfsdp_model()
+    results["unscaled"] = _train_with_scaling(model, optimizer, NUM_STEPS, 1.0, None, False)
+    # bf16 gradients reach the fp32 optimizer as a copy made by finish_grad_sync: scaling after it must scale that
+    bf16 = {}
+    for key, loss_factor, grad_factor in (("scaled_grads", 1.0, SCALE_FACTOR), ("scaled_loss", SCALE_FACTOR, None),
+                                          ("unscaled", 1.0, None)):
+        model, optimizer = _sgd_hfsdp_model(torch.bfloat16)
+        bf16[key] = _train_with_scaling(model, optimizer, NUM_STEPS, loss_factor, grad_factor, True, torch.bfloat16)
+    return results, bf16
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_scale_gradients_equals_scaling_the_loss(world_size):
+    for results, bf16 in run_on_ranks(world_size, _scaled_gradient_runs):
+        scaled_loss, unscaled = results.pop("scaled_loss"), results.pop("unscaled")
+        assert max(abs(a - b) for a, b in zip(scaled_loss, unscaled)) > 1e-3  # the factor changes training
+        for (overlap, scale_after_sync), losses in results.items():
+            assert losses == pytest.approx(scaled_loss, abs=1e-6), (overlap, scale_after_sync)
+        # bf16: scaling the bf16 loss rounds differently from scaling fp32 gradients (measured up to 1.6e-3)
+        assert bf16["scaled_grads"] == pytest.approx(bf16["scaled_loss"], abs=5e-3)
+        assert max(abs(a - b) for a, b in zip(bf16["scaled_grads"], bf16["unscaled"])) > 5e-2
+
+
+def _wrap_for_checkpoint(layout, seed):
+    """`layout`: "hfsdp" (2x2 mesh, outer dim shards the optimizer), "hsdp" (2x2 mesh, outer dim replicates) or
+    "zero3" (1-D over all four ranks)."""
     import megatron_fsdp
 
-    if hybrid:
+    if layout == "hfsdp":
         return _hfsdp_model(seed)
     module = models.make_model(seed)
     optimizer = models.make_optimizer([p for p in module.parameters() if p.requires_grad])
-    return megatron_fsdp.fully_shard(module, optimizer, fsdp_unit_modules=[models.Block], zero_dp_strategy=3)
+    mesh_kwargs = dict(_mesh_kwargs(), outer_dp_sharding_strategy="no_shard") if layout == "hsdp" else {}
+    model, optimizer = megatron_fsdp.fully_shard(module, optimizer, fsdp_unit_modules=[models.Block],
+                                                 zero_dp_strategy=3, **mesh_kwargs)
+    assert not any(group.outer_sharded for group in model.groups)
+    assert model.topology.outer_size == (OUTER if layout == "hsdp" else 1)
+    return model, optimizer
 
 
 def _train_steps(model, optimizer, steps, first_step):
@@ -204,34 +280,41 @@ def _train_steps(model, optimizer, steps, first_step):
     return losses
 
 
+CHECKPOINT_MOVES = (("hfsdp", "zero3"), ("zero3", "hfsdp"), ("hfsdp", "hsdp"), ("hsdp", "hfsdp"))
+
+
 def _save_then_load_across(directory):
-    """Save under one layout, load into the other (HFSDP <-> 1-D ZeRO-3), both ways."""
+    """For each (saved, loaded) layout pair: train, save model and optimizer with DCP, keep training (the
+    uninterrupted losses); then load the file into a freshly initialised model of the other layout and train."""
     import torch.distributed.checkpoint as dcp
 
-    results = {}
-    for saved_hybrid in (True, False):
-        path = f"{directory}_{'hfsdp' if saved_hybrid else 'zero3'}"
-        model, optimizer = _wrap_for_checkpoint(saved_hybrid, seed=0)
-        _train_steps(model, optimizer, STEPS_BEFORE_SAVE, 0)
-        dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=path)
-        uninterrupted = _train_steps(model, optimizer, STEPS_AFTER_LOAD, STEPS_BEFORE_SAVE)
+    saved_runs, results = {}, {}
+    for saved, loaded in CHECKPOINT_MOVES:
+        path = f"{directory}_{saved}"
+        if saved not in saved_runs:
+            model, optimizer = _wrap_for_checkpoint(saved, seed=0)
+            _train_steps(model, optimizer, STEPS_BEFORE_SAVE, 0)
+            dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=path)
+            saved_runs[saved] = _train_steps(model, optimizer, STEPS_AFTER_LOAD, STEPS_BEFORE_SAVE)
 
-        model, optimizer = _wrap_for_checkpoint(not saved_hybrid, seed=123)  # everything must come from the file
+        model, optimizer = _wrap_for_checkpoint(loaded, seed=123)  # everything must come from the file
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
         dcp.load(state, checkpoint_id=path)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        results[saved_hybrid] = (uninterrupted, _train_steps(model, optimizer, STEPS_AFTER_LOAD, STEPS_BEFORE_SAVE))
+        results[(saved, loaded)] = (saved_runs[saved],
+                                    _train_steps(model, optimizer, STEPS_AFTER_LOAD, STEPS_BEFORE_SAVE))
     return results
 
 
 @pytest.mark.parametrize("world_size", [4])
-def test_checkpoint_moves_between_hfsdp_and_zero3(world_size, tmp_path):
+def test_checkpoint_moves_between_hfsdp_hsdp_and_zero3(world_size, tmp_path):
     reference, _ = models.reference_losses(STEPS_BEFORE_SAVE + STEPS_AFTER_LOAD)
     results = run_on_ranks(world_size, _save_then_load_across, str(tmp_path / "ckpt"))[0]
-    for saved_hybrid, (uninterrupted, resumed) in results.items():
-        assert uninterrupted == pytest.approx(reference[STEPS_BEFORE_SAVE:], abs=1e-5)
-        assert resumed == pytest.approx(uninterrupted, abs=1e-6), saved_hybrid
+    assert set(results) == set(CHECKPOINT_MOVES)
+    for move, (uninterrupted, resumed) in results.items():
+        assert uninterrupted == pytest.approx(reference[STEPS_BEFORE_SAVE:], abs=1e-5), move
+        assert resumed == pytest.approx(uninterrupted, abs=1e-6), move
 
 
 def _bad_hfsdp_inputs():

@@ -1,9 +1,10 @@
 """Megatron-FSDP composed with Megatron-Core tensor parallelism on a (dp_shard, tp) mesh.
 
 Training a toy GPT built from ColumnParallelLinear / RowParallelLinear / VocabParallelEmbedding with FSDP over
-dp_shard equals TP-only training (plain AdamW, data-parallel gradients averaged by hand). State dicts hold one
-DTensor of the full (TP-unpartitioned) shape per parameter; DCP saves them at (dp_shard=2, tp=2) and loads them
-at (dp_shard=1, tp=2).
+dp_shard equals TP-only training (plain AdamW, data-parallel gradients averaged by hand); so does HFSDP on a
+(dp_outer=2, dp_shard=1, tp=2) mesh, where the optimizer's side is sharded over dp_outer only. State dicts hold
+one DTensor of the full (TP-unpartitioned) shape per parameter; DCP saves them at (dp_shard=2, tp=2) or
+(dp_outer=2, dp_shard=1, tp=2) and loads them at (dp_shard=1, tp=2).
 """
 
 import pytest
@@ -163,24 +164,31 @@ def _fsdp_mesh():
     return init_device_mesh("cpu", (dist.get_world_size() // TP, TP), mesh_dim_names=("dp_shard", "tp"))
 
 
-def _wrap(config, seed, strategy, hsdp=False):
-    """FSDP over all data-parallel ranks, or (hsdp) replicated over dp_outer with dp_shard of size 1."""
+def _hybrid_mesh():
+    """(dp_outer, dp_shard=1, tp), ranks laid out tp fastest: the only hybrid layout with tp=2 at world 4."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    return init_device_mesh("cpu", (dist.get_world_size() // TP, 1, TP), mesh_dim_names=("dp_outer", "dp_shard", "tp"))
+
+
+def _wrap(config, seed, strategy, outer=None):
+    """FSDP over all data-parallel ranks (`outer` None), or with dp_shard of size 1 and the data-parallel ranks
+    on dp_outer: replicated there (`outer="no_shard"`, HSDP) or sharding the optimizer there (`"optim"`, HFSDP)."""
     import megatron_fsdp
 
     module = _build(config, seed)
     optimizer = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.1)
-    if not hsdp:
+    if outer is None:
         return megatron_fsdp.fully_shard(module, optimizer, device_mesh=_fsdp_mesh(), dp_shard_dim="dp_shard",
                                          tp_dim="tp", fsdp_unit_modules=[ToyBlock], zero_dp_strategy=strategy)
-    mesh = init_device_mesh("cpu", (dist.get_world_size() // TP, 1, TP),
-                            mesh_dim_names=("dp_outer", "dp_shard", "tp"))
-    return megatron_fsdp.fully_shard(module, optimizer, device_mesh=mesh, dp_shard_dim="dp_shard",
-                                     dp_outer_dim="dp_outer", tp_dim="tp",
-                                     hybrid_fsdp_group=mesh["dp_outer", "dp_shard"]._flatten().get_group(),
-                                     fsdp_unit_modules=[ToyBlock], zero_dp_strategy=strategy)
+    mesh = _hybrid_mesh()
+    model, optimizer = megatron_fsdp.fully_shard(
+        module, optimizer, device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer", tp_dim="tp",
+        hybrid_fsdp_group=mesh["dp_outer", "dp_shard"]._flatten().get_group(), fsdp_unit_modules=[ToyBlock],
+        zero_dp_strategy=strategy, outer_dp_sharding_strategy=outer)
+    assert all(group.outer_sharded == (outer == "optim") for group in model.groups if group.trainable)
+    return model, optimizer
 
 
 def _gather_tp(tensor, partition_dim):
@@ -200,13 +208,26 @@ def _full_reference(param):
 
 
 # ---- training parity ------------------------------------------------------------------------------------------------
-def _fsdp_versus_tp_only(strategies):
+def _meshes_agree_with_parallel_state():
+    """The mesh dims Megatron-FSDP is given hold the same ranks as parallel_state's groups (tp fastest)."""
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    tp_ranks = dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())
+    dp_ranks = dist.get_process_group_ranks(ps.get_data_parallel_group())
+    flat, hybrid = _fsdp_mesh(), _hybrid_mesh()
+    for mesh, dp_dim in ((flat, "dp_shard"), (hybrid, "dp_outer")):
+        assert mesh.get_local_rank(dp_dim) == ps.get_data_parallel_rank()
+        assert mesh.get_local_rank("tp") == ps.get_tensor_model_parallel_rank()
+        assert dist.get_process_group_ranks(mesh.get_group("tp")) == tp_ranks
+        assert dist.get_process_group_ranks(mesh.get_group(dp_dim)) == dp_ranks
+    assert hybrid["dp_shard"].size() == 1
+
+
+def _fsdp_versus_tp_only(variants):
+    """`variants`: (zero_dp_strategy, outer) pairs for `_wrap`."""
     config = _init_tensor_parallel()
-    mesh = _fsdp_mesh()
-    assert mesh.get_local_rank("dp_shard") == ps.get_data_parallel_rank()
-    assert mesh.get_local_rank("tp") == ps.get_tensor_model_parallel_rank()
+    _meshes_agree_with_parallel_state()
     batches = _batches(STEPS_BEFORE_SAVE + 1)
 
     reference = _build(config, seed=0)
@@ -215,37 +236,42 @@ def _fsdp_versus_tp_only(strategies):
     expected = _train(reference, reference_optimizer, batches, 0, STEPS_BEFORE_SAVE, average_dp_grads=True)
     expected_params = {name: _full_reference(p) for name, p in reference.named_parameters()}
     results = {}
-    for strategy in strategies:
-        model, optimizer = _wrap(config, 0, strategy)
+    for variant in variants:
+        model, optimizer = _wrap(config, 0, *variant)
         # full_tensor() of the full-shape DTensors is exactly the concatenation of the TP partitions
         initial_equal = {name: torch.equal(value.full_tensor(), initial_params[name])
                          for name, value in model.state_dict().items()}
         losses = _train(model, optimizer, batches, 0, STEPS_BEFORE_SAVE)
         full = {name: value.full_tensor() for name, value in model.state_dict().items()}
-        results[strategy] = (losses, initial_equal,
-                             max((full[n] - expected_params[n]).abs().max().item() for n in expected_params))
+        results[variant] = (losses, initial_equal,
+                            max((full[n] - expected_params[n]).abs().max().item() for n in expected_params))
 
     reference = _build(config, seed=0)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
     clipped = _train(reference, reference_optimizer, batches, 0, STEPS_BEFORE_SAVE, average_dp_grads=True,
                      clip=_clip_tp_only)
-    model, optimizer = _wrap(config, 0, 3)
-    results["clipped"] = (clipped, _train(model, optimizer, batches, 0, STEPS_BEFORE_SAVE, clip=_clip_fsdp))
-    return expected, results
+    clipped_runs = {}
+    for outer in (None, "optim"):  # HFSDP: the norm also sums the sub-shards over dp_outer
+        model, optimizer = _wrap(config, 0, 3, outer)
+        clipped_runs[outer] = _train(model, optimizer, batches, 0, STEPS_BEFORE_SAVE, clip=_clip_fsdp)
+    return expected, results, (clipped, clipped_runs)
 
 
 @pytest.mark.parametrize("world_size", [4])
 def test_fsdp_with_tp_dim_matches_tp_only_training(world_size):
-    for expected, results in run_on_ranks(world_size, _fsdp_versus_tp_only, (1, 3)):
+    """ZeRO-1 and ZeRO-3 over (dp_shard=2, tp=2), and HFSDP over (dp_outer=2, dp_shard=1, tp=2)."""
+    variants = ((1, None), (3, None), (3, "optim"))
+    for expected, results, clipped in run_on_ranks(world_size, _fsdp_versus_tp_only, variants):
         assert expected[-1] < 0.9 * expected[0]  # it trains
-        (expected_losses, expected_norms), (losses, norms) = results.pop("clipped")
+        (expected_losses, expected_norms), clipped_runs = clipped
         assert min(expected_norms) > MAX_GRAD_NORM
-        assert norms == pytest.approx(expected_norms, rel=1e-5)
-        assert losses == pytest.approx(expected_losses, abs=1e-5)
-        for strategy, (losses, initial_equal, max_param_error) in results.items():
-            assert len(initial_equal) == 16 and all(initial_equal.values()), (strategy, initial_equal)
-            assert losses == pytest.approx(expected, abs=1e-5), strategy
-            assert max_param_error < 1e-5, (strategy, max_param_error)
+        for outer, (losses, norms) in clipped_runs.items():
+            assert norms == pytest.approx(expected_norms, rel=1e-5), outer
+            assert losses == pytest.approx(expected_losses, abs=1e-5), outer
+        for variant, (losses, initial_equal, max_param_error) in results.items():
+            assert len(initial_equal) == 16 and all(initial_equal.values()), (variant, initial_equal)
+            assert losses == pytest.approx(expected, abs=1e-5), variant
+            assert max_param_error < 1e-5, (variant, max_param_error)
 
 
 # ---- DCP round trip at another data-parallel size --------------------------------------------------------------------
@@ -260,12 +286,12 @@ EXPECTED_CHUNKS = {
 }
 
 
-def _save(config, directory, strategy, hsdp):
+def _save(config, directory, strategy, outer):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     batches = _batches(STEPS_BEFORE_SAVE + STEPS_AFTER_LOAD + 1)
-    model, optimizer = _wrap(config, 0, strategy, hsdp)
+    model, optimizer = _wrap(config, 0, strategy, outer)
     _train(model, optimizer, batches, 0, STEPS_BEFORE_SAVE)
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     dcp.save(state, checkpoint_id=directory)
@@ -315,9 +341,9 @@ def _load_all(directory, cases):
 
 @pytest.mark.parametrize("world_size", [4])
 def test_dcp_save_at_dp2_tp2_loads_at_dp1_tp2(world_size, tmp_path):
-    """(strategy, hsdp) cases saved at world 4 (dp_shard=2, or dp_outer=2 with dp_shard=1; tp=2) load at world 2
-    (dp_shard=1, tp=2)."""
-    cases = ((1, False), (3, False), (3, True))
+    """(strategy, outer) cases saved at world 4 (dp_shard=2, or dp_outer=2 with dp_shard=1 under HSDP or HFSDP;
+    tp=2) load at world 2 (dp_shard=1, tp=2)."""
+    cases = ((1, None), (3, None), (3, "no_shard"), (3, "optim"))
     directory = str(tmp_path / "ckpt")
     saved = run_on_ranks(world_size, _save_all, directory, cases)
     loaded = run_on_ranks(2, _load_all, directory, cases)
@@ -325,6 +351,8 @@ def test_dcp_save_at_dp2_tp2_loads_at_dp1_tp2(world_size, tmp_path):
         uninterrupted, chunks = saved[0][case]
         if case[1]:  # rows over a dp_shard of size 1: whole TP partitions, replicated over dp_outer
             assert chunks["blocks.0.up.weight"] == {(0, 0): (5, HIDDEN), (5, 0): (5, HIDDEN)}
+            # HFSDP's moments live in sub-shards over dp_outer, but are saved in the same chunks as the weights
+            assert chunks["moment"] == chunks["blocks.0.up.weight"], case
         else:
             for key, expected in EXPECTED_CHUNKS.items():
                 assert chunks[key] == expected, (case, key, chunks[key])

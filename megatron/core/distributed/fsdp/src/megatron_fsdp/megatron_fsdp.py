@@ -342,12 +342,12 @@ class MegatronFSDP(nn.Module):
         self.schedule.zero_grad_buffer()
 
     def scale_gradients(self, scaling_factor: float):
+        """Multiply the step's gradients by `scaling_factor`, before or after `finish_grad_sync`."""
+        # With overlap_grad_reduce the last reductions of backward may still be in flight; they accumulate
+        # into the buffers when waited for, so they must land before the scaling.
+        self.schedule.wait_reduces()
         for group in self.groups:
-            target = group.grad_buffer if group.grad_buffer is not None else group.main_grads
-            if target is not None and not group.main_grads_released:  # a released buffer is all zeros
-                target.mul_(scaling_factor)
-            if group.optim_grads is not None and group.optim_grads is not group.main_grads:
-                group.optim_grads.mul_(scaling_factor)  # HFSDP: after finish_grad_sync the gradients live here
+            group.scale_grads(scaling_factor)
 
     def install_optimized_model_weights(self):
         self.schedule.install_optimized_model_weights()

@@ -375,6 +375,18 @@ class ParamGroup:
         for index, view in enumerate(self.main_param_views):
             view.grad = self._main_view(grads, index)
 
+    def scale_grads(self, factor: float):
+        """Multiply every gradient this group holds, wherever the step has put it: the persistent or shard
+        buffer (before `finish_grad_sync`), the HFSDP sub-shard and the main-dtype copy handed to the optimizer
+        (after it). Call only with no reduction in flight: one landing later would add unscaled values."""
+        target = self.grad_buffer if self.grad_buffer is not None else self.main_grads
+        if target is not None and not self.main_grads_released:  # a released buffer is all zeros
+            target.mul_(factor)
+        if self.optim_grads is not None and self.optim_grads is not self.main_grads:
+            self.optim_grads.mul_(factor)
+        if self._optimizer_grad_storage is not None:
+            self._optimizer_grad_storage.mul_(factor)
+
     def optimizer_grad_views(self) -> List[torch.Tensor]:
         if self.main_weights is None:
             return []
