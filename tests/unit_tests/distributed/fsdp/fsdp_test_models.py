@@ -146,6 +146,30 @@ def train_sharded(model, optimizer, num_steps, dtype=torch.float32, microbatches
     return losses
 
 
+def train_with_gradient_scaling(model, optimizer, num_steps, loss_factor, grad_factor, scale_after_sync,
+                                dtype=torch.float32):
+    """Global mean losses; each step backpropagates `loss * loss_factor`, then (unless `grad_factor` is None)
+    calls `scale_gradients(grad_factor)` before `optimizer.step()`, after an explicit `finish_grad_sync()` when
+    `scale_after_sync` (the gradients are then the ones the optimizer steps on)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = make_batches(num_steps + 1, dtype=dtype)
+    losses = []
+    for step in range(num_steps + 1):
+        inputs, target = (local_slice(t, rank, world) for t in batches[step])
+        optimizer.zero_grad()
+        loss = loss_fn(model(inputs), target)
+        losses.append(global_mean(loss.item()))
+        if step == num_steps:
+            break
+        (loss * loss_factor).backward()
+        if grad_factor is not None:
+            if scale_after_sync:
+                model.finish_grad_sync()
+            model.scale_gradients(grad_factor)
+        optimizer.step()
+    return losses
+
+
 class _null:
     def __enter__(self):
         return self

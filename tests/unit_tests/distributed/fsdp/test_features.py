@@ -125,6 +125,40 @@ def test_loss_scaling_modes_and_clipping(world_size):
         torch.testing.assert_close(value, dict(model.named_parameters())[name].detach(), atol=1e-6, rtol=1e-5)
 
 
+def _scaled_gradients_per_strategy(scale_factor):
+    """Plain SGD (its update is proportional to the gradient scale) under each strategy with both overlaps on:
+    `scale_gradients` right after backward, while the last reduction may still be in flight, and after an explicit
+    `finish_grad_sync`, against scaling the loss."""
+    import megatron_fsdp
+
+    def wrapped(strategy):
+        module = models.make_model(0)
+        optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.1)
+        return megatron_fsdp.fully_shard(module, optimizer, fsdp_unit_modules=[models.Block],
+                                         zero_dp_strategy=strategy, overlap_grad_reduce=True, overlap_param_gather=True)
+
+    results = {}
+    for strategy in range(4):
+        results[(strategy, "scaled_loss")] = models.train_with_gradient_scaling(*wrapped(strategy), 3, scale_factor,
+                                                                                None, False)
+        for scale_after_sync in (False, True):
+            results[(strategy, scale_after_sync)] = models.train_with_gradient_scaling(
+                *wrapped(strategy), 3, 1.0, scale_factor, scale_after_sync)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_scale_gradients_equals_scaling_the_loss(world_size):
+    results = run_on_ranks(world_size, _scaled_gradients_per_strategy, 0.3)[0]
+    unscaled = run_on_ranks(world_size, _scaled_gradients_per_strategy, 1.0)[0]
+    for strategy in range(4):
+        expected = results[(strategy, "scaled_loss")]
+        assert max(abs(a - b) for a, b in zip(expected, unscaled[(strategy, "scaled_loss")])) > 1e-3
+        for scale_after_sync in (False, True):
+            assert results[(strategy, scale_after_sync)] == pytest.approx(expected, abs=1e-6), (strategy,
+                                                                                              scale_after_sync)
+
+
 def _hsdp(strategy):
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -187,49 +187,24 @@ def _sgd_hfsdp_model(dtype=torch.float32, **kwargs):
     return _wrap_hfsdp(module, optimizer, **kwargs)
 
 
-def _train_with_scaling(model, optimizer, num_steps, loss_factor, grad_factor, scale_after_sync,
-                        dtype=torch.float32):
-    """Global mean losses; each step backpropagates `loss * loss_factor`, then (unless `grad_factor` is None)
-    calls `scale_gradients(grad_factor)` before `optimizer.step()`, after an explicit `finish_grad_sync()` when
-    `scale_after_sync` (the gradients are then the HFSDP sub-shards the optimizer steps on)."""
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    batches = models.make_batches(num_steps + 1, dtype=dtype)
-    losses = []
-    for step in range(num_steps + 1):
-        inputs, target = (models.local_slice(t, rank, world) for t in batches[step])
-        optimizer.zero_grad()
-        loss = models.loss_fn(model(inputs), target)
-        losses.append(models.global_mean(loss.item()))
-        if step == num_steps:
-            break
-        (loss * loss_factor).backward()
-        if grad_factor is not None:
-            if scale_after_sync:
-                model.finish_grad_sync()
-            model.scale_gradients(grad_factor)
-        optimizer.step()
-    return losses
-
-
 def _scaled_gradient_runs():
     results = {}
     for overlap in (False, True):
         for scale_after_sync in (False, True):
             model, optimizer = _sgd_hfsdp_model(overlap_grad_reduce=overlap, overlap_param_gather=overlap)
-            results[(overlap, scale_after_sync)] = _train_with_scaling(model, optimizer, NUM_STEPS, 1.0, SCALE_FACTOR,
-                                                                       scale_after_sync)
+            results[(overlap, scale_after_sync)] = models.train_with_gradient_scaling(
+                model, optimizer, NUM_STEPS, 1.0, SCALE_FACTOR, scale_after_sync)
     model, optimizer = _sgd_hfsdp_model()
-    results["scaled_loss"] = _train_with_scaling(model, optimizer, NUM_STEPS, SCALE_FACTOR, None, False)
+    results["scaled_loss"] = models.train_with_gradient_scaling(model, optimizer, NUM_STEPS, SCALE_FACTOR, None, False)
     model, optimizer = _sgd_hfsdp_model()
-    results["unscaled"] = _train_with_scaling(model, optimizer, NUM_STEPS, 1.0, None, False)
+    results["unscaled"] = models.train_with_gradient_scaling(model, optimizer, NUM_STEPS, 1.0, None, False)
     # bf16 gradients reach the fp32 optimizer as a copy made by finish_grad_sync: scaling after it must scale that
     bf16 = {}
     for key, loss_factor, grad_factor in (("scaled_grads", 1.0, SCALE_FACTOR), ("scaled_loss", SCALE_FACTOR, None),
                                           ("unscaled", 1.0, None)):
         model, optimizer = _sgd_hfsdp_model(torch.bfloat16)
-        bf16[key] = _train_with_scaling(model, optimizer, NUM_STEPS, loss_factor, grad_factor, True, torch.bfloat16)
+        bf16[key] = models.train_with_gradient_scaling(model, optimizer, NUM_STEPS, loss_factor, grad_factor, True,
+                                                       torch.bfloat16)
     return results, bf16
 
 
