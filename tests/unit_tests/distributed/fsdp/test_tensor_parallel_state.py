@@ -160,8 +160,12 @@ def _fsdp_mesh():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    # Ranks laid out [dp_shard][tp]: tp varies fastest, as in parallel_state's groups.
-    return init_device_mesh("cpu", (dist.get_world_size() // TP, TP), mesh_dim_names=("dp_shard", "tp"))
+    # Ranks laid out [dp_outer][dp_shard][cp][tp]: tp varies fastest, as in parallel_state's groups. Named the way
+    # scripts written for the upstream package name it: the sharding dim is dp_shard and cp flattened together.
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size() // TP, 1, TP),
+                            mesh_dim_names=("dp_outer", "dp_shard", "cp", "tp"))
+    mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
+    return mesh
 
 
 def _hybrid_mesh():
@@ -180,7 +184,7 @@ def _wrap(config, seed, strategy, outer=None):
     module = _build(config, seed)
     optimizer = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.1)
     if outer is None:
-        return megatron_fsdp.fully_shard(module, optimizer, device_mesh=_fsdp_mesh(), dp_shard_dim="dp_shard",
+        return megatron_fsdp.fully_shard(module, optimizer, device_mesh=_fsdp_mesh(), dp_shard_dim="dp_shard_cp",
                                          tp_dim="tp", fsdp_unit_modules=[ToyBlock], zero_dp_strategy=strategy)
     mesh = _hybrid_mesh()
     model, optimizer = megatron_fsdp.fully_shard(
@@ -216,7 +220,7 @@ def _meshes_agree_with_parallel_state():
     tp_ranks = dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())
     dp_ranks = dist.get_process_group_ranks(ps.get_data_parallel_group())
     flat, hybrid = _fsdp_mesh(), _hybrid_mesh()
-    for mesh, dp_dim in ((flat, "dp_shard"), (hybrid, "dp_outer")):
+    for mesh, dp_dim in ((flat, "dp_shard_cp"), (hybrid, "dp_outer")):
         assert mesh.get_local_rank(dp_dim) == ps.get_data_parallel_rank()
         assert mesh.get_local_rank("tp") == ps.get_tensor_model_parallel_rank()
         assert dist.get_process_group_ranks(mesh.get_group("tp")) == tp_ranks

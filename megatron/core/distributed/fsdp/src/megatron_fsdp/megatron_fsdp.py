@@ -29,6 +29,18 @@ class CheckpointMesh(NamedTuple):
     tp_mesh_dim: Optional[int] = None
 
 
+def _mesh_has_dim(device_mesh, name: str) -> bool:
+    """Whether `device_mesh[name]` names a dim: one of its own, or one flattened from them (as in
+    `mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")`, the usual way to name the sharding dim)."""
+    if name in tuple(device_mesh.mesh_dim_names or ()):
+        return True
+    try:
+        device_mesh[name]
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
+
+
 class DataParallelTopology:
     """The process groups (and DTensor mesh) Megatron-FSDP shards and replicates over.
 
@@ -63,8 +75,9 @@ class DataParallelTopology:
             dp_shard_dim = names[0] if names else 0
             self.dp_shard_dim = dp_shard_dim
         for flag, dim in (("dp_shard_dim", dp_shard_dim), ("dp_outer_dim", dp_outer_dim), ("tp_dim", tp_dim)):
-            if dim is not None and not isinstance(dim, int) and dim not in names:
-                raise ValueError(f"{flag}={dim!r} is not a dim of device_mesh (dims: {names})")
+            if dim is not None and not isinstance(dim, int) and not _mesh_has_dim(device_mesh, dim):
+                raise ValueError(f"{flag}={dim!r} is neither a dim of device_mesh (dims: {names}) nor a dim "
+                                 "flattened from them (DeviceMesh._flatten)")
         self.dp_group = device_mesh[dp_shard_dim].get_group() if device_mesh.ndim > 1 else device_mesh.get_group()
         if dp_outer_dim is not None:
             self.outer_group = device_mesh[dp_outer_dim].get_group()
@@ -135,15 +148,34 @@ class DataParallelTopology:
             mesh = self.device_mesh
             names = tuple(mesh.mesh_dim_names or ())
             dims = ([self.dp_outer_dim] if self.dp_outer_dim is not None else []) + [self.tp_dim, self.dp_shard_dim]
-            indices = [dim if isinstance(dim, int) else names.index(dim) for dim in dims]
-            others = [index for index in range(mesh.ndim) if index not in indices]
-            coordinate = mesh.get_coordinate()
-            grid = mesh.mesh.permute(others + indices)[tuple(coordinate[index] for index in others)]
+            if all(isinstance(dim, str) for dim in dims):
+                # Named dims (flattened ones included): slice them in the order DeviceMesh accepts, then reorder.
+                submesh = _slice_in_any_order(mesh, dims)
+                order = [submesh.mesh_dim_names.index(dim) for dim in dims]
+                grid, groups, dim_names = submesh.mesh.permute(order), [submesh.get_group(d) for d in dims], tuple(dims)
+            else:
+                indices = [dim if isinstance(dim, int) else names.index(dim) for dim in dims]
+                others = [index for index in range(mesh.ndim) if index not in indices]
+                coordinate = mesh.get_coordinate()
+                grid = mesh.mesh.permute(others + indices)[tuple(coordinate[index] for index in others)]
+                groups = [mesh.get_group(index) for index in indices]
+                dim_names = tuple(names[index] for index in indices) if names else None
             self._tp_checkpoint_mesh = CheckpointMesh(
-                DeviceMesh.from_group([mesh.get_group(index) for index in indices], mesh.device_type, mesh=grid,
-                                      mesh_dim_names=tuple(names[index] for index in indices) if names else None),
+                DeviceMesh.from_group(groups, mesh.device_type, mesh=grid, mesh_dim_names=dim_names),
                 dp_mesh_dim=len(dims) - 1, tp_mesh_dim=len(dims) - 2)
         return self._tp_checkpoint_mesh
+
+
+def _slice_in_any_order(device_mesh, dims):
+    """`device_mesh[dims]` with the dims in whichever order DeviceMesh accepts (it keeps the mesh's own order)."""
+    import itertools
+
+    for candidate in itertools.permutations(dims):
+        try:
+            return device_mesh[tuple(candidate)]
+        except (KeyError, ValueError, RuntimeError):
+            continue
+    raise ValueError(f"cannot slice dims {tuple(dims)} out of device_mesh (dims: {device_mesh.mesh_dim_names})")
 
 
 class MegatronFSDP(nn.Module):
