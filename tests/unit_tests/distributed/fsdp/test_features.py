@@ -230,7 +230,7 @@ def test_bad_inputs_raise_clear_errors(world_size):
     expectations = {
         "strategy": "zero_dp_strategy='zero9' is not a sharding strategy",
         "strategy_int": "zero_dp_strategy=7",
-        "mesh_dim": "dp_shard_dim='data' is not a dim of device_mesh",
+        "mesh_dim": "dp_shard_dim='data' is neither a dim of device_mesh",
         "outer_without_group": "dp_outer_dim needs hybrid_fsdp_group",
         "wrap_twice": "already",
         "wrap_wrapper": "already wrapped",
