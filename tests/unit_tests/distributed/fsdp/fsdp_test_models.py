@@ -146,6 +146,24 @@ def train_sharded(model, optimizer, num_steps, dtype=torch.float32, microbatches
     return losses
 
 
+def train_from_step(model, optimizer, steps, first_step, dtype=torch.float32):
+    """Data-parallel training from batch `first_step` for `steps` steps (a resumed run continues where the
+    uninterrupted one was); returns the global mean loss before each step and after the last one."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = make_batches(first_step + steps + 1, dtype=dtype)
+    losses = []
+    for step in range(first_step, first_step + steps + 1):
+        inputs, target = (local_slice(t, rank, world) for t in batches[step])
+        optimizer.zero_grad()
+        loss = loss_fn(model(inputs), target)
+        losses.append(global_mean(loss.item()))
+        if step == first_step + steps:
+            break
+        loss.backward()
+        optimizer.step()
+    return losses
+
+
 def train_with_gradient_scaling(model, optimizer, num_steps, loss_factor, grad_factor, scale_after_sync,
                                 dtype=torch.float32):
     """Global mean losses; each step backpropagates `loss * loss_factor`, then (unless `grad_factor` is None)

@@ -20,24 +20,6 @@ def _wrap(strategy, seed=0, dtype=torch.float32):
                                          main_params_dtype=torch.float32))
 
 
-def _train_steps(model, optimizer, steps, first_step, dtype=torch.float32):
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    batches = models.make_batches(first_step + steps + 1, dtype=dtype)
-    losses = []
-    for step in range(first_step, first_step + steps + 1):
-        inputs, target = (models.local_slice(t, rank, world) for t in batches[step])
-        optimizer.zero_grad()
-        loss = models.loss_fn(model(inputs), target)
-        losses.append(models.global_mean(loss.item()))
-        if step == first_step + steps:
-            break
-        loss.backward()
-        optimizer.step()
-    return losses
-
-
 def _save_all(directory, strategies):
     return {strategy: _save(f"{directory}_{strategy}", strategy) for strategy in strategies}
 
@@ -50,12 +32,12 @@ def _save(directory, strategy):
     import torch.distributed.checkpoint as dcp
 
     model, optimizer = _wrap(strategy)
-    _train_steps(model, optimizer, STEPS_BEFORE_SAVE, 0)
+    models.train_from_step(model, optimizer, STEPS_BEFORE_SAVE, 0)
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     local_shapes = {name: tuple(value.to_local().shape) for name, value in state["model"].items()
                     if hasattr(value, "to_local")}
     dcp.save(state, checkpoint_id=directory)
-    return _train_steps(model, optimizer, STEPS_AFTER_LOAD, STEPS_BEFORE_SAVE), local_shapes
+    return models.train_from_step(model, optimizer, STEPS_AFTER_LOAD, STEPS_BEFORE_SAVE), local_shapes
 
 
 def _load(directory, strategy):
@@ -66,7 +48,7 @@ def _load(directory, strategy):
     dcp.load(state, checkpoint_id=directory)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    return _train_steps(model, optimizer, STEPS_AFTER_LOAD, STEPS_BEFORE_SAVE)
+    return models.train_from_step(model, optimizer, STEPS_AFTER_LOAD, STEPS_BEFORE_SAVE)
 
 
 @pytest.mark.world_size(4)
@@ -107,12 +89,13 @@ def _bf16_save(directory, strategy):
     import torch.distributed.checkpoint as dcp
 
     model, optimizer = _wrap(strategy, dtype=torch.bfloat16)
-    _train_steps(model, optimizer, STEPS_BEFORE_SAVE, 0, torch.bfloat16)
+    models.train_from_step(model, optimizer, STEPS_BEFORE_SAVE, 0, torch.bfloat16)
     saved = _full_main_state(model, optimizer)
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     dcp.save(state, checkpoint_id=directory)
     dtypes = {name: value.dtype for name, value in state["model"].items()}
-    return saved, dtypes, _train_steps(model, optimizer, STEPS_AFTER_LOAD, STEPS_BEFORE_SAVE, torch.bfloat16)
+    continued = models.train_from_step(model, optimizer, STEPS_AFTER_LOAD, STEPS_BEFORE_SAVE, torch.bfloat16)
+    return saved, dtypes, continued
 
 
 def _bf16_load(directory, strategy):
@@ -124,7 +107,7 @@ def _bf16_load(directory, strategy):
     model.load_state_dict(state["model"])  # bf16 weights: main weights rounded to bf16 for now
     optimizer.load_state_dict(state["optimizer"])  # fp32 main weights and moments
     loaded = _full_main_state(model, optimizer)
-    return loaded, _train_steps(model, optimizer, STEPS_AFTER_LOAD, STEPS_BEFORE_SAVE, torch.bfloat16)
+    return loaded, models.train_from_step(model, optimizer, STEPS_AFTER_LOAD, STEPS_BEFORE_SAVE, torch.bfloat16)
 
 
 def _bf16_save_all(directory, strategies):

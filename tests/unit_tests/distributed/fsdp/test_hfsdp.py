@@ -237,24 +237,6 @@ def _wrap_for_checkpoint(layout, seed):
     return model, optimizer
 
 
-def _train_steps(model, optimizer, steps, first_step):
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    batches = models.make_batches(first_step + steps + 1)
-    losses = []
-    for step in range(first_step, first_step + steps + 1):
-        inputs, target = (models.local_slice(t, rank, world) for t in batches[step])
-        optimizer.zero_grad()
-        loss = models.loss_fn(model(inputs), target)
-        losses.append(models.global_mean(loss.item()))
-        if step == first_step + steps:
-            break
-        loss.backward()
-        optimizer.step()
-    return losses
-
-
 CHECKPOINT_MOVES = (("hfsdp", "zero3"), ("zero3", "hfsdp"), ("hfsdp", "hsdp"), ("hsdp", "hfsdp"))
 
 
@@ -268,9 +250,9 @@ def _save_then_load_across(directory):
         path = f"{directory}_{saved}"
         if saved not in saved_runs:
             model, optimizer = _wrap_for_checkpoint(saved, seed=0)
-            _train_steps(model, optimizer, STEPS_BEFORE_SAVE, 0)
+            models.train_from_step(model, optimizer, STEPS_BEFORE_SAVE, 0)
             dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=path)
-            saved_runs[saved] = _train_steps(model, optimizer, STEPS_AFTER_LOAD, STEPS_BEFORE_SAVE)
+            saved_runs[saved] = models.train_from_step(model, optimizer, STEPS_AFTER_LOAD, STEPS_BEFORE_SAVE)
 
         model, optimizer = _wrap_for_checkpoint(loaded, seed=123)  # everything must come from the file
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
@@ -278,7 +260,7 @@ def _save_then_load_across(directory):
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         results[(saved, loaded)] = (saved_runs[saved],
-                                    _train_steps(model, optimizer, STEPS_AFTER_LOAD, STEPS_BEFORE_SAVE))
+                                    models.train_from_step(model, optimizer, STEPS_AFTER_LOAD, STEPS_BEFORE_SAVE))
     return results
 
 

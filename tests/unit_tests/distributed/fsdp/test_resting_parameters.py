@@ -60,8 +60,8 @@ def _strategy1_keeps_real_parameters():
     from megatron_fsdp.resting_parameters import ReleasedParameter
 
     module = models.make_model(0)
-    model, _ = megatron_fsdp.fully_shard(module, models.make_optimizer([p for p in module.parameters() if p.requires_grad]),
-                                         fsdp_unit_modules=[models.Block], zero_dp_strategy=1)
+    optimizer = models.make_optimizer([p for p in module.parameters() if p.requires_grad])
+    model, _ = megatron_fsdp.fully_shard(module, optimizer, fsdp_unit_modules=[models.Block], zero_dp_strategy=1)
     return not any(isinstance(p, ReleasedParameter) for p in model.module.parameters())
 
 
