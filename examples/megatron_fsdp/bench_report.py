@@ -5,9 +5,10 @@ Pure functions of the summaries built by `bench_summary.summarise`; nothing here
 
 import html
 
-from examples.megatron_fsdp.bench_theory import MIB, evaluate_targets
+from examples.megatron_fsdp.bench_theory import MIB, POINT_TO_POINT, evaluate_targets
 
-COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
+COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", POINT_TO_POINT)
+COMM_KIND_HEADERS = {POINT_TO_POINT: "point-to-point sent MiB"}
 
 
 def markdown_table(headers, rows):
@@ -97,6 +98,12 @@ def state_rows(summaries):
              f"ZeRO-{arm['theory_zero_strategy']}", format_mib(package.get("transient_peak")) if package else ""]
         )  # fmt: skip
     return rows
+
+
+def comm_headers():
+    kind_headers = [COMM_KIND_HEADERS.get(kind, f"{kind} MiB") for kind in COMM_KINDS]
+    return ["arm"] + kind_headers + ["volume MiB", "theory MiB", "ratio", "wire MiB/rank", "package sent MiB/rank",
+                                     "same every step"]
 
 
 def comm_rows(summaries):
@@ -191,17 +198,17 @@ def render_markdown(meta, summaries, memory_modes, method_text):
         "## Communication per step",
         "",
         "MiB of payload per collective kind in the last step (number of calls in parentheses), counted by "
-        "wrapping `torch.distributed` collectives in the rank processes. Volume = all-reduce payload x 2 + all "
-        "other payloads; ZeRO theory: 2 psi for ZeRO-0/1/2, 3 psi for ZeRO-3 (2 psi without resharding after "
-        f"forward), psi = {format_mib(meta['param_bytes'], 2)} MiB of parameters. Wire: bytes one rank sends "
-        "on a ring, from the counted payloads. Package sent: Megatron-FSDP's own `communication_report()` for the "
-        "same step.",
+        "wrapping `torch.distributed` collectives and point-to-point sends (`isend`, `send`) in the rank "
+        "processes; point-to-point is the bytes this rank sent (Megatron-FSDP builds its all-gathers and "
+        "reduce-scatters from such messages on gloo). Volume = all-reduce payload x 2 + other collective "
+        "payloads + point-to-point bytes x g / (g - 1), g the size of the group each message went through, so "
+        "that exchanging shards with every peer counts as much as the collective it replaces; ZeRO theory: 2 psi "
+        "for ZeRO-0/1/2, 3 psi for ZeRO-3 (2 psi without resharding after forward), "
+        f"psi = {format_mib(meta['param_bytes'], 2)} MiB of parameters. Wire: bytes one rank sends, "
+        "collectives on a ring (volume x (g - 1) / g), point-to-point messages as sent. Package sent: "
+        "Megatron-FSDP's own `communication_report()` for the same step.",
         "",
-        markdown_table(
-            ["arm"] + [f"{kind} MiB" for kind in COMM_KINDS] + ["volume MiB", "theory MiB", "ratio", "wire MiB/rank",
-                                                                   "package sent MiB/rank", "same every step"],
-            comm_rows(summaries),
-        ),
+        markdown_table(comm_headers(), comm_rows(summaries)),
         "",
         "## Targets",
         "",

@@ -112,7 +112,7 @@ def summarise(results, arm_names, param_bytes, world_size, timing_mode, in_proce
             summary["comm_payloads"] = last_step["payload_bytes"]
             summary["comm_calls"] = last_step["calls"]
             summary["wire_bytes"] = last_step["wire_bytes"]
-            summary["volume"] = bench_theory.comm_volume(last_step["payload_bytes"])
+            summary["volume"] = bench_theory.counted_step_volume(last_step)
             summary["comm_steady"] = all(
                 step["payload_bytes"] == last_step["payload_bytes"] for step in first[0]["comm_per_step"][1:]
             )

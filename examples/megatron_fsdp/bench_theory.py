@@ -8,6 +8,12 @@ each payload by how many times a bandwidth-optimal algorithm moves it: an all-re
 an all-gather, so it counts twice; the others count once. In those units the ZeRO paper's per-step volumes are
 2 psi for DDP, ZeRO-1 and ZeRO-2 and 3 psi for ZeRO-3 (psi = parameter bytes). Bytes actually sent by one rank
 on a ring are volume * (g - 1) / g for a group of g ranks.
+
+Point-to-point messages (`isend`/`send`, which Megatron-FSDP uses to build its collectives on gloo) are counted
+by the sender as the bytes it sends. Those bytes are already on the wire, so their volume runs the ring formula
+backwards: bytes sent * g / (g - 1), g being the size of the group the message went through. A rank that sends
+its n-byte shard to each of its g - 1 peers has then moved the volume of an all-gather of the g * n-byte output.
+Because that needs g, the counter records the volume of every call as it happens (`volume_bytes`).
 """
 
 import statistics
@@ -23,14 +29,27 @@ COLLECTIVE_VOLUME_FACTOR = {
 
 ZERO_STRATEGY_NAMES = {0: "no_shard", 1: "optim", 2: "optim_grads", 3: "optim_grads_params"}
 
+POINT_TO_POINT = "point_to_point"
+
 MIB = 1024 * 1024
 
 
 def wire_bytes_per_rank(kind, payload_bytes, group_size):
-    """Bytes one rank sends for one collective on a ring of `group_size` ranks."""
+    """Bytes one rank sends for one call: on a ring of `group_size` ranks for a collective, the message itself for
+    a point-to-point send."""
     if group_size <= 1:
         return 0.0
+    if kind == POINT_TO_POINT:
+        return float(payload_bytes)
     return COLLECTIVE_VOLUME_FACTOR[kind] * payload_bytes * (group_size - 1) / group_size
+
+
+def volume_bytes(kind, payload_bytes, group_size):
+    """Volume of one call (see module docstring): a collective's weighted payload whatever the group size, a
+    point-to-point send's bytes * g / (g - 1); a message within a one-rank group moves nothing."""
+    if kind == POINT_TO_POINT:
+        return payload_bytes * group_size / (group_size - 1) if group_size > 1 else 0.0
+    return COLLECTIVE_VOLUME_FACTOR[kind] * payload_bytes
 
 
 def zero_state_bytes(strategy, param_bytes, world_size, optimizer_bytes_per_param_byte=2):
@@ -65,8 +84,22 @@ def zero_comm_payloads(strategy, param_bytes, regathered_param_bytes=None):
 
 
 def comm_volume(payloads):
-    """Volume of a step from payloads by kind: all-reduce payloads count twice (see module docstring)."""
+    """Volume of a step from collective payloads by kind: all-reduce payloads count twice (see module docstring).
+
+    Point-to-point bytes need the group size they were sent in, which payloads by kind do not keep: take the
+    counter's `volume_bytes` instead (see `counted_step_volume`).
+    """
+    if POINT_TO_POINT in payloads:
+        raise ValueError("point-to-point payloads have no volume without their group size; use volume_bytes")
     return sum(COLLECTIVE_VOLUME_FACTOR[kind] * size for kind, size in payloads.items())
+
+
+def counted_step_volume(step_snapshot):
+    """Volume of one counted step: the counter's own `volume_bytes`, or, for results recorded before the counter
+    kept it (collectives only), the volume of the step's payloads."""
+    if "volume_bytes" in step_snapshot:
+        return step_snapshot["volume_bytes"]
+    return comm_volume(step_snapshot["payload_bytes"])
 
 
 def median_after_warmup(step_times, warmup_steps):

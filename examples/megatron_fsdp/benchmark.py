@@ -68,11 +68,16 @@ METHOD_TEXT = """
   state tensors, each storage once (DTensor shards by their local tensor). DDP's internal bucket buffers are not
   exposed as tensors and are not counted; with `gradient_as_bucket_view=False` (the default) they double the
   gradient memory in practice.
-- **Communication**: `torch.distributed` collectives are replaced in the rank processes by counting wrappers
-  before any library under test is imported; torch DDP's C++ reducer is routed through the stock Python
-  all-reduce hook so it is counted too. Payload = the whole logical tensor (all-gather output, reduce-scatter
-  input, all-reduced tensor, all-to-all input). Volume weights an all-reduce twice (it is a reduce-scatter plus
-  an all-gather). ZeRO theory per step with psi = parameter bytes: ZeRO-0 all-reduce psi (volume 2 psi);
+- **Communication**: `torch.distributed` collectives and point-to-point sends (`isend`, `send`) are replaced
+  in the rank processes by counting wrappers before any library under test is imported; torch DDP's C++ reducer
+  is routed through the stock Python all-reduce hook so it is counted too. Payload = the whole logical tensor
+  (all-gather output, reduce-scatter input, all-reduced tensor, all-to-all input); for point-to-point, the bytes
+  the rank sends (receives are not counted). Megatron-FSDP on gloo builds its all-gathers and reduce-scatters
+  from such messages, so its traffic shows up there. Volume weights an all-reduce twice (it is a reduce-scatter
+  plus an all-gather) and point-to-point bytes by g / (g - 1), g the size of the group the message went
+  through: a rank that sends its shard to each of its g - 1 peers gets the volume of the all-gather it stands
+  for. Wire bytes per rank: volume x (g - 1) / g for collectives, the bytes sent for point-to-point messages.
+  ZeRO theory per step with psi = parameter bytes: ZeRO-0 all-reduce psi (volume 2 psi);
   ZeRO-1/2 reduce-scatter psi + all-gather psi (2 psi); ZeRO-3 all-gather psi in forward, all-gather of the
   re-sharded units again in backward, reduce-scatter psi: 3 psi, or 2 psi when parameters stay gathered from forward to
   backward (`reshard_after_forward=False`). Communicating less than the theory is allowed by the targets.

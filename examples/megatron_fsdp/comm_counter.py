@@ -2,8 +2,13 @@
 
 `install()` replaces the collective functions on both `torch.distributed` and `torch.distributed.distributed_c10d`
 with counting wrappers. It must run before the code under test is imported, so that a library which binds a
-function at import time (`from torch.distributed import all_gather_into_tensor`) binds the wrapper. Nested calls
-(`all_gather_into_tensor` forwards to `all_gather_single`) are counted once, at the outermost call.
+function at import time (`from torch.distributed import all_gather_into_tensor`) binds the wrapper; `dist.P2POp`
+also accepts only the `isend`/`irecv` that torch.distributed holds at the time. Nested calls
+(`all_gather_into_tensor` forwards to `all_gather_single`, `send` to `isend`) are counted once, at the outermost call.
+
+Point-to-point sends (`isend`, `send`) are counted by the sender as kind "point_to_point", payload = the bytes of
+the sent tensor; receives are not traffic of the receiving rank and are not counted. Every call also adds its
+volume (`bench_theory.volume_bytes`, which for a send depends on the size of its group) to `volume_bytes`.
 
 torch DDP's reducer calls the process group from C++, which no Python wrapper sees; the benchmark therefore
 registers DDP's stock all-reduce communication hook, which issues the same all-reduce through `dist.all_reduce`.
@@ -17,7 +22,7 @@ import threading
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from examples.megatron_fsdp.bench_theory import wire_bytes_per_rank
+from examples.megatron_fsdp import bench_theory
 
 
 def _payload_bytes(value):
@@ -42,7 +47,8 @@ def _self_split_bytes(arguments, group):
 
 
 # name -> (collective kind, the argument whose size is the payload). The payload is the size of the whole
-# logical tensor: the gathered output, the reduce-scatter input, the all-reduced tensor.
+# logical tensor: the gathered output, the reduce-scatter input, the all-reduced tensor; for a point-to-point
+# send, the sent tensor.
 _PAYLOAD_ARGUMENT = {
     "all_reduce": ("all_reduce", "tensor"),
     "all_gather_single": ("all_gather", "output_tensor"),
@@ -55,11 +61,14 @@ _PAYLOAD_ARGUMENT = {
     "all_to_all": ("all_to_all", "input_tensor_list"),
     "broadcast": ("broadcast", "tensor"),
     "reduce": ("reduce", "tensor"),
+    "isend": (bench_theory.POINT_TO_POINT, "tensor"),
+    "send": (bench_theory.POINT_TO_POINT, "tensor"),
 }
 
 
 class CollectiveCounter:
-    """Per-kind call counts and payload bytes, recorded only while `counting()` is active."""
+    """Per-kind call counts and payload bytes, with the wire bytes and volume they add up to, recorded only while
+    `counting()` is active."""
 
     def __init__(self):
         self._local = threading.local()
@@ -70,6 +79,7 @@ class CollectiveCounter:
         self.calls = {}
         self.payload_bytes = {}
         self.wire_bytes = 0.0
+        self.volume_bytes = 0.0
 
     @contextlib.contextmanager
     def counting(self):
@@ -82,7 +92,8 @@ class CollectiveCounter:
     def record(self, kind, payload, group_size):
         self.calls[kind] = self.calls.get(kind, 0) + 1
         self.payload_bytes[kind] = self.payload_bytes.get(kind, 0) + payload
-        self.wire_bytes += wire_bytes_per_rank(kind, payload, group_size)
+        self.wire_bytes += bench_theory.wire_bytes_per_rank(kind, payload, group_size)
+        self.volume_bytes += bench_theory.volume_bytes(kind, payload, group_size)
 
     def wrap(self, name, function):
         kind, payload_argument = _PAYLOAD_ARGUMENT[name]
@@ -108,7 +119,12 @@ class CollectiveCounter:
         return counted
 
     def snapshot(self):
-        return {"calls": dict(self.calls), "payload_bytes": dict(self.payload_bytes), "wire_bytes": self.wire_bytes}
+        return {
+            "calls": dict(self.calls),
+            "payload_bytes": dict(self.payload_bytes),
+            "wire_bytes": self.wire_bytes,
+            "volume_bytes": self.volume_bytes,
+        }
 
 
 COUNTER = CollectiveCounter()

@@ -24,6 +24,28 @@ def test_number_formats():
     assert bench_report.format_loss_diff(1.5e-6) == "1.5e-06"
 
 
+def test_comm_table_has_a_point_to_point_column_with_calls():
+    arm = {
+        "comm_payloads": {"point_to_point": 3 * MIB, "all_reduce": MIB / 2},
+        "comm_calls": {"point_to_point": 12, "all_reduce": 1},
+        "volume": 7 * MIB,  # 3 MiB sent on 2 ranks count 6 MiB, the all-reduce 2 x 0.5 MiB
+        "theory_volume": 7 * MIB,
+        "wire_bytes": 3.5 * MIB,
+        "package_sent": 3 * MIB,
+        "comm_steady": True,
+    }
+    headers = bench_report.comm_headers()
+    (row,) = bench_report.comm_rows({"mfsdp3": arm})
+    cells = dict(zip(headers, row))
+    assert len(row) == len(headers)
+    assert cells["point-to-point sent MiB"] == "3.00 (12)"
+    assert cells["all_reduce MiB"] == "0.50 (1)"
+    assert cells["all_gather MiB"] == ""
+    assert (cells["volume MiB"], cells["ratio"], cells["wire MiB/rank"]) == ("7.00", "1.00", "3.50")
+    (not_run,) = bench_report.comm_rows({"mfsdp3": {"theory_volume": 7 * MIB}})
+    assert len(not_run) == len(headers) and not_run[len(headers) - 5] == "7.00"
+
+
 def test_svg_has_one_bar_per_measured_value():
     summaries = {
         "ddp": {"step_time": 0.2, "rss": {"default": {"peak": 400 * MIB}, "neutral": {"peak": 300 * MIB}}},

@@ -49,6 +49,26 @@ def test_wire_bytes_per_rank_on_a_ring():
     assert bench_theory.wire_bytes_per_rank("all_reduce", 1000, 1) == 0.0
 
 
+def test_point_to_point_bytes_are_wire_and_scale_up_to_volume():
+    # 600 bytes sent in a group of 4 are on the wire as they are; as a ring volume they are 600 * 4 / 3.
+    assert bench_theory.wire_bytes_per_rank("point_to_point", 600, 4) == 600.0
+    assert bench_theory.volume_bytes("point_to_point", 600, 4) == 800.0
+    assert bench_theory.volume_bytes("point_to_point", 600, 2) == 1200.0
+    assert bench_theory.volume_bytes("point_to_point", 600, 1) == 0.0
+    # Collectives keep their weighted payload as volume, whatever the group size.
+    assert bench_theory.volume_bytes("all_reduce", 1000, 4) == 2000
+    assert bench_theory.volume_bytes("all_gather", 1000, 1) == 1000
+
+
+def test_counted_step_volume_prefers_the_counter_and_falls_back_to_payloads():
+    recorded = {"payload_bytes": {"point_to_point": 600, "all_reduce": 100}, "volume_bytes": 1000.0}
+    assert bench_theory.counted_step_volume(recorded) == 1000.0
+    # Raw results written before the counter kept its volume: collectives only, volume from payloads.
+    assert bench_theory.counted_step_volume({"payload_bytes": {"all_reduce": 100, "all_gather": 300}}) == 500
+    with pytest.raises(ValueError, match="group size"):
+        bench_theory.comm_volume({"point_to_point": 600})
+
+
 def test_step_time_summaries():
     assert bench_theory.slowest_rank_step_times([[1.0, 5.0, 2.0], [2.0, 3.0, 2.5]]) == [2.0, 5.0, 2.5]
     assert bench_theory.median_after_warmup([10.0, 1.0, 3.0, 2.0], 1) == 2.0

@@ -2,9 +2,12 @@
 
 Training a toy GPT built from ColumnParallelLinear / RowParallelLinear / VocabParallelEmbedding with FSDP over
 dp_shard equals TP-only training (plain AdamW, data-parallel gradients averaged by hand); so does HFSDP on a
-(dp_outer=2, dp_shard=1, tp=2) mesh, where the optimizer's side is sharded over dp_outer only. State dicts hold
-one DTensor of the full (TP-unpartitioned) shape per parameter; DCP saves them at (dp_shard=2, tp=2) or
-(dp_outer=2, dp_shard=1, tp=2) and loads them at (dp_shard=1, tp=2).
+(dp_outer=2, dp_shard=1, tp=2) mesh, where the optimizer's side is sharded over dp_outer only. At world 8 the
+(dp_outer=2, dp_shard=2, tp=2) mesh has the sharded, outer and TP dims all of size 2: HFSDP and HSDP there equal
+TP-only training over DP=4 too, clipped or not. State dicts hold one DTensor of the full (TP-unpartitioned) shape
+per parameter; DCP saves them at (dp_shard=2, tp=2) or (dp_outer=2, dp_shard=1, tp=2) and loads them at
+(dp_shard=1, tp=2), and saves them under HFSDP at (dp_outer=2, dp_shard=2, tp=2) and loads them into plain
+ZeRO-3 over (dp_shard=4, tp=2).
 """
 
 import pytest
@@ -169,16 +172,20 @@ def _fsdp_mesh():
 
 
 def _hybrid_mesh():
-    """(dp_outer, dp_shard=1, tp), ranks laid out tp fastest: the only hybrid layout with tp=2 at world 4."""
+    """(dp_outer=2, dp_shard, tp), ranks laid out tp fastest: dp_shard=1 at world 4, dp_shard=2 at world 8."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", (dist.get_world_size() // TP, 1, TP), mesh_dim_names=("dp_outer", "dp_shard", "tp"))
+    dp_outer = 2
+    assert dist.get_world_size() % (dp_outer * TP) == 0, dist.get_world_size()
+    dp_shard = dist.get_world_size() // (dp_outer * TP)
+    return init_device_mesh("cpu", (dp_outer, dp_shard, TP), mesh_dim_names=("dp_outer", "dp_shard", "tp"))
 
 
 def _wrap(config, seed, strategy, outer=None):
-    """FSDP over all data-parallel ranks (`outer` None), or with dp_shard of size 1 and the data-parallel ranks
-    on dp_outer: replicated there (`outer="no_shard"`, HSDP) or sharding the optimizer there (`"optim"`, HFSDP)."""
+    """FSDP over all data-parallel ranks (`outer` None), or on `_hybrid_mesh()` with the data-parallel ranks split
+    into dp_outer x dp_shard: replicated over dp_outer (`outer="no_shard"`, HSDP) or sharding the optimizer there
+    too (`"optim"`, HFSDP)."""
     import megatron_fsdp
 
     module = _build(config, seed)
@@ -220,16 +227,27 @@ def _meshes_agree_with_parallel_state():
     tp_ranks = dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())
     dp_ranks = dist.get_process_group_ranks(ps.get_data_parallel_group())
     flat, hybrid = _fsdp_mesh(), _hybrid_mesh()
-    for mesh, dp_dim in ((flat, "dp_shard_cp"), (hybrid, "dp_outer")):
-        assert mesh.get_local_rank(dp_dim) == ps.get_data_parallel_rank()
+    if hybrid["dp_shard"].size() == 1:  # world 4: dp_outer alone holds the data-parallel ranks
+        for mesh, dp_dim in ((flat, "dp_shard_cp"), (hybrid, "dp_outer")):
+            assert mesh.get_local_rank(dp_dim) == ps.get_data_parallel_rank()
+            assert mesh.get_local_rank("tp") == ps.get_tensor_model_parallel_rank()
+            assert dist.get_process_group_ranks(mesh.get_group("tp")) == tp_ranks
+            assert dist.get_process_group_ranks(mesh.get_group(dp_dim)) == dp_ranks
+        return
+    # Larger worlds: the flattened (dp_outer, dp_shard) group, the one passed as hybrid_fsdp_group, is theirs.
+    assert hybrid["dp_shard"].size() == dist.get_world_size() // (2 * TP) > 1
+    hybrid_dp = hybrid["dp_outer", "dp_shard"]._flatten()
+    assert hybrid_dp.get_local_rank() == flat.get_local_rank("dp_shard_cp") == ps.get_data_parallel_rank()
+    assert dist.get_process_group_ranks(hybrid_dp.get_group()) == dp_ranks
+    assert dist.get_process_group_ranks(flat.get_group("dp_shard_cp")) == dp_ranks
+    for mesh in (flat, hybrid):
         assert mesh.get_local_rank("tp") == ps.get_tensor_model_parallel_rank()
         assert dist.get_process_group_ranks(mesh.get_group("tp")) == tp_ranks
-        assert dist.get_process_group_ranks(mesh.get_group(dp_dim)) == dp_ranks
-    assert hybrid["dp_shard"].size() == 1
 
 
-def _fsdp_versus_tp_only(variants):
-    """`variants`: (zero_dp_strategy, outer) pairs for `_wrap`."""
+def _fsdp_versus_tp_only(variants, clipped_outers=(None, "optim")):
+    """`variants`: (zero_dp_strategy, outer) pairs for `_wrap`; `clipped_outers`: the `outer`s trained with
+    ZeRO-3 and `megatron_fsdp.clip_grad_norm_`."""
     config = _init_tensor_parallel()
     _meshes_agree_with_parallel_state()
     batches = _batches(STEPS_BEFORE_SAVE + 1)
@@ -247,15 +265,16 @@ def _fsdp_versus_tp_only(variants):
                          for name, value in model.state_dict().items()}
         losses = _train(model, optimizer, batches, 0, STEPS_BEFORE_SAVE)
         full = {name: value.full_tensor() for name, value in model.state_dict().items()}
+        layout = (model.topology.outer_size, model.topology.dp_size, model.topology.tp_size)
         results[variant] = (losses, initial_equal,
-                            max((full[n] - expected_params[n]).abs().max().item() for n in expected_params))
+                            max((full[n] - expected_params[n]).abs().max().item() for n in expected_params), layout)
 
     reference = _build(config, seed=0)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
     clipped = _train(reference, reference_optimizer, batches, 0, STEPS_BEFORE_SAVE, average_dp_grads=True,
                      clip=_clip_tp_only)
     clipped_runs = {}
-    for outer in (None, "optim"):  # HFSDP: the norm also sums the sub-shards over dp_outer
+    for outer in clipped_outers:  # HFSDP: the norm also sums the sub-shards over dp_outer
         model, optimizer = _wrap(config, 0, 3, outer)
         clipped_runs[outer] = _train(model, optimizer, batches, 0, STEPS_BEFORE_SAVE, clip=_clip_fsdp)
     return expected, results, (clipped, clipped_runs)
@@ -264,15 +283,33 @@ def _fsdp_versus_tp_only(variants):
 @pytest.mark.parametrize("world_size", [4])
 def test_fsdp_with_tp_dim_matches_tp_only_training(world_size):
     """ZeRO-1 and ZeRO-3 over (dp_shard=2, tp=2), and HFSDP over (dp_outer=2, dp_shard=1, tp=2)."""
-    variants = ((1, None), (3, None), (3, "optim"))
-    for expected, results, clipped in run_on_ranks(world_size, _fsdp_versus_tp_only, variants):
+    layouts = {(1, None): (1, 2, 2), (3, None): (1, 2, 2), (3, "optim"): (2, 1, 2)}  # (dp_outer, dp_shard, tp)
+    _assert_matches_tp_only(run_on_ranks(world_size, _fsdp_versus_tp_only, tuple(layouts)), layouts)
+
+
+@pytest.mark.parametrize("world_size", [8])
+def test_hfsdp_and_hsdp_with_tp_dim_at_dp_outer2_dp_shard2_tp2(world_size):
+    """HFSDP and HSDP over (dp_outer=2, dp_shard=2, tp=2), where sharded, outer and TP dims are all > 1; HFSDP
+    clipped too."""
+    layouts = {(3, "optim"): (2, 2, 2), (3, "no_shard"): (2, 2, 2)}  # (dp_outer, dp_shard, tp)
+    per_rank = run_on_ranks(world_size, _fsdp_versus_tp_only, tuple(layouts), ("optim",))
+    _assert_matches_tp_only(per_rank, layouts)
+    assert set(per_rank[0][2][1]) == {"optim"}
+
+
+def _assert_matches_tp_only(per_rank, layouts):
+    """Every rank's `_fsdp_versus_tp_only` results: losses, parameters and clipped norms equal TP-only training;
+    `layouts`: the (dp_outer, dp_shard, tp) sizes each variant must have run on."""
+    for expected, results, clipped in per_rank:
         assert expected[-1] < 0.9 * expected[0]  # it trains
         (expected_losses, expected_norms), clipped_runs = clipped
         assert min(expected_norms) > MAX_GRAD_NORM
         for outer, (losses, norms) in clipped_runs.items():
             assert norms == pytest.approx(expected_norms, rel=1e-5), outer
             assert losses == pytest.approx(expected_losses, abs=1e-5), outer
-        for variant, (losses, initial_equal, max_param_error) in results.items():
+        assert set(results) == set(layouts)
+        for variant, (losses, initial_equal, max_param_error, layout) in results.items():
+            assert layout == layouts[variant], (variant, layout)
             assert len(initial_equal) == 16 and all(initial_equal.values()), (variant, initial_equal)
             assert losses == pytest.approx(expected, abs=1e-5), variant
             assert max_param_error < 1e-5, (variant, max_param_error)
@@ -365,3 +402,24 @@ def test_dcp_save_at_dp2_tp2_loads_at_dp1_tp2(world_size, tmp_path):
             from_dcp, from_full_tensors = rank_losses[case]
             assert from_dcp == pytest.approx(uninterrupted, abs=1e-6), case
             assert from_full_tensors == pytest.approx(uninterrupted, abs=1e-6), case
+
+
+@pytest.mark.parametrize("world_size", [8])
+def test_dcp_save_under_hfsdp_at_outer2_shard2_tp2_loads_into_zero3_at_dp4_tp2(world_size, tmp_path):
+    """HFSDP at (dp_outer=2, dp_shard=2, tp=2) saves; plain ZeRO-3 over (dp_shard_cp=4, tp=2) on the same 8 ranks
+    loads, from DCP and from full tensors, and goes on exactly as the uninterrupted HFSDP run."""
+    cases = ((3, "optim"),)
+    directory = str(tmp_path / "ckpt")
+    saved = run_on_ranks(world_size, _save_all, directory, cases)
+    loaded = run_on_ranks(world_size, _load_all, directory, cases)
+    uninterrupted, chunks = saved[0][cases[0]]
+    # Shards over dp_shard=2 inside each TP partition, replicated over dp_outer: the chunks of (dp_shard=2, tp=2);
+    # the moments, held in sub-shards over dp_outer, are saved in those chunks too
+    for key, expected in EXPECTED_CHUNKS.items():
+        assert chunks[key] == expected, (key, chunks[key])
+    assert chunks["moment"] == EXPECTED_CHUNKS["blocks.0.up.weight"]
+    assert len(loaded) == 8
+    for rank_losses in loaded:
+        from_dcp, from_full_tensors = rank_losses[cases[0]]
+        assert from_dcp == pytest.approx(uninterrupted, abs=1e-6)
+        assert from_full_tensors == pytest.approx(uninterrupted, abs=1e-6)

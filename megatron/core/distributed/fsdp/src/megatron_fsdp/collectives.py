@@ -1,8 +1,12 @@
 """The only module that calls torch.distributed: gathers, reductions, their async handles and byte counters.
 
-Implementations are chosen per backend. gloo's own `reduce_scatter_tensor` is slow on CPU, so there a
-reduce-scatter is an `all_to_all_single` (each rank receives every rank's copy of its own shard) followed by a
-local sum. gloo has no PREMUL_SUM and must never see the coalescing manager, so neither is used anywhere.
+Implementations are chosen per backend. On gloo the stock all-gather and reduce-scatter are several times slower
+on CPU than exchanging the shards directly, so there both are built from point-to-point `isend`/`irecv` pairs:
+an all-gather sends this rank's shard to every peer and receives theirs into the flat output in place; a
+reduce-scatter sends every peer its shard of the input and sums what arrives for this rank's own shard. Each
+rank sends exactly what a ring algorithm sends, `(world - 1) / world` of the gathered or reduced buffer. All
+ranks post the same operations in the same order, so the messages of concurrent collectives on one group
+match in order. gloo has no PREMUL_SUM and must never see the coalescing manager, so neither is used anywhere.
 
 Bytes are counted as what one rank *sends* with ring algorithms: an all-gather of an `n`-byte shard sends
 `n * (world - 1)`, a reduce-scatter of an `N`-byte buffer sends `N * (world - 1) / world`, an all-reduce twice that.
@@ -19,8 +23,9 @@ REDUCE_SCATTER = "reduce_scatter"
 ALL_REDUCE = "all_reduce"
 BROADCAST = "broadcast"
 
-# Newer torch names the flat all-gather `all_gather_single` and deprecates `all_gather_into_tensor`.
+# Newer torch names the flat collectives `*_single` and deprecates the `*_tensor` names.
 _ALL_GATHER_INTO_FLAT = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_FROM_FLAT = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class CommunicationCounter:
@@ -43,22 +48,24 @@ class CommunicationCounter:
 
 
 class PendingCollective:
-    """An in-flight collective; `wait()` blocks on it and then runs the local epilogue (e.g. the shard sum)."""
+    """An in-flight collective; `wait()` blocks on it (one work handle or a list of them) and then runs the local
+    epilogue (e.g. the shard sum)."""
 
     def __init__(self, work=None, epilogue: Optional[Callable[[], None]] = None):
-        self._work = work
+        self._works = list(work) if isinstance(work, (list, tuple)) else ([] if work is None else [work])
         self._epilogue = epilogue
         self.done = False
 
     def wait(self):
         if self.done:
             return
-        if self._work is not None:
-            self._work.wait()
+        for work in self._works:
+            work.wait()
         if self._epilogue is not None:
             self._epilogue()
         self.done = True
-        self._work = self._epilogue = None
+        self._works = []
+        self._epilogue = None
 
 
 def backend_of(group) -> str:
@@ -97,8 +104,30 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group, counter: C
             output.copy_(shard)
         return PendingCollective()
     counter.record(ALL_GATHER, shard.numel() * shard.element_size() * (world - 1))
+    if backend_of(group) == "gloo":
+        return _finish(_exchange_shards_for_gather(output, shard, group, world), None, async_op)
     work = _ALL_GATHER_INTO_FLAT(output, shard, group=group, async_op=async_op)
     return _finish(work, None, async_op)
+
+
+def _peers_in_ring_order(rank: int, world: int):
+    """(send-to, receive-from) pairs starting with the neighbours, so that no rank is every rank's first target."""
+    return [((rank + step) % world, (rank - step) % world) for step in range(1, world)]
+
+
+def _exchange_shards_for_gather(output: torch.Tensor, shard: torch.Tensor, group, world: int) -> list:
+    """Post the point-to-point messages of an all-gather: receive each peer's shard into its slice of `output`,
+    send our shard to each peer, and copy our own shard into place. Returns the work handles."""
+    rank, numel = group_rank(group), shard.numel()
+    works = []
+    for _, source in _peers_in_ring_order(rank, world):
+        works.append(dist.irecv(output[source * numel:(source + 1) * numel], group=group, group_src=source))
+    for target, _ in _peers_in_ring_order(rank, world):
+        works.append(dist.isend(shard, group=group, group_dst=target))
+    own_slice = output[rank * numel:(rank + 1) * numel]
+    if own_slice.data_ptr() != shard.data_ptr():
+        own_slice.copy_(shard)
+    return works
 
 
 def reduce_scatter_flat(output: torch.Tensor, flat_input: torch.Tensor, group, counter: CommunicationCounter,
@@ -115,44 +144,38 @@ def reduce_scatter_flat(output: torch.Tensor, flat_input: torch.Tensor, group, c
     if world == 1:
         result = flat_input
     elif backend_of(group) == "gloo":
-        received, work, own_shard = _all_to_all_shards(flat_input, shard_numel, group, world, async_op)
+        received, works = _exchange_shards_for_reduction(flat_input, shard_numel, group, world)
+        own_shard = flat_input[group_rank(group) * shard_numel:(group_rank(group) + 1) * shard_numel]
 
         def sum_received():
-            summed = received.view(-1, shard_numel).sum(dim=0)
-            if own_shard is not None:
-                summed.add_(own_shard)
+            summed = received.view(world - 1, shard_numel).sum(dim=0) if world > 2 else received
+            summed.add_(own_shard)
             _store(output, summed.div_(world) if average else summed, accumulate)
 
-        return _finish(work, sum_received, async_op)
+        return _finish(works, sum_received, async_op)
     else:
         direct = not accumulate and output.dtype == flat_input.dtype
         result = output if direct else flat_input.new_empty(shard_numel)
         op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
-        work = dist.reduce_scatter_tensor(result, flat_input, op=op, group=group, async_op=async_op)
+        work = _REDUCE_SCATTER_FROM_FLAT(result, flat_input, op=op, group=group, async_op=async_op)
         if direct:
             return _finish(work, None, async_op)
         return _finish(work, lambda: _store(output, result, accumulate), async_op)
     return _finish(None, lambda: _store(output, result.div(world) if average else result, accumulate), False)
 
 
-def _all_to_all_shards(flat_input: torch.Tensor, shard_numel: int, group, world: int, async_op: bool):
-    """Send every rank its shard of `flat_input`; returns (received shards, work, own shard kept locally).
-
-    When this rank's own shard is at either end of the input (always with two ranks) it is not sent to itself,
-    so the receive buffer holds `world - 1` shards instead of a second full-size copy of the input.
-    """
+def _exchange_shards_for_reduction(flat_input: torch.Tensor, shard_numel: int, group, world: int):
+    """Post the point-to-point messages of a reduce-scatter: send each peer its shard of `flat_input` and receive
+    the peers' copies of our shard, one row each. Returns (received rows, work handles)."""
     rank = group_rank(group)
-    if rank not in (0, world - 1):
-        received = torch.empty_like(flat_input)
-        return received, dist.all_to_all_single(received, flat_input, group=group, async_op=async_op), None
-    own_start = rank * shard_numel
-    own_shard = flat_input[own_start:own_start + shard_numel]
-    others = flat_input[shard_numel:] if rank == 0 else flat_input[:own_start]
     received = flat_input.new_empty((world - 1) * shard_numel)
-    sizes = [0 if peer == rank else shard_numel for peer in range(world)]
-    work = dist.all_to_all_single(received, others, output_split_sizes=sizes, input_split_sizes=sizes,
-                                  group=group, async_op=async_op)
-    return received, work, own_shard
+    works = []
+    for row, (_, source) in enumerate(_peers_in_ring_order(rank, world)):
+        works.append(dist.irecv(received[row * shard_numel:(row + 1) * shard_numel], group=group, group_src=source))
+    for target, _ in _peers_in_ring_order(rank, world):
+        works.append(dist.isend(flat_input[target * shard_numel:(target + 1) * shard_numel], group=group,
+                                group_dst=target))
+    return received, works
 
 
 def _store(output: torch.Tensor, value: torch.Tensor, accumulate: bool):
