@@ -144,8 +144,6 @@ def _reduce_scatter_like_all_reduce(make_input, dtype_pairs):
     return cases
 
 
-REDUCE_DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)]
-
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_reduce_scatter_matches_all_reduce_then_slice_at_every_rank(world_size):

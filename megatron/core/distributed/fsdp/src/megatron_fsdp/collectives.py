@@ -1,7 +1,7 @@
 """The only module that calls torch.distributed: gathers, reductions, their async handles and byte counters.
 
-Implementations are chosen per backend. On gloo the stock all-gather and reduce-scatter are several times slower
-on CPU than exchanging the shards directly, so there both are built from point-to-point `isend`/`irecv` pairs:
+Implementations are chosen per backend. On gloo the stock all-gather and reduce-scatter take more than twice the
+CPU time of exchanging the shards directly, so there both are built from point-to-point `isend`/`irecv` pairs:
 an all-gather sends this rank's shard to every peer and receives theirs into the flat output in place; a
 reduce-scatter sends every peer its shard of the input and sums what arrives for this rank's own shard. Each
 rank sends exactly what a ring algorithm sends, `(world - 1) / world` of the gathered or reduced buffer. All
