@@ -1,16 +1,28 @@
-"""Session-wide test plumbing: the GPU marker, world-size ordering and the rank pools' shutdown."""
+"""Session-wide test plumbing: the GPU marker, world-size ordering, torchrun launches and the rank pools' shutdown.
+
+Under torchrun (`WORLD_SIZE`/`RANK` set) every launched rank runs this pytest session; multi-rank bodies run
+once across the launched ranks (`tests/unit_tests/harness/launched_world.py`), only rank 0 writes to the
+terminal, and rank 0's summary adds whether the other ranks agreed.
+"""
+
+import os
 
 import pytest
 import torch
 
+from tests.unit_tests.harness import launched_world
 from tests.unit_tests.multiprocess_harness import shutdown_pools
+
+_TEST_INDEX = pytest.StashKey[int]()
+_peer_summaries = {}
 
 
 def pytest_collection_modifyitems(config, items):
     """Skip GPU tests on CPU machines (with a reason) and group multi-rank tests by world size.
 
     Tests parametrised with a `world_size` argument run grouped by that size so the pool of ranks for one
-    size is built once; the sort is stable, so the order within a size stays the file order.
+    size is built once; the sort is stable, so the order within a size stays the file order. Every torchrun
+    rank sorts the same way, so the position of a test is the same on all of them.
     """
     if not torch.cuda.is_available():
         skip_gpu = pytest.mark.skip(reason="needs a CUDA device; this machine has none")
@@ -26,11 +38,78 @@ def pytest_collection_modifyitems(config, items):
         return int(marker.args[0]) if marker else 0
 
     items.sort(key=world_size_of)
+    for index, item in enumerate(items):
+        item.stash[_TEST_INDEX] = index
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_configure(config):
     config.addinivalue_line("markers", "world_size(n): runs on a pool of n ranks (used to group tests)")
+    world = launched_world.start_if_launched()
+    if world is not None and world.rank != 0:
+        _silence_terminal(config)
+
+
+def _silence_terminal(config):
+    """Ranks other than 0 report nothing themselves; rank 0's summary says whether they agreed."""
+    from _pytest.terminal import TerminalReporter
+
+    reporter = config.pluginmanager.getplugin("terminalreporter")
+    if reporter is not None:
+        config.pluginmanager.unregister(reporter)
+        quiet = TerminalReporter(config, open(os.devnull, "w"))  # noqa: SIM115 (lives as long as the session)
+        config.pluginmanager.register(quiet, "terminalreporter")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    world = launched_world.launched()
+    if world is not None:
+        world.enter_test(item.stash.get(_TEST_INDEX, -1), item.nodeid)
+
+
+def pytest_runtest_logreport(report):
+    world = launched_world.launched()
+    if world is not None:
+        world.record_report(report)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_single_process_world():
+    """A one-rank world built by `Utils.initialize_distributed()` in a plain session ends with its module."""
+    yield
+    launched_world.release_single_process_world()
 
 
 def pytest_sessionfinish(session, exitstatus):
     shutdown_pools()
+    launched_world.release_single_process_world()
+    summaries, silent = launched_world.finish_launch()
+    if summaries is not None:
+        _peer_summaries.update(summaries=summaries, silent=silent)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _peer_summaries:
+        return
+    summaries, silent = _peer_summaries["summaries"], _peer_summaries["silent"]
+    write = terminalreporter.write_line
+    own = summaries.get(0, {})
+    stats = own.get("stats", {})
+    write(
+        f"torchrun: {len(summaries) + len(silent)} launched ranks; "
+        f"{stats.get('tasks', 0)} multi-rank bodies ran once across them "
+        f"({stats.get('tasks on a sub-group', 0)} on a sub-group), "
+        f"{stats.get('tasks skipped for want of ranks', 0)} skipped for want of ranks, "
+        f"{stats.get('world builds', 0)} process-group (re)builds"
+    )
+    for rank, summary in sorted(summaries.items()):
+        if rank == 0:
+            continue
+        agrees = summary["outcomes"] == own.get("outcomes")
+        counts = ", ".join(f"{n} {outcome}" for outcome, n in sorted(summary["outcomes"].items()))
+        write(f"torchrun rank {rank}: {counts}" + ("" if agrees else "  <-- differs from rank 0"))
+        for nodeid in summary["failed"]:
+            write(f"  rank {rank} FAILED {nodeid}")
+    for rank, why in sorted(silent.items()):
+        write(f"torchrun rank {rank}: no summary ({why})")

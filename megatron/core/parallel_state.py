@@ -12,6 +12,7 @@ re-read as tp x ep x expert-dp (context parallelism folded into expert data para
 """
 
 import itertools
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -202,6 +203,8 @@ def _pipeline_stage_of(groups, rank):
 _GROUPS = {}
 _INITIALIZED = False
 _CREATED_GROUPS = []
+# gloo twins of the data-parallel groups: name -> process group.
+_GLOO_GROUPS = {}
 _DEVICE_MESH = None
 _NUM_DISTRIBUTED_OPTIMIZER_INSTANCES = 1
 
@@ -214,17 +217,51 @@ def _backend_device_type():
 def initialize_model_parallel(
     tensor_model_parallel_size=1,
     pipeline_model_parallel_size=1,
+    virtual_pipeline_model_parallel_size=None,
+    pipeline_model_parallel_comm_backend=None,
+    use_sharp=False,
     context_parallel_size=1,
+    hierarchical_context_parallel_sizes=None,
     expert_model_parallel_size=1,
     num_distributed_optimizer_instances=1,
+    expert_tensor_parallel_size=None,
+    nccl_communicator_config_path=None,
+    distributed_timeout_minutes=30,
     order=DEFAULT_ORDER,
+    get_embedding_ranks=None,
+    get_position_embedding_ranks=None,
+    create_gloo_process_groups=True,
+    high_priority_stream_groups=None,
+    sharp_enabled_group=None,
 ):
-    """Create every process group for the layout on the already-initialised default process group."""
+    """Create every process group for the layout on the already-initialised default process group.
+
+    The parameters and their positional order are Megatron-Core's. Those this implementation cannot honour
+    fail with a message (see `reject_unsupported_options`) instead of being ignored.
+    `get_embedding_ranks(pp_ranks)` / `get_position_embedding_ranks(pp_ranks)` pick the ranks of one
+    pipeline's (position) embedding group (defaults: first and last stage / first stage).
+    `create_gloo_process_groups` adds gloo copies of the data-parallel groups for CPU-side traffic; on a gloo
+    world they are the data-parallel groups themselves.
+    """
     global _DEVICE_MESH, _NUM_DISTRIBUTED_OPTIMIZER_INSTANCES, _INITIALIZED
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised; call torch.distributed.init_process_group first")
     if model_parallel_is_initialized():
         raise RuntimeError("model parallel groups are already initialised; call destroy_model_parallel() first")
+    backend = str(dist.get_backend()).lower()
+    reject_unsupported_options(
+        backend,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        pipeline_model_parallel_comm_backend=pipeline_model_parallel_comm_backend,
+        use_sharp=use_sharp,
+        hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
+        nccl_communicator_config_path=nccl_communicator_config_path,
+        distributed_timeout_minutes=distributed_timeout_minutes,
+        high_priority_stream_groups=high_priority_stream_groups,
+        sharp_enabled_group=sharp_enabled_group,
+    )
     world_size = dist.get_world_size()
     rank = dist.get_rank()
     groups = generate_rank_groups(
@@ -236,18 +273,27 @@ def initialize_model_parallel(
         order=order,
         num_distributed_optimizer_instances=num_distributed_optimizer_instances,
     )
+    groups["embedding"] = _custom_pipeline_groups(groups["pp"], get_embedding_ranks, "get_embedding_ranks",
+                                                  default=groups["embedding"])
+    groups["position-embedding"] = _custom_pipeline_groups(
+        groups["pp"], get_position_embedding_ranks, "get_position_embedding_ranks",
+        default=[[ranks[0]] for ranks in groups["pp"]],
+    )
+    timeout = timedelta(minutes=distributed_timeout_minutes)
     # Identical rank lists share one process group (e.g. dp and dp-cp when cp == 1).
     by_ranks = {}
     for name, rank_lists in groups.items():
         for ranks in rank_lists:
             key = tuple(ranks)
             if key not in by_ranks:
-                group = dist.new_group(ranks=list(ranks))
+                group = dist.new_group(ranks=list(ranks), timeout=timeout)
                 by_ranks[key] = group
                 if rank in ranks:
                     _CREATED_GROUPS.append(group)
             if rank in ranks:
                 _GROUPS[name] = (by_ranks[key], list(ranks))
+    if create_gloo_process_groups:
+        _create_gloo_data_parallel_groups(groups, rank, backend, timeout)
     _NUM_DISTRIBUTED_OPTIMIZER_INSTANCES = num_distributed_optimizer_instances
     _INITIALIZED = True
 
@@ -264,6 +310,88 @@ def initialize_model_parallel(
     dist.barrier()
 
 
+def reject_unsupported_options(
+    backend,
+    tensor_model_parallel_size=1,
+    virtual_pipeline_model_parallel_size=None,
+    pipeline_model_parallel_comm_backend=None,
+    use_sharp=False,
+    hierarchical_context_parallel_sizes=None,
+    expert_tensor_parallel_size=None,
+    nccl_communicator_config_path=None,
+    distributed_timeout_minutes=30,
+    high_priority_stream_groups=None,
+    sharp_enabled_group=None,
+):
+    """Raise ValueError for an `initialize_model_parallel` option this implementation cannot honour.
+
+    `backend` is the default process group's backend ("gloo", "nccl", ...). Every message names the option
+    and the value that works.
+    """
+    if virtual_pipeline_model_parallel_size is not None:
+        raise ValueError(
+            f"virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size!r}: interleaved pipeline "
+            "schedules (virtual pipeline stages) are not implemented; leave it None"
+        )
+    if pipeline_model_parallel_comm_backend not in (None, backend):
+        raise ValueError(
+            f"pipeline_model_parallel_comm_backend={pipeline_model_parallel_comm_backend!r}: pipeline groups use the "
+            f"default process group's backend ({backend!r}); leave it None"
+        )
+    nccl = "nccl" in backend
+    if use_sharp or sharp_enabled_group is not None:
+        where = ("NCCL's SHARP support is not implemented yet" if nccl else
+                 f"SHARP is an NCCL feature and this world's backend is {backend!r}")
+        raise ValueError(f"use_sharp={use_sharp!r}, sharp_enabled_group={sharp_enabled_group!r}: {where}; "
+                         "leave use_sharp False and sharp_enabled_group None")
+    if hierarchical_context_parallel_sizes is not None:
+        raise ValueError(
+            f"hierarchical_context_parallel_sizes={hierarchical_context_parallel_sizes!r}: hierarchical context "
+            "parallelism is not implemented; leave it None"
+        )
+    if expert_tensor_parallel_size not in (None, tensor_model_parallel_size):
+        raise ValueError(
+            f"expert_tensor_parallel_size={expert_tensor_parallel_size!r}: experts use the tensor-parallel size "
+            f"({tensor_model_parallel_size}); leave it None or equal to tensor_model_parallel_size"
+        )
+    if nccl_communicator_config_path is not None or high_priority_stream_groups is not None:
+        what = ("nccl_communicator_config_path" if nccl_communicator_config_path is not None
+                else "high_priority_stream_groups")
+        where = "not implemented yet" if nccl else f"an NCCL option and this world's backend is {backend!r}"
+        raise ValueError(f"{what}: {where}; leave it None")
+    if isinstance(distributed_timeout_minutes, bool) or not isinstance(distributed_timeout_minutes, (int, float)) \
+            or distributed_timeout_minutes <= 0:
+        raise ValueError(f"distributed_timeout_minutes must be a positive number, got {distributed_timeout_minutes!r}")
+
+
+def _custom_pipeline_groups(pipeline_groups, choose_ranks, option, default):
+    """Per pipeline, the ranks `choose_ranks(pp_ranks)` names (all members of that pipeline), or `default`."""
+    if choose_ranks is None:
+        return default
+    chosen = []
+    for pp_ranks in pipeline_groups:
+        ranks = list(choose_ranks(list(pp_ranks)))
+        if not ranks or any(r not in pp_ranks for r in ranks) or len(set(ranks)) != len(ranks):
+            raise ValueError(
+                f"{option}({pp_ranks}) returned {ranks}: it must return distinct ranks of that pipeline group"
+            )
+        chosen.append(ranks)
+    return chosen
+
+
+def _create_gloo_data_parallel_groups(groups, rank, backend, timeout):
+    """gloo twins of the data-parallel groups (the groups themselves when the world already runs on gloo)."""
+    for name in ("dp", "dp-cp", "inner-dp-cp"):
+        if backend == "gloo":
+            _GLOO_GROUPS[name] = _GROUPS[name][0]
+            continue
+        for ranks in groups[name]:
+            group = dist.new_group(ranks=list(ranks), timeout=timeout, backend="gloo")
+            if rank in ranks:
+                _CREATED_GROUPS.append(group)
+                _GLOO_GROUPS[name] = group
+
+
 def model_parallel_is_initialized():
     return _INITIALIZED
 
@@ -276,6 +404,7 @@ def destroy_model_parallel():
             dist.destroy_process_group(group)
     _CREATED_GROUPS.clear()
     _GROUPS.clear()
+    _GLOO_GROUPS.clear()
     _DEVICE_MESH = None
     _NUM_DISTRIBUTED_OPTIMIZER_INSTANCES = 1
     _INITIALIZED = False
@@ -342,6 +471,15 @@ def is_pipeline_last_stage(ignore_virtual=True):
     return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
 
 
+def get_virtual_pipeline_model_parallel_world_size():
+    """None: interleaved (virtual) pipeline stages are not implemented."""
+    return None
+
+
+def get_virtual_pipeline_model_parallel_rank():
+    return None
+
+
 def get_pipeline_model_parallel_first_rank():
     return _ranks("pp")[0]
 
@@ -396,6 +534,16 @@ def get_data_parallel_global_ranks(with_context_parallel=False):
 
 def get_data_parallel_src_rank(with_context_parallel=False):
     return _ranks("dp-cp" if with_context_parallel else "dp")[0]
+
+
+def get_data_parallel_group_gloo(with_context_parallel=False, partial_data_parallel=False):
+    """The gloo twin of `get_data_parallel_group(...)` (needs `create_gloo_process_groups=True`)."""
+    name = _data_parallel_name(with_context_parallel, partial_data_parallel)
+    _group(name)
+    if name not in _GLOO_GROUPS:
+        raise RuntimeError("gloo data-parallel groups were not created; pass create_gloo_process_groups=True to "
+                           "initialize_model_parallel()")
+    return _GLOO_GROUPS[name]
 
 
 def get_inner_data_parallel_group():
@@ -475,6 +623,15 @@ def get_embedding_global_ranks():
 
 def is_rank_in_embedding_group():
     return _INITIALIZED and "embedding" in _GROUPS
+
+
+def get_position_embedding_group():
+    """The ranks of this rank's pipeline that hold position embeddings (the first stage by default)."""
+    return _group("position-embedding")
+
+
+def is_rank_in_position_embedding_group():
+    return _INITIALIZED and "position-embedding" in _GROUPS
 
 
 def get_device_mesh():

@@ -1,4 +1,4 @@
-"""Runs test bodies on a persistent pool of ranks joined by a gloo process group.
+"""Runs test bodies on a persistent pool of ranks joined by a gloo process group, or on torchrun's ranks.
 
 Starting a process group costs seconds, so each world size gets one pool of worker processes that lives for
 the whole pytest session (only one pool is alive at a time; `conftest.py` orders the tests by world size so
@@ -6,38 +6,31 @@ pools are rarely rebuilt). A test calls `run_on_ranks(world_size, fn, *args)`; `
 function (it is pickled by reference) and runs on every rank with `torch.distributed` initialised. The return
 values come back as a list indexed by rank. A failure on any rank raises `MultiRankError` with every rank's
 traceback; the pool is then torn down, because a rank may be stuck in a collective, and rebuilt on demand.
+
+Under torchrun (`torchrun --nproc-per-node N -m pytest ...`) no pool is spawned: `run_on_ranks` runs `fn` once
+across the launched ranks instead (see `harness/launched_world.py`), with the same results and errors.
 """
 
 import os
 import queue
 import tempfile
-import traceback
 from datetime import timedelta
 
 import torch.multiprocessing as mp
+
+from tests.unit_tests.harness import launched_world
+from tests.unit_tests.harness.rank_task import MultiRankError, mark_pool_worker, run_rank_task
 
 DEFAULT_TASK_TIMEOUT_S = 600
 PROCESS_GROUP_TIMEOUT_S = 120
 ERROR_GRACE_S = 5
 
 
-class MultiRankError(AssertionError):
-    """A test body failed (or timed out) on at least one rank."""
-
-
-def _reset_global_state():
-    """Undo per-test global state so the next task on this pool starts clean."""
-    import sys
-
-    parallel_state = sys.modules.get("megatron.core.parallel_state")
-    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-
-
 def _worker_main(rank, world_size, init_file, task_queue, result_queue):
     import torch
     import torch.distributed as dist
 
+    mark_pool_worker()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     os.environ.update(
         {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)}
@@ -55,12 +48,8 @@ def _worker_main(rank, world_size, init_file, task_queue, result_queue):
         if task is None:
             break
         fn, args, kwargs = task
-        try:
-            value = fn(*args, **kwargs)
-            _reset_global_state()
-            result_queue.put((rank, "ok", value))
-        except BaseException:  # report everything, including pytest's Skipped/Failed outcomes
-            result_queue.put((rank, "error", traceback.format_exc()))
+        status, value = run_rank_task(fn, args, kwargs)
+        result_queue.put((rank, status, value))
     dist.destroy_process_group()
 
 
@@ -145,6 +134,8 @@ _live_pool = None
 def run_on_ranks(world_size, fn, *args, timeout_s=DEFAULT_TASK_TIMEOUT_S, **kwargs):
     """Run `fn(*args, **kwargs)` on every rank of a `world_size` gloo group; returns the per-rank results."""
     global _live_pool
+    if launched_world.launched() is not None:
+        return launched_world.launched().run(world_size, fn, args, kwargs, timeout_s)
     if _live_pool is not None and (_live_pool.world_size != world_size or not _live_pool.alive()):
         _live_pool.close()
         _live_pool = None

@@ -125,7 +125,10 @@ def _group_ranks(group):
 def _check_layout_on_rank(tp, pp, cp, ep, instances):
     """Initialise, compare every getter with the pure layout, exercise the groups, destroy."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    ps.initialize_model_parallel(tp, pp, cp, ep, num_distributed_optimizer_instances=instances)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+        expert_model_parallel_size=ep, num_distributed_optimizer_instances=instances,
+    )
     groups = ps.generate_rank_groups(world, tp=tp, pp=pp, cp=cp, ep=ep, num_distributed_optimizer_instances=instances)
 
     def mine(name):
