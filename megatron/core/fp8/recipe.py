@@ -1,0 +1,58 @@
+"""`Fp8Recipe`: the format and scaling rules of one FP8 run, built from a `TransformerConfig`."""
+
+from dataclasses import dataclass
+
+from megatron.core.fp8.formats import (
+    AMAX_COMPUTE_ALGOS,
+    GPU_ONLY_RECIPES,
+    TORCH_NATIVE_RECIPES,
+    Fp8Format,
+    get_fp8_format,
+)
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """How tensors are scaled into FP8.
+
+    `tensorwise`: each tensor is scaled by its own current amax (reduced over the tensor-parallel ranks that
+    hold shards of it). `delayed`: the scale comes from a history of the last `amax_history_len` amaxes
+    (`most_recent` or `max` of it), so quantizing needs no reduction on the critical path; the amaxes seen in
+    a forward pass are reduced across the ranks that share the tensors when the FP8 region ends.
+    `margin` divides the scale by 2**margin to leave head-room.
+    """
+
+    fp8_format: Fp8Format
+    scaling: str = "delayed"
+    margin: int = 0
+    amax_history_len: int = 1
+    amax_compute_algo: str = "most_recent"
+
+    def __post_init__(self):
+        if self.scaling in GPU_ONLY_RECIPES:
+            raise ValueError(
+                f"--fp8-recipe {self.scaling} needs Transformer Engine on a GPU (--transformer-impl "
+                f"transformer_engine); the torch-native FP8 backend implements {TORCH_NATIVE_RECIPES}"
+            )
+        if self.scaling not in TORCH_NATIVE_RECIPES:
+            raise ValueError(f"--fp8-recipe must be one of {TORCH_NATIVE_RECIPES + GPU_ONLY_RECIPES}, got {self.scaling!r}")
+        if self.amax_history_len < 1:
+            raise ValueError(f"--fp8-amax-history-len must be >= 1, got {self.amax_history_len}")
+        if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise ValueError(f"--fp8-amax-compute-algo must be one of {AMAX_COMPUTE_ALGOS}, got {self.amax_compute_algo!r}")
+        if self.margin < 0:
+            raise ValueError(f"--fp8-margin must be >= 0, got {self.margin}")
+
+    @property
+    def is_delayed(self) -> bool:
+        return self.scaling == "delayed"
+
+    @classmethod
+    def from_config(cls, config) -> "Fp8Recipe":
+        return cls(
+            fp8_format=get_fp8_format(config.fp8),
+            scaling=config.fp8_recipe,
+            margin=config.fp8_margin,
+            amax_history_len=config.fp8_amax_history_len,
+            amax_compute_algo=config.fp8_amax_compute_algo,
+        )

@@ -1,0 +1,68 @@
+"""FP8 recipes, contexts and FP8 tensor helpers: the entry point users import.
+
+Formats `e4m3` and `hybrid` (e4m3 forward, e5m2 gradients); recipes `delayed` (scale from an amax history)
+and `tensorwise` (current per-tensor scaling) run on any device with torch's float8 dtypes, `mxfp8` and
+`blockwise` only through Transformer Engine on GPUs. Layers run in FP8 inside `get_fp8_context(config,
+layer_no)`. The implementation lives in `megatron.core.fp8`, one file per concern.
+"""
+
+from megatron.core.fp8.context import Fp8Region, active_fp8_region, get_fp8_context, is_first_last_bf16_layer
+from megatron.core.fp8.formats import (
+    AMAX_COMPUTE_ALGOS,
+    FP8_FORMATS,
+    FP8_RECIPES,
+    GPU_ONLY_RECIPES,
+    TORCH_NATIVE_RECIPES,
+    Fp8Format,
+    fp8_max,
+    get_fp8_format,
+    is_fp8_dtype,
+)
+from megatron.core.fp8.linear import fp8_gemm, fp8_linear, force_fp8_gemm_emulation, scaled_mm_supported
+from megatron.core.fp8.recipe import Fp8Recipe
+from megatron.core.fp8.scaling import LinearScaling, ScalingState, amax_reduction_groups, reduce_and_record_amaxes
+from megatron.core.fp8.tensor import (
+    Float8Tensor,
+    amax,
+    as_uint8,
+    dequantize,
+    fake_quantize,
+    is_float8tensor,
+    quantize,
+    quantize_with_current_scale,
+    scale_from_amax,
+)
+
+__all__ = [
+    "AMAX_COMPUTE_ALGOS",
+    "FP8_FORMATS",
+    "FP8_RECIPES",
+    "GPU_ONLY_RECIPES",
+    "TORCH_NATIVE_RECIPES",
+    "Float8Tensor",
+    "Fp8Format",
+    "Fp8Recipe",
+    "Fp8Region",
+    "LinearScaling",
+    "ScalingState",
+    "active_fp8_region",
+    "amax",
+    "amax_reduction_groups",
+    "as_uint8",
+    "dequantize",
+    "fake_quantize",
+    "force_fp8_gemm_emulation",
+    "fp8_gemm",
+    "fp8_linear",
+    "fp8_max",
+    "get_fp8_context",
+    "get_fp8_format",
+    "is_first_last_bf16_layer",
+    "is_float8tensor",
+    "is_fp8_dtype",
+    "quantize",
+    "quantize_with_current_scale",
+    "reduce_and_record_amaxes",
+    "scale_from_amax",
+    "scaled_mm_supported",
+]

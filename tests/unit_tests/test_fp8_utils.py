@@ -1,0 +1,159 @@
+"""megatron.core.fp8_utils: quantization error bounds per format, delayed-scaling histories, recipes and
+contexts, and ranks agreeing on one scale for tensors they share."""
+
+import contextlib
+
+import pytest
+import torch
+
+from megatron.core import fp8_utils
+from megatron.core.fp8.scaling import LinearScaling, ScalingState, reduce_and_record_amaxes
+from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+# Mantissa bits and smallest normal of each float8 dtype: a normal value rounds to nearest with a relative
+# error of at most 2**-(mantissa_bits + 1); below the normal range the absolute error is at most half the
+# subnormal spacing 2**(min_normal_exponent - mantissa_bits - 1).
+FORMAT_FACTS = {
+    torch.float8_e4m3fn: {"mantissa_bits": 3, "min_normal_exponent": -6},
+    torch.float8_e5m2: {"mantissa_bits": 2, "min_normal_exponent": -14},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_round_trip_error_is_within_the_format_bound(dtype):
+    facts = FORMAT_FACTS[dtype]
+    values = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 3.0
+    values = torch.cat([values, torch.logspace(-9, 0, 64) * 3.0])  # reaches into the subnormal range
+    quantized = fp8_utils.quantize_with_current_scale(values, dtype)
+    assert quantized.data.dtype == dtype and fp8_utils.is_float8tensor(quantized)
+    scale = float(quantized.scale)
+    assert scale == pytest.approx(fp8_utils.fp8_max(dtype) / values.abs().max().item(), rel=1e-6)
+    restored = fp8_utils.dequantize(quantized)
+    scaled = values.abs() * scale
+    normal = scaled >= 2.0 ** facts["min_normal_exponent"]
+    relative_error = ((restored - values).abs() / values.abs())[normal]
+    assert relative_error.max().item() <= 2.0 ** -(facts["mantissa_bits"] + 1) + 1e-7
+    subnormal_step = 2.0 ** (facts["min_normal_exponent"] - facts["mantissa_bits"])
+    assert (~normal).sum() > 0
+    assert ((restored - values).abs()[~normal] * scale).max().item() <= subnormal_step / 2 + 1e-9
+    # The largest element maps onto the format's maximum exactly; re-quantizing gives the same bytes.
+    assert restored.abs().max().item() == pytest.approx(values.abs().max().item(), rel=1e-6)
+    again = fp8_utils.quantize(restored, dtype, quantized.scale)
+    assert torch.equal(fp8_utils.as_uint8(again.data), fp8_utils.as_uint8(quantized.data))
+
+
+def test_scale_margin_saturation_and_zero_amax():
+    e4m3 = torch.float8_e4m3fn
+    assert float(fp8_utils.scale_from_amax(torch.tensor(2.0), e4m3)) == 224.0
+    assert float(fp8_utils.scale_from_amax(torch.tensor(2.0), e4m3, margin=2)) == 56.0
+    assert float(fp8_utils.scale_from_amax(torch.tensor(0.0), e4m3)) == 1.0
+    assert float(fp8_utils.scale_from_amax(torch.tensor(float("inf")), e4m3)) == 1.0
+    saturated = fp8_utils.quantize(torch.tensor([1000.0, -1000.0, 1.0]), e4m3, torch.tensor(1.0))
+    assert saturated.dequantize().tolist() == [448.0, -448.0, 1.0]
+    assert fp8_utils.quantize_with_current_scale(torch.zeros(3), e4m3).dequantize().tolist() == [0.0, 0.0, 0.0]
+    assert not fp8_utils.is_float8tensor(torch.zeros(2, dtype=e4m3))
+    with pytest.raises(ValueError, match="quantize needs a float8 dtype"):
+        fp8_utils.quantize(torch.zeros(2), torch.float16, torch.tensor(1.0))
+
+
+def test_formats_and_recipe_validation():
+    assert fp8_utils.get_fp8_format("e4m3").backward_dtype == torch.float8_e4m3fn
+    hybrid = fp8_utils.get_fp8_format("hybrid")
+    assert (hybrid.forward_dtype, hybrid.backward_dtype) == (torch.float8_e4m3fn, torch.float8_e5m2)
+    with pytest.raises(ValueError, match="--fp8-format must be one of"):
+        fp8_utils.get_fp8_format("e5m2")
+    for gpu_only in ("mxfp8", "blockwise"):
+        with pytest.raises(ValueError, match=f"--fp8-recipe {gpu_only} needs Transformer Engine on a GPU"):
+            fp8_utils.Fp8Recipe(hybrid, scaling=gpu_only)
+    with pytest.raises(ValueError, match="--fp8-amax-compute-algo"):
+        fp8_utils.Fp8Recipe(hybrid, amax_compute_algo="mean")
+
+
+def _history_scales(algo):
+    recipe = fp8_utils.Fp8Recipe(fp8_utils.get_fp8_format("e4m3"), "delayed", amax_history_len=3, amax_compute_algo=algo)
+    state = ScalingState(recipe, torch.float8_e4m3fn, sharded_over_tensor_parallel=False)
+    scales = []
+    for peak in (1.0, 4.0, 2.0, 0.5, 0.25):
+        scales.append(float(state.scale_for(torch.tensor([peak, -peak / 2]))))
+        reduce_and_record_amaxes([state], groups=[])
+    return scales, state.amax_history.tolist()
+
+
+def test_delayed_scaling_reads_the_amax_history():
+    # Scale = 448 / amax. Step 1 has no history and uses its own amax; later steps read the history only.
+    scales, history = _history_scales("most_recent")
+    assert scales == [448.0, 448.0, 112.0, 224.0, 896.0]
+    assert history == [0.25, 0.5, 2.0]
+    scales, history = _history_scales("max")  # max over the last 3 recorded amaxes
+    assert scales == [448.0, 448.0, 112.0, 112.0, 112.0]
+    assert history == [0.25, 0.5, 2.0]
+
+
+def _config(**overrides):
+    base = dict(num_layers=4, hidden_size=8, num_attention_heads=2, fp8="hybrid")
+    return TransformerConfig(**{**base, **overrides})
+
+
+def test_config_validation_and_fp8_context():
+    assert isinstance(fp8_utils.get_fp8_context(_config(fp8=None)), contextlib.nullcontext)
+    config = _config(first_last_layers_bf16=True, num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=2)
+    in_fp8 = [not fp8_utils.is_first_last_bf16_layer(config, layer) for layer in range(4)]
+    assert in_fp8 == [False, True, False, False]
+    contexts = [fp8_utils.get_fp8_context(config, layer) for layer in range(4)]
+    assert [isinstance(c, fp8_utils.Fp8Region) for c in contexts] == in_fp8
+    with contexts[1] as region:
+        assert fp8_utils.active_fp8_region() is region
+        assert region.recipe.fp8_format.backward_dtype == torch.float8_e5m2
+    assert fp8_utils.active_fp8_region() is None
+    with pytest.raises(ValueError, match="--fp8-recipe mxfp8 needs Transformer Engine on a GPU"):
+        _config(fp8_recipe="mxfp8")
+    with pytest.raises(ValueError, match="--fp8-param-gather needs FP8 training"):
+        _config(fp8=None, fp8_param=True)
+    with pytest.raises(ValueError, match=r"--num-layers-at-end-in-bf16 must be in \[0, --num-layers=4\]"):
+        _config(first_last_layers_bf16=True, num_layers_at_end_in_bf16=5)
+    with pytest.raises(ValueError, match="use --fp8-recipe tensorwise"):
+        _config(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    _config(fp8_recipe="tensorwise", recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+# ---- ranks agree on scales -----------------------------------------------------------------------------------
+
+
+def _scales_on_ranks():
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+
+    rank = dist.get_rank()
+    results = {}
+    hybrid = fp8_utils.get_fp8_format("hybrid")
+    # TP=2: each rank holds a different shard; tensorwise scaling reduces the amax over the TP group.
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    shard = torch.full((4,), 1.0 + 3.0 * rank)  # amax 1 on rank 0, 4 on rank 1
+    tensorwise = LinearScaling(fp8_utils.Fp8Recipe(hybrid, "tensorwise"), "column")
+    results["weight_scale_tp"] = float(tensorwise.weight.scale_for(shard))
+    results["input_scale_replicated"] = float(tensorwise.input.scale_for(shard))  # not sharded: own amax
+    parallel_state.destroy_model_parallel()
+
+    # DP=2, delayed: histories are reduced over the data-parallel group when the FP8 region ends.
+    parallel_state.initialize_model_parallel()
+    recipe = fp8_utils.Fp8Recipe(hybrid, "delayed", amax_history_len=2)
+    scaling = LinearScaling(recipe, "column")
+    region = fp8_utils.Fp8Region(recipe)
+    with region:
+        region.use(scaling)
+        scaling.input.scale_for(torch.full((3,), 2.0 + rank))
+        scaling.weight.scale_for(torch.full((3,), 0.5))
+    results["histories"] = [state.amax_history.tolist() for state in scaling.states()]
+    results["next_input_scale"] = float(scaling.input.scale_for(torch.ones(1)))
+    return results
+
+
+def test_ranks_sharing_a_tensor_agree_on_its_scale():
+    results = run_on_ranks(2, _scales_on_ranks)
+    assert [r["weight_scale_tp"] for r in results] == [448.0 / 4.0] * 2
+    assert [r["input_scale_replicated"] for r in results] == [448.0, 448.0 / 4.0]
+    # Input amaxes 2 and 3 reduce to 3 on both ranks; no gradient amax was recorded yet.
+    assert [r["histories"] for r in results] == [[[3.0, 0.0], [0.5, 0.0], [0.0, 0.0]]] * 2
+    assert results[0]["next_input_scale"] == results[1]["next_input_scale"] == pytest.approx(448.0 / 3.0, rel=1e-6)
