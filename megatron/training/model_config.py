@@ -14,6 +14,7 @@ def params_dtype_from_args(args):
 def core_transformer_config_from_args(args, config_class=None):
     """The `TransformerConfig` (model shape, parallel sizes, precision, recompute) the flags describe."""
     from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.training.argument_groups.fp8 import transformer_config_kwargs as fp8_config_kwargs
 
     config_class = config_class or TransformerConfig
     return config_class(
@@ -41,6 +42,7 @@ def core_transformer_config_from_args(args, config_class=None):
         bf16=args.bf16,
         params_dtype=params_dtype_from_args(args),
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+        **fp8_config_kwargs(args),
     )
 
 
@@ -81,4 +83,5 @@ def ddp_config_from_args(args):
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
         bucket_size=args.ddp_bucket_size,
         average_in_collective=args.ddp_average_in_collective,
+        fp8_param_gather=args.fp8_param_gather,
     )

@@ -9,6 +9,12 @@ on the CPU in fp32 with `init_method` under the default generator, keeps its own
 `config.params_dtype`. All ranks draw the same random numbers, so their default generators stay in lockstep
 and a partition equals the matching slice of a single-rank layer built with the same seed. The same code
 runs in `reset_parameters()`, which meta-device construction calls after materialising the parameters.
+
+FP8: inside an FP8 region (`megatron.core.fp8_utils.get_fp8_context`) the linear layers run their GEMMs in
+FP8 through the torch-native backend (`megatron.core.fp8.linear`); a weight that carries an FP8 copy
+(`weight.fp8_weight`, installed by `--fp8-param-gather`) is used as it is. Under delayed scaling each linear
+layer keeps its amax histories in buffers (`fp8_amax_history`, `fp8_amax_recorded_count`), so they are saved
+and restored with the model.
 """
 
 import torch
@@ -17,6 +23,10 @@ from torch.nn.parameter import Parameter
 
 from megatron.core import parallel_state
 from megatron.core.device_utils import get_current_device
+from megatron.core.fp8.context import active_fp8_region
+from megatron.core.fp8.linear import fp8_linear
+from megatron.core.fp8.recipe import Fp8Recipe
+from megatron.core.fp8.scaling import LinearScaling
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -134,11 +144,65 @@ def _linear(input_, weight, bias, gradient_accumulation_fusion):
 
 
 # --------------------------------------------------------------------------------------------------------
+# FP8
+# --------------------------------------------------------------------------------------------------------
+
+
+def _uses_torch_native_delayed_fp8(config):
+    return (
+        getattr(config, "fp8", None) is not None
+        and getattr(config, "fp8_recipe", None) == "delayed"
+        and getattr(config, "transformer_impl", "local") == "local"
+    )
+
+
+class _Fp8LinearMixin:
+    """FP8 state of a tensor-parallel linear layer: its scaling states and the GEMM dispatch."""
+
+    fp8_parallel_mode = "none"
+
+    def _init_fp8(self, config):
+        self._fp8_scaling = None
+        if _uses_torch_native_delayed_fp8(config):
+            history_len = Fp8Recipe.from_config(config).amax_history_len
+            self.register_buffer("fp8_amax_history", torch.zeros(3, history_len, dtype=torch.float32, device="cpu"))
+            self.register_buffer("fp8_amax_recorded_count", torch.zeros(3, dtype=torch.int64, device="cpu"))
+
+    def fp8_scaling(self, recipe):
+        """The layer's `LinearScaling` for `recipe` (rebuilt when the recipe or the history buffers change)."""
+        history = getattr(self, "fp8_amax_history", None)
+        counts = getattr(self, "fp8_amax_recorded_count", None)
+        if history is not None and history.shape[1] != recipe.amax_history_len:
+            history = counts = None
+        scaling = self._fp8_scaling
+        if scaling is None or scaling.recipe != recipe or getattr(scaling, "storage", None) is not history:
+            scaling = LinearScaling(recipe, self.fp8_parallel_mode, history_storage=history, count_storage=counts)
+            scaling.storage = history
+            self._fp8_scaling = scaling
+        return scaling
+
+    def _matmul(self, input_, weight, bias):
+        region = active_fp8_region()
+        if region is None:
+            return _linear(input_, weight, bias, self.gradient_accumulation_fusion)
+        scaling = self.fp8_scaling(region.recipe)
+        region.use(scaling)
+        return fp8_linear(
+            input_,
+            weight,
+            bias,
+            scaling,
+            weight_fp8=getattr(weight, "fp8_weight", None),
+            accumulate_into_main_grad=self.gradient_accumulation_fusion and torch.is_grad_enabled(),
+        )
+
+
+# --------------------------------------------------------------------------------------------------------
 # Layers
 # --------------------------------------------------------------------------------------------------------
 
 
-class ColumnParallelLinear(torch.nn.Module):
+class ColumnParallelLinear(_Fp8LinearMixin, torch.nn.Module):
     """Y = XA + b with A split by columns: rank r holds output features [r*out/tp, (r+1)*out/tp).
 
     `forward(x) -> (output, output_bias)`; `output_bias` is the bias when `skip_bias_add` (for a later
@@ -147,6 +211,8 @@ class ColumnParallelLinear(torch.nn.Module):
     first. `skip_weight_param_allocation` makes the layer weightless: `forward(x, weight)` then uses the
     given weight (a tied output layer reusing the embedding).
     """
+
+    fp8_parallel_mode = "column"
 
     def __init__(
         self,
@@ -194,6 +260,7 @@ class ColumnParallelLinear(torch.nn.Module):
             self.bias.allreduce = not is_expert
         else:
             self.register_parameter("bias", None)
+        self._init_fp8(config)
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -218,7 +285,7 @@ class ColumnParallelLinear(torch.nn.Module):
         else:
             input_parallel = copy_to_tensor_model_parallel_region(input_)
         bias = self.bias if not self.skip_bias_add else None
-        output_parallel = _linear(input_parallel, weight, bias, self.gradient_accumulation_fusion)
+        output_parallel = self._matmul(input_parallel, weight, bias)
         output = gather_from_tensor_model_parallel_region(output_parallel) if self.gather_output else output_parallel
         return output, (self.bias if self.skip_bias_add else None)
 
@@ -230,13 +297,15 @@ class ColumnParallelLinear(torch.nn.Module):
         )
 
 
-class RowParallelLinear(torch.nn.Module):
+class RowParallelLinear(_Fp8LinearMixin, torch.nn.Module):
     """Y = XA + b with A split by rows: rank r holds input features [r*in/tp, (r+1)*in/tp).
 
     The partial products are summed over the tensor-parallel group (reduce-scattered along the sequence
     with `config.sequence_parallel`). The bias is the same on every rank (`tensor_model_parallel=False`)
     and is added after the reduction. Without `input_is_parallel` the full-width input is split first.
     """
+
+    fp8_parallel_mode = "row"
 
     def __init__(
         self,
@@ -282,6 +351,7 @@ class RowParallelLinear(torch.nn.Module):
             self.bias.allreduce = not is_expert
         else:
             self.register_parameter("bias", None)
+        self._init_fp8(config)
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -293,7 +363,7 @@ class RowParallelLinear(torch.nn.Module):
 
     def forward(self, input_):
         input_parallel = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_)
-        output_parallel = _linear(input_parallel, self.weight, None, self.gradient_accumulation_fusion)
+        output_parallel = self._matmul(input_parallel, self.weight, None)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output_parallel)
         else:

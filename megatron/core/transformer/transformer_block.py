@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.fp8_utils import get_fp8_context
 from megatron.core.transformer.init_seeds import resolve_base_init_seed
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.recompute import checkpointed
@@ -59,7 +60,8 @@ class TransformerBlock(torch.nn.Module):
     def _run_layers(self, start, end):
         def run(hidden_states, attention_mask, rotary_pos_emb):
             for layer in self.layers[start:end]:
-                hidden_states = layer(hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+                with get_fp8_context(self.config, layer.layer_number - 1):
+                    hidden_states = layer(hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
             return hidden_states
 
         return run

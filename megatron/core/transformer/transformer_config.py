@@ -55,6 +55,29 @@ class TransformerConfig(ModelParallelConfig):
     """MLP activation; None means silu for a gated MLP (swiglu) and gelu otherwise."""
     add_bias_linear: bool = True
 
+    # FP8 (see megatron.core.fp8_utils)
+    transformer_impl: str = "local"
+    """"local" (torch-native layers; FP8 through torch's float8 dtypes) or "transformer_engine" (TE's layers and
+    autocast; needs transformer-engine and a GPU) (`--transformer-impl`)."""
+    fp8: Optional[str] = None
+    """FP8 format (`--fp8-format`): None (off), "e4m3", or "hybrid" (e4m3 forward, e5m2 gradients)."""
+    fp8_recipe: str = "delayed"
+    """"delayed" (scale from an amax history) or "tensorwise" (current per-tensor scaling); "mxfp8" and
+    "blockwise" need Transformer Engine on a GPU (`--fp8-recipe`)."""
+    fp8_margin: int = 0
+    """The scale is divided by 2**fp8_margin (`--fp8-margin`)."""
+    fp8_amax_history_len: int = 1
+    """Amaxes kept per tensor under delayed scaling (`--fp8-amax-history-len`)."""
+    fp8_amax_compute_algo: str = "most_recent"
+    """"most_recent" or "max" of the amax history (`--fp8-amax-compute-algo`)."""
+    fp8_param: bool = False
+    """Keep the compute weights of the linear layers in FP8 (set by `--fp8-param-gather`)."""
+    first_last_layers_bf16: bool = False
+    """Run the first `num_layers_at_start_in_bf16` and last `num_layers_at_end_in_bf16` layers outside FP8, in
+    the parameters' precision (`--first-last-layers-bf16`)."""
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
+
     recompute_granularity: Optional[str] = None
     """None, "full" (recompute whole layers, see recompute_method) or "selective" (only core attention)."""
     recompute_method: Optional[str] = None
@@ -75,6 +98,7 @@ class TransformerConfig(ModelParallelConfig):
         self._validate_parallel_split()
         self._validate_regularisation_and_norm()
         self._validate_recompute()
+        self._validate_fp8()
 
     def _set(self, name, value):
         object.__setattr__(self, name, value)
@@ -173,4 +197,49 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(
                 "--recompute-num-layers only applies to --recompute-granularity full "
                 f"(got granularity {self.recompute_granularity!r}); drop it"
+            )
+
+    def _validate_fp8(self):
+        from megatron.core.fp8.formats import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES, GPU_ONLY_RECIPES
+
+        if self.transformer_impl not in ("local", "transformer_engine"):
+            raise ValueError(f"--transformer-impl must be local or transformer_engine, got {self.transformer_impl!r}")
+        if self.fp8 is None:
+            for name, flag in (("fp8_param", "--fp8-param-gather"), ("first_last_layers_bf16", "--first-last-layers-bf16")):
+                if getattr(self, name):
+                    raise ValueError(f"{flag} needs FP8 training: add --fp8-format e4m3 or hybrid")
+            return
+        if self.fp8 not in FP8_FORMATS:
+            raise ValueError(f"--fp8-format must be one of {FP8_FORMATS}, got {self.fp8!r}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"--fp8-recipe must be one of {FP8_RECIPES}, got {self.fp8_recipe!r}")
+        if self.fp8_recipe in GPU_ONLY_RECIPES and self.transformer_impl != "transformer_engine":
+            raise ValueError(
+                f"--fp8-recipe {self.fp8_recipe} needs Transformer Engine on a GPU (--transformer-impl "
+                "transformer_engine); the torch-native FP8 backend runs delayed and tensorwise"
+            )
+        if self.fp8_amax_history_len < 1:
+            raise ValueError(f"--fp8-amax-history-len must be >= 1, got {self.fp8_amax_history_len}")
+        if self.fp8_amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise ValueError(
+                f"--fp8-amax-compute-algo must be one of {AMAX_COMPUTE_ALGOS}, got {self.fp8_amax_compute_algo!r}"
+            )
+        if self.fp8_margin < 0:
+            raise ValueError(f"--fp8-margin must be >= 0, got {self.fp8_margin}")
+        if self.first_last_layers_bf16:
+            for flag, value in (
+                ("--num-layers-at-start-in-bf16", self.num_layers_at_start_in_bf16),
+                ("--num-layers-at-end-in-bf16", self.num_layers_at_end_in_bf16),
+            ):
+                if not 0 <= value <= self.num_layers:
+                    raise ValueError(f"{flag} must be in [0, --num-layers={self.num_layers}], got {value}")
+        if (
+            self.fp8_recipe == "delayed"
+            and self.recompute_granularity == "full"
+            and self.transformer_impl == "local"
+        ):
+            raise ValueError(
+                "--fp8-recipe delayed with --recompute-granularity full: a recomputed layer would be quantized with "
+                "an amax history that has moved on since its forward pass; use --fp8-recipe tensorwise (current "
+                "scaling recomputes identically) or selective recompute"
             )

@@ -1,13 +1,32 @@
-"""Low-precision (FP8 / FP4) training flags."""
+"""Low-precision (FP8 / FP4) training flags and the layer implementation (`--transformer-impl`)."""
+
+from megatron.core.fp8.formats import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES, GPU_ONLY_RECIPES
 
 
 def add_arguments(parser):
     group = parser.add_argument_group("fp8")
-    group.add_argument("--fp8-format", default=None, choices=["e4m3", "hybrid"], help="Enables FP8 training.")
-    group.add_argument("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise"])
-    group.add_argument("--fp8-param-gather", action="store_true", help="Keep and gather parameters in FP8.")
+    group.add_argument(
+        "--transformer-impl",
+        default="local",
+        choices=["local", "transformer_engine"],
+        help="Layer implementation: torch-native (local) or Transformer Engine (GPU, needs transformer-engine).",
+    )
+    group.add_argument("--fp8-format", default=None, choices=list(FP8_FORMATS),
+                       help="Enables FP8 training: e4m3, or hybrid (e4m3 forward, e5m2 gradients).")
+    group.add_argument("--fp8-recipe", default="delayed", choices=list(FP8_RECIPES),
+                       help="Scaling recipe; mxfp8 and blockwise need --transformer-impl transformer_engine on GPUs.")
+    group.add_argument("--fp8-param-gather", action="store_true",
+                       help="Keep the linear layers' compute weights in FP8 and all-gather them in FP8.")
     group.add_argument("--fp8-amax-history-len", type=int, default=1, help="Amax history (delayed scaling).")
+    group.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=list(AMAX_COMPUTE_ALGOS),
+                       help="How the scale is read from the amax history (delayed scaling).")
     group.add_argument("--fp8-margin", type=int, default=0, help="Scaling-factor margin (delayed scaling).")
+    group.add_argument("--first-last-layers-bf16", action="store_true",
+                       help="Keep the first and last transformer layers out of FP8.")
+    group.add_argument("--num-layers-at-start-in-bf16", type=int, default=1,
+                       help="Layers at the start kept out of FP8 with --first-last-layers-bf16.")
+    group.add_argument("--num-layers-at-end-in-bf16", type=int, default=1,
+                       help="Layers at the end kept out of FP8 with --first-last-layers-bf16.")
     group.add_argument("--fp4-format", default=None, choices=["e2m1"], help="Enables FP4 training.")
     group.add_argument("--fp4-recipe", default="nvfp4", choices=["nvfp4"])
 
@@ -17,5 +36,40 @@ def validate(args):
         raise ValueError("--fp8-format and --fp4-format are exclusive: pick one")
     if args.fp8_param_gather and args.fp8_format is None:
         raise ValueError("--fp8-param-gather needs --fp8-format")
+    if args.first_last_layers_bf16 and args.fp8_format is None:
+        raise ValueError("--first-last-layers-bf16 needs --fp8-format")
     if args.fp8_amax_history_len < 1:
         raise ValueError(f"--fp8-amax-history-len must be >= 1, got {args.fp8_amax_history_len}")
+    if args.fp8_margin < 0:
+        raise ValueError(f"--fp8-margin must be >= 0, got {args.fp8_margin}")
+    if args.fp8_format is not None and args.fp8_recipe in GPU_ONLY_RECIPES and args.transformer_impl != "transformer_engine":
+        raise ValueError(
+            f"--fp8-recipe {args.fp8_recipe} needs Transformer Engine on a GPU (--transformer-impl transformer_engine); "
+            "the torch-native FP8 backend runs --fp8-recipe delayed or tensorwise"
+        )
+    if args.transformer_impl == "transformer_engine":
+        from megatron.core.optional_deps import HAVE_TE
+
+        if not HAVE_TE:
+            raise ValueError(
+                "--transformer-impl transformer_engine needs transformer-engine, which is not importable here "
+                "(it needs CUDA): install it on a GPU machine (pip install '.[te]') or use --transformer-impl local"
+            )
+    if args.fp8_param_gather and not (args.use_distributed_optimizer or getattr(args, "use_megatron_fsdp", False)):
+        raise ValueError("--fp8-param-gather needs --use-distributed-optimizer (or --use-megatron-fsdp)")
+
+
+def transformer_config_kwargs(args):
+    """The FP8 / layer-implementation fields of `TransformerConfig` the flags set."""
+    return {
+        "transformer_impl": args.transformer_impl,
+        "fp8": args.fp8_format,
+        "fp8_recipe": args.fp8_recipe,
+        "fp8_margin": args.fp8_margin,
+        "fp8_amax_history_len": args.fp8_amax_history_len,
+        "fp8_amax_compute_algo": args.fp8_amax_compute_algo,
+        "fp8_param": args.fp8_param_gather,
+        "first_last_layers_bf16": args.first_last_layers_bf16,
+        "num_layers_at_start_in_bf16": args.num_layers_at_start_in_bf16,
+        "num_layers_at_end_in_bf16": args.num_layers_at_end_in_bf16,
+    }
