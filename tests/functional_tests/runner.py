@@ -33,20 +33,27 @@ DEFAULT_METRICS = ("lm loss", "num-zeros", "mem-allocated-bytes")
 TEST_TYPES = ("regular", "ckpt-resume")
 DEFAULT_TIMEOUT_S = 300
 
-# Relative tolerances per metric. Loss: these fp32 CPU runs are bitwise reproducible on one machine (fixed
-# thread counts, a deterministic gloo ring, no atomics), so 1e-5 only has to absorb a different CPU's kernels
-# (AVX2 vs AVX-512 change summation order, ~1e-7 per op, amplified over a few steps) - far below the ~1e-3
-# a real regression (a wrong gradient scale, a skipped reduction) moves the loss by. Zero counts are exact
-# counts of structurally-zero gradient entries. Memory on CPU is the bytes of tensors the rank holds:
-# exact unless the layout changes, 5% as upstream. Peak RSS depends on the allocator: loose.
+# Tolerances per metric. They must hold on any x86 CPU: the kernels ATen picks (ATEN_CPU_CAPABILITY default /
+# avx2 / avx512) and the CPU's BLAS change summation orders. Measured over the golden cases under all three
+# capabilities on an AMD EPYC, against goldens written on an Intel Xeon:
+# - lm loss: fp32 runs are bitwise reproducible on one machine and kernel set (fixed thread counts, a
+#   deterministic gloo ring, no atomics); across kernel sets and CPUs the loss moved by at most 8.5e-8 relative
+#   over 10 steps. 1e-6 leaves a 10x margin and stays far below the ~1e-3 a real regression (a wrong gradient
+#   scale, a skipped reduction) moves the loss by.
+# - num-zeros: no gradient entry of these models is structurally zero, so the counts are accidental exact zeros
+#   (fp32 cancellations and underflows): 0 to 3 per step, different on every kernel set, never the same twice.
+#   An absolute tolerance of 4 covers them (measured: at most 3 apart from the golden count); anything
+#   structural (a bias vector or an embedding row left without gradient is >= 64 entries) is far outside it.
+# - memory on CPU is the bytes of tensors the rank holds: exact unless the layout changes, 5% as upstream.
+#   Peak RSS depends on the allocator: loose.
 RELATIVE_TOLERANCE = {
-    "lm loss": 1e-5,
+    "lm loss": 1e-6,
     "num-zeros": 0.0,
     "mem-allocated-bytes": 0.05,
     "mem-max-allocated-bytes": 0.5,
     "iteration-time": None,  # not compared: CPU timing spread on shared machines is 10-30%
 }
-ABSOLUTE_TOLERANCE = {"num-zeros": 0.5}
+ABSOLUTE_TOLERANCE = {"num-zeros": 4.0}
 
 
 @dataclasses.dataclass(frozen=True)
