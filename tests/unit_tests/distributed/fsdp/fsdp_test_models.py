@@ -111,7 +111,8 @@ def reference_losses(num_steps, dtype=torch.float32, seed=0, model_kwargs=None):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    return losses, {name: p.detach().float().clone() for name, p in model.named_parameters()}
+    # Every name the module's state dict has, tied aliases included (a wrapped model's state dict has them too).
+    return losses, {name: p.detach().float().clone() for name, p in model.named_parameters(remove_duplicate=False)}
 
 
 def global_mean(value):

@@ -121,8 +121,10 @@ def test_loss_scaling_modes_and_clipping(world_size):
     torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1).step()
     norm, params = run_on_ranks(world_size, _clip, 0.05)[0]
     assert norm == pytest.approx(total_norm.item(), rel=1e-5)
+    reference_params = dict(model.named_parameters(remove_duplicate=False))  # the state dict has tied aliases
+    assert set(params) == set(reference_params)
     for name, value in params.items():
-        torch.testing.assert_close(value, dict(model.named_parameters())[name].detach(), atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(value, reference_params[name].detach(), atol=1e-6, rtol=1e-5)
 
 
 def _scaled_gradients_per_strategy(scale_factor):

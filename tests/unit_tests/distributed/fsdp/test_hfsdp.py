@@ -172,8 +172,10 @@ def test_clip_grad_norm_counts_every_element_once(world_size):
     for norm, max_abs, params in run_on_ranks(world_size, _clip, 0.05):
         assert norm == pytest.approx(reference_norm, rel=1e-5)
         assert max_abs == pytest.approx(reference_max, rel=1e-5)
+        expected = dict(model.named_parameters(remove_duplicate=False))  # the state dict has tied aliases
+        assert set(params) == set(expected)
         for name, value in params.items():
-            torch.testing.assert_close(value, dict(model.named_parameters())[name].detach(), atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(value, expected[name].detach(), atol=1e-6, rtol=1e-5)
 
 
 SCALE_FACTOR = 0.3  # not a power of two: a scaled gradient is rounded, so the checks compare within 1e-6

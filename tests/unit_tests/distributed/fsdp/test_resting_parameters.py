@@ -49,7 +49,7 @@ def _resting_behaviour():
     results["all_placeholders_after_eval"] = all(isinstance(p, ReleasedParameter) for p in model.module.parameters())
     with model.gathered_parameters() as module:
         results["real_inside"] = not any(isinstance(p, ReleasedParameter) for p in module.parameters())
-        results["gathered"] = {name: p.detach().clone() for name, p in module.named_parameters()}
+        results["gathered"] = {name: p.detach().clone() for name, p in module.named_parameters(remove_duplicate=False)}
     results["placeholders_after_exit"] = all(isinstance(p, ReleasedParameter) for p in model.module.parameters())
     results["state_dict"] = models.full_params(model)
     return results

@@ -15,7 +15,7 @@ from .mixed_precision import MixedPrecisionPolicy
 from .param_and_grad_buffer import DoubleBufferPool, ParamGroup
 from .resting_parameters import RestingParameters
 from .schedule import Schedule, Unit
-from .utils import parameter_owners, replace_parameter, resolve_module_classes, tensor_bytes
+from .utils import parameter_owners, replace_parameter, resolve_device, resolve_module_classes, tensor_bytes
 
 WRAPPED_ATTR = "_megatron_fsdp_wrapper"
 
@@ -48,7 +48,7 @@ class DataParallelTopology:
     additionally split the main weights, the optimizer's gradients and its state (HFSDP, `'optim'`)."""
 
     def __init__(self, device_mesh=None, dp_shard_dim=None, dp_outer_dim=None, tp_dim=None,
-                 hybrid_fsdp_group=None, outer_dp_sharding_strategy=ShardingStrategy.no_shard):
+                 hybrid_fsdp_group=None, outer_dp_sharding_strategy=ShardingStrategy.no_shard, device=None):
         self.device_mesh, self.dp_shard_dim, self.dp_outer_dim, self.tp_dim = (
             device_mesh, dp_shard_dim, dp_outer_dim, tp_dim)
         self.outer_group = None
@@ -66,6 +66,7 @@ class DataParallelTopology:
             if dp_shard_dim is not None or dp_outer_dim is not None or tp_dim is not None:
                 raise ValueError("dp_shard_dim / dp_outer_dim / tp_dim name dims of device_mesh; pass device_mesh")
             self.dp_group = torch.distributed.group.WORLD
+            self.device = resolve_device(device, None, collectives.backend_of(self.dp_group))
             return
         names = tuple(device_mesh.mesh_dim_names or ())
         if dp_shard_dim is None:
@@ -81,6 +82,7 @@ class DataParallelTopology:
         self.dp_group = device_mesh[dp_shard_dim].get_group() if device_mesh.ndim > 1 else device_mesh.get_group()
         if dp_outer_dim is not None:
             self.outer_group = device_mesh[dp_outer_dim].get_group()
+        self.device = resolve_device(device, device_mesh.device_type, collectives.backend_of(self.dp_group))
 
     @property
     def dp_size(self) -> int:
@@ -126,7 +128,7 @@ class DataParallelTopology:
 
         if self.device_mesh is None:
             if getattr(self, "_world_mesh", None) is None:
-                device_type = collectives.device_for_group(self.dp_group).type
+                device_type = self.device.type
                 self._world_mesh = init_device_mesh(device_type, (collectives.default_world_size(),),
                                                     mesh_dim_names=("dp",))
             return CheckpointMesh(self._world_mesh, 0)
@@ -205,10 +207,9 @@ class MegatronFSDP(nn.Module):
             raise ValueError("init_model_with_meta_device=True needs a sharded strategy; zero_dp_strategy="
                              "'no_shard' would materialise the whole model on every rank")
         self.topology = DataParallelTopology(device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, hybrid_fsdp_group,
-                                             config.outer_dp_sharding_strategy)
+                                             config.outer_dp_sharding_strategy, device=device)
         self.policy = mixed_precision_policy or MixedPrecisionPolicy()
-        self.device = torch.device(device) if device is not None else collectives.device_for_group(
-            self.topology.dp_group)
+        self.device = self.topology.device
         self.module = module
         self.calculate_per_token_loss = calculate_per_token_loss
         self.counter = collectives.CommunicationCounter()
@@ -349,6 +350,7 @@ class MegatronFSDP(nn.Module):
         Strategy 3 gathers each group (transiently, all at once) and releases them again on exit; other
         strategies hold full weights already. Writes made inside are not copied back into the shards."""
         if self.strategy != ShardingStrategy.optim_grads_params:
+            self.schedule.wait_gathered(self.groups)  # strategies 1/2: the post-step all-gather may be in flight
             yield self.module
             return
         if self.pool is not None:
@@ -394,6 +396,7 @@ class MegatronFSDP(nn.Module):
                     collectives.broadcast(group.compute_shard, process_group, self.counter)
                     group.commit_compute_shard_to_main()
             return
+        self.schedule.wait_gathered(self.groups)  # a post-step all-gather in flight would overwrite the broadcast
         for process_group in [self.topology.dp_group] + ([self.topology.outer_group] if self.topology.outer_group
                                                          else []):
             for group in self.groups:

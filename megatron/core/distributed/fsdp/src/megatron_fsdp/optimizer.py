@@ -51,11 +51,38 @@ def _find_fsdp_model(optimizer):
     return found
 
 
+def _make_step_pre_hook(model):
+    """Before `optimizer.step`: finish gradient sync; with a closure, after each call of the closure instead
+    (the closure recomputes the gradients), and install the weights the optimizer moved before calling it again
+    (LBFGS re-evaluates the loss at trial points)."""
+
+    def before_step(optimizer, args, kwargs):
+        # torch passes `self` as args[0]; the closure comes positionally after it or by keyword.
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        if closure is None:
+            model.finish_grad_sync()
+            return None
+        calls = [0]
+
+        def synchronising_closure():
+            if calls[0]:
+                model.install_optimized_model_weights()
+            calls[0] += 1
+            result = closure()
+            model.finish_grad_sync()
+            return result
+
+        return args[:1], {**{k: v for k, v in kwargs.items() if k != "closure"}, "closure": synchronising_closure}
+
+    return before_step
+
+
 def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_for_dcp_ckpt: bool = True):
     """Make `optimizer` step on the sharded fp32 main weights of the MegatronFSDP model owning its params.
 
     Param groups keep their hyper-parameters; each model parameter is replaced by its main-weight view (its
-    shard piece under strategies 1-3). `step()` finishes gradient sync, steps and installs the new weights;
+    shard piece under strategies 1-3). `step()` finishes gradient sync (step pre-hook; after the closure when
+    one is given), steps and installs the new weights (step post-hook);
     `zero_grad()` also zeroes the gradient buffers; `state_dict()` is keyed by parameter name.
     """
     if getattr(optimizer, "_megatron_fsdp_model", None) is not None:
@@ -81,13 +108,10 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
     model.optimizer = optimizer
     initialize_optimizer_state(optimizer)
 
-    original_step, original_zero_grad = optimizer.step, optimizer.zero_grad
-
-    def step(self, closure=None):
-        model.finish_grad_sync()
-        result = original_step(closure) if closure is not None else original_step()
-        model.install_optimized_model_weights()
-        return result
+    original_zero_grad = optimizer.zero_grad
+    optimizer._megatron_fsdp_step_hooks = (
+        optimizer.register_step_pre_hook(_make_step_pre_hook(model)),
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: model.install_optimized_model_weights()))
 
     def zero_grad(self, set_to_none: bool = True):
         original_zero_grad(set_to_none=set_to_none)
@@ -103,7 +127,6 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
 
         return load_optimizer_state_dict(self, state_dict)
 
-    optimizer.step = types.MethodType(step, optimizer)
     optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
     optimizer.state_dict = types.MethodType(state_dict, optimizer)
     optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)

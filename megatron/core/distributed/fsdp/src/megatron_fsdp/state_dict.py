@@ -115,15 +115,39 @@ def _weight_pieces(group: ParamGroup) -> List[torch.Tensor]:
     return [source[p.shard_start:p.shard_end] for p in group.pieces]
 
 
+def module_state_keys(module) -> List[tuple]:
+    """(key, kind, canonical name) for every entry `module.state_dict()` holds, in its order: each parameter
+    under every name a module gives it (tied aliases included), then persistent buffers. `canonical name` is
+    the name `named_parameters()` / `named_buffers()` (which drop aliases) report for the same tensor."""
+    canonical = {}
+    for name, param in module.named_parameters():
+        canonical[id(param)] = name
+    for name, buffer in module.named_buffers():
+        canonical[id(buffer)] = name
+    keys = []
+    for prefix, submodule in module.named_modules(remove_duplicate=False):
+        prefix = f"{prefix}." if prefix else ""
+        for name, param in submodule._parameters.items():
+            if param is not None:
+                keys.append((prefix + name, "param", canonical[id(param)]))
+        for name, buffer in submodule._buffers.items():
+            if buffer is not None and name not in submodule._non_persistent_buffers_set:
+                keys.append((prefix + name, "buffer", canonical[id(buffer)]))
+    return keys
+
+
 def model_state_dict(model) -> Dict[str, object]:
+    """Keys equal `model.module.state_dict()`'s; a tied parameter's aliases map to the same DTensor."""
     _check_checkpointable(model)
     model.schedule.wait_gathered(model.groups)
-    state = {}
+    params = {}
     for group in model.groups:
         for name, tensor in zip(group.names, _row_dtensors(model, group, _weight_pieces(group), group.param_dtype)):
-            state[name] = tensor
-    for name, buffer in model.module.named_buffers():
-        state[name] = buffer.detach().clone()
+            params[name] = tensor
+    buffers = {name: buffer.detach().clone() for name, buffer in model.module.named_buffers()}
+    state = {}
+    for key, kind, canonical in module_state_keys(model.module):
+        state[key] = params[canonical] if kind == "param" else buffers[canonical]
     return state
 
 
@@ -151,12 +175,20 @@ def _shard_from_rows(model, group: ParamGroup, values: List[torch.Tensor], dtype
 def load_model_state_dict(model, state_dict, strict: bool = True):
     _check_checkpointable(model)
     model.schedule.wait_gathered(model.groups)
-    expected = {name for group in model.groups for name in group.names}
-    buffers = dict(model.module.named_buffers())
-    missing = sorted((expected | set(buffers)) - set(state_dict))
-    unexpected = sorted(set(state_dict) - expected - set(buffers))
+    # A tied parameter may come under any of its names (a plain module's state dict holds them all).
+    aliases = {}
+    for key, _, canonical in module_state_keys(model.module):
+        aliases.setdefault(canonical, []).append(key)
+    state_dict = dict(state_dict)
+    for canonical, keys in aliases.items():
+        present = [key for key in keys if key in state_dict]
+        if present and canonical not in state_dict:
+            state_dict[canonical] = state_dict[present[0]]
+    missing = sorted(key for keys in aliases.values() for key in keys if not any(k in state_dict for k in keys))
+    unexpected = sorted(set(state_dict) - {key for keys in aliases.values() for key in keys})
     if strict and (missing or unexpected):
         raise RuntimeError(f"MegatronFSDP.load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+    buffers = dict(model.module.named_buffers())
     with torch.no_grad():
         for group in model.groups:
             if any(name not in state_dict for name in group.names):
