@@ -18,6 +18,8 @@ from typing import Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from .utils import backends_by_device_type, resolve_device
+
 ALL_GATHER = "all_gather"
 REDUCE_SCATTER = "reduce_scatter"
 ALL_REDUCE = "all_reduce"
@@ -68,8 +70,27 @@ class PendingCollective:
         self._epilogue = None
 
 
+# Build gloo all-gathers and reduce-scatters from point-to-point messages (see the module docstring). Tests set
+# this to False to run the stock-collective code path, the one NCCL takes, on gloo.
+GLOO_POINT_TO_POINT = True
+
+_BACKEND_CACHE: Dict[object, Dict[str, str]] = {}
+
+
 def backend_of(group) -> str:
     return str(dist.get_backend(group)).lower()
+
+
+def backend_for(group, device: torch.device) -> str:
+    """The backend `group` uses for tensors on `device` ("cpu:gloo,cuda:nccl" picks one per device type)."""
+    backends = _BACKEND_CACHE.get(group)
+    if backends is None:
+        backends = _BACKEND_CACHE[group] = backends_by_device_type(backend_of(group))
+    return backends.get(device.type) or next(iter(backends.values()))
+
+
+def _point_to_point(group, tensor: torch.Tensor) -> bool:
+    return GLOO_POINT_TO_POINT and backend_for(group, tensor.device) == "gloo"
 
 
 def group_size(group) -> int:
@@ -104,7 +125,7 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group, counter: C
             output.copy_(shard)
         return PendingCollective()
     counter.record(ALL_GATHER, shard.numel() * shard.element_size() * (world - 1))
-    if backend_of(group) == "gloo":
+    if _point_to_point(group, shard):
         return _finish(_exchange_shards_for_gather(output, shard, group, world), None, async_op)
     work = _ALL_GATHER_INTO_FLAT(output, shard, group=group, async_op=async_op)
     return _finish(work, None, async_op)
@@ -143,7 +164,7 @@ def reduce_scatter_flat(output: torch.Tensor, flat_input: torch.Tensor, group, c
         counter.record(REDUCE_SCATTER, flat_input.numel() * flat_input.element_size() * (world - 1) / world)
     if world == 1:
         result = flat_input
-    elif backend_of(group) == "gloo":
+    elif _point_to_point(group, flat_input):
         received, works = _exchange_shards_for_reduction(flat_input, shard_numel, group, world)
         own_shard = flat_input[group_rank(group) * shard_numel:(group_rank(group) + 1) * shard_numel]
 
@@ -192,7 +213,7 @@ def all_reduce(tensor: torch.Tensor, group, counter: CommunicationCounter, avera
     if world == 1:
         return PendingCollective()
     counter.record(ALL_REDUCE, 2 * tensor.numel() * tensor.element_size() * (world - 1) / world)
-    gloo = backend_of(group) == "gloo"
+    gloo = backend_for(group, tensor.device) == "gloo"  # gloo's AVG is not used: sum, then divide
     op = dist.ReduceOp.SUM if (gloo or not average) else dist.ReduceOp.AVG
     work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     epilogue = (lambda: tensor.div_(world)) if (average and gloo) else None
@@ -227,9 +248,6 @@ def all_gather_objects(obj, group) -> list:
 
 
 def device_for_group(group) -> torch.device:
-    """cuda (current device) for NCCL groups, cpu otherwise."""
-    if backend_of(group) == "nccl":
-        from .utils import current_accelerator_device
-
-        return current_accelerator_device()
-    return torch.device("cpu")
+    """The device for this process's tensors on `group`: its accelerator when the group's backend serves it
+    (nccl, or "cpu:gloo,cuda:nccl" on a GPU machine), else the CPU."""
+    return resolve_device(backend=backend_of(group))

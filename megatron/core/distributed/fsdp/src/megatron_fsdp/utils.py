@@ -1,18 +1,68 @@
 """Small helpers with no better home: devices, autograd-phase queries, module and parameter bookkeeping."""
 
 import os
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 
-def current_accelerator_device() -> torch.device:
-    """The CUDA device of this process (LOCAL_RANK), the one place that touches torch.cuda."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("an NCCL process group needs a CUDA device, but torch.cuda is not available")
-    index = torch.cuda.current_device() if torch.cuda.is_initialized() else int(os.environ.get("LOCAL_RANK", 0))
-    return torch.device("cuda", index)
+# The device type each communication backend serves when a process group names a bare backend.
+_BACKEND_DEVICE_TYPES = {"nccl": "cuda", "xccl": "xpu", "hccl": "npu", "gloo": "cpu", "mpi": "cpu"}
+
+
+def accelerator_device_type() -> Optional[str]:
+    """The type of this machine's accelerator ("cuda", "xpu", ...), or None on a CPU-only machine."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is None or not accelerator.is_available():
+        return None
+    return accelerator.current_accelerator().type
+
+
+def backends_by_device_type(backend: str) -> Dict[str, str]:
+    """{device type: backend} of a process group's backend string: "cpu:gloo,cuda:nccl" names them per device
+    type; a bare "nccl" or "gloo" serves the device type it is built for."""
+    backends = {}
+    for entry in str(backend).lower().split(","):
+        device_type, _, name = entry.strip().rpartition(":")
+        backends[device_type or _BACKEND_DEVICE_TYPES.get(name, "cpu")] = name
+    return backends
+
+
+def device_type_for_backend(backend: str) -> str:
+    """Where a process group on `backend` should keep its tensors: on the accelerator when the backend has one
+    for this machine's accelerator (so a "cpu:gloo,cuda:nccl" group on a GPU machine computes on the GPU), else
+    on the CPU when the backend serves it."""
+    backends = backends_by_device_type(backend)
+    accelerator = accelerator_device_type()
+    if accelerator is not None and accelerator in backends:
+        return accelerator
+    if "cpu" in backends:
+        return "cpu"
+    return next(iter(backends))  # an accelerator-only backend: current_accelerator_device says what is missing
+
+
+def current_accelerator_device(device_type: str = "cuda") -> torch.device:
+    """This process's accelerator device: LOCAL_RANK (one device per local rank, modulo the devices visible to
+    the process) under a launcher that sets it, else the accelerator's current device."""
+    if accelerator_device_type() != device_type:
+        raise RuntimeError(f"the process group communicates on {device_type} devices, but this machine has no "
+                           f"{device_type} accelerator; pass device= or use a process group on gloo")
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is not None:
+        return torch.device(device_type, int(local_rank) % torch.accelerator.device_count())
+    return torch.device(device_type, torch.accelerator.current_device_index())
+
+
+def resolve_device(device=None, mesh_device_type: Optional[str] = None, backend: Optional[str] = None) -> torch.device:
+    """The device Megatron-FSDP keeps its buffers on: `device=` when given, else the device mesh's device type,
+    else the device type the data-parallel group's backend serves on this machine."""
+    if device is not None:
+        return torch.device(device)
+    device_type = mesh_device_type or device_type_for_backend(backend or "gloo")
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return current_accelerator_device(device_type)
 
 
 def in_backward_pass() -> bool:
