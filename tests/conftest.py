@@ -89,6 +89,10 @@ def pytest_sessionfinish(session, exitstatus):
         _peer_summaries.update(summaries=summaries, silent=silent)
 
 
+def pytest_unconfigure(config):
+    launched_world.leave_after_rank_zero()
+
+
 def pytest_terminal_summary(terminalreporter):
     if not _peer_summaries:
         return

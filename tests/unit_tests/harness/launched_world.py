@@ -3,8 +3,9 @@
 `torchrun --nproc-per-node N -m pytest ...` starts N pytest sessions that collect the same tests in the same
 order. `run_on_ranks(k, fn)` then runs `fn` on launched ranks 0..k-1, whose default process group is made a
 world of exactly k ranks for it (rebuilt only when k or the backend changes, or after a failure); ranks k..N-1
-only wait for the answers. Every rank receives every rank's result, so all sessions reach the same verdict
-and rank 0 alone can report. A test that needs more than N ranks is skipped with the size it needs.
+only wait for the answers. Like pool workers, which all run what the one test process sent, every member runs
+rank 0's function and arguments (each session has its own `tmp_path`, say). Every rank receives every rank's
+result, so all sessions reach the same verdict and rank 0 alone can report. A test that needs more than N ranks is skipped with the size it needs.
 
 The ranks coordinate outside the test's process groups, through torchrun's rendezvous store: each rank
 publishes which test it is in, "arrived" keys gate every world (re)build, and results travel as keys. A rank
@@ -80,8 +81,12 @@ class LaunchedWorld:
         key = f"position/{rank}"
         return int(self._store.get(key)) if self._store.check([key]) else -1
 
-    def _wait(self, keys_by_rank, timeout_s):
-        """Wait until every rank's key exists; returns the ranks that never answered (empty when all did)."""
+    def _wait(self, keys_by_rank, timeout_s, what):
+        """Wait until every rank's key exists.
+
+        A peer seen past this test (it failed here on its own and went on) fails this test only, and the
+        world is rebuilt before the next task; a peer silent for `timeout_s` ends multi-rank testing.
+        """
         pending = dict(keys_by_rank)
         deadline = time.monotonic() + timeout_s
         pause, next_position_check = 0.0005, time.monotonic() + 1.0
@@ -89,41 +94,39 @@ class LaunchedWorld:
             for rank in [r for r, key in pending.items() if self._store.check([key])]:
                 del pending[rank]
             if not pending:
-                break
+                return
             now = time.monotonic()
             if now >= next_position_check:
                 next_position_check = now + 1.0
-                gone = [r for r in pending if self._peer_position(r) > self._test_index]
+                gone = sorted(r for r in pending if self._peer_position(r) > self._test_index)
                 if gone:
-                    return {r: "left this test without answering (it failed or stopped on its own)" for r in gone}
+                    self._dirty = True
+                    raise MultiRankError(f"{what}: launched ranks {gone} left this test without answering "
+                                         "(they failed or were skipped on their own; see their reports)")
             if now >= deadline:
-                return {r: f"no answer within {timeout_s}s" for r in pending}
+                self._broken = (f"launched ranks {sorted(pending)} gave no answer within {timeout_s}s in "
+                                f"{self._test_id} ({what}); later multi-rank tests cannot run in this launch")
+                raise MultiRankError(self._broken)
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
-        return {}
-
-    def _raise_broken(self, what, silent):
-        details = "; ".join(f"rank {r}: {why}" for r, why in sorted(silent.items()))
-        self._broken = (f"launched rank(s) {sorted(silent)} stopped answering in {self._test_id} ({what}: {details}); "
-                        "later multi-rank tests cannot run in this launch")
-        raise MultiRankError(self._broken)
 
     # ---------------------------------------------------------------------------------------- worlds
     def ensure_world(self, size, backend):
         """Make the default process group a `size`-rank `backend` world on launched ranks 0..size-1.
 
-        Every launched rank calls this at the same point of the same test; ranks >= size end up with no
-        default process group. All ranks meet in the store first, so the old world is idle when it is torn down.
+        Every launched rank calls this at the same point of the same test. They meet in the store first and
+        rebuild when any of them asks (another size or backend, or a failure since), so they always agree, and
+        the old world is idle when it is torn down. Ranks >= size end up with no default process group.
         """
         if self._broken:
             raise MultiRankError(self._broken)
-        if self._current == (size, backend) and not self._dirty:
-            return
         key = self._next_key("world")
-        self._store.set(f"{key}/arrived/{self.rank}", b"1")
-        silent = self._wait({r: f"{key}/arrived/{r}" for r in range(self.world_size)}, ARRIVAL_TIMEOUT_S)
-        if silent:
-            self._raise_broken(f"building a {size}-rank world", silent)
+        wants_rebuild = self._current != (size, backend) or self._dirty
+        self._store.set(f"{key}/arrived/{self.rank}", b"1" if wants_rebuild else b"0")
+        arrivals = {r: f"{key}/arrived/{r}" for r in range(self.world_size)}
+        self._wait(arrivals, ARRIVAL_TIMEOUT_S, f"building a {size}-rank world")
+        if all(self._store.get(k) == b"0" for k in arrivals.values()):
+            return
         self.release_world()
         if self.rank < size:
             if backend == "nccl":
@@ -156,15 +159,19 @@ class LaunchedWorld:
         what = getattr(fn, "__qualname__", repr(fn))
         key = self._next_key("task")
         if self.rank < size:
+            fn, args, kwargs = self._task_of_rank_zero(key, (fn, args, kwargs), timeout_s)
             outcome = self._run_here(size, fn, args, kwargs)
+            if outcome[0] == "error":
+                # Peers may be blocked in a collective waiting for this rank: closing its connections ends
+                # their wait at once instead of after the process-group timeout.
+                self.release_world()
+                self._dirty = True
             try:
                 payload = pickle.dumps(outcome)
             except Exception as error:
                 payload = pickle.dumps(("error", f"the result of {what} cannot be pickled: {error!r}"))
             self._store.set(f"{key}/result/{self.rank}", payload)
-        silent = self._wait({r: f"{key}/result/{r}" for r in range(size)}, timeout_s)
-        if silent:
-            self._raise_broken(what, silent)
+        self._wait({r: f"{key}/result/{r}" for r in range(size)}, timeout_s, what)
         outcomes = [pickle.loads(self._store.get(f"{key}/result/{r}")) for r in range(size)]
         self.stats["tasks"] += 1
         self.stats["tasks on a sub-group"] += size < self.world_size
@@ -173,6 +180,27 @@ class LaunchedWorld:
             self._dirty = True  # a rank may have left a collective half done: the next task gets a fresh world
             raise MultiRankError(failure_message(what, size, errors, note=f"launched world of {self.world_size}"))
         return [value for _, value in outcomes]
+
+    def _task_of_rank_zero(self, key, task, timeout_s):
+        """Every rank runs rank 0's (fn, args, kwargs), as pool workers run what the one test process sent.
+
+        The ranks' own arguments may differ: each pytest session has its own `tmp_path`, for instance.
+        """
+        if self.rank == 0:
+            try:
+                message = pickle.dumps(("ok", task))
+            except Exception as error:
+                message = pickle.dumps(("error", f"the task {task[0]!r} and its arguments cannot be pickled: {error!r}"))
+            self._store.set(f"{key}/task", message)
+            status, payload = pickle.loads(message)
+            if status == "error":
+                raise MultiRankError(payload)
+            return task
+        self._wait({0: f"{key}/task"}, timeout_s, "receiving the task")
+        status, payload = pickle.loads(self._store.get(f"{key}/task"))
+        if status == "error":
+            raise MultiRankError(payload)
+        return payload
 
     def _run_here(self, size, fn, args, kwargs):
         os.environ.update({"RANK": str(self.rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(self.rank),
@@ -200,7 +228,12 @@ class LaunchedWorld:
         self._store.set(f"position/{self.rank}", str(_FINISHED))
         self._test_index = _FINISHED
         keys = {r: f"summary/{r}" for r in range(self.world_size)}
-        silent = self._wait(keys, FINISH_TIMEOUT_S)
+        deadline, silent = time.monotonic() + FINISH_TIMEOUT_S, {}
+        while not self._store.check(list(keys.values())) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for rank, key in keys.items():
+            if not self._store.check([key]):
+                silent[rank] = f"no summary within {FINISH_TIMEOUT_S}s"
         summaries = {r: json.loads(self._store.get(k)) for r, k in keys.items() if r not in silent}
         self.release_world()
         return summaries, silent
@@ -226,13 +259,37 @@ def launched():
     return _launched
 
 
+_finished = None
+
+
 def finish_launch():
     """Session end under torchrun: (summaries per rank, silent ranks); (None, None) otherwise."""
-    global _launched
+    global _launched, _finished
     if _launched is None:
         return None, None
-    world, _launched = _launched, None
-    return world.finish()
+    _finished, _launched = _launched, None
+    return _finished.finish()
+
+
+def leave_after_rank_zero():
+    """The last step of a torchrun session: rank 0 says it has reported, the others wait for that.
+
+    torchrun stops every rank as soon as one exits with a failure; a rank that left first could cut rank 0's
+    report short.
+    """
+    global _finished
+    if _finished is None:
+        return
+    world, _finished = _finished, None
+    try:
+        if world.rank == 0:
+            world._store.set("rank-0-reported", b"1")
+            return
+        deadline = time.monotonic() + FINISH_TIMEOUT_S
+        while not world._store.check(["rank-0-reported"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except Exception:
+        pass  # rank 0 hosted the store and has exited: it has reported
 
 
 def ensure_test_world(backend=None):
