@@ -64,21 +64,58 @@ def _all_reduce_over(tensor, groups, op):
     return tensor
 
 
+def _pieces_by_shard_groups(grads):
+    """{shard groups: local tensors}. A DTensor gradient (FSDP2) contributes its local shard, keyed by the
+    groups of the mesh dims it is sharded over, where the other pieces of it live; a plain tensor is keyed ()."""
+    pieces = {}
+    for grad in grads:
+        if hasattr(grad, "to_local") and hasattr(grad, "placements"):
+            mesh = grad.device_mesh
+            groups = tuple(mesh.get_group(dim) for dim, placement in enumerate(grad.placements) if placement.is_shard())
+            grad = grad.to_local()
+        else:
+            groups = ()
+        pieces.setdefault(groups, []).append(grad)
+    return pieces
+
+
+def _reduce_pieces(pieces, local_value, op, device):
+    """`local_value(tensors)` (a float32 scalar tensor) per key of `pieces`, reduced over the key's groups with
+    `op`, then combined (SUM / MAX) into one 1-element tensor on `device`."""
+    total = torch.zeros(1, dtype=torch.float32, device=device)
+    for groups, tensors in pieces.items():
+        value = local_value(tensors).reshape(1).to(device=device, dtype=torch.float32)
+        _all_reduce_over(value, list(groups), op)
+        total = torch.maximum(total, value) if op == dist.ReduceOp.MAX else total + value
+    return total
+
+
 def get_grad_norm_fp32(grads_for_norm, norm_type=2.0, grad_stats_groups=None, device=None):
-    """The global norm of already de-duplicated gradients, as a Python float (`inf` norm supported)."""
-    grads = [grad for grad in grads_for_norm if grad is not None and grad.numel() > 0]
+    """The global norm of already de-duplicated gradients, as a Python float (`inf` norm supported).
+
+    DTensor gradients count their local shards, summed over the mesh dims they are sharded on."""
+    grads = [grad for grad in grads_for_norm if grad is not None]
     norm_type = float(norm_type)
     if device is None:
         device = grads[0].device if grads else torch.device("cpu")
+    pieces = _pieces_by_shard_groups(grads)
+    pieces = {groups: [t for t in tensors if t.numel() > 0] for groups, tensors in pieces.items()}
     if norm_type == math.inf:
-        local = max((grad.detach().abs().max().float() for grad in grads), default=torch.tensor(0.0))
-        total = torch.tensor([float(local)], dtype=torch.float32, device=device)
+
+        def local_max(tensors):
+            return max((t.detach().abs().max().float() for t in tensors), default=torch.tensor(0.0))
+
+        total = _reduce_pieces(pieces, local_max, dist.ReduceOp.MAX, device)
         _all_reduce_over(total, grad_stats_groups, dist.ReduceOp.MAX)
         return total.item()
-    total = torch.zeros(1, dtype=torch.float32, device=device)
-    if grads:
-        norms = torch._foreach_norm([grad.detach().float() for grad in grads], norm_type)
-        total += torch.stack(norms).pow(norm_type).sum()
+
+    def local_power_sum(tensors):
+        if not tensors:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        norms = torch._foreach_norm([t.detach().float() for t in tensors], norm_type)
+        return torch.stack(norms).pow(norm_type).sum()
+
+    total = _reduce_pieces(pieces, local_power_sum, dist.ReduceOp.SUM, device)
     _all_reduce_over(total, grad_stats_groups, dist.ReduceOp.SUM)
     return total.item() ** (1.0 / norm_type)
 
@@ -92,13 +129,19 @@ def clip_grad_by_total_norm_fp32(grads, max_norm, total_norm):
 
 
 def count_zeros_fp32(grads_for_count, grad_stats_groups=None, device=None):
-    """Number of exactly-zero entries over de-duplicated gradients, summed over `grad_stats_groups`."""
+    """Number of exactly-zero entries over de-duplicated gradients, summed over `grad_stats_groups` (DTensor
+    gradients: their local shards, summed over the mesh dims they are sharded on)."""
     grads = [grad for grad in grads_for_count if grad is not None]
     if device is None:
         device = grads[0].device if grads else torch.device("cpu")
-    total = torch.zeros(1, dtype=torch.float32, device=device)
-    for grad in grads:
-        total += grad.numel() - torch.count_nonzero(grad)
+
+    def local_zeros(tensors):
+        count = torch.zeros((), dtype=torch.float32, device=device)
+        for tensor in tensors:
+            count += tensor.numel() - torch.count_nonzero(tensor)
+        return count
+
+    total = _reduce_pieces(_pieces_by_shard_groups(grads), local_zeros, dist.ReduceOp.SUM, device)
     _all_reduce_over(total, grad_stats_groups, dist.ReduceOp.SUM)
     return total.item()
 

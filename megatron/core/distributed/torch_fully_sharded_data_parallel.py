@@ -1,0 +1,236 @@
+"""`TorchFullyShardedDataParallel`: a Megatron-Core model chunk sharded with PyTorch FSDP2 (`fully_shard`).
+
+Each `TransformerLayer` and the embedding become their own FSDP2 unit (one all-gather before their forward and
+backward, one reduce-scatter after their backward); everything else (final norm, output layer) belongs to the
+root unit. Parameters are sharded over the data-parallel (x context-parallel) dimension of parallel_state's
+device mesh; tensor parallelism stays Megatron's own (each TP rank shards its local TP slice over its DP group),
+and pipeline parallelism wraps each stage's chunk on its own.
+
+The wrapper offers what the training loop and the schedules use of Megatron's `DistributedDataParallel`:
+`no_sync()` (FSDP2's `set_requires_gradient_sync(False)`: unsharded gradients accumulate locally until the
+last microbatch), `start_grad_sync` / `finish_grad_sync` (FSDP2 reduce-scatters inside backward; on return
+every `param.grad` is this rank's reduced shard, a DTensor), `zero_grad_buffer`, `scale_gradients`,
+`broadcast_params`, `state_dict` / `load_state_dict`, `config`, `ddp_config`, `module`.
+
+Refused, each with a message naming the flag:
+- tied input/output embeddings: the tied weight would live in the embedding's unit but be read again by the
+  output layer in the root unit after the embedding unit has resharded it; use --untie-embeddings-and-output-weights;
+- fp16: FSDP2 has no loss scaling of its reduced gradients here; use --bf16;
+- the distributed optimizer and Megatron-FSDP settings: FSDP2 already shards parameters, gradients and optimizer
+  state. (Hybrid sharding, --num-distributed-optimizer-instances > 1, needs one of those two and so never
+  reaches FSDP2; HSDP is offered by --use-megatron-fsdp.)
+"""
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+
+# Attributes Megatron code reads from parameters (grad norm de-duplication, SP / tied-embedding all-reduces,
+# weight-decay and checkpoint logic). FSDP2 replaces every parameter with a new DTensor parameter, so they
+# are carried over by hand.
+CARRIED_PARAM_ATTRIBUTES = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "sequence_parallel",
+    "shared_embedding",
+    "shared",
+    "allreduce",
+    "is_embedding_or_output_parameter",
+)
+
+
+def default_fsdp_unit_modules():
+    """Module classes that become FSDP2 units of their own: transformer layers and the embedding."""
+    from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    return (TransformerLayer, LanguageModelEmbedding)
+
+
+def data_parallel_mesh():
+    """The 1-D data-parallel (x context-parallel) mesh of this rank, on parallel_state's group (the world's
+    when parallel_state is not initialised).
+
+    Built from the group itself: one dimension, named as in parallel_state's (dp_outer, dp_shard_cp, tp) mesh."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from megatron.core import parallel_state
+    from megatron.core.device_utils import get_device_for_group
+
+    if parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    else:
+        group = dist.group.WORLD
+    ranks = dist.get_process_group_ranks(group)
+    # torch caches DTensor sharding decisions (which carry their mesh) keyed by meshes that compare equal
+    # whenever their ranks and names do, whatever their process groups. A process that rebuilt its groups
+    # (parallel_state torn down and initialised again) would otherwise reuse a mesh of destroyed groups.
+    _clear_sharding_prop_cache()
+    return DeviceMesh.from_group(group, get_device_for_group(group).type, mesh=torch.tensor(ranks, dtype=torch.int),
+                                 mesh_dim_names=("dp_shard_cp",))
+
+
+def _check_supported(config, ddp_config, module):
+    if getattr(module, "share_embeddings_and_output_weights", False):
+        raise ValueError(
+            "TorchFullyShardedDataParallel (--use-torch-fsdp2) needs untied embeddings: the output layer would "
+            "read the word embedding after its FSDP2 unit resharded it; pass --untie-embeddings-and-output-weights"
+        )
+    if getattr(config, "fp16", False):
+        raise ValueError("TorchFullyShardedDataParallel (--use-torch-fsdp2) does not support --fp16; use --bf16")
+    if ddp_config.use_distributed_optimizer:
+        raise ValueError(
+            "TorchFullyShardedDataParallel (--use-torch-fsdp2) shards optimizer state itself; drop "
+            "--use-distributed-optimizer"
+        )
+    if ddp_config.use_megatron_fsdp:
+        raise ValueError(
+            "ddp_config.use_megatron_fsdp=True selects Megatron-FSDP (--use-megatron-fsdp), not "
+            "TorchFullyShardedDataParallel (--use-torch-fsdp2); pick one"
+        )
+    meta_params = [name for name, param in module.named_parameters() if param.is_meta]
+    if meta_params:
+        raise ValueError(
+            f"TorchFullyShardedDataParallel (--use-torch-fsdp2) needs a materialised model, but {meta_params[0]} "
+            "is on the meta device; drop --init-model-with-meta-device or use --use-megatron-fsdp"
+        )
+
+
+def _local(tensor):
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class TorchFullyShardedDataParallel(torch.nn.Module):
+    """Wraps `module` (one pipeline stage's model chunk) with FSDP2; see the module docstring.
+
+    Args:
+        config: the model's TransformerConfig (read: fp16, calculate_per_token_loss).
+        ddp_config: the data-parallel config (validated against what FSDP2 offers).
+        module: the model chunk, already on the mesh's device.
+        fsdp_unit_modules: module classes that become units; default `default_fsdp_unit_modules()`.
+        reshard_after_forward: free gathered parameters after each unit's forward and regather them for
+            backward (True, less memory) or keep them until backward (False,
+            --torch-fsdp2-no-reshard-after-forward: one all-gather per unit per step fewer).
+        device_mesh: a 1-D mesh to shard over; default parallel_state's data-parallel mesh.
+    """
+
+    def __init__(self, config, ddp_config: DistributedDataParallelConfig, module, fsdp_unit_modules=None,
+                 reshard_after_forward=True, device_mesh=None):
+        super().__init__()
+        from torch.distributed.fsdp import fully_shard
+
+        _check_supported(config, ddp_config, module)
+        self.config = config
+        self.ddp_config = ddp_config
+        self.reshard_after_forward = reshard_after_forward
+        self.device_mesh = device_mesh if device_mesh is not None else data_parallel_mesh()
+        if self.device_mesh.ndim != 1:
+            raise ValueError(f"TorchFullyShardedDataParallel shards over a 1-D mesh, got {self.device_mesh.ndim} dims")
+        self.data_parallel_group = self.device_mesh.get_group()
+        unit_classes = tuple(fsdp_unit_modules or default_fsdp_unit_modules())
+
+        carried = {
+            name: {key: getattr(param, key) for key in CARRIED_PARAM_ATTRIBUTES if hasattr(param, key)}
+            for name, param in module.named_parameters()
+        }
+        # Children before parents, as FSDP2 requires: a unit's parameters leave the enclosing unit's group.
+        self.fsdp_units = [submodule for submodule in module.modules() if isinstance(submodule, unit_classes)]
+        for unit in self.fsdp_units:
+            fully_shard(unit, mesh=self.device_mesh, reshard_after_forward=reshard_after_forward)
+        # The root's parameters (final norm, output layer) are needed right after the last layer's backward
+        # starts, so the root never reshards between forward and backward.
+        fully_shard(module, mesh=self.device_mesh, reshard_after_forward=False)
+        self.module = module
+        for name, param in module.named_parameters():
+            for key, value in carried[name].items():
+                setattr(param, key, value)
+        if getattr(config, "calculate_per_token_loss", False):
+            # Per-token losses are divided by the global token count in finalize_model_grads: sum, not average.
+            for unit in [*self.fsdp_units, module]:
+                unit.set_gradient_divide_factor(1.0)
+        self._requires_gradient_sync = True
+
+    # ---- what the training loop uses -------------------------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        return self.module(*inputs, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate unsharded gradients locally; the first backward outside the context reduce-scatters them."""
+        self.module.set_requires_gradient_sync(False)
+        self._requires_gradient_sync = False
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+            self._requires_gradient_sync = True
+
+    def start_grad_sync(self):
+        """Nothing to start: FSDP2 reduce-scatters each unit's gradients inside backward, as soon as they exist."""
+
+    def finish_grad_sync(self):
+        """Nothing left to wait for: FSDP2's end-of-backward callback has completed every reduce-scatter, so
+        each `param.grad` already holds this rank's reduced shard. Called outside `no_sync()` only."""
+        if not self._requires_gradient_sync:
+            raise RuntimeError(
+                "TorchFullyShardedDataParallel.finish_grad_sync() inside no_sync(): gradients were only "
+                "accumulated locally; run the last microbatch's backward outside no_sync()"
+            )
+
+    def zero_grad_buffer(self):
+        """Drop every gradient (sharded and accumulated-unsharded) before the next step."""
+        for param in self.module.parameters():
+            param.grad = None
+
+    @torch.no_grad()
+    def scale_gradients(self, scaling_factor):
+        for param in self.module.parameters():
+            if param.grad is not None:
+                _local(param.grad).mul_(scaling_factor)
+
+    def broadcast_params(self):
+        """Every parameter is stored once, sharded over the data-parallel group, so data-parallel ranks cannot
+        hold different values and there is nothing to broadcast (unlike DDP's replicas)."""
+
+    # ---- state ------------------------------------------------------------------------------------------------
+    def state_dict(self, *args, **kwargs):
+        """The module's state dict; parameters are DTensors sharded over the data-parallel mesh."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Loads DTensors as they are and full (unsharded) tensors by taking this rank's shard of them."""
+        own = self.module.state_dict()
+        converted = {}
+        for key, value in state_dict.items():
+            target = own.get(key)
+            if isinstance(target, DTensor) and torch.is_tensor(value) and not isinstance(value, DTensor):
+                if tuple(value.shape) != tuple(target.shape):
+                    raise ValueError(
+                        f"TorchFullyShardedDataParallel.load_state_dict: {key} has shape {tuple(value.shape)}, "
+                        f"the model expects {tuple(target.shape)}"
+                    )
+                value = distribute_tensor(value.to(target.device, target.dtype), target.device_mesh,
+                                          target.placements, src_data_rank=None)
+            converted[key] = value
+        return self.module.load_state_dict(converted, strict=strict)
+
+    def state_bytes(self):
+        """Bytes this rank holds in parameters and gradients (local shards only), by kind."""
+        params = list(self.module.parameters())
+        return {
+            "params_bytes": sum(_local(p).numel() * p.element_size() for p in params),
+            "grads_bytes": sum(_local(p.grad).numel() * p.grad.element_size() for p in params if p.grad is not None),
+        }
+
+    def __getattr__(self, name):
+        """Fall back to the wrapped module (e.g. `set_input_tensor`)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("module"), name)

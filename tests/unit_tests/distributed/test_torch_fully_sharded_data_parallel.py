@@ -1,0 +1,223 @@
+"""FSDP2 (`TorchFullyShardedDataParallel`): gradients equal the unsharded full-batch ones, the DDP interface
+the training loop uses works, unsupported settings are refused clearly, and training with TP, SP and PP
+reproduces Megatron DDP's losses."""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+VOCAB_SIZE = 64
+SEQ_LENGTH = 8
+MICRO_BATCH_SIZE = 2
+NUM_MICROBATCHES = 3
+
+
+def _config(**overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    settings = dict(num_layers=2, hidden_size=16, num_attention_heads=2, hidden_dropout=0.0, attention_dropout=0.0,
+                    init_seed=7)
+    return TransformerConfig(**{**settings, **overrides})
+
+
+def _gpt(config, tied=False):
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    return GPTModel(config, VOCAB_SIZE, SEQ_LENGTH, share_embeddings_and_output_weights=tied)
+
+
+def _microbatch(index):
+    generator = torch.Generator().manual_seed(100 + index)
+    stream = torch.randint(0, VOCAB_SIZE, (MICRO_BATCH_SIZE, SEQ_LENGTH + 1), generator=generator)
+    positions = torch.arange(SEQ_LENGTH).expand(MICRO_BATCH_SIZE, SEQ_LENGTH)
+    return stream[:, :-1], positions, stream[:, 1:]
+
+
+def _mean_loss(model, index):
+    tokens, positions, labels = _microbatch(index)
+    return model(tokens, positions, labels=labels).mean()
+
+
+def _wrap(module, config=None, **kwargs):
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
+
+    return TorchFullyShardedDataParallel(config or module.config, kwargs.pop("ddp_config", DistributedDataParallelConfig()),
+                                         module, **kwargs)
+
+
+def _refusals():
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    cases = [
+        (lambda: _wrap(_gpt(_config(), tied=True)), "--untie-embeddings-and-output-weights"),
+        (lambda: _wrap(_gpt(_config()), config=_config(fp16=True, params_dtype=torch.float16)),
+         "does not support --fp16"),
+        (lambda: _wrap(_gpt(_config()), ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True)),
+         "drop --use-distributed-optimizer"),
+        (lambda: _wrap(_gpt(_config()), ddp_config=DistributedDataParallelConfig(use_megatron_fsdp=True)),
+         "--use-megatron-fsdp"),
+    ]
+    with torch.device("meta"):
+        meta_model = _gpt(_config())
+    cases.append((lambda: _wrap(meta_model), "is on the meta device; drop --init-model-with-meta-device"))
+    messages = []
+    for build, expected in cases:
+        try:
+            build()
+            messages.append(f"no error, expected {expected!r}")
+        except ValueError as error:
+            messages.append(expected if expected in str(error) else str(error))
+    return messages, [expected for _, expected in cases]
+
+
+def _interface_and_gradients(reshard_after_forward):
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.optimizer.clip_grads import count_zeros_fp32, get_grad_norm_fp32
+
+    parallel_state.initialize_model_parallel()
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    reference = _gpt(_config())
+    model = _gpt(_config())
+    wrapped = _wrap(model, reshard_after_forward=reshard_after_forward)
+    names = [name for name, _ in reference.named_parameters()]
+
+    # Every parameter is one DTensor sharded on dim 0 over the data-parallel mesh; Megatron's attributes survive.
+    assert len(wrapped.fsdp_units) == 2 + 1  # two TransformerLayers and the embedding
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor) and param.placements == (Shard(0),), name
+    assert model.output_layer.weight.is_embedding_or_output_parameter
+    assert model.embedding.word_embeddings.weight.is_embedding_or_output_parameter
+    full_state = {key: value.full_tensor() for key, value in wrapped.state_dict().items()}
+    for name, param in reference.named_parameters():
+        assert torch.equal(full_state[name], param.detach()), name
+
+    # Per-rank state: the shards of all ranks add up to the whole model, exactly.
+    model_bytes = sum(param.numel() * param.element_size() for param in reference.parameters())
+    held = torch.tensor([wrapped.state_bytes()["params_bytes"]], dtype=torch.float64)
+    dist.all_reduce(held)
+    assert held.item() == model_bytes and wrapped.state_bytes()["grads_bytes"] == 0
+
+    # Gradient accumulation under no_sync over NUM_MICROBATCHES, reduce-scatter on the last one, equals the
+    # full-batch gradient of the unsharded model over every rank's microbatches.
+    indices = [rank * NUM_MICROBATCHES + m for m in range(NUM_MICROBATCHES)]
+    wrapped.zero_grad_buffer()
+    with wrapped.no_sync():
+        for index in indices[:-1]:
+            (_mean_loss(wrapped, index) / NUM_MICROBATCHES).backward()
+        try:
+            wrapped.finish_grad_sync()
+            finish_inside_no_sync = "no error"
+        except RuntimeError as error:
+            finish_inside_no_sync = str(error)
+    assert "inside no_sync()" in finish_inside_no_sync
+    (_mean_loss(wrapped, indices[-1]) / NUM_MICROBATCHES).backward()
+    wrapped.start_grad_sync()
+    wrapped.finish_grad_sync()
+    total = sum(_mean_loss(reference, index) for index in range(NUM_MICROBATCHES * world_size))
+    (total / (NUM_MICROBATCHES * world_size)).backward()
+    reference_grads = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        assert isinstance(param.grad, DTensor), name
+        torch.testing.assert_close(param.grad.full_tensor(), reference_grads[name].grad, rtol=1e-5, atol=1e-7,
+                                   msg=lambda m: f"{name}: {m}")
+    grads_bytes = torch.tensor([wrapped.state_bytes()["grads_bytes"]], dtype=torch.float64)
+    dist.all_reduce(grads_bytes)
+    assert grads_bytes.item() == model_bytes
+
+    # Grad norm and zero count over DTensor shards equal those of the same gradients gathered whole.
+    grads = [param.grad for param in model.parameters()]
+    full_grads = [grad.full_tensor() for grad in grads]
+    full_grads[0][:3] = 0.0
+    with torch.no_grad():
+        grads[0].to_local().copy_(full_grads[0].chunk(world_size)[rank])
+    expected_norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in full_grads])).item()
+    assert get_grad_norm_fp32(grads, 2.0, []) == pytest.approx(expected_norm, rel=1e-6)
+    assert get_grad_norm_fp32(grads, float("inf"), []) == max(g.abs().max().item() for g in full_grads)
+    assert count_zeros_fp32(grads, []) == sum((g == 0).sum().item() for g in full_grads)
+
+    before = [grad.to_local().clone() for grad in grads]
+    wrapped.scale_gradients(0.25)
+    for grad, old in zip(grads, before, strict=True):
+        torch.testing.assert_close(grad.to_local(), old * 0.25, rtol=0, atol=0)
+    wrapped.zero_grad_buffer()
+    assert all(param.grad is None for param in model.parameters())
+
+    # Full (unsharded) tensors load as this rank's shards; DTensors load as they are.
+    other = _wrap(_gpt(_config(init_seed=99)))
+    other.load_state_dict(full_state)
+    for key, value in other.state_dict().items():
+        assert torch.equal(value.full_tensor(), full_state[key]), key
+    other.load_state_dict(wrapped.state_dict())
+    mismatched = dict(full_state, **{names[0]: torch.zeros(3)})
+    try:
+        other.load_state_dict(mismatched)
+        shape_error = "no error"
+    except ValueError as error:
+        shape_error = str(error)
+    assert f"{names[0]} has shape (3,)" in shape_error
+    return _refusals()
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_gradients_interface_and_refusals(world_size):
+    for reshard_after_forward in (True, False):
+        for messages, expected in run_on_ranks(world_size, _interface_and_gradients, reshard_after_forward):
+            assert messages == expected
+
+
+TINY_GPT = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --micro-batch-size 2 "
+    "--global-batch-size 8 --train-iters 4 --lr 5e-3 --lr-warmup-iters 1 --mock-data --vocab-size 127 "
+    "--make-vocab-size-divisible-by 64 --hidden-dropout 0 --attention-dropout 0 --num-workers 0 --log-interval 1 "
+    "--eval-iters 0 --ckpt-format torch_dist --untie-embeddings-and-output-weights --log-num-zeros-in-grad"
+)
+
+
+def _pretrain_metrics(workdir, runs):
+    """{run name: {metric: [value per iteration]}} of `pretrain()` with each run's extra flags."""
+    import pretrain_gpt
+    from megatron.core.enums import ModelType
+    from megatron.training.training import pretrain
+
+    metrics = {}
+    for name, extra in runs.items():
+        metrics_file = os.path.join(workdir, f"{name}.jsonl")
+        argv = f"{TINY_GPT} --metrics-file {metrics_file} {extra}".split()
+        pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
+                 ModelType.encoder_or_decoder, pretrain_gpt.forward_step, argv=argv)
+        dist.barrier()
+        with open(metrics_file) as stream:
+            records = [json.loads(line) for line in stream]
+        metrics[name] = {key: [record[key] for record in records] for key in ("lm loss", "grad norm", "num-zeros")}
+    return metrics
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_fsdp2_with_tensor_sequence_and_pipeline_parallelism_matches_ddp(tmp_path, world_size):
+    runs = {
+        "ddp_tp2": "--tensor-model-parallel-size 2",
+        "fsdp2_tp2_sp": "--tensor-model-parallel-size 2 --sequence-parallel --use-torch-fsdp2",
+        "ddp_pp2": "--pipeline-model-parallel-size 2",
+        "fsdp2_pp2": "--pipeline-model-parallel-size 2 --use-torch-fsdp2",
+        "fsdp2_pp2_no_reshard": "--pipeline-model-parallel-size 2 --use-torch-fsdp2 "
+                                "--torch-fsdp2-no-reshard-after-forward",
+    }
+    metrics = run_on_ranks(world_size, _pretrain_metrics, str(tmp_path), runs)[0]
+    assert len(metrics["ddp_tp2"]["lm loss"]) == 4 and metrics["ddp_tp2"]["lm loss"][0] > 4.0
+    # Same model, data and steps; only the order of floating-point sums may differ (~1e-7 per step). The grad
+    # norm and zero count are taken over FSDP2's DTensor gradient shards; zero counts may differ by accidental
+    # exact zeros (a few), while the structural ones (embedding rows of tokens not in the batch) are ~1500.
+    for name, reference in (("fsdp2_tp2_sp", "ddp_tp2"), ("fsdp2_pp2", "ddp_pp2"), ("fsdp2_pp2_no_reshard", "ddp_pp2")):
+        for metric in ("lm loss", "grad norm"):
+            torch.testing.assert_close(metrics[name][metric], metrics[reference][metric], rtol=1e-5, atol=0,
+                                       msg=lambda m: f"{name} vs {reference}, {metric}: {m}")
+        assert min(metrics[name]["num-zeros"]) > 1000
+        torch.testing.assert_close(metrics[name]["num-zeros"], metrics[reference]["num-zeros"], rtol=0, atol=4)
