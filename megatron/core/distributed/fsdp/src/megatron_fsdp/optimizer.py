@@ -138,39 +138,51 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
 def clip_grad_norm_(optimizer_or_model, max_norm: float, norm_type: float = 2.0,
                     eps: float = 1e-6) -> torch.Tensor:
     """Clip the gradients of a sharded model by their global norm (each element counted once); returns the
-    norm before clipping. Finishes gradient synchronisation first."""
+    norm before clipping, as a tensor on the model's device. Finishes gradient synchronisation first.
+
+    One foreach norm kernel for all gradients, one foreach multiply to clip them, and no host synchronisation:
+    the clip coefficient stays a device tensor (clamped to 1, so gradients under `max_norm` are multiplied by 1)."""
     model = getattr(optimizer_or_model, "_megatron_fsdp_model", optimizer_or_model)
     model.finish_grad_sync()
-    grads = [g for group in model.groups for g in group.optimizer_grad_views() if g.numel()]
+    norm_type = float(norm_type)
+    # TP ranks hold different partitions of tensor-parallel parameters (marked `tensor_model_parallel`) and the
+    # same copy of the others: summed over the tp group, those enter at 1/tp_size so they count once.
+    tp_size = model.topology.tp_size
+    partitioned, replicated = [], []
+    for group in model.groups:
+        for grad, param in zip(group.optimizer_grad_views(), group.params):
+            if grad.numel():
+                is_partitioned = tp_size == 1 or getattr(param, "tensor_model_parallel", False)
+                (partitioned if is_partitioned else replicated).append(grad)
     # Groups holding disjoint pieces of the gradients: the shard ranks, and under HFSDP the outer ranks too
     # (HSDP's outer ranks hold identical copies and must not be counted twice).
     groups = [] if model.strategy == ShardingStrategy.no_shard else [model.topology.dp_group]
     if model.topology.outer_shards_optimizer:
         groups.append(model.topology.outer_group)
-    # TP ranks hold different partitions of tensor-parallel parameters (marked `tensor_model_parallel`) and the
-    # same copy of the others: summed over the tp group, those enter at 1/tp_size so they count once.
-    tp_size = model.topology.tp_size
-    tp_weights = [1.0 if tp_size == 1 or getattr(param, "tensor_model_parallel", False) else 1.0 / tp_size
-                  for group in model.groups for g, param in zip(group.optimizer_grad_views(), group.params)
-                  if g.numel()]
     if tp_size > 1:
         groups.append(model.topology.tp_group)
+
+    def norms(grads):
+        return torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32)) if grads else None
+
+    local = torch.zeros((), dtype=torch.float32, device=model.device)
     if math.isinf(norm_type):
-        local = torch.stack([g.abs().max().float() for g in grads]).max() if grads else torch.zeros(())
+        for part in (norms(partitioned), norms(replicated)):
+            if part is not None:
+                local = torch.maximum(local, part.max())
         for process_group in groups:
             collectives.all_reduce_max(local, process_group)
         total = local
     else:
-        local = sum((weight * g.float().norm(norm_type) ** norm_type for g, weight in zip(grads, tp_weights)),
-                    torch.zeros((), device=model.device))
+        for part, weight in ((norms(partitioned), 1.0), (norms(replicated), 1.0 / tp_size)):
+            if part is not None:
+                local = local + part.pow(norm_type).sum() * weight
         for process_group in groups:
             collectives.all_reduce_scalar_sum(local, process_group)
-        total = local ** (1.0 / norm_type)
-    clip_coefficient = max_norm / (float(total) + eps)
-    if clip_coefficient < 1.0:
-        for group in model.groups:
-            for grad in group.optimizer_grad_views():
-                grad.mul_(clip_coefficient)
+        total = local.pow(1.0 / norm_type)
+    grads = partitioned + replicated
+    if grads:
+        torch._foreach_mul_(grads, (max_norm / (total + eps)).clamp(max=1.0))
     return total
 
 
