@@ -233,7 +233,8 @@ class MegatronFSDP(nn.Module):
             dp_group=self.topology.dp_group, outer_group=self.topology.outer_group, counter=self.counter,
             grad_scale=grad_scale, average_in_collective=average, overlap_grad_reduce=config.overlap_grad_reduce,
             overlap_param_gather=config.overlap_param_gather, sync_model_each_microbatch=sync_model_each_microbatch,
-            report_nan_in_param_grad=report_nan_in_param_grad or config.check_for_nan_in_grad, pool=self.pool)
+            report_nan_in_param_grad=report_nan_in_param_grad or config.check_for_nan_in_grad, pool=self.pool,
+            tp_group=self.topology.tp_group)
         self.schedule.register_hooks()
         if self.strategy == ShardingStrategy.optim_grads_params:
             self._install_resting_placeholders()

@@ -387,6 +387,13 @@ class ParamGroup:
         if self._optimizer_grad_storage is not None:
             self._optimizer_grad_storage.mul_(factor)
 
+    def reduced_grad_views(self) -> List[torch.Tensor]:
+        """Per parameter, this rank's piece of the reduced gradients the optimizer will step with (before any
+        cast to the main dtype)."""
+        if self.optim_grads is None:
+            return []
+        return [self._main_view(self._grads_for_optimizer(), index) for index in range(len(self.params))]
+
     def optimizer_grad_views(self) -> List[torch.Tensor]:
         if self.main_weights is None:
             return []

@@ -46,7 +46,7 @@ class Schedule:
                  dp_group, outer_group, counter: collectives.CommunicationCounter, grad_scale: float,
                  average_in_collective: bool, overlap_grad_reduce: bool, overlap_param_gather: bool,
                  sync_model_each_microbatch: bool, report_nan_in_param_grad: bool,
-                 pool: Optional[DoubleBufferPool]):
+                 pool: Optional[DoubleBufferPool], tp_group=None):
         self.units, self.root_groups = units, root_groups
         self.groups = [g for unit in units for g in unit.groups] + list(root_groups)
         self.strategy = strategy
@@ -57,6 +57,7 @@ class Schedule:
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
         self.sync_model_each_microbatch = sync_model_each_microbatch
         self.report_nan_in_param_grad = report_nan_in_param_grad
+        self.nan_check_groups = [g for g in (dp_group, outer_group, tp_group) if g is not None]
         self.pool = pool
         self.sync_enabled = True
         self.pending_gathers: Dict[int, collectives.PendingCollective] = {}
@@ -241,9 +242,6 @@ class Schedule:
             grad = param.grad
             if grad is None:
                 return
-            if self.report_nan_in_param_grad and torch.isnan(grad).any():
-                raise RuntimeError(f"NaN found in the gradient of parameter '{group.names[index]}' "
-                                   f"(report_nan_in_param_grad=True)")
             if group.reduced:
                 self.wait_reduces()  # the persistent buffer may still be in flight from the previous microbatch
             elif self.pending_reduces and group.starts_transient_grads(grad):
@@ -341,10 +339,32 @@ class Schedule:
                 else:  # HSDP
                     collectives.all_reduce(group.main_grads, self.outer_group, self.counter,
                                            average=self.average_in_collective)
+        if self.report_nan_in_param_grad:
+            self._raise_on_nan_grads()
         for group in self.groups:
             group.attach_optimizer_grads()
         self.grads_synced = True
         return True
+
+    def _raise_on_nan_grads(self):
+        """After the reductions: raise on every rank alike if any rank's reduced gradients hold a NaN.
+
+        Checking each rank's own gradients inside the backward would raise on that rank only and leave the
+        others waiting in the next collective; one flag per parameter, max-reduced over every group that splits
+        the gradients, gives all ranks the same verdict and the same parameter names."""
+        names = [name for group in self.groups if group.optim_grads is not None for name in group.names]
+        flags = [torch.isnan(grad).any() for group in self.groups if group.optim_grads is not None
+                 for grad in group.reduced_grad_views()]
+        if not flags:
+            return
+        flags = torch.stack(flags).to(torch.float32)
+        for process_group in self.nan_check_groups:
+            collectives.all_reduce_max(flags, process_group)
+        bad = [name for name, flag in zip(names, flags.tolist()) if flag]
+        if bad:
+            raise RuntimeError(f"NaN in the reduced gradients of {len(bad)} parameter(s): {bad} "
+                               "(report_nan_in_param_grad=True); the step was not taken. Look for an overflow "
+                               "or a division by zero in the loss or the model's forward.")
 
     # ---- after the optimizer step ---------------------------------------------------------------------------------
     def install_optimized_model_weights(self):
