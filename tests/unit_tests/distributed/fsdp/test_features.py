@@ -15,8 +15,27 @@ def _blocks_only(num_blocks=4):
     return nn.Sequential(*[models.Block() for _ in range(num_blocks)])
 
 
+def _live_storages() -> dict:
+    """data_ptr -> storage of every live, non-empty tensor storage in this process (found by the garbage
+    collector, so independent of what Megatron-FSDP thinks it holds)."""
+    import gc
+    import warnings
+
+    gc.collect()
+    found = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance() on deprecated torch aliases warns
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor) and not obj.is_meta:
+                storage = obj.untyped_storage()
+                if storage.nbytes():
+                    found[storage.data_ptr()] = storage
+    return found
+
+
 def _accounting():
-    """Per-rank bytes and bytes sent per step for each strategy on a model made only of units."""
+    """Per-rank bytes and bytes sent per step for each strategy on a model made only of units, and the bytes of
+    the tensor storages that wrapping and training created (measured) next to what memory_report() says."""
     import torch.distributed as dist
 
     import megatron_fsdp
@@ -27,15 +46,18 @@ def _accounting():
         module = _blocks_only()
         numel = sum(p.numel() for p in module.parameters())
         optimizer = models.make_optimizer(module.parameters())
+        inputs = torch.randn(4, models.HIDDEN)
+        before = _live_storages()  # held alive here, so no new storage can reuse their addresses
         model, optimizer = megatron_fsdp.fully_shard(module, optimizer, fsdp_unit_modules=[models.Block],
                                                      zero_dp_strategy=strategy)
         padded = sum(group.layout.padded_numel for group in model.groups)
-        inputs = torch.randn(4, models.HIDDEN)
         for _ in range(2):
             optimizer.zero_grad()
             model(inputs).square().mean().backward()
             optimizer.step()
-        results[strategy] = (numel, padded, model.memory_report(), model.communication_report())
+        measured = sum(storage.nbytes() for ptr, storage in _live_storages().items() if ptr not in before)
+        del before
+        results[strategy] = (numel, padded, model.memory_report(), model.communication_report(), measured)
     return results
 
 
@@ -43,7 +65,9 @@ def _accounting():
 def test_bytes_held_and_sent_match_zero_theory(world_size):
     results = run_on_ranks(world_size, _accounting)
     for rank_results in results:
-        for strategy, (numel, padded, memory, comm) in rank_results.items():
+        for strategy, (numel, padded, memory, comm, measured) in rank_results.items():
+            # the storages this rank really holds after a step are exactly the ones the report counts
+            assert measured == memory["total_persistent"] + memory["transient_now"], (strategy, measured, memory)
             full, shard = 4 * padded, 4 * padded // world_size
             expected = {
                 0: dict(compute_weights=full, main_weights=0, grads=full, optimizer_state=2 * full),

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from megatron_fsdp.layout import GroupLayout, bucket_by_size, chunk_rows
+from megatron_fsdp.layout import GroupLayout, LocalPiece, bucket_by_size, chunk_rows
 
 SHAPES = [(13, 7), (13,), (0,), (2,), (7, 13), (1, 1, 3), ()]
 
@@ -89,7 +89,13 @@ def test_spans_are_contiguous_and_ordered():
     layout = GroupLayout([(3, 2), (5,), (0,), (4,)], 4)
     assert [(s.flat_start, s.flat_end) for s in layout.spans] == [(0, 6), (6, 11), (11, 11), (11, 15)]
     assert layout.shard_numel == 4 and layout.padded_numel == 16
-    assert layout.local_piece(1, 1) == layout.local_piece(1, 1)
+    # rank 1 owns flat [4, 8): the last two elements of param 0 at shard offset 0, rank 2 owns flat [8, 12):
+    # the rest of param 1 and the first element of param 3; param 1 misses rank 0 entirely (an empty piece
+    # clamped to the end of its shard)
+    assert layout.local_piece(0, 1) == LocalPiece(4, 6, 0, 2)
+    assert layout.local_piece(1, 2) == LocalPiece(2, 5, 0, 3)
+    assert layout.local_piece(3, 2) == LocalPiece(0, 1, 3, 4)
+    assert layout.local_piece(1, 0) == LocalPiece(0, 0, 4, 4)
     piece = layout.local_piece(1, 1)  # rank 1 owns flat [4, 8): elements 0..1 of param 1 at shard offset 2
     assert (piece.param_start, piece.param_end, piece.shard_start, piece.shard_end) == (0, 2, 2, 4)
     assert layout.owners_of_param(3) == [2, 3]

@@ -34,7 +34,8 @@ def _train_matrix():
             losses = models.train_sharded(model, optimizer, NUM_STEPS)
             results[("fp32", strategy, overlap)] = (losses, models.full_params(model))
         model, optimizer = _wrap(strategy, True, torch.bfloat16)
-        results[("bf16", strategy, True)] = (models.train_sharded(model, optimizer, NUM_STEPS, torch.bfloat16), None)
+        results[("bf16", strategy, True)] = (models.train_sharded(model, optimizer, NUM_STEPS, torch.bfloat16),
+                                             models.precision_of(model, optimizer))
     return results
 
 
@@ -52,9 +53,9 @@ def test_strategies_match_single_process(world_size):
                 torch.testing.assert_close(value, reference_params[name], atol=1e-5, rtol=1e-5, msg=name)
         # overlapping communication changes when collectives run, never what they compute
         assert results[("fp32", strategy, False)][0] == results[("fp32", strategy, True)][0]
-        bf16_losses = results[("bf16", strategy, True)][0]
+        bf16_losses, precision = results[("bf16", strategy, True)]
         assert bf16_losses == pytest.approx(reference_bf16, abs=2e-2), strategy
-        assert bf16_losses != pytest.approx(reference, abs=1e-6)  # it really ran in bf16
+        models.assert_ran_in_low_precision(bf16_losses, precision, reference_bf16, reference)
 
 
 def _variants():
