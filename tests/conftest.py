@@ -17,6 +17,15 @@ _TEST_INDEX = pytest.StashKey[int]()
 _peer_summaries = {}
 
 
+def _declared_world_size(item):
+    """The `world_size` parameter or marker of a multi-rank test; 0 for other tests."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and "world_size" in callspec.params:
+        return int(callspec.params["world_size"])
+    marker = item.get_closest_marker("world_size")
+    return int(marker.args[0]) if marker else 0
+
+
 def pytest_collection_modifyitems(config, items):
     """Skip GPU tests on CPU machines (with a reason) and group multi-rank tests by world size.
 
@@ -30,14 +39,7 @@ def pytest_collection_modifyitems(config, items):
             if "gpu" in item.keywords:
                 item.add_marker(skip_gpu)
 
-    def world_size_of(item):
-        callspec = getattr(item, "callspec", None)
-        if callspec is not None and "world_size" in callspec.params:
-            return int(callspec.params["world_size"])
-        marker = item.get_closest_marker("world_size")
-        return int(marker.args[0]) if marker else 0
-
-    items.sort(key=world_size_of)
+    items.sort(key=_declared_world_size)
     for index, item in enumerate(items):
         item.stash[_TEST_INDEX] = index
 
@@ -72,6 +74,20 @@ def pytest_runtest_logreport(report):
     world = launched_world.launched()
     if world is not None:
         world.record_report(report)
+
+
+@pytest.fixture
+def tmp_path(request, tmp_path):
+    """Under torchrun, a multi-rank test sees rank 0's `tmp_path` on every rank.
+
+    Its rank functions run with rank 0's arguments, so the files they write are under rank 0's directory;
+    the assertions every rank makes on them afterwards must look there too. Tests without a declared world
+    size keep a directory per rank, since every rank runs them at the same time.
+    """
+    world = launched_world.launched()
+    if world is None or _declared_world_size(request.node) == 0:
+        return tmp_path
+    return world.shared_path(tmp_path)
 
 
 @pytest.fixture(autouse=True, scope="module")

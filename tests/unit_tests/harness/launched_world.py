@@ -22,11 +22,18 @@ import pickle
 import time
 from collections import Counter
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from tests.unit_tests.harness.rank_task import MultiRankError, failure_message, inside_rank_task, run_rank_task
+from tests.unit_tests.harness.rank_task import (
+    MultiRankError,
+    failure_message,
+    inside_rank_task,
+    reset_global_state,
+    run_rank_task,
+)
 
 PROCESS_GROUP_TIMEOUT_S = 120
 ARRIVAL_TIMEOUT_S = 600
@@ -142,6 +149,8 @@ class LaunchedWorld:
         self.stats["world builds"] += 1
 
     def release_world(self):
+        """Drop the default process group, and first any model-parallel groups built on it."""
+        reset_global_state()
         if dist.is_initialized():
             dist.destroy_process_group()
         self._current = None
@@ -202,10 +211,20 @@ class LaunchedWorld:
             raise MultiRankError(payload)
         return payload
 
+    def shared_path(self, own_path):
+        """Rank 0's `own_path` on every rank (the launched ranks share one machine's file system)."""
+        key = self._next_key("path")
+        if self.rank == 0:
+            self._store.set(key, str(own_path))
+            return own_path
+        self._wait({0: key}, ARRIVAL_TIMEOUT_S, "receiving rank 0's tmp_path")
+        return Path(self._store.get(key).decode())
+
     def _run_here(self, size, fn, args, kwargs):
         os.environ.update({"RANK": str(self.rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(self.rank),
                            "LOCAL_WORLD_SIZE": str(min(size, self.local_world_size))})
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // min(size, self.local_world_size)))
+        reset_global_state()  # a failed test outside run_on_ranks may have left model-parallel groups behind
         try:
             return run_rank_task(fn, args, kwargs)
         finally:
@@ -319,8 +338,6 @@ def release_single_process_world():
     """Tear down the one-rank world `ensure_test_world` made in a plain pytest session (no-op otherwise)."""
     global _single_process_world
     if _single_process_world:
-        from tests.unit_tests.harness.rank_task import reset_global_state
-
         reset_global_state()
         if dist.is_initialized():
             dist.destroy_process_group()
