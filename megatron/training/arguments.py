@@ -11,7 +11,6 @@ from megatron.training.argument_groups import ARGUMENT_GROUPS
 
 # Declared so launch scripts parse, but rejected until their implementation lands: never silently ignored.
 NOT_IMPLEMENTED_FLAGS = (
-    ("use_megatron_fsdp", "--use-megatron-fsdp"),
     ("fp4_format", "--fp4-format"),
     ("async_save", "--async-save"),
 )

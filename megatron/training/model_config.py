@@ -42,6 +42,8 @@ def core_transformer_config_from_args(args, config_class=None):
         bf16=args.bf16,
         params_dtype=params_dtype_from_args(args),
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+        calculate_per_token_loss=args.calculate_per_token_loss,
+        init_model_with_meta_device=args.init_model_with_meta_device,
         **fp8_config_kwargs(args),
     )
 
@@ -84,4 +86,22 @@ def ddp_config_from_args(args):
         bucket_size=args.ddp_bucket_size,
         average_in_collective=args.ddp_average_in_collective,
         fp8_param_gather=args.fp8_param_gather,
+        **megatron_fsdp_config_kwargs(args),
+    )
+
+
+def megatron_fsdp_config_kwargs(args):
+    """The Megatron-FSDP fields of DistributedDataParallelConfig (defaults when --use-megatron-fsdp is off)."""
+    from megatron.training.argument_groups.data_parallel import megatron_fsdp_dtype
+
+    if not args.use_megatron_fsdp:
+        return {}
+    return dict(
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
+        outer_dp_sharding_strategy=args.outer_dp_sharding_strategy,
+        fsdp_double_buffer=args.fsdp_double_buffer,
+        megatron_fsdp_main_params_dtype=megatron_fsdp_dtype(args.megatron_fsdp_main_params_dtype),
+        megatron_fsdp_main_grads_dtype=megatron_fsdp_dtype(args.megatron_fsdp_main_grads_dtype),
+        megatron_fsdp_grad_comm_dtype=megatron_fsdp_dtype(args.megatron_fsdp_grad_comm_dtype),
     )

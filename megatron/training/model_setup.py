@@ -10,30 +10,55 @@ from megatron.training.model_config import ddp_config_from_args, optimizer_confi
 
 
 def get_model(model_provider_func, args, wrap_with_ddp=True):
-    """[model chunk] for this pipeline stage, on this process's device, wrapped in Megatron's DDP.
+    """[model chunk] for this pipeline stage, on this process's device, wrapped for data parallelism.
 
-    Like Megatron the model is always DDP-wrapped (also with one data-parallel rank): the wrapper owns the
-    contiguous gradient buffers the optimizer reads (`param.main_grad`).
+    The wrapper follows the flags: Megatron's DDP (default, also with one data-parallel rank: it owns the
+    contiguous gradient buffers the optimizer reads as `param.main_grad`), Megatron-FSDP
+    (`--use-megatron-fsdp`) or PyTorch FSDP2 (`--use-torch-fsdp2`). All three offer the same interface to
+    training (`no_sync`, `finish_grad_sync`, `zero_grad_buffer`, `scale_gradients`, `state_bytes`, ...).
+    With `--init-model-with-meta-device` the model is built on the meta device and materialised by the FSDP
+    wrapper unit by unit, each rank keeping only its shard.
 
     The model is built with the default CPU generator seeded with the un-offset `--seed` (the per-stage offset
     `set_random_seed` applies is for dropout), so a model whose config leaves `init_seed` unset still starts
     from the same weights on every pipeline layout; the generator state is restored afterwards.
     """
-    from megatron.core.distributed import DistributedDataParallel
-
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(args.seed)
         model = model_provider_func(
             pre_process=parallel_state.is_pipeline_first_stage(),
             post_process=parallel_state.is_pipeline_last_stage(),
         )
-    model.to(args.device)
+    if not any(param.is_meta for param in model.parameters()):
+        model.to(args.device)
     if not wrap_with_ddp:
         return [model]
-    wrapped = DistributedDataParallel(config=model.config, ddp_config=ddp_config_from_args(args), module=model)
+    return [wrap_model_chunk(model, args)]
+
+
+def wrap_model_chunk(model, args):
+    """`model` wrapped in DDP, Megatron-FSDP or FSDP2, as the flags select."""
+    ddp_config = ddp_config_from_args(args)
+    if getattr(args, "use_torch_fsdp2", False):
+        from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
+
+        return TorchFullyShardedDataParallel(
+            config=model.config,
+            ddp_config=ddp_config,
+            module=model,
+            reshard_after_forward=args.torch_fsdp2_reshard_after_forward,
+        )
+    if args.use_megatron_fsdp:
+        from megatron.core.distributed import FullyShardedDataParallel
+
+        wrapped = FullyShardedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    else:
+        from megatron.core.distributed import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
     if args.data_parallel_random_init:
         wrapped.broadcast_params()
-    return [wrapped]
+    return wrapped
 
 
 def install_schedule_hooks(model_chunks, optimizer, args):
@@ -66,6 +91,8 @@ def build_scheduler(optimizer, args):
         end_wd=args.weight_decay,
         wd_incr_steps=args.train_iters * args.global_batch_size,
         wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=getattr(args, "use_checkpoint_opt_param_scheduler", False),
+        override_opt_param_scheduler=getattr(args, "override_opt_param_scheduler", False),
     )
 
 

@@ -26,9 +26,11 @@ def format_log_line(
     num_zeros,
     skipped_iterations,
     nan_iterations,
+    params_norm=None,
 ):
     """Megatron's training log line: `iteration 10/ 100 | consumed samples: 320 | ... | number of nan
-    iterations: 0 |`. `losses` maps a name ("lm loss") to its value; `grad_norm` / `num_zeros` may be None.
+    iterations: 0 |`. `losses` maps a name ("lm loss") to its value; `grad_norm` / `num_zeros` / `params_norm`
+    may be None.
     """
     fields = [
         f"iteration {iteration}/ {train_iters}",
@@ -43,6 +45,8 @@ def format_log_line(
         fields.append(f"grad norm: {grad_norm:.3f}")
     if num_zeros is not None:
         fields.append(f"num zeros: {num_zeros:.1f}")
+    if params_norm is not None:
+        fields.append(f"params norm: {params_norm:.3f}")
     fields.append(f"number of skipped iterations: {skipped_iterations}")
     fields.append(f"number of nan iterations: {nan_iterations}")
     return " | ".join(fields) + " |"
@@ -96,26 +100,58 @@ def _torch_optimizers(optimizer):
     return found
 
 
-def memory_usage(model_chunks, optimizer, device):
-    """Bytes this rank holds in parameters, gradients and optimizer state (incl. main parameter copies)."""
-    params = [param for chunk in model_chunks for param in chunk.parameters()]
-    model_param_ptrs = {param.data_ptr() for param in params}
-    params_bytes = sum(_tensor_bytes(param) for param in params)
-    grads_bytes = 0
-    for param in params:
-        main_grad = getattr(param, "main_grad", None)
-        if main_grad is not None:
-            grads_bytes += _tensor_bytes(main_grad)
-        elif param.grad is not None:
-            grads_bytes += _tensor_bytes(param.grad)
-    optimizer_state_bytes = 0
+def _optimizer_state_bytes(optimizer, model_params):
+    """Bytes of the torch optimizers' state tensors plus their parameters that are not model parameters (main
+    fp32 copies, or shards of them)."""
+    model_param_ids = {id(param) for param in model_params}
+    model_param_ptrs = {param.data_ptr() for param in model_params if not param.is_meta}
+    total = 0
     for torch_optimizer in _torch_optimizers(optimizer):
         for state in torch_optimizer.state.values():
-            optimizer_state_bytes += sum(_tensor_bytes(v) for v in state.values() if torch.is_tensor(v))
+            total += sum(_tensor_bytes(_local(v)) for v in state.values() if torch.is_tensor(v))
         for group in torch_optimizer.param_groups:
             for param in group["params"]:
-                if param.data_ptr() not in model_param_ptrs:  # a main (fp32) copy or a shard of one
-                    optimizer_state_bytes += _tensor_bytes(param)
+                if id(param) not in model_param_ids and param.data_ptr() not in model_param_ptrs:
+                    total += _tensor_bytes(_local(param))
+    return total
+
+
+def _local(tensor):
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def memory_usage(model_chunks, optimizer, device):
+    """Bytes this rank holds in parameters, gradients and optimizer state (incl. main parameter copies).
+
+    A model chunk that shards its state (Megatron-FSDP, FSDP2) reports it through `chunk.state_bytes()`, a dict
+    of this rank's persistent bytes: `params_bytes` (compute weights held between steps), `grads_bytes`
+    (gradient buffers) and, when the wrapper knows it, `optimizer_state_bytes` (main weights that are not the
+    compute weights plus the optimizer's state tensors); without that key the optimizer's bytes are counted from
+    the torch optimizer. DDP chunks are counted from their parameters and `main_grad` buffers.
+    """
+    params_bytes = grads_bytes = 0
+    optimizer_state_bytes = None
+    plain_params = []
+    for chunk in model_chunks:
+        if hasattr(chunk, "state_bytes"):
+            report = chunk.state_bytes()
+            params_bytes += report["params_bytes"]
+            grads_bytes += report["grads_bytes"]
+            if "optimizer_state_bytes" in report:
+                optimizer_state_bytes = (optimizer_state_bytes or 0) + report["optimizer_state_bytes"]
+            continue
+        for param in chunk.parameters():
+            plain_params.append(param)
+            params_bytes += _tensor_bytes(_local(param))
+            main_grad = getattr(param, "main_grad", None)
+            if main_grad is not None:
+                grads_bytes += _tensor_bytes(main_grad)
+            elif param.grad is not None:
+                grads_bytes += _tensor_bytes(_local(param.grad))
+    if optimizer_state_bytes is None:
+        model_params = plain_params + [param for chunk in model_chunks for param in chunk.parameters()
+                                       if hasattr(chunk, "state_bytes")]
+        optimizer_state_bytes = _optimizer_state_bytes(optimizer, model_params)
     allocated = accelerator.allocated_memory_bytes(device)
     return {
         "on_gpu": device.type == "cuda",
@@ -197,6 +233,7 @@ class TrainingLogger:
                 num_zeros=report["num_zeros"],
                 skipped_iterations=self._skipped_iterations,
                 nan_iterations=self._nan_iterations,
+                params_norm=report.get("params_norm"),
             )
             print(line, flush=True)
             if args.log_throughput:
@@ -247,6 +284,8 @@ class TrainingLogger:
             "grads-bytes": memory["grads_bytes"],
             "optimizer-state-bytes": memory["optimizer_state_bytes"],
         }
+        if report.get("params_norm") is not None:
+            record["params-norm"] = report["params_norm"]
         self._metrics_stream.write(json.dumps(record) + "\n")
         self._metrics_stream.flush()
 
@@ -264,6 +303,8 @@ class TrainingLogger:
             writer.add_scalar("grad-norm", report["grad_norm"], iteration)
         if report["num_zeros"] is not None:
             writer.add_scalar("num-zeros", report["num_zeros"], iteration)
+        if report.get("params_norm") is not None:
+            writer.add_scalar("params-norm", report["params_norm"], iteration)
         if args.log_memory_to_tensorboard:
             memory = report["memory"]
             for key in ("params_bytes", "grads_bytes", "optimizer_state_bytes", "allocated_bytes", "peak_bytes"):

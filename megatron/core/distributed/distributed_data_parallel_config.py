@@ -3,7 +3,10 @@
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 DATA_PARALLEL_SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+MEGATRON_FSDP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OUTER_DP_SHARDING_STRATEGIES = ("no_shard", "optim")
 
 
@@ -60,6 +63,23 @@ class DistributedDataParallelConfig:
     """Megatron-FSDP across the outer DP dimension: no_shard (HSDP) | optim (HFSDP)."""
 
     fsdp_double_buffer: bool = False
+    """Megatron-FSDP ZeRO-3: gather units into a fixed pool of two unit-sized buffers."""
+
+    megatron_fsdp_main_params_dtype: Optional[torch.dtype] = torch.float32
+    """Megatron-FSDP: dtype of the sharded main weights the optimizer steps on; None ("auto") keeps the
+    parameters' own dtype (`--megatron-fsdp-main-params-dtype`)."""
+
+    megatron_fsdp_main_grads_dtype: Optional[torch.dtype] = None
+    """Megatron-FSDP: dtype of the gradient buffers; None ("auto"): the parameters' dtype, or fp32 with
+    `grad_reduce_in_fp32` (`--megatron-fsdp-main-grads-dtype`)."""
+
+    megatron_fsdp_grad_comm_dtype: Optional[torch.dtype] = None
+    """Megatron-FSDP: dtype gradients are reduced in; None ("auto"): the main grads dtype
+    (`--megatron-fsdp-grad-comm-dtype`)."""
+
+    preproc_state_dict_for_dcp_ckpt: bool = True
+    """Megatron-FSDP: state dicts hold DTensors that torch.distributed.checkpoint can reshard."""
+
     preserve_fp32_weights: bool = True
     keep_fp8_transpose_cache: bool = False
 
@@ -100,6 +120,29 @@ class DistributedDataParallelConfig:
             raise ValueError(
                 f"DistributedDataParallelConfig.outer_dp_sharding_strategy={self.outer_dp_sharding_strategy!r}: "
                 f"choose one of {OUTER_DP_SHARDING_STRATEGIES}."
+            )
+        for name in ("megatron_fsdp_main_params_dtype", "megatron_fsdp_main_grads_dtype",
+                     "megatron_fsdp_grad_comm_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in MEGATRON_FSDP_DTYPES:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(
+                    f"DistributedDataParallelConfig.{name}={value} ({flag}): choose torch.float32, torch.bfloat16, "
+                    "torch.float16 or None (auto)."
+                )
+        if self.fsdp_double_buffer and not (
+            self.use_megatron_fsdp and self.data_parallel_sharding_strategy == "optim_grads_params"
+        ):
+            raise ValueError(
+                "DistributedDataParallelConfig.fsdp_double_buffer (--fsdp-double-buffer) needs use_megatron_fsdp=True "
+                "with data_parallel_sharding_strategy='optim_grads_params'."
+            )
+        if self.outer_dp_sharding_strategy == "optim" and self.use_megatron_fsdp and (
+            self.data_parallel_sharding_strategy != "optim_grads_params"
+        ):
+            raise ValueError(
+                "DistributedDataParallelConfig.outer_dp_sharding_strategy='optim' (HFSDP) needs "
+                "data_parallel_sharding_strategy='optim_grads_params'."
             )
         if self.check_for_large_grads and self.large_grad_threshold <= 0:
             raise ValueError("DistributedDataParallelConfig.large_grad_threshold must be > 0.")

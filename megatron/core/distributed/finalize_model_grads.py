@@ -5,8 +5,15 @@
    saw only its slice of the sequence;
 3. all-reduce gradients of the embedding shared by the first and last pipeline stages over the embedding group;
 4. with `num_tokens` (per-token loss), divide all gradients by the token count summed over data parallel.
-Works on DDP chunks (`param.main_grad`), Megatron-FSDP chunks (anything with `finish_grad_sync`) and plain
-modules (`param.grad`, reduced locally as a DTensor shard when the gradient is a DTensor).
+Works on DDP chunks (`param.main_grad`), Megatron-FSDP chunks (gradients in its buffers, reached through
+`optimizer_grad_pieces()`), FSDP2 chunks and plain modules (`param.grad`, reduced locally as a DTensor shard when
+the gradient is a DTensor).
+
+Under Megatron-FSDP each rank holds a piece of each parameter's reduced gradient. Sequence-parallel parameters
+are laid out identically on every TP rank (same module structure, same shapes), so the pieces of one TP group
+cover the same elements and are all-reduced as they are. The tied embedding lives in differently laid out
+groups on the first and last stage, so its pieces differ: each stage assembles the full gradient over the
+ranks that hold its pieces, the two stages sum it over the embedding group, and each rank keeps its piece.
 """
 
 import torch
@@ -50,11 +57,61 @@ def _all_reduce_grads(params, group):
         offset += grad.numel()
 
 
+def _is_megatron_fsdp(chunk):
+    return hasattr(chunk, "optimizer_grad_pieces")
+
+
+def _has_attribute(attribute):
+    return lambda param: bool(getattr(param, attribute, False))
+
+
+@torch.no_grad()
+def _all_reduce_tensors(tensors, group):
+    """One all-reduce of the concatenation of `tensors` over `group`, written back in place."""
+    tensors = [tensor for tensor in tensors if tensor.numel() > 0]
+    if not tensors:
+        return
+    flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for tensor in tensors:
+        tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
+
+
+@torch.no_grad()
+def _all_reduce_sharded_grads(chunk, predicate, group):
+    """All-reduce over `group` the full gradients of a Megatron-FSDP chunk's parameters chosen by `predicate`,
+    whatever piece of them each rank holds: assemble them over the chunk's shard groups (zeros elsewhere),
+    all-reduce over `group`, keep this rank's pieces."""
+    pieces = chunk.optimizer_grad_pieces(predicate)
+    if not pieces:
+        return
+    dtype = pieces[0].grad.dtype
+    offsets, total = [], 0
+    for piece in pieces:
+        offsets.append(total)
+        total += piece.param.numel()
+    full = torch.zeros(total, dtype=dtype, device=pieces[0].grad.device)
+    for offset, piece in zip(offsets, pieces):
+        full[offset + piece.param_start:offset + piece.param_end].copy_(piece.grad.reshape(-1))
+    for shard_group in chunk.grad_shard_groups():
+        dist.all_reduce(full, group=shard_group)
+    dist.all_reduce(full, group=group)
+    for offset, piece in zip(offsets, pieces):
+        piece.grad.copy_(full[offset + piece.param_start:offset + piece.param_end].view_as(piece.grad))
+
+
 def _allreduce_sequence_parallel_grads(model_chunks):
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        _all_reduce_grads(
-            _params_with(model_chunks, "sequence_parallel"), parallel_state.get_tensor_model_parallel_group()
-        )
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    group = parallel_state.get_tensor_model_parallel_group()
+    plain_chunks = [chunk for chunk in model_chunks if not _is_megatron_fsdp(chunk)]
+    _all_reduce_grads(_params_with(plain_chunks, "sequence_parallel"), group)
+    for chunk in model_chunks:
+        if _is_megatron_fsdp(chunk):
+            pieces = chunk.optimizer_grad_pieces(_has_attribute("sequence_parallel"))
+            _all_reduce_tensors([piece.grad for piece in pieces], group)
 
 
 def _allreduce_shared_embedding_grads(model_chunks):
@@ -63,8 +120,13 @@ def _allreduce_shared_embedding_grads(model_chunks):
     if not parallel_state.is_rank_in_embedding_group():
         return
     group = parallel_state.get_embedding_group()
-    if group is not None and dist.get_world_size(group) > 1:
-        _all_reduce_grads(_params_with(model_chunks, "shared_embedding"), group)
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    plain_chunks = [chunk for chunk in model_chunks if not _is_megatron_fsdp(chunk)]
+    _all_reduce_grads(_params_with(plain_chunks, "shared_embedding"), group)
+    for chunk in model_chunks:
+        if _is_megatron_fsdp(chunk):
+            _all_reduce_sharded_grads(chunk, _has_attribute("shared_embedding"), group)
 
 
 def _data_parallel_group(model_chunks):

@@ -17,6 +17,7 @@ from megatron.core.optimizer.clip_grads import (
     param_is_not_tensor_parallel_duplicate,
 )
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.fsdp_optimizer import MegatronFSDPOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron.core.optimizer.optimizer import Float16Optimizer, FP32Optimizer, MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
@@ -27,6 +28,7 @@ __all__ = [
     "FP32Optimizer",
     "Float16Optimizer",
     "DistributedOptimizer",
+    "MegatronFSDPOptimizer",
     "ConstantGradScaler",
     "DynamicGradScaler",
     "get_megatron_optimizer",
@@ -119,15 +121,31 @@ def _communication_groups(model_chunks, use_distributed_optimizer):
     return grad_stats, found_inf
 
 
+def _megatron_fsdp_optimizer(config, model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult):
+    """The optimizer of Megatron-FSDP chunks: it steps their sharded main weights (their own ZeRO level decides
+    the sharding, whatever `config.use_distributed_optimizer` says)."""
+    from megatron.core import parallel_state
+
+    param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult)
+    device = model_chunks[0].device
+    if parallel_state.model_parallel_is_initialized():
+        model_parallel_groups = [parallel_state.get_model_parallel_group()]
+        data_parallel_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    else:
+        model_parallel_groups, data_parallel_group = [], model_chunks[0].data_parallel_group
+    return MegatronFSDPOptimizer(param_groups, _torch_optimizer_factory(config, device), config, model_chunks,
+                                 _grad_scaler(config, device), model_parallel_groups, data_parallel_group)
+
+
 def get_megatron_optimizer(config: OptimizerConfig, model_chunks, no_weight_decay_cond=None, scale_lr_cond=None,
                            lr_mult=1.0):
     """Build the optimizer for `model_chunks` (DDP-wrapped or plain modules) as `config` asks."""
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
+    if any(getattr(getattr(chunk, "ddp_config", None), "use_megatron_fsdp", False) for chunk in model_chunks):
+        return _megatron_fsdp_optimizer(config, model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult)
     for chunk in model_chunks:
         ddp_config = getattr(chunk, "ddp_config", None)
-        if getattr(ddp_config, "use_megatron_fsdp", False):
-            continue  # Megatron-FSDP shards optimizer state itself
         if ddp_config is not None and ddp_config.use_distributed_optimizer != config.use_distributed_optimizer:
             raise ValueError(
                 f"OptimizerConfig.use_distributed_optimizer={config.use_distributed_optimizer} but the model was "

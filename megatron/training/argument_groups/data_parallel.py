@@ -3,6 +3,14 @@
 import os
 
 SHARDING_STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+MEGATRON_FSDP_DTYPE_CHOICES = ["fp32", "bf16", "fp16", "auto"]
+
+
+def megatron_fsdp_dtype(choice):
+    """`--megatron-fsdp-*-dtype` value -> torch dtype, or None for "auto" (see DistributedDataParallelConfig)."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "auto": None}[choice]
 
 
 def add_arguments(parser):
@@ -49,7 +57,31 @@ def add_arguments(parser):
         "--init-model-with-meta-device", action="store_true", help="Build on meta, materialise shard by shard."
     )
     group.add_argument("--fsdp-double-buffer", action="store_true", help="Two unit-sized gather buffers.")
-    group.add_argument("--use-torch-fsdp2", action="store_true", help="PyTorch FSDP2 instead of DDP.")
+    group.add_argument(
+        "--megatron-fsdp-main-params-dtype",
+        default="fp32",
+        choices=MEGATRON_FSDP_DTYPE_CHOICES,
+        help="Megatron-FSDP main weights (what the optimizer steps on); auto: the parameters' dtype.",
+    )
+    group.add_argument(
+        "--megatron-fsdp-main-grads-dtype",
+        default="auto",
+        choices=MEGATRON_FSDP_DTYPE_CHOICES,
+        help="Megatron-FSDP gradient buffers; auto: the parameters' dtype (fp32 with "
+        "--accumulate-allreduce-grads-in-fp32).",
+    )
+    group.add_argument(
+        "--megatron-fsdp-grad-comm-dtype",
+        default="auto",
+        choices=MEGATRON_FSDP_DTYPE_CHOICES,
+        help="Megatron-FSDP gradient reduction dtype; auto: the main grads dtype.",
+    )
+    group.add_argument(
+        "--use-torch-fsdp2",
+        action="store_true",
+        help="PyTorch FSDP2 (fully_shard on each transformer layer, the embedding and the rest) instead of DDP; "
+        "works with tensor, sequence and pipeline parallelism.",
+    )
     group.add_argument(
         "--torch-fsdp2-no-reshard-after-forward",
         action="store_false",
@@ -89,8 +121,13 @@ def validate(args):
                 "--use-megatron-fsdp must not run with CUDA_DEVICE_MAX_CONNECTIONS=1 (it serialises "
                 "communication with compute); unset it"
             )
-    elif args.init_model_with_meta_device and not args.use_torch_fsdp2:
-        raise ValueError("--init-model-with-meta-device needs --use-megatron-fsdp or --use-torch-fsdp2")
+        if args.fsdp_double_buffer and args.data_parallel_sharding_strategy != "optim_grads_params":
+            raise ValueError("--fsdp-double-buffer needs --data-parallel-sharding-strategy optim_grads_params")
+    elif args.fsdp_double_buffer:
+        raise ValueError("--fsdp-double-buffer needs --use-megatron-fsdp")
+    elif args.init_model_with_meta_device:
+        # FSDP2 here shards a materialised model; only Megatron-FSDP materialises a meta model shard by shard.
+        raise ValueError("--init-model-with-meta-device needs --use-megatron-fsdp")
     if args.use_torch_fsdp2:
         if args.ckpt_format not in ("torch_dist", "torch_dcp"):
             raise ValueError("--use-torch-fsdp2 needs --ckpt-format torch_dist or torch_dcp")

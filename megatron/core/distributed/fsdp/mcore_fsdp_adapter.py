@@ -1,0 +1,298 @@
+"""`FullyShardedDataParallel`: a Megatron-Core model chunk sharded by Megatron-FSDP (ZeRO-0..3).
+
+The chunk (one pipeline stage's model) is wrapped with `megatron_fsdp.MegatronFSDP` on parallel_state's device
+mesh: parameters, gradients and optimizer state are sharded over `dp_shard_cp` (data x context parallel), the
+`tp` dim tells the checkpoint code how tensor-parallel partitions fit together, and with
+`--num-distributed-optimizer-instances N > 1` the `dp_outer` dim replicates (HSDP, `outer_dp_sharding_strategy
+="no_shard"`) or further shards the optimizer side (HFSDP, `"optim"`). Each `TransformerLayer` is one unit of
+communication; the embedding, the final norm and the output layer form the root groups, which keeps a tied
+word embedding / output weight of a single-stage model gathered from the forward until its gradient is in.
+
+Training treats this wrapper like Megatron's `DistributedDataParallel`: `no_sync()`, `start_grad_sync()`,
+`finish_grad_sync()`, `zero_grad_buffer()`, `scale_gradients()`, `broadcast_params()`, `state_dict()`,
+`config`, `ddp_config`, `module`, `data_parallel_group`, and `state_bytes()` for the memory log line.
+Gradients live in Megatron-FSDP's buffers, not in `param.main_grad`: `optimizer_grad_pieces()` hands
+`finalize_model_grads` and the optimizer the gradient tensors the optimizer steps with (this rank's shard
+piece of each parameter), with the process groups over which the pieces of one parameter are spread.
+"""
+
+from contextlib import contextmanager
+from typing import Callable, List, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+
+
+class GradPiece(NamedTuple):
+    """The gradient the optimizer reads for elements `[param_start, param_end)` of the flattened `param`."""
+
+    param: torch.nn.Parameter
+    grad: torch.Tensor
+    param_start: int
+    param_end: int
+
+
+def default_fsdp_unit_modules():
+    """Module classes that become Megatron-FSDP units: the transformer layers."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    return (TransformerLayer,)
+
+
+def _mixed_precision_policy(config, ddp_config: DistributedDataParallelConfig):
+    """The package's dtype policy from the `--megatron-fsdp-*-dtype` fields (None there means "auto")."""
+    import megatron_fsdp
+
+    params_dtype = getattr(config, "params_dtype", torch.float32)
+    main_params_dtype = ddp_config.megatron_fsdp_main_params_dtype or params_dtype
+    main_grads_dtype = ddp_config.megatron_fsdp_main_grads_dtype
+    if main_grads_dtype is None and ddp_config.grad_reduce_in_fp32:
+        main_grads_dtype = torch.float32
+    return megatron_fsdp.MixedPrecisionPolicy(
+        main_params_dtype=main_params_dtype,
+        main_grads_dtype=main_grads_dtype,
+        grad_comm_dtype=ddp_config.megatron_fsdp_grad_comm_dtype,
+    )
+
+
+def _package_ddp_config(ddp_config: DistributedDataParallelConfig):
+    import megatron_fsdp
+
+    return megatron_fsdp.DistributedDataParallelConfig(
+        grad_reduce_in_fp32=ddp_config.grad_reduce_in_fp32,
+        overlap_grad_reduce=ddp_config.overlap_grad_reduce,
+        overlap_param_gather=ddp_config.overlap_param_gather and ddp_config.overlap_grad_reduce,
+        use_distributed_optimizer=True,
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy=ddp_config.data_parallel_sharding_strategy,
+        outer_dp_sharding_strategy=ddp_config.outer_dp_sharding_strategy,
+        num_distributed_optimizer_instances=ddp_config.num_distributed_optimizer_instances,
+        check_for_nan_in_grad=ddp_config.check_for_nan_in_grad,
+        bucket_size=ddp_config.bucket_size,
+        average_in_collective=ddp_config.average_in_collective,
+        fsdp_double_buffer=ddp_config.fsdp_double_buffer,
+        preproc_state_dict_for_dcp_ckpt=ddp_config.preproc_state_dict_for_dcp_ckpt,
+    )
+
+
+class _Mesh(NamedTuple):
+    device_mesh: object
+    dp_shard_dim: Optional[str]
+    dp_outer_dim: Optional[str]
+    tp_dim: Optional[str]
+    hybrid_fsdp_group: object
+    data_parallel_group: object  # every data-parallel (x context-parallel) rank of this stage
+
+
+def _mesh_from_parallel_state(ddp_config: DistributedDataParallelConfig) -> _Mesh:
+    """parallel_state's (dp_outer, dp_shard_cp, tp) mesh of this pipeline stage; the world without one."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        if ddp_config.num_distributed_optimizer_instances > 1:
+            raise ValueError(
+                "FullyShardedDataParallel: num_distributed_optimizer_instances > 1 (--num-distributed-optimizer-"
+                "instances) needs parallel_state.initialize_model_parallel(num_distributed_optimizer_instances=N)"
+            )
+        return _Mesh(None, None, None, None, None, dist.group.WORLD)
+    instances = parallel_state.get_num_distributed_optimizer_instances()
+    if instances != ddp_config.num_distributed_optimizer_instances:
+        raise ValueError(
+            f"FullyShardedDataParallel: ddp_config.num_distributed_optimizer_instances="
+            f"{ddp_config.num_distributed_optimizer_instances} but parallel_state was initialised with {instances}; "
+            "pass the same --num-distributed-optimizer-instances to both"
+        )
+    hybrid = instances > 1
+    tensor_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
+    data_parallel_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return _Mesh(
+        device_mesh=parallel_state.get_device_mesh(),
+        dp_shard_dim="dp_shard_cp",
+        dp_outer_dim="dp_outer" if hybrid else None,
+        tp_dim="tp" if tensor_parallel else None,
+        hybrid_fsdp_group=data_parallel_group if hybrid else None,
+        data_parallel_group=data_parallel_group,
+    )
+
+
+class FullyShardedDataParallel(torch.nn.Module):
+    """Wraps `module` (one pipeline stage's Megatron-Core model) with Megatron-FSDP; see the module docstring.
+
+    Args:
+        config: the model's TransformerConfig (read: params_dtype, calculate_per_token_loss,
+            init_model_with_meta_device).
+        ddp_config: `DistributedDataParallelConfig` with `use_megatron_fsdp=True`; its
+            `data_parallel_sharding_strategy` is the ZeRO level.
+        module: the model chunk, on this process's device or (with `init_model_with_meta_device`) on meta.
+        fsdp_unit_modules: classes (or dotted names) whose instances become units; default `TransformerLayer`.
+    """
+
+    def __init__(self, config, ddp_config: DistributedDataParallelConfig, module, fsdp_unit_modules=None):
+        super().__init__()
+        import megatron_fsdp
+
+        if not ddp_config.use_megatron_fsdp:
+            raise ValueError(
+                "FullyShardedDataParallel needs DistributedDataParallelConfig(use_megatron_fsdp=True) "
+                "(--use-megatron-fsdp); for plain data parallelism use DistributedDataParallel"
+            )
+        self.config = config
+        self.ddp_config = ddp_config
+        mesh = _mesh_from_parallel_state(ddp_config)
+        self.data_parallel_group = mesh.data_parallel_group
+        meta = any(param.is_meta for param in module.parameters())
+        if meta and not getattr(config, "init_model_with_meta_device", False):
+            raise ValueError(
+                "FullyShardedDataParallel: the model has meta-device parameters but config."
+                "init_model_with_meta_device is False; build it with --init-model-with-meta-device"
+            )
+        self.module = megatron_fsdp.MegatronFSDP(
+            module,
+            _package_ddp_config(ddp_config),
+            device_mesh=mesh.device_mesh,
+            dp_shard_dim=mesh.dp_shard_dim,
+            dp_outer_dim=mesh.dp_outer_dim,
+            tp_dim=mesh.tp_dim,
+            hybrid_fsdp_group=mesh.hybrid_fsdp_group,
+            fsdp_unit_modules=fsdp_unit_modules if fsdp_unit_modules is not None else default_fsdp_unit_modules(),
+            mixed_precision_policy=_mixed_precision_policy(config, ddp_config),
+            init_model_with_meta_device=meta,
+            calculate_per_token_loss=getattr(config, "calculate_per_token_loss", False),
+            report_nan_in_param_grad=ddp_config.check_for_nan_in_grad,
+        )
+
+    # ---- what the training loop and the schedules use ---------------------------------------------------------
+    @property
+    def fsdp(self):
+        """The `megatron_fsdp.MegatronFSDP` wrapper (same object as `self.module`)."""
+        return self.module
+
+    @property
+    def device(self) -> torch.device:
+        return self.module.device
+
+    def forward(self, *inputs, **kwargs):
+        return self.module(*inputs, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate this rank's gradients without communicating them (ZeRO-0/1); ZeRO-2/3 reduce-scatter every
+        microbatch into their gradient shards, which is what keeps them from holding full gradients."""
+        with self.module.no_sync():
+            yield
+
+    def start_grad_sync(self):
+        self.module.start_grad_sync()
+
+    def finish_grad_sync(self):
+        """Complete every reduction of the step; afterwards `optimizer_grad_pieces()` holds reduced gradients."""
+        self.module.finish_grad_sync()
+
+    def zero_grad_buffer(self):
+        self.module.zero_grad_buffer()
+
+    def scale_gradients(self, scaling_factor: float):
+        self.module.scale_gradients(scaling_factor)
+
+    def start_param_sync(self, force_sync: bool = False):
+        self.module.start_param_sync(force_sync=force_sync)
+
+    def broadcast_params(self):
+        """Make every data-parallel replica hold data-parallel rank 0's weights."""
+        self.module.broadcast_params()
+
+    def state_dict(self, *args, **kwargs):
+        """Parameter name -> DTensor over the data-parallel (and TP) mesh; loadable at another DP size."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    @contextmanager
+    def gathered_parameters(self):
+        """Between steps, the wrapped model with every parameter holding its full weights (for reading)."""
+        with self.module.gathered_parameters() as model:
+            yield model
+
+    # ---- gradients, for finalize_model_grads and the optimizer ------------------------------------------------------
+    @property
+    def strategy(self):
+        return self.module.strategy
+
+    def grad_shard_groups(self) -> List[object]:
+        """Process groups over which the optimizer's gradient pieces of one parameter are spread (disjoint
+        pieces): the shard group under ZeRO-1..3, and the outer group too under HFSDP. HSDP's outer ranks hold
+        identical copies, ZeRO-0's data-parallel ranks full ones."""
+        import megatron_fsdp
+
+        topology = self.module.topology
+        groups = []
+        if self.module.strategy != megatron_fsdp.ShardingStrategy.no_shard and topology.dp_size > 1:
+            groups.append(topology.dp_group)
+        if topology.outer_shards_optimizer and topology.outer_size > 1:
+            groups.append(topology.outer_group)
+        return groups
+
+    def optimizer_grad_pieces(self, predicate: Optional[Callable[[torch.nn.Parameter], bool]] = None
+                              ) -> List[GradPiece]:
+        """This rank's pieces of the gradients the optimizer steps with, after `finish_grad_sync()`, for the
+        trainable parameters `predicate(param)` accepts (the real parameters, with their Megatron attributes).
+        ZeRO-0 pieces are whole parameters in their own shape; ZeRO-1..3 pieces are flat and may be empty."""
+        import megatron_fsdp
+
+        whole = self.module.strategy == megatron_fsdp.ShardingStrategy.no_shard
+        pieces = []
+        for group in self.module.groups:
+            grads = group.optimizer_grad_views()
+            if not grads:
+                continue
+            for index, param in enumerate(group.params):
+                if predicate is not None and not predicate(param):
+                    continue
+                if whole:
+                    pieces.append(GradPiece(param, grads[index], 0, param.numel()))
+                else:
+                    piece = group.main_pieces[index]
+                    pieces.append(GradPiece(param, grads[index], piece.param_start, piece.param_end))
+        return pieces
+
+    def main_param_of(self, param) -> Optional[torch.Tensor]:
+        """The main-weight view the optimizer steps on for `param` (a module parameter or its at-rest
+        placeholder); None for frozen parameters."""
+        group, index = self.module.param_to_group[id(param)]
+        return group.main_param_views[index]
+
+    def real_parameter(self, param) -> torch.nn.Parameter:
+        """The parameter object Megatron-FSDP manages for `param` (itself, or the one an at-rest ZeRO-3
+        placeholder stands in for)."""
+        group, index = self.module.param_to_group[id(param)]
+        return group.params[index]
+
+    # ---- reports --------------------------------------------------------------------------------------------------
+    def state_bytes(self) -> dict:
+        """Persistent bytes this rank holds: compute weights (`params_bytes`), gradient buffers (`grads_bytes`)
+        and the optimizer's side (`optimizer_state_bytes`: main weights not aliasing the compute weights plus the
+        optimizer's state tensors). See `megatron.training.training_log.memory_usage`."""
+        report = self.module.memory_report()
+        # A ZeRO-3 shard whose main weights have the compute dtype is one tensor serving as both: count it as
+        # parameters, so that `optimizer_state_bytes` only holds what exists for the optimizer's sake.
+        shared_shards = sum(group.main_weights.numel() * group.main_weights.element_size()
+                            for group in self.module.groups
+                            if group.main_weights is not None and group.compute_shard is group.main_weights)
+        return {
+            "params_bytes": report["compute_weights"] + shared_shards,
+            "grads_bytes": report["grads"],
+            "optimizer_state_bytes": report["main_weights"] - shared_shards + report["optimizer_state"],
+        }
+
+    def communication_report(self) -> dict:
+        return self.module.communication_report()
+
+    def __getattr__(self, name):
+        """Fall back to the wrapped Megatron-Core model (e.g. `set_input_tensor`, `shared_embedding_or_output_weight`)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("module").module, name)
