@@ -5,7 +5,9 @@ follow `order` (the first axis varies fastest, Megatron's default "tp-cp-ep-dp-p
 neighbours on consecutive ranks) and returns, for every kind of group, the list of rank lists. It runs
 without processes, so the layouts are unit-tested directly. `initialize_model_parallel` then asks
 `torch.distributed` for one process group per rank list (every rank creates every group in the same order,
-as `new_group` requires) and keeps the groups this rank belongs to; the getters below read them back.
+as `new_group` requires) and keeps the groups this rank belongs to; the getters below read them back. It
+takes Megatron-Core's parameters in Megatron-Core's positional order; an option this implementation cannot
+honour (virtual pipeline stages, SHARP, ...) raises a ValueError that names it rather than being ignored.
 
 Expert parallelism uses its own grid over the same ranks: within a pipeline stage the tp*cp*dp ranks are
 re-read as tp x ep x expert-dp (context parallelism folded into expert data parallelism).

@@ -244,3 +244,29 @@ def test_device_helpers_follow_the_backend():
     assert torch.equal(torch.rand(3), first)
     device_utils.manual_seed_device(3, "cpu")
     assert torch.equal(torch.rand(2), torch.rand(2, generator=torch.Generator().manual_seed(3)))
+
+
+@pytest.mark.parametrize(
+    "backend, option, message",
+    [
+        ("gloo", dict(use_sharp=True), r"SHARP is an NCCL feature and this world's backend is 'gloo'"),
+        ("nccl", dict(use_sharp=True), "NCCL's SHARP support is not implemented yet"),
+        ("gloo", dict(sharp_enabled_group="dp"), "sharp_enabled_group='dp'"),
+        ("gloo", dict(nccl_communicator_config_path="c.yaml"), r"an NCCL option and this world's backend is 'gloo'"),
+        ("nccl", dict(nccl_communicator_config_path="c.yaml"), "nccl_communicator_config_path: not implemented yet"),
+        ("nccl", dict(high_priority_stream_groups=["dp"]), "high_priority_stream_groups: not implemented yet"),
+        ("nccl", dict(pipeline_model_parallel_comm_backend="gloo"), r"default process group's backend \('nccl'\)"),
+        ("gloo", dict(virtual_pipeline_model_parallel_size=1), "virtual pipeline stages"),
+        ("gloo", dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=1), "leave it None or equal"),
+        ("gloo", dict(distributed_timeout_minutes=True), "distributed_timeout_minutes must be a positive number"),
+    ],
+)
+def test_options_that_cannot_be_honoured_are_named(backend, option, message):
+    with pytest.raises(ValueError, match=message):
+        ps.reject_unsupported_options(backend, **option)
+
+
+def test_options_that_can_be_honoured_pass():
+    ps.reject_unsupported_options("gloo", pipeline_model_parallel_comm_backend="gloo")
+    ps.reject_unsupported_options("nccl", pipeline_model_parallel_comm_backend="nccl", distributed_timeout_minutes=0.5)
+    ps.reject_unsupported_options("gloo", tensor_model_parallel_size=2, expert_tensor_parallel_size=2)

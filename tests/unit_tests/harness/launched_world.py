@@ -37,7 +37,9 @@ from tests.unit_tests.harness.rank_task import (
 
 PROCESS_GROUP_TIMEOUT_S = 120
 ARRIVAL_TIMEOUT_S = 600
-FINISH_TIMEOUT_S = 120
+# Ranks wait this long for each other at the end of the session: a rank that exits with a failure first
+# makes torchrun stop the others, so ranks leave together however long the slowest one still runs.
+FINISH_TIMEOUT_S = 1800
 _STORE_PREFIX = "megatron-unit-tests"
 _FINISHED = 1 << 60  # the position a rank publishes once its session is over
 _ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -197,13 +199,11 @@ class LaunchedWorld:
         """
         if self.rank == 0:
             try:
-                message = pickle.dumps(("ok", task))
+                self._store.set(f"{key}/task", pickle.dumps(("ok", task)))
             except Exception as error:
-                message = pickle.dumps(("error", f"the task {task[0]!r} and its arguments cannot be pickled: {error!r}"))
-            self._store.set(f"{key}/task", message)
-            status, payload = pickle.loads(message)
-            if status == "error":
-                raise MultiRankError(payload)
+                problem = f"the task {task[0]!r} and its arguments cannot be pickled: {error!r}"
+                self._store.set(f"{key}/task", pickle.dumps(("error", problem)))
+                raise MultiRankError(problem) from error
             return task
         self._wait({0: f"{key}/task"}, timeout_s, "receiving the task")
         status, payload = pickle.loads(self._store.get(f"{key}/task"))
