@@ -32,6 +32,7 @@ def fully_shard_model(
     disable_bucketing: bool = False,
     calculate_per_token_loss: bool = False,
     fsdp_double_buffer: bool = False,
+    maxpool_double_buffer: bool = False,
 ) -> MegatronFSDP:
     """Shard `module` over the data-parallel ranks (a 1-D mesh over the world when no mesh is given).
 
@@ -40,6 +41,8 @@ def fully_shard_model(
     `dp_outer_dim` + `hybrid_fsdp_group`: replicate across the outer dim (HSDP, `outer_dp_sharding_strategy=
     "no_shard"`), or also shard main weights, gradients and optimizer state across it (HFSDP, `"optim"`).
     `tp_dim`: the mesh dim of Megatron tensor parallelism (state dicts then hold TP-full DTensors).
+    `fsdp_double_buffer` / `maxpool_double_buffer` (either one): units gather into a fixed pool of two buffers,
+    each sized to the largest unit (the max over units), instead of allocating per gather.
     """
     config = DistributedDataParallelConfig(
         overlap_grad_reduce=overlap_grad_reduce,
@@ -49,7 +52,7 @@ def fully_shard_model(
         data_parallel_sharding_strategy=ShardingStrategy.parse(zero_dp_strategy),
         outer_dp_sharding_strategy=ShardingStrategy.parse(outer_dp_sharding_strategy, "outer_dp_sharding_strategy"),
         average_in_collective=average_in_collective,
-        fsdp_double_buffer=fsdp_double_buffer,
+        fsdp_double_buffer=fsdp_double_buffer or maxpool_double_buffer,
         check_for_nan_in_grad=report_nan_in_param_grad,
         preproc_state_dict_for_dcp_ckpt=preproc_state_dict_for_dcp_ckpt,
     )
@@ -76,12 +79,32 @@ def fully_shard(module: torch.nn.Module, optimizer: torch.optim.Optimizer, **kwa
                                                                                                 torch.optim.Optimizer]:
     """`fully_shard_model(module, **kwargs)` then `fully_shard_optimizer(optimizer)`; returns both.
 
-    The optimizer must have been built from `module`'s parameters (the same Parameter objects stay in the
-    wrapped model, so building it before or after wrapping both work; with a meta-device model, build it after).
+    The optimizer must have been built from `module`'s parameters, before or after wrapping. A meta-device
+    model's parameters are replaced when it is materialised; an optimizer built on them before wrapping is
+    re-pointed at the materialised parameters of the same names.
     """
     preproc = kwargs.get("preproc_state_dict_for_dcp_ckpt", True)
+    names_before = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names_before.setdefault(id(param), name)
     model = fully_shard_model(module, **kwargs)
+    _rebind_replaced_params(optimizer, names_before, model)
     return model, fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt=preproc)
+
+
+def _rebind_replaced_params(optimizer: torch.optim.Optimizer, names_before: dict, model: MegatronFSDP):
+    """Point `optimizer` at the wrapped model's parameters where wrapping replaced the ones it was built on."""
+    params_now = dict(model.module.named_parameters(remove_duplicate=False))
+    for param_group in optimizer.param_groups:
+        rebound = []
+        for param in param_group["params"]:
+            if id(param) not in model.param_to_group and id(param) in names_before:
+                if optimizer.state.get(param):
+                    raise ValueError(f"the optimizer already has state for '{names_before[id(param)]}'; "
+                                     "wrap the model before the first optimizer step")
+                param = params_now[names_before[id(param)]]
+            rebound.append(param)
+        param_group["params"] = rebound
 
 
 __all__ = ["fully_shard_model", "fully_shard_optimizer", "fully_shard"]

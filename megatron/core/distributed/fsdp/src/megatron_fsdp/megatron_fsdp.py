@@ -344,6 +344,13 @@ class MegatronFSDP(nn.Module):
         finally:
             self.schedule.sync_enabled = previous
 
+    def set_model_auto_sync(self, sync_model: bool = True):
+        """Whether gradients are reduced in every microbatch's backward (True, `sync_model_each_microbatch`) or,
+        under strategies 0/1, only by `finish_grad_sync` (which `optimizer.step()` calls). Switch it off for the
+        microbatches of a step and on again for its last one, as upstream scripts do; strategies 2/3 reduce
+        every microbatch regardless, since their gradients live only as shards."""
+        self.schedule.sync_model_each_microbatch = bool(sync_model)
+
     @contextlib.contextmanager
     def gathered_parameters(self):
         """Between steps, make every parameter of `self.module` hold its full current weights (for reading).

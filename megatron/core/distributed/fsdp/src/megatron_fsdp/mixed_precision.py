@@ -12,7 +12,8 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 class MixedPrecisionPolicy:
     """Dtypes of the optimizer-facing state; compute always runs in the model's own parameter dtype.
 
-    main_params_dtype: dtype of the sharded main weights the optimizer updates (fp32 by default).
+    main_params_dtype: dtype of the sharded main weights the optimizer updates (fp32 by default). None: the
+        compute weights act as the main weights (no separate copy; the optimizer steps in the model's dtype).
     main_grads_dtype: dtype of the gradient buffers; None means the model parameter's dtype.
     grad_comm_dtype: dtype in which gradients are reduced; None means the main grads dtype.
     """
@@ -24,13 +25,16 @@ class MixedPrecisionPolicy:
     def __post_init__(self):
         for flag in ("main_params_dtype", "main_grads_dtype", "grad_comm_dtype"):
             value = getattr(self, flag)
-            if value is None and flag != "main_params_dtype":
+            if value is None:
                 continue
             if value not in _FLOAT_DTYPES:
                 raise ValueError(
                     f"MixedPrecisionPolicy.{flag}={value} is not supported; use one of "
-                    f"{[str(d) for d in _FLOAT_DTYPES]}" + (" or None" if flag != "main_params_dtype" else "")
+                    f"{[str(d) for d in _FLOAT_DTYPES]} or None"
                 )
+
+    def main_dtype_for(self, param_dtype: torch.dtype) -> torch.dtype:
+        return self.main_params_dtype or param_dtype
 
     def grads_dtype_for(self, param_dtype: torch.dtype) -> torch.dtype:
         return self.main_grads_dtype or param_dtype

@@ -97,7 +97,7 @@ class ParamGroup:
         self.device = device
         self.trainable = self.params[0].requires_grad
         self.param_dtype = self.params[0].dtype
-        self.main_dtype = policy.main_params_dtype
+        self.main_dtype = policy.main_dtype_for(self.param_dtype)
         self.grad_dtype = policy.grads_dtype_for(self.param_dtype)
         self.comm_dtype = policy.comm_dtype_for(self.param_dtype)
         self.outer_rank, self.outer_size = outer_rank, outer_size

@@ -119,3 +119,103 @@ def local_rows_of(value, global_shape, dp_size: int, dp_rank: int) -> torch.Tens
         return value
     start, end = chunk_rows(global_shape[0], dp_size, dp_rank)
     return value[start:end]
+
+
+# ---- DTensors whose local blocks are not DTensor's own chunks ------------------------------------------------
+# `split_dtensor` cuts a sharded DTensor into pieces along a dim: each rank's piece is the part of its block
+# inside the piece, so pieces are generally uneven (not how `Shard` would cut them). Each piece remembers where
+# its block starts (`_uneven_global_offset`); `uneven_dtensor_to_full_tensor` assembles any such DTensor, and
+# pieces made with `update_uneven_dtensor_chunk_meta=True` also describe their block to
+# torch.distributed.checkpoint, so they save and load like any DTensor.
+
+def local_block_offset(dtensor: DTensor) -> Tuple[int, ...]:
+    """Global index of the first element of this rank's block of `dtensor`."""
+    offset = getattr(dtensor, "_uneven_global_offset", None)
+    if offset is not None:
+        return tuple(offset)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(dtensor.shape, dtensor.device_mesh, dtensor.placements)
+    return tuple(offset)
+
+
+def _section_bounds(length: int, split_size_or_sections) -> list:
+    if isinstance(split_size_or_sections, int):
+        if split_size_or_sections <= 0:
+            raise ValueError(f"split_dtensor: split size must be positive, got {split_size_or_sections}")
+        sizes = [min(split_size_or_sections, length - start) for start in range(0, length, split_size_or_sections)]
+    else:
+        sizes = list(split_size_or_sections)
+        if sum(sizes) != length:
+            raise ValueError(f"split_dtensor: sections {sizes} sum to {sum(sizes)}, not the dim's length {length}")
+    bounds, start = [], 0
+    for size in sizes:
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+def _describe_block_to_dcp(piece: DTensor):
+    """Let torch.distributed.checkpoint write and read this rank's block of an uneven DTensor where it lies."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    def chunk():
+        return ChunkStorageMetadata(offsets=torch.Size(piece._uneven_global_offset), sizes=piece.to_local().shape)
+
+    def create_write_items(fqn, _object):
+        return [WriteItem(index=MetadataIndex(fqn, chunk().offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=chunk(),
+                                                      properties=TensorProperties.create_from_tensor(piece.to_local()),
+                                                      size=piece.size()))]
+
+    piece.__create_write_items__ = create_write_items
+    piece.__create_chunk_list__ = lambda: [chunk()]
+    piece.__get_tensor_shard__ = lambda index: piece.to_local()
+
+
+def split_dtensor(dtensor: DTensor, split_size_or_sections, dim: int = 0,
+                  update_uneven_dtensor_chunk_meta: bool = False) -> list:
+    """`torch.split` for a DTensor: pieces along `dim` (a size, or a list of sizes), each a DTensor on the same
+    mesh and placements whose local part is a view of the part of this rank's block inside the piece."""
+    dim = dim % dtensor.dim()
+    local = dtensor.to_local()
+    offset = local_block_offset(dtensor)
+    block_start, block_end = offset[dim], offset[dim] + local.shape[dim]
+    pieces = []
+    for start, end in _section_bounds(dtensor.shape[dim], split_size_or_sections):
+        low, high = max(start, block_start), min(end, block_end)
+        if high < low:  # no overlap: an empty block at the edge of the piece nearest this rank's block
+            low = high = min(max(block_start, start), end)
+        local_piece = local.narrow(dim, min(max(low - block_start, 0), local.shape[dim]), high - low)
+        shape = list(dtensor.shape)
+        shape[dim] = end - start
+        piece = DTensor.from_local(local_piece, dtensor.device_mesh, dtensor.placements, run_check=False,
+                                   shape=torch.Size(shape), stride=contiguous_stride(shape))
+        piece_offset = list(offset)
+        piece_offset[dim] = low - start
+        piece._uneven_global_offset = tuple(piece_offset)
+        if update_uneven_dtensor_chunk_meta:
+            _describe_block_to_dcp(piece)
+        pieces.append(piece)
+    return pieces
+
+
+def uneven_dtensor_to_full_tensor(dtensor: DTensor, target_device: Optional[torch.device] = None) -> torch.Tensor:
+    """The full tensor of a DTensor whose local blocks may be uneven (as `split_dtensor` makes them): every
+    rank's block is gathered along each mesh dim and put at its offset. Call on every rank of the mesh."""
+    import torch.distributed as dist
+
+    blocks = [(local_block_offset(dtensor), dtensor.to_local().detach().cpu())]
+    mesh = dtensor.device_mesh
+    for mesh_dim in range(mesh.ndim):
+        if isinstance(dtensor.placements[mesh_dim], Replicate):
+            continue
+        gathered = [None] * mesh.size(mesh_dim)
+        dist.all_gather_object(gathered, blocks, group=mesh.get_group(mesh_dim))
+        blocks = [block for rank_blocks in gathered for block in rank_blocks]
+    full = torch.zeros(dtensor.shape, dtype=dtensor.dtype)
+    for offset, block in blocks:
+        if block.numel():
+            full[tuple(slice(o, o + s) for o, s in zip(offset, block.shape))] = block
+    return full.to(target_device if target_device is not None else dtensor.to_local().device)
