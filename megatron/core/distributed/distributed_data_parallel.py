@@ -46,9 +46,10 @@ class DistributedDataParallel(torch.nn.Module):
                 "DistributedDataParallel: ddp_config.use_megatron_fsdp=True selects the Megatron-FSDP wrapper "
                 "(megatron.core.distributed.fsdp); build that instead of DistributedDataParallel."
             )
-        if ddp_config.fp8_param_gather:
+        if ddp_config.fp8_param_gather and not (ddp_config.use_distributed_optimizer and getattr(config, "fp8", None)):
             raise ValueError(
-                "DistributedDataParallel does not gather fp8 parameters; drop --fp8-param-gather or use Megatron-FSDP."
+                "DistributedDataParallel gathers FP8 parameters only with the distributed optimizer in an FP8 run: "
+                "--fp8-param-gather needs --use-distributed-optimizer and --fp8-format."
             )
         self.config = config
         self.ddp_config = ddp_config
@@ -73,15 +74,20 @@ class DistributedDataParallel(torch.nn.Module):
         param_names = {param: name for name, param in module.named_parameters()}
         self._param_names = param_names
         params_by_dtype = {}
+        fp8_weights = set()
+        if ddp_config.fp8_param_gather:
+            from megatron.core.fp8.params import fp8_weight_params
+
+            fp8_weights = set(fp8_weight_params(module, config))
         for param in reversed(list(module.parameters())):
             if not param.requires_grad:
                 continue
             grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param.dtype
-            params_by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
+            params_by_dtype.setdefault((param.dtype, grad_dtype, param in fp8_weights), []).append(param)
         self.buffers = [
             ParamAndGradBuffer(ddp_config, params, param_dtype, grad_dtype, bucket_size, self.groups,
-                               gradient_scaling_factor, param_names)
-            for (param_dtype, grad_dtype), params in params_by_dtype.items()
+                               gradient_scaling_factor, param_names, fp8_config=config if is_fp8 else None)
+            for (param_dtype, grad_dtype, is_fp8), params in params_by_dtype.items()
         ]
         # One global issue order for all buckets of all buffers: every rank must start collectives in the same order.
         self._buckets = [bucket for buffer in self.buffers for bucket in buffer.buckets]

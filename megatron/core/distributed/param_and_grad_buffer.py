@@ -8,7 +8,8 @@ the distributed optimizer, its `.data`) is a view into the flat buffer. With the
 
 Communication: `Bucket.start_grad_sync` reduces a bucket (all-reduce, or reduce-scatter with the distributed
 optimizer), `Bucket.start_param_sync` all-gathers the updated parameter shards; both may run asynchronously
-and are completed by the matching `finish_*` call.
+and are completed by the matching `finish_*` call. A buffer of FP8 weights (`--fp8-param-gather`, see
+`megatron.core.fp8.params`) all-gathers their FP8 bytes instead of the high-precision values.
 """
 
 import math
@@ -57,6 +58,7 @@ class Bucket:
         self._params_with_grad = set()
         self._grad_works = []
         self._param_gather_works = []
+        self._fp8_install_pending = False
         self.grad_sync_started = False
 
     # ---- sharding arithmetic --------------------------------------------------------------------------------
@@ -139,12 +141,17 @@ class Bucket:
     # ---- parameter all-gather (distributed optimizer) ---------------------------------------------------------
     def start_param_sync(self, async_op):
         shard_group = self.buffer.groups.shard_group
+        fp8_storage = self.buffer.fp8_storage
+        if fp8_storage is not None:
+            self._fp8_install_pending = True
         if self.param_data is None or _world_size(shard_group) == 1 or self._param_gather_works:
             return
+        # FP8 weights travel as their bytes (uint8: gloo rejects float8 dtypes).
+        gathered = self.param_data if fp8_storage is None else fp8_storage.data[self.offset:self.offset + self.numel]
         start, end = self.local_shard_range()
         # The input is a copy: gathering a tensor into a buffer that contains it is not safe on every backend.
-        local_shard = self.param_data[start:end].clone()
-        work = dist.all_gather_into_tensor(self.param_data, local_shard, group=shard_group, async_op=async_op)
+        local_shard = gathered[start:end].clone()
+        work = dist.all_gather_into_tensor(gathered, local_shard, group=shard_group, async_op=async_op)
         if work is not None:
             self._param_gather_works.append(work)
 
@@ -152,16 +159,21 @@ class Bucket:
         for work in self._param_gather_works:
             work.wait()
         self._param_gather_works = []
+        if self._fp8_install_pending:
+            self._fp8_install_pending = False
+            self.buffer.fp8_storage.install(self.params, self.buffer.param_index_map)
 
     def param_sync_pending(self):
-        return bool(self._param_gather_works)
+        return bool(self._param_gather_works) or self._fp8_install_pending
 
 
 class ParamAndGradBuffer:
     """Flat storage for the gradients (and, with the distributed optimizer, the values) of same-dtype params."""
 
     def __init__(self, ddp_config, params, param_dtype, grad_dtype, bucket_size, groups, gradient_scaling_factor,
-                 param_names=None):
+                 param_names=None, fp8_config=None):
+        """`fp8_config`: the model config of FP8 weights (`--fp8-param-gather`); the buffer then also keeps
+        their FP8 bytes and scales (`fp8_storage`) and all-gathers those."""
         self.ddp_config = ddp_config
         self.param_dtype = param_dtype
         self.grad_dtype = grad_dtype
@@ -177,6 +189,11 @@ class ParamAndGradBuffer:
         self.param_data = None
         if ddp_config.use_distributed_optimizer:
             self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
+        self.fp8_storage = None
+        if fp8_config is not None:
+            from megatron.core.fp8.params import Fp8ParamStorage
+
+            self.fp8_storage = Fp8ParamStorage.from_config(self.numel, device, fp8_config)
 
         for param in self.params:
             start, end, _ = self.param_index_map[param]

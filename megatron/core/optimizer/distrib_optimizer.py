@@ -5,7 +5,9 @@ are split evenly over the shard group (see param_and_grad_buffer.py). This optim
 parameters and optimizer state only for the elements this rank owns. A step reads the reduced gradient shard
 from the grad buffer, unscales/clips it (norms are summed over the model-parallel and shard groups), steps,
 writes the updated shard into the parameter buffer and all-gathers the buffer (asynchronously with
-`overlap_param_gather`, completed per module in the next forward).
+`overlap_param_gather`, completed per module in the next forward). With `--fp8-param-gather` the shards of
+FP8 weights are quantized into their buffer's FP8 bytes instead, and those are gathered (see
+`megatron.core.fp8.params`); the model starts from its FP8 weights, gathered once at construction.
 
 Checkpoints: `state_dict()` holds this rank's shards and can be loaded back on the same data-parallel layout.
 `gathered_state_dict()` assembles full, unsharded tensors per parameter (a collective; every rank gets the
@@ -71,6 +73,10 @@ class DistributedOptimizer(MegatronOptimizer):
                 main_group_params.append(shard.main_param)
             main_groups.append({**group, "params": main_group_params})
         super().__init__(optimizer_factory(main_groups), config, grad_scaler, grad_stats_groups, found_inf_groups)
+        if any(getattr(buffer, "fp8_storage", None) is not None for chunk in self.model_chunks for buffer in chunk.buffers):
+            self._copy_main_params_to_model_params()
+            for chunk in self.model_chunks:
+                chunk.finish_param_sync()
 
     def model_params(self):
         return list(self._model_params)
@@ -83,7 +89,9 @@ class DistributedOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def _copy_main_params_to_model_params(self):
-        for shard in self._shards:
+        from megatron.core.fp8.params import quantize_main_params_into_fp8_buffers
+
+        for shard in quantize_main_params_into_fp8_buffers(self.model_chunks, self._shards):
             shard.param_buffer_view().copy_(shard.main_param)
         for chunk in self.model_chunks:
             chunk.start_param_sync()

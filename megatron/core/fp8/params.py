@@ -1,0 +1,105 @@
+"""FP8 compute weights for `--fp8-param-gather` with the distributed optimizer.
+
+The weights of the linear layers that run inside FP8 regions live in a buffer of their own. Besides the usual
+high-precision storage that autograd and checkpoints see, such a buffer holds `Fp8ParamStorage`: the FP8 bytes
+of every weight (one per element) and one scale per weight. After each optimizer step every rank quantizes its
+fp32 main shards into its slice of those bytes with a scale agreed across the data-parallel shard group and the
+tensor-parallel group (the MAX of the shards' amaxes), then the bytes are all-gathered (as uint8, which every
+backend moves). Each weight then carries `weight.fp8_weight` (a `Float8Tensor` viewing the gathered bytes),
+which the FP8 linear uses as it is, and its high-precision value is set to the dequantized FP8 weight, the
+value the model really computes with.
+"""
+
+import torch
+
+from megatron.core.fp8.context import is_first_last_bf16_layer
+from megatron.core.fp8.formats import get_fp8_format
+from megatron.core.fp8.scaling import all_reduce_max, tensor_parallel_group_if_sharded
+from megatron.core.fp8.tensor import Float8Tensor, quantize, scale_from_amax
+
+
+def fp8_weight_params(module, config):
+    """The weights that run in FP8 regions: the linear weights of transformer layers outside the
+    `--first-last-layers-bf16` ranges (not the embedding, the output layer, norms or biases)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    weights = []
+    for layer in module.modules():
+        if not isinstance(layer, TransformerLayer) or is_first_last_bf16_layer(config, layer.layer_number - 1):
+            continue
+        for submodule in layer.modules():
+            if isinstance(submodule, (ColumnParallelLinear, RowParallelLinear)) and submodule.weight is not None:
+                weights.append(submodule.weight)
+    return weights
+
+
+class Fp8ParamStorage:
+    """FP8 bytes and per-parameter scales of one flat parameter buffer (see the module docstring).
+
+    Args:
+        numel: elements of the buffer.
+        device: where the bytes live.
+        dtype: the float8 dtype weights are stored in (the recipe's forward dtype).
+        margin: `--fp8-margin`.
+    """
+
+    def __init__(self, numel, device, dtype, margin=0):
+        self.data = torch.zeros(numel, dtype=torch.uint8, device=device)
+        self.dtype = dtype
+        self.margin = margin
+        self.scales = {}
+
+    @classmethod
+    def from_config(cls, numel, device, config):
+        return cls(numel, device, get_fp8_format(config.fp8).forward_dtype, config.fp8_margin)
+
+    def weight(self, param, start, end):
+        """The FP8 weight of `param` (elements `[start, end)` of the buffer)."""
+        data = self.data[start:end].view(self.dtype).view(param.shape)
+        return Float8Tensor(data, self.scales[param])
+
+    @torch.no_grad()
+    def install(self, params, param_index_map):
+        """Give each of `params` its gathered FP8 weight and set its high-precision value to it."""
+        for param in params:
+            start, end, _ = param_index_map[param]
+            fp8_weight = self.weight(param, start, end)
+            param.fp8_weight = fp8_weight
+            param.data.copy_(fp8_weight.dequantize(param.dtype))
+
+    @torch.no_grad()
+    def quantize_main_shards(self, buffer, shards, shard_groups):
+        """Write this rank's main shards into the FP8 bytes with scales agreed across `shard_groups` and the
+        tensor-parallel group; every rank of those groups must call this for the same buffer."""
+        index_of = {param: index for index, param in enumerate(buffer.params)}
+        amaxes = torch.zeros(len(buffer.params), dtype=torch.float32, device=self.data.device)
+        for shard in shards:
+            if shard.main_param.numel():
+                amaxes[index_of[shard.model_param]] = shard.main_param.detach().abs().max().float()
+        all_reduce_max(amaxes, [*shard_groups, tensor_parallel_group_if_sharded()])
+        scales = scale_from_amax(amaxes, self.dtype, self.margin)
+        for param, index in index_of.items():
+            self.scales[param] = scales[index].clone()
+        for shard in shards:
+            start = shard.buffer_start
+            end = start + shard.param_end - shard.param_start
+            fp8_shard = quantize(shard.main_param.detach(), self.dtype, self.scales[shard.model_param])
+            self.data[start:end].copy_(fp8_shard.data.view(torch.uint8))
+
+
+def quantize_main_params_into_fp8_buffers(model_chunks, shards):
+    """For every FP8 parameter buffer of `model_chunks` (same order on all ranks), quantize the owned main
+    shards into its FP8 bytes. Returns the shards whose buffers have no FP8 storage (copied as usual)."""
+    shards_by_buffer = {}
+    for shard in shards:
+        shards_by_buffer.setdefault(id(shard.buffer), []).append(shard)
+    plain_shards = [shard for shard in shards if getattr(shard.buffer, "fp8_storage", None) is None]
+    for chunk in model_chunks:
+        for buffer in chunk.buffers:
+            storage = getattr(buffer, "fp8_storage", None)
+            if storage is None:
+                continue
+            groups = [buffer.groups.shard_group]
+            storage.quantize_main_shards(buffer, shards_by_buffer.get(id(buffer), []), groups)
+    return plain_shards

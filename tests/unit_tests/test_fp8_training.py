@@ -1,0 +1,130 @@
+"""FP8 training end to end through `pretrain(argv=...)` on 2 ranks: the README's tiny GPT (4 layers, hidden 128,
+rope, RMSNorm, swiglu; sequence length 64 here to stay fast) on the bundled corpus, byte-level tokens.
+
+- FP8 (hybrid, delayed scaling) tracks the fp32 loss curve within a documented bound, and differs from it.
+- `--fp8-param-gather` with the distributed optimizer gives the same losses as FP8 without it (tensorwise
+  scaling: both quantize each weight with the amax of the full weight), and all-gathers the FP8 weights as one
+  byte per element.
+- A run with `--fp8-param-gather` resumed from its checkpoint continues exactly like the uninterrupted run.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CORPUS = os.path.join(REPO_ROOT, "data", "corpus", "stdlib_docs.jsonl")
+NUM_DOCUMENTS = 400
+TRAIN_ITERS = 12
+
+TINY_GPT = (
+    "--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
+    "--position-embedding-type rope --normalization RMSNorm --swiglu --hidden-dropout 0 --attention-dropout 0 "
+    "--make-vocab-size-divisible-by 64 --micro-batch-size 4 --global-batch-size 8 --lr 3e-3 --min-lr 3e-4 "
+    "--lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0 --seed 1234 "
+    "--tokenizer-type ByteLevelTokenizer --split 100,0,0 --num-workers 0 --log-interval 1 --eval-iters 0 "
+    "--ckpt-format torch --use-distributed-optimizer"
+)
+# FP8 against fp32 over the first 12 iterations: the loss falls by ~2.4 nats while per-iteration differences
+# stay below ~0.02 (FP8 rounds every GEMM operand with a relative error up to 2**-4); 0.05 leaves headroom, and
+# the curves must differ by more than 1e-4 somewhere, or FP8 was not in effect.
+FP8_LOSS_BOUND = 0.05
+# Losses of identical computations on different code paths (summation order only).
+PARITY_TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def corpus_prefix(tmp_path_factory):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path_factory.mktemp("fp8_corpus") / "stdlib_docs_text_document")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    with open(CORPUS, encoding="utf-8") as corpus:
+        for _, line in zip(range(NUM_DOCUMENTS), corpus):
+            ids = list(json.loads(line)["text"].encode("utf-8")) + [256]  # ByteLevelTokenizer: 256 = end of document
+            builder.add_document(np.array(ids, dtype=np.uint16), [len(ids)])
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def _pretrain_and_count_gathers(argv):
+    """Runs pretrain; returns the losses and the (dtype, bytes) of every all_gather_into_tensor this rank made."""
+    import torch.distributed as dist
+
+    import pretrain_gpt
+    from megatron.core.enums import ModelType
+    from megatron.training.training import pretrain
+
+    gathers = []
+    original = dist.all_gather_into_tensor
+
+    def counting_all_gather(output, input_, *args, **kwargs):
+        gathers.append((str(output.dtype), output.numel() * output.element_size()))
+        return original(output, input_, *args, **kwargs)
+
+    dist.all_gather_into_tensor = counting_all_gather
+    try:
+        pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
+                 ModelType.encoder_or_decoder, pretrain_gpt.forward_step, argv=argv.split())
+    finally:
+        dist.all_gather_into_tensor = original
+    return gathers
+
+
+def _run(corpus_prefix, workdir, extra, iters=TRAIN_ITERS):
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    argv = f"{TINY_GPT} --data-path {corpus_prefix} --train-iters {iters} --metrics-file {metrics} {extra}"
+    gathers = run_on_ranks(2, _pretrain_and_count_gathers, argv)
+    with open(metrics) as records:
+        losses = {record["iteration"]: record["lm loss"] for record in map(json.loads, records)}
+    return losses, gathers[0]
+
+
+def test_fp8_training_tracks_fp32_and_fp8_param_gather_matches(corpus_prefix, tmp_path):
+    fp32, fp32_gathers = _run(corpus_prefix, str(tmp_path), "")
+    delayed, _ = _run(corpus_prefix, str(tmp_path), "--fp8-format hybrid --fp8-amax-history-len 4 --fp8-amax-compute-algo max")
+    tensorwise, _ = _run(corpus_prefix, str(tmp_path), "--fp8-format hybrid --fp8-recipe tensorwise")
+    gathered, fp8_gathers = _run(corpus_prefix, str(tmp_path), "--fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather")
+
+    iterations = list(range(1, TRAIN_ITERS + 1))
+    assert sorted(fp32) == iterations and fp32[TRAIN_ITERS] < fp32[1] - 1.0  # the model learns
+    for name, fp8 in (("delayed", delayed), ("tensorwise", tensorwise)):
+        differences = [abs(fp8[i] - fp32[i]) for i in iterations]
+        assert max(differences) < FP8_LOSS_BOUND, (name, differences)
+        assert max(differences) > 1e-4, (name, differences)
+    for i in iterations:
+        assert gathered[i] == pytest.approx(tensorwise[i], abs=PARITY_TOLERANCE), (i, gathered, tensorwise)
+
+    # fp32 run: the parameter buffers are all-gathered in fp32 once per step. FP8 run: the linear weights of the
+    # transformer layers travel as uint8 (1 byte per element, a quarter of their fp32 bytes) and the rest
+    # (embedding, norms, biases) as fp32; one extra round at start-up installs the initial FP8 weights.
+    assert {dtype for dtype, _ in fp32_gathers} == {"torch.float32"}
+    fp32_bytes_per_step = sum(size for _, size in fp32_gathers) / TRAIN_ITERS
+    fp8_weight_bytes = sum(size for dtype, size in fp8_gathers if dtype == "torch.uint8") / (TRAIN_ITERS + 1)
+    rest_bytes = sum(size for dtype, size in fp8_gathers if dtype == "torch.float32") / (TRAIN_ITERS + 1)
+    assert {dtype for dtype, _ in fp8_gathers} == {"torch.uint8", "torch.float32"}
+    # Buffers are padded to a multiple of DP=2 elements each: splitting one buffer in two adds at most 1.
+    assert fp32_bytes_per_step - (4 * fp8_weight_bytes + rest_bytes) in (0, -4)
+    assert 4 * fp8_weight_bytes > 0.5 * fp32_bytes_per_step  # most bytes are linear weights
+    print(f"all-gathered bytes per step: fp32 {fp32_bytes_per_step:.0f}, fp8 param gather "
+          f"{fp8_weight_bytes + rest_bytes:.0f} ({fp8_weight_bytes:.0f} as FP8)")
+
+
+def test_fp8_param_gather_checkpoint_round_trip(corpus_prefix, tmp_path):
+    extra = f"--fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather --save {tmp_path}/ckpt --save-interval 3"
+    uninterrupted, _ = _run(corpus_prefix, str(tmp_path), extra, iters=6)
+    os.rename(f"{tmp_path}/ckpt", f"{tmp_path}/ckpt_full")
+    first_half, _ = _run(corpus_prefix, str(tmp_path), f"{extra} --exit-interval 3", iters=6)
+    resumed, _ = _run(corpus_prefix, str(tmp_path), f"{extra} --load {tmp_path}/ckpt", iters=6)
+    assert sorted(resumed) == [4, 5, 6]
+    for i in (1, 2, 3):
+        assert first_half[i] == uninterrupted[i]  # the same computation
+    for i in (4, 5, 6):
+        assert resumed[i] == pytest.approx(uninterrupted[i], abs=PARITY_TOLERANCE), (resumed, uninterrupted)
