@@ -22,6 +22,8 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unk
     validate_args(parsed, args_defaults)
     set_args(parsed)
     set_cpu_threads()
+    if getattr(parsed, "deterministic_mode", False):
+        set_deterministic_mode()
     initialize_distributed(parsed)
     set_random_seed(parsed.seed, parsed.data_parallel_random_init)
     return parsed
@@ -33,6 +35,13 @@ def set_cpu_threads():
         return
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+
+
+def set_deterministic_mode():
+    """--deterministic-mode: ops without a deterministic kernel raise. cuBLAS needs a fixed workspace for that,
+    set through the environment before CUDA starts."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
 
 
 def initialize_distributed(args):

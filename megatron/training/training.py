@@ -232,6 +232,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
                     "loss_scale": float(optimizer.get_loss_scale()),
                     "grad_norm": grad_norm,
                     "num_zeros": num_zeros,
+                    "params_norm": calc_params_norm(optimizer) if args.log_params_norm else None,
                     "skipped": not update_successful,
                     "nan": loss != loss,
                     "iteration_time_s": iteration_time_s,
@@ -260,6 +261,17 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
     if last_saved_iteration != iteration and iteration > 0:
         _save(iteration, model, optimizer, scheduler, args)
     return iteration
+
+
+def calc_params_norm(optimizer):
+    """The global L2 norm of the optimizer's main parameters (--log-params-norm): every element counted once
+    over tensor-, pipeline- and data-parallel ranks, as for the gradient norm."""
+    from megatron.core.optimizer.clip_grads import get_grad_norm_fp32, grads_for_grad_stats
+
+    params = optimizer.main_params()
+    tensors = grads_for_grad_stats(params, grad_of=lambda param: param.detach())
+    device = params[0].device if params else None
+    return get_grad_norm_fp32(tensors, 2.0, optimizer.grad_stats_groups, device)
 
 
 def _synchronize(device):

@@ -5,9 +5,17 @@ import pytest
 
 from tests.functional_tests.runner import compare_series, compare_with_golden, list_cases, load_case, load_golden
 
-FAST_CASES = ["gpt/single_rank", "gpt/dp2_ddp", "gpt/dp2_distributed_optimizer", "gpt/tp2", "gpt/pp2"]
+FAST_CASES = [
+    "gpt/single_rank",
+    "gpt/dp2_ddp",
+    "gpt/dp2_distributed_optimizer",
+    "gpt/tp2",
+    "gpt/pp2",
+    "gpt/fsdp2_dp2",
+    "gpt/fsdp2_no_reshard_dp2",
+]
 # Four ranks on two cores, and the three launches of a resume case, take longer.
-SLOW_CASES = ["gpt/tp2_pp2", "gpt/resume_dp2_distributed_optimizer"]
+SLOW_CASES = ["gpt/tp2_pp2", "gpt/resume_dp2_distributed_optimizer", "gpt/fsdp2_tp2_dp2"]
 
 
 def test_every_case_folder_is_tested():

@@ -12,6 +12,30 @@ def add_arguments(parser):
     group.add_argument("--log-throughput", action="store_true", help="Log tokens/s and TFLOP/s per rank.")
     group.add_argument("--log-memory-to-tensorboard", action="store_true", help="Memory scalars and log line.")
     group.add_argument(
+        "--log-params-norm",
+        action="store_true",
+        help="Log the global L2 norm of the parameters (the optimizer's main copies) every iteration.",
+    )
+    group.add_argument(
+        "--log-timers-to-tensorboard",
+        action="store_true",
+        help="Accepted for upstream scripts: the iteration time, the one timer measured, is always written "
+        "(TensorBoard `iteration-time`, metrics file).",
+    )
+    group.add_argument(
+        "--log-validation-ppl-to-tensorboard",
+        action="store_true",
+        help="Accepted for upstream scripts: validation perplexity is always written next to the validation loss.",
+    )
+    group.add_argument(
+        "--timing-log-level",
+        type=int,
+        default=0,
+        choices=[0, 1, 2],
+        help="Accepted for upstream scripts: only level-0 timing (the whole iteration) is measured; 1 and 2 add "
+        "no finer timers.",
+    )
+    group.add_argument(
         "--metrics-file",
         default=None,
         help="JSON-lines metrics, one line per iteration; default <tensorboard-dir or save>/metrics.jsonl.",

@@ -1,4 +1,16 @@
-"""Model-shape flags: layers, widths, heads, embeddings, normalisation, dropout, vocabulary padding."""
+"""Model-shape flags: layers, widths, heads, embeddings, normalisation, dropout, vocabulary padding, attention."""
+
+ATTENTION_BACKENDS = ["auto", "local", "unfused", "flash", "fused"]
+TRANSFORMER_ENGINE_ATTENTION_BACKENDS = ("flash", "fused")
+# Upstream switches that turn off a fused kernel; every op here is already the unfused torch op.
+UNFUSED_KERNEL_FLAGS = (
+    "--no-persist-layer-norm",
+    "--no-masked-softmax-fusion",
+    "--no-bias-gelu-fusion",
+    "--no-bias-swiglu-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-rope-fusion",
+)
 
 
 def add_arguments(parser):
@@ -46,6 +58,31 @@ def add_arguments(parser):
         help="Pad the vocabulary to a multiple of this value x tensor-parallel size.",
     )
     group.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size (needed by NullTokenizer).")
+    group.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=ATTENTION_BACKENDS,
+        help="auto, local and unfused: torch's scaled_dot_product_attention, which picks its own kernel; flash "
+        "and fused name Transformer Engine attention kernels, which this build does not use (an error).",
+    )
+    group.add_argument(
+        "--attention-softmax-in-fp32",
+        action="store_true",
+        help="Accepted for upstream scripts: attention runs torch's scaled_dot_product_attention, whose fused "
+        "kernels keep the softmax statistics in fp32 with bf16/fp16 inputs.",
+    )
+    group.add_argument(
+        "--use-mcore-models",
+        action="store_true",
+        help="Accepted for upstream scripts: the models are always Megatron-Core models.",
+    )
+    for flag in UNFUSED_KERNEL_FLAGS:
+        group.add_argument(
+            flag,
+            action="store_true",
+            help="Accepted for upstream scripts: this build has no fused kernels for it, the unfused torch ops "
+            "always run.",
+        )
 
 
 def _swiglu_ffn_hidden_size(hidden_size):
@@ -103,5 +140,10 @@ def validate(args):
     for flag, value in (("--hidden-dropout", args.hidden_dropout), ("--attention-dropout", args.attention_dropout)):
         if not 0.0 <= value < 1.0:
             raise ValueError(f"{flag} must be in [0, 1), got {value}")
+    if args.attention_backend in TRANSFORMER_ENGINE_ATTENTION_BACKENDS:
+        raise ValueError(
+            f"--attention-backend {args.attention_backend} is a Transformer Engine kernel (GPU) that this build "
+            "does not use; pass --attention-backend auto, local or unfused (torch's scaled_dot_product_attention)"
+        )
     if args.make_vocab_size_divisible_by <= 0:
         raise ValueError(f"--make-vocab-size-divisible-by must be positive, got {args.make_vocab_size_divisible_by}")

@@ -21,7 +21,24 @@ def add_arguments(parser):
     group.add_argument("--min-lr", type=float, default=0.0, help="Learning rate at the end of decay.")
     group.add_argument("--lr-decay-style", default="linear", choices=["constant", "linear", "cosine"])
     group.add_argument("--lr-warmup-iters", type=int, default=0, help="Linear warm-up steps.")
+    group.add_argument(
+        "--lr-warmup-fraction",
+        type=float,
+        default=None,
+        help="Warm up over this fraction of --lr-decay-iters instead of --lr-warmup-iters (exclusive with it).",
+    )
     group.add_argument("--lr-warmup-init", type=float, default=0.0, help="Learning rate at the start of warm-up.")
+    group.add_argument(
+        "--use-checkpoint-opt_param-scheduler",
+        action="store_true",
+        help="On --load, take the learning-rate / weight-decay schedule from the checkpoint, ignoring the flags.",
+    )
+    group.add_argument(
+        "--override-opt_param-scheduler",
+        action="store_true",
+        help="On --load, keep the schedule the flags give, ignoring the checkpoint's. With neither flag a "
+        "checkpoint whose schedule differs from the flags is an error.",
+    )
     group.add_argument("--lr-decay-iters", type=int, default=None, help="Decay steps; default --train-iters.")
     group.add_argument("--weight-decay", type=float, default=0.01, help="Decoupled weight decay.")
     group.add_argument("--clip-grad", type=float, default=1.0, help="Global gradient-norm clip (0 disables).")
@@ -31,6 +48,13 @@ def add_arguments(parser):
     group.add_argument("--adam-eps", type=float, default=1e-8)
     group.add_argument("--sgd-momentum", type=float, default=0.9)
     group.add_argument("--seed", type=int, default=1234, help="Random seed of initialisation and dropout.")
+    group.add_argument(
+        "--deterministic-mode",
+        action="store_true",
+        help="torch.use_deterministic_algorithms(True): ops without a deterministic kernel raise instead of "
+        "running (on GPU CUBLAS_WORKSPACE_CONFIG=:4096:8 is set when unset). fp32 CPU runs with gloo are "
+        "deterministic without it.",
+    )
     group.add_argument("--bf16", action="store_true", help="bfloat16 model parameters (fp32 main copies).")
     group.add_argument("--fp16", action="store_true", help="float16 model parameters with loss scaling.")
     group.add_argument("--loss-scale", type=float, default=None, help="Static loss scale (fp16); default dynamic.")
@@ -71,6 +95,17 @@ def validate(args):
         args.lr_decay_iters = args.train_iters
     if args.lr_decay_iters <= 0:
         raise ValueError(f"--lr-decay-iters must be positive, got {args.lr_decay_iters}")
+    if args.lr_warmup_fraction is not None:
+        if args.lr_warmup_iters != 0:
+            raise ValueError("--lr-warmup-fraction and --lr-warmup-iters are exclusive: pick one")
+        if not 0.0 <= args.lr_warmup_fraction < 1.0:
+            raise ValueError(f"--lr-warmup-fraction must be in [0, 1), got {args.lr_warmup_fraction}")
+        # Counted in samples like upstream (fraction x decay samples), so it need not be a whole iteration.
+        args.lr_warmup_iters = args.lr_warmup_fraction * args.lr_decay_iters
+    if args.use_checkpoint_opt_param_scheduler and args.override_opt_param_scheduler:
+        raise ValueError(
+            "--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler are exclusive: pick one"
+        )
     if args.lr_warmup_iters < 0 or args.lr_warmup_iters >= args.lr_decay_iters:
         raise ValueError(
             f"--lr-warmup-iters ({args.lr_warmup_iters}) must be in [0, --lr-decay-iters ({args.lr_decay_iters})): "

@@ -1,5 +1,7 @@
 """Flag parsing and validation: derived values, the rules with their messages, unknown flags, unfinished features."""
 
+import os
+
 import pytest
 
 from megatron.training.arguments import parse_args, validate_args
@@ -74,7 +76,15 @@ def test_args_defaults_fill_only_unset_options():
         ("--use-distributed-optimizer --num-distributed-optimizer-instances 3", 4, r"data-parallel x --context-parallel-size \(4\) must be divisible by --num-distributed-optimizer-instances \(3\)"),
         ("--num-distributed-optimizer-instances 2", 4, r"--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer"),
         ("--use-megatron-fsdp --init-model-with-meta-device --data-parallel-sharding-strategy no_shard", 2, r"--init-model-with-meta-device needs a sharded --data-parallel-sharding-strategy"),
-        ("--init-model-with-meta-device", 1, r"--init-model-with-meta-device needs --use-megatron-fsdp or --use-torch-fsdp2"),
+        ("--init-model-with-meta-device", 1, r"--init-model-with-meta-device needs --use-megatron-fsdp"),
+        ("--use-torch-fsdp2 --untie-embeddings-and-output-weights --init-model-with-meta-device", 2, r"--init-model-with-meta-device needs --use-megatron-fsdp"),
+        ("--use-torch-fsdp2 --untie-embeddings-and-output-weights --num-distributed-optimizer-instances 2", 4, r"--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer or --use-megatron-fsdp"),
+        ("--use-torch-fsdp2 --untie-embeddings-and-output-weights --ckpt-format fsdp_dtensor", 2, r"--use-torch-fsdp2 needs --ckpt-format torch_dist or torch_dcp"),
+        ("--lr-warmup-fraction 0.1 --lr-warmup-iters 2", 1, r"--lr-warmup-fraction and --lr-warmup-iters are exclusive"),
+        ("--lr-warmup-fraction 1.0", 1, r"--lr-warmup-fraction must be in \[0, 1\), got 1.0"),
+        ("--use-checkpoint-opt_param-scheduler --override-opt_param-scheduler", 1, r"--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler are exclusive"),
+        ("--attention-backend flash", 1, r"--attention-backend flash is a Transformer Engine kernel .* pass --attention-backend auto, local or unfused"),
+        ("--attention-backend fused", 1, r"--attention-backend fused is a Transformer Engine kernel"),
         ("--use-megatron-fsdp --outer-dp-sharding-strategy optim --data-parallel-sharding-strategy optim_grads --num-distributed-optimizer-instances 2", 4, r"--outer-dp-sharding-strategy optim needs --data-parallel-sharding-strategy optim_grads_params"),
         ("--use-torch-fsdp2 --ckpt-format torch --untie-embeddings-and-output-weights", 2, r"--use-torch-fsdp2 needs --ckpt-format torch_dist or torch_dcp"),
         ("--use-torch-fsdp2", 2, r"--use-torch-fsdp2 needs --untie-embeddings-and-output-weights"),
@@ -135,10 +145,7 @@ def test_extra_args_provider_adds_flags():
 @pytest.mark.parametrize(
     "extra, flag",
     [
-        ("--use-megatron-fsdp", "--use-megatron-fsdp"),
-        ("--use-megatron-fsdp --data-parallel-sharding-strategy optim", "--use-megatron-fsdp"),
         ("--fp4-format e2m1", "--fp4-format"),
-        ("--async-save --save /tmp/x", "--async-save"),
     ],
 )
 def test_declared_but_unfinished_features_fail_clearly(extra, flag):
@@ -170,3 +177,64 @@ def test_sequence_parallel_is_dropped_without_tensor_parallelism():
     with pytest.warns(UserWarning, match="--sequence-parallel has no effect"):
         args = validated("--sequence-parallel")
     assert args.sequence_parallel is False
+
+
+# An upstream Megatron-FSDP / FSDP2 functional-test configuration, flags as upstream's scripts pass them.
+UPSTREAM_FSDP2_SCRIPT = (
+    "--use-mcore-models --transformer-impl local --use-torch-fsdp2 --untie-embeddings-and-output-weights "
+    "--no-gradient-accumulation-fusion --deterministic-mode --attention-softmax-in-fp32 --attention-backend unfused "
+    "--ckpt-format torch_dist --data-cache-path /tmp/cache --lr-warmup-fraction 0.25 --lr-decay-iters 8 "
+    "--log-params-norm --log-num-zeros-in-grad --log-timers-to-tensorboard --log-validation-ppl-to-tensorboard "
+    "--timing-log-level 0 --log-memory-to-tensorboard --use-checkpoint-opt_param-scheduler "
+    "--dist-ckpt-strictness log_all --ckpt-fully-parallel-load "
+    "--ckpt-assume-constant-structure --no-ckpt-fully-parallel-save --no-persist-layer-norm --no-rope-fusion "
+    "--no-bias-swiglu-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-masked-softmax-fusion"
+)
+ACCEPTED_FOR_UPSTREAM_SCRIPTS = (
+    "--use-mcore-models", "--attention-softmax-in-fp32", "--log-timers-to-tensorboard",
+    "--log-validation-ppl-to-tensorboard", "--timing-log-level", "--no-persist-layer-norm", "--no-rope-fusion",
+    "--no-bias-swiglu-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion",
+)
+
+
+def test_upstream_fsdp_scripts_parse_and_validate(monkeypatch):
+    args = validated(UPSTREAM_FSDP2_SCRIPT, 2, monkeypatch)
+    assert args.use_torch_fsdp2 and args.torch_fsdp2_reshard_after_forward
+    assert args.gradient_accumulation_fusion is False and args.deterministic_mode
+    assert args.lr_warmup_iters == 0.25 * 8  # a fraction of --lr-decay-iters
+    assert args.use_checkpoint_opt_param_scheduler and not args.override_opt_param_scheduler
+    assert args.dist_ckpt_strictness == "log_all" and args.ckpt_fully_parallel_save is False
+    assert args.log_params_norm and args.timing_log_level == 0 and args.transformer_impl == "local"
+    assert validated("--ckpt-format fsdp_dtensor").ckpt_format == "fsdp_dtensor"
+    assert validated("--torch-fsdp2-no-reshard-after-forward").torch_fsdp2_reshard_after_forward is False
+
+
+def test_flags_accepted_for_upstream_scripts_say_what_they_do():
+    from megatron.training.arguments import build_parser
+
+    helps = {flag: action.help for action in build_parser()._actions for flag in action.option_strings}
+    for flag in ACCEPTED_FOR_UPSTREAM_SCRIPTS:
+        assert helps[flag].startswith("Accepted for upstream scripts: "), flag
+        assert len(helps[flag]) > len("Accepted for upstream scripts: ") + 20, flag
+
+
+def test_transformer_engine_impl_without_transformer_engine_names_local(monkeypatch):
+    from megatron.core import optional_deps
+
+    monkeypatch.setitem(optional_deps._GUARDS, "HAVE_TE", lambda: False)  # as on a machine without it
+    with pytest.raises(ValueError, match="--transformer-impl transformer_engine needs transformer-engine.*"
+                                         "use --transformer-impl local"):
+        validated("--transformer-impl transformer_engine")
+
+
+def test_deterministic_mode_turns_on_deterministic_algorithms(monkeypatch):
+    import torch
+
+    from megatron.training import initialize
+
+    calls = []
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda mode: calls.append(mode))
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    initialize.set_deterministic_mode()
+    assert calls == [True]
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
