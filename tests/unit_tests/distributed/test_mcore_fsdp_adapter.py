@@ -220,3 +220,44 @@ def _world_eight_cases():
 @pytest.mark.parametrize("world_size", [8])
 def test_tensor_and_pipeline_parallel_world_eight_matches_ddp(world_size):
     _assert_all_match(run_on_ranks(world_size, _world_eight_cases))
+
+
+PRETRAIN_ARGS = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
+    "--micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --train-iters 4 --mock-data --vocab-size 127 "
+    "--make-vocab-size-divisible-by 64 --hidden-dropout 0 --attention-dropout 0 --num-workers 0 --log-interval 2 "
+    "--eval-iters 0 --ckpt-format torch --log-num-zeros-in-grad"
+)
+
+
+def _pretrain_losses(workdir, name, extra_args):
+    import pretrain_gpt
+    from megatron.core.enums import ModelType
+    from megatron.training.training import pretrain
+
+    metrics = f"{workdir}/{name}.jsonl"
+    pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
+             ModelType.encoder_or_decoder, pretrain_gpt.forward_step,
+             argv=f"{PRETRAIN_ARGS} --metrics-file {metrics} {extra_args}".split())
+    return metrics
+
+
+def _pretrain_ddp_and_megatron_fsdp(workdir):
+    ddp = _pretrain_losses(workdir, "ddp", "")
+    fsdp = _pretrain_losses(workdir, "fsdp", "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params")
+    return ddp, fsdp
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_pretrain_with_use_megatron_fsdp_matches_ddp(tmp_path, world_size):
+    ddp_path, fsdp_path = run_on_ranks(world_size, _pretrain_ddp_and_megatron_fsdp, str(tmp_path))[-1]
+    ddp = [json.loads(line) for line in open(ddp_path)]
+    fsdp = [json.loads(line) for line in open(fsdp_path)]
+    assert [record["iteration"] for record in fsdp] == [1, 2, 3, 4]
+    for ddp_record, fsdp_record in zip(ddp, fsdp, strict=True):
+        assert abs(fsdp_record["lm loss"] - ddp_record["lm loss"]) < LOSS_TOLERANCE
+        assert fsdp_record["grad norm"] == pytest.approx(ddp_record["grad norm"], rel=1e-5)
+    # Per-rank state on the memory line: ZeRO-3 over DP=2 holds half of DDP's weights and gradients (up to the
+    # padding of each group to a multiple of DP).
+    for kind in ("params-bytes", "grads-bytes"):
+        assert 0.5 <= fsdp[-1][kind] / ddp[-1][kind] < 0.51, kind
