@@ -101,6 +101,11 @@ def group_rank(group) -> int:
     return dist.get_rank(group)
 
 
+def group_ranks(group) -> list:
+    """Global ranks of `group`, in group-rank order."""
+    return list(dist.get_process_group_ranks(group))
+
+
 def default_world_size() -> int:
     return dist.get_world_size()
 

@@ -48,7 +48,8 @@ class DataParallelTopology:
     additionally split the main weights, the optimizer's gradients and its state (HFSDP, `'optim'`)."""
 
     def __init__(self, device_mesh=None, dp_shard_dim=None, dp_outer_dim=None, tp_dim=None,
-                 hybrid_fsdp_group=None, outer_dp_sharding_strategy=ShardingStrategy.no_shard, device=None):
+                 hybrid_fsdp_group=None, outer_dp_sharding_strategy=ShardingStrategy.no_shard, device=None,
+                 num_distributed_optimizer_instances: int = 1):
         self.device_mesh, self.dp_shard_dim, self.dp_outer_dim, self.tp_dim = (
             device_mesh, dp_shard_dim, dp_outer_dim, tp_dim)
         self.outer_group = None
@@ -67,6 +68,7 @@ class DataParallelTopology:
                 raise ValueError("dp_shard_dim / dp_outer_dim / tp_dim name dims of device_mesh; pass device_mesh")
             self.dp_group = torch.distributed.group.WORLD
             self.device = resolve_device(device, None, collectives.backend_of(self.dp_group))
+            self._check_hybrid_groups(hybrid_fsdp_group, num_distributed_optimizer_instances)
             return
         names = tuple(device_mesh.mesh_dim_names or ())
         if dp_shard_dim is None:
@@ -83,6 +85,27 @@ class DataParallelTopology:
         if dp_outer_dim is not None:
             self.outer_group = device_mesh[dp_outer_dim].get_group()
         self.device = resolve_device(device, device_mesh.device_type, collectives.backend_of(self.dp_group))
+        self._check_hybrid_groups(hybrid_fsdp_group, num_distributed_optimizer_instances)
+
+    def _check_hybrid_groups(self, hybrid_fsdp_group, num_distributed_optimizer_instances: int):
+        """`hybrid_fsdp_group` must span exactly the outer x shard ranks of this rank, and
+        `num_distributed_optimizer_instances` (Megatron's name for the outer replicas) must match the outer dim."""
+        if hybrid_fsdp_group is not None:
+            if self.outer_group is None:
+                raise ValueError("hybrid_fsdp_group is the group spanning the outer and shard dims; it needs "
+                                 "dp_outer_dim too (pass both or neither)")
+            hybrid_ranks = set(collectives.group_ranks(hybrid_fsdp_group))
+            inner_ranks, outer_ranks = collectives.group_ranks(self.dp_group), collectives.group_ranks(self.outer_group)
+            if len(hybrid_ranks) != len(inner_ranks) * len(outer_ranks) or not (
+                    hybrid_ranks.issuperset(inner_ranks) and hybrid_ranks.issuperset(outer_ranks)):
+                raise ValueError(f"hybrid_fsdp_group holds ranks {sorted(hybrid_ranks)}, but dp_shard_dim "
+                                 f"{self.dp_shard_dim!r} x dp_outer_dim {self.dp_outer_dim!r} of this rank span "
+                                 f"{len(inner_ranks)} x {len(outer_ranks)} ranks including {inner_ranks} and "
+                                 f"{outer_ranks}; pass the data-parallel group of both dims")
+        if num_distributed_optimizer_instances > 1 and num_distributed_optimizer_instances != self.outer_size:
+            raise ValueError(f"num_distributed_optimizer_instances={num_distributed_optimizer_instances} needs a "
+                             f"dp_outer_dim of that size (the optimizer replicas), but the outer size is "
+                             f"{self.outer_size}; pass device_mesh, dp_outer_dim and hybrid_fsdp_group")
 
     @property
     def dp_size(self) -> int:
@@ -206,9 +229,11 @@ class MegatronFSDP(nn.Module):
         if init_model_with_meta_device and self.strategy == ShardingStrategy.no_shard:
             raise ValueError("init_model_with_meta_device=True needs a sharded strategy; zero_dp_strategy="
                              "'no_shard' would materialise the whole model on every rank")
-        self.topology = DataParallelTopology(device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, hybrid_fsdp_group,
-                                             config.outer_dp_sharding_strategy, device=device)
-        self.policy = mixed_precision_policy or MixedPrecisionPolicy()
+        self.topology = DataParallelTopology(
+            device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, hybrid_fsdp_group, config.outer_dp_sharding_strategy,
+            device=device, num_distributed_optimizer_instances=config.num_distributed_optimizer_instances)
+        self.policy = (mixed_precision_policy or MixedPrecisionPolicy()).with_grad_reduce_in_fp32(
+            config.grad_reduce_in_fp32)
         self.device = self.topology.device
         self.module = module
         self.calculate_per_token_loss = calculate_per_token_loss

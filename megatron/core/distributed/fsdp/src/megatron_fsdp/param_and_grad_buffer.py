@@ -273,13 +273,17 @@ class ParamGroup:
             target = self.transient_grads[span.flat_start:span.flat_end]
             if self.filled[index]:
                 target.add_(flat_grad, alpha=scale)
-            elif scale != 1.0:
+            elif scale != 1.0 and flat_grad.dtype == target.dtype:
                 torch.mul(flat_grad, scale, out=target)
             else:
                 target.copy_(flat_grad)
             self.filled[index] = True
         self.grads_dirty = True
+                # A low-precision gradient is cast first, so the 1/DP pre-scale is computed (and rounded) in the
+                # reduction dtype: scaling in bf16/fp16 would round, or underflow at large DP, before the cast.
 
+                if scale != 1.0:
+                    target.mul_(scale)
     def starts_transient_grads(self, grad: torch.Tensor) -> bool:
         """Whether writing `grad` now allocates the flat transient gradient buffer."""
         if self.grad_buffer is not None or self.transient_grads is not None:
@@ -288,7 +292,9 @@ class ParamGroup:
 
     def _stash_grad(self, index: int, flat_grad: torch.Tensor, scale: float):
         """Keep a small gradient aside until a large one makes the flat transient buffer worth allocating."""
-        scaled = flat_grad.to(self.comm_dtype) * scale if scale != 1.0 else flat_grad.to(self.comm_dtype, copy=True)
+        scaled = flat_grad.to(self.comm_dtype, copy=True)
+        if scale != 1.0:
+            scaled.mul_(scale)
         previous = self.stashed_grads.get(index)
         self.stashed_grads[index] = scaled if previous is None else previous.add_(scaled)
 
