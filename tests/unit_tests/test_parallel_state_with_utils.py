@@ -12,6 +12,9 @@ import torch
 import torch.distributed as dist
 
 import megatron.core.parallel_state as ps
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from tests.unit_tests.test_utilities import Utils
 
 rank = Utils.rank
@@ -139,3 +142,27 @@ def test_sharp_needs_nccl():
     with pytest.raises(ValueError, match=expected):
         Utils.initialize_model_parallel(use_sharp=True)
     assert not ps.model_parallel_is_initialized()
+
+
+class TestColumnParallelLinearOnTheLaunchedWorld:
+    """Set up and torn down per test method, as Megatron-Core's layer tests do."""
+
+    def setup_method(self, method):
+        Utils.initialize_model_parallel(tensor_model_parallel_size=world_size)
+        model_parallel_cuda_manual_seed(123)
+
+    def teardown_method(self, method):
+        Utils.destroy_model_parallel()
+
+    def test_gathered_output_equals_the_unsharded_product(self):
+        config = ModelParallelConfig(tensor_model_parallel_size=world_size)
+        layer = ColumnParallelLinear(8, 4 * world_size, config=config, init_method=torch.nn.init.normal_,
+                                     bias=False, gather_output=True)
+        assert tuple(layer.weight.shape) == (4, 8)
+        shards = [torch.empty_like(layer.weight) for _ in range(world_size)]
+        dist.all_gather(shards, layer.weight.detach(), group=ps.get_tensor_model_parallel_group())
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(7))
+        output, bias = layer(x)
+        assert bias is None and tuple(output.shape) == (3, 4 * world_size)
+        # Shard-wise and whole-matrix products may round differently (other matmul shapes): fp32 tolerance.
+        torch.testing.assert_close(output, x @ torch.cat(shards).t(), rtol=1e-5, atol=1e-5)

@@ -5,15 +5,18 @@ order. `run_on_ranks(k, fn)` then runs `fn` on launched ranks 0..k-1, whose defa
 world of exactly k ranks for it (rebuilt only when k or the backend changes, or after a failure); ranks k..N-1
 only wait for the answers. Like pool workers, which all run what the one test process sent, every member runs
 rank 0's function and arguments (each session has its own `tmp_path`, say). Every rank receives every rank's
-result, so all sessions reach the same verdict and rank 0 alone can report. A test that needs more than N ranks is skipped with the size it needs.
+result, so all sessions reach the same verdict and rank 0 alone can report. A test that needs more than N
+ranks is skipped with the size it needs.
 
 The ranks coordinate outside the test's process groups, through torchrun's rendezvous store: each rank
-publishes which test it is in, "arrived" keys gate every world (re)build, and results travel as keys. A rank
-therefore never sits in a collective for a peer that is not coming: a wait ends when the peer answers, when
-the peer is seen to have moved past this test (it failed early on its own), or after the task timeout.
+publishes which test it is in, every `run_on_ranks` call starts with all ranks meeting ("arrived" keys, which
+also carry whether a rank wants the world rebuilt), and results travel as keys. A rank therefore never sits
+in a collective for a peer that is not coming: a wait ends when the peer answers, when the peer is seen past
+this test (it failed early on its own), or after the task timeout (then later multi-rank tests fail at once).
+A rank whose task fails closes its connections first, so peers blocked in a collective with it stop at once.
 
-Outside a rank task, `ensure_test_world()` gives upstream-style tests (`Utils.initialize_distributed()`) the
-whole launched world, or a one-rank world in a plain `python -m pytest` session.
+Outside a rank task, `ensure_test_world()` gives tests written Megatron-Core's way
+(`Utils.initialize_distributed()`) the whole launched world, or a one-rank world in a plain pytest session.
 """
 
 import json
