@@ -1,6 +1,9 @@
-"""`--save` / `--load` in Megatron's `torch` format: one file per model-parallel rank, plus a tracker file.
+"""`--save` / `--load`: dispatch by `--ckpt-format`, and Megatron's `torch` format itself.
 
-Layout under the checkpoint root:
+`torch_dist` (and its aliases `torch_dcp`, `fsdp_dtensor`) is the logical, resharding format of
+dist_checkpoint.py. The `torch` format keeps one file per model-parallel rank plus a tracker file.
+
+Layout of the torch format under the checkpoint root:
 
     latest_checkpointed_iteration.txt            the last complete checkpoint's iteration number
     iter_0000010/mp_rank_00/model_optim_rng.pt   (mp_rank_TT_PPP with pipeline parallelism)
@@ -21,16 +24,34 @@ import torch.distributed as dist
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
-IMPLEMENTED_FORMATS = ("torch",)
-WRAPPER_CLASS_NAMES = {"DistributedDataParallel", "Float16Module", "MegatronFSDP", "FullyShardedDataParallel"}
+LOGICAL_FORMATS = ("torch_dist", "torch_dcp", "fsdp_dtensor")
+IMPLEMENTED_FORMATS = ("torch",) + LOGICAL_FORMATS
+WRAPPER_CLASS_NAMES = {"DistributedDataParallel", "Float16Module", "MegatronFSDP", "FullyShardedDataParallel",
+                       "TorchFullyShardedDataParallel"}
+
+
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint file that cannot be read: the message names it."""
 
 
 def check_checkpoint_format(args):
-    """Fail early, naming the flag, when --save/--load asks for a format this build cannot write yet."""
+    """Fail early, naming the flag, when --save/--load asks for a format this build cannot write."""
     if (args.save or args.load) and args.ckpt_format not in IMPLEMENTED_FORMATS:
         raise NotImplementedError(
-            f"not implemented yet: --ckpt-format {args.ckpt_format} with --save/--load; use --ckpt-format torch"
+            f"not implemented: --ckpt-format {args.ckpt_format} with --save/--load; use one of {IMPLEMENTED_FORMATS}"
         )
+
+
+def is_logical_format(args):
+    return args.ckpt_format in LOGICAL_FORMATS
+
+
+def maybe_finalize_async_save(args, blocking=False):
+    """Publish a finished `--async-save` write (call on every rank at the same points; cheap when none)."""
+    if getattr(args, "async_save", False):
+        from megatron.training import dist_checkpoint
+
+        dist_checkpoint.finalize_async_save(args, blocking=blocking)
 
 
 def iteration_dir_name(iteration):
@@ -157,6 +178,10 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args):
     """Save a checkpoint of `iteration` under `args.save`; collective over all ranks."""
     check_checkpoint_format(args)
     model_chunks = model if isinstance(model, (list, tuple)) else [model]
+    if is_logical_format(args):
+        from megatron.training.dist_checkpoint import save_dist_checkpoint
+
+        return save_dist_checkpoint(iteration, model_chunks, optimizer, opt_param_scheduler, args)
     ranks = _parallel_ranks()
     directory = checkpoint_dir(
         args.save, iteration, ranks["tensor_rank"], ranks["pipeline_rank"], ranks["pipeline_size"]
@@ -216,17 +241,25 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
     """
     check_checkpoint_format(args)
     model_chunks = model if isinstance(model, (list, tuple)) else [model]
-    iteration = read_tracker(args.load)
+    iteration = _latest_iteration_or_none(args)
     if iteration is None:
-        if args.exit_on_missing_checkpoint:
-            raise FileNotFoundError(f"--load {args.load}: no {TRACKER_FILENAME} found")
         return 0
+    if is_logical_format(args):
+        from megatron.training.dist_checkpoint import load_dist_checkpoint
+
+        iteration, report = load_dist_checkpoint(model_chunks, optimizer, opt_param_scheduler, args, iteration)
+        if dist.get_rank() == 0:
+            print("\n".join(report.lines()), flush=True)
+        return iteration
     ranks = _parallel_ranks()
     directory = checkpoint_dir(
         args.load, iteration, ranks["tensor_rank"], ranks["pipeline_rank"], ranks["pipeline_size"]
     )
     path = os.path.join(directory, MODEL_FILENAME)
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    if not os.path.isfile(path) and os.path.isfile(os.path.join(args.load, iteration_dir_name(iteration), ".metadata")):
+        raise CheckpointLoadError(f"{os.path.dirname(directory)} is a torch_dist checkpoint; load it with "
+                                  "--ckpt-format torch_dist")
+    state = _torch_load(path)
     _check_layout_matches(state.get("args"), args, path)
     _load_model_state(model_chunks, state, strict)
 
@@ -234,7 +267,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
     if load_optimizer:
         if args.use_distributed_optimizer:
             shard_path = os.path.join(directory, distributed_optimizer_filename(ranks["data_rank"]))
-            optimizer.load_state_dict(torch.load(shard_path, map_location="cpu", weights_only=False)["optimizer"])
+            optimizer.load_state_dict(_torch_load(shard_path)["optimizer"])
         else:
             optimizer.load_state_dict(state["optimizer"])
         if opt_param_scheduler is not None and "opt_param_scheduler" in state:
@@ -252,4 +285,39 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
     else:
         args.consumed_train_samples = state.get("consumed_train_samples", 0)
     dist.barrier()
+    if dist.get_rank() == 0:
+        restored_rng = not (args.finetune or args.no_load_rng) and "rng_state" in state
+        loaded = ["model"] + (["optimizer", "scheduler"] if load_optimizer else []) + (["RNG state"] if restored_rng else [])
+        skipped = ([] if load_optimizer else ["optimizer and scheduler"]) + ([] if restored_rng else ["RNG state"])
+        print(f"loaded checkpoint {os.path.join(args.load, iteration_dir_name(iteration))} (--ckpt-format torch): "
+              f"{', '.join(loaded)}, resuming at iteration {iteration}"
+              + (f"; not loaded: {', '.join(skipped)}" if skipped else ""), flush=True)
     return iteration
+
+
+def _torch_load(path):
+    """torch.load of a checkpoint file, with errors that name the file."""
+    if not os.path.isfile(path):
+        raise CheckpointLoadError(f"checkpoint file {path} not found (was the checkpoint written with another "
+                                  "--tensor-model-parallel-size / --pipeline-model-parallel-size, or not completely?)")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (OSError, RuntimeError, EOFError, ValueError) as exc:
+        raise CheckpointLoadError(f"checkpoint file {path} is truncated or damaged ({type(exc).__name__}: {exc}); "
+                                  "load an earlier checkpoint of this run") from exc
+
+
+def _latest_iteration_or_none(args):
+    """The tracker's iteration under --load; None (after saying so) when there is nothing to load."""
+    if not os.path.isdir(args.load):
+        message = f"--load {args.load}: the directory does not exist"
+    elif read_tracker(args.load) is None:
+        message = f"--load {args.load}: no {TRACKER_FILENAME} in it (no complete checkpoint)"
+    else:
+        return read_tracker(args.load)
+    if args.exit_on_missing_checkpoint:
+        raise FileNotFoundError(f"{message} and --exit-on-missing-checkpoint is set")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"WARNING: {message}; nothing was loaded: model, optimizer, scheduler, RNG state and iteration "
+              "start from scratch", flush=True)
+    return None

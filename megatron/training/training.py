@@ -86,6 +86,7 @@ def _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fu
     try:
         iteration = train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_iterator,
                           config, logger, args)
+        checkpointing.maybe_finalize_async_save(args, blocking=True)
     finally:
         logger.close()
     return iteration
@@ -244,6 +245,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
             )
             if valid_iterator is not None and args.eval_iters > 0 and iteration % args.eval_interval == 0:
                 logger.log_evaluation(iteration, evaluate(forward_step_func, valid_iterator, model, config, args))
+            checkpointing.maybe_finalize_async_save(args)
             if args.save_interval and iteration % args.save_interval == 0:
                 if _save(iteration, model, optimizer, scheduler, args):
                     last_saved_iteration = iteration

@@ -51,12 +51,14 @@ def test_atomic_save_interrupted_mid_write_leaves_no_file(tmp_path, monkeypatch)
     assert not target.exists()
 
 
-def test_torch_dist_is_rejected_only_when_saving_or_loading():
-    args = argparse.Namespace(save=None, load=None, ckpt_format="torch_dist")
-    checkpointing.check_checkpoint_format(args)  # no --save/--load: the default format is fine
+def test_unknown_format_is_rejected_only_when_saving_or_loading():
+    args = argparse.Namespace(save=None, load=None, ckpt_format="zarr")
+    checkpointing.check_checkpoint_format(args)  # no --save/--load: nothing to write
     args.save = "/tmp/ckpt"
-    with pytest.raises(NotImplementedError, match="not implemented yet: --ckpt-format torch_dist"):
+    with pytest.raises(NotImplementedError, match="--ckpt-format zarr"):
         checkpointing.check_checkpoint_format(args)
+    for name in ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"):
+        checkpointing.check_checkpoint_format(argparse.Namespace(save="/tmp/c", load=None, ckpt_format=name))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,0 +1,18 @@
+"""Distributed checkpoints in one logical format (`--ckpt-format torch_dist` / `torch_dcp` / `fsdp_dtensor`).
+
+Every tensor is saved under its name in the unsplit, single-rank model with its full shape; what a rank holds
+(a tensor-parallel partition, a distributed-optimizer or FSDP shard, a pipeline stage's layers) is a set of
+boxes of it. torch.distributed.checkpoint writes the boxes and reads any overlap back, so a checkpoint written
+at one layout and wrapper loads at any other.
+
+- `logical_tensor`: boxes of a logical tensor (`ShardedLogicalTensor`, flat ranges -> boxes)
+- `model_state`: logical names and placements of model tensors
+- `optimizer_state`: main parameters and moments keyed by logical name
+- `fsdp_state`: the same for Megatron-FSDP and FSDP2 (DTensor-based) wrappers
+- `serialization`: DCP save / load with errors naming files and tensors
+- `strictness`: `--dist-ckpt-strictness`
+"""
+
+from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor, flat_range_boxes
+from megatron.core.dist_checkpointing.serialization import CheckpointError, CheckpointShapeError
+from megatron.core.dist_checkpointing.strictness import STRICTNESS_CHOICES, StrictHandling

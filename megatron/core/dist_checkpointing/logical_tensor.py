@@ -1,0 +1,136 @@
+"""One logical (full, unpartitioned) tensor, as the pieces of it that this rank holds.
+
+A tensor-parallel partition is one box of the logical tensor (an offset along the partition dim); a
+distributed-optimizer shard is a flat range of such a partition, which `flat_range_boxes` cuts into at most
+`2 * ndim - 1` boxes, each contiguous in the flattened order. `ShardedLogicalTensor` lists the boxes with their
+local storage and speaks torch.distributed.checkpoint's chunk protocol, so DCP writes every box as a chunk of
+the logical tensor and, on load, fills each box from whatever chunks overlap it: any layout reads any other.
+"""
+
+import math
+from typing import List, NamedTuple, Sequence, Tuple
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+
+class Box(NamedTuple):
+    """`sizes` elements starting at `offsets`; `flat_start` is the flat index of its first element."""
+
+    offsets: Tuple[int, ...]
+    sizes: Tuple[int, ...]
+    flat_start: int
+
+
+def flat_range_boxes(shape: Sequence[int], start: int, end: int) -> List[Box]:
+    """Boxes covering the flat elements `[start, end)` of a row-major tensor of `shape`, in flat order.
+
+    Each box fixes the indices of the leading dims, spans a range of one dim and all of the trailing dims, so
+    its elements are contiguous in the flattened tensor.
+    """
+    shape = tuple(int(size) for size in shape)
+    total = math.prod(shape)
+    if not 0 <= start <= end <= total:
+        raise ValueError(f"flat range [{start}, {end}) is outside a tensor of {total} elements (shape {shape})")
+    if start == end:
+        return []
+    if not shape:
+        return [Box((), (), 0)]
+    inner = math.prod(shape[1:])
+    first_row, first_offset = divmod(start, inner)
+    last_row, last_offset = divmod(end, inner)
+
+    def in_row(row, row_start, row_end):
+        return [Box((row,) + box.offsets, (1,) + box.sizes, row * inner + box.flat_start)
+                for box in flat_range_boxes(shape[1:], row_start, row_end)]
+
+    if first_row == last_row:
+        return in_row(first_row, first_offset, last_offset)
+    boxes = []
+    if first_offset:
+        boxes += in_row(first_row, first_offset, inner)
+        first_row += 1
+    if last_row > first_row:
+        boxes.append(Box((first_row,) + (0,) * (len(shape) - 1), (last_row - first_row,) + shape[1:],
+                         first_row * inner))
+    if last_offset:
+        boxes += in_row(last_row, 0, last_offset)
+    return boxes
+
+
+class ShardedLogicalTensor:
+    """Pieces `(global offsets, local tensor)` of a logical tensor of `global_shape`.
+
+    Pieces of different ranks must tile the logical tensor when saving (identical pieces held by replicas are
+    written once); when loading, each piece is filled in place from the checkpoint, whatever layout wrote it.
+    """
+
+    def __init__(self, global_shape: Sequence[int], pieces: Sequence[Tuple[Sequence[int], torch.Tensor]],
+                 dtype: torch.dtype = None):
+        self.global_shape = torch.Size(global_shape)
+        self.pieces = [(torch.Size(offsets), tensor) for offsets, tensor in pieces if tensor.numel() > 0]
+        for offsets, tensor in self.pieces:
+            if len(offsets) != len(self.global_shape) or tensor.dim() != len(self.global_shape) or any(
+                    offset + size > full for offset, size, full in zip(offsets, tensor.shape, self.global_shape)):
+                raise ValueError(f"piece of shape {tuple(tensor.shape)} at {tuple(offsets)} does not fit in a "
+                                 f"logical tensor of shape {tuple(self.global_shape)}")
+        self.dtype = dtype if dtype is not None else (self.pieces[0][1].dtype if self.pieces else torch.float32)
+
+    # ---- the tensor-like surface DCP's planners read -------------------------------------------------------
+    def size(self):
+        return self.global_shape
+
+    @property
+    def shape(self):
+        return self.global_shape
+
+    def __create_write_items__(self, fqn, obj):
+        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=tensor.shape),
+                                                      properties=TensorProperties.create_from_tensor(tensor),
+                                                      size=self.global_shape))
+                for offsets, tensor in self.pieces]
+
+    def __create_chunk_list__(self):
+        return [ChunkStorageMetadata(offsets=offsets, sizes=tensor.shape) for offsets, tensor in self.pieces]
+
+    def piece_at(self, offsets) -> torch.Tensor:
+        offsets = torch.Size(offsets)
+        for piece_offsets, tensor in self.pieces:
+            if piece_offsets == offsets:
+                return tensor
+        raise KeyError(f"no piece at offsets {tuple(offsets)} (pieces: {[tuple(o) for o, _ in self.pieces]})")
+
+    def staged(self) -> "ShardedLogicalTensor":
+        """A copy whose pieces live in fresh CPU memory (a snapshot for a background write)."""
+        return ShardedLogicalTensor(self.global_shape,
+                                    [(offsets, tensor.detach().to("cpu", copy=True).contiguous())
+                                     for offsets, tensor in self.pieces], self.dtype)
+
+    def __repr__(self):
+        return f"ShardedLogicalTensor(shape={tuple(self.global_shape)}, pieces={len(self.pieces)}, dtype={self.dtype})"
+
+
+def partition_piece(local: torch.Tensor, global_shape, partition_dim, partition_index):
+    """The piece a tensor-parallel partition is: `local` placed at `partition_index * local.shape[dim]`."""
+    offsets = [0] * local.dim()
+    if partition_dim is not None:
+        offsets[partition_dim] = partition_index * local.shape[partition_dim]
+    return tuple(offsets), local
+
+
+def flat_range_pieces(flat: torch.Tensor, local_shape, partition_offsets, start, end):
+    """Pieces of a flat range `[start, end)` of a partition of `local_shape` placed at `partition_offsets`.
+
+    `flat` holds exactly the elements of the range (it is a shard, 1-D, of length `end - start`).
+    """
+    if flat.numel() != end - start:
+        raise ValueError(f"flat shard has {flat.numel()} elements, the range [{start}, {end}) needs {end - start}")
+    pieces = []
+    for box in flat_range_boxes(local_shape, start, end):
+        count = math.prod(box.sizes)
+        first = box.flat_start - start
+        offsets = tuple(o + p for o, p in zip(box.offsets, partition_offsets))
+        pieces.append((offsets, flat[first:first + count].view(box.sizes)))
+    return pieces

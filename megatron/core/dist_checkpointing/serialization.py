@@ -1,0 +1,135 @@
+"""Write and read a logical state dict with torch.distributed.checkpoint, with errors that name the file or tensor.
+
+`save` writes a flat `{key: ShardedLogicalTensor | DTensor | tensor | picklable object}` dict into a directory
+(each rank writes its own `__<rank>_0.distcp` file, the coordinator the `.metadata` index); identical pieces
+offered by replicas are written once. `load` fills the same kind of dict in place from a checkpoint written at
+any layout; `read_objects` returns the picklable objects.
+"""
+
+import os
+import pickle
+from typing import Dict, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor
+from megatron.core.dist_checkpointing.planners import LogicalLoadPlanner, LogicalSavePlanner
+from megatron.core.dist_checkpointing.strictness import KeyMismatch
+
+METADATA_FILENAME = ".metadata"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read as asked: the message names the file or tensor and what to do."""
+
+
+class CheckpointShapeError(CheckpointError):
+    pass
+
+
+def _distributed(process_group=None):
+    return dist.is_available() and dist.is_initialized()
+
+
+def _reraise(exc: BaseException, action: str, directory: str):
+    """DCP reports per-rank failures as one CheckpointException; surface the first cause with the directory."""
+    failures = getattr(exc, "failures", None) or {}
+    causes = [cause[0] if isinstance(cause, tuple) else cause for cause in failures.values()]
+    cause = causes[0] if causes else exc
+    if isinstance(cause, CheckpointError):
+        raise cause from None
+    detail = f"{type(cause).__name__}: {cause}"
+    if isinstance(cause, (FileNotFoundError, EOFError, pickle.UnpicklingError)) or "distcp" in str(cause):
+        detail += " (a shard file of this checkpoint is missing or damaged)"
+    raise CheckpointError(f"could not {action} checkpoint {directory}: {detail}") from cause
+
+
+def save(state_dict: Dict[str, object], directory: str, process_group=None, thread_count: int = 1):
+    """Write `state_dict` into `directory` (collective over `process_group`, default: the world)."""
+    writer = dcp.FileSystemWriter(directory, single_file_per_rank=True, thread_count=thread_count,
+                                  sync_files=True, overwrite=True)
+    try:
+        dcp.save(state_dict, storage_writer=writer, planner=LogicalSavePlanner(), process_group=process_group,
+                 no_dist=not _distributed())
+    except CheckpointException as exc:
+        _reraise(exc, "write", directory)
+
+
+def read_metadata(directory: str):
+    """The checkpoint's index, or a CheckpointError naming the missing or truncated file."""
+    path = os.path.join(directory, METADATA_FILENAME)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} not found: {directory} is not a complete torch_dist checkpoint (an "
+                              "interrupted save never publishes one; point --load at the root holding "
+                              "latest_checkpointed_iteration.txt)")
+    try:
+        return dcp.FileSystemReader(directory).read_metadata()
+    except (EOFError, pickle.UnpicklingError, AttributeError, ValueError, IndexError) as exc:
+        raise CheckpointError(f"{path} is truncated or damaged ({type(exc).__name__}: {exc}); load an earlier "
+                              "checkpoint of this run") from exc
+
+
+def tensor_shapes(metadata) -> Dict[str, torch.Size]:
+    return {key: md.size for key, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+
+
+def object_keys(metadata) -> Iterable[str]:
+    return [key for key, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)]
+
+
+def _target_shape(value):
+    if isinstance(value, (ShardedLogicalTensor, DTensor)) or torch.is_tensor(value):
+        return torch.Size(value.shape)
+    return None
+
+
+def check_shapes(targets: Dict[str, object], metadata, directory: str):
+    """Every target tensor must have the saved logical shape: raise naming the tensor and both shapes."""
+    saved = tensor_shapes(metadata)
+    for key, value in targets.items():
+        shape = _target_shape(value)
+        if shape is not None and key in saved and saved[key] != shape:
+            raise CheckpointShapeError(
+                f"checkpoint {directory}: tensor '{key}' has shape {tuple(saved[key])} in the checkpoint but "
+                f"{tuple(shape)} in this model; the model configuration (e.g. --hidden-size, --num-attention-heads, "
+                f"--ffn-hidden-size, --vocab-size) must match the one that wrote it")
+
+
+def key_mismatch(targets: Dict[str, object], metadata, prefixes, process_group=None) -> KeyMismatch:
+    """Tensor keys under `prefixes` that this rank needs but the checkpoint lacks (missing), and keys the
+    checkpoint has that no rank needs (unexpected; collective: ranks agree on what the whole model needs)."""
+    saved = {key for key in tensor_shapes(metadata) if key.startswith(tuple(prefixes))}
+    wanted = {key for key, value in targets.items() if _target_shape(value) is not None}
+    wanted_anywhere = set(wanted)
+    if _distributed() and dist.get_world_size(process_group) > 1:
+        gathered = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(gathered, sorted(saved - wanted), group=process_group)
+        not_wanted_everywhere = set.intersection(*(set(keys) for keys in gathered))
+        return KeyMismatch(sorted(wanted - saved), sorted(not_wanted_everywhere))
+    return KeyMismatch(sorted(wanted - saved), sorted(saved - wanted_anywhere))
+
+
+def load(targets: Dict[str, object], directory: str, process_group=None):
+    """Fill `targets` in place from `directory` (collective). Objects come back as new values in `targets`."""
+    if not targets:
+        return targets
+    reader = dcp.FileSystemReader(directory)
+    try:
+        dcp.load(targets, storage_reader=reader, planner=LogicalLoadPlanner(), process_group=process_group,
+                 no_dist=not _distributed())
+    except CheckpointException as exc:
+        _reraise(exc, "read", directory)
+    except (FileNotFoundError, EOFError, RuntimeError, ValueError) as exc:
+        _reraise(exc, "read", directory)
+    return targets
+
+
+def read_objects(directory: str, keys, process_group=None) -> Dict[str, object]:
+    """The picklable objects saved under `keys` (every rank reads them)."""
+    targets = {key: None for key in keys}
+    return load(targets, directory, process_group) if targets else {}

@@ -1,0 +1,60 @@
+"""The logical state of model chunks and their optimizer, whatever wraps them for data parallelism.
+
+Megatron's DDP (with the plain, mixed-precision or distributed optimizer) holds whole tensor-parallel
+partitions in the model and flat ranges of them in a distributed optimizer: `model_state` and
+`optimizer_state` describe those. Megatron-FSDP and FSDP2 hold DTensors: `fsdp_state` turns them into the
+same logical keys. Either way the result is `{logical key: ShardedLogicalTensor | object}`.
+"""
+
+from megatron.core.dist_checkpointing import fsdp_state, optimizer_state
+from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict, unwrap_model
+
+
+def _is_fsdp(model_chunks):
+    return any(fsdp_state.is_fsdp_chunk(chunk) for chunk in model_chunks)
+
+
+def describe(model_chunks, args=None) -> str:
+    """The wrapper and optimizer flavour, as recorded in a checkpoint's layout."""
+    if args is not None:
+        if getattr(args, "use_torch_fsdp2", False):
+            return "torch_fsdp2"
+        if getattr(args, "use_megatron_fsdp", False):
+            strategy = getattr(args, "data_parallel_sharding_strategy", "optim_grads_params")
+            return f"megatron_fsdp:{strategy}"
+        return "ddp+distributed_optimizer" if getattr(args, "use_distributed_optimizer", False) else "ddp"
+    return type(model_chunks[0]).__name__ if model_chunks else "none"
+
+
+def model_state(model_chunks, for_saving):
+    if _is_fsdp(model_chunks):
+        return fsdp_state.model_state(model_chunks, for_saving)
+    return model_sharded_state_dict(model_chunks, for_saving)
+
+
+def optimizer_state_to_save(optimizer, model_chunks):
+    if _is_fsdp(model_chunks):
+        return fsdp_state.optimizer_state_to_save(optimizer, model_chunks)
+    entries = optimizer_state.main_param_entries(optimizer, model_chunks)
+    return optimizer_state.optimizer_state_to_save(optimizer, entries)
+
+
+def optimizer_load_targets(optimizer, model_chunks, saved_keys):
+    """(targets, install): load into `targets` (objects included), then call `install(targets)`."""
+    if _is_fsdp(model_chunks):
+        return fsdp_state.optimizer_load_targets(optimizer, model_chunks, saved_keys)
+    entries = optimizer_state.main_param_entries(optimizer, model_chunks)
+    targets, installs = optimizer_state.optimizer_load_targets(entries, saved_keys)
+
+    def install(loaded):
+        optimizer_state.install_optimizer_state(
+            optimizer, installs, loaded.get(optimizer_state.STEP_KEY), loaded.get(optimizer_state.PARAM_GROUPS_KEY),
+            loaded.get(optimizer_state.GRAD_SCALER_KEY))
+        if type(optimizer).__name__ == "DistributedOptimizer":
+            # Main weights loaded in fp32 go back into the parameter buffer and to every data-parallel rank.
+            optimizer._copy_main_params_to_model_params()
+            for chunk in optimizer.model_chunks:
+                if hasattr(chunk, "finish_param_sync"):
+                    chunk.finish_param_sync()
+
+    return targets, install

@@ -1,0 +1,127 @@
+"""What a training run's logical checkpoint holds, and how it goes back into a run of any layout.
+
+Model and optimizer tensors come from `megatron.core.dist_checkpointing` (the part that depends on the data
+parallel wrapper lives there); this module adds the run's state around them: scheduler, per-rank RNG states,
+iteration, consumed samples, the arguments and the layout that wrote the checkpoint.
+"""
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.dist_checkpointing import serialization
+from megatron.core.dist_checkpointing.strictness import apply_strictness
+from megatron.core.dist_checkpointing import wrappers
+
+CHECKPOINT_VERSION = 1
+
+
+def _rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def layout_of(args, model_chunks):
+    from megatron.core import parallel_state
+
+    return {
+        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+        "data_parallel_size": parallel_state.get_data_parallel_world_size(with_context_parallel=True),
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "wrapper": wrappers.describe(model_chunks, args),
+        "ckpt_format": args.ckpt_format,
+    }
+
+
+def state_to_save(iteration, model_chunks, optimizer, scheduler, args):
+    """(flat state dict of this rank, layout); collective (the optimizer agrees on its step counter)."""
+    from megatron.training.checkpointing import rng_state
+
+    state = {f"model.{name}": value for name, value in wrappers.model_state(model_chunks, for_saving=True).items()}
+    if optimizer is not None and not args.no_save_optim:
+        state.update(wrappers.optimizer_state_to_save(optimizer, model_chunks))
+        if scheduler is not None:
+            state["scheduler"] = scheduler.state_dict()
+    if not args.no_save_rng:
+        state[f"rng_state.{_rank()}"] = rng_state()
+    layout = layout_of(args, model_chunks)
+    if _rank() == 0:
+        state["common"] = {
+            "checkpoint_version": CHECKPOINT_VERSION,
+            "iteration": iteration,
+            "consumed_train_samples": getattr(args, "consumed_train_samples", 0),
+            "args": args,
+            "layout": layout,
+        }
+    return state, layout
+
+
+def model_targets(model_chunks):
+    return {f"model.{name}": value for name, value in wrappers.model_state(model_chunks, for_saving=False).items()}
+
+
+def refresh_main_params(optimizer):
+    """Main (fp32) parameter copies follow the model weights just loaded."""
+    if hasattr(optimizer, "reload_model_params"):
+        optimizer.reload_model_params()
+
+
+def load_optimizer(optimizer, model_chunks, metadata, directory, strictness, report, log):
+    refresh_main_params(optimizer)  # main weights the checkpoint does not hold in fp32 come from the model
+    saved_keys = list(metadata.state_dict_metadata)
+    targets, install = wrappers.optimizer_load_targets(optimizer, model_chunks, saved_keys)
+    serialization.check_shapes(targets, metadata, directory)
+    mismatch = apply_strictness(strictness, serialization.key_mismatch(targets, metadata, ["optimizer.state."]),
+                                directory, log)
+    for key in mismatch.missing:
+        targets.pop(key, None)
+    for key in ("optimizer.step", "optimizer.param_groups", "optimizer.grad_scaler"):
+        if key in metadata.state_dict_metadata:
+            targets[key] = None
+    serialization.load(targets, directory)
+    install(targets)
+    report.loaded.append(f"optimizer ({sum(1 for k in targets if k.startswith('optimizer.state.'))} tensors)")
+    report.add_mismatch("optimizer", mismatch)
+
+
+def load_rng(args, directory, metadata, common, report):
+    from megatron.training.checkpointing import set_rng_state
+
+    if args.finetune or args.no_load_rng:
+        report.not_loaded.append("RNG state (" + ("--finetune" if args.finetune else "--no-load-rng") + ")")
+        return
+    key = f"rng_state.{_rank()}"
+    saved_layout = dict(common.get("layout", {}))
+    current = layout_of(args, [])
+    same = all(saved_layout.get(name) == current[name] for name in
+               ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size", "world_size"))
+    if not same:
+        report.not_loaded.append("RNG state (saved at another parallel layout; each rank keeps its seeded state)")
+        return
+    if key not in metadata.state_dict_metadata:
+        report.not_loaded.append("RNG state (the checkpoint has none: saved with --no-save-rng)")
+        return
+    set_rng_state(serialization.read_objects(directory, [key])[key])
+    report.loaded.append("RNG state")
+
+
+class LoadReport:
+    """What a load restored and what it did not, printed by rank 0 as Megatron does."""
+
+    def __init__(self, directory, common):
+        self.directory = directory
+        self.layout = common.get("layout", {})
+        self.loaded, self.not_loaded = [], []
+
+    def add_mismatch(self, what, mismatch):
+        if mismatch.missing:
+            self.not_loaded.append(f"{len(mismatch.missing)} {what} tensor(s) missing from the checkpoint")
+        if mismatch.unexpected:
+            self.not_loaded.append(f"{len(mismatch.unexpected)} checkpoint {what} tensor(s) the model lacks")
+
+    def lines(self):
+        layout = ", ".join(f"{k}={v}" for k, v in self.layout.items())
+        lines = [f"loaded checkpoint {self.directory} (written with {layout})",
+                 "  loaded: " + ("; ".join(self.loaded) or "nothing")]
+        if self.not_loaded:
+            lines.append("  not loaded: " + "; ".join(self.not_loaded))
+        return lines

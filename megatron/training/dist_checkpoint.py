@@ -1,0 +1,245 @@
+"""`--ckpt-format torch_dist` (also `torch_dcp`, `fsdp_dtensor`): the logical checkpoint of a training run.
+
+Layout under the checkpoint root:
+
+    latest_checkpointed_iteration.txt     the last published checkpoint's iteration, written last
+    iter_0000010/                         one published checkpoint
+        .metadata  __<rank>_0.distcp      torch.distributed.checkpoint index and per-rank data files
+        metadata.json                     format, iteration and the layout that wrote it (for tools)
+    iter_0000020.tmp/                     a save in progress (or one that was interrupted): never loaded
+
+Keys (see megatron.core.dist_checkpointing): `model.<logical name>`, `optimizer.*`, `scheduler`,
+`rng_state.<global rank>`, `common` (iteration, consumed samples, args, layout). All ranks write into the
+temporary directory; when every rank has succeeded, global rank 0 renames it into place and then points the
+tracker at it, so an interrupted or failed save leaves the previous checkpoint the latest, and readable.
+"""
+
+import json
+import os
+import re
+import shutil
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.dist_checkpointing import serialization
+from megatron.core.dist_checkpointing.strictness import apply_strictness
+from megatron.training import checkpoint_state
+
+METADATA_JSON = "metadata.json"
+TEMPORARY_SUFFIX = ".tmp"
+_ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
+
+_async_queue = None
+
+
+def _rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _print0(message):
+    if _rank() == 0:
+        print(message, flush=True)
+
+
+def async_queue(args):
+    global _async_queue
+    if _async_queue is None:
+        from megatron.training.async_checkpoint import AsyncCheckpointQueue
+
+        _async_queue = AsyncCheckpointQueue(args.device, getattr(args, "use_persistent_ckpt_worker", False))
+    return _async_queue
+
+
+def finalize_async_save(args, blocking):
+    """Publish a finished background save (all ranks call this at the same points); True if one was."""
+    if _async_queue is None or not _async_queue.pending:
+        return False
+    return _async_queue.finalize(blocking=blocking)
+
+
+def close_async_queue():
+    global _async_queue
+    if _async_queue is not None:
+        _async_queue.close()
+        _async_queue = None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Publishing
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _fsync_directory(path):
+    try:
+        descriptor = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+
+
+def published_iterations(root):
+    """Iterations of the published checkpoints under `root`, ascending."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(match.group(1)) for match in map(_ITERATION_DIR.match, os.listdir(root)) if match)
+
+
+def publish(root, iteration, temporary, layout, keep_last_n=None):
+    """Rename `temporary` to `iter_XXXXXXX`, then point the tracker at it; prune to `keep_last_n` (rank 0)."""
+    from megatron.training.checkpointing import iteration_dir_name, write_tracker
+
+    with open(os.path.join(temporary, METADATA_JSON), "w") as stream:
+        json.dump({"format": "megatron_logical_dcp", "version": 1, "iteration": iteration, "layout": layout},
+                  stream, indent=1)
+    final = os.path.join(root, iteration_dir_name(iteration))
+    replaced = None
+    if os.path.exists(final):  # saving the same iteration again (e.g. after a resume)
+        replaced = final + ".replaced"
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(final, replaced)
+    os.replace(temporary, final)
+    _fsync_directory(root)
+    write_tracker(root, iteration)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+    if keep_last_n:
+        for old in published_iterations(root)[:-keep_last_n]:
+            if old != iteration:
+                shutil.rmtree(os.path.join(root, iteration_dir_name(old)), ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Save
+# ---------------------------------------------------------------------------------------------------------
+
+
+def stage(state):
+    """A CPU snapshot of `state` that training may not change under a background write."""
+    from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor
+
+    staged = {}
+    for key, value in state.items():
+        if isinstance(value, ShardedLogicalTensor):
+            staged[key] = value.staged()
+        elif torch.is_tensor(value):
+            staged[key] = value.detach().to("cpu", copy=True)
+        else:
+            staged[key] = value
+    return staged
+
+
+def save_dist_checkpoint(iteration, model_chunks, optimizer, scheduler, args):
+    """Save `iteration` under `args.save` (collective). Returns the seconds the training thread spent."""
+    from megatron.training.checkpointing import iteration_dir_name
+
+    start = time.perf_counter()
+    finalize_async_save(args, blocking=True)  # one save in flight at a time
+    state, layout = checkpoint_state.state_to_save(iteration, model_chunks, optimizer, scheduler, args)
+    root = args.save
+    temporary = os.path.join(root, iteration_dir_name(iteration) + TEMPORARY_SUFFIX)
+    if _rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(temporary, ignore_errors=True)  # left by an interrupted save of this iteration
+    _barrier()
+    keep_last_n = getattr(args, "keep_last_n", None)
+
+    def finish(succeeded):
+        _barrier()
+        if _rank() == 0:
+            if succeeded:
+                publish(root, iteration, temporary, layout, keep_last_n)
+                print(f"saved checkpoint of iteration {iteration} to {root} (--ckpt-format {args.ckpt_format})",
+                      flush=True)
+            else:
+                shutil.rmtree(temporary, ignore_errors=True)
+                print(f"checkpoint of iteration {iteration} was NOT saved: a background write failed (see above); "
+                      f"the latest checkpoint is still the previous one", flush=True)
+        _barrier()
+
+    if getattr(args, "async_save", False):
+        queue = async_queue(args)
+        staged = stage(state)
+        queue.schedule(lambda: serialization.save(staged, temporary, process_group=queue.process_group),
+                       finish, f"checkpoint iteration {iteration}")
+    else:
+        serialization.save(state, temporary)
+        finish(True)
+    return time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Load
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _check_not_legacy(directory):
+    if os.path.isdir(directory) and any(name.startswith("mp_rank_") for name in os.listdir(directory)):
+        raise serialization.CheckpointError(
+            f"{directory} is a --ckpt-format torch checkpoint; load it with --ckpt-format torch, or convert it with "
+            f"tools/checkpoint/convert_legacy.py")
+
+
+def load_dist_checkpoint(model_chunks, optimizer, scheduler, args, iteration):
+    """Load checkpoint `iteration` under `args.load` into the model (and optimizer, scheduler, RNG as the flags
+    allow); returns (iteration to resume from, report lines)."""
+    from megatron.training.checkpointing import iteration_dir_name
+
+    directory = os.path.join(args.load, iteration_dir_name(iteration))
+    if not os.path.isdir(directory):
+        raise serialization.CheckpointError(
+            f"{os.path.join(args.load, 'latest_checkpointed_iteration.txt')} names iteration {iteration}, but "
+            f"{directory} does not exist")
+    _check_not_legacy(directory)
+    metadata = serialization.read_metadata(directory)
+    common = serialization.read_objects(directory, ["common"])["common"]
+    strictness = getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected")
+    report = checkpoint_state.LoadReport(directory, common)
+
+    model_targets = checkpoint_state.model_targets(model_chunks)
+    serialization.check_shapes(model_targets, metadata, directory)
+    mismatch = apply_strictness(strictness, serialization.key_mismatch(model_targets, metadata, ["model."]),
+                                directory, _print0)
+    for key in mismatch.missing:
+        model_targets.pop(key, None)
+    serialization.load(model_targets, directory)
+    report.loaded.append(f"model ({len(model_targets)} tensors)")
+    report.add_mismatch("model", mismatch)
+
+    load_optimizer = optimizer is not None and not args.finetune and not args.no_load_optim
+    if load_optimizer and not any(key.startswith("optimizer.") for key in metadata.state_dict_metadata):
+        report.not_loaded.append("optimizer (the checkpoint has none: saved with --no-save-optim)")
+        load_optimizer = False
+    if load_optimizer:
+        checkpoint_state.load_optimizer(optimizer, model_chunks, metadata, directory, strictness, report, _print0)
+        if scheduler is not None and "scheduler" in metadata.state_dict_metadata:
+            scheduler.load_state_dict(serialization.read_objects(directory, ["scheduler"])["scheduler"])
+            report.loaded.append("scheduler")
+    else:
+        if optimizer is not None:
+            checkpoint_state.refresh_main_params(optimizer)
+            reason = "--finetune" if args.finetune else "--no-load-optim"
+            report.not_loaded.append(f"optimizer and scheduler ({reason})"
+                                     if "optimizer" not in " ".join(report.not_loaded) else "scheduler")
+
+    checkpoint_state.load_rng(args, directory, metadata, common, report)
+    if args.finetune:
+        args.consumed_train_samples = 0
+        report.not_loaded.append("iteration and consumed samples (--finetune starts at 0)")
+        iteration = 0
+    else:
+        args.consumed_train_samples = common.get("consumed_train_samples", 0)
+        report.loaded.append(f"iteration {iteration}, consumed samples {args.consumed_train_samples}")
+    _barrier()
+    return iteration, report
