@@ -36,7 +36,7 @@ def _layout(tp=1, pp=1, sp=False, instances=1):
     return {"tp": tp, "pp": pp, "sp": sp, "instances": instances}
 
 
-def _build(layout, meta=False, num_layers=2):
+def _build(layout, meta=False, num_layers=2, fp16=False):
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -53,6 +53,7 @@ def _build(layout, meta=False, num_layers=2):
         num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=HEADS, hidden_dropout=0.0,
         attention_dropout=0.0, init_seed=SEED, tensor_model_parallel_size=layout["tp"],
         pipeline_model_parallel_size=layout["pp"], sequence_parallel=layout["sp"], init_model_with_meta_device=meta,
+        fp16=fp16, params_dtype=torch.float16 if fp16 else torch.float32,
     )
     return GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ,
                     pre_process=parallel_state.is_pipeline_first_stage(),
@@ -186,6 +187,35 @@ def _data_parallel_cases():
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_data_parallel_every_strategy_matches_ddp(world_size):
     _assert_all_match(run_on_ranks(world_size, _data_parallel_cases))
+
+
+def _fp16_overflow_step():
+    """fp16 under ZeRO-3 with a loss scale that overflows the fp16 gradients: the step is skipped on every rank,
+    the weights stay as they were and the dynamic scale backs off."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.training.model_setup import install_schedule_hooks
+
+    chunk = _wrap(_build(_layout(), fp16=True), "optim_grads_params")
+    before = _full_weights(chunk)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(lr=1e-3, fp16=True, params_dtype=torch.float16, initial_loss_scale=2.0**40, hysteresis=1),
+        [chunk])
+    install_schedule_hooks([chunk], optimizer, types.SimpleNamespace(fp16=True))
+    chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    get_forward_backward_func()(forward_step_func=_forward_step, data_iterator=iter(_batches(0, 2)), model=[chunk],
+                                num_microbatches=2, seq_length=SEQ, micro_batch_size=MICRO_BATCH)
+    success, grad_norm, _ = optimizer.step()
+    after = _full_weights(chunk)
+    return {"success": success, "grad_norm": grad_norm, "loss_scale": float(optimizer.get_loss_scale()),
+            "unchanged": all(torch.equal(before[name], after[name]) for name in before)}
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_fp16_overflow_skips_the_step_on_every_rank(world_size):
+    for result in run_on_ranks(world_size, _fp16_overflow_step):
+        assert result == {"success": False, "grad_norm": None, "loss_scale": 2.0**39, "unchanged": True}
 
 
 def _world_four_cases():
