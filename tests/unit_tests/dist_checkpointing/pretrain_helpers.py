@@ -34,3 +34,46 @@ def run_pretrain(workdir, extra_args, forward_step=None):
     with open(metrics) as stream:
         records = [json.loads(line) for line in stream if line.strip()]
     return {record["iteration"]: record["lm loss"] for record in records if record.get("split") == "train"}
+
+
+class TrainingState:
+    """Model chunks, optimizer and scheduler built from TINY_GPT + `extra_args`, as pretrain() builds them."""
+
+    def __init__(self, extra_args):
+        import pretrain_gpt
+        from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+        from megatron.training.initialize import initialize_megatron
+        from megatron.training.model_setup import setup_model_and_optimizer
+        from megatron.training.tokenizer import build_tokenizer_from_args, pad_vocab_size
+
+        args = initialize_megatron(None, {}, args=f"{TINY_GPT} {extra_args}".split())
+        tokenizer = build_tokenizer_from_args(args)
+        args.padded_vocab_size = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+                                                args.tensor_model_parallel_size)
+        init_num_microbatches_calculator(args.rank, args.global_batch_size, args.micro_batch_size,
+                                         args.data_parallel_size)
+        self.args = args
+        self.model, self.optimizer, self.scheduler, _ = setup_model_and_optimizer(pretrain_gpt.model_provider, args)
+        self.args.consumed_train_samples = 0
+
+    def train_steps(self, count):
+        """`count` optimizer steps on synthetic gradients (enough to give the optimizer state)."""
+        for _ in range(count):
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
+            for chunk in self.model:
+                for param in chunk.parameters():
+                    grad = torch.full_like(param, 0.01) + 0.001 * param.detach()
+                    if getattr(param, "main_grad", None) is not None:
+                        param.main_grad.copy_(grad)
+                    else:
+                        param.grad = grad
+            self.optimizer.step()
+            self.scheduler.step(increment=self.args.global_batch_size)
+
+    def close(self):
+        from megatron.core import parallel_state
+        from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
+
+        destroy_num_microbatches_calculator()
+        parallel_state.destroy_model_parallel()

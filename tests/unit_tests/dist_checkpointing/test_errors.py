@@ -1,0 +1,118 @@
+"""Bad input gets an error naming the tensor or file, and loading never writes into the checkpoint."""
+
+import contextlib
+import io
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests.unit_tests.dist_checkpointing.pretrain_helpers import TrainingState
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+
+def _error_of(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: B902 - the test inspects whatever was raised
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _load_into(extra_args, root, ckpt_format="torch_dist"):
+    from megatron.training import checkpointing
+
+    state = TrainingState(f"--ckpt-format {ckpt_format} --load {root} {extra_args}")
+    try:
+        output = io.StringIO()
+        with contextlib.redirect_stdout(output):
+            error = _error_of(lambda: checkpointing.load_checkpoint(state.model, state.optimizer, state.scheduler,
+                                                                    state.args))
+        return error, output.getvalue(), state.args.consumed_train_samples
+    finally:
+        state.close()
+
+
+def _snapshot(root):
+    return {os.path.join(d, f): os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs}
+
+
+def _bad_inputs(workdir):
+    from megatron.training import checkpointing
+
+    rank = torch.distributed.get_rank()
+    root = os.path.join(workdir, "good")
+    state = TrainingState(f"--use-distributed-optimizer --ckpt-format torch_dist --save {root}")
+    state.train_steps(2)
+    checkpointing.save_checkpoint(3, state.model, state.optimizer, state.scheduler, state.args)
+    state.close()
+    before = _snapshot(root)
+    results = {}
+    results["hidden"] = _load_into("--hidden-size 48", root)[0]
+    results["more_layers"] = _load_into("--num-layers 6", root)[0]
+    results["fewer_layers_default"] = _load_into("--num-layers 2", root)[0]
+    results["fewer_layers_raise_all"] = _load_into("--num-layers 2 --dist-ckpt-strictness raise_all", root)[0]
+    error, printed, _ = _load_into("--num-layers 6 --dist-ckpt-strictness log_all", root)
+    results["more_layers_log_all"] = (error, "decoder.layers.5" in printed)
+    results["unchanged"] = _snapshot(root) == before
+
+    # Damaged copies: truncated index, missing shard file.
+    damaged = {}
+    for kind in ("metadata", "shard"):
+        copy = os.path.join(workdir, kind)
+        if rank == 0:
+            shutil.copytree(root, copy)
+            iteration_dir = os.path.join(copy, "iter_0000003")
+            if kind == "metadata":
+                path = os.path.join(iteration_dir, ".metadata")
+                with open(path, "r+b") as stream:
+                    stream.truncate(os.path.getsize(path) // 2)
+            else:
+                os.remove(os.path.join(iteration_dir, "__1_0.distcp"))
+        torch.distributed.barrier()
+        damaged[kind] = _load_into("--use-distributed-optimizer", copy)[0]
+    results.update(damaged)
+
+    # --load of a directory that does not exist: says so, loads nothing, starts from scratch.
+    error, printed, consumed = _load_into("", os.path.join(workdir, "does_not_exist"))
+    results["missing_dir"] = (error, printed if rank == 0 else None, consumed)
+    error, printed, consumed = _load_into("", os.path.join(workdir, "does_not_exist"), ckpt_format="torch")
+    results["missing_dir_torch"] = (error, printed if rank == 0 else None)
+
+    # Legacy torch format: a truncated model_optim_rng.pt names the file.
+    legacy = os.path.join(workdir, "legacy")
+    state = TrainingState(f"--ckpt-format torch --save {legacy}")
+    checkpointing.save_checkpoint(2, state.model, state.optimizer, state.scheduler, state.args)
+    state.close()
+    model_file = os.path.join(legacy, "iter_0000002", "mp_rank_00", "model_optim_rng.pt")
+    if rank == 0:
+        with open(model_file, "r+b") as stream:
+            stream.truncate(os.path.getsize(model_file) // 3)
+    torch.distributed.barrier()
+    results["truncated_torch"] = _load_into("", legacy, ckpt_format="torch")[0]
+    results["wrong_format"] = _load_into("", root, ckpt_format="torch")[0]
+    results["model_file"] = model_file
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_bad_inputs_get_errors_naming_tensor_or_file(tmp_path, world_size):
+    results = run_on_ranks(world_size, _bad_inputs, str(tmp_path))
+    first = results[0]
+    assert "'model.embedding.word_embeddings.weight'" in first["hidden"]
+    assert "(128, 32) in the checkpoint but (128, 48) in this model" in first["hidden"]
+    assert "--hidden-size" in first["hidden"]
+    assert "not in the checkpoint" in first["more_layers"] and "decoder.layers.4" in first["more_layers"]
+    assert first["fewer_layers_default"] is None  # unexpected keys are fine by default (assume_ok_unexpected)
+    assert "not in the model" in first["fewer_layers_raise_all"] and "decoder.layers.2" in first[
+        "fewer_layers_raise_all"]
+    assert first["more_layers_log_all"] == (None, True)
+    assert first["unchanged"]
+    assert ".metadata is truncated or damaged" in first["metadata"]
+    assert all("__1_0.distcp" in result["shard"] or "missing or damaged" in result["shard"] for result in results)
+    assert results[0]["missing_dir"][0] is None and results[0]["missing_dir"][2] == 0
+    assert "does_not_exist: the directory does not exist; nothing was loaded" in results[0]["missing_dir"][1]
+    assert "nothing was loaded" in results[0]["missing_dir_torch"][1]
+    assert first["model_file"] in first["truncated_torch"] and "truncated or damaged" in first["truncated_torch"]
+    assert "is a torch_dist checkpoint; load it with --ckpt-format torch_dist" in first["wrong_format"]

@@ -1,0 +1,121 @@
+"""A checkpoint is published only when complete: a writer killed mid-write (sync or --async-save) or a failed
+background write leaves the previous checkpoint the latest and loadable; --keep-last-n prunes old ones."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.unit_tests.dist_checkpointing.pretrain_helpers import TrainingState
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _load_and_compare(root):
+    from megatron.training import checkpointing
+
+    state = TrainingState(f"--use-distributed-optimizer --ckpt-format torch_dist --load {root}")
+    try:
+        iteration = checkpointing.load_checkpoint(state.model, state.optimizer, state.scheduler, state.args)
+        expected = torch.load(os.path.join(root, "expected_weights.pt"))
+        loaded = dict(state.model[0].module.named_parameters())
+        equal = all(torch.equal(loaded[name], value) for name, value in expected.items())
+        return iteration, equal, len(expected)
+    finally:
+        state.close()
+
+
+def test_writer_killed_mid_write_keeps_previous_checkpoint(tmp_path):
+    from megatron.training.checkpointing import read_tracker
+
+    roots = {mode: tmp_path / mode for mode in ("sync", "async")}
+    children = {}
+    for mode, root in roots.items():
+        root.mkdir()
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+                   LOCAL_RANK="0", OMP_NUM_THREADS="1")
+        children[mode] = subprocess.Popen(
+            [sys.executable, "-m", "tests.unit_tests.dist_checkpointing.interrupted_save_child", str(root), mode],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    for mode, child in children.items():
+        output = child.communicate(timeout=240)[0].decode(errors="replace")
+        assert child.returncode == -signal.SIGKILL, f"{mode}: {output[-3000:]}"
+        root = roots[mode]
+        assert read_tracker(root) == 1, mode
+        assert sorted(os.listdir(root)) == ["expected_weights.pt", "iter_0000001", "iter_0000002.tmp",
+                                            "latest_checkpointed_iteration.txt"], mode
+        assert run_on_ranks(1, _load_and_compare, str(root)) == [(1, True, 53)], mode
+
+
+def _failed_async_write_and_retention(root):
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+    from megatron.training import checkpointing
+
+    rank = torch.distributed.get_rank()
+    state = TrainingState(f"--use-distributed-optimizer --ckpt-format torch_dist --save {root} --async-save "
+                          "--use-persistent-ckpt-worker --keep-last-n 2")
+    log = []
+    for iteration in (1, 2):
+        state.train_steps(1)
+        checkpointing.save_checkpoint(iteration, state.model, state.optimizer, state.scheduler, state.args)
+        log.append(("pending", iteration, checkpointing.read_tracker(root)))
+    weights_at_2 = {name: p.detach().clone() for name, p in state.model[0].module.named_parameters()}
+    state.train_steps(1)  # the write of iteration 2 overlaps this step, which changes the weights
+    checkpointing.maybe_finalize_async_save(state.args, blocking=True)
+    log.append(("finalized", checkpointing.read_tracker(root)))
+
+    real_write_item = dcp_filesystem._write_item
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    if rank == 1:
+        dcp_filesystem._write_item = disk_full
+    try:
+        checkpointing.save_checkpoint(3, state.model, state.optimizer, state.scheduler, state.args)
+        checkpointing.maybe_finalize_async_save(state.args, blocking=True)
+    finally:
+        dcp_filesystem._write_item = real_write_item
+    log.append(("failed", checkpointing.read_tracker(root), sorted(os.listdir(root))))
+    state.train_steps(1)
+    checkpointing.save_checkpoint(4, state.model, state.optimizer, state.scheduler, state.args)
+    checkpointing.maybe_finalize_async_save(state.args, blocking=True)
+    log.append(("retained", checkpointing.read_tracker(root), sorted(os.listdir(root))))
+    from megatron.training.dist_checkpoint import close_async_queue
+
+    close_async_queue()
+    state.close()
+
+    # Iteration 2 (published by the async path) holds the weights of iteration 2, not those of the step that
+    # ran during its write.
+    state = TrainingState(f"--use-distributed-optimizer --ckpt-format torch_dist --load {root}")
+    checkpointing.write_tracker(root, 2) if rank == 0 else None
+    torch.distributed.barrier()
+    loaded_iteration = checkpointing.load_checkpoint(state.model, state.optimizer, state.scheduler, state.args)
+    loaded = dict(state.model[0].module.named_parameters())
+    equal = all(torch.equal(loaded[name], value) for name, value in weights_at_2.items())
+    state.close()
+    return log, loaded_iteration, equal
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_async_save_publishes_only_complete_checkpoints(tmp_path, world_size):
+    log, loaded_iteration, equal = run_on_ranks(world_size, _failed_async_write_and_retention, str(tmp_path))[0]
+    assert log[0] == ("pending", 1, None)  # not published while being written
+    assert log[1] == ("pending", 2, 1)  # saving 2 first finalised 1
+    assert log[2] == ("finalized", 2)
+    assert log[3] == ("failed", 2, ["iter_0000001", "iter_0000002", "latest_checkpointed_iteration.txt"])
+    assert log[4] == ("retained", 4, ["iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"])
+    assert (loaded_iteration, equal) == (2, True)
