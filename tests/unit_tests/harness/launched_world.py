@@ -196,18 +196,20 @@ class LaunchedWorld:
         return [value for _, value in outcomes]
 
     def _task_of_rank_zero(self, key, task, timeout_s):
-        """Every rank runs rank 0's (fn, args, kwargs), as pool workers run what the one test process sent.
+        """Every rank runs a copy of rank 0's (fn, args, kwargs), as pool workers run what the test process sent.
 
-        The ranks' own arguments may differ: each pytest session has its own `tmp_path`, for instance.
+        The ranks' own arguments may differ (each pytest session has its own `tmp_path`, for instance), and
+        rank 0 works on a copy too, so the test body's own objects stay untouched as they do with pools.
         """
         if self.rank == 0:
             try:
-                self._store.set(f"{key}/task", pickle.dumps(("ok", task)))
+                message = pickle.dumps(("ok", task))
             except Exception as error:
                 problem = f"the task {task[0]!r} and its arguments cannot be pickled: {error!r}"
                 self._store.set(f"{key}/task", pickle.dumps(("error", problem)))
                 raise MultiRankError(problem) from error
-            return task
+            self._store.set(f"{key}/task", message)
+            return pickle.loads(message)[1]
         self._wait({0: f"{key}/task"}, timeout_s, "receiving the task")
         status, payload = pickle.loads(self._store.get(f"{key}/task"))
         if status == "error":
