@@ -18,6 +18,10 @@ def megatron_fsdp_package_dirs():
     return dirs
 
 
+# The modelopt release the post-training example is tested with; it installs without pulling another torch,
+# and imports requests and huggingface_hub without declaring them.
+MODELOPT_REQUIREMENTS = ["nvidia-modelopt==0.47.0", "requests", "huggingface_hub"]
+
 # A range the local CPU wheel (2.13.0) satisfies, so installing never pulls a CUDA build where it is present.
 TORCH_REQUIREMENT = "torch>=2.6,<2.15"
 
@@ -30,9 +34,9 @@ setup(
     package_dir=megatron_fsdp_package_dirs(),
     install_requires=[TORCH_REQUIREMENT, "numpy", "pyyaml"],
     extras_require={
-        "dev": ["pytest>=7", "tokenizers>=0.15", "tensorboard"],
-        "test": ["pytest>=7", "tokenizers>=0.15", "tensorboard"],
-        "modelopt": ["nvidia-modelopt", "requests", "huggingface_hub"],
+        "dev": ["pytest>=7", "tokenizers>=0.15", "tensorboard", *MODELOPT_REQUIREMENTS],
+        "test": ["pytest>=7", "tokenizers>=0.15", "tensorboard", *MODELOPT_REQUIREMENTS],
+        "modelopt": MODELOPT_REQUIREMENTS,
         "te": ["transformer-engine[pytorch]"],
     },
     py_modules=["pretrain_gpt"],

@@ -7,6 +7,7 @@ when its CUDA extensions are built, so apex is detected by those extension modul
 
 import functools
 import importlib
+import importlib.util
 
 APEX_EXTENSION_MODULES = ("fused_layer_norm_cuda", "amp_C")
 
@@ -32,6 +33,12 @@ def have_apex():
 @functools.cache
 def have_modelopt():
     return _imports("modelopt.torch.quantization")
+
+
+def modelopt_installed():
+    """Whether modelopt and the packages it imports undeclared are installed, without importing them (fast
+    enough for test-collection-time skip conditions; `HAVE_MODELOPT` is the authoritative import check)."""
+    return all(importlib.util.find_spec(name) is not None for name in ("modelopt", "requests", "huggingface_hub"))
 
 
 _GUARDS = {"HAVE_TE": have_transformer_engine, "HAVE_APEX": have_apex, "HAVE_MODELOPT": have_modelopt}

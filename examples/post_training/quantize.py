@@ -1,0 +1,193 @@
+"""Post-training quantization of a trained GPT checkpoint with nvidia-modelopt.
+
+    torchrun --nproc-per-node N examples/post_training/quantize.py <the model's pretrain_gpt.py flags> \
+        --load CKPT --ckpt-format torch --data-path ... --quant-cfg fp8 --calib-batches 8 --eval-iters 4 \
+        --export-dir QUANTIZED
+
+Loads the latest checkpoint under `--load` (weights only), measures the validation loss, inserts modelopt's
+quantizers (`--quant-cfg`: fp8, fp8_per_channel_per_token, int8, int8_weight_only; all run on CPUs), calibrates
+them on `--calib-batches` global batches of training data from the data pipeline, measures the validation loss
+again on the same batches, and saves the quantized model under `--export-dir` in the checkpoint layout
+(`iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt`) with modelopt's own state (`modelopt_state`), which
+`load_quantized_model` replays on a freshly built model before loading the weights and quantizer states.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+import pretrain_gpt  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.extensions import modelopt as modelopt_support  # noqa: E402
+from megatron.training import checkpointing  # noqa: E402
+from megatron.training.initialize import initialize_megatron  # noqa: E402
+
+MODELOPT_STATE_KEY = "modelopt_state"
+
+
+def add_quantize_arguments(parser):
+    group = parser.add_argument_group("post-training quantization")
+    group.add_argument("--quant-cfg", default="fp8", choices=sorted(modelopt_support.QUANT_CONFIGS),
+                       help="modelopt quantization configuration.")
+    group.add_argument("--calib-batches", type=int, default=4, help="Global batches of training data to calibrate on.")
+    group.add_argument("--export-dir", default=None, help="Where to save the quantized model.")
+    return parser
+
+
+def _setup(args):
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+    from megatron.training.global_vars import set_tokenizer
+    from megatron.training.tokenizer import build_tokenizer_from_args, pad_vocab_size
+
+    if args.load is None:
+        raise ValueError("quantize.py needs --load: the checkpoint of the model to quantize")
+    if args.calib_batches < 1:
+        raise ValueError(f"--calib-batches must be >= 1, got {args.calib_batches}")
+    if args.eval_iters < 1:
+        raise ValueError("quantize.py needs --eval-iters >= 1 to report the validation loss before and after")
+    checkpointing.check_checkpoint_format(args)
+    tokenizer = build_tokenizer_from_args(args)
+    set_tokenizer(tokenizer)
+    args.padded_vocab_size = pad_vocab_size(
+        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
+    )
+    init_num_microbatches_calculator(args.rank, args.global_batch_size, args.micro_batch_size, args.data_parallel_size)
+
+
+def build_model(args):
+    """This stage's GPT model (unwrapped: PTQ runs forward passes only)."""
+    from megatron.training.model_setup import get_model
+
+    return get_model(pretrain_gpt.model_provider, args, wrap_with_ddp=False)[0]
+
+
+def _run_global_batches(model, data_iterator, num_batches, args):
+    """Forward `num_batches` global batches; returns the token-weighted mean loss (None off the last stage)."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.training.training import LOSS_NAME, reduce_reported_loss
+
+    total = []
+    model.eval()
+    with torch.no_grad():
+        for _ in range(num_batches):
+            total += get_forward_backward_func()(
+                forward_step_func=pretrain_gpt.forward_step,
+                data_iterator=data_iterator,
+                model=[model],
+                num_microbatches=get_num_microbatches(),
+                seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size,
+                decoder_seq_length=args.seq_length,
+                forward_only=True,
+            )
+    return float(reduce_reported_loss(total, args.device))
+
+
+def _iterators(args):
+    from megatron.training.data_iterators import build_data_iterators
+
+    # Calibration and validation read their splits from the start, whatever the checkpoint had consumed.
+    args.consumed_train_samples, args.iteration = 0, 0
+    train_iterator, valid_iterator, _ = build_data_iterators(pretrain_gpt.train_valid_test_datasets_provider, args)
+    if train_iterator is None or valid_iterator is None:
+        raise ValueError("quantize.py needs training data (calibration) and validation data (--split with a valid part)")
+    return train_iterator, valid_iterator
+
+
+def validation_loss(model, args):
+    """Mean loss over --eval-iters global batches of validation data, always the same batches."""
+    _, valid_iterator = _iterators(args)
+    return _run_global_batches(model, valid_iterator, args.eval_iters, args)
+
+
+def quantize_model(model, args):
+    """Insert and calibrate `--quant-cfg` quantizers on `--calib-batches` global batches of training data."""
+    train_iterator, _ = _iterators(args)
+
+    def forward_loop(quantized):
+        _run_global_batches(quantized, train_iterator, args.calib_batches, args)
+
+    return modelopt_support.quantize(model, args.quant_cfg, forward_loop)
+
+
+def _export_path(root, iteration):
+    ranks = checkpointing._parallel_ranks()
+    directory = checkpointing.checkpoint_dir(
+        root, iteration, ranks["tensor_rank"], ranks["pipeline_rank"], ranks["pipeline_size"]
+    )
+    return os.path.join(directory, checkpointing.MODEL_FILENAME)
+
+
+def save_quantized_model(model, root, iteration, args, losses):
+    path = _export_path(root, iteration)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    state = {
+        "model": model.state_dict(),
+        MODELOPT_STATE_KEY: modelopt_support.modelopt_state(model),
+        "iteration": iteration,
+        "quant_cfg": args.quant_cfg,
+        "validation_loss": losses,
+    }
+    if parallel_state.get_data_parallel_rank() == 0:
+        checkpointing.atomic_torch_save(state, path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        checkpointing.write_tracker(root, iteration)
+    dist.barrier()
+    return path
+
+
+def load_quantized_model(model, root):
+    """Replay the saved modelopt conversions on the freshly built `model`, then load weights and quantizer
+    states from the latest quantized checkpoint under `root`; returns the saved record."""
+    iteration = checkpointing.read_tracker(root)
+    if iteration is None:
+        raise FileNotFoundError(f"no quantized checkpoint under {root} (no tracker file)")
+    state = torch.load(_export_path(root, iteration), map_location="cpu", weights_only=False)
+    if MODELOPT_STATE_KEY not in state:
+        raise ValueError(f"{root} holds no {MODELOPT_STATE_KEY}: not written by quantize.py")
+    modelopt_support.restore(model, state[MODELOPT_STATE_KEY])
+    model.load_state_dict(state["model"])
+    return state
+
+
+def run(args):
+    """Load, evaluate, quantize, evaluate, save; returns the losses, the quantized model and the export path."""
+    _setup(args)
+    modelopt_support.require_modelopt()
+    model = build_model(args)
+    iteration = checkpointing.load_checkpoint([model], None, None, args)
+    if iteration == 0 and checkpointing.read_tracker(args.load) is None:
+        raise FileNotFoundError(f"no checkpoint under --load {args.load}")
+    before = validation_loss(model, args)
+    quantize_model(model, args)
+    after = validation_loss(model, args)
+    result = {"before": before, "after": after, "iteration": iteration, "model": model}
+    if dist.get_rank() == dist.get_world_size() - 1:
+        print(f"validation loss ({args.eval_iters} global batches): before {before:.6f} | after "
+              f"{args.quant_cfg} PTQ {after:.6f} | change {after - before:+.6f}", flush=True)
+    if args.export_dir is not None:
+        result["export"] = save_quantized_model(model, args.export_dir, iteration, args,
+                                                {"before": before, "after": after})
+    return result
+
+
+def main(argv=None):
+    args = initialize_megatron(extra_args_provider=add_quantize_arguments, args=argv)
+    try:
+        return run(args)
+    finally:
+        from megatron.training.training import _teardown
+
+        _teardown(args)
+
+
+if __name__ == "__main__":
+    main()
