@@ -56,7 +56,10 @@ def state_to_save(iteration, model_chunks, optimizer, scheduler, args):
 
 
 def model_targets(model_chunks):
-    return {f"model.{name}": value for name, value in wrappers.model_state(model_chunks, for_saving=False).items()}
+    """({`model.<name>`: target}, finish(loaded keys)) for loading the model chunks."""
+    targets, finish = wrappers.model_load_targets(model_chunks)
+    prefixed = {f"model.{name}": value for name, value in targets.items()}
+    return prefixed, lambda loaded_keys: finish({key[len("model."):] for key in loaded_keys})
 
 
 def refresh_main_params(optimizer):

@@ -207,13 +207,14 @@ def load_dist_checkpoint(model_chunks, optimizer, scheduler, args, iteration):
     strictness = getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected")
     report = checkpoint_state.LoadReport(directory, common)
 
-    model_targets = checkpoint_state.model_targets(model_chunks)
+    model_targets, finish_model_load = checkpoint_state.model_targets(model_chunks)
     serialization.check_shapes(model_targets, metadata, directory)
     mismatch = apply_strictness(strictness, serialization.key_mismatch(model_targets, metadata, ["model."]),
                                 directory, _print0)
     for key in mismatch.missing:
         model_targets.pop(key, None)
     serialization.load(model_targets, directory)
+    finish_model_load(set(model_targets))
     report.loaded.append(f"model ({len(model_targets)} tensors)")
     report.add_mismatch("model", mismatch)
 

@@ -1,23 +1,176 @@
-"""Logical state of Megatron-FSDP and FSDP2 model chunks (DTensor-based wrappers)."""
+"""Logical state of Megatron-FSDP model chunks (`--use-megatron-fsdp`, ZeRO-0..3, HSDP / HFSDP).
 
-FSDP_CLASS_NAMES = {"FullyShardedDataParallel", "TorchFullyShardedDataParallel", "MegatronFSDP"}
+Megatron-FSDP's own state dicts are already close to the logical format: `state_dict()` gives one DTensor per
+parameter with the full (tensor-parallel-unpartitioned) shape, holding this rank's rows; the optimizer's state
+dict is keyed by parameter name, with `main_param` for main weights kept in another dtype than the model's.
+Here they are renamed to logical names (global layer indices; the tied output-layer copy of a later pipeline
+stage is the word embedding), their DTensors become `ShardedLogicalTensor` boxes, and loading goes back
+through Megatron-FSDP's `load_state_dict`s, which put the rows into its flat shards.
+
+FSDP2 chunks need none of this: their parameters are DTensors of the TP partition's shape, handled with
+Megatron's DDP path in model_state / optimizer_state.
+"""
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor, dtensor_pieces
+from megatron.core.dist_checkpointing.model_state import TIED_EMBEDDING_NAME, layer_offset_of, logical_name, unwrap_model
+from megatron.core.dist_checkpointing.optimizer_state import (
+    GRAD_SCALER_KEY,
+    MAIN_PARAM_KEY,
+    PARAM_GROUPS_KEY,
+    STEP_KEY,
+    optimizer_state_keys_of,
+    state_key,
+)
+
+FSDP_CLASS_NAMES = {"FullyShardedDataParallel", "MegatronFSDP"}
+PACKAGE_MAIN_PARAM_KEY = "main_param"  # megatron_fsdp.state_dict.MAIN_PARAM_KEY
 
 
 def is_fsdp_chunk(chunk) -> bool:
     return type(chunk).__name__ in FSDP_CLASS_NAMES
 
 
-def _not_yet(what):
-    raise NotImplementedError(f"not implemented yet: {what} for Megatron-FSDP / FSDP2 checkpoints in torch_dist")
+def _chunk(model_chunks):
+    if len(model_chunks) != 1:
+        raise NotImplementedError("Megatron-FSDP checkpoints: one model chunk per rank (no virtual pipeline)")
+    return model_chunks[0]
+
+
+def _names(chunk):
+    """{module key: (logical name, saved by this rank)} for the chunk's parameters."""
+    module = unwrap_model(chunk)
+    offset = layer_offset_of(module)
+    result = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        real = chunk.real_parameter(param) if hasattr(chunk, "real_parameter") else param
+        if getattr(real, "shared", False) and getattr(real, "shared_embedding", False):
+            result[name] = (TIED_EMBEDDING_NAME, False)
+        else:
+            result[name] = (logical_name(name, offset), True)
+    return result, offset
+
+
+def _as_logical(value):
+    if isinstance(value, DTensor) or torch.is_tensor(value):
+        return ShardedLogicalTensor(value.shape, [dtensor_pieces(value)], dtype=value.dtype)
+    return value
 
 
 def model_state(model_chunks, for_saving):
-    _not_yet("model state")
+    chunk = _chunk(model_chunks)
+    names, offset = _names(chunk)
+    state = {}
+    for key, value in chunk.state_dict().items():
+        name, saved_here = names.get(key, (logical_name(key, offset), True))
+        if for_saving and not saved_here:
+            continue
+        if torch.is_tensor(value):
+            state[name] = _as_logical(value)
+    return state
+
+
+def model_load_targets(model_chunks):
+    """(targets, finish): fill the targets, then `finish()` loads them into the Megatron-FSDP chunk."""
+    chunk = _chunk(model_chunks)
+    names, offset = _names(chunk)
+    template = chunk.state_dict()
+    targets, by_key = {}, {}
+    for key, value in template.items():
+        if not torch.is_tensor(value):
+            continue
+        name = names.get(key, (logical_name(key, offset), True))[0]
+        targets[name] = _as_logical(value)
+        by_key[key] = name
+
+    def finish(loaded_names):
+        present = {key: template[key] for key, name in by_key.items() if name in loaded_names}
+        chunk.load_state_dict(present, strict=len(present) == len(by_key))
+
+    return targets, finish
+
+
+def _torch_optimizer(optimizer):
+    torch_optimizer = optimizer.optimizer
+    if not hasattr(torch_optimizer, "_megatron_fsdp_model"):
+        raise ValueError("a Megatron-FSDP chunk's optimizer must come from megatron_fsdp.fully_shard_optimizer")
+    return torch_optimizer
+
+
+def _name_keyed_state(optimizer):
+    state = _torch_optimizer(optimizer).state_dict()
+    groups = state["param_groups"]
+    if groups and groups[0]["params"] and not isinstance(groups[0]["params"][0], str):
+        raise ValueError("Megatron-FSDP optimizer state dict is not keyed by parameter name; build the model with "
+                         "preproc_state_dict_for_dcp_ckpt=True")
+    return state
+
+
+def _agreed_step(steps, device):
+    local = max(steps) if steps else -1.0
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        value = torch.tensor([local], dtype=torch.float64, device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        local = value.item()
+    return None if local < 0 else local
 
 
 def optimizer_state_to_save(optimizer, model_chunks):
-    _not_yet("optimizer state")
+    chunk = _chunk(model_chunks)
+    names, offset = _names(chunk)
+    saved = _name_keyed_state(optimizer)
+    state, steps = {}, []
+    for key, values in saved["state"].items():
+        name, saved_here = names.get(key, (logical_name(key, offset), True))
+        for state_name, value in values.items():
+            if state_name == "step":
+                steps.append(float(value))
+            elif isinstance(value, DTensor) and value.dim() > 0 and saved_here:
+                target_name = MAIN_PARAM_KEY if state_name == PACKAGE_MAIN_PARAM_KEY else state_name
+                state[state_key(name, target_name)] = _as_logical(value)
+    state[STEP_KEY] = _agreed_step(steps, chunk.device)
+    state[PARAM_GROUPS_KEY] = [{k: v for k, v in group.items() if k != "params"} for group in saved["param_groups"]]
+    state[GRAD_SCALER_KEY] = None if optimizer.grad_scaler is None else optimizer.grad_scaler.state_dict()
+    return state
 
 
 def optimizer_load_targets(optimizer, model_chunks, saved_keys):
-    _not_yet("optimizer state")
+    chunk = _chunk(model_chunks)
+    names, offset = _names(chunk)
+    template = _name_keyed_state(optimizer)
+    targets = {}
+    for key, values in template["state"].items():
+        name = names.get(key, (logical_name(key, offset), True))[0]
+        available = set(optimizer_state_keys_of(name, saved_keys))
+        for state_name, value in values.items():
+            target_name = MAIN_PARAM_KEY if state_name == PACKAGE_MAIN_PARAM_KEY else state_name
+            if isinstance(value, DTensor) and value.dim() > 0 and target_name in available:
+                targets[state_key(name, target_name)] = _as_logical(value)
+
+    def install(loaded):
+        step = loaded.get(STEP_KEY)
+        state = {}
+        for key, values in template["state"].items():
+            name = names.get(key, (logical_name(key, offset), True))[0]
+            entry = {}
+            for state_name, value in values.items():
+                target_name = MAIN_PARAM_KEY if state_name == PACKAGE_MAIN_PARAM_KEY else state_name
+                if state_key(name, target_name) in targets:
+                    entry[state_name] = value  # filled in place through its ShardedLogicalTensor view
+                elif state_name == "step" and step is not None:
+                    entry[state_name] = torch.tensor(float(step), dtype=value.dtype, device=value.device) \
+                        if torch.is_tensor(value) else step
+            if entry:
+                state[key] = entry
+        groups = template["param_groups"]
+        saved_groups = loaded.get(PARAM_GROUPS_KEY)
+        if saved_groups is not None and len(saved_groups) == len(groups):
+            groups = [{**group, **saved} for group, saved in zip(groups, saved_groups)]
+        _torch_optimizer(optimizer).load_state_dict({"state": state, "param_groups": groups})
+        if optimizer.grad_scaler is not None and loaded.get(GRAD_SCALER_KEY) is not None:
+            optimizer.grad_scaler.load_state_dict(loaded[GRAD_SCALER_KEY])
+
+    return targets, install

@@ -112,6 +112,27 @@ class ShardedLogicalTensor:
         return f"ShardedLogicalTensor(shape={tuple(self.global_shape)}, pieces={len(self.pieces)}, dtype={self.dtype})"
 
 
+def local_part(tensor):
+    """(offsets of the locally held block within `tensor`, that block): a DTensor's local shard and where its
+    placements put it (FSDP2 and Megatron-FSDP shards), or a plain tensor whole."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        chunks = tensor.__create_chunk_list__()  # empty pieces are dropped by ShardedLogicalTensor
+        offsets = tuple(int(o) for o in chunks[0].offsets) if chunks else tuple([0] * tensor.dim())
+        return offsets, tensor.to_local()
+    return tuple([0] * tensor.dim()), tensor
+
+
+def dtensor_pieces(tensor, base_offsets=None):
+    """A DTensor (or plain tensor) as a ShardedLogicalTensor of its own global shape, shifted by `base_offsets`
+    within a larger logical tensor when given."""
+    offsets, local = local_part(tensor)
+    if base_offsets is not None:
+        offsets = tuple(a + b for a, b in zip(offsets, base_offsets))
+    return offsets, local
+
+
 def partition_piece(local: torch.Tensor, global_shape, partition_dim, partition_index):
     """The piece a tensor-parallel partition is: `local` placed at `partition_index * local.shape[dim]`."""
     offsets = [0] * local.dim()

@@ -15,7 +15,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 
-from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor, partition_piece
+from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor, dtensor_pieces
 
 TIED_EMBEDDING_NAME = "embedding.word_embeddings.weight"
 _LAYER_INDEX = re.compile(r"(^|\.)layers\.(\d+)\.")
@@ -101,9 +101,10 @@ def parameter_placements(module, tp: Optional[TensorParallelRank] = None) -> Dic
 
 
 def local_piece(placement: Placement, tensor: torch.Tensor) -> ShardedLogicalTensor:
-    return ShardedLogicalTensor(placement.global_shape,
-                                [partition_piece(tensor, placement.global_shape, placement.partition_dim,
-                                                 placement.partition_index)], dtype=tensor.dtype)
+    """This rank's TP partition `tensor` (plain, or a DTensor sharded over data-parallel ranks, as FSDP2 holds
+    it) as its box(es) of the logical tensor."""
+    piece = dtensor_pieces(tensor, placement.offsets(tuple(tensor.shape)))
+    return ShardedLogicalTensor(placement.global_shape, [piece], dtype=tensor.dtype)
 
 
 def model_sharded_state_dict(model_chunks, for_saving: bool, tp: Optional[TensorParallelRank] = None):

@@ -11,11 +11,14 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from torch.distributed.tensor import DTensor
+
 from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor, flat_range_pieces
 from megatron.core.dist_checkpointing.model_state import (
     Placement,
     TensorParallelRank,
     current_tensor_parallel_rank,
+    local_piece,
     parameter_placements,
     unwrap_model,
 )
@@ -39,11 +42,10 @@ class MainParamEntry(NamedTuple):
 
     def pieces_of(self, tensor: torch.Tensor) -> ShardedLogicalTensor:
         """`tensor` (aligned with `main`) as pieces of the logical tensor."""
+        if self.flat_range is None:  # a whole TP partition (plain, or a DTensor sharded over DP by FSDP2)
+            return local_piece(self.placement, tensor if isinstance(tensor, DTensor) else tensor.view(self.local_shape))
         offsets = self.placement.offsets(self.local_shape)
-        if self.flat_range is None:
-            pieces = [(offsets, tensor.view(self.local_shape))]
-        else:
-            pieces = flat_range_pieces(tensor.view(-1), self.local_shape, offsets, *self.flat_range)
+        pieces = flat_range_pieces(tensor.view(-1), self.local_shape, offsets, *self.flat_range)
         return ShardedLogicalTensor(self.placement.global_shape, pieces, dtype=tensor.dtype)
 
 
@@ -99,7 +101,7 @@ def optimizer_state_to_save(optimizer, entries: List[MainParamEntry]) -> Dict[st
         if entry.model_dtype != torch.float32:
             state[state_key(name, MAIN_PARAM_KEY)] = entry.pieces_of(entry.main.detach())
         for key, value in torch_state.get(entry.main, {}).items():
-            if torch.is_tensor(value) and value.numel() == entry.main.numel() and value.dim() > 0:
+            if torch.is_tensor(value) and value.shape == entry.main.shape and value.dim() > 0:
                 state[state_key(name, key)] = entry.pieces_of(value.detach())
     return state
 
@@ -124,7 +126,7 @@ def optimizer_load_targets(entries: List[MainParamEntry], saved_keys) -> Tuple[D
             if key == MAIN_PARAM_KEY:
                 targets[state_key(name, key)] = entry.pieces_of(entry.main.data)
                 continue
-            moments[key] = torch.zeros_like(entry.main, dtype=torch.float32)
+            moments[key] = torch.zeros_like(entry.main.detach(), dtype=torch.float32)
             targets[state_key(name, key)] = entry.pieces_of(moments[key])
         installs.append((entry, moments))
     return targets, installs

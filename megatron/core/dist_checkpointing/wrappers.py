@@ -32,6 +32,13 @@ def model_state(model_chunks, for_saving):
     return model_sharded_state_dict(model_chunks, for_saving)
 
 
+def model_load_targets(model_chunks):
+    """(targets, finish): load into `targets`, then call `finish(set of logical names loaded)`."""
+    if _is_fsdp(model_chunks):
+        return fsdp_state.model_load_targets(model_chunks)
+    return model_sharded_state_dict(model_chunks, for_saving=False), lambda loaded_names: None
+
+
 def optimizer_state_to_save(optimizer, model_chunks):
     if _is_fsdp(model_chunks):
         return fsdp_state.optimizer_state_to_save(optimizer, model_chunks)

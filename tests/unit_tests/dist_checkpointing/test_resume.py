@@ -18,6 +18,11 @@ LAYOUTS = {
     "dp2_ddp": "",
     "tp2": "--tensor-model-parallel-size 2",
     "pp2": "--pipeline-model-parallel-size 2",
+    "mfsdp_z3": "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
+    "mfsdp_z1_tp2": "--use-megatron-fsdp --data-parallel-sharding-strategy optim --tensor-model-parallel-size 2",
+    "mfsdp_z0_pp2": "--use-megatron-fsdp --data-parallel-sharding-strategy no_shard --pipeline-model-parallel-size 2",
+    "fsdp2": "--use-torch-fsdp2",
+    "fsdp2_tp2": "--use-torch-fsdp2 --tensor-model-parallel-size 2",
 }
 
 
@@ -35,14 +40,25 @@ def _save_then_resume_everywhere(workdir, save_layout, resume_layouts):
     return reference, resumed
 
 
-@pytest.mark.parametrize("world_size", [2])
-def test_resume_is_exact_and_reshards(tmp_path, world_size):
-    reference, resumed = run_on_ranks(world_size, _save_then_resume_everywhere, str(tmp_path), "dp2_distopt",
-                                      ["dp2_distopt", "tp2", "pp2", "dp2_ddp"])[0]
+def _check(reference, resumed, same_layout, other_layouts):
     assert sorted(reference) == list(range(1, 9))
     assert len(set(reference.values())) == 8  # every iteration updates the model
-    assert resumed["dp2_distopt"] == {i: reference[i] for i in range(5, 9)}  # same layout: identical
-    for name in ("tp2", "pp2", "dp2_ddp"):
+    assert resumed[same_layout] == {i: reference[i] for i in range(5, 9)}  # same layout: identical
+    for name in other_layouts:
         assert sorted(resumed[name]) == [5, 6, 7, 8], name
         for iteration in range(5, 9):
             assert resumed[name][iteration] == pytest.approx(reference[iteration], rel=1e-5, abs=0), (name, iteration)
+
+
+@pytest.mark.parametrize(
+    "save_layout, resume_layouts",
+    [
+        ("dp2_distopt", ["tp2", "pp2", "dp2_ddp", "mfsdp_z3"]),
+        ("mfsdp_z3", ["fsdp2", "mfsdp_z1_tp2", "mfsdp_z0_pp2"]),
+        ("fsdp2", ["fsdp2_tp2", "dp2_distopt", "mfsdp_z3"]),
+    ],
+)
+def test_resume_is_exact_and_reshards(tmp_path, save_layout, resume_layouts):
+    reference, resumed = run_on_ranks(2, _save_then_resume_everywhere, str(tmp_path), save_layout,
+                                      [save_layout] + resume_layouts)[0]
+    _check(reference, resumed, save_layout, resume_layouts)
