@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
+from megatron.core.extensions.transformer_engine import layer_classes
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.recompute import checkpointed
@@ -37,10 +38,11 @@ class SelfAttention(torch.nn.Module):
         projection_size = config.num_attention_heads * config.kv_channels
         if init_seed is None:
             init_seed = derive_init_seed(resolve_base_init_seed(config), "layer", layer_number)
+        column_parallel_linear, row_parallel_linear = layer_classes(config)
 
         self.linear_qkv = build_with_init_seed(
             derive_init_seed(init_seed, "self_attention.linear_qkv"),
-            lambda: tensor_parallel.ColumnParallelLinear(
+            lambda: column_parallel_linear(
                 config.hidden_size,
                 3 * projection_size,
                 config=config,
@@ -51,7 +53,7 @@ class SelfAttention(torch.nn.Module):
         )
         self.linear_proj = build_with_init_seed(
             derive_init_seed(init_seed, "self_attention.linear_proj"),
-            lambda: tensor_parallel.RowParallelLinear(
+            lambda: row_parallel_linear(
                 projection_size,
                 config.hidden_size,
                 config=config,

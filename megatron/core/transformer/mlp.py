@@ -9,7 +9,7 @@ reproduces TP=1 exactly from the same full initialisation.
 
 import torch
 
-from megatron.core import tensor_parallel
+from megatron.core.extensions.transformer_engine import layer_classes
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -24,9 +24,10 @@ class MLP(torch.nn.Module):
         if init_seed is None:
             init_seed = derive_init_seed(resolve_base_init_seed(config), "mlp")
         fc1_output_size = config.ffn_hidden_size * (2 if config.gated_linear_unit else 1)
+        column_parallel_linear, row_parallel_linear = layer_classes(config)
         self.linear_fc1 = build_with_init_seed(
             derive_init_seed(init_seed, "mlp.linear_fc1"),
-            lambda: tensor_parallel.ColumnParallelLinear(
+            lambda: column_parallel_linear(
                 config.hidden_size,
                 fc1_output_size,
                 config=config,
@@ -37,7 +38,7 @@ class MLP(torch.nn.Module):
         )
         self.linear_fc2 = build_with_init_seed(
             derive_init_seed(init_seed, "mlp.linear_fc2"),
-            lambda: tensor_parallel.RowParallelLinear(
+            lambda: row_parallel_linear(
                 config.ffn_hidden_size,
                 config.hidden_size,
                 config=config,

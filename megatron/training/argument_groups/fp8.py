@@ -55,6 +55,11 @@ def validate(args):
                 "--transformer-impl transformer_engine needs transformer-engine, which is not importable here "
                 "(it needs CUDA): install it on a GPU machine (pip install '.[te]') or use --transformer-impl local"
             )
+    if args.fp8_param_gather and args.transformer_impl == "transformer_engine":
+        raise ValueError(
+            "--fp8-param-gather is implemented for --transformer-impl local (torch float8 weights); with "
+            "transformer_engine drop it"
+        )
     if args.fp8_param_gather and not (args.use_distributed_optimizer or getattr(args, "use_megatron_fsdp", False)):
         raise ValueError("--fp8-param-gather needs --use-distributed-optimizer (or --use-megatron-fsdp)")
 
