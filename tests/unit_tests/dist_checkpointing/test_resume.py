@@ -1,8 +1,9 @@
 """torch_dist checkpoints in training: exact resume, and resume at another layout or wrapper (resharding).
 
 A reference run trains 8 iterations and saves at iteration 4; resumed runs load iteration 4 and train to 8.
-Same layout: the losses of iterations 5-8 are identical. Another layout (TP, PP, DP, distributed optimizer
-or not): equal to 1e-5 relative, the difference being only the order of floating-point reductions.
+Same layout: the losses of iterations 5-8 are identical. Another layout or wrapper (TP, PP, DP size, DDP,
+distributed optimizer, Megatron-FSDP ZeRO-0..3 / HSDP / HFSDP, FSDP2): equal to 1e-5 relative, the difference
+being only the order of floating-point reductions (measured differences are ~1e-7).
 """
 
 import os
@@ -26,18 +27,22 @@ LAYOUTS = {
 }
 
 
-def _save_then_resume_everywhere(workdir, save_layout, resume_layouts):
-    from megatron.training.checkpointing import write_tracker
+def _save_then_resume_everywhere(workdir, save_layout, resume_layouts, save_args=""):
+    from megatron.training.checkpointing import read_tracker, write_tracker
 
     root = os.path.join(workdir, "ckpt")
     reference = run_pretrain(workdir, f"{LAYOUTS[save_layout]} --save {root} --save-interval 4 "
-                                      "--ckpt-format torch_dist")
+                                      f"--ckpt-format torch_dist {save_args}")
     if torch.distributed.get_rank() == 0:
         write_tracker(root, 4)  # resume from the middle of the reference run
     torch.distributed.barrier()
     resumed = {name: run_pretrain(workdir, f"{LAYOUTS[name]} --load {root} --ckpt-format torch_dist")
                for name in resume_layouts}
-    return reference, resumed
+    # --exit-interval with --async-save: the exit checkpoint is published before pretrain() returns.
+    exit_root = os.path.join(workdir, "exit")
+    exited = run_pretrain(workdir, f"{LAYOUTS[save_layout]} --load {root} --save {exit_root} --exit-interval 6 "
+                                   "--ckpt-format torch_dist --async-save")
+    return reference, resumed, (exited, read_tracker(exit_root), sorted(os.listdir(exit_root)))
 
 
 def _check(reference, resumed, same_layout, other_layouts):
@@ -51,14 +56,54 @@ def _check(reference, resumed, same_layout, other_layouts):
 
 
 @pytest.mark.parametrize(
-    "save_layout, resume_layouts",
+    "save_layout, resume_layouts, save_args",
     [
-        ("dp2_distopt", ["tp2", "pp2", "dp2_ddp", "mfsdp_z3"]),
-        ("mfsdp_z3", ["fsdp2", "mfsdp_z1_tp2", "mfsdp_z0_pp2"]),
-        ("fsdp2", ["fsdp2_tp2", "dp2_distopt", "mfsdp_z3"]),
+        # The reference saves asynchronously: iteration 4 is written while iterations 5-8 train.
+        ("dp2_distopt", ["tp2", "pp2", "dp2_ddp", "mfsdp_z3"], "--async-save --use-persistent-ckpt-worker"),
+        ("mfsdp_z3", ["fsdp2", "mfsdp_z1_tp2", "mfsdp_z0_pp2"], "--async-save"),
+        ("fsdp2", ["fsdp2_tp2", "dp2_distopt", "mfsdp_z3"], ""),
     ],
 )
-def test_resume_is_exact_and_reshards(tmp_path, save_layout, resume_layouts):
-    reference, resumed = run_on_ranks(2, _save_then_resume_everywhere, str(tmp_path), save_layout,
-                                      [save_layout] + resume_layouts)[0]
+def test_resume_is_exact_and_reshards(tmp_path, save_layout, resume_layouts, save_args):
+    reference, resumed, exited = run_on_ranks(2, _save_then_resume_everywhere, str(tmp_path), save_layout,
+                                              [save_layout] + resume_layouts, save_args)[0]
     _check(reference, resumed, save_layout, resume_layouts)
+    assert exited == ({5: reference[5], 6: reference[6]}, 6, ["iter_0000006", "latest_checkpointed_iteration.txt"])
+
+
+# World 4 -> world 3: hybrid sharding and 2-D layouts saved, loaded at a data-parallel size of 3.
+WIDE = "--micro-batch-size 1 --global-batch-size 12"
+WIDE_LAYOUTS = {
+    "hfsdp": "--use-megatron-fsdp --num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy optim",
+    "hsdp": "--use-megatron-fsdp --num-distributed-optimizer-instances 2",
+    "tp2pp2_distopt": "--use-distributed-optimizer --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2",
+    "dp3_distopt": "--use-distributed-optimizer",
+    "dp3_mfsdp_z2": "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads",
+}
+
+
+def _save_wide(workdir):
+    from megatron.training.checkpointing import write_tracker
+
+    root = os.path.join(workdir, "ckpt")
+    reference = run_pretrain(workdir, f"{WIDE} {WIDE_LAYOUTS['hfsdp']} --save {root} --save-interval 4 "
+                                      "--ckpt-format torch_dist")
+    if torch.distributed.get_rank() == 0:
+        write_tracker(root, 4)
+    torch.distributed.barrier()
+    resumed = {name: run_pretrain(workdir, f"{WIDE} {WIDE_LAYOUTS[name]} --load {root} --ckpt-format torch_dist")
+               for name in ("hfsdp", "hsdp", "tp2pp2_distopt")}
+    return reference, resumed
+
+
+def _resume_wide(workdir):
+    root = os.path.join(workdir, "ckpt")
+    return {name: run_pretrain(workdir, f"{WIDE} {WIDE_LAYOUTS[name]} --load {root} --ckpt-format torch_dist")
+            for name in ("dp3_distopt", "dp3_mfsdp_z2")}
+
+
+@pytest.mark.slow  # two more rank pools (4 and 3 ranks) and six training runs
+def test_hybrid_sharded_checkpoint_loads_at_other_world_sizes(tmp_path):
+    reference, resumed = run_on_ranks(4, _save_wide, str(tmp_path))[0]
+    resumed.update(run_on_ranks(3, _resume_wide, str(tmp_path))[0])
+    _check(reference, resumed, "hfsdp", ["hsdp", "tp2pp2_distopt", "dp3_distopt", "dp3_mfsdp_z2"])
