@@ -6,6 +6,12 @@
 # The corpus (data/corpus/stdlib_docs.jsonl, CPython docstrings) is tokenized once with the byte-level tokenizer
 # into $CACHE_DIR; later runs reuse it. Set TP=2 (or PP=2) to split the model instead of the data.
 # Expect the loss to fall from ~5.6 (uniform over 257 byte tokens) to well under 3 within ~200 iterations.
+#
+# Data parallelism: Megatron-FSDP ZeRO-3 by default. DP_WRAPPER selects another wrapper:
+#   DP_WRAPPER=mfsdp   Megatron-FSDP; ZERO=optim_grads_params (default), optim_grads, optim or no_shard
+#   DP_WRAPPER=ddp     Megatron DDP (gradients all-reduced, every rank holds the whole state)
+#   DP_WRAPPER=distopt Megatron DDP with the distributed optimizer (ZeRO-1)
+#   DP_WRAPPER=fsdp2   PyTorch FSDP2 (fully_shard per layer; needs untied embeddings, added here)
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -15,6 +21,8 @@ NPROC="${NPROC:-2}"
 TP="${TP:-1}"
 PP="${PP:-1}"
 TRAIN_ITERS="${TRAIN_ITERS:-200}"
+DP_WRAPPER="${DP_WRAPPER:-mfsdp}"
+ZERO="${ZERO:-optim_grads_params}"
 DATA_PREFIX="${CACHE_DIR}/stdlib_docs"
 
 mkdir -p "${CACHE_DIR}" "${OUTPUT_DIR}"
@@ -58,6 +66,13 @@ PARALLEL_ARGS=(
     --pipeline-model-parallel-size "${PP}"
     --distributed-backend gloo
 )
+case "${DP_WRAPPER}" in
+    mfsdp) PARALLEL_ARGS+=(--use-megatron-fsdp --data-parallel-sharding-strategy "${ZERO}") ;;
+    ddp) ;;
+    distopt) PARALLEL_ARGS+=(--use-distributed-optimizer) ;;
+    fsdp2) PARALLEL_ARGS+=(--use-torch-fsdp2 --untie-embeddings-and-output-weights) ;;
+    *) echo "DP_WRAPPER=${DP_WRAPPER} is not one of mfsdp, ddp, distopt, fsdp2" >&2; exit 2 ;;
+esac
 DATA_ARGS=(
     --data-path "${DATA_PREFIX}_text_document"
     --split 98,2,0
@@ -74,7 +89,7 @@ OUTPUT_ARGS=(
     --metrics-file "${OUTPUT_DIR}/metrics.jsonl"
     --save "${OUTPUT_DIR}/checkpoints"
     --save-interval 100
-    --ckpt-format torch
+    --ckpt-format torch_dist
 )
 
 rm -f "${OUTPUT_DIR}/metrics.jsonl"
