@@ -102,8 +102,16 @@ def summarise_arm(arm, runs, warmup, seq_length, global_batch):
     }
 
 
+# Megatron's distributed optimizer steps on fp32 copies of its shards even when the model is fp32 (the other
+# wrappers step on the fp32 weights themselves): one more parameter shard per rank in its theory.
+ARMS_WITH_MAIN_SHARD_COPY = {"distopt"}
+
+
 def theory_bytes(arm, param_bytes):
-    return bench_theory.zero_state_bytes(ARMS[arm][1], param_bytes, WORLD_SIZE)
+    state = bench_theory.zero_state_bytes(ARMS[arm][1], param_bytes, WORLD_SIZE)
+    if arm in ARMS_WITH_MAIN_SHARD_COPY:
+        state["optimizer"] += param_bytes / WORLD_SIZE
+    return state
 
 
 def render(summaries, meta):
@@ -140,7 +148,8 @@ def render(summaries, meta):
         f"per rank. Step time: median iteration time after {meta['warmup']} warm-up iteration(s), median over the "
         "interleaved runs (each run in brackets). State: the per-rank bytes the training log's memory line reports "
         "(optimizer state includes main-parameter copies and shards held outside the model); theory: ZeRO-k of "
-        "the DDP arm's parameter bytes with two fp32 Adam moments per parameter. Sent: the bytes the busiest rank "
+        "the DDP arm's parameter bytes with two fp32 Adam moments per parameter (plus the fp32 main copy of its "
+        "shard for the distributed optimizer). Sent: the bytes the busiest rank "
         "sends per training step (collectives on a ring, point-to-point sends as sent), counted after the first "
         "iteration.",
         "",
