@@ -152,8 +152,10 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
                 setattr(param, key, value)
         if getattr(config, "calculate_per_token_loss", False):
             # Per-token losses are divided by the global token count in finalize_model_grads: sum, not average.
+            # A plain SUM collective (a divide factor alone would ask for PREMUL_SUM, which gloo lacks).
             for unit in [*self.fsdp_units, module]:
                 unit.set_gradient_divide_factor(1.0)
+                unit.set_force_sum_reduction_for_comms(True)
         self._requires_gradient_sync = True
 
     # ---- what the training loop uses -------------------------------------------------------------------------

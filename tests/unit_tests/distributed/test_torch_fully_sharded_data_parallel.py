@@ -209,13 +209,18 @@ def test_fsdp2_with_tensor_sequence_and_pipeline_parallelism_matches_ddp(tmp_pat
         "fsdp2_pp2": "--pipeline-model-parallel-size 2 --use-torch-fsdp2",
         "fsdp2_pp2_no_reshard": "--pipeline-model-parallel-size 2 --use-torch-fsdp2 "
                                 "--torch-fsdp2-no-reshard-after-forward",
+        # Gradients summed (not averaged) over data parallelism, then divided by the global token count.
+        "ddp_tp2_per_token": "--tensor-model-parallel-size 2 --calculate-per-token-loss",
+        "fsdp2_tp2_per_token": "--tensor-model-parallel-size 2 --calculate-per-token-loss --use-torch-fsdp2",
     }
     metrics = run_on_ranks(world_size, _pretrain_metrics, str(tmp_path), runs)[0]
     assert len(metrics["ddp_tp2"]["lm loss"]) == 4 and metrics["ddp_tp2"]["lm loss"][0] > 4.0
     # Same model, data and steps; only the order of floating-point sums may differ (~1e-7 per step). The grad
     # norm and zero count are taken over FSDP2's DTensor gradient shards; zero counts may differ by accidental
     # exact zeros (a few), while the structural ones (embedding rows of tokens not in the batch) are ~1500.
-    for name, reference in (("fsdp2_tp2_sp", "ddp_tp2"), ("fsdp2_pp2", "ddp_pp2"), ("fsdp2_pp2_no_reshard", "ddp_pp2")):
+    pairs = (("fsdp2_tp2_sp", "ddp_tp2"), ("fsdp2_pp2", "ddp_pp2"), ("fsdp2_pp2_no_reshard", "ddp_pp2"),
+             ("fsdp2_tp2_per_token", "ddp_tp2_per_token"))
+    for name, reference in pairs:
         for metric in ("lm loss", "grad norm"):
             torch.testing.assert_close(metrics[name][metric], metrics[reference][metric], rtol=1e-5, atol=0,
                                        msg=lambda m: f"{name} vs {reference}, {metric}: {m}")
