@@ -15,7 +15,8 @@ every `param.grad` is this rank's reduced shard, a DTensor), `zero_grad_buffer`,
 Refused, each with a message naming the flag:
 - tied input/output embeddings: the tied weight would live in the embedding's unit but be read again by the
   output layer in the root unit after the embedding unit has resharded it; use --untie-embeddings-and-output-weights;
-- fp16: FSDP2 has no loss scaling of its reduced gradients here; use --bf16;
+- fp16 (Megatron's rule for FSDP2; fp16 loss scaling is not wired to FSDP2's gradient shards here); bf16
+  parameters work, with fp32 main copies in the optimizer;
 - the distributed optimizer and Megatron-FSDP settings: FSDP2 already shards parameters, gradients and optimizer
   state. (Hybrid sharding, --num-distributed-optimizer-instances > 1, needs one of those two and so never
   reaches FSDP2; HSDP is offered by --use-megatron-fsdp.)
