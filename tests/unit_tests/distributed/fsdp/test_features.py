@@ -21,16 +21,22 @@ def _live_storages() -> dict:
     import gc
     import warnings
 
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
     gc.collect()
-    found = {}
+    found, mesh_ranks = {}, set()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # isinstance() on deprecated torch aliases warns
         for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor) and not obj.is_meta:
+            if isinstance(obj, DeviceMesh):  # its tensor of rank ids is no training state
+                mesh_ranks.add(obj.mesh.untyped_storage().data_ptr())
+            # DTensors are wrappers without storage of their own; the collector finds their local tensors
+            if isinstance(obj, torch.Tensor) and not obj.is_meta and not isinstance(obj, DTensor):
                 storage = obj.untyped_storage()
                 if storage.nbytes():
                     found[storage.data_ptr()] = storage
-    return found
+    return {ptr: storage for ptr, storage in found.items() if ptr not in mesh_ranks}
 
 
 def _accounting():

@@ -317,10 +317,12 @@ class MegatronFSDP(nn.Module):
                                    release=lambda groups: [g.release_compute() for g in groups])
 
     def _install_resting_placeholders(self):
-        """Strategy 3: released groups show placeholders in the module until gathered (see resting_parameters)."""
-        resting = RestingParameters(self.groups, parameter_owners(self.module))
+        """Strategy 3: released groups show DTensors of this rank's pieces in the module until gathered (see
+        resting_parameters)."""
+        resting = RestingParameters(self.groups, parameter_owners(self.module), self.topology.dp_group, self.device,
+                                    outer_replicas=self.topology.outer_size > 1)
         for param_id, placeholder in resting.placeholders().items():
-            # An optimizer built from module.parameters() after wrapping holds placeholders: map them too.
+            # An optimizer built from module.parameters() after wrapping holds the resting ones: map them too.
             self.param_to_group[id(placeholder)] = self.param_to_group[param_id]
         self.schedule.resting = resting
         for group in self.groups:
@@ -401,12 +403,16 @@ class MegatronFSDP(nn.Module):
     def finish_grad_sync(self):
         if self.schedule.finish_grad_sync():
             self.steps_recorded += 1
+        if self.schedule.resting is not None:
+            self.schedule.resting.attach_grads(grad_sync_finished=True)
 
     def start_param_sync(self, force_sync: bool = False):
         self.schedule.start_param_sync(async_op=not force_sync)
 
     def zero_grad_buffer(self):
         self.schedule.zero_grad_buffer()
+        if self.schedule.resting is not None:
+            self.schedule.resting.drop_grads()  # their storage is given back until the next reduction
 
     def scale_gradients(self, scaling_factor: float):
         """Multiply the step's gradients by `scaling_factor`, before or after `finish_grad_sync`."""
@@ -418,6 +424,9 @@ class MegatronFSDP(nn.Module):
 
     def install_optimized_model_weights(self):
         self.schedule.install_optimized_model_weights()
+        if self.schedule.resting is not None:
+            # HFSDP: the resting parameters view the compute shards, rebuilt from the outer ranks' main weights
+            self.schedule.refresh_compute_shards(self.groups, async_op=False)
 
     def broadcast_params(self):
         """Make every data-parallel replica hold DP-rank 0's weights (no-op for the shards of strategy 3)."""

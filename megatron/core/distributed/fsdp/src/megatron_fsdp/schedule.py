@@ -274,6 +274,9 @@ class Schedule:
                 self.launch_reduce(group, async_op=self.overlap_grad_reduce)
         if self.strategy == ShardingStrategy.optim_grads_params:
             self.release(self.groups, at_rest=True)
+        if self.resting is not None:  # the resting parameters' .grad view the reduced gradient shards
+            self.wait_reduces()
+            self.resting.attach_grads(grad_sync_finished=False)
         for group in self.groups:
             group.params_waiting = group._trainable_count()
 
