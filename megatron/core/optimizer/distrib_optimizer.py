@@ -73,6 +73,10 @@ class DistributedOptimizer(MegatronOptimizer):
                 main_group_params.append(shard.main_param)
             main_groups.append({**group, "params": main_group_params})
         super().__init__(optimizer_factory(main_groups), config, grad_scaler, grad_stats_groups, found_inf_groups)
+        self._install_fp8_weights()
+
+    def _install_fp8_weights(self):
+        """With FP8 parameters: quantize the main weights and gather them now, so the model computes with them."""
         if any(getattr(buffer, "fp8_storage", None) is not None for chunk in self.model_chunks for buffer in chunk.buffers):
             self._copy_main_params_to_model_params()
             for chunk in self.model_chunks:
@@ -100,6 +104,7 @@ class DistributedOptimizer(MegatronOptimizer):
     def reload_model_params(self):
         for shard in self._shards:
             shard.main_param.copy_(shard.model_param.detach().reshape(-1)[shard.param_start:shard.param_end])
+        self._install_fp8_weights()
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
     def _layout_signature(self):

@@ -109,6 +109,14 @@ def _param_gather_on_ranks():
         scales.append(float(weight.fp8_weight.scale))
     results["scales"] = scales
 
+    # Weights loaded into the model (a checkpoint without optimizer state): reload_model_params() requantizes.
+    with torch.no_grad():
+        for weight in weights:
+            weight.mul_(0.5)
+    optimizer.reload_model_params()
+    for weight, scale in zip(weights, scales):
+        assert float(weight.fp8_weight.scale) == pytest.approx(2 * scale, rel=1e-6)
+
     # Bytes all-gathered per step (after the start-up gather, before the first "step" marker).
     def per_step(gather_log):
         first_step = gather_log.index("step")

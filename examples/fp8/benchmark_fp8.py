@@ -1,0 +1,199 @@
+"""FP8 on this machine: step time and all-gathered bytes with and without `--fp8-param-gather`, and the cost of
+FP8 GEMMs (torch._scaled_mm and dequantize-and-matmul emulation) against fp32.
+
+    python examples/fp8/benchmark_fp8.py [--iters 30] [--repeats 2] [--nproc 2] [--output results.json]
+
+Part 1 trains the README's tiny GPT (4 layers, hidden 128, seq 128, swiglu, rope) with `pretrain_gpt.py` on
+`--nproc` gloo ranks with the distributed optimizer, once per arm and repetition (arms interleaved), and reports
+the median iteration time (first 3 iterations dropped) and the bytes all-gathered per step (counted by wrapping
+`torch.distributed.all_gather_into_tensor` in each rank, the call the distributed optimizer uses). Part 2 times
+one linear layer's forward + backward (fp32 `F.linear`, FP8 through `torch._scaled_mm`, FP8 emulated).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+TINY_GPT = (
+    "--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
+    "--position-embedding-type rope --normalization RMSNorm --swiglu --hidden-dropout 0 --attention-dropout 0 "
+    "--make-vocab-size-divisible-by 64 --micro-batch-size 8 --global-batch-size 16 --lr 3e-3 --seed 1234 "
+    "--mock-data --vocab-size 257 --num-workers 0 --log-interval 1000 --eval-iters 0 --ckpt-format torch "
+    "--distributed-backend gloo --use-distributed-optimizer"
+)
+ARMS = {
+    "fp32": "",
+    "fp8 tensorwise": "--fp8-format hybrid --fp8-recipe tensorwise",
+    "fp8 tensorwise, emulated GEMMs": "--fp8-format hybrid --fp8-recipe tensorwise",
+    "fp8 delayed": "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16 --fp8-amax-compute-algo max",
+    "fp8 tensorwise + --fp8-param-gather": "--fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather",
+}
+EMULATED_ARMS = {"fp8 tensorwise, emulated GEMMs"}
+WARMUP_ITERATIONS = 3
+
+
+# ---- worker (one rank of one arm, started by torchrun) -------------------------------------------------------------
+
+
+def worker(argv, counts_path, emulate):
+    sys.path.insert(0, REPO_ROOT)
+    import contextlib
+
+    import torch.distributed as dist
+
+    import pretrain_gpt
+    from megatron.core.enums import ModelType
+    from megatron.core.fp8_utils import force_fp8_gemm_emulation
+    from megatron.training.training import pretrain
+
+    gathered = []
+    original = dist.all_gather_into_tensor
+
+    def counting_all_gather(output, input_, *args, **kwargs):
+        gathered.append([str(output.dtype), output.numel() * output.element_size()])
+        return original(output, input_, *args, **kwargs)
+
+    dist.all_gather_into_tensor = counting_all_gather
+    context = force_fp8_gemm_emulation() if emulate else contextlib.nullcontext()
+    with context:
+        pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
+                 ModelType.encoder_or_decoder, pretrain_gpt.forward_step, argv=argv.split())
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(counts_path, "w") as out:
+            json.dump(gathered, out)
+
+
+# ---- driver ----------------------------------------------------------------------------------------------------------
+
+
+def run_arm(name, iters, nproc, workdir):
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    counts = os.path.join(workdir, "gathers.json")
+    for path in (metrics, counts):
+        if os.path.exists(path):
+            os.remove(path)
+    argv = f"{TINY_GPT} --train-iters {iters} --metrics-file {metrics} {ARMS[name]}"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-port", "29631",
+        os.path.abspath(__file__), "--worker", argv, "--counts", counts,
+    ] + (["--emulate"] if name in EMULATED_ARMS else [])
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
+    completed = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    if completed.returncode != 0:
+        raise RuntimeError(f"arm {name!r} failed:\n{completed.stderr[-4000:]}")
+    with open(metrics) as records:
+        rows = [json.loads(line) for line in records]
+    with open(counts) as gathers:
+        gathered = json.load(gathers)
+    times = [row["iteration-time"] for row in rows[WARMUP_ITERATIONS:]]
+    gathered_bytes = sum(size for _, size in gathered)
+    fp8_bytes = sum(size for dtype, size in gathered if dtype == "torch.uint8")
+    # The distributed optimizer gathers once per step; FP8 parameters add one start-up round.
+    rounds = iters + (1 if fp8_bytes else 0)
+    return {
+        "median_step_s": statistics.median(times),
+        "gathered_bytes_per_step": gathered_bytes / rounds,
+        "fp8_bytes_per_step": fp8_bytes / rounds,
+        "final_loss": rows[-1]["lm loss"],
+    }
+
+
+def time_linear(tokens, features, repeats):
+    """Median seconds of forward + backward of one [tokens, features] x [features, features] linear."""
+    import torch
+    import torch.nn.functional as F
+
+    from megatron.core.fp8_utils import Fp8Recipe, LinearScaling, force_fp8_gemm_emulation, fp8_linear, get_fp8_format
+
+    torch.manual_seed(0)
+    x = torch.randn(tokens, features, requires_grad=True)
+    weight = torch.randn(features, features, requires_grad=True)
+    grad = torch.randn(tokens, features)
+    scaling = LinearScaling(Fp8Recipe(get_fp8_format("hybrid"), "tensorwise"), "none")
+
+    def fp32():
+        F.linear(x, weight).backward(grad)
+
+    def fp8():
+        fp8_linear(x, weight, None, scaling).backward(grad)
+
+    def emulated():
+        with force_fp8_gemm_emulation():
+            fp8_linear(x, weight, None, scaling).backward(grad)
+
+    results = {}
+    for name, step in (("fp32 F.linear", fp32), ("fp8 torch._scaled_mm", fp8), ("fp8 emulated", emulated)):
+        step()
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            step()
+            samples.append(time.perf_counter() - start)
+        results[name] = statistics.median(samples)
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--output", default=None)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--counts", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--emulate", action="store_true", help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.worker is not None:
+        worker(options.worker, options.counts, options.emulate)
+        return
+
+    sys.path.insert(0, REPO_ROOT)
+    samples = {name: [] for name in ARMS}
+    with tempfile.TemporaryDirectory() as workdir:
+        for _ in range(options.repeats):
+            for name in ARMS:  # interleaved, so drift on a shared machine hits every arm alike
+                samples[name].append(run_arm(name, options.iters, options.nproc, workdir))
+    arms = {}
+    for name, runs in samples.items():
+        arms[name] = {
+            "median_step_s": statistics.median(run["median_step_s"] for run in runs),
+            "gathered_bytes_per_step": runs[0]["gathered_bytes_per_step"],
+            "fp8_bytes_per_step": runs[0]["fp8_bytes_per_step"],
+            "final_loss": runs[0]["final_loss"],
+        }
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1)))
+    gemm = {f"{tokens}x{features}": time_linear(tokens, features, 5) for tokens, features in ((2048, 128), (4096, 1024))}
+    report = {"arms": arms, "gemm_forward_backward_s": gemm, "iters": options.iters, "repeats": options.repeats,
+              "nproc": options.nproc}
+
+    base = arms["fp32"]
+    print(f"pretrain_gpt.py, README tiny GPT, {options.nproc} gloo ranks, distributed optimizer, "
+          f"{options.iters} iterations x {options.repeats} interleaved repetitions")
+    print("| arm | median step (ms) | vs fp32 | all-gathered per step (bytes) | of which FP8 | vs fp32 | loss at end |")
+    print("|---|---|---|---|---|---|---|")
+    for name, arm in arms.items():
+        print(f"| {name} | {1000 * arm['median_step_s']:.1f} | {arm['median_step_s'] / base['median_step_s']:.2f}x | "
+              f"{arm['gathered_bytes_per_step']:,.0f} | {arm['fp8_bytes_per_step']:,.0f} | "
+              f"{arm['gathered_bytes_per_step'] / base['gathered_bytes_per_step']:.3f} | {arm['final_loss']:.4f} |")
+    print("\none linear layer, forward + backward (median of 5)")
+    print("| tokens x features | fp32 F.linear (ms) | fp8 torch._scaled_mm (ms) | fp8 emulated (ms) |")
+    print("|---|---|---|---|")
+    for shape, timings in gemm.items():
+        print(f"| {shape} | " + " | ".join(f"{1000 * timings[name]:.2f}" for name in
+                                          ("fp32 F.linear", "fp8 torch._scaled_mm", "fp8 emulated")) + " |")
+    if options.output:
+        with open(options.output, "w") as out:
+            json.dump(report, out, indent=2)
+
+
+if __name__ == "__main__":
+    main()
