@@ -35,6 +35,13 @@ class DistributedDataParallelConfig:
     `data_parallel_sharding_strategy` and `outer_dp_sharding_strategy` accept names or ZeRO levels and are
     normalised to `ShardingStrategy`. `bucket_size` caps (in elements) the groups of parameters that live
     outside any FSDP unit; None picks a default that scales with the data-parallel size.
+
+    `grad_reduce_in_fp32=True` reduces gradients in fp32 whatever the MixedPrecisionPolicy says (an explicit
+    non-fp32 `grad_comm_dtype` is an error); False leaves it to the policy, which already reduces and accumulates
+    in fp32 when the main weights are fp32. `num_distributed_optimizer_instances` (Megatron's name for the outer
+    replicas) must equal the size of the outer dim when it is > 1. `check_for_nan_in_grad` is
+    `report_nan_in_param_grad`. `use_distributed_optimizer` and `use_megatron_fsdp` are shared with
+    Megatron-Core's DDP config; Megatron-FSDP always shards the optimizer, so they are informational here.
     """
 
     grad_reduce_in_fp32: bool = False

@@ -259,7 +259,7 @@ class MegatronFSDP(nn.Module):
             grad_scale=grad_scale, average_in_collective=average, overlap_grad_reduce=config.overlap_grad_reduce,
             overlap_param_gather=config.overlap_param_gather, sync_model_each_microbatch=sync_model_each_microbatch,
             report_nan_in_param_grad=report_nan_in_param_grad or config.check_for_nan_in_grad, pool=self.pool,
-            tp_group=self.topology.tp_group)
+            tp_group=self.topology.tp_group, device=self.device)
         self.schedule.register_hooks()
         if self.strategy == ShardingStrategy.optim_grads_params:
             self._install_resting_placeholders()
@@ -419,6 +419,7 @@ class MegatronFSDP(nn.Module):
         # With overlap_grad_reduce the last reductions of backward may still be in flight; they accumulate
         # into the buffers when waited for, so they must land before the scaling.
         self.schedule.wait_reduces()
+        self.schedule.wait_outer_reductions()
         for group in self.groups:
             group.scale_grads(scaling_factor)
 

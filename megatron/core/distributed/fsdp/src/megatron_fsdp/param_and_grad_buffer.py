@@ -163,7 +163,14 @@ class ParamGroup:
         self.stashed_grads: Dict[int, torch.Tensor] = {}  # small grads that arrived before the flat buffer
         self.filled = [False] * len(self.params)
         self.grads_pending = 0  # params whose grad arrived since the last reduction
-        self.params_waiting = self._trainable_count()
+        # Root groups: trainable parameters whose gradient arrived in this backward; early release is blocked
+        # for the rest of the backward when a gradient arrives from a nested (reentrant checkpoint) backward.
+        self.grads_received = set()
+        self.early_release_blocked = False
+        # Outer reductions (HSDP/HFSDP): the main gradients hold inner-reduced data no outer reduction has seen
+        # yet; HSDP: they were all-reduced over the outer group (and later additions must count them once);
+        # HFSDP: an outer reduction wrote the sub-shard gradients this step (later ones add to them).
+        self.outer_reduction_due = self.outer_reduced = self.optim_grads_written = False
         self.grads_dirty = False  # unreduced gradient data present
         self.reduced = False  # a reduction already landed in the persistent buffer this step (strategies 0/1)
         # Scale applied to already-reduced gradients before more local gradients are added on top, so that a
@@ -174,7 +181,7 @@ class ParamGroup:
     def _zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, device=self.device)
 
-    def _trainable_count(self) -> int:
+    def trainable_count(self) -> int:
         return len(self.params) if self.trainable else 0
 
     def _main_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
@@ -276,14 +283,14 @@ class ParamGroup:
             elif scale != 1.0 and flat_grad.dtype == target.dtype:
                 torch.mul(flat_grad, scale, out=target)
             else:
-                target.copy_(flat_grad)
-            self.filled[index] = True
-        self.grads_dirty = True
                 # A low-precision gradient is cast first, so the 1/DP pre-scale is computed (and rounded) in the
                 # reduction dtype: scaling in bf16/fp16 would round, or underflow at large DP, before the cast.
-
+                target.copy_(flat_grad)
                 if scale != 1.0:
                     target.mul_(scale)
+            self.filled[index] = True
+        self.grads_dirty = True
+
     def starts_transient_grads(self, grad: torch.Tensor) -> bool:
         """Whether writing `grad` now allocates the flat transient gradient buffer."""
         if self.grad_buffer is not None or self.transient_grads is not None:

@@ -26,7 +26,8 @@ import torch
 from . import collectives
 from .distributed_data_parallel_config import ShardingStrategy
 from .param_and_grad_buffer import DoubleBufferPool, ParamGroup
-from .utils import in_backward_pass, queue_end_of_backward_callback, tensors_requiring_grad
+from .streams import CommunicationStreams
+from .utils import current_graph_task_id, in_backward_pass, queue_end_of_backward_callback, tensors_requiring_grad
 
 
 class Unit:
@@ -46,7 +47,7 @@ class Schedule:
                  dp_group, outer_group, counter: collectives.CommunicationCounter, grad_scale: float,
                  average_in_collective: bool, overlap_grad_reduce: bool, overlap_param_gather: bool,
                  sync_model_each_microbatch: bool, report_nan_in_param_grad: bool,
-                 pool: Optional[DoubleBufferPool], tp_group=None):
+                 pool: Optional[DoubleBufferPool], tp_group=None, device: Optional[torch.device] = None):
         self.units, self.root_groups = units, root_groups
         self.groups = [g for unit in units for g in unit.groups] + list(root_groups)
         self.strategy = strategy
@@ -63,8 +64,17 @@ class Schedule:
         self.pending_gathers: Dict[int, collectives.PendingCollective] = {}
         # HFSDP: in-flight all-gathers over the outer group into compute shards, with the tensor they send.
         self.pending_shard_refreshes: Dict[int, tuple] = {}
-        self.pending_reduces: List[tuple] = []
+        self.pending_reduces: List[tuple] = []  # (handle, epilogue, flat input, group), oldest first
+        # Reductions in flight at once: launching one more first waits for the oldest. One in flight while the
+        # next unit's backward computes is the overlap; each one holds a unit-sized gradient buffer.
+        self.max_reduces_in_flight = 1
+        # Strategies 2/3 with an outer dim: outer reductions (HSDP all-reduce, HFSDP reduce-scatter) in flight,
+        # issued during the backward as soon as a group's inner reduction has landed, by group id.
+        self.pending_outer: Dict[int, collectives.PendingCollective] = {}
+        self.deferred_reduces: List[ParamGroup] = []  # root groups whose reduction waits for a unit boundary
+        self.streams = CommunicationStreams(device if device is not None else torch.device("cpu"))
         self.post_backward_queued = False
+        self.backward_task = None  # graph task of the step's outermost backward
         self.grads_synced = False  # finish_grad_sync already ran and no gradient arrived since
         self.peak_transient_bytes = 0
         self.hook_handles = []
@@ -78,7 +88,8 @@ class Schedule:
     # ---- registration -----------------------------------------------------------------------------------------
     def register_hooks(self):
         for unit in self.units:
-            self.hook_handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
+            self.hook_handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit),
+                                                                           with_kwargs=True))
             self.hook_handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
         for group in self.groups:
             if not group.trainable:
@@ -110,8 +121,9 @@ class Schedule:
             if group.uses_pool:
                 self._claim_pool_slot(group)
             group.allocate_compute()
-            self.pending_gathers[id(group)] = collectives.all_gather_flat(
-                group.compute_buffer, group.gather_source(), self.dp_group, self.counter, async_op=True)
+            self.pending_gathers[id(group)] = self.streams.issue(
+                self.streams.all_gather, lambda: collectives.all_gather_flat(
+                    group.compute_buffer, group.gather_source(), self.dp_group, self.counter, async_op=True))
             group.gathered = True
             if self.resting is not None:
                 self.resting.show(group)
@@ -131,8 +143,8 @@ class Schedule:
         if not group.compute_shard_stale:
             return
         source = group.outer_gather_source()
-        pending = collectives.all_gather_flat(group.compute_shard, source, self.outer_group, self.counter,
-                                              async_op=True)
+        pending = self.streams.issue(self.streams.all_gather, lambda: collectives.all_gather_flat(
+            group.compute_shard, source, self.outer_group, self.counter, async_op=True))
         self.pending_shard_refreshes[id(group)] = (pending, source)
         group.compute_shard_stale = False
 
@@ -170,8 +182,8 @@ class Schedule:
 
     def _track_transient(self):
         current = sum(group.transient_bytes() for group in self.groups)
-        current += sum(flat.numel() * flat.element_size() for _, _, flat in self.pending_reduces
-                       if not any(flat is group.grad_buffer for group in self.groups))
+        current += sum(entry[2].numel() * entry[2].element_size() for entry in self.pending_reduces
+                       if not any(entry[2] is group.grad_buffer for group in self.groups))
         if self.pool is not None:
             current += self.pool.total_bytes()
         self.peak_transient_bytes = max(self.peak_transient_bytes, current)
@@ -192,14 +204,18 @@ class Schedule:
             self.release(self.root_groups, at_rest=True)
 
     def _make_pre_forward(self, unit: Unit):
-        def pre_forward(module, args):
+        def pre_forward(module, args, kwargs):
             self.ensure_gathered(unit.groups)
+            # The unit's post-backward runs when the gradients of its inputs are computed, i.e. once its whole
+            # backward is done. Under reentrant activation checkpointing the first forward runs without grad
+            # and the recompute (inside the backward) attaches the node to the inner backward instead.
+            routed = _route_inputs_through_post_backward(args, kwargs, lambda: self._unit_post_backward(unit))
             if in_backward_pass():
-                return None
+                return routed
             if self.overlap_param_gather and self.strategy == ShardingStrategy.optim_grads_params:
                 if unit.index + 1 < len(self.units):
                     self.gather(self.units[unit.index + 1].groups, async_op=True)
-            return None
+            return routed
 
         return pre_forward
 
@@ -220,10 +236,16 @@ class Schedule:
     def _queue_post_backward(self):
         if not self.post_backward_queued:
             self.post_backward_queued = True
+            self.backward_task = current_graph_task_id()
             queue_end_of_backward_callback(self._post_backward)
 
     def _root_pre_backward(self):
+        # Queued from the outermost backward: a reentrant activation-checkpoint backward nested in it must not
+        # end the step's backward early.
         self._queue_post_backward()
+        for group in self.root_groups:  # strategies 0/1: as in _unit_pre_backward, not in the gradient hooks
+            if group.reduced:
+                self.wait_reduce_of(group)
         if self.strategy == ShardingStrategy.optim_grads_params:
             # The last unit is not prefetched here: the start of backward is where activations peak, and the
             # unit's own pre-backward hook gathers it once the loss and output-layer gradients are done.
@@ -231,6 +253,10 @@ class Schedule:
 
     def _unit_pre_backward(self, unit: Unit):
         self._queue_post_backward()
+        self._launch_deferred_reduces()
+        for group in unit.groups:  # strategies 0/1: this microbatch adds to buffers the last one may still reduce
+            if group.reduced:
+                self.wait_reduce_of(group)
         if self.strategy != ShardingStrategy.optim_grads_params:
             return
         self.ensure_gathered(unit.groups)
@@ -243,17 +269,38 @@ class Schedule:
             if grad is None:
                 return
             if group.reduced:
-                self.wait_reduces()  # the persistent buffer may still be in flight from the previous microbatch
-            elif self.pending_reduces and group.starts_transient_grads(grad):
-                self.wait_reduces()  # free the previous group's in-flight buffers before allocating this one's
+                # strategies 0/1: another gradient for a persistent buffer whose reduction may be in flight (the
+                # unit's pre-backward waits for it first, so this is normally a no-op)
+                self.wait_reduce_of(group)
             group.write_grad(index, grad, self.grad_scale)
             param.grad = None
             self.grads_synced = False
-            group.params_waiting -= 1
-            if group.params_waiting == 0:
-                self._on_group_grads_ready(group)
+            if group.unit_index is None:
+                self._count_root_grad(group, index)
 
         return on_grad_accumulated
+
+    def _count_root_grad(self, group: ParamGroup, index: int):
+        """Root groups have no module of their own whose backward ends before the model's: they are reduced and
+        released once each trainable parameter's gradient arrived once in the step's own backward. A gradient
+        accumulated in a nested (reentrant checkpoint) backward may arrive again, so such a group waits for the
+        end of the backward instead."""
+        if current_graph_task_id() != self.backward_task:
+            group.early_release_blocked = True
+        if group.early_release_blocked or index in group.grads_received:
+            return
+        group.grads_received.add(index)
+        if len(group.grads_received) == group.trainable_count():
+            self._on_group_grads_ready(group)
+
+    def _unit_post_backward(self, unit: Unit):
+        """Every gradient of the unit has been computed: reduce its groups and release its weights (strategy 3),
+        whether or not each parameter got a gradient (unused and frozen parameters do not hold the unit)."""
+        self._launch_deferred_reduces()
+        for group in unit.groups:
+            if group.grads_dirty and self._reduces_now(group):
+                self.launch_reduce(group, async_op=self.overlap_grad_reduce)
+        self.release(unit.groups)
 
     def _reduces_now(self, group: ParamGroup) -> bool:
         if self.strategy >= ShardingStrategy.optim_grads:
@@ -261,56 +308,143 @@ class Schedule:
         return self.sync_enabled and self.sync_model_each_microbatch
 
     def _on_group_grads_ready(self, group: ParamGroup):
+        """A root group got all its gradients (called from a gradient hook). Its reduction starts now if that
+        needs no wait for another one in flight; otherwise at the next unit boundary or the end of the backward,
+        so that no gradient hook waits for a reduction."""
         if self._reduces_now(group):
-            self.launch_reduce(group, async_op=self.overlap_grad_reduce)
+            if len(self.pending_reduces) < self.max_reduces_in_flight:
+                self.launch_reduce(group, async_op=self.overlap_grad_reduce)
+            else:
+                self.deferred_reduces.append(group)
         # Every parameter of the group has its gradient: its weights are not needed again in this backward
         # (a root group too; the next forward or backward gathers it again).
         self.release([group])
 
+    def _launch_deferred_reduces(self):
+        while self.deferred_reduces:
+            group = self.deferred_reduces.pop(0)
+            if group.grads_dirty:
+                self.launch_reduce(group, async_op=self.overlap_grad_reduce)
+
     def _post_backward(self):
         self.post_backward_queued = False
+        self._launch_deferred_reduces()
         for group in self.groups:
             if group.grads_dirty and self._reduces_now(group):
                 self.launch_reduce(group, async_op=self.overlap_grad_reduce)
         if self.strategy == ShardingStrategy.optim_grads_params:
             self.release(self.groups, at_rest=True)
+        if any(entry[4] for entry in self.pending_reduces):
+            self.wait_reduces()  # the last inner reductions landed: their outer ones start before the step
         if self.resting is not None:  # the resting parameters' .grad view the reduced gradient shards
             self.wait_reduces()
             self.resting.attach_grads(grad_sync_finished=False)
         for group in self.groups:
-            group.params_waiting = group._trainable_count()
+            group.grads_received = set()
+            group.early_release_blocked = False
 
     # ---- reduction ----------------------------------------------------------------------------------------------
     def launch_reduce(self, group: ParamGroup, async_op: bool):
-        """Reduce one group's gradients; keeps at most one reduction in flight (bounds transient memory)."""
-        self.wait_reduces()
+        """Reduce one group's gradients on the reduce-scatter stream; at most `max_reduces_in_flight` at once
+        (each holds a gradient buffer), the oldest waited for first."""
+        while len(self.pending_reduces) >= self.max_reduces_in_flight:
+            self._wait_oldest_reduce()
+        self._wait_outer(group)  # the main gradients this reduction adds to may still be in an outer reduction
+        self._reopen_outer_reduced(group)
         self._track_transient()
         flat = group.reduce_input()
         average = self.average_in_collective
+        outer_after = False
         if self.strategy == ShardingStrategy.no_shard:
             copy_back = flat.data_ptr() != group.grad_buffer.data_ptr()
-            pending = collectives.all_reduce(flat, self.dp_group, self.counter, average=average, async_op=True)
+            pending = self.streams.issue(self.streams.reduce_scatter, lambda: collectives.all_reduce(
+                flat, self.dp_group, self.counter, average=average, async_op=True))
             epilogue = (lambda: group.grad_buffer.copy_(flat)) if copy_back else None
         else:
             accumulate = self.strategy >= ShardingStrategy.optim_grads
             group.ensure_main_grads()
-            pending = collectives.reduce_scatter_flat(group.main_grads, flat, self.dp_group, self.counter,
-                                                      average=average, accumulate=accumulate, async_op=True)
+            pending = self.streams.issue(self.streams.reduce_scatter, lambda: collectives.reduce_scatter_flat(
+                group.main_grads, flat, self.dp_group, self.counter, average=average, accumulate=accumulate,
+                async_op=True))
             epilogue = None
+            if self.strategy >= ShardingStrategy.optim_grads and self._has_outer():
+                group.outer_reduction_due = True
+                # the step's last microbatch (synced): the outer reduction starts as soon as this one lands
+                outer_after = self.sync_enabled
             # The in-flight buffer now belongs to the collective; the next microbatch writes a fresh one.
             group.drop_transient_grads()
         group.grads_dirty = False
         group.reduced = group.grad_buffer is not None
-        self.pending_reduces.append((pending, epilogue, flat))
+        self.pending_reduces.append((pending, epilogue, flat, group, outer_after))
         if not async_op:
             self.wait_reduces()
 
+    def _wait_oldest_reduce(self):
+        pending, epilogue, _, group, outer_after = self.pending_reduces.pop(0)
+        pending.wait()
+        if epilogue is not None:
+            epilogue()
+        if outer_after and group.outer_reduction_due:
+            # The group's inner reduction has landed in its main gradients: start the outer one now, during the
+            # backward, instead of all of them at the optimizer step.
+            self._launch_outer(group)
+
+    def wait_reduce_of(self, group: ParamGroup):
+        """Wait for the reductions in flight up to and including `group`'s, if it has one."""
+        count = max((i + 1 for i, entry in enumerate(self.pending_reduces) if entry[3] is group), default=0)
+        for _ in range(count):
+            self._wait_oldest_reduce()
+
     def wait_reduces(self):
         while self.pending_reduces:
-            pending, epilogue, _ = self.pending_reduces.pop(0)
+            self._wait_oldest_reduce()
+
+    # ---- outer reductions (HSDP / HFSDP) ----------------------------------------------------------------------
+    def _has_outer(self) -> bool:
+        return self.outer_group is not None and collectives.group_size(self.outer_group) > 1
+
+    def _launch_outer(self, group: ParamGroup):
+        """Reduce `group`'s main gradients over the outer group: HSDP all-reduces them in place; HFSDP
+        reduce-scatters them into this outer rank's sub-shard (added to what earlier microbatches put there) and
+        then drops the shard-sized buffer."""
+        group.outer_reduction_due = False
+        average = self.average_in_collective
+        if group.outer_sharded:
+            accumulate = group.optim_grads_written
+            group.optim_grads_written = True
+
+            def start():
+                pending = collectives.reduce_scatter_flat(group.optim_grads, group.main_grads, self.outer_group,
+                                                          self.counter, average=average, accumulate=accumulate,
+                                                          async_op=True)
+                return pending
+
+            pending = self.streams.issue(self.streams.reduce_scatter, start)
+            self.pending_outer[id(group)] = collectives.PendingCollective(
+                epilogue=lambda: (pending.wait(), group.release_main_grads()))
+        else:
+            self.pending_outer[id(group)] = self.streams.issue(self.streams.reduce_scatter, lambda: (
+                collectives.all_reduce(group.main_grads, self.outer_group, self.counter, average=average,
+                                       async_op=True)))
+            group.outer_reduced = True
+
+    def _wait_outer(self, group: ParamGroup):
+        pending = self.pending_outer.pop(id(group), None)
+        if pending is not None:
             pending.wait()
-            if epilogue is not None:
-                epilogue()
+
+    def wait_outer_reductions(self):
+        for group in self.groups:
+            self._wait_outer(group)
+
+    def _reopen_outer_reduced(self, group: ParamGroup):
+        """HSDP: more gradients are about to be added to main gradients already summed over the outer ranks (a
+        microbatch without no_sync after a synced one); keep 1/outer of the sum on each so the next outer
+        all-reduce counts it once."""
+        if group.outer_reduced:
+            if not self.average_in_collective:
+                group.main_grads.mul_(1.0 / collectives.group_size(self.outer_group))
+            group.outer_reduced = False
 
     def start_grad_sync(self):
         for group in self.groups:
@@ -330,18 +464,25 @@ class Schedule:
                 self.launch_reduce(group, async_op=self.overlap_grad_reduce)
         self.wait_reduces()
         for group in self.groups:
-            group.ensure_main_grads()
-        if self.outer_group is not None and collectives.group_size(self.outer_group) > 1:
+            if not group.outer_sharded:  # HFSDP's shard gradients stay dropped once reduced over the outer group
+                group.ensure_main_grads()
+        if self._has_outer():
             for group in self.groups:
                 if group.main_grads is None:
                     continue
-                if group.outer_sharded:  # HFSDP: keep this outer rank's sub-shard; the shard is not needed again
-                    collectives.reduce_scatter_flat(group.optim_grads, group.main_grads, self.outer_group,
-                                                    self.counter, average=self.average_in_collective)
-                    group.release_main_grads()
-                else:  # HSDP
-                    collectives.all_reduce(group.main_grads, self.outer_group, self.counter,
-                                           average=self.average_in_collective)
+                if self.strategy >= ShardingStrategy.optim_grads:
+                    # Strategies 2/3 started their outer reductions during the backward; only groups reduced
+                    # under no_sync (or here) still need one.
+                    if group.outer_reduction_due:
+                        self._launch_outer(group)
+                    elif group.outer_sharded and not group.optim_grads_written:
+                        group.optim_grads.zero_()  # no gradient reached this group in the step
+                        group.optim_grads_written = True
+                else:  # strategies 0/1 keep reopening their persistent buffers until the step
+                    group.outer_reduction_due = True
+                    self._launch_outer(group)
+                    group.outer_reduced = False
+            self.wait_outer_reductions()
         if self.report_nan_in_param_grad:
             self._raise_on_nan_grads()
         for group in self.groups:
@@ -391,13 +532,47 @@ class Schedule:
             if not group.trainable:
                 continue
             self._wait_gather(group)
-            self.pending_gathers[id(group)] = collectives.all_gather_flat(
-                group.compute_buffer, group.gather_source(), self.dp_group, self.counter, async_op=True)
+            self.pending_gathers[id(group)] = self.streams.issue(
+                self.streams.all_gather, lambda: collectives.all_gather_flat(
+                    group.compute_buffer, group.gather_source(), self.dp_group, self.counter, async_op=True))
         if not async_op:
             self.wait_gathered(self.groups)
 
     def zero_grad_buffer(self):
         self.wait_reduces()
+        self.wait_outer_reductions()
         self.grads_synced = False
         for group in self.groups:
             group.zero_grads()
+            group.outer_reduction_due = group.outer_reduced = group.optim_grads_written = False
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs `callback` once the gradients of the inputs exist, i.e.
+    after the whole unit's backward (its parameters' gradients are accumulated before: AccumulateGrad nodes run
+    as soon as they are ready, and this node was created before any node of the unit)."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        return tuple(tensor.view_as(tensor) for tensor in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None,) + grads
+
+
+def _route_inputs_through_post_backward(args, kwargs, callback):
+    """(args, kwargs) with every input tensor that requires grad passed through one `_PostBackward` node, or None
+    (leave the inputs alone) when no input requires grad or grad mode is off."""
+    if not torch.is_grad_enabled():
+        return None
+    leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+    if not positions:
+        return None
+    routed = _PostBackward.apply(callback, *(leaves[i] for i in positions))
+    for position, tensor in zip(positions, routed):
+        leaves[position] = tensor
+    return torch.utils._pytree.tree_unflatten(leaves, spec)

@@ -70,6 +70,12 @@ def in_backward_pass() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def current_graph_task_id() -> int:
+    """Id of the backward (graph task) running now; -1 outside any backward. A reentrant activation-checkpoint
+    backward nested in the step's backward has an id of its own."""
+    return torch._C._current_graph_task_id()
+
+
 def queue_end_of_backward_callback(callback):
     """Run `callback` once the current backward pass has finished (call from inside an autograd hook)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)

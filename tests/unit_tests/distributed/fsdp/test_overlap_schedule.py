@@ -1,0 +1,179 @@
+"""Where collectives are issued and waited for: side streams with events, reductions in flight, outer reductions.
+
+A CPU has no streams or events, so the stream logic is observed through a recording stand-in for the
+accelerator's primitives (the compute stream, the side-stream context and events); everything else, the
+collectives included, is real. What a CPU cannot show is the overlap itself (kernels running beside each
+other); the GPU-marked tests in test_gpu.py measure the outcome there."""
+
+import inspect
+
+import pytest
+import torch
+
+from tests.unit_tests.distributed.fsdp import fsdp_test_models as models
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+NUM_STEPS = 2
+COLLECTIVES = {"all_gather_flat": "all_gather", "reduce_scatter_flat": "reduce_scatter", "all_reduce": "reduce_scatter"}
+
+
+class _FakeStream:
+    def __init__(self, name, recorder):
+        self.name, self.recorder = name, recorder
+
+    def record_event(self):
+        event = (self.name, len(self.recorder.recorded))
+        self.recorder.recorded.append(event)
+        return event
+
+    def wait_event(self, event):  # only the compute stream waits on events
+        in_grad_hook = any(frame.function == "on_grad_accumulated" for frame in inspect.stack())
+        self.recorder.waited.append((event, in_grad_hook))
+
+
+def _recording_streams():
+    """A CommunicationStreams whose accelerator primitives record what the schedule does with them."""
+    import contextlib
+
+    from megatron_fsdp.streams import CommunicationStreams
+
+    class RecordingStreams(CommunicationStreams):
+        def __init__(self):
+            super().__init__(torch.device("cpu"))
+            self.enabled = True
+            self.recorded, self.waited, self.issued = [], [], []
+            self.current = "compute"
+            self.compute = _FakeStream("compute", self)
+            self.all_gather = _FakeStream("all_gather", self)
+            self.reduce_scatter = _FakeStream("reduce_scatter", self)
+
+        def compute_stream(self):
+            return self.compute
+
+        @contextlib.contextmanager
+        def _on(self, stream):
+            previous, self.current = self.current, stream.name
+            try:
+                yield
+            finally:
+                self.current = previous
+
+    return RecordingStreams()
+
+
+def _record_collectives(streams, outer_group=None):
+    """Wrap the schedule's collectives: log (name, stream current at issue, outer group?, inside backward?)."""
+    from megatron_fsdp import collectives
+    from megatron_fsdp.utils import in_backward_pass
+
+    originals = {name: getattr(collectives, name) for name in COLLECTIVES}
+
+    def wrap(name):
+        def issue(*args, **kwargs):
+            group = args[2] if name != "all_reduce" else args[1]
+            streams.issued.append((name, streams.current, group is outer_group and outer_group is not None,
+                                   in_backward_pass()))
+            return originals[name](*args, **kwargs)
+        return issue
+
+    for name in COLLECTIVES:
+        setattr(collectives, name, wrap(name))
+    return lambda: [setattr(collectives, name, fn) for name, fn in originals.items()]
+
+
+def _in_flight_bound(model):
+    schedule, observed = model.schedule, []
+    launch = schedule.launch_reduce
+
+    def bounded_launch(group, async_op):
+        launch(group, async_op)
+        observed.append(len(schedule.pending_reduces))
+
+    schedule.launch_reduce = bounded_launch
+    return observed
+
+
+def _streams_and_bounds():
+    import megatron_fsdp
+
+    results = {}
+    for strategy in range(4):
+        model = models.make_model(0)
+        optimizer = models.make_optimizer([p for p in model.parameters() if p.requires_grad])
+        model, optimizer = megatron_fsdp.fully_shard(model, optimizer, fsdp_unit_modules=[models.Block],
+                                                     zero_dp_strategy=strategy)
+        streams = _recording_streams()
+        model.schedule.streams = streams
+        in_flight = _in_flight_bound(model)
+        restore = _record_collectives(streams)
+        try:
+            # microbatches without no_sync: strategies 0/1 reduce persistent buffers twice per step
+            losses = models.train_sharded(model, optimizer, NUM_STEPS, microbatches=2)
+        finally:
+            restore()
+        results[strategy] = dict(
+            losses=losses, issued=[(name, stream) for name, stream, _, _ in streams.issued],
+            recorded=list(streams.recorded), waited=[event for event, _ in streams.waited],
+            waited_in_grad_hook=[event for event, in_hook in streams.waited if in_hook],
+            max_in_flight=max(in_flight), bound=model.schedule.max_reduces_in_flight)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_collectives_run_on_side_streams_and_compute_waits_on_events(world_size):
+    reference, _ = models.reference_losses(NUM_STEPS)
+    for per_rank in run_on_ranks(world_size, _streams_and_bounds):
+        for strategy, result in per_rank.items():
+            assert result["losses"] == pytest.approx(reference, abs=1e-5), strategy
+            issued = result["issued"]
+            expected = {"all_reduce"} if strategy == 0 else {"all_gather_flat", "reduce_scatter_flat"}
+            assert {name for name, _ in issued} == expected, (strategy, issued)
+            # every gather on the all-gather stream, every gradient reduction on the reduce-scatter stream
+            for name, stream in issued:
+                assert stream == COLLECTIVES[name], (strategy, name, stream)
+            # each collective's event is waited for once by the compute stream, never inside a gradient hook
+            assert sorted(result["waited"]) == sorted(result["recorded"]), strategy
+            assert len(result["recorded"]) == len(issued)
+            assert result["waited_in_grad_hook"] == [], strategy
+            assert result["max_in_flight"] <= result["bound"] == 1, strategy
+
+
+def _outer_reductions_during_backward():
+    from tests.unit_tests.distributed.fsdp.test_hfsdp import _mesh_kwargs
+
+    import megatron_fsdp
+
+    results = {}
+    for name, strategy, outer in (("hsdp_s2", 2, "no_shard"), ("hsdp_s3", 3, "no_shard"), ("hfsdp", 3, "optim")):
+        mesh_kwargs = dict(_mesh_kwargs(), outer_dp_sharding_strategy=outer)
+        model = models.make_model(0)
+        optimizer = models.make_optimizer([p for p in model.parameters() if p.requires_grad])
+        model, optimizer = megatron_fsdp.fully_shard(model, optimizer, fsdp_unit_modules=[models.Block],
+                                                     zero_dp_strategy=strategy, **mesh_kwargs)
+        streams = _recording_streams()
+        model.schedule.streams = streams
+        restore = _record_collectives(streams, model.topology.outer_group)
+        try:
+            # 3 samples per rank: 3 microbatches, no_sync on all but the last
+            losses = models.train_sharded(model, optimizer, NUM_STEPS, microbatches=3)
+        finally:
+            restore()
+        # (HFSDP also all-gathers main-weight sub-shards over the outer group after each step: not a reduction)
+        outer_reductions = [(stream, in_backward) for name, stream, on_outer, in_backward in streams.issued
+                            if on_outer and name != "all_gather_flat"]
+        trainable_groups = sum(1 for group in model.groups if group.trainable)
+        results[name] = (losses, outer_reductions, trainable_groups)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_outer_reductions_overlap_the_backward(world_size):
+    reference, _ = models.reference_losses(NUM_STEPS)
+    for per_rank in run_on_ranks(world_size, _outer_reductions_during_backward):
+        for name, (losses, outer_reductions, trainable_groups) in per_rank.items():
+            assert losses == pytest.approx(reference, abs=1e-5), name
+            # one outer reduction per trainable group and step (none for the no_sync microbatch), every one
+            # issued on the reduce-scatter stream while the backward is still running
+            assert len(outer_reductions) == trainable_groups * NUM_STEPS, (name, outer_reductions)
+            assert all(stream == "reduce_scatter" and in_backward for stream, in_backward in outer_reductions), (
+                name, outer_reductions)

@@ -1,0 +1,164 @@
+"""Units are reduced and released by a module-level post-backward (when their inputs' gradients exist), not by
+counting parameter gradients: a parameter unused in forward or a frozen layer inside a unit no longer keeps the
+unit gathered to the end of the backward, and reentrant activation checkpointing trains exactly."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint
+
+from tests.unit_tests.distributed.fsdp import fsdp_test_models as models
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+NUM_STEPS = 3
+
+
+class UnitWithIdleParams(nn.Module):
+    """A unit with a parameter the forward never uses and a frozen layer (a group of its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(models.HIDDEN, models.HIDDEN)
+        self.unused = nn.Linear(models.HIDDEN, models.HIDDEN)
+        self.frozen = nn.Linear(models.HIDDEN, models.HIDDEN)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        return x + self.fc(torch.tanh(self.frozen(x)))
+
+
+class IdleParamsModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(models.IN_FEATURES, models.HIDDEN)
+        self.units = nn.ModuleList([UnitWithIdleParams() for _ in range(3)])
+        self.out = nn.Linear(models.HIDDEN, models.IN_FEATURES)
+
+    def forward(self, x, probes=()):
+        h = self.inp(x)
+        for index, unit in enumerate(self.units):
+            if index in probes and h.requires_grad:
+                h.register_hook(probes[index])  # runs once every later unit's backward is done
+            h = unit(h)
+        return self.out(h)
+
+
+class ReentrantCheckpointModel(models.TinyModel):
+    """TinyModel (a weight tied between the root and unit 0) with reentrant checkpointing around every block, and
+    a root layer in front, so that the backward of the root's `inp` layer needs its (tied) weight last: the tied
+    weight's gradient arrives twice, once in the nested checkpoint backward, and must not release it early."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(models.IN_FEATURES, models.IN_FEATURES)
+
+    def forward(self, x):
+        h = self.inp(torch.tanh(self.pre(x))) * self.scale.weight + self.offset
+        for block in self.blocks:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=True)
+        h = h + 0.1 * self.frozen(h)
+        return self.out(h) + self.tiny.weight.sum() + self.empty.weight.sum()
+
+
+def _idle_params_release_and_train():
+    import torch.distributed as dist
+
+    import megatron_fsdp
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    module = IdleParamsModel()
+    reference = IdleParamsModel()
+    reference.load_state_dict(module.state_dict())
+    model, optimizer = megatron_fsdp.fully_shard(module, models.make_optimizer(
+        [p for p in module.parameters() if p.requires_grad]), fsdp_unit_modules=[UnitWithIdleParams])
+    reference_optimizer = models.make_optimizer([p for p in reference.parameters() if p.requires_grad])
+    held = []
+
+    def probe(grad):
+        # unit 0's backward has not started; units 1 and 2 (every group of them) must be released already
+        held.append([sum(group.compute_bytes_held() for group in unit.groups) for unit in model.units])
+        return grad
+
+    losses, reference_losses = [], []
+    for inputs, target in models.make_batches(NUM_STEPS):
+        optimizer.zero_grad()
+        local = [models.local_slice(t, rank, world) for t in (inputs, target)]
+        loss = models.loss_fn(model(local[0], {1: probe}), local[1])
+        loss.backward()
+        optimizer.step()
+        losses.append(models.global_mean(loss.item()))
+        reference_optimizer.zero_grad()
+        reference_loss = models.loss_fn(reference(inputs), target)
+        reference_loss.backward()
+        reference_optimizer.step()
+        reference_losses.append(reference_loss.item())
+    unit_group_kinds = [sorted(group.trainable for group in unit.groups) for unit in model.units]
+    return held, losses, reference_losses, unit_group_kinds
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_unused_and_frozen_parameters_do_not_keep_a_unit_gathered(world_size):
+    for held, losses, reference_losses, unit_group_kinds in run_on_ranks(world_size, _idle_params_release_and_train):
+        assert unit_group_kinds == [[False, True]] * 3  # a frozen group and a trainable one per unit
+        assert len(held) == NUM_STEPS
+        for per_unit in held:
+            assert per_unit[0] > 0  # unit 0 is gathered for its own backward (the probe runs right before it)
+            assert per_unit[1:] == [0, 0], per_unit
+        assert losses == pytest.approx(reference_losses, abs=1e-5)
+
+
+def _train_reentrant(strategy, overlap):
+    import megatron_fsdp
+
+    torch.manual_seed(0)
+    module = ReentrantCheckpointModel()
+    optimizer = models.make_optimizer([p for p in module.parameters() if p.requires_grad])
+    model, optimizer = megatron_fsdp.fully_shard(module, optimizer, fsdp_unit_modules=[models.Block],
+                                                 zero_dp_strategy=strategy, overlap_grad_reduce=overlap,
+                                                 overlap_param_gather=overlap)
+    return models.train_sharded(model, optimizer, NUM_STEPS, microbatches=2)
+
+
+class PlainModel(ReentrantCheckpointModel):
+    def forward(self, x):
+        with _checkpoint_disabled():
+            return super().forward(x)
+
+
+class _checkpoint_disabled:
+    def __enter__(self):
+        self.original = torch.utils.checkpoint.checkpoint
+        torch.utils.checkpoint.checkpoint = lambda function, *args, **kwargs: function(*args)
+
+    def __exit__(self, *exc):
+        torch.utils.checkpoint.checkpoint = self.original
+        return False
+
+
+def _reference_losses():
+    torch.manual_seed(0)
+    model = PlainModel()
+    optimizer = models.make_optimizer([p for p in model.parameters() if p.requires_grad])
+    batches = models.make_batches(NUM_STEPS + 1)
+    losses = []
+    for step, (inputs, target) in enumerate(batches):
+        loss = models.loss_fn(model(inputs), target)
+        losses.append(loss.item())
+        if step < NUM_STEPS:
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return losses
+
+
+def _reentrant_matrix():
+    return {(strategy, overlap): _train_reentrant(strategy, overlap) for strategy in range(4)
+            for overlap in (False, True)}
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_reentrant_activation_checkpointing_trains_exactly(world_size):
+    reference = _reference_losses()
+    for case, losses in run_on_ranks(world_size, _reentrant_matrix)[0].items():
+        assert losses == pytest.approx(reference, abs=1e-5), case
