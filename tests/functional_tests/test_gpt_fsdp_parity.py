@@ -10,27 +10,45 @@ rows of tokens not in the batch, thousands) must agree. Per-rank bytes follow th
 
 import pytest
 
-from tests.functional_tests.runner import compare_series, load_case
+from tests.functional_tests.runner import compare_series, list_cases, load_case
 
 RELATIVE_TOLERANCE = 1e-5
 ACCIDENTAL_ZEROS_TOLERANCE = 4.0
 
-# case -> the per-rank state it shards over data parallelism (ZeRO-3 / FSDP2: all of it).
-SHARDED_STATE = {
-    "gpt/fsdp2_dp2": ("params", "grads", "optimizer"),
-    "gpt/fsdp2_no_reshard_dp2": ("params", "grads", "optimizer"),
-    "gpt/fsdp2_tp2_dp2": ("params", "grads", "optimizer"),
+# case -> over how many ranks each kind of per-rank state is split: (parameters, gradients, optimizer state).
+# ZeRO-1 shards the optimizer state, ZeRO-2 also gradients, ZeRO-3 / FSDP2 also parameters; HSDP shards over
+# the 2 ranks of an instance and replicates across instances; HFSDP also shards the optimizer state, and the
+# gradients that feed it, across the instances.
+SHARDED_OVER = {
+    "gpt/fsdp2_dp2": (2, 2, 2),
+    "gpt/fsdp2_no_reshard_dp2": (2, 2, 2),
+    "gpt/fsdp2_tp2_dp2": (2, 2, 2),
+    "gpt/megatron_fsdp_z1_dp2": (1, 1, 2),
+    "gpt/megatron_fsdp_z2_dp2": (1, 2, 2),
+    "gpt/megatron_fsdp_z3_dp2": (2, 2, 2),
+    "gpt/megatron_fsdp_z3_meta_init_dp2": (2, 2, 2),
+    "gpt/megatron_fsdp_z3_double_buffer_dp2": (2, 2, 2),
+    "gpt/megatron_fsdp_z3_tp2_sp_dp2": (2, 2, 2),
+    "gpt/megatron_fsdp_z3_pp2_dp2": (2, 2, 2),
+    "gpt/megatron_fsdp_z3_tp2_pp2_dp2": (2, 2, 2),
+    "gpt/megatron_fsdp_hsdp_dp4": (2, 2, 2),
+    "gpt/megatron_fsdp_hfsdp_dp4": (2, 4, 4),
 }
-# Four ranks on two cores take longer.
-SLOW_CASES = {"gpt/fsdp2_tp2_dp2"}
-CASES = [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_CASES else name for name in SHARDED_STATE]
-
-
-def _data_parallel_size(case):
-    model_parallel = int(case.model_args.get("--tensor-model-parallel-size", 1)) * int(
-        case.model_args.get("--pipeline-model-parallel-size", 1)
-    )
-    return case.nproc_per_node // model_parallel
+# Cases whose fp32 main weights are a separate copy of the optimizer's shard rather than the compute weights
+# themselves: HFSDP stores its quarter of the main weights apart from the compute half it belongs to.
+SEPARATE_MAIN_WEIGHTS = {
+    "gpt/megatron_fsdp_hfsdp_dp4",
+}
+# More than two ranks on two cores take longer.
+SLOW_CASES = {
+    "gpt/fsdp2_tp2_dp2",
+    "gpt/megatron_fsdp_z3_tp2_sp_dp2",
+    "gpt/megatron_fsdp_z3_pp2_dp2",
+    "gpt/megatron_fsdp_z3_tp2_pp2_dp2",
+    "gpt/megatron_fsdp_hsdp_dp4",
+    "gpt/megatron_fsdp_hfsdp_dp4",
+}
+CASES = [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_CASES else name for name in SHARDED_OVER]
 
 
 def _per_rank_bytes(metrics):
@@ -49,19 +67,22 @@ def test_fsdp_case_trains_as_its_ddp_twin(case_name, case_result, ddp_twin_resul
                                atol=ACCIDENTAL_ZEROS_TOLERANCE)
     assert not problems, f"{case_name} vs its DDP twin:\n" + "\n".join(problems)
 
-    # Sharded state is split evenly over the data-parallel ranks (every sharded dimension of this model is even),
-    # replicated state is whole. Adam's state is two moments per element plus one 4-byte step counter per
-    # parameter, which no strategy shards.
-    data_parallel_size = _data_parallel_size(case)
-    sharded_kinds = SHARDED_STATE[case_name]
+    # Sharded state is split evenly (every sharded size of this model divides evenly), replicated state is
+    # whole. Adam's state is two moments per element plus one 4-byte step counter per parameter, which no
+    # strategy shards; fp32 main weights are the compute weights (or a slice of them) unless listed above.
+    params_over, grads_over, optimizer_over = SHARDED_OVER[case_name]
     fsdp_bytes, ddp_bytes = _per_rank_bytes(fsdp), _per_rank_bytes(ddp)
     full_params = ddp_bytes["params-bytes"]
     step_counters = ddp_bytes["optimizer-state-bytes"] - 2 * full_params
     assert 0 < step_counters < 1000
+    assert fsdp_bytes["params-bytes"] == full_params // params_over
+    assert fsdp_bytes["grads-bytes"] == ddp_bytes["grads-bytes"] // grads_over
+    main_weights_copies = 1 if case_name in SEPARATE_MAIN_WEIGHTS else 0
+    expected_optimizer_bytes = (2 + main_weights_copies) * (full_params // optimizer_over) + step_counters
+    assert fsdp_bytes["optimizer-state-bytes"] == expected_optimizer_bytes
 
-    def expected(kind, full):
-        return full // data_parallel_size if kind in sharded_kinds else full
 
-    assert fsdp_bytes["params-bytes"] == expected("params", full_params)
-    assert fsdp_bytes["grads-bytes"] == expected("grads", ddp_bytes["grads-bytes"])
-    assert fsdp_bytes["optimizer-state-bytes"] == 2 * expected("optimizer", full_params) + step_counters
+def test_every_fsdp_case_folder_has_a_ddp_twin_check():
+    fsdp_cases = [name for name in list_cases("gpt") if "fsdp" in name]
+    assert sorted(fsdp_cases) == sorted(SHARDED_OVER)
+    assert SEPARATE_MAIN_WEIGHTS <= set(SHARDED_OVER)

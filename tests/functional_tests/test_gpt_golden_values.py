@@ -13,9 +13,23 @@ FAST_CASES = [
     "gpt/pp2",
     "gpt/fsdp2_dp2",
     "gpt/fsdp2_no_reshard_dp2",
+    "gpt/megatron_fsdp_z1_dp2",
+    "gpt/megatron_fsdp_z2_dp2",
+    "gpt/megatron_fsdp_z3_dp2",
+    "gpt/megatron_fsdp_z3_meta_init_dp2",
+    "gpt/megatron_fsdp_z3_double_buffer_dp2",
 ]
-# Four ranks on two cores, and the three launches of a resume case, take longer.
-SLOW_CASES = ["gpt/tp2_pp2", "gpt/resume_dp2_distributed_optimizer", "gpt/fsdp2_tp2_dp2"]
+# Four or eight ranks on two cores, and the three launches of a resume case, take longer.
+SLOW_CASES = [
+    "gpt/tp2_pp2",
+    "gpt/resume_dp2_distributed_optimizer",
+    "gpt/fsdp2_tp2_dp2",
+    "gpt/megatron_fsdp_z3_tp2_sp_dp2",
+    "gpt/megatron_fsdp_z3_pp2_dp2",
+    "gpt/megatron_fsdp_z3_tp2_pp2_dp2",
+    "gpt/megatron_fsdp_hsdp_dp4",
+    "gpt/megatron_fsdp_hfsdp_dp4",
+]
 
 
 def test_every_case_folder_is_tested():
