@@ -5,12 +5,14 @@ Every tensor is saved under its name in the unsplit, single-rank model with its 
 boxes of it. torch.distributed.checkpoint writes the boxes and reads any overlap back, so a checkpoint written
 at one layout and wrapper loads at any other.
 
-- `logical_tensor`: boxes of a logical tensor (`ShardedLogicalTensor`, flat ranges -> boxes)
-- `model_state`: logical names and placements of model tensors
-- `optimizer_state`: main parameters and moments keyed by logical name
-- `fsdp_state`: the same for Megatron-FSDP and FSDP2 (DTensor-based) wrappers
-- `serialization`: DCP save / load with errors naming files and tensors
+- `logical_tensor`: boxes of a logical tensor (`ShardedLogicalTensor`, flat ranges -> boxes, DTensor shards)
+- `model_state`: logical names and placements of model tensors (DDP and FSDP2 chunks)
+- `optimizer_state`: main parameters and moments keyed by logical name (FP32, mixed-precision, distributed)
+- `fsdp_state`: the same for Megatron-FSDP chunks (from its name-keyed DTensor state dicts)
+- `wrappers`: picks one of the above per wrapper
+- `planners`, `serialization`: DCP save / load with errors naming files and tensors
 - `strictness`: `--dist-ckpt-strictness`
+- `offline`, `safetensors_format`: whole-tensor reads and writes for tools, without a process group
 """
 
 from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor, flat_range_boxes
