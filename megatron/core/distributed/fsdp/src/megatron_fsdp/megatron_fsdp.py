@@ -15,9 +15,10 @@ from .mixed_precision import MixedPrecisionPolicy
 from .param_and_grad_buffer import DoubleBufferPool, ParamGroup
 from .resting_parameters import RestingParameters
 from .schedule import Schedule, Unit
-from .utils import parameter_owners, replace_parameter, resolve_device, resolve_module_classes, tensor_bytes
+from .state_dict import load_model_state_dict, model_state_dict
+from .utils import (WRAPPED_ATTR, parameter_owners, replace_parameter, resolve_device, resolve_module_classes,
+                    tensor_bytes)
 
-WRAPPED_ATTR = "_megatron_fsdp_wrapper"
 
 
 class CheckpointMesh(NamedTuple):
@@ -479,13 +480,9 @@ class MegatronFSDP(nn.Module):
     def state_dict(self, *args, **kwargs):
         """Parameter name -> DTensor (full logical shape, Shard(0) rows over the data-parallel ranks); buffers
         as plain tensors. Loadable at another data-parallel size with torch.distributed.checkpoint."""
-        from .state_dict import model_state_dict
-
         return model_state_dict(self)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        from .state_dict import load_model_state_dict
-
         return load_model_state_dict(self, state_dict, strict=strict)
 
     def named_group_params(self):

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from . import collectives
 from .distributed_data_parallel_config import ShardingStrategy
+from .optimizer_state import initialize_optimizer_state
 from .param_and_grad_buffer import ParamGroup
 from .uneven_dtensor import (
     local_rows_of,
@@ -236,7 +237,6 @@ def _is_sharded_state(value, view) -> bool:
 
 def optimizer_state_dict(optimizer) -> dict:
     """{"state": {param name: {key: DTensor or scalar}}, "param_groups": [{hyper-params, "params": [names]}]}."""
-    from .optimizer import initialize_optimizer_state
 
     model, by_name = _optimizer_params_by_name(optimizer)
     _check_checkpointable(model)
@@ -281,7 +281,6 @@ def load_optimizer_state_dict(optimizer, state_dict):
     groups_in = state_dict["param_groups"]
     if groups_in and groups_in[0]["params"] and not isinstance(groups_in[0]["params"][0], str):
         return optimizer._megatron_fsdp_original_load_state_dict(state_dict)
-    from .optimizer import initialize_optimizer_state
 
     model, by_name = _optimizer_params_by_name(optimizer)
     _check_checkpointable(model)

@@ -7,6 +7,9 @@ import torch
 import torch.nn as nn
 
 
+# Attribute naming the MegatronFSDP model that owns a module or parameter.
+WRAPPED_ATTR = "_megatron_fsdp_wrapper"
+
 # The device type each communication backend serves when a process group names a bare backend.
 _BACKEND_DEVICE_TYPES = {"nccl": "cuda", "xccl": "xpu", "hccl": "npu", "gloo": "cpu", "mpi": "cpu"}
 
