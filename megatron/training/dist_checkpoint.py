@@ -14,6 +14,7 @@ temporary directory; when every rank has succeeded, global rank 0 renames it int
 tracker at it, so an interrupted or failed save leaves the previous checkpoint the latest, and readable.
 """
 
+import copy
 import json
 import os
 import re
@@ -136,7 +137,7 @@ def stage(state):
         elif torch.is_tensor(value):
             staged[key] = value.detach().to("cpu", copy=True)
         else:
-            staged[key] = value
+            staged[key] = copy.deepcopy(value)  # e.g. the args, which training keeps updating
     return staged
 
 
@@ -218,21 +219,21 @@ def load_dist_checkpoint(model_chunks, optimizer, scheduler, args, iteration):
     report.loaded.append(f"model ({len(model_targets)} tensors)")
     report.add_mismatch("model", mismatch)
 
-    load_optimizer = optimizer is not None and not args.finetune and not args.no_load_optim
-    if load_optimizer and not any(key.startswith("optimizer.") for key in metadata.state_dict_metadata):
-        report.not_loaded.append("optimizer (the checkpoint has none: saved with --no-save-optim)")
-        load_optimizer = False
-    if load_optimizer:
+    skip_optimizer = None  # why the optimizer state is not loaded
+    if args.finetune:
+        skip_optimizer = "--finetune"
+    elif args.no_load_optim:
+        skip_optimizer = "--no-load-optim"
+    elif not any(key.startswith("optimizer.") for key in metadata.state_dict_metadata):
+        skip_optimizer = "the checkpoint has none: saved with --no-save-optim or converted from weights"
+    if optimizer is not None and skip_optimizer is None:
         checkpoint_state.load_optimizer(optimizer, model_chunks, metadata, directory, strictness, report, _print0)
         if scheduler is not None and "scheduler" in metadata.state_dict_metadata:
             scheduler.load_state_dict(serialization.read_objects(directory, ["scheduler"])["scheduler"])
             report.loaded.append("scheduler")
-    else:
-        if optimizer is not None:
-            checkpoint_state.refresh_main_params(optimizer)
-            reason = "--finetune" if args.finetune else "--no-load-optim"
-            report.not_loaded.append(f"optimizer and scheduler ({reason})"
-                                     if "optimizer" not in " ".join(report.not_loaded) else "scheduler")
+    elif optimizer is not None:
+        checkpoint_state.refresh_main_params(optimizer)
+        report.not_loaded.append(f"optimizer and scheduler ({skip_optimizer})")
 
     checkpoint_state.load_rng(args, directory, metadata, common, report)
     if args.finetune:

@@ -32,7 +32,7 @@ class CheckpointShapeError(CheckpointError):
     pass
 
 
-def _distributed(process_group=None):
+def _distributed():
     return dist.is_available() and dist.is_initialized()
 
 
@@ -115,8 +115,9 @@ def key_mismatch(targets: Dict[str, object], metadata, prefixes, process_group=N
 
 
 def load(targets: Dict[str, object], directory: str, process_group=None):
-    """Fill `targets` in place from `directory` (collective). Objects come back as new values in `targets`."""
-    if not targets:
+    """Fill `targets` in place from `directory` (collective: every rank calls it, also with nothing to load).
+    Objects come back as new values in `targets`."""
+    if not targets and not _distributed():
         return targets
     reader = dcp.FileSystemReader(directory)
     try:
@@ -131,5 +132,4 @@ def load(targets: Dict[str, object], directory: str, process_group=None):
 
 def read_objects(directory: str, keys, process_group=None) -> Dict[str, object]:
     """The picklable objects saved under `keys` (every rank reads them)."""
-    targets = {key: None for key in keys}
-    return load(targets, directory, process_group) if targets else {}
+    return load({key: None for key in keys}, directory, process_group)

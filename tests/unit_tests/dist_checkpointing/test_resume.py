@@ -2,8 +2,9 @@
 
 A reference run trains 8 iterations and saves at iteration 4; resumed runs load iteration 4 and train to 8.
 Same layout: the losses of iterations 5-8 are identical. Another layout or wrapper (TP, PP, DP size, DDP,
-distributed optimizer, Megatron-FSDP ZeRO-0..3 / HSDP / HFSDP, FSDP2): equal to 1e-5 relative, the difference
-being only the order of floating-point reductions (measured differences are ~1e-7).
+distributed optimizer, Megatron-FSDP ZeRO-0..3 / HSDP / HFSDP, FSDP2): equal to 1e-6 relative in fp32, the
+difference being only the order of floating-point reductions (measured: at most 5e-8); 1e-4 in bf16
+(measured: 2.6e-6).
 """
 
 import os
@@ -24,7 +25,14 @@ LAYOUTS = {
     "mfsdp_z0_pp2": "--use-megatron-fsdp --data-parallel-sharding-strategy no_shard --pipeline-model-parallel-size 2",
     "fsdp2": "--use-torch-fsdp2",
     "fsdp2_tp2": "--use-torch-fsdp2 --tensor-model-parallel-size 2",
+    "distopt_bf16": "--use-distributed-optimizer --bf16",
+    "mfsdp_z3_bf16": "--use-megatron-fsdp --bf16",
+    "fsdp2_bf16": "--use-torch-fsdp2 --bf16",
 }
+
+
+BF16_REL_TOLERANCE = 1e-4
+FP32_REL_TOLERANCE = 1e-6
 
 
 def _save_then_resume_everywhere(workdir, save_layout, resume_layouts, save_args=""):
@@ -45,14 +53,14 @@ def _save_then_resume_everywhere(workdir, save_layout, resume_layouts, save_args
     return reference, resumed, (exited, read_tracker(exit_root), sorted(os.listdir(exit_root)))
 
 
-def _check(reference, resumed, same_layout, other_layouts):
+def _check(reference, resumed, same_layout, other_layouts, rel=FP32_REL_TOLERANCE):
     assert sorted(reference) == list(range(1, 9))
     assert len(set(reference.values())) == 8  # every iteration updates the model
     assert resumed[same_layout] == {i: reference[i] for i in range(5, 9)}  # same layout: identical
     for name in other_layouts:
         assert sorted(resumed[name]) == [5, 6, 7, 8], name
         for iteration in range(5, 9):
-            assert resumed[name][iteration] == pytest.approx(reference[iteration], rel=1e-5, abs=0), (name, iteration)
+            assert resumed[name][iteration] == pytest.approx(reference[iteration], rel=rel, abs=0), (name, iteration)
 
 
 @pytest.mark.parametrize(
@@ -62,12 +70,16 @@ def _check(reference, resumed, same_layout, other_layouts):
         ("dp2_distopt", ["tp2", "pp2", "dp2_ddp", "mfsdp_z3"], "--async-save --use-persistent-ckpt-worker"),
         ("mfsdp_z3", ["fsdp2", "mfsdp_z1_tp2", "mfsdp_z0_pp2"], "--async-save"),
         ("fsdp2", ["fsdp2_tp2", "dp2_distopt", "mfsdp_z3"], ""),
+        # bf16 weights with fp32 main weights (saved as `fp32_param`): the resumed main weights are exact.
+        ("distopt_bf16", ["mfsdp_z3_bf16", "fsdp2_bf16"], ""),
     ],
 )
 def test_resume_is_exact_and_reshards(tmp_path, save_layout, resume_layouts, save_args):
     reference, resumed, exited = run_on_ranks(2, _save_then_resume_everywhere, str(tmp_path), save_layout,
                                               [save_layout] + resume_layouts, save_args)[0]
-    _check(reference, resumed, save_layout, resume_layouts)
+    # bf16 across wrappers: other reduction orders round bf16 activations and gradients differently.
+    tolerance = BF16_REL_TOLERANCE if "bf16" in save_layout else FP32_REL_TOLERANCE
+    _check(reference, resumed, save_layout, resume_layouts, rel=tolerance)
     assert exited == ({5: reference[5], 6: reference[6]}, 6, ["iter_0000006", "latest_checkpointed_iteration.txt"])
 
 
