@@ -56,13 +56,16 @@ def _make_step_pre_hook(model):
     return before_step
 
 
-def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_for_dcp_ckpt: bool = True):
+def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_for_dcp_ckpt: Optional[bool] = None):
     """Make `optimizer` step on the sharded fp32 main weights of the MegatronFSDP model owning its params.
 
     Param groups keep their hyper-parameters; each model parameter is replaced by its main-weight view (its
     shard piece under strategies 1-3). `step()` finishes gradient sync (step pre-hook; after the closure when
     one is given), steps and installs the new weights (step post-hook);
-    `zero_grad()` also zeroes the gradient buffers; `state_dict()` is keyed by parameter name.
+    `zero_grad()` also zeroes the gradient buffers; `state_dict()` is keyed by parameter name and holds DTensors
+    (for torch.distributed.checkpoint, at any data-parallel size), or with `preproc_state_dict_for_dcp_ckpt=False`
+    is torch's own index-keyed state dict of this rank's shards (for a per-rank torch.save, reloaded at the same
+    data-parallel size). None takes the model's `ddp_config.preproc_state_dict_for_dcp_ckpt`.
     """
     if getattr(optimizer, "_megatron_fsdp_model", None) is not None:
         raise ValueError("this optimizer was already passed to fully_shard_optimizer")
@@ -83,7 +86,9 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
     optimizer.state.clear()
     optimizer._megatron_fsdp_model = model
     optimizer._megatron_fsdp_param_names = names
-    optimizer._megatron_fsdp_preproc_for_dcp = preproc_state_dict_for_dcp_ckpt
+    optimizer._megatron_fsdp_preproc_for_dcp = (model.ddp_config.preproc_state_dict_for_dcp_ckpt
+                                                 if preproc_state_dict_for_dcp_ckpt is None
+                                                 else preproc_state_dict_for_dcp_ckpt)
     model.optimizer = optimizer
     initialize_optimizer_state(optimizer)
 
@@ -97,6 +102,8 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
         model.zero_grad_buffer()
 
     def state_dict(self):
+        if not self._megatron_fsdp_preproc_for_dcp:
+            return self._megatron_fsdp_original_state_dict()
         return optimizer_state_dict(self)
 
     def load_state_dict(self, state_dict):
