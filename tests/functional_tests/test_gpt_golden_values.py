@@ -23,6 +23,8 @@ FAST_CASES = [
 SLOW_CASES = [
     "gpt/tp2_pp2",
     "gpt/resume_dp2_distributed_optimizer",
+    "gpt/resume_megatron_fsdp_z3_dp2_async",
+    "gpt/resume_fsdp2_dp2",
     "gpt/fsdp2_tp2_dp2",
     "gpt/megatron_fsdp_z3_tp2_sp_dp2",
     "gpt/megatron_fsdp_z3_pp2_dp2",
