@@ -153,8 +153,9 @@ def _reference_losses():
 
 
 def _reentrant_matrix():
-    return {(strategy, overlap): _train_reentrant(strategy, overlap) for strategy in range(4)
-            for overlap in (False, True)}
+    # strategy 0 reduces persistent buffers, strategy 3 also gathers and releases inside the nested backward
+    return {(strategy, overlap): _train_reentrant(strategy, overlap) for strategy, overlap in ((0, True), (3, True),
+                                                                                            (3, False))}
 
 
 @pytest.mark.parametrize("world_size", [2])
