@@ -223,3 +223,44 @@ def test_finetune_and_no_load_optim(tmp_path, world_size):
     assert results["no_load_optim"] == {
         "iteration": 4, "consumed": 32, "weights_loaded": True, "scheduler_steps": 77, "optimizer_untouched": True,
     }  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checkpoint flags
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _checkpoint_flags(argv):
+    from megatron.training.argument_groups import checkpoint as checkpoint_flags
+    from megatron.training.arguments import build_parser
+
+    args = build_parser().parse_args(argv.split())
+    checkpoint_flags.validate(args)
+    return args
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ("--async-save --ckpt-format torch --save /c", "--async-save needs --ckpt-format torch_dist"),
+        ("--use-persistent-ckpt-worker --save /c", "--use-persistent-ckpt-worker needs --async-save"),
+        ("--keep-last-n 0 --save /c", "--keep-last-n must be positive"),
+        ("--use-megatron-fsdp --ckpt-format torch --save /c", "--use-megatron-fsdp checkpoints need --ckpt-format"),
+        ("--use-torch-fsdp2 --ckpt-format torch --load /c", "--use-torch-fsdp2 checkpoints need --ckpt-format"),
+    ],
+)
+def test_checkpoint_flag_rules_name_the_flags(argv, message):
+    with pytest.raises(ValueError, match=message):
+        _checkpoint_flags(argv)
+
+
+def test_checkpoint_flags_accept_every_logical_format_and_strictness():
+    from megatron.core.dist_checkpointing import STRICTNESS_CHOICES
+
+    for name in ("torch_dist", "torch_dcp", "fsdp_dtensor"):
+        args = _checkpoint_flags(f"--ckpt-format {name} --async-save --use-persistent-ckpt-worker --keep-last-n 2 "
+                                 "--save /c")
+        assert (args.async_save, args.use_persistent_ckpt_worker, args.keep_last_n) == (True, True, 2)
+    assert _checkpoint_flags("").dist_ckpt_strictness == "assume_ok_unexpected"
+    for mode in STRICTNESS_CHOICES:
+        assert _checkpoint_flags(f"--dist-ckpt-strictness {mode}").dist_ckpt_strictness == mode
