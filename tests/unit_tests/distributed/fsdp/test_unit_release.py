@@ -73,11 +73,12 @@ def _idle_params_release_and_train():
     model, optimizer = megatron_fsdp.fully_shard(module, models.make_optimizer(
         [p for p in module.parameters() if p.requires_grad]), fsdp_unit_modules=[UnitWithIdleParams])
     reference_optimizer = models.make_optimizer([p for p in reference.parameters() if p.requires_grad])
-    held = []
+    held, states = [], []
 
     def probe(grad):
         # unit 0's backward has not started; units 1 and 2 (every group of them) must be released already
         held.append([sum(group.compute_bytes_held() for group in unit.groups) for unit in model.units])
+        states.append([sorted(group.weight_state.value for group in unit.groups) for unit in model.units])
         return grad
 
     losses, reference_losses = [], []
@@ -94,17 +95,20 @@ def _idle_params_release_and_train():
         reference_optimizer.step()
         reference_losses.append(reference_loss.item())
     unit_group_kinds = [sorted(group.trainable for group in unit.groups) for unit in model.units]
-    return held, losses, reference_losses, unit_group_kinds
+    return held, states, losses, reference_losses, unit_group_kinds
 
 
 @pytest.mark.parametrize("world_size", [2])
 def test_unused_and_frozen_parameters_do_not_keep_a_unit_gathered(world_size):
-    for held, losses, reference_losses, unit_group_kinds in run_on_ranks(world_size, _idle_params_release_and_train):
+    for held, states, losses, reference_losses, unit_group_kinds in run_on_ranks(world_size,
+                                                                             _idle_params_release_and_train):
         assert unit_group_kinds == [[False, True]] * 3  # a frozen group and a trainable one per unit
         assert len(held) == NUM_STEPS
         for per_unit in held:
             assert per_unit[0] > 0  # unit 0 is gathered for its own backward (the probe runs right before it)
             assert per_unit[1:] == [0, 0], per_unit
+        # the groups own their state: unit 0 gathered for its backward, units 1 and 2 back to their shards
+        assert states == [[["gathered", "gathered"], ["sharded", "sharded"], ["sharded", "sharded"]]] * NUM_STEPS
         assert losses == pytest.approx(reference_losses, abs=1e-5)
 
 

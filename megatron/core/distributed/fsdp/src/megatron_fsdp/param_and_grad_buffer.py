@@ -27,15 +27,26 @@ one flat buffer. The optimizer sees one view of the main weights per parameter: 
 1-3, flat) or the whole parameter (strategy 0, original shape).
 """
 
+import enum
 from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
+from .collectives import PendingCollective
 from .distributed_data_parallel_config import ShardingStrategy
 from .layout import GroupLayout
 from .mixed_precision import MixedPrecisionPolicy
 from .utils import tensor_bytes
+
+
+class WeightState(enum.Enum):
+    """Where a group's full compute weights are: only this rank's shard holds data (strategy 3 at rest), an
+    all-gather is filling the compute buffer, or the compute buffer holds them."""
+
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
 
 
 class DoubleBufferPool:
@@ -119,7 +130,8 @@ class ParamGroup:
         self.compute_buffer = compute_buffer if compute_buffer is not None else self._zeros(padded, self.param_dtype)
         self._compute_nbytes = padded * self.compute_buffer.element_size()
         self.compute_buffer_shard = self.compute_buffer[shard_start:shard_end]
-        self.gathered = True
+        self.weight_state = WeightState.GATHERED
+        self.pending_gather: Optional[PendingCollective] = None  # the all-gather in flight while GATHERING
 
         self.main_weights = self.compute_shard = self.grad_buffer = self.main_grads = None
         same_dtype = self.main_dtype == self.param_dtype
@@ -209,7 +221,30 @@ class ParamGroup:
             return
         if not self.uses_pool:
             self.compute_buffer.untyped_storage().resize_(0)
-        self.gathered = False
+        self.weight_state = WeightState.SHARDED
+
+    @property
+    def gathered(self) -> bool:
+        """Whether the compute buffer holds (or an all-gather in flight is filling it with) the full weights."""
+        return self.weight_state is not WeightState.SHARDED
+
+    @gathered.setter
+    def gathered(self, value: bool):
+        self.weight_state = WeightState.GATHERED if value else WeightState.SHARDED
+
+    def start_gather(self, pending: PendingCollective):
+        """An all-gather into the compute buffer was issued; an earlier one still in flight is waited for first."""
+        self.finish_gather()
+        self.pending_gather = pending
+        self.weight_state = WeightState.GATHERING
+
+    def finish_gather(self):
+        """Wait for the all-gather in flight, if any: the compute buffer then holds the full weights."""
+        if self.pending_gather is not None:
+            pending, self.pending_gather = self.pending_gather, None
+            pending.wait()
+            if self.weight_state is WeightState.GATHERING:
+                self.weight_state = WeightState.GATHERED
 
     def compute_bytes_held(self) -> int:
         if self.uses_pool:

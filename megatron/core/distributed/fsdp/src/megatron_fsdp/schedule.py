@@ -25,7 +25,7 @@ import torch
 
 from . import collectives
 from .distributed_data_parallel_config import ShardingStrategy
-from .param_and_grad_buffer import DoubleBufferPool, ParamGroup
+from .param_and_grad_buffer import DoubleBufferPool, ParamGroup, WeightState
 from .streams import CommunicationStreams
 from .utils import current_graph_task_id, in_backward_pass, queue_end_of_backward_callback, tensors_requiring_grad
 
@@ -61,7 +61,6 @@ class Schedule:
         self.nan_check_groups = [g for g in (dp_group, outer_group, tp_group) if g is not None]
         self.pool = pool
         self.sync_enabled = True
-        self.pending_gathers: Dict[int, collectives.PendingCollective] = {}
         # HFSDP: in-flight all-gathers over the outer group into compute shards, with the tensor they send.
         self.pending_shard_refreshes: Dict[int, tuple] = {}
         self.pending_reduces: List[tuple] = []  # (handle, epilogue, flat input, group), oldest first
@@ -112,19 +111,23 @@ class Schedule:
                 other.gathered = False
         self.pool.owner[slot] = group.unit_index
 
+    @property
+    def pending_gathers(self) -> Dict[int, collectives.PendingCollective]:
+        """All-gathers in flight, by group id (each group owns its own; see ParamGroup.weight_state)."""
+        return {id(group): group.pending_gather for group in self.groups if group.pending_gather is not None}
+
     def gather(self, groups: List[ParamGroup], async_op: bool):
         for group in groups:
-            if group.gathered or id(group) in self.pending_gathers:
+            if group.weight_state is not WeightState.SHARDED:
                 continue
             self._refresh_compute_shard(group)
             self._wait_compute_shard_refresh(group)
             if group.uses_pool:
                 self._claim_pool_slot(group)
             group.allocate_compute()
-            self.pending_gathers[id(group)] = self.streams.issue(
+            group.start_gather(self.streams.issue(
                 self.streams.all_gather, lambda: collectives.all_gather_flat(
-                    group.compute_buffer, group.gather_source(), self.dp_group, self.counter, async_op=True))
-            group.gathered = True
+                    group.compute_buffer, group.gather_source(), self.dp_group, self.counter, async_op=True)))
             if self.resting is not None:
                 self.resting.show(group)
         if not async_op:
@@ -133,9 +136,7 @@ class Schedule:
 
     def _wait_gather(self, group: ParamGroup):
         self._wait_compute_shard_refresh(group)
-        pending = self.pending_gathers.pop(id(group), None)
-        if pending is not None:
-            pending.wait()
+        group.finish_gather()
 
     def _refresh_compute_shard(self, group: ParamGroup):
         """HFSDP: start the all-gather of every outer rank's main-weight sub-shard into this rank's compute
@@ -532,9 +533,9 @@ class Schedule:
             if not group.trainable:
                 continue
             self._wait_gather(group)
-            self.pending_gathers[id(group)] = self.streams.issue(
+            group.start_gather(self.streams.issue(
                 self.streams.all_gather, lambda: collectives.all_gather_flat(
-                    group.compute_buffer, group.gather_source(), self.dp_group, self.counter, async_op=True))
+                    group.compute_buffer, group.gather_source(), self.dp_group, self.counter, async_op=True)))
         if not async_op:
             self.wait_gathered(self.groups)
 
