@@ -12,7 +12,6 @@ from megatron.training.argument_groups import ARGUMENT_GROUPS
 # Declared so launch scripts parse, but rejected until their implementation lands: never silently ignored.
 NOT_IMPLEMENTED_FLAGS = (
     ("fp4_format", "--fp4-format"),
-    ("async_save", "--async-save"),
 )
 
 
