@@ -15,6 +15,17 @@ TINY_GPT = (
 )
 
 
+TIED = "TIED"  # in extra_args: train with tied input/output embeddings (TINY_GPT unties them)
+
+
+def tiny_gpt_argv(extra_args):
+    base = TINY_GPT
+    if TIED in extra_args.split():
+        base = base.replace("--untie-embeddings-and-output-weights", "")
+        extra_args = " ".join(arg for arg in extra_args.split() if arg != TIED)
+    return f"{base} {extra_args}"
+
+
 def run_pretrain(workdir, extra_args, forward_step=None):
     """pretrain() with TINY_GPT + `extra_args` on the calling rank pool; returns {iteration: lm loss} on every
     rank (read from the metrics file the last rank writes)."""
@@ -27,7 +38,7 @@ def run_pretrain(workdir, extra_args, forward_step=None):
     if torch.distributed.get_rank() == 0 and os.path.exists(metrics):
         os.remove(metrics)
     torch.distributed.barrier()
-    argv = f"{TINY_GPT} --metrics-file {metrics} {extra_args}".split()
+    argv = f"{tiny_gpt_argv(extra_args)} --metrics-file {metrics}".split()
     pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
              ModelType.encoder_or_decoder, forward_step or pretrain_gpt.forward_step, argv=argv)
     torch.distributed.barrier()
@@ -46,7 +57,7 @@ class TrainingState:
         from megatron.training.model_setup import setup_model_and_optimizer
         from megatron.training.tokenizer import build_tokenizer_from_args, pad_vocab_size
 
-        args = initialize_megatron(None, {}, args=f"{TINY_GPT} {extra_args}".split())
+        args = initialize_megatron(None, {}, args=tiny_gpt_argv(extra_args).split())
         tokenizer = build_tokenizer_from_args(args)
         args.padded_vocab_size = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                                 args.tensor_model_parallel_size)

@@ -25,6 +25,9 @@ LAYOUTS = {
     "mfsdp_z0_pp2": "--use-megatron-fsdp --data-parallel-sharding-strategy no_shard --pipeline-model-parallel-size 2",
     "fsdp2": "--use-torch-fsdp2",
     "fsdp2_tp2": "--use-torch-fsdp2 --tensor-model-parallel-size 2",
+    "tied_pp2": "TIED --use-distributed-optimizer --pipeline-model-parallel-size 2",
+    "tied_dp2": "TIED --use-distributed-optimizer",
+    "tied_mfsdp_pp2": "TIED --use-megatron-fsdp --pipeline-model-parallel-size 2",
     "distopt_bf16": "--use-distributed-optimizer --bf16",
     "mfsdp_z3_bf16": "--use-megatron-fsdp --bf16",
     "fsdp2_bf16": "--use-torch-fsdp2 --bf16",
@@ -70,6 +73,8 @@ def _check(reference, resumed, same_layout, other_layouts, rel=FP32_REL_TOLERANC
         ("dp2_distopt", ["tp2", "pp2", "dp2_ddp", "mfsdp_z3"], "--async-save --use-persistent-ckpt-worker"),
         ("mfsdp_z3", ["fsdp2", "mfsdp_z1_tp2", "mfsdp_z0_pp2"], "--async-save"),
         ("fsdp2", ["fsdp2_tp2", "dp2_distopt", "mfsdp_z3"], ""),
+        # Tied embeddings: the last stage's output-layer copy is the logical word embedding, loaded, not saved.
+        ("tied_pp2", ["tied_dp2", "tied_mfsdp_pp2"], ""),
         # bf16 weights with fp32 main weights (saved as `fp32_param`): the resumed main weights are exact.
         ("distopt_bf16", ["mfsdp_z3_bf16", "fsdp2_bf16"], ""),
     ],

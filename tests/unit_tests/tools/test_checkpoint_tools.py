@@ -28,10 +28,10 @@ def tools():
     sys.path.remove(os.path.abspath(TOOLS))
 
 
-def _save_both_formats(workdir):
+def _save_both_formats(workdir, layout="--tensor-model-parallel-size 2"):
     from megatron.training import checkpointing
 
-    state = TrainingState("--tensor-model-parallel-size 2 --ckpt-format torch")
+    state = TrainingState(f"{layout} --ckpt-format torch")
     state.train_steps(2)
     state.args.save = os.path.join(workdir, "legacy")
     checkpointing.save_checkpoint(2, state.model, state.optimizer, state.scheduler, state.args)
@@ -99,3 +99,17 @@ def test_checkpoint_tools(tmp_path, tools, capsys):
         assert torch.equal(converted[name], value), name
     legacy_back = offline.read_checkpoint(os.path.join(tmp_path, "from_legacy", "iter_0000002"))
     assert legacy_back["scheduler"] == reference["scheduler"]
+
+
+def test_legacy_conversion_of_pipeline_stages_with_tied_embeddings(tmp_path, tools):
+    from megatron.core.dist_checkpointing import offline
+
+    _, convert_legacy, _ = tools
+    run_on_ranks(2, _save_both_formats, str(tmp_path), "TIED --pipeline-model-parallel-size 2")
+    model, _, _ = offline.split_state(offline.read_checkpoint(os.path.join(tmp_path, "dist", "iter_0000002")))
+    # Layers 2-3 come from the second stage; its tied output-layer copy is not a tensor of its own.
+    assert "decoder.layers.3.mlp.linear_fc2.weight" in model and "output_layer.weight" not in model
+    converted, _ = convert_legacy.convert(str(tmp_path / "legacy"), str(tmp_path / "from_legacy"))
+    assert set(converted) == set(model)
+    for name, value in model.items():
+        assert torch.equal(converted[name], value), name
