@@ -57,6 +57,20 @@ def _bad_inputs(workdir):
     results["more_layers_log_all"] = (error, "decoder.layers.5" in printed)
     results["unchanged"] = _snapshot(root) == before
 
+    # Partial loads say what they skipped; without optimizer state the main weights follow the loaded model.
+    state = TrainingState(f"--use-distributed-optimizer --ckpt-format torch_dist --load {root} --no-load-optim")
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        iteration = checkpointing.load_checkpoint(state.model, state.optimizer, state.scheduler, state.args)
+    main_follows_model = all(
+        torch.equal(shard.main_param, shard.model_param.detach().reshape(-1)[shard.param_start:shard.param_end])
+        for shard in state.optimizer._shards)
+    results["no_load_optim"] = (iteration, output.getvalue() if rank == 0 else None, main_follows_model,
+                                len(state.optimizer.optimizer.state))
+    state.close()
+    error, printed, consumed = _load_into("--finetune", root)
+    results["finetune"] = (error, printed if rank == 0 else None, consumed)
+
     # Damaged copies: truncated index, missing shard file.
     damaged = {}
     for kind in ("metadata", "shard"):
@@ -111,6 +125,13 @@ def test_bad_inputs_get_errors_naming_tensor_or_file(tmp_path, world_size):
     assert first["unchanged"]
     assert ".metadata is truncated or damaged" in first["metadata"]
     assert all("__1_0.distcp" in result["shard"] or "missing or damaged" in result["shard"] for result in results)
+    iteration, printed, main_follows_model, optimizer_states = first["no_load_optim"]
+    assert (iteration, main_follows_model, optimizer_states) == (3, True, 0)
+    assert "not loaded: optimizer and scheduler (--no-load-optim)" in printed
+    error, printed, consumed = first["finetune"]
+    assert error is None and consumed == 0
+    assert "not loaded: optimizer and scheduler (--finetune); RNG state (--finetune)" in printed
+    assert "iteration and consumed samples (--finetune starts at 0)" in printed
     assert results[0]["missing_dir"][0] is None and results[0]["missing_dir"][2] == 0
     assert "does_not_exist: the directory does not exist; nothing was loaded" in results[0]["missing_dir"][1]
     assert "nothing was loaded" in results[0]["missing_dir_torch"][1]
