@@ -57,11 +57,17 @@ def optimizer_load_targets(optimizer, model_chunks, saved_keys):
         optimizer_state.install_optimizer_state(
             optimizer, installs, loaded.get(optimizer_state.STEP_KEY), loaded.get(optimizer_state.PARAM_GROUPS_KEY),
             loaded.get(optimizer_state.GRAD_SCALER_KEY))
-        if type(optimizer).__name__ == "DistributedOptimizer":
-            # Main weights loaded in fp32 go back into the parameter buffer and to every data-parallel rank.
+        if type(optimizer).__name__ == "DistributedOptimizer" and _holds_fp8_parameters(optimizer):
+            # The model's FP8 bytes are quantized from the main weights: redo that from the loaded ones. (Other
+            # weights were loaded whole on every rank, equal to the main weights in the model's dtype.)
             optimizer._copy_main_params_to_model_params()
             for chunk in optimizer.model_chunks:
                 if hasattr(chunk, "finish_param_sync"):
                     chunk.finish_param_sync()
 
     return targets, install
+
+
+def _holds_fp8_parameters(optimizer):
+    return any(getattr(buffer, "fp8_storage", None) is not None
+               for chunk in optimizer.model_chunks for buffer in getattr(chunk, "buffers", []))
