@@ -15,6 +15,19 @@ at one layout and wrapper loads at any other.
 - `offline`, `safetensors_format`: whole-tensor reads and writes for tools, without a process group
 """
 
-from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor, flat_range_boxes
-from megatron.core.dist_checkpointing.serialization import CheckpointError, CheckpointShapeError
 from megatron.core.dist_checkpointing.strictness import STRICTNESS_CHOICES, StrictHandling
+
+_LAZY = {  # torch.distributed.checkpoint is imported on first use, not by argument parsing
+    "ShardedLogicalTensor": "logical_tensor",
+    "flat_range_boxes": "logical_tensor",
+    "CheckpointError": "serialization",
+    "CheckpointShapeError": "serialization",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
