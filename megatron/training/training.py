@@ -6,6 +6,7 @@ over the microbatches, then the optimizer and scheduler step) with periodic eval
 stops at --train-iters, --exit-interval or SIGTERM (saving a checkpoint first when --save is set).
 """
 
+import gc
 import time
 
 import torch
@@ -97,6 +98,10 @@ def _teardown(args):
 
     destroy_num_microbatches_calculator()
     if getattr(args, "created_process_group", False):
+        # Sharded models hold reference cycles (wrapper <-> module <-> parameters, DTensor meshes) that keep
+        # process groups alive; collect them while the groups can still shut down in order, not during
+        # interpreter exit, where a gloo group's destructor aborts the process.
+        gc.collect()
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
