@@ -10,6 +10,7 @@ rows of tokens not in the batch, thousands) must agree. Per-rank bytes follow th
 
 import pytest
 
+from tests.functional_tests import test_gpt_golden_values as golden_values_test
 from tests.functional_tests.runner import compare_series, list_cases, load_case
 
 RELATIVE_TOLERANCE = 1e-5
@@ -39,15 +40,8 @@ SHARDED_OVER = {
 SEPARATE_MAIN_WEIGHTS = {
     "gpt/megatron_fsdp_hfsdp_dp4",
 }
-# More than two ranks on two cores take longer.
-SLOW_CASES = {
-    "gpt/fsdp2_tp2_dp2",
-    "gpt/megatron_fsdp_z3_tp2_sp_dp2",
-    "gpt/megatron_fsdp_z3_pp2_dp2",
-    "gpt/megatron_fsdp_z3_tp2_pp2_dp2",
-    "gpt/megatron_fsdp_hsdp_dp4",
-    "gpt/megatron_fsdp_hfsdp_dp4",
-}
+# The golden-value test's slow cases (more than two ranks on two cores).
+SLOW_CASES = set(golden_values_test.SLOW_CASES) & set(SHARDED_OVER)
 CASES = [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_CASES else name for name in SHARDED_OVER]
 
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.unit_tests.multiprocess_harness import run_on_ranks
+from tests.unit_tests.pipeline_parallel.test_gpt_pipeline import _forward_step
 
 VOCAB, SEQ, MICRO_BATCH, HIDDEN, HEADS = 64, 16, 2, 32, 4
 SEED = 1234
@@ -89,18 +90,6 @@ def _batches(step, num_microbatches):
                         "loss_mask": (torch.rand(MICRO_BATCH, SEQ, generator=generator) > 0.2).float(),
                         "position_ids": torch.arange(SEQ).expand(MICRO_BATCH, SEQ).contiguous()})
     return batches
-
-
-def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
-
-    def loss_func(per_token_loss):
-        loss_sum = (per_token_loss * batch["loss_mask"]).sum()
-        num_tokens = batch["loss_mask"].sum()
-        return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens])}
-
-    return output, loss_func
 
 
 def _full_weights(chunk):
