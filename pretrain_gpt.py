@@ -28,6 +28,7 @@ def model_provider(pre_process=True, post_process=True):
         post_process=post_process,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
     )
 

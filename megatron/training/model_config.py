@@ -13,6 +13,7 @@ def params_dtype_from_args(args):
 
 def core_transformer_config_from_args(args, config_class=None):
     """The `TransformerConfig` (model shape, parallel sizes, precision, recompute) the flags describe."""
+    from megatron.core.activations import squared_relu
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.training.argument_groups.fp8 import transformer_config_kwargs as fp8_config_kwargs
 
@@ -23,13 +24,17 @@ def core_transformer_config_from_args(args, config_class=None):
         num_attention_heads=args.num_attention_heads,
         ffn_hidden_size=args.ffn_hidden_size,
         kv_channels=args.kv_channels,
+        num_query_groups=args.num_query_groups,
+        qk_layernorm=args.qk_layernorm,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
         init_seed=args.seed,
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         gated_linear_unit=args.swiglu,
+        activation_func=squared_relu if args.squared_relu else None,
         add_bias_linear=args.add_bias_linear,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,

@@ -87,10 +87,10 @@ def build_scheduler(optimizer, args):
         lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
         lr_decay_steps=args.lr_decay_iters * args.global_batch_size,
         lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay,
-        end_wd=args.weight_decay,
+        start_wd=args.start_weight_decay,
+        end_wd=args.end_weight_decay,
         wd_incr_steps=args.train_iters * args.global_batch_size,
-        wd_incr_style="constant",
+        wd_incr_style=args.weight_decay_incr_style,
         use_checkpoint_opt_param_scheduler=getattr(args, "use_checkpoint_opt_param_scheduler", False),
         override_opt_param_scheduler=getattr(args, "override_opt_param_scheduler", False),
     )

@@ -18,6 +18,7 @@ from megatron.training import checkpointing
 from megatron.training.data_iterators import build_data_iterators
 from megatron.training.global_vars import get_args, set_tokenizer
 from megatron.training.initialize import initialize_megatron
+from megatron.training.manual_gc import ManualGarbageCollection
 from megatron.training.model_setup import setup_model_and_optimizer
 from megatron.training.signal_handler import SigtermHandler
 from megatron.training.training_log import TrainingLogger, memory_usage
@@ -218,7 +219,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
     iteration = args.iteration
     last_saved_iteration = iteration if args.load is not None else None
     print_memory_on_this_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
-    with SigtermHandler() as sigterm:
+    with SigtermHandler() as sigterm, ManualGarbageCollection.from_args(args) as manual_gc:
         while iteration < args.train_iters:
             start = time.perf_counter()
             loss, update_successful, grad_norm, num_zeros = train_step(
@@ -229,6 +230,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
             iteration += 1
             args.iteration = iteration
             args.consumed_train_samples += args.global_batch_size
+            manual_gc.after_iteration(iteration)
             logger.log_iteration(
                 {
                     "iteration": iteration,
@@ -249,7 +251,9 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
                 }
             )
             if valid_iterator is not None and args.eval_iters > 0 and iteration % args.eval_interval == 0:
+                manual_gc.around_evaluation_step()
                 logger.log_evaluation(iteration, evaluate(forward_step_func, valid_iterator, model, config, args))
+                manual_gc.around_evaluation_step()
             checkpointing.maybe_finalize_async_save(args)
             if args.save_interval and iteration % args.save_interval == 0:
                 if _save(iteration, model, optimizer, scheduler, args):

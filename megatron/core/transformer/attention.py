@@ -1,10 +1,15 @@
 """Causal multi-head self-attention with its heads split across tensor-parallel ranks.
 
-The fused QKV projection is column-parallel; its output, viewed per head, is laid out as
-`[heads, (q | k | v) of head_dim each]`, so a contiguous slice of output rows is a set of whole heads with their
-own q, k and v. Each rank thus attends with its own heads only, and the output projection is row-parallel and
-sums the heads' contributions across ranks. The layout does not depend on the tensor-parallel size, so the same
-full weight gives the same model at every TP size.
+The fused QKV projection is column-parallel; its output, viewed per query group, is laid out as
+`[groups, (q_0 | ... | q_{m-1} | k | v) of head_dim each]` with m = heads / groups query heads per group. With
+multi-head attention (groups == heads, the default) that is `[heads, (q | k | v)]`. A contiguous slice of output
+rows is a set of whole groups with their own queries, key and value, so each rank attends with its own groups
+only, and the output projection is row-parallel and sums the heads' contributions across ranks. The layout does
+not depend on the tensor-parallel size, so the same full weight gives the same model at every TP size.
+
+With `qk_layernorm` each query and key head is normalised over its head_dim by a norm shared by all heads. Ranks
+hold different heads, so a rank's gradient of those weights is a partial sum: they carry `sequence_parallel=True`,
+which makes gradient finalisation all-reduce them over the tensor-parallel group.
 """
 
 import torch
@@ -14,6 +19,7 @@ from megatron.core import tensor_parallel
 from megatron.core.extensions.transformer_engine import layer_classes
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
+from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.recompute import checkpointed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -35,7 +41,10 @@ class SelfAttention(torch.nn.Module):
         tp_size = config.tensor_model_parallel_size
         self.head_dim = config.kv_channels
         self.num_heads_per_partition = config.num_attention_heads // tp_size
+        self.num_groups_per_partition = config.num_query_groups // tp_size
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
         projection_size = config.num_attention_heads * config.kv_channels
+        qkv_size = projection_size + 2 * config.num_query_groups * config.kv_channels
         if init_seed is None:
             init_seed = derive_init_seed(resolve_base_init_seed(config), "layer", layer_number)
         column_parallel_linear, row_parallel_linear = layer_classes(config)
@@ -44,7 +53,7 @@ class SelfAttention(torch.nn.Module):
             derive_init_seed(init_seed, "self_attention.linear_qkv"),
             lambda: column_parallel_linear(
                 config.hidden_size,
-                3 * projection_size,
+                qkv_size,
                 config=config,
                 init_method=config.init_method,
                 bias=config.add_bias_linear,
@@ -62,9 +71,16 @@ class SelfAttention(torch.nn.Module):
                 input_is_parallel=True,
             ),
         )
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            self.q_layernorm = build_norm(config, self.head_dim)
+            self.k_layernorm = build_norm(config, self.head_dim)
+            for param in (*self.q_layernorm.parameters(), *self.k_layernorm.parameters()):
+                param.sequence_parallel = tp_size > 1
 
     def core_attention(self, query, key, value, attention_mask):
-        """Scaled dot-product attention on `[s, b, heads, head_dim]` inputs -> `[s, b, heads * head_dim]`.
+        """Scaled dot-product attention on `[s, b, heads, head_dim]` queries and `[s, b, groups, head_dim]` keys
+        and values (query head i uses group i // (heads / groups)) -> `[s, b, heads * head_dim]`.
 
         `attention_mask` follows Megatron: a bool tensor broadcastable to `[b, heads, s, s]` that is True where
         attention is NOT allowed; None means causal.
@@ -77,16 +93,21 @@ class SelfAttention(torch.nn.Module):
             mask_kwargs = {"attn_mask": ~attention_mask.to(torch.bool)}
         # Ranks hold different heads, so their attention dropout masks must differ: use the tracker's stream.
         with tensor_parallel.get_cuda_rng_tracker().fork():
-            context = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, **mask_kwargs)
+            context = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p,
+                                                     enable_gqa=key.shape[1] != query.shape[1], **mask_kwargs)
         seq_len, batch = context.shape[2], context.shape[0]
         return context.permute(2, 0, 1, 3).reshape(seq_len, batch, -1)
 
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None):
         """`hidden_states` `[s, b, h]` (`[s / tp, b, h]` with sequence parallelism) -> same shape."""
-        mixed_qkv, _ = self.linear_qkv(hidden_states)  # [s, b, 3 * heads_per_partition * head_dim]
+        mixed_qkv, _ = self.linear_qkv(hidden_states)  # [s, b, groups_per_partition * (m + 2) * head_dim]
         seq_len, batch = mixed_qkv.shape[0], mixed_qkv.shape[1]
-        mixed_qkv = mixed_qkv.view(seq_len, batch, self.num_heads_per_partition, 3 * self.head_dim)
-        query, key, value = torch.split(mixed_qkv, self.head_dim, dim=-1)
+        groups, per_group = self.num_groups_per_partition, self.heads_per_group
+        mixed_qkv = mixed_qkv.view(seq_len, batch, groups, (per_group + 2) * self.head_dim)
+        query, key, value = torch.split(mixed_qkv, [per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
+        query = query.reshape(seq_len, batch, groups * per_group, self.head_dim)
+        if self.q_layernorm is not None:
+            query, key = self.q_layernorm(query), self.k_layernorm(key)
 
         if rotary_pos_emb is not None:
             query = apply_rotary_pos_emb(query, rotary_pos_emb)

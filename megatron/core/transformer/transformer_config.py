@@ -32,6 +32,12 @@ class TransformerConfig(ModelParallelConfig):
     """MLP width; None means 4 * hidden_size (also for swiglu, where it is the width of each of gate and up)."""
     kv_channels: Optional[int] = None
     """Width of one attention head; None means hidden_size // num_attention_heads."""
+    num_query_groups: Optional[int] = None
+    """Key/value heads (grouped-query attention, `--group-query-attention --num-query-groups`): each group of
+    num_attention_heads // num_query_groups query heads shares one key and one value head. None means
+    num_attention_heads (multi-head attention)."""
+    qk_layernorm: bool = False
+    """Normalise each query and key head (over its kv_channels) before attention (`--qk-layernorm`)."""
 
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
@@ -48,6 +54,9 @@ class TransformerConfig(ModelParallelConfig):
 
     normalization: str = "LayerNorm"
     layernorm_epsilon: float = 1e-5
+    layernorm_zero_centered_gamma: bool = False
+    """Store each normalisation weight as (gamma - 1), initialised to zero, and scale by (1 + weight)
+    (`--apply-layernorm-1p`): weight decay then pulls gamma towards 1 instead of 0."""
 
     gated_linear_unit: bool = False
     """Gated MLP: act(gate) * up. With the default activation this is swiglu (`--swiglu`)."""
@@ -130,6 +139,8 @@ class TransformerConfig(ModelParallelConfig):
             self._set("ffn_hidden_size", 4 * self.hidden_size)
         if self.kv_channels is None:
             self._set("kv_channels", self.hidden_size // self.num_attention_heads)
+        if self.num_query_groups is None:
+            self._set("num_query_groups", self.num_attention_heads)
         if self.init_method is None:
             self._set("init_method", init_method_normal(self.init_method_std))
         if self.output_layer_init_method is None:
@@ -152,6 +163,17 @@ class TransformerConfig(ModelParallelConfig):
         if self.ffn_hidden_size % tp != 0:
             raise ValueError(
                 f"--ffn-hidden-size ({self.ffn_hidden_size}) must be divisible by --tensor-model-parallel-size ({tp})"
+            )
+        groups = self.num_query_groups
+        if not isinstance(groups, int) or groups <= 0 or self.num_attention_heads % groups != 0:
+            raise ValueError(
+                f"--num-query-groups ({groups!r}) must be a positive divisor of --num-attention-heads "
+                f"({self.num_attention_heads})"
+            )
+        if groups % tp != 0:
+            raise ValueError(
+                f"--num-query-groups ({groups}) must be divisible by --tensor-model-parallel-size ({tp}): each "
+                "tensor-parallel rank holds whole query groups"
             )
         if self.num_layers % pp != 0:
             raise ValueError(

@@ -10,6 +10,7 @@ UNFUSED_KERNEL_FLAGS = (
     "--no-bias-swiglu-fusion",
     "--no-bias-dropout-fusion",
     "--no-rope-fusion",
+    "--cross-entropy-loss-fusion",
 )
 
 
@@ -37,7 +38,33 @@ def add_arguments(parser):
     group.add_argument(
         "--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope"]
     )
+    group.add_argument(
+        "--use-rotary-position-embeddings",
+        action="store_const",
+        const="rope",
+        dest="position_embedding_type",
+        help="Older spelling of --position-embedding-type rope.",
+    )
     group.add_argument("--rotary-base", type=int, default=10000, help="Base of rotary position embeddings.")
+    group.add_argument(
+        "--rotary-percent",
+        type=float,
+        default=1.0,
+        help="Fraction of each head's channels that rotary embeddings rotate (the rest pass through).",
+    )
+    group.add_argument(
+        "--group-query-attention",
+        action="store_true",
+        help="Grouped-query attention: --num-query-groups key/value heads, each shared by a group of query heads.",
+    )
+    group.add_argument(
+        "--num-query-groups", type=int, default=1, help="Key/value heads with --group-query-attention."
+    )
+    group.add_argument("--qk-layernorm", action="store_true",
+                       help="Normalise each query and key head before attention (same --normalization).")
+    group.add_argument("--apply-layernorm-1p", action="store_true",
+                       help="Zero-centred normalisation weights: store gamma - 1 and scale by 1 + weight.")
+    group.add_argument("--squared-relu", action="store_true", help="MLP activation relu(x)^2 instead of GeLU.")
     group.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     group.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of the normalisation layers.")
     group.add_argument("--swiglu", action="store_true", help="Gated SiLU MLP instead of GeLU.")
@@ -64,6 +91,12 @@ def add_arguments(parser):
         choices=ATTENTION_BACKENDS,
         help="auto, local and unfused: torch's scaled_dot_product_attention, which picks its own kernel; flash "
         "and fused name Transformer Engine attention kernels, which this build does not use (an error).",
+    )
+    group.add_argument(
+        "--use-flash-attn",
+        action="store_true",
+        help="Older spelling of --attention-backend flash (a Transformer Engine kernel this build does not use: an "
+        "error).",
     )
     group.add_argument(
         "--attention-softmax-in-fp32",
@@ -140,6 +173,17 @@ def validate(args):
     for flag, value in (("--hidden-dropout", args.hidden_dropout), ("--attention-dropout", args.attention_dropout)):
         if not 0.0 <= value < 1.0:
             raise ValueError(f"{flag} must be in [0, 1), got {value}")
+    if args.use_flash_attn:
+        raise ValueError(
+            "--use-flash-attn asks for the flash-attention kernel, which this build does not use; drop it: "
+            "--attention-backend auto (the default) runs torch's scaled_dot_product_attention, which picks a "
+            "flash kernel by itself where the device has one"
+        )
+    _validate_attention_shape(args)
+    if args.squared_relu and args.swiglu:
+        raise ValueError("--squared-relu and --swiglu are exclusive MLP activations: pick one")
+    if not 0.0 < args.rotary_percent <= 1.0:
+        raise ValueError(f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
     if args.attention_backend in TRANSFORMER_ENGINE_ATTENTION_BACKENDS:
         raise ValueError(
             f"--attention-backend {args.attention_backend} is a Transformer Engine kernel (GPU) that this build "
@@ -147,3 +191,20 @@ def validate(args):
         )
     if args.make_vocab_size_divisible_by <= 0:
         raise ValueError(f"--make-vocab-size-divisible-by must be positive, got {args.make_vocab_size_divisible_by}")
+
+
+def _validate_attention_shape(args):
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+        return
+    groups = args.num_query_groups
+    if groups <= 0 or args.num_attention_heads % groups != 0:
+        raise ValueError(
+            f"--num-query-groups ({groups}) must be a positive divisor of --num-attention-heads "
+            f"({args.num_attention_heads})"
+        )
+    if groups % args.tensor_model_parallel_size != 0:
+        raise ValueError(
+            f"--num-query-groups ({groups}) must be divisible by --tensor-model-parallel-size "
+            f"({args.tensor_model_parallel_size}): each tensor-parallel rank holds whole query groups"
+        )

@@ -41,6 +41,22 @@ def add_arguments(parser):
     )
     group.add_argument("--lr-decay-iters", type=int, default=None, help="Decay steps; default --train-iters.")
     group.add_argument("--weight-decay", type=float, default=0.01, help="Decoupled weight decay.")
+    group.add_argument("--start-weight-decay", type=float, default=None,
+                       help="Weight decay at the first step of an increasing schedule (needs --end-weight-decay "
+                       "and --weight-decay-incr-style linear or cosine); default --weight-decay.")
+    group.add_argument("--end-weight-decay", type=float, default=None,
+                       help="Weight decay at the last step (--train-iters) of that schedule; default --weight-decay.")
+    group.add_argument("--weight-decay-incr-style", default="constant", choices=["constant", "linear", "cosine"],
+                       help="How weight decay goes from --start-weight-decay to --end-weight-decay.")
+    group.add_argument("--manual-gc", action="store_true",
+                       help="Turn off Python's automatic garbage collector during training and collect every "
+                       "--manual-gc-interval iterations instead, on all ranks at the same step (so no rank "
+                       "stalls the others at a random moment).")
+    group.add_argument("--manual-gc-interval", type=int, default=0,
+                       help="Iterations between collections with --manual-gc; 0 collects only at the start, "
+                       "around evaluation and at the end.")
+    group.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+                       help="With --manual-gc, do not collect at the start and end of each evaluation.")
     group.add_argument("--clip-grad", type=float, default=1.0, help="Global gradient-norm clip (0 disables).")
     group.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     group.add_argument("--adam-beta1", type=float, default=0.9)
@@ -102,6 +118,11 @@ def validate(args):
             raise ValueError(f"--lr-warmup-fraction must be in [0, 1), got {args.lr_warmup_fraction}")
         # Counted in samples like upstream (fraction x decay samples), so it need not be a whole iteration.
         args.lr_warmup_iters = args.lr_warmup_fraction * args.lr_decay_iters
+    _validate_weight_decay_schedule(args)
+    if args.manual_gc_interval < 0:
+        raise ValueError(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
+    if args.manual_gc_interval and not args.manual_gc:
+        raise ValueError("--manual-gc-interval needs --manual-gc")
     if args.use_checkpoint_opt_param_scheduler and args.override_opt_param_scheduler:
         raise ValueError(
             "--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler are exclusive: pick one"
@@ -126,3 +147,25 @@ def validate(args):
     if args.recompute_num_layers is not None and args.recompute_method is None:
         raise ValueError("--recompute-num-layers needs --recompute-method")
     args.params_dtype_name = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
+
+
+def _validate_weight_decay_schedule(args):
+    if args.weight_decay_incr_style == "constant":
+        for flag, value in (("--start-weight-decay", args.start_weight_decay),
+                            ("--end-weight-decay", args.end_weight_decay)):
+            if value is not None and value != args.weight_decay:
+                raise ValueError(f"{flag} ({value}) differs from --weight-decay ({args.weight_decay}) with "
+                                 "--weight-decay-incr-style constant: pass --weight-decay-incr-style linear or "
+                                 "cosine, or drop it")
+        args.start_weight_decay = args.end_weight_decay = args.weight_decay
+        return
+    if args.start_weight_decay is None or args.end_weight_decay is None:
+        raise ValueError(f"--weight-decay-incr-style {args.weight_decay_incr_style} needs --start-weight-decay and "
+                         "--end-weight-decay")
+    for flag, value in (("--start-weight-decay", args.start_weight_decay),
+                        ("--end-weight-decay", args.end_weight_decay)):
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
+    if args.start_weight_decay > args.end_weight_decay:
+        raise ValueError(f"--start-weight-decay ({args.start_weight_decay}) must not exceed --end-weight-decay "
+                         f"({args.end_weight_decay}): the schedule only increases")

@@ -105,6 +105,16 @@ def test_args_defaults_fill_only_unset_options():
         ("--save-interval 5", 1, r"--save-interval needs --save"),
         ("--data-path a_text_document", 1, r"--mock-data and --data-path are exclusive"),
         ("--split 1,x", 1, r"--split must be comma-separated numbers"),
+        ("--group-query-attention --num-query-groups 3", 1, r"--num-query-groups \(3\) must be a positive divisor of --num-attention-heads \(4\)"),
+        ("--group-query-attention --num-query-groups 1 --tensor-model-parallel-size 2", 2, r"--num-query-groups \(1\) must be divisible by --tensor-model-parallel-size \(2\)"),
+        ("--use-flash-attn", 1, r"--use-flash-attn asks for the flash-attention kernel.*--attention-backend auto"),
+        ("--squared-relu --swiglu", 1, r"--squared-relu and --swiglu are exclusive"),
+        ("--rotary-percent 0", 1, r"--rotary-percent must be in \(0, 1\]"),
+        ("--start-weight-decay 0.1", 1, r"--start-weight-decay \(0.1\) differs from --weight-decay \(0.01\) with --weight-decay-incr-style constant"),
+        ("--weight-decay-incr-style linear --end-weight-decay 0.1", 1, r"--weight-decay-incr-style linear needs --start-weight-decay and --end-weight-decay"),
+        ("--weight-decay-incr-style cosine --start-weight-decay 0.2 --end-weight-decay 0.1", 1, r"--start-weight-decay \(0.2\) must not exceed --end-weight-decay \(0.1\)"),
+        ("--manual-gc-interval 5", 1, r"--manual-gc-interval needs --manual-gc"),
+        ("--manual-gc --manual-gc-interval -1", 1, r"--manual-gc-interval must be >= 0"),
     ],
 )
 def test_rule_violations_name_the_flags(monkeypatch, extra, world_size, message):
@@ -194,6 +204,7 @@ ACCEPTED_FOR_UPSTREAM_SCRIPTS = (
     "--use-mcore-models", "--attention-softmax-in-fp32", "--log-timers-to-tensorboard",
     "--log-validation-ppl-to-tensorboard", "--timing-log-level", "--no-persist-layer-norm", "--no-rope-fusion",
     "--no-bias-swiglu-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion",
+    "--cross-entropy-loss-fusion",
 )
 
 
@@ -207,6 +218,39 @@ def test_upstream_fsdp_scripts_parse_and_validate(monkeypatch):
     assert args.log_params_norm and args.timing_log_level == 0 and args.transformer_impl == "local"
     assert validated("--ckpt-format fsdp_dtensor").ckpt_format == "fsdp_dtensor"
     assert validated("--torch-fsdp2-no-reshard-after-forward").torch_fsdp2_reshard_after_forward is False
+
+
+# Flags of a Llama-style upstream script (grouped-query attention, RoPE, RMSNorm, SwiGLU, no biases).
+UPSTREAM_LLAMA_SCRIPT = (
+    "--group-query-attention --num-query-groups 2 --swiglu --normalization RMSNorm --position-embedding-type rope "
+    "--rotary-percent 0.5 --rotary-base 500000 --disable-bias-linear --untie-embeddings-and-output-weights "
+    "--qk-layernorm --apply-layernorm-1p --manual-gc --manual-gc-interval 10 --no-manual-gc-eval "
+    "--cross-entropy-loss-fusion --weight-decay-incr-style linear --start-weight-decay 0.01 --end-weight-decay 0.1"
+)
+
+
+def test_upstream_llama_script_flags_reach_the_model_config(monkeypatch):
+    from megatron.training.model_config import core_transformer_config_from_args
+
+    args = validated(UPSTREAM_LLAMA_SCRIPT, 2, monkeypatch)
+    config = core_transformer_config_from_args(args)
+    assert (config.num_attention_heads, config.num_query_groups) == (4, 2)
+    assert config.qk_layernorm and config.layernorm_zero_centered_gamma and config.gated_linear_unit
+    assert (args.rotary_percent, args.rotary_base, args.position_embedding_type) == (0.5, 500000, "rope")
+    assert (args.manual_gc, args.manual_gc_interval, args.manual_gc_eval) == (True, 10, False)
+    assert (args.start_weight_decay, args.end_weight_decay, args.weight_decay_incr_style) == (0.01, 0.1, "linear")
+    # Without --group-query-attention every head has its own key and value (the upstream default).
+    assert core_transformer_config_from_args(validated("--num-query-groups 2")).num_query_groups == 4
+    assert validated("--use-rotary-position-embeddings").position_embedding_type == "rope"
+    plain = validated()
+    assert (plain.start_weight_decay, plain.end_weight_decay) == (0.01, 0.01)
+
+
+def test_squared_relu_sets_the_activation():
+    from megatron.core.activations import squared_relu
+    from megatron.training.model_config import core_transformer_config_from_args
+
+    assert core_transformer_config_from_args(validated("--squared-relu")).activation_func is squared_relu
 
 
 def test_flags_accepted_for_upstream_scripts_say_what_they_do():
@@ -238,3 +282,19 @@ def test_deterministic_mode_turns_on_deterministic_algorithms(monkeypatch):
     initialize.set_deterministic_mode()
     assert calls == [True]
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+
+def test_weight_decay_schedule_flags_drive_the_scheduler():
+    import torch
+
+    from megatron.training.model_setup import build_scheduler
+
+    args = validated("--weight-decay-incr-style linear --start-weight-decay 0.02 --end-weight-decay 0.1")
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    scheduler = build_scheduler(optimizer, args)
+    weight_decays = [optimizer.param_groups[0]["weight_decay"]]
+    for _ in range(args.train_iters):
+        scheduler.step(increment=args.global_batch_size)
+        weight_decays.append(optimizer.param_groups[0]["weight_decay"])
+    # Linear from 0.02 at iteration 0 to 0.1 at --train-iters (10).
+    assert weight_decays == pytest.approx([0.02 + 0.008 * i for i in range(11)], abs=1e-12)

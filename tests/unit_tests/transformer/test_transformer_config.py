@@ -22,6 +22,8 @@ def test_derived_defaults():
     swiglu = TransformerConfig(**BASE, gated_linear_unit=True, ffn_hidden_size=96)
     assert swiglu.ffn_hidden_size == 96 and swiglu.activation_func is F.silu
     assert TransformerConfig(**BASE, gated_linear_unit=True).ffn_hidden_size == 256
+    assert config.num_query_groups == 4  # multi-head attention: a key/value head per query head
+    assert not config.qk_layernorm and not config.layernorm_zero_centered_gamma
 
 
 def test_config_is_frozen_and_replace_revalidates():
@@ -68,6 +70,9 @@ def test_init_methods_have_the_documented_std():
         (dict(recompute_granularity="selective", recompute_num_layers=2), "--recompute-num-layers only applies"),
         (dict(recompute_granularity="everything"), "--recompute-granularity"),
         (dict(sequence_parallel=True), "--sequence-parallel"),
+        (dict(num_query_groups=3), r"--num-query-groups \(3\) must be a positive divisor of --num-attention-heads"),
+        (dict(num_query_groups=0), "--num-query-groups"),
+        (dict(num_query_groups=2, tensor_model_parallel_size=4), r"--num-query-groups \(2\) must be divisible by --tensor-model-parallel-size \(4\)"),
     ],
 )
 def test_invalid_combinations_name_the_flag(overrides, flag):

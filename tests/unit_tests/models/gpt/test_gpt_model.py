@@ -1,5 +1,6 @@
 """GPTModel: the loss equals an independent plain-torch transformer, and tensor parallelism (with and without
-sequence parallelism, for every MLP / norm / position-embedding variant) reproduces TP=1 loss and gradients."""
+sequence parallelism, for every MLP / norm / attention / position-embedding variant) reproduces TP=1 loss and
+gradients."""
 
 import math
 
@@ -8,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
+from megatron.core.activations import squared_relu
 from tests.unit_tests.models.gpt.gpt_test_utils import (
     VOCAB_SIZE,
     fixed_batch,
@@ -27,6 +29,18 @@ VARIANTS = {
         {"position_embedding_type": "rope"},
     ),
     "untied": ({}, {"share_embeddings_and_output_weights": False}),
+    # Llama-style: grouped-query attention (2 key/value heads for 4 query heads), query/key norms, zero-centred
+    # norm weights, partial rotary embeddings.
+    "gqa_qknorm_1p_rope_partial": (
+        {"gated_linear_unit": True, "normalization": "RMSNorm", "ffn_hidden_size": 48, "num_query_groups": 2,
+         "qk_layernorm": True, "layernorm_zero_centered_gamma": True},
+        {"position_embedding_type": "rope", "rotary_percent": 0.5},
+    ),
+    "squared_relu_layernorm_1p_mqa": (
+        {"activation_func": squared_relu, "layernorm_zero_centered_gamma": True, "num_query_groups": 1,
+         "qk_layernorm": True},
+        {},
+    ),
 }
 
 
@@ -37,6 +51,8 @@ VARIANTS = {
 
 def _norm(x, params, prefix, config):
     weight = params[f"{prefix}.weight"]
+    if config.layernorm_zero_centered_gamma:
+        weight = weight + 1
     if config.normalization == "RMSNorm":
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.layernorm_epsilon) * weight
     mean = x.mean(-1, keepdim=True)
@@ -44,8 +60,12 @@ def _norm(x, params, prefix, config):
     return (x - mean) / torch.sqrt(variance + config.layernorm_epsilon) * weight + params[f"{prefix}.bias"]
 
 
-def _rope_as_complex_rotation(x, base):
-    """RoPE via complex numbers: channel i and i + d/2 form z_i, multiplied by exp(i * pos * base^(-2i/d))."""
+def _rope_as_complex_rotation(x, base, rotary_percent=1.0):
+    """RoPE via complex numbers: channel i and i + d/2 form z_i, multiplied by exp(i * pos * base^(-2i/d)), for the
+    first d = rotary_percent * head_dim channels; the others pass through."""
+    rot_dim = int(x.shape[-1] * rotary_percent)
+    if rot_dim < x.shape[-1]:
+        return torch.cat((_rope_as_complex_rotation(x[..., :rot_dim], base), x[..., rot_dim:]), dim=-1)
     seq, half = x.shape[-2], x.shape[-1] // 2
     frequencies = base ** (-torch.arange(half, dtype=torch.float64) * 2 / x.shape[-1])
     angles = torch.arange(seq, dtype=torch.float64)[:, None] * frequencies[None, :]
@@ -53,8 +73,10 @@ def _rope_as_complex_rotation(x, base):
     return torch.cat((z.real, z.imag), dim=-1).to(x.dtype)
 
 
-def _reference_per_token_loss(params, config, tokens, labels, position_ids, rope_base=None, tied=True):
-    heads, head_dim = config.num_attention_heads, config.kv_channels
+def _reference_per_token_loss(params, config, tokens, labels, position_ids, rope_base=None, tied=True,
+                              rotary_percent=1.0):
+    heads, head_dim, groups = config.num_attention_heads, config.kv_channels, config.num_query_groups
+    per_group = heads // groups
     batch, seq = tokens.shape
     x = params["embedding.word_embeddings.weight"][tokens]
     if rope_base is None:
@@ -67,10 +89,18 @@ def _reference_per_token_loss(params, config, tokens, labels, position_ids, rope
             return h @ params[f"{prefix}.{name}.weight"].T + params[f"{prefix}.{name}.bias"]
 
         qkv = linear(_norm(x, params, f"{prefix}.input_layernorm", config), "self_attention.linear_qkv")
-        qkv = qkv.view(batch, seq, heads, 3, head_dim).permute(3, 0, 2, 1, 4)  # [3, b, heads, s, d]
-        query, key, value = qkv[0], qkv[1], qkv[2]
+        # Per query group: its queries, then its key, then its value.
+        qkv = qkv.view(batch, seq, groups, per_group + 2, head_dim).permute(0, 2, 3, 1, 4)  # [b, g, m+2, s, d]
+        query = qkv[:, :, :per_group].reshape(batch, heads, seq, head_dim)
+        # Query head i attends with its group's key and value, group i // per_group.
+        key = qkv[:, :, per_group].repeat_interleave(per_group, dim=1)
+        value = qkv[:, :, per_group + 1].repeat_interleave(per_group, dim=1)
+        if config.qk_layernorm:
+            query = _norm(query, params, f"{prefix}.self_attention.q_layernorm", config)
+            key = _norm(key, params, f"{prefix}.self_attention.k_layernorm", config)
         if rope_base is not None:
-            query, key = _rope_as_complex_rotation(query, rope_base), _rope_as_complex_rotation(key, rope_base)
+            query = _rope_as_complex_rotation(query, rope_base, rotary_percent)
+            key = _rope_as_complex_rotation(key, rope_base, rotary_percent)
         scores = (query @ key.transpose(-1, -2)) / math.sqrt(head_dim)
         probabilities = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
         context = (probabilities @ value).permute(0, 2, 1, 3).reshape(batch, seq, heads * head_dim)
@@ -80,6 +110,8 @@ def _reference_per_token_loss(params, config, tokens, labels, position_ids, rope
         if config.gated_linear_unit:
             gate, up = fc1[..., 0::2], fc1[..., 1::2]  # rows are interleaved per unit: gate_i, up_i
             activated = F.silu(gate) * up
+        elif config.activation_func is squared_relu:
+            activated = F.relu(fc1) ** 2
         else:
             activated = F.gelu(fc1)
         x = x + linear(activated, "mlp.linear_fc2")
@@ -100,7 +132,8 @@ def _model_matches_reference(config_overrides, model_kwargs):
         params = {name: p.detach() for name, p in model.named_parameters()}
         rope_base = 10000 if model_kwargs.get("position_embedding_type") == "rope" else None
         tied = model_kwargs.get("share_embeddings_and_output_weights", True)
-        expected = _reference_per_token_loss(params, config, tokens, labels, position_ids, rope_base, tied)
+        expected = _reference_per_token_loss(params, config, tokens, labels, position_ids, rope_base, tied,
+                                             model_kwargs.get("rotary_percent", 1.0))
         # An explicit Megatron-style mask (True = masked) that is causal must give the causal result.
         causal_mask = torch.triu(torch.ones(1, 1, tokens.shape[1], tokens.shape[1], dtype=torch.bool), diagonal=1)
         masked_loss = model(tokens, position_ids, attention_mask=causal_mask, labels=labels)
@@ -144,7 +177,11 @@ def _assert_equivalent(result):
     assert result["grad_diff"] < GRAD_TOLERANCE, result
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+# Multi-query attention (one key/value head) cannot split over two tensor-parallel ranks (a config error).
+TP2_VARIANTS = sorted(name for name, (config, _) in VARIANTS.items() if config.get("num_query_groups", 4) % 2 == 0)
+
+
+@pytest.mark.parametrize("variant", TP2_VARIANTS)
 @pytest.mark.parametrize("world_size", [2])
 def test_tp2_matches_tp1_loss_and_full_gradients(world_size, variant):
     config_overrides, model_kwargs = VARIANTS[variant]
@@ -152,7 +189,7 @@ def test_tp2_matches_tp1_loss_and_full_gradients(world_size, variant):
         _assert_equivalent(result)
 
 
-@pytest.mark.parametrize("variant", ["gelu_layernorm_learned_tied", "swiglu_rmsnorm_rope"])
+@pytest.mark.parametrize("variant", ["gelu_layernorm_learned_tied", "swiglu_rmsnorm_rope", "gqa_qknorm_1p_rope_partial"])
 @pytest.mark.parametrize("world_size", [2])
 def test_sequence_parallel_tp2_matches_tp1(world_size, variant):
     config_overrides, model_kwargs = VARIANTS[variant]
