@@ -1,7 +1,8 @@
 """torch_dist checkpoints in training: exact resume, and resume at another layout or wrapper (resharding).
 
-A reference run trains 8 iterations and saves at iteration 4; resumed runs load iteration 4 and train to 8.
-Same layout: the losses of iterations 5-8 are identical. Another layout or wrapper (TP, PP, DP size, DDP,
+Exact resume per wrapper: 20 iterations straight against 10 + save + load + 10, losses identical (fp32, CPU).
+Resharding: a reference run trains 8 iterations and saves at iteration 4; resumed runs load iteration 4 and
+train to 8. Same layout: the losses of iterations 5-8 are identical. Another layout or wrapper (TP, PP, DP size, DDP,
 distributed optimizer, Megatron-FSDP ZeRO-0..3 / HSDP / HFSDP, FSDP2): equal to 1e-6 relative in fp32, the
 difference being only the order of floating-point reductions (measured: at most 5e-8); 1e-4 in bf16
 (measured: 2.6e-6).
@@ -124,3 +125,51 @@ def test_hybrid_sharded_checkpoint_loads_at_other_world_sizes(tmp_path):
     reference, resumed = run_on_ranks(4, _save_wide, str(tmp_path))[0]
     resumed.update(run_on_ranks(3, _resume_wide, str(tmp_path))[0])
     _check(reference, resumed, "hfsdp", ["hsdp", "tp2pp2_distopt", "dp3_distopt", "dp3_mfsdp_z2"])
+
+
+# Exact resume, one wrapper at a time: the reference trains 20 iterations and saves at 10 (and 20); the resumed
+# run loads iteration 10 and trains 11-20. Same layout, same wrapper: every loss is bit-identical.
+EXACT_RESUME_WRAPPERS = {
+    "ddp": "",
+    "distributed_optimizer": "--use-distributed-optimizer",
+    "megatron_fsdp_z0": "--use-megatron-fsdp --data-parallel-sharding-strategy no_shard",
+    "megatron_fsdp_z1": "--use-megatron-fsdp --data-parallel-sharding-strategy optim",
+    "megatron_fsdp_z2": "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads",
+    "megatron_fsdp_z3": "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
+    "torch_fsdp2": "--use-torch-fsdp2",
+}
+
+
+def straight_and_resumed(workdir, name, layout_args, iterations=20):
+    """(losses of `iterations` straight, losses of the second half resumed from the checkpoint of the first)."""
+    from megatron.training.checkpointing import write_tracker
+
+    half = iterations // 2
+    root = os.path.join(workdir, f"exact_{name}")
+    schedule = f"--train-iters {iterations} --lr-decay-iters {iterations}"
+    straight = run_pretrain(workdir, f"{layout_args} {schedule} --save {root} --save-interval {half} "
+                                     "--ckpt-format torch_dist")
+    if torch.distributed.get_rank() == 0:
+        write_tracker(root, half)  # the checkpoint the first half of an interrupted run ends with
+    torch.distributed.barrier()
+    resumed = run_pretrain(workdir, f"{layout_args} {schedule} --load {root} --ckpt-format torch_dist")
+    return straight, resumed
+
+
+def _straight_and_resumed_per_wrapper(workdir, wrappers):
+    return {name: straight_and_resumed(workdir, name, args) for name, args in wrappers.items()}
+
+
+def check_exact_resume(name, straight, resumed, iterations=20):
+    half = iterations // 2
+    assert sorted(straight) == list(range(1, iterations + 1)), name
+    assert len(set(straight.values())) == iterations, name  # every iteration updates the model
+    assert resumed == {i: straight[i] for i in range(half + 1, iterations + 1)}, name
+
+
+@pytest.mark.world_size(2)
+def test_resume_is_exact_for_every_wrapper(tmp_path):
+    results = run_on_ranks(2, _straight_and_resumed_per_wrapper, str(tmp_path), EXACT_RESUME_WRAPPERS)[0]
+    assert sorted(results) == sorted(EXACT_RESUME_WRAPPERS)
+    for name, (straight, resumed) in results.items():
+        check_exact_resume(name, straight, resumed)
