@@ -71,9 +71,10 @@ def training_flops_per_iteration(args, global_batch_size):
     """Estimated matmul FLOPs of one iteration (forward + backward = 3 x forward) over all ranks."""
     hidden, layers, seq = args.hidden_size, args.num_layers, args.seq_length
     heads_width = args.kv_channels * args.num_attention_heads
+    key_value_width = args.kv_channels * getattr(args, "num_query_groups", args.num_attention_heads)
     mlp_matrices = 3 if args.swiglu else 2
     per_token_forward = layers * (
-        2 * hidden * 3 * heads_width  # QKV projection
+        2 * hidden * (heads_width + 2 * key_value_width)  # QKV projection (fewer key/value heads with GQA)
         + 2 * heads_width * hidden  # attention output projection
         + 2 * 2 * seq * heads_width  # scores and weighted sum over the sequence
         + 2 * mlp_matrices * hidden * args.ffn_hidden_size

@@ -50,6 +50,9 @@ def test_flops_estimate_counts_every_matmul():
     assert training_log.training_flops_per_iteration(_flops_args(), batch) == 3 * per_token * s * batch
     gated = training_log.training_flops_per_iteration(_flops_args(swiglu=True), batch)
     assert gated - training_log.training_flops_per_iteration(_flops_args(), batch) == 3 * layers * 2 * h * f * s * batch
+    # Grouped-query attention with 1 key/value head of 16 channels: the QKV projection shrinks from 3h to h + 32.
+    grouped = training_log.training_flops_per_iteration(_flops_args(num_query_groups=1), batch)
+    assert training_log.training_flops_per_iteration(_flops_args(), batch) - grouped == 3 * layers * 2 * h * (2 * h - 32) * s * batch
 
 
 def test_memory_usage_counts_params_grads_and_optimizer_state():
