@@ -21,6 +21,8 @@ NPROC="${NPROC:-2}"
 TP="${TP:-1}"
 PP="${PP:-1}"
 TRAIN_ITERS="${TRAIN_ITERS:-200}"
+# Warm up over 20 iterations, or a tenth of a shorter run (warm-up must end before the last iteration).
+WARMUP_ITERS="${WARMUP_ITERS:-$(( TRAIN_ITERS >= 200 ? 20 : TRAIN_ITERS / 10 ))}"
 DP_WRAPPER="${DP_WRAPPER:-mfsdp}"
 ZERO="${ZERO:-optim_grads_params}"
 DATA_PREFIX="${CACHE_DIR}/stdlib_docs"
@@ -56,7 +58,7 @@ TRAINING_ARGS=(
     --lr 3e-3
     --min-lr 3e-4
     --lr-decay-style cosine
-    --lr-warmup-iters 20
+    --lr-warmup-iters "${WARMUP_ITERS}"
     --weight-decay 0.1
     --clip-grad 1.0
     --seed 1234
