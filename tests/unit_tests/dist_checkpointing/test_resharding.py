@@ -1,0 +1,132 @@
+"""The resharding matrix: checkpoints written under Megatron-FSDP ZeRO-3 at DP4, TP2xDP2, PP2xDP2 and
+TP2xPP2xDP2, under FSDP2 and under DDP with TP2, each loaded at a data-parallel size of 3, at TP1, at PP1 and
+under another wrapper; the losses after loading equal the uninterrupted run's.
+
+Every saver trains 8 iterations (12 samples per step, one per micro-batch, so that DP 1 to 4 see the same global
+batches) and saves at iteration 4; loaders train 5-8. Across layouts and wrappers the fp32 losses agree to 1e-6
+relative (only the order of floating-point reductions differs; the measured maximum is printed). HSDP and
+HFSDP resume exactly at their own layout (20 iterations straight vs 10 + save + load + 10). One rank pool per
+world size: the savers of a world size share it, and one pool of 3 ranks loads all their checkpoints.
+"""
+
+import os
+
+import pytest
+import torch
+
+from tests.unit_tests.dist_checkpointing.pretrain_helpers import run_pretrain
+from tests.unit_tests.dist_checkpointing.test_resume import (
+    FP32_REL_TOLERANCE,
+    check_exact_resume,
+    straight_and_resumed,
+)
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+WIDE = "--micro-batch-size 1 --global-batch-size 12"
+Z3 = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"
+TP2, PP2 = "--tensor-model-parallel-size 2", "--pipeline-model-parallel-size 2"
+LAYOUTS = {  # the data-parallel size is what the world size leaves
+    "mfsdp_z3": Z3,
+    "mfsdp_z3_tp2": f"{Z3} {TP2}",
+    "mfsdp_z3_pp2": f"{Z3} {PP2}",
+    "mfsdp_z3_tp2_pp2": f"{Z3} {TP2} {PP2}",
+    "mfsdp_z2": "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads",
+    "fsdp2": "--use-torch-fsdp2",
+    "fsdp2_tp2": f"--use-torch-fsdp2 {TP2}",
+    "ddp": "",
+    "ddp_tp2": TP2,
+    "distopt": "--use-distributed-optimizer",
+    "distopt_tp2_pp2": f"--use-distributed-optimizer {TP2} {PP2}",
+    "hsdp": "--use-megatron-fsdp --num-distributed-optimizer-instances 2",
+    "hfsdp": "--use-megatron-fsdp --num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy optim",
+}
+# Saved at world 4 -> loaded at world 4 (each changes TP or PP and the wrapper) and at world 3 (DP3, TP1, PP1,
+# another wrapper).
+SAVED_AT_FOUR = {
+    "mfsdp_z3": (["distopt_tp2_pp2"], "distopt"),
+    "mfsdp_z3_tp2": (["fsdp2"], "ddp"),
+    "mfsdp_z3_pp2": (["ddp_tp2"], "fsdp2"),
+    "fsdp2_tp2": (["mfsdp_z3_pp2"], "mfsdp_z3"),
+    "ddp_tp2": (["mfsdp_z3"], "mfsdp_z2"),
+}
+EXACT_AT_FOUR = ("hsdp", "hfsdp")
+HFSDP_AT_THREE = "distopt"  # the HFSDP checkpoint (iteration 10 of 20) loaded at DP3
+SAVED_AT_EIGHT = {"mfsdp_z3_tp2_pp2": ([], "distopt")}  # loaded at world 3 only
+TWENTY = "--train-iters 20 --lr-decay-iters 20"
+
+
+def _save_and_load(workdir, saver, loaders):
+    from megatron.training.checkpointing import write_tracker
+
+    root = os.path.join(workdir, saver)
+    reference = run_pretrain(workdir, f"{WIDE} {LAYOUTS[saver]} --save {root} --save-interval 4 "
+                                      "--ckpt-format torch_dist")
+    if torch.distributed.get_rank() == 0:
+        write_tracker(root, 4)  # resume from the middle of the reference run
+    torch.distributed.barrier()
+    return reference, _load_each(workdir, root, loaders)
+
+
+def _load_each(workdir, root, loaders, schedule=""):
+    return {loader: run_pretrain(workdir, f"{WIDE} {schedule} {LAYOUTS[loader]} --load {root} "
+                                          "--ckpt-format torch_dist")
+            for loader in loaders}
+
+
+def _save_all(workdir, savers, exact=()):
+    results = {saver: _save_and_load(workdir, saver, loaders) for saver, (loaders, _) in savers.items()}
+    for name in exact:
+        results[name] = straight_and_resumed(workdir, name, f"{WIDE} {LAYOUTS[name]}")
+    return results
+
+
+def _load_at_three(workdir, plan):
+    """{checkpoint root name: (loader, schedule)} -> {root name: losses after loading}."""
+    return {name: _load_each(workdir, os.path.join(workdir, name), [loader], schedule)[loader]
+            for name, (loader, schedule) in plan.items()}
+
+
+def _relative_differences(reference, resumed, first):
+    assert sorted(resumed) == list(range(first, max(reference) + 1))
+    return [abs(resumed[i] - reference[i]) / abs(reference[i]) for i in resumed]
+
+
+def _check_matrix(saved, loaded_at_three, savers):
+    """Every load's losses against its saver's; returns the largest relative difference."""
+    largest = 0.0
+    for saver, (loaders, at_three) in savers.items():
+        reference, resumed = saved[saver]
+        assert sorted(reference) == list(range(1, 9)) and len(set(reference.values())) == 8, saver
+        if at_three is not None:
+            resumed = {**resumed, f"{at_three} at DP3": loaded_at_three[saver]}
+        for loader, losses in resumed.items():
+            differences = _relative_differences(reference, losses, 5)
+            assert max(differences) <= FP32_REL_TOLERANCE, (saver, loader, losses, reference)
+            largest = max(largest, *differences)
+    return largest
+
+
+@pytest.mark.slow  # pools of 4 and 3 ranks, 23 training runs
+@pytest.mark.world_size(4)
+def test_checkpoints_of_four_ranks_load_at_other_layouts_and_wrappers(tmp_path):
+    saved = run_on_ranks(4, _save_all, str(tmp_path), SAVED_AT_FOUR, EXACT_AT_FOUR)[0]
+    plan = {saver: (at_three, "") for saver, (_, at_three) in SAVED_AT_FOUR.items()}
+    plan["exact_hfsdp"] = (HFSDP_AT_THREE, TWENTY)
+    loaded = run_on_ranks(3, _load_at_three, str(tmp_path), plan)[0]
+    for name in EXACT_AT_FOUR:
+        check_exact_resume(name, *saved[name])
+    straight = saved["hfsdp"][0]
+    largest = max(_check_matrix(saved, loaded, SAVED_AT_FOUR),
+                  *_relative_differences(straight, loaded["exact_hfsdp"], 11))
+    assert largest <= FP32_REL_TOLERANCE
+    print(f"largest relative loss difference after resharding: {largest:.2e}")
+
+
+@pytest.mark.slow  # 8 ranks on the CPU cores, then a pool of 3
+@pytest.mark.world_size(8)
+def test_checkpoint_of_eight_ranks_loads_at_data_parallel_three(tmp_path):
+    saved = run_on_ranks(8, _save_all, str(tmp_path), SAVED_AT_EIGHT)[0]
+    plan = {saver: (at_three, "") for saver, (_, at_three) in SAVED_AT_EIGHT.items()}
+    loaded = run_on_ranks(3, _load_at_three, str(tmp_path), plan)[0]
+    largest = _check_matrix(saved, loaded, SAVED_AT_EIGHT)
+    print(f"largest relative loss difference after resharding: {largest:.2e}")
