@@ -8,11 +8,12 @@ iteration, consumed samples, the arguments and the layout that wrote the checkpo
 import torch
 import torch.distributed as dist
 
-from megatron.core.dist_checkpointing import serialization
+from megatron.core.dist_checkpointing import rng_mapping, serialization, wrappers
 from megatron.core.dist_checkpointing.strictness import apply_strictness
-from megatron.core.dist_checkpointing import wrappers
 
 CHECKPOINT_VERSION = 1
+RNG_PREFIX = "rng_state."
+RNG_COORDINATES_KEY = "rng_coordinates"  # in `common`: {global rank: (tensor, pipeline, data, expert) ranks}
 
 
 def _rank():
@@ -41,8 +42,10 @@ def state_to_save(iteration, model_chunks, optimizer, scheduler, args):
         state.update(wrappers.optimizer_state_to_save(optimizer, model_chunks))
         if scheduler is not None:
             state["scheduler"] = scheduler.state_dict()
+    coordinates = None
     if not args.no_save_rng:
         state[f"rng_state.{_rank()}"] = rng_state()
+        coordinates = _all_rank_coordinates()
     layout = layout_of(args, model_chunks)
     if _rank() == 0:
         state["common"] = {
@@ -52,7 +55,32 @@ def state_to_save(iteration, model_chunks, optimizer, scheduler, args):
             "args": args,
             "layout": layout,
         }
+        if coordinates is not None:
+            state["common"][RNG_COORDINATES_KEY] = coordinates
     return state, layout
+
+
+def rank_coordinates():
+    from megatron.core import parallel_state
+
+    return rng_mapping.RankCoordinates(
+        tensor=parallel_state.get_tensor_model_parallel_rank(),
+        pipeline=parallel_state.get_pipeline_model_parallel_rank(),
+        data=parallel_state.get_data_parallel_rank(with_context_parallel=True),
+        expert=parallel_state.get_expert_model_parallel_rank())
+
+
+def _all_gather(value):
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _all_rank_coordinates():
+    """{global rank: its (tensor, pipeline, data, expert) coordinates as a tuple} (collective)."""
+    return {rank: tuple(coordinates) for rank, coordinates in enumerate(_all_gather(rank_coordinates()))}
 
 
 def model_targets(model_chunks):
@@ -87,24 +115,47 @@ def load_optimizer(optimizer, model_chunks, metadata, directory, strictness, rep
 
 
 def load_rng(args, directory, metadata, common, report):
-    from megatron.training.checkpointing import set_rng_state
+    """Restore each rank's random-number streams from the saved rank with the same coordinates (see
+    megatron.core.dist_checkpointing.rng_mapping); the report lists what was not restored, on which ranks, and why.
+    Collective."""
+    from megatron.training.checkpointing import rng_state, set_rng_state
 
     if args.finetune or args.no_load_rng:
         report.not_loaded.append("RNG state (" + ("--finetune" if args.finetune else "--no-load-rng") + ")")
         return
-    key = f"rng_state.{_rank()}"
-    saved_layout = dict(common.get("layout", {}))
-    current = layout_of(args, [])
-    same = all(saved_layout.get(name) == current[name] for name in
-               ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size", "world_size"))
-    if not same:
-        report.not_loaded.append("RNG state (saved at another parallel layout; each rank keeps its seeded state)")
-        return
-    if key not in metadata.state_dict_metadata:
+    saved_ranks = sorted(int(key[len(RNG_PREFIX):]) for key in metadata.state_dict_metadata
+                         if key.startswith(RNG_PREFIX))
+    if not saved_ranks:
         report.not_loaded.append("RNG state (the checkpoint has none: saved with --no-save-rng)")
         return
-    set_rng_state(serialization.read_objects(directory, [key])[key])
-    report.loaded.append("RNG state")
+    table = common.get(RNG_COORDINATES_KEY)
+    if table is None:  # written before coordinates were recorded: restore only at the very same layout
+        saved_layout = dict(common.get("layout", {}))
+        current = layout_of(args, [])
+        if any(saved_layout.get(name) != current[name] for name in
+               ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size", "world_size")):
+            report.not_loaded.append("RNG state (saved at another parallel layout by a checkpoint that does not "
+                                     "record its ranks' coordinates; each rank keeps its seeded state)")
+            return
+        table = {rank: tuple(rank_coordinates()) if rank == _rank() else (-1, -1, -1, -1) for rank in saved_ranks}
+    saved = {int(rank): rng_mapping.RankCoordinates(*coordinates) for rank, coordinates in table.items()
+             if int(rank) in saved_ranks}
+    saved_args = common.get("args")
+    sources = rng_mapping.stream_sources(
+        saved, rank_coordinates(), bool(getattr(args, "data_parallel_random_init", False)),
+        bool(getattr(saved_args, "data_parallel_random_init", False)))
+    needed = sorted({source.saved_rank for source in sources if source.saved_rank is not None})
+    objects = serialization.read_objects(directory, [f"{RNG_PREFIX}{rank}" for rank in needed])
+    saved_states = {rank: objects[f"{RNG_PREFIX}{rank}"] for rank in needed}
+    set_rng_state(rng_mapping.restored_state(rng_state(), saved_states, sources))
+    outcomes = _all_gather([(source.group.name, source.saved_rank, source.reason) for source in sources])
+    restored, not_restored = rng_mapping.summarize(outcomes)
+    if not not_restored:
+        report.loaded.append("RNG state")
+        return
+    if restored:
+        report.loaded.append("RNG state: " + "; ".join(restored))
+    report.not_loaded.extend(f"RNG {phrase}" for phrase in not_restored)
 
 
 class LoadReport:
