@@ -10,9 +10,10 @@ Layout of the torch format under the checkpoint root:
     iter_0000010/mp_rank_00/distrib_optim_dp_rank_001.pt   optimizer shard of DP rank 1 (distributed optimizer)
 
 Only data-parallel rank 0 of each model-parallel rank writes `model_optim_rng.pt` (model, optimizer unless
-distributed, scheduler, every DP rank's RNG state, args, iteration). Every file is written to a temporary
-name and renamed, and the tracker is written last, after a barrier, by global rank 0: a save interrupted at
-any point leaves the previous checkpoint as the latest, and readable.
+distributed, the names of the parameters in the optimizer's order, scheduler, every DP rank's RNG state, args,
+iteration). Every file is written to a temporary name and renamed, and the tracker is written last, after a
+barrier, by global rank 0: a save interrupted at any point leaves the previous checkpoint as the latest, and
+readable.
 """
 
 import os
@@ -166,6 +167,21 @@ def _model_state(model_chunks):
     return {f"model{index}": unwrap_model(chunk).state_dict() for index, chunk in enumerate(model_chunks)}
 
 
+def optimizer_param_names(optimizer, model_chunks):
+    """The model parameters the optimizer steps, in its order, as `(chunk index, name in the unwrapped chunk)`:
+    what turns the optimizer's positional state into per-parameter state (tools/checkpoint/convert_legacy.py)."""
+    if not hasattr(optimizer, "model_params"):
+        return None
+    names = {}
+    for index, chunk in enumerate(model_chunks):
+        for name, param in unwrap_model(chunk).named_parameters():
+            names.setdefault(id(param), (index, name))
+    try:
+        return [names[id(param)] for param in optimizer.model_params()]
+    except (KeyError, NotImplementedError):
+        return None
+
+
 def _load_model_state(model_chunks, state, strict):
     if len(model_chunks) == 1:
         unwrap_model(model_chunks[0]).load_state_dict(state["model"], strict=strict)
@@ -209,6 +225,8 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args):
         }
         if save_optimizer and not args.use_distributed_optimizer:
             state["optimizer"] = optimizer_state
+        if save_optimizer:
+            state["optimizer_param_names"] = optimizer_param_names(optimizer, model_chunks)
         if save_optimizer and opt_param_scheduler is not None:
             state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
         if all_rng_states is not None:

@@ -4,8 +4,12 @@ format, which loads at any TP/PP/DP and under any wrapper.
     python tools/checkpoint/convert_legacy.py --input LEGACY_ROOT --output NEW_ROOT
 
 Converted: model weights (tensor-parallel partitions joined, pipeline stages' layers renumbered globally),
-iteration, consumed samples, scheduler and arguments. Not converted: optimizer state and RNG states (their
-torch-format layout is tied to the writing ranks); the converted run starts with a fresh optimizer state.
+the optimizer state (Adam moments and fp32 main weights joined the same way, from whole partitions or from the
+distributed optimizer's per-data-parallel-rank shards; step count, hyperparameters, loss scaler), scheduler,
+every rank's RNG states (with the rank's tensor-, pipeline- and data-parallel coordinates, so that a run at the
+same layout restores them all and one at another layout those that map), iteration, consumed samples and
+arguments. A run resumed from the converted checkpoint at the legacy layout continues exactly as one resumed
+from the legacy checkpoint.
 """
 
 import argparse
@@ -14,6 +18,7 @@ import os
 import re
 
 import _paths  # noqa: F401  (repository on sys.path)
+import legacy_optimizer
 import torch
 
 # Partition dim of each tensor-parallel GPT tensor, by name suffix (see megatron/core/tensor_parallel/layers.py);
@@ -42,7 +47,65 @@ def _rank_files(iteration_dir):
     return files
 
 
+def _join(parts, name, tp_size):
+    dim = partition_dim(name) if tp_size > 1 else None
+    return torch.cat(parts, dim=dim) if dim is not None else parts[0]
+
+
+def _stage_offsets(args, pp_size):
+    num_layers = getattr(args, "num_layers", None)
+    if pp_size > 1 and num_layers is None:
+        raise SystemExit("the checkpoint's args lack num_layers; cannot renumber pipeline stages' layers")
+    return [pp_rank * (num_layers // pp_size) if pp_size > 1 else 0 for pp_rank in range(pp_size)]
+
+
+def _is_tied_copy(args, name, pp_rank, pp_size):
+    """The last stage's output layer of a tied model: a copy of the first stage's word embedding."""
+    tied = pp_size > 1 and not getattr(args, "untie_embeddings_and_output_weights", False)
+    return tied and pp_rank == pp_size - 1 and name == "output_layer.weight"
+
+
+def _optimizer_state(states, files, tp_size, pp_size, args):
+    """Logical optimizer entries (`optimizer.state.<name>.<key>`, step, param groups, scaler), or {}."""
+    from megatron.core.dist_checkpointing.model_state import logical_name
+
+    locals_ = {key: legacy_optimizer.local_optimizer_state(states[key], os.path.dirname(path))
+               for key, path in files.items()}
+    if any(value is None for value in locals_.values()):
+        return {}
+    offsets = _stage_offsets(args, pp_size)
+    result = {}
+    for pp_rank in range(pp_size):
+        stage = [locals_[(tp_rank, pp_rank)] for tp_rank in range(tp_size)]
+        for name, entries in stage[0].items():
+            if _is_tied_copy(args, name, pp_rank, pp_size):
+                continue
+            for key in entries:
+                full = _join([part[name][key] for part in stage], name, tp_size)
+                result[f"optimizer.state.{logical_name(name, offsets[pp_rank])}.{key}"] = full
+    first_dir = os.path.dirname(files[(0, 0)])
+    steps = [legacy_optimizer.common_optimizer_state(states[key], os.path.dirname(path))[0]
+             for key, path in files.items()]
+    _, groups, grad_scaler = legacy_optimizer.common_optimizer_state(states[(0, 0)], first_dir)
+    steps = [step for step in steps if step is not None]
+    result.update({"optimizer.step": max(steps) if steps else None, "optimizer.param_groups": groups,
+                   "optimizer.grad_scaler": grad_scaler})
+    return result
+
+
+def _rng_states(states):
+    """(`rng_state.<index>` entries, {index: (tensor, pipeline, data, expert) coordinates})."""
+    entries, coordinates = {}, {}
+    for (tp_rank, pp_rank), state in sorted(states.items(), key=lambda item: (item[0][1], item[0][0])):
+        for dp_rank, rank_state in enumerate(state.get("rng_state") or []):
+            index = len(entries)
+            entries[f"rng_state.{index}"] = rank_state
+            coordinates[index] = (tp_rank, pp_rank, dp_rank, 0)
+    return entries, coordinates
+
+
 def convert(input_root, output_root):
+    """Returns (model tensors by logical name, iteration, the other keys written)."""
     from megatron.core.dist_checkpointing import offline
     from megatron.core.dist_checkpointing.model_state import logical_name
     from megatron.training.checkpointing import _torch_load
@@ -54,33 +117,33 @@ def convert(input_root, output_root):
     states = {key: _torch_load(path) for key, path in files.items()}
     first = states[(0, 0)]
     args = first.get("args")
-    num_layers = getattr(args, "num_layers", None)
-    if pp_size > 1 and num_layers is None:
-        raise SystemExit("the checkpoint's args lack num_layers; cannot renumber pipeline stages' layers")
-    tied = pp_size > 1 and not getattr(args, "untie_embeddings_and_output_weights", False)
+    offsets = _stage_offsets(args, pp_size)
     model = {}
     for pp_rank in range(pp_size):
-        offset = pp_rank * (num_layers // pp_size) if pp_size > 1 else 0
         stage = [states[(tp_rank, pp_rank)]["model"] for tp_rank in range(tp_size)]
         for name in stage[0]:
-            if tied and pp_rank == pp_size - 1 and pp_rank > 0 and name == "output_layer.weight":
-                continue  # the tied copy of the first stage's word embedding
-            parts = [part[name] for part in stage]
-            dim = partition_dim(name) if tp_size > 1 else None
-            full = torch.cat(parts, dim=dim) if dim is not None else parts[0]
-            model[logical_name(name, offset)] = full
+            if _is_tied_copy(args, name, pp_rank, pp_size):
+                continue
+            model[logical_name(name, offsets[pp_rank])] = _join([part[name] for part in stage], name, tp_size)
     iteration = first.get("iteration", 0)
     state = {f"model.{name}": tensor for name, tensor in model.items()}
+    state.update(_optimizer_state(states, files, tp_size, pp_size, args))
     if "opt_param_scheduler" in first:
         state["scheduler"] = first["opt_param_scheduler"]
+    rng, coordinates = _rng_states(states)
+    state.update(rng)
+    dp_size = len(first.get("rng_state") or []) or len(glob.glob(
+        os.path.join(os.path.dirname(files[(0, 0)]), "distrib_optim_dp_rank_*.pt"))) or None
     layout = {"tensor_model_parallel_size": tp_size, "pipeline_model_parallel_size": pp_size,
-              "data_parallel_size": None, "world_size": None, "wrapper": "converted from --ckpt-format torch",
-              "ckpt_format": "torch_dist"}
+              "data_parallel_size": dp_size, "world_size": tp_size * pp_size * dp_size if dp_size else None,
+              "wrapper": "converted from --ckpt-format torch", "ckpt_format": "torch_dist"}
     state["common"] = {"checkpoint_version": 1, "iteration": iteration,
                        "consumed_train_samples": first.get("consumed_train_samples", 0), "args": args,
                        "layout": layout}
+    if coordinates:
+        state["common"]["rng_coordinates"] = coordinates
     offline.write_checkpoint(output_root, iteration, state, layout)
-    return model, iteration
+    return model, iteration, sorted(key for key in state if not key.startswith("model."))
 
 
 def main():
@@ -88,9 +151,13 @@ def main():
     parser.add_argument("--input", required=True, help="Root (or iteration directory) of the torch-format checkpoint.")
     parser.add_argument("--output", required=True, help="Root to write the torch_dist checkpoint into.")
     options = parser.parse_args()
-    model, iteration = convert(options.input, options.output)
-    print(f"converted iteration {iteration}: {len(model)} model tensors -> {options.output} "
-          "(optimizer and RNG state not converted)")
+    model, iteration, others = convert(options.input, options.output)
+    optimizer = sum(key.startswith("optimizer.state.") for key in others)
+    rng = sum(key.startswith("rng_state.") for key in others)
+    print(f"converted iteration {iteration}: {len(model)} model tensors, {optimizer} optimizer tensors"
+          + ("" if optimizer else " (the checkpoint has no optimizer state)")
+          + f", {rng} ranks' RNG states" + (", scheduler" if "scheduler" in others else "")
+          + f" -> {options.output}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Logical checkpoints without a process group: read every tensor whole, or write whole tensors.
 
 For tools (inspect, convert): one process reads any checkpoint however many ranks wrote it, and writes a
-checkpoint that any layout can load (each tensor as one chunk).
+checkpoint that any layout can load (each tensor as one chunk); also from one rank of a distributed job.
 """
 
 import os
@@ -31,7 +31,7 @@ def read_checkpoint(directory: str, keys=None) -> Dict[str, object]:
             targets[key] = torch.empty(md.size, dtype=md.properties.dtype)
         else:
             targets[key] = None
-    return _quietly(serialization.load, targets, directory)
+    return _quietly(serialization.load, targets, directory, single_process=True)
 
 
 def describe(directory: str):
@@ -53,7 +53,7 @@ def write_checkpoint(root: str, iteration: int, state: Dict[str, object], layout
 
     os.makedirs(root, exist_ok=True)
     temporary = os.path.join(root, iteration_dir_name(iteration) + TEMPORARY_SUFFIX)
-    _quietly(serialization.save, state, temporary)
+    _quietly(serialization.save, state, temporary, single_process=True)
     publish(root, iteration, temporary, layout)
 
 

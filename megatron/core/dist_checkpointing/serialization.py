@@ -49,13 +49,15 @@ def _reraise(exc: BaseException, action: str, directory: str):
     raise CheckpointError(f"could not {action} checkpoint {directory}: {detail}") from cause
 
 
-def save(state_dict: Dict[str, object], directory: str, process_group=None, thread_count: int = 1):
-    """Write `state_dict` into `directory` (collective over `process_group`, default: the world)."""
+def save(state_dict: Dict[str, object], directory: str, process_group=None, thread_count: int = 1,
+         single_process: bool = False):
+    """Write `state_dict` into `directory` (collective over `process_group`, default: the world; by this
+    process alone with `single_process`, e.g. a tool run inside a distributed job)."""
     writer = dcp.FileSystemWriter(directory, single_file_per_rank=True, thread_count=thread_count,
                                   sync_files=True, overwrite=True)
     try:
         dcp.save(state_dict, storage_writer=writer, planner=LogicalSavePlanner(), process_group=process_group,
-                 no_dist=not _distributed())
+                 no_dist=single_process or not _distributed())
     except CheckpointException as exc:
         _reraise(exc, "write", directory)
 
@@ -114,15 +116,16 @@ def key_mismatch(targets: Dict[str, object], metadata, prefixes, process_group=N
     return KeyMismatch(sorted(wanted - saved), sorted(saved - wanted_anywhere))
 
 
-def load(targets: Dict[str, object], directory: str, process_group=None):
-    """Fill `targets` in place from `directory` (collective: every rank calls it, also with nothing to load).
-    Objects come back as new values in `targets`."""
-    if not targets and not _distributed():
+def load(targets: Dict[str, object], directory: str, process_group=None, single_process: bool = False):
+    """Fill `targets` in place from `directory` (collective: every rank calls it, also with nothing to load;
+    this process alone with `single_process`). Objects come back as new values in `targets`."""
+    no_dist = single_process or not _distributed()
+    if not targets and no_dist:
         return targets
     reader = dcp.FileSystemReader(directory)
     try:
         dcp.load(targets, storage_reader=reader, planner=LogicalLoadPlanner(), process_group=process_group,
-                 no_dist=not _distributed())
+                 no_dist=no_dist)
     except CheckpointException as exc:
         _reraise(exc, "read", directory)
     except (FileNotFoundError, EOFError, RuntimeError, ValueError) as exc:
