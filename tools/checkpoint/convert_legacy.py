@@ -69,27 +69,24 @@ def _optimizer_state(states, files, tp_size, pp_size, args):
     """Logical optimizer entries (`optimizer.state.<name>.<key>`, step, param groups, scaler), or {}."""
     from megatron.core.dist_checkpointing.model_state import logical_name
 
-    locals_ = {key: legacy_optimizer.local_optimizer_state(states[key], os.path.dirname(path))
-               for key, path in files.items()}
-    if any(value is None for value in locals_.values()):
+    legacy = {key: legacy_optimizer.read_optimizer_state(states[key], os.path.dirname(path))
+              for key, path in files.items()}
+    if any(value is None for value in legacy.values()):
         return {}
     offsets = _stage_offsets(args, pp_size)
     result = {}
     for pp_rank in range(pp_size):
-        stage = [locals_[(tp_rank, pp_rank)] for tp_rank in range(tp_size)]
+        stage = [legacy[(tp_rank, pp_rank)].tensors for tp_rank in range(tp_size)]
         for name, entries in stage[0].items():
             if _is_tied_copy(args, name, pp_rank, pp_size):
                 continue
             for key in entries:
                 full = _join([part[name][key] for part in stage], name, tp_size)
                 result[f"optimizer.state.{logical_name(name, offsets[pp_rank])}.{key}"] = full
-    first_dir = os.path.dirname(files[(0, 0)])
-    steps = [legacy_optimizer.common_optimizer_state(states[key], os.path.dirname(path))[0]
-             for key, path in files.items()]
-    _, groups, grad_scaler = legacy_optimizer.common_optimizer_state(states[(0, 0)], first_dir)
-    steps = [step for step in steps if step is not None]
-    result.update({"optimizer.step": max(steps) if steps else None, "optimizer.param_groups": groups,
-                   "optimizer.grad_scaler": grad_scaler})
+    steps = [state.step for state in legacy.values() if state.step is not None]
+    result.update({"optimizer.step": max(steps) if steps else None,
+                   "optimizer.param_groups": legacy[(0, 0)].param_groups,
+                   "optimizer.grad_scaler": legacy[(0, 0)].grad_scaler})
     return result
 
 

@@ -12,7 +12,7 @@ convert_legacy.py joins and renames like the weights.
 
 import glob
 import os
-from typing import Dict, List
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -52,7 +52,7 @@ def _add(result, name, key, tensor):
 
 
 def _whole_partitions(stage_state, optimizer_state) -> Dict[str, Dict[str, torch.Tensor]]:
-    """A plain (FP32Optimizer) or mixed-precision (Float16Optimizer) optimizer's state dict."""
+    """The tensors of a plain (FP32Optimizer) or mixed-precision (Float16Optimizer) optimizer's state dict."""
     torch_state = optimizer_state["optimizer"]
     ids = [param_id for group in torch_state["param_groups"] for param_id in group["params"]]
     names = param_names(stage_state, len(ids))
@@ -71,18 +71,13 @@ def _whole_partitions(stage_state, optimizer_state) -> Dict[str, Dict[str, torch
     return result
 
 
-def _distributed_shards(stage_state, mp_dir) -> Dict[str, Dict[str, torch.Tensor]]:
-    """The distributed optimizer's per-data-parallel-rank files of one model-parallel rank, joined."""
-    from megatron.training.checkpointing import _torch_load
-
-    paths = sorted(glob.glob(os.path.join(mp_dir, "distrib_optim_dp_rank_*.pt")))
-    if not paths:
-        _fail(f"{mp_dir} has no distrib_optim_dp_rank_*.pt files (saved with --use-distributed-optimizer?)")
+def _distributed_shards(stage_state, mp_dir, shard_states) -> Dict[str, Dict[str, torch.Tensor]]:
+    """The tensors of the distributed optimizer's per-data-parallel-rank states of one model-parallel rank,
+    joined into whole partitions."""
     model = _model_tensors(stage_state)
     names = param_names(stage_state)
     flat, covered = {}, {}
-    for path in paths:
-        shard_state = _torch_load(path)["optimizer"]
+    for path, shard_state in shard_states.items():
         torch_state = shard_state["optimizer"]
         for position, (index, start, end) in enumerate(shard_state["shard_layout"]):
             if index >= len(names):
@@ -110,14 +105,11 @@ def _distributed_shards(stage_state, mp_dir) -> Dict[str, Dict[str, torch.Tensor
     return result
 
 
-def local_optimizer_state(stage_state, mp_dir):
-    """{local parameter name: {state key: whole TP partition}} of one model-parallel rank, or None when the
-    checkpoint holds no optimizer state."""
-    if "optimizer" in stage_state:
-        return _whole_partitions(stage_state, stage_state["optimizer"])
-    if glob.glob(os.path.join(mp_dir, "distrib_optim_dp_rank_*.pt")):
-        return _distributed_shards(stage_state, mp_dir)
-    return None
+class LegacyOptimizerState(NamedTuple):
+    tensors: Dict[str, Dict[str, torch.Tensor]]  # {local parameter name: {state key: whole TP partition}}
+    step: Optional[float]
+    param_groups: list  # hyperparameters, without the parameters
+    grad_scaler: Optional[dict]
 
 
 def _max_step(torch_state):
@@ -125,16 +117,23 @@ def _max_step(torch_state):
     return max(steps) if steps else None
 
 
-def common_optimizer_state(stage_state, mp_dir):
-    """(step, hyperparameters of the param groups, grad-scaler state) of one model-parallel rank."""
+def read_optimizer_state(stage_state, mp_dir) -> Optional[LegacyOptimizerState]:
+    """The optimizer state of one model-parallel rank (`stage_state` is its model_optim_rng.pt, `mp_dir` the
+    directory holding it), or None when the checkpoint holds none."""
     from megatron.training.checkpointing import _torch_load
 
     if "optimizer" in stage_state:
-        optimizer_states = [stage_state["optimizer"]]
+        optimizer_states = {os.path.join(mp_dir, "model_optim_rng.pt"): stage_state["optimizer"]}
+        tensors = _whole_partitions(stage_state, stage_state["optimizer"])
     else:
-        optimizer_states = [_torch_load(path)["optimizer"]
-                            for path in sorted(glob.glob(os.path.join(mp_dir, "distrib_optim_dp_rank_*.pt")))]
-    steps = [step for step in (_max_step(state["optimizer"]) for state in optimizer_states) if step is not None]
+        paths = sorted(glob.glob(os.path.join(mp_dir, "distrib_optim_dp_rank_*.pt")))
+        if not paths:
+            return None
+        optimizer_states = {path: _torch_load(path)["optimizer"] for path in paths}
+        tensors = _distributed_shards(stage_state, mp_dir, optimizer_states)
+    first = next(iter(optimizer_states.values()))
+    steps = [step for step in (_max_step(state["optimizer"]) for state in optimizer_states.values())
+             if step is not None]
     groups = [{key: value for key, value in group.items() if key != "params"}
-              for group in optimizer_states[0]["optimizer"]["param_groups"]]
-    return (max(steps) if steps else None), groups, optimizer_states[0].get("grad_scaler")
+              for group in first["optimizer"]["param_groups"]]
+    return LegacyOptimizerState(tensors, max(steps) if steps else None, groups, first.get("grad_scaler"))
