@@ -11,6 +11,7 @@ FAST_CASES = [
     "gpt/dp2_distributed_optimizer",
     "gpt/tp2",
     "gpt/pp2",
+    "gpt/llama_style_tp2",
     "gpt/fsdp2_dp2",
     "gpt/fsdp2_no_reshard_dp2",
     "gpt/megatron_fsdp_z1_dp2",
