@@ -44,7 +44,7 @@ def state_to_save(iteration, model_chunks, optimizer, scheduler, args):
             state["scheduler"] = scheduler.state_dict()
     coordinates = None
     if not args.no_save_rng:
-        state[f"rng_state.{_rank()}"] = rng_state()
+        state[f"{RNG_PREFIX}{_rank()}"] = rng_state()
         coordinates = _all_rank_coordinates()
     layout = layout_of(args, model_chunks)
     if _rank() == 0:
