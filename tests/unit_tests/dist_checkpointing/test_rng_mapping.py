@@ -3,6 +3,7 @@ it is seeded from; the rest keep their seeded state and the load report names th
 
 import os
 
+import pytest
 import torch
 
 from megatron.core.dist_checkpointing.rng_mapping import (
@@ -100,6 +101,7 @@ def _save_at_dp2_load_at_tp2(workdir):
     }
 
 
+@pytest.mark.world_size(2)
 def test_load_at_another_layout_restores_mapped_streams_and_reports_the_rest(tmp_path):
     rank0, rank1 = run_on_ranks(2, _save_at_dp2_load_at_tp2, str(tmp_path))
     assert rank0["default restored"] and rank0["model-parallel restored"] and not rank0["model-parallel fresh"]
