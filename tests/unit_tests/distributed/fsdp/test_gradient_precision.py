@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
+from megatron_fsdp.resharding import shard_of_unsharded
 from tests.unit_tests.distributed.fsdp import fsdp_test_models as models
 from tests.unit_tests.multiprocess_harness import run_on_ranks
 
@@ -81,9 +82,10 @@ def _reduced_bf16_gradients():
             flat = torch.zeros(group.layout.padded_numel, dtype=torch.float64)
             for name, span in zip(group.names, group.layout.spans):
                 flat[span.flat_start:span.flat_end] = expected[name].reshape(-1)
-            if strategy != 0:
-                start, end = group.layout.shard_range(group.dp_rank)
-                flat = flat[start:end]
+            if strategy != 0:  # this rank's shard: its rows of every parameter
+                shard = torch.zeros(group.layout.shard_numel, dtype=torch.float64)
+                shard_of_unsharded(group.layout, flat, group.dp_rank, shard)
+                flat = shard
             scale = flat.abs().max().item() or 1.0
             worst = max(worst, (group.main_grads.double() - flat).abs().max().item() / scale)
             bf16_rounding = max(bf16_rounding, (flat.bfloat16().double() - flat).abs().max().item() / scale)

@@ -113,22 +113,28 @@ def _accounting():
         model(inputs).square().mean().backward()
         optimizer.step()
     padded = [group.layout.padded_numel for group in model.groups]
-    return (padded, sum(p.numel() for p in module.parameters()), len(list(module.parameters())),
+    owned = sum(piece.numel for group in model.groups for piece in group.main_pieces)  # this rank's sub-shard
+    return (padded, owned, len(list(module.parameters())),
             model.memory_report(), model.communication_report(), dict(model.counter.calls))
 
 
 @pytest.mark.parametrize("world_size", [4])
 def test_bytes_held_and_sent_match_hfsdp_theory(world_size):
-    for padded, numel, num_params, memory, comm, calls in run_on_ranks(world_size, _accounting):
+    blocks = [models.Block() for _ in range(4)]  # the shapes of the model's four units
+    for padded, owned, num_params, memory, comm, calls in run_on_ranks(world_size, _accounting):
         assert all(size % (SHARD * OUTER) == 0 for size in padded)
         total = 4 * sum(padded)  # fp32 bytes of every padded group
-        assert total - 4 * numel < 4 * SHARD * OUTER * len(padded)
-        # compute shard 1/SHARD; main weights, optimizer gradients and both Adam moments 1/(SHARD*OUTER);
-        # Adam's step counters are 4-byte scalars, one per parameter
+        # row-aligned layout: each parameter is chunked in ceil(rows / SHARD) rows per shard rank; each shard is
+        # padded at its end to split into OUTER equal sub-shards
+        chunks = [sum(math.ceil(p.shape[0] / SHARD) * p[0].numel() for p in block.parameters()) for block in blocks]
+        theory = [SHARD * OUTER * math.ceil(chunk / OUTER) for chunk in chunks]
+        assert padded == theory, (padded, theory)
+        # compute shard 1/SHARD; main weights and optimizer gradients 1/(SHARD*OUTER), Adam's moments the rows
+        # in this rank's sub-shard; Adam's step counters are 4-byte scalars, one per parameter
         assert memory["compute_weights"] == total // SHARD
         assert memory["main_weights"] == total // (SHARD * OUTER)
         assert memory["grads"] == total // (SHARD * OUTER)
-        assert memory["optimizer_state"] == 2 * total // (SHARD * OUTER) + 4 * num_params
+        assert memory["optimizer_state"] == 2 * 4 * owned + 4 * num_params  # moments: the rows in the sub-shard
         assert memory["transient_now"] == 0  # the shard-sized gradients are dropped after finish_grad_sync
         assert memory["transient_peak"] > 0
         # per step: two gathers and one reduce-scatter over dp_shard (ring accounting, bytes x (n-1)/n), then a

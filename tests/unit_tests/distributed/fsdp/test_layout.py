@@ -1,70 +1,73 @@
-"""Flat-buffer arithmetic: every element of every parameter is owned by exactly one rank."""
+"""Row-aligned layout arithmetic and the copies between the gathered and unsharded forms: every element of every
+parameter is owned by exactly one rank, as the rows torch.chunk / Shard(0) give it."""
 
 import math
 
 import pytest
+import torch
 
 from megatron_fsdp.layout import GroupLayout, LocalPiece, bucket_by_size, chunk_rows
+from megatron_fsdp.resharding import copy_grad_in, copy_gathered_to_unsharded, shard_of_unsharded
 
-SHAPES = [(13, 7), (13,), (0,), (2,), (7, 13), (1, 1, 3), ()]
+SHAPES = [(13, 7), (13,), (0,), (2,), (7, 13), (1, 1, 3), (), (1,), (0, 4)]
+
+
+def _rows_and_row_numel(shape):
+    return (shape[0], math.prod(shape[1:])) if shape else (1, 1)
 
 
 @pytest.mark.parametrize("dp_size", [1, 2, 3, 4, 5, 6])
-def test_every_element_owned_once(dp_size):
+def test_each_rank_owns_its_chunk_rows_once(dp_size):
     layout = GroupLayout(SHAPES, dp_size)
-    total = sum(math.prod(s) for s in SHAPES)
-    assert layout.numel == total
-    assert layout.padded_numel % dp_size == 0 and layout.padded_numel - total < dp_size
+    assert layout.numel == sum(math.prod(s) for s in SHAPES)
+    # each parameter's chunk is ceil(rows / dp) rows on every rank, padded; shards hold the chunks end to end
+    expected_shard = sum(math.ceil(r / dp_size) * n for r, n in map(_rows_and_row_numel, SHAPES))
+    assert layout.shard_numel == max(1, expected_shard) and layout.padded_numel == dp_size * layout.shard_numel
+    offset = 0
     for index, shape in enumerate(SHAPES):
+        rows, row_numel = _rows_and_row_numel(shape)
+        chunk = layout.chunks[index]
+        assert chunk.shard_offset == offset and chunk.chunk_numel == math.ceil(rows / dp_size) * row_numel
+        offset += chunk.chunk_numel
+        span = layout.spans[index]
+        assert (span.flat_start, span.numel, span.shape) == (dp_size * chunk.shard_offset, math.prod(shape), shape)
         owned = []
         for rank in range(dp_size):
+            start, end = chunk_rows(rows, dp_size, rank)
             piece = layout.local_piece(index, rank)
-            shard_start, _ = layout.shard_range(rank)
-            assert 0 <= piece.shard_start <= piece.shard_end <= layout.shard_numel
-            # the piece's shard position maps back to the same flat elements
-            assert shard_start + piece.shard_start == layout.spans[index].flat_start + piece.param_start or (
-                piece.numel == 0)
+            assert piece == LocalPiece(start * row_numel, end * row_numel, chunk.shard_offset,
+                                       chunk.shard_offset + (end - start) * row_numel)
+            assert layout.local_shape(index, rank) == (((end - start),) + tuple(shape[1:]) if shape else ())
             owned.extend(range(piece.param_start, piece.param_end))
         assert owned == list(range(math.prod(shape)))
 
 
 @pytest.mark.parametrize("dp_size,outer_size", [(1, 2), (2, 2), (3, 2), (2, 3), (4, 3), (5, 4)])
-def test_every_element_owned_once_across_outer_and_shard_ranks(dp_size, outer_size):
-    """HFSDP: each shard splits into equal sub-shards; every element has exactly one (shard, outer) owner."""
+def test_sub_shards_split_each_shard_in_equal_flat_ranges(dp_size, outer_size):
+    """HFSDP: each shard splits into equal flat sub-shards; the sub-shard pieces of a rank tile its rows."""
     layout = GroupLayout(SHAPES, dp_size, outer_size)
-    total = sum(math.prod(s) for s in SHAPES)
-    assert layout.numel == total
     assert layout.shard_numel == layout.sub_shard_numel * outer_size
-    assert layout.padded_numel == layout.shard_numel * dp_size
-    assert layout.padded_numel - total < dp_size * outer_size
-    owners = [[] for _ in range(layout.padded_numel)]
+    assert layout.shard_numel - layout.used_shard_numel < outer_size  # the tail pad
     for rank in range(dp_size):
         shard_start, shard_end = layout.shard_range(rank)
+        covered = []
         for outer_rank in range(outer_size):
             start, end = layout.sub_shard_range(rank, outer_rank)
-            assert shard_start <= start < end <= shard_end
-            assert start - shard_start == layout.sub_shard_offset(outer_rank)
-            for flat in range(start, end):
-                owners[flat].append((rank, outer_rank))
-    assert all(len(owner) == 1 for owner in owners)
-    for index, shape in enumerate(SHAPES):
-        span = layout.spans[index]
-        owned = []
-        for rank in range(dp_size):
-            shard_piece = layout.local_piece(index, rank)
+            assert start - shard_start == layout.sub_shard_offset(outer_rank) and end <= shard_end
+            covered.extend(range(start, end))
+        assert covered == list(range(shard_start, shard_end))
+        for index in range(len(SHAPES)):
+            whole = layout.local_piece(index, rank)
             from_sub_shards = []
             for outer_rank in range(outer_size):
                 piece = layout.sub_shard_piece(index, rank, outer_rank)
                 assert piece == layout.sub_shard_pieces(rank, outer_rank)[index]
                 assert 0 <= piece.shard_start <= piece.shard_end <= layout.sub_shard_numel
-                if piece.numel:
-                    start, _ = layout.sub_shard_range(rank, outer_rank)
-                    assert start + piece.shard_start == span.flat_start + piece.param_start
+                if piece.numel:  # the same element, seen from the shard and from the sub-shard
+                    assert (layout.sub_shard_offset(outer_rank) + piece.shard_start - whole.shard_start
+                            == piece.param_start - whole.param_start)
                 from_sub_shards.extend(range(piece.param_start, piece.param_end))
-            # the sub-shard pieces of one shard rank tile that rank's shard piece, in outer-rank order
-            assert from_sub_shards == list(range(shard_piece.param_start, shard_piece.param_end))
-            owned.extend(from_sub_shards)
-        assert owned == list(range(math.prod(shape)))
+            assert from_sub_shards == list(range(whole.param_start, whole.param_end))
 
 
 def test_outer_size_one_is_the_plain_layout():
@@ -76,29 +79,26 @@ def test_outer_size_one_is_the_plain_layout():
             assert hybrid.sub_shard_pieces(rank, 0) == plain.local_pieces(rank)
 
 
-def test_sub_shard_padding_example():
-    layout = GroupLayout([(3, 2), (5,)], 2, 3)  # 11 elements -> sub-shards of 2, shards of 6, padded to 12
-    assert (layout.sub_shard_numel, layout.shard_numel, layout.padded_numel) == (2, 6, 12)
-    assert layout.sub_shard_range(1, 2) == (10, 12)
-    piece = layout.sub_shard_piece(1, 1, 0)  # flat [6, 8): elements 0..1 of param 1
-    assert (piece.param_start, piece.param_end, piece.shard_start, piece.shard_end) == (0, 2, 0, 2)
-    assert layout.sub_shard_piece(0, 1, 0).numel == 0
+def test_worked_example():
+    layout = GroupLayout([(3, 2), (5,), (0,), (4,)], 2)
+    # rows per rank 2, 3, 0, 2 -> chunks of 4, 3, 0, 2 elements; shards of 9; 18 elements in all
+    assert [c.chunk_numel for c in layout.chunks] == [4, 3, 0, 2] and layout.shard_numel == 9
+    assert [(s.flat_start, s.flat_end) for s in layout.spans] == [(0, 6), (8, 13), (14, 14), (14, 18)]
+    assert layout.local_piece(0, 1) == LocalPiece(4, 6, 0, 2)  # row 2 of (3, 2): elements 4..5
+    assert layout.local_piece(1, 1) == LocalPiece(3, 5, 4, 6)  # rows 3..4 of (5,)
+    assert layout.local_piece(3, 0) == LocalPiece(0, 2, 7, 9)
+    assert layout.owners_of_param(0) == [0, 1] and layout.owners_of_param(2) == []
+    hybrid = GroupLayout([(3, 2), (5,)], 2, 3)  # chunks 4 + 3 = 7 -> shards of 9 (3 sub-shards of 3)
+    assert (hybrid.sub_shard_numel, hybrid.shard_numel, hybrid.padded_numel) == (3, 9, 18)
+    assert hybrid.sub_shard_piece(1, 1, 1) == LocalPiece(3, 5, 1, 3)  # param 1's rows 3..4 at shard 4..5
+    assert hybrid.sub_shard_piece(0, 1, 2).numel == 0
 
 
-def test_spans_are_contiguous_and_ordered():
-    layout = GroupLayout([(3, 2), (5,), (0,), (4,)], 4)
-    assert [(s.flat_start, s.flat_end) for s in layout.spans] == [(0, 6), (6, 11), (11, 11), (11, 15)]
-    assert layout.shard_numel == 4 and layout.padded_numel == 16
-    # rank 1 owns flat [4, 8): the last two elements of param 0 at shard offset 0, rank 2 owns flat [8, 12):
-    # the rest of param 1 and the first element of param 3; param 1 misses rank 0 entirely (an empty piece
-    # clamped to the end of its shard)
-    assert layout.local_piece(0, 1) == LocalPiece(4, 6, 0, 2)
-    assert layout.local_piece(1, 2) == LocalPiece(2, 5, 0, 3)
-    assert layout.local_piece(3, 2) == LocalPiece(0, 1, 3, 4)
-    assert layout.local_piece(1, 0) == LocalPiece(0, 0, 4, 4)
-    piece = layout.local_piece(1, 1)  # rank 1 owns flat [4, 8): elements 0..1 of param 1 at shard offset 2
-    assert (piece.param_start, piece.param_end, piece.shard_start, piece.shard_end) == (0, 2, 2, 4)
-    assert layout.owners_of_param(3) == [2, 3]
+def test_scalars_and_single_rows():
+    layout = GroupLayout([(), (1,), (1, 5)], 3)
+    assert [layout.owners_of_param(i) for i in range(3)] == [[0], [0], [0]]
+    assert [c.chunk_numel for c in layout.chunks] == [1, 1, 5]  # a padded slot on every rank
+    assert layout.local_shape(0, 1) == () and layout.local_shape(2, 2) == (0, 5)
 
 
 def test_empty_group_still_has_one_element_per_rank():
@@ -106,9 +106,50 @@ def test_empty_group_still_has_one_element_per_rank():
     assert layout.shard_numel == 1 and layout.padded_numel == 3
 
 
-def test_chunk_rows_matches_torch_chunk():
-    import torch
+def test_forms_coincide_only_without_rearrangement():
+    assert GroupLayout(SHAPES, 1).forms_coincide
+    assert GroupLayout([(7, 3)], 4).forms_coincide
+    assert not GroupLayout([(7, 3)], 4, outer_size=5).forms_coincide  # a tail pad after the one parameter
+    assert not GroupLayout([(7, 3), (2,)], 2).forms_coincide
 
+
+def _unsharded_of(layout, values):
+    unsharded = torch.zeros(layout.padded_numel, dtype=torch.float64)
+    for span, value in zip(layout.spans, values):
+        unsharded[span.flat_start:span.flat_end] = value.reshape(-1)
+    return unsharded
+
+
+@pytest.mark.parametrize("dp_size,outer_size", [(1, 1), (2, 1), (3, 1), (4, 1), (3, 2), (2, 3)])
+def test_copy_out_and_copy_in_agree_with_the_rows(dp_size, outer_size):
+    layout = GroupLayout(SHAPES, dp_size, outer_size)
+    generator = torch.Generator().manual_seed(0)
+    values = [torch.randn(shape, generator=generator, dtype=torch.float64) for shape in SHAPES]
+    unsharded = _unsharded_of(layout, values)
+    shards = []
+    for rank in range(dp_size):
+        shard = torch.full((layout.shard_numel,), float("nan"), dtype=torch.float64)
+        shard_of_unsharded(layout, unsharded, rank, shard)
+        for index, value in enumerate(values):  # a shard holds the rank's rows where its pieces say
+            piece = layout.local_piece(index, rank)
+            rows = value.reshape(-1)[piece.param_start:piece.param_end]
+            assert torch.equal(shard[piece.shard_start:piece.shard_end], rows)
+        shards.append(shard)
+    gathered = torch.cat(shards)
+    assert not gathered.isnan().any()  # padding is copied (zeros), not left undefined
+    out = torch.full_like(unsharded, float("nan"))
+    copy_gathered_to_unsharded(layout, gathered, out)
+    assert torch.equal(out, unsharded)
+    # copy-in: full gradients written rank-major, scaled, with padding zeroed, then accumulated once more
+    rank_major = torch.full_like(gathered, float("nan"))
+    rank_major.view(dp_size, layout.shard_numel)[:, layout.used_shard_numel:] = 0
+    for index, value in enumerate(values):
+        copy_grad_in(layout, rank_major, index, value, 0.5, accumulate=False)
+        copy_grad_in(layout, rank_major, index, value, 0.25, accumulate=True)
+    torch.testing.assert_close(rank_major, 0.75 * gathered, rtol=0, atol=0)
+
+
+def test_chunk_rows_matches_torch_chunk():
     for rows in [0, 1, 2, 5, 7, 13]:
         for world in [1, 2, 3, 4]:
             chunks = torch.arange(rows).chunk(world) if rows else []

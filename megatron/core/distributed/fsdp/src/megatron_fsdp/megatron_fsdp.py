@@ -13,6 +13,7 @@ from .layout import GroupLayout
 from .meta_init import materialize_meta_model
 from .mixed_precision import MixedPrecisionPolicy
 from .param_and_grad_buffer import DoubleBufferPool, ParamGroup
+from .param_grads import ParamGrads
 from .resting_parameters import RestingParameters
 from .schedule import Schedule, Unit
 from .state_dict import load_model_state_dict, model_state_dict
@@ -262,8 +263,13 @@ class MegatronFSDP(nn.Module):
             report_nan_in_param_grad=report_nan_in_param_grad or config.check_for_nan_in_grad, pool=self.pool,
             tp_group=self.topology.tp_group, device=self.device)
         self.schedule.register_hooks()
+        from torch.distributed.device_mesh import DeviceMesh
+
+        dp_mesh = DeviceMesh.from_group(self.topology.dp_group, self.device.type)
         if self.strategy == ShardingStrategy.optim_grads_params:
-            self._install_resting_placeholders()
+            self._install_resting_placeholders(dp_mesh)
+        self.schedule.param_grads = ParamGrads(self.groups, self.strategy, dp_mesh, resting=self.schedule.resting,
+                                               outer_replicas=self.topology.outer_size > 1)
         module.__dict__[WRAPPED_ATTR] = self  # a plain attribute: not registered as a submodule
 
     # ---- construction ---------------------------------------------------------------------------------------------
@@ -317,11 +323,10 @@ class MegatronFSDP(nn.Module):
             materialize_meta_model(self.module, unit_modules, groups_by_unit, self.root_groups, self.device,
                                    release=lambda groups: [g.release_compute() for g in groups])
 
-    def _install_resting_placeholders(self):
-        """Strategy 3: released groups show DTensors of this rank's pieces in the module until gathered (see
-        resting_parameters)."""
-        resting = RestingParameters(self.groups, parameter_owners(self.module), self.topology.dp_group, self.device,
-                                    outer_replicas=self.topology.outer_size > 1)
+    def _install_resting_placeholders(self, dp_mesh):
+        """Strategy 3: released groups show Shard(0) DTensors of this rank's rows in the module until gathered
+        (see resting_parameters)."""
+        resting = RestingParameters(self.groups, parameter_owners(self.module), dp_mesh)
         for param_id, placeholder in resting.placeholders().items():
             # An optimizer built from module.parameters() after wrapping holds the resting ones: map them too.
             self.param_to_group[id(placeholder)] = self.param_to_group[param_id]
@@ -343,6 +348,12 @@ class MegatronFSDP(nn.Module):
             numel = self._padded_numel(plan)
             unit_bytes[plan.unit_index] += DoubleBufferPool.aligned(numel * plan.params[0].element_size())
         return DoubleBufferPool(max(unit_bytes, default=0), self.device) if num_units else None
+
+    def __deepcopy__(self, memo):
+        raise TypeError("copy.deepcopy() of a MegatronFSDP model is not supported: its parameters are views into "
+                        "sharded buffers tied to process groups and hooks. Build a second model, wrap it with "
+                        "fully_shard_model, and load this one's state into it: "
+                        "new_model.load_state_dict(model.state_dict())")
 
     # ---- forward ----------------------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -404,16 +415,14 @@ class MegatronFSDP(nn.Module):
     def finish_grad_sync(self):
         if self.schedule.finish_grad_sync():
             self.steps_recorded += 1
-        if self.schedule.resting is not None:
-            self.schedule.resting.attach_grads(grad_sync_finished=True)
+            self.schedule.param_grads.attach(grad_sync_finished=True)
 
     def start_param_sync(self, force_sync: bool = False):
         self.schedule.start_param_sync(async_op=not force_sync)
 
     def zero_grad_buffer(self):
+        self.schedule.param_grads.drop()  # the gradient storage they view is zeroed or given back
         self.schedule.zero_grad_buffer()
-        if self.schedule.resting is not None:
-            self.schedule.resting.drop_grads()  # their storage is given back until the next reduction
 
     def scale_gradients(self, scaling_factor: float):
         """Multiply the step's gradients by `scaling_factor`, before or after `finish_grad_sync`."""

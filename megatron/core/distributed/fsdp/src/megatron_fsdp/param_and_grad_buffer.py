@@ -1,13 +1,21 @@
 """Flat storage of one parameter group: compute weights, fp32 main weights and gradients, and views into them.
 
-Which tensors exist depends on the sharding strategy (S = shard size, N = padded group size = S * DP):
+Which tensors exist depends on the sharding strategy (S = shard size, N = padded group size = S * DP; the
+row-aligned layout of layout.py: a rank's shard is its rows of every parameter):
 
 | strategy            | compute weights          | main weights (optimizer)  | gradients                             |
 |---------------------|--------------------------|---------------------------|---------------------------------------|
 | 0 no_shard          | N, persistent            | N (aliases compute if same dtype) | N, persistent                |
-| 1 optim             | N, persistent            | S (aliases compute shard) | N persistent; reduced into its shard  |
-| 2 optim_grads       | N, persistent            | S (aliases compute shard) | S main + N transient during backward  |
+| 1 optim             | N, persistent            | S                         | N persistent; reduced into its shard  |
+| 2 optim_grads       | N, persistent            | S                         | S main + N transient during backward  |
 | 3 optim_grads_params| S shard; N while gathered| S (is the shard if same dtype) | S main + N transient during backward |
+
+The compute weights are unsharded (param-major: contiguous full parameters); shards, main weights and the
+gradient buffers that are reduce-scattered are rank-major. Under strategies 1/2 the main weights are a buffer
+of their own: a rank's rows are spread over the full compute buffer, not one contiguous slice of it. A gather
+lands in a transient rank-major staging buffer (unless the two forms coincide) and is copied out into the
+compute buffer (`copy_gathered_into_compute`); gradients are copied in rank-major as they arrive
+(`write_grad`).
 
 Under strategies 2/3 the S main gradients hold no storage from `zero_grad` until the first reduction of the
 next backward (they are all zero then); they are counted at their full size in `persistent_bytes`.
@@ -23,20 +31,22 @@ Model parameters are views into the flat compute buffer. Under strategy 3 the bu
 zero when released and back when gathered, so the views (and any views autograd saved, such as `weight.t()`)
 stay valid across gathers without re-pointing anything. Gradients arrive through a post-accumulate-grad hook
 that writes `param.grad` into the flat gradient buffer and drops it, so gradients are reduced straight from
-one flat buffer. The optimizer sees one view of the main weights per parameter: its shard piece (strategies
-1-3, flat) or the whole parameter (strategy 0, original shape).
+one flat buffer. The optimizer sees one view of the main weights per parameter: its rows, flattened
+(strategies 1-3; under HFSDP the part of them in this outer rank's sub-shard) or the whole parameter
+(strategy 0, original shape).
 """
 
 import enum
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
 from .collectives import PendingCollective
 from .distributed_data_parallel_config import ShardingStrategy
-from .layout import GroupLayout
+from .layout import GroupLayout, chunk_rows
 from .mixed_precision import MixedPrecisionPolicy
+from .resharding import copy_grad_in, copy_gathered_to_unsharded, shard_of_unsharded, zero_param_chunks
 from .utils import tensor_bytes
 
 
@@ -116,8 +126,10 @@ class ParamGroup:
         if self.outer_sharded and strategy != ShardingStrategy.optim_grads_params:
             raise ValueError("sharding main weights over the outer dim (outer_dp_sharding_strategy='optim') needs "
                              "data_parallel_sharding_strategy='optim_grads_params'")
-        self.layout = GroupLayout([tuple(p.shape) for p in self.params], dp_size, outer_size)
-        self.pieces = self.layout.local_pieces(dp_rank)  # pieces of the compute shard
+        # Nothing is sharded under no_shard: its buffers are laid out for one rank (no row padding).
+        sharded = strategy != ShardingStrategy.no_shard
+        self.layout = GroupLayout([tuple(p.shape) for p in self.params], dp_size if sharded else 1, outer_size)
+        self.pieces = self.layout.local_pieces(dp_rank if sharded else 0)  # pieces of the compute shard
         # Pieces of the main weights (and of the optimizer's gradients and state): the sub-shard under HFSDP.
         self.main_pieces = self.layout.sub_shard_pieces(dp_rank, outer_rank) if self.outer_sharded else self.pieces
         sub_shard_start = self.layout.sub_shard_offset(outer_rank)
@@ -129,9 +141,12 @@ class ParamGroup:
 
         self.compute_buffer = compute_buffer if compute_buffer is not None else self._zeros(padded, self.param_dtype)
         self._compute_nbytes = padded * self.compute_buffer.element_size()
-        self.compute_buffer_shard = self.compute_buffer[shard_start:shard_end]
         self.weight_state = WeightState.GATHERED
         self.pending_gather: Optional[PendingCollective] = None  # the all-gather in flight while GATHERING
+        # While an all-gather is in flight: the rank-major buffer it fills (None when it fills the compute
+        # buffer directly) and the tensor it sends (kept alive until it lands).
+        self.gather_staging: Optional[torch.Tensor] = None
+        self._gather_send: Optional[torch.Tensor] = None
 
         self.main_weights = self.compute_shard = self.grad_buffer = self.main_grads = None
         same_dtype = self.main_dtype == self.param_dtype
@@ -139,7 +154,7 @@ class ParamGroup:
             if strategy == ShardingStrategy.no_shard:
                 self.main_weights = self.compute_buffer if same_dtype else self._zeros(padded, self.main_dtype)
             elif strategy in (ShardingStrategy.optim, ShardingStrategy.optim_grads):
-                self.main_weights = self.compute_buffer_shard if same_dtype else self._zeros(shard, self.main_dtype)
+                self.main_weights = self._zeros(shard, self.main_dtype)
             else:
                 self.main_weights = self._zeros(self.layout.sub_shard_numel, self.main_dtype)
             if strategy in (ShardingStrategy.no_shard, ShardingStrategy.optim):
@@ -207,6 +222,20 @@ class ParamGroup:
         span = self.layout.spans[index]
         return self.compute_buffer[span.flat_start:span.flat_end].view(span.shape)
 
+    def row_range(self, index: int):
+        """Rows `[start, end)` of parameter `index` that this rank holds as a `Shard(0)` DTensor (state dicts,
+        `.grad`): `layout.chunk_rows` over the data-parallel ranks, whatever the strategy."""
+        return chunk_rows(self.layout.chunks[index].rows, self.dp_size, self.dp_rank)
+
+    def rows_of_shard(self, shard: torch.Tensor, index: int) -> torch.Tensor:
+        """This rank's rows of parameter `index` as a view of a whole (not HFSDP sub-) shard, e.g. the compute
+        shard or the main gradients: shape `(rows, *shape[1:])`. A 0-dim parameter gives its slot in the shard
+        (its value on rank 0, the zero padding elsewhere)."""
+        piece = self.pieces[index]
+        if not self.layout.shapes[index]:
+            return shard[piece.shard_start:piece.shard_start + 1].view(())
+        return shard[piece.shard_start:piece.shard_end].view(self.layout.local_shape(index, self.dp_rank))
+
     # ---- compute-weight storage -----------------------------------------------------------------------------
     def allocate_compute(self):
         """Give the compute buffer its full storage (values are undefined until gathered or written)."""
@@ -232,19 +261,35 @@ class ParamGroup:
     def gathered(self, value: bool):
         self.weight_state = WeightState.GATHERED if value else WeightState.SHARDED
 
-    def start_gather(self, pending: PendingCollective):
-        """An all-gather into the compute buffer was issued; an earlier one still in flight is waited for first."""
+    def start_gather(self, issue: Callable[[torch.Tensor, torch.Tensor], PendingCollective]):
+        """Gather every rank's shard: `issue(output, shard)` starts the all-gather of `gather_source()` into a
+        rank-major buffer (a staging buffer, or the compute buffer itself when the forms coincide). An earlier
+        gather still in flight is finished first."""
         self.finish_gather()
-        self.pending_gather = pending
+        output = self.compute_buffer
+        if not self.layout.forms_coincide:
+            self.gather_staging = output = torch.empty(self.layout.padded_numel, dtype=self.param_dtype,
+                                                       device=self.device)
+        self._gather_send = self.gather_source()
+        self.pending_gather = issue(output, self._gather_send)
         self.weight_state = WeightState.GATHERING
 
     def finish_gather(self):
-        """Wait for the all-gather in flight, if any: the compute buffer then holds the full weights."""
+        """Wait for the all-gather in flight, if any, and copy it out: the compute buffer then holds the full
+        weights."""
         if self.pending_gather is not None:
             pending, self.pending_gather = self.pending_gather, None
             pending.wait()
+            self.copy_gathered_into_compute()
             if self.weight_state is WeightState.GATHERING:
                 self.weight_state = WeightState.GATHERED
+
+    def copy_gathered_into_compute(self):
+        """The copy-out of a landed all-gather: staging (every rank's shard, rank-major) -> the compute buffer
+        (contiguous full parameters). Nothing to do when the gather landed in the compute buffer."""
+        if self.gather_staging is not None:
+            copy_gathered_to_unsharded(self.layout, self.gather_staging, self.compute_buffer)
+        self.gather_staging = self._gather_send = None
 
     def compute_bytes_held(self) -> int:
         if self.uses_pool:
@@ -252,13 +297,16 @@ class ParamGroup:
         return self.compute_buffer.untyped_storage().nbytes()
 
     def gather_source(self) -> torch.Tensor:
-        """The shard this rank contributes to a gather of the compute weights."""
-        return self.compute_shard if self.shards_params else self.compute_buffer_shard
+        """The shard this rank contributes to a gather of the compute weights: the compute shard (strategy 3),
+        or the main weights in the compute dtype (strategies 1/2, after the optimizer step)."""
+        if self.shards_params:
+            return self.compute_shard
+        return self.main_weights.to(self.param_dtype)
 
     def commit_compute_to_shards(self):
         """After the full compute buffer was written (init, load): derive this rank's shard and main weights."""
         if self.shards_params and self.compute_shard is not None:
-            self.compute_shard.copy_(self.compute_buffer_shard)
+            shard_of_unsharded(self.layout, self.compute_buffer, self.dp_rank, self.compute_shard)
         self.commit_compute_shard_to_main()
 
     def commit_compute_shard_to_main(self):
@@ -270,7 +318,8 @@ class ParamGroup:
         elif self.shards_params:
             source = self.compute_shard[self.sub_shard_slice] if self.outer_sharded else self.compute_shard
         else:
-            source = self.compute_buffer_shard
+            shard_of_unsharded(self.layout, self.compute_buffer, self.dp_rank, self.main_weights)
+            return
         if self.main_weights.data_ptr() != source.data_ptr():
             self.main_weights.copy_(source)
         self.compute_shard_stale = False
@@ -280,14 +329,16 @@ class ParamGroup:
 
         Under HFSDP the main weights are only a sub-shard of the compute shard: the compute shard is marked
         stale instead, and the schedule refreshes it with an all-gather of `outer_gather_source()` over the
-        outer group before gathering it."""
+        outer group before gathering it. Under strategies 1/2 the all-gather that follows the step
+        (`gather_source()`) installs them."""
         if self.main_weights is None:
             return
         if self.outer_sharded:
             self.compute_shard_stale = True
             return
-        target = self.compute_shard if self.shards_params else (
-            self.compute_buffer if self.strategy == ShardingStrategy.no_shard else self.compute_buffer_shard)
+        if self.strategy in (ShardingStrategy.optim, ShardingStrategy.optim_grads):
+            return
+        target = self.compute_shard if self.shards_params else self.compute_buffer
         if target.data_ptr() != self.main_weights.data_ptr():
             target.copy_(self.main_weights)
 
@@ -298,31 +349,26 @@ class ParamGroup:
 
     # ---- gradients -------------------------------------------------------------------------------------------
     def write_grad(self, index: int, grad: torch.Tensor, scale: float):
-        """Add (or, in a fresh transient buffer, write) one parameter's gradient into the flat gradient buffer."""
-        span = self.layout.spans[index]
+        """Add (or, in a fresh transient buffer, write) one parameter's gradient into the flat gradient buffer:
+        param-major under strategy 0 (all-reduced), else rank-major, ready for the reduce-scatter (the
+        copy-in, `resharding.copy_grad_in`)."""
         flat_grad = grad.reshape(-1)
         if self.grad_buffer is not None:
             if self.reduced:
                 self._reopen_reduced_grads()
-            target = self.grad_buffer[span.flat_start:span.flat_end]
-            target.add_(flat_grad, alpha=scale) if scale != 1.0 else target.add_(flat_grad)
+            if self.strategy == ShardingStrategy.no_shard:
+                span = self.layout.spans[index]
+                target = self.grad_buffer[span.flat_start:span.flat_end]
+                target.add_(flat_grad, alpha=scale) if scale != 1.0 else target.add_(flat_grad)
+            else:
+                copy_grad_in(self.layout, self.grad_buffer, index, flat_grad, scale, accumulate=True)
         else:
             if self.transient_grads is None and not self.starts_transient_grads(flat_grad):
                 self._stash_grad(index, flat_grad, scale)
                 self.grads_dirty = True
                 return
             self._allocate_transient_grads()
-            target = self.transient_grads[span.flat_start:span.flat_end]
-            if self.filled[index]:
-                target.add_(flat_grad, alpha=scale)
-            elif scale != 1.0 and flat_grad.dtype == target.dtype:
-                torch.mul(flat_grad, scale, out=target)
-            else:
-                # A low-precision gradient is cast first, so the 1/DP pre-scale is computed (and rounded) in the
-                # reduction dtype: scaling in bf16/fp16 would round, or underflow at large DP, before the cast.
-                target.copy_(flat_grad)
-                if scale != 1.0:
-                    target.mul_(scale)
+            copy_grad_in(self.layout, self.transient_grads, index, flat_grad, scale, accumulate=self.filled[index])
             self.filled[index] = True
         self.grads_dirty = True
 
@@ -347,8 +393,7 @@ class ParamGroup:
         self.transient_grads = torch.empty(self.layout.padded_numel, dtype=self.comm_dtype, device=self.device)
         self.filled = [False] * len(self.params)
         for index, stashed in self.stashed_grads.items():
-            span = self.layout.spans[index]
-            self.transient_grads[span.flat_start:span.flat_end].copy_(stashed)
+            copy_grad_in(self.layout, self.transient_grads, index, stashed, 1.0, accumulate=False)
             self.filled[index] = True
         self.stashed_grads = {}
 
@@ -372,9 +417,10 @@ class ParamGroup:
         self._allocate_transient_grads()
         for index, was_filled in enumerate(self.filled):
             if not was_filled:
-                span = self.layout.spans[index]
-                self.transient_grads[span.flat_start:span.flat_end].zero_()
-        self.transient_grads[self.layout.numel:].zero_()
+                zero_param_chunks(self.layout, self.transient_grads, index)
+        layout = self.layout
+        if layout.used_shard_numel < layout.shard_numel:  # the tail pad of every shard
+            self.transient_grads.view(layout.dp_size, layout.shard_numel)[:, layout.used_shard_numel:].zero_()
         return self.transient_grads
 
     def drop_transient_grads(self):
@@ -468,6 +514,11 @@ class ParamGroup:
 
     def transient_bytes(self) -> int:
         gathered = self.compute_bytes_held() if self.shards_params else 0
+        gathered += tensor_bytes(self.gather_staging)
+        if self._gather_send is not None and self._gather_send.data_ptr() not in (
+                self.main_weights.data_ptr() if self.main_weights is not None else None,
+                self.compute_shard.data_ptr() if self.compute_shard is not None else None):
+            gathered += tensor_bytes(self._gather_send)  # main weights cast to the compute dtype for a gather
         stashed = sum(tensor_bytes(grad) for grad in self.stashed_grads.values())
         # HFSDP: the shard-sized reduce-scatter target lives from the first reduction to finish_grad_sync.
         shard_grads = self.main_grads.untyped_storage().nbytes() if (

@@ -40,8 +40,10 @@ class Unit:
 class Schedule:
     """Owns the hooks and every collective issued during a step."""
 
-    # Set by MegatronFSDP under strategy 3: swaps released groups' parameters for placeholders while at rest.
+    # Set by MegatronFSDP: under strategy 3, swaps released groups' parameters for placeholders while at rest;
+    # shows the reduced gradients as the parameters' `.grad` (param_grads.py).
     resting = None
+    param_grads = None
 
     def __init__(self, *, units: List[Unit], root_groups: List[ParamGroup], strategy: ShardingStrategy,
                  dp_group, outer_group, counter: collectives.CommunicationCounter, grad_scale: float,
@@ -125,14 +127,18 @@ class Schedule:
             if group.uses_pool:
                 self._claim_pool_slot(group)
             group.allocate_compute()
-            group.start_gather(self.streams.issue(
-                self.streams.all_gather, lambda: collectives.all_gather_flat(
-                    group.compute_buffer, group.gather_source(), self.dp_group, self.counter, async_op=True)))
+            group.start_gather(self._issue_gather)
             if self.resting is not None:
                 self.resting.show(group)
         if not async_op:
             self.wait_gathered(groups)
         self._track_transient()
+
+    def _issue_gather(self, output: torch.Tensor, shard: torch.Tensor) -> collectives.PendingCollective:
+        """One all-gather of every data-parallel rank's `shard` into the rank-major `output`, on the all-gather
+        stream (`ParamGroup.start_gather` picks both and copies the result out when it is waited for)."""
+        return self.streams.issue(self.streams.all_gather, lambda: collectives.all_gather_flat(
+            output, shard, self.dp_group, self.counter, async_op=True))
 
     def _wait_gather(self, group: ParamGroup):
         self._wait_compute_shard_refresh(group)
@@ -244,6 +250,7 @@ class Schedule:
         # Queued from the outermost backward: a reentrant activation-checkpoint backward nested in it must not
         # end the step's backward early.
         self._queue_post_backward()
+        self._drop_param_grads()
         for group in self.root_groups:  # strategies 0/1: as in _unit_pre_backward, not in the gradient hooks
             if group.reduced:
                 self.wait_reduce_of(group)
@@ -252,8 +259,15 @@ class Schedule:
             # unit's own pre-backward hook gathers it once the loss and output-layer gradients are done.
             self.ensure_gathered(self.root_groups)
 
+    def _drop_param_grads(self):
+        """Before any gradient of a backward accumulates: `.grad` attached after the last one views reduced
+        gradients, which autograd would add this backward's gradients to."""
+        if self.param_grads is not None:
+            self.param_grads.drop()
+
     def _unit_pre_backward(self, unit: Unit):
         self._queue_post_backward()
+        self._drop_param_grads()
         self._launch_deferred_reduces()
         for group in unit.groups:  # strategies 0/1: this microbatch adds to buffers the last one may still reduce
             if group.reduced:
@@ -337,9 +351,9 @@ class Schedule:
             self.release(self.groups, at_rest=True)
         if any(entry[4] for entry in self.pending_reduces):
             self.wait_reduces()  # the last inner reductions landed: their outer ones start before the step
-        if self.resting is not None:  # the resting parameters' .grad view the reduced gradient shards
-            self.wait_reduces()
-            self.resting.attach_grads(grad_sync_finished=False)
+        if self.param_grads is not None and not any(group.grads_dirty for group in self.groups):
+            self.wait_reduces()  # every reduction of the step was launched: `.grad` views their results
+            self.param_grads.attach(grad_sync_finished=False)
         for group in self.groups:
             group.grads_received = set()
             group.early_release_blocked = False
@@ -533,9 +547,7 @@ class Schedule:
             if not group.trainable:
                 continue
             self._wait_gather(group)
-            group.start_gather(self.streams.issue(
-                self.streams.all_gather, lambda: collectives.all_gather_flat(
-                    group.compute_buffer, group.gather_source(), self.dp_group, self.counter, async_op=True)))
+            group.start_gather(self._issue_gather)
         if not async_op:
             self.wait_gathered(self.groups)
 

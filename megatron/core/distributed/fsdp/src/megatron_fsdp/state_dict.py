@@ -1,8 +1,11 @@
 """Model and optimizer state dicts of a MegatronFSDP model as row-sharded DTensors (see uneven_dtensor.py).
 
-Saving gathers one group at a time (its flat shards -> the full flat group, transiently) and keeps only this
-rank's rows. Loading writes this rank's rows into a zeroed full flat group and sums over the data-parallel
-group (every element is written by exactly one rank), then keeps this rank's flat shard.
+The row-aligned layout (layout.py) keeps each rank's rows of every parameter contiguous in its shard, which
+is exactly what a state-dict DTensor (`Shard(0)` rows) holds: saving hands out views of those rows and loading
+writes the rows into the shard, without communication. Two exceptions gather: HFSDP's optimizer side (main
+weights and optimizer state are flat sub-shards of the rows, all-gathered over the outer group), and groups
+whose full compute weights are written on load (strategy 0, frozen groups of strategies 1/2). A 0-dim
+parameter lives on rank 0 only; its (replicated) value is summed over the data-parallel group.
 
 With tensor parallelism a parameter's rows are those of this rank's TP partition, and its DTensor has the full,
 unpartitioned shape (see uneven_dtensor.py); loading cuts full values down to the partition first.
@@ -17,11 +20,10 @@ from . import collectives
 from .distributed_data_parallel_config import ShardingStrategy
 from .optimizer_state import initialize_optimizer_state
 from .param_and_grad_buffer import ParamGroup
+from .resharding import copy_gathered_to_unsharded
 from .uneven_dtensor import (
     local_rows_of,
     make_row_sharded_dtensor,
-    row_range,
-    row_slice_of_flat,
     tensor_parallel_full_shape,
     tensor_parallel_partition_of,
 )
@@ -66,54 +68,108 @@ def _in_outer_sub_shards(group: ParamGroup) -> bool:
     return group.outer_sharded and group.main_weights is not None
 
 
-def _full_flat(model, group: ParamGroup, pieces: List[torch.Tensor]) -> torch.Tensor:
-    """The full flat group from per-parameter local pieces (flat shard pieces, HFSDP sub-shard pieces of the
-    main weights / optimizer state, or whole params for no_shard)."""
+def _shard_of_pieces(model, group: ParamGroup, pieces: List[torch.Tensor]) -> torch.Tensor:
+    """This rank's whole shard from per-parameter main-level pieces (its rows, or under HFSDP the part of them
+    in this outer rank's sub-shard, all-gathered over the outer group)."""
     layout = group.layout
-    if model.strategy == ShardingStrategy.no_shard:
-        return torch.cat([piece.reshape(-1) for piece in pieces]) if pieces else torch.empty(0)
     dtype = pieces[0].dtype if pieces else group.main_dtype
     sub_shards = _in_outer_sub_shards(group)
     local = torch.zeros(layout.sub_shard_numel if sub_shards else layout.shard_numel, dtype=dtype,
                         device=group.device)
     for piece_range, piece in zip(group.main_pieces if sub_shards else group.pieces, pieces):
         local[piece_range.shard_start:piece_range.shard_end].copy_(piece.reshape(-1))
-    uncounted = collectives.CommunicationCounter()
-    if sub_shards:  # sub-shards -> shard over the outer group, then shards -> group as usual
-        shard = torch.empty(layout.shard_numel, dtype=dtype, device=group.device)
-        collectives.all_gather_flat(shard, local, model.topology.outer_group, uncounted)
-        local = shard
-    full = torch.empty(layout.padded_numel, dtype=dtype, device=group.device)
-    collectives.all_gather_flat(full, local, model.topology.dp_group, uncounted)
-    return full
+    if not sub_shards:
+        return local
+    shard = torch.empty(layout.shard_numel, dtype=dtype, device=group.device)
+    collectives.all_gather_flat(shard, local, model.topology.outer_group, collectives.CommunicationCounter())
+    return shard
 
 
-def _row_dtensors(model, group: ParamGroup, pieces: List[torch.Tensor], dtype=None) -> List[DTensor]:
-    """One DTensor of the full (TP-unpartitioned) shape per parameter, holding this rank's rows of its
-    (partition of the) parameter."""
+def _unsharded_of_shard(model, group: ParamGroup, shard: torch.Tensor) -> torch.Tensor:
+    """The full group in its unsharded (param-major) form from every rank's shard (one all-gather)."""
+    layout = group.layout
+    gathered = torch.empty(layout.padded_numel, dtype=shard.dtype, device=shard.device)
+    collectives.all_gather_flat(gathered, shard, model.topology.dp_group, collectives.CommunicationCounter())
+    unsharded = torch.zeros_like(gathered)
+    copy_gathered_to_unsharded(layout, gathered, unsharded)
+    return unsharded
+
+
+def _full_flat(model, group: ParamGroup, pieces: List[torch.Tensor]) -> torch.Tensor:
+    """The full group in its unsharded form (`group.layout.spans` index it) from per-parameter local pieces
+    (main-level pieces as the optimizer sees them, or whole parameters for no_shard). Collective."""
+    if model.strategy == ShardingStrategy.no_shard:
+        full = torch.zeros(group.layout.padded_numel, dtype=pieces[0].dtype if pieces else group.main_dtype,
+                           device=group.device)
+        for span, piece in zip(group.layout.spans, pieces):
+            full[span.flat_start:span.flat_end].copy_(piece.reshape(-1))
+        return full
+    return _unsharded_of_shard(model, group, _shard_of_pieces(model, group, pieces))
+
+
+def _rows_of_full(group: ParamGroup, fulls: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Per parameter, this rank's rows (views) of its full value."""
+    return [full[slice(*group.row_range(index))] if group.layout.shapes[index]
+            else full.reshape(()) for index, full in enumerate(fulls)]
+
+
+def _rows_of_pieces(model, group: ParamGroup, pieces: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Per parameter, this rank's rows from the optimizer-level pieces (views where the pieces are this rank's
+    rows already: everywhere but under HFSDP)."""
+    if model.strategy == ShardingStrategy.no_shard:
+        return _rows_of_full(group, pieces)
+    if _in_outer_sub_shards(group):
+        shard = _shard_of_pieces(model, group, pieces)
+        return [group.rows_of_shard(shard, index) for index in range(len(pieces))]
+    rows = []
+    for index, piece in enumerate(pieces):
+        if group.layout.shapes[index]:
+            rows.append(piece.view(group.layout.local_shape(index, group.dp_rank)))
+        else:  # rank 0 holds a 0-dim parameter; the others contribute zeros to the sum
+            rows.append(piece.reshape(()) if piece.numel() else torch.zeros((), dtype=piece.dtype,
+                                                                               device=piece.device))
+    return rows
+
+
+def _replicate_scalars(model, group: ParamGroup, rows: List[torch.Tensor]) -> List[torch.Tensor]:
+    """0-dim values held by data-parallel rank 0 only -> the value on every rank (one sum over the group)."""
+    if model.strategy == ShardingStrategy.no_shard:
+        return rows
+    scalars = [index for index, shape in enumerate(group.layout.shapes) if not shape]
+    if not scalars:
+        return rows
+    values = torch.stack([rows[index].detach().to(torch.float64) for index in scalars])
+    if group.dp_rank != 0:
+        values.zero_()
+    collectives.all_reduce_scalar_sum(values, model.topology.dp_group)
+    rows = list(rows)
+    for position, index in enumerate(scalars):
+        rows[index] = values[position].to(rows[index].dtype)
+    return rows
+
+
+def _row_dtensors(model, group: ParamGroup, rows: List[torch.Tensor], copy: bool = False) -> List[DTensor]:
+    """One DTensor of the full (TP-unpartitioned) shape per parameter, holding this rank's `rows` of its
+    (partition of the) parameter (views of them, or copies with `copy`)."""
     mesh, dp_mesh_dim, tp_mesh_dim = model.topology.checkpoint_mesh()
-    full = _full_flat(model, group, pieces)
-    if dtype is not None:
-        full = full.to(dtype)
+    rows = _replicate_scalars(model, group, rows)
     result = []
-    for span, param in zip(group.layout.spans, group.params):
-        flat = full[span.flat_start:span.flat_end]
-        rows = row_slice_of_flat(flat, span.shape, model.topology.dp_size, model.topology.dp_rank).clone()
+    for index, (span, param) in enumerate(zip(group.layout.spans, group.params)):
+        local = rows[index].detach()
+        if copy:
+            local = local.clone()
         partition_dim = _tp_partition_dim(model, param)
         shape = tensor_parallel_full_shape(span.shape, partition_dim, model.topology.tp_size)
-        result.append(make_row_sharded_dtensor(rows, shape, mesh, dp_mesh_dim, tp_mesh_dim, partition_dim))
+        result.append(make_row_sharded_dtensor(local, shape, mesh, dp_mesh_dim, tp_mesh_dim, partition_dim))
     return result
 
 
-def _weight_pieces(group: ParamGroup) -> List[torch.Tensor]:
-    if group.main_weights is not None:
-        return list(group.main_param_views)
-    source = group.compute_shard if group.shards_params else group.compute_buffer
-    if group.strategy == ShardingStrategy.no_shard:
-        return [group.param_view(i) for i in range(len(group.params))]
-    if not group.shards_params:
-        source = group.compute_buffer_shard
-    return [source[p.shard_start:p.shard_end] for p in group.pieces]
+def _weight_rows(model, group: ParamGroup) -> List[torch.Tensor]:
+    """This rank's rows of every parameter in the compute dtype, as views of the weights the module computes
+    with (the compute shard, or the full compute buffer of strategies 0-2)."""
+    if group.shards_params:
+        return [group.rows_of_shard(group.compute_shard, index) for index in range(len(group.params))]
+    return _rows_of_full(group, [group.param_view(index) for index in range(len(group.params))])
 
 
 def module_state_keys(module) -> List[tuple]:
@@ -138,12 +194,16 @@ def module_state_keys(module) -> List[tuple]:
 
 
 def model_state_dict(model) -> Dict[str, object]:
-    """Keys equal `model.module.state_dict()`'s; a tied parameter's aliases map to the same DTensor."""
+    """Keys equal `model.module.state_dict()`'s; a tied parameter's aliases map to the same DTensor. Like
+    `nn.Module.state_dict()`, the DTensors' local tensors are views of the weights (this rank's rows of them),
+    not copies. (The optimizer's state dict holds copies: loading the model state writes the main weights,
+    which the optimizer state loaded next must not have aliased.)"""
     _check_checkpointable(model)
-    model.schedule.wait_gathered(model.groups)
+    model.schedule.wait_gathered(model.groups)  # strategies 1/2: the post-step all-gather may be in flight
+    model.schedule.refresh_compute_shards(model.groups, async_op=False)  # HFSDP: compute shards up to date
     params = {}
     for group in model.groups:
-        for name, tensor in zip(group.names, _row_dtensors(model, group, _weight_pieces(group), group.param_dtype)):
+        for name, tensor in zip(group.names, _row_dtensors(model, group, _weight_rows(model, group))):
             params[name] = tensor
     buffers = {name: buffer.detach().clone() for name, buffer in model.module.named_buffers()}
     state = {}
@@ -152,25 +212,37 @@ def model_state_dict(model) -> Dict[str, object]:
     return state
 
 
-def _shard_from_rows(model, group: ParamGroup, values: List[torch.Tensor], dtype, full_group=False) -> torch.Tensor:
-    """Rows of every parameter (this rank's) -> this rank's flat shard (or the full flat group for no_shard);
-    for HFSDP main weights and optimizer state, this rank's sub-shard of it."""
+def _shard_from_rows(model, group: ParamGroup, values: List[torch.Tensor], dtype) -> torch.Tensor:
+    """This rank's rows of every parameter (from checkpoint values) -> this rank's whole shard, padding zeroed.
+    No communication, except under no_shard, whose "shard" is the full group: every rank writes its rows into
+    zeros and the sum over the data-parallel group assembles it."""
     topology = model.topology
-    full = torch.zeros(group.layout.padded_numel, dtype=dtype, device=group.device)
-    for span, value in zip(group.layout.spans, values):
-        rows = local_rows_of(value, span.shape, topology.dp_size, topology.dp_rank).to(device=group.device,
-                                                                                       dtype=dtype)
-        start, end = row_range(span.shape, topology.dp_size, topology.dp_rank)
-        row_numel = (span.numel // span.shape[0]) if (span.shape and span.shape[0]) else span.numel
-        full[span.flat_start + start * row_numel:span.flat_start + end * row_numel].copy_(rows.reshape(-1))
-    collectives.all_reduce_scalar_sum(full, topology.dp_group)
-    if full_group or model.strategy == ShardingStrategy.no_shard:
+    if model.strategy == ShardingStrategy.no_shard:
+        full = torch.zeros(group.layout.padded_numel, dtype=dtype, device=group.device)
+        for index, (span, value) in enumerate(zip(group.layout.spans, values)):
+            rows = local_rows_of(value, span.shape, topology.dp_size, topology.dp_rank)
+            start, end = group.row_range(index)
+            if not span.shape:
+                start, end = (0, 1) if group.dp_rank == 0 else (0, 0)
+            row_numel = group.layout.chunks[index].row_numel
+            full[span.flat_start + start * row_numel:span.flat_start + end * row_numel].copy_(
+                rows.reshape(-1)[:(end - start) * row_numel])
+        collectives.all_reduce_scalar_sum(full, topology.dp_group)
         return full
+    shard = torch.zeros(group.layout.shard_numel, dtype=dtype, device=group.device)
+    for span, value, piece in zip(group.layout.spans, values, group.pieces):
+        if piece.numel:
+            rows = local_rows_of(value, span.shape, topology.dp_size, topology.dp_rank)
+            shard[piece.shard_start:piece.shard_end].copy_(rows.reshape(-1))
+    return shard
+
+
+def _main_level(model, group: ParamGroup, shard: torch.Tensor) -> torch.Tensor:
+    """A whole shard -> what the main weights (and the optimizer's state) hold: the HFSDP sub-shard, or the
+    shard itself (for no_shard the full group)."""
     if _in_outer_sub_shards(group):
-        start, end = group.layout.sub_shard_range(topology.dp_rank, group.outer_rank)
-        return full[start:end]
-    shard_start, shard_end = group.layout.shard_range(topology.dp_rank)
-    return full[shard_start:shard_end]
+        return shard[group.sub_shard_slice]
+    return shard
 
 
 def load_model_state_dict(model, state_dict, strict: bool = True):
@@ -195,17 +267,17 @@ def load_model_state_dict(model, state_dict, strict: bool = True):
             if any(name not in state_dict for name in group.names):
                 continue
             dtype = group.main_dtype if group.main_weights is not None else group.param_dtype
-            # Frozen groups of strategies 0-2 are never re-gathered, so they take the whole group at once.
-            full_group = group.main_weights is None and not group.shards_params
             values = _tensor_parallel_local_values(model, group, [state_dict[name] for name in group.names])
-            values = _shard_from_rows(model, group, values, dtype, full_group)
+            shard = _shard_from_rows(model, group, values, dtype)
             if group.main_weights is not None:
-                group.main_weights.copy_(values)
+                group.main_weights.copy_(_main_level(model, group, shard))
                 group.install_main_into_compute()
             elif group.shards_params:
-                group.compute_shard.copy_(values)
-            else:
-                group.compute_buffer.copy_(values)
+                group.compute_shard.copy_(shard)
+            elif model.strategy == ShardingStrategy.no_shard:
+                group.compute_buffer.copy_(shard)  # the full group already
+            else:  # frozen groups of strategies 1/2 are never re-gathered: they take the whole group at once
+                group.compute_buffer.copy_(_unsharded_of_shard(model, group, shard))
         for name, buffer in buffers.items():
             if name in state_dict:
                 value = state_dict[name]
@@ -253,11 +325,13 @@ def optimizer_state_dict(optimizer) -> dict:
         for key in sorted(keys):
             pieces = [optimizer.state[view][key] if key in optimizer.state.get(view, {}) else torch.zeros_like(view)
                       for view in views]
-            for index, tensor in enumerate(_row_dtensors(model, group, pieces)):
+            for index, tensor in enumerate(_row_dtensors(model, group, _rows_of_pieces(model, group, pieces),
+                                                         copy=True)):
                 if views[index] in optimizer.state:
                     state.setdefault(group.names[index], {})[key] = tensor
         if group.main_dtype != group.param_dtype:
-            for index, tensor in enumerate(_row_dtensors(model, group, list(views))):
+            rows = _rows_of_pieces(model, group, list(views))
+            for index, tensor in enumerate(_row_dtensors(model, group, rows, copy=True)):
                 state.setdefault(group.names[index], {})[MAIN_PARAM_KEY] = tensor
         for index, view in enumerate(views):
             for key, value in optimizer.state.get(view, {}).items():
@@ -299,7 +373,8 @@ def load_optimizer_state_dict(optimizer, state_dict):
             if all(MAIN_PARAM_KEY in saved_state.get(name, {}) for name in group.names):
                 values = _tensor_parallel_local_values(model, group,
                                                        [saved_state[name][MAIN_PARAM_KEY] for name in group.names])
-                group.main_weights.copy_(_shard_from_rows(model, group, values, group.main_dtype))
+                group.main_weights.copy_(_main_level(model, group, _shard_from_rows(model, group, values,
+                                                                                    group.main_dtype)))
                 main_weights_loaded = True
             keys = set()
             for name in group.names:
@@ -308,7 +383,7 @@ def load_optimizer_state_dict(optimizer, state_dict):
             for key in sorted(keys):
                 values = _tensor_parallel_local_values(
                     model, group, [saved_state.get(name, {}).get(key) for name in group.names])
-                flat = _shard_from_rows(model, group, values, group.main_dtype)
+                flat = _main_level(model, group, _shard_from_rows(model, group, values, group.main_dtype))
                 for index, view in enumerate(group.main_param_views):
                     target = group._main_view(flat, index)
                     optimizer.state[view][key] = target.clone()
