@@ -1,0 +1,155 @@
+"""`.grad` of the module's parameters after the last microbatch's backward: this rank's part of the reduced
+gradient, for every strategy (a full tensor under no_shard, Shard(0) rows otherwise), viewing the gradients the
+optimizer steps with, so in-place changes reach the step; `zero_grad()` resets it. Also: `copy.deepcopy` of a
+wrapped model refuses with a clear error."""
+
+import copy
+
+import pytest
+import torch
+
+from tests.unit_tests.distributed.fsdp import fsdp_test_models as models
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+MICROBATCHES = 2
+LR = 0.1
+GRAD_FACTOR = 0.5  # applied in place to every p.grad before the step
+
+
+def _reference():
+    """Single process: the full-batch gradients, and SGD's weights after one step on GRAD_FACTOR * them."""
+    model = models.make_model(0)
+    inputs, target = models.make_batches(1)[0]
+    models.loss_fn(model(inputs), target).backward()
+    params = dict(model.named_parameters())
+    grads = {name: p.grad.clone() for name, p in params.items() if p.grad is not None}
+    with torch.no_grad():
+        for p in params.values():
+            if p.grad is not None:
+                p.sub_(LR * GRAD_FACTOR * p.grad)
+    return grads, {name: p.detach().clone() for name, p in params.items()}
+
+
+def _grads_by_strategy():
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    import megatron_fsdp
+    from megatron_fsdp.layout import chunk_rows
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inputs, target = (models.local_slice(t, rank, world) for t in models.make_batches(1)[0])
+    results = {}
+    for strategy in range(4):
+        module = models.make_model(0)
+        optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=LR)
+        model, optimizer = megatron_fsdp.fully_shard(module, optimizer, fsdp_unit_modules=[models.Block],
+                                                     zero_dp_strategy=strategy)
+        optimizer.zero_grad()
+        chunk = inputs.shape[0] // MICROBATCHES
+        after_first = None
+        for micro in range(MICROBATCHES):
+            part = slice(micro * chunk, (micro + 1) * chunk)
+            with (model.no_sync() if micro < MICROBATCHES - 1 else models._null()):
+                (models.loss_fn(model(inputs[part]), target[part]) / MICROBATCHES).backward()
+            if after_first is None:  # strategies 0/1 defer the reduction under no_sync: nothing to show yet
+                after_first = [p.grad is not None for p in model.parameters() if p.requires_grad]
+        params = dict(model.module.named_parameters())
+        kinds, grads, rows_ok = set(), {}, True
+        for name, p in params.items():
+            if p.grad is None:
+                continue
+            grad = p.grad
+            if isinstance(grad, DTensor):
+                kinds.add(("DTensor", tuple(grad.placements), tuple(grad.shape) == tuple(p.shape)))
+                start, end = chunk_rows(p.shape[0], world, rank)
+                rows_ok &= grad.to_local().shape[0] == end - start
+                grads[name] = grad.full_tensor().clone()
+            else:
+                kinds.add(("Tensor", (), tuple(grad.shape) == tuple(p.shape)))
+                grads[name] = grad.clone()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(GRAD_FACTOR)  # must reach the step
+        optimizer.step()
+        weights = models.full_params(model)
+        optimizer.zero_grad()
+        reset = all(p.grad is None for p in model.module.parameters())
+        results[strategy] = (after_first, kinds, rows_ok, grads, weights, reset)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_param_grads_are_this_ranks_part_of_the_reduced_gradient(world_size):
+    from torch.distributed.tensor import Shard
+
+    reference_grads, reference_weights = _reference()
+    for results in run_on_ranks(world_size, _grads_by_strategy):
+        for strategy, (after_first, kinds, rows_ok, grads, weights, reset) in results.items():
+            if strategy <= 1:
+                assert not any(after_first), strategy
+            else:  # reduced every microbatch: the first microbatch's reduced gradients show
+                assert all(after_first), strategy
+            expected_kind = ("Tensor", (), True) if strategy == 0 else ("DTensor", (Shard(0),), True)
+            assert kinds == {expected_kind}, (strategy, kinds)
+            assert rows_ok, strategy
+            assert set(grads) == set(reference_grads), strategy
+            for name, grad in reference_grads.items():
+                torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=f"{strategy} {name}")
+            for name, value in reference_weights.items():
+                torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=f"{strategy} {name}")
+            assert reset, strategy
+
+
+def _bf16_grads(strategy):
+    import megatron_fsdp
+
+    module = models.make_model(0, torch.bfloat16)
+    optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=LR)
+    model, optimizer = megatron_fsdp.fully_shard(module, optimizer, fsdp_unit_modules=[models.Block],
+                                                 zero_dp_strategy=strategy)
+    inputs, target = models.make_batches(1, dtype=torch.bfloat16)[0]
+    models.loss_fn(model(inputs), target).backward()
+    model.finish_grad_sync()
+    # The fp32 reduced gradients are shown as they are (grad_dtype), on the very storage the optimizer reads.
+    dtypes, shared = set(), True
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        dtypes.add((p.dtype, p.grad.dtype))
+        group, index = model.param_to_group[id(p)]
+        local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        shared &= local.numel() == 0 or local.data_ptr() == group.optimizer_grad_views()[index].data_ptr()
+    optimizer.zero_grad()
+    restored = all(getattr(p, "grad_dtype", p.dtype) == p.dtype for p in model.parameters())
+    return dtypes, shared, restored
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_bf16_model_shows_its_fp32_gradients(world_size):
+    for strategy in (1, 3):
+        for dtypes, shared, restored in run_on_ranks(world_size, _bf16_grads, strategy):
+            assert dtypes == {(torch.bfloat16, torch.float32)}, (strategy, dtypes)
+            assert shared and restored, strategy
+
+
+def _deepcopy_refuses():
+    import megatron_fsdp
+
+    model = megatron_fsdp.fully_shard_model(models.make_model(0), fsdp_unit_modules=[models.Block])
+    messages = []
+    for target in (model, model.module):
+        try:
+            copy.deepcopy(target)
+            messages.append(None)
+        except TypeError as error:
+            messages.append(str(error))
+    return messages
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_deepcopy_of_a_wrapped_model_says_what_to_do_instead(world_size):
+    for messages in run_on_ranks(world_size, _deepcopy_refuses):
+        for message in messages:
+            assert message is not None and "load_state_dict(model.state_dict())" in message, message
