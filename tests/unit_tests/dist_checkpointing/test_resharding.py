@@ -14,12 +14,8 @@ import os
 import pytest
 import torch
 
-from tests.unit_tests.dist_checkpointing.pretrain_helpers import run_pretrain
-from tests.unit_tests.dist_checkpointing.test_resume import (
-    FP32_REL_TOLERANCE,
-    check_exact_resume,
-    straight_and_resumed,
-)
+from tests.unit_tests.dist_checkpointing.pretrain_helpers import check_exact_resume, run_pretrain, straight_and_resumed
+from tests.unit_tests.dist_checkpointing.test_resume import FP32_REL_TOLERANCE
 from tests.unit_tests.multiprocess_harness import run_on_ranks
 
 WIDE = "--micro-batch-size 1 --global-batch-size 12"

@@ -13,7 +13,11 @@ import os
 import pytest
 import torch
 
-from tests.unit_tests.dist_checkpointing.pretrain_helpers import run_pretrain
+from tests.unit_tests.dist_checkpointing.pretrain_helpers import (
+    check_exact_resume,
+    run_pretrain,
+    straight_and_resumed,
+)
 from tests.unit_tests.multiprocess_harness import run_on_ranks
 
 LAYOUTS = {
@@ -103,31 +107,8 @@ EXACT_RESUME_WRAPPERS = {
 }
 
 
-def straight_and_resumed(workdir, name, layout_args, iterations=20):
-    """(losses of `iterations` straight, losses of the second half resumed from the checkpoint of the first)."""
-    from megatron.training.checkpointing import write_tracker
-
-    half = iterations // 2
-    root = os.path.join(workdir, f"exact_{name}")
-    schedule = f"--train-iters {iterations} --lr-decay-iters {iterations}"
-    straight = run_pretrain(workdir, f"{layout_args} {schedule} --save {root} --save-interval {half} "
-                                     "--ckpt-format torch_dist")
-    if torch.distributed.get_rank() == 0:
-        write_tracker(root, half)  # the checkpoint the first half of an interrupted run ends with
-    torch.distributed.barrier()
-    resumed = run_pretrain(workdir, f"{layout_args} {schedule} --load {root} --ckpt-format torch_dist")
-    return straight, resumed
-
-
 def _straight_and_resumed_per_wrapper(workdir, wrappers):
     return {name: straight_and_resumed(workdir, name, args) for name, args in wrappers.items()}
-
-
-def check_exact_resume(name, straight, resumed, iterations=20):
-    half = iterations // 2
-    assert sorted(straight) == list(range(1, iterations + 1)), name
-    assert len(set(straight.values())) == iterations, name  # every iteration updates the model
-    assert resumed == {i: straight[i] for i in range(half + 1, iterations + 1)}, name
 
 
 @pytest.mark.world_size(2)

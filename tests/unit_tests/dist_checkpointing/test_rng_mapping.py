@@ -92,11 +92,12 @@ def _save_at_dp2_load_at_tp2(workdir):
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, (saved_torch, saved_tracker))
     rank0_torch, rank0_tracker = gathered[0]
+    model_parallel = loaded_tracker[MODEL_PARALLEL_STREAM]
     return {
         "default restored": torch.equal(loaded_torch, rank0_torch)
         and torch.equal(loaded_tracker["data-parallel-rng"], rank0_tracker["data-parallel-rng"]),
-        "model-parallel restored": torch.equal(loaded_tracker[MODEL_PARALLEL_STREAM], rank0_tracker[MODEL_PARALLEL_STREAM]),
-        "model-parallel fresh": torch.equal(loaded_tracker[MODEL_PARALLEL_STREAM], fresh_tracker[MODEL_PARALLEL_STREAM]),
+        "model-parallel restored": torch.equal(model_parallel, rank0_tracker[MODEL_PARALLEL_STREAM]),
+        "model-parallel fresh": torch.equal(model_parallel, fresh_tracker[MODEL_PARALLEL_STREAM]),
         "report": report.lines(),
     }
 

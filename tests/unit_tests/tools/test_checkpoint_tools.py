@@ -163,7 +163,8 @@ def test_legacy_conversion_of_distributed_optimizer_shards_in_bf16(tmp_path, too
 LEGACY_LAYOUTS = {
     "distributed_optimizer": ("--use-distributed-optimizer", "--use-megatron-fsdp"),
     "tp2_bf16": ("--tensor-model-parallel-size 2 --bf16", "--use-distributed-optimizer --bf16"),
-    "tied_pp2": ("TIED --pipeline-model-parallel-size 2 --use-distributed-optimizer", "TIED --use-distributed-optimizer"),
+    "tied_pp2": ("TIED --pipeline-model-parallel-size 2 --use-distributed-optimizer",
+                 "TIED --use-distributed-optimizer"),
 }
 
 
