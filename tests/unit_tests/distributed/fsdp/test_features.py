@@ -83,13 +83,12 @@ def test_bytes_held_and_sent_match_zero_theory(world_size):
             full, shard, rows = 4 * padded, 4 * padded // world_size, 4 * owned
             expected = {
                 0: dict(compute_weights=full, main_weights=0, grads=full, optimizer_state=2 * full),
-                1: dict(compute_weights=full, main_weights=shard, grads=full, optimizer_state=2 * rows),
-                2: dict(compute_weights=full, main_weights=shard, grads=shard, optimizer_state=2 * rows),
+                1: dict(compute_weights=full, main_weights=0, grads=full, optimizer_state=2 * rows),
+                2: dict(compute_weights=full, main_weights=0, grads=shard, optimizer_state=2 * rows),
                 3: dict(compute_weights=0, main_weights=shard, grads=shard, optimizer_state=2 * rows),
             }[strategy]
-            # main weights alias the compute buffer (strategy 0) or are the sharded compute weights (3); under
-            # strategies 1/2 a rank's rows are spread over the full compute buffer, so its main weights are a
-            # shard of their own
+            # main weights alias the compute buffer (strategies 0-2: this rank's rows of it under 1/2) or are the
+            # sharded compute weights (3)
             for kind, value in expected.items():
                 # Adam's step counters are 4-byte scalars, one per parameter
                 extra = 4 * 6 * 4 if kind == "optimizer_state" else 0

@@ -56,7 +56,6 @@ def _api_checks():
             module, optimizer, fsdp_unit_modules=[models.Block], zero_dp_strategy=strategy,
             mixed_precision_policy=megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=None))
         weight_bytes = {"shards": sum(2 * g.layout.shard_numel for g in model.groups),
-                        "trainable_shards": sum(2 * g.layout.shard_numel for g in model.groups if g.trainable),
                         "full": sum(2 * g.layout.padded_numel for g in model.groups)}
         results[("no_main", strategy)] = (models.train_sharded(model, optimizer, NUM_STEPS, torch.bfloat16),
                                           models.precision_of(model, optimizer), model.memory_report(), weight_bytes)
@@ -156,12 +155,11 @@ def test_upstream_api(world_size, tmp_path):
             assert precision == ({torch.bfloat16}, {torch.bfloat16}), strategy
             # bf16 gradients summed over ranks instead of computed on the whole batch: test_parity's tolerance
             assert losses == pytest.approx(reference_bf16, abs=2e-2), strategy
-            # the main weights are the compute shards (strategy 3: one bf16 copy of the weights in all) or, under
-            # strategy 1, a bf16 shard of their own for each trainable group (a rank's rows are spread over the
-            # full compute buffer)
+            # the main weights are the compute weights (strategy 1: this rank's rows of them) or the compute shards
+            # (strategy 3): one bf16 copy of the weights in all
             held = (memory["compute_weights"], memory["main_weights"])
             if strategy == 1:
-                assert held == (weight_bytes["full"], weight_bytes["trainable_shards"]), held
+                assert held == (weight_bytes["full"], 0), held
             else:
                 assert sum(held) == weight_bytes["shards"], (held, weight_bytes)
 

@@ -6,13 +6,14 @@ row-aligned layout of layout.py: a rank's shard is its rows of every parameter):
 | strategy            | compute weights          | main weights (optimizer)  | gradients                             |
 |---------------------|--------------------------|---------------------------|---------------------------------------|
 | 0 no_shard          | N, persistent            | N (aliases compute if same dtype) | N, persistent                |
-| 1 optim             | N, persistent            | S                         | N persistent; reduced into its shard  |
-| 2 optim_grads       | N, persistent            | S                         | S main + N transient during backward  |
+| 1 optim             | N, persistent            | S (its rows of compute if same dtype) | N persistent; reduced into its shard |
+| 2 optim_grads       | N, persistent            | S (its rows of compute if same dtype) | S main + N transient during backward |
 | 3 optim_grads_params| S shard; N while gathered| S (is the shard if same dtype) | S main + N transient during backward |
 
 The compute weights are unsharded (param-major: contiguous full parameters); shards, main weights and the
-gradient buffers that are reduce-scattered are rank-major. Under strategies 1/2 the main weights are a buffer
-of their own: a rank's rows are spread over the full compute buffer, not one contiguous slice of it. A gather
+gradient buffers that are reduce-scattered are rank-major. Under strategies 1/2 main weights in the compute
+dtype are this rank's rows of the compute buffer (one view per parameter: the rows are not one slice of it),
+and the post-step gather sends a shard assembled from them. A gather
 lands in a transient rank-major staging buffer (unless the two forms coincide) and is copied out into the
 compute buffer (`copy_gathered_into_compute`); gradients are copied in rank-major as they arrive
 (`write_grad`).
@@ -154,7 +155,10 @@ class ParamGroup:
             if strategy == ShardingStrategy.no_shard:
                 self.main_weights = self.compute_buffer if same_dtype else self._zeros(padded, self.main_dtype)
             elif strategy in (ShardingStrategy.optim, ShardingStrategy.optim_grads):
-                self.main_weights = self._zeros(shard, self.main_dtype)
+                # In the compute dtype the main weights are this rank's rows of the compute buffer itself: each
+                # parameter's rows are contiguous there (a main view per parameter), though not the shard as a
+                # whole, so a gather sends a shard assembled from them.
+                self.main_weights = self.compute_buffer if same_dtype else self._zeros(shard, self.main_dtype)
             else:
                 self.main_weights = self._zeros(self.layout.sub_shard_numel, self.main_dtype)
             if strategy in (ShardingStrategy.no_shard, ShardingStrategy.optim):
@@ -183,7 +187,14 @@ class ParamGroup:
         # Views the optimizer steps on, one per parameter.
         self.main_param_views: List[Optional[torch.Tensor]] = []
         for index, param in enumerate(self.params):
-            self.main_param_views.append(self._main_view(self.main_weights, index) if self.trainable else None)
+            if not self.trainable:
+                self.main_param_views.append(None)
+            elif self.main_in_compute_buffer:
+                span, piece = self.layout.spans[index], self.pieces[index]
+                self.main_param_views.append(self.compute_buffer[span.flat_start + piece.param_start:
+                                                                 span.flat_start + piece.param_end])
+            else:
+                self.main_param_views.append(self._main_view(self.main_weights, index))
         self._optimizer_grad_storage = None
         # Gradient bookkeeping for the current backward.
         self.transient_grads: Optional[torch.Tensor] = None
@@ -203,6 +214,22 @@ class ParamGroup:
         # Scale applied to already-reduced gradients before more local gradients are added on top, so that a
         # second reduction in the same step counts them once (set by the schedule from the collective ops).
         self.reopen_factor = 1.0
+
+    @property
+    def main_in_compute_buffer(self) -> bool:
+        """Strategies 1/2 with main weights in the compute dtype: they are this rank's rows of the compute buffer
+        (`main_weights` is the compute buffer; `main_param_views` its rows)."""
+        return self.main_weights is self.compute_buffer and self.strategy in (ShardingStrategy.optim,
+                                                                              ShardingStrategy.optim_grads)
+
+    def write_main_weights(self, values: torch.Tensor):
+        """Set the main weights from `values` laid out as they are (a shard, an HFSDP sub-shard, or the full group
+        for no_shard), also where they live in the compute buffer's rows."""
+        if not self.main_in_compute_buffer:
+            self.main_weights.copy_(values)
+            return
+        for piece, view in zip(self.pieces, self.main_param_views):
+            view.copy_(values[piece.shard_start:piece.shard_end])
 
     # ---- construction helpers -------------------------------------------------------------------------------
     def _zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -301,6 +328,10 @@ class ParamGroup:
         or the main weights in the compute dtype (strategies 1/2, after the optimizer step)."""
         if self.shards_params:
             return self.compute_shard
+        if self.main_in_compute_buffer:
+            shard = torch.empty(self.layout.shard_numel, dtype=self.param_dtype, device=self.device)
+            shard_of_unsharded(self.layout, self.compute_buffer, self.dp_rank, shard)
+            return shard
         return self.main_weights.to(self.param_dtype)
 
     def commit_compute_to_shards(self):
@@ -318,7 +349,8 @@ class ParamGroup:
         elif self.shards_params:
             source = self.compute_shard[self.sub_shard_slice] if self.outer_sharded else self.compute_shard
         else:
-            shard_of_unsharded(self.layout, self.compute_buffer, self.dp_rank, self.main_weights)
+            if not self.main_in_compute_buffer:
+                shard_of_unsharded(self.layout, self.compute_buffer, self.dp_rank, self.main_weights)
             return
         if self.main_weights.data_ptr() != source.data_ptr():
             self.main_weights.copy_(source)

@@ -270,7 +270,7 @@ def load_model_state_dict(model, state_dict, strict: bool = True):
             values = _tensor_parallel_local_values(model, group, [state_dict[name] for name in group.names])
             shard = _shard_from_rows(model, group, values, dtype)
             if group.main_weights is not None:
-                group.main_weights.copy_(_main_level(model, group, shard))
+                group.write_main_weights(_main_level(model, group, shard))
                 group.install_main_into_compute()
             elif group.shards_params:
                 group.compute_shard.copy_(shard)
@@ -373,8 +373,8 @@ def load_optimizer_state_dict(optimizer, state_dict):
             if all(MAIN_PARAM_KEY in saved_state.get(name, {}) for name in group.names):
                 values = _tensor_parallel_local_values(model, group,
                                                        [saved_state[name][MAIN_PARAM_KEY] for name in group.names])
-                group.main_weights.copy_(_main_level(model, group, _shard_from_rows(model, group, values,
-                                                                                    group.main_dtype)))
+                group.write_main_weights(_main_level(model, group, _shard_from_rows(model, group, values,
+                                                                                     group.main_dtype)))
                 main_weights_loaded = True
             keys = set()
             for name in group.names:
