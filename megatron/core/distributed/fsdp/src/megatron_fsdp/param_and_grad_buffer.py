@@ -3,12 +3,12 @@
 Which tensors exist depends on the sharding strategy (S = shard size, N = padded group size = S * DP; the
 row-aligned layout of layout.py: a rank's shard is its rows of every parameter):
 
-| strategy            | compute weights          | main weights (optimizer)  | gradients                             |
-|---------------------|--------------------------|---------------------------|---------------------------------------|
-| 0 no_shard          | N, persistent            | N (aliases compute if same dtype) | N, persistent                |
-| 1 optim             | N, persistent            | S (its rows of compute if same dtype) | N persistent; reduced into its shard |
-| 2 optim_grads       | N, persistent            | S (its rows of compute if same dtype) | S main + N transient during backward |
-| 3 optim_grads_params| S shard; N while gathered| S (is the shard if same dtype) | S main + N transient during backward |
+| strategy            | compute weights          | main weights (optimizer)    | gradients                          |
+|---------------------|--------------------------|-----------------------------|------------------------------------|
+| 0 no_shard          | N, persistent            | N (is compute if same dtype)| N, persistent                      |
+| 1 optim             | N, persistent            | S (rows of compute if same) | N persistent; reduced into a shard |
+| 2 optim_grads       | N, persistent            | S (rows of compute if same) | S main + N transient in backward   |
+| 3 optim_grads_params| S shard; N while gathered| S (is the shard if same)    | S main + N transient in backward   |
 
 The compute weights are unsharded (param-major: contiguous full parameters); shards, main weights and the
 gradient buffers that are reduce-scattered are rank-major. Under strategies 1/2 main weights in the compute

@@ -7,11 +7,11 @@ the end of the backward of a synchronised microbatch, or in `finish_grad_sync()`
 shows gets a `.grad` that VIEWS the reduced gradient the optimizer steps with, so in-place changes
 (`torch.nn.utils.clip_grad_norm_`, scaling) reach the step:
 
-| strategy             | parameter the module shows      | `.grad`                                                   |
-|----------------------|---------------------------------|-----------------------------------------------------------|
-| 0 no_shard           | full tensor                     | full tensor: the all-reduced gradient                     |
-| 1 optim, 2 optim_grads | full tensor                   | Shard(0) DTensor of the full shape: this rank's rows of the reduced gradient |
-| 3 optim_grads_params | Shard(0) DTensor (resting)      | Shard(0) DTensor: this rank's rows of the reduced gradient |
+| strategy               | parameter the module shows | `.grad`                                               |
+|------------------------|----------------------------|-------------------------------------------------------|
+| 0 no_shard             | full tensor                | full tensor: the all-reduced gradient                 |
+| 1 optim, 2 optim_grads | full tensor                | Shard(0) DTensor (full shape): this rank's rows of it |
+| 3 optim_grads_params   | Shard(0) DTensor (resting) | Shard(0) DTensor: this rank's rows of it              |
 
 (a 0-dim parameter's DTensor gradient is `Partial()`, like its resting parameter.)
 `optimizer.zero_grad()` (`zero_grad_buffer()`) sets them back to None, and so does the start of the next
