@@ -153,3 +153,37 @@ def test_deepcopy_of_a_wrapped_model_says_what_to_do_instead(world_size):
     for messages in run_on_ranks(world_size, _deepcopy_refuses):
         for message in messages:
             assert message is not None and "load_state_dict(model.state_dict())" in message, message
+
+
+def _hybrid_grads(outer_strategy):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import megatron_fsdp
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
+    module = models.make_model(0)
+    model = megatron_fsdp.fully_shard_model(
+        module, device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
+        hybrid_fsdp_group=mesh._flatten("dp_outer_shard").get_group(), outer_dp_sharding_strategy=outer_strategy,
+        fsdp_unit_modules=[models.Block], zero_dp_strategy=3)
+    inputs, target = (models.local_slice(t, dist.get_rank(), dist.get_world_size()) for t in models.make_batches(1)[0])
+    models.loss_fn(model(inputs), target).backward()
+    before_sync = [p.grad is not None for p in model.parameters()]
+    model.finish_grad_sync()
+    grads = {name: p.grad.full_tensor().clone() for name, p in model.module.named_parameters() if p.grad is not None}
+    return before_sync, grads
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_hybrid_sharding_grads_after_finish_grad_sync(world_size):
+    """HSDP: the gradients are complete only once finish_grad_sync summed them over the outer ranks, so `.grad`
+    is attached there; HFSDP: not attached (its reduced gradients are flat sub-shards of the rows)."""
+    reference_grads, _ = _reference()
+    for before_sync, grads in run_on_ranks(world_size, _hybrid_grads, "no_shard"):
+        assert not any(before_sync)
+        assert set(grads) == set(reference_grads)
+        for name, grad in reference_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    for before_sync, grads in run_on_ranks(world_size, _hybrid_grads, "optim"):
+        assert not any(before_sync) and grads == {}
