@@ -2,6 +2,7 @@
 
 from . import package_info
 from .distributed_data_parallel_config import DistributedDataParallelConfig, ShardingStrategy
+from .gather_codec import GatherCodec, GatherCodecPolicy
 from .fully_shard import fully_shard, fully_shard_model, fully_shard_optimizer
 from .megatron_fsdp import MegatronFSDP
 from .mixed_precision import MixedPrecisionPolicy
@@ -14,6 +15,8 @@ __all__ = [
     "fully_shard",
     "MegatronFSDP",
     "MixedPrecisionPolicy",
+    "GatherCodec",
+    "GatherCodecPolicy",
     "DistributedDataParallelConfig",
     "ShardingStrategy",
     "clip_grad_norm_",

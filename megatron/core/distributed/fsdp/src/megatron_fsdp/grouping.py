@@ -1,8 +1,9 @@
-"""Which parameters form which communication group: one group per FSDP unit (split by dtype and
-requires_grad), and size-capped buckets for everything outside the units."""
+"""Which parameters form which communication group: one group per FSDP unit (split by dtype, requires_grad and
+whether a gather codec encodes them, see gather_codec.py), and size-capped buckets for everything outside the
+units."""
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch.nn as nn
 
@@ -17,18 +18,21 @@ class GroupPlan:
     unit_index: Optional[int]  # None: outside any unit (under strategy 3 gathered from forward until its grads)
     params: List[nn.Parameter] = field(default_factory=list)
     names: List[str] = field(default_factory=list)
+    encoded: bool = False  # its parameters travel through the all-gather encoded (gather_codec.py)
 
 
-def _split_by_kind(entries: List[Tuple[str, nn.Parameter]]) -> List[List[Tuple[str, nn.Parameter]]]:
-    """Keep first-appearance order of (dtype, requires_grad) kinds and of parameters within a kind."""
+def _split_by_kind(entries: List[Tuple[str, nn.Parameter]], encodes: Callable[[nn.Parameter], bool]
+                   ) -> List[Tuple[bool, List[Tuple[str, nn.Parameter]]]]:
+    """(encoded, entries) per (dtype, requires_grad, encoded) kind, keeping first-appearance order of kinds and
+    of parameters within a kind."""
     kinds: Dict[tuple, List[Tuple[str, nn.Parameter]]] = {}
     for name, param in entries:
-        kinds.setdefault((param.dtype, param.requires_grad), []).append((name, param))
-    return list(kinds.values())
+        kinds.setdefault((param.dtype, param.requires_grad, encodes(param)), []).append((name, param))
+    return [(key[2], kind) for key, kind in kinds.items()]
 
 
 def plan_groups(module: nn.Module, unit_classes: tuple, bucket_numel: Optional[int], disable_bucketing: bool,
-                root_buckets_unit_sized: bool = False):
+                root_buckets_unit_sized: bool = False, encodes: Optional[Callable[[nn.Parameter], bool]] = None):
     """Returns (unit modules, group plans). A parameter shared between a unit and anything outside it
     (a tied embedding/output weight, say) goes to the root groups; under strategy 3 those are gathered from
     the forward until their gradients are in.
@@ -53,15 +57,16 @@ def plan_groups(module: nn.Module, unit_classes: tuple, bucket_numel: Optional[i
         else:
             root.append((name, param))
 
+    encodes = encodes or (lambda param: False)
     plans: List[GroupPlan] = []
     for unit_index, entries in enumerate(per_unit):
-        for kind in _split_by_kind(entries):
-            plans.append(GroupPlan(unit_index, [p for _, p in kind], [n for n, _ in kind]))
+        for encoded, kind in _split_by_kind(entries, encodes):
+            plans.append(GroupPlan(unit_index, [p for _, p in kind], [n for n, _ in kind], encoded))
     cap = 0 if disable_bucketing else (DEFAULT_BUCKET_NUMEL if bucket_numel is None else bucket_numel)
     if root_buckets_unit_sized and bucket_numel is None and not disable_bucketing and units:
         largest_unit = max(sum(p.numel() for _, p in entries) for entries in per_unit)
         cap = min(cap, max(largest_unit, 1))
-    for kind in _split_by_kind(root):
+    for encoded, kind in _split_by_kind(root, encodes):
         for bucket in bucket_by_size([p.numel() for _, p in kind], cap):
-            plans.append(GroupPlan(None, [kind[i][1] for i in bucket], [kind[i][0] for i in bucket]))
+            plans.append(GroupPlan(None, [kind[i][1] for i in bucket], [kind[i][0] for i in bucket], encoded))
     return units, plans

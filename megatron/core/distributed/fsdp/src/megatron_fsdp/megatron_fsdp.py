@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from . import collectives
 from .distributed_data_parallel_config import DistributedDataParallelConfig, ShardingStrategy
+from .gather_codec import GatherCodecPolicy
 from .grouping import plan_groups
 from .layout import GroupLayout
 from .meta_init import materialize_meta_model
@@ -218,7 +219,10 @@ class MegatronFSDP(nn.Module):
                  fsdp_unit_modules=None, mixed_precision_policy: Optional[MixedPrecisionPolicy] = None,
                  device: Optional[torch.device] = None, init_model_with_meta_device: bool = False,
                  sync_model_each_microbatch: bool = True, disable_bucketing: bool = False,
-                 calculate_per_token_loss: bool = False, report_nan_in_param_grad: bool = False):
+                 calculate_per_token_loss: bool = False, report_nan_in_param_grad: bool = False,
+                 gather_codec: Optional[GatherCodecPolicy] = None):
+        """`gather_codec`: parameters whose weights travel through the all-gather encoded (see gather_codec.py;
+        strategy 3 only)."""
         super().__init__()
         if isinstance(module, MegatronFSDP) or module.__dict__.get(WRAPPED_ATTR) is not None:
             raise ValueError("this module is already wrapped by MegatronFSDP; wrap each model once")
@@ -231,6 +235,11 @@ class MegatronFSDP(nn.Module):
         if init_model_with_meta_device and self.strategy == ShardingStrategy.no_shard:
             raise ValueError("init_model_with_meta_device=True needs a sharded strategy; zero_dp_strategy="
                              "'no_shard' would materialise the whole model on every rank")
+        if gather_codec is not None and self.strategy != ShardingStrategy.optim_grads_params:
+            raise ValueError(f"gather_codec needs zero_dp_strategy='optim_grads_params' (3), got "
+                             f"'{self.strategy.name}': the other strategies gather full compute weights after the "
+                             "optimizer step from shards that alias the main weights")
+        self.gather_codec = gather_codec
         self.topology = DataParallelTopology(
             device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, hybrid_fsdp_group, config.outer_dp_sharding_strategy,
             device=device, num_distributed_optimizer_instances=config.num_distributed_optimizer_instances)
@@ -275,7 +284,8 @@ class MegatronFSDP(nn.Module):
     # ---- construction ---------------------------------------------------------------------------------------------
     def _build_groups(self, unit_classes, config, disable_bucketing, meta):
         unit_modules, plans = plan_groups(self.module, unit_classes, config.bucket_size, disable_bucketing,
-                                          root_buckets_unit_sized=self.strategy == ShardingStrategy.optim_grads_params)
+                                          root_buckets_unit_sized=self.strategy == ShardingStrategy.optim_grads_params,
+                                          encodes=self.gather_codec.encodes if self.gather_codec else None)
         owners = parameter_owners(self.module)
         dp_rank, dp_size = self.topology.dp_rank, self.topology.dp_size
         outer_rank, outer_size = self.topology.optimizer_outer_rank, self.topology.optimizer_outer_size
@@ -291,7 +301,8 @@ class MegatronFSDP(nn.Module):
                 pool_offsets[plan.unit_index] += DoubleBufferPool.aligned(tensor_bytes(compute_buffer))
             group = ParamGroup(plan.params, plan.names, strategy=self.strategy, dp_rank=dp_rank, dp_size=dp_size,
                                device=self.device, policy=self.policy, unit_index=plan.unit_index,
-                               compute_buffer=compute_buffer, outer_rank=outer_rank, outer_size=outer_size)
+                               compute_buffer=compute_buffer, outer_rank=outer_rank, outer_size=outer_size,
+                               gather_codec=self.gather_codec.make_codec() if plan.encoded else None)
             for index, param in enumerate(group.params):
                 view = group.param_view(index)
                 if param.is_meta:

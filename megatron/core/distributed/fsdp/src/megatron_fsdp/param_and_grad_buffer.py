@@ -35,6 +35,11 @@ that writes `param.grad` into the flat gradient buffer and drops it, so gradient
 one flat buffer. The optimizer sees one view of the main weights per parameter: its rows, flattened
 (strategies 1-3; under HFSDP the part of them in this outer rank's sub-shard) or the whole parameter
 (strategy 0, original shape).
+
+A group with a gather codec (gather_codec.py, strategy 3) also holds a wire shard (one wire element per shard
+element), re-encoded from the compute shard before the first gather after the shard changed; its all-gather
+lands in a rank-major wire staging buffer, and the copy-out rearranges it param-major and hands it to the
+codec, which decodes it into the compute buffer.
 """
 
 import enum
@@ -45,6 +50,7 @@ import torch.nn as nn
 
 from .collectives import PendingCollective
 from .distributed_data_parallel_config import ShardingStrategy
+from .gather_codec import GatherCodec
 from .layout import GroupLayout, chunk_rows
 from .mixed_precision import MixedPrecisionPolicy
 from .resharding import copy_grad_in, copy_gathered_to_unsharded, shard_of_unsharded, zero_param_chunks
@@ -108,6 +114,7 @@ class ParamGroup:
         compute_buffer: Optional[torch.Tensor] = None,
         outer_rank: int = 0,
         outer_size: int = 1,
+        gather_codec: Optional[GatherCodec] = None,
     ):
         """`outer_rank` / `outer_size`: this rank's place among the outer ranks that shard the main weights
         further (HFSDP); 1 when the main weights are only sharded over the `dp_size` ranks."""
@@ -183,6 +190,17 @@ class ParamGroup:
         if self.shards_params:
             reuse_main = self.trainable and same_dtype and not self.outer_sharded
             self.compute_shard = self.main_weights if reuse_main else self._zeros(shard, self.param_dtype)
+        # Encoded gathers: the wire shard this rank sends and, while gathered, the gathered wire elements
+        # (param-major, viewed by whatever the codec attached to the parameters).
+        self.codec = gather_codec
+        self.wire_shard = self.wire_gathered = None
+        self.wire_shard_stale = False
+        if gather_codec is not None:
+            if not (self.shards_params and self.trainable and not self.outer_sharded):
+                raise ValueError("a gather codec encodes trainable parameters of strategy 3 (optim_grads_params) "
+                                 "without outer-dim sharding of the main weights")
+            self.wire_shard = self._zeros(shard, gather_codec.wire_dtype)
+            self.wire_shard_stale = True
 
         # Views the optimizer steps on, one per parameter.
         self.main_param_views: List[Optional[torch.Tensor]] = []
@@ -277,6 +295,9 @@ class ParamGroup:
             return
         if not self.uses_pool:
             self.compute_buffer.untyped_storage().resize_(0)
+        if self.wire_gathered is not None:  # gathered (and decoded) through the codec
+            self.codec.release(self.params)
+            self.wire_gathered = None
         self.weight_state = WeightState.SHARDED
 
     @property
@@ -294,9 +315,9 @@ class ParamGroup:
         gather still in flight is finished first."""
         self.finish_gather()
         output = self.compute_buffer
-        if not self.layout.forms_coincide:
-            self.gather_staging = output = torch.empty(self.layout.padded_numel, dtype=self.param_dtype,
-                                                       device=self.device)
+        if self.codec is not None or not self.layout.forms_coincide:
+            dtype = self.param_dtype if self.codec is None else self.codec.wire_dtype
+            self.gather_staging = output = torch.empty(self.layout.padded_numel, dtype=dtype, device=self.device)
         self._gather_send = self.gather_source()
         self.pending_gather = issue(output, self._gather_send)
         self.weight_state = WeightState.GATHERING
@@ -313,10 +334,31 @@ class ParamGroup:
 
     def copy_gathered_into_compute(self):
         """The copy-out of a landed all-gather: staging (every rank's shard, rank-major) -> the compute buffer
-        (contiguous full parameters). Nothing to do when the gather landed in the compute buffer."""
-        if self.gather_staging is not None:
+        (contiguous full parameters). Nothing to do when the gather landed in the compute buffer. With a codec,
+        the gathered wire elements are rearranged param-major and decoded into the compute buffer."""
+        if self.codec is not None and self.gather_staging is not None:
+            self._decode_gathered(self.gather_staging)
+        elif self.gather_staging is not None:
             copy_gathered_to_unsharded(self.layout, self.gather_staging, self.compute_buffer)
         self.gather_staging = self._gather_send = None
+
+    def encode_wire_shard(self, shard_group):
+        """With a codec: re-encode the wire shard if the compute shard changed since the last encoding. A
+        collective over `shard_group` (and the codec's own groups): called before every gather of the group."""
+        if self.codec is None or not self.wire_shard_stale:
+            return
+        self.codec.encode([self.compute_shard[piece.shard_start:piece.shard_end] for piece in self.pieces],
+                          [self.wire_shard[piece.shard_start:piece.shard_end] for piece in self.pieces], shard_group)
+        self.wire_shard_stale = False
+
+    def _decode_gathered(self, staging: torch.Tensor):
+        wire = staging if self.layout.forms_coincide else torch.empty_like(staging)
+        copy_gathered_to_unsharded(self.layout, staging, wire)
+        self.wire_gathered = wire
+        wire_params = [wire[span.flat_start:span.flat_end].view(span.shape) for span in self.layout.spans]
+        with torch.no_grad():
+            self.codec.decode(wire_params, [self.param_view(index) for index in range(len(self.params))],
+                              self.params)
 
     def compute_bytes_held(self) -> int:
         if self.uses_pool:
@@ -325,7 +367,10 @@ class ParamGroup:
 
     def gather_source(self) -> torch.Tensor:
         """The shard this rank contributes to a gather of the compute weights: the compute shard (strategy 3),
-        or the main weights in the compute dtype (strategies 1/2, after the optimizer step)."""
+        or the main weights in the compute dtype (strategies 1/2, after the optimizer step); the wire shard with
+        a codec."""
+        if self.codec is not None:
+            return self.wire_shard
         if self.shards_params:
             return self.compute_shard
         if self.main_in_compute_buffer:
@@ -355,6 +400,7 @@ class ParamGroup:
         if self.main_weights.data_ptr() != source.data_ptr():
             self.main_weights.copy_(source)
         self.compute_shard_stale = False
+        self.wire_shard_stale = self.codec is not None
 
     def install_main_into_compute(self):
         """Cast the updated main weights into the compute weights of this rank (the shard, or everything).
@@ -373,6 +419,7 @@ class ParamGroup:
         target = self.compute_shard if self.shards_params else self.compute_buffer
         if target.data_ptr() != self.main_weights.data_ptr():
             target.copy_(self.main_weights)
+        self.wire_shard_stale = self.codec is not None
 
     def outer_gather_source(self) -> torch.Tensor:
         """HFSDP: this rank's contribution to the all-gather over the outer group that rebuilds the compute
@@ -536,6 +583,8 @@ class ParamGroup:
             compute = tensor_bytes(self.compute_buffer)
         elif self.compute_shard is not None and self.compute_shard is not self.main_weights:
             compute = tensor_bytes(self.compute_shard)
+        if self.wire_shard is not None:
+            compute += tensor_bytes(self.wire_shard)
         main = 0
         if self.main_weights is not None:
             aliased = (not self.shards_params) and self.main_weights.untyped_storage().data_ptr() == (
@@ -546,10 +595,11 @@ class ParamGroup:
 
     def transient_bytes(self) -> int:
         gathered = self.compute_bytes_held() if self.shards_params else 0
-        gathered += tensor_bytes(self.gather_staging)
+        gathered += tensor_bytes(self.gather_staging) + tensor_bytes(self.wire_gathered)
         if self._gather_send is not None and self._gather_send.data_ptr() not in (
                 self.main_weights.data_ptr() if self.main_weights is not None else None,
-                self.compute_shard.data_ptr() if self.compute_shard is not None else None):
+                self.compute_shard.data_ptr() if self.compute_shard is not None else None,
+                self.wire_shard.data_ptr() if self.wire_shard is not None else None):
             gathered += tensor_bytes(self._gather_send)  # main weights cast to the compute dtype for a gather
         stashed = sum(tensor_bytes(grad) for grad in self.stashed_grads.values())
         # HFSDP: the shard-sized reduce-scatter target lives from the first reduction to finish_grad_sync.

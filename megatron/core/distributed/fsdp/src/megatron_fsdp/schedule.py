@@ -127,6 +127,7 @@ class Schedule:
             if group.uses_pool:
                 self._claim_pool_slot(group)
             group.allocate_compute()
+            group.encode_wire_shard(self.dp_group)  # a gather codec's encoding, if the shard changed
             group.start_gather(self._issue_gather)
             if self.resting is not None:
                 self.resting.show(group)
