@@ -51,7 +51,8 @@ class DistributedDataParallelConfig:
     """Average with ReduceOp.AVG in the collective instead of pre-scaling gradients by 1/DP."""
 
     fp8_param_gather: bool = False
-    """All-gather fp8 parameters (Megatron-FSDP only; `DistributedDataParallel` rejects it)."""
+    """All-gather the FP8-region linear weights as FP8 (`--fp8-param-gather`): with the distributed optimizer,
+    or with Megatron-FSDP under `optim_grads_params`."""
 
     use_megatron_fsdp: bool = False
     """Wrap the model with Megatron-FSDP instead of this DDP (selects the sharding strategy below)."""

@@ -62,6 +62,16 @@ def validate(args):
         )
     if args.fp8_param_gather and not (args.use_distributed_optimizer or getattr(args, "use_megatron_fsdp", False)):
         raise ValueError("--fp8-param-gather needs --use-distributed-optimizer (or --use-megatron-fsdp)")
+    if args.fp8_param_gather and getattr(args, "use_megatron_fsdp", False):
+        if args.data_parallel_sharding_strategy != "optim_grads_params":
+            raise ValueError(
+                "--fp8-param-gather with --use-megatron-fsdp needs --data-parallel-sharding-strategy "
+                f"optim_grads_params (got {args.data_parallel_sharding_strategy}): only ZeRO-3 all-gathers the "
+                "compute weights each step; drop --fp8-param-gather for the other strategies"
+            )
+        if args.outer_dp_sharding_strategy == "optim":
+            raise ValueError("--fp8-param-gather with --use-megatron-fsdp does not support --outer-dp-sharding-strategy "
+                             "optim (HFSDP); use no_shard (HSDP)")
 
 
 def transformer_config_kwargs(args):

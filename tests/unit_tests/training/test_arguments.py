@@ -94,6 +94,7 @@ def test_args_defaults_fill_only_unset_options():
         ("--fp8-format e4m3 --fp4-format e2m1", 1, r"--fp8-format and --fp4-format are exclusive"),
         ("--fp8-param-gather", 1, r"--fp8-param-gather needs --fp8-format"),
         ("--fp8-format e4m3 --fp8-param-gather", 2, r"--fp8-param-gather needs --use-distributed-optimizer"),
+        ("--use-megatron-fsdp --fp8-format e4m3 --fp8-param-gather --data-parallel-sharding-strategy optim_grads", 2, r"--fp8-param-gather with --use-megatron-fsdp needs --data-parallel-sharding-strategy optim_grads_params \(got optim_grads\)"),
         ("--fp8-format e4m3 --fp8-recipe mxfp8", 1, r"--fp8-recipe mxfp8 needs Transformer Engine on a GPU"),
         ("--first-last-layers-bf16", 1, r"--first-last-layers-bf16 needs --fp8-format"),
         ("--bf16 --fp16", 1, r"--bf16 and --fp16 are exclusive"),

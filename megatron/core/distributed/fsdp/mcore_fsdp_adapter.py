@@ -14,6 +14,11 @@ Training treats this wrapper like Megatron's `DistributedDataParallel`: `no_sync
 Gradients live in Megatron-FSDP's buffers, not in `param.main_grad`: `optimizer_grad_pieces()` hands
 `finalize_model_grads` and the optimizer the gradient tensors the optimizer steps with (this rank's shard
 piece of each parameter), with the process groups over which the pieces of one parameter are spread.
+
+With `--fp8-param-gather` (`ddp_config.fp8_param_gather`, strategy 3 only) the linear weights that run in FP8
+regions are all-gathered as FP8 bytes through Megatron-FSDP's gather codec hook (`megatron.core.fp8.fsdp_gather`):
+after a gather each carries `weight.fp8_weight` and holds its dequantized value; the fp32 main weights stay
+sharded and are quantized with a scale agreed over the shard and tensor-parallel groups after every step.
 """
 
 from contextlib import contextmanager
@@ -75,6 +80,30 @@ def _package_ddp_config(ddp_config: DistributedDataParallelConfig):
         fsdp_double_buffer=ddp_config.fsdp_double_buffer,
         preproc_state_dict_for_dcp_ckpt=ddp_config.preproc_state_dict_for_dcp_ckpt,
     )
+
+
+def _fp8_gather_codec(config, ddp_config: DistributedDataParallelConfig, module):
+    """The gather codec policy of `--fp8-param-gather`, or None without it."""
+    import megatron_fsdp
+
+    if not ddp_config.fp8_param_gather:
+        return None
+    strategy = megatron_fsdp.ShardingStrategy.parse(ddp_config.data_parallel_sharding_strategy)
+    if strategy != megatron_fsdp.ShardingStrategy.optim_grads_params:
+        raise ValueError(
+            "--fp8-param-gather with --use-megatron-fsdp needs --data-parallel-sharding-strategy optim_grads_params "
+            f"(got {strategy.name}): only ZeRO-3 all-gathers the compute weights each step; the other strategies "
+            "keep full compute weights (drop --fp8-param-gather, or use strategy optim_grads_params)"
+        )
+    outer = megatron_fsdp.ShardingStrategy.parse(ddp_config.outer_dp_sharding_strategy, "outer_dp_sharding_strategy")
+    if ddp_config.num_distributed_optimizer_instances > 1 and outer != megatron_fsdp.ShardingStrategy.no_shard:
+        raise ValueError(
+            "--fp8-param-gather with --use-megatron-fsdp does not support --outer-dp-sharding-strategy optim "
+            "(HFSDP); use --outer-dp-sharding-strategy no_shard (HSDP) or a single optimizer instance"
+        )
+    from megatron.core.fp8.fsdp_gather import fp8_gather_codec_policy
+
+    return fp8_gather_codec_policy(module, config)
 
 
 class _Mesh(NamedTuple):
@@ -161,6 +190,7 @@ class FullyShardedDataParallel(torch.nn.Module):
             init_model_with_meta_device=meta,
             calculate_per_token_loss=getattr(config, "calculate_per_token_loss", False),
             report_nan_in_param_grad=ddp_config.check_for_nan_in_grad,
+            gather_codec=_fp8_gather_codec(config, ddp_config, module),
         )
 
     # ---- what the training loop and the schedules use ---------------------------------------------------------

@@ -1,0 +1,78 @@
+"""FP8 compute weights for `--fp8-param-gather` with Megatron-FSDP (ZeRO-3, `optim_grads_params`).
+
+Megatron-FSDP lets selected parameters travel through its all-gather encoded (`megatron_fsdp.GatherCodec`).
+For the weights that run in FP8 regions (`fp8_weight_params`) the encoding is FP8: each rank quantizes its
+shard of a weight, whenever the shard changed (initialisation, a load, every optimizer step), with one scale
+per weight agreed across the data-parallel shard group and the tensor-parallel group (the MAX of the shards'
+amaxes), and the all-gather moves those bytes as uint8 (1 byte per element instead of 4). When a gather lands,
+each weight's compute value is set to its dequantized FP8 weight (what the model really computes with, and
+what autograd and non-FP8 code see) and the weight carries `weight.fp8_weight`, a `Float8Tensor` viewing the
+gathered bytes, which the FP8 linear uses as it is. The fp32 main weights stay sharded and are never rounded.
+"""
+
+from typing import List, Sequence
+
+import torch
+from megatron_fsdp import GatherCodec, GatherCodecPolicy
+
+from megatron.core.fp8.formats import get_fp8_format
+from megatron.core.fp8.params import fp8_weight_params
+from megatron.core.fp8.scaling import all_reduce_max, tensor_parallel_group_if_sharded
+from megatron.core.fp8.tensor import Float8Tensor, amax, quantize, scale_from_amax
+
+
+class Fp8GatherCodec(GatherCodec):
+    """FP8 bytes plus one fp32 scale per parameter of one Megatron-FSDP group.
+
+    Args:
+        dtype: the float8 dtype weights are stored in (the recipe's forward dtype).
+        margin: `--fp8-margin`.
+        agreement_groups: process groups besides the shard group over which scales are agreed (the
+            tensor-parallel group; None entries are skipped).
+    """
+
+    wire_dtype = torch.uint8
+
+    def __init__(self, dtype: torch.dtype, margin: int = 0, agreement_groups: Sequence = ()):
+        self.dtype = dtype
+        self.margin = margin
+        self.agreement_groups = list(agreement_groups)
+        self.scales = None  # fp32 [num params], identical on every rank of the agreement groups
+
+    @torch.no_grad()
+    def encode(self, shard_pieces: List[torch.Tensor], wire_pieces: List[torch.Tensor], shard_group) -> None:
+        device = shard_pieces[0].device
+        amaxes = torch.stack([amax(piece) for piece in shard_pieces]).to(device)
+        all_reduce_max(amaxes, [shard_group, *self.agreement_groups])
+        self.scales = scale_from_amax(amaxes, self.dtype, self.margin)
+        for piece, wire, scale in zip(shard_pieces, wire_pieces, self.scales):
+            if piece.numel():
+                wire.copy_(quantize(piece, self.dtype, scale).data.view(torch.uint8))
+
+    @torch.no_grad()
+    def decode(self, wire_params, compute_params, params) -> None:
+        for index, (wire, compute, param) in enumerate(zip(wire_params, compute_params, params)):
+            fp8_weight = Float8Tensor(wire.view(self.dtype), self.scales[index].clone())
+            param.fp8_weight = fp8_weight
+            compute.copy_(fp8_weight.dequantize(compute.dtype))
+
+    def release(self, params) -> None:
+        for param in params:
+            param.__dict__.pop("fp8_weight", None)
+
+
+def fp8_gather_codec_policy(module, config) -> GatherCodecPolicy:
+    """The Megatron-FSDP gather codec policy of `--fp8-param-gather`: `module`'s FP8-region linear weights travel
+    as FP8 bytes, with scales agreed over the shard group and the tensor-parallel group."""
+    if not getattr(config, "fp8", None):
+        raise ValueError("--fp8-param-gather needs --fp8-format (config.fp8)")
+    if getattr(config, "transformer_impl", "local") == "transformer_engine":
+        raise ValueError("--fp8-param-gather with --use-megatron-fsdp is implemented for --transformer-impl local "
+                         "(torch float8 weights); with transformer_engine drop it")
+    selected = {id(param) for param in fp8_weight_params(module, config)}
+    dtype = get_fp8_format(config.fp8).forward_dtype
+    margin = getattr(config, "fp8_margin", 0)
+    return GatherCodecPolicy(
+        selects=lambda param: id(param) in selected,
+        make_codec=lambda: Fp8GatherCodec(dtype, margin, [tensor_parallel_group_if_sharded()]),
+    )
