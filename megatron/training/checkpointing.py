@@ -23,6 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.core.fp8.checkpoint import count_fp8_histories_started_empty
+
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
 LOGICAL_FORMATS = ("torch_dist", "torch_dcp", "fsdp_dtensor")
@@ -280,6 +282,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
     state = _torch_load(path)
     _check_layout_matches(state.get("args"), args, path)
     _load_model_state(model_chunks, state, strict)
+    fresh_fp8_histories = count_fp8_histories_started_empty(model_chunks)
 
     load_optimizer = optimizer is not None and not args.finetune and not args.no_load_optim
     if load_optimizer:
@@ -307,6 +310,9 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
         restored_rng = not (args.finetune or args.no_load_rng) and "rng_state" in state
         loaded = ["model"] + (["optimizer", "scheduler"] if load_optimizer else []) + (["RNG state"] if restored_rng else [])
         skipped = ([] if load_optimizer else ["optimizer and scheduler"]) + ([] if restored_rng else ["RNG state"])
+        if fresh_fp8_histories:
+            skipped.append(f"FP8 amax histories of {fresh_fp8_histories} layer(s) (not in the checkpoint): they "
+                           "start empty")
         print(f"loaded checkpoint {os.path.join(args.load, iteration_dir_name(iteration))} (--ckpt-format torch): "
               f"{', '.join(loaded)}, resuming at iteration {iteration}"
               + (f"; not loaded: {', '.join(skipped)}" if skipped else ""), flush=True)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megatron.core.dist_checkpointing import serialization
 from megatron.core.dist_checkpointing.strictness import apply_strictness
+from megatron.core.fp8.checkpoint import fp8_histories_report, split_missing_fp8_histories
 from megatron.training import checkpoint_state
 
 METADATA_JSON = "metadata.json"
@@ -210,14 +211,18 @@ def load_dist_checkpoint(model_chunks, optimizer, scheduler, args, iteration):
 
     model_targets, finish_model_load = checkpoint_state.model_targets(model_chunks)
     serialization.check_shapes(model_targets, metadata, directory)
-    mismatch = apply_strictness(strictness, serialization.key_mismatch(model_targets, metadata, ["model."]),
-                                directory, _print0)
-    for key in mismatch.missing:
+    mismatch = serialization.key_mismatch(model_targets, metadata, ["model."])
+    # FP8 amax histories a checkpoint lacks (a run without delayed FP8 scaling) are no error: they start empty.
+    other_missing, fresh_fp8_histories = split_missing_fp8_histories(mismatch.missing)
+    mismatch = apply_strictness(strictness, mismatch._replace(missing=other_missing), directory, _print0)
+    for key in mismatch.missing + fresh_fp8_histories:
         model_targets.pop(key, None)
     serialization.load(model_targets, directory)
     finish_model_load(set(model_targets))
     report.loaded.append(f"model ({len(model_targets)} tensors)")
     report.add_mismatch("model", mismatch)
+    if fresh_fp8_histories:
+        report.not_loaded.append(fp8_histories_report(fresh_fp8_histories))
 
     skip_optimizer = None  # why the optimizer state is not loaded
     if args.finetune:

@@ -14,7 +14,8 @@ FP8: inside an FP8 region (`megatron.core.fp8_utils.get_fp8_context`) the linear
 FP8 through the torch-native backend (`megatron.core.fp8.linear`); a weight that carries an FP8 copy
 (`weight.fp8_weight`, installed by `--fp8-param-gather`) is used as it is. Under delayed scaling each linear
 layer keeps its amax histories in buffers (`fp8_amax_history`, `fp8_amax_recorded_count`), so they are saved
-and restored with the model.
+and restored with the model; a state dict without them (a run without delayed FP8 scaling) loads, and the
+histories start empty (`megatron.core.fp8.checkpoint`).
 """
 
 import torch
@@ -23,6 +24,7 @@ from torch.nn.parameter import Parameter
 
 from megatron.core import parallel_state
 from megatron.core.device_utils import get_current_device
+from megatron.core.fp8.checkpoint import start_missing_fp8_histories_empty
 from megatron.core.fp8.context import active_fp8_region
 from megatron.core.fp8.linear import fp8_linear
 from megatron.core.fp8.recipe import Fp8Recipe
@@ -167,6 +169,7 @@ class _Fp8LinearMixin:
             history_len = Fp8Recipe.from_config(config).amax_history_len
             self.register_buffer("fp8_amax_history", torch.zeros(3, history_len, dtype=torch.float32, device="cpu"))
             self.register_buffer("fp8_amax_recorded_count", torch.zeros(3, dtype=torch.int64, device="cpu"))
+            self._register_load_state_dict_pre_hook(start_missing_fp8_histories_empty, with_module=True)
 
     def fp8_scaling(self, recipe):
         """The layer's `LinearScaling` for `recipe` (rebuilt when the recipe or the history buffers change)."""

@@ -174,3 +174,37 @@ def test_delayed_scaling_histories_are_module_buffers():
     restored = ColumnParallelLinear(8, 8, config=config, init_method=torch.nn.init.ones_, bias=False)
     restored.load_state_dict(layer.state_dict())
     assert restored.fp8_scaling(fp8_utils.Fp8Recipe.from_config(config)).input.num_recorded == 3
+
+
+def test_state_dict_without_fp8_histories_loads_strictly_and_starts_them_empty():
+    """A non-FP8 layer's state dict loads strictly into a delayed-scaling layer (fine-tuning in FP8): weights
+    load, the histories start empty and the load is counted; a state dict with only one of the two history
+    buffers still fails on the other."""
+    from megatron.core.fp8.checkpoint import count_fp8_histories_started_empty
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    plain_config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+    fp8_config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, fp8="hybrid",
+                                   fp8_amax_history_len=4)
+    plain = ColumnParallelLinear(8, 8, config=plain_config, init_method=lambda w: torch.nn.init.normal_(w),
+                                 bias=True)
+    plain_state = plain.state_dict()
+    assert sorted(plain_state) == ["bias", "weight"]
+    layer = ColumnParallelLinear(8, 8, config=fp8_config, init_method=torch.nn.init.zeros_, bias=True)
+    x = torch.full((2, 8), 0.5)
+    with fp8_utils.get_fp8_context(fp8_config, layer_no=0):
+        layer(x)  # records amaxes: loading must reset them
+    assert layer.fp8_amax_recorded_count.tolist() == [1, 1, 0]
+
+    result = layer.load_state_dict(plain_state, strict=True)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert torch.equal(layer.weight, plain.weight) and torch.equal(layer.bias, plain.bias)
+    assert torch.equal(layer.fp8_amax_history, torch.zeros(3, 4))
+    assert layer.fp8_amax_recorded_count.tolist() == [0, 0, 0]
+    assert count_fp8_histories_started_empty([layer]) == 1
+    assert count_fp8_histories_started_empty([layer]) == 0  # counted once per load
+
+    partial = {**plain_state, "fp8_amax_history": torch.ones(3, 4)}
+    with pytest.raises(RuntimeError, match="fp8_amax_recorded_count"):
+        layer.load_state_dict(partial, strict=True)

@@ -1,0 +1,62 @@
+"""FP8 runs and torch_dist checkpoints through `pretrain()` on 2 ranks (the small GPT of the checkpoint tests).
+
+- `--fp8-param-gather` under Megatron-FSDP (ZeRO-3): a run interrupted at iteration 4 and resumed from its
+  checkpoint continues exactly like the uninterrupted run (the FP8 shards are re-encoded from the loaded fp32
+  main weights with the same agreed scales).
+- A checkpoint of a run without FP8 loads into a delayed-scaling FP8 run (fine-tuning in FP8): its amax
+  histories are not in the checkpoint, start empty, and the load report says so.
+"""
+
+import contextlib
+import io
+import math
+
+import pytest
+
+from tests.unit_tests.dist_checkpointing.pretrain_helpers import run_pretrain
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+# Resumed and uninterrupted runs do the same computation: only a different summation order could separate them.
+RESUME_TOLERANCE = 1e-5
+FSDP_FP8 = ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --ckpt-format torch_dist "
+            "--fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather")
+
+
+def _resume_fsdp_fp8(workdir):
+    save = f"--save {workdir}/ckpt --save-interval 4"
+    uninterrupted = run_pretrain(f"{workdir}/full", f"{FSDP_FP8} --save {workdir}/ckpt_full --save-interval 4")
+    first_half = run_pretrain(f"{workdir}/half", f"{FSDP_FP8} {save} --exit-interval 4")
+    resumed = run_pretrain(f"{workdir}/resumed", f"{FSDP_FP8} {save} --load {workdir}/ckpt")
+    return uninterrupted, first_half, resumed
+
+
+def test_fp8_param_gather_megatron_fsdp_torch_dist_resume_is_exact(tmp_path):
+    uninterrupted, first_half, resumed = run_on_ranks(2, _resume_fsdp_fp8, str(tmp_path))[0]
+    assert sorted(uninterrupted) == list(range(1, 9)) and sorted(resumed) == [5, 6, 7, 8]
+    for iteration in range(1, 5):
+        assert first_half[iteration] == uninterrupted[iteration]
+    for iteration in range(5, 9):
+        assert resumed[iteration] == pytest.approx(uninterrupted[iteration], abs=RESUME_TOLERANCE), (
+            iteration, resumed, uninterrupted)
+
+
+def _fp8_finetune_from_plain_checkpoint(workdir, wrapper):
+    import torch.distributed as dist
+
+    plain = run_pretrain(f"{workdir}/plain", f"{wrapper} --ckpt-format torch_dist --save {workdir}/ckpt "
+                                             "--save-interval 4 --exit-interval 4")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        fp8 = run_pretrain(f"{workdir}/fp8", f"{wrapper} --ckpt-format torch_dist --load {workdir}/ckpt "
+                                             "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 4")
+    return plain, fp8, printed.getvalue() if dist.get_rank() == 0 else None
+
+
+@pytest.mark.parametrize("wrapper", ["--use-distributed-optimizer", "--use-megatron-fsdp"])
+def test_non_fp8_checkpoint_loads_into_delayed_fp8_run(tmp_path, wrapper):
+    plain, fp8, printed = run_on_ranks(2, _fp8_finetune_from_plain_checkpoint, str(tmp_path), wrapper)[0]
+    assert sorted(plain) == [1, 2, 3, 4] and sorted(fp8) == [5, 6, 7, 8]
+    assert all(math.isfinite(loss) for loss in fp8.values())
+    # 4 transformer layers x (qkv, proj, fc1, fc2), and the output layer (a column-parallel linear, never in FP8).
+    assert "not loaded: FP8 amax histories of 17 layer(s) (not in the checkpoint" in printed, printed
+    assert "they start empty" in printed
