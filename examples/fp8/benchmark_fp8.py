@@ -4,10 +4,13 @@ FP8 GEMMs (torch._scaled_mm and dequantize-and-matmul emulation) against fp32.
     python examples/fp8/benchmark_fp8.py [--iters 30] [--repeats 2] [--nproc 2] [--output results.json]
 
 Part 1 trains the README's tiny GPT (4 layers, hidden 128, seq 128, swiglu, rope) with `pretrain_gpt.py` on
-`--nproc` gloo ranks with the distributed optimizer, once per arm and repetition (arms interleaved), and reports
-the median iteration time (first 3 iterations dropped) and the bytes all-gathered per step (counted by wrapping
-`torch.distributed.all_gather_into_tensor` in each rank, the call the distributed optimizer uses). Part 2 times
-one linear layer's forward + backward (fp32 `F.linear`, FP8 through `torch._scaled_mm`, FP8 emulated).
+`--nproc` gloo ranks with the distributed optimizer and with Megatron-FSDP ZeRO-3 (`optim_grads_params`), once
+per arm and repetition (arms interleaved), and reports the median iteration time (first 3 iterations dropped)
+and the bytes all-gathered per step: the size of every gathered output, counted by wrapping, in each rank, the
+call that does the parameter all-gather (`torch.distributed.all_gather_into_tensor` for the distributed
+optimizer, `megatron_fsdp.collectives.all_gather_flat` for Megatron-FSDP, which gathers point-to-point on gloo).
+`--wrappers` restricts part 1 to one of them. Part 2 times one linear layer's forward + backward (fp32
+`F.linear`, FP8 through `torch._scaled_mm`, FP8 emulated).
 """
 
 import argparse
@@ -25,17 +28,27 @@ TINY_GPT = (
     "--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
     "--position-embedding-type rope --normalization RMSNorm --swiglu --hidden-dropout 0 --attention-dropout 0 "
     "--make-vocab-size-divisible-by 64 --micro-batch-size 8 --global-batch-size 16 --lr 3e-3 --seed 1234 "
-    "--mock-data --vocab-size 257 --num-workers 0 --log-interval 1000 --eval-iters 0 --ckpt-format torch "
-    "--distributed-backend gloo --use-distributed-optimizer"
+    "--mock-data --vocab-size 257 --num-workers 0 --log-interval 1000 --eval-iters 0 --distributed-backend gloo"
 )
+DISTRIBUTED_OPTIMIZER = "--ckpt-format torch --use-distributed-optimizer"
+MEGATRON_FSDP_Z3 = "--ckpt-format torch_dist --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"
+TENSORWISE = "--fp8-format hybrid --fp8-recipe tensorwise"
 ARMS = {
-    "fp32": "",
-    "fp8 tensorwise": "--fp8-format hybrid --fp8-recipe tensorwise",
-    "fp8 tensorwise, emulated GEMMs": "--fp8-format hybrid --fp8-recipe tensorwise",
-    "fp8 delayed": "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16 --fp8-amax-compute-algo max",
-    "fp8 tensorwise + --fp8-param-gather": "--fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather",
+    "fp32": DISTRIBUTED_OPTIMIZER,
+    "fp8 tensorwise": f"{DISTRIBUTED_OPTIMIZER} {TENSORWISE}",
+    "fp8 tensorwise, emulated GEMMs": f"{DISTRIBUTED_OPTIMIZER} {TENSORWISE}",
+    "fp8 delayed": f"{DISTRIBUTED_OPTIMIZER} --fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16 "
+                   "--fp8-amax-compute-algo max",
+    "fp8 tensorwise + --fp8-param-gather": f"{DISTRIBUTED_OPTIMIZER} {TENSORWISE} --fp8-param-gather",
+    "Megatron-FSDP z3, fp8 tensorwise": f"{MEGATRON_FSDP_Z3} {TENSORWISE}",
+    "Megatron-FSDP z3, fp8 tensorwise + --fp8-param-gather": f"{MEGATRON_FSDP_Z3} {TENSORWISE} --fp8-param-gather",
 }
 EMULATED_ARMS = {"fp8 tensorwise, emulated GEMMs"}
+WRAPPERS = {"distributed-optimizer": DISTRIBUTED_OPTIMIZER, "megatron-fsdp": MEGATRON_FSDP_Z3}
+# The arm each arm's bytes are compared with: the fp32 run of the same wrapper (FP8 without parameter gathering
+# all-gathers the same bytes as fp32, so it stands for fp32 under Megatron-FSDP).
+BASELINES = {name: ("Megatron-FSDP z3, fp8 tensorwise" if MEGATRON_FSDP_Z3 in args else "fp32")
+             for name, args in ARMS.items()}
 WARMUP_ITERATIONS = 3
 
 
@@ -54,13 +67,20 @@ def worker(argv, counts_path, emulate):
     from megatron.training.training import pretrain
 
     gathered = []
-    original = dist.all_gather_into_tensor
 
-    def counting_all_gather(output, input_, *args, **kwargs):
-        gathered.append([str(output.dtype), output.numel() * output.element_size()])
-        return original(output, input_, *args, **kwargs)
+    def counting(original):
+        def counting_all_gather(output, input_, *args, **kwargs):
+            gathered.append([str(output.dtype), output.numel() * output.element_size()])
+            return original(output, input_, *args, **kwargs)
 
-    dist.all_gather_into_tensor = counting_all_gather
+        return counting_all_gather
+
+    if "--use-megatron-fsdp" in argv.split():
+        import megatron_fsdp.collectives
+
+        megatron_fsdp.collectives.all_gather_flat = counting(megatron_fsdp.collectives.all_gather_flat)
+    else:
+        dist.all_gather_into_tensor = counting(dist.all_gather_into_tensor)
     context = force_fp8_gemm_emulation() if emulate else contextlib.nullcontext()
     with context:
         pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
@@ -95,8 +115,9 @@ def run_arm(name, iters, nproc, workdir):
     times = [row["iteration-time"] for row in rows[WARMUP_ITERATIONS:]]
     gathered_bytes = sum(size for _, size in gathered)
     fp8_bytes = sum(size for dtype, size in gathered if dtype == "torch.uint8")
-    # The distributed optimizer gathers once per step; FP8 parameters add one start-up round.
-    rounds = iters + (1 if fp8_bytes else 0)
+    # The distributed optimizer gathers once per step, and its FP8 parameters add one start-up round; Megatron-FSDP
+    # ZeRO-3 gathers each unit in forward and in backward, and nothing at start-up.
+    rounds = iters + (1 if fp8_bytes and "--use-megatron-fsdp" not in ARMS[name] else 0)
     return {
         "median_step_s": statistics.median(times),
         "gathered_bytes_per_step": gathered_bytes / rounds,
@@ -146,6 +167,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--output", default=None)
+    parser.add_argument("--wrappers", choices=["all", *WRAPPERS], default="all",
+                        help="run only the arms of one data-parallel wrapper")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--counts", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--emulate", action="store_true", help=argparse.SUPPRESS)
@@ -155,10 +178,12 @@ def main():
         return
 
     sys.path.insert(0, REPO_ROOT)
-    samples = {name: [] for name in ARMS}
+    selected = [name for name, args in ARMS.items()
+                if options.wrappers == "all" or WRAPPERS[options.wrappers] in args]
+    samples = {name: [] for name in selected}
     with tempfile.TemporaryDirectory() as workdir:
         for _ in range(options.repeats):
-            for name in ARMS:  # interleaved, so drift on a shared machine hits every arm alike
+            for name in selected:  # interleaved, so drift on a shared machine hits every arm alike
                 samples[name].append(run_arm(name, options.iters, options.nproc, workdir))
     arms = {}
     for name, runs in samples.items():
@@ -175,15 +200,15 @@ def main():
     report = {"arms": arms, "gemm_forward_backward_s": gemm, "iters": options.iters, "repeats": options.repeats,
               "nproc": options.nproc}
 
-    base = arms["fp32"]
-    print(f"pretrain_gpt.py, README tiny GPT, {options.nproc} gloo ranks, distributed optimizer, "
-          f"{options.iters} iterations x {options.repeats} interleaved repetitions")
-    print("| arm | median step (ms) | vs fp32 | all-gathered per step (bytes) | of which FP8 | vs fp32 | loss at end |")
+    print(f"pretrain_gpt.py, README tiny GPT, {options.nproc} gloo ranks, "
+          f"{options.iters} iterations x {options.repeats} interleaved repetitions; 'vs' compares with the arm named")
+    print("| arm | median step (ms) | all-gathered per step (bytes) | of which FP8 | vs | bytes vs | loss at end |")
     print("|---|---|---|---|---|---|---|")
     for name, arm in arms.items():
-        print(f"| {name} | {1000 * arm['median_step_s']:.1f} | {arm['median_step_s'] / base['median_step_s']:.2f}x | "
-              f"{arm['gathered_bytes_per_step']:,.0f} | {arm['fp8_bytes_per_step']:,.0f} | "
-              f"{arm['gathered_bytes_per_step'] / base['gathered_bytes_per_step']:.3f} | {arm['final_loss']:.4f} |")
+        base = arms.get(BASELINES[name])
+        ratio = f"{arm['gathered_bytes_per_step'] / base['gathered_bytes_per_step']:.3f}" if base else "-"
+        print(f"| {name} | {1000 * arm['median_step_s']:.1f} | {arm['gathered_bytes_per_step']:,.0f} | "
+              f"{arm['fp8_bytes_per_step']:,.0f} | {BASELINES[name]} | {ratio} | {arm['final_loss']:.4f} |")
     print("\none linear layer, forward + backward (median of 5)")
     print("| tokens x features | fp32 F.linear (ms) | fp8 torch._scaled_mm (ms) | fp8 emulated (ms) |")
     print("|---|---|---|---|")
