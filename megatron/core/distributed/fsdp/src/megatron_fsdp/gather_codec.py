@@ -12,7 +12,7 @@ package then puts those parameters in groups of their own (see grouping.py) and 
 - gather: the wire shard (one wire element per parameter element) is all-gathered instead of the compute shard.
 - decode: when the gather lands, `decode(wire_params, compute_params, params)` writes each parameter's compute
   weights from its gathered wire elements, and may attach attributes to the parameters (an FP8 view, say);
-  `release(params)` is called when the gathered weights are dropped, and drops what decode attached.
+  `release(params)` is called when those gathered weights are dropped, and drops what decode attached.
 
 Only trainable parameters of strategy 3 (`optim_grads_params`) without outer-dim sharding of the main weights
 (HFSDP) can be encoded: the other strategies keep full compute weights, and the optimizer steps on the fp32 main
