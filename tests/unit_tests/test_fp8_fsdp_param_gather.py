@@ -5,7 +5,7 @@
   amax agreed over the DP shards and the TP partitions, then dequantized; every rank holds the same scale.
 - The FP8 weights' all-gathers move exactly 1/4 of the bytes the same weights cost in fp32 (communication
   counters), everything else is gathered as before.
-- Losses equal FP8 training without parameter gathering: under tensorwise scaling both quantize each weight
+- Losses equal FP8 training without parameter gathering (and with it, built on the meta device): under tensorwise scaling both quantize each weight
   with the amax of the full weight, so the GEMMs see the same FP8 operands (summation order only: 1e-5).
 """
 
@@ -23,7 +23,7 @@ STEPS = 3
 PARITY_TOLERANCE = 1e-5
 
 
-def _build(tp, fp8_param_gather):
+def _build(tp, fp8_param_gather, meta=False):
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallelConfig, FullyShardedDataParallel
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -37,7 +37,7 @@ def _build(tp, fp8_param_gather):
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, hidden_dropout=0.0, attention_dropout=0.0,
         init_seed=SEED, tensor_model_parallel_size=tp, fp8="hybrid", fp8_recipe="tensorwise",
         fp8_param=fp8_param_gather, first_last_layers_bf16=True, num_layers_at_start_in_bf16=1,
-        num_layers_at_end_in_bf16=0,
+        num_layers_at_end_in_bf16=0, init_model_with_meta_device=meta,
     )
     model = GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ)
     ddp_config = DistributedDataParallelConfig(
@@ -55,7 +55,7 @@ def _batches(step):
              "loss_mask": torch.ones(MICRO_BATCH, SEQ), "position_ids": torch.arange(SEQ).expand(MICRO_BATCH, SEQ)}]
 
 
-def _train(tp, fp8_param_gather):
+def _train(tp, fp8_param_gather, meta=False):
     """Losses of STEPS steps, and the all-gather bytes of the last step: in total (the communication counter)
     and per wire dtype (counted at the package's all-gather)."""
     import megatron_fsdp.collectives as fsdp_collectives
@@ -65,7 +65,7 @@ def _train(tp, fp8_param_gather):
     from megatron.training.model_setup import install_schedule_hooks
     from megatron.training.training import reduce_reported_loss
 
-    config, chunk = _build(tp, fp8_param_gather)
+    config, chunk = _build(tp, fp8_param_gather, meta)
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=3e-3, clip_grad=1.0), [chunk])
     install_schedule_hooks([chunk], optimizer, types.SimpleNamespace(fp16=False))
     bytes_by_dtype = {}
@@ -150,12 +150,16 @@ def _fsdp_fp8_param_gather_on_ranks():
         results[tp] = {"plain_losses": plain_losses, "losses": losses, "plain_bytes": plain_bytes,
                        "plain_by_dtype": plain_by_dtype, "fp8_bytes": fp8_bytes, "fp8_by_dtype": fp8_by_dtype,
                        "dp_size": dist.get_world_size() // tp, **_check_gathered_weights(config, chunk)}
+    # Built on the meta device and materialised unit by unit: the FP8 weights are selected before the
+    # parameters are replaced, and training is the same.
+    results["meta_losses"] = _train(2, fp8_param_gather=True, meta=True)[2]
     return results
 
 
 def test_fp8_param_gather_under_megatron_fsdp_at_dp4_and_tp2_dp2():
     results = run_on_ranks(4, _fsdp_fp8_param_gather_on_ranks)
     for rank, per_layout in enumerate(results):
+        assert per_layout.pop("meta_losses") == pytest.approx(per_layout[2]["losses"], abs=PARITY_TOLERANCE)
         for tp, result in per_layout.items():
             context = f"rank {rank}, tp {tp}"
             assert result["losses"] == pytest.approx(result["plain_losses"], abs=PARITY_TOLERANCE), context
