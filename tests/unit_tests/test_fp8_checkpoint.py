@@ -23,15 +23,29 @@ FSDP_FP8 = ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_p
 
 
 def _resume_fsdp_fp8(workdir):
+    import megatron_fsdp.collectives as fsdp_collectives
+
     save = f"--save {workdir}/ckpt --save-interval 4"
     uninterrupted = run_pretrain(f"{workdir}/full", f"{FSDP_FP8} --save {workdir}/ckpt_full --save-interval 4")
     first_half = run_pretrain(f"{workdir}/half", f"{FSDP_FP8} {save} --exit-interval 4")
-    resumed = run_pretrain(f"{workdir}/resumed", f"{FSDP_FP8} {save} --load {workdir}/ckpt")
-    return uninterrupted, first_half, resumed
+    gathered_dtypes = set()
+    original = fsdp_collectives.all_gather_flat
+
+    def recording_all_gather(output, shard, *args, **kwargs):
+        gathered_dtypes.add(str(shard.dtype))
+        return original(output, shard, *args, **kwargs)
+
+    fsdp_collectives.all_gather_flat = recording_all_gather
+    try:
+        resumed = run_pretrain(f"{workdir}/resumed", f"{FSDP_FP8} {save} --load {workdir}/ckpt")
+    finally:
+        fsdp_collectives.all_gather_flat = original
+    return uninterrupted, first_half, resumed, gathered_dtypes
 
 
 def test_fp8_param_gather_megatron_fsdp_torch_dist_resume_is_exact(tmp_path):
-    uninterrupted, first_half, resumed = run_on_ranks(2, _resume_fsdp_fp8, str(tmp_path))[0]
+    uninterrupted, first_half, resumed, gathered_dtypes = run_on_ranks(2, _resume_fsdp_fp8, str(tmp_path))[0]
+    assert gathered_dtypes == {"torch.float32", "torch.uint8"}  # the resumed run gathers its FP8 weights as bytes
     assert sorted(uninterrupted) == list(range(1, 9)) and sorted(resumed) == [5, 6, 7, 8]
     for iteration in range(1, 5):
         assert first_half[iteration] == uninterrupted[iteration]
