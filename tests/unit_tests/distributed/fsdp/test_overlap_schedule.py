@@ -144,17 +144,23 @@ def _outer_reductions_during_backward():
     import megatron_fsdp
 
     results = {}
-    for name, strategy, outer in (("hsdp_s2", 2, "no_shard"), ("hsdp_s3", 3, "no_shard"), ("hfsdp", 3, "optim")):
+    cases = [(f"hsdp_s{strategy}", strategy, "no_shard", average, use_no_sync)
+             for strategy in (0, 1, 2, 3) for average in (False, True) for use_no_sync in (True, False)]
+    cases += [("hfsdp", 3, "optim", False, True), ("hfsdp", 3, "optim", False, False)]
+    for name, strategy, outer, average, use_no_sync in cases:
         mesh_kwargs = dict(_mesh_kwargs(), outer_dp_sharding_strategy=outer)
         model = models.make_model(0)
         optimizer = models.make_optimizer([p for p in model.parameters() if p.requires_grad])
         model, optimizer = megatron_fsdp.fully_shard(model, optimizer, fsdp_unit_modules=[models.Block],
-                                                     zero_dp_strategy=strategy, **mesh_kwargs)
+                                                     zero_dp_strategy=strategy, average_in_collective=average,
+                                                     **mesh_kwargs)
+        if not use_no_sync:  # every microbatch synced: each one's outer reduction adds to the previous one's
+            model.no_sync = models._null
         streams = _recording_streams()
         model.schedule.streams = streams
         restore = _record_collectives(streams, model.topology.outer_group)
         try:
-            # 3 samples per rank: 3 microbatches, no_sync on all but the last
+            # 3 samples per rank: 3 microbatches, no_sync on all but the last (or on none)
             losses = models.train_sharded(model, optimizer, NUM_STEPS, microbatches=3)
         finally:
             restore()
@@ -162,7 +168,8 @@ def _outer_reductions_during_backward():
         outer_reductions = [(stream, in_backward) for name, stream, on_outer, in_backward in streams.issued
                             if on_outer and name != "all_gather_flat"]
         trainable_groups = sum(1 for group in model.groups if group.trainable)
-        results[name] = (losses, outer_reductions, trainable_groups)
+        synced_microbatches = 1 if use_no_sync else 3
+        results[(name, average, use_no_sync)] = (losses, outer_reductions, trainable_groups * synced_microbatches)
     return results
 
 
@@ -170,10 +177,10 @@ def _outer_reductions_during_backward():
 def test_outer_reductions_overlap_the_backward(world_size):
     reference, _ = models.reference_losses(NUM_STEPS)
     for per_rank in run_on_ranks(world_size, _outer_reductions_during_backward):
-        for name, (losses, outer_reductions, trainable_groups) in per_rank.items():
+        for name, (losses, outer_reductions, reductions_per_step) in per_rank.items():
             assert losses == pytest.approx(reference, abs=1e-5), name
-            # one outer reduction per trainable group and step (none for the no_sync microbatch), every one
-            # issued on the reduce-scatter stream while the backward is still running
-            assert len(outer_reductions) == trainable_groups * NUM_STEPS, (name, outer_reductions)
+            # every strategy: one outer reduction per trainable group and synced microbatch (none for the no_sync
+            # ones), every one issued on the reduce-scatter stream while the backward is still running
+            assert len(outer_reductions) == reductions_per_step * NUM_STEPS, (name, outer_reductions)
             assert all(stream == "reduce_scatter" and in_backward for stream, in_backward in outer_reductions), (
                 name, outer_reductions)

@@ -52,6 +52,7 @@ from .collectives import PendingCollective
 from .distributed_data_parallel_config import ShardingStrategy
 from .gather_codec import GatherCodec
 from .layout import GroupLayout, chunk_rows
+from .grad_state import GradState, OuterGradState, checked_transition
 from .mixed_precision import MixedPrecisionPolicy
 from .resharding import copy_grad_in, copy_gathered_to_unsharded, shard_of_unsharded, zero_param_chunks
 from .utils import tensor_bytes
@@ -130,10 +131,7 @@ class ParamGroup:
         self.grad_dtype = policy.grads_dtype_for(self.param_dtype)
         self.comm_dtype = policy.comm_dtype_for(self.param_dtype)
         self.outer_rank, self.outer_size = outer_rank, outer_size
-        self.outer_sharded = outer_size > 1
-        if self.outer_sharded and strategy != ShardingStrategy.optim_grads_params:
-            raise ValueError("sharding main weights over the outer dim (outer_dp_sharding_strategy='optim') needs "
-                             "data_parallel_sharding_strategy='optim_grads_params'")
+        self.outer_sharded = outer_size > 1  # the topology admits it under strategy 3 only
         # Nothing is sharded under no_shard: its buffers are laid out for one rank (no row padding).
         sharded = strategy != ShardingStrategy.no_shard
         self.layout = GroupLayout([tuple(p.shape) for p in self.params], dp_size if sharded else 1, outer_size)
@@ -223,15 +221,32 @@ class ParamGroup:
         # for the rest of the backward when a gradient arrives from a nested (reentrant checkpoint) backward.
         self.grads_received = set()
         self.early_release_blocked = False
-        # Outer reductions (HSDP/HFSDP): the main gradients hold inner-reduced data no outer reduction has seen
-        # yet; HSDP: they were all-reduced over the outer group (and later additions must count them once);
+        # Where the step's gradients are (grad_state.py); moved by the schedule, zeroed by zero_grads.
+        self.grad_state = GradState.EMPTY
+        self.outer_grad_state = OuterGradState.NONE
         # HFSDP: an outer reduction wrote the sub-shard gradients this step (later ones add to them).
-        self.outer_reduction_due = self.outer_reduced = self.optim_grads_written = False
-        self.grads_dirty = False  # unreduced gradient data present
-        self.reduced = False  # a reduction already landed in the persistent buffer this step (strategies 0/1)
+        self.optim_grads_written = False
         # Scale applied to already-reduced gradients before more local gradients are added on top, so that a
         # second reduction in the same step counts them once (set by the schedule from the collective ops).
         self.reopen_factor = 1.0
+
+    # ---- gradient state ----------------------------------------------------------------------------------------
+    def move_grads_to(self, state: GradState):
+        self.grad_state = checked_transition(self.grad_state, state, self.names[0])
+
+    def move_outer_grads_to(self, state: OuterGradState):
+        self.outer_grad_state = checked_transition(self.outer_grad_state, state, self.names[0])
+
+    @property
+    def grads_dirty(self) -> bool:
+        """Local gradients are present that no reduction has taken yet."""
+        return self.grad_state is GradState.ACCUMULATING
+
+    @property
+    def persistent_grads_reduced(self) -> bool:
+        """Strategies 0/1: a reduction of the persistent buffer was issued this step and no gradient was added
+        since; adding more first needs that reduction (and any outer one) complete, and the buffer reopened."""
+        return self.grad_buffer is not None and self.grad_state is GradState.REDUCED
 
     @property
     def main_in_compute_buffer(self) -> bool:
@@ -433,7 +448,7 @@ class ParamGroup:
         copy-in, `resharding.copy_grad_in`)."""
         flat_grad = grad.reshape(-1)
         if self.grad_buffer is not None:
-            if self.reduced:
+            if self.grad_state is GradState.REDUCED:
                 self._reopen_reduced_grads()
             if self.strategy == ShardingStrategy.no_shard:
                 span = self.layout.spans[index]
@@ -444,12 +459,16 @@ class ParamGroup:
         else:
             if self.transient_grads is None and not self.starts_transient_grads(flat_grad):
                 self._stash_grad(index, flat_grad, scale)
-                self.grads_dirty = True
+                self._mark_accumulating()
                 return
             self._allocate_transient_grads()
             copy_grad_in(self.layout, self.transient_grads, index, flat_grad, scale, accumulate=self.filled[index])
             self.filled[index] = True
-        self.grads_dirty = True
+        self._mark_accumulating()
+
+    def _mark_accumulating(self):
+        if self.grad_state is not GradState.ACCUMULATING:
+            self.move_grads_to(GradState.ACCUMULATING)
 
     def starts_transient_grads(self, grad: torch.Tensor) -> bool:
         """Whether writing `grad` now allocates the flat transient gradient buffer."""
@@ -487,7 +506,6 @@ class ParamGroup:
             target = self.grad_buffer
         if self.reopen_factor != 1.0:
             target.mul_(self.reopen_factor)
-        self.reduced = False
 
     def reduce_input(self) -> torch.Tensor:
         """The flat buffer to reduce: transient grads with unwritten spans zeroed, or the persistent buffer."""
@@ -525,8 +543,8 @@ class ParamGroup:
             self.grad_buffer.zero_()
         elif self.main_grads is not None:
             self.release_main_grads()
-        self.grads_dirty = False
-        self.reduced = False
+        self.grad_state, self.outer_grad_state = GradState.EMPTY, OuterGradState.NONE  # zeroing: from any state
+        self.optim_grads_written = False
         self._optimizer_grad_storage = None
         for view in self.main_param_views:
             if view is not None:

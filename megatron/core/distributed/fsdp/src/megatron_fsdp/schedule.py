@@ -9,9 +9,13 @@ One step under strategy 3 (units U0..Un in forward order, R = parameters outside
               (R's groups too) | ... | end of backward: reduce leftovers, release anything still gathered
     step:     finish_grad_sync (wait reduces) -> optimizer.step on shards -> write shards into compute shards
 
-HSDP all-reduces the main gradients over the outer group in `finish_grad_sync`. HFSDP reduce-scatters them over
-the outer group into sub-shards instead; after the step, each compute shard is rebuilt by an all-gather of the
-outer ranks' main-weight sub-shards (async with `overlap_param_gather`), waited for before that group's gather.
+With an outer dim, each group's outer reduction starts on the reduce-scatter stream as soon as its inner reduction
+of a synced microbatch has landed, while the rest of the backward runs (every strategy): HSDP all-reduces the main
+gradients over the outer group, HFSDP reduce-scatters them into sub-shards. A later microbatch that adds to them
+first waits for it and reopens them (strategies 0/1 before writing into the persistent buffer, 2/3 before the
+next reduction); `finish_grad_sync` only launches the ones still due (microbatches reduced under no_sync). After
+the step, HFSDP rebuilds each compute shard by an all-gather of the outer ranks' main-weight sub-shards (async
+with `overlap_param_gather`), waited for before that group's gather. Gradient states: grad_state.py.
 
 Strategies 0-2 keep the compute weights gathered; their gathers happen after the optimizer step
 (strategies 1-2, async when `overlap_param_gather`, waited in the next forward). Strategies 0/1 reduce their
@@ -25,6 +29,7 @@ import torch
 
 from . import collectives
 from .distributed_data_parallel_config import ShardingStrategy
+from .grad_state import GradState, OuterGradState
 from .param_and_grad_buffer import DoubleBufferPool, ParamGroup, WeightState
 from .streams import CommunicationStreams
 from .utils import current_graph_task_id, in_backward_pass, queue_end_of_backward_callback, tensors_requiring_grad
@@ -69,8 +74,8 @@ class Schedule:
         # Reductions in flight at once: launching one more first waits for the oldest. One in flight while the
         # next unit's backward computes is the overlap; each one holds a unit-sized gradient buffer.
         self.max_reduces_in_flight = 1
-        # Strategies 2/3 with an outer dim: outer reductions (HSDP all-reduce, HFSDP reduce-scatter) in flight,
-        # issued during the backward as soon as a group's inner reduction has landed, by group id.
+        # With an outer dim: outer reductions (HSDP all-reduce, HFSDP reduce-scatter) in flight, issued during the
+        # backward as soon as a group's inner reduction has landed, by group id.
         self.pending_outer: Dict[int, collectives.PendingCollective] = {}
         self.deferred_reduces: List[ParamGroup] = []  # root groups whose reduction waits for a unit boundary
         self.streams = CommunicationStreams(device if device is not None else torch.device("cpu"))
@@ -253,8 +258,7 @@ class Schedule:
         self._queue_post_backward()
         self._drop_param_grads()
         for group in self.root_groups:  # strategies 0/1: as in _unit_pre_backward, not in the gradient hooks
-            if group.reduced:
-                self.wait_reduce_of(group)
+            self._reopen_persistent_grads(group)
         if self.strategy == ShardingStrategy.optim_grads_params:
             # The last unit is not prefetched here: the start of backward is where activations peak, and the
             # unit's own pre-backward hook gathers it once the loss and output-layer gradients are done.
@@ -271,8 +275,7 @@ class Schedule:
         self._drop_param_grads()
         self._launch_deferred_reduces()
         for group in unit.groups:  # strategies 0/1: this microbatch adds to buffers the last one may still reduce
-            if group.reduced:
-                self.wait_reduce_of(group)
+            self._reopen_persistent_grads(group)
         if self.strategy != ShardingStrategy.optim_grads_params:
             return
         self.ensure_gathered(unit.groups)
@@ -284,10 +287,9 @@ class Schedule:
             grad = param.grad
             if grad is None:
                 return
-            if group.reduced:
-                # strategies 0/1: another gradient for a persistent buffer whose reduction may be in flight (the
-                # unit's pre-backward waits for it first, so this is normally a no-op)
-                self.wait_reduce_of(group)
+            # strategies 0/1: another gradient for a persistent buffer whose reduction may be in flight (the
+            # unit's pre-backward waits for it first, so this is normally a no-op)
+            self._reopen_persistent_grads(group)
             group.write_grad(index, grad, self.grad_scale)
             param.grad = None
             self.grads_synced = False
@@ -295,6 +297,16 @@ class Schedule:
                 self._count_root_grad(group, index)
 
         return on_grad_accumulated
+
+    def _reopen_persistent_grads(self, group: ParamGroup):
+        """Strategies 0/1, before a microbatch adds to a persistent gradient buffer reduced earlier in the step: its
+        inner reduction and the outer one started when it landed must be complete, and gradients already summed
+        over the outer replicas are scaled so the next outer reduction counts them once (the inner reopening
+        happens in ParamGroup.write_grad)."""
+        if group.persistent_grads_reduced:
+            self.wait_reduce_of(group)
+            self._wait_outer(group)
+            self._reopen_outer_reduced(group)
 
     def _count_root_grad(self, group: ParamGroup, index: int):
         """Root groups have no module of their own whose backward ends before the model's: they are reduced and
@@ -363,6 +375,7 @@ class Schedule:
     def launch_reduce(self, group: ParamGroup, async_op: bool):
         """Reduce one group's gradients on the reduce-scatter stream; at most `max_reduces_in_flight` at once
         (each holds a gradient buffer), the oldest waited for first."""
+        group.move_grads_to(GradState.REDUCED)  # first: a reduction of nothing must not issue a collective
         while len(self.pending_reduces) >= self.max_reduces_in_flight:
             self._wait_oldest_reduce()
         self._wait_outer(group)  # the main gradients this reduction adds to may still be in an outer reduction
@@ -383,14 +396,12 @@ class Schedule:
                 group.main_grads, flat, self.dp_group, self.counter, average=average, accumulate=accumulate,
                 async_op=True))
             epilogue = None
-            if self.strategy >= ShardingStrategy.optim_grads and self._has_outer():
-                group.outer_reduction_due = True
-                # the step's last microbatch (synced): the outer reduction starts as soon as this one lands
-                outer_after = self.sync_enabled
             # The in-flight buffer now belongs to the collective; the next microbatch writes a fresh one.
             group.drop_transient_grads()
-        group.grads_dirty = False
-        group.reduced = group.grad_buffer is not None
+        if self._has_outer():
+            group.move_outer_grads_to(OuterGradState.DUE)
+            # a synced microbatch: the outer reduction starts as soon as this one lands, during the backward
+            outer_after = self.sync_enabled
         self.pending_reduces.append((pending, epilogue, flat, group, outer_after))
         if not async_op:
             self.wait_reduces()
@@ -400,7 +411,7 @@ class Schedule:
         pending.wait()
         if epilogue is not None:
             epilogue()
-        if outer_after and group.outer_reduction_due:
+        if outer_after and group.outer_grad_state is OuterGradState.DUE:
             # The group's inner reduction has landed in its main gradients: start the outer one now, during the
             # backward, instead of all of them at the optimizer step.
             self._launch_outer(group)
@@ -423,7 +434,7 @@ class Schedule:
         """Reduce `group`'s main gradients over the outer group: HSDP all-reduces them in place; HFSDP
         reduce-scatters them into this outer rank's sub-shard (added to what earlier microbatches put there) and
         then drops the shard-sized buffer."""
-        group.outer_reduction_due = False
+        group.move_outer_grads_to(OuterGradState.REDUCED)
         average = self.average_in_collective
         if group.outer_sharded:
             accumulate = group.optim_grads_written
@@ -442,7 +453,6 @@ class Schedule:
             self.pending_outer[id(group)] = self.streams.issue(self.streams.reduce_scatter, lambda: (
                 collectives.all_reduce(group.main_grads, self.outer_group, self.counter, average=average,
                                        async_op=True)))
-            group.outer_reduced = True
 
     def _wait_outer(self, group: ParamGroup):
         pending = self.pending_outer.pop(id(group), None)
@@ -454,13 +464,13 @@ class Schedule:
             self._wait_outer(group)
 
     def _reopen_outer_reduced(self, group: ParamGroup):
-        """HSDP: more gradients are about to be added to main gradients already summed over the outer ranks (a
-        microbatch without no_sync after a synced one); keep 1/outer of the sum on each so the next outer
-        all-reduce counts it once."""
-        if group.outer_reduced:
-            if not self.average_in_collective:
+        """More gradients are about to be added after an outer reduction (a microbatch without no_sync after a
+        synced one). HSDP: the main gradients hold the sum over the outer ranks; keep 1/outer of it on each so the
+        next outer all-reduce counts it once. HFSDP: the next outer reduce-scatter adds to the sub-shard."""
+        if group.outer_grad_state is OuterGradState.REDUCED:
+            if not group.outer_sharded and not self.average_in_collective:
                 group.main_grads.mul_(1.0 / collectives.group_size(self.outer_group))
-            group.outer_reduced = False
+            group.move_outer_grads_to(OuterGradState.NONE)
 
     def start_grad_sync(self):
         for group in self.groups:
@@ -486,18 +496,13 @@ class Schedule:
             for group in self.groups:
                 if group.main_grads is None:
                     continue
-                if self.strategy >= ShardingStrategy.optim_grads:
-                    # Strategies 2/3 started their outer reductions during the backward; only groups reduced
-                    # under no_sync (or here) still need one.
-                    if group.outer_reduction_due:
-                        self._launch_outer(group)
-                    elif group.outer_sharded and not group.optim_grads_written:
-                        group.optim_grads.zero_()  # no gradient reached this group in the step
-                        group.optim_grads_written = True
-                else:  # strategies 0/1 keep reopening their persistent buffers until the step
-                    group.outer_reduction_due = True
+                # Outer reductions started during the backward; only groups last reduced under no_sync (or
+                # here, outside a synced microbatch) still need one.
+                if group.outer_grad_state is OuterGradState.DUE:
                     self._launch_outer(group)
-                    group.outer_reduced = False
+                elif group.outer_sharded and not group.optim_grads_written:
+                    group.optim_grads.zero_()  # no gradient reached this group in the step
+                    group.optim_grads_written = True
             self.wait_outer_reductions()
         if self.report_nan_in_param_grad:
             self._raise_on_nan_grads()
@@ -558,7 +563,6 @@ class Schedule:
         self.grads_synced = False
         for group in self.groups:
             group.zero_grads()
-            group.outer_reduction_due = group.outer_reduced = group.optim_grads_written = False
 
 
 class _PostBackward(torch.autograd.Function):
