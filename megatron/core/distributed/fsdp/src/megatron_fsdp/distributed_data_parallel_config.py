@@ -38,10 +38,14 @@ class DistributedDataParallelConfig:
 
     `grad_reduce_in_fp32=True` reduces gradients in fp32 whatever the MixedPrecisionPolicy says (an explicit
     non-fp32 `grad_comm_dtype` is an error); False leaves it to the policy, which already reduces and accumulates
-    in fp32 when the main weights are fp32. `num_distributed_optimizer_instances` (Megatron's name for the outer
-    replicas) must equal the size of the outer dim when it is > 1. `check_for_nan_in_grad` is
-    `report_nan_in_param_grad`. `use_distributed_optimizer` and `use_megatron_fsdp` are shared with
-    Megatron-Core's DDP config; Megatron-FSDP always shards the optimizer, so they are informational here.
+    in fp32 when the main weights are fp32. `num_distributed_optimizer_instances` is Megatron's name for the outer
+    replicas. `check_for_nan_in_grad` is `report_nan_in_param_grad`. `use_distributed_optimizer` and
+    `use_megatron_fsdp` are shared with Megatron-Core's DDP config; Megatron-FSDP always shards the optimizer, so
+    they are informational here.
+
+    Only rules between the flags themselves are checked here. Rules that depend on how the ranks are arranged
+    (HFSDP needs an outer dim and strategy 3, the number of optimizer instances equals the outer size) are
+    checked by `DataParallelTopology` (topology.py), which sees the mesh.
     """
 
     grad_reduce_in_fp32: bool = False
@@ -66,11 +70,6 @@ class DistributedDataParallelConfig:
         if outer not in (ShardingStrategy.no_shard, ShardingStrategy.optim):
             raise ValueError(
                 f"outer_dp_sharding_strategy={outer.name} is not supported; use 'no_shard' (HSDP) or 'optim' (HFSDP)"
-            )
-        if outer == ShardingStrategy.optim and strategy != ShardingStrategy.optim_grads_params:
-            raise ValueError(
-                "outer_dp_sharding_strategy='optim' (HFSDP) needs data_parallel_sharding_strategy="
-                "'optim_grads_params'"
             )
         if self.overlap_param_gather and not self.overlap_grad_reduce:
             raise ValueError("overlap_param_gather=True needs overlap_grad_reduce=True; enable both or neither")

@@ -44,6 +44,8 @@ def fully_shard_model(
     `fsdp_double_buffer` / `maxpool_double_buffer` (either one): units gather into a fixed pool of two buffers,
     each sized to the largest unit (the max over units), instead of allocating per gather.
     """
+    # Both overlaps default to on, so turning off overlap_grad_reduce alone turns off overlap_param_gather with
+    # it rather than tripping the config's rule that the second needs the first.
     config = DistributedDataParallelConfig(
         overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather and overlap_grad_reduce,

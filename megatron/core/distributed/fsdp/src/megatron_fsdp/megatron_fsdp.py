@@ -1,7 +1,7 @@
 """`MegatronFSDP`: the module wrapper that shards a model's parameters, gradients and optimizer state."""
 
 import contextlib
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -18,192 +18,8 @@ from .param_grads import ParamGrads
 from .resting_parameters import RestingParameters
 from .schedule import Schedule, Unit
 from .state_dict import load_model_state_dict, model_state_dict
-from .utils import (WRAPPED_ATTR, parameter_owners, replace_parameter, resolve_device, resolve_module_classes,
-                    tensor_bytes)
-
-
-
-class CheckpointMesh(NamedTuple):
-    """Where state-dict DTensors live: rows over mesh dim `dp_mesh_dim`, TP partitions over `tp_mesh_dim` (None
-    without tensor parallelism); any other dim replicates."""
-
-    mesh: object
-    dp_mesh_dim: int
-    tp_mesh_dim: Optional[int] = None
-
-
-def _mesh_has_dim(device_mesh, name: str) -> bool:
-    """Whether `device_mesh[name]` names a dim: one of its own, or one flattened from them (as in
-    `mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")`, the usual way to name the sharding dim)."""
-    if name in tuple(device_mesh.mesh_dim_names or ()):
-        return True
-    try:
-        device_mesh[name]
-    except (KeyError, ValueError, RuntimeError):
-        return False
-    return True
-
-
-class DataParallelTopology:
-    """The process groups (and DTensor mesh) Megatron-FSDP shards and replicates over.
-
-    With an outer dim, the outer ranks replicate the model (HSDP, `outer_dp_sharding_strategy='no_shard'`) or
-    additionally split the main weights, the optimizer's gradients and its state (HFSDP, `'optim'`)."""
-
-    def __init__(self, device_mesh=None, dp_shard_dim=None, dp_outer_dim=None, tp_dim=None,
-                 hybrid_fsdp_group=None, outer_dp_sharding_strategy=ShardingStrategy.no_shard, device=None,
-                 num_distributed_optimizer_instances: int = 1):
-        self.device_mesh, self.dp_shard_dim, self.dp_outer_dim, self.tp_dim = (
-            device_mesh, dp_shard_dim, dp_outer_dim, tp_dim)
-        self.outer_group = None
-        self.outer_shards_optimizer = ShardingStrategy.parse(
-            outer_dp_sharding_strategy, "outer_dp_sharding_strategy") == ShardingStrategy.optim
-        if not collectives.is_initialized():
-            raise RuntimeError("Megatron-FSDP needs torch.distributed initialised (init_process_group) first")
-        if dp_outer_dim is not None and hybrid_fsdp_group is None:
-            raise ValueError("dp_outer_dim needs hybrid_fsdp_group (the process group spanning the outer and "
-                             "shard dims); pass both or neither")
-        if self.outer_shards_optimizer and dp_outer_dim is None:
-            raise ValueError("outer_dp_sharding_strategy='optim' (HFSDP) shards over the outer dim of device_mesh; "
-                             "pass device_mesh, dp_outer_dim and hybrid_fsdp_group")
-        if device_mesh is None:
-            if dp_shard_dim is not None or dp_outer_dim is not None or tp_dim is not None:
-                raise ValueError("dp_shard_dim / dp_outer_dim / tp_dim name dims of device_mesh; pass device_mesh")
-            self.dp_group = torch.distributed.group.WORLD
-            self.device = resolve_device(device, None, collectives.backend_of(self.dp_group))
-            self._check_hybrid_groups(hybrid_fsdp_group, num_distributed_optimizer_instances)
-            return
-        names = tuple(device_mesh.mesh_dim_names or ())
-        if dp_shard_dim is None:
-            if device_mesh.ndim != 1:
-                raise ValueError(f"device_mesh has {device_mesh.ndim} dims {names}; name the sharding dim with "
-                                 "dp_shard_dim")
-            dp_shard_dim = names[0] if names else 0
-            self.dp_shard_dim = dp_shard_dim
-        for flag, dim in (("dp_shard_dim", dp_shard_dim), ("dp_outer_dim", dp_outer_dim), ("tp_dim", tp_dim)):
-            if dim is not None and not isinstance(dim, int) and not _mesh_has_dim(device_mesh, dim):
-                raise ValueError(f"{flag}={dim!r} is neither a dim of device_mesh (dims: {names}) nor a dim "
-                                 "flattened from them (DeviceMesh._flatten)")
-        self.dp_group = device_mesh[dp_shard_dim].get_group() if device_mesh.ndim > 1 else device_mesh.get_group()
-        if dp_outer_dim is not None:
-            self.outer_group = device_mesh[dp_outer_dim].get_group()
-        self.device = resolve_device(device, device_mesh.device_type, collectives.backend_of(self.dp_group))
-        self._check_hybrid_groups(hybrid_fsdp_group, num_distributed_optimizer_instances)
-
-    def _check_hybrid_groups(self, hybrid_fsdp_group, num_distributed_optimizer_instances: int):
-        """`hybrid_fsdp_group` must span exactly the outer x shard ranks of this rank, and
-        `num_distributed_optimizer_instances` (Megatron's name for the outer replicas) must match the outer dim."""
-        if hybrid_fsdp_group is not None:
-            if self.outer_group is None:
-                raise ValueError("hybrid_fsdp_group is the group spanning the outer and shard dims; it needs "
-                                 "dp_outer_dim too (pass both or neither)")
-            hybrid_ranks = set(collectives.group_ranks(hybrid_fsdp_group))
-            inner_ranks, outer_ranks = collectives.group_ranks(self.dp_group), collectives.group_ranks(self.outer_group)
-            if len(hybrid_ranks) != len(inner_ranks) * len(outer_ranks) or not (
-                    hybrid_ranks.issuperset(inner_ranks) and hybrid_ranks.issuperset(outer_ranks)):
-                raise ValueError(f"hybrid_fsdp_group holds ranks {sorted(hybrid_ranks)}, but dp_shard_dim "
-                                 f"{self.dp_shard_dim!r} x dp_outer_dim {self.dp_outer_dim!r} of this rank span "
-                                 f"{len(inner_ranks)} x {len(outer_ranks)} ranks including {inner_ranks} and "
-                                 f"{outer_ranks}; pass the data-parallel group of both dims")
-        if num_distributed_optimizer_instances > 1 and num_distributed_optimizer_instances != self.outer_size:
-            raise ValueError(f"num_distributed_optimizer_instances={num_distributed_optimizer_instances} needs a "
-                             f"dp_outer_dim of that size (the optimizer replicas), but the outer size is "
-                             f"{self.outer_size}; pass device_mesh, dp_outer_dim and hybrid_fsdp_group")
-
-    @property
-    def dp_size(self) -> int:
-        return collectives.group_size(self.dp_group)
-
-    @property
-    def dp_rank(self) -> int:
-        return collectives.group_rank(self.dp_group)
-
-    @property
-    def outer_size(self) -> int:
-        return 1 if self.outer_group is None else collectives.group_size(self.outer_group)
-
-    @property
-    def outer_rank(self) -> int:
-        return 0 if self.outer_group is None else collectives.group_rank(self.outer_group)
-
-    @property
-    def optimizer_outer_size(self) -> int:
-        """How many outer ranks split each shard of the main weights (HFSDP); 1 under HSDP or without one."""
-        return self.outer_size if self.outer_shards_optimizer else 1
-
-    @property
-    def optimizer_outer_rank(self) -> int:
-        return self.outer_rank if self.outer_shards_optimizer else 0
-
-    @property
-    def tp_size(self) -> int:
-        return 1 if self.tp_dim is None else self.device_mesh[self.tp_dim].size()
-
-    @property
-    def tp_rank(self) -> int:
-        return 0 if self.tp_dim is None else self.device_mesh.get_local_rank(self.tp_dim)
-
-    @property
-    def tp_group(self):
-        """The tensor-parallel process group (None without a tp_dim)."""
-        return None if self.tp_dim is None else self.device_mesh.get_group(self.tp_dim)
-
-    def checkpoint_mesh(self) -> CheckpointMesh:
-        """The mesh on which state-dict DTensors are placed (see `CheckpointMesh`)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        if self.device_mesh is None:
-            if getattr(self, "_world_mesh", None) is None:
-                device_type = self.device.type
-                self._world_mesh = init_device_mesh(device_type, (collectives.default_world_size(),),
-                                                    mesh_dim_names=("dp",))
-            return CheckpointMesh(self._world_mesh, 0)
-        if self.tp_size > 1:
-            return self._tensor_parallel_checkpoint_mesh()
-        if self.dp_outer_dim is not None:
-            return CheckpointMesh(self.device_mesh[(self.dp_outer_dim, self.dp_shard_dim)], 1)
-        if self.device_mesh.ndim == 1:
-            return CheckpointMesh(self.device_mesh, 0)
-        return CheckpointMesh(self.device_mesh[self.dp_shard_dim], 0)
-
-    def _tensor_parallel_checkpoint_mesh(self) -> CheckpointMesh:
-        """A (dp_outer?, tp, dp_shard) mesh. DTensor splits mesh dims in order, so tp must precede dp_shard for
-        a TP partition along dim 0 to be cut into rows afterwards; DeviceMesh slicing keeps the original order,
-        so the mesh is rebuilt from this rank's rank grid on the existing groups (no new process groups)."""
-        if getattr(self, "_tp_checkpoint_mesh", None) is None:
-            from torch.distributed.device_mesh import DeviceMesh
-
-            mesh = self.device_mesh
-            names = tuple(mesh.mesh_dim_names or ())
-            dims = ([self.dp_outer_dim] if self.dp_outer_dim is not None else []) + [self.tp_dim, self.dp_shard_dim]
-            if all(isinstance(dim, str) for dim in dims):
-                # Named dims (flattened ones included): slice them in the order DeviceMesh accepts, then reorder.
-                submesh = _slice_in_any_order(mesh, dims)
-                order = [submesh.mesh_dim_names.index(dim) for dim in dims]
-                grid, groups, dim_names = submesh.mesh.permute(order), [submesh.get_group(d) for d in dims], tuple(dims)
-            else:
-                indices = [dim if isinstance(dim, int) else names.index(dim) for dim in dims]
-                others = [index for index in range(mesh.ndim) if index not in indices]
-                coordinate = mesh.get_coordinate()
-                grid = mesh.mesh.permute(others + indices)[tuple(coordinate[index] for index in others)]
-                groups = [mesh.get_group(index) for index in indices]
-                dim_names = tuple(names[index] for index in indices) if names else None
-            self._tp_checkpoint_mesh = CheckpointMesh(
-                DeviceMesh.from_group(groups, mesh.device_type, mesh=grid, mesh_dim_names=dim_names),
-                dp_mesh_dim=len(dims) - 1, tp_mesh_dim=len(dims) - 2)
-        return self._tp_checkpoint_mesh
-
-
-def _slice_in_any_order(device_mesh, dims):
-    """`device_mesh[dims]` with the dims in whichever order DeviceMesh accepts (it keeps the mesh's own order)."""
-    import itertools
-
-    for candidate in itertools.permutations(dims):
-        try:
-            return device_mesh[tuple(candidate)]
-        except (KeyError, ValueError, RuntimeError):
-            continue
-    raise ValueError(f"cannot slice dims {tuple(dims)} out of device_mesh (dims: {device_mesh.mesh_dim_names})")
+from .topology import DataParallelTopology
+from .utils import WRAPPED_ATTR, parameter_owners, replace_parameter, resolve_module_classes, tensor_bytes
 
 
 class MegatronFSDP(nn.Module):
@@ -241,8 +57,10 @@ class MegatronFSDP(nn.Module):
                              "optimizer step from shards that alias the main weights")
         self.gather_codec = gather_codec
         self.topology = DataParallelTopology(
-            device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, hybrid_fsdp_group, config.outer_dp_sharding_strategy,
-            device=device, num_distributed_optimizer_instances=config.num_distributed_optimizer_instances)
+            device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, hybrid_fsdp_group,
+            data_parallel_sharding_strategy=self.strategy,
+            outer_dp_sharding_strategy=config.outer_dp_sharding_strategy,
+            num_distributed_optimizer_instances=config.num_distributed_optimizer_instances, device=device)
         self.policy = (mixed_precision_policy or MixedPrecisionPolicy()).with_grad_reduce_in_fp32(
             config.grad_reduce_in_fp32)
         self.device = self.topology.device
