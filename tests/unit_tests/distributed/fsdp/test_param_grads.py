@@ -14,20 +14,24 @@ from tests.unit_tests.multiprocess_harness import run_on_ranks
 MICROBATCHES = 2
 LR = 0.1
 GRAD_FACTOR = 0.5  # applied in place to every p.grad before the step
+STEPS = 2  # the second step's .grad must view that step's reduced gradient, not the first one's
 
 
 def _reference():
-    """Single process: the full-batch gradients, and SGD's weights after one step on GRAD_FACTOR * them."""
+    """Single process: per step, the full-batch gradients; and SGD's weights after STEPS steps, each on
+    GRAD_FACTOR * the gradients."""
     model = models.make_model(0)
-    inputs, target = models.make_batches(1)[0]
-    models.loss_fn(model(inputs), target).backward()
     params = dict(model.named_parameters())
-    grads = {name: p.grad.clone() for name, p in params.items() if p.grad is not None}
-    with torch.no_grad():
-        for p in params.values():
-            if p.grad is not None:
-                p.sub_(LR * GRAD_FACTOR * p.grad)
-    return grads, {name: p.detach().clone() for name, p in params.items()}
+    grads_per_step = []
+    for inputs, target in models.make_batches(STEPS):
+        model.zero_grad()
+        models.loss_fn(model(inputs), target).backward()
+        grads_per_step.append({name: p.grad.clone() for name, p in params.items() if p.grad is not None})
+        with torch.no_grad():
+            for p in params.values():
+                if p.grad is not None:
+                    p.sub_(LR * GRAD_FACTOR * p.grad)
+    return grads_per_step, {name: p.detach().clone() for name, p in params.items()}
 
 
 def _grads_by_strategy():
@@ -38,45 +42,46 @@ def _grads_by_strategy():
     from megatron_fsdp.layout import chunk_rows
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    inputs, target = (models.local_slice(t, rank, world) for t in models.make_batches(1)[0])
+    batches = [tuple(models.local_slice(t, rank, world) for t in batch) for batch in models.make_batches(STEPS)]
     results = {}
     for strategy in range(4):
         module = models.make_model(0)
         optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=LR)
         model, optimizer = megatron_fsdp.fully_shard(module, optimizer, fsdp_unit_modules=[models.Block],
                                                      zero_dp_strategy=strategy)
-        optimizer.zero_grad()
-        chunk = inputs.shape[0] // MICROBATCHES
-        after_first = None
-        for micro in range(MICROBATCHES):
-            part = slice(micro * chunk, (micro + 1) * chunk)
-            with (model.no_sync() if micro < MICROBATCHES - 1 else models._null()):
-                (models.loss_fn(model(inputs[part]), target[part]) / MICROBATCHES).backward()
-            if after_first is None:  # strategies 0/1 defer the reduction under no_sync: nothing to show yet
-                after_first = [p.grad is not None for p in model.parameters() if p.requires_grad]
-        params = dict(model.module.named_parameters())
-        kinds, grads, rows_ok = set(), {}, True
-        for name, p in params.items():
-            if p.grad is None:
-                continue
-            grad = p.grad
-            if isinstance(grad, DTensor):
-                kinds.add(("DTensor", tuple(grad.placements), tuple(grad.shape) == tuple(p.shape)))
-                start, end = chunk_rows(p.shape[0], world, rank)
-                rows_ok &= grad.to_local().shape[0] == end - start
-                grads[name] = grad.full_tensor().clone()
-            else:
-                kinds.add(("Tensor", (), tuple(grad.shape) == tuple(p.shape)))
-                grads[name] = grad.clone()
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(GRAD_FACTOR)  # must reach the step
-        optimizer.step()
+        kinds, grads_per_step, rows_ok, after_first, reset = set(), [], True, None, True
+        for inputs, target in batches:
+            optimizer.zero_grad()
+            chunk = inputs.shape[0] // MICROBATCHES
+            for micro in range(MICROBATCHES):
+                part = slice(micro * chunk, (micro + 1) * chunk)
+                with (model.no_sync() if micro < MICROBATCHES - 1 else models._null()):
+                    (models.loss_fn(model(inputs[part]), target[part]) / MICROBATCHES).backward()
+                if after_first is None:  # strategies 0/1 defer the reduction under no_sync: nothing to show yet
+                    after_first = [p.grad is not None for p in model.parameters() if p.requires_grad]
+            grads = {}
+            for name, p in model.module.named_parameters():
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                if isinstance(grad, DTensor):
+                    kinds.add(("DTensor", tuple(grad.placements), tuple(grad.shape) == tuple(p.shape)))
+                    start, end = chunk_rows(p.shape[0], world, rank)
+                    rows_ok &= grad.to_local().shape[0] == end - start
+                    grads[name] = grad.full_tensor().clone()
+                else:
+                    kinds.add(("Tensor", (), tuple(grad.shape) == tuple(p.shape)))
+                    grads[name] = grad.clone()
+            grads_per_step.append(grads)
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(GRAD_FACTOR)  # must reach the step
+            optimizer.step()
         weights = models.full_params(model)
         optimizer.zero_grad()
         reset = all(p.grad is None for p in model.module.parameters())
-        results[strategy] = (after_first, kinds, rows_ok, grads, weights, reset)
+        results[strategy] = (after_first, kinds, rows_ok, grads_per_step, weights, reset)
     return results
 
 
@@ -84,9 +89,9 @@ def _grads_by_strategy():
 def test_param_grads_are_this_ranks_part_of_the_reduced_gradient(world_size):
     from torch.distributed.tensor import Shard
 
-    reference_grads, reference_weights = _reference()
+    reference_grads_per_step, reference_weights = _reference()
     for results in run_on_ranks(world_size, _grads_by_strategy):
-        for strategy, (after_first, kinds, rows_ok, grads, weights, reset) in results.items():
+        for strategy, (after_first, kinds, rows_ok, grads_per_step, weights, reset) in results.items():
             if strategy <= 1:
                 assert not any(after_first), strategy
             else:  # reduced every microbatch: the first microbatch's reduced gradients show
@@ -94,9 +99,12 @@ def test_param_grads_are_this_ranks_part_of_the_reduced_gradient(world_size):
             expected_kind = ("Tensor", (), True) if strategy == 0 else ("DTensor", (Shard(0),), True)
             assert kinds == {expected_kind}, (strategy, kinds)
             assert rows_ok, strategy
-            assert set(grads) == set(reference_grads), strategy
-            for name, grad in reference_grads.items():
-                torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=f"{strategy} {name}")
+            assert len(grads_per_step) == STEPS, strategy
+            for step, (grads, reference_grads) in enumerate(zip(grads_per_step, reference_grads_per_step)):
+                assert set(grads) == set(reference_grads), (strategy, step)
+                for name, grad in reference_grads.items():
+                    torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6,
+                                               msg=f"strategy {strategy} step {step} {name}")
             for name, value in reference_weights.items():
                 torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=f"{strategy} {name}")
             assert reset, strategy
@@ -179,7 +187,7 @@ def _hybrid_grads(outer_strategy):
 def test_hybrid_sharding_grads_after_finish_grad_sync(world_size):
     """HSDP: the gradients are complete only once finish_grad_sync summed them over the outer ranks, so `.grad`
     is attached there; HFSDP: not attached (its reduced gradients are flat sub-shards of the rows)."""
-    reference_grads, _ = _reference()
+    reference_grads = _reference()[0][0]  # the first step's
     for before_sync, grads in run_on_ranks(world_size, _hybrid_grads, "no_shard"):
         assert not any(before_sync)
         assert set(grads) == set(reference_grads)

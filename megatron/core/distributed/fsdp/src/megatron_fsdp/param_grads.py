@@ -27,7 +27,7 @@ Where it is not attached, and why:
   without a copy; a torch without `grad_dtype` gets no `.grad` for such parameters.
 """
 
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import torch.nn as nn
@@ -58,6 +58,9 @@ class ParamGrads:
         self._resting = resting
         self._outer_replicas = outer_replicas
         self._attached: List[Tuple[nn.Parameter, torch.dtype]] = []  # (parameter, its grad_dtype before)
+        # (id(group), index) -> (the group's main_grads when built, the gradient viewing it): the views stay
+        # valid while the buffer is released and given its storage back, so each is built once, not per step.
+        self._grads: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _shown(self, group, index: int) -> nn.Parameter:
         param = group.params[index]
@@ -79,14 +82,22 @@ class ParamGrads:
                 continue
             for index in range(len(group.params)):
                 param = self._shown(group, index)
-                if self._strategy == ShardingStrategy.no_shard:
-                    span = group.layout.spans[index]
-                    grad = group.main_grads[span.flat_start:span.flat_end].view(span.shape)
-                else:
-                    grad = rows_dtensor(group.rows_of_shard(group.main_grads, index), param, self._mesh)
+                grad = self._grad_view(group, index, param)
                 previous_dtype = getattr(param, "grad_dtype", param.dtype)
                 if _set_grad(param, grad):
                     self._attached.append((param, previous_dtype))
+
+    def _grad_view(self, group, index: int, param: nn.Parameter) -> torch.Tensor:
+        """Parameter `index`'s part of `group.main_grads`: a view (no_shard) or a DTensor of this rank's rows."""
+        source, grad = self._grads.get((id(group), index), (None, None))
+        if source is not group.main_grads:
+            if self._strategy == ShardingStrategy.no_shard:
+                span = group.layout.spans[index]
+                grad = group.main_grads[span.flat_start:span.flat_end].view(span.shape)
+            else:
+                grad = rows_dtensor(group.rows_of_shard(group.main_grads, index), param, self._mesh)
+            self._grads[(id(group), index)] = (group.main_grads, grad)
+        return grad
 
     def drop(self):
         """Detach every gradient attached by `attach` and restore the parameters' `grad_dtype`."""
