@@ -127,8 +127,9 @@ def generate_rank_groups(world_size, tp=1, pp=1, cp=1, ep=1, dp=None, order=DEFA
     """Every kind of rank group for a layout, as {name: [[global ranks], ...]}.
 
     Names: "tp", "pp", "cp", "dp" (equal tp/pp/cp coordinates), "dp-cp" (equal tp/pp coordinates),
-    "tp-cp", "mp" (tp x pp: the model-parallel group), "embedding" (first and last rank of each pipeline),
-    "inner-dp-cp" / "outer-dp-cp" (hybrid sharding: the dp-cp group cut into N consecutive chunks, and the
+    "tp-cp", "tp-dp" (equal pp/cp coordinates), "tp-dp-cp" (every rank of one pipeline stage: FP8's
+    amax-reduction group), "mp" (tp x pp: the model-parallel group), "embedding" (first and last rank of each
+    pipeline), "inner-dp-cp" / "outer-dp-cp" (hybrid sharding: the dp-cp group cut into N consecutive chunks, and the
     ranks at the same position across the chunks), "ep", "expt-dp" (expert grid), "tp-ep".
     `dp` is derived from the world size when None; a given value must agree with it.
     """
@@ -153,6 +154,8 @@ def generate_rank_groups(world_size, tp=1, pp=1, cp=1, ep=1, dp=None, order=DEFA
         "dp": dense.groups({"dp"}),
         "dp-cp": dense.groups({"dp", "cp"}),
         "tp-cp": dense.groups({"tp", "cp"}),
+        "tp-dp": dense.groups({"tp", "dp"}),
+        "tp-dp-cp": dense.groups({"tp", "dp", "cp"}),
         "mp": dense.groups({"tp", "pp"}),
     }
     groups["embedding"] = [[ranks[0], ranks[-1]] if len(ranks) > 1 else list(ranks) for ranks in groups["pp"]]
@@ -581,6 +584,25 @@ def get_context_parallel_global_ranks():
 
 def get_tensor_and_context_parallel_group():
     return _group("tp-cp")
+
+
+def get_tensor_and_data_parallel_group(with_context_parallel=False):
+    """The tensor-parallel x data-parallel ranks of this rank's pipeline stage that share its context-parallel
+    position; `with_context_parallel`: every rank of the stage (TP x DP x CP)."""
+    return _group("tp-dp-cp" if with_context_parallel else "tp-dp")
+
+
+def get_amax_reduction_group(with_context_parallel=False, tp_only_amax_red=False):
+    """The ranks that reduce FP8 amaxes together so they quantize a shared tensor with one scale.
+
+    Every rank of a pipeline stage holds shards (TP) or replicas (DP, CP) of the same layers, so under delayed
+    scaling the amaxes are reduced over the stage's TP x DP (x CP with `with_context_parallel`, as FP8
+    training uses it) ranks; `tp_only_amax_red` narrows it to the tensor-parallel group (shards agree, replicas
+    may not). Megatron-Core's getter; Transformer Engine's autocast takes it as `fp8_group`.
+    """
+    if tp_only_amax_red:
+        return get_tensor_model_parallel_group()
+    return get_tensor_and_data_parallel_group(with_context_parallel)
 
 
 # Expert parallel

@@ -69,9 +69,25 @@ def test_custom_order_puts_pipeline_before_data():
     assert groups["embedding"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
 
 
+def test_amax_reduction_groups_are_the_ranks_of_one_pipeline_stage():
+    # TP2 x DP2: every rank holds (a shard or a replica of) the same layers.
+    groups = ps.generate_rank_groups(4, tp=2)
+    assert groups["tp-dp-cp"] == groups["tp-dp"] == [[0, 1, 2, 3]]
+    # TP2 x PP2: one group per stage, the stage's two tensor-parallel ranks.
+    groups = ps.generate_rank_groups(4, tp=2, pp=2)
+    assert groups["tp-dp-cp"] == groups["tp-dp"] == [[0, 1], [2, 3]]
+    # With context parallelism the CP ranks of a stage join (they hold the same layers too) unless left out.
+    groups = ps.generate_rank_groups(8, tp=2, pp=2, cp=2)
+    assert groups["tp-dp-cp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups["tp-dp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    groups = ps.generate_rank_groups(8, tp=2, cp=2)
+    assert groups["tp-dp"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+
+
 def test_every_kind_of_group_partitions_the_world():
     groups = ps.generate_rank_groups(8, tp=2, pp=2, cp=2, num_distributed_optimizer_instances=1)
-    for name in ("tp", "pp", "cp", "dp", "dp-cp", "mp", "inner-dp-cp", "outer-dp-cp", "ep", "expt-dp"):
+    for name in ("tp", "pp", "cp", "dp", "dp-cp", "mp", "inner-dp-cp", "outer-dp-cp", "ep", "expt-dp", "tp-dp",
+                 "tp-dp-cp"):
         flat = sorted(r for ranks in groups[name] for r in ranks)
         assert flat == list(range(8)), name
 
@@ -148,6 +164,9 @@ def _check_layout_on_rank(tp, pp, cp, ep, instances):
         assert group_rank == mine(name).index(rank), name
         assert group_size == len(mine(name)), name
     assert _group_ranks(ps.get_model_parallel_group()) == mine("mp")
+    assert _group_ranks(ps.get_amax_reduction_group(with_context_parallel=True)) == mine("tp-dp-cp")
+    assert _group_ranks(ps.get_amax_reduction_group()) == mine("tp-dp")
+    assert ps.get_amax_reduction_group(tp_only_amax_red=True) is ps.get_tensor_model_parallel_group()
     assert _group_ranks(ps.get_inner_data_parallel_group()) == mine("inner-dp-cp")
     assert ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True) is (
         ps.get_inner_data_parallel_group()

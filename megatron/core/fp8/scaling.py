@@ -3,8 +3,8 @@
 Each FP8 linear layer owns one `ScalingState` per tensor role (input, weight, gradient of the output). Ranks
 that hold shards of one logical tensor must quantize it with the same scale, or the shards would not form
 one FP8 tensor: tensor-parallel shards reduce the amax (MAX) over the tensor-parallel group, and under
-delayed scaling the amax histories are additionally reduced over the data-parallel group, as Megatron does,
-so every replica of a layer uses identical scales.
+delayed scaling the amaxes recorded in a forward pass are reduced over the pipeline stage's amax-reduction group
+(its TP x DP x CP ranks), as Megatron does, so every shard and replica of a layer uses identical scales.
 """
 
 import torch
@@ -27,22 +27,22 @@ def tensor_parallel_group_if_sharded():
     return parallel_state.get_tensor_model_parallel_group()
 
 
-def amax_reduction_groups():
-    """The groups whose ranks hold the same layers: tensor-parallel, then data-parallel (with context-parallel).
-
-    MAX over the TP group followed by MAX over the DP group is the MAX over every rank of the pipeline stage's
-    TP x DP x CP block, without needing a group of its own.
-    """
+def amax_reduction_group():
+    """The group over which delayed-scaling amaxes are reduced: every rank of this pipeline stage (TP x DP x CP,
+    `parallel_state.get_amax_reduction_group(with_context_parallel=True)`), or None when that is one rank or no
+    model-parallel state exists. Transformer Engine's autocast gets the same group as its `fp8_group`."""
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
-        return []
-    groups = []
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        groups.append(parallel_state.get_tensor_model_parallel_group())
-    if parallel_state.get_data_parallel_world_size(with_context_parallel=True) > 1:
-        groups.append(parallel_state.get_data_parallel_group(with_context_parallel=True))
-    return groups
+        return None
+    group = parallel_state.get_amax_reduction_group(with_context_parallel=True)
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def amax_reduction_groups():
+    """`[amax_reduction_group()]`, or `[]` when there is nothing to reduce over (the form the reductions take)."""
+    group = amax_reduction_group()
+    return [] if group is None else [group]
 
 
 def all_reduce_max(tensor, groups):
