@@ -157,3 +157,75 @@ def test_ranks_sharing_a_tensor_agree_on_its_scale():
     # Input amaxes 2 and 3 reduce to 3 on both ranks; no gradient amax was recorded yet.
     assert [r["histories"] for r in results] == [[[3.0, 0.0], [0.5, 0.0], [0.0, 0.0]]] * 2
     assert results[0]["next_input_scale"] == results[1]["next_input_scale"] == pytest.approx(448.0 / 3.0, rel=1e-6)
+
+
+def _delayed_scales_over_the_amax_reduction_group():
+    """At TP2 x DP2 and TP2 x PP2 (world 4): delayed-scaling amaxes reduced when an FP8 region ends, and the group
+    Transformer Engine's autocast is given (through a stand-in `transformer_engine.pytorch` module that records
+    its arguments: TE itself does not run here)."""
+    import sys
+    import types
+
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+    from megatron.core.extensions import transformer_engine as te_backend
+    from megatron.core.fp8.scaling import amax_reduction_group, amax_reduction_groups
+
+    rank = dist.get_rank()
+    hybrid = fp8_utils.get_fp8_format("hybrid")
+    results = {}
+    for name, sizes in (("tp2_dp2", {"tensor_model_parallel_size": 2}),
+                        ("tp2_pp2", {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2})):
+        parallel_state.initialize_model_parallel(**sizes)
+        group = parallel_state.get_amax_reduction_group(with_context_parallel=True)
+        recipe = fp8_utils.Fp8Recipe(hybrid, "delayed", amax_history_len=2)
+        scaling = LinearScaling(recipe, "column")
+        region = fp8_utils.Fp8Region(recipe)
+        with region:
+            region.use(scaling)
+            scaling.input.scale_for(torch.full((3,), 1.0 + rank))  # amaxes 1, 2, 3, 4
+            scaling.weight.scale_for(torch.full((3,), 0.5 * (4 - rank)))  # amaxes 2, 1.5, 1, 0.5
+
+        recorded = {}
+        stand_in = types.SimpleNamespace(autocast=lambda **kwargs: recorded.update(kwargs))
+        saved = {key: sys.modules.get(key) for key in ("transformer_engine", "transformer_engine.pytorch")}
+        saved_require, saved_recipe = te_backend.require_transformer_engine, te_backend.te_recipe
+        sys.modules["transformer_engine"] = types.SimpleNamespace(pytorch=stand_in)
+        sys.modules["transformer_engine.pytorch"] = stand_in
+        te_backend.require_transformer_engine, te_backend.te_recipe = (lambda: None), (lambda config: "recipe")
+        try:
+            te_backend.te_fp8_context(None)
+        finally:
+            te_backend.require_transformer_engine, te_backend.te_recipe = saved_require, saved_recipe
+            for key, module in saved.items():
+                if module is None:
+                    sys.modules.pop(key, None)
+                else:
+                    sys.modules[key] = module
+        results[name] = {
+            "group": dist.get_process_group_ranks(group),
+            "native_uses_it": amax_reduction_groups() == [group] and amax_reduction_group() is group,
+            "te_gets_it": recorded.get("amax_reduction_group") is group,
+            "histories": [state.amax_history.tolist() for state in scaling.states()],
+            "next_weight_scale": float(scaling.weight.scale_for(torch.ones(1))),
+        }
+        parallel_state.destroy_model_parallel()
+    return results
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_delayed_scaling_reduces_amaxes_over_the_stage_amax_reduction_group(world_size):
+    results = run_on_ranks(world_size, _delayed_scales_over_the_amax_reduction_group)
+    for rank, result in enumerate(results):
+        for layout in ("tp2_dp2", "tp2_pp2"):
+            assert result[layout]["native_uses_it"] and result[layout]["te_gets_it"], (rank, layout)
+        # TP2 x DP2: one group of all four ranks; every shard and replica records the same amaxes.
+        assert result["tp2_dp2"]["group"] == [0, 1, 2, 3]
+        assert result["tp2_dp2"]["histories"] == [[4.0, 0.0], [2.0, 0.0], [0.0, 0.0]]
+        assert result["tp2_dp2"]["next_weight_scale"] == 448.0 / 2.0
+        # TP2 x PP2: one group per stage (ranks 0-1 and 2-3), and the stages' amaxes stay apart.
+        stage_ranks, input_amax, weight_amax = ([0, 1], 2.0, 2.0) if rank < 2 else ([2, 3], 4.0, 1.0)
+        assert result["tp2_pp2"]["group"] == stage_ranks
+        assert result["tp2_pp2"]["histories"] == [[input_amax, 0.0], [weight_amax, 0.0], [0.0, 0.0]]
+        assert result["tp2_pp2"]["next_weight_scale"] == 448.0 / weight_amax

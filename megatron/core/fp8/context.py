@@ -71,14 +71,14 @@ def get_fp8_context(config, layer_no: int = -1, is_init: bool = False):
 
     A null context when FP8 is off or the layer stays in high precision; Transformer Engine's autocast with
     `--transformer-impl transformer_engine`; otherwise a torch-native `Fp8Region`. `is_init` asks for the
-    context to build a model in (only Transformer Engine creates FP8 parameters at construction).
+    context to build a model in: a null context under both implementations, because weights are built in high
+    precision and `--fp8-param-gather` keeps their FP8 bytes in the gather buffers (`megatron.core.fp8.params`,
+    `megatron.core.fp8.fsdp_gather`), not in TE's own FP8 parameters.
     """
-    if not getattr(config, "fp8", None) or is_first_last_bf16_layer(config, layer_no):
+    if is_init or not getattr(config, "fp8", None) or is_first_last_bf16_layer(config, layer_no):
         return contextlib.nullcontext()
     if getattr(config, "transformer_impl", "local") == "transformer_engine":
         from megatron.core.extensions.transformer_engine import te_fp8_context
 
-        return te_fp8_context(config, is_init=is_init)
-    if is_init:
-        return contextlib.nullcontext()
+        return te_fp8_context(config)
     return Fp8Region(Fp8Recipe.from_config(config))

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
-from megatron.core.extensions.transformer_engine import layer_classes
+from megatron.core.extensions.transformer_engine import fused_norm_linear_class, layer_classes
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.norms import build_norm
@@ -32,9 +32,11 @@ class SelfAttention(torch.nn.Module):
         layer_number: 1-based index of the owning layer in the whole model (not the stage).
         init_seed: seed of the owning layer's initial weights (see `init_seeds`); None derives it from
             `config.init_seed` and `layer_number`.
+        fused_input_norm: the owning layer's input norm when the QKV projection applies it (Transformer
+            Engine's fused LayerNorm-linear, see `fused_norm_linear_class`); None when the layer applies it.
     """
 
-    def __init__(self, config: TransformerConfig, layer_number: int, init_seed=None):
+    def __init__(self, config: TransformerConfig, layer_number: int, init_seed=None, fused_input_norm=None):
         super().__init__()
         self.config = config
         self.layer_number = layer_number
@@ -48,6 +50,10 @@ class SelfAttention(torch.nn.Module):
         if init_seed is None:
             init_seed = derive_init_seed(resolve_base_init_seed(config), "layer", layer_number)
         column_parallel_linear, row_parallel_linear = layer_classes(config)
+        qkv_kwargs = {}
+        if fused_input_norm is not None:
+            column_parallel_linear = fused_norm_linear_class(config)
+            qkv_kwargs = {"norm": fused_input_norm}
 
         self.linear_qkv = build_with_init_seed(
             derive_init_seed(init_seed, "self_attention.linear_qkv"),
@@ -58,6 +64,7 @@ class SelfAttention(torch.nn.Module):
                 init_method=config.init_method,
                 bias=config.add_bias_linear,
                 gather_output=False,
+                **qkv_kwargs,
             ),
         )
         self.linear_proj = build_with_init_seed(

@@ -9,31 +9,36 @@ reproduces TP=1 exactly from the same full initialisation.
 
 import torch
 
-from megatron.core.extensions.transformer_engine import layer_classes
+from megatron.core.extensions.transformer_engine import fused_norm_linear_class, layer_classes
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 class MLP(torch.nn.Module):
     """Args: config; init_seed: seed of the owning layer's initial weights (see `init_seeds`), None derives one
-    from `config.init_seed`."""
+    from `config.init_seed`; fused_input_norm: the owning layer's pre-MLP norm when fc1 applies it (Transformer
+    Engine's fused LayerNorm-linear), None when the layer applies it."""
 
-    def __init__(self, config: TransformerConfig, init_seed=None):
+    def __init__(self, config: TransformerConfig, init_seed=None, fused_input_norm=None):
         super().__init__()
         self.config = config
         if init_seed is None:
             init_seed = derive_init_seed(resolve_base_init_seed(config), "mlp")
         fc1_output_size = config.ffn_hidden_size * (2 if config.gated_linear_unit else 1)
         column_parallel_linear, row_parallel_linear = layer_classes(config)
+        fc1_class, fc1_kwargs = column_parallel_linear, {}
+        if fused_input_norm is not None:
+            fc1_class, fc1_kwargs = fused_norm_linear_class(config), {"norm": fused_input_norm}
         self.linear_fc1 = build_with_init_seed(
             derive_init_seed(init_seed, "mlp.linear_fc1"),
-            lambda: column_parallel_linear(
+            lambda: fc1_class(
                 config.hidden_size,
                 fc1_output_size,
                 config=config,
                 init_method=config.init_method,
                 bias=config.add_bias_linear,
                 gather_output=False,
+                **fc1_kwargs,
             ),
         )
         self.linear_fc2 = build_with_init_seed(

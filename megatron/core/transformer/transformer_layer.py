@@ -1,8 +1,15 @@
-"""One pre-norm transformer layer: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+"""One pre-norm transformer layer: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))).
+
+Under `--transformer-impl transformer_engine` the two norms run inside the first linear of the attention (QKV)
+and of the MLP (fc1), Transformer Engine's fused LayerNorm-linear, as in Megatron's TE layer spec; the layer then
+does not apply them itself. The norm modules stay the layer's (`input_layernorm`, `pre_mlp_layernorm`) and the
+fused linears use their parameters, so both implementations have the same parameter and checkpoint names.
+"""
 
 import torch
 
 from megatron.core import tensor_parallel
+from megatron.core.extensions.transformer_engine import uses_transformer_engine
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.init_seeds import derive_init_seed, reset_children_parameters, resolve_base_init_seed
 from megatron.core.transformer.mlp import MLP
@@ -27,10 +34,14 @@ class TransformerLayer(torch.nn.Module):
         if base_init_seed is None:
             base_init_seed = resolve_base_init_seed(config)
         self.init_seed = layer_init_seed(base_init_seed, layer_number)
+        # Under TE the norms are applied by the fused LayerNorm-linears (QKV, fc1), with these modules' parameters.
+        self.norms_fused_into_linears = uses_transformer_engine(config)
+        fused = self.norms_fused_into_linears
         self.input_layernorm = build_norm(config, config.hidden_size)
-        self.self_attention = SelfAttention(config, layer_number, init_seed=self.init_seed)
+        self.self_attention = SelfAttention(config, layer_number, init_seed=self.init_seed,
+                                            fused_input_norm=self.input_layernorm if fused else None)
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
-        self.mlp = MLP(config, init_seed=self.init_seed)
+        self.mlp = MLP(config, init_seed=self.init_seed, fused_input_norm=self.pre_mlp_layernorm if fused else None)
         self.hidden_dropout = torch.nn.Dropout(config.hidden_dropout)
 
     def reset_parameters(self):
@@ -44,10 +55,14 @@ class TransformerLayer(torch.nn.Module):
                 return self.hidden_dropout(x)
         return self.hidden_dropout(x)
 
+    def _norm(self, norm, hidden_states):
+        return hidden_states if self.norms_fused_into_linears else norm(hidden_states)
+
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None):
         attention_output = self.self_attention(
-            self.input_layernorm(hidden_states), attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb
+            self._norm(self.input_layernorm, hidden_states), attention_mask=attention_mask,
+            rotary_pos_emb=rotary_pos_emb,
         )
         hidden_states = hidden_states + self._dropout(attention_output)
-        mlp_output = self.mlp(self.pre_mlp_layernorm(hidden_states))
+        mlp_output = self.mlp(self._norm(self.pre_mlp_layernorm, hidden_states))
         return hidden_states + self._dropout(mlp_output)

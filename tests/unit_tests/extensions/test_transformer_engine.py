@@ -1,13 +1,21 @@
 """The Transformer Engine backend: chosen by `--transformer-impl`, required only when asked for, and (on a GPU
-with transformer-engine) numerically equivalent to the local layers."""
+with transformer-engine) numerically equivalent to the local layers.
+
+On machines without TE the layer plumbing is checked with torch stand-ins for TE's `Linear` and
+`LayerNormLinear` (same constructor arguments, same parameter registration as TE 2.x, plain torch arithmetic):
+they exercise this repository's wrappers and layer wiring (the fused norm-linear used for QKV and fc1, the
+layer not applying those norms itself, the local parameter and checkpoint names), not TE. The `gpu` tests run TE.
+"""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from megatron.core.extensions import transformer_engine as te_backend
 from megatron.core.optional_deps import HAVE_TE
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 
 def _config(**overrides):
@@ -77,3 +85,168 @@ def test_te_linear_matches_local_layers_in_fp32_and_fp8(single_gpu_model_paralle
     for out in (te_fp8, local_fp8):
         assert ((out - local_fp32).norm() / local_fp32.norm()).item() < 0.12
     assert ((te_fp8 - local_fp8).norm() / local_fp8.norm()).item() < 0.12
+
+
+# ---- the fused LayerNorm-linear in the layers (CPU: torch stand-ins for TE's modules) ---------------------------
+
+
+class _StandInTELinear(torch.nn.Module):
+    """TE `Linear`'s constructor and registration (TP size 1), computed with torch. Its extra state is a non-empty
+    byte tensor, as TE's is under FP8."""
+
+    def __init__(self, in_features, out_features, *, sequence_parallel, fuse_wgrad_accumulation, tp_group, tp_size,
+                 get_rng_state_tracker, init_method, bias, return_bias, params_dtype, device, parallel_mode):
+        super().__init__()
+        assert tp_size == 1 and parallel_mode in ("column", "row")
+        self.return_bias = return_bias
+        self.register_parameter("weight", torch.nn.Parameter(
+            torch.empty(out_features, in_features, dtype=params_dtype, device=device)))
+        init_method(self.weight)
+        if bias:
+            self.register_parameter("bias", torch.nn.Parameter(torch.zeros(out_features, dtype=params_dtype,
+                                                                           device=device)))
+        else:
+            self.bias = None
+
+    def get_extra_state(self):
+        return torch.tensor([1, 2, 3], dtype=torch.uint8)
+
+    def set_extra_state(self, state):
+        self.loaded_extra_state = state
+
+    def _linear(self, x):
+        output = F.linear(x, self.weight, None if self.return_bias else self.bias)
+        return (output, self.bias) if self.return_bias else output
+
+    def forward(self, x):
+        return self._linear(x)
+
+
+class _StandInTELayerNormLinear(_StandInTELinear):
+    """TE `LayerNormLinear`: registers `layer_norm_weight` (and `layer_norm_bias`, or assigns None for RMSNorm)
+    as TE does, and reads them as attributes when it runs."""
+
+    def __init__(self, in_features, out_features, *, eps, normalization, zero_centered_gamma, **kwargs):
+        super().__init__(in_features, out_features, **kwargs)
+        self.eps, self.normalization, self.zero_centered_gamma = eps, normalization, zero_centered_gamma
+        gamma = torch.full((in_features,), 0.0 if zero_centered_gamma else 1.0, dtype=kwargs["params_dtype"])
+        self.register_parameter("layer_norm_weight", torch.nn.Parameter(gamma))
+        if normalization != "RMSNorm":
+            self.register_parameter("layer_norm_bias", torch.nn.Parameter(torch.zeros(in_features)))
+        else:
+            self.layer_norm_bias = None
+
+    def forward(self, x):
+        gamma = self.layer_norm_weight + 1 if self.zero_centered_gamma else self.layer_norm_weight
+        if self.normalization == "RMSNorm":
+            normed = F.rms_norm(x, (x.shape[-1],), gamma, self.eps)
+        else:
+            normed = F.layer_norm(x, (x.shape[-1],), gamma, self.layer_norm_bias, self.eps)
+        return self._linear(normed)
+
+
+@pytest.fixture
+def stand_in_te_classes(monkeypatch):
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    classes = te_backend.make_te_linear_classes(_StandInTELinear, _StandInTELayerNormLinear)
+    monkeypatch.setattr(te_backend, "te_linear_classes", lambda: classes)
+    model_parallel_cuda_manual_seed(3)  # attention forks the model-parallel stream
+    yield classes
+    get_cuda_rng_tracker().reset()
+
+
+def _layer_config(normalization, zero_centered, **overrides):
+    return _config(num_layers=1, hidden_size=32, num_attention_heads=4, normalization=normalization,
+                   layernorm_zero_centered_gamma=zero_centered, hidden_dropout=0.0, attention_dropout=0.0,
+                   init_seed=3, use_cpu_initialization=True, **overrides)
+
+
+def _run_layer(layer, x):
+    x = x.clone().requires_grad_(True)
+    layer.zero_grad(set_to_none=True)
+    out = layer(x)
+    out.square().sum().backward()
+    grads = {name: param.grad.clone() for name, param in layer.named_parameters()}
+    return out.detach(), x.grad, grads
+
+
+@pytest.mark.parametrize("normalization, zero_centered", [("LayerNorm", False), ("RMSNorm", True)])
+def test_layers_use_the_fused_norm_linear_under_te_with_the_local_names(stand_in_te_classes, normalization,
+                                                                         zero_centered):
+    te_column, te_row, te_norm_column = stand_in_te_classes
+    local = TransformerLayer(_layer_config(normalization, zero_centered), layer_number=1)
+    te_layer = TransformerLayer(_layer_config(normalization, zero_centered, transformer_impl="transformer_engine"),
+                                layer_number=1)
+
+    # The local layer applies its norms and uses plain column/row-parallel linears.
+    assert not local.norms_fused_into_linears
+    assert [type(m) for m in (local.self_attention.linear_qkv, local.self_attention.linear_proj,
+                              local.mlp.linear_fc1, local.mlp.linear_fc2)] == [
+        ColumnParallelLinear, RowParallelLinear, ColumnParallelLinear, RowParallelLinear]
+    # Under TE, QKV and fc1 are the fused norm-linear using the layer's own norm modules' parameters.
+    assert te_layer.norms_fused_into_linears
+    assert [type(m) for m in (te_layer.self_attention.linear_qkv, te_layer.self_attention.linear_proj,
+                              te_layer.mlp.linear_fc1, te_layer.mlp.linear_fc2)] == [
+        te_norm_column, te_row, te_norm_column, te_row]
+    for fused, norm in ((te_layer.self_attention.linear_qkv, te_layer.input_layernorm),
+                        (te_layer.mlp.linear_fc1, te_layer.pre_mlp_layernorm)):
+        assert fused.layer_norm_weight is norm.weight
+        assert fused.layer_norm_bias is getattr(norm, "bias", None)
+        assert not {"layer_norm_weight", "layer_norm_bias"} & set(fused._parameters)
+
+    # Identical parameter and state-dict names (no TE `_extra_state`), so checkpoints load both ways, strictly.
+    assert [name for name, _ in te_layer.named_parameters()] == [name for name, _ in local.named_parameters()]
+    assert sorted(te_layer.state_dict()) == sorted(local.state_dict())
+    with torch.no_grad():  # norms away from their initial values, so applying them (once) matters
+        for norm in (local.input_layernorm, local.pre_mlp_layernorm):
+            norm.weight.copy_(torch.linspace(-0.5, 0.7, norm.weight.numel()))
+            if getattr(norm, "bias", None) is not None:
+                norm.bias.copy_(torch.linspace(0.3, -0.2, norm.bias.numel()))
+    te_layer.load_state_dict(local.state_dict(), strict=True)
+    x = torch.randn(6, 2, 32, generator=torch.Generator().manual_seed(0))
+    local_out, local_dx, local_grads = _run_layer(local, x)
+    te_out, te_dx, te_grads = _run_layer(te_layer, x)
+    torch.testing.assert_close(te_out, local_out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(te_dx, local_dx, rtol=1e-6, atol=1e-6)
+    assert sorted(te_grads) == sorted(local_grads)
+    for name, grad in local_grads.items():
+        torch.testing.assert_close(te_grads[name], grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+    # And back: a TE layer's state dict loads strictly into a fresh local layer, which then computes the same.
+    fresh = TransformerLayer(_layer_config(normalization, zero_centered), layer_number=1)
+    fresh.load_state_dict(te_layer.state_dict(), strict=True)
+    torch.testing.assert_close(_run_layer(fresh, x)[0], te_out, rtol=1e-6, atol=1e-6)
+    # A norm parameter replaced by a wrapper is followed (the fused linear reads the norm's live attribute).
+    te_layer.input_layernorm.weight = torch.nn.Parameter(torch.zeros(32))
+    assert te_layer.self_attention.linear_qkv.layer_norm_weight is te_layer.input_layernorm.weight
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_TE, reason="needs transformer-engine")
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_te_transformer_layer_matches_the_local_layer_in_fp32(single_gpu_model_parallel, normalization):
+    """A GPT layer built with TE's layers (fused LayerNorm-linear for QKV and fc1) against the local layer, with
+    the local layer's state dict loaded into it: forward and backward agree in fp32."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(3)
+    config = dict(normalization=normalization, hidden_dropout=0.0, attention_dropout=0.0, init_seed=3,
+                  num_layers=1, hidden_size=64, num_attention_heads=4)
+    local = TransformerLayer(_config(**config), layer_number=1).cuda()
+    te_layer = TransformerLayer(_config(transformer_impl="transformer_engine", **config), layer_number=1).cuda()
+    _, _, te_norm_column = te_backend.te_linear_classes()
+    assert isinstance(te_layer.self_attention.linear_qkv, te_norm_column)
+    assert isinstance(te_layer.mlp.linear_fc1, te_norm_column)
+    with torch.no_grad():
+        local.input_layernorm.weight.copy_(torch.linspace(0.5, 1.5, 64))
+        local.pre_mlp_layernorm.weight.copy_(torch.linspace(1.5, 0.5, 64))
+    te_layer.load_state_dict(local.state_dict(), strict=True)
+    x = torch.randn(32, 4, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    local_out, local_dx, local_grads = _run_layer(local, x)
+    te_out, te_dx, te_grads = _run_layer(te_layer, x)
+    torch.testing.assert_close(te_out, local_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(te_dx, local_dx, rtol=1e-4, atol=1e-4)
+    for name, grad in local_grads.items():
+        torch.testing.assert_close(te_grads[name], grad, rtol=1e-3, atol=1e-3, msg=lambda m: f"{name}: {m}")
+
