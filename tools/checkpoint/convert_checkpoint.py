@@ -1,18 +1,27 @@
-"""Convert a logical (torch_dist) checkpoint to one full-precision torch.save file or a safetensors file, and back.
+"""Convert a logical (torch_dist) checkpoint to one full-precision torch.save file, a safetensors file or a
+Hugging Face model directory, and back.
 
     python tools/checkpoint/convert_checkpoint.py --to torch       --input CKPT_ROOT --output model.pt
     python tools/checkpoint/convert_checkpoint.py --to safetensors --input CKPT_ROOT --output model.safetensors
+    python tools/checkpoint/convert_checkpoint.py --to hf          --input CKPT_ROOT --output HF_DIR
     python tools/checkpoint/convert_checkpoint.py --from torch       --input model.pt --output NEW_ROOT
     python tools/checkpoint/convert_checkpoint.py --from safetensors --input model.safetensors --output NEW_ROOT
+    python tools/checkpoint/convert_checkpoint.py --from hf          --input HF_DIR --output NEW_ROOT
 
 torch: `{"model": {logical name: fp32 tensor}, "checkpoint": {every other key: value}}` (optimizer moments and
 main weights, step, scheduler, iteration, args); converting back gives a checkpoint that resumes exactly.
 safetensors: the fp32 model weights under their logical names, the iteration in the file's metadata; converting
 back gives a model-only checkpoint (training loads it with a fresh optimizer).
+hf: config.json and model.safetensors of a GPT2LMHeadModel (learned positions) or LlamaForCausalLM (RoPE) that
+`transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)` loads and that computes our model's logits, plus
+megatron_extras.safetensors (vocabulary padding rows and what else HF has no place for); converting back gives
+the same model tensors bit for bit. Models HF cannot compute exactly are refused, naming the flag (see
+hf_mapping.py).
 The logical names are those of the unsplit GPTModel, and a checkpoint written back loads at any TP/PP/DP.
 """
 
 import argparse
+import json
 import os
 
 import _paths  # noqa: F401  (repository on sys.path)
@@ -37,6 +46,109 @@ def to_safetensors(directory, output):
     model = offline.full_precision_model(state)
     iteration = (state.get("common") or {}).get("iteration", 0)
     safetensors_format.save_file(model, output, {"format": "megatron_logical", "iteration": iteration})
+    return model
+
+
+def true_vocab_size(common, vocab_size=None):
+    """The tokenizer's vocabulary size (HF's embedding rows): `vocab_size` if given, else as the checkpoint
+    recorded it, else from its arguments (a NullTokenizer's --vocab-size, or the tokenizer rebuilt)."""
+    if vocab_size is not None:
+        return vocab_size
+    if common.get("vocab_size") is not None:
+        return int(common["vocab_size"])
+    args = common.get("args")
+    tokenizer_type = getattr(args, "tokenizer_type", None)
+    if tokenizer_type in (None, "NullTokenizer") and getattr(args, "vocab_size", None) is not None:
+        return args.vocab_size
+    from megatron.training.tokenizer import build_tokenizer_from_args
+
+    try:
+        return build_tokenizer_from_args(args).vocab_size
+    except Exception as exc:  # a tokenizer file that is not here any more, say
+        raise SystemExit(f"cannot rebuild the checkpoint's {tokenizer_type} tokenizer to learn the vocabulary size "
+                         f"({exc}); pass --vocab-size N") from exc
+
+
+def to_hf(directory, output, vocab_size=None):
+    """Write `output`/config.json, model.safetensors and megatron_extras.safetensors; returns the HF tensors."""
+    import hf_mapping
+    from megatron.core.dist_checkpointing import offline, safetensors_format
+
+    state = offline.read_checkpoint(_paths.resolve_iteration_dir(directory))
+    model = offline.full_precision_model(state)
+    common = state.get("common") or {}
+    args = common.get("args")
+    if args is None:
+        raise SystemExit(f"{directory}: the checkpoint records no training arguments (it was converted from a "
+                         "file without them), so its model flags are unknown; convert the checkpoint training wrote")
+    if hf_mapping.WORD_EMBEDDING not in model:
+        raise SystemExit(f"{directory}: no '{hf_mapping.WORD_EMBEDDING}' in the checkpoint; is it a GPT model?")
+    padded_vocab_size = model[hf_mapping.WORD_EMBEDDING].shape[0]
+    try:
+        shape = hf_mapping.ModelShape.from_args(args, true_vocab_size(common, vocab_size), padded_vocab_size)
+        architecture = hf_mapping.architecture_for(shape)
+        tensors, extras = hf_mapping.to_hf_tensors(model, shape, architecture)
+    except hf_mapping.ConversionError as exc:
+        raise SystemExit(f"{directory}: {exc}") from exc
+    os.makedirs(output, exist_ok=True)
+    with open(os.path.join(output, hf_mapping.CONFIG_FILE), "w") as stream:
+        json.dump(hf_mapping.hf_config(shape, architecture), stream, indent=2)
+    safetensors_format.save_file(tensors, os.path.join(output, hf_mapping.MODEL_FILE), {"format": "pt"})
+    safetensors_format.save_file(extras, os.path.join(output, hf_mapping.EXTRAS_FILE),
+                                 hf_mapping.extras_metadata(shape, common.get("iteration", 0)))
+    return tensors
+
+
+def _read_hf_tensors(directory):
+    """The tensors of model.safetensors, or of the shards a model.safetensors.index.json names."""
+    import hf_mapping
+    from megatron.core.dist_checkpointing import safetensors_format
+
+    index = os.path.join(directory, hf_mapping.MODEL_INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as stream:
+            shards = sorted(set(json.load(stream)["weight_map"].values()))
+    elif os.path.exists(os.path.join(directory, hf_mapping.MODEL_FILE)):
+        shards = [hf_mapping.MODEL_FILE]
+    else:
+        raise SystemExit(f"{directory}: neither {hf_mapping.MODEL_FILE} nor {hf_mapping.MODEL_INDEX_FILE} (a "
+                         "directory of PyTorch .bin weights: save it again with safe_serialization=True)")
+    tensors = {}
+    for shard in shards:
+        tensors.update(safetensors_format.load_file(os.path.join(directory, shard))[0])
+    return tensors
+
+
+def from_hf(directory, root, iteration=None, make_vocab_size_divisible_by=128, apply_layernorm_1p=False):
+    """A model-only logical checkpoint from a Hugging Face directory. What megatron_extras.safetensors records
+    wins over `make_vocab_size_divisible_by` (the padding of a model from elsewhere) and `apply_layernorm_1p`."""
+    import hf_mapping
+    from megatron.core.dist_checkpointing import offline, safetensors_format
+    from megatron.training.tokenizer import pad_vocab_size
+
+    config_path = os.path.join(directory, hf_mapping.CONFIG_FILE)
+    if not os.path.exists(config_path):
+        raise SystemExit(f"{directory}: no {hf_mapping.CONFIG_FILE}; is it a Hugging Face model directory?")
+    with open(config_path) as stream:
+        config = json.load(stream)
+    extras, metadata = {}, {}
+    extras_path = os.path.join(directory, hf_mapping.EXTRAS_FILE)
+    if os.path.exists(extras_path):
+        extras, metadata = safetensors_format.load_file(extras_path)
+    recorded = json.loads(metadata["megatron_model"]) if "megatron_model" in metadata else None
+    try:
+        padded = pad_vocab_size(config.get("vocab_size", 1), make_vocab_size_divisible_by)
+        shape, architecture = hf_mapping.shape_from_hf_config(config, directory, recorded, padded, apply_layernorm_1p)
+        model = hf_mapping.from_hf_tensors(_read_hf_tensors(directory), extras, shape, architecture, directory)
+    except hf_mapping.ConversionError as exc:
+        raise SystemExit(str(exc)) from exc
+    iteration = int(metadata.get("iteration", 0)) if iteration is None else iteration
+    state = {f"model.{name}": tensor for name, tensor in model.items()}
+    layout = _layout(f"{os.path.basename(os.path.normpath(directory))} ({architecture})")
+    # The model's flags and vocabulary, so that training checks them when it loads this and --to hf works again.
+    state["common"] = {"checkpoint_version": 1, "iteration": iteration, "consumed_train_samples": 0,
+                       "args": shape.to_args(), "layout": layout, "vocab_size": shape.vocab_size}
+    offline.write_checkpoint(root, iteration, state, layout)
     return model
 
 
@@ -75,21 +187,35 @@ def from_safetensors(path, root, iteration=None):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     direction = parser.add_mutually_exclusive_group(required=True)
-    direction.add_argument("--to", choices=["torch", "safetensors"])
-    direction.add_argument("--from", dest="source", choices=["torch", "safetensors"])
+    direction.add_argument("--to", choices=["torch", "safetensors", "hf"])
+    direction.add_argument("--from", dest="source", choices=["torch", "safetensors", "hf"])
     parser.add_argument("--input", required=True)
     parser.add_argument("--output", required=True)
     parser.add_argument("--iteration", type=int, default=None,
                         help="With --from: iteration of the written checkpoint (default: the one recorded).")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="With --to hf: the tokenizer's vocabulary size, where the checkpoint's tokenizer "
+                        "cannot be rebuilt (default: from the recorded arguments).")
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                        help="With --from hf, for a directory not written by --to hf: pad the vocabulary to a "
+                        "multiple of this, as training does at TP 1.")
+    parser.add_argument("--apply-layernorm-1p", action="store_true",
+                        help="With --from hf, for a directory not written by --to hf: store norm weights as "
+                        "gamma - 1, for training with --apply-layernorm-1p.")
     options = parser.parse_args()
     if options.to == "torch":
         to_torch(options.input, options.output)
     elif options.to == "safetensors":
         to_safetensors(options.input, options.output)
+    elif options.to == "hf":
+        to_hf(options.input, options.output, options.vocab_size)
     elif options.source == "torch":
         from_torch(options.input, options.output, options.iteration)
-    else:
+    elif options.source == "safetensors":
         from_safetensors(options.input, options.output, options.iteration)
+    else:
+        from_hf(options.input, options.output, options.iteration, options.make_vocab_size_divisible_by,
+                options.apply_layernorm_1p)
     print(f"wrote {options.output}")
 
 

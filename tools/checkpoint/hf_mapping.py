@@ -1,0 +1,505 @@
+"""Our logical GPT checkpoint <-> a Hugging Face causal LM: which architecture, its config.json, its tensors.
+
+Two Hugging Face architectures cover the models pretrain_gpt.py builds, chosen by the position embedding:
+
+- learned absolute positions -> GPT2LMHeadModel: LayerNorm, exact GeLU (`activation_function: "gelu"`; HF's
+  GPT-2 default "gelu_new" is the tanh approximation) or squared ReLU ("relu2"), one key/value head per query
+  head. HF's GPT-2 uses Conv1D, whose weight is the transpose of a Linear's, and its fused `c_attn` holds
+  q | k | v as three blocks of hidden_size rows. GPT-2 always has biases: a model trained with
+  --disable-bias-linear is written with zero biases, which compute the same.
+- rotary positions -> LlamaForCausalLM: RMSNorm, SwiGLU as gate_proj / up_proj / down_proj, separate q/k/v
+  projections with grouped-query attention, biases per `attention_bias` / `mlp_bias`. Our RoPE rotates
+  channel i with channel i + head_dim / 2 ("rotate half"), as HF's Llama does, so q and k need no permutation.
+
+Our fused layouts (megatron/core/transformer/attention.py, mlp.py): linear_qkv's rows are `[groups, (q_0 ..
+q_{m-1} | k | v), head_dim]` with m query heads per group, query head g * m + j being group g's j-th; SwiGLU's
+linear_fc1 rows interleave gate and up per unit, `[gate_0, up_0, gate_1, up_1, ...]`. The word embedding and
+an untied output layer carry vocabulary padding rows, which HF's model must not see.
+
+With --apply-layernorm-1p a norm stores gamma - 1 and scales by 1 + weight; HF gets gamma = weight + 1, the
+very fp32 value our forward computes. What HF has no place for goes to `megatron_extras.safetensors` beside
+the model, so the way back is bit-exact: the padding rows, FP8 amax buffers, the stored gamma - 1 of
+zero-centred norms (used where they still give HF's gamma, so a weight changed in HF wins) and, in its
+metadata, the flags config.json cannot say. A directory without it (a model from elsewhere) imports too.
+Anything else that HF cannot compute the same way is refused, naming the flag.
+"""
+
+import argparse
+import dataclasses
+import json
+from typing import Dict, Optional, Tuple
+
+import torch
+
+GPT2, LLAMA = "GPT2LMHeadModel", "LlamaForCausalLM"
+MODEL_FILE, MODEL_INDEX_FILE, CONFIG_FILE = "model.safetensors", "model.safetensors.index.json", "config.json"
+EXTRAS_FILE = "megatron_extras.safetensors"
+PADDING_SUFFIX = ".vocab_padding"
+FP8_BUFFER_SUFFIXES = (".fp8_amax_history", ".fp8_amax_recorded_count")
+WORD_EMBEDDING, POSITION_EMBEDDING, OUTPUT_LAYER = (
+    "embedding.word_embeddings.weight", "embedding.position_embeddings.weight", "output_layer.weight")
+GPT2_ACTIVATIONS = {"gelu": False, "relu2": True}  # HF activation_function -> our --squared-relu
+
+
+class ConversionError(ValueError):
+    """The model or the directory cannot be converted exactly; the message names the flag or tensor."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The model flags a conversion needs, named as pretrain_gpt.py's arguments are."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    ffn_hidden_size: int
+    vocab_size: int
+    """The tokenizer's vocabulary: rows HF's embedding has."""
+    padded_vocab_size: int
+    """Rows of our embedding (vocab_size rounded up by --make-vocab-size-divisible-by x TP)."""
+    max_position_embeddings: int
+    position_embedding_type: str = "learned_absolute"
+    rotary_percent: float = 1.0
+    rotary_base: float = 10000
+    normalization: str = "LayerNorm"
+    norm_epsilon: float = 1e-5
+    apply_layernorm_1p: bool = False
+    swiglu: bool = False
+    squared_relu: bool = False
+    add_bias_linear: bool = True
+    qk_layernorm: bool = False
+    untie_embeddings_and_output_weights: bool = False
+    init_method_std: float = 0.02
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+
+    @classmethod
+    def from_args(cls, args, vocab_size: int, padded_vocab_size: int) -> "ModelShape":
+        """The shape of a checkpoint from the training arguments it recorded."""
+        values = {"vocab_size": vocab_size, "padded_vocab_size": padded_vocab_size}
+        for field in dataclasses.fields(cls):
+            if field.name not in values:
+                if not hasattr(args, field.name):
+                    raise ConversionError(f"the checkpoint's arguments lack '{field.name}' (written by an older "
+                                          "version?); cannot tell the model's shape")
+                values[field.name] = getattr(args, field.name)
+        return cls(**values)
+
+    def to_args(self) -> argparse.Namespace:
+        """Arguments to record in a converted checkpoint, so that it converts again."""
+        return argparse.Namespace(**dataclasses.asdict(self), tokenizer_type=None,
+                                  group_query_attention=self.num_query_groups != self.num_attention_heads)
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Which architecture, and config.json both ways
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _gpt2_problems(shape: ModelShape):
+    problems = []
+    if shape.normalization != "LayerNorm":
+        problems.append(f"--normalization {shape.normalization}: GPT-2 normalises with LayerNorm")
+    if shape.swiglu:
+        problems.append("--swiglu: GPT-2's MLP is not gated (a SwiGLU model with --position-embedding-type rope "
+                        "exports as Llama)")
+    if shape.num_query_groups != shape.num_attention_heads:
+        problems.append(f"--num-query-groups {shape.num_query_groups}: GPT-2 has a key/value head per query head")
+    if shape.kv_channels * shape.num_attention_heads != shape.hidden_size:
+        problems.append(f"--kv-channels {shape.kv_channels}: GPT-2's heads are --hidden-size / "
+                        "--num-attention-heads wide")
+    return problems
+
+
+def _llama_problems(shape: ModelShape):
+    problems = []
+    if shape.normalization != "RMSNorm":
+        problems.append(f"--normalization {shape.normalization}: Llama normalises with RMSNorm")
+    if not shape.swiglu:
+        activation = "--squared-relu" if shape.squared_relu else "the GeLU MLP (no --swiglu)"
+        problems.append(f"{activation}: Llama's MLP is SwiGLU (--swiglu)")
+    if shape.rotary_percent != 1.0:
+        problems.append(f"--rotary-percent {shape.rotary_percent}: Llama rotates every channel of a head")
+    if shape.hidden_size % shape.num_attention_heads != 0:
+        problems.append(f"--hidden-size {shape.hidden_size} is not a multiple of --num-attention-heads "
+                        f"{shape.num_attention_heads}, which transformers' LlamaConfig rejects even with head_dim")
+    return problems
+
+
+def architecture_for(shape: ModelShape) -> str:
+    """GPT2 or LLAMA, or ConversionError listing every flag that keeps the model from being written exactly."""
+    if shape.position_embedding_type == "rope":
+        architecture, problems = LLAMA, _llama_problems(shape)
+        positions = "rotary positions (--position-embedding-type rope)"
+    else:
+        architecture, problems = GPT2, _gpt2_problems(shape)
+        positions = "learned absolute positions"
+    if shape.qk_layernorm:
+        problems.append("--qk-layernorm: neither GPT-2 nor Llama normalises query and key heads")
+    if problems:
+        raise ConversionError(
+            f"this model cannot be written as a Hugging Face {architecture} (the architecture for {positions}) "
+            "without changing what it computes: " + "; ".join(problems))
+    return architecture
+
+
+def hf_config(shape: ModelShape, architecture: str) -> dict:
+    """config.json of the Hugging Face model (fp32 weights; no tokenizer ids: ours are not GPT-2's or Llama's)."""
+    common = {"architectures": [architecture], "vocab_size": shape.vocab_size,
+              "initializer_range": shape.init_method_std, "tie_word_embeddings":
+              not shape.untie_embeddings_and_output_weights, "use_cache": True, "bos_token_id": None,
+              "eos_token_id": None, "pad_token_id": None, "dtype": "float32", "torch_dtype": "float32"}
+    if architecture == GPT2:
+        activation = next(name for name, squared in GPT2_ACTIVATIONS.items() if squared == shape.squared_relu)
+        return {"model_type": "gpt2", **common, "n_positions": shape.max_position_embeddings,
+                "n_embd": shape.hidden_size, "n_layer": shape.num_layers, "n_head": shape.num_attention_heads,
+                "n_inner": shape.ffn_hidden_size, "activation_function": activation,
+                "layer_norm_epsilon": shape.norm_epsilon, "resid_pdrop": shape.hidden_dropout,
+                "embd_pdrop": shape.hidden_dropout, "attn_pdrop": shape.attention_dropout,
+                "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+                "reorder_and_upcast_attn": False}
+    return {"model_type": "llama", **common, "hidden_size": shape.hidden_size,
+            "intermediate_size": shape.ffn_hidden_size, "num_hidden_layers": shape.num_layers,
+            "num_attention_heads": shape.num_attention_heads, "num_key_value_heads": shape.num_query_groups,
+            "head_dim": shape.kv_channels, "hidden_act": "silu",
+            "max_position_embeddings": shape.max_position_embeddings, "rms_norm_eps": shape.norm_epsilon,
+            "rope_theta": float(shape.rotary_base), "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": float(shape.rotary_base)},
+            "attention_bias": shape.add_bias_linear, "mlp_bias": shape.add_bias_linear,
+            "attention_dropout": shape.attention_dropout}
+
+
+def extras_metadata(shape: ModelShape, iteration: int) -> Dict[str, str]:
+    return {"format": "megatron_hf_extras", "iteration": str(iteration),
+            "megatron_model": json.dumps(dataclasses.asdict(shape))}
+
+
+def _require(config, key, path):
+    if key not in config:
+        raise ConversionError(f"{path}: config.json has no '{key}'")
+    return config[key]
+
+
+def _architecture_of_config(config, path):
+    names = config.get("architectures") or []
+    if GPT2 in names or config.get("model_type") == "gpt2":
+        return GPT2
+    if LLAMA in names or config.get("model_type") == "llama":
+        return LLAMA
+    raise ConversionError(f"{path}: config.json describes {names or config.get('model_type')!r}; only "
+                          f"{GPT2} and {LLAMA} convert to our GPT model")
+
+
+def _rope_theta(config, path):
+    parameters = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or {}
+    rope_type = parameters.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if rope_type != "default":
+        raise ConversionError(f"{path}: RoPE scaling '{rope_type}' (config.json rope_scaling / rope_parameters) "
+                              "has no counterpart in our rotary embedding (plain RoPE with --rotary-base)")
+    factor = parameters.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if factor != 1.0:
+        raise ConversionError(f"{path}: partial_rotary_factor {factor}: Llama rotates whole heads")
+    return parameters.get("rope_theta", config.get("rope_theta", 10000.0))
+
+
+def shape_from_hf_config(config: dict, path: str, recorded: Optional[dict], padded_vocab_size: int,
+                         apply_layernorm_1p: bool) -> Tuple[ModelShape, str]:
+    """(shape, architecture) of a Hugging Face directory. config.json decides everything it says; `recorded`
+    (the extras' megatron_model, None for a model from elsewhere) adds what it cannot say; `padded_vocab_size`
+    and `apply_layernorm_1p` are used where nothing is recorded."""
+    architecture = _architecture_of_config(config, path)
+    recorded = recorded or {}
+    vocab_size = _require(config, "vocab_size", path)
+    values = {"vocab_size": vocab_size, "init_method_std": config.get("initializer_range", 0.02),
+              "padded_vocab_size": recorded.get("padded_vocab_size", padded_vocab_size),
+              "apply_layernorm_1p": recorded.get("apply_layernorm_1p", apply_layernorm_1p)}
+    if architecture == GPT2:
+        activation = config.get("activation_function", "gelu_new")
+        if activation not in GPT2_ACTIVATIONS:
+            raise ConversionError(f"{path}: activation_function '{activation}' has no counterpart in our MLP (exact "
+                                  f"GeLU is 'gelu', --squared-relu is 'relu2')")
+        if not config.get("scale_attn_weights", True) or config.get("scale_attn_by_inverse_layer_idx", False):
+            raise ConversionError(f"{path}: scale_attn_weights false or scale_attn_by_inverse_layer_idx true: our "
+                                  "attention scales by 1 / sqrt(head_dim) only")
+        hidden, heads = _require(config, "n_embd", path), _require(config, "n_head", path)
+        values.update(
+            num_layers=_require(config, "n_layer", path), hidden_size=hidden, num_attention_heads=heads,
+            num_query_groups=heads, kv_channels=hidden // heads, ffn_hidden_size=config.get("n_inner") or 4 * hidden,
+            max_position_embeddings=_require(config, "n_positions", path), normalization="LayerNorm",
+            norm_epsilon=config.get("layer_norm_epsilon", 1e-5), squared_relu=GPT2_ACTIVATIONS[activation],
+            add_bias_linear=recorded.get("add_bias_linear", True),
+            untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", True),
+            hidden_dropout=config.get("resid_pdrop", 0.0), attention_dropout=config.get("attn_pdrop", 0.0))
+    else:
+        if config.get("hidden_act", "silu") != "silu":
+            raise ConversionError(f"{path}: hidden_act '{config['hidden_act']}': our gated MLP is SwiGLU (silu)")
+        if config.get("attention_bias", False) != config.get("mlp_bias", False):
+            raise ConversionError(f"{path}: attention_bias {config.get('attention_bias')} and mlp_bias "
+                                  f"{config.get('mlp_bias')} differ; our linear layers all have biases or none "
+                                  "(--disable-bias-linear)")
+        hidden, heads = _require(config, "hidden_size", path), _require(config, "num_attention_heads", path)
+        values.update(
+            num_layers=_require(config, "num_hidden_layers", path), hidden_size=hidden, num_attention_heads=heads,
+            num_query_groups=config.get("num_key_value_heads") or heads,
+            kv_channels=config.get("head_dim") or hidden // heads,
+            ffn_hidden_size=_require(config, "intermediate_size", path),
+            max_position_embeddings=_require(config, "max_position_embeddings", path),
+            position_embedding_type="rope", rotary_base=_rope_theta(config, path), normalization="RMSNorm",
+            norm_epsilon=config.get("rms_norm_eps", 1e-6), swiglu=True,
+            add_bias_linear=bool(config.get("attention_bias", False)),
+            untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
+            hidden_dropout=recorded.get("hidden_dropout", 0.0), attention_dropout=config.get("attention_dropout", 0.0))
+    if values["padded_vocab_size"] < vocab_size:
+        raise ConversionError(f"{path}: vocab_size {vocab_size} in config.json exceeds the recorded padded "
+                              f"vocabulary ({values['padded_vocab_size']}); delete {EXTRAS_FILE} to pad anew")
+    return ModelShape(**values), architecture
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tensor layouts
+# ----------------------------------------------------------------------------------------------------------
+
+
+def split_qkv(fused: torch.Tensor, shape: ModelShape):
+    """linear_qkv's weight or bias -> (q, k, v), each with heads in order (query head h = g * m + j)."""
+    groups, per_group, head_dim = shape.num_query_groups, shape.heads_per_group, shape.kv_channels
+    blocks = fused.reshape(groups, per_group + 2, head_dim, *fused.shape[1:])
+    rest = fused.shape[1:]
+    query = blocks[:, :per_group].reshape(groups * per_group * head_dim, *rest)
+    return query, blocks[:, per_group].reshape(groups * head_dim, *rest), \
+        blocks[:, per_group + 1].reshape(groups * head_dim, *rest)
+
+
+def fuse_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, shape: ModelShape) -> torch.Tensor:
+    groups, per_group, head_dim = shape.num_query_groups, shape.heads_per_group, shape.kv_channels
+    rest = query.shape[1:]
+    blocks = (query.reshape(groups, per_group, head_dim, *rest), key.reshape(groups, 1, head_dim, *rest),
+              value.reshape(groups, 1, head_dim, *rest))
+    return torch.cat(blocks, dim=1).reshape(-1, *rest)
+
+
+def split_gate_up(fc1: torch.Tensor):
+    """SwiGLU linear_fc1's weight or bias -> (gate, up)."""
+    return fc1[0::2], fc1[1::2]
+
+
+def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.stack((gate, up), dim=1).reshape(-1, *gate.shape[1:])
+
+
+class _Source:
+    """Named tensors taken one at a time; what is missing or has the wrong shape is an error naming it."""
+
+    def __init__(self, tensors: Dict[str, torch.Tensor], where: str):
+        self.tensors, self.where = dict(tensors), where
+
+    def take(self, name: str, shape=None) -> torch.Tensor:
+        if name not in self.tensors:
+            raise ConversionError(f"{self.where} has no tensor '{name}'")
+        tensor = self.tensors.pop(name)
+        if shape is not None and tuple(tensor.shape) != tuple(shape):
+            raise ConversionError(f"{self.where}: '{name}' has shape {tuple(tensor.shape)}, the model described "
+                                  f"needs {tuple(shape)}; check config.json")
+        return tensor
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Ours -> Hugging Face
+# ----------------------------------------------------------------------------------------------------------
+
+
+def to_hf_tensors(model: Dict[str, torch.Tensor], shape: ModelShape, architecture: str):
+    """(HF tensors by HF name, extras by our name) of our fp32 model tensors by logical name."""
+    source, hf, extras = _Source(model, "the checkpoint"), {}, {}
+
+    def norm(name):
+        weight = source.take(name)
+        if not shape.apply_layernorm_1p or name.endswith(".bias"):
+            return weight
+        extras[name] = weight
+        return weight + 1
+
+    def bias(name, rows):
+        return source.take(name) if shape.add_bias_linear else torch.zeros(rows)
+
+    vocab = shape.vocab_size
+
+    def unpadded(name):
+        table = source.take(name, (shape.padded_vocab_size, shape.hidden_size))
+        extras[name + PADDING_SUFFIX] = table[vocab:]
+        return table[:vocab]
+
+    gpt2 = architecture == GPT2
+    if gpt2:
+        hf["transformer.wte.weight"] = unpadded(WORD_EMBEDDING)
+        hf["transformer.wpe.weight"] = source.take(POSITION_EMBEDDING)
+    else:
+        hf["model.embed_tokens.weight"] = unpadded(WORD_EMBEDDING)
+    hidden, ffn = shape.hidden_size, shape.ffn_hidden_size
+    for index in range(shape.num_layers):
+        ours = f"decoder.layers.{index}."
+        if gpt2:
+            theirs = f"transformer.h.{index}."
+            for norm_name, hf_norm in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+                for kind in ("weight", "bias"):
+                    hf[f"{theirs}{hf_norm}.{kind}"] = norm(f"{ours}{norm_name}.{kind}")
+            qkv = split_qkv(source.take(ours + "self_attention.linear_qkv.weight"), shape)
+            hf[theirs + "attn.c_attn.weight"] = torch.cat(qkv).t()
+            hf[theirs + "attn.c_attn.bias"] = (
+                torch.cat(split_qkv(source.take(ours + "self_attention.linear_qkv.bias"), shape))
+                if shape.add_bias_linear else torch.zeros(3 * hidden))
+            hf[theirs + "attn.c_proj.weight"] = source.take(ours + "self_attention.linear_proj.weight").t()
+            hf[theirs + "attn.c_proj.bias"] = bias(ours + "self_attention.linear_proj.bias", hidden)
+            hf[theirs + "mlp.c_fc.weight"] = source.take(ours + "mlp.linear_fc1.weight").t()
+            hf[theirs + "mlp.c_fc.bias"] = bias(ours + "mlp.linear_fc1.bias", ffn)
+            hf[theirs + "mlp.c_proj.weight"] = source.take(ours + "mlp.linear_fc2.weight").t()
+            hf[theirs + "mlp.c_proj.bias"] = bias(ours + "mlp.linear_fc2.bias", hidden)
+            continue
+        theirs = f"model.layers.{index}."
+        hf[theirs + "input_layernorm.weight"] = norm(ours + "input_layernorm.weight")
+        hf[theirs + "post_attention_layernorm.weight"] = norm(ours + "pre_mlp_layernorm.weight")
+        linears = {"self_attention.linear_proj": "self_attn.o_proj", "mlp.linear_fc2": "mlp.down_proj"}
+        kinds = ("weight", "bias") if shape.add_bias_linear else ("weight",)
+        for kind in kinds:
+            query, key, value = split_qkv(source.take(f"{ours}self_attention.linear_qkv.{kind}"), shape)
+            for projection, tensor in (("q_proj", query), ("k_proj", key), ("v_proj", value)):
+                hf[f"{theirs}self_attn.{projection}.{kind}"] = tensor
+            gate, up = split_gate_up(source.take(f"{ours}mlp.linear_fc1.{kind}"))
+            hf[f"{theirs}mlp.gate_proj.{kind}"], hf[f"{theirs}mlp.up_proj.{kind}"] = gate, up
+            for our_linear, hf_linear in linears.items():
+                hf[f"{theirs}{hf_linear}.{kind}"] = source.take(f"{ours}{our_linear}.{kind}")
+    final_norm = "transformer.ln_f" if gpt2 else "model.norm"
+    for kind in ("weight", "bias") if gpt2 else ("weight",):
+        hf[f"{final_norm}.{kind}"] = norm(f"decoder.final_layernorm.{kind}")
+    if shape.untie_embeddings_and_output_weights:
+        hf["lm_head.weight"] = unpadded(OUTPUT_LAYER)
+    for name in list(source.tensors):
+        if name.endswith(FP8_BUFFER_SUFFIXES):
+            extras[name] = source.take(name)
+    if source.tensors:
+        raise ConversionError(f"the checkpoint's tensors {sorted(source.tensors)[:4]} have no place in a Hugging "
+                              f"Face {architecture} built from its arguments; were they written by another model?")
+    return {name: tensor.contiguous() for name, tensor in hf.items()}, \
+        {name: tensor.contiguous() for name, tensor in extras.items()}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Hugging Face -> ours
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _with_gpt2_prefix(tensors):
+    """GPT2LMHeadModel names; a GPT2Model file (names without 'transformer.') reads the same."""
+    return {name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name: tensor
+            for name, tensor in tensors.items()}
+
+
+def from_hf_tensors(hf_tensors: Dict[str, torch.Tensor], extras: Dict[str, torch.Tensor], shape: ModelShape,
+                    architecture: str, where: str) -> Dict[str, torch.Tensor]:
+    """Our logical fp32 model tensors from HF tensors (any float dtype) and the extras (possibly empty)."""
+    gpt2 = architecture == GPT2
+    hf_tensors = {name: tensor.float() for name, tensor in hf_tensors.items()}
+    hf_tensors = _with_gpt2_prefix(hf_tensors) if gpt2 else hf_tensors
+    source = _Source(hf_tensors, where)
+    model = {}
+    hidden, ffn, vocab = shape.hidden_size, shape.ffn_hidden_size, shape.vocab_size
+    heads_width = shape.num_attention_heads * shape.kv_channels
+    groups_width = shape.num_query_groups * shape.kv_channels
+
+    def norm(name, hf_name):
+        weight = source.take(hf_name, (hidden,))
+        if not shape.apply_layernorm_1p or name.endswith(".bias"):
+            model[name] = weight
+            return
+        stored = weight - 1
+        recorded = extras.get(name)
+        if recorded is not None and recorded.shape == weight.shape:
+            stored = torch.where(recorded + 1 == weight, recorded, stored)
+        model[name] = stored
+
+    def bias(name, hf_name, rows, to_ours=lambda tensor: tensor):
+        tensor = source.take(hf_name, (rows,))
+        if shape.add_bias_linear:
+            model[name] = to_ours(tensor)
+        elif torch.count_nonzero(tensor):
+            raise ConversionError(f"{where}: '{hf_name}' is not zero, but the model was exported with "
+                                  f"--disable-bias-linear (as {EXTRAS_FILE} records); delete that file to import "
+                                  "it as a model with biases")
+
+    def padded(name, hf_name):
+        table = source.take(hf_name, (vocab, hidden))
+        padding = extras.get(name + PADDING_SUFFIX)
+        rows = shape.padded_vocab_size - vocab
+        if padding is None or tuple(padding.shape) != (rows, hidden):
+            padding = torch.zeros(rows, hidden)
+        model[name] = torch.cat((table, padding))
+
+    if gpt2:
+        padded(WORD_EMBEDDING, "transformer.wte.weight")
+        model[POSITION_EMBEDDING] = source.take("transformer.wpe.weight", (shape.max_position_embeddings, hidden))
+    else:
+        padded(WORD_EMBEDDING, "model.embed_tokens.weight")
+    for index in range(shape.num_layers):
+        ours = f"decoder.layers.{index}."
+        if gpt2:
+            theirs = f"transformer.h.{index}."
+            for norm_name, hf_norm in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+                for kind in ("weight", "bias"):
+                    norm(f"{ours}{norm_name}.{kind}", f"{theirs}{hf_norm}.{kind}")
+            qkv = source.take(theirs + "attn.c_attn.weight", (hidden, 3 * hidden)).t()
+            model[ours + "self_attention.linear_qkv.weight"] = fuse_qkv(*qkv.split(hidden), shape)
+            bias(ours + "self_attention.linear_qkv.bias", theirs + "attn.c_attn.bias", 3 * hidden,
+                 lambda qkv_bias: fuse_qkv(*qkv_bias.split(hidden), shape))
+            model[ours + "self_attention.linear_proj.weight"] = source.take(
+                theirs + "attn.c_proj.weight", (hidden, hidden)).t()
+            bias(ours + "self_attention.linear_proj.bias", theirs + "attn.c_proj.bias", hidden)
+            model[ours + "mlp.linear_fc1.weight"] = source.take(theirs + "mlp.c_fc.weight", (hidden, ffn)).t()
+            bias(ours + "mlp.linear_fc1.bias", theirs + "mlp.c_fc.bias", ffn)
+            model[ours + "mlp.linear_fc2.weight"] = source.take(theirs + "mlp.c_proj.weight", (ffn, hidden)).t()
+            bias(ours + "mlp.linear_fc2.bias", theirs + "mlp.c_proj.bias", hidden)
+            for buffer in ("attn.bias", "attn.masked_bias"):  # causal-mask buffers older GPT-2 files carry
+                source.tensors.pop(theirs + buffer, None)
+            continue
+        theirs = f"model.layers.{index}."
+        norm(ours + "input_layernorm.weight", theirs + "input_layernorm.weight")
+        norm(ours + "pre_mlp_layernorm.weight", theirs + "post_attention_layernorm.weight")
+        kinds = ("weight", "bias") if shape.add_bias_linear else ("weight",)
+        for kind in kinds:
+            columns = (hidden,) if kind == "weight" else ()
+            query = source.take(f"{theirs}self_attn.q_proj.{kind}", (heads_width, *columns))
+            key = source.take(f"{theirs}self_attn.k_proj.{kind}", (groups_width, *columns))
+            value = source.take(f"{theirs}self_attn.v_proj.{kind}", (groups_width, *columns))
+            model[f"{ours}self_attention.linear_qkv.{kind}"] = fuse_qkv(query, key, value, shape)
+            model[f"{ours}self_attention.linear_proj.{kind}"] = source.take(
+                f"{theirs}self_attn.o_proj.{kind}", (hidden, heads_width)[:len(columns) + 1])
+            gate = source.take(f"{theirs}mlp.gate_proj.{kind}", (ffn, *columns))
+            up = source.take(f"{theirs}mlp.up_proj.{kind}", (ffn, *columns))
+            model[f"{ours}mlp.linear_fc1.{kind}"] = fuse_gate_up(gate, up)
+            model[f"{ours}mlp.linear_fc2.{kind}"] = source.take(
+                f"{theirs}mlp.down_proj.{kind}", (hidden, ffn)[:len(columns) + 1])
+        source.tensors.pop(theirs + "self_attn.rotary_emb.inv_freq", None)  # a buffer older Llama files carry
+    final_norm = "transformer.ln_f" if gpt2 else "model.norm"
+    for kind in ("weight", "bias") if gpt2 else ("weight",):
+        norm(f"decoder.final_layernorm.{kind}", f"{final_norm}.{kind}")
+    if shape.untie_embeddings_and_output_weights:
+        padded(OUTPUT_LAYER, "lm_head.weight")
+    else:
+        lm_head = source.tensors.pop("lm_head.weight", None)  # some writers save the tied copy as well
+        if lm_head is not None and not torch.equal(lm_head, hf_tensors.get("transformer.wte.weight" if gpt2 else
+                                                                            "model.embed_tokens.weight", lm_head)):
+            raise ConversionError(f"{where}: 'lm_head.weight' differs from the word embedding, but config.json "
+                                  "says tie_word_embeddings; set it to false to import an untied output layer")
+    if source.tensors:
+        raise ConversionError(f"{where}: tensors {sorted(source.tensors)[:4]} have no place in our GPT model as "
+                              "config.json describes it")
+    for name, tensor in extras.items():
+        if name.endswith(FP8_BUFFER_SUFFIXES):
+            model[name] = tensor
+    return {name: tensor.contiguous() for name, tensor in model.items()}
