@@ -34,7 +34,8 @@ setup(
     package_dir=megatron_fsdp_package_dirs(),
     install_requires=[TORCH_REQUIREMENT, "numpy", "pyyaml"],
     extras_require={
-        "dev": ["pytest>=7", "tokenizers>=0.15", "tensorboard", *MODELOPT_REQUIREMENTS],
+        # transformers: the checkpoint tools' test loads a --to hf export with it and compares logits.
+        "dev": ["pytest>=7", "tokenizers>=0.15", "tensorboard", "transformers>=5", *MODELOPT_REQUIREMENTS],
         "test": ["pytest>=7", "tokenizers>=0.15", "tensorboard", *MODELOPT_REQUIREMENTS],
         "modelopt": MODELOPT_REQUIREMENTS,
         "te": ["transformer-engine[pytorch]"],

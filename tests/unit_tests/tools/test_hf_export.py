@@ -1,0 +1,309 @@
+"""tools/checkpoint --to hf / --from hf: the exported directory is a Hugging Face model that computes our model's
+logits, and converting it back gives the checkpoint's tensors bit for bit.
+
+Four small models (TINY_GPT's shape) cover both architectures and the flags the mapping has to get right:
+GPT-2 style (tied, GeLU, biases), GPT-2 style with --apply-layernorm-1p and --disable-bias-linear (untied),
+Llama style with grouped-query attention (untied, no biases) and Llama style with multi-query attention,
+biases, --apply-layernorm-1p and another --rotary-base (tied). Their weights are perturbed randomly so that
+norms, biases and padding rows all hold distinct values.
+"""
+
+import json
+import os
+import sys
+from unittest import mock
+
+import pytest
+import torch
+
+from tests.unit_tests.dist_checkpointing import pretrain_helpers
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+TOOLS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "tools", "checkpoint"))
+LLAMA = "--normalization RMSNorm --position-embedding-type rope --swiglu"
+# name: (TINY_GPT flags added, whether TINY_GPT's --swiglu stays)
+MODELS = {
+    "gpt2": ("TIED", False),
+    "gpt2_1p_no_bias": ("--apply-layernorm-1p --disable-bias-linear", False),
+    "llama_gqa": (f"{LLAMA} --disable-bias-linear --group-query-attention --num-query-groups 2", True),
+    "llama_mqa_bias_1p_tied": (f"TIED {LLAMA} --apply-layernorm-1p --rotary-base 500 --group-query-attention "
+                               "--num-query-groups 1", True),
+}
+VOCAB, PADDED_VOCAB, SEQUENCE = 120, 128, 16  # TINY_GPT: --vocab-size 120 --make-vocab-size-divisible-by 64
+# fp32 on CPU. Measured with transformers 5.24: GPT-2 style 0 (the same torch ops in the same order), Llama style
+# 6e-7 on logits of magnitude ~2 (HF's RMSNorm computes x * rsqrt(mean(x^2) + eps) by hand where we call
+# F.rms_norm, and its attention repeats the key/value heads where we pass enable_gqa): rounding only, and the
+# bound leaves more than an order of magnitude.
+LOGITS_TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def tools():
+    sys.path.insert(0, TOOLS)
+    import convert_checkpoint
+    import hf_mapping
+
+    yield convert_checkpoint, hf_mapping
+    sys.path.remove(TOOLS)
+
+
+def _tokens():
+    generator = torch.Generator().manual_seed(1234)
+    return torch.randint(0, VOCAB, (3, SEQUENCE), generator=generator)
+
+
+def _training_state(name, more_args=""):
+    """TrainingState of model `name` (TINY_GPT without its --swiglu for the GeLU models)."""
+    extra_args, gated = MODELS[name]
+    tiny_gpt = pretrain_helpers.TINY_GPT if gated else pretrain_helpers.TINY_GPT.replace(" --swiglu", "")
+    with mock.patch.object(pretrain_helpers, "TINY_GPT", tiny_gpt):
+        return pretrain_helpers.TrainingState(f"{extra_args} --ckpt-format torch_dist {more_args}")
+
+
+def _logits(model):
+    model.eval()
+    tokens = _tokens()
+    with torch.no_grad():
+        return model(tokens, torch.arange(SEQUENCE).expand_as(tokens)).clone()
+
+
+def _save_and_forward(workdir, names):
+    """On one rank: build each model, perturb its weights, save it (torch_dist) and return its logits."""
+    from megatron.training import checkpointing
+
+    logits = {}
+    generator = torch.Generator().manual_seed(7)
+    for name in names:
+        state = _training_state(name)
+        try:
+            state.train_steps(1)
+            with torch.no_grad():
+                for param in state.model[0].parameters():
+                    param.add_(0.1 * torch.randn(param.shape, generator=generator))
+            state.args.save = os.path.join(workdir, name)
+            checkpointing.save_checkpoint(1, state.model, state.optimizer, state.scheduler, state.args)
+            logits[name] = _logits(state.model[0])
+        finally:
+            state.close()
+    return logits
+
+
+def _load_and_forward(name, root):
+    """On one rank: model `name` loaded from `root` as training loads it (--finetune); its logits."""
+    from megatron.training import checkpointing
+
+    state = _training_state(name, f"--load {root} --finetune")
+    try:
+        checkpointing.load_checkpoint(state.model, state.optimizer, state.scheduler, state.args)
+        return _logits(state.model[0])
+    finally:
+        state.close()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{name: (checkpoint root, our logits [b, s, padded vocab])}."""
+    workdir = str(tmp_path_factory.mktemp("hf_export"))
+    logits = run_on_ranks(1, _save_and_forward, workdir, list(MODELS))[0]
+    return {name: (os.path.join(workdir, name), logits[name]) for name in MODELS}
+
+
+def _model_tensors(root):
+    from megatron.core.dist_checkpointing import offline
+    from megatron.training.checkpointing import iteration_dir_name, read_tracker
+
+    directory = os.path.join(root, iteration_dir_name(read_tracker(root)))
+    return offline.full_precision_model(offline.read_checkpoint(directory))
+
+
+EXPECTED_CONFIG = {
+    "gpt2": {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": VOCAB, "n_layer": 4,
+             "n_embd": 32, "n_head": 4, "n_inner": 128, "activation_function": "gelu", "tie_word_embeddings": True},
+    "gpt2_1p_no_bias": {"architectures": ["GPT2LMHeadModel"], "tie_word_embeddings": False},
+    "llama_gqa": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
+                  "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64, "attention_bias": False,
+                  "mlp_bias": False, "tie_word_embeddings": False, "rope_theta": 10000.0},
+    "llama_mqa_bias_1p_tied": {"num_key_value_heads": 1, "attention_bias": True, "mlp_bias": True,
+                               "tie_word_embeddings": True, "rope_theta": 500.0},
+}
+
+
+@pytest.mark.world_size(1)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_hf_round_trip_is_bit_exact(name, checkpoints, tools, tmp_path):
+    convert_checkpoint, _ = tools
+    root, _ = checkpoints[name]
+    hf_dir = str(tmp_path / "hf")
+    hf_tensors = convert_checkpoint.to_hf(root, hf_dir)
+    assert sorted(os.listdir(hf_dir)) == ["config.json", "megatron_extras.safetensors", "model.safetensors"]
+    with open(os.path.join(hf_dir, "config.json")) as stream:
+        config = json.load(stream)
+    assert {key: config[key] for key in EXPECTED_CONFIG[name]} == EXPECTED_CONFIG[name]
+    embedding = "transformer.wte.weight" if name.startswith("gpt2") else "model.embed_tokens.weight"
+    assert hf_tensors[embedding].shape == (VOCAB, 32)  # padding rows stripped
+    assert ("lm_head.weight" in hf_tensors) == (not config["tie_word_embeddings"])
+
+    original = _model_tensors(root)
+    back = convert_checkpoint.from_hf(hf_dir, str(tmp_path / "back"))
+    assert sorted(back) == sorted(original)
+    for tensor_name, tensor in original.items():
+        assert back[tensor_name].dtype == tensor.dtype and torch.equal(back[tensor_name], tensor), tensor_name
+    assert _model_tensors(str(tmp_path / "back")).keys() == original.keys()
+    # ... and that checkpoint converts again to the same Hugging Face tensors
+    again = convert_checkpoint.to_hf(str(tmp_path / "back"), str(tmp_path / "hf_again"))
+    assert sorted(again) == sorted(hf_tensors)
+    assert all(torch.equal(again[key], value) for key, value in hf_tensors.items())
+
+
+@pytest.mark.world_size(1)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_transformers_computes_our_logits(name, checkpoints, tools, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    convert_checkpoint, _ = tools
+    root, ours = checkpoints[name]
+    convert_checkpoint.to_hf(root, str(tmp_path))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    model.eval()
+    expected_class = "GPT2LMHeadModel" if name.startswith("gpt2") else "LlamaForCausalLM"
+    assert type(model).__name__ == expected_class
+    with torch.no_grad():
+        theirs = model(_tokens()).logits
+    assert theirs.shape == (3, SEQUENCE, VOCAB) and ours.shape == (3, SEQUENCE, PADDED_VOCAB)
+    difference = (theirs - ours[..., :VOCAB]).abs().max().item()
+    print(f"{name}: max |logit difference| {difference:.3g} (logits up to {ours.abs().max().item():.3g})")
+    assert difference <= LOGITS_TOLERANCE
+
+
+@pytest.mark.world_size(1)
+def test_directory_without_extras_imports_with_zero_padding(checkpoints, tools, tmp_path):
+    """A model from elsewhere has no megatron_extras.safetensors: the vocabulary is padded with zero rows and a
+    zero-centred norm stores gamma - 1, which gives back HF's gamma exactly."""
+    convert_checkpoint, _ = tools
+    root, _ = checkpoints["llama_mqa_bias_1p_tied"]
+    hf_dir = tmp_path / "hf"
+    convert_checkpoint.to_hf(root, str(hf_dir))
+    os.remove(hf_dir / "megatron_extras.safetensors")
+    original = _model_tensors(root)
+    back = convert_checkpoint.from_hf(str(hf_dir), str(tmp_path / "back"), make_vocab_size_divisible_by=64,
+                                      apply_layernorm_1p=True)
+    assert sorted(back) == sorted(original)
+    word = back["embedding.word_embeddings.weight"]
+    assert word.shape == (PADDED_VOCAB, 32) and torch.count_nonzero(word[VOCAB:]) == 0
+    assert torch.equal(word[:VOCAB], original["embedding.word_embeddings.weight"][:VOCAB])
+    norm = "decoder.layers.2.input_layernorm.weight"
+    assert torch.equal(back[norm] + 1, original[norm] + 1)
+    assert not torch.equal(back[norm], original[norm])  # the extras' gamma - 1 is what makes the round trip exact
+    for tensor_name, tensor in original.items():
+        if "layernorm" not in tensor_name and "embedding" not in tensor_name:
+            assert torch.equal(back[tensor_name], tensor), tensor_name
+
+
+@pytest.mark.world_size(1)
+@pytest.mark.parametrize("name, with_extras", [("gpt2", True), ("llama_mqa_bias_1p_tied", False)])
+def test_training_loads_the_imported_checkpoint(name, with_extras, checkpoints, tools, tmp_path):
+    """What --from hf writes loads into training's model (with or without the extras), and that model computes
+    the original logits over the true vocabulary bit for bit (without extras only the padding rows differ)."""
+    convert_checkpoint, _ = tools
+    root, ours = checkpoints[name]
+    convert_checkpoint.to_hf(root, str(tmp_path / "hf"))
+    if not with_extras:
+        os.remove(tmp_path / "hf" / "megatron_extras.safetensors")
+    convert_checkpoint.from_hf(str(tmp_path / "hf"), str(tmp_path / "back"), make_vocab_size_divisible_by=64,
+                               apply_layernorm_1p="1p" in name)
+    loaded = run_on_ranks(1, _load_and_forward, name, str(tmp_path / "back"))[0]
+    assert torch.equal(loaded[..., :VOCAB], ours[..., :VOCAB])
+    assert torch.equal(loaded, ours) == with_extras  # a tied embedding's zero padding rows give other logits
+
+
+@pytest.mark.world_size(1)
+def test_nonzero_bias_into_a_model_without_biases_is_refused(checkpoints, tools, tmp_path):
+    convert_checkpoint, _ = tools
+    from megatron.core.dist_checkpointing import safetensors_format
+
+    root, _ = checkpoints["gpt2_1p_no_bias"]
+    convert_checkpoint.to_hf(root, str(tmp_path))
+    path = str(tmp_path / "model.safetensors")
+    tensors, metadata = safetensors_format.load_file(path)
+    assert torch.count_nonzero(tensors["transformer.h.1.mlp.c_fc.bias"]) == 0  # written as zeros
+    tensors["transformer.h.1.mlp.c_fc.bias"][3] = 0.5
+    safetensors_format.save_file(tensors, path, metadata)
+    with pytest.raises(SystemExit, match=r"transformer\.h\.1\.mlp\.c_fc\.bias.*--disable-bias-linear"):
+        convert_checkpoint.from_hf(str(tmp_path), str(tmp_path / "back"))
+    assert not os.path.exists(tmp_path / "back")
+
+
+def _shape(hf_mapping, **flags):
+    values = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=4, kv_channels=8,
+                  ffn_hidden_size=64, vocab_size=120, padded_vocab_size=128, max_position_embeddings=16)
+    return hf_mapping.ModelShape(**{**values, **flags})
+
+
+def test_models_hugging_face_cannot_compute_are_refused_naming_the_flag(tools):
+    _, hf_mapping = tools
+    llama = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True)
+    assert hf_mapping.architecture_for(_shape(hf_mapping, **llama)) == hf_mapping.LLAMA
+    assert hf_mapping.architecture_for(_shape(hf_mapping, squared_relu=True)) == hf_mapping.GPT2
+    refusals = {
+        "--qk-layernorm": _shape(hf_mapping, **llama, qk_layernorm=True),
+        "--rotary-percent 0.5": _shape(hf_mapping, **llama, rotary_percent=0.5),
+        "--normalization LayerNorm": _shape(hf_mapping, **{**llama, "normalization": "LayerNorm"}),
+        "--squared-relu": _shape(hf_mapping, **{**llama, "swiglu": False}, squared_relu=True),
+        "--normalization RMSNorm": _shape(hf_mapping, normalization="RMSNorm"),
+        "--swiglu": _shape(hf_mapping, swiglu=True),
+        "--num-query-groups 2": _shape(hf_mapping, num_query_groups=2),
+        "--kv-channels 16": _shape(hf_mapping, kv_channels=16),
+    }
+    for flag, shape in refusals.items():
+        with pytest.raises(hf_mapping.ConversionError, match=flag):
+            hf_mapping.architecture_for(shape)
+    # every problem at once
+    with pytest.raises(hf_mapping.ConversionError, match="--normalization RMSNorm.*--swiglu.*--qk-layernorm"):
+        hf_mapping.architecture_for(_shape(hf_mapping, normalization="RMSNorm", swiglu=True, qk_layernorm=True))
+
+
+def test_hugging_face_configs_we_cannot_compute_are_refused(tools):
+    _, hf_mapping = tools
+    gpt2 = {"architectures": ["GPT2LMHeadModel"], "vocab_size": 120, "n_layer": 2, "n_embd": 32, "n_head": 4,
+            "n_positions": 16}
+    with pytest.raises(hf_mapping.ConversionError, match="activation_function 'gelu_new'"):
+        hf_mapping.shape_from_hf_config(gpt2, "DIR", None, 128, False)  # GPT-2's default: tanh GeLU
+    shape, architecture = hf_mapping.shape_from_hf_config({**gpt2, "activation_function": "gelu"}, "DIR", None,
+                                                          128, False)
+    assert architecture == hf_mapping.GPT2 and shape.ffn_hidden_size == 128 and shape.add_bias_linear
+    llama = {"architectures": ["LlamaForCausalLM"], "vocab_size": 120, "hidden_size": 32, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "intermediate_size": 64, "max_position_embeddings": 16}
+    refusals = {"rope_scaling": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+                "hidden_act 'gelu'": {"hidden_act": "gelu"}, "mlp_bias": {"attention_bias": True},
+                "partial_rotary_factor": {"partial_rotary_factor": 0.5}, "MistralForCausalLM":
+                {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}}
+    for message, change in refusals.items():
+        with pytest.raises(hf_mapping.ConversionError, match=message):
+            hf_mapping.shape_from_hf_config({**llama, **change}, "DIR", None, 128, False)
+
+
+def test_qkv_and_swiglu_layouts(tools):
+    """Query head g * m + j is group g's j-th; k and v follow each group's queries; gate/up rows alternate."""
+    _, hf_mapping = tools
+    shape = _shape(hf_mapping, num_attention_heads=4, num_query_groups=2, kv_channels=1, hidden_size=4)
+    fused = torch.arange(8.0)  # rows: [q0 q1 k0 v0 | q2 q3 k1 v1] with one channel per head
+    query, key, value = hf_mapping.split_qkv(fused, shape)
+    assert query.tolist() == [0, 1, 4, 5] and key.tolist() == [2, 6] and value.tolist() == [3, 7]
+    assert torch.equal(hf_mapping.fuse_qkv(query, key, value, shape), fused)
+    gate, up = hf_mapping.split_gate_up(torch.arange(6.0).reshape(6, 1))
+    assert gate.flatten().tolist() == [0, 2, 4] and up.flatten().tolist() == [1, 3, 5]
+    assert torch.equal(hf_mapping.fuse_gate_up(gate, up).flatten(), torch.arange(6.0))
+
+
+@pytest.mark.world_size(1)
+def test_cli_round_trip(checkpoints, tmp_path):
+    """The command line writes and reads the same directory the functions do."""
+    import subprocess
+
+    root, _ = checkpoints["gpt2"]
+    script = os.path.join(TOOLS, "convert_checkpoint.py")
+    for direction, source, target in (("--to", root, tmp_path / "hf"), ("--from", tmp_path / "hf", tmp_path / "back")):
+        result = subprocess.run([sys.executable, script, direction, "hf", "--input", str(source), "--output",
+                                 str(target)], capture_output=True, text=True, check=False)
+        assert result.returncode == 0, result.stderr
+    original, back = _model_tensors(root), _model_tensors(str(tmp_path / "back"))
+    assert sorted(back) == sorted(original) and all(torch.equal(back[k], v) for k, v in original.items())
