@@ -12,6 +12,7 @@ at one layout and wrapper loads at any other.
 - `wrappers`: picks one of the above per wrapper
 - `planners`, `serialization`: DCP save / load with errors naming files and tensors
 - `strictness`: `--dist-ckpt-strictness`
+- `vocab_padding`: word embedding and output layer loaded across another vocabulary padding (another TP size)
 - `rng_mapping`: which saved rank's random-number streams a rank of another layout restores
 - `offline`, `safetensors_format`: whole-tensor reads and writes for tools, without a process group
 """

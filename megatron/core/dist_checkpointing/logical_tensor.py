@@ -108,6 +108,19 @@ class ShardedLogicalTensor:
                                     [(offsets, tensor.detach().to("cpu", copy=True).contiguous())
                                      for offsets, tensor in self.pieces], self.dtype)
 
+    def leading_rows(self, rows: int, global_rows: int) -> "ShardedLogicalTensor":
+        """The parts of the pieces in rows `[0, rows)`, as views, in a logical tensor of `global_rows` rows (the
+        trailing dims unchanged): loading into it fills those rows in place and leaves the others as they are."""
+        if not 0 <= rows <= min(global_rows, self.global_shape[0]):
+            raise ValueError(f"rows [0, {rows}) do not fit both {tuple(self.global_shape)} and {global_rows} rows")
+        pieces = [(offsets, tensor[:max(0, rows - offsets[0])]) for offsets, tensor in self.pieces]
+        return ShardedLogicalTensor((global_rows,) + tuple(self.global_shape[1:]), pieces, self.dtype)
+
+    def rows_from(self, first_row: int) -> List[torch.Tensor]:
+        """Views of the pieces' parts in rows `[first_row, ...)`."""
+        views = [tensor[max(0, first_row - offsets[0]):] for offsets, tensor in self.pieces]
+        return [view for view in views if view.numel() > 0]
+
     def __repr__(self):
         return f"ShardedLogicalTensor(shape={tuple(self.global_shape)}, pieces={len(self.pieces)}, dtype={self.dtype})"
 
