@@ -36,15 +36,41 @@ def _distributed():
     return dist.is_available() and dist.is_initialized()
 
 
+def damaged_data_files(directory: str):
+    """['<path> is missing' | '<path> is truncated (...)'] for the data files the checkpoint's index points
+    into: each must exist and reach the end of the last item the index places in it."""
+    try:
+        storage = dcp.FileSystemReader(directory).read_metadata().storage_data or {}
+    except Exception:  # noqa: B902 - an unreadable index is reported by read_metadata itself
+        return []
+    needed = {}
+    for info in storage.values():
+        path = os.path.join(directory, info.relative_path)
+        needed[path] = max(needed.get(path, 0), info.offset + info.length)
+    problems = []
+    for path, size in sorted(needed.items()):
+        if not os.path.isfile(path):
+            problems.append(f"{path} is missing")
+        elif os.path.getsize(path) < size:
+            problems.append(f"{path} is truncated ({os.path.getsize(path)} bytes; the index places data up to "
+                            f"byte {size})")
+    return problems
+
+
 def _reraise(exc: BaseException, action: str, directory: str):
-    """DCP reports per-rank failures as one CheckpointException; surface the first cause with the directory."""
+    """DCP reports per-rank failures as one CheckpointException; surface the first cause with the directory,
+    and name the data files that are missing or truncated."""
     failures = getattr(exc, "failures", None) or {}
     causes = [cause[0] if isinstance(cause, tuple) else cause for cause in failures.values()]
     cause = causes[0] if causes else exc
     if isinstance(cause, CheckpointError):
         raise cause from None
     detail = f"{type(cause).__name__}: {cause}"
-    if isinstance(cause, (FileNotFoundError, EOFError, pickle.UnpicklingError)) or "distcp" in str(cause):
+    damaged = damaged_data_files(directory) if action == "read" else []
+    if damaged:
+        detail = (f"a data file of this checkpoint is missing or damaged: {'; '.join(damaged)} ({detail}); load an "
+                  "earlier checkpoint of this run")
+    elif isinstance(cause, (FileNotFoundError, EOFError, pickle.UnpicklingError)) or "distcp" in str(cause):
         detail += " (a shard file of this checkpoint is missing or damaged)"
     raise CheckpointError(f"could not {action} checkpoint {directory}: {detail}") from cause
 
