@@ -8,12 +8,14 @@ iteration, consumed samples, the arguments and the layout that wrote the checkpo
 import torch
 import torch.distributed as dist
 
-from megatron.core.dist_checkpointing import rng_mapping, serialization, wrappers
+from megatron.core.dist_checkpointing import rng_mapping, serialization, vocab_padding, wrappers
 from megatron.core.dist_checkpointing.strictness import apply_strictness
+from megatron.training.checkpoint_args import true_vocab_size
 
 CHECKPOINT_VERSION = 1
 RNG_PREFIX = "rng_state."
 RNG_COORDINATES_KEY = "rng_coordinates"  # in `common`: {global rank: (tensor, pipeline, data, expert) ranks}
+VOCAB_SIZE_KEY = "vocab_size"  # in `common`: the tokenizer's vocabulary size, before padding
 
 
 def _rank():
@@ -54,6 +56,7 @@ def state_to_save(iteration, model_chunks, optimizer, scheduler, args):
             "consumed_train_samples": getattr(args, "consumed_train_samples", 0),
             "args": args,
             "layout": layout,
+            VOCAB_SIZE_KEY: true_vocab_size(args),
         }
         if coordinates is not None:
             state["common"][RNG_COORDINATES_KEY] = coordinates
@@ -96,10 +99,20 @@ def refresh_main_params(optimizer):
         optimizer.reload_model_params()
 
 
-def load_optimizer(optimizer, model_chunks, metadata, directory, strictness, report, log):
+def adapt_vocab_padding(targets, metadata, args, report):
+    """Load the word embedding and output layer (and their optimizer state) across another vocabulary padding
+    (see megatron.core.dist_checkpointing.vocab_padding); the report says how the rows changed. Collective."""
+    changes = vocab_padding.adapt_targets(targets, serialization.tensor_shapes(metadata), true_vocab_size(args))
+    everywhere = [change for rank_changes in _all_gather(changes) for change in rank_changes]  # collective
+    if everywhere:  # a rank holds only some of these tensors (pipeline stages, optimizer shards)
+        report.add_vocab_padding(everywhere, true_vocab_size(args), args)
+
+
+def load_optimizer(optimizer, model_chunks, metadata, directory, strictness, report, log, args):
     refresh_main_params(optimizer)  # main weights the checkpoint does not hold in fp32 come from the model
     saved_keys = list(metadata.state_dict_metadata)
     targets, install = wrappers.optimizer_load_targets(optimizer, model_chunks, saved_keys)
+    adapt_vocab_padding(targets, metadata, args, report)
     serialization.check_shapes(targets, metadata, directory)
     mismatch = apply_strictness(strictness, serialization.key_mismatch(targets, metadata, ["optimizer.state."]),
                                 directory, log)
@@ -164,7 +177,36 @@ class LoadReport:
     def __init__(self, directory, common):
         self.directory = directory
         self.layout = common.get("layout", {})
-        self.loaded, self.not_loaded = [], []
+        self.saved_args = common.get("args")
+        self.loaded, self.not_loaded, self.notes = [], [], []
+        self._vocab_tensors, self._vocab_context = {}, None  # (saved rows, model rows) -> {name: optimizer too}
+
+    def add_vocab_padding(self, changes, vocab_size, args):
+        """Vocab tensors loaded across another padding (model and optimizer keys of one tensor count once)."""
+        for change in changes:
+            names = self._vocab_tensors.setdefault((change.saved_rows, change.model_rows), {})
+            with_optimizer = change.key.startswith(vocab_padding.OPTIMIZER_STATE_PREFIX)
+            names[change.name] = names.get(change.name, False) or with_optimizer
+        self._vocab_context = (vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+
+    def _vocab_padding_notes(self):
+        if not self._vocab_tensors:
+            return []
+        vocab_size, divisor, tp = self._vocab_context
+        saved_divisor = getattr(self.saved_args, "make_vocab_size_divisible_by", "?")
+        saved_tp = self.layout.get("tensor_model_parallel_size", "?")
+        notes = []
+        for (saved_rows, model_rows), names in self._vocab_tensors.items():
+            loaded = min(saved_rows, model_rows)
+            rest = (f"rows {loaded}-{model_rows - 1} keep this model's values (optimizer moments zero)"
+                    if model_rows > saved_rows else f"the checkpoint's rows {loaded}-{saved_rows - 1} are not read")
+            tensors = ", ".join(name + (" (and its optimizer state)" if optimizer else "")
+                                for name, optimizer in names.items())
+            notes.append(f"vocabulary padding changed: {tensors}: {saved_rows} rows "
+                         f"in the checkpoint (--make-vocab-size-divisible-by {saved_divisor} x TP {saved_tp}) and "
+                         f"{model_rows} in this run ({divisor} x TP {tp}), true vocabulary size {vocab_size}: rows "
+                         f"0-{loaded - 1} loaded, {rest}")
+        return notes
 
     def add_mismatch(self, what, mismatch):
         if mismatch.missing:
@@ -178,4 +220,5 @@ class LoadReport:
                  "  loaded: " + ("; ".join(self.loaded) or "nothing")]
         if self.not_loaded:
             lines.append("  not loaded: " + "; ".join(self.not_loaded))
+        lines.extend(f"  note: {note}" for note in self.notes + self._vocab_padding_notes())
         return lines

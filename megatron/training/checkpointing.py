@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.fp8.checkpoint import count_fp8_histories_started_empty
+from megatron.training.checkpoint_args import check_same_architecture, saved_true_vocab_size, true_vocab_size
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
@@ -223,6 +224,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args):
             "checkpoint_version": 3.0,
             "iteration": iteration,
             "consumed_train_samples": getattr(args, "consumed_train_samples", 0),
+            "vocab_size": true_vocab_size(args),
             **_model_state(model_chunks),
         }
         if save_optimizer and not args.use_distributed_optimizer:
@@ -280,7 +282,10 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
         raise CheckpointLoadError(f"{os.path.dirname(directory)} is a torch_dist checkpoint; load it with "
                                   "--ckpt-format torch_dist")
     state = _torch_load(path)
-    _check_layout_matches(state.get("args"), args, path)
+    saved_args = state.get("args")
+    check_same_architecture(path, saved_args, args, saved_true_vocab_size(state.get("vocab_size"), saved_args),
+                            true_vocab_size(args))
+    _check_layout_matches(saved_args, args, path)
     _load_model_state(model_chunks, state, strict)
     fresh_fp8_histories = count_fp8_histories_started_empty(model_chunks)
 

@@ -7,6 +7,7 @@ Layout under the checkpoint root:
         .metadata  __<rank>_0.distcp      torch.distributed.checkpoint index and per-rank data files
         metadata.json                     format, iteration and the layout that wrote it (for tools)
     iter_0000020.tmp/                     a save in progress (or one that was interrupted): never loaded
+    iter_0000010.replaced/                the previous copy while iteration 10 is saved again (see publish)
 
 Keys (see megatron.core.dist_checkpointing): `model.<logical name>`, `optimizer.*`, `scheduler`,
 `rng_state.<global rank>`, `common` (iteration, consumed samples, args, layout). All ranks write into the
@@ -28,9 +29,11 @@ from megatron.core.dist_checkpointing import serialization
 from megatron.core.dist_checkpointing.strictness import apply_strictness
 from megatron.core.fp8.checkpoint import fp8_histories_report, split_missing_fp8_histories
 from megatron.training import checkpoint_state
+from megatron.training.checkpoint_args import check_same_architecture, saved_true_vocab_size, true_vocab_size
 
 METADATA_JSON = "metadata.json"
 TEMPORARY_SUFFIX = ".tmp"
+REPLACED_SUFFIX = ".replaced"  # the previous copy of an iteration saved again, while the new one moves in
 _ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
 
 _async_queue = None
@@ -99,27 +102,47 @@ def published_iterations(root):
 
 
 def publish(root, iteration, temporary, layout, keep_last_n=None):
-    """Rename `temporary` to `iter_XXXXXXX`, then point the tracker at it; prune to `keep_last_n` (rank 0)."""
+    """Rename `temporary` to `iter_XXXXXXX`, then point the tracker at it; prune to `keep_last_n` (rank 0).
+
+    Saving an iteration that is already published (e.g. again after a resume) moves the old copy aside to
+    `iter_XXXXXXX.replaced` first: a kill between the two renames leaves the tracker naming a missing
+    directory, and `published_directory` then loads the `.replaced` copy. It is removed once the tracker
+    names the new one.
+    """
     from megatron.training.checkpointing import iteration_dir_name, write_tracker
 
     with open(os.path.join(temporary, METADATA_JSON), "w") as stream:
         json.dump({"format": "megatron_logical_dcp", "version": 1, "iteration": iteration, "layout": layout},
                   stream, indent=1)
     final = os.path.join(root, iteration_dir_name(iteration))
-    replaced = None
-    if os.path.exists(final):  # saving the same iteration again (e.g. after a resume)
-        replaced = final + ".replaced"
-        shutil.rmtree(replaced, ignore_errors=True)
+    replaced = final + REPLACED_SUFFIX
+    if os.path.exists(final):
+        shutil.rmtree(replaced, ignore_errors=True)  # a stale copy: `final` is complete
         os.replace(final, replaced)
     os.replace(temporary, final)
     _fsync_directory(root)
     write_tracker(root, iteration)
-    if replaced is not None:
-        shutil.rmtree(replaced, ignore_errors=True)
+    shutil.rmtree(replaced, ignore_errors=True)
     if keep_last_n:
         for old in published_iterations(root)[:-keep_last_n]:
             if old != iteration:
                 shutil.rmtree(os.path.join(root, iteration_dir_name(old)), ignore_errors=True)
+                shutil.rmtree(os.path.join(root, iteration_dir_name(old)) + REPLACED_SUFFIX, ignore_errors=True)
+
+
+def published_directory(root, iteration):
+    """(directory of published checkpoint `iteration` under `root`, None) or, when a save of the same iteration
+    was killed between its two renames, (its `.replaced` copy, the missing directory). Reads only."""
+    from megatron.training.checkpointing import TRACKER_FILENAME, iteration_dir_name
+
+    directory = os.path.join(root, iteration_dir_name(iteration))
+    if os.path.isdir(directory):
+        return directory, None
+    if os.path.isdir(directory + REPLACED_SUFFIX):
+        return directory + REPLACED_SUFFIX, directory
+    raise serialization.CheckpointError(
+        f"{os.path.join(root, TRACKER_FILENAME)} names iteration {iteration}, but {directory} does not exist (nor "
+        f"a {REPLACED_SUFFIX} copy of it); point the tracker at an iteration that exists under {root}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -196,21 +219,24 @@ def _check_not_legacy(directory):
 def load_dist_checkpoint(model_chunks, optimizer, scheduler, args, iteration):
     """Load checkpoint `iteration` under `args.load` into the model (and optimizer, scheduler, RNG as the flags
     allow); returns (iteration to resume from, report lines)."""
-    from megatron.training.checkpointing import iteration_dir_name
-
-    directory = os.path.join(args.load, iteration_dir_name(iteration))
-    if not os.path.isdir(directory):
-        raise serialization.CheckpointError(
-            f"{os.path.join(args.load, 'latest_checkpointed_iteration.txt')} names iteration {iteration}, but "
-            f"{directory} does not exist")
+    directory, recovered = published_directory(args.load, iteration)
     _check_not_legacy(directory)
     metadata = serialization.read_metadata(directory)
     common = serialization.read_objects(directory, ["common"])["common"]
     strictness = getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected")
     report = checkpoint_state.LoadReport(directory, common)
+    if recovered:
+        report.notes.append(f"{recovered} was missing (a save of the same iteration was interrupted while replacing "
+                            f"it); loaded the previous copy {directory}, which the next save of this iteration "
+                            "replaces")
 
     model_targets, finish_model_load = checkpoint_state.model_targets(model_chunks)
+    checkpoint_state.adapt_vocab_padding(model_targets, metadata, args, report)
     serialization.check_shapes(model_targets, metadata, directory)
+    # Same shapes, same model? Checked before anything is read (also under --finetune).
+    saved_args = common.get("args")
+    saved_vocab_size = saved_true_vocab_size(common.get(checkpoint_state.VOCAB_SIZE_KEY), saved_args)
+    check_same_architecture(directory, saved_args, args, saved_vocab_size, true_vocab_size(args))
     mismatch = serialization.key_mismatch(model_targets, metadata, ["model."])
     # FP8 amax histories a checkpoint lacks (a run without delayed FP8 scaling) are no error: they start empty.
     other_missing, fresh_fp8_histories = split_missing_fp8_histories(mismatch.missing)
@@ -232,7 +258,8 @@ def load_dist_checkpoint(model_chunks, optimizer, scheduler, args, iteration):
     elif not any(key.startswith("optimizer.") for key in metadata.state_dict_metadata):
         skip_optimizer = "the checkpoint has none: saved with --no-save-optim or converted from weights"
     if optimizer is not None and skip_optimizer is None:
-        checkpoint_state.load_optimizer(optimizer, model_chunks, metadata, directory, strictness, report, _print0)
+        checkpoint_state.load_optimizer(optimizer, model_chunks, metadata, directory, strictness, report, _print0,
+                                        args)
         if scheduler is not None and "scheduler" in metadata.state_dict_metadata:
             scheduler.load_state_dict(serialization.read_objects(directory, ["scheduler"])["scheduler"])
             report.loaded.append("scheduler")

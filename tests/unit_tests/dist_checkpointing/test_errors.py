@@ -1,6 +1,7 @@
 """Bad input gets an error naming the tensor or file, and loading never writes into the checkpoint."""
 
 import contextlib
+import hashlib
 import io
 import os
 import shutil
@@ -35,7 +36,12 @@ def _load_into(extra_args, root, ckpt_format="torch_dist"):
 
 
 def _snapshot(root):
-    return {os.path.join(d, f): os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs}
+    """{path: sha256 of its contents} of every file under `root`."""
+    def digest(path):
+        with open(path, "rb") as stream:
+            return hashlib.sha256(stream.read()).hexdigest()
+
+    return {os.path.join(d, f): digest(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs}
 
 
 def _bad_inputs(workdir):
@@ -55,6 +61,11 @@ def _bad_inputs(workdir):
     results["fewer_layers_raise_all"] = _load_into("--num-layers 2 --dist-ckpt-strictness raise_all", root)[0]
     error, printed, _ = _load_into("--num-layers 6 --dist-ckpt-strictness log_all", root)
     results["more_layers_log_all"] = (error, "decoder.layers.5" in printed)
+    # Another model with the same tensor shapes: refused before anything is read, also under --finetune.
+    results["heads"] = _load_into("--num-attention-heads 8", root)[0]
+    results["heads_finetune"] = _load_into("--num-attention-heads 8 --finetune", root)[0]
+    results["layernorm_1p_rmsnorm"] = _load_into("--apply-layernorm-1p --normalization RMSNorm", root)[0]
+    results["vocab"] = _load_into("--vocab-size 100", root)[0]  # still 128 rows after padding
     results["unchanged"] = _snapshot(root) == before
 
     # Partial loads say what they skipped; without optimizer state the main weights follow the loaded model.
@@ -71,9 +82,9 @@ def _bad_inputs(workdir):
     error, printed, consumed = _load_into("--finetune", root)
     results["finetune"] = (error, printed if rank == 0 else None, consumed)
 
-    # Damaged copies: truncated index, missing shard file.
+    # Damaged copies: truncated index, missing shard file, truncated shard file.
     damaged = {}
-    for kind in ("metadata", "shard"):
+    for kind in ("metadata", "shard", "truncated_shard"):
         copy = os.path.join(workdir, kind)
         if rank == 0:
             shutil.copytree(root, copy)
@@ -82,8 +93,12 @@ def _bad_inputs(workdir):
                 path = os.path.join(iteration_dir, ".metadata")
                 with open(path, "r+b") as stream:
                     stream.truncate(os.path.getsize(path) // 2)
-            else:
+            elif kind == "shard":
                 os.remove(os.path.join(iteration_dir, "__1_0.distcp"))
+            else:
+                path = os.path.join(iteration_dir, "__1_0.distcp")
+                with open(path, "r+b") as stream:
+                    stream.truncate(os.path.getsize(path) * 2 // 3)
         torch.distributed.barrier()
         damaged[kind] = _load_into("--use-distributed-optimizer", copy)[0]
     results.update(damaged)
@@ -99,6 +114,9 @@ def _bad_inputs(workdir):
     state = TrainingState(f"--ckpt-format torch --save {legacy}")
     checkpointing.save_checkpoint(2, state.model, state.optimizer, state.scheduler, state.args)
     state.close()
+    legacy_before = _snapshot(legacy)
+    results["heads_torch"] = _load_into("--num-attention-heads 8", legacy, ckpt_format="torch")[0]
+    results["legacy_unchanged"] = _snapshot(legacy) == legacy_before
     model_file = os.path.join(legacy, "iter_0000002", "mp_rank_00", "model_optim_rng.pt")
     if rank == 0:
         with open(model_file, "r+b") as stream:
@@ -122,9 +140,25 @@ def test_bad_inputs_get_errors_naming_tensor_or_file(tmp_path, world_size):
     assert "not in the model" in first["fewer_layers_raise_all"] and "decoder.layers.2" in first[
         "fewer_layers_raise_all"]
     assert first["more_layers_log_all"] == (None, True)
-    assert first["unchanged"]
+    for case in ("heads", "heads_finetune", "heads_torch"):  # linear_qkv is (96, 32) either way
+        for result in results:
+            assert result[case] is not None and result[case].startswith("CheckpointError: checkpoint "), case
+            assert ("holds another model than this run builds: --num-attention-heads: 4 in the checkpoint, 8 in "
+                    "this run; --kv-channels: 8 in the checkpoint, 4 in this run.") in result[case], case
+            assert "launch with the checkpoint's --num-attention-heads 4, --kv-channels 8" in result[case], case
+    assert "iter_0000002/mp_rank_00/model_optim_rng.pt holds another model" in first["heads_torch"]
+    assert ("--normalization: LayerNorm in the checkpoint, RMSNorm in this run; --apply-layernorm-1p: not set in "
+            "the checkpoint, set in this run") in first["layernorm_1p_rmsnorm"]
+    assert "--normalization LayerNorm, no --apply-layernorm-1p" in first["layernorm_1p_rmsnorm"]
+    assert ("vocabulary size (the tokenizer's, before padding; --vocab-size with NullTokenizer): 120 in the "
+            "checkpoint, 100 in this run") in first["vocab"]
+    assert "tokenizer (120 tokens)" in first["vocab"]
+    assert first["unchanged"] and first["legacy_unchanged"]
     assert ".metadata is truncated or damaged" in first["metadata"]
     assert all("__1_0.distcp" in result["shard"] and "missing or damaged" in result["shard"] for result in results)
+    for result in results:  # every rank names the file, whichever rank's read failed
+        assert "missing or damaged: " in result["truncated_shard"]
+        assert "iter_0000003/__1_0.distcp is truncated (" in result["truncated_shard"], result["truncated_shard"]
     iteration, printed, main_follows_model, optimizer_states = first["no_load_optim"]
     assert (iteration, main_follows_model, optimizer_states) == (3, True, 0)
     assert "not loaded: optimizer and scheduler (--no-load-optim)" in printed

@@ -119,3 +119,56 @@ def test_async_save_publishes_only_complete_checkpoints(tmp_path, world_size):
     assert log[3] == ("failed", 2, ["iter_0000001", "iter_0000002", "latest_checkpointed_iteration.txt"])
     assert log[4] == ("retained", 4, ["iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"])
     assert (loaded_iteration, equal) == (2, True)
+
+
+class _KilledBetweenRenames(BaseException):
+    """Stands for a SIGKILL between publish's two renames (a BaseException: nothing catches it on the way)."""
+
+
+def _republish_killed_between_renames(root):
+    from megatron.training import checkpointing, dist_checkpoint
+
+    state = TrainingState(f"--use-distributed-optimizer --ckpt-format torch_dist --save {root}")
+    state.train_steps(1)
+    checkpointing.save_checkpoint(2, state.model, state.optimizer, state.scheduler, state.args)
+    first = {name: p.detach().clone() for name, p in state.model[0].module.named_parameters()}
+    state.train_steps(1)
+    real_replace = os.replace
+
+    def replace(source, destination):
+        if os.path.basename(source) == "iter_0000002.tmp":  # the old copy is already moved aside
+            raise _KilledBetweenRenames()
+        return real_replace(source, destination)
+
+    dist_checkpoint.os.replace = replace
+    try:
+        checkpointing.save_checkpoint(2, state.model, state.optimizer, state.scheduler, state.args)
+        killed = False
+    except _KilledBetweenRenames:
+        killed = True
+    finally:
+        dist_checkpoint.os.replace = real_replace
+    state.close()
+    on_disk = (killed, checkpointing.read_tracker(root), sorted(os.listdir(root)))
+
+    # The tracker names iteration 2, whose directory is missing: the load takes the .replaced copy.
+    state = TrainingState(f"--use-distributed-optimizer --ckpt-format torch_dist --load {root} --save {root}")
+    _, report = dist_checkpoint.load_dist_checkpoint(state.model, state.optimizer, state.scheduler, state.args, 2)
+    loaded = dict(state.model[0].module.named_parameters())
+    equal = sorted(first) == sorted(loaded) and all(torch.equal(loaded[name], value) for name, value in first.items())
+    # Saving iteration 2 again publishes it normally and drops the .replaced copy.
+    checkpointing.save_checkpoint(2, state.model, state.optimizer, state.scheduler, state.args)
+    state.close()
+    return on_disk, equal, report.lines(), sorted(os.listdir(root))
+
+
+def test_kill_between_the_renames_of_a_republished_iteration_loads_the_previous_copy(tmp_path):
+    on_disk, equal, report, after = run_on_ranks(1, _republish_killed_between_renames, str(tmp_path))[0]
+    assert on_disk == (True, 2, ["iter_0000002.replaced", "iter_0000002.tmp", "latest_checkpointed_iteration.txt"])
+    assert equal
+    assert report[0] == (f"loaded checkpoint {tmp_path}/iter_0000002.replaced (written with "
+                         "tensor_model_parallel_size=1, pipeline_model_parallel_size=1, data_parallel_size=1, "
+                         "world_size=1, wrapper=ddp+distributed_optimizer, ckpt_format=torch_dist)")
+    assert (f"  note: {tmp_path}/iter_0000002 was missing (a save of the same iteration was interrupted while "
+            f"replacing it); loaded the previous copy {tmp_path}/iter_0000002.replaced") in "\n".join(report)
+    assert after == ["iter_0000002", "latest_checkpointed_iteration.txt"]

@@ -1,0 +1,145 @@
+"""The model a checkpoint holds, against the model of this run: flags that change what the weights mean.
+
+Some flags change how a tensor of an unchanged shape is read: with 4 heads of 8 channels or 8 heads of 4,
+`linear_qkv.weight` is (3 * hidden, hidden) either way, but its rows are split into other heads. Others add or
+drop tensors that the default `--dist-ckpt-strictness` would quietly skip (an untied output layer, the
+q/k norms). A checkpoint stores the arguments it was trained with; loading compares those flags with this
+run's before anything is read, in every format and also under `--finetune` (a finetune changes the data and
+the schedule, not the architecture), and refuses another model with an error naming each flag and both values.
+"""
+
+import functools
+from typing import Callable, List, NamedTuple, Optional
+
+
+class ArchitectureFlag(NamedTuple):
+    flag: str
+    value: Callable  # args -> the value that matters, None where the saved args predate the flag
+    is_switch: bool = False  # a store_true flag: shown as set / not set
+    compared: Callable = lambda saved_args, args: True  # whether the flag means anything for these models
+
+    def launch_with(self, args) -> str:
+        """The command-line words that give `args`' value."""
+        value = self.value(args)
+        if self.is_switch:
+            return self.flag if value else f"no {self.flag}"
+        if self.flag == "--num-query-groups" and not getattr(args, "group_query_attention", False):
+            return f"no --group-query-attention (one key/value head per attention head, {value})"
+        if self.flag == "--num-query-groups":
+            return f"--group-query-attention --num-query-groups {value}"
+        return f"{self.flag} {value}"
+
+
+def _get(name):
+    return lambda args: getattr(args, name, None)
+
+
+def _switch(name):
+    return lambda args: bool(getattr(args, name)) if hasattr(args, name) else None
+
+
+def _query_groups(args):
+    """Key/value heads: --num-query-groups with --group-query-attention, else one per attention head."""
+    heads = getattr(args, "num_attention_heads", None)
+    return getattr(args, "num_query_groups", heads) if getattr(args, "group_query_attention", False) else heads
+
+
+def _kv_channels(args):
+    heads, hidden = getattr(args, "num_attention_heads", None), getattr(args, "hidden_size", None)
+    return getattr(args, "kv_channels", None) or (hidden // heads if heads and hidden else None)
+
+
+def _both_use_rope(saved_args, args):
+    return all(getattr(a, "position_embedding_type", None) == "rope" for a in (saved_args, args))
+
+
+def _either_groups_queries(saved_args, args):
+    """Without --group-query-attention on either side the key/value heads are the attention heads, compared
+    already."""
+    return any(getattr(a, "group_query_attention", False) for a in (saved_args, args))
+
+
+ARCHITECTURE_FLAGS = (
+    ArchitectureFlag("--num-attention-heads", _get("num_attention_heads")),
+    ArchitectureFlag("--num-query-groups", _query_groups, compared=_either_groups_queries),
+    ArchitectureFlag("--kv-channels", _kv_channels),
+    ArchitectureFlag("--swiglu", _switch("swiglu"), is_switch=True),
+    ArchitectureFlag("--squared-relu", _switch("squared_relu"), is_switch=True),
+    ArchitectureFlag("--normalization", _get("normalization")),
+    ArchitectureFlag("--apply-layernorm-1p", _switch("apply_layernorm_1p"), is_switch=True),
+    ArchitectureFlag("--position-embedding-type", _get("position_embedding_type")),
+    ArchitectureFlag("--rotary-percent", _get("rotary_percent"), compared=_both_use_rope),
+    ArchitectureFlag("--rotary-base", _get("rotary_base"), compared=_both_use_rope),
+    ArchitectureFlag("--untie-embeddings-and-output-weights", _switch("untie_embeddings_and_output_weights"),
+                     is_switch=True),
+    ArchitectureFlag("--qk-layernorm", _switch("qk_layernorm"), is_switch=True),
+)
+VOCAB_FLAG = "vocabulary size (the tokenizer's, before padding; --vocab-size with NullTokenizer)"
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_vocab_size(tokenizer_type, vocab_size, vocab_file, merge_file, tokenizer_model):
+    from megatron.training.tokenizer import build_tokenizer
+
+    return build_tokenizer(tokenizer_type, vocab_size=vocab_size, vocab_file=vocab_file, merge_file=merge_file,
+                           tokenizer_model=tokenizer_model).vocab_size
+
+
+def true_vocab_size(args) -> Optional[int]:
+    """This run's vocabulary size before padding (the tokenizer's), or None when no tokenizer is configured."""
+    if getattr(args, "tokenizer_type", None) is None:
+        return None
+    return _tokenizer_vocab_size(args.tokenizer_type, getattr(args, "vocab_size", None),
+                                 getattr(args, "vocab_file", None), getattr(args, "merge_file", None),
+                                 getattr(args, "tokenizer_model", None))
+
+
+def saved_true_vocab_size(recorded: Optional[int], saved_args) -> Optional[int]:
+    """The checkpoint's vocabulary size before padding: as recorded at save, else what its args say (a
+    NullTokenizer's --vocab-size); None when neither tells."""
+    if recorded is not None:
+        return int(recorded)
+    if getattr(saved_args, "tokenizer_type", None) == "NullTokenizer":
+        return getattr(saved_args, "vocab_size", None)
+    return None
+
+
+def _differing_flags(saved_args, args):
+    for flag in ARCHITECTURE_FLAGS:
+        if flag.compared(saved_args, args):
+            saved, current = flag.value(saved_args), flag.value(args)
+            if saved is not None and current is not None and saved != current:
+                yield flag, saved, current
+
+
+def _phrase(flag, value):
+    return ("set" if value else "not set") if flag.is_switch else str(value)
+
+
+def architecture_differences(saved_args, args, saved_vocab_size=None, vocab_size=None) -> List[str]:
+    """One phrase per flag whose value differs ('--num-attention-heads: 4 in the checkpoint, 8 in this run')."""
+    differences = [f"{flag.flag}: {_phrase(flag, saved)} in the checkpoint, {_phrase(flag, current)} in this run"
+                   for flag, saved, current in _differing_flags(saved_args, args)]
+    if saved_vocab_size is not None and vocab_size is not None and saved_vocab_size != vocab_size:
+        differences.append(f"{VOCAB_FLAG}: {saved_vocab_size} in the checkpoint, {vocab_size} in this run")
+    return differences
+
+
+def check_same_architecture(checkpoint: str, saved_args, args, saved_vocab_size=None, vocab_size=None):
+    """Raise a CheckpointError naming every flag that makes this run's model another model than the
+    checkpoint's. Nothing is checked when the checkpoint records no arguments (e.g. converted from weights)."""
+    if saved_args is None:
+        return
+    differences = architecture_differences(saved_args, args, saved_vocab_size, vocab_size)
+    if not differences:
+        return
+    from megatron.core.dist_checkpointing.serialization import CheckpointError
+
+    wanted = [flag.launch_with(saved_args) for flag, _, _ in _differing_flags(saved_args, args)]
+    if saved_vocab_size is not None and vocab_size is not None and saved_vocab_size != vocab_size:
+        wanted.append(f"tokenizer ({saved_vocab_size} tokens)")
+    raise CheckpointError(
+        f"checkpoint {checkpoint} holds another model than this run builds: " + "; ".join(differences) + ". "
+        "These change what the saved weights mean without changing their shapes, so loading would silently give "
+        "a different model. To load it, launch with the checkpoint's " + ", ".join(wanted) + " (also with "
+        "--finetune, which keeps the architecture); a model of another architecture cannot start from it.")
