@@ -14,8 +14,14 @@ def add_arguments(parser):
         "--ckpt-format",
         default="torch_dist",
         choices=["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"],
-        help="torch: one file per model-parallel rank; torch_dist/torch_dcp: torch.distributed.checkpoint; "
-        "fsdp_dtensor: upstream's name for Megatron-FSDP's DTensor checkpoint format.",
+        help="torch_dist (default), torch_dcp, fsdp_dtensor: three names of one logical format written with "
+        "torch.distributed.checkpoint, which loads at any TP/PP/DP and under any wrapper (torch_dcp and "
+        "fsdp_dtensor are upstream's names under FSDP2 and Megatron-FSDP). torch: Megatron's legacy files, one per "
+        "model-parallel rank, loadable only at the same TP/PP. Formats each wrapper takes: DDP, with or without "
+        "--use-distributed-optimizer: torch, torch_dist, torch_dcp, fsdp_dtensor; --use-megatron-fsdp: torch_dist, "
+        "torch_dcp, fsdp_dtensor (torch is rejected when --save or --load is given); --use-torch-fsdp2: torch_dist, "
+        "torch_dcp (anything else is rejected, with or without --save/--load). --async-save and --keep-last-n "
+        "need torch_dist, torch_dcp or fsdp_dtensor.",
     )
     group.add_argument("--no-save-optim", action="store_true", help="Leave optimizer state out of checkpoints.")
     group.add_argument("--no-save-rng", action="store_true", help="Leave RNG state out of checkpoints.")

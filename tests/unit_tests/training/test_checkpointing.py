@@ -264,3 +264,48 @@ def test_checkpoint_flags_accept_every_logical_format_and_strictness():
     assert _checkpoint_flags("").dist_ckpt_strictness == "assume_ok_unexpected"
     for mode in STRICTNESS_CHOICES:
         assert _checkpoint_flags(f"--dist-ckpt-strictness {mode}").dist_ckpt_strictness == mode
+
+
+# What `--help` says each data-parallel wrapper takes, as enforced by validate_args.
+FORMATS = ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")
+WRAPPER_FORMATS = {
+    "DDP, with or without --use-distributed-optimizer": {
+        "": FORMATS, "--use-distributed-optimizer": FORMATS},
+    "--use-megatron-fsdp": {"--use-megatron-fsdp": ("torch_dist", "torch_dcp", "fsdp_dtensor")},
+    "--use-torch-fsdp2": {"--use-torch-fsdp2 --untie-embeddings-and-output-weights": ("torch_dist", "torch_dcp")},
+}
+SMALL_MODEL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+               "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128")
+
+
+def _validates(argv):
+    from megatron.training.arguments import parse_args, validate_args
+
+    try:
+        validate_args(parse_args(args=f"{SMALL_MODEL} {argv}".split()))
+    except ValueError:
+        return False
+    return True
+
+
+def test_ckpt_format_help_states_the_formats_each_wrapper_takes(monkeypatch):
+    from megatron.training.arguments import build_parser
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    action = next(action for action in build_parser()._actions if "--ckpt-format" in action.option_strings)
+    text = " ".join(action.help.split())
+    for wrapper, cases in WRAPPER_FORMATS.items():
+        accepted = next(iter(cases.values()))
+        assert f"{wrapper}: {', '.join(accepted)}" in text, (wrapper, text)
+        for flags, formats in cases.items():
+            for name in FORMATS:
+                assert _validates(f"{flags} --ckpt-format {name} --save /c") == (name in formats), (flags, name)
+    assert "(torch is rejected when --save or --load is given)" in text
+    assert _validates("--use-megatron-fsdp --ckpt-format torch")  # no checkpoint at all: accepted
+    assert "(anything else is rejected, with or without --save/--load)" in text
+    assert not _validates("--use-torch-fsdp2 --untie-embeddings-and-output-weights --ckpt-format fsdp_dtensor")
+    assert "--async-save and --keep-last-n need torch_dist, torch_dcp or fsdp_dtensor" in text
+    for name in FORMATS:
+        assert _validates(f"--ckpt-format {name} --save /c --async-save") == (name != "torch")
+        assert _validates(f"--ckpt-format {name} --save /c --keep-last-n 2") == (name != "torch")
