@@ -2,6 +2,11 @@
 shape, dtype and number of saved chunks, and the bytes on disk.
 
     python tools/checkpoint/inspect_checkpoint.py CHECKPOINT_ROOT_OR_ITER_DIR [--filter SUBSTRING]
+
+The iteration and layout come from the checkpoint's metadata.json, or, where that summary is absent (it is
+written when the checkpoint is published, so a copied or hand-assembled directory may lack it), from the
+`common` entry every checkpoint holds. A legacy `--ckpt-format torch` directory is named as such, with the
+command that converts it.
 """
 
 import argparse
@@ -11,15 +16,51 @@ import os
 import _paths  # noqa: F401  (repository on sys.path)
 
 
+CONVERT_LEGACY = os.path.join("tools", "checkpoint", "convert_legacy.py")
+
+
+def _legacy_rank_dirs(directory):
+    return sorted(name for name in os.listdir(directory)
+                  if name.startswith("mp_rank_") and os.path.isdir(os.path.join(directory, name)))
+
+
+def _describe_legacy(root, directory, rank_dirs, out):
+    out(f"checkpoint: {directory}")
+    out(f"legacy --ckpt-format torch checkpoint: one directory per model-parallel rank ({', '.join(rank_dirs)}), "
+        "not the logical torch_dist format; its tensors are listed after conversion. Convert it with:")
+    out(f"  python {CONVERT_LEGACY} --input {root} --output NEW_ROOT")
+    for name in rank_dirs:
+        for file in sorted(os.listdir(os.path.join(directory, name))):
+            out(f"  {name}/{file}  {os.path.getsize(os.path.join(directory, name, file))} bytes")
+    return []
+
+
+def _summary(directory):
+    """(iteration, layout) from metadata.json, else from the checkpoint's `common` entry."""
+    from megatron.core.dist_checkpointing import offline
+
+    summary_path = os.path.join(directory, "metadata.json")
+    if os.path.isfile(summary_path):
+        with open(summary_path) as stream:
+            summary = json.load(stream)
+        return summary.get("iteration", "?"), summary.get("layout", {}), "metadata.json"
+    common = offline.read_checkpoint(directory, keys={"common"}).get("common") or {}
+    return common.get("iteration", "?"), common.get("layout", {}), "the checkpoint's common entry (no metadata.json)"
+
+
 def inspect(directory, name_filter=None, out=print):
     from megatron.core.dist_checkpointing import offline
 
+    root = directory
     directory = _paths.resolve_iteration_dir(directory)
-    summary_path = os.path.join(directory, "metadata.json")
-    summary = json.load(open(summary_path)) if os.path.isfile(summary_path) else {}
+    rank_dirs = _legacy_rank_dirs(directory)
+    if rank_dirs and not os.path.isfile(os.path.join(directory, ".metadata")):
+        return _describe_legacy(root, directory, rank_dirs, out)
+    iteration, layout, source = _summary(directory)
     out(f"checkpoint: {directory}")
-    out(f"iteration: {summary.get('iteration', '?')}")
-    for key, value in summary.get("layout", {}).items():
+    out(f"iteration: {iteration}")
+    out(f"layout (from {source}):")
+    for key, value in layout.items():
         out(f"  {key}: {value}")
     rows = offline.describe(directory)
     tensors = [row for row in rows if row[1] is not None]
