@@ -5,9 +5,17 @@ high-precision storage that autograd and checkpoints see, such a buffer holds `F
 of every weight (one per element) and one scale per weight. After each optimizer step every rank quantizes its
 fp32 main shards into its slice of those bytes with a scale agreed across the data-parallel shard group and the
 tensor-parallel group (the MAX of the shards' amaxes), then the bytes are all-gathered (as uint8, which every
-backend moves). Each weight then carries `weight.fp8_weight` (a `Float8Tensor` viewing the gathered bytes),
-which the FP8 linear uses as it is, and its high-precision value is set to the dequantized FP8 weight, the
-value the model really computes with.
+backend moves). Each weight's high-precision value is then set to the dequantized FP8 weight, the value the
+model really computes with, and under `--transformer-impl local` the weight also carries `weight.fp8_weight`
+(a `Float8Tensor` viewing the gathered bytes), which the torch-native FP8 linear uses as it is.
+
+Under `--transformer-impl transformer_engine` the weights travel the same way, but TE's layers know nothing of
+`fp8_weight`: they compute with the dequantized high-precision weight, which TE's autocast quantizes again.
+A value on the FP8 grid re-quantizes to the same bytes when TE's weight scale equals the scale it was gathered
+with (current scaling of a weight that is not split over tensor-parallel ranks: both are 448 / amax of the
+whole weight); otherwise (delayed scaling, or TE scaling a TP shard by the shard's own amax) it is rounded a
+second time (and under delayed scaling elements above the previous step's amax saturate): one more FP8 error
+of the weight, of the size of FP8's own (`tests/unit_tests/test_fp8_param_gather_decode.py`).
 """
 
 import torch
@@ -20,18 +28,26 @@ from megatron.core.fp8.tensor import Float8Tensor, quantize, scale_from_amax
 
 def fp8_weight_params(module, config):
     """The weights that run in FP8 regions: the linear weights of transformer layers outside the
-    `--first-last-layers-bf16` ranges (not the embedding, the output layer, norms or biases)."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    `--first-last-layers-bf16` ranges (not the embedding, the output layer, norms or biases), of the local
+    layers or of Transformer Engine's, per `config.transformer_impl`."""
+    from megatron.core.extensions.transformer_engine import fp8_linear_classes
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
+    linear_classes = fp8_linear_classes(config)
     weights = []
     for layer in module.modules():
         if not isinstance(layer, TransformerLayer) or is_first_last_bf16_layer(config, layer.layer_number - 1):
             continue
         for submodule in layer.modules():
-            if isinstance(submodule, (ColumnParallelLinear, RowParallelLinear)) and submodule.weight is not None:
+            if isinstance(submodule, linear_classes) and getattr(submodule, "weight", None) is not None:
                 weights.append(submodule.weight)
     return weights
+
+
+def consumes_fp8_weights(config) -> bool:
+    """Whether the FP8 layers use a weight's gathered `fp8_weight` directly (the torch-native FP8 linear) rather
+    than its dequantized high-precision value (Transformer Engine's layers, which quantize it again)."""
+    return getattr(config, "transformer_impl", "local") == "local"
 
 
 class Fp8ParamStorage:
@@ -42,17 +58,21 @@ class Fp8ParamStorage:
         device: where the bytes live.
         dtype: the float8 dtype weights are stored in (the recipe's forward dtype).
         margin: `--fp8-margin`.
+        attach_fp8_weight: give each weight `fp8_weight` as well as its dequantized value (False: the
+            dequantized value only, for layers that quantize their weights themselves, such as TE's).
     """
 
-    def __init__(self, numel, device, dtype, margin=0):
+    def __init__(self, numel, device, dtype, margin=0, attach_fp8_weight=True):
         self.data = torch.zeros(numel, dtype=torch.uint8, device=device)
         self.dtype = dtype
         self.margin = margin
+        self.attach_fp8_weight = attach_fp8_weight
         self.scales = {}
 
     @classmethod
     def from_config(cls, numel, device, config):
-        return cls(numel, device, get_fp8_format(config.fp8).forward_dtype, config.fp8_margin)
+        return cls(numel, device, get_fp8_format(config.fp8).forward_dtype, config.fp8_margin,
+                   attach_fp8_weight=consumes_fp8_weights(config))
 
     def weight(self, param, start, end):
         """The FP8 weight of `param` (elements `[start, end)` of the buffer)."""
@@ -61,11 +81,12 @@ class Fp8ParamStorage:
 
     @torch.no_grad()
     def install(self, params, param_index_map):
-        """Give each of `params` its gathered FP8 weight and set its high-precision value to it."""
+        """Set each of `params`' high-precision value to its gathered FP8 weight (and give it `fp8_weight`)."""
         for param in params:
             start, end, _ = param_index_map[param]
             fp8_weight = self.weight(param, start, end)
-            param.fp8_weight = fp8_weight
+            if self.attach_fp8_weight:
+                param.fp8_weight = fp8_weight
             param.data.copy_(fp8_weight.dequantize(param.dtype))
 
     @torch.no_grad()

@@ -16,7 +16,8 @@ def add_arguments(parser):
     group.add_argument("--fp8-recipe", default="delayed", choices=list(FP8_RECIPES),
                        help="Scaling recipe; mxfp8 and blockwise need --transformer-impl transformer_engine on GPUs.")
     group.add_argument("--fp8-param-gather", action="store_true",
-                       help="Keep the linear layers' compute weights in FP8 and all-gather them in FP8.")
+                       help="All-gather the FP8 layers' compute weights as FP8 bytes (distributed optimizer or "
+                            "Megatron-FSDP optim_grads_params); Transformer Engine layers get them dequantized.")
     group.add_argument("--fp8-amax-history-len", type=int, default=1, help="Amax history (delayed scaling).")
     group.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=list(AMAX_COMPUTE_ALGOS),
                        help="How the scale is read from the amax history (delayed scaling).")
@@ -55,11 +56,6 @@ def validate(args):
                 "--transformer-impl transformer_engine needs transformer-engine, which is not importable here "
                 "(it needs CUDA): install it on a GPU machine (pip install '.[te]') or use --transformer-impl local"
             )
-    if args.fp8_param_gather and args.transformer_impl == "transformer_engine":
-        raise ValueError(
-            "--fp8-param-gather is implemented for --transformer-impl local (torch float8 weights); with "
-            "transformer_engine drop it"
-        )
     if args.fp8_param_gather and not (args.use_distributed_optimizer or getattr(args, "use_megatron_fsdp", False)):
         raise ValueError("--fp8-param-gather needs --use-distributed-optimizer (or --use-megatron-fsdp)")
     if args.fp8_param_gather and getattr(args, "use_megatron_fsdp", False):

@@ -250,3 +250,50 @@ def test_te_transformer_layer_matches_the_local_layer_in_fp32(single_gpu_model_p
     for name, grad in local_grads.items():
         torch.testing.assert_close(te_grads[name], grad, rtol=1e-3, atol=1e-3, msg=lambda m: f"{name}: {m}")
 
+
+def _train_te_block(fp8_param_gather, steps=3):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.fp8.params import fp8_weight_params
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    model_parallel_cuda_manual_seed(11)
+    config = _config(num_layers=2, hidden_size=64, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0,
+                     init_seed=5, transformer_impl="transformer_engine", fp8="hybrid", fp8_recipe="tensorwise",
+                     fp8_param=fp8_param_gather)
+    block = TransformerBlock(config).cuda()
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, fp8_param_gather=fp8_param_gather)
+    ddp = DistributedDataParallel(config, ddp_config, block)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=0.05, use_distributed_optimizer=True), [ddp])
+    losses = []
+    for step in range(steps):
+        hidden = torch.randn(32, 2, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = ddp(hidden).square().mean()
+        loss.backward()
+        ddp.finish_grad_sync()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, fp8_weight_params(block, config), ddp
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_TE, reason="needs transformer-engine")
+def test_fp8_param_gather_with_te_layers_trains_like_fp8_without_it(single_gpu_model_parallel):
+    """`--fp8-param-gather` with TE layers (distributed optimizer, one GPU): the TE layers' weights are kept as FP8
+    bytes, handed to TE dequantized (no `fp8_weight`), and TE's tensorwise autocast re-quantizes them to the same
+    bytes (its scale is 448 / amax of the same whole weight), so training matches TE FP8 without it."""
+    plain, _, _ = _train_te_block(False)
+    gathered, weights, ddp = _train_te_block(True)
+    assert len(weights) == 2 * 4  # QKV (fused norm-linear), proj, fc1 (fused norm-linear), fc2 of both layers
+    assert gathered == pytest.approx(plain, abs=1e-4)
+    assert plain[-1] < plain[0]
+    storages = [buffer.fp8_storage for buffer in ddp.buffers if getattr(buffer, "fp8_storage", None) is not None]
+    assert len(storages) == 1 and not storages[0].attach_fp8_weight
+    for weight in weights:
+        assert not hasattr(weight, "fp8_weight")
+        scale = storages[0].scales[weight]
+        requantized = (weight.detach().float() * scale).to(torch.float8_e4m3fn).float() * scale.reciprocal()
+        assert torch.equal(requantized, weight.detach().float())  # the weight holds FP8-grid values

@@ -17,8 +17,10 @@ piece of each parameter), with the process groups over which the pieces of one p
 
 With `--fp8-param-gather` (`ddp_config.fp8_param_gather`, strategy 3 only) the linear weights that run in FP8
 regions are all-gathered as FP8 bytes through Megatron-FSDP's gather codec hook (`megatron.core.fp8.fsdp_gather`):
-after a gather each carries `weight.fp8_weight` and holds its dequantized value; the fp32 main weights stay
-sharded and are quantized with a scale agreed over the shard and tensor-parallel groups after every step.
+after a gather each holds its dequantized value and, under `--transformer-impl local`, carries
+`weight.fp8_weight` (Transformer Engine's layers take the dequantized value and quantize it again); the fp32 main
+weights stay sharded and are quantized with a scale agreed over the shard and tensor-parallel groups after every
+step.
 """
 
 from contextlib import contextmanager
