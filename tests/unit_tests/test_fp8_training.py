@@ -6,6 +6,8 @@ rope, RMSNorm, swiglu; sequence length 64 here to stay fast) on the bundled corp
   scaling: both quantize each weight with the amax of the full weight), and all-gathers the FP8 weights as one
   byte per element.
 - A run with `--fp8-param-gather` resumed from its checkpoint continues exactly like the uninterrupted run.
+- `--first-last-layers-bf16` keeps the first and last layers out of FP8: after a run (the smaller mock-data GPT of
+  the checkpoint tests, on one rank) their layers have recorded no amax, the middle layers one per pass.
 """
 
 import json
@@ -116,3 +118,51 @@ def test_fp8_param_gather_checkpoint_round_trip(corpus_prefix, tmp_path):
         assert first_half[i] == uninterrupted[i]  # the same computation
     for i in (4, 5, 6):
         assert resumed[i] == pytest.approx(uninterrupted[i], abs=PARITY_TOLERANCE), (resumed, uninterrupted)
+
+
+FIRST_LAST_BF16_ITERS = 3
+MICROBATCHES_PER_ITER = 4  # the checkpoint tests' tiny GPT: global batch 8, micro batch 2, one rank
+
+
+def _amax_counts_after_pretrain(workdir):
+    """pretrain() with `--first-last-layers-bf16` (delayed scaling); per global layer number, the amax counts
+    and the largest recorded amax of each linear layer (input, weight, output gradient)."""
+    import pretrain_gpt
+    from megatron.core.dist_checkpointing.model_state import unwrap_model
+    from tests.unit_tests.dist_checkpointing.pretrain_helpers import run_pretrain
+
+    models = []
+
+    def forward_step(data_iterator, model):
+        models.append(model)
+        return pretrain_gpt.forward_step(data_iterator, model)
+
+    iters = FIRST_LAST_BF16_ITERS
+    losses = run_pretrain(workdir, f"--fp8-format hybrid --fp8-recipe delayed --first-last-layers-bf16 "
+                                   f"--train-iters {iters} --lr-decay-iters {iters} --lr-warmup-iters 1", forward_step)
+    model = unwrap_model(models[0])
+    layers = {}
+    for layer in model.decoder.layers:
+        layers[layer.layer_number] = {
+            name: (module.fp8_amax_recorded_count.tolist(), module.fp8_amax_history.max().item())
+            for name, module in layer.named_modules() if hasattr(module, "fp8_amax_recorded_count")
+        }
+    return losses, layers, len(models)
+
+
+def test_first_last_layers_bf16_keeps_the_first_and_last_layers_out_of_fp8(tmp_path):
+    losses, layers, passes = run_on_ranks(1, _amax_counts_after_pretrain, str(tmp_path))[0]
+    assert sorted(losses) == list(range(1, FIRST_LAST_BF16_ITERS + 1))
+    assert passes == FIRST_LAST_BF16_ITERS * MICROBATCHES_PER_ITER
+    assert sorted(layers) == [1, 2, 3, 4]
+    linears = ["mlp.linear_fc1", "mlp.linear_fc2", "self_attention.linear_proj", "self_attention.linear_qkv"]
+    for layer_number, per_linear in layers.items():
+        assert sorted(per_linear) == linears, layer_number
+        for name, (counts, largest_amax) in per_linear.items():
+            if layer_number in (1, 4):  # layers 0 and N-1 (0-based) ran in high precision: nothing recorded
+                assert counts == [0, 0, 0] and largest_amax == 0.0, (layer_number, name)
+            else:
+                # Input and weight amaxes are recorded when each pass's FP8 region ends; the output-gradient
+                # amaxes of a backward pass at the next region's end, so the last backward's are still pending.
+                assert counts == [passes, passes, passes - 1], (layer_number, name, counts)
+                assert largest_amax > 0.0, (layer_number, name)
