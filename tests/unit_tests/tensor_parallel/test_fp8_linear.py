@@ -208,3 +208,53 @@ def test_state_dict_without_fp8_histories_loads_strictly_and_starts_them_empty()
     partial = {**plain_state, "fp8_amax_history": torch.ones(3, 4)}
     with pytest.raises(RuntimeError, match="fp8_amax_recorded_count"):
         layer.load_state_dict(partial, strict=True)
+
+
+# GPU kernels and the CPU emulation accumulate in fp32 in different orders.
+CUDA_VS_EMULATION_RTOL, CUDA_VS_EMULATION_ATOL = 1e-4, 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens, in_features, out_features, scaled_mm_calls", [
+    (64, 32, 48, 3),  # every GEMM dimension a multiple of 16: forward, dgrad and wgrad run torch._scaled_mm
+    (50, 24, 40, 0),  # not: the kernels refuse such shapes, so all three fall back to emulation on the GPU
+])
+def test_fp8_linear_on_cuda_matches_the_emulation_reference(monkeypatch, tokens, in_features, out_features,
+                                                           scaled_mm_calls):
+    if not fp8_utils.scaled_mm_supported("cuda"):
+        pytest.skip("this GPU has no FP8 torch._scaled_mm kernel (FP8 tensor cores need compute capability 8.9+)")
+    recipe = fp8_utils.Fp8Recipe(fp8_utils.get_fp8_format("hybrid"), "tensorwise")
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator) * 0.3
+    bias = torch.randn(out_features, generator=generator)
+    grad = torch.randn(tokens, out_features, generator=generator)
+
+    def run(device, emulate=False):
+        inputs = [t.to(device).requires_grad_(True) for t in (x, weight, bias)]
+        scaling = fp8_utils.LinearScaling(recipe, "none")
+        with fp8_utils.force_fp8_gemm_emulation(emulate):
+            out = fp8_utils.fp8_linear(*inputs, scaling)
+            out.backward(grad.to(device))
+        return [t.detach().cpu() for t in (out, *(i.grad for i in inputs))]
+
+    calls = []
+    scaled_mm = torch._scaled_mm
+
+    def counting_scaled_mm(*args, **kwargs):
+        calls.append(args[0].device.type)
+        return scaled_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", counting_scaled_mm)
+    reference = run("cpu", emulate=True)  # dequantize-and-matmul in fp32 on the CPU
+    assert calls == []
+    on_cuda = run("cuda")
+    assert calls == ["cuda"] * scaled_mm_calls
+    emulated_on_cuda = run("cuda", emulate=True)
+    assert len(calls) == scaled_mm_calls
+    names = ("output", "input grad", "weight grad", "bias grad")
+    for name, actual, emulated, expected in zip(names, on_cuda, emulated_on_cuda, reference):
+        torch.testing.assert_close(actual, expected, rtol=CUDA_VS_EMULATION_RTOL, atol=CUDA_VS_EMULATION_ATOL,
+                                   msg=lambda m: f"{name}, CUDA vs CPU emulation: {m}")
+        torch.testing.assert_close(emulated, expected, rtol=CUDA_VS_EMULATION_RTOL, atol=CUDA_VS_EMULATION_ATOL,
+                                   msg=lambda m: f"{name}, CUDA emulation vs CPU emulation: {m}")
