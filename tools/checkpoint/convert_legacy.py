@@ -136,7 +136,7 @@ def convert(input_root, output_root):
               "wrapper": "converted from --ckpt-format torch", "ckpt_format": "torch_dist"}
     state["common"] = {"checkpoint_version": 1, "iteration": iteration,
                        "consumed_train_samples": first.get("consumed_train_samples", 0), "args": args,
-                       "layout": layout}
+                       "layout": layout, "vocab_size": first.get("vocab_size")}  # before padding, if recorded
     if coordinates:
         state["common"]["rng_coordinates"] = coordinates
     offline.write_checkpoint(output_root, iteration, state, layout)
