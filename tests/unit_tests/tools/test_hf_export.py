@@ -185,6 +185,21 @@ def test_transformers_computes_our_logits(name, checkpoints, tools, tmp_path):
     print(f"{name}: max |logit difference| {difference:.3g} (logits up to {ours.abs().max().item():.3g})")
     assert difference <= LOGITS_TOLERANCE
 
+    # What transformers itself writes (no extras file) imports to the same model over the true vocabulary.
+    model.save_pretrained(str(tmp_path / "saved_by_transformers"))
+    back = convert_checkpoint.from_hf(str(tmp_path / "saved_by_transformers"), str(tmp_path / "back"),
+                                      make_vocab_size_divisible_by=64, apply_layernorm_1p="1p" in name)
+    original = _model_tensors(root)
+    added = set(back) - set(original)  # GPT-2 always has biases: without the extras they come as zero biases
+    assert set(original) <= set(back) and all(key.endswith(".bias") and not back[key].any() for key in added)
+    assert bool(added) == (name == "gpt2_1p_no_bias")
+    for tensor_name, tensor in original.items():
+        if tensor_name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            back[tensor_name], tensor = back[tensor_name][:VOCAB], tensor[:VOCAB]
+        if "1p" in name and "layernorm.weight" in tensor_name:
+            back[tensor_name], tensor = back[tensor_name] + 1, tensor + 1  # gamma is what HF holds
+        assert torch.equal(back[tensor_name], tensor), tensor_name
+
 
 @pytest.mark.world_size(1)
 def test_directory_without_extras_imports_with_zero_padding(checkpoints, tools, tmp_path):
