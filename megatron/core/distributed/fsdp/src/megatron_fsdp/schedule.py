@@ -18,7 +18,8 @@ the step, HFSDP rebuilds each compute shard by an all-gather of the outer ranks'
 with `overlap_param_gather`), waited for before that group's gather. Gradient states: grad_state.py.
 
 Strategies 0-2 keep the compute weights gathered; their gathers happen after the optimizer step
-(strategies 1-2, async when `overlap_param_gather`, waited in the next forward). Strategies 0/1 reduce their
+(strategies 1-2, async when `overlap_param_gather`, waited in the next forward), two groups in flight at a time
+in the order the forward uses them, so their gather buffers never exist for the whole model at once. Strategies 0/1 reduce their
 persistent gradient buffers only when sync is enabled (not inside `no_sync()` and, with
 `sync_model_each_microbatch=False`, only at `finish_grad_sync`).
 """
@@ -70,6 +71,12 @@ class Schedule:
         self.sync_enabled = True
         # HFSDP: in-flight all-gathers over the outer group into compute shards, with the tensor they send.
         self.pending_shard_refreshes: Dict[int, tuple] = {}
+        # Strategies 1/2: the post-step all-gathers run through a window of `max_param_syncs_in_flight` (each
+        # holds a staging buffer and the shard it sends); the rest wait in forward order and start as earlier
+        # ones are waited for, so at most that many groups' gather buffers exist at once.
+        self.max_param_syncs_in_flight = 2
+        self.param_syncs_queued: List[ParamGroup] = []
+        self.param_syncs_in_flight: List[ParamGroup] = []
         self.pending_reduces: List[tuple] = []  # (handle, epilogue, flat input, group), oldest first
         # Reductions in flight at once: launching one more first waits for the oldest. One in flight while the
         # next unit's backward computes is the overlap; each one holds a unit-sized gradient buffer.
@@ -148,7 +155,23 @@ class Schedule:
 
     def _wait_gather(self, group: ParamGroup):
         self._wait_compute_shard_refresh(group)
+        while group in self.param_syncs_queued:  # its post-step gather has not started: let the window reach it
+            self._finish_param_sync(self.param_syncs_in_flight[0])
+        if group in self.param_syncs_in_flight:
+            self._finish_param_sync(group)
         group.finish_gather()
+
+    def _finish_param_sync(self, group: ParamGroup):
+        self.param_syncs_in_flight.remove(group)
+        group.finish_gather()
+        self._start_queued_param_syncs()
+
+    def _start_queued_param_syncs(self):
+        while self.param_syncs_queued and len(self.param_syncs_in_flight) < self.max_param_syncs_in_flight:
+            group = self.param_syncs_queued.pop(0)
+            group.start_gather(self._issue_gather)
+            self.param_syncs_in_flight.append(group)
+        self._track_transient()
 
     def _refresh_compute_shard(self, group: ParamGroup):
         """HFSDP: start the all-gather of every outer rank's main-weight sub-shard into this rank's compute
@@ -546,14 +569,16 @@ class Schedule:
                     self.ensure_gathered([group])
 
     def start_param_sync(self, async_op: bool = True):
-        """All-gather the compute weights of strategies 1-2 from every rank's updated shard."""
+        """All-gather the compute weights of strategies 1-2 from every rank's updated shard: queued in the order
+        the next forward uses them (root groups first, then the units), at most `max_param_syncs_in_flight` at
+        once; waiting for a group (the forward's hooks, `wait_gathered`) moves the window up to it."""
         if self.strategy not in (ShardingStrategy.optim, ShardingStrategy.optim_grads):
             return
-        for group in self.groups:
-            if not group.trainable:
-                continue
-            self._wait_gather(group)
-            group.start_gather(self._issue_gather)
+        forward_order = list(self.root_groups) + [group for unit in self.units for group in unit.groups]
+        for group in forward_order:
+            self._wait_gather(group)  # an earlier gather of it still queued or in flight lands first
+        self.param_syncs_queued = [group for group in forward_order if group.trainable]
+        self._start_queued_param_syncs()
         if not async_op:
             self.wait_gathered(self.groups)
 
