@@ -8,6 +8,11 @@ the result, so a unit's backward does not queue behind the previous unit's reduc
 next unit runs beside the current unit's compute. All of it goes through the device-agnostic `torch.Stream`,
 `torch.Event` and `torch.accelerator` API.
 
+Buffer lifetimes follow the events, so no `record_stream` is needed: every buffer a side stream reads or writes
+(a reduction's flat gradients, a gather's staging buffer and the shard it sends) stays referenced by the
+schedule until the compute stream has been made to wait for that collective's event. Only then is it dropped,
+so the caching allocator can hand its memory only to work queued after the collective finished.
+
 On the CPU there are no streams: collectives complete in the order they are waited for, and every method here
 is a no-op that runs the collective as it is.
 """
