@@ -29,6 +29,23 @@ def _reference_low_precision(num_steps, dtype=torch.bfloat16):
     return losses
 
 
+def _reference_attention(num_steps):
+    """Single-process AdamW training of the eager AttentionModel on the full batch."""
+    torch.manual_seed(3)
+    module = AttentionModel()
+    optimizer = models.make_optimizer(module.parameters())
+    losses = []
+    for step, (inputs, target) in enumerate(models.make_batches(num_steps + 1)):
+        loss = models.loss_fn(module(inputs), target)
+        losses.append(loss.item())
+        if step == num_steps:
+            break
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return losses
+
+
 class AttentionModel(nn.Module):
     def __init__(self):
         super().__init__()
@@ -109,6 +126,16 @@ def _api_checks():
                                               init_model_with_meta_device=True)
     results["attention"] = ({k: v.detach().clone() for k, v in eager.state_dict().items()},
                             models.full_params(wrapped))
+    # ... and trains like the eager module (its forward reads in_proj_weight / out_proj directly).
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        meta_attention = AttentionModel()
+    optimizer = models.make_optimizer(meta_attention.parameters())
+    torch.manual_seed(3)
+    model_attention, optimizer = megatron_fsdp.fully_shard(
+        meta_attention, optimizer, fsdp_unit_modules=[nn.MultiheadAttention], zero_dp_strategy=3,
+        init_model_with_meta_device=True)
+    results["attention_training"] = models.train_sharded(model_attention, optimizer, NUM_STEPS + 1)
 
     # split_dtensor / uneven_dtensor_to_full_tensor on a row-sharded state-dict DTensor (7 rows: 4 + 3 at DP 2).
     weight = model.state_dict()["blocks.0.fc1.weight"]
@@ -149,6 +176,7 @@ def _split_checkpoint_round_trip(directory):
 def test_upstream_api(world_size, tmp_path):
     reference, _ = models.reference_losses(NUM_STEPS)
     reference_bf16 = _reference_low_precision(NUM_STEPS)
+    reference_attention = _reference_attention(NUM_STEPS + 1)
     for results in run_on_ranks(world_size, _api_checks):
         for strategy in (1, 3):
             losses, precision, memory, weight_bytes = results[("no_main", strategy)]
@@ -171,6 +199,9 @@ def test_upstream_api(world_size, tmp_path):
         has_pool, losses = results["maxpool"]
         assert has_pool and losses == pytest.approx(reference, abs=1e-5)
         assert results["meta_optimizer"] == pytest.approx(reference, abs=1e-5)
+
+        assert results["attention_training"] == pytest.approx(reference_attention, abs=1e-5)
+        assert results["attention_training"][-1] < results["attention_training"][0]  # it really trained
 
         eager, meta = results["attention"]
         assert set(meta) == set(eager)
