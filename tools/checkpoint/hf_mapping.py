@@ -75,6 +75,11 @@ class ModelShape:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
 
+    def __post_init__(self):
+        if not 0 < self.vocab_size <= self.padded_vocab_size:
+            raise ConversionError(f"vocabulary size {self.vocab_size} (--vocab-size) must be between 1 and the "
+                                  f"{self.padded_vocab_size} rows of the word embedding")
+
     @classmethod
     def from_args(cls, args, vocab_size: int, padded_vocab_size: int) -> "ModelShape":
         """The shape of a checkpoint from the training arguments it recorded."""
@@ -297,16 +302,16 @@ def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 class _Source:
     """Named tensors taken one at a time; what is missing or has the wrong shape is an error naming it."""
 
-    def __init__(self, tensors: Dict[str, torch.Tensor], where: str):
-        self.tensors, self.where = dict(tensors), where
+    def __init__(self, tensors: Dict[str, torch.Tensor], where: str, described_by: str):
+        self.tensors, self.where, self.described_by = dict(tensors), where, described_by
 
     def take(self, name: str, shape=None) -> torch.Tensor:
         if name not in self.tensors:
             raise ConversionError(f"{self.where} has no tensor '{name}'")
         tensor = self.tensors.pop(name)
         if shape is not None and tuple(tensor.shape) != tuple(shape):
-            raise ConversionError(f"{self.where}: '{name}' has shape {tuple(tensor.shape)}, the model described "
-                                  f"needs {tuple(shape)}; check config.json")
+            raise ConversionError(f"{self.where}: '{name}' has shape {tuple(tensor.shape)}, the model "
+                                  f"{self.described_by} describes needs {tuple(shape)}")
         return tensor
 
 
@@ -317,7 +322,8 @@ class _Source:
 
 def to_hf_tensors(model: Dict[str, torch.Tensor], shape: ModelShape, architecture: str):
     """(HF tensors by HF name, extras by our name) of our fp32 model tensors by logical name."""
-    source, hf, extras = _Source(model, "the checkpoint"), {}, {}
+    source, hf, extras = _Source(model, "the checkpoint", "its recorded arguments"), {}, {}
+    qkv_rows = (shape.num_attention_heads + 2 * shape.num_query_groups) * shape.kv_channels
 
     def norm(name):
         weight = source.take(name)
@@ -350,7 +356,7 @@ def to_hf_tensors(model: Dict[str, torch.Tensor], shape: ModelShape, architectur
             for norm_name, hf_norm in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
                 for kind in ("weight", "bias"):
                     hf[f"{theirs}{hf_norm}.{kind}"] = norm(f"{ours}{norm_name}.{kind}")
-            qkv = split_qkv(source.take(ours + "self_attention.linear_qkv.weight"), shape)
+            qkv = split_qkv(source.take(ours + "self_attention.linear_qkv.weight", (qkv_rows, hidden)), shape)
             hf[theirs + "attn.c_attn.weight"] = torch.cat(qkv).t()
             hf[theirs + "attn.c_attn.bias"] = (
                 torch.cat(split_qkv(source.take(ours + "self_attention.linear_qkv.bias"), shape))
@@ -368,7 +374,9 @@ def to_hf_tensors(model: Dict[str, torch.Tensor], shape: ModelShape, architectur
         linears = {"self_attention.linear_proj": "self_attn.o_proj", "mlp.linear_fc2": "mlp.down_proj"}
         kinds = ("weight", "bias") if shape.add_bias_linear else ("weight",)
         for kind in kinds:
-            query, key, value = split_qkv(source.take(f"{ours}self_attention.linear_qkv.{kind}"), shape)
+            columns = (hidden,) if kind == "weight" else ()
+            query, key, value = split_qkv(source.take(f"{ours}self_attention.linear_qkv.{kind}", (qkv_rows, *columns)),
+                                          shape)
             for projection, tensor in (("q_proj", query), ("k_proj", key), ("v_proj", value)):
                 hf[f"{theirs}self_attn.{projection}.{kind}"] = tensor
             gate, up = split_gate_up(source.take(f"{ours}mlp.linear_fc1.{kind}"))
@@ -407,7 +415,7 @@ def from_hf_tensors(hf_tensors: Dict[str, torch.Tensor], extras: Dict[str, torch
     gpt2 = architecture == GPT2
     hf_tensors = {name: tensor.float() for name, tensor in hf_tensors.items()}
     hf_tensors = _with_gpt2_prefix(hf_tensors) if gpt2 else hf_tensors
-    source = _Source(hf_tensors, where)
+    source = _Source(hf_tensors, where, "config.json")
     model = {}
     hidden, ffn, vocab = shape.hidden_size, shape.ffn_hidden_size, shape.vocab_size
     heads_width = shape.num_attention_heads * shape.kv_channels

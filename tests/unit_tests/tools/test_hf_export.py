@@ -259,6 +259,20 @@ def test_nonzero_bias_into_a_model_without_biases_is_refused(checkpoints, tools,
     assert not os.path.exists(tmp_path / "back")
 
 
+@pytest.mark.world_size(1)
+def test_config_that_disagrees_with_the_tensors_is_refused(checkpoints, tools, tmp_path):
+    convert_checkpoint, _ = tools
+    root, _ = checkpoints["llama_gqa"]
+    convert_checkpoint.to_hf(root, str(tmp_path))
+    with open(tmp_path / "config.json") as stream:
+        config = json.load(stream)
+    with open(tmp_path / "config.json", "w") as stream:
+        json.dump({**config, "intermediate_size": 96}, stream)
+    with pytest.raises(SystemExit, match=r"'model\.layers\.0\.mlp\.gate_proj\.weight' has shape \(64, 32\), the "
+                                         r"model config\.json describes needs \(96, 32\)"):
+        convert_checkpoint.from_hf(str(tmp_path), str(tmp_path / "back"))
+
+
 def _shape(hf_mapping, **flags):
     values = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=4, kv_channels=8,
                   ffn_hidden_size=64, vocab_size=120, padded_vocab_size=128, max_position_embeddings=16)
