@@ -30,6 +30,8 @@ SLOW_CASES = [
     "gpt/resume_megatron_fsdp_z0_dp2",
     "gpt/resume_megatron_fsdp_z1_dp2",
     "gpt/resume_megatron_fsdp_z2_dp2",
+    "gpt/resume_megatron_fsdp_hsdp_dp4",
+    "gpt/resume_megatron_fsdp_hfsdp_dp4",
     "gpt/fsdp2_tp2_dp2",
     "gpt/megatron_fsdp_z3_tp2_sp_dp2",
     "gpt/megatron_fsdp_z3_pp2_dp2",
