@@ -157,7 +157,8 @@ def time_linear(tokens, features, repeats):
     import torch
     import torch.nn.functional as F
 
-    from megatron.core.fp8_utils import Fp8Recipe, LinearScaling, force_fp8_gemm_emulation, fp8_linear, get_fp8_format
+    from megatron.core.fp8_utils import (Fp8Recipe, LinearScaling, force_fp8_gemm_emulation, force_fp8_scaled_mm,
+                                         fp8_linear, get_fp8_format)
 
     torch.manual_seed(0)
     x = torch.randn(tokens, features, requires_grad=True)
@@ -169,7 +170,8 @@ def time_linear(tokens, features, repeats):
         F.linear(x, weight).backward(grad)
 
     def fp8():
-        fp8_linear(x, weight, None, scaling).backward(grad)
+        with force_fp8_scaled_mm():  # the CPU default is emulation; time torch's kernel here
+            fp8_linear(x, weight, None, scaling).backward(grad)
 
     def emulated():
         with force_fp8_gemm_emulation():

@@ -18,7 +18,8 @@ from megatron.core.fp8.formats import (
     get_fp8_format,
     is_fp8_dtype,
 )
-from megatron.core.fp8.linear import fp8_gemm, fp8_linear, force_fp8_gemm_emulation, scaled_mm_supported
+from megatron.core.fp8.linear import (fp8_gemm, fp8_linear, force_fp8_gemm_emulation, force_fp8_scaled_mm,
+                                      scaled_mm_supported)
 from megatron.core.fp8.recipe import Fp8Recipe
 from megatron.core.fp8.scaling import LinearScaling, ScalingState, amax_reduction_groups, reduce_and_record_amaxes
 from megatron.core.fp8.tensor import (
@@ -52,6 +53,7 @@ __all__ = [
     "dequantize",
     "fake_quantize",
     "force_fp8_gemm_emulation",
+    "force_fp8_scaled_mm",
     "fp8_gemm",
     "fp8_linear",
     "fp8_max",

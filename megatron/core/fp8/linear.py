@@ -5,9 +5,12 @@ parameter already carries, see `--fp8-param-gather`) and keeps the FP8 copies fo
 element). Backward quantizes the output gradient to the backward dtype (e5m2 under `hybrid`) and computes
 `dgrad = g @ w` and `wgrad = g.T @ x` from FP8 operands. The bias and its gradient stay in high precision.
 
-A GEMM runs through `torch._scaled_mm` where the device has a kernel for it, else it is emulated: the operands
-are dequantized (exactly, float8 values are fp32 values) and multiplied in fp32, which gives the same product
-up to summation order.
+A GEMM runs through `torch._scaled_mm` on an accelerator that has a kernel for it, else it is emulated: the
+operands are dequantized (exactly, float8 values are fp32 values) and multiplied in fp32, which gives the same
+product up to summation order. On the CPU emulation is the default even where torch has a `_scaled_mm` kernel:
+that kernel converts its operands before an fp32-class GEMM too, and its speed varies by orders of magnitude
+between x86 CPUs (1024x128x384 on one thread: 1.41 s against 4.2 ms emulated on an AMX Xeon; comparable to
+emulation on an AMD EPYC). `force_fp8_scaled_mm()` runs it there anyway (tests of that path).
 """
 
 import contextlib
@@ -17,18 +20,29 @@ import torch
 
 from megatron.core.fp8.tensor import Float8Tensor
 
-_FORCE_EMULATION = [False]
+# None: the default policy (`_scaled_mm` on accelerators that have it, emulation on the CPU); "emulate" or
+# "scaled_mm" while one of the contexts below is active.
+_GEMM_OVERRIDE = [None]
 
 
 @contextlib.contextmanager
-def force_fp8_gemm_emulation(enabled: bool = True):
-    """Run FP8 GEMMs by dequantize-and-matmul even where `torch._scaled_mm` works (tests, benchmarks)."""
-    previous = _FORCE_EMULATION[0]
-    _FORCE_EMULATION[0] = enabled
+def _override_gemm(mode):
+    previous = _GEMM_OVERRIDE[0]
+    _GEMM_OVERRIDE[0] = mode
     try:
         yield
     finally:
-        _FORCE_EMULATION[0] = previous
+        _GEMM_OVERRIDE[0] = previous
+
+
+def force_fp8_gemm_emulation(enabled: bool = True):
+    """Run FP8 GEMMs by dequantize-and-matmul even where `torch._scaled_mm` would be used (tests, benchmarks)."""
+    return _override_gemm("emulate" if enabled else _GEMM_OVERRIDE[0])
+
+
+def force_fp8_scaled_mm():
+    """Run FP8 GEMMs through `torch._scaled_mm` wherever the device has a kernel, the CPU included."""
+    return _override_gemm("scaled_mm")
 
 
 @functools.cache
@@ -56,7 +70,10 @@ def _shapes_fit_scaled_mm(a, b):
 
 
 def uses_scaled_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return not _FORCE_EMULATION[0] and scaled_mm_supported(a.device.type) and _shapes_fit_scaled_mm(a, b)
+    mode = _GEMM_OVERRIDE[0]
+    if mode == "emulate" or (mode is None and a.device.type == "cpu"):
+        return False
+    return scaled_mm_supported(a.device.type) and _shapes_fit_scaled_mm(a, b)
 
 
 def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, transpose_b: bool = False) -> torch.Tensor:

@@ -92,10 +92,10 @@ def _fp8_linear_on_ranks(fmt_name):
     recipe = fp8_utils.Fp8Recipe(fmt, "tensorwise")
     results = {}
 
-    fp8 = _run_pair(column, row, x, grad, recipe)
+    with fp8_utils.force_fp8_scaled_mm():  # on the CPU the default is emulation: run torch's kernel here
+        fp8 = _run_pair(column, row, x, grad, recipe)
     fp32 = _run_pair(column, row, x, grad)
-    with fp8_utils.force_fp8_gemm_emulation():
-        emulated = _run_pair(column, row, x, grad, recipe)
+    emulated = _run_pair(column, row, x, grad, recipe)  # the CPU default
 
     # Reference on the full weights, in fp32, from fake-quantized operands.
     w1 = gather_partitions(column.weight.detach(), 0).requires_grad_(True)
@@ -258,3 +258,33 @@ def test_fp8_linear_on_cuda_matches_the_emulation_reference(monkeypatch, tokens,
                                    msg=lambda m: f"{name}, CUDA vs CPU emulation: {m}")
         torch.testing.assert_close(emulated, expected, rtol=CUDA_VS_EMULATION_RTOL, atol=CUDA_VS_EMULATION_ATOL,
                                    msg=lambda m: f"{name}, CUDA emulation vs CPU emulation: {m}")
+
+
+def test_cpu_gemm_policy_emulates_by_default_and_runs_scaled_mm_when_forced(monkeypatch):
+    """On the CPU the FP8 GEMMs are emulated unless `force_fp8_scaled_mm()` asks for torch's kernel; both give
+    the same numbers (float8 operands are exact in fp32)."""
+    recipe = fp8_utils.Fp8Recipe(fp8_utils.get_fp8_format("hybrid"), "tensorwise")
+    generator = torch.Generator().manual_seed(0)
+    x, weight, bias = (torch.randn(*shape, generator=generator) for shape in ((8, 32), (16, 32), (16,)))
+    grad = torch.randn(8, 16, generator=generator)
+    assert fp8_utils.scaled_mm_supported("cpu")  # torch's CPU build has the kernel (probed once, before counting)
+    calls = []
+    scaled_mm = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(1) or scaled_mm(*a, **k))
+
+    def run():
+        inputs = [t.clone().requires_grad_(True) for t in (x, weight, bias)]
+        out = fp8_utils.fp8_linear(*inputs, fp8_utils.LinearScaling(recipe, "none"))
+        out.backward(grad)
+        return [out.detach(), *(t.grad for t in inputs)]
+
+    default = run()
+    assert calls == []
+    with fp8_utils.force_fp8_scaled_mm():
+        forced = run()
+    assert len(calls) == 3  # forward, dgrad and wgrad
+    with fp8_utils.force_fp8_scaled_mm(), fp8_utils.force_fp8_gemm_emulation():
+        run()
+    assert len(calls) == 3  # the innermost choice wins
+    for a, b in zip(default, forced):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
