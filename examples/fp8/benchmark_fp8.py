@@ -10,7 +10,8 @@ Part 1 trains the README's tiny GPT (4 layers, hidden 128, seq 128, swiglu, rope
 per arm and repetition (arms interleaved), and reports the median iteration time (first 3 iterations dropped)
 and the bytes all-gathered per step: the size of every gathered output, counted by wrapping, in each rank, the
 call that does the parameter all-gather (`torch.distributed.all_gather_into_tensor` for the distributed
-optimizer, `megatron_fsdp.collectives.all_gather_flat` for Megatron-FSDP, which gathers point-to-point on gloo).
+optimizer, `megatron_fsdp.collectives.all_gather_flat` and `all_gather_pieces_in_place` for Megatron-FSDP, which
+gathers point-to-point on gloo).
 `--wrappers` restricts part 1 to one of them. Part 2 times one linear layer's forward + backward (fp32
 `F.linear`, FP8 through `torch._scaled_mm`, FP8 emulated).
 
@@ -100,6 +101,14 @@ def worker(argv, counts_path, emulate):
         import megatron_fsdp.collectives
 
         megatron_fsdp.collectives.all_gather_flat = counting(megatron_fsdp.collectives.all_gather_flat)
+        gather_in_place = megatron_fsdp.collectives.all_gather_pieces_in_place
+
+        def counting_in_place(outputs_by_rank, own_pieces, *args, **kwargs):  # fp32 groups, gathered into place
+            views = [view for views in outputs_by_rank for view in views]
+            gathered.append([str(views[0].dtype), sum(v.numel() * v.element_size() for v in views)])
+            return gather_in_place(outputs_by_rank, own_pieces, *args, **kwargs)
+
+        megatron_fsdp.collectives.all_gather_pieces_in_place = counting_in_place
     else:
         dist.all_gather_into_tensor = counting(dist.all_gather_into_tensor)
     context = force_fp8_gemm_emulation() if emulate else contextlib.nullcontext()

@@ -30,16 +30,23 @@ def _resume_fsdp_fp8(workdir):
     first_half = run_pretrain(f"{workdir}/half", f"{FSDP_FP8} {save} --exit-interval 4")
     gathered_dtypes = set()
     original = fsdp_collectives.all_gather_flat
+    original_in_place = fsdp_collectives.all_gather_pieces_in_place
 
     def recording_all_gather(output, shard, *args, **kwargs):
         gathered_dtypes.add(str(shard.dtype))
         return original(output, shard, *args, **kwargs)
 
+    def recording_all_gather_in_place(outputs, own_pieces, *args, **kwargs):  # fp32 groups on gloo
+        gathered_dtypes.add(str(own_pieces[0].dtype))
+        return original_in_place(outputs, own_pieces, *args, **kwargs)
+
     fsdp_collectives.all_gather_flat = recording_all_gather
+    fsdp_collectives.all_gather_pieces_in_place = recording_all_gather_in_place
     try:
         resumed = run_pretrain(f"{workdir}/resumed", f"{FSDP_FP8} {save} --load {workdir}/ckpt")
     finally:
         fsdp_collectives.all_gather_flat = original
+        fsdp_collectives.all_gather_pieces_in_place = original_in_place
     return uninterrupted, first_half, resumed, gathered_dtypes
 
 

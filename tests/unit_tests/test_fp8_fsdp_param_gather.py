@@ -70,18 +70,28 @@ def _train(tp, fp8_param_gather, meta=False):
     install_schedule_hooks([chunk], optimizer, types.SimpleNamespace(fp16=False))
     bytes_by_dtype = {}
     original = fsdp_collectives.all_gather_flat
+    original_in_place = fsdp_collectives.all_gather_pieces_in_place
+
+    def count(pieces, group):
+        world = fsdp_collectives.group_size(group)
+        key = str(pieces[0].dtype)
+        sent = sum(piece.numel() * piece.element_size() for piece in pieces) * (world - 1)
+        bytes_by_dtype[key] = bytes_by_dtype.get(key, 0) + sent
 
     def counting_all_gather(output, shard, group, counter, async_op=False):
-        world = fsdp_collectives.group_size(group)
-        key = str(shard.dtype)
-        bytes_by_dtype[key] = bytes_by_dtype.get(key, 0) + shard.numel() * shard.element_size() * (world - 1)
+        count([shard], group)
         return original(output, shard, group, counter, async_op=async_op)
+
+    def counting_all_gather_in_place(outputs, own_pieces, group, counter, async_op=False):  # fp32 groups on gloo
+        count(own_pieces, group)
+        return original_in_place(outputs, own_pieces, group, counter, async_op=async_op)
 
     losses = []
     for step in range(STEPS):
         if step == STEPS - 1:
             chunk.module.reset_communication_counters()
             fsdp_collectives.all_gather_flat = counting_all_gather
+            fsdp_collectives.all_gather_pieces_in_place = counting_all_gather_in_place
         try:
             chunk.zero_grad_buffer()
             optimizer.zero_grad()
@@ -92,6 +102,7 @@ def _train(tp, fp8_param_gather, meta=False):
             assert success
         finally:
             fsdp_collectives.all_gather_flat = original
+            fsdp_collectives.all_gather_pieces_in_place = original_in_place
         losses.append(reduce_reported_loss(reports, torch.device("cpu")))
     all_gather_bytes = chunk.communication_report()["all_gather"]
     return config, chunk, losses, all_gather_bytes, bytes_by_dtype

@@ -399,3 +399,37 @@ def test_single_rank_group_records_nothing_and_still_gives_the_result(world_size
     nothing = {collectives.ALL_GATHER: 0, collectives.REDUCE_SCATTER: 0, collectives.ALL_REDUCE: 0,
                collectives.BROADCAST: 0}
     assert _on_ranks(world_size, _single_rank_groups) == [(nothing, {}, True, True, True, True)] * world_size
+
+
+def _gather_pieces_in_place():
+    """A row-aligned group (layout.py) gathered piece by piece straight into its unsharded form equals the stock
+    all-gather followed by the copy-out (a group with a tail pad: its shards are aligned for 3 outer ranks), and
+    counts the bytes of a ring all-gather of the whole shard."""
+    import torch.distributed as dist
+
+    from megatron_fsdp import collectives
+    from megatron_fsdp.layout import GroupLayout
+    from megatron_fsdp.resharding import copy_gathered_to_unsharded, piece_sizes, rank_pieces_of_unsharded
+
+    rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
+    layout = GroupLayout([(7, 3), (5,), (1, 4), (2,)], world, 3)
+    assert layout.used_shard_numel < layout.shard_numel
+    shard = _rank_data(rank, layout.shard_numel, torch.float32)
+    gathered = torch.empty(world * layout.shard_numel)
+    dist.all_gather_single(gathered, shard, group=group)
+    expected = torch.zeros(layout.padded_numel)
+    copy_gathered_to_unsharded(layout, gathered, expected)
+    unsharded = torch.full((layout.padded_numel,), float("nan"))
+    counter = collectives.CommunicationCounter()
+    outputs = [rank_pieces_of_unsharded(layout, unsharded, r) for r in range(world)]
+    own = list(torch.split(shard, piece_sizes(layout)))
+    collectives.all_gather_pieces_in_place(outputs, own, group, counter, async_op=True).wait()
+    return unsharded, expected, counter.snapshot()["all_gather"], 4 * layout.shard_numel * (world - 1), len(own)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_gather_of_pieces_lands_in_place_like_stock_gather_and_copy_out(world_size):
+    for unsharded, expected, counted, ring_bytes, pieces in _on_ranks(world_size, _gather_pieces_in_place):
+        assert pieces == 5  # four chunks and the tail pad
+        assert counted == ring_bytes
+        assert torch.equal(_bits(unsharded), _bits(expected))

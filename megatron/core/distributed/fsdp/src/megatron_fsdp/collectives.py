@@ -136,6 +136,34 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group, counter: C
     return _finish(work, None, async_op)
 
 
+def all_gather_pieces_in_place(outputs_by_rank: list, own_pieces: list, group, counter: CommunicationCounter,
+                               async_op: bool = False) -> PendingCollective:
+    """An all-gather whose shards are made of pieces that land apart from each other (gloo only, from
+    point-to-point messages): rank r's shard is `outputs_by_rank[r]`, a list of views, and this rank sends
+    `own_pieces` (the same sizes). Each piece is received straight into its view, so no staging buffer and no
+    copy-out; own pieces are copied into place unless they already are `outputs_by_rank[rank]`."""
+    world, rank = group_size(group), group_rank(group)
+    shard_bytes = sum(piece.numel() * piece.element_size() for piece in own_pieces)
+    if world > 1:
+        counter.record(ALL_GATHER, shard_bytes * (world - 1))
+    works = []
+    for _, source in _peers_in_ring_order(rank, world):
+        for view in outputs_by_rank[source]:
+            works.append(dist.irecv(view, group=group, group_src=source))
+    for target, _ in _peers_in_ring_order(rank, world):
+        for piece in own_pieces:
+            works.append(dist.isend(piece, group=group, group_dst=target))
+    for view, piece in zip(outputs_by_rank[rank], own_pieces):
+        if view.data_ptr() != piece.data_ptr():
+            view.copy_(piece)
+    return _finish(works, None, async_op)
+
+
+def gathers_in_place(group, tensor: torch.Tensor) -> bool:
+    """Whether all-gathers over `group` are built from point-to-point messages that can land piece by piece."""
+    return group_size(group) > 1 and _point_to_point(group, tensor)
+
+
 def _peers_in_ring_order(rank: int, world: int):
     """(send-to, receive-from) pairs starting with the neighbours, so that no rank is every rank's first target."""
     return [((rank + step) % world, (rank - step) % world) for step in range(1, world)]

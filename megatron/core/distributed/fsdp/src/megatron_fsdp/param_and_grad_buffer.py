@@ -54,7 +54,8 @@ from .gather_codec import GatherCodec
 from .layout import GroupLayout, chunk_rows
 from .grad_state import GradState, OuterGradState, checked_transition
 from .mixed_precision import MixedPrecisionPolicy
-from .resharding import copy_grad_in, copy_gathered_to_unsharded, shard_of_unsharded, zero_param_chunks
+from .resharding import (copy_grad_in, copy_gathered_to_unsharded, piece_sizes, rank_pieces_of_unsharded,
+                         shard_of_unsharded, zero_param_chunks)
 from .utils import tensor_bytes
 
 
@@ -324,11 +325,25 @@ class ParamGroup:
     def gathered(self, value: bool):
         self.weight_state = WeightState.GATHERED if value else WeightState.SHARDED
 
-    def start_gather(self, issue: Callable[[torch.Tensor, torch.Tensor], PendingCollective]):
+    def start_gather(self, issue: Callable[[torch.Tensor, torch.Tensor], PendingCollective],
+                     issue_in_place: Optional[Callable[[list, list], PendingCollective]] = None):
         """Gather every rank's shard: `issue(output, shard)` starts the all-gather of `gather_source()` into a
         rank-major buffer (a staging buffer, or the compute buffer itself when the forms coincide). An earlier
-        gather still in flight is finished first."""
+        gather still in flight is finished first. `issue_in_place(outputs_by_rank, own_pieces)`, where the
+        collective can land each parameter's chunk apart (gloo's point-to-point all-gather), receives every
+        rank's chunks straight into the compute buffer instead: no staging buffer, no copy-out."""
         self.finish_gather()
+        if issue_in_place is not None and self.codec is None and not self.layout.forms_coincide:
+            outputs = [rank_pieces_of_unsharded(self.layout, self.compute_buffer, rank)
+                       for rank in range(self.layout.dp_size)]
+            if self.main_in_compute_buffer and not self.shards_params:
+                self._gather_send, own = None, outputs[self.dp_rank]  # the updated rows are in place already
+            else:
+                self._gather_send = self.gather_source()
+                own = list(torch.split(self._gather_send, piece_sizes(self.layout)))
+            self.pending_gather = issue_in_place(outputs, own)
+            self.weight_state = WeightState.GATHERING
+            return
         output = self.compute_buffer
         if self.codec is not None or not self.layout.forms_coincide:
             dtype = self.param_dtype if self.codec is None else self.codec.wire_dtype

@@ -36,6 +36,28 @@ def copy_gathered_to_unsharded(layout: GroupLayout, gathered: torch.Tensor, unsh
     torch.split_with_sizes_copy(gathered.view(dp, shard), sizes, dim=1, out=outputs)
 
 
+def piece_sizes(layout: GroupLayout) -> list:
+    """Sizes of the pieces a shard is made of: each parameter's chunk (empty ones left out), then the tail pad."""
+    sizes = [chunk.chunk_numel for chunk in layout.chunks if chunk.chunk_numel]
+    tail = layout.shard_numel - layout.used_shard_numel
+    return sizes + [tail] if tail else sizes
+
+
+def rank_pieces_of_unsharded(layout: GroupLayout, unsharded: torch.Tensor, rank: int) -> list:
+    """Where rank `rank`'s shard lives in the unsharded form: one contiguous view per piece (`piece_sizes`), so
+    an all-gather from point-to-point messages can receive each piece straight into place (no copy-out)."""
+    dp = layout.dp_size
+    pieces = []
+    for index, chunk in enumerate(layout.chunks):
+        if chunk.chunk_numel:
+            start, end = layout.padded_region(index)
+            pieces.append(unsharded[start:end].view(dp, chunk.chunk_numel)[rank])
+    tail = layout.shard_numel - layout.used_shard_numel
+    if tail:
+        pieces.append(unsharded[dp * layout.used_shard_numel:].view(dp, tail)[rank])
+    return pieces
+
+
 def shard_of_unsharded(layout: GroupLayout, unsharded: torch.Tensor, rank: int, out: torch.Tensor):
     """Rank `rank`'s shard (its chunk of every parameter, padding included) out of the unsharded form, into
     `out` (cast to its dtype). Used where a full group was written locally: at init and when loading."""

@@ -140,7 +140,7 @@ class Schedule:
                 self._claim_pool_slot(group)
             group.allocate_compute()
             group.encode_wire_shard(self.dp_group)  # a gather codec's encoding, if the shard changed
-            group.start_gather(self._issue_gather)
+            self._start_gather(group)
             if self.resting is not None:
                 self.resting.show(group)
         if not async_op:
@@ -152,6 +152,14 @@ class Schedule:
         stream (`ParamGroup.start_gather` picks both and copies the result out when it is waited for)."""
         return self.streams.issue(self.streams.all_gather, lambda: collectives.all_gather_flat(
             output, shard, self.dp_group, self.counter, async_op=True))
+
+    def _issue_gather_in_place(self, outputs_by_rank: list, own_pieces: list) -> collectives.PendingCollective:
+        return self.streams.issue(self.streams.all_gather, lambda: collectives.all_gather_pieces_in_place(
+            outputs_by_rank, own_pieces, self.dp_group, self.counter, async_op=True))
+
+    def _start_gather(self, group: ParamGroup):
+        in_place = collectives.gathers_in_place(self.dp_group, group.compute_buffer)
+        group.start_gather(self._issue_gather, self._issue_gather_in_place if in_place else None)
 
     def _wait_gather(self, group: ParamGroup):
         self._wait_compute_shard_refresh(group)
@@ -169,7 +177,7 @@ class Schedule:
     def _start_queued_param_syncs(self):
         while self.param_syncs_queued and len(self.param_syncs_in_flight) < self.max_param_syncs_in_flight:
             group = self.param_syncs_queued.pop(0)
-            group.start_gather(self._issue_gather)
+            self._start_gather(group)
             self.param_syncs_in_flight.append(group)
         self._track_transient()
 
