@@ -118,6 +118,7 @@ def _bad_inputs(workdir):
     results["heads_torch"] = _load_into("--num-attention-heads 8", legacy, ckpt_format="torch")[0]
     results["legacy_unchanged"] = _snapshot(legacy) == legacy_before
     model_file = os.path.join(legacy, "iter_0000002", "mp_rank_00", "model_optim_rng.pt")
+    torch.distributed.barrier()  # every rank has finished reading the intact file (a refused load syncs nothing)
     if rank == 0:
         with open(model_file, "r+b") as stream:
             stream.truncate(os.path.getsize(model_file) // 3)
