@@ -96,14 +96,11 @@ def make_optimizer(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-def reference_losses(num_steps, dtype=torch.float32, seed=0, model_kwargs=None):
-    """Single-process AdamW training on the full batch: loss before each step and after the last one."""
-    model = make_model(seed, dtype, **(model_kwargs or {}))
+def train_single_process(model, num_steps, dtype=torch.float32):
+    """Single-process AdamW training of `model` on the full batch: loss before each step and after the last."""
     optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
-    batches = make_batches(num_steps + 1, dtype=dtype)
     losses = []
-    for step in range(num_steps + 1):
-        inputs, target = batches[step]
+    for step, (inputs, target) in enumerate(make_batches(num_steps + 1, dtype=dtype)):
         loss = loss_fn(model(inputs), target)
         losses.append(loss.item())
         if step == num_steps:
@@ -111,6 +108,13 @@ def reference_losses(num_steps, dtype=torch.float32, seed=0, model_kwargs=None):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+    return losses
+
+
+def reference_losses(num_steps, dtype=torch.float32, seed=0, model_kwargs=None):
+    """Single-process AdamW training on the full batch: loss before each step and after the last one."""
+    model = make_model(seed, dtype, **(model_kwargs or {}))
+    losses = train_single_process(model, num_steps, dtype)
     # Every name the module's state dict has, tied aliases included (a wrapped model's state dict has them too).
     return losses, {name: p.detach().float().clone() for name, p in model.named_parameters(remove_duplicate=False)}
 

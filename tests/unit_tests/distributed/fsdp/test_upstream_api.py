@@ -15,35 +15,13 @@ NUM_STEPS = 2
 
 def _reference_low_precision(num_steps, dtype=torch.bfloat16):
     """Single-process AdamW stepping the bf16 weights themselves (no fp32 copy)."""
-    module = models.make_model(0, dtype)
-    optimizer = models.make_optimizer([p for p in module.parameters() if p.requires_grad])
-    losses = []
-    for step, (inputs, target) in enumerate(models.make_batches(num_steps + 1, dtype=dtype)):
-        loss = models.loss_fn(module(inputs), target)
-        losses.append(loss.item())
-        if step == num_steps:
-            break
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return losses
+    return models.train_single_process(models.make_model(0, dtype), num_steps, dtype)
 
 
 def _reference_attention(num_steps):
     """Single-process AdamW training of the eager AttentionModel on the full batch."""
     torch.manual_seed(3)
-    module = AttentionModel()
-    optimizer = models.make_optimizer(module.parameters())
-    losses = []
-    for step, (inputs, target) in enumerate(models.make_batches(num_steps + 1)):
-        loss = models.loss_fn(module(inputs), target)
-        losses.append(loss.item())
-        if step == num_steps:
-            break
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return losses
+    return models.train_single_process(AttentionModel(), num_steps)
 
 
 class AttentionModel(nn.Module):
