@@ -401,10 +401,11 @@ def test_single_rank_group_records_nothing_and_still_gives_the_result(world_size
     assert _on_ranks(world_size, _single_rank_groups) == [(nothing, {}, True, True, True, True)] * world_size
 
 
-def _gather_pieces_in_place():
+def _gather_pieces_in_place(packed_piece_bytes):
     """A row-aligned group (layout.py) gathered piece by piece straight into its unsharded form equals the stock
     all-gather followed by the copy-out (a group with a tail pad: its shards are aligned for 3 outer ranks), and
-    counts the bytes of a ring all-gather of the whole shard."""
+    counts the bytes of a ring all-gather of the whole shard; pieces below `packed_piece_bytes` travel packed,
+    and the handle holds their buffers (one received per peer, one sent) until it is waited for."""
     import torch.distributed as dist
 
     from megatron_fsdp import collectives
@@ -423,13 +424,29 @@ def _gather_pieces_in_place():
     counter = collectives.CommunicationCounter()
     outputs = [rank_pieces_of_unsharded(layout, unsharded, r) for r in range(world)]
     own = list(torch.split(shard, piece_sizes(layout)))
-    collectives.all_gather_pieces_in_place(outputs, own, group, counter, async_op=True).wait()
-    return unsharded, expected, counter.snapshot()["all_gather"], 4 * layout.shard_numel * (world - 1), len(own)
+    default_bytes, collectives.PACKED_PIECE_BYTES = collectives.PACKED_PIECE_BYTES, packed_piece_bytes
+    try:
+        pending = collectives.all_gather_pieces_in_place(outputs, own, group, counter, async_op=True)
+    finally:
+        collectives.PACKED_PIECE_BYTES = default_bytes
+    staging = pending.staging_bytes
+    pending.wait()
+    packed = [piece.numel() for piece in own if piece.numel() * 4 < packed_piece_bytes]
+    expected_staging = world * sum(packed) * 4 if len(packed) > 1 else 0
+    return (unsharded, expected, counter.snapshot()["all_gather"], 4 * layout.shard_numel * (world - 1), len(own),
+            staging, expected_staging, len(packed), pending.staging_bytes)
 
 
+@pytest.mark.parametrize("packed_piece_bytes, packed_pieces", [(0, 0), (13, 3), (1 << 16, 5)])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_all_gather_of_pieces_lands_in_place_like_stock_gather_and_copy_out(world_size):
-    for unsharded, expected, counted, ring_bytes, pieces in _on_ranks(world_size, _gather_pieces_in_place):
+def test_all_gather_of_pieces_lands_in_place_like_stock_gather_and_copy_out(world_size, packed_piece_bytes,
+                                                                             packed_pieces):
+    """Every piece in place; the three smallest packed (at most 3 elements) and the two others in place; all
+    packed."""
+    for (unsharded, expected, counted, ring_bytes, pieces, staging, expected_staging, packed,
+         staging_after_wait) in _on_ranks(world_size, _gather_pieces_in_place, packed_piece_bytes):
         assert pieces == 5  # four chunks and the tail pad
+        assert packed == packed_pieces, packed
+        assert staging == expected_staging and staging_after_wait == 0, (staging, expected_staging)
         assert counted == ring_bytes
         assert torch.equal(_bits(unsharded), _bits(expected))

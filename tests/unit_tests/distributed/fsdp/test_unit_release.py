@@ -167,3 +167,59 @@ def test_reentrant_activation_checkpointing_trains_exactly(world_size):
     reference = _reference_losses()
     for case, losses in run_on_ranks(world_size, _reentrant_matrix)[0].items():
         assert losses == pytest.approx(reference, abs=1e-5), case
+
+
+def _last_unit_between_forward_and_backward():
+    import torch.distributed as dist
+
+    import megatron_fsdp
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {}
+    for keep in (True, False):
+        torch.manual_seed(0)
+        module = IdleParamsModel()
+        reference = IdleParamsModel()
+        reference.load_state_dict(module.state_dict())
+        model, optimizer = megatron_fsdp.fully_shard(module, models.make_optimizer(
+            [p for p in module.parameters() if p.requires_grad]), fsdp_unit_modules=[UnitWithIdleParams])
+        model.schedule.keep_last_unit_for_backward = keep
+        reference_optimizer = models.make_optimizer([p for p in reference.parameters() if p.requires_grad])
+        after_forward, after_backward, gathers, losses, reference_losses = [], [], [], [], []
+        for inputs, target in models.make_batches(NUM_STEPS):
+            optimizer.zero_grad()
+            local = [models.local_slice(t, rank, world) for t in (inputs, target)]
+            calls_before = model.counter.calls.get("all_gather", 0)
+            loss = models.loss_fn(model(local[0]), local[1])
+            after_forward.append([sorted(group.weight_state.value for group in unit.groups) for unit in model.units])
+            loss.backward()
+            after_backward.append([sum(group.compute_bytes_held() for group in unit.groups) for unit in model.units])
+            gathers.append(model.counter.calls.get("all_gather", 0) - calls_before)
+            optimizer.step()
+            losses.append(models.global_mean(loss.item()))
+            reference_optimizer.zero_grad()
+            reference_loss = models.loss_fn(reference(inputs), target)
+            reference_loss.backward()
+            reference_optimizer.step()
+            reference_losses.append(reference_loss.item())
+        results[keep] = (after_forward, after_backward, gathers, losses, reference_losses)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_last_unit_stays_gathered_from_its_forward_to_its_backward(world_size):
+    """The backward starts with the last unit of the forward: kept gathered, it is not gathered a second time (one
+    all-gather less per step, both of its groups), and it is released by its post-backward like the others."""
+    for results in run_on_ranks(world_size, _last_unit_between_forward_and_backward):
+        kept, released = results[True], results[False]
+        assert kept[0] == [[["sharded", "sharded"], ["sharded", "sharded"], ["gathered", "gathered"]]] * NUM_STEPS
+        assert released[0] == [[["sharded", "sharded"]] * 3] * NUM_STEPS
+        for after_backward in (kept[1], released[1]):
+            assert after_backward == [[0, 0, 0]] * NUM_STEPS  # every unit released at the end of the backward
+        # per step: each unit's two groups and the root group gathered in forward, the units again in backward
+        # (the root group stays gathered), minus the last unit's two groups when it is kept
+        assert released[2] == [2 * 2 * 3 + 1] * NUM_STEPS
+        assert kept[2] == [2 * 2 * 3 + 1 - 2] * NUM_STEPS
+        for losses, reference_losses in ((kept[3], kept[4]), (released[3], released[4])):
+            assert losses == pytest.approx(reference_losses, abs=1e-5)
+        assert kept[3] == released[3]  # same arithmetic, only the gather schedule differs

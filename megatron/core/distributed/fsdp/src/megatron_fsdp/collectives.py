@@ -57,6 +57,7 @@ class PendingCollective:
         self._works = list(work) if isinstance(work, (list, tuple)) else ([] if work is None else [work])
         self._epilogue = epilogue
         self.done = False
+        self.staging_bytes = 0  # buffers the collective holds until it is waited for, if it allocated any
 
     def wait(self):
         if self.done:
@@ -68,6 +69,7 @@ class PendingCollective:
         self.done = True
         self._works = []
         self._epilogue = None
+        self.staging_bytes = 0
 
 
 # Build gloo all-gathers and reduce-scatters from point-to-point messages (see the module docstring). Tests set
@@ -136,27 +138,57 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group, counter: C
     return _finish(work, None, async_op)
 
 
+# Pieces smaller than this travel packed into one message per peer (and are copied out of it when the gather is
+# waited for): gloo spends tens of microseconds per message, more than copying a few KiB costs.
+PACKED_PIECE_BYTES = 64 * 1024
+
+
 def all_gather_pieces_in_place(outputs_by_rank: list, own_pieces: list, group, counter: CommunicationCounter,
                                async_op: bool = False) -> PendingCollective:
     """An all-gather whose shards are made of pieces that land apart from each other (gloo only, from
     point-to-point messages): rank r's shard is `outputs_by_rank[r]`, a list of views, and this rank sends
-    `own_pieces` (the same sizes). Each piece is received straight into its view, so no staging buffer and no
-    copy-out; own pieces are copied into place unless they already are `outputs_by_rank[rank]`."""
+    `own_pieces` (the same sizes). Each piece of at least `PACKED_PIECE_BYTES` is received straight into its
+    view (no staging, no copy-out); the smaller ones travel end to end in one message per peer and are copied
+    into their views when the gather is waited for. Own pieces are copied into place unless they already are
+    `outputs_by_rank[rank]`. The returned handle's `staging_bytes` counts the packed buffers."""
     world, rank = group_size(group), group_rank(group)
     shard_bytes = sum(piece.numel() * piece.element_size() for piece in own_pieces)
     if world > 1:
         counter.record(ALL_GATHER, shard_bytes * (world - 1))
-    works = []
+    packed = [i for i, piece in enumerate(own_pieces) if piece.numel() * piece.element_size() < PACKED_PIECE_BYTES]
+    if len(packed) < 2:  # packing a single piece would only add a copy
+        packed = []
+    packed_set = set(packed)
+    direct = [i for i in range(len(own_pieces)) if i not in packed_set]
+    packed_sizes = [own_pieces[i].numel() for i in packed]
+    works, received = [], {}
     for _, source in _peers_in_ring_order(rank, world):
-        for view in outputs_by_rank[source]:
-            works.append(dist.irecv(view, group=group, group_src=source))
+        for i in direct:
+            works.append(dist.irecv(outputs_by_rank[source][i], group=group, group_src=source))
+        if packed:
+            received[source] = own_pieces[packed[0]].new_empty(sum(packed_sizes))
+            works.append(dist.irecv(received[source], group=group, group_src=source))
+    sent = torch.cat([own_pieces[i] for i in packed]) if packed and world > 1 else None
     for target, _ in _peers_in_ring_order(rank, world):
-        for piece in own_pieces:
-            works.append(dist.isend(piece, group=group, group_dst=target))
+        for i in direct:
+            works.append(dist.isend(own_pieces[i], group=group, group_dst=target))
+        if packed:
+            works.append(dist.isend(sent, group=group, group_dst=target))
     for view, piece in zip(outputs_by_rank[rank], own_pieces):
         if view.data_ptr() != piece.data_ptr():
             view.copy_(piece)
-    return _finish(works, None, async_op)
+
+    def unpack():
+        for source, buffer in received.items():
+            torch.split_with_sizes_copy(buffer, packed_sizes, out=[outputs_by_rank[source][i] for i in packed])
+        received.clear()
+
+    pending = _finish(works, unpack if packed else None, async_op=True)
+    pending.staging_bytes = sum(buffer.numel() * buffer.element_size() for buffer in received.values()) + (
+        sent.numel() * sent.element_size() if sent is not None else 0)
+    if not async_op:
+        pending.wait()
+    return pending
 
 
 def gathers_in_place(group, tensor: torch.Tensor) -> bool:

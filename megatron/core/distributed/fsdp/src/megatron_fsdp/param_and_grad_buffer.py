@@ -154,6 +154,7 @@ class ParamGroup:
         # buffer directly) and the tensor it sends (kept alive until it lands).
         self.gather_staging: Optional[torch.Tensor] = None
         self._gather_send: Optional[torch.Tensor] = None
+        self._rank_pieces: Optional[List[List[torch.Tensor]]] = None  # each rank's chunks in the compute buffer
 
         self.main_weights = self.compute_shard = self.grad_buffer = self.main_grads = None
         same_dtype = self.main_dtype == self.param_dtype
@@ -334,8 +335,10 @@ class ParamGroup:
         rank's chunks straight into the compute buffer instead: no staging buffer, no copy-out."""
         self.finish_gather()
         if issue_in_place is not None and self.codec is None and not self.layout.forms_coincide:
-            outputs = [rank_pieces_of_unsharded(self.layout, self.compute_buffer, rank)
-                       for rank in range(self.layout.dp_size)]
+            if self._rank_pieces is None:  # views of the compute buffer: they survive its storage being resized
+                self._rank_pieces = [rank_pieces_of_unsharded(self.layout, self.compute_buffer, rank)
+                                     for rank in range(self.layout.dp_size)]
+            outputs = self._rank_pieces
             if self.main_in_compute_buffer and not self.shards_params:
                 self._gather_send, own = None, outputs[self.dp_rank]  # the updated rows are in place already
             else:
@@ -629,6 +632,8 @@ class ParamGroup:
     def transient_bytes(self) -> int:
         gathered = self.compute_bytes_held() if self.shards_params else 0
         gathered += tensor_bytes(self.gather_staging) + tensor_bytes(self.wire_gathered)
+        if self.pending_gather is not None:
+            gathered += self.pending_gather.staging_bytes
         if self._gather_send is not None and self._gather_send.data_ptr() not in (
                 self.main_weights.data_ptr() if self.main_weights is not None else None,
                 self.compute_shard.data_ptr() if self.compute_shard is not None else None,

@@ -77,28 +77,34 @@ def copy_grad_in(layout: GroupLayout, gathered: torch.Tensor, index: int, grad: 
     """THE copy-in before a reduce-scatter: parameter `index`'s full gradient `grad` (any shape) -> its chunks
     in the rank-major buffer `gathered`, multiplied by `scale`, added to what is there (`accumulate`) or written
     with its padding zeroed. A low-precision gradient is cast first, so the scale is applied in the buffer's
-    dtype (scaling in bf16/fp16 would round, or underflow at large DP, before the cast)."""
+    dtype (scaling in bf16/fp16 would round, or underflow at large DP, before the cast). Runs once per
+    parameter and microbatch, so the common case (rows that divide evenly: no padding) is one strided op."""
     chunk = layout.chunks[index]
-    if chunk.chunk_numel == 0:
+    size = chunk.chunk_numel
+    if size == 0:
         return
     flat = grad.reshape(-1)
-    size = chunk.chunk_numel
     columns = gathered.view(layout.dp_size, layout.shard_numel)[:, chunk.shard_offset:chunk.shard_offset + size]
     full_ranks, remainder = divmod(flat.numel(), size)
-    pieces = [(columns[:full_ranks], flat[:full_ranks * size].view(full_ranks, size))]
+    if full_ranks == layout.dp_size:  # every rank's chunk is full: nothing to pad
+        _write_scaled(columns, flat.view(full_ranks, size), scale, accumulate)
+        return
+    _write_scaled(columns[:full_ranks], flat[:full_ranks * size].view(full_ranks, size), scale, accumulate)
     if remainder:
-        pieces.append((columns[full_ranks, :remainder], flat[full_ranks * size:]))
-    for target, source in pieces:
-        if accumulate:
-            target.add_(source, alpha=scale) if scale != 1.0 else target.add_(source)
-        elif scale != 1.0 and source.dtype == target.dtype:
-            torch.mul(source, scale, out=target)
-        else:
-            target.copy_(source)
-            if scale != 1.0:
-                target.mul_(scale)
+        _write_scaled(columns[full_ranks, :remainder], flat[full_ranks * size:], scale, accumulate)
     if not accumulate:
         zero_chunk_padding(layout, gathered, index)
+
+
+def _write_scaled(target: torch.Tensor, source: torch.Tensor, scale: float, accumulate: bool):
+    if accumulate:
+        target.add_(source, alpha=scale) if scale != 1.0 else target.add_(source)
+    elif scale != 1.0 and source.dtype == target.dtype:
+        torch.mul(source, scale, out=target)
+    else:
+        target.copy_(source)
+        if scale != 1.0:
+            target.mul_(scale)
 
 
 def zero_chunk_padding(layout: GroupLayout, gathered: torch.Tensor, index: Optional[int] = None):

@@ -2,7 +2,8 @@
 
 One step under strategy 3 (units U0..Un in forward order, R = parameters outside units):
 
-    forward:  gather R | pre-fwd U0: wait/gather U0, prefetch U1 | U0 fwd | post-fwd U0: release U0 | ...
+    forward:  gather R | pre-fwd U0: wait/gather U0, prefetch U1 | U0 fwd | post-fwd U0: release U0 | ... |
+              post-fwd Un: keep Un gathered (its backward comes first)
     backward: loss grad: gather R if released | pre-bwd Un (grad of Un's outputs): wait/gather Un, prefetch Un-1 |
               Un's first gradient: wait for the reduction in flight | Un bwd |
               all grads of a group written -> reduce-scatter it (async if overlapping), release its weights
@@ -86,6 +87,9 @@ class Schedule:
         self.pending_outer: Dict[int, collectives.PendingCollective] = {}
         self.deferred_reduces: List[ParamGroup] = []  # root groups whose reduction waits for a unit boundary
         self.streams = CommunicationStreams(device if device is not None else torch.device("cpu"))
+        # The backward starts with the last unit of the forward: it stays gathered from its forward to its
+        # backward (one unit's weights held through the loss) instead of being released and gathered again.
+        self.keep_last_unit_for_backward = True
         self.post_backward_queued = False
         self.backward_task = None  # graph task of the step's outermost backward
         self.grads_synced = False  # finish_grad_sync already ran and no gradient arrived since
@@ -131,9 +135,11 @@ class Schedule:
         return {id(group): group.pending_gather for group in self.groups if group.pending_gather is not None}
 
     def gather(self, groups: List[ParamGroup], async_op: bool):
+        started = False
         for group in groups:
             if group.weight_state is not WeightState.SHARDED:
                 continue
+            started = True
             self._refresh_compute_shard(group)
             self._wait_compute_shard_refresh(group)
             if group.uses_pool:
@@ -145,7 +151,8 @@ class Schedule:
                 self.resting.show(group)
         if not async_op:
             self.wait_gathered(groups)
-        self._track_transient()
+        if started:  # only a started gather allocates
+            self._track_transient()
 
     def _issue_gather(self, output: torch.Tensor, shard: torch.Tensor) -> collectives.PendingCollective:
         """One all-gather of every data-parallel rank's `shard` into the rank-major `output`, on the all-gather
@@ -268,7 +275,8 @@ class Schedule:
             if in_backward_pass():
                 return None  # activation-checkpoint recompute: the unit stays gathered for its backward
             tensors = tensors_requiring_grad(output) if torch.is_grad_enabled() else []
-            self.release(unit.groups, at_rest=not tensors)  # no backward will come back for these weights
+            if not (tensors and self.keep_last_unit_for_backward and unit is self.units[-1]):
+                self.release(unit.groups, at_rest=not tensors)  # no backward will come back for these weights
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, lambda grads: self._unit_pre_backward(unit), mode="any")
@@ -619,6 +627,14 @@ def _route_inputs_through_post_backward(args, kwargs, callback):
     (leave the inputs alone) when no input requires grad or grad mode is off."""
     if not torch.is_grad_enabled():
         return None
+    if not kwargs and all(isinstance(arg, torch.Tensor) for arg in args):  # the common call: tensors only
+        positions = [i for i, arg in enumerate(args) if arg.requires_grad]
+        if not positions:
+            return None
+        routed, leaves = _PostBackward.apply(callback, *(args[i] for i in positions)), list(args)
+        for position, tensor in zip(positions, routed):
+            leaves[position] = tensor
+        return tuple(leaves), kwargs
     leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
     if not positions:
