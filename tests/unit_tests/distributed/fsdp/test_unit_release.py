@@ -72,7 +72,6 @@ def _idle_params_release_and_train():
     reference.load_state_dict(module.state_dict())
     model, optimizer = megatron_fsdp.fully_shard(module, models.make_optimizer(
         [p for p in module.parameters() if p.requires_grad]), fsdp_unit_modules=[UnitWithIdleParams])
-    reference_optimizer = models.make_optimizer([p for p in reference.parameters() if p.requires_grad])
     held, states = [], []
 
     def probe(grad):
@@ -81,7 +80,7 @@ def _idle_params_release_and_train():
         states.append([sorted(group.weight_state.value for group in unit.groups) for unit in model.units])
         return grad
 
-    losses, reference_losses = [], []
+    losses = []
     for inputs, target in models.make_batches(NUM_STEPS):
         optimizer.zero_grad()
         local = [models.local_slice(t, rank, world) for t in (inputs, target)]
@@ -89,11 +88,7 @@ def _idle_params_release_and_train():
         loss.backward()
         optimizer.step()
         losses.append(models.global_mean(loss.item()))
-        reference_optimizer.zero_grad()
-        reference_loss = models.loss_fn(reference(inputs), target)
-        reference_loss.backward()
-        reference_optimizer.step()
-        reference_losses.append(reference_loss.item())
+    reference_losses = models.train_single_process(reference, NUM_STEPS)[:NUM_STEPS]
     unit_group_kinds = [sorted(group.trainable for group in unit.groups) for unit in model.units]
     return held, states, losses, reference_losses, unit_group_kinds
 
@@ -184,8 +179,7 @@ def _last_unit_between_forward_and_backward():
         model, optimizer = megatron_fsdp.fully_shard(module, models.make_optimizer(
             [p for p in module.parameters() if p.requires_grad]), fsdp_unit_modules=[UnitWithIdleParams])
         model.schedule.keep_last_unit_for_backward = keep
-        reference_optimizer = models.make_optimizer([p for p in reference.parameters() if p.requires_grad])
-        after_forward, after_backward, gathers, losses, reference_losses = [], [], [], [], []
+        after_forward, after_backward, gathers, losses = [], [], [], []
         for inputs, target in models.make_batches(NUM_STEPS):
             optimizer.zero_grad()
             local = [models.local_slice(t, rank, world) for t in (inputs, target)]
@@ -197,11 +191,7 @@ def _last_unit_between_forward_and_backward():
             gathers.append(model.counter.calls.get("all_gather", 0) - calls_before)
             optimizer.step()
             losses.append(models.global_mean(loss.item()))
-            reference_optimizer.zero_grad()
-            reference_loss = models.loss_fn(reference(inputs), target)
-            reference_loss.backward()
-            reference_optimizer.step()
-            reference_losses.append(reference_loss.item())
+        reference_losses = models.train_single_process(reference, NUM_STEPS)[:NUM_STEPS]
         results[keep] = (after_forward, after_backward, gathers, losses, reference_losses)
     return results
 
