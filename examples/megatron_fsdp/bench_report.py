@@ -155,8 +155,8 @@ def render_markdown(meta, summaries, memory_modes, method_text):
         "Step time: median over repetitions of the median post-warm-up step (slowest rank per step), "
         f"memory mode `{meta['timing_mode']}`; rep spread: slowest over fastest repetition, minus one. "
         "RSS per rank, MiB: *peak* is the process high-water mark "
-        "(`ru_maxrss`, one arm per process), *growth* is the sampled high-water mark above the RSS at the start "
-        "of the arm. dloss: max abs difference of the global loss from DDP's over all steps.",
+        "(`ru_maxrss`, one arm per process), *growth* is the high-water mark above the RSS at the start of the arm "
+        "(the kernel's, reset at that start, where Linux allows it; else sampled every 2 ms). dloss: max abs difference of the global loss from DDP's over all steps.",
         "",
     ]
     rss_headers = []

@@ -115,7 +115,7 @@ def run_arm(arm_name, model_name, steps, warmup_steps, seed, lr):
     result.update(
         rss_baseline=sampler.baseline,
         rss_arm_peak=sampler.peak,
-        rss_lifetime_peak=lifetime_peak_rss_bytes(),
+        rss_lifetime_peak=max(sampler.lifetime_peak_at_start, lifetime_peak_rss_bytes()),
         warmup_steps=warmup_steps,
         malloc_mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         threads=torch.get_num_threads(),

@@ -56,9 +56,11 @@ METHOD_TEXT = """
   rank's; the arm's time is the median over repetitions of the median post-warm-up step.
 - **Peak RSS**: two numbers per rank. *peak* is `getrusage(RUSAGE_SELF).ru_maxrss`, the kernel's high-water
   mark for the process; it is only an arm's peak because the launcher starts fresh rank processes for every
-  measurement (it includes the ~300-400 MiB of the imported torch). *growth* is a 2 ms sampling thread reading
-  `/proc/self/statm`, maximum minus the RSS just before the model is built (it can miss spikes shorter than the
-  period). Reported: the largest rank, median over repetitions.
+  measurement (it includes the ~300-400 MiB of the imported torch). *growth* is the high-water mark from just
+  before the model is built to the end of the arm, minus the RSS at its start: on Linux the kernel's mark, reset
+  then (`/proc/self/clear_refs`) and read at the end (`VmHWM`), so nothing runs beside the training; elsewhere a
+  2 ms sampling thread reading `/proc/self/statm` (it takes the GIL and slows the steps it measures, and can miss
+  spikes shorter than its period). Reported: the largest rank, median over repetitions.
 - **Memory modes**: with glibc's default malloc, large freed buffers often stay resident, so sharding that
   frees gathered parameters may not lower RSS at all. With `MALLOC_MMAP_THRESHOLD_=65536` in the rank
   processes' environment every allocation of 64 KiB or more is its own mapping and returns to the OS when

@@ -1,9 +1,12 @@
 """Memory measurements of one rank: resident-set high-water mark and bytes of training state held.
 
 Peak RSS has two sources. `ru_maxrss` is the kernel's high-water mark for the whole life of the process, exact
-but only meaningful when the process ran a single arm. `RssSampler` reads `/proc/self/statm` from a thread every
-few milliseconds and keeps the maximum since `start()`, so a process that runs several arms can report each
-arm's peak above the RSS it had when the arm began (it can miss spikes shorter than the sampling period).
+but only meaningful when the process ran a single arm. `RssSampler` gives the peak since its `start()`, so a
+process that runs several arms can report each arm's peak above the RSS it had when the arm began. On Linux it
+resets the kernel's high-water mark at `start()` (writing 5 to `/proc/self/clear_refs`) and reads it (`VmHWM` in
+`/proc/self/status`) at `stop()`: exact, and nothing runs while the arm trains. Where that is not allowed it reads
+`/proc/self/statm` from a thread every few milliseconds instead; that thread takes the GIL hundreds of times a
+second, which slows the training it measures, and it can miss spikes shorter than its period.
 """
 
 import os
@@ -33,21 +36,27 @@ def lifetime_peak_rss_bytes():
 
 
 class RssSampler:
-    """Highest RSS seen between `start()` and `stop()`, sampled every `period_s` seconds."""
+    """Highest RSS between `start()` and `stop()`: the kernel's high-water mark where it can be reset, else
+    sampled every `period_s` seconds from a thread. `lifetime_peak_at_start` is `ru_maxrss` before the reset."""
 
     def __init__(self, period_s=0.002):
         self.period_s = period_s
         self.baseline = 0
         self.peak = 0
+        self.lifetime_peak_at_start = 0
+        self.uses_kernel_peak = False
         self._stop = threading.Event()
         self._thread = None
 
     def start(self):
+        self.lifetime_peak_at_start = lifetime_peak_rss_bytes()
         self.baseline = current_rss_bytes()
         self.peak = self.baseline
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
+        self.uses_kernel_peak = reset_kernel_peak_rss()
+        if not self.uses_kernel_peak:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
         return self
 
     def _sample(self):
@@ -56,11 +65,37 @@ class RssSampler:
             time.sleep(self.period_s)
 
     def stop(self):
+        if self.uses_kernel_peak:
+            self.peak = max(self.peak, kernel_peak_rss_bytes())
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+            self._thread = None
         self.peak = max(self.peak, current_rss_bytes())
         return self.peak
+
+
+def reset_kernel_peak_rss() -> bool:
+    """Set the kernel's RSS high-water mark of this process to its current RSS; False where that is not possible
+    (not Linux, a kernel before 4.0, or /proc not writable)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return kernel_peak_rss_bytes() > 0
+    except OSError:
+        return False
+
+
+def kernel_peak_rss_bytes() -> int:
+    """`VmHWM` of /proc/self/status in bytes (0 if absent)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _local(tensor):
