@@ -60,18 +60,25 @@ class ReentrantCheckpointModel(models.TinyModel):
         return self.out(h) + self.tiny.weight.sum() + self.empty.weight.sum()
 
 
-def _idle_params_release_and_train():
-    import torch.distributed as dist
-
+def _sharded_idle_params_model():
+    """(model, optimizer, reference): IdleParamsModel sharded with one unit per UnitWithIdleParams, and an unsharded
+    copy with the same initial weights for the single-process reference losses."""
     import megatron_fsdp
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     module = IdleParamsModel()
     reference = IdleParamsModel()
     reference.load_state_dict(module.state_dict())
     model, optimizer = megatron_fsdp.fully_shard(module, models.make_optimizer(
         [p for p in module.parameters() if p.requires_grad]), fsdp_unit_modules=[UnitWithIdleParams])
+    return model, optimizer, reference
+
+
+def _idle_params_release_and_train():
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, optimizer, reference = _sharded_idle_params_model()
     held, states = [], []
 
     def probe(grad):
@@ -167,17 +174,10 @@ def test_reentrant_activation_checkpointing_trains_exactly(world_size):
 def _last_unit_between_forward_and_backward():
     import torch.distributed as dist
 
-    import megatron_fsdp
-
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
     for keep in (True, False):
-        torch.manual_seed(0)
-        module = IdleParamsModel()
-        reference = IdleParamsModel()
-        reference.load_state_dict(module.state_dict())
-        model, optimizer = megatron_fsdp.fully_shard(module, models.make_optimizer(
-            [p for p in module.parameters() if p.requires_grad]), fsdp_unit_modules=[UnitWithIdleParams])
+        model, optimizer, reference = _sharded_idle_params_model()
         model.schedule.keep_last_unit_for_backward = keep
         after_forward, after_backward, gathers, losses = [], [], [], []
         for inputs, target in models.make_batches(NUM_STEPS):
