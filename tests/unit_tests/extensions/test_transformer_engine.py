@@ -1,10 +1,12 @@
 """The Transformer Engine backend: chosen by `--transformer-impl`, required only when asked for, and (on a GPU
 with transformer-engine) numerically equivalent to the local layers.
 
-On machines without TE the layer plumbing is checked with torch stand-ins for TE's `Linear` and
-`LayerNormLinear` (same constructor arguments, same parameter registration as TE 2.x, plain torch arithmetic):
-they exercise this repository's wrappers and layer wiring (the fused norm-linear used for QKV and fc1, the
-layer not applying those norms itself, the local parameter and checkpoint names), not TE. The `gpu` tests run TE.
+TE installs only with CUDA. On CPU, the `fake_te_bases` tests run this repository's wrappers around TE's
+`Linear` and `LayerNormLinear` on fake base classes (TE 2.x's constructor arguments and parameter registration,
+plain torch arithmetic): they check the wrappers and the layer wiring (what reaches TE's constructors, the fused
+norm-linear for QKV and fc1 reading the layer's norm parameters, the layer not applying those norms itself, the
+local parameter and checkpoint names) against torch computed in the test and the local layer, and nothing about
+TE itself. The `gpu` tests run TE and skip, with the reason, where CUDA or TE is missing.
 """
 
 import pytest
@@ -16,6 +18,8 @@ from megatron.core.optional_deps import HAVE_TE
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
+
+NEEDS_TE = "needs transformer-engine, which installs only with CUDA; the fake_te_bases tests cover the wrappers"
 
 
 def _config(**overrides):
@@ -49,7 +53,7 @@ def single_gpu_model_parallel(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAVE_TE, reason="needs transformer-engine")
+@pytest.mark.skipif(not HAVE_TE, reason=NEEDS_TE)
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
 def test_te_linear_matches_local_layers_in_fp32_and_fp8(single_gpu_model_parallel, recipe):
     from megatron.core.fp8_utils import get_fp8_context
@@ -87,18 +91,32 @@ def test_te_linear_matches_local_layers_in_fp32_and_fp8(single_gpu_model_paralle
     assert ((te_fp8 - local_fp8).norm() / local_fp8.norm()).item() < 0.12
 
 
-# ---- the fused LayerNorm-linear in the layers (CPU: torch stand-ins for TE's modules) ---------------------------
+# ---- CPU: this repository's TE wrappers on fake TE base classes ---------------------------------------------
+#
+# TE cannot be installed without CUDA, so these tests do not run TE and say nothing about TE's arithmetic. They
+# run the wrapper classes `make_te_linear_classes` builds (constructor mapping, return convention, borrowed norm
+# parameters, omitted extra state) and the layer wiring on top of two fake bases that record what the wrappers
+# pass to TE's constructors and compute plain `F.linear` / `F.layer_norm` / `F.rms_norm` with the parameters TE
+# would read. Expected values come from torch directly (and from the local layer, which does not use the
+# wrappers). The tests that run TE itself are the `gpu`-marked ones in this file.
+
+fake_te_bases = pytest.mark.fake_te_bases
 
 
-class _StandInTELinear(torch.nn.Module):
-    """TE `Linear`'s constructor and registration (TP size 1), computed with torch. Its extra state is a non-empty
-    byte tensor, as TE's is under FP8."""
+class _FakeTELinearBase(torch.nn.Module):
+    """Records the keyword arguments of TE `Linear`'s constructor and registers parameters as TE 2.x does (TP size
+    1); computes `F.linear`. Its extra state is a non-empty byte tensor, as TE's is under FP8."""
 
     def __init__(self, in_features, out_features, *, sequence_parallel, fuse_wgrad_accumulation, tp_group, tp_size,
                  get_rng_state_tracker, init_method, bias, return_bias, params_dtype, device, parallel_mode):
         super().__init__()
-        assert tp_size == 1 and parallel_mode in ("column", "row")
+        self.constructor_kwargs = dict(
+            in_features=in_features, out_features=out_features, sequence_parallel=sequence_parallel,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation, tp_group=tp_group, tp_size=tp_size,
+            get_rng_state_tracker=get_rng_state_tracker, bias=bias, return_bias=return_bias,
+            params_dtype=params_dtype, device=device, parallel_mode=parallel_mode)
         self.return_bias = return_bias
+        self.loaded_extra_states = []
         self.register_parameter("weight", torch.nn.Parameter(
             torch.empty(out_features, in_features, dtype=params_dtype, device=device)))
         init_method(self.weight)
@@ -112,7 +130,7 @@ class _StandInTELinear(torch.nn.Module):
         return torch.tensor([1, 2, 3], dtype=torch.uint8)
 
     def set_extra_state(self, state):
-        self.loaded_extra_state = state
+        self.loaded_extra_states.append(state)
 
     def _linear(self, x):
         output = F.linear(x, self.weight, None if self.return_bias else self.bias)
@@ -122,12 +140,13 @@ class _StandInTELinear(torch.nn.Module):
         return self._linear(x)
 
 
-class _StandInTELayerNormLinear(_StandInTELinear):
-    """TE `LayerNormLinear`: registers `layer_norm_weight` (and `layer_norm_bias`, or assigns None for RMSNorm)
-    as TE does, and reads them as attributes when it runs."""
+class _FakeTELayerNormLinearBase(_FakeTELinearBase):
+    """Also records TE `LayerNormLinear`'s norm arguments, registers `layer_norm_weight` (and `layer_norm_bias`,
+    or assigns None for RMSNorm) as TE does, and reads them as attributes when it runs."""
 
     def __init__(self, in_features, out_features, *, eps, normalization, zero_centered_gamma, **kwargs):
         super().__init__(in_features, out_features, **kwargs)
+        self.constructor_kwargs.update(eps=eps, normalization=normalization, zero_centered_gamma=zero_centered_gamma)
         self.eps, self.normalization, self.zero_centered_gamma = eps, normalization, zero_centered_gamma
         gamma = torch.full((in_features,), 0.0 if zero_centered_gamma else 1.0, dtype=kwargs["params_dtype"])
         self.register_parameter("layer_norm_weight", torch.nn.Parameter(gamma))
@@ -146,14 +165,79 @@ class _StandInTELayerNormLinear(_StandInTELinear):
 
 
 @pytest.fixture
-def stand_in_te_classes(monkeypatch):
+def wrappers_on_fake_te_bases(monkeypatch):
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
-    classes = te_backend.make_te_linear_classes(_StandInTELinear, _StandInTELayerNormLinear)
+    classes = te_backend.make_te_linear_classes(_FakeTELinearBase, _FakeTELayerNormLinearBase)
     monkeypatch.setattr(te_backend, "te_linear_classes", lambda: classes)
     model_parallel_cuda_manual_seed(3)  # attention forks the model-parallel stream
     yield classes
     get_cuda_rng_tracker().reset()
+
+
+@fake_te_bases
+def test_wrappers_pass_the_config_to_te_constructors_and_return_output_and_bias(wrappers_on_fake_te_bases):
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    from megatron.core.transformer.norms import build_norm
+
+    column, row, norm_column = wrappers_on_fake_te_bases
+    config = _config(hidden_size=16, normalization="RMSNorm", layernorm_epsilon=1e-3,
+                     layernorm_zero_centered_gamma=True, transformer_impl="transformer_engine")
+    weight = torch.arange(24 * 16, dtype=torch.float32).reshape(24, 16) / 100
+
+    def init(tensor):
+        with torch.no_grad():
+            tensor.copy_(weight[: tensor.shape[0], : tensor.shape[1]])
+
+    common = dict(sequence_parallel=False, fuse_wgrad_accumulation=config.gradient_accumulation_fusion,
+                  tp_group=None, tp_size=1, get_rng_state_tracker=get_cuda_rng_tracker, params_dtype=torch.float32,
+                  device=torch.device("cpu"))
+    layers = {
+        "column": column(16, 24, config=config, init_method=init),
+        "row": row(16, 24, config=config, init_method=init, bias=False, skip_bias_add=True),
+        "norm column": norm_column(16, 24, config=config, init_method=init, norm=build_norm(config, 16),
+                                   skip_bias_add=True),
+    }
+    assert layers["column"].constructor_kwargs == dict(common, in_features=16, out_features=24, bias=True,
+                                                       return_bias=False, parallel_mode="column")
+    assert layers["row"].constructor_kwargs == dict(common, in_features=16, out_features=24, bias=False,
+                                                    return_bias=True, parallel_mode="row")
+    assert layers["norm column"].constructor_kwargs == dict(
+        common, in_features=16, out_features=24, bias=True, return_bias=True, parallel_mode="column", eps=1e-3,
+        normalization="RMSNorm", zero_centered_gamma=True)
+
+    # Megatron's (output, bias) convention: bias None when added inside, the bias itself when the caller adds it.
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        layers["column"].bias.copy_(torch.linspace(-1, 1, 24))
+    output, bias = layers["column"](x)
+    assert bias is None
+    torch.testing.assert_close(output, x @ weight.T + torch.linspace(-1, 1, 24), rtol=1e-6, atol=1e-6)
+    output, bias = layers["row"](x)
+    assert bias is None  # no bias at all
+    torch.testing.assert_close(output, x @ weight.T, rtol=1e-6, atol=1e-6)
+    output, bias = layers["norm column"](x)
+    assert bias is layers["norm column"].bias
+    gamma = 1 + build_norm(config, 16).weight  # zero-centred: a fresh norm's weight is 0, applied as 1
+    rms = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-3) * gamma
+    torch.testing.assert_close(output, rms @ weight.T, rtol=1e-5, atol=1e-5)
+
+    # Arguments TE has no counterpart for are refused, not dropped.
+    with pytest.raises(ValueError, match="gather_output"):
+        column(16, 24, config=config, init_method=init, gather_output=True)
+    with pytest.raises(ValueError, match="input_is_parallel"):
+        row(16, 24, config=config, init_method=init, input_is_parallel=False)
+    with pytest.raises(ValueError, match="gather_output"):
+        norm_column(16, 24, config=config, init_method=init, norm=build_norm(config, 16), gather_output=True)
+
+    # TE's extra state stays out of state dicts; a state dict without it loads strictly, handing TE an empty
+    # byte tensor ("nothing saved").
+    for layer in layers.values():
+        state = layer.state_dict()
+        assert "_extra_state" not in state and "weight" in state
+        layer.load_state_dict(state, strict=True)
+        (loaded,) = layer.loaded_extra_states
+        assert loaded.dtype == torch.uint8 and loaded.numel() == 0
 
 
 def _layer_config(normalization, zero_centered, **overrides):
@@ -171,10 +255,20 @@ def _run_layer(layer, x):
     return out.detach(), x.grad, grads
 
 
+def _normed(x, norm, normalization, zero_centered, eps):
+    """The norm computed by hand from its parameters (independent of the modules under test)."""
+    gamma = norm.weight + 1 if zero_centered else norm.weight
+    if normalization == "RMSNorm":
+        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * gamma
+    centred = x - x.mean(-1, keepdim=True)
+    return centred * torch.rsqrt(centred.square().mean(-1, keepdim=True) + eps) * gamma + norm.bias
+
+
+@fake_te_bases
 @pytest.mark.parametrize("normalization, zero_centered", [("LayerNorm", False), ("RMSNorm", True)])
-def test_layers_use_the_fused_norm_linear_under_te_with_the_local_names(stand_in_te_classes, normalization,
-                                                                         zero_centered):
-    te_column, te_row, te_norm_column = stand_in_te_classes
+def test_layer_wiring_on_fake_te_bases_fuses_the_norms_and_keeps_the_local_names(wrappers_on_fake_te_bases,
+                                                                                  normalization, zero_centered):
+    te_column, te_row, te_norm_column = wrappers_on_fake_te_bases
     local = TransformerLayer(_layer_config(normalization, zero_centered), layer_number=1)
     te_layer = TransformerLayer(_layer_config(normalization, zero_centered, transformer_impl="transformer_engine"),
                                 layer_number=1)
@@ -205,6 +299,16 @@ def test_layers_use_the_fused_norm_linear_under_te_with_the_local_names(stand_in
                 norm.bias.copy_(torch.linspace(0.3, -0.2, norm.bias.numel()))
     te_layer.load_state_dict(local.state_dict(), strict=True)
     x = torch.randn(6, 2, 32, generator=torch.Generator().manual_seed(0))
+
+    # The fused QKV against torch by hand: the loaded norm parameters applied once, then the QKV weight.
+    qkv = te_layer.self_attention.linear_qkv
+    eps = te_layer.config.layernorm_epsilon
+    expected_qkv = F.linear(_normed(x, te_layer.input_layernorm, normalization, zero_centered, eps), qkv.weight,
+                            qkv.bias)
+    with torch.no_grad():
+        torch.testing.assert_close(qkv(x)[0], expected_qkv, rtol=1e-5, atol=1e-5)
+
+    # The whole layer against the local layer (which applies the norms itself, without the wrappers).
     local_out, local_dx, local_grads = _run_layer(local, x)
     te_out, te_dx, te_grads = _run_layer(te_layer, x)
     torch.testing.assert_close(te_out, local_out, rtol=1e-6, atol=1e-6)
@@ -223,7 +327,7 @@ def test_layers_use_the_fused_norm_linear_under_te_with_the_local_names(stand_in
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAVE_TE, reason="needs transformer-engine")
+@pytest.mark.skipif(not HAVE_TE, reason=NEEDS_TE)
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
 def test_te_transformer_layer_matches_the_local_layer_in_fp32(single_gpu_model_parallel, normalization):
     """A GPT layer built with TE's layers (fused LayerNorm-linear for QKV and fc1) against the local layer, with
@@ -280,7 +384,7 @@ def _train_te_block(fp8_param_gather, steps=3):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAVE_TE, reason="needs transformer-engine")
+@pytest.mark.skipif(not HAVE_TE, reason=NEEDS_TE)
 def test_fp8_param_gather_with_te_layers_trains_like_fp8_without_it(single_gpu_model_parallel):
     """`--fp8-param-gather` with TE layers (distributed optimizer, one GPU): the TE layers' weights are kept as FP8
     bytes, handed to TE dequantized (no `fp8_weight`), and TE's tensorwise autocast re-quantizes them to the same
