@@ -1,0 +1,188 @@
+"""Rank-layout arithmetic for the parallel groups: which global ranks form each tensor, pipeline, context,
+expert and data-parallel group, and the device mesh of a pipeline stage, as plain lists (no torch.distributed).
+
+`generate_rank_groups` lays the world's ranks out on a grid whose axes follow `order` (the first axis varies
+fastest, Megatron's default "tp-cp-ep-dp-pp" puts tensor-parallel neighbours on consecutive ranks) and returns,
+for every kind of group, the list of rank lists. It runs without processes, so the layouts are unit-tested
+directly; `process_groups.py` turns the lists into process groups.
+
+Expert parallelism uses its own grid over the same ranks: within a pipeline stage the tp*cp*dp ranks are
+re-read as tp x ep x expert-dp (context parallelism folded into expert data parallelism).
+"""
+
+import itertools
+
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+DEVICE_MESH_DIM_NAMES = ("dp_outer", "dp_shard_cp", "tp")
+_DIMENSIONS = ("tp", "cp", "ep", "dp", "pp")
+_DIMENSION_FLAGS = {
+    "tp": "--tensor-model-parallel-size",
+    "pp": "--pipeline-model-parallel-size",
+    "cp": "--context-parallel-size",
+    "ep": "--expert-model-parallel-size",
+    "dp": "data-parallel size",
+}
+
+
+def parse_order(order):
+    """Split an order string like "tp-cp-ep-dp-pp" into its dimension names, validating them."""
+    names = [name.strip() for name in order.lower().split("-") if name.strip()]
+    unknown = [name for name in names if name not in _DIMENSIONS]
+    if unknown:
+        raise ValueError(f"order {order!r} names unknown dimensions {unknown}; use a permutation of {_DIMENSIONS}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"order {order!r} repeats a dimension")
+    return names
+
+
+class RankGrid:
+    """Ranks laid out on a grid; `order` lists the axes from fastest to slowest varying."""
+
+    def __init__(self, sizes, order):
+        self.order = [name for name in order if name in sizes] + [name for name in sizes if name not in order]
+        self.sizes = {name: sizes[name] for name in self.order}
+        self.strides = {}
+        stride = 1
+        for name in self.order:
+            self.strides[name] = stride
+            stride *= self.sizes[name]
+        self.world_size = stride
+
+    def rank_of(self, coordinates):
+        return sum(coordinates.get(name, 0) * self.strides[name] for name in self.order)
+
+    def coordinates_of(self, rank):
+        return {name: (rank // self.strides[name]) % self.sizes[name] for name in self.order}
+
+    def groups(self, dims):
+        """Rank lists along `dims` (a set of axis names); one list per combination of the other axes."""
+        varying = [name for name in self.order if name in dims]
+        fixed = [name for name in self.order if name not in dims]
+        groups = []
+        # Enumerate the fixed axes with the first one in `order` varying fastest (Megatron's group order).
+        for fixed_values in itertools.product(*(range(self.sizes[name]) for name in reversed(fixed))):
+            base = dict(zip(reversed(fixed), fixed_values))
+            ranks = []
+            for varying_values in itertools.product(*(range(self.sizes[name]) for name in reversed(varying))):
+                coordinates = dict(base, **dict(zip(reversed(varying), varying_values)))
+                ranks.append(self.rank_of(coordinates))
+            groups.append(ranks)
+        return groups
+
+
+def validate_parallel_sizes(
+    world_size,
+    tensor_model_parallel_size=1,
+    pipeline_model_parallel_size=1,
+    context_parallel_size=1,
+    expert_model_parallel_size=1,
+    num_distributed_optimizer_instances=1,
+):
+    """Check the sizes against the world; returns the data-parallel size. Raises ValueError naming the flags."""
+    sizes = {
+        "--tensor-model-parallel-size": tensor_model_parallel_size,
+        "--pipeline-model-parallel-size": pipeline_model_parallel_size,
+        "--context-parallel-size": context_parallel_size,
+        "--expert-model-parallel-size": expert_model_parallel_size,
+        "--num-distributed-optimizer-instances": num_distributed_optimizer_instances,
+    }
+    for flag, value in sizes.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
+    if world_size % model_parallel != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor ({tensor_model_parallel_size}) x pipeline "
+            f"({pipeline_model_parallel_size}) x context ({context_parallel_size}) model parallel sizes; "
+            "choose sizes whose product divides the number of ranks"
+        )
+    data_parallel_size = world_size // model_parallel
+    if (data_parallel_size * context_parallel_size) % expert_model_parallel_size != 0:
+        raise ValueError(
+            f"data-parallel ({data_parallel_size}) x context-parallel ({context_parallel_size}) size must be "
+            f"divisible by --expert-model-parallel-size ({expert_model_parallel_size})"
+        )
+    if (data_parallel_size * context_parallel_size) % num_distributed_optimizer_instances != 0:
+        raise ValueError(
+            f"data-parallel ({data_parallel_size}) x context-parallel ({context_parallel_size}) size must be "
+            f"divisible by --num-distributed-optimizer-instances ({num_distributed_optimizer_instances})"
+        )
+    return data_parallel_size
+
+
+def generate_rank_groups(world_size, tp=1, pp=1, cp=1, ep=1, dp=None, order=DEFAULT_ORDER,
+                         num_distributed_optimizer_instances=1):
+    """Every kind of rank group for a layout, as {name: [[global ranks], ...]}.
+
+    Names: "tp", "pp", "cp", "dp" (equal tp/pp/cp coordinates), "dp-cp" (equal tp/pp coordinates),
+    "tp-cp", "tp-dp" (equal pp/cp coordinates), "tp-dp-cp" (every rank of one pipeline stage: FP8's
+    amax-reduction group), "mp" (tp x pp: the model-parallel group), "embedding" (first and last rank of each
+    pipeline), "inner-dp-cp" / "outer-dp-cp" (hybrid sharding: the dp-cp group cut into N consecutive chunks, and the
+    ranks at the same position across the chunks), "ep", "expt-dp" (expert grid), "tp-ep".
+    `dp` is derived from the world size when None; a given value must agree with it.
+    """
+    derived_dp = validate_parallel_sizes(world_size, tp, pp, cp, ep, num_distributed_optimizer_instances)
+    if dp is not None and dp != derived_dp:
+        raise ValueError(
+            f"data-parallel size {dp} does not match world size {world_size} / (tp {tp} x pp {pp} x cp {cp}) "
+            f"= {derived_dp}"
+        )
+    dp = derived_dp
+    names = parse_order(order)
+    requested = {"tp": tp, "cp": cp, "ep": ep, "dp": dp, "pp": pp}
+    missing = [name for name in _DIMENSIONS if name not in names and requested[name] > 1]
+    if missing:
+        raise ValueError(f"order {order!r} must name every dimension with size > 1; missing {missing}")
+
+    dense = RankGrid({"tp": tp, "cp": cp, "dp": dp, "pp": pp}, [n for n in names if n != "ep"])
+    groups = {
+        "tp": dense.groups({"tp"}),
+        "pp": dense.groups({"pp"}),
+        "cp": dense.groups({"cp"}),
+        "dp": dense.groups({"dp"}),
+        "dp-cp": dense.groups({"dp", "cp"}),
+        "tp-cp": dense.groups({"tp", "cp"}),
+        "tp-dp": dense.groups({"tp", "dp"}),
+        "tp-dp-cp": dense.groups({"tp", "dp", "cp"}),
+        "mp": dense.groups({"tp", "pp"}),
+    }
+    groups["embedding"] = [[ranks[0], ranks[-1]] if len(ranks) > 1 else list(ranks) for ranks in groups["pp"]]
+
+    instances = num_distributed_optimizer_instances
+    inner_size = (dp * cp) // instances
+    groups["inner-dp-cp"] = [
+        ranks[start : start + inner_size] for ranks in groups["dp-cp"] for start in range(0, len(ranks), inner_size)
+    ]
+    groups["outer-dp-cp"] = [ranks[position::inner_size] for ranks in groups["dp-cp"] for position in range(inner_size)]
+
+    expert_dp = (dp * cp) // ep
+    expert = RankGrid({"tp": tp, "ep": ep, "dp": expert_dp, "pp": pp}, [n for n in names if n != "cp"])
+    groups["ep"] = expert.groups({"ep"})
+    groups["expt-dp"] = expert.groups({"dp"})
+    groups["tp-ep"] = expert.groups({"tp", "ep"})
+    return groups
+
+
+def device_mesh_layout(groups, rank, num_distributed_optimizer_instances=1):
+    """The (dp_outer, dp_shard_cp, tp) mesh of the pipeline stage that holds `rank`, as nested lists.
+
+    mesh[o][i][t] is the rank at tensor-parallel position t, in chunk o of its dp-cp group, position i.
+    """
+    stage_dp_cp = [g for g in groups["dp-cp"] if g[0] in _pipeline_stage_of(groups, rank)]
+    tp_size = len(groups["tp"][0])
+    dp_cp_size = len(groups["dp-cp"][0])
+    inner = dp_cp_size // num_distributed_optimizer_instances
+    # Sort the stage's dp-cp groups by tensor-parallel position of their first rank.
+    position_in_tp = {r: g.index(r) for g in groups["tp"] for r in g}
+    stage_dp_cp.sort(key=lambda g: position_in_tp[g[0]])
+    assert len(stage_dp_cp) == tp_size
+    return [
+        [[stage_dp_cp[t][o * inner + i] for t in range(tp_size)] for i in range(inner)]
+        for o in range(num_distributed_optimizer_instances)
+    ]
+
+
+def _pipeline_stage_of(groups, rank):
+    """All ranks that share `rank`'s pipeline stage (same position in their pipeline group)."""
+    stage = next(ranks.index(rank) for ranks in groups["pp"] if rank in ranks)
+    return {ranks[stage] for ranks in groups["pp"]}
