@@ -3,7 +3,8 @@
 Formats `e4m3` and `hybrid` (e4m3 forward, e5m2 gradients); recipes `delayed` (scale from an amax history)
 and `tensorwise` (current per-tensor scaling) run on any device with torch's float8 dtypes, `mxfp8` and
 `blockwise` only through Transformer Engine on GPUs. Layers run in FP8 inside `get_fp8_context(config,
-layer_no)`. The implementation lives in `megatron.core.fp8`, one file per concern.
+layer_no)`; a training loop calls `reduce_fp8_amaxes(model_chunks)` once per optimizer step, after forward and
+backward (delayed-scaling amaxes, one collective; the step's FP8 weight caches). The implementation lives in `megatron.core.fp8`, one file per concern.
 """
 
 from megatron.core.fp8.context import Fp8Region, active_fp8_region, get_fp8_context, is_first_last_bf16_layer
@@ -19,17 +20,17 @@ from megatron.core.fp8.formats import (
     is_fp8_dtype,
 )
 from megatron.core.fp8.linear import (fp8_gemm, fp8_linear, force_fp8_gemm_emulation, force_fp8_scaled_mm,
-                                      scaled_mm_supported)
+                                      gemm_plan, scaled_mm_supported)
 from megatron.core.fp8.recipe import Fp8Recipe
-from megatron.core.fp8.scaling import LinearScaling, ScalingState, amax_reduction_groups, reduce_and_record_amaxes
+from megatron.core.fp8.scaling import (LinearScaling, ScalingState, amax_reduction_groups, reduce_and_record_amaxes,
+                                       reduce_fp8_amaxes)
 from megatron.core.fp8.tensor import (
     Float8Tensor,
     amax,
-    as_uint8,
     dequantize,
-    fake_quantize,
     is_float8tensor,
     quantize,
+    quantize_by_amax,
     quantize_with_current_scale,
     scale_from_amax,
 )
@@ -49,22 +50,23 @@ __all__ = [
     "active_fp8_region",
     "amax",
     "amax_reduction_groups",
-    "as_uint8",
     "dequantize",
-    "fake_quantize",
     "force_fp8_gemm_emulation",
     "force_fp8_scaled_mm",
     "fp8_gemm",
     "fp8_linear",
     "fp8_max",
+    "gemm_plan",
     "get_fp8_context",
     "get_fp8_format",
     "is_first_last_bf16_layer",
     "is_float8tensor",
     "is_fp8_dtype",
     "quantize",
+    "quantize_by_amax",
     "quantize_with_current_scale",
     "reduce_and_record_amaxes",
+    "reduce_fp8_amaxes",
     "scale_from_amax",
     "scaled_mm_supported",
 ]

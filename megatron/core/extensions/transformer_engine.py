@@ -242,13 +242,30 @@ def uses_transformer_engine(config) -> bool:
     return getattr(config, "transformer_impl", "local") == "transformer_engine"
 
 
+def _fp8_region_layer(cls):
+    """`cls`'s constructor for a linear layer of a transformer layer, which can run inside FP8 regions: the layer
+    also gets its delayed-scaling amax-history buffers (`register_fp8_histories`)."""
+
+    @functools.wraps(cls, updated=())
+    def build(*args, **kwargs):
+        return cls(*args, **kwargs).register_fp8_histories()
+
+    return build
+
+
 def layer_classes(config):
-    """(column-parallel linear class, row-parallel linear class) for `config.transformer_impl`."""
+    """(column-parallel linear class, row-parallel linear class) for `config.transformer_impl`, to build the linear
+    layers of transformer layers with. Under torch-native delayed FP8 scaling they are constructors of the local
+    classes that also give each layer its amax-history buffers (layers built otherwise, such as the output
+    layer, never run in an FP8 region and have none)."""
     if uses_transformer_engine(config):
         column, row, _ = te_linear_classes()
         return column, row
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                      _uses_torch_native_delayed_fp8)
 
+    if _uses_torch_native_delayed_fp8(config):
+        return _fp8_region_layer(ColumnParallelLinear), _fp8_region_layer(RowParallelLinear)
     return ColumnParallelLinear, RowParallelLinear
 
 

@@ -2,58 +2,21 @@
 
 Linear layers quantize their GEMMs only inside an FP8 region. The transformer block opens one region per
 layer, so `--first-last-layers-bf16` can keep the first and last layers in the parameters' precision by simply
-not opening it there; the output layer and the embedding are never inside one. When a torch-native region
-ends under delayed scaling, the amaxes its layers recorded (forward amaxes of this pass and gradient amaxes of
-the previous backward) are reduced across the ranks sharing those layers in one collective, and pushed into
-the histories that the next scales are read from.
+not opening it there; the output layer and the embedding are never inside one. Under delayed scaling the amaxes the layers
+record stay pending on the device; the training step reduces all of them across the ranks sharing the layers in
+one collective per optimizer step (`megatron.core.fp8.scaling.reduce_fp8_amaxes`) and pushes them into the
+histories that the next scales are read from.
+
+The region itself lives in `megatron.core.fp8.region`, which imports nothing of the Transformer Engine backend:
+the tensor-parallel layers import it, and the backend imports those layers.
 """
 
 import contextlib
-import threading
 
 from megatron.core.fp8.recipe import Fp8Recipe
-from megatron.core.fp8.scaling import amax_reduction_groups, reduce_and_record_amaxes
+from megatron.core.fp8.region import Fp8Region, active_fp8_region
 
-_LOCAL = threading.local()
-
-
-def _region_stack():
-    if not hasattr(_LOCAL, "regions"):
-        _LOCAL.regions = []
-    return _LOCAL.regions
-
-
-class Fp8Region:
-    """A torch-native FP8 region: linear layers run inside it quantize with `recipe`."""
-
-    def __init__(self, recipe: Fp8Recipe, reduction_groups=None):
-        self.recipe = recipe
-        self.reduction_groups = reduction_groups
-        self._used_states = []
-        self._used_ids = set()
-
-    def use(self, linear_scaling):
-        """Called by a layer that quantizes inside this region (its amaxes are reduced when it ends)."""
-        if id(linear_scaling) not in self._used_ids:
-            self._used_ids.add(id(linear_scaling))
-            self._used_states.extend(linear_scaling.states())
-
-    def __enter__(self):
-        _region_stack().append(self)
-        return self
-
-    def __exit__(self, *exc):
-        _region_stack().pop()
-        if exc[0] is None and self.recipe.is_delayed:
-            groups = amax_reduction_groups() if self.reduction_groups is None else self.reduction_groups
-            reduce_and_record_amaxes(self._used_states, groups)
-        return False
-
-
-def active_fp8_region():
-    """The innermost torch-native FP8 region, or None when FP8 is not in effect."""
-    stack = _region_stack()
-    return stack[-1] if stack else None
+__all__ = ["Fp8Region", "active_fp8_region", "get_fp8_context", "is_first_last_bf16_layer"]
 
 
 def is_first_last_bf16_layer(config, layer_no: int) -> bool:

@@ -4,14 +4,15 @@ Each FP8 linear layer owns one `ScalingState` per tensor role (input, weight, gr
 that hold shards of one logical tensor must quantize it with the same scale, or the shards would not form
 one FP8 tensor: tensor-parallel shards reduce the amax (MAX) over the tensor-parallel group, and under
 delayed scaling the amaxes recorded in a forward pass are reduced over the pipeline stage's amax-reduction group
-(its TP x DP x CP ranks), as Megatron does, so every shard and replica of a layer uses identical scales.
+(its TP x DP x CP ranks), as Megatron does, so every shard and replica of a layer uses identical scales. That
+reduction runs once per optimizer step for all layers together (`reduce_fp8_amaxes`), in one collective.
 """
 
 import torch
 import torch.distributed as dist
 
 from megatron.core.fp8.recipe import Fp8Recipe
-from megatron.core.fp8.tensor import Float8Tensor, amax, quantize, scale_from_amax
+from megatron.core.fp8.tensor import Float8Tensor, amax, quantize_by_amax, scale_from_amax
 
 NO_AMAX = -1.0  # marks "nothing recorded" in a reduced amax vector (real amaxes are >= 0)
 
@@ -61,6 +62,13 @@ class ScalingState:
         dtype: the float8 dtype this role is stored in.
         sharded_over_tensor_parallel: the tensor is split across tensor-parallel ranks (so its amax is reduced
             over them); replicated tensors already agree.
+        history_storage, count_storage: `[amax_history_len]` fp32 and `[1]` int64 tensors holding the history and
+            its fill count (e.g. rows of a module's buffers, so checkpoints carry them); new ones on the CPU when
+            not given. They stay where they are: keep them on the device of the tensors quantized (buffers move
+            with their module).
+
+    Nothing here synchronises with the host: amaxes stay on the device, pending ones are combined with MAX until
+    `reduce_and_record_amaxes` pushes them into the history.
     """
 
     def __init__(self, recipe: Fp8Recipe, dtype: torch.dtype, sharded_over_tensor_parallel: bool,
@@ -68,7 +76,6 @@ class ScalingState:
         self.recipe = recipe
         self.dtype = dtype
         self.sharded_over_tensor_parallel = sharded_over_tensor_parallel
-        # The history and its fill count may live in a module's buffers, so checkpoints carry them.
         if history_storage is None:
             history_storage = torch.zeros(recipe.amax_history_len, dtype=torch.float32)
         if history_storage.shape != (recipe.amax_history_len,):
@@ -76,65 +83,105 @@ class ScalingState:
                              f"{recipe.amax_history_len}")
         self.amax_history = history_storage
         self.recorded_count = count_storage if count_storage is not None else torch.zeros(1, dtype=torch.int64)
-        self.pending_amax = None
+        self.pending_amax = None  # device scalar: MAX of the amaxes seen since the last record
+        # Known on the host without looking at the device: a history was recorded since this state was built
+        # (False after a load, until the next record: the device-side count then decides, see `_amax_for_scale`).
+        self.has_history = False
+        self.generation = 0  # bumped by every record (the scale may have changed)
 
     @property
     def num_recorded(self) -> int:
+        """How many amaxes the history has recorded (reads the device: for tests and reports, not hot paths)."""
         return int(self.recorded_count.item())
 
     # ---- scale selection --------------------------------------------------------------------------------------
-    def _current_scale(self, tensor):
-        current = amax(tensor).reshape(1)
+    def _current_amax(self, local_amax):
         if self.sharded_over_tensor_parallel:
-            all_reduce_max(current, [tensor_parallel_group_if_sharded()])
-        return scale_from_amax(current[0], self.dtype, self.recipe.margin)
+            group = tensor_parallel_group_if_sharded()
+            if group is not None:
+                local_amax = local_amax.reshape(1).clone()
+                all_reduce_max(local_amax, [group])
+                return local_amax[0]
+        return local_amax
 
     def history_amax(self) -> torch.Tensor:
         if self.recipe.amax_compute_algo == "max":
             return self.amax_history.max()
         return self.amax_history[0]
 
-    def scale_for(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The scale to quantize `tensor` with; under delayed scaling also records its amax."""
+    def _amax_for_scale(self, tensor: torch.Tensor) -> torch.Tensor:
+        local_amax = amax(tensor)
         if not self.recipe.is_delayed:
-            return self._current_scale(tensor)
-        local_amax = amax(tensor).cpu()
+            return self._current_amax(local_amax)
         self.pending_amax = local_amax if self.pending_amax is None else torch.maximum(self.pending_amax, local_amax)
-        if self.num_recorded == 0:
-            # No history yet (the first step): scale by the current amax rather than by an arbitrary 1.
-            return self._current_scale(tensor)
-        return scale_from_amax(self.history_amax().to(tensor.device), self.dtype, self.recipe.margin)
+        history = self.history_amax().to(tensor.device)
+        if self.has_history:
+            return history
+        # No history known on the host (the first step, or just loaded): the history where the device-side count
+        # says there is one, else this tensor's own amax, rather than an arbitrary scale of 1.
+        recorded = self.recorded_count[0].to(tensor.device) > 0
+        return torch.where(recorded, history, self._current_amax(local_amax))
 
-    def quantize(self, tensor: torch.Tensor) -> Float8Tensor:
-        return quantize(tensor, self.dtype, self.scale_for(tensor))
+    def scale_for(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The scale to quantize `tensor` with; under delayed scaling also records its amax as pending."""
+        return scale_from_amax(self._amax_for_scale(tensor), self.dtype, self.recipe.margin)
 
-    # ---- delayed scaling: history ------------------------------------------------------------------------------
-    def take_pending_amax(self) -> float:
-        pending = NO_AMAX if self.pending_amax is None else float(self.pending_amax)
-        self.pending_amax = None
-        return pending
-
-    def record(self, reduced_amax: float):
-        """Push an amax (already agreed across ranks) into the history, newest first."""
-        with torch.no_grad():
-            self.amax_history.copy_(torch.roll(self.amax_history, 1))
-            self.amax_history[0] = reduced_amax
-            self.recorded_count.add_(1)
+    def quantize(self, tensor: torch.Tensor, with_transpose: bool = False) -> Float8Tensor:
+        """`tensor` in FP8 with this role's scale (scale, reciprocal and bytes from one pass)."""
+        return quantize_by_amax(tensor, self.dtype, self._amax_for_scale(tensor), self.recipe.margin,
+                                with_transpose=with_transpose)
 
 
 def reduce_and_record_amaxes(states, groups):
-    """Reduce the pending amaxes of `states` (same order on every rank) in one vector and record them."""
+    """Reduce the pending amaxes of `states` (same order on every rank) in one collective over `groups` and push
+    them into the histories, all on the device: no host synchronisation. A state with nothing pending on every
+    rank records nothing."""
     if not states:
         return
-    pending = torch.tensor([state.take_pending_amax() for state in states], dtype=torch.float32)
+    device = states[0].amax_history.device
+    nothing = torch.full((), NO_AMAX, dtype=torch.float32, device=device)
+    pending = torch.stack([nothing if state.pending_amax is None else state.pending_amax.to(device)
+                           for state in states])
     if groups:
         from megatron.core.device_utils import get_device_for_group
 
-        device = get_device_for_group(groups[0])
-        pending = all_reduce_max(pending.to(device), groups).cpu()
-    for state, value in zip(states, pending.tolist()):
-        if value != NO_AMAX:
-            state.record(value)
+        pending = all_reduce_max(pending.to(get_device_for_group(groups[0])), groups).to(device)
+    valid = pending >= 0
+    by_length = {}
+    for index, state in enumerate(states):
+        by_length.setdefault(state.amax_history.shape[0], []).append(index)
+    for indices in by_length.values():
+        chosen = [states[index] for index in indices]
+        index_tensor = torch.tensor(indices, device=device)
+        histories = torch.stack([state.amax_history for state in chosen])
+        chosen_valid = valid.index_select(0, index_tensor)
+        pushed = torch.cat([pending.index_select(0, index_tensor).unsqueeze(1), histories[:, :-1]], dim=1)
+        updated = torch.where(chosen_valid.unsqueeze(1), pushed, histories)
+        torch._foreach_copy_([state.amax_history for state in chosen], list(updated.unbind(0)))
+        counts = chosen_valid.to(torch.int64).unsqueeze(1)
+        torch._foreach_add_([state.recorded_count for state in chosen], list(counts.unbind(0)))
+    for state in states:
+        if state.pending_amax is not None:
+            state.has_history = True
+        state.pending_amax = None
+        state.generation += 1
+
+
+def reduce_fp8_amaxes(model_chunks) -> None:
+    """Once per optimizer step, after forward and backward of all microbatches: reduce every FP8 layer's pending
+    delayed-scaling amaxes over the pipeline stage's amax-reduction group in one collective, record them, and
+    start the step's FP8 weight caches anew (the optimizer step is about to change the weights).
+
+    Every rank of the amax-reduction group must call it (the layers' order is the modules' order, the same on
+    every rank). Layers take part through their `fp8_step_states()` method (the tensor-parallel linear layers).
+    """
+    states = []
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            step_states = getattr(module, "fp8_step_states", None)
+            if step_states is not None:
+                states.extend(step_states())
+    reduce_and_record_amaxes(states, amax_reduction_groups())
 
 
 class LinearScaling:

@@ -1,25 +1,43 @@
-"""FP8 tensors: float8 data plus the fp32 scale it was quantized with.
+"""FP8 tensors: float8 data plus the fp32 scale it was quantized with (and its reciprocal, computed once).
 
-`quantize(x, dtype, scale)` stores `saturate(x * scale)` in `dtype`; `dequantize` returns `data * (1 / scale)`.
-Every float8 value is exact in fp32, so a dequantized tensor is exactly what an FP8 GEMM computes with, and
-re-quantizing it with the same scale returns the same bytes.
+`quantize(x, dtype, scale)` stores `saturate(x * scale)` in `dtype` (the product in fp32, rounded to nearest
+even onto the float8 grid); `dequantize` returns `data * scale_inv` with `scale_inv = 1 / scale` (fp32).
+Every float8 value is exact in fp32, so a dequantized tensor is what an FP8 GEMM computes with (up to the one
+rounding of the scale), and re-quantizing it with the same scale returns the same bytes.
+
+Quantizing takes as few passes over memory as the device allows. On CUDA the amax reduction and the
+scale-and-cast are `torch.compile`d functions (one reduction kernel, then one kernel that computes the scale
+and writes the float8 bytes, and the transposed bytes when asked for); where compiling fails they run eagerly
+and a message says so once. Elsewhere (the CPU) they run eagerly: the amax is one `aminmax` pass (no `abs`
+temporary), and the cast is one multiply (in fp32, without a separate upcast copy), an in-place clamp and the
+float8 conversion.
 """
+
+import logging
 
 import torch
 
 from megatron.core.fp8.formats import fp8_max, is_fp8_dtype
 
+logger = logging.getLogger(__name__)
+
 
 class Float8Tensor:
-    """`data` (a float8 tensor) and `scale` (fp32 scalar tensor): the value is `data.float() / scale`."""
+    """`data` (a float8 tensor) and `scale` (fp32 scalar tensor): the value is `data.float() * scale_inv`.
 
-    __slots__ = ("data", "scale")
+    `transpose_data`, when present, is `data.t().contiguous()` (kept where a backward GEMM needs the other
+    layout: `--keep-fp8-transpose-cache`)."""
 
-    def __init__(self, data: torch.Tensor, scale: torch.Tensor):
+    __slots__ = ("data", "scale", "_scale_inv", "transpose_data")
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor = None,
+                 transpose_data: torch.Tensor = None):
         if not is_fp8_dtype(data.dtype):
             raise TypeError(f"Float8Tensor data must have a float8 dtype, got {data.dtype}")
         self.data = data
         self.scale = scale
+        self._scale_inv = scale_inv
+        self.transpose_data = transpose_data
 
     @property
     def shape(self):
@@ -31,13 +49,21 @@ class Float8Tensor:
 
     @property
     def scale_inv(self) -> torch.Tensor:
-        return self.scale.reciprocal()
+        if self._scale_inv is None:
+            self._scale_inv = self.scale.reciprocal()
+        return self._scale_inv
+
+    def t(self) -> "Float8Tensor":
+        """The transposed FP8 tensor: the kept transposed bytes when there are some, else a view (no copy)."""
+        if self.transpose_data is not None:
+            return Float8Tensor(self.transpose_data, self.scale, self._scale_inv, transpose_data=self.data)
+        return Float8Tensor(self.data.t(), self.scale, self._scale_inv, transpose_data=self.data)
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         return (self.data.to(torch.float32) * self.scale_inv).to(dtype)
 
     def __repr__(self):
-        return f"Float8Tensor(shape={tuple(self.data.shape)}, dtype={self.data.dtype}, scale={float(self.scale):.6g})"
+        return f"Float8Tensor(shape={tuple(self.data.shape)}, dtype={self.data.dtype})"
 
 
 def _te_float8_tensor_class():
@@ -60,11 +86,76 @@ def is_float8tensor(tensor) -> bool:
     return te_class is not None and isinstance(tensor, te_class)
 
 
+# ---- eager kernels ------------------------------------------------------------------------------------------------
+
+
+def _amax_eager(tensor: torch.Tensor) -> torch.Tensor:
+    low, high = torch.aminmax(tensor)  # one pass; max(|x|) = max(max, -min); NaN propagates
+    return torch.maximum(high, low.neg()).to(torch.float32)
+
+
+def _scale_eager(amax_value: torch.Tensor, limit: float) -> torch.Tensor:
+    scale = limit / amax_value.to(torch.float32)
+    # amax 0, inf, NaN, negative or so small that the scale overflows: scale 1 (all-zero tensors stay zero, and a
+    # bad amax cannot poison the scale).
+    return torch.where((scale > 0) & (scale < float("inf")), scale, 1.0)
+
+
+def _cast_eager(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, limit: float) -> torch.Tensor:
+    # A one-element (not 0-dim) scale takes part in type promotion: a bf16 tensor is multiplied in fp32 and no
+    # fp32 copy of it is made first.
+    scaled = tensor * scale.reshape(1)
+    return scaled.clamp_(-limit, limit).to(dtype)
+
+
+def _scale_and_cast_eager(tensor, amax_value, dtype, target, limit, with_transpose):
+    # `target` (the float8 maximum / 2**margin) is what the amax maps onto; `limit` the saturation bound.
+    scale = _scale_eager(amax_value, target)
+    data = _cast_eager(tensor, scale, dtype, limit)
+    transpose = data.t().contiguous() if with_transpose else None
+    return data, transpose, scale, scale.reciprocal()
+
+
+# ---- compiled kernels (CUDA) ---------------------------------------------------------------------------------------
+
+_COMPILED = {}
+_COMPILE_FAILED = []
+# None: compile on CUDA only; True / False: force (tests run the compiled functions on the CPU).
+_COMPILE_OVERRIDE = [None]
+
+
+def _wants_compiled(tensor: torch.Tensor) -> bool:
+    if _COMPILE_FAILED:
+        return False
+    if _COMPILE_OVERRIDE[0] is not None:
+        return _COMPILE_OVERRIDE[0]
+    return tensor.is_cuda
+
+
+def _compiled(name, function):
+    if name not in _COMPILED:
+        _COMPILED[name] = torch.compile(function, dynamic=True, fullgraph=True)
+    return _COMPILED[name]
+
+
+def _run(name, eager, tensor, *args):
+    if _wants_compiled(tensor):
+        try:
+            return _compiled(name, eager)(tensor, *args)
+        except Exception as error:  # no working compiler / backend here: stay eager from now on
+            _COMPILE_FAILED.append(repr(error))
+            logger.warning("FP8 quantization runs eagerly: torch.compile of its kernels failed (%s)", error)
+    return eager(tensor, *args)
+
+
+# ---- public API ---------------------------------------------------------------------------------------------------
+
+
 def amax(tensor: torch.Tensor) -> torch.Tensor:
-    """max(|tensor|) as an fp32 scalar tensor (0 for an empty tensor)."""
+    """max(|tensor|) as an fp32 scalar tensor (0 for an empty tensor). No host synchronisation."""
     if tensor.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=tensor.device)
-    return tensor.detach().abs().max().to(torch.float32)
+    return _run("amax", _amax_eager, tensor.detach())
 
 
 def scale_from_amax(amax_value: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
@@ -73,36 +164,38 @@ def scale_from_amax(amax_value: torch.Tensor, dtype: torch.dtype, margin: int = 
     An amax of 0 (or a non-finite one) gives scale 1, so all-zero tensors stay zero and a bad amax cannot
     poison the scale.
     """
-    amax_value = amax_value.to(torch.float32)
-    scale = (fp8_max(dtype) / (2.0**margin)) / amax_value
-    usable = torch.isfinite(amax_value) & (amax_value > 0) & torch.isfinite(scale) & (scale > 0)
-    return torch.where(usable, scale, torch.ones_like(scale))
+    return _scale_eager(amax_value, fp8_max(dtype) / (2.0**margin))
+
+
+def _check_fp8(dtype):
+    if not is_fp8_dtype(dtype):
+        raise ValueError(f"quantize needs a float8 dtype, got {dtype}")
 
 
 def quantize(tensor: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> Float8Tensor:
     """`tensor * scale`, saturated to the float8 range, stored in `dtype`."""
-    if not is_fp8_dtype(dtype):
-        raise ValueError(f"quantize needs a float8 dtype, got {dtype}")
+    _check_fp8(dtype)
+    scale = scale.detach().to(torch.float32)
+    data = _run(f"cast_{dtype}", _cast_eager, tensor.detach(), scale, dtype, fp8_max(dtype))
+    return Float8Tensor(data, scale)
+
+
+def quantize_by_amax(tensor: torch.Tensor, dtype: torch.dtype, amax_value: torch.Tensor, margin: int = 0,
+                     with_transpose: bool = False) -> Float8Tensor:
+    """Quantize with the scale of `amax_value` (`scale_from_amax`): the scale, its reciprocal, the float8 bytes
+    (and with `with_transpose` the transposed bytes of a 2-D tensor) from one pass."""
+    _check_fp8(dtype)
     limit = fp8_max(dtype)
-    scaled = tensor.detach().to(torch.float32) * scale
-    data = scaled.clamp_(-limit, limit).to(dtype)
-    return Float8Tensor(data, scale.detach().to(torch.float32))
+    data, transpose, scale, scale_inv = _run(f"scale_and_cast_{dtype}_{with_transpose}", _scale_and_cast_eager,
+                                             tensor.detach(), amax_value, dtype, limit / (2.0**margin), limit,
+                                             with_transpose)
+    return Float8Tensor(data, scale, scale_inv, transpose)
 
 
 def quantize_with_current_scale(tensor: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> Float8Tensor:
     """Quantize with the scale computed from this tensor's own amax (per-tensor current scaling)."""
-    return quantize(tensor, dtype, scale_from_amax(amax(tensor), dtype, margin))
+    return quantize_by_amax(tensor, dtype, amax(tensor), margin)
 
 
 def dequantize(fp8_tensor: Float8Tensor, dtype=torch.float32) -> torch.Tensor:
     return fp8_tensor.dequantize(dtype)
-
-
-def fake_quantize(tensor: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
-    """quantize then dequantize, in `tensor`'s dtype: the value an FP8 GEMM would see."""
-    return quantize(tensor, dtype, scale).dequantize(tensor.dtype)
-
-
-def as_uint8(data: torch.Tensor) -> torch.Tensor:
-    """A float8 tensor viewed as bytes, for backends (gloo) whose collectives reject float8 dtypes."""
-    return data.view(torch.uint8)

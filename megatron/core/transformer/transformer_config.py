@@ -81,6 +81,10 @@ class TransformerConfig(ModelParallelConfig):
     """"most_recent" or "max" of the amax history (`--fp8-amax-compute-algo`)."""
     fp8_param: bool = False
     """Keep the compute weights of the linear layers in FP8 (set by `--fp8-param-gather`)."""
+    keep_fp8_transpose_cache: bool = False
+    """Keep each FP8 weight's transposed bytes (for the backward GEMM under `torch._scaled_mm`) from the pass that
+    quantizes it, cached with it for the optimizer step, instead of transposing in every backward: one more byte
+    per weight element (`--keep-fp8-transpose-cache`)."""
     first_last_layers_bf16: bool = False
     """Run the first `num_layers_at_start_in_bf16` and last `num_layers_at_end_in_bf16` layers outside FP8, in
     the parameters' precision (`--first-last-layers-bf16`)."""

@@ -18,6 +18,10 @@ def add_arguments(parser):
     group.add_argument("--fp8-param-gather", action="store_true",
                        help="All-gather the FP8 layers' compute weights as FP8 bytes (distributed optimizer or "
                             "Megatron-FSDP optim_grads_params); Transformer Engine layers get them dequantized.")
+    group.add_argument("--keep-fp8-transpose-cache", action="store_true",
+                       help="Keep each FP8 weight's transpose (for the backward GEMM) from the pass that quantizes it, "
+                            "cached for the optimizer step: one more byte per weight element, no transposed copy "
+                            "per backward.")
     group.add_argument("--fp8-amax-history-len", type=int, default=1, help="Amax history (delayed scaling).")
     group.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=list(AMAX_COMPUTE_ALGOS),
                        help="How the scale is read from the amax history (delayed scaling).")
@@ -80,6 +84,7 @@ def transformer_config_kwargs(args):
         "fp8_amax_history_len": args.fp8_amax_history_len,
         "fp8_amax_compute_algo": args.fp8_amax_compute_algo,
         "fp8_param": args.fp8_param_gather,
+        "keep_fp8_transpose_cache": args.keep_fp8_transpose_cache,
         "first_last_layers_bf16": args.first_last_layers_bf16,
         "num_layers_at_start_in_bf16": args.num_layers_at_start_in_bf16,
         "num_layers_at_end_in_bf16": args.num_layers_at_end_in_bf16,
