@@ -1,4 +1,5 @@
-"""What a training run's logical checkpoint holds, and how it goes back into a run of any layout.
+"""What a training run's logical checkpoint holds: this module builds the state to save and the targets to load
+into; `dist_checkpoint` writes and reads them (it imports this module, never the other way round).
 
 Model and optimizer tensors come from `megatron.core.dist_checkpointing` (the part that depends on the data
 parallel wrapper lives there); this module adds the run's state around them: scheduler, per-rank RNG states,
@@ -9,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.dist_checkpointing import rng_mapping, serialization, vocab_padding, wrappers
-from megatron.core.dist_checkpointing.strictness import apply_strictness
 from megatron.training.checkpoint_args import true_vocab_size
+from megatron.training.random_state import rng_state
 
 CHECKPOINT_VERSION = 1
 RNG_PREFIX = "rng_state."
@@ -37,8 +38,6 @@ def layout_of(args, model_chunks):
 
 def state_to_save(iteration, model_chunks, optimizer, scheduler, args):
     """(flat state dict of this rank, layout); collective (the optimizer agrees on its step counter)."""
-    from megatron.training.checkpointing import rng_state
-
     state = {f"model.{name}": value for name, value in wrappers.model_state(model_chunks, for_saving=True).items()}
     if optimizer is not None and not args.no_save_optim:
         state.update(wrappers.optimizer_state_to_save(optimizer, model_chunks))
@@ -73,7 +72,8 @@ def rank_coordinates():
         expert=parallel_state.get_expert_model_parallel_rank())
 
 
-def _all_gather(value):
+def all_gather_objects(value):
+    """[value of every rank] (collective; [value] without a process group)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [value]
     gathered = [None] * dist.get_world_size()
@@ -83,7 +83,7 @@ def _all_gather(value):
 
 def _all_rank_coordinates():
     """{global rank: its (tensor, pipeline, data, expert) coordinates as a tuple} (collective)."""
-    return {rank: tuple(coordinates) for rank, coordinates in enumerate(_all_gather(rank_coordinates()))}
+    return {rank: tuple(coordinates) for rank, coordinates in enumerate(all_gather_objects(rank_coordinates()))}
 
 
 def model_targets(model_chunks):
@@ -103,72 +103,9 @@ def adapt_vocab_padding(targets, metadata, args, report):
     """Load the word embedding and output layer (and their optimizer state) across another vocabulary padding
     (see megatron.core.dist_checkpointing.vocab_padding); the report says how the rows changed. Collective."""
     changes = vocab_padding.adapt_targets(targets, serialization.tensor_shapes(metadata), true_vocab_size(args))
-    everywhere = [change for rank_changes in _all_gather(changes) for change in rank_changes]  # collective
+    everywhere = [change for rank_changes in all_gather_objects(changes) for change in rank_changes]  # collective
     if everywhere:  # a rank holds only some of these tensors (pipeline stages, optimizer shards)
         report.add_vocab_padding(everywhere, true_vocab_size(args), args)
-
-
-def load_optimizer(optimizer, model_chunks, metadata, directory, strictness, report, log, args):
-    refresh_main_params(optimizer)  # main weights the checkpoint does not hold in fp32 come from the model
-    saved_keys = list(metadata.state_dict_metadata)
-    targets, install = wrappers.optimizer_load_targets(optimizer, model_chunks, saved_keys)
-    adapt_vocab_padding(targets, metadata, args, report)
-    serialization.check_shapes(targets, metadata, directory)
-    mismatch = apply_strictness(strictness, serialization.key_mismatch(targets, metadata, ["optimizer.state."]),
-                                directory, log)
-    for key in mismatch.missing:
-        targets.pop(key, None)
-    for key in ("optimizer.step", "optimizer.param_groups", "optimizer.grad_scaler"):
-        if key in metadata.state_dict_metadata:
-            targets[key] = None
-    serialization.load(targets, directory)
-    install(targets)
-    report.loaded.append(f"optimizer ({sum(1 for k in targets if k.startswith('optimizer.state.'))} tensors)")
-    report.add_mismatch("optimizer", mismatch)
-
-
-def load_rng(args, directory, metadata, common, report):
-    """Restore each rank's random-number streams from the saved rank with the same coordinates (see
-    megatron.core.dist_checkpointing.rng_mapping); the report lists what was not restored, on which ranks, and why.
-    Collective."""
-    from megatron.training.checkpointing import rng_state, set_rng_state
-
-    if args.finetune or args.no_load_rng:
-        report.not_loaded.append("RNG state (" + ("--finetune" if args.finetune else "--no-load-rng") + ")")
-        return
-    saved_ranks = sorted(int(key[len(RNG_PREFIX):]) for key in metadata.state_dict_metadata
-                         if key.startswith(RNG_PREFIX))
-    if not saved_ranks:
-        report.not_loaded.append("RNG state (the checkpoint has none: saved with --no-save-rng)")
-        return
-    table = common.get(RNG_COORDINATES_KEY)
-    if table is None:  # written before coordinates were recorded: restore only at the very same layout
-        saved_layout = dict(common.get("layout", {}))
-        current = layout_of(args, [])
-        if any(saved_layout.get(name) != current[name] for name in
-               ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size", "world_size")):
-            report.not_loaded.append("RNG state (saved at another parallel layout by a checkpoint that does not "
-                                     "record its ranks' coordinates; each rank keeps its seeded state)")
-            return
-        table = {rank: tuple(rank_coordinates()) if rank == _rank() else (-1, -1, -1, -1) for rank in saved_ranks}
-    saved = {int(rank): rng_mapping.RankCoordinates(*coordinates) for rank, coordinates in table.items()
-             if int(rank) in saved_ranks}
-    saved_args = common.get("args")
-    sources = rng_mapping.stream_sources(
-        saved, rank_coordinates(), bool(getattr(args, "data_parallel_random_init", False)),
-        bool(getattr(saved_args, "data_parallel_random_init", False)))
-    needed = sorted({source.saved_rank for source in sources if source.saved_rank is not None})
-    objects = serialization.read_objects(directory, [f"{RNG_PREFIX}{rank}" for rank in needed])
-    saved_states = {rank: objects[f"{RNG_PREFIX}{rank}"] for rank in needed}
-    set_rng_state(rng_mapping.restored_state(rng_state(), saved_states, sources))
-    outcomes = _all_gather([(source.group.name, source.saved_rank, source.reason) for source in sources])
-    restored, not_restored = rng_mapping.summarize(outcomes)
-    if not not_restored:
-        report.loaded.append("RNG state")
-        return
-    if restored:
-        report.loaded.append("RNG state: " + "; ".join(restored))
-    report.not_loaded.extend(f"RNG {phrase}" for phrase in not_restored)
 
 
 class LoadReport:

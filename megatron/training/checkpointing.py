@@ -17,21 +17,24 @@ readable.
 """
 
 import os
-import random
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.core.dist_checkpointing.checkpoint_directory import (  # noqa: F401  (part of this module's API)
+    TRACKER_FILENAME,
+    iteration_dir_name,
+    read_tracker,
+    write_tracker,
+)
+from megatron.core.distributed.data_parallel_base import unwrap_model
 from megatron.core.fp8.checkpoint import count_fp8_histories_started_empty
 from megatron.training.checkpoint_args import check_same_architecture, saved_true_vocab_size, true_vocab_size
+from megatron.training.random_state import rng_state, set_rng_state  # noqa: F401  (part of this module's API)
 
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
 LOGICAL_FORMATS = ("torch_dist", "torch_dcp", "fsdp_dtensor")
 IMPLEMENTED_FORMATS = ("torch",) + LOGICAL_FORMATS
-WRAPPER_CLASS_NAMES = {"DistributedDataParallel", "Float16Module", "MegatronFSDP", "FullyShardedDataParallel",
-                       "TorchFullyShardedDataParallel"}
 
 
 class CheckpointLoadError(RuntimeError):
@@ -56,10 +59,6 @@ def maybe_finalize_async_save(args, blocking=False):
         from megatron.training import dist_checkpoint
 
         dist_checkpoint.finalize_async_save(args, blocking=blocking)
-
-
-def iteration_dir_name(iteration):
-    return f"iter_{iteration:07d}"
 
 
 def model_parallel_dir_name(tensor_rank, pipeline_rank, pipeline_size):
@@ -92,36 +91,6 @@ def atomic_torch_save(obj, path):
     os.replace(temporary, path)
 
 
-def write_tracker(root, iteration):
-    """Point the tracker at `iteration`, atomically (temporary file + rename)."""
-    path = os.path.join(root, TRACKER_FILENAME)
-    temporary = f"{path}.tmp.{os.getpid()}"
-    with open(temporary, "w") as stream:
-        stream.write(str(iteration))
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(temporary, path)
-
-
-def read_tracker(root):
-    """The iteration of the latest complete checkpoint under `root`, or None when there is none."""
-    path = os.path.join(root, TRACKER_FILENAME)
-    if not os.path.isfile(path):
-        return None
-    text = open(path).read().strip()
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{path} should hold an iteration number, found {text!r}") from None
-
-
-def unwrap_model(module):
-    """Strip DDP / FSDP / mixed-precision wrappers, returning the module whose state dict is saved."""
-    while type(module).__name__ in WRAPPER_CLASS_NAMES and hasattr(module, "module"):
-        module = module.module
-    return module
-
-
 def _parallel_ranks():
     from megatron.core import parallel_state
 
@@ -132,36 +101,6 @@ def _parallel_ranks():
         "data_rank": parallel_state.get_data_parallel_rank(with_context_parallel=True),
         "data_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
     }
-
-
-def rng_state():
-    from megatron.core.device_utils import get_current_device, get_rng_state
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    state = {
-        "random_rng_state": random.getstate(),
-        "np_rng_state": np.random.get_state(),
-        "torch_rng_state": torch.get_rng_state(),
-        "rng_tracker_states": get_cuda_rng_tracker().get_states(),
-    }
-    device = get_current_device()
-    if device.type != "cpu":
-        state["device_rng_state"] = get_rng_state(device)
-    return state
-
-
-def set_rng_state(state):
-    from megatron.core.device_utils import get_current_device
-    from megatron.core.device_utils import set_rng_state as set_device_rng_state
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    random.setstate(state["random_rng_state"])
-    np.random.set_state(state["np_rng_state"])
-    torch.set_rng_state(state["torch_rng_state"])
-    get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
-    device = get_current_device()
-    if "device_rng_state" in state and device.type != "cpu":
-        set_device_rng_state(state["device_rng_state"], device)
 
 
 def _model_state(model_chunks):

@@ -16,25 +16,28 @@ tracker at it, so an interrupted or failed save leaves the previous checkpoint t
 """
 
 import copy
-import json
 import os
-import re
 import shutil
 import time
 
 import torch
 import torch.distributed as dist
 
-from megatron.core.dist_checkpointing import serialization
+from megatron.core.dist_checkpointing import rng_mapping, serialization, wrappers
+from megatron.core.dist_checkpointing.checkpoint_directory import (  # noqa: F401  (part of this module's API)
+    METADATA_JSON,
+    REPLACED_SUFFIX,
+    TEMPORARY_SUFFIX,
+    iteration_dir_name,
+    publish,
+    published_directory,
+    published_iterations,
+)
 from megatron.core.dist_checkpointing.strictness import apply_strictness
 from megatron.core.fp8.checkpoint import fp8_histories_report, split_missing_fp8_histories
 from megatron.training import checkpoint_state
 from megatron.training.checkpoint_args import check_same_architecture, saved_true_vocab_size, true_vocab_size
-
-METADATA_JSON = "metadata.json"
-TEMPORARY_SUFFIX = ".tmp"
-REPLACED_SUFFIX = ".replaced"  # the previous copy of an iteration saved again, while the new one moves in
-_ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
+from megatron.training.random_state import rng_state, set_rng_state
 
 _async_queue = None
 
@@ -77,75 +80,6 @@ def close_async_queue():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Publishing
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _fsync_directory(path):
-    try:
-        descriptor = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(descriptor)
-
-
-def published_iterations(root):
-    """Iterations of the published checkpoints under `root`, ascending."""
-    if not os.path.isdir(root):
-        return []
-    return sorted(int(match.group(1)) for match in map(_ITERATION_DIR.match, os.listdir(root)) if match)
-
-
-def publish(root, iteration, temporary, layout, keep_last_n=None):
-    """Rename `temporary` to `iter_XXXXXXX`, then point the tracker at it; prune to `keep_last_n` (rank 0).
-
-    Saving an iteration that is already published (e.g. again after a resume) moves the old copy aside to
-    `iter_XXXXXXX.replaced` first: a kill between the two renames leaves the tracker naming a missing
-    directory, and `published_directory` then loads the `.replaced` copy. It is removed once the tracker
-    names the new one.
-    """
-    from megatron.training.checkpointing import iteration_dir_name, write_tracker
-
-    with open(os.path.join(temporary, METADATA_JSON), "w") as stream:
-        json.dump({"format": "megatron_logical_dcp", "version": 1, "iteration": iteration, "layout": layout},
-                  stream, indent=1)
-    final = os.path.join(root, iteration_dir_name(iteration))
-    replaced = final + REPLACED_SUFFIX
-    if os.path.exists(final):
-        shutil.rmtree(replaced, ignore_errors=True)  # a stale copy: `final` is complete
-        os.replace(final, replaced)
-    os.replace(temporary, final)
-    _fsync_directory(root)
-    write_tracker(root, iteration)
-    shutil.rmtree(replaced, ignore_errors=True)
-    if keep_last_n:
-        for old in published_iterations(root)[:-keep_last_n]:
-            if old != iteration:
-                shutil.rmtree(os.path.join(root, iteration_dir_name(old)), ignore_errors=True)
-                shutil.rmtree(os.path.join(root, iteration_dir_name(old)) + REPLACED_SUFFIX, ignore_errors=True)
-
-
-def published_directory(root, iteration):
-    """(directory of published checkpoint `iteration` under `root`, None) or, when a save of the same iteration
-    was killed between its two renames, (its `.replaced` copy, the missing directory). Reads only."""
-    from megatron.training.checkpointing import TRACKER_FILENAME, iteration_dir_name
-
-    directory = os.path.join(root, iteration_dir_name(iteration))
-    if os.path.isdir(directory):
-        return directory, None
-    if os.path.isdir(directory + REPLACED_SUFFIX):
-        return directory + REPLACED_SUFFIX, directory
-    raise serialization.CheckpointError(
-        f"{os.path.join(root, TRACKER_FILENAME)} names iteration {iteration}, but {directory} does not exist (nor "
-        f"a {REPLACED_SUFFIX} copy of it); point the tracker at an iteration that exists under {root}")
-
-
-# ---------------------------------------------------------------------------------------------------------
 # Save
 # ---------------------------------------------------------------------------------------------------------
 
@@ -167,8 +101,6 @@ def stage(state):
 
 def save_dist_checkpoint(iteration, model_chunks, optimizer, scheduler, args):
     """Save `iteration` under `args.save` (collective). Returns the seconds the training thread spent."""
-    from megatron.training.checkpointing import iteration_dir_name
-
     start = time.perf_counter()
     finalize_async_save(args, blocking=True)  # one save in flight at a time
     state, layout = checkpoint_state.state_to_save(iteration, model_chunks, optimizer, scheduler, args)
@@ -258,7 +190,7 @@ def load_dist_checkpoint(model_chunks, optimizer, scheduler, args, iteration):
     elif not any(key.startswith("optimizer.") for key in metadata.state_dict_metadata):
         skip_optimizer = "the checkpoint has none: saved with --no-save-optim or converted from weights"
     if optimizer is not None and skip_optimizer is None:
-        checkpoint_state.load_optimizer(optimizer, model_chunks, metadata, directory, strictness, report, _print0,
+        _load_optimizer(optimizer, model_chunks, metadata, directory, strictness, report, _print0,
                                         args)
         if scheduler is not None and "scheduler" in metadata.state_dict_metadata:
             scheduler.load_state_dict(serialization.read_objects(directory, ["scheduler"])["scheduler"])
@@ -267,7 +199,7 @@ def load_dist_checkpoint(model_chunks, optimizer, scheduler, args, iteration):
         checkpoint_state.refresh_main_params(optimizer)
         report.not_loaded.append(f"optimizer and scheduler ({skip_optimizer})")
 
-    checkpoint_state.load_rng(args, directory, metadata, common, report)
+    _load_rng(args, directory, metadata, common, report)
     if args.finetune:
         args.consumed_train_samples = 0
         report.not_loaded.append("iteration and consumed samples (--finetune starts at 0)")
@@ -277,3 +209,66 @@ def load_dist_checkpoint(model_chunks, optimizer, scheduler, args, iteration):
         report.loaded.append(f"iteration {iteration}, consumed samples {args.consumed_train_samples}")
     _barrier()
     return iteration, report
+
+
+def _load_optimizer(optimizer, model_chunks, metadata, directory, strictness, report, log, args):
+    # Main weights the checkpoint does not hold in fp32 come from the model.
+    checkpoint_state.refresh_main_params(optimizer)
+    saved_keys = list(metadata.state_dict_metadata)
+    targets, install = wrappers.optimizer_load_targets(optimizer, model_chunks, saved_keys)
+    checkpoint_state.adapt_vocab_padding(targets, metadata, args, report)
+    serialization.check_shapes(targets, metadata, directory)
+    mismatch = apply_strictness(strictness, serialization.key_mismatch(targets, metadata, ["optimizer.state."]),
+                                directory, log)
+    for key in mismatch.missing:
+        targets.pop(key, None)
+    for key in ("optimizer.step", "optimizer.param_groups", "optimizer.grad_scaler"):
+        if key in metadata.state_dict_metadata:
+            targets[key] = None
+    serialization.load(targets, directory)
+    install(targets)
+    report.loaded.append(f"optimizer ({sum(1 for k in targets if k.startswith('optimizer.state.'))} tensors)")
+    report.add_mismatch("optimizer", mismatch)
+
+
+def _load_rng(args, directory, metadata, common, report):
+    """Restore each rank's random-number streams from the saved rank with the same coordinates (see
+    megatron.core.dist_checkpointing.rng_mapping); the report lists what was not restored, on which ranks, and why.
+    Collective."""
+    if args.finetune or args.no_load_rng:
+        report.not_loaded.append("RNG state (" + ("--finetune" if args.finetune else "--no-load-rng") + ")")
+        return
+    saved_ranks = sorted(int(key[len(checkpoint_state.RNG_PREFIX):]) for key in metadata.state_dict_metadata
+                         if key.startswith(checkpoint_state.RNG_PREFIX))
+    if not saved_ranks:
+        report.not_loaded.append("RNG state (the checkpoint has none: saved with --no-save-rng)")
+        return
+    table = common.get(checkpoint_state.RNG_COORDINATES_KEY)
+    if table is None:  # written before coordinates were recorded: restore only at the very same layout
+        saved_layout = dict(common.get("layout", {}))
+        current = checkpoint_state.layout_of(args, [])
+        if any(saved_layout.get(name) != current[name] for name in
+               ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size", "world_size")):
+            report.not_loaded.append("RNG state (saved at another parallel layout by a checkpoint that does not "
+                                     "record its ranks' coordinates; each rank keeps its seeded state)")
+            return
+        own = tuple(checkpoint_state.rank_coordinates())
+        table = {rank: own if rank == _rank() else (-1, -1, -1, -1) for rank in saved_ranks}
+    saved = {int(rank): rng_mapping.RankCoordinates(*coordinates) for rank, coordinates in table.items()
+             if int(rank) in saved_ranks}
+    saved_args = common.get("args")
+    sources = rng_mapping.stream_sources(
+        saved, checkpoint_state.rank_coordinates(), bool(getattr(args, "data_parallel_random_init", False)),
+        bool(getattr(saved_args, "data_parallel_random_init", False)))
+    needed = sorted({source.saved_rank for source in sources if source.saved_rank is not None})
+    objects = serialization.read_objects(directory, [f"{checkpoint_state.RNG_PREFIX}{rank}" for rank in needed])
+    saved_states = {rank: objects[f"{checkpoint_state.RNG_PREFIX}{rank}"] for rank in needed}
+    set_rng_state(rng_mapping.restored_state(rng_state(), saved_states, sources))
+    outcomes = checkpoint_state.all_gather_objects([(source.group.name, source.saved_rank, source.reason) for source in sources])
+    restored, not_restored = rng_mapping.summarize(outcomes)
+    if not not_restored:
+        report.loaded.append("RNG state")
+        return
+    if restored:
+        report.loaded.append("RNG state: " + "; ".join(restored))
+    report.not_loaded.extend(f"RNG {phrase}" for phrase in not_restored)

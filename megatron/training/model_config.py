@@ -91,6 +91,8 @@ def ddp_config_from_args(args):
         bucket_size=args.ddp_bucket_size,
         average_in_collective=args.ddp_average_in_collective,
         fp8_param_gather=args.fp8_param_gather,
+        use_torch_fsdp2=getattr(args, "use_torch_fsdp2", False),
+        torch_fsdp2_reshard_after_forward=getattr(args, "torch_fsdp2_reshard_after_forward", True),
         **megatron_fsdp_config_kwargs(args),
     )
 

@@ -14,8 +14,9 @@ def get_model(model_provider_func, args, wrap_with_ddp=True):
 
     The wrapper follows the flags: Megatron's DDP (default, also with one data-parallel rank: it owns the
     contiguous gradient buffers the optimizer reads as `param.main_grad`), Megatron-FSDP
-    (`--use-megatron-fsdp`) or PyTorch FSDP2 (`--use-torch-fsdp2`). All three offer the same interface to
-    training (`no_sync`, `finish_grad_sync`, `zero_grad_buffer`, `scale_gradients`, `state_bytes`, ...).
+    (`--use-megatron-fsdp`) or PyTorch FSDP2 (`--use-torch-fsdp2`). All three implement
+    `megatron.core.distributed.DataParallelWrapper` (`no_sync`, `finish_grad_sync`, `zero_grad_buffer`,
+    `scale_gradients`, `state_bytes`, ...).
     With `--init-model-with-meta-device` the model is built on the meta device and materialised by the FSDP
     wrapper unit by unit, each rank keeping only its shard.
 
@@ -37,25 +38,12 @@ def get_model(model_provider_func, args, wrap_with_ddp=True):
 
 
 def wrap_model_chunk(model, args):
-    """`model` wrapped in DDP, Megatron-FSDP or FSDP2, as the flags select."""
+    """`model` wrapped for data parallelism: the config built from the flags picks the wrapper (DDP,
+    Megatron-FSDP or FSDP2, see `megatron.core.distributed.wrap_data_parallel`)."""
+    from megatron.core.distributed import wrap_data_parallel
+
     ddp_config = ddp_config_from_args(args)
-    if getattr(args, "use_torch_fsdp2", False):
-        from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
-
-        return TorchFullyShardedDataParallel(
-            config=model.config,
-            ddp_config=ddp_config,
-            module=model,
-            reshard_after_forward=args.torch_fsdp2_reshard_after_forward,
-        )
-    if args.use_megatron_fsdp:
-        from megatron.core.distributed import FullyShardedDataParallel
-
-        wrapped = FullyShardedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-    else:
-        from megatron.core.distributed import DistributedDataParallel
-
-        wrapped = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    wrapped = wrap_data_parallel(model.config, ddp_config, model)
     if args.data_parallel_random_init:
         wrapped.broadcast_params()
     return wrapped

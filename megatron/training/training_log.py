@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from megatron.core.distributed.data_parallel_base import DataParallelWrapper, parameter_and_grad_bytes, tensor_bytes
 from megatron.training import accelerator
 
 
@@ -82,10 +83,6 @@ def training_flops_per_iteration(args, global_batch_size):
     return 3 * per_token_forward * seq * global_batch_size
 
 
-def _tensor_bytes(tensor):
-    return tensor.numel() * tensor.element_size()
-
-
 def _torch_optimizers(optimizer):
     """The torch.optim optimizers inside Megatron's wrappers (chained or not)."""
     if optimizer is None:
@@ -109,16 +106,12 @@ def _optimizer_state_bytes(optimizer, model_params):
     total = 0
     for torch_optimizer in _torch_optimizers(optimizer):
         for state in torch_optimizer.state.values():
-            total += sum(_tensor_bytes(_local(v)) for v in state.values() if torch.is_tensor(v))
+            total += sum(tensor_bytes(v) for v in state.values() if torch.is_tensor(v))
         for group in torch_optimizer.param_groups:
             for param in group["params"]:
                 if id(param) not in model_param_ids and param.data_ptr() not in model_param_ptrs:
-                    total += _tensor_bytes(_local(param))
+                    total += tensor_bytes(param)
     return total
-
-
-def _local(tensor):
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def memory_usage(model_chunks, optimizer, device):
@@ -132,26 +125,15 @@ def memory_usage(model_chunks, optimizer, device):
     """
     params_bytes = grads_bytes = 0
     optimizer_state_bytes = None
-    plain_params = []
     for chunk in model_chunks:
-        if hasattr(chunk, "state_bytes"):
-            report = chunk.state_bytes()
-            params_bytes += report["params_bytes"]
-            grads_bytes += report["grads_bytes"]
-            if "optimizer_state_bytes" in report:
-                optimizer_state_bytes = (optimizer_state_bytes or 0) + report["optimizer_state_bytes"]
-            continue
-        for param in chunk.parameters():
-            plain_params.append(param)
-            params_bytes += _tensor_bytes(_local(param))
-            main_grad = getattr(param, "main_grad", None)
-            if main_grad is not None:
-                grads_bytes += _tensor_bytes(main_grad)
-            elif param.grad is not None:
-                grads_bytes += _tensor_bytes(_local(param.grad))
+        # A data-parallel wrapper accounts for its own state; a bare module is counted the way DDP counts itself.
+        report = chunk.state_bytes() if isinstance(chunk, DataParallelWrapper) else parameter_and_grad_bytes(chunk)
+        params_bytes += report["params_bytes"]
+        grads_bytes += report["grads_bytes"]
+        if "optimizer_state_bytes" in report:
+            optimizer_state_bytes = (optimizer_state_bytes or 0) + report["optimizer_state_bytes"]
     if optimizer_state_bytes is None:
-        model_params = plain_params + [param for chunk in model_chunks for param in chunk.parameters()
-                                       if hasattr(chunk, "state_bytes")]
+        model_params = [param for chunk in model_chunks for param in chunk.parameters()]
         optimizer_state_bytes = _optimizer_state_bytes(optimizer, model_params)
     allocated = accelerator.allocated_memory_bytes(device)
     return {

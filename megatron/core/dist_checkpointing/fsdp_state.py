@@ -8,30 +8,39 @@ stage is the word embedding), their DTensors become `ShardedLogicalTensor` boxes
 through Megatron-FSDP's `load_state_dict`s, which put the rows into its flat shards.
 
 FSDP2 chunks need none of this: their parameters are DTensors of the TP partition's shape, handled with
-Megatron's DDP path in model_state / optimizer_state.
+Megatron's DDP path in model_state / optimizer_state. Names and keys come from `logical_names`, boxes from
+`logical_tensor`.
 """
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor, dtensor_pieces
-from megatron.core.dist_checkpointing.model_state import TIED_EMBEDDING_NAME, layer_offset_of, logical_name, unwrap_model
-from megatron.core.dist_checkpointing.optimizer_state import (
+from megatron.core.dist_checkpointing.logical_names import (
     GRAD_SCALER_KEY,
     MAIN_PARAM_KEY,
     PARAM_GROUPS_KEY,
     STEP_KEY,
+    TIED_EMBEDDING_NAME,
+    layer_offset_of,
+    logical_name,
     optimizer_state_keys_of,
     state_key,
 )
+from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor
+from megatron.core.distributed.data_parallel_base import unwrap_model
 
-FSDP_CLASS_NAMES = {"FullyShardedDataParallel", "MegatronFSDP"}
 PACKAGE_MAIN_PARAM_KEY = "main_param"  # megatron_fsdp.state_dict.MAIN_PARAM_KEY
 
 
 def is_fsdp_chunk(chunk) -> bool:
-    return type(chunk).__name__ in FSDP_CLASS_NAMES
+    """Whether `chunk` is sharded by Megatron-FSDP: the Megatron-Core adapter, or a bare package wrapper."""
+    from megatron.core.distributed.data_parallel_base import _package_wrapper_class
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import MegatronFSDPAdapter
+
+    package_wrapper = _package_wrapper_class()
+    return isinstance(chunk, MegatronFSDPAdapter) or (package_wrapper is not None
+                                                       and isinstance(chunk, package_wrapper))
 
 
 def _chunk(model_chunks):
@@ -55,8 +64,8 @@ def _names(chunk):
 
 
 def _as_logical(value):
-    if isinstance(value, DTensor) or torch.is_tensor(value):
-        return ShardedLogicalTensor(value.shape, [dtensor_pieces(value)], dtype=value.dtype)
+    if torch.is_tensor(value):  # DTensors included
+        return ShardedLogicalTensor.from_local(value)
     return value
 
 

@@ -66,6 +66,25 @@ class ShardedLogicalTensor:
     written once); when loading, each piece is filled in place from the checkpoint, whatever layout wrote it.
     """
 
+    @classmethod
+    def from_local(cls, tensor: torch.Tensor, global_shape: Sequence[int] = None,
+                   base_offsets: Sequence[int] = None) -> "ShardedLogicalTensor":
+        """The part of `tensor` this rank holds (a plain tensor whole, a DTensor its local shard), as a piece of
+        the logical tensor of `global_shape` (default: `tensor`'s own shape) placed at `base_offsets`."""
+        offsets, local = local_part(tensor)
+        if base_offsets is not None:
+            offsets = tuple(a + b for a, b in zip(offsets, base_offsets))
+        shape = tensor.shape if global_shape is None else global_shape
+        return cls(shape, [(offsets, local)], dtype=tensor.dtype)
+
+    @classmethod
+    def from_flat_range(cls, flat: torch.Tensor, global_shape: Sequence[int], local_shape: Sequence[int],
+                        partition_offsets: Sequence[int], start: int, end: int) -> "ShardedLogicalTensor":
+        """A flat range `[start, end)` (`flat`, e.g. a distributed-optimizer shard) of a partition of
+        `local_shape` placed at `partition_offsets` in the logical tensor of `global_shape`."""
+        return cls(global_shape, flat_range_pieces(flat.view(-1), local_shape, partition_offsets, start, end),
+                   dtype=flat.dtype)
+
     def __init__(self, global_shape: Sequence[int], pieces: Sequence[Tuple[Sequence[int], torch.Tensor]],
                  dtype: torch.dtype = None):
         self.global_shape = torch.Size(global_shape)
@@ -135,23 +154,6 @@ def local_part(tensor):
         offsets = tuple(int(o) for o in chunks[0].offsets) if chunks else tuple([0] * tensor.dim())
         return offsets, tensor.to_local()
     return tuple([0] * tensor.dim()), tensor
-
-
-def dtensor_pieces(tensor, base_offsets=None):
-    """A DTensor (or plain tensor) as a ShardedLogicalTensor of its own global shape, shifted by `base_offsets`
-    within a larger logical tensor when given."""
-    offsets, local = local_part(tensor)
-    if base_offsets is not None:
-        offsets = tuple(a + b for a, b in zip(offsets, base_offsets))
-    return offsets, local
-
-
-def partition_piece(local: torch.Tensor, global_shape, partition_dim, partition_index):
-    """The piece a tensor-parallel partition is: `local` placed at `partition_index * local.shape[dim]`."""
-    offsets = [0] * local.dim()
-    if partition_dim is not None:
-        offsets[partition_dim] = partition_index * local.shape[partition_dim]
-    return tuple(offsets), local
 
 
 def flat_range_pieces(flat: torch.Tensor, local_shape, partition_offsets, start, end):

@@ -12,6 +12,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron.core.dist_checkpointing import serialization
+from megatron.core.dist_checkpointing.checkpoint_directory import TEMPORARY_SUFFIX, iteration_dir_name, publish
 
 
 def _quietly(fn, *args, **kwargs):
@@ -48,9 +49,6 @@ def describe(directory: str):
 
 def write_checkpoint(root: str, iteration: int, state: Dict[str, object], layout: Dict[str, object]):
     """Publish `state` (whole tensors and objects) as checkpoint `iteration` under `root`, tracker last."""
-    from megatron.training.checkpointing import iteration_dir_name
-    from megatron.training.dist_checkpoint import TEMPORARY_SUFFIX, publish
-
     os.makedirs(root, exist_ok=True)
     temporary = os.path.join(root, iteration_dir_name(iteration) + TEMPORARY_SUFFIX)
     _quietly(serialization.save, state, temporary, single_process=True)

@@ -1,8 +1,8 @@
 """Optimizer state in the logical format: per logical parameter name, its fp32 main weights and moments.
 
-Keys: `optimizer.state.<logical name>.<state key>` (e.g. `exp_avg`, `exp_avg_sq`, and `fp32_param` for the
-main weights of a parameter whose model copy is not fp32), `optimizer.step`, `optimizer.param_groups`
-(hyperparameters, not parameters) and `optimizer.grad_scaler`. Every optimizer flavour describes its main
+Keys (named in `logical_names`): `optimizer.state.<logical name>.<state key>` (e.g. `exp_avg`, `exp_avg_sq`, and
+`fp32_param` for the main weights of a parameter whose model copy is not fp32), `optimizer.step`,
+`optimizer.param_groups` (hyperparameters, not parameters) and `optimizer.grad_scaler`. Every optimizer flavour describes its main
 parameters as `MainParamEntry`s (which elements of which logical tensor a main tensor holds); the rest is shared.
 """
 
@@ -13,21 +13,21 @@ import torch.distributed as dist
 
 from torch.distributed.tensor import DTensor
 
-from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor, flat_range_pieces
-from megatron.core.dist_checkpointing.model_state import (
+from megatron.core.dist_checkpointing.logical_names import (  # noqa: F401  (key names re-exported)
+    GRAD_SCALER_KEY,
+    MAIN_PARAM_KEY,
+    PARAM_GROUPS_KEY,
+    STATE_PREFIX,
+    STEP_KEY,
     Placement,
     TensorParallelRank,
     current_tensor_parallel_rank,
-    local_piece,
+    optimizer_state_keys_of,
     parameter_placements,
-    unwrap_model,
+    state_key,
 )
-
-STATE_PREFIX = "optimizer.state."
-MAIN_PARAM_KEY = "fp32_param"
-STEP_KEY = "optimizer.step"
-PARAM_GROUPS_KEY = "optimizer.param_groups"
-GRAD_SCALER_KEY = "optimizer.grad_scaler"
+from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor
+from megatron.core.distributed.data_parallel_base import unwrap_model
 
 
 class MainParamEntry(NamedTuple):
@@ -42,15 +42,12 @@ class MainParamEntry(NamedTuple):
 
     def pieces_of(self, tensor: torch.Tensor) -> ShardedLogicalTensor:
         """`tensor` (aligned with `main`) as pieces of the logical tensor."""
-        if self.flat_range is None:  # a whole TP partition (plain, or a DTensor sharded over DP by FSDP2)
-            return local_piece(self.placement, tensor if isinstance(tensor, DTensor) else tensor.view(self.local_shape))
         offsets = self.placement.offsets(self.local_shape)
-        pieces = flat_range_pieces(tensor.view(-1), self.local_shape, offsets, *self.flat_range)
-        return ShardedLogicalTensor(self.placement.global_shape, pieces, dtype=tensor.dtype)
-
-
-def state_key(logical_name: str, key: str) -> str:
-    return f"{STATE_PREFIX}{logical_name}.{key}"
+        if self.flat_range is None:  # a whole TP partition (plain, or a DTensor sharded over DP by FSDP2)
+            local = tensor if isinstance(tensor, DTensor) else tensor.view(self.local_shape)
+            return ShardedLogicalTensor.from_local(local, self.placement.global_shape, offsets)
+        return ShardedLogicalTensor.from_flat_range(tensor, self.placement.global_shape, self.local_shape, offsets,
+                                                    *self.flat_range)
 
 
 def main_param_entries(optimizer, model_chunks, tp: Optional[TensorParallelRank] = None) -> List[MainParamEntry]:
@@ -59,17 +56,18 @@ def main_param_entries(optimizer, model_chunks, tp: Optional[TensorParallelRank]
     placements = {}
     for chunk in model_chunks:
         placements.update(parameter_placements(unwrap_model(chunk), tp))
-    kind = type(optimizer).__name__
-    if kind == "DistributedOptimizer":
+    from megatron.core.optimizer import DistributedOptimizer, Float16Optimizer, FP32Optimizer
+
+    if isinstance(optimizer, DistributedOptimizer):
         return [MainParamEntry(shard.main_param, placements[shard.model_param], tuple(shard.model_param.shape),
                                (shard.param_start, shard.param_end), shard.model_param.dtype)
                 for shard in optimizer._shards]
-    if kind == "Float16Optimizer":
+    if isinstance(optimizer, Float16Optimizer):
         pairs = optimizer._model_and_main
-    elif kind == "FP32Optimizer":
+    elif isinstance(optimizer, FP32Optimizer):
         pairs = [(param, param) for param in optimizer.main_params()]
     else:
-        raise NotImplementedError(f"no logical checkpoint layout for optimizer {kind}")
+        raise NotImplementedError(f"no logical checkpoint layout for optimizer {type(optimizer).__name__}")
     return [MainParamEntry(main, placements[model], tuple(model.shape), None, model.dtype) for model, main in pairs]
 
 
@@ -104,12 +102,6 @@ def optimizer_state_to_save(optimizer, entries: List[MainParamEntry]) -> Dict[st
             if torch.is_tensor(value) and value.shape == entry.main.shape and value.dim() > 0:
                 state[state_key(name, key)] = entry.pieces_of(value.detach())
     return state
-
-
-def optimizer_state_keys_of(name: str, saved_keys) -> List[str]:
-    """The per-parameter state keys (`exp_avg`, ...) the checkpoint has for logical tensor `name`."""
-    prefix = f"{STATE_PREFIX}{name}."
-    return [key[len(prefix):] for key in saved_keys if key.startswith(prefix) and "." not in key[len(prefix):]]
 
 
 def optimizer_load_targets(entries: List[MainParamEntry], saved_keys) -> Tuple[Dict[str, object], list]:

@@ -7,7 +7,7 @@ same logical keys. Either way the result is `{logical key: ShardedLogicalTensor 
 """
 
 from megatron.core.dist_checkpointing import fsdp_state, optimizer_state
-from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict, unwrap_model
+from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict
 
 
 def _is_fsdp(model_chunks):
@@ -57,17 +57,13 @@ def optimizer_load_targets(optimizer, model_chunks, saved_keys):
         optimizer_state.install_optimizer_state(
             optimizer, installs, loaded.get(optimizer_state.STEP_KEY), loaded.get(optimizer_state.PARAM_GROUPS_KEY),
             loaded.get(optimizer_state.GRAD_SCALER_KEY))
-        if type(optimizer).__name__ == "DistributedOptimizer" and _holds_fp8_parameters(optimizer):
+        from megatron.core.optimizer import DistributedOptimizer
+
+        if isinstance(optimizer, DistributedOptimizer) and optimizer.holds_fp8_parameters():
             # The model's FP8 bytes are quantized from the main weights: redo that from the loaded ones. (Other
             # weights were loaded whole on every rank, equal to the main weights in the model's dtype.)
             optimizer._copy_main_params_to_model_params()
             for chunk in optimizer.model_chunks:
-                if hasattr(chunk, "finish_param_sync"):
-                    chunk.finish_param_sync()
+                chunk.finish_param_sync()
 
     return targets, install
-
-
-def _holds_fp8_parameters(optimizer):
-    return any(getattr(buffer, "fp8_storage", None) is not None
-               for chunk in optimizer.model_chunks for buffer in getattr(chunk, "buffers", []))

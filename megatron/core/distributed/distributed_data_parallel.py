@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.data_parallel_base import DataParallelWrapper, parameter_and_grad_bytes
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.param_and_grad_buffer import BucketCommunicationGroups, ParamAndGradBuffer
 
@@ -35,24 +36,21 @@ def _default_groups(ddp_config):
     return BucketCommunicationGroups(data_parallel_group)
 
 
-class DistributedDataParallel(torch.nn.Module):
-    """Wraps `module`; `config` is the model's (Transformer/ModelParallel) config, `ddp_config` the DDP one."""
+class DistributedDataParallel(DataParallelWrapper):
+    """Wraps `module`; `config` is the model's (Transformer/ModelParallel) config, `ddp_config` the DDP one.
+
+    Build it through `megatron.core.distributed.wrap_data_parallel` to have the config pick the wrapper; the
+    config rules (e.g. `fp8_param_gather` needs `use_distributed_optimizer`) are checked by the config."""
 
     def __init__(self, config, ddp_config: DistributedDataParallelConfig, module, disable_bucketing=False,
                  groups: BucketCommunicationGroups = None):
-        super().__init__()
-        if ddp_config.use_megatron_fsdp:
+        super().__init__(config, ddp_config)
+        if ddp_config.fp8_param_gather and not getattr(config, "fp8", None):
+            # A rule between the model config and this one: neither config sees the other.
             raise ValueError(
-                "DistributedDataParallel: ddp_config.use_megatron_fsdp=True selects the Megatron-FSDP wrapper "
-                "(megatron.core.distributed.fsdp); build that instead of DistributedDataParallel."
+                "DistributedDataParallel: ddp_config.fp8_param_gather (--fp8-param-gather) gathers the weights of "
+                "FP8 layers, but the model config has no FP8 format; set --fp8-format (config.fp8) or drop it."
             )
-        if ddp_config.fp8_param_gather and not (ddp_config.use_distributed_optimizer and getattr(config, "fp8", None)):
-            raise ValueError(
-                "DistributedDataParallel gathers FP8 parameters only with the distributed optimizer in an FP8 run: "
-                "--fp8-param-gather needs --use-distributed-optimizer and --fp8-format."
-            )
-        self.config = config
-        self.ddp_config = ddp_config
         self.module = module
         self.groups = groups if groups is not None else _default_groups(ddp_config)
         self.data_parallel_group = self.groups.data_parallel_group
@@ -143,9 +141,6 @@ class DistributedDataParallel(torch.nn.Module):
                 bucket.finish_param_sync()
 
     # ---- public API ------------------------------------------------------------------------------------------
-    def forward(self, *inputs, **kwargs):
-        return self.module(*inputs, **kwargs)
-
     @contextmanager
     def no_sync(self):
         """Accumulate gradients locally; the reduction happens after the first backward outside the context."""
@@ -196,6 +191,7 @@ class DistributedDataParallel(torch.nn.Module):
             self.finish_param_sync()
 
     def finish_param_sync(self):
+        """Wait for the parameter all-gathers `start_param_sync` started."""
         for bucket in self._buckets:
             bucket.finish_param_sync()
 
@@ -206,15 +202,7 @@ class DistributedDataParallel(torch.nn.Module):
             for param in self.module.parameters():
                 dist.broadcast(param.data, src=source, group=self.data_parallel_group)
 
-    def state_dict(self, *args, **kwargs):
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, strict=True):
-        return self.module.load_state_dict(state_dict, strict=strict)
-
-    def __getattr__(self, name):
-        """Fall back to the wrapped module (e.g. `set_input_tensor`, `shared_embedding_or_output_weight`)."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(super().__getattr__("module"), name)
+    def state_bytes(self):
+        """Parameters plus their `main_grad` views into the gradient buffers; the optimizer's main weights and
+        state are counted from the optimizer by the memory line."""
+        return parameter_and_grad_bytes(self.module)

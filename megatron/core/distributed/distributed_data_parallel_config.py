@@ -12,7 +12,10 @@ OUTER_DP_SHARDING_STRATEGIES = ("no_shard", "optim")
 
 @dataclass(frozen=True)
 class DistributedDataParallelConfig:
-    """Settings for `DistributedDataParallel` (and the Megatron-FSDP adapter); validated at construction."""
+    """Settings of the data-parallel wrappers; `use_megatron_fsdp` / `use_torch_fsdp2` select the wrapper
+    (see `megatron.core.distributed.wrap_data_parallel`). Validated at construction: every rule between these
+    fields is checked here, once, and the wrappers rely on it; the messages name the command-line flags too.
+    (Rules involving the model or its config, e.g. FSDP2's untied embeddings, are the wrappers' own.)"""
 
     grad_reduce_in_fp32: bool = False
     """Accumulate and reduce gradients in fp32 even when the parameters are bf16/fp16."""
@@ -55,7 +58,15 @@ class DistributedDataParallelConfig:
     or with Megatron-FSDP under `optim_grads_params`."""
 
     use_megatron_fsdp: bool = False
-    """Wrap the model with Megatron-FSDP instead of this DDP (selects the sharding strategy below)."""
+    """Wrap the model with Megatron-FSDP (`MegatronFSDPAdapter`, `--use-megatron-fsdp`) instead of Megatron
+    DDP; `data_parallel_sharding_strategy` is its ZeRO level."""
+
+    use_torch_fsdp2: bool = False
+    """Wrap the model with PyTorch FSDP2 (`TorchFSDP2`, `--use-torch-fsdp2`) instead of Megatron DDP."""
+
+    torch_fsdp2_reshard_after_forward: bool = True
+    """FSDP2: free each unit's gathered parameters after its forward and gather them again for backward (True),
+    or keep them until backward (False, `--torch-fsdp2-no-reshard-after-forward`)."""
 
     data_parallel_sharding_strategy: str = "no_shard"
     """Megatron-FSDP ZeRO level: no_shard | optim | optim_grads | optim_grads_params."""
@@ -71,8 +82,9 @@ class DistributedDataParallelConfig:
     parameters' own dtype (`--megatron-fsdp-main-params-dtype`)."""
 
     megatron_fsdp_main_grads_dtype: Optional[torch.dtype] = None
-    """Megatron-FSDP: dtype of the gradient buffers; None ("auto"): the parameters' dtype, or fp32 with
-    `grad_reduce_in_fp32` (`--megatron-fsdp-main-grads-dtype`)."""
+    """Megatron-FSDP: dtype gradients accumulate in and reach the optimizer with; None ("auto"): fp32 when the
+    main weights are fp32 (the default `megatron_fsdp_main_params_dtype`) or with `grad_reduce_in_fp32`,
+    otherwise the parameters' dtype (`--megatron-fsdp-main-grads-dtype`)."""
 
     megatron_fsdp_grad_comm_dtype: Optional[torch.dtype] = None
     """Megatron-FSDP: dtype gradients are reduced in; None ("auto"): the main grads dtype
@@ -83,6 +95,13 @@ class DistributedDataParallelConfig:
 
     preserve_fp32_weights: bool = True
     keep_fp8_transpose_cache: bool = False
+
+    @property
+    def wrapper_name(self) -> str:
+        """The data-parallel wrapper these settings select: "ddp", "megatron_fsdp" or "torch_fsdp2"."""
+        if self.use_megatron_fsdp:
+            return "megatron_fsdp"
+        return "torch_fsdp2" if self.use_torch_fsdp2 else "ddp"
 
     def __post_init__(self):
         if self.overlap_param_gather and not (self.use_distributed_optimizer or self.use_megatron_fsdp):
@@ -147,3 +166,43 @@ class DistributedDataParallelConfig:
             )
         if self.check_for_large_grads and self.large_grad_threshold <= 0:
             raise ValueError("DistributedDataParallelConfig.large_grad_threshold must be > 0.")
+        self._check_wrapper_choice()
+        self._check_fp8_param_gather()
+
+    def _check_wrapper_choice(self):
+        if self.use_megatron_fsdp and self.use_torch_fsdp2:
+            raise ValueError(
+                "DistributedDataParallelConfig: use_megatron_fsdp and use_torch_fsdp2 (--use-megatron-fsdp and "
+                "--use-torch-fsdp2 are exclusive): pick one."
+            )
+        if self.use_torch_fsdp2 and self.use_distributed_optimizer:
+            raise ValueError(
+                "DistributedDataParallelConfig: use_torch_fsdp2 with use_distributed_optimizer (--use-torch-fsdp2 "
+                "and --use-distributed-optimizer are exclusive): FSDP2 shards optimizer state itself; drop "
+                "--use-distributed-optimizer."
+            )
+
+    def _check_fp8_param_gather(self):
+        if not self.fp8_param_gather:
+            return
+        if not (self.use_distributed_optimizer or self.use_megatron_fsdp):
+            raise ValueError(
+                "DistributedDataParallelConfig.fp8_param_gather: --fp8-param-gather needs "
+                "--use-distributed-optimizer (use_distributed_optimizer=True) or --use-megatron-fsdp."
+            )
+        if not self.use_megatron_fsdp:
+            return
+        if self.data_parallel_sharding_strategy != "optim_grads_params":
+            raise ValueError(
+                "DistributedDataParallelConfig.fp8_param_gather: --fp8-param-gather with --use-megatron-fsdp needs "
+                "--data-parallel-sharding-strategy optim_grads_params "
+                f"(got {self.data_parallel_sharding_strategy}): only ZeRO-3 all-gathers the compute weights each "
+                "step; the other strategies keep full compute weights (drop --fp8-param-gather, or use strategy "
+                "optim_grads_params)."
+            )
+        if self.num_distributed_optimizer_instances > 1 and self.outer_dp_sharding_strategy != "no_shard":
+            raise ValueError(
+                "DistributedDataParallelConfig.fp8_param_gather: --fp8-param-gather with --use-megatron-fsdp does "
+                "not support --outer-dp-sharding-strategy optim (HFSDP); use --outer-dp-sharding-strategy no_shard "
+                "(HSDP) or a single optimizer instance."
+            )

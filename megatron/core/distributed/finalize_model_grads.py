@@ -21,16 +21,14 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.device_utils import get_device_for_group
-
-
-def _local(tensor):
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+from megatron.core.distributed.data_parallel_base import local_tensor
+from megatron.core.distributed.fsdp.mcore_fsdp_adapter import MegatronFSDPAdapter
 
 
 def _grad_of(param):
     main_grad = getattr(param, "main_grad", None)
     grad = main_grad if main_grad is not None else param.grad
-    return None if grad is None else _local(grad)
+    return None if grad is None else local_tensor(grad)
 
 
 def _params_with(model_chunks, attribute):
@@ -58,7 +56,7 @@ def _all_reduce_grads(params, group):
 
 
 def _is_megatron_fsdp(chunk):
-    return hasattr(chunk, "optimizer_grad_pieces")
+    return isinstance(chunk, MegatronFSDPAdapter)
 
 
 def _has_attribute(attribute):

@@ -1,18 +1,22 @@
-"""`TorchFullyShardedDataParallel`: a Megatron-Core model chunk sharded with PyTorch FSDP2 (`fully_shard`).
+"""`TorchFSDP2`: a Megatron-Core model chunk sharded with PyTorch FSDP2 (`fully_shard`).
 
-Each `TransformerLayer` and the embedding become their own FSDP2 unit (one all-gather before their forward and
+Upstream's name for it, `TorchFullyShardedDataParallel`, stays importable from here and from
+`megatron.core.distributed`.
+
+Each `TransformerLayer` and the embedding become their own FSDP2 unit (see `megatron.core.distributed.fsdp_units`) (one all-gather before their forward and
 backward, one reduce-scatter after their backward); everything else (final norm, output layer) belongs to the
 root unit. Parameters are sharded over the data-parallel (x context-parallel) dimension of parallel_state's
 device mesh; tensor parallelism stays Megatron's own (each TP rank shards its local TP slice over its DP group),
 and pipeline parallelism wraps each stage's chunk on its own.
 
-The wrapper offers what the training loop and the schedules use of Megatron's `DistributedDataParallel`:
-`no_sync()` (FSDP2's `set_requires_gradient_sync(False)`: unsharded gradients accumulate locally until the
+The wrapper implements the `DataParallelWrapper` contract: `no_sync()` (FSDP2's `set_requires_gradient_sync(False)`: unsharded gradients accumulate locally until the
 last microbatch), `start_grad_sync` / `finish_grad_sync` (FSDP2 reduce-scatters inside backward; on return
-every `param.grad` is this rank's reduced shard, a DTensor), `zero_grad_buffer`, `scale_gradients`,
-`broadcast_params`, `state_dict` / `load_state_dict`, `config`, `ddp_config`, `module`.
+every `param.grad` is this rank's reduced shard, a DTensor), `start_param_sync` / `finish_param_sync` (nothing
+to do: each unit gathers in its forward pre-hook), `zero_grad_buffer`, `scale_gradients`, `broadcast_params`,
+`state_bytes`, `state_dict` / `load_state_dict`.
 
-Refused, each with a message naming the flag:
+Refused, each with a message naming the flag (the config's own rules by `DistributedDataParallelConfig`, the ones
+involving the model here):
 - tied input/output embeddings: the tied weight would live in the embedding's unit but be read again by the
   output layer in the root unit after the embedding unit has resharded it; use --untie-embeddings-and-output-weights;
 - fp16 (Megatron's rule for FSDP2; fp16 loss scaling is not wired to FSDP2's gradient shards here); bf16
@@ -22,6 +26,7 @@ Refused, each with a message naming the flag:
   reaches FSDP2; HSDP is offered by --use-megatron-fsdp.)
 """
 
+import dataclasses
 from contextlib import contextmanager
 
 import torch
@@ -29,7 +34,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
+from megatron.core.distributed.data_parallel_base import DataParallelWrapper, local_tensor, tensor_bytes
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron.core.distributed.fsdp_units import default_fsdp_unit_modules
 
 # Attributes Megatron code reads from parameters (grad norm de-duplication, SP / tied-embedding all-reduces,
 # weight-decay and checkpoint logic). FSDP2 replaces every parameter with a new DTensor parameter, so they
@@ -44,14 +51,6 @@ CARRIED_PARAM_ATTRIBUTES = (
     "allreduce",
     "is_embedding_or_output_parameter",
 )
-
-
-def default_fsdp_unit_modules():
-    """Module classes that become FSDP2 units of their own: transformer layers and the embedding."""
-    from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
-    return (TransformerLayer, LanguageModelEmbedding)
 
 
 def data_parallel_mesh():
@@ -77,64 +76,55 @@ def data_parallel_mesh():
                                  mesh_dim_names=("dp_shard_cp",))
 
 
-def _check_supported(config, ddp_config, module):
+def _check_model_supported(config, module):
+    """The rules that involve the model (the data-parallel config's own are checked by the config)."""
     if getattr(module, "share_embeddings_and_output_weights", False):
         raise ValueError(
-            "TorchFullyShardedDataParallel (--use-torch-fsdp2) needs untied embeddings: the output layer would "
-            "read the word embedding after its FSDP2 unit resharded it; pass --untie-embeddings-and-output-weights"
+            "TorchFSDP2 (--use-torch-fsdp2) needs untied embeddings: the output layer would read the word "
+            "embedding after its FSDP2 unit resharded it; pass --untie-embeddings-and-output-weights"
         )
     if getattr(config, "fp16", False):
-        raise ValueError("TorchFullyShardedDataParallel (--use-torch-fsdp2) does not support --fp16; use --bf16")
-    if ddp_config.use_distributed_optimizer:
-        raise ValueError(
-            "TorchFullyShardedDataParallel (--use-torch-fsdp2) shards optimizer state itself; drop "
-            "--use-distributed-optimizer"
-        )
-    if ddp_config.use_megatron_fsdp:
-        raise ValueError(
-            "ddp_config.use_megatron_fsdp=True selects Megatron-FSDP (--use-megatron-fsdp), not "
-            "TorchFullyShardedDataParallel (--use-torch-fsdp2); pick one"
-        )
+        raise ValueError("TorchFSDP2 (--use-torch-fsdp2) does not support --fp16; use --bf16")
     meta_params = [name for name, param in module.named_parameters() if param.is_meta]
     if meta_params:
         raise ValueError(
-            f"TorchFullyShardedDataParallel (--use-torch-fsdp2) needs a materialised model, but {meta_params[0]} "
-            "is on the meta device; drop --init-model-with-meta-device or use --use-megatron-fsdp"
+            f"TorchFSDP2 (--use-torch-fsdp2) needs a materialised model, but {meta_params[0]} is on the meta "
+            "device; drop --init-model-with-meta-device or use --use-megatron-fsdp"
         )
 
 
-def _local(tensor):
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-class TorchFullyShardedDataParallel(torch.nn.Module):
+class TorchFSDP2(DataParallelWrapper):
     """Wraps `module` (one pipeline stage's model chunk) with FSDP2; see the module docstring.
 
     Args:
         config: the model's TransformerConfig (read: fp16, calculate_per_token_loss).
-        ddp_config: the data-parallel config (validated against what FSDP2 offers).
+        ddp_config: the data-parallel config; kept with `use_torch_fsdp2=True`, so that the config checks its
+            FSDP2 rules (e.g. no distributed optimizer) even when the caller left that flag unset.
         module: the model chunk, already on the mesh's device.
-        fsdp_unit_modules: module classes that become units; default `default_fsdp_unit_modules()`.
+        fsdp_unit_modules: module classes that become units; default `default_fsdp_unit_modules(embedding_unit=True)`.
         reshard_after_forward: free gathered parameters after each unit's forward and regather them for
             backward (True, less memory) or keep them until backward (False,
-            --torch-fsdp2-no-reshard-after-forward: one all-gather per unit per step fewer).
+            --torch-fsdp2-no-reshard-after-forward: one all-gather per unit per step fewer); default
+            `ddp_config.torch_fsdp2_reshard_after_forward`.
         device_mesh: a 1-D mesh to shard over; default parallel_state's data-parallel mesh.
     """
 
     def __init__(self, config, ddp_config: DistributedDataParallelConfig, module, fsdp_unit_modules=None,
-                 reshard_after_forward=True, device_mesh=None):
-        super().__init__()
+                 reshard_after_forward=None, device_mesh=None):
+        if not ddp_config.use_torch_fsdp2:
+            ddp_config = dataclasses.replace(ddp_config, use_torch_fsdp2=True)  # re-validates the config
+        super().__init__(config, ddp_config)
         from torch.distributed.fsdp import fully_shard
 
-        _check_supported(config, ddp_config, module)
-        self.config = config
-        self.ddp_config = ddp_config
+        _check_model_supported(config, module)
+        if reshard_after_forward is None:
+            reshard_after_forward = ddp_config.torch_fsdp2_reshard_after_forward
         self.reshard_after_forward = reshard_after_forward
         self.device_mesh = device_mesh if device_mesh is not None else data_parallel_mesh()
         if self.device_mesh.ndim != 1:
-            raise ValueError(f"TorchFullyShardedDataParallel shards over a 1-D mesh, got {self.device_mesh.ndim} dims")
+            raise ValueError(f"TorchFSDP2 shards over a 1-D mesh, got {self.device_mesh.ndim} dims")
         self.data_parallel_group = self.device_mesh.get_group()
-        unit_classes = tuple(fsdp_unit_modules or default_fsdp_unit_modules())
+        unit_classes = tuple(fsdp_unit_modules or default_fsdp_unit_modules(embedding_unit=True))
 
         carried = {
             name: {key: getattr(param, key) for key in CARRIED_PARAM_ATTRIBUTES if hasattr(param, key)}
@@ -160,9 +150,6 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         self._requires_gradient_sync = True
 
     # ---- what the training loop uses -------------------------------------------------------------------------
-    def forward(self, *inputs, **kwargs):
-        return self.module(*inputs, **kwargs)
-
     @contextmanager
     def no_sync(self):
         """Accumulate unsharded gradients locally; the first backward outside the context reduce-scatters them."""
@@ -182,7 +169,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         each `param.grad` already holds this rank's reduced shard. Called outside `no_sync()` only."""
         if not self._requires_gradient_sync:
             raise RuntimeError(
-                "TorchFullyShardedDataParallel.finish_grad_sync() inside no_sync(): gradients were only "
+                "TorchFSDP2.finish_grad_sync() inside no_sync(): gradients were only "
                 "accumulated locally; run the last microbatch's backward outside no_sync()"
             )
 
@@ -195,17 +182,19 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
     def scale_gradients(self, scaling_factor):
         for param in self.module.parameters():
             if param.grad is not None:
-                _local(param.grad).mul_(scaling_factor)
+                local_tensor(param.grad).mul_(scaling_factor)
+
+    def start_param_sync(self, force_sync=False):
+        """Nothing to start: each FSDP2 unit all-gathers its parameters in its own forward pre-hook."""
+
+    def finish_param_sync(self):
+        """Nothing to wait for: FSDP2 waits for each unit's all-gather before that unit runs."""
 
     def broadcast_params(self):
         """Every parameter is stored once, sharded over the data-parallel group, so data-parallel ranks cannot
         hold different values and there is nothing to broadcast (unlike DDP's replicas)."""
 
     # ---- state ------------------------------------------------------------------------------------------------
-    def state_dict(self, *args, **kwargs):
-        """The module's state dict; parameters are DTensors sharded over the data-parallel mesh."""
-        return self.module.state_dict(*args, **kwargs)
-
     def load_state_dict(self, state_dict, strict=True):
         """Loads DTensors as they are and full (unsharded) tensors by taking this rank's shard of them."""
         own = self.module.state_dict()
@@ -215,7 +204,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             if isinstance(target, DTensor) and torch.is_tensor(value) and not isinstance(value, DTensor):
                 if tuple(value.shape) != tuple(target.shape):
                     raise ValueError(
-                        f"TorchFullyShardedDataParallel.load_state_dict: {key} has shape {tuple(value.shape)}, "
+                        f"TorchFSDP2.load_state_dict: {key} has shape {tuple(value.shape)}, "
                         f"the model expects {tuple(target.shape)}"
                     )
                 value = distribute_tensor(value.to(target.device, target.dtype), target.device_mesh,
@@ -227,13 +216,10 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         """Bytes this rank holds in parameters and gradients (local shards only), by kind."""
         params = list(self.module.parameters())
         return {
-            "params_bytes": sum(_local(p).numel() * p.element_size() for p in params),
-            "grads_bytes": sum(_local(p.grad).numel() * p.grad.element_size() for p in params if p.grad is not None),
+            "params_bytes": sum(tensor_bytes(p) for p in params),
+            "grads_bytes": sum(tensor_bytes(p.grad) for p in params if p.grad is not None),
         }
 
-    def __getattr__(self, name):
-        """Fall back to the wrapped module (e.g. `set_input_tensor`)."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(super().__getattr__("module"), name)
+
+# Upstream Megatron-Core's name for the FSDP2 wrapper.
+TorchFullyShardedDataParallel = TorchFSDP2

@@ -142,7 +142,9 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks, no_weight_deca
     """Build the optimizer for `model_chunks` (DDP-wrapped or plain modules) as `config` asks."""
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
-    if any(getattr(getattr(chunk, "ddp_config", None), "use_megatron_fsdp", False) for chunk in model_chunks):
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import MegatronFSDPAdapter
+
+    if any(isinstance(chunk, MegatronFSDPAdapter) for chunk in model_chunks):
         return _megatron_fsdp_optimizer(config, model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult)
     for chunk in model_chunks:
         ddp_config = getattr(chunk, "ddp_config", None)

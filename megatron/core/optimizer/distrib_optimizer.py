@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.device_utils import get_current_device
+from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
 from megatron.core.optimizer.optimizer import MegatronOptimizer, copy_parallel_attributes
 
 
@@ -49,10 +50,10 @@ class DistributedOptimizer(MegatronOptimizer):
         self.model_chunks = list(model_chunks)
         param_to_buffer = {}
         for chunk in self.model_chunks:
-            if not getattr(chunk, "ddp_config", None) or not chunk.ddp_config.use_distributed_optimizer:
+            if not isinstance(chunk, DistributedDataParallel) or not chunk.ddp_config.use_distributed_optimizer:
                 raise ValueError(
                     "DistributedOptimizer needs every model chunk wrapped in DistributedDataParallel with "
-                    "DistributedDataParallelConfig(use_distributed_optimizer=True)."
+                    "DistributedDataParallelConfig(use_distributed_optimizer=True) (--use-distributed-optimizer)."
                 )
             for buffer in chunk.buffers:
                 param_to_buffer.update({param: buffer for param in buffer.params})
@@ -77,10 +78,15 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def _install_fp8_weights(self):
         """With FP8 parameters: quantize the main weights and gather them now, so the model computes with them."""
-        if any(getattr(buffer, "fp8_storage", None) is not None for chunk in self.model_chunks for buffer in chunk.buffers):
+        if self.holds_fp8_parameters():
             self._copy_main_params_to_model_params()
             for chunk in self.model_chunks:
                 chunk.finish_param_sync()
+
+    def holds_fp8_parameters(self) -> bool:
+        """Whether some DDP buffer stores FP8 weights (`--fp8-param-gather`), quantized from the main weights."""
+        return any(getattr(buffer, "fp8_storage", None) is not None
+                   for chunk in self.model_chunks for buffer in chunk.buffers)
 
     def model_params(self):
         return list(self._model_params)

@@ -21,11 +21,13 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer, copy_parallel_a
 
 
 def _megatron_fsdp_chunk(model_chunks):
-    chunks = [chunk for chunk in model_chunks if hasattr(chunk, "optimizer_grad_pieces")]
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import MegatronFSDPAdapter
+
+    chunks = [chunk for chunk in model_chunks if isinstance(chunk, MegatronFSDPAdapter)]
     if len(chunks) != len(model_chunks):
         raise ValueError(
             "MegatronFSDPOptimizer: every model chunk must be wrapped in megatron.core.distributed."
-            "FullyShardedDataParallel (--use-megatron-fsdp); got a mix of wrappers"
+            "MegatronFSDPAdapter (--use-megatron-fsdp); got a mix of wrappers"
         )
     if len(chunks) != 1:
         raise ValueError(
@@ -36,7 +38,7 @@ def _megatron_fsdp_chunk(model_chunks):
 
 
 class MegatronFSDPOptimizer(MegatronOptimizer):
-    """Steps a `FullyShardedDataParallel` chunk's main weights; see the module docstring.
+    """Steps a `MegatronFSDPAdapter` chunk's main weights; see the module docstring.
 
     Args:
         param_groups: groups from `get_param_groups(model_chunks, ...)` (hyper-parameters, wd/lr multipliers).

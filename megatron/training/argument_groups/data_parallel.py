@@ -67,8 +67,9 @@ def add_arguments(parser):
         "--megatron-fsdp-main-grads-dtype",
         default="auto",
         choices=MEGATRON_FSDP_DTYPE_CHOICES,
-        help="Megatron-FSDP gradient buffers; auto: the parameters' dtype (fp32 with "
-        "--accumulate-allreduce-grads-in-fp32).",
+        help="Megatron-FSDP gradient accumulation and optimizer-gradient dtype; auto: fp32 when the main weights "
+        "are fp32 (the default --megatron-fsdp-main-params-dtype) or with --accumulate-allreduce-grads-in-fp32, "
+        "otherwise the parameters' dtype.",
     )
     group.add_argument(
         "--megatron-fsdp-grad-comm-dtype",

@@ -1,17 +1,19 @@
-"""`FullyShardedDataParallel`: a Megatron-Core model chunk sharded by Megatron-FSDP (ZeRO-0..3).
+"""`MegatronFSDPAdapter`: a Megatron-Core model chunk sharded by Megatron-FSDP (ZeRO-0..3).
+
+Upstream's name for it, `FullyShardedDataParallel`, stays importable from here, from
+`megatron.core.distributed.fsdp` and from `megatron.core.distributed`; it is unrelated to torch's FSDP1 class
+of the same name and to FSDP2 (`TorchFSDP2`).
 
 The chunk (one pipeline stage's model) is wrapped with `megatron_fsdp.MegatronFSDP` on parallel_state's device
 mesh: parameters, gradients and optimizer state are sharded over `dp_shard_cp` (data x context parallel), the
 `tp` dim tells the checkpoint code how tensor-parallel partitions fit together, and with
 `--num-distributed-optimizer-instances N > 1` the `dp_outer` dim replicates (HSDP, `outer_dp_sharding_strategy
 ="no_shard"`) or further shards the optimizer side (HFSDP, `"optim"`). Each `TransformerLayer` is one unit of
-communication; the embedding, the final norm and the output layer form the root groups, which keeps a tied
-word embedding / output weight of a single-stage model gathered from the forward until its gradient is in.
+communication; the embedding, the final norm and the output layer form the root groups (see
+`megatron.core.distributed.fsdp_units`).
 
-Training treats this wrapper like Megatron's `DistributedDataParallel`: `no_sync()`, `start_grad_sync()`,
-`finish_grad_sync()`, `zero_grad_buffer()`, `scale_gradients()`, `broadcast_params()`, `state_dict()`,
-`config`, `ddp_config`, `module`, `data_parallel_group`, and `state_bytes()` for the memory log line.
-Gradients live in Megatron-FSDP's buffers, not in `param.main_grad`: `optimizer_grad_pieces()` hands
+Training uses it through the `DataParallelWrapper` contract it implements, like Megatron's
+`DistributedDataParallel`. Gradients live in Megatron-FSDP's buffers, not in `param.main_grad`: `optimizer_grad_pieces()` hands
 `finalize_model_grads` and the optimizer the gradient tensors the optimizer steps with (this rank's shard
 piece of each parameter), with the process groups over which the pieces of one parameter are spread.
 
@@ -29,7 +31,9 @@ from typing import Callable, List, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.data_parallel_base import DataParallelWrapper
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron.core.distributed.fsdp_units import default_fsdp_unit_modules
 
 
 class GradPiece(NamedTuple):
@@ -39,13 +43,6 @@ class GradPiece(NamedTuple):
     grad: torch.Tensor
     param_start: int
     param_end: int
-
-
-def default_fsdp_unit_modules():
-    """Module classes that become Megatron-FSDP units: the transformer layers."""
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
-    return (TransformerLayer,)
 
 
 def _mixed_precision_policy(config, ddp_config: DistributedDataParallelConfig):
@@ -85,24 +82,9 @@ def _package_ddp_config(ddp_config: DistributedDataParallelConfig):
 
 
 def _fp8_gather_codec(config, ddp_config: DistributedDataParallelConfig, module):
-    """The gather codec policy of `--fp8-param-gather`, or None without it."""
-    import megatron_fsdp
-
+    """The gather codec policy of `--fp8-param-gather`, or None without it (its rules are the config's)."""
     if not ddp_config.fp8_param_gather:
         return None
-    strategy = megatron_fsdp.ShardingStrategy.parse(ddp_config.data_parallel_sharding_strategy)
-    if strategy != megatron_fsdp.ShardingStrategy.optim_grads_params:
-        raise ValueError(
-            "--fp8-param-gather with --use-megatron-fsdp needs --data-parallel-sharding-strategy optim_grads_params "
-            f"(got {strategy.name}): only ZeRO-3 all-gathers the compute weights each step; the other strategies "
-            "keep full compute weights (drop --fp8-param-gather, or use strategy optim_grads_params)"
-        )
-    outer = megatron_fsdp.ShardingStrategy.parse(ddp_config.outer_dp_sharding_strategy, "outer_dp_sharding_strategy")
-    if ddp_config.num_distributed_optimizer_instances > 1 and outer != megatron_fsdp.ShardingStrategy.no_shard:
-        raise ValueError(
-            "--fp8-param-gather with --use-megatron-fsdp does not support --outer-dp-sharding-strategy optim "
-            "(HFSDP); use --outer-dp-sharding-strategy no_shard (HSDP) or a single optimizer instance"
-        )
     from megatron.core.fp8.fsdp_gather import fp8_gather_codec_policy
 
     return fp8_gather_codec_policy(module, config)
@@ -124,14 +106,14 @@ def _mesh_from_parallel_state(ddp_config: DistributedDataParallelConfig) -> _Mes
     if not parallel_state.model_parallel_is_initialized():
         if ddp_config.num_distributed_optimizer_instances > 1:
             raise ValueError(
-                "FullyShardedDataParallel: num_distributed_optimizer_instances > 1 (--num-distributed-optimizer-"
+                "MegatronFSDPAdapter: num_distributed_optimizer_instances > 1 (--num-distributed-optimizer-"
                 "instances) needs parallel_state.initialize_model_parallel(num_distributed_optimizer_instances=N)"
             )
         return _Mesh(None, None, None, None, None, dist.group.WORLD)
     instances = parallel_state.get_num_distributed_optimizer_instances()
     if instances != ddp_config.num_distributed_optimizer_instances:
         raise ValueError(
-            f"FullyShardedDataParallel: ddp_config.num_distributed_optimizer_instances="
+            f"MegatronFSDPAdapter: ddp_config.num_distributed_optimizer_instances="
             f"{ddp_config.num_distributed_optimizer_instances} but parallel_state was initialised with {instances}; "
             "pass the same --num-distributed-optimizer-instances to both"
         )
@@ -148,7 +130,7 @@ def _mesh_from_parallel_state(ddp_config: DistributedDataParallelConfig) -> _Mes
     )
 
 
-class FullyShardedDataParallel(torch.nn.Module):
+class MegatronFSDPAdapter(DataParallelWrapper):
     """Wraps `module` (one pipeline stage's Megatron-Core model) with Megatron-FSDP; see the module docstring.
 
     Args:
@@ -157,26 +139,26 @@ class FullyShardedDataParallel(torch.nn.Module):
         ddp_config: `DistributedDataParallelConfig` with `use_megatron_fsdp=True`; its
             `data_parallel_sharding_strategy` is the ZeRO level.
         module: the model chunk, on this process's device or (with `init_model_with_meta_device`) on meta.
-        fsdp_unit_modules: classes (or dotted names) whose instances become units; default `TransformerLayer`.
+        fsdp_unit_modules: classes (or dotted names) whose instances become units; default
+            `default_fsdp_unit_modules()` (the transformer layers).
     """
 
     def __init__(self, config, ddp_config: DistributedDataParallelConfig, module, fsdp_unit_modules=None):
-        super().__init__()
+        super().__init__(config, ddp_config)
         import megatron_fsdp
 
         if not ddp_config.use_megatron_fsdp:
             raise ValueError(
-                "FullyShardedDataParallel needs DistributedDataParallelConfig(use_megatron_fsdp=True) "
-                "(--use-megatron-fsdp); for plain data parallelism use DistributedDataParallel"
+                "MegatronFSDPAdapter needs DistributedDataParallelConfig(use_megatron_fsdp=True) "
+                "(--use-megatron-fsdp); build the wrapper with megatron.core.distributed.wrap_data_parallel, "
+                "which picks the one the config selects"
             )
-        self.config = config
-        self.ddp_config = ddp_config
         mesh = _mesh_from_parallel_state(ddp_config)
         self.data_parallel_group = mesh.data_parallel_group
         meta = any(param.is_meta for param in module.parameters())
         if meta and not getattr(config, "init_model_with_meta_device", False):
             raise ValueError(
-                "FullyShardedDataParallel: the model has meta-device parameters but config."
+                "MegatronFSDPAdapter: the model has meta-device parameters but config."
                 "init_model_with_meta_device is False; build it with --init-model-with-meta-device"
             )
         self.module = megatron_fsdp.MegatronFSDP(
@@ -202,11 +184,13 @@ class FullyShardedDataParallel(torch.nn.Module):
         return self.module
 
     @property
+    def unwrapped_module(self) -> torch.nn.Module:
+        """The Megatron-Core model inside the `megatron_fsdp.MegatronFSDP` wrapper."""
+        return self.module.module
+
+    @property
     def device(self) -> torch.device:
         return self.module.device
-
-    def forward(self, *inputs, **kwargs):
-        return self.module(*inputs, **kwargs)
 
     @contextmanager
     def no_sync(self):
@@ -231,6 +215,15 @@ class FullyShardedDataParallel(torch.nn.Module):
     def start_param_sync(self, force_sync: bool = False):
         self.module.start_param_sync(force_sync=force_sync)
 
+    def finish_param_sync(self):
+        """ZeRO-1/2: wait for the post-step all-gather of the updated weights. ZeRO-3 keeps weights sharded between
+        steps and each unit waits for its own gather in its forward pre-hook, so there is nothing to wait for."""
+        import megatron_fsdp
+
+        if self.module.strategy != megatron_fsdp.ShardingStrategy.optim_grads_params:
+            with self.module.gathered_parameters():
+                pass
+
     def broadcast_params(self):
         """Make every data-parallel replica hold data-parallel rank 0's weights."""
         self.module.broadcast_params()
@@ -238,9 +231,6 @@ class FullyShardedDataParallel(torch.nn.Module):
     def state_dict(self, *args, **kwargs):
         """Parameter name -> DTensor over the data-parallel (and TP) mesh; loadable at another DP size."""
         return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, strict: bool = True):
-        return self.module.load_state_dict(state_dict, strict=strict)
 
     @contextmanager
     def gathered_parameters(self):
@@ -322,9 +312,6 @@ class FullyShardedDataParallel(torch.nn.Module):
     def communication_report(self) -> dict:
         return self.module.communication_report()
 
-    def __getattr__(self, name):
-        """Fall back to the wrapped Megatron-Core model (e.g. `set_input_tensor`, `shared_embedding_or_output_weight`)."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(super().__getattr__("module").module, name)
+
+# Upstream Megatron-Core's name for the Megatron-FSDP wrapper of a Megatron-Core model chunk.
+FullyShardedDataParallel = MegatronFSDPAdapter

@@ -1,0 +1,110 @@
+"""The on-disk layout of a checkpoint root, shared by every format: the tracker file, iteration directories,
+and publishing a finished save so that an interrupted one never becomes the latest.
+
+    latest_checkpointed_iteration.txt     the last published checkpoint's iteration, written last
+    iter_0000010/                         one published checkpoint
+    iter_0000020.tmp/                     a save in progress (or one that was interrupted): never loaded
+    iter_0000010.replaced/                the previous copy while iteration 10 is saved again (see publish)
+
+Plain file operations only (no torch.distributed): tools use it without a process group.
+"""
+
+import json
+import os
+import re
+import shutil
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+METADATA_JSON = "metadata.json"
+TEMPORARY_SUFFIX = ".tmp"
+REPLACED_SUFFIX = ".replaced"  # the previous copy of an iteration saved again, while the new one moves in
+_ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
+
+
+def iteration_dir_name(iteration):
+    return f"iter_{iteration:07d}"
+
+
+def write_tracker(root, iteration):
+    """Point the tracker at `iteration`, atomically (temporary file + rename)."""
+    path = os.path.join(root, TRACKER_FILENAME)
+    temporary = f"{path}.tmp.{os.getpid()}"
+    with open(temporary, "w") as stream:
+        stream.write(str(iteration))
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(temporary, path)
+
+
+def read_tracker(root):
+    """The iteration of the latest complete checkpoint under `root`, or None when there is none."""
+    path = os.path.join(root, TRACKER_FILENAME)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{path} should hold an iteration number, found {text!r}") from None
+
+
+def _fsync_directory(path):
+    try:
+        descriptor = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+
+
+def published_iterations(root):
+    """Iterations of the published checkpoints under `root`, ascending."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(match.group(1)) for match in map(_ITERATION_DIR.match, os.listdir(root)) if match)
+
+
+def publish(root, iteration, temporary, layout, keep_last_n=None):
+    """Rename `temporary` to `iter_XXXXXXX`, then point the tracker at it; prune to `keep_last_n` (rank 0).
+
+    Saving an iteration that is already published (e.g. again after a resume) moves the old copy aside to
+    `iter_XXXXXXX.replaced` first: a kill between the two renames leaves the tracker naming a missing
+    directory, and `published_directory` then loads the `.replaced` copy. It is removed once the tracker
+    names the new one.
+    """
+    with open(os.path.join(temporary, METADATA_JSON), "w") as stream:
+        json.dump({"format": "megatron_logical_dcp", "version": 1, "iteration": iteration, "layout": layout},
+                  stream, indent=1)
+    final = os.path.join(root, iteration_dir_name(iteration))
+    replaced = final + REPLACED_SUFFIX
+    if os.path.exists(final):
+        shutil.rmtree(replaced, ignore_errors=True)  # a stale copy: `final` is complete
+        os.replace(final, replaced)
+    os.replace(temporary, final)
+    _fsync_directory(root)
+    write_tracker(root, iteration)
+    shutil.rmtree(replaced, ignore_errors=True)
+    if keep_last_n:
+        for old in published_iterations(root)[:-keep_last_n]:
+            if old != iteration:
+                shutil.rmtree(os.path.join(root, iteration_dir_name(old)), ignore_errors=True)
+                shutil.rmtree(os.path.join(root, iteration_dir_name(old)) + REPLACED_SUFFIX, ignore_errors=True)
+
+
+def published_directory(root, iteration):
+    """(directory of published checkpoint `iteration` under `root`, None) or, when a save of the same iteration
+    was killed between its two renames, (its `.replaced` copy, the missing directory). Reads only."""
+    directory = os.path.join(root, iteration_dir_name(iteration))
+    if os.path.isdir(directory):
+        return directory, None
+    if os.path.isdir(directory + REPLACED_SUFFIX):
+        return directory + REPLACED_SUFFIX, directory
+    from megatron.core.dist_checkpointing.serialization import CheckpointError
+
+    raise CheckpointError(
+        f"{os.path.join(root, TRACKER_FILENAME)} names iteration {iteration}, but {directory} does not exist (nor "
+        f"a {REPLACED_SUFFIX} copy of it); point the tracker at an iteration that exists under {root}")
