@@ -1,4 +1,5 @@
-"""Global gradient norm, clipping and zero counting across tensor-, pipeline- and data-parallel ranks.
+"""Global norms (of gradients, or of the parameters themselves), clipping and zero counting across tensor-,
+pipeline- and data-parallel ranks.
 
 Every parameter must be counted exactly once over the whole model:
 - tensor-parallel partitions (`tensor_model_parallel=True`) are disjoint pieces: every TP rank counts its own;
@@ -90,11 +91,12 @@ def _reduce_pieces(pieces, local_value, op, device):
     return total
 
 
-def get_grad_norm_fp32(grads_for_norm, norm_type=2.0, grad_stats_groups=None, device=None):
-    """The global norm of already de-duplicated gradients, as a Python float (`inf` norm supported).
+def global_norm_fp32(tensors, norm_type=2.0, grad_stats_groups=None, device=None):
+    """The global norm of already de-duplicated tensors (gradients, or parameters for the parameter norm), as a
+    Python float (`inf` norm supported). The per-rank results are reduced over `grad_stats_groups`.
 
-    DTensor gradients count their local shards, summed over the mesh dims they are sharded on."""
-    grads = [grad for grad in grads_for_norm if grad is not None]
+    DTensors count their local shards, summed over the mesh dims they are sharded on."""
+    grads = [tensor for tensor in tensors if tensor is not None]
     norm_type = float(norm_type)
     if device is None:
         device = grads[0].device if grads else torch.device("cpu")
@@ -118,6 +120,11 @@ def get_grad_norm_fp32(grads_for_norm, norm_type=2.0, grad_stats_groups=None, de
     total = _reduce_pieces(pieces, local_power_sum, dist.ReduceOp.SUM, device)
     _all_reduce_over(total, grad_stats_groups, dist.ReduceOp.SUM)
     return total.item() ** (1.0 / norm_type)
+
+
+def get_grad_norm_fp32(grads_for_norm, norm_type=2.0, grad_stats_groups=None, device=None):
+    """The global norm of already de-duplicated gradients (upstream's name; see `global_norm_fp32`)."""
+    return global_norm_fp32(grads_for_norm, norm_type, grad_stats_groups, device)
 
 
 def clip_grad_by_total_norm_fp32(grads, max_norm, total_norm):
@@ -146,7 +153,13 @@ def count_zeros_fp32(grads_for_count, grad_stats_groups=None, device=None):
     return total.item()
 
 
+def tensors_counted_once(params, tensor_of):
+    """`tensor_of(param)` for the `params` that count towards a global statistic (see the module docstring):
+    each element of the model appears once over all ranks after the reduction over `grad_stats_groups`."""
+    return [tensor_of(param) for param in params
+            if param_counts_for_grad_stats(param) and tensor_of(param) is not None]
+
+
 def grads_for_grad_stats(params, grad_of=None):
-    """The gradients of `params` that count towards the global norm (see the module docstring)."""
-    grad_of = grad_of or (lambda param: param.grad)
-    return [grad_of(param) for param in params if param_counts_for_grad_stats(param) and grad_of(param) is not None]
+    """The gradients of `params` that count towards the global gradient norm (see the module docstring)."""
+    return tensors_counted_once(params, grad_of or (lambda param: param.grad))

@@ -1,0 +1,237 @@
+"""The data-parallel wrapper contract: every wrapper implements `DataParallelWrapper`, the config picks the
+wrapper in one place, each config rule is stated once (in `DistributedDataParallelConfig`) with the flag names,
+and the command line refuses the same combinations, naming the same flags."""
+
+import inspect
+import pathlib
+
+import pytest
+import torch
+
+import megatron.core.distributed as distributed
+from megatron.core.distributed import (
+    DataParallelWrapper,
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    MegatronFSDPAdapter,
+    TorchFSDP2,
+    data_parallel_wrapper_class,
+    unwrap_model,
+    wrap_data_parallel,
+)
+from megatron.core.distributed.data_parallel_base import parameter_and_grad_bytes
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+from tests.unit_tests.optimizer.toy_models import build_toy_model, toy_batch
+
+WRAPPERS = (DistributedDataParallel, MegatronFSDPAdapter, TorchFSDP2)
+CONTRACT_METHODS = ("no_sync", "start_grad_sync", "finish_grad_sync", "scale_gradients", "zero_grad_buffer",
+                    "start_param_sync", "finish_param_sync", "broadcast_params", "state_bytes")
+DISTRIBUTED_SOURCE = pathlib.Path(distributed.__file__).parent
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS, ids=lambda cls: cls.__name__)
+def test_every_wrapper_implements_the_whole_contract(wrapper):
+    assert issubclass(wrapper, DataParallelWrapper) and not inspect.isabstract(wrapper)
+    assert sorted(DataParallelWrapper.__abstractmethods__) == sorted(CONTRACT_METHODS)
+    for name in CONTRACT_METHODS:
+        implementation = getattr(wrapper, name)
+        assert implementation is not getattr(DataParallelWrapper, name), f"{wrapper.__name__}.{name}"
+    # One fallback to the wrapped model, in the base only.
+    assert "__getattr__" not in vars(wrapper)
+
+
+def test_upstream_names_and_import_paths_still_work():
+    from megatron.core.distributed import FullyShardedDataParallel, TorchFullyShardedDataParallel
+    from megatron.core.distributed.fsdp import FullyShardedDataParallel as FromFsdpPackage
+    from megatron.core.distributed.fsdp import default_fsdp_unit_modules
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel as FromAdapter
+    from megatron.core.distributed.torch_fully_sharded_data_parallel import (
+        TorchFullyShardedDataParallel as FromTorchModule,
+    )
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    assert FullyShardedDataParallel is FromFsdpPackage is FromAdapter is MegatronFSDPAdapter
+    assert TorchFullyShardedDataParallel is FromTorchModule is TorchFSDP2
+    assert default_fsdp_unit_modules() == (TransformerLayer,)
+    assert default_fsdp_unit_modules(embedding_unit=True)[0] is TransformerLayer
+
+
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        ({}, DistributedDataParallel),
+        ({"use_distributed_optimizer": True}, DistributedDataParallel),
+        ({"use_megatron_fsdp": True}, MegatronFSDPAdapter),
+        ({"use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim"}, MegatronFSDPAdapter),
+        ({"use_torch_fsdp2": True}, TorchFSDP2),
+    ],
+)
+def test_the_config_picks_the_wrapper(settings, expected):
+    assert data_parallel_wrapper_class(DistributedDataParallelConfig(**settings)) is expected
+
+
+# (config fields, the flags its message must name, the same combination on the command line, world size)
+RULES = [
+    ({"use_megatron_fsdp": True, "use_torch_fsdp2": True}, "--use-megatron-fsdp and --use-torch-fsdp2",
+     "--use-megatron-fsdp --use-torch-fsdp2", 2),
+    ({"use_torch_fsdp2": True, "use_distributed_optimizer": True}, "--use-torch-fsdp2 and --use-distributed-optimizer",
+     "--use-torch-fsdp2 --untie-embeddings-and-output-weights --use-distributed-optimizer", 2),
+    ({"fp8_param_gather": True}, "--fp8-param-gather needs --use-distributed-optimizer",
+     "--fp8-format e4m3 --fp8-param-gather", 2),
+    ({"fp8_param_gather": True, "use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim_grads"},
+     "--fp8-param-gather with --use-megatron-fsdp needs --data-parallel-sharding-strategy optim_grads_params",
+     "--use-megatron-fsdp --fp8-format e4m3 --fp8-param-gather --data-parallel-sharding-strategy optim_grads", 2),
+    ({"overlap_param_gather": True, "use_distributed_optimizer": True}, "--overlap-grad-reduce",
+     "--overlap-param-gather --use-distributed-optimizer", 1),
+    ({"overlap_param_gather": True, "overlap_grad_reduce": True}, "--use-distributed-optimizer",
+     "--overlap-param-gather --overlap-grad-reduce", 1),
+    ({"fsdp_double_buffer": True}, "--fsdp-double-buffer", "--fsdp-double-buffer", 1),
+]
+
+
+@pytest.mark.parametrize("fields, flags, command_line, world_size", RULES, ids=[str(rule[0]) for rule in RULES])
+def test_each_rule_is_refused_by_the_config_and_the_command_line_naming_the_flags(monkeypatch, fields, flags,
+                                                                                  command_line, world_size):
+    from tests.unit_tests.training.test_arguments import validated
+
+    with pytest.raises(ValueError, match=flags.split(" ")[0]) as from_config:
+        DistributedDataParallelConfig(**fields)
+    assert flags in str(from_config.value)
+    with pytest.raises(ValueError) as from_command_line:
+        validated(command_line, world_size, monkeypatch)
+    named = [word for word in flags.split(" ") if word.startswith("--")]
+    assert all(flag in str(from_command_line.value) for flag in named), str(from_command_line.value)
+
+
+def test_the_zero3_fp8_rule_is_written_once_among_the_wrappers_and_the_config():
+    """The wrappers rely on the config: the rule's message appears in the config module only."""
+    message = "only ZeRO-3 all-gathers the compute weights"
+    holders = [path.relative_to(DISTRIBUTED_SOURCE).as_posix() for path in DISTRIBUTED_SOURCE.rglob("*.py")
+               if "megatron_fsdp" not in path.parts and message in path.read_text()]
+    assert holders == ["distributed_data_parallel_config.py"]
+
+
+def test_fsdp2_keeps_its_config_marked_and_validated():
+    """TorchFSDP2 built from a plain config re-validates it as an FSDP2 config: the config's FSDP2 rules hold."""
+    with pytest.raises(ValueError, match="drop --use-distributed-optimizer"):
+        TorchFSDP2(None, DistributedDataParallelConfig(use_distributed_optimizer=True), torch.nn.Linear(2, 2))
+
+
+class _RecordingWrapper(DataParallelWrapper):
+    """A minimal wrapper: the base's forward, state dict and fallback, with the contract's methods recorded."""
+
+    def __init__(self, module):
+        super().__init__(config=None, ddp_config=DistributedDataParallelConfig())
+        self.module = module
+        self.data_parallel_group = None
+
+    def no_sync(self):
+        raise NotImplementedError
+
+    start_grad_sync = finish_grad_sync = zero_grad_buffer = finish_param_sync = broadcast_params = (
+        lambda self: None)
+
+    def scale_gradients(self, scaling_factor):
+        pass
+
+    def start_param_sync(self, force_sync=False):
+        pass
+
+    def state_bytes(self):
+        return parameter_and_grad_bytes(self.module)
+
+
+def test_base_forwards_unwraps_and_falls_back_to_the_wrapped_model():
+    model = build_toy_model()
+    model.marker = "from the model"
+    wrapped = _RecordingWrapper(_RecordingWrapper(model))
+    inputs, _ = toy_batch(0, 4)
+    torch.testing.assert_close(wrapped(inputs), model(inputs))
+    assert unwrap_model(wrapped) is model and unwrap_model([wrapped, model]) == [model, model]
+    assert wrapped.marker == "from the model"
+    assert list(wrapped.state_dict()) == list(model.state_dict())
+    with pytest.raises(AttributeError):
+        wrapped.not_an_attribute_anywhere
+    assert wrapped.state_bytes() == {"params_bytes": 4 * sum(p.numel() for p in model.parameters()),
+                                     "grads_bytes": 0}
+
+
+def _wrap_each_kind_and_use_the_contract():
+    """Every wrapper the factory builds: an instance of the base, unwrapped to the model, the state-dict face
+    with the model's names, and one step of the gradient contract reducing to the full-batch gradient norm."""
+    rank = torch.distributed.get_rank()
+    world_size = torch.distributed.get_world_size()
+    inputs, targets = toy_batch(0, 4 * world_size)
+    reference = build_toy_model()
+    torch.nn.functional.mse_loss(reference(inputs), targets).backward()
+    expected_norm = torch.cat([param.grad.reshape(-1) for param in reference.parameters()]).norm().item()
+    names = list(reference.state_dict())
+    results = {}
+    for settings in ({}, {"use_distributed_optimizer": True}, {"use_megatron_fsdp": True},
+                     {"use_torch_fsdp2": True}):
+        model = build_toy_model()
+        config = type("ModelConfig", (), {"params_dtype": torch.float32})()
+        wrapped = wrap_data_parallel(config, DistributedDataParallelConfig(**settings), model)
+        assert isinstance(wrapped, DataParallelWrapper) and unwrap_model(wrapped) is model
+        assert sorted(wrapped.state_dict()) == sorted(names)
+        wrapped.zero_grad_buffer()
+        local = slice(4 * rank, 4 * rank + 4)
+        half = slice(4 * rank, 4 * rank + 2), slice(4 * rank + 2, 4 * rank + 4)
+        with wrapped.no_sync():
+            torch.nn.functional.mse_loss(wrapped(inputs[half[0]]), targets[half[0]]).mul(0.5).backward()
+        torch.nn.functional.mse_loss(wrapped(inputs[half[1]]), targets[half[1]]).mul(0.5).backward()
+        wrapped.start_grad_sync()
+        wrapped.finish_grad_sync()
+        wrapped.start_param_sync(force_sync=True)
+        wrapped.finish_param_sync()
+        report = wrapped.state_bytes()
+        assert {"params_bytes", "grads_bytes"} <= set(report) and report["params_bytes"] > 0
+        results[type(wrapped).__name__ + str(sorted(settings))] = _grad_norm(wrapped, local)
+    return expected_norm, results
+
+
+def _grad_norm(wrapped, _):
+    from megatron.core.distributed.data_parallel_base import local_tensor
+
+    if isinstance(wrapped, MegatronFSDPAdapter):
+        pieces = [piece.grad.float().reshape(-1) for piece in wrapped.optimizer_grad_pieces()]
+        total = torch.cat(pieces).square().sum() if pieces else torch.zeros(())
+        for group in wrapped.grad_shard_groups():
+            torch.distributed.all_reduce(total, group=group)
+        return total.sqrt().item()
+    squares = torch.zeros(())
+    if isinstance(wrapped, DistributedDataParallel) and wrapped.ddp_config.use_distributed_optimizer:
+        # Reduce-scattered: each rank holds the reduced gradient of the elements it owns.
+        for buffer in wrapped.buffers:
+            for param in buffer.params:
+                ranges = buffer.local_shard_ranges(param)
+                if ranges is not None:
+                    squares += param.main_grad.reshape(-1)[ranges[0]:ranges[1]].float().square().sum()
+        torch.distributed.all_reduce(squares, group=wrapped.buffers[0].groups.shard_group)
+        return squares.sqrt().item()
+    for param in wrapped.unwrapped_module.parameters():
+        grad = getattr(param, "main_grad", None)
+        grad = grad if grad is not None else param.grad
+        squares += local_tensor(grad).float().square().sum()
+    if isinstance(wrapped, TorchFSDP2):
+        torch.distributed.all_reduce(squares)
+    return squares.sqrt().item()
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_every_wrapper_the_factory_builds_keeps_the_contract(world_size):
+    for expected_norm, results in run_on_ranks(world_size, _wrap_each_kind_and_use_the_contract):
+        assert len(results) == 4
+        for label, norm in results.items():
+            assert norm == pytest.approx(expected_norm, rel=1e-5), label
+
+
+def test_no_class_name_matching_is_left_for_wrappers():
+    """Wrappers are recognised by type (the base class), never by their class names as strings."""
+    root = pathlib.Path(distributed.__file__).parents[3]
+    for relative in ("megatron/training/checkpointing.py", "megatron/core/dist_checkpointing/model_state.py",
+                     "megatron/core/dist_checkpointing/fsdp_state.py", "megatron/core/dist_checkpointing/wrappers.py",
+                     "megatron/core/dist_checkpointing/optimizer_state.py"):
+        text = (root / relative).read_text()
+        assert "WRAPPER_CLASS_NAMES" not in text and "CLASS_NAMES" not in text, relative
+        assert "type(optimizer).__name__ ==" not in text and "type(chunk).__name__ in" not in text, relative
