@@ -7,7 +7,7 @@ rope, RMSNorm, swiglu; sequence length 64 here to stay fast) on the bundled corp
   byte per element.
 - A run with `--fp8-param-gather` resumed from its checkpoint continues exactly like the uninterrupted run.
 - `--first-last-layers-bf16` keeps the first and last layers out of FP8: after a run (the smaller mock-data GPT of
-  the checkpoint tests, on one rank) their layers have recorded no amax, the middle layers one per pass.
+  the checkpoint tests, on one rank) their layers have recorded no amax, the middle layers one per step.
 """
 
 import json
@@ -162,7 +162,7 @@ def test_first_last_layers_bf16_keeps_the_first_and_last_layers_out_of_fp8(tmp_p
             if layer_number in (1, 4):  # layers 0 and N-1 (0-based) ran in high precision: nothing recorded
                 assert counts == [0, 0, 0] and largest_amax == 0.0, (layer_number, name)
             else:
-                # Input and weight amaxes are recorded when each pass's FP8 region ends; the output-gradient
-                # amaxes of a backward pass at the next region's end, so the last backward's are still pending.
-                assert counts == [passes, passes, passes - 1], (layer_number, name, counts)
+                # All amaxes of a step (every microbatch's forward and backward) are reduced and recorded once,
+                # at the step's end.
+                assert counts == [FIRST_LAST_BF16_ITERS] * 3, (layer_number, name, counts)
                 assert largest_amax > 0.0, (layer_number, name)

@@ -40,7 +40,7 @@ def test_round_trip_error_is_within_the_format_bound(dtype):
     # The largest element maps onto the format's maximum exactly; re-quantizing gives the same bytes.
     assert restored.abs().max().item() == pytest.approx(values.abs().max().item(), rel=1e-6)
     again = fp8_utils.quantize(restored, dtype, quantized.scale)
-    assert torch.equal(fp8_utils.as_uint8(again.data), fp8_utils.as_uint8(quantized.data))
+    assert torch.equal(again.data.view(torch.uint8), quantized.data.view(torch.uint8))
 
 
 def test_scale_margin_saturation_and_zero_amax():
@@ -136,15 +136,14 @@ def _scales_on_ranks():
     results["input_scale_replicated"] = float(tensorwise.input.scale_for(shard))  # not sharded: own amax
     parallel_state.destroy_model_parallel()
 
-    # DP=2, delayed: histories are reduced over the data-parallel group when the FP8 region ends.
+    # DP=2, delayed: pending amaxes are reduced over the data-parallel group once per step.
     parallel_state.initialize_model_parallel()
     recipe = fp8_utils.Fp8Recipe(hybrid, "delayed", amax_history_len=2)
     scaling = LinearScaling(recipe, "column")
-    region = fp8_utils.Fp8Region(recipe)
-    with region:
-        region.use(scaling)
+    with fp8_utils.Fp8Region(recipe):
         scaling.input.scale_for(torch.full((3,), 2.0 + rank))
         scaling.weight.scale_for(torch.full((3,), 0.5))
+    reduce_and_record_amaxes(scaling.states(), fp8_utils.amax_reduction_groups())
     results["histories"] = [state.amax_history.tolist() for state in scaling.states()]
     results["next_input_scale"] = float(scaling.input.scale_for(torch.ones(1)))
     return results
@@ -160,7 +159,7 @@ def test_ranks_sharing_a_tensor_agree_on_its_scale():
 
 
 def _delayed_scales_over_the_amax_reduction_group():
-    """At TP2 x DP2 and TP2 x PP2 (world 4): delayed-scaling amaxes reduced when an FP8 region ends, and the group
+    """At TP2 x DP2 and TP2 x PP2 (world 4): delayed-scaling amaxes reduced at the step's end, and the group
     Transformer Engine's autocast is given (through a stand-in `transformer_engine.pytorch` module that records
     its arguments: TE itself does not run here)."""
     import sys
@@ -181,11 +180,10 @@ def _delayed_scales_over_the_amax_reduction_group():
         group = parallel_state.get_amax_reduction_group(with_context_parallel=True)
         recipe = fp8_utils.Fp8Recipe(hybrid, "delayed", amax_history_len=2)
         scaling = LinearScaling(recipe, "column")
-        region = fp8_utils.Fp8Region(recipe)
-        with region:
-            region.use(scaling)
+        with fp8_utils.Fp8Region(recipe):
             scaling.input.scale_for(torch.full((3,), 1.0 + rank))  # amaxes 1, 2, 3, 4
             scaling.weight.scale_for(torch.full((3,), 0.5 * (4 - rank)))  # amaxes 2, 1.5, 1, 0.5
+        reduce_and_record_amaxes(scaling.states(), amax_reduction_groups())
 
         recorded = {}
         stand_in = types.SimpleNamespace(autocast=lambda **kwargs: recorded.update(kwargs))
