@@ -13,6 +13,7 @@ from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
     get_grad_norm_fp32,
+    global_norm_fp32,
     param_is_not_shared,
     param_is_not_tensor_parallel_duplicate,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "get_megatron_optimizer",
     "get_param_groups",
     "get_grad_norm_fp32",
+    "global_norm_fp32",
     "clip_grad_by_total_norm_fp32",
     "count_zeros_fp32",
     "param_is_not_shared",
