@@ -20,9 +20,13 @@ with `overlap_param_gather`), waited for before that group's gather. Gradient st
 
 Strategies 0-2 keep the compute weights gathered; their gathers happen after the optimizer step
 (strategies 1-2, async when `overlap_param_gather`, waited in the next forward), two groups in flight at a time
-in the order the forward uses them, so their gather buffers never exist for the whole model at once. Strategies 0/1 reduce their
-persistent gradient buffers only when sync is enabled (not inside `no_sync()` and, with
-`sync_model_each_microbatch=False`, only at `finish_grad_sync`).
+in the order the forward uses them, so their gather buffers never exist for the whole model at once.
+Strategies 0/1 reduce their persistent gradient buffers only when sync is enabled (not inside `no_sync()` and,
+with `sync_model_each_microbatch=False`, only at `finish_grad_sync`).
+
+Where each part lives: this module holds the schedule's state and its hooks (registration, forward, backward,
+the post-backward node on a unit's inputs); `gather_policy.py` gathers and releases weights; `grad_reduction.py`
+reduces gradients. `Schedule` combines the three.
 """
 
 from typing import Dict, List, Optional
@@ -31,8 +35,9 @@ import torch
 
 from . import collectives
 from .distributed_data_parallel_config import ShardingStrategy
-from .grad_state import GradState, OuterGradState
-from .param_and_grad_buffer import DoubleBufferPool, ParamGroup, WeightState
+from .gather_policy import GatherReleasePolicy
+from .grad_reduction import GradReductionPipeline
+from .param_and_grad_buffer import DoubleBufferPool, ParamGroup
 from .streams import CommunicationStreams
 from .utils import current_graph_task_id, in_backward_pass, queue_end_of_backward_callback, tensors_requiring_grad
 
@@ -44,8 +49,9 @@ class Unit:
         self.index, self.module, self.groups = index, module, groups
 
 
-class Schedule:
-    """Owns the hooks and every collective issued during a step."""
+class Schedule(GatherReleasePolicy, GradReductionPipeline):
+    """Owns the hooks and every collective issued during a step (gathers and releases: GatherReleasePolicy;
+    reductions: GradReductionPipeline)."""
 
     # Set by MegatronFSDP: under strategy 3, swaps released groups' parameters for placeholders while at rest;
     # shows the reduced gradients as the parameters' `.grad` (param_grads.py).
@@ -119,118 +125,7 @@ class Schedule:
             handle.remove()
         self.hook_handles = []
 
-    # ---- gathering ----------------------------------------------------------------------------------------------
-    def _claim_pool_slot(self, group: ParamGroup):
-        slot = group.unit_index % 2
-        previous = self.pool.owner[slot]
-        if previous is not None and previous != group.unit_index:
-            for other in self.units[previous].groups:
-                self._wait_gather(other)
-                other.gathered = False
-        self.pool.owner[slot] = group.unit_index
-
-    @property
-    def pending_gathers(self) -> Dict[int, collectives.PendingCollective]:
-        """All-gathers in flight, by group id (each group owns its own; see ParamGroup.weight_state)."""
-        return {id(group): group.pending_gather for group in self.groups if group.pending_gather is not None}
-
-    def gather(self, groups: List[ParamGroup], async_op: bool):
-        started = False
-        for group in groups:
-            if group.weight_state is not WeightState.SHARDED:
-                continue
-            started = True
-            self._refresh_compute_shard(group)
-            self._wait_compute_shard_refresh(group)
-            if group.uses_pool:
-                self._claim_pool_slot(group)
-            group.allocate_compute()
-            group.encode_wire_shard(self.dp_group)  # a gather codec's encoding, if the shard changed
-            self._start_gather(group)
-            if self.resting is not None:
-                self.resting.show(group)
-        if not async_op:
-            self.wait_gathered(groups)
-        if started:  # only a started gather allocates
-            self._track_transient()
-
-    def _issue_gather(self, output: torch.Tensor, shard: torch.Tensor) -> collectives.PendingCollective:
-        """One all-gather of every data-parallel rank's `shard` into the rank-major `output`, on the all-gather
-        stream (`ParamGroup.start_gather` picks both and copies the result out when it is waited for)."""
-        return self.streams.issue(self.streams.all_gather, lambda: collectives.all_gather_flat(
-            output, shard, self.dp_group, self.counter, async_op=True))
-
-    def _issue_gather_in_place(self, outputs_by_rank: list, own_pieces: list) -> collectives.PendingCollective:
-        return self.streams.issue(self.streams.all_gather, lambda: collectives.all_gather_pieces_in_place(
-            outputs_by_rank, own_pieces, self.dp_group, self.counter, async_op=True))
-
-    def _start_gather(self, group: ParamGroup):
-        in_place = collectives.gathers_in_place(self.dp_group, group.compute_buffer)
-        group.start_gather(self._issue_gather, self._issue_gather_in_place if in_place else None)
-
-    def _wait_gather(self, group: ParamGroup):
-        self._wait_compute_shard_refresh(group)
-        while group in self.param_syncs_queued:  # its post-step gather has not started: let the window reach it
-            self._finish_param_sync(self.param_syncs_in_flight[0])
-        if group in self.param_syncs_in_flight:
-            self._finish_param_sync(group)
-        group.finish_gather()
-
-    def _finish_param_sync(self, group: ParamGroup):
-        self.param_syncs_in_flight.remove(group)
-        group.finish_gather()
-        self._start_queued_param_syncs()
-
-    def _start_queued_param_syncs(self):
-        while self.param_syncs_queued and len(self.param_syncs_in_flight) < self.max_param_syncs_in_flight:
-            group = self.param_syncs_queued.pop(0)
-            self._start_gather(group)
-            self.param_syncs_in_flight.append(group)
-        self._track_transient()
-
-    def _refresh_compute_shard(self, group: ParamGroup):
-        """HFSDP: start the all-gather of every outer rank's main-weight sub-shard into this rank's compute
-        shard, if the main weights changed since the last one."""
-        if not group.compute_shard_stale:
-            return
-        source = group.outer_gather_source()
-        pending = self.streams.issue(self.streams.all_gather, lambda: collectives.all_gather_flat(
-            group.compute_shard, source, self.outer_group, self.counter, async_op=True))
-        self.pending_shard_refreshes[id(group)] = (pending, source)
-        group.compute_shard_stale = False
-
-    def _wait_compute_shard_refresh(self, group: ParamGroup):
-        refresh = self.pending_shard_refreshes.pop(id(group), None)
-        if refresh is not None:
-            refresh[0].wait()
-
-    def refresh_compute_shards(self, groups: List[ParamGroup], async_op: bool):
-        """HFSDP: bring the compute shards of `groups` up to date with the main weights (no-op otherwise)."""
-        for group in groups:
-            self._refresh_compute_shard(group)
-        if not async_op:
-            for group in groups:
-                self._wait_compute_shard_refresh(group)
-
-    def wait_gathered(self, groups: List[ParamGroup]):
-        for group in groups:
-            self._wait_gather(group)
-
-    def ensure_gathered(self, groups: List[ParamGroup]):
-        self.gather(groups, async_op=True)
-        self.wait_gathered(groups)
-
-    def release(self, groups: List[ParamGroup], at_rest: bool = False):
-        """Drop gathered weights (strategy 3). `at_rest`: no backward of this step will need them, so the
-        module's parameters are swapped for placeholders until the next gather."""
-        if self.strategy != ShardingStrategy.optim_grads_params:
-            return
-        for group in groups:
-            self._wait_gather(group)
-            group.release_compute()  # a pooled group keeps its slot until another unit claims it
-            if at_rest and self.resting is not None:
-                self.resting.hide(group)
-
+    # ---- reporting ----------------------------------------------------------------------------------------------
     def _track_transient(self):
         current = sum(group.transient_bytes() for group in self.groups)
         current += sum(entry[2].numel() * entry[2].element_size() for entry in self.pending_reduces
@@ -337,16 +232,6 @@ class Schedule:
 
         return on_grad_accumulated
 
-    def _reopen_persistent_grads(self, group: ParamGroup):
-        """Strategies 0/1, before a microbatch adds to a persistent gradient buffer reduced earlier in the step: its
-        inner reduction and the outer one started when it landed must be complete, and gradients already summed
-        over the outer replicas are scaled so the next outer reduction counts them once (the inner reopening
-        happens in ParamGroup.write_grad)."""
-        if group.persistent_grads_reduced:
-            self.wait_reduce_of(group)
-            self._wait_outer(group)
-            self._reopen_outer_reduced(group)
-
     def _count_root_grad(self, group: ParamGroup, index: int):
         """Root groups have no module of their own whose backward ends before the model's: they are reduced and
         released once each trainable parameter's gradient arrived once in the step's own backward. A gradient
@@ -369,11 +254,6 @@ class Schedule:
                 self.launch_reduce(group, async_op=self.overlap_grad_reduce)
         self.release(unit.groups)
 
-    def _reduces_now(self, group: ParamGroup) -> bool:
-        if self.strategy >= ShardingStrategy.optim_grads:
-            return True
-        return self.sync_enabled and self.sync_model_each_microbatch
-
     def _on_group_grads_ready(self, group: ParamGroup):
         """A root group got all its gradients (called from a gradient hook). Its reduction starts now if that
         needs no wait for another one in flight; otherwise at the next unit boundary or the end of the backward,
@@ -386,12 +266,6 @@ class Schedule:
         # Every parameter of the group has its gradient: its weights are not needed again in this backward
         # (a root group too; the next forward or backward gathers it again).
         self.release([group])
-
-    def _launch_deferred_reduces(self):
-        while self.deferred_reduces:
-            group = self.deferred_reduces.pop(0)
-            if group.grads_dirty:
-                self.launch_reduce(group, async_op=self.overlap_grad_reduce)
 
     def _post_backward(self):
         self.post_backward_queued = False
@@ -409,201 +283,6 @@ class Schedule:
         for group in self.groups:
             group.grads_received = set()
             group.early_release_blocked = False
-
-    # ---- reduction ----------------------------------------------------------------------------------------------
-    def launch_reduce(self, group: ParamGroup, async_op: bool):
-        """Reduce one group's gradients on the reduce-scatter stream; at most `max_reduces_in_flight` at once
-        (each holds a gradient buffer), the oldest waited for first."""
-        group.move_grads_to(GradState.REDUCED)  # first: a reduction of nothing must not issue a collective
-        while len(self.pending_reduces) >= self.max_reduces_in_flight:
-            self._wait_oldest_reduce()
-        self._wait_outer(group)  # the main gradients this reduction adds to may still be in an outer reduction
-        self._reopen_outer_reduced(group)
-        self._track_transient()
-        flat = group.reduce_input()
-        average = self.average_in_collective
-        outer_after = False
-        if self.strategy == ShardingStrategy.no_shard:
-            copy_back = flat.data_ptr() != group.grad_buffer.data_ptr()
-            pending = self.streams.issue(self.streams.reduce_scatter, lambda: collectives.all_reduce(
-                flat, self.dp_group, self.counter, average=average, async_op=True))
-            epilogue = (lambda: group.grad_buffer.copy_(flat)) if copy_back else None
-        else:
-            accumulate = self.strategy >= ShardingStrategy.optim_grads
-            group.ensure_main_grads()
-            pending = self.streams.issue(self.streams.reduce_scatter, lambda: collectives.reduce_scatter_flat(
-                group.main_grads, flat, self.dp_group, self.counter, average=average, accumulate=accumulate,
-                async_op=True))
-            epilogue = None
-            # The in-flight buffer now belongs to the collective; the next microbatch writes a fresh one.
-            group.drop_transient_grads()
-        if self._has_outer():
-            group.move_outer_grads_to(OuterGradState.DUE)
-            # a synced microbatch: the outer reduction starts as soon as this one lands, during the backward
-            outer_after = self.sync_enabled
-        self.pending_reduces.append((pending, epilogue, flat, group, outer_after))
-        if not async_op:
-            self.wait_reduces()
-
-    def _wait_oldest_reduce(self):
-        pending, epilogue, _, group, outer_after = self.pending_reduces.pop(0)
-        pending.wait()
-        if epilogue is not None:
-            epilogue()
-        if outer_after and group.outer_grad_state is OuterGradState.DUE:
-            # The group's inner reduction has landed in its main gradients: start the outer one now, during the
-            # backward, instead of all of them at the optimizer step.
-            self._launch_outer(group)
-
-    def wait_reduce_of(self, group: ParamGroup):
-        """Wait for the reductions in flight up to and including `group`'s, if it has one."""
-        count = max((i + 1 for i, entry in enumerate(self.pending_reduces) if entry[3] is group), default=0)
-        for _ in range(count):
-            self._wait_oldest_reduce()
-
-    def wait_reduces(self):
-        while self.pending_reduces:
-            self._wait_oldest_reduce()
-
-    # ---- outer reductions (HSDP / HFSDP) ----------------------------------------------------------------------
-    def _has_outer(self) -> bool:
-        return self.outer_group is not None and collectives.group_size(self.outer_group) > 1
-
-    def _launch_outer(self, group: ParamGroup):
-        """Reduce `group`'s main gradients over the outer group: HSDP all-reduces them in place; HFSDP
-        reduce-scatters them into this outer rank's sub-shard (added to what earlier microbatches put there) and
-        then drops the shard-sized buffer."""
-        group.move_outer_grads_to(OuterGradState.REDUCED)
-        average = self.average_in_collective
-        if group.outer_sharded:
-            accumulate = group.optim_grads_written
-            group.optim_grads_written = True
-
-            def start():
-                pending = collectives.reduce_scatter_flat(group.optim_grads, group.main_grads, self.outer_group,
-                                                          self.counter, average=average, accumulate=accumulate,
-                                                          async_op=True)
-                return pending
-
-            pending = self.streams.issue(self.streams.reduce_scatter, start)
-            self.pending_outer[id(group)] = collectives.PendingCollective(
-                epilogue=lambda: (pending.wait(), group.release_main_grads()))
-        else:
-            self.pending_outer[id(group)] = self.streams.issue(self.streams.reduce_scatter, lambda: (
-                collectives.all_reduce(group.main_grads, self.outer_group, self.counter, average=average,
-                                       async_op=True)))
-
-    def _wait_outer(self, group: ParamGroup):
-        pending = self.pending_outer.pop(id(group), None)
-        if pending is not None:
-            pending.wait()
-
-    def wait_outer_reductions(self):
-        for group in self.groups:
-            self._wait_outer(group)
-
-    def _reopen_outer_reduced(self, group: ParamGroup):
-        """More gradients are about to be added after an outer reduction (a microbatch without no_sync after a
-        synced one). HSDP: the main gradients hold the sum over the outer ranks; keep 1/outer of it on each so the
-        next outer all-reduce counts it once. HFSDP: the next outer reduce-scatter adds to the sub-shard."""
-        if group.outer_grad_state is OuterGradState.REDUCED:
-            if not group.outer_sharded and not self.average_in_collective:
-                group.main_grads.mul_(1.0 / collectives.group_size(self.outer_group))
-            group.move_outer_grads_to(OuterGradState.NONE)
-
-    def start_grad_sync(self):
-        for group in self.groups:
-            if group.grads_dirty:
-                self.launch_reduce(group, async_op=True)
-
-    def finish_grad_sync(self) -> bool:
-        """Complete every gradient reduction of the step and hand the gradients to the optimizer.
-
-        Returns False when there was nothing left to synchronise (already finished this step)."""
-        for group in self.groups:  # HFSDP: the refreshes send the main weights the optimizer is about to step
-            self._wait_compute_shard_refresh(group)
-        if self.grads_synced:
-            return False
-        for group in self.groups:
-            if group.grads_dirty:
-                self.launch_reduce(group, async_op=self.overlap_grad_reduce)
-        self.wait_reduces()
-        for group in self.groups:
-            if not group.outer_sharded:  # HFSDP's shard gradients stay dropped once reduced over the outer group
-                group.ensure_main_grads()
-        if self._has_outer():
-            for group in self.groups:
-                if group.main_grads is None:
-                    continue
-                # Outer reductions started during the backward; only groups last reduced under no_sync (or
-                # here, outside a synced microbatch) still need one.
-                if group.outer_grad_state is OuterGradState.DUE:
-                    self._launch_outer(group)
-                elif group.outer_sharded and not group.optim_grads_written:
-                    group.optim_grads.zero_()  # no gradient reached this group in the step
-                    group.optim_grads_written = True
-            self.wait_outer_reductions()
-        if self.report_nan_in_param_grad:
-            self._raise_on_nan_grads()
-        for group in self.groups:
-            group.attach_optimizer_grads()
-        self.grads_synced = True
-        return True
-
-    def _raise_on_nan_grads(self):
-        """After the reductions: raise on every rank alike if any rank's reduced gradients hold a NaN.
-
-        Checking each rank's own gradients inside the backward would raise on that rank only and leave the
-        others waiting in the next collective; one flag per parameter, max-reduced over every group that splits
-        the gradients, gives all ranks the same verdict and the same parameter names."""
-        names = [name for group in self.groups if group.optim_grads is not None for name in group.names]
-        flags = [torch.isnan(grad).any() for group in self.groups if group.optim_grads is not None
-                 for grad in group.reduced_grad_views()]
-        if not flags:
-            return
-        flags = torch.stack(flags).to(torch.float32)
-        for process_group in self.nan_check_groups:
-            collectives.all_reduce_max(flags, process_group)
-        bad = [name for name, flag in zip(names, flags.tolist()) if flag]
-        if bad:
-            raise RuntimeError(f"NaN in the reduced gradients of {len(bad)} parameter(s): {bad} "
-                               "(report_nan_in_param_grad=True); the step was not taken. Look for an overflow "
-                               "or a division by zero in the loss or the model's forward.")
-
-    # ---- after the optimizer step ---------------------------------------------------------------------------------
-    def install_optimized_model_weights(self):
-        for group in self.groups:
-            group.install_main_into_compute()
-        # HFSDP: each group's refresh is waited for before its next gather at the latest.
-        self.refresh_compute_shards(self.groups, async_op=self.overlap_param_gather)
-        if self.strategy in (ShardingStrategy.optim, ShardingStrategy.optim_grads):
-            self.start_param_sync(async_op=self.overlap_param_gather)
-        elif self.strategy == ShardingStrategy.optim_grads_params:
-            for group in self.groups:
-                if group.gathered and group.trainable:
-                    group.gathered = False
-                    self.ensure_gathered([group])
-
-    def start_param_sync(self, async_op: bool = True):
-        """All-gather the compute weights of strategies 1-2 from every rank's updated shard: queued in the order
-        the next forward uses them (root groups first, then the units), at most `max_param_syncs_in_flight` at
-        once; waiting for a group (the forward's hooks, `wait_gathered`) moves the window up to it."""
-        if self.strategy not in (ShardingStrategy.optim, ShardingStrategy.optim_grads):
-            return
-        forward_order = list(self.root_groups) + [group for unit in self.units for group in unit.groups]
-        for group in forward_order:
-            self._wait_gather(group)  # an earlier gather of it still queued or in flight lands first
-        self.param_syncs_queued = [group for group in forward_order if group.trainable]
-        self._start_queued_param_syncs()
-        if not async_op:
-            self.wait_gathered(self.groups)
-
-    def zero_grad_buffer(self):
-        self.wait_reduces()
-        self.wait_outer_reductions()
-        self.grads_synced = False
-        for group in self.groups:
-            group.zero_grads()
 
 
 class _PostBackward(torch.autograd.Function):

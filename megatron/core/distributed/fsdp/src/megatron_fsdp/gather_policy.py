@@ -1,0 +1,162 @@
+"""When the compute weights are gathered and released: the all-gather and release policy of the schedule.
+
+`GatherReleasePolicy` is the part of `schedule.Schedule` that moves weights: gathering groups (strategy 3, with
+a pooled unit claiming its slot first), waiting for and releasing them, HFSDP's refresh of the compute shards
+from the outer ranks' main weights, and after the optimizer step the gathers of strategies 1/2 through a window
+of `max_param_syncs_in_flight` groups in the order the next forward uses them. The hooks in schedule.py decide
+when; `ParamGroup` (weight_buffers.py) does the copies; `collectives` issues the all-gathers.
+"""
+
+from typing import Dict, List
+
+import torch
+
+from . import collectives
+from .distributed_data_parallel_config import ShardingStrategy
+from .param_and_grad_buffer import ParamGroup
+from .weight_buffers import WeightState
+
+
+class GatherReleasePolicy:
+    """Gathers, releases and post-step weight installs of a `Schedule` (mixed into it; reads the state its
+    constructor sets up: `groups`, `units`, `pool`, `streams`, `pending_shard_refreshes`, `param_syncs_*`, ...)."""
+
+    # ---- gathering ----------------------------------------------------------------------------------------------
+    def _claim_pool_slot(self, group: ParamGroup):
+        slot = group.unit_index % 2
+        previous = self.pool.owner[slot]
+        if previous is not None and previous != group.unit_index:
+            for other in self.units[previous].groups:
+                self._wait_gather(other)
+                other.gathered = False
+        self.pool.owner[slot] = group.unit_index
+
+    @property
+    def pending_gathers(self) -> Dict[int, collectives.PendingCollective]:
+        """All-gathers in flight, by group id (each group owns its own; see ParamGroup.weight_state)."""
+        return {id(group): group.pending_gather for group in self.groups if group.pending_gather is not None}
+
+    def gather(self, groups: List[ParamGroup], async_op: bool):
+        started = False
+        for group in groups:
+            if group.weight_state is not WeightState.SHARDED:
+                continue
+            started = True
+            self._refresh_compute_shard(group)
+            self._wait_compute_shard_refresh(group)
+            if group.uses_pool:
+                self._claim_pool_slot(group)
+            group.allocate_compute()
+            group.encode_wire_shard(self.dp_group)  # a gather codec's encoding, if the shard changed
+            self._start_gather(group)
+            if self.resting is not None:
+                self.resting.show(group)
+        if not async_op:
+            self.wait_gathered(groups)
+        if started:  # only a started gather allocates
+            self._track_transient()
+
+    def _issue_gather(self, output: torch.Tensor, shard: torch.Tensor) -> collectives.PendingCollective:
+        """One all-gather of every data-parallel rank's `shard` into the rank-major `output`, on the all-gather
+        stream (`ParamGroup.start_gather` picks both and copies the result out when it is waited for)."""
+        return self.streams.issue(self.streams.all_gather, lambda: collectives.all_gather_flat(
+            output, shard, self.dp_group, self.counter, async_op=True))
+
+    def _issue_gather_in_place(self, outputs_by_rank: list, own_pieces: list) -> collectives.PendingCollective:
+        return self.streams.issue(self.streams.all_gather, lambda: collectives.all_gather_pieces_in_place(
+            outputs_by_rank, own_pieces, self.dp_group, self.counter, async_op=True))
+
+    def _start_gather(self, group: ParamGroup):
+        in_place = collectives.gathers_in_place(self.dp_group, group.compute_buffer)
+        group.start_gather(self._issue_gather, self._issue_gather_in_place if in_place else None)
+
+    def _wait_gather(self, group: ParamGroup):
+        self._wait_compute_shard_refresh(group)
+        while group in self.param_syncs_queued:  # its post-step gather has not started: let the window reach it
+            self._finish_param_sync(self.param_syncs_in_flight[0])
+        if group in self.param_syncs_in_flight:
+            self._finish_param_sync(group)
+        group.finish_gather()
+
+    def _finish_param_sync(self, group: ParamGroup):
+        self.param_syncs_in_flight.remove(group)
+        group.finish_gather()
+        self._start_queued_param_syncs()
+
+    def _start_queued_param_syncs(self):
+        while self.param_syncs_queued and len(self.param_syncs_in_flight) < self.max_param_syncs_in_flight:
+            group = self.param_syncs_queued.pop(0)
+            self._start_gather(group)
+            self.param_syncs_in_flight.append(group)
+        self._track_transient()
+
+    def _refresh_compute_shard(self, group: ParamGroup):
+        """HFSDP: start the all-gather of every outer rank's main-weight sub-shard into this rank's compute
+        shard, if the main weights changed since the last one."""
+        if not group.compute_shard_stale:
+            return
+        source = group.outer_gather_source()
+        pending = self.streams.issue(self.streams.all_gather, lambda: collectives.all_gather_flat(
+            group.compute_shard, source, self.outer_group, self.counter, async_op=True))
+        self.pending_shard_refreshes[id(group)] = (pending, source)
+        group.compute_shard_stale = False
+
+    def _wait_compute_shard_refresh(self, group: ParamGroup):
+        refresh = self.pending_shard_refreshes.pop(id(group), None)
+        if refresh is not None:
+            refresh[0].wait()
+
+    def refresh_compute_shards(self, groups: List[ParamGroup], async_op: bool):
+        """HFSDP: bring the compute shards of `groups` up to date with the main weights (no-op otherwise)."""
+        for group in groups:
+            self._refresh_compute_shard(group)
+        if not async_op:
+            for group in groups:
+                self._wait_compute_shard_refresh(group)
+
+    def wait_gathered(self, groups: List[ParamGroup]):
+        for group in groups:
+            self._wait_gather(group)
+
+    def ensure_gathered(self, groups: List[ParamGroup]):
+        self.gather(groups, async_op=True)
+        self.wait_gathered(groups)
+
+    def release(self, groups: List[ParamGroup], at_rest: bool = False):
+        """Drop gathered weights (strategy 3). `at_rest`: no backward of this step will need them, so the
+        module's parameters are swapped for placeholders until the next gather."""
+        if self.strategy != ShardingStrategy.optim_grads_params:
+            return
+        for group in groups:
+            self._wait_gather(group)
+            group.release_compute()  # a pooled group keeps its slot until another unit claims it
+            if at_rest and self.resting is not None:
+                self.resting.hide(group)
+
+    # ---- after the optimizer step ---------------------------------------------------------------------------------
+    def install_optimized_model_weights(self):
+        for group in self.groups:
+            group.install_main_into_compute()
+        # HFSDP: each group's refresh is waited for before its next gather at the latest.
+        self.refresh_compute_shards(self.groups, async_op=self.overlap_param_gather)
+        if self.strategy in (ShardingStrategy.optim, ShardingStrategy.optim_grads):
+            self.start_param_sync(async_op=self.overlap_param_gather)
+        elif self.strategy == ShardingStrategy.optim_grads_params:
+            for group in self.groups:
+                if group.gathered and group.trainable:
+                    group.gathered = False
+                    self.ensure_gathered([group])
+
+    def start_param_sync(self, async_op: bool = True):
+        """All-gather the compute weights of strategies 1-2 from every rank's updated shard: queued in the order
+        the next forward uses them (root groups first, then the units), at most `max_param_syncs_in_flight` at
+        once; waiting for a group (the forward's hooks, `wait_gathered`) moves the window up to it."""
+        if self.strategy not in (ShardingStrategy.optim, ShardingStrategy.optim_grads):
+            return
+        forward_order = list(self.root_groups) + [group for unit in self.units for group in unit.groups]
+        for group in forward_order:
+            self._wait_gather(group)  # an earlier gather of it still queued or in flight lands first
+        self.param_syncs_queued = [group for group in forward_order if group.trainable]
+        self._start_queued_param_syncs()
+        if not async_op:
+            self.wait_gathered(self.groups)

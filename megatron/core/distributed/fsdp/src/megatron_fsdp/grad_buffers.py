@@ -1,0 +1,198 @@
+"""A parameter group's gradient buffers: where gradients are written, reduced from, and handed to the optimizer.
+
+`GroupGrads` is the part of `param_and_grad_buffer.ParamGroup` that holds gradients: the post-accumulate-grad
+hook writes each parameter's gradient into the flat gradient buffer (the persistent one of strategies 0/1, or a
+transient one per reduction under 2/3, with small early gradients stashed until it is worth allocating),
+`reduce_input` hands the schedule the buffer to reduce, and the main gradients (or their HFSDP sub-shard) become
+the `.grad` of the optimizer's main-weight views. Under strategies 2/3 the shard-sized main gradients give their
+storage back between `zero_grad` and the next backward's first reduction. The buffers are allocated by
+`ParamGroup.__init__`; the gradient state machines are in grad_state.py.
+"""
+
+from typing import List
+
+import torch
+
+from .distributed_data_parallel_config import ShardingStrategy
+from .grad_state import GradState, OuterGradState, checked_transition
+from .resharding import copy_grad_in, zero_param_chunks
+
+
+class GroupGrads:
+    """Gradient buffers and gradient state of a `ParamGroup` (mixed into it; reads the buffers its constructor
+    sets up: `grad_buffer`, `main_grads`, `optim_grads`, `transient_grads`, ...)."""
+
+    # A gradient smaller than 1/STASH_FRACTION of the group that arrives before the flat transient buffer exists
+    # is kept aside instead of allocating the buffer (a root group's norm gradient arriving long before its
+    # embedding gradient, say).
+    STASH_FRACTION = 8
+
+    # ---- gradient state --------------------------------------------------------------------------------------
+    def move_grads_to(self, state: GradState):
+        self.grad_state = checked_transition(self.grad_state, state, self.names[0])
+
+    def move_outer_grads_to(self, state: OuterGradState):
+        self.outer_grad_state = checked_transition(self.outer_grad_state, state, self.names[0])
+
+    @property
+    def grads_dirty(self) -> bool:
+        """Local gradients are present that no reduction has taken yet."""
+        return self.grad_state is GradState.ACCUMULATING
+
+    @property
+    def persistent_grads_reduced(self) -> bool:
+        """Strategies 0/1: a reduction of the persistent buffer was issued this step and no gradient was added
+        since; adding more first needs that reduction (and any outer one) complete, and the buffer reopened."""
+        return self.grad_buffer is not None and self.grad_state is GradState.REDUCED
+
+    # ---- gradients -------------------------------------------------------------------------------------------
+    def write_grad(self, index: int, grad: torch.Tensor, scale: float):
+        """Add (or, in a fresh transient buffer, write) one parameter's gradient into the flat gradient buffer:
+        param-major under strategy 0 (all-reduced), else rank-major, ready for the reduce-scatter (the
+        copy-in, `resharding.copy_grad_in`)."""
+        flat_grad = grad.reshape(-1)
+        if self.grad_buffer is not None:
+            if self.grad_state is GradState.REDUCED:
+                self._reopen_reduced_grads()
+            if self.strategy == ShardingStrategy.no_shard:
+                span = self.layout.spans[index]
+                target = self.grad_buffer[span.flat_start:span.flat_end]
+                target.add_(flat_grad, alpha=scale) if scale != 1.0 else target.add_(flat_grad)
+            else:
+                copy_grad_in(self.layout, self.grad_buffer, index, flat_grad, scale, accumulate=True)
+        else:
+            if self.transient_grads is None and not self.starts_transient_grads(flat_grad):
+                self._stash_grad(index, flat_grad, scale)
+                self._mark_accumulating()
+                return
+            self._allocate_transient_grads()
+            copy_grad_in(self.layout, self.transient_grads, index, flat_grad, scale, accumulate=self.filled[index])
+            self.filled[index] = True
+        self._mark_accumulating()
+
+    def _mark_accumulating(self):
+        if self.grad_state is not GradState.ACCUMULATING:
+            self.move_grads_to(GradState.ACCUMULATING)
+
+    def starts_transient_grads(self, grad: torch.Tensor) -> bool:
+        """Whether writing `grad` now allocates the flat transient gradient buffer."""
+        if self.grad_buffer is not None or self.transient_grads is not None:
+            return False
+        return grad.numel() * self.STASH_FRACTION >= self.layout.numel
+
+    def _stash_grad(self, index: int, flat_grad: torch.Tensor, scale: float):
+        """Keep a small gradient aside until a large one makes the flat transient buffer worth allocating."""
+        scaled = flat_grad.to(self.comm_dtype, copy=True)
+        if scale != 1.0:
+            scaled.mul_(scale)
+        previous = self.stashed_grads.get(index)
+        self.stashed_grads[index] = scaled if previous is None else previous.add_(scaled)
+
+    def _allocate_transient_grads(self):
+        """Create the flat transient gradient buffer (once per reduction) and move stashed gradients into it."""
+        if self.transient_grads is not None:
+            return
+        self.transient_grads = torch.empty(self.layout.padded_numel, dtype=self.comm_dtype, device=self.device)
+        self.filled = [False] * len(self.params)
+        for index, stashed in self.stashed_grads.items():
+            copy_grad_in(self.layout, self.transient_grads, index, stashed, 1.0, accumulate=False)
+            self.filled[index] = True
+        self.stashed_grads = {}
+
+    def _reopen_reduced_grads(self):
+        """Make an already-reduced persistent buffer accept more local gradients (another microbatch)."""
+        if self.strategy == ShardingStrategy.optim:
+            shard_start, shard_end = self.layout.shard_range(self.dp_rank)
+            self.grad_buffer[:shard_start].zero_()
+            self.grad_buffer[shard_end:].zero_()
+            target = self.main_grads
+        else:
+            target = self.grad_buffer
+        if self.reopen_factor != 1.0:
+            target.mul_(self.reopen_factor)
+
+    def reduce_input(self) -> torch.Tensor:
+        """The flat buffer to reduce: transient grads with unwritten spans zeroed, or the persistent buffer."""
+        if self.grad_buffer is not None:
+            return self.grad_buffer if self.comm_dtype == self.grad_dtype else self.grad_buffer.to(self.comm_dtype)
+        self._allocate_transient_grads()
+        for index, was_filled in enumerate(self.filled):
+            if not was_filled:
+                zero_param_chunks(self.layout, self.transient_grads, index)
+        layout = self.layout
+        if layout.used_shard_numel < layout.shard_numel:  # the tail pad of every shard
+            self.transient_grads.view(layout.dp_size, layout.shard_numel)[:, layout.used_shard_numel:].zero_()
+        return self.transient_grads
+
+    def drop_transient_grads(self):
+        self.transient_grads = None
+        self.stashed_grads = {}
+        self.filled = [False] * len(self.params)
+
+    def release_main_grads(self):
+        """Drop the storage of an all-zero shard gradient buffer (strategies 2/3); views stay registered."""
+        if self.releases_main_grads and not self.main_grads_released:
+            self.main_grads.untyped_storage().resize_(0)
+            self.main_grads_released = True
+
+    def ensure_main_grads(self):
+        """Give a released shard gradient buffer its storage back, zeroed, before anything reads or adds to it."""
+        if self.main_grads_released:
+            self.main_grads.untyped_storage().resize_(self.main_grads.numel() * self.main_grads.element_size())
+            self.main_grads.zero_()
+            self.main_grads_released = False
+
+    def zero_grads(self):
+        if self.grad_buffer is not None:
+            self.grad_buffer.zero_()
+        elif self.main_grads is not None:
+            self.release_main_grads()
+        self.grad_state, self.outer_grad_state = GradState.EMPTY, OuterGradState.NONE  # zeroing: from any state
+        self.optim_grads_written = False
+        self._optimizer_grad_storage = None
+        for view in self.main_param_views:
+            if view is not None:
+                view.grad = None
+
+    def _grads_for_optimizer(self) -> torch.Tensor:
+        if self.optim_grads is self.main_grads:
+            self.ensure_main_grads()
+        return self.optim_grads
+
+    def attach_optimizer_grads(self):
+        """Point each main-weight view's `.grad` at its gradient (cast to the main dtype when they differ)."""
+        if self.main_weights is None:
+            return
+        grads = self._grads_for_optimizer()
+        if grads.dtype != self.main_dtype:
+            self._optimizer_grad_storage = grads.to(self.main_dtype)
+            grads = self._optimizer_grad_storage
+        for index, view in enumerate(self.main_param_views):
+            view.grad = self._main_view(grads, index)
+
+    def scale_grads(self, factor: float):
+        """Multiply every gradient this group holds, wherever the step has put it: the persistent or shard
+        buffer (before `finish_grad_sync`), the HFSDP sub-shard and the main-dtype copy handed to the optimizer
+        (after it). Call only with no reduction in flight: one landing later would add unscaled values."""
+        target = self.grad_buffer if self.grad_buffer is not None else self.main_grads
+        if target is not None and not self.main_grads_released:  # a released buffer is all zeros
+            target.mul_(factor)
+        if self.optim_grads is not None and self.optim_grads is not self.main_grads:
+            self.optim_grads.mul_(factor)
+        if self._optimizer_grad_storage is not None:
+            self._optimizer_grad_storage.mul_(factor)
+
+    def reduced_grad_views(self) -> List[torch.Tensor]:
+        """Per parameter, this rank's piece of the reduced gradients the optimizer will step with (before any
+        cast to the main dtype)."""
+        if self.optim_grads is None:
+            return []
+        return [self._main_view(self._grads_for_optimizer(), index) for index in range(len(self.params))]
+
+    def optimizer_grad_views(self) -> List[torch.Tensor]:
+        if self.main_weights is None:
+            return []
+        grads = self._grads_for_optimizer()
+        if self._optimizer_grad_storage is not None:
+            grads = self._optimizer_grad_storage
+        return [self._main_view(grads, index) for index in range(len(self.params))]

@@ -1,0 +1,210 @@
+"""How gradients are reduced: the inner and outer gradient-reduction pipeline of the schedule.
+
+`GradReductionPipeline` is the part of `schedule.Schedule` that reduces gradients: each group's inner reduction
+(all-reduce under strategy 0, reduce-scatter into the main gradients otherwise) on the reduce-scatter stream,
+at most `max_reduces_in_flight` at once; with an outer dim the outer one (HSDP all-reduce, HFSDP reduce-scatter
+into sub-shards) started as soon as the inner one lands; reopening reduced buffers before another microbatch
+adds to them; and `finish_grad_sync`, which completes everything and hands the gradients to the optimizer. The
+hooks in schedule.py decide when a group is reduced; `ParamGroup` (grad_buffers.py) holds the buffers.
+"""
+
+import torch
+
+from . import collectives
+from .distributed_data_parallel_config import ShardingStrategy
+from .grad_state import GradState, OuterGradState
+from .param_and_grad_buffer import ParamGroup
+
+
+class GradReductionPipeline:
+    """Gradient reductions of a `Schedule` (mixed into it; reads the state its constructor sets up: `groups`,
+    `dp_group`, `outer_group`, `streams`, `pending_reduces`, `pending_outer`, `deferred_reduces`, ...)."""
+
+    # ---- when a group reduces -----------------------------------------------------------------------------------
+    def _reduces_now(self, group: ParamGroup) -> bool:
+        if self.strategy >= ShardingStrategy.optim_grads:
+            return True
+        return self.sync_enabled and self.sync_model_each_microbatch
+
+    def _launch_deferred_reduces(self):
+        while self.deferred_reduces:
+            group = self.deferred_reduces.pop(0)
+            if group.grads_dirty:
+                self.launch_reduce(group, async_op=self.overlap_grad_reduce)
+
+    def _reopen_persistent_grads(self, group: ParamGroup):
+        """Strategies 0/1, before a microbatch adds to a persistent gradient buffer reduced earlier in the step: its
+        inner reduction and the outer one started when it landed must be complete, and gradients already summed
+        over the outer replicas are scaled so the next outer reduction counts them once (the inner reopening
+        happens in ParamGroup.write_grad)."""
+        if group.persistent_grads_reduced:
+            self.wait_reduce_of(group)
+            self._wait_outer(group)
+            self._reopen_outer_reduced(group)
+
+    # ---- reduction ----------------------------------------------------------------------------------------------
+    def launch_reduce(self, group: ParamGroup, async_op: bool):
+        """Reduce one group's gradients on the reduce-scatter stream; at most `max_reduces_in_flight` at once
+        (each holds a gradient buffer), the oldest waited for first."""
+        group.move_grads_to(GradState.REDUCED)  # first: a reduction of nothing must not issue a collective
+        while len(self.pending_reduces) >= self.max_reduces_in_flight:
+            self._wait_oldest_reduce()
+        self._wait_outer(group)  # the main gradients this reduction adds to may still be in an outer reduction
+        self._reopen_outer_reduced(group)
+        self._track_transient()
+        flat = group.reduce_input()
+        average = self.average_in_collective
+        outer_after = False
+        if self.strategy == ShardingStrategy.no_shard:
+            copy_back = flat.data_ptr() != group.grad_buffer.data_ptr()
+            pending = self.streams.issue(self.streams.reduce_scatter, lambda: collectives.all_reduce(
+                flat, self.dp_group, self.counter, average=average, async_op=True))
+            epilogue = (lambda: group.grad_buffer.copy_(flat)) if copy_back else None
+        else:
+            accumulate = self.strategy >= ShardingStrategy.optim_grads
+            group.ensure_main_grads()
+            pending = self.streams.issue(self.streams.reduce_scatter, lambda: collectives.reduce_scatter_flat(
+                group.main_grads, flat, self.dp_group, self.counter, average=average, accumulate=accumulate,
+                async_op=True))
+            epilogue = None
+            # The in-flight buffer now belongs to the collective; the next microbatch writes a fresh one.
+            group.drop_transient_grads()
+        if self._has_outer():
+            group.move_outer_grads_to(OuterGradState.DUE)
+            # a synced microbatch: the outer reduction starts as soon as this one lands, during the backward
+            outer_after = self.sync_enabled
+        self.pending_reduces.append((pending, epilogue, flat, group, outer_after))
+        if not async_op:
+            self.wait_reduces()
+
+    def _wait_oldest_reduce(self):
+        pending, epilogue, _, group, outer_after = self.pending_reduces.pop(0)
+        pending.wait()
+        if epilogue is not None:
+            epilogue()
+        if outer_after and group.outer_grad_state is OuterGradState.DUE:
+            # The group's inner reduction has landed in its main gradients: start the outer one now, during the
+            # backward, instead of all of them at the optimizer step.
+            self._launch_outer(group)
+
+    def wait_reduce_of(self, group: ParamGroup):
+        """Wait for the reductions in flight up to and including `group`'s, if it has one."""
+        count = max((i + 1 for i, entry in enumerate(self.pending_reduces) if entry[3] is group), default=0)
+        for _ in range(count):
+            self._wait_oldest_reduce()
+
+    def wait_reduces(self):
+        while self.pending_reduces:
+            self._wait_oldest_reduce()
+
+    # ---- outer reductions (HSDP / HFSDP) ----------------------------------------------------------------------
+    def _has_outer(self) -> bool:
+        return self.outer_group is not None and collectives.group_size(self.outer_group) > 1
+
+    def _launch_outer(self, group: ParamGroup):
+        """Reduce `group`'s main gradients over the outer group: HSDP all-reduces them in place; HFSDP
+        reduce-scatters them into this outer rank's sub-shard (added to what earlier microbatches put there) and
+        then drops the shard-sized buffer."""
+        group.move_outer_grads_to(OuterGradState.REDUCED)
+        average = self.average_in_collective
+        if group.outer_sharded:
+            accumulate = group.optim_grads_written
+            group.optim_grads_written = True
+
+            def start():
+                pending = collectives.reduce_scatter_flat(group.optim_grads, group.main_grads, self.outer_group,
+                                                          self.counter, average=average, accumulate=accumulate,
+                                                          async_op=True)
+                return pending
+
+            pending = self.streams.issue(self.streams.reduce_scatter, start)
+            self.pending_outer[id(group)] = collectives.PendingCollective(
+                epilogue=lambda: (pending.wait(), group.release_main_grads()))
+        else:
+            self.pending_outer[id(group)] = self.streams.issue(self.streams.reduce_scatter, lambda: (
+                collectives.all_reduce(group.main_grads, self.outer_group, self.counter, average=average,
+                                       async_op=True)))
+
+    def _wait_outer(self, group: ParamGroup):
+        pending = self.pending_outer.pop(id(group), None)
+        if pending is not None:
+            pending.wait()
+
+    def wait_outer_reductions(self):
+        for group in self.groups:
+            self._wait_outer(group)
+
+    def _reopen_outer_reduced(self, group: ParamGroup):
+        """More gradients are about to be added after an outer reduction (a microbatch without no_sync after a
+        synced one). HSDP: the main gradients hold the sum over the outer ranks; keep 1/outer of it on each so the
+        next outer all-reduce counts it once. HFSDP: the next outer reduce-scatter adds to the sub-shard."""
+        if group.outer_grad_state is OuterGradState.REDUCED:
+            if not group.outer_sharded and not self.average_in_collective:
+                group.main_grads.mul_(1.0 / collectives.group_size(self.outer_group))
+            group.move_outer_grads_to(OuterGradState.NONE)
+
+    def start_grad_sync(self):
+        for group in self.groups:
+            if group.grads_dirty:
+                self.launch_reduce(group, async_op=True)
+
+    def finish_grad_sync(self) -> bool:
+        """Complete every gradient reduction of the step and hand the gradients to the optimizer.
+
+        Returns False when there was nothing left to synchronise (already finished this step)."""
+        for group in self.groups:  # HFSDP: the refreshes send the main weights the optimizer is about to step
+            self._wait_compute_shard_refresh(group)
+        if self.grads_synced:
+            return False
+        for group in self.groups:
+            if group.grads_dirty:
+                self.launch_reduce(group, async_op=self.overlap_grad_reduce)
+        self.wait_reduces()
+        for group in self.groups:
+            if not group.outer_sharded:  # HFSDP's shard gradients stay dropped once reduced over the outer group
+                group.ensure_main_grads()
+        if self._has_outer():
+            for group in self.groups:
+                if group.main_grads is None:
+                    continue
+                # Outer reductions started during the backward; only groups last reduced under no_sync (or
+                # here, outside a synced microbatch) still need one.
+                if group.outer_grad_state is OuterGradState.DUE:
+                    self._launch_outer(group)
+                elif group.outer_sharded and not group.optim_grads_written:
+                    group.optim_grads.zero_()  # no gradient reached this group in the step
+                    group.optim_grads_written = True
+            self.wait_outer_reductions()
+        if self.report_nan_in_param_grad:
+            self._raise_on_nan_grads()
+        for group in self.groups:
+            group.attach_optimizer_grads()
+        self.grads_synced = True
+        return True
+
+    def _raise_on_nan_grads(self):
+        """After the reductions: raise on every rank alike if any rank's reduced gradients hold a NaN.
+
+        Checking each rank's own gradients inside the backward would raise on that rank only and leave the
+        others waiting in the next collective; one flag per parameter, max-reduced over every group that splits
+        the gradients, gives all ranks the same verdict and the same parameter names."""
+        names = [name for group in self.groups if group.optim_grads is not None for name in group.names]
+        flags = [torch.isnan(grad).any() for group in self.groups if group.optim_grads is not None
+                 for grad in group.reduced_grad_views()]
+        if not flags:
+            return
+        flags = torch.stack(flags).to(torch.float32)
+        for process_group in self.nan_check_groups:
+            collectives.all_reduce_max(flags, process_group)
+        bad = [name for name, flag in zip(names, flags.tolist()) if flag]
+        if bad:
+            raise RuntimeError(f"NaN in the reduced gradients of {len(bad)} parameter(s): {bad} "
+                               "(report_nan_in_param_grad=True); the step was not taken. Look for an overflow "
+                               "or a division by zero in the loss or the model's forward.")
+
+    def zero_grad_buffer(self):
+        self.wait_reduces()
+        self.wait_outer_reductions()
+        self.grads_synced = False
+        for group in self.groups:
+            group.zero_grads()

@@ -1,0 +1,237 @@
+"""A parameter group's compute weights: their storage, the all-gathers that fill it, and the main weights.
+
+`GroupWeights` is the part of `param_and_grad_buffer.ParamGroup` that moves weights: it gives the flat compute
+buffer its storage and drops it again (strategy 3), gathers every rank's shard into it (through a rank-major
+staging buffer, straight into place, or through a gather codec's wire elements), and moves values between the
+compute weights, the compute shard and the main weights around the optimizer step. The buffers themselves are
+allocated by `ParamGroup.__init__` (the table in param_and_grad_buffer.py says which exist per strategy).
+`WeightState` is where a group's full weights are; `DoubleBufferPool` holds the gathered weights of strategy-3
+units that share two fixed slots instead of owning a compute buffer each.
+"""
+
+import enum
+from typing import Callable, Optional
+
+import torch
+
+from .collectives import PendingCollective
+from .distributed_data_parallel_config import ShardingStrategy
+from .resharding import copy_gathered_to_unsharded, piece_sizes, rank_pieces_of_unsharded, shard_of_unsharded
+
+
+class WeightState(enum.Enum):
+    """Where a group's full compute weights are: only this rank's shard holds data (strategy 3 at rest), an
+    all-gather is filling the compute buffer, or the compute buffer holds them."""
+
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class DoubleBufferPool:
+    """Two fixed byte buffers, each large enough for the largest unit's gathered weights.
+
+    Unit `i` always gathers into slot `i % 2` at the same offsets, so views saved by autograd in forward
+    still point at the right bytes when the unit is gathered again for backward.
+    """
+
+    ALIGN_BYTES = 64
+
+    def __init__(self, slot_bytes: int, device: torch.device):
+        self.slot_bytes = slot_bytes
+        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        self.owner = [None, None]
+
+    @classmethod
+    def aligned(cls, num_bytes: int) -> int:
+        return -(-num_bytes // cls.ALIGN_BYTES) * cls.ALIGN_BYTES
+
+    def view(self, slot: int, byte_offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        num_bytes = numel * torch.empty((), dtype=dtype).element_size()
+        return self.slots[slot][byte_offset:byte_offset + num_bytes].view(dtype)
+
+    def total_bytes(self) -> int:
+        return 2 * self.slot_bytes
+
+
+class GroupWeights:
+    """Compute-weight storage, gathers and main-weight moves of a `ParamGroup` (mixed into it; reads the buffers
+    and layout its constructor sets up: `compute_buffer`, `compute_shard`, `main_weights`, `wire_shard`, ...)."""
+
+    # ---- main weights ----------------------------------------------------------------------------------------
+    @property
+    def main_in_compute_buffer(self) -> bool:
+        """Strategies 1/2 with main weights in the compute dtype: they are this rank's rows of the compute buffer
+        (`main_weights` is the compute buffer; `main_param_views` its rows)."""
+        return self.main_weights is self.compute_buffer and self.strategy in (ShardingStrategy.optim,
+                                                                              ShardingStrategy.optim_grads)
+
+    def write_main_weights(self, values: torch.Tensor):
+        """Set the main weights from `values` laid out as they are (a shard, an HFSDP sub-shard, or the full group
+        for no_shard), also where they live in the compute buffer's rows."""
+        if not self.main_in_compute_buffer:
+            self.main_weights.copy_(values)
+            return
+        for piece, view in zip(self.pieces, self.main_param_views):
+            view.copy_(values[piece.shard_start:piece.shard_end])
+
+    # ---- compute-weight storage and gathers -----------------------------------------------------------------
+    def allocate_compute(self):
+        """Give the compute buffer its full storage (values are undefined until gathered or written)."""
+        if not self.uses_pool:
+            storage = self.compute_buffer.untyped_storage()
+            if storage.nbytes() != self._compute_nbytes:
+                storage.resize_(self._compute_nbytes)
+
+    def release_compute(self):
+        """Drop the gathered compute weights (strategy 3 only); the parameter views stay registered."""
+        if not self.shards_params:
+            return
+        if not self.uses_pool:
+            self.compute_buffer.untyped_storage().resize_(0)
+        if self.wire_gathered is not None:  # gathered (and decoded) through the codec
+            self.codec.release(self.params)
+            self.wire_gathered = None
+        self.weight_state = WeightState.SHARDED
+
+    @property
+    def gathered(self) -> bool:
+        """Whether the compute buffer holds (or an all-gather in flight is filling it with) the full weights."""
+        return self.weight_state is not WeightState.SHARDED
+
+    @gathered.setter
+    def gathered(self, value: bool):
+        self.weight_state = WeightState.GATHERED if value else WeightState.SHARDED
+
+    def start_gather(self, issue: Callable[[torch.Tensor, torch.Tensor], PendingCollective],
+                     issue_in_place: Optional[Callable[[list, list], PendingCollective]] = None):
+        """Gather every rank's shard: `issue(output, shard)` starts the all-gather of `gather_source()` into a
+        rank-major buffer (a staging buffer, or the compute buffer itself when the forms coincide). An earlier
+        gather still in flight is finished first. `issue_in_place(outputs_by_rank, own_pieces)`, where the
+        collective can land each parameter's chunk apart (gloo's point-to-point all-gather), receives every
+        rank's chunks straight into the compute buffer instead: no staging buffer, no copy-out."""
+        self.finish_gather()
+        if issue_in_place is not None and self.codec is None and not self.layout.forms_coincide:
+            if self._rank_pieces is None:  # views of the compute buffer: they survive its storage being resized
+                self._rank_pieces = [rank_pieces_of_unsharded(self.layout, self.compute_buffer, rank)
+                                     for rank in range(self.layout.dp_size)]
+            outputs = self._rank_pieces
+            if self.main_in_compute_buffer and not self.shards_params:
+                self._gather_send, own = None, outputs[self.dp_rank]  # the updated rows are in place already
+            else:
+                self._gather_send = self.gather_source()
+                own = list(torch.split(self._gather_send, piece_sizes(self.layout)))
+            self.pending_gather = issue_in_place(outputs, own)
+            self.weight_state = WeightState.GATHERING
+            return
+        output = self.compute_buffer
+        if self.codec is not None or not self.layout.forms_coincide:
+            dtype = self.param_dtype if self.codec is None else self.codec.wire_dtype
+            self.gather_staging = output = torch.empty(self.layout.padded_numel, dtype=dtype, device=self.device)
+        self._gather_send = self.gather_source()
+        self.pending_gather = issue(output, self._gather_send)
+        self.weight_state = WeightState.GATHERING
+
+    def finish_gather(self):
+        """Wait for the all-gather in flight, if any, and copy it out: the compute buffer then holds the full
+        weights."""
+        if self.pending_gather is not None:
+            pending, self.pending_gather = self.pending_gather, None
+            pending.wait()
+            self.copy_gathered_into_compute()
+            if self.weight_state is WeightState.GATHERING:
+                self.weight_state = WeightState.GATHERED
+
+    def copy_gathered_into_compute(self):
+        """The copy-out of a landed all-gather: staging (every rank's shard, rank-major) -> the compute buffer
+        (contiguous full parameters). Nothing to do when the gather landed in the compute buffer. With a codec,
+        the gathered wire elements are rearranged param-major and decoded into the compute buffer."""
+        if self.codec is not None and self.gather_staging is not None:
+            self._decode_gathered(self.gather_staging)
+        elif self.gather_staging is not None:
+            copy_gathered_to_unsharded(self.layout, self.gather_staging, self.compute_buffer)
+        self.gather_staging = self._gather_send = None
+
+    def encode_wire_shard(self, shard_group):
+        """With a codec: re-encode the wire shard if the compute shard changed since the last encoding. A
+        collective over `shard_group` (and the codec's own groups): called before every gather of the group."""
+        if self.codec is None or not self.wire_shard_stale:
+            return
+        self.codec.encode([self.compute_shard[piece.shard_start:piece.shard_end] for piece in self.pieces],
+                          [self.wire_shard[piece.shard_start:piece.shard_end] for piece in self.pieces], shard_group)
+        self.wire_shard_stale = False
+
+    def _decode_gathered(self, staging: torch.Tensor):
+        wire = staging if self.layout.forms_coincide else torch.empty_like(staging)
+        copy_gathered_to_unsharded(self.layout, staging, wire)
+        self.wire_gathered = wire
+        wire_params = [wire[span.flat_start:span.flat_end].view(span.shape) for span in self.layout.spans]
+        with torch.no_grad():
+            self.codec.decode(wire_params, [self.param_view(index) for index in range(len(self.params))],
+                              self.params)
+
+    def compute_bytes_held(self) -> int:
+        if self.uses_pool:
+            return 0
+        return self.compute_buffer.untyped_storage().nbytes()
+
+    def gather_source(self) -> torch.Tensor:
+        """The shard this rank contributes to a gather of the compute weights: the compute shard (strategy 3),
+        or the main weights in the compute dtype (strategies 1/2, after the optimizer step); the wire shard with
+        a codec."""
+        if self.codec is not None:
+            return self.wire_shard
+        if self.shards_params:
+            return self.compute_shard
+        if self.main_in_compute_buffer:
+            shard = torch.empty(self.layout.shard_numel, dtype=self.param_dtype, device=self.device)
+            shard_of_unsharded(self.layout, self.compute_buffer, self.dp_rank, shard)
+            return shard
+        return self.main_weights.to(self.param_dtype)
+
+    def commit_compute_to_shards(self):
+        """After the full compute buffer was written (init, load): derive this rank's shard and main weights."""
+        if self.shards_params and self.compute_shard is not None:
+            shard_of_unsharded(self.layout, self.compute_buffer, self.dp_rank, self.compute_shard)
+        self.commit_compute_shard_to_main()
+
+    def commit_compute_shard_to_main(self):
+        """Derive the main weights from this rank's (up-to-date) compute shard or compute buffer."""
+        if self.main_weights is None:
+            return
+        if self.strategy == ShardingStrategy.no_shard:
+            source = self.compute_buffer
+        elif self.shards_params:
+            source = self.compute_shard[self.sub_shard_slice] if self.outer_sharded else self.compute_shard
+        else:
+            if not self.main_in_compute_buffer:
+                shard_of_unsharded(self.layout, self.compute_buffer, self.dp_rank, self.main_weights)
+            return
+        if self.main_weights.data_ptr() != source.data_ptr():
+            self.main_weights.copy_(source)
+        self.compute_shard_stale = False
+        self.wire_shard_stale = self.codec is not None
+
+    def install_main_into_compute(self):
+        """Cast the updated main weights into the compute weights of this rank (the shard, or everything).
+
+        Under HFSDP the main weights are only a sub-shard of the compute shard: the compute shard is marked
+        stale instead, and the schedule refreshes it with an all-gather of `outer_gather_source()` over the
+        outer group before gathering it. Under strategies 1/2 the all-gather that follows the step
+        (`gather_source()`) installs them."""
+        if self.main_weights is None:
+            return
+        if self.outer_sharded:
+            self.compute_shard_stale = True
+            return
+        if self.strategy in (ShardingStrategy.optim, ShardingStrategy.optim_grads):
+            return
+        target = self.compute_shard if self.shards_params else self.compute_buffer
+        if target.data_ptr() != self.main_weights.data_ptr():
+            target.copy_(self.main_weights)
+        self.wire_shard_stale = self.codec is not None
+
+    def outer_gather_source(self) -> torch.Tensor:
+        """HFSDP: this rank's contribution to the all-gather over the outer group that rebuilds the compute
+        shard, i.e. its main weights in the compute dtype (no copy when the dtypes match)."""
+        return self.main_weights.to(self.param_dtype)
