@@ -1,9 +1,10 @@
 """FP8 on this machine: step time and all-gathered bytes with and without `--fp8-param-gather`, and the cost of
-FP8 GEMMs (torch._scaled_mm and dequantize-and-matmul emulation) against fp32; on a GPU with Transformer
-Engine, TE FP8 against bf16 throughput.
+FP8 GEMMs (torch._scaled_mm and dequantize-and-matmul emulation) against fp32; on one GPU, torch-native FP8
+against bf16 per linear layer and end to end.
 
     python examples/fp8/benchmark_fp8.py [--iters 30] [--repeats 2] [--nproc 2] [--output results.json]
-    python examples/fp8/benchmark_fp8.py --part gpu [--gpu-iters 30]      # on a GPU machine: part 3 only
+    PYTHONPATH=.:megatron/core/distributed/fsdp/src python examples/fp8/benchmark_fp8.py --part gpu  # one GPU
+    python examples/fp8/benchmark_fp8.py --part gpu --smoke      # part 3's code paths on the CPU, tiny
 
 Part 1 trains the README's tiny GPT (4 layers, hidden 128, seq 128, swiglu, rope) with `pretrain_gpt.py` on
 `--nproc` gloo ranks with the distributed optimizer and with Megatron-FSDP ZeRO-3 (`optim_grads_params`), once
@@ -15,10 +16,11 @@ gathers point-to-point on gloo).
 `--wrappers` restricts part 1 to one of them. Part 2 times one linear layer's forward + backward (fp32
 `F.linear`, FP8 through `torch._scaled_mm`, FP8 emulated).
 
-Part 3 (GPU arm) trains a GPU-sized GPT (8 layers, hidden 2048, seq 2048, swiglu, rope, RMSNorm) on one GPU
-(NCCL) with `--bf16 --transformer-impl transformer_engine`, without FP8 and with TE FP8 (hybrid; delayed and
-tensorwise scaling), and reports the median step time, tokens/s and the speedup over bf16, naming the device.
-It runs only where CUDA and transformer-engine are present; elsewhere it prints why it was skipped.
+Part 3 (`--part gpu`, one GPU): FP8 against bf16 with the torch-native backend, per linear layer (the GPT-1.3B
+shapes; torchao's compiled Float8Linear too when torchao is importable) and `pretrain_gpt.py` end to end (GPT 24
+layers x 2048 hidden) under Megatron DDP and Megatron-FSDP z3; see `examples/fp8/gpu_benchmark.py`. `--smoke` runs
+part 3's code paths on the CPU with tiny shapes (a check of the program, not a measurement). Where no FP8-capable
+GPU is present part 3 prints why it was skipped.
 """
 
 import argparse
@@ -52,20 +54,6 @@ ARMS = {
     "Megatron-FSDP z3, fp8 tensorwise + --fp8-param-gather": f"{MEGATRON_FSDP_Z3} {TENSORWISE} --fp8-param-gather",
 }
 EMULATED_ARMS = {"fp8 tensorwise, emulated GEMMs"}
-GPU_MODEL = (
-    "--num-layers 8 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048 "
-    "--position-embedding-type rope --normalization RMSNorm --swiglu --hidden-dropout 0 --attention-dropout 0 "
-    "--micro-batch-size 4 --global-batch-size 4 --lr 1e-4 --seed 1234 --mock-data --vocab-size 32000 "
-    "--make-vocab-size-divisible-by 128 --num-workers 0 --log-interval 1000 --eval-iters 0 "
-    "--distributed-backend nccl --ckpt-format torch --bf16 --transformer-impl transformer_engine"
-)
-GPU_TOKENS_PER_STEP = 4 * 2048
-GPU_ARMS = {
-    "TE bf16": "",
-    "TE fp8 hybrid delayed": "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024 "
-                             "--fp8-amax-compute-algo max",
-    "TE fp8 hybrid tensorwise": "--fp8-format hybrid --fp8-recipe tensorwise",
-}
 WRAPPERS = {"distributed-optimizer": DISTRIBUTED_OPTIMIZER, "megatron-fsdp": MEGATRON_FSDP_Z3}
 # The arm each arm's bytes are compared with: the fp32 run of the same wrapper (FP8 without parameter gathering
 # all-gathers the same bytes as fp32, so it stands for fp32 under Megatron-FSDP).
@@ -198,52 +186,6 @@ def time_linear(tokens, features, repeats):
     return results
 
 
-# ---- part 3: Transformer Engine FP8 against bf16 on a GPU -----------------------------------------------------------
-
-
-def gpu_arm_unavailable():
-    """Why part 3 cannot run on this machine, or None when it can."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return "no CUDA device on this machine"
-    from megatron.core.optional_deps import HAVE_TE
-
-    if not HAVE_TE:
-        return "transformer-engine is not importable here (install it on the GPU machine: pip install '.[te]')"
-    return None
-
-
-def run_gpu_arms(iters, repeats):
-    """Median step time and tokens/s of each GPU arm (arms interleaved per repetition), one GPU each."""
-    samples = {name: [] for name in GPU_ARMS}
-    with tempfile.TemporaryDirectory() as workdir:
-        for _ in range(repeats):
-            for name, extra in GPU_ARMS.items():
-                rows, _ = launch(name, f"{GPU_MODEL} --train-iters {iters} {extra}", 1, workdir)
-                samples[name].append(statistics.median(row["iteration-time"] for row in rows[WARMUP_ITERATIONS:]))
-    arms = {}
-    for name, times in samples.items():
-        step = statistics.median(times)
-        arms[name] = {"median_step_s": step, "tokens_per_s": GPU_TOKENS_PER_STEP / step}
-    return arms
-
-
-def report_gpu_arms(arms, iters, repeats):
-    import torch
-
-    device = torch.cuda.get_device_name(0)
-    print(f"\nTransformer Engine FP8 against bf16 on {device}: pretrain_gpt.py, 8 layers, hidden 2048, seq 2048, "
-          f"micro batch 4, one GPU, {iters} iterations x {repeats} interleaved repetitions")
-    print("| arm | median step (ms) | tokens/s | speedup vs TE bf16 |")
-    print("|---|---|---|---|")
-    base = arms["TE bf16"]["median_step_s"]
-    for name, arm in arms.items():
-        print(f"| {name} | {1000 * arm['median_step_s']:.1f} | {arm['tokens_per_s']:,.0f} | "
-              f"{base / arm['median_step_s']:.2f} |")
-    return device
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=30)
@@ -253,8 +195,9 @@ def main():
     parser.add_argument("--wrappers", choices=["all", *WRAPPERS], default="all",
                         help="run only the arms of one data-parallel wrapper")
     parser.add_argument("--part", choices=["all", "cpu", "gpu"], default="all",
-                        help="cpu: parts 1-2 (gloo ranks, GEMMs on the CPU); gpu: part 3 (TE FP8 vs bf16 on a GPU)")
-    parser.add_argument("--gpu-iters", type=int, default=30, help="iterations of each GPU arm")
+                        help="cpu: parts 1-2 (gloo ranks, GEMMs on the CPU); gpu: part 3 (FP8 vs bf16 on one GPU)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="part 3 on the CPU with tiny shapes and a tiny model: checks the program, measures nothing")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--counts", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--emulate", action="store_true", help=argparse.SUPPRESS)
@@ -268,14 +211,9 @@ def main():
     if options.part in ("all", "cpu"):
         report.update(run_cpu_parts(options))
     if options.part in ("all", "gpu"):
-        reason = gpu_arm_unavailable()
-        if reason is not None:
-            print(f"\nTransformer Engine FP8 against bf16 (GPU arm): skipped, {reason}")
-            report["gpu"] = {"skipped": reason}
-        else:
-            arms = run_gpu_arms(options.gpu_iters, options.repeats)
-            device = report_gpu_arms(arms, options.gpu_iters, options.repeats)
-            report["gpu"] = {"device": device, "iters": options.gpu_iters, "arms": arms}
+        from examples.fp8 import gpu_benchmark
+
+        report["gpu"] = gpu_benchmark.run(smoke=options.smoke)
     if options.output:
         with open(options.output, "w") as out:
             json.dump(report, out, indent=2)

@@ -76,6 +76,8 @@ class ScalingState:
         self.recipe = recipe
         self.dtype = dtype
         self.sharded_over_tensor_parallel = sharded_over_tensor_parallel
+        # Storage of its own follows the tensors quantized (moved once, at the first quantize on another device).
+        self._owns_storage = history_storage is None
         if history_storage is None:
             history_storage = torch.zeros(recipe.amax_history_len, dtype=torch.float32)
         if history_storage.shape != (recipe.amax_history_len,):
@@ -114,6 +116,9 @@ class ScalingState:
         if not self.recipe.is_delayed:
             return self._current_amax(local_amax)
         self.pending_amax = local_amax if self.pending_amax is None else torch.maximum(self.pending_amax, local_amax)
+        if self._owns_storage and self.amax_history.device != tensor.device:
+            self.amax_history = self.amax_history.to(tensor.device)
+            self.recorded_count = self.recorded_count.to(tensor.device)
         history = self.history_amax().to(tensor.device)
         if self.has_history:
             return history
