@@ -208,13 +208,6 @@ def _autograd_value_after_main_grad(weight):
     return None
 
 
-def route_weight_grad_to_main_grad(weight, grad_weight):
-    """With gradient-accumulation fusion: add `grad_weight` into `weight.main_grad` and return what autograd
-    should receive (zeros when the weight has `grad_added_to_main_grad`, so gradient hooks still run)."""
-    weight.main_grad.add_(grad_weight.to(weight.main_grad.dtype))
-    return _autograd_value_after_main_grad(weight)
-
-
 def _pack(fp8: Float8Tensor):
     return fp8.data, fp8.transpose_data, fp8.scale, fp8.scale_inv
 
