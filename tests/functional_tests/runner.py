@@ -13,7 +13,8 @@ and `golden_values_cpu.json`: metric -> {"start_step", "end_step", "step_interva
 The run is `torchrun --nproc-per-node N pretrain_gpt.py <MODEL_ARGS> --metrics-file <tmp>`; the metrics
 file holds one JSON record per iteration (see `megatron.training.training_log`). A `ckpt-resume` case trains
 N iterations once uninterrupted, then again in two launches (stop and save at N/2, load, continue to N); its
-metrics are the uninterrupted run's, and `resumed_metrics` holds the second launch's.
+metrics are the uninterrupted run's, and `resumed_metrics` holds the second launch's. Golden values are the
+uninterrupted run's, so regenerating them runs only that launch.
 """
 
 import dataclasses
@@ -132,8 +133,22 @@ def read_metrics(path):
     return metrics
 
 
-def launch(case, workdir, extra_model_args=None, timeout_s=DEFAULT_TIMEOUT_S, tag="run"):
-    """One torchrun launch of the case; returns its metrics. Raises with the log tail if it fails."""
+# How ranks start: "fork" (default) forks them from a server that has imported torch and Megatron once per
+# session (see fork_launcher.py); "torchrun" starts them with torchrun. Both run pretrain_gpt.py as __main__ with
+# torchrun's environment; test_runner.py holds the two to the same losses.
+LAUNCHER_ENV = "MEGATRON_FUNCTIONAL_LAUNCHER"
+LAUNCHERS = ("fork", "torchrun")
+
+
+def launcher_name():
+    name = os.environ.get(LAUNCHER_ENV, "fork")
+    if name not in LAUNCHERS:
+        raise ValueError(f"{LAUNCHER_ENV} must be one of {LAUNCHERS}, got {name!r}")
+    return name
+
+
+def launch(case, workdir, extra_model_args=None, timeout_s=DEFAULT_TIMEOUT_S, tag="run", launcher=None):
+    """One launch of the case; returns its metrics. Raises with the log tail if it fails."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     metrics_path = workdir / f"{tag}_metrics.jsonl"
@@ -141,20 +156,31 @@ def launch(case, workdir, extra_model_args=None, timeout_s=DEFAULT_TIMEOUT_S, ta
     if metrics_path.exists():
         metrics_path.unlink()
     model_args = {**case.model_args, **(extra_model_args or {}), "--metrics-file": str(metrics_path)}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(case.nproc_per_node),
-        str(REPO_ROOT / "pretrain_gpt.py"), *model_args_to_argv(model_args),
-    ]  # fmt: skip
+    argv = model_args_to_argv(model_args)
     env = {**os.environ, **case.env_vars}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    with open(log_path, "w") as log:
-        try:
-            completed = subprocess.run(
-                command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s
-            )
-            returncode = completed.returncode
-        except subprocess.TimeoutExpired:
-            returncode = f"timeout after {timeout_s}s"
+    launcher = launcher or launcher_name()
+    if launcher == "fork":
+        from tests.functional_tests.fork_launcher import launcher_for
+
+        log_path.write_text("")
+        answer = launcher_for(env).launch(argv, case.env_vars, case.nproc_per_node, workdir, log_path, timeout_s)
+        command = ["fork", f"x{case.nproc_per_node}", "pretrain_gpt.py", *argv]
+        returncode = (f"timeout after {timeout_s}s" if answer["timed_out"]
+                      else next((code for code in answer["returncodes"] if code != 0), 0))
+    else:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(case.nproc_per_node), str(REPO_ROOT / "pretrain_gpt.py"), *argv,
+        ]  # fmt: skip
+        with open(log_path, "w") as log:
+            try:
+                completed = subprocess.run(
+                    command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s
+                )
+                returncode = completed.returncode
+            except subprocess.TimeoutExpired:
+                returncode = f"timeout after {timeout_s}s"
     if returncode != 0:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-40:])
         raise RuntimeError(f"{case.name} ({tag}) failed: {returncode}\n$ {' '.join(command)}\n{tail}")
@@ -163,21 +189,29 @@ def launch(case, workdir, extra_model_args=None, timeout_s=DEFAULT_TIMEOUT_S, ta
 
 @dataclasses.dataclass
 class CaseResult:
-    metrics: dict  # {metric: {iteration: value}} of the (uninterrupted) run
+    metrics: dict  # {metric: {iteration: value}} of the uninterrupted run
     resumed_metrics: dict = None  # ckpt-resume: the launch that loaded the checkpoint
+    first_half_metrics: dict = None  # ckpt-resume: the launch that saved it and stopped
 
 
-def run_case(case, workdir, timeout_s=DEFAULT_TIMEOUT_S):
+def resume_launches(case, workdir, timeout_s=DEFAULT_TIMEOUT_S):
+    """A ckpt-resume case's interrupted training: (metrics of the launch that stops and saves at N/2, metrics of
+    the launch that loads that checkpoint and trains to N)."""
     workdir = Path(workdir)
-    metrics = launch(case, workdir, timeout_s=timeout_s, tag="full")
-    if case.test_type == "regular":
-        return CaseResult(metrics)
     half = case.train_iters // 2
     checkpoint_dir = workdir / "checkpoints"
     checkpoint_args = {"--save": str(checkpoint_dir), "--ckpt-format": case.model_args.get("--ckpt-format", "torch")}
-    launch(case, workdir, {**checkpoint_args, "--exit-interval": half}, timeout_s, tag="first_half")
+    first = launch(case, workdir, {**checkpoint_args, "--exit-interval": half}, timeout_s, tag="first_half")
     resumed = launch(case, workdir, {**checkpoint_args, "--load": str(checkpoint_dir)}, timeout_s, tag="second_half")
-    return CaseResult(metrics, resumed)
+    return first, resumed
+
+
+def run_case(case, workdir, timeout_s=DEFAULT_TIMEOUT_S):
+    """The case's uninterrupted run (and, for ckpt-resume, its interrupted launches)."""
+    result = CaseResult(launch(case, workdir, timeout_s=timeout_s, tag="full"))
+    if case.test_type == "ckpt-resume":
+        result.first_half_metrics, result.resumed_metrics = resume_launches(case, workdir, timeout_s)
+    return result
 
 
 def golden_from_metrics(case, metrics):

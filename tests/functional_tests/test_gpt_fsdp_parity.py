@@ -10,9 +10,8 @@ rows of tokens not in the batch, thousands) must agree. Per-rank bytes follow th
 
 import pytest
 
-from tests.functional_tests import test_gpt_golden_values as golden_values_test
-from tests.functional_tests.conftest import FSDP_FLAGS
-from tests.functional_tests.runner import compare_series, list_cases, load_case, load_golden
+from tests.functional_tests import references
+from tests.functional_tests.runner import compare_series, list_cases, load_case
 
 RELATIVE_TOLERANCE = 1e-5
 ACCIDENTAL_ZEROS_TOLERANCE = 4.0
@@ -41,9 +40,9 @@ SHARDED_OVER = {
 SEPARATE_MAIN_WEIGHTS = {
     "gpt/megatron_fsdp_hfsdp_dp4",
 }
-# The golden-value test's slow cases (more than two ranks on two cores).
-SLOW_CASES = set(golden_values_test.SLOW_CASES) & set(SHARDED_OVER)
-CASES = [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_CASES else name for name in SHARDED_OVER]
+# More than two ranks on two cores take longer.
+CASES = [pytest.param(name, marks=pytest.mark.slow) if load_case(name).nproc_per_node > 2 else name
+         for name in SHARDED_OVER]
 
 
 def _per_rank_bytes(metrics):
@@ -51,9 +50,10 @@ def _per_rank_bytes(metrics):
 
 
 @pytest.mark.parametrize("case_name", CASES)
-def test_fsdp_case_trains_as_its_ddp_twin(case_name, case_result, ddp_twin_result):
+def test_fsdp_case_trains_as_its_ddp_twin(case_name, runs):
     case = load_case(case_name)
-    fsdp, ddp = case_result(case_name).metrics, ddp_twin_result(case_name).metrics
+    assert references.REFERENCES[case_name] == references.DDP_TWIN
+    fsdp, (_, ddp) = runs.case(case_name).metrics, runs.reference(case_name)
     problems = []
     for metric in ("lm loss", "grad norm", "params-norm"):
         assert len(ddp[metric]) == case.train_iters, metric
@@ -78,53 +78,7 @@ def test_fsdp_case_trains_as_its_ddp_twin(case_name, case_result, ddp_twin_resul
 
 
 def test_every_fsdp_case_folder_has_a_ddp_twin_check():
-    # Resume cases compare a run with itself interrupted; their FSDP twin checks are the uninterrupted cases'.
+    # Resume cases compare a run with itself interrupted and with their reference (test_gpt_references.py).
     fsdp_cases = [name for name in list_cases("gpt") if "fsdp" in name and load_case(name).test_type == "regular"]
     assert sorted(fsdp_cases) == sorted(SHARDED_OVER)
     assert SEPARATE_MAIN_WEIGHTS <= set(SHARDED_OVER)
-
-
-# Resume case -> the Megatron DDP case that trains the same model on the same data for the same steps. Their
-# golden values are compared, at no cost in runs: the golden-value test holds every run to its golden losses
-# within 1e-6, so a resume case's training is held to DDP's through its golden file, and regenerating the golden
-# values of a wrapper that drifted from DDP fails here. resume_fsdp2_dp2 trains an untied model no DDP case has.
-RESUME_DDP_REFERENCE = {
-    "gpt/resume_dp2_distributed_optimizer": "gpt/resume_dp2_ddp",
-    "gpt/resume_megatron_fsdp_z0_dp2": "gpt/resume_dp2_ddp",
-    "gpt/resume_megatron_fsdp_z1_dp2": "gpt/resume_dp2_ddp",
-    "gpt/resume_megatron_fsdp_z2_dp2": "gpt/resume_dp2_ddp",
-    "gpt/resume_megatron_fsdp_z3_dp2_async": "gpt/resume_dp2_ddp",
-    "gpt/resume_megatron_fsdp_hsdp_dp4": "gpt/dp2_ddp",
-    "gpt/resume_megatron_fsdp_hfsdp_dp4": "gpt/dp2_ddp",
-}
-# Flags that change how a run is checkpointed or what it logs, not what it trains.
-NON_TRAINING_FLAGS = ("--ckpt-format", "--async-save", "--use-persistent-ckpt-worker", "--log-params-norm")
-
-
-@pytest.mark.parametrize("case_name", sorted(RESUME_DDP_REFERENCE))
-def test_resume_case_golden_values_equal_ddp_ones(case_name):
-    case, reference = load_case(case_name), load_case(RESUME_DDP_REFERENCE[case_name])
-    differing = {
-        flag
-        for flag in set(case.model_args) | set(reference.model_args)
-        if case.model_args.get(flag) != reference.model_args.get(flag)
-    }
-    allowed = set(FSDP_FLAGS) | set(NON_TRAINING_FLAGS)
-    assert differing <= allowed, (
-        f"{case_name} trains another model than {reference.name}: {sorted(differing - allowed)}"
-    )
-    losses, reference_losses = _golden_series(case, "lm loss"), _golden_series(reference, "lm loss")
-    assert sorted(losses) == sorted(reference_losses) == list(range(1, case.train_iters + 1))
-    problems = compare_series("lm loss", reference_losses, losses, rtol=RELATIVE_TOLERANCE)
-    problems += compare_series("num-zeros", _golden_series(reference, "num-zeros"), _golden_series(case, "num-zeros"),
-                               rtol=0.0, atol=ACCIDENTAL_ZEROS_TOLERANCE)
-    assert not problems, f"{case.golden_path} vs {reference.golden_path}:\n" + "\n".join(problems)
-
-
-def _golden_series(case, metric):
-    return {int(step): value for step, value in load_golden(case)[metric]["values"].items()}
-
-
-def test_every_resume_case_has_a_ddp_reference():
-    resume_cases = {name for name in list_cases("gpt") if load_case(name).test_type == "ckpt-resume"}
-    assert resume_cases - set(RESUME_DDP_REFERENCE) == {"gpt/resume_dp2_ddp", "gpt/resume_fsdp2_dp2"}

@@ -56,3 +56,20 @@ def test_unknown_case_keys_are_rejected(tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "CASES_DIR", tmp_path)
     with pytest.raises(ValueError, match=r"unknown keys \['GPUS'\]"):
         runner.load_case("gpt/broken")
+
+
+def test_forked_ranks_train_as_torchrun_ranks(runs, tmp_path):
+    """The default launcher forks ranks from a server that imported torch and Megatron once (fork_launcher.py);
+    a torchrun launch of the same case gives the same metrics to the last bit (same code, thread counts, seeds)."""
+    case = runner.load_case("gpt/dp2_ddp")
+    forked = runs.uninterrupted(case)  # the run the golden-value and reference tests use
+    launched = runner.launch(case, tmp_path, tag="torchrun", launcher="torchrun")
+    for metric in ("lm loss", "grad norm", "num-zeros", "params-bytes", "grads-bytes", "optimizer-state-bytes"):
+        assert sorted(launched[metric]) == list(range(1, case.train_iters + 1)), metric
+        assert launched[metric] == forked[metric], metric
+
+
+def test_a_failing_rank_fails_the_launch_with_its_log(tmp_path):
+    case = runner.load_case("gpt/dp2_ddp")
+    with pytest.raises(RuntimeError, match=r"(?s)gpt/dp2_ddp \(broken\) failed: .*--num-attention-heads"):
+        runner.launch(case, tmp_path, {"--num-attention-heads": 5}, tag="broken")

@@ -1,0 +1,115 @@
+"""The independent reference of every golden case: the run its losses are compared with.
+
+A golden file is written by the code under test, so holding a run to it only says the behaviour did not change.
+Each case is therefore also compared with a reference run of another configuration that trains the same model on
+the same data for the same steps and must reach the same losses within fp32 summation-order noise:
+
+- the layouts (data, tensor, pipeline parallel, the distributed optimizer) against the single-rank run;
+- every fully sharded case (FSDP2, Megatron-FSDP) against its DDP twin: the case without its FSDP flags, i.e.
+  Megatron DDP with the same model and TP/PP layout (`ddp_twin`), which also gives the per-rank bytes the
+  sharding is checked against;
+- the Llama-style TP case against its single-rank twin (the case on one rank);
+- every checkpoint-resume case, both its uninterrupted and its resumed launches, against the reference of the
+  configuration it trains.
+
+`gpt/single_rank` is the root: nothing simpler trains this model, so it is held to its golden values alone.
+Runs are shared: a reference that is itself a case is that case's run, and twins are keyed by their flags.
+"""
+
+import dataclasses
+
+ROOT_CASE = "gpt/single_rank"
+DDP_TWIN = "DDP twin"
+SINGLE_RANK_TWIN = "single-rank twin"
+
+# case -> the reference run: a case name, DDP_TWIN or SINGLE_RANK_TWIN.
+REFERENCES = {
+    "gpt/dp2_ddp": ROOT_CASE,
+    "gpt/dp2_distributed_optimizer": ROOT_CASE,
+    "gpt/tp2": ROOT_CASE,
+    "gpt/pp2": ROOT_CASE,
+    "gpt/tp2_pp2": ROOT_CASE,
+    "gpt/llama_style_tp2": SINGLE_RANK_TWIN,
+    "gpt/fsdp2_dp2": DDP_TWIN,
+    "gpt/fsdp2_no_reshard_dp2": DDP_TWIN,
+    "gpt/fsdp2_tp2_dp2": DDP_TWIN,
+    "gpt/megatron_fsdp_z1_dp2": DDP_TWIN,
+    "gpt/megatron_fsdp_z2_dp2": DDP_TWIN,
+    "gpt/megatron_fsdp_z3_dp2": DDP_TWIN,
+    "gpt/megatron_fsdp_z3_meta_init_dp2": DDP_TWIN,
+    "gpt/megatron_fsdp_z3_double_buffer_dp2": DDP_TWIN,
+    "gpt/megatron_fsdp_z3_tp2_sp_dp2": DDP_TWIN,
+    "gpt/megatron_fsdp_z3_pp2_dp2": DDP_TWIN,
+    "gpt/megatron_fsdp_z3_tp2_pp2_dp2": DDP_TWIN,
+    "gpt/megatron_fsdp_hsdp_dp4": DDP_TWIN,
+    "gpt/megatron_fsdp_hfsdp_dp4": DDP_TWIN,
+    "gpt/resume_dp2_ddp": ROOT_CASE,
+    "gpt/resume_dp2_distributed_optimizer": ROOT_CASE,
+    "gpt/resume_fsdp2_dp2": DDP_TWIN,
+    "gpt/resume_megatron_fsdp_z0_dp2": "gpt/dp2_ddp",
+    "gpt/resume_megatron_fsdp_z1_dp2": "gpt/dp2_ddp",
+    "gpt/resume_megatron_fsdp_z2_dp2": "gpt/dp2_ddp",
+    "gpt/resume_megatron_fsdp_z3_dp2_async": "gpt/dp2_ddp",
+    "gpt/resume_megatron_fsdp_hsdp_dp4": "gpt/dp2_ddp",
+    "gpt/resume_megatron_fsdp_hfsdp_dp4": "gpt/dp2_ddp",
+}
+
+# Flags that select or tune a fully sharded data-parallel wrapper. Without them a case trains with Megatron DDP.
+FSDP_FLAGS = (
+    "--use-torch-fsdp2",
+    "--torch-fsdp2-no-reshard-after-forward",
+    "--use-megatron-fsdp",
+    "--data-parallel-sharding-strategy",
+    "--outer-dp-sharding-strategy",
+    "--num-distributed-optimizer-instances",
+    "--init-model-with-meta-device",
+    "--fsdp-double-buffer",
+    "--megatron-fsdp-main-params-dtype",
+    "--megatron-fsdp-main-grads-dtype",
+    "--megatron-fsdp-grad-comm-dtype",
+    "--use-distributed-optimizer",
+    "--overlap-grad-reduce",
+    "--overlap-param-gather",
+)
+# Flags read only when a checkpoint is saved or loaded: a launch that does neither trains the same without them.
+CHECKPOINT_ONLY_FLAGS = ("--ckpt-format", "--async-save", "--use-persistent-ckpt-worker")
+# Flags that change what a run logs, not what it trains.
+LOGGING_FLAGS = ("--log-params-norm", "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard",
+                 "--timing-log-level")
+# Flags that lay the same model out over ranks.
+LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--sequence-parallel",
+                "--use-distributed-optimizer")
+
+# What a case may change against its reference, by reference kind (checked flag by flag).
+ALLOWED_DIFFERENCES = {
+    ROOT_CASE: set(LAYOUT_FLAGS) | set(CHECKPOINT_ONLY_FLAGS),
+    "gpt/dp2_ddp": set(FSDP_FLAGS) | set(CHECKPOINT_ONLY_FLAGS) | set(LOGGING_FLAGS),
+}
+
+
+def ddp_twin(case):
+    """`case` with every FSDP flag removed: the same model, data, layout and steps under Megatron DDP."""
+    model_args = {flag: value for flag, value in case.model_args.items() if flag not in FSDP_FLAGS}
+    return dataclasses.replace(case, name=f"{case.name} (DDP twin)", model_args=model_args)
+
+
+def single_rank_twin(case):
+    """`case` on one rank: its layout flags removed."""
+    model_args = {flag: value for flag, value in case.model_args.items() if flag not in LAYOUT_FLAGS}
+    return dataclasses.replace(case, name=f"{case.name} (single-rank twin)", model_args=model_args, nproc_per_node=1)
+
+
+def differing_flags(case, other):
+    return {
+        flag
+        for flag in set(case.model_args) | set(other.model_args)
+        if case.model_args.get(flag) != other.model_args.get(flag)
+    }
+
+
+def training_key(case):
+    """Launches with equal keys train identically (same ranks, environment and training flags): one run serves
+    them all. Checkpoint-only flags are left out; an uninterrupted run neither saves nor loads."""
+    args = tuple(sorted((flag, str(value)) for flag, value in case.model_args.items()
+                        if flag not in CHECKPOINT_ONLY_FLAGS))
+    return case.nproc_per_node, tuple(sorted(case.env_vars.items())), args
