@@ -75,6 +75,7 @@ def _logits(model):
 
 def _save_and_forward(workdir, names):
     """On one rank: build each model, perturb its weights, save it (torch_dist) and return its logits."""
+    from megatron.core.fp8_utils import reduce_fp8_amaxes
     from megatron.training import checkpointing
 
     logits = {}
@@ -87,6 +88,7 @@ def _save_and_forward(workdir, names):
                 for param in state.model[0].parameters():
                     param.add_(0.1 * torch.randn(param.shape, generator=generator))
             logits[name] = _logits(state.model[0])  # first, so that an FP8 model saves recorded amaxes
+            reduce_fp8_amaxes(state.model)  # as a training step does: the pass's pending amaxes enter the histories
             state.args.save = os.path.join(workdir, name)
             checkpointing.save_checkpoint(1, state.model, state.optimizer, state.scheduler, state.args)
         finally:
