@@ -122,6 +122,9 @@ _COMPILED = {}
 _COMPILE_FAILED = []
 # None: compile on CUDA only; True / False: force (tests run the compiled functions on the CPU).
 _COMPILE_OVERRIDE = [None]
+# The torch.compile backend: inductor generates the fused kernels; tests on the CPU trace the same functions with
+# "aot_eager" (the whole-graph capture without code generation, which takes minutes for the CPU).
+_COMPILE_BACKEND = ["inductor"]
 
 
 def _wants_compiled(tensor: torch.Tensor) -> bool:
@@ -134,7 +137,7 @@ def _wants_compiled(tensor: torch.Tensor) -> bool:
 
 def _compiled(name, function):
     if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(function, dynamic=True, fullgraph=True)
+        _COMPILED[name] = torch.compile(function, dynamic=True, fullgraph=True, backend=_COMPILE_BACKEND[0])
     return _COMPILED[name]
 
 

@@ -64,18 +64,29 @@ def test_amax_is_max_abs_and_propagates_nan():
     assert nan_scale.item() == 1.0  # a bad amax cannot poison the scale
 
 
-@pytest.mark.slow  # compiling the kernels for the CPU takes about two minutes on two cores
-def test_compiled_kernels_write_the_eager_bytes(monkeypatch):
-    """The torch.compile'd amax and scale-and-cast (CUDA's path), run on the CPU, against the eager kernels."""
-    pytest.importorskip("torch._inductor")
+def _compiled_against_eager(monkeypatch, backend, device):
     monkeypatch.setattr(fp8_tensor, "_COMPILE_OVERRIDE", [True])
+    monkeypatch.setattr(fp8_tensor, "_COMPILE_BACKEND", [backend])
     monkeypatch.setattr(fp8_tensor, "_COMPILED", {})
-    values = _values(torch.float8_e4m3fn)[12:].reshape(64, 64)
+    monkeypatch.setattr(fp8_tensor, "_COMPILE_FAILED", [])
+    values = _values(torch.float8_e4m3fn)[12:].reshape(64, 64).to(device)
     compiled = fp8_tensor.quantize_by_amax(values, torch.float8_e4m3fn, fp8_tensor.amax(values), with_transpose=True)
-    if fp8_tensor._COMPILE_FAILED:
-        pytest.skip(f"torch.compile does not work here: {fp8_tensor._COMPILE_FAILED[0]}")
+    assert not fp8_tensor._COMPILE_FAILED, fp8_tensor._COMPILE_FAILED  # whole-graph capture, no fallback
+    assert set(fp8_tensor._COMPILED)  # the compiled functions ran
     monkeypatch.setattr(fp8_tensor, "_COMPILE_OVERRIDE", [False])
     eager = fp8_tensor.quantize_by_amax(values, torch.float8_e4m3fn, fp8_tensor.amax(values), with_transpose=True)
     assert torch.equal(compiled.scale, eager.scale) and torch.equal(compiled.scale_inv, eager.scale_inv)
     assert torch.equal(compiled.data.view(torch.uint8), eager.data.view(torch.uint8))
     assert torch.equal(compiled.transpose_data.view(torch.uint8), eager.data.t().contiguous().view(torch.uint8))
+
+
+def test_compiled_kernels_capture_whole_graphs_and_write_the_eager_bytes(monkeypatch):
+    """The torch.compile'd amax and scale-and-cast (CUDA's path) traced on the CPU (fullgraph, dynamic shapes)
+    with the aot_eager backend: no graph break, and the same scale and bytes as the eager kernels."""
+    _compiled_against_eager(monkeypatch, "aot_eager", "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's generated FP8 kernels are checked on CUDA")
+def test_inductor_kernels_write_the_eager_bytes_on_cuda(monkeypatch):
+    _compiled_against_eager(monkeypatch, "inductor", "cuda")
