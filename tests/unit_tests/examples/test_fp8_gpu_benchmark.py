@@ -5,7 +5,6 @@ end-to-end arm launched (the whole `--smoke` run launches six: `python examples/
 
 import json
 
-
 from examples.fp8 import gpu_benchmark
 
 
