@@ -55,6 +55,7 @@ def core_transformer_config_from_args(args, config_class=None):
 
 def optimizer_config_from_args(args):
     from megatron.core.optimizer import OptimizerConfig
+    from megatron.training.argument_groups.memory import optimizer_config_kwargs
 
     return OptimizerConfig(
         optimizer=args.optimizer,
@@ -76,6 +77,7 @@ def optimizer_config_from_args(args):
         hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer,
         log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        **optimizer_config_kwargs(args),
     )
 
 

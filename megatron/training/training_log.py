@@ -10,7 +10,12 @@ import os
 
 import torch
 
-from megatron.core.distributed.data_parallel_base import DataParallelWrapper, parameter_and_grad_bytes, tensor_bytes
+from megatron.core.distributed.data_parallel_base import (
+    DataParallelWrapper,
+    parameter_and_grad_bytes,
+    storage_key,
+    tensor_bytes,
+)
 from megatron.training import accelerator
 
 
@@ -100,16 +105,17 @@ def _torch_optimizers(optimizer):
 
 def _optimizer_state_bytes(optimizer, model_params):
     """Bytes of the torch optimizers' state tensors plus their parameters that are not model parameters (main
-    fp32 copies, or shards of them)."""
+    fp32 copies, or shards of them). A parameter is a model parameter when it is one, or shares its memory with
+    one (compared by the local tensor's storage, which also tells DTensors apart)."""
     model_param_ids = {id(param) for param in model_params}
-    model_param_ptrs = {param.data_ptr() for param in model_params if not param.is_meta}
+    model_param_storages = {storage_key(param) for param in model_params} - {None}
     total = 0
     for torch_optimizer in _torch_optimizers(optimizer):
         for state in torch_optimizer.state.values():
             total += sum(tensor_bytes(v) for v in state.values() if torch.is_tensor(v))
         for group in torch_optimizer.param_groups:
             for param in group["params"]:
-                if id(param) not in model_param_ids and param.data_ptr() not in model_param_ptrs:
+                if id(param) not in model_param_ids and storage_key(param) not in model_param_storages:
                     total += tensor_bytes(param)
     return total
 

@@ -40,6 +40,13 @@ class DataParallelWrapper(torch.nn.Module, abc.ABC):
         self.config = config
         self.ddp_config = ddp_config
 
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name == "module" and getattr(self.ddp_config, "keep_fp8_transpose_cache", False):
+            for submodule in value.modules():
+                if hasattr(submodule, "_fp8_keep_transpose"):  # the FP8-capable linear layers
+                    submodule._fp8_keep_transpose = True
+
     # ---- forward and the wrapped model ---------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         return self.module(*inputs, **kwargs)
@@ -141,6 +148,15 @@ def local_tensor(tensor):
     from torch.distributed.tensor import DTensor
 
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def storage_key(tensor):
+    """Identifies the memory behind the part of `tensor` this rank stores: its local tensor's untyped storage
+    address (a DTensor's own `data_ptr()` is 0 for every DTensor, so it cannot tell two apart); None on meta."""
+    local = local_tensor(tensor)
+    if local.is_meta:
+        return None
+    return (local.device, local.untyped_storage().data_ptr())
 
 
 def tensor_bytes(tensor) -> int:

@@ -11,9 +11,12 @@ the gradient is a DTensor).
 
 Under Megatron-FSDP each rank holds a piece of each parameter's reduced gradient. Sequence-parallel parameters
 are laid out identically on every TP rank (same module structure, same shapes), so the pieces of one TP group
-cover the same elements and are all-reduced as they are. The tied embedding lives in differently laid out
-groups on the first and last stage, so its pieces differ: each stage assembles the full gradient over the
-ranks that hold its pieces, the two stages sum it over the embedding group, and each rank keeps its piece.
+cover the same elements and are all-reduced as they are. The tied embedding's pieces are its rows chunked over
+the data-parallel ranks, whatever group it sits in, so the first and last stage's ranks of one embedding group
+hold the same elements too: their pieces are all-reduced over the embedding group as they are (one all-reduce
+of 1/DP of the gradient; checked once per chunk). Only where the pieces differ (HFSDP cuts flat sub-shards of a
+whole group) each stage assembles the full gradient over the ranks that hold its pieces, the two stages sum it
+over the embedding group, and each rank keeps its piece.
 """
 
 import torch
@@ -124,7 +127,24 @@ def _allreduce_shared_embedding_grads(model_chunks):
     _all_reduce_grads(_params_with(plain_chunks, "shared_embedding"), group)
     for chunk in model_chunks:
         if _is_megatron_fsdp(chunk):
-            _all_reduce_sharded_grads(chunk, _has_attribute("shared_embedding"), group)
+            pieces = chunk.optimizer_grad_pieces(_has_attribute("shared_embedding"))
+            if _pieces_match_across(chunk, pieces, group):
+                _all_reduce_tensors([piece.grad for piece in pieces], group)
+            else:
+                _all_reduce_sharded_grads(chunk, _has_attribute("shared_embedding"), group)
+
+
+def _pieces_match_across(chunk, pieces, group):
+    """Whether every rank of `group` holds the same elements of the same parameters (compared once per chunk
+    and group, then cached on the chunk: the layout does not change during training)."""
+    cache = chunk.__dict__.setdefault("_shared_embedding_pieces_match", {})
+    key = id(group)
+    if key not in cache:
+        bounds = [(tuple(piece.param.shape), piece.param_start, piece.param_end) for piece in pieces]
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, bounds, group=group)
+        cache[key] = all(other == bounds for other in gathered)
+    return cache[key]
 
 
 def _data_parallel_group(model_chunks):

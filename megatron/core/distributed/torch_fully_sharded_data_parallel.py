@@ -19,8 +19,13 @@ Refused, each with a message naming the flag (the config's own rules by `Distrib
 involving the model here):
 - tied input/output embeddings: the tied weight would live in the embedding's unit but be read again by the
   output layer in the root unit after the embedding unit has resharded it; use --untie-embeddings-and-output-weights;
-- fp16 (Megatron's rule for FSDP2; fp16 loss scaling is not wired to FSDP2's gradient shards here); bf16
-  parameters work, with fp32 main copies in the optimizer;
+- fp16 (Megatron's rule for FSDP2; fp16 loss scaling is not wired to FSDP2's gradient shards here);
+
+Mixed precision (`mixed_precision_policy`), as torchtitan and upstream: a bf16 model (`config.bf16` or bf16
+parameters) is sharded in fp32 (the sharded parameters are the optimizer's main weights: no second copy),
+FSDP2 gathers them as bf16 for compute, and reduce-scatters gradients in fp32 with
+`ddp_config.grad_reduce_in_fp32` (`--accumulate-allreduce-grads-in-fp32`, on by default under `--bf16`) or in
+bf16 without it (`--grad-reduce-in-bf16`). The fp32 shards start from the bf16 model's initial values.
 - the distributed optimizer and Megatron-FSDP settings: FSDP2 already shards parameters, gradients and optimizer
   state. (Hybrid sharding, --num-distributed-optimizer-instances > 1, needs one of those two and so never
   reaches FSDP2; HSDP is offered by --use-megatron-fsdp.)
@@ -74,6 +79,18 @@ def data_parallel_mesh():
     _clear_sharding_prop_cache()
     return DeviceMesh.from_group(group, get_device_for_group(group).type, mesh=torch.tensor(ranks, dtype=torch.int),
                                  mesh_dim_names=("dp_shard_cp",))
+
+
+def mixed_precision_policy(config, ddp_config: DistributedDataParallelConfig, module):
+    """FSDP2's `MixedPrecisionPolicy` for `module`: bf16 compute over fp32 shards for a bf16 model (reduction
+    in fp32 with `grad_reduce_in_fp32`, else bf16); for an fp32 model, no casts."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    is_bf16 = getattr(config, "bf16", False) or any(param.dtype == torch.bfloat16 for param in module.parameters())
+    if not is_bf16:
+        return MixedPrecisionPolicy()
+    reduce_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else torch.bfloat16
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
 
 
 def _check_model_supported(config, module):
@@ -130,13 +147,20 @@ class TorchFSDP2(DataParallelWrapper):
             name: {key: getattr(param, key) for key in CARRIED_PARAM_ATTRIBUTES if hasattr(param, key)}
             for name, param in module.named_parameters()
         }
+        self.mixed_precision_policy = mixed_precision_policy(config, ddp_config, module)
+        if self.mixed_precision_policy.param_dtype is not None:
+            # The shards are the main weights: fp32, with FSDP2 casting the gathered copies for compute.
+            for param in module.parameters():
+                if param.dtype == torch.bfloat16:
+                    param.data = param.data.float()
         # Children before parents, as FSDP2 requires: a unit's parameters leave the enclosing unit's group.
         self.fsdp_units = [submodule for submodule in module.modules() if isinstance(submodule, unit_classes)]
         for unit in self.fsdp_units:
-            fully_shard(unit, mesh=self.device_mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(unit, mesh=self.device_mesh, reshard_after_forward=reshard_after_forward,
+                        mp_policy=self.mixed_precision_policy)
         # The root's parameters (final norm, output layer) are needed right after the last layer's backward
         # starts, so the root never reshards between forward and backward.
-        fully_shard(module, mesh=self.device_mesh, reshard_after_forward=False)
+        fully_shard(module, mesh=self.device_mesh, reshard_after_forward=False, mp_policy=self.mixed_precision_policy)
         self.module = module
         for name, param in module.named_parameters():
             for key, value in carried[name].items():

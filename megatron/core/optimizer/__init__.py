@@ -22,6 +22,7 @@ from megatron.core.optimizer.fsdp_optimizer import MegatronFSDPOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron.core.optimizer.optimizer import Float16Optimizer, FP32Optimizer, MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.optimizer.precision_aware_adam import PrecisionAwareAdamW, build_precision_aware_adam
 
 __all__ = [
     "OptimizerConfig",
@@ -30,6 +31,7 @@ __all__ = [
     "Float16Optimizer",
     "DistributedOptimizer",
     "MegatronFSDPOptimizer",
+    "PrecisionAwareAdamW",
     "ConstantGradScaler",
     "DynamicGradScaler",
     "get_megatron_optimizer",
@@ -73,6 +75,8 @@ def get_param_groups(model_chunks, config, no_weight_decay_cond=None, scale_lr_c
 
 def _torch_optimizer_factory(config, device):
     def build(groups):
+        if config.use_precision_aware_optimizer:
+            return build_precision_aware_adam(groups, config, device)
         if config.optimizer == "adam":
             if optional_deps.HAVE_APEX and device.type == "cuda":
                 from apex.optimizers import FusedAdam
@@ -128,6 +132,13 @@ def _megatron_fsdp_optimizer(config, model_chunks, no_weight_decay_cond, scale_l
     the sharding, whatever `config.use_distributed_optimizer` says)."""
     from megatron.core import parallel_state
 
+    for name, flag in (("main_params_dtype", "--megatron-fsdp-main-params-dtype"),
+                       ("main_grads_dtype", "--megatron-fsdp-main-grads-dtype")):
+        if getattr(config, name) != torch.float32:
+            raise ValueError(
+                f"OptimizerConfig.{name} (--{name.replace('_', '-')}) is for the distributed optimizer; Megatron-FSDP "
+                f"keeps its main weights and gradients in the dtypes of {flag}: use that instead."
+            )
     param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult)
     device = model_chunks[0].device
     if parallel_state.model_parallel_is_initialized():

@@ -19,20 +19,20 @@ import torch.distributed as dist
 
 from megatron.core.device_utils import get_current_device
 from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
-from megatron.core.optimizer.optimizer import MegatronOptimizer, copy_parallel_attributes
+from megatron.core.optimizer.optimizer import MegatronOptimizer, copy_parallel_attributes, fp32_grad
 
 
 class _ParamShard:
     """The elements `[param_start, param_end)` of `model_param` owned by this rank, and their main copy."""
 
-    def __init__(self, model_param, buffer, param_start, param_end, buffer_start):
+    def __init__(self, model_param, buffer, param_start, param_end, buffer_start, main_dtype=torch.float32):
         self.model_param = model_param
         self.buffer = buffer
         self.param_start = param_start
         self.param_end = param_end
         self.buffer_start = buffer_start
         flat = model_param.detach().reshape(-1)[param_start:param_end]
-        self.main_param = torch.nn.Parameter(flat.clone().float())
+        self.main_param = torch.nn.Parameter(flat.clone().to(main_dtype))
         copy_parallel_attributes(model_param, self.main_param)
 
     def grad_view(self):
@@ -69,7 +69,7 @@ class DistributedOptimizer(MegatronOptimizer):
                 ranges = buffer.local_shard_ranges(param)
                 if ranges is None:
                     continue
-                shard = _ParamShard(param, buffer, *ranges)
+                shard = _ParamShard(param, buffer, *ranges, main_dtype=config.main_params_dtype)
                 self._shards.append(shard)
                 main_group_params.append(shard.main_param)
             main_groups.append({**group, "params": main_group_params})
@@ -93,7 +93,11 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def _copy_model_grads_to_main_grads(self):
         for shard in self._shards:
-            shard.main_param.grad = shard.grad_view().float()
+            if self.config.use_precision_aware_optimizer:
+                # The buffer's view as it is (any dtype): the precision-aware Adam reads it in fp32 itself.
+                shard.main_param.decoupled_grad = shard.grad_view()
+            else:
+                shard.main_param.grad = fp32_grad(shard.grad_view())
         for param in self._model_params:
             param.grad = None
 
@@ -203,8 +207,10 @@ class DistributedOptimizer(MegatronOptimizer):
                 local = {key: value.reshape(-1)[shard.param_start:shard.param_end] for key, value in full.items()}
                 shard.main_param.copy_(local.pop("main_param"))
                 state = self.optimizer.state[shard.main_param]
+                state_dtypes = getattr(self.optimizer, "state_dtypes", {})
                 for key, value in local.items():
-                    state[key] = value.to(shard.main_param.device).clone()
+                    dtype = state_dtypes.get(key, shard.main_param.dtype)
+                    state[key] = value.to(shard.main_param.device, dtype).clone()
                 state["step"] = torch.tensor(float(state_dict["step"]))
         for group, saved in zip(self.optimizer.param_groups, state_dict["param_groups"], strict=True):
             group.update(saved)

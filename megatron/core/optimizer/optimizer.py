@@ -20,6 +20,7 @@ from megatron.core.optimizer.clip_grads import (
     get_grad_norm_fp32,
     grads_for_grad_stats,
 )
+from megatron.core.optimizer.precision_aware_adam import optimizer_grad
 
 # Attributes that decide how a parameter is counted in the global grad norm; main copies inherit them.
 PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared_embedding",
@@ -36,6 +37,12 @@ def model_grad(param):
     """The accumulated gradient of a model parameter: the DDP buffer view if there is one."""
     main_grad = getattr(param, "main_grad", None)
     return main_grad if main_grad is not None else param.grad
+
+
+def fp32_grad(grad):
+    """`grad` itself when it is already fp32 (the fp32 main-gradient buffers of the bf16 default: no per-step
+    copy), otherwise an fp32 copy of it."""
+    return grad if grad.dtype == torch.float32 else grad.float()
 
 
 class MegatronOptimizer:
@@ -91,6 +98,7 @@ class MegatronOptimizer:
 
     def zero_grad(self, set_to_none=True):
         for param in self.model_params() + self.main_params():
+            param.decoupled_grad = None
             if set_to_none:
                 param.grad = None
             elif param.grad is not None:
@@ -98,7 +106,7 @@ class MegatronOptimizer:
                 param.grad.zero_()
 
     def main_grads_for_grad_stats(self):
-        return grads_for_grad_stats(self.main_params())
+        return grads_for_grad_stats(self.main_params(), optimizer_grad)
 
     def get_grad_norm(self):
         return get_grad_norm_fp32(self.main_grads_for_grad_stats(), 2.0, self.grad_stats_groups, self._device())
@@ -106,7 +114,7 @@ class MegatronOptimizer:
     def clip_grad_norm(self, clip_grad):
         grad_norm = self.get_grad_norm()
         if clip_grad > 0.0:
-            clip_grad_by_total_norm_fp32([param.grad for param in self.main_params()], clip_grad, grad_norm)
+            clip_grad_by_total_norm_fp32([optimizer_grad(param) for param in self.main_params()], clip_grad, grad_norm)
         return grad_norm
 
     def count_zeros(self):
@@ -119,7 +127,7 @@ class MegatronOptimizer:
     def _unscale_main_grads_and_check_for_nan(self):
         """Divide main grads by the loss scale; True on every rank if any rank saw inf/nan."""
         found_inf = torch.zeros(1, dtype=torch.float32, device=self._device())
-        grads = [param.grad for param in self.main_params() if param.grad is not None]
+        grads = [optimizer_grad(param) for param in self.main_params() if optimizer_grad(param) is not None]
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(
                 grads, found_inf, self.grad_scaler.inv_scale.to(found_inf.device)
@@ -202,7 +210,7 @@ class Float16Optimizer(MegatronOptimizer):
     def _copy_model_grads_to_main_grads(self):
         for model_param, main_param in self._model_and_main:
             grad = model_grad(model_param)
-            main_param.grad = None if grad is None else grad.float()
+            main_param.grad = None if grad is None else fp32_grad(grad)
             if model_param is not main_param:
                 model_param.grad = None
 

@@ -6,6 +6,13 @@ from typing import Optional
 import torch
 
 SUPPORTED_OPTIMIZERS = ("adam", "sgd")
+# Upstream's choices for the precision-aware optimizer's dtypes (fp8 moments need Transformer Engine: not here).
+PRECISION_AWARE_DTYPES = {
+    "main_params_dtype": (torch.float32, torch.float16),
+    "main_grads_dtype": (torch.float32, torch.bfloat16),
+    "exp_avg_dtype": (torch.float32, torch.bfloat16, torch.float16),
+    "exp_avg_sq_dtype": (torch.float32, torch.bfloat16, torch.float16),
+}
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,23 @@ class OptimizerConfig:
     log_num_zeros_in_grad: bool = False
     """Count zero gradient entries each step (returned by `step()`)."""
 
+    use_precision_aware_optimizer: bool = False
+    """Keep main parameters and Adam moments in the dtypes below (`--use-precision-aware-optimizer`, see
+    precision_aware_adam.py); needs the distributed optimizer and Adam."""
+
+    main_params_dtype: torch.dtype = torch.float32
+    """Distributed optimizer: dtype of the sharded main parameters (fp32 or fp16, `--main-params-dtype`)."""
+
+    main_grads_dtype: torch.dtype = torch.float32
+    """dtype of the gradients the optimizer reads (fp32 or bf16, `--main-grads-dtype`); it is the gradient
+    buffers' dtype, set on `DistributedDataParallelConfig.grad_reduce_in_fp32` by the command line."""
+
+    exp_avg_dtype: torch.dtype = torch.float32
+    """Adam's first moment (fp32, bf16 or fp16, `--exp-avg-dtype`)."""
+
+    exp_avg_sq_dtype: torch.dtype = torch.float32
+    """Adam's second moment (fp32, bf16 or fp16, `--exp-avg-sq-dtype`)."""
+
     def __post_init__(self):
         if self.optimizer not in SUPPORTED_OPTIMIZERS:
             raise ValueError(f"OptimizerConfig.optimizer={self.optimizer!r}: choose one of {SUPPORTED_OPTIMIZERS}.")
@@ -89,3 +113,29 @@ class OptimizerConfig:
             raise ValueError(f"OptimizerConfig.loss_scale_window={self.loss_scale_window} must be >= 1.")
         if self.hysteresis < 1:
             raise ValueError(f"OptimizerConfig.hysteresis={self.hysteresis} must be >= 1.")
+        self._check_precision_aware()
+
+    def _check_precision_aware(self):
+        for name, allowed in PRECISION_AWARE_DTYPES.items():
+            value = getattr(self, name)
+            flag = "--" + name.replace("_", "-")
+            if value not in allowed:
+                raise ValueError(f"OptimizerConfig.{name}={value} ({flag}): choose one of {allowed}.")
+            if value != torch.float32 and not self.use_precision_aware_optimizer:
+                raise ValueError(
+                    f"OptimizerConfig.{name}={value} ({flag}) needs use_precision_aware_optimizer=True "
+                    "(--use-precision-aware-optimizer); drop it or pass that flag."
+                )
+        if not self.use_precision_aware_optimizer:
+            return
+        if self.optimizer != "adam":
+            raise ValueError(
+                "OptimizerConfig.use_precision_aware_optimizer (--use-precision-aware-optimizer) steps Adam only; "
+                f"got optimizer={self.optimizer!r} (--optimizer adam)."
+            )
+        if not self.use_distributed_optimizer:
+            raise ValueError(
+                "OptimizerConfig.use_precision_aware_optimizer (--use-precision-aware-optimizer) needs the "
+                "distributed optimizer: pass --use-distributed-optimizer (use_distributed_optimizer=True) or "
+                "--use-megatron-fsdp."
+            )

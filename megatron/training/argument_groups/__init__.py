@@ -11,10 +11,12 @@ from megatron.training.argument_groups import (
     data_parallel,
     fp8,
     logging_eval,
+    memory,
     model,
     parallelism,
     training,
 )
 
 # Order matters for validation: later groups read values derived by earlier ones (e.g. data_parallel_size).
-ARGUMENT_GROUPS = (parallelism, model, training, data, logging_eval, checkpoint, data_parallel, fp8)
+# memory precedes data_parallel: --main-grads-dtype bf16 opts out of the fp32 gradients data_parallel sets for --bf16.
+ARGUMENT_GROUPS = (parallelism, model, training, data, logging_eval, checkpoint, memory, data_parallel, fp8)

@@ -23,7 +23,16 @@ def add_arguments(parser):
         "--ddp-average-in-collective", action="store_true", help="Average in the collective instead of pre-scaling."
     )
     group.add_argument(
-        "--accumulate-allreduce-grads-in-fp32", action="store_true", help="fp32 gradient buffers with bf16/fp16."
+        "--accumulate-allreduce-grads-in-fp32",
+        action="store_true",
+        help="fp32 gradient buffers and reductions with bf16/fp16 parameters (always on with --bf16 unless "
+        "--grad-reduce-in-bf16).",
+    )
+    group.add_argument(
+        "--grad-reduce-in-bf16",
+        action="store_true",
+        help="With --bf16: accumulate and reduce gradients in bf16 instead of upstream's fp32 default (Megatron DDP, "
+        "the distributed optimizer and FSDP2; with --use-megatron-fsdp the gradient reduction only).",
     )
     group.add_argument(
         "--no-gradient-accumulation-fusion",
@@ -97,7 +106,25 @@ def _cuda_visible():
     return cuda_available()
 
 
+def _validate_gradient_precision(args):
+    """Upstream's bf16 rule: gradients accumulate and are reduced in fp32 unless --grad-reduce-in-bf16."""
+    if args.grad_reduce_in_bf16:
+        if not args.bf16:
+            raise ValueError("--grad-reduce-in-bf16 needs --bf16 (fp32 models reduce in fp32); drop it")
+        if args.accumulate_allreduce_grads_in_fp32:
+            raise ValueError(
+                "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 are exclusive: pick one"
+            )
+        if args.use_megatron_fsdp and args.megatron_fsdp_grad_comm_dtype == "auto":
+            args.megatron_fsdp_grad_comm_dtype = "bf16"
+        return
+    explicit_half_comm = args.use_megatron_fsdp and args.megatron_fsdp_grad_comm_dtype in ("bf16", "fp16")
+    if args.bf16 and not explicit_half_comm:
+        args.accumulate_allreduce_grads_in_fp32 = True
+
+
 def validate(args):
+    _validate_gradient_precision(args)
     if args.use_megatron_fsdp and args.use_torch_fsdp2:
         raise ValueError("--use-megatron-fsdp and --use-torch-fsdp2 are exclusive: pick one")
     if args.use_megatron_fsdp:

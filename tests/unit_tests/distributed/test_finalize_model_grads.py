@@ -80,3 +80,60 @@ def _per_token_loss_matches_global_mean(use_ddp):
 @pytest.mark.parametrize("world_size", [2])
 def test_num_tokens_scaling_gives_global_per_token_mean(world_size, use_ddp):
     assert all(run_on_ranks(world_size, _per_token_loss_matches_global_mean, use_ddp))
+
+
+def _tied_embedding_pieces_under_megatron_fsdp(strategy):
+    """PP2 x DP2 GPT with a tied embedding under Megatron-FSDP: the embedding gradient is all-reduced over the
+    embedding group once, piece by piece (no full vocab x hidden buffer), with the full-buffer path's result."""
+    import importlib
+
+    finalize_module = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from tests.unit_tests.distributed.test_mcore_fsdp_adapter import SEQ, MICRO_BATCH, _batches, _build, _layout, _wrap
+    from tests.unit_tests.pipeline_parallel.test_gpt_pipeline import _forward_step
+
+    chunk = _wrap(_build(_layout(pp=2)), strategy)
+    chunk.zero_grad_buffer()
+    get_forward_backward_func()(forward_step_func=_forward_step, data_iterator=iter(_batches(0, 2)), model=[chunk],
+                                num_microbatches=2, seq_length=SEQ, micro_batch_size=MICRO_BATCH)
+    chunk.finish_grad_sync()
+    is_shared = finalize_module._has_attribute("shared_embedding")
+    pieces = chunk.optimizer_grad_pieces(is_shared)
+    before = [piece.grad.clone() for piece in pieces]
+    full_numel = sum(piece.param.numel() for piece in pieces)
+
+    sizes = []
+    real_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        sizes.append(tensor.numel())
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    finalize_module._allreduce_shared_embedding_grads([chunk])  # first call also checks the layouts (cached)
+    for piece, saved in zip(pieces, before):
+        piece.grad.copy_(saved)
+    finalize_module.dist.all_reduce = counting_all_reduce
+    try:
+        finalize_module._allreduce_shared_embedding_grads([chunk])
+    finally:
+        finalize_module.dist.all_reduce = real_all_reduce
+    piecewise = [piece.grad.clone() for piece in pieces]
+    for piece, saved in zip(pieces, before):
+        piece.grad.copy_(saved)
+    finalize_module._all_reduce_sharded_grads(chunk, is_shared, parallel_state.get_embedding_group())
+    full_buffer = [piece.grad.clone() for piece in pieces]
+    return {"sizes": sizes, "piece_numel": sum(piece.grad.numel() for piece in pieces), "full_numel": full_numel,
+            "equal": all(torch.equal(a, b) for a, b in zip(piecewise, full_buffer)),
+            "changed": any(not torch.equal(a, b) for a, b in zip(piecewise, before))}
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads_params"])
+def test_tied_embedding_grads_reduced_piecewise_under_megatron_fsdp(strategy):
+    results = run_on_ranks(4, _tied_embedding_pieces_under_megatron_fsdp, strategy)
+    # Rows of tokens absent from a stage's batch have zero gradient there, so not every piece changes.
+    assert any(result["changed"] for result in results)
+    for result in results:
+        assert result["equal"], result
+        # One all-reduce, of this rank's piece only: the whole gradient under ZeRO-0, half of it at DP2 otherwise.
+        expected = result["full_numel"] if strategy == "no_shard" else result["full_numel"] // 2
+        assert result["sizes"] == [result["piece_numel"]] and result["piece_numel"] == expected, result

@@ -1,0 +1,229 @@
+"""The precision-aware optimizer: AdamW arithmetic, state dtypes as requested, bf16 moments within a bound of
+fp32, checkpoints that keep dtypes and values, and the flag rules."""
+
+import copy
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core.optimizer import OptimizerConfig, PrecisionAwareAdamW
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+STEPS = 5
+LR = 1e-2
+
+
+def _params_and_grads(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(64, 16, generator=generator)),
+              torch.nn.Parameter(torch.randn(16, generator=generator))]
+    grads = [[torch.randn(p.shape, generator=generator) * (0.1 + step) for p in params] for step in range(STEPS)]
+    return params, grads
+
+
+def _run(optimizer_class, params, grads, **kwargs):
+    optimizer = optimizer_class(params, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, **kwargs)
+    for step_grads in grads:
+        for param, grad in zip(params, step_grads):
+            param.grad = grad.clone()
+        optimizer.step()
+    return optimizer
+
+
+def test_fp32_state_steps_exactly_like_torch_adamw():
+    params, grads = _params_and_grads()
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ours = _run(PrecisionAwareAdamW, params, grads)
+    theirs = _run(torch.optim.AdamW, reference, grads, foreach=False)
+    for mine, torch_param in zip(params, reference):
+        torch.testing.assert_close(mine, torch_param, rtol=0, atol=0)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(ours.state[mine][key], theirs.state[torch_param][key], rtol=0, atol=0)
+
+
+# bf16 keeps 8 significant bits: each step rounds a stored moment by at most 2^-9 of its value, and earlier
+# errors are carried on multiplied by beta < 1, so after STEPS steps a moment is within
+# STEPS * 2^-9 * max over steps |moment| of fp32's (per element; relative to the running maximum because a
+# first moment can cancel to near zero). Measured: about a third of that bound.
+# The parameters then differ by the accumulated difference of the updates lr * m_hat / (sqrt(v_hat) + eps);
+# that ratio has no useful elementwise bound (v_hat can be tiny where m_hat cancels), so the bound used is an
+# empirical one with margin: 2^-6 of the largest possible total movement lr * STEPS (measured: 2^-9).
+MOMENT_BOUND = STEPS * 2.0**-9
+PARAM_BOUND = 2.0**-6 * LR * STEPS
+
+
+def test_bf16_moments_stay_within_the_documented_bound_of_fp32():
+    params, grads = _params_and_grads()
+    fp32_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    kwargs = dict(lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    low = PrecisionAwareAdamW(params, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16, **kwargs)
+    full = PrecisionAwareAdamW(fp32_params, **kwargs)
+    running_max = {}
+    for step_grads in grads:
+        for param, fp32_param, grad in zip(params, fp32_params, step_grads):
+            param.grad, fp32_param.grad = grad.clone(), grad.clone()
+        low.step()
+        full.step()
+        for index, fp32_param in enumerate(fp32_params):
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = full.state[fp32_param][key].abs().max().item()
+                running_max[index, key] = max(running_max.get((index, key), 0.0), value)
+    for index, (param, fp32_param) in enumerate(zip(params, fp32_params)):
+        for key in ("exp_avg", "exp_avg_sq"):
+            stored, reference = low.state[param][key], full.state[fp32_param][key]
+            assert stored.dtype == torch.bfloat16
+            error = (stored.float() - reference).abs().max().item()
+            assert error <= MOMENT_BOUND * running_max[index, key], (key, error, running_max[index, key])
+        drift = (param - fp32_param).abs().max().item()
+        assert 0 < drift <= PARAM_BOUND, drift  # bf16 state does change the result, within the bound
+
+
+def test_fp16_main_params_and_decoupled_bf16_grads():
+    param = torch.nn.Parameter(torch.linspace(-1, 1, 32).to(torch.float16))
+    reference = torch.nn.Parameter(param.detach().float())
+    optimizer = PrecisionAwareAdamW([param], lr=LR, weight_decay=0.0)
+    torch_optimizer = torch.optim.AdamW([reference], lr=LR, weight_decay=0.0, foreach=False)
+    grad = torch.linspace(0.5, -0.5, 32)
+    param.decoupled_grad = grad.to(torch.bfloat16)  # read as given, in its own dtype
+    reference.grad = grad.to(torch.bfloat16).float()
+    optimizer.step()
+    torch_optimizer.step()
+    assert param.dtype == torch.float16 and param.grad is None
+    # The fp32 result rounded once to fp16 (2^-11 relative).
+    torch.testing.assert_close(param.float(), reference.detach(), rtol=2.0**-11, atol=0)
+
+
+def test_load_state_dict_keeps_the_stored_dtypes():
+    params, grads = _params_and_grads()
+    optimizer = _run(PrecisionAwareAdamW, params, grads, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.float16)
+    saved = copy.deepcopy(optimizer.state_dict())
+    assert saved["state"][0]["exp_avg"].dtype == torch.bfloat16 and saved["state"][0]["exp_avg_sq"].dtype == torch.float16
+    fresh = PrecisionAwareAdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=LR,
+                                exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.float16)
+    fresh.load_state_dict(saved)
+    for index, param in enumerate(fresh.param_groups[0]["params"]):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert fresh.state[param][key].dtype == saved["state"][index][key].dtype
+            assert torch.equal(fresh.state[param][key], saved["state"][index][key])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(exp_avg_dtype=torch.bfloat16, use_distributed_optimizer=True), r"--exp-avg-dtype\) needs "
+         r"use_precision_aware_optimizer"),
+        (dict(use_precision_aware_optimizer=True), r"needs the distributed optimizer: pass --use-distributed-optimizer"),
+        (dict(use_precision_aware_optimizer=True, use_distributed_optimizer=True, optimizer="sgd"), r"Adam only"),
+        (dict(use_precision_aware_optimizer=True, use_distributed_optimizer=True, main_params_dtype=torch.bfloat16),
+         r"--main-params-dtype\): choose one of"),
+    ],
+)
+def test_config_rules_name_the_flags(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        OptimizerConfig(lr=1e-3, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ("--exp-avg-dtype bf16", r"--exp-avg-dtype needs --use-precision-aware-optimizer"),
+        ("--use-precision-aware-optimizer", r"needs the distributed optimizer: pass --use-distributed-optimizer"),
+        ("--use-precision-aware-optimizer --use-distributed-optimizer --exp-avg-dtype fp8",
+         r"fp8 needs Transformer Engine"),
+        ("--use-precision-aware-optimizer --use-distributed-optimizer --main-grads-dtype bf16",
+         r"--main-grads-dtype bf16 needs --bf16"),
+        ("--use-precision-aware-optimizer --use-megatron-fsdp --main-params-dtype fp16",
+         r"with --use-megatron-fsdp use --megatron-fsdp-main-params-dtype"),
+    ],
+)
+def test_flag_rules_name_the_flags(monkeypatch, extra, message):
+    from tests.unit_tests.training.test_arguments import validated
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match=message):
+        validated(extra)
+
+
+def test_flags_reach_the_optimizer_config(monkeypatch):
+    from megatron.training.model_config import ddp_config_from_args, optimizer_config_from_args
+    from tests.unit_tests.training.test_arguments import validated
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args = validated("--bf16 --use-distributed-optimizer --use-precision-aware-optimizer --main-grads-dtype bf16 "
+                     "--exp-avg-dtype bf16 --exp-avg-sq-dtype fp16 --main-params-dtype fp16")
+    config = optimizer_config_from_args(args)
+    assert (config.main_params_dtype, config.main_grads_dtype, config.exp_avg_dtype, config.exp_avg_sq_dtype) == (
+        torch.float16, torch.bfloat16, torch.bfloat16, torch.float16)
+    assert not ddp_config_from_args(args).grad_reduce_in_fp32  # bf16 gradient buffers
+
+
+def _distributed(precision_aware, dtypes, model_dtype=torch.float32):
+    """Train a toy model 3 steps on DP2 with the distributed optimizer; return losses, state dtypes, and the
+    round trips of both checkpoint forms."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).to(model_dtype)
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                                   grad_reduce_in_fp32=dtypes.get("main_grads_dtype") != torch.bfloat16)
+        ddp = DistributedDataParallel(types.SimpleNamespace(), ddp_config, model)
+        config = OptimizerConfig(lr=LR, use_distributed_optimizer=True, bf16=model_dtype == torch.bfloat16,
+                                 use_precision_aware_optimizer=precision_aware, **dtypes)
+        return ddp, get_megatron_optimizer(config, [ddp])
+
+    def train(ddp, optimizer, steps):
+        losses = []
+        for step in range(steps):
+            generator = torch.Generator().manual_seed(10 * step + dist.get_rank())
+            inputs = torch.randn(8, 16, generator=generator).to(model_dtype)
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            loss = ddp(inputs).float().square().mean()
+            loss.backward()
+            ddp.finish_grad_sync()
+            assert optimizer.step()[0]
+            losses.append(loss.item())
+        return losses
+
+    ddp, optimizer = build()
+    losses = train(ddp, optimizer, 3)
+    states = [optimizer.optimizer.state[p] for p in optimizer.main_params()]
+    result = {"losses": losses, "main_dtypes": {p.dtype for p in optimizer.main_params()},
+              "state_dtypes": {key: {state[key].dtype for state in states} for key in ("exp_avg", "exp_avg_sq")}}
+    local, gathered = copy.deepcopy(optimizer.state_dict()), optimizer.gathered_state_dict()
+    expected_states = [{k: v.clone() for k, v in state.items()} for state in states]
+    expected_main = [p.detach().clone() for p in optimizer.main_params()]
+    for form, checkpoint in (("local", local), ("gathered", gathered)):
+        ddp2, optimizer2 = build()
+        if form == "local":
+            optimizer2.load_state_dict(checkpoint)
+        else:
+            optimizer2.load_gathered_state_dict(checkpoint)
+        restored = [optimizer2.optimizer.state[p] for p in optimizer2.main_params()]
+        result[form] = all(
+            restored_state[key].dtype == expected[key].dtype and torch.equal(restored_state[key], expected[key])
+            for restored_state, expected in zip(restored, expected_states) for key in ("exp_avg", "exp_avg_sq")
+        ) and all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(optimizer2.main_params(), expected_main))
+    return result
+
+
+def test_distributed_optimizer_with_precision_aware_state():
+    plain = run_on_ranks(2, _distributed, False, {})
+    fp32 = run_on_ranks(2, _distributed, True, {})
+    low = run_on_ranks(2, _distributed, True, dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.float16,
+                                                   main_params_dtype=torch.float16))
+    bf16_grads = run_on_ranks(2, _distributed, True, dict(main_grads_dtype=torch.bfloat16, exp_avg_dtype=torch.bfloat16),
+                              torch.bfloat16)
+    for rank in range(2):
+        # All-fp32 precision-aware state trains as the plain distributed optimizer does (same AdamW arithmetic
+        # up to torch's foreach kernels' rounding).
+        assert fp32[rank]["losses"] == pytest.approx(plain[rank]["losses"], rel=1e-6, abs=0)
+        assert low[rank]["main_dtypes"] == {torch.float16}
+        assert low[rank]["state_dtypes"] == {"exp_avg": {torch.bfloat16}, "exp_avg_sq": {torch.float16}}
+        assert bf16_grads[rank]["state_dtypes"]["exp_avg"] == {torch.bfloat16}
+        for result in (fp32[rank], low[rank], bf16_grads[rank]):
+            assert result["local"] and result["gathered"]
