@@ -15,13 +15,6 @@ import itertools
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 DEVICE_MESH_DIM_NAMES = ("dp_outer", "dp_shard_cp", "tp")
 _DIMENSIONS = ("tp", "cp", "ep", "dp", "pp")
-_DIMENSION_FLAGS = {
-    "tp": "--tensor-model-parallel-size",
-    "pp": "--pipeline-model-parallel-size",
-    "cp": "--context-parallel-size",
-    "ep": "--expert-model-parallel-size",
-    "dp": "data-parallel size",
-}
 
 
 def parse_order(order):

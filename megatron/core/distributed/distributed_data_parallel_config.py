@@ -94,7 +94,14 @@ class DistributedDataParallelConfig:
     """Megatron-FSDP: state dicts hold DTensors that torch.distributed.checkpoint can reshard."""
 
     preserve_fp32_weights: bool = True
+    """Megatron-FSDP (upstream's name): keep fp32 main weights. False with the default fp32
+    `megatron_fsdp_main_params_dtype` sets it to None, the parameters' own dtype (`--megatron-fsdp-main-params-dtype
+    auto`)."""
+
     keep_fp8_transpose_cache: bool = False
+    """FP8 linear layers of the wrapped model keep the FP8 transpose of their weight (made in the weight's quantize
+    pass) for the backward GEMM, as `TransformerConfig.keep_fp8_transpose_cache` / `--keep-fp8-transpose-cache`
+    does; the wrapper turns it on in the layers."""
 
     @property
     def wrapper_name(self) -> str:
@@ -104,6 +111,8 @@ class DistributedDataParallelConfig:
         return "torch_fsdp2" if self.use_torch_fsdp2 else "ddp"
 
     def __post_init__(self):
+        if not self.preserve_fp32_weights and self.megatron_fsdp_main_params_dtype == torch.float32:
+            object.__setattr__(self, "megatron_fsdp_main_params_dtype", None)
         if self.overlap_param_gather and not (self.use_distributed_optimizer or self.use_megatron_fsdp):
             raise ValueError(
                 "DistributedDataParallelConfig.overlap_param_gather needs a sharded optimizer: set "

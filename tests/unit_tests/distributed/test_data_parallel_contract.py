@@ -120,8 +120,8 @@ def test_fsdp2_keeps_its_config_marked_and_validated():
 class _RecordingWrapper(DataParallelWrapper):
     """A minimal wrapper: the base's forward, state dict and fallback, with the contract's methods recorded."""
 
-    def __init__(self, module):
-        super().__init__(config=None, ddp_config=DistributedDataParallelConfig())
+    def __init__(self, module, ddp_config=None):
+        super().__init__(config=None, ddp_config=ddp_config or DistributedDataParallelConfig())
         self.module = module
         self.data_parallel_group = None
 
@@ -235,3 +235,24 @@ def test_no_class_name_matching_is_left_for_wrappers():
         text = (root / relative).read_text()
         assert "WRAPPER_CLASS_NAMES" not in text and "CLASS_NAMES" not in text, relative
         assert "type(optimizer).__name__ ==" not in text and "type(chunk).__name__ in" not in text, relative
+
+
+def test_upstream_fsdp_fields_have_their_effect():
+    """`preserve_fp32_weights=False` keeps the parameters' dtype for Megatron-FSDP's main weights (an explicit
+    lower-precision choice stays), and `keep_fp8_transpose_cache=True` turns the kept FP8 weight transpose on in the
+    wrapped model's FP8-capable linear layers (and only with it)."""
+    assert DistributedDataParallelConfig().megatron_fsdp_main_params_dtype == torch.float32
+    assert DistributedDataParallelConfig(preserve_fp32_weights=False).megatron_fsdp_main_params_dtype is None
+    kept_bf16 = DistributedDataParallelConfig(preserve_fp32_weights=False,
+                                              megatron_fsdp_main_params_dtype=torch.bfloat16)
+    assert kept_bf16.megatron_fsdp_main_params_dtype == torch.bfloat16
+
+    class Fp8CapableLinear(torch.nn.Linear):
+        def __init__(self):
+            super().__init__(4, 4)
+            self._fp8_keep_transpose = False
+
+    for keep in (False, True):
+        model = torch.nn.Sequential(Fp8CapableLinear(), torch.nn.ReLU(), Fp8CapableLinear())
+        _RecordingWrapper(model, DistributedDataParallelConfig(keep_fp8_transpose_cache=keep))
+        assert [layer._fp8_keep_transpose for layer in (model[0], model[2])] == [keep, keep]
