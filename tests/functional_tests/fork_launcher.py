@@ -15,7 +15,7 @@ fork handlers (OpenBLAS), and before torch has started an intra-op thread pool. 
 torchrun launch: `tests/functional_tests/test_runner.py` runs a case both ways and requires equal losses.
 
 Protocol: one JSON request per line on stdin ({"argv", "env", "nproc", "cwd", "log", "timeout_s"}), one JSON
-answer per line on stdout ({"returncodes": [...], "timed_out": bool}).
+answer per line on stdout ({"returncodes": [...], "timed_out": bool, "cpu_s": CPU seconds of the ranks}).
 """
 
 import json
@@ -99,11 +99,12 @@ def _launch(request):
             _run_rank(rank, request, port)
         children[pid] = rank
     returncodes = [None] * request["nproc"]
+    cpu_s = 0.0
     deadline = time.monotonic() + request["timeout_s"]
     stop_at = None
     timed_out = False
     while children:
-        pid, status = os.waitpid(-1, os.WNOHANG)
+        pid, status, usage = os.wait4(-1, os.WNOHANG)
         if pid == 0:
             now = time.monotonic()
             if stop_at is None and now > deadline:
@@ -117,11 +118,12 @@ def _launch(request):
         if pid not in children:
             continue
         rank = children.pop(pid)
+        cpu_s += usage.ru_utime + usage.ru_stime
         returncodes[rank] = os.waitstatus_to_exitcode(status)
         if returncodes[rank] != 0 and stop_at is None:
             stop_at = time.monotonic()  # one rank failed: stop the others, as torchrun does
             _stop(children)
-    return {"returncodes": returncodes, "timed_out": timed_out}
+    return {"returncodes": returncodes, "timed_out": timed_out, "cpu_s": cpu_s}
 
 
 def serve():
@@ -178,7 +180,7 @@ class ForkLauncher:
         if self.alive():
             self._process.stdin.close()
             try:
-                self._process.wait(timeout=10)
+                self._process.wait(timeout=3)
             except subprocess.TimeoutExpired:
                 self._process.kill()
                 self._process.wait()

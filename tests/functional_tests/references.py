@@ -5,9 +5,9 @@ Each case is therefore also compared with a reference run of another configurati
 the same data for the same steps and must reach the same losses within fp32 summation-order noise:
 
 - the layouts (data, tensor, pipeline parallel, the distributed optimizer) against the single-rank run;
-- every fully sharded case (FSDP2, Megatron-FSDP) against its DDP twin: the case without its FSDP flags, i.e.
-  Megatron DDP with the same model and TP/PP layout (`ddp_twin`), which also gives the per-rank bytes the
-  sharding is checked against;
+- every fully sharded case (FSDP2, Megatron-FSDP) against its DDP twin: the case without its FSDP flags on one
+  data-parallel rank, i.e. Megatron DDP with the same model and TP/PP layout (`ddp_twin`), which also gives the
+  per-rank bytes the sharding is checked against;
 - the Llama-style TP case against its single-rank twin (the case on one rank);
 - every checkpoint-resume case, both its uninterrupted and its resumed launches, against the reference of the
   configuration it trains.
@@ -50,8 +50,8 @@ REFERENCES = {
     "gpt/resume_megatron_fsdp_z1_dp2": "gpt/dp2_ddp",
     "gpt/resume_megatron_fsdp_z2_dp2": "gpt/dp2_ddp",
     "gpt/resume_megatron_fsdp_z3_dp2_async": "gpt/dp2_ddp",
-    "gpt/resume_megatron_fsdp_hsdp_dp4": "gpt/dp2_ddp",
-    "gpt/resume_megatron_fsdp_hfsdp_dp4": "gpt/dp2_ddp",
+    "gpt/resume_megatron_fsdp_hsdp_dp4": DDP_TWIN,
+    "gpt/resume_megatron_fsdp_hfsdp_dp4": DDP_TWIN,
 }
 
 # Flags that select or tune a fully sharded data-parallel wrapper. Without them a case trains with Megatron DDP.
@@ -82,15 +82,21 @@ LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"
 
 # What a case may change against its reference, by reference kind (checked flag by flag).
 ALLOWED_DIFFERENCES = {
-    ROOT_CASE: set(LAYOUT_FLAGS) | set(CHECKPOINT_ONLY_FLAGS),
+    ROOT_CASE: set(LAYOUT_FLAGS) | set(CHECKPOINT_ONLY_FLAGS) | set(LOGGING_FLAGS),
     "gpt/dp2_ddp": set(FSDP_FLAGS) | set(CHECKPOINT_ONLY_FLAGS) | set(LOGGING_FLAGS),
 }
 
 
 def ddp_twin(case):
-    """`case` with every FSDP flag removed: the same model, data, layout and steps under Megatron DDP."""
+    """`case` with every FSDP flag removed, on one data-parallel rank: the same model, data, TP/PP layout and steps
+    under Megatron DDP with no data-parallel reduction at all. DDP keeps every parameter, gradient and optimizer
+    state whole on each rank whatever the data-parallel size, so its per-rank bytes are those of a DDP run at the
+    case's data-parallel size (the last rank logs: the same pipeline stage and tensor-parallel rank)."""
     model_args = {flag: value for flag, value in case.model_args.items() if flag not in FSDP_FLAGS}
-    return dataclasses.replace(case, name=f"{case.name} (DDP twin)", model_args=model_args)
+    model_parallel = int(case.model_args.get("--tensor-model-parallel-size", 1)) * int(
+        case.model_args.get("--pipeline-model-parallel-size", 1))
+    return dataclasses.replace(case, name=f"{case.name} (DDP twin)", model_args=model_args,
+                               nproc_per_node=model_parallel)
 
 
 def single_rank_twin(case):
