@@ -227,3 +227,41 @@ def test_distributed_optimizer_with_precision_aware_state():
         assert bf16_grads[rank]["state_dtypes"]["exp_avg"] == {torch.bfloat16}
         for result in (fp32[rank], low[rank], bf16_grads[rank]):
             assert result["local"] and result["gathered"]
+
+
+def _megatron_fsdp_moments(strategy):
+    from megatron.core.distributed import DistributedDataParallelConfig, wrap_data_parallel
+    from megatron.core.optimizer import get_megatron_optimizer
+    from tests.unit_tests.distributed.precision_gpt import build_gpt, gpt_batch, gpt_loss
+
+    losses = {}
+    for precision_aware in (False, True):
+        model = build_gpt()
+        ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True, use_distributed_optimizer=True,
+                                                   data_parallel_sharding_strategy=strategy)
+        chunk = wrap_data_parallel(model.config, ddp_config, model)
+        dtypes = dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16) if precision_aware else {}
+        optimizer = get_megatron_optimizer(OptimizerConfig(lr=LR, use_distributed_optimizer=True,
+                                                           use_precision_aware_optimizer=precision_aware, **dtypes),
+                                           [chunk])
+        losses[precision_aware] = []
+        for step in range(3):
+            chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            loss = gpt_loss(chunk, gpt_batch(step))
+            loss.backward()
+            chunk.finish_grad_sync()
+            assert optimizer.step()[0]
+            losses[precision_aware].append(loss.item())
+    states = [state for state in optimizer.optimizer.state.values() if "exp_avg" in state]
+    return {"dtypes": {state[key].dtype for state in states for key in ("exp_avg", "exp_avg_sq")},
+            "losses": losses}
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_megatron_fsdp_keeps_bf16_moments(strategy):
+    for result in run_on_ranks(2, _megatron_fsdp_moments, strategy):
+        assert result["dtypes"] == {torch.bfloat16}
+        # The first step's loss precedes any update; later ones move by bf16 rounding of the moments only.
+        assert result["losses"][True][0] == result["losses"][False][0]
+        assert result["losses"][True] == pytest.approx(result["losses"][False], rel=1e-3)
