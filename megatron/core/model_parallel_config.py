@@ -18,7 +18,10 @@ class ModelParallelConfig:
     # Parallel sizes
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    # Interleaved pipeline: model chunks per pipeline rank (None: one chunk, plain 1F1B), and how many
+    # consecutive microbatches each chunk runs before the next chunk takes over (None: the pipeline size).
     virtual_pipeline_model_parallel_size: Optional[int] = None
+    microbatch_group_size_per_vp_stage: Optional[int] = None
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     sequence_parallel: bool = False
@@ -60,11 +63,7 @@ class ModelParallelConfig:
         for flag, value in sizes.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
-        if self.virtual_pipeline_model_parallel_size is not None:
-            raise ValueError(
-                "virtual pipeline stages (--num-layers-per-virtual-pipeline-stage) are not supported; "
-                "leave virtual_pipeline_model_parallel_size as None"
-            )
+        self._validate_virtual_pipeline()
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError(
                 "--sequence-parallel needs --tensor-model-parallel-size > 1; drop --sequence-parallel or raise "
@@ -88,3 +87,32 @@ class ModelParallelConfig:
         if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
             # The activations sent between stages have the parameters' dtype unless told otherwise.
             object.__setattr__(self, "pipeline_dtype", self.params_dtype)
+
+    def _validate_virtual_pipeline(self):
+        chunks = self.virtual_pipeline_model_parallel_size
+        if chunks is None:
+            if self.microbatch_group_size_per_vp_stage is not None:
+                raise ValueError(
+                    "--microbatch-group-size-per-virtual-pipeline-stage needs an interleaved pipeline: set "
+                    "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank"
+                )
+            return
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(
+                f"--num-virtual-stages-per-pipeline-rank (virtual_pipeline_model_parallel_size) must be an integer "
+                f">= 1, got {chunks!r}"
+            )
+        if chunks > 1 and self.pipeline_model_parallel_size == 1:
+            raise ValueError(
+                "an interleaved pipeline (--num-layers-per-virtual-pipeline-stage / "
+                "--num-virtual-stages-per-pipeline-rank) needs --pipeline-model-parallel-size > 1"
+            )
+        group_size = self.microbatch_group_size_per_vp_stage
+        if group_size is not None and (
+            isinstance(group_size, bool) or not isinstance(group_size, int)
+            or group_size < self.pipeline_model_parallel_size
+        ):
+            raise ValueError(
+                f"--microbatch-group-size-per-virtual-pipeline-stage ({group_size!r}) must be an integer >= "
+                f"--pipeline-model-parallel-size ({self.pipeline_model_parallel_size})"
+            )

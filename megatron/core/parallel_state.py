@@ -7,7 +7,7 @@ Three files, read top-down:
 - `process_groups.py`: `initialize_model_parallel` / `destroy_model_parallel` create and destroy one process
   group per rank list (and the device mesh on them) and hold the groups this rank belongs to. It takes
   Megatron-Core's parameters in Megatron-Core's positional order; an option this implementation cannot honour
-  (virtual pipeline stages, SHARP, ...) raises a ValueError that names it rather than being ignored.
+  (SHARP, ...) raises a ValueError that names it rather than being ignored.
 - this module: Megatron-Core's named getters over those groups (`get_tensor_model_parallel_group`, ...). Every
   name of the other two that callers use is importable from here too, so `parallel_state.X` keeps working.
 
@@ -20,6 +20,8 @@ from megatron.core.process_groups import (  # noqa: F401  (re-exported: parallel
     destroy_model_parallel,
     get_device_mesh,
     get_num_distributed_optimizer_instances,
+    get_virtual_pipeline_rank as _get_virtual_pipeline_rank,
+    get_virtual_pipeline_world_size as _get_virtual_pipeline_world_size,
     gloo_group_named as _gloo_group_named,
     group_named as _group,
     initialize_model_parallel,
@@ -27,6 +29,8 @@ from megatron.core.process_groups import (  # noqa: F401  (re-exported: parallel
     rank_in as _rank_in,
     ranks_of as _ranks,
     reject_unsupported_options,
+    set_virtual_pipeline_rank as _set_virtual_pipeline_rank,
+    set_virtual_pipeline_world_size as _set_virtual_pipeline_world_size,
 )
 from megatron.core.rank_layout import (  # noqa: F401  (re-exported)
     DEFAULT_ORDER,
@@ -74,22 +78,51 @@ def get_pipeline_model_parallel_world_size():
     return len(_ranks("pp")) if model_parallel_is_initialized() else 1
 
 
-def is_pipeline_first_stage(ignore_virtual=True):
-    """True on the first pipeline stage (`ignore_virtual` is accepted for call-site compatibility)."""
-    return get_pipeline_model_parallel_rank() == 0
+def _virtual_rank_in_effect(ignore_virtual):
+    """The model chunk to judge a stage by: None when virtual stages are ignored, absent, or no chunk is current."""
+    if ignore_virtual or get_virtual_pipeline_model_parallel_world_size() is None:
+        return None
+    return get_virtual_pipeline_model_parallel_rank()
 
 
-def is_pipeline_last_stage(ignore_virtual=True):
-    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+def is_pipeline_first_stage(ignore_virtual=False, vp_stage=None):
+    """True on the first pipeline stage.
+
+    With an interleaved pipeline (virtual stages) the first stage is model chunk 0 of pipeline rank 0: the chunk
+    is `vp_stage`, else the current virtual rank (set while a chunk is built or run). With `ignore_virtual`, or
+    when no chunk is current (the virtual rank is None), only the pipeline rank counts.
+    """
+    if get_pipeline_model_parallel_rank() != 0:
+        return False
+    chunk = vp_stage if vp_stage is not None and not ignore_virtual else _virtual_rank_in_effect(ignore_virtual)
+    return chunk is None or chunk == 0
+
+
+def is_pipeline_last_stage(ignore_virtual=False, vp_stage=None):
+    """True on the last pipeline stage: the last model chunk of the last pipeline rank (see
+    `is_pipeline_first_stage` for `ignore_virtual` and `vp_stage`)."""
+    if get_pipeline_model_parallel_rank() != get_pipeline_model_parallel_world_size() - 1:
+        return False
+    chunk = vp_stage if vp_stage is not None and not ignore_virtual else _virtual_rank_in_effect(ignore_virtual)
+    return chunk is None or chunk == get_virtual_pipeline_model_parallel_world_size() - 1
 
 
 def get_virtual_pipeline_model_parallel_world_size():
-    """None: interleaved (virtual) pipeline stages are not implemented."""
-    return None
+    """Model chunks per pipeline rank of an interleaved pipeline; None without interleaving."""
+    return _get_virtual_pipeline_world_size()
+
+
+def set_virtual_pipeline_model_parallel_world_size(world_size):
+    _set_virtual_pipeline_world_size(world_size)
 
 
 def get_virtual_pipeline_model_parallel_rank():
-    return None
+    """The model chunk being built or run on this rank; None outside model construction and the schedule."""
+    return _get_virtual_pipeline_rank()
+
+
+def set_virtual_pipeline_model_parallel_rank(rank):
+    _set_virtual_pipeline_rank(rank)
 
 
 def get_pipeline_model_parallel_first_rank():

@@ -4,7 +4,8 @@
 `rank_layout.generate_rank_groups` (every rank creates every group in the same order, as `new_group` requires),
 keeps the groups this rank belongs to, and builds the stage's `(dp_outer, dp_shard_cp, tp)` device mesh on them.
 It takes Megatron-Core's parameters in Megatron-Core's positional order; an option this implementation cannot
-honour (virtual pipeline stages, SHARP, ...) raises a ValueError that names it rather than being ignored.
+honour (SHARP, ...) raises a ValueError that names it rather than being ignored. The number of virtual pipeline
+stages (model chunks) per pipeline rank is recorded here too; it creates no group.
 This module owns the state; the named getters over it are in `parallel_state.py`.
 """
 
@@ -23,6 +24,10 @@ _CREATED_GROUPS = []
 _GLOO_GROUPS = {}
 _DEVICE_MESH = None
 _NUM_DISTRIBUTED_OPTIMIZER_INSTANCES = 1
+# Interleaved pipeline: model chunks per pipeline rank (None without interleaving) and the chunk being built or
+# run (None outside model construction and the schedule).
+_VIRTUAL_PIPELINE_WORLD_SIZE = None
+_VIRTUAL_PIPELINE_RANK = None
 
 
 def _backend_device_type():
@@ -59,7 +64,7 @@ def initialize_model_parallel(
     `create_gloo_process_groups` adds gloo copies of the data-parallel groups for CPU-side traffic; on a gloo
     world they are the data-parallel groups themselves.
     """
-    global _DEVICE_MESH, _NUM_DISTRIBUTED_OPTIMIZER_INSTANCES, _INITIALIZED
+    global _DEVICE_MESH, _NUM_DISTRIBUTED_OPTIMIZER_INSTANCES, _INITIALIZED, _VIRTUAL_PIPELINE_WORLD_SIZE
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised; call torch.distributed.init_process_group first")
     if model_parallel_is_initialized():
@@ -111,6 +116,7 @@ def initialize_model_parallel(
     if create_gloo_process_groups:
         _create_gloo_data_parallel_groups(groups, rank, backend, timeout)
     _NUM_DISTRIBUTED_OPTIMIZER_INSTANCES = num_distributed_optimizer_instances
+    _VIRTUAL_PIPELINE_WORLD_SIZE = virtual_pipeline_model_parallel_size
     _INITIALIZED = True
     _DEVICE_MESH = _build_device_mesh(groups, rank, num_distributed_optimizer_instances)
     # No rank may go on (and possibly destroy these groups) while a peer is still connecting them.
@@ -148,10 +154,14 @@ def reject_unsupported_options(
     `backend` is the default process group's backend ("gloo", "nccl", ...). Every message names the option
     and the value that works.
     """
-    if virtual_pipeline_model_parallel_size is not None:
+    if virtual_pipeline_model_parallel_size is not None and (
+        isinstance(virtual_pipeline_model_parallel_size, bool)
+        or not isinstance(virtual_pipeline_model_parallel_size, int)
+        or virtual_pipeline_model_parallel_size < 1
+    ):
         raise ValueError(
-            f"virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size!r}: interleaved pipeline "
-            "schedules (virtual pipeline stages) are not implemented; leave it None"
+            f"virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size!r}: the number of model "
+            "chunks per pipeline rank (--num-virtual-stages-per-pipeline-rank) must be an integer >= 1, or None"
         )
     if pipeline_model_parallel_comm_backend not in (None, backend):
         raise ValueError(
@@ -219,6 +229,7 @@ def model_parallel_is_initialized():
 def destroy_model_parallel():
     """Destroy the process groups created by `initialize_model_parallel` and reset the module state."""
     global _DEVICE_MESH, _NUM_DISTRIBUTED_OPTIMIZER_INSTANCES, _INITIALIZED
+    global _VIRTUAL_PIPELINE_WORLD_SIZE, _VIRTUAL_PIPELINE_RANK
     if dist.is_initialized():
         for group in _CREATED_GROUPS:
             dist.destroy_process_group(group)
@@ -227,6 +238,8 @@ def destroy_model_parallel():
     _GLOO_GROUPS.clear()
     _DEVICE_MESH = None
     _NUM_DISTRIBUTED_OPTIMIZER_INSTANCES = 1
+    _VIRTUAL_PIPELINE_WORLD_SIZE = None
+    _VIRTUAL_PIPELINE_RANK = None
     _INITIALIZED = False
 
 
@@ -271,6 +284,24 @@ def gloo_group_named(name):
 
 def get_num_distributed_optimizer_instances():
     return _NUM_DISTRIBUTED_OPTIMIZER_INSTANCES
+
+
+def get_virtual_pipeline_world_size():
+    return _VIRTUAL_PIPELINE_WORLD_SIZE
+
+
+def set_virtual_pipeline_world_size(world_size):
+    global _VIRTUAL_PIPELINE_WORLD_SIZE
+    _VIRTUAL_PIPELINE_WORLD_SIZE = world_size
+
+
+def get_virtual_pipeline_rank():
+    return _VIRTUAL_PIPELINE_RANK
+
+
+def set_virtual_pipeline_rank(rank):
+    global _VIRTUAL_PIPELINE_RANK
+    _VIRTUAL_PIPELINE_RANK = rank
 
 
 def get_device_mesh():

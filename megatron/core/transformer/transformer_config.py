@@ -102,6 +102,10 @@ class TransformerConfig(ModelParallelConfig):
     """Loss is summed over tokens and divided once by the global token count (`--calculate-per-token-loss`),
     instead of averaging per microbatch; the pipeline schedules and gradient finalisation read it."""
 
+    cp_comm_type: str = "p2p"
+    """How attention communicates under context parallelism (`--cp-comm-type`): "p2p" (K/V ring), "allgather"
+    (gather the whole K/V) or "a2a" (Ulysses all-to-all over heads). One value for every layer."""
+
     def __post_init__(self):
         parent_post_init = getattr(super(), "__post_init__", None)
         if parent_post_init is not None:
@@ -112,6 +116,7 @@ class TransformerConfig(ModelParallelConfig):
         self._validate_regularisation_and_norm()
         self._validate_recompute()
         self._validate_fp8()
+        self._validate_context_parallel()
 
     def _set(self, name, value):
         object.__setattr__(self, name, value)
@@ -183,6 +188,14 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(
                 f"--num-layers ({self.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp}): "
                 "every pipeline stage holds the same number of layers"
+            )
+        chunks = self.virtual_pipeline_model_parallel_size
+        if chunks is not None and (self.num_layers // pp) % chunks != 0:
+            raise ValueError(
+                f"the {self.num_layers // pp} layers of a pipeline stage (--num-layers {self.num_layers} / "
+                f"--pipeline-model-parallel-size {pp}) must be divisible by the {chunks} virtual stages per pipeline "
+                "rank (--num-virtual-stages-per-pipeline-rank, or the layers per stage divided by "
+                "--num-layers-per-virtual-pipeline-stage): every model chunk holds the same number of layers"
             )
 
     def _validate_regularisation_and_norm(self):
@@ -269,3 +282,12 @@ class TransformerConfig(ModelParallelConfig):
                 "an amax history that has moved on since its forward pass; use --fp8-recipe tensorwise (current "
                 "scaling recomputes identically) or selective recompute"
             )
+
+    def _validate_context_parallel(self):
+        from megatron.core.transformer.context_parallel import normalize_cp_comm_type
+        from megatron.core.transformer.context_parallel.a2a_attention import check_heads_divisible
+
+        self._set("cp_comm_type", normalize_cp_comm_type(self.cp_comm_type))
+        cp, tp = self.context_parallel_size, self.tensor_model_parallel_size
+        if cp > 1 and self.cp_comm_type == "a2a":
+            check_heads_divisible(self.num_attention_heads // tp, self.num_query_groups // tp, cp)
