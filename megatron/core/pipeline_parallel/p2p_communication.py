@@ -229,3 +229,81 @@ def send_backward_recv_forward(input_tensor_grad, tensor_shape, config):
         config=config,
     )
     return input_tensor
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Interleaved pipeline: one exchange around the ring per step, sends completed later
+# ---------------------------------------------------------------------------------------------------------
+
+# Activations and gradients travel with their own tags, so a receive matches the next transfer of its kind even
+# when an earlier send of the other kind to the same rank (two ranks: next == prev) is still pending.
+ACTIVATION_TAG = 1
+GRADIENT_TAG = 2
+
+
+def ring_exchange(*, activation_to_next, grad_to_prev, recv_activation, recv_grad, tensor_shape, config,
+                  pending_sends):
+    """One exchange of an interleaved pipeline with the next and previous rank of the ring (the last rank's
+    next is the first); returns (activation from prev or None, gradient from next or None).
+
+    Everything is posted at once, in the order send next, receive prev, send prev, receive next, so that
+    exchanges that pair up match in posting order. Only the receives are waited for here: the send requests
+    are appended to `pending_sends` (call `wait_for_sends` with it before the tensors are reused or the
+    schedule returns), so a rank never waits for a neighbour to reach the step that consumes what it sent.
+    """
+    if schedule_setting(config, "variable_seq_lengths"):
+        raise ValueError("the interleaved pipeline schedule needs fixed activation shapes; set variable_seq_lengths "
+                         "False (or drop the virtual pipeline flags)")
+    group = parallel_state.get_pipeline_model_parallel_group()
+    device = get_device_for_group(group)
+    dtype = pipeline_dtype(config)
+    next_rank = parallel_state.get_pipeline_model_parallel_next_rank()
+    prev_rank = parallel_state.get_pipeline_model_parallel_prev_rank()
+    sends, receives = [], []
+    received_activation = received_grad = None
+    if activation_to_next is not None:
+        _check_outgoing(activation_to_next, tensor_shape, dtype, "the activation sent to the next stage")
+        sends.append(dist.P2POp(dist.isend, activation_to_next.detach().contiguous(), next_rank, group,
+                                ACTIVATION_TAG))
+    if recv_activation:
+        received_activation = torch.empty(tensor_shape, dtype=dtype, device=device)
+        receives.append(dist.P2POp(dist.irecv, received_activation, prev_rank, group, ACTIVATION_TAG))
+    if grad_to_prev is not None:
+        _check_outgoing(grad_to_prev, tensor_shape, dtype, "the gradient sent to the previous stage")
+        sends.append(dist.P2POp(dist.isend, grad_to_prev.detach().contiguous(), prev_rank, group, GRADIENT_TAG))
+    if recv_grad:
+        received_grad = torch.empty(tensor_shape, dtype=dtype, device=device)
+        receives.append(dist.P2POp(dist.irecv, received_grad, next_rank, group, GRADIENT_TAG))
+    operations = _posting_order(activation_to_next is not None, bool(recv_activation), grad_to_prev is not None,
+                                bool(recv_grad), sends, receives)
+    if operations:
+        requests = dist.batch_isend_irecv(operations)
+        for operation, request in zip(operations, requests):
+            if operation.op is dist.isend:
+                pending_sends.append((request, operation.tensor))
+            else:
+                request.wait()
+    _drop_completed(pending_sends)
+    if received_activation is not None:
+        received_activation.requires_grad_()
+    return received_activation, received_grad
+
+
+def _posting_order(send_next, recv_prev, send_prev, recv_next, sends, receives):
+    sends, receives = list(sends), list(receives)
+    ordered = []
+    for wanted, pool in ((send_next, sends), (recv_prev, receives), (send_prev, sends), (recv_next, receives)):
+        if wanted:
+            ordered.append(pool.pop(0))
+    return ordered
+
+
+def _drop_completed(pending_sends):
+    pending_sends[:] = [(request, tensor) for request, tensor in pending_sends if not request.is_completed()]
+
+
+def wait_for_sends(pending_sends):
+    """Wait for every send `ring_exchange` left pending."""
+    for request, _ in pending_sends:
+        request.wait()
+    pending_sends.clear()

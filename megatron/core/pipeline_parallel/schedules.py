@@ -3,6 +3,8 @@
 `get_forward_backward_func()` picks the schedule for this rank's pipeline layout:
 - `forward_backward_no_pipelining` (one stage): forward and backward each microbatch in turn, accumulating
   gradients;
+- `forward_backward_pipelining_with_interleaving` (several model chunks per stage: virtual pipeline stages):
+  interleaved 1F1B, in `interleaved_schedule.py`;
 - `forward_backward_pipelining_without_interleaving` (several stages, one model chunk each): the 1F1B
   schedule. Stage `r` of `p` first runs `p - r - 1` warm-up forwards, then alternates one forward with one
   backward, then drains the remaining backwards, so at most `p - r` microbatches' activations are alive.
@@ -38,8 +40,15 @@ from megatron.core.pipeline_parallel.model_access import (
 
 
 def get_forward_backward_func():
-    """The schedule for this rank: 1F1B when there are several pipeline stages, else no pipelining."""
+    """The schedule for this rank: interleaved 1F1B with several model chunks per pipeline rank (virtual
+    stages), 1F1B with several pipeline stages, else no pipelining."""
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        if (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
+            from megatron.core.pipeline_parallel.interleaved_schedule import (
+                forward_backward_pipelining_with_interleaving,
+            )
+
+            return forward_backward_pipelining_with_interleaving
         return forward_backward_pipelining_without_interleaving
     return forward_backward_no_pipelining
 

@@ -1,8 +1,9 @@
 """The layers one pipeline stage owns, plus the final norm on the last stage.
 
 Stage p of P holds global layers p * L/P + 1 .. (p + 1) * L/P (1-based `layer_number`); inside the module they
-are `layers.0 .. layers.{L/P - 1}`. A stage that is not first takes its input from `set_input_tensor` (what the
-previous stage sent) instead of the `hidden_states` argument.
+are `layers.0 .. layers.{L/P - 1}`. With an interleaved pipeline each model chunk is one virtual stage and holds
+L/(P*v) consecutive layers (see `pipeline_stage_layer_range`). A stage that is not first takes its input from
+`set_input_tensor` (what the previous stage sent) instead of the `hidden_states` argument.
 """
 
 from typing import Optional
@@ -18,16 +19,33 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 
-def pipeline_stage_layer_range(config: TransformerConfig):
-    """(offset, count): the 0-based index of this stage's first layer and how many layers it holds."""
+def pipeline_stage_layer_range(config: TransformerConfig, vp_stage: Optional[int] = None):
+    """(offset, count): the 0-based index of this stage's first layer and how many layers it holds.
+
+    With `v` virtual stages per pipeline rank (`config.virtual_pipeline_model_parallel_size`), model chunk `c`
+    of pipeline rank `r` is virtual stage `c * p + r` and starts at layer `c * L / v + r * L / (p * v)`; the chunk
+    is `vp_stage`, else the virtual pipeline rank being built (`set_virtual_pipeline_model_parallel_rank`).
+    """
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     if pp_size != config.pipeline_model_parallel_size:
         raise ValueError(
             f"--pipeline-model-parallel-size in the config ({config.pipeline_model_parallel_size}) differs from "
             f"the initialised pipeline group size ({pp_size}); build the config with the same size"
         )
-    layers_per_stage = config.num_layers // pp_size
-    return parallel_state.get_pipeline_model_parallel_rank() * layers_per_stage, layers_per_stage
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    num_chunks = getattr(config, "virtual_pipeline_model_parallel_size", None) or 1
+    if num_chunks == 1:
+        layers_per_stage = config.num_layers // pp_size
+        return pp_rank * layers_per_stage, layers_per_stage
+    if vp_stage is None:
+        vp_stage = parallel_state.get_virtual_pipeline_model_parallel_rank()
+    if vp_stage is None or not 0 <= vp_stage < num_chunks:
+        raise ValueError(
+            f"a model chunk of an interleaved pipeline ({num_chunks} virtual stages per pipeline rank) needs its "
+            f"chunk index: pass vp_stage or set_virtual_pipeline_model_parallel_rank() (got {vp_stage!r})"
+        )
+    layers_per_chunk = config.num_layers // (pp_size * num_chunks)
+    return vp_stage * (config.num_layers // num_chunks) + pp_rank * layers_per_chunk, layers_per_chunk
 
 
 class TransformerBlock(torch.nn.Module):
@@ -37,13 +55,14 @@ class TransformerBlock(torch.nn.Module):
     it and the layer's global number, so a stage's layers equal the same layers of a single-stage model."""
 
     def __init__(
-        self, config: TransformerConfig, pre_process: bool = True, post_process: bool = True, base_init_seed=None
+        self, config: TransformerConfig, pre_process: bool = True, post_process: bool = True, base_init_seed=None,
+        vp_stage: Optional[int] = None,
     ):
         super().__init__()
         self.config = config
         self.pre_process = pre_process
         self.post_process = post_process
-        self.layer_offset, num_local_layers = pipeline_stage_layer_range(config)
+        self.layer_offset, num_local_layers = pipeline_stage_layer_range(config, vp_stage)
         if base_init_seed is None:
             base_init_seed = resolve_base_init_seed(config)
         self.layers = torch.nn.ModuleList(
