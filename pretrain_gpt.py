@@ -8,10 +8,12 @@ from functools import partial
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, build_gpt_datasets
 from megatron.core.datasets.utils import blend_from_data_path
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.context_parallel import context_parallel_loss, get_batch_on_this_cp_rank
 from megatron.training.global_vars import get_args, get_tokenizer
 from megatron.training.model_config import core_transformer_config_from_args
 from megatron.training.training import pretrain
@@ -34,19 +36,27 @@ def model_provider(pre_process=True, post_process=True):
 
 
 def get_batch(data_iterator):
-    """The next micro-batch on this process's device (every stage draws it, keeping iterators in step)."""
+    """The next micro-batch on this process's device (every stage draws it, keeping iterators in step), cut to
+    this context-parallel rank's two chunks of the sequence."""
     batch = next(data_iterator)
     device = get_args().device
-    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+    batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+    return get_batch_on_this_cp_rank(batch)
 
 
 def loss_func(loss_mask, output_tensor):
-    """(sum of masked per-token losses, token count, report): the schedule divides by the count."""
+    """(masked loss sum, token count, report): the schedule divides the loss by the count.
+
+    The report is this rank's [sum, count]; the training loop sums reports over DP x CP. Under context
+    parallelism the loss and count cover the whole sequence (`context_parallel_loss`).
+    """
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.float().reshape(-1)
     loss_sum = torch.sum(losses * mask)
     num_tokens = mask.sum()
     report = torch.stack([loss_sum.detach(), num_tokens.detach()])
+    group = parallel_state.get_context_parallel_group() if parallel_state.get_context_parallel_world_size() > 1 else None
+    loss_sum, num_tokens = context_parallel_loss(loss_sum, num_tokens, group, get_args().calculate_per_token_loss)
     return loss_sum, num_tokens, {"lm loss": report}
 
 

@@ -42,6 +42,7 @@ def core_transformer_config_from_args(args, config_class=None):
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
+        cp_comm_type=getattr(args, "cp_comm_type", "p2p"),
         sequence_parallel=args.sequence_parallel,
         fp16=args.fp16,
         bf16=args.bf16,

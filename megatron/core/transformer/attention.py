@@ -15,9 +15,10 @@ which makes gradient finalisation all-reduce them over the tensor-parallel group
 import torch
 import torch.nn.functional as F
 
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.extensions.transformer_engine import fused_norm_linear_class, layer_classes
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
+from megatron.core.transformer.context_parallel import context_parallel_attention
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.recompute import checkpointed
@@ -90,10 +91,15 @@ class SelfAttention(torch.nn.Module):
         and values (query head i uses group i // (heads / groups)) -> `[s, b, heads * head_dim]`.
 
         `attention_mask` follows Megatron: a bool tensor broadcastable to `[b, heads, s, s]` that is True where
-        attention is NOT allowed; None means causal.
+        attention is NOT allowed; None means causal. Under context parallelism `s` is this rank's share of the
+        sequence and the mask (if any) covers the whole sequence (see `context_parallel`).
         """
-        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # -> [b, heads, s, head_dim]
         dropout_p = self.config.attention_dropout if self.training else 0.0
+        if self.config.context_parallel_size > 1:
+            # This rank's two sequence chunks; the comm type makes the result exact over the whole sequence.
+            return context_parallel_attention(query, key, value, attention_mask, comm_type=self.config.cp_comm_type,
+                                              group=parallel_state.get_context_parallel_group(), dropout_p=dropout_p)
+        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # -> [b, heads, s, head_dim]
         if attention_mask is None:
             mask_kwargs = {"is_causal": True}
         else:

@@ -26,6 +26,7 @@ from megatron.core.models.common.embeddings.language_model_embedding import (
     word_embedding_init_seed,
 )
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.transformer.context_parallel import local_rows
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -172,7 +173,12 @@ class GPTModel(torch.nn.Module):
             seq_len, device = received.shape[0], received.device
             if self.config.sequence_parallel:
                 seq_len *= self.config.tensor_model_parallel_size
-        return self.rotary_pos_emb(seq_len, device=device)
+        cp_size = self.config.context_parallel_size
+        if cp_size == 1:
+            return self.rotary_pos_emb(seq_len, device=device)
+        # This rank holds two chunks of the sequence: the angles of their global positions.
+        angles = self.rotary_pos_emb(seq_len * cp_size, device=device)
+        return local_rows(angles, 0, cp_size, parallel_state.get_context_parallel_rank())
 
     def _vocab_parallel_logits(self, hidden_states):
         """`[s, b, h]` -> this rank's vocabulary slice of the logits, `[s, b, vocab / tp]`."""
