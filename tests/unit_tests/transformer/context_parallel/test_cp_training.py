@@ -93,3 +93,11 @@ def test_cp_loss_is_the_mean_over_the_whole_sequence(world_size, per_token_loss)
     results = run_on_ranks(world_size, _loss_gradient_with_uneven_token_counts, per_token_loss)
     assert [count for _, count in results] == [4.0, 1.0]
     assert all(error < 1e-7 for error, _ in results), results
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_cp2_pp2_trains_as_pp2(tmp_path, world_size):
+    pp = "--pipeline-model-parallel-size 2"
+    results = run_on_ranks(world_size, _cp_and_reference, str(tmp_path), pp,
+                           f"{pp} --context-parallel-size 2 --cp-comm-type a2a")
+    _assert_same_losses(results)

@@ -1,0 +1,39 @@
+"""Context-parallel flags: accepted values, derived sizes, and the rules' messages naming the flags."""
+
+import pytest
+
+from megatron.training.model_config import core_transformer_config_from_args
+from tests.unit_tests.training.test_arguments import validated
+
+
+def test_cp_flags_and_derived_data_parallel_size(monkeypatch):
+    args = validated("--context-parallel-size 2 --cp-comm-type all_gather", 4, monkeypatch)
+    assert (args.context_parallel_size, args.data_parallel_size, args.cp_comm_type) == (2, 2, "allgather")
+    assert validated("--context-parallel-size 2", 2, monkeypatch).cp_comm_type == "p2p"
+    args = validated("--context-parallel-size 2 --cp-comm-type a2a a2a", 2, monkeypatch)
+    assert args.cp_comm_type == "a2a"
+    args.padded_vocab_size = 128
+    assert core_transformer_config_from_args(args).cp_comm_type == "a2a"
+
+
+@pytest.mark.parametrize(
+    "extra, world_size, message",
+    [
+        ("--context-parallel-size 2 --seq-length 30 --max-position-embeddings 32", 2,
+         r"--seq-length \(30\) must be divisible by 2 x --context-parallel-size \(2\) = 4"),
+        ("--context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel --seq-length 36 "
+         "--max-position-embeddings 36", 4,
+         r"--seq-length \(36\) must be divisible by 2 x --context-parallel-size \(2\) x "
+         r"--tensor-model-parallel-size \(2\) with --sequence-parallel = 8"),
+        ("--context-parallel-size 4 --cp-comm-type a2a --group-query-attention --num-query-groups 2", 4,
+         r"--cp-comm-type a2a .*--num-attention-heads \(4\) and --num-query-groups \(2\)"),
+        ("--context-parallel-size 2 --cp-comm-type ring", 2, r"--cp-comm-type must be one of"),
+        ("--context-parallel-size 2 --cp-comm-type p2p a2a", 2, r"--cp-comm-type takes one value for every layer"),
+        ("--context-parallel-size 2 --hierarchical-context-parallel-sizes 2 1", 2,
+         r"--hierarchical-context-parallel-sizes .* is not supported"),
+        ("--context-parallel-size 3", 4, r"world size \(4\) must be divisible by .*--context-parallel-size \(3\)"),
+    ],
+)
+def test_cp_rules_name_the_flags(monkeypatch, extra, world_size, message):
+    with pytest.raises(ValueError, match=message):
+        validated(extra, world_size, monkeypatch)
