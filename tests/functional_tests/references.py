@@ -4,10 +4,10 @@ A golden file is written by the code under test, so holding a run to it only say
 Each case is therefore also compared with a reference run of another configuration that trains the same model on
 the same data for the same steps and must reach the same losses within fp32 summation-order noise:
 
-- the layouts (data, tensor, pipeline parallel, the distributed optimizer) against the single-rank run;
+- the layouts (data, tensor, pipeline, context parallel, the distributed optimizer) against the single-rank run;
 - every fully sharded case (FSDP2, Megatron-FSDP) against its DDP twin: the case without its FSDP flags on one
-  data-parallel rank, i.e. Megatron DDP with the same model and TP/PP layout (`ddp_twin`), which also gives the
-  per-rank bytes the sharding is checked against;
+  data-parallel rank and without context parallelism, i.e. Megatron DDP with the same model and TP/PP layout
+  (`ddp_twin`), which also gives the per-rank bytes the sharding is checked against;
 - the Llama-style TP case against its single-rank twin (the case on one rank);
 - every checkpoint-resume case, both its uninterrupted and its resumed launches, against the reference of the
   configuration it trains.
@@ -52,6 +52,9 @@ REFERENCES = {
     "gpt/resume_megatron_fsdp_z3_dp2_async": "gpt/dp2_ddp",
     "gpt/resume_megatron_fsdp_hsdp_dp4": DDP_TWIN,
     "gpt/resume_megatron_fsdp_hfsdp_dp4": DDP_TWIN,
+    "gpt/cp2_a2a": ROOT_CASE,
+    "gpt/cp2_a2a_dp2": ROOT_CASE,
+    "gpt/cp2_megatron_fsdp_z3": DDP_TWIN,
 }
 
 # Flags that select or tune a fully sharded data-parallel wrapper. Without them a case trains with Megatron DDP.
@@ -77,8 +80,10 @@ CHECKPOINT_ONLY_FLAGS = ("--ckpt-format", "--async-save", "--use-persistent-ckpt
 LOGGING_FLAGS = ("--log-params-norm", "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard",
                  "--timing-log-level")
 # Flags that lay the same model out over ranks.
+# Context parallelism cuts every sequence over ranks; attention and the loss stay exact.
+CONTEXT_PARALLEL_FLAGS = ("--context-parallel-size", "--cp-comm-type")
 LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--sequence-parallel",
-                "--use-distributed-optimizer")
+                "--use-distributed-optimizer") + CONTEXT_PARALLEL_FLAGS
 
 # What a case may change against its reference, by reference kind (checked flag by flag).
 ALLOWED_DIFFERENCES = {
@@ -92,7 +97,9 @@ def ddp_twin(case):
     under Megatron DDP with no data-parallel reduction at all. DDP keeps every parameter, gradient and optimizer
     state whole on each rank whatever the data-parallel size, so its per-rank bytes are those of a DDP run at the
     case's data-parallel size (the last rank logs: the same pipeline stage and tensor-parallel rank)."""
-    model_args = {flag: value for flag, value in case.model_args.items() if flag not in FSDP_FLAGS}
+    # Context parallelism goes too: the twin is then also the CP=1 run a CP case must equal.
+    model_args = {flag: value for flag, value in case.model_args.items()
+                  if flag not in FSDP_FLAGS and flag not in CONTEXT_PARALLEL_FLAGS}
     model_parallel = int(case.model_args.get("--tensor-model-parallel-size", 1)) * int(
         case.model_args.get("--pipeline-model-parallel-size", 1))
     return dataclasses.replace(case, name=f"{case.name} (DDP twin)", model_args=model_args,

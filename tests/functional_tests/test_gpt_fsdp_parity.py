@@ -34,6 +34,7 @@ SHARDED_OVER = {
     "gpt/megatron_fsdp_z3_tp2_pp2_dp2": (2, 2, 2),
     "gpt/megatron_fsdp_hsdp_dp4": (2, 2, 2),
     "gpt/megatron_fsdp_hfsdp_dp4": (2, 4, 4),
+    "gpt/cp2_megatron_fsdp_z3": (2, 2, 2),  # DP1 x CP2: sharded over the dp_shard_cp group
 }
 # Cases whose fp32 main weights are a separate copy of the optimizer's shard rather than the compute weights
 # themselves: HFSDP stores its quarter of the main weights apart from the compute half it belongs to.
