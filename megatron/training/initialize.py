@@ -74,6 +74,7 @@ def initialize_distributed(args):
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
         context_parallel_size=args.context_parallel_size,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
     )

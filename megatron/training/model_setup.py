@@ -10,7 +10,8 @@ from megatron.training.model_config import ddp_config_from_args, optimizer_confi
 
 
 def get_model(model_provider_func, args, wrap_with_ddp=True):
-    """[model chunk] for this pipeline stage, on this process's device, wrapped for data parallelism.
+    """[model chunk] for this pipeline stage, on this process's device, wrapped for data parallelism; with an
+    interleaved pipeline one chunk per virtual stage of this rank, each wrapped on its own.
 
     The wrapper follows the flags: Megatron's DDP (default, also with one data-parallel rank: it owns the
     contiguous gradient buffers the optimizer reads as `param.main_grad`), Megatron-FSDP
@@ -24,17 +25,31 @@ def get_model(model_provider_func, args, wrap_with_ddp=True):
     `set_random_seed` applies is for dropout), so a model whose config leaves `init_seed` unset still starts
     from the same weights on every pipeline layout; the generator state is restored afterwards.
     """
-    with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(args.seed)
-        model = model_provider_func(
-            pre_process=parallel_state.is_pipeline_first_stage(),
-            post_process=parallel_state.is_pipeline_last_stage(),
-        )
+    num_chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    chunks = [_build_chunk(model_provider_func, args, chunk if num_chunks > 1 else None)
+              for chunk in range(num_chunks)]
+    if not wrap_with_ddp:
+        return chunks
+    return [wrap_model_chunk(chunk, args) for chunk in chunks]
+
+
+def _build_chunk(model_provider_func, args, vp_stage):
+    """One model chunk: the stage's model, or with an interleaved pipeline the chunk `vp_stage` (virtual stage
+    `vp_stage * p + pipeline rank`; the virtual pipeline rank is set while it is built, so the model takes the
+    layers of that virtual stage and `is_pipeline_first_stage()` / `is_pipeline_last_stage()` answer for it)."""
+    parallel_state.set_virtual_pipeline_model_parallel_rank(vp_stage)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(args.seed)
+            model = model_provider_func(
+                pre_process=parallel_state.is_pipeline_first_stage(),
+                post_process=parallel_state.is_pipeline_last_stage(),
+            )
+    finally:
+        parallel_state.set_virtual_pipeline_model_parallel_rank(None)
     if not any(param.is_meta for param in model.parameters()):
         model.to(args.device)
-    if not wrap_with_ddp:
-        return [model]
-    return [wrap_model_chunk(model, args)]
+    return model
 
 
 def wrap_model_chunk(model, args):
@@ -55,7 +70,9 @@ def install_schedule_hooks(model_chunks, optimizer, args):
     from megatron.core.distributed import finalize_model_grads
 
     chunk = model_chunks[0]
-    hooks = {"no_sync_func": chunk.no_sync, "finalize_model_grads_func": finalize_model_grads}
+    # With several chunks (interleaved pipeline) each has its own no_sync, left before its last backward.
+    no_sync = chunk.no_sync if len(model_chunks) == 1 else [each.no_sync for each in model_chunks]
+    hooks = {"no_sync_func": no_sync, "finalize_model_grads_func": finalize_model_grads}
     if args.fp16:
         hooks["grad_scale_func"] = optimizer.scale_loss
     # Frozen config: replace it on the outermost wrapper, which is where the schedules look first.

@@ -58,7 +58,10 @@ def test_subclass_extends_validation():
         (dict(bf16=True, params_dtype=torch.float16), r"--bf16 needs params_dtype=torch.bfloat16"),
         (dict(params_dtype=torch.bfloat16), "needs the matching precision flag"),
         (dict(params_dtype=torch.int32), "params_dtype must be one of"),
-        (dict(virtual_pipeline_model_parallel_size=2), "virtual pipeline stages"),
+        (dict(virtual_pipeline_model_parallel_size=2), "needs --pipeline-model-parallel-size > 1"),
+        (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+              microbatch_group_size_per_vp_stage=1), "--microbatch-group-size-per-virtual-pipeline-stage"),
+        (dict(microbatch_group_size_per_vp_stage=2), "needs an interleaved pipeline"),
         (dict(pipeline_dtype=torch.int64), "pipeline_dtype must be one of"),
     ],
 )

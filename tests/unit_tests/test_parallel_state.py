@@ -275,7 +275,7 @@ def test_device_helpers_follow_the_backend():
         ("nccl", dict(nccl_communicator_config_path="c.yaml"), "nccl_communicator_config_path: not implemented yet"),
         ("nccl", dict(high_priority_stream_groups=["dp"]), "high_priority_stream_groups: not implemented yet"),
         ("nccl", dict(pipeline_model_parallel_comm_backend="gloo"), r"default process group's backend \('nccl'\)"),
-        ("gloo", dict(virtual_pipeline_model_parallel_size=1), "virtual pipeline stages"),
+        ("gloo", dict(virtual_pipeline_model_parallel_size=0), "must be an integer >= 1"),
         ("gloo", dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=1), "leave it None or equal"),
         ("gloo", dict(distributed_timeout_minutes=True), "distributed_timeout_minutes must be a positive number"),
     ],
@@ -289,3 +289,4 @@ def test_options_that_can_be_honoured_pass():
     ps.reject_unsupported_options("gloo", pipeline_model_parallel_comm_backend="gloo")
     ps.reject_unsupported_options("nccl", pipeline_model_parallel_comm_backend="nccl", distributed_timeout_minutes=0.5)
     ps.reject_unsupported_options("gloo", tensor_model_parallel_size=2, expert_tensor_parallel_size=2)
+    ps.reject_unsupported_options("gloo", virtual_pipeline_model_parallel_size=2)

@@ -121,7 +121,7 @@ def test_embedding_ranks_and_gloo_groups_can_be_chosen():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(virtual_pipeline_model_parallel_size=2), r"virtual_pipeline_model_parallel_size=2: interleaved"),
+        (dict(virtual_pipeline_model_parallel_size=0), r"virtual_pipeline_model_parallel_size=0: the number of model"),
         (dict(pipeline_model_parallel_comm_backend="ucc"), r"pipeline_model_parallel_comm_backend='ucc'"),
         (dict(hierarchical_context_parallel_sizes=[1, 1]), "hierarchical context parallelism is not implemented"),
         (dict(expert_tensor_parallel_size=world_size + 1), "expert_tensor_parallel_size"),

@@ -123,6 +123,13 @@ def _allreduce_shared_embedding_grads(model_chunks):
     group = parallel_state.get_embedding_group()
     if group is None or dist.get_world_size(group) == 1:
         return
+    # With an interleaved pipeline the embedding lives in the first chunk of the first stage and the output layer
+    # in the last chunk of the last stage: exactly one chunk per rank takes part, as the collectives below need.
+    if len(model_chunks) > 1:
+        if parallel_state.is_pipeline_first_stage(ignore_virtual=True):
+            model_chunks = model_chunks[:1]
+        elif parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            model_chunks = model_chunks[-1:]
     plain_chunks = [chunk for chunk in model_chunks if not _is_megatron_fsdp(chunk)]
     _all_reduce_grads(_params_with(plain_chunks, "shared_embedding"), group)
     for chunk in model_chunks:

@@ -15,8 +15,11 @@ from megatron.training.argument_groups import (
     model,
     parallelism,
     training,
+    virtual_pipeline,
 )
 
 # Order matters for validation: later groups read values derived by earlier ones (e.g. data_parallel_size).
 # memory precedes data_parallel: --main-grads-dtype bf16 opts out of the fp32 gradients data_parallel sets for --bf16.
-ARGUMENT_GROUPS = (parallelism, model, training, data, logging_eval, checkpoint, memory, data_parallel, fp8)
+# virtual_pipeline follows training: its microbatch rule needs the global and micro batch sizes.
+ARGUMENT_GROUPS = (parallelism, model, training, virtual_pipeline, data, logging_eval, checkpoint, memory, data_parallel,
+                   fp8)

@@ -1,0 +1,76 @@
+"""pretrain() with an interleaved pipeline (PP2 x VPP2: two ranks, two model chunks each, one layer per chunk)
+equals the same model without pipelining under every data-parallel wrapper, and its checkpoints load at other
+layouts (global layer numbers) and resume to the uninterrupted run.
+
+fp32 on the CPU: the runs differ only in the order of floating-point reductions, so losses agree to 1e-5
+relative (measured: about 1e-7).
+"""
+
+import os
+
+import pytest
+import torch
+
+from tests.unit_tests.dist_checkpointing.pretrain_helpers import run_pretrain
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+ITERATIONS = "--train-iters 4 --lr-decay-iters 4"
+VPP = "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2"
+PP2 = "--pipeline-model-parallel-size 2"
+WRAPPERS = {
+    "ddp": "",
+    "distributed_optimizer": "--use-distributed-optimizer",
+    "distributed_optimizer_overlap": "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather",
+    "fsdp2": "--use-torch-fsdp2",
+    "tied_distributed_optimizer": "TIED --use-distributed-optimizer",
+}
+REL_TOLERANCE = 1e-5
+
+
+def _losses_against_reference(workdir, names):
+    results = {}
+    for name in names:
+        tied = "TIED " if WRAPPERS[name].startswith("TIED") else ""
+        results[("reference", tied)] = results.get(("reference", tied)) or run_pretrain(
+            workdir, f"{tied}{ITERATIONS}")
+        results[name] = run_pretrain(workdir, f"{WRAPPERS[name]} {VPP} {ITERATIONS}")
+    return {name: (results[name], results[("reference", "TIED " if WRAPPERS[name].startswith("TIED") else "")])
+            for name in names}
+
+
+@pytest.mark.world_size(2)
+def test_pp2_vpp2_equals_no_pipeline_under_each_wrapper(tmp_path):
+    compared = run_on_ranks(2, _losses_against_reference, str(tmp_path), list(WRAPPERS))[0]
+    for name, (losses, reference) in compared.items():
+        assert sorted(losses) == [1, 2, 3, 4], name
+        assert len(set(losses.values())) == 4, name  # every iteration updates the model
+        for iteration, loss in losses.items():
+            assert loss == pytest.approx(reference[iteration], rel=REL_TOLERANCE, abs=0), (name, iteration)
+
+
+def _save_at_vpp_and_resume(workdir, resume_layouts):
+    from megatron.training.checkpointing import write_tracker
+
+    root = os.path.join(workdir, "ckpt")
+    schedule = "--train-iters 6 --lr-decay-iters 6"
+    uninterrupted = run_pretrain(workdir, f"{VPP} {schedule} --save {root} --save-interval 3 "
+                                          "--ckpt-format torch_dist --use-distributed-optimizer")
+    if torch.distributed.get_rank() == 0:
+        write_tracker(root, 3)  # resume from the middle of the uninterrupted run
+    torch.distributed.barrier()
+    resumed = {layout: run_pretrain(workdir, f"{layout} {schedule} --load {root} --ckpt-format torch_dist "
+                                             "--use-distributed-optimizer")
+               for layout in resume_layouts}
+    return uninterrupted, resumed
+
+
+@pytest.mark.world_size(2)
+def test_checkpoint_saved_at_pp2_vpp2_resumes_at_pp1_pp2_and_vpp(tmp_path):
+    layouts = ["", PP2, VPP]  # PP1 (two data-parallel ranks), PP2 without VPP, the saving layout
+    uninterrupted, resumed = run_on_ranks(2, _save_at_vpp_and_resume, str(tmp_path), layouts)[0]
+    assert sorted(uninterrupted) == list(range(1, 7))
+    assert resumed[VPP] == {i: uninterrupted[i] for i in range(4, 7)}  # same layout: identical
+    for layout in ("", PP2):
+        assert sorted(resumed[layout]) == [4, 5, 6], layout
+        for iteration in range(4, 7):
+            assert resumed[layout][iteration] == pytest.approx(uninterrupted[iteration], rel=REL_TOLERANCE, abs=0)

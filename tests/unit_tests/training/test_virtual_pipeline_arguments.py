@@ -1,0 +1,62 @@
+"""The interleaved-pipeline flags: derived chunk count and the upstream rules, with messages naming the flags."""
+
+import pytest
+
+from megatron.training.arguments import parse_args, validate_args
+
+BASE = (
+    "--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 "
+    "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128 --pipeline-model-parallel-size 2"
+)
+
+
+@pytest.fixture(autouse=True)
+def two_ranks(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+
+
+def validated(extra):
+    return validate_args(parse_args(args=f"{BASE} {extra}".split()))
+
+
+@pytest.mark.parametrize(
+    "extra, chunks",
+    [("--num-layers-per-virtual-pipeline-stage 2 --global-batch-size 4", 2),
+     ("--num-virtual-stages-per-pipeline-rank 4 --global-batch-size 4", 4),
+     ("--num-layers-per-virtual-pipeline-stage 4 --global-batch-size 4", None),  # one chunk: plain 1F1B
+     ("--num-virtual-stages-per-pipeline-rank 2 --global-batch-size 7 "
+      "--microbatch-group-size-per-virtual-pipeline-stage 4", 2),
+     ("--global-batch-size 3", None)],
+)
+def test_chunks_per_rank(extra, chunks):
+    args = validated(extra)
+    assert args.virtual_pipeline_model_parallel_size == chunks
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [("--num-layers-per-virtual-pipeline-stage 3 --global-batch-size 4",
+      r"layers of a pipeline stage .*--num-layers-per-virtual-pipeline-stage \(3\)"),
+     ("--num-virtual-stages-per-pipeline-rank 3 --global-batch-size 4",
+      r"divisible by --num-virtual-stages-per-pipeline-rank \(3\)"),
+     ("--num-virtual-stages-per-pipeline-rank 2 --num-layers-per-virtual-pipeline-stage 2 --global-batch-size 4",
+      "either"),
+     ("--num-virtual-stages-per-pipeline-rank 2 --global-batch-size 3",
+      r"number of microbatches \(3\) modulo --microbatch-group-size-per-virtual-pipeline-stage \(2\)"),
+     ("--num-virtual-stages-per-pipeline-rank 2 --global-batch-size 4 "
+      "--microbatch-group-size-per-virtual-pipeline-stage 8", "between --pipeline-model-parallel-size"),
+     ("--microbatch-group-size-per-virtual-pipeline-stage 2 --global-batch-size 4", "needs an interleaved pipeline"),
+     ("--num-virtual-stages-per-pipeline-rank 2 --global-batch-size 4 --use-megatron-fsdp",
+      "with --use-megatron-fsdp is not supported yet")],
+)
+def test_rules_name_the_flags(extra, message):
+    with pytest.raises(ValueError, match=message):
+        validated(extra)
+
+
+def test_needs_a_pipeline(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match="need --pipeline-model-parallel-size > 1"):
+        validate_args(parse_args(args=f"{BASE} --num-virtual-stages-per-pipeline-rank 2".replace(
+            "--pipeline-model-parallel-size 2", "").split()))
