@@ -47,7 +47,7 @@ def run_pretrain(workdir, extra_args, forward_step=None):
     return {record["iteration"]: record["lm loss"] for record in records if record.get("split") == "train"}
 
 
-def straight_and_resumed(workdir, name, layout_args, iterations=20):
+def straight_and_resumed(workdir, name, layout_args, iterations=10):
     """(losses of `iterations` straight, losses of the second half resumed from the checkpoint of the first)."""
     from megatron.training.checkpointing import write_tracker
 
@@ -63,7 +63,7 @@ def straight_and_resumed(workdir, name, layout_args, iterations=20):
     return straight, resumed
 
 
-def check_exact_resume(name, straight, resumed, iterations=20):
+def check_exact_resume(name, straight, resumed, iterations=10):
     """The resumed second half is bit-identical to the straight run's."""
     half = iterations // 2
     assert sorted(straight) == list(range(1, iterations + 1)), name

@@ -5,7 +5,7 @@ under another wrapper; the losses after loading equal the uninterrupted run's.
 Every saver trains 8 iterations (12 samples per step, one per micro-batch, so that DP 1 to 4 see the same global
 batches) and saves at iteration 4; loaders train 5-8. Across layouts and wrappers the fp32 losses agree to 1e-6
 relative (only the order of floating-point reductions differs; the measured maximum is printed). HSDP and
-HFSDP resume exactly at their own layout (20 iterations straight vs 10 + save + load + 10). One rank pool per
+HFSDP resume exactly at their own layout (10 iterations straight vs 5 + save + load + 5). One rank pool per
 world size: the savers of a world size share it, and one pool of 3 ranks loads all their checkpoints.
 """
 
@@ -46,9 +46,9 @@ SAVED_AT_FOUR = {
     "ddp_tp2": (["mfsdp_z3"], "mfsdp_z2"),
 }
 EXACT_AT_FOUR = ("hsdp", "hfsdp")
-HFSDP_AT_THREE = "distopt"  # the HFSDP checkpoint (iteration 10 of 20) loaded at DP3
+HFSDP_AT_THREE = "distopt"  # the HFSDP checkpoint (iteration 5 of 10) loaded at DP3
 SAVED_AT_EIGHT = {"mfsdp_z3_tp2_pp2": ([], "distopt")}  # loaded at world 3 only
-TWENTY = "--train-iters 20 --lr-decay-iters 20"
+TEN = "--train-iters 10 --lr-decay-iters 10"
 
 
 def _save_and_load(workdir, saver, loaders):
@@ -107,13 +107,13 @@ def _check_matrix(saved, loaded_at_three, savers):
 def test_checkpoints_of_four_ranks_load_at_other_layouts_and_wrappers(tmp_path):
     saved = run_on_ranks(4, _save_all, str(tmp_path), SAVED_AT_FOUR, EXACT_AT_FOUR)[0]
     plan = {saver: (at_three, "") for saver, (_, at_three) in SAVED_AT_FOUR.items()}
-    plan["exact_hfsdp"] = (HFSDP_AT_THREE, TWENTY)
+    plan["exact_hfsdp"] = (HFSDP_AT_THREE, TEN)
     loaded = run_on_ranks(3, _load_at_three, str(tmp_path), plan)[0]
     for name in EXACT_AT_FOUR:
         check_exact_resume(name, *saved[name])
     straight = saved["hfsdp"][0]
     largest = max(_check_matrix(saved, loaded, SAVED_AT_FOUR),
-                  *_relative_differences(straight, loaded["exact_hfsdp"], 11))
+                  *_relative_differences(straight, loaded["exact_hfsdp"], 6))
     assert largest <= FP32_REL_TOLERANCE
     print(f"largest relative loss difference after resharding: {largest:.2e}")
 

@@ -1,6 +1,6 @@
 """torch_dist checkpoints in training: exact resume, and resume at another layout or wrapper (resharding).
 
-Exact resume per wrapper: 20 iterations straight against 10 + save + load + 10, losses identical (fp32, CPU).
+Exact resume per wrapper: 10 iterations straight against 5 + save + load + 5, losses identical (fp32, CPU).
 Resharding: a reference run trains 8 iterations and saves at iteration 4; resumed runs load iteration 4 and
 train to 8. Same layout: the losses of iterations 5-8 are identical. Another layout or wrapper (TP, PP, DP size, DDP,
 distributed optimizer, Megatron-FSDP ZeRO-0..3 / HSDP / HFSDP, FSDP2): equal to 1e-6 relative in fp32, the
@@ -94,8 +94,8 @@ def test_resume_is_exact_and_reshards(tmp_path, save_layout, resume_layouts, sav
     assert exited == ({5: reference[5], 6: reference[6]}, 6, ["iter_0000006", "latest_checkpointed_iteration.txt"])
 
 
-# Exact resume, one wrapper at a time: the reference trains 20 iterations and saves at 10 (and 20); the resumed
-# run loads iteration 10 and trains 11-20. Same layout, same wrapper: every loss is bit-identical.
+# Exact resume, one wrapper at a time: the reference trains 10 iterations and saves at 5 (and 10); the resumed
+# run loads iteration 5 and trains 6-10. Same layout, same wrapper: every loss is bit-identical.
 EXACT_RESUME_WRAPPERS = {
     "ddp": "",
     "distributed_optimizer": "--use-distributed-optimizer",
