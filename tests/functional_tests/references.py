@@ -29,6 +29,7 @@ REFERENCES = {
     "gpt/tp2": ROOT_CASE,
     "gpt/pp2": ROOT_CASE,
     "gpt/tp2_pp2": ROOT_CASE,
+    "gpt/pp2_vpp2_distributed_optimizer": ROOT_CASE,
     "gpt/llama_style_tp2": SINGLE_RANK_TWIN,
     "gpt/fsdp2_dp2": DDP_TWIN,
     "gpt/fsdp2_no_reshard_dp2": DDP_TWIN,
@@ -82,8 +83,11 @@ LOGGING_FLAGS = ("--log-params-norm", "--log-timers-to-tensorboard", "--log-vali
 # Flags that lay the same model out over ranks.
 # Context parallelism cuts every sequence over ranks; attention and the loss stay exact.
 CONTEXT_PARALLEL_FLAGS = ("--context-parallel-size", "--cp-comm-type")
+# The interleaved pipeline only reorders the same computation over model chunks.
+VIRTUAL_PIPELINE_FLAGS = ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
+                          "--microbatch-group-size-per-virtual-pipeline-stage")
 LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--sequence-parallel",
-                "--use-distributed-optimizer") + CONTEXT_PARALLEL_FLAGS
+                "--use-distributed-optimizer") + CONTEXT_PARALLEL_FLAGS + VIRTUAL_PIPELINE_FLAGS
 
 # What a case may change against its reference, by reference kind (checked flag by flag).
 ALLOWED_DIFFERENCES = {
