@@ -8,7 +8,7 @@
   head-sharded `[s, b, H/N, d]` layouts; each one's backward is the other's forward.
 
 Every collective here is a gloo- and NCCL-supported primitive (batch_isend_irecv, all_gather_single,
-reduce_scatter_tensor, all_to_all_single).
+reduce_scatter_single, all_to_all_single).
 """
 
 import torch
@@ -57,7 +57,7 @@ def _reduce_scatter_first_dim(tensor, group):
     size = dist.get_world_size(group)
     tensor = tensor.contiguous()
     output = torch.empty((tensor.shape[0] // size, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    dist.reduce_scatter_tensor(output, tensor, group=group)
+    dist.reduce_scatter_single(output, tensor, group=group)
     return output
 
 
