@@ -90,6 +90,10 @@ def _torch_optimizer_factory(config, device):
         return torch.optim.SGD(groups, lr=config.lr, weight_decay=config.weight_decay,
                                momentum=config.sgd_momentum, foreach=True)
 
+    if config.optimizer_cpu_offload:
+        from megatron.core.optimizer.cpu_offloading import hybrid_optimizer_factory
+
+        return hybrid_optimizer_factory(config, build)
     return build
 
 

@@ -81,6 +81,22 @@ class OptimizerConfig:
     exp_avg_sq_dtype: torch.dtype = torch.float32
     """Adam's second moment (fp32, bf16 or fp16, `--exp-avg-sq-dtype`)."""
 
+    optimizer_cpu_offload: bool = False
+    """Step the first `optimizer_offload_fraction` of the main parameters, with their optimizer state, in host
+    memory (`--optimizer-cpu-offload`, see cpu_offloading/); needs the precision-aware optimizer."""
+
+    optimizer_offload_fraction: float = 1.0
+    """Share of the main parameters' elements offloaded, whole tensors in parameter order
+    (`--optimizer-offload-fraction`)."""
+
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    """Copy gradients to the host and parameters back on side streams, one host optimizer per parameter
+    (`--overlap-cpu-optimizer-d2h-h2d`; on the CPU the copies are synchronous)."""
+
+    use_torch_optimizer_for_cpu_offload: bool = False
+    """Step the offloaded part with torch's multi-tensor AdamW (fp32 state) instead of the precision-aware
+    AdamW (`--use-torch-optimizer-for-cpu-offload`)."""
+
     def __post_init__(self):
         if self.optimizer not in SUPPORTED_OPTIMIZERS:
             raise ValueError(f"OptimizerConfig.optimizer={self.optimizer!r}: choose one of {SUPPORTED_OPTIMIZERS}.")
@@ -114,6 +130,28 @@ class OptimizerConfig:
         if self.hysteresis < 1:
             raise ValueError(f"OptimizerConfig.hysteresis={self.hysteresis} must be >= 1.")
         self._check_precision_aware()
+        self._check_cpu_offload()
+
+    def _check_cpu_offload(self):
+        if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
+            raise ValueError(f"OptimizerConfig.optimizer_offload_fraction={self.optimizer_offload_fraction} "
+                             "(--optimizer-offload-fraction) must lie in [0, 1].")
+        if not self.optimizer_cpu_offload:
+            for name in ("overlap_cpu_optimizer_d2h_h2d", "use_torch_optimizer_for_cpu_offload"):
+                if getattr(self, name):
+                    raise ValueError(f"OptimizerConfig.{name} (--{name.replace('_', '-')}) needs "
+                                     "optimizer_cpu_offload=True (--optimizer-cpu-offload); pass it or drop the flag.")
+            return
+        if not self.use_precision_aware_optimizer:
+            raise ValueError(
+                "OptimizerConfig.optimizer_cpu_offload (--optimizer-cpu-offload) needs use_precision_aware_optimizer="
+                "True (--use-precision-aware-optimizer, with --use-distributed-optimizer or --use-megatron-fsdp).")
+        if self.use_torch_optimizer_for_cpu_offload:
+            for name in ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+                if getattr(self, name) != torch.float32:
+                    raise ValueError(
+                        f"OptimizerConfig.use_torch_optimizer_for_cpu_offload (--use-torch-optimizer-for-cpu-offload) "
+                        f"keeps fp32 state; drop --{name.replace('_', '-')} or that flag.")
 
     def _check_precision_aware(self):
         for name, allowed in PRECISION_AWARE_DTYPES.items():

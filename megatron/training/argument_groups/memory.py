@@ -1,4 +1,4 @@
-"""Memory flags: the precision-aware optimizer's dtypes."""
+"""Memory flags: the precision-aware optimizer's dtypes and optimizer CPU offload."""
 
 DTYPE_CHOICES = {
     "main_params_dtype": ["fp32", "fp16"],
@@ -30,9 +30,55 @@ def add_arguments(parser):
             choices=choices,
             help=f"Precision-aware optimizer: {dest.replace('_', ' ')} (default fp32).",
         )
+    group.add_argument(
+        "--optimizer-cpu-offload",
+        action="store_true",
+        help="Keep the first --optimizer-offload-fraction of the main parameters and their optimizer state in "
+        "(pinned) host memory and step them there; needs --use-precision-aware-optimizer.",
+    )
+    group.add_argument(
+        "--optimizer-offload-fraction",
+        type=float,
+        default=1.0,
+        help="Share of the main parameters' elements stepped on the host, whole tensors in order (default 1.0).",
+    )
+    group.add_argument(
+        "--overlap-cpu-optimizer-d2h-h2d",
+        action="store_true",
+        help="Optimizer CPU offload: copy gradients to the host and parameters back on side streams, one host "
+        "optimizer per parameter, overlapped with the device step.",
+    )
+    group.add_argument(
+        "--use-torch-optimizer-for-cpu-offload",
+        action="store_true",
+        help="Optimizer CPU offload: step the host part with torch's multi-tensor AdamW (fp32 state) instead of "
+        "the precision-aware AdamW.",
+    )
+
+
+def _validate_cpu_offload(args):
+    if not args.optimizer_cpu_offload:
+        for flag, set_ in (("--overlap-cpu-optimizer-d2h-h2d", args.overlap_cpu_optimizer_d2h_h2d),
+                           ("--use-torch-optimizer-for-cpu-offload", args.use_torch_optimizer_for_cpu_offload),
+                           ("--optimizer-offload-fraction", args.optimizer_offload_fraction != 1.0)):
+            if set_:
+                raise ValueError(f"{flag} needs --optimizer-cpu-offload; pass it or drop {flag}")
+        return
+    if not args.use_precision_aware_optimizer:
+        # Upstream's rule: the hybrid optimizer reuses the precision-aware optimizer's code path.
+        raise ValueError("--optimizer-cpu-offload needs --use-precision-aware-optimizer (with "
+                         "--use-distributed-optimizer or --use-megatron-fsdp)")
+    if not 0.0 <= args.optimizer_offload_fraction <= 1.0:
+        raise ValueError(f"--optimizer-offload-fraction must lie in [0, 1], got {args.optimizer_offload_fraction}")
+    if args.use_torch_optimizer_for_cpu_offload:
+        for dest in DTYPE_CHOICES:
+            if dest != "main_grads_dtype" and getattr(args, dest) != "fp32":
+                raise ValueError(f"--use-torch-optimizer-for-cpu-offload keeps fp32 state; drop "
+                                 f"--{dest.replace('_', '-')} or that flag")
 
 
 def validate(args):
+    _validate_cpu_offload(args)
     changed = [dest for dest in DTYPE_CHOICES if getattr(args, dest) != "fp32"]
     if changed and not args.use_precision_aware_optimizer:
         flags = ", ".join("--" + dest.replace("_", "-") for dest in changed)
@@ -69,6 +115,10 @@ def validate(args):
 
 
 def optimizer_config_kwargs(args):
-    """The precision-aware fields of OptimizerConfig."""
+    """The precision-aware and CPU-offload fields of OptimizerConfig."""
     kwargs = {dest: torch_dtype(getattr(args, dest)) for dest in DTYPE_CHOICES}
-    return dict(use_precision_aware_optimizer=args.use_precision_aware_optimizer, **kwargs)
+    return dict(use_precision_aware_optimizer=args.use_precision_aware_optimizer,
+                optimizer_cpu_offload=args.optimizer_cpu_offload,
+                optimizer_offload_fraction=args.optimizer_offload_fraction,
+                overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d,
+                use_torch_optimizer_for_cpu_offload=args.use_torch_optimizer_for_cpu_offload, **kwargs)

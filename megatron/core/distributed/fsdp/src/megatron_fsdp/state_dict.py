@@ -323,8 +323,9 @@ def optimizer_state_dict(optimizer) -> dict:
         for view in views:
             keys.update(k for k, v in optimizer.state.get(view, {}).items() if _is_sharded_state(v, view))
         for key in sorted(keys):
-            pieces = [optimizer.state[view][key] if key in optimizer.state.get(view, {}) else torch.zeros_like(view)
-                      for view in views]
+            # `.to(view.device)`: an offloaded optimizer (--optimizer-cpu-offload) keeps this state in host memory.
+            pieces = [optimizer.state[view][key].to(view.device) if key in optimizer.state.get(view, {})
+                      else torch.zeros_like(view) for view in views]
             for index, tensor in enumerate(_row_dtensors(model, group, _rows_of_pieces(model, group, pieces),
                                                          copy=True)):
                 if views[index] in optimizer.state:

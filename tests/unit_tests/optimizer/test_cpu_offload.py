@@ -1,0 +1,229 @@
+"""Optimizer CPU offload (`--optimizer-cpu-offload`): the split, training equal to no offload under the
+distributed optimizer and Megatron-FSDP, checkpoints equal and loadable across offload settings, the flag
+rules, and the copy helpers (pinned memory and side streams on CUDA; the same logic synchronously on the CPU)."""
+
+import copy
+
+import pytest
+import torch
+
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer, offload_split
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+LR = 1e-2
+STEPS, SAVE_AFTER = 4, 2
+SETTINGS = {
+    "none": {},
+    "all": dict(optimizer_cpu_offload=True),
+    "half": dict(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5),
+    "half_overlap": dict(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5,
+                         overlap_cpu_optimizer_d2h_h2d=True),
+    "all_torch": dict(optimizer_cpu_offload=True, use_torch_optimizer_for_cpu_offload=True),
+}
+
+
+def test_offload_split_takes_whole_tensors_in_order_until_the_fraction_is_reached():
+    assert offload_split([4, 4, 2], 1.0) == [True, True, True]
+    assert offload_split([4, 4, 2], 0.0) == [False, False, False]
+    assert offload_split([4, 4, 2], 0.4) == [True, False, False]  # 4 reaches 4
+    assert offload_split([4, 4, 2], 0.5) == [True, True, False]  # 4 < 5: the crossing tensor goes too
+    assert offload_split([2, 8, 1], 0.1) == [True, False, False]  # a prefix: later small tensors stay
+    assert offload_split([0, 3, 3], 0.5) == [False, True, False]  # empty tensors stay on the device
+    with pytest.raises(ValueError, match="--optimizer-offload-fraction"):
+        offload_split([1], 1.5)
+
+
+# ---- training on two data-parallel ranks --------------------------------------------------------------------
+def _build(wrapper, setting):
+    from megatron.core.distributed import DistributedDataParallelConfig, wrap_data_parallel
+    from megatron.core.optimizer import get_megatron_optimizer
+    from tests.unit_tests.distributed.precision_gpt import build_gpt
+
+    model = build_gpt()
+    if wrapper == "distributed_optimizer":
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+    else:
+        ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True, use_distributed_optimizer=True,
+                                                   data_parallel_sharding_strategy=wrapper)
+    chunk = wrap_data_parallel(model.config, ddp_config, model)
+    config = OptimizerConfig(lr=LR, use_distributed_optimizer=True, use_precision_aware_optimizer=True,
+                             **SETTINGS[setting])
+    return chunk, get_megatron_optimizer(config, [chunk])
+
+
+def _train(chunk, optimizer, steps):
+    from tests.unit_tests.distributed.precision_gpt import gpt_batch, gpt_loss
+
+    losses, norms = [], []
+    for step in steps:
+        chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = gpt_loss(chunk, gpt_batch(step))
+        loss.backward()
+        chunk.finish_grad_sync()
+        update_successful, grad_norm, _ = optimizer.step()
+        assert update_successful
+        losses.append(loss.item())
+        norms.append(float(grad_norm))
+    return losses, norms
+
+
+def _cloned(tree):
+    """A copy of a state dict whose tensors (DTensors included) are clones (deepcopy fails on some DTensors)."""
+    if isinstance(tree, dict):
+        return {key: _cloned(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_cloned(value) for value in tree)
+    return tree.detach().clone() if torch.is_tensor(tree) else copy.deepcopy(tree)
+
+
+def _checkpoint(chunk, optimizer):
+    return _cloned({"model": chunk.state_dict(), "optimizer": optimizer.state_dict()})
+
+
+def _local(value):
+    return value.to_local() if hasattr(value, "to_local") else value
+
+
+def _differences(a, b, path=""):
+    """Where two checkpoints differ in keys, tensor dtypes or values (empty: identical)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return [f"{path}: keys {sorted(map(str, set(a) ^ set(b)))}"]
+        return [d for key in a for d in _differences(a[key], b[key], f"{path}/{key}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{path}: lengths {len(a)} != {len(b)}"]
+        return [d for index, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}/{index}")]
+    if torch.is_tensor(a) and torch.is_tensor(b):
+        a, b = _local(a), _local(b)
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a.cpu(), b.cpu()):
+            return [f"{path}: tensors differ"]
+        return []
+    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
+
+
+def _layout(optimizer):
+    """How the hybrid optimizer split this rank's main parameters, and that the offloaded ones really live in
+    separate host copies whose state is the host optimizer's."""
+    hybrid = optimizer.optimizer
+    assert isinstance(hybrid, HybridDeviceOptimizer)
+    entries = hybrid.offloaded
+    main = [param for group in hybrid.param_groups for param in group["params"] if param.numel()]
+    host_states = [optimizer_.state for optimizer_, _ in hybrid.host_steps]
+    return {
+        "offloaded_numel": sum(entry.device_param.numel() for entry in entries),
+        "last_offloaded_numel": entries[-1].device_param.numel() if entries else 0,
+        "total_numel": sum(param.numel() for param in main),
+        "offloaded_prefix": all(main[index] is entry.device_param for index, entry in enumerate(entries)),
+        "separate_copies": all(entry.host_param.data_ptr() != entry.device_param.data_ptr() for entry in entries),
+        "shared_state": all(any(hybrid.state[entry.device_param] is states.get(entry.host_param) for states in
+                                host_states) for entry in entries),
+        "host_optimizers": len(hybrid.host_steps),
+        "device_optimizer": hybrid.device_optimizer is not None,
+    }
+
+
+def _offload_runs(wrapper):
+    runs, checkpoints, layouts = {}, {}, {}
+    for setting in SETTINGS:
+        chunk, optimizer = _build(wrapper, setting)
+        first = _train(chunk, optimizer, range(SAVE_AFTER))
+        checkpoints[setting] = _checkpoint(chunk, optimizer)
+        rest = _train(chunk, optimizer, range(SAVE_AFTER, STEPS))
+        runs[setting] = (first[0] + rest[0], first[1] + rest[1])
+        if setting != "none":
+            layouts[setting] = _layout(optimizer)
+    differences = {setting: _differences(checkpoints["none"], checkpoints[setting]) for setting in SETTINGS}
+    # Resume each direction across offload settings: the next losses equal the uninterrupted run's.
+    resumed = {}
+    for saved_with, loaded_with in (("all", "none"), ("none", "half"), ("half", "all_torch")):
+        chunk, optimizer = _build(wrapper, loaded_with)
+        chunk.load_state_dict(checkpoints[saved_with]["model"])
+        optimizer.load_state_dict(_cloned(checkpoints[saved_with]["optimizer"]))
+        resumed[saved_with, loaded_with] = _train(chunk, optimizer, range(SAVE_AFTER, STEPS))[0]
+    return {"runs": runs, "layouts": layouts, "resumed": resumed, "differences": differences}
+
+
+@pytest.mark.parametrize("world_size", [2])
+@pytest.mark.parametrize("wrapper", ["distributed_optimizer", "optim", "optim_grads_params"])
+def test_offload_trains_and_checkpoints_like_no_offload(world_size, wrapper):
+    for result in run_on_ranks(world_size, _offload_runs, wrapper):
+        losses, norms = result["runs"]["none"]
+        assert losses[-1] < losses[0]  # it trains
+        for setting in ("all", "half", "half_overlap"):
+            # The host steps with the same AdamW arithmetic in fp32: the same numbers (within 1e-6).
+            assert result["runs"][setting][0] == pytest.approx(losses, rel=1e-6, abs=0), setting
+            assert result["runs"][setting][1] == pytest.approx(norms, rel=1e-6, abs=0), setting
+            assert result["differences"][setting] == [], setting
+        # torch's multi-tensor AdamW on the host: the same update up to its kernels' rounding.
+        assert result["runs"]["all_torch"][0] == pytest.approx(losses, rel=1e-6, abs=0)
+        assert result["differences"]["all_torch"] == []
+        layouts = result["layouts"]
+        all_, half = layouts["all"], layouts["half"]
+        assert all_["offloaded_numel"] == all_["total_numel"] > 0 and not all_["device_optimizer"]
+        # Offloaded until half is reached: the tensor that crosses it is the last one on the host.
+        assert half["offloaded_numel"] - half["last_offloaded_numel"] < half["total_numel"] / 2
+        assert half["total_numel"] / 2 <= half["offloaded_numel"] < half["total_numel"] and half["device_optimizer"]
+        assert layouts["half_overlap"]["host_optimizers"] > 1 == half["host_optimizers"]  # one per parameter
+        for layout in layouts.values():
+            assert layout["offloaded_prefix"] and layout["separate_copies"] and layout["shared_state"]
+        for (saved_with, loaded_with), resumed_losses in result["resumed"].items():
+            expected = result["runs"][loaded_with][0][SAVE_AFTER:]
+            assert resumed_losses == pytest.approx(expected, rel=1e-6, abs=0), (saved_with, loaded_with)
+
+
+# ---- flags --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(optimizer_cpu_offload=True, use_distributed_optimizer=True),
+         r"--optimizer-cpu-offload\) needs use_precision_aware_optimizer"),
+        (dict(overlap_cpu_optimizer_d2h_h2d=True), r"--overlap-cpu-optimizer-d2h-h2d\) needs optimizer_cpu_offload"),
+        (dict(use_torch_optimizer_for_cpu_offload=True), r"--use-torch-optimizer-for-cpu-offload\) needs"),
+        (dict(optimizer_offload_fraction=1.5), r"--optimizer-offload-fraction\) must lie in \[0, 1\]"),
+        (dict(optimizer_cpu_offload=True, use_precision_aware_optimizer=True, use_distributed_optimizer=True,
+              use_torch_optimizer_for_cpu_offload=True, exp_avg_dtype=torch.bfloat16),
+         r"keeps fp32 state; drop --exp-avg-dtype"),
+    ],
+)
+def test_config_rules_name_the_flags(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        OptimizerConfig(lr=1e-3, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ("--optimizer-cpu-offload --use-distributed-optimizer", r"--optimizer-cpu-offload needs "
+         r"--use-precision-aware-optimizer"),
+        ("--optimizer-cpu-offload --use-precision-aware-optimizer", r"needs the distributed optimizer"),
+        ("--overlap-cpu-optimizer-d2h-h2d", r"--overlap-cpu-optimizer-d2h-h2d needs --optimizer-cpu-offload"),
+        ("--use-torch-optimizer-for-cpu-offload",
+         r"--use-torch-optimizer-for-cpu-offload needs --optimizer-cpu-offload"),
+        ("--optimizer-offload-fraction 0.5", r"--optimizer-offload-fraction needs --optimizer-cpu-offload"),
+        ("--optimizer-cpu-offload --use-precision-aware-optimizer --use-distributed-optimizer "
+         "--optimizer-offload-fraction 2", r"--optimizer-offload-fraction must lie in \[0, 1\]"),
+    ],
+)
+def test_flag_rules_name_the_flags(extra, message):
+    from tests.unit_tests.training.test_arguments import validated
+
+    with pytest.raises(ValueError, match=message):
+        validated(extra)
+
+
+def test_flags_reach_the_optimizer_config(monkeypatch):
+    from megatron.training.model_config import optimizer_config_from_args
+    from tests.unit_tests.training.test_arguments import validated
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args = validated("--use-megatron-fsdp --use-precision-aware-optimizer --optimizer-cpu-offload "
+                     "--optimizer-offload-fraction 0.25 --overlap-cpu-optimizer-d2h-h2d "
+                     "--use-torch-optimizer-for-cpu-offload")
+    config = optimizer_config_from_args(args)
+    assert (config.optimizer_cpu_offload, config.optimizer_offload_fraction, config.overlap_cpu_optimizer_d2h_h2d,
+            config.use_torch_optimizer_for_cpu_offload) == (True, 0.25, True, True)
+    defaults = optimizer_config_from_args(validated())
+    assert (defaults.optimizer_cpu_offload, defaults.optimizer_offload_fraction) == (False, 1.0)
