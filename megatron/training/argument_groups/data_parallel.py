@@ -2,6 +2,8 @@
 
 import os
 
+from megatron.training.argument_groups import nccl_buffers
+
 SHARDING_STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 MEGATRON_FSDP_DTYPE_CHOICES = ["fp32", "bf16", "fp16", "auto"]
 
@@ -14,6 +16,7 @@ def megatron_fsdp_dtype(choice):
 
 
 def add_arguments(parser):
+    nccl_buffers.add_arguments(parser)
     group = parser.add_argument_group("data parallel")
     group.add_argument("--use-distributed-optimizer", action="store_true", help="ZeRO-1 for the DDP path.")
     group.add_argument("--overlap-grad-reduce", action="store_true", help="Overlap grad reduction with backward.")
@@ -125,6 +128,7 @@ def _validate_gradient_precision(args):
 
 def validate(args):
     _validate_gradient_precision(args)
+    nccl_buffers.validate(args)
     if args.use_megatron_fsdp and args.use_torch_fsdp2:
         raise ValueError("--use-megatron-fsdp and --use-torch-fsdp2 are exclusive: pick one")
     if args.use_megatron_fsdp:
