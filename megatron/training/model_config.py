@@ -16,6 +16,7 @@ def core_transformer_config_from_args(args, config_class=None):
     from megatron.core.activations import squared_relu
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.training.argument_groups.fp8 import transformer_config_kwargs as fp8_config_kwargs
+    from megatron.training.argument_groups.memory import transformer_config_kwargs as memory_config_kwargs
 
     config_class = config_class or TransformerConfig
     return config_class(
@@ -53,6 +54,7 @@ def core_transformer_config_from_args(args, config_class=None):
         calculate_per_token_loss=args.calculate_per_token_loss,
         init_model_with_meta_device=args.init_model_with_meta_device,
         **fp8_config_kwargs(args),
+        **memory_config_kwargs(args),
     )
 
 

@@ -6,6 +6,7 @@ L/(P*v) consecutive layers (see `pipeline_stage_layer_range`). A stage that is n
 `set_input_tensor` (what the previous stage sent) instead of the `hidden_states` argument.
 """
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -71,6 +72,7 @@ class TransformerBlock(torch.nn.Module):
         )
         self.final_layernorm = build_norm(config, config.hidden_size) if post_process else None
         self.input_tensor: Optional[torch.Tensor] = None
+        self.activation_offloader = None  # built at the first forward with --cpu-offloading
 
     def set_input_tensor(self, input_tensor: Optional[torch.Tensor]):
         """The activation received from the previous pipeline stage (`[s, b, h]`), used instead of the argument."""
@@ -78,12 +80,25 @@ class TransformerBlock(torch.nn.Module):
 
     def _run_layers(self, start, end):
         def run(hidden_states, attention_mask, rotary_pos_emb):
-            for layer in self.layers[start:end]:
-                with get_fp8_context(self.config, layer.layer_number - 1):
+            for index in range(start, end):
+                layer = self.layers[index]
+                with get_fp8_context(self.config, layer.layer_number - 1), self._activation_offload(index, layer):
                     hidden_states = layer(hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
             return hidden_states
 
         return run
+
+    def _activation_offload(self, index, layer):
+        """Saved-tensor hooks moving the activations of the first `cpu_offloading_num_layers` local layers to
+        host memory (`--cpu-offloading`); a no-op context for the others and in evaluation."""
+        if not (self.config.cpu_offloading and index < self.config.cpu_offloading_num_layers
+                and torch.is_grad_enabled()):
+            return contextlib.nullcontext()
+        if self.activation_offloader is None:
+            from megatron.core.offloading.activations import ActivationOffloader
+
+            self.activation_offloader = ActivationOffloader()
+        return self.activation_offloader.hooks(layer.layer_number)
 
     def _forward_with_full_recompute(self, hidden_states, attention_mask, rotary_pos_emb):
         num_layers = len(self.layers)

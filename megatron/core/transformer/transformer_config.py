@@ -98,6 +98,12 @@ class TransformerConfig(ModelParallelConfig):
     recompute_num_layers layers of each pipeline stage."""
     recompute_num_layers: Optional[int] = None
 
+    cpu_offloading: bool = False
+    """Move the activations the first `cpu_offloading_num_layers` layers of each block save for backward to host
+    memory during forward, and back for their backward (`--cpu-offloading`, see megatron/core/offloading/)."""
+    cpu_offloading_num_layers: int = 0
+    """How many transformer layers offload their activations (`--cpu-offloading-num-layers`, < num_layers)."""
+
     calculate_per_token_loss: bool = False
     """Loss is summed over tokens and divided once by the global token count (`--calculate-per-token-loss`),
     instead of averaging per microbatch; the pipeline schedules and gradient finalisation read it."""
@@ -115,6 +121,7 @@ class TransformerConfig(ModelParallelConfig):
         self._validate_parallel_split()
         self._validate_regularisation_and_norm()
         self._validate_recompute()
+        self._validate_cpu_offloading()
         self._validate_fp8()
         self._validate_context_parallel()
 
@@ -206,6 +213,21 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(f"--normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
         if self.layernorm_epsilon <= 0:
             raise ValueError(f"layernorm_epsilon must be positive, got {self.layernorm_epsilon}")
+
+    def _validate_cpu_offloading(self):
+        if not self.cpu_offloading:
+            if self.cpu_offloading_num_layers:
+                raise ValueError("--cpu-offloading-num-layers needs --cpu-offloading; pass it or drop the count")
+            return
+        # Upstream's rules: at least one layer, never all (the last layer's backward follows at once), no
+        # pipeline parallelism, no recomputation.
+        if not 0 < self.cpu_offloading_num_layers < self.num_layers:
+            raise ValueError(f"--cpu-offloading needs 0 < --cpu-offloading-num-layers < --num-layers "
+                             f"({self.num_layers}), got {self.cpu_offloading_num_layers}")
+        if self.pipeline_model_parallel_size > 1:
+            raise ValueError("--cpu-offloading does not support --pipeline-model-parallel-size > 1")
+        if self.recompute_granularity is not None:
+            raise ValueError("--cpu-offloading does not work with --recompute-granularity; drop one of them")
 
     def _validate_recompute(self):
         if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:

@@ -1,4 +1,4 @@
-"""Memory flags: the precision-aware optimizer's dtypes and optimizer CPU offload."""
+"""Memory flags: the precision-aware optimizer's dtypes, optimizer CPU offload and activation offloading."""
 
 DTYPE_CHOICES = {
     "main_params_dtype": ["fp32", "fp16"],
@@ -47,6 +47,16 @@ def add_arguments(parser):
         action="store_true",
         help="Optimizer CPU offload: copy gradients to the host and parameters back on side streams, one host "
         "optimizer per parameter, overlapped with the device step.",
+    )
+    group.add_argument(
+        "--cpu-offloading",
+        action="store_true",
+        help="Move the activations of the first --cpu-offloading-num-layers transformer layers to (pinned) host "
+        "memory during forward and back for their backward.",
+    )
+    group.add_argument(
+        "--cpu-offloading-num-layers", type=int, default=0,
+        help="Transformer layers whose activations --cpu-offloading offloads (0 < N < --num-layers).",
     )
     group.add_argument(
         "--use-torch-optimizer-for-cpu-offload",
@@ -122,3 +132,8 @@ def optimizer_config_kwargs(args):
                 optimizer_offload_fraction=args.optimizer_offload_fraction,
                 overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d,
                 use_torch_optimizer_for_cpu_offload=args.use_torch_optimizer_for_cpu_offload, **kwargs)
+
+
+def transformer_config_kwargs(args):
+    """The activation-offloading fields of TransformerConfig (it checks them against the model's shape)."""
+    return dict(cpu_offloading=args.cpu_offloading, cpu_offloading_num_layers=args.cpu_offloading_num_layers)

@@ -1,0 +1,124 @@
+"""Activation offloading (`--cpu-offloading`): losses and gradients equal to no offload (exact, fp32), the hooks
+saw the chosen layers' tensors only and gave every one back, evaluation offloads nothing, and the rules."""
+
+import pytest
+import torch
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+NUM_LAYERS, OFFLOADED_LAYERS = 3, 2
+
+
+def _gpt(cpu_offloading):
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from tests.unit_tests.distributed import precision_gpt as small
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel()
+    tensor_parallel.model_parallel_cuda_manual_seed(small.SEED)
+    config = TransformerConfig(num_layers=NUM_LAYERS, hidden_size=small.HIDDEN, num_attention_heads=small.HEADS,
+                               hidden_dropout=0.0, attention_dropout=0.0, init_seed=small.SEED,
+                               cpu_offloading=cpu_offloading,
+                               cpu_offloading_num_layers=OFFLOADED_LAYERS if cpu_offloading else 0)
+    return GPTModel(config, vocab_size=small.VOCAB, max_sequence_length=small.SEQ)
+
+
+def _losses_and_grads():
+    from tests.unit_tests.distributed.precision_gpt import gpt_batch, gpt_loss
+
+    results = {}
+    for cpu_offloading in (False, True):
+        model = _gpt(cpu_offloading)
+        losses, grads = [], []
+        for step in range(2):
+            model.zero_grad()
+            loss = gpt_loss(model, gpt_batch(step))
+            loss.backward()
+            losses.append(loss.item())
+            grads.append({name: param.grad.clone() for name, param in model.named_parameters()})
+        offloader = model.decoder.activation_offloader
+        counts = None if offloader is None else (dict(offloader.packed), dict(offloader.unpacked),
+                                                  dict(offloader.packed_bytes))
+        if offloader is not None:
+            offloader.reset_counters()
+            with torch.no_grad():
+                gpt_loss(model, gpt_batch(5))
+            counts += (dict(offloader.packed),)
+        results[cpu_offloading] = (losses, grads, counts)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_offloaded_activations_give_the_same_losses_and_gradients(world_size):
+    for results in run_on_ranks(world_size, _losses_and_grads):
+        (plain_losses, plain_grads, none), (losses, grads, counts) = results[False], results[True]
+        assert none is None
+        assert losses == plain_losses  # exact
+        for plain_step, step in zip(plain_grads, grads):
+            assert plain_step.keys() == step.keys()
+            for name in plain_step:
+                assert torch.equal(plain_step[name], step[name]), name
+        packed, unpacked, packed_bytes, packed_in_eval = counts
+        # Layers 1 and 2 (of 3) offloaded; every tensor came back for the backward; none in evaluation.
+        assert sorted(packed) == [1, 2] and packed == unpacked
+        assert all(count > 0 for count in packed.values()) and packed[1] == packed[2]
+        assert all(value > 0 for value in packed_bytes.values())
+        assert packed_in_eval == {}
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(cpu_offloading=True), r"0 < --cpu-offloading-num-layers < --num-layers \(2\), got 0"),
+        (dict(cpu_offloading=True, cpu_offloading_num_layers=2), r"--cpu-offloading-num-layers < --num-layers"),
+        (dict(cpu_offloading_num_layers=1), r"--cpu-offloading-num-layers needs --cpu-offloading"),
+        (dict(cpu_offloading=True, cpu_offloading_num_layers=1, recompute_granularity="selective"),
+         r"--cpu-offloading does not work with --recompute-granularity"),
+    ],
+)
+def test_config_rules_name_the_flags(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, **kwargs)
+
+
+def test_flags_reach_the_transformer_config():
+    from megatron.training.model_config import core_transformer_config_from_args
+    from tests.unit_tests.training.test_arguments import validated
+
+    config = core_transformer_config_from_args(validated("--cpu-offloading --cpu-offloading-num-layers 1"))
+    assert (config.cpu_offloading, config.cpu_offloading_num_layers) == (True, 1)
+    with pytest.raises(ValueError, match="--cpu-offloading-num-layers needs --cpu-offloading"):
+        core_transformer_config_from_args(validated("--cpu-offloading-num-layers 1"))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_hooks_keep_layouts_and_values(device):
+    """Saved tensors come back with their strides (a transposed operand stays transposed) and values, and the
+    gradients equal those computed without the hooks; parameters are not offloaded."""
+    from megatron.core.offloading.activations import ActivationOffloader, _dense
+
+    assert _dense(torch.empty(4, 3).t()) and not _dense(torch.empty(4, 6)[:, :3])
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(5, 3, generator=generator).to(device))
+    base = torch.randn(4, 5, generator=generator).to(device)
+
+    def loss_and_grads(offloader):
+        inputs = base.clone().requires_grad_(True)
+        context = offloader.hooks("layer") if offloader is not None else torch.autograd.graph.saved_tensors_hooks(
+            lambda t: t, lambda t: t)
+        with context:
+            hidden = torch.tanh(inputs.t())  # [5, 4], a transposed layout saved by the matmul below
+            loss = (hidden.t() @ weight).square().sum()
+        loss.backward()
+        return loss.detach(), inputs.grad, weight.grad.clone()
+
+    reference = loss_and_grads(None)
+    weight.grad = None
+    offloader = ActivationOffloader()
+    offloaded = loss_and_grads(offloader)
+    for expected, actual in zip(reference, offloaded):
+        assert torch.equal(expected, actual)
+    assert offloader.packed["layer"] == offloader.unpacked["layer"] >= 2  # tanh's output and the matmul operand
