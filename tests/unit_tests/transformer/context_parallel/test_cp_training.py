@@ -101,3 +101,27 @@ def test_cp2_pp2_trains_as_pp2(tmp_path, world_size):
     results = run_on_ranks(world_size, _cp_and_reference, str(tmp_path), pp,
                            f"{pp} --context-parallel-size 2 --cp-comm-type a2a")
     _assert_same_losses(results)
+
+
+def _cp_checkpoint_resumed_without_cp(workdir):
+    """4 iterations of CP1 DDP straight; CP2 Megatron-FSDP ZeRO-3 saving at iteration 2 (torch_dist), then CP1 DDP
+    loading that checkpoint and training iterations 3 and 4."""
+    schedule = "--train-iters 4 --lr-decay-iters 4 --ckpt-format torch_dist"
+    checkpoint = f"{workdir}/cp2_fsdp_ckpt"
+    straight = run_pretrain(workdir, f"{MODEL} {schedule}")
+    first_half = run_pretrain(
+        workdir, f"{MODEL} {schedule} {WRAPPERS['megatron_fsdp_z3']} --context-parallel-size 2 --cp-comm-type p2p "
+                 f"--save {checkpoint} --save-interval 2 --exit-interval 2")
+    resumed = run_pretrain(workdir, f"{MODEL} {schedule} --load {checkpoint}")
+    return straight, first_half, resumed
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_a_cp2_megatron_fsdp_checkpoint_resumes_under_cp1_ddp(tmp_path, world_size):
+    """The checkpoint holds logical tensors (no trace of the CP layout or of the sharding): CP1 DDP resumes a CP2
+    Megatron-FSDP run as if it had trained the first half itself."""
+    for straight, first_half, resumed in run_on_ranks(world_size, _cp_checkpoint_resumed_without_cp, str(tmp_path)):
+        assert sorted(first_half) == [1, 2] and sorted(resumed) == [3, 4]
+        for iteration, losses in ((1, first_half), (2, first_half), (3, resumed), (4, resumed)):
+            loss = straight[iteration]
+            assert abs(losses[iteration] - loss) <= 1e-5 * abs(loss), (iteration, loss, losses[iteration])
