@@ -42,6 +42,7 @@ REFERENCES = {
     "gpt/megatron_fsdp_z3_tp2_sp_dp2": DDP_TWIN,
     "gpt/megatron_fsdp_z3_pp2_dp2": DDP_TWIN,
     "gpt/megatron_fsdp_z3_tp2_pp2_dp2": DDP_TWIN,
+    "gpt/pp2_vpp2_megatron_fsdp_z3": DDP_TWIN,
     "gpt/megatron_fsdp_hsdp_dp4": DDP_TWIN,
     "gpt/megatron_fsdp_hfsdp_dp4": DDP_TWIN,
     "gpt/resume_dp2_ddp": ROOT_CASE,

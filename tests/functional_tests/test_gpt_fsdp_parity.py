@@ -32,6 +32,7 @@ SHARDED_OVER = {
     "gpt/megatron_fsdp_z3_tp2_sp_dp2": (2, 2, 2),
     "gpt/megatron_fsdp_z3_pp2_dp2": (2, 2, 2),
     "gpt/megatron_fsdp_z3_tp2_pp2_dp2": (2, 2, 2),
+    "gpt/pp2_vpp2_megatron_fsdp_z3": (2, 2, 2),  # PP2 x DP2, two chunks per rank
     "gpt/megatron_fsdp_hsdp_dp4": (2, 2, 2),
     "gpt/megatron_fsdp_hfsdp_dp4": (2, 4, 4),
     "gpt/cp2_megatron_fsdp_z3": (2, 2, 2),  # DP1 x CP2: sharded over the dp_shard_cp group

@@ -43,12 +43,6 @@ def is_fsdp_chunk(chunk) -> bool:
                                                        and isinstance(chunk, package_wrapper))
 
 
-def _chunk(model_chunks):
-    if len(model_chunks) != 1:
-        raise NotImplementedError("Megatron-FSDP checkpoints: one model chunk per rank (no virtual pipeline)")
-    return model_chunks[0]
-
-
 def _names(chunk):
     """{module key: (logical name, saved by this rank)} for the chunk's parameters."""
     module = unwrap_model(chunk)
@@ -70,47 +64,67 @@ def _as_logical(value):
 
 
 def model_state(model_chunks, for_saving):
-    chunk = _chunk(model_chunks)
-    names, offset = _names(chunk)
     state = {}
-    for key, value in chunk.state_dict().items():
-        name, saved_here = names.get(key, (logical_name(key, offset), True))
-        if for_saving and not saved_here:
-            continue
-        if torch.is_tensor(value):
-            state[name] = _as_logical(value)
+    for chunk in model_chunks:
+        names, offset = _names(chunk)
+        for key, value in chunk.state_dict().items():
+            name, saved_here = names.get(key, (logical_name(key, offset), True))
+            if for_saving and not saved_here:
+                continue
+            if torch.is_tensor(value):
+                state[name] = _as_logical(value)
     return state
 
 
 def model_load_targets(model_chunks):
-    """(targets, finish): fill the targets, then `finish()` loads them into the Megatron-FSDP chunk."""
-    chunk = _chunk(model_chunks)
-    names, offset = _names(chunk)
-    template = chunk.state_dict()
-    targets, by_key = {}, {}
-    for key, value in template.items():
-        if not torch.is_tensor(value):
-            continue
-        name = names.get(key, (logical_name(key, offset), True))[0]
-        targets[name] = _as_logical(value)
-        by_key[key] = name
+    """(targets, finish): fill the targets, then `finish()` loads them into the Megatron-FSDP chunks."""
+    targets, loads = {}, []
+    for chunk in model_chunks:
+        names, offset = _names(chunk)
+        template = chunk.state_dict()
+        by_key = {}
+        for key, value in template.items():
+            if not torch.is_tensor(value):
+                continue
+            name = names.get(key, (logical_name(key, offset), True))[0]
+            targets[name] = _as_logical(value)
+            by_key[key] = name
+        loads.append((chunk, template, by_key))
 
     def finish(loaded_names):
-        present = {key: template[key] for key, name in by_key.items() if name in loaded_names}
-        chunk.load_state_dict(present, strict=len(present) == len(by_key))
+        for chunk, template, by_key in loads:
+            present = {key: template[key] for key, name in by_key.items() if name in loaded_names}
+            chunk.load_state_dict(present, strict=len(present) == len(by_key))
 
     return targets, finish
 
 
-def _torch_optimizer(optimizer):
-    torch_optimizer = optimizer.optimizer
+def _checked_torch_optimizer(torch_optimizer):
     if not hasattr(torch_optimizer, "_megatron_fsdp_model"):
         raise ValueError("a Megatron-FSDP chunk's optimizer must come from megatron_fsdp.fully_shard_optimizer")
     return torch_optimizer
 
 
-def _name_keyed_state(optimizer):
-    state = _torch_optimizer(optimizer).state_dict()
+def _chunk_optimizers(optimizer, model_chunks):
+    """[(chunk, its torch optimizer, the index in the optimizer's param groups of each of its groups)], and the
+    number of those param groups. A `MegatronFSDPOptimizer` has one torch optimizer per chunk; another optimizer
+    wrapper holds one torch optimizer for a single chunk in `.optimizer`."""
+    entries = getattr(optimizer, "chunk_optimizers", None)
+    if entries is None:
+        if len(model_chunks) != 1:
+            raise ValueError(f"Megatron-FSDP checkpoints of {len(model_chunks)} model chunks need their "
+                             "MegatronFSDPOptimizer (one torch optimizer per chunk)")
+        torch_optimizer = _checked_torch_optimizer(optimizer.optimizer)
+        count = len(torch_optimizer.param_groups)
+        return [(model_chunks[0], torch_optimizer, list(range(count)))], count
+    if [id(entry.chunk) for entry in entries] != [id(chunk) for chunk in model_chunks]:
+        raise ValueError("the optimizer steps other model chunks than the ones checkpointed")
+    return ([(entry.chunk, _checked_torch_optimizer(entry.optimizer), list(entry.group_indices))
+             for entry in entries], optimizer.num_param_groups)
+
+
+def _name_keyed_state(torch_optimizer):
+    state = torch_optimizer.state_dict()
     groups = state["param_groups"]
     if groups and groups[0]["params"] and not isinstance(groups[0]["params"][0], str):
         raise ValueError("Megatron-FSDP optimizer state dict is not keyed by parameter name; build the model with "
@@ -128,57 +142,68 @@ def _agreed_step(steps, device):
 
 
 def optimizer_state_to_save(optimizer, model_chunks):
-    chunk = _chunk(model_chunks)
-    names, offset = _names(chunk)
-    saved = _name_keyed_state(optimizer)
+    """The state of every chunk's optimizer under the logical names of its parameters (global layer numbers),
+    so the keys do not depend on how the layers are split into chunks; the param groups' hyper-parameters once
+    per group of the optimizer (the first chunk holding that group gives them)."""
+    entries, num_groups = _chunk_optimizers(optimizer, model_chunks)
     state, steps = {}, []
-    for key, values in saved["state"].items():
-        name, saved_here = names.get(key, (logical_name(key, offset), True))
-        for state_name, value in values.items():
-            if state_name == "step":
-                steps.append(float(value))
-            elif isinstance(value, DTensor) and value.dim() > 0 and saved_here:
-                target_name = MAIN_PARAM_KEY if state_name == PACKAGE_MAIN_PARAM_KEY else state_name
-                state[state_key(name, target_name)] = _as_logical(value)
-    state[STEP_KEY] = _agreed_step(steps, chunk.device)
-    state[PARAM_GROUPS_KEY] = [{k: v for k, v in group.items() if k != "params"} for group in saved["param_groups"]]
+    groups = [None] * num_groups
+    for chunk, torch_optimizer, group_indices in entries:
+        names, offset = _names(chunk)
+        saved = _name_keyed_state(torch_optimizer)
+        for key, values in saved["state"].items():
+            name, saved_here = names.get(key, (logical_name(key, offset), True))
+            for state_name, value in values.items():
+                if state_name == "step":
+                    steps.append(float(value))
+                elif isinstance(value, DTensor) and value.dim() > 0 and saved_here:
+                    target_name = MAIN_PARAM_KEY if state_name == PACKAGE_MAIN_PARAM_KEY else state_name
+                    state[state_key(name, target_name)] = _as_logical(value)
+        for index, group in zip(group_indices, saved["param_groups"]):
+            if groups[index] is None:
+                groups[index] = {k: v for k, v in group.items() if k != "params"}
+    state[STEP_KEY] = _agreed_step(steps, model_chunks[0].device)
+    state[PARAM_GROUPS_KEY] = [group for group in groups if group is not None]
     state[GRAD_SCALER_KEY] = None if optimizer.grad_scaler is None else optimizer.grad_scaler.state_dict()
     return state
 
 
 def optimizer_load_targets(optimizer, model_chunks, saved_keys):
-    chunk = _chunk(model_chunks)
-    names, offset = _names(chunk)
-    template = _name_keyed_state(optimizer)
-    targets = {}
-    for key, values in template["state"].items():
-        name = names.get(key, (logical_name(key, offset), True))[0]
-        available = set(optimizer_state_keys_of(name, saved_keys))
-        for state_name, value in values.items():
-            target_name = MAIN_PARAM_KEY if state_name == PACKAGE_MAIN_PARAM_KEY else state_name
-            if isinstance(value, DTensor) and value.dim() > 0 and target_name in available:
-                targets[state_key(name, target_name)] = _as_logical(value)
+    entries, num_groups = _chunk_optimizers(optimizer, model_chunks)
+    targets, loads = {}, []
+    for chunk, torch_optimizer, group_indices in entries:
+        names, offset = _names(chunk)
+        template = _name_keyed_state(torch_optimizer)
+        for key, values in template["state"].items():
+            name = names.get(key, (logical_name(key, offset), True))[0]
+            available = set(optimizer_state_keys_of(name, saved_keys))
+            for state_name, value in values.items():
+                target_name = MAIN_PARAM_KEY if state_name == PACKAGE_MAIN_PARAM_KEY else state_name
+                if isinstance(value, DTensor) and value.dim() > 0 and target_name in available:
+                    targets[state_key(name, target_name)] = _as_logical(value)
+        loads.append((torch_optimizer, group_indices, names, offset, template))
 
     def install(loaded):
         step = loaded.get(STEP_KEY)
-        state = {}
-        for key, values in template["state"].items():
-            name = names.get(key, (logical_name(key, offset), True))[0]
-            entry = {}
-            for state_name, value in values.items():
-                target_name = MAIN_PARAM_KEY if state_name == PACKAGE_MAIN_PARAM_KEY else state_name
-                if state_key(name, target_name) in targets:
-                    entry[state_name] = value  # filled in place through its ShardedLogicalTensor view
-                elif state_name == "step" and step is not None:
-                    entry[state_name] = torch.tensor(float(step), dtype=value.dtype, device=value.device) \
-                        if torch.is_tensor(value) else step
-            if entry:
-                state[key] = entry
-        groups = template["param_groups"]
         saved_groups = loaded.get(PARAM_GROUPS_KEY)
-        if saved_groups is not None and len(saved_groups) == len(groups):
-            groups = [{**group, **saved} for group, saved in zip(groups, saved_groups)]
-        _torch_optimizer(optimizer).load_state_dict({"state": state, "param_groups": groups})
+        for torch_optimizer, group_indices, names, offset, template in loads:
+            state = {}
+            for key, values in template["state"].items():
+                name = names.get(key, (logical_name(key, offset), True))[0]
+                entry = {}
+                for state_name, value in values.items():
+                    target_name = MAIN_PARAM_KEY if state_name == PACKAGE_MAIN_PARAM_KEY else state_name
+                    if state_key(name, target_name) in targets:
+                        entry[state_name] = value  # filled in place through its ShardedLogicalTensor view
+                    elif state_name == "step" and step is not None:
+                        entry[state_name] = torch.tensor(float(step), dtype=value.dtype, device=value.device) \
+                            if torch.is_tensor(value) else step
+                if entry:
+                    state[key] = entry
+            groups = template["param_groups"]
+            if saved_groups is not None and len(saved_groups) == num_groups:
+                groups = [{**group, **saved_groups[index]} for group, index in zip(groups, group_indices)]
+            torch_optimizer.load_state_dict({"state": state, "param_groups": groups})
         if optimizer.grad_scaler is not None and loaded.get(GRAD_SCALER_KEY) is not None:
             optimizer.grad_scaler.load_state_dict(loaded[GRAD_SCALER_KEY])
 

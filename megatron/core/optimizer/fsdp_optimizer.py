@@ -1,10 +1,13 @@
-"""`MegatronFSDPOptimizer`: Megatron's optimizer step on the sharded main weights of a Megatron-FSDP model chunk.
+"""`MegatronFSDPOptimizer`: Megatron's optimizer step on the sharded main weights of Megatron-FSDP model chunks.
 
-The torch optimizer is built from the chunk's parameters and handed to `megatron_fsdp.fully_shard_optimizer`,
-which re-points it at Megatron-FSDP's main-weight views (fp32 by default; this rank's shard piece of each
-parameter under ZeRO-1..3, the whole parameter under ZeRO-0) and installs the updated weights into the model
-after every `step()`. Gradients arrive attached to those views by `finish_grad_sync` (called from
-`finalize_model_grads`, which also applies the tensor- and pipeline-parallel all-reduces to them).
+For each chunk of the rank (one, or one per virtual pipeline stage with an interleaved pipeline) a torch
+optimizer is built from that chunk's parameters and handed to `megatron_fsdp.fully_shard_optimizer`, which
+re-points it at Megatron-FSDP's main-weight views (fp32 by default; this rank's shard piece of each parameter
+under ZeRO-1..3, the whole parameter under ZeRO-0) and installs the updated weights into the model after every
+`step()`. Gradients arrive attached to those views by `finish_grad_sync` (called from `finalize_model_grads`,
+which also applies the tensor- and pipeline-parallel all-reduces to them). With several chunks the per-chunk
+optimizers sit behind one `ChunkOptimizers` (`self.optimizer`): the statistics below, the clipping and
+`zero_grad` run over the main weights of all chunks at once, so the norm is the global one.
 
 Around that, the usual Megatron step: fp16 loss-scale unscaling with overflow agreed over every rank (a step
 with inf/nan is skipped on all ranks), global grad-norm clipping and the zero count. Each gradient element is
@@ -14,13 +17,15 @@ on the first pipeline stage only (the `tensor_model_parallel` / `shared_embeddin
 to the main-weight views), summed over the model-parallel group.
 """
 
+from typing import List, NamedTuple
+
 import torch
 import torch.distributed as dist
 
 from megatron.core.optimizer.optimizer import MegatronOptimizer, copy_parallel_attributes
 
 
-def _megatron_fsdp_chunk(model_chunks):
+def _megatron_fsdp_chunks(model_chunks):
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import MegatronFSDPAdapter
 
     chunks = [chunk for chunk in model_chunks if isinstance(chunk, MegatronFSDPAdapter)]
@@ -29,22 +34,76 @@ def _megatron_fsdp_chunk(model_chunks):
             "MegatronFSDPOptimizer: every model chunk must be wrapped in megatron.core.distributed."
             "MegatronFSDPAdapter (--use-megatron-fsdp); got a mix of wrappers"
         )
-    if len(chunks) != 1:
-        raise ValueError(
-            f"MegatronFSDPOptimizer steps one Megatron-FSDP model chunk per rank, got {len(chunks)} (virtual "
-            "pipeline stages are not supported with --use-megatron-fsdp)"
-        )
-    return chunks[0]
+    if not chunks:
+        raise ValueError("MegatronFSDPOptimizer: no model chunks")
+    return chunks
+
+
+class ChunkOptimizers:
+    """The torch optimizers of several Megatron-FSDP chunks (one per chunk, each from `fully_shard_optimizer`)
+    behind one torch-optimizer-like object: `param_groups` is the concatenation of theirs (the same dicts, so the
+    scheduler's learning rates reach every chunk), `state` their merged state, and `step` / `zero_grad` run on
+    each. `state_dict()` is the list of theirs; checkpoints (torch_dist) read each chunk's optimizer through
+    `MegatronFSDPOptimizer.chunk_optimizers` instead, under the logical names of its parameters."""
+
+    def __init__(self, optimizers):
+        self.optimizers = list(optimizers)
+
+    @property
+    def chained_optimizers(self):
+        return self.optimizers
+
+    @property
+    def param_groups(self):
+        return [group for optimizer in self.optimizers for group in optimizer.param_groups]
+
+    @property
+    def state(self):
+        merged = {}
+        for optimizer in self.optimizers:
+            merged.update(optimizer.state)
+        return merged
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("MegatronFSDPOptimizer over several model chunks steps without a closure")
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none=True):
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return {"chunk_optimizers": [optimizer.state_dict() for optimizer in self.optimizers]}
+
+    def load_state_dict(self, state_dict):
+        saved = state_dict["chunk_optimizers"]
+        if len(saved) != len(self.optimizers):
+            raise ValueError(f"optimizer state of {len(saved)} model chunks, this optimizer steps "
+                             f"{len(self.optimizers)}")
+        for optimizer, chunk_state in zip(self.optimizers, saved):
+            optimizer.load_state_dict(chunk_state)
+
+
+class ChunkOptimizer(NamedTuple):
+    """One Megatron-FSDP chunk, the torch optimizer (from `fully_shard_optimizer`) stepping its main weights,
+    and for each of that optimizer's param groups the index of the group it came from in the param groups the
+    `MegatronFSDPOptimizer` was built with (a chunk without parameters of some group has no such group)."""
+
+    chunk: object
+    optimizer: torch.optim.Optimizer
+    group_indices: List[int]
 
 
 class MegatronFSDPOptimizer(MegatronOptimizer):
-    """Steps a `MegatronFSDPAdapter` chunk's main weights; see the module docstring.
+    """Steps the main weights of the `MegatronFSDPAdapter` chunks of this rank; see the module docstring.
 
     Args:
         param_groups: groups from `get_param_groups(model_chunks, ...)` (hyper-parameters, wd/lr multipliers).
-        optimizer_factory: builds the torch optimizer from param groups.
+        optimizer_factory: builds the torch optimizer from param groups (called once per chunk).
         config: `OptimizerConfig`.
-        model_chunks: [the Megatron-FSDP chunk of this rank].
+        model_chunks: the Megatron-FSDP chunks of this rank (one, or one per virtual pipeline stage).
         grad_scaler: fp16 loss scaler or None.
         model_parallel_groups: groups spanning the model-parallel ranks (TP x PP) of this rank.
         data_parallel_group: every data-parallel rank of this stage (overflow is agreed on over it too).
@@ -54,21 +113,38 @@ class MegatronFSDPOptimizer(MegatronOptimizer):
                  model_parallel_groups=(), data_parallel_group=None):
         import megatron_fsdp
 
-        self.chunk = _megatron_fsdp_chunk(list(model_chunks))
-        real_groups = []
-        for group in param_groups:
-            params = [self.chunk.real_parameter(param) for param in group["params"]]
-            real_groups.append({**group, "params": params})
-        # The main-weight views stand in for the parameters in gradient statistics: give them their attributes.
-        for group in real_groups:
-            for param in group["params"]:
-                main_param = self.chunk.main_param_of(param)
-                if main_param is not None:
-                    copy_parallel_attributes(param, main_param)
-        torch_optimizer = megatron_fsdp.fully_shard_optimizer(
-            optimizer_factory(real_groups),
-            preproc_state_dict_for_dcp_ckpt=self.chunk.ddp_config.preproc_state_dict_for_dcp_ckpt,
-        )
+        self.chunks = _megatron_fsdp_chunks(list(model_chunks))
+        self.chunk = self.chunks[0]
+        param_groups = list(param_groups)
+        placed = set()
+        self.chunk_optimizers = []
+        for chunk in self.chunks:
+            real_groups, group_indices = [], []
+            for index, group in enumerate(param_groups):
+                params = [chunk.real_parameter(param) for param in group["params"] if chunk.owns(param)]
+                placed.update(id(param) for param in group["params"] if chunk.owns(param))
+                if params or len(self.chunks) == 1:
+                    real_groups.append({**group, "params": params})
+                    group_indices.append(index)
+            # The main-weight views stand in for the parameters in gradient statistics: give them their attributes.
+            for group in real_groups:
+                for param in group["params"]:
+                    main_param = chunk.main_param_of(param)
+                    if main_param is not None:
+                        copy_parallel_attributes(param, main_param)
+            torch_optimizer = megatron_fsdp.fully_shard_optimizer(
+                optimizer_factory(real_groups),
+                preproc_state_dict_for_dcp_ckpt=chunk.ddp_config.preproc_state_dict_for_dcp_ckpt,
+            )
+            self.chunk_optimizers.append(ChunkOptimizer(chunk, torch_optimizer, group_indices))
+        stray = [param for group in param_groups for param in group["params"] if id(param) not in placed]
+        if stray:
+            raise ValueError(f"MegatronFSDPOptimizer: {len(stray)} parameter(s) of the param groups belong to none "
+                             "of the model chunks")
+        self.num_param_groups = len(param_groups)
+        torch_optimizer = (self.chunk_optimizers[0].optimizer if len(self.chunks) == 1
+                           else ChunkOptimizers(entry.optimizer for entry in self.chunk_optimizers))
+        # Every chunk of a rank shards over the same groups (one stage's data-parallel mesh).
         grad_stats_groups = list(model_parallel_groups) + self.chunk.grad_shard_groups()
         found_inf_groups = list(model_parallel_groups) + ([data_parallel_group] if data_parallel_group else [])
         super().__init__(torch_optimizer, config, grad_scaler, grad_stats_groups, found_inf_groups)
@@ -81,7 +157,8 @@ class MegatronFSDPOptimizer(MegatronOptimizer):
 
     def _copy_model_grads_to_main_grads(self):
         # A no-op when finalize_model_grads already finished the step's reductions.
-        self.chunk.finish_grad_sync()
+        for chunk in self.chunks:
+            chunk.finish_grad_sync()
 
     def _copy_main_params_to_model_params(self):
         """Done by `fully_shard_optimizer`'s step: the new main weights are cast into the compute weights (and
@@ -99,7 +176,7 @@ class MegatronFSDPOptimizer(MegatronOptimizer):
         return found_inf.item() > 0
 
     def zero_grad(self, set_to_none=True):
-        """Drop the main-weight gradients and zero Megatron-FSDP's gradient buffers."""
+        """Drop the main-weight gradients and zero Megatron-FSDP's gradient buffers (of every chunk)."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def reload_model_params(self):

@@ -4,9 +4,8 @@ Upstream's rules: give at most one of `--num-layers-per-virtual-pipeline-stage` 
 `--num-virtual-stages-per-pipeline-rank`; the layers of a pipeline stage (L / p) must divide into the virtual
 stages; the microbatches of a global batch (M) must fit groups of N = `--microbatch-group-size-per-virtual-
 pipeline-stage` (default p): p <= N <= M and M mod N is 0 or at least p. One virtual stage per rank is the plain
-1F1B pipeline (`args.virtual_pipeline_model_parallel_size` is then None). Megatron-FSDP's optimizer steps one
-model chunk per rank, so it is refused with several chunks (DDP, the distributed optimizer and FSDP2 wrap each
-chunk on its own).
+1F1B pipeline (`args.virtual_pipeline_model_parallel_size` is then None). Each chunk is wrapped on its own (DDP,
+the distributed optimizer, Megatron-FSDP or FSDP2); one optimizer steps them all.
 """
 
 from megatron.core.pipeline_parallel.interleaved_plan import check_microbatches
@@ -64,11 +63,6 @@ def validate(args):
         if args.microbatch_group_size_per_virtual_pipeline_stage is not None:
             raise ValueError(f"{GROUP_FLAG} needs at least two virtual stages per pipeline rank")
         return  # one chunk per rank: plain 1F1B
-    if getattr(args, "use_megatron_fsdp", False):
-        raise ValueError(
-            f"{LAYERS_FLAG} / {STAGES_FLAG} with --use-megatron-fsdp is not supported yet (its optimizer steps one "
-            "model chunk per rank); use --use-distributed-optimizer or --use-torch-fsdp2 with the interleaved pipeline"
-        )
     args.virtual_pipeline_model_parallel_size = stages
     group_size = args.microbatch_group_size_per_virtual_pipeline_stage
     if group_size is None:

@@ -23,6 +23,8 @@ WRAPPERS = {
     "distributed_optimizer_overlap": "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather",
     "fsdp2": "--use-torch-fsdp2",
     "tied_distributed_optimizer": "TIED --use-distributed-optimizer",
+    "megatron_fsdp_z3": "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
+    "megatron_fsdp_z1": "--use-megatron-fsdp --data-parallel-sharding-strategy optim",
 }
 REL_TOLERANCE = 1e-5
 
@@ -48,18 +50,18 @@ def test_pp2_vpp2_equals_no_pipeline_under_each_wrapper(tmp_path):
             assert loss == pytest.approx(reference[iteration], rel=REL_TOLERANCE, abs=0), (name, iteration)
 
 
-def _save_at_vpp_and_resume(workdir, resume_layouts):
+def _save_and_resume(workdir, resume_layouts, wrapper="--use-distributed-optimizer", saving_layout=VPP):
     from megatron.training.checkpointing import write_tracker
 
     root = os.path.join(workdir, "ckpt")
     schedule = "--train-iters 6 --lr-decay-iters 6"
-    uninterrupted = run_pretrain(workdir, f"{VPP} {schedule} --save {root} --save-interval 3 "
-                                          "--ckpt-format torch_dist --use-distributed-optimizer")
+    uninterrupted = run_pretrain(workdir, f"{saving_layout} {schedule} --save {root} --save-interval 3 "
+                                          f"--ckpt-format torch_dist {wrapper}")
     if torch.distributed.get_rank() == 0:
         write_tracker(root, 3)  # resume from the middle of the uninterrupted run
     torch.distributed.barrier()
     resumed = {layout: run_pretrain(workdir, f"{layout} {schedule} --load {root} --ckpt-format torch_dist "
-                                             "--use-distributed-optimizer")
+                                             f"{wrapper}")
                for layout in resume_layouts}
     return uninterrupted, resumed
 
@@ -67,10 +69,38 @@ def _save_at_vpp_and_resume(workdir, resume_layouts):
 @pytest.mark.world_size(2)
 def test_checkpoint_saved_at_pp2_vpp2_resumes_at_pp1_pp2_and_vpp(tmp_path):
     layouts = ["", PP2, VPP]  # PP1 (two data-parallel ranks), PP2 without VPP, the saving layout
-    uninterrupted, resumed = run_on_ranks(2, _save_at_vpp_and_resume, str(tmp_path), layouts)[0]
+    uninterrupted, resumed = run_on_ranks(2, _save_and_resume, str(tmp_path), layouts)[0]
     assert sorted(uninterrupted) == list(range(1, 7))
     assert resumed[VPP] == {i: uninterrupted[i] for i in range(4, 7)}  # same layout: identical
     for layout in ("", PP2):
         assert sorted(resumed[layout]) == [4, 5, 6], layout
         for iteration in range(4, 7):
             assert resumed[layout][iteration] == pytest.approx(uninterrupted[iteration], rel=REL_TOLERANCE, abs=0)
+
+
+MEGATRON_FSDP_Z3 = WRAPPERS["megatron_fsdp_z3"]
+
+
+def _megatron_fsdp_both_ways(workdir):
+    """A PP2 x VPP2 checkpoint resumed at PP1 (and at its own layout), and a PP1 checkpoint resumed at PP2 x VPP2,
+    all under Megatron-FSDP ZeRO-3 (model and optimizer state resharded from two chunks per rank to one stage on
+    two data-parallel ranks and back)."""
+    from_vpp = _save_and_resume(os.path.join(workdir, "from_vpp"), ["", VPP], MEGATRON_FSDP_Z3, VPP)
+    from_pp1 = _save_and_resume(os.path.join(workdir, "from_pp1"), [VPP], MEGATRON_FSDP_Z3, "")
+    return from_vpp, from_pp1
+
+
+@pytest.mark.world_size(2)
+def test_megatron_fsdp_checkpoint_saved_at_pp2_vpp2_resumes_at_pp1_and_back(tmp_path):
+    from_vpp, from_pp1 = run_on_ranks(2, _megatron_fsdp_both_ways, str(tmp_path))[0]
+    uninterrupted, resumed = from_vpp
+    assert sorted(uninterrupted) == list(range(1, 7))
+    assert len(set(uninterrupted.values())) == 6  # every iteration updates the model
+    assert resumed[VPP] == {i: uninterrupted[i] for i in range(4, 7)}  # same layout: identical
+    assert sorted(resumed[""]) == [4, 5, 6]
+    for iteration in range(4, 7):
+        assert resumed[""][iteration] == pytest.approx(uninterrupted[iteration], rel=REL_TOLERANCE, abs=0)
+    uninterrupted, resumed = from_pp1
+    assert sorted(resumed[VPP]) == [4, 5, 6]
+    for iteration in range(4, 7):
+        assert resumed[VPP][iteration] == pytest.approx(uninterrupted[iteration], rel=REL_TOLERANCE, abs=0)

@@ -27,7 +27,10 @@ def validated(extra):
      ("--num-layers-per-virtual-pipeline-stage 4 --global-batch-size 4", None),  # one chunk: plain 1F1B
      ("--num-virtual-stages-per-pipeline-rank 2 --global-batch-size 7 "
       "--microbatch-group-size-per-virtual-pipeline-stage 4", 2),
-     ("--global-batch-size 3", None)],
+     ("--global-batch-size 3", None),
+     ("--num-virtual-stages-per-pipeline-rank 2 --global-batch-size 4 --use-megatron-fsdp", 2),
+     ("--num-virtual-stages-per-pipeline-rank 2 --global-batch-size 4 --use-megatron-fsdp "
+      "--data-parallel-sharding-strategy optim", 2)],
 )
 def test_chunks_per_rank(extra, chunks):
     args = validated(extra)
@@ -46,9 +49,7 @@ def test_chunks_per_rank(extra, chunks):
       r"number of microbatches \(3\) modulo --microbatch-group-size-per-virtual-pipeline-stage \(2\)"),
      ("--num-virtual-stages-per-pipeline-rank 2 --global-batch-size 4 "
       "--microbatch-group-size-per-virtual-pipeline-stage 8", "between --pipeline-model-parallel-size"),
-     ("--microbatch-group-size-per-virtual-pipeline-stage 2 --global-batch-size 4", "needs an interleaved pipeline"),
-     ("--num-virtual-stages-per-pipeline-rank 2 --global-batch-size 4 --use-megatron-fsdp",
-      "with --use-megatron-fsdp is not supported yet")],
+     ("--microbatch-group-size-per-virtual-pipeline-stage 2 --global-batch-size 4", "needs an interleaved pipeline")],
 )
 def test_rules_name_the_flags(extra, message):
     with pytest.raises(ValueError, match=message):

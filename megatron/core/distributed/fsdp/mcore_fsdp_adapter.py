@@ -286,6 +286,10 @@ class MegatronFSDPAdapter(DataParallelWrapper):
         group, index = self.module.param_to_group[id(param)]
         return group.main_param_views[index]
 
+    def owns(self, param) -> bool:
+        """Whether `param` (a module parameter or its at-rest placeholder) is one this chunk shards."""
+        return id(param) in self.module.param_to_group
+
     def real_parameter(self, param) -> torch.nn.Parameter:
         """The parameter object Megatron-FSDP manages for `param` (itself, or the one an at-rest ZeRO-3
         placeholder stands in for)."""
