@@ -189,9 +189,11 @@ class ForkLauncher:
 _launchers = {}
 
 
-def launcher_for(env):
-    """The session's server for this environment (started on first use)."""
-    key = tuple(sorted(env.items()))
+def launcher_for(case_env, env):
+    """The session's server for a case environment (`case_env`, the case's ENV_VARS), started on first use with
+    the full environment `env`. Keyed by the case environment alone: the ranks get it applied again, and the rest
+    of the test process's environment (which tests may change) does not start another server."""
+    key = tuple(sorted(case_env.items()))
     launcher = _launchers.get(key)
     if launcher is None or not launcher.alive():
         launcher = _launchers[key] = ForkLauncher(env)

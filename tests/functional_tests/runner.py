@@ -164,7 +164,8 @@ def launch(case, workdir, extra_model_args=None, timeout_s=DEFAULT_TIMEOUT_S, ta
         from tests.functional_tests.fork_launcher import launcher_for
 
         log_path.write_text("")
-        answer = launcher_for(env).launch(argv, case.env_vars, case.nproc_per_node, workdir, log_path, timeout_s)
+        answer = launcher_for(case.env_vars, env).launch(argv, case.env_vars, case.nproc_per_node, workdir, log_path,
+                                                         timeout_s)
         command = ["fork", f"x{case.nproc_per_node}", "pretrain_gpt.py", *argv]
         returncode = (f"timeout after {timeout_s}s" if answer["timed_out"]
                       else next((code for code in answer["returncodes"] if code != 0), 0))
