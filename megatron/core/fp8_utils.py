@@ -25,7 +25,7 @@ from megatron.core.fp8.recipe import Fp8Recipe
 from megatron.core.fp8.scaling import (LinearScaling, ScalingState, amax_reduction_groups, reduce_and_record_amaxes,
                                        reduce_fp8_amaxes)
 from megatron.core.fp8.tensor import (
-    Float8Tensor,
+    ScaledFloat8,
     amax,
     dequantize,
     is_float8tensor,
@@ -41,7 +41,7 @@ __all__ = [
     "FP8_RECIPES",
     "GPU_ONLY_RECIPES",
     "TORCH_NATIVE_RECIPES",
-    "Float8Tensor",
+    "ScaledFloat8",
     "Fp8Format",
     "Fp8Recipe",
     "Fp8Region",

@@ -7,7 +7,7 @@ per weight agreed across the data-parallel shard group and the tensor-parallel g
 amaxes), and the all-gather moves those bytes as uint8 (1 byte per element instead of 4). When a gather lands,
 each weight's compute value is set to its dequantized FP8 weight (what the model really computes with, and
 what autograd and non-FP8 code see); under `--transformer-impl local` the weight also carries
-`weight.fp8_weight`, a `Float8Tensor` viewing the gathered bytes, which the FP8 linear uses as it is, while
+`weight.fp8_weight`, a `ScaledFloat8` viewing the gathered bytes, which the FP8 linear uses as it is, while
 Transformer Engine's layers take the dequantized value and quantize it again (see `megatron.core.fp8.params`).
 The fp32 main weights stay sharded and are never rounded.
 """
@@ -20,7 +20,7 @@ from megatron_fsdp import GatherCodec, GatherCodecPolicy
 from megatron.core.fp8.formats import get_fp8_format
 from megatron.core.fp8.params import consumes_fp8_weights, fp8_weight_params
 from megatron.core.fp8.scaling import all_reduce_max, tensor_parallel_group_if_sharded
-from megatron.core.fp8.tensor import Float8Tensor, amax, quantize, scale_from_amax
+from megatron.core.fp8.tensor import ScaledFloat8, amax, quantize, scale_from_amax
 
 
 class Fp8GatherCodec(GatherCodec):
@@ -58,7 +58,7 @@ class Fp8GatherCodec(GatherCodec):
     @torch.no_grad()
     def decode(self, wire_params, compute_params, params) -> None:
         for index, (wire, compute, param) in enumerate(zip(wire_params, compute_params, params)):
-            fp8_weight = Float8Tensor(wire.view(self.dtype), self.scales[index].clone())
+            fp8_weight = ScaledFloat8(wire.view(self.dtype), self.scales[index].clone())
             if self.attach_fp8_weight:
                 param.fp8_weight = fp8_weight
             compute.copy_(fp8_weight.dequantize(compute.dtype))

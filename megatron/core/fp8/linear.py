@@ -28,7 +28,7 @@ import logging
 
 import torch
 
-from megatron.core.fp8.tensor import Float8Tensor
+from megatron.core.fp8.tensor import ScaledFloat8
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def _report_emulated(label, m, k, n):
                        k, n, round(100 * (PAD_WORK_LIMIT - 1)))
 
 
-def _row_major(tensor: Float8Tensor) -> torch.Tensor:
+def _row_major(tensor: ScaledFloat8) -> torch.Tensor:
     if tensor.data.is_contiguous():
         return tensor.data
     if tensor.transpose_data is not None and tensor.transpose_data.t().is_contiguous():
@@ -130,7 +130,7 @@ def _row_major(tensor: Float8Tensor) -> torch.Tensor:
     return tensor.data.contiguous()
 
 
-def _column_major(tensor: Float8Tensor) -> torch.Tensor:
+def _column_major(tensor: ScaledFloat8) -> torch.Tensor:
     if tensor.data.t().is_contiguous():
         return tensor.data
     if tensor.transpose_data is not None and tensor.transpose_data.is_contiguous():
@@ -149,13 +149,13 @@ def _bias_folds(bias, out_dtype, device_type):
     return bias is not None and bias.dtype == out_dtype and (out_dtype != torch.float32 or device_type == "cpu")
 
 
-def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, bias: torch.Tensor = None,
+def fp8_gemm(a: ScaledFloat8, b: ScaledFloat8, out_dtype: torch.dtype, bias: torch.Tensor = None,
              accumulate_into: torch.Tensor = None, label: str = None):
     """`dequant(a) @ dequant(b) (+ bias)` for 2-D FP8 operands (`b` may be a transposed view, e.g. `w.t()`), in
     `out_dtype`. With `accumulate_into` the product is added into that tensor instead (returns None).
 
     `torch._scaled_mm` gets a row-major `a` and a column-major `b`, taken from the operands' own layouts or their
-    kept transposes (`Float8Tensor.transpose_data`) where these fit, so no transposed copy is made then."""
+    kept transposes (`ScaledFloat8.transpose_data`) where these fit, so no transposed copy is made then."""
     m, k = a.shape
     n = b.shape[1]
     device_type = a.data.device.type
@@ -208,14 +208,14 @@ def _autograd_value_after_main_grad(weight):
     return None
 
 
-def _pack(fp8: Float8Tensor):
+def _pack(fp8: ScaledFloat8):
     return fp8.data, fp8.transpose_data, fp8.scale, fp8.scale_inv
 
 
 def _unpack(data, transpose_data, scale, scale_inv):
     if data is None:  # only the transposed bytes were kept
         data = transpose_data.t()
-    return Float8Tensor(data, scale, scale_inv, transpose_data)
+    return ScaledFloat8(data, scale, scale_inv, transpose_data)
 
 
 class Fp8LinearFunction(torch.autograd.Function):

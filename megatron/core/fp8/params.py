@@ -7,7 +7,7 @@ fp32 main shards into its slice of those bytes with a scale agreed across the da
 tensor-parallel group (the MAX of the shards' amaxes), then the bytes are all-gathered (as uint8, which every
 backend moves). Each weight's high-precision value is then set to the dequantized FP8 weight, the value the
 model really computes with, and under `--transformer-impl local` the weight also carries `weight.fp8_weight`
-(a `Float8Tensor` viewing the gathered bytes), which the torch-native FP8 linear uses as it is.
+(a `ScaledFloat8` viewing the gathered bytes), which the torch-native FP8 linear uses as it is.
 
 Under `--transformer-impl transformer_engine` the weights travel the same way, but TE's layers know nothing of
 `fp8_weight`: they compute with the dequantized high-precision weight, which TE's autocast quantizes again.
@@ -23,7 +23,7 @@ import torch
 from megatron.core.fp8.context import is_first_last_bf16_layer
 from megatron.core.fp8.formats import get_fp8_format
 from megatron.core.fp8.scaling import all_reduce_max, tensor_parallel_group_if_sharded
-from megatron.core.fp8.tensor import Float8Tensor, quantize, scale_from_amax
+from megatron.core.fp8.tensor import ScaledFloat8, quantize, scale_from_amax
 
 
 def fp8_weight_params(module, config):
@@ -77,7 +77,7 @@ class Fp8ParamStorage:
     def weight(self, param, start, end):
         """The FP8 weight of `param` (elements `[start, end)` of the buffer)."""
         data = self.data[start:end].view(self.dtype).view(param.shape)
-        return Float8Tensor(data, self.scales[param])
+        return ScaledFloat8(data, self.scales[param])
 
     @torch.no_grad()
     def install(self, params, param_index_map):

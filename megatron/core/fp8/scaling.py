@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.fp8.recipe import Fp8Recipe
-from megatron.core.fp8.tensor import Float8Tensor, amax, quantize_by_amax, scale_from_amax
+from megatron.core.fp8.tensor import ScaledFloat8, amax, quantize_by_amax, scale_from_amax
 
 NO_AMAX = -1.0  # marks "nothing recorded" in a reduced amax vector (real amaxes are >= 0)
 
@@ -131,7 +131,7 @@ class ScalingState:
         """The scale to quantize `tensor` with; under delayed scaling also records its amax as pending."""
         return scale_from_amax(self._amax_for_scale(tensor), self.dtype, self.recipe.margin)
 
-    def quantize(self, tensor: torch.Tensor, with_transpose: bool = False) -> Float8Tensor:
+    def quantize(self, tensor: torch.Tensor, with_transpose: bool = False) -> ScaledFloat8:
         """`tensor` in FP8 with this role's scale (scale, reciprocal and bytes from one pass)."""
         return quantize_by_amax(tensor, self.dtype, self._amax_for_scale(tensor), self.recipe.margin,
                                 with_transpose=with_transpose)

@@ -22,8 +22,9 @@ from megatron.core.fp8.formats import fp8_max, is_fp8_dtype
 logger = logging.getLogger(__name__)
 
 
-class Float8Tensor:
-    """`data` (a float8 tensor) and `scale` (fp32 scalar tensor): the value is `data.float() * scale_inv`.
+class ScaledFloat8:
+    """`data` (a float8 tensor) and `scale` (fp32 scalar tensor): the value is `data.float() * scale_inv`. A plain
+    holder of the two, not a `torch.Tensor` subclass: FP8 GEMMs take it, autograd and other ops do not.
 
     `transpose_data`, when present, is `data.t().contiguous()` (kept where a backward GEMM needs the other
     layout: `--keep-fp8-transpose-cache`)."""
@@ -33,7 +34,7 @@ class Float8Tensor:
     def __init__(self, data: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor = None,
                  transpose_data: torch.Tensor = None):
         if not is_fp8_dtype(data.dtype):
-            raise TypeError(f"Float8Tensor data must have a float8 dtype, got {data.dtype}")
+            raise TypeError(f"ScaledFloat8 data must have a float8 dtype, got {data.dtype}")
         self.data = data
         self.scale = scale
         self._scale_inv = scale_inv
@@ -53,17 +54,17 @@ class Float8Tensor:
             self._scale_inv = self.scale.reciprocal()
         return self._scale_inv
 
-    def t(self) -> "Float8Tensor":
+    def t(self) -> "ScaledFloat8":
         """The transposed FP8 tensor: the kept transposed bytes when there are some, else a view (no copy)."""
         if self.transpose_data is not None:
-            return Float8Tensor(self.transpose_data, self.scale, self._scale_inv, transpose_data=self.data)
-        return Float8Tensor(self.data.t(), self.scale, self._scale_inv, transpose_data=self.data)
+            return ScaledFloat8(self.transpose_data, self.scale, self._scale_inv, transpose_data=self.data)
+        return ScaledFloat8(self.data.t(), self.scale, self._scale_inv, transpose_data=self.data)
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         return (self.data.to(torch.float32) * self.scale_inv).to(dtype)
 
     def __repr__(self):
-        return f"Float8Tensor(shape={tuple(self.data.shape)}, dtype={self.data.dtype})"
+        return f"ScaledFloat8(shape={tuple(self.data.shape)}, dtype={self.data.dtype})"
 
 
 def _te_float8_tensor_class():
@@ -79,8 +80,8 @@ def _te_float8_tensor_class():
 
 
 def is_float8tensor(tensor) -> bool:
-    """True for this package's `Float8Tensor` and for Transformer Engine's Float8Tensor when TE is present."""
-    if isinstance(tensor, Float8Tensor):
+    """True for this package's `ScaledFloat8` and for Transformer Engine's Float8Tensor when TE is present."""
+    if isinstance(tensor, ScaledFloat8):
         return True
     te_class = _te_float8_tensor_class()
     return te_class is not None and isinstance(tensor, te_class)
@@ -175,16 +176,16 @@ def _check_fp8(dtype):
         raise ValueError(f"quantize needs a float8 dtype, got {dtype}")
 
 
-def quantize(tensor: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> Float8Tensor:
+def quantize(tensor: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> ScaledFloat8:
     """`tensor * scale`, saturated to the float8 range, stored in `dtype`."""
     _check_fp8(dtype)
     scale = scale.detach().to(torch.float32)
     data = _run(f"cast_{dtype}", _cast_eager, tensor.detach(), scale, dtype, fp8_max(dtype))
-    return Float8Tensor(data, scale)
+    return ScaledFloat8(data, scale)
 
 
 def quantize_by_amax(tensor: torch.Tensor, dtype: torch.dtype, amax_value: torch.Tensor, margin: int = 0,
-                     with_transpose: bool = False) -> Float8Tensor:
+                     with_transpose: bool = False) -> ScaledFloat8:
     """Quantize with the scale of `amax_value` (`scale_from_amax`): the scale, its reciprocal, the float8 bytes
     (and with `with_transpose` the transposed bytes of a 2-D tensor) from one pass."""
     _check_fp8(dtype)
@@ -192,13 +193,13 @@ def quantize_by_amax(tensor: torch.Tensor, dtype: torch.dtype, amax_value: torch
     data, transpose, scale, scale_inv = _run(f"scale_and_cast_{dtype}_{with_transpose}", _scale_and_cast_eager,
                                              tensor.detach(), amax_value, dtype, limit / (2.0**margin), limit,
                                              with_transpose)
-    return Float8Tensor(data, scale, scale_inv, transpose)
+    return ScaledFloat8(data, scale, scale_inv, transpose)
 
 
-def quantize_with_current_scale(tensor: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> Float8Tensor:
+def quantize_with_current_scale(tensor: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> ScaledFloat8:
     """Quantize with the scale computed from this tensor's own amax (per-tensor current scaling)."""
     return quantize_by_amax(tensor, dtype, amax(tensor), margin)
 
 
-def dequantize(fp8_tensor: Float8Tensor, dtype=torch.float32) -> torch.Tensor:
+def dequantize(fp8_tensor: ScaledFloat8, dtype=torch.float32) -> torch.Tensor:
     return fp8_tensor.dequantize(dtype)
