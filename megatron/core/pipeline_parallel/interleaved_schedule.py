@@ -21,7 +21,7 @@ import collections
 import contextlib
 
 from megatron.core import parallel_state
-from megatron.core.pipeline_parallel import p2p_communication
+from megatron.core.pipeline_parallel import microbatch, p2p_communication
 from megatron.core.pipeline_parallel.interleaved_plan import InterleavedPlan
 from megatron.core.pipeline_parallel.model_access import get_model_config, schedule_setting
 
@@ -115,8 +115,6 @@ def forward_backward_pipelining_with_interleaving(
 ):
     """The interleaved 1F1B schedule over `model` (a list of this rank's chunks); returns the loss dicts on the
     last pipeline rank, else []."""
-    from megatron.core.pipeline_parallel import schedules
-
     if not isinstance(model, (list, tuple)) or len(model) < 2:
         raise ValueError("the interleaved schedule runs a list of at least two model chunks per pipeline rank")
     num_chunks = len(model)
@@ -135,7 +133,7 @@ def forward_backward_pipelining_with_interleaving(
     awaiting_backward = [collections.deque() for _ in range(num_chunks)]
     pending_sends = []
     forward_data_store = []
-    total_num_tokens = schedules._zero_token_count()
+    total_num_tokens = microbatch.zero_token_count()
     grad_sync = _ChunkGradSync(config, num_chunks)
     if not forward_only:
         grad_sync.disable_all()
@@ -148,7 +146,7 @@ def forward_backward_pipelining_with_interleaving(
         parallel_state.set_virtual_pipeline_model_parallel_rank(chunk)
         input_tensor = None if plan.is_first_virtual_stage(chunk) else received_inputs[chunk].popleft()
         is_last_stage = plan.is_last_virtual_stage(chunk)
-        output_tensor, num_tokens = schedules.forward_step(
+        output_tensor, num_tokens = microbatch.forward_step(
             forward_step_func, iterators[chunk], model[chunk], num_microbatches, input_tensor, forward_data_store,
             config, collect_non_loss_data, is_last_stage=is_last_stage,
         )  # fmt: skip
@@ -165,7 +163,7 @@ def forward_backward_pipelining_with_interleaving(
             grad_sync.enable(chunk, remaining_chunks=len(chunks_left) + 1)
         input_tensor, output_tensor = awaiting_backward[chunk].popleft()
         output_tensor_grad = None if plan.is_last_virtual_stage(chunk) else received_grads[chunk].popleft()
-        return schedules.backward_step(input_tensor, output_tensor, output_tensor_grad, config)
+        return microbatch.backward_step(input_tensor, output_tensor, output_tensor_grad, config)
 
     try:
         for step in plan.steps:
@@ -188,7 +186,7 @@ def forward_backward_pipelining_with_interleaving(
                 pending_sends=pending_sends,
             )
             if activation_to_next is not None and not forward_only:
-                schedules.deallocate_output_tensor(activation_to_next, deallocate)
+                microbatch.deallocate_output_tensor(activation_to_next, deallocate)
             if received_activation is not None:
                 received_inputs[step.recv_forward_chunk].append(received_activation)
             if received_grad is not None:
