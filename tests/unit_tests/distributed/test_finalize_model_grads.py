@@ -32,7 +32,10 @@ def _tp_and_pp_reductions():
     calls = []
     fsdp_like = torch.nn.Module()
     fsdp_like.finish_grad_sync = lambda: calls.append("finish_grad_sync")
-    finalize_model_grads([module, fsdp_like])
+    # Two chunks per rank, as under an interleaved pipeline: the tied weight is in the first chunk of the first stage
+    # (the input embedding) and in the last chunk of the last stage (the output layer).
+    first_stage = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+    finalize_model_grads([module, fsdp_like] if first_stage else [fsdp_like, module])
 
     tp_ranks = dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())
     embedding_ranks = parallel_state.get_embedding_global_ranks()
