@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer.init_methods import init_method_normal, scaled_init_method_normal
+from megatron.core.transformer.mla_config import MLAConfigMixin
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
@@ -22,7 +23,7 @@ RECOMPUTE_METHODS = (None, "uniform", "block")
 
 
 @dataclass(frozen=True, kw_only=True)
-class TransformerConfig(ModelParallelConfig):
+class TransformerConfig(MLAConfigMixin, ModelParallelConfig):
     """Transformer shape, regularisation, initialisation and activation-recompute settings."""
 
     num_layers: int
@@ -108,9 +109,14 @@ class TransformerConfig(ModelParallelConfig):
     """Loss is summed over tokens and divided once by the global token count (`--calculate-per-token-loss`),
     instead of averaging per microbatch; the pipeline schedules and gradient finalisation read it."""
 
-    cp_comm_type: str = "p2p"
+    cp_comm_type: object = "p2p"
     """How attention communicates under context parallelism (`--cp-comm-type`): "p2p" (K/V ring), "allgather"
-    (gather the whole K/V) or "a2a" (Ulysses all-to-all over heads). One value for every layer."""
+    (gather the whole K/V), "a2a" (Ulysses all-to-all over heads) or "a2a+p2p" (all-to-all inside the inner
+    hierarchical groups, p2p ring across the outer ones). One str for every layer, or a list with one per layer
+    (global layer order); stored as a str or a tuple."""
+    hierarchical_context_parallel_sizes: Optional[tuple] = None
+    """(inner all-to-all size, outer p2p size) of a2a+p2p (`--hierarchical-context-parallel-sizes`); the product
+    is context_parallel_size."""
 
     def __post_init__(self):
         parent_post_init = getattr(super(), "__post_init__", None)
@@ -124,6 +130,7 @@ class TransformerConfig(ModelParallelConfig):
         self._validate_cpu_offloading()
         self._validate_fp8()
         self._validate_context_parallel()
+        self._validate_multi_latent_attention()
 
     def _set(self, name, value):
         object.__setattr__(self, name, value)
@@ -306,10 +313,20 @@ class TransformerConfig(ModelParallelConfig):
             )
 
     def _validate_context_parallel(self):
-        from megatron.core.transformer.context_parallel import normalize_cp_comm_type
         from megatron.core.transformer.context_parallel.a2a_attention import check_heads_divisible
+        from megatron.core.transformer.context_parallel.comm_types import (
+            comm_types_in_use,
+            heads_split_size,
+            normalize_cp_comm_types,
+            validate_hierarchical_sizes,
+        )
 
-        self._set("cp_comm_type", normalize_cp_comm_type(self.cp_comm_type))
+        self._set("cp_comm_type", normalize_cp_comm_types(self.cp_comm_type, self.num_layers))
         cp, tp = self.context_parallel_size, self.tensor_model_parallel_size
-        if cp > 1 and self.cp_comm_type == "a2a":
-            check_heads_divisible(self.num_attention_heads // tp, self.num_query_groups // tp, cp)
+        sizes = validate_hierarchical_sizes(self.hierarchical_context_parallel_sizes, cp, self.cp_comm_type)
+        self._set("hierarchical_context_parallel_sizes", sizes)
+        for comm_type in sorted(comm_types_in_use(self.cp_comm_type)) if cp > 1 else ():
+            split = heads_split_size(comm_type, cp, sizes)
+            if split > 1:
+                flag = "--context-parallel-size" if comm_type == "a2a" else "--hierarchical-context-parallel-sizes"
+                check_heads_divisible(self.num_attention_heads // tp, self.num_query_groups // tp, split, flag)
