@@ -13,6 +13,7 @@ from megatron.core.extensions.transformer_engine import uses_transformer_engine
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.init_seeds import derive_init_seed, reset_children_parameters, resolve_base_init_seed
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -38,8 +39,11 @@ class TransformerLayer(torch.nn.Module):
         self.norms_fused_into_linears = uses_transformer_engine(config)
         fused = self.norms_fused_into_linears
         self.input_layernorm = build_norm(config, config.hidden_size)
-        self.self_attention = SelfAttention(config, layer_number, init_seed=self.init_seed,
-                                            fused_input_norm=self.input_layernorm if fused else None)
+        if config.multi_latent_attention:
+            self.self_attention = MLASelfAttention(config, layer_number, init_seed=self.init_seed)
+        else:
+            self.self_attention = SelfAttention(config, layer_number, init_seed=self.init_seed,
+                                                fused_input_norm=self.input_layernorm if fused else None)
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
         self.mlp = MLP(config, init_seed=self.init_seed, fused_input_norm=self.pre_mlp_layernorm if fused else None)
         self.hidden_dropout = torch.nn.Dropout(config.hidden_dropout)

@@ -1,0 +1,216 @@
+"""Multi-latent attention (DeepSeek-V2/V3): keys and values come from a shared low-rank latent of each token.
+
+With n heads, d_n = qk_head_dim, d_r = qk_pos_emb_head_dim, d_v = v_head_dim:
+- queries: `linear_q_proj` H -> n (d_n + d_r), or with a query latent `linear_q_down_proj` H -> q_lora_rank,
+  `q_layernorm`, `linear_q_up_proj` q_lora_rank -> n (d_n + d_r); each head's query is `[q_nope | q_rope]`;
+- keys and values: `linear_kv_down_proj` H -> kv_lora_rank + d_r, split into the latent and k_rope (one vector
+  per token, shared by every head); `kv_layernorm` on the latent; `linear_kv_up_proj` kv_lora_rank ->
+  n (d_n + d_v), per head `[k_nope | v]`; each head's key is `[k_nope | k_rope]`;
+- RoPE (YaRN by default, see `yarn_rotary_pos_embedding`) rotates only q_rope and k_rope;
+- softmax scale ms(s, mscale_all_dim)^2 / sqrt(d_n + d_r) (ms = 1 without rotary scaling);
+- `linear_proj` n d_v -> H.
+The latent norms exist with `qk_layernorm` (`--qk-layernorm`), as in Megatron's layer specs; the linear layers
+have no bias except `linear_proj` (`add_bias_linear`).
+
+Tensor parallelism: the up projections are column-parallel and `linear_proj` row-parallel, so each rank holds
+whole heads (the output rows are laid out per head, independent of the TP size). The down projections are
+duplicated on every rank (`DuplicatedLinear`): with sequence parallelism each rank projects its own tokens and
+the up projections all-gather the (small) latents; k_rope, which no parallel layer consumes, is gathered (or,
+without sequence parallelism, its gradient all-reduced over the heads of every rank) here.
+
+Context parallelism uses the project's context-parallel attention with RoPE at global positions; values are
+zero-padded to the query width there when d_v differs (the padded output columns are zero and dropped).
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.extensions.transformer_engine import layer_classes
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+    YarnRotaryEmbedding,
+    apply_rotary_pos_emb_regrouped,
+    yarn_get_mscale,
+)
+from megatron.core.tensor_parallel.duplicated_linear import DuplicatedLinear
+from megatron.core.transformer.context_parallel import context_parallel_attention, local_rows
+from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
+from megatron.core.transformer.norms import build_norm
+from megatron.core.transformer.recompute import checkpointed
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def mla_softmax_scale(config: TransformerConfig) -> float:
+    """ms(s, mscale_all_dim)^2 / sqrt(qk_head_dim + qk_pos_emb_head_dim); ms is 1 with plain RoPE."""
+    correction = 1.0
+    if config.effective_rope_type == "yarn":
+        correction = yarn_get_mscale(config.rotary_scaling_factor, config.mscale_all_dim)
+    return correction * correction / math.sqrt(config.qk_head_dim + config.qk_pos_emb_head_dim)
+
+
+def build_mla_rotary_embedding(config: TransformerConfig):
+    """(the rotary embedding of the rope channels, the factor on its cos and sin)."""
+    if config.effective_rope_type == "rope":
+        return RotaryEmbedding(config.qk_pos_emb_head_dim, rotary_base=config.rotary_base), 1.0
+    yarn = YarnRotaryEmbedding(
+        config.qk_pos_emb_head_dim,
+        rotary_base=config.rotary_base,
+        scaling_factor=config.rotary_scaling_factor,
+        original_max_position_embeddings=config.original_max_position_embeddings,
+        beta_fast=config.beta_fast,
+        beta_slow=config.beta_slow,
+        mscale=config.mscale,
+        mscale_all_dim=config.mscale_all_dim,
+    )
+    return yarn, yarn.cos_sin_scale
+
+
+class MLASelfAttention(torch.nn.Module):
+    """Multi-latent self-attention of one transformer layer (same interface as `SelfAttention`).
+
+    Args:
+        config: the transformer config (`multi_latent_attention` fields set).
+        layer_number: 1-based index of the owning layer in the whole model.
+        init_seed: seed of the owning layer's initial weights; None derives it from `config.init_seed`.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, init_seed=None):
+        super().__init__()
+        if not config.multi_latent_attention:
+            raise ValueError("MLASelfAttention needs a config with multi_latent_attention (--multi-latent-attention)")
+        self.config = config
+        self.layer_number = layer_number
+        tp_size = config.tensor_model_parallel_size
+        heads = config.num_attention_heads
+        self.num_heads_per_partition = heads // tp_size
+        self.q_head_dim = config.qk_head_dim + config.qk_pos_emb_head_dim
+        self.softmax_scale = mla_softmax_scale(config)
+        self.rotary_pos_emb, self.rotary_cos_sin_scale = build_mla_rotary_embedding(config)
+        if init_seed is None:
+            init_seed = derive_init_seed(resolve_base_init_seed(config), "layer", layer_number)
+        column_parallel_linear, row_parallel_linear = layer_classes(config)
+
+        def seeded(name, build):
+            return build_with_init_seed(derive_init_seed(init_seed, f"self_attention.{name}"), build)
+
+        def column(name, input_size, output_size):
+            return seeded(name, lambda: column_parallel_linear(
+                input_size, output_size, config=config, init_method=config.init_method, bias=False,
+                gather_output=False))
+
+        def duplicated(name, input_size, output_size):
+            return seeded(name, lambda: DuplicatedLinear(
+                input_size, output_size, config=config, init_method=config.init_method).register_fp8_histories())
+
+        self.q_layernorm = None
+        if config.q_lora_rank is None:
+            self.linear_q_proj = column("linear_q_proj", config.hidden_size, heads * self.q_head_dim)
+        else:
+            self.linear_q_down_proj = duplicated("linear_q_down_proj", config.hidden_size, config.q_lora_rank)
+            if config.qk_layernorm:
+                self.q_layernorm = build_norm(config, config.q_lora_rank)
+            self.linear_q_up_proj = column("linear_q_up_proj", config.q_lora_rank, heads * self.q_head_dim)
+        self.linear_kv_down_proj = duplicated(
+            "linear_kv_down_proj", config.hidden_size, config.kv_lora_rank + config.qk_pos_emb_head_dim)
+        self.kv_layernorm = build_norm(config, config.kv_lora_rank) if config.qk_layernorm else None
+        self.linear_kv_up_proj = column(
+            "linear_kv_up_proj", config.kv_lora_rank, heads * (config.qk_head_dim + config.v_head_dim))
+        self.linear_proj = seeded("linear_proj", lambda: row_parallel_linear(
+            heads * config.v_head_dim, config.hidden_size, config=config,
+            init_method=config.output_layer_init_method, bias=config.add_bias_linear, input_is_parallel=True))
+
+    # ------------------------------------------------------------------------------------------------
+    # Projections
+    # ------------------------------------------------------------------------------------------------
+
+    def _queries(self, hidden_states):
+        """`[S, b, heads_per_partition, d_n + d_r]` (S: the whole sequence of this rank's TP group)."""
+        if self.config.q_lora_rank is None:
+            query, _ = self.linear_q_proj(hidden_states)
+        else:
+            latent, _ = self.linear_q_down_proj(hidden_states)
+            if self.q_layernorm is not None:
+                latent = self.q_layernorm(latent)
+            query, _ = self.linear_q_up_proj(latent)
+        return query.view(query.shape[0], query.shape[1], self.num_heads_per_partition, self.q_head_dim)
+
+    def _keys_and_values(self, hidden_states):
+        """(k_nope `[S, b, heads, d_n]`, k_rope `[S, b, 1, d_r]`, value `[S, b, heads, d_v]`)."""
+        config = self.config
+        compressed, _ = self.linear_kv_down_proj(hidden_states)
+        latent, k_rope = torch.split(compressed, [config.kv_lora_rank, config.qk_pos_emb_head_dim], dim=-1)
+        if self.kv_layernorm is not None:
+            latent = self.kv_layernorm(latent)
+        kv, _ = self.linear_kv_up_proj(latent)
+        kv = kv.view(kv.shape[0], kv.shape[1], self.num_heads_per_partition, config.qk_head_dim + config.v_head_dim)
+        k_nope, value = torch.split(kv, [config.qk_head_dim, config.v_head_dim], dim=-1)
+        # k_rope serves this rank's heads only: its gradient must be summed over the ranks' heads.
+        if config.sequence_parallel and config.tensor_model_parallel_size > 1:
+            k_rope = tensor_parallel.gather_from_sequence_parallel_region(k_rope, tensor_parallel_output_grad=True)
+        else:
+            k_rope = tensor_parallel.copy_to_tensor_model_parallel_region(k_rope)
+        return k_nope, k_rope.unsqueeze(2), value
+
+    def _rotary_angles(self, seq_len, device):
+        """Angles of this rank's `seq_len` positions (global positions under context parallelism)."""
+        cp_size = self.config.context_parallel_size
+        if cp_size == 1:
+            return self.rotary_pos_emb(seq_len, device=device)
+        angles = self.rotary_pos_emb(seq_len * cp_size, device=device)
+        return local_rows(angles, 0, cp_size, parallel_state.get_context_parallel_rank())
+
+    # ------------------------------------------------------------------------------------------------
+    # Attention
+    # ------------------------------------------------------------------------------------------------
+
+    def core_attention(self, query, key, value, attention_mask):
+        """Attention of `[S, b, heads, d_n + d_r]` queries and keys over `[S, b, heads, d_v]` values ->
+        `[S, b, heads * d_v]`; `attention_mask` as in `SelfAttention.core_attention` (None: causal)."""
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        if self.config.context_parallel_size > 1:
+            value_width = value.shape[-1]
+            if value_width < query.shape[-1]:
+                value = F.pad(value, (0, query.shape[-1] - value_width))
+            elif value_width > query.shape[-1]:
+                query, key = (F.pad(t, (0, value_width - t.shape[-1])) for t in (query, key))
+            context = context_parallel_attention(
+                query, key, value, attention_mask, comm_type=self.config.cp_comm_type,
+                group=parallel_state.get_context_parallel_group(), dropout_p=dropout_p, scale=self.softmax_scale)
+            seq_len, batch = context.shape[0], context.shape[1]
+            context = context.view(seq_len, batch, self.num_heads_per_partition, -1)[..., :value_width]
+            return context.reshape(seq_len, batch, -1)
+        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # -> [b, heads, S, d]
+        if attention_mask is None:
+            mask_kwargs = {"is_causal": True}
+        else:
+            mask_kwargs = {"attn_mask": ~attention_mask.to(torch.bool)}
+        with tensor_parallel.get_cuda_rng_tracker().fork():  # ranks hold different heads: different masks
+            context = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, scale=self.softmax_scale,
+                                                     **mask_kwargs)
+        seq_len, batch = context.shape[2], context.shape[0]
+        return context.permute(2, 0, 1, 3).reshape(seq_len, batch, -1)
+
+    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None):
+        """`hidden_states` `[s, b, h]` (`[s / tp, b, h]` with sequence parallelism) -> same shape.
+
+        `rotary_pos_emb` (the model's angles for whole heads) is not used: the rope channels have their own."""
+        del rotary_pos_emb
+        config = self.config
+        query = self._queries(hidden_states)
+        k_nope, k_rope, value = self._keys_and_values(hidden_states)
+        angles = self._rotary_angles(query.shape[0], query.device)
+        q_nope, q_rope = torch.split(query, [config.qk_head_dim, config.qk_pos_emb_head_dim], dim=-1)
+        q_rope = apply_rotary_pos_emb_regrouped(q_rope, angles, self.rotary_cos_sin_scale)
+        k_rope = apply_rotary_pos_emb_regrouped(k_rope, angles, self.rotary_cos_sin_scale)
+        query = torch.cat((q_nope, q_rope), dim=-1)
+        key = torch.cat((k_nope, k_rope.expand(-1, -1, self.num_heads_per_partition, -1)), dim=-1)
+
+        if config.recompute_granularity == "selective":
+            context = checkpointed(self.core_attention, query, key, value, attention_mask)
+        else:
+            context = self.core_attention(query, key, value, attention_mask)
+        output, _ = self.linear_proj(context)
+        return output
