@@ -6,7 +6,10 @@ Learning rate at step `n` (warmup `W`, decay end `D`):
 - `n > D`: `min_lr`;
 - otherwise, with `r = (n - W) / (D - W)`: `min_lr + c(r) * (max_lr - min_lr)` where `c = 1 - r` (linear),
   `c = (cos(pi * r) + 1) / 2` (cosine), or `c = sqrt(max(W, 1)) / sqrt(max(n, 1))` (inverse-square-root,
-  which has no end and ignores D).
+  which has no end and ignores D);
+- `WSD` (warmup-stable-decay): `max_lr` until `D - S` (`S` = `wsd_decay_steps`), then with `q = (n - D + S) / S`:
+  `c = 2 * 0.5**q - 1` (exponential), `1 - q` (linear), `(cos(pi * q) + 1) / 2` (cosine), `1 - sqrt(q)`
+  (minus_sqrt); `min_lr` after D.
 Weight decay goes from `start_wd` to `end_wd` over `wd_incr_steps` (constant | linear | cosine).
 Each param group receives `lr * group["lr_mult"]` and `wd * group["wd_mult"]` (both default 1); a group may
 override `max_lr`/`min_lr`.
@@ -14,12 +17,13 @@ override `max_lr`/`min_lr`.
 
 import math
 
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
 
 # Saved in state_dict; checked against the constructor's arguments on load.
 _CHECKED_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "start_wd", "end_wd",
-                 "wd_incr_steps", "wd_incr_style")
+                 "wd_incr_steps", "wd_incr_style", "wsd_decay_steps", "lr_wsd_decay_style")
 
 
 class OptimizerParamScheduler:
@@ -27,7 +31,7 @@ class OptimizerParamScheduler:
 
     def __init__(self, optimizer, init_lr, max_lr, min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style,
                  start_wd, end_wd, wd_incr_steps, wd_incr_style, use_checkpoint_opt_param_scheduler=True,
-                 override_opt_param_scheduler=False):
+                 override_opt_param_scheduler=False, wsd_decay_steps=None, lr_wsd_decay_style="exponential"):
         self.optimizer = optimizer
         self.init_lr = float(init_lr)
         self.max_lr = float(max_lr)
@@ -39,6 +43,8 @@ class OptimizerParamScheduler:
         self.end_wd = float(end_wd)
         self.wd_incr_steps = int(wd_incr_steps)
         self.wd_incr_style = wd_incr_style
+        self.wsd_decay_steps = None if wsd_decay_steps is None else int(wsd_decay_steps)
+        self.lr_wsd_decay_style = lr_wsd_decay_style
         self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
         self.override_opt_param_scheduler = override_opt_param_scheduler
         self.num_steps = 0
@@ -63,6 +69,17 @@ class OptimizerParamScheduler:
                 f"OptimizerParamScheduler: lr_warmup_steps={self.lr_warmup_steps} must lie in [0, lr_decay_steps="
                 f"{self.lr_decay_steps}); lower --lr-warmup-iters or raise --lr-decay-iters."
             )
+        if self.lr_decay_style == "WSD":
+            if self.wsd_decay_steps is None or not 0 < self.wsd_decay_steps <= self.lr_decay_steps:
+                raise ValueError(
+                    f"OptimizerParamScheduler: lr_decay_style='WSD' needs 0 < wsd_decay_steps ({self.wsd_decay_steps}) "
+                    f"<= lr_decay_steps ({self.lr_decay_steps}) (--lr-wsd-decay-iters / --lr-wsd-decay-samples)."
+                )
+            if self.lr_wsd_decay_style not in WSD_DECAY_STYLES:
+                raise ValueError(
+                    f"OptimizerParamScheduler: lr_wsd_decay_style={self.lr_wsd_decay_style!r}; choose from "
+                    f"{WSD_DECAY_STYLES}."
+                )
         if self.wd_incr_style not in WD_INCR_STYLES:
             raise ValueError(
                 f"OptimizerParamScheduler: wd_incr_style={self.wd_incr_style!r}; choose from {WD_INCR_STYLES}."
@@ -99,12 +116,27 @@ class OptimizerParamScheduler:
             return max(min_lr, max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(max(steps, 1)))
         if steps > self.lr_decay_steps:
             return min_lr
+        if self.lr_decay_style == "WSD":
+            return min_lr + self._wsd_coeff(steps) * (max_lr - min_lr)
         ratio = (steps - warmup) / (self.lr_decay_steps - warmup)
         if self.lr_decay_style == "linear":
             coeff = 1.0 - ratio
         else:
             coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
         return min_lr + coeff * (max_lr - min_lr)
+
+    def _wsd_coeff(self, steps):
+        anneal_start = self.lr_decay_steps - self.wsd_decay_steps
+        if steps <= anneal_start:
+            return 1.0
+        ratio = (steps - anneal_start) / self.wsd_decay_steps
+        if self.lr_wsd_decay_style == "exponential":
+            return 2.0 * 0.5**ratio - 1.0
+        if self.lr_wsd_decay_style == "linear":
+            return 1.0 - ratio
+        if self.lr_wsd_decay_style == "cosine":
+            return 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        return 1.0 - math.sqrt(ratio)
 
     def step(self, increment=1):
         self.num_steps += increment

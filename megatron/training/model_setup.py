@@ -81,21 +81,25 @@ def install_schedule_hooks(model_chunks, optimizer, args):
 
 
 def build_scheduler(optimizer, args):
-    """Megatron's scheduler, counted in samples (steps x global batch) so batch-size changes stay exact."""
+    """Megatron's scheduler, counted in samples (steps x global batch, or the --*-samples flags) so batch-size
+    changes stay exact; lengths from `args.lr_schedule_samples` (set by the training flags' validation)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    lengths = args.lr_schedule_samples
     return OptimizerParamScheduler(
         optimizer,
         init_lr=args.lr_warmup_init,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
-        lr_decay_steps=args.lr_decay_iters * args.global_batch_size,
+        lr_warmup_steps=lengths.warmup,
+        lr_decay_steps=lengths.decay,
         lr_decay_style=args.lr_decay_style,
         start_wd=args.start_weight_decay,
         end_wd=args.end_weight_decay,
-        wd_incr_steps=args.train_iters * args.global_batch_size,
+        wd_incr_steps=lengths.weight_decay_increment,
         wd_incr_style=args.weight_decay_incr_style,
+        wsd_decay_steps=lengths.wsd_decay,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
         use_checkpoint_opt_param_scheduler=getattr(args, "use_checkpoint_opt_param_scheduler", False),
         override_opt_param_scheduler=getattr(args, "override_opt_param_scheduler", False),
     )

@@ -3,7 +3,10 @@
 Parameter groups: weights get `config.weight_decay`; biases and 1-D parameters (norms) get none, unless
 `no_weight_decay_cond(name, param)` decides otherwise; `scale_lr_cond(name, param)` selects parameters whose
 learning rate is multiplied by `lr_mult`. Each group carries `wd_mult` and `lr_mult`, which the
-`OptimizerParamScheduler` applies when it sets `lr` and `weight_decay` every step.
+`OptimizerParamScheduler` applies when it sets `lr` and `weight_decay` every step. With
+`config.decoupled_lr` the word-embedding and output-layer weights (`is_embedding_or_output_parameter`) form
+groups of their own whose `max_lr` / `min_lr` (`decoupled_lr`, `decoupled_min_lr` or else `min_lr`) the
+scheduler uses instead of the global ones.
 """
 
 import torch
@@ -50,8 +53,9 @@ def _default_no_weight_decay(name, param):
 
 
 def get_param_groups(model_chunks, config, no_weight_decay_cond=None, scale_lr_cond=None, lr_mult=1.0):
-    """Groups keyed by (wd_mult, lr_mult), weight-decayed group first; each parameter appears once."""
+    """Groups keyed by (wd_mult, lr_mult, decoupled lr), weight-decayed group first; each parameter appears once."""
     no_weight_decay_cond = no_weight_decay_cond or _default_no_weight_decay
+    decoupled_lr = getattr(config, "decoupled_lr", None)
     grouped, seen = {}, set()
     for chunk in model_chunks:
         for name, param in chunk.named_parameters():
@@ -60,17 +64,18 @@ def get_param_groups(model_chunks, config, no_weight_decay_cond=None, scale_lr_c
             seen.add(id(param))
             wd_mult = 0.0 if no_weight_decay_cond(name, param) else 1.0
             group_lr_mult = lr_mult if scale_lr_cond is not None and scale_lr_cond(name, param) else 1.0
-            grouped.setdefault((wd_mult, group_lr_mult), []).append(param)
-    return [
-        {
-            "params": params,
-            "wd_mult": wd_mult,
-            "lr_mult": group_lr_mult,
-            "weight_decay": config.weight_decay * wd_mult,
-            "lr": config.lr * group_lr_mult,
-        }
-        for (wd_mult, group_lr_mult), params in sorted(grouped.items(), key=lambda item: (-item[0][0], item[0][1]))
-    ]
+            decoupled = decoupled_lr is not None and getattr(param, "is_embedding_or_output_parameter", False)
+            grouped.setdefault((wd_mult, group_lr_mult, decoupled), []).append(param)
+    groups = []
+    for (wd_mult, group_lr_mult, decoupled), params in sorted(grouped.items(),
+                                                               key=lambda item: (-item[0][0], *item[0][1:])):
+        group = {"params": params, "wd_mult": wd_mult, "lr_mult": group_lr_mult,
+                 "weight_decay": config.weight_decay * wd_mult, "lr": config.lr * group_lr_mult}
+        if decoupled:
+            decoupled_min_lr = config.decoupled_min_lr if config.decoupled_min_lr is not None else config.min_lr
+            group.update(lr=decoupled_lr * group_lr_mult, max_lr=decoupled_lr, min_lr=decoupled_min_lr or 0.0)
+        groups.append(group)
+    return groups
 
 
 def _torch_optimizer_factory(config, device):

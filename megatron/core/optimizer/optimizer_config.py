@@ -28,6 +28,12 @@ class OptimizerConfig:
     min_lr: Optional[float] = None
     """Learning rate at the end of decay (None: 0)."""
 
+    decoupled_lr: Optional[float] = None
+    """Peak learning rate of the word-embedding and output-layer weights (None: `lr`, as every parameter)."""
+
+    decoupled_min_lr: Optional[float] = None
+    """Their learning rate at the end of decay (None: `min_lr`); needs `decoupled_lr`."""
+
     weight_decay: float = 0.01
     """Decoupled weight decay for weights with two or more dimensions; biases and norms get none."""
 
@@ -106,6 +112,14 @@ class OptimizerConfig:
             raise ValueError(
                 f"OptimizerConfig.min_lr={self.min_lr} must lie in [0, lr={self.lr}]: lower --min-lr or raise --lr."
             )
+        if self.decoupled_min_lr is not None and self.decoupled_lr is None:
+            raise ValueError("OptimizerConfig.decoupled_min_lr needs decoupled_lr: pass --decoupled-lr with "
+                             "--decoupled-min-lr, or drop --decoupled-min-lr.")
+        if self.decoupled_lr is not None and self.decoupled_lr < 0:
+            raise ValueError(f"OptimizerConfig.decoupled_lr={self.decoupled_lr} must be >= 0 (--decoupled-lr).")
+        if self.decoupled_min_lr is not None and not 0 <= self.decoupled_min_lr <= self.decoupled_lr:
+            raise ValueError(f"OptimizerConfig.decoupled_min_lr={self.decoupled_min_lr} must lie in [0, "
+                             f"decoupled_lr={self.decoupled_lr}] (--decoupled-min-lr, --decoupled-lr).")
         if self.fp16 and self.bf16:
             raise ValueError("OptimizerConfig: fp16 and bf16 are exclusive; pick one of --fp16 / --bf16.")
         if self.weight_decay < 0:

@@ -1,4 +1,10 @@
-"""Optimisation flags: batch sizes, iterations, learning-rate schedule, optimizer, precision, recompute."""
+"""Optimisation flags: batch sizes, iterations, learning-rate schedule, optimizer, precision, recompute.
+
+Training length and the learning-rate schedule are counted in iterations (--train-iters, --lr-*-iters) or in
+samples (--train-samples, --lr-*-samples), never a mix, as upstream.
+"""
+
+import dataclasses
 
 
 def add_arguments(parser):
@@ -10,7 +16,14 @@ def add_arguments(parser):
         default=None,
         help="Samples per optimizer step over all data-parallel ranks; default micro-batch x data-parallel size.",
     )
-    group.add_argument("--train-iters", type=int, default=None, help="Number of optimizer steps to train for.")
+    group.add_argument("--train-iters", type=int, default=None,
+                       help="Number of optimizer steps to train for (exclusive with --train-samples).")
+    group.add_argument("--train-samples", type=int, default=None,
+                       help="Number of samples to train for: --train-samples // --global-batch-size iterations; the "
+                       "learning-rate schedule is then given in samples (--lr-decay-samples, --lr-warmup-samples).")
+    group.add_argument("--rampup-batch-size", nargs="*", default=None,
+                       help="<start batch size> <increment> <ramp-up samples>: not supported here (the global batch "
+                       "size is constant); rejected with a message.")
     group.add_argument("--exit-interval", type=int, default=None, help="Exit after an iteration divisible by this.")
     group.add_argument(
         "--exit-signal-handler",
@@ -19,8 +32,26 @@ def add_arguments(parser):
     )
     group.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
     group.add_argument("--min-lr", type=float, default=0.0, help="Learning rate at the end of decay.")
-    group.add_argument("--lr-decay-style", default="linear", choices=["constant", "linear", "cosine"])
+    group.add_argument("--decoupled-lr", type=float, default=None,
+                       help="Peak learning rate of the word-embedding and output-layer weights (same schedule).")
+    group.add_argument("--decoupled-min-lr", type=float, default=None,
+                       help="Their learning rate at the end of decay; default --min-lr. Needs --decoupled-lr.")
+    group.add_argument("--lr-decay-style", default="linear",
+                       choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+                       help="Decay after warm-up; WSD (warmup-stable-decay) holds --lr until the last "
+                       "--lr-wsd-decay-iters/-samples of the decay, then anneals with --lr-wsd-decay-style.")
+    group.add_argument("--lr-wsd-decay-style", default="exponential",
+                       choices=["exponential", "linear", "cosine", "minus_sqrt"],
+                       help="Shape of the WSD anneal.")
+    group.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                       help="Iterations of the WSD anneal (iteration-based training).")
+    group.add_argument("--lr-wsd-decay-samples", type=int, default=None,
+                       help="Samples of the WSD anneal (sample-based training).")
     group.add_argument("--lr-warmup-iters", type=int, default=0, help="Linear warm-up steps.")
+    group.add_argument("--lr-warmup-samples", type=int, default=0,
+                       help="Linear warm-up in samples (sample-based training).")
+    group.add_argument("--lr-decay-samples", type=int, default=None,
+                       help="Decay length in samples (sample-based training); default --train-samples.")
     group.add_argument(
         "--lr-warmup-fraction",
         type=float,
@@ -99,25 +130,24 @@ def validate(args):
             f"--global-batch-size ({args.global_batch_size}) must be a positive multiple of --micro-batch-size "
             f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size}) = {samples_per_pass}"
         )
-    if args.train_iters is None or args.train_iters <= 0:
-        raise ValueError("--train-iters is required and must be positive")
+    _validate_training_length(args)
     if args.exit_interval is not None and args.exit_interval <= 0:
         raise ValueError(f"--exit-interval must be positive, got {args.exit_interval}")
     if args.lr is None:
         raise ValueError("--lr is required")
     if args.min_lr > args.lr:
         raise ValueError(f"--min-lr ({args.min_lr}) must not exceed --lr ({args.lr})")
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.lr_decay_iters <= 0:
-        raise ValueError(f"--lr-decay-iters must be positive, got {args.lr_decay_iters}")
-    if args.lr_warmup_fraction is not None:
-        if args.lr_warmup_iters != 0:
-            raise ValueError("--lr-warmup-fraction and --lr-warmup-iters are exclusive: pick one")
-        if not 0.0 <= args.lr_warmup_fraction < 1.0:
-            raise ValueError(f"--lr-warmup-fraction must be in [0, 1), got {args.lr_warmup_fraction}")
-        # Counted in samples like upstream (fraction x decay samples), so it need not be a whole iteration.
-        args.lr_warmup_iters = args.lr_warmup_fraction * args.lr_decay_iters
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        raise ValueError("--decoupled-min-lr needs --decoupled-lr")
+    if args.decoupled_lr is not None and args.decoupled_lr < 0:
+        raise ValueError(f"--decoupled-lr must be >= 0, got {args.decoupled_lr}")
+    if args.decoupled_min_lr is not None and not 0 <= args.decoupled_min_lr <= args.decoupled_lr:
+        raise ValueError(f"--decoupled-min-lr ({args.decoupled_min_lr}) must be in [0, --decoupled-lr "
+                         f"({args.decoupled_lr})]")
+    if args.train_samples is None:
+        _validate_iteration_schedule(args)
+    else:
+        _validate_sample_schedule(args)
     _validate_weight_decay_schedule(args)
     if args.manual_gc_interval < 0:
         raise ValueError(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
@@ -126,11 +156,6 @@ def validate(args):
     if args.use_checkpoint_opt_param_scheduler and args.override_opt_param_scheduler:
         raise ValueError(
             "--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler are exclusive: pick one"
-        )
-    if args.lr_warmup_iters < 0 or args.lr_warmup_iters >= args.lr_decay_iters:
-        raise ValueError(
-            f"--lr-warmup-iters ({args.lr_warmup_iters}) must be in [0, --lr-decay-iters ({args.lr_decay_iters})): "
-            f"lower it or raise --lr-decay-iters"
         )
     if not 0.0 <= args.lr_warmup_init <= args.lr:
         raise ValueError(f"--lr-warmup-init ({args.lr_warmup_init}) must be in [0, --lr ({args.lr})]")
@@ -169,3 +194,108 @@ def _validate_weight_decay_schedule(args):
     if args.start_weight_decay > args.end_weight_decay:
         raise ValueError(f"--start-weight-decay ({args.start_weight_decay}) must not exceed --end-weight-decay "
                          f"({args.end_weight_decay}): the schedule only increases")
+
+
+def _validate_training_length(args):
+    """Upstream's two modes: --train-iters with iteration-counted schedules, or --train-samples with
+    sample-counted ones; each excludes the other's flags."""
+    if args.rampup_batch_size is not None:
+        raise ValueError("--rampup-batch-size is not supported: this trainer keeps the global batch size constant; "
+                         "drop it and set --global-batch-size")
+    if args.train_iters is not None and args.train_samples is not None:
+        raise ValueError("--train-iters and --train-samples are exclusive: pick one")
+    if args.train_samples is None:
+        if args.train_iters is None or args.train_iters <= 0:
+            raise ValueError("--train-iters (or --train-samples) is required and must be positive")
+        for flag, value, unset in (("--lr-decay-samples", args.lr_decay_samples, None),
+                                   ("--lr-warmup-samples", args.lr_warmup_samples, 0),
+                                   ("--lr-wsd-decay-samples", args.lr_wsd_decay_samples, None)):
+            if value != unset:
+                raise ValueError(f"{flag} needs sample-based training (--train-samples); with --train-iters use "
+                                 f"{flag.replace('samples', 'iters')}")
+        return
+    if args.train_samples <= 0:
+        raise ValueError(f"--train-samples must be positive, got {args.train_samples}")
+    for flag, value, unset in (("--lr-decay-iters", args.lr_decay_iters, None),
+                               ("--lr-warmup-iters", args.lr_warmup_iters, 0),
+                               ("--lr-wsd-decay-iters", args.lr_wsd_decay_iters, None)):
+        if value != unset:
+            raise ValueError(f"{flag} needs iteration-based training (--train-iters); with --train-samples use "
+                             f"{flag.replace('iters', 'samples')}")
+    args.train_iters = args.train_samples // args.global_batch_size
+    if args.train_iters == 0:
+        raise ValueError(f"--train-samples ({args.train_samples}) is less than one --global-batch-size "
+                         f"({args.global_batch_size})")
+
+
+def _validate_iteration_schedule(args):
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_decay_iters <= 0:
+        raise ValueError(f"--lr-decay-iters must be positive, got {args.lr_decay_iters}")
+    if args.lr_warmup_fraction is not None:
+        if args.lr_warmup_iters != 0:
+            raise ValueError("--lr-warmup-fraction and --lr-warmup-iters are exclusive: pick one")
+        _check_warmup_fraction(args)
+        # Counted in samples like upstream (fraction x decay samples), so it need not be a whole iteration.
+        args.lr_warmup_iters = args.lr_warmup_fraction * args.lr_decay_iters
+    if args.lr_warmup_iters < 0 or args.lr_warmup_iters >= args.lr_decay_iters:
+        raise ValueError(
+            f"--lr-warmup-iters ({args.lr_warmup_iters}) must be in [0, --lr-decay-iters ({args.lr_decay_iters})): "
+            f"lower it or raise --lr-decay-iters"
+        )
+    _check_wsd(args, "--lr-wsd-decay-iters", args.lr_wsd_decay_iters, "--lr-decay-iters", args.lr_decay_iters)
+    gbs = args.global_batch_size
+    wsd = None if args.lr_wsd_decay_iters is None else args.lr_wsd_decay_iters * gbs
+    args.lr_schedule_samples = LearningRateScheduleSamples(
+        warmup=args.lr_warmup_iters * gbs, decay=args.lr_decay_iters * gbs, wsd_decay=wsd,
+        weight_decay_increment=args.train_iters * gbs)
+
+
+def _validate_sample_schedule(args):
+    if args.lr_decay_samples is None:
+        args.lr_decay_samples = args.train_samples
+    if args.lr_decay_samples <= 0:
+        raise ValueError(f"--lr-decay-samples must be positive, got {args.lr_decay_samples}")
+    if args.lr_warmup_fraction is not None:
+        if args.lr_warmup_samples != 0:
+            raise ValueError("--lr-warmup-fraction and --lr-warmup-samples are exclusive: pick one")
+        _check_warmup_fraction(args)
+        args.lr_warmup_samples = int(args.lr_warmup_fraction * args.lr_decay_samples)
+    if args.lr_warmup_samples < 0 or args.lr_warmup_samples >= args.lr_decay_samples:
+        raise ValueError(
+            f"--lr-warmup-samples ({args.lr_warmup_samples}) must be in [0, --lr-decay-samples "
+            f"({args.lr_decay_samples})): lower it or raise --lr-decay-samples"
+        )
+    _check_wsd(args, "--lr-wsd-decay-samples", args.lr_wsd_decay_samples, "--lr-decay-samples",
+               args.lr_decay_samples)
+    args.lr_schedule_samples = LearningRateScheduleSamples(
+        warmup=args.lr_warmup_samples, decay=args.lr_decay_samples, wsd_decay=args.lr_wsd_decay_samples,
+        weight_decay_increment=args.train_samples)
+
+
+def _check_warmup_fraction(args):
+    if not 0.0 <= args.lr_warmup_fraction < 1.0:
+        raise ValueError(f"--lr-warmup-fraction must be in [0, 1), got {args.lr_warmup_fraction}")
+
+
+def _check_wsd(args, wsd_flag, wsd_value, decay_flag, decay_value):
+    if args.lr_decay_style != "WSD":
+        if wsd_value is not None:
+            raise ValueError(f"{wsd_flag} needs --lr-decay-style WSD")
+        return
+    if wsd_value is None:
+        raise ValueError(f"--lr-decay-style WSD needs {wsd_flag}")
+    if not 0 < wsd_value <= decay_value:
+        raise ValueError(f"{wsd_flag} ({wsd_value}) must be in (0, {decay_flag} ({decay_value})]")
+
+
+@dataclasses.dataclass(frozen=True)
+class LearningRateScheduleSamples:
+    """The scheduler's lengths in samples (it counts samples, so batch sizes stay exact): warm-up, decay end,
+    WSD anneal (None unless --lr-decay-style WSD) and the weight-decay increase."""
+
+    warmup: float
+    decay: int
+    wsd_decay: int | None
+    weight_decay_increment: int

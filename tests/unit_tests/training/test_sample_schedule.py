@@ -1,0 +1,155 @@
+"""Sample-based training (--train-samples, --lr-*-samples), the WSD schedule and decoupled learning rates:
+the learning rate of every iteration against the formulas written out here, and upstream's rules."""
+
+import math
+
+import pytest
+import torch
+
+from megatron.core.optimizer import OptimizerConfig, get_param_groups
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.model_setup import build_scheduler
+
+BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+        "--global-batch-size 8 --lr 1e-3 --min-lr 1e-4 --mock-data --vocab-size 128")
+
+
+@pytest.fixture(autouse=True)
+def single_process_env(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+
+
+def validated(extra):
+    return validate_args(parse_args(args=(BASE + " " + extra).split()))
+
+
+def _toy_groups(args):
+    """Two weights: one marked as the word embedding (as GPTModel marks it), one not."""
+    module = torch.nn.Module()
+    module.embedding = torch.nn.Parameter(torch.ones(4, 2))
+    module.embedding.is_embedding_or_output_parameter = True
+    module.hidden = torch.nn.Parameter(torch.ones(2, 2))
+    config = OptimizerConfig(lr=args.lr, min_lr=args.min_lr, decoupled_lr=args.decoupled_lr,
+                             decoupled_min_lr=args.decoupled_min_lr, weight_decay=0.0)
+    return module, get_param_groups([module], config)
+
+
+def _lrs_per_iteration(args):
+    """[(lr of the plain group, lr of the embedding group)] after 0, 1, ..., train_iters optimizer steps."""
+    module, groups = _toy_groups(args)
+    optimizer = torch.optim.SGD(groups, lr=args.lr)
+    scheduler = build_scheduler(optimizer, args)
+
+    def lrs():
+        by_param = {id(p): group["lr"] for group in optimizer.param_groups for p in group["params"]}
+        return by_param[id(module.hidden)], by_param[id(module.embedding)]
+
+    values = [lrs()]
+    for _ in range(args.train_iters):
+        scheduler.step(increment=args.global_batch_size)
+        values.append(lrs())
+    return values
+
+
+def _cosine(samples, max_lr, min_lr, warmup, decay):
+    if samples <= warmup:
+        return max_lr * samples / warmup
+    if samples > decay:
+        return min_lr
+    ratio = (samples - warmup) / (decay - warmup)
+    return min_lr + 0.5 * (math.cos(math.pi * ratio) + 1) * (max_lr - min_lr)
+
+
+def test_sample_based_cosine_schedule_with_decoupled_lr():
+    args = validated("--train-samples 100 --lr-decay-samples 80 --lr-warmup-samples 20 --lr-decay-style cosine "
+                     "--decoupled-lr 5e-3 --decoupled-min-lr 4e-4")
+    assert args.train_iters == 100 // 8
+    lrs = _lrs_per_iteration(args)
+    for iteration, (plain, embedding) in enumerate(lrs):
+        samples = 8 * iteration
+        assert plain == pytest.approx(_cosine(samples, 1e-3, 1e-4, 20, 80), rel=1e-12, abs=1e-15)
+        assert embedding == pytest.approx(_cosine(samples, 5e-3, 4e-4, 20, 80), rel=1e-12, abs=1e-15)
+    assert lrs[-1] == (1e-4, 4e-4)  # past --lr-decay-samples: the minimum of each
+
+
+def test_decoupled_lr_moves_only_the_embedding_by_its_rate():
+    args = validated("--train-samples 80 --lr-decay-style constant --decoupled-lr 5e-3 --weight-decay 0")
+    module, groups = _toy_groups(args)
+    optimizer = torch.optim.SGD(groups, lr=args.lr)
+    build_scheduler(optimizer, args)
+    for param in (module.embedding, module.hidden):
+        param.grad = torch.full_like(param, 2.0)
+    optimizer.step()
+    # fp32 parameters: one rounding of the update (ulp 6e-8 near 1).
+    torch.testing.assert_close(module.embedding.detach(), torch.full((4, 2), 1.0 - 5e-3 * 2.0), rtol=0, atol=1e-7)
+    torch.testing.assert_close(module.hidden.detach(), torch.full((2, 2), 1.0 - 1e-3 * 2.0), rtol=0, atol=1e-7)
+    # --decoupled-min-lr defaults to --min-lr.
+    assert [group.get("min_lr") for group in groups] == [None, 1e-4]
+
+
+def _wsd_coefficient(style, ratio):
+    return {"exponential": 2.0 * 0.5**ratio - 1.0, "linear": 1.0 - ratio,
+            "cosine": 0.5 * (math.cos(math.pi * ratio) + 1.0), "minus_sqrt": 1.0 - math.sqrt(ratio)}[style]
+
+
+@pytest.mark.parametrize("style", ["exponential", "linear", "cosine", "minus_sqrt"])
+@pytest.mark.parametrize("unit", ["samples", "iters"])
+def test_wsd_schedule(style, unit):
+    # 12 iterations of 8 samples; warm-up 2 iterations, stable, then the last 5 iterations anneal.
+    if unit == "samples":
+        extra = "--train-samples 96 --lr-warmup-samples 16 --lr-wsd-decay-samples 40"
+    else:
+        extra = "--train-iters 12 --lr-warmup-iters 2 --lr-wsd-decay-iters 5"
+    args = validated(f"{extra} --lr-decay-style WSD --lr-wsd-decay-style {style}")
+    for iteration, (plain, _) in enumerate(_lrs_per_iteration(args)):
+        samples = 8 * iteration
+        if samples <= 16:
+            expected = 1e-3 * samples / 16
+        elif samples <= 96 - 40:
+            expected = 1e-3
+        else:
+            expected = 1e-4 + _wsd_coefficient(style, (samples - 56) / 40) * (1e-3 - 1e-4)
+        assert plain == pytest.approx(expected, rel=1e-12, abs=1e-15), iteration
+
+
+def test_warmup_fraction_counts_decay_samples():
+    args = validated("--train-samples 100 --lr-warmup-fraction 0.25")
+    assert (args.lr_decay_samples, args.lr_warmup_samples) == (100, 25)
+    assert args.lr_schedule_samples.weight_decay_increment == 100
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("--train-iters 10 --train-samples 80", "--train-iters and --train-samples are exclusive"),
+    ("--train-samples 80 --lr-decay-iters 5", "--lr-decay-iters needs iteration-based training"),
+    ("--train-samples 80 --lr-warmup-iters 1", "--lr-warmup-iters needs iteration-based training"),
+    ("--train-iters 10 --lr-decay-samples 80", "--lr-decay-samples needs sample-based training"),
+    ("--train-iters 10 --lr-warmup-samples 8", "--lr-warmup-samples needs sample-based training"),
+    ("--train-samples 80 --lr-warmup-samples 8 --lr-warmup-fraction 0.1",
+     "--lr-warmup-fraction and --lr-warmup-samples are exclusive"),
+    ("--train-samples 80 --lr-warmup-samples 80", "--lr-warmup-samples (80) must be in [0, --lr-decay-samples"),
+    ("--train-samples 4", "less than one --global-batch-size"),
+    ("--train-samples 80 --lr-decay-style WSD", "--lr-decay-style WSD needs --lr-wsd-decay-samples"),
+    ("--train-iters 10 --lr-decay-style WSD", "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
+    ("--train-iters 10 --lr-wsd-decay-iters 2", "--lr-wsd-decay-iters needs --lr-decay-style WSD"),
+    ("--train-iters 10 --lr-decay-style WSD --lr-wsd-decay-iters 11", "--lr-wsd-decay-iters (11) must be in"),
+    ("--train-samples 80 --rampup-batch-size 2 2 16", "--rampup-batch-size is not supported"),
+    ("--train-iters 10 --decoupled-min-lr 1e-4", "--decoupled-min-lr needs --decoupled-lr"),
+    ("--train-iters 10 --decoupled-lr 1e-3 --decoupled-min-lr 2e-3", "--decoupled-min-lr (0.002) must be in"),
+    ("", "--train-iters (or --train-samples) is required"),
+])
+def test_schedule_rules(extra, message):
+    with pytest.raises(ValueError) as error:
+        validated(extra)
+    assert message in str(error.value)
+
+
+def test_decoupled_lr_reaches_gpt_embedding_and_output_layer():
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2)
+    model = GPTModel(config, vocab_size=32, max_sequence_length=8, share_embeddings_and_output_weights=False)
+    groups = get_param_groups([model], OptimizerConfig(lr=1e-3, min_lr=0.0, decoupled_lr=5e-3))
+    decoupled = [id(p) for group in groups if group.get("max_lr") == 5e-3 for p in group["params"]]
+    assert sorted(decoupled) == sorted([id(model.embedding.word_embeddings.weight), id(model.output_layer.weight)])
