@@ -17,6 +17,7 @@ def core_transformer_config_from_args(args, config_class=None):
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.training.argument_groups.fp8 import transformer_config_kwargs as fp8_config_kwargs
     from megatron.training.argument_groups.memory import transformer_config_kwargs as memory_config_kwargs
+    from megatron.training.argument_groups.mla import transformer_config_kwargs as mla_config_kwargs
 
     config_class = config_class or TransformerConfig
     return config_class(
@@ -56,6 +57,7 @@ def core_transformer_config_from_args(args, config_class=None):
         init_model_with_meta_device=args.init_model_with_meta_device,
         **fp8_config_kwargs(args),
         **memory_config_kwargs(args),
+        **mla_config_kwargs(args),
     )
 
 

@@ -12,6 +12,7 @@ from megatron.training.argument_groups import (
     fp8,
     logging_eval,
     memory,
+    mla,
     model,
     parallelism,
     training,
@@ -21,5 +22,5 @@ from megatron.training.argument_groups import (
 # Order matters for validation: later groups read values derived by earlier ones (e.g. data_parallel_size).
 # memory precedes data_parallel: --main-grads-dtype bf16 opts out of the fp32 gradients data_parallel sets for --bf16.
 # virtual_pipeline follows training: its microbatch rule needs the global and micro batch sizes.
-ARGUMENT_GROUPS = (parallelism, model, training, virtual_pipeline, data, logging_eval, checkpoint, memory, data_parallel,
-                   fp8)
+ARGUMENT_GROUPS = (parallelism, model, mla, training, virtual_pipeline, data, logging_eval, checkpoint, memory,
+                   data_parallel, fp8)
