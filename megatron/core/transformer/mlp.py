@@ -17,9 +17,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 class MLP(torch.nn.Module):
     """Args: config; init_seed: seed of the owning layer's initial weights (see `init_seeds`), None derives one
     from `config.init_seed`; fused_input_norm: the owning layer's pre-MLP norm when fc1 applies it (Transformer
-    Engine's fused LayerNorm-linear), None when the layer applies it."""
+    Engine's fused LayerNorm-linear), None when the layer applies it; is_expert: an expert of a MoE layer (its
+    parameters are reduced over the expert data-parallel group, `allreduce = False`)."""
 
-    def __init__(self, config: TransformerConfig, init_seed=None, fused_input_norm=None):
+    def __init__(self, config: TransformerConfig, init_seed=None, fused_input_norm=None, is_expert=False):
         super().__init__()
         self.config = config
         if init_seed is None:
@@ -38,6 +39,7 @@ class MLP(torch.nn.Module):
                 init_method=config.init_method,
                 bias=config.add_bias_linear,
                 gather_output=False,
+                is_expert=is_expert,
                 **fc1_kwargs,
             ),
         )
@@ -50,6 +52,7 @@ class MLP(torch.nn.Module):
                 init_method=config.output_layer_init_method,
                 bias=config.add_bias_linear,
                 input_is_parallel=True,
+                is_expert=is_expert,
             ),
         )
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer.init_methods import init_method_normal, scaled_init_method_normal
+from megatron.core.transformer.moe.moe_config import MoEConfigMixin
 from megatron.core.transformer.mla_config import MLAConfigMixin
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -23,7 +24,7 @@ RECOMPUTE_METHODS = (None, "uniform", "block")
 
 
 @dataclass(frozen=True, kw_only=True)
-class TransformerConfig(MLAConfigMixin, ModelParallelConfig):
+class TransformerConfig(MLAConfigMixin, MoEConfigMixin, ModelParallelConfig):
     """Transformer shape, regularisation, initialisation and activation-recompute settings."""
 
     num_layers: int
@@ -125,6 +126,7 @@ class TransformerConfig(MLAConfigMixin, ModelParallelConfig):
         self._validate_shape()
         self._fill_derived_defaults()
         self._validate_parallel_split()
+        self._validate_moe()
         self._validate_regularisation_and_norm()
         self._validate_recompute()
         self._validate_cpu_offloading()

@@ -13,6 +13,8 @@ from megatron.core.extensions.transformer_engine import uses_transformer_engine
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.init_seeds import derive_init_seed, reset_children_parameters, resolve_base_init_seed
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.moe_config import moe_layer_pattern
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -45,7 +47,13 @@ class TransformerLayer(torch.nn.Module):
             self.self_attention = SelfAttention(config, layer_number, init_seed=self.init_seed,
                                                 fused_input_norm=self.input_layernorm if fused else None)
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
-        self.mlp = MLP(config, init_seed=self.init_seed, fused_input_norm=self.pre_mlp_layernorm if fused else None)
+        if moe_layer_pattern(config)[layer_number - 1]:
+            self.mlp = MoELayer(config, layer_number=layer_number, init_seed=self.init_seed)
+            self.norms_fused_into_mlp = False  # the router and the experts read the normalised input
+        else:
+            self.mlp = MLP(config, init_seed=self.init_seed,
+                           fused_input_norm=self.pre_mlp_layernorm if fused else None)
+            self.norms_fused_into_mlp = fused
         self.hidden_dropout = torch.nn.Dropout(config.hidden_dropout)
 
     def reset_parameters(self):
@@ -68,5 +76,6 @@ class TransformerLayer(torch.nn.Module):
             rotary_pos_emb=rotary_pos_emb,
         )
         hidden_states = hidden_states + self._dropout(attention_output)
-        mlp_output = self.mlp(self._norm(self.pre_mlp_layernorm, hidden_states))
+        mlp_input = hidden_states if self.norms_fused_into_mlp else self.pre_mlp_layernorm(hidden_states)
+        mlp_output = self.mlp(mlp_input)
         return hidden_states + self._dropout(mlp_output)

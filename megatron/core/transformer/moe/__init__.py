@@ -1,0 +1,1 @@
+"""Mixture-of-Experts: the router, the token dispatchers, the experts and the MoE layer that combines them."""

@@ -1,0 +1,230 @@
+"""The experts of one MoE layer on one expert-parallel rank.
+
+Every implementation holds the same parameters: `local_experts.{j}` is an `MLP` (fc1 column-parallel, fc2
+row-parallel, built with `is_expert=True`, so their parameters are marked `allreduce = False`) for the expert
+of global index `ep_rank * num_local_experts + j`. Its initial weights come from a seed derived from the layer's
+seed and that global index alone, so any expert-parallel size builds the same experts. Each expert parameter
+carries `expert_global_index` and `num_local_experts`.
+
+The experts take tokens already dispatched to this rank, sorted by local expert (`tokens_per_expert` rows each),
+and return each row's expert output before the routing probability is applied. The dispatcher gathered the
+tokens of the whole tensor-parallel group, so the linears run without their own tensor-parallel
+communication: fc2's output is this rank's partial sum, which the dispatcher's combine reduces. fc2's bias is
+added on tensor-parallel rank 0 only (once in that sum), and its gradient is the full one on every rank.
+
+- `SequentialMLP`: one matmul pair per expert.
+- `GroupedMLP` (`--moe-grouped-gemm`): torch's grouped GEMM (`torch.nn.functional.grouped_mm`) over all local
+  experts where the device and dtype support it, else the per-expert loop.
+- `TEGroupedMLP`: the name Transformer Engine builds use; it needs transformer-engine and computes like
+  `GroupedMLP`.
+"""
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.optional_deps import HAVE_TE
+from megatron.core.tensor_parallel.layers import LinearWithGradAccumulation
+from megatron.core.transformer.init_seeds import derive_init_seed
+from megatron.core.transformer.mlp import MLP
+
+
+def expert_init_seed(layer_init_seed, global_expert_index):
+    return derive_init_seed(layer_init_seed, "mlp.experts", global_expert_index)
+
+
+def _tensor_parallel_rank():
+    return parallel_state.get_tensor_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+
+
+class _BiasOnceOverPartialSums(torch.autograd.Function):
+    """`partial + bias` on the rank that adds it (`add`), `partial` elsewhere; the bias gradient is the full
+    sum of the output gradient on every rank (the combine's backward hands every rank the same gradient)."""
+
+    @staticmethod
+    def forward(ctx, partial, bias, add):
+        ctx.bias_shape = bias.shape
+        return partial + bias if add else partial.clone()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output, grad_output.reshape(-1, ctx.bias_shape[0]).sum(dim=0), None
+
+
+def _linear(config, input_, weight, bias=None):
+    if config.gradient_accumulation_fusion and torch.is_grad_enabled() and weight.requires_grad:
+        return LinearWithGradAccumulation.apply(input_, weight, bias)
+    return F.linear(input_, weight, bias)
+
+
+def _activate(config, intermediate):
+    """The MLP's activation (gated: fc1's rows interleave gate and up per unit)."""
+    if config.gated_linear_unit:
+        units = intermediate.view(*intermediate.shape[:-1], -1, 2)
+        return config.activation_func(units[..., 0]) * units[..., 1]
+    return config.activation_func(intermediate)
+
+
+class SequentialMLP(torch.nn.Module):
+    """Args: num_local_experts; config (a MoE `TransformerConfig`); layer_init_seed: the owning layer's seed;
+    first_global_index: the global index of local expert 0 (ep_rank * num_local_experts)."""
+
+    def __init__(self, num_local_experts, config, layer_init_seed, first_global_index=0):
+        super().__init__()
+        self.config = config
+        self.num_local_experts = num_local_experts
+        # The experts are plain torch-native MLPs of width moe_ffn_hidden_size (the dispatcher communicates).
+        self.expert_config = dataclasses.replace(config, ffn_hidden_size=config.moe_ffn_hidden_size,
+                                                 transformer_impl="local")
+        self.local_experts = torch.nn.ModuleList()
+        for local_index in range(num_local_experts):
+            global_index = first_global_index + local_index
+            expert = MLP(self.expert_config, init_seed=expert_init_seed(layer_init_seed, global_index),
+                         is_expert=True)
+            for param in expert.parameters():
+                param.expert_global_index = global_index
+                param.num_local_experts = num_local_experts
+            if expert.linear_fc2.bias is not None:
+                # Every rank computes this bias's full gradient (see _BiasOnceOverPartialSums): no sum over TP.
+                expert.linear_fc2.bias.sequence_parallel = False
+            self.local_experts.append(expert)
+
+    def _fc2_bias(self, partial, expert):
+        bias = expert.linear_fc2.bias
+        if bias is None:
+            return partial
+        return _BiasOnceOverPartialSums.apply(partial, bias, _tensor_parallel_rank() == 0)
+
+    def _expert_forward(self, expert, tokens):
+        config = self.expert_config
+        intermediate = _linear(config, tokens, expert.linear_fc1.weight, expert.linear_fc1.bias)
+        partial = _linear(config, _activate(config, intermediate), expert.linear_fc2.weight)
+        return self._fc2_bias(partial, expert)
+
+    def forward(self, tokens, tokens_per_expert):
+        """`tokens` [sum(tokens_per_expert), h] sorted by local expert -> the experts' outputs, same shape."""
+        counts = [int(count) for count in tokens_per_expert]
+        if len(counts) != self.num_local_experts or sum(counts) != tokens.size(0):
+            raise ValueError(f"tokens_per_expert {counts} does not match {self.num_local_experts} local experts and "
+                             f"{tokens.size(0)} tokens")
+        outputs = [self._expert_forward(expert, chunk)
+                   for expert, chunk in zip(self.local_experts, torch.split(tokens, counts))]
+        return torch.cat(outputs) if outputs else tokens.new_empty(tokens.shape)
+
+
+_GROUPED_MM_SUPPORT = {}
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (grouped GEMM's backward rejects the
+    expanded gradients that, for example, a `.sum()` produces)."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output.contiguous()
+
+
+def _grouped_mm(tokens, weights, offsets):
+    return _ContiguousGrad.apply(F.grouped_mm(tokens, weights, offs=offsets))
+
+
+def grouped_mm_supported(device, dtype):
+    """Whether torch's grouped GEMM runs (forward and backward) on this device type and dtype; probed once."""
+    key = (torch.device(device).type, dtype)
+    if key not in _GROUPED_MM_SUPPORT:
+        supported = hasattr(F, "grouped_mm")
+        if supported:
+            try:
+                with torch.enable_grad():
+                    tokens = torch.ones(8, 16, device=device, dtype=dtype, requires_grad=True)
+                    weights = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+                    offsets = torch.tensor([3, 8], device=device, dtype=torch.int32)
+                    _grouped_mm(tokens, weights, offsets).sum().backward()
+            except (RuntimeError, NotImplementedError, TypeError):
+                supported = False
+        _GROUPED_MM_SUPPORT[key] = supported
+    return _GROUPED_MM_SUPPORT[key]
+
+
+def _aligned_for_grouped_mm(tensor, *widths):
+    """Grouped GEMM needs 16-byte aligned row strides."""
+    return all((width * tensor.element_size()) % 16 == 0 for width in widths)
+
+
+class GroupedMLP(SequentialMLP):
+    """`SequentialMLP`'s parameters, computed with one grouped GEMM per linear over all local experts."""
+
+    def uses_grouped_gemm(self, tokens):
+        first = self.local_experts[0]
+        fc1_out, hidden = first.linear_fc1.weight.shape
+        fc2_in = first.linear_fc2.weight.shape[1]
+        return (tokens.size(0) > 0 and grouped_mm_supported(tokens.device, tokens.dtype)
+                and _aligned_for_grouped_mm(tokens, hidden, fc1_out, fc2_in))
+
+    def forward(self, tokens, tokens_per_expert):
+        if not self.uses_grouped_gemm(tokens):
+            return super().forward(tokens, tokens_per_expert)
+        counts = torch.as_tensor([int(count) for count in tokens_per_expert], dtype=torch.int64)
+        if counts.numel() != self.num_local_experts or int(counts.sum()) != tokens.size(0):
+            raise ValueError(f"tokens_per_expert {counts.tolist()} does not match {self.num_local_experts} local "
+                             f"experts and {tokens.size(0)} tokens")
+        config = self.expert_config
+        offsets = torch.cumsum(counts, 0).to(device=tokens.device, dtype=torch.int32)
+        experts = list(self.local_experts)
+        fc1 = torch.stack([expert.linear_fc1.weight.t() for expert in experts])
+        intermediate = _grouped_mm(tokens, fc1, offsets)
+        expert_of_row = torch.repeat_interleave(torch.arange(len(experts), device=tokens.device),
+                                                counts.to(tokens.device))
+        if experts[0].linear_fc1.bias is not None:
+            intermediate = intermediate + torch.stack([e.linear_fc1.bias for e in experts])[expert_of_row]
+        fc2 = torch.stack([expert.linear_fc2.weight.t() for expert in experts])
+        partial = _grouped_mm(_activate(config, intermediate), fc2, offsets)
+        if experts[0].linear_fc2.bias is None:
+            return partial
+        biases = torch.stack([expert.linear_fc2.bias for expert in experts])
+        return _RowBiasOnce.apply(partial, biases, expert_of_row, _tensor_parallel_rank() == 0)
+
+
+class _RowBiasOnce(torch.autograd.Function):
+    """`_BiasOnceOverPartialSums` with one bias per expert: row i gets `biases[expert_of_row[i]]`."""
+
+    @staticmethod
+    def forward(ctx, partial, biases, expert_of_row, add):
+        ctx.save_for_backward(expert_of_row)
+        ctx.num_experts = biases.size(0)
+        return partial + biases[expert_of_row] if add else partial.clone()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (expert_of_row,) = ctx.saved_tensors
+        grad_biases = grad_output.new_zeros(ctx.num_experts, grad_output.size(-1)).index_add(0, expert_of_row,
+                                                                                            grad_output)
+        return grad_output, grad_biases, None, None
+
+
+class TEGroupedMLP(GroupedMLP):
+    """The expert module of Transformer Engine builds (`--transformer-impl transformer_engine --moe-grouped-gemm`);
+    same parameters and computation as `GroupedMLP`."""
+
+    def __init__(self, num_local_experts, config, layer_init_seed, first_global_index=0):
+        if not HAVE_TE:
+            raise ValueError("TEGroupedMLP needs transformer-engine, which is not installed (it needs CUDA): use "
+                             "--transformer-impl local, whose --moe-grouped-gemm builds GroupedMLP")
+        super().__init__(num_local_experts, config, layer_init_seed, first_global_index)
+
+
+def build_experts(config, layer_init_seed, num_local_experts, first_global_index):
+    """The expert module the config asks for."""
+    if not config.moe_grouped_gemm:
+        cls = SequentialMLP
+    elif config.transformer_impl == "transformer_engine":
+        cls = TEGroupedMLP
+    else:
+        cls = GroupedMLP
+    return cls(num_local_experts, config, layer_init_seed, first_global_index)

@@ -1,0 +1,257 @@
+"""The Mixture-of-Experts fields of `TransformerConfig` and their rules.
+
+`MoEConfigMixin` is a frozen dataclass that `TransformerConfig` inherits; `TransformerConfig.__post_init__`
+calls `_validate_moe()` once its own derived defaults are filled. Field names, defaults and rules are
+Megatron-Core's; every message names the command-line flag to change. With `num_moe_experts` None every MoE
+field must keep its default (a MoE flag without `--num-experts` would otherwise be silently ignored).
+"""
+
+import ast
+from dataclasses import dataclass
+from typing import Optional, Union
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
+TOKEN_DROP_POLICIES = ("probs", "position")
+TOKEN_DISPATCHER_TYPES = ("allgather", "alltoall")
+ROUTER_DTYPES = (None, "fp32", "fp64")
+
+# Flags that only mean something with --num-experts, and their defaults.
+_FIELDS_NEEDING_EXPERTS = {
+    "moe_router_topk": ("--moe-router-topk", 2),
+    "moe_ffn_hidden_size": ("--moe-ffn-hidden-size", None),
+    "moe_layer_freq": ("--moe-layer-freq", 1),
+    "moe_grouped_gemm": ("--moe-grouped-gemm", False),
+    "moe_token_dispatcher_type": ("--moe-token-dispatcher-type", "allgather"),
+    "moe_router_score_function": ("--moe-router-score-function", "softmax"),
+    "moe_router_pre_softmax": ("--moe-router-pre-softmax", False),
+    "moe_router_topk_scaling_factor": ("--moe-router-topk-scaling-factor", None),
+    "moe_router_num_groups": ("--moe-router-num-groups", None),
+    "moe_router_group_topk": ("--moe-router-group-topk", None),
+    "moe_router_enable_expert_bias": ("--moe-router-enable-expert-bias", False),
+    "moe_router_dtype": ("--moe-router-dtype", None),
+    "moe_z_loss_coeff": ("--moe-z-loss-coeff", None),
+    "moe_expert_capacity_factor": ("--moe-expert-capacity-factor", None),
+    "moe_pad_expert_input_to_capacity": ("--moe-pad-expert-input-to-capacity", False),
+    "moe_shared_expert_intermediate_size": ("--moe-shared-expert-intermediate-size", None),
+    "moe_shared_expert_overlap": ("--moe-shared-expert-overlap", False),
+}
+
+
+def parse_moe_layer_freq(value):
+    """`--moe-layer-freq` as given on the command line: an int N, or a Python list expression such as
+    `([0]*3+[1]*5)` (evaluated with list arithmetic only). Returns an int or a list of ints."""
+    if isinstance(value, (int, list)) and not isinstance(value, bool):
+        return value
+    text = str(value).strip()
+    if "[" not in text:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"--moe-layer-freq must be an integer or a list expression such as ([0]*3+[1]*5), "
+                             f"got {value!r}") from None
+    try:
+        parsed = _evaluate_list_expression(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, TypeError) as error:
+        raise ValueError(f"--moe-layer-freq {value!r} is not a list expression of 0s and 1s such as "
+                         f"([0]*3+[1]*5): {error}") from None
+    if not isinstance(parsed, list):
+        raise ValueError(f"--moe-layer-freq {value!r} must evaluate to a list, got {type(parsed).__name__}")
+    return parsed
+
+
+def _evaluate_list_expression(node):
+    """Literals, lists, `+` and `*` only: enough for layer patterns, nothing executable."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.List):
+        return [_evaluate_list_expression(element) for element in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _evaluate_list_expression(node.left), _evaluate_list_expression(node.right)
+        return left + right if isinstance(node.op, ast.Add) else left * right
+    raise ValueError(f"unsupported element {ast.dump(node)}")
+
+
+def moe_layer_pattern(config):
+    """One bool per global layer (0-based): True where the layer's MLP is a `MoELayer`."""
+    if config.num_moe_experts is None:
+        return [False] * config.num_layers
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [index % freq == 0 for index in range(config.num_layers)]
+    return [bool(flag) for flag in freq]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfigMixin:
+    """Mixture-of-Experts settings (`--num-experts` and the `--moe-*` flags)."""
+
+    num_moe_experts: Optional[int] = None
+    """Experts per MoE layer (`--num-experts`); None means no MoE layer."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Width of each expert's MLP (`--moe-ffn-hidden-size`); None means ffn_hidden_size."""
+    moe_layer_freq: Union[int, list] = 1
+    """An int N: layers 0, N, 2N, ... are MoE; a list of 0/1 per layer (`--moe-layer-freq`)."""
+    moe_router_topk: int = 2
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before the top-k (no renormalisation over the chosen k)."""
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing: a per-expert bias added to the scores for the choice of experts only."""
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_dtype: Optional[str] = None
+    """None (the input's dtype), "fp32" or "fp64": the router's logits, probabilities and the combine."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+    moe_expert_capacity_factor: Optional[float] = None
+    """None: dropless. Else each expert takes at most ceil(tokens * topk / experts * factor) tokens per rank."""
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = "probs"
+    moe_token_dispatcher_type: str = "allgather"
+    moe_grouped_gemm: bool = False
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_overlap: bool = False
+    expert_tensor_parallel_size: Optional[int] = None
+    """Tensor-parallel size of the experts; None means tensor_model_parallel_size, the only size supported."""
+
+    @property
+    def num_local_experts(self):
+        return self.num_moe_experts // self.expert_model_parallel_size
+
+    def _validate_moe(self):
+        if self.num_moe_experts is None:
+            self._validate_no_moe_flags()
+            return
+        experts = self.num_moe_experts
+        if isinstance(experts, bool) or not isinstance(experts, int) or experts <= 0:
+            raise ValueError(f"--num-experts must be a positive integer, got {experts!r}")
+        if self.moe_ffn_hidden_size is None:
+            object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
+        self._validate_moe_parallel(experts)
+        self._validate_moe_layer_freq()
+        self._validate_router(experts)
+        self._validate_load_balancing()
+        self._validate_capacity()
+        self._validate_shared_experts()
+        if self.fp8 is not None:
+            raise ValueError("--fp8-format is not supported with --num-experts yet: the experts run outside FP8 "
+                             "regions here; drop one of them")
+
+    def _validate_no_moe_flags(self):
+        for name, (flag, default) in _FIELDS_NEEDING_EXPERTS.items():
+            if getattr(self, name) != default:
+                raise ValueError(f"{flag} needs --num-experts; set the number of experts or drop {flag}")
+        if self.expert_model_parallel_size > 1:
+            raise ValueError("--expert-model-parallel-size > 1 needs --num-experts")
+
+    def _validate_moe_parallel(self, experts):
+        ep, tp = self.expert_model_parallel_size, self.tensor_model_parallel_size
+        if experts % ep != 0:
+            raise ValueError(f"--num-experts ({experts}) must be divisible by --expert-model-parallel-size ({ep}): "
+                             "each expert-parallel rank holds the same number of experts")
+        if self.expert_tensor_parallel_size is None:
+            object.__setattr__(self, "expert_tensor_parallel_size", tp)
+        if self.expert_tensor_parallel_size != tp:
+            raise ValueError(f"--expert-tensor-parallel-size ({self.expert_tensor_parallel_size}) must equal "
+                             f"--tensor-model-parallel-size ({tp}): experts use the tensor-parallel size here")
+        if tp > 1 and not self.sequence_parallel:
+            raise ValueError("MoE layers with --tensor-model-parallel-size > 1 need --sequence-parallel (each "
+                             "tensor-parallel rank routes its own tokens)")
+        size = self.moe_ffn_hidden_size
+        if not isinstance(size, int) or size <= 0 or size % tp != 0:
+            raise ValueError(f"--moe-ffn-hidden-size ({size!r}) must be a positive integer divisible by "
+                             f"--tensor-model-parallel-size ({tp})")
+
+    def _validate_moe_layer_freq(self):
+        freq = parse_moe_layer_freq(self.moe_layer_freq)
+        object.__setattr__(self, "moe_layer_freq", freq)
+        if isinstance(freq, int):
+            if freq < 1:
+                raise ValueError(f"--moe-layer-freq must be >= 1, got {freq}")
+            return
+        if len(freq) != self.num_layers or any(flag not in (0, 1) for flag in freq):
+            raise ValueError(f"--moe-layer-freq list {freq} must hold one 0 or 1 per layer (--num-layers "
+                             f"{self.num_layers})")
+
+    def _validate_router(self, experts):
+        topk = self.moe_router_topk
+        if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= experts:
+            raise ValueError(f"--moe-router-topk ({topk!r}) must be between 1 and --num-experts ({experts})")
+        if self.moe_router_score_function not in SCORE_FUNCTIONS:
+            raise ValueError(f"--moe-router-score-function must be one of {SCORE_FUNCTIONS}, "
+                             f"got {self.moe_router_score_function!r}")
+        if self.moe_router_pre_softmax and self.moe_router_score_function != "softmax":
+            raise ValueError("--moe-router-pre-softmax applies to --moe-router-score-function softmax only")
+        if self.moe_router_dtype not in ROUTER_DTYPES:
+            raise ValueError(f"--moe-router-dtype must be fp32 or fp64 (or unset), got {self.moe_router_dtype!r}")
+        factor = self.moe_router_topk_scaling_factor
+        if factor is not None and factor <= 0:
+            raise ValueError(f"--moe-router-topk-scaling-factor must be positive, got {factor}")
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        if (groups is None) != (group_topk is None):
+            raise ValueError("group-limited routing needs both --moe-router-num-groups and --moe-router-group-topk")
+        if groups is not None:
+            if groups <= 0 or experts % groups != 0:
+                raise ValueError(f"--moe-router-num-groups ({groups}) must be a positive divisor of --num-experts "
+                                 f"({experts})")
+            if not 1 <= group_topk <= groups:
+                raise ValueError(f"--moe-router-group-topk ({group_topk}) must be between 1 and "
+                                 f"--moe-router-num-groups ({groups})")
+            if topk % group_topk != 0 or topk // group_topk > experts // groups:
+                raise ValueError(f"--moe-router-topk ({topk}) must be a multiple of --moe-router-group-topk "
+                                 f"({group_topk}), taking at most {experts // groups} experts (--num-experts / "
+                                 "--moe-router-num-groups) from each chosen group")
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ValueError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
+        if self.moe_router_bias_update_rate < 0:
+            raise ValueError(f"--moe-router-bias-update-rate must be >= 0, got {self.moe_router_bias_update_rate}")
+
+    def _validate_load_balancing(self):
+        kind = self.moe_router_load_balancing_type
+        if kind not in LOAD_BALANCING_TYPES:
+            raise ValueError(f"--moe-router-load-balancing-type must be one of {LOAD_BALANCING_TYPES}, got {kind!r}")
+        if self.moe_aux_loss_coeff < 0:
+            raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff}")
+        if kind == "sinkhorn" and self.moe_aux_loss_coeff > 0:
+            raise ValueError("--moe-router-load-balancing-type sinkhorn takes no auxiliary loss: drop "
+                             "--moe-aux-loss-coeff")
+        if self.moe_z_loss_coeff is not None and self.moe_z_loss_coeff < 0:
+            raise ValueError(f"--moe-z-loss-coeff must be >= 0, got {self.moe_z_loss_coeff}")
+
+    def _validate_capacity(self):
+        factor = self.moe_expert_capacity_factor
+        if factor is not None and factor < 0:
+            # Upstream: a negative capacity factor means dropless.
+            object.__setattr__(self, "moe_expert_capacity_factor", None)
+            factor = None
+        if self.moe_token_drop_policy not in TOKEN_DROP_POLICIES:
+            raise ValueError(f"--moe-token-drop-policy must be one of {TOKEN_DROP_POLICIES}, "
+                             f"got {self.moe_token_drop_policy!r}")
+        if self.moe_token_dispatcher_type not in TOKEN_DISPATCHER_TYPES:
+            raise ValueError(f"--moe-token-dispatcher-type must be one of {TOKEN_DISPATCHER_TYPES}, "
+                             f"got {self.moe_token_dispatcher_type!r}")
+        if self.moe_pad_expert_input_to_capacity and factor is None:
+            raise ValueError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+        if factor is None:
+            return
+        if factor == 0:
+            raise ValueError("--moe-expert-capacity-factor must be positive (or negative / unset for dropless)")
+        if self.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "none"):
+            raise ValueError("--moe-expert-capacity-factor works with --moe-router-load-balancing-type aux_loss, "
+                             f"seq_aux_loss or none, got {self.moe_router_load_balancing_type}")
+
+    def _validate_shared_experts(self):
+        size = self.moe_shared_expert_intermediate_size
+        tp = self.tensor_model_parallel_size
+        if size is not None and (size <= 0 or size % tp != 0):
+            raise ValueError(f"--moe-shared-expert-intermediate-size ({size}) must be positive and divisible by "
+                             f"--tensor-model-parallel-size ({tp})")
+        if self.moe_shared_expert_overlap:
+            if size is None:
+                raise ValueError("--moe-shared-expert-overlap needs --moe-shared-expert-intermediate-size")
+            if self.moe_token_dispatcher_type != "alltoall":
+                raise ValueError("--moe-shared-expert-overlap works with --moe-token-dispatcher-type alltoall only")

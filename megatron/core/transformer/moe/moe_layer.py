@@ -1,0 +1,57 @@
+"""`MoELayer`: the MLP block of a Mixture-of-Experts transformer layer (router, token dispatcher, this rank's
+experts, optional shared experts). `[s, b, h]` in, `[s, b, h]` out, like the dense `MLP` it replaces."""
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.transformer.init_seeds import resolve_base_init_seed
+from megatron.core.transformer.moe.experts import build_experts
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.moe.token_dispatcher import build_token_dispatcher
+
+
+class MoELayer(torch.nn.Module):
+    """Args: config (a `TransformerConfig` with `num_moe_experts`); layer_number: 1-based global layer index;
+    init_seed: the owning layer's init seed (see `init_seeds`)."""
+
+    def __init__(self, config, layer_number=1, init_seed=None):
+        super().__init__()
+        if config.num_moe_experts is None:
+            raise ValueError("MoELayer needs --num-experts")
+        self.config = config
+        self.layer_number = layer_number
+        if init_seed is None:
+            init_seed = resolve_base_init_seed(config)
+        initialized = parallel_state.model_parallel_is_initialized()
+        ep_size = parallel_state.get_expert_model_parallel_world_size() if initialized else 1
+        if ep_size != config.expert_model_parallel_size:
+            raise ValueError(f"--expert-model-parallel-size is {config.expert_model_parallel_size} in the config but "
+                             f"the expert-parallel group has {ep_size} ranks; initialise model parallel with it")
+        ep_rank = parallel_state.get_expert_model_parallel_rank() if initialized else 0
+        self.num_local_experts = config.num_moe_experts // ep_size
+        first = ep_rank * self.num_local_experts
+        self.local_expert_indices = list(range(first, first + self.num_local_experts))
+        self.router = TopKRouter(config, layer_number=layer_number, init_seed=init_seed)
+        self.experts = build_experts(config, init_seed, self.num_local_experts, first)
+        self.token_dispatcher = build_token_dispatcher(config, self.num_local_experts, self.local_expert_indices)
+        self.shared_experts = None
+        if config.moe_shared_expert_intermediate_size is not None:
+            self.shared_experts = SharedExpertMLP(config, init_seed)
+
+    def forward(self, hidden_states):
+        probs, routing_map = self.router(hidden_states)
+        shared_output = None
+        if self.shared_experts is not None and self.config.moe_shared_expert_overlap:
+            # Computed while the tokens are exchanged (see the all-to-all dispatcher).
+            tokens, tokens_per_expert = self.token_dispatcher.dispatch(
+                hidden_states, probs, routing_map, while_tokens_travel=lambda: self.shared_experts(hidden_states))
+            shared_output = self.token_dispatcher.overlapped_result
+        else:
+            tokens, tokens_per_expert = self.token_dispatcher.dispatch(hidden_states, probs, routing_map)
+            if self.shared_experts is not None:
+                shared_output = self.shared_experts(hidden_states)
+        output = self.token_dispatcher.combine(self.experts(tokens, tokens_per_expert))
+        if shared_output is not None:
+            output = output + shared_output
+        return output

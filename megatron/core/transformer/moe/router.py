@@ -1,0 +1,165 @@
+"""`TopKRouter`: which experts each token goes to, with what probability, and the router's auxiliary losses.
+
+The router weight `[num_experts, hidden]` is a dense parameter replicated on every rank. Under sequence
+parallelism each tensor-parallel rank routes its own tokens, so the weight is marked `sequence_parallel` and its
+gradient is summed over the tensor-parallel group by `finalize_model_grads`, like the norms' weights.
+
+Aux-loss-free balancing (`--moe-router-enable-expert-bias`) keeps two buffers: `expert_bias` (saved with the
+model) and `local_tokens_per_expert` (counts since the last update, not saved). `update_expert_biases`, called
+once per optimizer step by the training loop, sums the counts over the stage's TP x DP x CP ranks and moves each
+bias by rate * sign(mean count - count).
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.transformer.init_seeds import derive_init_seed, initialization_rng, resolve_base_init_seed
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.routing import (
+    apply_capacity,
+    expert_capacity,
+    scores_for_aux_loss,
+    topk_routing,
+)
+from megatron.core.transformer.utils import initialize_from_cpu_master, parameter_device
+
+_ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+def _group_size(group_getter):
+    if not parallel_state.model_parallel_is_initialized():
+        return None, 1
+    group = group_getter()
+    return group, dist.get_world_size(group)
+
+
+class TopKRouter(torch.nn.Module):
+    """Args: config; layer_number: 1-based global layer index (for logging); init_seed: seed of the layer's
+    initial weights (the router draws from a seed derived from it)."""
+
+    def __init__(self, config, layer_number=1, init_seed=None):
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number
+        self.num_experts = config.num_moe_experts
+        self.topk = config.moe_router_topk
+        if init_seed is None:
+            init_seed = resolve_base_init_seed(config)
+        self.init_seed = derive_init_seed(init_seed, "mlp.router")
+        self.weight = torch.nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=config.params_dtype,
+                                                     device=parameter_device(config)))
+        self.weight.sequence_parallel = config.sequence_parallel
+        if config.moe_router_enable_expert_bias:
+            device = self.weight.device
+            self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32, device=device))
+            self.register_buffer("local_tokens_per_expert",
+                                 torch.zeros(self.num_experts, dtype=torch.float32, device=device), persistent=False)
+        else:
+            self.expert_bias = None
+            self.local_tokens_per_expert = None
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        if self.config.perform_initialization:
+            with initialization_rng(self.init_seed):
+                initialize_from_cpu_master(self.weight, self.config.init_method)
+        if self.expert_bias is not None and not self.expert_bias.is_meta:
+            self.expert_bias.zero_()
+            self.local_tokens_per_expert.zero_()
+
+    @property
+    def router_dtype(self):
+        return _ROUTER_DTYPES.get(self.config.moe_router_dtype)
+
+    def forward(self, hidden_states):
+        """`[s, b, h]` -> (probs `[s*b, E]`, zero off the chosen experts, in the router dtype; routing_map
+        `[s*b, E]` bool). In training the auxiliary losses ride on the returned tensors' backward."""
+        seq_length, batch_size = hidden_states.shape[0], hidden_states.shape[1]
+        tokens = hidden_states.reshape(-1, hidden_states.size(-1))
+        dtype = self.router_dtype or tokens.dtype
+        logits = F.linear(tokens.to(dtype), self.weight.to(dtype))
+        training = self.training and torch.is_grad_enabled()
+        if training and self.config.moe_z_loss_coeff:
+            logits = self._attach_z_loss(logits)
+        config = self.config
+        if config.moe_router_load_balancing_type == "sinkhorn":
+            probs, routing_map = self._sinkhorn_routing(logits, training)
+        else:
+            probs, routing_map = topk_routing(
+                logits, self.topk, score_function=config.moe_router_score_function,
+                pre_softmax=config.moe_router_pre_softmax, scaling_factor=config.moe_router_topk_scaling_factor,
+                num_groups=config.moe_router_num_groups, group_topk=config.moe_router_group_topk,
+                expert_bias=self.expert_bias,
+            )
+            if config.moe_expert_capacity_factor is not None:
+                capacity = expert_capacity(tokens.size(0), self.topk, self.num_experts,
+                                           config.moe_expert_capacity_factor)
+                probs, routing_map = apply_capacity(probs, routing_map, capacity, config.moe_token_drop_policy,
+                                                    config.moe_pad_expert_input_to_capacity)
+            if training and config.moe_aux_loss_coeff > 0:
+                probs = self._attach_load_balancing_loss(probs, logits, seq_length, batch_size)
+        if self.local_tokens_per_expert is not None and torch.is_grad_enabled():
+            with torch.no_grad():
+                self.local_tokens_per_expert += routing_map.sum(dim=0).to(self.local_tokens_per_expert.dtype)
+        return probs, routing_map
+
+    def _sinkhorn_routing(self, logits, training):
+        """Choose by Sinkhorn-balanced scores in training (by the activations in evaluation); the probabilities
+        are the sigmoid (k = 1) or softmax of the logits at the chosen experts."""
+        activation = torch.sigmoid(logits) if self.topk == 1 else torch.softmax(logits, dim=-1)
+        with torch.no_grad():
+            choice_scores = moe_utils.sinkhorn(logits.detach().float()) if training else activation
+            indices = choice_scores.topk(self.topk, dim=-1).indices
+        routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
+        return activation * routing_map, routing_map
+
+    def _attach_z_loss(self, logits):
+        group, size = _group_size(parallel_state.get_tensor_and_context_parallel_group)
+        loss = moe_utils.z_loss(logits, self.config.moe_z_loss_coeff / size)
+        moe_utils.save_to_aux_losses_tracker("z_loss", loss / self.config.moe_z_loss_coeff, self.layer_number,
+                                             self.config.num_layers)
+        return moe_utils.MoEAuxLossAutoScaler.apply(logits, loss)
+
+    def _attach_load_balancing_loss(self, probs, logits, seq_length, batch_size):
+        config = self.config
+        coeff = config.moe_aux_loss_coeff
+        scores, aux_map = scores_for_aux_loss(logits, self.topk, config.moe_router_score_function)
+        group, size = _group_size(parallel_state.get_tensor_and_context_parallel_group)
+        if config.moe_router_load_balancing_type == "aux_loss":
+            counts = aux_map.sum(dim=0).to(scores.dtype)
+            if size > 1:
+                dist.all_reduce(counts, group=group)
+            loss = moe_utils.switch_load_balancing_loss(scores, counts, logits.size(0) * size, self.topk, coeff)
+            name = "load_balancing_loss"
+        else:
+            counts = aux_map.view(seq_length, batch_size, -1).sum(dim=0).to(scores.dtype)
+            if size > 1:
+                dist.all_reduce(counts, group=group)
+            loss = moe_utils.sequence_load_balancing_loss(scores, counts, seq_length * size, self.topk, coeff)
+            name = "seq_load_balancing_loss"
+        moe_utils.save_to_aux_losses_tracker(name, loss / coeff, self.layer_number, config.num_layers)
+        return moe_utils.MoEAuxLossAutoScaler.apply(probs, loss)
+
+
+def routers_of(model_chunks):
+    return [module for chunk in model_chunks for module in chunk.modules() if isinstance(module, TopKRouter)]
+
+
+@torch.no_grad()
+def update_expert_biases(model_chunks):
+    """After a global batch: every router with an expert bias moves it by rate * sign(mean(c) - c), c its token
+    counts summed over the batch's microbatches and the stage's TP x DP x CP ranks; the counts restart at 0.
+    Collective over that group when any router has a bias (the same on every rank of a stage)."""
+    routers = [router for router in routers_of(model_chunks) if router.expert_bias is not None]
+    if not routers:
+        return
+    counts = torch.stack([router.local_tokens_per_expert for router in routers])
+    group, size = _group_size(lambda: parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True))
+    if size > 1:
+        dist.all_reduce(counts, group=group)
+    for router, router_counts in zip(routers, counts):
+        rate = router.config.moe_router_bias_update_rate
+        router.expert_bias += rate * torch.sign(router_counts.mean() - router_counts)
+        router.local_tokens_per_expert.zero_()
