@@ -27,6 +27,12 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
+def empty_cache(device):
+    """Return the caching allocator's unused blocks to the device (GPU); the CPU allocator keeps no cache."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def peak_memory_bytes(device):
     """Max allocated bytes on a GPU; peak resident set size of this process on CPU."""
     if device.type == "cuda":

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from megatron.training import accelerator
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.global_vars import set_args
+from megatron.training.run_control import setup_logging
 
 
 def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unknown_args=False, args=None):
@@ -21,6 +22,7 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unk
     parsed = parse_args(extra_args_provider, ignore_unknown_args, args)
     validate_args(parsed, args_defaults)
     set_args(parsed)
+    setup_logging(parsed)
     set_cpu_threads()
     if getattr(parsed, "deterministic_mode", False):
         set_deterministic_mode()

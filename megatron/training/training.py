@@ -3,7 +3,8 @@
 initialize (flags, process groups, seeds) -> tokenizer -> model, optimizer, scheduler -> checkpoint load ->
 data iterators -> train loop (one `train_step` per global batch: the pipeline schedule runs forward/backward
 over the microbatches, then the optimizer and scheduler step) with periodic evaluation, checkpoints and logs;
-stops at --train-iters, --exit-interval or SIGTERM (saving a checkpoint first when --save is set).
+stops at --train-iters, --exit-interval, --exit-duration-in-mins or SIGTERM (saving a checkpoint first when
+--save is set).
 """
 
 import gc
@@ -21,6 +22,7 @@ from megatron.training.global_vars import get_args, set_tokenizer
 from megatron.training.initialize import initialize_megatron
 from megatron.training.manual_gc import ManualGarbageCollection
 from megatron.training.model_setup import setup_model_and_optimizer
+from megatron.training.run_control import ExitDuration, check_weight_hashes, empty_unused_memory, weight_hash_due
 from megatron.training.signal_handler import SigtermHandler
 from megatron.training.training_log import TrainingLogger, memory_usage
 
@@ -44,8 +46,10 @@ def pretrain(
     (or its name); only `ModelType.encoder_or_decoder` (decoder-only models) is supported. `argv` replaces
     `sys.argv[1:]` (tests). Returns the iteration training stopped at.
     """
+    start_time = time.time()  # --exit-duration-in-mins counts from here (the earliest rank's start)
     model_type = resolve_model_type(model_type)
     args = initialize_megatron(extra_args_provider, args_defaults, args=argv)
+    args.train_start_time = start_time
     try:
         return _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func, args)
     finally:
@@ -152,8 +156,10 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, co
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses_reduced = _run_schedule(forward_step_func, data_iterator, model, args, forward_only=False)
+    empty_unused_memory(args, level=1)
     reduce_fp8_amaxes(model)  # delayed-scaling amaxes of all FP8 layers in one collective; step's FP8 weight caches
     update_successful, grad_norm, num_zeros = optimizer.step()
+    empty_unused_memory(args, level=2)
     if update_successful:
         scheduler.step(increment=args.global_batch_size)
     loss = reduce_reported_loss(losses_reduced, args.device)
@@ -183,8 +189,9 @@ def _as_float(value):
     return float(value.item() if torch.is_tensor(value) else value)
 
 
-def evaluate(forward_step_func, data_iterator, model, config, args):
-    """Mean validation loss over --eval-iters global batches (no gradients)."""
+def evaluate(forward_step_func, data_iterator, model, config, args, exit_duration=None):
+    """Mean validation loss over --eval-iters global batches (no gradients); stops early, on every rank
+    together, once `exit_duration` (--exit-duration-in-mins) is reached."""
     for chunk in model:
         chunk.eval()
     total = torch.zeros(2, dtype=torch.float64, device=args.device)
@@ -192,6 +199,9 @@ def evaluate(forward_step_func, data_iterator, model, config, args):
         for _ in range(args.eval_iters):
             losses_reduced = _run_schedule(forward_step_func, data_iterator, model, args, forward_only=True)
             total += _loss_sums(losses_reduced, args.device)
+            empty_unused_memory(args, level=1)
+            if exit_duration is not None and exit_duration.reached():
+                break
     for chunk in model:
         chunk.train()
     # Reuse the training reduction on a single synthetic report holding the accumulated sums.
@@ -221,6 +231,10 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
     iteration = args.iteration
     last_saved_iteration = iteration if args.load is not None else None
     print_memory_on_this_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+    exit_duration = ExitDuration(args.exit_duration_in_mins, getattr(args, "train_start_time", time.time()),
+                                 args.device)
+    if weight_hash_due(args, iteration):
+        check_weight_hashes(model, iteration, args)
     with SigtermHandler() as sigterm, ManualGarbageCollection.from_args(args) as manual_gc:
         while iteration < args.train_iters:
             start = time.perf_counter()
@@ -254,15 +268,20 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
             )
             if valid_iterator is not None and args.eval_iters > 0 and iteration % args.eval_interval == 0:
                 manual_gc.around_evaluation_step()
-                logger.log_evaluation(iteration, evaluate(forward_step_func, valid_iterator, model, config, args))
+                logger.log_evaluation(iteration, evaluate(forward_step_func, valid_iterator, model, config, args,
+                                                               exit_duration))
                 manual_gc.around_evaluation_step()
             checkpointing.maybe_finalize_async_save(args)
+            if weight_hash_due(args, iteration):
+                check_weight_hashes(model, iteration, args)
             if args.save_interval and iteration % args.save_interval == 0:
                 if _save(iteration, model, optimizer, scheduler, args):
                     last_saved_iteration = iteration
             stop_reason = None
             if sigterm.received_on_any_rank(args.device):
                 stop_reason = "received SIGTERM"
+            elif exit_duration.reached():
+                stop_reason = f"reached --exit-duration-in-mins {args.exit_duration_in_mins}"
             elif args.exit_interval and iteration % args.exit_interval == 0:
                 stop_reason = f"reached --exit-interval {args.exit_interval}"
             if stop_reason is not None:

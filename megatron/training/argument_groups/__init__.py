@@ -15,6 +15,7 @@ from megatron.training.argument_groups import (
     mla,
     model,
     parallelism,
+    run_control,
     training,
     virtual_pipeline,
 )
@@ -23,4 +24,4 @@ from megatron.training.argument_groups import (
 # memory precedes data_parallel: --main-grads-dtype bf16 opts out of the fp32 gradients data_parallel sets for --bf16.
 # virtual_pipeline follows training: its microbatch rule needs the global and micro batch sizes.
 ARGUMENT_GROUPS = (parallelism, model, mla, training, virtual_pipeline, data, logging_eval, checkpoint, memory,
-                   data_parallel, fp8)
+                   data_parallel, fp8, run_control)

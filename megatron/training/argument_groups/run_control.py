@@ -1,0 +1,27 @@
+"""Run-control flags: wall-clock limit, allocator cache release, logging level, weight-hash checks across
+data-parallel replicas (see megatron/training/run_control.py)."""
+
+
+def add_arguments(parser):
+    group = parser.add_argument_group("run control")
+    group.add_argument("--exit-duration-in-mins", type=int, default=None,
+                       help="Stop after this many minutes of training (checked after every training and evaluation "
+                       "step on all ranks together); saves a checkpoint first when --save is set.")
+    group.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
+                       help="Release the allocator's unused cached memory: 0 never, 1 after forward-backward and "
+                       "each evaluation step, 2 also after the optimizer step (GPU; CPU keeps no cache).")
+    group.add_argument("--logging-level", type=int, default=None,
+                       help="Level of the root logger (e.g. 10 DEBUG, 20 INFO); wins over MEGATRON_LOGGING_LEVEL.")
+    group.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
+                       help="Every N iterations (and before the first) compare a SHA-1 of every parameter across the "
+                       "data-parallel replicas and stop with an error naming any that differ.")
+
+
+def validate(args):
+    if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
+        raise ValueError(f"--exit-duration-in-mins must be positive, got {args.exit_duration_in_mins}")
+    if args.logging_level is not None and args.logging_level < 0:
+        raise ValueError(f"--logging-level must be a non-negative logging level, got {args.logging_level}")
+    interval = args.check_weight_hash_across_dp_replicas_interval
+    if interval is not None and interval <= 0:
+        raise ValueError(f"--check-weight-hash-across-dp-replicas-interval must be positive, got {interval}")
