@@ -213,6 +213,20 @@ def get_context_parallel_global_ranks():
     return list(_ranks("cp"))
 
 
+def get_hierarchical_context_parallel_groups(check_initialized=True):
+    """The context-parallel sub-groups of `--hierarchical-context-parallel-sizes`, inner to outer (for a2a+p2p:
+    [all-to-all group, p2p ring group]); None when the sizes were not given and `check_initialized` is False."""
+    groups = []
+    while _belongs_to(f"hierarchical-cp-{len(groups)}"):
+        groups.append(_group(f"hierarchical-cp-{len(groups)}"))
+    if not groups:
+        if check_initialized:
+            raise RuntimeError("hierarchical context-parallel groups are not initialised; pass "
+                               "hierarchical_context_parallel_sizes to initialize_model_parallel()")
+        return None
+    return groups
+
+
 def get_tensor_and_context_parallel_group():
     return _group("tp-cp")
 

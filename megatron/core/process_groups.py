@@ -14,7 +14,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron.core.rank_layout import DEFAULT_ORDER, DEVICE_MESH_DIM_NAMES, device_mesh_layout, generate_rank_groups
+from megatron.core.rank_layout import (
+    DEFAULT_ORDER,
+    DEVICE_MESH_DIM_NAMES,
+    device_mesh_layout,
+    generate_rank_groups,
+    hierarchical_context_parallel_groups,
+)
 
 # name -> (process group, ranks) for the groups this rank belongs to.
 _GROUPS = {}
@@ -94,6 +100,8 @@ def initialize_model_parallel(
         order=order,
         num_distributed_optimizer_instances=num_distributed_optimizer_instances,
     )
+    if hierarchical_context_parallel_sizes is not None:
+        groups.update(hierarchical_context_parallel_groups(groups["cp"], hierarchical_context_parallel_sizes))
     groups["embedding"] = _custom_pipeline_groups(groups["pp"], get_embedding_ranks, "get_embedding_ranks",
                                                   default=groups["embedding"])
     groups["position-embedding"] = _custom_pipeline_groups(
@@ -174,10 +182,15 @@ def reject_unsupported_options(
                  f"SHARP is an NCCL feature and this world's backend is {backend!r}")
         raise ValueError(f"use_sharp={use_sharp!r}, sharp_enabled_group={sharp_enabled_group!r}: {where}; "
                          "leave use_sharp False and sharp_enabled_group None")
-    if hierarchical_context_parallel_sizes is not None:
+    if hierarchical_context_parallel_sizes is not None and (
+        isinstance(hierarchical_context_parallel_sizes, (str, bytes))
+        or not all(isinstance(size, int) and not isinstance(size, bool) and size >= 1
+                   for size in hierarchical_context_parallel_sizes)
+    ):
         raise ValueError(
-            f"hierarchical_context_parallel_sizes={hierarchical_context_parallel_sizes!r}: hierarchical context "
-            "parallelism is not implemented; leave it None"
+            f"hierarchical_context_parallel_sizes={hierarchical_context_parallel_sizes!r} "
+            "(--hierarchical-context-parallel-sizes) must be a list of positive integers (inner to outer) whose "
+            "product is the context-parallel size, or None"
         )
     if expert_tensor_parallel_size not in (None, tensor_model_parallel_size):
         raise ValueError(

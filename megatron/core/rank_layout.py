@@ -179,3 +179,27 @@ def _pipeline_stage_of(groups, rank):
     """All ranks that share `rank`'s pipeline stage (same position in their pipeline group)."""
     stage = next(ranks.index(rank) for ranks in groups["pp"] if rank in ranks)
     return {ranks[stage] for ranks in groups["pp"]}
+
+
+def hierarchical_context_parallel_groups(cp_groups, hierarchical_sizes):
+    """{"hierarchical-cp-<level>": rank lists} for `--hierarchical-context-parallel-sizes` (inner to outer).
+
+    Each context-parallel group is laid out on a grid of the given sizes, level 0 varying fastest: level 0 groups
+    are consecutive context-parallel ranks (the all-to-all groups of a2a+p2p), level 1 groups take every
+    sizes[0]-th one (the p2p ring across them), as upstream lays them out.
+    """
+    sizes = list(hierarchical_sizes)
+    cp_size = len(cp_groups[0])
+    product = 1
+    for size in sizes:
+        product *= size
+    if product != cp_size:
+        raise ValueError(f"--hierarchical-context-parallel-sizes {sizes}: the product must equal "
+                         f"--context-parallel-size ({cp_size})")
+    levels = [f"level{index}" for index in range(len(sizes))]
+    grid = RankGrid(dict(zip(levels, sizes)), levels)
+    groups = {}
+    for index, level in enumerate(levels):
+        positions = grid.groups({level})
+        groups[f"hierarchical-cp-{index}"] = [[ranks[p] for p in group] for ranks in cp_groups for group in positions]
+    return groups

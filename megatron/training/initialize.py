@@ -78,6 +78,7 @@ def initialize_distributed(args):
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
         context_parallel_size=args.context_parallel_size,
+        hierarchical_context_parallel_sizes=getattr(args, "hierarchical_context_parallel_sizes", None),
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
     )
 

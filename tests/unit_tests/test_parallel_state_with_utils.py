@@ -123,7 +123,8 @@ def test_embedding_ranks_and_gloo_groups_can_be_chosen():
     [
         (dict(virtual_pipeline_model_parallel_size=0), r"virtual_pipeline_model_parallel_size=0: the number of model"),
         (dict(pipeline_model_parallel_comm_backend="ucc"), r"pipeline_model_parallel_comm_backend='ucc'"),
-        (dict(hierarchical_context_parallel_sizes=[1, 1]), "hierarchical context parallelism is not implemented"),
+        (dict(hierarchical_context_parallel_sizes=[2, 1]), r"the product must equal --context-parallel-size \(1\)"),
+        (dict(hierarchical_context_parallel_sizes=[0, 1]), "must be a list of positive integers"),
         (dict(expert_tensor_parallel_size=world_size + 1), "expert_tensor_parallel_size"),
         (dict(nccl_communicator_config_path="nccl.yaml"), "nccl_communicator_config_path"),
         (dict(high_priority_stream_groups=["dp"]), "high_priority_stream_groups"),

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.extensions.transformer_engine import fused_norm_linear_class, layer_classes
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
-from megatron.core.transformer.context_parallel import context_parallel_attention
+from megatron.core.transformer.context_parallel import comm_type_of_layer, context_parallel_attention
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.recompute import checkpointed
@@ -97,8 +97,11 @@ class SelfAttention(torch.nn.Module):
         dropout_p = self.config.attention_dropout if self.training else 0.0
         if self.config.context_parallel_size > 1:
             # This rank's two sequence chunks; the comm type makes the result exact over the whole sequence.
-            return context_parallel_attention(query, key, value, attention_mask, comm_type=self.config.cp_comm_type,
-                                              group=parallel_state.get_context_parallel_group(), dropout_p=dropout_p)
+            comm_type = comm_type_of_layer(self.config.cp_comm_type, self.layer_number)
+            group = (parallel_state.get_hierarchical_context_parallel_groups() if comm_type == "a2a+p2p"
+                     else parallel_state.get_context_parallel_group())
+            return context_parallel_attention(query, key, value, attention_mask, comm_type=comm_type, group=group,
+                                              dropout_p=dropout_p)
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # -> [b, heads, s, head_dim]
         if attention_mask is None:
             mask_kwargs = {"is_causal": True}

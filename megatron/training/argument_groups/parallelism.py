@@ -14,13 +14,15 @@ def add_arguments(parser):
     )
     group.add_argument(
         "--cp-comm-type", nargs="+", default=["p2p"],
-        help="Attention communication under context parallelism: p2p (K/V ring), allgather (or all_gather) or a2a "
-        "(Ulysses all-to-all over heads). Upstream also takes one value per layer; here a single value applies "
-        "to every layer.",
+        help="Attention communication under context parallelism: p2p (K/V ring), allgather (or all_gather), a2a "
+        "(Ulysses all-to-all over heads) or a2a+p2p (all-to-all inside the inner groups of "
+        "--hierarchical-context-parallel-sizes, p2p ring across the outer ones). One value for every layer, or "
+        "one per layer (--num-layers values).",
     )
     group.add_argument(
         "--hierarchical-context-parallel-sizes", type=int, nargs="+", default=None,
-        help="Upstream's a2a+p2p layout; not supported here (a clear error): use one --cp-comm-type.",
+        help="Inner and outer degrees of a2a+p2p context parallelism: e.g. 2 4 is a 2-way all-to-all inside and a "
+        "4-way p2p ring across; the product must equal --context-parallel-size.",
     )
     group.add_argument(
         "--sequence-parallel", action="store_true", help="Shard norm/dropout activations along the sequence (TP>1)."
@@ -62,21 +64,18 @@ def validate(args):
 
 
 def _validate_context_parallel(args):
-    from megatron.core.transformer.context_parallel import normalize_cp_comm_type
+    from megatron.core.transformer.context_parallel.comm_types import (
+        comm_types_in_use,
+        heads_split_size,
+        normalize_cp_comm_types,
+        validate_hierarchical_sizes,
+    )
 
-    comm_types = {normalize_cp_comm_type(value) for value in args.cp_comm_type}
-    if len(comm_types) != 1:
-        raise ValueError(
-            f"--cp-comm-type takes one value for every layer here, got {args.cp_comm_type}; per-layer comm types "
-            "are not supported"
-        )
-    args.cp_comm_type = comm_types.pop()
-    if args.hierarchical_context_parallel_sizes is not None:
-        raise ValueError(
-            "--hierarchical-context-parallel-sizes (upstream's a2a+p2p) is not supported; drop it and pick a "
-            "single --cp-comm-type (p2p, allgather or a2a)"
-        )
+    comm_type = normalize_cp_comm_types(args.cp_comm_type, args.num_layers)
+    args.cp_comm_type = comm_type if isinstance(comm_type, str) else list(comm_type)
     cp = args.context_parallel_size
+    sizes = validate_hierarchical_sizes(args.hierarchical_context_parallel_sizes, cp, comm_type)
+    args.hierarchical_context_parallel_sizes = None if sizes is None else list(sizes)
     if cp == 1:
         return
     divisor = 2 * cp * (args.tensor_model_parallel_size if args.sequence_parallel else 1)
@@ -87,13 +86,16 @@ def _validate_context_parallel(args):
             f"--seq-length ({args.seq_length}) must be divisible by 2 x --context-parallel-size ({cp}){with_sp} "
             f"= {divisor}: each context-parallel rank holds two of 2 x CP equal chunks"
         )
-    if args.cp_comm_type == "a2a":
-        tp = args.tensor_model_parallel_size
-        heads = args.num_attention_heads
-        groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
-        if heads is not None and groups is not None and ((heads // tp) % cp or (groups // tp) % cp):
+    tp = args.tensor_model_parallel_size
+    heads = args.num_attention_heads
+    groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
+    for name in sorted(comm_types_in_use(comm_type)):
+        split = heads_split_size(name, cp, sizes)
+        if split > 1 and heads is not None and groups is not None and ((heads // tp) % split or (groups // tp) % split):
+            over = (f"--context-parallel-size ({cp})" if name == "a2a"
+                    else f"the inner --hierarchical-context-parallel-sizes ({split})")
             raise ValueError(
-                f"--cp-comm-type a2a splits the heads of each tensor-parallel rank over --context-parallel-size "
-                f"({cp}): --num-attention-heads ({heads}) and --num-query-groups ({groups}) divided by "
+                f"--cp-comm-type {name} splits the heads of each tensor-parallel rank over {over}: "
+                f"--num-attention-heads ({heads}) and --num-query-groups ({groups}) divided by "
                 f"--tensor-model-parallel-size ({tp}) must be divisible by it; use --cp-comm-type p2p or allgather"
             )

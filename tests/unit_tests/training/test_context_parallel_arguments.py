@@ -16,6 +16,15 @@ def test_cp_flags_and_derived_data_parallel_size(monkeypatch):
     assert core_transformer_config_from_args(args).cp_comm_type == "a2a"
 
 
+def test_per_layer_and_hierarchical_comm_types_reach_the_config(monkeypatch):
+    args = validated("--context-parallel-size 4 --cp-comm-type a2a+p2p all_gather "
+                     "--hierarchical-context-parallel-sizes 2 2", 4, monkeypatch)
+    assert (args.cp_comm_type, args.hierarchical_context_parallel_sizes) == (["a2a+p2p", "allgather"], [2, 2])
+    args.padded_vocab_size = 128
+    config = core_transformer_config_from_args(args)
+    assert (config.cp_comm_type, config.hierarchical_context_parallel_sizes) == (("a2a+p2p", "allgather"), (2, 2))
+
+
 @pytest.mark.parametrize(
     "extra, world_size, message",
     [
@@ -28,9 +37,16 @@ def test_cp_flags_and_derived_data_parallel_size(monkeypatch):
         ("--context-parallel-size 4 --cp-comm-type a2a --group-query-attention --num-query-groups 2", 4,
          r"--cp-comm-type a2a .*--num-attention-heads \(4\) and --num-query-groups \(2\)"),
         ("--context-parallel-size 2 --cp-comm-type ring", 2, r"--cp-comm-type must be one of"),
-        ("--context-parallel-size 2 --cp-comm-type p2p a2a", 2, r"--cp-comm-type takes one value for every layer"),
+        ("--context-parallel-size 2 --cp-comm-type p2p a2a p2p", 2,
+         r"--cp-comm-type takes one value for every layer or one per layer \(--num-layers 2\), got 3 values"),
         ("--context-parallel-size 2 --hierarchical-context-parallel-sizes 2 1", 2,
-         r"--hierarchical-context-parallel-sizes .* is not supported"),
+         r"--hierarchical-context-parallel-sizes \[2, 1\] is used only by --cp-comm-type a2a\+p2p"),
+        ("--context-parallel-size 4 --cp-comm-type a2a+p2p", 4, r"a2a\+p2p needs --hierarchical-context-parallel-sizes"),
+        ("--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 4", 4,
+         r"product must equal --context-parallel-size \(4\)"),
+        ("--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 4 1 "
+         "--group-query-attention --num-query-groups 2", 4,
+         r"--cp-comm-type a2a\+p2p splits .* the inner --hierarchical-context-parallel-sizes \(4\)"),
         ("--context-parallel-size 3", 4, r"world size \(4\) must be divisible by .*--context-parallel-size \(3\)"),
     ],
 )

@@ -15,10 +15,13 @@ from megatron.core.transformer.context_parallel.allgather_attention import globa
 from megatron.core.transformer.context_parallel.collectives import HeadsToSequence, SequenceToHeads
 
 
-def check_heads_divisible(num_heads, num_groups, cp_size):
+def check_heads_divisible(num_heads, num_groups, cp_size, flag="--context-parallel-size"):
+    """ValueError unless the heads and query groups of a tensor-parallel rank split over `cp_size` ranks (the
+    all-to-all size: the context-parallel size, or the inner size named by `flag` under a2a+p2p)."""
     if num_heads % cp_size != 0 or num_groups % cp_size != 0:
+        comm_type = "a2a+p2p" if flag != "--context-parallel-size" else "a2a"
         raise ValueError(
-            f"--cp-comm-type a2a splits attention heads over --context-parallel-size ({cp_size}): the heads "
+            f"--cp-comm-type {comm_type} splits attention heads over {flag} ({cp_size}): the heads "
             f"({num_heads}) and query groups ({num_groups}) of each tensor-parallel rank (--num-attention-heads, "
             "--num-query-groups / --tensor-model-parallel-size) must be divisible by it; use --cp-comm-type p2p"
         )

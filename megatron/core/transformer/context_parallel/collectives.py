@@ -2,8 +2,8 @@
 
 - `ring_exchange`: send a tensor to the next rank of the group and receive the previous rank's (the p2p ring),
   started asynchronously so the caller can compute while it travels;
-- `AllGatherSequence`: all-gather along dimension 0 (the sequence of `[s, b, heads, d]`); its backward sums the
-  gradients over the group and keeps this rank's rows (a reduce-scatter);
+- `all_gather_first_dim` / `reduce_scatter_first_dim`: the K/V gather of the allgather comm type and the
+  reduce-scatter of its K/V gradients (the autograd around them is in `allgather_attention`);
 - `SequenceToHeads` / `HeadsToSequence`: the Ulysses all-to-alls between sequence-sharded `[s/N, b, H, d]` and
   head-sharded `[s, b, H/N, d]` layouts; each one's backward is the other's forward.
 
@@ -45,7 +45,8 @@ class RingExchange:
         return received
 
 
-def _all_gather_first_dim(tensor, group):
+def all_gather_first_dim(tensor, group):
+    """`[n, ...]` on each rank -> `[size * n, ...]`, the ranks' blocks in rank order."""
     size = dist.get_world_size(group)
     tensor = tensor.contiguous()
     output = torch.empty((size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
@@ -53,25 +54,13 @@ def _all_gather_first_dim(tensor, group):
     return output
 
 
-def _reduce_scatter_first_dim(tensor, group):
+def reduce_scatter_first_dim(tensor, group):
+    """`[size * n, ...]` on each rank -> block `rank` of the sum over ranks, `[n, ...]`."""
     size = dist.get_world_size(group)
     tensor = tensor.contiguous()
     output = torch.empty((tensor.shape[0] // size, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
     dist.reduce_scatter_single(output, tensor, group=group)
     return output
-
-
-class AllGatherSequence(torch.autograd.Function):
-    """`[s/N, ...]` on each rank -> `[s, ...]` in rank order on every rank."""
-
-    @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
-        return _all_gather_first_dim(tensor, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_first_dim(grad, ctx.group), None
 
 
 def _all_to_all_first_dim(tensor, group):

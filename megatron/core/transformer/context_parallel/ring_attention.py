@@ -116,3 +116,20 @@ class RingAttention(torch.autograd.Function):
             grad_key_value = RingExchange(group).start(grad_key_value).wait()
         return (grad_query.to(query.dtype), grad_key_value[0].to(key.dtype), grad_key_value[1].to(value.dtype),
                 None, None, None, None, None)
+
+
+def ring_attention(query, key, value, group, mask, scale, dropout_p, seed_offset=0):
+    """query `[s/N, b, H, d]`, key/value `[s/N, b, G, d]` -> `[s/N, b, H, d]` in the attention module's layout;
+    `mask` None (causal) or bool `[b|1, 1, s, s]` over global positions, True where masked. `seed_offset` keeps
+    the dropout masks of ranks that attend the same chunk pairs with other heads apart (hierarchical CP)."""
+    seq, batch, heads, dim = query.shape
+    groups = key.shape[2]
+    q = query.permute(1, 2, 0, 3).reshape(batch, groups, heads // groups, seq, dim)
+    k, v = (t.permute(1, 2, 0, 3).unsqueeze(2) for t in (key, value))
+    if mask is not None:
+        mask = mask.unsqueeze(2)  # [b|1, 1, 1, s, s] against [b, g, m, s, s]
+    seed = 0
+    if dropout_p > 0.0:
+        seed = int(torch.randint(0, 2**40, (1,), device=query.device).item()) + seed_offset
+    out = RingAttention.apply(q, k, v, group, mask, scale, dropout_p, seed)
+    return out.reshape(batch, heads, seq, dim).permute(2, 0, 1, 3)

@@ -1,11 +1,13 @@
-"""Context-parallel attention against full attention on the gathered sequence: every comm type at CP2 and CP4,
-forward and backward, with RoPE at global positions, grouped-query attention, and causal or explicit masks."""
+"""Context-parallel attention against full attention on the gathered sequence: every comm type at CP2 and CP4
+(a2a+p2p at CP4 = 2 x 2 on parallel_state's hierarchical groups), forward and backward, with RoPE at global
+positions, grouped-query attention, and causal or explicit masks."""
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding, apply_rotary_pos_emb
 from megatron.core.transformer.context_parallel import context_parallel_attention, local_rows
 from megatron.core.transformer.context_parallel.ring_attention import attended_pairs
@@ -39,8 +41,24 @@ def _full_attention(query, key, value, mask):
     return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
 
+def _cp_group(comm_type):
+    """The group argument of a comm type: the world, or for a2a+p2p parallel_state's (inner, outer) groups of a
+    2 x 2 hierarchical layout of the world (initialised here, destroyed by the caller)."""
+    if comm_type != "a2a+p2p":
+        return dist.group.WORLD
+    parallel_state.initialize_model_parallel(context_parallel_size=dist.get_world_size(),
+                                             hierarchical_context_parallel_sizes=[2, dist.get_world_size() // 2])
+    return parallel_state.get_hierarchical_context_parallel_groups()
+
+
 def _cp_attention_matches_full(comm_type, with_mask):
-    group = dist.group.WORLD
+    try:
+        return _cp_attention_errors(comm_type, with_mask, _cp_group(comm_type))
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _cp_attention_errors(comm_type, with_mask, group):
     cp_size, cp_rank = dist.get_world_size(), dist.get_rank()
     query, key, value, grad_out, mask = _inputs()
     mask = mask if with_mask else None
@@ -65,7 +83,7 @@ def _cp_attention_matches_full(comm_type, with_mask):
 # a2a splits the query groups over CP ranks: with GROUPS query groups it runs where CP divides them (CP4 a2a is
 # tested on a multi-head model below).
 CP_LAYOUTS = [(world_size, comm_type) for world_size in (2, 4) for comm_type in ("p2p", "allgather", "a2a")
-              if comm_type != "a2a" or GROUPS % world_size == 0]
+              if comm_type != "a2a" or GROUPS % world_size == 0] + [(4, "a2a+p2p")]
 
 
 @pytest.mark.parametrize("world_size, comm_type", CP_LAYOUTS)
