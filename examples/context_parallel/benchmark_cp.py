@@ -7,7 +7,8 @@ For each CP size N (ranks spawned on gloo) and each comm type, one GPT forward/b
   each storage counted once), against CP1's, with 1/N the ideal;
 - K/V bytes per layer: bytes each rank receives from its peers in the forward of one attention layer, counted at
   the collectives, against theory (p2p: N-1 hops of the local K/V; allgather: the N-1 other ranks' K/V; a2a: the
-  (N-1)/N of Q, K, V and the output that change hands);
+  (N-1)/N of Q, K, V and the output that change hands; a2a+p2p with sizes (A, B): the (A-1)/A of Q, K, V and the
+  output inside, then B-1 ring hops of K/V that are as large as the local K/V);
 - attention work balance under causal masking: unmasked score entries per rank with the load-balanced split
   (and, for contrast, with a contiguous split), max over mean.
 Prints a markdown table (and writes it with --markdown).
@@ -29,7 +30,16 @@ from megatron.core.transformer.context_parallel import collectives  # noqa: E402
 from megatron.core.transformer.context_parallel.sequence_split import local_token_indices  # noqa: E402
 
 HIDDEN, HEADS, GROUPS, LAYERS, VOCAB, BATCH = 128, 8, 4, 2, 256, 1
-COMM_TYPES = ("p2p", "allgather", "a2a")
+COMM_TYPES = ("p2p", "allgather", "a2a", "a2a+p2p")
+
+
+def hierarchical_sizes(comm_type, cp_size):
+    """(all-to-all size, ring size) of a2a+p2p: pairs inside, a ring across them; None for the other types."""
+    return (2, cp_size // 2) if comm_type == "a2a+p2p" else None
+
+
+def comm_types_for(cp_size):
+    return [name for name in COMM_TYPES if name != "a2a+p2p" or cp_size >= 4]
 
 
 def _model(cp_size, comm_type, seq_len):
@@ -37,11 +47,13 @@ def _model(cp_size, comm_type, seq_len):
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    parallel_state.initialize_model_parallel(context_parallel_size=cp_size)
+    sizes = hierarchical_sizes(comm_type, cp_size)
+    parallel_state.initialize_model_parallel(context_parallel_size=cp_size, hierarchical_context_parallel_sizes=sizes)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     config = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
                                num_query_groups=GROUPS, hidden_dropout=0.0, attention_dropout=0.0,
-                               context_parallel_size=cp_size, cp_comm_type=comm_type)
+                               context_parallel_size=cp_size, cp_comm_type=comm_type,
+                               hierarchical_context_parallel_sizes=sizes)
     return GPTModel(config, vocab_size=VOCAB, max_sequence_length=seq_len, position_embedding_type="rope",
                     share_embeddings_and_output_weights=False)
 
@@ -49,8 +61,8 @@ def _model(cp_size, comm_type, seq_len):
 class _ReceivedBytes:
     """Counts the bytes this rank receives from peers in the context-parallel collectives."""
 
-    def __init__(self, group_size):
-        self.total, self.group_size = 0, group_size
+    def __init__(self):
+        self.total = 0
         self._originals = {}
 
     def __enter__(self):
@@ -63,13 +75,15 @@ class _ReceivedBytes:
             counter.total += tensor.numel() * tensor.element_size()
             return start(exchange, tensor)
 
-        def counted_gather(output, tensor, *args, **kwargs):
-            counter.total += (counter.group_size - 1) * tensor.numel() * tensor.element_size()
-            return gather(output, tensor, *args, **kwargs)
+        def counted_gather(output, tensor, *args, group=None, **kwargs):
+            size = dist.get_world_size(group)
+            counter.total += (size - 1) * tensor.numel() * tensor.element_size()
+            return gather(output, tensor, *args, group=group, **kwargs)
 
-        def counted_a2a(output, tensor, *args, **kwargs):
-            counter.total += tensor.numel() * tensor.element_size() * (counter.group_size - 1) // counter.group_size
-            return a2a(output, tensor, *args, **kwargs)
+        def counted_a2a(output, tensor, *args, group=None, **kwargs):
+            size = dist.get_world_size(group)
+            counter.total += tensor.numel() * tensor.element_size() * (size - 1) // size
+            return a2a(output, tensor, *args, group=group, **kwargs)
 
         collectives.RingExchange.start = counted_start
         collectives.dist.all_gather_single = counted_gather
@@ -110,14 +124,14 @@ def _measure_on_rank(rank, world_size, init_file, seq_len, results):
     tokens, labels = stream[:, :-1][:, local], stream[:, 1:][:, local]
     positions = local.unsqueeze(0).expand(BATCH, -1)
     row = {}
-    for comm_type in COMM_TYPES if world_size > 1 else ("p2p",):
+    for comm_type in comm_types_for(world_size) if world_size > 1 else ("p2p",):
         model = _model(world_size, comm_type, seq_len)
         activation_bytes = _saved_activation_bytes(model, tokens, positions, labels)
         attention = model.decoder.layers[0].self_attention
         head_dim = HIDDEN // HEADS
         query = torch.randn(seq_len // world_size, BATCH, HEADS, head_dim)
         key = torch.randn(seq_len // world_size, BATCH, GROUPS, head_dim)
-        with _ReceivedBytes(world_size) as received, torch.no_grad():
+        with _ReceivedBytes() as received, torch.no_grad():
             attention.core_attention(query, key, key.clone(), None)
         row[comm_type] = (activation_bytes, received.total)
         parallel_state.destroy_model_parallel()
@@ -143,7 +157,10 @@ def kv_theory_bytes(comm_type, cp_size, seq_len, element_size=4):
     local_q = (seq_len // cp_size) * BATCH * HEADS * head_dim * element_size
     if comm_type in ("p2p", "allgather"):
         return (cp_size - 1) * local_kv
-    return (cp_size - 1) * (local_kv + 2 * local_q) // cp_size  # a2a: Q, K, V in, the output back
+    if comm_type == "a2a":
+        return (cp_size - 1) * (local_kv + 2 * local_q) // cp_size  # Q, K, V in, the output back
+    inner, outer = hierarchical_sizes(comm_type, cp_size)
+    return (inner - 1) * (local_kv + 2 * local_q) // inner + (outer - 1) * local_kv
 
 
 def causal_work(cp_size, seq_len, balanced=True):
@@ -172,7 +189,7 @@ def report(seq_len, cp_sizes):
         balanced, contiguous = causal_work(cp_size, seq_len), causal_work(cp_size, seq_len, balanced=False)
         balance = max(balanced) / (sum(balanced) / cp_size)
         imbalance = max(contiguous) / (sum(contiguous) / cp_size)
-        for comm_type in COMM_TYPES:
+        for comm_type in comm_types_for(cp_size):
             activation = max(results[rank][comm_type][0] for rank in range(cp_size))
             received = max(results[rank][comm_type][1] for rank in range(cp_size))
             theory = kv_theory_bytes(comm_type, cp_size, seq_len)
