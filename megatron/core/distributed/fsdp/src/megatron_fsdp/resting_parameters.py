@@ -25,12 +25,14 @@ from typing import Dict, List, Tuple
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Shard
 
+from .dtensor_views import dtensor_over_view
+
 
 def rows_dtensor(local, like, mesh) -> DTensor:
     """A DTensor of `like`'s shape and stride over `mesh` whose local tensor is `local`, this rank's rows
     (`Shard(0)`), or for a 0-dim `like` its share of the value (`Partial()`)."""
     placement = Shard(0) if like.dim() else Partial()
-    return DTensor.from_local(local, mesh, [placement], run_check=False, shape=like.shape, stride=like.stride())
+    return dtensor_over_view(local, mesh, [placement], like.shape, like.stride())
 
 
 class RestingParameters:

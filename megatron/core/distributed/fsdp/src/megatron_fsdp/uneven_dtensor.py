@@ -16,6 +16,7 @@ from typing import Optional, Tuple
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .dtensor_views import dtensor_over_view
 from .layout import chunk_rows
 
 
@@ -66,8 +67,7 @@ def make_row_sharded_dtensor(local_rows: torch.Tensor, global_shape, mesh, shard
             raise ValueError(f"the tp mesh dim ({tp_mesh_dim}) must come before the data-parallel mesh dim "
                              f"({shard_mesh_dim}) so that rows are cut from each TP partition")
         placements[tp_mesh_dim] = Shard(tp_partition_dim)
-    return DTensor.from_local(local_rows.contiguous(), mesh, placements, run_check=False, shape=global_shape,
-                              stride=contiguous_stride(global_shape))
+    return dtensor_over_view(local_rows.contiguous(), mesh, placements, global_shape, contiguous_stride(global_shape))
 
 
 def tensor_parallel_partition_of(value, local_shape, partition_dim: Optional[int], tp_size: int, tp_rank: int,
@@ -128,8 +128,19 @@ def local_rows_of(value, global_shape, dp_size: int, dp_rank: int) -> torch.Tens
 # pieces made with `update_uneven_dtensor_chunk_meta=True` also describe their block to
 # torch.distributed.checkpoint, so they save and load like any DTensor.
 
+def _require_dtensor(function: str, dtensor) -> DTensor:
+    if not isinstance(dtensor, DTensor):
+        shape = f" of shape {tuple(dtensor.shape)}" if isinstance(dtensor, torch.Tensor) else ""
+        raise ValueError(f"{function}(): 'dtensor' must be a torch.distributed.tensor.DTensor, got a "
+                         f"{type(dtensor).__module__}.{type(dtensor).__qualname__}{shape}; wrap this rank's "
+                         "shard with DTensor.from_local(...) or pass a DTensor from a state dict")
+    return dtensor
+
+
 def local_block_offset(dtensor: DTensor) -> Tuple[int, ...]:
-    """Global index of the first element of this rank's block of `dtensor`."""
+    """Global index of the first element of this rank's block of `dtensor` (for an empty block, where torch's
+    `Shard` would place it: the end of the dim when no rows are left for this rank)."""
+    _require_dtensor("local_block_offset", dtensor)
     offset = getattr(dtensor, "_uneven_global_offset", None)
     if offset is not None:
         return tuple(offset)
@@ -177,7 +188,10 @@ def _describe_block_to_dcp(piece: DTensor):
 def split_dtensor(dtensor: DTensor, split_size_or_sections, dim: int = 0,
                   update_uneven_dtensor_chunk_meta: bool = False) -> list:
     """`torch.split` for a DTensor: pieces along `dim` (a size, or a list of sizes), each a DTensor on the same
-    mesh and placements whose local part is a view of the part of this rank's block inside the piece."""
+    mesh and placements whose local part is a view of the part of this rank's block inside the piece. A rank
+    whose block is empty (fewer rows than ranks), or that owns nothing of a piece, gets an empty local part
+    placed at the piece's edge nearest its block."""
+    _require_dtensor("split_dtensor", dtensor)
     dim = dim % dtensor.dim()
     local = dtensor.to_local()
     offset = local_block_offset(dtensor)
@@ -190,8 +204,8 @@ def split_dtensor(dtensor: DTensor, split_size_or_sections, dim: int = 0,
         local_piece = local.narrow(dim, min(max(low - block_start, 0), local.shape[dim]), high - low)
         shape = list(dtensor.shape)
         shape[dim] = end - start
-        piece = DTensor.from_local(local_piece, dtensor.device_mesh, dtensor.placements, run_check=False,
-                                   shape=torch.Size(shape), stride=contiguous_stride(shape))
+        piece = dtensor_over_view(local_piece, dtensor.device_mesh, dtensor.placements, shape,
+                                  contiguous_stride(shape))
         piece_offset = list(offset)
         piece_offset[dim] = low - start
         piece._uneven_global_offset = tuple(piece_offset)
@@ -203,9 +217,11 @@ def split_dtensor(dtensor: DTensor, split_size_or_sections, dim: int = 0,
 
 def uneven_dtensor_to_full_tensor(dtensor: DTensor, target_device: Optional[torch.device] = None) -> torch.Tensor:
     """The full tensor of a DTensor whose local blocks may be uneven (as `split_dtensor` makes them): every
-    rank's block is gathered along each mesh dim and put at its offset. Call on every rank of the mesh."""
+    rank's block is gathered along each mesh dim and put at its offset (empty blocks add nothing). Call on
+    every rank of the mesh."""
     import torch.distributed as dist
 
+    _require_dtensor("uneven_dtensor_to_full_tensor", dtensor)
     blocks = [(local_block_offset(dtensor), dtensor.to_local().detach().cpu())]
     mesh = dtensor.device_mesh
     for mesh_dim in range(mesh.ndim):
@@ -219,3 +235,10 @@ def uneven_dtensor_to_full_tensor(dtensor: DTensor, target_device: Optional[torc
         if block.numel():
             full[tuple(slice(o, o + s) for o, s in zip(offset, block.shape))] = block
     return full.to(target_device if target_device is not None else dtensor.to_local().device)
+
+
+def gather_uneven_dtensor_to_full_tensor(dtensor: DTensor,
+                                         target_device: Optional[torch.device] = None) -> torch.Tensor:
+    """Upstream's name for `uneven_dtensor_to_full_tensor`."""
+    _require_dtensor("gather_uneven_dtensor_to_full_tensor", dtensor)
+    return uneven_dtensor_to_full_tensor(dtensor, target_device)
