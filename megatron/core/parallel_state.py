@@ -275,6 +275,19 @@ def get_expert_tensor_and_model_parallel_group():
     return _group("tp-ep")
 
 
+# Expert tensor parallelism is tensor parallelism here (the experts' linears split over the TP group).
+def get_expert_tensor_parallel_group():
+    return get_tensor_model_parallel_group()
+
+
+def get_expert_tensor_parallel_rank():
+    return get_tensor_model_parallel_rank()
+
+
+def get_expert_tensor_parallel_world_size():
+    return get_tensor_model_parallel_world_size()
+
+
 # Model parallel, embedding (the device mesh: process_groups.get_device_mesh)
 def get_model_parallel_group():
     """Tensor x pipeline model-parallel group."""

@@ -15,6 +15,8 @@ at one layout and wrapper loads at any other.
 - `vocab_padding`: word embedding and output layer loaded across another vocabulary padding (another TP size)
 - `rng_mapping`: which saved rank's random-number streams a rank of another layout restores
 - `offline`, `safetensors_format`: whole-tensor reads and writes for tools, without a process group
+- `api` (`save`, `load`, `load_common_state_dict`), `mapping`, `strategies`, `validation`, `utils`: upstream's
+  entry points and names over the same format
 """
 
 from megatron.core.dist_checkpointing.strictness import STRICTNESS_CHOICES, StrictHandling
@@ -24,6 +26,9 @@ _LAZY = {  # torch.distributed.checkpoint is imported on first use, not by argum
     "flat_range_boxes": "logical_tensor",
     "CheckpointError": "serialization",
     "CheckpointShapeError": "serialization",
+    "save": "api",
+    "load": "api",
+    "load_common_state_dict": "api",
 }
 
 

@@ -284,3 +284,46 @@ def fp8_linear_classes(config):
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     return ColumnParallelLinear, RowParallelLinear
+
+
+# ---- upstream's class names -------------------------------------------------------------------------------
+
+# The wrapped layers, under the names upstream's layer specs (and tools such as modelopt) import.
+_WRAPPED_LINEAR_NAMES = ("TEColumnParallelLinear", "TERowParallelLinear", "TELayerNormColumnParallelLinear")
+# Upstream TE modules this code base does not build (the local layers and attention are used instead).
+_NOT_BUILT_HERE = {
+    "TELinear": "a duplicated (non-tensor-parallel) TE linear",
+    "TENorm": "TE's LayerNorm / RMSNorm module (norms are built by megatron.core.transformer.norms.build_norm)",
+    "TEDotProductAttention": "TE's fused attention (attention runs in megatron.core.transformer.attention)",
+    "TEColumnParallelGroupedLinear": "TE's grouped GEMM for MoE experts",
+    "TERowParallelGroupedLinear": "TE's grouped GEMM for MoE experts",
+}
+
+
+def _unavailable_class(name, message):
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError(message)
+
+    return type(name, (torch.nn.Module,), {"__init__": __init__, "__doc__": message, "__module__": __name__})
+
+
+@functools.cache
+def _named_class(name):
+    if name in _WRAPPED_LINEAR_NAMES:
+        if HAVE_TE:
+            return te_linear_classes()[_WRAPPED_LINEAR_NAMES.index(name)]
+        return _unavailable_class(
+            name, f"{name} needs transformer-engine, which is not importable here (it needs CUDA): install it on a "
+                  "GPU machine (pip install '.[te]') or build the model with --transformer-impl local")
+    return _unavailable_class(
+        name, f"{name} ({_NOT_BUILT_HERE[name]}) is not built in this code base, with or without "
+              "transformer-engine: build the model with the local layers (--transformer-impl local)")
+
+
+def __getattr__(name):
+    """Upstream's TE class names: the wrapped TE layers when transformer-engine is importable; otherwise (and for
+    the TE modules not built here) a class that exists, so isinstance checks and imports work, and whose
+    constructor raises a RuntimeError saying what to do."""
+    if name in _WRAPPED_LINEAR_NAMES or name in _NOT_BUILT_HERE:
+        return _named_class(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

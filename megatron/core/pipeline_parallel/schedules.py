@@ -35,6 +35,10 @@ from megatron.core.pipeline_parallel.microbatch import (
     forward_step,
 )
 from megatron.core.pipeline_parallel.model_access import get_model_config, schedule_setting, single_model_chunk
+from megatron.core.pipeline_parallel import tensor_shapes as _tensor_shapes
+
+
+get_tensor_shapes = _tensor_shapes.get_tensor_shapes  # upstream's name in this module
 
 
 def get_forward_backward_func():

@@ -146,6 +146,35 @@ def _linear(input_, weight, bias, gradient_accumulation_fusion):
     return F.linear(input_, weight, bias)
 
 
+def linear_with_grad_accumulation_and_async_allreduce(input, weight, bias, gradient_accumulation_fusion,
+                                                      allreduce_dgrad, sequence_parallel, grad_output_buffer=None,
+                                                      wgrad_deferral_limit=None, async_grad_allreduce=None,
+                                                      tp_group=None):
+    """The GEMM of the tensor-parallel linear layers outside FP8 regions, with the communication upstream's
+    function of this name does around it: under `sequence_parallel` the input (split along the sequence, dim 0)
+    is all-gathered over the tensor-parallel group first (its gradient reduce-scattered back); with
+    `allreduce_dgrad` the input gradient is all-reduced over the group. The weight gradient goes into
+    `weight.main_grad` with `gradient_accumulation_fusion` (see `LinearWithGradAccumulation`).
+
+    The layers look this function up in this module on every call, so a tool can wrap it (modelopt's Megatron
+    plugin quantizes the input and weight it receives). Deferred weight gradients (`grad_output_buffer`,
+    `wgrad_deferral_limit`) and groups other than this rank's tensor-parallel group are not supported.
+    """
+    if grad_output_buffer is not None or wgrad_deferral_limit:
+        raise NotImplementedError("deferred weight-gradient computation (grad_output_buffer) is not supported")
+    if tp_group is not None and parallel_state.model_parallel_is_initialized() and \
+            tp_group is not parallel_state.get_tensor_model_parallel_group():
+        raise NotImplementedError("linear_with_grad_accumulation_and_async_allreduce runs over the tensor-parallel "
+                                  "group of parallel_state only")
+    if async_grad_allreduce is not None:  # upstream's older name of allreduce_dgrad
+        allreduce_dgrad = allreduce_dgrad or async_grad_allreduce
+    if sequence_parallel:
+        input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True)
+    elif allreduce_dgrad:
+        input = copy_to_tensor_model_parallel_region(input)
+    return _linear(input, weight, bias, gradient_accumulation_fusion)
+
+
 # --------------------------------------------------------------------------------------------------------
 # FP8
 # --------------------------------------------------------------------------------------------------------
@@ -277,6 +306,14 @@ class _Fp8LinearMixin:
 # --------------------------------------------------------------------------------------------------------
 
 
+def _sharded_state_dict_with_axes(module, prefix, sharded_offsets, axes):
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    state = module.state_dict(prefix="", keep_vars=True)
+    return make_sharded_tensors_for_checkpoint(state, prefix, {k: v for k, v in axes.items() if k in state},
+                                               sharded_offsets)
+
+
 class ColumnParallelLinear(_Fp8LinearMixin, torch.nn.Module):
     """Y = XA + b with A split by columns: rank r holds output features [r*out/tp, (r+1)*out/tp).
 
@@ -355,12 +392,17 @@ class ColumnParallelLinear(_Fp8LinearMixin, torch.nn.Module):
                 f"weight of shape {tuple(weight.shape)} given; expected "
                 f"{(self.output_size_per_partition, self.input_size)}"
             )
-        if self.sequence_parallel:
-            input_parallel = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True)
-        else:
-            input_parallel = copy_to_tensor_model_parallel_region(input_)
         bias = self.bias if not self.skip_bias_add else None
-        output_parallel = self._matmul(input_parallel, weight, bias)
+        if active_fp8_region() is None:
+            output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+                input_, weight, bias, self.gradient_accumulation_fusion,
+                allreduce_dgrad=not self.sequence_parallel, sequence_parallel=self.sequence_parallel)
+        else:
+            if self.sequence_parallel:
+                input_parallel = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True)
+            else:
+                input_parallel = copy_to_tensor_model_parallel_region(input_)
+            output_parallel = self._matmul(input_parallel, weight, bias)
         output = gather_from_tensor_model_parallel_region(output_parallel) if self.gather_output else output_parallel
         return output, (self.bias if self.skip_bias_add else None)
 
@@ -370,6 +412,10 @@ class ColumnParallelLinear(_Fp8LinearMixin, torch.nn.Module):
             f"out_features_per_partition={self.output_size_per_partition}, bias={self.bias is not None}, "
             f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}"
         )
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Checkpoint entries: weight and bias as this rank's rows (dim 0) of the logical tensors."""
+        return _sharded_state_dict_with_axes(self, prefix, sharded_offsets, {"weight": 0, "bias": 0})
 
 
 class RowParallelLinear(_Fp8LinearMixin, torch.nn.Module):
@@ -438,7 +484,12 @@ class RowParallelLinear(_Fp8LinearMixin, torch.nn.Module):
 
     def forward(self, input_):
         input_parallel = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_)
-        output_parallel = self._matmul(input_parallel, self.weight, None)
+        if active_fp8_region() is None:
+            output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+                input_parallel, self.weight, None, self.gradient_accumulation_fusion, allreduce_dgrad=False,
+                sequence_parallel=False)
+        else:
+            output_parallel = self._matmul(input_parallel, self.weight, None)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output_parallel)
         else:
@@ -455,6 +506,10 @@ class RowParallelLinear(_Fp8LinearMixin, torch.nn.Module):
             f"in_features_per_partition={self.input_size_per_partition}, bias={self.bias is not None}, "
             f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}"
         )
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Checkpoint entries: the weight as this rank's columns (dim 1) of the logical tensor, the bias whole."""
+        return _sharded_state_dict_with_axes(self, prefix, sharded_offsets, {"weight": 1})
 
 
 class VocabParallelEmbedding(torch.nn.Module):

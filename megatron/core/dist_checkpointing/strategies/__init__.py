@@ -1,0 +1,1 @@
+"""Upstream's save/load strategy names for the torch_dist format (torch.distributed.checkpoint)."""

@@ -1,0 +1,1 @@
+"""Inference-time state: the key/value cache of autoregressive decoding (`contexts`)."""

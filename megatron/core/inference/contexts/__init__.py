@@ -1,0 +1,5 @@
+"""Inference contexts: what a forward pass needs to know when it decodes (upstream names)."""
+
+from megatron.core.inference.contexts.static_context import StaticInferenceContext
+
+__all__ = ["StaticInferenceContext"]

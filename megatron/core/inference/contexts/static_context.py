@@ -1,0 +1,102 @@
+"""`StaticInferenceContext`: the key/value cache of static-batch autoregressive decoding.
+
+A batch of at most `max_batch_size` sequences is decoded together for at most `max_sequence_length` positions.
+Each attention layer keeps a key and a value cache of shape `[max_sequence_length, max_batch_size, groups,
+head_dim]` (`key_value_memory_dict[layer_number]`, sequence-first like the activations). A forward pass over
+new positions writes its keys and values at `[sequence_len_offset, sequence_len_offset + n)` for the batch rows
+`[batch_size_offset, batch_size_offset + b)` and attends to everything cached so far; after the whole model
+ran, the caller advances `sequence_len_offset` by `n`. `swap_key_value_dict(batch_idx)` reorders the cached
+sequences (beam search), `reset()` starts a new batch.
+"""
+
+import torch
+
+
+class StaticInferenceContext:
+    """Key/value cache and offsets of one static decoding batch."""
+
+    def __init__(self, max_batch_size: int, max_sequence_length: int):
+        for name, value in (("max_batch_size", max_batch_size), ("max_sequence_length", max_sequence_length)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.max_batch_size = max_batch_size
+        self.max_sequence_length = max_sequence_length
+        self.current_batch_size = max_batch_size
+        self.sequence_len_offset = 0
+        self.batch_size_offset = 0
+        self.decode_mode = False
+        self.key_value_memory_dict = {}
+
+    # ---- mode and offsets ----------------------------------------------------------------------------------
+    def is_static_batching(self) -> bool:
+        return True
+
+    def is_decode_only(self) -> bool:
+        """True once the prompt is in the cache and each step adds one position."""
+        return self.decode_mode
+
+    def enable_prefill_mode(self):
+        self.decode_mode = False
+
+    def enable_decode_mode(self):
+        self.decode_mode = True
+
+    def increment_sequence_len_offset(self, increment: int):
+        if self.sequence_len_offset + increment > self.max_sequence_length:
+            raise ValueError(f"decoding past max_sequence_length {self.max_sequence_length} "
+                             f"(offset {self.sequence_len_offset} + {increment})")
+        self.sequence_len_offset += increment
+
+    def reset(self):
+        """Start a new batch: offsets back to zero, decode mode off (the caches are reused and overwritten)."""
+        self.sequence_len_offset = 0
+        self.batch_size_offset = 0
+        self.current_batch_size = self.max_batch_size
+        self.decode_mode = False
+
+    # ---- the cache -----------------------------------------------------------------------------------------
+    def key_value_cache(self, layer_number: int, num_groups: int, head_dim: int, dtype, device):
+        """The (key, value) cache of `layer_number`, allocated (zeros) on first use."""
+        if layer_number not in self.key_value_memory_dict:
+            shape = (self.max_sequence_length, self.max_batch_size, num_groups, head_dim)
+            self.key_value_memory_dict[layer_number] = (torch.zeros(shape, dtype=dtype, device=device),
+                                                        torch.zeros(shape, dtype=dtype, device=device))
+        return self.key_value_memory_dict[layer_number]
+
+    def append_key_value(self, layer_number: int, key: torch.Tensor, value: torch.Tensor):
+        """Write `key` / `value` (`[new positions, batch, groups, head_dim]`) at the current offsets; returns the
+        keys and values of every position cached so far for these batch rows (`[offset + new, batch, ...]`)."""
+        if key.shape != value.shape or key.dim() != 4:
+            raise ValueError(f"key and value must both be [sequence, batch, groups, head_dim], got "
+                             f"{tuple(key.shape)} and {tuple(value.shape)}")
+        new_positions, batch = key.shape[0], key.shape[1]
+        seq_end = self.sequence_len_offset + new_positions
+        batch_end = self.batch_size_offset + batch
+        if seq_end > self.max_sequence_length or batch_end > self.max_batch_size:
+            raise ValueError(f"positions up to {seq_end} / batch rows up to {batch_end} exceed the context's "
+                             f"max_sequence_length {self.max_sequence_length} / max_batch_size {self.max_batch_size}")
+        key_cache, value_cache = self.key_value_cache(layer_number, key.shape[2], key.shape[3], key.dtype,
+                                                      key.device)
+        rows = slice(self.batch_size_offset, batch_end)
+        key_cache[self.sequence_len_offset:seq_end, rows] = key
+        value_cache[self.sequence_len_offset:seq_end, rows] = value
+        return key_cache[:seq_end, rows], value_cache[:seq_end, rows]
+
+    def swap_key_value_dict(self, batch_idx):
+        """Reorder the cached sequences of every layer: row i becomes old row `batch_idx[i]` (rows past
+        `len(batch_idx)` are left as they are)."""
+        if not self.key_value_memory_dict:
+            raise ValueError("swap_key_value_dict: the key/value cache is empty (nothing decoded yet)")
+        batch_idx = torch.as_tensor(batch_idx, dtype=torch.long)
+        if batch_idx.dim() != 1 or batch_idx.numel() > self.max_batch_size:
+            raise ValueError(f"batch_idx must list at most max_batch_size ({self.max_batch_size}) rows, got "
+                             f"shape {tuple(batch_idx.shape)}")
+        for key_cache, value_cache in self.key_value_memory_dict.values():
+            index = batch_idx.to(key_cache.device)
+            for cache in (key_cache, value_cache):
+                cache[:, :index.numel()] = cache.index_select(1, index)
+
+    def __str__(self):
+        return (f"StaticInferenceContext(max_batch_size={self.max_batch_size}, max_sequence_length="
+                f"{self.max_sequence_length}, sequence_len_offset={self.sequence_len_offset}, batch_size_offset="
+                f"{self.batch_size_offset}, layers cached={sorted(self.key_value_memory_dict)})")

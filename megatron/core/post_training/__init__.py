@@ -1,0 +1,1 @@
+"""Post-training (quantization, distillation, pruning, speculative decoding) support for nvidia-modelopt."""

@@ -1,0 +1,95 @@
+"""Megatron-Core's small helpers under their upstream names: the model config behind wrappers, process-group
+rank and size that tolerate a missing group, the tensor-parallel group to use when none is given, and the
+sharded-tensor helpers for checkpoint entries of one tensor-parallel partition or of a replicated tensor.
+
+The sharded tensors are `ShardedLogicalTensor`s (see `dist_checkpointing.logical_tensor`): a rank's piece of
+the logical (unsplit) tensor, which the torch_dist format saves and loads at any tensor-parallel size.
+"""
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.pipeline_parallel.model_access import get_model_config
+
+__all__ = [
+    "get_model_config",
+    "get_pg_rank",
+    "get_pg_size",
+    "get_tensor_model_parallel_group_if_none",
+    "make_sharded_tensor_for_checkpoint",
+    "make_tp_sharded_tensor_for_checkpoint",
+]
+
+
+def get_pg_size(group=None) -> int:
+    """The size of `group`; 1 when torch.distributed is not initialised or no group is given."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def get_pg_rank(group=None) -> int:
+    """This process's rank in `group`; 0 when torch.distributed is not initialised or no group is given."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(group)
+
+
+def get_tensor_model_parallel_group_if_none(tp_group=None, is_expert=False, check_initialized=True):
+    """`tp_group`, or the tensor-parallel group of this rank (expert layers use the same group here: expert
+    tensor parallelism equals tensor parallelism). Raises when none is given and the groups are not built and
+    `check_initialized` asks for them."""
+    if tp_group is not None:
+        return tp_group
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        if check_initialized:
+            raise RuntimeError(
+                "no tensor-parallel group given and the model-parallel groups are not initialised: call "
+                "parallel_state.initialize_model_parallel() first or pass tp_group"
+            )
+        return None
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def _tensor_parallel_rank_and_size():
+    from megatron.core.dist_checkpointing.logical_names import current_tensor_parallel_rank
+
+    return current_tensor_parallel_rank()
+
+
+def _check_no_prepended_offsets(key, prepend_offsets):
+    if prepend_offsets:
+        raise NotImplementedError(
+            f"{key}: prepended sharded offsets (stacked layers) are not used here: layers are named by their "
+            "global index in the logical checkpoint instead"
+        )
+
+
+def make_tp_sharded_tensor_for_checkpoint(tensor: torch.Tensor, key: str, tp_axis: int = 0, replica_id=None,
+                                          prepend_offsets=(), **kwargs):
+    """This rank's tensor-parallel partition `tensor` (split along `tp_axis` in contiguous partitions) as its
+    piece of the logical tensor. `replica_id` is accepted for the upstream signature: replicas offer identical
+    pieces, which the torch_dist writer stores once."""
+    from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor
+
+    _check_no_prepended_offsets(key, prepend_offsets)
+    rank, size = _tensor_parallel_rank_and_size()
+    if tensor.dim() == 0:
+        raise ValueError(f"{key}: a 0-dimensional tensor has no axis {tp_axis} to shard over tensor parallelism")
+    axis = tp_axis % tensor.dim()
+    global_shape = list(tensor.shape)
+    global_shape[axis] *= size
+    offsets = [0] * tensor.dim()
+    offsets[axis] = rank * tensor.shape[axis]
+    return ShardedLogicalTensor(global_shape, [(offsets, tensor)], dtype=tensor.dtype)
+
+
+def make_sharded_tensor_for_checkpoint(tensor: torch.Tensor, key: str, prepend_offsets=(), replica_id=None,
+                                       **kwargs):
+    """A tensor every tensor-parallel rank holds whole (replicated) as the logical tensor."""
+    from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor
+
+    _check_no_prepended_offsets(key, prepend_offsets)
+    return ShardedLogicalTensor.from_local(tensor)
