@@ -53,6 +53,17 @@ def _both_use_rope(saved_args, args):
     return all(getattr(a, "position_embedding_type", None) == "rope" for a in (saved_args, args))
 
 
+def _both_use_mla(saved_args, args):
+    return all(getattr(a, "multi_latent_attention", False) for a in (saved_args, args))
+
+
+def _mla_rope_type(args):
+    """The rotary embedding of multi-latent attention (yarn unless --rope-type rope)."""
+    if not hasattr(args, "rope_type"):
+        return None
+    return args.rope_type or "yarn"
+
+
 def _either_groups_queries(saved_args, args):
     """Without --group-query-attention on either side the key/value heads are the attention heads, compared
     already."""
@@ -73,6 +84,13 @@ ARCHITECTURE_FLAGS = (
     ArchitectureFlag("--untie-embeddings-and-output-weights", _switch("untie_embeddings_and_output_weights"),
                      is_switch=True),
     ArchitectureFlag("--qk-layernorm", _switch("qk_layernorm"), is_switch=True),
+    ArchitectureFlag("--multi-latent-attention", _switch("multi_latent_attention"), is_switch=True),
+    ArchitectureFlag("--qk-head-dim", _get("qk_head_dim"), compared=_both_use_mla),
+    ArchitectureFlag("--qk-pos-emb-head-dim", _get("qk_pos_emb_head_dim"), compared=_both_use_mla),
+    ArchitectureFlag("--rope-type", _mla_rope_type, compared=_both_use_mla),
+    ArchitectureFlag("--rotary-scaling-factor", _get("rotary_scaling_factor"), compared=_both_use_mla),
+    ArchitectureFlag("--mscale", _get("mscale"), compared=_both_use_mla),
+    ArchitectureFlag("--mscale-all-dim", _get("mscale_all_dim"), compared=_both_use_mla),
 )
 VOCAB_FLAG = "vocabulary size (the tokenizer's, before padding; --vocab-size with NullTokenizer)"
 

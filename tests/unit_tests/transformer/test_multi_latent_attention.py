@@ -296,3 +296,19 @@ def test_flags_reach_the_config():
             config.mscale_all_dim, config.original_max_position_embeddings) == ("yarn", 500, 40.0, 0.7, 0.7, 4096)
     plain = core_transformer_config_from_args(validate_args(parse_args(args=argv[:-9])))
     assert not plain.multi_latent_attention and plain.kv_lora_rank is None
+
+
+def test_checkpoint_of_another_mla_model_is_refused_naming_the_flags():
+    from argparse import Namespace
+
+    from megatron.training.checkpoint_args import architecture_differences
+
+    mla = dict(multi_latent_attention=True, qk_head_dim=8, qk_pos_emb_head_dim=8, rope_type=None,
+               rotary_scaling_factor=40.0, mscale=1.0, mscale_all_dim=1.0)
+    saved = Namespace(**mla)
+    assert architecture_differences(saved, Namespace(**mla)) == []
+    other = Namespace(**dict(mla, qk_head_dim=12, qk_pos_emb_head_dim=4, rope_type="rope", rotary_scaling_factor=1.0))
+    assert [phrase.split(":")[0] for phrase in architecture_differences(saved, other)] == [
+        "--qk-head-dim", "--qk-pos-emb-head-dim", "--rope-type", "--rotary-scaling-factor"]
+    assert architecture_differences(saved, Namespace(multi_latent_attention=False)) == [
+        "--multi-latent-attention: set in the checkpoint, not set in this run"]
