@@ -79,6 +79,8 @@ def initialize_distributed(args):
         virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
         context_parallel_size=args.context_parallel_size,
         hierarchical_context_parallel_sizes=getattr(args, "hierarchical_context_parallel_sizes", None),
+        expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
+        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
     )
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.fp8.scaling import reduce_fp8_amaxes
+from megatron.core.transformer.moe.router import update_expert_biases
 from megatron.training import checkpointing
 from megatron.training.data_iterators import build_data_iterators
 from megatron.training.global_vars import get_args, set_tokenizer
@@ -156,6 +157,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, co
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses_reduced = _run_schedule(forward_step_func, data_iterator, model, args, forward_only=False)
+    update_expert_biases(model)  # MoE aux-loss-free balancing: once per global batch
     empty_unused_memory(args, level=1)
     reduce_fp8_amaxes(model)  # delayed-scaling amaxes of all FP8 layers in one collective; step's FP8 weight caches
     update_successful, grad_norm, num_zeros = optimizer.step()

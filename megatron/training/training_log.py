@@ -152,6 +152,23 @@ def memory_usage(model_chunks, optimizer, device):
     }
 
 
+def moe_aux_losses(args):
+    """The MoE routers' auxiliary losses of the last iteration, {name: value} (e.g. `load_balancing_loss`),
+    each averaged over the MoE layers and microbatches, without its coefficient. Collective over the world
+    when the model has experts; {} otherwise."""
+    if getattr(args, "num_experts", None) is None:
+        return {}
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.moe_config import layer_pattern_from_freq
+
+    names = moe_utils.tracked_aux_loss_names(args.moe_router_load_balancing_type, args.moe_aux_loss_coeff,
+                                             args.moe_z_loss_coeff)
+    num_moe_layers = sum(layer_pattern_from_freq(args.moe_layer_freq, args.num_layers))
+    return moe_utils.reduce_aux_losses_for_logging(names, args.num_layers, num_moe_layers, get_num_microbatches(),
+                                                   args.data_parallel_size, args.device)
+
+
 def default_metrics_path(args):
     if args.metrics_file:
         return args.metrics_file
@@ -190,6 +207,7 @@ class TrainingLogger:
         iteration_time_s, consumed_samples, global_batch_size, memory (from `memory_usage`), rank."""
         args = self.args
         iteration = report["iteration"]
+        report["losses"] = {**report["losses"], **moe_aux_losses(args)}  # collective: every rank logs
         for name, value in report["losses"].items():
             self._interval_losses[name] = self._interval_losses.get(name, 0.0) + value
         self._interval_iterations += 1

@@ -6,6 +6,7 @@ import torch
 
 from megatron.core.device_utils import get_current_device
 from megatron.core.pipeline_parallel.model_access import schedule_setting, set_input_tensor
+from megatron.core.transformer.moe.moe_utils import set_aux_loss_backward_scale
 
 
 def _unpack_loss(outputs):
@@ -41,6 +42,7 @@ def forward_step(
     3-tuple loss, unless `calculate_per_token_loss`). Elsewhere the stage's output activation is returned.
     """
     set_input_tensor(model, input_tensor)
+    set_aux_loss_backward_scale(config, num_microbatches)  # MoE auxiliary losses: scaled like this loss
     output_tensor, loss_func = forward_step_func(data_iterator, model)
     num_tokens = 0
     if not is_last_stage:

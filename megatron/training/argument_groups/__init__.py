@@ -14,6 +14,7 @@ from megatron.training.argument_groups import (
     memory,
     mla,
     model,
+    moe,
     parallelism,
     run_control,
     training,
@@ -22,6 +23,7 @@ from megatron.training.argument_groups import (
 
 # Order matters for validation: later groups read values derived by earlier ones (e.g. data_parallel_size).
 # memory precedes data_parallel: --main-grads-dtype bf16 opts out of the fp32 gradients data_parallel sets for --bf16.
+# moe comes last: it validates by building the transformer config from every other group's values.
 # virtual_pipeline follows training: its microbatch rule needs the global and micro batch sizes.
 ARGUMENT_GROUPS = (parallelism, model, mla, training, virtual_pipeline, data, logging_eval, checkpoint, memory,
-                   data_parallel, fp8, run_control)
+                   data_parallel, fp8, run_control, moe)

@@ -76,9 +76,14 @@ def moe_layer_pattern(config):
     """One bool per global layer (0-based): True where the layer's MLP is a `MoELayer`."""
     if config.num_moe_experts is None:
         return [False] * config.num_layers
-    freq = config.moe_layer_freq
+    return layer_pattern_from_freq(config.moe_layer_freq, config.num_layers)
+
+
+def layer_pattern_from_freq(freq, num_layers):
+    """`--moe-layer-freq` (int or 0/1 list) as one bool per layer."""
+    freq = parse_moe_layer_freq(freq)
     if isinstance(freq, int):
-        return [index % freq == 0 for index in range(config.num_layers)]
+        return [index % freq == 0 for index in range(num_layers)]
     return [bool(flag) for flag in freq]
 
 

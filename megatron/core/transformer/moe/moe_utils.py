@@ -116,15 +116,14 @@ def clear_aux_losses_tracker():
     _tracked.clear()
 
 
-def tracked_aux_loss_names(config):
-    """The names the router logs under `config` (the same on every rank)."""
+def tracked_aux_loss_names(load_balancing_type, aux_loss_coeff, z_loss_coeff):
+    """The names the routers log (the same on every rank)."""
     names = []
-    kind = config.moe_router_load_balancing_type
-    if kind == "aux_loss" and config.moe_aux_loss_coeff > 0:
+    if load_balancing_type == "aux_loss" and aux_loss_coeff > 0:
         names.append("load_balancing_loss")
-    if kind == "seq_aux_loss" and config.moe_aux_loss_coeff > 0:
+    if load_balancing_type == "seq_aux_loss" and aux_loss_coeff > 0:
         names.append("seq_load_balancing_loss")
-    if config.moe_z_loss_coeff:
+    if z_loss_coeff:
         names.append("z_loss")
     return names
 

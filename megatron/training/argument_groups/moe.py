@@ -1,0 +1,96 @@
+"""Mixture-of-Experts flags (`--num-experts`, `--moe-*`, `--expert-model-parallel-size`,
+`--expert-tensor-parallel-size`), with upstream Megatron-LM's names and defaults.
+
+The rules live in `MoEConfigMixin` (megatron/core/transformer/moe/moe_config.py); `validate` applies them at
+argument time by building the transformer config, so a bad combination stops before any process group starts.
+The expert-parallel layout rule (DP x CP divisible by EP) is checked here because it needs the world size.
+"""
+
+from megatron.core.transformer.moe.moe_config import (
+    LOAD_BALANCING_TYPES,
+    SCORE_FUNCTIONS,
+    TOKEN_DISPATCHER_TYPES,
+    TOKEN_DROP_POLICIES,
+    _FIELDS_NEEDING_EXPERTS,
+    parse_moe_layer_freq,
+)
+
+# Config field -> argparse destination, where they differ.
+_ARG_NAMES = {"num_moe_experts": "num_experts"}
+
+
+def add_arguments(parser):
+    group = parser.add_argument_group("mixture of experts")
+    group.add_argument("--num-experts", type=int, default=None, help="Experts per MoE layer; unset: no MoE.")
+    group.add_argument("--expert-model-parallel-size", type=int, default=1,
+                       help="Expert-parallel degree: each rank holds num_experts / this many experts.")
+    group.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                       help="Tensor-parallel degree of the experts (default and only supported value: the "
+                       "tensor-parallel size).")
+    group.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="Expert MLP width (default: ffn size).")
+    group.add_argument("--moe-layer-freq", type=parse_moe_layer_freq, default=1,
+                       help="An int N: layers 0, N, 2N, ... are MoE; or a list such as ([0]*3+[1]*5), one 0/1 per "
+                       "layer.")
+    group.add_argument("--moe-router-topk", type=int, default=2, help="Experts per token.")
+    group.add_argument("--moe-router-score-function", choices=SCORE_FUNCTIONS, default="softmax")
+    group.add_argument("--moe-router-pre-softmax", action="store_true",
+                       help="Softmax over all experts before the top-k (no renormalisation).")
+    group.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                       help="Multiplies the routing probabilities.")
+    group.add_argument("--moe-router-num-groups", type=int, default=None, help="Expert groups (group-limited routing).")
+    group.add_argument("--moe-router-group-topk", type=int, default=None, help="Groups each token may use.")
+    group.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                       help="Aux-loss-free balancing: per-expert bias for the choice, updated every step.")
+    group.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    group.add_argument("--moe-router-dtype", choices=("fp32", "fp64"), default=None,
+                       help="Router, probabilities and combine dtype (default: the input's).")
+    group.add_argument("--moe-router-load-balancing-type", choices=LOAD_BALANCING_TYPES, default="aux_loss")
+    group.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    group.add_argument("--moe-z-loss-coeff", type=float, default=None)
+    group.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                       help="Tokens per expert capped at ceil(tokens * topk / experts * factor); unset: dropless.")
+    group.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
+    group.add_argument("--moe-token-drop-policy", choices=TOKEN_DROP_POLICIES, default="probs")
+    group.add_argument("--moe-token-dispatcher-type", choices=TOKEN_DISPATCHER_TYPES, default="allgather")
+    group.add_argument("--moe-grouped-gemm", action="store_true",
+                       help="One grouped GEMM over the local experts (torch's grouped_mm where supported).")
+    group.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                       help="Total width of the shared experts (a dense MLP every token goes through).")
+    group.add_argument("--moe-shared-expert-overlap", action="store_true",
+                       help="Run the shared experts while tokens are exchanged (alltoall dispatcher).")
+
+
+def transformer_config_kwargs(args):
+    """The MoE fields of `TransformerConfig` from the flags."""
+    kwargs = {"expert_model_parallel_size": args.expert_model_parallel_size,
+              "num_moe_experts": args.num_experts,
+              "expert_tensor_parallel_size": args.expert_tensor_parallel_size,
+              "moe_router_bias_update_rate": args.moe_router_bias_update_rate,
+              "moe_router_load_balancing_type": args.moe_router_load_balancing_type,
+              "moe_aux_loss_coeff": args.moe_aux_loss_coeff,
+              "moe_token_drop_policy": args.moe_token_drop_policy}
+    for field in _FIELDS_NEEDING_EXPERTS:
+        kwargs[field] = getattr(args, _ARG_NAMES.get(field, field))
+    return kwargs
+
+
+def _uses_moe_flags(args):
+    if args.num_experts is not None or args.expert_model_parallel_size != 1:
+        return True
+    return any(getattr(args, field) != default for field, (_, default) in _FIELDS_NEEDING_EXPERTS.items())
+
+
+def validate(args):
+    ep = args.expert_model_parallel_size
+    if ep < 1:
+        raise ValueError(f"--expert-model-parallel-size must be at least 1, got {ep}")
+    dense_data_parallel = args.data_parallel_size * args.context_parallel_size
+    if dense_data_parallel % ep != 0:
+        raise ValueError(f"--expert-model-parallel-size ({ep}) must divide data-parallel size x "
+                         f"--context-parallel-size ({args.data_parallel_size} x {args.context_parallel_size}): "
+                         "expert-parallel ranks are taken from the data- and context-parallel ranks")
+    if not _uses_moe_flags(args):
+        return
+    from megatron.training.model_config import core_transformer_config_from_args
+
+    core_transformer_config_from_args(args)  # raises ValueError naming the flags

@@ -1,0 +1,101 @@
+"""MoE config fields and flags: `--moe-layer-freq` patterns, defaults filled, and bad input stopped with messages
+that name the flags."""
+
+import pytest
+
+from megatron.core.transformer.moe.moe_config import layer_pattern_from_freq, moe_layer_pattern, parse_moe_layer_freq
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.arguments import parse_args, validate_args
+
+SHAPE = dict(num_layers=4, hidden_size=32, num_attention_heads=4)
+
+
+def moe_config(**overrides):
+    fields = dict(SHAPE, num_moe_experts=4, moe_router_topk=2)
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def test_layer_freq_patterns():
+    assert parse_moe_layer_freq("([0]*3+[1]*5)") == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert parse_moe_layer_freq("[1,0]*2") == [1, 0, 1, 0]
+    assert parse_moe_layer_freq("3") == 3
+    assert layer_pattern_from_freq(2, 5) == [True, False, True, False, True]
+    assert moe_layer_pattern(moe_config(moe_layer_freq="([0]*3+[1]*1)")) == [False, False, False, True]
+    assert moe_layer_pattern(TransformerConfig(**SHAPE)) == [False] * 4
+    with pytest.raises(ValueError, match="--moe-layer-freq"):
+        parse_moe_layer_freq("__import__('os')")
+
+
+def test_defaults_filled():
+    config = moe_config(ffn_hidden_size=48)
+    assert config.moe_ffn_hidden_size == 48
+    assert config.expert_tensor_parallel_size == 1
+    assert config.num_local_experts == 4
+    assert moe_config(moe_expert_capacity_factor=-1.0).moe_expert_capacity_factor is None  # negative: dropless
+
+
+@pytest.mark.parametrize("overrides, flags", [
+    (dict(num_moe_experts=3, expert_model_parallel_size=2), ["--num-experts", "--expert-model-parallel-size"]),
+    (dict(moe_router_topk=5), ["--moe-router-topk", "--num-experts"]),
+    (dict(moe_router_num_groups=3, moe_router_group_topk=1), ["--moe-router-num-groups", "--num-experts"]),
+    (dict(moe_router_num_groups=2, moe_router_group_topk=3),
+     ["--moe-router-group-topk", "--moe-router-num-groups"]),
+    (dict(moe_router_num_groups=2), ["--moe-router-num-groups", "--moe-router-group-topk"]),
+    (dict(moe_pad_expert_input_to_capacity=True),
+     ["--moe-pad-expert-input-to-capacity", "--moe-expert-capacity-factor"]),
+    (dict(moe_expert_capacity_factor=1.0, moe_router_load_balancing_type="sinkhorn"),
+     ["--moe-expert-capacity-factor", "--moe-router-load-balancing-type"]),
+    (dict(moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=True),
+     ["--moe-shared-expert-overlap", "--moe-token-dispatcher-type alltoall"]),
+    (dict(moe_router_enable_expert_bias=True), ["--moe-router-enable-expert-bias", "--moe-router-score-function"]),
+    (dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.1), ["sinkhorn", "--moe-aux-loss-coeff"]),
+    (dict(expert_tensor_parallel_size=2), ["--expert-tensor-parallel-size", "--tensor-model-parallel-size"]),
+    (dict(tensor_model_parallel_size=2), ["--sequence-parallel"]),
+    (dict(moe_layer_freq=[1, 0]), ["--moe-layer-freq", "--num-layers"]),
+    (dict(moe_router_dtype="bf16"), ["--moe-router-dtype"]),
+    (dict(num_moe_experts=None, moe_router_topk=4), ["--moe-router-topk", "--num-experts"]),
+    (dict(num_moe_experts=None, expert_model_parallel_size=2), ["--expert-model-parallel-size", "--num-experts"]),
+])
+def test_bad_config_names_the_flags(overrides, flags):
+    with pytest.raises(ValueError) as error:
+        moe_config(**overrides)
+    for flag in flags:
+        assert flag in str(error.value)
+
+
+ARGS = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 "
+        "--global-batch-size 2 --train-iters 2 --lr 1e-3 --mock-data --vocab-size 128")
+
+
+def _validated(extra, monkeypatch, world_size=2):
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("RANK", "0")
+    return validate_args(parse_args(args=f"{ARGS} {extra}".split()))
+
+
+def test_flags_reach_the_config(monkeypatch):
+    from megatron.training.model_config import core_transformer_config_from_args
+
+    args = _validated("--num-experts 4 --expert-model-parallel-size 2 --moe-router-topk 1 --moe-layer-freq "
+                      "([1]*2+[0]*2) --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+                      "--moe-token-dispatcher-type alltoall --moe-grouped-gemm --moe-router-dtype fp64", monkeypatch)
+    config = core_transformer_config_from_args(args)
+    assert (config.num_moe_experts, config.expert_model_parallel_size, config.moe_router_topk) == (4, 2, 1)
+    assert config.moe_layer_freq == [1, 1, 0, 0] and config.moe_router_enable_expert_bias
+    assert (config.moe_token_dispatcher_type, config.moe_grouped_gemm, config.moe_router_dtype) == \
+        ("alltoall", True, "fp64")
+
+
+@pytest.mark.parametrize("extra, flags", [
+    ("--num-experts 3 --expert-model-parallel-size 2", ["--num-experts", "--expert-model-parallel-size"]),
+    ("--num-experts 4 --moe-router-topk 8", ["--moe-router-topk"]),
+    ("--num-experts 4 --moe-router-num-groups 3 --moe-router-group-topk 1", ["--moe-router-num-groups"]),
+    ("--moe-router-topk 1", ["--moe-router-topk", "--num-experts"]),
+    ("--num-experts 4 --expert-model-parallel-size 4", ["--expert-model-parallel-size"]),
+])
+def test_bad_flags_name_the_flags(extra, flags, monkeypatch):
+    with pytest.raises(ValueError) as error:
+        _validated(extra, monkeypatch)
+    for flag in flags:
+        assert flag in str(error.value)

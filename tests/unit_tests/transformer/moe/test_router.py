@@ -1,0 +1,132 @@
+"""`TopKRouter`: the auxiliary losses' values (as logged) and gradients against their formulas written here, the
+expert-bias update against a hand-counted case, router dtype, and Sinkhorn balancing."""
+
+import pytest
+import torch
+
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.router import TopKRouter, update_expert_biases
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+NUM_EXPERTS, TOPK, HIDDEN, SEQ, BATCH = 4, 2, 8, 5, 3
+
+
+def router(**overrides):
+    fields = dict(num_layers=2, hidden_size=HIDDEN, num_attention_heads=2, num_moe_experts=NUM_EXPERTS,
+                  moe_router_topk=TOPK, init_seed=3)
+    fields.update(overrides)
+    return TopKRouter(TransformerConfig(**fields), layer_number=2)
+
+
+@pytest.fixture(autouse=True)
+def clean_state():
+    moe_utils.clear_aux_losses_tracker()
+    moe_utils.MoEAuxLossAutoScaler.backward_scale = None
+    yield
+    moe_utils.clear_aux_losses_tracker()
+    moe_utils.MoEAuxLossAutoScaler.backward_scale = None
+
+
+def _switch_loss(logits, coeff):
+    scores = torch.softmax(logits, dim=-1)
+    counts = torch.zeros_like(scores).scatter(1, scores.topk(TOPK, dim=-1).indices, 1.0).sum(dim=0)
+    tokens = logits.size(0)
+    return coeff * NUM_EXPERTS / (TOPK * tokens**2) * (counts * scores.sum(dim=0)).sum()
+
+
+def _seq_loss(logits, coeff):
+    scores = torch.softmax(logits, dim=-1).view(SEQ, BATCH, NUM_EXPERTS)
+    chosen = torch.zeros_like(scores).scatter(2, scores.topk(TOPK, dim=-1).indices, 1.0)
+    per_sequence = [(chosen[:, b].sum(0) * scores[:, b].sum(0)).sum() * NUM_EXPERTS / (TOPK * SEQ**2)
+                    for b in range(BATCH)]
+    return coeff * torch.stack(per_sequence).mean()
+
+
+def _z_loss(logits, coeff):
+    return coeff * (torch.logsumexp(logits, dim=-1) ** 2).mean()
+
+
+@pytest.mark.parametrize("kind, formula, name", [
+    ("aux_loss", _switch_loss, "load_balancing_loss"),
+    ("seq_aux_loss", _seq_loss, "seq_load_balancing_loss"),
+])
+@pytest.mark.parametrize("backward_scale", [None, 0.25])
+def test_load_balancing_and_z_loss_value_and_gradient(kind, formula, name, backward_scale):
+    coeff, z_coeff = 0.3, 0.02
+    module = router(moe_router_load_balancing_type=kind, moe_aux_loss_coeff=coeff, moe_z_loss_coeff=z_coeff)
+    if backward_scale is not None:
+        moe_utils.MoEAuxLossAutoScaler.set_loss_scale(backward_scale)
+    hidden = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(0))
+    upstream = torch.randn(SEQ * BATCH, NUM_EXPERTS, generator=torch.Generator().manual_seed(1))
+    probs, _ = module(hidden)
+    (probs * upstream).sum().backward()
+
+    weight = module.weight.detach().clone().requires_grad_()
+    logits = hidden.reshape(-1, HIDDEN) @ weight.t()
+    reference_probs = torch.zeros_like(logits)
+    top = logits.topk(TOPK, dim=-1)
+    reference_probs = reference_probs.scatter(1, top.indices, torch.softmax(top.values, dim=-1))
+    aux, z = formula(logits, coeff), _z_loss(logits, z_coeff)
+    scale = 1.0 if backward_scale is None else backward_scale
+    ((reference_probs * upstream).sum() + scale * (aux + z)).backward()
+    torch.testing.assert_close(module.weight.grad, weight.grad, rtol=1e-5, atol=1e-7)
+
+    logged = moe_utils.reduce_aux_losses_for_logging([name, "z_loss"], num_layers=2, num_moe_layers=1,
+                                                     num_microbatches=1, data_parallel_size=1, device="cpu")
+    assert logged[name] == pytest.approx((aux / coeff).item(), rel=1e-6)
+    assert logged["z_loss"] == pytest.approx((z / z_coeff).item(), rel=1e-6)
+
+
+def test_no_aux_loss_in_evaluation():
+    module = router(moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.1)
+    with torch.no_grad():
+        module(torch.randn(SEQ, BATCH, HIDDEN))
+    assert moe_utils.reduce_aux_losses_for_logging(["load_balancing_loss", "z_loss"], 2, 1, 1, 1, "cpu") == {
+        "load_balancing_loss": 0.0, "z_loss": 0.0}
+
+
+def test_router_dtype():
+    module = router(moe_router_dtype="fp64")
+    probs, _ = module(torch.randn(SEQ, BATCH, HIDDEN))
+    assert probs.dtype == torch.float64 and module.weight.dtype == torch.float32
+
+
+def _one_hot_router(rate=0.1):
+    module = router(num_moe_experts=4, moe_router_topk=1, hidden_size=4, moe_router_score_function="sigmoid",
+                    moe_router_enable_expert_bias=True, moe_router_bias_update_rate=rate)
+    with torch.no_grad():
+        module.weight.copy_(10.0 * torch.eye(4))
+    return module
+
+
+def test_expert_bias_update_against_hand_counts():
+    module = _one_hot_router(rate=0.1)
+    experts = torch.tensor([0, 0, 0, 1, 2, 2, 3, 3])  # counts 3, 1, 2, 2 (mean 2)
+    tokens = torch.eye(4)[experts].view(8, 1, 4).requires_grad_()
+    _, routing_map = module(tokens)
+    assert routing_map.nonzero()[:, 1].tolist() == experts.tolist()
+    assert module.local_tokens_per_expert.tolist() == [3.0, 1.0, 2.0, 2.0]
+    update_expert_biases([module])
+    torch.testing.assert_close(module.expert_bias, torch.tensor([-0.1, 0.1, 0.0, 0.0]))
+    assert module.local_tokens_per_expert.tolist() == [0.0] * 4
+    assert "expert_bias" in module.state_dict() and "local_tokens_per_expert" not in module.state_dict()
+    # The bias changes the choice, not the probabilities: sigmoid(10) for expert 0 loses to 0.5 + 5.6.
+    with torch.no_grad():
+        module.expert_bias.copy_(torch.tensor([0.0, 5.6, 0.0, 0.0]))
+    probs, routing_map = module(torch.eye(4)[:1].view(1, 1, 4))
+    assert routing_map[0].tolist() == [False, True, False, False]
+    assert probs[0, 1].item() == pytest.approx(0.5)
+
+
+def test_sinkhorn_balances_rows_and_columns():
+    cost = torch.randn(12, 4, generator=torch.Generator().manual_seed(2))
+    balanced = moe_utils.sinkhorn(cost, tolerance=1e-9)
+    torch.testing.assert_close(balanced.sum(dim=0), torch.full((4,), 1 / 4), rtol=1e-4, atol=0)
+    torch.testing.assert_close(balanced.sum(dim=1), torch.full((12,), 1 / 12), rtol=1e-4, atol=0)
+    module = router(moe_router_load_balancing_type="sinkhorn", moe_router_topk=1)
+    hidden = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(4))
+    probs, routing_map = module(hidden)
+    logits = hidden.reshape(-1, HIDDEN) @ module.weight.detach().t()
+    chosen = moe_utils.sinkhorn(logits).argmax(dim=-1)
+    assert routing_map.float().argmax(dim=-1).tolist() == chosen.tolist()
+    torch.testing.assert_close(probs.sum(dim=-1), torch.sigmoid(logits).gather(1, chosen[:, None])[:, 0])
