@@ -17,6 +17,7 @@ def core_transformer_config_from_args(args, config_class=None):
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.training.argument_groups.fp8 import transformer_config_kwargs as fp8_config_kwargs
     from megatron.training.argument_groups.memory import transformer_config_kwargs as memory_config_kwargs
+    from megatron.training.argument_groups.numerics import transformer_config_kwargs as numerics_config_kwargs
     from megatron.training.argument_groups.moe import transformer_config_kwargs as moe_config_kwargs
     from megatron.training.argument_groups.mla import transformer_config_kwargs as mla_config_kwargs
 
@@ -57,6 +58,7 @@ def core_transformer_config_from_args(args, config_class=None):
         calculate_per_token_loss=args.calculate_per_token_loss,
         init_model_with_meta_device=args.init_model_with_meta_device,
         **fp8_config_kwargs(args),
+        **numerics_config_kwargs(args),
         **memory_config_kwargs(args),
         **moe_config_kwargs(args),
         **mla_config_kwargs(args),

@@ -106,6 +106,14 @@ class TransformerConfig(MLAConfigMixin, MoEConfigMixin, ModelParallelConfig):
     cpu_offloading_num_layers: int = 0
     """How many transformer layers offload their activations (`--cpu-offloading-num-layers`, < num_layers)."""
 
+    cross_entropy_loss_fusion: bool = False
+    """The last stage computes the loss with the fused vocab-parallel cross entropy (`--cross-entropy-loss-fusion`,
+    megatron/core/tensor_parallel/fused_cross_entropy.py): same values, logits never copied to fp32 whole."""
+
+    apply_query_key_layer_scaling: bool = False
+    """With fp16 attention inputs, scores are computed divided by the layer number and multiplied back in fp32
+    before the softmax (`--apply-query-key-layer-scaling`); a no-op for fp32 and bf16 inputs."""
+
     calculate_per_token_loss: bool = False
     """Loss is summed over tokens and divided once by the global token count (`--calculate-per-token-loss`),
     instead of averaging per microbatch; the pipeline schedules and gradient finalisation read it."""

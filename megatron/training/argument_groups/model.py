@@ -10,7 +10,6 @@ UNFUSED_KERNEL_FLAGS = (
     "--no-bias-swiglu-fusion",
     "--no-bias-dropout-fusion",
     "--no-rope-fusion",
-    "--cross-entropy-loss-fusion",
 )
 
 

@@ -205,7 +205,6 @@ ACCEPTED_FOR_UPSTREAM_SCRIPTS = (
     "--use-mcore-models", "--attention-softmax-in-fp32", "--log-timers-to-tensorboard",
     "--log-validation-ppl-to-tensorboard", "--timing-log-level", "--no-persist-layer-norm", "--no-rope-fusion",
     "--no-bias-swiglu-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion",
-    "--cross-entropy-loss-fusion",
 )
 
 

@@ -210,5 +210,11 @@ class GPTModel(torch.nn.Module):
         if labels is None:
             full_logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
             return full_logits.transpose(0, 1).contiguous()
-        loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1).contiguous())
+        labels = labels.transpose(0, 1).contiguous()
+        if self.config.cross_entropy_loss_fusion:
+            from megatron.core.tensor_parallel.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+            loss = fused_vocab_parallel_cross_entropy(logits, labels)
+        else:
+            loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
         return loss.transpose(0, 1).contiguous()
