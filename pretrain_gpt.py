@@ -13,10 +13,15 @@ from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, build_gpt_datas
 from megatron.core.datasets.utils import blend_from_data_path
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.rerun_state_machine import get_rerun_state_machine
+from megatron.core.timers import timed
 from megatron.core.transformer.context_parallel import context_parallel_loss, get_batch_on_this_cp_rank
-from megatron.training.global_vars import get_args, get_tokenizer
+from megatron.training.global_vars import get_args, get_timers, get_tokenizer
 from megatron.training.model_config import core_transformer_config_from_args
 from megatron.training.training import pretrain
+
+# --check-for-spiky-loss: a microbatch loss this many times the largest of the first losses is rejected.
+SPIKY_LOSS_FACTOR = 10
 
 
 def model_provider(pre_process=True, post_process=True):
@@ -54,15 +59,34 @@ def loss_func(loss_mask, output_tensor):
     mask = loss_mask.float().reshape(-1)
     loss_sum = torch.sum(losses * mask)
     num_tokens = mask.sum()
+    validate_loss(loss_sum, get_args())
     report = torch.stack([loss_sum.detach(), num_tokens.detach()])
     group = parallel_state.get_context_parallel_group() if parallel_state.get_context_parallel_world_size() > 1 else None
     loss_sum, num_tokens = context_parallel_loss(loss_sum, num_tokens, group, get_args().calculate_per_token_loss)
     return loss_sum, num_tokens, {"lm loss": report}
 
 
+def validate_loss(loss, args):
+    """Hand this rank's microbatch loss to the rerun state machine: NaN and Inf are fatal (unless
+    --no-check-for-nan-in-loss-and-grad), a spike is not (--check-for-spiky-loss). The forward pass is
+    deterministic, so a rerun must reproduce the value exactly (tolerance 0)."""
+    machine = get_rerun_state_machine()
+    if args.check_for_nan_in_loss_and_grad:
+        machine.validate_result(loss, torch.isnan, "found NaN in local forward loss calculation", fatal=True)
+        machine.validate_result(loss, torch.isinf, "found Inf in local forward loss calculation", fatal=True)
+    if args.check_for_spiky_loss:
+        machine.validate_result(
+            loss,
+            partial(machine.is_unexpectedly_large, threshold=SPIKY_LOSS_FACTOR, context="loss"),
+            "Spiky loss",
+            fatal=False,
+        )
+
+
 def forward_step(data_iterator, model):
     """Forward one micro-batch; returns (per-token loss on the last stage / hidden states elsewhere, loss_func)."""
-    batch = get_batch(data_iterator)
+    with timed(get_timers(), "batch-generator", log_level=2):
+        batch = get_batch(data_iterator)
     output_tensor = model(
         batch["tokens"], batch["position_ids"], attention_mask=batch.get("attention_mask"), labels=batch["labels"]
     )

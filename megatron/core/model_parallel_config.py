@@ -52,6 +52,9 @@ class ModelParallelConfig:
     grad_sync_func: Optional[Callable] = None
     param_sync_func: Optional[Callable] = None
     timers: Optional[object] = None
+    """`megatron.core.timers.Timers` of the run (None: nothing is timed)."""
+    barrier_with_L1_time: bool = True
+    """Level-1 timers pass a barrier at start and stop, so they measure the slowest rank."""
 
     def __post_init__(self):
         sizes = {

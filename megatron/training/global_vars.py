@@ -1,7 +1,9 @@
-"""Process-wide handles set once by `initialize_megatron()`: the parsed arguments and the tokenizer."""
+"""Process-wide handles set once by `initialize_megatron()` / `pretrain()`: the parsed arguments, the tokenizer
+and the timers."""
 
 _ARGS = None
 _TOKENIZER = None
+_TIMERS = None
 
 
 def set_args(args):
@@ -26,7 +28,19 @@ def get_tokenizer():
     return _TOKENIZER
 
 
+def set_timers(timers):
+    global _TIMERS
+    _TIMERS = timers
+
+
+def get_timers():
+    """The `megatron.core.timers.Timers` of this run (--timing-log-level, --timing-log-option); None outside
+    `pretrain()` (`megatron.core.timers.timed` then times nothing)."""
+    return _TIMERS
+
+
 def unset_global_state():
-    """Forget the arguments and tokenizer (used by tests that initialise more than once per process)."""
+    """Forget the arguments, tokenizer and timers (used by tests that initialise more than once per process)."""
     set_args(None)
     set_tokenizer(None)
+    set_timers(None)

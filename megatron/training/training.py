@@ -7,6 +7,7 @@ stops at --train-iters, --exit-interval, --exit-duration-in-mins or SIGTERM (sav
 --save is set).
 """
 
+import dataclasses
 import gc
 import time
 
@@ -19,11 +20,24 @@ from megatron.core.fp8.scaling import reduce_fp8_amaxes
 from megatron.core.transformer.moe.router import update_expert_biases
 from megatron.training import checkpointing
 from megatron.training.data_iterators import build_data_iterators
-from megatron.training.global_vars import get_args, set_tokenizer
+from megatron.core.rerun_state_machine import destroy_rerun_state_machine, get_rerun_state_machine
+from megatron.core.rerun_data_iterator import wrap_for_reruns
+from megatron.core.timers import Timers, timed
+from megatron.training.global_vars import get_args, get_timers, set_timers, set_tokenizer
 from megatron.training.initialize import initialize_megatron
 from megatron.training.manual_gc import ManualGarbageCollection
 from megatron.training.model_setup import setup_model_and_optimizer
 from megatron.training.run_control import ExitDuration, check_weight_hashes, empty_unused_memory, weight_hash_due
+from megatron.training.result_validation import (
+    RejectedResultExit,
+    check_step_may_continue,
+    exit_after_rejected_result,
+    load_rerun_state,
+    pause_result_validation,
+    resume_result_validation,
+    setup_rerun_state_machine,
+    validate_gradients,
+)
 from megatron.training.signal_handler import SigtermHandler
 from megatron.training.training_log import TrainingLogger, memory_usage
 
@@ -50,6 +64,8 @@ def pretrain(
     start_time = time.time()  # --exit-duration-in-mins counts from here (the earliest rank's start)
     model_type = resolve_model_type(model_type)
     args = initialize_megatron(extra_args_provider, args_defaults, args=argv)
+    set_timers(Timers(args.timing_log_level, args.timing_log_option))
+    setup_rerun_state_machine(args)
     args.train_start_time = start_time
     try:
         return _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func, args)
@@ -82,15 +98,25 @@ def _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fu
     init_num_microbatches_calculator(
         args.rank, args.global_batch_size, args.micro_batch_size, args.data_parallel_size
     )
-    model, optimizer, scheduler, config = setup_model_and_optimizer(model_provider, args)
+    timers = get_timers()
+    with timed(timers, "model-and-optimizer-setup", log_level=0, barrier=True):
+        model, optimizer, scheduler, config = setup_model_and_optimizer(model_provider, args)
+    config = _attach_timers(model, timers, args)
 
     args.consumed_train_samples = 0
     args.iteration = 0
     if args.load is not None:
-        args.iteration = checkpointing.load_checkpoint(model, optimizer, scheduler, args)
-    train_iterator, valid_iterator, test_iterator = build_data_iterators(train_valid_test_dataset_provider, args)
+        with timed(timers, "load-checkpoint", log_level=0, barrier=True):
+            args.iteration = checkpointing.load_checkpoint(model, optimizer, scheduler, args)
+        timers.log(["load-checkpoint"])
+        load_rerun_state(args.load, args.iteration)
+    get_rerun_state_machine().current_iteration = args.iteration
+    with timed(timers, "train/valid/test-data-iterators-setup", log_level=0, barrier=True):
+        train_iterator, valid_iterator, test_iterator = build_data_iterators(train_valid_test_dataset_provider,
+                                                                             args)
+    timers.log(["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"], barrier=True)
 
-    logger = TrainingLogger(args, is_logging_rank=dist.get_rank() == dist.get_world_size() - 1)
+    logger = TrainingLogger(args, is_logging_rank=dist.get_rank() == dist.get_world_size() - 1, timers=timers)
     try:
         iteration = train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_iterator,
                           config, logger, args)
@@ -104,6 +130,8 @@ def _teardown(args):
     from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
 
     destroy_num_microbatches_calculator()
+    destroy_rerun_state_machine()
+    set_timers(None)
     if getattr(args, "created_process_group", False):
         # Sharded models hold reference cycles (wrapper <-> module <-> parameters, DTensor meshes) that keep
         # process groups alive; collect them while the groups can still shut down in order, not during
@@ -151,16 +179,26 @@ def reduce_reported_loss(losses_reduced, device):
 def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, config, args):
     """One global batch: forward/backward over all microbatches, then an optimizer step.
 
-    Returns (reported loss, update_successful, grad_norm, num_zeros).
+    Returns (reported loss, update_successful, grad_norm, num_zeros). The forward-backward pass runs again
+    (same data, same random state) when the rerun state machine asks, and `RejectedResultExit` is raised on
+    every rank, before the optimizer step, when it stops training.
     """
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    losses_reduced = _run_schedule(forward_step_func, data_iterator, model, args, forward_only=False)
+    timers = get_timers()
+    machine = get_rerun_state_machine()
+    data_iterator = wrap_for_reruns(data_iterator)
+    while machine.should_run_forward_backward(data_iterator):
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        with timed(timers, "forward-backward", log_level=1, barrier=args.barrier_with_L1_time):
+            losses_reduced = _run_schedule(forward_step_func, data_iterator, model, args, forward_only=False)
+        validate_gradients(model, args)
+    check_step_may_continue()
     update_expert_biases(model)  # MoE aux-loss-free balancing: once per global batch
     empty_unused_memory(args, level=1)
     reduce_fp8_amaxes(model)  # delayed-scaling amaxes of all FP8 layers in one collective; step's FP8 weight caches
-    update_successful, grad_norm, num_zeros = optimizer.step()
+    with timed(timers, "optimizer", log_level=1, barrier=args.barrier_with_L1_time):
+        update_successful, grad_norm, num_zeros = optimizer.step()
     empty_unused_memory(args, level=2)
     if update_successful:
         scheduler.step(increment=args.global_batch_size)
@@ -196,6 +234,7 @@ def evaluate(forward_step_func, data_iterator, model, config, args, exit_duratio
     together, once `exit_duration` (--exit-duration-in-mins) is reached."""
     for chunk in model:
         chunk.eval()
+    validation_mode = pause_result_validation()
     total = torch.zeros(2, dtype=torch.float64, device=args.device)
     with torch.no_grad():
         for _ in range(args.eval_iters):
@@ -204,6 +243,7 @@ def evaluate(forward_step_func, data_iterator, model, config, args, exit_duratio
             empty_unused_memory(args, level=1)
             if exit_duration is not None and exit_duration.reached():
                 break
+    resume_result_validation(validation_mode)
     for chunk in model:
         chunk.train()
     # Reuse the training reduction on a single synthetic report holding the accumulated sums.
@@ -218,7 +258,11 @@ def evaluate(forward_step_func, data_iterator, model, config, args, exit_duratio
 def _save(iteration, model, optimizer, scheduler, args):
     if args.save is None:
         return False
-    checkpointing.save_checkpoint(iteration, model, optimizer, scheduler, args)
+    timers = get_timers()
+    with timed(timers, "save-checkpoint", log_level=0, barrier=True):
+        checkpointing.save_checkpoint(iteration, model, optimizer, scheduler, args)
+    if timers is not None:
+        timers.log(["save-checkpoint"])
     if dist.get_rank() == 0:
         print(f"saved checkpoint at iteration {iteration} to {args.save}", flush=True)
     return True
@@ -240,9 +284,15 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
     with SigtermHandler() as sigterm, ManualGarbageCollection.from_args(args) as manual_gc:
         while iteration < args.train_iters:
             start = time.perf_counter()
-            loss, update_successful, grad_norm, num_zeros = train_step(
-                forward_step_func, train_iterator, model, optimizer, scheduler, config, args
-            )
+            try:
+                loss, update_successful, grad_norm, num_zeros = train_step(
+                    forward_step_func, train_iterator, model, optimizer, scheduler, config, args
+                )
+            except RejectedResultExit as stop:
+                exit_after_rejected_result(
+                    stop, iteration, last_saved_iteration,
+                    lambda at: _save(at, model, optimizer, scheduler, args), args,
+                )  # fmt: skip
             _synchronize(args.device)
             iteration_time_s = time.perf_counter() - start
             iteration += 1
@@ -306,6 +356,14 @@ def calc_params_norm(optimizer):
     weights = tensors_counted_once(params, tensor_of=lambda param: param.detach())
     device = params[0].device if params else None
     return global_norm_fp32(weights, 2.0, optimizer.grad_stats_groups, device)
+
+
+def _attach_timers(model, timers, args):
+    """Hand the run's timers to the schedules, `finalize_model_grads` and the data-parallel wrappers through each
+    chunk's config (which they read); returns the first chunk's config."""
+    for chunk in model:
+        chunk.config = dataclasses.replace(chunk.config, timers=timers, barrier_with_L1_time=args.barrier_with_L1_time)
+    return model[0].config
 
 
 def _synchronize(device):

@@ -17,6 +17,20 @@ from megatron.core.distributed.data_parallel_base import (
     tensor_bytes,
 )
 from megatron.training import accelerator
+from megatron.training.energy_monitor import EnergyMonitor, format_energy_fields
+
+# Timers reported at each log interval (those above --timing-log-level never run and are left out).
+TIMERS_TO_LOG = (
+    "forward-backward",
+    "forward-compute",
+    "backward-compute",
+    "batch-generator",
+    "layernorm-grads-all-reduce",
+    "embedding-grads-all-reduce",
+    "all-grads-sync",
+    "params-all-gather",
+    "optimizer",
+)
 
 
 def format_log_line(
@@ -179,9 +193,11 @@ def default_metrics_path(args):
 class TrainingLogger:
     """Collects per-iteration results and writes the log lines, TensorBoard scalars and metrics records."""
 
-    def __init__(self, args, is_logging_rank):
+    def __init__(self, args, is_logging_rank, timers=None):
         self.args = args
         self.is_logging_rank = is_logging_rank
+        self.timers = timers
+        self._energy = EnergyMonitor.from_args(args)
         self._interval_losses = {}
         self._interval_iterations = 0
         self._interval_time_s = 0.0
@@ -218,8 +234,14 @@ class TrainingLogger:
         if self.is_logging_rank:
             self._write_metrics_record(report)
             self._write_tensorboard(report)
+        timers_due = self.timers is not None and args.log_timers_to_tensorboard
+        if timers_due and iteration % args.tensorboard_log_interval == 0:
+            # Collective. The mean per iteration since the last log line, not reset: the log line reports it too.
+            self.timers.write(TIMERS_TO_LOG, self._tensorboard, iteration, normalizer=self._interval_iterations,
+                              reset=False)
         if iteration % args.log_interval != 0:
             return
+        energy_joules = self._energy.lap() if self._energy is not None else None  # collective
         show_memory = args.log_memory_to_tensorboard or not self._memory_line_printed
         if show_memory and (self.is_logging_rank or report.get("print_memory_on_this_rank", False)):
             print(format_memory_line(report["rank"], memory), flush=True)
@@ -242,6 +264,8 @@ class TrainingLogger:
                 nan_iterations=self._nan_iterations,
                 params_norm=report.get("params_norm"),
             )
+            if energy_joules is not None:
+                line += format_energy_fields(energy_joules, count, args.world_size, elapsed_s)
             print(line, flush=True)
             if args.log_throughput:
                 tokens_per_second = report["global_batch_size"] * args.seq_length / elapsed_s
@@ -251,6 +275,8 @@ class TrainingLogger:
                 if self._tensorboard is not None:
                     self._tensorboard.add_scalar("throughput-tokens-per-second", tokens_per_second, iteration)
                     self._tensorboard.add_scalar("throughput-tflops-per-rank", tflops_per_rank, iteration)
+        if self.timers is not None:
+            self.timers.log(TIMERS_TO_LOG, normalizer=self._interval_iterations)  # collective: every rank calls it
         self._interval_losses, self._interval_iterations, self._interval_time_s = {}, 0, 0.0
         self._skipped_iterations, self._nan_iterations = 0, 0
 
@@ -318,6 +344,9 @@ class TrainingLogger:
                 writer.add_scalar(f"mem-{key.replace('_', '-')}", memory[key], iteration)
 
     def close(self):
+        if self._energy is not None:
+            self._energy.close()
+            self._energy = None
         if self._metrics_stream is not None:
             self._metrics_stream.close()
             self._metrics_stream = None

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megatron.core.distributed.data_parallel_base import DataParallelWrapper, parameter_and_grad_bytes
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.param_and_grad_buffer import BucketCommunicationGroups, ParamAndGradBuffer
+from megatron.core.timers import timed
 
 DEFAULT_OVERLAP_BUCKET_SIZE = 40_000_000
 
@@ -185,9 +186,16 @@ class DistributedDataParallel(DataParallelWrapper):
     def start_param_sync(self, force_sync=False):
         """All-gather updated parameter shards (distributed optimizer); async with overlap_param_gather."""
         async_op = self.ddp_config.overlap_param_gather and not force_sync
-        for bucket in self._buckets:
-            bucket.start_param_sync(async_op=async_op)
-        if not async_op:
+        if async_op:
+            for bucket in self._buckets:
+                bucket.start_param_sync(async_op=True)
+            return
+        # The synchronous gather after the optimizer step is timed as `params-all-gather` (level 1).
+        timers = getattr(self.config, "timers", None) if self.ddp_config.use_distributed_optimizer else None
+        barrier = getattr(self.config, "barrier_with_L1_time", False)
+        with timed(timers, "params-all-gather", log_level=1, barrier=barrier):
+            for bucket in self._buckets:
+                bucket.start_param_sync(async_op=False)
             self.finish_param_sync()
 
     def finish_param_sync(self):

@@ -26,6 +26,7 @@ from megatron.core import parallel_state
 from megatron.core.device_utils import get_device_for_group
 from megatron.core.distributed.data_parallel_base import local_tensor
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import MegatronFSDPAdapter
+from megatron.core.timers import timed
 
 
 def _grad_of(param):
@@ -192,12 +193,18 @@ def finalize_model_grads(model_chunks, num_tokens=None):
     """Complete gradient reductions across DP, TP (sequence parallel) and PP (shared embedding); see module doc."""
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
-    for chunk in model_chunks:
-        if hasattr(chunk, "finish_grad_sync"):
-            chunk.finish_grad_sync()
+    config = getattr(model_chunks[0], "config", None)
+    timers = getattr(config, "timers", None)
+    barrier = getattr(config, "barrier_with_L1_time", False)
+    with timed(timers, "all-grads-sync", log_level=1, barrier=barrier):
+        for chunk in model_chunks:
+            if hasattr(chunk, "finish_grad_sync"):
+                chunk.finish_grad_sync()
     if parallel_state.model_parallel_is_initialized():
-        _allreduce_sequence_parallel_grads(model_chunks)
-        _allreduce_shared_embedding_grads(model_chunks)
+        with timed(timers, "layernorm-grads-all-reduce", log_level=1, barrier=barrier):
+            _allreduce_sequence_parallel_grads(model_chunks)
+        with timed(timers, "embedding-grads-all-reduce", log_level=1, barrier=barrier):
+            _allreduce_shared_embedding_grads(model_chunks)
     if num_tokens is not None:
         total_tokens = _global_token_count(model_chunks, torch.as_tensor(num_tokens))
         if total_tokens <= 0:

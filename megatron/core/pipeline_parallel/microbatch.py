@@ -6,6 +6,7 @@ import torch
 
 from megatron.core.device_utils import get_current_device
 from megatron.core.pipeline_parallel.model_access import schedule_setting, set_input_tensor
+from megatron.core.timers import timed
 from megatron.core.transformer.moe.moe_utils import set_aux_loss_backward_scale
 
 
@@ -24,7 +25,16 @@ def _unpack_loss(outputs):
     return outputs[0], None, outputs[1]
 
 
-def forward_step(
+def forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor, forward_data_store, config,
+                 collect_non_loss_data=False, is_last_stage=True):
+    """One microbatch forward, timed as `forward-compute` (level 2) when the config carries timers; see
+    `_forward_step`."""
+    with timed(schedule_setting(config, "timers"), "forward-compute", log_level=2):
+        return _forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor,
+                             forward_data_store, config, collect_non_loss_data, is_last_stage)
+
+
+def _forward_step(
     forward_step_func,
     data_iterator,
     model,
@@ -70,6 +80,11 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad, config):
     On the last stage `output_tensor` is the loss and `output_tensor_grad` is None; the config's
     `grad_scale_func` (fp16 loss scaling) is applied to the loss first.
     """
+    with timed(schedule_setting(config, "timers"), "backward-compute", log_level=2):
+        return _backward_step(input_tensor, output_tensor, output_tensor_grad, config)
+
+
+def _backward_step(input_tensor, output_tensor, output_tensor_grad, config):
     if input_tensor is not None:
         input_tensor.retain_grad()
     if output_tensor_grad is None:

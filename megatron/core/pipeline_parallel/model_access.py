@@ -26,6 +26,8 @@ DEFAULT_SCHEDULE_SETTINGS = types.MappingProxyType(
         "no_sync_func": None,
         "grad_sync_func": None,
         "finalize_model_grads_func": None,
+        # Timers (megatron.core.timers.Timers) of forward-compute and backward-compute; None: not timed.
+        "timers": None,
     }
 )
 

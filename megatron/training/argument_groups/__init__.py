@@ -17,6 +17,7 @@ from megatron.training.argument_groups import (
     moe,
     numerics,
     parallelism,
+    result_validation,
     run_control,
     training,
     virtual_pipeline,
@@ -27,4 +28,4 @@ from megatron.training.argument_groups import (
 # moe comes last: it validates by building the transformer config from every other group's values.
 # virtual_pipeline follows training: its microbatch rule needs the global and micro batch sizes.
 ARGUMENT_GROUPS = (parallelism, model, mla, training, virtual_pipeline, data, logging_eval, checkpoint, memory,
-                   data_parallel, fp8, numerics, run_control, moe)
+                   data_parallel, fp8, result_validation, numerics, run_control, moe)

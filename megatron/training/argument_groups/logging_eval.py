@@ -19,8 +19,8 @@ def add_arguments(parser):
     group.add_argument(
         "--log-timers-to-tensorboard",
         action="store_true",
-        help="Accepted for upstream scripts: the iteration time, the one timer measured, is always written "
-        "(TensorBoard `iteration-time`, metrics file).",
+        help="Write each timer of --timing-log-level (the maximum over ranks, per iteration) to TensorBoard as "
+        "<name>-time.",
     )
     group.add_argument(
         "--log-validation-ppl-to-tensorboard",
@@ -32,8 +32,28 @@ def add_arguments(parser):
         type=int,
         default=0,
         choices=[0, 1, 2],
-        help="Accepted for upstream scripts: only level-0 timing (the whole iteration) is measured; 1 and 2 add "
-        "no finer timers.",
+        help="Timers to measure and log at each --log-interval: 0 the per-iteration time and the one-off timers "
+        "(set-up, checkpoint save/load); 1 also forward-backward, all-grads-sync, params-all-gather, "
+        "embedding-grads-all-reduce, optimizer; 2 also batch-generator, forward-compute, backward-compute.",
+    )
+    group.add_argument(
+        "--timing-log-option",
+        default="minmax",
+        choices=["max", "minmax", "all"],
+        help="How the timers of all ranks are reported: the maximum, the minimum and maximum, or every rank.",
+    )
+    group.add_argument(
+        "--no-barrier-with-level-1-timing",
+        dest="barrier_with_L1_time",
+        action="store_false",
+        help="Do not pass a barrier before starting and stopping level-1 timers (by default they measure the "
+        "slowest rank).",
+    )
+    group.add_argument(
+        "--log-energy",
+        action="store_true",
+        help="Log the energy (J per iteration) and power (W) per GPU, read through NVML (pynvml); on other devices "
+        "or without pynvml a message says so and nothing is logged.",
     )
     group.add_argument(
         "--metrics-file",

@@ -202,8 +202,8 @@ UPSTREAM_FSDP2_SCRIPT = (
     "--no-bias-swiglu-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-masked-softmax-fusion"
 )
 ACCEPTED_FOR_UPSTREAM_SCRIPTS = (
-    "--use-mcore-models", "--attention-softmax-in-fp32", "--log-timers-to-tensorboard",
-    "--log-validation-ppl-to-tensorboard", "--timing-log-level", "--no-persist-layer-norm", "--no-rope-fusion",
+    "--use-mcore-models", "--attention-softmax-in-fp32",
+    "--log-validation-ppl-to-tensorboard", "--no-persist-layer-norm", "--no-rope-fusion",
     "--no-bias-swiglu-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion",
 )
 

@@ -1,0 +1,452 @@
+"""The rerun state machine: validate results of a training step, and rerun a suspicious step to tell a transient
+fault (a result that does not reproduce) from a persistent one (a result that does).
+
+The training loop drives it around the forward-backward pass of every iteration::
+
+    machine = get_rerun_state_machine()
+    while machine.should_run_forward_backward(data_iterator):
+        ...forward and backward of the global batch (the loss function calls machine.validate_result)...
+    should_checkpoint, should_exit, exit_code = machine.should_checkpoint_and_exit()
+
+`validate_result(result, rejection_func, message, tolerance, fatal)` is called where a result is produced (the
+loss of a microbatch, the norm of the gradients). Its verdict is kept locally and agreed over all ranks with one
+all-reduce when the pass ends, so a fault seen on one rank stops or reruns every rank in the same iteration and
+no rank is left waiting in a collective.
+
+Modes (`--rerun-mode`):
+- `disabled`: one pass per iteration; a rejected fatal result raises RuntimeError on every rank (after the pass,
+  once all ranks agree), a rejected non-fatal one is logged.
+- `validate_results` (default): a rejected result reruns the iteration in place (same data, random state
+  restored). A different result means a transient fault: exit with `EXIT_CODE_FAILED_ON_RESULT_VALIDATION` (17)
+  after saving the last iteration's checkpoint. The same result means the fault may be persistent or the
+  result correct: save the last iteration's checkpoint with this machine's state and exit with
+  `EXIT_CODE_RESUME_TO_DISAMBIGUATE` (16). Resumed from that checkpoint on another node or device, the
+  iteration runs a third time: a different result is a persistent fault of the first device, the same result
+  a correct result (an application problem), both exit 17 (a non-fatal check continues training instead);
+  resumed on the same node and device, it exits 16 again.
+- `report_stats`: every iteration runs twice and the relative differences of each validated result between the
+  two runs are collected and printed (nondeterminism statistics); nothing stops training.
+
+The optimizer step is never taken for a step that fails validation: the loop exits before it, so no checkpoint
+holds weights updated by a bad step.
+"""
+
+import enum
+import logging
+import math
+import random
+import socket
+from collections import defaultdict
+from typing import Callable, NamedTuple, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core.rerun_data_iterator import RerunDataIterator, as_rerun_iterators, wrap_for_reruns
+
+logger = logging.getLogger(__name__)
+
+EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16
+EXIT_CODE_FAILED_ON_RESULT_VALIDATION = 17
+
+
+class RerunMode(str, enum.Enum):
+    DISABLED = "disabled"
+    VALIDATE_RESULTS = "validate_results"
+    REPORT_STATS = "report_stats"
+
+
+class RerunState(enum.Enum):
+    NOT_RUNNING_YET = 0
+    INITIAL_RUN = 1
+    RERUNNING_IN_PLACE = 2
+    WILL_RERUN_FROM_CHECKPOINT = 3
+    RERUNNING_FROM_CHECKPOINT = 4
+    RERUNNING_AGAIN_FROM_CHECKPOINT = 5
+
+
+class RerunDiagnostic(str, enum.Enum):
+    CORRECT_RESULT = "correct_result"
+    TRANSIENT_ERROR = "transient_error"
+    PERSISTENT_ERROR = "persistent_error"
+
+
+class ValidationCall(NamedTuple):
+    """Which validation of the iteration: its message and how many times that message was validated before."""
+
+    message: str
+    sequence: int
+
+
+def relative_difference(first, second):
+    """|2(a - b) / (a + b)|; 0 for equal values (NaN equals NaN here: the same result reproduced), inf when only
+    one of them is NaN or they have opposite signs summing to zero."""
+    a, b = float(first), float(second)
+    if a == b or (math.isnan(a) and math.isnan(b)):
+        return 0.0
+    if math.isnan(a) or math.isnan(b) or a + b == 0.0 or math.isinf(a + b):
+        return math.inf
+    return abs(2.0 * (a - b) / (a + b))
+
+
+def this_node_and_device():
+    """(host name, device) this rank computes on: a resumed rerun must run elsewhere to judge the result."""
+    from megatron.core.device_utils import get_current_device
+
+    return socket.gethostname(), str(get_current_device())
+
+
+def _capture_random_state():
+    from megatron.core.device_utils import get_current_device, get_rng_state
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    device = get_current_device()
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "device": get_rng_state(device) if device.type != "cpu" else None,
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _restore_random_state(state):
+    from megatron.core.device_utils import get_current_device, set_rng_state
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["device"] is not None:
+        set_rng_state(state["device"], get_current_device())
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+class _DifferenceStats:
+    """Relative differences between the two runs of one validated result (report_stats mode)."""
+
+    def __init__(self):
+        self.count, self.nonzero, self.total, self.largest = 0, 0, 0.0, 0.0
+
+    def record(self, difference):
+        self.count += 1
+        self.nonzero += int(difference > 0.0)
+        self.total += difference
+        self.largest = max(self.largest, difference)
+
+    def summary(self):
+        mean = self.total / self.count if self.count else 0.0
+        return f"{self.count} reruns, {self.nonzero} differed, mean {mean:.3e}, max {self.largest:.3e}"
+
+
+class RerunStateMachine:
+    """See the module docstring. `report_interval`: iterations between the statistics lines of report_stats."""
+
+    def __init__(self, mode=RerunMode.VALIDATE_RESULTS, report_interval=100):
+        self.mode = RerunMode(mode)
+        self.report_interval = report_interval
+        self.state = RerunState.NOT_RUNNING_YET
+        self.current_iteration = 0
+        self._call_counts = defaultdict(int)
+        self._saved_random_state = None
+        self._resumed_to_rerun = False
+        self._reset_step_flags()
+        self.failed_call = None
+        self.initial_result = None
+        self.suspicious_node_and_device = None
+        self.diagnostic = None
+        self.saved_results = {}
+        self.stats = defaultdict(_DifferenceStats)
+        self.large_value_counts = {}
+        self.max_values = {}
+
+    def get_mode(self):
+        return self.mode
+
+    def set_mode(self, mode):
+        """Switch mode between steps (evaluation runs with `RerunMode.DISABLED`)."""
+        if self.state in (RerunState.INITIAL_RUN, RerunState.RERUNNING_IN_PLACE, RerunState.RERUNNING_FROM_CHECKPOINT):
+            raise RuntimeError(f"set_mode inside a forward-backward pass (state {self.state.name})")
+        self.mode = RerunMode(mode)
+
+    def _reset_step_flags(self):
+        self.rerun_requested = False
+        self.checkpoint_requested = False
+        self.restart_again_requested = False
+        self.continue_requested = False
+        self.fatal_failure = None
+
+    # ---- the loop around forward-backward ----------------------------------------------------------------------
+    def should_run_forward_backward(self, data_iterator):
+        """True while the forward-backward pass of this iteration must (re)run; call it in a `while` loop."""
+        self._call_counts = defaultdict(int)
+        iterators = as_rerun_iterators(data_iterator) if self.mode != RerunMode.DISABLED else []
+        if self.state == RerunState.NOT_RUNNING_YET:
+            self._reset_step_flags()
+            self.current_iteration += 1
+            if self.mode != RerunMode.DISABLED:
+                self._saved_random_state = _capture_random_state()
+                for iterator in iterators:
+                    iterator.advance()
+            self.state = RerunState.INITIAL_RUN
+            return True
+        if self.state == RerunState.WILL_RERUN_FROM_CHECKPOINT and self._resumed_to_rerun:
+            # Resumed from the checkpoint saved to disambiguate: the suspicious iteration runs a third time. Its data
+            # is the same: the data iterators restart after the samples the checkpoint consumed.
+            self._reset_step_flags()
+            self.current_iteration += 1
+            self._resumed_to_rerun = False
+            self.state = RerunState.RERUNNING_FROM_CHECKPOINT
+            return True
+        if self.state == RerunState.INITIAL_RUN:
+            return self._after_initial_run(iterators)
+        if self.state == RerunState.RERUNNING_IN_PLACE:
+            return self._after_rerun_in_place(iterators)
+        if self.state == RerunState.RERUNNING_FROM_CHECKPOINT:
+            return self._after_rerun_from_checkpoint()
+        raise RuntimeError(f"should_run_forward_backward called in state {self.state.name}")
+
+    def _after_initial_run(self, iterators):
+        if self.mode == RerunMode.DISABLED:
+            failure = self._any_rank(self.fatal_failure is not None)
+            self.state = RerunState.NOT_RUNNING_YET
+            if failure:
+                raise RuntimeError(self.fatal_failure or f"iteration {self.current_iteration}: a rejected result on "
+                                   "another rank (--rerun-mode disabled); see that rank's log")
+            return False
+        if not self._any_rank(self.rerun_requested):
+            self.state = RerunState.NOT_RUNNING_YET
+            return False
+        if self.mode == RerunMode.VALIDATE_RESULTS and dist.get_rank() == 0:
+            logger.warning(f"iteration {self.current_iteration}: rerunning the step in place to check whether the "
+                           "rejected result reproduces")
+        self._rewind(iterators)
+        self.state = RerunState.RERUNNING_IN_PLACE
+        return True
+
+    def _after_rerun_in_place(self, iterators):
+        if self.mode == RerunMode.REPORT_STATS:
+            self.state = RerunState.NOT_RUNNING_YET
+            self.saved_results = {}
+            if self.report_interval and self.current_iteration % self.report_interval == 0:
+                self.report_stats()
+            return False
+        if self._any_rank(self.checkpoint_requested):
+            # Reproduced: leave the model, random state and data as they were before the step, to be saved.
+            self._rewind(iterators)
+            self.state = RerunState.WILL_RERUN_FROM_CHECKPOINT
+            self.diagnostic = None
+        else:
+            self.diagnostic = RerunDiagnostic.TRANSIENT_ERROR
+        return False
+
+    def _after_rerun_from_checkpoint(self):
+        if self._any_rank(self.restart_again_requested):
+            if dist.get_rank() == 0:
+                logger.warning("resumed on the node and device that produced the rejected result: resume again "
+                               "from the same checkpoint elsewhere to establish a diagnostic")
+            self.state = RerunState.RERUNNING_AGAIN_FROM_CHECKPOINT
+        elif self._any_rank(self.continue_requested):
+            if dist.get_rank() == 0:
+                logger.warning("the rejected result was correct and its check is not fatal: training continues")
+            self.state = RerunState.NOT_RUNNING_YET
+        return False
+
+    def _rewind(self, iterators):
+        _restore_random_state(self._saved_random_state)
+        for iterator in iterators:
+            iterator.rewind()
+
+    def should_checkpoint_and_exit(self):
+        """(save a checkpoint of the last completed iteration, stop training, exit code) after the loop."""
+        if self.mode != RerunMode.VALIDATE_RESULTS:
+            return False, False, 0
+        rank0 = dist.get_rank() == 0
+        if self.state == RerunState.RERUNNING_IN_PLACE:
+            if rank0:
+                logger.warning("the rejected result did not reproduce (transient fault): saving the last "
+                               f"iteration's checkpoint and exiting with {EXIT_CODE_FAILED_ON_RESULT_VALIDATION}")
+            return True, True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION
+        if self.state == RerunState.WILL_RERUN_FROM_CHECKPOINT:
+            if rank0:
+                logger.warning("the rejected result reproduced: saving the last iteration's checkpoint and exiting "
+                               f"with {EXIT_CODE_RESUME_TO_DISAMBIGUATE}; resume from it on another node or device "
+                               "to establish a diagnostic")
+            return True, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE
+        if self.state == RerunState.RERUNNING_FROM_CHECKPOINT:
+            return False, True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION
+        if self.state == RerunState.RERUNNING_AGAIN_FROM_CHECKPOINT:
+            return False, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE
+        return False, False, 0
+
+    def _any_rank(self, flag):
+        """True on every rank when `flag` is true on at least one (one all-reduce over the default group)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return bool(flag)
+        from megatron.core.device_utils import get_current_device
+
+        value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=get_current_device())
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    # ---- validation -------------------------------------------------------------------------------------------
+    def validate_result(self, result, rejection_func: Callable, message="unexpected result",
+                        comparison_func: Optional[Callable] = None, tolerance=0.0, fatal=True):
+        """Check `result` (a number or one-element tensor) with `rejection_func(result) -> bool`.
+
+        `comparison_func(initial, rerun) -> float` (default: `relative_difference`) measures how far a rerun's
+        result is from the rejected one; above `tolerance` it did not reproduce. `fatal=False` lets training
+        continue once a rejected result is shown correct. Must be called inside the forward-backward loop.
+        """
+        comparison_func = comparison_func or relative_difference
+        call = ValidationCall(message, self._call_counts[message])
+        self._call_counts[message] += 1
+        where = f"rank {_rank()}, iteration {self.current_iteration}"
+
+        if self.mode == RerunMode.DISABLED:
+            # Also the mode during evaluation, outside the training step: there a rejected result is logged only.
+            if bool(rejection_func(result)):
+                text = f"{where}: unexpected result {_as_float(result)} ({message})"
+                if fatal and self.fatal_failure is None and self.state != RerunState.NOT_RUNNING_YET:
+                    self.fatal_failure = text
+                logger.error(text) if fatal else logger.warning(text)
+            return
+        if self.state == RerunState.NOT_RUNNING_YET:
+            raise RuntimeError("validate_result must be called inside the forward-backward pass, between "
+                               "should_run_forward_backward() returning True and the next call (or in "
+                               "disabled mode, as during evaluation)")
+
+        if self.mode == RerunMode.REPORT_STATS:
+            if self.state == RerunState.INITIAL_RUN:
+                self.rerun_requested = True
+                self.saved_results[call] = _as_float(result)
+            elif self.state == RerunState.RERUNNING_IN_PLACE and call in self.saved_results:
+                self.stats[message].record(comparison_func(self.saved_results[call], _as_float(result)))
+            return
+
+        if self.state == RerunState.INITIAL_RUN:
+            if not self.rerun_requested and bool(rejection_func(result)):
+                self.rerun_requested = True
+                self.failed_call = call
+                self.initial_result = _as_float(result)
+                logger.error(f"{where}: unexpected result {self.initial_result} ({message}, check #{call.sequence})")
+            return
+        if call != self.failed_call:
+            return
+        difference = comparison_func(self.initial_result, _as_float(result))
+        reproduced = difference <= tolerance
+        if self.state == RerunState.RERUNNING_IN_PLACE:
+            if reproduced:
+                self.checkpoint_requested = True
+                self.suspicious_node_and_device = this_node_and_device()
+                logger.warning(f"{where}: the rerun reproduced the rejected result ({_as_float(result)}); it must "
+                               "run again on another device to tell a persistent fault from a correct result")
+            else:
+                logger.error(f"{where}: the rerun gave {_as_float(result)} instead of {self.initial_result}: "
+                             "possible transient fault")
+        elif self.state == RerunState.RERUNNING_FROM_CHECKPOINT:
+            if this_node_and_device() == tuple(self.suspicious_node_and_device):
+                self.restart_again_requested = True
+                logger.error(f"{where}: resumed on the node and device that produced the rejected result "
+                             f"({self.suspicious_node_and_device})")
+            elif not reproduced:
+                self.diagnostic = RerunDiagnostic.PERSISTENT_ERROR
+                logger.error(f"{where}: another device gave {_as_float(result)} instead of {self.initial_result}: "
+                             "possible persistent fault of the first device")
+            else:
+                self.diagnostic = RerunDiagnostic.CORRECT_RESULT
+                logger.error(f"{where}: another device reproduced {self.initial_result}: the result is correct "
+                             f"(possible application problem: {message})")
+                self.continue_requested = not fatal
+
+    def is_unexpectedly_large(self, result, threshold, context, num_samples=100, resample=False):
+        """Whether |result| >= `threshold` x the largest |value| among the first `num_samples` values of
+        `context` (a rejection function for spiky losses or gradients). The first `num_samples` values only
+        build the reference; the first iteration is skipped; NaN and Inf are left to their own checks."""
+        value = abs(_as_float(result))
+        if math.isnan(value) or math.isinf(value) or self.current_iteration <= 1:
+            return False
+        if resample or context not in self.large_value_counts:
+            self.large_value_counts[context] = 0
+            self.max_values[context] = 0.0
+        if self.large_value_counts[context] < num_samples:
+            self.large_value_counts[context] += 1
+            self.max_values[context] = max(self.max_values[context], value)
+            return False
+        return value >= threshold * self.max_values[context]
+
+    def report_stats(self):
+        """Print the rerun difference statistics (report_stats mode) on rank 0."""
+        if _rank() == 0 and self.stats:
+            lines = [f"  {message}: {stats.summary()}" for message, stats in sorted(self.stats.items())]
+            print(f"rerun statistics at iteration {self.current_iteration}:\n" + "\n".join(lines), flush=True)
+
+    # ---- checkpoint ------------------------------------------------------------------------------------------
+    def state_dict(self):
+        """This rank's state to save with the checkpoint when it must resume to rerun; None otherwise."""
+        if self.state != RerunState.WILL_RERUN_FROM_CHECKPOINT:
+            return None
+        return {
+            "mode": self.mode.value,
+            "failed_call": tuple(self.failed_call),
+            "initial_result": self.initial_result,
+            "suspicious_node_and_device": tuple(self.suspicious_node_and_device),
+        }
+
+    def load_state_dict(self, state):
+        """Resume to rerun the iteration after the checkpoint (state from `state_dict`)."""
+        if self.mode != RerunMode.VALIDATE_RESULTS:
+            logger.warning(f"the checkpoint asks to rerun its next iteration, but --rerun-mode is {self.mode.value}: "
+                           "no rerun")
+            return
+        self.failed_call = ValidationCall(*state["failed_call"])
+        self.initial_result = state["initial_result"]
+        self.suspicious_node_and_device = tuple(state["suspicious_node_and_device"])
+        self._resumed_to_rerun = True
+        self.state = RerunState.WILL_RERUN_FROM_CHECKPOINT
+
+
+def _as_float(result):
+    return float(result.item() if torch.is_tensor(result) else result)
+
+
+def _rank():
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+_STATE_MACHINE = None
+
+
+def initialize_rerun_state_machine(mode=RerunMode.VALIDATE_RESULTS, report_interval=100):
+    global _STATE_MACHINE
+    _STATE_MACHINE = RerunStateMachine(mode, report_interval)
+    return _STATE_MACHINE
+
+
+def get_rerun_state_machine():
+    """The process's machine (a `validate_results` one is created on first use when none was initialized)."""
+    if _STATE_MACHINE is None:
+        initialize_rerun_state_machine()
+    return _STATE_MACHINE
+
+
+def destroy_rerun_state_machine():
+    global _STATE_MACHINE
+    _STATE_MACHINE = None
+
+
+__all__ = [
+    "EXIT_CODE_FAILED_ON_RESULT_VALIDATION",
+    "EXIT_CODE_RESUME_TO_DISAMBIGUATE",
+    "RerunDataIterator",
+    "wrap_for_reruns",
+    "RerunDiagnostic",
+    "RerunMode",
+    "RerunState",
+    "RerunStateMachine",
+    "destroy_rerun_state_machine",
+    "get_rerun_state_machine",
+    "initialize_rerun_state_machine",
+    "relative_difference",
+]
