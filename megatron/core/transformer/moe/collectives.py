@@ -25,7 +25,7 @@ def _reduce_scatter(tensor, group):
         raise ValueError(f"dimension 0 ({tensor.size(0)}) is not divisible by the group size {size}")
     tensor = tensor.contiguous()
     output = tensor.new_empty((tensor.size(0) // size,) + tuple(tensor.shape[1:]))
-    dist.reduce_scatter_tensor(output, tensor, group=group)
+    dist.reduce_scatter_single(output, tensor, group=group)
     return output
 
 

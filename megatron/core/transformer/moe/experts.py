@@ -62,7 +62,7 @@ def _linear(config, input_, weight, bias=None):
 def _activate(config, intermediate):
     """The MLP's activation (gated: fc1's rows interleave gate and up per unit)."""
     if config.gated_linear_unit:
-        units = intermediate.view(*intermediate.shape[:-1], -1, 2)
+        units = intermediate.view(*intermediate.shape[:-1], intermediate.size(-1) // 2, 2)
         return config.activation_func(units[..., 0]) * units[..., 1]
     return config.activation_func(intermediate)
 

@@ -1,0 +1,77 @@
+"""Experts: initial weights depend only on the layer seed and the global expert index; GroupedMLP has
+SequentialMLP's parameters and agrees with it (torch's grouped GEMM where it runs, the loop elsewhere); expert
+parameters carry the marks the data-parallel wrappers read."""
+
+import pytest
+import torch
+
+from megatron.core.optional_deps import HAVE_TE
+from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP, TEGroupedMLP, grouped_mm_supported
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+LAYER_SEED = 11
+
+
+def config(**overrides):
+    fields = dict(num_layers=2, hidden_size=16, num_attention_heads=2, num_moe_experts=4, moe_ffn_hidden_size=24,
+                  init_seed=5)
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def test_expert_weights_depend_on_the_global_index_only():
+    all_experts = SequentialMLP(4, config(), LAYER_SEED, first_global_index=0)
+    second_half = SequentialMLP(2, config(expert_model_parallel_size=2), LAYER_SEED, first_global_index=2)
+    for local_index in range(2):
+        for (name, value), (_, reference) in zip(second_half.local_experts[local_index].named_parameters(),
+                                                 all_experts.local_experts[2 + local_index].named_parameters()):
+            assert torch.equal(value, reference), name
+            assert value.expert_global_index == 2 + local_index and value.num_local_experts == 2
+            assert value.allreduce is False
+    assert not torch.equal(all_experts.local_experts[0].linear_fc1.weight, all_experts.local_experts[1].linear_fc1.weight)
+
+
+def _compare(cfg, counts, hidden=16):
+    sequential = SequentialMLP(4, cfg, LAYER_SEED)
+    grouped = GroupedMLP(4, cfg, LAYER_SEED)
+    assert list(sequential.state_dict()) == list(grouped.state_dict())
+    for key, value in sequential.state_dict().items():
+        assert torch.equal(value, grouped.state_dict()[key]), key
+    tokens = torch.randn(sum(counts), hidden, generator=torch.Generator().manual_seed(3))
+    upstream = torch.randn(sum(counts), hidden, generator=torch.Generator().manual_seed(4))
+    results = []
+    for module in (sequential, grouped):
+        inputs = tokens.clone().requires_grad_()
+        (module(inputs, torch.tensor(counts)) * upstream).sum().backward()
+        results.append((module(inputs, counts).detach(), inputs.grad,
+                        {name: p.grad for name, p in module.named_parameters()}))
+    (out_s, grad_s, params_s), (out_g, grad_g, params_g) = results
+    torch.testing.assert_close(out_g, out_s, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad_g, grad_s, rtol=1e-5, atol=1e-6)
+    for name, grad in params_s.items():
+        torch.testing.assert_close(params_g[name], grad, rtol=1e-5, atol=1e-6)
+    return grouped.uses_grouped_gemm(tokens)
+
+
+@pytest.mark.parametrize("gated, bias", [(False, True), (True, False)])
+def test_grouped_equals_sequential(gated, bias):
+    cfg = config(gated_linear_unit=gated, add_bias_linear=bias)
+    used = _compare(cfg, [5, 0, 3, 4])  # an expert without tokens too
+    assert used == grouped_mm_supported("cpu", torch.float32)
+
+
+def test_grouped_falls_back_to_the_loop_for_unaligned_widths():
+    cfg = config(hidden_size=6, num_attention_heads=2, moe_ffn_hidden_size=10)
+    assert not _compare(cfg, [2, 1, 0, 3], hidden=6)
+
+
+def test_te_grouped_mlp_needs_transformer_engine():
+    if HAVE_TE:
+        pytest.skip("transformer-engine is installed")
+    with pytest.raises(ValueError, match="TEGroupedMLP needs transformer-engine"):
+        TEGroupedMLP(4, config(), LAYER_SEED)
+
+
+def test_token_counts_must_match():
+    with pytest.raises(ValueError, match="tokens_per_expert"):
+        SequentialMLP(4, config(), LAYER_SEED)(torch.zeros(3, 16), [1, 1, 0, 0])

@@ -1,0 +1,152 @@
+"""`MoELayer` against a reference built here from its own router and experts (sum over the chosen experts of
+probability x expert MLP), with shared experts and capacity dropping; and on two ranks, EP=2 and TP=2 with
+sequence parallelism against the single-rank layer (outputs and every gradient within 1e-5), with each dispatcher."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.router import update_expert_biases
+from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+HIDDEN, SEQ, BATCH, LAYER_SEED = 16, 8, 2, 21
+DISPATCHERS = ("allgather", "alltoall")
+
+
+def moe_config(**overrides):
+    fields = dict(num_layers=2, hidden_size=HIDDEN, num_attention_heads=2, num_moe_experts=4, moe_router_topk=2,
+                  moe_ffn_hidden_size=24, init_seed=5, hidden_dropout=0.0, attention_dropout=0.0)
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def _inputs():
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(SEQ, BATCH, HIDDEN, generator=generator), torch.randn(SEQ, BATCH, HIDDEN, generator=generator)
+
+
+def _hand_built(layer, hidden):
+    """sum_e p[t, e] * expert_e(x_t) with the experts' own MLP forward, plus the shared experts."""
+    with torch.no_grad():
+        probs, routing_map = layer.router(hidden)
+        tokens = hidden.reshape(-1, HIDDEN)
+        output = torch.zeros_like(tokens)
+        for token, expert in routing_map.nonzero().tolist():
+            output[token] += probs[token, expert] * layer.experts.local_experts[expert](tokens[token:token + 1])[0]
+        output = output.view_as(hidden)
+        if layer.shared_experts is not None:
+            output = output + layer.shared_experts(hidden)
+    return output, routing_map
+
+
+@pytest.mark.parametrize("dispatcher", DISPATCHERS)
+@pytest.mark.parametrize("extra", [{}, {"moe_shared_expert_intermediate_size": 32, "moe_grouped_gemm": True},
+                                   {"moe_router_score_function": "sigmoid", "moe_router_dtype": "fp64"}])
+def test_layer_equals_hand_built_reference(dispatcher, extra):
+    layer = MoELayer(moe_config(moe_token_dispatcher_type=dispatcher, **extra), layer_number=1, init_seed=LAYER_SEED)
+    hidden, _ = _inputs()
+    expected, _ = _hand_built(layer, hidden)
+    torch.testing.assert_close(layer(hidden), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_shared_expert_overlap_gives_the_same_result():
+    common = dict(moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=32)
+    plain = MoELayer(moe_config(**common), init_seed=LAYER_SEED)
+    overlapped = MoELayer(moe_config(moe_shared_expert_overlap=True, **common), init_seed=LAYER_SEED)
+    hidden, _ = _inputs()
+    assert torch.equal(plain(hidden), overlapped(hidden))
+
+
+@pytest.mark.parametrize("dispatcher", DISPATCHERS)
+def test_capacity_drops_tokens(dispatcher):
+    # 16 tokens, top-2 of 4 experts, factor 0.5: each expert keeps ceil(16 * 2 / 4 * 0.5) = 4 tokens.
+    layer = MoELayer(moe_config(moe_token_dispatcher_type=dispatcher, moe_expert_capacity_factor=0.5),
+                     init_seed=LAYER_SEED)
+    hidden, _ = _inputs()
+    expected, routing_map = _hand_built(layer, hidden)
+    assert routing_map.sum(dim=0).tolist() == [4, 4, 4, 4]
+    torch.testing.assert_close(layer(hidden), expected, rtol=1e-5, atol=1e-6)
+
+
+def _run(layer, hidden, upstream):
+    hidden = hidden.clone().requires_grad_()
+    output = layer(hidden)
+    (output * upstream).sum().backward()
+    grads = {name: p.grad.detach().clone() for name, p in layer.named_parameters()}
+    return output.detach(), hidden.grad, grads
+
+
+def _expert_key(name, first_global_index):
+    """`experts.local_experts.{j}.rest` -> (global index, rest); None for other parameters."""
+    if not name.startswith("experts.local_experts."):
+        return None
+    local, rest = name[len("experts.local_experts."):].split(".", 1)
+    return first_global_index + int(local), rest
+
+
+def _parallel_layers_match_single_rank():
+    """On 2 ranks: the EP=1 layer over all tokens, then EP=2 (each rank one sequence) and TP=2 + SP (each rank
+    half of every sequence) with each dispatcher. Returns the largest differences."""
+    rank = dist.get_rank()
+    hidden, upstream = _inputs()
+    parallel_state.initialize_model_parallel()
+    reference = {}
+    for dispatcher in DISPATCHERS:
+        layer = MoELayer(moe_config(moe_token_dispatcher_type=dispatcher), init_seed=LAYER_SEED)
+        reference[dispatcher] = _run(layer, hidden, upstream)
+    parallel_state.destroy_model_parallel()
+    diffs = {"dispatchers": (reference["allgather"][0] - reference["alltoall"][0]).abs().max().item()}
+
+    layouts = {"ep2": (dict(expert_model_parallel_size=2), lambda t: t[:, rank:rank + 1]),
+               "tp2_sp": (dict(tensor_model_parallel_size=2, sequence_parallel=True),
+                          lambda t: t[rank * SEQ // 2:(rank + 1) * SEQ // 2])}
+    for layout, (sizes, local) in layouts.items():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=sizes.get("tensor_model_parallel_size", 1),
+            expert_model_parallel_size=sizes.get("expert_model_parallel_size", 1))
+        for dispatcher in DISPATCHERS:
+            layer = MoELayer(moe_config(moe_token_dispatcher_type=dispatcher, **sizes), init_seed=LAYER_SEED)
+            output, input_grad, grads = _run(layer, local(hidden), local(upstream))
+            ref_output, ref_input_grad, ref_grads = reference[dispatcher]
+            worst = max((output - local(ref_output)).abs().max().item(),
+                        (input_grad - local(ref_input_grad)).abs().max().item())
+            router_grad = grads["router.weight"].clone()
+            dist.all_reduce(router_grad)  # each rank routed its own tokens
+            worst = max(worst, (router_grad - ref_grads["router.weight"]).abs().max().item())
+            tp = parallel_state.get_tensor_model_parallel_world_size()
+            tp_rank = parallel_state.get_tensor_model_parallel_rank()
+            for name, grad in grads.items():
+                key = _expert_key(name, layer.local_expert_indices[0])
+                if key is None:
+                    continue
+                ref_grad = ref_grads[f"experts.local_experts.{key[0]}.{key[1]}"]
+                param = dict(layer.named_parameters())[name]
+                if getattr(param, "tensor_model_parallel", False) and tp > 1:
+                    ref_grad = ref_grad.chunk(tp, dim=param.partition_dim)[tp_rank]
+                worst = max(worst, (grad - ref_grad).abs().max().item())
+            diffs[f"{layout}/{dispatcher}"] = worst
+        parallel_state.destroy_model_parallel()
+
+    # Expert bias: counts summed over the data-parallel ranks before the update.
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
+    layer = MoELayer(moe_config(hidden_size=4, num_attention_heads=1, moe_router_topk=1, expert_model_parallel_size=2,
+                                moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                                moe_router_bias_update_rate=0.5), init_seed=LAYER_SEED)
+    with torch.no_grad():
+        layer.router.weight.copy_(10.0 * torch.eye(4))
+    experts = [[0, 0, 1, 2], [0, 3, 3, 3]][rank]  # totals 3, 1, 1, 3 (mean 2)
+    layer(torch.eye(4)[experts].view(4, 1, 4).requires_grad_())
+    update_expert_biases([layer])
+    diffs["expert_bias"] = layer.router.expert_bias.tolist()
+    parallel_state.destroy_model_parallel()
+    return diffs
+
+
+def test_expert_and_tensor_parallel_equal_single_rank():
+    for diffs in run_on_ranks(2, _parallel_layers_match_single_rank):
+        assert diffs.pop("expert_bias") == [-0.5, 0.5, 0.5, -0.5]
+        for case, worst in diffs.items():
+            assert worst < 1e-5, (case, worst)
