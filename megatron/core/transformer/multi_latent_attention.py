@@ -36,7 +36,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     yarn_get_mscale,
 )
 from megatron.core.tensor_parallel.duplicated_linear import DuplicatedLinear
-from megatron.core.transformer.context_parallel import context_parallel_attention, local_rows
+from megatron.core.transformer.context_parallel import comm_type_of_layer, context_parallel_attention, local_rows
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.recompute import checkpointed
@@ -176,9 +176,11 @@ class MLASelfAttention(torch.nn.Module):
                 value = F.pad(value, (0, query.shape[-1] - value_width))
             elif value_width > query.shape[-1]:
                 query, key = (F.pad(t, (0, value_width - t.shape[-1])) for t in (query, key))
-            context = context_parallel_attention(
-                query, key, value, attention_mask, comm_type=self.config.cp_comm_type,
-                group=parallel_state.get_context_parallel_group(), dropout_p=dropout_p, scale=self.softmax_scale)
+            comm_type = comm_type_of_layer(self.config.cp_comm_type, self.layer_number)
+            group = (parallel_state.get_hierarchical_context_parallel_groups() if comm_type == "a2a+p2p"
+                     else parallel_state.get_context_parallel_group())
+            context = context_parallel_attention(query, key, value, attention_mask, comm_type=comm_type, group=group,
+                                                 dropout_p=dropout_p, scale=self.softmax_scale)
             seq_len, batch = context.shape[0], context.shape[1]
             context = context.view(seq_len, batch, self.num_heads_per_partition, -1)[..., :value_width]
             return context.reshape(seq_len, batch, -1)

@@ -202,7 +202,7 @@ MLA_GPT = (
     "--log-interval 100 --eval-iters 0 --distributed-backend gloo"
 )
 LAYOUTS = {
-    "cp2_megatron_fsdp_z3": "--context-parallel-size 2 --use-megatron-fsdp",
+    "cp2_p2p_a2a_megatron_fsdp_z3": "--context-parallel-size 2 --cp-comm-type p2p a2a --use-megatron-fsdp",
     "pp2_fsdp2": "--pipeline-model-parallel-size 2 --use-torch-fsdp2",
 }
 
