@@ -8,9 +8,11 @@ the same data for the same steps and must reach the same losses within fp32 summ
 - every fully sharded case (FSDP2, Megatron-FSDP) against its DDP twin: the case without its FSDP flags on one
   data-parallel rank and without context parallelism, i.e. Megatron DDP with the same model and TP/PP layout
   (`ddp_twin`), which also gives the per-rank bytes the sharding is checked against;
-- the Llama-style TP case against its single-rank twin (the case on one rank);
+- the Llama-style TP case and the short CP2 x TP2 + SP case against their single-rank twins (the case on one
+  rank);
 - every checkpoint-resume case, both its uninterrupted and its resumed launches, against the reference of the
-  configuration it trains.
+  configuration it trains (a resume in another layout, `RESUME_MODEL_ARGS`, may change only the flags its
+  reference allows: it still trains the same model).
 
 `gpt/single_rank` is the root: nothing simpler trains this model, so it is held to its golden values alone.
 Runs are shared: a reference that is itself a case is that case's run, and twins are keyed by their flags.
@@ -57,6 +59,9 @@ REFERENCES = {
     "gpt/cp2_a2a": ROOT_CASE,
     "gpt/cp2_a2a_dp2": ROOT_CASE,
     "gpt/cp2_megatron_fsdp_z3": DDP_TWIN,
+    "gpt/cp2_tp2_sp": SINGLE_RANK_TWIN,
+    "gpt/resume_cp2_megatron_fsdp_to_cp1_ddp": DDP_TWIN,
+    "gpt/resume_pp2_vpp2_to_pp2": ROOT_CASE,
 }
 
 # Flags that select or tune a fully sharded data-parallel wrapper. Without them a case trains with Megatron DDP.
@@ -83,7 +88,7 @@ LOGGING_FLAGS = ("--log-params-norm", "--log-timers-to-tensorboard", "--log-vali
                  "--timing-log-level")
 # Flags that lay the same model out over ranks.
 # Context parallelism cuts every sequence over ranks; attention and the loss stay exact.
-CONTEXT_PARALLEL_FLAGS = ("--context-parallel-size", "--cp-comm-type")
+CONTEXT_PARALLEL_FLAGS = ("--context-parallel-size", "--cp-comm-type", "--hierarchical-context-parallel-sizes")
 # The interleaved pipeline only reorders the same computation over model chunks.
 VIRTUAL_PIPELINE_FLAGS = ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
                           "--microbatch-group-size-per-virtual-pipeline-stage")

@@ -7,6 +7,7 @@ A case is a folder `test_cases/<model>/<case>/` with `model_config.yaml`:
     TEST_TYPE: regular           # or ckpt-resume
     MODEL_ARGS: {--flag: value}  # `true` = bare flag, `false` = left out, a list = several values
     METRICS: [lm loss, num-zeros, mem-allocated-bytes]   # optional; these are the defaults
+    RESUME_MODEL_ARGS: {--flag: value}  # ckpt-resume only, optional: the flags the resumed launch changes
 
 and `golden_values_cpu.json`: metric -> {"start_step", "end_step", "step_interval", "values": {"1": ...}}.
 
@@ -15,6 +16,10 @@ file holds one JSON record per iteration (see `megatron.training.training_log`).
 N iterations once uninterrupted, then again in two launches (stop and save at N/2, load, continue to N); its
 metrics are the uninterrupted run's, and `resumed_metrics` holds the second launch's. Golden values are the
 uninterrupted run's, so regenerating them runs only that launch.
+
+`RESUME_MODEL_ARGS` makes a resume across layouts: the launch that loads the checkpoint runs with these flags
+over MODEL_ARGS (`false` drops a flag), e.g. a checkpoint saved under CP2 and Megatron-FSDP resumed under CP1 DDP,
+or one saved with an interleaved pipeline resumed without it. It must train the same model on the same ranks.
 """
 
 import dataclasses
@@ -66,6 +71,11 @@ class FunctionalCase:
     model_args: dict
     test_type: str
     metrics: tuple
+    resume_model_args: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def resumes_in_another_layout(self):
+        return bool(self.resume_model_args)
 
     @property
     def golden_path(self):
@@ -86,7 +96,7 @@ def load_case(name):
     if not config_path.is_file():
         raise FileNotFoundError(f"no functional test case {name!r}: {config_path} does not exist")
     config = yaml.safe_load(config_path.read_text())
-    unknown = set(config) - {"NPROC_PER_NODE", "ENV_VARS", "TEST_TYPE", "MODEL_ARGS", "METRICS"}
+    unknown = set(config) - {"NPROC_PER_NODE", "ENV_VARS", "TEST_TYPE", "MODEL_ARGS", "METRICS", "RESUME_MODEL_ARGS"}
     if unknown:
         raise ValueError(f"{config_path}: unknown keys {sorted(unknown)}")
     test_type = config.get("TEST_TYPE", "regular")
@@ -95,6 +105,11 @@ def load_case(name):
     model_args = dict(config["MODEL_ARGS"])
     if "--train-iters" not in model_args:
         raise ValueError(f"{config_path}: MODEL_ARGS needs --train-iters")
+    resume_model_args = dict(config.get("RESUME_MODEL_ARGS") or {})
+    if resume_model_args and test_type != "ckpt-resume":
+        raise ValueError(f"{config_path}: RESUME_MODEL_ARGS needs TEST_TYPE ckpt-resume")
+    if {"--train-iters", "--save", "--load", "--exit-interval"} & set(resume_model_args):
+        raise ValueError(f"{config_path}: RESUME_MODEL_ARGS may change the layout, not the schedule or checkpoint")
     return FunctionalCase(
         name=name,
         directory=directory,
@@ -103,6 +118,7 @@ def load_case(name):
         model_args=model_args,
         test_type=test_type,
         metrics=tuple(config.get("METRICS") or DEFAULT_METRICS),
+        resume_model_args=resume_model_args,
     )
 
 
@@ -203,7 +219,8 @@ def resume_launches(case, workdir, timeout_s=DEFAULT_TIMEOUT_S):
     checkpoint_dir = workdir / "checkpoints"
     checkpoint_args = {"--save": str(checkpoint_dir), "--ckpt-format": case.model_args.get("--ckpt-format", "torch")}
     first = launch(case, workdir, {**checkpoint_args, "--exit-interval": half}, timeout_s, tag="first_half")
-    resumed = launch(case, workdir, {**checkpoint_args, "--load": str(checkpoint_dir)}, timeout_s, tag="second_half")
+    resumed = launch(case, workdir, {**case.resume_model_args, **checkpoint_args, "--load": str(checkpoint_dir)},
+                     timeout_s, tag="second_half")
     return first, resumed
 
 

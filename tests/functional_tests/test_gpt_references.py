@@ -54,6 +54,8 @@ def test_case_trains_as_its_reference(case_name, runs):
     differing = references.differing_flags(case, reference_case)
     allowed = _allowed_differences(case_name)
     assert differing <= allowed, f"{case_name} trains another model than its reference: {sorted(differing - allowed)}"
+    resumed_differently = set(case.resume_model_args) - allowed
+    assert not resumed_differently, f"{case_name} resumes another model: {sorted(resumed_differently)}"
     assert reference_case.train_iters == case.train_iters
 
     result = runs.case(case_name)
