@@ -58,6 +58,24 @@ def test_unknown_case_keys_are_rejected(tmp_path, monkeypatch):
         runner.load_case("gpt/broken")
 
 
+def test_a_resume_in_another_layout_loads_with_its_flags(tmp_path, monkeypatch):
+    """RESUME_MODEL_ARGS reach only the launch that loads the checkpoint (`false` drops a flag there)."""
+    case = runner.load_case("gpt/resume_cp2_megatron_fsdp_to_cp1_ddp")
+    assert case.resumes_in_another_layout and case.resume_model_args["--context-parallel-size"] is False
+    launched = {}
+    monkeypatch.setattr(runner, "launch", lambda case, workdir, extra, timeout_s, tag: launched.setdefault(tag, extra))
+    runner.resume_launches(case, tmp_path)
+    assert "--context-parallel-size" not in launched["first_half"] and launched["first_half"]["--exit-interval"] == 5
+    second = runner.model_args_to_argv({**case.model_args, **launched["second_half"]})
+    assert "--load" in second and not {"--context-parallel-size", "--use-megatron-fsdp"} & set(second)
+    (tmp_path / "gpt" / "regular").mkdir(parents=True)
+    (tmp_path / "gpt" / "regular" / "model_config.yaml").write_text(
+        "MODEL_ARGS: {--train-iters: 2}\nRESUME_MODEL_ARGS: {--context-parallel-size: false}\n")
+    monkeypatch.setattr(runner, "CASES_DIR", tmp_path)
+    with pytest.raises(ValueError, match="RESUME_MODEL_ARGS needs TEST_TYPE ckpt-resume"):
+        runner.load_case("gpt/regular")
+
+
 def test_forked_ranks_train_as_torchrun_ranks(runs, tmp_path):
     """The default launcher forks ranks from a server that imported torch and Megatron once (fork_launcher.py);
     a torchrun launch of the same case gives the same metrics to the last bit (same code, thread counts, seeds)."""
