@@ -36,6 +36,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     yarn_get_mscale,
 )
 from megatron.core.tensor_parallel.duplicated_linear import DuplicatedLinear
+from megatron.core.transformer import layer_scaled_attention
 from megatron.core.transformer.context_parallel import comm_type_of_layer, context_parallel_attention, local_rows
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.norms import build_norm
@@ -185,6 +186,13 @@ class MLASelfAttention(torch.nn.Module):
             context = context.view(seq_len, batch, self.num_heads_per_partition, -1)[..., :value_width]
             return context.reshape(seq_len, batch, -1)
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # -> [b, heads, S, d]
+        if layer_scaled_attention.applies(self.config, query):
+            # Its scores are Q.K^T / sqrt(d): the query carries the rest of the softmax scale (YaRN's mscale^2).
+            correction = self.softmax_scale * math.sqrt(query.shape[-1])
+            context = layer_scaled_attention.layer_scaled_attention(
+                query * correction if correction != 1.0 else query, key, value, attention_mask, self.layer_number,
+                dropout_p)
+            return context.permute(2, 0, 1, 3).reshape(context.shape[2], context.shape[0], -1)
         if attention_mask is None:
             mask_kwargs = {"is_causal": True}
         else:

@@ -3,6 +3,7 @@ query latent, RoPE and YaRN), YaRN's frequencies and mscale against hand-compute
 sequence parallelism) against TP1, training through `pretrain()` under context, pipeline and data-parallel
 layouts against the plain data-parallel run, and the errors bad flags give."""
 
+import dataclasses
 import json
 import math
 import os
@@ -160,6 +161,25 @@ def test_layer_matches_plain_torch_reference(variant):
     for name, param in layer.named_parameters():
         assert weights[name].grad.abs().max() > 1e-4, name
         torch.testing.assert_close(param.grad.double(), weights[name].grad, rtol=0, atol=TOLERANCE, msg=name)
+
+
+def test_fp16_query_key_layer_scaling_keeps_the_mla_softmax_scale():
+    """fp16 under --apply-query-key-layer-scaling (scores divided by the layer number in fp16, multiplied back in
+    fp32) is the same attention: against the float64 reference within fp16 rounding (~1e-3 per operand; 2e-2 on
+    outputs of order 1 leaves room for the chain of five fp16 GEMMs), and the YaRN mscale^2 must be kept (it
+    moves the output by ~0.1 here)."""
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    config = mla_config(init_method_std=0.3, fp16=True, params_dtype=torch.float16,
+                        apply_query_key_layer_scaling=True, **VARIANTS["no_query_latent_yarn_layernorm"])
+    layer = MLASelfAttention(config, layer_number=3)
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        out = layer(x.half()).double()
+    weights = {name: p.detach().double() for name, p in layer.named_parameters()}
+    reference = _reference_mla(config, weights, x.half().double())
+    without_mscale = _reference_mla(dataclasses.replace(config, mscale_all_dim=0.0), weights, x.half().double())
+    assert (reference - without_mscale).abs().max() > 0.05
+    torch.testing.assert_close(out, reference, rtol=0, atol=2e-2)
 
 
 # --------------------------------------------------------------------------------------------------------
