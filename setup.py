@@ -35,8 +35,10 @@ setup(
     install_requires=[TORCH_REQUIREMENT, "numpy", "pyyaml"],
     extras_require={
         # transformers: the checkpoint tools' test loads a --to hf export with it and compares logits.
-        "dev": ["pytest>=7", "tokenizers>=0.15", "tensorboard", "transformers>=5", *MODELOPT_REQUIREMENTS],
-        "test": ["pytest>=7", "tokenizers>=0.15", "tensorboard", *MODELOPT_REQUIREMENTS],
+        # tiktoken: --tokenizer-type TikTokenizer.
+        "dev": ["pytest>=7", "tokenizers>=0.15", "tensorboard", "transformers>=5", "tiktoken>=0.7",
+                *MODELOPT_REQUIREMENTS],
+        "test": ["pytest>=7", "tokenizers>=0.15", "tensorboard", "tiktoken>=0.7", *MODELOPT_REQUIREMENTS],
         "modelopt": MODELOPT_REQUIREMENTS,
         "te": ["transformer-engine[pytorch]"],
     },

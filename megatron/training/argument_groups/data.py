@@ -19,7 +19,15 @@ def add_arguments(parser):
     )
     group.add_argument("--vocab-file", default=None)
     group.add_argument("--merge-file", default=None)
-    group.add_argument("--tokenizer-model", default=None, help="Tokenizer file or name (HuggingFaceTokenizer).")
+    group.add_argument("--tokenizer-model", default=None,
+                       help="Tokenizer file or name (HuggingFaceTokenizer), or the .json vocabulary (TikTokenizer).")
+    group.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"],
+                       help="TikTokenizer pre-tokenizer: v1 splits numbers into digits, v2 into groups of three.")
+    group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                       help="TikTokenizer ids reserved for special tokens (the BPE ids follow them).")
+    group.add_argument("--tiktoken-special-tokens", nargs="+", default=None,
+                       help="TikTokenizer special tokens (must include <unk>, <s>, </s>); default <unk> <s> </s> "
+                       "<mask> <pad> <cls> <sep>.")
     group.add_argument("--num-workers", type=int, default=2, help="Data-loader worker processes per rank.")
     group.add_argument("--reset-position-ids", action="store_true", help="Restart position ids after each EOD.")
     group.add_argument("--reset-attention-mask", action="store_true", help="Block attention across EOD tokens.")
@@ -49,6 +57,15 @@ def validate(args):
             raise ValueError("--tokenizer-type is required with --data-path")
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.tokenizer_type == "TikTokenizer":
+        if args.tokenizer_model is None or args.tiktoken_pattern is None:
+            raise ValueError("--tokenizer-type TikTokenizer needs --tokenizer-model (the .json vocabulary) and "
+                             "--tiktoken-pattern v1|v2")
+        if args.tiktoken_num_special_tokens < 3:
+            raise ValueError("--tiktoken-num-special-tokens must be >= 3 (<unk>, <s>, </s>), got "
+                             f"{args.tiktoken_num_special_tokens}")
+    elif args.tiktoken_pattern is not None or args.tiktoken_special_tokens is not None:
+        raise ValueError("--tiktoken-pattern / --tiktoken-special-tokens need --tokenizer-type TikTokenizer")
     if args.tokenizer_type == "GPT2BPETokenizer" and (args.vocab_file is None or args.merge_file is None):
         raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
     if args.num_workers < 0:

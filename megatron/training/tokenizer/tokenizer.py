@@ -4,11 +4,14 @@ from megatron.training.tokenizer.byte_level_tokenizer import ByteLevelTokenizer
 from megatron.training.tokenizer.gpt2_bpe_tokenizer import GPT2BPETokenizer
 from megatron.training.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
 from megatron.training.tokenizer.null_tokenizer import NullTokenizer
+from megatron.training.tokenizer.tiktoken_tokenizer import DEFAULT_NUM_SPECIAL_TOKENS, TikTokenizer
 
-TOKENIZER_TYPES = ("NullTokenizer", "ByteLevelTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer")
+TOKENIZER_TYPES = ("NullTokenizer", "ByteLevelTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "TikTokenizer")
 
 
-def build_tokenizer(tokenizer_type, vocab_size=None, vocab_file=None, merge_file=None, tokenizer_model=None):
+def build_tokenizer(tokenizer_type, vocab_size=None, vocab_file=None, merge_file=None, tokenizer_model=None,
+                    tiktoken_pattern=None, tiktoken_num_special_tokens=DEFAULT_NUM_SPECIAL_TOKENS,
+                    tiktoken_special_tokens=None):
     """The tokenizer named by `--tokenizer-type`, built from the file/size flags that type needs."""
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
@@ -20,6 +23,11 @@ def build_tokenizer(tokenizer_type, vocab_size=None, vocab_file=None, merge_file
         return HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type == "TikTokenizer":
+        if tokenizer_model is None or tiktoken_pattern is None:
+            raise ValueError("--tokenizer-type TikTokenizer needs --tokenizer-model and --tiktoken-pattern")
+        return TikTokenizer(tokenizer_model, tiktoken_pattern, vocab_size, tiktoken_num_special_tokens,
+                            tiktoken_special_tokens)
     raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}")
 
 
@@ -31,6 +39,9 @@ def build_tokenizer_from_args(args):
         vocab_file=getattr(args, "vocab_file", None),
         merge_file=getattr(args, "merge_file", None),
         tokenizer_model=getattr(args, "tokenizer_model", None),
+        tiktoken_pattern=getattr(args, "tiktoken_pattern", None),
+        tiktoken_num_special_tokens=getattr(args, "tiktoken_num_special_tokens", DEFAULT_NUM_SPECIAL_TOKENS),
+        tiktoken_special_tokens=getattr(args, "tiktoken_special_tokens", None),
     )
 
 
