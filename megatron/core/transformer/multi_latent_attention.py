@@ -37,6 +37,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
 )
 from megatron.core.tensor_parallel.duplicated_linear import DuplicatedLinear
 from megatron.core.transformer import layer_scaled_attention
+from megatron.core.transformer.attention import Attention
 from megatron.core.transformer.context_parallel import comm_type_of_layer, context_parallel_attention, local_rows
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.norms import build_norm
@@ -69,7 +70,7 @@ def build_mla_rotary_embedding(config: TransformerConfig):
     return yarn, yarn.cos_sin_scale
 
 
-class MLASelfAttention(torch.nn.Module):
+class MLASelfAttention(Attention):
     """Multi-latent self-attention of one transformer layer (same interface as `SelfAttention`).
 
     Args:
