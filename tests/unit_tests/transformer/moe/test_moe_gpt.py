@@ -1,0 +1,60 @@
+"""A GPT with MoE layers trains on one rank (no data-parallel wrapper): with one expert and top-1 routing it is
+the dense GPT (the expert's probability is 1), step for step; with four experts, top-2 and the auxiliary losses,
+its loss falls. `--moe-layer-freq` decides which layers are MoE."""
+
+import re
+
+import torch
+
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.unit_tests.models.gpt.gpt_test_utils import fixed_batch
+
+VOCAB, MAX_LENGTH, STEPS = 64, 16, 6
+SHAPE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0,
+             init_seed=1234)
+
+
+def _model(**overrides):
+    model_parallel_cuda_manual_seed(1234)
+    return GPTModel(TransformerConfig(**SHAPE, **overrides), vocab_size=VOCAB, max_sequence_length=MAX_LENGTH)
+
+
+def _train(model, steps=STEPS):
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    tokens, labels, position_ids = fixed_batch(seed=3, batch=4, seq=16, vocab=VOCAB)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = model(tokens, position_ids, labels=labels).mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_one_expert_top1_trains_like_the_dense_model():
+    moe = _model(num_moe_experts=1, moe_router_topk=1, ffn_hidden_size=48, moe_layer_freq=2)
+    assert isinstance(moe.decoder.layers[0].mlp, MoELayer) and isinstance(moe.decoder.layers[1].mlp, MLP)
+    dense = _model(ffn_hidden_size=48)
+    dense_state = dense.state_dict()
+    for name, value in moe.state_dict().items():
+        target = re.sub(r"mlp\.experts\.local_experts\.0\.", "mlp.", name)
+        if target in dense_state:
+            dense_state[target] = value.clone()
+    dense.load_state_dict(dense_state)
+    moe_losses, dense_losses = _train(moe), _train(dense)
+    for moe_loss, dense_loss in zip(moe_losses, dense_losses):
+        assert abs(moe_loss - dense_loss) <= 1e-5 * abs(dense_loss), (moe_losses, dense_losses)
+    assert dense_losses[-1] < dense_losses[0]
+
+
+def test_four_experts_top2_loss_falls():
+    model = _model(num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3,
+                   moe_token_dispatcher_type="alltoall")
+    assert all(isinstance(layer.mlp, MoELayer) for layer in model.decoder.layers)
+    losses = _train(model)
+    assert losses[-1] < losses[0] - 0.1, losses
