@@ -218,7 +218,7 @@ class RerunStateMachine:
         if not self._any_rank(self.rerun_requested):
             self.state = RerunState.NOT_RUNNING_YET
             return False
-        if self.mode == RerunMode.VALIDATE_RESULTS and dist.get_rank() == 0:
+        if self.mode == RerunMode.VALIDATE_RESULTS and _rank() == 0:
             logger.warning(f"iteration {self.current_iteration}: rerunning the step in place to check whether the "
                            "rejected result reproduces")
         self._rewind(iterators)
@@ -243,12 +243,12 @@ class RerunStateMachine:
 
     def _after_rerun_from_checkpoint(self):
         if self._any_rank(self.restart_again_requested):
-            if dist.get_rank() == 0:
+            if _rank() == 0:
                 logger.warning("resumed on the node and device that produced the rejected result: resume again "
                                "from the same checkpoint elsewhere to establish a diagnostic")
             self.state = RerunState.RERUNNING_AGAIN_FROM_CHECKPOINT
         elif self._any_rank(self.continue_requested):
-            if dist.get_rank() == 0:
+            if _rank() == 0:
                 logger.warning("the rejected result was correct and its check is not fatal: training continues")
             self.state = RerunState.NOT_RUNNING_YET
         return False
@@ -262,7 +262,7 @@ class RerunStateMachine:
         """(save a checkpoint of the last completed iteration, stop training, exit code) after the loop."""
         if self.mode != RerunMode.VALIDATE_RESULTS:
             return False, False, 0
-        rank0 = dist.get_rank() == 0
+        rank0 = _rank() == 0
         if self.state == RerunState.RERUNNING_IN_PLACE:
             if rank0:
                 logger.warning("the rejected result did not reproduce (transient fault): saving the last "
@@ -389,9 +389,10 @@ class RerunStateMachine:
             return None
         return {
             "mode": self.mode.value,
-            "failed_call": tuple(self.failed_call),
+            # None on the ranks whose results were accepted.
+            "failed_call": None if self.failed_call is None else tuple(self.failed_call),
             "initial_result": self.initial_result,
-            "suspicious_node_and_device": tuple(self.suspicious_node_and_device),
+            "suspicious_node_and_device": self.suspicious_node_and_device,
         }
 
     def load_state_dict(self, state):
@@ -400,9 +401,10 @@ class RerunStateMachine:
             logger.warning(f"the checkpoint asks to rerun its next iteration, but --rerun-mode is {self.mode.value}: "
                            "no rerun")
             return
-        self.failed_call = ValidationCall(*state["failed_call"])
+        self.failed_call = None if state["failed_call"] is None else ValidationCall(*state["failed_call"])
         self.initial_result = state["initial_result"]
-        self.suspicious_node_and_device = tuple(state["suspicious_node_and_device"])
+        where = state["suspicious_node_and_device"]
+        self.suspicious_node_and_device = None if where is None else tuple(where)
         self._resumed_to_rerun = True
         self.state = RerunState.WILL_RERUN_FROM_CHECKPOINT
 
