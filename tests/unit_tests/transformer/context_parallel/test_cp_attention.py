@@ -123,7 +123,7 @@ def test_a2a_names_the_flags_when_heads_do_not_divide(world_size):
     assert message is not None and "--cp-comm-type a2a" in message and "--num-attention-heads" in message
 
 
-def _ring_dropout_is_reproducible():
+def _dropout_is_reproducible(comm_type):
     from megatron.core import tensor_parallel
 
     query, key, value, _, _ = _inputs()
@@ -131,15 +131,18 @@ def _ring_dropout_is_reproducible():
     outs = []
     for _ in range(2):
         tensor_parallel.model_parallel_cuda_manual_seed(5)
-        outs.append(context_parallel_attention(q, k, v, None, comm_type="p2p", group=dist.group.WORLD,
+        outs.append(context_parallel_attention(q, k, v, None, comm_type=comm_type, group=dist.group.WORLD,
                                                dropout_p=0.5))
-    plain = context_parallel_attention(q, k, v, None, comm_type="p2p", group=dist.group.WORLD)
+    plain = context_parallel_attention(q, k, v, None, comm_type=comm_type, group=dist.group.WORLD)
     return (outs[0] - outs[1]).abs().max().item(), (outs[0] - plain).abs().max().item()
 
 
 @pytest.mark.parametrize("world_size", [2])
-def test_ring_dropout_masks_follow_the_rng_tracker(world_size):
-    for same_seed_diff, dropout_effect in run_on_ranks(world_size, _ring_dropout_is_reproducible):
+@pytest.mark.parametrize("comm_type", ["p2p", "allgather"])
+def test_dropout_masks_follow_the_rng_tracker(world_size, comm_type):
+    """The comm types that draw their own keep masks (from a seed of the tracker's stream, so that the backward
+    regenerates them): the same seed gives the same output, and dropout changes it."""
+    for same_seed_diff, dropout_effect in run_on_ranks(world_size, _dropout_is_reproducible, comm_type):
         assert same_seed_diff == 0.0 and dropout_effect > 0.1
 
 
