@@ -30,7 +30,10 @@ def get_model(model_provider_func, args, wrap_with_ddp=True):
               for chunk in range(num_chunks)]
     if not wrap_with_ddp:
         return chunks
-    return [wrap_model_chunk(chunk, args) for chunk in chunks]
+    from megatron.training.argument_groups.data_parallel_tuning import bucket_size_for
+
+    bucket_size = bucket_size_for(args, chunks)
+    return [wrap_model_chunk(chunk, args, bucket_size) for chunk in chunks]
 
 
 def _build_chunk(model_provider_func, args, vp_stage):
@@ -52,12 +55,15 @@ def _build_chunk(model_provider_func, args, vp_stage):
     return model
 
 
-def wrap_model_chunk(model, args):
+def wrap_model_chunk(model, args, bucket_size=None):
     """`model` wrapped for data parallelism: the config built from the flags picks the wrapper (DDP,
-    Megatron-FSDP or FSDP2, see `megatron.core.distributed.wrap_data_parallel`)."""
+    Megatron-FSDP or FSDP2, see `megatron.core.distributed.wrap_data_parallel`); `bucket_size` (elements)
+    replaces --ddp-bucket-size when given (--ddp-num-buckets)."""
     from megatron.core.distributed import wrap_data_parallel
 
     ddp_config = ddp_config_from_args(args)
+    if bucket_size is not None:
+        ddp_config = dataclasses.replace(ddp_config, bucket_size=bucket_size)
     wrapped = wrap_data_parallel(model.config, ddp_config, model)
     if args.data_parallel_random_init:
         wrapped.broadcast_params()

@@ -9,6 +9,7 @@ from megatron.training.argument_groups import (
     checkpoint,
     data,
     data_parallel,
+    data_parallel_tuning,
     fp8,
     logging_eval,
     memory,
@@ -28,4 +29,4 @@ from megatron.training.argument_groups import (
 # moe comes last: it validates by building the transformer config from every other group's values.
 # virtual_pipeline follows training: its microbatch rule needs the global and micro batch sizes.
 ARGUMENT_GROUPS = (parallelism, model, mla, training, virtual_pipeline, data, logging_eval, checkpoint, memory,
-                   data_parallel, fp8, result_validation, numerics, run_control, moe)
+                   data_parallel, fp8, result_validation, numerics, data_parallel_tuning, run_control, moe)

@@ -1,0 +1,78 @@
+"""Data-parallel and distributed-checkpoint tuning flags of upstream's FSDP recipes and test configurations:
+gradient buckets by count (--ddp-num-buckets), Megatron-FSDP's communication unit
+(--suggested-communication-unit-size), non-strict fsdp_dtensor loads (--disable-strict-fsdp-dtensor-load) and
+the reshardable optimizer checkpoint (--dist-ckpt-optim-fully-reshardable). The two Megatron-FSDP switches
+this build does not implement (--create-all-gather-group, --megatron-fsdp-enable-fine-grained-param-gather)
+stop at validation with what to do instead."""
+
+LOGICAL_FORMATS = ("torch_dist", "torch_dcp", "fsdp_dtensor")
+DEFAULT_STRICTNESS = "assume_ok_unexpected"
+NON_STRICT_FSDP_DTENSOR_STRICTNESS = "log_all"
+
+
+def add_arguments(parser):
+    group = parser.add_argument_group("data-parallel tuning")
+    group.add_argument("--ddp-num-buckets", type=int, default=None,
+                       help="Split the data-parallel gradients into about this many buckets: the bucket size is the "
+                       "model chunks' parameter count // N (exclusive with --ddp-bucket-size).")
+    group.add_argument("--suggested-communication-unit-size", type=int, default=None,
+                       help="Megatron-FSDP: elements per communication group for the parameters outside the "
+                       "transformer-layer units (their bucket size; exclusive with --ddp-bucket-size).")
+    group.add_argument("--create-all-gather-group", action="store_true",
+                       help="Upstream: a separate process group for Megatron-FSDP's all-gathers. Not implemented "
+                       "here (all-gathers already run on their own stream): an error.")
+    group.add_argument("--megatron-fsdp-enable-fine-grained-param-gather", action="store_true",
+                       help="Upstream Megatron-FSDP's fine-grained parameter gather. Not implemented here: an error.")
+    group.add_argument("--disable-strict-fsdp-dtensor-load", action="store_true",
+                       help="--ckpt-format fsdp_dtensor loads tolerate keys missing from the checkpoint (those "
+                       "tensors keep their values) and unexpected ones, both listed: --dist-ckpt-strictness log_all.")
+    group.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                       help="Save optimizer state so that TP/PP/DP may all change on load. The torch_dist / "
+                       "fsdp_dtensor optimizer state here is always keyed per whole parameter, so it is always "
+                       "fully reshardable; the flag needs such a --ckpt-format.")
+
+
+def validate(args):
+    if args.ddp_num_buckets is not None:
+        if args.ddp_bucket_size is not None:
+            raise ValueError("--ddp-num-buckets and --ddp-bucket-size are exclusive: pick one")
+        if args.ddp_num_buckets <= 0:
+            raise ValueError(f"--ddp-num-buckets must be positive, got {args.ddp_num_buckets}")
+    unit = args.suggested_communication_unit_size
+    if unit is not None:
+        if not args.use_megatron_fsdp:
+            raise ValueError("--suggested-communication-unit-size needs --use-megatron-fsdp")
+        if unit <= 0:
+            raise ValueError(f"--suggested-communication-unit-size must be positive, got {unit}")
+        if args.ddp_bucket_size is not None or args.ddp_num_buckets is not None:
+            raise ValueError("--suggested-communication-unit-size sets Megatron-FSDP's bucket size: drop "
+                             "--ddp-bucket-size / --ddp-num-buckets")
+        args.ddp_bucket_size = unit
+    if args.create_all_gather_group:
+        raise ValueError("--create-all-gather-group is not implemented: Megatron-FSDP here issues its all-gathers "
+                         "on the data-parallel group from their own stream; drop the flag")
+    if args.megatron_fsdp_enable_fine_grained_param_gather:
+        raise ValueError("--megatron-fsdp-enable-fine-grained-param-gather is not implemented: Megatron-FSDP here "
+                         "gathers the parameters of one transformer-layer unit at a time; drop the flag")
+    if args.disable_strict_fsdp_dtensor_load:
+        if args.ckpt_format != "fsdp_dtensor":
+            raise ValueError("--disable-strict-fsdp-dtensor-load needs --ckpt-format fsdp_dtensor; for other "
+                             "formats use --dist-ckpt-strictness")
+        if args.dist_ckpt_strictness not in (DEFAULT_STRICTNESS, NON_STRICT_FSDP_DTENSOR_STRICTNESS):
+            raise ValueError(f"--disable-strict-fsdp-dtensor-load means --dist-ckpt-strictness "
+                             f"{NON_STRICT_FSDP_DTENSOR_STRICTNESS}; drop --dist-ckpt-strictness "
+                             f"{args.dist_ckpt_strictness}")
+        args.dist_ckpt_strictness = NON_STRICT_FSDP_DTENSOR_STRICTNESS
+    if args.dist_ckpt_optim_fully_reshardable and args.ckpt_format not in LOGICAL_FORMATS:
+        raise ValueError(f"--dist-ckpt-optim-fully-reshardable needs --ckpt-format torch_dist (or "
+                         f"{', '.join(LOGICAL_FORMATS[1:])}); --ckpt-format {args.ckpt_format} saves each rank's "
+                         "optimizer state as it is")
+
+
+def bucket_size_for(args, model_chunks):
+    """The gradient bucket size in elements: --ddp-num-buckets as upstream (all chunks' parameters // N), else
+    --ddp-bucket-size (None: the wrapper's default)."""
+    if args.ddp_num_buckets is None:
+        return args.ddp_bucket_size
+    num_parameters = sum(param.numel() for chunk in model_chunks for param in chunk.parameters())
+    return max(1, num_parameters // args.ddp_num_buckets)
