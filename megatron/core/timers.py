@@ -18,7 +18,7 @@ time), 1 for the main parts of a step (forward-backward, gradient all-reduce, pa
 """
 
 import contextlib
-import time
+from time import perf_counter
 
 import torch
 import torch.distributed as dist
@@ -78,7 +78,7 @@ class Timer:
         if barrier:
             _barrier(self.barrier_group)
         _synchronize_accelerator()
-        self._started_at = time.perf_counter()
+        self._started_at = perf_counter()
 
     def stop(self, barrier=False):
         if not self.started:
@@ -86,7 +86,7 @@ class Timer:
         if barrier:
             _barrier(self.barrier_group)
         _synchronize_accelerator()
-        seconds = time.perf_counter() - self._started_at
+        seconds = perf_counter() - self._started_at
         self._elapsed_s += seconds
         self._active_time_s += seconds
         self._started_at = None
