@@ -97,9 +97,23 @@ def training_flops_per_iteration(args, global_batch_size):
         2 * hidden * (heads_width + 2 * key_value_width)  # QKV projection (fewer key/value heads with GQA)
         + 2 * heads_width * hidden  # attention output projection
         + 2 * 2 * seq * heads_width  # scores and weighted sum over the sequence
-        + 2 * mlp_matrices * hidden * args.ffn_hidden_size
-    ) + 2 * hidden * args.padded_vocab_size  # logits
+    ) + _mlp_flops_per_token(args, mlp_matrices) + 2 * hidden * args.padded_vocab_size  # logits
     return 3 * per_token_forward * seq * global_batch_size
+
+
+def _mlp_flops_per_token(args, mlp_matrices):
+    """Forward MLP FLOPs of one token over all layers: dense MLPs, and on MoE layers the router, the top-k
+    experts it goes through and the shared experts."""
+    dense = 2 * mlp_matrices * args.hidden_size * args.ffn_hidden_size
+    if getattr(args, "num_experts", None) is None:
+        return args.num_layers * dense
+    from megatron.core.transformer.moe.moe_config import layer_pattern_from_freq
+
+    expert_width = (args.moe_ffn_hidden_size or args.ffn_hidden_size) * args.moe_router_topk
+    moe = 2 * args.hidden_size * (args.num_experts + mlp_matrices * (expert_width +
+                                                                       (args.moe_shared_expert_intermediate_size or 0)))
+    pattern = layer_pattern_from_freq(args.moe_layer_freq, args.num_layers)
+    return sum(moe if is_moe else dense for is_moe in pattern)
 
 
 def _torch_optimizers(optimizer):

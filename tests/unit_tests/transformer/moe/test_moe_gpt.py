@@ -13,7 +13,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.models.gpt.gpt_test_utils import fixed_batch
 
-VOCAB, MAX_LENGTH, STEPS = 64, 16, 6
+VOCAB, MAX_LENGTH, STEPS = 64, 16, 4
 SHAPE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0,
              init_seed=1234)
 
@@ -25,7 +25,7 @@ def _model(**overrides):
 
 def _train(model, steps=STEPS):
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    tokens, labels, position_ids = fixed_batch(seed=3, batch=4, seq=16, vocab=VOCAB)
+    tokens, labels, position_ids = fixed_batch(seed=3, batch=2, seq=16, vocab=VOCAB)
     losses = []
     for _ in range(steps):
         optimizer.zero_grad()
