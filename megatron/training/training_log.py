@@ -93,11 +93,17 @@ def training_flops_per_iteration(args, global_batch_size):
     heads_width = args.kv_channels * args.num_attention_heads
     key_value_width = args.kv_channels * getattr(args, "num_query_groups", args.num_attention_heads)
     mlp_matrices = 3 if args.swiglu else 2
-    per_token_forward = layers * (
+    attention = (
         2 * hidden * (heads_width + 2 * key_value_width)  # QKV projection (fewer key/value heads with GQA)
         + 2 * heads_width * hidden  # attention output projection
         + 2 * 2 * seq * heads_width  # scores and weighted sum over the sequence
-    ) + _mlp_flops_per_token(args, mlp_matrices) + 2 * hidden * args.padded_vocab_size  # logits
+    )
+    if getattr(args, "multi_latent_attention", False):
+        from megatron.training.argument_groups.mla import attention_flops_per_token
+
+        attention = attention_flops_per_token(args)
+    per_token_forward = (layers * attention + _mlp_flops_per_token(args, mlp_matrices)
+                         + 2 * hidden * args.padded_vocab_size)  # logits
     return 3 * per_token_forward * seq * global_batch_size
 
 

@@ -62,6 +62,8 @@ def validate(args):
             raise ValueError(f"{_listed(changed)} only to multi-latent attention: add {MLA_FLAG} or drop it")
         if args.rope_type == "yarn":
             raise ValueError(f"--rope-type yarn is implemented for {MLA_FLAG} only: add it or use --rope-type rope")
+        if args.rope_type == "rope" and args.position_embedding_type != "rope":
+            raise ValueError(f"--rope-type rope needs --position-embedding-type rope (or {MLA_FLAG}); drop it")
         return
     if args.rope_type == "rope":
         changed = _changed(args, YARN_FLAGS)
@@ -81,3 +83,18 @@ def transformer_config_kwargs(args):
     if kwargs["original_max_position_embeddings"] is None:
         del kwargs["original_max_position_embeddings"]
     return dict(kwargs, multi_latent_attention=True, rope_type=args.rope_type, rotary_base=args.rotary_base)
+
+
+def attention_flops_per_token(args):
+    """Forward matmul FLOPs of one token through one multi-latent attention layer (2 per multiply-add): the
+    projections, then the scores and the weighted sum over the `--seq-length` keys."""
+    hidden, heads, seq = args.hidden_size, args.num_attention_heads, args.seq_length
+    query_width = heads * (args.qk_head_dim + args.qk_pos_emb_head_dim)
+    if args.q_lora_rank is None:
+        query = 2 * hidden * query_width
+    else:
+        query = 2 * hidden * args.q_lora_rank + 2 * args.q_lora_rank * query_width
+    key_value = (2 * hidden * (args.kv_lora_rank + args.qk_pos_emb_head_dim)
+                 + 2 * args.kv_lora_rank * heads * (args.qk_head_dim + args.v_head_dim))
+    attention = 2 * seq * query_width + 2 * seq * heads * args.v_head_dim
+    return query + key_value + attention + 2 * heads * args.v_head_dim * hidden

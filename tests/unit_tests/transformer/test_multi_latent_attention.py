@@ -292,6 +292,7 @@ def test_bad_config_names_the_flag(overrides, flag):
     ("--multi-latent-attention --rope-type rope --original-max-position-embeddings 64",
      "--original-max-position-embeddings"),
     ("--multi-latent-attention --rotary-percent 0.5", "--rotary-percent"),
+    ("--rope-type rope", "--position-embedding-type rope"),
 ])
 def test_bad_flags_name_the_flag(extra, flag):
     from megatron.training.arguments import parse_args, validate_args
@@ -332,3 +333,19 @@ def test_checkpoint_of_another_mla_model_is_refused_naming_the_flags():
         "--qk-head-dim", "--qk-pos-emb-head-dim", "--rope-type", "--rotary-scaling-factor"]
     assert architecture_differences(saved, Namespace(multi_latent_attention=False)) == [
         "--multi-latent-attention: set in the checkpoint, not set in this run"]
+
+
+def test_throughput_flops_count_the_latent_projections():
+    from argparse import Namespace
+
+    from megatron.training.training_log import training_flops_per_iteration
+
+    args = Namespace(hidden_size=64, num_layers=2, seq_length=16, num_attention_heads=4, kv_channels=16,
+                     num_query_groups=4, swiglu=False, ffn_hidden_size=256, padded_vocab_size=128,
+                     multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=32, qk_head_dim=8,
+                     qk_pos_emb_head_dim=4, v_head_dim=12)
+    # Per token and layer: q down 64x24 and up 24x(4*12); kv down 64x(32+4) and up 32x(4*20); scores over 16 keys
+    # of 4*12 channels, weighted sum of 4*12 value channels; out 48x64. MLP 2 x 64x256, logits 64x128.
+    attention = 2 * (64 * 24 + 24 * 48 + 64 * 36 + 32 * 80 + 16 * 48 + 16 * 48 + 48 * 64)
+    per_token = 2 * attention + 2 * 2 * (2 * 64 * 256) + 2 * 64 * 128
+    assert training_flops_per_iteration(args, global_batch_size=3) == 3 * per_token * 16 * 3
