@@ -2,7 +2,8 @@
 `--expert-tensor-parallel-size`), with upstream Megatron-LM's names and defaults.
 
 The rules live in `MoEConfigMixin` (megatron/core/transformer/moe/moe_config.py); `validate` applies them at
-argument time by building the transformer config, so a bad combination stops before any process group starts.
+argument time by building a transformer config of the fields they read, so a bad combination stops before any
+process group starts.
 The expert-parallel layout rule (DP x CP divisible by EP) is checked here because it needs the world size.
 """
 
@@ -91,6 +92,12 @@ def validate(args):
                          "expert-parallel ranks are taken from the data- and context-parallel ranks")
     if not _uses_moe_flags(args):
         return
-    from megatron.training.model_config import core_transformer_config_from_args
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    core_transformer_config_from_args(args)  # raises ValueError naming the flags
+    # The fields the MoE rules read; the full config is built later from every group (model_config.py).
+    TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel, transformer_impl=args.transformer_impl, fp8=args.fp8_format,
+        **transformer_config_kwargs(args),
+    )  # raises ValueError naming the flags
