@@ -29,7 +29,7 @@ class EnergyMonitor:
         self._nvml = pynvml
         self.device = device
         pynvml.nvmlInit()
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = device.index if device.index is not None else 0
         self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         self._last_millijoules = self._read_millijoules()
 

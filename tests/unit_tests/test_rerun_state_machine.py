@@ -219,3 +219,41 @@ def test_nan_on_one_rank_persistent_fault_saves_state_exits_16_and_again_when_re
     assert [(result["exit_code"], result["runs_of_bad_iteration"]) for result in resumed] == [(16, 1), (16, 1)]
     assert "asks to rerun iteration 3" in resumed[0]["stdout"]
     assert _checkpoint(tmp_path, 2)[0] == 2 and not (tmp_path / "iter_0000003").exists()
+
+
+def test_loss_and_gradient_checks_follow_the_flags():
+    import argparse
+
+    import pretrain_gpt
+    from megatron.training.result_validation import local_grad_norm, validate_gradients
+
+    layer = torch.nn.Linear(2, 1, bias=False)
+    layer.weight.grad = torch.tensor([[3.0, 4.0]])
+    assert local_grad_norm([layer]).item() == 5.0
+
+    def machine_after(check, flags):
+        machine = rsm.initialize_rerun_state_machine(rsm.RerunMode.VALIDATE_RESULTS)
+        machine.should_run_forward_backward(None)
+        check(argparse.Namespace(**flags))
+        return machine
+
+    try:
+        off = {"check_for_nan_in_loss_and_grad": False, "check_for_spiky_loss": False}
+        on = {"check_for_nan_in_loss_and_grad": True, "check_for_spiky_loss": False}
+        # --no-check-for-nan-in-loss-and-grad: a NaN loss or gradient goes unchecked.
+        nan_loss = lambda args: pretrain_gpt.validate_loss(torch.tensor(math.nan), args)  # noqa: E731
+        assert not machine_after(nan_loss, off).rerun_requested
+        layer.weight.grad = torch.tensor([[3.0, math.inf]])
+        assert not machine_after(lambda args: validate_gradients([layer], args), off).rerun_requested
+        # Checked by default: the first rejected check is the one a rerun compares.
+        machine = machine_after(lambda args: validate_gradients([layer], args), on)
+        assert machine.rerun_requested and machine.failed_call == ("found Inf in local grad norm", 0)
+        machine = machine_after(lambda args: pretrain_gpt.validate_loss(torch.tensor(-math.inf), args), on)
+        assert machine.failed_call == ("found Inf in local forward loss calculation", 0)
+        # --check-for-spiky-loss hands the loss to is_unexpectedly_large under the context "loss".
+        machine = machine_after(lambda args: None, on)
+        machine.current_iteration = 2
+        pretrain_gpt.validate_loss(torch.tensor(1.5), argparse.Namespace(**{**on, "check_for_spiky_loss": True}))
+        assert machine.large_value_counts == {"loss": 1} and machine.max_values == {"loss": 1.5}
+    finally:
+        rsm.destroy_rerun_state_machine()
