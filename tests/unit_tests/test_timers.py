@@ -128,14 +128,21 @@ TINY_GPT = (
 LEVEL_1 = ["forward-backward", "layernorm-grads-all-reduce", "embedding-grads-all-reduce", "all-grads-sync",
            "params-all-gather", "optimizer"]
 LEVEL_2 = ["forward-compute", "backward-compute", "batch-generator"]
+# The six pipeline transfers of the 1F1B schedule, each run on one of the two stages.
+PIPELINE_TRANSFERS = ["forward-recv", "forward-send", "backward-recv", "backward-send", "forward-send-backward-recv",
+                      "backward-send-forward-recv"]
 
 
 def _pretrain_output(level, tensorboard_dir):
+    """stdout of a 2-iteration run at timing level `level`: data parallel (distributed optimizer) at levels 0 and
+    1, two pipeline stages at level 2 (which times the transfers between stages)."""
     import pretrain_gpt
     from megatron.core.enums import ModelType
     from megatron.training.training import pretrain
 
     argv = f"{TINY_GPT} --timing-log-level {level} --tensorboard-dir {tensorboard_dir} --log-timers-to-tensorboard"
+    if level == 2:
+        argv += " --pipeline-model-parallel-size 2"
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
@@ -172,7 +179,7 @@ def test_pretrain_reports_the_timers_of_its_level(tmp_path, world_size, level):
     outputs = run_on_ranks(world_size, _pretrain_output, level, str(tmp_path))
     assert "iteration 2/ 2 |" in outputs[1] and "iteration 2/ 2 |" not in outputs[0]  # printed by the last rank
     report = _timer_report_after_log_line(outputs[1])
-    expected = {0: [], 1: LEVEL_1, 2: LEVEL_1 + LEVEL_2}[level]
+    expected = {0: [], 1: LEVEL_1, 2: LEVEL_1 + LEVEL_2 + PIPELINE_TRANSFERS}[level]
     assert sorted(report) == sorted(expected)
     assert all(0.0 < low <= high for low, high in report.values())
     # Each timer nests inside forward-backward except the optimizer and the parameter gather it runs.

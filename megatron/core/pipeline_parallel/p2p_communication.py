@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.device_utils import get_device_for_group
 from megatron.core.pipeline_parallel.model_access import schedule_setting
+from megatron.core.timers import timed
 
 SHAPE_RANK = 3  # activations between stages are [sequence, batch, hidden]
 
@@ -147,14 +148,15 @@ def recv_forward(tensor_shape, config):
     """The activation from the previous stage (None on the first stage)."""
     if parallel_state.is_pipeline_first_stage():
         return None
-    received, _ = _communicate(
-        tensor_send_next=None,
-        tensor_send_prev=None,
-        recv_prev=True,
-        recv_next=False,
-        tensor_shape=tensor_shape,
-        config=config,
-    )
+    with timed(schedule_setting(config, "timers"), "forward-recv", log_level=2):
+        received, _ = _communicate(
+            tensor_send_next=None,
+            tensor_send_prev=None,
+            recv_prev=True,
+            recv_next=False,
+            tensor_shape=tensor_shape,
+            config=config,
+        )
     return received
 
 
@@ -162,14 +164,15 @@ def recv_backward(tensor_shape, config):
     """The gradient of this stage's output from the next stage (None on the last stage)."""
     if parallel_state.is_pipeline_last_stage():
         return None
-    _, received = _communicate(
-        tensor_send_next=None,
-        tensor_send_prev=None,
-        recv_prev=False,
-        recv_next=True,
-        tensor_shape=tensor_shape,
-        config=config,
-    )
+    with timed(schedule_setting(config, "timers"), "backward-recv", log_level=2):
+        _, received = _communicate(
+            tensor_send_next=None,
+            tensor_send_prev=None,
+            recv_prev=False,
+            recv_next=True,
+            tensor_shape=tensor_shape,
+            config=config,
+        )
     return received
 
 
@@ -177,42 +180,45 @@ def send_forward(output_tensor, config, tensor_shape=None):
     """Send this stage's activation to the next stage (nothing on the last stage)."""
     if parallel_state.is_pipeline_last_stage():
         return
-    _communicate(
-        tensor_send_next=output_tensor,
-        tensor_send_prev=None,
-        recv_prev=False,
-        recv_next=False,
-        tensor_shape=tensor_shape,
-        config=config,
-    )
+    with timed(schedule_setting(config, "timers"), "forward-send", log_level=2):
+        _communicate(
+            tensor_send_next=output_tensor,
+            tensor_send_prev=None,
+            recv_prev=False,
+            recv_next=False,
+            tensor_shape=tensor_shape,
+            config=config,
+        )
 
 
 def send_backward(input_tensor_grad, config, tensor_shape=None):
     """Send the gradient of this stage's input to the previous stage (nothing on the first stage)."""
     if parallel_state.is_pipeline_first_stage():
         return
-    _communicate(
-        tensor_send_next=None,
-        tensor_send_prev=input_tensor_grad,
-        recv_prev=False,
-        recv_next=False,
-        tensor_shape=tensor_shape,
-        config=config,
-    )
+    with timed(schedule_setting(config, "timers"), "backward-send", log_level=2):
+        _communicate(
+            tensor_send_next=None,
+            tensor_send_prev=input_tensor_grad,
+            recv_prev=False,
+            recv_next=False,
+            tensor_shape=tensor_shape,
+            config=config,
+        )
 
 
 def send_forward_recv_backward(output_tensor, tensor_shape, config):
     """Send the activation to the next stage and receive its gradient in the same exchange."""
     if parallel_state.is_pipeline_last_stage():
         return None
-    _, output_tensor_grad = _communicate(
-        tensor_send_next=output_tensor,
-        tensor_send_prev=None,
-        recv_prev=False,
-        recv_next=True,
-        tensor_shape=tensor_shape,
-        config=config,
-    )
+    with timed(schedule_setting(config, "timers"), "forward-send-backward-recv", log_level=2):
+        _, output_tensor_grad = _communicate(
+            tensor_send_next=output_tensor,
+            tensor_send_prev=None,
+            recv_prev=False,
+            recv_next=True,
+            tensor_shape=tensor_shape,
+            config=config,
+        )
     return output_tensor_grad
 
 
@@ -220,14 +226,15 @@ def send_backward_recv_forward(input_tensor_grad, tensor_shape, config):
     """Send the input gradient to the previous stage and receive its next activation in the same exchange."""
     if parallel_state.is_pipeline_first_stage():
         return None
-    input_tensor, _ = _communicate(
-        tensor_send_next=None,
-        tensor_send_prev=input_tensor_grad,
-        recv_prev=True,
-        recv_next=False,
-        tensor_shape=tensor_shape,
-        config=config,
-    )
+    with timed(schedule_setting(config, "timers"), "backward-send-forward-recv", log_level=2):
+        input_tensor, _ = _communicate(
+            tensor_send_next=None,
+            tensor_send_prev=input_tensor_grad,
+            recv_prev=True,
+            recv_next=False,
+            tensor_shape=tensor_shape,
+            config=config,
+        )
     return input_tensor
 
 
