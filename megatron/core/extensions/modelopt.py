@@ -1,10 +1,11 @@
 """Post-training quantization of this code base's models with nvidia-modelopt.
 
-modelopt quantizes the module types it knows. `register_tensor_parallel_layers()` teaches it the
-tensor-parallel linear layers: their quantized versions put an input and a weight quantizer around the one
-GEMM helper the layers call (`tensor_parallel.layers._linear`), and calibration agrees on the quantizers'
-amaxes across the data- and tensor-parallel groups. `quantize(model, name, forward_loop)` runs PTQ with one
-of `QUANT_CONFIGS`; `modelopt_state(model)` / `restore(model, state)` carry modelopt's own record of what was
+modelopt quantizes the module types it knows. Its Megatron plugin (`modelopt.torch.quantization.plugins.megatron`,
+imported with modelopt) registers the tensor-parallel linear layers: their quantized versions put an input and a
+weight quantizer around the GEMM function the layers call (`tensor_parallel.layers.
+linear_with_grad_accumulation_and_async_allreduce`), and calibration agrees on the quantizers' amaxes across the
+data- and tensor-parallel groups. `register_tensor_parallel_layers()` checks that the plugin did.
+`quantize(model, name, forward_loop)` runs PTQ with one of `QUANT_CONFIGS`; `modelopt_state(model)` / `restore(model, state)` carry modelopt's own record of what was
 converted, which a fresh model needs before the quantized weights and quantizer states can be loaded.
 """
 
@@ -29,57 +30,51 @@ def require_modelopt():
         )
 
 
-_REGISTERED = []
-
-
 def register_tensor_parallel_layers():
-    """Register ColumnParallelLinear and RowParallelLinear with modelopt's quantized-module registry (once)."""
+    """Make sure modelopt's Megatron quantization plugin registered ColumnParallelLinear and RowParallelLinear
+    (it does when `modelopt.torch.quantization` is imported and the plugin's imports succeed)."""
     require_modelopt()
-    if _REGISTERED:
-        return
-    from modelopt.torch.quantization.nn import QuantModuleRegistry
-    from modelopt.torch.quantization.plugins.custom import _ParallelLinear
-    from modelopt.torch.utils.distributed import ParallelState
+    import importlib
 
-    from megatron.core import parallel_state
+    from modelopt.torch.quantization.nn import QuantModuleRegistry
+
     from megatron.core.tensor_parallel import layers
 
-    class _QuantTensorParallelLinear(_ParallelLinear):
-        _functionals_to_replace = [(layers, "_linear")]
+    try:
+        importlib.import_module("modelopt.torch.quantization.plugins.megatron")
+    except Exception as exc:
+        raise RuntimeError(
+            f"modelopt's Megatron quantization plugin does not import against this megatron.core ({exc!r}); "
+            "the tensor-parallel layers cannot be quantized without it"
+        ) from exc
+    for layer in (layers.ColumnParallelLinear, layers.RowParallelLinear):
+        if QuantModuleRegistry.get(layer) is None:
+            raise RuntimeError(f"modelopt's Megatron plugin did not register {layer.__name__}")
 
-        def _setup(self):
-            if parallel_state.model_parallel_is_initialized():
-                self.parallel_state = ParallelState(
-                    parallel_state.get_data_parallel_group(with_context_parallel=True),
-                    parallel_state.get_tensor_model_parallel_group(),
-                )
-            else:
-                self.parallel_state = ParallelState(None, None)
-            super()._setup()
 
-    class _QuantColumnParallelLinear(_QuantTensorParallelLinear):
-        _is_column_parallel = True
-
-    class _QuantRowParallelLinear(_QuantTensorParallelLinear):
-        _is_row_parallel = True
-
-    for original, quantized in (
-        (layers.ColumnParallelLinear, _QuantColumnParallelLinear),
-        (layers.RowParallelLinear, _QuantRowParallelLinear),
-    ):
-        if QuantModuleRegistry.get(original) is None:
-            QuantModuleRegistry.register({original: f"megatron_{original.__name__}"})(quantized)
-    _REGISTERED.append(True)
+# The norms' own input quantizers stay off. modelopt quantizes torch's LayerNorm as a module of its own, so its
+# wildcard `*input_quantizer` rule would fake-quantize the residual stream that enters each norm; in
+# Megatron-Core the norm is fused into the next linear, whose input quantizer quantizes the norm's output (as
+# here too). Quantizing the residual stream itself would also make the model depend on the last bits of the
+# residual (an element near an FP8 rounding boundary moves by a whole step, 2**-3 relative), which differ
+# between tensor-parallel sizes because row-parallel partial sums are added in another order.
+NORM_QUANTIZERS_OFF = {"quantizer_name": "*layernorm*", "enable": False}
 
 
 def quant_config(name):
-    """A deep copy of modelopt's configuration `QUANT_CONFIGS[name]`."""
+    """A deep copy of modelopt's configuration `QUANT_CONFIGS[name]`, with the norms' quantizers off."""
     require_modelopt()
     import modelopt.torch.quantization as mtq
 
     if name not in QUANT_CONFIGS:
         raise ValueError(f"--quant-cfg must be one of {sorted(QUANT_CONFIGS)}, got {name!r}")
-    return copy.deepcopy(getattr(mtq, QUANT_CONFIGS[name]))
+    config = copy.deepcopy(getattr(mtq, QUANT_CONFIGS[name]))
+    rules = config["quant_cfg"]
+    if isinstance(rules, dict):  # older modelopt: {pattern: settings}
+        rules[NORM_QUANTIZERS_OFF["quantizer_name"]] = {"enable": False}
+    else:
+        rules.append(dict(NORM_QUANTIZERS_OFF))
+    return config
 
 
 def quantize(model, name, forward_loop):

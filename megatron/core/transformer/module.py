@@ -1,7 +1,7 @@
 """`MegatronModule`, the base of upstream Megatron-Core's model modules, and `Float16Module`, the wrapper that
 runs a model in fp16 or bf16.
 
-`MegatronModule` keeps its `config` and builds `sharded_state_dict`: checkpoint entries keyed by name, each
+`MegatronModule` keeps its `config` and builds `sharded_state_dict` (from `ShardedStateModule`): checkpoint entries keyed by name, each
 tensor as this rank's piece of the logical tensor (a tensor-parallel parameter, `tensor_model_parallel` with
 its `partition_dim`, as its partition; everything else whole), submodules that define their own
 `sharded_state_dict` asked for theirs. This code base's models (GPTModel and its layers) are plain modules with
@@ -13,15 +13,25 @@ import torch
 from megatron.core.transformer.utils import module_sharded_state_dict, sharded_state_dict_default
 
 
-class MegatronModule(torch.nn.Module):
-    """A module built from a `TransformerConfig` (kept as `self.config`), with a default `sharded_state_dict`."""
+class ShardedStateModule(torch.nn.Module):
+    """A module with upstream's default `sharded_state_dict` (see `module_sharded_state_dict`)."""
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        return module_sharded_state_dict(self, prefix, sharded_offsets, metadata)
+
+
+class MegatronModule(ShardedStateModule):
+    """A module built from a `TransformerConfig` (kept as `self.config`), with a default `sharded_state_dict`.
+
+    GPTModel and its layers derive from `ShardedStateModule` only: modelopt's Megatron plugin treats every
+    `MegatronModule` as upstream's, annotating its (here frozen) config and storing quantizer state as module
+    extra state through `torch.cuda.synchronize()`, which fails on CPU builds. Without that, quantizer state
+    travels in modelopt's own state (`mto.modelopt_state`) and the amaxes as buffers of the model's state.
+    """
 
     def __init__(self, config):
         super().__init__()
         self.config = config
-
-    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        return module_sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
 
 def _half_dtype(config):

@@ -28,13 +28,14 @@ from megatron.core.models.common.embeddings.language_model_embedding import (
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.context_parallel import local_rows
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
+from megatron.core.transformer.module import ShardedStateModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 
 
-class GPTModel(torch.nn.Module):
+class GPTModel(ShardedStateModule):
     """Decoder-only language model (one pipeline stage of it).
 
     Args:
@@ -154,6 +155,15 @@ class GPTModel(torch.nn.Module):
     # ----------------------------------------------------------------------------------------------------
     # Forward
     # ----------------------------------------------------------------------------------------------------
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Checkpoint entries of this stage (see `ShardedStateModule`). The output layer carries no extra state:
+        quantizer state of a modelopt-quantized model travels in modelopt's own state instead."""
+        sharded_state_dict = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        output_layer_extra_state_key = f"{prefix}output_layer._extra_state"
+        output_layer_extra_state = sharded_state_dict.pop(output_layer_extra_state_key, None)
+        assert not output_layer_extra_state, f"unexpected output layer extra state: {output_layer_extra_state}"
+        return sharded_state_dict
 
     def set_input_tensor(self, input_tensor):
         """The previous pipeline stage's output `[s, b, h]` (a tensor, a one-element list, or None)."""
