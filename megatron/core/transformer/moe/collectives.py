@@ -70,6 +70,33 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad_output, ctx.group, ctx.input_splits, ctx.output_splits), None, None, None
 
 
+class _FinishAllToAll(torch.autograd.Function):
+    """Waits for an all-to-all launched by `start_all_to_all` and returns what arrived; backward like _AllToAll."""
+
+    @staticmethod
+    def forward(ctx, tensor, launched):
+        work, output, ctx.group, ctx.output_splits, ctx.input_splits = launched
+        work.wait()
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _all_to_all(grad_output, ctx.group, ctx.input_splits, ctx.output_splits), None
+
+
+def start_all_to_all(tensor, group, output_splits, input_splits):
+    """Launch `all_to_all` without waiting; returns a callable that waits and gives its (autograd-aware) result,
+    so work can run while the tokens travel."""
+    if group_size(group) == 1:
+        return lambda: tensor
+    tensor = tensor.contiguous()
+    output = tensor.new_empty((sum(output_splits),) + tuple(tensor.shape[1:]))
+    work = dist.all_to_all_single(output, tensor.detach(), output_split_sizes=list(output_splits),
+                                  input_split_sizes=list(input_splits), group=group, async_op=True)
+    launched = (work, output, group, list(output_splits), list(input_splits))
+    return lambda: _FinishAllToAll.apply(tensor, launched)
+
+
 def gather_along_first_dim(tensor, group):
     """Concatenate every rank's `tensor` (same shape) in group-rank order; backward: reduce-scatter (sum)."""
     return tensor if group_size(group) == 1 else _GatherFirstDim.apply(tensor, group)

@@ -26,6 +26,7 @@ from megatron.core.transformer.moe.collectives import (
     gather_without_grad,
     group_size,
     reduce_scatter_along_first_dim,
+    start_all_to_all,
 )
 
 
@@ -98,8 +99,8 @@ class MoEAlltoAllTokenDispatcher(_Dispatcher):
         return self._member_ep_ranks
 
     def dispatch(self, hidden_states, probs, routing_map, while_tokens_travel=None):
-        """`while_tokens_travel`: a callable run while the tokens are exchanged (the shared experts' overlap);
-        its result is kept as `self.overlapped_result`."""
+        """`while_tokens_travel`: a callable run while the tokens are exchanged (the all-to-all is launched
+        asynchronously first: the shared experts' overlap); its result is kept as `self.overlapped_result`."""
         self.hidden_shape, self.hidden_dtype = hidden_states.shape, hidden_states.dtype
         tokens = hidden_states.reshape(-1, hidden_states.size(-1))
         self.num_tokens = tokens.size(0)
@@ -117,10 +118,9 @@ class MoEAlltoAllTokenDispatcher(_Dispatcher):
         received_counts = all_counts[:, first:first + local]  # [members, local experts], arrival order row-major
         self.output_splits = received_counts.sum(dim=1).tolist()
         send = permuted.index_select(0, self.send_index.to(permuted.device))
-        self.overlapped_result = None
-        if while_tokens_travel is not None:
-            self.overlapped_result = while_tokens_travel()
-        received = all_to_all(send, self.group, self.output_splits, self.input_splits)
+        finish_exchange = start_all_to_all(send, self.group, self.output_splits, self.input_splits)
+        self.overlapped_result = while_tokens_travel() if while_tokens_travel is not None else None
+        received = finish_exchange()
         chunk_sizes = received_counts.reshape(-1)
         chunk_starts = torch.cumsum(chunk_sizes, 0) - chunk_sizes
         by_expert = torch.arange(chunk_sizes.numel()).view(-1, local).t().reshape(-1)  # (member, e) -> (e, member)

@@ -130,6 +130,25 @@ def _parallel_layers_match_single_rank():
             diffs[f"{layout}/{dispatcher}"] = worst
         parallel_state.destroy_model_parallel()
 
+    # Shared experts computed while the tokens travel (EP=2, alltoall) against the EP=1 layer with them.
+    shared = dict(moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=32)
+    parallel_state.initialize_model_parallel()
+    ref_output, ref_input_grad, ref_grads = _run(MoELayer(moe_config(**shared), init_seed=LAYER_SEED), hidden,
+                                                 upstream)
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
+    layer = MoELayer(moe_config(expert_model_parallel_size=2, moe_shared_expert_overlap=True, **shared),
+                     init_seed=LAYER_SEED)
+    local = layouts["ep2"][1]
+    output, input_grad, grads = _run(layer, local(hidden), local(upstream))
+    worst = max((output - local(ref_output)).abs().max().item(), (input_grad - local(ref_input_grad)).abs().max().item())
+    for name, grad in grads.items():
+        if name.startswith("shared_experts."):
+            dist.all_reduce(grad)
+            worst = max(worst, (grad - ref_grads[name]).abs().max().item())
+    diffs["ep2/alltoall/shared_overlap"] = worst
+    parallel_state.destroy_model_parallel()
+
     # Expert bias: counts summed over the data-parallel ranks before the update.
     parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
     layer = MoELayer(moe_config(hidden_size=4, num_attention_heads=1, moe_router_topk=1, expert_model_parallel_size=2,
