@@ -87,48 +87,62 @@ def _expert_key(name, first_global_index):
     return first_global_index + int(local), rest
 
 
-def _parallel_layers_match_single_rank():
-    """On 2 ranks: the EP=1 layer over all tokens, then EP=2 (each rank one sequence) and TP=2 + SP (each rank
-    half of every sequence) with each dispatcher. Returns the largest differences."""
-    rank = dist.get_rank()
-    hidden, upstream = _inputs()
+def _references(hidden, upstream):
+    """The EP=1, TP=1 layer over all tokens, per dispatcher."""
     parallel_state.initialize_model_parallel()
     reference = {}
     for dispatcher in DISPATCHERS:
         layer = MoELayer(moe_config(moe_token_dispatcher_type=dispatcher), init_seed=LAYER_SEED)
         reference[dispatcher] = _run(layer, hidden, upstream)
     parallel_state.destroy_model_parallel()
-    diffs = {"dispatchers": (reference["allgather"][0] - reference["alltoall"][0]).abs().max().item()}
+    return reference
 
+
+def _largest_differences(sizes, local, reference, hidden, upstream):
+    """{dispatcher: largest difference of the output, input gradient, router and expert gradients} of the layer
+    under `sizes` (this rank's tokens `local(...)`) against `reference`."""
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=sizes.get("tensor_model_parallel_size", 1),
+        expert_model_parallel_size=sizes.get("expert_model_parallel_size", 1))
+    diffs = {}
+    for dispatcher in DISPATCHERS:
+        layer = MoELayer(moe_config(moe_token_dispatcher_type=dispatcher, **sizes), init_seed=LAYER_SEED)
+        output, input_grad, grads = _run(layer, local(hidden), local(upstream))
+        ref_output, ref_input_grad, ref_grads = reference[dispatcher]
+        worst = max((output - local(ref_output)).abs().max().item(),
+                    (input_grad - local(ref_input_grad)).abs().max().item())
+        router_grad = grads["router.weight"].clone()
+        dist.all_reduce(router_grad)  # each rank routed its own tokens
+        worst = max(worst, (router_grad - ref_grads["router.weight"]).abs().max().item())
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        params = dict(layer.named_parameters())
+        for name, grad in grads.items():
+            key = _expert_key(name, layer.local_expert_indices[0])
+            if key is None:
+                continue
+            ref_grad = ref_grads[f"experts.local_experts.{key[0]}.{key[1]}"]
+            if getattr(params[name], "tensor_model_parallel", False) and tp > 1:
+                ref_grad = ref_grad.chunk(tp, dim=params[name].partition_dim)[tp_rank]
+            worst = max(worst, (grad - ref_grad).abs().max().item())
+        diffs[dispatcher] = worst
+    parallel_state.destroy_model_parallel()
+    return diffs
+
+
+def _parallel_layers_match_single_rank():
+    """On 2 ranks: the EP=1 layer over all tokens, then EP=2 (each rank one sequence) and TP=2 + SP (each rank
+    half of every sequence) with each dispatcher. Returns the largest differences."""
+    rank = dist.get_rank()
+    hidden, upstream = _inputs()
+    reference = _references(hidden, upstream)
+    diffs = {"dispatchers": (reference["allgather"][0] - reference["alltoall"][0]).abs().max().item()}
     layouts = {"ep2": (dict(expert_model_parallel_size=2), lambda t: t[:, rank:rank + 1]),
                "tp2_sp": (dict(tensor_model_parallel_size=2, sequence_parallel=True),
                           lambda t: t[rank * SEQ // 2:(rank + 1) * SEQ // 2])}
     for layout, (sizes, local) in layouts.items():
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=sizes.get("tensor_model_parallel_size", 1),
-            expert_model_parallel_size=sizes.get("expert_model_parallel_size", 1))
-        for dispatcher in DISPATCHERS:
-            layer = MoELayer(moe_config(moe_token_dispatcher_type=dispatcher, **sizes), init_seed=LAYER_SEED)
-            output, input_grad, grads = _run(layer, local(hidden), local(upstream))
-            ref_output, ref_input_grad, ref_grads = reference[dispatcher]
-            worst = max((output - local(ref_output)).abs().max().item(),
-                        (input_grad - local(ref_input_grad)).abs().max().item())
-            router_grad = grads["router.weight"].clone()
-            dist.all_reduce(router_grad)  # each rank routed its own tokens
-            worst = max(worst, (router_grad - ref_grads["router.weight"]).abs().max().item())
-            tp = parallel_state.get_tensor_model_parallel_world_size()
-            tp_rank = parallel_state.get_tensor_model_parallel_rank()
-            for name, grad in grads.items():
-                key = _expert_key(name, layer.local_expert_indices[0])
-                if key is None:
-                    continue
-                ref_grad = ref_grads[f"experts.local_experts.{key[0]}.{key[1]}"]
-                param = dict(layer.named_parameters())[name]
-                if getattr(param, "tensor_model_parallel", False) and tp > 1:
-                    ref_grad = ref_grad.chunk(tp, dim=param.partition_dim)[tp_rank]
-                worst = max(worst, (grad - ref_grad).abs().max().item())
+        for dispatcher, worst in _largest_differences(sizes, local, reference, hidden, upstream).items():
             diffs[f"{layout}/{dispatcher}"] = worst
-        parallel_state.destroy_model_parallel()
 
     # Shared experts computed while the tokens travel (EP=2, alltoall) against the EP=1 layer with them.
     shared = dict(moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=32)
@@ -169,3 +183,21 @@ def test_expert_and_tensor_parallel_equal_single_rank():
         assert diffs.pop("expert_bias") == [-0.5, 0.5, 0.5, -0.5]
         for case, worst in diffs.items():
             assert worst < 1e-5, (case, worst)
+
+
+def _expert_and_tensor_parallel_together():
+    """On 4 ranks: EP=2 x TP=2 with sequence parallelism (data-parallel rank d holds sequence d, TP rank t half t
+    of it) against the single-rank layer."""
+    rank = dist.get_rank()
+    tp_rank, dp_rank = rank % 2, rank // 2  # tensor-parallel neighbours are consecutive ranks
+    hidden, upstream = _inputs()
+    reference = _references(hidden, upstream)
+    sizes = dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2)
+    return _largest_differences(sizes, lambda t: t[tp_rank * SEQ // 2:(tp_rank + 1) * SEQ // 2, dp_rank:dp_rank + 1],
+                                reference, hidden, upstream)
+
+
+def test_expert_parallel_with_tensor_parallel_and_sequence_parallel():
+    for diffs in run_on_ranks(4, _expert_and_tensor_parallel_together):
+        for dispatcher, worst in diffs.items():
+            assert worst < 1e-5, (dispatcher, worst)
