@@ -107,6 +107,10 @@ def true_vocab_size(args) -> Optional[int]:
     """This run's vocabulary size before padding (the tokenizer's), or None when no tokenizer is configured."""
     if getattr(args, "tokenizer_type", None) is None:
         return None
+    if args.tokenizer_type == "TikTokenizer":  # --vocab-size (or upstream's default), whatever the file holds
+        from megatron.training.tokenizer.tiktoken_tokenizer import DEFAULT_VOCAB_SIZE
+
+        return getattr(args, "vocab_size", None) or DEFAULT_VOCAB_SIZE
     return _tokenizer_vocab_size(args.tokenizer_type, getattr(args, "vocab_size", None),
                                  getattr(args, "vocab_file", None), getattr(args, "merge_file", None),
                                  getattr(args, "tokenizer_model", None))

@@ -83,7 +83,10 @@ class FunctionalCase:
 
     @property
     def train_iters(self):
-        return int(self.model_args["--train-iters"])
+        """--train-iters, or for sample-based training --train-samples // --global-batch-size (as pretrain)."""
+        if "--train-iters" in self.model_args:
+            return int(self.model_args["--train-iters"])
+        return int(self.model_args["--train-samples"]) // int(self.model_args["--global-batch-size"])
 
 
 def list_cases(model="gpt"):
@@ -103,12 +106,12 @@ def load_case(name):
     if test_type not in TEST_TYPES:
         raise ValueError(f"{config_path}: TEST_TYPE must be one of {TEST_TYPES}, got {test_type!r}")
     model_args = dict(config["MODEL_ARGS"])
-    if "--train-iters" not in model_args:
-        raise ValueError(f"{config_path}: MODEL_ARGS needs --train-iters")
+    if "--train-iters" not in model_args and not {"--train-samples", "--global-batch-size"} <= set(model_args):
+        raise ValueError(f"{config_path}: MODEL_ARGS needs --train-iters (or --train-samples and --global-batch-size)")
     resume_model_args = dict(config.get("RESUME_MODEL_ARGS") or {})
     if resume_model_args and test_type != "ckpt-resume":
         raise ValueError(f"{config_path}: RESUME_MODEL_ARGS needs TEST_TYPE ckpt-resume")
-    if {"--train-iters", "--save", "--load", "--exit-interval"} & set(resume_model_args):
+    if {"--train-iters", "--train-samples", "--save", "--load", "--exit-interval"} & set(resume_model_args):
         raise ValueError(f"{config_path}: RESUME_MODEL_ARGS may change the layout, not the schedule or checkpoint")
     return FunctionalCase(
         name=name,
