@@ -38,6 +38,9 @@ def validate(args):
             raise ValueError("--ddp-num-buckets and --ddp-bucket-size are exclusive: pick one")
         if args.ddp_num_buckets <= 0:
             raise ValueError(f"--ddp-num-buckets must be positive, got {args.ddp_num_buckets}")
+        if args.use_torch_fsdp2:
+            raise ValueError("--ddp-num-buckets sizes the gradient buckets of Megatron DDP and Megatron-FSDP; "
+                             "--use-torch-fsdp2 communicates per fully_shard module and has none: drop it")
     unit = args.suggested_communication_unit_size
     if unit is not None:
         if not args.use_megatron_fsdp:

@@ -99,6 +99,7 @@ def test_fully_reshardable_optimizer_checkpoint_needs_a_logical_format():
 @pytest.mark.parametrize("extra, message", [
     ("--ddp-num-buckets 2 --ddp-bucket-size 100", "--ddp-num-buckets and --ddp-bucket-size are exclusive"),
     ("--ddp-num-buckets 0", "--ddp-num-buckets must be positive"),
+    ("--ddp-num-buckets 2 --use-torch-fsdp2 --untie-embeddings-and-output-weights", "has none: drop it"),
     ("--suggested-communication-unit-size 100", "--suggested-communication-unit-size needs --use-megatron-fsdp"),
     ("--use-megatron-fsdp --suggested-communication-unit-size 100 --ddp-bucket-size 10", "drop --ddp-bucket-size"),
     ("--create-all-gather-group", "--create-all-gather-group is not implemented"),
