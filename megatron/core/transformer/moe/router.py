@@ -76,6 +76,9 @@ class TopKRouter(torch.nn.Module):
     def forward(self, hidden_states):
         """`[s, b, h]` -> (probs `[s*b, E]`, zero off the chosen experts, in the router dtype; routing_map
         `[s*b, E]` bool). In training the auxiliary losses ride on the returned tensors' backward."""
+        if hidden_states.dim() != 3 or hidden_states.size(-1) != self.config.hidden_size:
+            raise ValueError(f"MoE hidden_states must be [s, b, {self.config.hidden_size}] (--hidden-size), got "
+                             f"{tuple(hidden_states.shape)}")
         seq_length, batch_size = hidden_states.shape[0], hidden_states.shape[1]
         tokens = hidden_states.reshape(-1, hidden_states.size(-1))
         dtype = self.router_dtype or tokens.dtype

@@ -60,6 +60,14 @@ def test_shared_expert_overlap_gives_the_same_result():
     assert torch.equal(plain(hidden), overlapped(hidden))
 
 
+def test_bad_input_names_the_tensor():
+    layer = MoELayer(moe_config(), init_seed=LAYER_SEED)
+    with pytest.raises(ValueError, match="hidden_states must be"):
+        layer(torch.zeros(4, 2, HIDDEN + 1))
+    with pytest.raises(ValueError, match="--num-experts"):
+        MoELayer(TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=2))
+
+
 @pytest.mark.parametrize("dispatcher", DISPATCHERS)
 def test_capacity_drops_tokens(dispatcher):
     # 16 tokens, top-2 of 4 experts, factor 0.5: each expert keeps ceil(16 * 2 / 4 * 0.5) = 4 tokens.
