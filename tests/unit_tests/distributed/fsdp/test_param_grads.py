@@ -1,7 +1,8 @@
 """`.grad` of the module's parameters after the last microbatch's backward: this rank's part of the reduced
-gradient, for every strategy (a full tensor under no_shard, Shard(0) rows otherwise), viewing the gradients the
-optimizer steps with, so in-place changes reach the step; `zero_grad()` resets it. Also: `copy.deepcopy` of a
-wrapped model refuses with a clear error."""
+gradient, for every strategy (a Replicate() DTensor of the whole gradient under no_shard, Shard(0) rows
+otherwise), viewing the gradients the optimizer steps with, so in-place changes reach the step; none after the
+microbatches run under no_sync; `zero_grad()` resets it. Also: `copy.deepcopy` of a wrapped model refuses with a
+clear error. (Every strategy x outer strategy against the rules: test_grad_contract.py.)"""
 
 import copy
 
@@ -57,7 +58,7 @@ def _grads_by_strategy():
                 part = slice(micro * chunk, (micro + 1) * chunk)
                 with (model.no_sync() if micro < MICROBATCHES - 1 else models._null()):
                     (models.loss_fn(model(inputs[part]), target[part]) / MICROBATCHES).backward()
-                if after_first is None:  # strategies 0/1 defer the reduction under no_sync: nothing to show yet
+                if after_first is None:  # a microbatch under no_sync: its sums are not final, nothing shows
                     after_first = [p.grad is not None for p in model.parameters() if p.requires_grad]
             grads = {}
             for name, p in model.module.named_parameters():
@@ -66,7 +67,7 @@ def _grads_by_strategy():
                 grad = p.grad
                 if isinstance(grad, DTensor):
                     kinds.add(("DTensor", tuple(grad.placements), tuple(grad.shape) == tuple(p.shape)))
-                    start, end = chunk_rows(p.shape[0], world, rank)
+                    start, end = chunk_rows(p.shape[0], world, rank) if strategy else (0, p.shape[0])
                     rows_ok &= grad.to_local().shape[0] == end - start
                     grads[name] = grad.full_tensor().clone()
                 else:
@@ -87,16 +88,13 @@ def _grads_by_strategy():
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_param_grads_are_this_ranks_part_of_the_reduced_gradient(world_size):
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Replicate, Shard
 
     reference_grads_per_step, reference_weights = _reference()
     for results in run_on_ranks(world_size, _grads_by_strategy):
         for strategy, (after_first, kinds, rows_ok, grads_per_step, weights, reset) in results.items():
-            if strategy <= 1:
-                assert not any(after_first), strategy
-            else:  # reduced every microbatch: the first microbatch's reduced gradients show
-                assert all(after_first), strategy
-            expected_kind = ("Tensor", (), True) if strategy == 0 else ("DTensor", (Shard(0),), True)
+            assert not any(after_first), strategy
+            expected_kind = ("DTensor", (Replicate() if strategy == 0 else Shard(0),), True)
             assert kinds == {expected_kind}, (strategy, kinds)
             assert rows_ok, strategy
             assert len(grads_per_step) == STEPS, strategy
@@ -177,7 +175,7 @@ def _hybrid_grads(outer_strategy):
         fsdp_unit_modules=[models.Block], zero_dp_strategy=3)
     inputs, target = (models.local_slice(t, dist.get_rank(), dist.get_world_size()) for t in models.make_batches(1)[0])
     models.loss_fn(model(inputs), target).backward()
-    before_sync = [p.grad is not None for p in model.parameters()]
+    before_sync = [p.grad is not None for p in model.parameters() if p.requires_grad]
     model.finish_grad_sync()
     grads = {name: p.grad.full_tensor().clone() for name, p in model.module.named_parameters() if p.grad is not None}
     return before_sync, grads
@@ -185,13 +183,13 @@ def _hybrid_grads(outer_strategy):
 
 @pytest.mark.parametrize("world_size", [4])
 def test_hybrid_sharding_grads_after_finish_grad_sync(world_size):
-    """HSDP: the gradients are complete only once finish_grad_sync summed them over the outer ranks, so `.grad`
-    is attached there; HFSDP: not attached (its reduced gradients are flat sub-shards of the rows)."""
+    """HSDP and HFSDP: the synchronised backward completes the outer reductions too, so `.grad` shows the
+    reduced gradients right after it, and again after finish_grad_sync (HFSDP: Partial() over the outer ranks,
+    whose sum full_tensor() takes)."""
     reference_grads = _reference()[0][0]  # the first step's
-    for before_sync, grads in run_on_ranks(world_size, _hybrid_grads, "no_shard"):
-        assert not any(before_sync)
-        assert set(grads) == set(reference_grads)
-        for name, grad in reference_grads.items():
-            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
-    for before_sync, grads in run_on_ranks(world_size, _hybrid_grads, "optim"):
-        assert not any(before_sync) and grads == {}
+    for outer_strategy in ("no_shard", "optim"):
+        for before_sync, grads in run_on_ranks(world_size, _hybrid_grads, outer_strategy):
+            assert before_sync and all(before_sync), outer_strategy
+            assert set(grads) == set(reference_grads), outer_strategy
+            for name, grad in reference_grads.items():
+                torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=f"{outer_strategy} {name}")

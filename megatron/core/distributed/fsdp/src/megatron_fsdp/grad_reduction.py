@@ -143,6 +143,17 @@ class GradReductionPipeline:
                 group.main_grads.mul_(1.0 / collectives.group_size(self.outer_group))
             group.move_outer_grads_to(OuterGradState.NONE)
 
+    def complete_reductions(self):
+        """Wait for every inner reduction in flight, start the outer reductions still due (groups last reduced
+        under no_sync) and wait for them: the main gradients (HFSDP: the sub-shard gradients) are then final."""
+        self.wait_reduces()
+        if not self._has_outer():
+            return
+        for group in self.groups:
+            if group.main_grads is not None and group.outer_grad_state is OuterGradState.DUE:
+                self._launch_outer(group)
+        self.wait_outer_reductions()
+
     def start_grad_sync(self):
         for group in self.groups:
             if group.grads_dirty:

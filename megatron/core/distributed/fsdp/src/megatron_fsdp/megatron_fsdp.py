@@ -95,8 +95,9 @@ class MegatronFSDP(nn.Module):
         dp_mesh = DeviceMesh.from_group(self.topology.dp_group, self.device.type)
         if self.strategy == ShardingStrategy.optim_grads_params:
             self._install_resting_placeholders(dp_mesh)
+        outer_mesh = self.topology.checkpoint_mesh().mesh if self.topology.optimizer_outer_size > 1 else None
         self.schedule.param_grads = ParamGrads(self.groups, self.strategy, dp_mesh, resting=self.schedule.resting,
-                                               outer_replicas=self.topology.outer_size > 1)
+                                               outer_mesh=outer_mesh)
         module.__dict__[WRAPPED_ATTR] = self  # a plain attribute: not registered as a submodule
 
     # ---- construction ---------------------------------------------------------------------------------------------
@@ -244,7 +245,7 @@ class MegatronFSDP(nn.Module):
     def finish_grad_sync(self):
         if self.schedule.finish_grad_sync():
             self.steps_recorded += 1
-            self.schedule.param_grads.attach(grad_sync_finished=True)
+            self.schedule.param_grads.attach()
 
     def start_param_sync(self, force_sync: bool = False):
         self.schedule.start_param_sync(async_op=not force_sync)

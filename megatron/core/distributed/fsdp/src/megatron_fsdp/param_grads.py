@@ -1,30 +1,37 @@
-"""What `.grad` of the module's parameters shows once a step's gradients are reduced: this rank's part of them.
+"""What `.grad` of the module's parameters shows: nothing until a step's gradients are synchronised, then this
+rank's part of the reduced gradients, as a DTensor.
 
 Gradients arrive in a post-accumulate-grad hook that moves them into the flat gradient buffers and leaves
-`param.grad` None, so the reduction runs from one flat buffer. Once the reductions of a step have landed (at
-the end of the backward of a synchronised microbatch, or in `finish_grad_sync()` when they were deferred:
-`no_sync`, `sync_model_each_microbatch=False`, HSDP's outer all-reduce), each trainable parameter the module
-shows gets a `.grad` that VIEWS the reduced gradient the optimizer steps with, so in-place changes
-(`torch.nn.utils.clip_grad_norm_`, scaling) reach the step:
+`param.grad` None, so the reduction runs from one flat buffer. `.grad` is attached once every reduction of the
+step, inner and outer, has landed: at the end of the backward of a synchronised microbatch (sync on:
+`set_model_auto_sync(True)` / `sync_model_each_microbatch=True`, outside `no_sync()`), or in
+`finish_grad_sync()` (which `optimizer.step()` runs). Microbatches run with sync off leave every `.grad` None,
+under every strategy (strategies 2/3 reduce them anyway; the sums are not final). Each trainable parameter the
+module shows then gets a DTensor `.grad`:
 
-| strategy               | parameter the module shows | `.grad`                                               |
-|------------------------|----------------------------|-------------------------------------------------------|
-| 0 no_shard             | full tensor                | full tensor: the all-reduced gradient                 |
-| 1 optim, 2 optim_grads | full tensor                | Shard(0) DTensor (full shape): this rank's rows of it |
-| 3 optim_grads_params   | Shard(0) DTensor (resting) | Shard(0) DTensor: this rank's rows of it              |
+| strategy               | parameter the module shows | `.grad` (a view of the gradients the optimizer steps with) |
+|------------------------|----------------------------|-----------------------------------------------------------|
+| 0 no_shard             | full tensor                | Replicate() DTensor: the all-reduced gradient              |
+| 1 optim, 2 optim_grads | full tensor                | Shard(0) DTensor (full shape): this rank's rows of it      |
+| 3 optim_grads_params   | Shard(0) DTensor (resting) | Shard(0) DTensor: this rank's rows of it                   |
 
-(a 0-dim parameter's DTensor gradient is `Partial()`, like its resting parameter.)
-`optimizer.zero_grad()` (`zero_grad_buffer()`) sets them back to None, and so does the start of the next
-backward: autograd would otherwise accumulate the next microbatch's gradient into the reduced one.
+on the data-parallel (shard) mesh; HSDP's gradients, summed over the outer ranks, are the same on every outer
+rank. A 0-dim parameter's gradient is `Partial()` (held by rank 0), like its resting parameter. As views,
+in-place changes (`torch.nn.utils.clip_grad_norm_`, scaling) reach the step.
 
-Where it is not attached, and why:
-- HFSDP (`outer_dp_sharding_strategy='optim'`): the reduced gradient of a rank's rows is split once more, in
-  flat ranges, over the outer ranks; no DTensor over the data-parallel mesh describes that, and a full-rows
-  copy would need an all-gather over the outer group whose result the optimizer would not step with.
-- Gradients kept in another dtype than the parameters (fp32 gradients of a bf16 model, the default policy):
-  torch requires `.grad` to have the parameter's `grad_dtype`. That attribute is set to the gradients' dtype
-  while the gradient is attached (and restored when it is dropped), so the fp32 gradient is shown as it is,
-  without a copy; a torch without `grad_dtype` gets no `.grad` for such parameters.
+HFSDP (`outer_dp_sharding_strategy='optim'`) reduces each rank's rows once more, in flat ranges, over the
+outer ranks: the optimizer steps with this rank's sub-shard only. Its `.grad` is a DTensor on the
+(outer, shard) mesh placed `(Partial(), Shard(0))`: the local tensor has this rank's rows' shape and holds the
+reduced gradient where the rows fall in this rank's sub-shard, zeros elsewhere, so the sum over the outer ranks
+is the gradient of the rows. That cannot be a view of the sub-shard (the rows of a sub-shard start and end
+mid-row), so it is a copy, one shard-sized buffer per group, refreshed whenever `.grad` is attached (again in
+`finish_grad_sync`): read it, but change the step's gradients with `scale_gradients` / `clip_grad_norm_`.
+
+Gradients kept in another dtype than the parameters (fp32 gradients of a bf16 model, the default policy) are
+shown as they are: the parameter's `grad_dtype` is set to theirs while attached and restored when dropped; a
+torch without `grad_dtype` gets no `.grad` for such parameters. `optimizer.zero_grad()` (`zero_grad_buffer()`)
+drops them, and so does the start of the next backward: autograd would otherwise accumulate the next
+microbatch's gradient into the reduced one.
 """
 
 from typing import Dict, List, Tuple
@@ -32,7 +39,10 @@ from typing import Dict, List, Tuple
 import torch
 import torch.nn as nn
 
+from torch.distributed.tensor import Partial, Replicate, Shard
+
 from .distributed_data_parallel_config import ShardingStrategy
+from .dtensor_views import dtensor_over_view
 from .resting_parameters import rows_dtensor
 
 
@@ -49,18 +59,21 @@ def _set_grad(param: nn.Parameter, grad: torch.Tensor) -> bool:
 class ParamGrads:
     """Attaches the reduced gradients as `.grad` of the parameters the module shows, and drops them again."""
 
-    def __init__(self, groups, strategy: ShardingStrategy, mesh, resting=None, outer_replicas: bool = False):
-        """`resting`: strategy 3's RestingParameters (the module shows those between steps). `outer_replicas`
-        (HSDP): the gradients are complete only after `finish_grad_sync` all-reduced them over the outer ranks."""
+    def __init__(self, groups, strategy: ShardingStrategy, mesh, resting=None, outer_mesh=None):
+        """`mesh`: the data-parallel (shard) mesh. `resting`: strategy 3's RestingParameters (the module shows
+        those between steps). `outer_mesh` (HFSDP): the state-dict mesh, outer dim first, shard dim last (a tp dim
+        between them is replicated over: the gradients are of this rank's tensor-parallel partition)."""
         self._groups = list(groups)
         self._strategy = strategy
         self._mesh = mesh
         self._resting = resting
-        self._outer_replicas = outer_replicas
+        self._outer_mesh = outer_mesh
         self._attached: List[Tuple[nn.Parameter, torch.dtype]] = []  # (parameter, its grad_dtype before)
         # (id(group), index) -> (the group's main_grads when built, the gradient viewing it): the views stay
         # valid while the buffer is released and given its storage back, so each is built once, not per step.
         self._grads: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
+        # HFSDP: id(group) -> the shard-sized buffer its `.grad` copies view, while attached
+        self._outer_copies: Dict[int, torch.Tensor] = {}
 
     def _shown(self, group, index: int) -> nn.Parameter:
         param = group.params[index]
@@ -68,36 +81,55 @@ class ParamGrads:
 
     @staticmethod
     def _attachable(group) -> bool:
-        return group.trainable and group.main_grads is not None and not group.outer_sharded and (
-            not group.main_grads_released)
+        if not group.trainable or group.main_grads is None:
+            return False
+        if group.outer_sharded:  # no gradient reached the group in this step: its sub-shard was never written
+            return group.optim_grads_written
+        return not group.main_grads_released
 
-    def attach(self, grad_sync_finished: bool):
-        """Point each parameter's `.grad` at its part of the reduced gradients (every reduction of the step must
-        have landed: at the end of a synchronised backward, or in `finish_grad_sync`)."""
-        if self._outer_replicas and not grad_sync_finished:
-            return
+    def attach(self):
+        """Point each parameter's `.grad` at its part of the reduced gradients. Every reduction of the step,
+        inner and outer, must have landed (the end of a synchronised backward, or `finish_grad_sync`)."""
         self.drop()
         for group in self._groups:
             if not self._attachable(group):
                 continue
             for index in range(len(group.params)):
                 param = self._shown(group, index)
-                grad = self._grad_view(group, index, param)
+                if group.outer_sharded:
+                    grad = self._outer_sharded_grad(group, index, param)
+                else:
+                    grad = self._grad_view(group, index, param)
                 previous_dtype = getattr(param, "grad_dtype", param.dtype)
                 if _set_grad(param, grad):
                     self._attached.append((param, previous_dtype))
 
     def _grad_view(self, group, index: int, param: nn.Parameter) -> torch.Tensor:
-        """Parameter `index`'s part of `group.main_grads`: a view (no_shard) or a DTensor of this rank's rows."""
+        """Parameter `index`'s part of `group.main_grads`: a Replicate() DTensor of the whole gradient
+        (no_shard) or a DTensor of this rank's rows."""
         source, grad = self._grads.get((id(group), index), (None, None))
         if source is not group.main_grads:
             if self._strategy == ShardingStrategy.no_shard:
                 span = group.layout.spans[index]
-                grad = group.main_grads[span.flat_start:span.flat_end].view(span.shape)
+                whole = group.main_grads[span.flat_start:span.flat_end].view(span.shape)
+                grad = dtensor_over_view(whole, self._mesh, [Replicate()], param.shape, param.stride())
             else:
                 grad = rows_dtensor(group.rows_of_shard(group.main_grads, index), param, self._mesh)
             self._grads[(id(group), index)] = (group.main_grads, grad)
         return grad
+
+    def _outer_sharded_grad(self, group, index: int, param: nn.Parameter) -> torch.Tensor:
+        """HFSDP: this rank's rows of the gradient, holding the reduced values of its sub-shard and zeros
+        elsewhere, placed Partial() over the outer dim (a copy; see the module docstring)."""
+        copy = self._outer_copies.get(id(group))
+        if copy is None:
+            copy = torch.zeros(group.layout.shard_numel, dtype=group.optim_grads.dtype, device=group.device)
+            copy[group.sub_shard_slice].copy_(group.optim_grads)
+            self._outer_copies[id(group)] = copy
+        local = group.rows_of_shard(copy, index)
+        placements = [Partial()] + [Replicate()] * (self._outer_mesh.ndim - 2) + [
+            Shard(0) if param.dim() else Partial()]
+        return dtensor_over_view(local, self._outer_mesh, placements, param.shape, param.stride())
 
     def drop(self):
         """Detach every gradient attached by `attach` and restore the parameters' `grad_dtype`."""
@@ -106,3 +138,4 @@ class ParamGrads:
             if getattr(param, "grad_dtype", previous_dtype) != previous_dtype:
                 param.grad_dtype = previous_dtype
         self._attached = []
+        self._outer_copies = {}

@@ -277,9 +277,12 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
             self.release(self.groups, at_rest=True)
         if any(entry[4] for entry in self.pending_reduces):
             self.wait_reduces()  # the last inner reductions landed: their outer ones start before the step
-        if self.param_grads is not None and not any(group.grads_dirty for group in self.groups):
-            self.wait_reduces()  # every reduction of the step was launched: `.grad` views their results
-            self.param_grads.attach(grad_sync_finished=False)
+        if self.sync_enabled and self.sync_model_each_microbatch and not any(g.grads_dirty for g in self.groups):
+            # A synchronised microbatch (the last of the step): every reduction was launched; once they and the
+            # outer ones have landed, `.grad` shows the step's gradients (param_grads.py).
+            self.complete_reductions()
+            if self.param_grads is not None:
+                self.param_grads.attach()
         for group in self.groups:
             group.grads_received = set()
             group.early_release_blocked = False
