@@ -52,3 +52,23 @@ def test_flops_count_topk_experts_and_the_router():
     args.moe_shared_expert_intermediate_size, args.moe_layer_freq = None, 2  # layer 0 MoE, layer 1 dense
     router = 2 * 32 * 8
     assert training_flops_per_iteration(args, 1) - dense == 3 * 16 * router  # 2 experts of 32 = one MLP of 64
+
+
+def test_training_log_reports_the_tracked_losses():
+    from megatron.core.num_microbatches_calculator import (
+        destroy_num_microbatches_calculator,
+        init_num_microbatches_calculator,
+    )
+    from megatron.training.training_log import moe_aux_losses
+
+    args = SimpleNamespace(num_experts=4, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01,
+                           moe_z_loss_coeff=None, moe_layer_freq="([1]*2+[0]*1)", num_layers=3,
+                           data_parallel_size=1, device="cpu")
+    assert moe_aux_losses(SimpleNamespace(num_experts=None)) == {}
+    init_num_microbatches_calculator(0, global_batch_size=4, micro_batch_size=2, data_parallel_size=1)
+    try:
+        for layer, value in ((1, 1.0), (2, 1.5), (1, 1.25), (2, 1.25)):  # two microbatches
+            moe_utils.save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(value), layer, 3)
+        assert moe_aux_losses(args) == {"load_balancing_loss": pytest.approx(5.0 / 4)}
+    finally:
+        destroy_num_microbatches_calculator()
