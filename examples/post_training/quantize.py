@@ -9,7 +9,10 @@ quantizers (`--quant-cfg`: fp8, fp8_per_channel_per_token, int8, int8_weight_onl
 them on `--calib-batches` global batches of training data from the data pipeline, measures the validation loss
 again on the same batches, and saves the quantized model under `--export-dir` in the checkpoint layout
 (`iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt`) with modelopt's own state (`modelopt_state`), which
-`load_quantized_model` replays on a freshly built model before loading the weights and quantizer states.
+`load_quantized_model` replays on a freshly built model before loading the weights and quantizer states. With
+`--ckpt-format torch_dist` the export is a training checkpoint holding modelopt's state
+(`megatron.training.modelopt_checkpoint`): `pretrain_gpt.py --load QUANTIZED --finetune` continues with
+quantization-aware training, at any tensor- or data-parallel size.
 """
 
 import os
@@ -71,10 +74,12 @@ def _run_global_batches(model, data_iterator, num_batches, args):
     """Forward `num_batches` global batches; returns the token-weighted mean loss (None off the last stage)."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.training.training import LOSS_NAME, reduce_reported_loss
+    from megatron.training.result_validation import pause_result_validation, resume_result_validation
+    from megatron.training.training import reduce_reported_loss
 
     total = []
     model.eval()
+    validation_mode = pause_result_validation()  # forward passes outside a training step, as in evaluation
     with torch.no_grad():
         for _ in range(num_batches):
             total += get_forward_backward_func()(
@@ -87,6 +92,7 @@ def _run_global_batches(model, data_iterator, num_batches, args):
                 decoder_seq_length=args.seq_length,
                 forward_only=True,
             )
+    resume_result_validation(validation_mode)
     return float(reduce_reported_loss(total, args.device))
 
 
@@ -126,6 +132,17 @@ def _export_path(root, iteration):
 
 
 def save_quantized_model(model, root, iteration, args, losses):
+    """Save the quantized model under `root`: with --ckpt-format torch_dist (or its aliases) as a training
+    checkpoint without optimizer state, which pretrain_gpt.py loads for quantization-aware training
+    (`--load root --finetune`); with --ckpt-format torch as one file per model-parallel rank."""
+    if checkpointing.is_logical_format(args):
+        saved_root = args.save
+        args.save = root
+        try:
+            checkpointing.save_checkpoint(iteration, [model], None, None, args)
+        finally:
+            args.save = saved_root
+        return root
     path = _export_path(root, iteration)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     state = {
@@ -144,9 +161,17 @@ def save_quantized_model(model, root, iteration, args, losses):
     return path
 
 
-def load_quantized_model(model, root):
+def load_quantized_model(model, root, args=None):
     """Replay the saved modelopt conversions on the freshly built `model`, then load weights and quantizer
-    states from the latest quantized checkpoint under `root`; returns the saved record."""
+    states from the latest quantized checkpoint under `root`; returns the saved record (torch format) or the
+    iteration (torch_dist, whose loader restores modelopt's state itself; `args` is then required)."""
+    if args is not None and checkpointing.is_logical_format(args):
+        saved_load, saved_finetune = args.load, args.finetune
+        args.load, args.finetune = root, True
+        try:
+            return checkpointing.load_checkpoint([model], None, None, args)
+        finally:
+            args.load, args.finetune = saved_load, saved_finetune
     iteration = checkpointing.read_tracker(root)
     if iteration is None:
         raise FileNotFoundError(f"no quantized checkpoint under {root} (no tracker file)")

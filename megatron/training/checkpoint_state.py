@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.dist_checkpointing import rng_mapping, serialization, vocab_padding, wrappers
+from megatron.training import modelopt_checkpoint
 from megatron.training.checkpoint_args import true_vocab_size
 from megatron.training.random_state import rng_state
 
@@ -38,7 +39,9 @@ def layout_of(args, model_chunks):
 
 def state_to_save(iteration, model_chunks, optimizer, scheduler, args):
     """(flat state dict of this rank, layout); collective (the optimizer agrees on its step counter)."""
+    modelopt_state = modelopt_checkpoint.modelopt_state_to_save(model_chunks)  # before the model's tensors
     state = {f"model.{name}": value for name, value in wrappers.model_state(model_chunks, for_saving=True).items()}
+    state.update(modelopt_state)
     if optimizer is not None and not args.no_save_optim:
         state.update(wrappers.optimizer_state_to_save(optimizer, model_chunks))
         if scheduler is not None:

@@ -35,7 +35,7 @@ from megatron.core.dist_checkpointing.checkpoint_directory import (  # noqa: F40
 )
 from megatron.core.dist_checkpointing.strictness import apply_strictness
 from megatron.core.fp8.checkpoint import fp8_histories_report, split_missing_fp8_histories
-from megatron.training import checkpoint_state
+from megatron.training import checkpoint_state, modelopt_checkpoint
 from megatron.training.checkpoint_args import check_same_architecture, saved_true_vocab_size, true_vocab_size
 from megatron.training.random_state import rng_state, set_rng_state
 
@@ -162,6 +162,11 @@ def load_dist_checkpoint(model_chunks, optimizer, scheduler, args, iteration):
                             f"it); loaded the previous copy {directory}, which the next save of this iteration "
                             "replaces")
 
+    # A modelopt-converted model is converted again first: its quantizers' amaxes are among its tensors.
+    modelopt_note = modelopt_checkpoint.restore_modelopt_state(model_chunks, directory,
+                                                                serialization.object_keys(metadata))
+    if modelopt_note is not None:
+        report.loaded.append(modelopt_note)
     model_targets, finish_model_load = checkpoint_state.model_targets(model_chunks)
     checkpoint_state.adapt_vocab_padding(model_targets, metadata, args, report)
     serialization.check_shapes(model_targets, metadata, directory)
