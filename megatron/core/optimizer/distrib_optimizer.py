@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megatron.core.device_utils import get_current_device
 from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+from megatron.core.offloading.placement import mark_relocatable
 from megatron.core.optimizer.optimizer import MegatronOptimizer, copy_parallel_attributes, fp32_grad
 
 
@@ -34,6 +35,7 @@ class _ParamShard:
         flat = model_param.detach().reshape(-1)[param_start:param_end]
         self.main_param = torch.nn.Parameter(flat.clone().to(main_dtype))
         copy_parallel_attributes(model_param, self.main_param)
+        mark_relocatable(self.main_param)  # a clone only this optimizer reads: CPU offload may move it to the host
 
     def grad_view(self):
         return self.model_param.main_grad.reshape(-1)[self.param_start:self.param_end]
@@ -90,6 +92,10 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def model_params(self):
         return list(self._model_params)
+
+    def _device(self):
+        # Main parameters may rest in host memory (--optimizer-cpu-offload); statistics run on the model's device.
+        return self._model_params[0].device if self._model_params else super()._device()
 
     def _copy_model_grads_to_main_grads(self):
         for shard in self._shards:

@@ -117,7 +117,14 @@ def _layout(optimizer):
         "last_offloaded_numel": entries[-1].device_param.numel() if entries else 0,
         "total_numel": sum(param.numel() for param in main),
         "offloaded_prefix": all(main[index] is entry.device_param for index, entry in enumerate(entries)),
-        "separate_copies": all(entry.host_param.data_ptr() != entry.device_param.data_ptr() for entry in entries),
+        # The distributed optimizer's main shards move to the host (one storage, the host buffer's); Megatron-FSDP's
+        # main weights are views into its buffers and keep a separate host copy.
+        "relocated": [entry.relocated for entry in entries],
+        "main_in_host_buffer": all(entry.device_param.data_ptr() == entry.host_param.data_ptr()
+                                   and entry.device_param.untyped_storage().nbytes() == entry.host_param.nbytes
+                                   for entry in entries if entry.relocated),
+        "separate_copies": all(entry.relocated or entry.host_param.data_ptr() != entry.device_param.data_ptr()
+                               for entry in entries),
         "shared_state": all(any(hybrid.state[entry.device_param] is states.get(entry.host_param) for states in
                                 host_states) for entry in entries),
         "host_optimizers": len(hybrid.host_steps),
@@ -169,6 +176,9 @@ def test_offload_trains_and_checkpoints_like_no_offload(world_size, wrapper):
         assert layouts["half_overlap"]["host_optimizers"] > 1 == half["host_optimizers"]  # one per parameter
         for layout in layouts.values():
             assert layout["offloaded_prefix"] and layout["separate_copies"] and layout["shared_state"]
+            assert layout["main_in_host_buffer"]
+            # Main parameters leave the device where they are the optimizer's own clones (distributed optimizer).
+            assert set(layout["relocated"]) == {wrapper == "distributed_optimizer"}
         for (saved_with, loaded_with), resumed_losses in result["resumed"].items():
             expected = result["runs"][loaded_with][0][SAVE_AFTER:]
             assert resumed_losses == pytest.approx(expected, rel=1e-6, abs=0), (saved_with, loaded_with)

@@ -4,17 +4,24 @@ parameters steps in host memory and the rest on the device.
 Split: parameters are walked in parameter-group order and whole tensors go to the host until the host's element
 count reaches `offload_fraction` of the total (the tensor that crosses it goes too; `offload_split`, pure
 arithmetic, upstream's rule), so the offloaded parameters are a prefix.
-Each offloaded parameter gets a host copy (pinned where CUDA is available) that a host optimizer steps; its
-optimizer state lives next to it in host memory. The other parameters are stepped by the device optimizer.
+Each offloaded parameter's main values live in host memory (`HostPlacement`: pinned where the compute device
+can use it), where a host optimizer steps them with their optimizer state next to them. A main parameter its
+owner marked relocatable (`mark_relocatable`: the distributed optimizer's fp32 shards, clones nobody else reads)
+is moved there outright: the parameter object keeps its identity but its storage is the host buffer, its device
+storage is released, and the owner's usual copy of main into model parameters (`_copy_main_params_to_model_params`)
+uploads the updated values into the model's device weights. So under the distributed optimizer with fp32 Adam
+the device keeps none of the 12 bytes per offloaded parameter (master weight and both moments). A main
+parameter that is a view into its owner's buffers (Megatron-FSDP's main weights, which in the model's dtype are
+the model's weights themselves) stays where it is: its host copy is stepped and the result copied back into it.
 
-A step: the offloaded parameters' gradients are copied device -> host (and a parameter's host copy is refreshed
-first if someone wrote the device parameter since the last step, e.g. a checkpoint load; detected from the
+A step: the offloaded parameters' gradients are copied device -> host (and a kept device view's host copy is
+refreshed first if someone wrote the view since the last step, e.g. a checkpoint load; detected from the
 tensor's version counter), the device optimizer steps while those copies run, then the host optimizer steps and
-the updated values are copied host -> device. With `overlap_d2h_h2d` on CUDA the copies run on side streams and
-each offloaded parameter has its own host optimizer, so one parameter's host step overlaps the next one's
-gradient copy and the previous one's upload; otherwise (and always on the CPU) copies are synchronous and one
-host optimizer steps all offloaded parameters. The device parameters hold the updated values when `step()`
-returns (device kernels queued afterwards see them).
+the updated values of kept views are copied host -> device. With `overlap_d2h_h2d` on CUDA the copies run on
+side streams and each offloaded parameter has its own host optimizer, so one parameter's host step overlaps the
+next one's gradient copy and the previous one's upload; otherwise (and always on the CPU) copies are synchronous
+and one host optimizer steps all offloaded parameters. The device parameters hold the updated values when
+`step()` returns (device kernels queued afterwards see them).
 
 Outside, it looks like the optimizer it replaces: `param_groups` hold the parameters it was given (wrappers may
 re-point them before the first step, as Megatron-FSDP does; the split is rebuilt then), `state` is keyed by
@@ -28,7 +35,8 @@ from typing import Callable, List, Sequence
 
 import torch
 
-from megatron.core.offloading.host_transfers import CopyStream, host_copy_of, empty_host_like
+from megatron.core.offloading.host_transfers import CopyStream
+from megatron.core.offloading.placement import HostPlacement, is_relocatable
 from megatron.core.optimizer.precision_aware_adam import optimizer_grad
 
 
@@ -47,12 +55,19 @@ def offload_split(numels: Sequence[int], fraction: float) -> List[bool]:
 
 
 class _OffloadedParam:
-    """A device parameter, its host copy and host gradient, and the device version the copy reflects."""
+    """A main parameter, the host tensor stepped for it and its host gradient, and the version of the parameter
+    the host tensor reflects. `relocated`: the parameter itself now lives in the host tensor's storage (no
+    device copy left, nothing to upload); otherwise the host tensor is a copy uploaded into it after each step."""
 
-    def __init__(self, device_param, group_index, grads_by_attribute):
+    def __init__(self, device_param, group_index, grads_by_attribute, placement: HostPlacement):
         self.device_param = device_param
         self.group_index = group_index
-        self.host_param = host_copy_of(device_param)
+        self.placement = placement
+        self.relocated = is_relocatable(device_param)
+        if self.relocated:
+            self.host_param = placement.relocate_to_host(device_param)
+        else:
+            self.host_param = placement.copy_of(device_param)
         self.host_grad = None
         self.grads_by_attribute = grads_by_attribute
         self.synced_version = device_param._version
@@ -63,7 +78,7 @@ class _OffloadedParam:
         else in the parameter's (torch optimizers want `.grad` in the parameter's dtype)."""
         dtype = device_grad.dtype if self.grads_by_attribute else self.host_param.dtype
         if self.host_grad is None or self.host_grad.dtype != dtype:
-            self.host_grad = empty_host_like(self.host_param, dtype)
+            self.host_grad = self.placement.empty_like(self.host_param, dtype)
         if self.grads_by_attribute:
             self.host_param.decoupled_grad = self.host_grad
         else:
@@ -100,6 +115,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         probe = device_optimizer_factory([{"params": [torch.zeros(1, device=first.device)]}])
         super().__init__(param_groups, dict(probe.defaults))
         self.device = first.device
+        self.placement = HostPlacement.for_device(self.device)
         self.offload_fraction = offload_fraction
         self.overlap_d2h_h2d = overlap_d2h_h2d
         self.state_dtypes = dict(getattr(probe, "state_dtypes", {}))
@@ -124,7 +140,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._host_optimizer_factory([{"params": [torch.zeros(1)]}]))
         for (index, param), goes_to_host in zip(indexed, on_host):
             if goes_to_host:
-                self.offloaded.append(_OffloadedParam(param, index, host_reads_decoupled))
+                self.offloaded.append(_OffloadedParam(param, index, host_reads_decoupled, self.placement))
             else:
                 device_groups[index].append(param)
         self.device_optimizer = self._build(self._device_optimizer_factory, device_groups)
@@ -219,7 +235,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     handle.wait_on_host()
             host_optimizer.step()
             uploads += [self._upload.copy(entry.device_param, entry.host_param) for entry in entries
-                        if entry.pending]
+                        if entry.pending and not entry.relocated]
         for handle in uploads:
             handle.wait_on_device(self.device)
         for entry in self.offloaded:
@@ -235,6 +251,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if grad is None:
             entry.detach_host_grad()
             return
-        if entry.device_param._version != entry.synced_version:
+        if not entry.relocated and entry.device_param._version != entry.synced_version:
             entry.pending.append(self._download.copy(entry.host_param, entry.device_param.detach()))
         entry.pending.append(self._download.copy(entry.attach_host_grad(grad), grad))
