@@ -164,3 +164,34 @@ def test_causal_ring_work_is_balanced_across_ranks(cp_size):
         pairs = attended_pairs(cp_size, rank)
         work.append(sum(0.5 if query == key else 1.0 for _, query, key in pairs))
     assert work == [2.0 * cp_size] * cp_size
+
+
+def _saved_bytes_of_attention(comm_type):
+    """Bytes of the distinct storages autograd saves for backward inside one CP attention call."""
+    query, key, value, _, _ = _inputs()
+    leaves = [local_rows(t, 0, dist.get_world_size(), dist.get_rank()).clone().requires_grad_()
+              for t in (query, key, value)]
+    leaf_storages = {t.untyped_storage().data_ptr() for t in leaves}
+    storages = {}
+
+    def pack(tensor):
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer not in leaf_storages:
+            storages[pointer] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        context_parallel_attention(*leaves, None, comm_type=comm_type, group=dist.group.WORLD)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_allgather_keeps_only_local_key_value_for_backward(world_size):
+    """allgather gathers K/V again in its backward: besides its inputs (local Q, K, V) and its output it keeps only
+    this rank's queries re-laid out for the block kernels and their log-sum-exp, 1/N of the sequence, exactly what
+    the ring keeps; keeping the gathered K/V would add 2 * s * b * G * d * 4 bytes (4096 here)."""
+    local = SEQ // world_size
+    expected = 4 * (local * BATCH * HEADS * HEAD_DIM + local * BATCH * HEADS)  # queries [b, g, m, s/N, d], lse
+    for saved in run_on_ranks(world_size, _saved_bytes_of_attention, "allgather"):
+        assert saved == expected, (saved, expected)
+    assert run_on_ranks(world_size, _saved_bytes_of_attention, "p2p") == [expected] * world_size
