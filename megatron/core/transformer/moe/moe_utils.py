@@ -10,6 +10,8 @@ microbatches, see `set_aux_loss_backward_scale`).
 import torch
 import torch.distributed as dist
 
+from megatron.core.device_utils import get_current_device
+
 
 class MoEAuxLossAutoScaler(torch.autograd.Function):
     """`apply(activation, aux_loss)` -> activation; backward gives `aux_loss` the gradient `backward_scale`."""
@@ -40,7 +42,10 @@ def set_aux_loss_backward_scale(config, num_microbatches):
     if getattr(config, "num_moe_experts", None) is None:
         return
     grad_scale_func = getattr(config, "grad_scale_func", None)
-    scale = float(grad_scale_func(torch.ones(1)).item()) if grad_scale_func is not None else 1.0
+    if grad_scale_func is not None:
+        scale = float(grad_scale_func(torch.ones(1, device=get_current_device())).item())
+    else:
+        scale = 1.0
     scale *= getattr(config, "context_parallel_size", 1)
     if not getattr(config, "calculate_per_token_loss", False):
         scale /= num_microbatches

@@ -46,8 +46,8 @@ def unpermute(rows, token_index, probs, num_tokens):
 
 def _concatenated_ranges(starts, sizes):
     """cat(arange(start, start + size) for each chunk), vectorised."""
-    sizes = torch.as_tensor(sizes, dtype=torch.int64)
-    starts = torch.as_tensor(starts, dtype=torch.int64)
+    sizes = torch.as_tensor(sizes, dtype=torch.int64).cpu()
+    starts = torch.as_tensor(starts, dtype=torch.int64).cpu()
     total = int(sizes.sum())
     chunk_of_row = torch.repeat_interleave(torch.arange(sizes.numel()), sizes)
     first_row_of_chunk = torch.cumsum(sizes, 0) - sizes
@@ -91,10 +91,10 @@ class MoEAllGatherTokenDispatcher(_Dispatcher):
 class MoEAlltoAllTokenDispatcher(_Dispatcher):
     _member_ep_ranks = None
 
-    def _ep_rank_of_members(self):
+    def _ep_rank_of_members(self, device):
         """The expert-parallel rank of each member of the TP x EP group, in group-rank order (gathered once)."""
         if self._member_ep_ranks is None:
-            mine = torch.tensor([self.ep_rank], dtype=torch.int64)
+            mine = torch.tensor([self.ep_rank], dtype=torch.int64, device=device)
             self._member_ep_ranks = gather_without_grad(mine, self.group).tolist()
         return self._member_ep_ranks
 
@@ -107,7 +107,7 @@ class MoEAlltoAllTokenDispatcher(_Dispatcher):
         permuted, self.token_index, counts = permute(tokens, routing_map)
         self.permuted_probs = probs.t().masked_select(routing_map.t())
         local = self.num_local_experts
-        member_ep = self._ep_rank_of_members()
+        member_ep = self._ep_rank_of_members(tokens.device)
         counts_per_ep = counts.view(self.ep_size, local).sum(dim=1)
         ep_starts = torch.cumsum(counts_per_ep, 0) - counts_per_ep
         self.input_splits = [int(counts_per_ep[ep]) for ep in member_ep]
@@ -123,7 +123,8 @@ class MoEAlltoAllTokenDispatcher(_Dispatcher):
         received = finish_exchange()
         chunk_sizes = received_counts.reshape(-1)
         chunk_starts = torch.cumsum(chunk_sizes, 0) - chunk_sizes
-        by_expert = torch.arange(chunk_sizes.numel()).view(-1, local).t().reshape(-1)  # (member, e) -> (e, member)
+        # Arrival order is (member, expert); the experts want (expert, member).
+        by_expert = torch.arange(chunk_sizes.numel(), device=chunk_sizes.device).view(-1, local).t().reshape(-1)
         self.sort_index = _concatenated_ranges(chunk_starts[by_expert], chunk_sizes[by_expert]).to(received.device)
         return received.index_select(0, self.sort_index), received_counts.sum(dim=0)
 
