@@ -41,8 +41,8 @@ _FIELDS_NEEDING_EXPERTS = {
 def parse_moe_layer_freq(value):
     """`--moe-layer-freq` as given on the command line: an int N, or a Python list expression such as
     `([0]*3+[1]*5)` (evaluated with list arithmetic only). Returns an int or a list of ints."""
-    if isinstance(value, (int, list)) and not isinstance(value, bool):
-        return value
+    if isinstance(value, (int, list, tuple)) and not isinstance(value, bool):
+        return list(value) if isinstance(value, tuple) else value
     text = str(value).strip()
     if "[" not in text:
         try:
@@ -95,8 +95,8 @@ class MoEConfigMixin:
     """Experts per MoE layer (`--num-experts`); None means no MoE layer."""
     moe_ffn_hidden_size: Optional[int] = None
     """Width of each expert's MLP (`--moe-ffn-hidden-size`); None means ffn_hidden_size."""
-    moe_layer_freq: Union[int, list] = 1
-    """An int N: layers 0, N, 2N, ... are MoE; a list of 0/1 per layer (`--moe-layer-freq`)."""
+    moe_layer_freq: Union[int, list, tuple] = 1
+    """An int N: layers 0, N, 2N, ... are MoE; a list of 0/1 per layer (`--moe-layer-freq`), kept as a tuple."""
     moe_router_topk: int = 2
     moe_router_score_function: str = "softmax"
     moe_router_pre_softmax: bool = False
@@ -181,6 +181,7 @@ class MoEConfigMixin:
         if len(freq) != self.num_layers or any(flag not in (0, 1) for flag in freq):
             raise ValueError(f"--moe-layer-freq list {freq} must hold one 0 or 1 per layer (--num-layers "
                              f"{self.num_layers})")
+        object.__setattr__(self, "moe_layer_freq", tuple(freq))  # immutable, like the rest of the config
 
     def _validate_router(self, experts):
         topk = self.moe_router_topk

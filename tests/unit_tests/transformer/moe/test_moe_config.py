@@ -82,7 +82,7 @@ def test_flags_reach_the_config(monkeypatch):
                       "--moe-token-dispatcher-type alltoall --moe-grouped-gemm --moe-router-dtype fp64", monkeypatch)
     config = core_transformer_config_from_args(args)
     assert (config.num_moe_experts, config.expert_model_parallel_size, config.moe_router_topk) == (4, 2, 1)
-    assert config.moe_layer_freq == [1, 1, 0, 0] and config.moe_router_enable_expert_bias
+    assert config.moe_layer_freq == (1, 1, 0, 0) and config.moe_router_enable_expert_bias
     assert (config.moe_token_dispatcher_type, config.moe_grouped_gemm, config.moe_router_dtype) == \
         ("alltoall", True, "fp64")
 
