@@ -8,12 +8,15 @@ rank. Module names, and so the state, do not depend on the tensor- or data-paral
 calibrated amaxes are buffers of the model and travel with its tensors (`model.*`): a per-channel weight amax of
 a column-parallel layer is marked as split over tensor parallelism like the weight's rows, every other amax is
 the same on all tensor-parallel ranks (calibration agrees on it) and is saved whole. So a quantized checkpoint
-loads at another tensor- or data-parallel size; the pipeline-parallel size must stay the same.
+loads at another tensor- or data-parallel size; the pipeline-parallel size must stay the same. modelopt's
+distillation mode (`kd_loss`, which wraps the student with its teacher) is left out: checkpoints hold the
+student.
 """
 
 from megatron.core.distributed.data_parallel_base import unwrap_model
 
 STATE_KEY_PREFIX = "modelopt_state.pp"
+TRAINING_ONLY_MODES = ("kd_loss",)
 
 
 def _pipeline_rank_and_size():
@@ -76,8 +79,14 @@ def modelopt_state_to_save(model_chunks):
         and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0)
     if not first_rank_of_stage:
         return {}
+    state = mto.modelopt_state(module)
+    # A distillation wrapper (`kd_loss`) is not saved: checkpoints hold the student alone, without its teacher.
+    modes = [(mode, config) for mode, config in state.get("modelopt_state_dict", []) if mode not in TRAINING_ONLY_MODES]
+    if not modes:
+        return {}
+    state = {**state, "modelopt_state_dict": modes}
     pipeline_rank, _ = _pipeline_rank_and_size()
-    return {f"{STATE_KEY_PREFIX}{pipeline_rank}": mto.modelopt_state(module)}
+    return {f"{STATE_KEY_PREFIX}{pipeline_rank}": state}
 
 
 def restore_modelopt_state(model_chunks, directory, saved_object_keys):

@@ -1,0 +1,96 @@
+"""Knowledge distillation through pretrain() (examples/post_training/distill.py, 2 ranks): a 2-layer student
+learns from a 4-layer teacher loaded from its torch_dist checkpoint. In every microbatch the loss
+backpropagated equals KL(teacher || student) of the two models' logits summed over the unmasked tokens,
+computed here independently from the teacher and student of that step."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core.optional_deps import modelopt_installed
+from tests.unit_tests.dist_checkpointing.pretrain_helpers import run_pretrain, tiny_gpt_argv
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+pytestmark = pytest.mark.skipif(
+    not modelopt_installed(), reason="nvidia-modelopt is not installed (pip install -e '.[modelopt]')"
+)
+
+# Sums over 2 x 16 tokens of a KL divergence between 120-way distributions, in fp32.
+REL_TOLERANCE = 1e-5
+
+_records = []
+
+
+def _reference_kd_loss_sum(model, batch):
+    """KL(teacher || student) per token, summed over the unmasked tokens (no gradients)."""
+    from megatron.core.distributed.data_parallel_base import unwrap_model
+
+    module = unwrap_model(model)
+    with torch.no_grad():
+        teacher_logits = module.teacher_model(batch["tokens"], batch["position_ids"])
+        with module.only_student_forward():
+            student_logits = type(module).forward(module, batch["tokens"], batch["position_ids"])
+        teacher_log_probs = F.log_softmax(teacher_logits.float(), dim=-1)
+        student_log_probs = F.log_softmax(student_logits.float(), dim=-1)
+        per_token = (teacher_log_probs.exp() * (teacher_log_probs - student_log_probs)).sum(dim=-1)
+        return (per_token * batch["loss_mask"].float()).sum().item()
+
+
+def _recording_forward_step(data_iterator, model):
+    import pretrain_gpt
+    from examples.post_training import distill
+
+    batch = pretrain_gpt.get_batch(data_iterator)
+    output_tensor, loss_func = distill.forward_step(iter([batch]), model)
+
+    def recording_loss_func(output):
+        loss_sum, num_tokens, reports = loss_func(output)
+        _records.append({"kd": loss_sum.item(), "reference": _reference_kd_loss_sum(model, batch),
+                         "reported_kd": reports["kd loss"][0].item(), "tokens": num_tokens.item()})
+        return loss_sum, num_tokens, reports
+
+    return output_tensor, recording_loss_func
+
+
+def _distill(workdir):
+    import pretrain_gpt
+    from examples.post_training import distill
+    from megatron.core.enums import ModelType
+    from megatron.training.training import pretrain
+
+    teacher = os.path.join(workdir, "teacher")
+    teacher_losses = run_pretrain(workdir, f"--train-iters 4 --save {teacher} --save-interval 4 --ckpt-format torch_dist")
+    _records.clear()
+    argv = tiny_gpt_argv(f"--num-layers 2 --train-iters 2 --export-kd-teacher-load {teacher}").split()
+    pretrain(pretrain_gpt.train_valid_test_datasets_provider, distill.model_provider, ModelType.encoder_or_decoder,
+             _recording_forward_step, extra_args_provider=distill.add_distillation_arguments, argv=argv)
+    return {"teacher_losses": teacher_losses, "records": list(_records)}
+
+
+def test_distillation_step_backpropagates_the_kl_divergence_to_the_teacher(tmp_path):
+    for result in run_on_ranks(2, _distill, str(tmp_path)):
+        records = result["records"]
+        assert len(records) == 2 * 2  # 2 iterations x (global batch 8 / (micro batch 2 x DP2)) microbatches
+        for record in records:
+            assert record["tokens"] == 2 * 16
+            assert record["kd"] > 0.01 * record["tokens"]  # a 2-layer student is not its 4-layer teacher
+            assert abs(record["kd"] - record["reference"]) <= REL_TOLERANCE * record["reference"], record
+            assert record["reported_kd"] == record["kd"]
+        assert records[0]["kd"] != records[-1]["kd"]
+
+
+def test_distill_refuses_missing_teacher_and_pipeline_parallelism():
+    from types import SimpleNamespace
+
+    from examples.post_training.distill import _check_arguments
+
+    base = dict(export_kd_teacher_load="t", pipeline_model_parallel_size=1, use_megatron_fsdp=False,
+                use_torch_fsdp2=False)
+    with pytest.raises(ValueError, match="--export-kd-teacher-load"):
+        _check_arguments(SimpleNamespace(**{**base, "export_kd_teacher_load": None}))
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-size 1"):
+        _check_arguments(SimpleNamespace(**{**base, "pipeline_model_parallel_size": 2}))
+    with pytest.raises(ValueError, match="--use-megatron-fsdp"):
+        _check_arguments(SimpleNamespace(**{**base, "use_megatron_fsdp": True}))
