@@ -68,6 +68,11 @@ class DistributedDataParallelConfig:
     """FSDP2: free each unit's gathered parameters after its forward and gather them again for backward (True),
     or keep them until backward (False, `--torch-fsdp2-no-reshard-after-forward`)."""
 
+    torch_fsdp2_cpu_offload: bool = False
+    """FSDP2: keep the sharded parameters and their gradient shards in (pinned) host memory through torch's
+    `CPUOffloadPolicy`, so the optimizer steps there; each unit's all-gather copies its shards to the device
+    (`--torch-fsdp2-cpu-offload`)."""
+
     data_parallel_sharding_strategy: str = "no_shard"
     """Megatron-FSDP ZeRO level: no_shard | optim | optim_grads | optim_grads_params."""
 
@@ -113,6 +118,11 @@ class DistributedDataParallelConfig:
     def __post_init__(self):
         if not self.preserve_fp32_weights and self.megatron_fsdp_main_params_dtype == torch.float32:
             object.__setattr__(self, "megatron_fsdp_main_params_dtype", None)
+        if self.torch_fsdp2_cpu_offload and not self.use_torch_fsdp2:
+            raise ValueError(
+                "DistributedDataParallelConfig.torch_fsdp2_cpu_offload (--torch-fsdp2-cpu-offload) offloads FSDP2's "
+                "shards: it needs use_torch_fsdp2=True (--use-torch-fsdp2)."
+            )
         if self.overlap_param_gather and not (self.use_distributed_optimizer or self.use_megatron_fsdp):
             raise ValueError(
                 "DistributedDataParallelConfig.overlap_param_gather needs a sharded optimizer: set "

@@ -42,6 +42,7 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from megatron.core.distributed.data_parallel_base import DataParallelWrapper, local_tensor, tensor_bytes
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.fsdp_units import default_fsdp_unit_modules
+from megatron.core.offloading.fsdp2 import fsdp2_offload_policy
 
 # Attributes Megatron code reads from parameters (grad norm de-duplication, SP / tied-embedding all-reduces,
 # weight-decay and checkpoint logic). FSDP2 replaces every parameter with a new DTensor parameter, so they
@@ -155,12 +156,15 @@ class TorchFSDP2(DataParallelWrapper):
                     param.data = param.data.float()
         # Children before parents, as FSDP2 requires: a unit's parameters leave the enclosing unit's group.
         self.fsdp_units = [submodule for submodule in module.modules() if isinstance(submodule, unit_classes)]
+        # --torch-fsdp2-cpu-offload: shards and gradient shards rest in host memory (see megatron.core.offloading).
+        self.offload_policy = fsdp2_offload_policy(ddp_config.torch_fsdp2_cpu_offload, self.device_mesh.device_type)
         for unit in self.fsdp_units:
             fully_shard(unit, mesh=self.device_mesh, reshard_after_forward=reshard_after_forward,
-                        mp_policy=self.mixed_precision_policy)
+                        mp_policy=self.mixed_precision_policy, offload_policy=self.offload_policy)
         # The root's parameters (final norm, output layer) are needed right after the last layer's backward
         # starts, so the root never reshards between forward and backward.
-        fully_shard(module, mesh=self.device_mesh, reshard_after_forward=False, mp_policy=self.mixed_precision_policy)
+        fully_shard(module, mesh=self.device_mesh, reshard_after_forward=False, mp_policy=self.mixed_precision_policy,
+                    offload_policy=self.offload_policy)
         self.module = module
         for name, param in module.named_parameters():
             for key, value in carried[name].items():

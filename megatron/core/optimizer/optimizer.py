@@ -21,6 +21,7 @@ from megatron.core.optimizer.clip_grads import (
     grads_for_grad_stats,
 )
 from megatron.core.optimizer.precision_aware_adam import optimizer_grad
+from megatron.core.device_utils import get_current_device
 
 # Attributes that decide how a parameter is counted in the global grad norm; main copies inherit them.
 PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared_embedding",
@@ -121,8 +122,12 @@ class MegatronOptimizer:
         return count_zeros_fp32(self.main_grads_for_grad_stats(), self.grad_stats_groups, self._device())
 
     def _device(self):
+        """Where statistics are reduced: the main parameters' device, or the process's compute device when they
+        rest in host memory (parameter or optimizer CPU offload on an accelerator)."""
         params = self.main_params()
-        return params[0].device if params else torch.device("cpu")
+        if params and params[0].device.type != "cpu":
+            return params[0].device
+        return get_current_device()
 
     def _unscale_main_grads_and_check_for_nan(self):
         """Divide main grads by the loss scale; True on every rank if any rank saw inf/nan."""

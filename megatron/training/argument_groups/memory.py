@@ -1,4 +1,5 @@
-"""Memory flags: the precision-aware optimizer's dtypes, optimizer CPU offload and activation offloading."""
+"""Memory flags: the precision-aware optimizer's dtypes, optimizer CPU offload, parameter offload of the FSDP
+wrappers and activation offloading."""
 
 DTYPE_CHOICES = {
     "main_params_dtype": ["fp32", "fp16"],
@@ -64,6 +65,12 @@ def add_arguments(parser):
         help="Optimizer CPU offload: step the host part with torch's multi-tensor AdamW (fp32 state) instead of "
         "the precision-aware AdamW.",
     )
+    group.add_argument(
+        "--torch-fsdp2-cpu-offload",
+        action="store_true",
+        help="FSDP2: keep the sharded parameters and gradients in (pinned) host memory (torch's CPUOffloadPolicy); "
+        "each unit's all-gather copies them to the device and the optimizer steps on the host.",
+    )
 
 
 def _validate_cpu_offload(args):
@@ -87,8 +94,14 @@ def _validate_cpu_offload(args):
                                  f"--{dest.replace('_', '-')} or that flag")
 
 
+def _validate_parameter_offload(args):
+    if getattr(args, "torch_fsdp2_cpu_offload", False) and not getattr(args, "use_torch_fsdp2", False):
+        raise ValueError("--torch-fsdp2-cpu-offload offloads FSDP2's shards: it needs --use-torch-fsdp2")
+
+
 def validate(args):
     _validate_cpu_offload(args)
+    _validate_parameter_offload(args)
     changed = [dest for dest in DTYPE_CHOICES if getattr(args, dest) != "fp32"]
     if changed and not args.use_precision_aware_optimizer:
         flags = ", ".join("--" + dest.replace("_", "-") for dest in changed)
@@ -132,6 +145,11 @@ def optimizer_config_kwargs(args):
                 optimizer_offload_fraction=args.optimizer_offload_fraction,
                 overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d,
                 use_torch_optimizer_for_cpu_offload=args.use_torch_optimizer_for_cpu_offload, **kwargs)
+
+
+def ddp_config_kwargs(args):
+    """The parameter-offload fields of DistributedDataParallelConfig."""
+    return dict(torch_fsdp2_cpu_offload=getattr(args, "torch_fsdp2_cpu_offload", False))
 
 
 def transformer_config_kwargs(args):

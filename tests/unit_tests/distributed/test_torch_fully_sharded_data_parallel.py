@@ -209,6 +209,8 @@ def test_fsdp2_with_tensor_sequence_and_pipeline_parallelism_matches_ddp(tmp_pat
         "fsdp2_pp2": "--pipeline-model-parallel-size 2 --use-torch-fsdp2",
         "fsdp2_pp2_no_reshard": "--pipeline-model-parallel-size 2 --use-torch-fsdp2 "
                                 "--torch-fsdp2-no-reshard-after-forward",
+        # Shards and gradient shards at rest in host memory (torch's CPUOffloadPolicy), the optimizer on the host.
+        "fsdp2_pp2_cpu_offload": "--pipeline-model-parallel-size 2 --use-torch-fsdp2 --torch-fsdp2-cpu-offload",
         # Gradients summed (not averaged) over data parallelism, then divided by the global token count.
         "ddp_tp2_per_token": "--tensor-model-parallel-size 2 --calculate-per-token-loss",
         "fsdp2_tp2_per_token": "--tensor-model-parallel-size 2 --calculate-per-token-loss --use-torch-fsdp2",
@@ -222,6 +224,7 @@ def test_fsdp2_with_tensor_sequence_and_pipeline_parallelism_matches_ddp(tmp_pat
     # norm and zero count are taken over FSDP2's DTensor gradient shards; zero counts may differ by accidental
     # exact zeros (a few), while the structural ones (embedding rows of tokens not in the batch) are ~1500.
     pairs = (("fsdp2_tp2_sp", "ddp_tp2"), ("fsdp2_pp2", "ddp_pp2"), ("fsdp2_pp2_no_reshard", "ddp_pp2"),
+             ("fsdp2_pp2_cpu_offload", "ddp_pp2"),
              ("fsdp2_tp2_per_token", "ddp_tp2_per_token"))
     for name, reference in pairs:
         for metric in ("lm loss", "grad norm"):
@@ -234,3 +237,74 @@ def test_fsdp2_with_tensor_sequence_and_pipeline_parallelism_matches_ddp(tmp_pat
     bf16, bf16_reference = metrics["fsdp2_tp2_bf16"], metrics["ddp_tp2_bf16"]
     torch.testing.assert_close(bf16["lm loss"], bf16_reference["lm loss"], rtol=1e-4, atol=0)
     torch.testing.assert_close(bf16["grad norm"], bf16_reference["grad norm"], rtol=1e-3, atol=0)
+    # Offload changes where shards rest, not the arithmetic: the same numbers as FSDP2 without it.
+    for metric in ("lm loss", "grad norm"):
+        torch.testing.assert_close(metrics["fsdp2_pp2_cpu_offload"][metric], metrics["fsdp2_pp2"][metric],
+                                   rtol=1e-6, atol=0)
+
+
+# ---- parameter offload (--torch-fsdp2-cpu-offload) ----------------------------------------------------------
+@pytest.mark.parametrize("device_type, can_pin, pinned", [("cuda", True, True), ("cuda", False, False),
+                                                          ("cpu", True, False)])
+def test_cpu_offload_policy_pins_where_the_device_can_use_it(device_type, can_pin, pinned):
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    from megatron.core.offloading.fsdp2 import fsdp2_offload_policy
+
+    policy = fsdp2_offload_policy(True, device_type, can_pin=can_pin)
+    assert isinstance(policy, CPUOffloadPolicy) and policy.pin_memory == pinned
+    assert type(fsdp2_offload_policy(False, device_type, can_pin=can_pin)) is OffloadPolicy
+
+
+def test_cpu_offload_needs_fsdp2():
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from tests.unit_tests.training.test_arguments import validated
+
+    with pytest.raises(ValueError, match=r"\(--torch-fsdp2-cpu-offload\) offloads FSDP2's shards: it needs "
+                                         r"use_torch_fsdp2=True \(--use-torch-fsdp2\)"):
+        DistributedDataParallelConfig(torch_fsdp2_cpu_offload=True)
+    with pytest.raises(ValueError, match="--torch-fsdp2-cpu-offload offloads FSDP2's shards: it needs --use-torch-fsdp2"):
+        validated("--torch-fsdp2-cpu-offload")
+
+
+def _fsdp2_losses_and_device_bytes(cpu_offload, steps=3):
+    """Losses of a few AdamW steps of a one-rank FSDP2 GPT on CUDA, with the device bytes held between steps and
+    whether the sharded parameters are pinned host tensors."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    model = _gpt(_config(hidden_size=256, num_layers=2)).cuda()
+    wrapped = _wrap(model, ddp_config=DistributedDataParallelConfig(use_torch_fsdp2=True,
+                                                                    torch_fsdp2_cpu_offload=cpu_offload))
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3), [wrapped])
+    losses = []
+    for step in range(steps):
+        wrapped.zero_grad_buffer()
+        tokens, positions, labels = (tensor.cuda() for tensor in _microbatch(step))
+        loss = model(tokens, positions, labels=labels).mean()
+        loss.backward()
+        wrapped.finish_grad_sync()
+        optimizer.step()
+        losses.append(loss.item())
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - start
+    local = [param.to_local() for param in model.parameters()]
+    pinned_host = all(tensor.device.type == "cpu" and tensor.is_pinned() for tensor in local)
+    param_bytes = sum(tensor.numel() * tensor.element_size() for tensor in local)
+    return losses, held, pinned_host, param_bytes
+
+
+@pytest.mark.gpu
+def test_cpu_offload_keeps_parameters_gradients_and_optimizer_state_off_the_device(tmp_path):
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        losses, held, pinned_host, param_bytes = _fsdp2_losses_and_device_bytes(False)
+        offloaded_losses, offloaded_held, offloaded_pinned_host, _ = _fsdp2_losses_and_device_bytes(True)
+    finally:
+        dist.destroy_process_group()
+    assert offloaded_losses == pytest.approx(losses, rel=1e-5, abs=0)  # same math; GPU kernels may reorder sums
+    assert offloaded_pinned_host and not pinned_host
+    # Without offload the device holds parameters, gradients and two Adam moments (16 bytes per element).
+    assert held >= 4 * param_bytes > offloaded_held
