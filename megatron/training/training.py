@@ -349,13 +349,8 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
 
 def calc_params_norm(optimizer):
     """The global L2 norm of the optimizer's main parameters (--log-params-norm): every element counted once
-    over tensor-, pipeline- and data-parallel ranks, as for the gradient norm."""
-    from megatron.core.optimizer.clip_grads import global_norm_fp32, tensors_counted_once
-
-    params = optimizer.main_params()
-    weights = tensors_counted_once(params, tensor_of=lambda param: param.detach())
-    device = params[0].device if params else None
-    return global_norm_fp32(weights, 2.0, optimizer.grad_stats_groups, device)
+    over tensor-, pipeline-, data- and expert-parallel ranks, as for the gradient norm."""
+    return optimizer.global_norm(lambda param: param.detach())
 
 
 def _attach_timers(model, timers, args):

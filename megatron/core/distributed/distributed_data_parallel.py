@@ -6,6 +6,11 @@ parameter in it has its gradient (buckets are issued in one fixed order on all r
 require); otherwise everything is reduced in `finish_grad_sync()`. Inside `no_sync()` gradients only
 accumulate. Gradients are pre-scaled by 1/DP before a SUM (gloo has no PREMUL_SUM), or averaged by the
 collective with `average_in_collective`.
+
+Mixture-of-Experts expert parameters (`allreduce=False`, see `megatron.core.expert_parameters`) get buffers of
+their own, reduced (and, with the distributed optimizer, sharded) over the expert data-parallel group with the
+same 1/(DP x CP) scaling as the dense gradients: an expert's gradient already sums the tokens that every
+expert-parallel rank sent it.
 """
 
 from contextlib import contextmanager
@@ -17,6 +22,7 @@ from megatron.core.distributed.data_parallel_base import DataParallelWrapper, pa
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.param_and_grad_buffer import BucketCommunicationGroups, ParamAndGradBuffer
 from megatron.core.timers import timed
+from megatron.core.expert_parameters import expert_data_parallel_group, is_expert_parameter
 
 DEFAULT_OVERLAP_BUCKET_SIZE = 40_000_000
 
@@ -37,6 +43,16 @@ def _default_groups(ddp_config):
     return BucketCommunicationGroups(data_parallel_group)
 
 
+def _default_expert_groups(ddp_config):
+    """The expert data-parallel group (the ranks holding the same experts)."""
+    if ddp_config.num_distributed_optimizer_instances > 1:
+        raise ValueError(
+            "--num-distributed-optimizer-instances > 1 (hybrid sharding of the distributed optimizer) is not "
+            "supported with Mixture-of-Experts expert parameters; use 1 instance with --num-experts."
+        )
+    return BucketCommunicationGroups(expert_data_parallel_group())
+
+
 class DistributedDataParallel(DataParallelWrapper):
     """Wraps `module`; `config` is the model's (Transformer/ModelParallel) config, `ddp_config` the DDP one.
 
@@ -44,7 +60,7 @@ class DistributedDataParallel(DataParallelWrapper):
     config rules (e.g. `fp8_param_gather` needs `use_distributed_optimizer`) are checked by the config."""
 
     def __init__(self, config, ddp_config: DistributedDataParallelConfig, module, disable_bucketing=False,
-                 groups: BucketCommunicationGroups = None):
+                 groups: BucketCommunicationGroups = None, expert_groups: BucketCommunicationGroups = None):
         super().__init__(config, ddp_config)
         if ddp_config.fp8_param_gather and not getattr(config, "fp8", None):
             # A rule between the model config and this one: neither config sees the other.
@@ -82,11 +98,18 @@ class DistributedDataParallel(DataParallelWrapper):
             if not param.requires_grad:
                 continue
             grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param.dtype
-            params_by_dtype.setdefault((param.dtype, grad_dtype, param in fp8_weights), []).append(param)
+            key = (is_expert_parameter(param), param.dtype, grad_dtype, param in fp8_weights)
+            params_by_dtype.setdefault(key, []).append(param)
+        self.expert_groups = None
+        if any(is_expert for is_expert, *_ in params_by_dtype):
+            self.expert_groups = expert_groups if expert_groups is not None else _default_expert_groups(ddp_config)
+        # Dense buffers first, then the experts': the same order on every rank.
         self.buffers = [
-            ParamAndGradBuffer(ddp_config, params, param_dtype, grad_dtype, bucket_size, self.groups,
-                               gradient_scaling_factor, param_names, fp8_config=config if is_fp8 else None)
-            for (param_dtype, grad_dtype, is_fp8), params in params_by_dtype.items()
+            ParamAndGradBuffer(ddp_config, params, param_dtype, grad_dtype, bucket_size,
+                               self.expert_groups if is_expert else self.groups, gradient_scaling_factor,
+                               param_names, fp8_config=config if is_fp8 else None)
+            for (is_expert, param_dtype, grad_dtype, is_fp8), params in sorted(
+                params_by_dtype.items(), key=lambda item: item[0][0])
         ]
         # One global issue order for all buckets of all buffers: every rank must start collectives in the same order.
         self._buckets = [bucket for buffer in self.buffers for bucket in buffer.buckets]
@@ -204,11 +227,14 @@ class DistributedDataParallel(DataParallelWrapper):
             bucket.finish_param_sync()
 
     def broadcast_params(self):
-        """Copy DP rank 0's parameters to every data-parallel replica."""
-        source = dist.get_global_rank(self.data_parallel_group, 0)
+        """Copy DP rank 0's parameters to every data-parallel replica (expert parameters: expert-DP rank 0's to
+        the ranks holding the same experts)."""
         with torch.no_grad():
             for param in self.module.parameters():
-                dist.broadcast(param.data, src=source, group=self.data_parallel_group)
+                group = self.data_parallel_group
+                if is_expert_parameter(param) and self.expert_groups is not None:
+                    group = self.expert_groups.data_parallel_group
+                dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
 
     def state_bytes(self):
         """Parameters plus their `main_grad` views into the gradient buffers; the optimizer's main weights and

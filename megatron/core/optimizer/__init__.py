@@ -12,6 +12,11 @@ scheduler uses instead of the global ones.
 import torch
 
 from megatron.core import optional_deps
+from megatron.core.expert_parameters import (
+    expert_data_parallel_group,
+    expert_grad_stats_groups,
+    model_has_expert_parameters,
+)
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
@@ -136,6 +141,17 @@ def _communication_groups(model_chunks, use_distributed_optimizer):
     return grad_stats, found_inf
 
 
+def _expert_grad_stats_groups(model_chunks, use_distributed_optimizer):
+    """Where expert gradient statistics are reduced, or None when no rank has expert parameters (collective)."""
+    if not model_has_expert_parameters(model_chunks):
+        return None
+    shard_group = None
+    if use_distributed_optimizer:
+        expert_groups = getattr(model_chunks[0], "expert_groups", None)
+        shard_group = expert_groups.shard_group if expert_groups is not None else expert_data_parallel_group()
+    return expert_grad_stats_groups(shard_group)
+
+
 def _megatron_fsdp_optimizer(config, model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult):
     """The optimizer of Megatron-FSDP chunks: it steps their sharded main weights (their own ZeRO level decides
     the sharding, whatever `config.use_distributed_optimizer` says)."""
@@ -182,11 +198,13 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks, no_weight_deca
     factory = _torch_optimizer_factory(config, device)
     grad_scaler = _grad_scaler(config, device)
     grad_stats_groups, found_inf_groups = _communication_groups(model_chunks, config.use_distributed_optimizer)
+    expert_groups = _expert_grad_stats_groups(model_chunks, config.use_distributed_optimizer)
 
     if config.use_distributed_optimizer:
         return DistributedOptimizer(param_groups, factory, config, model_chunks, grad_scaler, grad_stats_groups,
-                                    found_inf_groups)
+                                    found_inf_groups, expert_groups)
     has_half_params = any(param.dtype in (torch.float16, torch.bfloat16) for param in all_params)
     if config.fp16 or config.bf16 or has_half_params:
-        return Float16Optimizer(param_groups, factory, config, grad_scaler, grad_stats_groups, found_inf_groups)
-    return FP32Optimizer(factory(param_groups), config, None, grad_stats_groups, found_inf_groups)
+        return Float16Optimizer(param_groups, factory, config, grad_scaler, grad_stats_groups, found_inf_groups,
+                                expert_groups)
+    return FP32Optimizer(factory(param_groups), config, None, grad_stats_groups, found_inf_groups, expert_groups)

@@ -1,4 +1,5 @@
-"""`DistributedOptimizer`: ZeRO-1 over the data-parallel group, on top of DDP's flat buffers.
+"""`DistributedOptimizer`: ZeRO-1 over the data-parallel group (expert parameters: over the expert data-parallel
+group), on top of DDP's flat buffers.
 
 DDP (with `use_distributed_optimizer=True`) lays out parameters and gradients in flat buffers whose buckets
 are split evenly over the shard group (see param_and_grad_buffer.py). This optimizer keeps fp32 main
@@ -48,7 +49,7 @@ class DistributedOptimizer(MegatronOptimizer):
     """Shards main parameters and optimizer state of `model_chunks` (DDP modules) over their shard groups."""
 
     def __init__(self, param_groups, optimizer_factory, config, model_chunks, grad_scaler=None,
-                 grad_stats_groups=None, found_inf_groups=None):
+                 grad_stats_groups=None, found_inf_groups=None, expert_grad_stats_groups=None):
         self.model_chunks = list(model_chunks)
         param_to_buffer = {}
         for chunk in self.model_chunks:
@@ -75,7 +76,8 @@ class DistributedOptimizer(MegatronOptimizer):
                 self._shards.append(shard)
                 main_group_params.append(shard.main_param)
             main_groups.append({**group, "params": main_group_params})
-        super().__init__(optimizer_factory(main_groups), config, grad_scaler, grad_stats_groups, found_inf_groups)
+        super().__init__(optimizer_factory(main_groups), config, grad_scaler, grad_stats_groups, found_inf_groups,
+                         expert_grad_stats_groups)
         self._install_fp8_weights()
 
     def _install_fp8_weights(self):

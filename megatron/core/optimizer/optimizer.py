@@ -7,8 +7,11 @@ and weights travel between them and the model:
   whose gradients overflowed);
 - `DistributedOptimizer` (distrib_optimizer.py): fp32 copies of this rank's data-parallel shard only.
 Gradients are read from `param.main_grad` (the DDP buffer view) when the model is wrapped in DDP, else from
-`param.grad`.
+`param.grad`. Gradient norms and zero counts sum the dense parameters over `grad_stats_groups` and the
+Mixture-of-Experts expert parameters over `expert_grad_stats_groups` (see `megatron.core.expert_parameters`).
 """
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -17,9 +20,10 @@ from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
     default_grad_stats_groups,
-    get_grad_norm_fp32,
-    grads_for_grad_stats,
+    global_norm_fp32,
+    tensors_counted_once,
 )
+from megatron.core.expert_parameters import split_expert_parameters
 from megatron.core.optimizer.precision_aware_adam import optimizer_grad
 from megatron.core.device_utils import get_current_device
 
@@ -51,15 +55,17 @@ class MegatronOptimizer:
 
     `found_inf_groups`: groups over which an fp16 overflow is agreed on (model-parallel and data-parallel),
     so that every rank skips the same steps. `grad_stats_groups`: groups over which gradient norms and zero
-    counts are summed.
+    counts are summed; `expert_grad_stats_groups`: the same for expert parameters (None when no rank has any).
     """
 
-    def __init__(self, optimizer, config, grad_scaler=None, grad_stats_groups=None, found_inf_groups=None):
+    def __init__(self, optimizer, config, grad_scaler=None, grad_stats_groups=None, found_inf_groups=None,
+                 expert_grad_stats_groups=None):
         self.optimizer = optimizer
         self.config = config
         self.grad_scaler = grad_scaler
         self.grad_stats_groups = default_grad_stats_groups() if grad_stats_groups is None else grad_stats_groups
         self.found_inf_groups = self.grad_stats_groups if found_inf_groups is None else found_inf_groups
+        self.expert_grad_stats_groups = expert_grad_stats_groups
 
     # ---- what subclasses define -------------------------------------------------------------------------
     def main_params(self):
@@ -106,11 +112,26 @@ class MegatronOptimizer:
                 param.grad.detach_()
                 param.grad.zero_()
 
-    def main_grads_for_grad_stats(self):
-        return grads_for_grad_stats(self.main_params(), optimizer_grad)
+    def _dense_and_expert_stats(self, tensor_of):
+        """`[(tensors counted once, groups to reduce over)]` for the dense and (if any) the expert main params."""
+        dense, expert = split_expert_parameters(self.main_params())
+        parts = [(tensors_counted_once(dense, tensor_of), self.grad_stats_groups)]
+        if self.expert_grad_stats_groups is not None:
+            parts.append((tensors_counted_once(expert, tensor_of), self.expert_grad_stats_groups))
+        elif expert:
+            raise RuntimeError("this optimizer steps expert parameters but was built without "
+                               "expert_grad_stats_groups; build it with get_megatron_optimizer")
+        return parts
+
+    def global_norm(self, tensor_of):
+        """The L2 norm of `tensor_of(main param)` over the whole model, each element counted once."""
+        square = 0.0
+        for tensors, groups in self._dense_and_expert_stats(tensor_of):
+            square += global_norm_fp32(tensors, 2.0, groups, self._device()) ** 2
+        return math.sqrt(square)
 
     def get_grad_norm(self):
-        return get_grad_norm_fp32(self.main_grads_for_grad_stats(), 2.0, self.grad_stats_groups, self._device())
+        return self.global_norm(optimizer_grad)
 
     def clip_grad_norm(self, clip_grad):
         grad_norm = self.get_grad_norm()
@@ -119,7 +140,8 @@ class MegatronOptimizer:
         return grad_norm
 
     def count_zeros(self):
-        return count_zeros_fp32(self.main_grads_for_grad_stats(), self.grad_stats_groups, self._device())
+        return sum(count_zeros_fp32(grads, groups, self._device())
+                   for grads, groups in self._dense_and_expert_stats(optimizer_grad))
 
     def _device(self):
         """Where statistics are reduced: the main parameters' device, or the process's compute device when they
@@ -193,7 +215,7 @@ class Float16Optimizer(MegatronOptimizer):
     """
 
     def __init__(self, param_groups, optimizer_factory, config, grad_scaler=None, grad_stats_groups=None,
-                 found_inf_groups=None):
+                 found_inf_groups=None, expert_grad_stats_groups=None):
         self._model_and_main = []  # (model param, main param); the same object twice for fp32 params
         main_groups = []
         for group in param_groups:
@@ -207,7 +229,8 @@ class Float16Optimizer(MegatronOptimizer):
                 self._model_and_main.append((param, main_param))
                 main_group_params.append(main_param)
             main_groups.append({**group, "params": main_group_params})
-        super().__init__(optimizer_factory(main_groups), config, grad_scaler, grad_stats_groups, found_inf_groups)
+        super().__init__(optimizer_factory(main_groups), config, grad_scaler, grad_stats_groups, found_inf_groups,
+                         expert_grad_stats_groups)
 
     def model_params(self):
         return [model_param for model_param, _ in self._model_and_main]

@@ -1,0 +1,110 @@
+"""Expert parameters under DDP and the distributed optimizer: reduced (and sharded) over the expert data-parallel
+group, counted once in the gradient norm and the zero count. Two ranks at EP1 (experts replicated, expert-DP 2)
+and EP2 (each rank its own experts, expert-DP 1) must both train like one process holding every expert."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from tests.unit_tests.distributed.expert_toy_model import (
+    ToyMoEModel,
+    mse_loss,
+    named_parameters_by_global_name,
+    toy_batch,
+)
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+LR, WEIGHT_DECAY, CLIP_GRAD, SAMPLES_PER_RANK, STEPS, WORLD = 0.02, 0.1, 0.5, 6, 3, 2
+
+
+def _optimizer_config(use_distributed_optimizer):
+    return OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=CLIP_GRAD,
+                           use_distributed_optimizer=use_distributed_optimizer, log_num_zeros_in_grad=True)
+
+
+def _train_on_ranks(expert_model_parallel_size, use_distributed_optimizer):
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=expert_model_parallel_size)
+    model = ToyMoEModel(ep_group=parallel_state.get_expert_model_parallel_group())
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer,
+                                               overlap_grad_reduce=True, overlap_param_gather=use_distributed_optimizer,
+                                               bucket_size=150)
+    ddp = DistributedDataParallel(ModelParallelConfig(expert_model_parallel_size=expert_model_parallel_size),
+                                  ddp_config, model)
+    expert_buffers = [buffer for buffer in ddp.buffers if buffer.groups is ddp.expert_groups]
+    assert expert_buffers and dist.get_world_size(ddp.expert_groups.data_parallel_group) == WORLD // \
+        expert_model_parallel_size
+    optimizer = get_megatron_optimizer(_optimizer_config(use_distributed_optimizer), [ddp])
+    rank = dist.get_rank()
+    history = []
+    for step in range(STEPS):
+        inputs, targets = toy_batch(step, SAMPLES_PER_RANK * WORLD)
+        local = slice(rank * SAMPLES_PER_RANK, (rank + 1) * SAMPLES_PER_RANK)
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = mse_loss(ddp, inputs[local], targets[local])
+        loss.backward()
+        finalize_model_grads([ddp])
+        update_successful, grad_norm, num_zeros = optimizer.step()
+        assert update_successful
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        history.append((mean_loss.item() / WORLD, grad_norm, num_zeros))
+    ddp.finish_param_sync()
+    params = {name: param.detach().clone() for name, param in named_parameters_by_global_name(model).items()}
+    everyone = [None] * WORLD
+    dist.all_gather_object(everyone, params)
+    merged = {}
+    for rank_params in everyone:
+        merged.update(rank_params)
+    return history, merged
+
+
+def _reference():
+    """One process, every expert, the whole batch: torch AdamW with the same weight-decay rule and clipping."""
+    model = ToyMoEModel()
+    decay = [param for param in model.parameters() if param.dim() >= 2]
+    no_decay = [param for param in model.parameters() if param.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=LR)
+    history = []
+    for step in range(STEPS):
+        inputs, targets = toy_batch(step, SAMPLES_PER_RANK * WORLD)
+        optimizer.zero_grad()
+        loss = mse_loss(model, inputs, targets)
+        loss.backward()
+        # An expert that no token chose has a zero gradient in the DDP buffers (and is still weight-decayed).
+        for param in model.parameters():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        num_zeros = sum(int((param.grad == 0).sum()) for param in model.parameters())
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD).item()
+        optimizer.step()
+        history.append((loss.item(), grad_norm, num_zeros))
+    return history, {name: param.detach() for name, param in named_parameters_by_global_name(model).items()}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _reference()
+
+
+@pytest.mark.parametrize("use_distributed_optimizer", [False, True], ids=["ddp", "distributed_optimizer"])
+@pytest.mark.parametrize("expert_model_parallel_size", [1, 2], ids=["ep1", "ep2"])
+def test_expert_parallel_training_equals_one_process(reference, expert_model_parallel_size, use_distributed_optimizer):
+    expected_history, expected_params = reference
+    (history, params), _ = run_on_ranks(WORLD, _train_on_ranks, expert_model_parallel_size,
+                                        use_distributed_optimizer)
+    assert any(norm > CLIP_GRAD for _, norm, _ in expected_history)  # clipping is exercised
+    assert any(zeros > 0 for _, _, zeros in expected_history)  # experts without tokens: zero gradients
+    for (loss, norm, zeros), (expected_loss, expected_norm, expected_zeros) in zip(history, expected_history,
+                                                                                  strict=True):
+        assert loss == pytest.approx(expected_loss, rel=1e-5)
+        assert norm == pytest.approx(expected_norm, rel=1e-5)
+        assert zeros == expected_zeros
+    assert sorted(params) == sorted(expected_params)
+    for name, expected in expected_params.items():
+        torch.testing.assert_close(params[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
