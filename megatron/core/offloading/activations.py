@@ -10,9 +10,16 @@ compute stream waits for that copy. On the CPU the same path runs as plain copie
 tensor is dense, so the backward kernels see the same layouts as without offload and the results are exact.
 `packed` / `unpacked` count tensors per label and `packed_bytes` their size, for tests and logs.
 
-Unpacking is on demand (no prefetch of the next layer's tensors while the current layer's backward runs yet).
+Prefetch: labels are remembered in the order the forward pass first offloaded under them (the layers' order).
+When the backward pass unpacks the first tensor of a label, every tensor of that label is queued for the trip
+back and so is every tensor of the label offloaded just before it (the layer whose backward runs next), so that
+layer's copies run on the side stream while the current layer's backward computes; each unpack then only waits
+for its own copy. Only one layer ahead is reloaded, which bounds the extra device memory to one layer's
+activations. Tensors whose graph was freed without a backward (e.g. an evaluation with gradients enabled) are
+forgotten with it (weak references).
 """
 
+import weakref
 from collections import Counter
 
 import torch
@@ -21,11 +28,15 @@ from megatron.core.offloading.host_transfers import CopyStream, pinning_availabl
 
 
 class _OffloadedTensor:
-    __slots__ = ("device", "host")
+    """A saved tensor's host copy; while a reload is queued, the device tensor being filled and its copy."""
+
+    __slots__ = ("device", "host", "restored", "handle", "__weakref__")
 
     def __init__(self, device, host):
         self.device = device
         self.host = host
+        self.restored = None
+        self.handle = None
 
 
 def _dense(tensor) -> bool:
@@ -50,16 +61,23 @@ def _empty_like_layout(tensor, device, pin_memory=False):
 
 
 class ActivationOffloader:
-    """Saved-tensor hooks moving activations to host memory and back; one copy stream per compute device."""
+    """Saved-tensor hooks moving activations to host memory and back; one copy stream per compute device.
 
-    def __init__(self, overlap: bool = True):
+    `copy_stream` builds the stream of a device (`CopyStream`'s signature); tests pass a recording stand-in."""
+
+    def __init__(self, overlap: bool = True, prefetch: bool = True, copy_stream=CopyStream):
         self.overlap = overlap
+        self.prefetch = prefetch
+        self._copy_stream = copy_stream
         self._streams = {}
+        self._label_order = []  # labels in the order the forward pass first offloaded under them
+        self._offloaded = {}  # label -> weak set of its tensors not yet handed back
+        self._backward_started = set()  # labels whose tensors the backward pass has started unpacking
         self.packed, self.unpacked, self.packed_bytes = Counter(), Counter(), Counter()
 
     def _stream(self, device):
         if device not in self._streams:
-            self._streams[device] = CopyStream(device, overlap=self.overlap)
+            self._streams[device] = self._copy_stream(device, overlap=self.overlap)
         return self._streams[device]
 
     def hooks(self, label):
@@ -75,15 +93,39 @@ class ActivationOffloader:
         self._stream(tensor.device).copy(host, tensor.detach())
         self.packed[label] += 1
         self.packed_bytes[label] += tensor.numel() * tensor.element_size()
-        return _OffloadedTensor(tensor.device, host)
+        packed = _OffloadedTensor(tensor.device, host)
+        if label not in self._offloaded:
+            self._label_order.append(label)
+            self._offloaded[label] = weakref.WeakSet()
+        self._backward_started.discard(label)  # a new forward pass under this label
+        self._offloaded[label].add(packed)
+        return packed
 
     def _unpack(self, label, packed):
         if not isinstance(packed, _OffloadedTensor):
             return packed
-        restored = _empty_like_layout(packed.host, packed.device)
-        self._stream(packed.device).copy(restored, packed.host).wait_on_device(packed.device)
+        if self.prefetch and label not in self._backward_started:  # this label's backward begins
+            self._backward_started.add(label)
+            for other in [*self._offloaded[label], *self._offloaded.get(self._label_before(label), ())]:
+                self._reload(other)
+        self._reload(packed)  # queued already, unless prefetch is off (or for a second backward)
+        restored, handle = packed.restored, packed.handle
+        packed.restored = packed.handle = None
+        self._offloaded[label].discard(packed)
+        handle.wait_on_device(packed.device)
         self.unpacked[label] += 1
         return restored
+
+    def _reload(self, packed):
+        """Queue the copy of `packed` back to its device (once)."""
+        if packed.restored is None:
+            packed.restored = _empty_like_layout(packed.host, packed.device)
+            packed.handle = self._stream(packed.device).copy(packed.restored, packed.host)
+
+    def _label_before(self, label):
+        """The label offloaded just before `label` in the forward pass: its backward runs next."""
+        index = self._label_order.index(label)
+        return self._label_order[index - 1] if index > 0 else None
 
     def reset_counters(self):
         self.packed.clear()

@@ -122,3 +122,74 @@ def test_hooks_keep_layouts_and_values(device):
     for expected, actual in zip(reference, offloaded):
         assert torch.equal(expected, actual)
     assert offloader.packed["layer"] == offloader.unpacked["layer"] >= 2  # tanh's output and the matmul operand
+
+
+class _RecordingCopyStream:
+    """A stand-in for the side stream on the CPU: copies at once and logs them (destination, source) and the
+    compute stream's waits for them, in one shared log."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def __call__(self, device, overlap=True):
+        return self
+
+    def copy(self, destination, source):
+        destination.copy_(source)
+        self.log.append(("copy", id(source)))
+        log = self.log
+
+        class Handle:
+            def wait_on_device(self, device):
+                log.append(("wait", id(source)))
+
+        return Handle()
+
+
+def test_prefetch_reloads_the_next_layer_during_the_current_layers_backward():
+    """Three offloaded 'layers' in a chain: when the backward pass reaches the last one, its tensors and the middle
+    layer's are queued back (the middle one's copies run while the last layer's backward computes); the first
+    layer's only when the middle one starts. The gradients equal those computed without offload."""
+    from megatron.core.offloading.activations import ActivationOffloader
+
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(8, 8, generator=generator)) for _ in range(3)]
+    inputs = torch.randn(4, 8, generator=generator)
+
+    def loss(offloader):
+        hidden = inputs
+        for label, weight in enumerate(weights, start=1):
+            context = offloader.hooks(label) if offloader else torch.autograd.graph.saved_tensors_hooks(
+                lambda t: t, lambda t: t)
+            with context:
+                hidden = torch.tanh(hidden @ weight)
+        return hidden.square().sum()
+
+    loss(None).backward()
+    reference = [weight.grad.clone() for weight in weights]
+    for weight in weights:
+        weight.grad = None
+    log = []
+    offloader = ActivationOffloader(copy_stream=_RecordingCopyStream(log))
+    result = loss(offloader)
+    label_of = {id(packed.host): label for label, tensors in offloader._offloaded.items() for packed in tensors}
+    log.clear()  # the forward pass's copies to the host
+    result.backward()
+    for expected, weight in zip(reference, weights):
+        assert torch.equal(expected, weight.grad)
+    events = [(kind, label_of[source]) for kind, source in log]
+    assert {label for _, label in events} == {1, 2, 3}
+    assert offloader.packed == offloader.unpacked and sum(offloader.packed.values()) == len(label_of)
+
+    def first(kind, label):
+        return events.index((kind, label))
+
+    def last(kind, label):
+        return len(events) - 1 - events[::-1].index((kind, label))
+
+    # Layer 3's backward starts by queueing its own tensors and layer 2's, before it waits for anything.
+    assert last("copy", 2) < first("wait", 3)
+    # Layer 1 is queued when layer 2's backward starts (one layer ahead, not more) and before it is needed.
+    assert first("copy", 1) > last("wait", 3) and last("copy", 1) < first("wait", 2)
+    # Every tensor travelled back exactly once.
+    assert sum(kind == "copy" for kind, _ in events) == sum(kind == "wait" for kind, _ in events) == len(label_of)
