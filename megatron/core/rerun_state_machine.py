@@ -297,25 +297,22 @@ class RerunStateMachine:
 
         `comparison_func(initial, rerun) -> float` (default: `relative_difference`) measures how far a rerun's
         result is from the rejected one; above `tolerance` it did not reproduce. `fatal=False` lets training
-        continue once a rejected result is shown correct. Must be called inside the forward-backward loop.
+        continue once a rejected result is shown correct. Called outside the forward-backward loop (evaluation),
+        a rejected result is logged and nothing else happens.
         """
         comparison_func = comparison_func or relative_difference
         call = ValidationCall(message, self._call_counts[message])
         self._call_counts[message] += 1
         where = f"rank {_rank()}, iteration {self.current_iteration}"
 
-        if self.mode == RerunMode.DISABLED:
-            # Also the mode during evaluation, outside the training step: there a rejected result is logged only.
+        if self.mode == RerunMode.DISABLED or self.state == RerunState.NOT_RUNNING_YET:
+            # Outside a training step (evaluation, calibration loops) a rejected result is only logged.
             if bool(rejection_func(result)):
                 text = f"{where}: unexpected result {_as_float(result)} ({message})"
                 if fatal and self.fatal_failure is None and self.state != RerunState.NOT_RUNNING_YET:
                     self.fatal_failure = text
                 logger.error(text) if fatal else logger.warning(text)
             return
-        if self.state == RerunState.NOT_RUNNING_YET:
-            raise RuntimeError("validate_result must be called inside the forward-backward pass, between "
-                               "should_run_forward_backward() returning True and the next call (or in "
-                               "disabled mode, as during evaluation)")
 
         if self.mode == RerunMode.REPORT_STATS:
             if self.state == RerunState.INITIAL_RUN:

@@ -33,6 +33,9 @@ def _run_iteration(machine, data, results, fatal=True):
 def test_transient_fault_reruns_on_the_same_data_and_random_state_then_exits_17():
     machine = rsm.RerunStateMachine(rsm.RerunMode.VALIDATE_RESULTS)
     data = RerunDataIterator(iter(range(100)))
+    # Outside a training step (evaluation) a rejected result is only logged.
+    machine.validate_result(math.nan, math.isnan, NAN_MESSAGE)
+    assert not machine.rerun_requested and machine.state == rsm.RerunState.NOT_RUNNING_YET
     torch.manual_seed(0)
     assert len(_run_iteration(machine, data, lambda run, batch, noise: float(batch))) == 1
     assert machine.should_checkpoint_and_exit() == (False, False, 0)
