@@ -29,6 +29,7 @@ from megatron.core.dist_checkpointing.logical_names import (
 )
 from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor
 from megatron.core.distributed.data_parallel_base import unwrap_model
+from megatron.core.expert_parameters import global_expert_name
 
 PACKAGE_MAIN_PARAM_KEY = "main_param"  # megatron_fsdp.state_dict.MAIN_PARAM_KEY
 
@@ -53,7 +54,7 @@ def _names(chunk):
         if getattr(real, "shared", False) and getattr(real, "shared_embedding", False):
             result[name] = (TIED_EMBEDDING_NAME, False)
         else:
-            result[name] = (logical_name(name, offset), True)
+            result[name] = (logical_name(global_expert_name(name, real), offset), True)
     return result, offset
 
 

@@ -8,7 +8,9 @@ its partition being the box at `tp_rank * local_size` along that dim. The layers
 SwiGLU's gate/up rows interleaved per unit; see attention.py and mlp.py) do not depend on the TP size, so a
 contiguous partition of the full tensor is exactly what a TP rank holds. The output-layer copy of a tied word
 embedding on a later pipeline stage is the logical `embedding.word_embeddings.weight`: loaded there, saved
-from the first stage only.
+from the first stage only. A Mixture-of-Experts expert tensor is named by its global expert index
+(`...experts.local_experts.{expert_global_index}...`, see `megatron.core.expert_parameters`), so a checkpoint
+loads at any expert-parallel size.
 
 Optimizer keys: `optimizer.state.<logical name>.<state key>` (e.g. `exp_avg`, `exp_avg_sq`, and `fp32_param`
 for the main weights of a parameter whose model copy is not fp32), `optimizer.step`, `optimizer.param_groups`
@@ -19,6 +21,8 @@ import re
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
+
+from megatron.core.expert_parameters import global_expert_name
 
 TIED_EMBEDDING_NAME = "embedding.word_embeddings.weight"
 _LAYER_INDEX = re.compile(r"(^|\.)layers\.(\d+)\.")
@@ -83,6 +87,7 @@ def placement_of(name: str, tensor: torch.Tensor, layer_offset: int, tp: TensorP
         shape[partition_dim] *= tp.size
     if getattr(source, "shared", False) and getattr(source, "shared_embedding", False):
         return Placement(TIED_EMBEDDING_NAME, tuple(shape), partition_dim, tp.rank, saved_here=False)
+    name = global_expert_name(name, source)
     return Placement(logical_name(name, layer_offset), tuple(shape), partition_dim, tp.rank, saved_here=True)
 
 

@@ -26,45 +26,59 @@ def _optimizer_config(use_distributed_optimizer):
                            use_distributed_optimizer=use_distributed_optimizer, log_num_zeros_in_grad=True)
 
 
+class TrainingRun:
+    """The toy MoE model on this rank at `expert_model_parallel_size`, wrapped in DDP, with its optimizer."""
+
+    def __init__(self, expert_model_parallel_size, use_distributed_optimizer):
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=expert_model_parallel_size)
+        self.model = ToyMoEModel(ep_group=parallel_state.get_expert_model_parallel_group())
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer,
+                                                   overlap_grad_reduce=True,
+                                                   overlap_param_gather=use_distributed_optimizer, bucket_size=150)
+        self.ddp = DistributedDataParallel(
+            ModelParallelConfig(expert_model_parallel_size=expert_model_parallel_size), ddp_config, self.model)
+        self.optimizer = get_megatron_optimizer(_optimizer_config(use_distributed_optimizer), [self.ddp])
+
+    def train(self, steps):
+        """[(loss averaged over ranks, grad norm, zero count)] of `steps`."""
+        rank = dist.get_rank()
+        history = []
+        for step in steps:
+            inputs, targets = toy_batch(step, SAMPLES_PER_RANK * WORLD)
+            local = slice(rank * SAMPLES_PER_RANK, (rank + 1) * SAMPLES_PER_RANK)
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            loss = mse_loss(self.ddp, inputs[local], targets[local])
+            loss.backward()
+            finalize_model_grads([self.ddp])
+            update_successful, grad_norm, num_zeros = self.optimizer.step()
+            assert update_successful
+            mean_loss = loss.detach().clone()
+            dist.all_reduce(mean_loss)
+            history.append((mean_loss.item() / WORLD, grad_norm, num_zeros))
+        return history
+
+    def global_parameters(self):
+        """{name with global expert indices: weights} of the whole model, assembled from every rank."""
+        self.ddp.finish_param_sync()
+        params = {name: param.detach().clone() for name, param in named_parameters_by_global_name(self.model).items()}
+        everyone = [None] * WORLD
+        dist.all_gather_object(everyone, params)
+        merged = {}
+        for rank_params in everyone:
+            merged.update(rank_params)
+        return merged
+
+
 def _train_on_ranks(expert_model_parallel_size, use_distributed_optimizer):
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=expert_model_parallel_size)
-    model = ToyMoEModel(ep_group=parallel_state.get_expert_model_parallel_group())
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer,
-                                               overlap_grad_reduce=True, overlap_param_gather=use_distributed_optimizer,
-                                               bucket_size=150)
-    ddp = DistributedDataParallel(ModelParallelConfig(expert_model_parallel_size=expert_model_parallel_size),
-                                  ddp_config, model)
-    expert_buffers = [buffer for buffer in ddp.buffers if buffer.groups is ddp.expert_groups]
-    assert expert_buffers and dist.get_world_size(ddp.expert_groups.data_parallel_group) == WORLD // \
-        expert_model_parallel_size
-    optimizer = get_megatron_optimizer(_optimizer_config(use_distributed_optimizer), [ddp])
-    rank = dist.get_rank()
-    history = []
-    for step in range(STEPS):
-        inputs, targets = toy_batch(step, SAMPLES_PER_RANK * WORLD)
-        local = slice(rank * SAMPLES_PER_RANK, (rank + 1) * SAMPLES_PER_RANK)
-        ddp.zero_grad_buffer()
-        optimizer.zero_grad()
-        loss = mse_loss(ddp, inputs[local], targets[local])
-        loss.backward()
-        finalize_model_grads([ddp])
-        update_successful, grad_norm, num_zeros = optimizer.step()
-        assert update_successful
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)
-        history.append((mean_loss.item() / WORLD, grad_norm, num_zeros))
-    ddp.finish_param_sync()
-    params = {name: param.detach().clone() for name, param in named_parameters_by_global_name(model).items()}
-    everyone = [None] * WORLD
-    dist.all_gather_object(everyone, params)
-    merged = {}
-    for rank_params in everyone:
-        merged.update(rank_params)
-    return history, merged
+    run = TrainingRun(expert_model_parallel_size, use_distributed_optimizer)
+    expert_groups = run.ddp.expert_groups
+    assert [buffer.groups for buffer in run.ddp.buffers].count(expert_groups) == 1
+    assert dist.get_world_size(expert_groups.data_parallel_group) == WORLD // expert_model_parallel_size
+    return run.train(range(STEPS)), run.global_parameters()
 
 
 def _reference():
-    """One process, every expert, the whole batch: torch AdamW with the same weight-decay rule and clipping."""
     model = ToyMoEModel()
     decay = [param for param in model.parameters() if param.dim() >= 2]
     no_decay = [param for param in model.parameters() if param.dim() < 2]
@@ -87,9 +101,20 @@ def _reference():
     return history, {name: param.detach() for name, param in named_parameters_by_global_name(model).items()}
 
 
+_REFERENCE = []
+
+
+def uninterrupted_reference():
+    """One process, every expert, the whole batch: torch AdamW with the same weight-decay rule and clipping.
+    Returns (history, {name: final weights}); computed once per test session."""
+    if not _REFERENCE:
+        _REFERENCE.append(_reference())
+    return _REFERENCE[0]
+
+
 @pytest.fixture(scope="module")
 def reference():
-    return _reference()
+    return uninterrupted_reference()
 
 
 @pytest.mark.parametrize("use_distributed_optimizer", [False, True], ids=["ddp", "distributed_optimizer"])

@@ -1,0 +1,72 @@
+"""Expert tensors are checkpointed under their global expert index: a torch_dist checkpoint of model and optimizer
+saved at one expert-parallel size (and wrapper) resumes at another exactly like the uninterrupted run."""
+
+import pytest
+import torch
+
+from megatron.core.dist_checkpointing import serialization, wrappers
+from megatron.core.expert_parameters import global_expert_name
+from tests.unit_tests.distributed import test_expert_data_parallel as expert_training
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+SAVE_AFTER = 2
+
+
+def _save_then_resume(directory, save_layout, load_layout):
+    """Train `SAVE_AFTER` steps at `save_layout` (EP size, distributed optimizer), save; rebuild at `load_layout`,
+    load, train the remaining steps. Returns the checkpoint's keys and the resumed run's history and weights."""
+    from megatron.core import parallel_state
+
+    run = expert_training.TrainingRun(*save_layout)
+    run.train(range(SAVE_AFTER))
+    chunks = [run.ddp]
+    state = {f"model.{name}": value for name, value in wrappers.model_state(chunks, for_saving=True).items()}
+    state.update(wrappers.optimizer_state_to_save(run.optimizer, chunks))
+    serialization.save(state, directory)
+    parallel_state.destroy_model_parallel()
+
+    run = expert_training.TrainingRun(*load_layout)
+    chunks = [run.ddp]
+    metadata = serialization.read_metadata(directory)
+    targets, finish = wrappers.model_load_targets(chunks)
+    prefixed = {f"model.{name}": value for name, value in targets.items()}
+    mismatch = serialization.key_mismatch(prefixed, metadata, ["model."])
+    assert not mismatch.missing and not mismatch.unexpected, mismatch
+    serialization.load(prefixed, directory)
+    finish({key[len("model."):] for key in prefixed})
+    run.optimizer.reload_model_params()
+    targets, install = wrappers.optimizer_load_targets(run.optimizer, chunks, list(metadata.state_dict_metadata))
+    targets.update({key: None for key in ("optimizer.step", "optimizer.param_groups", "optimizer.grad_scaler")})
+    install(serialization.load(targets, directory))
+    history = run.train(range(SAVE_AFTER, expert_training.STEPS))
+    return sorted(metadata.state_dict_metadata), history, run.global_parameters()
+
+
+@pytest.mark.parametrize("save_layout, load_layout", [((2, True), (1, False)), ((1, False), (2, True))],
+                         ids=["ep2_distopt_to_ep1_ddp", "ep1_ddp_to_ep2_distopt"])
+def test_expert_checkpoint_resumes_at_another_expert_parallel_size(tmp_path, save_layout, load_layout):
+    expected_history, expected_params = expert_training.uninterrupted_reference()
+    results = run_on_ranks(expert_training.WORLD, _save_then_resume, str(tmp_path / "ckpt"), save_layout,
+                           load_layout)
+    keys, history, params = results[0]
+    experts = {key for key in keys if ".local_experts." in key}
+    # Every expert is saved once under its global index, with its Adam moments.
+    assert {key for key in experts if key.startswith("model.")} == {
+        f"model.{name}" for name in expected_params if ".local_experts." in name}
+    assert "optimizer.state.mlp.experts.local_experts.3.linear_fc2.weight.exp_avg_sq" in experts
+    for (loss, norm, zeros), (expected_loss, expected_norm, expected_zeros) in zip(
+            history, expected_history[SAVE_AFTER:], strict=True):
+        assert loss == pytest.approx(expected_loss, rel=1e-5)
+        assert norm == pytest.approx(expected_norm, rel=1e-5)
+        assert zeros == expected_zeros
+    for name, expected in expected_params.items():
+        torch.testing.assert_close(params[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_global_expert_name_renames_local_index_only_for_expert_parameters():
+    expert = torch.nn.Parameter(torch.zeros(1))
+    expert.allreduce, expert.expert_global_index = False, 5
+    name = "decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight"
+    assert global_expert_name(name, expert) == "decoder.layers.1.mlp.experts.local_experts.5.linear_fc1.weight"
+    dense = torch.nn.Parameter(torch.zeros(1))
+    assert global_expert_name(name, dense) == name
