@@ -9,8 +9,6 @@ the logical (unsplit) tensor, which the torch_dist format saves and loads at any
 import torch
 import torch.distributed as dist
 
-from megatron.core.pipeline_parallel.model_access import get_model_config
-
 __all__ = [
     "get_model_config",
     "get_pg_rank",
@@ -19,6 +17,13 @@ __all__ = [
     "make_sharded_tensor_for_checkpoint",
     "make_tp_sharded_tensor_for_checkpoint",
 ]
+
+
+def get_model_config(model):
+    """The config of `model` (found through DDP / FSDP / Float16Module wrappers via `.module`), or None."""
+    from megatron.core.pipeline_parallel.model_access import get_model_config as config_through_wrappers
+
+    return config_through_wrappers(model)
 
 
 def get_pg_size(group=None) -> int:

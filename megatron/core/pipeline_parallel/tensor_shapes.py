@@ -2,8 +2,15 @@
 upstream's name and signature (the schedules use `p2p_communication.activation_shape`, which reads the groups
 from parallel_state; this form takes them as arguments, as tools that size their own messages call it)."""
 
+import torch.distributed as dist
+
 from megatron.core.pipeline_parallel.model_access import schedule_setting
-from megatron.core.utils import get_pg_size
+
+
+def _group_size(group):
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
 
 
 def get_tensor_shapes(*, seq_length, micro_batch_size, decoder_seq_length=None, config, tp_group=None,
@@ -17,9 +24,9 @@ def get_tensor_shapes(*, seq_length, micro_batch_size, decoder_seq_length=None, 
     hidden_size = schedule_setting(config, "hidden_size")
     if hidden_size is None:
         raise ValueError("get_tensor_shapes needs a config with hidden_size")
-    divisor = get_pg_size(cp_group)
+    divisor = _group_size(cp_group)
     if schedule_setting(config, "sequence_parallel"):
-        divisor *= get_pg_size(tp_group)
+        divisor *= _group_size(tp_group)
     if seq_length % divisor != 0:
         raise ValueError(f"seq_length {seq_length} must be divisible by {divisor} (the context-parallel size, times "
                          "the tensor-parallel size with --sequence-parallel)")

@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from tests.unit_tests.models.gpt.gpt_test_utils import fixed_batch, seeded_model, tiny_config
+from tests.unit_tests.post_training.modelopt_plugins import import_modelopt_plugins
 
 CALIBRATION_SEEDS = (11, 12)
 EVAL_SEED = 21
@@ -21,6 +22,7 @@ def quantized_tiny_gpt(quant_cfg, tp, sequence_parallel=False):
     the same batches on every rank."""
     from megatron.core.extensions import modelopt as modelopt_support
 
+    import_modelopt_plugins()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     model = seeded_model(tiny_config(tp=tp, sequence_parallel=sequence_parallel), max_sequence_length=SEQ)
 

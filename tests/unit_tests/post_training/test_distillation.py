@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from megatron.core.optional_deps import modelopt_installed
 from tests.unit_tests.dist_checkpointing.pretrain_helpers import run_pretrain, tiny_gpt_argv
 from tests.unit_tests.multiprocess_harness import run_on_ranks
+from tests.unit_tests.post_training.modelopt_plugins import import_modelopt_plugins
 
 pytestmark = pytest.mark.skipif(
     not modelopt_installed(), reason="nvidia-modelopt is not installed (pip install -e '.[modelopt]')"
@@ -60,6 +61,7 @@ def _distill(workdir):
     from megatron.core.enums import ModelType
     from megatron.training.training import pretrain
 
+    import_modelopt_plugins()
     teacher = os.path.join(workdir, "teacher")
     teacher_losses = run_pretrain(workdir, f"--train-iters 4 --save {teacher} --save-interval 4 --ckpt-format torch_dist")
     _records.clear()

@@ -20,6 +20,7 @@ import torch
 from megatron.core.optional_deps import modelopt_installed
 from tests.unit_tests.dist_checkpointing.pretrain_helpers import run_pretrain, tiny_gpt_argv
 from tests.unit_tests.multiprocess_harness import run_on_ranks
+from tests.unit_tests.post_training.modelopt_plugins import import_modelopt_plugins
 
 pytestmark = pytest.mark.skipif(
     not modelopt_installed(), reason="nvidia-modelopt is not installed (pip install -e '.[modelopt]')"
@@ -48,6 +49,7 @@ def _post_training_quantize(trained, exported):
 def _qat_runs(workdir):
     from megatron.training.checkpointing import write_tracker
 
+    import_modelopt_plugins()
     trained, exported, qat = (os.path.join(workdir, name) for name in ("trained", "quantized", "qat"))
     run_pretrain(workdir, f"--train-iters 8 --save {trained} --save-interval 8 {DIST}")
     ptq = _post_training_quantize(trained, exported)

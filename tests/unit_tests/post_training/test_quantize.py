@@ -8,6 +8,7 @@ import torch
 from megatron.core.optional_deps import modelopt_installed
 from tests.unit_tests.corpus_data import write_corpus_prefix
 from tests.unit_tests.multiprocess_harness import run_on_ranks
+from tests.unit_tests.post_training.modelopt_plugins import import_modelopt_plugins
 
 pytestmark = pytest.mark.skipif(
     not modelopt_installed(), reason="nvidia-modelopt is not installed (pip install -e '.[modelopt]')"
@@ -32,6 +33,7 @@ def _train_then_quantize(prefix, workdir):
     from megatron.training.initialize import initialize_megatron
     from megatron.training.training import _teardown, pretrain
 
+    import_modelopt_plugins()
     base = f"{TINY_GPT} --data-path {prefix}"
     pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
              ModelType.encoder_or_decoder, pretrain_gpt.forward_step,

@@ -1,0 +1,56 @@
+"""Upstream's dist_checkpointing entry points over the torch_dist format (one process): save / load /
+load_common_state_dict round trips, strictness for missing keys, replace_prefix_for_sharding, the strategy
+classes and parse_strict_flag."""
+
+import pytest
+import torch
+
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+from megatron.core.dist_checkpointing.strictness import CheckpointKeyError
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.dist_checkpointing.validation import StrictHandling, parse_strict_flag
+
+
+def _saved(tmp_path):
+    weight = torch.arange(12.0).view(3, 4)
+    state = {"model.w": ShardedLogicalTensor.from_local(weight), "modelopt_version": "0.47.0",
+             "modelopt_state_dict": [("quantize", {"metadata": {}})]}
+    dist_checkpointing.save(state, tmp_path / "ckpt", ("torch_dist", 1))
+    return weight
+
+
+def test_save_then_load_and_common_state(tmp_path):
+    weight = _saved(tmp_path)
+    target = torch.zeros(3, 4)
+    loaded = dist_checkpointing.load({"model.w": ShardedLogicalTensor.from_local(target)}, tmp_path / "ckpt",
+                                     TorchDistLoadShardedStrategy())
+    assert torch.equal(target, weight) and set(loaded) == {"model.w"}
+    assert dist_checkpointing.load_common_state_dict(tmp_path / "ckpt") == {
+        "modelopt_version": "0.47.0", "modelopt_state_dict": [("quantize", {"metadata": {}})]}
+
+
+def test_missing_keys_follow_strictness(tmp_path):
+    _saved(tmp_path)
+    wanted = {"model.absent": ShardedLogicalTensor.from_local(torch.zeros(2))}
+    with pytest.raises(CheckpointKeyError, match="model.absent"):
+        dist_checkpointing.load(dict(wanted), tmp_path / "ckpt", strict=StrictHandling.RAISE_ALL)
+    assert dist_checkpointing.load(dict(wanted), tmp_path / "ckpt", strict="log_all") == {}
+
+
+def test_replace_prefix_for_sharding():
+    state = {"decoder.a": 1, "decoder.b": {"decoder.c": 2}}
+    replace_prefix_for_sharding(state, "decoder.", "model.decoder.")
+    assert state == {"model.decoder.a": 1, "model.decoder.b": {"model.decoder.c": 2}}
+    with pytest.raises(ValueError, match="'other' does not start"):
+        replace_prefix_for_sharding({"other": 1}, "decoder.", "x.")
+
+
+def test_parse_strict_flag():
+    assert parse_strict_flag(True) is StrictHandling.RAISE_ALL
+    assert parse_strict_flag("log_unexpected") is StrictHandling.LOG_UNEXPECTED
+    with pytest.raises(ValueError, match="--dist-ckpt-strictness"):
+        parse_strict_flag("sometimes")
+    with pytest.raises(ValueError, match="torch_dist"):
+        dist_checkpointing.save({}, "unused", ("zarr", 1))
