@@ -1,0 +1,1 @@
+"""Offloading benchmark (one GPU; a tiny CPU smoke run)."""
