@@ -113,6 +113,10 @@ def check_weight_hashes(model_chunks, iteration, args):
     group), naming the parameters; returns True when they all match."""
     from megatron.core import parallel_state
 
+    for chunk in model_chunks:  # post-step gathers still in flight (overlapped param gather) land first
+        finish_param_sync = getattr(chunk, "finish_param_sync", None)
+        if finish_param_sync is not None:
+            finish_param_sync()
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     bad = mismatched_parameters(model_chunks, group, args.device)
     if bad:

@@ -55,7 +55,8 @@ def _pretrain_past_the_time_limit(workdir):
             pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
             ModelType.encoder_or_decoder, forward_step,
             argv=(f"{TINY_GPT} --save {workdir} --exit-duration-in-mins 1 --empty-unused-memory-level 2 "
-                  "--check-weight-hash-across-dp-replicas-interval 2 --logging-level 30").split())
+                  "--check-weight-hash-across-dp-replicas-interval 2 --logging-level 30 --use-distributed-optimizer "
+                  "--overlap-grad-reduce --overlap-param-gather").split())
         logging_level = logging.getLogger().level
     finally:
         run_control.ExitDuration.clock = staticmethod(real_clock)
@@ -70,7 +71,8 @@ def test_exit_duration_memory_release_weight_hashes_and_logging_level(tmp_path):
     results = run_on_ranks(2, _pretrain_past_the_time_limit, str(tmp_path))
     # Rank 0 alone passed the limit during iteration 3; both ranks stop there, after saving iteration 3.
     # Memory released after forward-backward and after the optimizer step of 3 iterations (level 2), and after
-    # the one evaluation step (iteration 2); weight hashes compared before training and at iteration 2.
+    # the one evaluation step (iteration 2); weight hashes compared before training and at iteration 2 (with the
+    # distributed optimizer's overlapped parameter gather still in flight after the step).
     assert results == [{"iteration": 3, "tracker": 3, "empty_cache": 3 * 2 + 1, "hash_checks": [0, 2],
                         "logging_level": 30}] * 2
 
