@@ -84,7 +84,8 @@ FSDP_FLAGS = (
     "--overlap-param-gather",
 )
 # Flags read only when a checkpoint is saved or loaded: a launch that does neither trains the same without them.
-CHECKPOINT_ONLY_FLAGS = ("--ckpt-format", "--async-save", "--use-persistent-ckpt-worker")
+CHECKPOINT_ONLY_FLAGS = ("--ckpt-format", "--async-save", "--use-persistent-ckpt-worker",
+                         "--dist-ckpt-optim-fully-reshardable", "--disable-strict-fsdp-dtensor-load")
 # Flags that change what a run logs, not what it trains.
 LOGGING_FLAGS = ("--log-params-norm", "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard",
                  "--timing-log-level")
