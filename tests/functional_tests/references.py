@@ -63,6 +63,9 @@ REFERENCES = {
     "gpt/cp2_tp2_sp": SINGLE_RANK_TWIN,
     "gpt/resume_cp2_megatron_fsdp_to_cp1_ddp": DDP_TWIN,
     "gpt/resume_pp2_vpp2_to_pp2": ROOT_CASE,
+    "gpt/moe_ep2_ddp": SINGLE_RANK_TWIN,
+    "gpt/moe_ep2_distributed_optimizer": SINGLE_RANK_TWIN,
+    "gpt/resume_moe_ep2_distributed_optimizer_to_ep1_ddp": SINGLE_RANK_TWIN,
 }
 
 # Flags that select or tune a fully sharded data-parallel wrapper. Without them a case trains with Megatron DDP.
@@ -95,8 +98,10 @@ CONTEXT_PARALLEL_FLAGS = ("--context-parallel-size", "--cp-comm-type", "--hierar
 # The interleaved pipeline only reorders the same computation over model chunks.
 VIRTUAL_PIPELINE_FLAGS = ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
                           "--microbatch-group-size-per-virtual-pipeline-stage")
+# Expert parallelism spreads the same experts over ranks; dropless routing keeps every token's experts.
 LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--sequence-parallel",
-                "--use-distributed-optimizer") + CONTEXT_PARALLEL_FLAGS + VIRTUAL_PIPELINE_FLAGS
+                "--use-distributed-optimizer", "--expert-model-parallel-size") + CONTEXT_PARALLEL_FLAGS + \
+    VIRTUAL_PIPELINE_FLAGS
 
 # What a case may change against its reference, by reference kind (checked flag by flag).
 ALLOWED_DIFFERENCES = {
