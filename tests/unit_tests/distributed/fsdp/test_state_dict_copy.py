@@ -40,7 +40,7 @@ def _copies_through_training(cases):
     import megatron_fsdp
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    batches = [tuple(models.local_slice(t, rank, world) for t in batch) for batch in models.make_batches(3)]
+    batches = [tuple(models.local_slice(t, rank, world) for t in batch) for batch in models.make_batches(2)]
     results = {}
     for strategy, outer, mesh_shape in cases:
         module = models.make_model(0)
