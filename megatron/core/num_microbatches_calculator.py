@@ -45,17 +45,90 @@ class ConstantNumMicroBatchesCalculator:
         return self.global_batch_size
 
 
+class RampupBatchsizeNumMicroBatchesCalculator:
+    """`--rampup-batch-size start increment samples`: the global batch starts at `start` and grows by `increment`
+    every `samples / ((global_batch_size - start) / increment)` consumed samples until `samples` have been
+    consumed, then stays at `global_batch_size` (upstream's ramp). Every size must split into microbatches."""
+
+    def __init__(self, global_batch_size, micro_batch_size, data_parallel_size, start_global_batch_size,
+                 batch_size_increment, rampup_samples):
+        ConstantNumMicroBatchesCalculator(global_batch_size, micro_batch_size, data_parallel_size)
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        self.data_parallel_size = data_parallel_size
+        self.start_global_batch_size, self.batch_size_increment = start_global_batch_size, batch_size_increment
+        self.rampup_samples = rampup_samples
+        check_rampup(global_batch_size, micro_batch_size * data_parallel_size, start_global_batch_size,
+                     batch_size_increment, rampup_samples)
+        increments = (global_batch_size - start_global_batch_size) // batch_size_increment
+        self.rampup_samples_per_increment = rampup_samples / increments if increments else None
+        self.update(0)
+
+    def update(self, consumed_samples, consistency_check=True):
+        if self.rampup_samples_per_increment is None or consumed_samples > self.rampup_samples:
+            self.current_global_batch_size = self.global_batch_size
+        else:
+            steps = int(consumed_samples / self.rampup_samples_per_increment)
+            self.current_global_batch_size = self.start_global_batch_size + steps * self.batch_size_increment
+        samples_per_microbatch_step = self.micro_batch_size * self.data_parallel_size
+        if consistency_check and self.current_global_batch_size % samples_per_microbatch_step != 0:
+            raise ValueError(f"--rampup-batch-size: global batch size {self.current_global_batch_size} is not a "
+                             f"multiple of --micro-batch-size x data-parallel size ({samples_per_microbatch_step})")
+
+    @property
+    def num_microbatches(self):
+        return self.current_global_batch_size // (self.micro_batch_size * self.data_parallel_size)
+
+
+def check_rampup(global_batch_size, samples_per_microbatch_step, start, increment, rampup_samples):
+    """Upstream's rules for `--rampup-batch-size start increment samples`, plus: every size on the ramp splits
+    into whole microbatches on every data-parallel rank. Raises ValueError naming the flag."""
+    if start <= 0 or increment <= 0 or rampup_samples < 0:
+        raise ValueError(f"--rampup-batch-size {start} {increment} {rampup_samples}: the start and increment must "
+                         "be positive and the ramp-up samples non-negative")
+    if start > global_batch_size or (global_batch_size - start) % increment != 0:
+        raise ValueError(f"--rampup-batch-size: --global-batch-size ({global_batch_size}) minus the start "
+                         f"({start}) must be a non-negative multiple of the increment ({increment})")
+    if start % samples_per_microbatch_step or increment % samples_per_microbatch_step:
+        raise ValueError(f"--rampup-batch-size: the start ({start}) and increment ({increment}) must be multiples "
+                         f"of --micro-batch-size x data-parallel size ({samples_per_microbatch_step})")
+
+
+def rampup_train_iters(train_samples, global_batch_size, micro_batch_size, data_parallel_size, rampup_batch_size):
+    """Iterations of sample-based training with a batch-size ramp, counted as upstream: steps of the current size
+    while at most the ramp-up samples (and the training samples) are consumed, then whole global batches of the
+    rest (a partial last batch is dropped)."""
+    calculator = RampupBatchsizeNumMicroBatchesCalculator(global_batch_size, micro_batch_size, data_parallel_size,
+                                                          *rampup_batch_size)
+    iterations = consumed = 0
+    while consumed <= calculator.rampup_samples and consumed <= train_samples:
+        calculator.update(consumed)
+        consumed += calculator.current_global_batch_size
+        iterations += 1
+    if train_samples > consumed:
+        iterations += (train_samples - consumed) // global_batch_size
+    return iterations
+
+
 _CALCULATOR = None
 
 
-def init_num_microbatches_calculator(rank, global_batch_size, micro_batch_size, data_parallel_size):
-    """Set up the process-wide calculator; raises ValueError when the batch sizes do not divide evenly."""
+def init_num_microbatches_calculator(rank, global_batch_size, micro_batch_size, data_parallel_size,
+                                     rampup_batch_size=None):
+    """Set up the process-wide calculator (constant, or ramping up with `rampup_batch_size` = (start, increment,
+    ramp-up samples)); raises ValueError when the batch sizes do not divide evenly."""
     global _CALCULATOR
     if _CALCULATOR is not None:
         raise RuntimeError(
             "the num-microbatches calculator is already initialised; call destroy_num_microbatches_calculator() "
             "before initialising it again"
         )
+    if rampup_batch_size is not None:
+        _CALCULATOR = RampupBatchsizeNumMicroBatchesCalculator(global_batch_size, micro_batch_size,
+                                                               data_parallel_size, *rampup_batch_size)
+        if rank == 0:
+            logger.info("global batch size ramps from %d by %d over %d samples to %d", *rampup_batch_size,
+                        global_batch_size)
+        return _CALCULATOR
     calculator = ConstantNumMicroBatchesCalculator(global_batch_size, micro_batch_size, data_parallel_size)
     if rank == 0:
         logger.info(
@@ -90,8 +163,10 @@ def get_micro_batch_size():
 
 
 def update_num_microbatches(consumed_samples, consistency_check=True):
-    """The global batch size is constant, so the number of microbatches never changes with progress."""
-    _calculator()
+    """Move a ramping global batch size to where `consumed_samples` puts it; a constant one never changes."""
+    calculator = _calculator()
+    if isinstance(calculator, RampupBatchsizeNumMicroBatchesCalculator):
+        calculator.update(consumed_samples, consistency_check)
 
 
 def num_microbatches_calculator_is_initialized():

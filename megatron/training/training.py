@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.enums import ModelType
+from megatron.core.num_microbatches_calculator import get_current_global_batch_size, update_num_microbatches
 from megatron.core.fp8.scaling import reduce_fp8_amaxes
 from megatron.core.transformer.moe.router import update_expert_biases
 from megatron.training import checkpointing
@@ -96,7 +97,8 @@ def _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fu
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
     )
     init_num_microbatches_calculator(
-        args.rank, args.global_batch_size, args.micro_batch_size, args.data_parallel_size
+        args.rank, args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
+        rampup_batch_size=getattr(args, "rampup_batch_size", None),
     )
     timers = get_timers()
     with timed(timers, "model-and-optimizer-setup", log_level=0, barrier=True):
@@ -201,7 +203,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, co
         update_successful, grad_norm, num_zeros = optimizer.step()
     empty_unused_memory(args, level=2)
     if update_successful:
-        scheduler.step(increment=args.global_batch_size)
+        scheduler.step(increment=get_current_global_batch_size())
     loss = reduce_reported_loss(losses_reduced, args.device)
     return loss, update_successful, _as_float(grad_norm), _as_float(num_zeros)
 
@@ -283,6 +285,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
         check_weight_hashes(model, iteration, args)
     with SigtermHandler() as sigterm, ManualGarbageCollection.from_args(args) as manual_gc:
         while iteration < args.train_iters:
+            update_num_microbatches(args.consumed_train_samples)  # a --rampup-batch-size ramp moves with samples
             start = time.perf_counter()
             try:
                 loss, update_successful, grad_norm, num_zeros = train_step(
@@ -297,7 +300,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
             iteration_time_s = time.perf_counter() - start
             iteration += 1
             args.iteration = iteration
-            args.consumed_train_samples += args.global_batch_size
+            args.consumed_train_samples += get_current_global_batch_size()
             manual_gc.after_iteration(iteration)
             logger.log_iteration(
                 {
@@ -313,7 +316,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
                     "nan": loss != loss,
                     "iteration_time_s": iteration_time_s,
                     "consumed_samples": args.consumed_train_samples,
-                    "global_batch_size": args.global_batch_size,
+                    "global_batch_size": get_current_global_batch_size(),
                     "memory": memory_usage(model, optimizer, args.device),
                     "print_memory_on_this_rank": print_memory_on_this_rank,
                 }

@@ -6,6 +6,8 @@ samples (--train-samples, --lr-*-samples), never a mix, as upstream.
 
 import dataclasses
 
+from megatron.core.num_microbatches_calculator import rampup_train_iters
+
 
 def add_arguments(parser):
     group = parser.add_argument_group("training")
@@ -22,8 +24,9 @@ def add_arguments(parser):
                        help="Number of samples to train for: --train-samples // --global-batch-size iterations; the "
                        "learning-rate schedule is then given in samples (--lr-decay-samples, --lr-warmup-samples).")
     group.add_argument("--rampup-batch-size", nargs="*", default=None,
-                       help="<start batch size> <increment> <ramp-up samples>: not supported here (the global batch "
-                       "size is constant); rejected with a message.")
+                       help="<start global batch size> <increment> <ramp-up samples>: grow the global batch from the "
+                       "start by the increment in equal sample steps until the ramp-up samples are consumed, then "
+                       "keep --global-batch-size (sample-based training only).")
     group.add_argument("--exit-interval", type=int, default=None, help="Exit after an iteration divisible by this.")
     group.add_argument(
         "--exit-signal-handler",
@@ -199,14 +202,14 @@ def _validate_weight_decay_schedule(args):
 def _validate_training_length(args):
     """Upstream's two modes: --train-iters with iteration-counted schedules, or --train-samples with
     sample-counted ones; each excludes the other's flags."""
-    if args.rampup_batch_size is not None:
-        raise ValueError("--rampup-batch-size is not supported: this trainer keeps the global batch size constant; "
-                         "drop it and set --global-batch-size")
     if args.train_iters is not None and args.train_samples is not None:
         raise ValueError("--train-iters and --train-samples are exclusive: pick one")
     if args.train_samples is None:
         if args.train_iters is None or args.train_iters <= 0:
             raise ValueError("--train-iters (or --train-samples) is required and must be positive")
+        if args.rampup_batch_size is not None:
+            raise ValueError("--rampup-batch-size needs sample-based training: use --train-samples (and the "
+                             "--lr-*-samples flags) instead of --train-iters")
         for flag, value, unset in (("--lr-decay-samples", args.lr_decay_samples, None),
                                    ("--lr-warmup-samples", args.lr_warmup_samples, 0),
                                    ("--lr-wsd-decay-samples", args.lr_wsd_decay_samples, None)):
@@ -222,10 +225,24 @@ def _validate_training_length(args):
         if value != unset:
             raise ValueError(f"{flag} needs iteration-based training (--train-iters); with --train-samples use "
                              f"{flag.replace('iters', 'samples')}")
-    args.train_iters = args.train_samples // args.global_batch_size
+    if args.rampup_batch_size is None:
+        args.train_iters = args.train_samples // args.global_batch_size
+    else:
+        args.rampup_batch_size = _rampup_values(args.rampup_batch_size)
+        args.train_iters = rampup_train_iters(args.train_samples, args.global_batch_size, args.micro_batch_size,
+                                              args.data_parallel_size, args.rampup_batch_size)
     if args.train_iters == 0:
         raise ValueError(f"--train-samples ({args.train_samples}) is less than one --global-batch-size "
                          f"({args.global_batch_size})")
+
+
+def _rampup_values(values):
+    try:
+        start, increment, samples = (int(value) for value in values)
+    except ValueError:
+        raise ValueError(f"--rampup-batch-size takes three integers <start> <increment> <ramp-up samples>, got "
+                         f"{' '.join(map(str, values))!r}") from None
+    return start, increment, samples
 
 
 def _validate_iteration_schedule(args):

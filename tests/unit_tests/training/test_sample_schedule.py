@@ -133,7 +133,6 @@ def test_warmup_fraction_counts_decay_samples():
     ("--train-iters 10 --lr-decay-style WSD", "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
     ("--train-iters 10 --lr-wsd-decay-iters 2", "--lr-wsd-decay-iters needs --lr-decay-style WSD"),
     ("--train-iters 10 --lr-decay-style WSD --lr-wsd-decay-iters 11", "--lr-wsd-decay-iters (11) must be in"),
-    ("--train-samples 80 --rampup-batch-size 2 2 16", "--rampup-batch-size is not supported"),
     ("--train-iters 10 --decoupled-min-lr 1e-4", "--decoupled-min-lr needs --decoupled-lr"),
     ("--train-iters 10 --decoupled-lr 1e-3 --decoupled-min-lr 2e-3", "--decoupled-min-lr (0.002) must be in"),
     ("", "--train-iters (or --train-samples) is required"),
@@ -153,3 +152,74 @@ def test_decoupled_lr_reaches_gpt_embedding_and_output_layer():
     groups = get_param_groups([model], OptimizerConfig(lr=1e-3, min_lr=0.0, decoupled_lr=5e-3))
     decoupled = [id(p) for group in groups if group.get("max_lr") == 5e-3 for p in group["params"]]
     assert sorted(decoupled) == sorted([id(model.embedding.word_embeddings.weight), id(model.output_layer.weight)])
+
+
+def test_rampup_batch_size_steps_and_iteration_count():
+    from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
+
+    # 16 = 4 + 3 increments of 4, one every 48 / 3 = 16 samples; 2 samples per microbatch step (mbs 2, DP 1).
+    ramp = RampupBatchsizeNumMicroBatchesCalculator(16, 2, 1, 4, 4, 48)
+    sizes = {}
+    for consumed in (0, 15, 16, 31, 32, 47, 48, 49, 1000):
+        ramp.update(consumed)
+        sizes[consumed] = (ramp.current_global_batch_size, ramp.num_microbatches)
+    assert sizes == {0: (4, 2), 15: (4, 2), 16: (8, 4), 31: (8, 4), 32: (12, 6), 47: (12, 6), 48: (16, 8),
+                     49: (16, 8), 1000: (16, 8)}
+    # Ramp steps while at most 48 samples are consumed: 4, 4, 4, 4 (16), 8, 8 (32), 12, 12 (56); then
+    # (200 - 56) // 16 = 9 full batches.
+    args = validated("--global-batch-size 16 --train-samples 200 --rampup-batch-size 4 4 48")
+    assert args.rampup_batch_size == (4, 4, 48) and args.train_iters == 8 + 9
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("--train-iters 10 --rampup-batch-size 2 2 16", "--rampup-batch-size needs sample-based training"),
+    ("--train-samples 80 --rampup-batch-size 2 2", "takes three integers"),
+    ("--train-samples 80 --rampup-batch-size 6 4 16", "minus the start (6) must be a non-negative multiple"),
+    ("--train-samples 80 --rampup-batch-size 0 4 16", "must be positive"),
+    ("--train-samples 80 --global-batch-size 12 --rampup-batch-size 3 3 16", "must be multiples of"),
+])
+def test_rampup_rules(extra, message):
+    with pytest.raises(ValueError) as error:
+        validate_args(parse_args(args=(BASE.replace("--global-batch-size 8 ", "") + " " + extra).split()))
+    assert message in str(error.value)
+
+
+def _pretrain_with_rampup(workdir):
+    import json
+
+    import pretrain_gpt
+    from megatron.core.enums import ModelType
+    from megatron.training.training import pretrain
+
+    calls = {"forward": 0}
+
+    def counting_forward_step(data_iterator, model):
+        calls["forward"] += 1
+        return pretrain_gpt.forward_step(data_iterator, model)
+
+    argv = ("--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --micro-batch-size 2 "
+            "--global-batch-size 16 --rampup-batch-size 4 4 24 --train-samples 76 --lr 1e-3 --min-lr 1e-4 "
+            "--lr-decay-style linear --lr-warmup-samples 8 --mock-data --vocab-size 127 "
+            "--make-vocab-size-divisible-by 64 --hidden-dropout 0 --attention-dropout 0 --num-workers 0 "
+            f"--log-interval 1 --eval-iters 0 --metrics-file {workdir}/metrics.jsonl").split()
+    iteration = pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
+                         ModelType.encoder_or_decoder, counting_forward_step, argv=argv)
+    records = []
+    if torch.distributed.get_rank() == 1:  # the logging rank
+        records = [json.loads(line) for line in open(f"{workdir}/metrics.jsonl")]
+    return iteration, calls["forward"], [(r["consumed-samples"], r["learning-rate"]) for r in records]
+
+
+def test_rampup_batch_size_in_training(tmp_path):
+    from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+    results = run_on_ranks(2, _pretrain_with_rampup, str(tmp_path))
+    # 4 samples per microbatch step (mbs 2 x DP 2); 16 = 4 + 3 x 4 over 24 samples (one increment per 8):
+    # batches 4, 4, 8, 12 while at most 24 samples are consumed, then (76 - 28) // 16 = 3 batches of 16.
+    consumed = [4, 8, 16, 28, 44, 60, 76]
+    assert [result[:2] for result in results] == [(7, 76 // 4)] * 2  # microbatches per rank: the samples / 4
+    logged = results[1][2]
+    assert [samples for samples, _ in logged] == consumed
+    for samples, lr in logged:  # the schedule counts samples: warm-up 8, linear decay to 76 (--train-samples)
+        expected = 1e-3 * samples / 8 if samples <= 8 else 1e-4 + (1 - (samples - 8) / (76 - 8)) * (1e-3 - 1e-4)
+        assert lr == pytest.approx(expected, rel=1e-12), samples
