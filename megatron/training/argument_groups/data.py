@@ -23,8 +23,8 @@ def add_arguments(parser):
                        help="Tokenizer file or name (HuggingFaceTokenizer), or the .json vocabulary (TikTokenizer).")
     group.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"],
                        help="TikTokenizer pre-tokenizer: v1 splits numbers into digits, v2 into groups of three.")
-    group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
-                       help="TikTokenizer ids reserved for special tokens (the BPE ids follow them).")
+    group.add_argument("--tiktoken-num-special-tokens", type=int, default=None,
+                       help="TikTokenizer ids reserved for special tokens (the BPE ids follow them); default 1000.")
     group.add_argument("--tiktoken-special-tokens", nargs="+", default=None,
                        help="TikTokenizer special tokens (must include <unk>, <s>, </s>); default <unk> <s> </s> "
                        "<mask> <pad> <cls> <sep>.")
@@ -61,11 +61,14 @@ def validate(args):
         if args.tokenizer_model is None or args.tiktoken_pattern is None:
             raise ValueError("--tokenizer-type TikTokenizer needs --tokenizer-model (the .json vocabulary) and "
                              "--tiktoken-pattern v1|v2")
+        if args.tiktoken_num_special_tokens is None:
+            args.tiktoken_num_special_tokens = 1000
         if args.tiktoken_num_special_tokens < 3:
             raise ValueError("--tiktoken-num-special-tokens must be >= 3 (<unk>, <s>, </s>), got "
                              f"{args.tiktoken_num_special_tokens}")
-    elif args.tiktoken_pattern is not None or args.tiktoken_special_tokens is not None:
-        raise ValueError("--tiktoken-pattern / --tiktoken-special-tokens need --tokenizer-type TikTokenizer")
+    elif (args.tiktoken_pattern, args.tiktoken_special_tokens, args.tiktoken_num_special_tokens) != (None,) * 3:
+        raise ValueError("--tiktoken-pattern / --tiktoken-special-tokens / --tiktoken-num-special-tokens need "
+                         "--tokenizer-type TikTokenizer")
     if args.tokenizer_type == "GPT2BPETokenizer" and (args.vocab_file is None or args.merge_file is None):
         raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
     if args.num_workers < 0:

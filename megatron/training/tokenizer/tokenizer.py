@@ -40,7 +40,7 @@ def build_tokenizer_from_args(args):
         merge_file=getattr(args, "merge_file", None),
         tokenizer_model=getattr(args, "tokenizer_model", None),
         tiktoken_pattern=getattr(args, "tiktoken_pattern", None),
-        tiktoken_num_special_tokens=getattr(args, "tiktoken_num_special_tokens", DEFAULT_NUM_SPECIAL_TOKENS),
+        tiktoken_num_special_tokens=getattr(args, "tiktoken_num_special_tokens", None) or DEFAULT_NUM_SPECIAL_TOKENS,
         tiktoken_special_tokens=getattr(args, "tiktoken_special_tokens", None),
     )
 

@@ -78,9 +78,14 @@ def test_flags_build_it(vocabulary, monkeypatch):
     assert tokenizer.tokenize("12") == ids(b"1", b"2")
     with pytest.raises(ValueError, match="needs --tokenizer-model .* and --tiktoken-pattern"):
         validate_args(parse_args(args=f"{base} --tokenizer-model {vocabulary}".split()))
-    with pytest.raises(ValueError, match="need --tokenizer-type TikTokenizer"):
+    with pytest.raises(ValueError, match="--tiktoken-num-special-tokens need --tokenizer-type TikTokenizer"):
         validate_args(parse_args(args=(base.replace("TikTokenizer", "NullTokenizer --vocab-size 64")
                                        + " --tiktoken-pattern v2").split()))
+    with pytest.raises(ValueError, match="--tiktoken-num-special-tokens need --tokenizer-type TikTokenizer"):
+        validate_args(parse_args(args=(base.replace("TikTokenizer", "NullTokenizer --vocab-size 64")
+                                       + " --tiktoken-num-special-tokens 10").split()))
+    default = validate_args(parse_args(args=f"{base} --tokenizer-model {vocabulary} --tiktoken-pattern v2".split()))
+    assert default.tiktoken_num_special_tokens == 1000
 
 
 def test_file_and_size_checks(tmp_path, vocabulary):
