@@ -43,9 +43,9 @@ def add_arguments(parser):
                        choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
                        help="Decay after warm-up; WSD (warmup-stable-decay) holds --lr until the last "
                        "--lr-wsd-decay-iters/-samples of the decay, then anneals with --lr-wsd-decay-style.")
-    group.add_argument("--lr-wsd-decay-style", default="exponential",
+    group.add_argument("--lr-wsd-decay-style", default=None,
                        choices=["exponential", "linear", "cosine", "minus_sqrt"],
-                       help="Shape of the WSD anneal.")
+                       help="Shape of the WSD anneal (default exponential).")
     group.add_argument("--lr-wsd-decay-iters", type=int, default=None,
                        help="Iterations of the WSD anneal (iteration-based training).")
     group.add_argument("--lr-wsd-decay-samples", type=int, default=None,
@@ -298,9 +298,13 @@ def _check_warmup_fraction(args):
 
 def _check_wsd(args, wsd_flag, wsd_value, decay_flag, decay_value):
     if args.lr_decay_style != "WSD":
-        if wsd_value is not None:
-            raise ValueError(f"{wsd_flag} needs --lr-decay-style WSD")
+        if wsd_value is not None or args.lr_wsd_decay_style is not None:
+            flag = wsd_flag if wsd_value is not None else "--lr-wsd-decay-style"
+            raise ValueError(f"{flag} needs --lr-decay-style WSD")
+        args.lr_wsd_decay_style = "exponential"  # upstream's default; unused outside WSD
         return
+    if args.lr_wsd_decay_style is None:
+        args.lr_wsd_decay_style = "exponential"
     if wsd_value is None:
         raise ValueError(f"--lr-decay-style WSD needs {wsd_flag}")
     if not 0 < wsd_value <= decay_value:

@@ -132,6 +132,7 @@ def test_warmup_fraction_counts_decay_samples():
     ("--train-samples 80 --lr-decay-style WSD", "--lr-decay-style WSD needs --lr-wsd-decay-samples"),
     ("--train-iters 10 --lr-decay-style WSD", "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
     ("--train-iters 10 --lr-wsd-decay-iters 2", "--lr-wsd-decay-iters needs --lr-decay-style WSD"),
+    ("--train-iters 10 --lr-wsd-decay-style linear", "--lr-wsd-decay-style needs --lr-decay-style WSD"),
     ("--train-iters 10 --lr-decay-style WSD --lr-wsd-decay-iters 11", "--lr-wsd-decay-iters (11) must be in"),
     ("--train-iters 10 --decoupled-min-lr 1e-4", "--decoupled-min-lr needs --decoupled-lr"),
     ("--train-iters 10 --decoupled-lr 1e-3 --decoupled-min-lr 2e-3", "--decoupled-min-lr (0.002) must be in"),
