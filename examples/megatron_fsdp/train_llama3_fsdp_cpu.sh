@@ -5,11 +5,11 @@
 #   bash examples/megatron_fsdp/train_llama3_fsdp_cpu.sh [extra pretrain_gpt.py flags]
 #   PRINT_ARGS=1 bash examples/megatron_fsdp/train_llama3_fsdp_cpu.sh   # print the pretrain_gpt.py flags, run nothing
 #
-# Dropped from the upstream recipe because they need NCCL on GPUs: --use-nccl-ub, --fsdp-manual-registration,
-# the FP8 flags (--fp8-format/--fp8-recipe/--fp8-param-gather, --keep-fp8-transpose-cache) and
-# --attention-backend fused (a Transformer Engine kernel); context parallelism stays at 1. Mock data stands in
-# for the recipe's dataset; the TikTokenizer vocabulary is a byte-level one written on first use (256 byte
-# tokens after upstream's 1000 special ids).
+# Dropped from the upstream recipe because they need GPUs: the NCCL user-buffer flags (--use-nccl-ub,
+# --fsdp-manual-registration), its FP8 flags (an H100 FP8 recipe; FP8 on CPU is for correctness, not speed) and
+# Transformer Engine's fused attention backend; context parallelism stays at 1. Mock data stands in for the
+# recipe's dataset; the TikTokenizer vocabulary is a byte-level one written on first use (256 byte tokens after
+# upstream's 1000 special ids).
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
