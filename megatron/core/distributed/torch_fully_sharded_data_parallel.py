@@ -7,7 +7,9 @@ Each `TransformerLayer` and the embedding become their own FSDP2 unit (see `mega
 backward, one reduce-scatter after their backward); everything else (final norm, output layer) belongs to the
 root unit. Parameters are sharded over the data-parallel (x context-parallel) dimension of parallel_state's
 device mesh; tensor parallelism stays Megatron's own (each TP rank shards its local TP slice over its DP group),
-and pipeline parallelism wraps each stage's chunk on its own.
+and pipeline parallelism wraps each stage's chunk on its own. Mixture-of-Experts experts (a MoE layer's
+`experts`, whose parameters are all expert parameters) are units of their own, sharded over the expert
+data-parallel mesh (the ranks holding the same experts).
 
 The wrapper implements the `DataParallelWrapper` contract: `no_sync()` (FSDP2's `set_requires_gradient_sync(False)`: unsharded gradients accumulate locally until the
 last microbatch), `start_grad_sync` / `finish_grad_sync` (FSDP2 reduce-scatters inside backward; on return
@@ -42,6 +44,7 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from megatron.core.distributed.data_parallel_base import DataParallelWrapper, local_tensor, tensor_bytes
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.fsdp_units import default_fsdp_unit_modules
+from megatron.core.expert_parameters import expert_data_parallel_group, is_expert_parameter
 from megatron.core.offloading.fsdp2 import fsdp2_offload_policy
 
 # Attributes Megatron code reads from parameters (grad norm de-duplication, SP / tied-embedding all-reduces,
@@ -56,6 +59,8 @@ CARRIED_PARAM_ATTRIBUTES = (
     "shared",
     "allreduce",
     "is_embedding_or_output_parameter",
+    "expert_global_index",
+    "num_local_experts",
 )
 
 
@@ -80,6 +85,35 @@ def data_parallel_mesh():
     _clear_sharding_prop_cache()
     return DeviceMesh.from_group(group, get_device_for_group(group).type, mesh=torch.tensor(ranks, dtype=torch.int),
                                  mesh_dim_names=("dp_shard_cp",))
+
+
+def expert_data_parallel_mesh():
+    """The 1-D mesh of the ranks holding the same experts (parallel_state's expert data-parallel group)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from megatron.core.device_utils import get_device_for_group
+
+    group = expert_data_parallel_group()
+    ranks = dist.get_process_group_ranks(group)
+    return DeviceMesh.from_group(group, get_device_for_group(group).type, mesh=torch.tensor(ranks, dtype=torch.int),
+                                 mesh_dim_names=("expt_dp",))
+
+
+def expert_modules(module):
+    """The outermost submodules of `module` whose parameters are all Mixture-of-Experts expert parameters (a MoE
+    layer's `experts`): FSDP2 shards them over the expert data-parallel mesh."""
+    found = []
+
+    def visit(submodule):
+        params = list(submodule.parameters())
+        if submodule is not module and params and all(is_expert_parameter(param) for param in params):
+            found.append(submodule)
+            return
+        for child in submodule.children():
+            visit(child)
+
+    visit(module)
+    return found
 
 
 def mixed_precision_policy(config, ddp_config: DistributedDataParallelConfig, module):
@@ -158,6 +192,21 @@ class TorchFSDP2(DataParallelWrapper):
         self.fsdp_units = [submodule for submodule in module.modules() if isinstance(submodule, unit_classes)]
         # --torch-fsdp2-cpu-offload: shards and gradient shards rest in host memory (see megatron.core.offloading).
         self.offload_policy = fsdp2_offload_policy(ddp_config.torch_fsdp2_cpu_offload, self.device_mesh.device_type)
+        # Experts first (they sit inside the layers): sharded over the ranks holding the same experts. Their
+        # gradients are summed over that mesh and divided by DP x CP, like the dense ones: each expert's gradient
+        # already sums the tokens every expert-parallel rank sent it.
+        self.expert_units = expert_modules(module)
+        self.fsdp_units = [unit for unit in self.fsdp_units if unit not in self.expert_units]
+        if self.expert_units:
+            self.expert_mesh = expert_data_parallel_mesh()
+            data_parallel_size = self.device_mesh.size()
+            for unit in self.expert_units:
+                fully_shard(unit, mesh=self.expert_mesh, reshard_after_forward=reshard_after_forward,
+                            mp_policy=self.mixed_precision_policy, offload_policy=self.offload_policy)
+                unit.set_gradient_divide_factor(float(data_parallel_size))
+                # SUM, then one division by the factor. On a one-rank mesh FSDP2 skips the collective and divides
+                # by the factor itself, and would divide again after a forced SUM: not forced there.
+                unit.set_force_sum_reduction_for_comms(self.expert_mesh.size() > 1)
         for unit in self.fsdp_units:
             fully_shard(unit, mesh=self.device_mesh, reshard_after_forward=reshard_after_forward,
                         mp_policy=self.mixed_precision_policy, offload_policy=self.offload_policy)
@@ -172,7 +221,7 @@ class TorchFSDP2(DataParallelWrapper):
         if getattr(config, "calculate_per_token_loss", False):
             # Per-token losses are divided by the global token count in finalize_model_grads: sum, not average.
             # A plain SUM collective (a divide factor alone would ask for PREMUL_SUM, which gloo lacks).
-            for unit in [*self.fsdp_units, module]:
+            for unit in [*self.expert_units, *self.fsdp_units, module]:
                 unit.set_gradient_divide_factor(1.0)
                 unit.set_force_sum_reduction_for_comms(True)
         self._requires_gradient_sync = True

@@ -13,7 +13,7 @@ SAVE_AFTER = 2
 
 
 def _save_then_resume(directory, save_layout, load_layout):
-    """Train `SAVE_AFTER` steps at `save_layout` (EP size, distributed optimizer), save; rebuild at `load_layout`,
+    """Train `SAVE_AFTER` steps at `save_layout` (EP size, wrapper), save; rebuild at `load_layout`,
     load, train the remaining steps. Returns the checkpoint's keys and the resumed run's history and weights."""
     from megatron.core import parallel_state
 
@@ -42,8 +42,10 @@ def _save_then_resume(directory, save_layout, load_layout):
     return sorted(metadata.state_dict_metadata), history, run.global_parameters()
 
 
-@pytest.mark.parametrize("save_layout, load_layout", [((2, True), (1, False)), ((1, False), (2, True))],
-                         ids=["ep2_distopt_to_ep1_ddp", "ep1_ddp_to_ep2_distopt"])
+@pytest.mark.parametrize("save_layout, load_layout", [((2, "distributed_optimizer"), (1, "ddp")),
+                                                      ((1, "ddp"), (2, "distributed_optimizer")),
+                                                      ((2, "fsdp2"), (1, "distributed_optimizer"))],
+                         ids=["ep2_distopt_to_ep1_ddp", "ep1_ddp_to_ep2_distopt", "ep2_fsdp2_to_ep1_distopt"])
 def test_expert_checkpoint_resumes_at_another_expert_parallel_size(tmp_path, save_layout, load_layout):
     expected_history, expected_params = expert_training.uninterrupted_reference()
     results = run_on_ranks(expert_training.WORLD, _save_then_resume, str(tmp_path / "ckpt"), save_layout,

@@ -4,7 +4,7 @@ for testing the data-parallel wrappers, optimizers and checkpoints without the G
 
 Expert parallelism works like the all-gather token dispatcher: the tokens of the expert-parallel group are
 gathered on every rank, each rank runs its local experts on the tokens routed to them (top-1 of a softmax over
-the first `num_experts` hidden features, weighted by that probability), and the partial outputs are summed
+a dense router's logits, weighted by that probability), and the partial outputs are summed
 and scattered back. Every expert's initial weights depend only on its global index, so models built at any
 expert-parallel size hold the same experts.
 """
@@ -88,6 +88,20 @@ class ToyExperts(torch.nn.Module):
             ToyExpert(first + j, self.num_local_experts, seed) for j in range(self.num_local_experts))
         self.first_expert = first
 
+    def forward(self, tokens, probs):
+        """The weighted outputs of the local experts for the tokens whose top-1 choice they are (zero rows for the
+        others). Starts from the tokens (times zero) so that the combine's backward runs on every rank, also on
+        one whose local experts got no token: the collectives of the backward must match over the group."""
+        choice = probs.argmax(dim=-1)
+        output = tokens * 0.0
+        for j, expert in enumerate(self.local_experts):
+            # Every expert runs, also on no token (as the MoE layer's experts do): its gradient is then zero,
+            # not missing, and FSDP2 reduces the same tensors on every rank.
+            rows = (choice == self.first_expert + j).nonzero(as_tuple=True)[0]
+            weighted = expert(tokens[rows]) * probs[rows, self.first_expert + j].unsqueeze(-1)
+            output = output.index_add(0, rows, weighted)
+        return output
+
 
 class ToyMoELayer(torch.nn.Module):
     def __init__(self, num_experts, ep_group, seed):
@@ -95,20 +109,15 @@ class ToyMoELayer(torch.nn.Module):
         ep_size, ep_rank = _group_size_and_rank(ep_group)
         self.num_experts = num_experts
         self.ep_group = ep_group if ep_size > 1 else None
+        generator = torch.Generator().manual_seed(seed + 77)
+        self.router = torch.nn.Linear(HIDDEN, num_experts, bias=False)  # dense: replicated on every rank
+        with torch.no_grad():
+            self.router.weight.copy_(torch.randn(self.router.weight.shape, generator=generator))
         self.experts = ToyExperts(num_experts, ep_rank, ep_size, seed)
 
     def forward(self, hidden):
         tokens = hidden if self.ep_group is None else _GatherTokens.apply(hidden, self.ep_group)
-        probs = torch.softmax(tokens[:, :self.num_experts], dim=-1)
-        choice = probs.argmax(dim=-1)
-        # Starts from the tokens (times zero) so that the combine's backward runs on every rank, also on one
-        # whose local experts got no token: the collectives of the backward must match over the group.
-        output = tokens * 0.0
-        for j, expert in enumerate(self.experts.local_experts):
-            rows = (choice == self.experts.first_expert + j).nonzero(as_tuple=True)[0]
-            if rows.numel():
-                weighted = expert(tokens[rows]) * probs[rows, self.experts.first_expert + j].unsqueeze(-1)
-                output = output.index_add(0, rows, weighted)
+        output = self.experts(tokens, torch.softmax(self.router(tokens), dim=-1))
         return output if self.ep_group is None else _ScatterSum.apply(output, self.ep_group)
 
 

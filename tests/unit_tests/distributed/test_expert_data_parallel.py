@@ -1,16 +1,20 @@
-"""Expert parameters under DDP and the distributed optimizer: reduced (and sharded) over the expert data-parallel
-group, counted once in the gradient norm and the zero count. Two ranks at EP1 (experts replicated, expert-DP 2)
-and EP2 (each rank its own experts, expert-DP 1) must both train like one process holding every expert."""
+"""Expert parameters under DDP, the distributed optimizer and FSDP2: reduced (and sharded) over the expert
+data-parallel group, counted once in the gradient norm and the zero count. Two ranks at EP1 (experts replicated,
+expert-DP 2) and EP2 (each rank its own experts, expert-DP 1) must both train like one process holding every
+expert. Megatron-FSDP refuses expert parallelism with a message naming the flags."""
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFSDP2
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from tests.unit_tests.distributed.expert_toy_model import (
+    ToyMoELayer,
     ToyMoEModel,
     mse_loss,
     named_parameters_by_global_name,
@@ -26,17 +30,26 @@ def _optimizer_config(use_distributed_optimizer):
                            use_distributed_optimizer=use_distributed_optimizer, log_num_zeros_in_grad=True)
 
 
-class TrainingRun:
-    """The toy MoE model on this rank at `expert_model_parallel_size`, wrapped in DDP, with its optimizer."""
+WRAPPERS = ("ddp", "distributed_optimizer", "fsdp2")
 
-    def __init__(self, expert_model_parallel_size, use_distributed_optimizer):
+
+class TrainingRun:
+    """The toy MoE model on this rank at `expert_model_parallel_size`, wrapped in `wrapper` (one of `WRAPPERS`),
+    with its optimizer."""
+
+    def __init__(self, expert_model_parallel_size, wrapper):
         parallel_state.initialize_model_parallel(expert_model_parallel_size=expert_model_parallel_size)
         self.model = ToyMoEModel(ep_group=parallel_state.get_expert_model_parallel_group())
-        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer,
-                                                   overlap_grad_reduce=True,
-                                                   overlap_param_gather=use_distributed_optimizer, bucket_size=150)
-        self.ddp = DistributedDataParallel(
-            ModelParallelConfig(expert_model_parallel_size=expert_model_parallel_size), ddp_config, self.model)
+        config = ModelParallelConfig(expert_model_parallel_size=expert_model_parallel_size)
+        use_distributed_optimizer = wrapper == "distributed_optimizer"
+        if wrapper == "fsdp2":
+            ddp_config = DistributedDataParallelConfig(use_torch_fsdp2=True)
+            self.ddp = TorchFSDP2(config, ddp_config, self.model, fsdp_unit_modules=(ToyMoELayer,))
+        else:
+            ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer,
+                                                       overlap_grad_reduce=True,
+                                                       overlap_param_gather=use_distributed_optimizer, bucket_size=150)
+            self.ddp = DistributedDataParallel(config, ddp_config, self.model)
         self.optimizer = get_megatron_optimizer(_optimizer_config(use_distributed_optimizer), [self.ddp])
 
     def train(self, steps):
@@ -61,7 +74,8 @@ class TrainingRun:
     def global_parameters(self):
         """{name with global expert indices: weights} of the whole model, assembled from every rank."""
         self.ddp.finish_param_sync()
-        params = {name: param.detach().clone() for name, param in named_parameters_by_global_name(self.model).items()}
+        params = {name: full_tensor(param).detach().clone()
+                  for name, param in named_parameters_by_global_name(self.model).items()}
         everyone = [None] * WORLD
         dist.all_gather_object(everyone, params)
         merged = {}
@@ -70,11 +84,22 @@ class TrainingRun:
         return merged
 
 
-def _train_on_ranks(expert_model_parallel_size, use_distributed_optimizer):
-    run = TrainingRun(expert_model_parallel_size, use_distributed_optimizer)
-    expert_groups = run.ddp.expert_groups
-    assert [buffer.groups for buffer in run.ddp.buffers].count(expert_groups) == 1
-    assert dist.get_world_size(expert_groups.data_parallel_group) == WORLD // expert_model_parallel_size
+def full_tensor(tensor):
+    """A DTensor (FSDP2) gathered over its mesh; a plain tensor itself."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _train_on_ranks(expert_model_parallel_size, wrapper):
+    run = TrainingRun(expert_model_parallel_size, wrapper)
+    expert_data_parallel_size = WORLD // expert_model_parallel_size
+    if wrapper == "fsdp2":
+        assert [unit.experts if hasattr(unit, "experts") else unit for unit in run.ddp.expert_units] == [
+            run.model.mlp.experts]
+        assert run.ddp.expert_mesh.size() == expert_data_parallel_size
+    else:
+        expert_groups = run.ddp.expert_groups
+        assert [buffer.groups for buffer in run.ddp.buffers].count(expert_groups) == 1
+        assert dist.get_world_size(expert_groups.data_parallel_group) == expert_data_parallel_size
     return run.train(range(STEPS)), run.global_parameters()
 
 
@@ -117,12 +142,11 @@ def reference():
     return uninterrupted_reference()
 
 
-@pytest.mark.parametrize("use_distributed_optimizer", [False, True], ids=["ddp", "distributed_optimizer"])
+@pytest.mark.parametrize("wrapper", WRAPPERS)
 @pytest.mark.parametrize("expert_model_parallel_size", [1, 2], ids=["ep1", "ep2"])
-def test_expert_parallel_training_equals_one_process(reference, expert_model_parallel_size, use_distributed_optimizer):
+def test_expert_parallel_training_equals_one_process(reference, expert_model_parallel_size, wrapper):
     expected_history, expected_params = reference
-    (history, params), _ = run_on_ranks(WORLD, _train_on_ranks, expert_model_parallel_size,
-                                        use_distributed_optimizer)
+    (history, params), _ = run_on_ranks(WORLD, _train_on_ranks, expert_model_parallel_size, wrapper)
     assert any(norm > CLIP_GRAD for _, norm, _ in expected_history)  # clipping is exercised
     assert any(zeros > 0 for _, _, zeros in expected_history)  # experts without tokens: zero gradients
     for (loss, norm, zeros), (expected_loss, expected_norm, expected_zeros) in zip(history, expected_history,
@@ -133,3 +157,19 @@ def test_expert_parallel_training_equals_one_process(reference, expert_model_par
     assert sorted(params) == sorted(expected_params)
     for name, expected in expected_params.items():
         torch.testing.assert_close(params[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _megatron_fsdp_error_at_ep2():
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import MegatronFSDPAdapter
+
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
+    model = ToyMoEModel(ep_group=parallel_state.get_expert_model_parallel_group())
+    with pytest.raises(ValueError) as error:
+        MegatronFSDPAdapter(ModelParallelConfig(expert_model_parallel_size=2),
+                            DistributedDataParallelConfig(use_megatron_fsdp=True), model)
+    return str(error.value)
+
+
+def test_megatron_fsdp_refuses_expert_parallel_experts_naming_the_flags():
+    message = run_on_ranks(WORLD, _megatron_fsdp_error_at_ep2)[0]
+    assert "--use-megatron-fsdp" in message and "--expert-model-parallel-size 2" in message

@@ -78,6 +78,7 @@ def _package_ddp_config(ddp_config: DistributedDataParallelConfig):
         average_in_collective=ddp_config.average_in_collective,
         fsdp_double_buffer=ddp_config.fsdp_double_buffer,
         preproc_state_dict_for_dcp_ckpt=ddp_config.preproc_state_dict_for_dcp_ckpt,
+        param_offload=ddp_config.megatron_fsdp_param_offload,
     )
 
 
@@ -130,6 +131,23 @@ def _mesh_from_parallel_state(ddp_config: DistributedDataParallelConfig) -> _Mes
     )
 
 
+def _check_no_expert_parallel_experts(module):
+    """Expert parameters are sharded like dense ones over DP x CP, which is their expert data-parallel group only
+    without expert parallelism (at EP1 every rank holds every expert)."""
+    from megatron.core import parallel_state
+    from megatron.core.expert_parameters import is_expert_parameter
+
+    if not parallel_state.model_parallel_is_initialized() or parallel_state.get_expert_model_parallel_world_size() == 1:
+        return
+    if any(is_expert_parameter(param) for param in module.parameters()):
+        raise ValueError(
+            f"--use-megatron-fsdp with --expert-model-parallel-size "
+            f"{parallel_state.get_expert_model_parallel_world_size()}: Megatron-FSDP does not shard expert "
+            "parameters over their own expert data-parallel mesh yet; use --expert-model-parallel-size 1 with "
+            "Megatron-FSDP, or expert parallelism with Megatron DDP / --use-distributed-optimizer / --use-torch-fsdp2"
+        )
+
+
 class MegatronFSDPAdapter(DataParallelWrapper):
     """Wraps `module` (one pipeline stage's Megatron-Core model) with Megatron-FSDP; see the module docstring.
 
@@ -153,6 +171,7 @@ class MegatronFSDPAdapter(DataParallelWrapper):
                 "(--use-megatron-fsdp); build the wrapper with megatron.core.distributed.wrap_data_parallel, "
                 "which picks the one the config selects"
             )
+        _check_no_expert_parallel_experts(module)
         mesh = _mesh_from_parallel_state(ddp_config)
         self.data_parallel_group = mesh.data_parallel_group
         meta = any(param.is_meta for param in module.parameters())
