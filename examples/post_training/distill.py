@@ -10,8 +10,8 @@ any layout), the parallel layout from this run. modelopt's Megatron distillation
 vocabulary-parallel over the tensor-parallel group; `--export-kd-cfg` is its YAML file: `logit_layers`,
 `intermediate_layer_pairs`, `skip_lm_loss`, `kd_loss_scale`, `logit_kl_temperature`) and `mtd.convert` wraps
 the student in a `DistillationModel` that runs the frozen teacher first. The loss backpropagated is the
-balancer's `kd_loss` summed over the unmasked tokens; the log shows it (`kd loss`) and the student's language
-model loss (`lm loss`). Checkpoints hold the student only. One pipeline stage (distillation across pipeline
+balancer's `kd_loss` summed over the unmasked tokens; every --log-interval iterations a `distillation | ... |
+kd loss per token` line shows it, and the training log line the student's language-model loss (`lm loss`). Checkpoints hold the student only. One pipeline stage (distillation across pipeline
 stages exchanges student and teacher activations together, which the schedules here do not do).
 """
 
@@ -126,15 +126,46 @@ def _masked_sum(loss_mask, loss_and_flags):
     return total
 
 
+class _KdLossLog:
+    """Prints the distillation loss per token every --log-interval training iterations (the training log line
+    shows the student's lm loss), summed over the data-parallel ranks."""
+
+    def __init__(self):
+        self.sums = torch.zeros(2, dtype=torch.float64)
+        self.microbatches = 0
+
+    def add(self, kd_loss_sum, num_tokens):
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        args = get_args()
+        self.sums += torch.stack([kd_loss_sum.detach().double().cpu(), num_tokens.detach().double().cpu()])
+        self.microbatches += 1
+        per_iteration = get_num_microbatches()
+        if self.microbatches % (per_iteration * args.log_interval):
+            return
+        totals = self.sums.to(args.device)
+        torch.distributed.all_reduce(totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
+            print(f"distillation | iteration {self.microbatches // per_iteration} | kd loss per token "
+                  f"{(totals[0] / totals[1]).item():.6f}", flush=True)
+        self.sums.zero_()
+
+
+_kd_loss_log = _KdLossLog()
+
+
 def loss_func(loss_mask, model, output_tensor):
     """(distillation loss sum, token count, reports of the lm and kd losses)."""
     from megatron.core.distributed.data_parallel_base import unwrap_model
 
     lm_loss_sum, num_tokens, reports = pretrain_gpt.loss_func(loss_mask, output_tensor)
-    losses = unwrap_model(model).compute_kd_loss(student_loss=lm_loss_sum,
-                                                 loss_reduction_fn=partial(_masked_sum, loss_mask))
+    distillation_model = unwrap_model(model)
+    losses = distillation_model.compute_kd_loss(student_loss=lm_loss_sum,
+                                                loss_reduction_fn=partial(_masked_sum, loss_mask))
     kd_loss_sum = losses["kd_loss"]
     reports["kd loss"] = torch.stack([kd_loss_sum.detach(), reports["lm loss"][1]])
+    if distillation_model.training:
+        _kd_loss_log.add(kd_loss_sum, num_tokens)
     return kd_loss_sum, num_tokens, reports
 
 
