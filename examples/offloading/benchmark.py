@@ -9,6 +9,7 @@ Arms (each on the same initial weights and batches, in one process, one after th
   --overlap-cpu-optimizer-d2h-h2d`: main parameters and moments on the host (12 bytes per parameter);
 - `FSDP2`: PyTorch FSDP2 (bf16 compute over fp32 shards), the reference of the next arm;
 - `FSDP2 parameter offload`: the same with `--torch-fsdp2-cpu-offload`.
+On request (`--arms`): `Megatron-FSDP ZeRO-3` and `Megatron-FSDP parameter offload` (`--megatron-fsdp-param-offload`).
 
 Printed per arm: the peak device memory over the timed steps (`torch.cuda.max_memory_allocated`; "n/a" on the CPU,
 where host and device are the same memory), its saving against the arm's reference, the median step time and
@@ -63,7 +64,10 @@ ARMS = (
     Arm("optimizer offload 1.0", "no offload", "distributed_optimizer", optimizer_offload=True),
     Arm("FSDP2", "FSDP2", "torch_fsdp2"),
     Arm("FSDP2 parameter offload", "FSDP2", "torch_fsdp2", parameter_offload=True),
+    Arm("Megatron-FSDP ZeRO-3", "Megatron-FSDP ZeRO-3", "megatron_fsdp"),
+    Arm("Megatron-FSDP parameter offload", "Megatron-FSDP ZeRO-3", "megatron_fsdp", parameter_offload=True),
 )
+DEFAULT_ARMS = tuple(arm.name for arm in ARMS[:4])  # the table; the Megatron-FSDP arms on request
 
 
 @dataclasses.dataclass
@@ -117,10 +121,16 @@ def _wrap(arm: Arm, model, bf16: bool):
                                            use_precision_aware_optimizer=True,
                                            optimizer_cpu_offload=arm.optimizer_offload,
                                            overlap_cpu_optimizer_d2h_h2d=arm.optimizer_offload)
-    else:
+    elif arm.wrapper == "torch_fsdp2":
         ddp_config = DistributedDataParallelConfig(use_torch_fsdp2=True, grad_reduce_in_fp32=True,
                                                    torch_fsdp2_cpu_offload=arm.parameter_offload)
         optimizer_config = OptimizerConfig(lr=1e-4, bf16=bf16)
+    else:
+        ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True, use_distributed_optimizer=True,
+                                                   data_parallel_sharding_strategy="optim_grads_params",
+                                                   grad_reduce_in_fp32=True,
+                                                   megatron_fsdp_param_offload=arm.parameter_offload)
+        optimizer_config = OptimizerConfig(lr=1e-4, bf16=bf16, use_distributed_optimizer=True)
     chunk = wrap_data_parallel(model.config, ddp_config, model)
     return chunk, get_megatron_optimizer(optimizer_config, [chunk])
 
@@ -186,8 +196,8 @@ def main(argv=None) -> List[ArmResult]:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--num-layers", type=int, default=None, help="override the model's depth")
-    parser.add_argument("--arms", default=",".join(arm.name for arm in ARMS),
-                        help="comma-separated arm names (default: all)")
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                        help=f"comma-separated arm names of {[arm.name for arm in ARMS]} (default: the first four)")
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
         raise ValueError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")

@@ -95,6 +95,10 @@ class DistributedDataParallelConfig:
     """Megatron-FSDP: dtype gradients are reduced in; None ("auto"): the main grads dtype
     (`--megatron-fsdp-grad-comm-dtype`)."""
 
+    megatron_fsdp_param_offload: bool = False
+    """Megatron-FSDP ZeRO-3: keep the parameter shards, main weights and gradient shards in (pinned) host memory,
+    copied to the device for each unit's gather; the optimizer steps on the host (`--megatron-fsdp-param-offload`)."""
+
     preproc_state_dict_for_dcp_ckpt: bool = True
     """Megatron-FSDP: state dicts hold DTensors that torch.distributed.checkpoint can reshard."""
 
@@ -118,6 +122,13 @@ class DistributedDataParallelConfig:
     def __post_init__(self):
         if not self.preserve_fp32_weights and self.megatron_fsdp_main_params_dtype == torch.float32:
             object.__setattr__(self, "megatron_fsdp_main_params_dtype", None)
+        if self.megatron_fsdp_param_offload and not (
+                self.use_megatron_fsdp and self.data_parallel_sharding_strategy == "optim_grads_params"):
+            raise ValueError(
+                "DistributedDataParallelConfig.megatron_fsdp_param_offload (--megatron-fsdp-param-offload) offloads "
+                "ZeRO-3's shards: it needs use_megatron_fsdp=True (--use-megatron-fsdp) with "
+                "data_parallel_sharding_strategy='optim_grads_params'."
+            )
         if self.torch_fsdp2_cpu_offload and not self.use_torch_fsdp2:
             raise ValueError(
                 "DistributedDataParallelConfig.torch_fsdp2_cpu_offload (--torch-fsdp2-cpu-offload) offloads FSDP2's "

@@ -166,6 +166,8 @@ def _megatron_fsdp_optimizer(config, model_chunks, no_weight_decay_cond, scale_l
             )
     param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult)
     device = model_chunks[0].device
+    if model_chunks[0].ddp_config.megatron_fsdp_param_offload:
+        device = torch.device("cpu")  # the main weights it steps rest in host memory
     if parallel_state.model_parallel_is_initialized():
         model_parallel_groups = [parallel_state.get_model_parallel_group()]
         data_parallel_group = parallel_state.get_data_parallel_group(with_context_parallel=True)

@@ -66,6 +66,12 @@ def add_arguments(parser):
         "the precision-aware AdamW.",
     )
     group.add_argument(
+        "--megatron-fsdp-param-offload",
+        action="store_true",
+        help="Megatron-FSDP (optim_grads_params): keep the parameter shards, main weights and gradient shards in "
+        "(pinned) host memory; each unit's gather copies its shard to the device and the optimizer steps on the host.",
+    )
+    group.add_argument(
         "--torch-fsdp2-cpu-offload",
         action="store_true",
         help="FSDP2: keep the sharded parameters and gradients in (pinned) host memory (torch's CPUOffloadPolicy); "
@@ -95,6 +101,19 @@ def _validate_cpu_offload(args):
 
 
 def _validate_parameter_offload(args):
+    if getattr(args, "megatron_fsdp_param_offload", False):
+        if not getattr(args, "use_megatron_fsdp", False) or args.data_parallel_sharding_strategy != "optim_grads_params":
+            raise ValueError("--megatron-fsdp-param-offload offloads ZeRO-3's shards: it needs --use-megatron-fsdp "
+                             "with --data-parallel-sharding-strategy optim_grads_params")
+        for flag, set_ in (("--optimizer-cpu-offload", args.optimizer_cpu_offload),
+                           ("--fp16", getattr(args, "fp16", False)),
+                           ("--fp8-param-gather", getattr(args, "fp8_param_gather", False)),
+                           ("--num-distributed-optimizer-instances > 1",
+                            getattr(args, "num_distributed_optimizer_instances", 1) > 1)):
+            if set_:
+                raise ValueError(f"--megatron-fsdp-param-offload does not work with {flag} (the main weights and "
+                                 f"gradients already rest on the host, and the step's loss scaling, FP8 gathers and "
+                                 f"outer reductions run on the device); drop one of them")
     if getattr(args, "torch_fsdp2_cpu_offload", False) and not getattr(args, "use_torch_fsdp2", False):
         raise ValueError("--torch-fsdp2-cpu-offload offloads FSDP2's shards: it needs --use-torch-fsdp2")
 
@@ -149,7 +168,8 @@ def optimizer_config_kwargs(args):
 
 def ddp_config_kwargs(args):
     """The parameter-offload fields of DistributedDataParallelConfig."""
-    return dict(torch_fsdp2_cpu_offload=getattr(args, "torch_fsdp2_cpu_offload", False))
+    return dict(torch_fsdp2_cpu_offload=getattr(args, "torch_fsdp2_cpu_offload", False),
+                megatron_fsdp_param_offload=getattr(args, "megatron_fsdp_param_offload", False))
 
 
 def transformer_config_kwargs(args):

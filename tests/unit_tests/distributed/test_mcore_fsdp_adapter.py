@@ -61,7 +61,7 @@ def _build(layout, meta=False, num_layers=2, fp16=False):
                     post_process=parallel_state.is_pipeline_last_stage())
 
 
-def _wrap(model, strategy, instances=1, outer="no_shard"):
+def _wrap(model, strategy, instances=1, outer="no_shard", param_offload=False):
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -73,7 +73,7 @@ def _wrap(model, strategy, instances=1, outer="no_shard"):
     ddp_config = DistributedDataParallelConfig(
         use_megatron_fsdp=True, use_distributed_optimizer=True, overlap_grad_reduce=True,
         overlap_param_gather=True, data_parallel_sharding_strategy=strategy, outer_dp_sharding_strategy=outer,
-        num_distributed_optimizer_instances=instances,
+        num_distributed_optimizer_instances=instances, megatron_fsdp_param_offload=param_offload,
     )
     return FullyShardedDataParallel(model.config, ddp_config, model)
 
@@ -100,14 +100,17 @@ def _full_weights(chunk):
     return {name: param.detach().clone() for name, param in chunk.module.named_parameters()}
 
 
-def _train(layout, strategy=None, num_microbatches=2, outer="no_shard", meta=False, clip_grad=1.0):
+def _train(layout, strategy=None, num_microbatches=2, outer="no_shard", meta=False, clip_grad=1.0,
+           param_offload=False):
     """Train STEPS steps; returns losses, grad norms, zero counts, initial and final weights of this rank."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.training.model_setup import install_schedule_hooks
     from megatron.training.training import reduce_reported_loss
 
-    chunk = _wrap(_build(layout, meta=meta), strategy, layout["instances"], outer)
+    chunk = _wrap(_build(layout, meta=meta), strategy, layout["instances"], outer, param_offload)
+    if param_offload:  # the shards the optimizer steps come from the offload placement (host memory)
+        assert all(group.offload is not None for group in chunk.module.groups)
     initial = _full_weights(chunk)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(lr=1e-3, clip_grad=clip_grad, log_num_zeros_in_grad=True, weight_decay=0.01), [chunk])
@@ -170,7 +173,10 @@ STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 def _data_parallel_cases():
-    return _compare_cases({strategy: (_layout(), {"strategy": strategy}) for strategy in STRATEGIES})
+    cases = {strategy: (_layout(), {"strategy": strategy}) for strategy in STRATEGIES}
+    # --megatron-fsdp-param-offload: ZeRO-3 with its shards in host memory.
+    cases["optim_grads_params_param_offload"] = (_layout(), {"strategy": "optim_grads_params", "param_offload": True})
+    return _compare_cases(cases)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -280,3 +286,32 @@ def test_pretrain_with_use_megatron_fsdp_matches_ddp(tmp_path, world_size):
     # padding of each group to a multiple of DP).
     for kind in ("params-bytes", "grads-bytes"):
         assert 0.5 <= fsdp[-1][kind] / ddp[-1][kind] < 0.51, kind
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("--megatron-fsdp-param-offload", "--megatron-fsdp-param-offload offloads ZeRO-3's shards: it needs "
+                                      "--use-megatron-fsdp with --data-parallel-sharding-strategy optim_grads_params"),
+    ("--use-megatron-fsdp --data-parallel-sharding-strategy optim --megatron-fsdp-param-offload",
+     "it needs --use-megatron-fsdp with --data-parallel-sharding-strategy optim_grads_params"),
+    ("--use-megatron-fsdp --megatron-fsdp-param-offload --use-precision-aware-optimizer --optimizer-cpu-offload",
+     "--megatron-fsdp-param-offload does not work with --optimizer-cpu-offload"),
+])
+def test_param_offload_flag_rules(extra, message, monkeypatch):
+    from tests.unit_tests.training.test_arguments import validated
+
+    with pytest.raises(ValueError, match=message):
+        validated(extra, monkeypatch=monkeypatch)
+
+
+def test_param_offload_reaches_the_configs(monkeypatch):
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import _package_ddp_config
+    from megatron.training.model_config import ddp_config_from_args
+    from tests.unit_tests.training.test_arguments import validated
+
+    args = validated("--use-megatron-fsdp --megatron-fsdp-param-offload", monkeypatch=monkeypatch)
+    ddp_config = ddp_config_from_args(args)
+    assert ddp_config.megatron_fsdp_param_offload and _package_ddp_config(ddp_config).param_offload
+    assert not ddp_config_from_args(validated("--use-megatron-fsdp", monkeypatch=monkeypatch)).megatron_fsdp_param_offload
+    with pytest.raises(ValueError, match=r"\(--megatron-fsdp-param-offload\) offloads ZeRO-3's shards"):
+        DistributedDataParallelConfig(megatron_fsdp_param_offload=True)

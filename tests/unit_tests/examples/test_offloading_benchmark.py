@@ -9,7 +9,8 @@ from tests.unit_tests.multiprocess_harness import run_on_ranks
 def _tiny_run():
     from examples.offloading import benchmark
 
-    results = benchmark.main(["--tiny", "--steps", "2", "--warmup", "1"])
+    results = benchmark.main(["--tiny", "--steps", "2", "--warmup", "1", "--arms", ",".join(
+        arm.name for arm in benchmark.ARMS)])
     return [(result.arm.name, result.arm.reference, result.peak_bytes, result.losses, len(result.step_seconds))
             for result in results], benchmark.format_table(results)
 
@@ -18,7 +19,8 @@ def _tiny_run():
 def test_cpu_path_runs_every_arm_and_offload_keeps_the_losses(world_size):
     rows, table = run_on_ranks(world_size, _tiny_run)[0]
     losses = {name: arm_losses for name, _, _, arm_losses, _ in rows}
-    assert list(losses) == ["no offload", "optimizer offload 1.0", "FSDP2", "FSDP2 parameter offload"]
+    assert list(losses) == ["no offload", "optimizer offload 1.0", "FSDP2", "FSDP2 parameter offload",
+                            "Megatron-FSDP ZeRO-3", "Megatron-FSDP parameter offload"]
     for name, reference, peak, arm_losses, timed_steps in rows:
         assert peak is None and timed_steps == 1 and len(arm_losses) == 2  # no device memory to read on a CPU
         assert arm_losses == pytest.approx(losses[reference], rel=1e-6, abs=0), name
@@ -26,5 +28,5 @@ def test_cpu_path_runs_every_arm_and_offload_keeps_the_losses(world_size):
     # Same weights and batches under both wrappers: the first loss (before any step) is the same.
     assert losses["FSDP2"][0] == pytest.approx(losses["no offload"][0], rel=1e-6)
     lines = table.splitlines()
-    assert len(lines) == 2 + 4 and all(line.count("|") == 7 for line in lines)
+    assert len(lines) == 2 + 6 and all(line.count("|") == 7 for line in lines)
     assert lines[3].startswith("| optimizer offload 1.0 | n/a | n/a |")

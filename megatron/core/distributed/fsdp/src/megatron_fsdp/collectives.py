@@ -265,6 +265,8 @@ def _exchange_shards_for_reduction(flat_input: torch.Tensor, shard_numel: int, g
 
 
 def _store(output: torch.Tensor, value: torch.Tensor, accumulate: bool):
+    if value.device != output.device:  # a reduction into host-resident main gradients (param_offload)
+        value = value.to(output.device)
     if accumulate:
         output.add_(value)
     elif output.data_ptr() != value.data_ptr():

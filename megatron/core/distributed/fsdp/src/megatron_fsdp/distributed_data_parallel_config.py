@@ -61,6 +61,7 @@ class DistributedDataParallelConfig:
     average_in_collective: bool = False
     fsdp_double_buffer: bool = False
     preproc_state_dict_for_dcp_ckpt: bool = True
+    param_offload: bool = False  # ZeRO-3's shard buffers (weights, main weights, gradients) in host memory
 
     def __post_init__(self):
         strategy = ShardingStrategy.parse(self.data_parallel_sharding_strategy, "data_parallel_sharding_strategy")
@@ -76,6 +77,11 @@ class DistributedDataParallelConfig:
         if self.fsdp_double_buffer and strategy != ShardingStrategy.optim_grads_params:
             raise ValueError(
                 "fsdp_double_buffer=True only applies to data_parallel_sharding_strategy='optim_grads_params'"
+            )
+        if self.param_offload and strategy != ShardingStrategy.optim_grads_params:
+            raise ValueError(
+                "param_offload=True keeps ZeRO-3's parameter shards in host memory: it needs "
+                "data_parallel_sharding_strategy='optim_grads_params'"
             )
         if self.num_distributed_optimizer_instances < 1:
             raise ValueError("num_distributed_optimizer_instances must be >= 1")

@@ -33,6 +33,7 @@ def fully_shard_model(
     calculate_per_token_loss: bool = False,
     fsdp_double_buffer: bool = False,
     maxpool_double_buffer: bool = False,
+    param_offload: bool = False,
 ) -> MegatronFSDP:
     """Shard `module` over the data-parallel ranks (a 1-D mesh over the world when no mesh is given).
 
@@ -43,6 +44,8 @@ def fully_shard_model(
     `tp_dim`: the mesh dim of Megatron tensor parallelism (state dicts then hold TP-full DTensors).
     `fsdp_double_buffer` / `maxpool_double_buffer` (either one): units gather into a fixed pool of two buffers,
     each sized to the largest unit (the max over units), instead of allocating per gather.
+    `param_offload` (strategy 3): parameter shards, main weights and gradient shards rest in (pinned) host memory;
+    each unit's gather copies the shard to the device (see offload.py).
     """
     # Both overlaps default to on, so turning off overlap_grad_reduce alone turns off overlap_param_gather with
     # it rather than tripping the config's rule that the second needs the first.
@@ -57,6 +60,7 @@ def fully_shard_model(
         fsdp_double_buffer=fsdp_double_buffer or maxpool_double_buffer,
         check_for_nan_in_grad=report_nan_in_param_grad,
         preproc_state_dict_for_dcp_ckpt=preproc_state_dict_for_dcp_ckpt,
+        param_offload=param_offload,
     )
     return MegatronFSDP(
         module,

@@ -145,8 +145,10 @@ class GroupGrads:
     def zero_grads(self):
         if self.grad_buffer is not None:
             self.grad_buffer.zero_()
-        elif self.main_grads is not None:
+        elif self.releases_main_grads:
             self.release_main_grads()
+        elif self.main_grads is not None:  # host-resident shard gradients (param_offload) are kept, zeroed
+            self.main_grads.zero_()
         self.grad_state, self.outer_grad_state = GradState.EMPTY, OuterGradState.NONE  # zeroing: from any state
         self.optim_grads_written = False
         self._optimizer_grad_storage = None

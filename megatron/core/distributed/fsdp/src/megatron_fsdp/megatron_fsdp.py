@@ -9,6 +9,7 @@ import torch.nn as nn
 from . import collectives
 from .distributed_data_parallel_config import DistributedDataParallelConfig, ShardingStrategy
 from .gather_codec import GatherCodecPolicy
+from .offload import ShardOffload
 from .grouping import plan_groups
 from .layout import GroupLayout
 from .meta_init import materialize_meta_model
@@ -64,6 +65,7 @@ class MegatronFSDP(nn.Module):
         self.policy = (mixed_precision_policy or MixedPrecisionPolicy()).with_grad_reduce_in_fp32(
             config.grad_reduce_in_fp32)
         self.device = self.topology.device
+        self.offload = self._shard_offload(config)
         self.module = module
         self.calculate_per_token_loss = calculate_per_token_loss
         self.counter = collectives.CommunicationCounter()
@@ -101,6 +103,18 @@ class MegatronFSDP(nn.Module):
         module.__dict__[WRAPPED_ATTR] = self  # a plain attribute: not registered as a submodule
 
     # ---- construction ---------------------------------------------------------------------------------------------
+    def _shard_offload(self, config) -> Optional[ShardOffload]:
+        """param_offload's host placement of the shard buffers (offload.py), or None without it."""
+        if not getattr(config, "param_offload", False):
+            return None
+        if self.topology.outer_size > 1:
+            raise ValueError("param_offload=True works over one data-parallel dimension: the outer reductions and "
+                             "gathers of HSDP / HFSDP would run on host buffers; drop the outer dim or the offload")
+        if self.gather_codec is not None:
+            raise ValueError("param_offload=True does not encode gathers (gather_codec, e.g. FP8 parameter "
+                             "gathers): drop one of the two")
+        return ShardOffload.for_device(self.device)
+
     def _build_groups(self, unit_classes, config, disable_bucketing, meta):
         unit_modules, plans = plan_groups(self.module, unit_classes, config.bucket_size, disable_bucketing,
                                           root_buckets_unit_sized=self.strategy == ShardingStrategy.optim_grads_params,
@@ -121,7 +135,8 @@ class MegatronFSDP(nn.Module):
             group = ParamGroup(plan.params, plan.names, strategy=self.strategy, dp_rank=dp_rank, dp_size=dp_size,
                                device=self.device, policy=self.policy, unit_index=plan.unit_index,
                                compute_buffer=compute_buffer, outer_rank=outer_rank, outer_size=outer_size,
-                               gather_codec=self.gather_codec.make_codec() if plan.encoded else None)
+                               gather_codec=self.gather_codec.make_codec() if plan.encoded else None,
+                               offload=self.offload)
             for index, param in enumerate(group.params):
                 view = group.param_view(index)
                 if param.is_meta:

@@ -58,6 +58,7 @@ from .grad_buffers import GroupGrads
 from .grad_state import GradState, OuterGradState
 from .layout import GroupLayout, chunk_rows
 from .mixed_precision import MixedPrecisionPolicy
+from .offload import ShardOffload
 from .utils import tensor_bytes
 # DoubleBufferPool and WeightState live with the compute weights and stay importable from here.
 from .weight_buffers import DoubleBufferPool, GroupWeights, WeightState  # noqa: F401
@@ -81,6 +82,7 @@ class ParamGroup(GroupWeights, GroupGrads):
         outer_rank: int = 0,
         outer_size: int = 1,
         gather_codec: Optional[GatherCodec] = None,
+        offload: Optional[ShardOffload] = None,
     ):
         """`outer_rank` / `outer_size`: this rank's place among the outer ranks that shard the main weights
         further (HFSDP); 1 when the main weights are only sharded over the `dp_size` ranks."""
@@ -109,6 +111,8 @@ class ParamGroup(GroupWeights, GroupGrads):
         padded, shard = self.layout.padded_numel, self.layout.shard_numel
         self.shards_params = strategy == ShardingStrategy.optim_grads_params
         self.uses_pool = compute_buffer is not None
+        # param_offload (offload.py): the shard buffers of strategy 3 rest in host memory.
+        self.offload = offload if self.shards_params else None
 
         self.compute_buffer = compute_buffer if compute_buffer is not None else self._zeros(padded, self.param_dtype)
         self._compute_nbytes = padded * self.compute_buffer.element_size()
@@ -131,13 +135,13 @@ class ParamGroup(GroupWeights, GroupGrads):
                 # whole, so a gather sends a shard assembled from them.
                 self.main_weights = self.compute_buffer if same_dtype else self._zeros(shard, self.main_dtype)
             else:
-                self.main_weights = self._zeros(self.layout.sub_shard_numel, self.main_dtype)
+                self.main_weights = self._shard_zeros(self.layout.sub_shard_numel, self.main_dtype)
             if strategy in (ShardingStrategy.no_shard, ShardingStrategy.optim):
                 self.grad_buffer = self._zeros(padded, self.grad_dtype)
                 self.main_grads = self.grad_buffer if strategy == ShardingStrategy.no_shard else (
                     self.grad_buffer[shard_start:shard_end])
             else:
-                self.main_grads = self._zeros(shard, self.grad_dtype)
+                self.main_grads = self._shard_zeros(shard, self.grad_dtype)
         # The gradients the optimizer steps with: the main gradients, or under HFSDP their outer sub-shard.
         self.optim_grads = self.main_grads
         if self.outer_sharded and self.main_grads is not None:
@@ -145,7 +149,7 @@ class ParamGroup(GroupWeights, GroupGrads):
         # Strategies 2/3 reduce into a shard-sized gradient buffer that holds nothing between zero_grad and the
         # first reduction of the next backward, so it gives its storage back in that window (the forward and
         # the start of backward, where activations peak) and gets it back, zeroed, when a reduction needs it.
-        self.releases_main_grads = self.main_grads is not None and self.grad_buffer is None
+        self.releases_main_grads = self.main_grads is not None and self.grad_buffer is None and self.offload is None
         self.main_grads_released = False
         self.release_main_grads()
         # Under HFSDP the compute shard is written by an all-gather over the outer group (see
@@ -153,7 +157,7 @@ class ParamGroup(GroupWeights, GroupGrads):
         self.compute_shard_stale = False
         if self.shards_params:
             reuse_main = self.trainable and same_dtype and not self.outer_sharded
-            self.compute_shard = self.main_weights if reuse_main else self._zeros(shard, self.param_dtype)
+            self.compute_shard = self.main_weights if reuse_main else self._shard_zeros(shard, self.param_dtype)
         # Encoded gathers: the wire shard this rank sends and, while gathered, the gathered wire elements
         # (param-major, viewed by whatever the codec attached to the parameters).
         self.codec = gather_codec
@@ -199,6 +203,10 @@ class ParamGroup(GroupWeights, GroupGrads):
     # ---- construction helpers -------------------------------------------------------------------------------
     def _zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, device=self.device)
+
+    def _shard_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A shard-sized buffer: in host memory with param_offload, else on the device."""
+        return self.offload.zeros(numel, dtype) if self.offload is not None else self._zeros(numel, dtype)
 
     def trainable_count(self) -> int:
         return len(self.params) if self.trainable else 0

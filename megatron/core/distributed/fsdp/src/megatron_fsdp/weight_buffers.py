@@ -182,7 +182,8 @@ class GroupWeights:
         if self.codec is not None:
             return self.wire_shard
         if self.shards_params:
-            return self.compute_shard
+            # param_offload: the host shard travels to the device for the collective.
+            return self.compute_shard if self.offload is None else self.offload.to_compute_device(self.compute_shard)
         if self.main_in_compute_buffer:
             shard = torch.empty(self.layout.shard_numel, dtype=self.param_dtype, device=self.device)
             shard_of_unsharded(self.layout, self.compute_buffer, self.dp_rank, shard)
