@@ -18,6 +18,7 @@ from megatron.core.distributed.data_parallel_base import (
 )
 from megatron.training import accelerator
 from megatron.training.energy_monitor import EnergyMonitor, format_energy_fields
+from megatron.training.expert_memory import expert_memory_usage, format_expert_memory
 
 # Timers reported at each log interval (those above --timing-log-level never run and are left out).
 TIMERS_TO_LOG = (
@@ -31,6 +32,7 @@ TIMERS_TO_LOG = (
     "backward-send",
     "forward-send-backward-recv",
     "backward-send-forward-recv",
+    "forward-backward-send-forward-backward-recv",
     "layernorm-grads-all-reduce",
     "embedding-grads-all-reduce",
     "all-grads-sync",
@@ -90,6 +92,7 @@ def format_memory_line(rank, memory):
     return (
         f"memory (rank {rank}) | params: {memory['params_bytes']} bytes | grads: {memory['grads_bytes']} bytes "
         f"| optimizer state: {memory['optimizer_state_bytes']} bytes | {peak_name}: {memory['peak_bytes']} bytes |"
+        + format_expert_memory(memory)
     )
 
 
@@ -189,6 +192,8 @@ def memory_usage(model_chunks, optimizer, device):
         "optimizer_state_bytes": optimizer_state_bytes,
         "allocated_bytes": allocated if allocated is not None else params_bytes + grads_bytes + optimizer_state_bytes,
         "peak_bytes": accelerator.peak_memory_bytes(device),
+        # The part of the above that is Mixture-of-Experts experts (no keys without experts).
+        **expert_memory_usage(model_chunks, _torch_optimizers(optimizer)),
     }
 
 
@@ -342,6 +347,7 @@ class TrainingLogger:
             "params-bytes": memory["params_bytes"],
             "grads-bytes": memory["grads_bytes"],
             "optimizer-state-bytes": memory["optimizer_state_bytes"],
+            **{key.replace("_", "-"): value for key, value in memory.items() if key.startswith("expert_")},
         }
         if report.get("params_norm") is not None:
             record["params-norm"] = report["params_norm"]

@@ -13,6 +13,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFSDP2
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.training.training_log import format_memory_line, memory_usage
 from tests.unit_tests.distributed.expert_toy_model import (
     ToyMoELayer,
     ToyMoEModel,
@@ -100,7 +101,11 @@ def _train_on_ranks(expert_model_parallel_size, wrapper):
         expert_groups = run.ddp.expert_groups
         assert [buffer.groups for buffer in run.ddp.buffers].count(expert_groups) == 1
         assert dist.get_world_size(expert_groups.data_parallel_group) == expert_data_parallel_size
-    return run.train(range(STEPS)), run.global_parameters()
+    history = run.train(range(STEPS))
+    memory = memory_usage([run.ddp], run.optimizer, torch.device("cpu"))
+    expert_memory = {key: value for key, value in memory.items() if key.startswith("expert_")}
+    assert "experts: params" in format_memory_line(dist.get_rank(), memory)
+    return history, run.global_parameters(), expert_memory
 
 
 def _reference():
@@ -146,7 +151,9 @@ def reference():
 @pytest.mark.parametrize("expert_model_parallel_size", [1, 2], ids=["ep1", "ep2"])
 def test_expert_parallel_training_equals_one_process(reference, expert_model_parallel_size, wrapper):
     expected_history, expected_params = reference
-    (history, params), _ = run_on_ranks(WORLD, _train_on_ranks, expert_model_parallel_size, wrapper)
+    results = run_on_ranks(WORLD, _train_on_ranks, expert_model_parallel_size, wrapper)
+    history, params, _ = results[0]
+    _check_expert_memory([memory for _, _, memory in results], expected_params, expert_model_parallel_size, wrapper)
     assert any(norm > CLIP_GRAD for _, norm, _ in expected_history)  # clipping is exercised
     assert any(zeros > 0 for _, _, zeros in expected_history)  # experts without tokens: zero gradients
     for (loss, norm, zeros), (expected_loss, expected_norm, expected_zeros) in zip(history, expected_history,
@@ -157,6 +164,24 @@ def test_expert_parallel_training_equals_one_process(reference, expert_model_par
     assert sorted(params) == sorted(expected_params)
     for name, expected in expected_params.items():
         torch.testing.assert_close(params[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _check_expert_memory(memory_per_rank, all_params, expert_model_parallel_size, wrapper):
+    """The memory line's expert bytes against the sharding theory: a rank holds 1/EP of the experts' fp32 weights
+    and gradients (FSDP2: also 1/expert-DP), and Adam's two moments of what it steps (the distributed optimizer:
+    plus fp32 main weights, over the expert data-parallel ranks together)."""
+    expert_bytes = 4 * sum(param.numel() for name, param in all_params.items() if ".local_experts." in name)
+    expert_data_parallel_size = WORLD // expert_model_parallel_size
+    local = expert_bytes // expert_model_parallel_size
+    sharded = local // expert_data_parallel_size if wrapper == "fsdp2" else local
+    for memory in memory_per_rank:
+        assert memory["expert_params_bytes"] == sharded
+        assert memory["expert_grads_bytes"] == sharded
+        if wrapper != "distributed_optimizer":
+            assert memory["expert_optimizer_state_bytes"] == 2 * sharded
+    if wrapper == "distributed_optimizer":  # shards of uneven buckets: exact over each expert data-parallel group
+        total = sum(memory["expert_optimizer_state_bytes"] for memory in memory_per_rank)
+        assert total == 3 * local * expert_model_parallel_size
 
 
 def _megatron_fsdp_error_at_ep2():
