@@ -99,13 +99,31 @@ def test_offloaded_zero3_trains_like_zero3(world_size):
 
 
 @pytest.mark.gpu
-def test_offloaded_shards_rest_in_pinned_host_memory():
+def test_offloaded_shards_and_optimizer_state_rest_in_pinned_host_memory(tmp_path):
+    import torch.distributed as dist
+
     import megatron_fsdp
 
-    if not torch.distributed.is_initialized():
-        pytest.skip("needs a one-rank NCCL process group (run under torchrun)")
-    module = models.make_model().cuda()
-    model = megatron_fsdp.fully_shard_model(module, fsdp_unit_modules=[models.Block], param_offload=True)
-    for group in model.groups:
-        assert group.compute_shard.device.type == "cpu" and group.compute_shard.is_pinned()
-        assert not group.gathered and group.compute_bytes_held() == 0
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        module = models.make_model().cuda()
+        model, optimizer = megatron_fsdp.fully_shard(module, models.make_optimizer(module.parameters()),
+                                                     fsdp_unit_modules=[models.Block], param_offload=True)
+        losses = []
+        for inputs, target in models.make_batches(3):
+            optimizer.zero_grad()
+            loss = models.loss_fn(model(inputs.cuda()), target.cuda())
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        torch.cuda.synchronize()
+        assert losses[-1] < losses[0]
+        for group in model.groups:
+            assert group.compute_shard.device.type == "cpu" and group.compute_shard.is_pinned()
+            if group.trainable:
+                assert group.main_grads.device.type == "cpu" and group.main_grads.is_pinned()
+        moments = [value for state in optimizer.state.values() for value in state.values()
+                   if torch.is_tensor(value) and value.dim() > 0]
+        assert moments and all(value.device.type == "cpu" for value in moments)
+    finally:
+        dist.destroy_process_group()
