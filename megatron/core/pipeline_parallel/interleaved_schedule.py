@@ -24,6 +24,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import microbatch, p2p_communication
 from megatron.core.pipeline_parallel.interleaved_plan import InterleavedPlan
 from megatron.core.pipeline_parallel.model_access import get_model_config, schedule_setting
+from megatron.core.timers import timed
 
 
 class SharedMicrobatches:
@@ -176,15 +177,16 @@ def forward_backward_pipelining_with_interleaving(
                 input_tensor_grad = run_backward(step.backward)
                 if step.send_backward:
                     grad_to_prev = input_tensor_grad
-            received_activation, received_grad = p2p_communication.ring_exchange(
-                activation_to_next=activation_to_next,
-                grad_to_prev=grad_to_prev,
-                recv_activation=step.recv_forward_chunk is not None,
-                recv_grad=step.recv_backward_chunk is not None,
-                tensor_shape=tensor_shape,
-                config=config,
-                pending_sends=pending_sends,
-            )
+            with timed(schedule_setting(config, "timers"), "forward-backward-send-forward-backward-recv", log_level=2):
+                received_activation, received_grad = p2p_communication.ring_exchange(
+                    activation_to_next=activation_to_next,
+                    grad_to_prev=grad_to_prev,
+                    recv_activation=step.recv_forward_chunk is not None,
+                    recv_grad=step.recv_backward_chunk is not None,
+                    tensor_shape=tensor_shape,
+                    config=config,
+                    pending_sends=pending_sends,
+                )
             if activation_to_next is not None and not forward_only:
                 microbatch.deallocate_output_tensor(activation_to_next, deallocate)
             if received_activation is not None:
