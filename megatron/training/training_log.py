@@ -33,7 +33,6 @@ TIMERS_TO_LOG = (
     "forward-send-backward-recv",
     "backward-send-forward-recv",
     "forward-backward-send-forward-backward-recv",
-    "forward-backward-send-forward-backward-recv",
     "layernorm-grads-all-reduce",
     "embedding-grads-all-reduce",
     "all-grads-sync",
