@@ -140,21 +140,24 @@ class ScalingState:
 def reduce_and_record_amaxes(states, groups):
     """Reduce the pending amaxes of `states` (same order on every rank) in one collective over `groups` and push
     them into the histories, all on the device: no host synchronisation. A state with nothing pending on every
-    rank records nothing."""
+    rank records nothing. An entry may be None: a position this rank holds no state for (an expert of another
+    expert-parallel rank), which contributes nothing and records nothing here."""
+    from megatron.core.device_utils import get_device_for_group
+
     if not states:
         return
-    device = states[0].amax_history.device
+    present = [state for state in states if state is not None]
+    device = present[0].amax_history.device if present else get_device_for_group(groups[0] if groups else None)
     nothing = torch.full((), NO_AMAX, dtype=torch.float32, device=device)
-    pending = torch.stack([nothing if state.pending_amax is None else state.pending_amax.to(device)
+    pending = torch.stack([nothing if state is None or state.pending_amax is None else state.pending_amax.to(device)
                            for state in states])
     if groups:
-        from megatron.core.device_utils import get_device_for_group
-
         pending = all_reduce_max(pending.to(get_device_for_group(groups[0])), groups).to(device)
     valid = pending >= 0
     by_length = {}
     for index, state in enumerate(states):
-        by_length.setdefault(state.amax_history.shape[0], []).append(index)
+        if state is not None:
+            by_length.setdefault(state.amax_history.shape[0], []).append(index)
     for indices in by_length.values():
         chosen = [states[index] for index in indices]
         index_tensor = torch.tensor(indices, device=device)
@@ -165,11 +168,29 @@ def reduce_and_record_amaxes(states, groups):
         torch._foreach_copy_([state.amax_history for state in chosen], list(updated.unbind(0)))
         counts = chosen_valid.to(torch.int64).unsqueeze(1)
         torch._foreach_add_([state.recorded_count for state in chosen], list(counts.unbind(0)))
-    for state in states:
+    for state in present:
         if state.pending_amax is not None:
             state.has_history = True
         state.pending_amax = None
         state.generation += 1
+
+
+def _collect_step_states(module, states, seen):
+    """`module`'s FP8 step states in module order (as `nn.Module.modules()` visits them). A module that places
+    its states by a global position (`fp8_step_states_by_global_expert`: the experts of a MoE layer) answers
+    for its whole subtree."""
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    by_global_expert = getattr(module, "fp8_step_states_by_global_expert", None)
+    if by_global_expert is not None:
+        states.extend(by_global_expert())
+        return
+    step_states = getattr(module, "fp8_step_states", None)
+    if step_states is not None:
+        states.extend(step_states())
+    for child in module.children():
+        _collect_step_states(child, states, seen)
 
 
 def reduce_fp8_amaxes(model_chunks) -> None:
@@ -178,14 +199,14 @@ def reduce_fp8_amaxes(model_chunks) -> None:
     start the step's FP8 weight caches anew (the optimizer step is about to change the weights).
 
     Every rank of the amax-reduction group must call it (the layers' order is the modules' order, the same on
-    every rank). Layers take part through their `fp8_step_states()` method (the tensor-parallel linear layers).
+    every rank). Layers take part through their `fp8_step_states()` method (the tensor-parallel linear layers);
+    MoE experts through `fp8_step_states_by_global_expert()`, one position per state of every expert of the
+    layer (None where another expert-parallel rank holds it), so that an expert's amaxes are reduced over the
+    ranks that hold that expert (its tensor-parallel shards and expert data-parallel replicas) and no other.
     """
-    states = []
+    states, seen = [], set()
     for chunk in model_chunks:
-        for module in chunk.modules():
-            step_states = getattr(module, "fp8_step_states", None)
-            if step_states is not None:
-                states.extend(step_states())
+        _collect_step_states(chunk, states, seen)
     reduce_and_record_amaxes(states, amax_reduction_groups())
 
 

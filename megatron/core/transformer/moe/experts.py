@@ -17,6 +17,14 @@ added on tensor-parallel rank 0 only (once in that sum), and its gradient is the
   experts where the device and dtype support it, else the per-expert loop.
 - `TEGroupedMLP`: the name Transformer Engine builds use; it needs transformer-engine and computes like
   `GroupedMLP`.
+
+FP8 (`--fp8-format`): inside the layer's FP8 region every expert's GEMMs go through its linear layers' FP8 path
+(`_Fp8LinearMixin._matmul`: scaling states, the step's cached FP8 weight, the weight gathered by
+`--fp8-param-gather`), one expert after the other (`GroupedMLP` too: torch's grouped GEMM takes no float8
+operands). Tensor-parallel ranks of one expert run the same experts on the same gathered tokens, so the
+tensor-parallel amax reductions of current scaling line up. Under delayed scaling each expert's amaxes are
+reduced by its global index (`fp8_step_states_by_global_expert`), so an expert's scales do not depend on the
+expert-parallel size.
 """
 
 import dataclasses
@@ -25,8 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
+from megatron.core.fp8.region import active_fp8_region
 from megatron.core.optional_deps import HAVE_TE
-from megatron.core.tensor_parallel.layers import LinearWithGradAccumulation
 from megatron.core.transformer.init_seeds import derive_init_seed
 from megatron.core.transformer.mlp import MLP
 
@@ -53,12 +61,6 @@ class _BiasOnceOverPartialSums(torch.autograd.Function):
         return grad_output, grad_output.reshape(-1, ctx.bias_shape[0]).sum(dim=0), None
 
 
-def _linear(config, input_, weight, bias=None):
-    if config.gradient_accumulation_fusion and torch.is_grad_enabled() and weight.requires_grad:
-        return LinearWithGradAccumulation.apply(input_, weight, bias)
-    return F.linear(input_, weight, bias)
-
-
 def _activate(config, intermediate):
     """The MLP's activation (gated: fc1's rows interleave gate and up per unit)."""
     if config.gated_linear_unit:
@@ -75,6 +77,8 @@ class SequentialMLP(torch.nn.Module):
         super().__init__()
         self.config = config
         self.num_local_experts = num_local_experts
+        self.num_global_experts = config.num_moe_experts
+        self.first_global_index = first_global_index
         # The experts are plain torch-native MLPs of width moe_ffn_hidden_size (the dispatcher communicates).
         self.expert_config = dataclasses.replace(config, ffn_hidden_size=config.moe_ffn_hidden_size,
                                                  transformer_impl="local")
@@ -98,10 +102,30 @@ class SequentialMLP(torch.nn.Module):
         return _BiasOnceOverPartialSums.apply(partial, bias, _tensor_parallel_rank() == 0)
 
     def _expert_forward(self, expert, tokens):
-        config = self.expert_config
-        intermediate = _linear(config, tokens, expert.linear_fc1.weight, expert.linear_fc1.bias)
-        partial = _linear(config, _activate(config, intermediate), expert.linear_fc2.weight)
+        # The linears' GEMM without their tensor-parallel communication (the dispatcher does it): in FP8 inside
+        # an FP8 region, else the plain GEMM (with gradient-accumulation fusion where configured).
+        fc1, fc2 = expert.linear_fc1, expert.linear_fc2
+        intermediate = fc1._matmul(tokens, fc1.weight, fc1.bias)
+        partial = fc2._matmul(_activate(self.expert_config, intermediate), fc2.weight, None)
         return self._fc2_bias(partial, expert)
+
+    def fp8_step_states_by_global_expert(self):
+        """Once per optimizer step (`reduce_fp8_amaxes`): every local expert's FP8 step states (its linears'
+        `fp8_step_states()`, which also start their weight caches anew), placed at the expert's global index.
+        Returns one entry per state of each of the layer's `num_global_experts` experts, None where the expert
+        lives on another expert-parallel rank, so that the amaxes of one expert meet in the same position on
+        every rank whatever the expert-parallel size."""
+        local_states = [[state for linear in (expert.linear_fc1, expert.linear_fc2)
+                         for state in linear.fp8_step_states()] for expert in self.local_experts]
+        per_expert = len(local_states[0]) if local_states else 0
+        slots = []
+        for global_index in range(self.num_global_experts):
+            local_index = global_index - self.first_global_index
+            if 0 <= local_index < self.num_local_experts:
+                slots.extend(local_states[local_index])
+            else:
+                slots.extend([None] * per_expert)
+        return slots
 
     def forward(self, tokens, tokens_per_expert):
         """`tokens` [sum(tokens_per_expert), h] sorted by local expert -> the experts' outputs, same shape."""
@@ -168,7 +192,7 @@ class GroupedMLP(SequentialMLP):
                 and _aligned_for_grouped_mm(tokens, hidden, fc1_out, fc2_in))
 
     def forward(self, tokens, tokens_per_expert):
-        if not self.uses_grouped_gemm(tokens):
+        if active_fp8_region() is not None or not self.uses_grouped_gemm(tokens):
             return super().forward(tokens, tokens_per_expert)
         counts = torch.as_tensor([int(count) for count in tokens_per_expert], dtype=torch.int64)
         if counts.numel() != self.num_local_experts or int(counts.sum()) != tokens.size(0):

@@ -142,9 +142,9 @@ class MoEConfigMixin:
         self._validate_load_balancing()
         self._validate_capacity()
         self._validate_shared_experts()
-        if self.fp8 is not None:
-            raise ValueError("--fp8-format is not supported with --num-experts yet: the experts run outside FP8 "
-                             "regions here; drop one of them")
+        if self.fp8 is not None and self.transformer_impl == "transformer_engine":
+            raise ValueError("--fp8-format with --num-experts needs --transformer-impl local: the experts run the "
+                             "torch-native FP8 linears, which Transformer Engine's FP8 autocast does not reach")
 
     def _validate_no_moe_flags(self):
         for name, (flag, default) in _FIELDS_NEEDING_EXPERTS.items():

@@ -54,6 +54,8 @@ def test_defaults_filled():
     (dict(tensor_model_parallel_size=2), ["--sequence-parallel"]),
     (dict(moe_layer_freq=[1, 0]), ["--moe-layer-freq", "--num-layers"]),
     (dict(moe_router_dtype="bf16"), ["--moe-router-dtype"]),
+    (dict(fp8="hybrid", transformer_impl="transformer_engine"),
+     ["--fp8-format", "--num-experts", "--transformer-impl local"]),
     (dict(num_moe_experts=None, moe_router_topk=4), ["--moe-router-topk", "--num-experts"]),
     (dict(num_moe_experts=None, expert_model_parallel_size=2), ["--expert-model-parallel-size", "--num-experts"]),
 ])
