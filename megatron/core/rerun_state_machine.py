@@ -34,15 +34,15 @@ holds weights updated by a bad step.
 import enum
 import logging
 import math
-import random
 import socket
 from collections import defaultdict
 from typing import Callable, NamedTuple, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.core.random_state_snapshot import capture_random_state, restore_random_state
+from megatron.core.rerun_comparison import DifferenceStats, relative_difference
 from megatron.core.rerun_data_iterator import RerunDataIterator, as_rerun_iterators, wrap_for_reruns
 
 logger = logging.getLogger(__name__)
@@ -79,65 +79,11 @@ class ValidationCall(NamedTuple):
     sequence: int
 
 
-def relative_difference(first, second):
-    """|2(a - b) / (a + b)|; 0 for equal values (NaN equals NaN here: the same result reproduced), inf when only
-    one of them is NaN or they have opposite signs summing to zero."""
-    a, b = float(first), float(second)
-    if a == b or (math.isnan(a) and math.isnan(b)):
-        return 0.0
-    if math.isnan(a) or math.isnan(b) or a + b == 0.0 or math.isinf(a + b):
-        return math.inf
-    return abs(2.0 * (a - b) / (a + b))
-
-
 def this_node_and_device():
     """(host name, device) this rank computes on: a resumed rerun must run elsewhere to judge the result."""
     from megatron.core.device_utils import get_current_device
 
     return socket.gethostname(), str(get_current_device())
-
-
-def _capture_random_state():
-    from megatron.core.device_utils import get_current_device, get_rng_state
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    device = get_current_device()
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "device": get_rng_state(device) if device.type != "cpu" else None,
-        "tracker": get_cuda_rng_tracker().get_states(),
-    }
-
-
-def _restore_random_state(state):
-    from megatron.core.device_utils import get_current_device, set_rng_state
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state["device"] is not None:
-        set_rng_state(state["device"], get_current_device())
-    get_cuda_rng_tracker().set_states(state["tracker"])
-
-
-class _DifferenceStats:
-    """Relative differences between the two runs of one validated result (report_stats mode)."""
-
-    def __init__(self):
-        self.count, self.nonzero, self.total, self.largest = 0, 0, 0.0, 0.0
-
-    def record(self, difference):
-        self.count += 1
-        self.nonzero += int(difference > 0.0)
-        self.total += difference
-        self.largest = max(self.largest, difference)
-
-    def summary(self):
-        mean = self.total / self.count if self.count else 0.0
-        return f"{self.count} reruns, {self.nonzero} differed, mean {mean:.3e}, max {self.largest:.3e}"
 
 
 class RerunStateMachine:
@@ -157,7 +103,7 @@ class RerunStateMachine:
         self.suspicious_node_and_device = None
         self.diagnostic = None
         self.saved_results = {}
-        self.stats = defaultdict(_DifferenceStats)
+        self.stats = defaultdict(DifferenceStats)
         self.large_value_counts = {}
         self.max_values = {}
 
@@ -186,7 +132,7 @@ class RerunStateMachine:
             self._reset_step_flags()
             self.current_iteration += 1
             if self.mode != RerunMode.DISABLED:
-                self._saved_random_state = _capture_random_state()
+                self._saved_random_state = capture_random_state()
                 for iterator in iterators:
                     iterator.advance()
             self.state = RerunState.INITIAL_RUN
@@ -254,7 +200,7 @@ class RerunStateMachine:
         return False
 
     def _rewind(self, iterators):
-        _restore_random_state(self._saved_random_state)
+        restore_random_state(self._saved_random_state)
         for iterator in iterators:
             iterator.rewind()
 
