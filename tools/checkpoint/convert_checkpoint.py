@@ -16,7 +16,8 @@ hf: config.json and model.safetensors of a GPT2LMHeadModel (learned positions) o
 `transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)` loads and that computes our model's logits, plus
 megatron_extras.safetensors (vocabulary padding rows and what else HF has no place for); converting back gives
 the same model tensors bit for bit. Models HF cannot compute exactly are refused, naming the flag (see
-hf_mapping.py).
+hf_mapping.py); so are models with multi-latent attention or Mixture-of-Experts layers, which convert between
+our own formats only (see hf_unsupported.py).
 The logical names are those of the unsplit GPTModel, and a checkpoint written back loads at any TP/PP/DP.
 """
 
@@ -72,6 +73,7 @@ def true_vocab_size(common, vocab_size=None):
 def to_hf(directory, output, vocab_size=None):
     """Write `output`/config.json, model.safetensors and megatron_extras.safetensors; returns the HF tensors."""
     import hf_mapping
+    import hf_unsupported
     from megatron.core.dist_checkpointing import offline, safetensors_format
 
     state = offline.read_checkpoint(_paths.resolve_iteration_dir(directory))
@@ -81,6 +83,9 @@ def to_hf(directory, output, vocab_size=None):
     if args is None:
         raise SystemExit(f"{directory}: the checkpoint records no training arguments (it was converted from a "
                          "file without them), so its model flags are unknown; convert the checkpoint training wrote")
+    refusal = hf_unsupported.hf_export_refusal(args)
+    if refusal is not None:
+        raise SystemExit(f"{directory}: {refusal}")
     if hf_mapping.WORD_EMBEDDING not in model:
         raise SystemExit(f"{directory}: no '{hf_mapping.WORD_EMBEDDING}' in the checkpoint; is it a GPT model?")
     padded_vocab_size = model[hf_mapping.WORD_EMBEDDING].shape[0]
@@ -123,6 +128,7 @@ def from_hf(directory, root, iteration=None, make_vocab_size_divisible_by=128, a
     """A model-only logical checkpoint from a Hugging Face directory. What megatron_extras.safetensors records
     wins over `make_vocab_size_divisible_by` (the padding of a model from elsewhere) and `apply_layernorm_1p`."""
     import hf_mapping
+    import hf_unsupported
     from megatron.core.dist_checkpointing import offline, safetensors_format
     from megatron.training.tokenizer import pad_vocab_size
 
@@ -131,6 +137,9 @@ def from_hf(directory, root, iteration=None, make_vocab_size_divisible_by=128, a
         raise SystemExit(f"{directory}: no {hf_mapping.CONFIG_FILE}; is it a Hugging Face model directory?")
     with open(config_path) as stream:
         config = json.load(stream)
+    refusal = hf_unsupported.hf_import_refusal(config, directory)
+    if refusal is not None:
+        raise SystemExit(refusal)
     extras, metadata = {}, {}
     extras_path = os.path.join(directory, hf_mapping.EXTRAS_FILE)
     if os.path.exists(extras_path):
