@@ -65,6 +65,7 @@ REFERENCES = {
     "gpt/resume_pp2_vpp2_to_pp2": ROOT_CASE,
     "gpt/moe_ep2_ddp": SINGLE_RANK_TWIN,
     "gpt/moe_ep2_distributed_optimizer": SINGLE_RANK_TWIN,
+    "gpt/moe_ep2_fsdp2": DDP_TWIN,
     "gpt/resume_moe_ep2_distributed_optimizer_to_ep1_ddp": SINGLE_RANK_TWIN,
 }
 
@@ -99,9 +100,9 @@ CONTEXT_PARALLEL_FLAGS = ("--context-parallel-size", "--cp-comm-type", "--hierar
 VIRTUAL_PIPELINE_FLAGS = ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
                           "--microbatch-group-size-per-virtual-pipeline-stage")
 # Expert parallelism spreads the same experts over ranks; dropless routing keeps every token's experts.
+EXPERT_PARALLEL_FLAGS = ("--expert-model-parallel-size",)
 LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--sequence-parallel",
-                "--use-distributed-optimizer", "--expert-model-parallel-size") + CONTEXT_PARALLEL_FLAGS + \
-    VIRTUAL_PIPELINE_FLAGS
+                "--use-distributed-optimizer") + CONTEXT_PARALLEL_FLAGS + VIRTUAL_PIPELINE_FLAGS + EXPERT_PARALLEL_FLAGS
 
 # What a case may change against its reference, by reference kind (checked flag by flag).
 ALLOWED_DIFFERENCES = {
@@ -115,9 +116,9 @@ def ddp_twin(case):
     under Megatron DDP with no data-parallel reduction at all. DDP keeps every parameter, gradient and optimizer
     state whole on each rank whatever the data-parallel size, so its per-rank bytes are those of a DDP run at the
     case's data-parallel size (the last rank logs: the same pipeline stage and tensor-parallel rank)."""
-    # Context parallelism goes too: the twin is then also the CP=1 run a CP case must equal.
+    # Context and expert parallelism go too: the twin is then also the CP=1 / EP=1 run the case must equal.
     model_args = {flag: value for flag, value in case.model_args.items()
-                  if flag not in FSDP_FLAGS and flag not in CONTEXT_PARALLEL_FLAGS}
+                  if flag not in FSDP_FLAGS + CONTEXT_PARALLEL_FLAGS + EXPERT_PARALLEL_FLAGS}
     model_parallel = int(case.model_args.get("--tensor-model-parallel-size", 1)) * int(
         case.model_args.get("--pipeline-model-parallel-size", 1))
     return dataclasses.replace(case, name=f"{case.name} (DDP twin)", model_args=model_args,

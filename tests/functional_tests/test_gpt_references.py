@@ -37,7 +37,8 @@ def test_every_golden_case_has_a_reference():
 def _allowed_differences(case_name):
     reference = references.REFERENCES[case_name]
     if reference == references.DDP_TWIN:
-        return set(references.FSDP_FLAGS) | set(references.CONTEXT_PARALLEL_FLAGS)
+        return (set(references.FSDP_FLAGS) | set(references.CONTEXT_PARALLEL_FLAGS)
+                | set(references.EXPERT_PARALLEL_FLAGS))
     if reference == references.SINGLE_RANK_TWIN:
         return set(references.LAYOUT_FLAGS)
     return references.ALLOWED_DIFFERENCES[reference]
