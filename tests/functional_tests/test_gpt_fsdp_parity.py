@@ -36,12 +36,12 @@ SHARDED_OVER = {
     "gpt/megatron_fsdp_hsdp_dp4": (2, 2, 2),
     "gpt/megatron_fsdp_hfsdp_dp4": (2, 4, 4),
     "gpt/cp2_megatron_fsdp_z3": (2, 2, 2),  # DP1 x CP2: sharded over the dp_shard_cp group
-    "gpt/moe_ep2_fsdp2": (2, 2, 2),  # dense over DP2, experts 1/EP2 per rank (expert-DP 1)
+    "gpt/deepseek_proxy_ep2_fsdp2": (2, 2, 2),  # dense over DP2, experts 1/EP2 per rank (expert-DP 1)
 }
 # Expert-parallel cases: parameter tensors of the other expert-parallel ranks' experts, which the EP1 twin holds
 # and this rank does not (no Adam step counter for them): 2 MoE layers x 2 experts x fc1/fc2 weight and bias.
 OTHER_RANKS_EXPERT_TENSORS = {
-    "gpt/moe_ep2_fsdp2": 16,
+    "gpt/deepseek_proxy_ep2_fsdp2": 16,
 }
 # Cases whose fp32 main weights are a separate copy of the optimizer's shard rather than the compute weights
 # themselves: HFSDP stores its quarter of the main weights apart from the compute half it belongs to.
