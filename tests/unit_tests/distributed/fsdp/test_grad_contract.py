@@ -6,8 +6,9 @@ rank; after the last microbatch's backward with `set_model_auto_sync(True)`, eve
 is a DTensor of the parameter's shape holding this rank's part of the reduced gradient: its local tensor, cut
 from the single-process gradient by the DTensor's own placements (rows for `Shard(0)`, everything for
 `Replicate()`; `Partial()` parts summed over their mesh dim, each part equal to the gradient where it is not
-zero), equals that gradient within 1e-6 (fp32), and is non-zero on at least one rank. Also with gradients kept
-in fp32 for a bf16 model. HFSDP needs strategy 3 and says so for the others.
+zero), equals that gradient within 1e-6 (fp32), and is non-zero on at least one rank; torch's
+`clip_grad_norm_` over them sees the single-process norm. Also with gradients kept in fp32 for a bf16 model.
+HFSDP needs strategy 3 and says so for the others.
 """
 
 import pytest
@@ -88,8 +89,10 @@ def _grads_under_the_contract(cases):
                 grads[name] = (tuple(grad.shape) == tuple(param.shape), grad.dtype, tuple(grad.placements),
                                tuple(mesh.mesh.flatten().tolist()), tuple(mesh.shape), tuple(mesh.get_coordinate()),
                                grad.to_local().detach().clone())
+        # DTensor operations on them are exact: torch's clipping sees the global norm (1e9: nothing is clipped)
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1e9)
         optimizer.step()  # the optimizer still steps on these gradients
-        results[(strategy, outer, mesh_shape, dtype)] = (early, grads)
+        results[(strategy, outer, mesh_shape, dtype)] = (early, grads, norm.full_tensor().item())
     return results, (_bf16_reference(world) if any(case[3] == torch.bfloat16 for case in cases) else None)
 
 
@@ -147,6 +150,9 @@ def _check_case(case, per_rank, reference, grad_dtype):
             torch.testing.assert_close(total, expected.to(total.dtype), **TOLERANCE, msg=f"{case} {name} {key}")
         if reference[name].abs().sum() > 0:
             assert any(info[-1].abs().sum() > 0 for info in infos), (case, name)
+    reference_norm = torch.linalg.vector_norm(torch.stack([grad.norm() for grad in reference.values()])).item()
+    for rank_result in per_rank:
+        assert rank_result[2] == pytest.approx(reference_norm, rel=1e-6), case
 
 
 def _run_and_check(world_size, cases):
@@ -169,9 +175,9 @@ def _run_and_check(world_size, cases):
 def test_grad_contract_at_two_ranks(world_size):
     """1-D over both ranks (bf16 too), and a 2 x 1 (outer, shard) mesh: every reduction is over the outer dim."""
     cases = [(s, None, None, torch.float32) for s in range(4)]
-    cases += [(s, None, None, torch.bfloat16) for s in (0, 3)]
+    cases += [(s, None, None, torch.bfloat16) for s in range(4)]
     cases += [(s, outer, (2, 1), torch.float32) for outer in ("no_shard", "optim") for s in range(4)]
-    assert _run_and_check(world_size, cases) == 11
+    assert _run_and_check(world_size, cases) == 13
 
 
 @pytest.mark.parametrize("world_size", [4])
