@@ -232,7 +232,8 @@ class MegatronFSDP(nn.Module):
         """Whether gradients are reduced in every microbatch's backward (True, `sync_model_each_microbatch`) or,
         under strategies 0/1, only by `finish_grad_sync` (which `optimizer.step()` calls). Switch it off for the
         microbatches of a step and on again for its last one, as upstream scripts do; strategies 2/3 reduce
-        every microbatch regardless, since their gradients live only as shards."""
+        every microbatch regardless, since their gradients live only as shards. Either way `.grad` stays None
+        until a backward with sync on (or `finish_grad_sync`) has completed the step's reductions (param_grads.py)."""
         self.schedule.sync_model_each_microbatch = bool(sync_model)
 
     @contextlib.contextmanager
