@@ -195,6 +195,16 @@ def _megatron_fsdp_error_at_ep2():
     return str(error.value)
 
 
-def test_megatron_fsdp_refuses_expert_parallel_experts_naming_the_flags():
+def _hybrid_distributed_optimizer_error():
+    parallel_state.initialize_model_parallel(num_distributed_optimizer_instances=2)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, num_distributed_optimizer_instances=2)
+    with pytest.raises(ValueError) as error:
+        DistributedDataParallel(ModelParallelConfig(), ddp_config, ToyMoEModel())
+    return str(error.value)
+
+
+def test_refusals_name_the_flags():
     message = run_on_ranks(WORLD, _megatron_fsdp_error_at_ep2)[0]
     assert "--use-megatron-fsdp" in message and "--expert-model-parallel-size 2" in message
+    message = run_on_ranks(WORLD, _hybrid_distributed_optimizer_error)[0]
+    assert "--num-distributed-optimizer-instances" in message and "--num-experts" in message
