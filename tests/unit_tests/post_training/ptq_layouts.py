@@ -88,3 +88,35 @@ def ptq_across_layouts(quant_cfgs):
                                   "loss": model(tokens, positions, labels=labels).mean().item()}
     parallel_state.destroy_model_parallel()
     return results
+
+
+def _moe_layout(tp):
+    """Unquantized and FP8-quantized logits of a tiny MoE GPT (4 experts, top-2; MoE with TP needs sequence
+    parallelism) and the class names under its experts."""
+    from megatron.core.extensions import modelopt as modelopt_support
+
+    import_modelopt_plugins()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    config = tiny_config(tp=tp, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+                         sequence_parallel=tp > 1)
+    model = seeded_model(config, max_sequence_length=SEQ)
+    tokens, _, positions = fixed_batch(seed=EVAL_SEED, seq=SEQ)
+    with torch.no_grad():
+        unquantized = model(tokens, positions)
+
+    def forward_loop(quantized):
+        with torch.no_grad():
+            for calibration_tokens, _, calibration_positions in calibration_batches():
+                quantized(calibration_tokens, calibration_positions)
+
+    modelopt_support.quantize(model, "fp8", forward_loop)
+    with torch.no_grad():
+        quantized_logits = model(tokens, positions)
+    experts = {name: type(module).__name__ for name, module in model.named_modules()
+               if name.endswith(("mlp.experts", "linear_fc1", "linear_fc2")) and ".experts" in name}
+    parallel_state.destroy_model_parallel()
+    return {"unquantized": unquantized, "quantized": quantized_logits, "experts": experts}
+
+
+def moe_ptq_across_layouts():
+    return {"tp1": _moe_layout(1), "tp2_sp": _moe_layout(2)}
