@@ -37,6 +37,7 @@ SHARDED_OVER = {
     "gpt/megatron_fsdp_hfsdp_dp4": (2, 4, 4),
     "gpt/cp2_megatron_fsdp_z3": (2, 2, 2),  # DP1 x CP2: sharded over the dp_shard_cp group
     "gpt/deepseek_proxy_ep2_fsdp2": (2, 2, 2),  # dense over DP2, experts 1/EP2 per rank (expert-DP 1)
+    "gpt/moe_megatron_fsdp_z3_dp2": (2, 2, 2),  # EP1: experts sharded with the dense parameters
 }
 # Expert-parallel cases: parameter tensors of the other expert-parallel ranks' experts, which the EP1 twin holds
 # and this rank does not (no Adam step counter for them): 2 MoE layers x 2 experts x fc1/fc2 weight and bias.

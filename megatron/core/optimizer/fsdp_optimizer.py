@@ -22,6 +22,7 @@ from typing import List, NamedTuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.expert_parameters import model_has_expert_parameters
 from megatron.core.optimizer.optimizer import MegatronOptimizer, copy_parallel_attributes
 
 
@@ -147,7 +148,10 @@ class MegatronFSDPOptimizer(MegatronOptimizer):
         # Every chunk of a rank shards over the same groups (one stage's data-parallel mesh).
         grad_stats_groups = list(model_parallel_groups) + self.chunk.grad_shard_groups()
         found_inf_groups = list(model_parallel_groups) + ([data_parallel_group] if data_parallel_group else [])
-        super().__init__(torch_optimizer, config, grad_scaler, grad_stats_groups, found_inf_groups)
+        # Experts are sharded like the dense parameters (Megatron-FSDP refuses expert parallelism > 1), so their
+        # statistics are reduced over the same groups.
+        expert_groups = grad_stats_groups if model_has_expert_parameters(self.chunks) else None
+        super().__init__(torch_optimizer, config, grad_scaler, grad_stats_groups, found_inf_groups, expert_groups)
 
     def model_params(self):
         return []
