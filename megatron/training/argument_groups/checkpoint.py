@@ -102,3 +102,8 @@ def validate(args):
         flag = "--use-torch-fsdp2" if getattr(args, "use_torch_fsdp2", False) else "--use-megatron-fsdp"
         raise ValueError(f"{flag} checkpoints need --ckpt-format torch_dist (or fsdp_dtensor / torch_dcp); the "
                          "torch format stores whole, unsharded tensors per model-parallel rank")
+    expert_parallel_size = getattr(args, "expert_model_parallel_size", 1) or 1
+    if expert_parallel_size > 1 and args.ckpt_format == "torch" and (args.save or args.load):
+        raise ValueError(f"--expert-model-parallel-size {expert_parallel_size} checkpoints need --ckpt-format "
+                         "torch_dist (experts saved by global index); the torch format keeps one file per "
+                         "tensor/pipeline rank, which holds only one expert-parallel rank's experts")
