@@ -4,7 +4,8 @@ Every implementation holds the same parameters: `local_experts.{j}` is an `MLP` 
 row-parallel, built with `is_expert=True`, so their parameters are marked `allreduce = False`) for the expert
 of global index `ep_rank * num_local_experts + j`. Its initial weights come from a seed derived from the layer's
 seed and that global index alone, so any expert-parallel size builds the same experts. Each expert parameter
-carries `expert_global_index` and `num_local_experts`.
+carries `expert_global_index` and `num_local_experts`, and so do the experts' tensor buffers (FP8 amax
+histories), which checkpoints therefore name by global expert index as well.
 
 The experts take tokens already dispatched to this rank, sorted by local expert (`tokens_per_expert` rows each),
 and return each row's expert output before the routing probability is applied. The dispatcher gathered the
@@ -94,6 +95,22 @@ class SequentialMLP(torch.nn.Module):
                 # Every rank computes this bias's full gradient (see _BiasOnceOverPartialSums): no sum over TP.
                 expert.linear_fc2.bias.sequence_parallel = False
             self.local_experts.append(expert)
+        self._mark_expert_buffers()
+
+    def _mark_expert_buffers(self):
+        """Give the experts' tensor buffers (FP8 amax histories) the expert marks of their parameters, so that
+        checkpoints name them by global expert index too. Buffers are new tensors after a dtype or device move,
+        hence again after every `_apply`."""
+        for local_index, expert in enumerate(self.local_experts):
+            for buffer in expert.buffers():
+                buffer.allreduce = False
+                buffer.expert_global_index = self.first_global_index + local_index
+                buffer.num_local_experts = self.num_local_experts
+
+    def _apply(self, fn, recurse=True):
+        result = super()._apply(fn, recurse)
+        self._mark_expert_buffers()
+        return result
 
     def _fc2_bias(self, partial, expert):
         bias = expert.linear_fc2.bias

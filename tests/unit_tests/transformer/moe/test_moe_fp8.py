@@ -110,22 +110,45 @@ def _two_steps(layer, hidden, upstream):
     return _run(layer, hidden, upstream, fp8=True)
 
 
+def _expert_histories(layer):
+    """{checkpoint name of each expert's FP8 amax history: its values}, by global expert index."""
+    from megatron.core.expert_parameters import global_expert_name
+
+    return {global_expert_name(name, buffer): buffer.clone() for name, buffer in layer.named_buffers()
+            if name.startswith("experts.") and name.endswith("fp8_amax_history")}
+
+
 def _expert_parallel_equals_single_rank_in_fp8():
     """On 2 ranks, per recipe: the EP=1 layer over all tokens (both ranks alike), then EP=2 with each rank one
-    sequence; the largest difference of the second step's output, input gradient and expert gradients."""
+    sequence; the largest difference of the second step's output, input gradient and expert gradients, and
+    (delayed) of the experts' amax histories, which checkpoints name by global expert index."""
+    from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict
+
     rank = dist.get_rank()
     hidden, upstream = _inputs()
     local = lambda tensor: tensor[:, rank:rank + 1]  # noqa: E731
     diffs = {}
     for recipe in ("delayed", "tensorwise"):
         parallel_state.initialize_model_parallel()
-        reference = _two_steps(MoELayer(moe_fp8_config(recipe=recipe), init_seed=LAYER_SEED), hidden, upstream)
+        reference_layer = MoELayer(moe_fp8_config(recipe=recipe), init_seed=LAYER_SEED)
+        reference = _two_steps(reference_layer, hidden, upstream)
+        reference_histories = _expert_histories(reference_layer)
         parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
         layer = MoELayer(moe_fp8_config(recipe=recipe, expert_model_parallel_size=2), init_seed=LAYER_SEED)
         output, input_grad, grads = _two_steps(layer, local(hidden), local(upstream))
         worst = max((output - local(reference[0])).abs().max().item(),
                     (input_grad - local(reference[1])).abs().max().item())
+        histories = _expert_histories(layer)
+        if recipe == "delayed":
+            saved_names = {name for name in model_sharded_state_dict([layer], for_saving=True)
+                           if name.endswith("fp8_amax_history") and name.startswith("experts.")}
+            expected_names = {f"experts.local_experts.{index}.linear_fc{fc}.fp8_amax_history"
+                              for index in layer.local_expert_indices for fc in (1, 2)}
+            diffs["history_names"] = sorted(saved_names ^ expected_names)  # empty: named by global index
+            for name, history in histories.items():
+                worst = max(worst, ((history - reference_histories[name]).abs().max()
+                                    / reference_histories[name].abs().max()).item())
         first = layer.local_expert_indices[0]
         for name, grad in grads.items():
             if name.startswith("experts.local_experts."):
@@ -139,6 +162,7 @@ def _expert_parallel_equals_single_rank_in_fp8():
 
 def test_expert_parallel_equals_single_rank_in_fp8():
     for diffs in run_on_ranks(2, _expert_parallel_equals_single_rank_in_fp8):
+        assert diffs.pop("history_names") == []
         for recipe, worst in diffs.items():
             assert worst < EXACT_TOLERANCE, (recipe, worst)
 
