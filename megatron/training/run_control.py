@@ -88,12 +88,15 @@ def parameter_digest(param):
     return torch.tensor(list(hashlib.sha1(data.tobytes()).digest()), dtype=torch.uint8)
 
 
-def mismatched_parameters(model_chunks, group, device):
-    """Names of the parameters whose digest differs between the ranks of `group` (the data-parallel replicas:
-    the same model-parallel part of the model), identical on every rank of the group (collective)."""
+def mismatched_parameters(model_chunks, group, device, include=None):
+    """Names of the parameters (those `include(param)` accepts, default all) whose digest differs between the
+    ranks of `group` (the data-parallel replicas: the same model-parallel part of the model), identical on every
+    rank of the group (collective)."""
     names, digests = [], []
     for index, chunk in enumerate(model_chunks):
         for name, param in chunk.named_parameters():
+            if include is not None and not include(param):
+                continue
             names.append(f"chunk {index}: {name}" if len(model_chunks) > 1 else name)
             digests.append(parameter_digest(param))
     if not digests:
@@ -110,15 +113,21 @@ def mismatched_parameters(model_chunks, group, device):
 def check_weight_hashes(model_chunks, iteration, args):
     """--check-weight-hash-across-dp-replicas-interval: raise on every rank when the data-parallel replicas of
     a parameter differ (SHA-1 of each whole parameter, gathered over the data-parallel x context-parallel
-    group), naming the parameters; returns True when they all match."""
+    group; for expert parameters over the expert data-parallel group), naming the parameters; returns True when
+    they all match."""
     from megatron.core import parallel_state
 
     for chunk in model_chunks:  # post-step gathers still in flight (overlapped param gather) land first
         finish_param_sync = getattr(chunk, "finish_param_sync", None)
         if finish_param_sync is not None:
             finish_param_sync()
+    from megatron.core.expert_parameters import is_expert_parameter
+
+    # Mixture-of-Experts experts are replicated over the expert data-parallel group only (the ranks holding them).
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    bad = mismatched_parameters(model_chunks, group, args.device)
+    bad = mismatched_parameters(model_chunks, group, args.device, include=lambda p: not is_expert_parameter(p))
+    bad += mismatched_parameters(model_chunks, parallel_state.get_expert_data_parallel_group(), args.device,
+                                 include=is_expert_parameter)
     if bad:
         raise RuntimeError(f"--check-weight-hash-across-dp-replicas-interval: at iteration {iteration} the "
                            f"data-parallel replicas hold different weights for {len(bad)} parameter(s): "

@@ -208,3 +208,25 @@ def test_refusals_name_the_flags():
     assert "--use-megatron-fsdp" in message and "--expert-model-parallel-size 2" in message
     message = run_on_ranks(WORLD, _hybrid_distributed_optimizer_error)[0]
     assert "--num-distributed-optimizer-instances" in message and "--num-experts" in message
+
+
+def _weight_hash_check(expert_model_parallel_size, perturb_expert):
+    from types import SimpleNamespace
+
+    from megatron.training.run_control import check_weight_hashes
+
+    run = TrainingRun(expert_model_parallel_size, "ddp")
+    if perturb_expert and dist.get_rank() == 1:
+        with torch.no_grad():
+            run.model.mlp.experts.local_experts[0].linear_fc1.weight[0, 0] += 1e-6
+    try:
+        return check_weight_hashes([run.ddp], 1, SimpleNamespace(device=torch.device("cpu")))
+    except RuntimeError as error:
+        return str(error)
+
+
+def test_weight_hash_check_compares_experts_over_expert_data_parallel_ranks():
+    # EP2: the ranks hold different experts, which is no mismatch; EP1: a replica that drifted is named.
+    assert run_on_ranks(WORLD, _weight_hash_check, 2, False) == [True, True]
+    messages = run_on_ranks(WORLD, _weight_hash_check, 1, True)
+    assert all("mlp.experts.local_experts.0.linear_fc1.weight" in message for message in messages)
