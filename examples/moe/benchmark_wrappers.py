@@ -1,0 +1,89 @@
+"""Mixture-of-Experts under each data-parallel wrapper on 2 CPU ranks: per-rank expert bytes against theory and
+step time.
+
+Trains pretrain_gpt.py (mock data) with 8 experts per layer, top-2, alltoall dispatch, at EP2 under Megatron DDP,
+the distributed optimizer and FSDP2, and at EP1 under Megatron-FSDP ZeRO-3 (Megatron-FSDP refuses EP > 1), and
+reads the last rank's metrics record: the memory line's expert bytes and the iteration times. Prints a markdown
+table. Arms are interleaved over `--repeats` rounds; the step time is the median over steps after the first
+`--warmup` of every repeat.
+
+    python examples/moe/benchmark_wrappers.py [--repeats 2] [--iters 20]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LAYERS, HIDDEN, FFN, EXPERTS, WORLD = 2, 128, 256, 8, 2
+MODEL = (f"--num-layers {LAYERS} --hidden-size {HIDDEN} --num-attention-heads 4 --seq-length 64 "
+         f"--max-position-embeddings 64 --micro-batch-size 4 --global-batch-size 16 --lr 1e-3 --hidden-dropout 0 "
+         f"--attention-dropout 0 --mock-data --tokenizer-type NullTokenizer --vocab-size 1024 --seed 1234 "
+         f"--num-workers 0 --log-interval 1000 --distributed-backend gloo --num-experts {EXPERTS} "
+         f"--moe-router-topk 2 --moe-ffn-hidden-size {FFN} --moe-token-dispatcher-type alltoall")
+ARMS = {  # name: (expert-parallel size, flags, expert-DP sharding of (params, optimizer state))
+    "DDP": (2, "", (1, 1)),
+    "distributed optimizer": (2, "--use-distributed-optimizer", (1, 1)),
+    "FSDP2": (2, "--use-torch-fsdp2 --untie-embeddings-and-output-weights", (1, 1)),
+    "Megatron-FSDP z3 (EP1)": (1, "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
+                               (2, 2)),
+}
+
+
+def expert_bytes_theory(expert_parallel_size, params_over, optimizer_over, distributed_optimizer):
+    """(params, grads, optimizer state) bytes per rank: fp32 experts with biases, Adam's two moments, plus fp32
+    main weights under the distributed optimizer."""
+    per_expert = 2 * HIDDEN * FFN + FFN + HIDDEN
+    local = 4 * LAYERS * EXPERTS * per_expert // expert_parallel_size
+    copies = 3 if distributed_optimizer else 2
+    return local // params_over, local // params_over, copies * local // optimizer_over
+
+
+def run(name, iters, metrics_path):
+    expert_parallel_size, flags, _ = ARMS[name]
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD}",
+               os.path.join(REPOSITORY, "pretrain_gpt.py"), *MODEL.split(), *flags.split(),
+               "--expert-model-parallel-size", str(expert_parallel_size), "--train-iters", str(iters),
+               "--metrics-file", metrics_path]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run(command, check=True, cwd=REPOSITORY, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    with open(metrics_path) as stream:
+        return [json.loads(line) for line in stream]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    options = parser.parse_args()
+    times = {name: [] for name in ARMS}
+    last = {}
+    with tempfile.TemporaryDirectory() as directory:
+        for repeat in range(options.repeats):
+            for name in ARMS:
+                path = os.path.join(directory, f"{repeat}-{len(times[name])}-{name.replace(' ', '_')}.jsonl")
+                records = run(name, options.iters, path)
+                times[name] += [record["iteration-time"] for record in records[options.warmup:]]
+                last[name] = records[-1]
+    ddp_time = statistics.median(times["DDP"])
+    print("| wrapper | EP | expert params (B) | theory | expert grads (B) | theory | expert optimizer (B) | theory "
+          "| step (ms) | vs DDP |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, (expert_parallel_size, flags, (params_over, optimizer_over)) in ARMS.items():
+        record = last[name]
+        theory = expert_bytes_theory(expert_parallel_size, params_over, optimizer_over,
+                                     "--use-distributed-optimizer" in flags)
+        measured = (record.get("expert-params-bytes"), record.get("expert-grads-bytes"),
+                    record.get("expert-optimizer-state-bytes"))
+        cells = " | ".join(f"{'n/a' if m is None else m} | {t}" for m, t in zip(measured, theory))
+        step = statistics.median(times[name])
+        print(f"| {name} | {expert_parallel_size} | {cells} | {1000 * step:.1f} | {step / ddp_time:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
