@@ -60,8 +60,8 @@ def core_transformer_config_from_args(args, config_class=None):
         **fp8_config_kwargs(args),
         **numerics_config_kwargs(args),
         **memory_config_kwargs(args),
-        **moe_config_kwargs(args),
         **mla_config_kwargs(args),
+        **moe_config_kwargs(args),
     )
 
 

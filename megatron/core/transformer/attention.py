@@ -20,7 +20,6 @@ from megatron.core.extensions.transformer_engine import fused_norm_linear_class,
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
 from megatron.core.transformer.context_parallel import comm_type_of_layer, context_parallel_attention
 from megatron.core.transformer import layer_scaled_attention
-from megatron.core.transformer import layer_scaled_attention
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.recompute import checkpointed
@@ -109,10 +108,6 @@ class SelfAttention(Attention):
             return context_parallel_attention(query, key, value, attention_mask, comm_type=comm_type, group=group,
                                               dropout_p=dropout_p)
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # -> [b, heads, s, head_dim]
-        if layer_scaled_attention.applies(self.config, query):
-            context = layer_scaled_attention.layer_scaled_attention(query, key, value, attention_mask,
-                                                                    self.layer_number, dropout_p)
-            return context.permute(2, 0, 1, 3).reshape(context.shape[2], context.shape[0], -1)
         if layer_scaled_attention.applies(self.config, query):
             context = layer_scaled_attention.layer_scaled_attention(query, key, value, attention_mask,
                                                                     self.layer_number, dropout_p)
