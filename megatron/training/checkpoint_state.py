@@ -6,7 +6,6 @@ parallel wrapper lives there); this module adds the run's state around them: sch
 iteration, consumed samples, the arguments and the layout that wrote the checkpoint.
 """
 
-import torch
 import torch.distributed as dist
 
 from megatron.core.dist_checkpointing import rng_mapping, serialization, vocab_padding, wrappers
