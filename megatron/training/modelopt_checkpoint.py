@@ -13,6 +13,8 @@ distillation mode (`kd_loss`, which wraps the student with its teacher) is left 
 student.
 """
 
+import sys
+
 from megatron.core.distributed.data_parallel_base import unwrap_model
 
 STATE_KEY_PREFIX = "modelopt_state.pp"
@@ -28,6 +30,11 @@ def _pipeline_rank_and_size():
 
 
 def _is_converted(module) -> bool:
+    # Only a process that imported modelopt can hold a model it converted; not importing it otherwise keeps
+    # every save free of modelopt's import cost and of its dependencies' side effects (some draw from Python's
+    # `random` at import, which would change the RNG state the checkpoint records).
+    if "modelopt" not in sys.modules:
+        return False
     try:
         import modelopt.torch.opt as mto
     except Exception:  # modelopt absent or not importable: nothing can have been converted by it
