@@ -128,13 +128,8 @@ def _launch(request):
 
 def serve():
     # What pretrain_gpt.py and the training loop import, so the forked ranks start with it loaded.
-    import torch  # noqa: F401
-    import torch.distributed  # noqa: F401
-
     sys.path.insert(0, str(REPO_ROOT))
-    import megatron.core.models.gpt.gpt_model  # noqa: F401
-    import megatron.training.checkpointing  # noqa: F401
-    import megatron.training.training  # noqa: F401
+    import tests.rank_preload  # noqa: F401
 
     answers = sys.stdout
     sys.stdout = sys.stderr  # only answers on the answer stream

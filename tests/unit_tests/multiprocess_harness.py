@@ -57,13 +57,7 @@ def _worker_main(rank, world_size, init_file, task_queue, result_queue):
 # start with torch and Megatron loaded (about 2 s of CPU per rank less than a fresh interpreter), as clean as
 # spawned ones (the server runs no test code). Tests grouped by world size still rebuild pools when a test
 # needs several sizes.
-FORK_SERVER_PRELOAD = [
-    "torch",
-    "torch.distributed",
-    "megatron.core.models.gpt.gpt_model",
-    "megatron.training.training",
-    "tests.unit_tests.multiprocess_harness",
-]
+FORK_SERVER_PRELOAD = ["tests.rank_preload", "tests.unit_tests.multiprocess_harness"]
 _context = None
 
 
