@@ -1,6 +1,6 @@
 """A GPT trained with context parallelism equals the same GPT without it: `pretrain()` on rank pools, losses of
 every iteration to 1e-5 relative, for each comm type under each data-parallel wrapper, with RoPE and
-grouped-query attention, and composed with tensor + sequence parallelism."""
+grouped-query attention, and composed with tensor + sequence parallelism, pipeline and expert parallelism."""
 
 import pytest
 import torch
@@ -59,6 +59,25 @@ def test_cp2_tp2_sequence_parallel_trains_as_tp2(tmp_path, world_size):
     tp = "--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer"
     results = run_on_ranks(world_size, _cp_and_reference, str(tmp_path), tp, f"{tp} --context-parallel-size 2")
     _assert_same_losses(results)
+
+
+MOE = "--num-experts 4 --moe-router-topk 2 --moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 0.01"
+EP_WRAPPERS = ("ddp", "distributed_optimizer", "fsdp2")
+
+
+def _moe_without_and_with_cp_and_ep(workdir):
+    """DP2 (each rank all four experts) once, then CP2 x EP2 (each rank two experts) under each wrapper."""
+    reference = run_pretrain(workdir, f"{MODEL} {MOE}")
+    cp_ep = "--context-parallel-size 2 --expert-model-parallel-size 2"
+    return [(reference, run_pretrain(workdir, f"{MODEL} {MOE} {WRAPPERS[wrapper]} {cp_ep}"))
+            for wrapper in EP_WRAPPERS]
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_cp2_with_expert_parallel_moe_trains_as_dp2(tmp_path, world_size):
+    """Context parallelism composed with expert parallelism: the experts' tokens come from both CP ranks' rows
+    (the expert data-parallel group spans DP x CP / EP), aux losses included."""
+    _assert_same_losses(run_on_ranks(world_size, _moe_without_and_with_cp_and_ep, str(tmp_path))[0])
 
 
 def _loss_gradient_with_uneven_token_counts(per_token_loss):
