@@ -65,6 +65,7 @@ REFERENCES = {
     "gpt/resume_pp2_vpp2_to_pp2": ROOT_CASE,
     "gpt/moe_ep2_ddp": SINGLE_RANK_TWIN,
     "gpt/moe_ep2_distributed_optimizer": SINGLE_RANK_TWIN,
+    "gpt/moe_ep2_tp2_sp": SINGLE_RANK_TWIN,
     "gpt/deepseek_proxy_ep2_fsdp2": DDP_TWIN,
     "gpt/moe_megatron_fsdp_z3_dp2": DDP_TWIN,
     "gpt/resume_moe_ep2_distributed_optimizer_to_ep1_ddp": SINGLE_RANK_TWIN,
