@@ -5,6 +5,7 @@ against bf16 per linear layer and end to end.
     python examples/fp8/benchmark_fp8.py [--iters 30] [--repeats 2] [--nproc 2] [--output results.json]
     PYTHONPATH=.:megatron/core/distributed/fsdp/src python examples/fp8/benchmark_fp8.py --part gpu  # one GPU
     python examples/fp8/benchmark_fp8.py --part gpu --smoke      # part 3's code paths on the CPU, tiny
+    python examples/fp8/benchmark_fp8.py --part gpu-diagnostics  # where one FP8 linear's time goes (one GPU)
 
 Part 1 trains the README's tiny GPT (4 layers, hidden 128, seq 128, swiglu, rope) with `pretrain_gpt.py` on
 `--nproc` gloo ranks with the distributed optimizer and with Megatron-FSDP ZeRO-3 (`optim_grads_params`), once
@@ -194,8 +195,13 @@ def main():
     parser.add_argument("--output", default=None)
     parser.add_argument("--wrappers", choices=["all", *WRAPPERS], default="all",
                         help="run only the arms of one data-parallel wrapper")
-    parser.add_argument("--part", choices=["all", "cpu", "gpu"], default="all",
-                        help="cpu: parts 1-2 (gloo ranks, GEMMs on the CPU); gpu: part 3 (FP8 vs bf16 on one GPU)")
+    parser.add_argument("--part", choices=["all", "cpu", "gpu", "gpu-diagnostics"], default="all",
+                        help="cpu: parts 1-2 (gloo ranks, GEMMs on the CPU); gpu: part 3 (FP8 vs bf16 on one GPU); "
+                             "gpu-diagnostics: where one FP8 linear's time goes on one GPU (not part of 'all')")
+    parser.add_argument("--skip-pretrain", action="store_true",
+                        help="part 3 without its pretrain_gpt.py runs (the per-linear table only)")
+    parser.add_argument("--pretrain-only", action="store_true",
+                        help="part 3's pretrain_gpt.py runs only (no per-linear table)")
     parser.add_argument("--smoke", action="store_true",
                         help="part 3 on the CPU with tiny shapes and a tiny model: checks the program, measures nothing")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -213,7 +219,12 @@ def main():
     if options.part in ("all", "gpu"):
         from examples.fp8 import gpu_benchmark
 
-        report["gpu"] = gpu_benchmark.run(smoke=options.smoke)
+        report["gpu"] = gpu_benchmark.run(smoke=options.smoke, skip_pretrain=options.skip_pretrain,
+                                           pretrain_only=options.pretrain_only)
+    if options.part == "gpu-diagnostics":
+        from examples.fp8 import gpu_diagnostics
+
+        report["gpu_diagnostics"] = gpu_diagnostics.run(smoke=options.smoke)
     if options.output:
         with open(options.output, "w") as out:
             json.dump(report, out, indent=2)

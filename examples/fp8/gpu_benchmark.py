@@ -124,10 +124,15 @@ def time_linears(device, shapes, runs=20, warmup=5):
         fp8_linear(x, weight, None, delayed).backward(grad)
         reduce_and_record_amaxes(delayed.states(), [])  # a recorded history: the steady state of training
 
+        # The weight quantized once (with its transposed bytes), as a layer caches it across the microbatches of
+        # an optimizer step.
+        cached_weight = tensorwise.weight.quantize(weight.detach(), with_transpose=True)
         arms = {
             "bf16 F.linear": lambda: F.linear(x, weight).backward(grad),
             "fp8_linear tensorwise": lambda: fp8_linear(x, weight, None, tensorwise).backward(grad),
             "fp8_linear delayed": lambda: fp8_linear(x, weight, None, delayed).backward(grad),
+            "fp8_linear tensorwise, weight cached": lambda: fp8_linear(x, weight, None, tensorwise,
+                                                                      weight_fp8=cached_weight).backward(grad),
         }
         torchao = _torchao_step(x, weight.detach(), grad)
         if torchao is not None:
@@ -175,9 +180,18 @@ def time_pretrain(smoke):
     results = {}
     with tempfile.TemporaryDirectory() as workdir:
         for wrapper, wrapper_args in WRAPPERS.items():
-            results[wrapper] = {precision: run_pretrain(model_args, f"{wrapper_args} {precision_args}", workdir,
-                                                        train_iters)
-                                for precision, precision_args in PRECISIONS.items()}
+            results[wrapper] = {}
+            for precision, precision_args in PRECISIONS.items():
+                started = time.perf_counter()
+                try:
+                    step = run_pretrain(model_args, f"{wrapper_args} {precision_args}", workdir, train_iters)
+                except (RuntimeError, subprocess.TimeoutExpired) as error:  # report it, go on with the other arms
+                    print(f"pretrain_gpt.py {wrapper}, {precision}: failed: {error}", flush=True)
+                    step = float("nan")
+                results[wrapper][precision] = step
+                # One line per run as it ends, so a run cut short still reports the arms it finished.
+                print(f"pretrain_gpt.py {wrapper}, {precision}: median step {step:.4f} s "
+                      f"(run took {time.perf_counter() - started:.0f} s)", flush=True)
     return results
 
 
@@ -185,20 +199,24 @@ def time_pretrain(smoke):
 
 
 def report(linears, pretrain, device_name):
-    lines = [f"\none linear layer, forward + backward, median ms ({device_name})"]
-    arms = list(next(iter(linears.values())))
-    lines.append("| tokens x in x out | " + " | ".join(arms) + " | fp8 tensorwise / bf16 |")
-    lines.append("|---" * (len(arms) + 2) + "|")
-    for shape, timings in linears.items():
-        ratio = timings["fp8_linear tensorwise"] / timings["bf16 F.linear"]
-        lines.append(f"| {shape} | " + " | ".join(f"{timings[arm]:.3f}" for arm in arms) + f" | {ratio:.2f} |")
-    lines.append(f"\npretrain_gpt.py, median step (s) of iterations {MEDIAN_FROM_ITERATION}-{TRAIN_ITERS}, one rank "
-                 f"({device_name})")
-    lines.append("| wrapper | " + " | ".join(PRECISIONS) + " | tensorwise / bf16 | delayed / bf16 |")
-    lines.append("|---" * (len(PRECISIONS) + 3) + "|")
-    for wrapper, steps in pretrain.items():
-        lines.append(f"| {wrapper} | " + " | ".join(f"{steps[p]:.3f}" for p in PRECISIONS)
-                     + f" | {steps['fp8 tensorwise'] / steps['bf16']:.2f} | {steps['fp8 delayed'] / steps['bf16']:.2f} |")
+    lines = []
+    if linears:
+        lines.append(f"\none linear layer, forward + backward, median ms ({device_name})")
+        arms = list(next(iter(linears.values())))
+        lines.append("| tokens x in x out | " + " | ".join(arms) + " | fp8 tensorwise / bf16 |")
+        lines.append("|---" * (len(arms) + 2) + "|")
+        for shape, timings in linears.items():
+            ratio = timings["fp8_linear tensorwise"] / timings["bf16 F.linear"]
+            lines.append(f"| {shape} | " + " | ".join(f"{timings[arm]:.3f}" for arm in arms) + f" | {ratio:.2f} |")
+    if pretrain:
+        lines.append(f"\npretrain_gpt.py, median step (s) of iterations {MEDIAN_FROM_ITERATION}-{TRAIN_ITERS}, one "
+                     f"rank ({device_name})")
+        lines.append("| wrapper | " + " | ".join(PRECISIONS) + " | tensorwise / bf16 | delayed / bf16 |")
+        lines.append("|---" * (len(PRECISIONS) + 3) + "|")
+        for wrapper, steps in pretrain.items():
+            lines.append(f"| {wrapper} | " + " | ".join(f"{steps[p]:.3f}" for p in PRECISIONS)
+                         + f" | {steps['fp8 tensorwise'] / steps['bf16']:.2f} | "
+                         f"{steps['fp8 delayed'] / steps['bf16']:.2f} |")
     text = "\n".join(lines)
     print(text)
     return text
@@ -216,20 +234,21 @@ def unavailable_reason():
     return None
 
 
-def run(smoke=False, skip_pretrain=False):
-    """Part (a) and (b); returns the report dict (`{"skipped": reason}` where the GPU part cannot run)."""
+def run(smoke=False, skip_pretrain=False, pretrain_only=False):
+    """Part (a) and (b) (or one of them); returns the report dict (`{"skipped": reason}` where the GPU part
+    cannot run)."""
     import torch
 
     if smoke:
         device, device_name = torch.device("cpu"), "CPU smoke run, not a measurement"
-        linears = time_linears(device, SMOKE_LINEAR_SHAPES, runs=2, warmup=1)
+        linears = {} if pretrain_only else time_linears(device, SMOKE_LINEAR_SHAPES, runs=2, warmup=1)
     else:
         reason = unavailable_reason()
         if reason is not None:
             print(f"\nFP8 against bf16 on a GPU: skipped, {reason}")
             return {"skipped": reason}
         device, device_name = torch.device("cuda"), torch.cuda.get_device_name(0)
-        linears = time_linears(device, LINEAR_SHAPES)
+        linears = {} if pretrain_only else time_linears(device, LINEAR_SHAPES)
     pretrain = {} if skip_pretrain else time_pretrain(smoke)
     text = report(linears, pretrain, device_name)
     return {"device": device_name, "linear_ms": linears, "pretrain_step_s": pretrain, "table": text}
