@@ -14,7 +14,9 @@ with inf/nan is skipped on all ranks), global grad-norm clipping and the zero co
 counted once: pieces are disjoint over the data-parallel shard ranks (and the outer ranks under HFSDP), so those
 groups are summed over; duplicates across tensor-parallel ranks count on TP rank 0 only and the tied embedding
 on the first pipeline stage only (the `tensor_model_parallel` / `shared_embedding` attributes are carried over
-to the main-weight views), summed over the model-parallel group.
+to the main-weight views), summed over the model-parallel group. Expert parameters under expert parallelism are
+sharded over the expert data-parallel group: their sums go over that group, the expert-parallel group and the
+model-parallel group.
 """
 
 from typing import List, NamedTuple
@@ -22,7 +24,7 @@ from typing import List, NamedTuple
 import torch
 import torch.distributed as dist
 
-from megatron.core.expert_parameters import model_has_expert_parameters
+from megatron.core.expert_parameters import expert_grad_stats_groups, model_has_expert_parameters
 from megatron.core.optimizer.optimizer import MegatronOptimizer, copy_parallel_attributes
 
 
@@ -148,9 +150,11 @@ class MegatronFSDPOptimizer(MegatronOptimizer):
         # Every chunk of a rank shards over the same groups (one stage's data-parallel mesh).
         grad_stats_groups = list(model_parallel_groups) + self.chunk.grad_shard_groups()
         found_inf_groups = list(model_parallel_groups) + ([data_parallel_group] if data_parallel_group else [])
-        # Experts are sharded like the dense parameters (Megatron-FSDP refuses expert parallelism > 1), so their
-        # statistics are reduced over the same groups.
-        expert_groups = grad_stats_groups if model_has_expert_parameters(self.chunks) else None
+        # Expert statistics: summed over model parallel, over the other experts (expert parallel) and over the
+        # ranks sharding each expert (expert data parallel under expert parallelism, DP x CP at EP1).
+        expert_groups = None
+        if model_has_expert_parameters(self.chunks):
+            expert_groups = expert_grad_stats_groups() + self.chunk.expert_grad_shard_groups()
         super().__init__(torch_optimizer, config, grad_scaler, grad_stats_groups, found_inf_groups, expert_groups)
 
     def model_params(self):

@@ -1,7 +1,7 @@
 """Expert parameters under DDP, the distributed optimizer and FSDP2: reduced (and sharded) over the expert
 data-parallel group, counted once in the gradient norm and the zero count. Two ranks at EP1 (experts replicated,
 expert-DP 2) and EP2 (each rank its own experts, expert-DP 1) must both train like one process holding every
-expert. Megatron-FSDP refuses expert parallelism with a message naming the flags."""
+expert. (Megatron-FSDP at EP2: tests/unit_tests/distributed/fsdp/test_expert_parallel.py, on these runs.)"""
 
 import pytest
 import torch
@@ -32,6 +32,8 @@ def _optimizer_config(use_distributed_optimizer):
 
 
 WRAPPERS = ("ddp", "distributed_optimizer", "fsdp2")
+# Megatron-FSDP at a ZeRO level (data_parallel_sharding_strategy), for the Megatron-FSDP expert tests
+MEGATRON_FSDP_STRATEGIES = {"megatron_fsdp_z1": "optim", "megatron_fsdp_z3": "optim_grads_params"}
 
 
 class TrainingRun:
@@ -46,6 +48,13 @@ class TrainingRun:
         if wrapper == "fsdp2":
             ddp_config = DistributedDataParallelConfig(use_torch_fsdp2=True)
             self.ddp = TorchFSDP2(config, ddp_config, self.model, fsdp_unit_modules=(ToyMoELayer,))
+        elif wrapper in MEGATRON_FSDP_STRATEGIES:
+            from megatron.core.distributed.fsdp.mcore_fsdp_adapter import MegatronFSDPAdapter
+
+            ddp_config = DistributedDataParallelConfig(
+                use_megatron_fsdp=True, data_parallel_sharding_strategy=MEGATRON_FSDP_STRATEGIES[wrapper],
+                overlap_grad_reduce=True, overlap_param_gather=True)
+            self.ddp = MegatronFSDPAdapter(config, ddp_config, self.model, fsdp_unit_modules=(ToyMoELayer,))
         else:
             ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer,
                                                        overlap_grad_reduce=True,
@@ -54,12 +63,14 @@ class TrainingRun:
         self.optimizer = get_megatron_optimizer(_optimizer_config(use_distributed_optimizer), [self.ddp])
 
     def train(self, steps):
-        """[(loss averaged over ranks, grad norm, zero count)] of `steps`."""
-        rank = dist.get_rank()
+        """[(loss averaged over ranks, grad norm, zero count)] of `steps`: each step's global batch of
+        `SAMPLES_PER_RANK * WORLD` samples split evenly over however many ranks there are."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        per_rank = SAMPLES_PER_RANK * WORLD // world
         history = []
         for step in steps:
             inputs, targets = toy_batch(step, SAMPLES_PER_RANK * WORLD)
-            local = slice(rank * SAMPLES_PER_RANK, (rank + 1) * SAMPLES_PER_RANK)
+            local = slice(rank * per_rank, (rank + 1) * per_rank)
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
             loss = mse_loss(self.ddp, inputs[local], targets[local])
@@ -69,7 +80,7 @@ class TrainingRun:
             assert update_successful
             mean_loss = loss.detach().clone()
             dist.all_reduce(mean_loss)
-            history.append((mean_loss.item() / WORLD, grad_norm, num_zeros))
+            history.append((mean_loss.item() / world, grad_norm, num_zeros))
         return history
 
     def global_parameters(self):
@@ -77,7 +88,7 @@ class TrainingRun:
         self.ddp.finish_param_sync()
         params = {name: full_tensor(param).detach().clone()
                   for name, param in named_parameters_by_global_name(self.model).items()}
-        everyone = [None] * WORLD
+        everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, params)
         merged = {}
         for rank_params in everyone:
@@ -184,14 +195,15 @@ def _check_expert_memory(memory_per_rank, all_params, expert_model_parallel_size
         assert total == 3 * local * expert_model_parallel_size
 
 
-def _megatron_fsdp_error_at_ep2():
+def _megatron_fsdp_hybrid_error_at_ep2():
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import MegatronFSDPAdapter
 
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=2, num_distributed_optimizer_instances=2)
     model = ToyMoEModel(ep_group=parallel_state.get_expert_model_parallel_group())
     with pytest.raises(ValueError) as error:
         MegatronFSDPAdapter(ModelParallelConfig(expert_model_parallel_size=2),
-                            DistributedDataParallelConfig(use_megatron_fsdp=True), model)
+                            DistributedDataParallelConfig(use_megatron_fsdp=True, num_distributed_optimizer_instances=2),
+                            model)
     return str(error.value)
 
 
@@ -204,8 +216,9 @@ def _hybrid_distributed_optimizer_error():
 
 
 def test_refusals_name_the_flags():
-    message = run_on_ranks(WORLD, _megatron_fsdp_error_at_ep2)[0]
+    message = run_on_ranks(WORLD, _megatron_fsdp_hybrid_error_at_ep2)[0]
     assert "--use-megatron-fsdp" in message and "--expert-model-parallel-size 2" in message
+    assert "--num-distributed-optimizer-instances 2" in message
     message = run_on_ranks(WORLD, _hybrid_distributed_optimizer_error)[0]
     assert "--num-distributed-optimizer-instances" in message and "--num-experts" in message
 

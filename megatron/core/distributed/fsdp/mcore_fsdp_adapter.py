@@ -12,6 +12,14 @@ mesh: parameters, gradients and optimizer state are sharded over `dp_shard_cp` (
 communication; the embedding, the final norm and the output layer form the root groups (see
 `megatron.core.distributed.fsdp_units`).
 
+With expert parallelism (`--expert-model-parallel-size` > 1) the Mixture-of-Experts expert parameters (see
+`megatron.core.expert_parameters`) are grouped apart and sharded, gathered and reduced over the expert
+data-parallel ranks (the ranks holding the same experts; the package's `expt_device_mesh`, with the `tp` dim
+too under tensor parallelism), the dense ones over DP x CP as above. Their gradients count each expert once in
+the gradient norm (`expert_grad_shard_groups()`), and the checkpoint names them by global expert index, so a
+checkpoint saved at one expert-parallel size loads at another. Not with HSDP / HFSDP
+(`--num-distributed-optimizer-instances` > 1), whose outer dim the expert mesh lacks.
+
 Training uses it through the `DataParallelWrapper` contract it implements, like Megatron's
 `DistributedDataParallel`. Gradients live in Megatron-FSDP's buffers, not in `param.main_grad`: `optimizer_grad_pieces()` hands
 `finalize_model_grads` and the optimizer the gradient tensors the optimizer steps with (this rank's shard
@@ -34,6 +42,12 @@ import torch.distributed as dist
 from megatron.core.distributed.data_parallel_base import DataParallelWrapper
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.fsdp_units import default_fsdp_unit_modules
+
+
+def _is_expert_parameter(param) -> bool:
+    from megatron.core.expert_parameters import is_expert_parameter
+
+    return is_expert_parameter(param)
 
 
 class GradPiece(NamedTuple):
@@ -98,9 +112,10 @@ class _Mesh(NamedTuple):
     tp_dim: Optional[str]
     hybrid_fsdp_group: object
     data_parallel_group: object  # every data-parallel (x context-parallel) rank of this stage
+    expert_device_mesh: object = None  # the expert data-parallel (x tp) mesh under expert parallelism
 
 
-def _mesh_from_parallel_state(ddp_config: DistributedDataParallelConfig) -> _Mesh:
+def _mesh_from_parallel_state(ddp_config: DistributedDataParallelConfig, module) -> _Mesh:
     """parallel_state's (dp_outer, dp_shard_cp, tp) mesh of this pipeline stage; the world without one."""
     from megatron.core import parallel_state
 
@@ -121,6 +136,16 @@ def _mesh_from_parallel_state(ddp_config: DistributedDataParallelConfig) -> _Mes
     hybrid = instances > 1
     tensor_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
     data_parallel_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    expert_device_mesh = None
+    if _shards_experts_apart(module):
+        if hybrid:
+            raise ValueError(
+                f"--use-megatron-fsdp with --expert-model-parallel-size "
+                f"{parallel_state.get_expert_model_parallel_world_size()} and --num-distributed-optimizer-instances "
+                f"{instances}: expert parameters are sharded over their own expert data-parallel mesh, which has no "
+                "outer (HSDP / HFSDP) dim; use --num-distributed-optimizer-instances 1 with expert parallelism"
+            )
+        expert_device_mesh = _expert_device_mesh(tensor_parallel)
     return _Mesh(
         device_mesh=parallel_state.get_device_mesh(),
         dp_shard_dim="dp_shard_cp",
@@ -128,24 +153,46 @@ def _mesh_from_parallel_state(ddp_config: DistributedDataParallelConfig) -> _Mes
         tp_dim="tp" if tensor_parallel else None,
         hybrid_fsdp_group=data_parallel_group if hybrid else None,
         data_parallel_group=data_parallel_group,
+        expert_device_mesh=expert_device_mesh,
     )
 
 
-def _check_no_expert_parallel_experts(module):
-    """Expert parameters are sharded like dense ones over DP x CP, which is their expert data-parallel group only
-    without expert parallelism (at EP1 every rank holds every expert)."""
+def _shards_experts_apart(module) -> bool:
+    """Whether `module`'s expert parameters need groups of their own: under expert parallelism, where the ranks
+    holding the same experts (expert data parallel) are fewer than DP x CP. At EP1 every rank holds every
+    expert and they are sharded like the dense parameters."""
     from megatron.core import parallel_state
     from megatron.core.expert_parameters import is_expert_parameter
 
-    if not parallel_state.model_parallel_is_initialized() or parallel_state.get_expert_model_parallel_world_size() == 1:
-        return
-    if any(is_expert_parameter(param) for param in module.parameters()):
-        raise ValueError(
-            f"--use-megatron-fsdp with --expert-model-parallel-size "
-            f"{parallel_state.get_expert_model_parallel_world_size()}: Megatron-FSDP does not shard expert "
-            "parameters over their own expert data-parallel mesh yet; use --expert-model-parallel-size 1 with "
-            "Megatron-FSDP, or expert parallelism with Megatron DDP / --use-distributed-optimizer / --use-torch-fsdp2"
-        )
+    if parallel_state.get_expert_model_parallel_world_size() == 1:
+        return False
+    return any(is_expert_parameter(param) for param in module.parameters())
+
+
+def _expert_device_mesh(tensor_parallel: bool):
+    """This rank's expert data-parallel mesh, dims named like parallel_state's dense mesh: `dp_shard_cp` (the
+    expert data-parallel group) and, under tensor parallelism, `tp` (expert tensor parallelism is tensor
+    parallelism here). Built on the existing groups: no new process groups."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from megatron.core import parallel_state
+    from megatron.core.device_utils import get_device_for_group
+
+    expert_dp_group = parallel_state.get_expert_data_parallel_group()
+    expert_dp_ranks = dist.get_process_group_ranks(expert_dp_group)
+    device_type = get_device_for_group(expert_dp_group).type
+    if not tensor_parallel:
+        return DeviceMesh.from_group(expert_dp_group, device_type,
+                                     mesh=torch.tensor(expert_dp_ranks, dtype=torch.int),
+                                     mesh_dim_names=("dp_shard_cp",))
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_ranks = dist.get_process_group_ranks(tp_group)
+    # The ranks form a regular grid (rank = base + i * expert-dp stride + j * tp stride): entry (i, j) is the i-th
+    # expert data-parallel peer moved to the j-th tensor-parallel position.
+    me = dist.get_rank()
+    grid = torch.tensor([[peer + tp_rank - me for tp_rank in tp_ranks] for peer in expert_dp_ranks], dtype=torch.int)
+    return DeviceMesh.from_group([expert_dp_group, tp_group], device_type, mesh=grid,
+                                 mesh_dim_names=("dp_shard_cp", "tp"))
 
 
 class MegatronFSDPAdapter(DataParallelWrapper):
@@ -171,8 +218,7 @@ class MegatronFSDPAdapter(DataParallelWrapper):
                 "(--use-megatron-fsdp); build the wrapper with megatron.core.distributed.wrap_data_parallel, "
                 "which picks the one the config selects"
             )
-        _check_no_expert_parallel_experts(module)
-        mesh = _mesh_from_parallel_state(ddp_config)
+        mesh = _mesh_from_parallel_state(ddp_config, module)
         self.data_parallel_group = mesh.data_parallel_group
         meta = any(param.is_meta for param in module.parameters())
         if meta and not getattr(config, "init_model_with_meta_device", False):
@@ -194,6 +240,8 @@ class MegatronFSDPAdapter(DataParallelWrapper):
             calculate_per_token_loss=getattr(config, "calculate_per_token_loss", False),
             report_nan_in_param_grad=ddp_config.check_for_nan_in_grad,
             gather_codec=_fp8_gather_codec(config, ddp_config, module),
+            expt_device_mesh=mesh.expert_device_mesh,
+            is_expert_param=_is_expert_parameter,
         )
 
     # ---- what the training loop and the schedules use ---------------------------------------------------------
@@ -275,6 +323,18 @@ class MegatronFSDPAdapter(DataParallelWrapper):
         if topology.outer_shards_optimizer and topology.outer_size > 1:
             groups.append(topology.outer_group)
         return groups
+
+    def expert_grad_shard_groups(self) -> List[object]:
+        """Process groups over which the optimizer's gradient pieces of one expert parameter are spread: the
+        expert data-parallel group under expert parallelism (ZeRO-1..3), else those of `grad_shard_groups()`."""
+        import megatron_fsdp
+
+        topology = self.module.expert_topology
+        if topology is None:
+            return self.grad_shard_groups()
+        if self.module.strategy != megatron_fsdp.ShardingStrategy.no_shard and topology.dp_size > 1:
+            return [topology.dp_group]
+        return []
 
     def optimizer_grad_pieces(self, predicate: Optional[Callable[[torch.nn.Parameter], bool]] = None
                               ) -> List[GradPiece]:

@@ -34,6 +34,8 @@ def fully_shard_model(
     fsdp_double_buffer: bool = False,
     maxpool_double_buffer: bool = False,
     param_offload: bool = False,
+    expt_device_mesh=None,
+    is_expert_param=None,
 ) -> MegatronFSDP:
     """Shard `module` over the data-parallel ranks (a 1-D mesh over the world when no mesh is given).
 
@@ -46,6 +48,8 @@ def fully_shard_model(
     each sized to the largest unit (the max over units), instead of allocating per gather.
     `param_offload` (strategy 3): parameter shards, main weights and gradient shards rest in (pinned) host memory;
     each unit's gather copies the shard to the device (see offload.py).
+    `expt_device_mesh` (+ `is_expert_param`): shard Mixture-of-Experts expert parameters over the mesh of the
+    ranks holding the same experts instead (see `MegatronFSDP`).
     """
     # Both overlaps default to on, so turning off overlap_grad_reduce alone turns off overlap_param_gather with
     # it rather than tripping the config's rule that the second needs the first.
@@ -78,6 +82,8 @@ def fully_shard_model(
         disable_bucketing=disable_bucketing,
         calculate_per_token_loss=calculate_per_token_loss,
         report_nan_in_param_grad=report_nan_in_param_grad,
+        expt_device_mesh=expt_device_mesh,
+        is_expert_param=is_expert_param,
     )
 
 

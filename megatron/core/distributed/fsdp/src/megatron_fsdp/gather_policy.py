@@ -7,6 +7,7 @@ of `max_param_syncs_in_flight` groups in the order the next forward uses them. T
 when; `ParamGroup` (weight_buffers.py) does the copies; `collectives` issues the all-gathers.
 """
 
+import functools
 from typing import Dict, List
 
 import torch
@@ -47,7 +48,7 @@ class GatherReleasePolicy:
             if group.uses_pool:
                 self._claim_pool_slot(group)
             group.allocate_compute()
-            group.encode_wire_shard(self.dp_group)  # a gather codec's encoding, if the shard changed
+            group.encode_wire_shard(self._shard_group(group))  # a gather codec's encoding, if the shard changed
             self._start_gather(group)
             if self.resting is not None:
                 self.resting.show(group)
@@ -56,19 +57,26 @@ class GatherReleasePolicy:
         if started:  # only a started gather allocates
             self._track_transient()
 
-    def _issue_gather(self, output: torch.Tensor, shard: torch.Tensor) -> collectives.PendingCollective:
-        """One all-gather of every data-parallel rank's `shard` into the rank-major `output`, on the all-gather
-        stream (`ParamGroup.start_gather` picks both and copies the result out when it is waited for)."""
-        return self.streams.issue(self.streams.all_gather, lambda: collectives.all_gather_flat(
-            output, shard, self.dp_group, self.counter, async_op=True))
+    def _shard_group(self, group: ParamGroup):
+        """The ranks `group` is sharded over: the data-parallel group, or the expert data-parallel one."""
+        return group.topology.dp_group if group.topology is not None else self.dp_group
 
-    def _issue_gather_in_place(self, outputs_by_rank: list, own_pieces: list) -> collectives.PendingCollective:
+    def _issue_gather(self, process_group, output: torch.Tensor, shard: torch.Tensor) -> collectives.PendingCollective:
+        """One all-gather of every shard rank's `shard` into the rank-major `output`, on the all-gather stream
+        (`ParamGroup.start_gather` picks both and copies the result out when it is waited for)."""
+        return self.streams.issue(self.streams.all_gather, lambda: collectives.all_gather_flat(
+            output, shard, process_group, self.counter, async_op=True))
+
+    def _issue_gather_in_place(self, process_group, outputs_by_rank: list, own_pieces: list
+                               ) -> collectives.PendingCollective:
         return self.streams.issue(self.streams.all_gather, lambda: collectives.all_gather_pieces_in_place(
-            outputs_by_rank, own_pieces, self.dp_group, self.counter, async_op=True))
+            outputs_by_rank, own_pieces, process_group, self.counter, async_op=True))
 
     def _start_gather(self, group: ParamGroup):
-        in_place = collectives.gathers_in_place(self.dp_group, group.compute_buffer)
-        group.start_gather(self._issue_gather, self._issue_gather_in_place if in_place else None)
+        process_group = self._shard_group(group)
+        in_place = collectives.gathers_in_place(process_group, group.compute_buffer)
+        group.start_gather(functools.partial(self._issue_gather, process_group),
+                           functools.partial(self._issue_gather_in_place, process_group) if in_place else None)
 
     def _wait_gather(self, group: ParamGroup):
         self._wait_compute_shard_refresh(group)

@@ -58,14 +58,14 @@ class GradReductionPipeline:
         if self.strategy == ShardingStrategy.no_shard:
             copy_back = flat.data_ptr() != group.grad_buffer.data_ptr()
             pending = self.streams.issue(self.streams.reduce_scatter, lambda: collectives.all_reduce(
-                flat, self.dp_group, self.counter, average=average, async_op=True))
+                flat, self._shard_group(group), self.counter, average=average, async_op=True))
             epilogue = (lambda: group.grad_buffer.copy_(flat)) if copy_back else None
         else:
             accumulate = self.strategy >= ShardingStrategy.optim_grads
             group.ensure_main_grads()
             pending = self.streams.issue(self.streams.reduce_scatter, lambda: collectives.reduce_scatter_flat(
-                group.main_grads, flat, self.dp_group, self.counter, average=average, accumulate=accumulate,
-                async_op=True))
+                group.main_grads, flat, self._shard_group(group), self.counter, average=average,
+                accumulate=accumulate, async_op=True))
             epilogue = None
             # The in-flight buffer now belongs to the collective; the next microbatch writes a fresh one.
             group.drop_transient_grads()

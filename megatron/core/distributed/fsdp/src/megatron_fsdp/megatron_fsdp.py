@@ -1,7 +1,7 @@
 """`MegatronFSDP`: the module wrapper that shards a model's parameters, gradients and optimizer state."""
 
 import contextlib
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -29,6 +29,14 @@ class MegatronFSDP(nn.Module):
     Use through `fully_shard_model` / `fully_shard`. The wrapped model is `self.module`; its parameters become
     views into flat per-group buffers (see `param_and_grad_buffer.py`) and the hooks in `schedule.py` move
     them between their sharded and gathered forms.
+
+    Mixture-of-Experts expert parameters under expert parallelism: with `expt_device_mesh` (the mesh of the
+    ranks holding the same experts, the expert data-parallel ranks, with the same tp dim as `device_mesh` when
+    there is one) the parameters `is_expert_param` accepts go to groups of their own, sharded, gathered and
+    reduced over that mesh (`self.expert_topology`) while the others use `device_mesh` (`self.topology`).
+    `is_expert_param` defaults to Megatron's marking of expert parameters (`param.allreduce is False`).
+    Without `expt_device_mesh` expert parameters are sharded like the others, which is right only when every
+    rank holds every expert.
     """
 
     def __init__(self, module: nn.Module, ddp_config: Optional[DistributedDataParallelConfig] = None, *,
@@ -37,7 +45,8 @@ class MegatronFSDP(nn.Module):
                  device: Optional[torch.device] = None, init_model_with_meta_device: bool = False,
                  sync_model_each_microbatch: bool = True, disable_bucketing: bool = False,
                  calculate_per_token_loss: bool = False, report_nan_in_param_grad: bool = False,
-                 gather_codec: Optional[GatherCodecPolicy] = None):
+                 gather_codec: Optional[GatherCodecPolicy] = None, expt_device_mesh=None,
+                 is_expert_param: Optional[Callable[[nn.Parameter], bool]] = None):
         """`gather_codec`: parameters whose weights travel through the all-gather encoded (see gather_codec.py;
         strategy 3 only)."""
         super().__init__()
@@ -62,6 +71,10 @@ class MegatronFSDP(nn.Module):
             data_parallel_sharding_strategy=self.strategy,
             outer_dp_sharding_strategy=config.outer_dp_sharding_strategy,
             num_distributed_optimizer_instances=config.num_distributed_optimizer_instances, device=device)
+        self.expert_topology = self._expert_topology(expt_device_mesh, dp_shard_dim, tp_dim, config)
+        self.is_expert_param = None
+        if self.expert_topology is not None:
+            self.is_expert_param = is_expert_param or _marked_expert_parameter
         self.policy = (mixed_precision_policy or MixedPrecisionPolicy()).with_grad_reduce_in_fp32(
             config.grad_reduce_in_fp32)
         self.device = self.topology.device
@@ -84,25 +97,52 @@ class MegatronFSDP(nn.Module):
         total_dp = self.topology.dp_size * self.topology.outer_size
         average = config.average_in_collective and not calculate_per_token_loss
         grad_scale = 1.0 if (average or calculate_per_token_loss) else 1.0 / total_dp
+        # The gradient of an expert is summed over its expert data-parallel ranks, which together saw every
+        # data-parallel rank's tokens: the sum is over the same tokens as a dense one, so it gets the same
+        # 1 / total_dp. An average in the collective divides it by the expert data-parallel size only: the rest
+        # of the factor is applied before.
+        expert_grad_scale = grad_scale
+        if average and self.expert_topology is not None:
+            expert_grad_scale = self.expert_topology.dp_size / total_dp
         self.schedule = Schedule(
             units=self.units, root_groups=self.root_groups, strategy=self.strategy,
             dp_group=self.topology.dp_group, outer_group=self.topology.outer_group, counter=self.counter,
-            grad_scale=grad_scale, average_in_collective=average, overlap_grad_reduce=config.overlap_grad_reduce,
+            grad_scale=grad_scale, expert_grad_scale=expert_grad_scale,
+            expert_group=self.expert_topology.dp_group if self.expert_topology is not None else None,
+            average_in_collective=average, overlap_grad_reduce=config.overlap_grad_reduce,
             overlap_param_gather=config.overlap_param_gather, sync_model_each_microbatch=sync_model_each_microbatch,
             report_nan_in_param_grad=report_nan_in_param_grad or config.check_for_nan_in_grad, pool=self.pool,
             tp_group=self.topology.tp_group, device=self.device)
         self.schedule.register_hooks()
-        from torch.distributed.device_mesh import DeviceMesh
-
-        dp_mesh = DeviceMesh.from_group(self.topology.dp_group, self.device.type)
         if self.strategy == ShardingStrategy.optim_grads_params:
-            self._install_resting_placeholders(dp_mesh)
+            self._install_resting_placeholders()
         outer_mesh = self.topology.checkpoint_mesh().mesh if self.topology.optimizer_outer_size > 1 else None
-        self.schedule.param_grads = ParamGrads(self.groups, self.strategy, dp_mesh, resting=self.schedule.resting,
-                                               outer_mesh=outer_mesh)
+        self.schedule.param_grads = ParamGrads(self.groups, self.strategy, _shard_mesh_of,
+                                               resting=self.schedule.resting, outer_mesh=outer_mesh)
         module.__dict__[WRAPPED_ATTR] = self  # a plain attribute: not registered as a submodule
 
     # ---- construction ---------------------------------------------------------------------------------------------
+    def _expert_topology(self, expt_device_mesh, dp_shard_dim, tp_dim, config) -> Optional[DataParallelTopology]:
+        """The topology of the expert groups: `expt_device_mesh`'s shard dim (its only dim, or `dp_shard_dim`) and,
+        with tensor parallelism, its `tp_dim`; None without an expert mesh."""
+        if expt_device_mesh is None:
+            return None
+        if self.topology.outer_group is not None:
+            raise ValueError("expt_device_mesh (expert parameters sharded over their own data-parallel mesh) works "
+                             "over one data-parallel dimension: HSDP / HFSDP (dp_outer_dim) would need an outer dim "
+                             "of the expert mesh too; drop dp_outer_dim or the expert mesh")
+        if self.topology.tp_dim is not None and expt_device_mesh.ndim == 1:
+            raise ValueError(f"expt_device_mesh is 1-D but the model is tensor-parallel (tp_dim={tp_dim!r}): give the "
+                             "expert mesh the same tp dim, next to its expert data-parallel dim")
+        if expt_device_mesh.ndim == 1:
+            return DataParallelTopology(expt_device_mesh, data_parallel_sharding_strategy=self.strategy,
+                                        device=self.topology.device)
+        return DataParallelTopology(expt_device_mesh, dp_shard_dim, None, tp_dim, None,
+                                    data_parallel_sharding_strategy=self.strategy, device=self.topology.device)
+
+    def _topology_of(self, plan) -> DataParallelTopology:
+        return self.expert_topology if plan.expert else self.topology
+
     def _shard_offload(self, config) -> Optional[ShardOffload]:
         """param_offload's host placement of the shard buffers (offload.py), or None without it."""
         if not getattr(config, "param_offload", False):
@@ -118,9 +158,9 @@ class MegatronFSDP(nn.Module):
     def _build_groups(self, unit_classes, config, disable_bucketing, meta):
         unit_modules, plans = plan_groups(self.module, unit_classes, config.bucket_size, disable_bucketing,
                                           root_buckets_unit_sized=self.strategy == ShardingStrategy.optim_grads_params,
-                                          encodes=self.gather_codec.encodes if self.gather_codec else None)
+                                          encodes=self.gather_codec.encodes if self.gather_codec else None,
+                                          is_expert=self.is_expert_param)
         owners = parameter_owners(self.module)
-        dp_rank, dp_size = self.topology.dp_rank, self.topology.dp_size
         outer_rank, outer_size = self.topology.optimizer_outer_rank, self.topology.optimizer_outer_size
         self.pool = self._make_pool(plans, len(unit_modules)) if config.fsdp_double_buffer else None
         pool_offsets = [0] * len(unit_modules)
@@ -132,11 +172,13 @@ class MegatronFSDP(nn.Module):
                 compute_buffer = self.pool.view(plan.unit_index % 2, pool_offsets[plan.unit_index],
                                                 self._padded_numel(plan), plan.params[0].dtype)
                 pool_offsets[plan.unit_index] += DoubleBufferPool.aligned(tensor_bytes(compute_buffer))
-            group = ParamGroup(plan.params, plan.names, strategy=self.strategy, dp_rank=dp_rank, dp_size=dp_size,
-                               device=self.device, policy=self.policy, unit_index=plan.unit_index,
+            topology = self._topology_of(plan)
+            group = ParamGroup(plan.params, plan.names, strategy=self.strategy, dp_rank=topology.dp_rank,
+                               dp_size=topology.dp_size, device=self.device, policy=self.policy, unit_index=plan.unit_index,
                                compute_buffer=compute_buffer, outer_rank=outer_rank, outer_size=outer_size,
                                gather_codec=self.gather_codec.make_codec() if plan.encoded else None,
                                offload=self.offload)
+            group.topology, group.expert = topology, plan.expert
             for index, param in enumerate(group.params):
                 view = group.param_view(index)
                 if param.is_meta:
@@ -168,10 +210,10 @@ class MegatronFSDP(nn.Module):
             materialize_meta_model(self.module, unit_modules, groups_by_unit, self.root_groups, self.device,
                                    release=lambda groups: [g.release_compute() for g in groups])
 
-    def _install_resting_placeholders(self, dp_mesh):
+    def _install_resting_placeholders(self):
         """Strategy 3: released groups show Shard(0) DTensors of this rank's rows in the module until gathered
-        (see resting_parameters)."""
-        resting = RestingParameters(self.groups, parameter_owners(self.module), dp_mesh)
+        (see resting_parameters), on the mesh of the group's shard ranks."""
+        resting = RestingParameters(self.groups, parameter_owners(self.module), _shard_mesh_of)
         for param_id, placeholder in resting.placeholders().items():
             # An optimizer built from module.parameters() after wrapping holds the resting ones: map them too.
             self.param_to_group[id(placeholder)] = self.param_to_group[param_id]
@@ -182,7 +224,7 @@ class MegatronFSDP(nn.Module):
 
     def _padded_numel(self, plan) -> int:
         """The flat size a group built from `plan` pads to (what ParamGroup's layout computes)."""
-        return GroupLayout([tuple(p.shape) for p in plan.params], self.topology.dp_size,
+        return GroupLayout([tuple(p.shape) for p in plan.params], self._topology_of(plan).dp_size,
                            self.topology.optimizer_outer_size).padded_numel
 
     def _make_pool(self, plans, num_units):
@@ -296,9 +338,9 @@ class MegatronFSDP(nn.Module):
                     group.commit_compute_shard_to_main()
             return
         self.schedule.wait_gathered(self.groups)  # a post-step all-gather in flight would overwrite the broadcast
-        for process_group in [self.topology.dp_group] + ([self.topology.outer_group] if self.topology.outer_group
-                                                         else []):
-            for group in self.groups:
+        for group in self.groups:
+            for process_group in [group.topology.dp_group] + ([self.topology.outer_group]
+                                                              if self.topology.outer_group else []):
                 collectives.broadcast(group.compute_buffer, process_group, self.counter)
                 group.commit_compute_to_shards()
 
@@ -344,3 +386,14 @@ class MegatronFSDP(nn.Module):
         for group in self.groups:
             for index, name in enumerate(group.names):
                 yield name, group, index
+
+
+def _marked_expert_parameter(param) -> bool:
+    """Megatron's marking of a Mixture-of-Experts expert parameter: its gradient is not all-reduced over the
+    whole data-parallel group (`allreduce = False`), only over the ranks holding the same experts."""
+    return getattr(param, "allreduce", True) is False
+
+
+def _shard_mesh_of(group):
+    """The 1-D mesh of the ranks `group` is sharded over (its topology's shard group)."""
+    return group.topology.shard_mesh()

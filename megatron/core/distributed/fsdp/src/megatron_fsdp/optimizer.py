@@ -125,6 +125,12 @@ def clip_grad_norm_(optimizer_or_model, max_norm: float, norm_type: float = 2.0,
     One foreach norm kernel for all gradients, one foreach multiply to clip them, and no host synchronisation:
     the clip coefficient stays a device tensor (clamped to 1, so gradients under `max_norm` are multiplied by 1)."""
     model = getattr(optimizer_or_model, "_megatron_fsdp_model", optimizer_or_model)
+    if getattr(model, "expert_topology", None) is not None:
+        # An expert's gradient norm is summed over the ranks holding the other experts too (the expert-parallel
+        # group), which the package is not given.
+        raise ValueError("clip_grad_norm_ does not know the expert-parallel group of a model with expert groups "
+                         "(expt_device_mesh); clip with Megatron's optimizer (MegatronFSDPOptimizer), which "
+                         "reduces expert gradient norms over the expert-parallel and expert data-parallel groups")
     model.finish_grad_sync()
     norm_type = float(norm_type)
     # TP ranks hold different partitions of tensor-parallel parameters (marked `tensor_model_parallel`) and the

@@ -67,6 +67,12 @@ from .weight_buffers import DoubleBufferPool, GroupWeights, WeightState  # noqa:
 class ParamGroup(GroupWeights, GroupGrads):
     """One unit of communication: parameters of one dtype and requires_grad, laid out flat and sharded."""
 
+    # Set by MegatronFSDP after construction: the DataParallelTopology whose shard group (`topology.dp_group`,
+    # of `dp_size` ranks) this group is sharded, gathered and reduced over (the expert data-parallel one for
+    # expert parameters), and whether its parameters are expert parameters.
+    topology = None
+    expert = False
+
     def __init__(
         self,
         params: Sequence[nn.Parameter],

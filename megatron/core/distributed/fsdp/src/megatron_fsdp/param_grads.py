@@ -59,13 +59,14 @@ def _set_grad(param: nn.Parameter, grad: torch.Tensor) -> bool:
 class ParamGrads:
     """Attaches the reduced gradients as `.grad` of the parameters the module shows, and drops them again."""
 
-    def __init__(self, groups, strategy: ShardingStrategy, mesh, resting=None, outer_mesh=None):
-        """`mesh`: the data-parallel (shard) mesh. `resting`: strategy 3's RestingParameters (the module shows
+    def __init__(self, groups, strategy: ShardingStrategy, mesh_of, resting=None, outer_mesh=None):
+        """`mesh_of(group)`: the mesh of the ranks the group is sharded over (the data-parallel mesh, or the
+        expert data-parallel one for expert groups). `resting`: strategy 3's RestingParameters (the module shows
         those between steps). `outer_mesh` (HFSDP): the state-dict mesh, outer dim first, shard dim last (a tp dim
         between them is replicated over: the gradients are of this rank's tensor-parallel partition)."""
         self._groups = list(groups)
         self._strategy = strategy
-        self._mesh = mesh
+        self._mesh_of = mesh_of
         self._resting = resting
         self._outer_mesh = outer_mesh
         self._attached: List[Tuple[nn.Parameter, torch.dtype]] = []  # (parameter, its grad_dtype before)
@@ -112,9 +113,9 @@ class ParamGrads:
             if self._strategy == ShardingStrategy.no_shard:
                 span = group.layout.spans[index]
                 whole = group.main_grads[span.flat_start:span.flat_end].view(span.shape)
-                grad = dtensor_over_view(whole, self._mesh, [Replicate()], param.shape, param.stride())
+                grad = dtensor_over_view(whole, self._mesh_of(group), [Replicate()], param.shape, param.stride())
             else:
-                grad = rows_dtensor(group.rows_of_shard(group.main_grads, index), param, self._mesh)
+                grad = rows_dtensor(group.rows_of_shard(group.main_grads, index), param, self._mesh_of(group))
             self._grads[(id(group), index)] = (group.main_grads, grad)
         return grad
 

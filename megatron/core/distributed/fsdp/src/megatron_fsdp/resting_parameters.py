@@ -38,9 +38,10 @@ def rows_dtensor(local, like, mesh) -> DTensor:
 class RestingParameters:
     """Swaps each group's parameters in every owning module between the real ones and their resting DTensors."""
 
-    def __init__(self, groups, owners: Dict[int, List[Tuple[nn.Module, str]]], mesh):
+    def __init__(self, groups, owners: Dict[int, List[Tuple[nn.Module, str]]], mesh_of):
+        """`mesh_of(group)`: the mesh of the ranks `group` is sharded over (where its resting DTensors live)."""
         self._owners = owners
-        self._mesh = mesh
+        self._mesh_of = mesh_of
         self._groups = list(groups)
         self._resting: Dict[int, nn.Parameter] = {}
         for group in self._groups:
@@ -50,7 +51,7 @@ class RestingParameters:
 
     def _make_resting(self, group, index: int, param: nn.Parameter, name: str) -> nn.Parameter:
         local = group.rows_of_shard(group.compute_shard, index)
-        resting = nn.Parameter(rows_dtensor(local, param, self._mesh), requires_grad=param.requires_grad)
+        resting = nn.Parameter(rows_dtensor(local, param, self._mesh_of(group)), requires_grad=param.requires_grad)
         resting.__dict__.update(param.__dict__)  # Megatron attributes (tensor_model_parallel, ...) stay visible
         resting.resting_name = name
         return resting

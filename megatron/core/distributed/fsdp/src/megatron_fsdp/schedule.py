@@ -62,13 +62,18 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
                  dp_group, outer_group, counter: collectives.CommunicationCounter, grad_scale: float,
                  average_in_collective: bool, overlap_grad_reduce: bool, overlap_param_gather: bool,
                  sync_model_each_microbatch: bool, report_nan_in_param_grad: bool,
-                 pool: Optional[DoubleBufferPool], tp_group=None, device: Optional[torch.device] = None):
+                 pool: Optional[DoubleBufferPool], tp_group=None, device: Optional[torch.device] = None,
+                 expert_grad_scale: Optional[float] = None, expert_group=None):
+        """Each group is gathered and reduced over its own shard group (`group.topology.dp_group`): `dp_group`
+        for dense groups, `expert_group` (the expert data-parallel ranks) for expert ones, whose local gradients
+        are multiplied by `expert_grad_scale` (default `grad_scale`) instead of `grad_scale`."""
         self.units, self.root_groups = units, root_groups
         self.groups = [g for unit in units for g in unit.groups] + list(root_groups)
         self.strategy = strategy
         self.dp_group, self.outer_group = dp_group, outer_group
         self.counter = counter
         self.grad_scale = grad_scale
+        self.expert_grad_scale = grad_scale if expert_grad_scale is None else expert_grad_scale
         self.average_in_collective = average_in_collective
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
         self.sync_model_each_microbatch = sync_model_each_microbatch
@@ -101,8 +106,8 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
         self.grads_synced = False  # finish_grad_sync already ran and no gradient arrived since
         self.peak_transient_bytes = 0
         self.hook_handles = []
-        inner = collectives.group_size(dp_group)
         for group in self.groups:
+            inner = collectives.group_size(self._shard_group(group))
             if strategy == ShardingStrategy.no_shard:
                 group.reopen_factor = 1.0 if average_in_collective else 1.0 / inner
             elif strategy == ShardingStrategy.optim:
@@ -224,7 +229,7 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
             # strategies 0/1: another gradient for a persistent buffer whose reduction may be in flight (the
             # unit's pre-backward waits for it first, so this is normally a no-op)
             self._reopen_persistent_grads(group)
-            group.write_grad(index, grad, self.grad_scale)
+            group.write_grad(index, grad, self.expert_grad_scale if group.expert else self.grad_scale)
             param.grad = None
             self.grads_synced = False
             if group.unit_index is None:

@@ -7,6 +7,9 @@ weights and optimizer state are flat sub-shards of the rows, all-gathered over t
 whose full compute weights are written on load (strategy 0, frozen groups of strategies 1/2). A 0-dim
 parameter lives on rank 0 only; its (replicated) value is summed over the data-parallel group.
 
+Each group's rows are those of its shard ranks (`group.topology`): expert groups' DTensors live on the expert
+data-parallel mesh, so an expert tensor's rows are spread over the ranks holding that expert.
+
 With tensor parallelism a parameter's rows are those of this rank's TP partition, and its DTensor has the full,
 unpartitioned shape (see uneven_dtensor.py); loading cuts full values down to the partition first.
 """
@@ -55,7 +58,7 @@ def _check_checkpointable(model):
 def _tensor_parallel_local_values(model, group: ParamGroup, values) -> list:
     """Checkpoint values of the full (TP-unpartitioned) shape -> values of this rank's TP partitions (zeros for
     a missing value, None)."""
-    topology = model.topology
+    topology = group.topology
     return [torch.zeros(span.shape) if value is None else
             tensor_parallel_partition_of(value, span.shape, _tp_partition_dim(model, param), topology.tp_size,
                                          topology.tp_rank, topology.dp_size, topology.dp_rank)
@@ -89,7 +92,7 @@ def _unsharded_of_shard(model, group: ParamGroup, shard: torch.Tensor) -> torch.
     """The full group in its unsharded (param-major) form from every rank's shard (one all-gather)."""
     layout = group.layout
     gathered = torch.empty(layout.padded_numel, dtype=shard.dtype, device=shard.device)
-    collectives.all_gather_flat(gathered, shard, model.topology.dp_group, collectives.CommunicationCounter())
+    collectives.all_gather_flat(gathered, shard, group.topology.dp_group, collectives.CommunicationCounter())
     unsharded = torch.zeros_like(gathered)
     copy_gathered_to_unsharded(layout, gathered, unsharded)
     return unsharded
@@ -141,7 +144,7 @@ def _replicate_scalars(model, group: ParamGroup, rows: List[torch.Tensor]) -> Li
     values = torch.stack([rows[index].detach().to(torch.float64) for index in scalars])
     if group.dp_rank != 0:
         values.zero_()
-    collectives.all_reduce_scalar_sum(values, model.topology.dp_group)
+    collectives.all_reduce_scalar_sum(values, group.topology.dp_group)
     rows = list(rows)
     for position, index in enumerate(scalars):
         rows[index] = values[position].to(rows[index].dtype)
@@ -151,7 +154,7 @@ def _replicate_scalars(model, group: ParamGroup, rows: List[torch.Tensor]) -> Li
 def _row_dtensors(model, group: ParamGroup, rows: List[torch.Tensor], copy: bool = False) -> List[DTensor]:
     """One DTensor of the full (TP-unpartitioned) shape per parameter, holding this rank's `rows` of its
     (partition of the) parameter (views of them, or copies with `copy`)."""
-    mesh, dp_mesh_dim, tp_mesh_dim = model.topology.checkpoint_mesh()
+    mesh, dp_mesh_dim, tp_mesh_dim = group.topology.checkpoint_mesh()
     rows = _replicate_scalars(model, group, rows)
     result = []
     for index, (span, param) in enumerate(zip(group.layout.spans, group.params)):
@@ -216,7 +219,7 @@ def _shard_from_rows(model, group: ParamGroup, values: List[torch.Tensor], dtype
     """This rank's rows of every parameter (from checkpoint values) -> this rank's whole shard, padding zeroed.
     No communication, except under no_shard, whose "shard" is the full group: every rank writes its rows into
     zeros and the sum over the data-parallel group assembles it."""
-    topology = model.topology
+    topology = group.topology
     if model.strategy == ShardingStrategy.no_shard:
         full = torch.zeros(group.layout.padded_numel, dtype=dtype, device=group.device)
         for index, (span, value) in enumerate(zip(group.layout.spans, values)):

@@ -97,6 +97,14 @@ class DataParallelTopology:
     def optimizer_outer_rank(self) -> int:
         return self.outer_rank if self.outer_shards_optimizer else 0
 
+    def shard_mesh(self):
+        """A 1-D DeviceMesh over the shard group (`dp_group`): where resting parameters and `.grad` DTensors live."""
+        if "shard" not in self._checkpoint_meshes:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._checkpoint_meshes["shard"] = DeviceMesh.from_group(self.dp_group, self.device.type)
+        return self._checkpoint_meshes["shard"]
+
     def checkpoint_mesh(self) -> CheckpointMesh:
         """The mesh on which state-dict DTensors are placed (see `CheckpointMesh`)."""
         if self.device_mesh is None:

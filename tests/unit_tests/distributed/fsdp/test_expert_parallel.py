@@ -1,0 +1,82 @@
+"""Megatron-FSDP with expert parallelism: expert parameters get parameter groups of their own, sharded,
+gathered and reduced over the expert data-parallel group, while the dense ones stay on DP x CP.
+
+The toy MoE model of `test_expert_data_parallel` (4 experts, top-1, the MoE layer one FSDP unit holding a dense
+router group and an expert group) trains at EP2 on 2 ranks (expert-DP 1: each rank holds its experts whole) and
+on 4 ranks (expert-DP 2: each expert's rows split over two ranks) under ZeRO-1 and ZeRO-3, on the same global
+batch as the one-process reference that DDP at EP1 is held to there: losses, grad norms (clipping on) and zero
+counts per step, and the final weights, within 1e-5. A torch_dist checkpoint saved by Megatron-FSDP at EP2 x
+expert-DP2 resumes under DDP at EP1 like the uninterrupted run.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.unit_tests.dist_checkpointing import test_expert_resharding as expert_resharding
+from tests.unit_tests.distributed import test_expert_data_parallel as expert_training
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+EXPERT_PARALLEL = 2
+
+
+def _group_layout(adapter):
+    """(expert?, shard group size) of every parameter group, and the expert groups' parameter names."""
+    groups = adapter.fsdp.groups
+    layout = sorted({(group.expert, group.topology.dp_size) for group in groups})
+    expert_names = sorted(name for group in groups if group.expert for name in group.names)
+    return layout, expert_names
+
+
+def _train_at_ep2(wrapper):
+    run = expert_training.TrainingRun(EXPERT_PARALLEL, wrapper)
+    layout, expert_names = _group_layout(run.ddp)
+    shard_groups = run.ddp.expert_grad_shard_groups()
+    history = run.train(range(expert_training.STEPS))
+    return layout, expert_names, [dist.get_world_size(group) for group in shard_groups], history, \
+        run.global_parameters()
+
+
+def _check_history(history, expected_history):
+    for (loss, norm, zeros), (expected_loss, expected_norm, expected_zeros) in zip(history, expected_history,
+                                                                                  strict=True):
+        assert loss == pytest.approx(expected_loss, rel=1e-5)
+        assert norm == pytest.approx(expected_norm, rel=1e-5)
+        assert zeros == expected_zeros
+
+
+def _check_params(params, expected_params):
+    assert sorted(params) == sorted(expected_params)
+    for name, expected in expected_params.items():
+        torch.testing.assert_close(params[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("wrapper", ["megatron_fsdp_z1", "megatron_fsdp_z3"], ids=["z1", "z3"])
+@pytest.mark.parametrize("world", [2, 4], ids=["ep2_edp1", "ep2_edp2"])
+def test_megatron_fsdp_expert_parallel_trains_like_one_process(world, wrapper):
+    expected_history, expected_params = expert_training.uninterrupted_reference()
+    assert any(norm > expert_training.CLIP_GRAD for _, norm, _ in expected_history)  # clipping is exercised
+    results = run_on_ranks(world, _train_at_ep2, wrapper)
+    expert_data_parallel = world // EXPERT_PARALLEL
+    for layout, expert_names, shard_group_sizes, _, _ in results:
+        # dense groups over every rank, expert groups over the ranks holding the same experts
+        assert layout == [(False, world), (True, expert_data_parallel)]
+        assert expert_names == [f"mlp.experts.local_experts.{j}.linear_fc{k}.{kind}"
+                                for j in range(2) for k in (1, 2) for kind in ("bias", "weight")]
+        assert shard_group_sizes == ([expert_data_parallel] if expert_data_parallel > 1 else [])
+    _, _, _, history, params = results[0]
+    _check_history(history, expected_history)
+    _check_params(params, expected_params)
+
+
+def test_megatron_fsdp_ep2_checkpoint_resumes_under_ddp_ep1(tmp_path):
+    expected_history, expected_params = expert_training.uninterrupted_reference()
+    save_after = expert_resharding.SAVE_AFTER
+    keys, history, params = run_on_ranks(4, expert_resharding._save_then_resume, str(tmp_path / "ckpt"),
+                                         (EXPERT_PARALLEL, "megatron_fsdp_z3"), (1, "ddp"))[0]
+    # every expert saved once under its global index, with its Adam moments
+    assert {key for key in keys if key.startswith("model.") and ".local_experts." in key} == {
+        f"model.{name}" for name in expected_params if ".local_experts." in name}
+    assert "optimizer.state.mlp.experts.local_experts.3.linear_fc2.weight.exp_avg_sq" in keys
+    _check_history(history, expected_history[save_after:])
+    _check_params(params, expected_params)
