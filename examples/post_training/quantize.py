@@ -44,16 +44,22 @@ def add_quantize_arguments(parser):
 
 
 def _setup(args):
-    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
-    from megatron.training.global_vars import set_tokenizer
-    from megatron.training.tokenizer import build_tokenizer_from_args, pad_vocab_size
-
     if args.load is None:
         raise ValueError("quantize.py needs --load: the checkpoint of the model to quantize")
     if args.calib_batches < 1:
         raise ValueError(f"--calib-batches must be >= 1, got {args.calib_batches}")
     if args.eval_iters < 1:
         raise ValueError("quantize.py needs --eval-iters >= 1 to report the validation loss before and after")
+    setup_tokenizer_and_batches(args)
+
+
+def setup_tokenizer_and_batches(args):
+    """What pretrain() sets up before building a model and reading data: the tokenizer, the padded vocabulary
+    size and the micro-batch calculator (the post-training examples run outside pretrain())."""
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+    from megatron.training.global_vars import set_tokenizer
+    from megatron.training.tokenizer import build_tokenizer_from_args, pad_vocab_size
+
     checkpointing.check_checkpoint_format(args)
     tokenizer = build_tokenizer_from_args(args)
     set_tokenizer(tokenizer)
