@@ -68,7 +68,8 @@ REFERENCES = {
     "gpt/moe_ep2_tp2_sp": SINGLE_RANK_TWIN,
     "gpt/deepseek_proxy_ep2_fsdp2": DDP_TWIN,
     "gpt/moe_megatron_fsdp_z3_dp2": DDP_TWIN,
-    "gpt/moe_megatron_fsdp_z3_ep2": DDP_TWIN,
+    "gpt/moe_tp2_ep2_8experts_megatron_fsdp_z3": DDP_TWIN,
+    "gpt/moe_tp2_ep2_8experts_top2_megatron_fsdp_z3_resume": DDP_TWIN,
     "gpt/resume_moe_ep2_distributed_optimizer_to_ep1_ddp": SINGLE_RANK_TWIN,
 }
 

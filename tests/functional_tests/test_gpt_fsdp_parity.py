@@ -38,13 +38,13 @@ SHARDED_OVER = {
     "gpt/cp2_megatron_fsdp_z3": (2, 2, 2),  # DP1 x CP2: sharded over the dp_shard_cp group
     "gpt/deepseek_proxy_ep2_fsdp2": (2, 2, 2),  # dense over DP2, experts 1/EP2 per rank (expert-DP 1)
     "gpt/moe_megatron_fsdp_z3_dp2": (2, 2, 2),  # EP1: experts sharded with the dense parameters
-    "gpt/moe_megatron_fsdp_z3_ep2": (2, 2, 2),  # dense over DP2, experts 1/EP2 per rank (expert-DP 1)
+    "gpt/moe_tp2_ep2_8experts_megatron_fsdp_z3": (2, 2, 2),  # dense over DP2, experts 1/EP2 per rank (expert-DP 1)
 }
 # Expert-parallel cases: parameter tensors of the other expert-parallel ranks' experts, which the EP1 twin holds
 # and this rank does not (no Adam step counter for them): 2 MoE layers x 2 experts x fc1/fc2 weight and bias.
 OTHER_RANKS_EXPERT_TENSORS = {
     "gpt/deepseek_proxy_ep2_fsdp2": 16,
-    "gpt/moe_megatron_fsdp_z3_ep2": 16,
+    "gpt/moe_tp2_ep2_8experts_megatron_fsdp_z3": 32,  # 2 layers x 4 experts x fc1/fc2 weight and bias
 }
 # Cases whose fp32 main weights are a separate copy of the optimizer's shard rather than the compute weights
 # themselves: HFSDP stores its quarter of the main weights apart from the compute half it belongs to.
