@@ -298,11 +298,16 @@ def _fsdp2_losses_and_device_bytes(cpu_offload, steps=3):
 
 @pytest.mark.gpu
 def test_cpu_offload_keeps_parameters_gradients_and_optimizer_state_off_the_device(tmp_path):
+    from megatron.core import parallel_state, tensor_parallel
+
     dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
+        parallel_state.initialize_model_parallel()
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)  # attention forks the model-parallel stream
         losses, held, pinned_host, param_bytes = _fsdp2_losses_and_device_bytes(False)
         offloaded_losses, offloaded_held, offloaded_pinned_host, _ = _fsdp2_losses_and_device_bytes(True)
     finally:
+        parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
     assert offloaded_losses == pytest.approx(losses, rel=1e-5, abs=0)  # same math; GPU kernels may reorder sums
     assert offloaded_pinned_host and not pinned_host
