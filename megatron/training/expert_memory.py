@@ -7,7 +7,7 @@ FSDP2's parameters and gradients, a further 1/expert-DP of that).
 Counted from the model chunks' expert parameters (their local part: a DTensor's shard), their `main_grad` (DDP
 buffer view) or `.grad`, and the torch optimizers' state of expert main parameters plus those main parameters
 that are not the model's own tensors (fp32 copies, distributed-optimizer shards). Megatron-FSDP keeps its
-parameters in flat buffers it accounts for itself; its chunks are not broken down here.
+parameters in flat buffers it accounts for itself: its chunks report their expert part (`expert_state_bytes()`).
 """
 
 import torch
@@ -23,11 +23,14 @@ def _grad_of(param):
 
 def expert_memory_usage(model_chunks, torch_optimizers):
     """{"expert_params_bytes", "expert_grads_bytes", "expert_optimizer_state_bytes"} of this rank, or {} when its
-    chunks hold no expert parameters (or are Megatron-FSDP chunks, see the module docstring)."""
+    chunks hold no expert parameters (or are bare Megatron-FSDP package wrappers, see the module docstring)."""
     from megatron.core.dist_checkpointing.fsdp_state import is_fsdp_chunk
 
     if any(is_fsdp_chunk(chunk) for chunk in model_chunks):
-        return {}
+        if not all(hasattr(chunk, "expert_state_bytes") for chunk in model_chunks):
+            return {}
+        reports = [report for report in (chunk.expert_state_bytes() for chunk in model_chunks) if report]
+        return {key: sum(report[key] for report in reports) for key in reports[0]} if reports else {}
     experts = [param for chunk in model_chunks for param in chunk.parameters() if is_expert_parameter(param)]
     if not experts:
         return {}

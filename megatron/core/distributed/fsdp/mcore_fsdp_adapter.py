@@ -392,6 +392,42 @@ class MegatronFSDPAdapter(DataParallelWrapper):
             "optimizer_state_bytes": report["main_weights"] - shared_shards + report["optimizer_state"],
         }
 
+    def expert_state_bytes(self) -> dict:
+        """The part of `state_bytes()` that belongs to Mixture-of-Experts expert parameters, per parameter (the
+        padding of the flat buffers is no parameter's): `expert_params_bytes` (this rank's compute weights of
+        them), `expert_grads_bytes` and `expert_optimizer_state_bytes` (main weights not aliasing the compute
+        weights plus the optimizer's state tensors); {} when the chunk holds no expert parameters."""
+        from megatron.core.expert_parameters import is_expert_parameter
+
+        import megatron_fsdp
+
+        fsdp = self.module
+        optimizer_state = fsdp.optimizer.state if fsdp.optimizer is not None else {}
+        sharded = fsdp.strategy == megatron_fsdp.ShardingStrategy.optim_grads_params
+        grads_sharded = fsdp.strategy >= megatron_fsdp.ShardingStrategy.optim_grads
+        totals = {"expert_params_bytes": 0, "expert_grads_bytes": 0, "expert_optimizer_state_bytes": 0}
+        found = False
+        for group in fsdp.groups:
+            for index, param in enumerate(group.params):
+                if not is_expert_parameter(param):
+                    continue
+                found = True
+                shard_numel = group.pieces[index].numel
+                params_numel = shard_numel if sharded else param.numel()
+                totals["expert_params_bytes"] += params_numel * group.param_dtype.itemsize
+                main = group.main_param_views[index]
+                if main is None:
+                    continue
+                grads_numel = shard_numel if grads_sharded else param.numel()
+                totals["expert_grads_bytes"] += grads_numel * group.grad_dtype.itemsize
+                main_is_compute = group.main_dtype == group.param_dtype and not group.outer_sharded
+                if not main_is_compute:
+                    totals["expert_optimizer_state_bytes"] += main.numel() * main.element_size()
+                totals["expert_optimizer_state_bytes"] += sum(
+                    value.numel() * value.element_size() for value in optimizer_state.get(main, {}).values()
+                    if torch.is_tensor(value) and value.dim() > 0)
+        return totals if found else {}
+
     def communication_report(self) -> dict:
         return self.module.communication_report()
 

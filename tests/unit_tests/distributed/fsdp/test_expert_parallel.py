@@ -29,11 +29,15 @@ def _group_layout(adapter):
 
 
 def _train_at_ep2(wrapper):
+    from megatron.training.training_log import memory_usage
+
     run = expert_training.TrainingRun(EXPERT_PARALLEL, wrapper)
     layout, expert_names = _group_layout(run.ddp)
     shard_groups = run.ddp.expert_grad_shard_groups()
     history = run.train(range(expert_training.STEPS))
-    return layout, expert_names, [dist.get_world_size(group) for group in shard_groups], history, \
+    memory = memory_usage([run.ddp], run.optimizer, torch.device("cpu"))
+    expert_memory = {key: value for key, value in memory.items() if key.startswith("expert_")}
+    return layout, expert_names, [dist.get_world_size(group) for group in shard_groups], expert_memory, history, \
         run.global_parameters()
 
 
@@ -58,13 +62,22 @@ def test_megatron_fsdp_expert_parallel_trains_like_one_process(world, wrapper):
     assert any(norm > expert_training.CLIP_GRAD for _, norm, _ in expected_history)  # clipping is exercised
     results = run_on_ranks(world, _train_at_ep2, wrapper)
     expert_data_parallel = world // EXPERT_PARALLEL
-    for layout, expert_names, shard_group_sizes, _, _ in results:
+    # fp32 bytes of this rank's experts: 1/EP of all, its shard of them 1/expert-DP of that (the rows split evenly)
+    local = 4 * sum(param.numel() for name, param in expected_params.items() if ".local_experts." in name) // (
+        EXPERT_PARALLEL)
+    shard = local // expert_data_parallel
+    for layout, expert_names, shard_group_sizes, memory, _, _ in results:
         # dense groups over every rank, expert groups over the ranks holding the same experts
         assert layout == [(False, world), (True, expert_data_parallel)]
         assert expert_names == [f"mlp.experts.local_experts.{j}.linear_fc{k}.{kind}"
                                 for j in range(2) for k in (1, 2) for kind in ("bias", "weight")]
         assert shard_group_sizes == ([expert_data_parallel] if expert_data_parallel > 1 else [])
-    _, _, _, history, params = results[0]
+        # ZeRO-3 shards weights and gradients, ZeRO-1 only Adam's two moments; fp32 main weights are the weights
+        whole = wrapper == "megatron_fsdp_z1"
+        assert memory == {"expert_params_bytes": local if whole else shard,
+                          "expert_grads_bytes": local if whole else shard,
+                          "expert_optimizer_state_bytes": 2 * shard}
+    _, _, _, _, history, params = results[0]
     _check_history(history, expected_history)
     _check_params(params, expected_params)
 
