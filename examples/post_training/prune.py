@@ -158,19 +158,26 @@ def prune_model(model, args):
     return pruned, kept
 
 
-def prune_with_modelopt_plugin(model, args):
-    """modelopt's mcore_minitron mode on `model` (needs Transformer Engine; see the module docstring)."""
+def modelopt_minitron_prune(model, target, forward_loop):
+    """Prune the GPTModel `model` in place to `target` with modelopt's mcore_minitron mode, scoring on
+    `forward_loop(model)`; needs Transformer Engine (see the module docstring)."""
+    check_pruning_available()
     import modelopt.torch.prune as mtp
 
-    check_pruning_available()
+    export_config = {name: value for name, value in vars(target).items() if value is not None}
+    mtp.prune(model, mode="mcore_minitron", constraints={"export_config": export_config}, dummy_input=None,
+              config={"forward_loop": forward_loop})
+    return model
+
+
+def prune_with_modelopt_plugin(model, args):
+    """modelopt's mcore_minitron mode on `model`, scored on --calib-size training samples."""
     train_iterator, _ = quantize._iterators(args)
-    export_config = {name: value for name, value in vars(target_of(args)).items() if value is not None}
 
     def forward_loop(pruned):
         quantize._run_global_batches(pruned, train_iterator, calibration_batches(args), args)
 
-    mtp.prune(_gpt_model(model), mode="mcore_minitron", constraints={"export_config": export_config},
-              dummy_input=None, config={"forward_loop": forward_loop})
+    modelopt_minitron_prune(_gpt_model(model), target_of(args), forward_loop)
     set_pruned_sizes(args, _gpt_model(model).config)
     return model
 

@@ -25,6 +25,9 @@ TINY_GPT = (
 TARGETS = "--target-hidden-size 48 --target-ffn-hidden-size 64 --target-num-attention-heads 2"
 PRUNED_SIZES = "--hidden-size 48 --ffn-hidden-size 64 --num-attention-heads 2 --kv-channels 16"
 TRAIN_ITERS, FINETUNE_ITERS = 16, 6
+# Upstream Megatron-Core modules modelopt's NAS plugin (under mcore_minitron) imports.
+UPSTREAM_MODULES_OF_THE_PLUGIN = ("megatron.core.models.hybrid", "megatron.core.ssm.gated_delta_net",
+                                  "megatron.core.models.gpt.moe_module_specs", "megatron.core.transformer.spec_utils")
 
 
 def _pretrain(argv, metrics):
@@ -143,3 +146,37 @@ def test_modelopt_plugin_without_transformer_engine_says_what_it_needs(monkeypat
     monkeypatch.setattr(optional_deps, "have_modelopt", lambda: True)  # no need to import modelopt for the check
     with pytest.raises(RuntimeError, match="needs transformer-engine.*does not run on CPUs.*Drop --use-modelopt"):
         prune.check_pruning_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_TE or not modelopt_installed(),
+                    reason="modelopt's mcore_minitron plugin needs transformer-engine and nvidia-modelopt")
+def test_modelopt_plugin_path_prunes_or_names_the_missing_upstream_modules():
+    """`--use-modelopt-plugin` on a tiny GPT on the GPU: the plugin prunes to the targets where it imports against
+    this megatron.core; where it does not, the error names the upstream modules, and they are indeed missing."""
+    import importlib.util
+
+    from examples.post_training import prune
+    from megatron.core.post_training.prune import WidthPruningTarget
+    from tests.unit_tests.post_training.prune import tiny_gpt
+
+    missing = []
+    for name in UPSTREAM_MODULES_OF_THE_PLUGIN:
+        try:
+            if importlib.util.find_spec(name) is None:
+                missing.append(name)
+        except ModuleNotFoundError:
+            missing.append(name)
+    model = tiny_gpt.tiny_gpt().cuda()
+    batches = [tuple(t.cuda() for t in tiny_gpt.batch(step)) for step in range(2)]
+    target = WidthPruningTarget(hidden_size=16, ffn_hidden_size=32, num_attention_heads=2)
+    if missing:
+        with pytest.raises(RuntimeError, match="does not import against this megatron.core"):
+            prune.modelopt_minitron_prune(model, target, tiny_gpt.forward_loop(batches))
+        return
+    prune.modelopt_minitron_prune(model, target, tiny_gpt.forward_loop(batches))
+    config = model.config
+    assert (config.hidden_size, config.ffn_hidden_size, config.num_attention_heads) == (16, 32, 2)
+    tokens, _, positions = batches[0]
+    with torch.no_grad():
+        assert torch.isfinite(model(tokens, positions)).all()
