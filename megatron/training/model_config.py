@@ -118,6 +118,7 @@ def ddp_config_from_args(args):
 def megatron_fsdp_config_kwargs(args):
     """The Megatron-FSDP fields of DistributedDataParallelConfig (defaults when --use-megatron-fsdp is off)."""
     from megatron.training.argument_groups.data_parallel import megatron_fsdp_dtype
+    from megatron.training.argument_groups.nccl_buffers import ddp_config_kwargs as nccl_buffers_ddp_config_kwargs
 
     if not args.use_megatron_fsdp:
         return {}
@@ -129,4 +130,5 @@ def megatron_fsdp_config_kwargs(args):
         megatron_fsdp_main_params_dtype=megatron_fsdp_dtype(args.megatron_fsdp_main_params_dtype),
         megatron_fsdp_main_grads_dtype=megatron_fsdp_dtype(args.megatron_fsdp_main_grads_dtype),
         megatron_fsdp_grad_comm_dtype=megatron_fsdp_dtype(args.megatron_fsdp_grad_comm_dtype),
+        **nccl_buffers_ddp_config_kwargs(args),
     )

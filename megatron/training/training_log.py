@@ -19,6 +19,7 @@ from megatron.core.distributed.data_parallel_base import (
 from megatron.training import accelerator
 from megatron.training.energy_monitor import EnergyMonitor, format_energy_fields
 from megatron.training.expert_memory import expert_memory_usage, format_expert_memory
+from megatron.training.host_memory import format_host_memory, host_offload_bytes
 
 # Timers reported at each log interval (those above --timing-log-level never run and are left out).
 TIMERS_TO_LOG = (
@@ -93,6 +94,7 @@ def format_memory_line(rank, memory):
         f"memory (rank {rank}) | params: {memory['params_bytes']} bytes | grads: {memory['grads_bytes']} bytes "
         f"| optimizer state: {memory['optimizer_state_bytes']} bytes | {peak_name}: {memory['peak_bytes']} bytes |"
         + format_expert_memory(memory)
+        + format_host_memory(memory)
     )
 
 
@@ -170,7 +172,8 @@ def memory_usage(model_chunks, optimizer, device):
     of this rank's persistent bytes: `params_bytes` (compute weights held between steps), `grads_bytes`
     (gradient buffers) and, when the wrapper knows it, `optimizer_state_bytes` (main weights that are not the
     compute weights plus the optimizer's state tensors); without that key the optimizer's bytes are counted from
-    the torch optimizer. DDP chunks are counted from their parameters and `main_grad` buffers.
+    the torch optimizer. DDP chunks are counted from their parameters and `main_grad` buffers. With offloading on,
+    `host_offload_bytes` is what it keeps in host memory (see host_memory.py).
     """
     params_bytes = grads_bytes = 0
     optimizer_state_bytes = None
@@ -185,6 +188,7 @@ def memory_usage(model_chunks, optimizer, device):
         model_params = [param for chunk in model_chunks for param in chunk.parameters()]
         optimizer_state_bytes = _optimizer_state_bytes(optimizer, model_params)
     allocated = accelerator.allocated_memory_bytes(device)
+    host_bytes = host_offload_bytes(model_chunks, _torch_optimizers(optimizer))
     return {
         "on_gpu": device.type == "cuda",
         "params_bytes": params_bytes,
@@ -194,6 +198,8 @@ def memory_usage(model_chunks, optimizer, device):
         "peak_bytes": accelerator.peak_memory_bytes(device),
         # The part of the above that is Mixture-of-Experts experts (no keys without experts).
         **expert_memory_usage(model_chunks, _torch_optimizers(optimizer)),
+        # Bytes offloading keeps in host memory (no key without offloading; host_memory.py).
+        **({"host_offload_bytes": host_bytes} if host_bytes is not None else {}),
     }
 
 
@@ -347,7 +353,8 @@ class TrainingLogger:
             "params-bytes": memory["params_bytes"],
             "grads-bytes": memory["grads_bytes"],
             "optimizer-state-bytes": memory["optimizer_state_bytes"],
-            **{key.replace("_", "-"): value for key, value in memory.items() if key.startswith("expert_")},
+            **{key.replace("_", "-"): value for key, value in memory.items()
+               if key.startswith("expert_") or key == "host_offload_bytes"},
         }
         if report.get("params_norm") is not None:
             record["params-norm"] = report["params_norm"]

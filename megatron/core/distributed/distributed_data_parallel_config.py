@@ -82,6 +82,20 @@ class DistributedDataParallelConfig:
     fsdp_double_buffer: bool = False
     """Megatron-FSDP ZeRO-3: gather units into a fixed pool of two unit-sized buffers."""
 
+    fsdp_db_use_persist_buf_on_alloc_fail: bool = False
+    """Megatron-FSDP with `fsdp_double_buffer`: if the pool does not fit in memory, each parameter group gets a
+    gather buffer of its own instead of failing (`--fsdp-db-use-persist-buf-on-alloc-fail`)."""
+
+    nccl_ub: bool = False
+    """Megatron-FSDP: allocate its buffers from a memory pool registered with NCCL (NCCL user buffers,
+    `--use-nccl-ub`; see `megatron_fsdp.nccl_allocator`)."""
+
+    fsdp_manual_registration: bool = False
+    """With `nccl_ub`: register the pool once, after every buffer exists (`--fsdp-manual-registration`)."""
+
+    disable_symmetric_registration: bool = False
+    """With `nccl_ub`: local instead of symmetric (window) registration (`--disable-symmetric-registration`)."""
+
     megatron_fsdp_main_params_dtype: Optional[torch.dtype] = torch.float32
     """Megatron-FSDP: dtype of the sharded main weights the optimizer steps on; None ("auto") keeps the
     parameters' own dtype (`--megatron-fsdp-main-params-dtype`)."""
@@ -128,6 +142,20 @@ class DistributedDataParallelConfig:
                 "DistributedDataParallelConfig.megatron_fsdp_param_offload (--megatron-fsdp-param-offload) offloads "
                 "ZeRO-3's shards: it needs use_megatron_fsdp=True (--use-megatron-fsdp) with "
                 "data_parallel_sharding_strategy='optim_grads_params'."
+            )
+        if self.nccl_ub and not self.use_megatron_fsdp:
+            raise ValueError(
+                "DistributedDataParallelConfig.nccl_ub (--use-nccl-ub) registers Megatron-FSDP's buffers with NCCL: it "
+                "needs use_megatron_fsdp=True (--use-megatron-fsdp)."
+            )
+        for name, flag in (("fsdp_manual_registration", "--fsdp-manual-registration"),
+                           ("disable_symmetric_registration", "--disable-symmetric-registration")):
+            if getattr(self, name) and not self.nccl_ub:
+                raise ValueError(f"DistributedDataParallelConfig.{name} ({flag}) needs nccl_ub=True (--use-nccl-ub).")
+        if self.fsdp_db_use_persist_buf_on_alloc_fail and not self.fsdp_double_buffer:
+            raise ValueError(
+                "DistributedDataParallelConfig.fsdp_db_use_persist_buf_on_alloc_fail (--fsdp-db-use-persist-buf-on-"
+                "alloc-fail) is the fallback of fsdp_double_buffer=True (--fsdp-double-buffer): set both or neither."
             )
         if self.torch_fsdp2_cpu_offload and not self.use_torch_fsdp2:
             raise ValueError(

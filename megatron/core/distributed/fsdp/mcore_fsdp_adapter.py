@@ -91,9 +91,20 @@ def _package_ddp_config(ddp_config: DistributedDataParallelConfig):
         bucket_size=ddp_config.bucket_size,
         average_in_collective=ddp_config.average_in_collective,
         fsdp_double_buffer=ddp_config.fsdp_double_buffer,
+        fsdp_db_use_persist_buf_on_alloc_fail=ddp_config.fsdp_db_use_persist_buf_on_alloc_fail,
         preproc_state_dict_for_dcp_ckpt=ddp_config.preproc_state_dict_for_dcp_ckpt,
         param_offload=ddp_config.megatron_fsdp_param_offload,
     )
+
+
+def _nccl_user_buffers(ddp_config: DistributedDataParallelConfig):
+    """`--use-nccl-ub` and its options for Megatron-FSDP (megatron_fsdp.nccl_allocator), or None without it."""
+    if not ddp_config.nccl_ub:
+        return None
+    from megatron_fsdp.nccl_allocator import NcclUserBuffers
+
+    return NcclUserBuffers(manual_registration=ddp_config.fsdp_manual_registration,
+                           symmetric=not ddp_config.disable_symmetric_registration)
 
 
 def _fp8_gather_codec(config, ddp_config: DistributedDataParallelConfig, module):
@@ -242,6 +253,7 @@ class MegatronFSDPAdapter(DataParallelWrapper):
             gather_codec=_fp8_gather_codec(config, ddp_config, module),
             expt_device_mesh=mesh.expert_device_mesh,
             is_expert_param=_is_expert_parameter,
+            nccl_user_buffers=_nccl_user_buffers(ddp_config),
         )
 
     # ---- what the training loop and the schedules use ---------------------------------------------------------

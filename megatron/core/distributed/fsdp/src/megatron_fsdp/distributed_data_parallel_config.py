@@ -60,6 +60,8 @@ class DistributedDataParallelConfig:
     bucket_size: Union[int, None] = None
     average_in_collective: bool = False
     fsdp_double_buffer: bool = False
+    # With fsdp_double_buffer: if the pool's allocation runs out of memory, each group gets a buffer of its own.
+    fsdp_db_use_persist_buf_on_alloc_fail: bool = False
     preproc_state_dict_for_dcp_ckpt: bool = True
     param_offload: bool = False  # ZeRO-3's shard buffers (weights, main weights, gradients) in host memory
 
@@ -78,6 +80,9 @@ class DistributedDataParallelConfig:
             raise ValueError(
                 "fsdp_double_buffer=True only applies to data_parallel_sharding_strategy='optim_grads_params'"
             )
+        if self.fsdp_db_use_persist_buf_on_alloc_fail and not self.fsdp_double_buffer:
+            raise ValueError("fsdp_db_use_persist_buf_on_alloc_fail=True is the fallback of fsdp_double_buffer=True; "
+                             "set fsdp_double_buffer=True or drop it")
         if self.param_offload and strategy != ShardingStrategy.optim_grads_params:
             raise ValueError(
                 "param_offload=True keeps ZeRO-3's parameter shards in host memory: it needs "

@@ -92,7 +92,8 @@ class GroupGrads:
         """Create the flat transient gradient buffer (once per reduction) and move stashed gradients into it."""
         if self.transient_grads is not None:
             return
-        self.transient_grads = torch.empty(self.layout.padded_numel, dtype=self.comm_dtype, device=self.device)
+        with self.transient_allocation():
+            self.transient_grads = torch.empty(self.layout.padded_numel, dtype=self.comm_dtype, device=self.device)
         self.filled = [False] * len(self.params)
         for index, stashed in self.stashed_grads.items():
             copy_grad_in(self.layout, self.transient_grads, index, stashed, 1.0, accumulate=False)
@@ -138,7 +139,8 @@ class GroupGrads:
     def ensure_main_grads(self):
         """Give a released shard gradient buffer its storage back, zeroed, before anything reads or adds to it."""
         if self.main_grads_released:
-            self.main_grads.untyped_storage().resize_(self.main_grads.numel() * self.main_grads.element_size())
+            with self.transient_allocation():
+                self.main_grads.untyped_storage().resize_(self.main_grads.numel() * self.main_grads.element_size())
             self.main_grads.zero_()
             self.main_grads_released = False
 

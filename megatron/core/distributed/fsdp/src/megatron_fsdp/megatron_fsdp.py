@@ -1,6 +1,7 @@
 """`MegatronFSDP`: the module wrapper that shards a model's parameters, gradients and optimizer state."""
 
 import contextlib
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -13,6 +14,7 @@ from .offload import ShardOffload
 from .grouping import plan_groups
 from .layout import GroupLayout
 from .meta_init import materialize_meta_model
+from .nccl_allocator import NcclUserBuffers, buffer_allocator_for
 from .mixed_precision import MixedPrecisionPolicy
 from .param_and_grad_buffer import DoubleBufferPool, ParamGroup
 from .param_grads import ParamGrads
@@ -46,9 +48,11 @@ class MegatronFSDP(nn.Module):
                  sync_model_each_microbatch: bool = True, disable_bucketing: bool = False,
                  calculate_per_token_loss: bool = False, report_nan_in_param_grad: bool = False,
                  gather_codec: Optional[GatherCodecPolicy] = None, expt_device_mesh=None,
-                 is_expert_param: Optional[Callable[[nn.Parameter], bool]] = None):
+                 is_expert_param: Optional[Callable[[nn.Parameter], bool]] = None,
+                 nccl_user_buffers: Optional[NcclUserBuffers] = None):
         """`gather_codec`: parameters whose weights travel through the all-gather encoded (see gather_codec.py;
-        strategy 3 only)."""
+        strategy 3 only). `nccl_user_buffers`: allocate the buffers from a memory pool registered with NCCL
+        (nccl_allocator.py; plain allocations on CPU / gloo)."""
         super().__init__()
         if isinstance(module, MegatronFSDP) or module.__dict__.get(WRAPPED_ATTR) is not None:
             raise ValueError("this module is already wrapped by MegatronFSDP; wrap each model once")
@@ -79,6 +83,9 @@ class MegatronFSDP(nn.Module):
             config.grad_reduce_in_fp32)
         self.device = self.topology.device
         self.offload = self._shard_offload(config)
+        expert_groups = [self.expert_topology.dp_group] if self.expert_topology is not None else []
+        self.buffer_allocator = buffer_allocator_for(
+            nccl_user_buffers, [self.topology.dp_group, self.topology.outer_group] + expert_groups, self.device)
         self.module = module
         self.calculate_per_token_loss = calculate_per_token_loss
         self.counter = collectives.CommunicationCounter()
@@ -89,6 +96,7 @@ class MegatronFSDP(nn.Module):
         if meta and not init_model_with_meta_device:
             raise ValueError("the module has meta-device parameters; pass init_model_with_meta_device=True")
         self._build_groups(resolve_module_classes(fsdp_unit_modules), config, disable_bucketing, meta)
+        self.buffer_allocator.buffers_built()
         for buffer_owner in module.modules():
             for name, buffer in buffer_owner._buffers.items():
                 if buffer is not None and not buffer.is_meta and buffer.device != self.device:
@@ -162,7 +170,7 @@ class MegatronFSDP(nn.Module):
                                           is_expert=self.is_expert_param)
         owners = parameter_owners(self.module)
         outer_rank, outer_size = self.topology.optimizer_outer_rank, self.topology.optimizer_outer_size
-        self.pool = self._make_pool(plans, len(unit_modules)) if config.fsdp_double_buffer else None
+        self.pool = self._double_buffer_pool(plans, len(unit_modules), config) if config.fsdp_double_buffer else None
         pool_offsets = [0] * len(unit_modules)
         groups_by_unit = {index: [] for index in range(len(unit_modules))}
         self.root_groups, self.groups = [], []
@@ -173,11 +181,13 @@ class MegatronFSDP(nn.Module):
                                                 self._padded_numel(plan), plan.params[0].dtype)
                 pool_offsets[plan.unit_index] += DoubleBufferPool.aligned(tensor_bytes(compute_buffer))
             topology = self._topology_of(plan)
-            group = ParamGroup(plan.params, plan.names, strategy=self.strategy, dp_rank=topology.dp_rank,
-                               dp_size=topology.dp_size, device=self.device, policy=self.policy, unit_index=plan.unit_index,
-                               compute_buffer=compute_buffer, outer_rank=outer_rank, outer_size=outer_size,
-                               gather_codec=self.gather_codec.make_codec() if plan.encoded else None,
-                               offload=self.offload)
+            with self.buffer_allocator.buffers():
+                group = ParamGroup(plan.params, plan.names, strategy=self.strategy, dp_rank=topology.dp_rank,
+                                   dp_size=topology.dp_size, device=self.device, policy=self.policy,
+                                   unit_index=plan.unit_index, compute_buffer=compute_buffer, outer_rank=outer_rank,
+                                   outer_size=outer_size,
+                                   gather_codec=self.gather_codec.make_codec() if plan.encoded else None,
+                                   offload=self.offload, transient_allocation=self.buffer_allocator.transient)
             group.topology, group.expert = topology, plan.expert
             for index, param in enumerate(group.params):
                 view = group.param_view(index)
@@ -226,6 +236,19 @@ class MegatronFSDP(nn.Module):
         """The flat size a group built from `plan` pads to (what ParamGroup's layout computes)."""
         return GroupLayout([tuple(p.shape) for p in plan.params], self._topology_of(plan).dp_size,
                            self.topology.optimizer_outer_size).padded_numel
+
+    def _double_buffer_pool(self, plans, num_units, config):
+        """The double-buffer pool, from the registered pool with NCCL user buffers. If allocating it runs out of
+        memory and `fsdp_db_use_persist_buf_on_alloc_fail` is set, None: each group then gets its own buffer."""
+        try:
+            with self.buffer_allocator.buffers():
+                return self._make_pool(plans, num_units)
+        except torch.OutOfMemoryError:
+            if not getattr(config, "fsdp_db_use_persist_buf_on_alloc_fail", False):
+                raise
+            warnings.warn("fsdp_double_buffer: the double-buffer pool does not fit in memory; each parameter "
+                          "group gathers into a buffer of its own (fsdp_db_use_persist_buf_on_alloc_fail)")
+            return None
 
     def _make_pool(self, plans, num_units):
         unit_bytes = [0] * num_units

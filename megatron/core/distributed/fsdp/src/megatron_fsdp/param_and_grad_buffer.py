@@ -46,7 +46,8 @@ byte accounting; `weight_buffers.py` fills and drops the compute weights (gather
 also `WeightState` and `DoubleBufferPool`); `grad_buffers.py` writes, reduces from and hands out the gradients.
 """
 
-from typing import Dict, List, Optional, Sequence
+import contextlib
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -89,6 +90,7 @@ class ParamGroup(GroupWeights, GroupGrads):
         outer_size: int = 1,
         gather_codec: Optional[GatherCodec] = None,
         offload: Optional[ShardOffload] = None,
+        transient_allocation: Optional[Callable[[], contextlib.AbstractContextManager]] = None,
     ):
         """`outer_rank` / `outer_size`: this rank's place among the outer ranks that shard the main weights
         further (HFSDP); 1 when the main weights are only sharded over the `dp_size` ranks."""
@@ -119,6 +121,9 @@ class ParamGroup(GroupWeights, GroupGrads):
         self.uses_pool = compute_buffer is not None
         # param_offload (offload.py): the shard buffers of strategy 3 rest in host memory.
         self.offload = offload if self.shards_params else None
+        # The context the per-step device allocations of collectives run in (nccl_allocator.py: the registered
+        # pool with NCCL user buffers).
+        self.transient_allocation = transient_allocation or contextlib.nullcontext
 
         self.compute_buffer = compute_buffer if compute_buffer is not None else self._zeros(padded, self.param_dtype)
         self._compute_nbytes = padded * self.compute_buffer.element_size()

@@ -81,7 +81,8 @@ class GroupWeights:
         if not self.uses_pool:
             storage = self.compute_buffer.untyped_storage()
             if storage.nbytes() != self._compute_nbytes:
-                storage.resize_(self._compute_nbytes)
+                with self.transient_allocation():
+                    storage.resize_(self._compute_nbytes)
 
     def release_compute(self):
         """Drop the gathered compute weights (strategy 3 only); the parameter views stay registered."""
@@ -127,7 +128,8 @@ class GroupWeights:
         output = self.compute_buffer
         if self.codec is not None or not self.layout.forms_coincide:
             dtype = self.param_dtype if self.codec is None else self.codec.wire_dtype
-            self.gather_staging = output = torch.empty(self.layout.padded_numel, dtype=dtype, device=self.device)
+            with self.transient_allocation():
+                self.gather_staging = output = torch.empty(self.layout.padded_numel, dtype=dtype, device=self.device)
         self._gather_send = self.gather_source()
         self.pending_gather = issue(output, self._gather_send)
         self.weight_state = WeightState.GATHERING
