@@ -158,11 +158,23 @@ def _train(nccl_user_buffers, fake_pool, double_buffer=False, pool_fails=False, 
         wrapper_module.buffer_allocator_for, wrapper_module.DoubleBufferPool = original_chooser, original_pool
 
 
+def _through_fully_shard():
+    """The package's entry point with NCCL user buffers on gloo: plain allocations, the same training."""
+    import megatron_fsdp
+
+    module = models.make_model(0)
+    model, optimizer = megatron_fsdp.fully_shard(module, models.make_optimizer(module.parameters()),
+                                                 fsdp_unit_modules=[models.Block],
+                                                 nccl_user_buffers=megatron_fsdp.NcclUserBuffers())
+    built = dict(allocator=type(model.buffer_allocator).__name__, reason=model.buffer_allocator.reason)
+    return models.train_sharded(model, optimizer, NUM_STEPS), built, None
+
+
 def _runs_on_gloo():
     from megatron_fsdp.nccl_allocator import NcclUserBuffers
 
     results = {"chooser": _chooser_on_gloo(), "plain": _train(None, False)}
-    results["gloo"] = _train(NcclUserBuffers(), False)
+    results["gloo"] = _through_fully_shard()
     results["auto"] = _train(NcclUserBuffers(), True, double_buffer=True)
     results["manual"] = _train(NcclUserBuffers(manual_registration=True, symmetric=False), True)
     results["double_buffer"] = _train(None, False, double_buffer=True)

@@ -6,6 +6,7 @@ from .gather_codec import GatherCodec, GatherCodecPolicy
 from .fully_shard import fully_shard, fully_shard_model, fully_shard_optimizer
 from .megatron_fsdp import MegatronFSDP
 from .mixed_precision import MixedPrecisionPolicy
+from .nccl_allocator import NcclUserBuffers
 from .optimizer import clip_grad_norm_
 from .package_info import __version__
 
@@ -15,6 +16,7 @@ __all__ = [
     "fully_shard",
     "MegatronFSDP",
     "MixedPrecisionPolicy",
+    "NcclUserBuffers",
     "GatherCodec",
     "GatherCodecPolicy",
     "DistributedDataParallelConfig",

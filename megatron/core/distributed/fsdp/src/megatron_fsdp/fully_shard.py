@@ -36,6 +36,7 @@ def fully_shard_model(
     param_offload: bool = False,
     expt_device_mesh=None,
     is_expert_param=None,
+    nccl_user_buffers=None,
 ) -> MegatronFSDP:
     """Shard `module` over the data-parallel ranks (a 1-D mesh over the world when no mesh is given).
 
@@ -50,6 +51,8 @@ def fully_shard_model(
     each unit's gather copies the shard to the device (see offload.py).
     `expt_device_mesh` (+ `is_expert_param`): shard Mixture-of-Experts expert parameters over the mesh of the
     ranks holding the same experts instead (see `MegatronFSDP`).
+    `nccl_user_buffers` (an `NcclUserBuffers`): allocate the buffers from a memory pool registered with NCCL
+    (see nccl_allocator.py; plain allocations on CPU / gloo).
     """
     # Both overlaps default to on, so turning off overlap_grad_reduce alone turns off overlap_param_gather with
     # it rather than tripping the config's rule that the second needs the first.
@@ -84,6 +87,7 @@ def fully_shard_model(
         report_nan_in_param_grad=report_nan_in_param_grad,
         expt_device_mesh=expt_device_mesh,
         is_expert_param=is_expert_param,
+        nccl_user_buffers=nccl_user_buffers,
     )
 
 
