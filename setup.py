@@ -20,6 +20,7 @@ def megatron_fsdp_package_dirs():
 
 # The modelopt release the post-training example is tested with; it installs without pulling another torch,
 # and imports requests and huggingface_hub without declaring them.
+TRITON_REQUIREMENT = "triton>=3.2; sys_platform == 'linux' and platform_machine == 'x86_64'"
 MODELOPT_REQUIREMENTS = ["nvidia-modelopt==0.47.0", "requests", "huggingface_hub"]
 
 # A range the local CPU wheel (2.13.0) satisfies, so installing never pulls a CUDA build where it is present.
@@ -36,9 +37,11 @@ setup(
     extras_require={
         # transformers: the checkpoint tools' test loads a --to hf export with it and compares logits.
         # tiktoken: --tokenizer-type TikTokenizer.
+        # triton: the FP8 quantization kernels (GPUs); their tests run them on the CPU under Triton's interpreter.
         "dev": ["pytest>=7", "tokenizers>=0.15", "tensorboard", "transformers>=5", "tiktoken>=0.7",
-                *MODELOPT_REQUIREMENTS],
-        "test": ["pytest>=7", "tokenizers>=0.15", "tensorboard", "tiktoken>=0.7", *MODELOPT_REQUIREMENTS],
+                TRITON_REQUIREMENT, *MODELOPT_REQUIREMENTS],
+        "test": ["pytest>=7", "tokenizers>=0.15", "tensorboard", "tiktoken>=0.7", TRITON_REQUIREMENT,
+                 *MODELOPT_REQUIREMENTS],
         "modelopt": MODELOPT_REQUIREMENTS,
         "te": ["transformer-engine[pytorch]"],
     },

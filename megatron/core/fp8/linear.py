@@ -230,7 +230,8 @@ class Fp8LinearFunction(torch.autograd.Function):
         # quantizing pass and are all that is kept for backward.
         input_fp8 = scaling.input.quantize(input_2d, with_transpose=on_scaled_mm and needs_weight_grad)
         if weight_fp8 is None:
-            weight_fp8 = scaling.weight.quantize(weight)
+            # The input gradient reads the weight column-major: its transposed bytes come from the same pass.
+            weight_fp8 = scaling.weight.quantize(weight, with_transpose=on_scaled_mm and ctx.needs_input_grad[0])
         output = fp8_gemm(input_fp8, weight_fp8.t(), input_.dtype, bias=bias, label=label)
         saved_input = _pack(input_fp8) if needs_weight_grad else (None, None, None, None)
         if saved_input[1] is not None:

@@ -12,7 +12,14 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.fp8.recipe import Fp8Recipe
-from megatron.core.fp8.tensor import ScaledFloat8, amax, quantize_by_amax, scale_from_amax
+from megatron.core.fp8.tensor import (
+    ScaledFloat8,
+    amax,
+    fused_amax_recording_available,
+    quantize_by_amax,
+    quantize_recording_amax,
+    scale_from_amax,
+)
 
 NO_AMAX = -1.0  # marks "nothing recorded" in a reduced amax vector (real amaxes are >= 0)
 
@@ -133,6 +140,14 @@ class ScalingState:
 
     def quantize(self, tensor: torch.Tensor, with_transpose: bool = False) -> ScaledFloat8:
         """`tensor` in FP8 with this role's scale (scale, reciprocal and bytes from one pass)."""
+        if self.recipe.is_delayed and self.has_history and fused_amax_recording_available(tensor, self.dtype):
+            # The scale comes from the history; the tensor's own amax is recorded from the same pass.
+            history = self.history_amax()
+            fp8, local_amax = quantize_recording_amax(tensor, self.dtype, history, self.recipe.margin,
+                                                      with_transpose=with_transpose)
+            self.pending_amax = (local_amax if self.pending_amax is None
+                                 else torch.maximum(self.pending_amax, local_amax))
+            return fp8
         return quantize_by_amax(tensor, self.dtype, self._amax_for_scale(tensor), self.recipe.margin,
                                 with_transpose=with_transpose)
 

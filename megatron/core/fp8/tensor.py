@@ -5,10 +5,11 @@ even onto the float8 grid); `dequantize` returns `data * scale_inv` with `scale_
 Every float8 value is exact in fp32, so a dequantized tensor is what an FP8 GEMM computes with (up to the one
 rounding of the scale), and re-quantizing it with the same scale returns the same bytes.
 
-Quantizing takes as few passes over memory as the device allows. On CUDA the amax reduction and the
-scale-and-cast are `torch.compile`d functions (one reduction kernel, then one kernel that computes the scale
-and writes the float8 bytes, and the transposed bytes when asked for); where compiling fails they run eagerly
-and a message says so once. Elsewhere (the CPU) they run eagerly: the amax is one `aminmax` pass (no `abs`
+Quantizing takes as few passes over memory, and as few launches, as the device allows. On a GPU with Triton
+the amax is one kernel and the scale-and-cast another, which also writes the transposed bytes when asked for and,
+under delayed scaling, records the tensor's amax in the same pass (`triton_quantize`): a handful of launches per
+tensor, so the host keeps ahead of the GPU. Tensors those kernels do not take (more than two dimensions) go
+through `torch.compile`d functions on CUDA; where compiling fails they run eagerly and a message says so once. Elsewhere (the CPU) they run eagerly: the amax is one `aminmax` pass (no `abs`
 temporary), and the cast is one multiply (in fp32, without a separate upcast copy), an in-place clamp and the
 float8 conversion.
 """
@@ -155,10 +156,72 @@ def _run(name, eager, tensor, *args):
 # ---- public API ---------------------------------------------------------------------------------------------------
 
 
+_TRITON_FAILED = []
+
+
+_TRITON_CHECKED_DEVICES = set()
+
+
+def _triton_kernels_take(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+    if _COMPILE_OVERRIDE[0] is not None or not tensor.is_cuda or _TRITON_FAILED:  # tests force the other paths
+        return False
+    from megatron.core.fp8 import triton_quantize
+
+    if not triton_quantize.supports(tensor, dtype):
+        return False
+    if tensor.device not in _TRITON_CHECKED_DEVICES:
+        _TRITON_CHECKED_DEVICES.add(tensor.device)
+        _check_triton_kernels(tensor.device)
+    return not _TRITON_FAILED
+
+
+def _check_triton_kernels(device):
+    """Once per device, before the kernels quantize anything: they must reproduce the eager path's amax, scale
+    and bytes (both float8 formats, with the transposed bytes and the recorded amax) on a probe tensor with
+    values across the float8 range; otherwise the other paths take over and the log says why."""
+    from megatron.core.fp8 import triton_quantize
+
+    generator = torch.Generator().manual_seed(0)
+    probe = torch.randn(48, 80, generator=generator) * torch.logspace(-6, 3, 80)
+    probe[0, :4] = torch.tensor([-0.0, 1e-30, 1.0625, -1.1875])
+    try:
+        for source in (probe.to(device), probe.to(device=device, dtype=torch.bfloat16)):
+            eager_amax = _amax_eager(source)
+            amax_value = triton_quantize.amax(source)
+            for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                limit = fp8_max(dtype)
+                data, transpose, scale, scale_inv, own = triton_quantize.quantize(
+                    source, dtype, amax_value, 0, with_transpose=True, record_amax=True)
+                want = _scale_and_cast_eager(source, eager_amax, dtype, limit, limit, True)
+                same = (torch.equal(amax_value[0], eager_amax) and torch.equal(own, eager_amax)
+                        and torch.equal(data.view(torch.uint8), want[0].view(torch.uint8))
+                        and torch.equal(transpose.view(torch.uint8), want[1].view(torch.uint8))
+                        and torch.equal(scale, want[2]) and torch.equal(scale_inv, want[3]))
+                if not same:
+                    _triton_failed(f"on {device} they do not reproduce the eager {dtype} quantization")
+                    return
+    except Exception as error:  # noqa: BLE001 - any build or launch failure: fall back
+        _triton_failed(error)
+
+
+def _triton_failed(error):
+    """A Triton kernel did not build or launch here: the other paths from now on, said once."""
+    _TRITON_FAILED.append(repr(error))
+    logger.warning("FP8 quantization leaves its Triton kernels for torch.compile'd / eager ones: %s", error)
+
+
 def amax(tensor: torch.Tensor) -> torch.Tensor:
-    """max(|tensor|) as an fp32 scalar tensor (0 for an empty tensor). No host synchronisation."""
+    """max(|tensor|) as an fp32 scalar tensor (0 for an empty tensor). No host synchronisation. On a GPU with
+    Triton one pass and one launch (a NaN counts as +inf there: either gives the scale of a bad amax, 1)."""
     if tensor.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=tensor.device)
+    if _triton_kernels_take(tensor, torch.float8_e4m3fn):
+        from megatron.core.fp8 import triton_quantize
+
+        try:
+            return triton_quantize.amax(tensor.detach())[0]
+        except Exception as error:  # noqa: BLE001 - any build or launch failure: fall back
+            _triton_failed(error)
     return _run("amax", _amax_eager, tensor.detach())
 
 
@@ -189,11 +252,47 @@ def quantize_by_amax(tensor: torch.Tensor, dtype: torch.dtype, amax_value: torch
     """Quantize with the scale of `amax_value` (`scale_from_amax`): the scale, its reciprocal, the float8 bytes
     (and with `with_transpose` the transposed bytes of a 2-D tensor) from one pass."""
     _check_fp8(dtype)
+    if _triton_kernels_take(tensor, dtype):
+        from megatron.core.fp8 import triton_quantize
+
+        try:
+            data, transpose, scale, scale_inv, _ = triton_quantize.quantize(
+                tensor.detach(), dtype, amax_value, margin, with_transpose=with_transpose)
+            return ScaledFloat8(data, scale, scale_inv, transpose)
+        except Exception as error:  # noqa: BLE001 - any build or launch failure: fall back
+            _triton_failed(error)
     limit = fp8_max(dtype)
     data, transpose, scale, scale_inv = _run(f"scale_and_cast_{dtype}_{with_transpose}", _scale_and_cast_eager,
                                              tensor.detach(), amax_value, dtype, limit / (2.0**margin), limit,
                                              with_transpose)
     return ScaledFloat8(data, scale, scale_inv, transpose)
+
+
+def fused_amax_recording_available(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether `quantize_recording_amax` takes this tensor in one pass (a GPU with Triton)."""
+    if not _triton_kernels_take(tensor, dtype):
+        return False
+    from megatron.core.fp8 import triton_quantize
+
+    try:
+        triton_quantize.kernels()
+    except Exception as error:  # noqa: BLE001 - Triton present but unusable here
+        _triton_failed(error)
+        return False
+    return True
+
+
+def quantize_recording_amax(tensor: torch.Tensor, dtype: torch.dtype, scale_amax: torch.Tensor, margin: int = 0,
+                            with_transpose: bool = False):
+    """(`quantize_by_amax(tensor, dtype, scale_amax, ...)`, this tensor's own amax) from one pass over `tensor`:
+    delayed scaling quantizes with the history's amax and records the new one. Only where
+    `fused_amax_recording_available`."""
+    from megatron.core.fp8 import triton_quantize
+
+    _check_fp8(dtype)
+    data, transpose, scale, scale_inv, own_amax = triton_quantize.quantize(
+        tensor.detach(), dtype, scale_amax, margin, with_transpose=with_transpose, record_amax=True)
+    return ScaledFloat8(data, scale, scale_inv, transpose), own_amax
 
 
 def quantize_with_current_scale(tensor: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> ScaledFloat8:
