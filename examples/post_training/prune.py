@@ -31,7 +31,13 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from examples.post_training import quantize  # noqa: E402
+from examples.post_training.model_and_data import (  # noqa: E402
+    build_model,
+    data_iterators,
+    run_global_batches,
+    setup_tokenizer_and_batches,
+    validation_loss,
+)
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.post_training import prune as width_pruning  # noqa: E402
 from megatron.training import checkpointing  # noqa: E402
@@ -118,15 +124,15 @@ def _gpt_model(model):
 
 
 def _validation_loss(model, args):
-    return quantize.validation_loss(model, args) if args.eval_iters > 0 else None
+    return validation_loss(model, args) if args.eval_iters > 0 else None
 
 
 def collect_importance(model, args):
     """Channel scores from --calib-size training samples, summed over the data-parallel ranks."""
-    train_iterator, _ = quantize._iterators(args)
+    train_iterator, _ = data_iterators(args)
 
     def forward_loop(_):
-        quantize._run_global_batches(model, train_iterator, calibration_batches(args), args)
+        run_global_batches(model, train_iterator, calibration_batches(args), args)
 
     return width_pruning.collect_width_importance(
         _gpt_model(model), forward_loop, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
@@ -153,7 +159,7 @@ def prune_model(model, args):
     original = _gpt_model(model)
     kept = width_pruning.select_kept_channels(importance, original.config, target_of(args))
     set_pruned_sizes(args, width_pruning.pruned_config(original.config, kept))
-    pruned = quantize.build_model(args)
+    pruned = build_model(args)
     width_pruning.copy_kept_weights(original, _gpt_model(pruned), kept)
     return pruned, kept
 
@@ -172,10 +178,10 @@ def modelopt_minitron_prune(model, target, forward_loop):
 
 def prune_with_modelopt_plugin(model, args):
     """modelopt's mcore_minitron mode on `model`, scored on --calib-size training samples."""
-    train_iterator, _ = quantize._iterators(args)
+    train_iterator, _ = data_iterators(args)
 
     def forward_loop(pruned):
-        quantize._run_global_batches(pruned, train_iterator, calibration_batches(args), args)
+        run_global_batches(pruned, train_iterator, calibration_batches(args), args)
 
     modelopt_minitron_prune(_gpt_model(model), target_of(args), forward_loop)
     set_pruned_sizes(args, _gpt_model(model).config)
@@ -190,8 +196,8 @@ def save_pruned_model(model, iteration, args):
 def run(args):
     """Load, evaluate, prune, evaluate, save; returns the losses, the pruned model and the kept channels."""
     _check_arguments(args)
-    quantize.setup_tokenizer_and_batches(args)
-    model = quantize.build_model(args)
+    setup_tokenizer_and_batches(args)
+    model = build_model(args)
     iteration = checkpointing.load_checkpoint([model], None, None, args)
     if iteration == 0 and checkpointing.read_tracker(args.load) is None:
         raise FileNotFoundError(f"no checkpoint under --load {args.load}")

@@ -25,7 +25,13 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-import pretrain_gpt  # noqa: E402
+from examples.post_training.model_and_data import (  # noqa: E402
+    build_model,
+    data_iterators,
+    run_global_batches,
+    setup_tokenizer_and_batches,
+    validation_loss,
+)
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.extensions import modelopt as modelopt_support  # noqa: E402
 from megatron.training import checkpointing  # noqa: E402
@@ -53,78 +59,12 @@ def _setup(args):
     setup_tokenizer_and_batches(args)
 
 
-def setup_tokenizer_and_batches(args):
-    """What pretrain() sets up before building a model and reading data: the tokenizer, the padded vocabulary
-    size and the micro-batch calculator (the post-training examples run outside pretrain())."""
-    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
-    from megatron.training.global_vars import set_tokenizer
-    from megatron.training.tokenizer import build_tokenizer_from_args, pad_vocab_size
-
-    checkpointing.check_checkpoint_format(args)
-    tokenizer = build_tokenizer_from_args(args)
-    set_tokenizer(tokenizer)
-    args.padded_vocab_size = pad_vocab_size(
-        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
-    )
-    init_num_microbatches_calculator(args.rank, args.global_batch_size, args.micro_batch_size, args.data_parallel_size)
-
-
-def build_model(args):
-    """This stage's GPT model (unwrapped: PTQ runs forward passes only)."""
-    from megatron.training.model_setup import get_model
-
-    return get_model(pretrain_gpt.model_provider, args, wrap_with_ddp=False)[0]
-
-
-def _run_global_batches(model, data_iterator, num_batches, args):
-    """Forward `num_batches` global batches; returns the token-weighted mean loss (None off the last stage)."""
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.training.result_validation import pause_result_validation, resume_result_validation
-    from megatron.training.training import reduce_reported_loss
-
-    total = []
-    model.eval()
-    validation_mode = pause_result_validation()  # forward passes outside a training step, as in evaluation
-    with torch.no_grad():
-        for _ in range(num_batches):
-            total += get_forward_backward_func()(
-                forward_step_func=pretrain_gpt.forward_step,
-                data_iterator=data_iterator,
-                model=[model],
-                num_microbatches=get_num_microbatches(),
-                seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size,
-                decoder_seq_length=args.seq_length,
-                forward_only=True,
-            )
-    resume_result_validation(validation_mode)
-    return float(reduce_reported_loss(total, args.device))
-
-
-def _iterators(args):
-    from megatron.training.data_iterators import build_data_iterators
-
-    # Calibration and validation read their splits from the start, whatever the checkpoint had consumed.
-    args.consumed_train_samples, args.iteration = 0, 0
-    train_iterator, valid_iterator, _ = build_data_iterators(pretrain_gpt.train_valid_test_datasets_provider, args)
-    if train_iterator is None or valid_iterator is None:
-        raise ValueError("quantize.py needs training data (calibration) and validation data (--split with a valid part)")
-    return train_iterator, valid_iterator
-
-
-def validation_loss(model, args):
-    """Mean loss over --eval-iters global batches of validation data, always the same batches."""
-    _, valid_iterator = _iterators(args)
-    return _run_global_batches(model, valid_iterator, args.eval_iters, args)
-
-
 def quantize_model(model, args):
     """Insert and calibrate `--quant-cfg` quantizers on `--calib-batches` global batches of training data."""
-    train_iterator, _ = _iterators(args)
+    train_iterator, _ = data_iterators(args)
 
     def forward_loop(quantized):
-        _run_global_batches(quantized, train_iterator, args.calib_batches, args)
+        run_global_batches(quantized, train_iterator, args.calib_batches, args)
 
     return modelopt_support.quantize(model, args.quant_cfg, forward_loop)
 

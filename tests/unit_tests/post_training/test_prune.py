@@ -47,7 +47,8 @@ def _pretrain(argv, metrics):
 
 
 def _train_prune_finetune(prefix, workdir):
-    from examples.post_training import prune, quantize
+    from examples.post_training import prune
+    from examples.post_training.model_and_data import build_model
     from megatron.training import checkpointing
     from megatron.training.initialize import initialize_megatron
     from megatron.training.training import _teardown
@@ -67,7 +68,7 @@ def _train_prune_finetune(prefix, workdir):
         positions = torch.arange(32).unsqueeze(0).expand(2, -1)
         with torch.no_grad():
             expected = pruned(tokens, positions)
-            restored = quantize.build_model(args)  # args now describe the pruned model
+            restored = build_model(args)  # args now describe the pruned model
             args.load, args.finetune = pruned_root, True
             checkpointing.load_checkpoint([restored], None, None, args)
             actual = restored(tokens, positions)

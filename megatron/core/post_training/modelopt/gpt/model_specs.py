@@ -1,15 +1,34 @@
 """`get_gpt_modelopt_spec`: upstream's layer spec of a GPT transformer layer built for modelopt (local layers,
-no fused TE modules), which modelopt's EAGLE speculative-decoding plugin builds its draft layers from.
+no fused TE modules), from which modelopt's EAGLE speculative-decoding plugin
+(`modelopt.torch.speculative.plugins.megatron_eagle`) builds its draft decoder layers.
 
-Layers here are built directly from a `TransformerConfig` (see `transformer_layer.py`), not from module specs,
-so there is no spec to return: the function exists under its upstream name and says so when called.
+Layers here are built from a `TransformerConfig` directly (see `transformer_layer.py`); `TransformerBlock` takes
+no spec, so there is no spec to return that anything could build. A spec alone would not make EAGLE run either:
+its conversion (`mtsp.convert(model, [("eagle", cfg)])`) builds a `TransformerConfig` with upstream-only fields
+(`attention_softmax_in_fp32`, ...) and then assigns attributes on it (`transformer_layer_spec`, `seq_length`,
+`hidden_size`, `pipeline_model_parallel_size`, ...), where this config is frozen; it builds
+`TransformerBlock(config, spec=..., post_layer_norm=...)` and upstream's `RotaryEmbedding(rotary_interleaved=...,
+rope_scaling=...)`, and calls the decoder with `inference_params`, `packed_seq_params` and `inference_context`.
+The function keeps its upstream name and signature and says precisely that, and what to use instead.
 """
+
+UNSUPPORTED_MESSAGE = (
+    "get_gpt_modelopt_spec: modelopt's EAGLE speculative decoding (modelopt.torch.speculative.plugins."
+    "megatron_eagle) is not supported by this megatron.core. Its draft module is built from upstream module "
+    "specs, and transformer layers here are built from TransformerConfig directly (TransformerBlock takes no "
+    "spec), so there is no layer spec to return. Beyond the spec, modelopt's EAGLE conversion needs upstream's "
+    "mutable TransformerConfig with its upstream-only fields (attention_softmax_in_fp32, ...; this one is frozen "
+    "and validated once), TransformerBlock(spec=..., post_layer_norm=...), upstream's RotaryEmbedding arguments "
+    "(rotary_interleaved, rope_scaling, get_rotary_seq_len) and decoder calls with inference_params / "
+    "packed_seq_params / inference_context. Instead: for draft-model speculative decoding, distil a smaller draft "
+    "GPT from this model (examples/post_training/distill.py, or width-prune it first with "
+    "examples/post_training/prune.py); for EAGLE heads, export the checkpoint to Hugging Face format "
+    "(tools/checkpoint/convert_checkpoint.py --to hf) and train them with modelopt's Hugging Face EAGLE plugin "
+    "(modelopt.torch.speculative.plugins.hf_eagle) under the transformers version modelopt supports "
+    "(pip install 'nvidia-modelopt[hf]')."
+)
 
 
 def get_gpt_modelopt_spec(config=None, local_core_attention=False, remap_te_layernorm=False, real_quant_cfg="None",
                           use_arbitrary_attention_mask=False, **kwargs):
-    raise NotImplementedError(
-        "get_gpt_modelopt_spec: transformer layers here are built from TransformerConfig directly, not from "
-        "module specs, so modelopt features that build layers from a spec (EAGLE / Medusa speculative decoding "
-        "draft heads) are not available; quantization, distillation and checkpointing of GPTModel do not need it"
-    )
+    raise NotImplementedError(UNSUPPORTED_MESSAGE)

@@ -1,0 +1,35 @@
+"""megatron.core.post_training.modelopt.gpt.model_specs: `get_gpt_modelopt_spec` (what modelopt's EAGLE plugin
+builds its draft layers from) says that EAGLE is unsupported, why, and what to use instead; each reason it gives
+is checked against this code base, so the message changes when one stops holding."""
+
+import dataclasses
+import inspect
+
+import pytest
+
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.post_training.modelopt.gpt.model_specs import get_gpt_modelopt_spec
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def test_the_spec_builder_says_what_is_unsupported_and_what_to_use_instead():
+    with pytest.raises(NotImplementedError) as raised:
+        get_gpt_modelopt_spec(None, remap_te_layernorm=True, use_arbitrary_attention_mask=True)
+    message = str(raised.value)
+    for part in ("EAGLE speculative decoding", "is not supported", "TransformerBlock takes no spec",
+                 "attention_softmax_in_fp32", "frozen", "examples/post_training/distill.py",
+                 "convert_checkpoint.py --to hf", "hf_eagle"):
+        assert part in message, part
+
+
+def test_the_reasons_given_hold():
+    fields = {field.name for field in dataclasses.fields(TransformerConfig)}
+    assert TransformerConfig.__dataclass_params__.frozen
+    assert "attention_softmax_in_fp32" not in fields and "transformer_layer_spec" not in fields
+    block_parameters = inspect.signature(TransformerBlock.__init__).parameters
+    assert "spec" not in block_parameters and "post_layer_norm" not in block_parameters
+    rotary_parameters = inspect.signature(RotaryEmbedding.__init__).parameters
+    assert "rope_scaling" not in rotary_parameters and "rotary_interleaved" not in rotary_parameters
+    assert not hasattr(RotaryEmbedding, "get_rotary_seq_len")
+    assert "inference_context" not in inspect.signature(TransformerBlock.forward).parameters
