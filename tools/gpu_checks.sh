@@ -39,13 +39,13 @@ for section in "${SECTIONS[@]}"; do
             run_section env 60 bash -c 'nvidia-smi; python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"'
             cat "${OUT}/env.log" | tail -3 ;;
         fp8-linear)
-            run_section fp8-linear 150 bash -c 'python3 examples/fp8/benchmark_fp8.py --part gpu --skip-pretrain && python3 examples/fp8/benchmark_fp8.py --part gpu-diagnostics'
+            run_section fp8-linear 120 bash -c 'python3 examples/fp8/benchmark_fp8.py --part gpu --skip-pretrain && python3 examples/fp8/benchmark_fp8.py --part gpu-diagnostics'
             grep -E '^\|' "${OUT}/fp8-linear.log" | head -40 ;;
         gpu-tests)
-            run_section gpu-tests 200 python3 -m pytest -m gpu tests/unit_tests -q -p no:cacheprovider -o addopts="-ra --strict-markers" --timeout 120
+            run_section gpu-tests 150 python3 -m pytest -m gpu tests/unit_tests -q -p no:cacheprovider -o addopts="-ra --strict-markers" --timeout 120
             tail -25 "${OUT}/gpu-tests.log" ;;
         fp8-pretrain)
-            run_section fp8-pretrain 330 python3 examples/fp8/benchmark_fp8.py --part gpu --pretrain-only
+            run_section fp8-pretrain 300 python3 examples/fp8/benchmark_fp8.py --part gpu --pretrain-only
             grep -E '^\||pretrain_gpt|failed|Error' "${OUT}/fp8-pretrain.log" | tail -12 ;;
         offload)
             run_section offload 200 python3 examples/offloading/benchmark.py
