@@ -110,11 +110,16 @@ def kernels():
     return amax_kernel, quantize_kernel
 
 
+@functools.cache
+def _multiprocessors(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _blocks_per_program(tensor):
     """Blocks each amax program reduces: a power of two (so few kernel variants are compiled) that leaves about
     `AMAX_PROGRAMS_PER_SM` programs per multiprocessor, each folding its result in with one atomic."""
     blocks = -(-tensor.numel() // AMAX_BLOCK)
-    sms = torch.cuda.get_device_properties(tensor.device).multi_processor_count if tensor.is_cuda else 8
+    sms = _multiprocessors(tensor.device.index) if tensor.is_cuda else 8
     wanted = max(1, blocks // (sms * AMAX_PROGRAMS_PER_SM))
     return 1 << (wanted.bit_length() - 1)
 
