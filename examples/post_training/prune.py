@@ -196,6 +196,8 @@ def save_pruned_model(model, iteration, args):
 def run(args):
     """Load, evaluate, prune, evaluate, save; returns the losses, the pruned model and the kept channels."""
     _check_arguments(args)
+    if args.use_modelopt_plugin:
+        check_pruning_available()  # before loading anything
     setup_tokenizer_and_batches(args)
     model = build_model(args)
     iteration = checkpointing.load_checkpoint([model], None, None, args)

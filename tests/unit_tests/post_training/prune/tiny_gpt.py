@@ -13,7 +13,8 @@ VOCAB, SEQ, BATCH, SEED = 64, 16, 8, 1234
 
 def tiny_config(**overrides):
     fields = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, hidden_dropout=0.0,
-                  attention_dropout=0.0, normalization="RMSNorm", gated_linear_unit=True, init_seed=SEED)
+                  attention_dropout=0.0, normalization="RMSNorm", gated_linear_unit=True, init_seed=SEED,
+                  use_cpu_initialization=True)  # CPU tests, also on a machine with a GPU
     fields.update(overrides)
     return TransformerConfig(**fields)
 
