@@ -62,8 +62,8 @@ def _check_target(config, target: WidthPruningTarget):
 
 def _top(scores: torch.Tensor, count: int) -> torch.Tensor:
     """Indices of the `count` highest scores, in ascending index order (ties: the lower index)."""
-    order = sorted(range(scores.numel()), key=lambda index: (-float(scores[index]), index))
-    return torch.tensor(sorted(order[:count]), dtype=torch.long)
+    order = torch.sort(-scores.detach().double().cpu(), stable=True).indices
+    return order[:count].sort().values
 
 
 def _kept_heads(scores: torch.Tensor, target: int, num_groups: int) -> torch.Tensor:
