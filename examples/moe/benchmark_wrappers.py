@@ -2,9 +2,9 @@
 step time.
 
 Trains pretrain_gpt.py (mock data) with 8 experts per layer, top-2, alltoall dispatch, at EP2 under Megatron DDP,
-the distributed optimizer and FSDP2, and at EP1 under Megatron-FSDP ZeRO-3 (Megatron-FSDP refuses EP > 1), and
-reads the last rank's metrics record: the memory line's expert bytes and the iteration times. Prints a markdown
-table. Arms are interleaved over `--repeats` rounds; the step time is the median over steps after the first
+the distributed optimizer, FSDP2 and Megatron-FSDP ZeRO-3 (experts on their expert data-parallel mesh, one rank
+here), and reads the last rank's metrics record: the memory line's expert bytes and the iteration times. Prints a
+markdown table. Arms are interleaved over `--repeats` rounds; the step time is the median over steps after the first
 `--warmup` of every repeat.
 
     python examples/moe/benchmark_wrappers.py [--repeats 2] [--iters 20]
@@ -29,8 +29,7 @@ ARMS = {  # name: (expert-parallel size, flags, expert-DP sharding of (params, o
     "DDP": (2, "", (1, 1)),
     "distributed optimizer": (2, "--use-distributed-optimizer", (1, 1)),
     "FSDP2": (2, "--use-torch-fsdp2 --untie-embeddings-and-output-weights", (1, 1)),
-    "Megatron-FSDP z3 (EP1)": (1, "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
-                               (2, 2)),
+    "Megatron-FSDP z3": (2, "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params", (1, 1)),
 }
 
 

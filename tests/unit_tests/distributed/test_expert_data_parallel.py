@@ -32,8 +32,14 @@ def _optimizer_config(use_distributed_optimizer):
 
 
 WRAPPERS = ("ddp", "distributed_optimizer", "fsdp2")
-# Megatron-FSDP at a ZeRO level (data_parallel_sharding_strategy), for the Megatron-FSDP expert tests
-MEGATRON_FSDP_STRATEGIES = {"megatron_fsdp_z1": "optim", "megatron_fsdp_z3": "optim_grads_params"}
+# Megatron-FSDP settings (DistributedDataParallelConfig fields) by wrapper name, for the Megatron-FSDP expert tests
+MEGATRON_FSDP_WRAPPERS = {
+    "megatron_fsdp_z1": {"data_parallel_sharding_strategy": "optim"},
+    "megatron_fsdp_z2": {"data_parallel_sharding_strategy": "optim_grads"},
+    "megatron_fsdp_z3": {"data_parallel_sharding_strategy": "optim_grads_params"},
+    "megatron_fsdp_z3_average": {"data_parallel_sharding_strategy": "optim_grads_params",
+                                 "average_in_collective": True},
+}
 
 
 class TrainingRun:
@@ -48,12 +54,11 @@ class TrainingRun:
         if wrapper == "fsdp2":
             ddp_config = DistributedDataParallelConfig(use_torch_fsdp2=True)
             self.ddp = TorchFSDP2(config, ddp_config, self.model, fsdp_unit_modules=(ToyMoELayer,))
-        elif wrapper in MEGATRON_FSDP_STRATEGIES:
+        elif wrapper in MEGATRON_FSDP_WRAPPERS:
             from megatron.core.distributed.fsdp.mcore_fsdp_adapter import MegatronFSDPAdapter
 
-            ddp_config = DistributedDataParallelConfig(
-                use_megatron_fsdp=True, data_parallel_sharding_strategy=MEGATRON_FSDP_STRATEGIES[wrapper],
-                overlap_grad_reduce=True, overlap_param_gather=True)
+            ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True, overlap_grad_reduce=True,
+                                                       overlap_param_gather=True, **MEGATRON_FSDP_WRAPPERS[wrapper])
             self.ddp = MegatronFSDPAdapter(config, ddp_config, self.model, fsdp_unit_modules=(ToyMoELayer,))
         else:
             ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer,

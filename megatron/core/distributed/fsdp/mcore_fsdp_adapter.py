@@ -189,6 +189,12 @@ def _expert_device_mesh(tensor_parallel: bool):
     from megatron.core import parallel_state
     from megatron.core.device_utils import get_device_for_group
 
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    # torch caches DTensor sharding decisions (which carry their mesh) keyed by meshes that compare equal whenever
+    # their ranks do: a process that rebuilt its groups (parallel_state torn down and initialised again) would
+    # otherwise run the expert DTensors' collectives on a mesh of destroyed groups.
+    _clear_sharding_prop_cache()
     expert_dp_group = parallel_state.get_expert_data_parallel_group()
     expert_dp_ranks = dist.get_process_group_ranks(expert_dp_group)
     device_type = get_device_for_group(expert_dp_group).type

@@ -3,12 +3,14 @@ gathered and reduced over the expert data-parallel group, while the dense ones s
 
 The toy MoE model of `test_expert_data_parallel` (4 experts, top-1, the MoE layer one FSDP unit holding a dense
 router group and an expert group) trains at EP2 on 2 ranks (expert-DP 1: each rank holds its experts whole) and
-on 4 ranks (expert-DP 2: each expert's rows split over two ranks) under ZeRO-1 and ZeRO-3, on the same global
-batch as the one-process reference that DDP at EP1 is held to there: losses, grad norms (clipping on) and zero
-counts per step, and the final weights, within 1e-5. A torch_dist checkpoint saved by Megatron-FSDP at EP2 x
+on 4 ranks (expert-DP 2: each expert's rows split over two ranks) under ZeRO-1 and ZeRO-3 (on 4 ranks also ZeRO-2,
+and ZeRO-3 averaging in the collectives), on the same global batch as the one-process reference that DDP at EP1
+is held to there: losses, grad norms (clipping on) and zero counts per step, and the final weights, within 1e-5;
+the memory line's expert bytes by the sharding theory. A torch_dist checkpoint saved by Megatron-FSDP at EP2 x
 expert-DP2 resumes under DDP at EP1 like the uninterrupted run.
 """
 
+import megatron_fsdp
 import pytest
 import torch
 import torch.distributed as dist
@@ -36,6 +38,8 @@ def _train_at_ep2(wrapper):
     shard_groups = run.ddp.expert_grad_shard_groups()
     history = run.train(range(expert_training.STEPS))
     memory = memory_usage([run.ddp], run.optimizer, torch.device("cpu"))
+    with pytest.raises(ValueError, match="expert-parallel group"):  # the package alone cannot count experts once
+        megatron_fsdp.clip_grad_norm_(run.ddp.fsdp, 1.0)
     expert_memory = {key: value for key, value in memory.items() if key.startswith("expert_")}
     return layout, expert_names, [dist.get_world_size(group) for group in shard_groups], expert_memory, history, \
         run.global_parameters()
@@ -55,8 +59,11 @@ def _check_params(params, expected_params):
         torch.testing.assert_close(params[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("wrapper", ["megatron_fsdp_z1", "megatron_fsdp_z3"], ids=["z1", "z3"])
-@pytest.mark.parametrize("world", [2, 4], ids=["ep2_edp1", "ep2_edp2"])
+@pytest.mark.parametrize("world, wrapper", [(2, "megatron_fsdp_z1"), (2, "megatron_fsdp_z3"), (4, "megatron_fsdp_z1"),
+                                            (4, "megatron_fsdp_z2"), (4, "megatron_fsdp_z3"),
+                                            (4, "megatron_fsdp_z3_average")],
+                         ids=["ep2_edp1-z1", "ep2_edp1-z3", "ep2_edp2-z1", "ep2_edp2-z2", "ep2_edp2-z3",
+                              "ep2_edp2-z3_average"])
 def test_megatron_fsdp_expert_parallel_trains_like_one_process(world, wrapper):
     expected_history, expected_params = expert_training.uninterrupted_reference()
     assert any(norm > expert_training.CLIP_GRAD for _, norm, _ in expected_history)  # clipping is exercised
@@ -72,10 +79,11 @@ def test_megatron_fsdp_expert_parallel_trains_like_one_process(world, wrapper):
         assert expert_names == [f"mlp.experts.local_experts.{j}.linear_fc{k}.{kind}"
                                 for j in range(2) for k in (1, 2) for kind in ("bias", "weight")]
         assert shard_group_sizes == ([expert_data_parallel] if expert_data_parallel > 1 else [])
-        # ZeRO-3 shards weights and gradients, ZeRO-1 only Adam's two moments; fp32 main weights are the weights
-        whole = wrapper == "megatron_fsdp_z1"
-        assert memory == {"expert_params_bytes": local if whole else shard,
-                          "expert_grads_bytes": local if whole else shard,
+        # ZeRO-3 shards weights and gradients, ZeRO-2 gradients, ZeRO-1 only Adam's two moments; fp32 main
+        # weights are the weights
+        assert memory == {"expert_params_bytes": local if wrapper in ("megatron_fsdp_z1", "megatron_fsdp_z2")
+                          else shard,
+                          "expert_grads_bytes": local if wrapper == "megatron_fsdp_z1" else shard,
                           "expert_optimizer_state_bytes": 2 * shard}
     _, _, _, _, history, params = results[0]
     _check_history(history, expected_history)
