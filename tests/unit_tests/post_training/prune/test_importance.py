@@ -81,6 +81,13 @@ def test_unsupported_models_are_refused_with_the_flag(overrides, message):
         check_prunable(model)
 
 
+def test_norms_fused_into_transformer_engine_linears_are_refused():
+    model = tiny_gpt.tiny_gpt()
+    model.decoder.layers[1].norms_fused_into_linears = True  # as under --transformer-impl transformer_engine
+    with pytest.raises(ValueError, match="--transformer-impl local"):
+        check_prunable(model)
+
+
 def test_wrapped_models_are_refused():
     with pytest.raises(ValueError, match="unwrapped GPTModel"):
         check_prunable(torch.nn.Linear(2, 2))
