@@ -154,7 +154,10 @@ class MegatronFSDPOptimizer(MegatronOptimizer):
         # ranks sharding each expert (expert data parallel under expert parallelism, DP x CP at EP1).
         expert_groups = None
         if model_has_expert_parameters(self.chunks):
-            expert_groups = expert_grad_stats_groups() + self.chunk.expert_grad_shard_groups()
+            # A chunk with expert groups of its own gives them (with an interleaved pipeline the first chunk may
+            # hold no MoE layer); every chunk of a rank has the same expert data-parallel group.
+            expert_chunks = [chunk for chunk in self.chunks if chunk.fsdp.expert_topology is not None]
+            expert_groups = expert_grad_stats_groups() + (expert_chunks or self.chunks)[0].expert_grad_shard_groups()
         super().__init__(torch_optimizer, config, grad_scaler, grad_stats_groups, found_inf_groups, expert_groups)
 
     def model_params(self):

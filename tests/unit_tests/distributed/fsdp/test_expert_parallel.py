@@ -101,3 +101,33 @@ def test_megatron_fsdp_ep2_checkpoint_resumes_under_ddp_ep1(tmp_path):
     assert "optimizer.state.mlp.experts.local_experts.3.linear_fc2.weight.exp_avg_sq" in keys
     _check_history(history, expected_history[save_after:])
     _check_params(params, expected_params)
+
+
+def _expert_stats_group_sizes_with_a_dense_first_chunk():
+    """An interleaved-pipeline-like rank whose first chunk holds no MoE layer: the optimizer must take the expert
+    shard groups from the chunk that has expert groups (expert-DP 1 here: none), not the dense chunk's DP group."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import MegatronFSDPAdapter
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+    from tests.unit_tests.distributed.expert_toy_model import ToyMoELayer, ToyMoEModel
+
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=EXPERT_PARALLEL)
+    config = ModelParallelConfig(expert_model_parallel_size=EXPERT_PARALLEL)
+    ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True,
+                                               data_parallel_sharding_strategy="optim_grads_params")
+    dense = MegatronFSDPAdapter(config, ddp_config, torch.nn.Sequential(torch.nn.Linear(4, 4)),
+                                fsdp_unit_modules=(torch.nn.Linear,))
+    moe = MegatronFSDPAdapter(config, ddp_config,
+                              ToyMoEModel(ep_group=parallel_state.get_expert_model_parallel_group()),
+                              fsdp_unit_modules=(ToyMoELayer,))
+    optimizer = get_megatron_optimizer(expert_training._optimizer_config(False), [dense, moe])
+    return [dist.get_world_size(group) for group in optimizer.expert_grad_stats_groups], \
+        dist.get_world_size(parallel_state.get_model_parallel_group())
+
+
+def test_expert_statistics_take_the_expert_shard_groups_of_a_chunk_with_experts():
+    for sizes, model_parallel in run_on_ranks(2, _expert_stats_group_sizes_with_a_dense_first_chunk):
+        # model parallel, expert parallel; no expert data-parallel shard group (expert-DP 1), not the dense DP2
+        assert sizes == [model_parallel, EXPERT_PARALLEL]
