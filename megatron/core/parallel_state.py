@@ -263,12 +263,50 @@ def get_expert_model_parallel_world_size():
     return len(_ranks("ep")) if model_parallel_is_initialized() else 1
 
 
-def get_expert_data_parallel_group():
-    return _group("expt-dp")
+def _expert_data_parallel_name(partial_expert_data_parallel):
+    if not partial_expert_data_parallel:
+        return "expt-dp"
+    if model_parallel_is_initialized() and not _belongs_to("inner-expt-dp"):
+        raise ValueError(
+            f"--num-distributed-optimizer-instances {get_num_distributed_optimizer_instances()} does not divide the "
+            f"expert data-parallel size {len(_ranks('expt-dp'))} (world / (TP x EP x PP)): expert parameters cannot "
+            "be split into that many instances; choose an instance count that divides it or a smaller "
+            "--expert-model-parallel-size"
+        )
+    return "inner-expt-dp"
 
 
-def get_expert_data_parallel_world_size():
-    return len(_ranks("expt-dp")) if model_parallel_is_initialized() else 1
+def get_expert_data_parallel_group(partial_expert_data_parallel=False):
+    """The ranks holding the same experts (equal tp/ep/pp coordinates of the expert grid).
+
+    `partial_expert_data_parallel` selects the inner group of hybrid sharding: the expert data-parallel ranks of
+    one distributed-optimizer instance (see `get_outer_expert_data_parallel_group` for the ones across them).
+    """
+    return _group(_expert_data_parallel_name(partial_expert_data_parallel))
+
+
+def get_expert_data_parallel_rank(partial_expert_data_parallel=False):
+    if not model_parallel_is_initialized():
+        return 0
+    return _rank_in(_expert_data_parallel_name(partial_expert_data_parallel))
+
+
+def get_expert_data_parallel_world_size(partial_expert_data_parallel=False):
+    if not model_parallel_is_initialized():
+        return 1
+    return len(_ranks(_expert_data_parallel_name(partial_expert_data_parallel)))
+
+
+def get_inner_expert_data_parallel_group():
+    """Hybrid sharding: the expert-DP/N consecutive expert data-parallel ranks of this instance."""
+    return get_expert_data_parallel_group(partial_expert_data_parallel=True)
+
+
+def get_outer_expert_data_parallel_group():
+    """Hybrid sharding: the N expert data-parallel ranks at this rank's position across the distributed-optimizer
+    instances (expert gradients are all-reduced over them, as dense ones over `get_outer_data_parallel_group`)."""
+    _expert_data_parallel_name(partial_expert_data_parallel=True)
+    return _group("outer-expt-dp")
 
 
 def get_expert_tensor_and_model_parallel_group():

@@ -111,7 +111,8 @@ def generate_rank_groups(world_size, tp=1, pp=1, cp=1, ep=1, dp=None, order=DEFA
     "tp-cp", "tp-dp" (equal pp/cp coordinates), "tp-dp-cp" (every rank of one pipeline stage: FP8's
     amax-reduction group), "mp" (tp x pp: the model-parallel group), "embedding" (first and last rank of each
     pipeline), "inner-dp-cp" / "outer-dp-cp" (hybrid sharding: the dp-cp group cut into N consecutive chunks, and the
-    ranks at the same position across the chunks), "ep", "expt-dp" (expert grid), "tp-ep".
+    ranks at the same position across the chunks), "ep", "expt-dp" (expert grid), "tp-ep", and "inner-expt-dp" /
+    "outer-expt-dp" (the same cut of each expert-dp group, when N divides its size).
     `dp` is derived from the world size when None; a given value must agree with it.
     """
     derived_dp = validate_parallel_sizes(world_size, tp, pp, cp, ep, num_distributed_optimizer_instances)
@@ -153,6 +154,15 @@ def generate_rank_groups(world_size, tp=1, pp=1, cp=1, ep=1, dp=None, order=DEFA
     groups["ep"] = expert.groups({"ep"})
     groups["expt-dp"] = expert.groups({"dp"})
     groups["tp-ep"] = expert.groups({"tp", "ep"})
+    if expert_dp % instances == 0:
+        # Hybrid sharding of expert parameters: the expert-dp group cut into N consecutive chunks (one per
+        # distributed-optimizer instance) and the ranks at the same position across the chunks. Absent when the
+        # instances do not divide the expert data-parallel size (the expert-side getters then say so).
+        expert_inner_size = expert_dp // instances
+        groups["inner-expt-dp"] = [ranks[start : start + expert_inner_size] for ranks in groups["expt-dp"]
+                                   for start in range(0, len(ranks), expert_inner_size)]
+        groups["outer-expt-dp"] = [ranks[position::expert_inner_size] for ranks in groups["expt-dp"]
+                                   for position in range(expert_inner_size)]
     return groups
 
 

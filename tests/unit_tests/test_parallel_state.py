@@ -54,6 +54,22 @@ def test_expert_parallel_regroups_data_parallel_ranks():
     assert groups["tp-ep"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
+def test_expert_data_parallel_groups_split_into_optimizer_instances():
+    groups = ps.generate_rank_groups(8, ep=2, num_distributed_optimizer_instances=2)
+    assert groups["inner-dp-cp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups["expt-dp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    # each instance's expert-dp ranks are ranks of that instance: expert and dense replicas line up
+    assert groups["inner-expt-dp"] == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert groups["outer-expt-dp"] == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    groups = ps.generate_rank_groups(8, tp=2, ep=2, num_distributed_optimizer_instances=2)
+    assert groups["expt-dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["inner-expt-dp"] == [[r] for r in (0, 4, 1, 5, 2, 6, 3, 7)]
+    assert groups["outer-expt-dp"] == groups["expt-dp"]
+    # four instances cannot split an expert-dp group of two: no expert-side hybrid groups
+    groups = ps.generate_rank_groups(8, ep=4, num_distributed_optimizer_instances=4)
+    assert "inner-expt-dp" not in groups and "outer-expt-dp" not in groups
+
+
 def test_tp4_dp2_two_instances_gives_singleton_inner_groups():
     groups = ps.generate_rank_groups(8, tp=4, num_distributed_optimizer_instances=2)
     assert groups["dp-cp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
@@ -158,6 +174,7 @@ def _check_layout_on_rank(tp, pp, cp, ep, instances):
         (ps.get_data_parallel_group(with_context_parallel=True), "dp-cp",
          ps.get_data_parallel_rank(with_context_parallel=True), ps.get_data_parallel_world_size(with_context_parallel=True)),
         (ps.get_expert_model_parallel_group(), "ep", ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()),
+        (ps.get_expert_data_parallel_group(), "expt-dp", ps.get_expert_data_parallel_rank(), ps.get_expert_data_parallel_world_size()),
     ]
     for group, name, group_rank, group_size in checks:
         assert _group_ranks(group) == mine(name), name
@@ -174,6 +191,18 @@ def _check_layout_on_rank(tp, pp, cp, ep, instances):
     assert ps.get_data_parallel_world_size(True, True) == len(mine("inner-dp-cp"))
     assert _group_ranks(ps.get_outer_data_parallel_group()) == mine("outer-dp-cp")
     assert dist.get_world_size(ps.get_outer_data_parallel_group()) == instances
+    if "inner-expt-dp" in groups:
+        assert _group_ranks(ps.get_inner_expert_data_parallel_group()) == mine("inner-expt-dp")
+        assert ps.get_expert_data_parallel_group(partial_expert_data_parallel=True) is (
+            ps.get_inner_expert_data_parallel_group()
+        )
+        assert ps.get_expert_data_parallel_world_size(True) == len(mine("inner-expt-dp"))
+        assert ps.get_expert_data_parallel_rank(True) == mine("inner-expt-dp").index(rank)
+        assert _group_ranks(ps.get_outer_expert_data_parallel_group()) == mine("outer-expt-dp")
+        assert dist.get_world_size(ps.get_outer_expert_data_parallel_group()) == instances
+    else:
+        with pytest.raises(ValueError, match=f"--num-distributed-optimizer-instances {instances} does not divide"):
+            ps.get_outer_expert_data_parallel_group()
     if any(rank in ranks for ranks in groups["embedding"]):
         assert _group_ranks(ps.get_embedding_group()) == mine("embedding")
         assert ps.is_rank_in_embedding_group()
@@ -245,7 +274,7 @@ def test_small_worlds(world_size):
     layouts = [(1, 1, 1, 1, 1), (world_size, 1, 1, 1, 1), (1, world_size, 1, 1, 1), (1, 1, world_size, 1, 1),
                (1, 1, 1, world_size, world_size)]
     if world_size == 4:
-        layouts += [(2, 2, 1, 1, 1), (2, 1, 1, 2, 2)]
+        layouts += [(2, 2, 1, 1, 1), (2, 1, 1, 2, 2), (1, 1, 1, 2, 2)]
     results = run_on_ranks(world_size, _run_layouts, layouts)
     assert all(mesh_info[0][0] == (1, world_size, 1) for mesh_info in results)
     cpu = torch.device("cpu")
