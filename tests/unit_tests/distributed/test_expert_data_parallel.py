@@ -39,15 +39,19 @@ MEGATRON_FSDP_WRAPPERS = {
     "megatron_fsdp_z3": {"data_parallel_sharding_strategy": "optim_grads_params"},
     "megatron_fsdp_z3_average": {"data_parallel_sharding_strategy": "optim_grads_params",
                                  "average_in_collective": True},
+    # HFSDP: with num_distributed_optimizer_instances > 1, the optimizer side split across the instances too
+    "megatron_fsdp_z3_hfsdp": {"data_parallel_sharding_strategy": "optim_grads_params",
+                               "outer_dp_sharding_strategy": "optim"},
 }
 
 
 class TrainingRun:
     """The toy MoE model on this rank at `expert_model_parallel_size`, wrapped in `wrapper` (one of `WRAPPERS`),
-    with its optimizer."""
+    with its optimizer. Megatron-FSDP wrappers take `num_distributed_optimizer_instances` (HSDP / HFSDP)."""
 
-    def __init__(self, expert_model_parallel_size, wrapper):
-        parallel_state.initialize_model_parallel(expert_model_parallel_size=expert_model_parallel_size)
+    def __init__(self, expert_model_parallel_size, wrapper, num_distributed_optimizer_instances=1):
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=expert_model_parallel_size,
+                                                 num_distributed_optimizer_instances=num_distributed_optimizer_instances)
         self.model = ToyMoEModel(ep_group=parallel_state.get_expert_model_parallel_group())
         config = ModelParallelConfig(expert_model_parallel_size=expert_model_parallel_size)
         use_distributed_optimizer = wrapper == "distributed_optimizer"
@@ -57,8 +61,10 @@ class TrainingRun:
         elif wrapper in MEGATRON_FSDP_WRAPPERS:
             from megatron.core.distributed.fsdp.mcore_fsdp_adapter import MegatronFSDPAdapter
 
-            ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True, overlap_grad_reduce=True,
-                                                       overlap_param_gather=True, **MEGATRON_FSDP_WRAPPERS[wrapper])
+            ddp_config = DistributedDataParallelConfig(
+                use_megatron_fsdp=True, overlap_grad_reduce=True, overlap_param_gather=True,
+                num_distributed_optimizer_instances=num_distributed_optimizer_instances,
+                **MEGATRON_FSDP_WRAPPERS[wrapper])
             self.ddp = MegatronFSDPAdapter(config, ddp_config, self.model, fsdp_unit_modules=(ToyMoELayer,))
         else:
             ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer,
@@ -201,6 +207,7 @@ def _check_expert_memory(memory_per_rank, all_params, expert_model_parallel_size
 
 
 def _megatron_fsdp_hybrid_error_at_ep2():
+    """Two instances cannot split the expert data-parallel group of one rank (EP2 on two ranks)."""
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import MegatronFSDPAdapter
 
     parallel_state.initialize_model_parallel(expert_model_parallel_size=2, num_distributed_optimizer_instances=2)
@@ -222,8 +229,8 @@ def _hybrid_distributed_optimizer_error():
 
 def test_refusals_name_the_flags():
     message = run_on_ranks(WORLD, _megatron_fsdp_hybrid_error_at_ep2)[0]
-    assert "--use-megatron-fsdp" in message and "--expert-model-parallel-size 2" in message
-    assert "--num-distributed-optimizer-instances 2" in message
+    assert "--num-distributed-optimizer-instances 2 does not divide the expert data-parallel size 1" in message
+    assert "--expert-model-parallel-size" in message
     message = run_on_ranks(WORLD, _hybrid_distributed_optimizer_error)[0]
     assert "--num-distributed-optimizer-instances" in message and "--num-experts" in message
 

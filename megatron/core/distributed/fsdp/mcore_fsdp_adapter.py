@@ -17,8 +17,11 @@ With expert parallelism (`--expert-model-parallel-size` > 1) the Mixture-of-Expe
 data-parallel ranks (the ranks holding the same experts; the package's `expt_device_mesh`, with the `tp` dim
 too under tensor parallelism), the dense ones over DP x CP as above. Their gradients count each expert once in
 the gradient norm (`expert_grad_shard_groups()`), and the checkpoint names them by global expert index, so a
-checkpoint saved at one expert-parallel size loads at another. Not with HSDP / HFSDP
-(`--num-distributed-optimizer-instances` > 1), whose outer dim the expert mesh lacks.
+checkpoint saved at one expert-parallel size loads at another. Under HSDP / HFSDP
+(`--num-distributed-optimizer-instances N` > 1) the expert mesh has a `dp_outer` dim too: expert parameters are
+sharded over the expert data-parallel ranks of one instance (`parallel_state.get_expert_data_parallel_group(
+partial_expert_data_parallel=True)`) and their gradients reduced (HFSDP: their optimizer side split) across the
+instances over `get_outer_expert_data_parallel_group()`; N must divide the expert data-parallel size.
 
 Training uses it through the `DataParallelWrapper` contract it implements, like Megatron's
 `DistributedDataParallel`. Gradients live in Megatron-FSDP's buffers, not in `param.main_grad`: `optimizer_grad_pieces()` hands
@@ -124,6 +127,7 @@ class _Mesh(NamedTuple):
     hybrid_fsdp_group: object
     data_parallel_group: object  # every data-parallel (x context-parallel) rank of this stage
     expert_device_mesh: object = None  # the expert data-parallel (x tp) mesh under expert parallelism
+    expert_hybrid_fsdp_group: object = None  # HSDP / HFSDP: every expert data-parallel rank (outer x shard)
 
 
 def _mesh_from_parallel_state(ddp_config: DistributedDataParallelConfig, module) -> _Mesh:
@@ -147,16 +151,11 @@ def _mesh_from_parallel_state(ddp_config: DistributedDataParallelConfig, module)
     hybrid = instances > 1
     tensor_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
     data_parallel_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    expert_device_mesh = None
+    expert_device_mesh = expert_hybrid_fsdp_group = None
     if _shards_experts_apart(module):
+        expert_device_mesh = _expert_device_mesh(tensor_parallel, hybrid)
         if hybrid:
-            raise ValueError(
-                f"--use-megatron-fsdp with --expert-model-parallel-size "
-                f"{parallel_state.get_expert_model_parallel_world_size()} and --num-distributed-optimizer-instances "
-                f"{instances}: expert parameters are sharded over their own expert data-parallel mesh, which has no "
-                "outer (HSDP / HFSDP) dim; use --num-distributed-optimizer-instances 1 with expert parallelism"
-            )
-        expert_device_mesh = _expert_device_mesh(tensor_parallel)
+            expert_hybrid_fsdp_group = parallel_state.get_expert_data_parallel_group()
     return _Mesh(
         device_mesh=parallel_state.get_device_mesh(),
         dp_shard_dim="dp_shard_cp",
@@ -165,6 +164,7 @@ def _mesh_from_parallel_state(ddp_config: DistributedDataParallelConfig, module)
         hybrid_fsdp_group=data_parallel_group if hybrid else None,
         data_parallel_group=data_parallel_group,
         expert_device_mesh=expert_device_mesh,
+        expert_hybrid_fsdp_group=expert_hybrid_fsdp_group,
     )
 
 
@@ -180,10 +180,11 @@ def _shards_experts_apart(module) -> bool:
     return any(is_expert_parameter(param) for param in module.parameters())
 
 
-def _expert_device_mesh(tensor_parallel: bool):
-    """This rank's expert data-parallel mesh, dims named like parallel_state's dense mesh: `dp_shard_cp` (the
-    expert data-parallel group) and, under tensor parallelism, `tp` (expert tensor parallelism is tensor
-    parallelism here). Built on the existing groups: no new process groups."""
+def _expert_device_mesh(tensor_parallel: bool, hybrid: bool):
+    """This rank's expert data-parallel mesh, dims named like parallel_state's dense mesh: under HSDP / HFSDP
+    `dp_outer` (the instances), `dp_shard_cp` (the expert data-parallel group, of one instance under HSDP /
+    HFSDP) and, under tensor parallelism, `tp` (expert tensor parallelism is tensor parallelism here). Built on
+    the existing groups: no new process groups."""
     from torch.distributed.device_mesh import DeviceMesh
 
     from megatron.core import parallel_state
@@ -195,21 +196,28 @@ def _expert_device_mesh(tensor_parallel: bool):
     # their ranks do: a process that rebuilt its groups (parallel_state torn down and initialised again) would
     # otherwise run the expert DTensors' collectives on a mesh of destroyed groups.
     _clear_sharding_prop_cache()
-    expert_dp_group = parallel_state.get_expert_data_parallel_group()
-    expert_dp_ranks = dist.get_process_group_ranks(expert_dp_group)
-    device_type = get_device_for_group(expert_dp_group).type
-    if not tensor_parallel:
-        return DeviceMesh.from_group(expert_dp_group, device_type,
-                                     mesh=torch.tensor(expert_dp_ranks, dtype=torch.int),
-                                     mesh_dim_names=("dp_shard_cp",))
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    tp_ranks = dist.get_process_group_ranks(tp_group)
-    # The ranks form a regular grid (rank = base + i * expert-dp stride + j * tp stride): entry (i, j) is the i-th
-    # expert data-parallel peer moved to the j-th tensor-parallel position.
-    me = dist.get_rank()
-    grid = torch.tensor([[peer + tp_rank - me for tp_rank in tp_ranks] for peer in expert_dp_ranks], dtype=torch.int)
-    return DeviceMesh.from_group([expert_dp_group, tp_group], device_type, mesh=grid,
-                                 mesh_dim_names=("dp_shard_cp", "tp"))
+    expert_dp_ranks = dist.get_process_group_ranks(parallel_state.get_expert_data_parallel_group())
+    shard_group = parallel_state.get_expert_data_parallel_group(partial_expert_data_parallel=hybrid)
+    device_type = get_device_for_group(shard_group).type
+    # The expert data-parallel ranks as (instance, position within it): the instances are consecutive chunks.
+    per_instance = dist.get_world_size(shard_group)
+    peers = [expert_dp_ranks[start:start + per_instance] for start in range(0, len(expert_dp_ranks), per_instance)]
+    groups, names = [shard_group], ["dp_shard_cp"]
+    if hybrid:
+        groups, names = [parallel_state.get_outer_expert_data_parallel_group()] + groups, ["dp_outer"] + names
+    else:
+        peers = peers[0]
+    if tensor_parallel:
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        tp_ranks = dist.get_process_group_ranks(tp_group)
+        # The ranks form a regular grid (rank = base + i * expert-dp stride + j * tp stride): entry (..., i, j) is
+        # the i-th expert data-parallel peer moved to the j-th tensor-parallel position.
+        me = dist.get_rank()
+        peers = torch.tensor(peers, dtype=torch.int)
+        peers = peers.unsqueeze(-1) + torch.tensor(tp_ranks, dtype=torch.int) - me
+        groups, names = groups + [tp_group], names + ["tp"]
+    return DeviceMesh.from_group(groups if len(groups) > 1 else groups[0], device_type,
+                                 mesh=torch.as_tensor(peers, dtype=torch.int), mesh_dim_names=tuple(names))
 
 
 class MegatronFSDPAdapter(DataParallelWrapper):
@@ -258,6 +266,7 @@ class MegatronFSDPAdapter(DataParallelWrapper):
             report_nan_in_param_grad=ddp_config.check_for_nan_in_grad,
             gather_codec=_fp8_gather_codec(config, ddp_config, module),
             expt_device_mesh=mesh.expert_device_mesh,
+            expt_hybrid_fsdp_group=mesh.expert_hybrid_fsdp_group,
             is_expert_param=_is_expert_parameter,
             nccl_user_buffers=_nccl_user_buffers(ddp_config),
         )
@@ -344,15 +353,19 @@ class MegatronFSDPAdapter(DataParallelWrapper):
 
     def expert_grad_shard_groups(self) -> List[object]:
         """Process groups over which the optimizer's gradient pieces of one expert parameter are spread: the
-        expert data-parallel group under expert parallelism (ZeRO-1..3), else those of `grad_shard_groups()`."""
+        expert data-parallel group (of one instance under HSDP / HFSDP) under expert parallelism (ZeRO-1..3), and
+        under HFSDP the expert ranks across the instances too; else those of `grad_shard_groups()`."""
         import megatron_fsdp
 
         topology = self.module.expert_topology
         if topology is None:
             return self.grad_shard_groups()
+        groups = []
         if self.module.strategy != megatron_fsdp.ShardingStrategy.no_shard and topology.dp_size > 1:
-            return [topology.dp_group]
-        return []
+            groups.append(topology.dp_group)
+        if topology.outer_shards_optimizer and topology.outer_size > 1:
+            groups.append(topology.outer_group)
+        return groups
 
     def optimizer_grad_pieces(self, predicate: Optional[Callable[[torch.nn.Parameter], bool]] = None
                               ) -> List[GradPiece]:

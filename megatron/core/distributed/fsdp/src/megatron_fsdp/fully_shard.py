@@ -37,6 +37,7 @@ def fully_shard_model(
     expt_device_mesh=None,
     is_expert_param=None,
     nccl_user_buffers=None,
+    expt_hybrid_fsdp_group=None,
 ) -> MegatronFSDP:
     """Shard `module` over the data-parallel ranks (a 1-D mesh over the world when no mesh is given).
 
@@ -50,7 +51,8 @@ def fully_shard_model(
     `param_offload` (strategy 3): parameter shards, main weights and gradient shards rest in (pinned) host memory;
     each unit's gather copies the shard to the device (see offload.py).
     `expt_device_mesh` (+ `is_expert_param`): shard Mixture-of-Experts expert parameters over the mesh of the
-    ranks holding the same experts instead (see `MegatronFSDP`).
+    ranks holding the same experts instead (see `MegatronFSDP`); with `dp_outer_dim` the expert mesh has that dim
+    too and `expt_hybrid_fsdp_group` spans its outer x shard ranks.
     `nccl_user_buffers` (an `NcclUserBuffers`): allocate the buffers from a memory pool registered with NCCL
     (see nccl_allocator.py; plain allocations on CPU / gloo).
     """
@@ -86,6 +88,7 @@ def fully_shard_model(
         calculate_per_token_loss=calculate_per_token_loss,
         report_nan_in_param_grad=report_nan_in_param_grad,
         expt_device_mesh=expt_device_mesh,
+        expt_hybrid_fsdp_group=expt_hybrid_fsdp_group,
         is_expert_param=is_expert_param,
         nccl_user_buffers=nccl_user_buffers,
     )

@@ -61,6 +61,11 @@ class GatherReleasePolicy:
         """The ranks `group` is sharded over: the data-parallel group, or the expert data-parallel one."""
         return group.topology.dp_group if group.topology is not None else self.dp_group
 
+    def _outer_group(self, group: ParamGroup):
+        """The replicas `group` is reduced (HSDP) or further sharded (HFSDP) over: the outer group of its
+        topology (the dense one, or the expert data-parallel ranks across the replicas)."""
+        return group.topology.outer_group if group.topology is not None else self.outer_group
+
     def _issue_gather(self, process_group, output: torch.Tensor, shard: torch.Tensor) -> collectives.PendingCollective:
         """One all-gather of every shard rank's `shard` into the rank-major `output`, on the all-gather stream
         (`ParamGroup.start_gather` picks both and copies the result out when it is waited for)."""
@@ -105,7 +110,7 @@ class GatherReleasePolicy:
             return
         source = group.outer_gather_source()
         pending = self.streams.issue(self.streams.all_gather, lambda: collectives.all_gather_flat(
-            group.compute_shard, source, self.outer_group, self.counter, async_op=True))
+            group.compute_shard, source, self._outer_group(group), self.counter, async_op=True))
         self.pending_shard_refreshes[id(group)] = (pending, source)
         group.compute_shard_stale = False
 

@@ -107,12 +107,13 @@ class GradReductionPipeline:
         then drops the shard-sized buffer."""
         group.move_outer_grads_to(OuterGradState.REDUCED)
         average = self.average_in_collective
+        outer_group = self._outer_group(group)
         if group.outer_sharded:
             accumulate = group.optim_grads_written
             group.optim_grads_written = True
 
             def start():
-                pending = collectives.reduce_scatter_flat(group.optim_grads, group.main_grads, self.outer_group,
+                pending = collectives.reduce_scatter_flat(group.optim_grads, group.main_grads, outer_group,
                                                           self.counter, average=average, accumulate=accumulate,
                                                           async_op=True)
                 return pending
@@ -122,7 +123,7 @@ class GradReductionPipeline:
                 epilogue=lambda: (pending.wait(), group.release_main_grads()))
         else:
             self.pending_outer[id(group)] = self.streams.issue(self.streams.reduce_scatter, lambda: (
-                collectives.all_reduce(group.main_grads, self.outer_group, self.counter, average=average,
+                collectives.all_reduce(group.main_grads, outer_group, self.counter, average=average,
                                        async_op=True)))
 
     def _wait_outer(self, group: ParamGroup):
@@ -140,7 +141,7 @@ class GradReductionPipeline:
         next outer all-reduce counts it once. HFSDP: the next outer reduce-scatter adds to the sub-shard."""
         if group.outer_grad_state is OuterGradState.REDUCED:
             if not group.outer_sharded and not self.average_in_collective:
-                group.main_grads.mul_(1.0 / collectives.group_size(self.outer_group))
+                group.main_grads.mul_(1.0 / collectives.group_size(self._outer_group(group)))
             group.move_outer_grads_to(OuterGradState.NONE)
 
     def complete_reductions(self):

@@ -38,7 +38,9 @@ class MegatronFSDP(nn.Module):
     reduced over that mesh (`self.expert_topology`) while the others use `device_mesh` (`self.topology`).
     `is_expert_param` defaults to Megatron's marking of expert parameters (`param.allreduce is False`).
     Without `expt_device_mesh` expert parameters are sharded like the others, which is right only when every
-    rank holds every expert.
+    rank holds every expert. Under HSDP / HFSDP (`dp_outer_dim`) the expert mesh needs a dim of the same name
+    (the same replicas, across which expert gradients are reduced and, under HFSDP, expert main weights split)
+    and `expt_hybrid_fsdp_group`, the group spanning its outer x shard ranks (all the expert data-parallel ranks).
     """
 
     def __init__(self, module: nn.Module, ddp_config: Optional[DistributedDataParallelConfig] = None, *,
@@ -49,7 +51,7 @@ class MegatronFSDP(nn.Module):
                  calculate_per_token_loss: bool = False, report_nan_in_param_grad: bool = False,
                  gather_codec: Optional[GatherCodecPolicy] = None, expt_device_mesh=None,
                  is_expert_param: Optional[Callable[[nn.Parameter], bool]] = None,
-                 nccl_user_buffers: Optional[NcclUserBuffers] = None):
+                 nccl_user_buffers: Optional[NcclUserBuffers] = None, expt_hybrid_fsdp_group=None):
         """`gather_codec`: parameters whose weights travel through the all-gather encoded (see gather_codec.py;
         strategy 3 only). `nccl_user_buffers`: allocate the buffers from a memory pool registered with NCCL
         (nccl_allocator.py; plain allocations on CPU / gloo)."""
@@ -75,7 +77,8 @@ class MegatronFSDP(nn.Module):
             data_parallel_sharding_strategy=self.strategy,
             outer_dp_sharding_strategy=config.outer_dp_sharding_strategy,
             num_distributed_optimizer_instances=config.num_distributed_optimizer_instances, device=device)
-        self.expert_topology = self._expert_topology(expt_device_mesh, dp_shard_dim, tp_dim, config)
+        self.expert_topology = self._expert_topology(expt_device_mesh, dp_shard_dim, dp_outer_dim, tp_dim,
+                                                     expt_hybrid_fsdp_group, config)
         self.is_expert_param = None
         if self.expert_topology is not None:
             self.is_expert_param = is_expert_param or _marked_expert_parameter
@@ -83,7 +86,8 @@ class MegatronFSDP(nn.Module):
             config.grad_reduce_in_fp32)
         self.device = self.topology.device
         self.offload = self._shard_offload(config)
-        expert_groups = [self.expert_topology.dp_group] if self.expert_topology is not None else []
+        expert_groups = [] if self.expert_topology is None else [self.expert_topology.dp_group,
+                                                                 self.expert_topology.outer_group]
         self.buffer_allocator = buffer_allocator_for(
             nccl_user_buffers, [self.topology.dp_group, self.topology.outer_group] + expert_groups, self.device)
         self.module = module
@@ -108,10 +112,10 @@ class MegatronFSDP(nn.Module):
         # The gradient of an expert is summed over its expert data-parallel ranks, which together saw every
         # data-parallel rank's tokens: the sum is over the same tokens as a dense one, so it gets the same
         # 1 / total_dp. An average in the collective divides it by the expert data-parallel size only: the rest
-        # of the factor is applied before.
+        # of the factor is applied before (with an outer dim: by the expert data-parallel ranks of all replicas).
         expert_grad_scale = grad_scale
         if average and self.expert_topology is not None:
-            expert_grad_scale = self.expert_topology.dp_size / total_dp
+            expert_grad_scale = self.expert_topology.dp_size * self.expert_topology.outer_size / total_dp
         self.schedule = Schedule(
             units=self.units, root_groups=self.root_groups, strategy=self.strategy,
             dp_group=self.topology.dp_group, outer_group=self.topology.outer_group, counter=self.counter,
@@ -124,21 +128,31 @@ class MegatronFSDP(nn.Module):
         self.schedule.register_hooks()
         if self.strategy == ShardingStrategy.optim_grads_params:
             self._install_resting_placeholders()
-        outer_mesh = self.topology.checkpoint_mesh().mesh if self.topology.optimizer_outer_size > 1 else None
+        outer_mesh_of = None
+        if self.topology.optimizer_outer_size > 1:
+            # HFSDP: each group's `.grad` lives on its topology's (outer, ..., shard) mesh; built here, on every rank
+            outer_meshes = {id(group.topology): group.topology.checkpoint_mesh().mesh for group in self.groups}
+            outer_mesh_of = lambda group: outer_meshes[id(group.topology)]  # noqa: E731
         self.schedule.param_grads = ParamGrads(self.groups, self.strategy, _shard_mesh_of,
-                                               resting=self.schedule.resting, outer_mesh=outer_mesh)
+                                               resting=self.schedule.resting, outer_mesh_of=outer_mesh_of)
         module.__dict__[WRAPPED_ATTR] = self  # a plain attribute: not registered as a submodule
 
     # ---- construction ---------------------------------------------------------------------------------------------
-    def _expert_topology(self, expt_device_mesh, dp_shard_dim, tp_dim, config) -> Optional[DataParallelTopology]:
-        """The topology of the expert groups: `expt_device_mesh`'s shard dim (its only dim, or `dp_shard_dim`) and,
-        with tensor parallelism, its `tp_dim`; None without an expert mesh."""
+    def _expert_topology(self, expt_device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, expt_hybrid_fsdp_group,
+                         config) -> Optional[DataParallelTopology]:
+        """The topology of the expert groups: `expt_device_mesh`'s shard dim (its only dim, or `dp_shard_dim`),
+        under HSDP / HFSDP its `dp_outer_dim`, with tensor parallelism its `tp_dim`; None without an expert mesh."""
         if expt_device_mesh is None:
+            if expt_hybrid_fsdp_group is not None:
+                raise ValueError("expt_hybrid_fsdp_group spans the outer x shard dims of expt_device_mesh; pass "
+                                 "expt_device_mesh too (or neither)")
             return None
         if self.topology.outer_group is not None:
-            raise ValueError("expt_device_mesh (expert parameters sharded over their own data-parallel mesh) works "
-                             "over one data-parallel dimension: HSDP / HFSDP (dp_outer_dim) would need an outer dim "
-                             "of the expert mesh too; drop dp_outer_dim or the expert mesh")
+            return self._hybrid_expert_topology(expt_device_mesh, dp_shard_dim, dp_outer_dim, tp_dim,
+                                                expt_hybrid_fsdp_group, config)
+        if expt_hybrid_fsdp_group is not None:
+            raise ValueError("expt_hybrid_fsdp_group is for HSDP / HFSDP (dp_outer_dim); without an outer dim the "
+                             "expert mesh has none: drop it")
         if self.topology.tp_dim is not None and expt_device_mesh.ndim == 1:
             raise ValueError(f"expt_device_mesh is 1-D but the model is tensor-parallel (tp_dim={tp_dim!r}): give the "
                              "expert mesh the same tp dim, next to its expert data-parallel dim")
@@ -147,6 +161,32 @@ class MegatronFSDP(nn.Module):
                                         device=self.topology.device)
         return DataParallelTopology(expt_device_mesh, dp_shard_dim, None, tp_dim, None,
                                     data_parallel_sharding_strategy=self.strategy, device=self.topology.device)
+
+    def _hybrid_expert_topology(self, expt_device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, expt_hybrid_fsdp_group,
+                                config) -> DataParallelTopology:
+        """HSDP / HFSDP with expert groups: the expert mesh's `dp_outer_dim` holds the same replicas as the dense
+        one, its `dp_shard_dim` the expert data-parallel ranks of one replica."""
+        names = tuple(expt_device_mesh.mesh_dim_names or ())
+        if dp_outer_dim not in names or dp_shard_dim not in names:
+            raise ValueError(f"HSDP / HFSDP with expt_device_mesh: the expert mesh needs dims named like the dense "
+                             f"outer and shard dims ({dp_outer_dim!r}, {dp_shard_dim!r}), got {names}")
+        if self.topology.tp_dim is not None and tp_dim not in names:
+            raise ValueError(f"expt_device_mesh has dims {names} but the model is tensor-parallel (tp_dim="
+                             f"{tp_dim!r}): give the expert mesh the same tp dim")
+        if expt_hybrid_fsdp_group is None:
+            raise ValueError("HSDP / HFSDP with expt_device_mesh needs expt_hybrid_fsdp_group, the group spanning "
+                             f"the expert mesh's {dp_outer_dim!r} x {dp_shard_dim!r} ranks (every expert "
+                             "data-parallel rank)")
+        topology = DataParallelTopology(
+            expt_device_mesh, dp_shard_dim, dp_outer_dim, tp_dim if self.topology.tp_dim is not None else None,
+            expt_hybrid_fsdp_group, data_parallel_sharding_strategy=self.strategy,
+            outer_dp_sharding_strategy=config.outer_dp_sharding_strategy,
+            num_distributed_optimizer_instances=config.num_distributed_optimizer_instances,
+            device=self.topology.device)
+        if topology.outer_size != self.topology.outer_size:
+            raise ValueError(f"expt_device_mesh's {dp_outer_dim!r} dim has {topology.outer_size} ranks but the "
+                             f"dense one {self.topology.outer_size}: both count the same replicas")
+        return topology
 
     def _topology_of(self, plan) -> DataParallelTopology:
         return self.expert_topology if plan.expert else self.topology
@@ -169,7 +209,6 @@ class MegatronFSDP(nn.Module):
                                           encodes=self.gather_codec.encodes if self.gather_codec else None,
                                           is_expert=self.is_expert_param)
         owners = parameter_owners(self.module)
-        outer_rank, outer_size = self.topology.optimizer_outer_rank, self.topology.optimizer_outer_size
         self.pool = self._double_buffer_pool(plans, len(unit_modules), config) if config.fsdp_double_buffer else None
         pool_offsets = [0] * len(unit_modules)
         groups_by_unit = {index: [] for index in range(len(unit_modules))}
@@ -184,8 +223,9 @@ class MegatronFSDP(nn.Module):
             with self.buffer_allocator.buffers():
                 group = ParamGroup(plan.params, plan.names, strategy=self.strategy, dp_rank=topology.dp_rank,
                                    dp_size=topology.dp_size, device=self.device, policy=self.policy,
-                                   unit_index=plan.unit_index, compute_buffer=compute_buffer, outer_rank=outer_rank,
-                                   outer_size=outer_size,
+                                   unit_index=plan.unit_index, compute_buffer=compute_buffer,
+                                   outer_rank=topology.optimizer_outer_rank,
+                                   outer_size=topology.optimizer_outer_size,
                                    gather_codec=self.gather_codec.make_codec() if plan.encoded else None,
                                    offload=self.offload, transient_allocation=self.buffer_allocator.transient)
             group.topology, group.expert = topology, plan.expert
@@ -234,8 +274,9 @@ class MegatronFSDP(nn.Module):
 
     def _padded_numel(self, plan) -> int:
         """The flat size a group built from `plan` pads to (what ParamGroup's layout computes)."""
-        return GroupLayout([tuple(p.shape) for p in plan.params], self._topology_of(plan).dp_size,
-                           self.topology.optimizer_outer_size).padded_numel
+        topology = self._topology_of(plan)
+        return GroupLayout([tuple(p.shape) for p in plan.params], topology.dp_size,
+                           topology.optimizer_outer_size).padded_numel
 
     def _double_buffer_pool(self, plans, num_units, config):
         """The double-buffer pool, from the registered pool with NCCL user buffers. If allocating it runs out of
@@ -353,17 +394,16 @@ class MegatronFSDP(nn.Module):
     def broadcast_params(self):
         """Make every data-parallel replica hold DP-rank 0's weights (no-op for the shards of strategy 3)."""
         if self.strategy == ShardingStrategy.optim_grads_params:
-            groups_to_sync = [self.topology.outer_group] if self.topology.outer_group is not None else []
-            for process_group in groups_to_sync:
+            if self.topology.outer_group is not None:  # each group over its own outer ranks (expert or dense)
                 self.schedule.refresh_compute_shards(self.groups, async_op=False)
                 for group in self.groups:
-                    collectives.broadcast(group.compute_shard, process_group, self.counter)
+                    collectives.broadcast(group.compute_shard, group.topology.outer_group, self.counter)
                     group.commit_compute_shard_to_main()
             return
         self.schedule.wait_gathered(self.groups)  # a post-step all-gather in flight would overwrite the broadcast
         for group in self.groups:
-            for process_group in [group.topology.dp_group] + ([self.topology.outer_group]
-                                                              if self.topology.outer_group else []):
+            for process_group in [group.topology.dp_group] + ([group.topology.outer_group]
+                                                              if group.topology.outer_group else []):
                 collectives.broadcast(group.compute_buffer, process_group, self.counter)
                 group.commit_compute_to_shards()
 

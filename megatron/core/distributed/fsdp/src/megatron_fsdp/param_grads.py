@@ -59,16 +59,17 @@ def _set_grad(param: nn.Parameter, grad: torch.Tensor) -> bool:
 class ParamGrads:
     """Attaches the reduced gradients as `.grad` of the parameters the module shows, and drops them again."""
 
-    def __init__(self, groups, strategy: ShardingStrategy, mesh_of, resting=None, outer_mesh=None):
+    def __init__(self, groups, strategy: ShardingStrategy, mesh_of, resting=None, outer_mesh_of=None):
         """`mesh_of(group)`: the mesh of the ranks the group is sharded over (the data-parallel mesh, or the
         expert data-parallel one for expert groups). `resting`: strategy 3's RestingParameters (the module shows
-        those between steps). `outer_mesh` (HFSDP): the state-dict mesh, outer dim first, shard dim last (a tp dim
-        between them is replicated over: the gradients are of this rank's tensor-parallel partition)."""
+        those between steps). `outer_mesh_of(group)` (HFSDP): the group's state-dict mesh, outer dim first, shard
+        dim last (a tp dim between them is replicated over: the gradients are of this rank's tensor-parallel
+        partition)."""
         self._groups = list(groups)
         self._strategy = strategy
         self._mesh_of = mesh_of
         self._resting = resting
-        self._outer_mesh = outer_mesh
+        self._outer_mesh_of = outer_mesh_of
         self._attached: List[Tuple[nn.Parameter, torch.dtype]] = []  # (parameter, its grad_dtype before)
         # (id(group), index) -> (the group's main_grads when built, the gradient viewing it): the views stay
         # valid while the buffer is released and given its storage back, so each is built once, not per step.
@@ -128,9 +129,9 @@ class ParamGrads:
             copy[group.sub_shard_slice].copy_(group.optim_grads)
             self._outer_copies[id(group)] = copy
         local = group.rows_of_shard(copy, index)
-        placements = [Partial()] + [Replicate()] * (self._outer_mesh.ndim - 2) + [
-            Shard(0) if param.dim() else Partial()]
-        return dtensor_over_view(local, self._outer_mesh, placements, param.shape, param.stride())
+        mesh = self._outer_mesh_of(group)
+        placements = [Partial()] + [Replicate()] * (mesh.ndim - 2) + [Shard(0) if param.dim() else Partial()]
+        return dtensor_over_view(local, mesh, placements, param.shape, param.stride())
 
     def drop(self):
         """Detach every gradient attached by `attach` and restore the parameters' `grad_dtype`."""

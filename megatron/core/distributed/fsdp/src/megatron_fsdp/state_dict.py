@@ -84,7 +84,7 @@ def _shard_of_pieces(model, group: ParamGroup, pieces: List[torch.Tensor]) -> to
     if not sub_shards:
         return local
     shard = torch.empty(layout.shard_numel, dtype=dtype, device=group.device)
-    collectives.all_gather_flat(shard, local, model.topology.outer_group, collectives.CommunicationCounter())
+    collectives.all_gather_flat(shard, local, group.topology.outer_group, collectives.CommunicationCounter())
     return shard
 
 
