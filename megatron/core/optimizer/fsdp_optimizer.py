@@ -25,7 +25,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.expert_parameters import expert_grad_stats_groups, model_has_expert_parameters
+from megatron.core.offloading.placement import mark_relocatable
 from megatron.core.optimizer.optimizer import MegatronOptimizer, copy_parallel_attributes
+from megatron.core.optimizer.precision_aware_adam import optimizer_grad
 
 
 def _megatron_fsdp_chunks(model_chunks):
@@ -40,6 +42,28 @@ def _megatron_fsdp_chunks(model_chunks):
     if not chunks:
         raise ValueError("MegatronFSDPOptimizer: no model chunks")
     return chunks
+
+
+def _let_offloaded_main_weights_move_to_host(chunk, optimizer):
+    """Under `--optimizer-cpu-offload` (`optimizer` a `HybridDeviceOptimizer`): the main-weight views it will step
+    on the host and that are a buffer of their own (fp32 main weights under bf16 compute) get storages of their
+    own (`separate_main_weights`, per parameter group of the wrapper) and are marked relocatable, and the split
+    is built now: the hybrid optimizer moves them into host memory (pinned where the device can pin), so the
+    device keeps neither their main weights nor their moments. Main weights in the compute dtype are the
+    compute weights themselves: nothing separate to move, they keep a stepped host copy."""
+    planned_offload = getattr(optimizer, "planned_offload", None)
+    if planned_offload is None:
+        return
+    offloaded = {id(view) for view in planned_offload()}
+    for group in chunk.fsdp.groups:
+        if not group.main_weights_standalone:
+            continue
+        views = [view for view in group.main_param_views if id(view) in offloaded]
+        if views:
+            group.separate_main_weights()
+            for view in views:
+                mark_relocatable(view)
+    optimizer.offloaded_params()  # builds the split: the marked views move to the host here
 
 
 class ChunkOptimizers:
@@ -139,6 +163,7 @@ class MegatronFSDPOptimizer(MegatronOptimizer):
                 optimizer_factory(real_groups),
                 preproc_state_dict_for_dcp_ckpt=chunk.ddp_config.preproc_state_dict_for_dcp_ckpt,
             )
+            _let_offloaded_main_weights_move_to_host(chunk, torch_optimizer)
             self.chunk_optimizers.append(ChunkOptimizer(chunk, torch_optimizer, group_indices))
         stray = [param for group in param_groups for param in group["params"] if id(param) not in placed]
         if stray:
@@ -177,7 +202,8 @@ class MegatronFSDPOptimizer(MegatronOptimizer):
 
     def _unscale_main_grads_and_check_for_nan(self):
         found_inf = torch.zeros(1, dtype=torch.float32, device=self._device())
-        grads = [param.grad for param in self.main_params() if param.grad is not None and param.grad.numel() > 0]
+        grads = [optimizer_grad(param) for param in self.main_params()
+                 if optimizer_grad(param) is not None and optimizer_grad(param).numel() > 0]
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, self.grad_scaler.inv_scale.to(
                 found_inf.device))

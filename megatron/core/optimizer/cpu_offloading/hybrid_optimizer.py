@@ -10,9 +10,12 @@ owner marked relocatable (`mark_relocatable`: the distributed optimizer's fp32 s
 is moved there outright: the parameter object keeps its identity but its storage is the host buffer, its device
 storage is released, and the owner's usual copy of main into model parameters (`_copy_main_params_to_model_params`)
 uploads the updated values into the model's device weights. So under the distributed optimizer with fp32 Adam
-the device keeps none of the 12 bytes per offloaded parameter (master weight and both moments). A main
-parameter that is a view into its owner's buffers (Megatron-FSDP's main weights, which in the model's dtype are
-the model's weights themselves) stays where it is: its host copy is stepped and the result copied back into it.
+the device keeps none of the 12 bytes per offloaded parameter (master weight and both moments). Megatron-FSDP's
+fp32 main weights under bf16 compute are relocated the same way: `MegatronFSDPOptimizer` asks for the split
+(`planned_offload`), has the wrapper give the views it names storages of their own (`separate_main_weights`)
+and marks them relocatable; the wrapper's post-step install copies them into the compute weights. A main
+parameter that is a view its owner keeps reading (Megatron-FSDP's main weights in the model's dtype are the
+model's weights themselves) stays where it is: its host copy is stepped and the result copied back into it.
 
 A step: the offloaded parameters' gradients are copied device -> host (and a kept device view's host copy is
 refreshed first if someone wrote the view since the last step, e.g. a checkpoint load; detected from the
@@ -128,6 +131,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     # ---- the split ------------------------------------------------------------------------------------------
     def _param_identity(self):
         return tuple(id(param) for group in self.param_groups for param in group["params"])
+
+    def planned_offload(self):
+        """The parameters the current param groups put on the host, in order (the split alone: nothing is built
+        or moved), so their owner can prepare them (e.g. `mark_relocatable`) before the first step."""
+        params = [param for group in self.param_groups for param in group["params"]]
+        return [param for param, goes_to_host in zip(params, offload_split([param.numel() for param in params],
+                                                                          self.offload_fraction)) if goes_to_host]
 
     def _ensure_built(self):
         if self._built_for == self._param_identity():

@@ -157,6 +157,8 @@ class GroupGrads:
         for view in self.main_param_views:
             if view is not None:
                 view.grad = None
+                if getattr(view, "decoupled_grad", None) is not None:
+                    view.decoupled_grad = None
 
     def _grads_for_optimizer(self) -> torch.Tensor:
         if self.optim_grads is self.main_grads:
@@ -164,7 +166,9 @@ class GroupGrads:
         return self.optim_grads
 
     def attach_optimizer_grads(self):
-        """Point each main-weight view's `.grad` at its gradient (cast to the main dtype when they differ)."""
+        """Point each main-weight view's `.grad` at its gradient (cast to the main dtype when they differ). A view
+        an offloading optimizer moved to host memory cannot take a device tensor as `.grad`: it gets it as
+        `decoupled_grad` (what Megatron's optimizers read first), which that optimizer copies to the host."""
         if self.main_weights is None:
             return
         grads = self._grads_for_optimizer()
@@ -172,7 +176,11 @@ class GroupGrads:
             self._optimizer_grad_storage = grads.to(self.main_dtype)
             grads = self._optimizer_grad_storage
         for index, view in enumerate(self.main_param_views):
-            view.grad = self._main_view(grads, index)
+            grad = self._main_view(grads, index)
+            if view.device == grad.device:
+                view.grad = grad
+            else:
+                view.grad, view.decoupled_grad = None, grad
 
     def scale_grads(self, factor: float):
         """Multiply every gradient this group holds, wherever the step has put it: the persistent or shard

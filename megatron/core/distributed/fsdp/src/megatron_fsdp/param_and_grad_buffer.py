@@ -41,6 +41,11 @@ element), re-encoded from the compute shard before the first gather after the sh
 lands in a rank-major wire staging buffer, and the copy-out rearranges it param-major and hands it to the
 codec, which decodes it into the compute buffer.
 
+Optimizer CPU offload: a standalone main-weight buffer (not the compute weights) can be split per parameter
+(`separate_main_weights`), each view getting a storage of its own, so an offloading optimizer moves the views it
+steps on the host into host memory and the device keeps only the rest; the moves around the step then read and
+write the views one by one.
+
 Where each part lives: this module allocates a group's buffers (`ParamGroup.__init__`) and keeps its views and
 byte accounting; `weight_buffers.py` fills and drops the compute weights (gathers, release, main-weight moves;
 also `WeightState` and `DoubleBufferPool`); `grad_buffers.py` writes, reduces from and hands out the gradients.
@@ -261,7 +266,7 @@ class ParamGroup(GroupWeights, GroupGrads):
         if self.main_weights is not None:
             aliased = (not self.shards_params) and self.main_weights.untyped_storage().data_ptr() == (
                 self.compute_buffer.untyped_storage().data_ptr())
-            main = 0 if aliased else tensor_bytes(self.main_weights)
+            main = 0 if aliased else self.main_weights_device_bytes()
         grads = tensor_bytes(self.grad_buffer) if self.grad_buffer is not None else tensor_bytes(self.optim_grads)
         return {"compute_weights": compute, "main_weights": main, "grads": grads}
 

@@ -326,15 +326,16 @@ def optimizer_state_dict(optimizer) -> dict:
         for view in views:
             keys.update(k for k, v in optimizer.state.get(view, {}).items() if _is_sharded_state(v, view))
         for key in sorted(keys):
-            # `.to(view.device)`: an offloaded optimizer (--optimizer-cpu-offload) keeps this state in host memory.
-            pieces = [optimizer.state[view][key].to(view.device) if key in optimizer.state.get(view, {})
-                      else torch.zeros_like(view) for view in views]
+            # `.to(group.device)`: an offloading optimizer (--optimizer-cpu-offload) keeps this state, and maybe the
+            # main weights themselves, in host memory; the DTensors live on the model's device.
+            pieces = [optimizer.state[view][key].to(group.device) if key in optimizer.state.get(view, {})
+                      else torch.zeros_like(view, device=group.device) for view in views]
             for index, tensor in enumerate(_row_dtensors(model, group, _rows_of_pieces(model, group, pieces),
                                                          copy=True)):
                 if views[index] in optimizer.state:
                     state.setdefault(group.names[index], {})[key] = tensor
         if group.main_dtype != group.param_dtype:
-            rows = _rows_of_pieces(model, group, list(views))
+            rows = _rows_of_pieces(model, group, [view.to(group.device) for view in views])
             for index, tensor in enumerate(_row_dtensors(model, group, rows, copy=True)):
                 state.setdefault(group.names[index], {})[MAIN_PARAM_KEY] = tensor
         for index, view in enumerate(views):

@@ -59,6 +59,10 @@ class GroupWeights:
     and layout its constructor sets up: `compute_buffer`, `compute_shard`, `main_weights`, `wire_shard`, ...)."""
 
     # ---- main weights ----------------------------------------------------------------------------------------
+    # Set by `separate_main_weights`: each main-weight view has a storage of its own (possibly in host memory)
+    # and the flat `main_weights` buffer holds none; whole-buffer moves then go parameter by parameter.
+    main_separated = False
+
     @property
     def main_in_compute_buffer(self) -> bool:
         """Strategies 1/2 with main weights in the compute dtype: they are this rank's rows of the compute buffer
@@ -66,9 +70,53 @@ class GroupWeights:
         return self.main_weights is self.compute_buffer and self.strategy in (ShardingStrategy.optim,
                                                                               ShardingStrategy.optim_grads)
 
+    @property
+    def main_weights_standalone(self) -> bool:
+        """Whether the main weights are a device buffer of their own: neither the compute weights (main weights
+        in the compute dtype) nor a host-resident shard of param_offload."""
+        return (self.main_weights is not None and self.offload is None
+                and self.main_weights is not self.compute_buffer and self.main_weights is not self.compute_shard)
+
+    def separate_main_weights(self):
+        """Give every main-weight view a storage of its own (the same tensor objects, so an optimizer holding them
+        keeps them) and release the flat main buffer. An optimizer may then move some views to host memory
+        (optimizer CPU offload) and the device keeps only the others; every move below reads and writes the
+        views one by one, wherever each lives."""
+        if self.main_separated:
+            return
+        if not self.main_weights_standalone:
+            raise ValueError("separate_main_weights: this group's main weights are its compute weights (or rest on "
+                             "the host already); there is no separate buffer to split")
+        for view in self.main_param_views:
+            view.data = view.detach().clone()
+        self.main_weights.untyped_storage().resize_(0)
+        self.main_separated = True
+
+    def main_weights_flat(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The main weights as laid out in `main_weights`, on the device, in `dtype` (default the main dtype): the
+        buffer itself when no cast is needed, else a new tensor (assembled from the views once separated)."""
+        dtype = dtype or self.main_dtype
+        if not self.main_separated:
+            return self.main_weights.to(dtype)
+        flat = torch.zeros(self.main_weights.numel(), dtype=dtype, device=self.device)
+        for index, view in enumerate(self.main_param_views):
+            self._main_view(flat, index).copy_(view)
+        return flat
+
+    def main_weights_device_bytes(self) -> int:
+        """Bytes of main weights this group holds on its device (the flat buffer, or the views still there)."""
+        if not self.main_separated:
+            return self.main_weights.numel() * self.main_weights.element_size()
+        return sum(view.numel() * view.element_size() for view in self.main_param_views
+                   if view.device == self.device)
+
     def write_main_weights(self, values: torch.Tensor):
         """Set the main weights from `values` laid out as they are (a shard, an HFSDP sub-shard, or the full group
-        for no_shard), also where they live in the compute buffer's rows."""
+        for no_shard), also where they live in the compute buffer's rows or in separate storages."""
+        if self.main_separated:
+            for index, view in enumerate(self.main_param_views):
+                view.copy_(self._main_view(values, index))
+            return
         if not self.main_in_compute_buffer:
             self.main_weights.copy_(values)
             return
@@ -190,7 +238,7 @@ class GroupWeights:
             shard = torch.empty(self.layout.shard_numel, dtype=self.param_dtype, device=self.device)
             shard_of_unsharded(self.layout, self.compute_buffer, self.dp_rank, shard)
             return shard
-        return self.main_weights.to(self.param_dtype)
+        return self.main_weights_flat(self.param_dtype)
 
     def commit_compute_to_shards(self):
         """After the full compute buffer was written (init, load): derive this rank's shard and main weights."""
@@ -207,10 +255,16 @@ class GroupWeights:
         elif self.shards_params:
             source = self.compute_shard[self.sub_shard_slice] if self.outer_sharded else self.compute_shard
         else:
-            if not self.main_in_compute_buffer:
+            if self.main_separated:
+                shard = torch.empty(self.layout.shard_numel, dtype=self.main_dtype, device=self.device)
+                shard_of_unsharded(self.layout, self.compute_buffer, self.dp_rank, shard)
+                self.write_main_weights(shard)
+            elif not self.main_in_compute_buffer:
                 shard_of_unsharded(self.layout, self.compute_buffer, self.dp_rank, self.main_weights)
             return
-        if self.main_weights.data_ptr() != source.data_ptr():
+        if self.main_separated:
+            self.write_main_weights(source)
+        elif self.main_weights.data_ptr() != source.data_ptr():
             self.main_weights.copy_(source)
         self.compute_shard_stale = False
         self.wire_shard_stale = self.codec is not None
@@ -230,11 +284,14 @@ class GroupWeights:
         if self.strategy in (ShardingStrategy.optim, ShardingStrategy.optim_grads):
             return
         target = self.compute_shard if self.shards_params else self.compute_buffer
-        if target.data_ptr() != self.main_weights.data_ptr():
+        if self.main_separated:  # each parameter's piece from wherever its main weights live (host or device)
+            for index, view in enumerate(self.main_param_views):
+                self._main_view(target, index).copy_(view)
+        elif target.data_ptr() != self.main_weights.data_ptr():
             target.copy_(self.main_weights)
         self.wire_shard_stale = self.codec is not None
 
     def outer_gather_source(self) -> torch.Tensor:
         """HFSDP: this rank's contribution to the all-gather over the outer group that rebuilds the compute
         shard, i.e. its main weights in the compute dtype (no copy when the dtypes match)."""
-        return self.main_weights.to(self.param_dtype)
+        return self.main_weights_flat(self.param_dtype)

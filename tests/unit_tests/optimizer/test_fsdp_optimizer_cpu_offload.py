@@ -1,0 +1,132 @@
+"""Optimizer CPU offload under Megatron-FSDP with bf16 compute weights: the offloaded parameters' fp32 main
+weights move to host memory with their Adam moments (`MegatronFSDPOptimizer` splits the wrapper's flat main
+buffer per parameter and the hybrid optimizer relocates the views it steps on the host). ZeRO-1 and ZeRO-3 at
+DP2: losses, gradient norms and checkpoints equal to the non-offloaded run's, the device keeps 4 bytes less of
+main weights per offloaded parameter, and a checkpoint saved with offload resumes without it."""
+
+import pytest
+import torch
+
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+from tests.unit_tests.optimizer.test_cpu_offload import _checkpoint, _cloned, _differences, _train
+
+STEPS, SAVE_AFTER = 4, 2
+STRATEGIES = ("optim", "optim_grads_params")
+SETTINGS = {
+    "none": {},
+    "all": dict(optimizer_cpu_offload=True),
+    "half_overlap": dict(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5,
+                         overlap_cpu_optimizer_d2h_h2d=True),
+}
+
+
+def _build(strategy, setting):
+    from megatron.core.distributed import DistributedDataParallelConfig, wrap_data_parallel
+    from megatron.core.optimizer import get_megatron_optimizer
+    from tests.unit_tests.distributed.precision_gpt import build_gpt
+
+    model = build_gpt(bf16=True, num_layers=1)
+    ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True, use_distributed_optimizer=True,
+                                               data_parallel_sharding_strategy=strategy)
+    chunk = wrap_data_parallel(model.config, ddp_config, model)
+    config = OptimizerConfig(lr=1e-2, bf16=True, use_distributed_optimizer=True, use_precision_aware_optimizer=True,
+                             **SETTINGS[setting])
+    return chunk, get_megatron_optimizer(config, [chunk])
+
+
+def _main_weight_placement(chunk, optimizer):
+    """Where the fp32 main weights are, measured from storages: bytes the device keeps (storages of the flat
+    main buffers and of the views not moved to the host), bytes in the host buffers the hybrid optimizer moved
+    views into, and the element counts the theory needs."""
+    groups = [group for group in chunk.fsdp.groups if group.main_weights is not None]
+    hybrid = optimizer.optimizer
+    entries = hybrid.offloaded if isinstance(hybrid, HybridDeviceOptimizer) else []
+    host_storages = {entry.host_param.untyped_storage().data_ptr() for entry in entries}
+    storages = {}
+    for group in groups:
+        for tensor in [group.main_weights] + list(group.main_param_views):
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    storages.pop(0, None)  # released storages
+    views = [view for group in groups for view in group.main_param_views]
+    offloaded = {id(entry.device_param) for entry in entries}
+    return {
+        "dtypes": {(group.main_dtype, group.param_dtype) for group in groups},
+        "device_bytes": sum(nbytes for pointer, nbytes in storages.items() if pointer not in host_storages),
+        "host_bytes": sum(nbytes for pointer, nbytes in storages.items() if pointer in host_storages),
+        "report_bytes": chunk.fsdp.memory_report()["main_weights"],
+        "flat_numel": sum(group.main_weights.numel() for group in groups),
+        "offloaded_numel": sum(view.numel() for view in views if id(view) in offloaded),
+        # Padding of the flat buffers split per parameter: it belongs to no view and goes with the flat buffer.
+        "separated_padding": sum(group.main_weights.numel() - sum(view.numel() for view in group.main_param_views)
+                                 for group in groups if group.main_separated),
+        "all_relocated": all(entry.relocated for entry in entries) and bool(entries),
+        "views_in_host_buffers": all(entry.device_param.untyped_storage().data_ptr() == entry.host_param.data_ptr()
+                                     for entry in entries),
+        "pinned": {entry.device_param.is_pinned() for entry in entries},
+        "placement_pins": getattr(hybrid, "placement", None) and hybrid.placement.pin_memory,
+        "devices": {entry.device_param.device.type for entry in entries},
+    }
+
+
+def _runs():
+    results = {}
+    for strategy in STRATEGIES:
+        runs, checkpoints, placements = {}, {}, {}
+        for setting in SETTINGS:
+            chunk, optimizer = _build(strategy, setting)
+            first = _train(chunk, optimizer, range(SAVE_AFTER))
+            checkpoints[setting] = _checkpoint(chunk, optimizer)
+            rest = _train(chunk, optimizer, range(SAVE_AFTER, STEPS))
+            runs[setting] = (first[0] + rest[0], first[1] + rest[1])
+            placements[setting] = _main_weight_placement(chunk, optimizer)
+        # A checkpoint saved with offload, loaded without it: the run goes on as the uninterrupted one.
+        chunk, optimizer = _build(strategy, "none")
+        chunk.load_state_dict(checkpoints["half_overlap"]["model"])
+        optimizer.load_state_dict(_cloned(checkpoints["half_overlap"]["optimizer"]))
+        resumed = _train(chunk, optimizer, range(SAVE_AFTER, STEPS))[0]
+        results[strategy] = {"runs": runs, "placements": placements, "resumed": resumed,
+                             "differences": {setting: _differences(checkpoints["none"], checkpoints[setting])
+                                             for setting in SETTINGS}}
+    return results
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_on_ranks(2, _runs)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_bf16_offload_trains_and_checkpoints_like_no_offload(results, strategy):
+    for result in results:
+        result = result[strategy]
+        losses, norms = result["runs"]["none"]
+        assert losses[-1] < losses[0]
+        for setting in ("all", "half_overlap"):
+            # The host runs the same fp32 AdamW arithmetic on the same fp32 main weights: the same numbers.
+            assert result["runs"][setting][0] == pytest.approx(losses, rel=1e-6, abs=0), setting
+            assert result["runs"][setting][1] == pytest.approx(norms, rel=1e-6, abs=0), setting
+            assert result["differences"][setting] == [], setting
+        assert result["resumed"] == pytest.approx(losses[SAVE_AFTER:], rel=1e-6, abs=0)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_bf16_offload_moves_the_fp32_main_weights_to_the_host(results, strategy):
+    for result in results:
+        placements = result[strategy]["placements"]
+        none = placements["none"]
+        assert none["dtypes"] == {(torch.float32, torch.bfloat16)}
+        assert none["device_bytes"] == none["report_bytes"] == 4 * none["flat_numel"] and none["host_bytes"] == 0
+        for setting in ("all", "half_overlap"):
+            placement = placements[setting]
+            offloaded = placement["offloaded_numel"]
+            assert placement["all_relocated"] and placement["views_in_host_buffers"], setting
+            # The views moved into the placement's host buffers: pinned exactly where it pins (never on the CPU).
+            assert placement["pinned"] == {bool(placement["placement_pins"])} and placement["devices"] == {"cpu"}
+            assert placement["host_bytes"] == 4 * offloaded
+            # The device keeps 4 bytes less per offloaded parameter (and the padding of the split buffers).
+            assert none["device_bytes"] - placement["device_bytes"] == 4 * (offloaded + placement["separated_padding"])
+        assert placements["all"]["device_bytes"] == 0 and placements["all"]["offloaded_numel"] > 0
+        half = placements["half_overlap"]
+        assert 0 < half["device_bytes"] and half["flat_numel"] / 2 <= half["offloaded_numel"] < half["flat_numel"]
