@@ -6,13 +6,16 @@ here: expert-DP 2 splits 1 x 2) and reduced across the instances over parallel_s
 MoE model of `test_expert_data_parallel` must train like the one-process reference there (losses, grad norms with
 clipping on and zero counts per step, final weights within 1e-5) under HSDP ZeRO-1 and ZeRO-3 and HFSDP ZeRO-3,
 with the memory line's expert bytes by the sharding theory. The three runs share one call on the ranks, which
-also checks the package's errors for an expert mesh that does not fit an HSDP model.
+also checks the package's errors for an expert mesh that does not fit an HSDP model. A torch_dist checkpoint saved
+under HFSDP (expert main weights and Adam state split across the instances) resumes under DDP at EP1 like the
+uninterrupted run.
 """
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests.unit_tests.dist_checkpointing import test_expert_resharding as expert_resharding
 from tests.unit_tests.distributed import test_expert_data_parallel as expert_training
 from tests.unit_tests.distributed.fsdp.test_expert_parallel import _check_history, _check_params
 from tests.unit_tests.multiprocess_harness import run_on_ranks
@@ -110,3 +113,14 @@ def test_expert_mesh_that_does_not_fit_hybrid_sharding_is_named(hybrid_runs):
     assert without_outer_dim == ("HSDP / HFSDP with expt_device_mesh: the expert mesh needs dims named like the "
                                  "dense outer and shard dims ('dp_outer', 'dp_shard_cp'), got ('dp_shard_cp',)")
     assert without_group.startswith("HSDP / HFSDP with expt_device_mesh needs expt_hybrid_fsdp_group")
+
+
+def test_hfsdp_expert_checkpoint_resumes_under_ddp_ep1(tmp_path):
+    expected_history, expected_params = expert_training.uninterrupted_reference()
+    keys, history, params = run_on_ranks(WORLD, expert_resharding._save_then_resume, str(tmp_path / "ckpt"),
+                                         (EXPERT_PARALLEL, "megatron_fsdp_z3_hfsdp", INSTANCES), (1, "ddp"))[0]
+    assert {key for key in keys if key.startswith("model.") and ".local_experts." in key} == {
+        f"model.{name}" for name in expected_params if ".local_experts." in name}
+    assert "optimizer.state.mlp.experts.local_experts.3.linear_fc2.weight.exp_avg_sq" in keys
+    _check_history(history, expected_history[expert_resharding.SAVE_AFTER:])
+    _check_params(params, expected_params)
