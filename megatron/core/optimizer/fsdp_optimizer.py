@@ -44,18 +44,21 @@ def _megatron_fsdp_chunks(model_chunks):
     return chunks
 
 
-def _let_offloaded_main_weights_move_to_host(chunk, optimizer):
-    """Under `--optimizer-cpu-offload` (`optimizer` a `HybridDeviceOptimizer`): the main-weight views it will step
-    on the host and that are a buffer of their own (fp32 main weights under bf16 compute) get storages of their
-    own (`separate_main_weights`, per parameter group of the wrapper) and are marked relocatable, and the split
-    is built now: the hybrid optimizer moves them into host memory (pinned where the device can pin), so the
-    device keeps neither their main weights nor their moments. Main weights in the compute dtype are the
-    compute weights themselves: nothing separate to move, they keep a stepped host copy."""
+def let_offloaded_main_weights_move_to_host(fsdp_model, optimizer):
+    """Optimizer CPU offload of Megatron-FSDP's main weights. `optimizer`: the torch optimizer that
+    `fully_shard_optimizer` pointed at the main weights of `fsdp_model` (a `megatron_fsdp.MegatronFSDP`); nothing
+    happens unless it is a `HybridDeviceOptimizer` (`--optimizer-cpu-offload`). The views it will step on the host
+    whose group keeps its main weights in a buffer of their own (fp32 main weights under bf16 compute) get
+    storages of their own (`separate_main_weights`) and are marked relocatable, and the split is built now: the
+    hybrid optimizer moves them into host memory (pinned where the device can pin), so the device keeps neither
+    their main weights nor their moments; the wrapper's post-step install copies them into the compute weights.
+    Main weights in the compute dtype are the compute weights themselves: nothing separate to move, they keep a
+    stepped host copy."""
     planned_offload = getattr(optimizer, "planned_offload", None)
     if planned_offload is None:
         return
     offloaded = {id(view) for view in planned_offload()}
-    for group in chunk.fsdp.groups:
+    for group in fsdp_model.groups:
         if not group.main_weights_standalone:
             continue
         views = [view for view in group.main_param_views if id(view) in offloaded]
@@ -163,7 +166,7 @@ class MegatronFSDPOptimizer(MegatronOptimizer):
                 optimizer_factory(real_groups),
                 preproc_state_dict_for_dcp_ckpt=chunk.ddp_config.preproc_state_dict_for_dcp_ckpt,
             )
-            _let_offloaded_main_weights_move_to_host(chunk, torch_optimizer)
+            let_offloaded_main_weights_move_to_host(chunk.fsdp, torch_optimizer)
             self.chunk_optimizers.append(ChunkOptimizer(chunk, torch_optimizer, group_indices))
         stray = [param for group in param_groups for param in group["params"] if id(param) not in placed]
         if stray:

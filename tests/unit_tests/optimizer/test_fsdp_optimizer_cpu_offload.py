@@ -130,3 +130,87 @@ def test_bf16_offload_moves_the_fp32_main_weights_to_the_host(results, strategy)
         assert placements["all"]["device_bytes"] == 0 and placements["all"]["offloaded_numel"] > 0
         half = placements["half_overlap"]
         assert 0 < half["device_bytes"] and half["flat_numel"] / 2 <= half["offloaded_numel"] < half["flat_numel"]
+
+
+# ---- the same wiring on the standalone package, on the CPU and on CUDA (pinned host memory) --------------------
+def _adamw(groups):
+    from megatron.core.optimizer.precision_aware_adam import PrecisionAwareAdamW
+
+    return PrecisionAwareAdamW(groups, lr=1e-2, weight_decay=0.1)
+
+
+def _fully_shard_with_offload(device, fraction):
+    """A bf16 tiny model under ZeRO-3 (fp32 main weights), stepped by precision-aware AdamW, or with `fraction`
+    by a hybrid optimizer whose offloaded main weights `let_offloaded_main_weights_move_to_host` relocates:
+    3 steps on this rank's slice of the batch; losses, where the main weights are, device bytes freed."""
+    import torch.distributed as dist
+
+    import megatron_fsdp
+    from megatron.core.optimizer.fsdp_optimizer import let_offloaded_main_weights_move_to_host
+    from tests.unit_tests.distributed.fsdp import fsdp_test_models as models
+
+    mesh = {}
+    if device == "cuda":
+        from torch.distributed.device_mesh import DeviceMesh
+
+        torch.cuda.set_device(dist.get_rank())
+        mesh["device_mesh"] = DeviceMesh.from_group(dist.new_group(backend="nccl"), "cuda", mesh_dim_names=("dp",))
+    module = models.make_model(0, torch.bfloat16).to(device)
+    params = [param for param in module.parameters() if param.requires_grad]
+    optimizer = _adamw([{"params": params}]) if fraction is None else HybridDeviceOptimizer(
+        [{"params": params}], _adamw, _adamw, offload_fraction=fraction, overlap_d2h_h2d=True)
+    model, optimizer = megatron_fsdp.fully_shard(module, optimizer, fsdp_unit_modules=[models.Block],
+                                                 zero_dp_strategy=3, **mesh)
+    allocated = torch.cuda.memory_allocated if device == "cuda" else (lambda: 0)
+    before = allocated()
+    let_offloaded_main_weights_move_to_host(model, optimizer)
+    freed = before - allocated()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for inputs, target in models.make_batches(3, dtype=torch.bfloat16):
+        inputs, target = (models.local_slice(tensor, rank, world).to(device) for tensor in (inputs, target))
+        optimizer.zero_grad()
+        loss = models.loss_fn(model(inputs), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    entries = getattr(optimizer, "offloaded", [])
+    moments = [value for entry in entries for value in optimizer.state[entry.device_param].values()
+               if torch.is_tensor(value) and value.dim() > 0]
+    return {
+        "losses": losses, "freed": freed, "offloaded_numel": sum(entry.device_param.numel() for entry in entries),
+        "views": {(entry.relocated, entry.device_param.device.type, entry.device_param.is_pinned()) for entry in entries},
+        "moments_on_host": bool(moments) and all(value.device.type == "cpu" for value in moments),
+        "flat_released": all(group.main_weights.untyped_storage().nbytes() == 0
+                             for group in model.groups if group.main_separated),
+        "separated": sum(group.main_separated for group in model.groups),
+        "device_main_bytes": model.memory_report()["main_weights"],
+    }
+
+
+def _offload_fractions(device):
+    return {fraction: _fully_shard_with_offload(device, fraction) for fraction in (None, 1.0, 0.5)}
+
+
+@pytest.mark.parametrize("device, world_size", [("cpu", 2), pytest.param("cuda", 1, marks=pytest.mark.gpu)])
+def test_offloaded_main_weights_rest_in_host_memory_pinned_on_an_accelerator(device, world_size):
+    for result in run_on_ranks(world_size, _offload_fractions, device):
+        reference = result[None]["losses"]
+        for fraction in (1.0, 0.5):
+            run = result[fraction]
+            if device == "cpu":  # the same fp32 AdamW arithmetic on the same values
+                assert run["losses"] == pytest.approx(reference, rel=1e-6, abs=0), fraction
+            else:
+                # CPU and CUDA AdamW kernels may round the fp32 update differently by an ulp, which a bf16 forward
+                # can turn into a bf16 rounding step of a weight: losses agree to 1e-3.
+                assert run["losses"] == pytest.approx(reference, rel=1e-3, abs=0), fraction
+            assert run["views"] == {(True, "cpu", device == "cuda")}, fraction  # pinned on CUDA only
+            assert run["moments_on_host"] and run["flat_released"] and run["separated"] > 0, fraction
+            if device == "cuda":
+                # The device keeps 4 bytes of main weights less per offloaded parameter (at least: the padding
+                # of the split buffers goes too).
+                assert run["device_main_bytes"] <= result[None]["device_main_bytes"] - 4 * run["offloaded_numel"]
+        if device == "cuda":
+            # All of it offloaded: the flat buffers' blocks are freed (the caching allocator rounds them up).
+            assert result[1.0]["device_main_bytes"] == 0 < result[0.5]["device_main_bytes"]
+            assert result[1.0]["freed"] >= 4 * result[1.0]["offloaded_numel"] > 0

@@ -108,7 +108,7 @@ class GroupWeights:
         if not self.main_separated:
             return self.main_weights.numel() * self.main_weights.element_size()
         return sum(view.numel() * view.element_size() for view in self.main_param_views
-                   if view.device == self.device)
+                   if view.device.type == self.device.type)
 
     def write_main_weights(self, values: torch.Tensor):
         """Set the main weights from `values` laid out as they are (a shard, an HFSDP sub-shard, or the full group
