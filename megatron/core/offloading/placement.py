@@ -7,27 +7,48 @@ plain copies). Callers ask the placement for buffers and never branch on the dev
 
 Relocating a parameter: an optimizer may move a tensor's storage to the host (`relocate_to_host`) only when the
 tensor's owner said it may (`mark_relocatable`): the distributed optimizer's main parameters are clones owned by
-nobody else, while Megatron-FSDP's main weights are views into flat buffers the wrapper keeps reading, and must
-stay where they are.
+nobody else, and Megatron-FSDP's fp32 main weights once the wrapper gave them storages of their own; its main
+weights in the compute dtype are views into the compute weights the wrapper keeps reading, and must stay where
+they are. An owner may also name an `InstallTarget`, the device tensor it reads the values from (the model's
+compute weights): the offloading optimizer then copies the new values there itself after each host step, on its
+upload stream (a side stream with overlapped copies), and tells the owner it did.
 """
 
 import dataclasses
+from typing import Callable, Optional
 
 import torch
 
 from megatron.core.offloading.host_transfers import pinning_available
 
 RELOCATABLE_ATTRIBUTE = "storage_relocatable"
+INSTALL_TARGET_ATTRIBUTE = "host_step_install_target"
 
 
-def mark_relocatable(tensor: torch.Tensor) -> torch.Tensor:
-    """Say that `tensor` owns its storage alone, so an offloading optimizer may move it to the host."""
+@dataclasses.dataclass(frozen=True)
+class InstallTarget:
+    """Where the owner of a relocated tensor reads its values on the device (`tensor`: same number of elements,
+    any dtype, e.g. the model's bf16 compute weights), and `on_installed()`, called once the new values are queued
+    there (the owner then need not copy them itself)."""
+
+    tensor: torch.Tensor
+    on_installed: Callable[[], None]
+
+
+def mark_relocatable(tensor: torch.Tensor, install_into: Optional[InstallTarget] = None) -> torch.Tensor:
+    """Say that `tensor` owns its storage alone, so an offloading optimizer may move it to the host; with
+    `install_into`, the optimizer also copies the values it steps there (see the module docstring)."""
     setattr(tensor, RELOCATABLE_ATTRIBUTE, True)
+    setattr(tensor, INSTALL_TARGET_ATTRIBUTE, install_into)
     return tensor
 
 
 def is_relocatable(tensor: torch.Tensor) -> bool:
     return bool(getattr(tensor, RELOCATABLE_ATTRIBUTE, False))
+
+
+def install_target_of(tensor: torch.Tensor) -> Optional[InstallTarget]:
+    return getattr(tensor, INSTALL_TARGET_ATTRIBUTE, None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,13 +19,14 @@ sharded over the expert data-parallel group: their sums go over that group, the 
 model-parallel group.
 """
 
+import functools
 from typing import List, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from megatron.core.expert_parameters import expert_grad_stats_groups, model_has_expert_parameters
-from megatron.core.offloading.placement import mark_relocatable
+from megatron.core.offloading.placement import InstallTarget, mark_relocatable
 from megatron.core.optimizer.optimizer import MegatronOptimizer, copy_parallel_attributes
 from megatron.core.optimizer.precision_aware_adam import optimizer_grad
 
@@ -51,7 +52,9 @@ def let_offloaded_main_weights_move_to_host(fsdp_model, optimizer):
     whose group keeps its main weights in a buffer of their own (fp32 main weights under bf16 compute) get
     storages of their own (`separate_main_weights`) and are marked relocatable, and the split is built now: the
     hybrid optimizer moves them into host memory (pinned where the device can pin), so the device keeps neither
-    their main weights nor their moments; the wrapper's post-step install copies them into the compute weights.
+    their main weights nor their moments. After each host step it copies their new values into the compute
+    weights itself (the group's `main_install_target`, cast to the compute dtype on the host, on its upload
+    stream: a side stream with `--overlap-cpu-optimizer-d2h-h2d`), and the wrapper's post-step install skips them.
     Main weights in the compute dtype are the compute weights themselves: nothing separate to move, they keep a
     stepped host copy."""
     planned_offload = getattr(optimizer, "planned_offload", None)
@@ -61,11 +64,13 @@ def let_offloaded_main_weights_move_to_host(fsdp_model, optimizer):
     for group in fsdp_model.groups:
         if not group.main_weights_standalone:
             continue
-        views = [view for view in group.main_param_views if id(view) in offloaded]
-        if views:
+        indices = [index for index, view in enumerate(group.main_param_views) if id(view) in offloaded]
+        if indices:
             group.separate_main_weights()
-            for view in views:
-                mark_relocatable(view)
+            for index in indices:
+                target = group.main_install_target(index)
+                mark_relocatable(group.main_param_views[index], install_into=None if target is None else InstallTarget(
+                    target, functools.partial(group.note_main_installed, index)))
     optimizer.offloaded_params()  # builds the split: the marked views move to the host here
 
 

@@ -39,7 +39,7 @@ from typing import Callable, List, Sequence
 import torch
 
 from megatron.core.offloading.host_transfers import CopyStream
-from megatron.core.offloading.placement import HostPlacement, is_relocatable
+from megatron.core.offloading.placement import HostPlacement, install_target_of, is_relocatable
 from megatron.core.optimizer.precision_aware_adam import optimizer_grad
 
 
@@ -60,15 +60,21 @@ def offload_split(numels: Sequence[int], fraction: float) -> List[bool]:
 class _OffloadedParam:
     """A main parameter, the host tensor stepped for it and its host gradient, and the version of the parameter
     the host tensor reflects. `relocated`: the parameter itself now lives in the host tensor's storage (no
-    device copy left, nothing to upload); otherwise the host tensor is a copy uploaded into it after each step."""
+    device copy left; uploaded after each step into its owner's `install` target if it named one, in the
+    target's dtype through the host buffer `staging` when the dtypes differ); otherwise the host tensor is a copy
+    uploaded into the parameter after each step."""
 
     def __init__(self, device_param, group_index, grads_by_attribute, placement: HostPlacement):
         self.device_param = device_param
         self.group_index = group_index
         self.placement = placement
         self.relocated = is_relocatable(device_param)
+        self.install = self.staging = None
         if self.relocated:
             self.host_param = placement.relocate_to_host(device_param)
+            self.install = install_target_of(device_param)
+            if self.install is not None and self.install.tensor.dtype != self.host_param.dtype:
+                self.staging = placement.empty_like(self.install.tensor)
         else:
             self.host_param = placement.copy_of(device_param)
         self.host_grad = None
@@ -244,14 +250,28 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 for handle in entry.pending:
                     handle.wait_on_host()
             host_optimizer.step()
-            uploads += [self._upload.copy(entry.device_param, entry.host_param) for entry in entries
-                        if entry.pending and not entry.relocated]
+            uploads += [self._start_upload(entry) for entry in entries
+                        if entry.pending and (not entry.relocated or entry.install is not None)]
         for handle in uploads:
             handle.wait_on_device(self.device)
         for entry in self.offloaded:
             entry.synced_version = entry.device_param._version
             entry.pending = []
         return loss
+
+    def _start_upload(self, entry):
+        """Queue the copy of `entry`'s new values to the device: into the parameter (a host copy of it), or into
+        its owner's install target (a relocated parameter), cast on the host first when the target's dtype
+        differs (half the bytes to move for a bf16 target), and tell the owner."""
+        if not entry.relocated:
+            return self._upload.copy(entry.device_param, entry.host_param)
+        source = entry.host_param
+        if entry.staging is not None:
+            # Not read by an upload still in flight: the previous one finished before this step's gradient copy.
+            source = entry.staging.view(entry.host_param.shape).copy_(entry.host_param)
+        handle = self._upload.copy(entry.install.tensor, source.view(entry.install.tensor.shape))
+        entry.install.on_installed()
+        return handle
 
     def _start_download(self, entry):
         """Queue the copies the host step of `entry` needs: its gradient, and its value if the device

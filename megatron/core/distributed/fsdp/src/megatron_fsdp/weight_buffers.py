@@ -91,6 +91,30 @@ class GroupWeights:
             view.data = view.detach().clone()
         self.main_weights.untyped_storage().resize_(0)
         self.main_separated = True
+        self.main_installed_versions = {}  # see note_main_installed
+
+    def main_install_target(self, index: int) -> Optional[torch.Tensor]:
+        """Where the compute weights hold the values of main view `index` (in the compute dtype, the view's
+        shape): its piece of the compute shard (strategy 3), this rank's rows of it in the compute buffer
+        (strategies 1/2, sent by the post-step gather), the parameter itself (no_shard); None under HFSDP (the
+        compute shard is rebuilt from every outer rank's main weights)."""
+        if self.outer_sharded:
+            return None
+        if self.strategy == ShardingStrategy.no_shard:
+            return self.param_view(index)
+        if self.shards_params:
+            return self._main_view(self.compute_shard, index)
+        span, piece = self.layout.spans[index], self.pieces[index]
+        return self.compute_buffer[span.flat_start + piece.param_start:span.flat_start + piece.param_end]
+
+    def note_main_installed(self, index: int):
+        """Someone else (an offloading optimizer, right after stepping it) copied main view `index`'s current values
+        into `main_install_target(index)`: the moves below take them from there, and skip the copy, until the view
+        is written again (its version counter moves)."""
+        self.main_installed_versions[index] = self.main_param_views[index]._version
+
+    def _main_installed(self, index: int) -> bool:
+        return self.main_installed_versions.get(index) == self.main_param_views[index]._version
 
     def main_weights_flat(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The main weights as laid out in `main_weights`, on the device, in `dtype` (default the main dtype): the
@@ -100,7 +124,8 @@ class GroupWeights:
             return self.main_weights.to(dtype)
         flat = torch.zeros(self.main_weights.numel(), dtype=dtype, device=self.device)
         for index, view in enumerate(self.main_param_views):
-            self._main_view(flat, index).copy_(view)
+            installed = dtype == self.param_dtype and self._main_installed(index)
+            self._main_view(flat, index).copy_(self.main_install_target(index) if installed else view)
         return flat
 
     def main_weights_device_bytes(self) -> int:
@@ -286,7 +311,8 @@ class GroupWeights:
         target = self.compute_shard if self.shards_params else self.compute_buffer
         if self.main_separated:  # each parameter's piece from wherever its main weights live (host or device)
             for index, view in enumerate(self.main_param_views):
-                self._main_view(target, index).copy_(view)
+                if not self._main_installed(index):
+                    self._main_view(target, index).copy_(view)
         elif target.data_ptr() != self.main_weights.data_ptr():
             target.copy_(self.main_weights)
         self.wire_shard_stale = self.codec is not None
