@@ -194,7 +194,8 @@ def _fully_shard_with_offload(device, fraction):
                if torch.is_tensor(value) and value.dim() > 0]
     return {
         "losses": losses, "freed": freed, "offloaded_numel": sum(entry.device_param.numel() for entry in entries),
-        "views": {(entry.relocated, entry.device_param.device.type, entry.device_param.is_pinned()) for entry in entries},
+        "views": {(entry.relocated, entry.device_param.device.type, entry.device_param.is_pinned())
+                  for entry in entries},
         "moments_on_host": bool(moments) and all(value.device.type == "cpu" for value in moments),
         "flat_released": all(group.main_weights.untyped_storage().nbytes() == 0
                              for group in model.groups if group.main_separated),

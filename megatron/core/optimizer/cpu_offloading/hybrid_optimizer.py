@@ -13,18 +13,19 @@ uploads the updated values into the model's device weights. So under the distrib
 the device keeps none of the 12 bytes per offloaded parameter (master weight and both moments). Megatron-FSDP's
 fp32 main weights under bf16 compute are relocated the same way: `MegatronFSDPOptimizer` asks for the split
 (`planned_offload`), has the wrapper give the views it names storages of their own (`separate_main_weights`)
-and marks them relocatable; the wrapper's post-step install copies them into the compute weights. A main
+and marks them relocatable with an `InstallTarget` (their place in the compute weights), into which this
+optimizer uploads their new values after the host step (cast to the target's dtype on the host). A main
 parameter that is a view its owner keeps reading (Megatron-FSDP's main weights in the model's dtype are the
 model's weights themselves) stays where it is: its host copy is stepped and the result copied back into it.
 
 A step: the offloaded parameters' gradients are copied device -> host (and a kept device view's host copy is
 refreshed first if someone wrote the view since the last step, e.g. a checkpoint load; detected from the
 tensor's version counter), the device optimizer steps while those copies run, then the host optimizer steps and
-the updated values of kept views are copied host -> device. With `overlap_d2h_h2d` on CUDA the copies run on
-side streams and each offloaded parameter has its own host optimizer, so one parameter's host step overlaps the
-next one's gradient copy and the previous one's upload; otherwise (and always on the CPU) copies are synchronous
-and one host optimizer steps all offloaded parameters. The device parameters hold the updated values when
-`step()` returns (device kernels queued afterwards see them).
+the updated values of kept views (and of relocated parameters with an install target) are copied host -> device.
+With `overlap_d2h_h2d` on CUDA the copies run on side streams and each offloaded parameter has its own host
+optimizer, so one parameter's host step overlaps the next one's gradient copy and the previous one's upload;
+otherwise (and always on the CPU) copies are synchronous and one host optimizer steps all offloaded parameters.
+The device parameters hold the updated values when `step()` returns (device kernels queued afterwards see them).
 
 Outside, it looks like the optimizer it replaces: `param_groups` hold the parameters it was given (wrappers may
 re-point them before the first step, as Megatron-FSDP does; the split is rebuilt then), `state` is keyed by
