@@ -35,7 +35,8 @@ def add_arguments(parser):
         "--optimizer-cpu-offload",
         action="store_true",
         help="Keep the first --optimizer-offload-fraction of the main parameters and their optimizer state in "
-        "(pinned) host memory and step them there; needs --use-precision-aware-optimizer.",
+        "(pinned) host memory and step them there; needs --use-precision-aware-optimizer. Megatron-FSDP main weights "
+        "that are the compute weights themselves (same dtype, e.g. fp32) stay on the device with a stepped host copy.",
     )
     group.add_argument(
         "--optimizer-offload-fraction",
