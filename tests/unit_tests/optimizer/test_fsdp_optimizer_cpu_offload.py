@@ -2,7 +2,9 @@
 weights move to host memory with their Adam moments (`MegatronFSDPOptimizer` splits the wrapper's flat main
 buffer per parameter and the hybrid optimizer relocates the views it steps on the host). ZeRO-1 and ZeRO-3 at
 DP2: losses, gradient norms and checkpoints equal to the non-offloaded run's, the device keeps 4 bytes less of
-main weights per offloaded parameter, and a checkpoint saved with offload resumes without it."""
+main weights per offloaded parameter, and checkpoints resume across offload settings. The same wiring on the
+standalone package (ZeRO-3, also HFSDP): equal losses on the CPU; pinned host views and freed device bytes on
+CUDA (gpu)."""
 
 import pytest
 import torch
@@ -154,10 +156,11 @@ def _adamw(groups):
     return PrecisionAwareAdamW(groups, lr=1e-2, weight_decay=0.1)
 
 
-def _fully_shard_with_offload(device, fraction):
+def _fully_shard_with_offload(device, fraction, hfsdp):
     """A bf16 tiny model under ZeRO-3 (fp32 main weights), stepped by precision-aware AdamW, or with `fraction`
     by a hybrid optimizer whose offloaded main weights `let_offloaded_main_weights_move_to_host` relocates:
-    3 steps on this rank's slice of the batch; losses, where the main weights are, device bytes freed."""
+    3 steps on this rank's slice of the batch; losses, where the main weights are, device bytes freed. `hfsdp`:
+    the main weights are sharded over two outer ranks (a 2 x 1 mesh: the compute shard is the whole model)."""
     import torch.distributed as dist
 
     import megatron_fsdp
@@ -165,7 +168,14 @@ def _fully_shard_with_offload(device, fraction):
     from tests.unit_tests.distributed.fsdp import fsdp_test_models as models
 
     mesh = {}
-    if device == "cuda":
+    if hfsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        outer_mesh = init_device_mesh(device, (2, 1), mesh_dim_names=("dp_outer", "dp_shard"))
+        mesh = dict(device_mesh=outer_mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
+                    hybrid_fsdp_group=outer_mesh._flatten("dp_outer_shard").get_group(),
+                    outer_dp_sharding_strategy="optim")
+    elif device == "cuda":
         from torch.distributed.device_mesh import DeviceMesh
 
         torch.cuda.set_device(dist.get_rank())
@@ -176,6 +186,7 @@ def _fully_shard_with_offload(device, fraction):
         [{"params": params}], _adamw, _adamw, offload_fraction=fraction, overlap_d2h_h2d=True)
     model, optimizer = megatron_fsdp.fully_shard(module, optimizer, fsdp_unit_modules=[models.Block],
                                                  zero_dp_strategy=3, **mesh)
+    assert all(group.outer_sharded == hfsdp for group in model.groups)
     allocated = torch.cuda.memory_allocated if device == "cuda" else (lambda: 0)
     before = allocated()
     let_offloaded_main_weights_move_to_host(model, optimizer)
@@ -200,17 +211,20 @@ def _fully_shard_with_offload(device, fraction):
         "flat_released": all(group.main_weights.untyped_storage().nbytes() == 0
                              for group in model.groups if group.main_separated),
         "separated": sum(group.main_separated for group in model.groups),
+        # Under HFSDP the wrapper rebuilds the compute shard from the main weights itself: no install target.
+        "install_targets": {entry.install is not None for entry in entries},
         "device_main_bytes": model.memory_report()["main_weights"],
     }
 
 
-def _offload_fractions(device):
-    return {fraction: _fully_shard_with_offload(device, fraction) for fraction in (None, 1.0, 0.5)}
+def _offload_fractions(device, hfsdp):
+    return {fraction: _fully_shard_with_offload(device, fraction, hfsdp) for fraction in (None, 1.0, 0.5)}
 
 
-@pytest.mark.parametrize("device, world_size", [("cpu", 2), pytest.param("cuda", 1, marks=pytest.mark.gpu)])
-def test_offloaded_main_weights_rest_in_host_memory_pinned_on_an_accelerator(device, world_size):
-    for result in run_on_ranks(world_size, _offload_fractions, device):
+@pytest.mark.parametrize("device, world_size, hfsdp", [("cpu", 2, False), ("cpu", 2, True),
+                                                       pytest.param("cuda", 1, False, marks=pytest.mark.gpu)])
+def test_offloaded_main_weights_rest_in_host_memory_pinned_on_an_accelerator(device, world_size, hfsdp):
+    for result in run_on_ranks(world_size, _offload_fractions, device, hfsdp):
         reference = result[None]["losses"]
         for fraction in (1.0, 0.5):
             run = result[fraction]
@@ -222,6 +236,7 @@ def test_offloaded_main_weights_rest_in_host_memory_pinned_on_an_accelerator(dev
                 assert run["losses"] == pytest.approx(reference, rel=1e-3, abs=0), fraction
             assert run["views"] == {(True, "cpu", device == "cuda")}, fraction  # pinned on CUDA only
             assert run["moments_on_host"] and run["flat_released"] and run["separated"] > 0, fraction
+            assert run["install_targets"] == {not hfsdp}, fraction
             if device == "cuda":
                 # The device keeps 4 bytes of main weights less per offloaded parameter (at least: the padding
                 # of the split buffers goes too).
