@@ -1,6 +1,6 @@
 """Optimizer CPU offload under Megatron-FSDP with bf16 compute weights: the offloaded parameters' fp32 main
 weights move to host memory with their Adam moments (`MegatronFSDPOptimizer` splits the wrapper's flat main
-buffer per parameter and the hybrid optimizer relocates the views it steps on the host). ZeRO-1 and ZeRO-3 at
+buffer per parameter and the hybrid optimizer relocates the views it steps on the host). ZeRO-1, 2 and 3 at
 DP2: losses, gradient norms and checkpoints equal to the non-offloaded run's, the device keeps 4 bytes less of
 main weights per offloaded parameter, and checkpoints resume across offload settings. The same wiring on the
 standalone package (ZeRO-3, also HFSDP): equal losses on the CPU; pinned host views and freed device bytes on
@@ -15,7 +15,7 @@ from tests.unit_tests.multiprocess_harness import run_on_ranks
 from tests.unit_tests.optimizer.test_cpu_offload import _checkpoint, _cloned, _differences, _train
 
 STEPS, SAVE_AFTER = 4, 2
-STRATEGIES = ("optim", "optim_grads_params")
+STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
 SETTINGS = {
     "none": {},
     "all": dict(optimizer_cpu_offload=True),
