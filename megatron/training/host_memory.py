@@ -3,7 +3,8 @@
 Present only when some offloading is on; counted from the storages the offloading paths put on the host, each
 storage once (a tensor's bytes, its local shard for a DTensor):
 - `--optimizer-cpu-offload` (`HybridDeviceOptimizer`): the host copies of the offloaded main parameters, their
-  host gradients and the host optimizer's state;
+  host gradients, the host optimizer's state and the compute-dtype staging buffers of uploads into an owner's
+  install target (Megatron-FSDP's bf16 compute weights);
 - `--megatron-fsdp-param-offload`: the shard buffers of each offloaded Megatron-FSDP group (compute shard, main
   weights, main and optimizer gradients) and the optimizer's state of its main weights;
 - `--torch-fsdp2-cpu-offload`: FSDP2's parameter shards, their gradient shards and their optimizer state.
@@ -44,7 +45,7 @@ def host_offload_bytes(model_chunks, torch_optimizers) -> Optional[int]:
     for optimizer in torch_optimizers:
         for entry in getattr(optimizer, "offloaded", None) or []:  # HybridDeviceOptimizer's host side
             offloading = True
-            tensors += [entry.host_param, entry.host_grad]
+            tensors += [entry.host_param, entry.host_grad, getattr(entry, "staging", None)]
             tensors += _state_tensors(optimizer.state.get(entry.device_param, {}))
         # State the optimizer keeps next to offloaded main weights (created on their device: the host).
         for group in optimizer.param_groups:

@@ -42,6 +42,8 @@ def _main_weight_placement(chunk, optimizer):
     """Where the fp32 main weights are, measured from storages: bytes the device keeps (storages of the flat
     main buffers and of the views not moved to the host), bytes in the host buffers the hybrid optimizer moved
     views into, and the element counts the theory needs."""
+    from megatron.training.host_memory import host_offload_bytes
+
     groups = [group for group in chunk.fsdp.groups if group.main_weights is not None]
     hybrid = optimizer.optimizer
     entries = hybrid.offloaded if isinstance(hybrid, HybridDeviceOptimizer) else []
@@ -72,6 +74,12 @@ def _main_weight_placement(chunk, optimizer):
         # Offloaded views whose new values the hybrid optimizer copied into the compute weights itself (the
         # wrapper's install skipped them): all of them, as of the last step.
         "relocated_views": len(entries),
+        # The memory line's host field: main weights, gradients and moments in fp32, the bf16 upload staging, and
+        # the step counters.
+        "host_line_bytes": host_offload_bytes([chunk], [hybrid]),
+        "step_counter_bytes": sum(value.element_size() for entry in entries
+                                  for value in hybrid.state[entry.device_param].values()
+                                  if torch.is_tensor(value) and value.dim() == 0),
         "installed_by_optimizer": sum(group._main_installed(index) for group in groups if group.main_separated
                                       for index in range(len(group.main_param_views))),
     }
@@ -141,6 +149,7 @@ def test_bf16_offload_moves_the_fp32_main_weights_to_the_host(results, strategy)
             # The views moved into the placement's host buffers: pinned exactly where it pins (never on the CPU).
             assert placement["pinned"] == {bool(placement["placement_pins"])} and placement["devices"] == {"cpu"}
             assert placement["host_bytes"] == 4 * offloaded
+            assert placement["host_line_bytes"] == (4 + 4 + 8 + 2) * offloaded + placement["step_counter_bytes"]
             assert placement["installed_by_optimizer"] == placement["relocated_views"] > 0
             # The device keeps 4 bytes less per offloaded parameter (and the padding of the split buffers).
             assert none["device_bytes"] - placement["device_bytes"] == 4 * (offloaded + placement["separated_padding"])
