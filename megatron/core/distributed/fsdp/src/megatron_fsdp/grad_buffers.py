@@ -22,9 +22,10 @@ class GroupGrads:
     """Gradient buffers and gradient state of a `ParamGroup` (mixed into it; reads the buffers its constructor
     sets up: `grad_buffer`, `main_grads`, `optim_grads`, `transient_grads`, ...)."""
 
-    # A gradient smaller than 1/STASH_FRACTION of the group that arrives before the flat transient buffer exists
-    # is kept aside instead of allocating the buffer (a root group's norm gradient arriving long before its
-    # embedding gradient, say).
+    # A gradient smaller than 1/STASH_FRACTION of a root group that arrives before the flat transient buffer
+    # exists is kept aside instead of allocating the buffer (a root group's norm gradient arriving long before its
+    # embedding gradient, say). A unit's gradients all arrive within the unit's backward, so its buffer is
+    # allocated with the first one: stashing them would only copy each gradient twice (and hold it twice).
     STASH_FRACTION = 8
 
     # ---- gradient state --------------------------------------------------------------------------------------
@@ -78,7 +79,7 @@ class GroupGrads:
         """Whether writing `grad` now allocates the flat transient gradient buffer."""
         if self.grad_buffer is not None or self.transient_grads is not None:
             return False
-        return grad.numel() * self.STASH_FRACTION >= self.layout.numel
+        return self.unit_index is not None or grad.numel() * self.STASH_FRACTION >= self.layout.numel
 
     def _stash_grad(self, index: int, flat_grad: torch.Tensor, scale: float):
         """Keep a small gradient aside until a large one makes the flat transient buffer worth allocating."""

@@ -43,11 +43,28 @@ class GradReductionPipeline:
             self._reopen_outer_reduced(group)
 
     # ---- reduction ----------------------------------------------------------------------------------------------
+    def _reduction_batch(self, group: ParamGroup):
+        """Reductions launched together and counted as one against `max_reduces_in_flight`: a unit's groups
+        (together one unit's gradients, e.g. its dense and its expert parameters); each root group alone."""
+        return ("unit", group.unit_index) if group.unit_index is not None else ("root", id(group))
+
+    def _batches_in_flight_beside(self, group: ParamGroup) -> int:
+        """Reduction batches in flight other than `group`'s own."""
+        own = self._reduction_batch(group)
+        return len({self._reduction_batch(entry[3]) for entry in self.pending_reduces} - {own})
+
+    def _reduces_locally(self, group: ParamGroup) -> bool:
+        """A group sharded over one rank (experts at expert data-parallel size 1) with no outer dim: its reduction
+        is a local add into the main gradients, done at launch, and holds nothing in flight."""
+        return collectives.group_size(self._shard_group(group)) == 1 and not self._has_outer()
+
     def launch_reduce(self, group: ParamGroup, async_op: bool):
-        """Reduce one group's gradients on the reduce-scatter stream; at most `max_reduces_in_flight` at once
-        (each holds a gradient buffer), the oldest waited for first."""
+        """Reduce one group's gradients on the reduce-scatter stream; at most `max_reduces_in_flight` batches
+        (a unit's groups, or one root group: each holds up to a unit's gradient buffers) at once, the oldest
+        waited for first. A local reduction (`_reduces_locally`) neither waits for nor joins them."""
         group.move_grads_to(GradState.REDUCED)  # first: a reduction of nothing must not issue a collective
-        while len(self.pending_reduces) >= self.max_reduces_in_flight:
+        local = self._reduces_locally(group)
+        while not local and self._batches_in_flight_beside(group) >= self.max_reduces_in_flight:
             self._wait_oldest_reduce()
         self._wait_outer(group)  # the main gradients this reduction adds to may still be in an outer reduction
         self._reopen_outer_reduced(group)
@@ -73,6 +90,11 @@ class GradReductionPipeline:
             group.move_outer_grads_to(OuterGradState.DUE)
             # a synced microbatch: the outer reduction starts as soon as this one lands, during the backward
             outer_after = self.sync_enabled
+        if local:
+            pending.wait()
+            if epilogue is not None:
+                epilogue()
+            return
         self.pending_reduces.append((pending, epilogue, flat, group, outer_after))
         if not async_op:
             self.wait_reduces()

@@ -90,8 +90,9 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
         self.param_syncs_queued: List[ParamGroup] = []
         self.param_syncs_in_flight: List[ParamGroup] = []
         self.pending_reduces: List[tuple] = []  # (handle, epilogue, flat input, group), oldest first
-        # Reductions in flight at once: launching one more first waits for the oldest. One in flight while the
-        # next unit's backward computes is the overlap; each one holds a unit-sized gradient buffer.
+        # Reductions in flight at once, counted in batches (a unit's groups together, or one root group; see
+        # GradReductionPipeline.launch_reduce): launching one of another batch first waits for the oldest. One
+        # batch in flight while the next unit's backward computes is the overlap; each holds a unit's gradients.
         self.max_reduces_in_flight = 1
         # With an outer dim: outer reductions (HSDP all-reduce, HFSDP reduce-scatter) in flight, issued during the
         # backward as soon as a group's inner reduction has landed, by group id.
@@ -264,7 +265,7 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
         needs no wait for another one in flight; otherwise at the next unit boundary or the end of the backward,
         so that no gradient hook waits for a reduction."""
         if self._reduces_now(group):
-            if len(self.pending_reduces) < self.max_reduces_in_flight:
+            if self._reduces_locally(group) or self._batches_in_flight_beside(group) < self.max_reduces_in_flight:
                 self.launch_reduce(group, async_op=self.overlap_grad_reduce)
             else:
                 self.deferred_reduces.append(group)
