@@ -85,6 +85,20 @@ def _main_weight_placement(chunk, optimizer):
     }
 
 
+def _torch_dist_payload(chunk, optimizer):
+    """What a torch_dist save writes of the optimizer (main weights and state under logical names): per key the
+    global shape and this rank's pieces (offsets, values)."""
+    from megatron.core.dist_checkpointing.fsdp_state import optimizer_state_to_save
+
+    payload = {}
+    for key, value in optimizer_state_to_save(optimizer, [chunk]).items():
+        if hasattr(value, "pieces"):
+            value = {"shape": list(value.global_shape), "pieces": [[list(offsets), piece.detach().clone()]
+                                                                   for offsets, piece in value.pieces]}
+        payload[key] = value
+    return payload
+
+
 def _resume(chunk, optimizer, checkpoint):
     chunk.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(_cloned(checkpoint["optimizer"]))
@@ -99,6 +113,7 @@ def _runs():
             chunk, optimizer = _build(strategy, setting)
             first = _train(chunk, optimizer, range(SAVE_AFTER))
             checkpoints[setting] = _checkpoint(chunk, optimizer)
+            checkpoints[setting]["torch_dist"] = _torch_dist_payload(chunk, optimizer)
             rest = _train(chunk, optimizer, range(SAVE_AFTER, STEPS))
             runs[setting] = (first[0] + rest[0], first[1] + rest[1])
             placements[setting] = _main_weight_placement(chunk, optimizer)
