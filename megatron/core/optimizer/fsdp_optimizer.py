@@ -55,8 +55,8 @@ def let_offloaded_main_weights_move_to_host(fsdp_model, optimizer):
     their main weights nor their moments. After each host step it copies their new values into the compute
     weights itself (the group's `main_install_target`, cast to the compute dtype on the host, on its upload
     stream: a side stream with `--overlap-cpu-optimizer-d2h-h2d`), and the wrapper's post-step install skips them.
-    Main weights in the compute dtype are the compute weights themselves: nothing separate to move, they keep a
-    stepped host copy."""
+    Main weights that share the compute weights' storage (in the compute dtype, outside HFSDP) have nothing
+    separate to move: they keep a stepped host copy."""
     planned_offload = getattr(optimizer, "planned_offload", None)
     if planned_offload is None:
         return
