@@ -5,9 +5,11 @@ Trains pretrain_gpt.py (mock data) with 8 experts per layer, top-2, alltoall dis
 the distributed optimizer, FSDP2 and Megatron-FSDP ZeRO-3 (experts on their expert data-parallel mesh, one rank
 here), and reads the last rank's metrics record: the memory line's expert bytes and the iteration times. Prints a
 markdown table. Arms are interleaved over `--repeats` rounds; the step time is the median over steps after the first
-`--warmup` of every repeat.
+`--warmup` of every repeat. `--arms` picks some of them (DDP, the reference of the ratio, always runs); `--model
+large` trains a larger MoE model (4 layers, hidden 512, expert FFN 1024, seq 256) where compute outweighs the
+per-step communication of the tiny default one. Subprocesses import this checkout's `megatron_fsdp` package.
 
-    python examples/moe/benchmark_wrappers.py [--repeats 2] [--iters 20]
+    python examples/moe/benchmark_wrappers.py [--repeats 2] [--iters 20] [--arms DDP "Megatron-FSDP z3"] [--model large]
 """
 
 import argparse
@@ -19,12 +21,21 @@ import sys
 import tempfile
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LAYERS, HIDDEN, FFN, EXPERTS, WORLD = 2, 128, 256, 8, 2
-MODEL = (f"--num-layers {LAYERS} --hidden-size {HIDDEN} --num-attention-heads 4 --seq-length 64 "
-         f"--max-position-embeddings 64 --micro-batch-size 4 --global-batch-size 16 --lr 1e-3 --hidden-dropout 0 "
-         f"--attention-dropout 0 --mock-data --tokenizer-type NullTokenizer --vocab-size 1024 --seed 1234 "
-         f"--num-workers 0 --log-interval 1000 --distributed-backend gloo --num-experts {EXPERTS} "
-         f"--moe-router-topk 2 --moe-ffn-hidden-size {FFN} --moe-token-dispatcher-type alltoall")
+EXPERTS, WORLD = 8, 2
+MODELS = {  # name: (layers, hidden, expert FFN, sequence length)
+    "small": (2, 128, 256, 64),
+    "large": (4, 512, 1024, 256),
+}
+
+
+def model_flags(model):
+    layers, hidden, ffn, seq = MODELS[model]
+    return (f"--num-layers {layers} --hidden-size {hidden} --num-attention-heads 4 --seq-length {seq} "
+            f"--max-position-embeddings {seq} --micro-batch-size 4 --global-batch-size 16 --lr 1e-3 "
+            f"--hidden-dropout 0 --attention-dropout 0 --mock-data --tokenizer-type NullTokenizer --vocab-size 1024 "
+            f"--seed 1234 --num-workers 0 --log-interval 1000 --distributed-backend gloo --num-experts {EXPERTS} "
+            f"--moe-router-topk 2 --moe-ffn-hidden-size {ffn} --moe-token-dispatcher-type alltoall")
+
 ARMS = {  # name: (expert-parallel size, flags, expert-DP sharding of (params, optimizer state))
     "DDP": (2, "", (1, 1)),
     "distributed optimizer": (2, "--use-distributed-optimizer", (1, 1)),
@@ -33,22 +44,25 @@ ARMS = {  # name: (expert-parallel size, flags, expert-DP sharding of (params, o
 }
 
 
-def expert_bytes_theory(expert_parallel_size, params_over, optimizer_over, distributed_optimizer):
+def expert_bytes_theory(model, expert_parallel_size, params_over, optimizer_over, distributed_optimizer):
     """(params, grads, optimizer state) bytes per rank: fp32 experts with biases, Adam's two moments, plus fp32
     main weights under the distributed optimizer."""
-    per_expert = 2 * HIDDEN * FFN + FFN + HIDDEN
-    local = 4 * LAYERS * EXPERTS * per_expert // expert_parallel_size
+    layers, hidden, ffn, _ = MODELS[model]
+    per_expert = 2 * hidden * ffn + ffn + hidden
+    local = 4 * layers * EXPERTS * per_expert // expert_parallel_size
     copies = 3 if distributed_optimizer else 2
     return local // params_over, local // params_over, copies * local // optimizer_over
 
 
-def run(name, iters, metrics_path):
+def run(name, model, iters, metrics_path):
     expert_parallel_size, flags, _ = ARMS[name]
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD}",
-               os.path.join(REPOSITORY, "pretrain_gpt.py"), *MODEL.split(), *flags.split(),
+               os.path.join(REPOSITORY, "pretrain_gpt.py"), *model_flags(model).split(), *flags.split(),
                "--expert-model-parallel-size", str(expert_parallel_size), "--train-iters", str(iters),
                "--metrics-file", metrics_path]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    package = os.path.join(REPOSITORY, "megatron", "core", "distributed", "fsdp", "src")
+    python_path = os.pathsep.join(filter(None, [package, REPOSITORY, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=python_path)
     subprocess.run(command, check=True, cwd=REPOSITORY, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     with open(metrics_path) as stream:
         return [json.loads(line) for line in stream]
@@ -59,23 +73,28 @@ def main():
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS),
+                        help="arms to run (DDP always runs: the step-time ratios are against it)")
+    parser.add_argument("--model", choices=list(MODELS), default="small")
     options = parser.parse_args()
-    times = {name: [] for name in ARMS}
+    arms = ["DDP"] + [name for name in ARMS if name in options.arms and name != "DDP"]
+    times = {name: [] for name in arms}
     last = {}
     with tempfile.TemporaryDirectory() as directory:
         for repeat in range(options.repeats):
-            for name in ARMS:
+            for name in arms:
                 path = os.path.join(directory, f"{repeat}-{len(times[name])}-{name.replace(' ', '_')}.jsonl")
-                records = run(name, options.iters, path)
+                records = run(name, options.model, options.iters, path)
                 times[name] += [record["iteration-time"] for record in records[options.warmup:]]
                 last[name] = records[-1]
     ddp_time = statistics.median(times["DDP"])
     print("| wrapper | EP | expert params (B) | theory | expert grads (B) | theory | expert optimizer (B) | theory "
           "| step (ms) | vs DDP |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for name, (expert_parallel_size, flags, (params_over, optimizer_over)) in ARMS.items():
+    for name in arms:
+        expert_parallel_size, flags, (params_over, optimizer_over) = ARMS[name]
         record = last[name]
-        theory = expert_bytes_theory(expert_parallel_size, params_over, optimizer_over,
+        theory = expert_bytes_theory(options.model, expert_parallel_size, params_over, optimizer_over,
                                      "--use-distributed-optimizer" in flags)
         measured = (record.get("expert-params-bytes"), record.get("expert-grads-bytes"),
                     record.get("expert-optimizer-state-bytes"))
