@@ -102,6 +102,14 @@ def _torchao_step(x, weight, grad):
     return step
 
 
+def _without_triton(step):
+    """`step` with the quantization through the torch.compile'd / eager functions instead of the Triton kernels."""
+    from megatron.core.fp8.tensor import triton_quantization
+
+    with triton_quantization(False):
+        return step()
+
+
 def time_linears(device, shapes, runs=20, warmup=5):
     """{shape name: {arm: median ms}} of one linear's forward + backward."""
     import torch
@@ -133,6 +141,8 @@ def time_linears(device, shapes, runs=20, warmup=5):
             "fp8_linear delayed": lambda: fp8_linear(x, weight, None, delayed).backward(grad),
             "fp8_linear tensorwise, weight cached": lambda: fp8_linear(x, weight, None, tensorwise,
                                                                       weight_fp8=cached_weight).backward(grad),
+            "fp8_linear tensorwise, no Triton kernels": lambda: _without_triton(
+                lambda: fp8_linear(x, weight, None, tensorwise).backward(grad)),
         }
         torchao = _torchao_step(x, weight.detach(), grad)
         if torchao is not None:

@@ -125,9 +125,16 @@ def diagnose(device, shape, profile_rows=25):
     def bf16_step():
         F.linear(x, weight).backward(grad)
 
+    def layer_step_without_triton():
+        from megatron.core.fp8.tensor import triton_quantization
+
+        with triton_quantization(False):
+            layer_step()
+
     lines.append("| forward + backward | host ms to enqueue | device ms |")
     lines.append("|---|---|---|")
-    for name, step in (("bf16 F.linear", bf16_step), ("fp8_linear tensorwise", layer_step)):
+    for name, step in (("bf16 F.linear", bf16_step), ("fp8_linear tensorwise", layer_step),
+                       ("fp8_linear tensorwise, no Triton kernels", layer_step_without_triton)):
         host, on_device = _host_and_device_ms(step, device)
         lines.append(f"| {name} | {host:.3f} | {on_device:.3f} |")
 

@@ -14,6 +14,7 @@ temporary), and the cast is one multiply (in fp32, without a separate upcast cop
 float8 conversion.
 """
 
+import contextlib
 import logging
 
 import torch
@@ -157,13 +158,26 @@ def _run(name, eager, tensor, *args):
 
 
 _TRITON_FAILED = []
+_TRITON_DISABLED = [False]
+
+
+@contextlib.contextmanager
+def triton_quantization(enabled: bool):
+    """Within the block, quantize through the Triton kernels where they apply (`enabled`, the default) or through
+    the `torch.compile`d / eager functions (benchmarks compare the two)."""
+    previous = _TRITON_DISABLED[0]
+    _TRITON_DISABLED[0] = not enabled
+    try:
+        yield
+    finally:
+        _TRITON_DISABLED[0] = previous
 
 
 _TRITON_CHECKED_DEVICES = set()
 
 
 def _triton_kernels_take(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
-    if _COMPILE_OVERRIDE[0] is not None or not tensor.is_cuda or _TRITON_FAILED:  # tests force the other paths
+    if _COMPILE_OVERRIDE[0] is not None or not tensor.is_cuda or _TRITON_FAILED or _TRITON_DISABLED[0]:
         return False
     from megatron.core.fp8 import triton_quantize
 

@@ -179,3 +179,19 @@ def test_cuda_scaling_states_quantize_through_the_kernels_with_the_eager_results
         for mine, eager in zip(results["kernels"], results["eager"]):
             for a, b in zip(mine, eager):
                 assert torch.equal(a, b)
+
+
+def test_triton_quantization_switch_is_scoped(monkeypatch):
+    """`triton_quantization(False)` turns the kernels off inside its block only, also when the block raises."""
+    monkeypatch.setattr(fp8_tensor, "_TRITON_FAILED", [])
+    monkeypatch.setattr(fp8_tensor, "_TRITON_CHECKED_DEVICES", {torch.device("cpu")})
+    monkeypatch.setattr(triton_quantize, "supports", lambda tensor, dtype: True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the kernels' gate, on the CPU
+    values = torch.ones(4, 4)
+    assert fp8_tensor._triton_kernels_take(values, torch.float8_e4m3fn)
+    with fp8_tensor.triton_quantization(False):
+        assert not fp8_tensor._triton_kernels_take(values, torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match="inside"):
+        with fp8_tensor.triton_quantization(False):
+            raise RuntimeError("inside")
+    assert fp8_tensor._triton_kernels_take(values, torch.float8_e4m3fn)
