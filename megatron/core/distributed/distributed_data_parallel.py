@@ -10,7 +10,8 @@ collective with `average_in_collective`.
 Mixture-of-Experts expert parameters (`allreduce=False`, see `megatron.core.expert_parameters`) get buffers of
 their own, reduced (and, with the distributed optimizer, sharded) over the expert data-parallel group with the
 same 1/(DP x CP) scaling as the dense gradients: an expert's gradient already sums the tokens that every
-expert-parallel rank sent it.
+expert-parallel rank sent it. With several distributed-optimizer instances, dense and expert buffers alike are
+sharded (reduce-scattered) inside an instance and all-reduced across the instances.
 """
 
 from contextlib import contextmanager
@@ -44,11 +45,16 @@ def _default_groups(ddp_config):
 
 
 def _default_expert_groups(ddp_config):
-    """The expert data-parallel group (the ranks holding the same experts)."""
-    if ddp_config.num_distributed_optimizer_instances > 1:
-        raise ValueError(
-            "--num-distributed-optimizer-instances > 1 (hybrid sharding of the distributed optimizer) is not "
-            "supported with Mixture-of-Experts expert parameters; use 1 instance with --num-experts."
+    """The expert data-parallel group (the ranks holding the same experts); with several distributed-optimizer
+    instances, sharded over its ranks in this instance and all-reduced across the instances (parallel_state's
+    inner and outer expert data-parallel groups, which refuse an instance count not dividing expert DP)."""
+    from megatron.core import parallel_state
+
+    if ddp_config.num_distributed_optimizer_instances > 1 and parallel_state.model_parallel_is_initialized():
+        return BucketCommunicationGroups(
+            parallel_state.get_expert_data_parallel_group(),
+            shard_group=parallel_state.get_expert_data_parallel_group(partial_expert_data_parallel=True),
+            outer_group=parallel_state.get_outer_expert_data_parallel_group(),
         )
     return BucketCommunicationGroups(expert_data_parallel_group())
 

@@ -47,7 +47,8 @@ MEGATRON_FSDP_WRAPPERS = {
 
 class TrainingRun:
     """The toy MoE model on this rank at `expert_model_parallel_size`, wrapped in `wrapper` (one of `WRAPPERS`),
-    with its optimizer. Megatron-FSDP wrappers take `num_distributed_optimizer_instances` (HSDP / HFSDP)."""
+    with its optimizer. Megatron-FSDP wrappers (HSDP / HFSDP) and the distributed optimizer take
+    `num_distributed_optimizer_instances`."""
 
     def __init__(self, expert_model_parallel_size, wrapper, num_distributed_optimizer_instances=1):
         parallel_state.initialize_model_parallel(expert_model_parallel_size=expert_model_parallel_size,
@@ -67,9 +68,10 @@ class TrainingRun:
                 **MEGATRON_FSDP_WRAPPERS[wrapper])
             self.ddp = MegatronFSDPAdapter(config, ddp_config, self.model, fsdp_unit_modules=(ToyMoELayer,))
         else:
-            ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer,
-                                                       overlap_grad_reduce=True,
-                                                       overlap_param_gather=use_distributed_optimizer, bucket_size=150)
+            ddp_config = DistributedDataParallelConfig(
+                use_distributed_optimizer=use_distributed_optimizer, overlap_grad_reduce=True,
+                overlap_param_gather=use_distributed_optimizer, bucket_size=150,
+                num_distributed_optimizer_instances=num_distributed_optimizer_instances)
             self.ddp = DistributedDataParallel(config, ddp_config, self.model)
         self.optimizer = get_megatron_optimizer(_optimizer_config(use_distributed_optimizer), [self.ddp])
 
@@ -219,20 +221,21 @@ def _megatron_fsdp_hybrid_error_at_ep2():
     return str(error.value)
 
 
-def _hybrid_distributed_optimizer_error():
-    parallel_state.initialize_model_parallel(num_distributed_optimizer_instances=2)
+def _hybrid_distributed_optimizer_error_at_ep2():
+    """The same under DDP's distributed optimizer."""
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=2, num_distributed_optimizer_instances=2)
+    model = ToyMoEModel(ep_group=parallel_state.get_expert_model_parallel_group())
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, num_distributed_optimizer_instances=2)
     with pytest.raises(ValueError) as error:
-        DistributedDataParallel(ModelParallelConfig(), ddp_config, ToyMoEModel())
+        DistributedDataParallel(ModelParallelConfig(expert_model_parallel_size=2), ddp_config, model)
     return str(error.value)
 
 
 def test_refusals_name_the_flags():
-    message = run_on_ranks(WORLD, _megatron_fsdp_hybrid_error_at_ep2)[0]
-    assert "--num-distributed-optimizer-instances 2 does not divide the expert data-parallel size 1" in message
-    assert "--expert-model-parallel-size" in message
-    message = run_on_ranks(WORLD, _hybrid_distributed_optimizer_error)[0]
-    assert "--num-distributed-optimizer-instances" in message and "--num-experts" in message
+    for error_at_ep2 in (_megatron_fsdp_hybrid_error_at_ep2, _hybrid_distributed_optimizer_error_at_ep2):
+        message = run_on_ranks(WORLD, error_at_ep2)[0]
+        assert "--num-distributed-optimizer-instances 2 does not divide the expert data-parallel size 1" in message
+        assert "--expert-model-parallel-size" in message
 
 
 def _weight_hash_check(expert_model_parallel_size, perturb_expert):
