@@ -105,7 +105,9 @@ def kernels():
         data = rounded.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row_ids[:, None] * cols + col_ids[None, :], data, mask=mask)
         if WRITE_TRANSPOSE:
-            tl.store(out_t_ptr + col_ids[:, None] * rows + row_ids[None, :], tl.trans(data), mask=tl.trans(mask))
+            # Transposed in fp32 and converted after (the same exact values), so no float8 layout conversion.
+            data_t = tl.trans(rounded).to(out_t_ptr.dtype.element_ty)
+            tl.store(out_t_ptr + col_ids[:, None] * rows + row_ids[None, :], data_t, mask=tl.trans(mask))
 
     return amax_kernel, quantize_kernel
 
