@@ -11,7 +11,6 @@ For one linear layer (tokens x in x out, default the GPT-1.3B MLP shape 8192x204
 `--smoke` runs it on the CPU with a tiny shape (a check of the program, not a measurement).
 """
 
-import statistics
 import time
 
 DEFAULT_SHAPE = (8192, 2048, 6144)
@@ -19,24 +18,9 @@ SMOKE_SHAPE = (64, 32, 48)
 
 
 def _median_ms(step, device, runs=20, warmup=5):
-    import torch
+    from examples.fp8.gpu_benchmark import _Timer
 
-    for _ in range(warmup):
-        step()
-    samples = []
-    for _ in range(runs):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            step()
-            samples.append(1000 * (time.perf_counter() - begin))
-    return statistics.median(samples)
+    return _Timer(device).measure(step, runs, warmup)
 
 
 def _host_and_device_ms(step, device, runs=20):

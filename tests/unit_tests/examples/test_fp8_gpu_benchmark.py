@@ -10,7 +10,8 @@ from examples.fp8 import gpu_benchmark
 
 def test_linear_part_and_report_run_on_the_cpu(capsys):
     result = gpu_benchmark.run(smoke=True, skip_pretrain=True)
-    arms = {"bf16 F.linear", "fp8_linear tensorwise", "fp8_linear delayed"}
+    arms = {"bf16 F.linear", "fp8_linear tensorwise", "fp8_linear delayed", "fp8_linear tensorwise, weight cached",
+            "fp8_linear tensorwise, no Triton kernels"}
     assert set(result["linear_ms"]) == {"64x32x48", "64x48x32"}
     for timings in result["linear_ms"].values():
         assert arms <= set(timings) and all(value > 0 for value in timings.values())
@@ -39,3 +40,14 @@ def test_every_pretrain_arm_validates_and_one_runs_on_the_cpu(tmp_path):
     median_step_s = gpu_benchmark.run_pretrain(gpu_benchmark.SMOKE_GPT, extra, str(tmp_path),
                                                gpu_benchmark.MEDIAN_FROM_ITERATION + 1)
     assert 0 < median_step_s < 60
+
+
+def test_diagnostics_run_on_the_cpu():
+    """`--part gpu-diagnostics --smoke`: every table of the diagnostics is filled (GEMMs alone, quantizing passes,
+    host against device time for bf16 and both FP8 paths, the profiler's table)."""
+    from examples.fp8 import gpu_diagnostics
+
+    table = gpu_diagnostics.run(smoke=True)["table"]
+    for row in ("| forward x @ w.T |", "| all three |", "| output gradient (+ transpose) |", "| bf16 F.linear |",
+                "| fp8_linear tensorwise |", "| fp8_linear tensorwise, no Triton kernels |", "Fp8LinearFunction"):
+        assert row in table, row
