@@ -75,3 +75,15 @@ def validation_loss(model, args):
     """Mean loss over --eval-iters global batches of validation data, always the same batches."""
     _, valid_iterator = data_iterators(args)
     return run_global_batches(model, valid_iterator, args.eval_iters, args)
+
+
+def run_with_megatron(extra_args_provider, run, argv=None):
+    """`run(args)` with Megatron initialised from `argv` (plus the script's own arguments), torn down after."""
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.training import _teardown
+
+    args = initialize_megatron(extra_args_provider=extra_args_provider, args=argv)
+    try:
+        return run(args)
+    finally:
+        _teardown(args)

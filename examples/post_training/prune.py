@@ -35,13 +35,13 @@ from examples.post_training.model_and_data import (  # noqa: E402
     build_model,
     data_iterators,
     run_global_batches,
+    run_with_megatron,
     setup_tokenizer_and_batches,
     validation_loss,
 )
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.post_training import prune as width_pruning  # noqa: E402
 from megatron.training import checkpointing  # noqa: E402
-from megatron.training.initialize import initialize_megatron  # noqa: E402
 
 MINITRON_PLUGIN = "modelopt.torch.prune.plugins.mcore_minitron"
 
@@ -221,13 +221,7 @@ def run(args):
 
 
 def main(argv=None):
-    args = initialize_megatron(extra_args_provider=add_prune_arguments, args=argv)
-    try:
-        return run(args)
-    finally:
-        from megatron.training.training import _teardown
-
-        _teardown(args)
+    return run_with_megatron(add_prune_arguments, run, argv)
 
 
 if __name__ == "__main__":

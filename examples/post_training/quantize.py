@@ -29,13 +29,13 @@ from examples.post_training.model_and_data import (  # noqa: E402
     build_model,
     data_iterators,
     run_global_batches,
+    run_with_megatron,
     setup_tokenizer_and_batches,
     validation_loss,
 )
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.extensions import modelopt as modelopt_support  # noqa: E402
 from megatron.training import checkpointing  # noqa: E402
-from megatron.training.initialize import initialize_megatron  # noqa: E402
 
 MODELOPT_STATE_KEY = "modelopt_state"
 
@@ -151,13 +151,7 @@ def run(args):
 
 
 def main(argv=None):
-    args = initialize_megatron(extra_args_provider=add_quantize_arguments, args=argv)
-    try:
-        return run(args)
-    finally:
-        from megatron.training.training import _teardown
-
-        _teardown(args)
+    return run_with_megatron(add_quantize_arguments, run, argv)
 
 
 if __name__ == "__main__":
