@@ -9,9 +9,9 @@ Quantizing takes as few passes over memory, and as few launches, as the device a
 the amax is one kernel and the scale-and-cast another, which also writes the transposed bytes when asked for and,
 under delayed scaling, records the tensor's amax in the same pass (`triton_quantize`): a handful of launches per
 tensor, so the host keeps ahead of the GPU. Tensors those kernels do not take (more than two dimensions) go
-through `torch.compile`d functions on CUDA; where compiling fails they run eagerly and a message says so once. Elsewhere (the CPU) they run eagerly: the amax is one `aminmax` pass (no `abs`
-temporary), and the cast is one multiply (in fp32, without a separate upcast copy), an in-place clamp and the
-float8 conversion.
+through `torch.compile`d functions on CUDA; where compiling fails they run eagerly and a message says so once.
+Elsewhere (the CPU) they run eagerly: the amax is one `aminmax` pass (no `abs` temporary), and the cast is one
+multiply (in fp32, without a separate upcast copy), an in-place clamp and the float8 conversion.
 """
 
 import contextlib
@@ -283,17 +283,9 @@ def quantize_by_amax(tensor: torch.Tensor, dtype: torch.dtype, amax_value: torch
 
 
 def fused_amax_recording_available(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether `quantize_recording_amax` takes this tensor in one pass (a GPU with Triton)."""
-    if not _triton_kernels_take(tensor, dtype):
-        return False
-    from megatron.core.fp8 import triton_quantize
-
-    try:
-        triton_quantize.kernels()
-    except Exception as error:  # noqa: BLE001 - Triton present but unusable here
-        _triton_failed(error)
-        return False
-    return True
+    """Whether `quantize_recording_amax` takes this tensor in one pass (a GPU with Triton whose kernels passed
+    their first-use check)."""
+    return _triton_kernels_take(tensor, dtype)
 
 
 def quantize_recording_amax(tensor: torch.Tensor, dtype: torch.dtype, scale_amax: torch.Tensor, margin: int = 0,
