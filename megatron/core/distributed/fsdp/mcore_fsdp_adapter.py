@@ -341,9 +341,13 @@ class MegatronFSDPAdapter(DataParallelWrapper):
         """Process groups over which the optimizer's gradient pieces of one parameter are spread (disjoint
         pieces): the shard group under ZeRO-1..3, and the outer group too under HFSDP. HSDP's outer ranks hold
         identical copies, ZeRO-0's data-parallel ranks full ones."""
+        return self._optimizer_shard_groups(self.module.topology)
+
+    def _optimizer_shard_groups(self, topology) -> List[object]:
+        """The groups `topology` spreads optimizer pieces over: its data-parallel group unless nothing is sharded,
+        and its outer group where the outer ranks shard the optimizer too (HFSDP)."""
         import megatron_fsdp
 
-        topology = self.module.topology
         groups = []
         if self.module.strategy != megatron_fsdp.ShardingStrategy.no_shard and topology.dp_size > 1:
             groups.append(topology.dp_group)
@@ -355,17 +359,10 @@ class MegatronFSDPAdapter(DataParallelWrapper):
         """Process groups over which the optimizer's gradient pieces of one expert parameter are spread: the
         expert data-parallel group (of one instance under HSDP / HFSDP) under expert parallelism (ZeRO-1..3), and
         under HFSDP the expert ranks across the instances too; else those of `grad_shard_groups()`."""
-        import megatron_fsdp
-
         topology = self.module.expert_topology
         if topology is None:
             return self.grad_shard_groups()
-        groups = []
-        if self.module.strategy != megatron_fsdp.ShardingStrategy.no_shard and topology.dp_size > 1:
-            groups.append(topology.dp_group)
-        if topology.outer_shards_optimizer and topology.outer_size > 1:
-            groups.append(topology.outer_group)
-        return groups
+        return self._optimizer_shard_groups(topology)
 
     def optimizer_grad_pieces(self, predicate: Optional[Callable[[torch.nn.Parameter], bool]] = None
                               ) -> List[GradPiece]:
