@@ -213,3 +213,75 @@ def test_last_unit_stays_gathered_from_its_forward_to_its_backward(world_size):
         for losses, reference_losses in ((kept[3], kept[4]), (released[3], released[4])):
             assert losses == pytest.approx(reference_losses, abs=1e-5)
         assert kept[3] == released[3]  # same arithmetic, only the gather schedule differs
+
+
+def _microbatch_boundaries(all_no_sync: bool):
+    """Per keep setting: the root's and each unit's weight states after every microbatch's backward, all-gathers per
+    step, compute bytes still held after the step's last backward, and the losses. Each rank's rows of the batch in
+    microbatches of two rows (three on 2 ranks, two on 3), all but the last under no_sync (`all_no_sync`: all of
+    them, and the step follows a no_sync backward)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    microbatches = models.GLOBAL_BATCH // world // 2
+    results = {}
+    for keep in (True, False):
+        model, optimizer, reference = _sharded_idle_params_model()
+        model.schedule.keep_first_unit_between_microbatches = keep
+        states, gathers, held_after_step, losses = [], [], [], []
+        for inputs, target in models.make_batches(NUM_STEPS):
+            optimizer.zero_grad()
+            local = [models.local_slice(t, rank, world) for t in (inputs, target)]
+            chunk = local[0].shape[0] // microbatches
+            calls_before = model.counter.calls.get("all_gather", 0)
+            total = 0.0
+            for micro in range(microbatches):
+                part = slice(micro * chunk, (micro + 1) * chunk)
+                synced = micro == microbatches - 1 and not all_no_sync
+                with (models._null() if synced else model.no_sync()):
+                    loss = models.loss_fn(model(local[0][part]), local[1][part]) / microbatches
+                    loss.backward()
+                total += loss.item()
+                states.append([sorted(g.weight_state.value for g in model.root_groups)]
+                              + [sorted(g.weight_state.value for g in unit.groups) for unit in model.units])
+            gathers.append(model.counter.calls.get("all_gather", 0) - calls_before)
+            optimizer.step()
+            held_after_step.append(sum(group.compute_bytes_held() for group in model.groups))
+            losses.append(models.global_mean(total))
+        reference_losses = models.train_single_process(reference, NUM_STEPS)[:NUM_STEPS]
+        unit0_groups = len(model.units[0].groups)
+        results[keep] = (states, gathers, held_after_step, losses, reference_losses, len(model.root_groups),
+                         unit0_groups, microbatches)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_root_and_first_unit_stay_gathered_between_no_sync_microbatches(world_size):
+    """Inside no_sync the next microbatch's forward starts with the root groups and the first unit, the last ones a
+    backward releases: they stay gathered across the boundary (one all-gather less per group and boundary), every
+    group is released by the synced microbatch's backward, and the losses are the same either way."""
+    for results in run_on_ranks(world_size, _microbatch_boundaries, False):
+        kept, released = results[True], results[False]
+        root_groups, unit0_groups = kept[5], kept[6]
+        assert root_groups >= 1 and unit0_groups == 2  # unit 0: a trainable group and a frozen one
+        gathered = ["gathered"]
+        held_state = [gathered * root_groups, gathered * unit0_groups, ["sharded"] * 2, ["sharded"] * 2]
+        rest_state = [["sharded"] * root_groups, ["sharded"] * 2, ["sharded"] * 2, ["sharded"] * 2]
+        boundaries = kept[7] - 1
+        assert kept[0] == ([held_state] * boundaries + [rest_state]) * NUM_STEPS
+        assert released[0] == [rest_state] * kept[7] * NUM_STEPS
+        assert [a - b for a, b in zip(released[1], kept[1])] == [boundaries * (root_groups + unit0_groups)] * NUM_STEPS
+        assert kept[2] == released[2] == [0] * NUM_STEPS  # nothing gathered after the step
+        assert kept[3] == released[3]  # same arithmetic, only the gather schedule differs
+        assert kept[3] == pytest.approx(kept[4], abs=1e-5)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_a_step_after_a_no_sync_backward_regathers_the_weights_kept_for_the_next_microbatch(world_size):
+    """A loop that runs every microbatch under no_sync and then steps (strategy 3 reduces every microbatch anyway):
+    the groups kept gathered across the last boundary hold the old weights; the step re-gathers them, so the next
+    forward computes with the new ones and training matches the run that releases them."""
+    for results in run_on_ranks(world_size, _microbatch_boundaries, True):
+        kept, released = results[True], results[False]
+        assert kept[3] == released[3]
+        assert kept[3] == pytest.approx(kept[4], abs=1e-5)

@@ -28,6 +28,11 @@ class GroupGrads:
     # allocated with the first one: stashing them would only copy each gradient twice (and hold it twice).
     STASH_FRACTION = 8
 
+    # Set by the schedule for a resident group (one rank, no outer dim) whose communication dtype is its gradient
+    # dtype: its "reduction" would only add the flat buffer into the main gradients, so gradients are added
+    # there directly as they arrive.
+    grads_into_main = False
+
     # ---- gradient state --------------------------------------------------------------------------------------
     def move_grads_to(self, state: GradState):
         self.grad_state = checked_transition(self.grad_state, state, self.names[0])
@@ -52,7 +57,10 @@ class GroupGrads:
         param-major under strategy 0 (all-reduced), else rank-major, ready for the reduce-scatter (the
         copy-in, `resharding.copy_grad_in`)."""
         flat_grad = grad.reshape(-1)
-        if self.grad_buffer is not None:
+        if self.grads_into_main:  # a resident group reduced locally: nothing to reduce, add where it ends up
+            self.ensure_main_grads()
+            copy_grad_in(self.layout, self.main_grads, index, flat_grad, scale, accumulate=True)
+        elif self.grad_buffer is not None:
             if self.grad_state is GradState.REDUCED:
                 self._reopen_reduced_grads()
             if self.strategy == ShardingStrategy.no_shard:

@@ -63,6 +63,8 @@ class GradReductionPipeline:
         (a unit's groups, or one root group: each holds up to a unit's gradient buffers) at once, the oldest
         waited for first. A local reduction (`_reduces_locally`) neither waits for nor joins them."""
         group.move_grads_to(GradState.REDUCED)  # first: a reduction of nothing must not issue a collective
+        if group.grads_into_main:  # its gradients were added into the main gradients as they arrived
+            return
         local = self._reduces_locally(group)
         while not local and self._batches_in_flight_beside(group) >= self.max_reduces_in_flight:
             self._wait_oldest_reduce()

@@ -18,6 +18,10 @@ lands in a transient rank-major staging buffer (unless the two forms coincide) a
 compute buffer (`copy_gathered_into_compute`); gradients are copied in rank-major as they arrive
 (`write_grad`).
 
+A strategy-3 group sharded over one rank (S = N: experts at expert data-parallel size 1, say) is *resident*: its
+compute buffer is its compute shard (and, in the main dtype, its main weights), never released, so gathering and
+releasing it move no bytes; with no outer dim its gradients are added straight into the main gradients.
+
 Under strategies 2/3 the S main gradients hold no storage from `zero_grad` until the first reduction of the
 next backward (they are all zero then); they are counted at their full size in `persistent_bytes`.
 
@@ -130,6 +134,11 @@ class ParamGroup(GroupWeights, GroupGrads):
         # pool with NCCL user buffers).
         self.transient_allocation = transient_allocation or contextlib.nullcontext
 
+        # A strategy-3 group sharded over one rank (e.g. experts whose expert data-parallel group is this rank alone)
+        # is *resident*: its shard is the whole group, so the compute buffer is the compute shard itself and stays
+        # allocated; gathering and releasing it move no bytes (see `GroupWeights.start_gather`).
+        self.resident = (self.shards_params and dp_size == 1 and outer_size == 1 and gather_codec is None
+                         and self.offload is None and compute_buffer is None)
         self.compute_buffer = compute_buffer if compute_buffer is not None else self._zeros(padded, self.param_dtype)
         self._compute_nbytes = padded * self.compute_buffer.element_size()
         self.weight_state = WeightState.GATHERED
@@ -150,6 +159,8 @@ class ParamGroup(GroupWeights, GroupGrads):
                 # parameter's rows are contiguous there (a main view per parameter), though not the shard as a
                 # whole, so a gather sends a shard assembled from them.
                 self.main_weights = self.compute_buffer if same_dtype else self._zeros(shard, self.main_dtype)
+            elif self.resident and same_dtype:
+                self.main_weights = self.compute_buffer
             else:
                 self.main_weights = self._shard_zeros(self.layout.sub_shard_numel, self.main_dtype)
             if strategy in (ShardingStrategy.no_shard, ShardingStrategy.optim):
@@ -173,7 +184,10 @@ class ParamGroup(GroupWeights, GroupGrads):
         self.compute_shard_stale = False
         if self.shards_params:
             reuse_main = self.trainable and same_dtype and not self.outer_sharded
-            self.compute_shard = self.main_weights if reuse_main else self._shard_zeros(shard, self.param_dtype)
+            if self.resident:
+                self.compute_shard = self.compute_buffer
+            else:
+                self.compute_shard = self.main_weights if reuse_main else self._shard_zeros(shard, self.param_dtype)
         # Encoded gathers: the wire shard this rank sends and, while gathered, the gathered wire elements
         # (param-major, viewed by whatever the codec attached to the parameters).
         self.codec = gather_codec

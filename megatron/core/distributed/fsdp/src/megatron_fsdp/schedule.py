@@ -8,6 +8,7 @@ One step under strategy 3 (units U0..Un in forward order, R = parameters outside
               Un's first gradient: wait for the reduction in flight | Un bwd |
               all grads of a group written -> reduce-scatter it (async if overlapping), release its weights
               (R's groups too) | ... | end of backward: reduce leftovers, release anything still gathered
+              (inside no_sync R and U0 stay gathered: the next microbatch's forward starts with them)
     step:     finish_grad_sync (wait reduces) -> optimizer.step on shards -> write shards into compute shards
 
 With an outer dim, each group's outer reduction starts on the reduce-scatter stream as soon as its inner reduction
@@ -102,12 +103,19 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
         # The backward starts with the last unit of the forward: it stays gathered from its forward to its
         # backward (one unit's weights held through the loss) instead of being released and gathered again.
         self.keep_last_unit_for_backward = True
+        # Inside no_sync() another microbatch of the step follows with the same weights, and its forward starts by
+        # gathering the root groups and the first unit, the last ones this backward releases: they stay gathered
+        # across the boundary instead (no more weights are held than that forward holds at its start). A step's
+        # install of new weights or a load re-gathers whatever is still gathered.
+        self.keep_first_unit_between_microbatches = True
         self.post_backward_queued = False
         self.backward_task = None  # graph task of the step's outermost backward
         self.grads_synced = False  # finish_grad_sync already ran and no gradient arrived since
         self.peak_transient_bytes = 0
         self.hook_handles = []
         for group in self.groups:
+            group.grads_into_main = (group.resident and group.trainable and self._reduces_locally(group)
+                                     and group.comm_dtype == group.grad_dtype)
             inner = collectives.group_size(self._shard_group(group))
             if strategy == ShardingStrategy.no_shard:
                 group.reopen_factor = 1.0 if average_in_collective else 1.0 / inner
@@ -258,7 +266,14 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
         for group in unit.groups:
             if group.grads_dirty and self._reduces_now(group):
                 self.launch_reduce(group, async_op=self.overlap_grad_reduce)
-        self.release(unit.groups)
+        if not (unit.index == 0 and self._holds_for_next_microbatch()):
+            self.release(unit.groups)
+
+    def _holds_for_next_microbatch(self) -> bool:
+        """Whether the root groups and the first unit stay gathered at the end of this backward (see
+        `keep_first_unit_between_microbatches`)."""
+        return (self.keep_first_unit_between_microbatches and not self.sync_enabled
+                and self.strategy == ShardingStrategy.optim_grads_params)
 
     def _on_group_grads_ready(self, group: ParamGroup):
         """A root group got all its gradients (called from a gradient hook). Its reduction starts now if that
@@ -270,8 +285,13 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
             else:
                 self.deferred_reduces.append(group)
         # Every parameter of the group has its gradient: its weights are not needed again in this backward
-        # (a root group too; the next forward or backward gathers it again).
-        self.release([group])
+        # (a root group too; the next forward or backward gathers it again, unless it stays gathered for the next
+        # microbatch).
+        if not self._holds_for_next_microbatch():
+            self.release([group])
+
+    def held_for_next_microbatch(self) -> List[ParamGroup]:
+        return list(self.root_groups) + (list(self.units[0].groups) if self.units else [])
 
     def _post_backward(self):
         self.post_backward_queued = False
@@ -280,7 +300,8 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
             if group.grads_dirty and self._reduces_now(group):
                 self.launch_reduce(group, async_op=self.overlap_grad_reduce)
         if self.strategy == ShardingStrategy.optim_grads_params:
-            self.release(self.groups, at_rest=True)
+            held = self.held_for_next_microbatch() if self._holds_for_next_microbatch() else []
+            self.release([group for group in self.groups if not any(group is kept for kept in held)], at_rest=True)
         if any(entry[4] for entry in self.pending_reduces):
             self.wait_reduces()  # the last inner reductions landed: their outer ones start before the step
         if self.sync_enabled and self.sync_model_each_microbatch and not any(g.grads_dirty for g in self.groups):

@@ -151,7 +151,7 @@ class GroupWeights:
     # ---- compute-weight storage and gathers -----------------------------------------------------------------
     def allocate_compute(self):
         """Give the compute buffer its full storage (values are undefined until gathered or written)."""
-        if not self.uses_pool:
+        if not self.uses_pool and not self.resident:
             storage = self.compute_buffer.untyped_storage()
             if storage.nbytes() != self._compute_nbytes:
                 with self.transient_allocation():
@@ -161,7 +161,7 @@ class GroupWeights:
         """Drop the gathered compute weights (strategy 3 only); the parameter views stay registered."""
         if not self.shards_params:
             return
-        if not self.uses_pool:
+        if not self.uses_pool and not self.resident:
             self.compute_buffer.untyped_storage().resize_(0)
         if self.wire_gathered is not None:  # gathered (and decoded) through the codec
             self.codec.release(self.params)
@@ -185,6 +185,9 @@ class GroupWeights:
         collective can land each parameter's chunk apart (gloo's point-to-point all-gather), receives every
         rank's chunks straight into the compute buffer instead: no staging buffer, no copy-out."""
         self.finish_gather()
+        if self.resident:  # the compute buffer is this rank's shard, which is the whole group
+            self.weight_state = WeightState.GATHERED
+            return
         if issue_in_place is not None and self.codec is None and not self.layout.forms_coincide:
             if self._rank_pieces is None:  # views of the compute buffer: they survive its storage being resized
                 self._rank_pieces = [rank_pieces_of_unsharded(self.layout, self.compute_buffer, rank)
@@ -246,7 +249,8 @@ class GroupWeights:
                               self.params)
 
     def compute_bytes_held(self) -> int:
-        if self.uses_pool:
+        """Bytes of gathered weights held beyond the shard (none for a pooled or a resident group)."""
+        if self.uses_pool or self.resident:
             return 0
         return self.compute_buffer.untyped_storage().nbytes()
 
