@@ -265,6 +265,65 @@ def test_concurrent_collectives_on_two_groups(world_size):
     assert _on_ranks(world_size, _in_flight_on_two_groups) == [(5, [])] * world_size
 
 
+def _post_and_wait_in_a_forked_child(results):
+    from megatron_fsdp.collectives import PendingCollective, post_in_background
+
+    work = _CountingWork()
+    PendingCollective(post_in_background(lambda: [work])).wait()
+    results.put(work.waits)
+
+
+def test_a_forked_child_posts_on_a_thread_of_its_own():
+    import multiprocessing
+
+    from megatron_fsdp.collectives import PendingCollective, post_in_background
+
+    PendingCollective(post_in_background(lambda: [])).wait()  # this process's posting thread is running
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    child = context.Process(target=_post_and_wait_in_a_forked_child, args=(results,))
+    child.start()
+    child.join(HANG_TIMEOUT_S)
+    if child.is_alive():
+        child.kill()
+    assert child.exitcode == 0 and results.get(timeout=1) == 1
+
+
+def _gather_beside_main_thread_messages_on_one_group():
+    """Rank 0 holds its posting thread back, so its main thread's own message exchange on the group goes out
+    before its gather's messages; the other ranks post the gather first. Without a tag of their own the gather's
+    messages would be matched with the main thread's (a size mismatch, or wrong data)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from megatron_fsdp.collectives import PendingCollective, post_in_background
+
+    rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
+    release = threading.Event()
+    if rank == 0:
+        post_in_background(lambda: [release.wait(HANG_TIMEOUT_S)] and [])
+    else:
+        release.set()
+    results = []
+    pending = _start_gather(group, rank, world, 50, 1, results)
+    if rank != 0:  # the posting thread is first in, first out: once this is posted, so is the gather
+        PendingCollective(post_in_background(lambda: [])).wait()
+    outgoing, incoming = torch.full((7,), float(rank)), torch.empty(7)
+    next_rank, prev_rank = (rank + 1) % world, (rank - 1) % world
+    works = [dist.isend(outgoing, next_rank, group=group), dist.irecv(incoming, prev_rank, group=group)]
+    for work in works:
+        work.wait()
+    release.set()
+    pending.wait()
+    return _check(results, rank, world), torch.equal(incoming, torch.full((7,), float(prev_rank)))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gather_messages_do_not_match_other_messages_on_the_same_group(world_size):
+    assert _on_ranks(world_size, _gather_beside_main_thread_messages_on_one_group) == [([], True)] * world_size
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # PendingCollective
 
@@ -301,6 +360,61 @@ def test_pending_collective_without_work_runs_only_the_epilogue():
     pending.wait()
     pending.wait()
     assert pending.done and epilogue_runs == [1]
+
+
+def test_posting_thread_posts_off_the_calling_thread_in_submission_order():
+    import threading
+
+    from megatron_fsdp.collectives import PendingCollective, post_in_background
+
+    release = threading.Event()
+    posted = []
+
+    def post_after_release(index):
+        def post():
+            release.wait(HANG_TIMEOUT_S)
+            posted.append((index, threading.current_thread() is threading.main_thread()))
+            return [_CountingWork()]
+        return post
+
+    pendings = [PendingCollective(post_in_background(post_after_release(index))) for index in range(5)]
+    assert posted == []  # the caller is handed its collectives before any message is posted
+    release.set()
+    for pending in reversed(pendings):
+        pending.wait()
+    assert posted == [(index, False) for index in range(5)]
+    assert all(pending.done for pending in pendings)
+
+
+def test_an_error_while_posting_is_raised_by_wait_and_later_posts_still_run():
+    from megatron_fsdp.collectives import PendingCollective, post_in_background
+
+    def failing_post():
+        raise RuntimeError("peer 2 is gone")
+
+    failed = PendingCollective(post_in_background(failing_post))
+    work = _CountingWork()
+    after = PendingCollective(post_in_background(lambda: [work]))
+    with pytest.raises(RuntimeError, match="peer 2 is gone"):
+        failed.wait()
+    assert not failed.done
+    after.wait()
+    assert after.done and work.waits == 1
+
+
+def test_posting_thread_keeps_no_buffer_alive_after_wait():
+    import gc
+    import weakref
+
+    from megatron_fsdp.collectives import PendingCollective, post_in_background
+
+    buffer = torch.zeros(1000)
+    buffer_ref = weakref.ref(buffer)
+    pending = PendingCollective(post_in_background(lambda: [_CountingWork()] if buffer.numel() else []))
+    pending.wait()
+    del buffer, pending
+    gc.collect()
+    assert buffer_ref() is None
 
 
 def _accumulate_and_wait_twice():

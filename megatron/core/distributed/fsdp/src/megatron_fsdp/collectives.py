@@ -8,10 +8,21 @@ rank sends exactly what a ring algorithm sends, `(world - 1) / world` of the gat
 ranks post the same operations in the same order, so the messages of concurrent collectives on one group
 match in order. gloo has no PREMUL_SUM and must never see the coalescing manager, so neither is used anywhere.
 
+Posting a gloo message can block: `isend`/`irecv` take the pair's lock, which gloo's transport thread holds
+while it reads an incoming message, so a main thread that posts the next unit's gather while the previous one
+is arriving stalls for the length of that read. The messages are therefore posted from one background thread
+(`post_in_background`), first in first out, so each process still posts in its program order and messages still
+match; the caller gets a handle at once and goes on computing, and waiting on gloo work releases the GIL. The
+messages carry a tag of their own (`MESSAGE_TAG`), so messages that other code exchanges on the same group from
+the main thread are never matched with them.
+
 Bytes are counted as what one rank *sends* with ring algorithms: an all-gather of an `n`-byte shard sends
 `n * (world - 1)`, a reduce-scatter of an `N`-byte buffer sends `N * (world - 1) / world`, an all-reduce twice that.
 """
 
+import os
+import queue
+import threading
 from collections import defaultdict
 from typing import Callable, Dict, Optional
 
@@ -49,6 +60,71 @@ class CommunicationCounter:
         return {kind: self.bytes_sent.get(kind, 0) for kind in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, BROADCAST)}
 
 
+class _Posting:
+    """Work handles that the posting thread will produce (see `post_in_background`)."""
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.works = []
+        self.error = None
+
+    def wait_posted(self) -> list:
+        self.event.wait()
+        if self.error is not None:
+            raise self.error
+        return self.works
+
+
+class _PostingThread:
+    """One FIFO thread that posts every point-to-point message of this process, in submission order."""
+
+    def __init__(self):
+        self.queue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="megatron-fsdp-p2p-posting", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while True:
+            post, posting = self.queue.get()
+            try:
+                posting.works = post()
+            except BaseException as error:  # handed to whoever waits for it
+                posting.error = error
+            event = posting.event
+            post = posting = None  # drop the buffers before the waiter wakes: this thread keeps none of them alive
+            event.set()
+
+    def submit(self, post) -> _Posting:
+        posting = _Posting()
+        self.queue.put((post, posting))
+        return posting
+
+
+_POSTING_THREAD = None
+# The tag of every point-to-point message posted here. The group may be one that other code exchanges messages
+# on too (context parallelism's ring on a dp-cp group with dp 1, a user's own sends on the world group), from the
+# main thread and so in another order than the posting thread's: a tag of its own keeps the two streams apart.
+MESSAGE_TAG = 0x46534450
+
+
+def _forget_posting_thread():
+    """A forked child has no posting thread (only the forking thread survives a fork): it starts its own."""
+    global _POSTING_THREAD
+    _POSTING_THREAD = None
+
+
+os.register_at_fork(after_in_child=_forget_posting_thread)
+
+
+def post_in_background(post: Callable[[], list]) -> list:
+    """Run `post` (which posts point-to-point messages and returns their work handles) on the posting thread.
+    Returns a one-element work list that `PendingCollective.wait` resolves to the handles."""
+    global _POSTING_THREAD
+    if _POSTING_THREAD is None:
+        _POSTING_THREAD = _PostingThread()
+    return [_POSTING_THREAD.submit(post)]
+
+
 class PendingCollective:
     """An in-flight collective; `wait()` blocks on it (one work handle or a list of them) and then runs the local
     epilogue (e.g. the shard sum)."""
@@ -62,6 +138,8 @@ class PendingCollective:
     def wait(self):
         if self.done:
             return
+        if len(self._works) == 1 and isinstance(self._works[0], _Posting):
+            self._works = self._works[0].wait_posted()
         for work in self._works:
             work.wait()
         if self._epilogue is not None:
@@ -161,19 +239,27 @@ def all_gather_pieces_in_place(outputs_by_rank: list, own_pieces: list, group, c
     packed_set = set(packed)
     direct = [i for i in range(len(own_pieces)) if i not in packed_set]
     packed_sizes = [own_pieces[i].numel() for i in packed]
-    works, received = [], {}
+    received = {}
     for _, source in _peers_in_ring_order(rank, world):
-        for i in direct:
-            works.append(dist.irecv(outputs_by_rank[source][i], group=group, group_src=source))
         if packed:
             received[source] = own_pieces[packed[0]].new_empty(sum(packed_sizes))
-            works.append(dist.irecv(received[source], group=group, group_src=source))
     sent = torch.cat([own_pieces[i] for i in packed]) if packed and world > 1 else None
-    for target, _ in _peers_in_ring_order(rank, world):
-        for i in direct:
-            works.append(dist.isend(own_pieces[i], group=group, group_dst=target))
-        if packed:
-            works.append(dist.isend(sent, group=group, group_dst=target))
+
+    def post():
+        works = []
+        for _, source in _peers_in_ring_order(rank, world):
+            for i in direct:
+                works.append(dist.irecv(outputs_by_rank[source][i], group=group, group_src=source, tag=MESSAGE_TAG))
+            if packed:
+                works.append(dist.irecv(received[source], group=group, group_src=source, tag=MESSAGE_TAG))
+        for target, _ in _peers_in_ring_order(rank, world):
+            for i in direct:
+                works.append(dist.isend(own_pieces[i], group=group, group_dst=target, tag=MESSAGE_TAG))
+            if packed:
+                works.append(dist.isend(sent, group=group, group_dst=target, tag=MESSAGE_TAG))
+        return works
+
+    works = post_in_background(post) if world > 1 else []
     for view, piece in zip(outputs_by_rank[rank], own_pieces):
         if view.data_ptr() != piece.data_ptr():
             view.copy_(piece)
@@ -205,11 +291,16 @@ def _exchange_shards_for_gather(output: torch.Tensor, shard: torch.Tensor, group
     """Post the point-to-point messages of an all-gather: receive each peer's shard into its slice of `output`,
     send our shard to each peer, and copy our own shard into place. Returns the work handles."""
     rank, numel = group_rank(group), shard.numel()
-    works = []
-    for _, source in _peers_in_ring_order(rank, world):
-        works.append(dist.irecv(output[source * numel:(source + 1) * numel], group=group, group_src=source))
-    for target, _ in _peers_in_ring_order(rank, world):
-        works.append(dist.isend(shard, group=group, group_dst=target))
+
+    def post():
+        works = []
+        for _, source in _peers_in_ring_order(rank, world):
+            works.append(dist.irecv(output[source * numel:(source + 1) * numel], group=group, group_src=source, tag=MESSAGE_TAG))
+        for target, _ in _peers_in_ring_order(rank, world):
+            works.append(dist.isend(shard, group=group, group_dst=target, tag=MESSAGE_TAG))
+        return works
+
+    works = post_in_background(post)
     own_slice = output[rank * numel:(rank + 1) * numel]
     if own_slice.data_ptr() != shard.data_ptr():
         own_slice.copy_(shard)
@@ -255,12 +346,18 @@ def _exchange_shards_for_reduction(flat_input: torch.Tensor, shard_numel: int, g
     the peers' copies of our shard, one row each. Returns (received rows, work handles)."""
     rank = group_rank(group)
     received = flat_input.new_empty((world - 1) * shard_numel)
-    works = []
-    for row, (_, source) in enumerate(_peers_in_ring_order(rank, world)):
-        works.append(dist.irecv(received[row * shard_numel:(row + 1) * shard_numel], group=group, group_src=source))
-    for target, _ in _peers_in_ring_order(rank, world):
-        works.append(dist.isend(flat_input[target * shard_numel:(target + 1) * shard_numel], group=group,
-                                group_dst=target))
+
+    def post():
+        works = []
+        for row, (_, source) in enumerate(_peers_in_ring_order(rank, world)):
+            works.append(dist.irecv(received[row * shard_numel:(row + 1) * shard_numel], group=group,
+                                    group_src=source, tag=MESSAGE_TAG))
+        for target, _ in _peers_in_ring_order(rank, world):
+            works.append(dist.isend(flat_input[target * shard_numel:(target + 1) * shard_numel], group=group,
+                                    group_dst=target, tag=MESSAGE_TAG))
+        return works
+
+    works = post_in_background(post)
     return received, works
 
 
