@@ -5,9 +5,11 @@ Trains pretrain_gpt.py (mock data) with 8 experts per layer, top-2, alltoall dis
 the distributed optimizer, FSDP2 and Megatron-FSDP ZeRO-3 (experts on their expert data-parallel mesh, one rank
 here), and reads the last rank's metrics record: the memory line's expert bytes and the iteration times. Prints a
 markdown table. Arms are interleaved over `--repeats` rounds; the step time is the median over steps after the first
-`--warmup` of every repeat. `--arms` picks some of them (DDP, the reference of the ratio, always runs); `--model
-large` trains a larger MoE model (4 layers, hidden 512, expert FFN 1024, seq 256) where compute outweighs the
-per-step communication of the tiny default one. Subprocesses import this checkout's `megatron_fsdp` package.
+`--warmup` of every repeat, and each arm's ratio to DDP is also printed per repeat (the arms of one repeat run back
+to back, so those ratios see the same machine load). `--arms` picks some of them (DDP, the reference of the ratio,
+always runs); `--model large` trains a larger MoE model (4 layers, hidden 512, expert FFN 1024, seq 256) where
+compute outweighs the per-step communication of the tiny default one. Subprocesses import this checkout's
+`megatron_fsdp` package.
 
     python examples/moe/benchmark_wrappers.py [--repeats 2] [--iters 20] [--arms DDP "Megatron-FSDP z3"] [--model large]
 """
@@ -79,13 +81,16 @@ def main():
     options = parser.parse_args()
     arms = ["DDP"] + [name for name in ARMS if name in options.arms and name != "DDP"]
     times = {name: [] for name in arms}
+    repeat_medians = {name: [] for name in arms}  # one median step per repeat: the ratios pair arms run side by side
     last = {}
     with tempfile.TemporaryDirectory() as directory:
         for repeat in range(options.repeats):
             for name in arms:
                 path = os.path.join(directory, f"{repeat}-{len(times[name])}-{name.replace(' ', '_')}.jsonl")
                 records = run(name, options.model, options.iters, path)
-                times[name] += [record["iteration-time"] for record in records[options.warmup:]]
+                steps = [record["iteration-time"] for record in records[options.warmup:]]
+                times[name] += steps
+                repeat_medians[name].append(statistics.median(steps))
                 last[name] = records[-1]
     ddp_time = statistics.median(times["DDP"])
     print("| wrapper | EP | expert params (B) | theory | expert grads (B) | theory | expert optimizer (B) | theory "
@@ -101,6 +106,11 @@ def main():
         cells = " | ".join(f"{'n/a' if m is None else m} | {t}" for m, t in zip(measured, theory))
         step = statistics.median(times[name])
         print(f"| {name} | {expert_parallel_size} | {cells} | {1000 * step:.1f} | {step / ddp_time:.2f} |")
+    print()
+    for name in arms[1:]:
+        ratios = [arm / ddp for arm, ddp in zip(repeat_medians[name], repeat_medians["DDP"])]
+        listed = ", ".join(f"{ratio:.2f}" for ratio in ratios)
+        print(f"{name} vs DDP per repeat: {listed} (median {statistics.median(ratios):.2f})")
 
 
 if __name__ == "__main__":

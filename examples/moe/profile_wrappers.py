@@ -24,7 +24,8 @@ REPOSITORY = os.path.dirname(os.path.dirname(HERE))
 SCHEDULE_METHODS = ["root_pre_forward", "root_post_forward", "_root_pre_backward", "_unit_pre_backward",
                     "_unit_post_backward", "_post_backward", "ensure_gathered", "gather", "release", "launch_reduce",
                     "_wait_oldest_reduce", "finish_grad_sync", "zero_grad_buffer", "_track_transient"]
-GROUP_METHODS = ["write_grad", "reduce_input", "start_gather", "finish_gather", "allocate_compute", "release_compute"]
+GROUP_METHODS = ["write_grad", "reduce_input", "start_gather", "finish_gather", "allocate_compute", "release_compute",
+                 "_allocate_transient_grads", "ensure_main_grads"]
 DIST_CALLS = ["isend", "irecv", "all_reduce", "all_to_all_single", "all_gather_into_tensor", "broadcast"]
 
 
@@ -70,13 +71,16 @@ def _instrument(timers, start, steps, out):
     import megatron.training.training as training
 
     try:
-        from megatron_fsdp import collectives, param_and_grad_buffer, schedule
+        from megatron_fsdp import collectives, grad_buffers, param_and_grad_buffer, schedule
         timers.patch(schedule.Schedule, SCHEDULE_METHODS, "fsdp.")
+        timers.patch(grad_buffers, ["copy_grad_in"], "fsdp.")
         timers.patch(collectives.PendingCollective, ["wait"], "fsdp.PendingCollective.")
         timers.patch(param_and_grad_buffer.ParamGroup, GROUP_METHODS, "fsdp.group.")
     except ImportError:
         pass
     timers.patch(dist, DIST_CALLS, "dist.")
+    from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+    timers.patch(DistributedDataParallel, ["_accumulate_into_main_grad"], "ddp.")
     timers.patch(schedules, ["forward_step", "backward_step", "_finalize"], "")
     train_step, state = training.train_step, {"step": 0}
 

@@ -149,6 +149,36 @@ def test_copy_out_and_copy_in_agree_with_the_rows(dp_size, outer_size):
     torch.testing.assert_close(rank_major, 0.75 * gathered, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dp_size", [1, 2, 3])
+def test_copy_in_lands_rows_rank_major_in_a_buffer_view_from_strided_gradients(dp_size):
+    """Gradient buffers are views into larger storage and autograd may hand over a transposed gradient: each row
+    of parameter `i` still lands in the shard of the rank that owns it, at the chunk's offset, written the first
+    time and added the second."""
+    shapes = [(4, 6), (6, 4), (5,), (3, 2)]
+    layout = GroupLayout(shapes, dp_size)
+    generator = torch.Generator().manual_seed(1)
+    grads = [torch.randn(shape[::-1], generator=generator, dtype=torch.float64).t() if len(shape) == 2
+             else torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes]
+    assert not grads[0].is_contiguous()
+    storage = torch.full((layout.padded_numel + 11,), float("nan"), dtype=torch.float64)
+    buffer = storage[5:5 + layout.padded_numel]
+    buffer.view(dp_size, layout.shard_numel)[:, layout.used_shard_numel:] = 0
+    for index, grad in enumerate(grads):
+        copy_grad_in(layout, buffer, index, grad, 0.5, accumulate=False)
+        copy_grad_in(layout, buffer, index, grad, 2.0, accumulate=True)
+    for index, (shape, grad) in enumerate(zip(shapes, grads)):
+        chunk = layout.chunks[index]
+        row_numel = math.prod(shape[1:])
+        for rank in range(dp_size):
+            start, end = chunk_rows(shape[0], dp_size, rank)
+            shard = buffer[rank * layout.shard_numel:(rank + 1) * layout.shard_numel]
+            written = shard[chunk.shard_offset:chunk.shard_offset + chunk.chunk_numel]
+            expected = torch.zeros(chunk.chunk_numel, dtype=torch.float64)
+            expected[:(end - start) * row_numel] = 2.5 * grad[start:end].reshape(-1)
+            assert torch.equal(written, expected)
+    assert storage[:5].isnan().all() and storage[5 + layout.padded_numel:].isnan().all()
+
+
 def test_chunk_rows_matches_torch_chunk():
     for rows in [0, 1, 2, 5, 7, 13]:
         for world in [1, 2, 3, 4]:

@@ -56,28 +56,29 @@ class GroupGrads:
         """Add (or, in a fresh transient buffer, write) one parameter's gradient into the flat gradient buffer:
         param-major under strategy 0 (all-reduced), else rank-major, ready for the reduce-scatter (the
         copy-in, `resharding.copy_grad_in`)."""
-        flat_grad = grad.reshape(-1)
         if self.grads_into_main:  # a resident group reduced locally: nothing to reduce, add where it ends up
             self.ensure_main_grads()
-            copy_grad_in(self.layout, self.main_grads, index, flat_grad, scale, accumulate=True)
+            copy_grad_in(self.layout, self.main_grads, index, grad, scale, accumulate=True)
         elif self.grad_buffer is not None:
             if self.grad_state is GradState.REDUCED:
                 self._reopen_reduced_grads()
             if self.strategy == ShardingStrategy.no_shard:
                 span = self.layout.spans[index]
                 target = self.grad_buffer[span.flat_start:span.flat_end]
+                flat_grad = grad.reshape(-1)
                 target.add_(flat_grad, alpha=scale) if scale != 1.0 else target.add_(flat_grad)
             else:
-                copy_grad_in(self.layout, self.grad_buffer, index, flat_grad, scale, accumulate=True)
+                copy_grad_in(self.layout, self.grad_buffer, index, grad, scale, accumulate=True)
         else:
-            if self.transient_grads is None and not self.starts_transient_grads(flat_grad):
-                self._stash_grad(index, flat_grad, scale)
+            if self.transient_grads is None and not self.starts_transient_grads(grad):
+                self._stash_grad(index, grad.reshape(-1), scale)
                 self._mark_accumulating()
                 return
             self._allocate_transient_grads()
-            copy_grad_in(self.layout, self.transient_grads, index, flat_grad, scale, accumulate=self.filled[index])
+            copy_grad_in(self.layout, self.transient_grads, index, grad, scale, accumulate=self.filled[index])
             self.filled[index] = True
-        self._mark_accumulating()
+        if self.grad_state is not GradState.ACCUMULATING:
+            self.move_grads_to(GradState.ACCUMULATING)
 
     def _mark_accumulating(self):
         if self.grad_state is not GradState.ACCUMULATING:

@@ -83,12 +83,17 @@ def copy_grad_in(layout: GroupLayout, gathered: torch.Tensor, index: int, grad: 
     size = chunk.chunk_numel
     if size == 0:
         return
-    flat = grad.reshape(-1)
-    columns = gathered.view(layout.dp_size, layout.shard_numel)[:, chunk.shard_offset:chunk.shard_offset + size]
-    full_ranks, remainder = divmod(flat.numel(), size)
-    if full_ranks == layout.dp_size:  # every rank's chunk is full: nothing to pad
-        _write_scaled(columns, flat.view(full_ranks, size), scale, accumulate)
+    dp = layout.dp_size
+    if grad.numel() == dp * size and gathered.stride() == (1,):  # every rank's chunk is full: nothing to pad
+        # (the hot path, once per parameter and microbatch: one view of each side, then the write)
+        columns = gathered.as_strided((dp, size), (layout.shard_numel, 1),
+                                      gathered.storage_offset() + chunk.shard_offset)
+        _write_scaled(columns, grad.view(dp, size) if grad.is_contiguous() else grad.reshape(dp, size), scale,
+                      accumulate)
         return
+    flat = grad.reshape(-1)
+    columns = gathered.view(dp, layout.shard_numel)[:, chunk.shard_offset:chunk.shard_offset + size]
+    full_ranks, remainder = divmod(flat.numel(), size)
     _write_scaled(columns[:full_ranks], flat[:full_ranks * size].view(full_ranks, size), scale, accumulate)
     if remainder:
         _write_scaled(columns[full_ranks, :remainder], flat[full_ranks * size:], scale, accumulate)
