@@ -408,9 +408,12 @@ def test_posting_thread_keeps_no_buffer_alive_after_wait():
 
     from megatron_fsdp.collectives import PendingCollective, post_in_background
 
+    def post_holding(buffer):  # a post whose closure holds `buffer`, as the collectives' closures hold theirs
+        return lambda: [_CountingWork()] if buffer.numel() else []
+
     buffer = torch.zeros(1000)
     buffer_ref = weakref.ref(buffer)
-    pending = PendingCollective(post_in_background(lambda: [_CountingWork()] if buffer.numel() else []))
+    pending = PendingCollective(post_in_background(post_holding(buffer)))
     pending.wait()
     del buffer, pending
     gc.collect()
@@ -422,7 +425,7 @@ def _accumulate_and_wait_twice():
 
     from megatron_fsdp import collectives
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     output = torch.full((4,), 10.0)
     pending = collectives.reduce_scatter_flat(output, torch.ones(world * 4), dist.group.WORLD,
                                               collectives.CommunicationCounter(), accumulate=True, async_op=True)
