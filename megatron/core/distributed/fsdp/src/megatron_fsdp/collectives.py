@@ -295,7 +295,8 @@ def _exchange_shards_for_gather(output: torch.Tensor, shard: torch.Tensor, group
     def post():
         works = []
         for _, source in _peers_in_ring_order(rank, world):
-            works.append(dist.irecv(output[source * numel:(source + 1) * numel], group=group, group_src=source, tag=MESSAGE_TAG))
+            works.append(dist.irecv(output[source * numel:(source + 1) * numel], group=group, group_src=source,
+                                    tag=MESSAGE_TAG))
         for target, _ in _peers_in_ring_order(rank, world):
             works.append(dist.isend(shard, group=group, group_dst=target, tag=MESSAGE_TAG))
         return works

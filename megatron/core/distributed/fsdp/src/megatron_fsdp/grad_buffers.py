@@ -77,8 +77,7 @@ class GroupGrads:
             self._allocate_transient_grads()
             copy_grad_in(self.layout, self.transient_grads, index, grad, scale, accumulate=self.filled[index])
             self.filled[index] = True
-        if self.grad_state is not GradState.ACCUMULATING:
-            self.move_grads_to(GradState.ACCUMULATING)
+        self._mark_accumulating()
 
     def _mark_accumulating(self):
         if self.grad_state is not GradState.ACCUMULATING:
