@@ -77,16 +77,25 @@ def _expert_groups_at_expert_dp_1():
     groups = run.ddp.fsdp.groups
     experts = [group for group in groups if group.expert]
     pointers = {id(group): group.compute_buffer.data_ptr() for group in experts}
-    transient_seen = []
+    transient_seen, added_per_call = [], []
     for group in experts:
-        write = group.write_grad
+        write, add = group.write_grad, group.add_accumulated_grads
 
-        def recorded(index, grad, scale, group=group, write=write):
+        def recorded_write(index, grad, scale, group=group, write=write):
             write(index, grad, scale)
             transient_seen.append(group.transient_grads is not None)
-        group.write_grad = recorded
+
+        def recorded_add(indices, grads, scale, group=group, add=add):
+            add(indices, grads, scale)
+            transient_seen.append(group.transient_grads is not None)
+            added_per_call.append(len(indices))
+        group.write_grad, group.add_accumulated_grads = recorded_write, recorded_add
     run.train(range(2))
     return {
+        # the gradients of a unit's expert group reach it in one call, after the unit's backward
+        "added_per_call": sorted(set(added_per_call)),
+        "expert_params": sorted({len(group.params) for group in experts}),
+        "grads_left": any(param.grad is not None for group in experts for param in group.params),
         "resident": [(group.expert, group.resident, group.grads_into_main) for group in groups],
         "same_storage": all(group.compute_buffer.data_ptr() == pointers[id(group)]
                             and group.compute_buffer.data_ptr() == group.main_weights.data_ptr()
@@ -101,3 +110,4 @@ def test_expert_groups_at_expert_dp_1_stay_in_place_and_take_gradients_directly(
             (False, False, False), (True, True, True)}
         assert result["same_storage"]  # the experts' weights never moved, and are the optimizer's main weights
         assert result["transient_seen"] and not any(result["transient_seen"])  # no flat gradient buffer
+        assert result["added_per_call"] == result["expert_params"] and not result["grads_left"]

@@ -30,7 +30,8 @@ class GroupGrads:
 
     # Set by the schedule for a resident group (one rank, no outer dim) whose communication dtype is its gradient
     # dtype: its "reduction" would only add the flat buffer into the main gradients, so gradients are added
-    # there directly as they arrive.
+    # there directly: a root group's as they arrive (`write_grad`), a unit's all at once after the unit's
+    # backward (`add_accumulated_grads`).
     grads_into_main = False
 
     # ---- gradient state --------------------------------------------------------------------------------------
@@ -78,6 +79,28 @@ class GroupGrads:
             copy_grad_in(self.layout, self.transient_grads, index, grad, scale, accumulate=self.filled[index])
             self.filled[index] = True
         self._mark_accumulating()
+
+    def add_accumulated_grads(self, indices: List[int], grads: List[torch.Tensor], scale: float):
+        """A resident group's gradients that autograd accumulated in `.grad` (it has no hook per parameter, see
+        `Schedule.register_hooks`): added into the main gradients in one call, each multiplied by `scale`, as
+        `write_grad` adds them one at a time."""
+        self.ensure_main_grads()
+        targets = [self._main_grad_target(index) for index in indices]
+        if scale != 1.0:
+            torch._foreach_add_(targets, grads, alpha=scale)
+        else:
+            torch._foreach_add_(targets, grads)
+        self._mark_accumulating()
+
+    def _main_grad_target(self, index: int) -> torch.Tensor:
+        """Parameter `index`'s main gradient in its own shape (a group held whole by its one rank), built once: the
+        view stays valid while the buffer is released and given its storage back."""
+        cached = self._main_grad_targets.get(index)
+        if cached is None or cached[0] is not self.main_grads:
+            span, offset = self.layout.spans[index], self.layout.chunks[index].shard_offset
+            cached = (self.main_grads, self.main_grads[offset:offset + span.numel].view(span.shape))
+            self._main_grad_targets[index] = cached
+        return cached[1]
 
     def _mark_accumulating(self):
         if self.grad_state is not GradState.ACCUMULATING:

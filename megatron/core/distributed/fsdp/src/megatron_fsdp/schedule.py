@@ -129,10 +129,31 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
                                                                            with_kwargs=True))
             self.hook_handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
         for group in self.groups:
-            if not group.trainable:
+            if not group.trainable or self._collects_grads_at_unit_end(group):
                 continue
             for index, param in enumerate(group.params):
                 self.hook_handles.append(param.register_post_accumulate_grad_hook(self._make_grad_hook(group, index)))
+
+    @staticmethod
+    def _collects_grads_at_unit_end(group: ParamGroup) -> bool:
+        """A unit's resident group that takes gradients straight into its main gradients needs no hook per
+        parameter: autograd accumulates into `.grad`, and the unit's post-backward (or, for a gradient that
+        arrives later, the end of the backward) adds them all in at once (`_add_accumulated_grads`)."""
+        return group.grads_into_main and group.unit_index is not None
+
+    def _add_accumulated_grads(self, groups):
+        for group in groups:
+            if not self._collects_grads_at_unit_end(group):
+                continue
+            indices, grads = [], []
+            for index, param in enumerate(group.params):
+                if param.grad is not None:
+                    indices.append(index)
+                    grads.append(param.grad)
+                    param.grad = None
+            if grads:
+                group.add_accumulated_grads(indices, grads, self.expert_grad_scale if group.expert else self.grad_scale)
+                self.grads_synced = False
 
     def remove_hooks(self):
         for handle in self.hook_handles:
@@ -262,6 +283,7 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
     def _unit_post_backward(self, unit: Unit):
         """Every gradient of the unit has been computed: reduce its groups and release its weights (strategy 3),
         whether or not each parameter got a gradient (unused and frozen parameters do not hold the unit)."""
+        self._add_accumulated_grads(unit.groups)
         self._launch_deferred_reduces()
         for group in unit.groups:
             if group.grads_dirty and self._reduces_now(group):
@@ -295,6 +317,7 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
 
     def _post_backward(self):
         self.post_backward_queued = False
+        self._add_accumulated_grads(self.groups)
         self._launch_deferred_reduces()
         for group in self.groups:
             if group.grads_dirty and self._reduces_now(group):
