@@ -125,6 +125,17 @@ def post_in_background(post: Callable[[], list]) -> list:
     return [_POSTING_THREAD.submit(post)]
 
 
+def _post_messages(group, receives: list, sends: list) -> list:
+    """Post `(tensor, source)` receives, then `(tensor, target)` sends, on `group` under `MESSAGE_TAG`, from the
+    posting thread. Returns the work list for `PendingCollective`."""
+    def post():
+        works = [dist.irecv(tensor, group=group, group_src=source, tag=MESSAGE_TAG) for tensor, source in receives]
+        works += [dist.isend(tensor, group=group, group_dst=target, tag=MESSAGE_TAG) for tensor, target in sends]
+        return works
+
+    return post_in_background(post)
+
+
 class PendingCollective:
     """An in-flight collective; `wait()` blocks on it (one work handle or a list of them) and then runs the local
     epilogue (e.g. the shard sum)."""
@@ -245,21 +256,14 @@ def all_gather_pieces_in_place(outputs_by_rank: list, own_pieces: list, group, c
             received[source] = own_pieces[packed[0]].new_empty(sum(packed_sizes))
     sent = torch.cat([own_pieces[i] for i in packed]) if packed and world > 1 else None
 
-    def post():
-        works = []
-        for _, source in _peers_in_ring_order(rank, world):
-            for i in direct:
-                works.append(dist.irecv(outputs_by_rank[source][i], group=group, group_src=source, tag=MESSAGE_TAG))
-            if packed:
-                works.append(dist.irecv(received[source], group=group, group_src=source, tag=MESSAGE_TAG))
-        for target, _ in _peers_in_ring_order(rank, world):
-            for i in direct:
-                works.append(dist.isend(own_pieces[i], group=group, group_dst=target, tag=MESSAGE_TAG))
-            if packed:
-                works.append(dist.isend(sent, group=group, group_dst=target, tag=MESSAGE_TAG))
-        return works
-
-    works = post_in_background(post) if world > 1 else []
+    receives, sends = [], []
+    for target, source in _peers_in_ring_order(rank, world):
+        receives += [(outputs_by_rank[source][i], source) for i in direct]
+        sends += [(own_pieces[i], target) for i in direct]
+        if packed:
+            receives.append((received[source], source))
+            sends.append((sent, target))
+    works = _post_messages(group, receives, sends) if world > 1 else []
     for view, piece in zip(outputs_by_rank[rank], own_pieces):
         if view.data_ptr() != piece.data_ptr():
             view.copy_(piece)
@@ -291,17 +295,9 @@ def _exchange_shards_for_gather(output: torch.Tensor, shard: torch.Tensor, group
     """Post the point-to-point messages of an all-gather: receive each peer's shard into its slice of `output`,
     send our shard to each peer, and copy our own shard into place. Returns the work handles."""
     rank, numel = group_rank(group), shard.numel()
-
-    def post():
-        works = []
-        for _, source in _peers_in_ring_order(rank, world):
-            works.append(dist.irecv(output[source * numel:(source + 1) * numel], group=group, group_src=source,
-                                    tag=MESSAGE_TAG))
-        for target, _ in _peers_in_ring_order(rank, world):
-            works.append(dist.isend(shard, group=group, group_dst=target, tag=MESSAGE_TAG))
-        return works
-
-    works = post_in_background(post)
+    peers = _peers_in_ring_order(rank, world)
+    works = _post_messages(group, [(output[source * numel:(source + 1) * numel], source) for _, source in peers],
+                           [(shard, target) for target, _ in peers])
     own_slice = output[rank * numel:(rank + 1) * numel]
     if own_slice.data_ptr() != shard.data_ptr():
         own_slice.copy_(shard)
@@ -347,18 +343,10 @@ def _exchange_shards_for_reduction(flat_input: torch.Tensor, shard_numel: int, g
     the peers' copies of our shard, one row each. Returns (received rows, work handles)."""
     rank = group_rank(group)
     received = flat_input.new_empty((world - 1) * shard_numel)
-
-    def post():
-        works = []
-        for row, (_, source) in enumerate(_peers_in_ring_order(rank, world)):
-            works.append(dist.irecv(received[row * shard_numel:(row + 1) * shard_numel], group=group,
-                                    group_src=source, tag=MESSAGE_TAG))
-        for target, _ in _peers_in_ring_order(rank, world):
-            works.append(dist.isend(flat_input[target * shard_numel:(target + 1) * shard_numel], group=group,
-                                    group_dst=target, tag=MESSAGE_TAG))
-        return works
-
-    works = post_in_background(post)
+    peers = _peers_in_ring_order(rank, world)
+    works = _post_messages(
+        group, [(received[row * shard_numel:(row + 1) * shard_numel], source) for row, (_, source) in enumerate(peers)],
+        [(flat_input[target * shard_numel:(target + 1) * shard_numel], target) for target, _ in peers])
     return received, works
 
 
