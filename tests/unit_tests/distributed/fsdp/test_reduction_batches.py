@@ -1,5 +1,6 @@
 """Gradient reductions in flight are counted per unit, and a group sharded over one rank reduces at launch
-(grad_reduction.py); a unit's gradients are written straight into its flat buffer, never stashed (grad_buffers.py).
+(grad_reduction.py); a unit's gradients are written into its flat buffer together after the unit's backward, never
+stashed (grad_buffers.py).
 
 The toy MoE model of `test_expert_data_parallel` at EP2 on 2 ranks under ZeRO-3 (expert-DP 1): its MoE layer is one
 unit holding a dense group sharded over both ranks and an expert group sharded over one. The expert reduction is a
@@ -28,16 +29,16 @@ def _reductions_and_stashes():
         in_flight = [(entry[3].unit_index, entry[3].expert) for entry in schedule.pending_reduces]
         launches.append(((group.unit_index, group.expert), waits[0] - before, in_flight))
 
-    def recording_write(group, write):
-        def write_grad(index, grad, scale):
-            write(index, grad, scale)
+    def recording_take(group, take):
+        def take_accumulated_grads(indices, grads, scale):
+            take(indices, grads, scale)
             stashed.append(len(group.stashed_grads))
-        return write_grad
+        return take_accumulated_grads
 
     schedule._wait_oldest_reduce, schedule.launch_reduce = counted_wait, recorded_launch
     for group in run.ddp.fsdp.groups:
         if group.unit_index is not None:
-            group.write_grad = recording_write(group, group.write_grad)
+            group.take_accumulated_grads = recording_take(group, group.take_accumulated_grads)
     run.train(range(2))
     return launches, stashed, [(g.unit_index, g.expert, g.topology.dp_size) for g in run.ddp.fsdp.groups]
 

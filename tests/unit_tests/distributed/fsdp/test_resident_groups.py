@@ -79,7 +79,7 @@ def _expert_groups_at_expert_dp_1():
     pointers = {id(group): group.compute_buffer.data_ptr() for group in experts}
     transient_seen, added_per_call = [], []
     for group in experts:
-        write, add = group.write_grad, group.add_accumulated_grads
+        write, add = group.write_grad, group.take_accumulated_grads
 
         def recorded_write(index, grad, scale, group=group, write=write):
             write(index, grad, scale)
@@ -89,7 +89,7 @@ def _expert_groups_at_expert_dp_1():
             add(indices, grads, scale)
             transient_seen.append(group.transient_grads is not None)
             added_per_call.append(len(indices))
-        group.write_grad, group.add_accumulated_grads = recorded_write, recorded_add
+        group.write_grad, group.take_accumulated_grads = recorded_write, recorded_add
     run.train(range(2))
     return {
         # the gradients of a unit's expert group reach it in one call, after the unit's backward

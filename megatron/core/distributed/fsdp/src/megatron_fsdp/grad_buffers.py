@@ -15,7 +15,7 @@ import torch
 
 from .distributed_data_parallel_config import ShardingStrategy
 from .grad_state import GradState, OuterGradState, checked_transition
-from .resharding import copy_grad_in, zero_param_chunks
+from .resharding import copy_grad_in, even_copy_views, zero_param_chunks
 
 
 class GroupGrads:
@@ -31,7 +31,7 @@ class GroupGrads:
     # Set by the schedule for a resident group (one rank, no outer dim) whose communication dtype is its gradient
     # dtype: its "reduction" would only add the flat buffer into the main gradients, so gradients are added
     # there directly: a root group's as they arrive (`write_grad`), a unit's all at once after the unit's
-    # backward (`add_accumulated_grads`).
+    # backward (`take_accumulated_grads`).
     grads_into_main = False
 
     # ---- gradient state --------------------------------------------------------------------------------------
@@ -80,16 +80,33 @@ class GroupGrads:
             self.filled[index] = True
         self._mark_accumulating()
 
-    def add_accumulated_grads(self, indices: List[int], grads: List[torch.Tensor], scale: float):
-        """A resident group's gradients that autograd accumulated in `.grad` (it has no hook per parameter, see
-        `Schedule.register_hooks`): added into the main gradients in one call, each multiplied by `scale`, as
-        `write_grad` adds them one at a time."""
-        self.ensure_main_grads()
-        targets = [self._main_grad_target(index) for index in indices]
-        if scale != 1.0:
-            torch._foreach_add_(targets, grads, alpha=scale)
+    def take_accumulated_grads(self, indices: List[int], grads: List[torch.Tensor], scale: float):
+        """A unit group's gradients that autograd accumulated in `.grad` during the unit's backward (such a group
+        has no hook per parameter, see `Schedule.register_hooks`), written in one batch as `write_grad` would
+        write them one at a time, each multiplied by `scale`: a resident group's are added into its main
+        gradients, any other's copied into the flat transient buffer (rank-major, ready for the reduce-scatter)."""
+        if self.grads_into_main:
+            self.ensure_main_grads()
+            targets = [self._main_grad_target(index) for index in indices]
+            if scale != 1.0:
+                torch._foreach_add_(targets, grads, alpha=scale)
+            else:
+                torch._foreach_add_(targets, grads)
         else:
-            torch._foreach_add_(targets, grads)
+            self._allocate_transient_grads()
+            targets, sources = [], []
+            for index, grad in zip(indices, grads):
+                even = None if self.filled[index] else even_copy_views(self.layout, self.transient_grads, index, grad)
+                if even is None:  # padded, or added to an earlier gradient: one at a time
+                    copy_grad_in(self.layout, self.transient_grads, index, grad, scale, accumulate=self.filled[index])
+                else:
+                    targets.append(even[0])
+                    sources.append(even[1])
+                self.filled[index] = True
+            if targets:
+                torch._foreach_copy_(targets, sources)
+                if scale != 1.0:
+                    torch._foreach_mul_(targets, scale)
         self._mark_accumulating()
 
     def _main_grad_target(self, index: int) -> torch.Tensor:

@@ -83,14 +83,11 @@ def copy_grad_in(layout: GroupLayout, gathered: torch.Tensor, index: int, grad: 
     size = chunk.chunk_numel
     if size == 0:
         return
-    dp = layout.dp_size
-    if grad.numel() == dp * size and gathered.stride() == (1,):  # every rank's chunk is full: nothing to pad
-        # (the hot path, once per parameter and microbatch: one view of each side, then the write)
-        columns = gathered.as_strided((dp, size), (layout.shard_numel, 1),
-                                      gathered.storage_offset() + chunk.shard_offset)
-        _write_scaled(columns, grad.view(dp, size) if grad.is_contiguous() else grad.reshape(dp, size), scale,
-                      accumulate)
+    even = even_copy_views(layout, gathered, index, grad)
+    if even is not None:  # the hot path, once per parameter and microbatch: one view of each side, then the write
+        _write_scaled(even[0], even[1], scale, accumulate)
         return
+    dp = layout.dp_size
     flat = grad.reshape(-1)
     columns = gathered.view(dp, layout.shard_numel)[:, chunk.shard_offset:chunk.shard_offset + size]
     full_ranks, remainder = divmod(flat.numel(), size)
@@ -99,6 +96,18 @@ def copy_grad_in(layout: GroupLayout, gathered: torch.Tensor, index: int, grad: 
         _write_scaled(columns[full_ranks, :remainder], flat[full_ranks * size:], scale, accumulate)
     if not accumulate:
         zero_chunk_padding(layout, gathered, index)
+
+
+def even_copy_views(layout: GroupLayout, gathered: torch.Tensor, index: int, grad: torch.Tensor):
+    """(target, source) for parameter `index`'s copy-in when every rank's chunk of it is full (nothing to pad, the
+    common case): its columns of the rank-major buffer and its gradient, both viewed as `(dp_size, chunk_numel)`.
+    None when the parameter has padding or no chunk, or `gathered` is not a dense 1-D buffer."""
+    size, dp = layout.chunks[index].chunk_numel, layout.dp_size
+    if size == 0 or grad.numel() != dp * size or gathered.stride() != (1,):
+        return None
+    columns = gathered.as_strided((dp, size), (layout.shard_numel, 1),
+                                  gathered.storage_offset() + layout.chunks[index].shard_offset)
+    return columns, grad.view(dp, size) if grad.is_contiguous() else grad.reshape(dp, size)
 
 
 def _write_scaled(target: torch.Tensor, source: torch.Tensor, scale: float, accumulate: bool):

@@ -136,10 +136,12 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
 
     @staticmethod
     def _collects_grads_at_unit_end(group: ParamGroup) -> bool:
-        """A unit's resident group that takes gradients straight into its main gradients needs no hook per
-        parameter: autograd accumulates into `.grad`, and the unit's post-backward (or, for a gradient that
-        arrives later, the end of the backward) adds them all in at once (`_add_accumulated_grads`)."""
-        return group.grads_into_main and group.unit_index is not None
+        """A unit's group whose gradients go to a per-step buffer (its transient gradient buffer, or the main
+        gradients of a resident group) needs no hook per parameter: autograd accumulates into `.grad` through the
+        unit's backward, and the unit's post-backward (or, for a gradient that arrives later, the end of the
+        backward) writes them all at once (`_add_accumulated_grads`). Groups with a persistent gradient buffer
+        (strategies 0/1) keep their hooks: a reduction of that buffer may be in flight when a gradient arrives."""
+        return group.unit_index is not None and (group.grads_into_main or group.grad_buffer is None)
 
     def _add_accumulated_grads(self, groups):
         for group in groups:
@@ -152,7 +154,7 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
                     grads.append(param.grad)
                     param.grad = None
             if grads:
-                group.add_accumulated_grads(indices, grads, self.expert_grad_scale if group.expert else self.grad_scale)
+                group.take_accumulated_grads(indices, grads, self.expert_grad_scale if group.expert else self.grad_scale)
                 self.grads_synced = False
 
     def remove_hooks(self):
