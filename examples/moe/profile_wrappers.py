@@ -24,7 +24,7 @@ REPOSITORY = os.path.dirname(os.path.dirname(HERE))
 SCHEDULE_METHODS = ["root_pre_forward", "root_post_forward", "_root_pre_backward", "_unit_pre_backward",
                     "_unit_post_backward", "_post_backward", "ensure_gathered", "gather", "release", "launch_reduce",
                     "_wait_oldest_reduce", "finish_grad_sync", "zero_grad_buffer", "_track_transient"]
-GROUP_METHODS = ["write_grad", "reduce_input", "start_gather", "finish_gather", "allocate_compute", "release_compute",
+GROUP_METHODS = ["write_grad", "take_accumulated_grads", "reduce_input", "start_gather", "finish_gather", "allocate_compute", "release_compute",
                  "_allocate_transient_grads", "ensure_main_grads"]
 DIST_CALLS = ["isend", "irecv", "all_reduce", "all_to_all_single", "all_gather_into_tensor", "broadcast"]
 
@@ -75,6 +75,8 @@ def _instrument(timers, start, steps, out):
         timers.patch(schedule.Schedule, SCHEDULE_METHODS, "fsdp.")
         timers.patch(grad_buffers, ["copy_grad_in"], "fsdp.")
         timers.patch(collectives.PendingCollective, ["wait"], "fsdp.PendingCollective.")
+        # the hand-over of point-to-point messages to the posting thread (which posts them: "all threads" time)
+        timers.patch(collectives, ["_post_messages"], "fsdp.")
         timers.patch(param_and_grad_buffer.ParamGroup, GROUP_METHODS, "fsdp.group.")
     except ImportError:
         pass
