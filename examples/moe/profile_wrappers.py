@@ -24,6 +24,7 @@ REPOSITORY = os.path.dirname(os.path.dirname(HERE))
 SCHEDULE_METHODS = ["root_pre_forward", "root_post_forward", "_root_pre_backward", "_unit_pre_backward",
                     "_unit_post_backward", "_post_backward", "ensure_gathered", "gather", "release", "launch_reduce",
                     "_wait_oldest_reduce", "finish_grad_sync", "zero_grad_buffer", "_track_transient"]
+HOOK_FACTORIES = ["_make_pre_forward", "_make_post_forward"]
 GROUP_METHODS = ["write_grad", "take_accumulated_grads", "reduce_input", "start_gather", "finish_gather", "allocate_compute", "release_compute",
                  "_allocate_transient_grads", "ensure_main_grads"]
 DIST_CALLS = ["isend", "irecv", "all_reduce", "all_to_all_single", "all_gather_into_tensor", "broadcast"]
@@ -73,6 +74,11 @@ def _instrument(timers, start, steps, out):
     try:
         from megatron_fsdp import collectives, grad_buffers, param_and_grad_buffer, schedule
         timers.patch(schedule.Schedule, SCHEDULE_METHODS, "fsdp.")
+        for factory in HOOK_FACTORIES:  # the hooks they make are timed (registered after this patch)
+            made = getattr(schedule.Schedule, factory)
+            setattr(schedule.Schedule, factory, functools.partialmethod(
+                lambda self, unit, made=made, factory=factory: timers.wrap(
+                    f"fsdp.{factory[len('_make_'):]} hook", made(self, unit))))
         timers.patch(grad_buffers, ["copy_grad_in"], "fsdp.")
         timers.patch(collectives.PendingCollective, ["wait"], "fsdp.PendingCollective.")
         # the hand-over of point-to-point messages to the posting thread (which posts them: "all threads" time)

@@ -1,0 +1,144 @@
+"""Step time of Megatron-FSDP ZeRO-3 (and the distributed optimizer) against Megatron DDP on the MoE model of
+`benchmark_wrappers.py`, with the arms' steps interleaved in one job: the ratio holds on a host whose speed drifts.
+
+`benchmark_wrappers.py` runs each arm as its own training job, one after another; on a shared 2-core host the
+machine's speed changes between jobs by more than the difference being measured (the same arm run twice differs
+by up to 30%). Here one torchrun job of 2 CPU ranks builds every arm's model and optimizer from the same flags
+and seed, then takes one training step (pretrain_gpt.py's `train_step`: all microbatches, then the optimizer step)
+of each arm in turn, in alternating order (A B, B A, ...), ranks aligned by a barrier before each step. Adjacent
+steps see the same machine load, so each step's ratio to the neighbouring DDP step cancels the drift. Prints
+each arm's median step (after `--warmup` steps), the ratio of medians and the median of the per-step ratios, and
+the lm loss of the last step of each arm: the arms train the same model on the same data, so their losses agree
+to rounding.
+
+    python examples/moe/benchmark_interleaved.py [--steps 60] [--warmup 5] [--arms DDP "Megatron-FSDP z3"]
+"""
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPOSITORY = os.path.dirname(os.path.dirname(HERE))
+INTERLEAVABLE = ["DDP", "distributed optimizer", "Megatron-FSDP z3"]  # arms that train the same model
+
+
+def _build_arm(flags, runtime, model_provider, datasets_provider):
+    """Parse and validate one arm's flags, then build its model, optimizer, scheduler and data iterator as
+    pretrain() does. `runtime`: the launched job's validated arguments (rank, device, vocabulary, ...)."""
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.data_iterators import build_data_iterators
+    from megatron.training.global_vars import set_args
+    from megatron.training.initialize import set_random_seed
+    from megatron.training.model_setup import setup_model_and_optimizer
+    from megatron.training.training import _attach_timers
+    from megatron.training.global_vars import get_timers
+
+    args = validate_args(parse_args(args=flags))
+    for name in ("rank", "world_size", "local_rank", "device", "distributed_backend", "padded_vocab_size",
+                 "created_process_group"):
+        setattr(args, name, getattr(runtime, name))
+    args.consumed_train_samples, args.iteration = 0, 0
+    set_args(args)
+    set_random_seed(args.seed, args.data_parallel_random_init)  # every arm starts from the same weights
+    model, optimizer, scheduler, config = setup_model_and_optimizer(model_provider, args)
+    config = _attach_timers(model, get_timers(), args)
+    train_iterator, _, _ = build_data_iterators(datasets_provider, args)
+    return args, model, optimizer, scheduler, config, train_iterator
+
+
+def worker(arm_names, arm_flags, steps, warmup):
+    import torch.distributed as dist
+
+    sys.path.insert(0, REPOSITORY)
+    import pretrain_gpt
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+    from megatron.core.timers import Timers
+    from megatron.training.global_vars import set_args, set_timers, set_tokenizer
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.result_validation import setup_rerun_state_machine
+    from megatron.training.tokenizer import build_tokenizer_from_args, pad_vocab_size
+    from megatron.training.training import train_step
+
+    runtime = initialize_megatron(args=arm_flags[0])
+    set_timers(Timers(runtime.timing_log_level, runtime.timing_log_option))
+    setup_rerun_state_machine(runtime)
+    tokenizer = build_tokenizer_from_args(runtime)
+    set_tokenizer(tokenizer)
+    runtime.padded_vocab_size = pad_vocab_size(tokenizer.vocab_size, runtime.make_vocab_size_divisible_by,
+                                               runtime.tensor_model_parallel_size)
+    init_num_microbatches_calculator(runtime.rank, runtime.global_batch_size, runtime.micro_batch_size,
+                                     runtime.data_parallel_size)
+    arms = [_build_arm(flags, runtime, pretrain_gpt.model_provider, pretrain_gpt.train_valid_test_datasets_provider)
+            for flags in arm_flags]
+    times = [[] for _ in arms]
+    losses = [None] * len(arms)
+    for step in range(steps):
+        order = range(len(arms)) if step % 2 == 0 else reversed(range(len(arms)))
+        for index in order:
+            args, model, optimizer, scheduler, config, iterator = arms[index]
+            set_args(args)
+            dist.barrier()
+            start = time.perf_counter()
+            loss, _, _, _ = train_step(pretrain_gpt.forward_step, iterator, model, optimizer, scheduler, config, args)
+            times[index].append(time.perf_counter() - start)
+            losses[index] = loss
+    if dist.get_rank() == dist.get_world_size() - 1:  # the last rank holds the loss, as in the training log
+        report(arm_names, [t[warmup:] for t in times], losses)
+
+
+def report(arm_names, times, losses):
+    reference = times[0]
+    print("| wrapper | step (ms) | vs DDP (ratio of medians) | vs DDP (median of per-step ratios) | lm loss, last step |")
+    print("|---|---:|---:|---:|---:|")
+    for name, arm, loss in zip(arm_names, times, losses):
+        ratios = [a / b for a, b in zip(arm, reference)]
+        loss_value = loss.get("lm loss") if isinstance(loss, dict) else loss
+        loss_text = f"{float(loss_value):.6f}" if loss_value is not None else "n/a"
+        print(f"| {name} | {1000 * statistics.median(arm):.1f} | "
+              f"{statistics.median(arm) / statistics.median(reference):.3f} | {statistics.median(ratios):.3f} | "
+              f"{loss_text} |")
+    quartiles = {name: statistics.quantiles([a / b for a, b in zip(arm, reference)], n=4)
+                 for name, arm in zip(arm_names[1:], times[1:]) if len(arm) >= 2}
+    for name, (low, _, high) in quartiles.items():
+        print(f"\n{name} / DDP per step: quartiles {low:.3f} .. {high:.3f} over {len(reference)} steps")
+
+
+def main():
+    sys.path.insert(0, HERE)
+    import benchmark_wrappers as benchmark
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--arms", nargs="+", choices=INTERLEAVABLE, default=["DDP", "Megatron-FSDP z3"],
+                        help="arms to interleave (DDP, the reference of the ratios, always runs)")
+    parser.add_argument("--model", choices=list(benchmark.MODELS), default="small")
+    options = parser.parse_args()
+    if options.steps <= options.warmup:
+        parser.error(f"--steps ({options.steps}) must exceed --warmup ({options.warmup})")
+    names = ["DDP"] + [name for name in INTERLEAVABLE if name in options.arms and name != "DDP"]
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={benchmark.WORLD}",
+               os.path.abspath(__file__), "--worker", str(options.steps), str(options.warmup)]
+    for name in names:
+        expert_parallel_size, flags, _ = benchmark.ARMS[name]
+        arm_flags = [*benchmark.model_flags(options.model).split(), *flags.split(),
+                     "--expert-model-parallel-size", str(expert_parallel_size),
+                     "--train-iters", str(options.steps)]
+        command += ["--arm", name, " ".join(arm_flags)]
+    package = os.path.join(REPOSITORY, "megatron", "core", "distributed", "fsdp", "src")
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [package, REPOSITORY, os.environ.get("PYTHONPATH")])))
+    subprocess.run(command, check=True, cwd=REPOSITORY, env=env)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        steps, warmup, rest = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+        names, flags = rest[1::3], [entry.split() for entry in rest[2::3]]
+        worker(names, flags, steps, warmup)
+    else:
+        main()
