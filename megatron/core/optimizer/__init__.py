@@ -22,6 +22,7 @@ from megatron.core.optimizer.clip_grads import (
     count_zeros_fp32,
     get_grad_norm_fp32,
     global_norm_fp32,
+    global_norms_fp32,
     param_is_not_shared,
     param_is_not_tensor_parallel_duplicate,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "get_param_groups",
     "get_grad_norm_fp32",
     "global_norm_fp32",
+    "global_norms_fp32",
     "clip_grad_by_total_norm_fp32",
     "count_zeros_fp32",
     "param_is_not_shared",

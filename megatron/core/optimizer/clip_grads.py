@@ -111,15 +111,44 @@ def global_norm_fp32(tensors, norm_type=2.0, grad_stats_groups=None, device=None
         _all_reduce_over(total, grad_stats_groups, dist.ReduceOp.MAX)
         return total.item()
 
-    def local_power_sum(tensors):
-        if not tensors:
-            return torch.zeros((), dtype=torch.float32, device=device)
-        norms = torch._foreach_norm([t.detach().float() for t in tensors], norm_type)
-        return torch.stack(norms).pow(norm_type).sum()
-
-    total = _reduce_pieces(pieces, local_power_sum, dist.ReduceOp.SUM, device)
+    total = _reduce_pieces(pieces, lambda tensors: _local_power_sum(tensors, norm_type, device), dist.ReduceOp.SUM,
+                           device)
     _all_reduce_over(total, grad_stats_groups, dist.ReduceOp.SUM)
     return total.item() ** (1.0 / norm_type)
+
+
+def _local_power_sum(tensors, norm_type, device):
+    """Sum over `tensors` of |x|^norm_type, a float32 scalar on `device`."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm([t.detach().float() for t in tensors], norm_type)
+    return torch.stack(norms).pow(norm_type).sum()
+
+
+def _reduction_ranks(groups):
+    """The ranks of each group in `groups` that reduces anything (more than one rank), in order."""
+    return [tuple(dist.get_process_group_ranks(group)) for group in _as_group_list(groups)
+            if dist.get_world_size(group) > 1]
+
+
+def global_norms_fp32(parts, norm_type=2.0, device=None):
+    """`[global_norm_fp32(tensors, norm_type, groups, device) for tensors, groups in parts]` (the dense and the
+    expert gradients, say), with one all-reduce of all the parts' sums where that adds up the same numbers:
+    finite `norm_type`, plain tensors (no DTensor shards of their own groups) and every part reduced over the same
+    ranks. Otherwise each part on its own."""
+    parts = [([tensor for tensor in tensors if tensor is not None], groups) for tensors, groups in parts]
+    ranks = [_reduction_ranks(groups) for _, groups in parts] if dist.is_initialized() else [[]]
+    fusable = (len(parts) > 1 and float(norm_type) != math.inf and all(r == ranks[0] for r in ranks)
+               and not any(hasattr(tensor, "to_local") for tensors, _ in parts for tensor in tensors))
+    if not fusable:
+        return [global_norm_fp32(tensors, norm_type, groups, device) for tensors, groups in parts]
+    norm_type = float(norm_type)
+    if device is None:
+        device = next((tensors[0].device for tensors, _ in parts if tensors), torch.device("cpu"))
+    sums = torch.stack([_local_power_sum([t for t in tensors if t.numel() > 0], norm_type, device)
+                        for tensors, _ in parts])
+    _all_reduce_over(sums, parts[0][1], dist.ReduceOp.SUM)
+    return [value ** (1.0 / norm_type) for value in sums.tolist()]
 
 
 def get_grad_norm_fp32(grads_for_norm, norm_type=2.0, grad_stats_groups=None, device=None):

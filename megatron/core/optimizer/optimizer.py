@@ -20,7 +20,7 @@ from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
     default_grad_stats_groups,
-    global_norm_fp32,
+    global_norms_fp32,
     tensors_counted_once,
 )
 from megatron.core.expert_parameters import split_expert_parameters
@@ -126,8 +126,8 @@ class MegatronOptimizer:
     def global_norm(self, tensor_of):
         """The L2 norm of `tensor_of(main param)` over the whole model, each element counted once."""
         square = 0.0
-        for tensors, groups in self._dense_and_expert_stats(tensor_of):
-            square += global_norm_fp32(tensors, 2.0, groups, self._device()) ** 2
+        for norm in global_norms_fp32(self._dense_and_expert_stats(tensor_of), 2.0, self._device()):
+            square += norm ** 2
         return math.sqrt(square)
 
     def get_grad_norm(self):

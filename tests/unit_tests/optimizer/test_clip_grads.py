@@ -96,3 +96,57 @@ def test_single_process_norm_without_parallel_state():
     assert get_grad_norm_fp32(grads) == pytest.approx(expected_l2, rel=1e-6)
     assert get_grad_norm_fp32(grads, norm_type=math.inf) == pytest.approx(expected_inf)
     assert count_zeros_fp32(grads) == expected_zeros
+
+
+def _fused_and_separate_norms():
+    """The dense and expert norms of `global_norms_fp32` against one `global_norm_fp32` per part, with the
+    all-reduces counted: parts reduced over the same ranks share one, parts over different ranks do not."""
+    import torch.distributed as dist
+
+    from megatron.core.optimizer.clip_grads import global_norm_fp32, global_norms_fp32
+
+    generator = torch.Generator().manual_seed(100 + dist.get_rank())
+    dense = [torch.randn(7, 3, generator=generator), torch.randn(5, generator=generator), torch.empty(0)]
+    expert = [torch.randn(4, 4, generator=generator), None]
+    world = dist.group.WORLD
+    calls = []
+    all_reduce = dist.all_reduce
+
+    def counted(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        fused = global_norms_fp32([(dense, [world]), (expert, [world])])
+        fused_calls, calls[:] = list(calls), []
+        separate = [global_norm_fp32(dense, 2.0, [world]), global_norm_fp32(expert, 2.0, [world])]
+        calls[:] = []
+        # reduced over different ranks (here: the world once, and twice): not fused
+        mixed = global_norms_fp32([(dense, [world]), (expert, [world, world])])
+        mixed_calls = list(calls)
+    finally:
+        dist.all_reduce = all_reduce
+    reference = [math.sqrt(sum(float(t.double().pow(2).sum()) for t in _gathered(part)))
+                 for part in (dense, expert)]
+    return fused, fused_calls, separate, reference, mixed, mixed_calls
+
+
+def _gathered(tensors):
+    import torch.distributed as dist
+
+    tensors = [t for t in tensors if t is not None]
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    out = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, flat)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_dense_and_expert_norms_share_one_all_reduce_when_reduced_over_the_same_ranks(world_size):
+    for fused, fused_calls, separate, reference, mixed, mixed_calls in run_on_ranks(
+            world_size, _fused_and_separate_norms):
+        assert fused_calls == [2]  # one all-reduce of both sums
+        assert fused == separate  # the same numbers as one reduction per part
+        assert fused == pytest.approx(reference, rel=1e-6)
+        assert mixed_calls == [1, 1, 1] and mixed[0] == separate[0]
