@@ -267,10 +267,13 @@ def all_gather_pieces_in_place(outputs_by_rank: list, own_pieces: list, group, c
         if packed:
             receives.append((received[source], source))
             sends.append((sent, target))
+    # Own pieces into place first, in one call: copying them after the hand-over would contend with the posting
+    # thread for the GIL at every piece.
+    moved = [(view, piece) for view, piece in zip(outputs_by_rank[rank], own_pieces)
+             if view.data_ptr() != piece.data_ptr()]
+    if moved:
+        torch._foreach_copy_([view for view, _ in moved], [piece for _, piece in moved])
     works = _post_messages(group, receives, sends) if world > 1 else []
-    for view, piece in zip(outputs_by_rank[rank], own_pieces):
-        if view.data_ptr() != piece.data_ptr():
-            view.copy_(piece)
 
     def unpack():
         for source, buffer in received.items():
@@ -300,12 +303,11 @@ def _exchange_shards_for_gather(output: torch.Tensor, shard: torch.Tensor, group
     send our shard to each peer, and copy our own shard into place. Returns the work handles."""
     rank, numel = group_rank(group), shard.numel()
     peers = _peers_in_ring_order(rank, world)
-    works = _post_messages(group, [(output[source * numel:(source + 1) * numel], source) for _, source in peers],
-                           [(shard, target) for target, _ in peers])
     own_slice = output[rank * numel:(rank + 1) * numel]
-    if own_slice.data_ptr() != shard.data_ptr():
+    if own_slice.data_ptr() != shard.data_ptr():  # before the hand-over (see all_gather_pieces_in_place)
         own_slice.copy_(shard)
-    return works
+    return _post_messages(group, [(output[source * numel:(source + 1) * numel], source) for _, source in peers],
+                          [(shard, target) for target, _ in peers])
 
 
 def reduce_scatter_flat(output: torch.Tensor, flat_input: torch.Tensor, group, counter: CommunicationCounter,

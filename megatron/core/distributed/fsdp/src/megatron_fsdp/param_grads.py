@@ -70,7 +70,8 @@ class ParamGrads:
         self._mesh_of = mesh_of
         self._resting = resting
         self._outer_mesh_of = outer_mesh_of
-        self._attached: List[Tuple[nn.Parameter, torch.dtype]] = []  # (parameter, its grad_dtype before)
+        # id(group) -> [(parameter, its grad_dtype before)] for each group whose gradients are attached
+        self._attached: Dict[int, List[Tuple[nn.Parameter, torch.dtype]]] = {}
         # (id(group), index) -> (the group's main_grads when built, the gradient viewing it): the views stay
         # valid while the buffer is released and given its storage back, so each is built once, not per step.
         self._grads: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
@@ -91,11 +92,15 @@ class ParamGrads:
 
     def attach(self):
         """Point each parameter's `.grad` at its part of the reduced gradients. Every reduction of the step,
-        inner and outer, must have landed (the end of a synchronised backward, or `finish_grad_sync`)."""
-        self.drop()
+        inner and outer, must have landed (the end of a synchronised backward, or `finish_grad_sync`). Views
+        attached since the last `drop` stay (the end of the backward attaches them, `finish_grad_sync` adds the
+        groups that got no gradient); HFSDP's copies are refreshed."""
         for group in self._groups:
-            if not self._attachable(group):
+            if group.outer_sharded:
+                self._drop_group(group)
+            if id(group) in self._attached or not self._attachable(group):
                 continue
+            attached = self._attached[id(group)] = []
             for index in range(len(group.params)):
                 param = self._shown(group, index)
                 if group.outer_sharded:
@@ -104,7 +109,7 @@ class ParamGrads:
                     grad = self._grad_view(group, index, param)
                 previous_dtype = getattr(param, "grad_dtype", param.dtype)
                 if _set_grad(param, grad):
-                    self._attached.append((param, previous_dtype))
+                    attached.append((param, previous_dtype))
 
     def _grad_view(self, group, index: int, param: nn.Parameter) -> torch.Tensor:
         """Parameter `index`'s part of `group.main_grads`: a Replicate() DTensor of the whole gradient
@@ -135,9 +140,12 @@ class ParamGrads:
 
     def drop(self):
         """Detach every gradient attached by `attach` and restore the parameters' `grad_dtype`."""
-        for param, previous_dtype in self._attached:
+        for group in self._groups:
+            self._drop_group(group)
+
+    def _drop_group(self, group):
+        for param, previous_dtype in self._attached.pop(id(group), ()):
             param.grad = None
             if getattr(param, "grad_dtype", previous_dtype) != previous_dtype:
                 param.grad_dtype = previous_dtype
-        self._attached = []
-        self._outer_copies = {}
+        self._outer_copies.pop(id(group), None)

@@ -40,7 +40,6 @@ class RestingParameters:
 
     def __init__(self, groups, owners: Dict[int, List[Tuple[nn.Module, str]]], mesh_of):
         """`mesh_of(group)`: the mesh of the ranks `group` is sharded over (where its resting DTensors live)."""
-        self._owners = owners
         self._mesh_of = mesh_of
         self._groups = list(groups)
         self._resting: Dict[int, nn.Parameter] = {}
@@ -48,6 +47,10 @@ class RestingParameters:
             for index, (param, name) in enumerate(zip(group.params, group.names)):
                 self._resting[id(param)] = self._make_resting(group, index, param, name)
         self._hidden = set()  # ids of groups whose resting parameters are installed
+        # id(group) -> [(owning module's parameter dict, attribute, real parameter, resting parameter)]
+        self._slots = {id(group): [(module._parameters, attribute, param, self._resting[id(param)])
+                                   for param in group.params for module, attribute in owners.get(id(param), ())]
+                       for group in self._groups}
 
     def _make_resting(self, group, index: int, param: nn.Parameter, name: str) -> nn.Parameter:
         local = group.rows_of_shard(group.compute_shard, index)
@@ -66,17 +69,13 @@ class RestingParameters:
     def hide(self, group):
         if id(group) in self._hidden:
             return
-        self._install(group, lambda param: self._resting[id(param)])
+        for parameters, attribute, _, resting in self._slots[id(group)]:
+            parameters[attribute] = resting
         self._hidden.add(id(group))
 
     def show(self, group):
         if id(group) not in self._hidden:
             return
-        self._install(group, lambda param: param)
+        for parameters, attribute, real, _ in self._slots[id(group)]:
+            parameters[attribute] = real
         self._hidden.discard(id(group))
-
-    def _install(self, group, choose):
-        for param in group.params:
-            replacement = choose(param)
-            for module, attribute in self._owners.get(id(param), ()):
-                module._parameters[attribute] = replacement
