@@ -54,20 +54,13 @@ class Run:
 
     def __init__(self, argv):
         import pretrain_gpt
-        from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
         from megatron.training.data_iterators import build_data_iterators
-        from megatron.training.global_vars import set_tokenizer
         from megatron.training.initialize import initialize_megatron
         from megatron.training.model_setup import setup_model_and_optimizer
-        from megatron.training.tokenizer import build_tokenizer_from_args, pad_vocab_size
+        from megatron.training.training import set_up_tokenizer_and_microbatches
 
         self.args = args = initialize_megatron(None, {}, args=argv.split())
-        tokenizer = build_tokenizer_from_args(args)
-        set_tokenizer(tokenizer)
-        args.padded_vocab_size = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
-                                                args.tensor_model_parallel_size)
-        init_num_microbatches_calculator(args.rank, args.global_batch_size, args.micro_batch_size,
-                                         args.data_parallel_size)
+        set_up_tokenizer_and_microbatches(args)
         self.model, self.optimizer, self.scheduler, self.config = setup_model_and_optimizer(
             pretrain_gpt.model_provider, args)
         args.consumed_train_samples, args.iteration = 0, 0

@@ -55,23 +55,16 @@ def worker(arm_names, arm_flags, steps, warmup):
 
     sys.path.insert(0, REPOSITORY)
     import pretrain_gpt
-    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.core.timers import Timers
-    from megatron.training.global_vars import set_args, set_timers, set_tokenizer
+    from megatron.training.global_vars import set_args, set_timers
     from megatron.training.initialize import initialize_megatron
     from megatron.training.result_validation import setup_rerun_state_machine
-    from megatron.training.tokenizer import build_tokenizer_from_args, pad_vocab_size
-    from megatron.training.training import train_step
+    from megatron.training.training import set_up_tokenizer_and_microbatches, train_step
 
     runtime = initialize_megatron(args=arm_flags[0])
     set_timers(Timers(runtime.timing_log_level, runtime.timing_log_option))
     setup_rerun_state_machine(runtime)
-    tokenizer = build_tokenizer_from_args(runtime)
-    set_tokenizer(tokenizer)
-    runtime.padded_vocab_size = pad_vocab_size(tokenizer.vocab_size, runtime.make_vocab_size_divisible_by,
-                                               runtime.tensor_model_parallel_size)
-    init_num_microbatches_calculator(runtime.rank, runtime.global_batch_size, runtime.micro_batch_size,
-                                     runtime.data_parallel_size)
+    set_up_tokenizer_and_microbatches(runtime)
     arms = [_build_arm(flags, runtime, pretrain_gpt.model_provider, pretrain_gpt.train_valid_test_datasets_provider)
             for flags in arm_flags]
     times = [[] for _ in arms]

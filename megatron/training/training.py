@@ -86,11 +86,12 @@ def resolve_model_type(model_type):
     return model_type
 
 
-def _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func, args):
+def set_up_tokenizer_and_microbatches(args):
+    """What pretrain() sets up before it builds the model: the tokenizer (made global, its vocabulary padded into
+    `args.padded_vocab_size`) and the number-of-microbatches calculator."""
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.training.tokenizer import build_tokenizer_from_args, pad_vocab_size
 
-    checkpointing.check_checkpoint_format(args)
     tokenizer = build_tokenizer_from_args(args)
     set_tokenizer(tokenizer)
     args.padded_vocab_size = pad_vocab_size(
@@ -100,6 +101,11 @@ def _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fu
         args.rank, args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
         rampup_batch_size=getattr(args, "rampup_batch_size", None),
     )
+
+
+def _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func, args):
+    checkpointing.check_checkpoint_format(args)
+    set_up_tokenizer_and_microbatches(args)
     timers = get_timers()
     with timed(timers, "model-and-optimizer-setup", log_level=0, barrier=True):
         model, optimizer, scheduler, config = setup_model_and_optimizer(model_provider, args)
