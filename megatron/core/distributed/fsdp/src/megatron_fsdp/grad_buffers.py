@@ -1,8 +1,9 @@
 """A parameter group's gradient buffers: where gradients are written, reduced from, and handed to the optimizer.
 
-`GroupGrads` is the part of `param_and_grad_buffer.ParamGroup` that holds gradients: the post-accumulate-grad
-hook writes each parameter's gradient into the flat gradient buffer (the persistent one of strategies 0/1, or a
-transient one per reduction under 2/3, with small early gradients stashed until it is worth allocating),
+`GroupGrads` is the part of `param_and_grad_buffer.ParamGroup` that holds gradients: a unit's gradients are
+written into the flat gradient buffer (the persistent one of strategies 0/1, or a transient one per reduction
+under 2/3) in one batch at the end of the unit's backward, a root group's one at a time by the post-accumulate-grad
+hook (with small early gradients stashed until the transient buffer is worth allocating),
 `reduce_input` hands the schedule the buffer to reduce, and the main gradients (or their HFSDP sub-shard) become
 the `.grad` of the optimizer's main-weight views. Under strategies 2/3 the shard-sized main gradients give their
 storage back between `zero_grad` and the next backward's first reduction. The buffers are allocated by
@@ -84,14 +85,28 @@ class GroupGrads:
         """A unit group's gradients that autograd accumulated in `.grad` during the unit's backward (such a group
         has no hook per parameter, see `Schedule.register_hooks`), written in one batch as `write_grad` would
         write them one at a time, each multiplied by `scale`: a resident group's are added into its main
-        gradients, any other's copied into the flat transient buffer (rank-major, ready for the reduce-scatter)."""
+        gradients, a persistent buffer's (strategies 0/1) added into it (reopened first if a reduction of this
+        step already took it), any other's copied into the flat transient buffer (rank-major, ready for the
+        reduce-scatter)."""
         if self.grads_into_main:
             self.ensure_main_grads()
-            targets = [self._main_grad_target(index) for index in indices]
-            if scale != 1.0:
-                torch._foreach_add_(targets, grads, alpha=scale)
-            else:
-                torch._foreach_add_(targets, grads)
+            self._add_all([self._main_grad_target(index) for index in indices], grads, scale)
+        elif self.grad_buffer is not None:
+            if self.grad_state is GradState.REDUCED:
+                self._reopen_reduced_grads()
+            if self.strategy == ShardingStrategy.no_shard:  # param-major: each gradient onto its span, as it is
+                self._add_all([self._persistent_grad_target(index) for index in indices], grads, scale)
+            else:  # rank-major: each gradient's chunks, as `write_grad` adds them
+                targets, sources = [], []
+                for index, grad in zip(indices, grads):
+                    even = even_copy_views(self.layout, self.grad_buffer, index, grad)
+                    if even is None:  # padded: one at a time
+                        copy_grad_in(self.layout, self.grad_buffer, index, grad, scale, accumulate=True)
+                    else:
+                        targets.append(even[0])
+                        sources.append(even[1])
+                if targets:
+                    self._add_all(targets, sources, scale)
         else:
             self._allocate_transient_grads()
             targets, sources = [], []
@@ -108,6 +123,22 @@ class GroupGrads:
                 if scale != 1.0:
                     torch._foreach_mul_(targets, scale)
         self._mark_accumulating()
+
+    @staticmethod
+    def _add_all(targets: List[torch.Tensor], sources: List[torch.Tensor], scale: float):
+        if scale != 1.0:
+            torch._foreach_add_(targets, sources, alpha=scale)
+        else:
+            torch._foreach_add_(targets, sources)
+
+    def _persistent_grad_target(self, index: int) -> torch.Tensor:
+        """Parameter `index`'s span of the param-major persistent gradient buffer (strategy 0), in its shape."""
+        target = self._persistent_grad_targets.get(index)
+        if target is None:
+            span = self.layout.spans[index]
+            target = self.grad_buffer[span.flat_start:span.flat_end].view(span.shape)
+            self._persistent_grad_targets[index] = target
+        return target
 
     def _main_grad_target(self, index: int) -> torch.Tensor:
         """Parameter `index`'s main gradient in its own shape (a group held whole by its one rank), built once: the

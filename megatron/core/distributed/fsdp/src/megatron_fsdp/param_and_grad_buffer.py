@@ -217,6 +217,7 @@ class ParamGroup(GroupWeights, GroupGrads):
         self.stashed_grads: Dict[int, torch.Tensor] = {}  # small grads that arrived before the flat buffer
         self.filled = [False] * len(self.params)
         self._main_grad_targets: Dict[int, tuple] = {}  # resident groups: index -> (main_grads, view in its shape)
+        self._persistent_grad_targets: Dict[int, torch.Tensor] = {}  # strategy 0: index -> its span, in its shape
         self.grads_pending = 0  # params whose grad arrived since the last reduction
         # Root groups: trainable parameters whose gradient arrived in this backward; early release is blocked
         # for the rest of the backward when a gradient arrives from a nested (reentrant checkpoint) backward.

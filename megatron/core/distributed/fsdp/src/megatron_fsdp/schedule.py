@@ -136,12 +136,12 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
 
     @staticmethod
     def _collects_grads_at_unit_end(group: ParamGroup) -> bool:
-        """A unit's group whose gradients go to a per-step buffer (its transient gradient buffer, or the main
-        gradients of a resident group) needs no hook per parameter: autograd accumulates into `.grad` through the
-        unit's backward, and the unit's post-backward (or, for a gradient that arrives later, the end of the
-        backward) writes them all at once (`_add_accumulated_grads`). Groups with a persistent gradient buffer
-        (strategies 0/1) keep their hooks: a reduction of that buffer may be in flight when a gradient arrives."""
-        return group.unit_index is not None and (group.grads_into_main or group.grad_buffer is None)
+        """A unit's group needs no hook per parameter: autograd accumulates into `.grad` through the unit's
+        backward, and the unit's post-backward (or, for a gradient that arrives later, the end of the backward)
+        writes them all at once (`_add_accumulated_grads`) into its transient gradient buffer, the main gradients
+        of a resident group, or the persistent buffer of strategies 0/1 (after waiting for a reduction of it
+        still in flight). Root groups keep their hooks: they are reduced as soon as their last gradient arrives."""
+        return group.unit_index is not None
 
     def _add_accumulated_grads(self, groups):
         for group in groups:
@@ -154,6 +154,9 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
                     grads.append(param.grad)
                     param.grad = None
             if grads:
+                # strategies 0/1: a reduction of the buffer still in flight (the unit's pre-backward normally
+                # waited for it already) lands before more is added
+                self._reopen_persistent_grads(group)
                 group.take_accumulated_grads(indices, grads, self.expert_grad_scale if group.expert else self.grad_scale)
                 self.grads_synced = False
 
