@@ -7,11 +7,15 @@ by up to 30%). Here one torchrun job of 2 CPU ranks builds every arm's model and
 and seed, then takes one training step (pretrain_gpt.py's `train_step`: all microbatches, then the optimizer step)
 of each arm in turn, in alternating order (A B, B A, ...), ranks aligned by a barrier before each step. Adjacent
 steps see the same machine load, so each step's ratio to the neighbouring DDP step cancels the drift. Prints
-each arm's median step (after `--warmup` steps), the ratio of medians and the median of the per-step ratios, and
-the lm loss of the last step of each arm: the arms train the same model on the same data, so their losses agree
+each arm's median step (after `--warmup` steps), the ratio of medians, the median of the per-step ratios, the
+median CPU time of a step summed over the process's threads (on 2 cores shared by 2 ranks every CPU millisecond of
+any thread shows in the step), and the lm loss of the last step of each arm: the arms train the same model on the same data, so their losses agree
 to rounding.
 
     python examples/moe/benchmark_interleaved.py [--steps 60] [--warmup 5] [--arms DDP "Megatron-FSDP z3"]
+
+`--arms` also takes "Megatron-FSDP z0" .. "z2" (no_shard, optim, optim_grads): the same wrapper sharding less,
+which shows what each step towards ZeRO-3 adds to the step time.
 """
 
 import argparse
@@ -23,7 +27,11 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPOSITORY = os.path.dirname(os.path.dirname(HERE))
-INTERLEAVABLE = ["DDP", "distributed optimizer", "Megatron-FSDP z3"]  # arms that train the same model
+INTERLEAVABLE = ["DDP", "distributed optimizer", "Megatron-FSDP z3"]  # arms of benchmark_wrappers.py that train
+# the same model, and Megatron-FSDP's other sharding strategies, to see what each adds on the way to ZeRO-3
+STRATEGY_ARMS = {f"Megatron-FSDP z{level}": f"--use-megatron-fsdp --data-parallel-sharding-strategy {strategy}"
+                 for level, strategy in enumerate(["no_shard", "optim", "optim_grads"])}
+ALL_ARMS = INTERLEAVABLE[:2] + list(STRATEGY_ARMS) + INTERLEAVABLE[2:]  # the order of the table
 
 
 def _build_arm(flags, runtime, model_provider, datasets_provider):
@@ -68,6 +76,7 @@ def worker(arm_names, arm_flags, steps, warmup):
     arms = [_build_arm(flags, runtime, pretrain_gpt.model_provider, pretrain_gpt.train_valid_test_datasets_provider)
             for flags in arm_flags]
     times = [[] for _ in arms]
+    cpu_times = [[] for _ in arms]  # CPU seconds of all of the process's threads (gloo's, the posting thread)
     losses = [None] * len(arms)
     for step in range(steps):
         order = range(len(arms)) if step % 2 == 0 else reversed(range(len(arms)))
@@ -75,25 +84,27 @@ def worker(arm_names, arm_flags, steps, warmup):
             args, model, optimizer, scheduler, config, iterator = arms[index]
             set_args(args)
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             loss, _, _, _ = train_step(pretrain_gpt.forward_step, iterator, model, optimizer, scheduler, config, args)
             times[index].append(time.perf_counter() - start)
+            cpu_times[index].append(time.process_time() - start_cpu)
             losses[index] = loss
     if dist.get_rank() == dist.get_world_size() - 1:  # the last rank holds the loss, as in the training log
-        report(arm_names, [t[warmup:] for t in times], losses)
+        report(arm_names, [t[warmup:] for t in times], [t[warmup:] for t in cpu_times], losses)
 
 
-def report(arm_names, times, losses):
+def report(arm_names, times, cpu_times, losses):
     reference = times[0]
-    print("| wrapper | step (ms) | vs DDP (ratio of medians) | vs DDP (median of per-step ratios) | lm loss, last step |")
-    print("|---|---:|---:|---:|---:|")
-    for name, arm, loss in zip(arm_names, times, losses):
+    print("| wrapper | step (ms) | vs DDP (ratio of medians) | vs DDP (median of per-step ratios) | "
+          "CPU of all threads (ms) | lm loss, last step |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, arm, cpu, loss in zip(arm_names, times, cpu_times, losses):
         ratios = [a / b for a, b in zip(arm, reference)]
         loss_value = loss.get("lm loss") if isinstance(loss, dict) else loss
         loss_text = f"{float(loss_value):.6f}" if loss_value is not None else "n/a"
         print(f"| {name} | {1000 * statistics.median(arm):.1f} | "
               f"{statistics.median(arm) / statistics.median(reference):.3f} | {statistics.median(ratios):.3f} | "
-              f"{loss_text} |")
+              f"{1000 * statistics.median(cpu):.1f} | {loss_text} |")
     quartiles = {name: statistics.quantiles([a / b for a, b in zip(arm, reference)], n=4)
                  for name, arm in zip(arm_names[1:], times[1:]) if len(arm) >= 2}
     for name, (low, _, high) in quartiles.items():
@@ -107,17 +118,19 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--arms", nargs="+", choices=INTERLEAVABLE, default=["DDP", "Megatron-FSDP z3"],
+    parser.add_argument("--arms", nargs="+", choices=ALL_ARMS,
+                        default=["DDP", "Megatron-FSDP z3"],
                         help="arms to interleave (DDP, the reference of the ratios, always runs)")
     parser.add_argument("--model", choices=list(benchmark.MODELS), default="small")
     options = parser.parse_args()
     if options.steps <= options.warmup:
         parser.error(f"--steps ({options.steps}) must exceed --warmup ({options.warmup})")
-    names = ["DDP"] + [name for name in INTERLEAVABLE if name in options.arms and name != "DDP"]
+    names = ["DDP"] + [name for name in ALL_ARMS if name in options.arms and name != "DDP"]
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={benchmark.WORLD}",
                os.path.abspath(__file__), "--worker", str(options.steps), str(options.warmup)]
     for name in names:
-        expert_parallel_size, flags, _ = benchmark.ARMS[name]
+        expert_parallel_size, flags, _ = benchmark.ARMS[name] if name in benchmark.ARMS else (
+            benchmark.ARMS["Megatron-FSDP z3"][0], STRATEGY_ARMS[name], None)
         arm_flags = [*benchmark.model_flags(options.model).split(), *flags.split(),
                      "--expert-model-parallel-size", str(expert_parallel_size),
                      "--train-iters", str(options.steps)]
