@@ -1,5 +1,6 @@
 """A wrapped model behaves like the torch module it wraps in user code: its state dict has the module's keys (tied
-aliases included) and loads a plain module's state dict strictly; `optimizer.step(closure)` trains; right after
+aliases included) and loads a plain module's state dict strictly; `optimizer.step(closure)` trains; `model.zero_grad()`
+clears the step's gradients as `optimizer.zero_grad()` does; right after
 `optimizer.step()` the weights read inside `gathered_parameters()` or broadcast by `broadcast_params()` are the
 updated ones (no all-gather left in flight)."""
 
@@ -141,3 +142,30 @@ def test_weights_read_right_after_step_are_the_updated_ones(world_size):
                 assert set(observed) == set(expected)
                 for name, value in expected.items():
                     torch.testing.assert_close(observed[name], value, rtol=0, atol=1e-6, msg=name)
+
+
+def _train_with_module_zero_grad(strategy):
+    """The torch loop that clears gradients through the model (`model.zero_grad()`) rather than the optimizer."""
+    import torch.distributed as dist
+
+    model, optimizer = _wrap(strategy)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step, batch in enumerate(models.make_batches(NUM_STEPS + 2)):
+        inputs, target = (models.local_slice(t, rank, world) for t in batch)
+        model.zero_grad()
+        loss = models.loss_fn(model(inputs), target)
+        losses.append(models.global_mean(loss.item()))
+        if step == NUM_STEPS + 1:
+            break
+        loss.backward()
+        optimizer.step()
+    return losses
+
+
+@pytest.mark.parametrize("world_size", [3])
+def test_module_zero_grad_clears_the_step_gradients(world_size):
+    reference, _ = models.reference_losses(NUM_STEPS + 1)
+    for strategy in (0, 1, 2, 3):
+        for losses in run_on_ranks(world_size, _train_with_module_zero_grad, strategy):
+            assert losses == pytest.approx(reference, abs=1e-5), strategy

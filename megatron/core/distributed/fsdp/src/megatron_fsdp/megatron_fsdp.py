@@ -376,6 +376,12 @@ class MegatronFSDP(nn.Module):
         self.schedule.param_grads.drop()  # the gradient storage they view is zeroed or given back
         self.schedule.zero_grad_buffer()
 
+    def zero_grad(self, set_to_none: bool = True):
+        """`nn.Module.zero_grad`: the step's gradients live in the flat gradient buffers (`.grad` only views
+        them), so those are zeroed too; otherwise the next step would add to this one's gradients."""
+        self.zero_grad_buffer()
+        super().zero_grad(set_to_none=set_to_none)
+
     def scale_gradients(self, scaling_factor: float):
         """Multiply the step's gradients by `scaling_factor`, before or after `finish_grad_sync`."""
         # With overlap_grad_reduce the last reductions of backward may still be in flight; they accumulate

@@ -30,10 +30,26 @@ def _find_fsdp_model(optimizer):
     return found
 
 
-def _make_step_pre_hook(model):
+def _loss_of_whole_batch(model, loss):
+    """The loss every data-parallel rank agrees on: the mean of the ranks' losses (the sum with
+    `calculate_per_token_loss`), whose gradient is the one the reductions produce."""
+    value = torch.as_tensor(loss).detach().to(device=model.device, dtype=torch.float64).clone()
+    ranks = 1
+    for process_group in (model.topology.dp_group, model.topology.outer_group):
+        if process_group is not None:
+            collectives.all_reduce_scalar_sum(value, process_group)
+            ranks *= collectives.group_size(process_group)
+    if not model.calculate_per_token_loss:
+        value /= ranks
+    return value.to(loss.dtype) if isinstance(loss, torch.Tensor) else value.item()
+
+
+def _make_step_pre_hook(model, agree_on_loss: bool):
     """Before `optimizer.step`: finish gradient sync; with a closure, after each call of the closure instead
     (the closure recomputes the gradients), and install the weights the optimizer moved before calling it again
-    (LBFGS re-evaluates the loss at trial points)."""
+    (LBFGS re-evaluates the loss at trial points). `agree_on_loss` (LBFGS): the closure's loss is replaced by the
+    whole batch's, because the optimizer branches on it (line search, convergence tests) and ranks that branched
+    apart would issue different collectives."""
 
     def before_step(optimizer, args, kwargs):
         # torch passes `self` as args[0]; the closure comes positionally after it or by keyword.
@@ -49,11 +65,21 @@ def _make_step_pre_hook(model):
             calls[0] += 1
             result = closure()
             model.finish_grad_sync()
-            return result
+            return _loss_of_whole_batch(model, result) if agree_on_loss else result
 
         return args[:1], {**{k: v for k, v in kwargs.items() if k != "closure"}, "closure": synchronising_closure}
 
     return before_step
+
+
+def _check_whole_vector_optimizer(optimizer, model):
+    """LBFGS takes inner products and norms over the whole parameter vector; a rank's optimizer holds only its
+    shard of that vector under strategies 1-3, so each rank would step in its own direction."""
+    if isinstance(optimizer, torch.optim.LBFGS) and model.strategy != ShardingStrategy.no_shard:
+        raise ValueError(f"torch.optim.LBFGS needs every parameter whole on each rank (its inner products and line "
+                         f"search span all of them), but zero_dp_strategy='{model.strategy.name}' gives each "
+                         "rank's optimizer a shard only: use zero_dp_strategy='no_shard' (0) with LBFGS, or an "
+                         "element-wise optimizer (Adam, AdamW, SGD, ...) with a sharded strategy")
 
 
 def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_for_dcp_ckpt: Optional[bool] = None):
@@ -66,12 +92,15 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
     (for torch.distributed.checkpoint, at any data-parallel size), or with `preproc_state_dict_for_dcp_ckpt=False`
     is torch's own index-keyed state dict of this rank's shards (for a per-rank torch.save, reloaded at the same
     data-parallel size). None takes the model's `ddp_config.preproc_state_dict_for_dcp_ckpt`.
+    `torch.optim.LBFGS` works under no_shard only (refused otherwise); its closure's loss is averaged over the
+    data-parallel ranks so that every rank's line search takes the same branches.
     """
     if getattr(optimizer, "_megatron_fsdp_model", None) is not None:
         raise ValueError("this optimizer was already passed to fully_shard_optimizer")
     model = _find_fsdp_model(optimizer)
     if any(len(state) for state in optimizer.state.values()):
         raise ValueError("the optimizer already has state (it has stepped); shard it before the first step")
+    _check_whole_vector_optimizer(optimizer, model)
     names = {}
     for param_group in optimizer.param_groups:
         main_views = []
@@ -83,6 +112,8 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
             main_views.append(view)
             names[id(view)] = group.names[index]
         param_group["params"] = main_views
+    if isinstance(optimizer, torch.optim.LBFGS):
+        optimizer._params = optimizer.param_groups[0]["params"]  # LBFGS steps its own copy of the list
     optimizer.state.clear()
     optimizer._megatron_fsdp_model = model
     optimizer._megatron_fsdp_param_names = names
@@ -94,7 +125,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
 
     original_zero_grad = optimizer.zero_grad
     optimizer._megatron_fsdp_step_hooks = (
-        optimizer.register_step_pre_hook(_make_step_pre_hook(model)),
+        optimizer.register_step_pre_hook(_make_step_pre_hook(model, isinstance(optimizer, torch.optim.LBFGS))),
         optimizer.register_step_post_hook(lambda opt, args, kwargs: model.install_optimized_model_weights()))
 
     def zero_grad(self, set_to_none: bool = True):
