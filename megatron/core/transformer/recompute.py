@@ -6,6 +6,10 @@ states, which have moved on by the time backward runs. The contexts here snapsho
 forward runs, install that snapshot for the recompute and put the then-current states back afterwards, so the
 recomputed dropout masks equal the original ones and the RNG stream after backward is the one a run without
 recompute would have.
+
+A recomputed forward runs a module's forward a second time. Side effects meant once per forward (the MoE
+router's logged auxiliary losses and its expert-bias token counts) check `is_recomputing()` and skip the
+second run.
 """
 
 from contextlib import contextmanager
@@ -14,6 +18,13 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from megatron.core import tensor_parallel
+
+_recompute_depth = 0
+
+
+def is_recomputing():
+    """Whether a checkpointed forward is being recomputed (inside backward) right now."""
+    return _recompute_depth > 0
 
 
 def _rng_tracker_contexts():
@@ -28,11 +39,14 @@ def _rng_tracker_contexts():
 
     @contextmanager
     def replay_states():
+        global _recompute_depth
         states_before_recompute = tracker.get_states()
         tracker.set_states(snapshot["states"])
+        _recompute_depth += 1
         try:
             yield
         finally:
+            _recompute_depth -= 1
             tracker.set_states(states_before_recompute)
 
     return remember_states(), replay_states()

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.device_utils import get_current_device
+from megatron.core.transformer.recompute import is_recomputing
 
 
 class MoEAuxLossAutoScaler(torch.autograd.Function):
@@ -109,7 +110,10 @@ _tracked = {}  # name -> float64 tensor [num_layers] (global layer index), on th
 
 def save_to_aux_losses_tracker(name, value, layer_number, num_layers):
     """Add `value` (this rank's share of the layer's loss, without its coefficient) to layer `layer_number`'s
-    (1-based, global) entry of loss `name`."""
+    (1-based, global) entry of loss `name`. A recomputed forward (activation recompute) adds nothing: its
+    original forward already did."""
+    if is_recomputing():
+        return
     values = _tracked.get(name)
     if values is None or values.numel() != num_layers:
         values = torch.zeros(num_layers, dtype=torch.float64, device=value.device)

@@ -23,6 +23,7 @@ from megatron.core.transformer.moe.routing import (
     scores_for_aux_loss,
     topk_routing,
 )
+from megatron.core.transformer.recompute import is_recomputing
 from megatron.core.transformer.utils import initialize_from_cpu_master, parameter_device
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
@@ -101,9 +102,9 @@ class TopKRouter(torch.nn.Module):
                                            config.moe_expert_capacity_factor)
                 probs, routing_map = apply_capacity(probs, routing_map, capacity, config.moe_token_drop_policy,
                                                     config.moe_pad_expert_input_to_capacity)
-            if training and config.moe_aux_loss_coeff > 0:
+            if training and config.moe_aux_loss_coeff > 0 and config.moe_router_load_balancing_type != "none":
                 probs = self._attach_load_balancing_loss(probs, logits, seq_length, batch_size)
-        if self.local_tokens_per_expert is not None and torch.is_grad_enabled():
+        if self.local_tokens_per_expert is not None and torch.is_grad_enabled() and not is_recomputing():
             with torch.no_grad():
                 self.local_tokens_per_expert += routing_map.sum(dim=0).to(self.local_tokens_per_expert.dtype)
         return probs, routing_map
@@ -136,12 +137,15 @@ class TopKRouter(torch.nn.Module):
                 dist.all_reduce(counts, group=group)
             loss = moe_utils.switch_load_balancing_loss(scores, counts, logits.size(0) * size, self.topk, coeff)
             name = "load_balancing_loss"
-        else:
+        elif config.moe_router_load_balancing_type == "seq_aux_loss":
             counts = aux_map.view(seq_length, batch_size, -1).sum(dim=0).to(scores.dtype)
             if size > 1:
                 dist.all_reduce(counts, group=group)
             loss = moe_utils.sequence_load_balancing_loss(scores, counts, seq_length * size, self.topk, coeff)
             name = "seq_load_balancing_loss"
+        else:
+            raise ValueError(f"no auxiliary loss for --moe-router-load-balancing-type "
+                             f"{config.moe_router_load_balancing_type!r}")
         moe_utils.save_to_aux_losses_tracker(name, loss / coeff, self.layer_number, config.num_layers)
         return moe_utils.MoEAuxLossAutoScaler.apply(probs, loss)
 

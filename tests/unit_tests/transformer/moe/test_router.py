@@ -1,11 +1,12 @@
 """`TopKRouter`: the auxiliary losses' values (as logged) and gradients against their formulas written here, the
-expert-bias update against a hand-counted case, router dtype, and Sinkhorn balancing."""
+expert-bias update against a hand-counted case, router dtype, Sinkhorn balancing, and a recomputed forward."""
 
 import pytest
 import torch
 
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.router import TopKRouter, update_expert_biases
+from megatron.core.transformer.recompute import checkpointed, is_recomputing
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 NUM_EXPERTS, TOPK, HIDDEN, SEQ, BATCH = 4, 2, 8, 5, 3
@@ -130,3 +131,49 @@ def test_sinkhorn_balances_rows_and_columns():
     chosen = moe_utils.sinkhorn(logits).argmax(dim=-1)
     assert routing_map.float().argmax(dim=-1).tolist() == chosen.tolist()
     torch.testing.assert_close(probs.sum(dim=-1), torch.sigmoid(logits).gather(1, chosen[:, None])[:, 0])
+
+
+def test_recomputed_forward_logs_and_counts_once():
+    """Under activation recompute the router's forward runs again in backward; the logged losses and the
+    expert-bias token counts must still be those of one forward."""
+    coeff, z_coeff = 0.3, 0.02
+    module = router(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                    moe_aux_loss_coeff=coeff, moe_z_loss_coeff=z_coeff)
+    hidden = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(5))
+    names = ["load_balancing_loss", "z_loss"]
+
+    def router_then_more(tokens):
+        # Work after the router that saves tensors for backward, so the recompute runs the whole router.
+        return torch.exp(module(tokens)[0])
+
+    router_then_more(hidden.clone().requires_grad_()).sum().backward()
+    plain_counts = module.local_tokens_per_expert.clone()
+    plain_logged = moe_utils.reduce_aux_losses_for_logging(names, 2, 1, 1, 1, "cpu")
+    plain_grad = module.weight.grad.clone()
+    assert plain_counts.sum().item() == SEQ * BATCH * TOPK
+    assert plain_logged["load_balancing_loss"] > 0 and plain_logged["z_loss"] > 0
+
+    module.weight.grad = None
+    module.local_tokens_per_expert.zero_()
+    checkpointed(router_then_more, hidden.clone().requires_grad_()).sum().backward()
+    recomputed_logged = moe_utils.reduce_aux_losses_for_logging(names, 2, 1, 1, 1, "cpu")
+    assert module.local_tokens_per_expert.tolist() == plain_counts.tolist()
+    for name in names:
+        assert recomputed_logged[name] == pytest.approx(plain_logged[name], rel=1e-6)
+    torch.testing.assert_close(module.weight.grad, plain_grad)
+    assert not is_recomputing()
+
+
+def test_no_load_balancing_loss_with_type_none():
+    """`--moe-router-load-balancing-type none` takes no auxiliary loss whatever `--moe-aux-loss-coeff` says."""
+    hidden = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(6))
+    upstream = torch.randn(SEQ * BATCH, NUM_EXPERTS, generator=torch.Generator().manual_seed(7))
+    grads = []
+    for coeff in (0.0, 0.5):
+        module = router(moe_router_load_balancing_type="none", moe_aux_loss_coeff=coeff)
+        probs, _ = module(hidden)
+        (probs * upstream).sum().backward()
+        grads.append(module.weight.grad)
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+    assert moe_utils._tracked == {}
