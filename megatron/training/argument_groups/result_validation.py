@@ -1,6 +1,8 @@
 """Result-validation flags: the rerun state machine's mode and the checks of the loss and gradients
 (see megatron/core/rerun_state_machine.py)."""
 
+import warnings
+
 RERUN_MODES = ("disabled", "validate_results", "report_stats")
 
 
@@ -30,5 +32,14 @@ def add_arguments(parser):
 
 
 def validate(args):
-    """Nothing beyond argparse's choices: every combination of these flags is valid (with --rerun-mode disabled a
-    spiky loss, a non-fatal finding, is logged only)."""
+    """With --fp16 and dynamic loss scaling (no --loss-scale), an overflow to Inf/NaN in the gradients is how the
+    loss scaler learns to back off: the optimizer skips that step and halves the scale. The NaN/Inf check is
+    turned off there, as upstream does, instead of stopping the run at the first overflow. Every other
+    combination of these flags is valid (with --rerun-mode disabled a spiky loss, a non-fatal finding, is logged
+    only)."""
+    dynamic_fp16 = getattr(args, "fp16", False) and getattr(args, "loss_scale", None) is None
+    if dynamic_fp16 and args.check_for_nan_in_loss_and_grad:
+        warnings.warn("--fp16 with dynamic loss scaling: NaN/Inf gradients are the loss scaler's overflow signal (the "
+                      "step is skipped and the scale halved), so the NaN/Inf check of the loss and gradients is off; "
+                      "give --loss-scale for a static scale to keep it")
+        args.check_for_nan_in_loss_and_grad = False

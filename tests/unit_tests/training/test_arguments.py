@@ -298,3 +298,12 @@ def test_weight_decay_schedule_flags_drive_the_scheduler():
         weight_decays.append(optimizer.param_groups[0]["weight_decay"])
     # Linear from 0.02 at iteration 0 to 0.1 at --train-iters (10).
     assert weight_decays == pytest.approx([0.02 + 0.008 * i for i in range(11)], abs=1e-12)
+
+
+def test_fp16_with_dynamic_loss_scaling_leaves_overflows_to_the_loss_scaler():
+    with pytest.warns(UserWarning, match="dynamic loss scaling"):
+        args = validated("--fp16")
+    assert args.check_for_nan_in_loss_and_grad is False
+    assert validated("--fp16 --loss-scale 1024").check_for_nan_in_loss_and_grad is True  # static: still checked
+    assert validated("--bf16").check_for_nan_in_loss_and_grad is True
+    assert validated("").check_for_nan_in_loss_and_grad is True
