@@ -26,14 +26,19 @@ def _rank():
 def layout_of(args, model_chunks):
     from megatron.core import parallel_state
 
-    return {
+    layout = {
         "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
         "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
         "data_parallel_size": parallel_state.get_data_parallel_world_size(with_context_parallel=True),
+    }
+    if getattr(args, "num_experts", None):  # a MoE model: how its experts were split (a load may reshard them)
+        layout["expert_model_parallel_size"] = parallel_state.get_expert_model_parallel_world_size()
+    layout.update({
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "wrapper": wrappers.describe(model_chunks, args),
         "ckpt_format": args.ckpt_format,
-    }
+    })
+    return layout
 
 
 def state_to_save(iteration, model_chunks, optimizer, scheduler, args):

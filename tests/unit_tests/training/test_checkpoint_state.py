@@ -1,0 +1,31 @@
+"""The layout a checkpoint records (checkpoint_state.py `layout_of`) and the load report's first line: a MoE
+model's checkpoint also names the expert-parallel size it was written with, since a load may reshard its experts
+to another one; a dense model's layout has no such entry."""
+
+from tests.unit_tests.dist_checkpointing.pretrain_helpers import TrainingState
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+MOE = "--num-experts 4 --moe-router-topk 2 --moe-token-dispatcher-type alltoall"
+
+
+def _save_then_load(root, saved_ep, loaded_ep, moe):
+    from megatron.training import checkpointing, dist_checkpoint
+
+    experts = f"{MOE} --expert-model-parallel-size {saved_ep}" if moe else ""
+    state = TrainingState(f"--ckpt-format torch_dist --save {root} {experts}")
+    checkpointing.save_checkpoint(1, state.model, state.optimizer, state.scheduler, state.args)
+    state.close()
+    experts = f"{MOE} --expert-model-parallel-size {loaded_ep}" if moe else ""
+    state = TrainingState(f"--ckpt-format torch_dist --load {root} {experts}")
+    _, report = dist_checkpoint.load_dist_checkpoint(state.model, state.optimizer, state.scheduler, state.args, 1)
+    state.close()
+    return report.lines()[0]
+
+
+def test_a_moe_checkpoint_names_its_expert_parallel_size(tmp_path):
+    for line in run_on_ranks(2, _save_then_load, str(tmp_path / "moe"), 2, 1, True):
+        assert line == (f"loaded checkpoint {tmp_path / 'moe'}/iter_0000001 (written with "
+                        "tensor_model_parallel_size=1, pipeline_model_parallel_size=1, data_parallel_size=2, "
+                        "expert_model_parallel_size=2, world_size=2, wrapper=ddp, ckpt_format=torch_dist)")
+    for line in run_on_ranks(2, _save_then_load, str(tmp_path / "dense"), 1, 1, False):
+        assert "expert_model_parallel_size" not in line and "data_parallel_size=2, world_size=2" in line
