@@ -13,6 +13,7 @@ from megatron.core.transformer.moe.moe_config import (
     TOKEN_DISPATCHER_TYPES,
     TOKEN_DROP_POLICIES,
     _FIELDS_NEEDING_EXPERTS,
+    normalize_load_balancing,
     parse_moe_layer_freq,
 )
 
@@ -45,20 +46,26 @@ def add_arguments(parser):
     group.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
     group.add_argument("--moe-router-dtype", choices=("fp32", "fp64"), default=None,
                        help="Router, probabilities and combine dtype (default: the input's).")
-    group.add_argument("--moe-router-load-balancing-type", choices=LOAD_BALANCING_TYPES, default="aux_loss")
-    group.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    group.add_argument("--moe-router-load-balancing-type", nargs="+", choices=LOAD_BALANCING_TYPES,
+                       default="aux_loss", help="One type, or several auxiliary losses (aux_loss, seq_aux_loss, "
+                       "global_aux_loss) each with its own --moe-aux-loss-coeff.")
+    group.add_argument("--moe-aux-loss-coeff", nargs="+", type=float, default=0.0,
+                       help="The coefficient of each --moe-router-load-balancing-type, in the same order.")
     group.add_argument("--moe-z-loss-coeff", type=float, default=None)
     group.add_argument("--moe-expert-capacity-factor", type=float, default=None,
                        help="Tokens per expert capped at ceil(tokens * topk / experts * factor); unset: dropless.")
     group.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
     group.add_argument("--moe-token-drop-policy", choices=TOKEN_DROP_POLICIES, default="probs")
-    group.add_argument("--moe-token-dispatcher-type", choices=TOKEN_DISPATCHER_TYPES, default="allgather")
+    group.add_argument("--moe-token-dispatcher-type", choices=TOKEN_DISPATCHER_TYPES, default="allgather",
+                       help="flex (DeepEP / HybridEP, CUDA only) is refused by this build.")
     group.add_argument("--moe-grouped-gemm", action="store_true",
                        help="One grouped GEMM over the local experts (torch's grouped_mm where supported).")
     group.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
                        help="Total width of the shared experts (a dense MLP every token goes through).")
     group.add_argument("--moe-shared-expert-overlap", action="store_true",
                        help="Run the shared experts while tokens are exchanged (alltoall dispatcher).")
+    group.add_argument("--moe-shared-expert-gate", action="store_true",
+                       help="Multiply the shared experts' output by sigmoid(x . w), w a learned [1, hidden] weight.")
 
 
 def transformer_config_kwargs(args):
@@ -82,6 +89,11 @@ def _uses_moe_flags(args):
 
 
 def validate(args):
+    # One type and coefficient stay a str and a float (as before lists were accepted, and in saved checkpoint
+    # args); several stay lists.
+    kind, coeff = normalize_load_balancing(args.moe_router_load_balancing_type, args.moe_aux_loss_coeff)
+    args.moe_router_load_balancing_type = list(kind) if isinstance(kind, tuple) else kind
+    args.moe_aux_loss_coeff = list(coeff) if isinstance(coeff, tuple) else coeff
     ep = args.expert_model_parallel_size
     if ep < 1:
         raise ValueError(f"--expert-model-parallel-size must be at least 1, got {ep}")

@@ -8,12 +8,14 @@ field must keep its default (a MoE flag without `--num-experts` would otherwise 
 
 import ast
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
-LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")  # the types that are a loss with a coefficient
 TOKEN_DROP_POLICIES = ("probs", "position")
-TOKEN_DISPATCHER_TYPES = ("allgather", "alltoall")
+# "flex" parses (upstream launch scripts use it) and is then refused: it needs DeepEP / HybridEP on CUDA GPUs.
+TOKEN_DISPATCHER_TYPES = ("allgather", "alltoall", "flex")
 ROUTER_DTYPES = (None, "fp32", "fp64")
 
 # Flags that only mean something with --num-experts, and their defaults.
@@ -35,7 +37,48 @@ _FIELDS_NEEDING_EXPERTS = {
     "moe_pad_expert_input_to_capacity": ("--moe-pad-expert-input-to-capacity", False),
     "moe_shared_expert_intermediate_size": ("--moe-shared-expert-intermediate-size", None),
     "moe_shared_expert_overlap": ("--moe-shared-expert-overlap", False),
+    "moe_shared_expert_gate": ("--moe-shared-expert-gate", False),
 }
+
+
+def normalize_load_balancing(load_balancing_type, aux_loss_coeff):
+    """`--moe-router-load-balancing-type` and `--moe-aux-loss-coeff` as the config keeps them: one type with one
+    coefficient as themselves (a str and a float, also when given as one-element lists), several types as a
+    tuple paired element by element with a tuple of as many coefficients. Raises ValueError naming the flags."""
+    if isinstance(load_balancing_type, str):
+        types = [load_balancing_type]
+    else:
+        types = list(load_balancing_type) if isinstance(load_balancing_type, (list, tuple)) else []
+    coeffs = list(aux_loss_coeff) if isinstance(aux_loss_coeff, (list, tuple)) else [aux_loss_coeff]
+    if not types or any(kind not in LOAD_BALANCING_TYPES for kind in types):
+        raise ValueError(f"--moe-router-load-balancing-type takes one or more of {LOAD_BALANCING_TYPES}, "
+                         f"got {load_balancing_type!r}")
+    if len(types) > 1:
+        alone = [kind for kind in types if kind in ("sinkhorn", "none")]
+        if alone:
+            raise ValueError(f"--moe-router-load-balancing-type {alone[0]} cannot be combined with other types "
+                             f"(got {' '.join(types)}): list only aux_loss, seq_aux_loss and global_aux_loss")
+        if len(set(types)) != len(types):
+            raise ValueError(f"--moe-router-load-balancing-type lists a type twice: {' '.join(types)}")
+    if len(coeffs) != len(types):
+        raise ValueError(f"--moe-aux-loss-coeff needs one coefficient per --moe-router-load-balancing-type, in the "
+                         f"same order: got {len(coeffs)} ({' '.join(map(str, coeffs))}) for {len(types)} "
+                         f"({' '.join(types)})")
+    for coeff in coeffs:
+        if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or coeff < 0:
+            raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {aux_loss_coeff!r}")
+    if len(types) == 1:
+        return types[0], float(coeffs[0])
+    return tuple(types), tuple(float(coeff) for coeff in coeffs)
+
+
+def aux_loss_terms(load_balancing_type, aux_loss_coeff):
+    """[(type, coefficient)] of the auxiliary load-balancing losses these settings add (coefficient > 0; sinkhorn
+    and none add none), in the order listed."""
+    types, coeffs = normalize_load_balancing(load_balancing_type, aux_loss_coeff)
+    if isinstance(types, str):
+        types, coeffs = (types,), (coeffs,)
+    return [(kind, coeff) for kind, coeff in zip(types, coeffs) if kind in AUX_LOSS_TYPES and coeff > 0]
 
 
 def parse_moe_layer_freq(value):
@@ -109,8 +152,10 @@ class MoEConfigMixin:
     moe_router_bias_update_rate: float = 1e-3
     moe_router_dtype: Optional[str] = None
     """None (the input's dtype), "fp32" or "fp64": the router's logits, probabilities and the combine."""
-    moe_router_load_balancing_type: str = "aux_loss"
-    moe_aux_loss_coeff: float = 0.0
+    moe_router_load_balancing_type: Union[str, Tuple[str, ...]] = "aux_loss"
+    """One type, or several (a tuple) each added with its own coefficient of `moe_aux_loss_coeff`."""
+    moe_aux_loss_coeff: Union[float, Tuple[float, ...]] = 0.0
+    """One coefficient, or a tuple pairing element by element with a tuple of load-balancing types."""
     moe_z_loss_coeff: Optional[float] = None
     moe_expert_capacity_factor: Optional[float] = None
     """None: dropless. Else each expert takes at most ceil(tokens * topk / experts * factor) tokens per rank."""
@@ -120,6 +165,8 @@ class MoEConfigMixin:
     moe_grouped_gemm: bool = False
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_overlap: bool = False
+    moe_shared_expert_gate: bool = False
+    """Multiply the shared experts' output by sigmoid(x . w), w a [1, hidden] weight of the shared experts."""
     expert_tensor_parallel_size: Optional[int] = None
     """Tensor-parallel size of the experts; None means tensor_model_parallel_size, the only size supported."""
 
@@ -136,6 +183,7 @@ class MoEConfigMixin:
             raise ValueError(f"--num-experts must be a positive integer, got {experts!r}")
         if self.moe_ffn_hidden_size is None:
             object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
+        self._validate_dispatcher()
         self._validate_moe_parallel(experts)
         self._validate_moe_layer_freq()
         self._validate_router(experts)
@@ -152,6 +200,14 @@ class MoEConfigMixin:
                 raise ValueError(f"{flag} needs --num-experts; set the number of experts or drop {flag}")
         if self.expert_model_parallel_size > 1:
             raise ValueError("--expert-model-parallel-size > 1 needs --num-experts")
+
+    def _validate_dispatcher(self):
+        kind = self.moe_token_dispatcher_type
+        if kind not in TOKEN_DISPATCHER_TYPES:
+            raise ValueError(f"--moe-token-dispatcher-type must be one of {TOKEN_DISPATCHER_TYPES}, got {kind!r}")
+        if kind == "flex":
+            raise ValueError("--moe-token-dispatcher-type flex needs DeepEP or HybridEP on CUDA GPUs, which this "
+                             "build does not provide: use --moe-token-dispatcher-type alltoall (or allgather)")
 
     def _validate_moe_parallel(self, experts):
         ep, tp = self.expert_model_parallel_size, self.tensor_model_parallel_size
@@ -211,18 +267,17 @@ class MoEConfigMixin:
                 raise ValueError(f"--moe-router-topk ({topk}) must be a multiple of --moe-router-group-topk "
                                  f"({group_topk}), taking at most {experts // groups} experts (--num-experts / "
                                  "--moe-router-num-groups) from each chosen group")
-        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
-            raise ValueError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function not in ("sigmoid", "sqrtsoftplus"):
+            raise ValueError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid or "
+                             "sqrtsoftplus")
         if self.moe_router_bias_update_rate < 0:
             raise ValueError(f"--moe-router-bias-update-rate must be >= 0, got {self.moe_router_bias_update_rate}")
 
     def _validate_load_balancing(self):
-        kind = self.moe_router_load_balancing_type
-        if kind not in LOAD_BALANCING_TYPES:
-            raise ValueError(f"--moe-router-load-balancing-type must be one of {LOAD_BALANCING_TYPES}, got {kind!r}")
-        if self.moe_aux_loss_coeff < 0:
-            raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff}")
-        if kind == "sinkhorn" and self.moe_aux_loss_coeff > 0:
+        kind, coeff = normalize_load_balancing(self.moe_router_load_balancing_type, self.moe_aux_loss_coeff)
+        object.__setattr__(self, "moe_router_load_balancing_type", kind)
+        object.__setattr__(self, "moe_aux_loss_coeff", coeff)
+        if kind == "sinkhorn" and coeff > 0:
             raise ValueError("--moe-router-load-balancing-type sinkhorn takes no auxiliary loss: drop "
                              "--moe-aux-loss-coeff")
         if self.moe_z_loss_coeff is not None and self.moe_z_loss_coeff < 0:
@@ -237,18 +292,15 @@ class MoEConfigMixin:
         if self.moe_token_drop_policy not in TOKEN_DROP_POLICIES:
             raise ValueError(f"--moe-token-drop-policy must be one of {TOKEN_DROP_POLICIES}, "
                              f"got {self.moe_token_drop_policy!r}")
-        if self.moe_token_dispatcher_type not in TOKEN_DISPATCHER_TYPES:
-            raise ValueError(f"--moe-token-dispatcher-type must be one of {TOKEN_DISPATCHER_TYPES}, "
-                             f"got {self.moe_token_dispatcher_type!r}")
         if self.moe_pad_expert_input_to_capacity and factor is None:
             raise ValueError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
         if factor is None:
             return
         if factor == 0:
             raise ValueError("--moe-expert-capacity-factor must be positive (or negative / unset for dropless)")
-        if self.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "none"):
+        if self.moe_router_load_balancing_type == "sinkhorn":
             raise ValueError("--moe-expert-capacity-factor works with --moe-router-load-balancing-type aux_loss, "
-                             f"seq_aux_loss or none, got {self.moe_router_load_balancing_type}")
+                             "seq_aux_loss, global_aux_loss or none, not sinkhorn")
 
     def _validate_shared_experts(self):
         size = self.moe_shared_expert_intermediate_size
@@ -256,6 +308,9 @@ class MoEConfigMixin:
         if size is not None and (size <= 0 or size % tp != 0):
             raise ValueError(f"--moe-shared-expert-intermediate-size ({size}) must be positive and divisible by "
                              f"--tensor-model-parallel-size ({tp})")
+        if self.moe_shared_expert_gate and size is None:
+            raise ValueError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size (it gates the "
+                             "shared experts' output; without shared experts there is nothing to gate)")
         if self.moe_shared_expert_overlap:
             if size is None:
                 raise ValueError("--moe-shared-expert-overlap needs --moe-shared-expert-intermediate-size")

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.device_utils import get_current_device
+from megatron.core.transformer.moe.moe_config import aux_loss_terms
 from megatron.core.transformer.recompute import is_recomputing
 
 
@@ -105,6 +106,8 @@ def sinkhorn(cost, tolerance=1e-4, max_iterations=1000):
 # Logging: per-layer values accumulated over the microbatches of one iteration
 # -------------------------------------------------------------------------------------------------------------
 
+AUX_LOSS_LOG_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+                      "global_aux_loss": "global_load_balancing_loss"}
 _tracked = {}  # name -> float64 tensor [num_layers] (global layer index), on the device of the first value
 
 
@@ -126,12 +129,9 @@ def clear_aux_losses_tracker():
 
 
 def tracked_aux_loss_names(load_balancing_type, aux_loss_coeff, z_loss_coeff):
-    """The names the routers log (the same on every rank)."""
-    names = []
-    if load_balancing_type == "aux_loss" and aux_loss_coeff > 0:
-        names.append("load_balancing_loss")
-    if load_balancing_type == "seq_aux_loss" and aux_loss_coeff > 0:
-        names.append("seq_load_balancing_loss")
+    """The names the routers log (the same on every rank); the load-balancing settings as the flags give them
+    (one type and coefficient, or lists of them)."""
+    names = [AUX_LOSS_LOG_NAMES[kind] for kind, _ in aux_loss_terms(load_balancing_type, aux_loss_coeff)]
     if z_loss_coeff:
         names.append("z_loss")
     return names

@@ -8,6 +8,11 @@ Aux-loss-free balancing (`--moe-router-enable-expert-bias`) keeps two buffers: `
 model) and `local_tokens_per_expert` (counts since the last update, not saved). `update_expert_biases`, called
 once per optimizer step by the training loop, sums the counts over the stage's TP x DP x CP ranks and moves each
 bias by rate * sign(mean count - count).
+
+`global_aux_loss` balances over the whole global batch: the router keeps a running sum of its top-k counts,
+all-reduced over the stage's TP x DP x CP ranks, and the number of microbatches so far; each microbatch's loss
+uses the average count (sum / microbatches). The training loop starts them afresh for every global batch
+(`reset_global_aux_loss_counts`). They are plain attributes, not saved with the model.
 """
 
 import torch
@@ -17,6 +22,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.init_seeds import derive_init_seed, initialization_rng, resolve_base_init_seed
 from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.moe_config import aux_loss_terms
 from megatron.core.transformer.moe.routing import (
     apply_capacity,
     expert_capacity,
@@ -60,7 +66,16 @@ class TopKRouter(torch.nn.Module):
         else:
             self.expert_bias = None
             self.local_tokens_per_expert = None
+        self.reset_global_aux_loss_counts()
         self.reset_parameters()
+
+    def reset_global_aux_loss_counts(self):
+        """Forget the global batch's running counts of `global_aux_loss` (before each global batch)."""
+        self.global_tokens_per_expert = None  # int64 [E], summed over TP x DP x CP and the microbatches so far
+        self.global_aux_microbatches = 0
+        # The average count each forward used, oldest first: a recomputed forward (activation recompute, run in
+        # backward, after later microbatches' forwards under pipelining) takes its original's.
+        self._global_aux_averages = []
 
     def reset_parameters(self):
         if self.config.perform_initialization:
@@ -102,8 +117,9 @@ class TopKRouter(torch.nn.Module):
                                            config.moe_expert_capacity_factor)
                 probs, routing_map = apply_capacity(probs, routing_map, capacity, config.moe_token_drop_policy,
                                                     config.moe_pad_expert_input_to_capacity)
-            if training and config.moe_aux_loss_coeff > 0 and config.moe_router_load_balancing_type != "none":
-                probs = self._attach_load_balancing_loss(probs, logits, seq_length, batch_size)
+            terms = aux_loss_terms(config.moe_router_load_balancing_type, config.moe_aux_loss_coeff)
+            if training and terms:
+                probs = self._attach_load_balancing_losses(probs, logits, seq_length, batch_size, terms)
         if self.local_tokens_per_expert is not None and torch.is_grad_enabled() and not is_recomputing():
             with torch.no_grad():
                 self.local_tokens_per_expert += routing_map.sum(dim=0).to(self.local_tokens_per_expert.dtype)
@@ -126,28 +142,59 @@ class TopKRouter(torch.nn.Module):
                                              self.config.num_layers)
         return moe_utils.MoEAuxLossAutoScaler.apply(logits, loss)
 
-    def _attach_load_balancing_loss(self, probs, logits, seq_length, batch_size):
+    def _attach_load_balancing_losses(self, probs, logits, seq_length, batch_size, terms):
+        """Each (type, coefficient) of `terms` rides on `probs`' backward; all use the same normalised scores."""
         config = self.config
-        coeff = config.moe_aux_loss_coeff
         scores, aux_map = scores_for_aux_loss(logits, self.topk, config.moe_router_score_function)
+        for kind, coeff in terms:
+            if kind == "aux_loss":
+                loss = self._switch_loss(scores, aux_map, coeff)
+            elif kind == "seq_aux_loss":
+                loss = self._sequence_loss(scores, aux_map, seq_length, batch_size, coeff)
+            else:
+                loss = self._global_loss(scores, aux_map, coeff)
+            logged = loss / coeff
+            if kind == "global_aux_loss":
+                # The logger divides the world's sum by the data-parallel size (each replica has its own loss);
+                # the shares of this loss already sum to the one loss of the global batch over DP.
+                logged = logged * parallel_state.get_data_parallel_world_size()
+            moe_utils.save_to_aux_losses_tracker(moe_utils.AUX_LOSS_LOG_NAMES[kind], logged, self.layer_number,
+                                                 config.num_layers)
+            probs = moe_utils.MoEAuxLossAutoScaler.apply(probs, loss)
+        return probs
+
+    def _switch_loss(self, scores, aux_map, coeff):
         group, size = _group_size(parallel_state.get_tensor_and_context_parallel_group)
-        if config.moe_router_load_balancing_type == "aux_loss":
-            counts = aux_map.sum(dim=0).to(scores.dtype)
-            if size > 1:
-                dist.all_reduce(counts, group=group)
-            loss = moe_utils.switch_load_balancing_loss(scores, counts, logits.size(0) * size, self.topk, coeff)
-            name = "load_balancing_loss"
-        elif config.moe_router_load_balancing_type == "seq_aux_loss":
-            counts = aux_map.view(seq_length, batch_size, -1).sum(dim=0).to(scores.dtype)
-            if size > 1:
-                dist.all_reduce(counts, group=group)
-            loss = moe_utils.sequence_load_balancing_loss(scores, counts, seq_length * size, self.topk, coeff)
-            name = "seq_load_balancing_loss"
+        counts = aux_map.sum(dim=0).to(scores.dtype)
+        if size > 1:
+            dist.all_reduce(counts, group=group)
+        return moe_utils.switch_load_balancing_loss(scores, counts, scores.size(0) * size, self.topk, coeff)
+
+    def _sequence_loss(self, scores, aux_map, seq_length, batch_size, coeff):
+        group, size = _group_size(parallel_state.get_tensor_and_context_parallel_group)
+        counts = aux_map.view(seq_length, batch_size, -1).sum(dim=0).to(scores.dtype)
+        if size > 1:
+            dist.all_reduce(counts, group=group)
+        return moe_utils.sequence_load_balancing_loss(scores, counts, seq_length * size, self.topk, coeff)
+
+    def _global_loss(self, scores, aux_map, coeff):
+        """The switch loss with counts summed over TP x DP x CP and averaged over the global batch's microbatches
+        so far; T = local tokens x the group's size."""
+        group, size = _group_size(
+            lambda: parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True))
+        if is_recomputing():
+            average = self._global_aux_averages.pop(0)
         else:
-            raise ValueError(f"no auxiliary loss for --moe-router-load-balancing-type "
-                             f"{config.moe_router_load_balancing_type!r}")
-        moe_utils.save_to_aux_losses_tracker(name, loss / coeff, self.layer_number, config.num_layers)
-        return moe_utils.MoEAuxLossAutoScaler.apply(probs, loss)
+            counts = aux_map.sum(dim=0).to(torch.int64)
+            if size > 1:
+                dist.all_reduce(counts, group=group)
+            if self.global_tokens_per_expert is None:
+                self.global_tokens_per_expert = torch.zeros_like(counts)
+            self.global_tokens_per_expert += counts
+            self.global_aux_microbatches += 1
+            average = self.global_tokens_per_expert.to(scores.dtype) / self.global_aux_microbatches
+            self._global_aux_averages.append(average)
+        return moe_utils.switch_load_balancing_loss(scores, average, scores.size(0) * size, self.topk, coeff)
 
 
 def routers_of(model_chunks):
@@ -170,3 +217,9 @@ def update_expert_biases(model_chunks):
         rate = router.config.moe_router_bias_update_rate
         router.expert_bias += rate * torch.sign(router_counts.mean() - router_counts)
         router.local_tokens_per_expert.zero_()
+
+
+def reset_global_aux_loss_counts(model_chunks):
+    """Start every router's `global_aux_loss` counts afresh: once per global batch, before its first forward."""
+    for router in routers_of(model_chunks):
+        router.reset_global_aux_loss_counts()

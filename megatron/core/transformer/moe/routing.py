@@ -8,8 +8,19 @@ keys the earlier one is kept.
 import math
 
 import torch
+import torch.nn.functional as F
 
-_SIGMOID_NORMALISATION_EPS = 1e-20
+_NORMALISATION_EPS = 1e-20
+
+
+def independent_scores(logits, score_function):
+    """Scores each expert gets on its own, not competing in a softmax: sigmoid(logits), or
+    sqrt(softplus(logits)) for `sqrtsoftplus`. Routing chooses among them and normalises the chosen ones."""
+    if score_function == "sigmoid":
+        return torch.sigmoid(logits)
+    if score_function == "sqrtsoftplus":
+        return torch.sqrt(F.softplus(logits))
+    raise ValueError(f"--moe-router-score-function must be softmax, sigmoid or sqrtsoftplus, got {score_function!r}")
 
 
 def group_limited_topk(scores, topk, num_groups, group_topk):
@@ -35,8 +46,9 @@ def topk_routing(logits, topk, score_function="softmax", pre_softmax=False, scal
     """(probs [tokens, E] with zeros off the chosen experts, routing_map [tokens, E] bool).
 
     softmax: top-k of the logits, softmax over those k (`pre_softmax`: softmax over all E, then top-k).
-    sigmoid: s = sigmoid(logits); the top-k of s + `expert_bias` (the bias only chooses); the chosen s are
-    normalised to sum to 1 when k > 1. `scaling_factor` multiplies the probabilities last.
+    sigmoid / sqrtsoftplus: s = sigmoid(logits) / sqrt(softplus(logits)); the top-k of s + `expert_bias` (the
+    bias only chooses); the chosen s are normalised to sum to 1 when k > 1. `scaling_factor` multiplies the
+    probabilities last.
     """
     if score_function == "softmax":
         if pre_softmax:
@@ -45,17 +57,15 @@ def topk_routing(logits, topk, score_function="softmax", pre_softmax=False, scal
         else:
             chosen_logits, indices = _topk(logits, topk, num_groups, group_topk)
             probs = torch.softmax(chosen_logits, dim=-1)
-    elif score_function == "sigmoid":
-        scores = torch.sigmoid(logits)
+    else:
+        scores = independent_scores(logits, score_function)
         if expert_bias is not None:
             _, indices = _topk(scores + expert_bias.to(scores.dtype), topk, num_groups, group_topk)
             probs = scores.gather(1, indices)
         else:
             probs, indices = _topk(scores, topk, num_groups, group_topk)
         if topk > 1:
-            probs = probs / (probs.sum(dim=-1, keepdim=True) + _SIGMOID_NORMALISATION_EPS)
-    else:
-        raise ValueError(f"--moe-router-score-function must be softmax or sigmoid, got {score_function!r}")
+            probs = probs / (probs.sum(dim=-1, keepdim=True) + _NORMALISATION_EPS)
     if scaling_factor:
         probs = probs * scaling_factor
     dense_probs = torch.zeros_like(logits).scatter(1, indices, probs)
@@ -65,12 +75,12 @@ def topk_routing(logits, topk, score_function="softmax", pre_softmax=False, scal
 
 def scores_for_aux_loss(logits, topk, score_function):
     """(scores over all E, their own top-k map) on which the load-balancing losses are computed: the softmax,
-    or the sigmoid normalised to sum to 1, of every expert."""
+    or the sigmoid / sqrtsoftplus scores normalised to sum to 1, of every expert."""
     if score_function == "softmax":
         scores = torch.softmax(logits, dim=-1)
     else:
-        scores = torch.sigmoid(logits)
-        scores = scores / (scores.sum(dim=-1, keepdim=True) + _SIGMOID_NORMALISATION_EPS)
+        scores = independent_scores(logits, score_function)
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + _NORMALISATION_EPS)
     indices = scores.topk(topk, dim=-1).indices
     routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
     return scores, routing_map

@@ -1,12 +1,21 @@
 """`SharedExpertMLP`: the dense MLP every token goes through beside its routed experts (DeepSeek-style shared
 experts), of width `--moe-shared-expert-intermediate-size` (the shared experts' total width). It is a plain
 tensor-parallel `MLP` (dense parameters, reduced over DP x CP) whose output the MoE layer adds to the routed
-experts' output."""
+experts' output.
+
+`--moe-shared-expert-gate` multiplies that output by sigmoid(x . w) per token, `gate_weight` w `[1, hidden]`. Like
+the router weight, w is replicated on every rank; under sequence parallelism each tensor-parallel rank gates its
+own tokens, so w is marked `sequence_parallel` and its gradient is summed over the tensor-parallel group.
+"""
 
 import dataclasses
 
-from megatron.core.transformer.init_seeds import derive_init_seed
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.init_seeds import derive_init_seed, initialization_rng
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.utils import initialize_from_cpu_master, parameter_device
 
 
 class SharedExpertMLP(MLP):
@@ -15,3 +24,23 @@ class SharedExpertMLP(MLP):
     def __init__(self, config, layer_init_seed):
         shared_config = dataclasses.replace(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
         super().__init__(shared_config, init_seed=derive_init_seed(layer_init_seed, "mlp.shared_experts"))
+        self.gate_weight = None
+        if config.moe_shared_expert_gate:
+            self.gate_init_seed = derive_init_seed(layer_init_seed, "mlp.shared_experts.gate_weight")
+            self.gate_weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype,
+                                                              device=parameter_device(config)))
+            self.gate_weight.sequence_parallel = config.sequence_parallel
+            self.reset_parameters()
+
+    def reset_parameters(self):
+        """Draw the gate's weight (the linears draw their own)."""
+        if self.gate_weight is not None and self.config.perform_initialization:
+            with initialization_rng(self.gate_init_seed):
+                initialize_from_cpu_master(self.gate_weight, self.config.init_method)
+
+    def forward(self, hidden_states):
+        """`[s, b, h]` (or its sequence-parallel slice) -> same shape, gated per token when configured."""
+        output = super().forward(hidden_states)
+        if self.gate_weight is None:
+            return output
+        return output * torch.sigmoid(F.linear(hidden_states, self.gate_weight))

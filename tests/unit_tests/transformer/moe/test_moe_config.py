@@ -1,9 +1,15 @@
-"""MoE config fields and flags: `--moe-layer-freq` patterns, defaults filled, and bad input stopped with messages
-that name the flags."""
+"""MoE config fields and flags: `--moe-layer-freq` patterns, defaults filled, single and listed load-balancing
+settings, the new router flags reaching the config, and bad input (also `--moe-token-dispatcher-type flex`)
+stopped with messages that name the flags."""
 
 import pytest
 
-from megatron.core.transformer.moe.moe_config import layer_pattern_from_freq, moe_layer_pattern, parse_moe_layer_freq
+from megatron.core.transformer.moe.moe_config import (
+    aux_loss_terms,
+    layer_pattern_from_freq,
+    moe_layer_pattern,
+    parse_moe_layer_freq,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.arguments import parse_args, validate_args
 
@@ -58,6 +64,26 @@ def test_defaults_filled():
      ["--fp8-format", "--num-experts", "--transformer-impl local"]),
     (dict(num_moe_experts=None, moe_router_topk=4), ["--moe-router-topk", "--num-experts"]),
     (dict(num_moe_experts=None, expert_model_parallel_size=2), ["--expert-model-parallel-size", "--num-experts"]),
+    (dict(moe_router_enable_expert_bias=True, moe_router_score_function="softmax"),
+     ["--moe-router-enable-expert-bias", "sigmoid or sqrtsoftplus"]),
+    (dict(moe_router_load_balancing_type=("seq_aux_loss", "global_aux_loss"), moe_aux_loss_coeff=0.1),
+     ["--moe-aux-loss-coeff", "--moe-router-load-balancing-type", "got 1", "for 2"]),
+    (dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=[0.1, 0.2]),
+     ["--moe-aux-loss-coeff", "--moe-router-load-balancing-type"]),
+    (dict(moe_router_load_balancing_type=["sinkhorn", "aux_loss"], moe_aux_loss_coeff=[0.0, 0.1]),
+     ["--moe-router-load-balancing-type sinkhorn", "cannot be combined"]),
+    (dict(moe_router_load_balancing_type=["aux_loss", "none"], moe_aux_loss_coeff=[0.1, 0.0]),
+     ["--moe-router-load-balancing-type none", "cannot be combined"]),
+    (dict(moe_router_load_balancing_type=["aux_loss", "aux_loss"], moe_aux_loss_coeff=[0.1, 0.2]),
+     ["--moe-router-load-balancing-type", "twice"]),
+    (dict(moe_router_load_balancing_type=["aux_loss", "switch"], moe_aux_loss_coeff=[0.1, 0.2]),
+     ["--moe-router-load-balancing-type", "switch", "global_aux_loss"]),
+    (dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_aux_loss_coeff=[0.1, -0.2]),
+     ["--moe-aux-loss-coeff", ">= 0"]),
+    (dict(moe_shared_expert_gate=True), ["--moe-shared-expert-gate", "--moe-shared-expert-intermediate-size"]),
+    (dict(num_moe_experts=None, moe_shared_expert_gate=True), ["--moe-shared-expert-gate", "--num-experts"]),
+    (dict(moe_token_dispatcher_type="flex"),
+     ["--moe-token-dispatcher-type flex", "DeepEP", "HybridEP", "CUDA", "alltoall", "allgather"]),
 ])
 def test_bad_config_names_the_flags(overrides, flags):
     with pytest.raises(ValueError) as error:
@@ -89,7 +115,66 @@ def test_flags_reach_the_config(monkeypatch):
         ("alltoall", True, "fp64")
 
 
+def test_load_balancing_settings_single_or_listed():
+    """A single type and coefficient stay a str and a float (also given as one-element lists); several become
+    tuples paired element by element."""
+    single = moe_config(moe_router_load_balancing_type=["seq_aux_loss"], moe_aux_loss_coeff=[0.01])
+    assert (single.moe_router_load_balancing_type, single.moe_aux_loss_coeff) == ("seq_aux_loss", 0.01)
+    default = moe_config()
+    assert (default.moe_router_load_balancing_type, default.moe_aux_loss_coeff) == ("aux_loss", 0.0)
+    listed = moe_config(moe_router_load_balancing_type=["seq_aux_loss", "global_aux_loss"],
+                        moe_aux_loss_coeff=[0.01, 0.001])
+    assert listed.moe_router_load_balancing_type == ("seq_aux_loss", "global_aux_loss")
+    assert listed.moe_aux_loss_coeff == (0.01, 0.001)
+    assert aux_loss_terms(listed.moe_router_load_balancing_type, listed.moe_aux_loss_coeff) == [
+        ("seq_aux_loss", 0.01), ("global_aux_loss", 0.001)]
+    assert aux_loss_terms(("aux_loss", "global_aux_loss"), (0.0, 0.5)) == [("global_aux_loss", 0.5)]
+    assert aux_loss_terms("none", 0.3) == [] and aux_loss_terms("aux_loss", 0.0) == []
+    sqrtsoftplus = moe_config(moe_router_score_function="sqrtsoftplus", moe_router_enable_expert_bias=True,
+                              moe_router_num_groups=2, moe_router_group_topk=1)
+    assert sqrtsoftplus.moe_router_score_function == "sqrtsoftplus"
+
+
+def test_new_router_flags_reach_the_config(monkeypatch):
+    from megatron.training.model_config import core_transformer_config_from_args
+
+    args = _validated("--num-experts 4 --moe-router-score-function sqrtsoftplus --moe-router-enable-expert-bias "
+                      "--moe-router-load-balancing-type seq_aux_loss global_aux_loss --moe-aux-loss-coeff 0.01 0.001 "
+                      "--moe-shared-expert-intermediate-size 32 --moe-shared-expert-gate", monkeypatch)
+    assert args.moe_router_load_balancing_type == ["seq_aux_loss", "global_aux_loss"]
+    assert args.moe_aux_loss_coeff == [0.01, 0.001]
+    config = core_transformer_config_from_args(args)
+    assert config.moe_router_score_function == "sqrtsoftplus" and config.moe_router_enable_expert_bias
+    assert config.moe_router_load_balancing_type == ("seq_aux_loss", "global_aux_loss")
+    assert config.moe_aux_loss_coeff == (0.01, 0.001)
+    assert config.moe_shared_expert_gate and config.moe_shared_expert_intermediate_size == 32
+
+
+def test_single_load_balancing_flags_stay_scalars(monkeypatch):
+    """One value per flag gives the args (and so the checkpoints' saved args) a str and a float, as before the
+    flags took lists; unset, the defaults."""
+    args = _validated("--num-experts 4 --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 0.01",
+                      monkeypatch)
+    assert (args.moe_router_load_balancing_type, args.moe_aux_loss_coeff) == ("seq_aux_loss", 0.01)
+    args = _validated("--num-experts 4", monkeypatch)
+    assert (args.moe_router_load_balancing_type, args.moe_aux_loss_coeff) == ("aux_loss", 0.0)
+
+
+def test_unknown_load_balancing_type_stops_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(args=f"{ARGS} --num-experts 4 --moe-router-load-balancing-type aux_loss switch".split())
+    assert "--moe-router-load-balancing-type" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("extra, flags", [
+    ("--num-experts 4 --moe-router-load-balancing-type aux_loss global_aux_loss --moe-aux-loss-coeff 0.1",
+     ["--moe-aux-loss-coeff", "--moe-router-load-balancing-type"]),
+    ("--num-experts 4 --moe-router-load-balancing-type sinkhorn aux_loss --moe-aux-loss-coeff 0 0.1",
+     ["--moe-router-load-balancing-type sinkhorn", "cannot be combined"]),
+    ("--num-experts 4 --moe-shared-expert-gate",
+     ["--moe-shared-expert-gate", "--moe-shared-expert-intermediate-size"]),
+    ("--num-experts 4 --moe-token-dispatcher-type flex",
+     ["--moe-token-dispatcher-type flex", "DeepEP", "alltoall"]),
     ("--num-experts 3 --expert-model-parallel-size 2", ["--num-experts", "--expert-model-parallel-size"]),
     ("--num-experts 4 --moe-router-topk 8", ["--moe-router-topk"]),
     ("--num-experts 4 --moe-router-num-groups 3 --moe-router-group-topk 1", ["--moe-router-num-groups"]),

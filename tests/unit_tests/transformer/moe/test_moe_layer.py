@@ -1,12 +1,15 @@
 """`MoELayer` against a reference built here from its own router and experts (sum over the chosen experts of
-probability x expert MLP), with shared experts and capacity dropping; and on two ranks, EP=2 and TP=2 with
-sequence parallelism against the single-rank layer (outputs and every gradient within 1e-5), with each dispatcher."""
+probability x expert MLP), with shared experts (also gated) and capacity dropping; and on two ranks, EP=2 and TP=2
+with sequence parallelism against the single-rank layer (outputs and every gradient within 1e-5), with each
+dispatcher, and the gated shared experts under TP=2."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.distributed.finalize_model_grads import _allreduce_sequence_parallel_grads
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router import update_expert_biases
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -28,7 +31,7 @@ def _inputs():
     return torch.randn(SEQ, BATCH, HIDDEN, generator=generator), torch.randn(SEQ, BATCH, HIDDEN, generator=generator)
 
 
-def _hand_built(layer, hidden):
+def _hand_built(layer, hidden, include_shared=True):
     """sum_e p[t, e] * expert_e(x_t) with the experts' own MLP forward, plus the shared experts."""
     with torch.no_grad():
         probs, routing_map = layer.router(hidden)
@@ -37,7 +40,7 @@ def _hand_built(layer, hidden):
         for token, expert in routing_map.nonzero().tolist():
             output[token] += probs[token, expert] * layer.experts.local_experts[expert](tokens[token:token + 1])[0]
         output = output.view_as(hidden)
-        if layer.shared_experts is not None:
+        if layer.shared_experts is not None and include_shared:
             output = output + layer.shared_experts(hidden)
     return output, routing_map
 
@@ -58,6 +61,30 @@ def test_shared_expert_overlap_gives_the_same_result():
     overlapped = MoELayer(moe_config(moe_shared_expert_overlap=True, **common), init_seed=LAYER_SEED)
     hidden, _ = _inputs()
     assert torch.equal(plain(hidden), overlapped(hidden))
+
+
+def test_shared_expert_gate_scales_the_shared_output():
+    """output = routed + sigmoid(x . w) * shared MLP(x), w `[1, hidden]`; its gradient by the same formula."""
+    gated = dict(moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True)
+    layer = MoELayer(moe_config(**gated), init_seed=LAYER_SEED)
+    shared = layer.shared_experts
+    assert shared.gate_weight.shape == (1, HIDDEN) and shared.gate_weight.abs().sum() > 0
+    assert "shared_experts.gate_weight" in dict(layer.named_parameters())
+    assert "shared_experts.gate_weight" not in dict(MoELayer(moe_config(moe_shared_expert_intermediate_size=32),
+                                                            init_seed=LAYER_SEED).named_parameters())
+    hidden, upstream = _inputs()
+    output = layer(hidden)
+    (output * upstream).sum().backward()
+
+    gate_weight = shared.gate_weight.detach().clone().requires_grad_()
+    routed, _ = _hand_built(layer, hidden, include_shared=False)
+    with torch.no_grad():
+        ungated = MLP.forward(shared, hidden)
+    gate = torch.sigmoid((hidden * gate_weight[0]).sum(dim=-1, keepdim=True))
+    expected = routed + gate * ungated
+    torch.testing.assert_close(output, expected, rtol=1e-6, atol=1e-6)
+    (expected * upstream).sum().backward()
+    torch.testing.assert_close(shared.gate_weight.grad, gate_weight.grad, rtol=1e-6, atol=1e-6)
 
 
 def test_bad_input_names_the_tensor():
@@ -170,6 +197,7 @@ def _parallel_layers_match_single_rank():
             worst = max(worst, (grad - ref_grads[name]).abs().max().item())
     diffs["ep2/alltoall/shared_overlap"] = worst
     parallel_state.destroy_model_parallel()
+    diffs["tp2_sp/shared_gate"] = _gated_shared_experts_under_tensor_parallel(hidden, upstream, layouts["tp2_sp"][1])
 
     # Expert bias: counts summed over the data-parallel ranks before the update.
     parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
@@ -184,6 +212,36 @@ def _parallel_layers_match_single_rank():
     diffs["expert_bias"] = layer.router.expert_bias.tolist()
     parallel_state.destroy_model_parallel()
     return diffs
+
+
+def _gated_shared_experts_under_tensor_parallel(hidden, upstream, local):
+    """The gated shared experts at TP=2 + SP (each rank half of every sequence) against the single-rank layer:
+    output, input gradient, and the router's and shared experts' gradients after finalize_model_grads' sum of
+    the sequence-parallel ones (the gate weight is marked like the router weight); the largest difference."""
+    gated = dict(moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True)
+    parallel_state.initialize_model_parallel()
+    ref_output, ref_input_grad, ref_grads = _run(MoELayer(moe_config(**gated), init_seed=LAYER_SEED), hidden,
+                                                 upstream)
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    layer = MoELayer(moe_config(tensor_model_parallel_size=2, sequence_parallel=True, **gated), init_seed=LAYER_SEED)
+    local_hidden = local(hidden).clone().requires_grad_()
+    output = layer(local_hidden)
+    (output * local(upstream)).sum().backward()
+    _allreduce_sequence_parallel_grads([layer])
+    worst = max((output - local(ref_output)).abs().max().item(),
+                (local_hidden.grad - local(ref_input_grad)).abs().max().item())
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    for name, param in layer.named_parameters():
+        if not name.startswith(("shared_experts.", "router.")):
+            continue
+        ref_grad = ref_grads[name]
+        if getattr(param, "tensor_model_parallel", False):
+            ref_grad = ref_grad.chunk(2, dim=param.partition_dim)[tp_rank]
+        worst = max(worst, (param.grad - ref_grad).abs().max().item())
+    assert layer.shared_experts.gate_weight.sequence_parallel
+    parallel_state.destroy_model_parallel()
+    return worst
 
 
 def test_expert_and_tensor_parallel_equal_single_rank():

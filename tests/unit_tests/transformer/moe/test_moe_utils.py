@@ -43,6 +43,14 @@ def test_tracker_averages_layers_and_microbatches():
         "load_balancing_loss": 0.0}  # cleared after logging
 
 
+def test_tracked_names_of_single_and_listed_losses():
+    assert moe_utils.tracked_aux_loss_names("global_aux_loss", 0.1, None) == ["global_load_balancing_loss"]
+    assert moe_utils.tracked_aux_loss_names("aux_loss", 0.0, 0.1) == ["z_loss"]
+    assert moe_utils.tracked_aux_loss_names(["seq_aux_loss", "global_aux_loss", "aux_loss"], [0.1, 0.2, 0.0],
+                                            1e-3) == ["seq_load_balancing_loss", "global_load_balancing_loss",
+                                                      "z_loss"]
+
+
 def test_flops_count_topk_experts_and_the_router():
     args = SimpleNamespace(hidden_size=32, num_layers=2, seq_length=16, kv_channels=8, num_attention_heads=4,
                            num_query_groups=4, swiglu=False, ffn_hidden_size=64, padded_vocab_size=128,

@@ -1,13 +1,17 @@
-"""`TopKRouter`: the auxiliary losses' values (as logged) and gradients against their formulas written here, the
+"""`TopKRouter`: the auxiliary losses' values (as logged) and gradients against their formulas written here (also
+`global_aux_loss` over microbatches and over two data-parallel ranks, and several losses listed together), the
 expert-bias update against a hand-counted case, router dtype, Sinkhorn balancing, and a recomputed forward."""
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from megatron.core import parallel_state
 from megatron.core.transformer.moe import moe_utils
-from megatron.core.transformer.moe.router import TopKRouter, update_expert_biases
+from megatron.core.transformer.moe.router import TopKRouter, reset_global_aux_loss_counts, update_expert_biases
 from megatron.core.transformer.recompute import checkpointed, is_recomputing
 from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.unit_tests.multiprocess_harness import run_on_ranks
 
 NUM_EXPERTS, TOPK, HIDDEN, SEQ, BATCH = 4, 2, 8, 5, 3
 
@@ -76,6 +80,30 @@ def test_load_balancing_and_z_loss_value_and_gradient(kind, formula, name, backw
                                                      num_microbatches=1, data_parallel_size=1, device="cpu")
     assert logged[name] == pytest.approx((aux / coeff).item(), rel=1e-6)
     assert logged["z_loss"] == pytest.approx((z / z_coeff).item(), rel=1e-6)
+
+
+def test_sqrtsoftplus_router_and_its_aux_loss():
+    """Probabilities: the chosen sqrt(softplus) scores over their sum; the aux loss on those scores normalised over
+    all experts (with their own top-k counts)."""
+    coeff = 0.3
+    module = router(moe_router_score_function="sqrtsoftplus", moe_aux_loss_coeff=coeff)
+    hidden = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(13))
+    upstream = torch.randn(SEQ * BATCH, NUM_EXPERTS, generator=torch.Generator().manual_seed(14))
+    probs, _ = module(hidden)
+    (probs * upstream).sum().backward()
+
+    weight = module.weight.detach().clone().requires_grad_()
+    scores = torch.sqrt(torch.log1p(torch.exp(hidden.reshape(-1, HIDDEN) @ weight.t())))
+    top = scores.topk(TOPK, dim=-1)
+    reference_probs = torch.zeros_like(scores).scatter(1, top.indices, top.values / top.values.sum(-1, keepdim=True))
+    normalised = scores / scores.sum(dim=-1, keepdim=True)
+    counts = torch.zeros_like(scores).scatter(1, normalised.topk(TOPK, dim=-1).indices, 1.0).sum(dim=0)
+    aux = coeff * NUM_EXPERTS / (TOPK * scores.size(0) ** 2) * (counts * normalised.sum(dim=0)).sum()
+    torch.testing.assert_close(probs, reference_probs.detach(), rtol=1e-6, atol=1e-7)
+    ((reference_probs * upstream).sum() + aux).backward()
+    torch.testing.assert_close(module.weight.grad, weight.grad, rtol=1e-6, atol=1e-7)
+    logged = moe_utils.reduce_aux_losses_for_logging(["load_balancing_loss"], 2, 1, 1, 1, "cpu")
+    assert logged["load_balancing_loss"] == pytest.approx((aux / coeff).item(), rel=1e-6)
 
 
 def test_no_aux_loss_in_evaluation():
@@ -177,3 +205,150 @@ def test_no_load_balancing_loss_with_type_none():
     assert grads[0].abs().sum() > 0
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
     assert moe_utils._tracked == {}
+
+
+# -------------------------------------------------------------------------------------------------------------
+# global_aux_loss and listed losses
+# -------------------------------------------------------------------------------------------------------------
+
+
+def _topk_counts(logits):
+    scores = torch.softmax(logits, dim=-1)
+    return torch.zeros_like(scores).scatter(1, scores.topk(TOPK, dim=-1).indices, 1.0).sum(dim=0)
+
+
+def _softmax_topk_probs(logits):
+    top = logits.topk(TOPK, dim=-1)
+    return torch.zeros_like(logits).scatter(1, top.indices, torch.softmax(top.values, dim=-1))
+
+
+def _global_loss(logits, average_counts, coeff, group_size=1):
+    """This rank's share: coeff * E / (k * T^2) * sum_i avg_c_i * sum_{x local} s_{x,i}, T = local tokens x the
+    TP x DP x CP size."""
+    tokens = logits.size(0) * group_size
+    scores = torch.softmax(logits, dim=-1)
+    return coeff * NUM_EXPERTS / (TOPK * tokens**2) * (average_counts * scores.sum(dim=0)).sum()
+
+
+def test_global_aux_loss_averages_counts_over_microbatches_until_reset():
+    coeff = 0.3
+    module = router(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=coeff)
+    generator = torch.Generator().manual_seed(8)
+    batches = [torch.randn(SEQ, BATCH, HIDDEN, generator=generator) for _ in range(3)]
+    upstream = torch.randn(SEQ * BATCH, NUM_EXPERTS, generator=generator)
+    weight = module.weight.detach().clone()
+    counts = [_topk_counts(hidden.reshape(-1, HIDDEN) @ weight.t()) for hidden in batches]
+    assert not torch.equal(counts[0], counts[1])
+    # Microbatches 1 and 2 of a global batch; after the reset, microbatch 3 opens the next global batch.
+    averages = [counts[0], (counts[0] + counts[1]) / 2, counts[2]]
+    losses = []
+    for microbatch, (hidden, average) in enumerate(zip(batches, averages)):
+        if microbatch == 2:
+            reset_global_aux_loss_counts([module])
+        module.weight.grad = None
+        probs, _ = module(hidden)
+        (probs * upstream).sum().backward()
+        reference_weight = weight.clone().requires_grad_()
+        logits = hidden.reshape(-1, HIDDEN) @ reference_weight.t()
+        loss = _global_loss(logits, average, coeff)
+        ((_softmax_topk_probs(logits) * upstream).sum() + loss).backward()
+        torch.testing.assert_close(module.weight.grad, reference_weight.grad, rtol=1e-6, atol=1e-7)
+        losses.append(loss.item())
+    assert module.global_aux_microbatches == 1
+    assert module.global_tokens_per_expert.tolist() == counts[2].tolist()
+    logged = moe_utils.reduce_aux_losses_for_logging(["global_load_balancing_loss"], num_layers=2, num_moe_layers=1,
+                                                     num_microbatches=3, data_parallel_size=1, device="cpu")
+    assert logged["global_load_balancing_loss"] == pytest.approx(sum(losses) / coeff / 3, rel=1e-6)
+
+
+def test_global_aux_loss_recomputed_forward_uses_its_own_average():
+    """Both microbatches' forwards run before their backwards (as under pipelining), the router recomputed in
+    backward: each recomputed forward must use the average count of its original forward."""
+    generator = torch.Generator().manual_seed(10)
+    batches = [torch.randn(SEQ, BATCH, HIDDEN, generator=generator) for _ in range(2)]
+
+    def run(recompute):
+        module = router(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=0.3)
+
+        def router_then_more(tokens):
+            return torch.exp(module(tokens)[0])
+
+        outputs = [checkpointed(router_then_more, hidden.clone().requires_grad_()) if recompute
+                   else router_then_more(hidden.clone().requires_grad_()) for hidden in batches]
+        grads = []
+        for output in outputs:
+            module.weight.grad = None
+            output.sum().backward()
+            grads.append(module.weight.grad.clone())
+        return module, grads
+
+    plain, plain_grads = run(recompute=False)
+    recomputed, recomputed_grads = run(recompute=True)
+    weight = plain.weight.detach()
+    assert not torch.equal(*[_topk_counts(hidden.reshape(-1, HIDDEN) @ weight.t()) for hidden in batches])
+    assert recomputed.global_aux_microbatches == plain.global_aux_microbatches == 2
+    assert torch.equal(recomputed.global_tokens_per_expert, plain.global_tokens_per_expert)
+    for recomputed_grad, plain_grad in zip(recomputed_grads, plain_grads):
+        torch.testing.assert_close(recomputed_grad, plain_grad, rtol=1e-6, atol=1e-7)
+
+
+def _global_aux_loss_over_two_data_parallel_ranks():
+    """Two microbatches on each of two data-parallel ranks. Returns the largest gradient difference from the
+    formula, the logged loss and the loss of the formula (both ranks' shares, averaged over the microbatches)."""
+    rank = dist.get_rank()
+    moe_utils.clear_aux_losses_tracker()
+    moe_utils.MoEAuxLossAutoScaler.backward_scale = None
+    parallel_state.initialize_model_parallel()  # TP 1, DP 2
+    coeff = 0.3
+    module = router(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=coeff)
+    generator = torch.Generator().manual_seed(9)
+    batches = [[torch.randn(SEQ, BATCH, HIDDEN, generator=generator) for _ in range(2)] for _ in range(2)]
+    upstream = torch.randn(SEQ * BATCH, NUM_EXPERTS, generator=generator)
+    weight = module.weight.detach().clone()
+    running, worst, global_losses = torch.zeros(NUM_EXPERTS), 0.0, []
+    for microbatch, per_rank in enumerate(batches):  # per_rank[r]: rank r's tokens
+        running += sum(_topk_counts(hidden.reshape(-1, HIDDEN) @ weight.t()) for hidden in per_rank)
+        average = running / (microbatch + 1)
+        module.weight.grad = None
+        probs, _ = module(per_rank[rank])
+        (probs * upstream).sum().backward()
+        reference_weight = weight.clone().requires_grad_()
+        logits = [hidden.reshape(-1, HIDDEN) @ reference_weight.t() for hidden in per_rank]
+        share = _global_loss(logits[rank], average, coeff, group_size=2)
+        ((_softmax_topk_probs(logits[rank]) * upstream).sum() + share).backward()
+        worst = max(worst, (module.weight.grad - reference_weight.grad).abs().max().item())
+        global_losses.append(sum(_global_loss(rank_logits, average, coeff, group_size=2).item()
+                                 for rank_logits in logits))
+    logged = moe_utils.reduce_aux_losses_for_logging(["global_load_balancing_loss"], num_layers=2, num_moe_layers=1,
+                                                     num_microbatches=2, data_parallel_size=2, device="cpu")
+    parallel_state.destroy_model_parallel()
+    return worst, logged["global_load_balancing_loss"], sum(global_losses) / coeff / 2
+
+
+def test_global_aux_loss_counts_over_data_parallel_ranks():
+    for worst, logged, expected in run_on_ranks(2, _global_aux_loss_over_two_data_parallel_ranks):
+        assert worst < 1e-6
+        assert logged == pytest.approx(expected, rel=1e-6)
+
+
+def test_listed_losses_add_up_with_their_own_coefficients():
+    """seq_aux_loss and global_aux_loss listed together (coefficients 0.2 and 0.5) give the sum of the gradients
+    of the single-loss runs, and log what each of them logs."""
+    hidden = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(11))
+    upstream = torch.randn(SEQ * BATCH, NUM_EXPERTS, generator=torch.Generator().manual_seed(12))
+    names = ["seq_load_balancing_loss", "global_load_balancing_loss"]
+
+    def run(kind, coeff):
+        module = router(moe_router_load_balancing_type=kind, moe_aux_loss_coeff=coeff)
+        probs, _ = module(hidden)
+        (probs * upstream).sum().backward()
+        return module.weight.grad, moe_utils.reduce_aux_losses_for_logging(names, 2, 1, 1, 1, "cpu")
+
+    both, both_logged = run(["seq_aux_loss", "global_aux_loss"], [0.2, 0.5])
+    seq, seq_logged = run("seq_aux_loss", 0.2)
+    glob, glob_logged = run("global_aux_loss", 0.5)
+    without, _ = run("none", 0.0)
+    assert min((seq - without).abs().max(), (glob - without).abs().max()) > 1e-4  # each loss matters
+    torch.testing.assert_close(both + without, seq + glob, rtol=1e-6, atol=1e-7)
+    assert both_logged == pytest.approx({names[0]: seq_logged[names[0]], names[1]: glob_logged[names[1]]}, rel=1e-6)
+    assert seq_logged[names[1]] == 0.0 and glob_logged[names[0]] == 0.0

@@ -1,11 +1,12 @@
 """The router's arithmetic against small hand-computed cases: top-k with each score function, scaling,
-group-limited choice, expert bias, capacity and token dropping."""
+group-limited choice, expert bias, the aux-loss scores, capacity and token dropping."""
 
 import math
 
+import pytest
 import torch
 
-from megatron.core.transformer.moe.routing import apply_capacity, expert_capacity, topk_routing
+from megatron.core.transformer.moe.routing import apply_capacity, expert_capacity, scores_for_aux_loss, topk_routing
 
 
 def _chosen(routing_map):
@@ -42,6 +43,55 @@ def test_sigmoid_normalised_and_expert_bias_chooses_only():
     torch.testing.assert_close(probs[0, [1, 2]], torch.stack([s[1], s[2]]) / (s[1] + s[2]), rtol=0, atol=1e-7)
     single, _ = topk_routing(logits, 1, score_function="sigmoid")
     torch.testing.assert_close(single[0, 1], s[1], rtol=0, atol=0)  # k = 1: no normalisation
+
+
+def _sqrtsoftplus(values):
+    return torch.tensor([math.sqrt(math.log1p(math.exp(value))) for value in values])
+
+
+def test_sqrtsoftplus_normalised_and_expert_bias_chooses_only():
+    values = [0.0, 2.0, -1.0, 1.0]
+    logits, s = torch.tensor([values]), _sqrtsoftplus(values)
+    probs, routing_map = topk_routing(logits, 2, score_function="sqrtsoftplus")
+    assert _chosen(routing_map) == [[1, 3]]
+    expected = torch.tensor([[0.0, s[1] / (s[1] + s[3]), 0.0, s[3] / (s[1] + s[3])]])
+    torch.testing.assert_close(probs, expected, rtol=0, atol=1e-7)
+    scaled, _ = topk_routing(logits, 2, score_function="sqrtsoftplus", scaling_factor=2.5)
+    torch.testing.assert_close(scaled, 2.5 * expected, rtol=0, atol=1e-7)
+    bias = torch.tensor([0.0, 0.0, 1.0, 0.0])  # s = 0.83, 1.46, 0.56, 1.15: lifts expert 2 above expert 3
+    probs, routing_map = topk_routing(logits, 2, score_function="sqrtsoftplus", expert_bias=bias)
+    assert _chosen(routing_map) == [[1, 2]]
+    torch.testing.assert_close(probs[0, [1, 2]], torch.stack([s[1], s[2]]) / (s[1] + s[2]), rtol=0, atol=1e-7)
+    single, _ = topk_routing(logits, 1, score_function="sqrtsoftplus")
+    torch.testing.assert_close(single[0], torch.tensor([0.0, s[1], 0.0, 0.0]), rtol=0, atol=1e-7)  # k = 1: as is
+
+
+def test_sqrtsoftplus_group_limited_with_and_without_expert_bias():
+    # Six experts in three groups of two; sqrt(softplus) of [5, 0 | 3, 3.1 | 4, 1] = [2.24, 0.83 | 1.75, 1.77 |
+    # 2.00, 1.15]. Plain top-2: experts 0 and 4.
+    values = [5.0, 0.0, 3.0, 3.1, 4.0, 1.0]
+    logits, s = torch.tensor([values]), _sqrtsoftplus(values)
+    _, plain = topk_routing(logits, 2, score_function="sqrtsoftplus")
+    assert _chosen(plain) == [[0, 4]]
+    # One group, scored by the sum of its two scores: 3.07, 3.52, 3.15 -> the middle group.
+    probs, routing_map = topk_routing(logits, 2, score_function="sqrtsoftplus", num_groups=3, group_topk=1)
+    assert _chosen(routing_map) == [[2, 3]]
+    torch.testing.assert_close(probs[0, [2, 3]], torch.stack([s[2], s[3]]) / (s[2] + s[3]), rtol=0, atol=1e-7)
+    # A bias of 1 on expert 5 makes the last group's sum 4.15: it wins the choice, the probabilities stay unbiased.
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1.0])
+    probs, routing_map = topk_routing(logits, 2, score_function="sqrtsoftplus", num_groups=3, group_topk=1,
+                                      expert_bias=bias)
+    assert _chosen(routing_map) == [[4, 5]]
+    torch.testing.assert_close(probs[0, [4, 5]], torch.stack([s[4], s[5]]) / (s[4] + s[5]), rtol=0, atol=1e-7)
+    assert probs.sum().item() == pytest.approx(1.0, abs=1e-7)
+
+
+def test_sqrtsoftplus_aux_loss_scores_normalised_over_all_experts():
+    values = [0.5, -2.0, 1.5, 0.0]
+    s = _sqrtsoftplus(values)
+    scores, aux_map = scores_for_aux_loss(torch.tensor([values]), 2, "sqrtsoftplus")
+    torch.testing.assert_close(scores[0], s / s.sum(), rtol=0, atol=1e-7)
+    assert _chosen(aux_map) == [[0, 2]]
 
 
 def test_group_limited_routing():
