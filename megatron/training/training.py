@@ -18,6 +18,7 @@ from megatron.core import parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.num_microbatches_calculator import get_current_global_batch_size, update_num_microbatches
 from megatron.core.fp8.scaling import reduce_fp8_amaxes
+from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 from megatron.core.transformer.moe.router import reset_global_aux_loss_counts, update_expert_biases
 from megatron.training import checkpointing
 from megatron.training.data_iterators import build_data_iterators
@@ -199,6 +200,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, co
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         reset_global_aux_loss_counts(model)  # MoE global_aux_loss: counts of this pass's microbatches only
+        clear_aux_losses_tracker()  # MoE aux losses logged: this pass's only (a rerun replaces, not adds)
         with timed(timers, "forward-backward", log_level=1, barrier=args.barrier_with_L1_time):
             losses_reduced = _run_schedule(forward_step_func, data_iterator, model, args, forward_only=False)
         validate_gradients(model, args)

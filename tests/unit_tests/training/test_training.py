@@ -78,3 +78,30 @@ def test_sigterm_saves_and_stops_every_rank(tmp_path, world_size):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [record["iteration"] for record in records] == [1, 2, 3]
     assert all(record["consumed-samples"] == 8 * record["iteration"] for record in records)
+
+
+def _moe_aux_losses_logged(workdir, rerun_mode):
+    import pretrain_gpt
+    from megatron.core.enums import ModelType
+    from megatron.training.training import pretrain
+
+    metrics = f"{workdir}/{rerun_mode}.jsonl"
+    argv = (f"{TINY_GPT} --train-iters 2 --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 "
+            f"--moe-router-load-balancing-type seq_aux_loss global_aux_loss --moe-aux-loss-coeff 0.01 0.02 "
+            f"--moe-z-loss-coeff 1e-3 --rerun-mode {rerun_mode} --metrics-file {metrics}").split()
+    pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
+             ModelType.encoder_or_decoder, pretrain_gpt.forward_step, argv=argv)
+    return [json.loads(line) for line in open(metrics).read().splitlines()]
+
+
+@pytest.mark.parametrize("world_size", [1])
+def test_moe_aux_losses_are_logged_once_when_report_stats_reruns_each_iteration(tmp_path, world_size):
+    # report_stats runs every forward-backward pass twice; the aux losses logged are those of one pass.
+    once = run_on_ranks(world_size, _moe_aux_losses_logged, str(tmp_path), "validate_results")[0]
+    twice = run_on_ranks(world_size, _moe_aux_losses_logged, str(tmp_path), "report_stats")[0]
+    names = ("seq_load_balancing_loss", "global_load_balancing_loss", "z_loss")
+    assert len(once) == len(twice) == 2
+    for plain, rerun in zip(once, twice):
+        for name in names:
+            assert plain[name] > 0
+            assert rerun[name] == pytest.approx(plain[name], rel=1e-6), (name, plain, rerun)
