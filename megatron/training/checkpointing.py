@@ -192,6 +192,15 @@ def _check_layout_matches(saved_args, args, path):
                 f"{path} was saved with {flag} {saved} but this run uses {current}; the torch format cannot "
                 f"change the model-parallel layout"
             )
+    # Each rank's file holds its stages' layers under local indices: an uneven split must be the same too.
+    saved, current = (getattr(each, "virtual_stage_layer_counts", None) for each in (saved_args, args))
+    if saved is not None and current is not None and tuple(saved) != tuple(current):
+        raise ValueError(
+            f"{path} was saved with {tuple(saved)} transformer layers per virtual pipeline stage but this run "
+            f"places {tuple(current)}; the torch format cannot move layers between stages: pass the split flags "
+            "it was saved with (--decoder-first/last-pipeline-num-layers, --account-for-embedding/loss-in-"
+            "pipeline-split, --pipeline-model-parallel-layout), or save with --ckpt-format torch_dist"
+        )
 
 
 def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):

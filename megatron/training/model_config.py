@@ -20,6 +20,7 @@ def core_transformer_config_from_args(args, config_class=None):
     from megatron.training.argument_groups.numerics import transformer_config_kwargs as numerics_config_kwargs
     from megatron.training.argument_groups.moe import transformer_config_kwargs as moe_config_kwargs
     from megatron.training.argument_groups.mla import transformer_config_kwargs as mla_config_kwargs
+    from megatron.training.argument_groups.pipeline_split import transformer_config_kwargs as split_config_kwargs
 
     config_class = config_class or TransformerConfig
     return config_class(
@@ -47,6 +48,7 @@ def core_transformer_config_from_args(args, config_class=None):
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
         microbatch_group_size_per_vp_stage=getattr(args, "microbatch_group_size_per_virtual_pipeline_stage", None),
+        **split_config_kwargs(args),
         context_parallel_size=args.context_parallel_size,
         cp_comm_type=getattr(args, "cp_comm_type", "p2p"),
         hierarchical_context_parallel_sizes=getattr(args, "hierarchical_context_parallel_sizes", None),

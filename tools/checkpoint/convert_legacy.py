@@ -53,10 +53,21 @@ def _join(parts, name, tp_size):
 
 
 def _stage_offsets(args, pp_size):
+    """The global index of each pipeline stage's first layer: from the split the run saved
+    (`virtual_stage_layer_counts`, uneven with --decoder-first/last-pipeline-num-layers, the accounting flags or
+    --pipeline-model-parallel-layout), else the even split."""
+    if pp_size == 1:
+        return [0]
+    counts = getattr(args, "virtual_stage_layer_counts", None)
+    if counts is not None:
+        if len(counts) != pp_size:
+            raise SystemExit(f"the checkpoint was saved with {len(counts)} virtual pipeline stages on {pp_size} "
+                             "pipeline ranks; converting an interleaved-pipeline torch checkpoint is not supported")
+        return [sum(counts[:pp_rank]) for pp_rank in range(pp_size)]
     num_layers = getattr(args, "num_layers", None)
-    if pp_size > 1 and num_layers is None:
+    if num_layers is None:
         raise SystemExit("the checkpoint's args lack num_layers; cannot renumber pipeline stages' layers")
-    return [pp_rank * (num_layers // pp_size) if pp_size > 1 else 0 for pp_rank in range(pp_size)]
+    return [pp_rank * (num_layers // pp_size) for pp_rank in range(pp_size)]
 
 
 def _is_tied_copy(args, name, pp_rank, pp_size):

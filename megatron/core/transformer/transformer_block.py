@@ -1,9 +1,11 @@
 """The layers one pipeline stage owns, plus the final norm on the last stage.
 
-Stage p of P holds global layers p * L/P + 1 .. (p + 1) * L/P (1-based `layer_number`); inside the module they
-are `layers.0 .. layers.{L/P - 1}`. With an interleaved pipeline each model chunk is one virtual stage and holds
-L/(P*v) consecutive layers (see `pipeline_stage_layer_range`). A stage that is not first takes its input from
-`set_input_tensor` (what the previous stage sent) instead of the `hidden_states` argument.
+A stage holds consecutive global layers offset + 1 .. offset + count (1-based `layer_number`); inside the module
+they are `layers.0 .. layers.{count - 1}`. Evenly split, stage p of P holds L/P layers from p * L/P; with an
+interleaved pipeline each model chunk is one virtual stage; uneven splits come from the pipeline-split flags
+(see `pipeline_stage_layer_range` and `pipeline_split`). A stage that is not first takes its input from
+`set_input_tensor` (what the previous stage sent) instead of the `hidden_states` argument. A stage may hold no
+layer at all (an uneven split): it then passes its input on (normalised on the last stage).
 """
 
 import contextlib
@@ -15,17 +17,21 @@ from megatron.core import parallel_state
 from megatron.core.fp8_utils import get_fp8_context
 from megatron.core.transformer.init_seeds import resolve_base_init_seed
 from megatron.core.transformer.norms import build_norm
+from megatron.core.transformer.pipeline_split import split_of_config, stage_layer_range
 from megatron.core.transformer.recompute import checkpointed
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 
 def pipeline_stage_layer_range(config: TransformerConfig, vp_stage: Optional[int] = None):
-    """(offset, count): the 0-based index of this stage's first layer and how many layers it holds.
+    """(offset, count): the 0-based global index of this stage's first layer and how many layers it holds.
 
-    With `v` virtual stages per pipeline rank (`config.virtual_pipeline_model_parallel_size`), model chunk `c`
-    of pipeline rank `r` is virtual stage `c * p + r` and starts at layer `c * L / v + r * L / (p * v)`; the chunk
-    is `vp_stage`, else the virtual pipeline rank being built (`set_virtual_pipeline_model_parallel_rank`).
+    The split is `pipeline_split.split_of_config(config)`: even (L / (p * v) per virtual stage), or uneven by
+    `--decoder-first/last-pipeline-num-layers`, `--account-for-embedding/loss-in-pipeline-split` or
+    `--pipeline-model-parallel-layout`. With `v` virtual stages per pipeline rank
+    (`config.virtual_pipeline_model_parallel_size`), model chunk `c` of pipeline rank `r` is virtual stage
+    `c * p + r` and starts after the layers of every virtual stage before it; the chunk is `vp_stage`, else the
+    virtual pipeline rank being built (`set_virtual_pipeline_model_parallel_rank`).
     """
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     if pp_size != config.pipeline_model_parallel_size:
@@ -36,17 +42,16 @@ def pipeline_stage_layer_range(config: TransformerConfig, vp_stage: Optional[int
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     num_chunks = getattr(config, "virtual_pipeline_model_parallel_size", None) or 1
     if num_chunks == 1:
-        layers_per_stage = config.num_layers // pp_size
-        return pp_rank * layers_per_stage, layers_per_stage
-    if vp_stage is None:
-        vp_stage = parallel_state.get_virtual_pipeline_model_parallel_rank()
-    if vp_stage is None or not 0 <= vp_stage < num_chunks:
-        raise ValueError(
-            f"a model chunk of an interleaved pipeline ({num_chunks} virtual stages per pipeline rank) needs its "
-            f"chunk index: pass vp_stage or set_virtual_pipeline_model_parallel_rank() (got {vp_stage!r})"
-        )
-    layers_per_chunk = config.num_layers // (pp_size * num_chunks)
-    return vp_stage * (config.num_layers // num_chunks) + pp_rank * layers_per_chunk, layers_per_chunk
+        vp_stage = 0
+    else:
+        if vp_stage is None:
+            vp_stage = parallel_state.get_virtual_pipeline_model_parallel_rank()
+        if vp_stage is None or not 0 <= vp_stage < num_chunks:
+            raise ValueError(
+                f"a model chunk of an interleaved pipeline ({num_chunks} virtual stages per pipeline rank) needs "
+                f"its chunk index: pass vp_stage or set_virtual_pipeline_model_parallel_rank() (got {vp_stage!r})"
+            )
+    return stage_layer_range(split_of_config(config), pp_size, pp_rank, vp_stage)
 
 
 class TransformerBlock(torch.nn.Module):
@@ -129,4 +134,9 @@ class TransformerBlock(torch.nn.Module):
             hidden_states = self._run_layers(0, len(self.layers))(hidden_states, attention_mask, rotary_pos_emb)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
+        elif not self.layers and not self.pre_process:
+            # A middle stage without layers passes its input on, but not as the received tensor itself: the
+            # schedules keep that for the backward, and release what they sent. A copy gives the backward a
+            # node to pass the gradient through and shares no storage (one activation copied per microbatch).
+            hidden_states = hidden_states.clone()
         return hidden_states

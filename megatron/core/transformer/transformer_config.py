@@ -17,6 +17,8 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer.init_methods import init_method_normal, scaled_init_method_normal
 from megatron.core.transformer.moe.moe_config import MoEConfigMixin
 from megatron.core.transformer.mla_config import MLAConfigMixin
+from megatron.core.transformer.pipeline_parallel_layer_layout import LAYOUT_FLAG, PipelineParallelLayerLayout
+from megatron.core.transformer.pipeline_split import layers_per_pipeline_rank, split_of_config
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
@@ -92,6 +94,20 @@ class TransformerConfig(MLAConfigMixin, MoEConfigMixin, ModelParallelConfig):
     the parameters' precision (`--first-last-layers-bf16`)."""
     num_layers_at_start_in_bf16: int = 1
     num_layers_at_end_in_bf16: int = 1
+
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    """Transformer layers of the first pipeline rank (`--decoder-first-pipeline-num-layers`); the ranks without
+    an explicit count share the rest evenly. None: an even share. See `pipeline_split`."""
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    """Transformer layers of the last pipeline rank (`--decoder-last-pipeline-num-layers`)."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """The embedding counts as one layer of the first virtual stage (`--account-for-embedding-in-pipeline-split`)."""
+    account_for_loss_in_pipeline_split: bool = False
+    """The loss counts as one layer of the last virtual stage (`--account-for-loss-in-pipeline-split`)."""
+    pipeline_model_parallel_layout: Optional[object] = None
+    """Explicit placement (`--pipeline-model-parallel-layout`): a layout string, a list of stages or a
+    `PipelineParallelLayerLayout` (stored as the latter). It also sets virtual_pipeline_model_parallel_size when
+    that is None; when given, the two must agree."""
 
     recompute_granularity: Optional[str] = None
     """None, "full" (recompute whole layers, see recompute_method) or "selective" (only core attention)."""
@@ -183,7 +199,6 @@ class TransformerConfig(MLAConfigMixin, MoEConfigMixin, ModelParallelConfig):
 
     def _validate_parallel_split(self):
         tp = self.tensor_model_parallel_size
-        pp = self.pipeline_model_parallel_size
         if self.hidden_size % tp != 0:
             raise ValueError(
                 f"--hidden-size ({self.hidden_size}) must be divisible by --tensor-model-parallel-size ({tp})"
@@ -208,18 +223,25 @@ class TransformerConfig(MLAConfigMixin, MoEConfigMixin, ModelParallelConfig):
                 f"--num-query-groups ({groups}) must be divisible by --tensor-model-parallel-size ({tp}): each "
                 "tensor-parallel rank holds whole query groups"
             )
-        if self.num_layers % pp != 0:
+        self._resolve_pipeline_layout()
+        split_of_config(self)  # raises with the flags to change when the layers cannot be split this way
+
+    def _resolve_pipeline_layout(self):
+        layout = self.pipeline_model_parallel_layout
+        if layout is None:
+            return
+        if not isinstance(layout, PipelineParallelLayerLayout):
+            layout = PipelineParallelLayerLayout(layout, self.pipeline_model_parallel_size)
+            self._set("pipeline_model_parallel_layout", layout)
+        chunks = layout.virtual_pipeline_model_parallel_size
+        if self.virtual_pipeline_model_parallel_size is None and chunks > 1:
+            self._set("virtual_pipeline_model_parallel_size", chunks)
+            self._validate_virtual_pipeline()
+        elif (self.virtual_pipeline_model_parallel_size or 1) != chunks:
             raise ValueError(
-                f"--num-layers ({self.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp}): "
-                "every pipeline stage holds the same number of layers"
-            )
-        chunks = self.virtual_pipeline_model_parallel_size
-        if chunks is not None and (self.num_layers // pp) % chunks != 0:
-            raise ValueError(
-                f"the {self.num_layers // pp} layers of a pipeline stage (--num-layers {self.num_layers} / "
-                f"--pipeline-model-parallel-size {pp}) must be divisible by the {chunks} virtual stages per pipeline "
-                "rank (--num-virtual-stages-per-pipeline-rank, or the layers per stage divided by "
-                "--num-layers-per-virtual-pipeline-stage): every model chunk holds the same number of layers"
+                f"{LAYOUT_FLAG} {layout.text!r} gives {chunks} virtual stages per pipeline rank but "
+                f"virtual_pipeline_model_parallel_size is {self.virtual_pipeline_model_parallel_size}; drop one "
+                "or make them agree"
             )
 
     def _validate_regularisation_and_norm(self):
@@ -265,11 +287,12 @@ class TransformerConfig(MLAConfigMixin, MoEConfigMixin, ModelParallelConfig):
                 raise ValueError(
                     f"--recompute-granularity full needs --recompute-num-layers >= 1, got {self.recompute_num_layers}"
                 )
-            layers_per_stage = self.num_layers // self.pipeline_model_parallel_size
-            if self.recompute_method == "block" and self.recompute_num_layers > layers_per_stage:
+            # Under an uneven split (--decoder-first/last-pipeline-num-layers, layouts) the largest stage bounds it.
+            most_layers = max(layers_per_pipeline_rank(split_of_config(self), self.pipeline_model_parallel_size))
+            if self.recompute_method == "block" and self.recompute_num_layers > most_layers:
                 raise ValueError(
                     f"--recompute-num-layers ({self.recompute_num_layers}) with --recompute-method block cannot "
-                    f"exceed the layers of one pipeline stage ({layers_per_stage})"
+                    f"exceed the layers of one pipeline stage ({most_layers}, the most any stage holds)"
                 )
         elif self.recompute_num_layers is not None:
             raise ValueError(

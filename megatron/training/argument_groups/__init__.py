@@ -18,6 +18,7 @@ from megatron.training.argument_groups import (
     moe,
     numerics,
     parallelism,
+    pipeline_split,
     result_validation,
     run_control,
     training,
@@ -28,5 +29,7 @@ from megatron.training.argument_groups import (
 # memory precedes data_parallel: --main-grads-dtype bf16 opts out of the fp32 gradients data_parallel sets for --bf16.
 # moe comes last: it validates by building the transformer config from every other group's values.
 # virtual_pipeline follows training: its microbatch rule needs the global and micro batch sizes.
-ARGUMENT_GROUPS = (parallelism, model, mla, training, virtual_pipeline, data, logging_eval, checkpoint, memory,
-                   data_parallel, fp8, result_validation, numerics, data_parallel_tuning, run_control, moe)
+# pipeline_split follows virtual_pipeline: the layers must divide into the virtual stages per rank it derives.
+ARGUMENT_GROUPS = (parallelism, model, mla, training, virtual_pipeline, pipeline_split, data, logging_eval,
+                   checkpoint, memory, data_parallel, fp8, result_validation, numerics, data_parallel_tuning,
+                   run_control, moe)

@@ -143,11 +143,6 @@ def validate(args):
             f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
             f"--tensor-model-parallel-size ({args.tensor_model_parallel_size})"
         )
-    if args.num_layers % args.pipeline_model_parallel_size != 0:
-        raise ValueError(
-            f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size "
-            f"({args.pipeline_model_parallel_size}): every stage holds the same number of layers"
-        )
     if args.hidden_size % args.tensor_model_parallel_size != 0:
         raise ValueError(
             f"--hidden-size ({args.hidden_size}) must be divisible by --tensor-model-parallel-size "

@@ -1,14 +1,19 @@
 """Interleaved (virtual) pipeline flags: model chunks per pipeline rank and how microbatches are grouped.
 
 Upstream's rules: give at most one of `--num-layers-per-virtual-pipeline-stage` and
-`--num-virtual-stages-per-pipeline-rank`; the layers of a pipeline stage (L / p) must divide into the virtual
-stages; the microbatches of a global batch (M) must fit groups of N = `--microbatch-group-size-per-virtual-
-pipeline-stage` (default p): p <= N <= M and M mod N is 0 or at least p. One virtual stage per rank is the plain
+`--num-virtual-stages-per-pipeline-rank`; `--pipeline-model-parallel-layout` sets the virtual stages per rank
+itself (its stage count / p), and either flag given with it must agree; the layers of a pipeline stage
+(L / p, or what the uneven-split flags of `pipeline_split` give it) must divide into the virtual stages; the
+microbatches of a global batch (M) must fit groups of N = `--microbatch-group-size-per-virtual-pipeline-stage`
+(default p): p <= N <= M and M mod N is 0 or at least p. One virtual stage per rank is the plain
 1F1B pipeline (`args.virtual_pipeline_model_parallel_size` is then None). Each chunk is wrapped on its own (DDP,
 the distributed optimizer, Megatron-FSDP or FSDP2); one optimizer steps them all.
 """
 
 from megatron.core.pipeline_parallel.interleaved_plan import check_microbatches
+from megatron.core.transformer.pipeline_parallel_layer_layout import LAYOUT_FLAG
+from megatron.core.transformer.pipeline_split import FIRST_FLAG, LAST_FLAG, virtual_stage_layer_counts
+from megatron.training.argument_groups.pipeline_split import parsed_layout
 
 LAYERS_FLAG = "--num-layers-per-virtual-pipeline-stage"
 STAGES_FLAG = "--num-virtual-stages-per-pipeline-rank"
@@ -35,30 +40,30 @@ def add_arguments(parser):
 def validate(args):
     layers, stages = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
     args.virtual_pipeline_model_parallel_size = None
-    if layers is None and stages is None:
+    layout = parsed_layout(args)
+    if layout is None and layers is None and stages is None:
         if args.microbatch_group_size_per_virtual_pipeline_stage is not None:
             raise ValueError(f"{GROUP_FLAG} needs an interleaved pipeline: set {LAYERS_FLAG} or {STAGES_FLAG}")
         return
     if layers is not None and stages is not None:
         raise ValueError(f"give either {LAYERS_FLAG} or {STAGES_FLAG}, not both")
     pp = args.pipeline_model_parallel_size
-    if pp < 2:
+    if layout is None and pp < 2:
         raise ValueError(f"{LAYERS_FLAG} / {STAGES_FLAG} need --pipeline-model-parallel-size > 1, got {pp}")
-    if args.num_layers % pp != 0:
-        raise ValueError(f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp})")
-    layers_per_stage = args.num_layers // pp
     if layers is not None:
-        if layers < 1 or layers_per_stage % layers != 0:
-            raise ValueError(
-                f"the {layers_per_stage} layers of a pipeline stage (--num-layers {args.num_layers} / "
-                f"--pipeline-model-parallel-size {pp}) must be divisible by {LAYERS_FLAG} ({layers})"
-            )
-        stages = layers_per_stage // layers
-    elif stages < 1 or layers_per_stage % stages != 0:
-        raise ValueError(
-            f"the {layers_per_stage} layers of a pipeline stage (--num-layers {args.num_layers} / "
-            f"--pipeline-model-parallel-size {pp}) must be divisible by {STAGES_FLAG} ({stages})"
-        )
+        layers_stages = _stages_from_layers_per_stage(args, layers)
+        if layout is not None and layers_stages != layout.virtual_pipeline_model_parallel_size:
+            _disagrees_with_layout(layout, f"{LAYERS_FLAG} {layers} gives {layers_stages}")
+        stages = layers_stages
+    elif stages is not None and stages < 1:
+        raise ValueError(f"{STAGES_FLAG} must be at least 1, got {stages}")
+    if layout is not None:
+        if stages is not None and stages != layout.virtual_pipeline_model_parallel_size:
+            _disagrees_with_layout(layout, f"{STAGES_FLAG} is {stages}")
+        stages = layout.virtual_pipeline_model_parallel_size
+        if stages > 1 and pp < 2:
+            raise ValueError(f"{LAYOUT_FLAG} {layout.text!r} has {len(layout.stages)} stages: an interleaved "
+                             "pipeline needs --pipeline-model-parallel-size > 1 (one stage per pipeline rank)")
     if stages == 1:
         if args.microbatch_group_size_per_virtual_pipeline_stage is not None:
             raise ValueError(f"{GROUP_FLAG} needs at least two virtual stages per pipeline rank")
@@ -69,3 +74,35 @@ def validate(args):
         group_size = pp
     num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     check_microbatches(num_microbatches, pp, group_size)
+
+
+def _stages_from_layers_per_stage(args, layers):
+    """Virtual stages per rank from the layers each holds: (L + accounted embedding/loss) / p / layers."""
+    if args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None:
+        raise ValueError(
+            f"{LAYERS_FLAG} needs the same number of layers in every virtual stage, which {FIRST_FLAG} / "
+            f"{LAST_FLAG} change: give {STAGES_FLAG} instead"
+        )
+    pp = args.pipeline_model_parallel_size
+    accounted = int(args.account_for_embedding_in_pipeline_split) + int(args.account_for_loss_in_pipeline_split)
+    total = args.num_layers + accounted
+    if total % pp != 0:  # the split's own message names every flag involved
+        virtual_stage_layer_counts(args.num_layers, pp,
+                                   account_for_embedding=args.account_for_embedding_in_pipeline_split,
+                                   account_for_loss=args.account_for_loss_in_pipeline_split)
+    layers_per_stage = total // pp
+    if layers < 1 or layers_per_stage % layers != 0:
+        counted = f" + {accounted} accounted" if accounted else ""
+        raise ValueError(
+            f"the {layers_per_stage} layers of a pipeline stage (--num-layers {args.num_layers}{counted} / "
+            f"--pipeline-model-parallel-size {pp}) must be divisible by {LAYERS_FLAG} ({layers})"
+        )
+    return layers_per_stage // layers
+
+
+def _disagrees_with_layout(layout, what):
+    raise ValueError(
+        f"{LAYOUT_FLAG} {layout.text!r} gives {layout.virtual_pipeline_model_parallel_size} virtual stages per "
+        f"pipeline rank ({len(layout.stages)} stages / --pipeline-model-parallel-size "
+        f"{layout.pipeline_model_parallel_size}) but {what}: drop the flag (the layout sets it) or make them agree"
+    )

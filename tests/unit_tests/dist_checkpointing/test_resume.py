@@ -2,7 +2,8 @@
 
 Exact resume per wrapper: 10 iterations straight against 5 + save + load + 5, losses identical (fp32, CPU).
 Resharding: a reference run trains 8 iterations and saves at iteration 4; resumed runs load iteration 4 and
-train to 8. Same layout: the losses of iterations 5-8 are identical. Another layout or wrapper (TP, PP, DP size, DDP,
+train to 8. Same layout: the losses of iterations 5-8 are identical. Another layout or wrapper (TP, PP, even or
+uneven pipeline splits, DP size, DDP,
 distributed optimizer, Megatron-FSDP ZeRO-0..3 / HSDP / HFSDP, FSDP2): equal to 1e-6 relative in fp32, the
 difference being only the order of floating-point reductions (measured: at most 5e-8); 1e-4 in bf16
 (measured: 2.6e-6).
@@ -25,6 +26,10 @@ LAYOUTS = {
     "dp2_ddp": "",
     "tp2": "--tensor-model-parallel-size 2",
     "pp2": "--pipeline-model-parallel-size 2",
+    # Uneven splits: layers 1 | 2-4, and the embedding alone on stage 0 (layers 1-4 on stage 1).
+    "pp2_first1": "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1",
+    "pp2_embedding_alone": "--use-distributed-optimizer --pipeline-model-parallel-size 2 "
+                           "--pipeline-model-parallel-layout E|t*4L",
     "mfsdp_z3": "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
     "mfsdp_z1_tp2": "--use-megatron-fsdp --data-parallel-sharding-strategy optim --tensor-model-parallel-size 2",
     "mfsdp_z0_pp2": "--use-megatron-fsdp --data-parallel-sharding-strategy no_shard --pipeline-model-parallel-size 2",
@@ -76,11 +81,14 @@ def _check(reference, resumed, same_layout, other_layouts, rel=FP32_REL_TOLERANC
     "save_layout, resume_layouts, save_args",
     [
         # The reference saves asynchronously: iteration 4 is written while iterations 5-8 train.
-        ("dp2_distopt", ["tp2", "pp2", "dp2_ddp", "mfsdp_z3"], "--async-save --use-persistent-ckpt-worker"),
+        ("dp2_distopt", ["tp2", "pp2", "dp2_ddp", "mfsdp_z3", "pp2_first1"],
+         "--async-save --use-persistent-ckpt-worker"),
         ("mfsdp_z3", ["fsdp2", "mfsdp_z1_tp2", "mfsdp_z0_pp2"], "--async-save"),
         ("fsdp2", ["fsdp2_tp2", "dp2_distopt", "mfsdp_z3"], ""),
         # Tied embeddings: the last stage's output-layer copy is the logical word embedding, loaded, not saved.
         ("tied_pp2", ["tied_dp2", "tied_mfsdp_pp2"], ""),
+        # Saved under an uneven pipeline split (global layer numbers): loads under the even one and another.
+        ("pp2_first1", ["pp2", "pp2_embedding_alone"], ""),
         # bf16 weights with fp32 main weights (saved as `fp32_param`): the resumed main weights are exact.
         ("distopt_bf16", ["mfsdp_z3_bf16", "fsdp2_bf16"], ""),
     ],

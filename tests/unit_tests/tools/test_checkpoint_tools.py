@@ -132,13 +132,15 @@ def _check_converted_like_torch_dist(reference, converted_dir):
         {k: v for k, v in reference["common"].items() if k not in ("layout", "rng_coordinates", "args")}
 
 
-def test_legacy_conversion_of_pipeline_stages_with_tied_embeddings(tmp_path, tools):
+@pytest.mark.parametrize("split", ["", "--decoder-first-pipeline-num-layers 1"], ids=["even", "first_stage_1_layer"])
+def test_legacy_conversion_of_pipeline_stages_with_tied_embeddings(tmp_path, tools, split):
     from megatron.core.dist_checkpointing import offline
 
     _, convert_legacy, _ = tools
-    run_on_ranks(2, _save_both_formats, str(tmp_path), "TIED --pipeline-model-parallel-size 2")
+    run_on_ranks(2, _save_both_formats, str(tmp_path), f"TIED --pipeline-model-parallel-size 2 {split}")
     model, _, _ = offline.split_state(offline.read_checkpoint(os.path.join(tmp_path, "dist", "iter_0000002")))
-    # Layers 2-3 come from the second stage; its tied output-layer copy is not a tensor of its own.
+    # Layers 2-3 (1-3 with one layer on the first stage) come from the second stage, renumbered by the saved
+    # split; its tied output-layer copy is not a tensor of its own.
     assert "decoder.layers.3.mlp.linear_fc2.weight" in model and "output_layer.weight" not in model
     converted, _, _ = convert_legacy.convert(str(tmp_path / "legacy"), str(tmp_path / "from_legacy"))
     assert set(converted) == set(model)

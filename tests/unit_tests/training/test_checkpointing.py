@@ -51,6 +51,18 @@ def test_atomic_save_interrupted_mid_write_leaves_no_file(tmp_path, monkeypatch)
     assert not target.exists()
 
 
+def test_torch_format_refuses_another_pipeline_split():
+    """Each rank's file holds its stages' layers under local indices: the split must match to load."""
+    layout = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
+    saved = argparse.Namespace(**layout, virtual_stage_layer_counts=(1, 3))
+    with pytest.raises(ValueError, match=r"saved with \(1, 3\) transformer layers per virtual pipeline stage but "
+                                         r"this run places \(2, 2\).*--decoder-first/last-pipeline-num-layers"):
+        checkpointing._check_layout_matches(saved, argparse.Namespace(**layout, virtual_stage_layer_counts=(2, 2)),
+                                            "ckpt")
+    checkpointing._check_layout_matches(saved, argparse.Namespace(**layout, virtual_stage_layer_counts=(1, 3)), "ckpt")
+    checkpointing._check_layout_matches(argparse.Namespace(**layout), argparse.Namespace(**layout), "ckpt")
+
+
 def test_unknown_format_is_rejected_only_when_saving_or_loading():
     args = argparse.Namespace(save=None, load=None, ckpt_format="zarr")
     checkpointing.check_checkpoint_format(args)  # no --save/--load: nothing to write

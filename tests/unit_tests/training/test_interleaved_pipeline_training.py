@@ -1,6 +1,7 @@
 """pretrain() with an interleaved pipeline (PP2 x VPP2: two ranks, two model chunks each, one layer per chunk)
 equals the same model without pipelining under every data-parallel wrapper, and its checkpoints load at other
-layouts (global layer numbers) and resume to the uninterrupted run.
+layouts (global layer numbers; one of them an uneven `--pipeline-model-parallel-layout`) and resume to the
+uninterrupted run.
 
 fp32 on the CPU: the runs differ only in the order of floating-point reductions, so losses agree to 1e-5
 relative (measured: about 1e-7).
@@ -66,13 +67,17 @@ def _save_and_resume(workdir, resume_layouts, wrapper="--use-distributed-optimiz
     return uninterrupted, resumed
 
 
+UNEVEN_VPP = "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et|tt|t|L"  # 1, 2, 1, 0 layers
+
+
 @pytest.mark.world_size(2)
 def test_checkpoint_saved_at_pp2_vpp2_resumes_at_pp1_pp2_and_vpp(tmp_path):
-    layouts = ["", PP2, VPP]  # PP1 (two data-parallel ranks), PP2 without VPP, the saving layout
+    # PP1 (two data-parallel ranks), PP2 without VPP, an uneven layout of PP2 x VPP2, the saving layout
+    layouts = ["", PP2, UNEVEN_VPP, VPP]
     uninterrupted, resumed = run_on_ranks(2, _save_and_resume, str(tmp_path), layouts)[0]
     assert sorted(uninterrupted) == list(range(1, 7))
     assert resumed[VPP] == {i: uninterrupted[i] for i in range(4, 7)}  # same layout: identical
-    for layout in ("", PP2):
+    for layout in ("", PP2, UNEVEN_VPP):
         assert sorted(resumed[layout]) == [4, 5, 6], layout
         for iteration in range(4, 7):
             assert resumed[layout][iteration] == pytest.approx(uninterrupted[iteration], rel=REL_TOLERANCE, abs=0)
