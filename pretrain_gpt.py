@@ -9,13 +9,19 @@ from functools import partial
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, build_gpt_datasets
-from megatron.core.datasets.utils import blend_from_data_path
+from megatron.core.datasets.gpt_dataset import build_gpt_datasets
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.timers import timed
 from megatron.core.transformer.context_parallel import context_parallel_loss, get_batch_on_this_cp_rank
+from megatron.core.transformer.multi_token_prediction import (
+    masked_depth_losses,
+    mtp_depth_losses_or_none,
+    mtp_loss_for_backward,
+    track_mtp_losses,
+)
+from megatron.training.datasets.gpt_dataset_config import gpt_dataset_config_from_args
 from megatron.training.global_vars import get_args, get_timers, get_tokenizer
 from megatron.training.model_config import core_transformer_config_from_args
 from megatron.training.training import pretrain
@@ -54,13 +60,26 @@ def loss_func(loss_mask, output_tensor):
 
     The report is this rank's [sum, count]; the training loop sums reports over DP x CP. Under context
     parallelism the loss and count cover the whole sequence (`context_parallel_loss`).
+
+    With multi-token prediction (`--mtp-num-layers`) the model also returns each depth's per-token losses: their
+    term (`--mtp-loss-scaling-factor` / N times the sum of the depths' masked means) joins the loss for the
+    backward, and in training each depth's sum and count are kept for the `mtp_k loss` log fields; the report
+    (`lm loss`) stays the main model's.
     """
+    output_tensor, depth_losses = mtp_depth_losses_or_none(output_tensor)
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.float().reshape(-1)
     loss_sum = torch.sum(losses * mask)
     num_tokens = mask.sum()
-    validate_loss(loss_sum, get_args())
     report = torch.stack([loss_sum.detach(), num_tokens.detach()])
+    if depth_losses is not None:
+        args = get_args()
+        depth_sums, depth_counts = masked_depth_losses(depth_losses, loss_mask)
+        if torch.is_grad_enabled():  # a training pass (evaluation runs under no_grad)
+            track_mtp_losses(depth_sums, depth_counts)
+        loss_sum = loss_sum + mtp_loss_for_backward(depth_sums, depth_counts, args.mtp_loss_scaling_factor,
+                                                    num_tokens, args.calculate_per_token_loss)
+    validate_loss(loss_sum, get_args())
     group = parallel_state.get_context_parallel_group() if parallel_state.get_context_parallel_world_size() > 1 else None
     loss_sum, num_tokens = context_parallel_loss(loss_sum, num_tokens, group, get_args().calculate_per_token_loss)
     return loss_sum, num_tokens, {"lm loss": report}
@@ -94,21 +113,9 @@ def forward_step(data_iterator, model):
 
 
 def train_valid_test_datasets_provider(train_valid_test_num_samples):
-    """GPT datasets of the requested sizes from --mock-data or --data-path (weights, --split)."""
-    args = get_args()
-    config = GPTDatasetConfig(
-        random_seed=args.seed,
-        sequence_length=args.seq_length,
-        blend=blend_from_data_path(args.data_path) if args.data_path else None,
-        split=args.split,
-        path_to_cache=args.data_cache_path,
-        tokenizer=get_tokenizer(),
-        reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask,
-        eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=args.reset_attention_mask,
-        mock=args.mock_data,
-    )
+    """GPT datasets of the requested sizes from --mock-data, --data-path (weights, --split) or the per-split
+    --train/valid/test-data-path, with every data flag (megatron/training/datasets/gpt_dataset_config.py)."""
+    config = gpt_dataset_config_from_args(get_args(), get_tokenizer())
     return build_gpt_datasets(config, train_valid_test_num_samples)
 
 

@@ -35,6 +35,7 @@ from megatron.core.process_groups import (  # noqa: F401  (re-exported: parallel
 from megatron.core.rank_layout import (  # noqa: F401  (re-exported)
     DEFAULT_ORDER,
     DEVICE_MESH_DIM_NAMES,
+    TP_PP_DP_ORDER,
     RankGrid,
     device_mesh_layout,
     generate_rank_groups,

@@ -13,6 +13,8 @@ re-read as tp x ep x expert-dp (context parallelism folded into expert data para
 import itertools
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+# Upstream's --use-tp-pp-dp-mapping: pipeline neighbours before data-parallel replicas (no CP or EP with it).
+TP_PP_DP_ORDER = "tp-cp-ep-pp-dp"
 DEVICE_MESH_DIM_NAMES = ("dp_outer", "dp_shard_cp", "tp")
 _DIMENSIONS = ("tp", "cp", "ep", "dp", "pp")
 

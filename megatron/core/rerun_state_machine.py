@@ -27,13 +27,24 @@ Modes (`--rerun-mode`):
 - `report_stats`: every iteration runs twice and the relative differences of each validated result between the
   two runs are collected and printed (nondeterminism statistics); nothing stops training.
 
+Fault injection (`--error-injection-rate N`, `--error-injection-type`), for testing the paths above: in
+`validate_results` mode, each validation of a training step is rejected with probability 1/N (N=1: the first of
+every step), and the reruns then behave as the injected kind of fault would: `transient_error` does not
+reproduce in place (exit 17); `correct_result` and `persistent_error` do (exit 16), and after a resume on
+another node or device the first matches again (a correct result) while the second does not.
+
+`--result-rejected-tracker-filename`: every rejected result (and the verdict on it) is appended as one line to
+this file, so that jobs resuming the run can see what was rejected before.
+
 The optimizer step is never taken for a step that fails validation: the loop exits before it, so no checkpoint
 holds weights updated by a bad step.
 """
 
+import datetime
 import enum
 import logging
 import math
+import random
 import socket
 from collections import defaultdict
 from typing import Callable, NamedTuple, Optional
@@ -89,9 +100,16 @@ def this_node_and_device():
 class RerunStateMachine:
     """See the module docstring. `report_interval`: iterations between the statistics lines of report_stats."""
 
-    def __init__(self, mode=RerunMode.VALIDATE_RESULTS, report_interval=100):
+    def __init__(self, mode=RerunMode.VALIDATE_RESULTS, report_interval=100, error_injection_rate=0,
+                 error_injection_type=RerunDiagnostic.TRANSIENT_ERROR, result_rejected_tracker_filename=None):
         self.mode = RerunMode(mode)
         self.report_interval = report_interval
+        self.error_injection_rate = error_injection_rate
+        self.error_injection_type = RerunDiagnostic(error_injection_type)
+        # A generator of its own: injecting must not move the random state the training step draws from.
+        self._injection_random = random.Random(f"rerun-error-injection-{_rank()}")
+        self.injected_error_type = None
+        self.result_rejected_tracker_filename = result_rejected_tracker_filename
         self.state = RerunState.NOT_RUNNING_YET
         self.current_iteration = 0
         self._call_counts = defaultdict(int)
@@ -213,18 +231,25 @@ class RerunStateMachine:
             if rank0:
                 logger.warning("the rejected result did not reproduce (transient fault): saving the last "
                                f"iteration's checkpoint and exiting with {EXIT_CODE_FAILED_ON_RESULT_VALIDATION}")
-            return True, True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION
+            return self._verdict(True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION, "did not reproduce in place")
         if self.state == RerunState.WILL_RERUN_FROM_CHECKPOINT:
             if rank0:
                 logger.warning("the rejected result reproduced: saving the last iteration's checkpoint and exiting "
                                f"with {EXIT_CODE_RESUME_TO_DISAMBIGUATE}; resume from it on another node or device "
                                "to establish a diagnostic")
-            return True, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE
+            return self._verdict(True, EXIT_CODE_RESUME_TO_DISAMBIGUATE, "reproduced in place")
         if self.state == RerunState.RERUNNING_FROM_CHECKPOINT:
-            return False, True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION
+            return self._verdict(False, EXIT_CODE_FAILED_ON_RESULT_VALIDATION, "rerun on another node or device")
         if self.state == RerunState.RERUNNING_AGAIN_FROM_CHECKPOINT:
-            return False, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE
+            return self._verdict(False, EXIT_CODE_RESUME_TO_DISAMBIGUATE, "resumed on the same node and device")
         return False, False, 0
+
+    def _verdict(self, should_checkpoint, exit_code, what):
+        """The decision of `should_checkpoint_and_exit`, tracked by the ranks that rejected the result."""
+        if self.failed_call is not None:
+            diagnostic = self.diagnostic.value if self.diagnostic is not None else "undetermined"
+            self._track_rejected_result(f"verdict\t{what}\tdiagnostic={diagnostic}\texit={exit_code}")
+        return should_checkpoint, True, exit_code
 
     def _any_rank(self, flag):
         """True on every rank when `flag` is true on at least one (one all-reduce over the default group)."""
@@ -269,16 +294,26 @@ class RerunStateMachine:
             return
 
         if self.state == RerunState.INITIAL_RUN:
-            if not self.rerun_requested and bool(rejection_func(result)):
+            if self.rerun_requested:
+                return
+            injected = self._should_inject_error()
+            if injected or bool(rejection_func(result)):
                 self.rerun_requested = True
                 self.failed_call = call
                 self.initial_result = _as_float(result)
-                logger.error(f"{where}: unexpected result {self.initial_result} ({message}, check #{call.sequence})")
+                self.injected_error_type = self.error_injection_type if injected else None
+                kind = f"injected {self.error_injection_type.value}" if injected else "unexpected result"
+                logger.error(f"{where}: {kind} {self.initial_result} ({message}, check #{call.sequence})")
+                self._track_rejected_result(f"rejected\tresult={self.initial_result}\tinjected="
+                                            f"{self.injected_error_type.value if injected else 'no'}\t"
+                                            f"message={message}")
             return
         if call != self.failed_call:
             return
         difference = comparison_func(self.initial_result, _as_float(result))
         reproduced = difference <= tolerance
+        if self.injected_error_type is not None:
+            reproduced = self._injected_fault_reproduces()
         if self.state == RerunState.RERUNNING_IN_PLACE:
             if reproduced:
                 self.checkpoint_requested = True
@@ -302,6 +337,26 @@ class RerunStateMachine:
                 logger.error(f"{where}: another device reproduced {self.initial_result}: the result is correct "
                              f"(possible application problem: {message})")
                 self.continue_requested = not fatal
+
+    def _should_inject_error(self):
+        return self.error_injection_rate > 0 and self._injection_random.randrange(self.error_injection_rate) == 0
+
+    def _injected_fault_reproduces(self):
+        """How an injected fault behaves when its step runs again: in place, only a transient one differs; on
+        another device, a correct result still matches and a persistent fault of the first device does not."""
+        if self.state == RerunState.RERUNNING_IN_PLACE:
+            return self.injected_error_type != RerunDiagnostic.TRANSIENT_ERROR
+        return self.injected_error_type == RerunDiagnostic.CORRECT_RESULT
+
+    def _track_rejected_result(self, text):
+        """One line in --result-rejected-tracker-filename (appended by the rank concerned)."""
+        if self.result_rejected_tracker_filename is None:
+            return
+        stamp = datetime.datetime.now().isoformat(timespec="seconds")
+        node, device = this_node_and_device()
+        with open(self.result_rejected_tracker_filename, "a") as stream:
+            stream.write(f"{stamp}\titeration={self.current_iteration}\trank={_rank()}\tnode={node}\t"
+                         f"device={device}\t{text}\n")
 
     def is_unexpectedly_large(self, result, threshold, context, num_samples=100, resample=False):
         """Whether |result| >= `threshold` x the largest |value| among the first `num_samples` values of
@@ -336,6 +391,7 @@ class RerunStateMachine:
             "failed_call": None if self.failed_call is None else tuple(self.failed_call),
             "initial_result": self.initial_result,
             "suspicious_node_and_device": self.suspicious_node_and_device,
+            "injected_error_type": None if self.injected_error_type is None else self.injected_error_type.value,
         }
 
     def load_state_dict(self, state):
@@ -348,6 +404,8 @@ class RerunStateMachine:
         self.initial_result = state["initial_result"]
         where = state["suspicious_node_and_device"]
         self.suspicious_node_and_device = None if where is None else tuple(where)
+        injected = state.get("injected_error_type")
+        self.injected_error_type = None if injected is None else RerunDiagnostic(injected)
         self._resumed_to_rerun = True
         self.state = RerunState.WILL_RERUN_FROM_CHECKPOINT
 
@@ -363,9 +421,10 @@ def _rank():
 _STATE_MACHINE = None
 
 
-def initialize_rerun_state_machine(mode=RerunMode.VALIDATE_RESULTS, report_interval=100):
+def initialize_rerun_state_machine(mode=RerunMode.VALIDATE_RESULTS, report_interval=100, **options):
+    """`options`: error_injection_rate, error_injection_type, result_rejected_tracker_filename."""
     global _STATE_MACHINE
-    _STATE_MACHINE = RerunStateMachine(mode, report_interval)
+    _STATE_MACHINE = RerunStateMachine(mode, report_interval, **options)
     return _STATE_MACHINE
 
 

@@ -81,6 +81,11 @@ ARCHITECTURE_FLAGS = (
     ArchitectureFlag("--position-embedding-type", _get("position_embedding_type")),
     ArchitectureFlag("--rotary-percent", _get("rotary_percent"), compared=_both_use_rope),
     ArchitectureFlag("--rotary-base", _get("rotary_base"), compared=_both_use_rope),
+    ArchitectureFlag("--rotary-interleaved", _switch("rotary_interleaved"), is_switch=True, compared=_both_use_rope),
+    ArchitectureFlag("--add-qkv-bias", _switch("add_qkv_bias"), is_switch=True),
+    ArchitectureFlag("--apply-residual-connection-post-layernorm",
+                     _switch("apply_residual_connection_post_layernorm"), is_switch=True),
+    ArchitectureFlag("--openai-gelu", _switch("openai_gelu"), is_switch=True),
     ArchitectureFlag("--untie-embeddings-and-output-weights", _switch("untie_embeddings_and_output_weights"),
                      is_switch=True),
     ArchitectureFlag("--qk-layernorm", _switch("qk_layernorm"), is_switch=True),
@@ -165,3 +170,58 @@ def check_same_architecture(checkpoint: str, saved_args, args, saved_vocab_size=
         "These change what the saved weights mean without changing their shapes, so loading would silently give "
         "a different model. To load it, launch with the checkpoint's " + ", ".join(wanted) + " (also with "
         "--finetune, which keeps the architecture); a model of another architecture cannot start from it.")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --use-checkpoint-args: the checkpoint's model over the command line's
+# ---------------------------------------------------------------------------------------------------------
+
+# What shapes the model (and its tokenizer): taken from the checkpoint whatever the command line says.
+MODEL_ARGS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads", "num_query_groups",
+    "group_query_attention", "kv_channels", "max_position_embeddings", "position_embedding_type", "rotary_base",
+    "rotary_percent", "add_bias_linear", "swiglu", "squared_relu", "untie_embeddings_and_output_weights",
+    "apply_layernorm_1p", "normalization", "norm_epsilon", "qk_layernorm", "make_vocab_size_divisible_by",
+    "tokenizer_type", "vocab_size", "add_qkv_bias", "rotary_interleaved", "apply_residual_connection_post_layernorm",
+    "openai_gelu",
+    # Multi-latent attention.
+    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+    "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings",
+    # Mixture of experts.
+    "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk", "moe_router_score_function",
+    "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
+    "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+)
+# Files the tokenizer reads: taken from the checkpoint only where the command line leaves them unset (a
+# checkpoint copied to another machine names paths that may not exist there).
+TOKENIZER_FILE_ARGS = ("vocab_file", "merge_file", "tokenizer_model", "tiktoken_pattern",
+                       "tiktoken_num_special_tokens", "tiktoken_special_tokens")
+# The model-parallel layout: taken from the checkpoint with --use-mp-args-from-checkpoint-args.
+PARALLEL_ARGS = (
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+    "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+    "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+    "pipeline_model_parallel_layout", "expert_model_parallel_size", "expert_tensor_parallel_size",
+)
+
+
+def _flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def apply_checkpoint_args(args, saved, with_parallel_layout=False) -> List[str]:
+    """Set `args`' model arguments (and with `with_parallel_layout` the TP/PP/EP layout) to `saved`'s, before
+    validation derives anything from them; returns one phrase per value that the command line had otherwise.
+    Names the saved arguments lack (an older checkpoint) keep the command line's value."""
+    forced = MODEL_ARGS + (PARALLEL_ARGS if with_parallel_layout else ())
+    changed = []
+    for name in forced + TOKENIZER_FILE_ARGS:
+        if not hasattr(saved, name) or not hasattr(args, name):
+            continue
+        value, current = getattr(saved, name), getattr(args, name)
+        if name in TOKENIZER_FILE_ARGS and current is not None:
+            continue
+        if value != current and current is not None:
+            changed.append(f"{_flag(name)} {value} (command line: {current})")
+        setattr(args, name, value)
+    return changed

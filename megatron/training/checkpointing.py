@@ -16,6 +16,7 @@ barrier, by global rank 0: a save interrupted at any point leaves the previous c
 readable.
 """
 
+import copy
 import os
 
 import torch
@@ -29,7 +30,9 @@ from megatron.core.dist_checkpointing.checkpoint_directory import (  # noqa: F40
 )
 from megatron.core.distributed.data_parallel_base import unwrap_model
 from megatron.core.fp8.checkpoint import count_fp8_histories_started_empty
+from megatron.training import checkpoint_sources
 from megatron.training.checkpoint_args import check_same_architecture, saved_true_vocab_size, true_vocab_size
+from megatron.training.checkpoint_retention import prune_to_retain_interval
 from megatron.training.random_state import rng_state, set_rng_state  # noqa: F401  (part of this module's API)
 
 MODEL_FILENAME = "model_optim_rng.pt"
@@ -178,7 +181,41 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args):
     dist.barrier()
     if dist.get_rank() == 0:
         write_tracker(args.save, iteration)
+        prune_to_retain_interval(args.save, iteration, getattr(args, "save_retain_interval", None))
     dist.barrier()
+
+
+def non_persistent_save_due(args, iteration):
+    interval = getattr(args, "non_persistent_save_interval", None)
+    return bool(interval) and iteration % interval == 0
+
+
+def save_non_persistent_checkpoint(iteration, model, optimizer, opt_param_scheduler, args):
+    """--non-persistent-save-interval: a torch_dist checkpoint in the non-persistent root, where only the latest
+    is kept (it replaces the previous one once published); collective."""
+    from megatron.training.dist_checkpoint import save_dist_checkpoint
+
+    model_chunks = model if isinstance(model, (list, tuple)) else [model]
+    non_persistent = copy.copy(args)
+    non_persistent.save = checkpoint_sources.non_persistent_save_dir(args)
+    non_persistent.keep_last_n, non_persistent.save_retain_interval = 1, None
+    return save_dist_checkpoint(iteration, model_chunks, optimizer, opt_param_scheduler, non_persistent)
+
+
+def save_converted_checkpoint(iteration, model, optimizer, opt_param_scheduler, args):
+    """--ckpt-convert-format: save the checkpoint just loaded from --load in that format to --ckpt-convert-save
+    (the training run then stops); collective."""
+    if checkpoint_sources.checkpoint_to_load(args) is None:
+        raise FileNotFoundError(f"--ckpt-convert-format {args.ckpt_convert_format}: --load {args.load} holds no "
+                                "checkpoint to convert")
+    converted = copy.copy(args)
+    converted.save, converted.ckpt_format = args.ckpt_convert_save, args.ckpt_convert_format
+    converted.ckpt_convert_format = converted.ckpt_convert_save = None
+    converted.async_save, converted.keep_last_n, converted.save_retain_interval = False, None, None
+    save_checkpoint(iteration, model, optimizer, opt_param_scheduler, converted)
+    if dist.get_rank() == 0:
+        print(f"--ckpt-convert-format {args.ckpt_convert_format}: converted the checkpoint of iteration {iteration} "
+              f"from --load {args.load} to {args.ckpt_convert_save}; stopping without training", flush=True)
 
 
 def _check_layout_matches(saved_args, args, path):
@@ -211,22 +248,22 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
     """
     check_checkpoint_format(args)
     model_chunks = model if isinstance(model, (list, tuple)) else [model]
-    iteration = _latest_iteration_or_none(args)
-    if iteration is None:
+    source = _checkpoint_or_none(args)
+    if source is None:
         return 0
-    if is_logical_format(args):
+    root, iteration = source.root, source.iteration
+    if _format_to_load(source, args) in LOGICAL_FORMATS:
         from megatron.training.dist_checkpoint import load_dist_checkpoint
 
-        iteration, report = load_dist_checkpoint(model_chunks, optimizer, opt_param_scheduler, args, iteration)
+        iteration, report = load_dist_checkpoint(model_chunks, optimizer, opt_param_scheduler, args, iteration,
+                                                 root=root)
         if dist.get_rank() == 0:
             print("\n".join(report.lines()), flush=True)
         return iteration
     ranks = _parallel_ranks()
-    directory = checkpoint_dir(
-        args.load, iteration, ranks["tensor_rank"], ranks["pipeline_rank"], ranks["pipeline_size"]
-    )
+    directory = checkpoint_dir(root, iteration, ranks["tensor_rank"], ranks["pipeline_rank"], ranks["pipeline_size"])
     path = os.path.join(directory, MODEL_FILENAME)
-    if not os.path.isfile(path) and os.path.isfile(os.path.join(args.load, iteration_dir_name(iteration), ".metadata")):
+    if not os.path.isfile(path) and os.path.isfile(os.path.join(root, iteration_dir_name(iteration), ".metadata")):
         raise CheckpointLoadError(f"{os.path.dirname(directory)} is a torch_dist checkpoint; load it with "
                                   "--ckpt-format torch_dist")
     state = _torch_load(path)
@@ -266,7 +303,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
         if fresh_fp8_histories:
             skipped.append(f"FP8 amax histories of {fresh_fp8_histories} layer(s) (not in the checkpoint): they "
                            "start empty")
-        print(f"loaded checkpoint {os.path.join(args.load, iteration_dir_name(iteration))} (--ckpt-format torch): "
+        print(f"loaded checkpoint {os.path.join(root, iteration_dir_name(iteration))} (--ckpt-format torch): "
               f"{', '.join(loaded)}, resuming at iteration {iteration}"
               + (f"; not loaded: {', '.join(skipped)}" if skipped else ""), flush=True)
     return iteration
@@ -284,14 +321,36 @@ def _torch_load(path):
                                   "load an earlier checkpoint of this run") from exc
 
 
-def _latest_iteration_or_none(args):
-    """The tracker's iteration under --load; None (after saying so) when there is nothing to load."""
+def _format_to_load(source, args):
+    """--ckpt-format, or with --auto-detect-ckpt-format the format the checkpoint is written in."""
+    if not getattr(args, "auto_detect_ckpt_format", False) or source.format is None:
+        return args.ckpt_format
+    if source.format == "torch":
+        uses_fsdp = getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False)
+        if uses_fsdp or (getattr(args, "expert_model_parallel_size", 1) or 1) > 1:
+            raise CheckpointLoadError(f"--auto-detect-ckpt-format: {source.directory} is a --ckpt-format torch "
+                                      "checkpoint, which loads into DDP without expert parallelism only; convert it "
+                                      "with tools/checkpoint/convert_legacy.py")
+    if (source.format == "torch") == (args.ckpt_format == "torch"):
+        return args.ckpt_format
+    if dist.get_rank() == 0:
+        print(f"--auto-detect-ckpt-format: {source.directory} is a {source.format} checkpoint: loading it as "
+              f"such (saving uses --ckpt-format {args.ckpt_format})", flush=True)
+    return source.format
+
+
+def _checkpoint_or_none(args):
+    """The checkpoint --load resumes (see checkpoint_sources); None (after saying so) when there is none."""
+    source = checkpoint_sources.checkpoint_to_load(args)
+    if source is not None:
+        if source.non_persistent and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(f"resuming the non-persistent checkpoint {source.directory}: newer than the latest persistent "
+                  f"one under --load {args.load}", flush=True)
+        return source
     if not os.path.isdir(args.load):
         message = f"--load {args.load}: the directory does not exist"
-    elif read_tracker(args.load) is None:
-        message = f"--load {args.load}: no {TRACKER_FILENAME} in it (no complete checkpoint)"
     else:
-        return read_tracker(args.load)
+        message = f"--load {args.load}: no {TRACKER_FILENAME} in it (no complete checkpoint)"
     if args.exit_on_missing_checkpoint:
         raise FileNotFoundError(f"{message} and --exit-on-missing-checkpoint is set")
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -22,10 +22,18 @@ def build_data_iterators(train_valid_test_dataset_provider, args):
 
     The training iterator starts after `args.consumed_train_samples` (so a resumed run sees the samples an
     uninterrupted run would), the validation iterator after the samples earlier evaluations consumed.
+    `--dataloader-type cyclic` reshuffles every epoch; with `external` the provider's three objects are the
+    iterators, passed through as they are (they decide where a resumed run starts).
     """
     from megatron.training.datasets.data_samplers import build_pretraining_data_loader
+    from megatron.training.datasets.gpt_dataset_config import check_datasets_follow_flags
 
-    train_dataset, valid_dataset, test_dataset = train_valid_test_dataset_provider(dataset_sample_counts(args))
+    dataloader_type = getattr(args, "dataloader_type", "single")
+    datasets = train_valid_test_dataset_provider(dataset_sample_counts(args))
+    if dataloader_type == "external":
+        return _external_iterators(datasets)
+    check_datasets_follow_flags(datasets, args)
+    train_dataset, valid_dataset, test_dataset = datasets
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
 
@@ -33,7 +41,8 @@ def build_data_iterators(train_valid_test_dataset_provider, args):
         if dataset is None or len(dataset) == 0:
             return None
         return build_pretraining_data_loader(
-            dataset, consumed_samples, args.micro_batch_size, dp_rank, dp_size, args.num_workers
+            dataset, consumed_samples, args.micro_batch_size, dp_rank, dp_size, args.num_workers,
+            dataloader_type=dataloader_type, seed=args.seed,
         )
 
     iteration = getattr(args, "iteration", 0)
@@ -46,3 +55,13 @@ def build_data_iterators(train_valid_test_dataset_provider, args):
         _cyclic(valid_loader) if valid_loader is not None else None,
         iter(test_loader) if test_loader is not None else None,
     )
+
+
+def _external_iterators(iterators):
+    """--dataloader-type external: the provider returns (train, valid, test) iterators (or None) itself."""
+    for name, iterator in zip(("train", "valid", "test"), iterators):
+        if iterator is not None and not hasattr(iterator, "__next__"):
+            raise TypeError(f"--dataloader-type external: the datasets provider returned a {type(iterator).__name__} "
+                            f"for {name}; with external it must return iterators (e.g. iter(your_loader)), or use "
+                            "--dataloader-type single or cyclic for datasets")
+    return tuple(iterators)

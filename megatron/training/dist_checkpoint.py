@@ -37,6 +37,7 @@ from megatron.core.dist_checkpointing.strictness import apply_strictness
 from megatron.core.fp8.checkpoint import fp8_histories_report, split_missing_fp8_histories
 from megatron.training import checkpoint_state, modelopt_checkpoint
 from megatron.training.checkpoint_args import check_same_architecture, saved_true_vocab_size, true_vocab_size
+from megatron.training.checkpoint_retention import prune_to_retain_interval
 from megatron.training.random_state import rng_state, set_rng_state
 
 _async_queue = None
@@ -117,6 +118,7 @@ def save_dist_checkpoint(iteration, model_chunks, optimizer, scheduler, args):
         if _rank() == 0:
             if succeeded:
                 publish(root, iteration, temporary, layout, keep_last_n)
+                prune_to_retain_interval(root, iteration, getattr(args, "save_retain_interval", None))
                 print(f"saved checkpoint of iteration {iteration} to {root} (--ckpt-format {args.ckpt_format})",
                       flush=True)
             else:
@@ -148,10 +150,10 @@ def _check_not_legacy(directory):
             f"tools/checkpoint/convert_legacy.py")
 
 
-def load_dist_checkpoint(model_chunks, optimizer, scheduler, args, iteration):
-    """Load checkpoint `iteration` under `args.load` into the model (and optimizer, scheduler, RNG as the flags
-    allow); returns (iteration to resume from, report lines)."""
-    directory, recovered = published_directory(args.load, iteration)
+def load_dist_checkpoint(model_chunks, optimizer, scheduler, args, iteration, root=None):
+    """Load checkpoint `iteration` under `root` (default `args.load`) into the model (and optimizer, scheduler,
+    RNG as the flags allow); returns (iteration to resume from, report lines)."""
+    directory, recovered = published_directory(root or args.load, iteration)
     _check_not_legacy(directory)
     metadata = serialization.read_metadata(directory)
     common = serialization.read_objects(directory, ["common"])["common"]

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.core.rank_layout import DEFAULT_ORDER
 from megatron.training import accelerator
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.global_vars import set_args
@@ -82,6 +83,7 @@ def initialize_distributed(args):
         expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
         expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        order=getattr(args, "rank_order", None) or DEFAULT_ORDER,  # --use-tp-pp-dp-mapping: tp-cp-ep-pp-dp
     )
 
 

@@ -13,14 +13,18 @@ def params_dtype_from_args(args):
 
 def core_transformer_config_from_args(args, config_class=None):
     """The `TransformerConfig` (model shape, parallel sizes, precision, recompute) the flags describe."""
-    from megatron.core.activations import squared_relu
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.training.argument_groups.fp8 import transformer_config_kwargs as fp8_config_kwargs
     from megatron.training.argument_groups.memory import transformer_config_kwargs as memory_config_kwargs
     from megatron.training.argument_groups.numerics import transformer_config_kwargs as numerics_config_kwargs
     from megatron.training.argument_groups.moe import transformer_config_kwargs as moe_config_kwargs
     from megatron.training.argument_groups.mla import transformer_config_kwargs as mla_config_kwargs
+    from megatron.training.argument_groups.model import transformer_config_kwargs as model_config_kwargs
+    from megatron.training.argument_groups.communication import (
+        transformer_config_kwargs as communication_config_kwargs,
+    )
     from megatron.training.argument_groups.pipeline_split import transformer_config_kwargs as split_config_kwargs
+    from megatron.training.argument_groups.mtp import transformer_config_kwargs as mtp_config_kwargs
 
     config_class = config_class or TransformerConfig
     return config_class(
@@ -39,7 +43,8 @@ def core_transformer_config_from_args(args, config_class=None):
         layernorm_epsilon=args.norm_epsilon,
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         gated_linear_unit=args.swiglu,
-        activation_func=squared_relu if args.squared_relu else None,
+        **model_config_kwargs(args),
+        **communication_config_kwargs(args),
         add_bias_linear=args.add_bias_linear,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
@@ -64,6 +69,7 @@ def core_transformer_config_from_args(args, config_class=None):
         **memory_config_kwargs(args),
         **mla_config_kwargs(args),
         **moe_config_kwargs(args),
+        **mtp_config_kwargs(args),
     )
 
 

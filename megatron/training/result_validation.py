@@ -9,6 +9,7 @@ agrees on the verdict over all ranks anyway.
 """
 
 import os
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -20,11 +21,20 @@ from megatron.core.rerun_state_machine import get_rerun_state_machine, initializ
 # Gradients are reduced in an order that may change between runs on some devices: a rerun matching to 1e-3
 # (relative) reproduces the result.
 GRAD_NORM_TOLERANCE = 1e-3
+# --check-for-large-grads: a gradient norm this many times the largest of the first norms is rejected.
+LARGE_GRADS_FACTOR = 10
 
 
 def setup_rerun_state_machine(args):
-    """The process's machine, in --rerun-mode, reporting statistics every --log-interval iterations."""
-    return initialize_rerun_state_machine(mode=args.rerun_mode, report_interval=args.log_interval)
+    """The process's machine, in --rerun-mode, reporting statistics every --log-interval iterations, with the
+    fault injection and the rejected-result tracker of the flags."""
+    return initialize_rerun_state_machine(
+        mode=args.rerun_mode,
+        report_interval=args.log_interval,
+        error_injection_rate=getattr(args, "error_injection_rate", 0),
+        error_injection_type=getattr(args, "error_injection_type", "transient_error"),
+        result_rejected_tracker_filename=getattr(args, "result_rejected_tracker_filename", None),
+    )
 
 
 def _chunk_grads(chunk):
@@ -49,13 +59,25 @@ def local_grad_norm(model_chunks):
 
 
 def validate_gradients(model_chunks, args):
-    """Hand this rank's gradient norm to the rerun state machine (NaN and Inf are fatal)."""
-    if not args.check_for_nan_in_loss_and_grad:
+    """Hand this rank's gradient norm to the rerun state machine: NaN and Inf are fatal; with
+    --check-for-large-grads a norm >= 10x the largest of the first 100 (after iteration 1) is rejected, not
+    fatal."""
+    check_large = getattr(args, "check_for_large_grads", False)
+    if not (args.check_for_nan_in_loss_and_grad or check_large):
         return
     machine = get_rerun_state_machine()
     norm = local_grad_norm(model_chunks)
-    machine.validate_result(norm, torch.isnan, "found NaN in local grad norm", tolerance=GRAD_NORM_TOLERANCE)
-    machine.validate_result(norm, torch.isinf, "found Inf in local grad norm", tolerance=GRAD_NORM_TOLERANCE)
+    if args.check_for_nan_in_loss_and_grad:
+        machine.validate_result(norm, torch.isnan, "found NaN in local grad norm", tolerance=GRAD_NORM_TOLERANCE)
+        machine.validate_result(norm, torch.isinf, "found Inf in local grad norm", tolerance=GRAD_NORM_TOLERANCE)
+    if check_large:
+        machine.validate_result(
+            norm,
+            partial(machine.is_unexpectedly_large, threshold=LARGE_GRADS_FACTOR, context="grads"),
+            "found unexpectedly large local grad norm",
+            tolerance=GRAD_NORM_TOLERANCE,
+            fatal=False,
+        )
 
 
 # ---- the machine's state in a checkpoint -----------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Run control flags of the training loop: the wall-clock limit (--exit-duration-in-mins), releasing the
-allocator's unused memory (--empty-unused-memory-level), the root logging level (--logging-level) and the
-check that data-parallel replicas hold the same weights (--check-weight-hash-across-dp-replicas-interval).
+allocator's unused memory (--empty-unused-memory-level), the root logging level (--logging-level), the
+check that data-parallel replicas hold the same weights (--check-weight-hash-across-dp-replicas-interval) and
+the steps dropped by --iterations-to-skip (`skip_training_step`).
 
 Every decision that makes a rank stop or fail is agreed on by all ranks with one collective, so no rank waits
 in a collective the others have left.
@@ -140,3 +141,28 @@ def check_weight_hashes(model_chunks, iteration, args):
 def weight_hash_due(args, iteration):
     interval = args.check_weight_hash_across_dp_replicas_interval
     return interval is not None and iteration % interval == 0
+
+
+def should_skip_step(args, completed):
+    """--iterations-to-skip: whether the step after `completed` iterations only drops its global batch."""
+    return completed in args.iterations_to_skip
+
+
+def skip_training_step(data_iterator, num_microbatches):
+    """Draw and drop the microbatches one step would use, so that later steps see the data they would have seen.
+
+    Every pipeline stage draws every microbatch (pretrain_gpt's get_batch), so each rank draws `num_microbatches`
+    from its iterator (from each, when it holds one per model chunk). The rerun state machine counts the step too,
+    keeping its iteration numbers equal to the loop's. Returns the number of batches drawn on this rank."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    get_rerun_state_machine().current_iteration += 1
+    iterators = data_iterator if isinstance(data_iterator, (list, tuple)) else [data_iterator]
+    drawn = 0
+    for iterator in iterators:
+        if iterator is None:
+            continue
+        for _ in range(num_microbatches):
+            next(iterator)
+            drawn += 1
+    return drawn

@@ -4,7 +4,8 @@ initialize (flags, process groups, seeds) -> tokenizer -> model, optimizer, sche
 data iterators -> train loop (one `train_step` per global batch: the pipeline schedule runs forward/backward
 over the microbatches, then the optimizer and scheduler step) with periodic evaluation, checkpoints and logs;
 stops at --train-iters, --exit-interval, --exit-duration-in-mins or SIGTERM (saving a checkpoint first when
---save is set).
+--save is set). --skip-train evaluates instead of training; --iterations-to-skip drops chosen steps' batches;
+--profile and --log-progress wrap the loop (profiling.py, progress_log.py).
 """
 
 import dataclasses
@@ -16,7 +17,11 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.enums import ModelType
-from megatron.core.num_microbatches_calculator import get_current_global_batch_size, update_num_microbatches
+from megatron.core.num_microbatches_calculator import (
+    get_current_global_batch_size,
+    get_num_microbatches,
+    update_num_microbatches,
+)
 from megatron.core.fp8.scaling import reduce_fp8_amaxes
 from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 from megatron.core.transformer.moe.router import reset_global_aux_loss_counts, update_expert_biases
@@ -29,7 +34,21 @@ from megatron.training.global_vars import get_args, get_timers, set_timers, set_
 from megatron.training.initialize import initialize_megatron
 from megatron.training.manual_gc import ManualGarbageCollection
 from megatron.training.model_setup import setup_model_and_optimizer
-from megatron.training.run_control import ExitDuration, check_weight_hashes, empty_unused_memory, weight_hash_due
+from megatron.training.profiling import TrainingProfilers
+from megatron.training.progress_log import (
+    forget_progress_log,
+    log_checkpoint_saved,
+    start_progress_log,
+    stop_progress_log,
+)
+from megatron.training.run_control import (
+    ExitDuration,
+    check_weight_hashes,
+    empty_unused_memory,
+    should_skip_step,
+    skip_training_step,
+    weight_hash_due,
+)
 from megatron.training.result_validation import (
     RejectedResultExit,
     check_step_may_continue,
@@ -119,17 +138,28 @@ def _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fu
             args.iteration = checkpointing.load_checkpoint(model, optimizer, scheduler, args)
         timers.log(["load-checkpoint"])
         load_rerun_state(args.load, args.iteration)
+    if getattr(args, "ckpt_convert_format", None) is not None:  # save the loaded checkpoint in it, then stop
+        checkpointing.save_converted_checkpoint(args.iteration, model, optimizer, scheduler, args)
+        return args.iteration
     get_rerun_state_machine().current_iteration = args.iteration
+    if args.skip_train:  # no training data is read (a finished run's training samples are all consumed)
+        train_valid_test_dataset_provider = _evaluation_splits_only(train_valid_test_dataset_provider)
     with timed(timers, "train/valid/test-data-iterators-setup", log_level=0, barrier=True):
         train_iterator, valid_iterator, test_iterator = build_data_iterators(train_valid_test_dataset_provider,
                                                                              args)
     timers.log(["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"], barrier=True)
 
     logger = TrainingLogger(args, is_logging_rank=dist.get_rank() == dist.get_world_size() - 1, timers=timers)
+    start_progress_log(args)
     try:
-        iteration = train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_iterator,
-                          config, logger, args)
+        if args.skip_train:
+            iteration = evaluate_without_training(forward_step_func, model, valid_iterator, test_iterator, config,
+                                                  logger, args)
+        else:
+            iteration = train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_iterator,
+                              config, logger, args)
         checkpointing.maybe_finalize_async_save(args, blocking=True)
+        stop_progress_log(args, iteration)
     finally:
         logger.close()
     return iteration
@@ -140,6 +170,7 @@ def _teardown(args):
 
     destroy_num_microbatches_calculator()
     destroy_rerun_state_machine()
+    forget_progress_log()
     set_timers(None)
     if getattr(args, "created_process_group", False):
         # Sharded models hold reference cycles (wrapper <-> module <-> parameters, DTensor meshes) that keep
@@ -274,6 +305,7 @@ def _save(iteration, model, optimizer, scheduler, args):
         checkpointing.save_checkpoint(iteration, model, optimizer, scheduler, args)
     if timers is not None:
         timers.log(["save-checkpoint"])
+    log_checkpoint_saved(args, iteration)  # --log-progress
     if dist.get_rank() == 0:
         print(f"saved checkpoint at iteration {iteration} to {args.save}", flush=True)
     return True
@@ -292,14 +324,26 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
                                  args.device)
     if weight_hash_due(args, iteration):
         check_weight_hashes(model, iteration, args)
-    with SigtermHandler() as sigterm, ManualGarbageCollection.from_args(args) as manual_gc:
+    with SigtermHandler() as sigterm, ManualGarbageCollection.from_args(args) as manual_gc, \
+            TrainingProfilers(args, dist.get_rank(), dist.get_world_size(), iteration) as profilers:
         while iteration < args.train_iters:
             update_num_microbatches(args.consumed_train_samples)  # a --rampup-batch-size ramp moves with samples
+            if should_skip_step(args, iteration):  # --iterations-to-skip: drop the batch, as upstream, no checks
+                skip_training_step(train_iterator, get_num_microbatches())
+                iteration += 1
+                args.iteration = iteration
+                args.consumed_train_samples += get_current_global_batch_size()
+                profilers.after_step(iteration)
+                if dist.get_rank() == 0:
+                    print(f"iteration {iteration} skipped (--iterations-to-skip): its global batch was dropped",
+                          flush=True)
+                continue
             start = time.perf_counter()
             try:
-                loss, update_successful, grad_norm, num_zeros = train_step(
-                    forward_step_func, train_iterator, model, optimizer, scheduler, config, args
-                )
+                with profilers.step_range(iteration):  # --profile
+                    loss, update_successful, grad_norm, num_zeros = train_step(
+                        forward_step_func, train_iterator, model, optimizer, scheduler, config, args
+                    )
             except RejectedResultExit as stop:
                 exit_after_rejected_result(
                     stop, iteration, last_saved_iteration,
@@ -311,6 +355,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
             args.iteration = iteration
             args.consumed_train_samples += get_current_global_batch_size()
             manual_gc.after_iteration(iteration)
+            profilers.after_step(iteration)
             logger.log_iteration(
                 {
                     "iteration": iteration,
@@ -341,6 +386,8 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
             if args.save_interval and iteration % args.save_interval == 0:
                 if _save(iteration, model, optimizer, scheduler, args):
                     last_saved_iteration = iteration
+            elif checkpointing.non_persistent_save_due(args, iteration):
+                checkpointing.save_non_persistent_checkpoint(iteration, model, optimizer, scheduler, args)
             stop_reason = None
             if sigterm.received_on_any_rank(args.device):
                 stop_reason = "received SIGTERM"
@@ -356,6 +403,26 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
                 return iteration
     if last_saved_iteration != iteration and iteration > 0:
         _save(iteration, model, optimizer, scheduler, args)
+    return iteration
+
+
+def _evaluation_splits_only(train_valid_test_dataset_provider):
+    def provide(num_samples):
+        _, valid_dataset, test_dataset = train_valid_test_dataset_provider(num_samples)
+        return None, valid_dataset, test_dataset
+
+    return provide
+
+
+def evaluate_without_training(forward_step_func, model, valid_iterator, test_iterator, config, logger, args):
+    """--skip-train: evaluate the model as loaded once on the validation and the test set (those that exist,
+    --eval-iters batches each), log it at `args.iteration`, and return that iteration."""
+    iteration = args.iteration
+    if dist.get_rank() == 0:
+        print(f"--skip-train: evaluating at iteration {iteration} without training", flush=True)
+    for prefix, iterator in (("validation", valid_iterator), ("test", test_iterator)):
+        if iterator is not None and args.eval_iters > 0:
+            logger.log_evaluation(iteration, evaluate(forward_step_func, iterator, model, config, args), prefix=prefix)
     return iteration
 
 

@@ -1,4 +1,4 @@
-"""What training reports: Megatron's log line, throughput and memory lines, TensorBoard scalars and a
+"""What training reports: Megatron's log line, throughput and memory lines, TensorBoard / W&B scalars and a
 JSON-lines metrics file (one record per iteration, read by the functional tests).
 
 The log line and the metrics file are written by the last rank, which holds the loss (every rank computes the
@@ -20,6 +20,7 @@ from megatron.training import accelerator
 from megatron.training.energy_monitor import EnergyMonitor, format_energy_fields
 from megatron.training.expert_memory import expert_memory_usage, format_expert_memory
 from megatron.training.host_memory import format_host_memory, host_offload_bytes
+from megatron.training.scalar_writers import build_scalar_writers
 
 # Timers reported at each log interval (those above --timing-log-level never run and are left out).
 TIMERS_TO_LOG = (
@@ -220,6 +221,17 @@ def moe_aux_losses(args):
                                                    args.data_parallel_size, args.device)
 
 
+def mtp_losses(args):
+    """Each multi-token-prediction depth's loss of the last iteration, {`mtp_{k} loss`: value} (token-weighted
+    mean over microbatches and data-parallel ranks; upstream's names). Collective over the world with
+    --mtp-num-layers; {} otherwise."""
+    if not getattr(args, "mtp_num_layers", None):
+        return {}
+    from megatron.core.transformer.multi_token_prediction import reduce_mtp_losses_for_logging
+
+    return reduce_mtp_losses_for_logging(args.mtp_num_layers, args.device)
+
+
 def default_metrics_path(args):
     if args.metrics_file:
         return args.metrics_file
@@ -250,17 +262,16 @@ class TrainingLogger:
             os.makedirs(os.path.dirname(os.path.abspath(metrics_path)), exist_ok=True)
             # Appending lets a resumed run continue the record of the run it resumes.
             self._metrics_stream = open(metrics_path, "a")
-        if args.tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tensorboard = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=1000)
+        # TensorBoard and/or Weights & Biases, fed the same scalars (scalar_writers.py).
+        self._tensorboard = build_scalar_writers(args)
 
     def log_iteration(self, report):
         """`report`: iteration, losses (dict), learning_rate, loss_scale, grad_norm, num_zeros, skipped, nan,
         iteration_time_s, consumed_samples, global_batch_size, memory (from `memory_usage`), rank."""
         args = self.args
         iteration = report["iteration"]
-        report["losses"] = {**report["losses"], **moe_aux_losses(args)}  # collective: every rank logs
+        # Collectives: every rank logs.
+        report["losses"] = {**report["losses"], **moe_aux_losses(args), **mtp_losses(args)}
         for name, value in report["losses"].items():
             self._interval_losses[name] = self._interval_losses.get(name, 0.0) + value
         self._interval_iterations += 1
@@ -367,9 +378,15 @@ class TrainingLogger:
             return
         for name, value in report["losses"].items():
             writer.add_scalar(name, value, iteration)
-        writer.add_scalar("learning-rate", report["learning_rate"], iteration)
-        writer.add_scalar("loss-scale", report["loss_scale"], iteration)
-        writer.add_scalar("batch-size", report["global_batch_size"], iteration)
+        # Upstream's switches: learning rate and loss scale on unless turned off, batch and world size on request.
+        if getattr(args, "log_learning_rate_to_tensorboard", True):
+            writer.add_scalar("learning-rate", report["learning_rate"], iteration)
+        if getattr(args, "log_loss_scale_to_tensorboard", True):
+            writer.add_scalar("loss-scale", report["loss_scale"], iteration)
+        if getattr(args, "log_batch_size_to_tensorboard", False):
+            writer.add_scalar("batch-size", report["global_batch_size"], iteration)
+        if getattr(args, "log_world_size_to_tensorboard", False):
+            writer.add_scalar("world-size", args.world_size, iteration)
         writer.add_scalar("iteration-time", report["iteration_time_s"], iteration)
         if report["grad_norm"] is not None:
             writer.add_scalar("grad-norm", report["grad_norm"], iteration)

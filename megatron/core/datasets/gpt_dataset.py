@@ -6,6 +6,7 @@ end of each. Sample i is the window of `sequence_length + 1` tokens starting at 
 of that stream; `tokens` are its first `sequence_length` tokens and `labels` its last.
 """
 
+import concurrent.futures
 import dataclasses
 import os
 from typing import Any, Optional
@@ -31,7 +32,11 @@ class GPTDatasetConfig:
 
     `blend` is `(prefixes, weights)` as parsed from `--data-path` (weights None: equal shares), e.g.
     `(["a_text_document", "b_text_document"], [0.3, 0.7])`. `split` divides each dataset's documents into
-    train/valid/test (`--split 969,30,1`). Index arrays are cached as .npy files in `path_to_cache`.
+    train/valid/test (`--split 969,30,1`). `blend_per_split` instead names a blend (or None) for each of train,
+    valid and test (`--train-data-path` ...), each using all of its datasets' documents; `split` is then unused.
+    Index arrays are cached as .npy files in `path_to_cache`. `mmap_bin_files` False reads the `.bin` files
+    into memory; `num_dataset_builder_threads` opens datasets and builds their indices in parallel; with
+    `shared_filesystem` False the first rank of each node (not of the job) builds the cached indices.
     """
 
     random_seed: int
@@ -45,16 +50,32 @@ class GPTDatasetConfig:
     eod_mask_loss: bool = False
     create_attention_mask: bool = False
     mock: bool = False
+    blend_per_split: Optional[tuple] = None
+    mmap_bin_files: bool = True
+    num_dataset_builder_threads: int = 1
+    shared_filesystem: bool = True
 
     def __post_init__(self):
         if int(self.sequence_length) < 1:
             raise ValueError(f"--seq-length must be a positive integer (got {self.sequence_length})")
+        if int(self.num_dataset_builder_threads) < 1:
+            raise ValueError(
+                f"--num-dataset-builder-threads must be at least 1 (got {self.num_dataset_builder_threads})")
         object.__setattr__(self, "split_fractions", parse_split(self.split))
+        if self.blend is not None and self.blend_per_split is not None:
+            raise ValueError("--data-path and --train-data-path / --valid-data-path / --test-data-path are exclusive")
         if self.mock:
             if self.tokenizer is None:
                 raise ValueError("--mock-data needs a tokenizer (e.g. --tokenizer-type NullTokenizer --vocab-size N)")
+        elif self.blend_per_split is not None:
+            if len(self.blend_per_split) != 3 or all(blend is None for blend in self.blend_per_split):
+                raise ValueError("blend_per_split needs three entries (train, valid, test), at least one a blend")
+            object.__setattr__(self, "blend_per_split", tuple(
+                None if blend is None else self._normalized_blend(blend) for blend in self.blend_per_split))
         elif self.blend is None:
-            raise ValueError("no data: give --data-path PREFIX [PREFIX ...] (or --mock-data)")
+            raise ValueError("no data: give --data-path PREFIX [PREFIX ...] (or --mock-data); for --train-data-path "
+                             "/ --valid-data-path / --test-data-path the datasets provider must pass them as "
+                             "blend_per_split (megatron.training.datasets.gpt_dataset_config builds the config)")
         else:
             object.__setattr__(self, "blend", self._normalized_blend(self.blend))
         needs_eod = self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss
@@ -208,39 +229,65 @@ def _check_data_files(prefixes):
         )
 
 
+def _map(config, function, items):
+    """`[function(item)]`, on `config.num_dataset_builder_threads` threads (index building is numpy work)."""
+    if config.num_dataset_builder_threads == 1 or len(items) < 2:
+        return [function(item) for item in items]
+    with concurrent.futures.ThreadPoolExecutor(config.num_dataset_builder_threads) as pool:
+        return list(pool.map(function, items))
+
+
+def _open_indexed(config, prefixes):
+    _check_data_files(prefixes)
+    return _map(config, lambda prefix: IndexedDataset(prefix, mmap=config.mmap_bin_files), list(prefixes))
+
+
+def _build_split(config, split, weights, indexed, document_ranges, count, split_fractions):
+    """The dataset of one split: a GPTDataset, or a BlendedDataset over several (their `document_ranges`)."""
+    if len(indexed) == 1:
+        return GPTDataset(indexed[0], config, split, document_ranges[0], count)
+    if count is None:
+        raise ValueError(f"a blend of several datasets needs a sample count for the {split.name} split")
+    blend_description = {
+        "prefixes": [os.path.abspath(dataset.path_prefix) for dataset in indexed],
+        "split": split.name,
+        "split_fractions": split_fractions,
+    }
+    shares = normalize_weights(weights, len(indexed))
+    dataset_index, dataset_sample_index = blending_schedule(shares, count, config.path_to_cache, blend_description)
+    samples_per_dataset = np.bincount(np.asarray(dataset_index), minlength=len(indexed))
+    parts = _map(config, lambda part: GPTDataset(part[0], config, split, part[1], int(part[2])) if part[2] else None,
+                 list(zip(indexed, document_ranges, samples_per_dataset)))
+    return BlendedDataset(parts, shares, count, dataset_index, dataset_sample_index)
+
+
 def _build_split_datasets(config, train_valid_test_num_samples):
     if config.mock:
         return tuple(
             MockGPTDataset(config, split, count) if count else None
             for split, count in zip(Split, train_valid_test_num_samples)
         )
+    if config.blend_per_split is not None:  # each split its own datasets, all of their documents
+        results = []
+        for split, count, blend in zip(Split, train_valid_test_num_samples, config.blend_per_split):
+            if count == 0 or blend is None:
+                results.append(None)
+                continue
+            indexed = _open_indexed(config, blend[0])
+            whole = [(0, len(dataset)) for dataset in indexed]
+            results.append(_build_split(config, split, blend[1], indexed, whole, count, None))
+        return tuple(results)
     prefixes, weights = config.blend
-    _check_data_files(prefixes)
-    indexed = [IndexedDataset(prefix) for prefix in prefixes]
+    indexed = _open_indexed(config, prefixes)
     ranges = [split_document_ranges(len(dataset), config.split_fractions) for dataset in indexed]
     results = []
     for split, count in zip(Split, train_valid_test_num_samples):
         if count == 0 or config.split_fractions[split.value] == 0:
             results.append(None)
             continue
-        if len(indexed) == 1:
-            results.append(GPTDataset(indexed[0], config, split, ranges[0][split.value], count))
-            continue
-        if count is None:
-            raise ValueError(f"a blend of several --data-path datasets needs a sample count for the {split.name} split")
-        blend_description = {
-            "prefixes": [os.path.abspath(prefix) for prefix in prefixes],
-            "split": split.name,
-            "split_fractions": list(config.split_fractions),
-        }
-        shares = normalize_weights(weights, len(indexed))
-        dataset_index, dataset_sample_index = blending_schedule(shares, count, config.path_to_cache, blend_description)
-        samples_per_dataset = np.bincount(np.asarray(dataset_index), minlength=len(indexed))
-        parts = [
-            GPTDataset(dataset, config, split, dataset_ranges[split.value], int(part_count)) if part_count else None
-            for dataset, dataset_ranges, part_count in zip(indexed, ranges, samples_per_dataset)
-        ]
-        results.append(BlendedDataset(parts, shares, count, dataset_index, dataset_sample_index))
+        split_ranges = [dataset_ranges[split.value] for dataset_ranges in ranges]
+        results.append(_build_split(config, split, weights, indexed, split_ranges, count,
+                                    list(config.split_fractions)))
     return tuple(results)
 
 
@@ -248,7 +295,8 @@ def build_gpt_datasets(config, train_valid_test_num_samples):
     """(train, valid, test) datasets; a split is None when it gets no samples or no share of `--split`.
 
     With `torch.distributed` initialised and a cache directory, rank 0 builds (and caches) the indices
-    first and the other ranks then load them, so the work is done once.
+    first and the other ranks then load them, so the work is done once; without a shared filesystem
+    (`shared_filesystem` False) the first rank of each node (LOCAL_RANK 0) builds them for its node.
     """
     counts = tuple(train_valid_test_num_samples)
     if len(counts) != 3:
@@ -257,9 +305,15 @@ def build_gpt_datasets(config, train_valid_test_num_samples):
     if not distributed or config.path_to_cache is None or torch.distributed.get_world_size() == 1:
         return _build_split_datasets(config, counts)
     datasets = None
-    if torch.distributed.get_rank() == 0:
+    if _builds_index_cache(config):
         datasets = _build_split_datasets(config, counts)
     torch.distributed.barrier()
     if datasets is None:
         datasets = _build_split_datasets(config, counts)
     return datasets
+
+
+def _builds_index_cache(config):
+    if config.shared_filesystem:
+        return torch.distributed.get_rank() == 0
+    return int(os.environ.get("LOCAL_RANK", torch.distributed.get_rank())) == 0

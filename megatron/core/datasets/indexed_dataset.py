@@ -202,14 +202,16 @@ class IndexedDataset:
     """Read-only access to the sequences of `path_prefix.bin` / `path_prefix.idx`.
 
     `dataset[i]` is sequence i as a numpy array; `dataset[a:b]` is a list of sequences; `get(i, offset,
-    length)` reads part of a sequence without touching the rest.
+    length)` reads part of a sequence without touching the rest. With `mmap=False` (`--no-mmap-bin-files`) the
+    `.bin` is read into memory once instead of being memory-mapped (for filesystems where mapping is slow).
     """
 
-    def __init__(self, path_prefix):
-        self._open(path_prefix)
+    def __init__(self, path_prefix, mmap=True):
+        self._open(path_prefix, mmap)
 
-    def _open(self, path_prefix):
+    def _open(self, path_prefix, mmap=True):
         self.path_prefix = path_prefix
+        self.mmap = bool(mmap)
         bin_path, idx_path = data_file_path(path_prefix), index_file_path(path_prefix)
         missing = [path for path in (idx_path, bin_path) if not os.path.isfile(path)]
         if missing:
@@ -218,16 +220,20 @@ class IndexedDataset:
         self._index = _IndexReader(idx_path, bin_size)
         self.dtype = self._index.dtype
         # np.memmap cannot map an empty file; an empty dataset gets an empty array instead.
-        self._tokens = (
-            np.memmap(bin_path, mode="r", dtype=self.dtype, order="C") if bin_size > 0 else np.zeros(0, self.dtype)
-        )
+        if bin_size == 0:
+            self._tokens = np.zeros(0, self.dtype)
+        elif self.mmap:
+            self._tokens = np.memmap(bin_path, mode="r", dtype=self.dtype, order="C")
+        else:
+            self._tokens = np.fromfile(bin_path, dtype=self.dtype)
 
     def __getstate__(self):
         # Reopen by path in another process (e.g. a spawned DataLoader worker) instead of pickling the maps.
-        return self.path_prefix
+        return (self.path_prefix, self.mmap)
 
-    def __setstate__(self, path_prefix):
-        self._open(path_prefix)
+    def __setstate__(self, state):
+        path_prefix, mmap = state if isinstance(state, tuple) else (state, True)
+        self._open(path_prefix, mmap)
 
     @property
     def sequence_lengths(self):

@@ -25,7 +25,8 @@ import torch
 from megatron.core.expert_parameters import global_expert_name
 
 TIED_EMBEDDING_NAME = "embedding.word_embeddings.weight"
-_LAYER_INDEX = re.compile(r"(^|\.)layers\.(\d+)\.")
+# Only the decoder's layers are numbered per stage; other `layers.{i}` (the MTP depths, `mtp.layers.{k}`) are not.
+_LAYER_INDEX = re.compile(r"(^|\.)decoder\.layers\.(\d+)\.")
 
 
 class TensorParallelRank(NamedTuple):
@@ -60,7 +61,7 @@ def logical_name(local_name: str, layer_offset: int) -> str:
     """`decoder.layers.{i}.x` of a stage whose first layer is `layer_offset` -> `decoder.layers.{offset+i}.x`."""
     if layer_offset == 0:
         return local_name
-    return _LAYER_INDEX.sub(lambda m: f"{m.group(1)}layers.{int(m.group(2)) + layer_offset}.", local_name, count=1)
+    return _LAYER_INDEX.sub(lambda m: f"{m.group(1)}decoder.layers.{int(m.group(2)) + layer_offset}.", local_name, count=1)
 
 
 def current_tensor_parallel_rank() -> TensorParallelRank:

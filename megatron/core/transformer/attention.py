@@ -7,6 +7,8 @@ rows is a set of whole groups with their own queries, key and value, so each ran
 only, and the output projection is row-parallel and sums the heads' contributions across ranks. The layout does
 not depend on the tensor-parallel size, so the same full weight gives the same model at every TP size.
 
+The QKV projection has a bias with `add_bias_linear` or, alone among the linears, with `add_qkv_bias` (Qwen2).
+
 With `qk_layernorm` each query and key head is normalised over its head_dim by a norm shared by all heads. Ranks
 hold different heads, so a rank's gradient of those weights is a partial sum: they carry `sequence_parallel=True`,
 which makes gradient finalisation all-reduce them over the tensor-parallel group.
@@ -68,7 +70,7 @@ class SelfAttention(Attention):
                 qkv_size,
                 config=config,
                 init_method=config.init_method,
-                bias=config.add_bias_linear,
+                bias=config.add_bias_linear or config.add_qkv_bias,
                 gather_output=False,
                 **qkv_kwargs,
             ),
@@ -135,8 +137,9 @@ class SelfAttention(Attention):
             query, key = self.q_layernorm(query), self.k_layernorm(key)
 
         if rotary_pos_emb is not None:
-            query = apply_rotary_pos_emb(query, rotary_pos_emb)
-            key = apply_rotary_pos_emb(key, rotary_pos_emb)
+            interleaved = self.config.rotary_interleaved
+            query = apply_rotary_pos_emb(query, rotary_pos_emb, interleaved=interleaved)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb, interleaved=interleaved)
 
         if self.config.recompute_granularity == "selective":
             context = checkpointed(self.core_attention, query, key, value, attention_mask)

@@ -6,12 +6,12 @@ of pipeline rank `r`, so a layout of `p * v` stages gives every rank `v` chunks.
     E   the embedding (must open the first stage)
     t   one transformer layer
     L   the loss: final norm, output layer and loss (must close the last stage)
-    m   a multi-token-prediction layer (upstream only: rejected here, this project has no MTP)
+    m   a multi-token-prediction depth (`--mtp-num-layers`): all of them in the last stage, just before `L`
 
 `X*N` repeats the symbol or parenthesised group `X` N times (N >= 0; groups nest and may contain `|`);
 whitespace and commas are ignored (they only help reading). A stage may hold no transformer layer: it then
 passes its input through. Examples with p = 2: `Ett|ttL` (two layers each), `E|t*4L` (the embedding alone
-on rank 0), `Et|(tt|)*2tL` (p = 2, v = 2: 1, 2, 2, 1 layers of six).
+on rank 0), `Et|(tt|)*2tL` (p = 2, v = 2: 1, 2, 2, 1 layers of six), `Ett|ttmL` (one MTP depth).
 
 Grammar (after dropping whitespace and commas):
 
@@ -170,12 +170,9 @@ class PipelineParallelLayerLayout:
 
     def validate_layer_layout(self, num_layers: int, mtp_num_layers: Optional[int] = None):
         """Raise ValueError unless the layout places exactly `num_layers` transformer layers, the embedding at
-        the start of the first stage and the loss at the end of the last; MTP layers are not supported."""
-        if mtp_num_layers or any(MTP in stage for stage in self.stages):
-            raise ValueError(
-                f"{LAYOUT_FLAG} {self.text!r}: multi-token-prediction layers ('m') are not supported here; "
-                "remove them from the layout"
-            )
+        the start of the first stage and the loss at the end of the last, and any multi-token-prediction depths
+        (`m`) together just before the loss. `mtp_num_layers` (`--mtp-num-layers`, 0 for none) must then equal
+        the count of `m`; None leaves the count unchecked (a caller that does not know the flag)."""
         placed = sum(self.decoder_layer_counts())
         if placed != num_layers:
             raise ValueError(
@@ -193,6 +190,30 @@ class PipelineParallelLayerLayout:
                     f"{LAYOUT_FLAG} {self.text!r}: the {name} ('{symbol}') must appear once, as the {where} "
                     f"(found {found}); e.g. 'Ett|ttL'"
                 )
+        self._validate_mtp_placement(mtp_num_layers)
+
+    def mtp_layer_count(self) -> int:
+        """Multi-token-prediction depths (`m`) the layout places."""
+        return sum(stage.count(MTP) for stage in self.stages)
+
+    def _validate_mtp_placement(self, mtp_num_layers):
+        found = self.mtp_layer_count()
+        if mtp_num_layers is not None and found != mtp_num_layers:
+            raise ValueError(
+                f"{LAYOUT_FLAG} {self.text!r} places {found} multi-token-prediction depths ('m') but "
+                f"--mtp-num-layers is {mtp_num_layers or 'unset'}; make them agree (e.g. 'Ett|tt"
+                f"{'m' * max(mtp_num_layers or 1, 1)}L')"
+            )
+        if not found:
+            return
+        last = self.stages[-1]
+        # The depths run after the decoder's last layer on the last stage and feed the loss: '...t m m L'.
+        expected_tail = (MTP,) * found + (LOSS,)
+        if any(MTP in stage for stage in self.stages[:-1]) or last[-len(expected_tail):] != expected_tail:
+            raise ValueError(
+                f"{LAYOUT_FLAG} {self.text!r}: the multi-token-prediction depths ('m') must all sit in the last "
+                "stage, after its transformer layers and just before the loss ('L'), e.g. 'Et|tt|tmL'"
+            )
 
     def __eq__(self, other):
         if not isinstance(other, PipelineParallelLayerLayout):

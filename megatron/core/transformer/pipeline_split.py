@@ -13,7 +13,8 @@ The flags, with upstream Megatron-LM's names and rules (one way at a time):
 - `--account-for-embedding-in-pipeline-split` / `--account-for-loss-in-pipeline-split`: the embedding / loss
   counts as one layer: (L + extras) / (p * v) per virtual stage, one fewer on the first / last virtual stage.
 - `--pipeline-model-parallel-layout`: the count of `t` in each stage of the layout (see
-  `pipeline_parallel_layer_layout`).
+  `pipeline_parallel_layer_layout`); its `m` (multi-token prediction) must match `--mtp-num-layers`.
+Multi-token-prediction depths are not transformer layers of the split: they always run on the last stage.
 
 Pure arithmetic: no torch, no process groups. Errors are ValueErrors naming the flags.
 """
@@ -39,9 +40,12 @@ def virtual_stage_layer_counts(
     account_for_embedding: bool = False,
     account_for_loss: bool = False,
     layout: Optional[PipelineParallelLayerLayout] = None,
+    mtp_num_layers: Optional[int] = None,
 ) -> Tuple[int, ...]:
     """Transformer layers of each of the `pipeline_size * virtual_stages` virtual stages, in virtual-stage order
-    (`virtual_stages` None means 1). Raises ValueError naming the flags when the split is impossible."""
+    (`virtual_stages` None means 1). Raises ValueError naming the flags when the split is impossible.
+    `mtp_num_layers` (`--mtp-num-layers`, 0 for none) is checked against a layout's `m` count when given; the
+    MTP depths themselves always sit on the last stage and are not counted here."""
     p, v = pipeline_size, virtual_stages or 1
     uneven = first_stage_layers is not None or last_stage_layers is not None
     accounted = account_for_embedding or account_for_loss
@@ -51,7 +55,7 @@ def virtual_stage_layer_counts(
                 f"{LAYOUT_FLAG} places every layer itself: drop {FIRST_FLAG}, {LAST_FLAG}, {EMBEDDING_FLAG} and "
                 f"{LOSS_FLAG}"
             )
-        return _layout_counts(num_layers, p, v, layout)
+        return _layout_counts(num_layers, p, v, layout, mtp_num_layers)
     if uneven and accounted:
         raise ValueError(
             f"{FIRST_FLAG} / {LAST_FLAG} and {EMBEDDING_FLAG} / {LOSS_FLAG} are exclusive (as upstream): count the "
@@ -135,7 +139,7 @@ def _rank_descriptions(p, first, last):
             yield f"pipeline stage {rank} (an even share of the rest)"
 
 
-def _layout_counts(num_layers, p, v, layout):
+def _layout_counts(num_layers, p, v, layout, mtp_num_layers=None):
     if layout.pipeline_model_parallel_size != p:
         raise ValueError(f"{LAYOUT_FLAG} was parsed for --pipeline-model-parallel-size "
                          f"{layout.pipeline_model_parallel_size}, but the pipeline has {p} stages")
@@ -146,7 +150,7 @@ def _layout_counts(num_layers, p, v, layout):
             f"--pipeline-model-parallel-size {p}, but {VPP_FLAGS} asks for {v}; drop the virtual-pipeline flag "
             "(the layout sets it) or make them agree"
         )
-    layout.validate_layer_layout(num_layers)
+    layout.validate_layer_layout(num_layers, mtp_num_layers)
     return layout.decoder_layer_counts()
 
 
@@ -185,4 +189,5 @@ def split_of_config(config) -> Tuple[int, ...]:
         account_for_embedding=getattr(config, "account_for_embedding_in_pipeline_split", False),
         account_for_loss=getattr(config, "account_for_loss_in_pipeline_split", False),
         layout=getattr(config, "pipeline_model_parallel_layout", None),
+        mtp_num_layers=getattr(config, "mtp_num_layers", None) or 0,
     )

@@ -128,11 +128,16 @@ class TransformerBlock(torch.nn.Module):
             if self.input_tensor is None:
                 raise RuntimeError("a pipeline stage that is not first needs set_input_tensor() before forward")
             hidden_states = self.input_tensor
+        if self.config.fp32_residual_connection:
+            # The residual stream stays fp32 through the layers (and between pipeline stages).
+            hidden_states = hidden_states.float()
         if self.config.recompute_granularity == "full" and self.training:
             hidden_states = self._forward_with_full_recompute(hidden_states, attention_mask, rotary_pos_emb)
         else:
             hidden_states = self._run_layers(0, len(self.layers))(hidden_states, attention_mask, rotary_pos_emb)
         if self.final_layernorm is not None:
+            if self.config.fp32_residual_connection:
+                hidden_states = hidden_states.to(self.config.params_dtype)
             hidden_states = self.final_layernorm(hidden_states)
         elif not self.layers and not self.pre_process:
             # A middle stage without layers passes its input on, but not as the received tensor itself: the

@@ -11,12 +11,14 @@ keeps the old ffn_hidden_size / kv_channels / init methods unless they are passe
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import torch
 import torch.nn.functional as F
 
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer.init_methods import init_method_normal, scaled_init_method_normal
 from megatron.core.transformer.moe.moe_config import MoEConfigMixin
 from megatron.core.transformer.mla_config import MLAConfigMixin
+from megatron.core.transformer.mtp_config import MTPConfigMixin
 from megatron.core.transformer.pipeline_parallel_layer_layout import LAYOUT_FLAG, PipelineParallelLayerLayout
 from megatron.core.transformer.pipeline_split import layers_per_pipeline_rank, split_of_config
 
@@ -26,7 +28,7 @@ RECOMPUTE_METHODS = (None, "uniform", "block")
 
 
 @dataclass(frozen=True, kw_only=True)
-class TransformerConfig(MLAConfigMixin, MoEConfigMixin, ModelParallelConfig):
+class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelParallelConfig):
     """Transformer shape, regularisation, initialisation and activation-recompute settings."""
 
     num_layers: int
@@ -67,6 +69,20 @@ class TransformerConfig(MLAConfigMixin, MoEConfigMixin, ModelParallelConfig):
     activation_func: Optional[Callable] = None
     """MLP activation; None means silu for a gated MLP (swiglu) and gelu otherwise."""
     add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    """A bias on the QKV projection even when `add_bias_linear` is False (`--add-qkv-bias`, Qwen2-style); its
+    checkpoint name is `self_attention.linear_qkv.bias`."""
+    rotary_interleaved: bool = False
+    """RoPE rotates the channel pairs (0, 1), (2, 3), ... instead of (i, i + rot_dim / 2) (`--rotary-interleaved`)."""
+    rotary_seq_len_interpolation_factor: Optional[float] = None
+    """RoPE positions are divided by this factor (`--rotary-seq-len-interpolation-factor`, linear position
+    interpolation); None means 1."""
+    apply_residual_connection_post_layernorm: bool = False
+    """The residual of attention and MLP is their normalised input instead of the un-normalised one
+    (`--apply-residual-connection-post-layernorm`, the original BERT ordering)."""
+    fp32_residual_connection: bool = False
+    """With bf16/fp16 parameters the residual stream (the sum through the layers) is kept in fp32; the norms and
+    sublayers compute in the parameters' dtype (`--fp32-residual-connection`)."""
 
     # FP8 (see megatron.core.fp8_utils)
     transformer_impl: str = "local"
@@ -144,11 +160,15 @@ class TransformerConfig(MLAConfigMixin, MoEConfigMixin, ModelParallelConfig):
     is context_parallel_size."""
 
     def __post_init__(self):
+        if self.fp32_residual_connection and self.pipeline_dtype is None:
+            # The residual stream is what pipeline stages exchange.
+            self._set("pipeline_dtype", torch.float32)
         parent_post_init = getattr(super(), "__post_init__", None)
         if parent_post_init is not None:
             parent_post_init()
         self._validate_shape()
         self._fill_derived_defaults()
+        self._validate_multi_token_prediction()  # before the split: a layout's 'm' count is checked there
         self._validate_parallel_split()
         self._validate_moe()
         self._validate_regularisation_and_norm()
@@ -157,6 +177,7 @@ class TransformerConfig(MLAConfigMixin, MoEConfigMixin, ModelParallelConfig):
         self._validate_fp8()
         self._validate_context_parallel()
         self._validate_multi_latent_attention()
+        self._validate_layer_variants()
 
     def _set(self, name, value):
         object.__setattr__(self, name, value)
@@ -252,6 +273,29 @@ class TransformerConfig(MLAConfigMixin, MoEConfigMixin, ModelParallelConfig):
             raise ValueError(f"--normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
         if self.layernorm_epsilon <= 0:
             raise ValueError(f"layernorm_epsilon must be positive, got {self.layernorm_epsilon}")
+
+    def _validate_layer_variants(self):
+        if self.fp32_residual_connection:
+            if not (self.fp16 or self.bf16):
+                raise ValueError("--fp32-residual-connection keeps the residual in fp32 under --bf16 or --fp16; "
+                                 "with fp32 parameters it is already fp32: drop the flag")
+            if self.pipeline_dtype != torch.float32:
+                raise ValueError(f"--fp32-residual-connection sends the fp32 residual between pipeline stages; "
+                                 f"pipeline_dtype must be torch.float32 (or None), got {self.pipeline_dtype}")
+        factor = self.rotary_seq_len_interpolation_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0):
+            raise ValueError(f"--rotary-seq-len-interpolation-factor must be a positive number, got {factor!r}")
+        if self.multi_latent_attention:
+            for flag, value in (("--rotary-interleaved", self.rotary_interleaved),
+                                ("--rotary-seq-len-interpolation-factor", factor is not None)):
+                if value:
+                    raise ValueError(f"{flag} applies to the rotary embedding of standard attention; "
+                                     "--multi-latent-attention has its own (--rope-type, --rotary-scaling-factor): "
+                                     f"drop {flag}")
+            if self.add_qkv_bias:
+                raise ValueError("--add-qkv-bias adds a bias to standard attention's QKV projection, which "
+                                 "--multi-latent-attention does not have: drop --add-qkv-bias (without "
+                                 "--disable-bias-linear every linear has a bias)")
 
     def _validate_cpu_offloading(self):
         if not self.cpu_offloading:

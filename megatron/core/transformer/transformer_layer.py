@@ -1,9 +1,16 @@
 """One pre-norm transformer layer: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))).
 
+With `apply_residual_connection_post_layernorm` the residual is the normalised input instead:
+norm(x) + drop(attn(norm(x))), then the same around the MLP. With `fp32_residual_connection` the residual stream
+`x` is fp32 (the block casts its input); each norm reads it in the parameters' dtype, and the sums promote back
+to fp32.
+
 Under `--transformer-impl transformer_engine` the two norms run inside the first linear of the attention (QKV)
 and of the MLP (fc1), Transformer Engine's fused LayerNorm-linear, as in Megatron's TE layer spec; the layer then
 does not apply them itself. The norm modules stay the layer's (`input_layernorm`, `pre_mlp_layernorm`) and the
-fused linears use their parameters, so both implementations have the same parameter and checkpoint names.
+fused linears use their parameters, so both implementations have the same parameter and checkpoint names. The
+post-layernorm residual needs the norm's output itself, so with it the layer applies its norms and TE's plain
+linears run.
 """
 
 import torch
@@ -38,7 +45,8 @@ class TransformerLayer(torch.nn.Module):
             base_init_seed = resolve_base_init_seed(config)
         self.init_seed = layer_init_seed(base_init_seed, layer_number)
         # Under TE the norms are applied by the fused LayerNorm-linears (QKV, fc1), with these modules' parameters.
-        self.norms_fused_into_linears = uses_transformer_engine(config)
+        self.norms_fused_into_linears = (uses_transformer_engine(config)
+                                         and not config.apply_residual_connection_post_layernorm)
         fused = self.norms_fused_into_linears
         self.input_layernorm = build_norm(config, config.hidden_size)
         if config.multi_latent_attention:
@@ -67,15 +75,24 @@ class TransformerLayer(torch.nn.Module):
                 return self.hidden_dropout(x)
         return self.hidden_dropout(x)
 
-    def _norm(self, norm, hidden_states):
-        return hidden_states if self.norms_fused_into_linears else norm(hidden_states)
+    def _norm(self, norm, hidden_states, fused):
+        """The sublayer's input: `norm(hidden_states)`, or `hidden_states` itself when the sublayer's first linear
+        applies the norm (`fused`). An fp32 residual is read in the parameters' dtype."""
+        if self.config.fp32_residual_connection:
+            hidden_states = hidden_states.to(self.config.params_dtype)
+        return hidden_states if fused else norm(hidden_states)
+
+    def _residual_add(self, residual, sublayer_input, sublayer_output):
+        if self.config.apply_residual_connection_post_layernorm:
+            residual = sublayer_input
+        if self.config.fp32_residual_connection:
+            residual = residual.float()
+        return residual + self._dropout(sublayer_output)
 
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None):
-        attention_output = self.self_attention(
-            self._norm(self.input_layernorm, hidden_states), attention_mask=attention_mask,
-            rotary_pos_emb=rotary_pos_emb,
-        )
-        hidden_states = hidden_states + self._dropout(attention_output)
-        mlp_input = hidden_states if self.norms_fused_into_mlp else self.pre_mlp_layernorm(hidden_states)
-        mlp_output = self.mlp(mlp_input)
-        return hidden_states + self._dropout(mlp_output)
+        attention_input = self._norm(self.input_layernorm, hidden_states, self.norms_fused_into_linears)
+        attention_output = self.self_attention(attention_input, attention_mask=attention_mask,
+                                               rotary_pos_emb=rotary_pos_emb)
+        hidden_states = self._residual_add(hidden_states, attention_input, attention_output)
+        mlp_input = self._norm(self.pre_mlp_layernorm, hidden_states, self.norms_fused_into_mlp)
+        return self._residual_add(hidden_states, mlp_input, self.mlp(mlp_input))

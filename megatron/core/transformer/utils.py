@@ -29,6 +29,12 @@ def initialize_from_cpu_master(param: torch.nn.Parameter, init_method) -> None:
         param.copy_(master.to(dtype=param.dtype))
 
 
+def openai_gelu(x: torch.Tensor) -> torch.Tensor:
+    """GeLU's tanh approximation, 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) (`--openai-gelu`): the
+    activation of the original GPT-2 code, kept for models trained with it."""
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
 EXTRA_STATE_SUFFIX = "_extra_state"
 
 

@@ -6,7 +6,10 @@ messages name the flags involved.
 """
 
 from megatron.training.argument_groups import (
+    activation_recompute,
     checkpoint,
+    checkpoint_args,
+    communication,
     data,
     data_parallel,
     data_parallel_tuning,
@@ -15,10 +18,14 @@ from megatron.training.argument_groups import (
     memory,
     mla,
     model,
+    model_builders,
     moe,
+    mtp,
     numerics,
     parallelism,
     pipeline_split,
+    profiling,
+    resilience,
     result_validation,
     run_control,
     training,
@@ -26,10 +33,16 @@ from megatron.training.argument_groups import (
 )
 
 # Order matters for validation: later groups read values derived by earlier ones (e.g. data_parallel_size).
+# checkpoint_args comes first: --use-checkpoint-args replaces model flags before anything is derived from them.
 # memory precedes data_parallel: --main-grads-dtype bf16 opts out of the fp32 gradients data_parallel sets for --bf16.
+# activation_recompute precedes training: --recompute-activations sets the granularity training's rules check.
+# model_builders precedes model: a flag asking for another model builder stops before shape rules run.
+# communication follows virtual_pipeline: its p2p rules depend on the virtual stages per rank.
 # moe comes last: it validates by building the transformer config from every other group's values.
 # virtual_pipeline follows training: its microbatch rule needs the global and micro batch sizes.
 # pipeline_split follows virtual_pipeline: the layers must divide into the virtual stages per rank it derives.
-ARGUMENT_GROUPS = (parallelism, model, mla, training, virtual_pipeline, pipeline_split, data, logging_eval,
-                   checkpoint, memory, data_parallel, fp8, result_validation, numerics, data_parallel_tuning,
-                   run_control, moe)
+# mtp follows pipeline_split: a layout's 'm' symbols must match --mtp-num-layers.
+ARGUMENT_GROUPS = (checkpoint_args, model_builders, parallelism, model, mla, activation_recompute, training,
+                   virtual_pipeline, pipeline_split, mtp, data, logging_eval, profiling, checkpoint, memory,
+                   data_parallel, communication, fp8, result_validation, numerics, data_parallel_tuning, run_control,
+                   resilience, moe)

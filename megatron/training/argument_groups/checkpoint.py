@@ -1,5 +1,7 @@
 """Checkpoint flags."""
 
+import os
+
 from megatron.core.dist_checkpointing.strictness import STRICTNESS_CHOICES
 
 LOGICAL_FORMATS = ("torch_dist", "torch_dcp", "fsdp_dtensor")
@@ -77,13 +79,134 @@ def add_arguments(parser):
         help="torch_dist: spread the reading of replicated tensors over data-parallel ranks.",
     )
     group.add_argument(
+        "--auto-detect-ckpt-format",
+        action="store_true",
+        help="Load the --load checkpoint in whichever format it is (torch or torch_dist), whatever --ckpt-format "
+        "says; saving still uses --ckpt-format.",
+    )
+    group.add_argument("--use-dist-ckpt", action="store_true", dest="use_dist_ckpt_deprecated",
+                       help="Deprecated: the same as --ckpt-format torch_dist (the default).")
+    group.add_argument("--dist-ckpt-format", default=None, choices=["torch_dist", "zarr"],
+                       dest="dist_ckpt_format_deprecated",
+                       help="Deprecated: use --ckpt-format. torch_dist maps to it; zarr is not supported.")
+    group.add_argument(
+        "--ckpt-convert-format",
+        default=None,
+        choices=["torch", "torch_dist", "zarr"],
+        help="Load the --load checkpoint, save it in this format to --ckpt-convert-save, and stop (no training). "
+        "zarr is not supported.",
+    )
+    group.add_argument("--ckpt-convert-save", default=None, help="Where --ckpt-convert-format writes.")
+    group.add_argument(
+        "--save-retain-interval",
+        type=int,
+        default=None,
+        help="After each successful save, delete the checkpoints under --save whose iteration is not a multiple "
+        "of N, except the latest.",
+    )
+    group.add_argument(
+        "--non-persistent-save-interval",
+        type=int,
+        default=None,
+        help="Also save a non-persistent checkpoint every N iterations (only the latest is kept); --load resumes "
+        "the newer of it and the persistent one.",
+    )
+    group.add_argument(
+        "--non-persistent-ckpt-type",
+        default="global",
+        choices=["global", "local", "in_memory"],
+        help="global (default): torch_dist checkpoints in --non-persistent-global-ckpt-dir. local and in_memory "
+        "(nvidia-resiliency-ext in upstream Megatron-LM) are not supported.",
+    )
+    group.add_argument("--non-persistent-global-ckpt-dir", default=None,
+                       help="Non-persistent checkpoints' directory (default: <--save>/non_persistent when saving, "
+                       "<--load>/non_persistent when loading).")
+    group.add_argument("--non-persistent-local-ckpt-dir", default=None,
+                       help="--non-persistent-ckpt-type local: not supported.")
+    group.add_argument("--non-persistent-local-ckpt-algo", default=None, choices=["fully_parallel", "atomic"],
+                       help="--non-persistent-ckpt-type local: not supported.")
+    group.add_argument(
         "--ckpt-assume-constant-structure",
         action="store_true",
         help="torch_dist: reuse the save plan of the previous checkpoint (the model's state keeps its layout).",
     )
 
 
+def _print_rank0(args, message):
+    if getattr(args, "rank", 0) == 0:
+        print(message, flush=True)
+
+
+def _validate_deprecated_aliases(args):
+    """--use-dist-ckpt and --dist-ckpt-format torch_dist name the default format under their old names."""
+    if args.dist_ckpt_format_deprecated == "zarr":
+        raise ValueError("--dist-ckpt-format zarr: the zarr format is not supported (upstream deprecated it too); "
+                         "use --ckpt-format torch_dist")
+    for given, flag in ((args.use_dist_ckpt_deprecated, "--use-dist-ckpt"),
+                        (args.dist_ckpt_format_deprecated, "--dist-ckpt-format torch_dist")):
+        if not given:
+            continue
+        if args.ckpt_format not in LOGICAL_FORMATS:
+            raise ValueError(f"{flag} asks for the torch_dist format but --ckpt-format is {args.ckpt_format}: drop "
+                             f"{flag.split()[0]} (deprecated) and keep one --ckpt-format")
+        _print_rank0(args, f"WARNING: {flag} is deprecated; use --ckpt-format torch_dist (the default)")
+
+
+def _validate_conversion(args):
+    if args.ckpt_convert_save is not None and args.ckpt_convert_format is None:
+        raise ValueError("--ckpt-convert-save needs --ckpt-convert-format torch|torch_dist")
+    if args.ckpt_convert_format is None:
+        return
+    if args.ckpt_convert_format == "zarr":
+        raise ValueError("--ckpt-convert-format zarr: the zarr format is not supported; convert to torch_dist")
+    if args.load is None or args.ckpt_convert_save is None:
+        raise ValueError(f"--ckpt-convert-format {args.ckpt_convert_format} needs --load DIR (the checkpoint to "
+                         "convert) and --ckpt-convert-save DIR (where the converted one goes)")
+    if os.path.abspath(args.ckpt_convert_save) == os.path.abspath(args.load):
+        raise ValueError("--ckpt-convert-save must be another directory than --load")
+
+
+def _validate_retention(args):
+    interval = args.save_retain_interval
+    if interval is None:
+        return
+    if interval <= 0:
+        raise ValueError(f"--save-retain-interval must be positive, got {interval}")
+    if args.save is None:
+        raise ValueError("--save-retain-interval needs --save DIR")
+    if args.keep_last_n is not None:
+        raise ValueError("--save-retain-interval and --keep-last-n both delete checkpoints: pick one")
+    if args.save_interval is not None and interval % args.save_interval != 0:
+        raise ValueError(f"--save-retain-interval {interval} must be a multiple of --save-interval "
+                         f"{args.save_interval}, else no periodic checkpoint would be retained")
+
+
+def _validate_non_persistent(args):
+    if args.non_persistent_ckpt_type != "global" or args.non_persistent_local_ckpt_dir is not None or \
+            args.non_persistent_local_ckpt_algo is not None:
+        flag = ("--non-persistent-ckpt-type " + args.non_persistent_ckpt_type
+                if args.non_persistent_ckpt_type != "global" else "--non-persistent-local-ckpt-dir/-algo")
+        raise ValueError(f"{flag}: node-local and in-memory non-persistent checkpoints (nvidia-resiliency-ext in "
+                         "upstream Megatron-LM) are not supported; use --non-persistent-ckpt-type global, which "
+                         "writes torch_dist checkpoints to --non-persistent-global-ckpt-dir")
+    interval = args.non_persistent_save_interval
+    if interval is None:
+        return
+    if interval <= 0:
+        raise ValueError(f"--non-persistent-save-interval must be positive, got {interval}")
+    if args.save is None and args.non_persistent_global_ckpt_dir is None:
+        raise ValueError("--non-persistent-save-interval needs --save DIR (they go to DIR/non_persistent) or "
+                         "--non-persistent-global-ckpt-dir DIR")
+    if args.ckpt_format not in LOGICAL_FORMATS:
+        raise ValueError("--non-persistent-save-interval writes torch_dist checkpoints: it needs --ckpt-format "
+                         f"torch_dist, got --ckpt-format {args.ckpt_format}")
+
+
 def validate(args):
+    _validate_deprecated_aliases(args)
+    _validate_conversion(args)
+    _validate_retention(args)
+    _validate_non_persistent(args)
     if args.save_interval is not None and args.save_interval <= 0:
         raise ValueError(f"--save-interval must be positive, got {args.save_interval}")
     if args.save_interval is not None and args.save is None:
@@ -107,3 +230,7 @@ def validate(args):
         raise ValueError(f"--expert-model-parallel-size {expert_parallel_size} checkpoints need --ckpt-format "
                          "torch_dist (experts saved by global index); the torch format keeps one file per "
                          "tensor/pipeline rank, which holds only one expert-parallel rank's experts")
+    if args.ckpt_convert_format == "torch" and (uses_fsdp or expert_parallel_size > 1):
+        raise ValueError("--ckpt-convert-format torch: the torch format holds DDP checkpoints without expert "
+                         "parallelism only (one file per tensor/pipeline rank); convert with "
+                         "--ckpt-convert-format torch_dist")

@@ -1,5 +1,23 @@
 """Data and tokenizer flags."""
 
+import json
+import os
+
+UNSUPPORTED_FLAGS = (
+    ("object_storage_cache_path", "--object-storage-cache-path",
+     "reading datasets from object storage is not supported; copy the .bin/.idx files to a local or shared "
+     "filesystem and give their path to --data-path"),
+    ("s3_cache_path", "--s3-cache-path",
+     "reading datasets from S3 is not supported; copy the .bin/.idx files to a local or shared filesystem and give "
+     "their path to --data-path"),
+    ("full_validation", "--full-validation",
+     "validation runs --eval-iters batches; set --eval-iters to the validation set's size in global batches to "
+     "cover all of it"),
+    ("multiple_validation_sets", "--multiple-validation-sets",
+     "validation sets are blended into one validation loss; run one evaluation per set (--valid-data-path SET "
+     "with --skip-train --load CKPT) to get a loss per set"),
+)
+
 
 def add_arguments(parser):
     group = parser.add_argument_group("data")
@@ -9,6 +27,15 @@ def add_arguments(parser):
         default=None,
         help="Dataset prefixes, optionally weighted: '0.3 a_text_document 0.7 b_text_document'.",
     )
+    group.add_argument("--data-args-path", default=None,
+                       help="A file holding the --data-path list (weights and prefixes, whitespace-separated).")
+    for split in ("train", "valid", "test"):
+        group.add_argument(f"--{split}-data-path", nargs="*", default=None,
+                           help=f"The {split} split's own dataset prefixes, weighted like --data-path (instead of "
+                           "--data-path with --split).")
+    group.add_argument("--per-split-data-args-path", default=None,
+                       help='A JSON file {"train": [...], "valid": [...], "test": [...]} giving --train-data-path, '
+                       "--valid-data-path and --test-data-path.")
     group.add_argument("--split", default="969, 30, 1", help="Train/valid/test proportions, e.g. '969,30,1'.")
     group.add_argument("--mock-data", action="store_true", help="Synthetic token ids instead of --data-path.")
     group.add_argument("--data-cache-path", default=None, help="Where dataset index caches are written.")
@@ -29,6 +56,31 @@ def add_arguments(parser):
                        help="TikTokenizer special tokens (must include <unk>, <s>, </s>); default <unk> <s> </s> "
                        "<mask> <pad> <cls> <sep>.")
     group.add_argument("--num-workers", type=int, default=2, help="Data-loader worker processes per rank.")
+    group.add_argument("--dataloader-type", default="single", choices=["single", "cyclic", "external"],
+                       help="single (default): the samples in the dataset's order; cyclic: a new random order every "
+                       "epoch, without end; external: the datasets provider returns the (train, valid, test) "
+                       "iterators itself, used as they are.")
+    group.add_argument("--mmap-bin-files", action="store_true", default=True,
+                       help="Memory-map the .bin files (the default).")
+    group.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
+                       help="Read the .bin files into memory instead of memory-mapping them.")
+    group.add_argument("--num-dataset-builder-threads", type=int, default=1,
+                       help="Threads that open datasets and build their indices (per rank).")
+    group.add_argument("--mid-level-dataset-surplus", type=float, default=0.005,
+                       help="Accepted for upstream scripts; no effect here: a blend asks each dataset for exactly "
+                       "the samples its schedule takes, so no surplus is needed.")
+    group.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                       dest="create_attention_mask_in_dataloader",
+                       help="Accepted for upstream scripts: the causal mask is always applied in the model; the "
+                       "dataset builds a mask only for --reset-attention-mask, which this flag excludes.")
+    group.add_argument("--no-shared-fs", action="store_true",
+                       help="The dataset index cache (--data-cache-path) is not on a filesystem all nodes share: the "
+                       "first rank of each node builds it, instead of global rank 0 only.")
+    group.add_argument("--object-storage-cache-path", default=None, help="Not supported (object storage).")
+    group.add_argument("--s3-cache-path", default=None, help="Not supported (object storage).")
+    group.add_argument("--full-validation", action="store_true", help="Not supported: use --eval-iters.")
+    group.add_argument("--multiple-validation-sets", action="store_true",
+                       help="Not supported: validation sets are evaluated as one blend.")
     group.add_argument("--reset-position-ids", action="store_true", help="Restart position ids after each EOD.")
     group.add_argument("--reset-attention-mask", action="store_true", help="Block attention across EOD tokens.")
     group.add_argument("--eod-mask-loss", action="store_true", help="Exclude EOD tokens from the loss.")
@@ -45,16 +97,67 @@ def _parse_split(split):
     return weights + [0.0] * (3 - len(weights))
 
 
+def _read_data_args_files(args):
+    """--data-args-path fills --data-path, --per-split-data-args-path the three per-split paths."""
+    if args.data_args_path is not None:
+        if args.data_path:
+            raise ValueError("--data-path and --data-args-path are exclusive: pick one")
+        if not os.path.isfile(args.data_args_path):
+            raise ValueError(f"--data-args-path {args.data_args_path}: no such file")
+        with open(args.data_args_path) as stream:
+            args.data_path = stream.read().split()
+        if not args.data_path:
+            raise ValueError(f"--data-args-path {args.data_args_path} is empty; it should hold the --data-path list")
+    if args.per_split_data_args_path is None:
+        return
+    if args.train_data_path or args.valid_data_path or args.test_data_path:
+        raise ValueError("--per-split-data-args-path and --train/valid/test-data-path are exclusive: pick one")
+    try:
+        with open(args.per_split_data_args_path) as stream:
+            per_split = json.load(stream)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--per-split-data-args-path {args.per_split_data_args_path}: {error}") from None
+    unknown = set(per_split) - {"train", "valid", "test"} if isinstance(per_split, dict) else {"(not an object)"}
+    if unknown:
+        raise ValueError(f"--per-split-data-args-path {args.per_split_data_args_path} must be a JSON object with "
+                         f'keys "train", "valid", "test"; found {sorted(unknown)}')
+    for split, paths in per_split.items():
+        words = paths.split() if isinstance(paths, str) else [str(path) for path in paths or []]
+        setattr(args, f"{split}_data_path", words or None)
+
+
+def _validate_dataset_flags(args):
+    for attribute, flag, instead in UNSUPPORTED_FLAGS:
+        if getattr(args, attribute):
+            raise ValueError(f"{flag} is not supported: {instead}")
+    if args.num_dataset_builder_threads < 1:
+        raise ValueError(f"--num-dataset-builder-threads must be at least 1, got {args.num_dataset_builder_threads}")
+    if args.mid_level_dataset_surplus < 0:
+        raise ValueError(f"--mid-level-dataset-surplus must be >= 0, got {args.mid_level_dataset_surplus}")
+    if not args.create_attention_mask_in_dataloader and args.reset_attention_mask:
+        raise ValueError("--reset-attention-mask needs the dataset's attention mask (it blocks attention across "
+                         "documents): drop --no-create-attention-mask-in-dataloader")
+
+
 def validate(args):
-    if args.mock_data and args.data_path:
-        raise ValueError("--mock-data and --data-path are exclusive: pick one")
-    if not args.mock_data and not args.data_path:
-        raise ValueError("give --data-path PREFIX [...] or --mock-data")
+    _read_data_args_files(args)
+    _validate_dataset_flags(args)
+    per_split = bool(args.train_data_path or args.valid_data_path or args.test_data_path)
+    if per_split and args.data_path:
+        raise ValueError("--data-path (with --split) and --train-data-path / --valid-data-path / --test-data-path "
+                         "are exclusive: give the datasets one way")
+    if per_split and not args.train_data_path:
+        raise ValueError("--valid-data-path / --test-data-path need --train-data-path too (or use --data-path)")
+    if args.mock_data and (args.data_path or per_split):
+        given = "--data-path" if args.data_path else "--train/valid/test-data-path"
+        raise ValueError(f"--mock-data and {given} are exclusive: pick one")
+    if not args.mock_data and not args.data_path and not per_split:
+        raise ValueError("give --data-path PREFIX [...], --train-data-path PREFIX [...] or --mock-data")
     args.split_weights = _parse_split(args.split)
     if args.tokenizer_type is None:
         args.tokenizer_type = "NullTokenizer" if args.mock_data else None
         if args.tokenizer_type is None:
-            raise ValueError("--tokenizer-type is required with --data-path")
+            raise ValueError("--tokenizer-type is required with --data-path / --train-data-path")
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
     if args.tokenizer_type == "TikTokenizer":

@@ -1,4 +1,9 @@
-"""Logging and evaluation flags."""
+"""Logging and evaluation flags: the log line, TensorBoard and Weights & Biases scalars, the metrics file and
+the progress log of --save (see megatron/training/training_log.py, scalar_writers.py, progress_log.py)."""
+
+import importlib.util
+import sys
+import warnings
 
 
 def add_arguments(parser):
@@ -55,6 +60,28 @@ def add_arguments(parser):
         help="Log the energy (J per iteration) and power (W) per GPU, read through NVML (pynvml); on other devices "
         "or without pynvml a message says so and nothing is logged.",
     )
+    group.add_argument("--log-batch-size-to-tensorboard", action="store_true",
+                       help="Write the global batch size (batch-size) with the scalars.")
+    group.add_argument("--log-learning-rate-to-tensorboard", dest="log_learning_rate_to_tensorboard",
+                       action="store_true", default=True, help="Write the learning rate (on by default).")
+    group.add_argument("--no-log-learning-rate-to-tensorboard", dest="log_learning_rate_to_tensorboard",
+                       action="store_false", help="Do not write the learning rate.")
+    group.add_argument("--log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard",
+                       action="store_true", default=True, help="Write the loss scale (on by default).")
+    group.add_argument("--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard",
+                       action="store_false", help="Do not write the loss scale.")
+    group.add_argument("--log-world-size-to-tensorboard", action="store_true",
+                       help="Write the number of ranks (world-size) with the scalars.")
+    group.add_argument("--wandb-project", default="",
+                       help="Also send the scalars written to TensorBoard to this Weights & Biases project (from the "
+                       "last rank; needs `pip install wandb` and --wandb-exp-name).")
+    group.add_argument("--wandb-exp-name", default="", help="Name of the W&B run (with --wandb-project).")
+    group.add_argument("--wandb-save-dir", default="",
+                       help="Local directory of the W&B run (default <--save>/wandb).")
+    group.add_argument("--wandb-entity", default="", help="W&B entity (team or user) of --wandb-project.")
+    group.add_argument("--log-progress", action="store_true",
+                       help="Append job start, checkpoint and end lines (iteration, consumed tokens, floating-point "
+                       "operations so far, throughput) to <--save>/progress.txt.")
     group.add_argument(
         "--metrics-file",
         default=None,
@@ -72,3 +99,26 @@ def validate(args):
             raise ValueError(f"{flag} must be positive, got {value}")
     if args.eval_iters < 0:
         raise ValueError(f"--eval-iters must be >= 0, got {args.eval_iters}")
+    if args.log_progress and not args.save:
+        raise ValueError("--log-progress writes progress.txt in the checkpoint directory: add --save (or drop "
+                         "--log-progress)")
+    _validate_wandb(args)
+
+
+def _validate_wandb(args):
+    if not args.wandb_project:
+        given = [flag for flag, value in (("--wandb-exp-name", args.wandb_exp_name),
+                                          ("--wandb-save-dir", args.wandb_save_dir),
+                                          ("--wandb-entity", args.wandb_entity)) if value]
+        if given:
+            warnings.warn(f"{' '.join(given)} without --wandb-project: nothing is sent to Weights & Biases; add "
+                          "--wandb-project to log there")
+        return
+    if not args.wandb_exp_name:
+        raise ValueError("--wandb-project needs --wandb-exp-name (the name of the W&B run)")
+    if not (args.wandb_save_dir or args.save):
+        raise ValueError("--wandb-project keeps its local files in --wandb-save-dir (default <--save>/wandb): give "
+                         "one of them")
+    if "wandb" not in sys.modules and importlib.util.find_spec("wandb") is None:
+        raise ValueError("--wandb-project needs the wandb package, which is not installed: `pip install wandb`, or "
+                         "drop --wandb-project")

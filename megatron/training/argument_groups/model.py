@@ -1,4 +1,6 @@
-"""Model-shape flags: layers, widths, heads, embeddings, normalisation, dropout, vocabulary padding, attention."""
+"""Model-shape flags: layers, widths, heads, embeddings, normalisation, dropout, vocabulary padding, attention,
+and the layer variants of upstream recipes (Qwen2's QKV bias, interleaved / interpolated RoPE, the residual's
+placement and precision, GPT-2's tanh GeLU)."""
 
 ATTENTION_BACKENDS = ["auto", "local", "unfused", "flash", "fused"]
 TRANSFORMER_ENGINE_ATTENTION_BACKENDS = ("flash", "fused")
@@ -108,6 +110,7 @@ def add_arguments(parser):
         action="store_true",
         help="Accepted for upstream scripts: the models are always Megatron-Core models.",
     )
+    _add_layer_variant_arguments(group)
     for flag in UNFUSED_KERNEL_FLAGS:
         group.add_argument(
             flag,
@@ -115,6 +118,78 @@ def add_arguments(parser):
             help="Accepted for upstream scripts: this build has no fused kernels for it, the unfused torch ops "
             "always run.",
         )
+
+
+def _add_layer_variant_arguments(group):
+    group.add_argument("--add-qkv-bias", action="store_true",
+                       help="A bias on the QKV projection (linear_qkv.bias) even with --disable-bias-linear "
+                       "(Qwen2-style).")
+    group.add_argument("--rotary-interleaved", action="store_true",
+                       help="RoPE rotates the channel pairs (0,1), (2,3), ... instead of (i, i + rotated/2).")
+    group.add_argument("--rotary-seq-len-interpolation-factor", type=float, default=None,
+                       help="RoPE positions are divided by this factor (linear position interpolation).")
+    group.add_argument("--apply-residual-connection-post-layernorm", action="store_true",
+                       help="The residual around attention and MLP is their normalised input (original BERT "
+                       "ordering) instead of the un-normalised one.")
+    group.add_argument("--fp32-residual-connection", action="store_true",
+                       help="With --bf16/--fp16: keep the residual stream (and what pipeline stages exchange) in "
+                       "fp32; norms and sublayers still compute in the parameters' dtype.")
+    group.add_argument("--openai-gelu", action="store_true",
+                       help="MLP activation: GeLU's tanh approximation (GPT-2's) instead of the exact erf GeLU.")
+    group.add_argument("--use-cpu-initialization", action="store_true",
+                       help="Allocate and initialise the weights in host memory, then move the model to its device. "
+                       "Initial values are drawn on the host in every case, so they are the same either way; this "
+                       "only moves where the parameters are first allocated.")
+    group.add_argument("--embedding-init-method-std", type=float, default=None,
+                       help="Upstream: a separate std for the embedding weights (and no weight decay on them). Not "
+                       "implemented here: an error.")
+
+
+def transformer_config_kwargs(args):
+    """The TransformerConfig fields of the layer-variant flags and the MLP activation."""
+    from megatron.core.activations import squared_relu
+    from megatron.core.transformer.utils import openai_gelu
+
+    activation_func = None  # the config's default: gelu, or silu for --swiglu
+    if args.squared_relu:
+        activation_func = squared_relu
+    elif args.openai_gelu:
+        activation_func = openai_gelu
+    return dict(
+        activation_func=activation_func,
+        add_qkv_bias=args.add_qkv_bias,
+        rotary_interleaved=args.rotary_interleaved,
+        rotary_seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
+        fp32_residual_connection=args.fp32_residual_connection,
+        use_cpu_initialization=args.use_cpu_initialization,
+    )
+
+
+def _validate_layer_variants(args):
+    if args.position_embedding_type != "rope":
+        for flag, value in (("--rotary-interleaved", args.rotary_interleaved),
+                            ("--rotary-seq-len-interpolation-factor", args.rotary_seq_len_interpolation_factor)):
+            if value:
+                raise ValueError(f"{flag} shapes rotary position embeddings: it needs --position-embedding-type "
+                                 f"rope (got {args.position_embedding_type}); add that or drop {flag}")
+    factor = args.rotary_seq_len_interpolation_factor
+    if factor is not None and factor <= 0:
+        raise ValueError(f"--rotary-seq-len-interpolation-factor must be positive, got {factor}")
+    if args.openai_gelu and (args.swiglu or args.squared_relu):
+        other = "--swiglu" if args.swiglu else "--squared-relu"
+        raise ValueError(f"--openai-gelu and {other} are exclusive MLP activations: pick one")
+    if args.fp32_residual_connection and not (args.bf16 or args.fp16):
+        raise ValueError("--fp32-residual-connection keeps the residual in fp32 under --bf16 or --fp16; with fp32 "
+                         "parameters it is already fp32: drop the flag")
+    if args.fp32_residual_connection and getattr(args, "use_torch_fsdp2", False):
+        # FSDP2's mixed-precision policy casts every layer's input to the parameters' dtype.
+        raise ValueError("--fp32-residual-connection does not survive --use-torch-fsdp2, which casts each layer's "
+                         "input to bf16; use Megatron DDP, the distributed optimizer or --use-megatron-fsdp, or drop "
+                         "the flag")
+    if args.embedding_init_method_std is not None:
+        raise ValueError("--embedding-init-method-std is not implemented: the embeddings are initialised with "
+                         "--init-method-std like the other weights (and take weight decay); drop the flag")
 
 
 def _swiglu_ffn_hidden_size(hidden_size):
@@ -174,6 +249,7 @@ def validate(args):
             "flash kernel by itself where the device has one"
         )
     _validate_attention_shape(args)
+    _validate_layer_variants(args)
     if args.squared_relu and args.swiglu:
         raise ValueError("--squared-relu and --swiglu are exclusive MLP activations: pick one")
     if not 0.0 < args.rotary_percent <= 1.0:

@@ -5,6 +5,8 @@ The rules live in `MoEConfigMixin` (megatron/core/transformer/moe/moe_config.py)
 argument time by building a transformer config of the fields they read, so a bad combination stops before any
 process group starts.
 The expert-parallel layout rule (DP x CP divisible by EP) is checked here because it needs the world size.
+Upstream's kernel-selection switches (--moe-permute-fusion, --moe-router-fusion, --moe-use-legacy-grouped-gemm)
+are accepted and change nothing: the torch ops run. DeepEP (--moe-enable-deepep) stops with what to use instead.
 """
 
 from megatron.core.transformer.moe.moe_config import (
@@ -66,6 +68,36 @@ def add_arguments(parser):
                        help="Run the shared experts while tokens are exchanged (alltoall dispatcher).")
     group.add_argument("--moe-shared-expert-gate", action="store_true",
                        help="Multiply the shared experts' output by sigmoid(x . w), w a learned [1, hidden] weight.")
+    group.add_argument("--moe-input-jitter-eps", type=float, default=None,
+                       help="In training, multiply the router's input by uniform noise in [1 - eps, 1 + eps] (the "
+                       "experts get the input unchanged).")
+    group.add_argument("--moe-router-force-load-balancing", action="store_true",
+                       help="Benchmarking: route by random normal logits, ignoring the router's scores (balanced "
+                       "load whatever the weights).")
+    group.add_argument("--moe-router-padding-for-fp8", action="store_true",
+                       help="With --fp8-format: pad each expert's token count to a multiple of 16 with "
+                       "probability-0 tokens (GEMM alignment; the output is unchanged).")
+    group.add_argument("--moe-apply-probs-on-input", action="store_true",
+                       help="Multiply each token by its routing probability before the expert instead of the "
+                       "expert's output (--moe-router-topk 1 only).")
+    group.add_argument("--moe-layer-recompute", action="store_true",
+                       help="Recompute each MoE layer (router, dispatch, experts) in backward instead of keeping its "
+                       "activations.")
+    group.add_argument("--moe-per-layer-logging", action="store_true",
+                       help="Log each MoE layer's auxiliary losses (<name>_layer_<i>, i the 0-based layer index) "
+                       "besides their average.")
+    for flag, what in (("--moe-permute-fusion", "a fused token permutation kernel"),
+                       ("--moe-router-fusion", "a fused router top-k and score kernel"),
+                       ("--moe-use-legacy-grouped-gemm", "the legacy grouped-GEMM package's kernel")):
+        group.add_argument(flag, action="store_true",
+                           help=f"Accepted for upstream scripts: upstream selects {what}; here the torch ops run "
+                           "with or without it (no effect on results).")
+    group.add_argument("--moe-enable-deepep", action="store_true",
+                       help="Upstream: DeepEP's dispatcher (CUDA, with --moe-token-dispatcher-type flex). Not "
+                       "provided by this build: an error.")
+    group.add_argument("--moe-deepep-num-sms", type=int, default=20,
+                       help="Accepted for upstream scripts: the streaming multiprocessors DeepEP uses; only DeepEP "
+                       "reads it (no effect here).")
 
 
 def transformer_config_kwargs(args):
@@ -89,6 +121,11 @@ def _uses_moe_flags(args):
 
 
 def validate(args):
+    if args.moe_enable_deepep:
+        raise ValueError("--moe-enable-deepep needs DeepEP on CUDA GPUs, which this build does not provide: drop it "
+                         "and use --moe-token-dispatcher-type alltoall (or allgather)")
+    if args.moe_deepep_num_sms <= 0:
+        raise ValueError(f"--moe-deepep-num-sms must be positive, got {args.moe_deepep_num_sms}")
     # One type and coefficient stay a str and a float (as before lists were accepted, and in saved checkpoint
     # args); several stay lists.
     kind, coeff = normalize_load_balancing(args.moe_router_load_balancing_type, args.moe_aux_loss_coeff)

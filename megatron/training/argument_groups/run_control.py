@@ -1,5 +1,5 @@
 """Run-control flags: wall-clock limit, allocator cache release, logging level, weight-hash checks across
-data-parallel replicas (see megatron/training/run_control.py)."""
+data-parallel replicas, evaluation without training, skipped iterations (see megatron/training/run_control.py)."""
 
 
 def add_arguments(parser):
@@ -15,6 +15,12 @@ def add_arguments(parser):
     group.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
                        help="Every N iterations (and before the first) compare a SHA-1 of every parameter across the "
                        "data-parallel replicas and stop with an error naming any that differ.")
+    group.add_argument("--skip-train", action="store_true",
+                       help="Do not train: evaluate the (loaded) model once on the validation and test sets and stop.")
+    group.add_argument("--iterations-to-skip", type=int, nargs="+", default=[],
+                       help="Steps whose global batch is read and dropped: no forward, backward or optimizer step, no "
+                       "log line; consumed samples still advance. Counted as upstream counts them, in completed "
+                       "iterations: 3 drops the 4th global batch (the step the log would number 4).")
 
 
 def validate(args):
@@ -25,3 +31,8 @@ def validate(args):
     interval = args.check_weight_hash_across_dp_replicas_interval
     if interval is not None and interval <= 0:
         raise ValueError(f"--check-weight-hash-across-dp-replicas-interval must be positive, got {interval}")
+    bad = [iteration for iteration in args.iterations_to_skip if iteration < 0]
+    if bad:
+        raise ValueError(f"--iterations-to-skip takes completed-iteration counts >= 0, got {bad}")
+    if args.skip_train and args.iterations_to_skip:
+        raise ValueError("--iterations-to-skip drops training steps, but --skip-train runs none: drop one of them")

@@ -51,19 +51,60 @@ class MegatronPretrainingSampler:
                 yield rank_slice
 
 
+class MegatronPretrainingRandomSampler(MegatronPretrainingSampler):
+    """`--dataloader-type cyclic`: endless epochs over the dataset, each in a new random order.
+
+    Epoch e serves the first `total - total % global micro-batch` entries of a permutation drawn from
+    (seed, e); global micro-batch k of it is split across data-parallel ranks as in the single sampler. The
+    order depends on `consumed_samples` only, so a resumed run continues exactly (also mid-epoch).
+    """
+
+    def __init__(self, total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size,
+                 seed=0):
+        samples_per_epoch = total_samples - total_samples % (micro_batch_size * max(data_parallel_size, 1))
+        if samples_per_epoch <= 0:
+            raise ValueError(f"--dataloader-type cyclic: the dataset's {total_samples} samples do not fill one global "
+                             f"micro-batch of {micro_batch_size} x {data_parallel_size} data-parallel ranks")
+        super().__init__(total_samples, consumed_samples % samples_per_epoch, micro_batch_size, data_parallel_rank,
+                         data_parallel_size)
+        self.consumed_samples = consumed_samples
+        self.samples_per_epoch = samples_per_epoch
+        self.seed = seed
+
+    def epoch_order(self, epoch):
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.total_samples, generator=generator)[: self.samples_per_epoch].tolist()
+
+    def __iter__(self):
+        epoch, offset = divmod(self.consumed_samples, self.samples_per_epoch)
+        while True:
+            order = self.epoch_order(epoch)
+            for start in range(offset, self.samples_per_epoch, self.global_micro_batch_size):
+                yield self._slice_for_rank(order[start : start + self.global_micro_batch_size])
+            epoch, offset = epoch + 1, 0
+
+
 def build_pretraining_data_loader(
-    dataset, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size, num_workers=0
+    dataset, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size, num_workers=0,
+    dataloader_type="single", seed=0,
 ):
-    """A DataLoader yielding batch dicts of `[micro_batch_size, seq_length]` tensors for this DP rank."""
+    """A DataLoader yielding batch dicts of `[micro_batch_size, seq_length]` tensors for this DP rank:
+    in the dataset's order (`single`) or reshuffled every epoch, without end (`cyclic`)."""
     if dataset is None:
         return None
-    sampler = MegatronPretrainingSampler(
-        total_samples=len(dataset),
-        consumed_samples=consumed_samples,
-        micro_batch_size=micro_batch_size,
-        data_parallel_rank=data_parallel_rank,
-        data_parallel_size=data_parallel_size,
-    )
+    if dataloader_type not in ("single", "cyclic"):
+        raise ValueError(f"--dataloader-type {dataloader_type}: this loader serves single and cyclic")
+    if dataloader_type == "cyclic":
+        sampler = MegatronPretrainingRandomSampler(len(dataset), consumed_samples, micro_batch_size,
+                                                   data_parallel_rank, data_parallel_size, seed)
+    else:
+        sampler = MegatronPretrainingSampler(
+            total_samples=len(dataset),
+            consumed_samples=consumed_samples,
+            micro_batch_size=micro_batch_size,
+            data_parallel_rank=data_parallel_rank,
+            data_parallel_size=data_parallel_size,
+        )
     return torch.utils.data.DataLoader(
         dataset,
         batch_sampler=sampler,

@@ -66,3 +66,39 @@ def test_data_loader_yields_batch_dicts(num_workers):
     expected = torch.stack([dataset[6]["tokens"], dataset[7]["tokens"]])
     torch.testing.assert_close(first["tokens"], expected, rtol=0, atol=0)
     assert build_pretraining_data_loader(None, 0, 2, 0, 1) is None
+
+
+def _cyclic_batches(total, consumed, micro_batch_size, data_parallel_size, steps, seed=7):
+    from megatron.training.datasets.data_samplers import MegatronPretrainingRandomSampler
+
+    per_rank = []
+    for rank in range(data_parallel_size):
+        iterator = iter(MegatronPretrainingRandomSampler(total, consumed, micro_batch_size, rank, data_parallel_size,
+                                                         seed))
+        per_rank.append([next(iterator) for _ in range(steps)])
+    return per_rank
+
+
+def test_cyclic_sampler_reshuffles_every_epoch_and_resumes_exactly():
+    # 22 samples, global micro-batch 2 x 2: epochs of 20 samples (5 steps), each a new order, without end.
+    per_rank = _cyclic_batches(22, 0, 2, 2, steps=15)
+    epochs = [[index for step in range(epoch * 5, epoch * 5 + 5) for batches in per_rank for index in batches[step]]
+              for epoch in range(3)]
+    assert all(len(set(epoch)) == 20 and set(epoch) <= set(range(22)) for epoch in epochs)
+    assert epochs[0] != epochs[1] != epochs[2] and epochs[0] != list(range(20))
+    # Resuming mid-epoch (28 samples consumed: epoch 1, step 2) continues with the very same batches.
+    resumed = _cyclic_batches(22, 28, 2, 2, steps=8)
+    assert [batches[7:] for batches in per_rank] == resumed
+
+
+def test_dataloader_type_cyclic_reaches_the_loader():
+    config = GPTDatasetConfig(random_seed=5, sequence_length=8, mock=True, tokenizer=NullTokenizer(50))
+    dataset = MockGPTDataset(config, Split.train, 8)
+    single = build_pretraining_data_loader(dataset, 0, 2, 0, 1)
+    cyclic = build_pretraining_data_loader(dataset, 0, 2, 0, 1, dataloader_type="cyclic", seed=3)
+    single_batches = [batch["tokens"] for batch in single]
+    cyclic_batches = [batch["tokens"] for _, batch in zip(range(8), cyclic)]  # two epochs: it does not end
+    assert len(single_batches) == 4
+    as_rows = lambda batches: sorted(map(tuple, torch.cat(batches).tolist()))  # noqa: E731
+    assert as_rows(cyclic_batches[:4]) == as_rows(single_batches) == as_rows(cyclic_batches[4:])
+    assert not all(torch.equal(a, b) for a, b in zip(cyclic_batches[:4], single_batches))

@@ -65,6 +65,8 @@ def _bad_inputs(workdir):
     results["heads"] = _load_into("--num-attention-heads 8", root)[0]
     results["heads_finetune"] = _load_into("--num-attention-heads 8 --finetune", root)[0]
     results["layernorm_1p_rmsnorm"] = _load_into("--apply-layernorm-1p --normalization RMSNorm", root)[0]
+    results["qkv_bias_post_layernorm"] = _load_into("--add-qkv-bias --apply-residual-connection-post-layernorm",
+                                                    root)[0]
     results["vocab"] = _load_into("--vocab-size 100", root)[0]  # still 128 rows after padding
     results["unchanged"] = _snapshot(root) == before
 
@@ -151,6 +153,8 @@ def test_bad_inputs_get_errors_naming_tensor_or_file(tmp_path, world_size):
     assert ("--normalization: LayerNorm in the checkpoint, RMSNorm in this run; --apply-layernorm-1p: not set in "
             "the checkpoint, set in this run") in first["layernorm_1p_rmsnorm"]
     assert "--normalization LayerNorm, no --apply-layernorm-1p" in first["layernorm_1p_rmsnorm"]
+    assert ("--add-qkv-bias: not set in the checkpoint, set in this run; --apply-residual-connection-post-layernorm: "
+            "not set in the checkpoint, set in this run") in first["qkv_bias_post_layernorm"]
     assert ("vocabulary size (the tokenizer's, before padding; --vocab-size with NullTokenizer): 120 in the "
             "checkpoint, 100 in this run") in first["vocab"]
     assert "tokenizer (120 tokens)" in first["vocab"]

@@ -80,8 +80,10 @@ def test_split_and_chunks(extra, counts, chunks, monkeypatch):
          r"but --num-layers-per-virtual-pipeline-stage 2 gives 1"),
         (f"{PP2} --pipeline-model-parallel-layout Ettt|L", 2, r"places 3 transformer layers \('t'\) but "
          r"--num-layers is 4"),
-        (f"{PP2} --pipeline-model-parallel-layout Ettt|mL", 2, r"multi-token-prediction layers \('m'\) are not "
-         r"supported"),
+        (f"{PP2} --pipeline-model-parallel-layout Ettt|tmL", 2, r"places multi-token-prediction depths \('m'\): "
+         r"add --mtp-num-layers"),
+        (f"{PP2} --pipeline-model-parallel-layout Ettt|tmL --position-embedding-type rope --mtp-num-layers 2", 2,
+         r"places 1 multi-token-prediction depths \('m'\) but --mtp-num-layers is 2"),
         (f"{PP2} --pipeline-model-parallel-layout Ett|tt+L", 2, r"unknown symbol '\+'"),
         ("--pipeline-model-parallel-layout Ett|ttL", 1, r"has 2 stages: an interleaved pipeline needs "
          r"--pipeline-model-parallel-size > 1"),

@@ -65,7 +65,7 @@ def test_layout_syntax_errors_point_at_the_character(text, message):
         ("tEt|ttL", 2, 4, r"embedding \('E'\) must appear once, as the first symbol of the first stage"),
         ("Ett|tt", 2, 4, r"loss \('L'\) must appear once, as the last symbol of the last stage \(found 0\)"),
         ("EtLt|ttL", 2, 4, r"loss \('L'\) must appear once.*\(found 2\)"),
-        ("Ett|tmL", 2, 3, r"multi-token-prediction layers \('m'\) are not supported"),
+        ("Etm|ttL", 2, 3, r"multi-token-prediction depths \('m'\) must all sit in the last stage"),
     ],
 )
 def test_layout_validation_names_the_flag(text, pipeline_size, num_layers, message):

@@ -10,6 +10,12 @@ made equal to the embedding at construction (zero-filled, then summed with the f
 embedding group), and both copies carry `shared_embedding=True` so gradient finalisation all-reduces their
 gradients over the embedding group, keeping them equal.
 
+With multi-token prediction (`config.mtp_num_layers`, see `multi_token_prediction`) the last stage also runs the
+MTP depths, which read the word embedding: a last stage that is not first keeps a copy of the whole embedding
+module (`embedding`, rope only, so just the word embeddings), synchronised with the first stage's like the tied
+copy above (and with tied weights it is that copy: the output layer then multiplies by it). `forward` with labels
+returns `(loss, mtp_losses)` there.
+
 Initial weights depend only on the base init seed (`config.init_seed`, else the default generator's seed when the
 model is built) and on each module's identity in the whole model (`init_seeds`): a stage built alone draws the
 same weights for its modules as a single-stage model does, and a tied output layer draws the embedding's.
@@ -29,6 +35,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.transformer.context_parallel import local_rows
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.module import ShardedStateModule
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock, shift_left
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -47,6 +54,8 @@ class GPTModel(ShardedStateModule):
         share_embeddings_and_output_weights: tie the output layer to the word embedding.
         position_embedding_type: "learned_absolute" or "rope".
         rotary_percent, rotary_base: fraction of each head rotated and the RoPE base (rope only).
+        seq_len_interpolation_factor: RoPE positions are divided by it (rope only; None: the config's
+            `rotary_seq_len_interpolation_factor`). `config.rotary_interleaved` picks the pair layout.
     """
 
     def __init__(
@@ -60,6 +69,7 @@ class GPTModel(ShardedStateModule):
         position_embedding_type: str = "learned_absolute",
         rotary_percent: float = 1.0,
         rotary_base: int = 10000,
+        seq_len_interpolation_factor: Optional[float] = None,
     ):
         super().__init__()
         if position_embedding_type not in POSITION_EMBEDDING_TYPES:
@@ -78,9 +88,17 @@ class GPTModel(ShardedStateModule):
         self.post_process = post_process
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         self.position_embedding_type = position_embedding_type
+        self.mtp_num_layers = config.mtp_num_layers or 0
+        if self.mtp_num_layers and position_embedding_type != "rope":
+            raise ValueError(
+                "--mtp-num-layers needs --position-embedding-type rope (as upstream), got "
+                f"{position_embedding_type!r}: the prediction depths embed shifted tokens with the word embedding alone"
+            )
+        # This stage runs the multi-token-prediction depths (the last one) and so needs the word embedding.
+        self.mtp_process = post_process and self.mtp_num_layers > 0
 
         self.base_init_seed = resolve_base_init_seed(config)
-        if pre_process:
+        if pre_process or self.mtp_process:
             self.embedding = LanguageModelEmbedding(
                 config,
                 vocab_size,
@@ -89,13 +107,19 @@ class GPTModel(ShardedStateModule):
                 base_init_seed=self.base_init_seed,
             )
         self.rotary_pos_emb = (
-            RotaryEmbedding(config.kv_channels, rotary_percent=rotary_percent, rotary_base=rotary_base)
+            RotaryEmbedding(
+                config.kv_channels, rotary_percent=rotary_percent, rotary_base=rotary_base,
+                rotary_interleaved=config.rotary_interleaved,
+                seq_len_interpolation_factor=(seq_len_interpolation_factor
+                                              or config.rotary_seq_len_interpolation_factor),
+            )
             if position_embedding_type == "rope"
             else None
         )
         self.decoder = TransformerBlock(
             config, pre_process=pre_process, post_process=post_process, base_init_seed=self.base_init_seed
         )
+        self.mtp = MultiTokenPredictionBlock(config, self.base_init_seed) if self.mtp_process else None
         self.output_layer = None
         if post_process:
             # A single stage with tied weights multiplies by the embedding's own weight (passed to forward). A
@@ -113,7 +137,8 @@ class GPTModel(ShardedStateModule):
                     init_method=config.init_method,
                     bias=False,
                     gather_output=False,
-                    skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+                    skip_weight_param_allocation=(pre_process or self.mtp_process)
+                    and share_embeddings_and_output_weights,
                 ),
             )
         self._setup_embeddings_and_output_layer()
@@ -123,19 +148,22 @@ class GPTModel(ShardedStateModule):
     # ----------------------------------------------------------------------------------------------------
 
     def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
-        """The word-embedding weight on a first stage, else the output-layer weight (None on middle stages)."""
-        if self.pre_process:
+        """The word-embedding weight on a stage that holds the embedding (the first, or with multi-token
+        prediction the last), else the output-layer weight (None on middle stages)."""
+        if self.pre_process or self.mtp_process:
             return self.embedding.word_embeddings.weight
         if self.output_layer is not None:
             return self.output_layer.weight
         return None
 
     def _setup_embeddings_and_output_layer(self):
-        if self.pre_process:
+        if self.pre_process or self.mtp_process:
             self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
         if self.output_layer is not None and self.output_layer.weight is not None:
             self.output_layer.weight.is_embedding_or_output_parameter = True
-        if not self.share_embeddings_and_output_weights:
+        # With untied weights the last stage still keeps a copy of the word embedding for the MTP depths.
+        mtp_copy_elsewhere = self.mtp_num_layers > 0 and not (self.pre_process and self.post_process)
+        if not (self.share_embeddings_and_output_weights or mtp_copy_elsewhere):
             return
         weight = self.shared_embedding_or_output_weight()
         if weight is None:  # a middle pipeline stage holds neither copy
@@ -202,11 +230,14 @@ class GPTModel(ShardedStateModule):
         position_ids: Optional[torch.Tensor],
         attention_mask: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
+    ):
         """Returns the per-token loss `[b, s]` (fp32) when `labels` are given, else the logits `[b, s, vocab]`.
 
         A stage that is not last returns its hidden states `[s, b, h]` for the next stage. `attention_mask` is
         None (causal) or a bool tensor broadcastable to `[b, heads, s, s]`, True where attention is masked.
+        With multi-token prediction and `labels`, the last stage returns `(loss, mtp_losses)`: `mtp_losses`
+        `[N, b, s]` (fp32) holds depth k's per-token loss against the labels shifted left by k in row k - 1,
+        zero where the shifted label falls off the end (the MTP depths do not run without labels).
         """
         if not self.pre_process and self.decoder.input_tensor is None:
             raise RuntimeError("a pipeline stage that is not first needs set_input_tensor() before forward")
@@ -220,6 +251,14 @@ class GPTModel(ShardedStateModule):
         if labels is None:
             full_logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
             return full_logits.transpose(0, 1).contiguous()
+        loss = self._per_token_loss(logits, labels)
+        if not self.mtp_process:
+            return loss
+        del logits
+        return loss, self._mtp_losses(input_ids, position_ids, hidden_states, labels, attention_mask, rotary_angles)
+
+    def _per_token_loss(self, logits, labels):
+        """Vocab-parallel logits `[s, b, vocab / tp]` and labels `[b, s]` -> per-token loss `[b, s]` (fp32)."""
         labels = labels.transpose(0, 1).contiguous()
         if self.config.cross_entropy_loss_fusion:
             from megatron.core.tensor_parallel.fused_cross_entropy import fused_vocab_parallel_cross_entropy
@@ -228,3 +267,18 @@ class GPTModel(ShardedStateModule):
         else:
             loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
         return loss.transpose(0, 1).contiguous()
+
+    def _mtp_losses(self, input_ids, position_ids, hidden_states, labels, attention_mask, rotary_angles):
+        """`[N, b, s]`: each MTP depth's per-token loss (see `forward`), logits from the shared output layer."""
+        if input_ids is None:
+            raise RuntimeError("the multi-token-prediction depths on the last stage need the input ids: pass the "
+                               "tokens to forward() on every pipeline stage")
+        depth_states = self.mtp(input_ids, position_ids, hidden_states, self.embedding,
+                                attention_mask=attention_mask, rotary_pos_emb=rotary_angles)
+        seq_len = labels.shape[1]
+        positions = torch.arange(seq_len, device=labels.device)
+        losses = []
+        for depth, states in enumerate(depth_states, start=1):
+            loss = self._per_token_loss(self._vocab_parallel_logits(states), shift_left(labels, depth))
+            losses.append(torch.where(positions < seq_len - depth, loss, torch.zeros_like(loss)))
+        return torch.stack(losses)

@@ -38,7 +38,15 @@ _FIELDS_NEEDING_EXPERTS = {
     "moe_shared_expert_intermediate_size": ("--moe-shared-expert-intermediate-size", None),
     "moe_shared_expert_overlap": ("--moe-shared-expert-overlap", False),
     "moe_shared_expert_gate": ("--moe-shared-expert-gate", False),
+    "moe_input_jitter_eps": ("--moe-input-jitter-eps", None),
+    "moe_router_force_load_balancing": ("--moe-router-force-load-balancing", False),
+    "moe_router_padding_for_fp8": ("--moe-router-padding-for-fp8", False),
+    "moe_apply_probs_on_input": ("--moe-apply-probs-on-input", False),
+    "moe_layer_recompute": ("--moe-layer-recompute", False),
+    "moe_per_layer_logging": ("--moe-per-layer-logging", False),
 }
+# Tokens per expert are padded to a multiple of this with --moe-router-padding-for-fp8 (FP8 GEMM alignment).
+FP8_ROUTING_PAD_MULTIPLE = 16
 
 
 def normalize_load_balancing(load_balancing_type, aux_loss_coeff):
@@ -169,6 +177,22 @@ class MoEConfigMixin:
     """Multiply the shared experts' output by sigmoid(x . w), w a [1, hidden] weight of the shared experts."""
     expert_tensor_parallel_size: Optional[int] = None
     """Tensor-parallel size of the experts; None means tensor_model_parallel_size, the only size supported."""
+    moe_input_jitter_eps: Optional[float] = None
+    """In training, the router's input is multiplied by noise drawn uniformly from [1 - eps, 1 + eps] (the experts
+    get the input unchanged) (`--moe-input-jitter-eps`)."""
+    moe_router_force_load_balancing: bool = False
+    """Benchmarking: route by random normal logits instead of the router's (the gradient passes to the router's
+    logits unchanged), so the load is balanced whatever the weights (`--moe-router-force-load-balancing`)."""
+    moe_router_padding_for_fp8: bool = False
+    """Each expert's token count on a rank is padded with probability-0 tokens to a multiple of
+    FP8_ROUTING_PAD_MULTIPLE (FP8 GEMM alignment; the output is unchanged) (`--moe-router-padding-for-fp8`)."""
+    moe_apply_probs_on_input: bool = False
+    """Scale each token by its routing probability before the expert instead of scaling the expert's output (top-1
+    routing only) (`--moe-apply-probs-on-input`)."""
+    moe_layer_recompute: bool = False
+    """Recompute the whole MoE layer (router, dispatch, experts) in backward (`--moe-layer-recompute`)."""
+    moe_per_layer_logging: bool = False
+    """Log each MoE layer's auxiliary losses too, besides their average (`--moe-per-layer-logging`)."""
 
     @property
     def num_local_experts(self):
@@ -190,6 +214,7 @@ class MoEConfigMixin:
         self._validate_load_balancing()
         self._validate_capacity()
         self._validate_shared_experts()
+        self._validate_moe_switches()
         if self.fp8 is not None and self.transformer_impl == "transformer_engine":
             raise ValueError("--fp8-format with --num-experts needs --transformer-impl local: the experts run the "
                              "torch-native FP8 linears, which Transformer Engine's FP8 autocast does not reach")
@@ -301,6 +326,17 @@ class MoEConfigMixin:
         if self.moe_router_load_balancing_type == "sinkhorn":
             raise ValueError("--moe-expert-capacity-factor works with --moe-router-load-balancing-type aux_loss, "
                              "seq_aux_loss, global_aux_loss or none, not sinkhorn")
+
+    def _validate_moe_switches(self):
+        eps = self.moe_input_jitter_eps
+        if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1):
+            raise ValueError(f"--moe-input-jitter-eps must be in (0, 1), got {eps!r}")
+        if self.moe_apply_probs_on_input and self.moe_router_topk != 1:
+            raise ValueError(f"--moe-apply-probs-on-input needs --moe-router-topk 1 (each token goes to one expert, "
+                             f"which receives it scaled), got {self.moe_router_topk}")
+        if self.moe_router_padding_for_fp8 and self.fp8 is None:
+            raise ValueError("--moe-router-padding-for-fp8 pads the experts' token counts for FP8 GEMMs: it needs "
+                             "--fp8-format; add it or drop the flag")
 
     def _validate_shared_experts(self):
         size = self.moe_shared_expert_intermediate_size

@@ -1,9 +1,15 @@
 """`MoELayer`: the MLP block of a Mixture-of-Experts transformer layer (router, token dispatcher, this rank's
-experts, optional shared experts). `[s, b, h]` in, `[s, b, h]` out, like the dense `MLP` it replaces."""
+experts, optional shared experts). `[s, b, h]` in, `[s, b, h]` out, like the dense `MLP` it replaces.
+
+`--moe-apply-probs-on-input` (top-1) scales each token by its routing probability before dispatch and combines
+the experts' outputs with weight 1; `--moe-layer-recompute` checkpoints the whole layer (its collectives run
+again in backward).
+"""
 
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.transformer.recompute import checkpointed
 from megatron.core.transformer.init_seeds import resolve_base_init_seed
 from megatron.core.transformer.moe.experts import build_experts
 from megatron.core.transformer.moe.router import TopKRouter
@@ -40,15 +46,28 @@ class MoELayer(torch.nn.Module):
             self.shared_experts = SharedExpertMLP(config, init_seed)
 
     def forward(self, hidden_states):
+        if self.config.moe_layer_recompute and self.training:
+            return checkpointed(self._forward, hidden_states)
+        return self._forward(hidden_states)
+
+    def _forward(self, hidden_states):
         probs, routing_map = self.router(hidden_states)
+        expert_input = hidden_states
+        if self.config.moe_apply_probs_on_input:
+            # Top-1: a token's row of probs holds its one expert's probability (0 if it was dropped).
+            token_probs = probs.sum(dim=-1, keepdim=True)
+            expert_input = (hidden_states.reshape(token_probs.size(0), -1) * token_probs).to(hidden_states.dtype)
+            expert_input = expert_input.view(hidden_states.shape)
+            # Weight 1 where routed; 0 on padding (capacity or FP8 padding), whose probability is 0.
+            probs = (probs != 0).to(probs.dtype)
         shared_output = None
         if self.shared_experts is not None and self.config.moe_shared_expert_overlap:
             # Computed while the tokens are exchanged (see the all-to-all dispatcher).
             tokens, tokens_per_expert = self.token_dispatcher.dispatch(
-                hidden_states, probs, routing_map, while_tokens_travel=lambda: self.shared_experts(hidden_states))
+                expert_input, probs, routing_map, while_tokens_travel=lambda: self.shared_experts(hidden_states))
             shared_output = self.token_dispatcher.overlapped_result
         else:
-            tokens, tokens_per_expert = self.token_dispatcher.dispatch(hidden_states, probs, routing_map)
+            tokens, tokens_per_expert = self.token_dispatcher.dispatch(expert_input, probs, routing_map)
             if self.shared_experts is not None:
                 shared_output = self.shared_experts(hidden_states)
         output = self.token_dispatcher.combine(self.experts(tokens, tokens_per_expert))

@@ -109,14 +109,19 @@ def sinkhorn(cost, tolerance=1e-4, max_iterations=1000):
 AUX_LOSS_LOG_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
                       "global_aux_loss": "global_load_balancing_loss"}
 _tracked = {}  # name -> float64 tensor [num_layers] (global layer index), on the device of the first value
+_tracked_layers = set()  # 1-based global numbers of the layers this rank tracked a loss for
+_per_layer = {"requested": False}  # --moe-per-layer-logging, as the routers that tracked a value were configured
 
 
-def save_to_aux_losses_tracker(name, value, layer_number, num_layers):
+def save_to_aux_losses_tracker(name, value, layer_number, num_layers, per_layer=False):
     """Add `value` (this rank's share of the layer's loss, without its coefficient) to layer `layer_number`'s
-    (1-based, global) entry of loss `name`. A recomputed forward (activation recompute) adds nothing: its
-    original forward already did."""
+    (1-based, global) entry of loss `name`; `per_layer` (`--moe-per-layer-logging`) asks the logger for each
+    layer's value too. A recomputed forward (activation recompute) adds nothing: its original forward already
+    did."""
     if is_recomputing():
         return
+    _tracked_layers.add(layer_number)
+    _per_layer["requested"] = _per_layer["requested"] or bool(per_layer)
     values = _tracked.get(name)
     if values is None or values.numel() != num_layers:
         values = torch.zeros(num_layers, dtype=torch.float64, device=value.device)
@@ -126,6 +131,8 @@ def save_to_aux_losses_tracker(name, value, layer_number, num_layers):
 
 def clear_aux_losses_tracker():
     _tracked.clear()
+    _tracked_layers.clear()
+    _per_layer["requested"] = False
 
 
 def tracked_aux_loss_names(load_balancing_type, aux_loss_coeff, z_loss_coeff):
@@ -141,16 +148,31 @@ def reduce_aux_losses_for_logging(names, num_layers, num_moe_layers, num_microba
     """{name: value} averaged over the MoE layers and microbatches (collective over the world: every rank calls
     it with the same `names`). Each rank holds its tensor-/context-parallel share of its pipeline stage's layers
     for its data-parallel replica, so the world sum divided by the data-parallel size is each layer's loss summed
-    over microbatches."""
+    over microbatches. With `--moe-per-layer-logging` (on any rank's routers) also `{name}_layer_{i}`: MoE layer
+    i's (0-based global index, as upstream) value averaged over the microbatches."""
     if not names:
         return {}
     stacked = torch.zeros(len(names), num_layers, dtype=torch.float64, device=device)
     for row, name in enumerate(names):
         if name in _tracked:
             stacked[row] = _tracked[name].to(device)
+    # One more row: which layers some rank tracked, and (last element) whether per-layer values were asked for.
+    extra = torch.zeros(num_layers + 1, dtype=torch.float64, device=device)
+    for layer_number in _tracked_layers:
+        extra[layer_number - 1] = 1.0
+    extra[num_layers] = float(_per_layer["requested"])
+    flat = torch.cat((stacked.reshape(-1), extra))
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(stacked)
+        dist.all_reduce(flat)
+    stacked, extra = flat[: stacked.numel()].view(len(names), num_layers), flat[stacked.numel():]
     clear_aux_losses_tracker()
-    totals = stacked.sum(dim=1) / (data_parallel_size * num_microbatches * max(num_moe_layers, 1))
-    return {name: float(total) for name, total in zip(names, totals.tolist())}
+    per_microbatch = stacked / (data_parallel_size * num_microbatches)
+    totals = per_microbatch.sum(dim=1) / max(num_moe_layers, 1)
+    values = {name: float(total) for name, total in zip(names, totals.tolist())}
+    if extra[num_layers] > 0:
+        moe_layers = [index for index in range(num_layers) if extra[index] > 0]
+        for row, name in enumerate(names):
+            for index in moe_layers:
+                values[f"{name}_layer_{index}"] = float(per_microbatch[row, index])
+    return values
 

@@ -13,6 +13,12 @@ bias by rate * sign(mean count - count).
 all-reduced over the stage's TP x DP x CP ranks, and the number of microbatches so far; each microbatch's loss
 uses the average count (sum / microbatches). The training loop starts them afresh for every global batch
 (`reset_global_aux_loss_counts`). They are plain attributes, not saved with the model.
+
+Switches: `--moe-input-jitter-eps` multiplies the router's input (not the experts') by uniform noise in training;
+`--moe-router-force-load-balancing` routes by random normal logits (benchmarking; the gradient reaches the real
+logits unchanged); `--moe-router-padding-for-fp8` pads each expert's token count with probability-0 tokens after
+the expert-bias counts are taken. The random draws use the default generator, whose state activation recompute
+restores, so a recomputed forward routes as the original did.
 """
 
 import torch
@@ -22,10 +28,11 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.init_seeds import derive_init_seed, initialization_rng, resolve_base_init_seed
 from megatron.core.transformer.moe import moe_utils
-from megatron.core.transformer.moe.moe_config import aux_loss_terms
+from megatron.core.transformer.moe.moe_config import FP8_ROUTING_PAD_MULTIPLE, aux_loss_terms
 from megatron.core.transformer.moe.routing import (
     apply_capacity,
     expert_capacity,
+    pad_routing_map,
     scores_for_aux_loss,
     topk_routing,
 )
@@ -33,6 +40,19 @@ from megatron.core.transformer.recompute import is_recomputing
 from megatron.core.transformer.utils import initialize_from_cpu_master, parameter_device
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+class _RandomLogits(torch.autograd.Function):
+    """Forward: standard normal logits of the same shape (`--moe-router-force-load-balancing`); backward: the
+    gradient passes to the real logits unchanged (straight through), as upstream."""
+
+    @staticmethod
+    def forward(ctx, logits):
+        return torch.randn(logits.shape, dtype=logits.dtype, device=logits.device)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output
 
 
 def _group_size(group_getter):
@@ -98,8 +118,14 @@ class TopKRouter(torch.nn.Module):
         seq_length, batch_size = hidden_states.shape[0], hidden_states.shape[1]
         tokens = hidden_states.reshape(-1, hidden_states.size(-1))
         dtype = self.router_dtype or tokens.dtype
-        logits = F.linear(tokens.to(dtype), self.weight.to(dtype))
         training = self.training and torch.is_grad_enabled()
+        eps = self.config.moe_input_jitter_eps
+        router_input = tokens
+        if eps is not None and training:
+            router_input = tokens * torch.empty_like(tokens).uniform_(1.0 - eps, 1.0 + eps)
+        logits = F.linear(router_input.to(dtype), self.weight.to(dtype))
+        if self.config.moe_router_force_load_balancing:
+            logits = _RandomLogits.apply(logits)
         if training and self.config.moe_z_loss_coeff:
             logits = self._attach_z_loss(logits)
         config = self.config
@@ -123,6 +149,8 @@ class TopKRouter(torch.nn.Module):
         if self.local_tokens_per_expert is not None and torch.is_grad_enabled() and not is_recomputing():
             with torch.no_grad():
                 self.local_tokens_per_expert += routing_map.sum(dim=0).to(self.local_tokens_per_expert.dtype)
+        if config.moe_router_padding_for_fp8:
+            probs, routing_map = pad_routing_map(probs, routing_map, FP8_ROUTING_PAD_MULTIPLE)
         return probs, routing_map
 
     def _sinkhorn_routing(self, logits, training):
@@ -139,7 +167,7 @@ class TopKRouter(torch.nn.Module):
         group, size = _group_size(parallel_state.get_tensor_and_context_parallel_group)
         loss = moe_utils.z_loss(logits, self.config.moe_z_loss_coeff / size)
         moe_utils.save_to_aux_losses_tracker("z_loss", loss / self.config.moe_z_loss_coeff, self.layer_number,
-                                             self.config.num_layers)
+                                             self.config.num_layers, per_layer=self.config.moe_per_layer_logging)
         return moe_utils.MoEAuxLossAutoScaler.apply(logits, loss)
 
     def _attach_load_balancing_losses(self, probs, logits, seq_length, batch_size, terms):
@@ -159,7 +187,7 @@ class TopKRouter(torch.nn.Module):
                 # the shares of this loss already sum to the one loss of the global batch over DP.
                 logged = logged * parallel_state.get_data_parallel_world_size()
             moe_utils.save_to_aux_losses_tracker(moe_utils.AUX_LOSS_LOG_NAMES[kind], logged, self.layer_number,
-                                                 config.num_layers)
+                                                 config.num_layers, per_layer=config.moe_per_layer_logging)
             probs = moe_utils.MoEAuxLossAutoScaler.apply(probs, loss)
         return probs
 

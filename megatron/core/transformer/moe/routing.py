@@ -110,3 +110,16 @@ def apply_capacity(probs, routing_map, capacity, drop_policy="probs", pad_to_cap
     capacity_mask = torch.zeros_like(routing_map).scatter(0, order, kept_slots)
     final_map = capacity_mask if pad_to_capacity else capacity_mask & routing_map
     return probs * final_map, final_map
+
+
+def pad_routing_map(probs, routing_map, multiple):
+    """(probs, routing_map) with each expert's token count raised to a multiple of `multiple` (at most every
+    token) by routing to it the earliest tokens not yet routed to it, with probability 0: the combined output is
+    unchanged, the experts' GEMMs get aligned row counts (`--moe-router-padding-for-fp8`)."""
+    num_tokens = routing_map.size(0)
+    counts = routing_map.sum(dim=0)
+    target = torch.clamp((counts + multiple - 1) // multiple * multiple, max=num_tokens)
+    unrouted = ~routing_map
+    position_among_unrouted = torch.cumsum(unrouted.to(torch.int64), dim=0)  # 1-based where unrouted
+    padding = unrouted & (position_among_unrouted <= (target - counts).unsqueeze(0))
+    return probs.masked_fill(padding, 0.0), routing_map | padding

@@ -30,6 +30,6 @@ def test_the_reasons_given_hold():
     block_parameters = inspect.signature(TransformerBlock.__init__).parameters
     assert "spec" not in block_parameters and "post_layer_norm" not in block_parameters
     rotary_parameters = inspect.signature(RotaryEmbedding.__init__).parameters
-    assert "rope_scaling" not in rotary_parameters and "rotary_interleaved" not in rotary_parameters
+    assert "rope_scaling" not in rotary_parameters
     assert not hasattr(RotaryEmbedding, "get_rotary_seq_len")
     assert "inference_context" not in inspect.signature(TransformerBlock.forward).parameters

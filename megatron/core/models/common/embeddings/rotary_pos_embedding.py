@@ -1,7 +1,9 @@
 """Rotary position embedding (RoPE): rotates pairs of query/key channels by a position-dependent angle.
 
-Channel i of the rotated part is paired with channel i + rot_dim/2 (the "rotate half" layout), and positions
-are 0..s-1 of the full sequence the attention sees. Angles are computed in fp32 whatever the activation dtype.
+Channel i of the rotated part is paired with channel i + rot_dim/2 (the "rotate half" layout), or with
+`rotary_interleaved` channel 2i with channel 2i + 1 (`--rotary-interleaved`). Positions are 0..s-1 of the full
+sequence the attention sees, divided by `seq_len_interpolation_factor` when given
+(`--rotary-seq-len-interpolation-factor`). Angles are computed in fp32 whatever the activation dtype.
 """
 
 import torch
@@ -14,10 +16,20 @@ class RotaryEmbedding(torch.nn.Module):
         kv_channels: width of one attention head.
         rotary_percent: fraction of each head's channels that is rotated (the rest passes through).
         rotary_base: the base of the geometric progression of frequencies (`--rotary-base`).
+        rotary_interleaved: angles laid out for interleaved pairs `[a_0, a_0, a_1, a_1, ...]` (apply them with
+            `apply_rotary_pos_emb(..., interleaved=True)`) instead of halves `[a_0, a_1, ..., a_0, a_1, ...]`.
+        seq_len_interpolation_factor: positions are divided by it (None: 1).
     """
 
-    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_base: float = 10000.0):
+    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_base: float = 10000.0,
+                 rotary_interleaved: bool = False, seq_len_interpolation_factor=None):
         super().__init__()
+        if seq_len_interpolation_factor is not None and seq_len_interpolation_factor <= 0:
+            raise ValueError(
+                f"--rotary-seq-len-interpolation-factor must be positive, got {seq_len_interpolation_factor}"
+            )
+        self.rotary_interleaved = rotary_interleaved
+        self.seq_len_interpolation_factor = seq_len_interpolation_factor
         if not 0.0 < rotary_percent <= 1.0:
             raise ValueError(f"--rotary-percent must be in (0, 1], got {rotary_percent}")
         rot_dim = int(kv_channels * rotary_percent)
@@ -34,8 +46,14 @@ class RotaryEmbedding(torch.nn.Module):
 
     def forward(self, seq_len: int, device=None) -> torch.Tensor:
         positions = torch.arange(seq_len, dtype=torch.float32, device=device)
+        if self.seq_len_interpolation_factor is not None:
+            positions = positions / self.seq_len_interpolation_factor
         angles = torch.outer(positions, self.inverse_frequencies(device))  # [s, rot_dim / 2]
-        angles = torch.cat((angles, angles), dim=-1)  # both halves of a rotated pair share an angle
+        # Both channels of a rotated pair share an angle.
+        if self.rotary_interleaved:
+            angles = torch.repeat_interleave(angles, 2, dim=-1)
+        else:
+            angles = torch.cat((angles, angles), dim=-1)
         return angles[:, None, None, :]
 
 
@@ -44,10 +62,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
-def apply_rotary_pos_emb(t: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """Rotates the first `angles.shape[-1]` channels of `t` (`[s, b, heads, head_dim]`)."""
+def _rotate_interleaved_pairs(x: torch.Tensor) -> torch.Tensor:
+    """(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)."""
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((-odd, even), dim=-1).flatten(-2)
+
+
+def apply_rotary_pos_emb(t: torch.Tensor, angles: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotates the first `angles.shape[-1]` channels of `t` (`[s, b, heads, head_dim]`); `interleaved` pairs
+    channels (2i, 2i + 1) and needs angles from a `RotaryEmbedding(rotary_interleaved=True)`."""
     rot_dim = angles.shape[-1]
     rotated, passthrough = t[..., :rot_dim], t[..., rot_dim:]
     rotated_fp32 = rotated.float()
-    rotated_fp32 = rotated_fp32 * angles.cos() + _rotate_half(rotated_fp32) * angles.sin()
+    rotate = _rotate_interleaved_pairs if interleaved else _rotate_half
+    rotated_fp32 = rotated_fp32 * angles.cos() + rotate(rotated_fp32) * angles.sin()
     return torch.cat((rotated_fp32.to(t.dtype), passthrough), dim=-1)

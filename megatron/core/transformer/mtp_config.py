@@ -1,0 +1,40 @@
+"""The multi-token prediction fields of `TransformerConfig` (`--mtp-num-layers`, `--mtp-loss-scaling-factor`).
+
+With `mtp_num_layers` N, the last pipeline stage runs N extra prediction depths after the decoder (see
+`megatron.core.transformer.multi_token_prediction`); depth k predicts the token k + 1 positions ahead, and the
+mean of the N depth losses, times `mtp_loss_scaling_factor`, is added to the language-model loss.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+MTP_FLAG = "--mtp-num-layers"
+MTP_SCALE_FLAG = "--mtp-loss-scaling-factor"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MTPConfigMixin:
+    """Multi-token prediction settings; validated by `_validate_multi_token_prediction` (from `__post_init__`)."""
+
+    mtp_num_layers: Optional[int] = None
+    """Prediction depths after the decoder, each one transformer layer (`--mtp-num-layers`); None: no MTP."""
+    mtp_loss_scaling_factor: float = 0.1
+    """The MTP loss added to the LM loss is this factor times the mean of the depths' losses
+    (`--mtp-loss-scaling-factor`)."""
+
+    def _validate_multi_token_prediction(self):
+        depths = self.mtp_num_layers
+        if depths is None:
+            return
+        if isinstance(depths, bool) or not isinstance(depths, int) or depths < 1:
+            raise ValueError(f"{MTP_FLAG} must be an integer >= 1 (or unset for no multi-token prediction), "
+                             f"got {depths!r}")
+        factor = self.mtp_loss_scaling_factor
+        if not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor < 0:
+            raise ValueError(f"{MTP_SCALE_FLAG} must be a finite number >= 0, got {factor!r}")
+        if getattr(self, "context_parallel_size", 1) > 1:
+            raise ValueError(
+                f"{MTP_FLAG} is not supported with --context-parallel-size > 1 here: shifting the tokens of each "
+                "depth would cross the context-parallel chunks; use --context-parallel-size 1"
+            )

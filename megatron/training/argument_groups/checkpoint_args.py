@@ -1,0 +1,54 @@
+"""`--use-checkpoint-args`: the model arguments of the `--load` checkpoint override the command line.
+
+This group validates first: the values it takes from the checkpoint are what every other group then checks
+and derives from (the default FFN size, the data-parallel size, ...).
+"""
+
+import os
+
+from megatron.training import checkpoint_sources
+from megatron.training.checkpoint_args import apply_checkpoint_args
+
+
+def add_arguments(parser):
+    group = parser.add_argument_group("checkpoint arguments")
+    group.add_argument(
+        "--use-checkpoint-args",
+        action="store_true",
+        help="Take the model's arguments (layers, sizes, heads, position embeddings, normalization, vocabulary "
+        "and tokenizer, MoE and MLA shapes) from the --load checkpoint instead of the command line.",
+    )
+    group.add_argument(
+        "--use-mp-args-from-checkpoint-args",
+        action="store_true",
+        help="With --use-checkpoint-args: also take the tensor-, pipeline- and expert-parallel layout (and the "
+        "pipeline split) from the checkpoint.",
+    )
+
+
+def validate(args):
+    if args.use_mp_args_from_checkpoint_args and not args.use_checkpoint_args:
+        raise ValueError("--use-mp-args-from-checkpoint-args needs --use-checkpoint-args")
+    if not args.use_checkpoint_args:
+        return
+    if args.load is None:
+        raise ValueError("--use-checkpoint-args needs --load DIR (the checkpoint whose arguments to use)")
+    source = checkpoint_sources.checkpoint_to_load(args)
+    if source is None:
+        message = f"--use-checkpoint-args: --load {args.load} holds no checkpoint"
+        if args.exit_on_missing_checkpoint:
+            raise FileNotFoundError(f"{message} and --exit-on-missing-checkpoint is set")
+        _print_rank0(f"WARNING: {message}; the model is built from the command line")
+        return
+    saved = checkpoint_sources.saved_args(source)
+    if saved is None:
+        raise ValueError(f"--use-checkpoint-args: {source.directory} records no arguments (converted from bare "
+                         "weights?); give the model's flags on the command line instead")
+    changed = apply_checkpoint_args(args, saved, args.use_mp_args_from_checkpoint_args)
+    _print_rank0(f"--use-checkpoint-args: model arguments from {source.directory}"
+                 + (": " + ", ".join(changed) if changed else " (the command line agreed)"))
+
+
+def _print_rank0(message):
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, flush=True)

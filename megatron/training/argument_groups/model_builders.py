@@ -1,0 +1,56 @@
+"""Upstream flags that pick another way of building the model than this build's Megatron-Core GPT: the legacy
+models, layer specs, hybrid (Mamba) models, heterogeneous layers, YAML configurations, and Transformer Engine
+export. They parse, so an upstream launch script reaches validation, and each stops there with what to do."""
+
+MEGATRON_CORE_GPT_ONLY = "this build has only the Megatron-Core GPT model, built from the command-line flags"
+
+
+def add_arguments(parser):
+    group = parser.add_argument_group("other model builders (not supported)")
+    group.add_argument("--use-legacy-models", action="store_true",
+                       help="Upstream: the legacy (pre-Megatron-Core) models. Not supported here: an error.")
+    group.add_argument("--spec", nargs="*", default=None,
+                       help="Upstream: <module function> returning a layer spec. Layers here are built from the "
+                       "transformer config directly (no specs): an error.")
+    group.add_argument("--hybrid-override-pattern", default=None,
+                       help="Upstream: the layer pattern of a hybrid Mamba model. Not supported here: an error.")
+    group.add_argument("--is-hybrid-model", action="store_true",
+                       help="Upstream: a hybrid Mamba model. Not supported here: an error.")
+    group.add_argument("--heterogeneous-layers-config-path", default=None,
+                       help="Upstream: per-layer shapes from a JSON file. Not supported here: an error.")
+    group.add_argument("--heterogeneous-layers-config-encoded-json", default=None,
+                       help="Upstream: per-layer shapes as a JSON string. Not supported here: an error.")
+    group.add_argument("--yaml-cfg", default=None,
+                       help="Upstream: all arguments from a YAML file. Not supported here (pass the flags): an "
+                       "error.")
+    group.add_argument("--export-te", action="store_true",
+                       help="Upstream: export a Transformer Engine model (modelopt). Not supported here: an error.")
+
+
+def validate(args):
+    stops = (
+        ("--use-legacy-models", args.use_legacy_models, f"{MEGATRON_CORE_GPT_ONLY}: drop --use-legacy-models"),
+        ("--spec", args.spec is not None,
+         "layers here are built from the transformer config, not from layer specs: drop --spec and describe the "
+         "layer with flags (--normalization, --swiglu, --qk-layernorm, --multi-latent-attention, --num-experts, "
+         "...)"),
+        ("--hybrid-override-pattern", args.hybrid_override_pattern is not None,
+         f"hybrid Mamba models are not supported ({MEGATRON_CORE_GPT_ONLY}): drop --hybrid-override-pattern"),
+        ("--is-hybrid-model", args.is_hybrid_model,
+         f"hybrid Mamba models are not supported ({MEGATRON_CORE_GPT_ONLY}): drop --is-hybrid-model"),
+        ("--heterogeneous-layers-config-path", args.heterogeneous_layers_config_path is not None,
+         "every layer here has the shape the flags give (no per-layer configurations): drop "
+         "--heterogeneous-layers-config-path"),
+        ("--heterogeneous-layers-config-encoded-json", args.heterogeneous_layers_config_encoded_json is not None,
+         "every layer here has the shape the flags give (no per-layer configurations): drop "
+         "--heterogeneous-layers-config-encoded-json"),
+        ("--yaml-cfg", args.yaml_cfg is not None,
+         "arguments are read from the command line only: pass the YAML file's settings as flags and drop --yaml-cfg"),
+        ("--export-te", args.export_te,
+         "there is no Transformer Engine export: drop --export-te; checkpoints convert with "
+         "tools/checkpoint/convert_checkpoint.py (e.g. --to hf), and --transformer-impl transformer_engine trains "
+         "TE layers with the same checkpoint names as the local ones"),
+    )
+    for flag, given, what_to_do in stops:
+        if given:
+            raise ValueError(f"{flag} is not supported: {what_to_do}")

@@ -1,0 +1,54 @@
+"""Multi-token prediction flags (DeepSeek-V3), with upstream's names and defaults: `--mtp-num-layers N` extra
+prediction depths on the last pipeline stage, their mean loss scaled by `--mtp-loss-scaling-factor` (0.1) and
+added to the LM loss (see megatron/core/transformer/multi_token_prediction.py).
+
+Rules here (the config checks the value ranges and context parallelism again): N >= 1; rotary position
+embeddings (`--position-embedding-type rope`, as upstream, which also allows "none"); a
+`--pipeline-model-parallel-layout` must place exactly N `m` symbols, together just before the final `L`.
+"""
+
+from megatron.core.transformer.mtp_config import MTP_FLAG, MTP_SCALE_FLAG
+from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+
+def add_arguments(parser):
+    group = parser.add_argument_group("multi-token prediction")
+    group.add_argument(
+        MTP_FLAG, type=int, default=None,
+        help="Multi-token prediction depths after the decoder (one transformer layer each, on the last pipeline "
+        "stage); depth k predicts the token k + 1 ahead. Unset: no multi-token prediction.",
+    )
+    group.add_argument(
+        MTP_SCALE_FLAG, type=float, default=0.1,
+        help="Scale of the multi-token prediction loss: this factor times the mean of the depths' losses is added "
+        "to the LM loss.",
+    )
+
+
+def validate(args):
+    depths = args.mtp_num_layers
+    layout = getattr(args, "pipeline_model_parallel_layout", None)
+    if depths is None:
+        if layout is not None and PipelineParallelLayerLayout(layout, args.pipeline_model_parallel_size
+                                                              ).mtp_layer_count():
+            raise ValueError(f"--pipeline-model-parallel-layout {layout!r} places multi-token-prediction depths "
+                             f"('m'): add {MTP_FLAG} with their count, or remove them")
+        return
+    if depths < 1:
+        raise ValueError(f"{MTP_FLAG} must be >= 1 (or unset for no multi-token prediction), got {depths}")
+    if args.mtp_loss_scaling_factor < 0:
+        raise ValueError(f"{MTP_SCALE_FLAG} must be >= 0, got {args.mtp_loss_scaling_factor}")
+    if args.position_embedding_type != "rope":
+        raise ValueError(f"{MTP_FLAG} needs --position-embedding-type rope (as upstream), got "
+                         f"{args.position_embedding_type}")
+    if args.context_parallel_size > 1:
+        raise ValueError(f"{MTP_FLAG} is not supported with --context-parallel-size > 1 here; use 1")
+    if layout is not None:
+        PipelineParallelLayerLayout(layout, args.pipeline_model_parallel_size).validate_layer_layout(
+            args.num_layers, depths)
+
+
+def transformer_config_kwargs(args):
+    """The multi-token prediction fields of `TransformerConfig`."""
+    return dict(mtp_num_layers=getattr(args, "mtp_num_layers", None),
+                mtp_loss_scaling_factor=getattr(args, "mtp_loss_scaling_factor", 0.1))

@@ -1,0 +1,99 @@
+"""Which checkpoint `--load` resumes, and in which format.
+
+Two roots may hold checkpoints of a run: `--load DIR` (the persistent ones, written by `--save-interval`) and
+the non-persistent root (`--non-persistent-global-ckpt-dir`, by default `DIR/non_persistent`, written by
+`--non-persistent-save-interval`). Each has its own tracker file; the newer of the two checkpoints is resumed
+(the persistent one on a tie). The format of a checkpoint is read from its directory, so that
+`--auto-detect-ckpt-format` (and `--use-checkpoint-args`) work whatever `--ckpt-format` says.
+
+Plain file operations only: `--use-checkpoint-args` uses this module before any process group exists.
+"""
+
+import glob
+import os
+from typing import NamedTuple, Optional
+
+from megatron.core.dist_checkpointing.checkpoint_directory import (
+    REPLACED_SUFFIX,
+    iteration_dir_name,
+    read_tracker,
+)
+
+NON_PERSISTENT_SUBDIR = "non_persistent"
+DCP_INDEX_FILENAME = ".metadata"
+TORCH_FORMAT_FILENAME = "model_optim_rng.pt"
+
+
+class CheckpointSource(NamedTuple):
+    root: str  # the directory holding the tracker
+    iteration: int
+    format: Optional[str]  # "torch", "torch_dist", or None when the iteration's directory is missing
+    non_persistent: bool
+
+    @property
+    def directory(self):
+        """The iteration's directory (its `.replaced` copy when a re-save was interrupted between renames)."""
+        directory = os.path.join(self.root, iteration_dir_name(self.iteration))
+        if not os.path.isdir(directory) and os.path.isdir(directory + REPLACED_SUFFIX):
+            return directory + REPLACED_SUFFIX
+        return directory
+
+
+def detect_format(directory) -> Optional[str]:
+    """'torch_dist' for a torch.distributed.checkpoint directory, 'torch' for Megatron's per-rank files."""
+    if not os.path.isdir(directory):
+        return None
+    names = os.listdir(directory)
+    if DCP_INDEX_FILENAME in names:
+        return "torch_dist"
+    if any(name.startswith("mp_rank_") for name in names):
+        return "torch"
+    return None
+
+
+def non_persistent_save_dir(args) -> Optional[str]:
+    if getattr(args, "non_persistent_global_ckpt_dir", None):
+        return args.non_persistent_global_ckpt_dir
+    return os.path.join(args.save, NON_PERSISTENT_SUBDIR) if args.save else None
+
+
+def non_persistent_load_dir(args) -> Optional[str]:
+    if getattr(args, "non_persistent_global_ckpt_dir", None):
+        return args.non_persistent_global_ckpt_dir
+    return os.path.join(args.load, NON_PERSISTENT_SUBDIR) if args.load else None
+
+
+def _tracked_iteration(root):
+    return read_tracker(root) if root is not None and os.path.isdir(root) else None
+
+
+def checkpoint_to_load(args) -> Optional[CheckpointSource]:
+    """The checkpoint `--load` resumes: the newer of the persistent and the non-persistent one; None if neither."""
+    persistent = _tracked_iteration(args.load)
+    non_persistent_root = non_persistent_load_dir(args)
+    non_persistent = _tracked_iteration(non_persistent_root)
+    if non_persistent is not None and (persistent is None or non_persistent > persistent):
+        root, iteration, is_non_persistent = non_persistent_root, non_persistent, True
+    elif persistent is not None:
+        root, iteration, is_non_persistent = args.load, persistent, False
+    else:
+        return None
+    source = CheckpointSource(root, iteration, None, is_non_persistent)
+    return source._replace(format=detect_format(source.directory))
+
+
+def saved_args(source: CheckpointSource):
+    """The arguments the checkpoint was trained with (None if it records none, e.g. converted from weights)."""
+    if source.format == "torch":
+        files = sorted(glob.glob(os.path.join(source.directory, "mp_rank_*", TORCH_FORMAT_FILENAME)))
+        if not files:
+            raise FileNotFoundError(f"{source.directory} holds no mp_rank_*/{TORCH_FORMAT_FILENAME}")
+        import torch
+
+        return torch.load(files[0], map_location="cpu", weights_only=False).get("args")
+    if source.format == "torch_dist":
+        from megatron.core.dist_checkpointing import serialization
+
+        common = serialization.load({"common": None}, source.directory, single_process=True)["common"]
+        return common.get("args")
+    raise FileNotFoundError(f"{source.directory} is neither a torch nor a torch_dist checkpoint")

@@ -1,0 +1,72 @@
+"""Where the training log's scalars go: TensorBoard (--tensorboard-dir) and Weights & Biases (--wandb-project),
+behind one `add_scalar(name, value, step)` so that both receive exactly the same numbers.
+
+`wandb` is an optional dependency, imported only when --wandb-project is given (validation has checked that it
+is installed). Only the logging rank (the last) builds writers.
+"""
+
+import os
+
+
+class WandbWriter:
+    """A W&B run seen as a TensorBoard-style writer: each scalar is one `run.log({name: value}, step=step)`."""
+
+    def __init__(self, args):
+        import wandb
+
+        save_dir = args.wandb_save_dir or os.path.join(args.save, "wandb")
+        os.makedirs(save_dir, exist_ok=True)
+        init_kwargs = {"dir": save_dir, "name": args.wandb_exp_name, "project": args.wandb_project,
+                       "config": {key: _plain(value) for key, value in vars(args).items()}}
+        if args.wandb_entity:
+            init_kwargs["entity"] = args.wandb_entity
+        self._run = wandb.init(**init_kwargs)
+
+    def add_scalar(self, name, value, step):
+        self._run.log({name: value}, step=step)
+
+    def flush(self):
+        pass
+
+    def close(self):
+        self._run.finish()
+
+
+def _plain(value):
+    """Values W&B can store in a run's config: numbers, strings, lists of them; anything else as its str."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(each) for each in value]
+    return str(value)
+
+
+class ScalarWriters:
+    """Sends every scalar to each writer (TensorBoard's SummaryWriter, WandbWriter)."""
+
+    def __init__(self, writers):
+        self.writers = list(writers)
+
+    def add_scalar(self, name, value, step):
+        for writer in self.writers:
+            writer.add_scalar(name, value, step)
+
+    def flush(self):
+        for writer in self.writers:
+            writer.flush()
+
+    def close(self):
+        for writer in self.writers:
+            writer.close()
+
+
+def build_scalar_writers(args):
+    """The writers the flags ask for, as one `ScalarWriters`; None when there are none."""
+    writers = []
+    if args.tensorboard_dir:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writers.append(SummaryWriter(log_dir=args.tensorboard_dir, max_queue=1000))
+    if getattr(args, "wandb_project", ""):
+        writers.append(WandbWriter(args))
+    return ScalarWriters(writers) if writers else None

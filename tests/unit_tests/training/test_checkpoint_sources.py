@@ -1,0 +1,147 @@
+"""Upstream checkpoint flags on real `pretrain()` runs: --save-retain-interval, --auto-detect-ckpt-format,
+--ckpt-convert-format, --non-persistent-save-interval and --use-checkpoint-args.
+
+One pool task trains once straight and resumes several ways from the checkpoints it and an interrupted run
+wrote; the tests below assert on its results (fp32 on CPU: resumed losses equal the straight run's exactly).
+"""
+
+import os
+
+import pytest
+import torch
+
+from megatron.training.checkpoint_retention import iterations_to_remove, prune_to_retain_interval
+from megatron.training.checkpointing import write_tracker
+from tests.unit_tests.dist_checkpointing.pretrain_helpers import run_pretrain
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+WORLD_SIZE = 2
+SCHEDULE = "--train-iters 10 --lr-decay-iters 10"
+CRASH_ITERATION = 8
+
+
+class _Interrupted(RuntimeError):
+    pass
+
+
+def _forward_step_crashing_in(iteration):
+    """pretrain_gpt's forward step, raising on every rank in the first microbatch of `iteration`."""
+    import pretrain_gpt
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    calls = {"count": 0}
+
+    def forward_step(data_iterator, model):
+        calls["count"] += 1
+        if calls["count"] == (iteration - 1) * get_num_microbatches() + 1:
+            raise _Interrupted(f"interrupted in iteration {iteration}")
+        return pretrain_gpt.forward_step(data_iterator, model)
+
+    return forward_step
+
+
+def _pretrain_returning_iteration(extra_args):
+    import pretrain_gpt
+    from megatron.core.enums import ModelType
+    from megatron.training.training import pretrain
+    from tests.unit_tests.dist_checkpointing.pretrain_helpers import tiny_gpt_argv
+
+    return pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
+                    ModelType.encoder_or_decoder, pretrain_gpt.forward_step, argv=tiny_gpt_argv(extra_args).split())
+
+
+def _listing(root):
+    return sorted(name for name in os.listdir(root) if not name.startswith("metrics"))
+
+
+def _all_runs(workdir):
+    from megatron.training.checkpointing import read_tracker
+
+    rank = torch.distributed.get_rank()
+    results = {}
+    torch_root, converted_root = f"{workdir}/torch", f"{workdir}/converted"
+    # 1. Straight, torch format, saved every 2 iterations, retaining multiples of 4 (and the latest).
+    results["straight"] = run_pretrain(workdir, f"{SCHEDULE} --ckpt-format torch --save {torch_root} "
+                                                "--save-interval 2 --save-retain-interval 4")
+    results["retained"] = (_listing(torch_root), read_tracker(torch_root))
+    # 2. --auto-detect-ckpt-format: resume from the torch checkpoint of iteration 4 under --ckpt-format torch_dist.
+    if rank == 0:
+        write_tracker(torch_root, 4)
+    torch.distributed.barrier()
+    results["auto_detect"] = run_pretrain(workdir, f"{SCHEDULE} --ckpt-format torch_dist --auto-detect-ckpt-format "
+                                                   f"--load {torch_root} --save {workdir}/auto_saved")
+    results["auto_saved"] = sorted(os.listdir(f"{workdir}/auto_saved/iter_0000010"))
+    # 3. --ckpt-convert-format torch_dist: iteration 4 of the torch checkpoint, then a resume from the converted one.
+    results["convert_returned"] = _pretrain_returning_iteration(
+        f"{SCHEDULE} --ckpt-format torch --load {torch_root} --ckpt-convert-format torch_dist "
+        f"--ckpt-convert-save {converted_root}")
+    results["converted"] = (_listing(converted_root), read_tracker(converted_root))
+    results["from_converted"] = run_pretrain(workdir, f"{SCHEDULE} --load {converted_root}")
+    # 4. Non-persistent checkpoints every 3 iterations, persistent ones every 5, interrupted in iteration 8.
+    persistent_root = f"{workdir}/persistent"
+    try:
+        run_pretrain(workdir, f"{SCHEDULE} --save {persistent_root} --save-interval 5 --non-persistent-save-interval 3",
+                     forward_step=_forward_step_crashing_in(CRASH_ITERATION))
+        results["interrupted"] = False
+    except _Interrupted:
+        results["interrupted"] = True
+    torch.distributed.barrier()
+    results["persistent"] = (_listing(persistent_root), read_tracker(persistent_root))
+    non_persistent_root = f"{persistent_root}/non_persistent"
+    results["non_persistent"] = (_listing(non_persistent_root), read_tracker(non_persistent_root))
+    # 5. Resume it with --use-checkpoint-args and a wrong model shape on the command line.
+    results["resumed_with_checkpoint_args"] = run_pretrain(
+        workdir, f"{SCHEDULE} --load {persistent_root} --use-checkpoint-args --hidden-size 64 --num-layers 2 "
+                 "--ffn-hidden-size 48")
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("checkpoint_sources"))
+    return run_on_ranks(WORLD_SIZE, _all_runs, workdir)[0]
+
+
+def _second_part(losses, first):
+    return {iteration: loss for iteration, loss in losses.items() if iteration >= first}
+
+
+def test_save_retain_interval_keeps_multiples_and_the_latest(runs):
+    listing, tracker = runs["retained"]
+    assert listing == ["iter_0000004", "iter_0000008", "iter_0000010", "latest_checkpointed_iteration.txt"]
+    assert tracker == 10
+
+
+def test_auto_detect_loads_a_torch_checkpoint_under_torch_dist(runs):
+    straight = runs["straight"]
+    assert sorted(straight) == list(range(1, 11)) and len(set(straight.values())) == 10
+    assert runs["auto_detect"] == _second_part(straight, 5)
+    assert ".metadata" in runs["auto_saved"]  # saving still follows --ckpt-format torch_dist
+
+
+def test_ckpt_convert_format_saves_the_loaded_checkpoint_and_stops(runs):
+    assert runs["convert_returned"] == 4  # returned right after loading iteration 4: no training
+    listing, tracker = runs["converted"]
+    assert listing == ["iter_0000004", "latest_checkpointed_iteration.txt"] and tracker == 4
+    assert runs["from_converted"] == _second_part(runs["straight"], 5)
+
+
+def test_non_persistent_checkpoint_is_resumed_when_newer(runs):
+    assert runs["interrupted"]
+    assert runs["persistent"] == (["iter_0000005", "latest_checkpointed_iteration.txt", "non_persistent"], 5)
+    assert runs["non_persistent"] == (["iter_0000006", "latest_checkpointed_iteration.txt"], 6)
+    # Resumed at 6 (non-persistent, newer than 5), with the checkpoint's model despite --hidden-size 64.
+    assert runs["resumed_with_checkpoint_args"] == _second_part(runs["straight"], 7)
+
+
+def test_retention_never_removes_the_latest_or_runs_before_the_tracker_names_it(tmp_path):
+    assert iterations_to_remove([2, 4, 6, 7], latest=7, retain_interval=4) == [2, 6]
+    for iteration in (2, 4, 6):
+        os.makedirs(tmp_path / f"iter_{iteration:07d}")
+    os.makedirs(tmp_path / "iter_0000008.tmp")  # a save in progress
+    write_tracker(tmp_path, 4)
+    assert prune_to_retain_interval(str(tmp_path), 6, 4) == []  # the tracker does not name 6 yet
+    write_tracker(tmp_path, 6)
+    assert prune_to_retain_interval(str(tmp_path), 6, 4) == [2]
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000004", "iter_0000006", "iter_0000008.tmp",
+                                            "latest_checkpointed_iteration.txt"]

@@ -1,0 +1,33 @@
+"""Upstream flags for other model builders (legacy models, specs, hybrid models, heterogeneous layers, YAML
+configurations, TE export) parse and stop at validation with a message naming the flag and what to do."""
+
+import pytest
+
+from megatron.training.arguments import parse_args, validate_args
+
+BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+        "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128")
+
+
+@pytest.fixture(autouse=True)
+def one_rank(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("--use-legacy-models", "only the Megatron-Core GPT model, built from the command-line flags: drop "
+                            "--use-legacy-models"),
+    ("--spec my.module my_spec", "drop --spec"),
+    ("--hybrid-override-pattern M*-", "drop --hybrid-override-pattern"),
+    ("--is-hybrid-model", "drop --is-hybrid-model"),
+    ("--heterogeneous-layers-config-path layers.json", "drop --heterogeneous-layers-config-path"),
+    ("--heterogeneous-layers-config-encoded-json {}", "drop --heterogeneous-layers-config-encoded-json"),
+    ("--yaml-cfg run.yaml", "drop --yaml-cfg"),
+    ("--export-te", "drop --export-te"),
+])
+def test_other_model_builders_stop(extra, message):
+    with pytest.raises(ValueError) as error:
+        validate_args(parse_args(args=(BASE + " " + extra).split()))
+    flag = extra.split()[0]
+    assert str(error.value).startswith(f"{flag} is not supported") and message in str(error.value)

@@ -1,0 +1,58 @@
+"""The layer-variant flags of argument_groups/model.py (--add-qkv-bias, --rotary-interleaved,
+--rotary-seq-len-interpolation-factor, --apply-residual-connection-post-layernorm, --fp32-residual-connection,
+--openai-gelu, --use-cpu-initialization, --embedding-init-method-std): they reach the TransformerConfig, and the
+rules name the flags."""
+
+import pytest
+import torch
+
+from megatron.core.transformer.utils import openai_gelu
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.model_config import core_transformer_config_from_args
+
+BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+        "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128")
+
+
+def validated(extra):
+    return validate_args(parse_args(args=(BASE + " " + extra).split()))
+
+
+@pytest.fixture(autouse=True)
+def one_rank(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+
+
+def test_flags_reach_the_transformer_config():
+    default = core_transformer_config_from_args(validated(""))
+    assert not (default.add_qkv_bias or default.rotary_interleaved or default.fp32_residual_connection
+                or default.apply_residual_connection_post_layernorm or default.use_cpu_initialization)
+    assert default.rotary_seq_len_interpolation_factor is None and default.activation_func is not openai_gelu
+    config = core_transformer_config_from_args(validated(
+        "--disable-bias-linear --add-qkv-bias --position-embedding-type rope --rotary-interleaved "
+        "--rotary-seq-len-interpolation-factor 8 --apply-residual-connection-post-layernorm --bf16 "
+        "--fp32-residual-connection --openai-gelu --use-cpu-initialization"))
+    assert config.add_qkv_bias and not config.add_bias_linear and config.rotary_interleaved
+    assert config.rotary_seq_len_interpolation_factor == 8.0 and config.apply_residual_connection_post_layernorm
+    assert config.fp32_residual_connection and config.pipeline_dtype == torch.float32
+    assert config.activation_func is openai_gelu and config.use_cpu_initialization
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("--rotary-interleaved", "--rotary-interleaved shapes rotary position embeddings: it needs "
+                             "--position-embedding-type rope"),
+    ("--rotary-seq-len-interpolation-factor 2", "--rotary-seq-len-interpolation-factor shapes rotary"),
+    ("--position-embedding-type rope --rotary-seq-len-interpolation-factor -1",
+     "--rotary-seq-len-interpolation-factor must be positive"),
+    ("--openai-gelu --swiglu", "--openai-gelu and --swiglu are exclusive"),
+    ("--openai-gelu --squared-relu", "--openai-gelu and --squared-relu are exclusive"),
+    ("--fp32-residual-connection", "--fp32-residual-connection keeps the residual in fp32 under --bf16 or --fp16"),
+    ("--embedding-init-method-std 1.0", "--embedding-init-method-std is not implemented"),
+    ("--bf16 --fp32-residual-connection --use-torch-fsdp2 --untie-embeddings-and-output-weights",
+     "--fp32-residual-connection does not survive --use-torch-fsdp2"),
+])
+def test_rules_name_the_flags(extra, message):
+    with pytest.raises(ValueError) as error:
+        validated(extra)
+    assert message in str(error.value)

@@ -1,0 +1,204 @@
+"""Multi-token prediction: each depth's loss and the MTP loss of a tiny GPTModel equal a reference written here
+with plain tensor ops (shifted-token embedding, norms, concatenation, projection, the depth's transformer layer
+called directly, the shared output layer, shifted labels and loss mask), for one and two depths; the shared word
+embedding's gradient takes the MTP path's contribution; the main loss is unchanged by adding MTP; and the flags'
+rules (config, layout `m`, command line) stop with messages naming the flags.
+
+Training-level checks (TP / DP / PP runs, logging, checkpoint resume) are in
+tests/unit_tests/training/test_multi_token_prediction_training.py.
+"""
+
+import argparse
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.transformer.multi_token_prediction import (
+    masked_depth_losses,
+    mtp_loss_for_backward,
+    shift_left,
+)
+from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+from megatron.core.transformer.pipeline_split import virtual_stage_layer_counts
+from tests.unit_tests.models.gpt.gpt_test_utils import fixed_batch, seeded_model, tiny_config
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+SCALING_FACTOR = 0.3
+TOLERANCE = 1e-6
+# (config fields, model kwargs) per number of depths: LayerNorm + tied for one depth, RMSNorm + SwiGLU + untied
+# for two.
+VARIANTS = {
+    1: ({"normalization": "LayerNorm"}, {}),
+    2: ({"normalization": "RMSNorm", "gated_linear_unit": True, "ffn_hidden_size": 48},
+        {"share_embeddings_and_output_weights": False}),
+}
+
+
+def _norm(x, norm, config):
+    if config.normalization == "RMSNorm":
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.layernorm_epsilon) * norm.weight
+    mean = x.mean(-1, keepdim=True)
+    variance = (x - mean).pow(2).mean(-1, keepdim=True)
+    return (x - mean) / torch.sqrt(variance + config.layernorm_epsilon) * norm.weight + norm.bias
+
+
+def _reference(model, tokens, labels, position_ids, loss_mask, detach_mtp_embedding=False):
+    """(MTP loss, [depth k's per-token loss on its first s - k positions]) with plain ops on the model's
+    weights; h^0 is the model's own decoder output (the main model is checked in models/gpt/test_gpt_model.py)."""
+    config = model.config
+    batch, seq = tokens.shape
+    angles = model.rotary_pos_emb(seq, device=tokens.device)
+    hidden = model.decoder(model.embedding(tokens, position_ids), rotary_pos_emb=angles)  # h^0, [s, b, h]
+    word_embedding = model.embedding.word_embeddings.weight
+    output_weight = word_embedding if model.output_layer.weight is None else model.output_layer.weight
+    depth_losses, total = [], 0.0
+    for depth, layer in enumerate(model.mtp.layers, start=1):
+        shifted_ids = torch.cat([tokens[:, depth:], torch.zeros(batch, depth, dtype=tokens.dtype)], dim=1)
+        table = word_embedding.detach() if detach_mtp_embedding else word_embedding
+        embedded = F.embedding(shifted_ids, table).transpose(0, 1)
+        combined = torch.cat([_norm(embedded, layer.enorm, config), _norm(hidden, layer.hnorm, config)], dim=-1)
+        projected = combined @ layer.eh_proj.weight.t()
+        hidden = _norm(layer.transformer_layer(projected, rotary_pos_emb=angles), layer.final_layernorm, config)
+        logits = (hidden @ output_weight.t()).transpose(0, 1)[:, : seq - depth]  # [b, s - k, vocab]
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, depth:].reshape(-1),
+                               reduction="none").view(batch, seq - depth)
+        mask = loss_mask[:, depth:]
+        depth_losses.append(loss)
+        total = total + (loss * mask).sum() / mask.sum()
+    return SCALING_FACTOR / len(model.mtp.layers) * total, depth_losses
+
+
+def _loss_mask(tokens):
+    generator = torch.Generator().manual_seed(3)
+    return (torch.rand(tokens.shape, generator=generator) > 0.25).float()
+
+
+def _model_against_reference(num_depths):
+    config_fields, model_kwargs = VARIANTS[num_depths]
+    parallel_state.initialize_model_parallel()
+    try:
+        tokens, labels, position_ids = fixed_batch()
+        loss_mask = _loss_mask(tokens)
+        model = seeded_model(tiny_config(mtp_num_layers=num_depths, **config_fields),
+                             position_embedding_type="rope", **model_kwargs)
+        plain = seeded_model(tiny_config(**config_fields), position_embedding_type="rope", **model_kwargs)
+        main_loss, depth_losses = model(tokens, position_ids, labels=labels)
+        sums, counts = masked_depth_losses(depth_losses, loss_mask)
+        mtp_loss = mtp_loss_for_backward(sums, counts, SCALING_FACTOR, 1.0, per_token_loss=False)
+        reference_loss, reference_depths = _reference(model, tokens, labels, position_ids, loss_mask)
+        seq = tokens.shape[1]
+        result = {
+            "mtp_loss": mtp_loss.item(),
+            "reference_loss": reference_loss.item(),
+            "main_loss_diff": (main_loss - plain(tokens, position_ids, labels=labels)).abs().max().item(),
+            "depth_diffs": [(depth_losses[k][:, : seq - k - 1] - ref).abs().max().item()
+                            for k, ref in enumerate(reference_depths)],
+            "tails": [depth_losses[k][:, seq - k - 1:].abs().max().item() for k in range(num_depths)],
+        }
+        # Gradients of the shared word embedding: the model's MTP loss against the reference's, and against the
+        # reference with the shifted tokens' embedding cut off (what the MTP path itself contributes).
+        word_embedding = model.embedding.word_embeddings.weight
+        mtp_grad, = torch.autograd.grad(mtp_loss, word_embedding)
+        reference_grad, = torch.autograd.grad(reference_loss, word_embedding)
+        without_mtp_embedding, = torch.autograd.grad(
+            _reference(model, tokens, labels, position_ids, loss_mask, detach_mtp_embedding=True)[0],
+            word_embedding)
+        result["grad_diff"] = (mtp_grad - reference_grad).abs().max().item()
+        result["grad_scale"] = reference_grad.abs().max().item()
+        result["mtp_embedding_contribution"] = (reference_grad - without_mtp_embedding).abs().max().item()
+        return result
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("num_depths", [1, 2])
+def test_mtp_loss_and_gradient_match_plain_torch_reference(num_depths):
+    (result,) = run_on_ranks(1, _model_against_reference, num_depths)
+    assert result["mtp_loss"] == pytest.approx(result["reference_loss"], abs=TOLERANCE, rel=0)
+    assert max(result["depth_diffs"]) < TOLERANCE, result["depth_diffs"]
+    assert max(result["tails"]) == 0.0  # the shifted label fell off the end: masked out
+    assert result["main_loss_diff"] == 0.0  # adding MTP leaves the main model (weights and loss) as it was
+    assert result["grad_diff"] < TOLERANCE * max(1.0, result["grad_scale"])
+    assert result["mtp_embedding_contribution"] > 1e-3 * result["grad_scale"]
+
+
+def test_shift_left_and_masked_depth_losses():
+    values = torch.arange(1.0, 7.0).view(1, 6)
+    assert shift_left(values, 2).tolist() == [[3.0, 4.0, 5.0, 6.0, 0.0, 0.0]]
+    assert shift_left(values, 9).tolist() == [[0.0] * 6]
+    depth_losses = torch.stack([values, 2 * values])  # N = 2
+    loss_mask = torch.tensor([[1.0, 1.0, 0.0, 1.0, 1.0, 1.0]])
+    sums, counts = masked_depth_losses(depth_losses, loss_mask)
+    # depth 1: mask shifted by one = [1, 0, 1, 1, 1, 0]; depth 2: [0, 1, 1, 1, 0, 0]
+    assert sums.tolist() == [1 + 3 + 4 + 5, 2 * (2 + 3 + 4)] and counts.tolist() == [4.0, 3.0]
+    mean_term = mtp_loss_for_backward(sums, counts, 0.1, torch.tensor(5.0), per_token_loss=False)
+    assert mean_term.item() == pytest.approx(0.1 / 2 * (13 / 4 + 18 / 3) * 5)
+    per_token_term = mtp_loss_for_backward(sums, counts, 0.1, torch.tensor(5.0), per_token_loss=True)
+    assert per_token_term.item() == pytest.approx(0.1 / 2 * (13 + 18))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Rules
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"mtp_num_layers": 0}, r"--mtp-num-layers must be an integer >= 1"),
+        ({"mtp_num_layers": 1, "mtp_loss_scaling_factor": -1.0}, r"--mtp-loss-scaling-factor must be"),
+        ({"mtp_num_layers": 1, "context_parallel_size": 2}, r"--mtp-num-layers is not supported with "
+                                                            r"--context-parallel-size"),
+        ({"mtp_num_layers": 2, "pipeline_model_parallel_size": 2, "pipeline_model_parallel_layout": "Et|tmL"},
+         r"places 1 multi-token-prediction depths \('m'\) but --mtp-num-layers is 2"),
+        ({"pipeline_model_parallel_size": 2, "pipeline_model_parallel_layout": "Et|tmL"},
+         r"places 1 multi-token-prediction depths \('m'\) but --mtp-num-layers is unset"),
+        ({"mtp_num_layers": 1, "pipeline_model_parallel_size": 2, "pipeline_model_parallel_layout": "Et|mtL"},
+         r"must all sit in the last stage, after its transformer layers and just before the loss"),
+    ],
+)
+def test_config_rules_name_the_flags(fields, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_config(**fields)
+
+
+def test_layout_with_mtp_depths_splits_only_transformer_layers():
+    layout = PipelineParallelLayerLayout("Et|(tt|)*2tmmL", 2)
+    assert virtual_stage_layer_counts(6, 2, 2, layout=layout, mtp_num_layers=2) == (1, 2, 2, 1)
+    assert layout.mtp_layer_count() == 2
+
+
+def test_model_needs_rotary_position_embeddings():
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    with pytest.raises(ValueError, match=r"--mtp-num-layers needs --position-embedding-type rope"):
+        GPTModel(tiny_config(mtp_num_layers=1), vocab_size=64, max_sequence_length=16)
+
+
+def _args(**overrides):
+    fields = dict(mtp_num_layers=1, mtp_loss_scaling_factor=0.1, position_embedding_type="rope",
+                  context_parallel_size=1, pipeline_model_parallel_layout=None, pipeline_model_parallel_size=2,
+                  num_layers=4)
+    fields.update(overrides)
+    return argparse.Namespace(**fields)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"mtp_num_layers": 0}, r"--mtp-num-layers must be >= 1"),
+        ({"position_embedding_type": "learned_absolute"}, r"--mtp-num-layers needs --position-embedding-type rope"),
+        ({"mtp_num_layers": None, "pipeline_model_parallel_layout": "Ett|ttmL"},
+         r"places multi-token-prediction depths \('m'\): add --mtp-num-layers"),
+        ({"mtp_num_layers": 2, "pipeline_model_parallel_layout": "Ett|ttmL"},
+         r"places 1 multi-token-prediction depths \('m'\) but --mtp-num-layers is 2"),
+    ],
+)
+def test_command_line_rules_name_the_flags(overrides, message):
+    from megatron.training.argument_groups import mtp
+
+    with pytest.raises(ValueError, match=message):
+        mtp.validate(_args(**overrides))
+    mtp.validate(_args(pipeline_model_parallel_layout="Ett|ttmL"))  # the matching layout passes
