@@ -47,6 +47,8 @@ def add_arguments(parser):
         "--data-parallel-random-init", action="store_true", help="Different initial weights per data-parallel rank."
     )
     group.add_argument("--use-megatron-fsdp", action="store_true", help="Wrap the model with Megatron-FSDP.")
+    group.add_argument("--use-custom-fsdp", action="store_true", dest="use_custom_fsdp_deprecated",
+                       help="Deprecated: upstream's earlier name of --use-megatron-fsdp; the same.")
     group.add_argument(
         "--data-parallel-sharding-strategy",
         default="optim_grads_params",
@@ -127,6 +129,10 @@ def _validate_gradient_precision(args):
 
 
 def validate(args):
+    if getattr(args, "use_custom_fsdp_deprecated", False):
+        args.use_megatron_fsdp = True
+        if getattr(args, "rank", 0) == 0:
+            print("WARNING: --use-custom-fsdp is deprecated; use --use-megatron-fsdp (the same)", flush=True)
     _validate_gradient_precision(args)
     nccl_buffers.validate(args)
     if args.use_megatron_fsdp and args.use_torch_fsdp2:

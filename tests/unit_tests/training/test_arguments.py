@@ -173,6 +173,14 @@ def test_megatron_fsdp_turns_on_distributed_optimizer_and_overlaps():
     assert args.use_distributed_optimizer and args.overlap_grad_reduce and args.overlap_param_gather
 
 
+def test_use_custom_fsdp_is_the_deprecated_name_of_use_megatron_fsdp(capsys):
+    args = validated("--use-custom-fsdp --bf16 --grad-reduce-in-bf16")
+    assert args.use_megatron_fsdp and args.use_distributed_optimizer
+    # validated as --use-megatron-fsdp from the first rule on: its gradient communication follows the bf16 opt-out
+    assert args.megatron_fsdp_grad_comm_dtype == "bf16"
+    assert "--use-custom-fsdp is deprecated; use --use-megatron-fsdp" in capsys.readouterr().out
+
+
 def test_fsdp_rejects_serialised_cuda_connections(monkeypatch):
     from megatron.training.argument_groups import data_parallel
 
