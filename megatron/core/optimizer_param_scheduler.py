@@ -24,6 +24,14 @@ WD_INCR_STYLES = ("constant", "linear", "cosine")
 # Saved in state_dict; checked against the constructor's arguments on load.
 _CHECKED_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "start_wd", "end_wd",
                  "wd_incr_steps", "wd_incr_style", "wsd_decay_steps", "lr_wsd_decay_style")
+# The training flags each checked value comes from (steps count samples: iterations x global batch size).
+_FLAGS_OF_KEY = {
+    "max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters / --lr-warmup-samples / "
+    "--lr-warmup-fraction", "lr_decay_steps": "--lr-decay-iters / --lr-decay-samples (default: the training length)",
+    "lr_decay_style": "--lr-decay-style", "start_wd": "--start-weight-decay", "end_wd": "--end-weight-decay",
+    "wd_incr_steps": "the training length", "wd_incr_style": "--weight-decay-incr-style",
+    "wsd_decay_steps": "--lr-wsd-decay-iters / --lr-wsd-decay-samples", "lr_wsd_decay_style": "--lr-wsd-decay-style",
+}
 
 
 class OptimizerParamScheduler:
@@ -154,9 +162,10 @@ class OptimizerParamScheduler:
             return current
         if not self.use_checkpoint_opt_param_scheduler and current != saved:
             raise ValueError(
-                f"OptimizerParamScheduler: {name} is {current} but the checkpoint has {saved}; pass "
-                "override_opt_param_scheduler=True to keep the new value or use_checkpoint_opt_param_scheduler=True "
-                "to take the checkpoint's."
+                f"OptimizerParamScheduler: {name} (from {_FLAGS_OF_KEY.get(name, name)}) is {current} in this run "
+                f"but {saved} in the checkpoint; launch with --override-opt_param-scheduler to keep this run's value "
+                "or --use-checkpoint-opt_param-scheduler to take the checkpoint's (in Python: "
+                "override_opt_param_scheduler=True / use_checkpoint_opt_param_scheduler=True)."
             )
         return saved
 

@@ -82,8 +82,11 @@ def test_state_dict_round_trip_and_mismatch_checks():
     assert restored_optimizer.param_groups[0]["lr"] == pytest.approx(_expected_lr("cosine", 42))
 
     strict = _scheduler(_optimizer(), "cosine", max_lr=2.0, use_checkpoint_opt_param_scheduler=False)
-    with pytest.raises(ValueError, match="max_lr"):
+    with pytest.raises(ValueError) as mismatch:
         strict.load_state_dict(state)
+    assert "max_lr (from --lr) is 2.0 in this run but 1.0 in the checkpoint" in str(mismatch.value)
+    assert "--override-opt_param-scheduler" in str(mismatch.value)
+    assert "--use-checkpoint-opt_param-scheduler" in str(mismatch.value)
 
     overriding_optimizer = _optimizer()
     overriding = _scheduler(overriding_optimizer, "cosine", max_lr=2.0, override_opt_param_scheduler=True)
