@@ -26,25 +26,32 @@ def tiny_gpt_argv(extra_args):
     return f"{base} {extra_args}"
 
 
-def run_pretrain(workdir, extra_args, forward_step=None):
-    """pretrain() with TINY_GPT + `extra_args` on the calling rank pool; returns {iteration: lm loss} on every
-    rank (read from the metrics file the last rank writes)."""
+def pretrain_records(workdir, argv, forward_step=None):
+    """pretrain() with the full command line `argv` on the calling rank pool; returns the training records of the
+    metrics file (one dict per iteration, as the last rank writes them) on every rank."""
     import pretrain_gpt
     from megatron.core.enums import ModelType
     from megatron.training.training import pretrain
 
     os.makedirs(workdir, exist_ok=True)
-    metrics = os.path.join(workdir, f"metrics_{zlib.crc32(extra_args.encode()):08x}.jsonl")
+    metrics = os.path.join(workdir, f"metrics_{zlib.crc32(argv.encode()):08x}.jsonl")
     if torch.distributed.get_rank() == 0 and os.path.exists(metrics):
         os.remove(metrics)
     torch.distributed.barrier()
-    argv = f"{tiny_gpt_argv(extra_args)} --metrics-file {metrics}".split()
     pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
-             ModelType.encoder_or_decoder, forward_step or pretrain_gpt.forward_step, argv=argv)
+             ModelType.encoder_or_decoder, forward_step or pretrain_gpt.forward_step,
+             argv=f"{argv} --metrics-file {metrics}".split())
     torch.distributed.barrier()
     with open(metrics) as stream:
         records = [json.loads(line) for line in stream if line.strip()]
-    return {record["iteration"]: record["lm loss"] for record in records if record.get("split") == "train"}
+    return [record for record in records if record.get("split") == "train"]
+
+
+def run_pretrain(workdir, extra_args, forward_step=None):
+    """pretrain() with TINY_GPT + `extra_args` on the calling rank pool; returns {iteration: lm loss} on every
+    rank (read from the metrics file the last rank writes)."""
+    records = pretrain_records(workdir, tiny_gpt_argv(extra_args), forward_step)
+    return {record["iteration"]: record["lm loss"] for record in records}
 
 
 def straight_and_resumed(workdir, name, layout_args, iterations=10):

@@ -8,14 +8,12 @@ fp32 on the CPU: the runs differ only in the order of floating-point reductions,
 The single-rank runs are shared by both tests (computed once per session).
 """
 
-import json
 import os
-import zlib
 
 import pytest
 import torch
 
-from tests.unit_tests.dist_checkpointing.pretrain_helpers import tiny_gpt_argv
+from tests.unit_tests.dist_checkpointing.pretrain_helpers import pretrain_records, tiny_gpt_argv
 from tests.unit_tests.multiprocess_harness import run_on_ranks
 
 MTP = "--position-embedding-type rope --mtp-num-layers 2"
@@ -40,23 +38,8 @@ _single_rank_losses = {}  # shared by the two tests of this session
 
 def _train(workdir, extra_args):
     """pretrain() with TINY_GPT + `extra_args`; {iteration: {metric: value}} of the training records."""
-    import pretrain_gpt
-    from megatron.core.enums import ModelType
-    from megatron.training.training import pretrain
-
-    os.makedirs(workdir, exist_ok=True)
-    metrics = os.path.join(workdir, f"mtp_metrics_{zlib.crc32(extra_args.encode()):08x}.jsonl")
-    if torch.distributed.get_rank() == 0 and os.path.exists(metrics):
-        os.remove(metrics)
-    torch.distributed.barrier()
-    argv = f"{tiny_gpt_argv(extra_args)} --metrics-file {metrics}".split()
-    pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
-             ModelType.encoder_or_decoder, pretrain_gpt.forward_step, argv=argv)
-    torch.distributed.barrier()
-    with open(metrics) as stream:
-        records = [json.loads(line) for line in stream if line.strip()]
     return {record["iteration"]: {name: record.get(name) for name in METRICS}
-            for record in records if record.get("split") == "train"}
+            for record in pretrain_records(workdir, tiny_gpt_argv(extra_args))}
 
 
 def _single_rank_runs(workdir):

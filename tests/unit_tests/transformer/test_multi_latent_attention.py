@@ -4,9 +4,7 @@ sequence parallelism) against TP1, training through `pretrain()` under context, 
 layouts against the plain data-parallel run, and the errors bad flags give."""
 
 import dataclasses
-import json
 import math
-import os
 
 import pytest
 import torch
@@ -20,6 +18,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.corpus_data import write_corpus_prefix
+from tests.unit_tests.dist_checkpointing.pretrain_helpers import pretrain_records
 from tests.unit_tests.models.gpt.gpt_test_utils import reference_then_parallel
 from tests.unit_tests.multiprocess_harness import run_on_ranks
 
@@ -228,19 +227,8 @@ LAYOUTS = {
 
 
 def _pretrain_losses(corpus_prefix, workdir, layout):
-    import pretrain_gpt
-    from megatron.core.enums import ModelType
-    from megatron.training.training import pretrain
-
-    metrics = os.path.join(workdir, f"metrics_{len(os.listdir(workdir))}.jsonl")
-    torch.distributed.barrier()
-    argv = f"{MLA_GPT} --data-path {corpus_prefix} --metrics-file {metrics} {layout}".split()
-    pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
-             ModelType.encoder_or_decoder, pretrain_gpt.forward_step, argv=argv)
-    torch.distributed.barrier()
-    with open(metrics) as stream:
-        records = [json.loads(line) for line in stream if line.strip()]
-    return {record["iteration"]: record["lm loss"] for record in records if record.get("split") == "train"}
+    records = pretrain_records(workdir, f"{MLA_GPT} --data-path {corpus_prefix} {layout}")
+    return {record["iteration"]: record["lm loss"] for record in records}
 
 
 def _trained_losses(corpus_prefix, workdir):
