@@ -15,8 +15,19 @@ NOT_IMPLEMENTED_FLAGS = (
 )
 
 
+class _MegatronArgumentParser(argparse.ArgumentParser):
+    """argparse, whose error for an unknown flag also says where the known ones are listed."""
+
+    def error(self, message):
+        if message.startswith("unrecognized arguments"):
+            message += (" (pretrain_gpt.py takes Megatron-LM's GPT training flags, listed by area in "
+                        "docs/training_flags.md; flags of other model families, such as BERT, T5, Mamba or Retro, "
+                        "are not part of this build)")
+        super().error(message)
+
+
 def build_parser(extra_args_provider=None):
-    parser = argparse.ArgumentParser(description="Megatron-style GPT pretraining", allow_abbrev=False)
+    parser = _MegatronArgumentParser(description="Megatron-style GPT pretraining", allow_abbrev=False)
     for group in ARGUMENT_GROUPS:
         group.add_arguments(parser)
     if extra_args_provider is not None:

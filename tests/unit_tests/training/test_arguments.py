@@ -135,7 +135,8 @@ def test_required_flags_are_named():
 def test_unknown_flags_are_an_argparse_error(capsys):
     with pytest.raises(SystemExit):
         parse_args(args=(BASE + " --no-such-flag 3").split())
-    assert "unrecognized arguments: --no-such-flag 3" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "unrecognized arguments: --no-such-flag 3" in error and "docs/training_flags.md" in error
     known = parse_args(args=(BASE + " --no-such-flag 3").split(), ignore_unknown_args=True)
     assert known.num_layers == 2
 
