@@ -114,24 +114,30 @@ def training_flops_per_iteration(args, global_batch_size):
         from megatron.training.argument_groups.mla import attention_flops_per_token
 
         attention = attention_flops_per_token(args)
-    per_token_forward = (layers * attention + _mlp_flops_per_token(args, mlp_matrices)
+    mlp_per_layer = _mlp_flops_per_layer(args, mlp_matrices)
+    per_token_forward = (layers * attention + sum(mlp_per_layer)
                          + 2 * hidden * args.padded_vocab_size)  # logits
+    mtp_depths = getattr(args, "mtp_num_layers", None) or 0
+    # Each multi-token prediction depth: the projection of [embedding, hidden] (2h -> h), one layer of the
+    # decoder's last layer's kind, and its own logits.
+    per_token_forward += mtp_depths * (2 * 2 * hidden * hidden + attention + mlp_per_layer[-1]
+                                       + 2 * hidden * args.padded_vocab_size)
     return 3 * per_token_forward * seq * global_batch_size
 
 
-def _mlp_flops_per_token(args, mlp_matrices):
-    """Forward MLP FLOPs of one token over all layers: dense MLPs, and on MoE layers the router, the top-k
-    experts it goes through and the shared experts."""
+def _mlp_flops_per_layer(args, mlp_matrices):
+    """Forward MLP FLOPs of one token in each decoder layer: dense MLPs, and on MoE layers the router, the
+    top-k experts it goes through and the shared experts."""
     dense = 2 * mlp_matrices * args.hidden_size * args.ffn_hidden_size
     if getattr(args, "num_experts", None) is None:
-        return args.num_layers * dense
+        return [dense] * args.num_layers
     from megatron.core.transformer.moe.moe_config import layer_pattern_from_freq
 
     expert_width = (args.moe_ffn_hidden_size or args.ffn_hidden_size) * args.moe_router_topk
     moe = 2 * args.hidden_size * (args.num_experts + mlp_matrices * (expert_width +
                                                                        (args.moe_shared_expert_intermediate_size or 0)))
     pattern = layer_pattern_from_freq(args.moe_layer_freq, args.num_layers)
-    return sum(moe if is_moe else dense for is_moe in pattern)
+    return [moe if is_moe else dense for is_moe in pattern]
 
 
 def _torch_optimizers(optimizer):
@@ -328,18 +334,24 @@ class TrainingLogger:
         self._interval_losses, self._interval_iterations, self._interval_time_s = {}, 0, 0.0
         self._skipped_iterations, self._nan_iterations = 0, 0
 
-    def log_evaluation(self, iteration, losses, prefix="validation"):
+    def log_evaluation(self, iteration, losses, prefix="validation", set_label=None):
+        """One "<prefix> loss at iteration N" block; `set_label` (--multiple-validation-sets) names the set:
+        "validation (b_text_document) loss ...", TensorBoard "lm loss validation (b_text_document)", and a
+        "validation-set" field in the metrics record (whose "split" stays `prefix`)."""
         if not self.is_logging_rank:
             return
+        shown = prefix if set_label is None else f"{prefix} ({set_label})"
         text = " | ".join(f"{name} value: {value:.6E} | {name} PPL: {_perplexity(value):.6E}" for name, value in
                           losses.items())
-        print(f"{prefix} loss at iteration {iteration} | {text} |", flush=True)
+        print(f"{shown} loss at iteration {iteration} | {text} |", flush=True)
         if self._tensorboard is not None:
             for name, value in losses.items():
-                self._tensorboard.add_scalar(f"{name} {prefix}", value, iteration)
-                self._tensorboard.add_scalar(f"{name} {prefix} ppl", _perplexity(value), iteration)
+                self._tensorboard.add_scalar(f"{name} {shown}", value, iteration)
+                self._tensorboard.add_scalar(f"{name} {shown} ppl", _perplexity(value), iteration)
         if self._metrics_stream is not None:
             record = {"iteration": iteration, "split": prefix}
+            if set_label is not None:
+                record["validation-set"] = set_label
             record.update({f"{name}": value for name, value in losses.items()})
             self._metrics_stream.write(json.dumps(record) + "\n")
             self._metrics_stream.flush()

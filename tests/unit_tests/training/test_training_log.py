@@ -55,6 +55,16 @@ def test_flops_estimate_counts_every_matmul():
     assert training_log.training_flops_per_iteration(_flops_args(), batch) - grouped == 3 * layers * 2 * h * (2 * h - 32) * s * batch
 
 
+def test_flops_estimate_counts_multi_token_prediction_depths():
+    h, s, f, v, batch = 64, 16, 256, 128, 3
+    layer = 2 * h * 3 * h + 2 * h * h + 4 * s * h + 4 * h * f
+    per_depth = 2 * (2 * h) * h + layer + 2 * h * v  # projection of [embedding, hidden], one layer, logits
+    plain = training_log.training_flops_per_iteration(_flops_args(), batch)
+    assert training_log.training_flops_per_iteration(_flops_args(mtp_num_layers=None), batch) == plain
+    with_two = training_log.training_flops_per_iteration(_flops_args(mtp_num_layers=2), batch)
+    assert with_two - plain == 3 * 2 * per_depth * s * batch
+
+
 def test_memory_usage_counts_params_grads_and_optimizer_state():
     model = torch.nn.Linear(10, 5)  # 55 fp32 parameters
     optimizer = torch.optim.Adam(model.parameters())
@@ -123,3 +133,30 @@ def test_non_logging_rank_writes_nothing(tmp_path, capsys):
     logger.log_iteration(_report(1, 1.0))
     logger.close()
     assert capsys.readouterr().out == "" and not (tmp_path / "m.jsonl").exists()
+
+
+def test_evaluation_of_a_named_validation_set(tmp_path, capsys, monkeypatch):
+    """--multiple-validation-sets: the set's label in the line and the TensorBoard keys, and a "validation-set"
+    field in the metrics record, whose "split" stays "validation"."""
+    scalars = {}
+
+    class Recorder:
+        def add_scalar(self, name, value, step):
+            scalars[name] = (value, step)
+
+        def flush(self):
+            pass
+
+        close = flush
+
+    monkeypatch.setattr(training_log, "build_scalar_writers", lambda args: Recorder())
+    args = argparse.Namespace(metrics_file=str(tmp_path / "m.jsonl"), tensorboard_dir=None, save=None,
+                              log_interval=1, train_iters=1, log_memory_to_tensorboard=False, log_throughput=False)
+    logger = training_log.TrainingLogger(args, is_logging_rank=True)
+    logger.log_evaluation(4, {"lm loss": 2.0}, set_label="b_text_document")
+    logger.close()
+    assert capsys.readouterr().out.startswith("validation (b_text_document) loss at iteration 4 | lm loss value: "
+                                              "2.000000E+00 |")
+    assert set(scalars) == {"lm loss validation (b_text_document)", "lm loss validation (b_text_document) ppl"}
+    assert json.loads((tmp_path / "m.jsonl").read_text()) == {
+        "iteration": 4, "split": "validation", "validation-set": "b_text_document", "lm loss": 2.0}
