@@ -116,7 +116,9 @@ def setup_model_and_optimizer(model_provider_func, args):
     from megatron.core.optimizer import get_megatron_optimizer
 
     model_chunks = get_model(model_provider_func, args)
-    optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model_chunks)
+    # --embedding-init-method-std also keeps the embeddings out of weight decay (as upstream).
+    optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model_chunks,
+                                       default_skip_embedding_weight_decay=args.embedding_init_method_std is not None)
     scheduler = build_scheduler(optimizer, args)
     config = install_schedule_hooks(model_chunks, optimizer, args)
     return model_chunks, optimizer, scheduler, config

@@ -59,6 +59,7 @@ CARRIED_PARAM_ATTRIBUTES = (
     "shared",
     "allreduce",
     "is_embedding_or_output_parameter",
+    "is_embedding_parameter",
     "expert_global_index",
     "num_local_experts",
 )

@@ -1,12 +1,14 @@
 """`get_megatron_optimizer`: param groups, the torch optimizer, and the precision/sharding wrapper around it.
 
-Parameter groups: weights get `config.weight_decay`; biases and 1-D parameters (norms) get none, unless
-`no_weight_decay_cond(name, param)` decides otherwise; `scale_lr_cond(name, param)` selects parameters whose
-learning rate is multiplied by `lr_mult`. Each group carries `wd_mult` and `lr_mult`, which the
-`OptimizerParamScheduler` applies when it sets `lr` and `weight_decay` every step. With
-`config.decoupled_lr` the word-embedding and output-layer weights (`is_embedding_or_output_parameter`) form
-groups of their own whose `max_lr` / `min_lr` (`decoupled_lr`, `decoupled_min_lr` or else `min_lr`) the
-scheduler uses instead of the global ones.
+Parameter groups: weights get `config.weight_decay`; biases and 1-D parameters (norms) get none, nor, with
+`default_skip_embedding_weight_decay` (`--embedding-init-method-std`), the embedding weights
+(`is_embedding_parameter`: word and learned position embeddings, and a tied output layer's copy of the word
+embedding), so they do not shrink towards zero; `no_weight_decay_cond(name, param)`, when given, decides instead
+of these defaults. `scale_lr_cond(name, param)` selects parameters whose learning rate is multiplied by
+`lr_mult`. Each group carries `wd_mult` and `lr_mult`, which the `OptimizerParamScheduler` applies when it sets
+`lr` and `weight_decay` every step. With `config.decoupled_lr` the word-embedding and output-layer weights
+(`is_embedding_or_output_parameter`) form groups of their own whose `max_lr` / `min_lr` (`decoupled_lr`,
+`decoupled_min_lr` or else `min_lr`) the scheduler uses instead of the global ones.
 """
 
 import torch
@@ -59,9 +61,16 @@ def _default_no_weight_decay(name, param):
     return name.endswith(".bias") or param.dim() == 1
 
 
-def get_param_groups(model_chunks, config, no_weight_decay_cond=None, scale_lr_cond=None, lr_mult=1.0):
+def _default_no_weight_decay_nor_on_embeddings(name, param):
+    return _default_no_weight_decay(name, param) or getattr(param, "is_embedding_parameter", False)
+
+
+def get_param_groups(model_chunks, config, no_weight_decay_cond=None, scale_lr_cond=None, lr_mult=1.0,
+                     default_skip_embedding_weight_decay=False):
     """Groups keyed by (wd_mult, lr_mult, decoupled lr), weight-decayed group first; each parameter appears once."""
-    no_weight_decay_cond = no_weight_decay_cond or _default_no_weight_decay
+    if no_weight_decay_cond is None:
+        no_weight_decay_cond = (_default_no_weight_decay_nor_on_embeddings if default_skip_embedding_weight_decay
+                                else _default_no_weight_decay)
     decoupled_lr = getattr(config, "decoupled_lr", None)
     grouped, seen = {}, set()
     for chunk in model_chunks:
@@ -154,7 +163,8 @@ def _expert_grad_stats_groups(model_chunks, use_distributed_optimizer):
     return expert_grad_stats_groups(shard_group)
 
 
-def _megatron_fsdp_optimizer(config, model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult):
+def _megatron_fsdp_optimizer(config, model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult,
+                             default_skip_embedding_weight_decay):
     """The optimizer of Megatron-FSDP chunks: it steps their sharded main weights (their own ZeRO level decides
     the sharding, whatever `config.use_distributed_optimizer` says)."""
     from megatron.core import parallel_state
@@ -166,7 +176,8 @@ def _megatron_fsdp_optimizer(config, model_chunks, no_weight_decay_cond, scale_l
                 f"OptimizerConfig.{name} (--{name.replace('_', '-')}) is for the distributed optimizer; Megatron-FSDP "
                 f"keeps its main weights and gradients in the dtypes of {flag}: use that instead."
             )
-    param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult)
+    param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult,
+                                    default_skip_embedding_weight_decay)
     device = model_chunks[0].device
     if model_chunks[0].ddp_config.megatron_fsdp_param_offload:
         device = torch.device("cpu")  # the main weights it steps rest in host memory
@@ -180,14 +191,16 @@ def _megatron_fsdp_optimizer(config, model_chunks, no_weight_decay_cond, scale_l
 
 
 def get_megatron_optimizer(config: OptimizerConfig, model_chunks, no_weight_decay_cond=None, scale_lr_cond=None,
-                           lr_mult=1.0):
-    """Build the optimizer for `model_chunks` (DDP-wrapped or plain modules) as `config` asks."""
+                           lr_mult=1.0, default_skip_embedding_weight_decay=False):
+    """Build the optimizer for `model_chunks` (DDP-wrapped or plain modules) as `config` asks; every wrapper's
+    param groups come from `get_param_groups` (see the module docstring for the arguments)."""
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import MegatronFSDPAdapter
 
     if any(isinstance(chunk, MegatronFSDPAdapter) for chunk in model_chunks):
-        return _megatron_fsdp_optimizer(config, model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult)
+        return _megatron_fsdp_optimizer(config, model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult,
+                                        default_skip_embedding_weight_decay)
     for chunk in model_chunks:
         ddp_config = getattr(chunk, "ddp_config", None)
         if ddp_config is not None and ddp_config.use_distributed_optimizer != config.use_distributed_optimizer:
@@ -196,7 +209,8 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks, no_weight_deca
                 f"wrapped with DistributedDataParallelConfig.use_distributed_optimizer="
                 f"{ddp_config.use_distributed_optimizer}; set both from --use-distributed-optimizer."
             )
-    param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult)
+    param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult,
+                                    default_skip_embedding_weight_decay)
     all_params = [param for group in param_groups for param in group["params"]]
     device = all_params[0].device if all_params else torch.device("cpu")
     factory = _torch_optimizer_factory(config, device)

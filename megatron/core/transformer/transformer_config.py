@@ -53,6 +53,13 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelPar
     """Initialiser of input-side weights; None means normal(0, init_method_std)."""
     output_layer_init_method: Optional[Callable] = None
     """Initialiser of attention-out and fc2 weights; None means normal(0, init_method_std / sqrt(2 * num_layers))."""
+    embedding_init_method_std: Optional[float] = None
+    """Std of the embedding weights' normal init (`--embedding-init-method-std`): the word embedding, the learned
+    position embedding and, with tied weights, the output layer's copy of the word embedding; an untied output
+    layer keeps init_method. None means the embeddings initialise like the other weights."""
+    embedding_init_method: Optional[Callable] = None
+    """Initialiser of the embedding weights; None means normal(0, embedding_init_method_std) when that is set,
+    else init_method."""
     init_seed: Optional[int] = None
     """Base seed of the initial weights (`--seed`). Each module draws from a seed derived from it and the module's
     identity (see `init_seeds`), so the weights do not depend on the pipeline split or on the construction order.
@@ -201,6 +208,8 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelPar
             raise ValueError(f"kv_channels must be positive, got {self.kv_channels}")
         if self.init_method_std <= 0:
             raise ValueError(f"--init-method-std must be positive, got {self.init_method_std}")
+        if self.embedding_init_method_std is not None and self.embedding_init_method_std <= 0:
+            raise ValueError(f"--embedding-init-method-std must be positive, got {self.embedding_init_method_std}")
         if self.init_seed is not None and (not isinstance(self.init_seed, int) or self.init_seed < 0):
             raise ValueError(f"init_seed (--seed) must be a non-negative integer or None, got {self.init_seed!r}")
 
@@ -215,6 +224,9 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelPar
             self._set("init_method", init_method_normal(self.init_method_std))
         if self.output_layer_init_method is None:
             self._set("output_layer_init_method", scaled_init_method_normal(self.init_method_std, self.num_layers))
+        if self.embedding_init_method is None:
+            self._set("embedding_init_method", self.init_method if self.embedding_init_method_std is None
+                      else init_method_normal(self.embedding_init_method_std))
         if self.activation_func is None:
             self._set("activation_func", F.silu if self.gated_linear_unit else F.gelu)
 

@@ -141,12 +141,14 @@ def _add_layer_variant_arguments(group):
                        "Initial values are drawn on the host in every case, so they are the same either way; this "
                        "only moves where the parameters are first allocated.")
     group.add_argument("--embedding-init-method-std", type=float, default=None,
-                       help="Upstream: a separate std for the embedding weights (and no weight decay on them). Not "
-                       "implemented here: an error.")
+                       help="Std of the zero-mean normal init of the embedding weights (word and learned position "
+                       "embeddings; with tied weights also the output layer, which is the word embedding); setting "
+                       "it also exempts them from weight decay. An untied output layer keeps --init-method-std. "
+                       "Default: the embeddings initialise like the other weights and take weight decay.")
 
 
 def transformer_config_kwargs(args):
-    """The TransformerConfig fields of the layer-variant flags and the MLP activation."""
+    """The TransformerConfig fields of the layer-variant flags, the MLP activation and the embedding init."""
     from megatron.core.activations import squared_relu
     from megatron.core.transformer.utils import openai_gelu
 
@@ -163,6 +165,7 @@ def transformer_config_kwargs(args):
         apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
         fp32_residual_connection=args.fp32_residual_connection,
         use_cpu_initialization=args.use_cpu_initialization,
+        embedding_init_method_std=args.embedding_init_method_std,
     )
 
 
@@ -187,9 +190,8 @@ def _validate_layer_variants(args):
         raise ValueError("--fp32-residual-connection does not survive --use-torch-fsdp2, which casts each layer's "
                          "input to bf16; use Megatron DDP, the distributed optimizer or --use-megatron-fsdp, or drop "
                          "the flag")
-    if args.embedding_init_method_std is not None:
-        raise ValueError("--embedding-init-method-std is not implemented: the embeddings are initialised with "
-                         "--init-method-std like the other weights (and take weight decay); drop the flag")
+    if args.embedding_init_method_std is not None and args.embedding_init_method_std <= 0:
+        raise ValueError(f"--embedding-init-method-std must be positive, got {args.embedding_init_method_std}")
 
 
 def _swiglu_ffn_hidden_size(hidden_size):

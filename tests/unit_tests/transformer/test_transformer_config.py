@@ -49,6 +49,16 @@ def test_init_methods_have_the_documented_std():
     assert scaled.std().item() == pytest.approx(0.05 / math.sqrt(2 * 8), rel=0.01)
 
 
+def test_embedding_init_method_follows_its_std_or_the_ordinary_init():
+    unset = TransformerConfig(**BASE)
+    assert unset.embedding_init_method_std is None and unset.embedding_init_method is unset.init_method
+    config = TransformerConfig(**BASE, embedding_init_method_std=1.0)
+    assert config.embedding_init_method.std == 1.0 and config.init_method.std == 0.02
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="--embedding-init-method-std must be positive"):
+            TransformerConfig(**BASE, embedding_init_method_std=bad)
+
+
 @pytest.mark.parametrize(
     "overrides, flag",
     [

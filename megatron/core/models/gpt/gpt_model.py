@@ -123,18 +123,21 @@ class GPTModel(ShardedStateModule):
         self.output_layer = None
         if post_process:
             # A single stage with tied weights multiplies by the embedding's own weight (passed to forward). A
-            # last stage's tied copy draws from the word embedding's seed, so both copies start equal.
+            # last stage's tied copy draws from the word embedding's seed with its init method, so both copies
+            # start equal (also when materialised from the meta device).
             if share_embeddings_and_output_weights:
                 output_seed = word_embedding_init_seed(self.base_init_seed)
+                output_init_method = config.embedding_init_method
             else:
                 output_seed = derive_init_seed(self.base_init_seed, "output_layer")
+                output_init_method = config.init_method
             self.output_layer = build_with_init_seed(
                 output_seed,
                 lambda: tensor_parallel.ColumnParallelLinear(
                     config.hidden_size,
                     vocab_size,
                     config=config,
-                    init_method=config.init_method,
+                    init_method=output_init_method,
                     bias=False,
                     gather_output=False,
                     skip_weight_param_allocation=(pre_process or self.mtp_process)
@@ -169,6 +172,9 @@ class GPTModel(ShardedStateModule):
         if weight is None:  # a middle pipeline stage holds neither copy
             return
         weight.shared_embedding = True
+        # A last stage's tied copy is the embedding: same weight decay as the first stage's (see
+        # LanguageModelEmbedding), or the two copies would drift apart.
+        weight.is_embedding_parameter = True
         if self.pre_process and self.post_process:
             return  # one process holds the only copy
         if not self.pre_process:

@@ -2,6 +2,10 @@
 
 Output is `[s, b, h]`, or `[s / tp, b, h]` with sequence parallelism, where the embedding is computed on the
 whole sequence and each tensor-parallel rank keeps its own slice of it.
+
+Both tables initialise with `config.embedding_init_method` (`--embedding-init-method-std`, else the ordinary
+init) and carry `is_embedding_parameter=True`, which the optimizer reads to keep them out of weight decay when
+asked to (`get_megatron_optimizer(..., default_skip_embedding_weight_decay=True)`).
 """
 
 import torch
@@ -30,7 +34,8 @@ def position_embedding_init_seed(base_seed: int) -> int:
 
 
 class LearnedPositionEmbedding(torch.nn.Module):
-    """A `[max_sequence_length, h]` table, whole on every tensor-parallel rank, initialised by `init_method`."""
+    """A `[max_sequence_length, h]` table, whole on every tensor-parallel rank, initialised by
+    `embedding_init_method`."""
 
     def __init__(self, config: TransformerConfig, max_sequence_length: int):
         super().__init__()
@@ -45,7 +50,7 @@ class LearnedPositionEmbedding(torch.nn.Module):
 
     def reset_parameters(self):
         if self.config.perform_initialization:
-            initialize_from_cpu_master(self.weight, self.config.init_method)
+            initialize_from_cpu_master(self.weight, self.config.embedding_init_method)
 
     def forward(self, position_ids):
         return F.embedding(position_ids, self.weight)
@@ -55,7 +60,7 @@ class LanguageModelEmbedding(torch.nn.Module):
     """Word embeddings split over the vocabulary across tensor-parallel ranks, and position embeddings.
 
     Args:
-        config: the transformer config (hidden size, init method, dropout, sequence parallelism).
+        config: the transformer config (hidden size, embedding init method, dropout, sequence parallelism).
         vocab_size: rows of the word embedding (already padded to a multiple of the TP size).
         max_sequence_length: rows of the learned position embedding.
         position_embedding_type: "learned_absolute" adds a learned position embedding here; "rope" and "none"
@@ -87,14 +92,16 @@ class LanguageModelEmbedding(torch.nn.Module):
         self.word_embeddings = build_with_init_seed(
             word_embedding_init_seed(base_init_seed),
             lambda: tensor_parallel.VocabParallelEmbedding(
-                vocab_size, config.hidden_size, init_method=config.init_method, config=config
+                vocab_size, config.hidden_size, init_method=config.embedding_init_method, config=config
             ),
         )
+        self.word_embeddings.weight.is_embedding_parameter = True
         if self.add_position_embedding:
             self.position_embeddings = build_with_init_seed(
                 position_embedding_init_seed(base_init_seed),
                 lambda: LearnedPositionEmbedding(config, max_sequence_length),
             )
+            self.position_embeddings.weight.is_embedding_parameter = True
         self.embedding_dropout = torch.nn.Dropout(config.hidden_dropout)
 
     def reset_parameters(self):
