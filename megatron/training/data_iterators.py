@@ -1,20 +1,19 @@
 """Train / validation / test data iterators for `pretrain()`: sample counts, datasets, samplers, loaders."""
 
 from megatron.core import parallel_state
+from megatron.training.validation_sets import build_validation_sets, endless
 
 
 def dataset_sample_counts(args):
-    """Samples each split must provide for the whole run (Megatron's train_val_test_num_samples)."""
+    """Samples each split must provide for the whole run (Megatron's train_val_test_num_samples); the
+    validation count is None, the whole split, with --full-validation."""
     train_samples = args.train_iters * args.global_batch_size
     evaluations = args.train_iters // args.eval_interval + 1
     valid_samples = evaluations * args.eval_iters * args.global_batch_size
+    if getattr(args, "full_validation", False) and args.eval_iters > 0:
+        valid_samples = None
     test_samples = args.eval_iters * args.global_batch_size
     return [train_samples, valid_samples, test_samples]
-
-
-def _cyclic(loader):
-    while True:
-        yield from loader
 
 
 def build_data_iterators(train_valid_test_dataset_provider, args):
@@ -23,7 +22,8 @@ def build_data_iterators(train_valid_test_dataset_provider, args):
     The training iterator starts after `args.consumed_train_samples` (so a resumed run sees the samples an
     uninterrupted run would), the validation iterator after the samples earlier evaluations consumed.
     `--dataloader-type cyclic` reshuffles every epoch; with `external` the provider's three objects are the
-    iterators, passed through as they are (they decide where a resumed run starts).
+    iterators, passed through as they are (they decide where a resumed run starts). With --full-validation or
+    --multiple-validation-sets the validation element is a list of `ValidationSet` (validation_sets.py).
     """
     from megatron.training.datasets.data_samplers import build_pretraining_data_loader
     from megatron.training.datasets.gpt_dataset_config import check_datasets_follow_flags
@@ -37,7 +37,7 @@ def build_data_iterators(train_valid_test_dataset_provider, args):
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
 
-    def loader(dataset, consumed_samples):
+    def loader(dataset, consumed_samples, dataloader_type=dataloader_type):
         if dataset is None or len(dataset) == 0:
             return None
         return build_pretraining_data_loader(
@@ -48,11 +48,15 @@ def build_data_iterators(train_valid_test_dataset_provider, args):
     iteration = getattr(args, "iteration", 0)
     consumed_valid_samples = (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
     train_loader = loader(train_dataset, args.consumed_train_samples)
-    valid_loader = loader(valid_dataset, consumed_valid_samples)
     test_loader = loader(test_dataset, 0)
+    if getattr(args, "full_validation", False) or getattr(args, "multiple_validation_sets", False):
+        valid = build_validation_sets(valid_dataset, loader, consumed_valid_samples, args)
+    else:
+        valid_loader = loader(valid_dataset, consumed_valid_samples)
+        valid = endless(valid_loader) if valid_loader is not None else None
     return (
         iter(train_loader) if train_loader is not None else None,
-        _cyclic(valid_loader) if valid_loader is not None else None,
+        valid,
         iter(test_loader) if test_loader is not None else None,
     )
 

@@ -61,6 +61,7 @@ from megatron.training.result_validation import (
 )
 from megatron.training.signal_handler import SigtermHandler
 from megatron.training.training_log import TrainingLogger, memory_usage
+from megatron.training.validation_sets import as_validation_sets
 
 LOSS_NAME = "lm loss"
 
@@ -271,15 +272,15 @@ def _as_float(value):
     return float(value.item() if torch.is_tensor(value) else value)
 
 
-def evaluate(forward_step_func, data_iterator, model, config, args, exit_duration=None):
-    """Mean validation loss over --eval-iters global batches (no gradients); stops early, on every rank
-    together, once `exit_duration` (--exit-duration-in-mins) is reached."""
+def evaluate(forward_step_func, data_iterator, model, config, args, exit_duration=None, num_batches=None):
+    """Mean validation loss over `num_batches` (default --eval-iters) global batches (no gradients); stops
+    early, on every rank together, once `exit_duration` (--exit-duration-in-mins) is reached."""
     for chunk in model:
         chunk.eval()
     validation_mode = pause_result_validation()
     total = torch.zeros(2, dtype=torch.float64, device=args.device)
     with torch.no_grad():
-        for _ in range(args.eval_iters):
+        for _ in range(args.eval_iters if num_batches is None else num_batches):
             losses_reduced = _run_schedule(forward_step_func, data_iterator, model, args, forward_only=True)
             total += _loss_sums(losses_reduced, args.device)
             empty_unused_memory(args, level=1)
@@ -290,6 +291,15 @@ def evaluate(forward_step_func, data_iterator, model, config, args, exit_duratio
         chunk.train()
     # Reuse the training reduction on a single synthetic report holding the accumulated sums.
     return {LOSS_NAME: reduce_reported_loss([{LOSS_NAME: total}], args.device)}
+
+
+def evaluate_validation_sets(forward_step_func, validation_sets, model, config, logger, iteration, args,
+                             exit_duration=None):
+    """Evaluate and log each validation set (validation_sets.py): one "validation loss" block per set."""
+    for validation_set in validation_sets:
+        iterator, num_batches = validation_set.next_evaluation(args.eval_iters, get_current_global_batch_size())
+        losses = evaluate(forward_step_func, iterator, model, config, args, exit_duration, num_batches)
+        logger.log_evaluation(iteration, losses, set_label=validation_set.label)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -318,6 +328,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
     for chunk in model:
         chunk.train()
     iteration = args.iteration
+    validation_sets = as_validation_sets(valid_iterator)
     last_saved_iteration = iteration if args.load is not None else None
     print_memory_on_this_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
     exit_duration = ExitDuration(args.exit_duration_in_mins, getattr(args, "train_start_time", time.time()),
@@ -375,10 +386,10 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
                     "print_memory_on_this_rank": print_memory_on_this_rank,
                 }
             )
-            if valid_iterator is not None and args.eval_iters > 0 and iteration % args.eval_interval == 0:
+            if validation_sets and args.eval_iters > 0 and iteration % args.eval_interval == 0:
                 manual_gc.around_evaluation_step()
-                logger.log_evaluation(iteration, evaluate(forward_step_func, valid_iterator, model, config, args,
-                                                               exit_duration))
+                evaluate_validation_sets(forward_step_func, validation_sets, model, config, logger, iteration, args,
+                                         exit_duration)
                 manual_gc.around_evaluation_step()
             checkpointing.maybe_finalize_async_save(args)
             if weight_hash_due(args, iteration):
@@ -415,14 +426,18 @@ def _evaluation_splits_only(train_valid_test_dataset_provider):
 
 
 def evaluate_without_training(forward_step_func, model, valid_iterator, test_iterator, config, logger, args):
-    """--skip-train: evaluate the model as loaded once on the validation and the test set (those that exist,
-    --eval-iters batches each), log it at `args.iteration`, and return that iteration."""
+    """--skip-train: evaluate the model as loaded once on the validation set(s) and the test set (those that
+    exist, --eval-iters batches each, or whole with --full-validation), log it at `args.iteration`, and return
+    that iteration."""
     iteration = args.iteration
     if dist.get_rank() == 0:
         print(f"--skip-train: evaluating at iteration {iteration} without training", flush=True)
-    for prefix, iterator in (("validation", valid_iterator), ("test", test_iterator)):
-        if iterator is not None and args.eval_iters > 0:
-            logger.log_evaluation(iteration, evaluate(forward_step_func, iterator, model, config, args), prefix=prefix)
+    if args.eval_iters > 0:
+        evaluate_validation_sets(forward_step_func, as_validation_sets(valid_iterator), model, config, logger,
+                                 iteration, args)
+        if test_iterator is not None:
+            logger.log_evaluation(iteration, evaluate(forward_step_func, test_iterator, model, config, args),
+                                  prefix="test")
     return iteration
 
 

@@ -37,6 +37,8 @@ class GPTDatasetConfig:
     Index arrays are cached as .npy files in `path_to_cache`. `mmap_bin_files` False reads the `.bin` files
     into memory; `num_dataset_builder_threads` opens datasets and builds their indices in parallel; with
     `shared_filesystem` False the first rank of each node (not of the job) builds the cached indices.
+    `multiple_validation_sets` (`--multiple-validation-sets`) makes the valid split a list with one dataset per
+    validation prefix (given without weights) instead of their blend.
     """
 
     random_seed: int
@@ -54,6 +56,7 @@ class GPTDatasetConfig:
     mmap_bin_files: bool = True
     num_dataset_builder_threads: int = 1
     shared_filesystem: bool = True
+    multiple_validation_sets: bool = False
 
     def __post_init__(self):
         if int(self.sequence_length) < 1:
@@ -78,6 +81,11 @@ class GPTDatasetConfig:
                              "blend_per_split (megatron.training.datasets.gpt_dataset_config builds the config)")
         else:
             object.__setattr__(self, "blend", self._normalized_blend(self.blend))
+        if self.multiple_validation_sets:
+            valid_blend = self.blend_per_split[1] if self.blend_per_split is not None else self.blend
+            if self.mock or (valid_blend is not None and valid_blend[1] is not None):
+                raise ValueError("--multiple-validation-sets evaluates each validation dataset on its own: give "
+                                 "their prefixes without weights (--valid-data-path A B C), not --mock-data")
         needs_eod = self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss
         if needs_eod and self.tokenizer is None:
             raise ValueError(
@@ -243,26 +251,42 @@ def _open_indexed(config, prefixes):
 
 
 def _build_split(config, split, weights, indexed, document_ranges, count, split_fractions):
-    """The dataset of one split: a GPTDataset, or a BlendedDataset over several (their `document_ranges`)."""
+    """The dataset of one split: a GPTDataset, or a BlendedDataset over several (their `document_ranges`); a list
+    of one GPTDataset per dataset for the valid split with `multiple_validation_sets`.
+
+    `count` None asks for the whole split (`--full-validation`): one epoch of each dataset, blended in proportion
+    to their sizes (the weights do not apply), so every sample of every dataset is served exactly once.
+    """
+    if split is Split.valid and config.multiple_validation_sets:
+        return [GPTDataset(dataset, config, split, document_range, count)
+                for dataset, document_range in zip(indexed, document_ranges)]
     if len(indexed) == 1:
         return GPTDataset(indexed[0], config, split, document_ranges[0], count)
-    if count is None:
-        raise ValueError(f"a blend of several datasets needs a sample count for the {split.name} split")
     blend_description = {
         "prefixes": [os.path.abspath(dataset.path_prefix) for dataset in indexed],
         "split": split.name,
         "split_fractions": split_fractions,
     }
+    whole_split = count is None
+    if whole_split:
+        parts = _map(config, lambda part: GPTDataset(part[0], config, split, part[1], None),
+                     list(zip(indexed, document_ranges)))
+        weights, count = [len(part) for part in parts], sum(len(part) for part in parts)
     shares = normalize_weights(weights, len(indexed))
     dataset_index, dataset_sample_index = blending_schedule(shares, count, config.path_to_cache, blend_description)
-    samples_per_dataset = np.bincount(np.asarray(dataset_index), minlength=len(indexed))
-    parts = _map(config, lambda part: GPTDataset(part[0], config, split, part[1], int(part[2])) if part[2] else None,
-                 list(zip(indexed, document_ranges, samples_per_dataset)))
+    if not whole_split:
+        samples_per_dataset = np.bincount(np.asarray(dataset_index), minlength=len(indexed))
+        parts = _map(config,
+                     lambda part: GPTDataset(part[0], config, split, part[1], int(part[2])) if part[2] else None,
+                     list(zip(indexed, document_ranges, samples_per_dataset)))
     return BlendedDataset(parts, shares, count, dataset_index, dataset_sample_index)
 
 
 def _build_split_datasets(config, train_valid_test_num_samples):
     if config.mock:
+        if None in train_valid_test_num_samples:
+            raise ValueError("--mock-data has no natural size to evaluate in full: --full-validation needs "
+                             "--data-path or --valid-data-path datasets")
         return tuple(
             MockGPTDataset(config, split, count) if count else None
             for split, count in zip(Split, train_valid_test_num_samples)
@@ -293,6 +317,8 @@ def _build_split_datasets(config, train_valid_test_num_samples):
 
 def build_gpt_datasets(config, train_valid_test_num_samples):
     """(train, valid, test) datasets; a split is None when it gets no samples or no share of `--split`.
+
+    A count of None asks for the whole split (one epoch of its datasets, `--full-validation`).
 
     With `torch.distributed` initialised and a cache directory, rank 0 builds (and caches) the indices
     first and the other ranks then load them, so the work is done once; without a shared filesystem

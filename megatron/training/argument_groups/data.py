@@ -3,6 +3,8 @@
 import json
 import os
 
+from megatron.core.datasets.utils import blend_from_data_path
+
 UNSUPPORTED_FLAGS = (
     ("object_storage_cache_path", "--object-storage-cache-path",
      "reading datasets from object storage is not supported; copy the .bin/.idx files to a local or shared "
@@ -10,12 +12,6 @@ UNSUPPORTED_FLAGS = (
     ("s3_cache_path", "--s3-cache-path",
      "reading datasets from S3 is not supported; copy the .bin/.idx files to a local or shared filesystem and give "
      "their path to --data-path"),
-    ("full_validation", "--full-validation",
-     "validation runs --eval-iters batches; set --eval-iters to the validation set's size in global batches to "
-     "cover all of it"),
-    ("multiple_validation_sets", "--multiple-validation-sets",
-     "validation sets are blended into one validation loss; run one evaluation per set (--valid-data-path SET "
-     "with --skip-train --load CKPT) to get a loss per set"),
 )
 
 
@@ -78,9 +74,14 @@ def add_arguments(parser):
                        "first rank of each node builds it, instead of global rank 0 only.")
     group.add_argument("--object-storage-cache-path", default=None, help="Not supported (object storage).")
     group.add_argument("--s3-cache-path", default=None, help="Not supported (object storage).")
-    group.add_argument("--full-validation", action="store_true", help="Not supported: use --eval-iters.")
+    group.add_argument("--full-validation", action="store_true",
+                       help="Each evaluation runs over the whole validation set (one epoch of its datasets, every "
+                       "complete global batch; a last partial one is left out) instead of --eval-iters batches. "
+                       "Needs --data-path or --valid-data-path datasets (not --mock-data).")
     group.add_argument("--multiple-validation-sets", action="store_true",
-                       help="Not supported: validation sets are evaluated as one blend.")
+                       help="Evaluate each validation dataset (--valid-data-path A B C, or --data-path A B C with "
+                       "--split; given without weights) on its own, with its own validation loss labelled by the "
+                       "prefix's file name, instead of one blended validation set.")
     group.add_argument("--reset-position-ids", action="store_true", help="Restart position ids after each EOD.")
     group.add_argument("--reset-attention-mask", action="store_true", help="Block attention across EOD tokens.")
     group.add_argument("--eod-mask-loss", action="store_true", help="Exclude EOD tokens from the loss.")
@@ -139,6 +140,25 @@ def _validate_dataset_flags(args):
                          "documents): drop --no-create-attention-mask-in-dataloader")
 
 
+def _validate_validation_flags(args, per_split):
+    chosen = [flag for flag, on in (("--full-validation", args.full_validation),
+                                    ("--multiple-validation-sets", args.multiple_validation_sets)) if on]
+    if not chosen:
+        return
+    flags = f"{' and '.join(chosen)} {'need' if len(chosen) > 1 else 'needs'}"
+    if args.mock_data:
+        raise ValueError(f"{flags} validation datasets of a known size, given as --data-path or --valid-data-path "
+                         "prefixes; --mock-data has one endless synthetic set (use --eval-iters)")
+    if args.dataloader_type == "external":
+        raise ValueError(f"{flags} the validation datasets themselves; with --dataloader-type external the "
+                         "provider returns iterators: use --dataloader-type single or cyclic")
+    validation_paths = args.valid_data_path if per_split else args.data_path
+    if args.multiple_validation_sets and validation_paths and blend_from_data_path(validation_paths)[1] is not None:
+        flag = "--valid-data-path" if per_split else "--data-path"
+        raise ValueError(f"--multiple-validation-sets evaluates each validation dataset on its own, so {flag} must "
+                         f"list prefixes without weights (got {' '.join(validation_paths)})")
+
+
 def validate(args):
     _read_data_args_files(args)
     _validate_dataset_flags(args)
@@ -153,6 +173,7 @@ def validate(args):
         raise ValueError(f"--mock-data and {given} are exclusive: pick one")
     if not args.mock_data and not args.data_path and not per_split:
         raise ValueError("give --data-path PREFIX [...], --train-data-path PREFIX [...] or --mock-data")
+    _validate_validation_flags(args, per_split)
     args.split_weights = _parse_split(args.split)
     if args.tokenizer_type is None:
         args.tokenizer_type = "NullTokenizer" if args.mock_data else None

@@ -10,7 +10,9 @@ def add_arguments(parser):
     group = parser.add_argument_group("logging and evaluation")
     group.add_argument("--log-interval", type=int, default=100, help="Iterations between log lines.")
     group.add_argument("--eval-interval", type=int, default=1000, help="Iterations between validation runs.")
-    group.add_argument("--eval-iters", type=int, default=100, help="Batches per validation run (0 disables).")
+    group.add_argument("--eval-iters", type=int, default=100,
+                       help="Global batches per validation run (0 disables evaluation); with --full-validation each "
+                       "run covers the whole validation set instead.")
     group.add_argument("--tensorboard-dir", default=None, help="Write TensorBoard scalars here.")
     group.add_argument("--tensorboard-log-interval", type=int, default=1, help="Iterations between scalars.")
     group.add_argument("--log-num-zeros-in-grad", action="store_true", help="Count zero gradient elements.")

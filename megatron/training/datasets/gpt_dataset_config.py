@@ -2,9 +2,10 @@
 
 `gpt_dataset_config_from_args(args, tokenizer)` carries every data flag into the config: `--data-path` and
 `--split`, or `--train-data-path` / `--valid-data-path` / `--test-data-path` (also from
-`--per-split-data-args-path`), `--no-mmap-bin-files`, `--num-dataset-builder-threads`, `--no-shared-fs`, the
-EOD flags. A provider that builds its config by hand may miss a flag; `check_datasets_follow_flags` (called
-on the datasets it returns) turns that into an error naming the flag instead of a silently different run.
+`--per-split-data-args-path`), `--multiple-validation-sets`, `--no-mmap-bin-files`, `--num-dataset-builder-threads`,
+`--no-shared-fs`, the EOD flags. A provider that builds its config by hand may miss a flag;
+`check_datasets_follow_flags` (called on the datasets it returns) turns that into an error naming the flag instead
+of a silently different run.
 """
 
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
@@ -40,6 +41,7 @@ def gpt_dataset_config_from_args(args, tokenizer):
         mmap_bin_files=args.mmap_bin_files,
         num_dataset_builder_threads=args.num_dataset_builder_threads,
         shared_filesystem=not args.no_shared_fs,
+        multiple_validation_sets=getattr(args, "multiple_validation_sets", False),
     )
 
 
@@ -47,6 +49,8 @@ def _configs(dataset):
     """The GPTDatasetConfigs behind a dataset this package built (none for other datasets)."""
     if dataset is None:
         return []
+    if isinstance(dataset, list):  # --multiple-validation-sets
+        return [config for part in dataset for config in _configs(part)]
     config = getattr(dataset, "config", None)
     if isinstance(config, GPTDatasetConfig):
         return [config]

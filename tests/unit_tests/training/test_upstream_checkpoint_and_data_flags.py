@@ -68,8 +68,15 @@ def test_use_checkpoint_args_without_a_checkpoint(tmp_path, capsys):
 @pytest.mark.parametrize("extra, message", [
     ("--mock-data --object-storage-cache-path /c", "--object-storage-cache-path is not supported"),
     ("--mock-data --s3-cache-path /c", "--s3-cache-path is not supported"),
-    ("--mock-data --full-validation", "--full-validation is not supported: .*--eval-iters"),
-    ("--mock-data --multiple-validation-sets", "--multiple-validation-sets is not supported"),
+    ("--mock-data --full-validation", "--full-validation needs validation datasets of a known size"),
+    ("--mock-data --multiple-validation-sets", "--multiple-validation-sets needs validation datasets"),
+    ("--data-path a --dataloader-type external --full-validation --tokenizer-type NullTokenizer",
+     "--full-validation needs the validation datasets themselves; with --dataloader-type external"),
+    ("--train-data-path a --valid-data-path 0.5 b 0.5 c --multiple-validation-sets --tokenizer-type NullTokenizer",
+     "--multiple-validation-sets evaluates each validation dataset on its own, so --valid-data-path must list "
+     "prefixes without weights"),
+    ("--data-path 0.5 a 0.5 b --multiple-validation-sets --tokenizer-type NullTokenizer",
+     "so --data-path must list prefixes without weights"),
     ("--mock-data --num-dataset-builder-threads 0", "--num-dataset-builder-threads must be at least 1"),
     ("--mock-data --mid-level-dataset-surplus -1", "--mid-level-dataset-surplus must be >= 0"),
     ("--mock-data --reset-attention-mask --no-create-attention-mask-in-dataloader",
@@ -96,6 +103,9 @@ def test_data_flags_defaults_and_accepted_values(tmp_path):
                      "--no-create-attention-mask-in-dataloader --no-shared-fs --num-dataset-builder-threads 4")
     assert (args.dataloader_type, args.mmap_bin_files, args.create_attention_mask_in_dataloader, args.no_shared_fs,
             args.num_dataset_builder_threads) == ("cyclic", False, False, True, 4)
+    args = validated("--train-data-path a --valid-data-path b c --multiple-validation-sets --full-validation "
+                     "--tokenizer-type NullTokenizer")
+    assert (args.multiple_validation_sets, args.full_validation, args.valid_data_path) == (True, True, ["b", "c"])
     bad_json = tmp_path / "splits.json"
     bad_json.write_text('{"training": ["a"]}')
     with pytest.raises(ValueError, match=r'keys "train", "valid", "test"; found \[\'training\'\]'):
