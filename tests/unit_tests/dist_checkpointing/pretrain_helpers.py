@@ -54,30 +54,6 @@ def run_pretrain(workdir, extra_args, forward_step=None):
     return {record["iteration"]: record["lm loss"] for record in records}
 
 
-def straight_and_resumed(workdir, name, layout_args, iterations=10):
-    """(losses of `iterations` straight, losses of the second half resumed from the checkpoint of the first)."""
-    from megatron.training.checkpointing import write_tracker
-
-    half = iterations // 2
-    root = os.path.join(workdir, f"exact_{name}")
-    schedule = f"--train-iters {iterations} --lr-decay-iters {iterations}"
-    straight = run_pretrain(workdir, f"{layout_args} {schedule} --save {root} --save-interval {half} "
-                                     "--ckpt-format torch_dist")
-    if torch.distributed.get_rank() == 0:
-        write_tracker(root, half)  # the checkpoint the first half of an interrupted run ends with
-    torch.distributed.barrier()
-    resumed = run_pretrain(workdir, f"{layout_args} {schedule} --load {root} --ckpt-format torch_dist")
-    return straight, resumed
-
-
-def check_exact_resume(name, straight, resumed, iterations=10):
-    """The resumed second half is bit-identical to the straight run's."""
-    half = iterations // 2
-    assert sorted(straight) == list(range(1, iterations + 1)), name
-    assert len(set(straight.values())) == iterations, name  # every iteration updates the model
-    assert resumed == {i: straight[i] for i in range(half + 1, iterations + 1)}, name
-
-
 class TrainingState:
     """Model chunks, optimizer and scheduler built from TINY_GPT + `extra_args`, as pretrain() builds them."""
 
