@@ -11,7 +11,9 @@ included). Events: `Starting job` (after a checkpoint is loaded), `Saved checkpo
 `Iteration`, `Consumed samples`, `Tokens (in billions)` (consumed samples x --seq-length), `Floating-point
 operations` (the matmul estimate of --log-throughput, `training_flops_per_iteration`, over all consumed
 samples, hence continuous across resumes) and, after the start, `Job throughput` (this job's floating-point
-operations per second per rank, in TFLOP/s/GPU).
+operations per second per rank, in TFLOP/s/GPU) and `Cumulative throughput` (the same since the first `Starting
+job` of the latest series of jobs with this number of ranks, as upstream: the file's last lines with this
+`# GPUs`, read back from progress.txt).
 """
 
 import datetime
@@ -21,6 +23,7 @@ import time
 import torch.distributed as dist
 
 FILE_NAME = "progress.txt"
+TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 
 # The job's start: (wall-clock seconds, consumed samples) when `start_progress_log` ran; None when off.
 _JOB_START = None
@@ -50,13 +53,39 @@ def _progress_fields(args, iteration):
         elapsed_s = max(time.time() - start_time, 1e-9)
         job_flops = floating_point_operations(args, samples - start_samples)
         fields.append(f"Job throughput: {job_flops / elapsed_s / args.world_size / 1e12:.6f} TFLOP/s/GPU")
+        series_start = _series_start(progress_log_path(args), args.world_size)
+        if series_start is not None:
+            series_time, series_flops = series_start
+            series_s = max(time.time() - series_time, 1e-9)
+            series_flops = floating_point_operations(args, samples) - series_flops
+            fields.append(f"Cumulative throughput: {series_flops / series_s / args.world_size / 1e12:.6f} TFLOP/s/GPU")
     return fields
+
+
+def _series_start(path, world_size):
+    """(seconds since the epoch, floating-point operations) of the first `Starting job` among the last lines of
+    `path` written with `world_size` ranks; None when there is none."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as stream:
+        lines = [line.rstrip("\n").split("\t") for line in stream if line.strip()]
+    start = None
+    for fields in reversed(lines):
+        if len(fields) < 4 or fields[2] != f"# GPUs: {world_size}":
+            break
+        if fields[3] == "Starting job":
+            start = fields
+    if start is None:
+        return None
+    values = dict(field.split(": ", 1) for field in start[4:] if ": " in field)
+    stamp = datetime.datetime.strptime(start[0], TIME_FORMAT).timestamp()
+    return stamp, float(values["Floating-point operations"])
 
 
 def _append(args, event, iteration):
     dist.barrier()
     if dist.get_rank() == 0:
-        stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+        stamp = datetime.datetime.now().strftime(TIME_FORMAT)
         job_id = os.environ.get("SLURM_JOB_ID", "")
         fields = [stamp, f"Job ID: {job_id}", f"# GPUs: {args.world_size}", event] + _progress_fields(args, iteration)
         os.makedirs(args.save, exist_ok=True)

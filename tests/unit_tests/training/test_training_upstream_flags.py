@@ -190,4 +190,5 @@ def test_skipped_iterations_profiler_scalars_progress_and_skip_train(tmp_path):
     assert float(last_save["Tokens (in billions)"]) == 40 * 16 / 1e9
     assert float(last_save["Floating-point operations"]) > 0
     assert last_save["Job throughput"].endswith(" TFLOP/s/GPU")
+    assert last_save["Cumulative throughput"].endswith(" TFLOP/s/GPU")  # since the first start (one series)
     assert "Job throughput" not in dict(field.split(": ", 1) for field in lines[0][4:])
