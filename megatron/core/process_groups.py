@@ -239,6 +239,15 @@ def model_parallel_is_initialized():
     return _INITIALIZED
 
 
+def _forget_meshes_of_destroyed_groups():
+    """torch caches DTensor sharding decisions, which carry their device mesh, keyed by meshes that compare equal
+    whenever their ranks and dim names do. Groups built again after this would otherwise meet that cache and run
+    a DTensor's collectives (e.g. `full_tensor()`) on a mesh of the destroyed groups."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+
+
 def destroy_model_parallel():
     """Destroy the process groups created by `initialize_model_parallel` and reset the module state."""
     global _DEVICE_MESH, _NUM_DISTRIBUTED_OPTIMIZER_INSTANCES, _INITIALIZED
@@ -246,6 +255,7 @@ def destroy_model_parallel():
     if dist.is_initialized():
         for group in _CREATED_GROUPS:
             dist.destroy_process_group(group)
+    _forget_meshes_of_destroyed_groups()
     _CREATED_GROUPS.clear()
     _GROUPS.clear()
     _GLOO_GROUPS.clear()

@@ -131,3 +131,17 @@ def test_run_control_rules(extra, message, monkeypatch, capsys):
     with pytest.raises((ValueError, SystemExit)) as error:
         validate_args(parse_args(args=(TINY_GPT + " " + extra).split()))
     assert message in str(error.value) + capsys.readouterr().err
+
+
+def _two_megatron_fsdp_runs_checking_weight_hashes(workdir):
+    from tests.unit_tests.dist_checkpointing.pretrain_helpers import run_pretrain
+
+    flags = "--use-megatron-fsdp --check-weight-hash-across-dp-replicas-interval 4 --train-iters 4"
+    return [run_pretrain(f"{workdir}/run{index}", flags) for index in range(2)]
+
+
+def test_weight_hashes_of_sharded_parameters_in_a_second_run_of_the_process(tmp_path):
+    # The second pretrain() builds new process groups: the check must gather the DTensors over those, not over
+    # meshes cached from the first run's destroyed groups.
+    first, second = run_on_ranks(2, _two_megatron_fsdp_runs_checking_weight_hashes, str(tmp_path))[0]
+    assert sorted(first) == [1, 2, 3, 4] and first == second
