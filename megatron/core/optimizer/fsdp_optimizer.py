@@ -4,10 +4,11 @@ For each chunk of the rank (one, or one per virtual pipeline stage with an inter
 optimizer is built from that chunk's parameters and handed to `megatron_fsdp.fully_shard_optimizer`, which
 re-points it at Megatron-FSDP's main-weight views (fp32 by default; this rank's shard piece of each parameter
 under ZeRO-1..3, the whole parameter under ZeRO-0) and installs the updated weights into the model after every
-`step()`. Gradients arrive attached to those views by `finish_grad_sync` (called from `finalize_model_grads`,
-which also applies the tensor- and pipeline-parallel all-reduces to them). With several chunks the per-chunk
-optimizers sit behind one `ChunkOptimizers` (`self.optimizer`): the statistics below, the clipping and
-`zero_grad` run over the main weights of all chunks at once, so the norm is the global one.
+`step()`. A chunk without parameters (an empty pipeline stage, passing its input on) gets no optimizer: it has
+nothing to step, gather or reduce. Gradients arrive attached to those views by `finish_grad_sync` (called from
+`finalize_model_grads`, which also applies the tensor- and pipeline-parallel all-reduces to them). With several
+chunks the per-chunk optimizers sit behind one `ChunkOptimizers` (`self.optimizer`): the statistics below, the
+clipping and `zero_grad` run over the main weights of all chunks at once, so the norm is the global one.
 
 Around that, the usual Megatron step: fp16 loss-scale unscaling with overflow agreed over every rank (a step
 with inf/nan is skipped on all ranks), global grad-norm clipping and the zero count. Each gradient element is
@@ -161,6 +162,8 @@ class MegatronFSDPOptimizer(MegatronOptimizer):
                 if params or len(self.chunks) == 1:
                     real_groups.append({**group, "params": params})
                     group_indices.append(index)
+            if not real_groups:
+                continue  # a chunk without parameters (an empty pipeline stage) has nothing to step
             # The main-weight views stand in for the parameters in gradient statistics: give them their attributes.
             for group in real_groups:
                 for param in group["params"]:

@@ -88,9 +88,9 @@ def validate(args):
 
 
 def _check_stages_without_parameters(args, counts):
-    """A middle stage without transformer layers holds no parameter. It runs (passing its input on) as long as its
-    pipeline rank has parameters in another chunk, since the optimizer needs some on every rank; Megatron-FSDP
-    also needs some in every chunk it wraps."""
+    """A middle stage without transformer layers holds no parameter. It runs under every wrapper, Megatron-FSDP
+    included (passing its input on), as long as its pipeline rank has parameters in another chunk, since the
+    optimizer needs some on every rank."""
     empty = stages_without_parameters(counts)
     if not empty:
         return
@@ -102,10 +102,4 @@ def _check_stages_without_parameters(args, counts):
             f"the pipeline split leaves pipeline rank(s) {idle_ranks} without any parameter ({described}: no "
             "transformer layer), and the optimizer needs parameters on every rank: give each of them at least one "
             f"layer ({LAYOUT_FLAG}, {FIRST_FLAG} / {LAST_FLAG})"
-        )
-    if getattr(args, "use_megatron_fsdp", False):
-        raise ValueError(
-            f"--use-megatron-fsdp needs parameters in every model chunk, but {described} hold(s) no transformer "
-            f"layer: give each at least one layer in {LAYOUT_FLAG}, or use Megatron DDP, the distributed optimizer "
-            "or --use-torch-fsdp2, which run such a chunk (it passes its input on)"
         )

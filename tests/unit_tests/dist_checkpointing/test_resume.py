@@ -3,9 +3,9 @@
 Exact resume per wrapper (10 iterations straight against 5 + save + load + 5) is checked by the functional
 `gpt/resume_*` cases. Here: a reference run trains 8 iterations and saves at iteration 4; resumed runs load
 iteration 4 and train to 8. Same layout: the losses of iterations 5-8 are identical. Another layout or wrapper
-(TP, PP, even or uneven pipeline splits, DP size, DDP, distributed optimizer, Megatron-FSDP ZeRO-0..3 / HSDP /
-HFSDP, FSDP2): equal to 1e-6 relative in fp32, the difference being only the order of floating-point reductions
-(measured: at most 5e-8); 1e-4 in bf16 (measured: 2.6e-6).
+(TP, PP, even or uneven pipeline splits, one with a model chunk holding no parameter, DP size, DDP, distributed
+optimizer, Megatron-FSDP ZeRO-0..3 / HSDP / HFSDP, FSDP2): equal to 1e-6 relative in fp32, the difference being
+only the order of floating-point reductions (measured: at most 5e-8); 1e-4 in bf16 (measured: 2.6e-6).
 """
 
 import os
@@ -28,6 +28,9 @@ LAYOUTS = {
     "mfsdp_z3": "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
     "mfsdp_z1_tp2": "--use-megatron-fsdp --data-parallel-sharding-strategy optim --tensor-model-parallel-size 2",
     "mfsdp_z0_pp2": "--use-megatron-fsdp --data-parallel-sharding-strategy no_shard --pipeline-model-parallel-size 2",
+    # PP2 x VPP2 with an empty middle chunk (virtual stage 1, chunk 0 of pipeline rank 1: it holds no parameter).
+    "mfsdp_z3_vpp_empty_chunk": "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
+                                "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Ett||t|tL",
     "fsdp2": "--use-torch-fsdp2",
     "fsdp2_tp2": "--use-torch-fsdp2 --tensor-model-parallel-size 2",
     "tied_pp2": "TIED --use-distributed-optimizer --pipeline-model-parallel-size 2",
@@ -84,6 +87,8 @@ def _check(reference, resumed, same_layout, other_layouts, rel=FP32_REL_TOLERANC
         ("tied_pp2", ["tied_dp2", "tied_mfsdp_pp2"], ""),
         # Saved under an uneven pipeline split (global layer numbers): loads under the even one and another.
         ("pp2_first1", ["pp2", "pp2_embedding_alone"], ""),
+        # Megatron-FSDP with a model chunk without parameters: loads at PP1 and at the even PP2 split.
+        ("mfsdp_z3_vpp_empty_chunk", ["mfsdp_z3", "mfsdp_z0_pp2"], ""),
         # bf16 weights with fp32 main weights (saved as `fp32_param`): the resumed main weights are exact.
         ("distopt_bf16", ["mfsdp_z3_bf16", "fsdp2_bf16"], ""),
     ],

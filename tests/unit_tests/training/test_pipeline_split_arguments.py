@@ -89,9 +89,8 @@ def test_split_and_chunks(extra, counts, chunks, monkeypatch):
          r"--pipeline-model-parallel-size > 1"),
         ("--pipeline-model-parallel-size 3 --pipeline-model-parallel-layout Ett||ttL", 3,
          r"leaves pipeline rank\(s\) \[1\] without any parameter \(pipeline stage 1: no transformer layer\)"),
-        (f"{PP2} --pipeline-model-parallel-layout Ett||tt|L --use-megatron-fsdp", 2,
-         r"--use-megatron-fsdp needs parameters in every model chunk, but virtual stage 1 \(chunk 0 of pipeline "
-         r"rank 1\) hold\(s\) no transformer layer"),
+        ("--pipeline-model-parallel-size 3 --pipeline-model-parallel-layout Ett||ttL --use-megatron-fsdp", 3,
+         r"leaves pipeline rank\(s\) \[1\] without any parameter"),
     ],
 )
 def test_rules_name_the_flags(extra, world_size, message, monkeypatch):
@@ -107,8 +106,9 @@ def test_odd_layer_count_needs_an_uneven_split(monkeypatch):
                      monkeypatch=monkeypatch).virtual_stage_layer_counts == (1, 2)
 
 
-def test_empty_middle_chunk_runs_under_ddp(monkeypatch):
-    """A chunk without layers is fine where its rank holds parameters elsewhere (Megatron DDP, FSDP2)."""
-    args = validated(f"{PP2} --pipeline-model-parallel-layout Ett||tt|L --use-distributed-optimizer",
-                     monkeypatch=monkeypatch)
+@pytest.mark.parametrize("wrapper", ["--use-distributed-optimizer", "--use-megatron-fsdp"])
+def test_empty_middle_chunk_runs_under_every_wrapper(wrapper, monkeypatch):
+    """A chunk without layers is fine where its rank holds parameters elsewhere (Megatron DDP, the distributed
+    optimizer, FSDP2, Megatron-FSDP)."""
+    args = validated(f"{PP2} --pipeline-model-parallel-layout Ett||tt|L {wrapper}", monkeypatch=monkeypatch)
     assert args.virtual_stage_layer_counts == (2, 0, 2, 0)

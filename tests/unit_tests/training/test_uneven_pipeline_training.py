@@ -1,12 +1,13 @@
 """pretrain() with uneven pipeline splits (PP2, with and without virtual stages) equals the same model without
-pipelining, under Megatron DDP, the distributed optimizer and Megatron-FSDP ZeRO-3; each run also reports which
-global layers every model chunk ran, so a split flag that was silently ignored cannot pass.
+pipelining, under Megatron DDP, the distributed optimizer and Megatron-FSDP ZeRO-1 / ZeRO-3; each run also reports
+which global layers every model chunk ran, so a split flag that was silently ignored cannot pass.
 
 The splits: 1/3 by `--decoder-first-pipeline-num-layers`, a layout whose first stage holds only the embedding
 (`E|t*4L`), an interleaved layout with a middle chunk holding nothing (`Ett||t|tL`: it passes its input on in the
-forward and its gradient back in the backward) or a last chunk holding only the loss (`Et|tt|t|L`), and the
-embedding and loss accounted as layers (6 layers over 2 x 2 virtual stages: 1, 2, 2, 1). fp32 on the CPU: the runs
-differ only in the order of floating-point reductions, so losses agree to 1e-5 relative (measured: at most 3e-8).
+forward and its gradient back in the backward; under Megatron-FSDP it is wrapped too, with nothing to gather, reduce
+or step) or a last chunk holding only the loss (`Et|tt|t|L`), and the embedding and loss accounted as layers (6
+layers over 2 x 2 virtual stages: 1, 2, 2, 1). fp32 on the CPU: the runs differ only in the order of floating-point
+reductions, so losses agree to 1e-5 relative (measured: at most 3e-8; the empty-chunk runs are bit-identical).
 Checkpoints saved under an uneven split resume under the even one in dist_checkpointing/test_resume.py and
 test_interleaved_pipeline_training.py.
 """
@@ -19,6 +20,7 @@ from tests.unit_tests.training.test_interleaved_pipeline_training import ITERATI
 
 PP2 = "--pipeline-model-parallel-size 2"
 Z3 = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"
+Z1 = "--use-megatron-fsdp --data-parallel-sharding-strategy optim"
 SIX_LAYERS = "--num-layers 6"
 # name: (flags, reference run, {rank: the 1-based layer numbers of each chunk it ran})
 RUNS = {
@@ -29,6 +31,10 @@ RUNS = {
                                  {0: [()], 1: [(1, 2, 3, 4)]}),
     "distopt_vpp_empty_middle_chunk": (f"--use-distributed-optimizer {PP2} --pipeline-model-parallel-layout "
                                        "Ett||t|tL", "", {0: [(1, 2), (3,)], 1: [(), (4,)]}),
+    "mfsdp_z3_vpp_empty_middle_chunk": (f"{Z3} {PP2} --pipeline-model-parallel-layout Ett||t|tL", "",
+                                        {0: [(1, 2), (3,)], 1: [(), (4,)]}),
+    "mfsdp_z1_vpp_empty_middle_chunk": (f"{Z1} {PP2} --pipeline-model-parallel-layout Ett||t|tL", "",
+                                        {0: [(1, 2), (3,)], 1: [(), (4,)]}),
     "mfsdp_z3_vpp_loss_alone": (f"{Z3} {PP2} --pipeline-model-parallel-layout Et|tt|t|L", "",
                                 {0: [(1,), (4,)], 1: [(), (2, 3)]}),
     "ddp_vpp_accounted": (f"{SIX_LAYERS} {PP2} --num-virtual-stages-per-pipeline-rank 2 "
