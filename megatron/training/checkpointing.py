@@ -192,10 +192,14 @@ def non_persistent_save_due(args, iteration):
 
 def save_non_persistent_checkpoint(iteration, model, optimizer, opt_param_scheduler, args):
     """--non-persistent-save-interval: a torch_dist checkpoint in the non-persistent root, where only the latest
-    is kept (it replaces the previous one once published); collective."""
+    is kept (it replaces the previous one once published), or with --non-persistent-ckpt-type local each rank's
+    part in --non-persistent-local-ckpt-dir (see local_checkpoint); collective."""
+    from megatron.training import local_checkpoint
     from megatron.training.dist_checkpoint import save_dist_checkpoint
 
     model_chunks = model if isinstance(model, (list, tuple)) else [model]
+    if local_checkpoint.enabled(args):
+        return local_checkpoint.save_local_checkpoint(iteration, model_chunks, optimizer, opt_param_scheduler, args)
     non_persistent = copy.copy(args)
     non_persistent.save = checkpoint_sources.non_persistent_save_dir(args)
     non_persistent.keep_last_n, non_persistent.save_retain_interval = 1, None
@@ -244,10 +248,23 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
     """Load the latest checkpoint under `args.load`; returns the iteration to resume from (0 if none).
 
     Sets `args.consumed_train_samples`. `--finetune` loads weights only and restarts at iteration 0;
-    `--no-load-optim` skips optimizer and scheduler, `--no-load-rng` the RNG state.
+    `--no-load-optim` skips optimizer and scheduler, `--no-load-rng` the RNG state. With
+    `--non-persistent-ckpt-type local` (with or without --load), the local checkpoint is resumed instead when it
+    is newer and every rank can load its part (see local_checkpoint).
     """
     check_checkpoint_format(args)
     model_chunks = model if isinstance(model, (list, tuple)) else [model]
+    from megatron.training import local_checkpoint
+
+    if local_checkpoint.enabled(args):
+        global_source = checkpoint_sources.checkpoint_to_load(args)
+        iteration = local_checkpoint.load_local_checkpoint(
+            model_chunks, optimizer, opt_param_scheduler, args,
+            None if global_source is None else global_source.iteration)
+        if iteration is not None:
+            return iteration
+    if args.load is None:
+        return 0
     source = _checkpoint_or_none(args)
     if source is None:
         return 0

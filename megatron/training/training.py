@@ -134,11 +134,12 @@ def _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fu
 
     args.consumed_train_samples = 0
     args.iteration = 0
-    if args.load is not None:
+    if args.load is not None or getattr(args, "non_persistent_ckpt_type", None) == "local":  # local: --load or not
         with timed(timers, "load-checkpoint", log_level=0, barrier=True):
             args.iteration = checkpointing.load_checkpoint(model, optimizer, scheduler, args)
         timers.log(["load-checkpoint"])
-        load_rerun_state(args.load, args.iteration)
+        if args.load is not None:
+            load_rerun_state(args.load, args.iteration)
     if getattr(args, "ckpt_convert_format", None) is not None:  # save the loaded checkpoint in it, then stop
         checkpointing.save_converted_checkpoint(args.iteration, model, optimizer, scheduler, args)
         return args.iteration

@@ -108,8 +108,9 @@ def _checked_torch_optimizer(torch_optimizer):
 
 def _chunk_optimizers(optimizer, model_chunks):
     """[(chunk, its torch optimizer, the index in the optimizer's param groups of each of its groups)], and the
-    number of those param groups. A `MegatronFSDPOptimizer` has one torch optimizer per chunk; another optimizer
-    wrapper holds one torch optimizer for a single chunk in `.optimizer`."""
+    number of those param groups. A `MegatronFSDPOptimizer` has one torch optimizer per chunk holding parameters
+    (a chunk without any, an empty pipeline stage, has none); another optimizer wrapper holds one torch optimizer
+    for a single chunk in `.optimizer`."""
     entries = getattr(optimizer, "chunk_optimizers", None)
     if entries is None:
         if len(model_chunks) != 1:
@@ -118,7 +119,7 @@ def _chunk_optimizers(optimizer, model_chunks):
         torch_optimizer = _checked_torch_optimizer(optimizer.optimizer)
         count = len(torch_optimizer.param_groups)
         return [(model_chunks[0], torch_optimizer, list(range(count)))], count
-    if [id(entry.chunk) for entry in entries] != [id(chunk) for chunk in model_chunks]:
+    if [id(chunk) for chunk in optimizer.chunks] != [id(chunk) for chunk in model_chunks]:
         raise ValueError("the optimizer steps other model chunks than the ones checkpointed")
     return ([(entry.chunk, _checked_torch_optimizer(entry.optimizer), list(entry.group_indices))
              for entry in entries], optimizer.num_param_groups)
@@ -142,7 +143,7 @@ def _agreed_step(steps, device):
     return None if local < 0 else local
 
 
-def optimizer_state_to_save(optimizer, model_chunks):
+def optimizer_state_to_save(optimizer, model_chunks, include_tied_copies=False):
     """The state of every chunk's optimizer under the logical names of its parameters (global layer numbers),
     so the keys do not depend on how the layers are split into chunks; the param groups' hyper-parameters once
     per group of the optimizer (the first chunk holding that group gives them)."""
@@ -157,7 +158,7 @@ def optimizer_state_to_save(optimizer, model_chunks):
             for state_name, value in values.items():
                 if state_name == "step":
                     steps.append(float(value))
-                elif isinstance(value, DTensor) and value.dim() > 0 and saved_here:
+                elif isinstance(value, DTensor) and value.dim() > 0 and (saved_here or include_tied_copies):
                     target_name = MAIN_PARAM_KEY if state_name == PACKAGE_MAIN_PARAM_KEY else state_name
                     state[state_key(name, target_name)] = _as_logical(value)
         for index, group in zip(group_indices, saved["param_groups"]):

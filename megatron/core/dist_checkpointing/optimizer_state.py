@@ -87,13 +87,15 @@ def _hyperparameters(optimizer):
     return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
 
 
-def optimizer_state_to_save(optimizer, entries: List[MainParamEntry]) -> Dict[str, object]:
-    """The logical optimizer state of this rank (collective: agrees on the step counter)."""
+def optimizer_state_to_save(optimizer, entries: List[MainParamEntry], include_tied_copies: bool = False
+                            ) -> Dict[str, object]:
+    """The logical optimizer state of this rank (collective: agrees on the step counter); tied copies that
+    another stage saves only with `include_tied_copies`."""
     state = {STEP_KEY: _global_step(optimizer), PARAM_GROUPS_KEY: _hyperparameters(optimizer),
              GRAD_SCALER_KEY: None if optimizer.grad_scaler is None else optimizer.grad_scaler.state_dict()}
     torch_state = optimizer.optimizer.state
     for entry in entries:
-        if not entry.placement.saved_here:
+        if not (entry.placement.saved_here or include_tied_copies):
             continue
         name = entry.placement.logical_name
         if entry.model_dtype != torch.float32:

@@ -39,11 +39,13 @@ def model_load_targets(model_chunks):
     return model_sharded_state_dict(model_chunks, for_saving=False), lambda loaded_names: None
 
 
-def optimizer_state_to_save(optimizer, model_chunks):
+def optimizer_state_to_save(optimizer, model_chunks, include_tied_copies=False):
+    """`include_tied_copies`: also the state of a tied copy whose logical tensor another stage saves (a
+    per-rank checkpoint, which must restore this rank alone, wants it)."""
     if _is_fsdp(model_chunks):
-        return fsdp_state.optimizer_state_to_save(optimizer, model_chunks)
+        return fsdp_state.optimizer_state_to_save(optimizer, model_chunks, include_tied_copies)
     entries = optimizer_state.main_param_entries(optimizer, model_chunks)
-    return optimizer_state.optimizer_state_to_save(optimizer, entries)
+    return optimizer_state.optimizer_state_to_save(optimizer, entries, include_tied_copies)
 
 
 def optimizer_load_targets(optimizer, model_chunks, saved_keys):

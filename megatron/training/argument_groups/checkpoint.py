@@ -108,23 +108,31 @@ def add_arguments(parser):
         "--non-persistent-save-interval",
         type=int,
         default=None,
-        help="Also save a non-persistent checkpoint every N iterations (only the latest is kept); --load resumes "
+        help="Also save a non-persistent checkpoint every N iterations (only the latest is kept); a load resumes "
         "the newer of it and the persistent one.",
     )
     group.add_argument(
         "--non-persistent-ckpt-type",
         default="global",
         choices=["global", "local", "in_memory"],
-        help="global (default): torch_dist checkpoints in --non-persistent-global-ckpt-dir. local and in_memory "
-        "(nvidia-resiliency-ext in upstream Megatron-LM) are not supported.",
+        help="global (default): torch_dist checkpoints in --non-persistent-global-ckpt-dir. local: each rank writes "
+        "its own part of the training state (model, optimizer, scheduler, RNG, iteration) to "
+        "--non-persistent-local-ckpt-dir, e.g. node-local storage; loadable only under the same parallel layout and "
+        "world size, and resumed (with or without --load) when newer than the global checkpoint and complete on "
+        "every rank. in_memory (nvidia-resiliency-ext in upstream Megatron-LM) is not supported.",
     )
     group.add_argument("--non-persistent-global-ckpt-dir", default=None,
                        help="Non-persistent checkpoints' directory (default: <--save>/non_persistent when saving, "
                        "<--load>/non_persistent when loading).")
     group.add_argument("--non-persistent-local-ckpt-dir", default=None,
-                       help="--non-persistent-ckpt-type local: not supported.")
+                       help="--non-persistent-ckpt-type local: the directory each rank writes its part to "
+                       "(DIR/rank_NNNNN/iter_NNNNNNN, via a .tmp directory renamed once fsynced); may be node-local.")
     group.add_argument("--non-persistent-local-ckpt-algo", default=None, choices=["fully_parallel", "atomic"],
-                       help="--non-persistent-ckpt-type local: not supported.")
+                       help="--non-persistent-ckpt-type local: fully_parallel (default): a tensor piece that several "
+                       "ranks hold (data- or tensor-parallel replicas) is written once, by one of them (balanced by "
+                       "bytes), and sent back to the others by broadcasts at load; atomic: every rank writes all it "
+                       "holds, so its part restores it without communication. Both write each part to a temporary "
+                       "directory and rename it (upstream's nvidia-resiliency-ext replication is not implemented).")
     group.add_argument(
         "--ckpt-assume-constant-structure",
         action="store_true",
@@ -182,18 +190,30 @@ def _validate_retention(args):
 
 
 def _validate_non_persistent(args):
-    if args.non_persistent_ckpt_type != "global" or args.non_persistent_local_ckpt_dir is not None or \
-            args.non_persistent_local_ckpt_algo is not None:
-        flag = ("--non-persistent-ckpt-type " + args.non_persistent_ckpt_type
-                if args.non_persistent_ckpt_type != "global" else "--non-persistent-local-ckpt-dir/-algo")
-        raise ValueError(f"{flag}: node-local and in-memory non-persistent checkpoints (nvidia-resiliency-ext in "
-                         "upstream Megatron-LM) are not supported; use --non-persistent-ckpt-type global, which "
-                         "writes torch_dist checkpoints to --non-persistent-global-ckpt-dir")
+    kind = args.non_persistent_ckpt_type
+    if kind == "in_memory":
+        raise ValueError("--non-persistent-ckpt-type in_memory: in-memory non-persistent checkpoints "
+                         "(nvidia-resiliency-ext in upstream Megatron-LM) are not supported; use "
+                         "--non-persistent-ckpt-type local (per-rank files in --non-persistent-local-ckpt-dir) or "
+                         "global (torch_dist checkpoints in --non-persistent-global-ckpt-dir)")
+    if kind != "local":
+        for value, flag in ((args.non_persistent_local_ckpt_dir, "--non-persistent-local-ckpt-dir"),
+                            (args.non_persistent_local_ckpt_algo, "--non-persistent-local-ckpt-algo")):
+            if value is not None:
+                raise ValueError(f"{flag} needs --non-persistent-ckpt-type local (the type is {kind})")
+    else:
+        if args.non_persistent_local_ckpt_dir is None:
+            raise ValueError("--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir DIR (where each "
+                             "rank writes its part)")
+        if args.non_persistent_local_ckpt_algo is None:
+            args.non_persistent_local_ckpt_algo = "fully_parallel"
     interval = args.non_persistent_save_interval
     if interval is None:
         return
     if interval <= 0:
         raise ValueError(f"--non-persistent-save-interval must be positive, got {interval}")
+    if kind == "local":
+        return
     if args.save is None and args.non_persistent_global_ckpt_dir is None:
         raise ValueError("--non-persistent-save-interval needs --save DIR (they go to DIR/non_persistent) or "
                          "--non-persistent-global-ckpt-dir DIR")

@@ -8,6 +8,9 @@ import pytest
 
 TOP_DOWN = [
     "megatron.training.checkpointing",  # --save / --load: dispatch by format, the torch format
+    "megatron.training.local_checkpoint",  # --non-persistent-ckpt-type local: per-rank save and load
+    "megatron.training.local_checkpoint_files",  # its files: temporary directory, rename, what is complete
+    "megatron.training.local_checkpoint_pieces",  # its pieces: which rank stores which, filling targets
     "megatron.training.dist_checkpoint",  # the logical format: writes and reads
     "megatron.training.checkpoint_state",  # builds the run's logical state and load targets
     "megatron.core.dist_checkpointing.wrappers",  # picks the builder of each wrapper

@@ -36,9 +36,16 @@ def validated(extra):
     ("--save-retain-interval 4 --save s --keep-last-n 2", "--save-retain-interval and --keep-last-n"),
     ("--non-persistent-save-interval 3", "--non-persistent-save-interval needs --save DIR"),
     ("--non-persistent-save-interval 3 --save s --ckpt-format torch", "needs --ckpt-format torch_dist"),
-    ("--non-persistent-ckpt-type local", "--non-persistent-ckpt-type local: .*use --non-persistent-ckpt-type global"),
-    ("--non-persistent-ckpt-type in_memory", "--non-persistent-ckpt-type in_memory"),
-    ("--non-persistent-local-ckpt-dir /l", "--non-persistent-local-ckpt-dir/-algo"),
+    ("--non-persistent-ckpt-type local", "--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir"),
+    ("--non-persistent-ckpt-type local --non-persistent-save-interval 2",
+     "--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir"),
+    ("--non-persistent-ckpt-type local --non-persistent-local-ckpt-dir /l --non-persistent-save-interval 0",
+     "--non-persistent-save-interval must be positive"),
+    ("--non-persistent-ckpt-type in_memory", "--non-persistent-ckpt-type in_memory: .* not supported; use "
+                                             "--non-persistent-ckpt-type local"),
+    ("--non-persistent-local-ckpt-dir /l", "--non-persistent-local-ckpt-dir needs --non-persistent-ckpt-type local"),
+    ("--non-persistent-local-ckpt-algo atomic", "--non-persistent-local-ckpt-algo needs --non-persistent-ckpt-type "
+                                                "local"),
     ("--use-mp-args-from-checkpoint-args", "--use-mp-args-from-checkpoint-args needs --use-checkpoint-args"),
     ("--use-checkpoint-args", "--use-checkpoint-args needs --load"),
 ])
@@ -55,6 +62,15 @@ def test_deprecated_aliases_map_to_the_torch_dist_format(capsys):
                      "--auto-detect-ckpt-format")
     assert (args.save_retain_interval, args.non_persistent_save_interval, args.non_persistent_ckpt_type,
             args.auto_detect_ckpt_format) == (4, 1, "global", True)
+
+
+def test_local_non_persistent_checkpoints_need_no_save_dir():
+    args = validated("--mock-data --non-persistent-ckpt-type local --non-persistent-local-ckpt-dir /l "
+                     "--non-persistent-save-interval 2")
+    assert (args.non_persistent_ckpt_type, args.non_persistent_local_ckpt_dir,
+            args.non_persistent_local_ckpt_algo) == ("local", "/l", "fully_parallel")
+    assert validated("--mock-data --non-persistent-ckpt-type local --non-persistent-local-ckpt-dir /l "
+                     "--non-persistent-local-ckpt-algo atomic").non_persistent_local_ckpt_algo == "atomic"
 
 
 def test_use_checkpoint_args_without_a_checkpoint(tmp_path, capsys):
