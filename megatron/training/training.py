@@ -160,6 +160,8 @@ def _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fu
         else:
             iteration = train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_iterator,
                               config, logger, args)
+            if iteration >= args.train_iters and not args.stopped_early:
+                evaluate_at_the_end(forward_step_func, model, valid_iterator, test_iterator, config, logger, args)
         checkpointing.maybe_finalize_async_save(args, blocking=True)
         stop_progress_log(args, iteration)
     finally:
@@ -329,6 +331,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
     for chunk in model:
         chunk.train()
     iteration = args.iteration
+    args.stopped_early = False
     validation_sets = as_validation_sets(valid_iterator)
     last_saved_iteration = iteration if args.load is not None else None
     print_memory_on_this_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
@@ -412,6 +415,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
                     last_saved_iteration = iteration
                 if dist.get_rank() == 0:
                     print(f"exiting at iteration {iteration}: {stop_reason}", flush=True)
+                args.stopped_early = True
                 return iteration
     if last_saved_iteration != iteration and iteration > 0:
         _save(iteration, model, optimizer, scheduler, args)
@@ -424,6 +428,21 @@ def _evaluation_splits_only(train_valid_test_dataset_provider):
         return None, valid_dataset, test_dataset
 
     return provide
+
+
+def evaluate_at_the_end(forward_step_func, model, valid_iterator, test_iterator, config, logger, args):
+    """After the last training iteration (not after an early exit), as upstream: one more evaluation of each
+    validation set and one of the test set (those that exist, --eval-iters batches each, or whole with
+    --full-validation), logged "... loss at iteration N on validation set" / "... on test set"."""
+    if args.eval_iters <= 0:
+        return
+    for validation_set in as_validation_sets(valid_iterator):
+        iterator, num_batches = validation_set.next_evaluation(args.eval_iters, get_current_global_batch_size())
+        losses = evaluate(forward_step_func, iterator, model, config, args, num_batches=num_batches)
+        logger.log_evaluation(args.iteration, losses, set_label=validation_set.label, where="on validation set")
+    if test_iterator is not None:
+        logger.log_evaluation(args.iteration, evaluate(forward_step_func, test_iterator, model, config, args),
+                              prefix="test", where="on test set")
 
 
 def evaluate_without_training(forward_step_func, model, valid_iterator, test_iterator, config, logger, args):

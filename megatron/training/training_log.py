@@ -334,16 +334,19 @@ class TrainingLogger:
         self._interval_losses, self._interval_iterations, self._interval_time_s = {}, 0, 0.0
         self._skipped_iterations, self._nan_iterations = 0, 0
 
-    def log_evaluation(self, iteration, losses, prefix="validation", set_label=None):
+    def log_evaluation(self, iteration, losses, prefix="validation", set_label=None, where=None):
         """One "<prefix> loss at iteration N" block; `set_label` (--multiple-validation-sets) names the set:
         "validation (b_text_document) loss ...", TensorBoard "lm loss validation (b_text_document)", and a
-        "validation-set" field in the metrics record (whose "split" stays `prefix`)."""
+        "validation-set" field in the metrics record (whose "split" stays `prefix`). `where` ("on validation
+        set", "on test set": the evaluation after the last iteration) follows the iteration in the line and is
+        the metrics record's "when"."""
         if not self.is_logging_rank:
             return
         shown = prefix if set_label is None else f"{prefix} ({set_label})"
         text = " | ".join(f"{name} value: {value:.6E} | {name} PPL: {_perplexity(value):.6E}" for name, value in
                           losses.items())
-        print(f"{shown} loss at iteration {iteration} | {text} |", flush=True)
+        at = f"iteration {iteration}" if where is None else f"iteration {iteration} {where}"
+        print(f"{shown} loss at {at} | {text} |", flush=True)
         if self._tensorboard is not None:
             for name, value in losses.items():
                 self._tensorboard.add_scalar(f"{name} {shown}", value, iteration)
@@ -352,6 +355,8 @@ class TrainingLogger:
             record = {"iteration": iteration, "split": prefix}
             if set_label is not None:
                 record["validation-set"] = set_label
+            if where is not None:
+                record["when"] = where
             record.update({f"{name}": value for name, value in losses.items()})
             self._metrics_stream.write(json.dumps(record) + "\n")
             self._metrics_stream.flush()

@@ -136,9 +136,13 @@ def test_skipped_iterations_profiler_scalars_progress_and_skip_train(tmp_path):
     final_state, _ = _saved_weight_sum(tmp_path, TRAIN_ITERS)
     assert final_state["opt_param_scheduler"]["num_steps"] == 4 * 8  # samples the scheduler stepped over
 
-    metrics = [json.loads(line) for line in (tmp_path / "tb" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "tb" / "metrics.jsonl").read_text().splitlines()]
+    metrics = [record for record in records if record["split"] == "train"]
     assert [(record["iteration"], record["consumed-samples"]) for record in metrics] == [
         (1, 8), (3, 24), (4, 32), (5, 40)]
+    # After the last iteration, as upstream: one more validation and a test evaluation.
+    assert [(record["iteration"], record["split"], record["when"]) for record in records[len(metrics):]] == [
+        (TRAIN_ITERS, "validation", "on validation set"), (TRAIN_ITERS, "test", "on test set")]
 
     # The profiler traced the steps after 2 and 3 completed iterations (the log's 3 and 4), on both ranks.
     for rank in (0, 1):

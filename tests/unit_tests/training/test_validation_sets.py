@@ -59,7 +59,11 @@ def _pretrain(workdir, name, flags):
                  argv=f"{TINY_GPT} {flags} --metrics-file {metrics_file}".split())
     records = [json.loads(line) for line in open(metrics_file)]
     lines = [line for line in printed.getvalue().splitlines() if " loss at iteration " in line]
-    return [record for record in records if record["split"] != "train"], lines, evaluated
+    evaluations = [record for record in records if record["split"] != "train"]
+    # (the evaluations during training or of --skip-train, the lines, the batches, the evaluations after the last
+    # iteration)
+    return ([record for record in evaluations if "when" not in record], lines, evaluated,
+            [record for record in evaluations if "when" in record])
 
 
 def _full_validation_runs(workdir):
@@ -84,17 +88,21 @@ def test_full_validation_evaluates_every_complete_global_batch(tmp_path):
     assert size % GLOBAL, "the set should end with a partial global batch, which is left out"
     microbatches = (size // GLOBAL) * (GLOBAL // MICRO)
 
-    records, lines, evaluated = runs["trained"]
+    records, lines, evaluated, (at_the_end,) = runs["trained"]
     assert [record["iteration"] for record in records] == [1, 2]
-    assert len(evaluated) == 2 * microbatches
-    first, second = evaluated[:microbatches], evaluated[microbatches:]
-    assert all((a == b).all() for a, b in zip(first, second))  # the same samples at every evaluation
+    assert len(evaluated) == 3 * microbatches  # iterations 1 and 2, and after the last iteration
+    first, second, third = (evaluated[i * microbatches:(i + 1) * microbatches] for i in range(3))
+    assert all((a == b).all() and (a == c).all() for a, b, c in zip(first, second, third))  # the same samples
     assert len({tuple(tokens.flatten().tolist()) for tokens in first}) == microbatches  # no sample twice
     assert [line.split(" | ")[0] for line in lines] == ["validation loss at iteration 1",
-                                                        "validation loss at iteration 2"]
+                                                        "validation loss at iteration 2",
+                                                        "validation loss at iteration 2 on validation set"]
+    # The same samples and the same model as iteration 2's evaluation: the same loss.
+    assert (at_the_end["iteration"], at_the_end["when"]) == (2, "on validation set")
+    assert at_the_end["lm loss"] == records[1]["lm loss"]
 
-    (full,), _, full_evaluated = runs["full"]
-    (by_eval_iters,), _, eval_iters_evaluated = runs["eval_iters"]
+    (full,), _, full_evaluated, _ = runs["full"]
+    (by_eval_iters,), _, eval_iters_evaluated, _ = runs["eval_iters"]
     assert len(full_evaluated) == len(eval_iters_evaluated) == microbatches
     assert all((a == b).all() for a, b in zip(full_evaluated, eval_iters_evaluated))
     assert full["lm loss"] == pytest.approx(by_eval_iters["lm loss"], rel=1e-12)
@@ -118,18 +126,22 @@ def _multiple_validation_sets_runs(workdir):
 
 def test_multiple_validation_sets_give_each_set_its_own_loss(tmp_path):
     runs = run_on_ranks(1, _multiple_validation_sets_runs, str(tmp_path))[0]
-    records, lines, _ = runs["both"]
+    records, lines, _, ends = runs["both"]
     assert [(record["iteration"], record["split"], record["validation-set"]) for record in records] == [
         (1, "validation", "b_text_document"), (1, "validation", "c_text_document")]
-    assert [line.split(" | ")[0] for line in lines] == ["validation (b_text_document) loss at iteration 1",
-                                                        "validation (c_text_document) loss at iteration 1"]
-    for record in records:
-        (alone,), _, _ = runs[record["validation-set"][0]]
+    assert [line.split(" | ")[0] for line in lines] == [
+        "validation (b_text_document) loss at iteration 1", "validation (c_text_document) loss at iteration 1",
+        "validation (b_text_document) loss at iteration 1 on validation set",
+        "validation (c_text_document) loss at iteration 1 on validation set"]
+    for record, end in zip(records, ends):
+        (alone,), _, _, (alone_end,) = runs[record["validation-set"][0]]
         assert record["lm loss"] == pytest.approx(alone["lm loss"], rel=1e-12)
+        assert end["validation-set"] == record["validation-set"]
+        assert end["lm loss"] == pytest.approx(alone_end["lm loss"], rel=1e-12)
     assert records[0]["lm loss"] != records[1]["lm loss"]
 
     # With --full-validation as well: each set is evaluated whole, as it would be alone.
-    full_records, _, _ = runs["both_full"]
-    (c_alone,), _, _ = runs["c_full"]
+    full_records, _, _, _ = runs["both_full"]
+    (c_alone,), _, _, _ = runs["c_full"]
     assert [record["validation-set"] for record in full_records] == ["b_text_document", "c_text_document"]
     assert full_records[1]["lm loss"] == pytest.approx(c_alone["lm loss"], rel=1e-12)
