@@ -297,12 +297,12 @@ def evaluate(forward_step_func, data_iterator, model, config, args, exit_duratio
 
 
 def evaluate_validation_sets(forward_step_func, validation_sets, model, config, logger, iteration, args,
-                             exit_duration=None):
+                             exit_duration=None, where=None):
     """Evaluate and log each validation set (validation_sets.py): one "validation loss" block per set."""
     for validation_set in validation_sets:
         iterator, num_batches = validation_set.next_evaluation(args.eval_iters, get_current_global_batch_size())
         losses = evaluate(forward_step_func, iterator, model, config, args, exit_duration, num_batches)
-        logger.log_evaluation(iteration, losses, set_label=validation_set.label)
+        logger.log_evaluation(iteration, losses, set_label=validation_set.label, where=where)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -436,10 +436,8 @@ def evaluate_at_the_end(forward_step_func, model, valid_iterator, test_iterator,
     --full-validation), logged "... loss at iteration N on validation set" / "... on test set"."""
     if args.eval_iters <= 0:
         return
-    for validation_set in as_validation_sets(valid_iterator):
-        iterator, num_batches = validation_set.next_evaluation(args.eval_iters, get_current_global_batch_size())
-        losses = evaluate(forward_step_func, iterator, model, config, args, num_batches=num_batches)
-        logger.log_evaluation(args.iteration, losses, set_label=validation_set.label, where="on validation set")
+    evaluate_validation_sets(forward_step_func, as_validation_sets(valid_iterator), model, config, logger,
+                             args.iteration, args, where="on validation set")
     if test_iterator is not None:
         logger.log_evaluation(args.iteration, evaluate(forward_step_func, test_iterator, model, config, args),
                               prefix="test", where="on test set")
