@@ -111,4 +111,8 @@ def build_pretraining_data_loader(
         num_workers=num_workers,
         pin_memory=False,
         persistent_workers=num_workers > 0,
+        # Each iter() draws the workers' base seed from this generator, not from torch's global one: building or
+        # restarting an iterator leaves the dropout stream alone, so a resumed run draws the masks of the
+        # uninterrupted one.
+        generator=torch.Generator().manual_seed(seed),
     )

@@ -102,3 +102,19 @@ def test_dataloader_type_cyclic_reaches_the_loader():
     as_rows = lambda batches: sorted(map(tuple, torch.cat(batches).tolist()))  # noqa: E731
     assert as_rows(cyclic_batches[:4]) == as_rows(single_batches) == as_rows(cyclic_batches[4:])
     assert not all(torch.equal(a, b) for a, b in zip(cyclic_batches[:4], single_batches))
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_iterating_the_loader_leaves_the_global_generator_alone(num_workers):
+    # Dropout draws from torch's global generator on the CPU: starting or restarting a loader's iterator (the
+    # training iterator after a checkpoint load, the validation iterator every epoch) must not advance it.
+    config = GPTDatasetConfig(random_seed=3, sequence_length=8, mock=True, tokenizer=NullTokenizer(32))
+    dataset = MockGPTDataset(config, Split.train, 8)
+    loader = build_pretraining_data_loader(dataset, 0, 2, 0, 1, num_workers=num_workers, seed=11)
+    torch.manual_seed(5)
+    expected = torch.rand(4)
+    torch.manual_seed(5)
+    first_pass = [batch["tokens"] for batch in loader]
+    second_pass = [batch["tokens"] for batch in loader]
+    torch.testing.assert_close(torch.rand(4), expected, rtol=0, atol=0)
+    assert len(first_pass) == 4 and all(torch.equal(a, b) for a, b in zip(first_pass, second_pass))

@@ -100,3 +100,30 @@ def test_resume_is_exact_and_reshards(tmp_path, save_layout, resume_layouts, sav
     tolerance = BF16_REL_TOLERANCE if "bf16" in save_layout else FP32_REL_TOLERANCE
     _check(reference, resumed, save_layout, resume_layouts, rel=tolerance)
     assert exited == ({5: reference[5], 6: reference[6]}, 6, ["iter_0000006", "latest_checkpointed_iteration.txt"])
+
+
+DROPOUT = "--hidden-dropout 0.1 --attention-dropout 0.1 --eval-interval 2 --eval-iters 1"
+
+
+def _save_then_resume_with_dropout(workdir):
+    from megatron.training.checkpointing import write_tracker
+
+    root = os.path.join(workdir, "ckpt")
+    reference = run_pretrain(workdir, f"{LAYOUTS['mfsdp_z3']} {DROPOUT} --save {root} --save-interval 4 "
+                                      "--ckpt-format torch_dist")
+    if torch.distributed.get_rank() == 0:
+        write_tracker(root, 4)
+    torch.distributed.barrier()
+    resumed = run_pretrain(workdir, f"{LAYOUTS['mfsdp_z3']} {DROPOUT} --load {root} --ckpt-format torch_dist")
+    without_dropout = run_pretrain(workdir, f"{LAYOUTS['mfsdp_z3']} --train-iters 2")
+    return reference, resumed, without_dropout
+
+
+@pytest.mark.world_size(2)
+def test_resume_with_dropout_and_evaluations_draws_the_uninterrupted_masks(tmp_path):
+    # The checkpoint restores the dropout stream; nothing between the load and iteration 5 (building the data
+    # iterators, restarting the validation iterator) may draw from it.
+    reference, resumed, without_dropout = run_on_ranks(2, _save_then_resume_with_dropout, str(tmp_path))[0]
+    assert sorted(reference) == list(range(1, 9))
+    assert resumed == {i: reference[i] for i in range(5, 9)}
+    assert all(reference[i] != without_dropout[i] for i in (1, 2))  # the masks are in the losses
