@@ -103,3 +103,12 @@ class AsyncCheckpointQueue:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+    def abandon(self):
+        """Forget the queue without a collective (the end of a run, whose process groups go next): a write still
+        pending (a run that failed) is never published, so the latest checkpoint stays the previous one."""
+        self._pending = None
+        self._group = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None

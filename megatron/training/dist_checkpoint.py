@@ -80,6 +80,15 @@ def close_async_queue():
         _async_queue = None
 
 
+def forget_async_queue():
+    """At the end of pretrain(): the queue's process group belongs to this run (a later run in the same process
+    makes its own); no collective, so a failed run does not wait here."""
+    global _async_queue
+    if _async_queue is not None:
+        _async_queue.abandon()
+        _async_queue = None
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Save
 # ---------------------------------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ part of the training state to `--non-persistent-local-ckpt-dir` (layout: `local_
 and optimizer tensors it holds (the same state the logical format saves, built by the same wrappers code, tied
 copies included so that each rank restores itself), the scheduler, its RNG state, the iteration and consumed
 samples. Nothing is resharded, so a local checkpoint loads only under the layout and world size that wrote it.
-Once every rank has its part of the new checkpoint complete, each removes its older ones.
+Once every rank has its part of the new checkpoint complete, each removes its older ones. With `--async-save`
+the part is snapshotted in the training thread and written by `--async-save`'s background writer; the older
+parts go once every rank's write has succeeded (the queue's agreement, as for global checkpoints).
 
 At load, the newest iteration that every rank has complete is resumed when it is newer than the checkpoint
 `--load` would resume and every rank can load its part (same layout, same save, every piece there); otherwise
@@ -17,6 +19,7 @@ replicated tensor piece once, spread over the ranks holding it, and a load sends
 broadcast per rank; `atomic` stores everything a rank holds, so each rank's part restores it on its own.
 """
 
+import copy
 import json
 import time
 import uuid
@@ -132,27 +135,45 @@ def save_local_checkpoint(iteration, model_chunks, optimizer, scheduler, args):
         "tensors": {tuple(piece): tensor.detach().to("cpu", copy=True) for piece, tensor in stored.items()},
         "held": [tuple(piece) for piece in held],
         "exchange_plan": [(tuple(piece), owner) for piece, owner in plan],
-        "objects": objects_of(state),
+        "objects": copy.deepcopy(objects_of(state)),  # a snapshot: training goes on changing the originals
     }
     metadata = {"iteration": iteration, "rank": rank, "algorithm": algo, "save_id": save_id,
                 "layout": layout(args, model_chunks)}
+    description = f"local checkpoint of iteration {iteration} to {root} (--non-persistent-ckpt-type local, " \
+                  f"--non-persistent-local-ckpt-algo {algo})"
+
+    def write():
+        local_checkpoint_files.write(root, rank, iteration, payload, metadata)
+
+    def publish(succeeded, reason="a background write failed (see above)"):
+        """Every rank wrote its part: drop the older ones. Otherwise drop this one (the older stays the latest)."""
+        if not succeeded:
+            local_checkpoint_files.remove(root, rank, iteration)
+            _print0(f"local checkpoint of iteration {iteration} was NOT saved: {reason}; the previous local "
+                    f"checkpoint in {root} is kept")
+            return
+        local_checkpoint_files.remove_all_but(root, rank, iteration)
+        _print0(f"saved {description}" + (" in the background" if background else
+                                          f" in {time.perf_counter() - start:.2f} s"))
+
+    background = bool(getattr(args, "async_save", False))
+    if background:  # written by --async-save's worker; published once every rank's write has succeeded
+        from megatron.training.dist_checkpoint import async_queue
+
+        async_queue(args).schedule(write, publish, description)
+        return time.perf_counter() - start
     error = None
     try:
-        local_checkpoint_files.write(root, rank, iteration, payload, metadata)
+        write()
     except Exception as exc:  # noqa: B902 - reported by every rank below, instead of leaving the others waiting
         error = f"{type(exc).__name__}: {exc}"
     errors = checkpoint_state.all_gather_objects(error)
     failed = [index for index, text in enumerate(errors) if text is not None]
     if failed:
-        local_checkpoint_files.remove(root, rank, iteration)
-        _print0(f"local checkpoint of iteration {iteration} was NOT saved: rank(s) {failed} could not write their "
-                f"part ({errors[failed[0]]}); the previous local checkpoint in {root} is kept")
-        return time.perf_counter() - start
-    local_checkpoint_files.remove_all_but(root, rank, iteration)
-    seconds = time.perf_counter() - start
-    _print0(f"saved local checkpoint of iteration {iteration} to {root} (--non-persistent-ckpt-type local, "
-            f"--non-persistent-local-ckpt-algo {algo}) in {seconds:.2f} s")
-    return seconds
+        publish(False, f"rank(s) {failed} could not write their part ({errors[failed[0]]})")
+    else:
+        publish(True)
+    return time.perf_counter() - start
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -171,8 +171,10 @@ def _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fu
 
 def _teardown(args):
     from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
+    from megatron.training.dist_checkpoint import forget_async_queue
 
     destroy_num_microbatches_calculator()
+    forget_async_queue()
     destroy_rerun_state_machine()
     forget_progress_log()
     set_timers(None)

@@ -27,7 +27,8 @@ SCHEDULE = "--train-iters 10 --lr-decay-iters 10"
 WRAPPERS = {
     "ddp": "",
     "distopt_atomic": "--use-distributed-optimizer",  # saved with --non-persistent-local-ckpt-algo atomic
-    "mfsdp_z3": "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
+    # Local saves written in the background (--async-save), published at a later iteration or before the exit.
+    "mfsdp_z3_async": "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
     "fsdp2": "--use-torch-fsdp2",
     # The last stage's output-layer copy of the tied embedding (and its optimizer state) is in its own part.
     "tied_pp2": "TIED --use-distributed-optimizer --pipeline-model-parallel-size 2",
@@ -36,8 +37,10 @@ WRAPPERS = {
 
 def _local(directory, wrapper="ddp"):
     algorithm = "atomic" if wrapper.endswith("_atomic") else "fully_parallel"
+    background = " --async-save" if wrapper.endswith("_async") else ""
     return (f"--non-persistent-ckpt-type local --non-persistent-local-ckpt-dir {directory} "
-            f"--non-persistent-local-ckpt-algo {algorithm} --non-persistent-save-interval 2 --exit-interval 6")
+            f"--non-persistent-local-ckpt-algo {algorithm} --non-persistent-save-interval 2 --exit-interval 6"
+            f"{background}")
 
 
 def _run(workdir, extra_args):
@@ -95,13 +98,18 @@ def _from(losses, first, last=10):
 
 
 def test_resume_from_the_local_checkpoint_is_exact(runs):
-    _, _, results = runs
+    wrapper, _, results = runs
     straight = results["straight"]
     assert sorted(straight) == list(range(1, 11)) and len(set(straight.values())) == 10
     assert results["interrupted"] == _from(straight, 3, 6)  # resumed the persistent checkpoint of 2
     assert results["resumed"] == _from(straight, 7)  # resumed the local checkpoint of 6
     assert "loaded local checkpoint" in results["resumed_log"]
     assert "newer than the global checkpoint: of iteration 2" in results["resumed_log"]
+    written = "saved local checkpoint of iteration 10 to "
+    if wrapper.endswith("_async"):
+        assert written in results["resumed_log"] and "in the background" in results["resumed_log"]
+    else:
+        assert written in results["resumed_log"] and "in the background" not in results["resumed_log"]
 
 
 def test_only_the_latest_local_checkpoint_is_kept(runs):
@@ -161,6 +169,7 @@ def _save_step_perturb_load(root, flags):
     it and take the 3rd again: (RNG restored, consumed samples, 3rd step's parameters equal, loaded iteration)."""
     import random
 
+    from megatron.training.checkpointing import maybe_finalize_async_save
     from megatron.training.local_checkpoint import load_local_checkpoint, save_local_checkpoint
     from tests.unit_tests.dist_checkpointing.pretrain_helpers import TrainingState
 
@@ -175,7 +184,8 @@ def _save_step_perturb_load(root, flags):
             state.train_steps(1)
             return [param.detach().clone() for chunk in state.model for param in chunk.parameters()]
 
-        reference = third_step()
+        reference = third_step()  # with --async-save, while the part of 2 may still be written
+        maybe_finalize_async_save(state.args, blocking=True)
         state.train_steps(2)
         torch.manual_seed(9)
         random.seed(9)
@@ -190,39 +200,51 @@ def _save_step_perturb_load(root, flags):
 
 
 @pytest.mark.parametrize("flags", ["--non-persistent-local-ckpt-algo fully_parallel",
-                                   "--use-distributed-optimizer --non-persistent-local-ckpt-algo atomic"])
+                                   "--use-distributed-optimizer --non-persistent-local-ckpt-algo atomic",
+                                   "--use-megatron-fsdp --async-save"])
 def test_a_load_restores_model_optimizer_scheduler_rng_and_samples(tmp_path, flags):
     results = run_on_ranks(WORLD_SIZE, _save_step_perturb_load, str(tmp_path), flags)
     assert results == [(True, 16, True, 2)] * WORLD_SIZE
 
 
-def _save_failing_on_rank_1(root):
+def _save_failing_on_rank_1(root, flags):
     """A local save at 2, then one at 4 whose write fails on rank 1: (rank dir listings, what rank 0 printed)."""
     from unittest import mock
 
+    from megatron.training.checkpointing import maybe_finalize_async_save
     from megatron.training.local_checkpoint import save_local_checkpoint
     from tests.unit_tests.dist_checkpointing.pretrain_helpers import TrainingState
 
-    state = TrainingState(f"--non-persistent-ckpt-type local --non-persistent-local-ckpt-dir {root}")
+    state = TrainingState(f"{flags} --non-persistent-ckpt-type local --non-persistent-local-ckpt-dir {root}")
     try:
         state.train_steps(1)
         save_local_checkpoint(2, state.model, state.optimizer, state.scheduler, state.args)
+        maybe_finalize_async_save(state.args, blocking=True)
         failing = mock.patch.object(local_checkpoint_files, "write", side_effect=OSError("No space left on device"))
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed), (failing if torch.distributed.get_rank() == 1 else
                                                    contextlib.nullcontext()):
             save_local_checkpoint(4, state.model, state.optimizer, state.scheduler, state.args)
+            maybe_finalize_async_save(state.args, blocking=True)  # with --async-save: the write of 4 has ended
         torch.distributed.barrier()
         return _listing(root), printed.getvalue()
     finally:
         state.close()
 
 
-def test_a_save_failing_on_one_rank_keeps_the_previous_checkpoint(tmp_path):
-    listing, printed = run_on_ranks(WORLD_SIZE, _save_failing_on_rank_1, str(tmp_path))[0]
+@pytest.mark.parametrize("flags", ["", "--async-save"])
+def test_a_save_failing_on_one_rank_keeps_the_previous_checkpoint(tmp_path, flags):
+    results = run_on_ranks(WORLD_SIZE, _save_failing_on_rank_1, str(tmp_path), flags)
+    listing, printed = results[0]
     assert listing == {"rank_00000": ["iter_0000002"], "rank_00001": ["iter_0000002"]}
-    assert ("local checkpoint of iteration 4 was NOT saved: rank(s) [1] could not write their part (OSError: No "
-            "space left on device); the previous local checkpoint in" in printed)
+    kept = "; the previous local checkpoint in"
+    if not flags:
+        assert ("local checkpoint of iteration 4 was NOT saved: rank(s) [1] could not write their part (OSError: No "
+                "space left on device)" + kept in printed)
+        return
+    assert "local checkpoint of iteration 4 was NOT saved: a background write failed (see above)" + kept in printed
+    assert ("rank 1: background write of local checkpoint of iteration 4 to" in results[1][1]
+            and "failed: OSError: No space left on device" in results[1][1])
 
 
 @pytest.mark.parametrize("runs", ["ddp"], indirect=True)
