@@ -1,22 +1,25 @@
-"""Activation offloading (`--cpu-offloading --cpu-offloading-num-layers N`): the tensors that the chosen
-transformer layers save for their backward pass are moved to host memory during the forward pass and copied
-back when the backward pass unpacks them.
+"""Activation offloading (`--cpu-offloading --cpu-offloading-num-layers N`, and the chosen pieces of every layer
+with `--fine-grained-activation-offloading`, see `fine_grained`): the tensors that the chosen transformer layers
+save for their backward pass are moved to host memory during the forward pass and copied back when the backward
+pass unpacks them.
 
 `ActivationOffloader.hooks(label)` is a `torch.autograd.graph.saved_tensors_hooks` context: inside it, every
-saved tensor except parameters (weights stay where they are) is copied into a host buffer (pinned on CUDA,
-queued on a side stream after the work that produced it, so the device memory is released once the copy is
-done) and the device tensor is dropped; unpacking copies it back to its device on the same stream, and the
-compute stream waits for that copy. On the CPU the same path runs as plain copies. Strides are kept where the
-tensor is dense, so the backward kernels see the same layouts as without offload and the results are exact.
-`packed` / `unpacked` count tensors per label and `packed_bytes` their size, for tests and logs.
+saved tensor is copied into a host buffer (pinned on CUDA, queued on a side stream after the work that produced
+it, so the device memory is released once the copy is done) and the device tensor is dropped, except weights
+(parameters, views of parameters, and tensors marked with `keep_on_device`, such as the experts' stacked weights)
+and tensors of fewer than `min_offloaded_tensor_size` elements, which stay where they are. Unpacking copies a
+tensor back to its device on the same stream, and the compute stream waits for that copy. On the CPU the same
+path runs as plain copies. Strides are kept where the tensor is dense, so the backward kernels see the same
+layouts as without offload and the results are exact. `packed` / `unpacked` count tensors per label and
+`packed_bytes` their size, for tests and logs.
 
-Prefetch: labels are remembered in the order the forward pass first offloaded under them (the layers' order).
-When the backward pass unpacks the first tensor of a label, every tensor of that label is queued for the trip
-back and so is every tensor of the label offloaded just before it (the layer whose backward runs next), so that
-layer's copies run on the side stream while the current layer's backward computes; each unpack then only waits
-for its own copy. Only one layer ahead is reloaded, which bounds the extra device memory to one layer's
-activations. Tensors whose graph was freed without a backward (e.g. an evaluation with gradients enabled) are
-forgotten with it (weak references).
+Prefetch: labels are remembered in the order the forward pass first offloaded under them (the layers' order;
+with fine-grained offloading, that of the layers' pieces). When the backward pass unpacks the first tensor of a
+label, every tensor of that label is queued for the trip back and so is every tensor of the label offloaded just
+before it (the layer whose backward runs next), so that layer's copies run on the side stream while the current
+layer's backward computes; each unpack then only waits for its own copy. Only one label ahead is reloaded, which
+bounds the extra device memory to one layer's (or piece's) activations. Tensors whose graph was freed without
+a backward (e.g. an evaluation with gradients enabled) are forgotten with it (weak references).
 """
 
 import weakref
@@ -25,6 +28,21 @@ from collections import Counter
 import torch
 
 from megatron.core.offloading.host_transfers import CopyStream, pinning_available
+
+_KEEP_ON_DEVICE = "keep_on_device_when_saved"
+
+
+def keep_on_device(tensor):
+    """Mark `tensor` (a weight built in the forward pass, e.g. stacked expert weights) so that saving it for
+    backward never offloads it; returns it."""
+    setattr(tensor, _KEEP_ON_DEVICE, True)
+    return tensor
+
+
+def _is_weight(tensor) -> bool:
+    """A parameter, a view of one (`F.linear` saves `weight.t()`), or a tensor marked by `keep_on_device`."""
+    return (isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter)
+            or getattr(tensor, _KEEP_ON_DEVICE, False))
 
 
 class _OffloadedTensor:
@@ -63,11 +81,15 @@ def _empty_like_layout(tensor, device, pin_memory=False):
 class ActivationOffloader:
     """Saved-tensor hooks moving activations to host memory and back; one copy stream per compute device.
 
-    `copy_stream` builds the stream of a device (`CopyStream`'s signature); tests pass a recording stand-in."""
+    `copy_stream` builds the stream of a device (`CopyStream`'s signature); tests pass a recording stand-in.
+    Saved tensors of fewer than `min_offloaded_tensor_size` elements stay where they are (0: every non-empty one
+    goes; `--min-offloaded-tensor-size` for fine-grained offloading), as do weights."""
 
-    def __init__(self, overlap: bool = True, prefetch: bool = True, copy_stream=CopyStream):
+    def __init__(self, overlap: bool = True, prefetch: bool = True, copy_stream=CopyStream,
+                 min_offloaded_tensor_size: int = 0):
         self.overlap = overlap
         self.prefetch = prefetch
+        self.min_offloaded_tensor_size = min_offloaded_tensor_size
         self._copy_stream = copy_stream
         self._streams = {}
         self._label_order = []  # labels in the order the forward pass first offloaded under them
@@ -86,7 +108,7 @@ class ActivationOffloader:
                                                         lambda packed: self._unpack(label, packed))
 
     def _pack(self, label, tensor):
-        if isinstance(tensor, torch.nn.Parameter) or tensor.numel() == 0:
+        if tensor.numel() == 0 or tensor.numel() < self.min_offloaded_tensor_size or _is_weight(tensor):
             return tensor
         pin = pinning_available() and tensor.device.type == "cuda"
         host = _empty_like_layout(tensor, "cpu", pin_memory=pin)

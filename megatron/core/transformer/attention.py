@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.extensions.transformer_engine import fused_norm_linear_class, layer_classes
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
+from megatron.core.offloading.fine_grained import offloaded_saved_tensors
 from megatron.core.transformer.context_parallel import comm_type_of_layer, context_parallel_attention
 from megatron.core.transformer import layer_scaled_attention
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
@@ -144,7 +145,8 @@ class SelfAttention(Attention):
         if self.config.recompute_granularity == "selective":
             context = checkpointed(self.core_attention, query, key, value, attention_mask)
         else:
-            context = self.core_attention(query, key, value, attention_mask)
+            with offloaded_saved_tensors(self, "core_attn"):
+                context = self.core_attention(query, key, value, attention_mask)
 
         output, _ = self.linear_proj(context)
         return output

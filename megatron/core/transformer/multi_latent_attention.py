@@ -35,6 +35,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     apply_rotary_pos_emb_regrouped,
     yarn_get_mscale,
 )
+from megatron.core.offloading.fine_grained import offloaded_saved_tensors
 from megatron.core.tensor_parallel.duplicated_linear import DuplicatedLinear
 from megatron.core.transformer import layer_scaled_attention
 from megatron.core.transformer.attention import Attention
@@ -222,6 +223,7 @@ class MLASelfAttention(Attention):
         if config.recompute_granularity == "selective":
             context = checkpointed(self.core_attention, query, key, value, attention_mask)
         else:
-            context = self.core_attention(query, key, value, attention_mask)
+            with offloaded_saved_tensors(self, "core_attn"):
+                context = self.core_attention(query, key, value, attention_mask)
         output, _ = self.linear_proj(context)
         return output

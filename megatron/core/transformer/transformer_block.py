@@ -15,6 +15,8 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.fp8_utils import get_fp8_context
+from megatron.core.offloading.activations import ActivationOffloader
+from megatron.core.offloading.fine_grained import attach_fine_grained_offloading
 from megatron.core.transformer.init_seeds import resolve_base_init_seed
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.pipeline_split import split_of_config, stage_layer_range
@@ -77,7 +79,12 @@ class TransformerBlock(torch.nn.Module):
         )
         self.final_layernorm = build_norm(config, config.hidden_size) if post_process else None
         self.input_tensor: Optional[torch.Tensor] = None
-        self.activation_offloader = None  # built at the first forward with --cpu-offloading
+        self.activation_offloader = None  # --cpu-offloading builds it at the first forward
+        if config.fine_grained_activation_offloading:
+            # One offloader for the block: its labels (layer, piece) follow the forward order for the prefetch.
+            self.activation_offloader = ActivationOffloader(min_offloaded_tensor_size=config.min_offloaded_tensor_size)
+            for layer in self.layers:
+                attach_fine_grained_offloading(layer, self.activation_offloader, config.offload_modules)
 
     def set_input_tensor(self, input_tensor: Optional[torch.Tensor]):
         """The activation received from the previous pipeline stage (`[s, b, h]`), used instead of the argument."""
@@ -100,8 +107,6 @@ class TransformerBlock(torch.nn.Module):
                 and torch.is_grad_enabled()):
             return contextlib.nullcontext()
         if self.activation_offloader is None:
-            from megatron.core.offloading.activations import ActivationOffloader
-
             self.activation_offloader = ActivationOffloader()
         return self.activation_offloader.hooks(layer.layer_number)
 

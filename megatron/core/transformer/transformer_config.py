@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.offloading.fine_grained import EXPERT_MODULES, OFFLOADABLE_MODULES
 from megatron.core.transformer.init_methods import init_method_normal, scaled_init_method_normal
 from megatron.core.transformer.moe.moe_config import MoEConfigMixin
 from megatron.core.transformer.mla_config import MLAConfigMixin
@@ -144,6 +145,15 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelPar
     memory during forward, and back for their backward (`--cpu-offloading`, see megatron/core/offloading/)."""
     cpu_offloading_num_layers: int = 0
     """How many transformer layers offload their activations (`--cpu-offloading-num-layers`, < num_layers)."""
+    fine_grained_activation_offloading: bool = False
+    """Move what the `offload_modules` pieces of every layer save for backward to host memory during forward, and
+    back for their backward (`--fine-grained-activation-offloading`, see megatron/core/offloading/fine_grained.py)."""
+    offload_modules: tuple = ()
+    """The pieces of each layer that fine-grained offloading covers (`--offload-modules`): names of
+    `OFFLOADABLE_MODULES` (attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm, expert_fc1, moe_act)."""
+    min_offloaded_tensor_size: int = 1024 * 1024
+    """Saved tensors of fewer elements stay on the device under fine-grained offloading
+    (`--min-offloaded-tensor-size`)."""
 
     cross_entropy_loss_fusion: bool = False
     """The last stage computes the loss with the fused vocab-parallel cross entropy (`--cross-entropy-loss-fusion`,
@@ -181,6 +191,7 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelPar
         self._validate_regularisation_and_norm()
         self._validate_recompute()
         self._validate_cpu_offloading()
+        self._validate_fine_grained_offloading()
         self._validate_fp8()
         self._validate_context_parallel()
         self._validate_multi_latent_attention()
@@ -323,6 +334,41 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelPar
             raise ValueError("--cpu-offloading does not support --pipeline-model-parallel-size > 1")
         if self.recompute_granularity is not None:
             raise ValueError("--cpu-offloading does not work with --recompute-granularity; drop one of them")
+
+    def _validate_fine_grained_offloading(self):
+        modules = tuple(dict.fromkeys(self.offload_modules or ()))  # a tuple (frozen), each name once
+        self._set("offload_modules", modules)
+        if not self.fine_grained_activation_offloading:
+            if modules:
+                raise ValueError("--offload-modules needs --fine-grained-activation-offloading; pass it or drop "
+                                 "--offload-modules")
+            return
+        if not modules:
+            raise ValueError(f"--fine-grained-activation-offloading needs --offload-modules (one or more of "
+                             f"{' '.join(OFFLOADABLE_MODULES)})")
+        unknown = [name for name in modules if name not in OFFLOADABLE_MODULES]
+        if unknown:
+            raise ValueError(f"--offload-modules: unknown {' '.join(map(str, unknown))}; choose from "
+                             f"{' '.join(OFFLOADABLE_MODULES)}")
+        if self.min_offloaded_tensor_size < 0:
+            raise ValueError(f"--min-offloaded-tensor-size must be >= 0, got {self.min_offloaded_tensor_size}")
+        # The rules of --cpu-offloading: one of the two, no pipeline parallelism (the prefetch follows one
+        # forward and its backward), no recomputation (checkpointing saves only a region's inputs).
+        if self.cpu_offloading:
+            raise ValueError("--fine-grained-activation-offloading and --cpu-offloading both offload activations; "
+                             "use one of them")
+        if self.pipeline_model_parallel_size > 1:
+            raise ValueError("--fine-grained-activation-offloading does not support --pipeline-model-parallel-size > 1")
+        if self.recompute_granularity is not None:
+            raise ValueError("--fine-grained-activation-offloading does not work with --recompute-granularity; drop "
+                             "one of them")
+        experts = " ".join(name for name in modules if name in EXPERT_MODULES)
+        if experts and self.num_moe_experts is None:
+            raise ValueError(f"--offload-modules {experts} offloads the routed experts' activations: it needs "
+                             f"--num-experts (or drop {experts})")
+        if experts and self.moe_layer_recompute:
+            raise ValueError(f"--offload-modules {experts} does not work with --moe-layer-recompute (the MoE layer "
+                             f"then saves only its input); drop one of them")
 
     def _validate_recompute(self):
         if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:

@@ -1,6 +1,8 @@
 """Memory flags: the precision-aware optimizer's dtypes, optimizer CPU offload, parameter offload of the FSDP
 wrappers and activation offloading."""
 
+from megatron.core.offloading.fine_grained import OFFLOADABLE_MODULES
+
 DTYPE_CHOICES = {
     "main_params_dtype": ["fp32", "fp16"],
     "main_grads_dtype": ["fp32", "bf16"],
@@ -59,6 +61,21 @@ def add_arguments(parser):
     group.add_argument(
         "--cpu-offloading-num-layers", type=int, default=0,
         help="Transformer layers whose activations --cpu-offloading offloads (0 < N < --num-layers).",
+    )
+    group.add_argument(
+        "--fine-grained-activation-offloading",
+        action="store_true",
+        help="Move what the --offload-modules pieces of every transformer layer save for backward to (pinned) host "
+        "memory during forward and back for their backward.",
+    )
+    group.add_argument(
+        "--offload-modules", nargs="*", choices=OFFLOADABLE_MODULES, default=None,
+        help="Fine-grained activation offloading: the pieces of each layer whose saved tensors move to the host.",
+    )
+    group.add_argument(
+        "--min-offloaded-tensor-size", type=int, default=1024 * 1024,
+        help="Fine-grained activation offloading: saved tensors of fewer elements stay on the device "
+        "(default 1048576).",
     )
     group.add_argument(
         "--use-torch-optimizer-for-cpu-offload",
@@ -175,4 +192,7 @@ def ddp_config_kwargs(args):
 
 def transformer_config_kwargs(args):
     """The activation-offloading fields of TransformerConfig (it checks them against the model's shape)."""
-    return dict(cpu_offloading=args.cpu_offloading, cpu_offloading_num_layers=args.cpu_offloading_num_layers)
+    return dict(cpu_offloading=args.cpu_offloading, cpu_offloading_num_layers=args.cpu_offloading_num_layers,
+                fine_grained_activation_offloading=args.fine_grained_activation_offloading,
+                offload_modules=tuple(args.offload_modules or ()),
+                min_offloaded_tensor_size=args.min_offloaded_tensor_size)

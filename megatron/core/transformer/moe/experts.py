@@ -35,6 +35,8 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state
 from megatron.core.fp8.region import active_fp8_region
+from megatron.core.offloading.activations import keep_on_device
+from megatron.core.offloading.fine_grained import offloaded_saved_tensors
 from megatron.core.optional_deps import HAVE_TE
 from megatron.core.transformer.init_seeds import derive_init_seed
 from megatron.core.transformer.mlp import MLP
@@ -121,9 +123,13 @@ class SequentialMLP(torch.nn.Module):
     def _expert_forward(self, expert, tokens):
         # The linears' GEMM without their tensor-parallel communication (the dispatcher does it): in FP8 inside
         # an FP8 region, else the plain GEMM (with gradient-accumulation fusion where configured).
+        # `--offload-modules expert_fc1 / moe_act` offload what fc1 and the activation save.
         fc1, fc2 = expert.linear_fc1, expert.linear_fc2
-        intermediate = fc1._matmul(tokens, fc1.weight, fc1.bias)
-        partial = fc2._matmul(_activate(self.expert_config, intermediate), fc2.weight, None)
+        with offloaded_saved_tensors(self, "expert_fc1"):
+            intermediate = fc1._matmul(tokens, fc1.weight, fc1.bias)
+        with offloaded_saved_tensors(self, "moe_act"):
+            activated = _activate(self.expert_config, intermediate)
+        partial = fc2._matmul(activated, fc2.weight, None)
         return self._fc2_bias(partial, expert)
 
     def fp8_step_states_by_global_expert(self):
@@ -218,14 +224,17 @@ class GroupedMLP(SequentialMLP):
         config = self.expert_config
         offsets = torch.cumsum(counts, 0).to(device=tokens.device, dtype=torch.int32)
         experts = list(self.local_experts)
-        fc1 = torch.stack([expert.linear_fc1.weight.t() for expert in experts])
-        intermediate = _grouped_mm(tokens, fc1, offsets)
+        fc1 = keep_on_device(torch.stack([expert.linear_fc1.weight.t() for expert in experts]))
         expert_of_row = torch.repeat_interleave(torch.arange(len(experts), device=tokens.device),
                                                 counts.to(tokens.device))
-        if experts[0].linear_fc1.bias is not None:
-            intermediate = intermediate + torch.stack([e.linear_fc1.bias for e in experts])[expert_of_row]
+        with offloaded_saved_tensors(self, "expert_fc1"):  # the stacked weights stay (keep_on_device)
+            intermediate = _grouped_mm(tokens, fc1, offsets)
+            if experts[0].linear_fc1.bias is not None:
+                intermediate = intermediate + torch.stack([e.linear_fc1.bias for e in experts])[expert_of_row]
+        with offloaded_saved_tensors(self, "moe_act"):
+            activated = _activate(config, intermediate)
         fc2 = torch.stack([expert.linear_fc2.weight.t() for expert in experts])
-        partial = _grouped_mm(_activate(config, intermediate), fc2, offsets)
+        partial = _grouped_mm(activated, fc2, offsets)
         if experts[0].linear_fc2.bias is None:
             return partial
         biases = torch.stack([expert.linear_fc2.bias for expert in experts])
