@@ -1,6 +1,7 @@
 """Fine-grained activation offloading (`--fine-grained-activation-offloading --offload-modules ...`): the tensors
 that chosen pieces of every transformer layer save for their backward pass go to host memory during the forward
-pass and come back for the backward, through the block's `ActivationOffloader`.
+pass and come back for the backward, through the block's `ActivationOffloader` (a multi-token-prediction
+depth's layer through its own).
 
 The pieces, in the order a layer's forward pass runs them:
 - `attn_norm`: the input layernorm (`input_layernorm`);

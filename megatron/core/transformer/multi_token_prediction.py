@@ -32,6 +32,8 @@ import torch.distributed as dist
 
 from megatron.core import tensor_parallel
 from megatron.core.fp8_utils import get_fp8_context
+from megatron.core.offloading.activations import ActivationOffloader
+from megatron.core.offloading.fine_grained import attach_fine_grained_offloading
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -77,6 +79,10 @@ class MultiTokenPredictionLayer(torch.nn.Module):
             config, layer_number=config.num_layers, base_init_seed=derive_init_seed(base_init_seed, "mtp", depth)
         )
         self.final_layernorm = build_norm(config, hidden)
+        self.activation_offloader = None
+        if config.fine_grained_activation_offloading:  # the depth's layer offloads the pieces as the decoder's do
+            self.activation_offloader = ActivationOffloader(min_offloaded_tensor_size=config.min_offloaded_tensor_size)
+            attach_fine_grained_offloading(self.transformer_layer, self.activation_offloader, config.offload_modules)
 
     def forward(self, embeddings, hidden_states, attention_mask=None, rotary_pos_emb=None):
         """`embeddings` (of the tokens shifted by `depth`) and `hidden_states` (h^{depth-1}): `[s, b, h]`, or

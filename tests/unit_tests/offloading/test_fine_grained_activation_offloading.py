@@ -119,6 +119,46 @@ def test_small_tensors_stay_on_the_device():
     assert packed[1, "attn_norm"] == STEPS and packed_bytes[1, "attn_norm"] == STEPS * ACTIVATION_BYTES
 
 
+
+def _train_with_multi_token_prediction(modules):
+    """Two steps of a GPT with one MTP depth, on LM loss + MTP loss: (losses, gradients, the MTP layer's
+    (packed, unpacked, labels) or None)."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(1234)
+    offload = dict(fine_grained_activation_offloading=True, offload_modules=modules,
+                   min_offloaded_tensor_size=0) if modules else {}
+    config = TransformerConfig(num_layers=NUM_LAYERS, hidden_size=HIDDEN, num_attention_heads=4, hidden_dropout=0.0,
+                               attention_dropout=0.0, init_seed=1234, mtp_num_layers=1, **offload)
+    gpt = GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
+    losses, grads = [], []
+    for step in range(STEPS):
+        gpt.zero_grad()
+        batch = gpt_batch(step)
+        main, (depth,) = gpt(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+        loss = main.float().mean() + depth.float().mean()
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({name: param.grad.clone() for name, param in gpt.named_parameters()})
+    offloader = gpt.mtp.layers[0].activation_offloader
+    counts = None if offloader is None else (dict(offloader.packed), dict(offloader.unpacked),
+                                              list(offloader._label_order))
+    return losses, grads, counts
+
+
+def test_multi_token_prediction_layers_offload_their_pieces_too():
+    modules = ("attn_norm", "core_attn", "attn_proj")
+    (plain_losses, plain_grads, none), (losses, grads, counts) = (_train_with_multi_token_prediction(()),
+                                                                  _train_with_multi_token_prediction(modules))
+    assert none is None and losses == plain_losses  # exact
+    for plain_step, step in zip(plain_grads, grads):
+        assert all(torch.equal(plain_step[name], step[name]) for name in plain_step)
+    packed, unpacked, labels = counts
+    # The depth's layer (numbered as the decoder's last) has an offloader of its own.
+    assert labels == [(NUM_LAYERS, piece) for piece in modules]
+    assert all(count > 0 for count in packed.values()) and packed == unpacked
+
 def test_evaluation_offloads_nothing():
     gpt = _gpt("moe", OFFLOADABLE_MODULES)
     offloader = gpt.decoder.activation_offloader
