@@ -68,7 +68,10 @@ def _tracked_iteration(root):
 
 
 def checkpoint_to_load(args) -> Optional[CheckpointSource]:
-    """The checkpoint `--load` resumes: the newer of the persistent and the non-persistent one; None if neither."""
+    """The checkpoint `--load` resumes: the newer of the persistent and the non-persistent one; None if neither.
+    With `--ckpt-step N`: iteration N under `--load`, whatever the trackers say."""
+    if getattr(args, "ckpt_step", None) is not None:
+        return _chosen_step(args.load, args.ckpt_step)
     persistent = _tracked_iteration(args.load)
     non_persistent_root = non_persistent_load_dir(args)
     non_persistent = _tracked_iteration(non_persistent_root)
@@ -79,6 +82,31 @@ def checkpoint_to_load(args) -> Optional[CheckpointSource]:
     else:
         return None
     source = CheckpointSource(root, iteration, None, is_non_persistent)
+    return source._replace(format=detect_format(source.directory))
+
+
+def _chosen_step(root, iteration) -> CheckpointSource:
+    source = CheckpointSource(root, iteration, None, False)
+    format_name = detect_format(source.directory)
+    if format_name is None:
+        steps = sorted(int(name[len("iter_"):]) for name in (os.listdir(root) if os.path.isdir(root) else [])
+                       if name.startswith("iter_") and name[len("iter_"):].isdigit())
+        raise FileNotFoundError(f"--ckpt-step {iteration}: {source.directory} is not a checkpoint; the iterations "
+                                f"under --load {root} are {steps or 'none'}")
+    return source._replace(format=format_name)
+
+
+def pretrained_checkpoint(args) -> Optional[CheckpointSource]:
+    """`--pretrained-checkpoint DIR`'s latest checkpoint, for a run whose --load has none (None without the flag).
+    Raises when DIR holds none."""
+    root = getattr(args, "pretrained_checkpoint", None)
+    if root is None:
+        return None
+    iteration = _tracked_iteration(root)
+    if iteration is None:
+        raise FileNotFoundError(f"--pretrained-checkpoint {root}: no checkpoint there (no tracker file); and none "
+                                f"under --load {args.load}")
+    source = CheckpointSource(root, iteration, None, False)
     return source._replace(format=detect_format(source.directory))
 
 

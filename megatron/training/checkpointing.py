@@ -256,14 +256,14 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
     model_chunks = model if isinstance(model, (list, tuple)) else [model]
     from megatron.training import local_checkpoint
 
-    if local_checkpoint.enabled(args):
+    if local_checkpoint.enabled(args) and getattr(args, "ckpt_step", None) is None:  # --ckpt-step: that one
         global_source = checkpoint_sources.checkpoint_to_load(args)
         iteration = local_checkpoint.load_local_checkpoint(
             model_chunks, optimizer, opt_param_scheduler, args,
             None if global_source is None else global_source.iteration)
         if iteration is not None:
             return iteration
-    if args.load is None:
+    if args.load is None and getattr(args, "pretrained_checkpoint", None) is None:
         return 0
     source = _checkpoint_or_none(args)
     if source is None:
@@ -308,6 +308,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
         states = state["rng_state"]
         set_rng_state(states[ranks["data_rank"]] if ranks["data_rank"] < len(states) else states[0])
 
+    loaded_directory = os.path.join(root, iteration_dir_name(iteration))
     if args.finetune:
         iteration, args.consumed_train_samples = 0, 0
     else:
@@ -320,7 +321,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
         if fresh_fp8_histories:
             skipped.append(f"FP8 amax histories of {fresh_fp8_histories} layer(s) (not in the checkpoint): they "
                            "start empty")
-        print(f"loaded checkpoint {os.path.join(root, iteration_dir_name(iteration))} (--ckpt-format torch): "
+        print(f"loaded checkpoint {loaded_directory} (--ckpt-format torch): "
               f"{', '.join(loaded)}, resuming at iteration {iteration}"
               + (f"; not loaded: {', '.join(skipped)}" if skipped else ""), flush=True)
     return iteration
@@ -358,7 +359,15 @@ def _format_to_load(source, args):
 
 def _checkpoint_or_none(args):
     """The checkpoint --load resumes (see checkpoint_sources); None (after saying so) when there is none."""
-    source = checkpoint_sources.checkpoint_to_load(args)
+    source = checkpoint_sources.checkpoint_to_load(args) if args.load is not None else None
+    if source is None:
+        source = checkpoint_sources.pretrained_checkpoint(args)
+        if source is not None:  # as upstream: the pretrained weights, fine-tuned from iteration 0
+            args.finetune = True
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                print(f"no checkpoint under --load {args.load}: loading {source.directory} from "
+                      "--pretrained-checkpoint as --finetune does (weights only, iteration 0)", flush=True)
+            return source
     if source is not None:
         if source.non_persistent and (not dist.is_initialized() or dist.get_rank() == 0):
             print(f"resuming the non-persistent checkpoint {source.directory}: newer than the latest persistent "

@@ -1,5 +1,7 @@
 """Train / validation / test data iterators for `pretrain()`: sample counts, datasets, samplers, loaders."""
 
+import torch.distributed as dist
+
 from megatron.core import parallel_state
 from megatron.training.validation_sets import build_validation_sets, endless
 
@@ -47,7 +49,9 @@ def build_data_iterators(train_valid_test_dataset_provider, args):
 
     iteration = getattr(args, "iteration", 0)
     consumed_valid_samples = (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
-    train_loader = loader(train_dataset, args.consumed_train_samples)
+    train_loader = None
+    if _samples_left(train_dataset, args.consumed_train_samples, dataloader_type):
+        train_loader = loader(train_dataset, args.consumed_train_samples)
     test_loader = loader(test_dataset, 0)
     if getattr(args, "full_validation", False) or getattr(args, "multiple_validation_sets", False):
         valid = build_validation_sets(valid_dataset, loader, consumed_valid_samples, args)
@@ -59,6 +63,19 @@ def build_data_iterators(train_valid_test_dataset_provider, args):
         valid,
         iter(test_loader) if test_loader is not None else None,
     )
+
+
+def _samples_left(train_dataset, consumed_samples, dataloader_type):
+    """Whether training has samples left to read. The training split holds exactly the samples --train-iters (or
+    --train-samples) asks for, so a finished run launched again (a requeued job) has consumed them all: it gets no
+    training iterator, trains no iteration and goes on to the evaluation after the last one, as upstream."""
+    if train_dataset is None or dataloader_type == "cyclic" or consumed_samples < len(train_dataset) or \
+            len(train_dataset) == 0:
+        return True
+    if dist.get_rank() == 0:
+        print(f"all {len(train_dataset)} training samples were consumed before this launch: no training data is "
+              "read", flush=True)
+    return False
 
 
 def _external_iterators(iterators):

@@ -134,7 +134,8 @@ def _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fu
 
     args.consumed_train_samples = 0
     args.iteration = 0
-    if args.load is not None or getattr(args, "non_persistent_ckpt_type", None) == "local":  # local: --load or not
+    if args.load is not None or getattr(args, "non_persistent_ckpt_type", None) == "local" or \
+            getattr(args, "pretrained_checkpoint", None) is not None:  # local: with --load or without
         with timed(timers, "load-checkpoint", log_level=0, barrier=True):
             args.iteration = checkpointing.load_checkpoint(model, optimizer, scheduler, args)
         timers.log(["load-checkpoint"])

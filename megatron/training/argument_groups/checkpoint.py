@@ -36,6 +36,15 @@ def add_arguments(parser):
     )
     group.add_argument("--exit-on-missing-checkpoint", action="store_true", help="Fail if --load has none.")
     group.add_argument(
+        "--ckpt-step", type=int, default=None,
+        help="Load the checkpoint of this iteration under --load instead of the latest one the tracker names.",
+    )
+    group.add_argument(
+        "--pretrained-checkpoint", default=None,
+        help="Where --load holds no checkpoint (or is not given): load the latest checkpoint here as --finetune "
+        "does (weights only, iteration 0); once the run has saved under --load, relaunches resume from there.",
+    )
+    group.add_argument(
         "--async-save",
         action="store_true",
         help="Write torch_dist checkpoints in the background while training continues; a checkpoint is "
@@ -227,6 +236,9 @@ def validate(args):
     _validate_conversion(args)
     _validate_retention(args)
     _validate_non_persistent(args)
+    if args.ckpt_step is not None and (args.load is None or args.ckpt_step < 0):
+        raise ValueError(f"--ckpt-step {args.ckpt_step} names an iteration under --load: it needs --load DIR and an "
+                         "iteration >= 0")
     if args.save_interval is not None and args.save_interval <= 0:
         raise ValueError(f"--save-interval must be positive, got {args.save_interval}")
     if args.save_interval is not None and args.save is None:

@@ -5,6 +5,8 @@ One pool task trains once straight and resumes several ways from the checkpoints
 wrote; the tests below assert on its results (fp32 on CPU: resumed losses equal the straight run's exactly).
 """
 
+import contextlib
+import io
 import os
 
 import pytest
@@ -93,6 +95,29 @@ def _all_runs(workdir):
     results["resumed_with_checkpoint_args"] = run_pretrain(
         workdir, f"{SCHEDULE} --load {persistent_root} --use-checkpoint-args --hidden-size 64 --num-layers 2 "
                  "--ffn-hidden-size 48")
+    # 6. --ckpt-step: iteration 8 of the torch checkpoint although its tracker names 4; a step that is not there.
+    results["ckpt_step"] = run_pretrain(workdir, f"{SCHEDULE} --ckpt-format torch --load {torch_root} --ckpt-step 8")
+    try:
+        run_pretrain(workdir, f"{SCHEDULE} --ckpt-format torch --load {torch_root} --ckpt-step 6")
+        results["missing_step"] = None
+    except FileNotFoundError as error:
+        results["missing_step"] = str(error)
+    # 7. --finetune from the torch checkpoint of 8: the report names the directory loaded.
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        results["finetuned"] = run_pretrain(workdir, f"{SCHEDULE} --ckpt-format torch --load {torch_root} "
+                                                     "--ckpt-step 8 --finetune")
+    results["finetune_report"] = printed.getvalue()
+    # 8. --pretrained-checkpoint (the converted checkpoint of 4) where --load holds none: fine-tuned from it, saved
+    # under --load; the same command launched again finds the finished run under --load and trains nothing.
+    fresh, short = f"{workdir}/fresh", "--train-iters 4 --lr-decay-iters 4"
+    from_pretrained = f"{SCHEDULE} {short} --load {fresh} --save {fresh} --save-interval 2 " \
+                      f"--pretrained-checkpoint {converted_root}"
+    results["from_pretrained"] = run_pretrain(workdir, from_pretrained)
+    results["finetuned_from_converted"] = run_pretrain(workdir, f"{SCHEDULE} {short} --load {converted_root} "
+                                                                "--finetune")
+    results["relaunched"] = (run_pretrain(workdir, f"{from_pretrained} --eval-iters 1 --eval-interval 2"),
+                             _pretrain_returning_iteration(from_pretrained))
     return results
 
 
@@ -145,3 +170,25 @@ def test_retention_never_removes_the_latest_or_runs_before_the_tracker_names_it(
     assert prune_to_retain_interval(str(tmp_path), 6, 4) == [2]
     assert sorted(os.listdir(tmp_path)) == ["iter_0000004", "iter_0000006", "iter_0000008.tmp",
                                             "latest_checkpointed_iteration.txt"]
+
+
+def test_ckpt_step_loads_that_iteration_and_names_the_ones_there(runs, monkeypatch):
+    assert runs["ckpt_step"] == _second_part(runs["straight"], 9)
+    assert "--ckpt-step 6:" in runs["missing_step"] and "iter_0000006 is not a checkpoint" in runs["missing_step"]
+    assert "the iterations under --load" in runs["missing_step"] and "[4, 8, 10]" in runs["missing_step"]
+    from tests.unit_tests.training.test_arguments import validated
+
+    with pytest.raises(ValueError, match="--ckpt-step 4 names an iteration under --load: it needs --load DIR"):
+        validated("--ckpt-step 4", monkeypatch=monkeypatch)
+
+
+def test_finetune_reports_the_directory_it_loaded(runs):
+    assert sorted(runs["finetuned"]) == list(range(1, 11))  # iteration 0 again
+    assert "/torch/iter_0000008 (--ckpt-format torch): model, resuming at iteration 0" in runs["finetune_report"]
+
+
+def test_pretrained_checkpoint_fine_tunes_until_load_has_one(runs):
+    assert sorted(runs["from_pretrained"]) == [1, 2, 3, 4]
+    assert runs["from_pretrained"] == runs["finetuned_from_converted"]  # as --load <it> --finetune
+    # Launched again: --load has the finished run (iteration 4): nothing left to train, no crash, no fine-tuning.
+    assert runs["relaunched"] == ({}, 4)
