@@ -20,9 +20,8 @@ class _MegatronArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         if message.startswith("unrecognized arguments"):
-            message += (" (pretrain_gpt.py takes Megatron-LM's GPT training flags, listed by area in "
-                        "docs/training_flags.md; flags of other model families, such as BERT, T5, Mamba or Retro, "
-                        "are not part of this build)")
+            message += (" (not a flag of pretrain_gpt.py: check its spelling; the flags it takes, with "
+                        "Megatron-LM's names, are listed by area in docs/training_flags.md)")
         super().error(message)
 
 

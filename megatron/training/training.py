@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.num_microbatches_calculator import (
-    get_current_global_batch_size,
+    get_current_running_global_batch_size,
     get_num_microbatches,
     update_num_microbatches,
 )
@@ -121,6 +121,7 @@ def set_up_tokenizer_and_microbatches(args):
     init_num_microbatches_calculator(
         args.rank, args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
         rampup_batch_size=getattr(args, "rampup_batch_size", None),
+        decrease_batch_size_if_needed=getattr(args, "decrease_batch_size_if_needed", False),
     )
 
 
@@ -250,7 +251,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, co
         update_successful, grad_norm, num_zeros = optimizer.step()
     empty_unused_memory(args, level=2)
     if update_successful:
-        scheduler.step(increment=get_current_global_batch_size())
+        scheduler.step(increment=get_current_running_global_batch_size())
     loss = reduce_reported_loss(losses_reduced, args.device)
     return loss, update_successful, _as_float(grad_norm), _as_float(num_zeros)
 
@@ -303,7 +304,8 @@ def evaluate_validation_sets(forward_step_func, validation_sets, model, config, 
                              exit_duration=None, where=None):
     """Evaluate and log each validation set (validation_sets.py): one "validation loss" block per set."""
     for validation_set in validation_sets:
-        iterator, num_batches = validation_set.next_evaluation(args.eval_iters, get_current_global_batch_size())
+        iterator, num_batches = validation_set.next_evaluation(args.eval_iters,
+                                                               get_current_running_global_batch_size())
         losses = evaluate(forward_step_func, iterator, model, config, args, exit_duration, num_batches)
         logger.log_evaluation(iteration, losses, set_label=validation_set.label, where=where)
 
@@ -350,7 +352,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
                 skip_training_step(train_iterator, get_num_microbatches())
                 iteration += 1
                 args.iteration = iteration
-                args.consumed_train_samples += get_current_global_batch_size()
+                args.consumed_train_samples += get_current_running_global_batch_size()
                 profilers.after_step(iteration)
                 if dist.get_rank() == 0:
                     print(f"iteration {iteration} skipped (--iterations-to-skip): its global batch was dropped",
@@ -371,7 +373,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
             iteration_time_s = time.perf_counter() - start
             iteration += 1
             args.iteration = iteration
-            args.consumed_train_samples += get_current_global_batch_size()
+            args.consumed_train_samples += get_current_running_global_batch_size()
             manual_gc.after_iteration(iteration)
             profilers.after_step(iteration)
             logger.log_iteration(
@@ -388,7 +390,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
                     "nan": loss != loss,
                     "iteration_time_s": iteration_time_s,
                     "consumed_samples": args.consumed_train_samples,
-                    "global_batch_size": get_current_global_batch_size(),
+                    "global_batch_size": get_current_running_global_batch_size(),
                     "memory": memory_usage(model, optimizer, args.device),
                     "print_memory_on_this_rank": print_memory_on_this_rank,
                 }

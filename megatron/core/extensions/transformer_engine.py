@@ -148,6 +148,10 @@ def _accept_missing_extra_state(module, state_dict, prefix, local_metadata, stri
 # ---- the wrapped layers ---------------------------------------------------------------------------------------
 
 
+def _leave_uninitialized(weight):
+    """The init method of `perform_initialization=False`: the weight keeps what its allocation held."""
+
+
 def make_te_linear_classes(linear_base, layer_norm_linear_base):
     """The wrappers around TE's `Linear` and `LayerNormLinear` (`linear_base`, `layer_norm_linear_base`):
     (TEColumnParallelLinear, TERowParallelLinear, TELayerNormColumnParallelLinear).
@@ -169,7 +173,8 @@ def make_te_linear_classes(linear_base, layer_norm_linear_base):
             tp_group=tp_group,
             tp_size=config.tensor_model_parallel_size,
             get_rng_state_tracker=get_cuda_rng_tracker,
-            init_method=init_method,
+            # --no-initialization: TE allocates the weight and calls init_method on it; leave it as allocated.
+            init_method=init_method if config.perform_initialization else _leave_uninitialized,
             bias=bias,
             return_bias=skip_bias_add,
             params_dtype=config.params_dtype,

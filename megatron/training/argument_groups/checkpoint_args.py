@@ -1,7 +1,8 @@
 """`--use-checkpoint-args`: the model arguments of the `--load` checkpoint override the command line.
 
 This group validates first: the values it takes from the checkpoint are what every other group then checks
-and derives from (the default FFN size, the data-parallel size, ...).
+and derives from (the default FFN size, the data-parallel size, ...). Upstream's --load-main-params-from-ckpt
+stops here: what a load does with the fp32 main weights is decided by whether the optimizer state is loaded.
 """
 
 import os
@@ -24,9 +25,22 @@ def add_arguments(parser):
         help="With --use-checkpoint-args: also take the tensor-, pipeline- and expert-parallel layout (and the "
         "pipeline split) from the checkpoint.",
     )
+    group.add_argument(
+        "--load-main-params-from-ckpt",
+        action="store_true",
+        help="Upstream: with --no-load-optim, still take the fp32 main weights from the checkpoint. Not supported "
+        "here (a load with the optimizer state takes them from the checkpoint already): an error.",
+    )
 
 
 def validate(args):
+    if args.load_main_params_from_ckpt:
+        raise ValueError(
+            "--load-main-params-from-ckpt is not supported. Here a --load that restores the optimizer state (the "
+            "default) already takes the fp32 main weights from the checkpoint (its optimizer.state.<name>.fp32_param "
+            "entries, saved when the model's weights are bf16/fp16); with --no-load-optim or --finetune the main "
+            "weights are rebuilt from the loaded model weights. Drop the flag, and drop --no-load-optim if you need "
+            "the saved fp32 main weights")
     if args.use_mp_args_from_checkpoint_args and not args.use_checkpoint_args:
         raise ValueError("--use-mp-args-from-checkpoint-args needs --use-checkpoint-args")
     if not args.use_checkpoint_args:

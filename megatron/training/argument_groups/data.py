@@ -44,6 +44,10 @@ def add_arguments(parser):
     group.add_argument("--merge-file", default=None)
     group.add_argument("--tokenizer-model", default=None,
                        help="Tokenizer file or name (HuggingFaceTokenizer), or the .json vocabulary (TikTokenizer).")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="HuggingFaceTokenizer: a --tokenizer-model directory without tokenizer.json loads with "
+                       "transformers.AutoTokenizer.from_pretrained(..., trust_remote_code=True), which may run the "
+                       "directory's Python code. A tokenizer.json is read without running any code either way.")
     group.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"],
                        help="TikTokenizer pre-tokenizer: v1 splits numbers into digits, v2 into groups of three.")
     group.add_argument("--tiktoken-num-special-tokens", type=int, default=None,
@@ -193,6 +197,10 @@ def validate(args):
     elif (args.tiktoken_pattern, args.tiktoken_special_tokens, args.tiktoken_num_special_tokens) != (None,) * 3:
         raise ValueError("--tiktoken-pattern / --tiktoken-special-tokens / --tiktoken-num-special-tokens need "
                          "--tokenizer-type TikTokenizer")
+    if args.trust_remote_code and args.tokenizer_type != "HuggingFaceTokenizer":
+        raise ValueError(f"--trust-remote-code applies to --tokenizer-type HuggingFaceTokenizer (loading a "
+                         f"--tokenizer-model directory); --tokenizer-type {args.tokenizer_type} runs no tokenizer "
+                         "code: drop the flag")
     if args.tokenizer_type == "GPT2BPETokenizer" and (args.vocab_file is None or args.merge_file is None):
         raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
     if args.num_workers < 0:

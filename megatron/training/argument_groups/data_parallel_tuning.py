@@ -3,7 +3,8 @@ gradient buckets by count (--ddp-num-buckets), Megatron-FSDP's communication uni
 (--suggested-communication-unit-size), non-strict fsdp_dtensor loads (--disable-strict-fsdp-dtensor-load) and
 the reshardable optimizer checkpoint (--dist-ckpt-optim-fully-reshardable). The two Megatron-FSDP switches
 this build does not implement (--create-all-gather-group, --megatron-fsdp-enable-fine-grained-param-gather)
-stop at validation with what to do instead."""
+and the distributed optimizer's --overlap-param-gather-with-optimizer-step stop at validation with what to do
+instead."""
 
 LOGICAL_FORMATS = ("torch_dist", "torch_dcp", "fsdp_dtensor")
 DEFAULT_STRICTNESS = "assume_ok_unexpected"
@@ -23,6 +24,10 @@ def add_arguments(parser):
                        "here (all-gathers already run on their own stream): an error.")
     group.add_argument("--megatron-fsdp-enable-fine-grained-param-gather", action="store_true",
                        help="Upstream Megatron-FSDP's fine-grained parameter gather. Not implemented here: an error.")
+    group.add_argument("--overlap-param-gather-with-optimizer-step", action="store_true",
+                       help="Upstream: start the first model chunk's parameter all-gather inside the optimizer step "
+                       "(distributed optimizer, --overlap-param-gather, interleaved pipeline). Not implemented here "
+                       "(--overlap-param-gather already overlaps it with the next forward): an error.")
     group.add_argument("--disable-strict-fsdp-dtensor-load", action="store_true",
                        help="--ckpt-format fsdp_dtensor loads tolerate keys missing from the checkpoint (those "
                        "tensors keep their values) and unexpected ones, both listed: --dist-ckpt-strictness log_all.")
@@ -57,6 +62,8 @@ def validate(args):
     if args.megatron_fsdp_enable_fine_grained_param_gather:
         raise ValueError("--megatron-fsdp-enable-fine-grained-param-gather is not implemented: Megatron-FSDP here "
                          "gathers the parameters of one transformer-layer unit at a time; drop the flag")
+    if args.overlap_param_gather_with_optimizer_step:
+        _refuse_overlap_param_gather_with_optimizer_step(args)
     if args.disable_strict_fsdp_dtensor_load:
         if args.ckpt_format != "fsdp_dtensor":
             raise ValueError("--disable-strict-fsdp-dtensor-load needs --ckpt-format fsdp_dtensor; for other "
@@ -70,6 +77,21 @@ def validate(args):
         raise ValueError(f"--dist-ckpt-optim-fully-reshardable needs --ckpt-format torch_dist (or "
                          f"{', '.join(LOGICAL_FORMATS[1:])}); --ckpt-format {args.ckpt_format} saves each rank's "
                          "optimizer state as it is")
+
+
+def _refuse_overlap_param_gather_with_optimizer_step(args):
+    """Upstream's rules first, so a launch script learns everything it got wrong; then the refusal."""
+    flag = "--overlap-param-gather-with-optimizer-step"
+    if not args.use_distributed_optimizer:
+        raise ValueError(f"{flag} needs --use-distributed-optimizer")
+    if not args.overlap_param_gather:
+        raise ValueError(f"{flag} needs --overlap-param-gather")
+    if args.virtual_pipeline_model_parallel_size is None:
+        raise ValueError(f"{flag} needs the interleaved pipeline (--num-layers-per-virtual-pipeline-stage or "
+                         "--num-virtual-stages-per-pipeline-rank)")
+    raise ValueError(f"{flag} is not implemented: under --overlap-param-gather the updated parameters' all-gather "
+                     "already overlaps the next forward (each bucket is waited for just before its first use); "
+                     "drop the flag")
 
 
 def bucket_size_for(args, model_chunks):

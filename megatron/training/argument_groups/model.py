@@ -140,6 +140,10 @@ def _add_layer_variant_arguments(group):
                        help="Allocate and initialise the weights in host memory, then move the model to its device. "
                        "Initial values are drawn on the host in every case, so they are the same either way; this "
                        "only moves where the parameters are first allocated.")
+    group.add_argument("--no-initialization", action="store_false", dest="perform_initialization",
+                       help="Allocate the weights without drawing their random initial values (biases and norms are "
+                       "still set), to start faster when a checkpoint (--load, --pretrained-checkpoint) overwrites "
+                       "them right after; without one the weights hold whatever the memory held.")
     group.add_argument("--embedding-init-method-std", type=float, default=None,
                        help="Std of the zero-mean normal init of the embedding weights (word and learned position "
                        "embeddings; with tied weights also the output layer, which is the word embedding); setting "
@@ -165,6 +169,7 @@ def transformer_config_kwargs(args):
         apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
         fp32_residual_connection=args.fp32_residual_connection,
         use_cpu_initialization=args.use_cpu_initialization,
+        perform_initialization=args.perform_initialization,
         embedding_init_method_std=args.embedding_init_method_std,
     )
 

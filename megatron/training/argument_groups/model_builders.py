@@ -1,6 +1,6 @@
 """Upstream flags that pick another way of building the model than this build's Megatron-Core GPT: the legacy
-models, layer specs, hybrid (Mamba) models, heterogeneous layers, YAML configurations, and Transformer Engine
-export. They parse, so an upstream launch script reaches validation, and each stops there with what to do."""
+models, layer specs, hybrid (Mamba) models, heterogeneous layers, an encoder-decoder's decoder depth, YAML
+configurations, and Transformer Engine export. They parse, so an upstream launch script reaches validation, and each stops there with what to do."""
 
 MEGATRON_CORE_GPT_ONLY = "this build has only the Megatron-Core GPT model, built from the command-line flags"
 
@@ -20,6 +20,9 @@ def add_arguments(parser):
                        help="Upstream: per-layer shapes from a JSON file. Not supported here: an error.")
     group.add_argument("--heterogeneous-layers-config-encoded-json", default=None,
                        help="Upstream: per-layer shapes as a JSON string. Not supported here: an error.")
+    group.add_argument("--decoder-num-layers", type=int, default=None,
+                       help="Upstream: the decoder's layers of an encoder-decoder (T5) model. GPT is decoder-only "
+                       "and takes its depth from --num-layers: an error.")
     group.add_argument("--yaml-cfg", default=None,
                        help="Upstream: all arguments from a YAML file. Not supported here (pass the flags): an "
                        "error.")
@@ -44,6 +47,9 @@ def validate(args):
         ("--heterogeneous-layers-config-encoded-json", args.heterogeneous_layers_config_encoded_json is not None,
          "every layer here has the shape the flags give (no per-layer configurations): drop "
          "--heterogeneous-layers-config-encoded-json"),
+        ("--decoder-num-layers", args.decoder_num_layers is not None,
+         "it sets the decoder depth of an encoder-decoder (T5) model; GPT is decoder-only: give its layers with "
+         "--num-layers and drop --decoder-num-layers"),
         ("--yaml-cfg", args.yaml_cfg is not None,
          "arguments are read from the command line only: pass the YAML file's settings as flags and drop --yaml-cfg"),
         ("--export-te", args.export_te,

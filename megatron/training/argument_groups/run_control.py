@@ -1,5 +1,6 @@
 """Run-control flags: wall-clock limit, allocator cache release, logging level, weight-hash checks across
-data-parallel replicas, evaluation without training, skipped iterations (see megatron/training/run_control.py)."""
+data-parallel replicas, evaluation without training, skipped iterations (see megatron/training/run_control.py);
+upstream's --test-mode stops at validation."""
 
 
 def add_arguments(parser):
@@ -21,9 +22,16 @@ def add_arguments(parser):
                        help="Steps whose global batch is read and dropped: no forward, backward or optimizer step, no "
                        "log line; consumed samples still advance. Counted as upstream counts them, in completed "
                        "iterations: 3 drops the 4th global batch (the step the log would number 4).")
+    group.add_argument("--test-mode", action="store_true",
+                       help="Upstream: run its real-time tests alongside training. This build's checks are the "
+                       "pytest suites under tests/: an error.")
 
 
 def validate(args):
+    if args.test_mode:
+        raise ValueError("--test-mode is not supported: training here runs no tests alongside it. Drop the flag; "
+                         "run the unit tests (pytest tests/unit_tests) or the golden-value functional tests "
+                         "(tests/functional_tests) instead")
     if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
         raise ValueError(f"--exit-duration-in-mins must be positive, got {args.exit_duration_in_mins}")
     if args.logging_level is not None and args.logging_level < 0:

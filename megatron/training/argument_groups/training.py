@@ -6,7 +6,7 @@ samples (--train-samples, --lr-*-samples), never a mix, as upstream.
 
 import dataclasses
 
-from megatron.core.num_microbatches_calculator import rampup_train_iters
+from megatron.core.num_microbatches_calculator import rampup_train_iters, running_global_batch_size
 
 
 def add_arguments(parser):
@@ -27,6 +27,11 @@ def add_arguments(parser):
                        help="<start global batch size> <increment> <ramp-up samples>: grow the global batch from the "
                        "start by the increment in equal sample steps until the ramp-up samples are consumed, then "
                        "keep --global-batch-size (sample-based training only).")
+    group.add_argument("--decrease-batch-size-if-needed", action="store_true",
+                       help="A global batch size (--global-batch-size, or a step of --rampup-batch-size) that is not "
+                       "a multiple of --micro-batch-size x data-parallel size runs as the largest multiple below it "
+                       "instead of being an error, e.g. to keep training on fewer data-parallel ranks; relaunching "
+                       "with a data-parallel size that divides it restores the full size.")
     group.add_argument("--exit-interval", type=int, default=None, help="Exit after an iteration divisible by this.")
     group.add_argument(
         "--exit-signal-handler",
@@ -128,7 +133,9 @@ def validate(args):
     samples_per_pass = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = samples_per_pass
-    if args.global_batch_size <= 0 or args.global_batch_size % samples_per_pass != 0:
+    if args.decrease_batch_size_if_needed and args.global_batch_size > 0:
+        _decrease_global_batch_size(args, samples_per_pass)
+    elif args.global_batch_size <= 0 or args.global_batch_size % samples_per_pass != 0:
         raise ValueError(
             f"--global-batch-size ({args.global_batch_size}) must be a positive multiple of --micro-batch-size "
             f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size}) = {samples_per_pass}"
@@ -175,6 +182,19 @@ def validate(args):
     if args.recompute_num_layers is not None and args.recompute_method is None:
         raise ValueError("--recompute-num-layers needs --recompute-method")
     args.params_dtype_name = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
+
+
+def _decrease_global_batch_size(args, samples_per_pass):
+    """--decrease-batch-size-if-needed. A ramp keeps its sizes (the calculator decreases each step); a constant
+    global batch becomes its running size here, so the iteration count and the schedule count what steps run."""
+    running = running_global_batch_size(args.global_batch_size, samples_per_pass, "--global-batch-size")
+    if args.rampup_batch_size is not None or running == args.global_batch_size:
+        return
+    if args.rank == 0:
+        print(f"--decrease-batch-size-if-needed: --global-batch-size {args.global_batch_size} is not a multiple of "
+              f"--micro-batch-size x data-parallel size ({samples_per_pass}); running {running} samples per step",
+              flush=True)
+    args.global_batch_size = running
 
 
 def _validate_weight_decay_schedule(args):
@@ -230,7 +250,8 @@ def _validate_training_length(args):
     else:
         args.rampup_batch_size = _rampup_values(args.rampup_batch_size)
         args.train_iters = rampup_train_iters(args.train_samples, args.global_batch_size, args.micro_batch_size,
-                                              args.data_parallel_size, args.rampup_batch_size)
+                                              args.data_parallel_size, args.rampup_batch_size,
+                                              args.decrease_batch_size_if_needed)
     if args.train_iters == 0:
         raise ValueError(f"--train-samples ({args.train_samples}) is less than one --global-batch-size "
                          f"({args.global_batch_size})")

@@ -1,6 +1,10 @@
-"""`HuggingFaceTokenizer`: any `tokenizer.json` loadable by the `tokenizers` package (e.g. a locally trained BPE)."""
+"""`HuggingFaceTokenizer`: any `tokenizer.json` loadable by the `tokenizers` package (e.g. a locally trained BPE),
+or a Hugging Face tokenizer directory without one (a slow tokenizer, or one whose class is code in the directory),
+loaded with `transformers.AutoTokenizer.from_pretrained` (`--trust-remote-code` lets that run the directory's code).
+"""
 
 import os
+import types
 
 from megatron.training.tokenizer.abstract_tokenizer import MegatronTokenizer
 
@@ -69,10 +73,51 @@ class TokenizersBackedTokenizer(MegatronTokenizer):
         return self._pad
 
 
-class HuggingFaceTokenizer(TokenizersBackedTokenizer):
-    """Loads `--tokenizer-model path/tokenizer.json` (or a directory holding it) with the `tokenizers` package."""
+class PreTrainedTokenizerBackend:
+    """The `tokenizers.Tokenizer` calls `TokenizersBackedTokenizer` makes, answered by a `transformers` tokenizer."""
 
-    def __init__(self, tokenizer_model, eod_token=None, pad_token=None):
+    def __init__(self, pretrained):
+        self.pretrained = pretrained
+
+    def encode(self, text, add_special_tokens=False):
+        return types.SimpleNamespace(ids=list(self.pretrained.encode(text, add_special_tokens=add_special_tokens)))
+
+    def decode(self, token_ids, skip_special_tokens=False):
+        return self.pretrained.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def get_vocab_size(self, with_added_tokens=True):
+        return len(self.pretrained)
+
+    def token_to_id(self, token):
+        token_id = self.pretrained.convert_tokens_to_ids(token)
+        unknown = token_id is None or (token_id == self.pretrained.unk_token_id and token != self.pretrained.unk_token)
+        return None if unknown else token_id
+
+
+def load_pretrained_tokenizer(directory, trust_remote_code=False):
+    """`transformers.AutoTokenizer.from_pretrained(directory, trust_remote_code=...)`, for a tokenizer directory
+    that has no tokenizer.json."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as error:
+        raise ImportError(f"--tokenizer-model {directory!r} holds no tokenizer.json; loading it needs the "
+                          "`transformers` package: pip install transformers") from error
+    return AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
+
+
+class HuggingFaceTokenizer(TokenizersBackedTokenizer):
+    """Loads `--tokenizer-model path/tokenizer.json` (or a directory holding it) with the `tokenizers` package; a
+    directory without tokenizer.json with `transformers.AutoTokenizer`, which runs the directory's tokenizer code
+    only under `trust_remote_code` (`--trust-remote-code`)."""
+
+    def __init__(self, tokenizer_model, eod_token=None, pad_token=None, trust_remote_code=False):
+        if tokenizer_model is not None and os.path.isdir(tokenizer_model) and not os.path.isfile(
+                os.path.join(tokenizer_model, "tokenizer.json")):
+            self.tokenizer_path = tokenizer_model
+            pretrained = load_pretrained_tokenizer(tokenizer_model, trust_remote_code)
+            super().__init__(PreTrainedTokenizerBackend(pretrained), eod_token or pretrained.eos_token,
+                             pad_token or pretrained.pad_token)
+            return
         tokenizers = _import_tokenizers()
         self.tokenizer_path = resolve_tokenizer_json(tokenizer_model)
         super().__init__(tokenizers.Tokenizer.from_file(self.tokenizer_path), eod_token, pad_token)

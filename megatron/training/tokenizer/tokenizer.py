@@ -11,7 +11,7 @@ TOKENIZER_TYPES = ("NullTokenizer", "ByteLevelTokenizer", "HuggingFaceTokenizer"
 
 def build_tokenizer(tokenizer_type, vocab_size=None, vocab_file=None, merge_file=None, tokenizer_model=None,
                     tiktoken_pattern=None, tiktoken_num_special_tokens=DEFAULT_NUM_SPECIAL_TOKENS,
-                    tiktoken_special_tokens=None):
+                    tiktoken_special_tokens=None, trust_remote_code=False):
     """The tokenizer named by `--tokenizer-type`, built from the file/size flags that type needs."""
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
@@ -20,7 +20,7 @@ def build_tokenizer(tokenizer_type, vocab_size=None, vocab_file=None, merge_file
     if tokenizer_type == "ByteLevelTokenizer":
         return ByteLevelTokenizer()
     if tokenizer_type == "HuggingFaceTokenizer":
-        return HuggingFaceTokenizer(tokenizer_model)
+        return HuggingFaceTokenizer(tokenizer_model, trust_remote_code=trust_remote_code)
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "TikTokenizer":
@@ -32,7 +32,8 @@ def build_tokenizer(tokenizer_type, vocab_size=None, vocab_file=None, merge_file
 
 
 def build_tokenizer_from_args(args):
-    """`build_tokenizer` reading `tokenizer_type`, `vocab_size`, `vocab_file`, `merge_file`, `tokenizer_model`."""
+    """`build_tokenizer` reading `tokenizer_type`, `vocab_size`, `vocab_file`, `merge_file`, `tokenizer_model`,
+    the tiktoken settings and `trust_remote_code`."""
     return build_tokenizer(
         args.tokenizer_type,
         vocab_size=getattr(args, "vocab_size", None),
@@ -42,6 +43,7 @@ def build_tokenizer_from_args(args):
         tiktoken_pattern=getattr(args, "tiktoken_pattern", None),
         tiktoken_num_special_tokens=getattr(args, "tiktoken_num_special_tokens", None) or DEFAULT_NUM_SPECIAL_TOKENS,
         tiktoken_special_tokens=getattr(args, "tiktoken_special_tokens", None),
+        trust_remote_code=getattr(args, "trust_remote_code", False),
     )
 
 
