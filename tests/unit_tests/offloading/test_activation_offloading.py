@@ -28,17 +28,12 @@ def _gpt(cpu_offloading):
 
 def _losses_and_grads():
     from tests.unit_tests.distributed.precision_gpt import gpt_batch, gpt_loss
+    from tests.unit_tests.offloading.training_steps import losses_and_gradients
 
     results = {}
     for cpu_offloading in (False, True):
         model = _gpt(cpu_offloading)
-        losses, grads = [], []
-        for step in range(2):
-            model.zero_grad()
-            loss = gpt_loss(model, gpt_batch(step))
-            loss.backward()
-            losses.append(loss.item())
-            grads.append({name: param.grad.clone() for name, param in model.named_parameters()})
+        losses, grads = losses_and_gradients(model, 2, lambda model, step: gpt_loss(model, gpt_batch(step)))
         offloader = model.decoder.activation_offloader
         counts = None if offloader is None else (dict(offloader.packed), dict(offloader.unpacked),
                                                   dict(offloader.packed_bytes))

@@ -13,6 +13,7 @@ from megatron.core.offloading.fine_grained import OFFLOADABLE_MODULES
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.distributed.precision_gpt import HIDDEN, MICRO_BATCH, SEQ, VOCAB, gpt_batch, gpt_loss
 from tests.unit_tests.multiprocess_harness import run_on_ranks
+from tests.unit_tests.offloading.training_steps import losses_and_gradients
 
 NUM_LAYERS, STEPS = 2, 2
 DENSE_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm")
@@ -45,13 +46,7 @@ def _train(model, modules=(), min_size=0):
     """(losses, gradients, (packed, unpacked, packed bytes) per label and the labels in their first forward's
     order) of two steps; no counters without offload."""
     gpt = _gpt(model, modules, min_size)
-    losses, grads = [], []
-    for step in range(STEPS):
-        gpt.zero_grad()
-        loss = gpt_loss(gpt, gpt_batch(step))
-        loss.backward()
-        losses.append(loss.item())
-        grads.append({name: param.grad.clone() for name, param in gpt.named_parameters()})
+    losses, grads = losses_and_gradients(gpt, STEPS, lambda gpt, step: gpt_loss(gpt, gpt_batch(step)))
     offloader = gpt.decoder.activation_offloader
     counts = None if offloader is None else (dict(offloader.packed), dict(offloader.unpacked),
                                               dict(offloader.packed_bytes), list(offloader._label_order))
@@ -132,15 +127,13 @@ def _train_with_multi_token_prediction(modules):
     config = TransformerConfig(num_layers=NUM_LAYERS, hidden_size=HIDDEN, num_attention_heads=4, hidden_dropout=0.0,
                                attention_dropout=0.0, init_seed=1234, mtp_num_layers=1, **offload)
     gpt = GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
-    losses, grads = [], []
-    for step in range(STEPS):
-        gpt.zero_grad()
+
+    def lm_and_mtp_loss(gpt, step):
         batch = gpt_batch(step)
         main, (depth,) = gpt(batch["tokens"], batch["position_ids"], labels=batch["labels"])
-        loss = main.float().mean() + depth.float().mean()
-        loss.backward()
-        losses.append(loss.item())
-        grads.append({name: param.grad.clone() for name, param in gpt.named_parameters()})
+        return main.float().mean() + depth.float().mean()
+
+    losses, grads = losses_and_gradients(gpt, STEPS, lm_and_mtp_loss)
     offloader = gpt.mtp.layers[0].activation_offloader
     counts = None if offloader is None else (dict(offloader.packed), dict(offloader.unpacked),
                                               list(offloader._label_order))

@@ -185,7 +185,13 @@ def test_rampup_rules(extra, message):
     assert message in str(error.value)
 
 
-def _pretrain_with_rampup(workdir):
+RAMPUP = ("--global-batch-size 16 --rampup-batch-size 4 4 24 --train-samples 76 --lr-decay-style linear "
+          "--lr-warmup-samples 8 --min-lr 1e-4")
+# A ramp whose steps (6, 12, 18, 24) do not split into microbatch steps of 4 samples.
+DECREASED_RAMPUP = "--global-batch-size 24 --rampup-batch-size 6 6 36 --decrease-batch-size-if-needed --train-samples 100"
+
+
+def _pretrain_with_rampup(workdir, schedule):
     import json
 
     import pretrain_gpt
@@ -199,8 +205,7 @@ def _pretrain_with_rampup(workdir):
         return pretrain_gpt.forward_step(data_iterator, model)
 
     argv = ("--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --micro-batch-size 2 "
-            "--global-batch-size 16 --rampup-batch-size 4 4 24 --train-samples 76 --lr 1e-3 --min-lr 1e-4 "
-            "--lr-decay-style linear --lr-warmup-samples 8 --mock-data --vocab-size 127 "
+            f"{schedule} --lr 1e-3 --mock-data --vocab-size 127 "
             "--make-vocab-size-divisible-by 64 --hidden-dropout 0 --attention-dropout 0 --num-workers 0 "
             f"--log-interval 1 --eval-iters 0 --metrics-file {workdir}/metrics.jsonl").split()
     iteration = pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
@@ -214,7 +219,7 @@ def _pretrain_with_rampup(workdir):
 def test_rampup_batch_size_in_training(tmp_path):
     from tests.unit_tests.multiprocess_harness import run_on_ranks
 
-    results = run_on_ranks(2, _pretrain_with_rampup, str(tmp_path))
+    results = run_on_ranks(2, _pretrain_with_rampup, str(tmp_path), RAMPUP)
     # 4 samples per microbatch step (mbs 2 x DP 2); 16 = 4 + 3 x 4 over 24 samples (one increment per 8):
     # batches 4, 4, 8, 12 while at most 24 samples are consumed, then (76 - 28) // 16 = 3 batches of 16.
     consumed = [4, 8, 16, 28, 44, 60, 76]
@@ -224,3 +229,15 @@ def test_rampup_batch_size_in_training(tmp_path):
     for samples, lr in logged:  # the schedule counts samples: warm-up 8, linear decay to 76 (--train-samples)
         expected = 1e-3 * samples / 8 if samples <= 8 else 1e-4 + (1 - (samples - 8) / (76 - 8)) * (1e-3 - 1e-4)
         assert lr == pytest.approx(expected, rel=1e-12), samples
+
+
+def test_decreased_rampup_in_training(tmp_path):
+    """--decrease-batch-size-if-needed: each ramp step runs (and counts) the largest multiple of 4 below it."""
+    from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+    results = run_on_ranks(2, _pretrain_with_rampup, str(tmp_path), DECREASED_RAMPUP)
+    # 4 samples per microbatch step (mbs 2 x DP 2); ramp 6, 12, 18, 24 (one increment per 12 samples) runs as
+    # 4, 4, 4, 12, 16 while at most 36 samples are consumed, then (100 - 40) // 24 = 2 batches of 24.
+    runs = [4, 4, 4, 12, 16, 24, 24]
+    assert [result[:2] for result in results] == [(7, sum(runs) // 4)] * 2
+    assert [samples for samples, _ in results[1][2]] == [sum(runs[: i + 1]) for i in range(len(runs))]
