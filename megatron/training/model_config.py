@@ -47,6 +47,7 @@ def core_transformer_config_from_args(args, config_class=None):
         **communication_config_kwargs(args),
         add_bias_linear=args.add_bias_linear,
         recompute_granularity=args.recompute_granularity,
+        distribute_saved_activations=args.distribute_saved_activations,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         tensor_model_parallel_size=args.tensor_model_parallel_size,

@@ -20,7 +20,8 @@ from megatron.core.offloading.fine_grained import attach_fine_grained_offloading
 from megatron.core.transformer.init_seeds import resolve_base_init_seed
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.pipeline_split import split_of_config, stage_layer_range
-from megatron.core.transformer.recompute import checkpointed
+from megatron.core.transformer.recompute import checkpointed as plain_checkpointed
+from megatron.core.transformer.recompute import distributed_checkpointed
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -111,6 +112,7 @@ class TransformerBlock(torch.nn.Module):
         return self.activation_offloader.hooks(layer.layer_number)
 
     def _forward_with_full_recompute(self, hidden_states, attention_mask, rotary_pos_emb):
+        checkpointed = distributed_checkpointed if self.config.distribute_saved_activations else plain_checkpointed
         num_layers = len(self.layers)
         chunk = self.config.recompute_num_layers
         if self.config.recompute_method == "uniform":

@@ -135,6 +135,9 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelPar
 
     recompute_granularity: Optional[str] = None
     """None, "full" (recompute whole layers, see recompute_method) or "selective" (only core attention)."""
+    distribute_saved_activations: bool = False
+    """Full recompute keeps only each tensor-parallel rank's 1/TP slice of a recomputed chunk's input
+    (`--distribute-saved-activations`); the recompute all-gathers it."""
     recompute_method: Optional[str] = None
     """With "full": "uniform" checkpoints chunks of recompute_num_layers layers; "block" checkpoints the first
     recompute_num_layers layers of each pipeline stage."""
@@ -371,6 +374,9 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelPar
                              f"then saves only its input); drop one of them")
 
     def _validate_recompute(self):
+        if self.distribute_saved_activations and (self.recompute_granularity != "full" or self.sequence_parallel):
+            raise ValueError("--distribute-saved-activations needs --recompute-granularity full and no "
+                             "--sequence-parallel")
         if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
             raise ValueError(
                 f"--recompute-granularity must be one of full, selective (or unset), got {self.recompute_granularity!r}"

@@ -1,7 +1,7 @@
 """`--recompute-activations`: upstream's shorthand for `--recompute-granularity selective` (recompute only the
 core attention in backward). The granularity flags themselves live with the training flags (training.py); this
 group runs before that one, so their rules see the granularity the shorthand chose. Also upstream's
-`--distribute-saved-activations`, which this build does not implement: it stops here with what to use instead."""
+`--distribute-saved-activations` (full recompute keeps 1/TP of each chunk's input per tensor-parallel rank)."""
 
 
 def add_arguments(parser):
@@ -15,18 +15,22 @@ def add_arguments(parser):
     group.add_argument(
         "--distribute-saved-activations",
         action="store_true",
-        help="Upstream: with --recompute-granularity full and TP > 1, split each recomputed chunk's saved input "
-        "across the tensor-parallel ranks. Not implemented here (use --sequence-parallel): an error.",
+        help="With --recompute-granularity full and TP > 1: keep only each tensor-parallel rank's 1/TP slice of a "
+        "recomputed chunk's input between forward and backward; the recompute all-gathers it (not with "
+        "--sequence-parallel, whose input is split already).",
     )
 
 
 def validate(args):
     if args.distribute_saved_activations:
-        raise ValueError(
-            "--distribute-saved-activations is not implemented: full recompute here keeps each checkpointed chunk's "
-            "input whole on every tensor-parallel rank. Drop the flag; --sequence-parallel (with "
-            "--tensor-model-parallel-size > 1) stores that input split across the tensor-parallel ranks, the same "
-            "saving, under either --recompute-granularity")
+        # Upstream's rules.
+        if args.recompute_granularity != "full":
+            raise ValueError("--distribute-saved-activations splits the input full recompute keeps: it needs "
+                             "--recompute-granularity full")
+        if args.sequence_parallel:
+            raise ValueError("--distribute-saved-activations does not work with --sequence-parallel (the "
+                             "recomputed chunks' inputs are split across the tensor-parallel ranks already); drop "
+                             "one of them")
     if not args.recompute_activations:
         return
     if args.recompute_granularity == "full":

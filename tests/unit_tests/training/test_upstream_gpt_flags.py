@@ -218,11 +218,12 @@ def test_trust_remote_code_needs_the_huggingface_tokenizer():
 # Flags refused at validation ------------------------------------------------------------------------------------
 
 
-def test_distribute_saved_activations_is_refused_pointing_to_sequence_parallel():
+def test_distribute_saved_activations_rules(monkeypatch):
+    assert _refusal("--distribute-saved-activations").endswith("it needs --recompute-granularity full")
+    monkeypatch.setenv("WORLD_SIZE", "2")
     message = _refusal("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
-                       "--distribute-saved-activations")
-    assert message.startswith("--distribute-saved-activations is not implemented")
-    assert "Drop the flag; --sequence-parallel" in message
+                       "--tensor-model-parallel-size 2 --sequence-parallel --distribute-saved-activations")
+    assert message.startswith("--distribute-saved-activations does not work with --sequence-parallel")
 
 
 def test_overlap_param_gather_with_optimizer_step_rules_then_refusal(monkeypatch):

@@ -16,6 +16,9 @@ RECOMPUTE_SETTINGS = {
     "full_uniform_3": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=3),
     "full_block_1": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
     "selective": dict(recompute_granularity="selective"),
+    # --distribute-saved-activations: each tensor-parallel rank keeps 1/TP of the chunks' inputs (TP > 1).
+    "full_uniform_2_distributed": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2,
+                                       distribute_saved_activations=True),
 }
 # How many times each layer (or core attention, for selective) runs in one forward + backward.
 EXPECTED_CALLS = {
@@ -23,6 +26,7 @@ EXPECTED_CALLS = {
     "full_uniform_3": [2, 2, 2, 2],
     "full_block_1": [2, 1, 1, 1],
     "selective": [2, 2, 2, 2],
+    "full_uniform_2_distributed": [2, 2, 2, 2],
 }
 
 
@@ -94,7 +98,7 @@ def _check(result, setting):
 
 
 @pytest.mark.parametrize("setting", sorted(RECOMPUTE_SETTINGS))
-@pytest.mark.parametrize("world_size", [1])
+@pytest.mark.parametrize("world_size", [1])  # at TP1 the distributed variant is the plain one
 def test_recompute_matches_no_recompute_with_dropout(world_size, setting):
     (result,) = run_on_ranks(world_size, _recompute_matches_plain, 1, False, setting)
     _check(result, setting)
@@ -105,3 +109,40 @@ def test_recompute_matches_no_recompute_with_dropout(world_size, setting):
 def test_recompute_with_tensor_and_sequence_parallel(world_size, setting):
     for result in run_on_ranks(world_size, _recompute_matches_plain, 2, True, setting):
         _check(result, setting)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_distributed_saved_activations_with_tensor_parallel(world_size):
+    for result in run_on_ranks(world_size, _recompute_matches_plain, 2, False, "full_uniform_2_distributed"):
+        _check(result, "full_uniform_2_distributed")
+
+
+def _kept_input_and_gradients(distributed):
+    """A checkpointed chunk on a TP2 group whose input (3 x 5: 15 elements, 8 per rank after padding) is computed
+    from a leaf: (whether the input stays alive after the forward, the leaf's gradient, the output)."""
+    import weakref
+
+    from megatron.core.transformer.recompute import checkpointed, distributed_checkpointed
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    try:
+        leaf = torch.linspace(-1, 1, 15).view(3, 5).requires_grad_()
+        weight = torch.linspace(0.5, 2, 5)
+        hidden = leaf * 1.5  # its node keeps no output: only a checkpoint can keep it alive
+        alive = weakref.ref(hidden)
+        run = distributed_checkpointed if distributed else checkpointed
+        output = run(lambda x, w: (x * w).tanh() * x, hidden, weight)
+        del hidden
+        kept = alive() is not None
+        output.sum().backward()
+        return kept, leaf.grad, output.detach()
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_distributed_checkpoint_keeps_a_slice_and_gives_the_same_gradient(world_size):
+    plain, distributed = (run_on_ranks(world_size, _kept_input_and_gradients, flag) for flag in (False, True))
+    for (plain_kept, plain_grad, plain_out), (kept, grad, out) in zip(plain, distributed):
+        assert plain_kept and not kept  # the plain checkpoint holds the whole input; the distributed one a slice
+        assert torch.equal(plain_grad, grad) and torch.equal(plain_out, out)
