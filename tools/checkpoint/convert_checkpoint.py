@@ -9,7 +9,8 @@ Hugging Face model directory, and back.
     python tools/checkpoint/convert_checkpoint.py --from hf          --input HF_DIR --output NEW_ROOT
 
 torch: `{"model": {logical name: fp32 tensor}, "checkpoint": {every other key: value}}` (optimizer moments and
-main weights, step, scheduler, iteration, args); converting back gives a checkpoint that resumes exactly.
+main weights, step, scheduler, each rank's RNG states, iteration, args); converting back gives a checkpoint that
+resumes exactly (dropout masks included).
 safetensors: the fp32 model weights under their logical names, the iteration in the file's metadata; converting
 back gives a model-only checkpoint (training loads it with a fresh optimizer).
 hf: config.json and model.safetensors of a GPT2LMHeadModel (learned positions) or LlamaForCausalLM (RoPE) that
@@ -34,8 +35,7 @@ def to_torch(directory, output):
 
     state = offline.read_checkpoint(_paths.resolve_iteration_dir(directory))
     model = offline.full_precision_model(state)
-    rest = {key: value for key, value in state.items() if not key.startswith("model.") and
-            not key.startswith("rng_state.")}
+    rest = {key: value for key, value in state.items() if not key.startswith("model.")}
     torch.save({"model": model, "checkpoint": rest}, output)
     return model
 

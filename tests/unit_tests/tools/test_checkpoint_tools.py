@@ -70,10 +70,12 @@ def test_checkpoint_tools(tmp_path, tools, capsys):
     convert_checkpoint.from_torch(str(tmp_path / "full.pt"), str(tmp_path / "back"))
     back = offline.read_checkpoint(os.path.join(tmp_path, "back", "iter_0000002"))
     for key, value in reference.items():
-        if key.startswith("rng_state."):
-            assert key not in back
+        if key.startswith("rng_state."):  # each rank's streams, for a resume that draws the same dropout masks
+            assert torch.equal(back[key]["torch_rng_state"], value["torch_rng_state"]), key
+            assert back[key]["random_rng_state"] == value["random_rng_state"], key
         elif torch.is_tensor(value):
             assert torch.equal(back[key], value), key
+    assert back["common"]["rng_coordinates"] == reference["common"]["rng_coordinates"]
     assert back["scheduler"] == reference["scheduler"]
     assert back["optimizer.step"] == reference["optimizer.step"] == 2
 
