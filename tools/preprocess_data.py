@@ -51,20 +51,28 @@ def _initialize_worker(args):
 
 
 def encode_document(line):
-    """One JSONL line -> ({key: token ids}, bytes read). Blank lines yield no tokens."""
+    """One JSONL line -> ({key: token ids}, bytes read, None), or (None, bytes read, what is wrong with it) for a
+    document the keys or the tokenizer cannot take (reported by the reader, with its line number). Blank lines
+    yield no tokens."""
     json_keys, append_eod = _worker_settings
     if not line.strip():
-        return {key: [] for key in json_keys}, len(line)
-    document = json.loads(line)
+        return {key: [] for key in json_keys}, len(line), None
+    try:
+        document = json.loads(line)
+    except ValueError as error:
+        return None, len(line), f"not a JSON document ({error})"
     encoded = {}
     for key in json_keys:
         if key not in document:
-            raise KeyError(f"document has no key {key!r} (keys: {sorted(document)}); check --json-keys")
-        token_ids = _worker_tokenizer.tokenize(document[key])
+            return None, len(line), f"document has no key {key!r} (keys: {sorted(document)}); check --json-keys"
+        try:
+            token_ids = _worker_tokenizer.tokenize(document[key])
+        except ValueError as error:
+            return None, len(line), f"{key!r}: {error}"
         if token_ids and append_eod:
             token_ids.append(_worker_tokenizer.eod)
         encoded[key] = token_ids
-    return encoded, len(line)
+    return encoded, len(line), None
 
 
 class ProgressLog:
@@ -97,6 +105,14 @@ def output_prefix_for_key(output_prefix, key):
     return f"{output_prefix}_{key}_document"
 
 
+def _remove_partial_outputs(builders, prefixes):
+    """A failed run leaves no `.bin` without its `.idx` behind."""
+    for key, prefix in prefixes.items():
+        builders[key].close()
+        if os.path.exists(data_file_path(prefix)):
+            os.remove(data_file_path(prefix))
+
+
 def preprocess(args):
     """Run the conversion; returns {json key: output path prefix}."""
     tokenizer = _tokenizer_from_args(args)
@@ -114,11 +130,19 @@ def preprocess(args):
             _initialize_worker(args)
             encoded_documents = map(encode_document, input_file)
         try:
-            for encoded, bytes_read in encoded_documents:
+            for line_number, (encoded, bytes_read, problem) in enumerate(encoded_documents, start=1):
+                if problem is not None:
+                    _remove_partial_outputs(builders, prefixes)
+                    raise SystemExit(f"{args.input}, line {line_number}: {problem}; nothing was written")
                 for key, token_ids in encoded.items():
                     if token_ids:
                         builders[key].add_document(token_ids, [len(token_ids)])
                 progress.update(bytes_read)
+        except SystemExit:
+            raise
+        except BaseException:
+            _remove_partial_outputs(builders, prefixes)
+            raise
         finally:
             if pool is not None:
                 pool.close()

@@ -134,6 +134,10 @@ class IndexedDatasetBuilder:
         with open(data_file_path(path_prefix), "rb") as source:
             shutil.copyfileobj(source, self._data_file)
 
+    def close(self):
+        """Close the `.bin` file without writing an index (an abandoned build)."""
+        self._data_file.close()
+
     def finalize(self, idx_path):
         self._data_file.close()
         write_index_file(idx_path, self.dtype, self._sequence_lengths, self._document_indices)

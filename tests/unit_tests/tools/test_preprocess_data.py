@@ -93,12 +93,16 @@ def test_null_tokenizer_and_several_keys(tmp_path):
     np.testing.assert_array_equal(extra[11], [11])
 
 
-def test_missing_key_is_reported(tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_missing_key_is_reported_and_nothing_is_left_behind(tmp_path, workers):
     corpus = str(tmp_path / "corpus.jsonl")
-    _write_jsonl(corpus, [{"body": "x"}])
+    _write_jsonl(corpus, [{"text": "a", "title": "t"}, {"text": "b"}])
     completed = subprocess.run(
         [sys.executable, TOOL, "--input", corpus, "--output-prefix", str(tmp_path / "o"),
-         "--tokenizer-type", "ByteLevelTokenizer", "--workers", "1"],
+         "--tokenizer-type", "ByteLevelTokenizer", "--json-keys", "text", "title", "--workers", str(workers)],
         capture_output=True, text=True, cwd=REPO_ROOT, timeout=120,
     )
-    assert completed.returncode != 0 and "--json-keys" in completed.stderr
+    assert completed.returncode != 0
+    assert f"{corpus}, line 2: document has no key 'title'" in completed.stderr and "--json-keys" in completed.stderr
+    assert "nothing was written" in completed.stderr and "Traceback" not in completed.stderr
+    assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl"]  # no .bin without its .idx
