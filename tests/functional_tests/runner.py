@@ -13,9 +13,9 @@ and `golden_values_cpu.json`: metric -> {"start_step", "end_step", "step_interva
 
 The run is `torchrun --nproc-per-node N pretrain_gpt.py <MODEL_ARGS> --metrics-file <tmp>`; the metrics
 file holds one JSON record per iteration (see `megatron.training.training_log`). A `ckpt-resume` case trains
-N iterations once uninterrupted, then again in two launches (stop and save at N/2, load, continue to N); its
-metrics are the uninterrupted run's, and `resumed_metrics` holds the second launch's. Golden values are the
-uninterrupted run's, so regenerating them runs only that launch.
+N iterations uninterrupted, saving a checkpoint at N/2 on the way; a second launch loads that checkpoint
+(`--ckpt-step N/2`) and trains to N. Its metrics are the uninterrupted run's, and `resumed_metrics` holds the
+second launch's. Golden values are the uninterrupted run's (saving does not change what a run trains).
 
 `RESUME_MODEL_ARGS` makes a resume across layouts: the launch that loads the checkpoint runs with these flags
 over MODEL_ARGS (`false` drops a flag), e.g. a checkpoint saved under CP2 and Megatron-FSDP resumed under CP1 DDP,
@@ -111,7 +111,7 @@ def load_case(name):
     resume_model_args = dict(config.get("RESUME_MODEL_ARGS") or {})
     if resume_model_args and test_type != "ckpt-resume":
         raise ValueError(f"{config_path}: RESUME_MODEL_ARGS needs TEST_TYPE ckpt-resume")
-    if {"--train-iters", "--train-samples", "--save", "--load", "--exit-interval"} & set(resume_model_args):
+    if {"--train-iters", "--train-samples", "--save", "--load", "--exit-interval", "--ckpt-step"} & set(resume_model_args):
         raise ValueError(f"{config_path}: RESUME_MODEL_ARGS may change the layout, not the schedule or checkpoint")
     return FunctionalCase(
         name=name,
@@ -210,28 +210,36 @@ def launch(case, workdir, extra_model_args=None, timeout_s=DEFAULT_TIMEOUT_S, ta
 @dataclasses.dataclass
 class CaseResult:
     metrics: dict  # {metric: {iteration: value}} of the uninterrupted run
-    resumed_metrics: dict = None  # ckpt-resume: the launch that loaded the checkpoint
-    first_half_metrics: dict = None  # ckpt-resume: the launch that saved it and stopped
+    resumed_metrics: dict = None  # ckpt-resume: the launch that loaded its checkpoint of iteration N/2
 
 
-def resume_launches(case, workdir, timeout_s=DEFAULT_TIMEOUT_S):
-    """A ckpt-resume case's interrupted training: (metrics of the launch that stops and saves at N/2, metrics of
-    the launch that loads that checkpoint and trains to N)."""
-    workdir = Path(workdir)
-    half = case.train_iters // 2
-    checkpoint_dir = workdir / "checkpoints"
-    checkpoint_args = {"--save": str(checkpoint_dir), "--ckpt-format": case.model_args.get("--ckpt-format", "torch")}
-    first = launch(case, workdir, {**checkpoint_args, "--exit-interval": half}, timeout_s, tag="first_half")
-    resumed = launch(case, workdir, {**case.resume_model_args, **checkpoint_args, "--load": str(checkpoint_dir)},
-                     timeout_s, tag="second_half")
-    return first, resumed
+def checkpoint_args(case, workdir):
+    """The flags under which a ckpt-resume case's uninterrupted run in `workdir` saves at N/2 (and at N)."""
+    return {"--save": str(Path(workdir) / "checkpoints"), "--save-interval": case.train_iters // 2,
+            "--ckpt-format": case.model_args.get("--ckpt-format", "torch")}
+
+
+def uninterrupted_launch(case, workdir, timeout_s=DEFAULT_TIMEOUT_S):
+    """Train `case` from scratch to N (--train-iters); a ckpt-resume case saves at N/2 on the way, as upstream's
+    ckpt-resume tests do. Returns its metrics."""
+    extra = checkpoint_args(case, workdir) if case.test_type == "ckpt-resume" else None
+    return launch(case, workdir, extra, timeout_s, tag="full")
+
+
+def resumed_launch(case, saved_in, workdir, timeout_s=DEFAULT_TIMEOUT_S):
+    """The launch that loads iteration N/2 of the checkpoint `case`'s uninterrupted run saved in `saved_in` and
+    trains to N, with RESUME_MODEL_ARGS over MODEL_ARGS. Returns its metrics."""
+    saved = checkpoint_args(case, saved_in)
+    loading = {"--load": saved["--save"], "--ckpt-step": saved["--save-interval"],
+               "--ckpt-format": saved["--ckpt-format"]}
+    return launch(case, workdir, {**case.resume_model_args, **loading}, timeout_s, tag="resumed")
 
 
 def run_case(case, workdir, timeout_s=DEFAULT_TIMEOUT_S):
-    """The case's uninterrupted run (and, for ckpt-resume, its interrupted launches)."""
-    result = CaseResult(launch(case, workdir, timeout_s=timeout_s, tag="full"))
+    """The case's uninterrupted run (and, for ckpt-resume, the launch resumed from its checkpoint)."""
+    result = CaseResult(uninterrupted_launch(case, workdir, timeout_s))
     if case.test_type == "ckpt-resume":
-        result.first_half_metrics, result.resumed_metrics = resume_launches(case, workdir, timeout_s)
+        result.resumed_metrics = resumed_launch(case, workdir, workdir, timeout_s)
     return result
 
 

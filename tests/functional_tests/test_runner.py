@@ -64,10 +64,13 @@ def test_a_resume_in_another_layout_loads_with_its_flags(tmp_path, monkeypatch):
     assert case.resumes_in_another_layout and case.resume_model_args["--context-parallel-size"] is False
     launched = {}
     monkeypatch.setattr(runner, "launch", lambda case, workdir, extra, timeout_s, tag: launched.setdefault(tag, extra))
-    runner.resume_launches(case, tmp_path)
-    assert "--context-parallel-size" not in launched["first_half"] and launched["first_half"]["--exit-interval"] == 5
-    second = runner.model_args_to_argv({**case.model_args, **launched["second_half"]})
-    assert "--load" in second and not {"--context-parallel-size", "--use-megatron-fsdp"} & set(second)
+    runner.run_case(case, tmp_path)
+    saved_in = str(tmp_path / "checkpoints")
+    assert launched["full"] == {"--save": saved_in, "--save-interval": 5, "--ckpt-format": "torch_dist"}
+    second = runner.model_args_to_argv({**case.model_args, **launched["resumed"]})
+    assert "--context-parallel-size" in runner.model_args_to_argv(case.model_args)
+    assert not {"--context-parallel-size", "--use-megatron-fsdp", "--save"} & set(second)
+    assert second[second.index("--load") + 1] == saved_in and second[second.index("--ckpt-step") + 1] == "5"
     (tmp_path / "gpt" / "regular").mkdir(parents=True)
     (tmp_path / "gpt" / "regular" / "model_config.yaml").write_text(
         "MODEL_ARGS: {--train-iters: 2}\nRESUME_MODEL_ARGS: {--context-parallel-size: false}\n")
