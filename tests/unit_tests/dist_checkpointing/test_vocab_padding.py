@@ -29,13 +29,13 @@ VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-# Training goes on: under these wrappers a run saved at iteration 4 of 8 at one TP size is resumed at the other.
+# Training goes on: under these wrappers a run saved at iteration 4 of 6 at one TP size is resumed at the other.
 # The losses cannot equal the uninterrupted run's: the output layer's padding rows give logits that enter the
 # softmax's denominator (no label names them, but they take probability mass), and the resumed model has other
 # padding rows than the uninterrupted one (128 fresh ones at TP2; at TP1 the 128 trained rows of TP2 are gone).
 # The true vocabulary's rows are the same, so the losses stay close: 128 fresh padding logits near 0 about double
 # the denominator at first (+ln 2 on a loss near ln 120), trained ones that are gone lower it. Measured: at most
-# 14.8% relative (TP1 -> TP2, higher than the uninterrupted run) and 10.4% (TP2 -> TP1, lower), the same under
+# 14.8% relative (TP1 -> TP2, higher than the uninterrupted run) and 10.5% (TP2 -> TP1, lower), the same under
 # DDP and Megatron-FSDP ZeRO-3.
 TRAINING_WRAPPERS = ("ddp", "megatron_fsdp_z3")
 REL_TOLERANCE = 0.2
@@ -62,7 +62,7 @@ def _every_wrapper_both_ways(workdir):
 
     results = {}
     for wrapper in WRAPPERS:
-        iterations = 8 if wrapper in TRAINING_WRAPPERS else 4
+        iterations = 6 if wrapper in TRAINING_WRAPPERS else 4
         for save_tp, load_tp in ((TP1, TP2), (TP2, TP1)):
             case = os.path.join(workdir, f"{wrapper}_{ROWS[save_tp]}_to_{ROWS[load_tp]}")
             saved = os.path.join(case, "saved")
@@ -126,7 +126,7 @@ def test_training_continues_at_another_vocab_padding(cases):
     for case, (_, _, _, reference, resumed) in cases.items():
         if resumed is None:
             continue
-        assert sorted(reference) == list(range(1, 9)) and sorted(resumed) == [5, 6, 7, 8], case
+        assert sorted(reference) == list(range(1, 7)) and sorted(resumed) == [5, 6], case
         assert all(math.isfinite(loss) for loss in resumed.values()), (case, resumed)
         more_padding = case.endswith("128_to_256")
         assert (resumed[5] > reference[5]) == more_padding, (case, reference, resumed)  # the padding's mass
