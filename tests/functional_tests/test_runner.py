@@ -34,11 +34,11 @@ def test_loss_comparison_is_tight_and_reports_every_problem():
     metrics["lm loss"][5] *= 1 + 5e-7  # within it
     metrics["num-zeros"][4] += 5  # beyond the accidental zeros a kernel change makes
     metrics["num-zeros"][6] += 4  # within them
-    del metrics["lm loss"][10]
+    del metrics["lm loss"][case.train_iters]
     metrics["mem-allocated-bytes"][2] *= 1.04  # within the 5% memory tolerance
     problems = runner.compare_with_golden(case, metrics, golden)
     assert len(problems) == 3
-    assert problems[0] == "lm loss: no value for iterations [10]"
+    assert problems[0] == f"lm loss: no value for iterations [{case.train_iters}]"
     assert problems[1].startswith("lm loss @ 3:") and "> 1e-06" in problems[1]
     assert problems[2].startswith("num-zeros @ 4:")
 
@@ -66,11 +66,12 @@ def test_a_resume_in_another_layout_loads_with_its_flags(tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "launch", lambda case, workdir, extra, timeout_s, tag: launched.setdefault(tag, extra))
     runner.run_case(case, tmp_path)
     saved_in = str(tmp_path / "checkpoints")
-    assert launched["full"] == {"--save": saved_in, "--save-interval": 5, "--ckpt-format": "torch_dist"}
+    half = case.train_iters // 2
+    assert launched["full"] == {"--save": saved_in, "--save-interval": half, "--ckpt-format": "torch_dist"}
     second = runner.model_args_to_argv({**case.model_args, **launched["resumed"]})
     assert "--context-parallel-size" in runner.model_args_to_argv(case.model_args)
     assert not {"--context-parallel-size", "--use-megatron-fsdp", "--save"} & set(second)
-    assert second[second.index("--load") + 1] == saved_in and second[second.index("--ckpt-step") + 1] == "5"
+    assert second[second.index("--load") + 1] == saved_in and second[second.index("--ckpt-step") + 1] == str(half)
     (tmp_path / "gpt" / "regular").mkdir(parents=True)
     (tmp_path / "gpt" / "regular" / "model_config.yaml").write_text(
         "MODEL_ARGS: {--train-iters: 2}\nRESUME_MODEL_ARGS: {--context-parallel-size: false}\n")
