@@ -111,7 +111,8 @@ def load_case(name):
     resume_model_args = dict(config.get("RESUME_MODEL_ARGS") or {})
     if resume_model_args and test_type != "ckpt-resume":
         raise ValueError(f"{config_path}: RESUME_MODEL_ARGS needs TEST_TYPE ckpt-resume")
-    if {"--train-iters", "--train-samples", "--save", "--load", "--exit-interval", "--ckpt-step"} & set(resume_model_args):
+    schedule_or_checkpoint = {"--train-iters", "--train-samples", "--save", "--load", "--exit-interval", "--ckpt-step"}
+    if schedule_or_checkpoint & set(resume_model_args):
         raise ValueError(f"{config_path}: RESUME_MODEL_ARGS may change the layout, not the schedule or checkpoint")
     return FunctionalCase(
         name=name,

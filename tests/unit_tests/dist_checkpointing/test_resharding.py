@@ -4,8 +4,8 @@ each loaded at a data-parallel size of 3, at TP1, at PP1 and under another wrapp
 equal the uninterrupted run's.
 
 Every saver trains 6 iterations (12 samples per step, one per micro-batch, so that DP 1 to 4 see the same global
-batches) and saves at iteration 4; loaders train 5-6 (5 tests the loaded weights, 6 the optimizer state too). Across layouts and wrappers the fp32 losses agree to 1e-6
-relative (only the order of floating-point reductions differs; the measured maximum is printed). Exact resume
+batches) and saves at iteration 4; loaders train 5-6 (5 tests the loaded weights, 6 the optimizer state too).
+Across layouts and wrappers the fp32 losses agree to 1e-6 relative (only the order of floating-point reductions differs; the measured maximum is printed). Exact resume
 at the saving layout is the functional tests' job (`gpt/resume_*` cases, HSDP and HFSDP at DP4 included). One
 rank pool per world size: the savers of a world size share it, and one pool of 3 ranks loads all their
 checkpoints.

@@ -1,8 +1,9 @@
 """torch_dist checkpoints in training: exact resume, and resume at another layout or wrapper (resharding).
 
-Exact resume per wrapper (10 iterations straight against 5 + save + load + 5) is checked by the functional
-`gpt/resume_*` cases. Here: a reference run trains 6 iterations and saves at iteration 4; resumed runs load
-iteration 4 and train to 6 (iteration 5 tests the loaded weights, 6 the loaded optimizer state as well). Same layout: the losses of iterations 5-8 are identical. Another layout or wrapper
+Exact resume per wrapper (6 iterations straight, saving at 3, against loading 3 and training to 6) is checked by
+the functional `gpt/resume_*` cases. Here: a reference run trains 6 iterations and saves at iteration 4; resumed
+runs load iteration 4 and train to 6 (iteration 5 tests the loaded weights, 6 the loaded optimizer state as
+well). Same layout: the losses of iterations 5-6 are identical. Another layout or wrapper
 (TP, PP, even or uneven pipeline splits, one with a model chunk holding no parameter, DP size, DDP, distributed
 optimizer, Megatron-FSDP ZeRO-0..3 / HSDP / HFSDP, FSDP2): equal to 1e-6 relative in fp32, the difference being
 only the order of floating-point reductions (measured: at most 5e-8); 1e-4 in bf16 (measured: 2.6e-6).
