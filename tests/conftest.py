@@ -5,6 +5,7 @@ once across the launched ranks (`tests/unit_tests/harness/launched_world.py`), o
 terminal, and rank 0's summary adds whether the other ranks agreed.
 """
 
+import gc
 import os
 
 import pytest
@@ -97,7 +98,16 @@ def _release_single_process_world():
     launched_world.release_single_process_world()
 
 
+def pytest_collection_finish(session):
+    # What collection imported (torch, Megatron, ~250 test modules) stays for the whole session: out of the
+    # collector's reach, the full collections the session triggers walk only what the tests made since.
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_sessionfinish(session, exitstatus):
+    # pytest's unraisable-exception check runs five full collections at exit; the session's objects are done.
+    gc.freeze()
     shutdown_pools()
     launched_world.release_single_process_world()
     summaries, silent = launched_world.finish_launch()

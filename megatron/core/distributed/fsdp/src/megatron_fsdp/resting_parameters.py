@@ -25,7 +25,7 @@ from typing import Dict, List, Tuple
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Shard
 
-from .dtensor_views import dtensor_over_view
+from .dtensor_views import dtensor_over_view, dtensor_parameter
 
 
 def rows_dtensor(local, like, mesh) -> DTensor:
@@ -54,7 +54,7 @@ class RestingParameters:
 
     def _make_resting(self, group, index: int, param: nn.Parameter, name: str) -> nn.Parameter:
         local = group.rows_of_shard(group.compute_shard, index)
-        resting = nn.Parameter(rows_dtensor(local, param, self._mesh_of(group)), requires_grad=param.requires_grad)
+        resting = dtensor_parameter(rows_dtensor(local, param, self._mesh_of(group)), param.requires_grad)
         resting.__dict__.update(param.__dict__)  # Megatron attributes (tensor_model_parallel, ...) stay visible
         resting.resting_name = name
         return resting
