@@ -31,9 +31,10 @@ def dtensor_over_view(local: torch.Tensor, mesh, placements, shape, stride) -> D
 def dtensor_parameter(dtensor: DTensor, requires_grad: bool) -> DTensor:
     """`dtensor`, made a parameter in place: what `nn.Parameter(dtensor, requires_grad)` returns, without the
     `detach()` that `nn.Parameter` makes of a tensor subclass. A DTensor's `detach()` goes through DTensor's
-    dispatch, whose sharding propagation runs uncached for every new shape: 1-2 ms a parameter on a CPU, for
-    nothing, since `dtensor` is a fresh leaf. `isinstance(result, nn.Parameter)` holds (the `_is_param` mark is
-    what `nn.Parameter` itself sets on tensor subclasses)."""
+    dispatch, whose sharding propagation runs uncached for every shape not seen since the process groups were
+    built: 1-2 ms a new shape on a CPU, for nothing, since `dtensor` is a fresh leaf.
+    `isinstance(result, nn.Parameter)` holds (the `_is_param` mark is what `nn.Parameter` itself sets on tensor
+    subclasses)."""
     if not dtensor.is_leaf:
         raise ValueError("dtensor_parameter needs a leaf DTensor (one built by DTensor.from_local of a tensor "
                          "that does not require grad)")
