@@ -5,6 +5,7 @@ once across the launched ranks (`tests/unit_tests/harness/launched_world.py`), o
 terminal, and rank 0's summary adds whether the other ranks agreed.
 """
 
+import atexit
 import gc
 import os
 
@@ -107,7 +108,10 @@ def pytest_collection_finish(session):
 
 def pytest_sessionfinish(session, exitstatus):
     # pytest's unraisable-exception check runs five full collections at exit; the session's objects are done.
+    # They are handed back to the collector just before the interpreter's own last collection, so that
+    # extension objects (triton's nanobind types) are freed there instead of being reported as leaked.
     gc.freeze()
+    atexit.register(gc.unfreeze)
     shutdown_pools()
     launched_world.release_single_process_world()
     summaries, silent = launched_world.finish_launch()

@@ -8,10 +8,13 @@ counts. The arms run interleaved (every arm once, then every arm again; a first 
 after clearing DTensor's sharding-propagation cache, so that each one starts as cold as in a fresh process. One
 more arm builds Megatron-FSDP's resting parameters through `nn.Parameter` (which detaches each DTensor, through
 DTensor's dispatch) instead of `dtensor_parameter`, to show what that costs; and, apart, the two ways are timed
-on parameters of as many shapes (`--shapes`). Rank 0 prints a markdown table.
+on parameters of as many shapes (`--shapes`). Another runs FSDP2 with Megatron's `ShardLocalAdamW` (AdamW on the
+DTensors' local shards, which `--use-torch-fsdp2` builds) instead of torch's AdamW on the DTensors. Rank 0 prints
+a markdown table.
 """
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -27,10 +30,11 @@ if REPO_ROOT not in sys.path:
 from examples.megatron_fsdp.bench_arms import ARMS, build_arm  # noqa: E402
 from examples.megatron_fsdp.bench_model import GPTBenchConfig, build_model, mock_batches, rank_micro_batch  # noqa: E402
 
-ARM_NAMES = ("ddp", "fsdp2", "mfsdp3", "mfsdp3_nn_parameter")
+ARM_NAMES = ("ddp", "fsdp2", "fsdp2_shard_local_adam", "mfsdp3", "mfsdp3_nn_parameter")
 LABELS = {
     "ddp": "torch DDP",
     "fsdp2": "torch FSDP2 (fully_shard per block + root)",
+    "fsdp2_shard_local_adam": "torch FSDP2 with ShardLocalAdamW (as `--use-torch-fsdp2` builds it)",
     "mfsdp3": "Megatron-FSDP ZeRO-3",
     "mfsdp3_nn_parameter": "Megatron-FSDP ZeRO-3, resting parameters through nn.Parameter",
 }
@@ -40,6 +44,28 @@ def _clear_dtensor_caches():
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     _clear_sharding_prop_cache()
+
+
+class _ShardLocalAdamW:
+    """Makes the benchmark's arms build Megatron's `ShardLocalAdamW` (which steps DTensors through their local
+    shards) instead of torch's AdamW while active."""
+
+    def __enter__(self):
+        from examples.megatron_fsdp import bench_arms
+        from megatron.core.optimizer.shard_local_adam import ShardLocalAdamW
+
+        self._module = bench_arms
+        self._original = bench_arms._adamw
+        bench_arms._adamw = lambda params, lr: ShardLocalAdamW(params, lr=lr, weight_decay=0.01)
+        return self
+
+    def __exit__(self, *exc_info):
+        self._module._adamw = self._original
+        return False
+
+
+VARIANTS = {"mfsdp3_nn_parameter": ("mfsdp3", lambda: _RestingThroughNNParameter()),
+            "fsdp2_shard_local_adam": ("fsdp2", lambda: _ShardLocalAdamW())}
 
 
 class _RestingThroughNNParameter:
@@ -76,7 +102,8 @@ def _slowest(seconds):
 def measure_arm(name, config, steps, device):
     """(wrap, first step, median later step) seconds of one arm (the slowest rank's), its parameter count and
     this rank's loss of the last step."""
-    spec = ARMS["mfsdp3" if name == "mfsdp3_nn_parameter" else name]
+    base, variant = VARIANTS.get(name, (name, contextlib.nullcontext))
+    spec = ARMS[base]
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens = mock_batches(config, steps, seed=1)
     model = build_model(config, seed=0, device=device)
@@ -84,10 +111,7 @@ def measure_arm(name, config, steps, device):
     _clear_dtensor_caches()
     dist.barrier()
     started = time.perf_counter()
-    if name == "mfsdp3_nn_parameter":
-        with _RestingThroughNNParameter():
-            model, optimizer = build_arm(spec, model, device, lr=1e-4)
-    else:
+    with variant():
         model, optimizer = build_arm(spec, model, device, lr=1e-4)
     wrap = _slowest(time.perf_counter() - started)
     step_times = []

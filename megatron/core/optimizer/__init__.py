@@ -34,6 +34,7 @@ from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradS
 from megatron.core.optimizer.optimizer import Float16Optimizer, FP32Optimizer, MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.optimizer.precision_aware_adam import PrecisionAwareAdamW, build_precision_aware_adam
+from megatron.core.optimizer.shard_local_adam import ShardLocalAdamW
 
 __all__ = [
     "OptimizerConfig",
@@ -105,7 +106,7 @@ def _torch_optimizer_factory(config, device):
                 return FusedAdam(groups, lr=config.lr, weight_decay=config.weight_decay,
                                  betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, adam_w_mode=True)
             implementation = {"fused": True} if device.type == "cuda" else {"foreach": True}
-            return torch.optim.AdamW(groups, lr=config.lr, weight_decay=config.weight_decay,
+            return ShardLocalAdamW(groups, lr=config.lr, weight_decay=config.weight_decay,
                                      betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
                                      **implementation)
         return torch.optim.SGD(groups, lr=config.lr, weight_decay=config.weight_decay,
