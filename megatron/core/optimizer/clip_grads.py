@@ -159,7 +159,9 @@ def get_grad_norm_fp32(grads_for_norm, norm_type=2.0, grad_stats_groups=None, de
 def clip_grad_by_total_norm_fp32(grads, max_norm, total_norm):
     """Scale `grads` in place so that their global norm `total_norm` becomes at most `max_norm`."""
     clip_coeff = max_norm / (total_norm + 1.0e-6)
-    grads = [grad for grad in grads if grad is not None]
+    # Scaling by a number commutes with every placement (shards, replicas, pending sums): a DTensor is scaled
+    # through its local tensor, without DTensor's dispatch.
+    grads = [grad.to_local() if hasattr(grad, "to_local") else grad for grad in grads if grad is not None]
     if clip_coeff < 1.0 and grads:
         torch._foreach_mul_(grads, clip_coeff)
 

@@ -150,3 +150,34 @@ def test_dense_and_expert_norms_share_one_all_reduce_when_reduced_over_the_same_
         assert fused == separate  # the same numbers as one reduction per part
         assert fused == pytest.approx(reference, rel=1e-6)
         assert mixed_calls == [1, 1, 1] and mixed[0] == separate[0]
+
+
+def _clipped_dtensor_and_plain():
+    """DTensor gradients (sharded, replicated, a pending sum) clipped by the global norm, against the same values
+    as plain tensors."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    generator = torch.Generator().manual_seed(5 + dist.get_rank())
+    locals_ = [torch.randn(3, 2, generator=generator) for _ in range(3)]
+    dtensors = [DTensor.from_local(tensor.clone(), mesh, [placement])
+                for tensor, placement in zip(locals_, (Shard(0), Replicate(), Partial()))]
+    plain = [tensor.clone() for tensor in locals_]
+    clip_grad_by_total_norm_fp32(dtensors, max_norm=0.5, total_norm=2.0)
+    clip_grad_by_total_norm_fp32(plain, max_norm=0.5, total_norm=2.0)
+    unclipped = [tensor.clone() for tensor in locals_]
+    clip_grad_by_total_norm_fp32(unclipped, max_norm=5.0, total_norm=2.0)  # under max_norm: untouched
+    return ([torch.equal(d.to_local(), p) for d, p in zip(dtensors, plain)],
+            [torch.equal(p, t * (0.5 / (2.0 + 1.0e-6))) for p, t in zip(plain, locals_)],
+            [torch.equal(u, t) for u, t in zip(unclipped, locals_)],
+            [type(d).__name__ for d in dtensors])
+
+
+def test_clipping_scales_dtensor_gradients_as_their_local_values():
+    for same, scaled, untouched, types in run_on_ranks(2, _clipped_dtensor_and_plain):
+        assert same == scaled == untouched == [True, True, True]
+        assert types == ["DTensor"] * 3
