@@ -44,6 +44,7 @@ __all__ = [
     "DistributedOptimizer",
     "MegatronFSDPOptimizer",
     "PrecisionAwareAdamW",
+    "ShardLocalAdamW",
     "ConstantGradScaler",
     "DynamicGradScaler",
     "get_megatron_optimizer",

@@ -133,3 +133,23 @@ def test_sparse_gradients_are_refused_with_the_parameter_shape():
     param.grad = torch.ones(2, 2).to_sparse()
     with pytest.raises(RuntimeError, match=r"sparse gradients.*\(2, 2\)"):
         ShardLocalAdamW([param]).step()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", [dict(fused=True), dict(foreach=True)], ids=["fused", "foreach"])
+def test_cuda_parameters_match_torch_adamw(implementation):
+    def run(optimizer_class):
+        params = [torch.nn.Parameter(_values(index, shape).cuda()) for index, shape in enumerate(SHAPES)]
+        optimizer = optimizer_class(params, lr=0.01, weight_decay=0.1, **implementation)
+        for step in range(3):
+            for index, param in enumerate(params):
+                param.grad = _values(100 * (step + 1) + index, param.shape).cuda()
+            optimizer.step()
+        return params, optimizer
+
+    (reference, expected_optimizer), (params, optimizer) = run(torch.optim.AdamW), run(ShardLocalAdamW)
+    for expected, actual in zip(reference, params):
+        assert torch.equal(expected, actual)
+    for expected, actual in zip(expected_optimizer.state.values(), optimizer.state.values()):
+        assert all(torch.equal(expected[key], actual[key]) for key in expected)
+        assert expected["step"].device == actual["step"].device
