@@ -64,10 +64,6 @@ class _ShardLocalAdamW:
         return False
 
 
-VARIANTS = {"mfsdp3_nn_parameter": ("mfsdp3", lambda: _RestingThroughNNParameter()),
-            "fsdp2_shard_local_adam": ("fsdp2", lambda: _ShardLocalAdamW())}
-
-
 class _RestingThroughNNParameter:
     """Makes Megatron-FSDP build its resting parameters with `nn.Parameter(dtensor)` while active."""
 
@@ -83,6 +79,11 @@ class _RestingThroughNNParameter:
     def __exit__(self, *exc_info):
         self._module.dtensor_parameter = self._original
         return False
+
+
+# Arms that are another arm built under a context manager: {arm: (base arm, context manager class)}.
+VARIANTS = {"mfsdp3_nn_parameter": ("mfsdp3", _RestingThroughNNParameter),
+            "fsdp2_shard_local_adam": ("fsdp2", _ShardLocalAdamW)}
 
 
 def _step(model, optimizer, tokens, labels):

@@ -108,8 +108,8 @@ def _torch_optimizer_factory(config, device):
                                  betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, adam_w_mode=True)
             implementation = {"fused": True} if device.type == "cuda" else {"foreach": True}
             return ShardLocalAdamW(groups, lr=config.lr, weight_decay=config.weight_decay,
-                                     betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
-                                     **implementation)
+                                   betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                                   **implementation)
         return torch.optim.SGD(groups, lr=config.lr, weight_decay=config.weight_decay,
                                momentum=config.sgd_momentum, foreach=True)
 

@@ -39,7 +39,13 @@ def _scalar_dtype(fused):
 
 
 class ShardLocalAdamW(torch.optim.AdamW):
-    """`torch.optim.AdamW` with the same arguments, state and results; DTensor parameters update locally."""
+    """`torch.optim.AdamW` with the same arguments, state and results; DTensor parameters update locally.
+    `differentiable=True` (a step autograd can differentiate through) is torch's AdamW's alone."""
+
+    def __init__(self, params, *args, **kwargs):
+        if kwargs.get("differentiable"):
+            raise ValueError("ShardLocalAdamW steps under no_grad: use torch.optim.AdamW for differentiable=True")
+        super().__init__(params, *args, **kwargs)
 
     def _state_of(self, param, group):
         state = self.state[param]

@@ -42,8 +42,7 @@ def _compare_dtensor_runs(options, grad_placement):
         return torch.nn.Parameter(distribute_tensor(values, mesh, [Shard(0)]))
 
     def make_grad(values, param):
-        return distribute_tensor(values, mesh, placements[grad_placement]).redistribute(
-            mesh, placements[grad_placement])
+        return distribute_tensor(values, mesh, placements[grad_placement])
 
     results = []
     for optimizer_class in (torch.optim.AdamW, ShardLocalAdamW):
@@ -126,6 +125,11 @@ def test_closure_loss_is_returned_and_state_dict_round_trips():
     reloaded.load_state_dict(optimizer.state_dict())
     assert torch.equal(reloaded.state[reloaded.param_groups[0]["params"][0]]["exp_avg"],
                        optimizer.state[param]["exp_avg"])
+
+
+def test_differentiable_steps_are_refused_with_what_to_use():
+    with pytest.raises(ValueError, match="use torch.optim.AdamW for differentiable=True"):
+        ShardLocalAdamW([torch.nn.Parameter(torch.ones(2))], differentiable=True)
 
 
 def test_sparse_gradients_are_refused_with_the_parameter_shape():
