@@ -9,6 +9,7 @@ stages (model chunks) per pipeline rank is recorded here too; it creates no grou
 This module owns the state; the named getters over it are in `parallel_state.py`.
 """
 
+import sys
 from datetime import timedelta
 
 import torch
@@ -243,6 +244,8 @@ def _forget_meshes_of_destroyed_groups():
     """torch caches DTensor sharding decisions, which carry their device mesh, keyed by meshes that compare equal
     whenever their ranks and dim names do. Groups built again after this would otherwise meet that cache and run
     a DTensor's collectives (e.g. `full_tensor()`) on a mesh of the destroyed groups."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return  # DTensor was never imported, so it has cached nothing (and importing it costs a second of CPU)
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     _clear_sharding_prop_cache()

@@ -1,6 +1,7 @@
 """Child process of test_safety: saves iteration 1, then dies (SIGKILL) in the middle of writing iteration 2.
 
-Usage: python -m tests.unit_tests.dist_checkpointing.interrupted_save_child ROOT {sync,async}
+test_safety forks it from the rank pools' fork server (`run_forked`, torch and Megatron already imported); by hand:
+python -m tests.unit_tests.dist_checkpointing.interrupted_save_child ROOT {sync,async}
 Writes ROOT/expected_weights.pt (the model at iteration 1) before starting the doomed save.
 """
 
@@ -40,6 +41,16 @@ def main(root, mode):
     while True:  # async: training goes on while the background write dies
         state.train_steps(1)
         time.sleep(0.01)
+
+
+def run_forked(root, mode, port, log_path):
+    """`main` as the one rank of its own world on `port`, with its output in `log_path`."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    torch.set_num_threads(1)
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    main(root, mode)
 
 
 if __name__ == "__main__":

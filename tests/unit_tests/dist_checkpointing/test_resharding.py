@@ -3,13 +3,13 @@ TP2xPP2xDP2 and under HFSDP (two outer instances of ZeRO-3 over two ranks), unde
 each loaded at a data-parallel size of 3, at TP1, at PP1 and under another wrapper; the losses after loading
 equal the uninterrupted run's.
 
-Every saver trains 5 iterations (12 samples per step, one per micro-batch, so that DP 1 to 4 see the same global
-batches; learning-rate warm-up over 2) and saves at iteration 3; loaders train 4-5 (4 tests the loaded weights, 5
-the optimizer state too).
-Across layouts and wrappers the fp32 losses agree to 1e-6 relative (only the order of floating-point reductions differs; the measured maximum is printed). Exact resume
-at the saving layout is the functional tests' job (`gpt/resume_*` cases, HSDP and HFSDP at DP4 included). One
-rank pool per world size: the savers of a world size share it, and one pool of 3 ranks loads all their
-checkpoints.
+Every saver trains 4 iterations (12 samples per step, so that DP 1 to 4 see the same global batches, in one
+micro-batch per data-parallel rank; learning-rate warm-up over 2) and saves at iteration 2; loaders train 3-4 (3
+tests the loaded weights, 4 the optimizer state and the learning-rate schedule too).
+Across layouts and wrappers the fp32 losses agree to 1e-6 relative (only the order of floating-point reductions
+differs; the measured maximum is printed). Exact resume at the saving layout is the functional tests' job
+(`gpt/resume_*` cases, HSDP and HFSDP at DP4 included). One rank pool per world size: the savers of a world size
+share it, and one pool of 3 ranks loads all their checkpoints.
 """
 
 import os
@@ -21,8 +21,10 @@ from tests.unit_tests.dist_checkpointing.pretrain_helpers import run_pretrain
 from tests.unit_tests.dist_checkpointing.test_resume import FP32_REL_TOLERANCE
 from tests.unit_tests.multiprocess_harness import run_on_ranks
 
-WIDE = "--micro-batch-size 1 --global-batch-size 12 --train-iters 5 --lr-decay-iters 5"
-SAVED_AT = 3
+SAMPLES_PER_STEP = 12
+ITERATIONS = 4
+SCHEDULE = f"--global-batch-size {SAMPLES_PER_STEP} --train-iters {ITERATIONS} --lr-decay-iters {ITERATIONS}"
+SAVED_AT = 2
 Z3 = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"
 TP2, PP2 = "--tensor-model-parallel-size 2", "--pipeline-model-parallel-size 2"
 LAYOUTS = {  # the data-parallel size is what the world size leaves
@@ -52,11 +54,21 @@ SAVED_AT_FOUR = {
 SAVED_AT_EIGHT = {"mfsdp_z3_tp2_pp2": ([], "distopt")}  # loaded at world 3 only
 
 
+def _flags(layout):
+    """The layout's flags and a schedule of one micro-batch per data-parallel rank and step (the global batch
+    is the same at every data-parallel size; only the order of floating-point reductions differs)."""
+    flags = LAYOUTS[layout]
+    model_parallel = (2 if TP2 in flags else 1) * (2 if PP2 in flags else 1)
+    data_parallel = torch.distributed.get_world_size() // model_parallel
+    assert SAMPLES_PER_STEP % data_parallel == 0, (layout, data_parallel)
+    return f"{SCHEDULE} --micro-batch-size {SAMPLES_PER_STEP // data_parallel} {flags}"
+
+
 def _save_and_load(workdir, saver, loaders):
     from megatron.training.checkpointing import write_tracker
 
     root = os.path.join(workdir, saver)
-    reference = run_pretrain(workdir, f"{WIDE} {LAYOUTS[saver]} --save {root} --save-interval {SAVED_AT} "
+    reference = run_pretrain(workdir, f"{_flags(saver)} --save {root} --save-interval {SAVED_AT} "
                                       "--ckpt-format torch_dist")
     if torch.distributed.get_rank() == 0:
         write_tracker(root, SAVED_AT)  # resume from the middle of the reference run
@@ -65,8 +77,7 @@ def _save_and_load(workdir, saver, loaders):
 
 
 def _load_each(workdir, root, loaders, schedule=""):
-    return {loader: run_pretrain(workdir, f"{WIDE} {schedule} {LAYOUTS[loader]} --load {root} "
-                                          "--ckpt-format torch_dist")
+    return {loader: run_pretrain(workdir, f"{_flags(loader)} {schedule} --load {root} --ckpt-format torch_dist")
             for loader in loaders}
 
 
@@ -90,7 +101,8 @@ def _check_matrix(saved, loaded_at_three, savers):
     largest = 0.0
     for saver, (loaders, at_three) in savers.items():
         reference, resumed = saved[saver]
-        assert sorted(reference) == list(range(1, 6)) and len(set(reference.values())) == 5, saver
+        assert sorted(reference) == list(range(1, ITERATIONS + 1)), saver
+        assert len(set(reference.values())) == ITERATIONS, saver
         if at_three is not None:
             resumed = {**resumed, f"{at_three} at DP3": loaded_at_three[saver]}
         for loader, losses in resumed.items():

@@ -1,19 +1,17 @@
 """A checkpoint is published only when complete: a writer killed mid-write (sync or --async-save) or a failed
 background write leaves the previous checkpoint the latest and loadable; --keep-last-n prunes old ones."""
 
+import multiprocessing
 import os
 import signal
 import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from tests.unit_tests.dist_checkpointing import interrupted_save_child
 from tests.unit_tests.dist_checkpointing.pretrain_helpers import TrainingState
-from tests.unit_tests.multiprocess_harness import run_on_ranks
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.unit_tests.multiprocess_harness import FORK_SERVER_PRELOAD, run_on_ranks
 
 
 def _free_port():
@@ -39,18 +37,24 @@ def _load_and_compare(root):
 def test_writer_killed_mid_write_keeps_previous_checkpoint(tmp_path):
     from megatron.training.checkpointing import read_tracker
 
+    # Each writer is a process of its own, forked from the rank pools' fork server (imports already done).
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(FORK_SERVER_PRELOAD)
     roots = {mode: tmp_path / mode for mode in ("sync", "async")}
+    logs = {mode: tmp_path / f"{mode}.log" for mode in roots}
     children = {}
     for mode, root in roots.items():
         root.mkdir()
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                   LOCAL_RANK="0", OMP_NUM_THREADS="1")
-        children[mode] = subprocess.Popen(
-            [sys.executable, "-m", "tests.unit_tests.dist_checkpointing.interrupted_save_child", str(root), mode],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        children[mode] = context.Process(target=interrupted_save_child.run_forked,
+                                         args=(str(root), mode, _free_port(), str(logs[mode])))
+        children[mode].start()
     for mode, child in children.items():
-        output = child.communicate(timeout=240)[0].decode(errors="replace")
-        assert child.returncode == -signal.SIGKILL, f"{mode}: {output[-3000:]}"
+        child.join(timeout=240)
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+        output = logs[mode].read_text(errors="replace") if logs[mode].exists() else ""
+        assert child.exitcode == -signal.SIGKILL, f"{mode}: exit code {child.exitcode}: {output[-3000:]}"
         root = roots[mode]
         assert read_tracker(root) == 1, mode
         assert sorted(os.listdir(root)) == ["expected_weights.pt", "iter_0000001", "iter_0000002.tmp",

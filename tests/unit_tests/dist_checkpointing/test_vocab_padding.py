@@ -17,8 +17,9 @@ from tests.unit_tests.multiprocess_harness import run_on_ranks
 
 VOCAB = 120
 PADDING = "--make-vocab-size-divisible-by 128"  # TINY_GPT's 64 would pad to 128 rows at TP1 and at TP2
-ROWS = {"": 128, "--tensor-model-parallel-size 2": 256}
-TP1, TP2 = ROWS
+# One micro-batch per data-parallel rank holds TINY_GPT's global batch of 8 (DP2 at TP1, DP1 at TP2).
+TP1, TP2 = "--micro-batch-size 4", "--tensor-model-parallel-size 2 --micro-batch-size 8"
+ROWS = {TP1: 128, TP2: 256}
 WRAPPERS = {
     "ddp": "",
     "distributed_optimizer": "--use-distributed-optimizer",
@@ -27,9 +28,10 @@ WRAPPERS = {
 }
 VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
 MOMENTS = ("exp_avg", "exp_avg_sq")
+SAVED_AT = 2  # iterations 1 and 2 both change the weights (learning-rate warm-up over 2 iterations)
 
 
-# Training goes on: under these wrappers a run saved at iteration 4 of 6 at one TP size is resumed at the other.
+# Training goes on: under these wrappers a run saved at iteration 2 of 4 at one TP size is resumed at the other.
 # The losses cannot equal the uninterrupted run's: the output layer's padding rows give logits that enter the
 # softmax's denominator (no label names them, but they take probability mass), and the resumed model has other
 # padding rows than the uninterrupted one (128 fresh ones at TP2; at TP1 the 128 trained rows of TP2 are gone).
@@ -56,21 +58,21 @@ def _load_and_save_again(saved, resaved, flags):
 
 
 def _every_wrapper_both_ways(workdir):
-    """Per wrapper and direction: pretrain() at one TP size saves at iteration 4; the checkpoint is loaded (and
+    """Per wrapper and direction: pretrain() at one TP size saves at iteration 2; the checkpoint is loaded (and
     saved again) at the other TP size, and under TRAINING_WRAPPERS training resumes there too."""
     from megatron.training.checkpointing import write_tracker
 
     results = {}
     for wrapper in WRAPPERS:
-        iterations = 6 if wrapper in TRAINING_WRAPPERS else 4
+        iterations = 2 * SAVED_AT if wrapper in TRAINING_WRAPPERS else SAVED_AT
         for save_tp, load_tp in ((TP1, TP2), (TP2, TP1)):
             case = os.path.join(workdir, f"{wrapper}_{ROWS[save_tp]}_to_{ROWS[load_tp]}")
             saved = os.path.join(case, "saved")
             flags = (f"{PADDING} {WRAPPERS[wrapper]} --ckpt-format torch_dist --train-iters {iterations} "
-                     f"--lr-decay-iters {iterations}")
-            reference = run_pretrain(case, f"{flags} {save_tp} --save {saved} --save-interval 4")
+                     f"--lr-decay-iters {2 * SAVED_AT}")
+            reference = run_pretrain(case, f"{flags} {save_tp} --save {saved} --save-interval {SAVED_AT}")
             if torch.distributed.get_rank() == 0:
-                write_tracker(saved, 4)  # resume from the middle of the reference run
+                write_tracker(saved, SAVED_AT)  # resume from the middle of the reference run
             torch.distributed.barrier()
             report = _load_and_save_again(saved, os.path.join(case, "resaved"), f"{flags} {load_tp}")
             resumed = None
@@ -88,8 +90,8 @@ def cases(tmp_path_factory):
 def _check_rows(case, saved_rows, loaded_rows):
     from megatron.core.dist_checkpointing import offline
 
-    saved = offline.read_checkpoint(os.path.join(case, "saved", "iter_0000004"))
-    resaved = offline.read_checkpoint(os.path.join(case, "resaved", "iter_0000004"))
+    saved = offline.read_checkpoint(os.path.join(case, "saved", f"iter_{SAVED_AT:07d}"))
+    resaved = offline.read_checkpoint(os.path.join(case, "resaved", f"iter_{SAVED_AT:07d}"))
     common = min(saved_rows, loaded_rows)
     for name in VOCAB_TENSORS:
         keys = [f"model.{name}"] + [f"optimizer.state.{name}.{moment}" for moment in MOMENTS]
@@ -126,10 +128,12 @@ def test_training_continues_at_another_vocab_padding(cases):
     for case, (_, _, _, reference, resumed) in cases.items():
         if resumed is None:
             continue
-        assert sorted(reference) == list(range(1, 7)) and sorted(resumed) == [5, 6], case
+        assert sorted(reference) == list(range(1, 2 * SAVED_AT + 1)), case
+        assert sorted(resumed) == list(range(SAVED_AT + 1, 2 * SAVED_AT + 1)), case
         assert all(math.isfinite(loss) for loss in resumed.values()), (case, resumed)
         more_padding = case.endswith("128_to_256")
-        assert (resumed[5] > reference[5]) == more_padding, (case, reference, resumed)  # the padding's mass
+        first = SAVED_AT + 1
+        assert (resumed[first] > reference[first]) == more_padding, (case, reference, resumed)  # the padding's mass
         differences = [abs(resumed[i] - reference[i]) / reference[i] for i in resumed]
         largest[os.path.basename(case)] = max(differences)
         assert max(differences) <= REL_TOLERANCE, (case, reference, resumed)

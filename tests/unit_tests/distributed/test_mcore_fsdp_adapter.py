@@ -11,7 +11,6 @@ Covered per world size (each rank function trains every case against one DDP ref
 - `pretrain()` with `--use-megatron-fsdp` against the DDP run of the same command line.
 """
 
-import dataclasses
 import json
 import types
 
@@ -37,18 +36,23 @@ def _layout(tp=1, pp=1, sp=False, instances=1):
     return {"tp": tp, "pp": pp, "sp": sp, "instances": instances}
 
 
+_groups_built_for = None  # the model-parallel sizes parallel_state was last initialised with here
+
+
 def _build(layout, meta=False, num_layers=2, fp16=False):
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout["tp"],
-        pipeline_model_parallel_size=layout["pp"],
-        num_distributed_optimizer_instances=layout["instances"],
-    )
+    global _groups_built_for
+    sizes = dict(tensor_model_parallel_size=layout["tp"], pipeline_model_parallel_size=layout["pp"],
+                 num_distributed_optimizer_instances=layout["instances"])
+    # Consecutive runs of one layout train on the same groups (the harness destroys them after each task).
+    if not (parallel_state.model_parallel_is_initialized() and _groups_built_for == sizes):
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(**sizes)
+        _groups_built_for = sizes
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
     config = TransformerConfig(
         num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=HEADS, hidden_dropout=0.0,
@@ -312,6 +316,7 @@ def test_param_offload_reaches_the_configs(monkeypatch):
     args = validated("--use-megatron-fsdp --megatron-fsdp-param-offload", monkeypatch=monkeypatch)
     ddp_config = ddp_config_from_args(args)
     assert ddp_config.megatron_fsdp_param_offload and _package_ddp_config(ddp_config).param_offload
-    assert not ddp_config_from_args(validated("--use-megatron-fsdp", monkeypatch=monkeypatch)).megatron_fsdp_param_offload
+    without_offload = ddp_config_from_args(validated("--use-megatron-fsdp", monkeypatch=monkeypatch))
+    assert not without_offload.megatron_fsdp_param_offload
     with pytest.raises(ValueError, match=r"\(--megatron-fsdp-param-offload\) offloads ZeRO-3's shards"):
         DistributedDataParallelConfig(megatron_fsdp_param_offload=True)

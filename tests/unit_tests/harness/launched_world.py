@@ -101,7 +101,7 @@ class LaunchedWorld:
         """
         pending = dict(keys_by_rank)
         deadline = time.monotonic() + timeout_s
-        pause, next_position_check = 0.0005, time.monotonic() + 1.0
+        pause, next_position_check = 0.0005, time.monotonic() + 0.2
         while pending:
             for rank in [r for r, key in pending.items() if self._store.check([key])]:
                 del pending[rank]
@@ -109,8 +109,10 @@ class LaunchedWorld:
                 return
             now = time.monotonic()
             if now >= next_position_check:
-                next_position_check = now + 1.0
-                gone = sorted(r for r in pending if self._peer_position(r) > self._test_index)
+                next_position_check = now + 0.2
+                # The key is looked at again after the position: a peer that answered and then went on is not gone.
+                gone = sorted(r for r, key in pending.items()
+                              if self._peer_position(r) > self._test_index and not self._store.check([key]))
                 if gone:
                     self._dirty = True
                     raise MultiRankError(f"{what}: launched ranks {gone} left this test without answering "

@@ -1,15 +1,15 @@
 """Quantization-aware training through pretrain() (2 ranks): a trained tiny GPT is quantized (FP8 PTQ,
 examples/post_training/quantize.py) and exported as a torch_dist checkpoint holding modelopt's state; pretrain()
 loads it (`--load Q --finetune`), which converts the freshly built model from that state before loading the
-weights and amaxes, and trains it quantized under DDP and under Megatron-FSDP. A QAT run interrupted after 3
+weights and amaxes, and trains it quantized under DDP and under Megatron-FSDP. A QAT run interrupted after 2
 iterations and resumed from its torch_dist checkpoint at another tensor-parallel size (TP2 instead of DP2)
-continues the uninterrupted run's losses.
+continues the uninterrupted run's losses (iteration 3 tests the loaded model, 4 the loaded optimizer state).
 
 fp32 on CPUs: the runs differ only in the order of floating-point reductions (and, resumed at TP2, in the
 partial sums of row-parallel layers); with the same amaxes the fake-quantized values are the same unless an
-element sits on a rounding boundary, so losses agree to 1e-5 relative (measured: Megatron-FSDP 2.2e-6, resumed
-at TP2 3e-8). The mock data are random tokens, so the losses stay near ln(vocab); the README's QAT numbers come
-from a corpus.
+element sits on a rounding boundary, so losses agree to 1e-5 relative (measured: Megatron-FSDP equal to DDP in
+all 4 iterations, resumed at TP2 2.5e-8). The mock data are random tokens, so the losses stay near ln(vocab);
+the README's QAT numbers come from a corpus.
 """
 
 import os
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 DIST = "--ckpt-format torch_dist"
-QAT_ITERS = "--train-iters 6 --lr-decay-iters 6 --lr-warmup-iters 0 --lr 1e-3 --min-lr 1e-4"
+QAT_ITERS = "--train-iters 4 --lr-decay-iters 4 --lr-warmup-iters 0 --lr 1e-3 --min-lr 1e-4"
 REL_TOLERANCE = 1e-5
 
 
@@ -56,13 +56,13 @@ def _qat_runs(workdir):
     from_quantized = f"--load {exported} --finetune {DIST} {QAT_ITERS}"
     results = {
         "ptq": ptq,
-        "qat_ddp": run_pretrain(workdir, f"{from_quantized} --save {qat} --save-interval 3"),
+        "qat_ddp": run_pretrain(workdir, f"{from_quantized} --save {qat} --save-interval 2"),
         "qat_megatron_fsdp": run_pretrain(
             workdir, f"{from_quantized} --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"),
         "finetune_unquantized": run_pretrain(workdir, f"--load {trained} --finetune {DIST} {QAT_ITERS}"),
     }
     if torch.distributed.get_rank() == 0:
-        write_tracker(qat, 3)  # resume from the checkpoint of iteration 3
+        write_tracker(qat, 2)  # resume from the checkpoint of iteration 2
     torch.distributed.barrier()
     results["qat_resumed_tp2"] = run_pretrain(workdir, f"--load {qat} {DIST} {QAT_ITERS} "
                                                        "--tensor-model-parallel-size 2")
@@ -86,7 +86,7 @@ def test_ptq_changes_the_validation_loss_a_little(qat_results):
 
 def test_qat_trains_the_quantized_model(qat_results):
     qat, plain = qat_results["qat_ddp"], qat_results["finetune_unquantized"]
-    assert sorted(qat) == sorted(plain) == [1, 2, 3, 4, 5, 6]
+    assert sorted(qat) == sorted(plain) == [1, 2, 3, 4]
     for iteration in qat:  # the quantized model is what trains: its losses are not the plain model's
         assert qat[iteration] != plain[iteration], iteration
         assert abs(qat[iteration] - plain[iteration]) < 0.05 * plain[iteration], (iteration, qat, plain)
@@ -101,6 +101,6 @@ def test_qat_under_megatron_fsdp_equals_ddp(qat_results):
 
 def test_qat_resumed_at_tp2_continues_the_uninterrupted_run(qat_results):
     resumed, straight = qat_results["qat_resumed_tp2"], qat_results["qat_ddp"]
-    assert sorted(resumed) == [4, 5, 6], resumed
+    assert sorted(resumed) == [3, 4], resumed
     for iteration in resumed:
         _assert_close(resumed[iteration], straight[iteration], f"resumed iteration {iteration}")

@@ -338,15 +338,19 @@ def test_qkv_and_swiglu_layouts(tools):
 
 
 @pytest.mark.world_size(1)
-def test_cli_round_trip(checkpoints, tmp_path):
-    """The command line writes and reads the same directory the functions do."""
+def test_cli_round_trip(checkpoints, tools, tmp_path, monkeypatch):
+    """The command line writes and reads the same directory the functions do: `--to hf` as a script in a fresh
+    process, `--from hf` through the same `main()` in this one."""
     import subprocess
 
+    convert_checkpoint, _ = tools
     root, _ = checkpoints["gpt2"]
     script = os.path.join(TOOLS, "convert_checkpoint.py")
-    for direction, source, target in (("--to", root, tmp_path / "hf"), ("--from", tmp_path / "hf", tmp_path / "back")):
-        result = subprocess.run([sys.executable, script, direction, "hf", "--input", str(source), "--output",
-                                 str(target)], capture_output=True, text=True, check=False)
-        assert result.returncode == 0, result.stderr
+    result = subprocess.run([sys.executable, script, "--to", "hf", "--input", root, "--output", str(tmp_path / "hf")],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    monkeypatch.setattr(sys, "argv", [script, "--from", "hf", "--input", str(tmp_path / "hf"), "--output",
+                                      str(tmp_path / "back")])
+    convert_checkpoint.main()
     original, back = _model_tensors(root), _model_tensors(str(tmp_path / "back"))
     assert sorted(back) == sorted(original) and all(torch.equal(back[k], v) for k, v in original.items())

@@ -17,7 +17,8 @@ from megatron.training.training import pretrain
 from tests.unit_tests.dist_checkpointing.pretrain_helpers import tiny_gpt_argv
 
 for root in sys.argv[1:]:
-    argv = tiny_gpt_argv(f"--train-iters 4 --save {root} --save-interval 2 --async-save --ckpt-format torch_dist")
+    argv = tiny_gpt_argv(f"--train-iters 2 --global-batch-size 2 --save {root} --save-interval 1 --async-save "
+                         "--ckpt-format torch_dist")
     pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
              ModelType.encoder_or_decoder, pretrain_gpt.forward_step, argv=argv.split())
     print("TRACKER", root, read_tracker(root), flush=True)
@@ -40,6 +41,6 @@ def test_background_saves_work_in_a_second_pretrain_of_the_process(tmp_path):
     assert result.returncode == 0, output[-3000:]
     assert "NOT saved" not in output, output[-3000:]
     for root in roots:
-        assert f"TRACKER {root} 4" in output
-        assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt",
+        assert f"TRACKER {root} 2" in output
+        assert sorted(os.listdir(root)) == ["iter_0000001", "iter_0000002", "latest_checkpointed_iteration.txt",
                                             "metrics.jsonl"]

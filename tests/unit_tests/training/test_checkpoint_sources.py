@@ -3,6 +3,8 @@
 
 One pool task trains once straight and resumes several ways from the checkpoints it and an interrupted run
 wrote; the tests below assert on its results (fp32 on CPU: resumed losses equal the straight run's exactly).
+Runs that resume a checkpoint train two iterations past it (--exit-interval where the schedule goes on): the
+first tests the loaded model, the second the loaded optimizer state.
 """
 
 import contextlib
@@ -71,14 +73,14 @@ def _all_runs(workdir):
         write_tracker(torch_root, 4)
     torch.distributed.barrier()
     results["auto_detect"] = run_pretrain(workdir, f"{SCHEDULE} --ckpt-format torch_dist --auto-detect-ckpt-format "
-                                                   f"--load {torch_root} --save {workdir}/auto_saved")
-    results["auto_saved"] = sorted(os.listdir(f"{workdir}/auto_saved/iter_0000010"))
+                                                   f"--load {torch_root} --save {workdir}/auto_saved --exit-interval 6")
+    results["auto_saved"] = sorted(os.listdir(f"{workdir}/auto_saved/iter_0000006"))
     # 3. --ckpt-convert-format torch_dist: iteration 4 of the torch checkpoint, then a resume from the converted one.
     results["convert_returned"] = _pretrain_returning_iteration(
         f"{SCHEDULE} --ckpt-format torch --load {torch_root} --ckpt-convert-format torch_dist "
         f"--ckpt-convert-save {converted_root}")
     results["converted"] = (_listing(converted_root), read_tracker(converted_root))
-    results["from_converted"] = run_pretrain(workdir, f"{SCHEDULE} --load {converted_root}")
+    results["from_converted"] = run_pretrain(workdir, f"{SCHEDULE} --load {converted_root} --exit-interval 6")
     # 4. Non-persistent checkpoints every 3 iterations, persistent ones every 5, interrupted in iteration 8.
     persistent_root = f"{workdir}/persistent"
     try:
@@ -94,7 +96,7 @@ def _all_runs(workdir):
     # 5. Resume it with --use-checkpoint-args and a wrong model shape on the command line.
     results["resumed_with_checkpoint_args"] = run_pretrain(
         workdir, f"{SCHEDULE} --load {persistent_root} --use-checkpoint-args --hidden-size 64 --num-layers 2 "
-                 "--ffn-hidden-size 48")
+                 "--ffn-hidden-size 48 --exit-interval 8")
     # 6. --ckpt-step: iteration 8 of the torch checkpoint although its tracker names 4; a step that is not there.
     results["ckpt_step"] = run_pretrain(workdir, f"{SCHEDULE} --ckpt-format torch --load {torch_root} --ckpt-step 8")
     try:
@@ -102,11 +104,12 @@ def _all_runs(workdir):
         results["missing_step"] = None
     except FileNotFoundError as error:
         results["missing_step"] = str(error)
-    # 7. --finetune from the torch checkpoint of 8: the report names the directory loaded.
+    # 7. --finetune from the torch checkpoint of 8: the report names the directory loaded; training restarts at
+    # iteration 0 (stopped at 2: without --finetune, the same flags would train iterations 9 and 10).
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         results["finetuned"] = run_pretrain(workdir, f"{SCHEDULE} --ckpt-format torch --load {torch_root} "
-                                                     "--ckpt-step 8 --finetune")
+                                                     "--ckpt-step 8 --finetune --exit-interval 2")
     results["finetune_report"] = printed.getvalue()
     # 8. --pretrained-checkpoint (the converted checkpoint of 4) where --load holds none: fine-tuned from it, saved
     # under --load; the same command launched again finds the finished run under --load and trains nothing.
@@ -127,8 +130,8 @@ def runs(tmp_path_factory):
     return run_on_ranks(WORLD_SIZE, _all_runs, workdir)[0]
 
 
-def _second_part(losses, first):
-    return {iteration: loss for iteration, loss in losses.items() if iteration >= first}
+def _second_part(losses, first, last=10):
+    return {iteration: loss for iteration, loss in losses.items() if first <= iteration <= last}
 
 
 def test_save_retain_interval_keeps_multiples_and_the_latest(runs):
@@ -140,7 +143,7 @@ def test_save_retain_interval_keeps_multiples_and_the_latest(runs):
 def test_auto_detect_loads_a_torch_checkpoint_under_torch_dist(runs):
     straight = runs["straight"]
     assert sorted(straight) == list(range(1, 11)) and len(set(straight.values())) == 10
-    assert runs["auto_detect"] == _second_part(straight, 5)
+    assert runs["auto_detect"] == _second_part(straight, 5, 6)
     assert ".metadata" in runs["auto_saved"]  # saving still follows --ckpt-format torch_dist
 
 
@@ -148,7 +151,7 @@ def test_ckpt_convert_format_saves_the_loaded_checkpoint_and_stops(runs):
     assert runs["convert_returned"] == 4  # returned right after loading iteration 4: no training
     listing, tracker = runs["converted"]
     assert listing == ["iter_0000004", "latest_checkpointed_iteration.txt"] and tracker == 4
-    assert runs["from_converted"] == _second_part(runs["straight"], 5)
+    assert runs["from_converted"] == _second_part(runs["straight"], 5, 6)
 
 
 def test_non_persistent_checkpoint_is_resumed_when_newer(runs):
@@ -156,7 +159,7 @@ def test_non_persistent_checkpoint_is_resumed_when_newer(runs):
     assert runs["persistent"] == (["iter_0000005", "latest_checkpointed_iteration.txt", "non_persistent"], 5)
     assert runs["non_persistent"] == (["iter_0000006", "latest_checkpointed_iteration.txt"], 6)
     # Resumed at 6 (non-persistent, newer than 5), with the checkpoint's model despite --hidden-size 64.
-    assert runs["resumed_with_checkpoint_args"] == _second_part(runs["straight"], 7)
+    assert runs["resumed_with_checkpoint_args"] == _second_part(runs["straight"], 7, 8)
 
 
 def test_retention_never_removes_the_latest_or_runs_before_the_tracker_names_it(tmp_path):
@@ -183,7 +186,7 @@ def test_ckpt_step_loads_that_iteration_and_names_the_ones_there(runs, monkeypat
 
 
 def test_finetune_reports_the_directory_it_loaded(runs):
-    assert sorted(runs["finetuned"]) == list(range(1, 11))  # iteration 0 again
+    assert sorted(runs["finetuned"]) == [1, 2]  # iteration 0 again
     assert "/torch/iter_0000008 (--ckpt-format torch): model, resuming at iteration 0" in runs["finetune_report"]
 
 

@@ -55,13 +55,12 @@ def _save_and_resume(workdir, resume_layouts, wrapper="--use-distributed-optimiz
     from megatron.training.checkpointing import write_tracker
 
     root = os.path.join(workdir, "ckpt")
-    schedule = "--train-iters 6 --lr-decay-iters 6"
-    uninterrupted = run_pretrain(workdir, f"{saving_layout} {schedule} --save {root} --save-interval 3 "
+    uninterrupted = run_pretrain(workdir, f"{saving_layout} {ITERATIONS} --save {root} --save-interval 2 "
                                           f"--ckpt-format torch_dist {wrapper}")
     if torch.distributed.get_rank() == 0:
-        write_tracker(root, 3)  # resume from the middle of the uninterrupted run
+        write_tracker(root, 2)  # resume from the middle: iteration 3 tests the loaded model, 4 the optimizer state
     torch.distributed.barrier()
-    resumed = {layout: run_pretrain(workdir, f"{layout} {schedule} --load {root} --ckpt-format torch_dist "
+    resumed = {layout: run_pretrain(workdir, f"{layout} {ITERATIONS} --load {root} --ckpt-format torch_dist "
                                              f"{wrapper}")
                for layout in resume_layouts}
     return uninterrupted, resumed
@@ -75,11 +74,11 @@ def test_checkpoint_saved_at_pp2_vpp2_resumes_at_pp1_pp2_and_vpp(tmp_path):
     # PP1 (two data-parallel ranks), PP2 without VPP, an uneven layout of PP2 x VPP2, the saving layout
     layouts = ["", PP2, UNEVEN_VPP, VPP]
     uninterrupted, resumed = run_on_ranks(2, _save_and_resume, str(tmp_path), layouts)[0]
-    assert sorted(uninterrupted) == list(range(1, 7))
-    assert resumed[VPP] == {i: uninterrupted[i] for i in range(4, 7)}  # same layout: identical
+    assert sorted(uninterrupted) == list(range(1, 5))
+    assert resumed[VPP] == {i: uninterrupted[i] for i in range(3, 5)}  # same layout: identical
     for layout in ("", PP2, UNEVEN_VPP):
-        assert sorted(resumed[layout]) == [4, 5, 6], layout
-        for iteration in range(4, 7):
+        assert sorted(resumed[layout]) == [3, 4], layout
+        for iteration in range(3, 5):
             assert resumed[layout][iteration] == pytest.approx(uninterrupted[iteration], rel=REL_TOLERANCE, abs=0)
 
 
@@ -99,13 +98,13 @@ def _megatron_fsdp_both_ways(workdir):
 def test_megatron_fsdp_checkpoint_saved_at_pp2_vpp2_resumes_at_pp1_and_back(tmp_path):
     from_vpp, from_pp1 = run_on_ranks(2, _megatron_fsdp_both_ways, str(tmp_path))[0]
     uninterrupted, resumed = from_vpp
-    assert sorted(uninterrupted) == list(range(1, 7))
-    assert len(set(uninterrupted.values())) == 6  # every iteration updates the model
-    assert resumed[VPP] == {i: uninterrupted[i] for i in range(4, 7)}  # same layout: identical
-    assert sorted(resumed[""]) == [4, 5, 6]
-    for iteration in range(4, 7):
+    assert sorted(uninterrupted) == list(range(1, 5))
+    assert len(set(uninterrupted.values())) == 4  # every iteration updates the model
+    assert resumed[VPP] == {i: uninterrupted[i] for i in range(3, 5)}  # same layout: identical
+    assert sorted(resumed[""]) == [3, 4]
+    for iteration in range(3, 5):
         assert resumed[""][iteration] == pytest.approx(uninterrupted[iteration], rel=REL_TOLERANCE, abs=0)
     uninterrupted, resumed = from_pp1
-    assert sorted(resumed[VPP]) == [4, 5, 6]
-    for iteration in range(4, 7):
+    assert sorted(resumed[VPP]) == [3, 4]
+    for iteration in range(3, 5):
         assert resumed[VPP][iteration] == pytest.approx(uninterrupted[iteration], rel=REL_TOLERANCE, abs=0)

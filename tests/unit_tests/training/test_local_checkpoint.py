@@ -1,8 +1,8 @@
 """`--non-persistent-ckpt-type local` on real `pretrain()` runs at 2 ranks, and its pure parts.
 
-Per wrapper, one pool task trains 10 iterations straight; then a run saves a persistent checkpoint at 2, a run
+Per wrapper, one pool task trains 8 iterations straight; then a run saves a persistent checkpoint at 2, a run
 resumes it with local checkpoints every 2 iterations and stops at 6 (no persistent save: no --save), and the
-same command resumes the local checkpoint of 6 and trains to 10: its losses equal the straight run's bit for bit
+same command resumes the local checkpoint of 6 and trains to 8: its losses equal the straight run's bit for bit
 (fp32 on CPU). Under DDP, copies of the local checkpoint of 6 are then loaded without --load, under another
 layout (refused, the global checkpoint of 2 is loaded) and with one rank's part left as an interrupted `.tmp`
 (refused, likewise).
@@ -23,7 +23,7 @@ from tests.unit_tests.dist_checkpointing.pretrain_helpers import run_pretrain
 from tests.unit_tests.multiprocess_harness import run_on_ranks
 
 WORLD_SIZE = 2
-SCHEDULE = "--train-iters 10 --lr-decay-iters 10"
+SCHEDULE = "--train-iters 8 --lr-decay-iters 8"
 WRAPPERS = {
     "ddp": "",
     "distopt_atomic": "--use-distributed-optimizer",  # saved with --non-persistent-local-ckpt-algo atomic
@@ -72,7 +72,7 @@ def _all_runs(workdir, wrapper):
         _copy(local, f"{workdir}/{copy}")
     results["resumed"], results["resumed_log"] = _run(workdir, f"{flags} --load {persistent} "
                                                                f"{_local(local, wrapper)}")
-    results["listing_at_10"] = _listing(local)
+    results["listing_at_8"] = _listing(local)
     if wrapper != "ddp":
         return results
     results["no_load"], results["no_load_log"] = _run(workdir, f"{flags} {_local(workdir + '/no_load')}")
@@ -93,19 +93,19 @@ def runs(request, tmp_path_factory):
     return request.param, workdir, run_on_ranks(WORLD_SIZE, _all_runs, workdir, request.param)[0]
 
 
-def _from(losses, first, last=10):
+def _from(losses, first, last=8):
     return {iteration: losses[iteration] for iteration in range(first, last + 1)}
 
 
 def test_resume_from_the_local_checkpoint_is_exact(runs):
     wrapper, _, results = runs
     straight = results["straight"]
-    assert sorted(straight) == list(range(1, 11)) and len(set(straight.values())) == 10
+    assert sorted(straight) == list(range(1, 9)) and len(set(straight.values())) == 8
     assert results["interrupted"] == _from(straight, 3, 6)  # resumed the persistent checkpoint of 2
     assert results["resumed"] == _from(straight, 7)  # resumed the local checkpoint of 6
     assert "loaded local checkpoint" in results["resumed_log"]
     assert "newer than the global checkpoint: of iteration 2" in results["resumed_log"]
-    written = "saved local checkpoint of iteration 10 to "
+    written = "saved local checkpoint of iteration 8 to "
     if wrapper.endswith("_async"):
         assert written in results["resumed_log"] and "in the background" in results["resumed_log"]
     else:
@@ -115,12 +115,12 @@ def test_resume_from_the_local_checkpoint_is_exact(runs):
 def test_only_the_latest_local_checkpoint_is_kept(runs):
     _, _, results = runs
     assert results["listing_at_6"] == {"rank_00000": ["iter_0000006"], "rank_00001": ["iter_0000006"]}
-    assert results["listing_at_10"] == {"rank_00000": ["iter_0000010"], "rank_00001": ["iter_0000010"]}
+    assert results["listing_at_8"] == {"rank_00000": ["iter_0000008"], "rank_00001": ["iter_0000008"]}
 
 
 def test_parts_store_replicas_once_with_fully_parallel_and_everything_with_atomic(runs):
     wrapper, workdir, _ = runs
-    parts = [local_checkpoint_files.read_state(local_checkpoint_files.checkpoint_dir(f"{workdir}/local", rank, 10))
+    parts = [local_checkpoint_files.read_state(local_checkpoint_files.checkpoint_dir(f"{workdir}/local", rank, 8))
              for rank in range(WORLD_SIZE)]
     stored = [set(part["tensors"]) for part in parts]
     held = [set(part["held"]) for part in parts]

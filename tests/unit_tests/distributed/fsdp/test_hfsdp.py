@@ -19,10 +19,19 @@ SHARD, OUTER = 2, 2
 STEPS_BEFORE_SAVE, STEPS_AFTER_LOAD = 2, 2
 
 
+_mesh_of_world = None  # (default process group, mesh): every wrap in one world shares the mesh's process groups
+
+
 def _mesh_kwargs():
+    """HFSDP on the (dp_outer, dp_shard) mesh, built once per default process group (a new world builds anew)."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (OUTER, SHARD), mesh_dim_names=("dp_outer", "dp_shard"))
+    global _mesh_of_world
+    if _mesh_of_world is None or _mesh_of_world[0] is not dist.group.WORLD:
+        mesh = init_device_mesh("cpu", (OUTER, SHARD), mesh_dim_names=("dp_outer", "dp_shard"))
+        _mesh_of_world = (dist.group.WORLD, mesh)
+    mesh = _mesh_of_world[1]
     return dict(device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
                 hybrid_fsdp_group=mesh._flatten("dp_outer_shard").get_group(), outer_dp_sharding_strategy="optim")
 

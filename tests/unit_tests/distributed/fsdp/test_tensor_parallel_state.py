@@ -20,7 +20,10 @@ from tests.unit_tests.multiprocess_harness import run_on_ranks
 TP = 2
 VOCAB, HIDDEN, FFN, SEQ = 16, 8, 10, 6  # FFN / TP = 5 rows per TP rank: split 3 + 2 over dp_shard=2
 GLOBAL_BATCH = 4  # sequences per step, divisible by dp_shard = 1 and 2
-STEPS_BEFORE_SAVE, STEPS_AFTER_LOAD = 3, 3
+TRAIN_STEPS = 3  # steps of the training-parity runs
+# Checkpoint runs: the losses after loading are those of the loaded weights, then of one and two steps taken with
+# the loaded optimizer state.
+STEPS_BEFORE_SAVE, STEPS_AFTER_LOAD = 2, 2
 LR = 1e-2
 MAX_GRAD_NORM = 0.5  # below the toy model's gradient norms (about 1.5), so every step clips
 
@@ -159,7 +162,24 @@ def _clip_fsdp(model, optimizer):
     return megatron_fsdp.clip_grad_norm_(optimizer, MAX_GRAD_NORM)
 
 
+_meshes = {}  # name -> (default process group, mesh): every wrap in one world shares the mesh's process groups
+
+
+def _mesh_of_this_world(name, build):
+    """`build()`'s mesh, built once per default process group (a new world, e.g. under torchrun, builds anew)."""
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    if name not in _meshes or _meshes[name][0] is not world:
+        _meshes[name] = (world, build())
+    return _meshes[name][1]
+
+
 def _fsdp_mesh():
+    return _mesh_of_this_world("fsdp", _new_fsdp_mesh)
+
+
+def _new_fsdp_mesh():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -173,6 +193,10 @@ def _fsdp_mesh():
 
 def _hybrid_mesh():
     """(dp_outer=2, dp_shard, tp), ranks laid out tp fastest: dp_shard=1 at world 4, dp_shard=2 at world 8."""
+    return _mesh_of_this_world("hybrid", _new_hybrid_mesh)
+
+
+def _new_hybrid_mesh():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -250,12 +274,12 @@ def _fsdp_versus_tp_only(variants, clipped_outers=(None, "optim")):
     ZeRO-3 and `megatron_fsdp.clip_grad_norm_`."""
     config = _init_tensor_parallel()
     _meshes_agree_with_parallel_state()
-    batches = _batches(STEPS_BEFORE_SAVE + 1)
+    batches = _batches(TRAIN_STEPS + 1)
 
     reference = _build(config, seed=0)
     initial_params = {name: _full_reference(p) for name, p in reference.named_parameters()}
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
-    expected = _train(reference, reference_optimizer, batches, 0, STEPS_BEFORE_SAVE, average_dp_grads=True)
+    expected = _train(reference, reference_optimizer, batches, 0, TRAIN_STEPS, average_dp_grads=True)
     expected_params = {name: _full_reference(p) for name, p in reference.named_parameters()}
     results = {}
     for variant in variants:
@@ -263,7 +287,7 @@ def _fsdp_versus_tp_only(variants, clipped_outers=(None, "optim")):
         # full_tensor() of the full-shape DTensors is exactly the concatenation of the TP partitions
         initial_equal = {name: torch.equal(value.full_tensor(), initial_params[name])
                          for name, value in model.state_dict().items()}
-        losses = _train(model, optimizer, batches, 0, STEPS_BEFORE_SAVE)
+        losses = _train(model, optimizer, batches, 0, TRAIN_STEPS)
         full = {name: value.full_tensor() for name, value in model.state_dict().items()}
         layout = (model.topology.outer_size, model.topology.dp_size, model.topology.tp_size)
         results[variant] = (losses, initial_equal,
@@ -271,12 +295,12 @@ def _fsdp_versus_tp_only(variants, clipped_outers=(None, "optim")):
 
     reference = _build(config, seed=0)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
-    clipped = _train(reference, reference_optimizer, batches, 0, STEPS_BEFORE_SAVE, average_dp_grads=True,
+    clipped = _train(reference, reference_optimizer, batches, 0, TRAIN_STEPS, average_dp_grads=True,
                      clip=_clip_tp_only)
     clipped_runs = {}
     for outer in clipped_outers:  # HFSDP: the norm also sums the sub-shards over dp_outer
         model, optimizer = _wrap(config, 0, 3, outer)
-        clipped_runs[outer] = _train(model, optimizer, batches, 0, STEPS_BEFORE_SAVE, clip=_clip_fsdp)
+        clipped_runs[outer] = _train(model, optimizer, batches, 0, TRAIN_STEPS, clip=_clip_fsdp)
     return expected, results, (clipped, clipped_runs)
 
 

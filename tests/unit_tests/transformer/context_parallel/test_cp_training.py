@@ -23,6 +23,25 @@ def _cp_and_reference(workdir, reference_args, cp_args):
     return run_pretrain(workdir, f"{MODEL} {reference_args}"), run_pretrain(workdir, f"{MODEL} {cp_args}")
 
 
+@pytest.fixture(scope="module")
+def reference_losses(tmp_path_factory):
+    """`losses(world_size, flags)`: {iteration: loss} of MODEL + `flags` without context parallelism, trained once
+    per configuration for all the tests of this module that compare against it."""
+    workdir, trained = str(tmp_path_factory.mktemp("cp_references")), {}
+
+    def losses(world_size, flags):
+        if (world_size, flags) not in trained:
+            trained[world_size, flags] = run_on_ranks(world_size, run_pretrain, workdir, f"{MODEL} {flags}")[0]
+        return trained[world_size, flags]
+
+    return losses
+
+
+def _with_cp(world_size, workdir, reference, cp_args):
+    """(reference, losses with CP) per rank, for `_assert_same_losses`."""
+    return [(reference, losses) for losses in run_on_ranks(world_size, run_pretrain, workdir, f"{MODEL} {cp_args}")]
+
+
 def _assert_same_losses(results):
     for reference, with_cp in results:
         assert sorted(with_cp) == sorted(reference) == [1, 2, 3, 4]
@@ -36,22 +55,20 @@ def _assert_same_losses(results):
     [("p2p", "ddp"), ("allgather", "distributed_optimizer"), ("a2a", "megatron_fsdp_z3"), ("p2p", "fsdp2"),
      ("p2p", "megatron_fsdp_z3")],
 )
-def test_cp2_trains_as_cp1(tmp_path, world_size, comm_type, wrapper):
+def test_cp2_trains_as_cp1(tmp_path, world_size, comm_type, wrapper, reference_losses):
     """CP2 on two ranks (one data-parallel rank) against DP2 without context parallelism: the same global batch."""
     extra = WRAPPERS[wrapper]
-    results = run_on_ranks(world_size, _cp_and_reference, str(tmp_path), extra,
-                           f"{extra} --context-parallel-size 2 --cp-comm-type {comm_type}")
-    _assert_same_losses(results)
+    _assert_same_losses(_with_cp(world_size, str(tmp_path), reference_losses(world_size, extra),
+                                 f"{extra} --context-parallel-size 2 --cp-comm-type {comm_type}"))
 
 
 @pytest.mark.parametrize("world_size", [2])
-def test_cp2_with_an_explicit_attention_mask_trains_as_cp1(tmp_path, world_size):
+def test_cp2_with_an_explicit_attention_mask_trains_as_cp1(tmp_path, world_size, reference_losses):
     """--reset-attention-mask makes the dataset hand out a `[b, 1, s, s]` mask: the explicit-mask path of the
     ring. (Mock samples hold no EOD, so the loss mask is full here; see the uneven-count test below.)"""
     masks = "--reset-attention-mask --reset-position-ids --eod-mask-loss"
-    results = run_on_ranks(world_size, _cp_and_reference, str(tmp_path), masks,
-                           f"{masks} --context-parallel-size 2 --cp-comm-type p2p")
-    _assert_same_losses(results)
+    _assert_same_losses(_with_cp(world_size, str(tmp_path), reference_losses(world_size, masks),
+                                 f"{masks} --context-parallel-size 2 --cp-comm-type p2p"))
 
 
 @pytest.mark.parametrize("world_size", [4])
@@ -123,23 +140,23 @@ def test_cp2_pp2_trains_as_pp2(tmp_path, world_size):
 
 
 def _cp_checkpoint_resumed_without_cp(workdir):
-    """4 iterations of CP1 DDP straight; CP2 Megatron-FSDP ZeRO-3 saving at iteration 2 (torch_dist), then CP1 DDP
-    loading that checkpoint and training iterations 3 and 4."""
+    """CP2 Megatron-FSDP ZeRO-3 saving at iteration 2 (torch_dist), then CP1 DDP loading that checkpoint and
+    training iterations 3 and 4."""
     schedule = "--train-iters 4 --lr-decay-iters 4 --ckpt-format torch_dist"
     checkpoint = f"{workdir}/cp2_fsdp_ckpt"
-    straight = run_pretrain(workdir, f"{MODEL} {schedule}")
     first_half = run_pretrain(
         workdir, f"{MODEL} {schedule} {WRAPPERS['megatron_fsdp_z3']} --context-parallel-size 2 --cp-comm-type p2p "
                  f"--save {checkpoint} --save-interval 2 --exit-interval 2")
     resumed = run_pretrain(workdir, f"{MODEL} {schedule} --load {checkpoint}")
-    return straight, first_half, resumed
+    return first_half, resumed
 
 
 @pytest.mark.parametrize("world_size", [2])
-def test_a_cp2_megatron_fsdp_checkpoint_resumes_under_cp1_ddp(tmp_path, world_size):
+def test_a_cp2_megatron_fsdp_checkpoint_resumes_under_cp1_ddp(tmp_path, world_size, reference_losses):
     """The checkpoint holds logical tensors (no trace of the CP layout or of the sharding): CP1 DDP resumes a CP2
-    Megatron-FSDP run as if it had trained the first half itself."""
-    for straight, first_half, resumed in run_on_ranks(world_size, _cp_checkpoint_resumed_without_cp, str(tmp_path)):
+    Megatron-FSDP run as if it had trained the first half itself (compared with 4 iterations of CP1 DDP)."""
+    straight = reference_losses(world_size, WRAPPERS["ddp"])
+    for first_half, resumed in run_on_ranks(world_size, _cp_checkpoint_resumed_without_cp, str(tmp_path)):
         assert sorted(first_half) == [1, 2] and sorted(resumed) == [3, 4]
         for iteration, losses in ((1, first_half), (2, first_half), (3, resumed), (4, resumed)):
             loss = straight[iteration]
