@@ -76,11 +76,11 @@ def encode_document(line):
 
 
 class ProgressLog:
-    """Prints documents/s and MB/s every `interval` documents."""
+    """Prints documents/s and MB/s every `interval` documents (to `stream`, by default the current stderr)."""
 
-    def __init__(self, interval, stream=sys.stderr):
+    def __init__(self, interval, stream=None):
         self.interval = interval
-        self.stream = stream
+        self.stream = sys.stderr if stream is None else stream
         self.start = time.perf_counter()
         self.documents = 0
         self.bytes_read = 0

@@ -165,7 +165,7 @@ def load_dist_checkpoint(model_chunks, optimizer, scheduler, args, iteration, ro
     directory, recovered = published_directory(root or args.load, iteration)
     _check_not_legacy(directory)
     metadata = serialization.read_metadata(directory)
-    common = serialization.read_objects(directory, ["common"])["common"]
+    common = serialization.read_objects(directory, ["common"], metadata=metadata)["common"]
     strictness = getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected")
     report = checkpoint_state.LoadReport(directory, common)
     if recovered:
@@ -191,7 +191,7 @@ def load_dist_checkpoint(model_chunks, optimizer, scheduler, args, iteration, ro
     mismatch = apply_strictness(strictness, mismatch._replace(missing=other_missing), directory, _print0)
     for key in mismatch.missing + fresh_fp8_histories:
         model_targets.pop(key, None)
-    serialization.load(model_targets, directory)
+    serialization.load(model_targets, directory, metadata=metadata)
     finish_model_load(set(model_targets))
     report.loaded.append(f"model ({len(model_targets)} tensors)")
     report.add_mismatch("model", mismatch)
@@ -209,7 +209,8 @@ def load_dist_checkpoint(model_chunks, optimizer, scheduler, args, iteration, ro
         _load_optimizer(optimizer, model_chunks, metadata, directory, strictness, report, _print0,
                                         args)
         if scheduler is not None and "scheduler" in metadata.state_dict_metadata:
-            scheduler.load_state_dict(serialization.read_objects(directory, ["scheduler"])["scheduler"])
+            saved = serialization.read_objects(directory, ["scheduler"], metadata=metadata)["scheduler"]
+            scheduler.load_state_dict(saved)
             report.loaded.append("scheduler")
     elif optimizer is not None:
         checkpoint_state.refresh_main_params(optimizer)
@@ -241,7 +242,7 @@ def _load_optimizer(optimizer, model_chunks, metadata, directory, strictness, re
     for key in ("optimizer.step", "optimizer.param_groups", "optimizer.grad_scaler"):
         if key in metadata.state_dict_metadata:
             targets[key] = None
-    serialization.load(targets, directory)
+    serialization.load(targets, directory, metadata=metadata)
     install(targets)
     report.loaded.append(f"optimizer ({sum(1 for k in targets if k.startswith('optimizer.state.'))} tensors)")
     report.add_mismatch("optimizer", mismatch)
@@ -277,7 +278,8 @@ def _load_rng(args, directory, metadata, common, report):
         saved, checkpoint_state.rank_coordinates(), bool(getattr(args, "data_parallel_random_init", False)),
         bool(getattr(saved_args, "data_parallel_random_init", False)))
     needed = sorted({source.saved_rank for source in sources if source.saved_rank is not None})
-    objects = serialization.read_objects(directory, [f"{checkpoint_state.RNG_PREFIX}{rank}" for rank in needed])
+    objects = serialization.read_objects(directory, [f"{checkpoint_state.RNG_PREFIX}{rank}" for rank in needed],
+                                         metadata=metadata)
     saved_states = {rank: objects[f"{checkpoint_state.RNG_PREFIX}{rank}"] for rank in needed}
     set_rng_state(rng_mapping.restored_state(rng_state(), saved_states, sources))
     outcomes = checkpoint_state.all_gather_objects([(source.group.name, source.saved_rank, source.reason) for source in sources])

@@ -50,4 +50,4 @@ def load(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strat
 def load_common_state_dict(checkpoint_dir):
     """Every picklable object saved in `checkpoint_dir`, by key."""
     metadata = serialization.read_metadata(str(checkpoint_dir))
-    return serialization.read_objects(str(checkpoint_dir), serialization.object_keys(metadata))
+    return serialization.read_objects(str(checkpoint_dir), serialization.object_keys(metadata), metadata=metadata)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor
@@ -142,13 +142,30 @@ def key_mismatch(targets: Dict[str, object], metadata, prefixes, process_group=N
     return KeyMismatch(sorted(wanted - saved), sorted(saved - wanted_anywhere))
 
 
-def load(targets: Dict[str, object], directory: str, process_group=None, single_process: bool = False):
+class _IndexedReader(dcp.FileSystemReader):
+    """A reader handed the checkpoint's index as `read_metadata` returned it: one load of several parts parses
+    `.metadata` once, not once per part."""
+
+    def __init__(self, directory: str, metadata):
+        super().__init__(directory)
+        self._metadata = metadata
+
+    def read_metadata(self, *args, **kwargs):
+        if getattr(self._metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+
+def load(targets: Dict[str, object], directory: str, process_group=None, single_process: bool = False,
+         metadata=None):
     """Fill `targets` in place from `directory` (collective: every rank calls it, also with nothing to load;
-    this process alone with `single_process`). Objects come back as new values in `targets`."""
+    this process alone with `single_process`). Objects come back as new values in `targets`. `metadata`: the
+    directory's index from `read_metadata`, if the caller has it already."""
     no_dist = single_process or not _distributed()
     if not targets and no_dist:
         return targets
-    reader = dcp.FileSystemReader(directory)
+    reader = dcp.FileSystemReader(directory) if metadata is None else _IndexedReader(directory, metadata)
     try:
         dcp.load(targets, storage_reader=reader, planner=LogicalLoadPlanner(), process_group=process_group,
                  no_dist=no_dist)
@@ -159,6 +176,6 @@ def load(targets: Dict[str, object], directory: str, process_group=None, single_
     return targets
 
 
-def read_objects(directory: str, keys, process_group=None) -> Dict[str, object]:
+def read_objects(directory: str, keys, process_group=None, metadata=None) -> Dict[str, object]:
     """The picklable objects saved under `keys` (every rank reads them)."""
-    return load({key: None for key in keys}, directory, process_group)
+    return load({key: None for key in keys}, directory, process_group, metadata=metadata)

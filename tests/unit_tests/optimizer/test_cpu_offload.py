@@ -12,7 +12,7 @@ from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer, offloa
 from tests.unit_tests.multiprocess_harness import run_on_ranks
 
 LR = 1e-2
-STEPS, SAVE_AFTER = 4, 2
+STEPS, SAVE_AFTER = 3, 1
 SETTINGS = {
     "none": {},
     "all": dict(optimizer_cpu_offload=True),
@@ -70,11 +70,18 @@ def _train(chunk, optimizer, steps):
 
 
 def _cloned(tree):
-    """A copy of a state dict whose tensors (DTensors included) are clones (deepcopy fails on some DTensors)."""
+    """A copy of a state dict whose tensors (DTensors included) are clones (deepcopy fails on some DTensors).
+    A DTensor is rebuilt around a clone of its local shard: cloning it directly runs DTensor's sharding
+    propagation, which misses its cache for every new mesh and shape."""
     if isinstance(tree, dict):
         return {key: _cloned(value) for key, value in tree.items()}
     if isinstance(tree, (list, tuple)):
         return type(tree)(_cloned(value) for value in tree)
+    if hasattr(tree, "to_local"):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(tree.to_local().detach().clone(), tree.device_mesh, tree.placements,
+                                  run_check=False, shape=tree.shape, stride=tree.stride())
     return tree.detach().clone() if torch.is_tensor(tree) else copy.deepcopy(tree)
 
 

@@ -14,7 +14,7 @@ from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from tests.unit_tests.multiprocess_harness import run_on_ranks
 from tests.unit_tests.optimizer.test_cpu_offload import _checkpoint, _cloned, _differences, _train
 
-STEPS, SAVE_AFTER = 4, 2
+STEPS, SAVE_AFTER = 3, 1
 STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
 SETTINGS = {
     "none": {},

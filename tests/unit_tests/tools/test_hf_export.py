@@ -11,6 +11,7 @@ distinct values.
 
 import json
 import os
+import shutil
 import sys
 from unittest import mock
 
@@ -124,6 +125,27 @@ def _model_tensors(root):
     return offline.full_precision_model(offline.read_checkpoint(directory))
 
 
+@pytest.fixture(scope="module")
+def originals(checkpoints):
+    """{name: the checkpoint's model tensors by logical name} (tests read them, never change them)."""
+    return {name: _model_tensors(root) for name, (root, _) in checkpoints.items()}
+
+
+@pytest.fixture(scope="module")
+def exported(checkpoints, tools, tmp_path_factory):
+    """{name: (directory `--to hf` wrote, the HF tensors it returned)}; a test that changes the directory works on
+    a copy (`_exported_copy`)."""
+    convert_checkpoint, _ = tools
+    workdir = tmp_path_factory.mktemp("hf_exported")
+    return {name: (str(workdir / name), convert_checkpoint.to_hf(root, str(workdir / name)))
+            for name, (root, _) in checkpoints.items()}
+
+
+def _exported_copy(exported, name, destination):
+    shutil.copytree(exported[name][0], destination)
+    return destination
+
+
 EXPECTED_CONFIG = {
     "gpt2": {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": VOCAB, "n_layer": 4,
              "n_embd": 32, "n_head": 4, "n_inner": 128, "activation_function": "gelu", "tie_word_embeddings": True},
@@ -139,11 +161,9 @@ EXPECTED_CONFIG = {
 
 @pytest.mark.world_size(1)
 @pytest.mark.parametrize("name", list(MODELS))
-def test_hf_round_trip_is_bit_exact(name, checkpoints, tools, tmp_path):
+def test_hf_round_trip_is_bit_exact(name, exported, originals, tools, tmp_path):
     convert_checkpoint, _ = tools
-    root, _ = checkpoints[name]
-    hf_dir = str(tmp_path / "hf")
-    hf_tensors = convert_checkpoint.to_hf(root, hf_dir)
+    hf_dir, hf_tensors = exported[name]
     assert sorted(os.listdir(hf_dir)) == ["config.json", "megatron_extras.safetensors", "model.safetensors"]
     with open(os.path.join(hf_dir, "config.json")) as stream:
         config = json.load(stream)
@@ -153,7 +173,7 @@ def test_hf_round_trip_is_bit_exact(name, checkpoints, tools, tmp_path):
     assert ("lm_head.weight" in hf_tensors) == (not config["tie_word_embeddings"])
     assert not any("fp8" in key for key in hf_tensors)
 
-    original = _model_tensors(root)
+    original = originals[name]
     histories = [key for key in original if key.endswith(".fp8_amax_history")]
     assert bool(histories) == ("fp8" in name)
     # the layers' amaxes were recorded (the output layer runs outside FP8; its history stays empty)
@@ -171,12 +191,11 @@ def test_hf_round_trip_is_bit_exact(name, checkpoints, tools, tmp_path):
 
 @pytest.mark.world_size(1)
 @pytest.mark.parametrize("name", FP32_MODELS)
-def test_transformers_computes_our_logits(name, checkpoints, tools, tmp_path):
+def test_transformers_computes_our_logits(name, checkpoints, exported, originals, tools, tmp_path):
     import transformers  # in the dev extra: a missing install fails here instead of skipping the check
     convert_checkpoint, _ = tools
-    root, ours = checkpoints[name]
-    convert_checkpoint.to_hf(root, str(tmp_path))
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    _, ours = checkpoints[name]
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported[name][0], dtype=torch.float32)
     model.eval()
     expected_class = "GPT2LMHeadModel" if name.startswith("gpt2") else "LlamaForCausalLM"
     assert type(model).__name__ == expected_class
@@ -191,7 +210,7 @@ def test_transformers_computes_our_logits(name, checkpoints, tools, tmp_path):
     model.save_pretrained(str(tmp_path / "saved_by_transformers"))
     back = convert_checkpoint.from_hf(str(tmp_path / "saved_by_transformers"), str(tmp_path / "back"),
                                       make_vocab_size_divisible_by=64, apply_layernorm_1p="1p" in name)
-    original = _model_tensors(root)
+    original = originals[name]
     added = set(back) - set(original)  # GPT-2 always has biases: without the extras they come as zero biases
     assert set(original) <= set(back) and all(key.endswith(".bias") and not back[key].any() for key in added)
     assert bool(added) == (name == "gpt2_1p_no_bias")
@@ -204,15 +223,13 @@ def test_transformers_computes_our_logits(name, checkpoints, tools, tmp_path):
 
 
 @pytest.mark.world_size(1)
-def test_directory_without_extras_imports_with_zero_padding(checkpoints, tools, tmp_path):
+def test_directory_without_extras_imports_with_zero_padding(exported, originals, tools, tmp_path):
     """A model from elsewhere has no megatron_extras.safetensors: the vocabulary is padded with zero rows and a
     zero-centred norm stores gamma - 1, which gives back HF's gamma exactly."""
     convert_checkpoint, _ = tools
-    root, _ = checkpoints["llama_mqa_bias_1p_tied"]
-    hf_dir = tmp_path / "hf"
-    convert_checkpoint.to_hf(root, str(hf_dir))
+    hf_dir = _exported_copy(exported, "llama_mqa_bias_1p_tied", tmp_path / "hf")
     os.remove(hf_dir / "megatron_extras.safetensors")
-    original = _model_tensors(root)
+    original = originals["llama_mqa_bias_1p_tied"]
     back = convert_checkpoint.from_hf(str(hf_dir), str(tmp_path / "back"), make_vocab_size_divisible_by=64,
                                       apply_layernorm_1p=True)
     assert sorted(back) == sorted(original)
@@ -229,15 +246,16 @@ def test_directory_without_extras_imports_with_zero_padding(checkpoints, tools, 
 
 @pytest.mark.world_size(1)
 @pytest.mark.parametrize("name, with_extras", [("gpt2", True), ("llama_mqa_bias_1p_tied", False)])
-def test_training_loads_the_imported_checkpoint(name, with_extras, checkpoints, tools, tmp_path):
+def test_training_loads_the_imported_checkpoint(name, with_extras, checkpoints, exported, tools, tmp_path):
     """What --from hf writes loads into training's model (with or without the extras), and that model computes
     the original logits over the true vocabulary bit for bit (without extras only the padding rows differ)."""
     convert_checkpoint, _ = tools
-    root, ours = checkpoints[name]
-    convert_checkpoint.to_hf(root, str(tmp_path / "hf"))
+    _, ours = checkpoints[name]
+    hf_dir = exported[name][0]
     if not with_extras:
-        os.remove(tmp_path / "hf" / "megatron_extras.safetensors")
-    convert_checkpoint.from_hf(str(tmp_path / "hf"), str(tmp_path / "back"), make_vocab_size_divisible_by=64,
+        hf_dir = _exported_copy(exported, name, tmp_path / "hf")
+        os.remove(hf_dir / "megatron_extras.safetensors")
+    convert_checkpoint.from_hf(str(hf_dir), str(tmp_path / "back"), make_vocab_size_divisible_by=64,
                                apply_layernorm_1p="1p" in name)
     loaded = run_on_ranks(1, _load_and_forward, name, str(tmp_path / "back"))[0]
     assert torch.equal(loaded[..., :VOCAB], ours[..., :VOCAB])
@@ -245,34 +263,32 @@ def test_training_loads_the_imported_checkpoint(name, with_extras, checkpoints, 
 
 
 @pytest.mark.world_size(1)
-def test_nonzero_bias_into_a_model_without_biases_is_refused(checkpoints, tools, tmp_path):
+def test_nonzero_bias_into_a_model_without_biases_is_refused(exported, tools, tmp_path):
     convert_checkpoint, _ = tools
     from megatron.core.dist_checkpointing import safetensors_format
 
-    root, _ = checkpoints["gpt2_1p_no_bias"]
-    convert_checkpoint.to_hf(root, str(tmp_path))
-    path = str(tmp_path / "model.safetensors")
+    hf_dir = _exported_copy(exported, "gpt2_1p_no_bias", tmp_path / "hf")
+    path = str(hf_dir / "model.safetensors")
     tensors, metadata = safetensors_format.load_file(path)
     assert torch.count_nonzero(tensors["transformer.h.1.mlp.c_fc.bias"]) == 0  # written as zeros
     tensors["transformer.h.1.mlp.c_fc.bias"][3] = 0.5
     safetensors_format.save_file(tensors, path, metadata)
     with pytest.raises(SystemExit, match=r"transformer\.h\.1\.mlp\.c_fc\.bias.*--disable-bias-linear"):
-        convert_checkpoint.from_hf(str(tmp_path), str(tmp_path / "back"))
+        convert_checkpoint.from_hf(str(hf_dir), str(tmp_path / "back"))
     assert not os.path.exists(tmp_path / "back")
 
 
 @pytest.mark.world_size(1)
-def test_config_that_disagrees_with_the_tensors_is_refused(checkpoints, tools, tmp_path):
+def test_config_that_disagrees_with_the_tensors_is_refused(exported, tools, tmp_path):
     convert_checkpoint, _ = tools
-    root, _ = checkpoints["llama_gqa"]
-    convert_checkpoint.to_hf(root, str(tmp_path))
-    with open(tmp_path / "config.json") as stream:
+    hf_dir = _exported_copy(exported, "llama_gqa", tmp_path / "hf")
+    with open(hf_dir / "config.json") as stream:
         config = json.load(stream)
-    with open(tmp_path / "config.json", "w") as stream:
+    with open(hf_dir / "config.json", "w") as stream:
         json.dump({**config, "intermediate_size": 96}, stream)
     with pytest.raises(SystemExit, match=r"'model\.layers\.0\.mlp\.gate_proj\.weight' has shape \(64, 32\), the "
                                          r"model config\.json describes needs \(96, 32\)"):
-        convert_checkpoint.from_hf(str(tmp_path), str(tmp_path / "back"))
+        convert_checkpoint.from_hf(str(hf_dir), str(tmp_path / "back"))
 
 
 def _shape(hf_mapping, **flags):
@@ -338,7 +354,7 @@ def test_qkv_and_swiglu_layouts(tools):
 
 
 @pytest.mark.world_size(1)
-def test_cli_round_trip(checkpoints, tools, tmp_path, monkeypatch):
+def test_cli_round_trip(checkpoints, originals, tools, tmp_path, monkeypatch):
     """The command line writes and reads the same directory the functions do: `--to hf` as a script in a fresh
     process, `--from hf` through the same `main()` in this one."""
     import subprocess
@@ -352,5 +368,5 @@ def test_cli_round_trip(checkpoints, tools, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", [script, "--from", "hf", "--input", str(tmp_path / "hf"), "--output",
                                       str(tmp_path / "back")])
     convert_checkpoint.main()
-    original, back = _model_tensors(root), _model_tensors(str(tmp_path / "back"))
+    original, back = originals["gpt2"], _model_tensors(str(tmp_path / "back"))
     assert sorted(back) == sorted(original) and all(torch.equal(back[k], v) for k, v in original.items())

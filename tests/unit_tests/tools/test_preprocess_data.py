@@ -1,3 +1,4 @@
+import importlib.util
 import json
 import os
 import subprocess
@@ -42,6 +43,24 @@ def _run_tool(*arguments):
 
 
 @pytest.fixture(scope="module")
+def preprocess_data():
+    """The tool as a module: runs with one worker call its `main(argv)` in this process (runs with a pool of
+    workers start the script as a command)."""
+    spec = importlib.util.spec_from_file_location("preprocess_data", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run_main(preprocess_data, monkeypatch, capsys, *arguments):
+    """`main(arguments)` in this process; what it printed to stderr."""
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # what the worker setup sets, undone after the test
+    capsys.readouterr()
+    preprocess_data.main(list(arguments))
+    return capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
 def trained_bpe(tmp_path_factory):
     directory = tmp_path_factory.mktemp("bpe")
     backend = train_bpe_tokenizer([document["text"] for document in _documents()] * 3, vocab_size=290)
@@ -49,7 +68,8 @@ def trained_bpe(tmp_path_factory):
 
 
 @pytest.mark.parametrize("tokenizer_type", ["ByteLevelTokenizer", "HuggingFaceTokenizer"])
-def test_workers_give_identical_output_equal_to_direct_tokenization(tmp_path, tokenizer_type, trained_bpe):
+def test_workers_give_identical_output_equal_to_direct_tokenization(tmp_path, tokenizer_type, trained_bpe,
+                                                                   preprocess_data, monkeypatch, capsys):
     documents = _documents()
     corpus = str(tmp_path / "corpus.jsonl")
     _write_jsonl(corpus, documents, blank_line_at=20)
@@ -59,8 +79,12 @@ def test_workers_give_identical_output_equal_to_direct_tokenization(tmp_path, to
     outputs = {}
     for workers in (1, 2):
         prefix = str(tmp_path / f"workers{workers}" / "out")
-        log = _run_tool("--input", corpus, "--output-prefix", prefix, *tokenizer_flags, "--append-eod",
-                        "--json-keys", "text", "--workers", str(workers), "--log-interval", "10")
+        arguments = ("--input", corpus, "--output-prefix", prefix, *tokenizer_flags, "--append-eod",
+                     "--json-keys", "text", "--workers", str(workers), "--log-interval", "10")
+        if workers == 1:
+            log = _run_main(preprocess_data, monkeypatch, capsys, *arguments)
+        else:
+            log = _run_tool(*arguments)
         progress = [line for line in log.splitlines() if line.startswith("processed")]
         assert progress[0].startswith("processed 10 documents") and "docs/s" in progress[0] and "MB/s" in progress[0]
         assert progress[-1].startswith("processed 58 documents")  # 57 documents and a blank line
@@ -94,15 +118,23 @@ def test_null_tokenizer_and_several_keys(tmp_path):
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_missing_key_is_reported_and_nothing_is_left_behind(tmp_path, workers):
+def test_missing_key_is_reported_and_nothing_is_left_behind(tmp_path, workers, preprocess_data, monkeypatch):
     corpus = str(tmp_path / "corpus.jsonl")
     _write_jsonl(corpus, [{"text": "a", "title": "t"}, {"text": "b"}])
-    completed = subprocess.run(
-        [sys.executable, TOOL, "--input", corpus, "--output-prefix", str(tmp_path / "o"),
-         "--tokenizer-type", "ByteLevelTokenizer", "--json-keys", "text", "title", "--workers", str(workers)],
-        capture_output=True, text=True, cwd=REPO_ROOT, timeout=120,
-    )
-    assert completed.returncode != 0
-    assert f"{corpus}, line 2: document has no key 'title'" in completed.stderr and "--json-keys" in completed.stderr
-    assert "nothing was written" in completed.stderr and "Traceback" not in completed.stderr
+    arguments = ["--input", corpus, "--output-prefix", str(tmp_path / "o"), "--tokenizer-type", "ByteLevelTokenizer",
+                 "--json-keys", "text", "title", "--workers", str(workers)]
+    if workers == 1:
+        monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # what the worker setup sets, undone after the test
+        with pytest.raises(SystemExit) as exit_info:
+            preprocess_data.main(arguments)
+        # A SystemExit carrying a message: Python prints the message alone (no traceback) and exits with status 1.
+        message = exit_info.value.code
+        assert isinstance(message, str)
+    else:
+        completed = subprocess.run([sys.executable, TOOL, *arguments], capture_output=True, text=True,
+                                   cwd=REPO_ROOT, timeout=120)
+        assert completed.returncode != 0
+        message = completed.stderr
+    assert f"{corpus}, line 2: document has no key 'title'" in message and "--json-keys" in message
+    assert "nothing was written" in message and "Traceback" not in message
     assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl"]  # no .bin without its .idx

@@ -7,7 +7,8 @@ import torch
 from tests.unit_tests.distributed.fsdp import fsdp_test_models as models
 from tests.unit_tests.multiprocess_harness import run_on_ranks
 
-STEPS_BEFORE_SAVE, STEPS_AFTER_LOAD = 2, 2
+# After loading: the first loss is the loaded weights', the second follows a step with the loaded optimizer state.
+STEPS_BEFORE_SAVE, STEPS_AFTER_LOAD = 2, 1
 
 
 def _wrap(strategy, seed=0, dtype=torch.float32):
@@ -140,8 +141,8 @@ def test_bf16_compute_fp32_main_weights_dcp_round_trip(world_size, tmp_path):
                 assert losses == uninterrupted, strategy  # bit-identical continuation
                 continue
             # At another DP size the first loss runs the same bf16 weights on the same batch, split and averaged
-            # differently (measured within 4e-8). Later losses follow bf16 updates of gradients reduced in another
-            # order, which round differently: measured within 1e-3 (0.1%) of the uninterrupted run.
+            # differently (measured within 9e-8). The next loss follows a bf16 update of gradients reduced in another
+            # order, which rounds differently: measured within 7e-4 (0.07%) of the uninterrupted run.
             assert losses[0] == pytest.approx(uninterrupted[0], abs=1e-6), (strategy, dp)
             assert losses == pytest.approx(uninterrupted, rel=5e-3), (strategy, dp)
 

@@ -59,23 +59,23 @@ def _check_params(params, expected_params):
         torch.testing.assert_close(params[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("world, wrapper", [(2, "megatron_fsdp_z1"), (2, "megatron_fsdp_z3"), (4, "megatron_fsdp_z1"),
-                                            (4, "megatron_fsdp_z2"), (4, "megatron_fsdp_z3"),
-                                            (4, "megatron_fsdp_z3_average")],
+@pytest.mark.parametrize("world_size, wrapper", [(2, "megatron_fsdp_z1"), (2, "megatron_fsdp_z3"),
+                                                 (4, "megatron_fsdp_z1"), (4, "megatron_fsdp_z2"),
+                                                 (4, "megatron_fsdp_z3"), (4, "megatron_fsdp_z3_average")],
                          ids=["ep2_edp1-z1", "ep2_edp1-z3", "ep2_edp2-z1", "ep2_edp2-z2", "ep2_edp2-z3",
                               "ep2_edp2-z3_average"])
-def test_megatron_fsdp_expert_parallel_trains_like_one_process(world, wrapper):
+def test_megatron_fsdp_expert_parallel_trains_like_one_process(world_size, wrapper):
     expected_history, expected_params = expert_training.uninterrupted_reference()
     assert any(norm > expert_training.CLIP_GRAD for _, norm, _ in expected_history)  # clipping is exercised
-    results = run_on_ranks(world, _train_at_ep2, wrapper)
-    expert_data_parallel = world // EXPERT_PARALLEL
+    results = run_on_ranks(world_size, _train_at_ep2, wrapper)
+    expert_data_parallel = world_size // EXPERT_PARALLEL
     # fp32 bytes of this rank's experts: 1/EP of all, its shard of them 1/expert-DP of that (the rows split evenly)
     local = 4 * sum(param.numel() for name, param in expected_params.items() if ".local_experts." in name) // (
         EXPERT_PARALLEL)
     shard = local // expert_data_parallel
     for layout, expert_names, shard_group_sizes, memory, _, _ in results:
         # dense groups over every rank, expert groups over the ranks holding the same experts
-        assert layout == [(False, world), (True, expert_data_parallel)]
+        assert layout == [(False, world_size), (True, expert_data_parallel)]
         assert expert_names == [f"mlp.experts.local_experts.{j}.linear_fc{k}.{kind}"
                                 for j in range(2) for k in (1, 2) for kind in ("bias", "weight")]
         assert shard_group_sizes == ([expert_data_parallel] if expert_data_parallel > 1 else [])
@@ -90,6 +90,7 @@ def test_megatron_fsdp_expert_parallel_trains_like_one_process(world, wrapper):
     _check_params(params, expected_params)
 
 
+@pytest.mark.world_size(4)
 def test_megatron_fsdp_ep2_checkpoint_resumes_under_ddp_ep1(tmp_path):
     expected_history, expected_params = expert_training.uninterrupted_reference()
     save_after = expert_resharding.SAVE_AFTER
@@ -127,6 +128,7 @@ def _expert_stats_group_sizes_with_a_dense_first_chunk():
         dist.get_world_size(parallel_state.get_model_parallel_group())
 
 
+@pytest.mark.world_size(2)
 def test_expert_statistics_take_the_expert_shard_groups_of_a_chunk_with_experts():
     for sizes, model_parallel in run_on_ranks(2, _expert_stats_group_sizes_with_a_dense_first_chunk):
         # model parallel, expert parallel; no expert data-parallel shard group (expert-DP 1), not the dense DP2

@@ -22,6 +22,7 @@ from tests.unit_tests.multiprocess_harness import run_on_ranks
 
 WORLD, EXPERT_PARALLEL, INSTANCES = 4, 2, 2
 WRAPPERS = ("megatron_fsdp_z1", "megatron_fsdp_z3", "megatron_fsdp_z3_hfsdp")
+pytestmark = pytest.mark.world_size(WORLD)  # run with the other tests of this world size, on one pool
 
 
 def _train_hybrid(wrapper):

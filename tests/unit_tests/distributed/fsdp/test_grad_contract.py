@@ -21,14 +21,23 @@ MICROBATCHES = 3  # 12 rows: 2 per microbatch at 2 ranks, 1 at 4
 TOLERANCE = dict(rtol=1e-6, atol=1e-6)
 
 
+_meshes = {}  # mesh shape -> (default process group, mesh, hybrid group): the cases of one world share them
+
+
 def _mesh_kwargs(outer, mesh_shape):
+    """The (dp_outer, dp_shard) mesh of `mesh_shape`, built once per default process group (a new world, e.g.
+    under torchrun, builds anew)."""
     if outer is None:
         return {}
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp_outer", "dp_shard"))
-    return dict(device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
-                hybrid_fsdp_group=mesh._flatten("dp_outer_shard").get_group(), outer_dp_sharding_strategy=outer)
+    if mesh_shape not in _meshes or _meshes[mesh_shape][0] is not dist.group.WORLD:
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp_outer", "dp_shard"))
+        _meshes[mesh_shape] = (dist.group.WORLD, mesh, mesh._flatten("dp_outer_shard").get_group())
+    _, mesh, hybrid_group = _meshes[mesh_shape]
+    return dict(device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer", hybrid_fsdp_group=hybrid_group,
+                outer_dp_sharding_strategy=outer)
 
 
 def _microbatches(rank, world, dtype):
@@ -93,7 +102,9 @@ def _grads_under_the_contract(cases):
         norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1e9)
         optimizer.step()  # the optimizer still steps on these gradients
         results[(strategy, outer, mesh_shape, dtype)] = (early, grads, norm.full_tensor().item())
-    return results, (_bf16_reference(world) if any(case[3] == torch.bfloat16 for case in cases) else None)
+    # the driver reads rank 0's reference only
+    needs_reference = rank == 0 and any(case[3] == torch.bfloat16 for case in cases)
+    return results, (_bf16_reference(world) if needs_reference else None)
 
 
 def _fp32_reference():
