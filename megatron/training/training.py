@@ -391,7 +391,8 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
                     "iteration_time_s": iteration_time_s,
                     "consumed_samples": args.consumed_train_samples,
                     "global_batch_size": get_current_running_global_batch_size(),
-                    "memory": memory_usage(model, optimizer, args.device),
+                    # Computed only when this iteration reports it (log line, metrics record, TensorBoard).
+                    "memory": lambda: memory_usage(model, optimizer, args.device),
                     "print_memory_on_this_rank": print_memory_on_this_rank,
                 }
             )

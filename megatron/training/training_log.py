@@ -273,7 +273,8 @@ class TrainingLogger:
 
     def log_iteration(self, report):
         """`report`: iteration, losses (dict), learning_rate, loss_scale, grad_norm, num_zeros, skipped, nan,
-        iteration_time_s, consumed_samples, global_batch_size, memory (from `memory_usage`), rank."""
+        iteration_time_s, consumed_samples, global_batch_size, memory (`memory_usage`'s dict, or a function
+        returning it, called only when this iteration reports memory), rank."""
         args = self.args
         iteration = report["iteration"]
         # Collectives: every rank logs.
@@ -284,7 +285,8 @@ class TrainingLogger:
         self._interval_time_s += report["iteration_time_s"]
         self._skipped_iterations += int(report["skipped"])
         self._nan_iterations += int(report["nan"])
-        memory = report["memory"]
+        if callable(report["memory"]):
+            report["memory"] = _Once(report["memory"])
         if self.is_logging_rank:
             self._write_metrics_record(report)
             self._write_tensorboard(report)
@@ -298,7 +300,7 @@ class TrainingLogger:
         energy_joules = self._energy.lap() if self._energy is not None else None  # collective
         show_memory = args.log_memory_to_tensorboard or not self._memory_line_printed
         if show_memory and (self.is_logging_rank or report.get("print_memory_on_this_rank", False)):
-            print(format_memory_line(report["rank"], memory), flush=True)
+            print(format_memory_line(report["rank"], _resolved(report["memory"])), flush=True)
         self._memory_line_printed = True
         if self.is_logging_rank:
             count = self._interval_iterations
@@ -364,7 +366,7 @@ class TrainingLogger:
     def _write_metrics_record(self, report):
         if self._metrics_stream is None:
             return
-        memory = report["memory"]
+        memory = _resolved(report["memory"])
         record = {
             "iteration": report["iteration"],
             "split": "train",
@@ -412,7 +414,7 @@ class TrainingLogger:
         if report.get("params_norm") is not None:
             writer.add_scalar("params-norm", report["params_norm"], iteration)
         if args.log_memory_to_tensorboard:
-            memory = report["memory"]
+            memory = _resolved(report["memory"])
             for key in ("params_bytes", "grads_bytes", "optimizer_state_bytes", "allocated_bytes", "peak_bytes"):
                 writer.add_scalar(f"mem-{key.replace('_', '-')}", memory[key], iteration)
 
@@ -427,6 +429,23 @@ class TrainingLogger:
             self._tensorboard.flush()
             self._tensorboard.close()
             self._tensorboard = None
+
+
+class _Once:
+    """A function of no arguments whose result is computed on the first call and kept."""
+
+    def __init__(self, compute):
+        self._compute = compute
+        self._result = None
+
+    def __call__(self):
+        if self._compute is not None:
+            self._result, self._compute = self._compute(), None
+        return self._result
+
+
+def _resolved(memory):
+    return memory() if callable(memory) else memory
 
 
 def _perplexity(loss):

@@ -126,6 +126,38 @@ def test_logger_writes_metrics_tensorboard_and_interval_lines(tmp_path, capsys):
     assert len(event_files) == 1 and event_files[0].stat().st_size > 0
 
 
+def test_memory_is_computed_only_for_iterations_that_report_it(capsys):
+    """The training loop hands the memory report as a function: computed once where the memory line, a metrics
+    record or TensorBoard needs it, never on iterations that report nothing."""
+    args = argparse.Namespace(metrics_file=None, tensorboard_dir=None, save=None, log_interval=2, train_iters=6,
+                              log_memory_to_tensorboard=False, log_throughput=False)  # fmt: skip
+    logger = training_log.TrainingLogger(args, is_logging_rank=True)
+    computed_at = []
+    for iteration in range(1, 7):
+        report = _report(iteration, 1.0)
+        memory = report["memory"]
+        report["memory"] = lambda iteration=iteration, memory=memory: computed_at.append(iteration) or memory
+        logger.log_iteration(report)
+    logger.close()
+    assert computed_at == [2]  # the first log line carries the memory line; later ones do not
+    assert capsys.readouterr().out.startswith("memory (rank 0) | params: 1 bytes | grads: 2 bytes")
+
+
+def test_memory_is_computed_once_for_the_line_and_the_metrics_record(tmp_path, capsys):
+    args = argparse.Namespace(metrics_file=str(tmp_path / "m.jsonl"), tensorboard_dir=None, save=None,
+                              log_interval=1, train_iters=1, log_memory_to_tensorboard=False, log_throughput=False)
+    logger = training_log.TrainingLogger(args, is_logging_rank=True)
+    calls = []
+    report = _report(1, 1.0)
+    memory = report["memory"]
+    report["memory"] = lambda: calls.append(1) or memory
+    logger.log_iteration(report)
+    logger.close()
+    assert len(calls) == 1
+    assert json.loads((tmp_path / "m.jsonl").read_text())["params-bytes"] == 1
+    assert "memory (rank 0) | params: 1 bytes" in capsys.readouterr().out
+
+
 def test_non_logging_rank_writes_nothing(tmp_path, capsys):
     args = argparse.Namespace(metrics_file=str(tmp_path / "m.jsonl"), tensorboard_dir=None, save=None,
                               log_interval=1, train_iters=1, log_memory_to_tensorboard=False, log_throughput=False)
