@@ -378,7 +378,8 @@ class MegatronFSDP(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True):
         """`nn.Module.zero_grad`: the step's gradients live in the flat gradient buffers (`.grad` only views
-        them), so those are zeroed too; otherwise the next step would add to this one's gradients."""
+        them), so those are zeroed too; otherwise the next step would add to this one's gradients. `.grad` is
+        None afterwards with `set_to_none=False` too: it shows gradients only once a step's are synchronised."""
         self.zero_grad_buffer()
         super().zero_grad(set_to_none=set_to_none)
 
@@ -445,11 +446,20 @@ class MegatronFSDP(nn.Module):
     # ---- checkpointing ----------------------------------------------------------------------------------------------
     def state_dict(self, *args, **kwargs):
         """Parameter name -> DTensor (full logical shape, Shard(0) rows over the data-parallel ranks); buffers
-        as plain tensors. Loadable at another data-parallel size with torch.distributed.checkpoint."""
+        as plain tensors. Loadable at another data-parallel size with torch.distributed.checkpoint. For an
+        unwrapped module (which cannot load DTensors): `torch.distributed.checkpoint.state_dict.
+        get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))` gives full plain tensors."""
         return model_state_dict(self)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         return load_model_state_dict(self, state_dict, strict=strict)
+
+    def _fqn_modifiers(self) -> dict:
+        """For torch.distributed.checkpoint.state_dict (`get_model_state_dict`, `set_model_state_dict`): the
+        state-dict keys leave out the `module.` that `named_parameters()` puts first, so each first key part
+        (a child, parameter or buffer of `self.module`) is looked up under `module`."""
+        inner = self.module
+        return {name: "module" for name in [*inner._modules, *inner._parameters, *inner._buffers]}
 
     def named_group_params(self):
         for group in self.groups:

@@ -30,6 +30,24 @@ def _find_fsdp_model(optimizer):
     return found
 
 
+def _main_weight_views(model, params, names: dict) -> list:
+    """The main-weight views the optimizer steps for `params` (parameters of `model`, as the module shows them),
+    frozen ones left out; records each view's parameter name in `names`."""
+    views = []
+    for param in params:
+        if id(param) not in model.param_to_group:
+            raise ValueError("the optimizer was given a parameter that is not part of its MegatronFSDP model; "
+                             "give it parameters of the wrapped model (model.parameters()), or build a separate "
+                             "optimizer for tensors outside the model")
+        group, index = model.param_to_group[id(param)]
+        if not group.trainable:
+            continue  # frozen parameters have no main weights
+        view = group.main_param_views[index]
+        views.append(view)
+        names[id(view)] = group.names[index]
+    return views
+
+
 def _loss_of_whole_batch(model, loss):
     """The loss every data-parallel rank agrees on: the mean of the ranks' losses (the sum with
     `calculate_per_token_loss`), whose gradient is the one the reductions produce."""
@@ -88,7 +106,8 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
     Param groups keep their hyper-parameters; each model parameter is replaced by its main-weight view (its
     shard piece under strategies 1-3). `step()` finishes gradient sync (step pre-hook; after the closure when
     one is given), steps and installs the new weights (step post-hook);
-    `zero_grad()` also zeroes the gradient buffers; `state_dict()` is keyed by parameter name and holds DTensors
+    `zero_grad()` also zeroes the gradient buffers; `add_param_group()` takes the model's parameters (mapped to
+    their main weights the same way); `state_dict()` is keyed by parameter name and holds DTensors
     (for torch.distributed.checkpoint, at any data-parallel size), or with `preproc_state_dict_for_dcp_ckpt=False`
     is torch's own index-keyed state dict of this rank's shards (for a per-rank torch.save, reloaded at the same
     data-parallel size). None takes the model's `ddp_config.preproc_state_dict_for_dcp_ckpt`.
@@ -103,15 +122,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
     _check_whole_vector_optimizer(optimizer, model)
     names = {}
     for param_group in optimizer.param_groups:
-        main_views = []
-        for param in param_group["params"]:
-            group, index = model.param_to_group[id(param)]
-            if not group.trainable:
-                continue  # frozen parameters have no main weights
-            view = group.main_param_views[index]
-            main_views.append(view)
-            names[id(view)] = group.names[index]
-        param_group["params"] = main_views
+        param_group["params"] = _main_weight_views(model, param_group["params"], names)
     if isinstance(optimizer, torch.optim.LBFGS):
         optimizer._params = optimizer.param_groups[0]["params"]  # LBFGS steps its own copy of the list
     optimizer.state.clear()
@@ -140,6 +151,17 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
     def load_state_dict(self, state_dict):
         return load_optimizer_state_dict(self, state_dict)
 
+    original_add_param_group = optimizer.add_param_group
+
+    def add_param_group(self, param_group):
+        """`torch.optim.Optimizer.add_param_group` with the model's parameters, mapped to their main weights."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        views = _main_weight_views(model, params, self._megatron_fsdp_param_names)
+        original_add_param_group({**param_group, "params": views})
+        initialize_optimizer_state(self)
+
+    optimizer.add_param_group = types.MethodType(add_param_group, optimizer)
     optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
     optimizer.state_dict = types.MethodType(state_dict, optimizer)
     optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)

@@ -1,0 +1,108 @@
+"""Habits of a plain torch training loop that carry over to a wrapped model: torch.distributed.checkpoint's
+`get_model_state_dict` / `set_model_state_dict` with `full_state_dict=True` (export to, and load from, an
+unwrapped module) and `optimizer.add_param_group` with more of the model's parameters mid-training."""
+
+import pytest
+import torch
+
+from tests.unit_tests.distributed.fsdp import fsdp_test_models as models
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+NUM_STEPS = 3
+ADDED_LR = 3e-2  # the added group's own learning rate (the others use make_optimizer's 1e-2)
+
+
+def _wrap(module, optimizer, strategy):
+    import megatron_fsdp
+
+    return megatron_fsdp.fully_shard(module, optimizer, fsdp_unit_modules=[models.Block], zero_dp_strategy=strategy)
+
+
+def _full_state_dict_round_trip(strategy):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    full = StateDictOptions(full_state_dict=True)
+    module = models.make_model(0)
+    model, _ = _wrap(module, models.make_optimizer([p for p in module.parameters() if p.requires_grad]), strategy)
+    exported = get_model_state_dict(model, options=full)
+    plain = models.make_model(5)
+    exported_loads = plain.load_state_dict(exported, strict=True)
+    incompatible = set_model_state_dict(model, models.make_model(7).state_dict(), options=full)
+    return {
+        "keys": list(exported),
+        "exported_loads": (list(exported_loads.missing_keys), list(exported_loads.unexpected_keys)),
+        "exported_plain": {name: value.clone() for name, value in plain.state_dict().items()},
+        "set_incompatible": (list(incompatible.missing_keys), list(incompatible.unexpected_keys)),
+        "after_set": {name: value.clone() for name, value in get_model_state_dict(model, options=full).items()},
+    }
+
+
+@pytest.mark.parametrize("world_size", [3])
+def test_full_state_dict_exports_to_and_loads_from_an_unwrapped_module(world_size):
+    initial, other = models.make_model(0).state_dict(), models.make_model(7).state_dict()
+    for strategy in (0, 1, 2, 3):
+        for rank_result in run_on_ranks(world_size, _full_state_dict_round_trip, strategy):
+            assert rank_result["keys"] == list(initial), strategy
+            assert rank_result["exported_loads"] == ([], []), strategy
+            assert rank_result["set_incompatible"] == ([], []), strategy
+            for name in initial:
+                assert torch.equal(rank_result["exported_plain"][name], initial[name]), (strategy, name)
+                assert torch.equal(rank_result["after_set"][name], other[name]), (strategy, name)
+
+
+def _param_groups(module):
+    """All trainable parameters but the output layer's, which join the optimizer after the first step."""
+    first = [p for name, p in module.named_parameters() if p.requires_grad and not name.startswith("out.")]
+    return first, list(module.out.parameters())
+
+
+def _reference_losses_with_added_group():
+    module = models.make_model(0)
+    first, added = _param_groups(module)
+    optimizer = models.make_optimizer(first)
+    losses = []
+    for step, (inputs, target) in enumerate(models.make_batches(NUM_STEPS)):
+        if step == 1:
+            optimizer.add_param_group({"params": added, "lr": ADDED_LR})
+        optimizer.zero_grad()
+        loss = models.loss_fn(module(inputs), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _train_with_added_group(strategy):
+    import torch.distributed as dist
+
+    module = models.make_model(0)
+    first, _ = _param_groups(module)
+    model, optimizer = _wrap(module, models.make_optimizer(first), strategy)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step, batch in enumerate(models.make_batches(NUM_STEPS)):
+        if step == 1:  # the wrapped module's parameters, as a user holding `model` reaches them
+            optimizer.add_param_group({"params": model.module.out.parameters(), "lr": ADDED_LR})
+        inputs, target = (models.local_slice(t, rank, world) for t in batch)
+        optimizer.zero_grad()
+        loss = models.loss_fn(model(inputs), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(models.global_mean(loss.item()))
+    try:
+        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+        foreign_error = None
+    except ValueError as error:
+        foreign_error = str(error)
+    return {"losses": losses, "group_names": optimizer.state_dict()["param_groups"][-1]["params"],
+            "foreign_error": foreign_error}
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_add_param_group_with_model_parameters_trains_like_torch(world_size):
+    reference = _reference_losses_with_added_group()
+    for strategy in (0, 1, 2, 3):
+        for rank_result in run_on_ranks(world_size, _train_with_added_group, strategy):
+            assert rank_result["losses"] == pytest.approx(reference, abs=1e-5), strategy
+            assert rank_result["group_names"] == ["out.weight", "out.bias"], strategy
+            assert "not part of its MegatronFSDP model" in rank_result["foreign_error"], strategy
