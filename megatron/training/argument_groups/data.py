@@ -14,6 +14,9 @@ UNSUPPORTED_FLAGS = (
      "their path to --data-path"),
 )
 
+# Upstream tokenizer types that read a SentencePiece .model file.
+SENTENCEPIECE_TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+
 
 def add_arguments(parser):
     group = parser.add_argument_group("data")
@@ -163,6 +166,19 @@ def _validate_validation_flags(args, per_split):
                          f"list prefixes without weights (got {' '.join(validation_paths)})")
 
 
+def _check_tokenizer_type(tokenizer_type):
+    """Upstream's argparse choices, checked here so that a misspelt or upstream-only type stops before start-up."""
+    from megatron.training.tokenizer.tokenizer import TOKENIZER_TYPES
+
+    if tokenizer_type in TOKENIZER_TYPES:
+        return
+    message = f"--tokenizer-type {tokenizer_type} is not one of {', '.join(TOKENIZER_TYPES)}"
+    if tokenizer_type in SENTENCEPIECE_TOKENIZER_TYPES:
+        message += ("; for a SentencePiece model use --tokenizer-type HuggingFaceTokenizer with --tokenizer-model "
+                    "set to the model's Hugging Face tokenizer directory (or its tokenizer.json)")
+    raise ValueError(message)
+
+
 def validate(args):
     _read_data_args_files(args)
     _validate_dataset_flags(args)
@@ -183,6 +199,7 @@ def validate(args):
         args.tokenizer_type = "NullTokenizer" if args.mock_data else None
         if args.tokenizer_type is None:
             raise ValueError("--tokenizer-type is required with --data-path / --train-data-path")
+    _check_tokenizer_type(args.tokenizer_type)
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
     if args.tokenizer_type == "TikTokenizer":

@@ -2,6 +2,8 @@
 and the layer variants of upstream recipes (Qwen2's QKV bias, interleaved / interpolated RoPE, the residual's
 placement and precision, GPT-2's tanh GeLU)."""
 
+import warnings
+
 ATTENTION_BACKENDS = ["auto", "local", "unfused", "flash", "fused"]
 TRANSFORMER_ENGINE_ATTENTION_BACKENDS = ("flash", "fused")
 # Upstream switches that turn off a fused kernel; every op here is already the unfused torch op.
@@ -45,6 +47,13 @@ def add_arguments(parser):
         const="rope",
         dest="position_embedding_type",
         help="Older spelling of --position-embedding-type rope.",
+    )
+    group.add_argument(
+        "--no-position-embedding",
+        action="store_false",
+        dest="add_position_embedding",
+        help="Upstream's older way to say there is no learned position table: accepted with --position-embedding-type "
+        "rope (which has none), an error otherwise.",
     )
     group.add_argument("--rotary-base", type=int, default=10000, help="Base of rotary position embeddings.")
     group.add_argument(
@@ -174,6 +183,14 @@ def transformer_config_kwargs(args):
     )
 
 
+def _validate_position_embedding(args):
+    if not args.add_position_embedding and args.position_embedding_type != "rope":
+        raise ValueError(f"--no-position-embedding asks for a model without a learned position table, but "
+                         f"--position-embedding-type is {args.position_embedding_type}, which is one; this build has "
+                         "no position-free model: add --position-embedding-type rope (as upstream requires), or drop "
+                         "--no-position-embedding")
+
+
 def _validate_layer_variants(args):
     if args.position_embedding_type != "rope":
         for flag, value in (("--rotary-interleaved", args.rotary_interleaved),
@@ -256,6 +273,7 @@ def validate(args):
             "flash kernel by itself where the device has one"
         )
     _validate_attention_shape(args)
+    _validate_position_embedding(args)
     _validate_layer_variants(args)
     if args.squared_relu and args.swiglu:
         raise ValueError("--squared-relu and --swiglu are exclusive MLP activations: pick one")
@@ -272,6 +290,10 @@ def validate(args):
 
 def _validate_attention_shape(args):
     if not args.group_query_attention:
+        if args.num_query_groups != 1:  # 1 is the default; upstream ignores the value without the switch too
+            warnings.warn(f"--num-query-groups {args.num_query_groups} has no effect without --group-query-attention: "
+                          f"every one of the {args.num_attention_heads} attention heads gets its own key/value head; "
+                          "add --group-query-attention for grouped-query attention")
         args.num_query_groups = args.num_attention_heads
         return
     groups = args.num_query_groups

@@ -173,6 +173,7 @@ def validate(args):
         raise ValueError("--bf16 and --fp16 are exclusive: pick one")
     if args.clip_grad < 0:
         raise ValueError(f"--clip-grad must be >= 0, got {args.clip_grad}")
+    _validate_optimizer_settings(args)
     if args.recompute_method is not None and args.recompute_granularity != "full":
         raise ValueError("--recompute-method needs --recompute-granularity full")
     if args.recompute_granularity == "full" and args.recompute_method is None:
@@ -182,6 +183,28 @@ def validate(args):
     if args.recompute_num_layers is not None and args.recompute_method is None:
         raise ValueError("--recompute-num-layers needs --recompute-method")
     args.params_dtype_name = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
+
+
+def _validate_optimizer_settings(args):
+    """OptimizerConfig's rules on the optimizer and loss-scaler flags, named by flag and checked before start-up
+    (the loss-scaler settings matter with --fp16 only, but are checked in every run, as OptimizerConfig does)."""
+    if args.weight_decay < 0:
+        raise ValueError(f"--weight-decay must be >= 0, got {args.weight_decay}")
+    for flag, value in (("--adam-beta1", args.adam_beta1), ("--adam-beta2", args.adam_beta2),
+                        ("--sgd-momentum", args.sgd_momentum)):
+        if not 0 <= value < 1:
+            raise ValueError(f"{flag} must be in [0, 1), got {value}")
+    if args.adam_eps <= 0:
+        raise ValueError(f"--adam-eps must be positive, got {args.adam_eps}")
+    if args.loss_scale is not None and args.loss_scale <= 0:
+        raise ValueError(f"--loss-scale is a static loss scale and must be positive, got {args.loss_scale}; leave it "
+                         "out for dynamic loss scaling")
+    if not 0 < args.min_loss_scale <= args.initial_loss_scale:
+        raise ValueError(f"need 0 < --min-loss-scale ({args.min_loss_scale}) <= --initial-loss-scale "
+                         f"({args.initial_loss_scale})")
+    for flag, value in (("--loss-scale-window", args.loss_scale_window), ("--hysteresis", args.hysteresis)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
 
 
 def _decrease_global_batch_size(args, samples_per_pass):

@@ -116,6 +116,23 @@ def test_args_defaults_fill_only_unset_options():
         ("--weight-decay-incr-style cosine --start-weight-decay 0.2 --end-weight-decay 0.1", 1, r"--start-weight-decay \(0.2\) must not exceed --end-weight-decay \(0.1\)"),
         ("--manual-gc-interval 5", 1, r"--manual-gc-interval needs --manual-gc"),
         ("--manual-gc --manual-gc-interval -1", 1, r"--manual-gc-interval must be >= 0"),
+        ("--no-position-embedding", 1, r"^--no-position-embedding asks for a model without a learned position table, "
+         r"but --position-embedding-type is learned_absolute, .*add --position-embedding-type rope"),
+        ("--tokenizer-type GPT2BPETokeniser", 1, r"^--tokenizer-type GPT2BPETokeniser is not one of NullTokenizer, "
+         r"ByteLevelTokenizer, HuggingFaceTokenizer, GPT2BPETokenizer, TikTokenizer$"),
+        ("--tokenizer-type GPTSentencePieceTokenizer", 1, r"^--tokenizer-type GPTSentencePieceTokenizer is not one of "
+         r".*; for a SentencePiece model use --tokenizer-type HuggingFaceTokenizer with --tokenizer-model"),
+        ("--weight-decay -0.1", 1, r"^--weight-decay must be >= 0, got -0.1$"),
+        ("--adam-beta2 1.0", 1, r"^--adam-beta2 must be in \[0, 1\), got 1.0$"),
+        ("--optimizer sgd --sgd-momentum -0.5", 1, r"^--sgd-momentum must be in \[0, 1\), got -0.5$"),
+        ("--adam-eps 0", 1, r"^--adam-eps must be positive, got 0.0$"),
+        ("--fp16 --loss-scale 0", 1, r"^--loss-scale is a static loss scale and must be positive, got 0.0; leave it "
+         r"out for dynamic loss scaling$"),
+        ("--fp16 --min-loss-scale 8 --initial-loss-scale 4", 1,
+         r"^need 0 < --min-loss-scale \(8.0\) <= --initial-loss-scale \(4.0\)$"),
+        ("--fp16 --min-loss-scale 0", 1, r"^need 0 < --min-loss-scale \(0.0\)"),
+        ("--fp16 --loss-scale-window 0", 1, r"^--loss-scale-window must be at least 1, got 0$"),
+        ("--fp16 --hysteresis 0", 1, r"^--hysteresis must be at least 1, got 0$"),
     ],
 )
 def test_rule_violations_name_the_flags(monkeypatch, extra, world_size, message):
@@ -232,7 +249,8 @@ def test_upstream_fsdp_scripts_parse_and_validate(monkeypatch):
 # Flags of a Llama-style upstream script (grouped-query attention, RoPE, RMSNorm, SwiGLU, no biases).
 UPSTREAM_LLAMA_SCRIPT = (
     "--group-query-attention --num-query-groups 2 --swiglu --normalization RMSNorm --position-embedding-type rope "
-    "--rotary-percent 0.5 --rotary-base 500000 --disable-bias-linear --untie-embeddings-and-output-weights "
+    "--no-position-embedding --rotary-percent 0.5 --rotary-base 500000 --disable-bias-linear "
+    "--untie-embeddings-and-output-weights "
     "--qk-layernorm --apply-layernorm-1p --manual-gc --manual-gc-interval 10 --no-manual-gc-eval "
     "--cross-entropy-loss-fusion --weight-decay-incr-style linear --start-weight-decay 0.01 --end-weight-decay 0.1"
 )
@@ -246,11 +264,17 @@ def test_upstream_llama_script_flags_reach_the_model_config(monkeypatch):
     assert (config.num_attention_heads, config.num_query_groups) == (4, 2)
     assert config.qk_layernorm and config.layernorm_zero_centered_gamma and config.gated_linear_unit
     assert (args.rotary_percent, args.rotary_base, args.position_embedding_type) == (0.5, 500000, "rope")
+    assert args.add_position_embedding is False
     assert (args.manual_gc, args.manual_gc_interval, args.manual_gc_eval) == (True, 10, False)
     assert (args.start_weight_decay, args.end_weight_decay, args.weight_decay_incr_style) == (0.01, 0.1, "linear")
     # Without --group-query-attention every head has its own key and value (the upstream default).
-    assert core_transformer_config_from_args(validated("--num-query-groups 2")).num_query_groups == 4
+    with pytest.warns(UserWarning, match="^--num-query-groups 2 has no effect without --group-query-attention: "
+                      "every one of the 4 attention heads gets its own key/value head"):
+        args = validated("--num-query-groups 2")
+    assert core_transformer_config_from_args(args).num_query_groups == 4
     assert validated("--use-rotary-position-embeddings").position_embedding_type == "rope"
+    older_spelling = validated("--use-rotary-position-embeddings --no-position-embedding")
+    assert (older_spelling.position_embedding_type, older_spelling.add_position_embedding) == ("rope", False)
     plain = validated()
     assert (plain.start_weight_decay, plain.end_weight_decay) == (0.01, 0.01)
 
