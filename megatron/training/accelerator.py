@@ -17,6 +17,13 @@ def default_backend():
 def device_for_backend(backend, local_rank):
     """cuda:LOCAL_RANK for NCCL (and make it current), cpu for gloo."""
     if backend == "nccl":
+        if not cuda_available():
+            raise ValueError("--distributed-backend nccl needs a CUDA GPU and none is visible to this process: use "
+                             "--distributed-backend gloo (the default without a GPU), or drop the flag")
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"local rank {local_rank} has no GPU of its own: this node shows "
+                             f"{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES); launch at most that many ranks "
+                             "per node (torchrun --nproc-per-node)")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
