@@ -24,7 +24,7 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
     index_file_path,
     optimal_token_dtype,
 )
-from megatron.training.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron.training.tokenizer import TOKENIZER_TYPES, build_tokenizer_from_args  # noqa: E402
 
 DOCUMENTS_PER_CHUNK = 32
 
@@ -34,13 +34,7 @@ _worker_settings = None
 
 
 def _tokenizer_from_args(args):
-    return build_tokenizer(
-        args.tokenizer_type,
-        vocab_size=args.vocab_size,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        tokenizer_model=args.tokenizer_model,
-    )
+    return build_tokenizer_from_args(args)
 
 
 def _initialize_worker(args):
@@ -115,7 +109,10 @@ def _remove_partial_outputs(builders, prefixes):
 
 def preprocess(args):
     """Run the conversion; returns {json key: output path prefix}."""
-    tokenizer = _tokenizer_from_args(args)
+    try:
+        tokenizer = _tokenizer_from_args(args)
+    except (ValueError, OSError, ImportError) as error:  # a missing file, flag or package, named in the message
+        raise SystemExit(f"cannot build the --tokenizer-type {args.tokenizer_type} tokenizer: {error}") from error
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     dtype = optimal_token_dtype(tokenizer.vocab_size)
     prefixes = {key: output_prefix_for_key(args.output_prefix, key) for key in args.json_keys}
@@ -160,10 +157,23 @@ def parse_args(argv=None):
     group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize, one output per key")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    group.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="for NullTokenizer; for TikTokenizer, the vocabulary with the special tokens "
+                       "(default 131072)")
     group.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json for GPT2BPETokenizer")
     group.add_argument("--merge-file", default=None, help="GPT-2 merges.txt for GPT2BPETokenizer")
-    group.add_argument("--tokenizer-model", default=None, help="tokenizer.json for HuggingFaceTokenizer")
+    group.add_argument("--tokenizer-model", default=None,
+                       help="tokenizer.json (or its directory) for HuggingFaceTokenizer; the tiktoken-format .json "
+                       "vocabulary for TikTokenizer")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="HuggingFaceTokenizer: run the code of a --tokenizer-model directory without "
+                       "tokenizer.json")
+    group.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"],
+                       help="TikTokenizer's pre-tokenizer (required with it)")
+    group.add_argument("--tiktoken-num-special-tokens", type=int, default=None,
+                       help="TikTokenizer: number of special ids before the BPE ids (default 1000)")
+    group.add_argument("--tiktoken-special-tokens", nargs="+", default=None,
+                       help="TikTokenizer: the special tokens (must include <unk>, <s>, </s>)")
     group.add_argument("--append-eod", action="store_true", help="end every document with the eod token")
     group = parser.add_argument_group("output")
     group.add_argument("--output-prefix", required=True, help="writes PREFIX_<key>_document.bin/.idx")
@@ -174,7 +184,7 @@ def parse_args(argv=None):
     if args.workers < 1:
         parser.error("--workers must be at least 1")
     if not os.path.isfile(args.input):
-        parser.error(f"--input {args.input!r} does not exist")
+        parser.error(f"--input {args.input!r} is not a file (a JSONL file, one JSON document per line)")
     return args
 
 

@@ -33,7 +33,7 @@ import torch
 def to_torch(directory, output):
     from megatron.core.dist_checkpointing import offline
 
-    state = offline.read_checkpoint(_paths.resolve_iteration_dir(directory))
+    state = offline.read_checkpoint(_paths.logical_checkpoint_dir(directory))
     model = offline.full_precision_model(state)
     rest = {key: value for key, value in state.items() if not key.startswith("model.")}
     torch.save({"model": model, "checkpoint": rest}, output)
@@ -43,7 +43,7 @@ def to_torch(directory, output):
 def to_safetensors(directory, output):
     from megatron.core.dist_checkpointing import offline, safetensors_format
 
-    state = offline.read_checkpoint(_paths.resolve_iteration_dir(directory))
+    state = offline.read_checkpoint(_paths.logical_checkpoint_dir(directory))
     model = offline.full_precision_model(state)
     iteration = (state.get("common") or {}).get("iteration", 0)
     safetensors_format.save_file(model, output, {"format": "megatron_logical", "iteration": iteration})
@@ -76,7 +76,7 @@ def to_hf(directory, output, vocab_size=None):
     import hf_unsupported
     from megatron.core.dist_checkpointing import offline, safetensors_format
 
-    state = offline.read_checkpoint(_paths.resolve_iteration_dir(directory))
+    state = offline.read_checkpoint(_paths.logical_checkpoint_dir(directory))
     model = offline.full_precision_model(state)
     common = state.get("common") or {}
     args = common.get("args")
@@ -169,9 +169,13 @@ def _layout(source):
 def from_torch(path, root, iteration=None):
     from megatron.core.dist_checkpointing import offline
 
-    saved = torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # pickle, zip and EOF errors alike: not a file torch.save wrote
+        raise SystemExit(f"--input {path}: not a torch.save file ({type(exc).__name__}: {exc}); --from torch reads "
+                         "the file --to torch wrote") from exc
     if not isinstance(saved, dict) or "model" not in saved:
-        raise SystemExit(f"{path}: expected a dict with 'model' (as written by --to torch)")
+        raise SystemExit(f"--input {path}: expected a dict with 'model' (as written by --to torch)")
     state = {f"model.{name}": tensor for name, tensor in saved["model"].items()}
     state.update(saved.get("checkpoint", {}))
     common = dict(state.get("common") or {})
@@ -184,7 +188,11 @@ def from_torch(path, root, iteration=None):
 def from_safetensors(path, root, iteration=None):
     from megatron.core.dist_checkpointing import offline, safetensors_format
 
-    tensors, metadata = safetensors_format.load_file(path)
+    try:
+        tensors, metadata = safetensors_format.load_file(path)
+    except ValueError as exc:
+        raise SystemExit(f"--input {exc}; --from safetensors reads the file --to safetensors wrote (one from "
+                         "--to torch converts with --from torch)") from exc
     iteration = int(metadata.get("iteration", 0)) if iteration is None else iteration
     state = {f"model.{name}": tensor for name, tensor in tensors.items()}
     layout = _layout(os.path.basename(path))
@@ -193,7 +201,7 @@ def from_safetensors(path, root, iteration=None):
     offline.write_checkpoint(root, iteration, state, layout)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     direction = parser.add_mutually_exclusive_group(required=True)
     direction.add_argument("--to", choices=["torch", "safetensors", "hf"])
@@ -211,7 +219,12 @@ def main():
     parser.add_argument("--apply-layernorm-1p", action="store_true",
                         help="With --from hf, for a directory not written by --to hf: store norm weights as "
                         "gamma - 1, for training with --apply-layernorm-1p.")
-    options = parser.parse_args()
+    options = parser.parse_args(argv)
+    if options.source in ("torch", "safetensors") and not os.path.isfile(options.input):
+        parser.error(f"--input {options.input}: not a file (--from {options.source} reads the file that "
+                     f"--to {options.source} wrote)")
+    if options.source == "hf" and not os.path.isdir(options.input):
+        parser.error(f"--input {options.input}: not a directory (--from hf reads a Hugging Face model directory)")
     if options.to == "torch":
         to_torch(options.input, options.output)
     elif options.to == "safetensors":

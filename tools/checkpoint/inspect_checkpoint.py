@@ -52,10 +52,11 @@ def inspect(directory, name_filter=None, out=print):
     from megatron.core.dist_checkpointing import offline
 
     root = directory
-    directory = _paths.resolve_iteration_dir(directory)
+    directory = _paths.resolve_iteration_dir(directory, flag="checkpoint")
     rank_dirs = _legacy_rank_dirs(directory)
     if rank_dirs and not os.path.isfile(os.path.join(directory, ".metadata")):
         return _describe_legacy(root, directory, rank_dirs, out)
+    directory = _paths.logical_checkpoint_dir(root, flag="checkpoint")
     iteration, layout, source = _summary(directory)
     out(f"checkpoint: {directory}")
     out(f"iteration: {iteration}")
@@ -76,11 +77,11 @@ def inspect(directory, name_filter=None, out=print):
     return rows
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint")
     parser.add_argument("--filter", default=None, help="Only list keys containing this text.")
-    options = parser.parse_args()
+    options = parser.parse_args(argv)
     inspect(options.checkpoint, options.filter)
 
 

@@ -211,3 +211,59 @@ def test_training_resumed_from_converted_legacy_checkpoint_equals_resumed_from_l
         assert sorted(at_other_layout) == [3, 4], name
         for iteration, loss in at_other_layout.items():
             assert loss == pytest.approx(from_legacy[iteration], rel=tolerance, abs=0), (name, iteration)
+
+
+def _exit_message(main, argv):
+    """The message `main(argv)` exits with (argparse's errors print theirs and exit with status 2)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    return exit_info.value.code
+
+
+def test_convert_checkpoint_names_the_input_and_what_to_run(tmp_path, tools, capsys):
+    """Inputs of another kind than the direction reads: the exit names --input, what it is and what to run."""
+    from megatron.core.dist_checkpointing import safetensors_format
+
+    convert_checkpoint = tools[0]
+    legacy = tmp_path / "legacy"
+    os.makedirs(legacy / "iter_0000002" / "mp_rank_00")
+    torch.save({"model": {}}, legacy / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt")
+    (legacy / "latest_checkpointed_iteration.txt").write_text("2")
+    hf_dir, empty_dir = tmp_path / "hf", tmp_path / "empty"
+    os.makedirs(hf_dir)
+    os.makedirs(empty_dir)
+    (hf_dir / "config.json").write_text("{}")
+    torch_file, safetensors_file = str(tmp_path / "full.pt"), str(tmp_path / "model.safetensors")
+    torch.save({"model": {"w": torch.ones(2)}}, torch_file)
+    safetensors_format.save_file({"w": torch.ones(2)}, safetensors_file, {"iteration": 3})
+    for source, expected in [
+        (legacy, f"--input {legacy}: a legacy --ckpt-format torch checkpoint (mp_rank_* directories), not the "
+                 f"logical torch_dist format; convert it first with: python tools/checkpoint/convert_legacy.py "
+                 f"--input {legacy} --output NEW_ROOT"),
+        (hf_dir, f"--input {hf_dir}: a Hugging Face model directory, not a torch_dist checkpoint; import it with: "
+                 f"python tools/checkpoint/convert_checkpoint.py --from hf --input {hf_dir} --output NEW_ROOT"),
+        (empty_dir, f"--input {empty_dir}: not a torch_dist checkpoint ({empty_dir} has no .metadata)"),
+        (torch_file, f"--input {torch_file}: a file, not a checkpoint directory"),
+        (tmp_path / "missing", f"--input {tmp_path / 'missing'}: no such directory"),
+    ]:
+        for target in ("torch", "hf"):
+            message = _exit_message(convert_checkpoint.main, ["--to", target, "--input", str(source), "--output",
+                                                              str(tmp_path / "out")])
+            assert message.startswith(expected), message
+    message = _exit_message(convert_checkpoint.main, ["--from", "safetensors", "--input", torch_file, "--output",
+                                                      str(tmp_path / "out")])
+    assert message.startswith(f"--input {torch_file}: ") and "one from --to torch converts with --from torch" in message
+    message = _exit_message(convert_checkpoint.main, ["--from", "torch", "--input", str(legacy / "latest_"
+                                                      "checkpointed_iteration.txt"), "--output", str(tmp_path / "out")])
+    assert "not a torch.save file (UnpicklingError" in message and "--from torch reads the file --to torch" in message
+    capsys.readouterr()
+    for source, argv in [("torch", ["--input", str(tmp_path / "nope.pt")]), ("safetensors", ["--input", str(legacy)]),
+                         ("hf", ["--input", torch_file])]:
+        assert _exit_message(convert_checkpoint.main, ["--from", source, *argv, "--output", "unused"]) == 2
+        error = capsys.readouterr().err.splitlines()[-1]
+        kind = "directory" if source == "hf" else "file"
+        assert f": error: --input {argv[1]}: not a {kind} (--from {source} reads " in error
+    assert not os.path.exists(tmp_path / "out") and not os.path.exists("unused")
+    # The files that were read in this test convert back.
+    convert_checkpoint.main(["--from", "safetensors", "--input", safetensors_file, "--output", str(tmp_path / "st")])
+    assert (tmp_path / "st" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"

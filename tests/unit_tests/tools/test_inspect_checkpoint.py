@@ -49,7 +49,7 @@ def test_legacy_directory_is_named_with_the_conversion_command(tmp_path, inspect
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
     rows, text = _inspect(inspect_checkpoint, tmp_path)
     assert rows == []
-    assert (f"legacy --ckpt-format torch checkpoint: one directory per model-parallel rank (mp_rank_00, "
+    assert ("legacy --ckpt-format torch checkpoint: one directory per model-parallel rank (mp_rank_00, "
             "mp_rank_01), not the logical torch_dist format") in text
     assert f"python tools/checkpoint/convert_legacy.py --input {tmp_path} --output NEW_ROOT" in text
     size = os.path.getsize(tmp_path / "iter_0000002" / "mp_rank_01" / "model_optim_rng.pt")
@@ -58,3 +58,21 @@ def test_legacy_directory_is_named_with_the_conversion_command(tmp_path, inspect
     shutil.copytree(tmp_path / "iter_0000002", tmp_path / "copy")
     _, text = _inspect(inspect_checkpoint, tmp_path / "copy")
     assert f"--input {tmp_path / 'copy'} --output NEW_ROOT" in text
+
+
+def test_other_directories_and_files_are_named_with_what_to_run(tmp_path, inspect_checkpoint):
+    hf_dir, empty_dir, a_file = tmp_path / "hf", tmp_path / "empty", tmp_path / "full.pt"
+    os.makedirs(hf_dir)
+    os.makedirs(empty_dir)
+    (hf_dir / "config.json").write_text("{}")
+    a_file.write_bytes(b"not a directory")
+    for path, expected in [
+        (hf_dir, f"checkpoint {hf_dir}: a Hugging Face model directory, not a torch_dist checkpoint; import it with: "
+                 f"python tools/checkpoint/convert_checkpoint.py --from hf --input {hf_dir} --output NEW_ROOT"),
+        (empty_dir, f"checkpoint {empty_dir}: not a torch_dist checkpoint ({empty_dir} has no .metadata); give the "
+                    "root that --save wrote"),
+        (a_file, f"checkpoint {a_file}: a file, not a checkpoint directory"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            inspect_checkpoint.main([str(path)])
+        assert exit_info.value.code.startswith(expected), exit_info.value.code

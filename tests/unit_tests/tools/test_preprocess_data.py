@@ -138,3 +138,34 @@ def test_missing_key_is_reported_and_nothing_is_left_behind(tmp_path, workers, p
     assert f"{corpus}, line 2: document has no key 'title'" in message and "--json-keys" in message
     assert "nothing was written" in message and "Traceback" not in message
     assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl"]  # no .bin without its .idx
+
+
+def test_tiktokenizer_flags_and_tokenizer_errors_name_the_flag(tmp_path, preprocess_data, monkeypatch, capsys):
+    """`--tokenizer-type TikTokenizer` with its own flags; over a vocabulary of the 256 bytes alone, a text's ids
+    are its UTF-8 bytes plus the number of special tokens, and `</s>` (the third special token) ends it."""
+    pytest.importorskip("tiktoken")
+    import base64
+
+    vocabulary = tmp_path / "bytes.json"
+    vocabulary.write_text(json.dumps([{"rank": value, "token_bytes": base64.b64encode(bytes([value])).decode(),
+                                       "token_str": chr(value)} for value in range(256)]))
+    documents = _documents()[:8]
+    corpus = str(tmp_path / "corpus.jsonl")
+    _write_jsonl(corpus, documents)
+    prefix = str(tmp_path / "tik")
+    tokenizer_flags = ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", str(vocabulary)]
+    _run_main(preprocess_data, monkeypatch, capsys, "--input", corpus, "--output-prefix", prefix, *tokenizer_flags,
+              "--tiktoken-pattern", "v2", "--tiktoken-num-special-tokens", "10", "--vocab-size", "266",
+              "--append-eod")
+    dataset = IndexedDataset(prefix + "_text_document")
+    expected = [[byte + 10 for byte in document["text"].encode("utf-8")] + [2] for document in documents
+                if document["text"]]
+    assert len(dataset) == len(expected) == 7
+    for index, tokens in enumerate(expected):
+        np.testing.assert_array_equal(dataset[index], tokens)
+    with pytest.raises(SystemExit) as exit_info:
+        _run_main(preprocess_data, monkeypatch, capsys, "--input", corpus, "--output-prefix", str(tmp_path / "no"),
+                  *tokenizer_flags)
+    assert exit_info.value.code == ("cannot build the --tokenizer-type TikTokenizer tokenizer: --tokenizer-type "
+                                    "TikTokenizer needs --tokenizer-model and --tiktoken-pattern")
+    assert not any(name.startswith("no_") for name in os.listdir(tmp_path))
