@@ -66,7 +66,8 @@ def build_scalar_writers(args):
     if args.tensorboard_dir:
         from torch.utils.tensorboard import SummaryWriter
 
-        writers.append(SummaryWriter(log_dir=args.tensorboard_dir, max_queue=1000))
+        writers.append(SummaryWriter(log_dir=args.tensorboard_dir,
+                                     max_queue=getattr(args, "tensorboard_queue_size", 1000)))
     if getattr(args, "wandb_project", ""):
         writers.append(WandbWriter(args))
     return ScalarWriters(writers) if writers else None

@@ -15,6 +15,8 @@ def add_arguments(parser):
                        "run covers the whole validation set instead.")
     group.add_argument("--tensorboard-dir", default=None, help="Write TensorBoard scalars here.")
     group.add_argument("--tensorboard-log-interval", type=int, default=1, help="Iterations between scalars.")
+    group.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                       help="Scalars TensorBoard's writer queues before it writes them to disk.")
     group.add_argument("--log-num-zeros-in-grad", action="store_true", help="Count zero gradient elements.")
     group.add_argument("--log-throughput", action="store_true", help="Log tokens/s and TFLOP/s per rank.")
     group.add_argument("--log-memory-to-tensorboard", action="store_true", help="Memory scalars and log line.")
@@ -96,6 +98,7 @@ def validate(args):
         ("--log-interval", args.log_interval),
         ("--eval-interval", args.eval_interval),
         ("--tensorboard-log-interval", args.tensorboard_log_interval),
+        ("--tensorboard-queue-size", args.tensorboard_queue_size),
     ):
         if value <= 0:
             raise ValueError(f"{flag} must be positive, got {value}")
