@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Train a tiny GPT on the bundled corpus on CPU: 2 ranks, gloo, a few minutes on 2 cores.
+# Train a tiny GPT on the bundled corpus on CPU: 2 ranks, gloo, about a minute on 2 cores.
 #
 #   bash examples/gpt/train_gpt_tiny_cpu.sh [extra pretrain_gpt.py flags]
 #
 # The corpus (data/corpus/stdlib_docs.jsonl, CPython docstrings) is tokenized once with the byte-level tokenizer
 # into $CACHE_DIR; later runs reuse it. Set TP=2 (or PP=2) to split the model instead of the data.
-# Expect the loss to fall from ~5.6 (uniform over 257 byte tokens) to well under 3 within ~200 iterations.
+# Expect the loss to start near 5.6 (uniform over 257 byte tokens) and reach about 2.0 at iteration 200.
 #
 # Data parallelism: Megatron-FSDP ZeRO-3 by default. DP_WRAPPER selects another wrapper:
 #   DP_WRAPPER=mfsdp   Megatron-FSDP; ZERO=optim_grads_params (default), optim_grads, optim or no_shard
