@@ -36,7 +36,7 @@ TEACHER_ARCHITECTURE = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "group_query_attention",
     "kv_channels", "normalization", "swiglu", "squared_relu", "add_bias_linear", "qk_layernorm",
     "untie_embeddings_and_output_weights", "position_embedding_type", "rotary_percent", "rotary_base",
-    "apply_layernorm_1p", "layernorm_epsilon", "max_position_embeddings",
+    "use_rope_scaling", "rope_scaling_factor", "apply_layernorm_1p", "layernorm_epsilon", "max_position_embeddings",
 )
 
 
@@ -96,6 +96,8 @@ def build_teacher(args):
         position_embedding_type=teacher_args.position_embedding_type,
         rotary_percent=teacher_args.rotary_percent,
         rotary_base=teacher_args.rotary_base,
+        rope_scaling=teacher_args.use_rope_scaling,
+        rope_scaling_factor=teacher_args.rope_scaling_factor,
     ).to(args.device)
     checkpointing.load_checkpoint([teacher], None, None, teacher_args)
     return teacher.eval().requires_grad_(False)

@@ -53,6 +53,10 @@ def _both_use_rope(saved_args, args):
     return all(getattr(a, "position_embedding_type", None) == "rope" for a in (saved_args, args))
 
 
+def _both_scale_rope(saved_args, args):
+    return _both_use_rope(saved_args, args) and all(getattr(a, "use_rope_scaling", False) for a in (saved_args, args))
+
+
 def _both_use_mla(saved_args, args):
     return all(getattr(a, "multi_latent_attention", False) for a in (saved_args, args))
 
@@ -82,6 +86,8 @@ ARCHITECTURE_FLAGS = (
     ArchitectureFlag("--rotary-percent", _get("rotary_percent"), compared=_both_use_rope),
     ArchitectureFlag("--rotary-base", _get("rotary_base"), compared=_both_use_rope),
     ArchitectureFlag("--rotary-interleaved", _switch("rotary_interleaved"), is_switch=True, compared=_both_use_rope),
+    ArchitectureFlag("--use-rope-scaling", _switch("use_rope_scaling"), is_switch=True, compared=_both_use_rope),
+    ArchitectureFlag("--rope-scaling-factor", _get("rope_scaling_factor"), compared=_both_scale_rope),
     ArchitectureFlag("--add-qkv-bias", _switch("add_qkv_bias"), is_switch=True),
     ArchitectureFlag("--apply-residual-connection-post-layernorm",
                      _switch("apply_residual_connection_post_layernorm"), is_switch=True),
@@ -183,7 +189,7 @@ MODEL_ARGS = (
     "rotary_percent", "add_bias_linear", "swiglu", "squared_relu", "untie_embeddings_and_output_weights",
     "apply_layernorm_1p", "normalization", "norm_epsilon", "qk_layernorm", "make_vocab_size_divisible_by",
     "tokenizer_type", "vocab_size", "add_qkv_bias", "rotary_interleaved", "apply_residual_connection_post_layernorm",
-    "openai_gelu",
+    "openai_gelu", "use_rope_scaling", "rope_scaling_factor",
     # Multi-latent attention.
     "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
     "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings",

@@ -10,6 +10,8 @@ Two Hugging Face architectures cover the models pretrain_gpt.py builds, chosen b
 - rotary positions -> LlamaForCausalLM: RMSNorm, SwiGLU as gate_proj / up_proj / down_proj, separate q/k/v
   projections with grouped-query attention, biases per `attention_bias` / `mlp_bias`. Our RoPE rotates
   channel i with channel i + head_dim / 2 ("rotate half"), as HF's Llama does, so q and k need no permutation.
+  --use-rope-scaling is HF's `rope_type: "llama3"` with the low / high frequency factors 1 and 4 and the original
+  context of 8192 positions that our rotary embedding fixes; other values of those are refused.
 
 Our fused layouts (megatron/core/transformer/attention.py, mlp.py): linear_qkv's rows are `[groups, (q_0 ..
 q_{m-1} | k | v), head_dim]` with m query heads per group, query head g * m + j being group g's j-th; SwiGLU's
@@ -31,6 +33,12 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+    LLAMA3_HIGH_FREQ_FACTOR,
+    LLAMA3_LOW_FREQ_FACTOR,
+    LLAMA3_ORIGINAL_MAX_POSITION_EMBEDDINGS,
+)
+
 GPT2, LLAMA = "GPT2LMHeadModel", "LlamaForCausalLM"
 MODEL_FILE, MODEL_INDEX_FILE, CONFIG_FILE = "model.safetensors", "model.safetensors.index.json", "config.json"
 EXTRAS_FILE = "megatron_extras.safetensors"
@@ -39,6 +47,9 @@ FP8_BUFFER_SUFFIXES = (".fp8_amax_history", ".fp8_amax_recorded_count")
 WORD_EMBEDDING, POSITION_EMBEDDING, OUTPUT_LAYER = (
     "embedding.word_embeddings.weight", "embedding.position_embeddings.weight", "output_layer.weight")
 GPT2_ACTIVATIONS = {"gelu": False, "relu2": True}  # HF activation_function -> our --squared-relu
+# The llama3 rope_scaling values our rotary embedding fixes (only the factor is a flag, --rope-scaling-factor).
+LLAMA3_FIXED_ROPE_SCALING = {"low_freq_factor": LLAMA3_LOW_FREQ_FACTOR, "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
+                             "original_max_position_embeddings": LLAMA3_ORIGINAL_MAX_POSITION_EMBEDDINGS}
 
 
 class ConversionError(ValueError):
@@ -63,6 +74,8 @@ class ModelShape:
     position_embedding_type: str = "learned_absolute"
     rotary_percent: float = 1.0
     rotary_base: float = 10000
+    use_rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
     normalization: str = "LayerNorm"
     norm_epsilon: float = 1e-5
     apply_layernorm_1p: bool = False
@@ -75,6 +88,9 @@ class ModelShape:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
 
+    # Flags newer than some checkpoints: arguments saved without them had their default.
+    ADDED_LATER = ("use_rope_scaling", "rope_scaling_factor")
+
     def __post_init__(self):
         if not 0 < self.vocab_size <= self.padded_vocab_size:
             raise ConversionError(f"vocabulary size {self.vocab_size} (--vocab-size) must be between 1 and the "
@@ -86,6 +102,8 @@ class ModelShape:
         values = {"vocab_size": vocab_size, "padded_vocab_size": padded_vocab_size}
         for field in dataclasses.fields(cls):
             if field.name not in values:
+                if not hasattr(args, field.name) and field.name in cls.ADDED_LATER:
+                    continue
                 if not hasattr(args, field.name):
                     raise ConversionError(f"the checkpoint's arguments lack '{field.name}' (written by an older "
                                           "version?); cannot tell the model's shape")
@@ -174,10 +192,18 @@ def hf_config(shape: ModelShape, architecture: str) -> dict:
             "num_attention_heads": shape.num_attention_heads, "num_key_value_heads": shape.num_query_groups,
             "head_dim": shape.kv_channels, "hidden_act": "silu",
             "max_position_embeddings": shape.max_position_embeddings, "rms_norm_eps": shape.norm_epsilon,
-            "rope_theta": float(shape.rotary_base), "rope_scaling": None,
-            "rope_parameters": {"rope_type": "default", "rope_theta": float(shape.rotary_base)},
+            "rope_theta": float(shape.rotary_base), **_hf_rope(shape),
             "attention_bias": shape.add_bias_linear, "mlp_bias": shape.add_bias_linear,
             "attention_dropout": shape.attention_dropout}
+
+
+def _hf_rope(shape: ModelShape) -> dict:
+    """config.json's rope_scaling (older transformers read it) and rope_parameters (newer ones)."""
+    theta = float(shape.rotary_base)
+    if not shape.use_rope_scaling:
+        return {"rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+    scaling = {"rope_type": "llama3", "factor": float(shape.rope_scaling_factor), **LLAMA3_FIXED_ROPE_SCALING}
+    return {"rope_scaling": scaling, "rope_parameters": {**scaling, "rope_theta": theta}}
 
 
 def extras_metadata(shape: ModelShape, iteration: int) -> Dict[str, str]:
@@ -201,17 +227,39 @@ def _architecture_of_config(config, path):
                           f"{GPT2} and {LLAMA} convert to our GPT model")
 
 
-def _rope_theta(config, path):
+def _llama3_scaling_factor(scaling, path):
+    """--rope-scaling-factor of a llama3 rope_scaling whose other values are the ones we fix."""
+    for key, fixed in (("factor", None), *LLAMA3_FIXED_ROPE_SCALING.items()):
+        if key not in scaling:
+            raise ConversionError(f"{path}: RoPE scaling 'llama3' (config.json rope_scaling / rope_parameters) "
+                                  f"without '{key}'")
+        if fixed is not None and scaling[key] != fixed:
+            raise ConversionError(
+                f"{path}: RoPE scaling 'llama3' with {key} {scaling[key]}: our rotary embedding (--use-rope-scaling) "
+                f"fixes {', '.join(f'{name} {value}' for name, value in LLAMA3_FIXED_ROPE_SCALING.items())}")
+    factor = scaling["factor"]
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        raise ConversionError(f"{path}: RoPE scaling 'llama3' with factor {factor!r}: it must be a positive number")
+    return float(factor)
+
+
+def _rope_flags(config, path):
+    """--rotary-base, --use-rope-scaling and --rope-scaling-factor of a Llama config.json."""
     parameters = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or {}
-    rope_type = parameters.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type != "default":
+    # transformers reads rope_scaling where a config has it (older ones know nothing else)
+    scaling = config.get("rope_scaling") or parameters
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
         raise ConversionError(f"{path}: RoPE scaling '{rope_type}' (config.json rope_scaling / rope_parameters) "
-                              "has no counterpart in our rotary embedding (plain RoPE with --rotary-base)")
+                              "has no counterpart in our rotary embedding (plain RoPE with --rotary-base, or "
+                              "'llama3' as --use-rope-scaling)")
     factor = parameters.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     if factor != 1.0:
         raise ConversionError(f"{path}: partial_rotary_factor {factor}: Llama rotates whole heads")
-    return parameters.get("rope_theta", config.get("rope_theta", 10000.0))
+    flags = {"rotary_base": scaling.get("rope_theta", parameters.get("rope_theta", config.get("rope_theta", 10000.0)))}
+    if rope_type == "llama3":
+        flags.update(use_rope_scaling=True, rope_scaling_factor=_llama3_scaling_factor(scaling, path))
+    return flags
 
 
 def shape_from_hf_config(config: dict, path: str, recorded: Optional[dict], padded_vocab_size: int,
@@ -256,7 +304,7 @@ def shape_from_hf_config(config: dict, path: str, recorded: Optional[dict], padd
             kv_channels=config.get("head_dim") or hidden // heads,
             ffn_hidden_size=_require(config, "intermediate_size", path),
             max_position_embeddings=_require(config, "max_position_embeddings", path),
-            position_embedding_type="rope", rotary_base=_rope_theta(config, path), normalization="RMSNorm",
+            position_embedding_type="rope", **_rope_flags(config, path), normalization="RMSNorm",
             norm_epsilon=config.get("rms_norm_eps", 1e-6), swiglu=True,
             add_bias_linear=bool(config.get("attention_bias", False)),
             untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),

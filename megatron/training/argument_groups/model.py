@@ -4,6 +4,7 @@ placement and precision, GPT-2's tanh GeLU)."""
 
 import warnings
 
+DEFAULT_ROPE_SCALING_FACTOR = 8.0  # upstream's, Llama 3.1's
 ATTENTION_BACKENDS = ["auto", "local", "unfused", "flash", "fused"]
 TRANSFORMER_ENGINE_ATTENTION_BACKENDS = ("flash", "fused")
 # Upstream switches that turn off a fused kernel; every op here is already the unfused torch op.
@@ -62,6 +63,12 @@ def add_arguments(parser):
         default=1.0,
         help="Fraction of each head's channels that rotary embeddings rotate (the rest pass through).",
     )
+    group.add_argument("--use-rope-scaling", action="store_true",
+                       help="Llama 3.1's RoPE frequency scaling: frequencies whose wavelength exceeds 8192 positions "
+                       "are divided by --rope-scaling-factor, those under 8192 / 4 are kept, the ones between are "
+                       "blended (needs --position-embedding-type rope).")
+    group.add_argument("--rope-scaling-factor", type=float, default=DEFAULT_ROPE_SCALING_FACTOR,
+                       help="Divisor of the slow RoPE frequencies with --use-rope-scaling (Llama 3.1: 8, 3.2: 32).")
     group.add_argument(
         "--group-query-attention",
         action="store_true",
@@ -198,6 +205,7 @@ def _validate_layer_variants(args):
             if value:
                 raise ValueError(f"{flag} shapes rotary position embeddings: it needs --position-embedding-type "
                                  f"rope (got {args.position_embedding_type}); add that or drop {flag}")
+    _validate_rope_scaling(args)
     factor = args.rotary_seq_len_interpolation_factor
     if factor is not None and factor <= 0:
         raise ValueError(f"--rotary-seq-len-interpolation-factor must be positive, got {factor}")
@@ -214,6 +222,22 @@ def _validate_layer_variants(args):
                          "the flag")
     if args.embedding_init_method_std is not None and args.embedding_init_method_std <= 0:
         raise ValueError(f"--embedding-init-method-std must be positive, got {args.embedding_init_method_std}")
+
+
+def _validate_rope_scaling(args):
+    if not args.rope_scaling_factor > 0:
+        raise ValueError(f"--rope-scaling-factor must be positive, got {args.rope_scaling_factor}")
+    if not args.use_rope_scaling:
+        if args.rope_scaling_factor != DEFAULT_ROPE_SCALING_FACTOR:
+            warnings.warn(f"--rope-scaling-factor {args.rope_scaling_factor} has no effect without "
+                          "--use-rope-scaling; add --use-rope-scaling to scale the RoPE frequencies")
+        return
+    if getattr(args, "multi_latent_attention", False):
+        raise ValueError("--use-rope-scaling scales the RoPE of ordinary attention; --multi-latent-attention has its "
+                         "own rotary embedding (--rope-type), which it would not change: drop --use-rope-scaling")
+    if args.position_embedding_type != "rope":
+        raise ValueError(f"--use-rope-scaling scales rotary position embeddings: it needs --position-embedding-type "
+                         f"rope (got {args.position_embedding_type}); add that or drop --use-rope-scaling")
 
 
 def _swiglu_ffn_hidden_size(hidden_size):

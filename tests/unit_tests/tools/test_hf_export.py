@@ -3,10 +3,10 @@ logits, and converting it back gives the checkpoint's tensors bit for bit.
 
 Four small models (TINY_GPT's shape) cover both architectures and the flags the mapping has to get right:
 GPT-2 style (tied, GeLU, biases), GPT-2 style with --apply-layernorm-1p and --disable-bias-linear (untied),
-Llama style with grouped-query attention (untied, no biases) and Llama style with multi-query attention,
-biases, --apply-layernorm-1p and another --rotary-base (tied); a fifth, FP8-trained, carries amax histories
-through the round trip. Their weights are perturbed randomly so that norms, biases and padding rows all hold
-distinct values.
+Llama style with grouped-query attention and Llama 3.1's RoPE scaling (untied, no biases) and Llama style with
+multi-query attention, biases, --apply-layernorm-1p and another --rotary-base (tied); a fifth, FP8-trained,
+carries amax histories through the round trip. Their weights are perturbed randomly so that norms, biases and
+padding rows all hold distinct values.
 """
 
 import json
@@ -23,11 +23,15 @@ from tests.unit_tests.multiprocess_harness import run_on_ranks
 
 TOOLS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "tools", "checkpoint"))
 LLAMA = "--normalization RMSNorm --position-embedding-type rope --swiglu"
+ROPE_SCALING = "--rotary-base 1000000 --use-rope-scaling --rope-scaling-factor 32"
 # name: (TINY_GPT flags added, whether TINY_GPT's --swiglu stays)
 MODELS = {
     "gpt2": ("TIED", False),
     "gpt2_1p_no_bias": ("--apply-layernorm-1p --disable-bias-linear", False),
-    "llama_gqa": (f"{LLAMA} --disable-bias-linear --group-query-attention --num-query-groups 2", True),
+    # base 1e6 on heads of 8 channels: wavelengths 6, 199, 6283 and 198692 positions, so Llama 3.1's scaling keeps
+    # two frequencies, blends one and divides one
+    "llama_gqa_rope_scaling": (f"{LLAMA} --disable-bias-linear --group-query-attention --num-query-groups 2 "
+                               f"{ROPE_SCALING}", True),
     "llama_mqa_bias_1p_tied": (f"TIED {LLAMA} --apply-layernorm-1p --rotary-base 500 --group-query-attention "
                                "--num-query-groups 1", True),
     # FP8 training keeps amax histories in the model's state: they travel in the extras (no logits test: the
@@ -75,11 +79,13 @@ def _logits(model):
 
 
 def _save_and_forward(workdir, names):
-    """On one rank: build each model, perturb its weights, save it (torch_dist) and return its logits."""
+    """On one rank: build each model, perturb its weights, save it (torch_dist); returns its logits and the
+    frequencies of its rotary embedding (None without RoPE)."""
+    from megatron.core.distributed.data_parallel_base import unwrap_model
     from megatron.core.fp8_utils import reduce_fp8_amaxes
     from megatron.training import checkpointing
 
-    logits = {}
+    logits, rope_frequencies = {}, {}
     generator = torch.Generator().manual_seed(7)
     for name in names:
         state = _training_state(name)
@@ -89,12 +95,14 @@ def _save_and_forward(workdir, names):
                 for param in state.model[0].parameters():
                     param.add_(0.1 * torch.randn(param.shape, generator=generator))
             logits[name] = _logits(state.model[0])  # first, so that an FP8 model saves recorded amaxes
+            rotary = unwrap_model(state.model[0]).rotary_pos_emb
+            rope_frequencies[name] = rotary.inverse_frequencies("cpu") if rotary is not None else None
             reduce_fp8_amaxes(state.model)  # as a training step does: the pass's pending amaxes enter the histories
             state.args.save = os.path.join(workdir, name)
             checkpointing.save_checkpoint(1, state.model, state.optimizer, state.scheduler, state.args)
         finally:
             state.close()
-    return logits
+    return logits, rope_frequencies
 
 
 def _load_and_forward(name, root):
@@ -110,19 +118,30 @@ def _load_and_forward(name, root):
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """{name: (checkpoint root, our logits [b, s, padded vocab])}."""
+def trained(tmp_path_factory):
+    """(directory of the checkpoints, {name: our logits}, {name: our RoPE frequencies or None})."""
     workdir = str(tmp_path_factory.mktemp("hf_export"))
-    logits = run_on_ranks(1, _save_and_forward, workdir, list(MODELS))[0]
+    return (workdir, *run_on_ranks(1, _save_and_forward, workdir, list(MODELS))[0])
+
+
+@pytest.fixture(scope="module")
+def checkpoints(trained):
+    """{name: (checkpoint root, our logits [b, s, padded vocab])}."""
+    workdir, logits, _ = trained
     return {name: (os.path.join(workdir, name), logits[name]) for name in MODELS}
+
+
+def _checkpoint_state(root):
+    from megatron.core.dist_checkpointing import offline
+    from megatron.training.checkpointing import iteration_dir_name, read_tracker
+
+    return offline.read_checkpoint(os.path.join(root, iteration_dir_name(read_tracker(root))))
 
 
 def _model_tensors(root):
     from megatron.core.dist_checkpointing import offline
-    from megatron.training.checkpointing import iteration_dir_name, read_tracker
 
-    directory = os.path.join(root, iteration_dir_name(read_tracker(root)))
-    return offline.full_precision_model(offline.read_checkpoint(directory))
+    return offline.full_precision_model(_checkpoint_state(root))
 
 
 @pytest.fixture(scope="module")
@@ -146,15 +165,20 @@ def _exported_copy(exported, name, destination):
     return destination
 
 
+LLAMA31_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
 EXPECTED_CONFIG = {
     "gpt2": {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": VOCAB, "n_layer": 4,
              "n_embd": 32, "n_head": 4, "n_inner": 128, "activation_function": "gelu", "tie_word_embeddings": True},
     "gpt2_1p_no_bias": {"architectures": ["GPT2LMHeadModel"], "tie_word_embeddings": False},
-    "llama_gqa": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
-                  "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64, "attention_bias": False,
-                  "mlp_bias": False, "tie_word_embeddings": False, "rope_theta": 10000.0},
+    "llama_gqa_rope_scaling": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB, "num_key_value_heads": 2,
+        "head_dim": 8, "intermediate_size": 64, "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": False, "rope_theta": 1e6, "rope_scaling": LLAMA31_SCALING,
+        "rope_parameters": {**LLAMA31_SCALING, "rope_theta": 1e6}},
     "llama_mqa_bias_1p_tied": {"num_key_value_heads": 1, "attention_bias": True, "mlp_bias": True,
-                               "tie_word_embeddings": True, "rope_theta": 500.0},
+                               "tie_word_embeddings": True, "rope_theta": 500.0, "rope_scaling": None,
+                               "rope_parameters": {"rope_type": "default", "rope_theta": 500.0}},
     "llama_gqa_fp8": {"architectures": ["LlamaForCausalLM"], "num_key_value_heads": 2},
 }
 
@@ -191,7 +215,7 @@ def test_hf_round_trip_is_bit_exact(name, exported, originals, tools, tmp_path):
 
 @pytest.mark.world_size(1)
 @pytest.mark.parametrize("name", FP32_MODELS)
-def test_transformers_computes_our_logits(name, checkpoints, exported, originals, tools, tmp_path):
+def test_transformers_computes_our_logits(name, checkpoints, trained, exported, originals, tools, tmp_path):
     import transformers  # in the dev extra: a missing install fails here instead of skipping the check
     convert_checkpoint, _ = tools
     _, ours = checkpoints[name]
@@ -205,11 +229,21 @@ def test_transformers_computes_our_logits(name, checkpoints, exported, originals
     difference = (theirs - ours[..., :VOCAB]).abs().max().item()
     print(f"{name}: max |logit difference| {difference:.3g} (logits up to {ours.abs().max().item():.3g})")
     assert difference <= LOGITS_TOLERANCE
+    # The logits of 16 positions hardly feel the slow frequencies: compare those directly.
+    our_frequencies = trained[2][name]
+    assert (our_frequencies is None) == (expected_class == "GPT2LMHeadModel")
+    if our_frequencies is not None:
+        assert torch.equal(model.model.rotary_emb.inv_freq, our_frequencies)
+    if "rope_scaling" in name:  # the trained model was scaled: its slowest frequency is divided by the factor 32
+        assert our_frequencies[-1].item() == pytest.approx(1e6 ** -0.75 / 32, rel=1e-6)
 
     # What transformers itself writes (no extras file) imports to the same model over the true vocabulary.
     model.save_pretrained(str(tmp_path / "saved_by_transformers"))
     back = convert_checkpoint.from_hf(str(tmp_path / "saved_by_transformers"), str(tmp_path / "back"),
                                       make_vocab_size_divisible_by=64, apply_layernorm_1p="1p" in name)
+    recorded = _checkpoint_state(str(tmp_path / "back"))["common"]["args"]
+    scaled = "rope_scaling" in name
+    assert (recorded.use_rope_scaling, recorded.rope_scaling_factor) == ((True, 32.0) if scaled else (False, 8.0))
     original = originals[name]
     added = set(back) - set(original)  # GPT-2 always has biases: without the extras they come as zero biases
     assert set(original) <= set(back) and all(key.endswith(".bias") and not back[key].any() for key in added)
@@ -281,7 +315,7 @@ def test_nonzero_bias_into_a_model_without_biases_is_refused(exported, tools, tm
 @pytest.mark.world_size(1)
 def test_config_that_disagrees_with_the_tensors_is_refused(exported, tools, tmp_path):
     convert_checkpoint, _ = tools
-    hf_dir = _exported_copy(exported, "llama_gqa", tmp_path / "hf")
+    hf_dir = _exported_copy(exported, "llama_gqa_rope_scaling", tmp_path / "hf")
     with open(hf_dir / "config.json") as stream:
         config = json.load(stream)
     with open(hf_dir / "config.json", "w") as stream:
@@ -338,6 +372,87 @@ def test_hugging_face_configs_we_cannot_compute_are_refused(tools):
     for message, change in refusals.items():
         with pytest.raises(hf_mapping.ConversionError, match=message):
             hf_mapping.shape_from_hf_config({**llama, **change}, "DIR", None, 128, False)
+
+
+def test_llama3_rope_scaling_both_ways(tools):
+    """--use-rope-scaling is config.json's llama3 rope_scaling with the values our rotary embedding fixes; a Llama
+    3.1 / 3.2 config.json (transformers 4's rope_scaling, or 5's rope_parameters) reads back as the flags, and
+    other llama3 values are refused naming them."""
+    _, hf_mapping = tools
+    llama = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, rotary_base=500000.0)
+    shape = _shape(hf_mapping, **llama, use_rope_scaling=True, rope_scaling_factor=32.0)
+    config = hf_mapping.hf_config(shape, hf_mapping.architecture_for(shape))
+    llama32_scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8192}
+    assert config["rope_scaling"] == llama32_scaling and config["rope_theta"] == 500000.0
+    assert config["rope_parameters"] == {**llama32_scaling, "rope_theta": 500000.0}
+    assert hf_mapping.shape_from_hf_config(config, "DIR", None, 128, False) == (shape, hf_mapping.LLAMA)
+    plain = _shape(hf_mapping, **llama)
+    assert hf_mapping.hf_config(plain, hf_mapping.LLAMA)["rope_scaling"] is None
+    assert hf_mapping.shape_from_hf_config(hf_mapping.hf_config(plain, hf_mapping.LLAMA), "DIR", None, 128,
+                                           False)[0] == plain
+
+    published = {key: value for key, value in config.items() if key != "rope_parameters"}
+    llama31 = {**published, "rope_scaling": {**llama32_scaling, "factor": 8.0}}  # as Llama 3.1's config.json
+    read = hf_mapping.shape_from_hf_config(llama31, "DIR", None, 128, False)[0]
+    assert (read.use_rope_scaling, read.rope_scaling_factor, read.rotary_base) == (True, 8.0, 500000.0)
+    newer = {**published, "rope_scaling": None, "rope_parameters": {**llama32_scaling, "rope_theta": 250000.0}}
+    read = hf_mapping.shape_from_hf_config(newer, "DIR", None, 128, False)[0]
+    assert (read.use_rope_scaling, read.rope_scaling_factor, read.rotary_base) == (True, 32.0, 250000.0)
+
+    fixed = "fixes low_freq_factor 1.0, high_freq_factor 4.0, original_max_position_embeddings 8192"
+    refusals = {r"'llama3' with low_freq_factor 2.0: our rotary embedding \(--use-rope-scaling\) " + fixed:
+                {"low_freq_factor": 2.0}, "'llama3' with high_freq_factor 8.0": {"high_freq_factor": 8.0},
+                "'llama3' with original_max_position_embeddings 4096": {"original_max_position_embeddings": 4096},
+                "'llama3' with factor 0: it must be a positive number": {"factor": 0},
+                r"'yarn' \(config.json rope_scaling / rope_parameters\) has no counterpart": {"rope_type": "yarn"}}
+    for message, change in refusals.items():
+        with pytest.raises(hf_mapping.ConversionError, match=f"^DIR: RoPE scaling {message}"):
+            hf_mapping.shape_from_hf_config({**published, "rope_scaling": {**llama32_scaling, **change}}, "DIR",
+                                            None, 128, False)
+    without = {key: value for key, value in llama32_scaling.items() if key != "high_freq_factor"}
+    with pytest.raises(hf_mapping.ConversionError, match="^DIR: RoPE scaling 'llama3' .* without 'high_freq_factor'"):
+        hf_mapping.shape_from_hf_config({**published, "rope_scaling": without}, "DIR", None, 128, False)
+
+
+def test_export_of_a_checkpoint_older_than_the_rope_scaling_flags(tools):
+    """Arguments saved before --use-rope-scaling existed describe a model without it."""
+    import argparse
+    import dataclasses
+
+    _, hf_mapping = tools
+    shape = _shape(hf_mapping, position_embedding_type="rope", normalization="RMSNorm", swiglu=True)
+    older = {key: value for key, value in dataclasses.asdict(shape).items()
+             if key not in ("use_rope_scaling", "rope_scaling_factor", "vocab_size", "padded_vocab_size")}
+    assert hf_mapping.ModelShape.from_args(argparse.Namespace(**older), 120, 128) == shape
+    with pytest.raises(hf_mapping.ConversionError, match="lack 'rotary_base'"):
+        hf_mapping.ModelShape.from_args(argparse.Namespace(**{k: v for k, v in older.items() if k != "rotary_base"}),
+                                        120, 128)
+
+
+@pytest.mark.parametrize("factor", [8.0, 32.0])
+def test_transformers_llama3_frequencies_equal_ours(tools, factor):
+    """transformers' llama3 frequencies (what its LlamaRotaryEmbedding holds; the exported model's own is checked in
+    test_transformers_computes_our_logits) for the config.json we write are ours (Llama 3.1's heads: 128 channels,
+    base 500000, so many frequencies fall in each band)."""
+    import transformers  # in the dev extra
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    _, hf_mapping = tools
+    shape = _shape(hf_mapping, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                   hidden_size=512, kv_channels=128, rotary_base=500000.0, use_rope_scaling=True,
+                   rope_scaling_factor=factor)
+    config = transformers.LlamaConfig.from_dict(hf_mapping.hf_config(shape, hf_mapping.LLAMA))
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    ours = RotaryEmbedding(128, rotary_base=500000.0, rope_scaling=True, rope_scaling_factor=factor)
+    plain = RotaryEmbedding(128, rotary_base=500000.0).inverse_frequencies("cpu")
+    assert torch.equal(theirs, ours.inverse_frequencies("cpu"))
+    wavelengths = 2 * torch.pi / plain
+    kept, divided = wavelengths < 2048, wavelengths > 8192
+    assert kept.sum() and divided.sum() and (~kept & ~divided).sum()  # every band is there
+    assert torch.equal(theirs[kept], plain[kept]) and torch.equal(theirs[divided], plain[divided] / factor)
 
 
 def test_qkv_and_swiglu_layouts(tools):

@@ -111,6 +111,15 @@ def test_args_defaults_fill_only_unset_options():
         ("--use-flash-attn", 1, r"--use-flash-attn asks for the flash-attention kernel.*--attention-backend auto"),
         ("--squared-relu --swiglu", 1, r"--squared-relu and --swiglu are exclusive"),
         ("--rotary-percent 0", 1, r"--rotary-percent must be in \(0, 1\]"),
+        ("--use-rope-scaling", 1, r"^--use-rope-scaling scales rotary position embeddings: it needs "
+         r"--position-embedding-type rope \(got learned_absolute\); add that or drop --use-rope-scaling$"),
+        ("--position-embedding-type rope --use-rope-scaling --rope-scaling-factor 0", 1,
+         r"^--rope-scaling-factor must be positive, got 0.0$"),
+        ("--position-embedding-type rope --rope-scaling-factor -8", 1, r"^--rope-scaling-factor must be positive, "
+         r"got -8.0$"),
+        ("--multi-latent-attention --position-embedding-type rope --use-rope-scaling", 1,
+         r"^--use-rope-scaling scales the RoPE of ordinary attention; --multi-latent-attention has its own rotary "
+         r"embedding \(--rope-type\), which it would not change: drop --use-rope-scaling$"),
         ("--start-weight-decay 0.1", 1, r"--start-weight-decay \(0.1\) differs from --weight-decay \(0.01\) with --weight-decay-incr-style constant"),
         ("--weight-decay-incr-style linear --end-weight-decay 0.1", 1, r"--weight-decay-incr-style linear needs --start-weight-decay and --end-weight-decay"),
         ("--weight-decay-incr-style cosine --start-weight-decay 0.2 --end-weight-decay 0.1", 1, r"--start-weight-decay \(0.2\) must not exceed --end-weight-decay \(0.1\)"),
@@ -277,6 +286,16 @@ def test_upstream_llama_script_flags_reach_the_model_config(monkeypatch):
     assert (older_spelling.position_embedding_type, older_spelling.add_position_embedding) == ("rope", False)
     plain = validated()
     assert (plain.start_weight_decay, plain.end_weight_decay) == (0.01, 0.01)
+
+
+def test_llama31_rope_scaling_flags():
+    plain = validated("--position-embedding-type rope")
+    assert (plain.use_rope_scaling, plain.rope_scaling_factor) == (False, 8.0)  # upstream's defaults
+    llama32 = validated("--position-embedding-type rope --use-rope-scaling --rope-scaling-factor 32")
+    assert (llama32.use_rope_scaling, llama32.rope_scaling_factor) == (True, 32.0)
+    assert validated("--position-embedding-type rope --use-rope-scaling").rope_scaling_factor == 8.0
+    with pytest.warns(UserWarning, match="^--rope-scaling-factor 32.0 has no effect without --use-rope-scaling"):
+        assert not validated("--position-embedding-type rope --rope-scaling-factor 32").use_rope_scaling
 
 
 def test_squared_relu_sets_the_activation():

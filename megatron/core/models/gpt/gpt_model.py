@@ -56,6 +56,8 @@ class GPTModel(ShardedStateModule):
         rotary_percent, rotary_base: fraction of each head rotated and the RoPE base (rope only).
         seq_len_interpolation_factor: RoPE positions are divided by it (rope only; None: the config's
             `rotary_seq_len_interpolation_factor`). `config.rotary_interleaved` picks the pair layout.
+        rope_scaling, rope_scaling_factor: Llama 3.1's scaling of the RoPE frequencies by the factor (rope only;
+            `--use-rope-scaling`, `--rope-scaling-factor`).
     """
 
     def __init__(
@@ -70,6 +72,8 @@ class GPTModel(ShardedStateModule):
         rotary_percent: float = 1.0,
         rotary_base: int = 10000,
         seq_len_interpolation_factor: Optional[float] = None,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
     ):
         super().__init__()
         if position_embedding_type not in POSITION_EMBEDDING_TYPES:
@@ -89,6 +93,9 @@ class GPTModel(ShardedStateModule):
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         self.position_embedding_type = position_embedding_type
         self.mtp_num_layers = config.mtp_num_layers or 0
+        if rope_scaling and position_embedding_type != "rope":
+            raise ValueError(f"--use-rope-scaling scales rotary position embeddings: it needs "
+                             f"--position-embedding-type rope, got {position_embedding_type!r}")
         if self.mtp_num_layers and position_embedding_type != "rope":
             raise ValueError(
                 "--mtp-num-layers needs --position-embedding-type rope (as upstream), got "
@@ -112,6 +119,7 @@ class GPTModel(ShardedStateModule):
                 rotary_interleaved=config.rotary_interleaved,
                 seq_len_interpolation_factor=(seq_len_interpolation_factor
                                               or config.rotary_seq_len_interpolation_factor),
+                rope_scaling=rope_scaling, rope_scaling_factor=rope_scaling_factor,
             )
             if position_embedding_type == "rope"
             else None

@@ -4,9 +4,35 @@ Channel i of the rotated part is paired with channel i + rot_dim/2 (the "rotate 
 `rotary_interleaved` channel 2i with channel 2i + 1 (`--rotary-interleaved`). Positions are 0..s-1 of the full
 sequence the attention sees, divided by `seq_len_interpolation_factor` when given
 (`--rotary-seq-len-interpolation-factor`). Angles are computed in fp32 whatever the activation dtype.
+
+With `rope_scaling` (`--use-rope-scaling`) the frequencies are those of Llama 3.1 (`llama3_scaled_frequencies`):
+slow ones divided by `rope_scaling_factor`, fast ones kept, the band between blended.
 """
 
+import math
+
 import torch
+
+# Llama 3.1's frequency scaling, fixed as upstream Megatron fixes them (only the factor is a flag).
+LLAMA3_LOW_FREQ_FACTOR = 1.0
+LLAMA3_HIGH_FREQ_FACTOR = 4.0
+LLAMA3_ORIGINAL_MAX_POSITION_EMBEDDINGS = 8192
+
+
+def llama3_scaled_frequencies(inverse_frequencies: torch.Tensor, factor: float,
+                              low_freq_factor: float = LLAMA3_LOW_FREQ_FACTOR,
+                              high_freq_factor: float = LLAMA3_HIGH_FREQ_FACTOR,
+                              original_context: int = LLAMA3_ORIGINAL_MAX_POSITION_EMBEDDINGS) -> torch.Tensor:
+    """Llama 3.1's RoPE frequencies: a frequency whose wavelength 2 pi / f is longer than
+    `original_context / low_freq_factor` is divided by `factor`, one shorter than
+    `original_context / high_freq_factor` is kept, and one in between is blended,
+    (1 - s) f / factor + s f with s = (original_context / wavelength - low_freq_factor) /
+    (high_freq_factor - low_freq_factor), which meets both ends continuously."""
+    wavelength = 2 * math.pi / inverse_frequencies
+    blend = (original_context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - blend) * inverse_frequencies / factor + blend * inverse_frequencies
+    scaled = torch.where(wavelength > original_context / low_freq_factor, inverse_frequencies / factor, blended)
+    return torch.where(wavelength < original_context / high_freq_factor, inverse_frequencies, scaled)
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -19,11 +45,18 @@ class RotaryEmbedding(torch.nn.Module):
         rotary_interleaved: angles laid out for interleaved pairs `[a_0, a_0, a_1, a_1, ...]` (apply them with
             `apply_rotary_pos_emb(..., interleaved=True)`) instead of halves `[a_0, a_1, ..., a_0, a_1, ...]`.
         seq_len_interpolation_factor: positions are divided by it (None: 1).
+        rope_scaling: Llama 3.1's frequency scaling (`--use-rope-scaling`), by `rope_scaling_factor`
+            (`--rope-scaling-factor`).
     """
 
     def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_base: float = 10000.0,
-                 rotary_interleaved: bool = False, seq_len_interpolation_factor=None):
+                 rotary_interleaved: bool = False, seq_len_interpolation_factor=None, rope_scaling: bool = False,
+                 rope_scaling_factor: float = 8.0):
         super().__init__()
+        if rope_scaling and not rope_scaling_factor > 0:
+            raise ValueError(f"--rope-scaling-factor must be positive, got {rope_scaling_factor}")
+        self.rope_scaling = rope_scaling
+        self.rope_scaling_factor = float(rope_scaling_factor)
         if seq_len_interpolation_factor is not None and seq_len_interpolation_factor <= 0:
             raise ValueError(
                 f"--rotary-seq-len-interpolation-factor must be positive, got {seq_len_interpolation_factor}"
@@ -42,7 +75,10 @@ class RotaryEmbedding(torch.nn.Module):
 
     def inverse_frequencies(self, device) -> torch.Tensor:
         exponents = torch.arange(0, self.rot_dim, 2, dtype=torch.float32, device=device) / self.rot_dim
-        return 1.0 / (self.rotary_base**exponents)
+        frequencies = 1.0 / (self.rotary_base**exponents)
+        if self.rope_scaling:
+            frequencies = llama3_scaled_frequencies(frequencies, self.rope_scaling_factor)
+        return frequencies
 
     def forward(self, seq_len: int, device=None) -> torch.Tensor:
         positions = torch.arange(seq_len, dtype=torch.float32, device=device)
