@@ -52,6 +52,9 @@ def add_distillation_arguments(parser):
 def _check_arguments(args):
     if args.export_kd_teacher_load is None:
         raise ValueError("distill.py needs --export-kd-teacher-load: the teacher's torch_dist checkpoint")
+    if args.export_kd_cfg is not None and not os.path.isfile(args.export_kd_cfg):
+        raise FileNotFoundError(f"--export-kd-cfg {args.export_kd_cfg}: no such file (a YAML file of modelopt's "
+                                "DistillationConfig; drop the flag for the default logits KL divergence)")
     if args.pipeline_model_parallel_size != 1:
         raise ValueError("distill.py runs with --pipeline-model-parallel-size 1 (student and teacher activations "
                          "are not exchanged between pipeline stages here)")

@@ -2,6 +2,8 @@
 micro-batches, building pretrain_gpt's model, and forward passes over global batches of the training split
 (calibration) and the validation split (the loss before and after), outside a training step."""
 
+import sys
+
 import torch
 
 import pretrain_gpt
@@ -30,6 +32,21 @@ def build_model(args):
     from megatron.training.model_setup import get_model
 
     return get_model(pretrain_gpt.model_provider, args, wrap_with_ddp=False)[0]
+
+
+def modelopt_modes(model):
+    """The modelopt modes `model` was converted with (e.g. ['quantize', 'max_calibrate'] for a checkpoint written
+    by quantize.py); empty for a model modelopt did not convert."""
+    if "modelopt" not in sys.modules:  # only a process that imported modelopt can hold a model it converted
+        return []
+    import modelopt.torch.opt as mto
+
+    from megatron.core.distributed.data_parallel_base import unwrap_model
+
+    module = unwrap_model(model)
+    if not mto.ModeloptStateManager.is_converted(module):
+        return []
+    return [mode.name for mode, _, _ in mto.ModeloptStateManager(module).modes_with_states()]
 
 
 def run_global_batches(model, data_iterator, num_batches, args):

@@ -34,6 +34,7 @@ if REPO_ROOT not in sys.path:
 from examples.post_training.model_and_data import (  # noqa: E402
     build_model,
     data_iterators,
+    modelopt_modes,
     run_global_batches,
     run_with_megatron,
     setup_tokenizer_and_batches,
@@ -203,6 +204,12 @@ def run(args):
     iteration = checkpointing.load_checkpoint([model], None, None, args)
     if iteration == 0 and checkpointing.read_tracker(args.load) is None:
         raise FileNotFoundError(f"no checkpoint under --load {args.load}")
+    converted = modelopt_modes(model)
+    if converted:
+        raise ValueError(
+            f"--load {args.load} holds a model modelopt converted ({', '.join(converted)}): prune.py prunes an "
+            "unconverted model (the pruned model would be built without its quantizers). Prune the checkpoint it "
+            "was quantized from, then quantize the pruned one (quantize.py --load PRUNED)")
     before = _validation_loss(model, args)
     if args.use_modelopt_plugin:
         pruned, kept = prune_with_modelopt_plugin(model, args), None

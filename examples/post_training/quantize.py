@@ -28,6 +28,7 @@ if REPO_ROOT not in sys.path:
 from examples.post_training.model_and_data import (  # noqa: E402
     build_model,
     data_iterators,
+    modelopt_modes,
     run_global_batches,
     run_with_megatron,
     setup_tokenizer_and_batches,
@@ -137,6 +138,12 @@ def run(args):
     iteration = checkpointing.load_checkpoint([model], None, None, args)
     if iteration == 0 and checkpointing.read_tracker(args.load) is None:
         raise FileNotFoundError(f"no checkpoint under --load {args.load}")
+    converted = modelopt_modes(model)
+    if converted:
+        raise ValueError(
+            f"--load {args.load} holds a model modelopt already converted ({', '.join(converted)}): quantize.py "
+            "quantizes an unquantized checkpoint. Load the checkpoint it was quantized from, or train the quantized "
+            f"model on (quantization-aware training) with pretrain_gpt.py --load {args.load} --finetune")
     before = validation_loss(model, args)
     quantize_model(model, args)
     after = validation_loss(model, args)

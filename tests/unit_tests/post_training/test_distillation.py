@@ -83,13 +83,18 @@ def test_distillation_step_backpropagates_the_kl_divergence_to_the_teacher(tmp_p
         assert records[0]["kd"] != records[-1]["kd"]
 
 
-def test_distill_refuses_missing_teacher_and_pipeline_parallelism():
+def test_distill_refuses_missing_teacher_or_kd_cfg_and_pipeline_parallelism(tmp_path):
     from types import SimpleNamespace
 
     from examples.post_training.distill import _check_arguments
 
     base = dict(export_kd_teacher_load="t", pipeline_model_parallel_size=1, use_megatron_fsdp=False,
-                use_torch_fsdp2=False)
+                use_torch_fsdp2=False, export_kd_cfg=None)
+    kd_cfg = tmp_path / "distill.yaml"
+    kd_cfg.write_text("logit_layers: [output_layer, output_layer]\n")
+    _check_arguments(SimpleNamespace(**{**base, "export_kd_cfg": str(kd_cfg)}))
+    with pytest.raises(FileNotFoundError, match="--export-kd-cfg .*missing.yaml: no such file"):
+        _check_arguments(SimpleNamespace(**{**base, "export_kd_cfg": str(tmp_path / "missing.yaml")}))
     with pytest.raises(ValueError, match="--export-kd-teacher-load"):
         _check_arguments(SimpleNamespace(**{**base, "export_kd_teacher_load": None}))
     with pytest.raises(ValueError, match="--pipeline-model-parallel-size 1"):

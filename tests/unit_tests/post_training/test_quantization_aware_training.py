@@ -4,6 +4,7 @@ loads it (`--load Q --finetune`), which converts the freshly built model from th
 weights and amaxes, and trains it quantized under DDP and under Megatron-FSDP. A QAT run interrupted after 2
 iterations and resumed from its torch_dist checkpoint at another tensor-parallel size (TP2 instead of DP2)
 continues the uninterrupted run's losses (iteration 3 tests the loaded model, 4 the loaded optimizer state).
+quantize.py and prune.py refuse the quantized checkpoint as their --load, saying what to load instead.
 
 fp32 on CPUs: the runs differ only in the order of floating-point reductions (and, resumed at TP2, in the
 partial sums of row-parallel layers); with the same amaxes the fake-quantized values are the same unless an
@@ -13,6 +14,7 @@ the README's QAT numbers come from a corpus.
 """
 
 import os
+import re
 
 import pytest
 import torch
@@ -46,6 +48,26 @@ def _post_training_quantize(trained, exported):
         _teardown(args)
 
 
+def _error_loading_quantized(script_name, exported, extra):
+    """The ValueError quantize.py or prune.py (`script_name`) gives for --load of a quantized checkpoint."""
+    import importlib
+
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.training import _teardown
+
+    script = importlib.import_module(f"examples.post_training.{script_name}")
+    add_arguments = {"quantize": "add_quantize_arguments", "prune": "add_prune_arguments"}[script_name]
+    argv = tiny_gpt_argv(f"--train-iters 4 --load {exported} {DIST} --eval-iters 1 --eval-interval 4 {extra}")
+    args = initialize_megatron(extra_args_provider=getattr(script, add_arguments), args=argv.split())
+    try:
+        script.run(args)
+    except ValueError as error:
+        return str(error)
+    finally:
+        _teardown(args)
+    return None
+
+
 def _qat_runs(workdir):
     from megatron.training.checkpointing import write_tracker
 
@@ -53,6 +75,8 @@ def _qat_runs(workdir):
     trained, exported, qat = (os.path.join(workdir, name) for name in ("trained", "quantized", "qat"))
     run_pretrain(workdir, f"--train-iters 8 --save {trained} --save-interval 8 {DIST}")
     ptq = _post_training_quantize(trained, exported)
+    ptq["quantize_again"] = _error_loading_quantized("quantize", exported, "--quant-cfg int8 --calib-batches 1")
+    ptq["prune"] = _error_loading_quantized("prune", exported, "--calib-size 8 --target-ffn-hidden-size 32")
     from_quantized = f"--load {exported} --finetune {DIST} {QAT_ITERS}"
     results = {
         "ptq": ptq,
@@ -82,6 +106,14 @@ def test_ptq_changes_the_validation_loss_a_little(qat_results):
     ptq = qat_results["ptq"]
     assert ptq["after"] != ptq["before"]
     assert abs(ptq["after"] - ptq["before"]) < 0.05 * ptq["before"], ptq
+
+
+def test_quantize_and_prune_refuse_a_quantized_checkpoint(qat_results):
+    modes = r"\(quantize, max_calibrate\)"
+    assert re.search(rf"--load \S+quantized holds a model modelopt already converted {modes}.*"
+                     r"pretrain_gpt.py --load \S+quantized --finetune", qat_results["ptq"]["quantize_again"])
+    assert re.search(rf"--load \S+quantized holds a model modelopt converted {modes}: prune.py prunes an "
+                     r"unconverted model.*Prune the checkpoint it was quantized from", qat_results["ptq"]["prune"])
 
 
 def test_qat_trains_the_quantized_model(qat_results):

@@ -7,8 +7,8 @@ no spec, so there is no spec to return that anything could build. A spec alone w
 its conversion (`mtsp.convert(model, [("eagle", cfg)])`) builds a `TransformerConfig` with upstream-only fields
 (`attention_softmax_in_fp32`, ...) and then assigns attributes on it (`transformer_layer_spec`, `seq_length`,
 `hidden_size`, `pipeline_model_parallel_size`, ...), where this config is frozen; it builds
-`TransformerBlock(config, spec=..., post_layer_norm=...)` and upstream's `RotaryEmbedding(rope_scaling=...)`
-(with its `get_rotary_seq_len`), and calls the decoder with `inference_params`, `packed_seq_params` and `inference_context`.
+`TransformerBlock(config, spec=..., post_layer_norm=...)`, uses upstream's `RotaryEmbedding.get_rotary_seq_len`,
+and calls the decoder with `inference_params`, `packed_seq_params` and `inference_context`.
 The function keeps its upstream name and signature and says precisely that, and what to use instead.
 """
 
@@ -18,8 +18,8 @@ UNSUPPORTED_MESSAGE = (
     "specs, and transformer layers here are built from TransformerConfig directly (TransformerBlock takes no "
     "spec), so there is no layer spec to return. Beyond the spec, modelopt's EAGLE conversion needs upstream's "
     "mutable TransformerConfig with its upstream-only fields (attention_softmax_in_fp32, ...; this one is frozen "
-    "and validated once), TransformerBlock(spec=..., post_layer_norm=...), upstream's RotaryEmbedding arguments "
-    "(rope_scaling, get_rotary_seq_len) and decoder calls with inference_params / "
+    "and validated once), TransformerBlock(spec=..., post_layer_norm=...), upstream's "
+    "RotaryEmbedding.get_rotary_seq_len and decoder calls with inference_params / "
     "packed_seq_params / inference_context. Instead: for draft-model speculative decoding, distil a smaller draft "
     "GPT from this model (examples/post_training/distill.py, or width-prune it first with "
     "examples/post_training/prune.py); for EAGLE heads, export the checkpoint to Hugging Face format "
