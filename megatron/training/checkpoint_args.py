@@ -38,6 +38,13 @@ def _switch(name):
     return lambda args: bool(getattr(args, name)) if hasattr(args, name) else None
 
 
+def _interpolation_factor(args):
+    """--rotary-seq-len-interpolation-factor, 1 (positions as they are) where unset."""
+    if not hasattr(args, "rotary_seq_len_interpolation_factor"):
+        return None
+    return float(args.rotary_seq_len_interpolation_factor or 1.0)
+
+
 def _query_groups(args):
     """Key/value heads: --num-query-groups with --group-query-attention, else one per attention head."""
     heads = getattr(args, "num_attention_heads", None)
@@ -88,6 +95,7 @@ ARCHITECTURE_FLAGS = (
     ArchitectureFlag("--rotary-interleaved", _switch("rotary_interleaved"), is_switch=True, compared=_both_use_rope),
     ArchitectureFlag("--use-rope-scaling", _switch("use_rope_scaling"), is_switch=True, compared=_both_use_rope),
     ArchitectureFlag("--rope-scaling-factor", _get("rope_scaling_factor"), compared=_both_scale_rope),
+    ArchitectureFlag("--rotary-seq-len-interpolation-factor", _interpolation_factor, compared=_both_use_rope),
     ArchitectureFlag("--add-qkv-bias", _switch("add_qkv_bias"), is_switch=True),
     ArchitectureFlag("--apply-residual-connection-post-layernorm",
                      _switch("apply_residual_connection_post_layernorm"), is_switch=True),
@@ -189,7 +197,9 @@ MODEL_ARGS = (
     "rotary_percent", "add_bias_linear", "swiglu", "squared_relu", "untie_embeddings_and_output_weights",
     "apply_layernorm_1p", "normalization", "norm_epsilon", "qk_layernorm", "make_vocab_size_divisible_by",
     "tokenizer_type", "vocab_size", "add_qkv_bias", "rotary_interleaved", "apply_residual_connection_post_layernorm",
-    "openai_gelu", "use_rope_scaling", "rope_scaling_factor",
+    "openai_gelu", "use_rope_scaling", "rope_scaling_factor", "rotary_seq_len_interpolation_factor",
+    # Multi-token prediction (its layers' tensors).
+    "mtp_num_layers",
     # Multi-latent attention.
     "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
     "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings",
@@ -197,6 +207,7 @@ MODEL_ARGS = (
     "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk", "moe_router_score_function",
     "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
     "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+    "moe_apply_probs_on_input",
 )
 # Files the tokenizer reads: taken from the checkpoint only where the command line leaves them unset (a
 # checkpoint copied to another machine names paths that may not exist there).

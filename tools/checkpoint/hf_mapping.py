@@ -2,16 +2,21 @@
 
 Two Hugging Face architectures cover the models pretrain_gpt.py builds, chosen by the position embedding:
 
-- learned absolute positions -> GPT2LMHeadModel: LayerNorm, exact GeLU (`activation_function: "gelu"`; HF's
-  GPT-2 default "gelu_new" is the tanh approximation) or squared ReLU ("relu2"), one key/value head per query
-  head. HF's GPT-2 uses Conv1D, whose weight is the transpose of a Linear's, and its fused `c_attn` holds
-  q | k | v as three blocks of hidden_size rows. GPT-2 always has biases: a model trained with
-  --disable-bias-linear is written with zero biases, which compute the same.
+- learned absolute positions -> GPT2LMHeadModel: LayerNorm, exact GeLU (`activation_function: "gelu"`), the
+  tanh approximation of --openai-gelu ("gelu_pytorch_tanh", the very torch op; HF's GPT-2 default "gelu_new"
+  computes the same formula by hand and reads back as --openai-gelu too) or squared ReLU ("relu2"), one
+  key/value head per query head. HF's GPT-2 uses Conv1D, whose weight is the transpose of a Linear's, and its
+  fused `c_attn` holds q | k | v as three blocks of hidden_size rows. GPT-2 always has biases: a model trained
+  with --disable-bias-linear is written with zero biases (but for the QKV bias of --add-qkv-bias), which compute
+  the same.
 - rotary positions -> LlamaForCausalLM: RMSNorm, SwiGLU as gate_proj / up_proj / down_proj, separate q/k/v
-  projections with grouped-query attention, biases per `attention_bias` / `mlp_bias`. Our RoPE rotates
-  channel i with channel i + head_dim / 2 ("rotate half"), as HF's Llama does, so q and k need no permutation.
-  --use-rope-scaling is HF's `rope_type: "llama3"` with the low / high frequency factors 1 and 4 and the original
-  context of 8192 positions that our rotary embedding fixes; other values of those are refused.
+  projections with grouped-query attention, biases per `attention_bias` / `mlp_bias` (--add-qkv-bias alone is
+  `attention_bias` with a zero o_proj bias). HF's Llama rotates channel i with channel i + head_dim / 2 ("rotate
+  half"), as our RoPE does by default; with --rotary-interleaved ours rotates channels 2i and 2i + 1 instead, and
+  q and k rows are permuted within each head (2i -> i, 2i + 1 -> i + head_dim / 2), which gives the same
+  attention scores. --use-rope-scaling is HF's `rope_type: "llama3"` with the low / high frequency factors 1 and 4
+  and the original context of 8192 positions that our rotary embedding fixes; other values of those are refused.
+  --rotary-seq-len-interpolation-factor is `rope_type: "linear"` (positions divided by the factor).
 
 Our fused layouts (megatron/core/transformer/attention.py, mlp.py): linear_qkv's rows are `[groups, (q_0 ..
 q_{m-1} | k | v), head_dim]` with m query heads per group, query head g * m + j being group g's j-th; SwiGLU's
@@ -33,11 +38,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from megatron.core.models.common.embeddings.rotary_pos_embedding import (
-    LLAMA3_HIGH_FREQ_FACTOR,
-    LLAMA3_LOW_FREQ_FACTOR,
-    LLAMA3_ORIGINAL_MAX_POSITION_EMBEDDINGS,
-)
+from hf_errors import ConversionError
+from hf_rope import hf_rope_config, rope_flags_of_config
 
 GPT2, LLAMA = "GPT2LMHeadModel", "LlamaForCausalLM"
 MODEL_FILE, MODEL_INDEX_FILE, CONFIG_FILE = "model.safetensors", "model.safetensors.index.json", "config.json"
@@ -46,14 +48,9 @@ PADDING_SUFFIX = ".vocab_padding"
 FP8_BUFFER_SUFFIXES = (".fp8_amax_history", ".fp8_amax_recorded_count")
 WORD_EMBEDDING, POSITION_EMBEDDING, OUTPUT_LAYER = (
     "embedding.word_embeddings.weight", "embedding.position_embeddings.weight", "output_layer.weight")
-GPT2_ACTIVATIONS = {"gelu": False, "relu2": True}  # HF activation_function -> our --squared-relu
-# The llama3 rope_scaling values our rotary embedding fixes (only the factor is a flag, --rope-scaling-factor).
-LLAMA3_FIXED_ROPE_SCALING = {"low_freq_factor": LLAMA3_LOW_FREQ_FACTOR, "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
-                             "original_max_position_embeddings": LLAMA3_ORIGINAL_MAX_POSITION_EMBEDDINGS}
-
-
-class ConversionError(ValueError):
-    """The model or the directory cannot be converted exactly; the message names the flag or tensor."""
+# HF activation_function -> our MLP activation flags; the first name of each is the one written.
+GPT2_ACTIVATIONS = {"gelu": {}, "relu2": {"squared_relu": True}, "gelu_pytorch_tanh": {"openai_gelu": True},
+                    "gelu_new": {"openai_gelu": True}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,12 +73,17 @@ class ModelShape:
     rotary_base: float = 10000
     use_rope_scaling: bool = False
     rope_scaling_factor: float = 8.0
+    rotary_interleaved: bool = False
+    rotary_seq_len_interpolation_factor: Optional[float] = None
     normalization: str = "LayerNorm"
     norm_epsilon: float = 1e-5
     apply_layernorm_1p: bool = False
     swiglu: bool = False
     squared_relu: bool = False
+    openai_gelu: bool = False
     add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    apply_residual_connection_post_layernorm: bool = False
     qk_layernorm: bool = False
     untie_embeddings_and_output_weights: bool = False
     init_method_std: float = 0.02
@@ -89,7 +91,9 @@ class ModelShape:
     attention_dropout: float = 0.0
 
     # Flags newer than some checkpoints: arguments saved without them had their default.
-    ADDED_LATER = ("use_rope_scaling", "rope_scaling_factor")
+    ADDED_LATER = ("use_rope_scaling", "rope_scaling_factor", "rotary_interleaved",
+                   "rotary_seq_len_interpolation_factor", "openai_gelu", "add_qkv_bias",
+                   "apply_residual_connection_post_layernorm")
 
     def __post_init__(self):
         if not 0 < self.vocab_size <= self.padded_vocab_size:
@@ -119,6 +123,11 @@ class ModelShape:
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
 
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether linear_qkv has a bias (every linear layer's, or --add-qkv-bias alone)."""
+        return self.add_bias_linear or self.add_qkv_bias
+
 
 # ----------------------------------------------------------------------------------------------------------
 # Which architecture, and config.json both ways
@@ -145,13 +154,17 @@ def _llama_problems(shape: ModelShape):
     if shape.normalization != "RMSNorm":
         problems.append(f"--normalization {shape.normalization}: Llama normalises with RMSNorm")
     if not shape.swiglu:
-        activation = "--squared-relu" if shape.squared_relu else "the GeLU MLP (no --swiglu)"
+        activation = ("--squared-relu" if shape.squared_relu else "--openai-gelu" if shape.openai_gelu
+                      else "the GeLU MLP (no --swiglu)")
         problems.append(f"{activation}: Llama's MLP is SwiGLU (--swiglu)")
     if shape.rotary_percent != 1.0:
         problems.append(f"--rotary-percent {shape.rotary_percent}: Llama rotates every channel of a head")
     if shape.hidden_size % shape.num_attention_heads != 0:
         problems.append(f"--hidden-size {shape.hidden_size} is not a multiple of --num-attention-heads "
                         f"{shape.num_attention_heads}, which transformers' LlamaConfig rejects even with head_dim")
+    if shape.use_rope_scaling and shape.rotary_seq_len_interpolation_factor is not None:
+        problems.append(f"--rotary-seq-len-interpolation-factor {shape.rotary_seq_len_interpolation_factor} with "
+                        "--use-rope-scaling: Llama's config.json holds one RoPE scaling ('linear' or 'llama3')")
     return problems
 
 
@@ -165,6 +178,9 @@ def architecture_for(shape: ModelShape) -> str:
         positions = "learned absolute positions"
     if shape.qk_layernorm:
         problems.append("--qk-layernorm: neither GPT-2 nor Llama normalises query and key heads")
+    if shape.apply_residual_connection_post_layernorm:
+        problems.append("--apply-residual-connection-post-layernorm: GPT-2 and Llama add the un-normalised input "
+                        "of attention and MLP back (pre-norm residual)")
     if problems:
         raise ConversionError(
             f"this model cannot be written as a Hugging Face {architecture} (the architecture for {positions}) "
@@ -179,7 +195,9 @@ def hf_config(shape: ModelShape, architecture: str) -> dict:
               not shape.untie_embeddings_and_output_weights, "use_cache": True, "bos_token_id": None,
               "eos_token_id": None, "pad_token_id": None, "dtype": "float32", "torch_dtype": "float32"}
     if architecture == GPT2:
-        activation = next(name for name, squared in GPT2_ACTIVATIONS.items() if squared == shape.squared_relu)
+        flags = {"squared_relu": shape.squared_relu, "openai_gelu": shape.openai_gelu}
+        activation = next(name for name, set_flags in GPT2_ACTIVATIONS.items()
+                          if {flag: set_flags.get(flag, False) for flag in flags} == flags)
         return {"model_type": "gpt2", **common, "n_positions": shape.max_position_embeddings,
                 "n_embd": shape.hidden_size, "n_layer": shape.num_layers, "n_head": shape.num_attention_heads,
                 "n_inner": shape.ffn_hidden_size, "activation_function": activation,
@@ -192,18 +210,9 @@ def hf_config(shape: ModelShape, architecture: str) -> dict:
             "num_attention_heads": shape.num_attention_heads, "num_key_value_heads": shape.num_query_groups,
             "head_dim": shape.kv_channels, "hidden_act": "silu",
             "max_position_embeddings": shape.max_position_embeddings, "rms_norm_eps": shape.norm_epsilon,
-            "rope_theta": float(shape.rotary_base), **_hf_rope(shape),
-            "attention_bias": shape.add_bias_linear, "mlp_bias": shape.add_bias_linear,
+            "rope_theta": float(shape.rotary_base), **hf_rope_config(shape),
+            "attention_bias": shape.qkv_bias, "mlp_bias": shape.add_bias_linear,
             "attention_dropout": shape.attention_dropout}
-
-
-def _hf_rope(shape: ModelShape) -> dict:
-    """config.json's rope_scaling (older transformers read it) and rope_parameters (newer ones)."""
-    theta = float(shape.rotary_base)
-    if not shape.use_rope_scaling:
-        return {"rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": theta}}
-    scaling = {"rope_type": "llama3", "factor": float(shape.rope_scaling_factor), **LLAMA3_FIXED_ROPE_SCALING}
-    return {"rope_scaling": scaling, "rope_parameters": {**scaling, "rope_theta": theta}}
 
 
 def extras_metadata(shape: ModelShape, iteration: int) -> Dict[str, str]:
@@ -227,41 +236,6 @@ def _architecture_of_config(config, path):
                           f"{GPT2} and {LLAMA} convert to our GPT model")
 
 
-def _llama3_scaling_factor(scaling, path):
-    """--rope-scaling-factor of a llama3 rope_scaling whose other values are the ones we fix."""
-    for key, fixed in (("factor", None), *LLAMA3_FIXED_ROPE_SCALING.items()):
-        if key not in scaling:
-            raise ConversionError(f"{path}: RoPE scaling 'llama3' (config.json rope_scaling / rope_parameters) "
-                                  f"without '{key}'")
-        if fixed is not None and scaling[key] != fixed:
-            raise ConversionError(
-                f"{path}: RoPE scaling 'llama3' with {key} {scaling[key]}: our rotary embedding (--use-rope-scaling) "
-                f"fixes {', '.join(f'{name} {value}' for name, value in LLAMA3_FIXED_ROPE_SCALING.items())}")
-    factor = scaling["factor"]
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
-        raise ConversionError(f"{path}: RoPE scaling 'llama3' with factor {factor!r}: it must be a positive number")
-    return float(factor)
-
-
-def _rope_flags(config, path):
-    """--rotary-base, --use-rope-scaling and --rope-scaling-factor of a Llama config.json."""
-    parameters = config.get("rope_parameters") or {}
-    # transformers reads rope_scaling where a config has it (older ones know nothing else)
-    scaling = config.get("rope_scaling") or parameters
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise ConversionError(f"{path}: RoPE scaling '{rope_type}' (config.json rope_scaling / rope_parameters) "
-                              "has no counterpart in our rotary embedding (plain RoPE with --rotary-base, or "
-                              "'llama3' as --use-rope-scaling)")
-    factor = parameters.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    if factor != 1.0:
-        raise ConversionError(f"{path}: partial_rotary_factor {factor}: Llama rotates whole heads")
-    flags = {"rotary_base": scaling.get("rope_theta", parameters.get("rope_theta", config.get("rope_theta", 10000.0)))}
-    if rope_type == "llama3":
-        flags.update(use_rope_scaling=True, rope_scaling_factor=_llama3_scaling_factor(scaling, path))
-    return flags
-
-
 def shape_from_hf_config(config: dict, path: str, recorded: Optional[dict], padded_vocab_size: int,
                          apply_layernorm_1p: bool) -> Tuple[ModelShape, str]:
     """(shape, architecture) of a Hugging Face directory. config.json decides everything it says; `recorded`
@@ -277,7 +251,8 @@ def shape_from_hf_config(config: dict, path: str, recorded: Optional[dict], padd
         activation = config.get("activation_function", "gelu_new")
         if activation not in GPT2_ACTIVATIONS:
             raise ConversionError(f"{path}: activation_function '{activation}' has no counterpart in our MLP (exact "
-                                  f"GeLU is 'gelu', --squared-relu is 'relu2')")
+                                  "GeLU is 'gelu', --openai-gelu is 'gelu_pytorch_tanh' or 'gelu_new', "
+                                  "--squared-relu is 'relu2')")
         if not config.get("scale_attn_weights", True) or config.get("scale_attn_by_inverse_layer_idx", False):
             raise ConversionError(f"{path}: scale_attn_weights false or scale_attn_by_inverse_layer_idx true: our "
                                   "attention scales by 1 / sqrt(head_dim) only")
@@ -286,17 +261,17 @@ def shape_from_hf_config(config: dict, path: str, recorded: Optional[dict], padd
             num_layers=_require(config, "n_layer", path), hidden_size=hidden, num_attention_heads=heads,
             num_query_groups=heads, kv_channels=hidden // heads, ffn_hidden_size=config.get("n_inner") or 4 * hidden,
             max_position_embeddings=_require(config, "n_positions", path), normalization="LayerNorm",
-            norm_epsilon=config.get("layer_norm_epsilon", 1e-5), squared_relu=GPT2_ACTIVATIONS[activation],
-            add_bias_linear=recorded.get("add_bias_linear", True),
+            norm_epsilon=config.get("layer_norm_epsilon", 1e-5), **GPT2_ACTIVATIONS[activation],
+            add_bias_linear=recorded.get("add_bias_linear", True), add_qkv_bias=recorded.get("add_qkv_bias", False),
             untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", True),
             hidden_dropout=config.get("resid_pdrop", 0.0), attention_dropout=config.get("attn_pdrop", 0.0))
     else:
         if config.get("hidden_act", "silu") != "silu":
             raise ConversionError(f"{path}: hidden_act '{config['hidden_act']}': our gated MLP is SwiGLU (silu)")
-        if config.get("attention_bias", False) != config.get("mlp_bias", False):
-            raise ConversionError(f"{path}: attention_bias {config.get('attention_bias')} and mlp_bias "
-                                  f"{config.get('mlp_bias')} differ; our linear layers all have biases or none "
-                                  "(--disable-bias-linear)")
+        attention_bias, mlp_bias = bool(config.get("attention_bias", False)), bool(config.get("mlp_bias", False))
+        if mlp_bias and not attention_bias:
+            raise ConversionError(f"{path}: mlp_bias true with attention_bias false; our linear layers all have "
+                                  "biases, none (--disable-bias-linear) or only the QKV one (--add-qkv-bias)")
         hidden, heads = _require(config, "hidden_size", path), _require(config, "num_attention_heads", path)
         values.update(
             num_layers=_require(config, "num_hidden_layers", path), hidden_size=hidden, num_attention_heads=heads,
@@ -304,9 +279,10 @@ def shape_from_hf_config(config: dict, path: str, recorded: Optional[dict], padd
             kv_channels=config.get("head_dim") or hidden // heads,
             ffn_hidden_size=_require(config, "intermediate_size", path),
             max_position_embeddings=_require(config, "max_position_embeddings", path),
-            position_embedding_type="rope", **_rope_flags(config, path), normalization="RMSNorm",
-            norm_epsilon=config.get("rms_norm_eps", 1e-6), swiglu=True,
-            add_bias_linear=bool(config.get("attention_bias", False)),
+            position_embedding_type="rope", **rope_flags_of_config(config, path),
+            rotary_interleaved=recorded.get("rotary_interleaved", False), normalization="RMSNorm",
+            norm_epsilon=config.get("rms_norm_eps", 1e-6), swiglu=True, add_bias_linear=mlp_bias,
+            add_qkv_bias=attention_bias and not mlp_bias,
             untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
             hidden_dropout=recorded.get("hidden_dropout", 0.0), attention_dropout=config.get("attention_dropout", 0.0))
     if values["padded_vocab_size"] < vocab_size:
@@ -368,6 +344,17 @@ class _Source:
 # ----------------------------------------------------------------------------------------------------------
 
 
+def _query_key_rows(rows: torch.Tensor, shape: ModelShape, to_hf: bool) -> torch.Tensor:
+    """q or k rows (weight or bias) in HF's rotate-half channel order (`to_hf`) or back in ours: with
+    --rotary-interleaved each head's channels 2i, 2i + 1 become i, i + head_dim / 2 (the same permutation of q
+    and k keeps every attention score), otherwise they are the same."""
+    if not shape.rotary_interleaved:
+        return rows
+    head_dim, rest = shape.kv_channels, rows.shape[1:]
+    heads = rows.reshape(-1, *((head_dim // 2, 2) if to_hf else (2, head_dim // 2)), *rest)
+    return heads.transpose(1, 2).reshape(rows.shape)
+
+
 def to_hf_tensors(model: Dict[str, torch.Tensor], shape: ModelShape, architecture: str):
     """(HF tensors by HF name, extras by our name) of our fp32 model tensors by logical name."""
     source, hf, extras = _Source(model, "the checkpoint", "its recorded arguments"), {}, {}
@@ -408,7 +395,7 @@ def to_hf_tensors(model: Dict[str, torch.Tensor], shape: ModelShape, architectur
             hf[theirs + "attn.c_attn.weight"] = torch.cat(qkv).t()
             hf[theirs + "attn.c_attn.bias"] = (
                 torch.cat(split_qkv(source.take(ours + "self_attention.linear_qkv.bias"), shape))
-                if shape.add_bias_linear else torch.zeros(3 * hidden))
+                if shape.qkv_bias else torch.zeros(3 * hidden))
             hf[theirs + "attn.c_proj.weight"] = source.take(ours + "self_attention.linear_proj.weight").t()
             hf[theirs + "attn.c_proj.bias"] = bias(ours + "self_attention.linear_proj.bias", hidden)
             hf[theirs + "mlp.c_fc.weight"] = source.take(ours + "mlp.linear_fc1.weight").t()
@@ -420,13 +407,16 @@ def to_hf_tensors(model: Dict[str, torch.Tensor], shape: ModelShape, architectur
         hf[theirs + "input_layernorm.weight"] = norm(ours + "input_layernorm.weight")
         hf[theirs + "post_attention_layernorm.weight"] = norm(ours + "pre_mlp_layernorm.weight")
         linears = {"self_attention.linear_proj": "self_attn.o_proj", "mlp.linear_fc2": "mlp.down_proj"}
-        kinds = ("weight", "bias") if shape.add_bias_linear else ("weight",)
-        for kind in kinds:
+        for kind in ("weight", "bias") if shape.qkv_bias else ("weight",):
             columns = (hidden,) if kind == "weight" else ()
             query, key, value = split_qkv(source.take(f"{ours}self_attention.linear_qkv.{kind}", (qkv_rows, *columns)),
                                           shape)
-            for projection, tensor in (("q_proj", query), ("k_proj", key), ("v_proj", value)):
-                hf[f"{theirs}self_attn.{projection}.{kind}"] = tensor
+            hf[f"{theirs}self_attn.q_proj.{kind}"] = _query_key_rows(query, shape, to_hf=True)
+            hf[f"{theirs}self_attn.k_proj.{kind}"] = _query_key_rows(key, shape, to_hf=True)
+            hf[f"{theirs}self_attn.v_proj.{kind}"] = value
+        if not shape.add_bias_linear and shape.add_qkv_bias:  # attention_bias gives o_proj a bias too
+            hf[theirs + "self_attn.o_proj.bias"] = torch.zeros(hidden)
+        for kind in ("weight", "bias") if shape.add_bias_linear else ("weight",):
             gate, up = split_gate_up(source.take(f"{ours}mlp.linear_fc1.{kind}"))
             hf[f"{theirs}mlp.gate_proj.{kind}"], hf[f"{theirs}mlp.up_proj.{kind}"] = gate, up
             for our_linear, hf_linear in linears.items():
@@ -480,14 +470,18 @@ def from_hf_tensors(hf_tensors: Dict[str, torch.Tensor], extras: Dict[str, torch
             stored = torch.where(recorded + 1 == weight, recorded, stored)
         model[name] = stored
 
-    def bias(name, hf_name, rows, to_ours=lambda tensor: tensor):
+    def bias(name, hf_name, rows, to_ours=lambda tensor: tensor, kept=shape.add_bias_linear):
         tensor = source.take(hf_name, (rows,))
-        if shape.add_bias_linear:
+        if kept:
             model[name] = to_ours(tensor)
-        elif torch.count_nonzero(tensor):
+        elif torch.count_nonzero(tensor) and gpt2:
             raise ConversionError(f"{where}: '{hf_name}' is not zero, but the model was exported with "
                                   f"--disable-bias-linear (as {EXTRAS_FILE} records); delete that file to import "
                                   "it as a model with biases")
+        elif torch.count_nonzero(tensor):
+            raise ConversionError(f"{where}: '{hf_name}' is not zero, but config.json's attention_bias without "
+                                  "mlp_bias reads as --disable-bias-linear --add-qkv-bias, whose attention output "
+                                  "projection has no bias")
 
     def padded(name, hf_name):
         table = source.take(hf_name, (vocab, hidden))
@@ -512,7 +506,7 @@ def from_hf_tensors(hf_tensors: Dict[str, torch.Tensor], extras: Dict[str, torch
             qkv = source.take(theirs + "attn.c_attn.weight", (hidden, 3 * hidden)).t()
             model[ours + "self_attention.linear_qkv.weight"] = fuse_qkv(*qkv.split(hidden), shape)
             bias(ours + "self_attention.linear_qkv.bias", theirs + "attn.c_attn.bias", 3 * hidden,
-                 lambda qkv_bias: fuse_qkv(*qkv_bias.split(hidden), shape))
+                 lambda qkv_bias: fuse_qkv(*qkv_bias.split(hidden), shape), kept=shape.qkv_bias)
             model[ours + "self_attention.linear_proj.weight"] = source.take(
                 theirs + "attn.c_proj.weight", (hidden, hidden)).t()
             bias(ours + "self_attention.linear_proj.bias", theirs + "attn.c_proj.bias", hidden)
@@ -526,13 +520,17 @@ def from_hf_tensors(hf_tensors: Dict[str, torch.Tensor], extras: Dict[str, torch
         theirs = f"model.layers.{index}."
         norm(ours + "input_layernorm.weight", theirs + "input_layernorm.weight")
         norm(ours + "pre_mlp_layernorm.weight", theirs + "post_attention_layernorm.weight")
-        kinds = ("weight", "bias") if shape.add_bias_linear else ("weight",)
-        for kind in kinds:
+        for kind in ("weight", "bias") if shape.qkv_bias else ("weight",):
             columns = (hidden,) if kind == "weight" else ()
             query = source.take(f"{theirs}self_attn.q_proj.{kind}", (heads_width, *columns))
             key = source.take(f"{theirs}self_attn.k_proj.{kind}", (groups_width, *columns))
             value = source.take(f"{theirs}self_attn.v_proj.{kind}", (groups_width, *columns))
-            model[f"{ours}self_attention.linear_qkv.{kind}"] = fuse_qkv(query, key, value, shape)
+            model[f"{ours}self_attention.linear_qkv.{kind}"] = fuse_qkv(
+                _query_key_rows(query, shape, to_hf=False), _query_key_rows(key, shape, to_hf=False), value, shape)
+        if not shape.add_bias_linear and shape.add_qkv_bias:
+            bias(ours + "self_attention.linear_proj.bias", theirs + "self_attn.o_proj.bias", hidden)
+        for kind in ("weight", "bias") if shape.add_bias_linear else ("weight",):
+            columns = (hidden,) if kind == "weight" else ()
             model[f"{ours}self_attention.linear_proj.{kind}"] = source.take(
                 f"{theirs}self_attn.o_proj.{kind}", (hidden, heads_width)[:len(columns) + 1])
             gate = source.take(f"{theirs}mlp.gate_proj.{kind}", (ffn, *columns))

@@ -1,10 +1,11 @@
 """Models the Hugging Face conversion does not cover, refused before any tensor is touched.
 
 `--to hf` writes GPT2LMHeadModel or LlamaForCausalLM (see hf_mapping.py): neither has multi-latent attention
-(DeepSeek-V2/V3's low-rank query and key/value projections) or Mixture-of-Experts layers (a router and per-expert
-MLPs, Mixtral / Qwen-MoE / DeepSeek-V3 style). Such checkpoints convert losslessly between our own formats
-(`--to torch`, `--to safetensors` and back with `--from`), which keep every tensor under its logical name, the
-experts under their global index. Likewise `--from hf` reads only GPT-2 and Llama directories.
+(DeepSeek-V2/V3's low-rank query and key/value projections), Mixture-of-Experts layers (a router and per-expert
+MLPs, Mixtral / Qwen-MoE / DeepSeek-V3 style) or multi-token prediction layers (DeepSeek-V3's). Such checkpoints
+convert losslessly between our own formats (`--to torch`, `--to safetensors` and back with `--from`), which keep
+every tensor under its logical name, the experts under their global index. Likewise `--from hf` reads only
+GPT-2 and Llama directories.
 """
 
 # (training argument, flag, what Hugging Face would need)
@@ -13,6 +14,8 @@ _EXPORT_BLOCKERS = (
      "multi-latent attention (a DeepSeek-V3-style architecture)"),
     ("num_experts", "--num-experts", "Mixture-of-Experts layers (a Mixtral / Qwen-MoE / DeepSeek-V3-style "
                                      "architecture)"),
+    ("mtp_num_layers", "--mtp-num-layers", "multi-token prediction layers (DeepSeek-V3-style), which would be "
+                                           "lost"),
 )
 OWN_FORMATS_HINT = ("convert it with --to torch or --to safetensors instead (every tensor under its logical name, "
                     "converted back with --from torch / --from safetensors)")

@@ -1,14 +1,17 @@
 """tools/checkpoint --to hf / --from hf: the exported directory is a Hugging Face model that computes our model's
 logits, and converting it back gives the checkpoint's tensors bit for bit.
 
-Four small models (TINY_GPT's shape) cover both architectures and the flags the mapping has to get right:
+Five small models (TINY_GPT's shape) cover both architectures and the flags the mapping has to get right:
 GPT-2 style (tied, GeLU, biases), GPT-2 style with --apply-layernorm-1p and --disable-bias-linear (untied),
-Llama style with grouped-query attention and Llama 3.1's RoPE scaling (untied, no biases) and Llama style with
-multi-query attention, biases, --apply-layernorm-1p and another --rotary-base (tied); a fifth, FP8-trained,
-carries amax histories through the round trip. Their weights are perturbed randomly so that norms, biases and
+Llama style with grouped-query attention and Llama 3.1's RoPE scaling (untied, no biases), Llama style with
+multi-query attention, biases, --apply-layernorm-1p and another --rotary-base (tied) and Llama style with
+interleaved, position-interpolated RoPE and only a QKV bias (--add-qkv-bias); a sixth, FP8-trained, carries amax
+histories through the round trip. Their weights are perturbed randomly so that norms, biases and
 padding rows all hold distinct values.
 """
 
+import argparse
+import itertools
 import json
 import os
 import shutil
@@ -34,6 +37,10 @@ MODELS = {
                                f"{ROPE_SCALING}", True),
     "llama_mqa_bias_1p_tied": (f"TIED {LLAMA} --apply-layernorm-1p --rotary-base 500 --group-query-attention "
                                "--num-query-groups 1", True),
+    # interleaved pairs: q and k rows are permuted per head; interpolated positions: HF's "linear" RoPE scaling
+    "llama_interleaved_interpolated_qkv_bias": (f"{LLAMA} --disable-bias-linear --add-qkv-bias --group-query-attention "
+                                                "--num-query-groups 2 --rotary-interleaved "
+                                                "--rotary-seq-len-interpolation-factor 2", True),
     # FP8 training keeps amax histories in the model's state: they travel in the extras (no logits test: the
     # model computes its GEMMs in FP8, HF in fp32)
     "llama_gqa_fp8": (f"{LLAMA} --disable-bias-linear --group-query-attention --num-query-groups 2 "
@@ -179,7 +186,11 @@ EXPECTED_CONFIG = {
     "llama_mqa_bias_1p_tied": {"num_key_value_heads": 1, "attention_bias": True, "mlp_bias": True,
                                "tie_word_embeddings": True, "rope_theta": 500.0, "rope_scaling": None,
                                "rope_parameters": {"rope_type": "default", "rope_theta": 500.0}},
-    "llama_gqa_fp8": {"architectures": ["LlamaForCausalLM"], "num_key_value_heads": 2},
+    "llama_interleaved_interpolated_qkv_bias": {
+        "num_key_value_heads": 2, "attention_bias": True, "mlp_bias": False, "rope_theta": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+    "llama_gqa_fp8": {"architectures": ["LlamaForCausalLM"], "num_key_value_heads": 2, "attention_bias": False},
 }
 
 
@@ -217,7 +228,7 @@ def test_hf_round_trip_is_bit_exact(name, exported, originals, tools, tmp_path):
 @pytest.mark.parametrize("name", FP32_MODELS)
 def test_transformers_computes_our_logits(name, checkpoints, trained, exported, originals, tools, tmp_path):
     import transformers  # in the dev extra: a missing install fails here instead of skipping the check
-    convert_checkpoint, _ = tools
+    convert_checkpoint, hf_mapping = tools
     _, ours = checkpoints[name]
     model = transformers.AutoModelForCausalLM.from_pretrained(exported[name][0], dtype=torch.float32)
     model.eval()
@@ -232,8 +243,9 @@ def test_transformers_computes_our_logits(name, checkpoints, trained, exported, 
     # The logits of 16 positions hardly feel the slow frequencies: compare those directly.
     our_frequencies = trained[2][name]
     assert (our_frequencies is None) == (expected_class == "GPT2LMHeadModel")
-    if our_frequencies is not None:
-        assert torch.equal(model.model.rotary_emb.inv_freq, our_frequencies)
+    if our_frequencies is not None:  # HF's linear scaling divides the frequencies where we divide the positions
+        interpolation = 2.0 if "interpolated" in name else 1.0
+        assert torch.equal(model.model.rotary_emb.inv_freq, our_frequencies / interpolation)
     if "rope_scaling" in name:  # the trained model was scaled: its slowest frequency is divided by the factor 32
         assert our_frequencies[-1].item() == pytest.approx(1e6 ** -0.75 / 32, rel=1e-6)
 
@@ -244,7 +256,22 @@ def test_transformers_computes_our_logits(name, checkpoints, trained, exported, 
     recorded = _checkpoint_state(str(tmp_path / "back"))["common"]["args"]
     scaled = "rope_scaling" in name
     assert (recorded.use_rope_scaling, recorded.rope_scaling_factor) == ((True, 32.0) if scaled else (False, 8.0))
+    assert recorded.rotary_seq_len_interpolation_factor == (2.0 if "interpolated" in name else None)
+    # attention_bias without mlp_bias: only the QKV bias (HF's zero o_proj bias is dropped)
+    assert recorded.add_qkv_bias == ("qkv_bias" in name) and not (recorded.add_qkv_bias and recorded.add_bias_linear)
     original = originals[name]
+    if "interleaved" in name:
+        # a model from elsewhere rotates halves, as HF's Llama does: its q / k rows come in HF's order
+        assert recorded.rotary_interleaved is False
+        recorded_shape = hf_mapping.ModelShape.from_args(recorded, VOCAB, PADDED_VOCAB)
+        hf_state = model.state_dict()
+        for layer, kind in itertools.product(range(4), ("weight", "bias")):
+            qkv = f"decoder.layers.{layer}.self_attention.linear_qkv.{kind}"
+            assert not torch.equal(back[qkv], original[qkv])
+            for projection, rows in zip(("q_proj", "k_proj", "v_proj"), hf_mapping.split_qkv(back[qkv],
+                                                                                           recorded_shape)):
+                assert torch.equal(rows, hf_state[f"model.layers.{layer}.self_attn.{projection}.{kind}"]), qkv
+            back[qkv] = original[qkv]  # (checked above)
     added = set(back) - set(original)  # GPT-2 always has biases: without the extras they come as zero biases
     assert set(original) <= set(back) and all(key.endswith(".bias") and not back[key].any() for key in added)
     assert bool(added) == (name == "gpt2_1p_no_bias")
@@ -345,6 +372,13 @@ def test_models_hugging_face_cannot_compute_are_refused_naming_the_flag(tools):
         "--swiglu": _shape(hf_mapping, swiglu=True),
         "--num-query-groups 2": _shape(hf_mapping, num_query_groups=2),
         "--kv-channels 16": _shape(hf_mapping, kv_channels=16),
+        "--apply-residual-connection-post-layernorm: GPT-2 and Llama": _shape(
+            hf_mapping, apply_residual_connection_post_layernorm=True),
+        "LlamaForCausalLM .*--apply-residual-connection-post-layernorm": _shape(
+            hf_mapping, **llama, apply_residual_connection_post_layernorm=True),
+        "--rotary-seq-len-interpolation-factor 2.0 with --use-rope-scaling": _shape(
+            hf_mapping, **llama, use_rope_scaling=True, rotary_seq_len_interpolation_factor=2.0),
+        "--openai-gelu: Llama's MLP is SwiGLU": _shape(hf_mapping, **{**llama, "swiglu": False}, openai_gelu=True),
     }
     for flag, shape in refusals.items():
         with pytest.raises(hf_mapping.ConversionError, match=flag):
@@ -352,21 +386,31 @@ def test_models_hugging_face_cannot_compute_are_refused_naming_the_flag(tools):
     # every problem at once
     with pytest.raises(hf_mapping.ConversionError, match="--normalization RMSNorm.*--swiglu.*--qk-layernorm"):
         hf_mapping.architecture_for(_shape(hf_mapping, normalization="RMSNorm", swiglu=True, qk_layernorm=True))
+    # refused before any tensor is read, with the MoE and MLA models
+    import hf_unsupported
+
+    refusal = hf_unsupported.hf_export_refusal(argparse.Namespace(mtp_num_layers=2))
+    assert "--mtp-num-layers 2: multi-token prediction layers" in refusal and "--to torch" in refusal
+    assert hf_unsupported.hf_export_refusal(argparse.Namespace(mtp_num_layers=None)) is None
 
 
 def test_hugging_face_configs_we_cannot_compute_are_refused(tools):
     _, hf_mapping = tools
     gpt2 = {"architectures": ["GPT2LMHeadModel"], "vocab_size": 120, "n_layer": 2, "n_embd": 32, "n_head": 4,
             "n_positions": 16}
-    with pytest.raises(hf_mapping.ConversionError, match="activation_function 'gelu_new'"):
-        hf_mapping.shape_from_hf_config(gpt2, "DIR", None, 128, False)  # GPT-2's default: tanh GeLU
+    with pytest.raises(hf_mapping.ConversionError, match="activation_function 'quick_gelu' has no counterpart"):
+        hf_mapping.shape_from_hf_config({**gpt2, "activation_function": "quick_gelu"}, "DIR", None, 128, False)
     shape, architecture = hf_mapping.shape_from_hf_config({**gpt2, "activation_function": "gelu"}, "DIR", None,
                                                           128, False)
     assert architecture == hf_mapping.GPT2 and shape.ffn_hidden_size == 128 and shape.add_bias_linear
+    assert not shape.openai_gelu and not shape.squared_relu
     llama = {"architectures": ["LlamaForCausalLM"], "vocab_size": 120, "hidden_size": 32, "num_hidden_layers": 2,
              "num_attention_heads": 4, "intermediate_size": 64, "max_position_embeddings": 16}
     refusals = {"rope_scaling": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
-                "hidden_act 'gelu'": {"hidden_act": "gelu"}, "mlp_bias": {"attention_bias": True},
+                "hidden_act 'gelu'": {"hidden_act": "gelu"},
+                "mlp_bias true with attention_bias false": {"mlp_bias": True},
+                "'linear' with factor -2: it must be a positive number": {"rope_scaling": {"type": "linear",
+                                                                                           "factor": -2}},
                 "partial_rotary_factor": {"partial_rotary_factor": 0.5}, "MistralForCausalLM":
                 {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}}
     for message, change in refusals.items():
@@ -417,7 +461,6 @@ def test_llama3_rope_scaling_both_ways(tools):
 
 def test_export_of_a_checkpoint_older_than_the_rope_scaling_flags(tools):
     """Arguments saved before --use-rope-scaling existed describe a model without it."""
-    import argparse
     import dataclasses
 
     _, hf_mapping = tools
@@ -453,6 +496,93 @@ def test_transformers_llama3_frequencies_equal_ours(tools, factor):
     kept, divided = wavelengths < 2048, wavelengths > 8192
     assert kept.sum() and divided.sum() and (~kept & ~divided).sum()  # every band is there
     assert torch.equal(theirs[kept], plain[kept]) and torch.equal(theirs[divided], plain[divided] / factor)
+
+
+def test_gpt2_activations_are_transformers_own(tools):
+    """Each activation_function we write or read is, in transformers, the function our MLP computes: --openai-gelu
+    is written as 'gelu_pytorch_tanh' (the same torch op); GPT-2's default 'gelu_new' spells out the same formula."""
+    from transformers.activations import ACT2FN
+
+    from megatron.core.activations import squared_relu
+    from megatron.core.transformer.utils import openai_gelu
+
+    _, hf_mapping = tools
+    x = torch.linspace(-6, 6, 4001)
+    ours = {"gelu": torch.nn.functional.gelu(x), "relu2": squared_relu(x), "gelu_pytorch_tanh": openai_gelu(x),
+            "gelu_new": openai_gelu(x)}
+    assert sorted(ours) == sorted(hf_mapping.GPT2_ACTIVATIONS)
+    for name, expected in ours.items():
+        assert torch.allclose(ACT2FN[name](x), expected, rtol=0, atol=1e-6 if name == "gelu_new" else 0), name
+    tanh_gelu = _shape(hf_mapping, openai_gelu=True)
+    config = hf_mapping.hf_config(tanh_gelu, hf_mapping.architecture_for(tanh_gelu))
+    assert config["activation_function"] == "gelu_pytorch_tanh"
+    shape, _ = hf_mapping.shape_from_hf_config(config, "DIR", None, 128, False)
+    assert shape.openai_gelu and not shape.squared_relu
+    shape, _ = hf_mapping.shape_from_hf_config({key: value for key, value in config.items()
+                                                if key != "activation_function"}, "DIR", None, 128, False)
+    assert shape.openai_gelu  # GPT-2's default, gelu_new
+    assert hf_mapping.hf_config(_shape(hf_mapping, squared_relu=True), hf_mapping.GPT2)["activation_function"] == \
+        "relu2"
+
+
+def test_position_interpolation_is_linear_rope_scaling(tools):
+    """--rotary-seq-len-interpolation-factor divides the positions; transformers' 'linear' RoPE divides the
+    frequencies by its factor: the same angles. Both rope_scaling spellings read back as the flag."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    _, hf_mapping = tools
+    shape = _shape(hf_mapping, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                   rotary_seq_len_interpolation_factor=4.0)
+    config = hf_mapping.hf_config(shape, hf_mapping.architecture_for(shape))
+    assert config["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+    theirs, _ = ROPE_INIT_FUNCTIONS["linear"](transformers.LlamaConfig.from_dict(config), "cpu")
+    positions = torch.arange(64.0)
+    ours = RotaryEmbedding(8, seq_len_interpolation_factor=4.0)(64)[:, 0, 0, :4]
+    assert torch.allclose(torch.outer(positions, theirs), ours, rtol=1e-6, atol=0)
+    assert torch.equal(ours[4], RotaryEmbedding(8)(2)[1, 0, 0, :4])  # position 4 turns as far as 1 did
+    assert hf_mapping.shape_from_hf_config(config, "DIR", None, 128, False) == (shape, hf_mapping.LLAMA)
+    older = {**config, "rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 4}}  # transformers 4
+    assert hf_mapping.shape_from_hf_config(older, "DIR", None, 128, False)[0] == shape
+
+
+@pytest.mark.world_size(1)
+def test_qkv_bias_alone(tools, exported, tmp_path):
+    """--disable-bias-linear --add-qkv-bias: GPT-2's c_attn gets the bias, its other linears zero biases; Llama's
+    attention_bias gives o_proj a bias that must stay zero (the Llama model is checked end to end above)."""
+    convert_checkpoint, hf_mapping = tools
+    shape = _shape(hf_mapping, num_layers=1, add_bias_linear=False, add_qkv_bias=True)
+    generator = torch.Generator().manual_seed(3)
+    sizes = {"embedding.word_embeddings.weight": (128, 32), "embedding.position_embeddings.weight": (16, 32),
+             "decoder.layers.0.self_attention.linear_qkv.weight": (96, 32),
+             "decoder.layers.0.self_attention.linear_qkv.bias": (96,),
+             "decoder.layers.0.self_attention.linear_proj.weight": (32, 32),
+             "decoder.layers.0.mlp.linear_fc1.weight": (64, 32), "decoder.layers.0.mlp.linear_fc2.weight": (32, 64)}
+    for norm in ("decoder.layers.0.input_layernorm", "decoder.layers.0.pre_mlp_layernorm", "decoder.final_layernorm"):
+        sizes.update({f"{norm}.weight": (32,), f"{norm}.bias": (32,)})
+    model = {name: torch.randn(size, generator=generator) for name, size in sizes.items()}
+    hf, extras = hf_mapping.to_hf_tensors(model, shape, hf_mapping.GPT2)
+    qkv_bias = model["decoder.layers.0.self_attention.linear_qkv.bias"].reshape(4, 3, 8)  # [head, q|k|v, channel]
+    assert torch.equal(hf["transformer.h.0.attn.c_attn.bias"], qkv_bias.transpose(0, 1).flatten())
+    for zero in ("attn.c_proj.bias", "mlp.c_fc.bias", "mlp.c_proj.bias"):
+        assert not hf[f"transformer.h.0.{zero}"].any(), zero
+    back = hf_mapping.from_hf_tensors(hf, extras, shape, hf_mapping.GPT2, "DIR")
+    assert sorted(back) == sorted(model) and all(torch.equal(back[name], model[name]) for name in model)
+
+    hf_dir = _exported_copy(exported, "llama_interleaved_interpolated_qkv_bias", tmp_path / "hf")
+    from megatron.core.dist_checkpointing import safetensors_format
+
+    path = str(hf_dir / "model.safetensors")
+    tensors, metadata = safetensors_format.load_file(path)
+    assert not tensors["model.layers.2.self_attn.o_proj.bias"].any()
+    tensors["model.layers.2.self_attn.o_proj.bias"][5] = 0.25
+    safetensors_format.save_file(tensors, path, metadata)
+    with pytest.raises(SystemExit, match=r"'model\.layers\.2\.self_attn\.o_proj\.bias' is not zero, but "
+                                         "config.json's attention_bias without mlp_bias reads as "
+                                         "--disable-bias-linear --add-qkv-bias"):
+        convert_checkpoint.from_hf(str(hf_dir), str(tmp_path / "back"))
 
 
 def test_qkv_and_swiglu_layouts(tools):
