@@ -24,6 +24,7 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
     index_file_path,
     optimal_token_dtype,
 )
+from megatron.training.argument_groups.data import add_tokenizer_file_arguments  # noqa: E402
 from megatron.training.tokenizer import TOKENIZER_TYPES, build_tokenizer_from_args  # noqa: E402
 
 DOCUMENTS_PER_CHUNK = 32
@@ -160,20 +161,7 @@ def parse_args(argv=None):
     group.add_argument("--vocab-size", type=int, default=None,
                        help="for NullTokenizer; for TikTokenizer, the vocabulary with the special tokens "
                        "(default 131072)")
-    group.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json for GPT2BPETokenizer")
-    group.add_argument("--merge-file", default=None, help="GPT-2 merges.txt for GPT2BPETokenizer")
-    group.add_argument("--tokenizer-model", default=None,
-                       help="tokenizer.json (or its directory) for HuggingFaceTokenizer; the tiktoken-format .json "
-                       "vocabulary for TikTokenizer")
-    group.add_argument("--trust-remote-code", action="store_true",
-                       help="HuggingFaceTokenizer: run the code of a --tokenizer-model directory without "
-                       "tokenizer.json")
-    group.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"],
-                       help="TikTokenizer's pre-tokenizer (required with it)")
-    group.add_argument("--tiktoken-num-special-tokens", type=int, default=None,
-                       help="TikTokenizer: number of special ids before the BPE ids (default 1000)")
-    group.add_argument("--tiktoken-special-tokens", nargs="+", default=None,
-                       help="TikTokenizer: the special tokens (must include <unk>, <s>, </s>)")
+    add_tokenizer_file_arguments(group)  # --vocab-file, --merge-file, --tokenizer-model, tiktoken settings
     group.add_argument("--append-eod", action="store_true", help="end every document with the eod token")
     group = parser.add_argument_group("output")
     group.add_argument("--output-prefix", required=True, help="writes PREFIX_<key>_document.bin/.idx")

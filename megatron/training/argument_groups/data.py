@@ -18,6 +18,25 @@ UNSUPPORTED_FLAGS = (
 SENTENCEPIECE_TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 
 
+def add_tokenizer_file_arguments(group):
+    """The flags naming a tokenizer's files and settings, shared with tools/preprocess_data.py."""
+    group.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json (GPT2BPETokenizer).")
+    group.add_argument("--merge-file", default=None, help="GPT-2 merges.txt (GPT2BPETokenizer).")
+    group.add_argument("--tokenizer-model", default=None,
+                       help="Tokenizer file or name (HuggingFaceTokenizer), or the .json vocabulary (TikTokenizer).")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="HuggingFaceTokenizer: a --tokenizer-model directory without tokenizer.json loads with "
+                       "transformers.AutoTokenizer.from_pretrained(..., trust_remote_code=True), which may run the "
+                       "directory's Python code. A tokenizer.json is read without running any code either way.")
+    group.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"],
+                       help="TikTokenizer pre-tokenizer: v1 splits numbers into digits, v2 into groups of three.")
+    group.add_argument("--tiktoken-num-special-tokens", type=int, default=None,
+                       help="TikTokenizer ids reserved for special tokens (the BPE ids follow them); default 1000.")
+    group.add_argument("--tiktoken-special-tokens", nargs="+", default=None,
+                       help="TikTokenizer special tokens (must include <unk>, <s>, </s>); default <unk> <s> </s> "
+                       "<mask> <pad> <cls> <sep>.")
+
+
 def add_arguments(parser):
     group = parser.add_argument_group("data")
     group.add_argument(
@@ -43,21 +62,7 @@ def add_arguments(parser):
         default=None,
         help="GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer, ... (default NullTokenizer with --mock-data).",
     )
-    group.add_argument("--vocab-file", default=None)
-    group.add_argument("--merge-file", default=None)
-    group.add_argument("--tokenizer-model", default=None,
-                       help="Tokenizer file or name (HuggingFaceTokenizer), or the .json vocabulary (TikTokenizer).")
-    group.add_argument("--trust-remote-code", action="store_true",
-                       help="HuggingFaceTokenizer: a --tokenizer-model directory without tokenizer.json loads with "
-                       "transformers.AutoTokenizer.from_pretrained(..., trust_remote_code=True), which may run the "
-                       "directory's Python code. A tokenizer.json is read without running any code either way.")
-    group.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"],
-                       help="TikTokenizer pre-tokenizer: v1 splits numbers into digits, v2 into groups of three.")
-    group.add_argument("--tiktoken-num-special-tokens", type=int, default=None,
-                       help="TikTokenizer ids reserved for special tokens (the BPE ids follow them); default 1000.")
-    group.add_argument("--tiktoken-special-tokens", nargs="+", default=None,
-                       help="TikTokenizer special tokens (must include <unk>, <s>, </s>); default <unk> <s> </s> "
-                       "<mask> <pad> <cls> <sep>.")
+    add_tokenizer_file_arguments(group)
     group.add_argument("--num-workers", type=int, default=2, help="Data-loader worker processes per rank.")
     group.add_argument("--dataloader-type", default="single", choices=["single", "cyclic", "external"],
                        help="single (default): the samples in the dataset's order; cyclic: a new random order every "
