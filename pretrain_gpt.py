@@ -74,15 +74,16 @@ def loss_func(loss_mask, output_tensor):
     loss_sum = torch.sum(losses * mask)
     num_tokens = mask.sum()
     report = torch.stack([loss_sum.detach(), num_tokens.detach()])
+    cp_size = parallel_state.get_context_parallel_world_size()
+    group = parallel_state.get_context_parallel_group() if cp_size > 1 else None  # the CP ranks share each sequence
     if depth_losses is not None:
         args = get_args()
-        depth_sums, depth_counts = masked_depth_losses(depth_losses, loss_mask)
+        depth_sums, depth_counts = masked_depth_losses(depth_losses, loss_mask, cp_group=group)
         if torch.is_grad_enabled():  # a training pass (evaluation runs under no_grad)
             track_mtp_losses(depth_sums, depth_counts)
         loss_sum = loss_sum + mtp_loss_for_backward(depth_sums, depth_counts, args.mtp_loss_scaling_factor,
-                                                    num_tokens, args.calculate_per_token_loss)
+                                                    num_tokens, args.calculate_per_token_loss, cp_group=group)
     validate_loss(loss_sum, get_args())
-    group = parallel_state.get_context_parallel_group() if parallel_state.get_context_parallel_world_size() > 1 else None
     loss_sum, num_tokens = context_parallel_loss(loss_sum, num_tokens, group, get_args().calculate_per_token_loss)
     return loss_sum, num_tokens, {"lm loss": report}
 

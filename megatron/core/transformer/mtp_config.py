@@ -15,7 +15,8 @@ MTP_SCALE_FLAG = "--mtp-loss-scaling-factor"
 
 @dataclass(frozen=True, kw_only=True)
 class MTPConfigMixin:
-    """Multi-token prediction settings; validated by `_validate_multi_token_prediction` (from `__post_init__`)."""
+    """Multi-token prediction settings (context parallelism included: the depths' shifts cross the ranks'
+    chunks, see `multi_token_prediction`); validated by `_validate_multi_token_prediction` (from `__post_init__`)."""
 
     mtp_num_layers: Optional[int] = None
     """Prediction depths after the decoder, each one transformer layer (`--mtp-num-layers`); None: no MTP."""
@@ -33,8 +34,3 @@ class MTPConfigMixin:
         factor = self.mtp_loss_scaling_factor
         if not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor < 0:
             raise ValueError(f"{MTP_SCALE_FLAG} must be a finite number >= 0, got {factor!r}")
-        if getattr(self, "context_parallel_size", 1) > 1:
-            raise ValueError(
-                f"{MTP_FLAG} is not supported with --context-parallel-size > 1 here: shifting the tokens of each "
-                "depth would cross the context-parallel chunks; use --context-parallel-size 1"
-            )

@@ -12,6 +12,11 @@ embedding and the logits come from the model's own output layer. Depth k's loss 
 entropy against the label shifted left by k (the token i + k + 1); positions whose shifted label falls off the
 end of the sequence (i >= s - k) are masked out, and the loss mask is shifted likewise (`masked_depth_losses`).
 
+Under context parallelism each rank holds two load-balanced chunks of the sequence, and every shift (input ids,
+position ids, labels, loss mask) is along the whole sequence: each chunk is completed by the first elements of the
+next chunk, which another rank may hold (`shift_left` with a `cp_group`, see `context_parallel.sequence_shift`).
+The depths' means are over the whole sequence's tokens (`mtp_loss_for_backward` with a `cp_group`).
+
 The training objective is LM loss + F / N * sum_k mean_k, F = `mtp_loss_scaling_factor`, each depth's mean over
 its unmasked tokens (`mtp_loss_for_backward`); with `calculate_per_token_loss` the depths' token sums are added
 instead, as upstream. The logged `lm loss` stays the main model's; each depth's token-weighted mean over the
@@ -30,19 +35,30 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.fp8_utils import get_fp8_context
 from megatron.core.offloading.activations import ActivationOffloader
 from megatron.core.offloading.fine_grained import attach_fine_grained_offloading
+from megatron.core.transformer.context_parallel.sequence_shift import shift_left_across_cp_ranks
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 
-def shift_left(tensor: torch.Tensor, shift: int, fill=0) -> torch.Tensor:
+def context_parallel_group_or_none(config):
+    """The context-parallel group when `config` splits the sequence over more than one rank, else None."""
+    if getattr(config, "context_parallel_size", 1) > 1:
+        return parallel_state.get_context_parallel_group()
+    return None
+
+
+def shift_left(tensor: torch.Tensor, shift: int, fill=0, cp_group=None) -> torch.Tensor:
     """`tensor` (`[..., s]`) moved `shift` positions to the left along its last dim, the last `shift` positions
-    filled with `fill` (upstream's `roll_tensor` without the wrap-around)."""
+    filled with `fill` (upstream's `roll_tensor` without the wrap-around). With a `cp_group` of more than one rank
+    `tensor` is this rank's two chunks of the sequence and the shift is along the whole sequence (collective)."""
+    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        return shift_left_across_cp_ranks(tensor, shift, cp_group, fill)
     if shift == 0:
         return tensor
     kept = tensor[..., shift:]
@@ -119,9 +135,10 @@ class MultiTokenPredictionBlock(torch.nn.Module):
         """h^1..h^N (each like `hidden_states`, the decoder's normalised output h^0). `embedding(ids,
         position_ids)` is the model's embedding; `input_ids` / `position_ids` are `[b, s]`."""
         outputs = []
+        cp_group = context_parallel_group_or_none(self.config)
         for depth, layer in enumerate(self.layers, start=1):
-            shifted_positions = None if position_ids is None else shift_left(position_ids, depth)
-            embeddings = embedding(shift_left(input_ids, depth), shifted_positions)
+            shifted_positions = None if position_ids is None else shift_left(position_ids, depth, cp_group=cp_group)
+            embeddings = embedding(shift_left(input_ids, depth, cp_group=cp_group), shifted_positions)
             hidden_states = layer(embeddings, hidden_states, attention_mask, rotary_pos_emb)
             outputs.append(hidden_states)
         return outputs
@@ -132,25 +149,37 @@ class MultiTokenPredictionBlock(torch.nn.Module):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def masked_depth_losses(depth_losses: torch.Tensor, loss_mask: torch.Tensor):
+def masked_depth_losses(depth_losses: torch.Tensor, loss_mask: torch.Tensor, cp_group=None):
     """(sums, counts), each `[N]` fp32: depth k's per-token losses (`depth_losses[k-1]`, `[b, s]`) summed under the
-    loss mask shifted left by k, and that shifted mask's sum (the depth's token count)."""
-    mask = loss_mask.float()
-    masks = torch.stack([shift_left(mask, depth) for depth in range(1, depth_losses.shape[0] + 1)])
+    loss mask shifted left by k, and that shifted mask's sum (the depth's token count). Under context parallelism
+    (`cp_group`) the mask is shifted along the whole sequence and the sums and counts are this rank's."""
+    mask = loss_mask.detach().float()
+    masks = torch.stack([shift_left(mask, depth, cp_group=cp_group) for depth in range(1, depth_losses.shape[0] + 1)])
     sums = (depth_losses.float() * masks).sum(dim=(1, 2))
     return sums, masks.sum(dim=(1, 2))
 
 
-def mtp_loss_for_backward(sums, counts, scaling_factor: float, num_tokens, per_token_loss: bool):
+def mtp_loss_for_backward(sums, counts, scaling_factor: float, num_tokens, per_token_loss: bool, cp_group=None):
     """The MTP term to add to the main loss sum a loss function returns, so that after the schedule divides by
     `num_tokens` (the main loss's token count) the objective is LM loss + F / N * sum_k mean_k. With
     `per_token_loss` the schedule does not divide (gradients are divided by the global token count later):
-    F / N * sum_k sums_k, as upstream."""
+    F / N * sum_k sums_k, as upstream.
+
+    Under context parallelism (`cp_group`, with this rank's sums, counts and main token count) the main loss is
+    divided by the group's token count (`context_parallel_loss`) and each depth's mean is over the whole
+    sequence: this rank's term is F / N * sum_k sums_k / (group's count_k) * (group's main token count), and the
+    ranks' terms add up to F / N * sum_k mean_k times that count."""
     num_depths = sums.numel()
     if per_token_loss:
         return scaling_factor / num_depths * sums.sum()
+    num_tokens = torch.as_tensor(num_tokens, device=sums.device).detach().float()
+    counts = counts.detach().float()
+    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        totals = torch.cat([counts, num_tokens.reshape(1)])
+        dist.all_reduce(totals, group=cp_group)
+        counts, num_tokens = totals[:-1], totals[-1]
     means = sums / counts.clamp(min=1)
-    return scaling_factor / num_depths * means.sum() * torch.as_tensor(num_tokens).detach()
+    return scaling_factor / num_depths * means.sum() * num_tokens
 
 
 _tracked = None  # [N, 2] float64: per depth, [masked loss sum, token count] since the last log reduction

@@ -2,9 +2,10 @@
 prediction depths on the last pipeline stage, their mean loss scaled by `--mtp-loss-scaling-factor` (0.1) and
 added to the LM loss (see megatron/core/transformer/multi_token_prediction.py).
 
-Rules here (the config checks the value ranges and context parallelism again): N >= 1; rotary position
+Rules here (the config checks the value ranges again): N >= 1; rotary position
 embeddings (`--position-embedding-type rope`, as upstream, which also allows "none"); a
-`--pipeline-model-parallel-layout` must place exactly N `m` symbols, together just before the final `L`.
+`--pipeline-model-parallel-layout` must place exactly N `m` symbols, together just before the final `L`. Any
+`--context-parallel-size` works: the depths shift their tokens along the whole sequence, across the ranks' chunks.
 """
 
 from megatron.core.transformer.mtp_config import MTP_FLAG, MTP_SCALE_FLAG
@@ -41,8 +42,6 @@ def validate(args):
     if args.position_embedding_type != "rope":
         raise ValueError(f"{MTP_FLAG} needs --position-embedding-type rope (as upstream), got "
                          f"{args.position_embedding_type}")
-    if args.context_parallel_size > 1:
-        raise ValueError(f"{MTP_FLAG} is not supported with --context-parallel-size > 1 here; use 1")
     if layout is not None:
         PipelineParallelLayerLayout(layout, args.pipeline_model_parallel_size).validate_layer_layout(
             args.num_layers, depths)

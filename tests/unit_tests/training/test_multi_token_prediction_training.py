@@ -1,8 +1,9 @@
 """pretrain() with multi-token prediction (`--mtp-num-layers 2`): the `mtp_1 loss` / `mtp_2 loss` log fields, an
 `lm loss` that MTP leaves unchanged at iteration 1 (and changes afterwards: the MTP loss trains the model), the
-same losses under data parallelism (Megatron DDP, Megatron-FSDP ZeRO-3, FSDP2), tensor + sequence parallelism
-and pipeline parallelism (untied weights with a `m` layout, whose last stage keeps a synchronised copy of the word
-embedding; tied weights) as on a single rank, and an exact resume from a torch_dist checkpoint, which also loads at another layout.
+same losses under data parallelism (Megatron DDP, Megatron-FSDP ZeRO-3, FSDP2), tensor + sequence parallelism,
+context parallelism and pipeline parallelism (untied weights with a `m` layout, whose last stage keeps a
+synchronised copy of the word embedding; tied weights) as on a single rank, and an exact resume from a torch_dist
+checkpoint, which also loads at another layout.
 
 fp32 on the CPU: the runs differ only in the order of floating-point reductions, so losses agree to 1e-5 relative.
 The single-rank runs are shared by both tests (computed once per session).
@@ -31,6 +32,8 @@ PARALLEL_RUNS = {
     "pp2_layout_untied": ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Ett|ttmmL", "untied"),
     "pp2_tied_distributed_optimizer": ("TIED --pipeline-model-parallel-size 2 --use-distributed-optimizer",
                                        "tied"),
+    # The depths' shifts cross the two ranks' load-balanced chunks (16 tokens: chunks of 4).
+    "cp2": ("--context-parallel-size 2", "untied"),
 }
 SINGLE_RANK_RUNS = {"untied": MTP, "tied": f"TIED {MTP}", "untied_without_mtp": "--position-embedding-type rope"}
 _single_rank_losses = {}  # shared by the two tests of this session

@@ -1,8 +1,9 @@
 """Multi-token prediction: each depth's loss and the MTP loss of a tiny GPTModel equal a reference written here
 with plain tensor ops (shifted-token embedding, norms, concatenation, projection, the depth's transformer layer
 called directly, the shared output layer, shifted labels and loss mask), for one and two depths; the shared word
-embedding's gradient takes the MTP path's contribution; the main loss is unchanged by adding MTP; and the flags'
-rules (config, layout `m`, command line) stop with messages naming the flags.
+embedding's gradient takes the MTP path's contribution; the main loss is unchanged by adding MTP; under context
+parallelism the loss term and its gradient are those of the whole sequence; and the flags' rules (config, layout
+`m`, command line) stop with messages naming the flags.
 
 Training-level checks (TP / DP / PP runs, logging, checkpoint resume) are in
 tests/unit_tests/training/test_multi_token_prediction_training.py.
@@ -12,9 +13,11 @@ import argparse
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
+from megatron.core.transformer.context_parallel import context_parallel_loss, local_rows
 from megatron.core.transformer.multi_token_prediction import (
     masked_depth_losses,
     mtp_loss_for_backward,
@@ -139,6 +142,48 @@ def test_shift_left_and_masked_depth_losses():
     assert per_token_term.item() == pytest.approx(0.1 / 2 * (13 + 18))
 
 
+def _mtp_objective_gradient_under_cp():
+    """LM and two depths' per-token losses as leaves, a loss mask that leaves the CP ranks uneven counts: the
+    objective this rank back-propagates (`masked_depth_losses` and `mtp_loss_for_backward` on its two chunks,
+    then `context_parallel_loss`), its gradients averaged over CP as the wrappers do, against
+    LM mean + F / N * sum_k mean_k computed on the whole sequence with plain tensor ops."""
+    cp_size, cp_rank, group = dist.get_world_size(), dist.get_rank(), dist.group.WORLD
+    generator = torch.Generator().manual_seed(5)
+    lm_losses, depth_losses = torch.rand(1, 16, generator=generator), torch.rand(2, 1, 16, generator=generator)
+    mask = torch.ones(1, 16)
+    mask[0, 5:11] = 0.0  # rank 0 holds positions 0-3 and 12-15, rank 1 positions 4-11
+    full_lm, full_depths = lm_losses.clone().requires_grad_(), depth_losses.clone().requires_grad_()
+    objective = (full_lm * mask).sum() / mask.sum()
+    for depth in (1, 2):
+        shifted_mask = torch.cat([mask[:, depth:], torch.zeros(1, depth)], dim=1)
+        objective = objective + SCALING_FACTOR / 2 * (full_depths[depth - 1] * shifted_mask).sum() / shifted_mask.sum()
+    objective.backward()
+    local_lm = local_rows(lm_losses, 1, cp_size, cp_rank).clone().requires_grad_()
+    local_depths = local_rows(depth_losses, 2, cp_size, cp_rank).clone().requires_grad_()
+    local_mask = local_rows(mask, 1, cp_size, cp_rank)
+    num_tokens = local_mask.sum()
+    sums, counts = masked_depth_losses(local_depths, local_mask, cp_group=group)
+    loss_sum = (local_lm * local_mask).sum() + mtp_loss_for_backward(sums, counts, SCALING_FACTOR, num_tokens,
+                                                                     per_token_loss=False, cp_group=group)
+    loss_sum, count = context_parallel_loss(loss_sum, num_tokens, group, per_token_loss=False)
+    reported = (loss_sum / count).detach().clone()
+    dist.all_reduce(reported)  # the CP-averaged objective
+    (loss_sum / count).backward()
+    errors = [(local_lm.grad / cp_size - local_rows(full_lm.grad, 1, cp_size, cp_rank)).abs().max().item(),
+              (local_depths.grad / cp_size - local_rows(full_depths.grad, 2, cp_size, cp_rank)).abs().max().item()]
+    return (reported / cp_size).item(), objective.item(), errors, counts.tolist()
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_mtp_loss_and_gradient_under_context_parallelism_are_the_whole_sequences(world_size):
+    results = run_on_ranks(world_size, _mtp_objective_gradient_under_cp)
+    # Each rank's tokens under the mask shifted by 1 (0 at positions 4-9 and 15) and by 2 (3-8, 14 and 15).
+    assert [counts for *_, counts in results] == [[7.0, 5.0], [2.0, 3.0]]
+    for reported, expected, errors, _ in results:
+        assert reported == pytest.approx(expected, rel=1e-6)
+        assert max(errors) < 1e-7, errors
+
+
 # --------------------------------------------------------------------------------------------------------
 # Rules
 # --------------------------------------------------------------------------------------------------------
@@ -149,8 +194,6 @@ def test_shift_left_and_masked_depth_losses():
     [
         ({"mtp_num_layers": 0}, r"--mtp-num-layers must be an integer >= 1"),
         ({"mtp_num_layers": 1, "mtp_loss_scaling_factor": -1.0}, r"--mtp-loss-scaling-factor must be"),
-        ({"mtp_num_layers": 1, "context_parallel_size": 2}, r"--mtp-num-layers is not supported with "
-                                                            r"--context-parallel-size"),
         ({"mtp_num_layers": 2, "pipeline_model_parallel_size": 2, "pipeline_model_parallel_layout": "Et|tmL"},
          r"places 1 multi-token-prediction depths \('m'\) but --mtp-num-layers is 2"),
         ({"pipeline_model_parallel_size": 2, "pipeline_model_parallel_layout": "Et|tmL"},
@@ -162,6 +205,13 @@ def test_shift_left_and_masked_depth_losses():
 def test_config_rules_name_the_flags(fields, message):
     with pytest.raises(ValueError, match=message):
         tiny_config(**fields)
+
+
+def test_context_parallelism_is_accepted():
+    from megatron.training.argument_groups import mtp
+
+    assert tiny_config(mtp_num_layers=2, context_parallel_size=2).mtp_num_layers == 2
+    mtp.validate(_args(context_parallel_size=2))
 
 
 def test_layout_with_mtp_depths_splits_only_transformer_layers():

@@ -32,10 +32,14 @@ from megatron.core.models.common.embeddings.language_model_embedding import (
     word_embedding_init_seed,
 )
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from megatron.core.transformer.context_parallel import local_rows
+from megatron.core.transformer.context_parallel import local_rows, local_token_indices
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.module import ShardedStateModule
-from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock, shift_left
+from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlock,
+    context_parallel_group_or_none,
+    shift_left,
+)
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -289,10 +293,17 @@ class GPTModel(ShardedStateModule):
                                "tokens to forward() on every pipeline stage")
         depth_states = self.mtp(input_ids, position_ids, hidden_states, self.embedding,
                                 attention_mask=attention_mask, rotary_pos_emb=rotary_angles)
-        seq_len = labels.shape[1]
-        positions = torch.arange(seq_len, device=labels.device)
+        cp_size = self.config.context_parallel_size
+        seq_len = labels.shape[1] * cp_size
+        if cp_size == 1:
+            positions = torch.arange(seq_len, device=labels.device)
+        else:  # the global positions of this rank's two chunks
+            positions = local_token_indices(seq_len, cp_size, parallel_state.get_context_parallel_rank(),
+                                            device=labels.device)
+        cp_group = context_parallel_group_or_none(self.config)
         losses = []
         for depth, states in enumerate(depth_states, start=1):
-            loss = self._per_token_loss(self._vocab_parallel_logits(states), shift_left(labels, depth))
+            shifted_labels = shift_left(labels, depth, cp_group=cp_group)
+            loss = self._per_token_loss(self._vocab_parallel_logits(states), shifted_labels)
             losses.append(torch.where(positions < seq_len - depth, loss, torch.zeros_like(loss)))
         return torch.stack(losses)
