@@ -11,8 +11,13 @@ vocabulary-parallel over the tensor-parallel group; `--export-kd-cfg` is its YAM
 `intermediate_layer_pairs`, `skip_lm_loss`, `kd_loss_scale`, `logit_kl_temperature`) and `mtd.convert` wraps
 the student in a `DistillationModel` that runs the frozen teacher first. The loss backpropagated is the
 balancer's `kd_loss` summed over the unmasked tokens; every --log-interval iterations a `distillation | ... |
-kd loss per token` line shows it, and the training log line the student's language-model loss (`lm loss`). Checkpoints hold the student only. One pipeline stage (distillation across pipeline
-stages exchanges student and teacher activations together, which the schedules here do not do).
+kd loss per token` line shows it, and the training log line the student's language-model loss (`lm loss`).
+Checkpoints hold the student only. One pipeline stage (distillation across pipeline stages exchanges student and
+teacher activations together, which the schedules here do not do).
+
+Both models use this run's tokenizer (a teacher of another vocabulary is refused) and this run's vocabulary
+padding. In the logits losses the teacher gives the padded entries (rows its checkpoint may not even hold)
+probability 0, so the student learns to give them none either, as training on the labels teaches it.
 """
 
 import copy
@@ -21,6 +26,7 @@ import sys
 from functools import partial
 
 import torch
+from torch.nn.modules.loss import _Loss
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO_ROOT not in sys.path:
@@ -63,23 +69,64 @@ def _check_arguments(args):
                          "wrappers would shard the frozen teacher with the student")
 
 
+def _check_same_vocabulary(teacher_load, teacher_vocab_size, student_vocab_size):
+    if None not in (teacher_vocab_size, student_vocab_size) and teacher_vocab_size != student_vocab_size:
+        raise ValueError(f"--export-kd-teacher-load {teacher_load}: the teacher's vocabulary has {teacher_vocab_size} "
+                         f"tokens, the student's (this run's tokenizer) {student_vocab_size}; distillation compares "
+                         "the two models over one vocabulary: give a teacher trained with this run's tokenizer")
+
+
+class RealVocabularyLogitsLoss(_Loss):
+    """A logits distillation loss (modelopt's `LogitsKLLoss` or `TopKLogitsKLLoss`) whose teacher distribution
+    covers the real vocabulary only: the teacher's padded entries get a logit far below any real one, so it gives
+    them probability 0 (whatever its checkpoint held there, or did not hold), and the KL divergence drives the
+    student's probability of them to 0, as the language-model loss over the padded vocabulary does. (A `_Loss`, as
+    modelopt's criterion must be, whose class name keeps "Logits": modelopt's loss balancer finds the logits loss
+    by it.)"""
+
+    PADDED_LOGIT = -1e30  # divided by any temperature up to 1e27, exp() of it is 0 in fp32; finite, so the KL
+    # terms of the padded entries are 0 * finite = 0, not NaN
+
+    def __init__(self, logits_loss, vocab_size):
+        super().__init__()
+        self.logits_loss, self.vocab_size = logits_loss, vocab_size
+
+    def _mask_padding(self, output):
+        logits, rest = (output[0], output[1:]) if isinstance(output, tuple) else (output, None)
+        local_width = logits.shape[-1]  # this tensor-parallel rank's slice of the padded vocabulary
+        first = parallel_state.get_tensor_model_parallel_rank() * local_width
+        padded = torch.arange(first, first + local_width, device=logits.device) >= self.vocab_size
+        logits = logits.float().masked_fill(padded, self.PADDED_LOGIT)
+        return logits if rest is None else (logits, *rest)
+
+    def forward(self, predictions, targets):
+        return self.logits_loss(predictions, self._mask_padding(targets))
+
+
 def teacher_arguments(args):
     """A copy of this run's arguments with the teacher checkpoint's architecture (and --load pointing at it)."""
     from megatron.core.dist_checkpointing import serialization
     from megatron.core.dist_checkpointing.checkpoint_directory import published_directory, read_tracker
+    from megatron.training.arguments import build_parser
+    from megatron.training.checkpoint_args import saved_true_vocab_size, true_vocab_size
+    from megatron.training.checkpoint_state import VOCAB_SIZE_KEY
 
     root = args.export_kd_teacher_load
     iteration = read_tracker(root)
     if iteration is None:
         raise FileNotFoundError(f"--export-kd-teacher-load {root}: no complete checkpoint (no tracker file)")
     directory, _ = published_directory(root, iteration)
-    saved_args = serialization.read_objects(directory, ["common"])["common"].get("args")
+    common = serialization.read_objects(directory, ["common"])["common"]
+    saved_args = common.get("args")
     if saved_args is None:
-        raise ValueError(f"--export-kd-teacher-load {root}: the checkpoint holds no arguments to build the teacher from")
+        raise ValueError(f"--export-kd-teacher-load {root}: the checkpoint holds no arguments to build the teacher "
+                         "from")
+    _check_same_vocabulary(root, saved_true_vocab_size(common.get(VOCAB_SIZE_KEY), saved_args), true_vocab_size(args))
     teacher_args = copy.copy(args)
+    parser = build_parser()
     for name in TEACHER_ARCHITECTURE:
-        if hasattr(saved_args, name):
-            setattr(teacher_args, name, getattr(saved_args, name))
+        # A flag the teacher's checkpoint predates was at its default when the teacher trained.
+        setattr(teacher_args, name, getattr(saved_args, name, parser.get_default(name)))
     teacher_args.load, teacher_args.finetune, teacher_args.no_load_rng = root, True, True
     return teacher_args
 
@@ -109,14 +156,19 @@ def build_teacher(args):
 def model_provider(pre_process=True, post_process=True):
     """The student (pretrain_gpt's model) wrapped by modelopt for distillation from the teacher."""
     import modelopt.torch.distill as mtd
-    from modelopt.torch.distill.plugins.megatron import setup_distillation_config
+    from modelopt.torch.distill.plugins.megatron import LogitsKLLoss, setup_distillation_config
+
+    from megatron.training.checkpoint_args import true_vocab_size
 
     args = get_args()
     _check_arguments(args)
     student = pretrain_gpt.model_provider(pre_process, post_process)
     teacher = build_teacher(args)
     distill_cfg = setup_distillation_config(args.export_kd_cfg, student.config, teacher.config)
-    kd_config = {"teacher_model": teacher, "criterion": distill_cfg.criterion,
+    real_vocab_size = true_vocab_size(args) or args.padded_vocab_size
+    criterion = {layers: RealVocabularyLogitsLoss(loss, real_vocab_size) if isinstance(loss, LogitsKLLoss) else loss
+                 for layers, loss in distill_cfg.criterion.items()}
+    kd_config = {"teacher_model": teacher, "criterion": criterion,
                  "loss_balancer": distill_cfg.loss_balancer}
     return mtd.convert(student, mode=[("kd_loss", kd_config)])
 
@@ -127,7 +179,8 @@ def _masked_sum(loss_mask, loss_and_flags):
     loss, tp_reduce, _ = loss_and_flags if isinstance(loss_and_flags, tuple) else (loss_and_flags, False, False)
     total = torch.sum(loss.float().reshape(-1) * loss_mask.float().reshape(-1))
     if tp_reduce and parallel_state.get_tensor_model_parallel_world_size() > 1:
-        total = torch.distributed.nn.functional.all_reduce(total, group=parallel_state.get_tensor_model_parallel_group())
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        total = torch.distributed.nn.functional.all_reduce(total, group=tp_group)
     return total
 
 
