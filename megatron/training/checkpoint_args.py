@@ -3,9 +3,13 @@
 Some flags change how a tensor of an unchanged shape is read: with 4 heads of 8 channels or 8 heads of 4,
 `linear_qkv.weight` is (3 * hidden, hidden) either way, but its rows are split into other heads. Others add or
 drop tensors that the default `--dist-ckpt-strictness` would quietly skip (an untied output layer, the
-q/k norms). A checkpoint stores the arguments it was trained with; loading compares those flags with this
-run's before anything is read, in every format and also under `--finetune` (a finetune changes the data and
-the schedule, not the architecture), and refuses another model with an error naming each flag and both values.
+q/k norms). Of the mixture-of-experts flags, those of the layout (how many experts, their width, which layers
+have them, the shared experts) are compared too: the weights of another layout fail on a tensor's shape or are
+skipped. Routing choices (top-k, score function, capacity, auxiliary losses, expert bias) are not: a fine-tune
+may change them over the same weights. A checkpoint stores the arguments it was trained with; loading compares
+those flags with this run's before anything is read, in every format and also under `--finetune` (a finetune
+changes the data and the schedule, not the architecture), and refuses another model with an error naming each
+flag and both values.
 """
 
 import functools
@@ -27,6 +31,10 @@ class ArchitectureFlag(NamedTuple):
             return f"no --group-query-attention (one key/value head per attention head, {value})"
         if self.flag == "--num-query-groups":
             return f"--group-query-attention --num-query-groups {value}"
+        if self.flag == "--num-experts" and value == 0:
+            return "no --num-experts (dense MLPs)"
+        if self.flag == "--moe-shared-expert-intermediate-size" and value == 0:
+            return "no --moe-shared-expert-intermediate-size (no shared experts)"
         return f"{self.flag} {value}"
 
 
@@ -75,6 +83,42 @@ def _mla_rope_type(args):
     return args.rope_type or "yarn"
 
 
+def _unset_as_zero(name):
+    """A size whose unset value (None) means none of the thing: 0 then; None where the saved args predate it."""
+    return lambda args: (getattr(args, name) or 0) if hasattr(args, name) else None
+
+
+def _expert_ffn_hidden_size(args):
+    """--moe-ffn-hidden-size, the dense --ffn-hidden-size where unset."""
+    if not hasattr(args, "moe_ffn_hidden_size"):
+        return None
+    return args.moe_ffn_hidden_size or getattr(args, "ffn_hidden_size", None)
+
+
+def _moe_layer_pattern(args):
+    """--moe-layer-freq as one 0/1 per layer (`2` and `[1,0,1,0]` are the same four layers), spelt as the flag
+    takes it."""
+    from megatron.core.transformer.moe.moe_config import layer_pattern_from_freq
+
+    if not hasattr(args, "moe_layer_freq") or getattr(args, "num_layers", None) is None:
+        return None
+    pattern = layer_pattern_from_freq(args.moe_layer_freq, args.num_layers)
+    return "[" + ",".join("1" if is_moe else "0" for is_moe in pattern) + "]"
+
+
+def _both_use_moe(saved_args, args):
+    return all(getattr(a, "num_experts", None) for a in (saved_args, args))
+
+
+def _both_use_moe_over_as_many_layers(saved_args, args):
+    return _both_use_moe(saved_args, args) and getattr(saved_args, "num_layers", None) == getattr(args, "num_layers")
+
+
+def _both_have_shared_experts(saved_args, args):
+    return _both_use_moe(saved_args, args) and all(
+        getattr(a, "moe_shared_expert_intermediate_size", None) for a in (saved_args, args))
+
+
 def _either_groups_queries(saved_args, args):
     """Without --group-query-attention on either side the key/value heads are the attention heads, compared
     already."""
@@ -110,6 +154,13 @@ ARCHITECTURE_FLAGS = (
     ArchitectureFlag("--rotary-scaling-factor", _get("rotary_scaling_factor"), compared=_both_use_mla),
     ArchitectureFlag("--mscale", _get("mscale"), compared=_both_use_mla),
     ArchitectureFlag("--mscale-all-dim", _get("mscale_all_dim"), compared=_both_use_mla),
+    ArchitectureFlag("--num-experts", _unset_as_zero("num_experts")),
+    ArchitectureFlag("--moe-ffn-hidden-size", _expert_ffn_hidden_size, compared=_both_use_moe),
+    ArchitectureFlag("--moe-layer-freq", _moe_layer_pattern, compared=_both_use_moe_over_as_many_layers),
+    ArchitectureFlag("--moe-shared-expert-intermediate-size", _unset_as_zero("moe_shared_expert_intermediate_size"),
+                     compared=_both_use_moe),
+    ArchitectureFlag("--moe-shared-expert-gate", _switch("moe_shared_expert_gate"), is_switch=True,
+                     compared=_both_have_shared_experts),
 )
 VOCAB_FLAG = "vocabulary size (the tokenizer's, before padding; --vocab-size with NullTokenizer)"
 
@@ -181,9 +232,10 @@ def check_same_architecture(checkpoint: str, saved_args, args, saved_vocab_size=
         wanted.append(f"tokenizer ({saved_vocab_size} tokens)")
     raise CheckpointError(
         f"checkpoint {checkpoint} holds another model than this run builds: " + "; ".join(differences) + ". "
-        "These change what the saved weights mean without changing their shapes, so loading would silently give "
-        "a different model. To load it, launch with the checkpoint's " + ", ".join(wanted) + " (also with "
-        "--finetune, which keeps the architecture); a model of another architecture cannot start from it.")
+        "These change what the saved weights mean (most without changing their shapes) or which weights there "
+        "are, so loading would fail or silently give a different model. To load it, launch with the checkpoint's "
+        + ", ".join(wanted) + " (also with --finetune, which keeps the architecture); a model of another "
+        "architecture cannot start from it.")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,10 +1,12 @@
 """Data-parallel flags: DDP, the distributed optimizer, Megatron-FSDP and PyTorch FSDP2."""
 
 import os
+import warnings
 
 from megatron.training.argument_groups import nccl_buffers
 
 SHARDING_STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+DEFAULT_SHARDING_STRATEGY = "optim_grads_params"
 MEGATRON_FSDP_DTYPE_CHOICES = ["fp32", "bf16", "fp16", "auto"]
 
 
@@ -51,7 +53,7 @@ def add_arguments(parser):
                        help="Deprecated: upstream's earlier name of --use-megatron-fsdp; the same.")
     group.add_argument(
         "--data-parallel-sharding-strategy",
-        default="optim_grads_params",
+        default=DEFAULT_SHARDING_STRATEGY,
         choices=SHARDING_STRATEGIES,
         help="ZeRO level under Megatron-FSDP.",
     )
@@ -166,6 +168,11 @@ def validate(args):
     elif args.init_model_with_meta_device:
         # FSDP2 here shards a materialised model; only Megatron-FSDP materialises a meta model shard by shard.
         raise ValueError("--init-model-with-meta-device needs --use-megatron-fsdp")
+    if not args.use_megatron_fsdp and args.data_parallel_sharding_strategy != DEFAULT_SHARDING_STRATEGY:
+        # (an explicit optim_grads_params, the default, cannot be told apart from an unset flag)
+        warnings.warn(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} has no effect "
+                      "without --use-megatron-fsdp (it is Megatron-FSDP's ZeRO level); add --use-megatron-fsdp "
+                      "to shard that way, or drop the flag")
     if args.use_torch_fsdp2:
         if args.ckpt_format not in ("torch_dist", "torch_dcp"):
             raise ValueError("--use-torch-fsdp2 needs --ckpt-format torch_dist or torch_dcp")

@@ -1,6 +1,7 @@
 """Flag parsing and validation: derived values, the rules with their messages, unknown flags, unfinished features."""
 
 import os
+import warnings
 
 import pytest
 
@@ -223,6 +224,17 @@ def test_sequence_parallel_is_dropped_without_tensor_parallelism():
     with pytest.warns(UserWarning, match="--sequence-parallel has no effect"):
         args = validated("--sequence-parallel")
     assert args.sequence_parallel is False
+
+
+def test_sharding_strategy_without_megatron_fsdp_warns():
+    with pytest.warns(UserWarning, match="^--data-parallel-sharding-strategy optim_grads has no effect without "
+                                         "--use-megatron-fsdp"):
+        args = validated("--data-parallel-sharding-strategy optim_grads --use-distributed-optimizer")
+    assert args.use_megatron_fsdp is False and args.data_parallel_sharding_strategy == "optim_grads"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="--data-parallel-sharding-strategy")
+        assert validated("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads").use_megatron_fsdp
+        assert validated().data_parallel_sharding_strategy == "optim_grads_params"  # the default: no warning
 
 
 # An upstream Megatron-FSDP / FSDP2 functional-test configuration, flags as upstream's scripts pass them.

@@ -1,8 +1,11 @@
 """The RoPE scaling and interpolation flags among the model flags a checkpoint imposes and compares
 (checkpoint_args.py): a load names them when they differ, an older checkpoint without them is not compared, and
---use-checkpoint-args takes them (and the layers multi-token prediction adds)."""
+--use-checkpoint-args takes them (and the layers multi-token prediction adds). Of the MoE flags, the layout is
+compared, the routing choices are not."""
 
 import argparse
+
+import pytest
 
 from megatron.training.checkpoint_args import apply_checkpoint_args, architecture_differences
 
@@ -50,3 +53,48 @@ def test_use_checkpoint_args_takes_position_interpolation_and_the_layers_it_adds
     assert (args.rotary_seq_len_interpolation_factor, args.mtp_num_layers, args.moe_apply_probs_on_input) == (
         2.0, 1, True)
     assert changed == ["--moe-apply-probs-on-input True (command line: False)"]  # unset values are not reported
+
+
+def _moe_args(**flags):
+    moe = dict(num_layers=4, ffn_hidden_size=128, num_experts=8, moe_ffn_hidden_size=None, moe_layer_freq=1,
+               moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False, moe_router_topk=2,
+               moe_router_score_function="softmax", moe_router_pre_softmax=False, moe_expert_capacity_factor=None,
+               moe_aux_loss_coeff=0.0, moe_router_enable_expert_bias=False)
+    return argparse.Namespace(**{**moe, **flags})
+
+
+def test_moe_layout_flags_are_compared_on_load_and_routing_choices_are_not():
+    from megatron.core.dist_checkpointing.serialization import CheckpointError
+    from megatron.training.checkpoint_args import check_same_architecture
+
+    moe = _moe_args()
+    assert architecture_differences(moe, _moe_args(num_experts=4)) == [
+        "--num-experts: 8 in the checkpoint, 4 in this run"]
+    assert architecture_differences(_moe_args(num_experts=None), moe) == [
+        "--num-experts: 0 in the checkpoint, 8 in this run"]
+    # the expert width defaults to --ffn-hidden-size; the layer frequency is compared layer by layer
+    assert architecture_differences(moe, _moe_args(moe_ffn_hidden_size=128)) == []
+    assert architecture_differences(moe, _moe_args(moe_ffn_hidden_size=64)) == [
+        "--moe-ffn-hidden-size: 128 in the checkpoint, 64 in this run"]
+    assert architecture_differences(_moe_args(moe_layer_freq=2), _moe_args(moe_layer_freq=[1, 0, 1, 0])) == []
+    assert architecture_differences(_moe_args(moe_layer_freq=2), moe) == [
+        "--moe-layer-freq: [1,0,1,0] in the checkpoint, [1,1,1,1] in this run"]
+    shared = _moe_args(moe_shared_expert_intermediate_size=256, moe_shared_expert_gate=True)
+    assert architecture_differences(shared, moe) == [
+        "--moe-shared-expert-intermediate-size: 256 in the checkpoint, 0 in this run"]
+    assert architecture_differences(shared, _moe_args(moe_shared_expert_intermediate_size=256)) == [
+        "--moe-shared-expert-gate: set in the checkpoint, not set in this run"]
+    routed_otherwise = _moe_args(moe_router_topk=4, moe_router_score_function="sigmoid", moe_router_pre_softmax=True,
+                                 moe_expert_capacity_factor=1.5, moe_aux_loss_coeff=0.01,
+                                 moe_router_enable_expert_bias=True)
+    assert architecture_differences(moe, routed_otherwise) == []
+    # dense models on both sides, and a checkpoint older than the flags, compare nothing of MoE
+    dense = _moe_args(num_experts=None, moe_layer_freq=2, moe_ffn_hidden_size=64)
+    assert architecture_differences(dense, _moe_args(num_experts=None)) == []
+    assert architecture_differences(argparse.Namespace(num_layers=4, ffn_hidden_size=128), moe) == []
+    with pytest.raises(CheckpointError, match=r"launch with the checkpoint's --num-experts 8, --moe-layer-freq "
+                                              r"\[1,1,1,1\], --moe-shared-expert-intermediate-size 256"):
+        check_same_architecture("ckpt", _moe_args(moe_shared_expert_intermediate_size=256),
+                                _moe_args(num_experts=2, moe_layer_freq=2))
+    with pytest.raises(CheckpointError, match=r"launch with the checkpoint's no --num-experts \(dense MLPs\) \("):
+        check_same_architecture("ckpt", _moe_args(num_experts=None), moe)
