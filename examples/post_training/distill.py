@@ -76,6 +76,17 @@ def _check_same_vocabulary(teacher_load, teacher_vocab_size, student_vocab_size)
                          "the two models over one vocabulary: give a teacher trained with this run's tokenizer")
 
 
+def _check_dense_teacher(teacher_load, saved_args):
+    """The teacher is built from TEACHER_ARCHITECTURE's flags: a dense GPT with standard attention."""
+    kinds = [flag for flag, on in (("--num-experts", getattr(saved_args, "num_experts", None)),
+                                   ("--multi-latent-attention", getattr(saved_args, "multi_latent_attention", False)),
+                                   ("--mtp-num-layers", getattr(saved_args, "mtp_num_layers", None))) if on]
+    if kinds:
+        raise ValueError(f"--export-kd-teacher-load {teacher_load}: the teacher was trained with {', '.join(kinds)}; "
+                         "distill.py builds dense GPT teachers with standard attention and no multi-token "
+                         "prediction layers: distil from such a checkpoint")
+
+
 class RealVocabularyLogitsLoss(_Loss):
     """A logits distillation loss (modelopt's `LogitsKLLoss` or `TopKLogitsKLLoss`) whose teacher distribution
     covers the real vocabulary only: the teacher's padded entries get a logit far below any real one, so it gives
@@ -122,6 +133,7 @@ def teacher_arguments(args):
         raise ValueError(f"--export-kd-teacher-load {root}: the checkpoint holds no arguments to build the teacher "
                          "from")
     _check_same_vocabulary(root, saved_true_vocab_size(common.get(VOCAB_SIZE_KEY), saved_args), true_vocab_size(args))
+    _check_dense_teacher(root, saved_args)
     teacher_args = copy.copy(args)
     parser = build_parser()
     for name in TEACHER_ARCHITECTURE:

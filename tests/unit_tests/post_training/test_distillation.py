@@ -148,3 +148,7 @@ def test_teacher_takes_defaults_for_flags_its_checkpoint_predates_and_refuses_an
     with pytest.raises(ValueError, match=r"--export-kd-teacher-load teacher_dir: the teacher's vocabulary has 100 "
                                          r"tokens, the student's \(this run's tokenizer\) 120"):
         _teacher_arguments_from(monkeypatch, saved, 100)
+    for flag, name, value in (("--num-experts", "num_experts", 4), ("--mtp-num-layers", "mtp_num_layers", 1),
+                              ("--multi-latent-attention", "multi_latent_attention", True)):
+        with pytest.raises(ValueError, match=f"the teacher was trained with {flag}; distill.py builds dense GPT"):
+            _teacher_arguments_from(monkeypatch, SimpleNamespace(**{**vars(saved), name: value}), 120)
