@@ -26,8 +26,9 @@ def save(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strat
     """Write `sharded_state_dict` into `checkpoint_dir` (collective over the world)."""
     if common_strategy is not None:
         raise ValueError("a separate common-state strategy is not used: common objects are saved as objects")
+    strategy = _save_strategy(sharded_strategy)  # refuses an unknown format before anything is written
     os.makedirs(str(checkpoint_dir), exist_ok=True)
-    _save_strategy(sharded_strategy).save(sharded_state_dict, checkpoint_dir)
+    strategy.save(sharded_state_dict, checkpoint_dir)
 
 
 def load(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strategy=None,

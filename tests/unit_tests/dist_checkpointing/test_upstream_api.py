@@ -47,10 +47,11 @@ def test_replace_prefix_for_sharding():
         replace_prefix_for_sharding({"other": 1}, "decoder.", "x.")
 
 
-def test_parse_strict_flag():
+def test_parse_strict_flag(tmp_path):
     assert parse_strict_flag(True) is StrictHandling.RAISE_ALL
     assert parse_strict_flag("log_unexpected") is StrictHandling.LOG_UNEXPECTED
     with pytest.raises(ValueError, match="--dist-ckpt-strictness"):
         parse_strict_flag("sometimes")
     with pytest.raises(ValueError, match="torch_dist"):
-        dist_checkpointing.save({}, "unused", ("zarr", 1))
+        dist_checkpointing.save({}, str(tmp_path / "zarr_checkpoint"), ("zarr", 1))
+    assert not (tmp_path / "zarr_checkpoint").exists()  # refused before anything was written
