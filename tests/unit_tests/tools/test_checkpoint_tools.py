@@ -259,11 +259,12 @@ def test_convert_checkpoint_names_the_input_and_what_to_run(tmp_path, tools, cap
     capsys.readouterr()
     for source, argv in [("torch", ["--input", str(tmp_path / "nope.pt")]), ("safetensors", ["--input", str(legacy)]),
                          ("hf", ["--input", torch_file])]:
-        assert _exit_message(convert_checkpoint.main, ["--from", source, *argv, "--output", "unused"]) == 2
+        assert _exit_message(convert_checkpoint.main, ["--from", source, *argv, "--output",
+                                                       str(tmp_path / "unused")]) == 2
         error = capsys.readouterr().err.splitlines()[-1]
         kind = "directory" if source == "hf" else "file"
         assert f": error: --input {argv[1]}: not a {kind} (--from {source} reads " in error
-    assert not os.path.exists(tmp_path / "out") and not os.path.exists("unused")
+    assert not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "unused")
     # The files that were read in this test convert back.
     convert_checkpoint.main(["--from", "safetensors", "--input", safetensors_file, "--output", str(tmp_path / "st")])
     assert (tmp_path / "st" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
