@@ -24,13 +24,18 @@ def _rank():
 
 
 def layout_of(args, model_chunks):
+    """The parallel layout a checkpoint records: TP, PP and DP sizes (CP and EP where they split the model),
+    the world size, the wrapper and the format."""
     from megatron.core import parallel_state
 
     layout = {
         "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
         "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
-        "data_parallel_size": parallel_state.get_data_parallel_world_size(with_context_parallel=True),
+        "data_parallel_size": parallel_state.get_data_parallel_world_size(),
     }
+    context_parallel_size = parallel_state.get_context_parallel_world_size()
+    if context_parallel_size > 1:  # no key at 1: layouts written before the key existed held DP x CP under DP
+        layout["context_parallel_size"] = context_parallel_size
     if getattr(args, "num_experts", None):  # a MoE model: how its experts were split (a load may reshard them)
         layout["expert_model_parallel_size"] = parallel_state.get_expert_model_parallel_world_size()
     layout.update({
@@ -39,6 +44,15 @@ def layout_of(args, model_chunks):
         "ckpt_format": args.ckpt_format,
     })
     return layout
+
+
+def data_times_context_parallel(layout):
+    """DP x CP of a recorded layout (None where it records no DP size); a layout without a CP size is CP 1 or was
+    written when DP x CP was recorded as the DP size."""
+    data_parallel_size = layout.get("data_parallel_size")
+    if data_parallel_size is None:
+        return None
+    return data_parallel_size * layout.get("context_parallel_size", 1)
 
 
 def state_to_save(iteration, model_chunks, optimizer, scheduler, args):

@@ -265,7 +265,9 @@ def _load_rng(args, directory, metadata, common, report):
         saved_layout = dict(common.get("layout", {}))
         current = checkpoint_state.layout_of(args, [])
         if any(saved_layout.get(name) != current[name] for name in
-               ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size", "world_size")):
+               ("tensor_model_parallel_size", "pipeline_model_parallel_size", "world_size")) or \
+                checkpoint_state.data_times_context_parallel(saved_layout) != \
+                checkpoint_state.data_times_context_parallel(current):
             report.not_loaded.append("RNG state (saved at another parallel layout by a checkpoint that does not "
                                      "record its ranks' coordinates; each rank keeps its seeded state)")
             return

@@ -73,6 +73,8 @@ def layout(args, model_chunks):
     current = checkpoint_state.layout_of(args, model_chunks)
     current.pop("ckpt_format", None)
     current["context_parallel_size"] = parallel_state.get_context_parallel_world_size()
+    # Local checkpoints record DP x CP as the DP size (and CP beside it), as they always have.
+    current["data_parallel_size"] = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     current["virtual_pipeline_model_parallel_size"] = \
         parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
     counts = getattr(args, "virtual_stage_layer_counts", None)
