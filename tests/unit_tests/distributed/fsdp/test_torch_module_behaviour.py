@@ -169,3 +169,30 @@ def test_module_zero_grad_clears_the_step_gradients(world_size):
     for strategy in (0, 1, 2, 3):
         for losses in run_on_ranks(world_size, _train_with_module_zero_grad, strategy):
             assert losses == pytest.approx(reference, abs=1e-5), strategy
+
+
+def _call_the_inner_module(strategy):
+    model, _ = _wrap(strategy)
+    inputs = models.make_batches(1)[0][0]
+    try:
+        model.module(inputs)
+        direct = "ran"
+    except RuntimeError as error:
+        direct = str(error)
+    with model.gathered_parameters() as module:
+        gathered_output = module(inputs).detach().clone()
+    return {"direct": direct, "gathered_output": gathered_output, "wrapper_output": model(inputs).detach().clone()}
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_calling_the_inner_module_directly_under_zero3_names_the_wrapper(world_size):
+    expected = models.make_model(0)(models.make_batches(1)[0][0]).detach()
+    for strategy in (1, 3):
+        for rank_result in run_on_ranks(world_size, _call_the_inner_module, strategy):
+            if strategy == 3:
+                assert "call the wrapper instead (`model(...)`" in rank_result["direct"]
+                assert "gathered_parameters()" in rank_result["direct"]
+            else:
+                assert rank_result["direct"] == "ran"  # full weights at rest: the inner module runs as it is
+            torch.testing.assert_close(rank_result["gathered_output"], expected, rtol=0, atol=0)
+            torch.testing.assert_close(rank_result["wrapper_output"], expected, rtol=0, atol=0)

@@ -271,6 +271,17 @@ class MegatronFSDP(nn.Module):
         for group in self.groups:
             if not group.gathered:
                 resting.hide(group)
+        if self.root_groups:
+            self.schedule.hook_handles.append(self.module.register_forward_pre_hook(self._refuse_resting_root_call))
+
+    def _refuse_resting_root_call(self, module, args):
+        """The root's own parameters are gathered by this wrapper's forward, not by a hook on the module: a
+        direct `model.module(...)` would compute with the resting shards."""
+        if not all(group.gathered for group in self.root_groups):
+            raise RuntimeError(
+                "the module inside MegatronFSDP (ZeRO-3, optim_grads_params) was called directly while its "
+                "parameters rest as shards; call the wrapper instead (`model(...)`, which gathers them), or "
+                "between steps run the full module inside `with model.gathered_parameters() as module: module(...)`")
 
     def _padded_numel(self, plan) -> int:
         """The flat size a group built from `plan` pads to (what ParamGroup's layout computes)."""
