@@ -94,6 +94,11 @@ def validation_loss(model, args):
     return run_global_batches(model, valid_iterator, args.eval_iters, args)
 
 
+def global_batches_phrase(count: int) -> str:
+    """How the result lines name the number of global batches they ran ("1 global batch", "8 global batches")."""
+    return f"{count} global batch" + ("" if count == 1 else "es")
+
+
 def run_with_megatron(extra_args_provider, run, argv=None):
     """`run(args)` with Megatron initialised from `argv` (plus the script's own arguments), torn down after."""
     from megatron.training.initialize import initialize_megatron

@@ -34,6 +34,7 @@ if REPO_ROOT not in sys.path:
 from examples.post_training.model_and_data import (  # noqa: E402
     build_model,
     data_iterators,
+    global_batches_phrase,
     modelopt_modes,
     run_global_batches,
     run_with_megatron,
@@ -220,7 +221,7 @@ def run(args):
         save_pruned_model(pruned, iteration, args)
     if dist.get_rank() == dist.get_world_size() - 1:
         if before is not None:
-            print(f"validation loss ({args.eval_iters} global batches): before {before:.6f} | after pruning "
+            print(f"validation loss ({global_batches_phrase(args.eval_iters)}): before {before:.6f} | after pruning "
                   f"{after:.6f} | change {after - before:+.6f}", flush=True)
         print(f"pruned model: {pruned_model_flags(args)}" + (f", saved under {args.save}" if args.save else ""),
               flush=True)

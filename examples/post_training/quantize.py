@@ -28,6 +28,7 @@ if REPO_ROOT not in sys.path:
 from examples.post_training.model_and_data import (  # noqa: E402
     build_model,
     data_iterators,
+    global_batches_phrase,
     modelopt_modes,
     run_global_batches,
     run_with_megatron,
@@ -149,7 +150,7 @@ def run(args):
     after = validation_loss(model, args)
     result = {"before": before, "after": after, "iteration": iteration, "model": model}
     if dist.get_rank() == dist.get_world_size() - 1:
-        print(f"validation loss ({args.eval_iters} global batches): before {before:.6f} | after "
+        print(f"validation loss ({global_batches_phrase(args.eval_iters)}): before {before:.6f} | after "
               f"{args.quant_cfg} PTQ {after:.6f} | change {after - before:+.6f}", flush=True)
     if args.export_dir is not None:
         result["export"] = save_quantized_model(model, args.export_dir, iteration, args,
