@@ -156,6 +156,11 @@ def parse_args(argv=None):
     group = parser.add_argument_group("input")
     group.add_argument("--input", required=True, help="JSONL file, one JSON document per line")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize, one output per key")
+    group.add_argument("--split-sentences", action="store_true",
+                       help="not supported: every document is written as one sequence (GPT training packs "
+                       "documents, so sentence boundaries are not needed); drop the flag")
+    group.add_argument("--keep-newlines", action="store_true", help="only with --split-sentences (not supported)")
+    group.add_argument("--lang", default="english", help="only with --split-sentences (not supported)")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     group.add_argument("--vocab-size", type=int, default=None,
@@ -167,10 +172,20 @@ def parse_args(argv=None):
     group.add_argument("--output-prefix", required=True, help="writes PREFIX_<key>_document.bin/.idx")
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    group.add_argument("--partitions", type=int, default=1,
+                       help="accepted for upstream scripts; the input is read as one stream by the --workers pool, so "
+                       "the output is the same for any value: documents in input order")
+    group.add_argument("--keep-sequential-samples", action="store_true",
+                       help="accepted for upstream scripts: documents are always written in input order")
     group.add_argument("--log-interval", type=int, default=1000, help="progress line every N documents")
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")
+    if args.partitions < 1:
+        parser.error("--partitions must be at least 1")
+    if args.split_sentences or args.keep_newlines:
+        parser.error("--split-sentences (and --keep-newlines) are not supported: each document is written as one "
+                     "sequence of PREFIX_<key>_document, which is what GPT training reads; drop the flags")
     if not os.path.isfile(args.input):
         parser.error(f"--input {args.input!r} is not a file (a JSONL file, one JSON document per line)")
     return args

@@ -8,6 +8,7 @@ of that stream; `tokens` are its first `sequence_length` tokens and `labels` its
 
 import concurrent.futures
 import dataclasses
+import math
 import os
 from typing import Any, Optional
 
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 
 from megatron.core.datasets.blended_dataset import BlendedDataset, blending_schedule
-from megatron.core.datasets.gpt_indices import build_gpt_indices
+from megatron.core.datasets.gpt_indices import build_gpt_indices, samples_in_tokens
 from megatron.core.datasets.indexed_dataset import IndexedDataset, data_file_path, index_file_path
 from megatron.core.datasets.utils import (
     Split,
@@ -30,10 +31,13 @@ from megatron.core.datasets.utils import (
 class GPTDatasetConfig:
     """What to read and how to cut it into samples.
 
-    `blend` is `(prefixes, weights)` as parsed from `--data-path` (weights None: equal shares), e.g.
-    `(["a_text_document", "b_text_document"], [0.3, 0.7])`. `split` divides each dataset's documents into
-    train/valid/test (`--split 969,30,1`). `blend_per_split` instead names a blend (or None) for each of train,
-    valid and test (`--train-data-path` ...), each using all of its datasets' documents; `split` is then unused.
+    `blend` is `(prefixes, weights)` as parsed from `--data-path`, e.g.
+    `(["a_text_document", "b_text_document"], [0.3, 0.7])`; weights None blends the datasets in proportion to
+    their sizes (the samples one epoch of each split holds), as Megatron-Core does. Each dataset of a weighted
+    blend holds `ceil(ceil(samples * share) * (1 + mid_level_dataset_surplus))` samples, as upstream's. `split`
+    divides each dataset's documents into train/valid/test (`--split 969,30,1`). `blend_per_split` instead names a
+    blend (or None) for each of train, valid and test (`--train-data-path` ...), each using all of its datasets'
+    documents; `split` is then unused.
     Index arrays are cached as .npy files in `path_to_cache`. `mmap_bin_files` False reads the `.bin` files
     into memory; `num_dataset_builder_threads` opens datasets and builds their indices in parallel; with
     `shared_filesystem` False the first rank of each node (not of the job) builds the cached indices.
@@ -57,10 +61,13 @@ class GPTDatasetConfig:
     num_dataset_builder_threads: int = 1
     shared_filesystem: bool = True
     multiple_validation_sets: bool = False
+    mid_level_dataset_surplus: float = 0.005
 
     def __post_init__(self):
         if int(self.sequence_length) < 1:
             raise ValueError(f"--seq-length must be a positive integer (got {self.sequence_length})")
+        if not float(self.mid_level_dataset_surplus) >= 0:
+            raise ValueError(f"--mid-level-dataset-surplus must be >= 0 (got {self.mid_level_dataset_surplus})")
         if int(self.num_dataset_builder_threads) < 1:
             raise ValueError(
                 f"--num-dataset-builder-threads must be at least 1 (got {self.num_dataset_builder_threads})")
@@ -150,9 +157,13 @@ class GPTDataset(torch.utils.data.Dataset):
         self.split = split
         self.document_range = tuple(int(bound) for bound in document_range)
         documents = np.arange(*self.document_range, dtype=np.int64)
+        if documents.size == 0 and len(indexed_dataset) == 0:
+            raise ValueError(f"{indexed_dataset.path_prefix} holds no documents (was its input empty?): drop it from "
+                             "the data path flags")
         if documents.size == 0:
             raise ValueError(
-                f"the {split.name} split of {indexed_dataset.path_prefix} has no documents; adjust --split"
+                f"the {split.name} split of {indexed_dataset.path_prefix} ({len(indexed_dataset)} documents) has no "
+                "documents; adjust --split"
             )
         description = {
             "class": type(self).__name__,
@@ -262,24 +273,50 @@ def _build_split(config, split, weights, indexed, document_ranges, count, split_
                 for dataset, document_range in zip(indexed, document_ranges)]
     if len(indexed) == 1:
         return GPTDataset(indexed[0], config, split, document_ranges[0], count)
+    weighted = weights is not None
     blend_description = {
         "prefixes": [os.path.abspath(dataset.path_prefix) for dataset in indexed],
         "split": split.name,
         "split_fractions": split_fractions,
+        "weighted": weighted,
+        "sequence_length": int(config.sequence_length),
     }
     whole_split = count is None
     if whole_split:
         parts = _map(config, lambda part: GPTDataset(part[0], config, split, part[1], None),
                      list(zip(indexed, document_ranges)))
         weights, count = [len(part) for part in parts], sum(len(part) for part in parts)
+    elif weights is None:
+        weights = _samples_per_epoch(config, split, indexed, document_ranges)
     shares = normalize_weights(weights, len(indexed))
     dataset_index, dataset_sample_index = blending_schedule(shares, count, config.path_to_cache, blend_description)
     if not whole_split:
         samples_per_dataset = np.bincount(np.asarray(dataset_index), minlength=len(indexed))
+        if weighted:
+            # Megatron-Core builds each dataset of a weighted blend with ceil(ceil(count * share) * (1 + surplus))
+            # samples; the size sets its number of epochs and so its shuffles.
+            upstream_sizes = [math.ceil(math.ceil(count * share) * (1 + config.mid_level_dataset_surplus))
+                              for share in shares]
+            samples_per_dataset = np.maximum(samples_per_dataset, upstream_sizes)
         parts = _map(config,
                      lambda part: GPTDataset(part[0], config, split, part[1], int(part[2])) if part[2] else None,
                      list(zip(indexed, document_ranges, samples_per_dataset)))
     return BlendedDataset(parts, shares, count, dataset_index, dataset_sample_index)
+
+
+def _samples_per_epoch(config, split, indexed, document_ranges):
+    """Samples one epoch of each dataset's split holds: the shares of a blend given without weights."""
+    counts = []
+    for dataset, (begin, end) in zip(indexed, document_ranges):
+        tokens = int(np.asarray(dataset.sequence_lengths[begin:end], dtype=np.int64).sum())
+        counts.append(samples_in_tokens(tokens, config.sequence_length))
+        if counts[-1] == 0:
+            raise ValueError(
+                f"the {split.name} split of {dataset.path_prefix} ({end - begin} documents, {tokens} tokens) does not "
+                f"fill one sample of --seq-length {config.sequence_length} + 1 tokens: drop the prefix, give weights, "
+                "or adjust --split"
+            )
+    return counts
 
 
 def _build_split_datasets(config, train_valid_test_num_samples):

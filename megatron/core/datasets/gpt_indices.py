@@ -37,7 +37,8 @@ def separate_final_epoch(tokens_per_epoch, sequence_length, num_samples, num_epo
     samples_before_final = samples_in_tokens((num_epochs - 1) * tokens_per_epoch, sequence_length)
     samples_per_epoch = samples_in_tokens(tokens_per_epoch, sequence_length)
     used_of_final = num_samples - samples_before_final
-    return used_of_final < SEPARATE_FINAL_EPOCH_THRESHOLD * samples_per_epoch
+    # Whole samples, as Megatron-Core counts them: with 7 samples an epoch the cut is 5, not 5.6.
+    return used_of_final < int(SEPARATE_FINAL_EPOCH_THRESHOLD * samples_per_epoch)
 
 
 def build_document_index(documents, num_epochs, rng, separate_final):

@@ -80,8 +80,10 @@ def normalize_weights(weights, count):
 def build_blending_indices(weights, size):
     """Assign `size` blended samples to datasets: (dataset index, sample index within that dataset) arrays.
 
-    Greedy: each sample goes to the dataset furthest behind its target share `weight * samples so far`,
-    ties to the lowest index. Every prefix of the schedule keeps each dataset within one sample of its share.
+    Greedy, as Megatron-Core's `build_blending_indices`: sample i goes to the dataset furthest behind its target
+    share `weight * max(i, 1)` (the samples placed before it; sample 0 counts as 1), ties to the lowest index, so
+    a given blend serves the same datasets in the same order as upstream. After sample i is placed, each dataset's
+    count is within one sample of `weight * max(i, 1)`.
     """
     weights = [float(weight) for weight in normalize_weights(weights, len(weights))]
     counts = [0] * len(weights)
@@ -89,7 +91,8 @@ def build_blending_indices(weights, size):
     dataset_sample_index = np.empty(size, dtype=np.int64)
     candidates = range(len(weights))
     for sample in range(size):
-        chosen = max(candidates, key=lambda d: weights[d] * (sample + 1) - counts[d])
+        placed = max(sample, 1)
+        chosen = max(candidates, key=lambda d: weights[d] * placed - counts[d])
         dataset_index[sample] = chosen
         dataset_sample_index[sample] = counts[chosen]
         counts[chosen] += 1

@@ -75,8 +75,8 @@ def add_arguments(parser):
     group.add_argument("--num-dataset-builder-threads", type=int, default=1,
                        help="Threads that open datasets and build their indices (per rank).")
     group.add_argument("--mid-level-dataset-surplus", type=float, default=0.005,
-                       help="Accepted for upstream scripts; no effect here: a blend asks each dataset for exactly "
-                       "the samples its schedule takes, so no surplus is needed.")
+                       help="Each dataset of a weighted blend holds ceil(ceil(samples x weight) x (1 + surplus)) "
+                       "samples, as upstream; the size sets its epochs and so its shuffles.")
     group.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
                        dest="create_attention_mask_in_dataloader",
                        help="Accepted for upstream scripts: the causal mask is always applied in the model; the "

@@ -3,9 +3,9 @@
 `gpt_dataset_config_from_args(args, tokenizer)` carries every data flag into the config: `--data-path` and
 `--split`, or `--train-data-path` / `--valid-data-path` / `--test-data-path` (also from
 `--per-split-data-args-path`), `--multiple-validation-sets`, `--no-mmap-bin-files`, `--num-dataset-builder-threads`,
-`--no-shared-fs`, the EOD flags. A provider that builds its config by hand may miss a flag;
-`check_datasets_follow_flags` (called on the datasets it returns) turns that into an error naming the flag instead
-of a silently different run.
+`--no-shared-fs`, `--mid-level-dataset-surplus`, the EOD flags. A provider that builds its config by hand may miss a
+flag; `check_datasets_follow_flags` (called on the datasets it returns) turns that into an error naming the flag
+instead of a silently different run.
 """
 
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
@@ -42,6 +42,7 @@ def gpt_dataset_config_from_args(args, tokenizer):
         num_dataset_builder_threads=args.num_dataset_builder_threads,
         shared_filesystem=not args.no_shared_fs,
         multiple_validation_sets=getattr(args, "multiple_validation_sets", False),
+        mid_level_dataset_surplus=getattr(args, "mid_level_dataset_surplus", 0.005),
     )
 
 
@@ -62,6 +63,7 @@ def check_datasets_follow_flags(datasets, args):
     wanted = {
         "mmap_bin_files": (getattr(args, "mmap_bin_files", True), "--no-mmap-bin-files"),
         "shared_filesystem": (not getattr(args, "no_shared_fs", False), "--no-shared-fs"),
+        "mid_level_dataset_surplus": (getattr(args, "mid_level_dataset_surplus", 0.005), "--mid-level-dataset-surplus"),
     }
     per_split_given = any(getattr(args, name, None) for name in ("train_data_path", "valid_data_path",
                                                                   "test_data_path"))

@@ -15,10 +15,10 @@ from tests.unit_tests.datasets.gpt_test_data import EodOnlyTokenizer, write_docu
 def test_schedule_tracks_weights_within_one_sample(weights, size):
     dataset_index, dataset_sample_index = build_blending_indices(weights, size)
     shares = np.asarray(weights, dtype=np.float64) / np.sum(weights)
-    # After every prefix of the schedule, each dataset is within one sample of its share.
+    # After sample i is placed, each dataset is within one sample of its share of max(i, 1) samples.
     one_hot = np.eye(len(weights), dtype=np.int64)[dataset_index.astype(np.int64)]
     counts_so_far = np.cumsum(one_hot, axis=0)
-    targets = np.arange(1, size + 1)[:, None] * shares[None, :]
+    targets = np.maximum(np.arange(size), 1)[:, None] * shares[None, :]
     assert np.abs(counts_so_far - targets).max() <= 1.0
     # Sample indices within each dataset count up from zero in schedule order.
     for dataset in range(len(weights)):
@@ -31,6 +31,16 @@ def test_schedule_is_deterministic_and_interleaved():
     second = build_blending_indices([0.5, 0.5], 8)
     np.testing.assert_array_equal(first[0], second[0])
     np.testing.assert_array_equal(first[0], [0, 1, 0, 1, 0, 1, 0, 1])
+
+
+def test_schedule_is_upstreams():
+    # Megatron-Core's rule: sample i goes to the dataset with the largest weight * max(i, 1) - count, ties to the
+    # first. By hand for 0.25 / 0.75: i=0 (.25, .75) -> b; i=1 (.25, -.25) -> a; i=2 (-.5, .5) -> b;
+    # i=3 (-.25, .25) -> b; i=4 (0, 0) tie -> a; i=5..7 -> b, b, b (errors .75, .5, .25 against -.75, -.5, -.25);
+    # i=8 (0, 0) -> a; then b, b, b.
+    dataset_index, dataset_sample_index = build_blending_indices([0.25, 0.75], 12)
+    assert dataset_index.tolist() == [1, 0, 1, 1, 0, 1, 1, 1, 0, 1, 1, 1]
+    assert dataset_sample_index.tolist() == [0, 0, 1, 2, 1, 3, 4, 5, 2, 6, 7, 8]
 
 
 class _Labelled(torch.utils.data.Dataset):
@@ -75,11 +85,12 @@ def test_blend_of_gpt_datasets(tmp_path):
     )
     train, valid, test = build_gpt_datasets(config, (200, 21, 5))
     assert test is None
-    for blended, size in ((train, 200), (valid, 21)):
+    # As upstream, each dataset holds ceil(ceil(size * share) * 1.005) samples (--mid-level-dataset-surplus):
+    # train ceil(50 * 1.005) = 51 and ceil(150 * 1.005) = 151, valid ceil(6 * 1.005) = 7 and ceil(16 * 1.005) = 17.
+    for blended, size, part_sizes in ((train, 200, [51, 151]), (valid, 21, [7, 17])):
         assert isinstance(blended, BlendedDataset) and len(blended) == size
         np.testing.assert_allclose(blended.samples_per_dataset, [0.25 * size, 0.75 * size], atol=1.0)
-        for part, count in zip(blended.datasets, blended.samples_per_dataset):
-            assert len(part) == count
+        assert [len(part) for part in blended.datasets] == part_sizes
         for i in (0, 1, 2, size - 1):
             part = blended.datasets[int(blended.dataset_index[i])]
             torch.testing.assert_close(blended[i], part[int(blended.dataset_sample_index[i])], rtol=0, atol=0)
@@ -89,3 +100,19 @@ def test_blend_of_gpt_datasets(tmp_path):
     again, _, _ = build_gpt_datasets(config, (200, 21, 5))
     np.testing.assert_array_equal(again.dataset_index, train.dataset_index)
     assert all(part.indices_loaded_from_cache for part in again.datasets)
+
+
+def test_blend_without_weights_follows_dataset_sizes(tmp_path):
+    # Upstream blends `--data-path a b` in proportion to the datasets' sizes. Documents of 10 tokens at sequence
+    # length 9: a (10 documents) holds (100 - 1) // 9 = 11 samples, b (30 documents) 33, so the shares are
+    # 0.25 / 0.75 and the schedule is test_schedule_is_upstreams' one.
+    prefixes = [str(tmp_path / "a"), str(tmp_path / "b")]
+    write_documents(prefixes[0], 10, seed=1, min_length=9, max_length=9)
+    write_documents(prefixes[1], 30, seed=2, min_length=9, max_length=9)
+    config = GPTDatasetConfig(random_seed=3, sequence_length=9, blend=blend_from_data_path(prefixes), split="1,0,0",
+                              tokenizer=EodOnlyTokenizer())
+    train, _, _ = build_gpt_datasets(config, (12, 0, 0))
+    np.testing.assert_allclose(train.weights, [0.25, 0.75])
+    assert train.dataset_index.tolist() == [1, 0, 1, 1, 0, 1, 1, 1, 0, 1, 1, 1]
+    # Without weights no surplus: each dataset gives the samples the schedule takes, from one shuffled epoch.
+    assert [len(part) for part in train.datasets] == [3, 9]

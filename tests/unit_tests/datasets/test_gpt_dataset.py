@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset, build_gpt_datasets
-from megatron.core.datasets.gpt_indices import samples_in_tokens
+from megatron.core.datasets.gpt_indices import samples_in_tokens, separate_final_epoch
 from megatron.core.datasets.utils import Split, blend_from_data_path
 from megatron.training.tokenizer import NullTokenizer
 from tests.unit_tests.datasets.gpt_test_data import EOD, EodOnlyTokenizer, write_documents
@@ -94,6 +94,14 @@ def test_final_partial_epoch_is_shuffled_separately(corpus):
     _check_windows(train, documents)
 
 
+def test_final_epoch_threshold_counts_whole_samples():
+    # 30 tokens of sequence length 4 hold 7 samples an epoch; 12 samples need a second epoch and use 5 of it.
+    # Upstream separates the final epoch below int(0.8 * 7) = 5 samples, so 5 is not separated and 4 is.
+    assert samples_in_tokens(30, 4) == 7 and samples_in_tokens(60, 4) == 14
+    assert not separate_final_epoch(30, 4, 12, 2)
+    assert separate_final_epoch(30, 4, 11, 2)
+
+
 def test_splits_are_disjoint_by_document(corpus):
     prefix, _ = corpus
     datasets = build_gpt_datasets(_config(prefix, split="6,2,2"), (20, 20, 20))
@@ -152,7 +160,7 @@ def _reference_positions_and_mask(tokens):
 
 def test_eod_features(tmp_path):
     prefix = str(tmp_path / "short_docs")
-    documents = write_documents(prefix, num_documents=30, seed=3, max_length=6)
+    write_documents(prefix, num_documents=30, seed=3, max_length=6)
     config = _config(
         prefix,
         split="1,0,0",
@@ -189,6 +197,14 @@ def test_missing_data_path_names_flag_and_files(tmp_path):
     config = _config(existing, blend=blend_from_data_path(["0.5", existing, "0.5", missing]))
     with pytest.raises(FileNotFoundError, match=r"--data-path.*absent_text_document\.idx.*absent_text_document\.bin"):
         build_gpt_datasets(config, (10, 0, 0))
+
+
+def test_an_empty_dataset_is_named_as_empty(corpus, tmp_path):
+    empty = str(tmp_path / "empty_text_document")
+    write_documents(empty, num_documents=0, seed=0)
+    config = _config(corpus[0], blend=blend_from_data_path(["0.5", empty, "0.5", corpus[0]]))
+    with pytest.raises(ValueError, match="empty_text_document holds no documents .*drop it from the data path"):
+        build_gpt_datasets(config, (10, 2, 2))
 
 
 def test_config_errors_name_flags(tmp_path):

@@ -109,6 +109,15 @@ def test_no_mmap_and_builder_threads_read_the_same_samples(prefixes):
     assert not reopened.mmap and reopened[3].tolist() == part[3].tolist()
 
 
+def test_mid_level_dataset_surplus_sizes_the_blended_datasets(prefixes):
+    flags = ["--data-path", "0.25", prefixes["a"], "0.75", prefixes["b"], "--split", "8,1,1"]
+    config, (train, _, _) = _datasets(_args(flags + ["--mid-level-dataset-surplus", "0.1"]))
+    assert config.mid_level_dataset_surplus == 0.1
+    # 40 training samples: ceil(ceil(40 * 0.25) * 1.1) = 11 and ceil(ceil(40 * 0.75) * 1.1) = 33.
+    assert [len(part) for part in train.datasets] == [11, 33]
+    assert np.bincount(np.asarray(train.dataset_index)).tolist() == [10, 30]
+
+
 def test_a_provider_ignoring_a_data_flag_fails_naming_it(prefixes):
     args = _args(["--data-path", prefixes["a"], "--no-mmap-bin-files", "--split", "8,1,1"])
     by_hand = GPTDatasetConfig(random_seed=1234, sequence_length=16, blend=([prefixes["a"]], None),
