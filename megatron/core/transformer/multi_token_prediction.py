@@ -41,6 +41,7 @@ from megatron.core.offloading.activations import ActivationOffloader
 from megatron.core.offloading.fine_grained import attach_fine_grained_offloading
 from megatron.core.transformer.context_parallel.sequence_shift import shift_left_across_cp_ranks
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
+from megatron.core.transformer.moe.router import log_aux_losses_as_layer
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -94,6 +95,7 @@ class MultiTokenPredictionLayer(torch.nn.Module):
         self.transformer_layer = TransformerLayer(
             config, layer_number=config.num_layers, base_init_seed=derive_init_seed(base_init_seed, "mtp", depth)
         )
+        log_aux_losses_as_layer(self.transformer_layer, config.num_layers + depth)  # MoE: its own log entry
         self.final_layernorm = build_norm(config, hidden)
         self.activation_offloader = None
         if config.fine_grained_activation_offloading:  # the depth's layer offloads the pieces as the decoder's do

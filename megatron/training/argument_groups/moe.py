@@ -5,8 +5,10 @@ The rules live in `MoEConfigMixin` (megatron/core/transformer/moe/moe_config.py)
 argument time by building a transformer config of the fields they read, so a bad combination stops before any
 process group starts.
 The expert-parallel layout rule (DP x CP divisible by EP) is checked here because it needs the world size.
-Upstream's kernel-selection switches (--moe-permute-fusion, --moe-router-fusion, --moe-use-legacy-grouped-gemm)
-are accepted and change nothing: the torch ops run. DeepEP (--moe-enable-deepep) stops with what to use instead.
+`--num-experts 0` means no MoE, as upstream; `--moe-router-padding-for-quantization` is upstream's newer
+name of `--moe-router-padding-for-fp8`. Upstream's kernel-selection switches (--moe-permute-fusion,
+--moe-router-fusion, --moe-use-legacy-grouped-gemm) are accepted and change nothing: the torch ops run. DeepEP
+(--moe-enable-deepep) stops with what to use instead.
 """
 
 from megatron.core.transformer.moe.moe_config import (
@@ -25,7 +27,8 @@ _ARG_NAMES = {"num_moe_experts": "num_experts"}
 
 def add_arguments(parser):
     group = parser.add_argument_group("mixture of experts")
-    group.add_argument("--num-experts", type=int, default=None, help="Experts per MoE layer; unset: no MoE.")
+    group.add_argument("--num-experts", type=int, default=None,
+                       help="Experts per MoE layer; unset or 0: no MoE.")
     group.add_argument("--expert-model-parallel-size", type=int, default=1,
                        help="Expert-parallel degree: each rank holds num_experts / this many experts.")
     group.add_argument("--expert-tensor-parallel-size", type=int, default=None,
@@ -38,7 +41,8 @@ def add_arguments(parser):
     group.add_argument("--moe-router-topk", type=int, default=2, help="Experts per token.")
     group.add_argument("--moe-router-score-function", choices=SCORE_FUNCTIONS, default="softmax")
     group.add_argument("--moe-router-pre-softmax", action="store_true",
-                       help="Softmax over all experts before the top-k (no renormalisation).")
+                       help="Softmax over all experts before the top-k (no renormalisation); needed with "
+                       "--moe-router-topk 1. No effect with sigmoid or sqrtsoftplus scores.")
     group.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
                        help="Multiplies the routing probabilities.")
     group.add_argument("--moe-router-num-groups", type=int, default=None, help="Expert groups (group-limited routing).")
@@ -74,7 +78,8 @@ def add_arguments(parser):
     group.add_argument("--moe-router-force-load-balancing", action="store_true",
                        help="Benchmarking: route by random normal logits, ignoring the router's scores (balanced "
                        "load whatever the weights).")
-    group.add_argument("--moe-router-padding-for-fp8", action="store_true",
+    group.add_argument("--moe-router-padding-for-fp8", "--moe-router-padding-for-quantization",
+                       dest="moe_router_padding_for_fp8", action="store_true",
                        help="With --fp8-format: pad each expert's token count to a multiple of 16 with "
                        "probability-0 tokens (GEMM alignment; the output is unchanged).")
     group.add_argument("--moe-apply-probs-on-input", action="store_true",
@@ -121,6 +126,8 @@ def _uses_moe_flags(args):
 
 
 def validate(args):
+    if args.num_experts == 0:
+        args.num_experts = None  # as upstream: no MoE
     if args.moe_enable_deepep:
         raise ValueError("--moe-enable-deepep needs DeepEP on CUDA GPUs, which this build does not provide: drop it "
                          "and use --moe-token-dispatcher-type alltoall (or allgather)")

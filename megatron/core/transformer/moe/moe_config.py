@@ -151,7 +151,8 @@ class MoEConfigMixin:
     moe_router_topk: int = 2
     moe_router_score_function: str = "softmax"
     moe_router_pre_softmax: bool = False
-    """Softmax over all experts before the top-k (no renormalisation over the chosen k)."""
+    """Softmax over all experts before the top-k (no renormalisation over the chosen k); needed with top-1
+    softmax routing. No effect with sigmoid / sqrtsoftplus scores (always computed before the top-k)."""
     moe_router_topk_scaling_factor: Optional[float] = None
     moe_router_num_groups: Optional[int] = None
     moe_router_group_topk: Optional[int] = None
@@ -271,8 +272,8 @@ class MoEConfigMixin:
         if self.moe_router_score_function not in SCORE_FUNCTIONS:
             raise ValueError(f"--moe-router-score-function must be one of {SCORE_FUNCTIONS}, "
                              f"got {self.moe_router_score_function!r}")
-        if self.moe_router_pre_softmax and self.moe_router_score_function != "softmax":
-            raise ValueError("--moe-router-pre-softmax applies to --moe-router-score-function softmax only")
+        # --moe-router-pre-softmax with sigmoid / sqrtsoftplus is accepted and changes nothing, as upstream (its
+        # DeepSeek-V3 recipes pass it): those scores are always computed before the top-k.
         if self.moe_router_dtype not in ROUTER_DTYPES:
             raise ValueError(f"--moe-router-dtype must be fp32 or fp64 (or unset), got {self.moe_router_dtype!r}")
         factor = self.moe_router_topk_scaling_factor
@@ -305,6 +306,11 @@ class MoEConfigMixin:
         if kind == "sinkhorn" and coeff > 0:
             raise ValueError("--moe-router-load-balancing-type sinkhorn takes no auxiliary loss: drop "
                              "--moe-aux-loss-coeff")
+        if (self.moe_router_topk == 1 and self.moe_router_score_function == "softmax"
+                and not self.moe_router_pre_softmax and kind != "sinkhorn"):
+            raise ValueError("--moe-router-topk 1 with --moe-router-score-function softmax needs "
+                             "--moe-router-pre-softmax: a softmax over the one chosen logit is always 1, so the "
+                             "router would get no gradient from the language-model loss")
         if self.moe_z_loss_coeff is not None and self.moe_z_loss_coeff < 0:
             raise ValueError(f"--moe-z-loss-coeff must be >= 0, got {self.moe_z_loss_coeff}")
 

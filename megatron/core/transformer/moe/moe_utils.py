@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.device_utils import get_current_device
-from megatron.core.transformer.moe.moe_config import aux_loss_terms
+from megatron.core.transformer.moe.moe_config import aux_loss_terms, layer_pattern_from_freq
 from megatron.core.transformer.recompute import is_recomputing
 
 
@@ -113,11 +113,20 @@ _tracked_layers = set()  # 1-based global numbers of the layers this rank tracke
 _per_layer = {"requested": False}  # --moe-per-layer-logging, as the routers that tracked a value were configured
 
 
+def aux_loss_layer_counts(num_layers, moe_layer_freq, mtp_num_layers=None):
+    """(entries of the tracker, MoE layers among them). Layers 1..num_layers are the decoder's; a
+    multi-token-prediction depth k logs under num_layers + k (as upstream) and is a MoE layer when the decoder's
+    last layer is one (it is built like that layer)."""
+    depths = mtp_num_layers or 0
+    pattern = layer_pattern_from_freq(moe_layer_freq, num_layers)
+    return num_layers + depths, sum(pattern) + (depths if pattern and pattern[-1] else 0)
+
+
 def save_to_aux_losses_tracker(name, value, layer_number, num_layers, per_layer=False):
     """Add `value` (this rank's share of the layer's loss, without its coefficient) to layer `layer_number`'s
-    (1-based, global) entry of loss `name`; `per_layer` (`--moe-per-layer-logging`) asks the logger for each
-    layer's value too. A recomputed forward (activation recompute) adds nothing: its original forward already
-    did."""
+    (1-based, global) entry of loss `name`, one of `num_layers` entries (`aux_loss_layer_counts`); `per_layer`
+    (`--moe-per-layer-logging`) asks the logger for each layer's value too. A recomputed forward (activation
+    recompute) adds nothing: its original forward already did."""
     if is_recomputing():
         return
     _tracked_layers.add(layer_number)

@@ -69,7 +69,9 @@ class TopKRouter(torch.nn.Module):
     def __init__(self, config, layer_number=1, init_seed=None):
         super().__init__()
         self.config = config
-        self.layer_number = layer_number
+        self.layer_number = layer_number  # where the aux losses are logged (`log_aux_losses_as_layer`)
+        # Entries of the loss tracker: the decoder's layers, then the multi-token-prediction depths'.
+        self.num_logged_layers = config.num_layers + (getattr(config, "mtp_num_layers", None) or 0)
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         if init_seed is None:
@@ -167,7 +169,7 @@ class TopKRouter(torch.nn.Module):
         group, size = _group_size(parallel_state.get_tensor_and_context_parallel_group)
         loss = moe_utils.z_loss(logits, self.config.moe_z_loss_coeff / size)
         moe_utils.save_to_aux_losses_tracker("z_loss", loss / self.config.moe_z_loss_coeff, self.layer_number,
-                                             self.config.num_layers, per_layer=self.config.moe_per_layer_logging)
+                                             self.num_logged_layers, per_layer=self.config.moe_per_layer_logging)
         return moe_utils.MoEAuxLossAutoScaler.apply(logits, loss)
 
     def _attach_load_balancing_losses(self, probs, logits, seq_length, batch_size, terms):
@@ -187,7 +189,7 @@ class TopKRouter(torch.nn.Module):
                 # the shares of this loss already sum to the one loss of the global batch over DP.
                 logged = logged * parallel_state.get_data_parallel_world_size()
             moe_utils.save_to_aux_losses_tracker(moe_utils.AUX_LOSS_LOG_NAMES[kind], logged, self.layer_number,
-                                                 config.num_layers, per_layer=config.moe_per_layer_logging)
+                                                 self.num_logged_layers, per_layer=config.moe_per_layer_logging)
             probs = moe_utils.MoEAuxLossAutoScaler.apply(probs, loss)
         return probs
 
@@ -227,6 +229,13 @@ class TopKRouter(torch.nn.Module):
 
 def routers_of(model_chunks):
     return [module for chunk in model_chunks for module in chunk.modules() if isinstance(module, TopKRouter)]
+
+
+def log_aux_losses_as_layer(module, layer_number):
+    """Every router in `module` logs its auxiliary losses under the 1-based `layer_number`: a
+    multi-token-prediction depth k's layer, built like the decoder's last layer, logs as layer num_layers + k."""
+    for router in routers_of([module]):
+        router.layer_number = layer_number
 
 
 @torch.no_grad()

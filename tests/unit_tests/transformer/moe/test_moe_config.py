@@ -33,6 +33,14 @@ def test_layer_freq_patterns():
         parse_moe_layer_freq("__import__('os')")
 
 
+def test_top1_routing_takes_the_softmax_before_the_choice_or_scores_that_need_none():
+    """As upstream: top-1 softmax routing needs --moe-router-pre-softmax (a softmax over one chosen logit is 1
+    and gives the router no gradient); sigmoid and sinkhorn routing need nothing."""
+    assert moe_config(moe_router_topk=1, moe_router_pre_softmax=True).moe_router_topk == 1
+    assert moe_config(moe_router_topk=1, moe_router_score_function="sigmoid").moe_router_topk == 1
+    assert moe_config(moe_router_topk=1, moe_router_load_balancing_type="sinkhorn").moe_router_topk == 1
+
+
 def test_defaults_filled():
     config = moe_config(ffn_hidden_size=48)
     assert config.moe_ffn_hidden_size == 48
@@ -84,6 +92,9 @@ def test_defaults_filled():
     (dict(num_moe_experts=None, moe_shared_expert_gate=True), ["--moe-shared-expert-gate", "--num-experts"]),
     (dict(moe_token_dispatcher_type="flex"),
      ["--moe-token-dispatcher-type flex", "DeepEP", "HybridEP", "CUDA", "alltoall", "allgather"]),
+    (dict(moe_router_topk=1), ["--moe-router-topk 1", "--moe-router-pre-softmax"]),
+    (dict(moe_router_topk=1, moe_router_load_balancing_type=["aux_loss"], moe_aux_loss_coeff=[0.1]),
+     ["--moe-router-topk 1", "--moe-router-pre-softmax"]),
 ])
 def test_bad_config_names_the_flags(overrides, flags):
     with pytest.raises(ValueError) as error:
@@ -113,6 +124,24 @@ def test_flags_reach_the_config(monkeypatch):
     assert config.moe_layer_freq == (1, 1, 0, 0) and config.moe_router_enable_expert_bias
     assert (config.moe_token_dispatcher_type, config.moe_grouped_gemm, config.moe_router_dtype) == \
         ("alltoall", True, "fp64")
+
+
+def test_upstream_recipe_flags_validate(monkeypatch):
+    """Flag combinations of upstream recipes: DeepSeek-V3's router (--moe-router-pre-softmax beside sigmoid
+    scores, no effect), --num-experts 0 (no MoE), and --moe-router-padding-for-quantization (the newer name of
+    --moe-router-padding-for-fp8)."""
+    from megatron.training.model_config import core_transformer_config_from_args
+
+    args = _validated("--num-experts 4 --moe-router-topk 2 --moe-router-pre-softmax --moe-router-score-function "
+                      "sigmoid --moe-router-enable-expert-bias --moe-router-num-groups 2 --moe-router-group-topk 1 "
+                      "--moe-router-topk-scaling-factor 2.5 --moe-router-load-balancing-type seq_aux_loss "
+                      "--moe-aux-loss-coeff 1e-4 --moe-router-dtype fp32", monkeypatch)
+    config = core_transformer_config_from_args(args)
+    assert config.moe_router_pre_softmax and config.moe_router_score_function == "sigmoid"
+    no_moe = _validated("--num-experts 0", monkeypatch)
+    assert no_moe.num_experts is None and core_transformer_config_from_args(no_moe).num_moe_experts is None
+    padded = _validated("--num-experts 4 --moe-router-padding-for-quantization --fp8-format e4m3", monkeypatch)
+    assert core_transformer_config_from_args(padded).moe_router_padding_for_fp8
 
 
 def test_load_balancing_settings_single_or_listed():

@@ -37,7 +37,8 @@ def _train(model, steps=STEPS):
 
 
 def test_one_expert_top1_trains_like_the_dense_model():
-    moe = _model(num_moe_experts=1, moe_router_topk=1, ffn_hidden_size=48, moe_layer_freq=2)
+    moe = _model(num_moe_experts=1, moe_router_topk=1, moe_router_pre_softmax=True, ffn_hidden_size=48,
+                 moe_layer_freq=2)
     assert isinstance(moe.decoder.layers[0].mlp, MoELayer) and isinstance(moe.decoder.layers[1].mlp, MLP)
     dense = _model(ffn_hidden_size=48)
     dense_state = dense.state_dict()
@@ -58,3 +59,36 @@ def test_four_experts_top2_loss_falls():
     assert all(isinstance(layer.mlp, MoELayer) for layer in model.decoder.layers)
     losses = _train(model)
     assert losses[-1] < losses[0] - 0.1, losses
+
+
+def test_multi_token_prediction_layer_logs_its_aux_loss_as_a_layer_of_its_own():
+    """A multi-token-prediction depth built like the decoder's last (MoE) layer logs its load-balancing loss
+    under layer num_layers + depth, and the logged average is over the decoder's and the depth's MoE layers (as
+    upstream); each logged value against the switch loss written here from the router's input."""
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    model_parallel_cuda_manual_seed(1234)
+    config = TransformerConfig(**SHAPE, num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01,
+                               moe_per_layer_logging=True, mtp_num_layers=1)
+    model = GPTModel(config, vocab_size=VOCAB, max_sequence_length=MAX_LENGTH, position_embedding_type="rope")
+    routers = [module for module in model.modules() if isinstance(module, TopKRouter)]
+    inputs = {}
+    for router in routers:
+        router.register_forward_hook(lambda module, args, output: inputs.__setitem__(module, args[0].detach()))
+    tokens, labels, position_ids = fixed_batch(seed=3, batch=2, seq=16, vocab=VOCAB)
+    moe_utils.clear_aux_losses_tracker()
+    model(tokens, position_ids, labels=labels)
+    expected = []
+    for router in routers:
+        scores = torch.softmax(inputs[router].reshape(-1, SHAPE["hidden_size"]) @ router.weight.detach().t(), -1)
+        counts = torch.zeros_like(scores).scatter(1, scores.topk(2, dim=-1).indices, 1.0).sum(dim=0)
+        expected.append(4 / (2 * scores.size(0) ** 2) * (counts * scores.sum(dim=0)).sum().item())
+    num_layers, num_moe_layers = moe_utils.aux_loss_layer_counts(2, 1, 1)
+    assert (num_layers, num_moe_layers) == (3, 3)
+    logged = moe_utils.reduce_aux_losses_for_logging(["load_balancing_loss"], num_layers, num_moe_layers, 1, 1, "cpu")
+    assert sorted(logged) == ["load_balancing_loss"] + [f"load_balancing_loss_layer_{i}" for i in range(3)]
+    for index, value in enumerate(expected):
+        assert abs(logged[f"load_balancing_loss_layer_{index}"] - value) <= 1e-6 * value
+    assert abs(logged["load_balancing_loss"] - sum(expected) / 3) <= 1e-6 * sum(expected)
+    assert moe_utils.aux_loss_layer_counts(4, "([1]*3+[0]*1)", 2) == (6, 3)  # the depths are dense like layer 4

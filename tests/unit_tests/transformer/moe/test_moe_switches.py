@@ -95,7 +95,8 @@ def test_fp8_padding_leaves_the_layer_output_unchanged(dispatcher, monkeypatch):
 
 
 def test_apply_probs_on_input_scales_the_expert_input():
-    layer = MoELayer(config(moe_router_topk=1, moe_apply_probs_on_input=True), init_seed=4)
+    layer = MoELayer(config(moe_router_topk=1, moe_router_pre_softmax=True, moe_apply_probs_on_input=True),
+                     init_seed=4)
     x = hidden()
     output = layer(x)
     with torch.no_grad():
@@ -159,7 +160,7 @@ def validated(extra, monkeypatch):
 
 
 def test_flags_reach_the_config(monkeypatch):
-    args = validated("--num-experts 4 --moe-router-topk 1 --moe-input-jitter-eps 0.01 "
+    args = validated("--num-experts 4 --moe-router-topk 1 --moe-router-pre-softmax --moe-input-jitter-eps 0.01 "
                      "--moe-router-force-load-balancing --moe-apply-probs-on-input --moe-layer-recompute "
                      "--moe-per-layer-logging --moe-permute-fusion --moe-router-fusion "
                      "--moe-use-legacy-grouped-gemm --moe-deepep-num-sms 24", monkeypatch)

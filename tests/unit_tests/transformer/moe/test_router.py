@@ -120,6 +120,23 @@ def test_router_dtype():
     assert probs.dtype == torch.float64 and module.weight.dtype == torch.float32
 
 
+@pytest.mark.parametrize("score_function", ["sigmoid", "sqrtsoftplus"])
+def test_pre_softmax_leaves_sigmoid_routing_unchanged(score_function):
+    """DeepSeek-V3 recipes pass --moe-router-pre-softmax with sigmoid scores; upstream accepts it and routes as
+    without it (sigmoid scores are always taken before the top-k)."""
+    hidden = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(6))
+    fields = dict(moe_router_score_function=score_function, moe_router_topk_scaling_factor=2.5)
+    plain, with_flag = router(**fields), router(moe_router_pre_softmax=True, **fields)
+    probs, routing_map = with_flag(hidden)
+    scores = torch.sigmoid(hidden.reshape(-1, HIDDEN) @ plain.weight.detach().t())
+    if score_function == "sqrtsoftplus":
+        scores = torch.sqrt(torch.nn.functional.softplus(hidden.reshape(-1, HIDDEN) @ plain.weight.detach().t()))
+    chosen = scores.topk(TOPK, dim=-1)
+    expected = torch.zeros_like(scores).scatter(1, chosen.indices, 2.5 * chosen.values / chosen.values.sum(-1, True))
+    torch.testing.assert_close(probs.detach(), expected)
+    assert routing_map.tolist() == plain(hidden)[1].tolist()
+
+
 def _one_hot_router(rate=0.1):
     module = router(num_moe_experts=4, moe_router_topk=1, hidden_size=4, moe_router_score_function="sigmoid",
                     moe_router_enable_expert_bias=True, moe_router_bias_update_rate=rate)
