@@ -321,8 +321,8 @@ class RerunStateMachine:
                 logger.warning(f"{where}: the rerun reproduced the rejected result ({_as_float(result)}); it must "
                                "run again on another device to tell a persistent fault from a correct result")
             else:
-                logger.error(f"{where}: the rerun gave {_as_float(result)} instead of {self.initial_result}: "
-                             "possible transient fault")
+                logger.error(f"{where}: the rerun gave {_as_float(result)} instead of {self.initial_result}"
+                             f"{self._injected_note()}: possible transient fault")
         elif self.state == RerunState.RERUNNING_FROM_CHECKPOINT:
             if this_node_and_device() == tuple(self.suspicious_node_and_device):
                 self.restart_again_requested = True
@@ -330,13 +330,20 @@ class RerunStateMachine:
                              f"({self.suspicious_node_and_device})")
             elif not reproduced:
                 self.diagnostic = RerunDiagnostic.PERSISTENT_ERROR
-                logger.error(f"{where}: another device gave {_as_float(result)} instead of {self.initial_result}: "
-                             "possible persistent fault of the first device")
+                logger.error(f"{where}: another device gave {_as_float(result)} instead of {self.initial_result}"
+                             f"{self._injected_note()}: possible persistent fault of the first device")
             else:
                 self.diagnostic = RerunDiagnostic.CORRECT_RESULT
                 logger.error(f"{where}: another device reproduced {self.initial_result}: the result is correct "
                              f"(possible application problem: {message})")
                 self.continue_requested = not fatal
+
+    def _injected_note(self):
+        """Why an injected fault's rerun counts as different although its value is the same."""
+        if self.injected_error_type is None:
+            return ""
+        return (f" (taken as different: the fault was injected by --error-injection-type "
+                f"{self.injected_error_type.value}, which does not reproduce here)")
 
     def _should_inject_error(self):
         return self.error_injection_rate > 0 and self._injection_random.randrange(self.error_injection_rate) == 0

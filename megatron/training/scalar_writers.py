@@ -2,7 +2,8 @@
 behind one `add_scalar(name, value, step)` so that both receive exactly the same numbers.
 
 `wandb` is an optional dependency, imported only when --wandb-project is given (validation has checked that it
-is installed). Only the logging rank (the last) builds writers.
+is installed); so is TensorBoard, without which --tensorboard-dir writes no scalars (a message says so). Only the
+logging rank (the last) builds writers.
 """
 
 import os
@@ -64,10 +65,22 @@ def build_scalar_writers(args):
     """The writers the flags ask for, as one `ScalarWriters`; None when there are none."""
     writers = []
     if args.tensorboard_dir:
-        from torch.utils.tensorboard import SummaryWriter
-
-        writers.append(SummaryWriter(log_dir=args.tensorboard_dir,
-                                     max_queue=getattr(args, "tensorboard_queue_size", 1000)))
+        writer = _tensorboard_writer(args)
+        if writer is not None:
+            writers.append(writer)
     if getattr(args, "wandb_project", ""):
         writers.append(WandbWriter(args))
     return ScalarWriters(writers) if writers else None
+
+
+def _tensorboard_writer(args):
+    """TensorBoard's SummaryWriter for --tensorboard-dir; None, after saying so, when TensorBoard is not installed
+    (as upstream, the run goes on without its scalars)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as error:
+        print(f"--tensorboard-dir {args.tensorboard_dir}: no TensorBoard scalars are written: TensorBoard is not "
+              f"installed ({error}); `pip install tensorboard` to get them. The log lines and the metrics file are "
+              "written as usual", flush=True)
+        return None
+    return SummaryWriter(log_dir=args.tensorboard_dir, max_queue=getattr(args, "tensorboard_queue_size", 1000))

@@ -42,6 +42,16 @@ TIMERS_TO_LOG = (
     "optimizer",
 )
 
+# --log-memory-to-tensorboard: `memory_usage` key -> scalar name (upstream's names for allocated and peak bytes, as
+# in the metrics file).
+TENSORBOARD_MEMORY_KEYS = (
+    ("params_bytes", "mem-params-bytes"),
+    ("grads_bytes", "mem-grads-bytes"),
+    ("optimizer_state_bytes", "mem-optimizer-state-bytes"),
+    ("allocated_bytes", "mem-allocated-bytes"),
+    ("peak_bytes", "mem-max-allocated-bytes"),
+)
+
 
 def format_log_line(
     iteration,
@@ -59,8 +69,8 @@ def format_log_line(
     params_norm=None,
 ):
     """Megatron's training log line: `iteration 10/ 100 | consumed samples: 320 | ... | number of nan
-    iterations: 0 |`. `losses` maps a name ("lm loss") to its value; `grad_norm` / `num_zeros` / `params_norm`
-    may be None.
+    iterations: 0 |`. `losses` maps a name ("lm loss") to its value (empty when every iteration of the interval
+    was skipped: no loss is shown, as upstream); `grad_norm` / `num_zeros` / `params_norm` may be None.
     """
     fields = [
         f"iteration {iteration}/ {train_iters}",
@@ -218,12 +228,12 @@ def moe_aux_losses(args):
         return {}
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.core.transformer.moe import moe_utils
-    from megatron.core.transformer.moe.moe_config import layer_pattern_from_freq
 
     names = moe_utils.tracked_aux_loss_names(args.moe_router_load_balancing_type, args.moe_aux_loss_coeff,
                                              args.moe_z_loss_coeff)
-    num_moe_layers = sum(layer_pattern_from_freq(args.moe_layer_freq, args.num_layers))
-    return moe_utils.reduce_aux_losses_for_logging(names, args.num_layers, num_moe_layers, get_num_microbatches(),
+    num_layers, num_moe_layers = moe_utils.aux_loss_layer_counts(args.num_layers, args.moe_layer_freq,
+                                                                 getattr(args, "mtp_num_layers", None))
+    return moe_utils.reduce_aux_losses_for_logging(names, num_layers, num_moe_layers, get_num_microbatches(),
                                                    args.data_parallel_size, args.device)
 
 
@@ -253,7 +263,8 @@ class TrainingLogger:
         self.is_logging_rank = is_logging_rank
         self.timers = timers
         self._energy = EnergyMonitor.from_args(args)
-        self._interval_losses = {}
+        self._interval_losses = {}  # sums over the interval's iterations whose update was applied
+        self._interval_advanced = 0
         self._interval_iterations = 0
         self._interval_time_s = 0.0
         self._skipped_iterations = 0
@@ -279,8 +290,12 @@ class TrainingLogger:
         iteration = report["iteration"]
         # Collectives: every rank logs.
         report["losses"] = {**report["losses"], **moe_aux_losses(args), **mtp_losses(args)}
-        for name, value in report["losses"].items():
-            self._interval_losses[name] = self._interval_losses.get(name, 0.0) + value
+        # As upstream, the log line's losses average the iterations whose update was applied: a skipped one (fp16
+        # overflow) may have a non-finite loss, and its step changed nothing.
+        if not report["skipped"]:
+            for name, value in report["losses"].items():
+                self._interval_losses[name] = self._interval_losses.get(name, 0.0) + value
+            self._interval_advanced += 1
         self._interval_iterations += 1
         self._interval_time_s += report["iteration_time_s"]
         self._skipped_iterations += int(report["skipped"])
@@ -312,7 +327,7 @@ class TrainingLogger:
                 elapsed_ms_per_iteration=elapsed_s * 1000.0,
                 learning_rate=report["learning_rate"],
                 global_batch_size=report["global_batch_size"],
-                losses={name: total / count for name, total in self._interval_losses.items()},
+                losses={name: total / self._interval_advanced for name, total in self._interval_losses.items()},
                 loss_scale=report["loss_scale"],
                 grad_norm=report["grad_norm"],
                 num_zeros=report["num_zeros"],
@@ -330,10 +345,11 @@ class TrainingLogger:
                 print(format_throughput_line(tokens_per_second, args.world_size, tflops_per_rank), flush=True)
                 if self._tensorboard is not None:
                     self._tensorboard.add_scalar("throughput-tokens-per-second", tokens_per_second, iteration)
-                    self._tensorboard.add_scalar("throughput-tflops-per-rank", tflops_per_rank, iteration)
+                    self._tensorboard.add_scalar("throughput", tflops_per_rank, iteration)  # upstream's key
         if self.timers is not None:
             self.timers.log(TIMERS_TO_LOG, normalizer=self._interval_iterations)  # collective: every rank calls it
         self._interval_losses, self._interval_iterations, self._interval_time_s = {}, 0, 0.0
+        self._interval_advanced = 0
         self._skipped_iterations, self._nan_iterations = 0, 0
 
     def log_evaluation(self, iteration, losses, prefix="validation", set_label=None, where=None):
@@ -415,8 +431,8 @@ class TrainingLogger:
             writer.add_scalar("params-norm", report["params_norm"], iteration)
         if args.log_memory_to_tensorboard:
             memory = _resolved(report["memory"])
-            for key in ("params_bytes", "grads_bytes", "optimizer_state_bytes", "allocated_bytes", "peak_bytes"):
-                writer.add_scalar(f"mem-{key.replace('_', '-')}", memory[key], iteration)
+            for key, name in TENSORBOARD_MEMORY_KEYS:
+                writer.add_scalar(name, memory[key], iteration)
 
     def close(self):
         if self._energy is not None:

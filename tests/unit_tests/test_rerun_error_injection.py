@@ -138,3 +138,14 @@ def test_pretrain_with_an_injected_transient_error_exits_17(tmp_path):
     assert len(lines) == 2
     assert "\titeration=1\trank=0\t" in lines[0] and "\tinjected=transient_error\t" in lines[0]
     assert lines[1].endswith("diagnostic=transient_error\texit=17")
+
+
+def test_injected_fault_rerun_says_why_an_equal_value_counts_as_different(caplog):
+    machine = rsm.RerunStateMachine(rsm.RerunMode.VALIDATE_RESULTS, error_injection_rate=1,
+                                    error_injection_type="transient_error")
+    with caplog.at_level("ERROR", logger=rsm.__name__):
+        _iteration(machine, RerunDataIterator(iter(range(10))))
+    (rerun_message,) = [record.getMessage() for record in caplog.records if "the rerun gave" in record.getMessage()]
+    assert rerun_message == ("rank 0, iteration 1: the rerun gave 0.0 instead of 0.0 (taken as different: the fault "
+                             "was injected by --error-injection-type transient_error, which does not reproduce here): "
+                             "possible transient fault")

@@ -19,6 +19,14 @@ def add_arguments(parser):
         "differences between the two runs. disabled: no rerun; a rejected NaN/Inf result raises on every rank.",
     )
     group.add_argument(
+        "--check-for-nan-in-loss-and-grad",
+        dest="check_for_nan_in_loss_and_grad",
+        action="store_true",
+        default=True,
+        help="Check the loss of every microbatch and the gradient norm for NaN and Inf (the default; accepted so "
+        "that launch scripts which spell it out parse).",
+    )
+    group.add_argument(
         "--no-check-for-nan-in-loss-and-grad",
         dest="check_for_nan_in_loss_and_grad",
         action="store_false",

@@ -371,3 +371,11 @@ def test_fp16_with_dynamic_loss_scaling_leaves_overflows_to_the_loss_scaler():
     assert validated("--fp16 --loss-scale 1024").check_for_nan_in_loss_and_grad is True  # static: still checked
     assert validated("--bf16").check_for_nan_in_loss_and_grad is True
     assert validated("").check_for_nan_in_loss_and_grad is True
+
+
+def test_nan_check_flag_can_be_spelled_out_and_turned_off():
+    assert validated("--check-for-nan-in-loss-and-grad").check_for_nan_in_loss_and_grad is True
+    assert validated("--no-check-for-nan-in-loss-and-grad").check_for_nan_in_loss_and_grad is False
+    # The last of the two wins, as argparse does for any pair of flags sharing a destination.
+    assert validated("--check-for-nan-in-loss-and-grad --no-check-for-nan-in-loss-and-grad")\
+        .check_for_nan_in_loss_and_grad is False

@@ -26,3 +26,17 @@ def test_tensorboard_queue_size_defaults_to_upstreams_and_must_be_positive():
     args = arguments.parse_args(args=base + ["--tensorboard-queue-size", "0"])
     with pytest.raises(ValueError, match=r"^--tensorboard-queue-size must be positive, got 0$"):
         arguments.validate_args(args)
+
+
+def test_missing_tensorboard_is_reported_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    """As upstream, --tensorboard-dir without TensorBoard installed writes no scalars instead of stopping the run;
+    a message names the flag and the package."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` raises ImportError
+    monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
+    args = argparse.Namespace(tensorboard_dir=str(tmp_path / "tb"), tensorboard_queue_size=7, wandb_project="")
+    assert scalar_writers.build_scalar_writers(args) is None
+    message = capsys.readouterr().out
+    assert message.startswith(f"--tensorboard-dir {tmp_path / 'tb'}: no TensorBoard scalars are written")
+    assert "pip install tensorboard" in message

@@ -192,3 +192,48 @@ def test_evaluation_of_a_named_validation_set(tmp_path, capsys, monkeypatch):
     assert set(scalars) == {"lm loss validation (b_text_document)", "lm loss validation (b_text_document) ppl"}
     assert json.loads((tmp_path / "m.jsonl").read_text()) == {
         "iteration": 4, "split": "validation", "validation-set": "b_text_document", "lm loss": 2.0}
+
+
+def test_interval_loss_averages_only_the_iterations_whose_update_was_applied(capsys):
+    """As upstream: a skipped iteration (fp16 overflow: its loss may be inf) is counted as skipped, and left out of
+    the interval's mean loss; an interval of skipped iterations only shows no loss."""
+    args = argparse.Namespace(metrics_file=None, tensorboard_dir=None, save=None, log_interval=3, train_iters=6,
+                              log_memory_to_tensorboard=False, log_throughput=False)  # fmt: skip
+    logger = training_log.TrainingLogger(args, is_logging_rank=True)
+    for iteration, loss, skipped in ((1, 4.0, False), (2, float("inf"), True), (3, 2.0, False),
+                                     (4, 9.0, True), (5, 8.0, True), (6, 7.0, True)):
+        report = _report(iteration, loss)
+        report["skipped"] = skipped
+        logger.log_iteration(report)
+    logger.close()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("iteration")]
+    assert "| lm loss: 3.000E+00 | loss scale: 1.0 |" in lines[0]  # (4 + 2) / 2
+    assert "number of skipped iterations: 1 |" in lines[0]
+    assert "lm loss" not in lines[1] and "| number of skipped iterations: 3 |" in lines[1]
+
+
+def test_tensorboard_memory_and_throughput_scalars_have_upstreams_names(monkeypatch):
+    scalars = {}
+
+    class Recorder:
+        def add_scalar(self, name, value, step):
+            scalars[name] = value
+
+        def flush(self):
+            pass
+
+        close = flush
+
+    monkeypatch.setattr(training_log, "build_scalar_writers", lambda args: Recorder())
+    args = argparse.Namespace(metrics_file=None, tensorboard_dir="unused", save=None, log_interval=1, train_iters=1,
+                              tensorboard_log_interval=1, log_memory_to_tensorboard=True, log_throughput=True,
+                              log_timers_to_tensorboard=False, world_size=2, **vars(_flops_args()))  # fmt: skip
+    logger = training_log.TrainingLogger(args, is_logging_rank=True)
+    logger.log_iteration(_report(1, 1.0))
+    logger.close()
+    assert scalars["mem-max-allocated-bytes"] == 100 and scalars["mem-allocated-bytes"] == 6
+    assert "mem-peak-bytes" not in scalars
+    # TFLOP/s per GPU under upstream's "throughput": 8 sequences of 16 tokens in 0.25 s on 2 ranks.
+    flops = training_log.training_flops_per_iteration(_flops_args(), 8)
+    assert scalars["throughput"] == flops / 0.25 / 2 / 1e12
+    assert scalars["throughput-tokens-per-second"] == 8 * 16 / 0.25
