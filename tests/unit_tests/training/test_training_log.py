@@ -212,7 +212,7 @@ def test_interval_loss_averages_only_the_iterations_whose_update_was_applied(cap
     assert "lm loss" not in lines[1] and "| number of skipped iterations: 3 |" in lines[1]
 
 
-def test_tensorboard_memory_and_throughput_scalars_have_upstreams_names(monkeypatch):
+def test_tensorboard_memory_and_throughput_scalars_have_upstreams_names(monkeypatch, tmp_path):
     scalars = {}
 
     class Recorder:
@@ -225,7 +225,7 @@ def test_tensorboard_memory_and_throughput_scalars_have_upstreams_names(monkeypa
         close = flush
 
     monkeypatch.setattr(training_log, "build_scalar_writers", lambda args: Recorder())
-    args = argparse.Namespace(metrics_file=None, tensorboard_dir="unused", save=None, log_interval=1, train_iters=1,
+    args = argparse.Namespace(metrics_file=None, tensorboard_dir=str(tmp_path), save=None, log_interval=1, train_iters=1,
                               tensorboard_log_interval=1, log_memory_to_tensorboard=True, log_throughput=True,
                               log_timers_to_tensorboard=False, world_size=2, **vars(_flops_args()))  # fmt: skip
     logger = training_log.TrainingLogger(args, is_logging_rank=True)
