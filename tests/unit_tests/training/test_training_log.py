@@ -52,7 +52,8 @@ def test_flops_estimate_counts_every_matmul():
     assert gated - training_log.training_flops_per_iteration(_flops_args(), batch) == 3 * layers * 2 * h * f * s * batch
     # Grouped-query attention with 1 key/value head of 16 channels: the QKV projection shrinks from 3h to h + 32.
     grouped = training_log.training_flops_per_iteration(_flops_args(num_query_groups=1), batch)
-    assert training_log.training_flops_per_iteration(_flops_args(), batch) - grouped == 3 * layers * 2 * h * (2 * h - 32) * s * batch
+    flops = training_log.training_flops_per_iteration(_flops_args(), batch)
+    assert flops - grouped == 3 * layers * 2 * h * (2 * h - 32) * s * batch
 
 
 def test_flops_estimate_counts_multi_token_prediction_depths():
@@ -225,8 +226,8 @@ def test_tensorboard_memory_and_throughput_scalars_have_upstreams_names(monkeypa
         close = flush
 
     monkeypatch.setattr(training_log, "build_scalar_writers", lambda args: Recorder())
-    args = argparse.Namespace(metrics_file=None, tensorboard_dir=str(tmp_path), save=None, log_interval=1, train_iters=1,
-                              tensorboard_log_interval=1, log_memory_to_tensorboard=True, log_throughput=True,
+    args = argparse.Namespace(metrics_file=None, tensorboard_dir=str(tmp_path), save=None, log_interval=1,
+                              train_iters=1, tensorboard_log_interval=1, log_memory_to_tensorboard=True, log_throughput=True,
                               log_timers_to_tensorboard=False, world_size=2, **vars(_flops_args()))  # fmt: skip
     logger = training_log.TrainingLogger(args, is_logging_rank=True)
     logger.log_iteration(_report(1, 1.0))
