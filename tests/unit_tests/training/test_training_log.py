@@ -228,7 +228,8 @@ def test_tensorboard_memory_and_throughput_scalars_have_upstreams_names(monkeypa
     monkeypatch.setattr(training_log, "build_scalar_writers", lambda args: Recorder())
     args = argparse.Namespace(metrics_file=None, tensorboard_dir=str(tmp_path), save=None, log_interval=1,
                               train_iters=1, tensorboard_log_interval=1, log_memory_to_tensorboard=True,
-                              log_throughput=True, log_timers_to_tensorboard=False, world_size=2, **vars(_flops_args()))  # fmt: skip
+                              log_throughput=True, log_timers_to_tensorboard=False, world_size=2,
+                              **vars(_flops_args()))
     logger = training_log.TrainingLogger(args, is_logging_rank=True)
     logger.log_iteration(_report(1, 1.0))
     logger.close()
