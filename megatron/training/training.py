@@ -60,7 +60,7 @@ from megatron.training.result_validation import (
     validate_gradients,
 )
 from megatron.training.signal_handler import SigtermHandler
-from megatron.training.training_log import TrainingLogger, memory_usage
+from megatron.training.training_log import TrainingLogger, counts_as_nan_iteration, memory_usage
 from megatron.training.validation_sets import as_validation_sets
 
 LOSS_NAME = "lm loss"
@@ -306,8 +306,19 @@ def evaluate_validation_sets(forward_step_func, validation_sets, model, config, 
     for validation_set in validation_sets:
         iterator, num_batches = validation_set.next_evaluation(args.eval_iters,
                                                                get_current_running_global_batch_size())
+        losses = _timed_evaluation(forward_step_func, iterator, model, config, args, exit_duration, num_batches)
+        logger.log_evaluation(iteration, losses, set_label=validation_set.label, where=where,
+                              write_to_tensorboard=not args.skip_train)
+
+
+def _timed_evaluation(forward_step_func, iterator, model, config, args, exit_duration=None, num_batches=None):
+    """`evaluate` under the level-0 "evaluate" timer, logged after each evaluation as upstream (collective)."""
+    timers = get_timers()
+    with timed(timers, "evaluate", log_level=0, barrier=True):
         losses = evaluate(forward_step_func, iterator, model, config, args, exit_duration, num_batches)
-        logger.log_evaluation(iteration, losses, set_label=validation_set.label, where=where)
+    if timers is not None:
+        timers.log(["evaluate"])
+    return losses
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -387,7 +398,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
                     "num_zeros": num_zeros,
                     "params_norm": calc_params_norm(optimizer) if args.log_params_norm else None,
                     "skipped": not update_successful,
-                    "nan": loss != loss,
+                    "nan": counts_as_nan_iteration(loss),
                     "iteration_time_s": iteration_time_s,
                     "consumed_samples": args.consumed_train_samples,
                     "global_batch_size": get_current_running_global_batch_size(),
@@ -445,7 +456,7 @@ def evaluate_at_the_end(forward_step_func, model, valid_iterator, test_iterator,
     evaluate_validation_sets(forward_step_func, as_validation_sets(valid_iterator), model, config, logger,
                              args.iteration, args, where="on validation set")
     if test_iterator is not None:
-        logger.log_evaluation(args.iteration, evaluate(forward_step_func, test_iterator, model, config, args),
+        logger.log_evaluation(args.iteration, _timed_evaluation(forward_step_func, test_iterator, model, config, args),
                               prefix="test", where="on test set")
 
 
@@ -457,11 +468,12 @@ def evaluate_without_training(forward_step_func, model, valid_iterator, test_ite
     if dist.get_rank() == 0:
         print(f"--skip-train: evaluating at iteration {iteration} without training", flush=True)
     if args.eval_iters > 0:
+        # As upstream: "... on validation set" / "... on test set", and nothing written to TensorBoard.
         evaluate_validation_sets(forward_step_func, as_validation_sets(valid_iterator), model, config, logger,
-                                 iteration, args)
+                                 iteration, args, where="on validation set")
         if test_iterator is not None:
-            logger.log_evaluation(iteration, evaluate(forward_step_func, test_iterator, model, config, args),
-                                  prefix="test")
+            losses = _timed_evaluation(forward_step_func, test_iterator, model, config, args)
+            logger.log_evaluation(iteration, losses, prefix="test", where="on test set", write_to_tensorboard=False)
     return iteration
 
 

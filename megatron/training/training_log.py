@@ -6,6 +6,7 @@ same reported loss, averaged over data-parallel ranks, so any rank would do).
 """
 
 import json
+import math
 import os
 
 import torch
@@ -51,6 +52,11 @@ TENSORBOARD_MEMORY_KEYS = (
     ("allocated_bytes", "mem-allocated-bytes"),
     ("peak_bytes", "mem-max-allocated-bytes"),
 )
+
+
+def counts_as_nan_iteration(loss: float) -> bool:
+    """Whether an iteration counts in the log line's "number of nan iterations": its loss is NaN or infinite."""
+    return not math.isfinite(loss)
 
 
 def format_log_line(
@@ -352,12 +358,14 @@ class TrainingLogger:
         self._interval_advanced = 0
         self._skipped_iterations, self._nan_iterations = 0, 0
 
-    def log_evaluation(self, iteration, losses, prefix="validation", set_label=None, where=None):
+    def log_evaluation(self, iteration, losses, prefix="validation", set_label=None, where=None,
+                       write_to_tensorboard=True):
         """One "<prefix> loss at iteration N" block; `set_label` (--multiple-validation-sets) names the set:
         "validation (b_text_document) loss ...", TensorBoard "lm loss validation (b_text_document)", and a
         "validation-set" field in the metrics record (whose "split" stays `prefix`). `where` ("on validation
         set", "on test set": the evaluation after the last iteration) follows the iteration in the line and is
-        the metrics record's "when"."""
+        the metrics record's "when". `write_to_tensorboard` False (--skip-train, as upstream) leaves the scalar
+        writers out."""
         if not self.is_logging_rank:
             return
         shown = prefix if set_label is None else f"{prefix} ({set_label})"
@@ -365,7 +373,7 @@ class TrainingLogger:
                           losses.items())
         at = f"iteration {iteration}" if where is None else f"iteration {iteration} {where}"
         print(f"{shown} loss at {at} | {text} |", flush=True)
-        if self._tensorboard is not None:
+        if self._tensorboard is not None and write_to_tensorboard:
             for name, value in losses.items():
                 self._tensorboard.add_scalar(f"{name} {shown}", value, iteration)
                 self._tensorboard.add_scalar(f"{name} {shown} ppl", _perplexity(value), iteration)

@@ -239,3 +239,9 @@ def test_tensorboard_memory_and_throughput_scalars_have_upstreams_names(monkeypa
     flops = training_log.training_flops_per_iteration(_flops_args(), 8)
     assert scalars["throughput"] == flops / 0.25 / 2 / 1e12
     assert scalars["throughput-tokens-per-second"] == 8 * 16 / 0.25
+
+
+def test_nan_and_infinite_losses_count_as_nan_iterations():
+    assert training_log.counts_as_nan_iteration(float("nan"))
+    assert training_log.counts_as_nan_iteration(float("inf")) and training_log.counts_as_nan_iteration(float("-inf"))
+    assert not training_log.counts_as_nan_iteration(5.25) and not training_log.counts_as_nan_iteration(0.0)

@@ -88,7 +88,8 @@ def _train_then_evaluate_only(workdir):
             "--wandb-project proj --wandb-exp-name exp")
         train_draws, train_forwards = list(draws), list(forwards)
         evaluated_at = run(f"{TINY_GPT} --train-iters {TRAIN_ITERS} --eval-iters 1 --save {workdir}/ckpt --load "
-                           f"{workdir}/ckpt --skip-train --log-progress --metrics-file {workdir}/skip_train.jsonl")
+                           f"{workdir}/ckpt --skip-train --log-progress --metrics-file {workdir}/skip_train.jsonl "
+                           f"--tensorboard-dir {workdir}/tb_skip_train")
     finally:
         training.build_data_iterators = real_build
         del sys.modules["wandb"]
@@ -178,8 +179,11 @@ def test_skipped_iterations_profiler_scalars_progress_and_skip_train(tmp_path):
 
     # --skip-train: one validation and one test evaluation at the loaded iteration, no new checkpoint.
     evaluations = [json.loads(line) for line in (tmp_path / "skip_train.jsonl").read_text().splitlines()]
-    assert [(record["iteration"], record["split"]) for record in evaluations] == [
-        (TRAIN_ITERS, "validation"), (TRAIN_ITERS, "test")]
+    assert [(record["iteration"], record["split"], record["when"]) for record in evaluations] == [
+        (TRAIN_ITERS, "validation", "on validation set"), (TRAIN_ITERS, "test", "on test set")]
+    # As upstream, an evaluation-only run writes no evaluation scalars to TensorBoard.
+    assert not [tag for tag in _scalars_in_tensorboard(str(tmp_path / "tb_skip_train")) if "validation" in tag
+                or "test" in tag]
     assert all(0 < record["lm loss"] < 10 for record in evaluations)
 
     # progress.txt: both jobs, every checkpoint, consumed tokens and floating-point operations so far.
