@@ -290,9 +290,11 @@ def apply_checkpoint_args(args, saved, with_parallel_layout=False) -> List[str]:
         value, current = getattr(saved, name), getattr(args, name)
         if name in TOKENIZER_FILE_ARGS and current is not None:
             continue
-        # (the key/value heads matter only with --group-query-attention: not reported otherwise)
-        unused = name == "num_query_groups" and not getattr(saved, "group_query_attention", False)
-        if value != current and current is not None and not unused:
+        # The key/value heads matter only with --group-query-attention; without it the saved value is the
+        # one validation derived (one per head), which this run derives again from its own heads.
+        if name == "num_query_groups" and not getattr(saved, "group_query_attention", False):
+            continue
+        if value != current and current is not None:
             changed.append(f"{_flag(name)} {value} (command line: {current})")
         setattr(args, name, value)
     return changed

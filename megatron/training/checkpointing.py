@@ -288,10 +288,12 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
     check_same_architecture(path, saved_args, args, saved_true_vocab_size(state.get("vocab_size"), saved_args),
                             true_vocab_size(args))
     _check_layout_matches(saved_args, args, path)
+    skip_optimizer = None if optimizer is None else _why_optimizer_not_loaded(state, saved_args, args, path)
     _load_model_state(model_chunks, state, strict)
     fresh_fp8_histories = count_fp8_histories_started_empty(model_chunks)
 
-    load_optimizer = optimizer is not None and not args.finetune and not args.no_load_optim
+    load_optimizer = optimizer is not None and skip_optimizer is None
+    loaded_scheduler = False
     if load_optimizer:
         if args.use_distributed_optimizer:
             shard_path = os.path.join(directory, distributed_optimizer_filename(ranks["data_rank"]))
@@ -300,11 +302,15 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
             optimizer.load_state_dict(state["optimizer"])
         if opt_param_scheduler is not None and "opt_param_scheduler" in state:
             opt_param_scheduler.load_state_dict(state["opt_param_scheduler"])
+            loaded_scheduler = True
     elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
         # Main (fp32) copies of the parameters must follow the weights just loaded.
         optimizer.reload_model_params()
 
-    if not args.finetune and not args.no_load_rng and "rng_state" in state:
+    skip_rng = "--finetune" if args.finetune else "--no-load-rng" if args.no_load_rng else None
+    if skip_rng is None and "rng_state" not in state:
+        skip_rng = "the checkpoint has none: saved with --no-save-rng"
+    if skip_rng is None:
         states = state["rng_state"]
         set_rng_state(states[ranks["data_rank"]] if ranks["data_rank"] < len(states) else states[0])
 
@@ -315,9 +321,10 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
         args.consumed_train_samples = state.get("consumed_train_samples", 0)
     dist.barrier()
     if dist.get_rank() == 0:
-        restored_rng = not (args.finetune or args.no_load_rng) and "rng_state" in state
-        loaded = ["model"] + (["optimizer", "scheduler"] if load_optimizer else []) + (["RNG state"] if restored_rng else [])
-        skipped = ([] if load_optimizer else ["optimizer and scheduler"]) + ([] if restored_rng else ["RNG state"])
+        loaded = (["model"] + (["optimizer"] if load_optimizer else []) + (["scheduler"] if loaded_scheduler else [])
+                  + ([] if skip_rng else ["RNG state"]))
+        skipped = ([f"optimizer and scheduler ({skip_optimizer})"] if skip_optimizer else []) \
+            + ([f"RNG state ({skip_rng})"] if skip_rng else [])
         if fresh_fp8_histories:
             skipped.append(f"FP8 amax histories of {fresh_fp8_histories} layer(s) (not in the checkpoint): they "
                            "start empty")
@@ -325,6 +332,30 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
               f"{', '.join(loaded)}, resuming at iteration {iteration}"
               + (f"; not loaded: {', '.join(skipped)}" if skipped else ""), flush=True)
     return iteration
+
+
+def _why_optimizer_not_loaded(state, saved_args, args, path):
+    """None when the optimizer state is to be loaded, else the reason it is not; raises when the checkpoint
+    holds it in the other layout (the whole state in the model file, or per-data-parallel-rank shard files)."""
+    if args.finetune:
+        return "--finetune"
+    if args.no_load_optim:
+        return "--no-load-optim"
+    saved_sharded = bool(getattr(saved_args, "use_distributed_optimizer", False))
+    saved_any = "optimizer" in state or (saved_sharded and not getattr(saved_args, "no_save_optim", False))
+    if not saved_any:
+        return "the checkpoint has none: saved with --no-save-optim"
+    if saved_sharded != bool(args.use_distributed_optimizer):
+        saved_as, launch = (("per-data-parallel-rank distrib_optim_dp_rank_*.pt files (saved with "
+                             "--use-distributed-optimizer)", "with --use-distributed-optimizer")
+                            if saved_sharded else
+                            (f"{MODEL_FILENAME} (saved without --use-distributed-optimizer)",
+                             "without --use-distributed-optimizer"))
+        raise CheckpointLoadError(
+            f"{path}: the --ckpt-format torch checkpoint holds its optimizer state in {saved_as}; launch {launch}, "
+            "or with --no-load-optim to load the weights alone, or convert it to torch_dist "
+            "(tools/checkpoint/convert_legacy.py), which loads under either optimizer")
+    return None
 
 
 def _torch_load(path):

@@ -6,8 +6,10 @@ offered by replicas are written once. `load` fills the same kind of dict in plac
 any layout; `read_objects` returns the picklable objects.
 """
 
+import contextlib
 import os
 import pickle
+import warnings
 from typing import Dict, Iterable
 
 import torch
@@ -34,6 +36,18 @@ class CheckpointShapeError(CheckpointError):
 
 def _distributed():
     return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _alone(no_dist: bool):
+    """DCP warns on every save or load without a process group, as if by accident; here it is asked for (a tool,
+    or --use-checkpoint-args reading the arguments before the process group exists), so the warning is noise."""
+    if not no_dist:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def damaged_data_files(directory: str):
@@ -81,9 +95,11 @@ def save(state_dict: Dict[str, object], directory: str, process_group=None, thre
     process alone with `single_process`, e.g. a tool run inside a distributed job)."""
     writer = dcp.FileSystemWriter(directory, single_file_per_rank=True, thread_count=thread_count,
                                   sync_files=True, overwrite=True)
+    no_dist = single_process or not _distributed()
     try:
-        dcp.save(state_dict, storage_writer=writer, planner=LogicalSavePlanner(), process_group=process_group,
-                 no_dist=single_process or not _distributed())
+        with _alone(no_dist):
+            dcp.save(state_dict, storage_writer=writer, planner=LogicalSavePlanner(), process_group=process_group,
+                     no_dist=no_dist)
     except CheckpointException as exc:
         _reraise(exc, "write", directory)
 
@@ -167,8 +183,9 @@ def load(targets: Dict[str, object], directory: str, process_group=None, single_
         return targets
     reader = dcp.FileSystemReader(directory) if metadata is None else _IndexedReader(directory, metadata)
     try:
-        dcp.load(targets, storage_reader=reader, planner=LogicalLoadPlanner(), process_group=process_group,
-                 no_dist=no_dist)
+        with _alone(no_dist):
+            dcp.load(targets, storage_reader=reader, planner=LogicalLoadPlanner(), process_group=process_group,
+                     no_dist=no_dist)
     except CheckpointException as exc:
         _reraise(exc, "read", directory)
     except (FileNotFoundError, EOFError, RuntimeError, ValueError) as exc:

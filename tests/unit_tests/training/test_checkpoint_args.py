@@ -55,6 +55,23 @@ def test_use_checkpoint_args_takes_position_interpolation_and_the_layers_it_adds
     assert changed == ["--moe-apply-probs-on-input True (command line: False)"]  # unset values are not reported
 
 
+def test_use_checkpoint_args_takes_the_key_value_heads_only_with_group_query_attention():
+    # Validation stores one key/value head per attention head in args when --group-query-attention is off: that
+    # derived value must not come back as a --num-query-groups the user never gave (validation warns about it).
+    command_line = dict(num_attention_heads=8, num_query_groups=1, group_query_attention=False)
+    args = argparse.Namespace(**command_line)
+    changed = apply_checkpoint_args(args, argparse.Namespace(num_attention_heads=4, num_query_groups=4,
+                                                             group_query_attention=False))
+    assert (args.num_attention_heads, args.num_query_groups, args.group_query_attention) == (4, 1, False)
+    assert changed == ["--num-attention-heads 4 (command line: 8)"]
+    args = argparse.Namespace(**command_line)
+    changed = apply_checkpoint_args(args, argparse.Namespace(num_attention_heads=4, num_query_groups=2,
+                                                             group_query_attention=True))
+    assert (args.num_attention_heads, args.num_query_groups, args.group_query_attention) == (4, 2, True)
+    assert changed == ["--num-attention-heads 4 (command line: 8)", "--num-query-groups 2 (command line: 1)",
+                       "--group-query-attention True (command line: False)"]
+
+
 def _moe_args(**flags):
     moe = dict(num_layers=4, ffn_hidden_size=128, num_experts=8, moe_ffn_hidden_size=None, moe_layer_freq=1,
                moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False, moe_router_topk=2,

@@ -237,6 +237,71 @@ def test_finetune_and_no_load_optim(tmp_path, world_size):
     }  # fmt: skip
 
 
+def _load_what_was_not_saved(root, saved_distributed):
+    import contextlib
+    import io
+
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(5)
+    model, optimizer, scheduler = _train_state(seed=3)
+    save_args = _args(root, consumed_train_samples=32, no_save_optim=True, no_save_rng=True,
+                      use_distributed_optimizer=saved_distributed)
+    checkpointing.save_checkpoint(4, model, optimizer, scheduler, save_args)
+    fresh_model, fresh_optimizer, fresh_scheduler = _train_state(seed=77)
+    fresh_exp_avg = fresh_optimizer.state_dict()["state"][0]["exp_avg"].clone()
+    expected_random = torch.rand(3)
+    model_parallel_cuda_manual_seed(5)
+    _train_state(seed=77)
+    # The default flags, as a user resuming it would launch: what the checkpoint lacks is reported, not loaded.
+    args = _args(root, use_distributed_optimizer=saved_distributed)
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        iteration = checkpointing.load_checkpoint(fresh_model, fresh_optimizer, fresh_scheduler, args)
+    report = printed.getvalue()
+    return {
+        "iteration": iteration,
+        "consumed": args.consumed_train_samples,
+        "weights_loaded": torch.equal(fresh_model.weight, model.weight),
+        "scheduler_steps": fresh_scheduler.num_steps,
+        "optimizer_untouched": torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"], fresh_exp_avg),
+        "rng_untouched": torch.equal(torch.rand(3), expected_random),
+        "report": report,
+    }
+
+
+@pytest.mark.parametrize("saved_distributed", [False, True])
+def test_load_of_checkpoint_saved_without_optimizer_and_rng(tmp_path, saved_distributed):
+    (result,) = run_on_ranks(1, _load_what_was_not_saved, str(tmp_path), saved_distributed)
+    report = result.pop("report")
+    assert result == {"iteration": 4, "consumed": 32, "weights_loaded": True, "scheduler_steps": 77,
+                      "optimizer_untouched": True, "rng_untouched": True}
+    assert "(--ckpt-format torch): model, resuming at iteration 4; not loaded: optimizer and scheduler (the " \
+        "checkpoint has none: saved with --no-save-optim), RNG state (the checkpoint has none: saved with " \
+        "--no-save-rng)" in report
+
+
+def _load_other_optimizer_layout(root, saved_distributed):
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel()
+    saved_args = _args(root, use_distributed_optimizer=saved_distributed)
+    checkpointing.save_checkpoint(4, *_train_state(seed=3), saved_args)
+    with pytest.raises(checkpointing.CheckpointLoadError) as error:
+        loading_args = _args(root, use_distributed_optimizer=not saved_distributed)
+        checkpointing.load_checkpoint(*_train_state(seed=77), loading_args)
+    return str(error.value)
+
+
+@pytest.mark.parametrize("saved_distributed", [False, True])
+def test_torch_format_optimizer_saved_in_the_other_layout_names_the_flag(tmp_path, saved_distributed):
+    (message,) = run_on_ranks(1, _load_other_optimizer_layout, str(tmp_path), saved_distributed)
+    expected = ("launch with --use-distributed-optimizer, or with --no-load-optim" if saved_distributed else
+                "launch without --use-distributed-optimizer, or with --no-load-optim")
+    assert expected in message and "iter_0000004" in message
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Checkpoint flags
 # ---------------------------------------------------------------------------------------------------------
