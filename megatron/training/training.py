@@ -10,6 +10,7 @@ stops at --train-iters, --exit-interval, --exit-duration-in-mins or SIGTERM (sav
 
 import dataclasses
 import gc
+import signal
 import time
 
 import torch
@@ -335,7 +336,10 @@ def _save(iteration, model, optimizer, scheduler, args):
     if timers is not None:
         timers.log(["save-checkpoint"])
     log_checkpoint_saved(args, iteration)  # --log-progress
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and getattr(args, "async_save", False):
+        # The write goes on in the background; its own line says when the checkpoint is published (or not).
+        print(f"scheduled a background save of iteration {iteration} to {args.save} (--async-save)", flush=True)
+    elif dist.get_rank() == 0:
         print(f"saved checkpoint at iteration {iteration} to {args.save}", flush=True)
     return True
 
@@ -355,7 +359,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
                                  args.device)
     if weight_hash_due(args, iteration):
         check_weight_hashes(model, iteration, args)
-    with SigtermHandler() as sigterm, ManualGarbageCollection.from_args(args) as manual_gc, \
+    with SigtermHandler(signal.Signals[args.exit_signal]) as sigterm, ManualGarbageCollection.from_args(args) as manual_gc, \
             TrainingProfilers(args, dist.get_rank(), dist.get_world_size(), iteration) as profilers:
         while iteration < args.train_iters:
             update_num_microbatches(args.consumed_train_samples)  # a --rampup-batch-size ramp moves with samples
@@ -422,7 +426,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
                 checkpointing.save_non_persistent_checkpoint(iteration, model, optimizer, scheduler, args)
             stop_reason = None
             if sigterm.received_on_any_rank(args.device):
-                stop_reason = "received SIGTERM"
+                stop_reason = f"received {args.exit_signal}"
             elif exit_duration.reached():
                 stop_reason = f"reached --exit-duration-in-mins {args.exit_duration_in_mins}"
             elif args.exit_interval and iteration % args.exit_interval == 0:

@@ -36,8 +36,11 @@ def add_arguments(parser):
     group.add_argument(
         "--exit-signal-handler",
         action="store_true",
-        help="Accepted for compatibility: SIGTERM always saves a checkpoint (with --save) and exits.",
+        help="Accepted for compatibility: the --exit-signal always saves a checkpoint (with --save) and exits.",
     )
+    group.add_argument("--exit-signal", default="SIGTERM", choices=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"],
+                       help="The signal that makes every rank save a checkpoint (with --save) at the end of the "
+                       "iteration and exit, e.g. SIGUSR1 for a scheduler's warning signal before SIGTERM.")
     group.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
     group.add_argument("--min-lr", type=float, default=0.0, help="Learning rate at the end of decay.")
     group.add_argument("--decoupled-lr", type=float, default=None,

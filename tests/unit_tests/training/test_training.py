@@ -38,7 +38,7 @@ def test_reported_loss_is_token_weighted_over_data_parallel_ranks(world_size):
     assert run_on_ranks(world_size, _reported_loss_on_ranks, 2) == [13.0 / 6.0] * 2
 
 
-def _pretrain_until_sigterm(workdir, extra_args):
+def _pretrain_until_sigterm(workdir, extra_args, signal_name="SIGTERM"):
     import pretrain_gpt
     from megatron.core.enums import ModelType
     from megatron.training.checkpointing import read_tracker
@@ -53,7 +53,7 @@ def _pretrain_until_sigterm(workdir, extra_args):
         # Rank 0 only, during iteration 3 (microbatches per rank: 8 / (2 x DP)).
         microbatches = 8 // (2 * get_args().data_parallel_size)
         if rank == 0 and calls["count"] == 2 * microbatches + 1:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.Signals[signal_name])
         return pretrain_gpt.forward_step(data_iterator, model)
 
     argv = (
@@ -66,7 +66,7 @@ def _pretrain_until_sigterm(workdir, extra_args):
         forward_step_sending_sigterm,
         argv=argv,
     )
-    handler_restored = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    handler_restored = signal.getsignal(signal.Signals[signal_name]) is signal.SIG_DFL
     return {"iteration": iteration, "tracker": read_tracker(workdir), "handler_restored": handler_restored}
 
 
@@ -78,6 +78,12 @@ def test_sigterm_saves_and_stops_every_rank(tmp_path, world_size):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [record["iteration"] for record in records] == [1, 2, 3]
     assert all(record["consumed-samples"] == 8 * record["iteration"] for record in records)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_exit_signal_chooses_the_signal_that_saves_and_stops(tmp_path, world_size):
+    results = run_on_ranks(world_size, _pretrain_until_sigterm, str(tmp_path), "--exit-signal SIGUSR1", "SIGUSR1")
+    assert results == [{"iteration": 3, "tracker": 3, "handler_restored": True}] * 2
 
 
 def _moe_aux_losses_logged(workdir, rerun_mode):
