@@ -60,8 +60,8 @@ def _pretrain(workdir, name, flags):
     records = [json.loads(line) for line in open(metrics_file)]
     lines = [line for line in printed.getvalue().splitlines() if " loss at iteration " in line]
     evaluations = [record for record in records if record["split"] != "train"]
-    # (the evaluations during training or of --skip-train, the lines, the batches, the evaluations after the last
-    # iteration)
+    # (the evaluations during training, the lines, the batches, the evaluations after the last iteration or of
+    # --skip-train)
     return ([record for record in evaluations if "when" not in record], lines, evaluated,
             [record for record in evaluations if "when" in record])
 
@@ -101,8 +101,9 @@ def test_full_validation_evaluates_every_complete_global_batch(tmp_path):
     assert (at_the_end["iteration"], at_the_end["when"]) == (2, "on validation set")
     assert at_the_end["lm loss"] == records[1]["lm loss"]
 
-    (full,), _, full_evaluated, _ = runs["full"]
-    (by_eval_iters,), _, eval_iters_evaluated, _ = runs["eval_iters"]
+    # --skip-train evaluations are logged "on validation set", as upstream (records with "when").
+    _, _, full_evaluated, (full,) = runs["full"]
+    _, _, eval_iters_evaluated, (by_eval_iters,) = runs["eval_iters"]
     assert len(full_evaluated) == len(eval_iters_evaluated) == microbatches
     assert all((a == b).all() for a, b in zip(full_evaluated, eval_iters_evaluated))
     assert full["lm loss"] == pytest.approx(by_eval_iters["lm loss"], rel=1e-12)
@@ -141,7 +142,7 @@ def test_multiple_validation_sets_give_each_set_its_own_loss(tmp_path):
     assert records[0]["lm loss"] != records[1]["lm loss"]
 
     # With --full-validation as well: each set is evaluated whole, as it would be alone.
-    full_records, _, _, _ = runs["both_full"]
-    (c_alone,), _, _, _ = runs["c_full"]
+    _, _, _, full_records = runs["both_full"]
+    _, _, _, (c_alone,) = runs["c_full"]
     assert [record["validation-set"] for record in full_records] == ["b_text_document", "c_text_document"]
     assert full_records[1]["lm loss"] == pytest.approx(c_alone["lm loss"], rel=1e-12)
