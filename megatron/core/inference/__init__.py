@@ -1,1 +1,3 @@
-"""Inference-time state: the key/value cache of autoregressive decoding (`contexts`)."""
+"""Static-batch text generation: the key/value cache (`contexts`), what decoding supports (`model_checks`), the
+sampling rules (`sampling_params`, `sampling`), the tensor-parallel token broadcast (`communication`) and the
+generation loop (`static_generation`)."""

@@ -9,6 +9,11 @@ not depend on the tensor-parallel size, so the same full weight gives the same m
 
 The QKV projection has a bias with `add_bias_linear` or, alone among the linears, with `add_qkv_bias` (Qwen2).
 
+When decoding (`inference_context`, a `StaticInferenceContext`), each layer writes this step's keys and values
+(after rotary embedding, so cached keys keep their absolute positions) into the context's cache, and the queries
+attend over every cached position: query i of the step sits at position offset + i and sees keys up to there.
+Under tensor parallelism each rank caches its own query groups only.
+
 With `qk_layernorm` each query and key head is normalised over its head_dim by a norm shared by all heads. Ranks
 hold different heads, so a rank's gradient of those weights is a partial sum: they carry `sequence_parallel=True`,
 which makes gradient finalisation all-reduce them over the tensor-parallel group.
@@ -126,8 +131,30 @@ class SelfAttention(Attention):
         seq_len, batch = context.shape[2], context.shape[0]
         return context.permute(2, 0, 1, 3).reshape(seq_len, batch, -1)
 
-    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None):
-        """`hidden_states` `[s, b, h]` (`[s / tp, b, h]` with sequence parallelism) -> same shape."""
+    def cached_core_attention(self, query, key, value, inference_context):
+        """Attention of this step's queries `[s, b, heads, head_dim]` over the cached keys and values, after
+        appending this step's `key` / `value` `[s, b, groups, head_dim]` to `inference_context`'s cache at its
+        offset -> `[s, b, heads * head_dim]`. Causal in absolute positions; no dropout (decoding)."""
+        offset = inference_context.sequence_len_offset
+        key, value = inference_context.append_key_value(self.layer_number, key, value)
+        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # -> [b, heads, s, head_dim]
+        query_len, key_len = query.shape[2], key.shape[2]
+        # True where masked (Megatron's convention): query i (position offset + i) sees keys 0 .. offset + i.
+        blocked = torch.ones(query_len, key_len, dtype=torch.bool, device=query.device).triu(offset + 1)
+        if layer_scaled_attention.applies(self.config, query):
+            context = layer_scaled_attention.layer_scaled_attention(query, key, value, blocked, self.layer_number,
+                                                                    dropout_p=0.0)
+        else:
+            context = F.scaled_dot_product_attention(query, key, value, attn_mask=~blocked,
+                                                     enable_gqa=key.shape[1] != query.shape[1])
+        return context.permute(2, 0, 1, 3).reshape(query_len, context.shape[0], -1)
+
+    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
+        """`hidden_states` `[s, b, h]` (`[s / tp, b, h]` with sequence parallelism) -> same shape.
+
+        With `inference_context` the step's keys and values go into its cache and the queries attend over all
+        cached positions (`rotary_pos_emb` must then hold the angles of positions offset .. offset + s - 1);
+        the causal mask follows the absolute positions, so `attention_mask` must be None."""
         mixed_qkv, _ = self.linear_qkv(hidden_states)  # [s, b, groups_per_partition * (m + 2) * head_dim]
         seq_len, batch = mixed_qkv.shape[0], mixed_qkv.shape[1]
         groups, per_group = self.num_groups_per_partition, self.heads_per_group
@@ -142,7 +169,12 @@ class SelfAttention(Attention):
             query = apply_rotary_pos_emb(query, rotary_pos_emb, interleaved=interleaved)
             key = apply_rotary_pos_emb(key, rotary_pos_emb, interleaved=interleaved)
 
-        if self.config.recompute_granularity == "selective":
+        if inference_context is not None:
+            if attention_mask is not None:
+                raise ValueError("SelfAttention: decoding through a key/value cache (inference_context) is causal "
+                                 "over the cached positions; pass attention_mask=None")
+            context = self.cached_core_attention(query, key, value, inference_context)
+        elif self.config.recompute_granularity == "selective":
             context = checkpointed(self.core_attention, query, key, value, attention_mask)
         else:
             with offloaded_saved_tensors(self, "core_attn"):

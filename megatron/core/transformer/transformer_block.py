@@ -92,11 +92,13 @@ class TransformerBlock(torch.nn.Module):
         self.input_tensor = input_tensor
 
     def _run_layers(self, start, end):
-        def run(hidden_states, attention_mask, rotary_pos_emb):
+        def run(hidden_states, attention_mask, rotary_pos_emb, inference_context=None):
+            decode_kwargs = {} if inference_context is None else {"inference_context": inference_context}
             for index in range(start, end):
                 layer = self.layers[index]
                 with get_fp8_context(self.config, layer.layer_number - 1), self._activation_offload(index, layer):
-                    hidden_states = layer(hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+                    hidden_states = layer(hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+                                          **decode_kwargs)
             return hidden_states
 
         return run
@@ -129,8 +131,9 @@ class TransformerBlock(torch.nn.Module):
                 hidden_states = run_layer(hidden_states, attention_mask, rotary_pos_emb)
         return hidden_states
 
-    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None):
-        """`[s, b, h]` (`[s / tp, b, h]` with sequence parallelism) -> same shape."""
+    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
+        """`[s, b, h]` (`[s / tp, b, h]` with sequence parallelism) -> same shape. With `inference_context` each
+        layer's attention decodes through the context's key/value cache (no recomputation)."""
         if not self.pre_process:
             if self.input_tensor is None:
                 raise RuntimeError("a pipeline stage that is not first needs set_input_tensor() before forward")
@@ -138,10 +141,11 @@ class TransformerBlock(torch.nn.Module):
         if self.config.fp32_residual_connection:
             # The residual stream stays fp32 through the layers (and between pipeline stages).
             hidden_states = hidden_states.float()
-        if self.config.recompute_granularity == "full" and self.training:
+        if self.config.recompute_granularity == "full" and self.training and inference_context is None:
             hidden_states = self._forward_with_full_recompute(hidden_states, attention_mask, rotary_pos_emb)
         else:
-            hidden_states = self._run_layers(0, len(self.layers))(hidden_states, attention_mask, rotary_pos_emb)
+            hidden_states = self._run_layers(0, len(self.layers))(hidden_states, attention_mask, rotary_pos_emb,
+                                                                   inference_context)
         if self.final_layernorm is not None:
             if self.config.fp32_residual_connection:
                 hidden_states = hidden_states.to(self.config.params_dtype)

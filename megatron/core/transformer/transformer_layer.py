@@ -89,10 +89,16 @@ class TransformerLayer(torch.nn.Module):
             residual = residual.float()
         return residual + self._dropout(sublayer_output)
 
-    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None):
+    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
+        """`inference_context` (a `StaticInferenceContext`): decode through its key/value cache (see
+        `SelfAttention.forward`); None in training."""
         attention_input = self._norm(self.input_layernorm, hidden_states, self.norms_fused_into_linears)
-        attention_output = self.self_attention(attention_input, attention_mask=attention_mask,
-                                               rotary_pos_emb=rotary_pos_emb)
+        if inference_context is None:
+            attention_output = self.self_attention(attention_input, attention_mask=attention_mask,
+                                                   rotary_pos_emb=rotary_pos_emb)
+        else:
+            attention_output = self.self_attention(attention_input, attention_mask=attention_mask,
+                                                   rotary_pos_emb=rotary_pos_emb, inference_context=inference_context)
         hidden_states = self._residual_add(hidden_states, attention_input, attention_output)
         mlp_input = self._norm(self.pre_mlp_layernorm, hidden_states, self.norms_fused_into_mlp)
         return self._residual_add(hidden_states, mlp_input, self.mlp(mlp_input))

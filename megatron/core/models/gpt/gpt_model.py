@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.inference.model_checks import check_inference_supported
 from megatron.core.models.common.embeddings.language_model_embedding import (
     LanguageModelEmbedding,
     word_embedding_init_seed,
@@ -236,6 +237,28 @@ class GPTModel(ShardedStateModule):
         angles = self.rotary_pos_emb(seq_len * cp_size, device=device)
         return local_rows(angles, 0, cp_size, parallel_state.get_context_parallel_rank())
 
+    def _decoding_rotary_angles(self, input_ids, inference_context):
+        """The angles of the positions this decoding step fills (offset .. offset + s - 1)."""
+        if self.rotary_pos_emb is None:
+            return None
+        return self.rotary_pos_emb(input_ids.shape[1], device=input_ids.device,
+                                   offset=inference_context.sequence_len_offset)
+
+    def _decoding_position_ids(self, input_ids, position_ids, inference_context):
+        """`position_ids`, or the positions offset .. offset + s - 1 of every row when None; checked against
+        --max-position-embeddings for learned absolute position embeddings."""
+        batch, seq_len = input_ids.shape
+        offset = inference_context.sequence_len_offset
+        if position_ids is None:
+            position_ids = torch.arange(offset, offset + seq_len, device=input_ids.device).expand(batch, seq_len)
+        if self.position_embedding_type == "learned_absolute" and offset + seq_len > self.max_sequence_length:
+            raise ValueError(
+                f"decoding position {offset + seq_len - 1} is past the learned position embedding's "
+                f"{self.max_sequence_length} rows (--max-position-embeddings): generate fewer tokens "
+                "(--num-tokens-to-generate) or use shorter prompts"
+            )
+        return position_ids
+
     def _vocab_parallel_logits(self, hidden_states):
         """`[s, b, h]` -> this rank's vocabulary slice of the logits, `[s, b, vocab / tp]`."""
         tied_weight = self.shared_embedding_or_output_weight() if self.output_layer.weight is None else None
@@ -248,8 +271,17 @@ class GPTModel(ShardedStateModule):
         position_ids: Optional[torch.Tensor],
         attention_mask: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
+        inference_context=None,
+        *,
+        inference_params=None,
     ):
         """Returns the per-token loss `[b, s]` (fp32) when `labels` are given, else the logits `[b, s, vocab]`.
+
+        `inference_context` (a `StaticInferenceContext`; `inference_params` is upstream's older name for it):
+        decode `input_ids`, the positions offset .. offset + s - 1 of each row, through the context's key/value
+        cache, and return their logits (gathered over tensor-parallel ranks); the caller then advances the
+        offset. `position_ids` may then be None (those positions). Pipeline or context parallelism, sequence
+        parallelism and multi-latent attention are refused (`inference.model_checks`).
 
         A stage that is not last returns its hidden states `[s, b, h]` for the next stage. `attention_mask` is
         None (causal) or a bool tensor broadcastable to `[b, heads, s, s]`, True where attention is masked.
@@ -257,6 +289,13 @@ class GPTModel(ShardedStateModule):
         `[N, b, s]` (fp32) holds depth k's per-token loss against the labels shifted left by k in row k - 1,
         zero where the shifted label falls off the end (the MTP depths do not run without labels).
         """
+        if inference_params is not None:
+            if inference_context is not None and inference_context is not inference_params:
+                raise ValueError("GPTModel.forward: pass inference_context or its older name inference_params, "
+                                 "not two different contexts")
+            inference_context = inference_params
+        if inference_context is not None:
+            return self._decode(input_ids, position_ids, attention_mask, labels, inference_context)
         if not self.pre_process and self.decoder.input_tensor is None:
             raise RuntimeError("a pipeline stage that is not first needs set_input_tensor() before forward")
         decoder_input = self.embedding(input_ids, position_ids) if self.pre_process else None
@@ -274,6 +313,21 @@ class GPTModel(ShardedStateModule):
             return loss
         del logits
         return loss, self._mtp_losses(input_ids, position_ids, hidden_states, labels, attention_mask, rotary_angles)
+
+    def _decode(self, input_ids, position_ids, attention_mask, labels, inference_context):
+        """The forward of one decoding step through `inference_context`'s cache -> logits `[b, s, vocab]`."""
+        check_inference_supported(self.config, self.pre_process, self.post_process)
+        if labels is not None:
+            raise ValueError("GPTModel.forward: decoding (inference_context) returns logits; compute a loss "
+                             "without an inference context")
+        if input_ids is None:
+            raise ValueError("GPTModel.forward: decoding (inference_context) needs the input_ids")
+        position_ids = self._decoding_position_ids(input_ids, position_ids, inference_context)
+        hidden_states = self.decoder(self.embedding(input_ids, position_ids), attention_mask=attention_mask,
+                                     rotary_pos_emb=self._decoding_rotary_angles(input_ids, inference_context),
+                                     inference_context=inference_context)
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(self._vocab_parallel_logits(hidden_states))
+        return logits.transpose(0, 1).contiguous()
 
     def _per_token_loss(self, logits, labels):
         """Vocab-parallel logits `[s, b, vocab / tp]` and labels `[b, s]` -> per-token loss `[b, s]` (fp32)."""

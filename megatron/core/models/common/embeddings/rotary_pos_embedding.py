@@ -2,8 +2,9 @@
 
 Channel i of the rotated part is paired with channel i + rot_dim/2 (the "rotate half" layout), or with
 `rotary_interleaved` channel 2i with channel 2i + 1 (`--rotary-interleaved`). Positions are 0..s-1 of the full
-sequence the attention sees, divided by `seq_len_interpolation_factor` when given
-(`--rotary-seq-len-interpolation-factor`). Angles are computed in fp32 whatever the activation dtype.
+sequence the attention sees (offset..offset+s-1 for a decoding step past `offset` cached positions), divided by
+`seq_len_interpolation_factor` when given (`--rotary-seq-len-interpolation-factor`). Angles are computed in fp32
+whatever the activation dtype.
 
 With `rope_scaling` (`--use-rope-scaling`) the frequencies are those of Llama 3.1 (`llama3_scaled_frequencies`):
 slow ones divided by `rope_scaling_factor`, fast ones kept, the band between blended.
@@ -80,8 +81,10 @@ class RotaryEmbedding(torch.nn.Module):
             frequencies = llama3_scaled_frequencies(frequencies, self.rope_scaling_factor)
         return frequencies
 
-    def forward(self, seq_len: int, device=None) -> torch.Tensor:
-        positions = torch.arange(seq_len, dtype=torch.float32, device=device)
+    def forward(self, seq_len: int, device=None, offset: int = 0) -> torch.Tensor:
+        """The angles of positions `offset .. offset + seq_len - 1` (a decoding step starts past the cached
+        positions)."""
+        positions = torch.arange(offset, offset + seq_len, dtype=torch.float32, device=device)
         if self.seq_len_interpolation_factor is not None:
             positions = positions / self.seq_len_interpolation_factor
         angles = torch.outer(positions, self.inverse_frequencies(device))  # [s, rot_dim / 2]

@@ -1,0 +1,1 @@
+"""Inference examples: text generation from trained checkpoints."""

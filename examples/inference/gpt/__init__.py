@@ -1,0 +1,1 @@
+"""GPT generation examples (`gpt_static_inference.py`)."""

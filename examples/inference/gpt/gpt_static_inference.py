@@ -1,0 +1,170 @@
+"""Generate text from a trained GPT checkpoint: one static batch of prompts, decoded through a key/value cache.
+
+    torchrun --nproc-per-node 1 examples/inference/gpt/gpt_static_inference.py \
+        --load CKPT_DIR --use-checkpoint-args --tokenizer-type ByteLevelTokenizer --distributed-backend gloo \
+        --prompts "def " "Return the" --num-tokens-to-generate 30
+
+Takes pretrain_gpt.py's model and tokenizer flags (`--use-checkpoint-args` reads the model's from the
+checkpoint) and `--load`; `--tensor-model-parallel-size 2` on 2 ranks splits the model (the `torch_dist`
+checkpoint reshards on load). No data-parallel wrapper is built; with more ranks than the tensor-parallel size
+every data-parallel replica generates the same batch and rank 0 reports. Greedy by default (`--top_k 1`);
+`--temperature`, `--top_k`, `--top_p` and `--seed` select sampling. See docs/inference.md.
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch.distributed as dist
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+import pretrain_gpt  # noqa: E402
+from megatron.core.inference.model_checks import check_inference_supported  # noqa: E402
+from megatron.core.inference.sampling_params import SamplingParams  # noqa: E402
+from megatron.core.inference.static_generation import check_static_batch, generate_static_batch  # noqa: E402
+from megatron.training import checkpointing  # noqa: E402
+
+
+def add_static_inference_args(parser):
+    """Upstream's flags of static-batch generation (names and defaults)."""
+    group = parser.add_argument_group("static inference")
+    group.add_argument("--prompts", nargs="+", default=None, help="One or more prompts to generate from.")
+    group.add_argument("--num-tokens-to-generate", type=int, default=30, help="New tokens per prompt.")
+    group.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature (> 0).")
+    group.add_argument("--top_k", type=int, default=1, help="Top-k sampling; 1 is greedy, 0 keeps every token.")
+    group.add_argument("--top_p", type=float, default=0.0, help="Top-p (nucleus) sampling; 0 turns it off.")
+    group.add_argument("--return-log-probs", action="store_true",
+                       help="Also compute the log-probability of every prompt and generated token.")
+    group.add_argument("--output-path", default=None,
+                       help="Write one JSON line per prompt (prompt, generated text, tokens, log-probs) here.")
+    group.add_argument("--inference-max-seq-length", type=int, default=2560,
+                       help="Key/value cache length: the longest prompt plus the generated tokens must fit.")
+    group.add_argument("--inference-max-requests", type=int, default=8,
+                       help="Key/value cache batch size: the most prompts one run takes.")
+    return parser
+
+
+def sampling_params_from_args(args) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          return_log_probs=args.return_log_probs,
+                          num_tokens_to_generate=args.num_tokens_to_generate)
+
+
+def _print_rank0(message):
+    if dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def check_args(args):
+    """Refuse what cannot generate, before a model is built (errors name the flag)."""
+    from megatron.training.model_config import core_transformer_config_from_args
+
+    if args.load is None:
+        raise ValueError("gpt_static_inference.py needs --load: the checkpoint to generate from")
+    if not args.prompts:
+        raise ValueError("--prompts: give one or more prompts to generate from")
+    if args.sequence_parallel:
+        # Sequence parallelism changes no weight; a one-position decoding step cannot be split over TP ranks.
+        _print_rank0("--sequence-parallel is turned off for generation (the weights are the same)")
+        args.sequence_parallel = False
+    check_inference_supported(core_transformer_config_from_args(args))
+    sampling_params_from_args(args)  # validates the sampling flags
+
+
+def build_tokenizer(args):
+    from megatron.training.global_vars import set_tokenizer
+    from megatron.training.tokenizer import build_tokenizer_from_args, pad_vocab_size
+
+    tokenizer = build_tokenizer_from_args(args)
+    set_tokenizer(tokenizer)
+    args.padded_vocab_size = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+                                            args.tensor_model_parallel_size)
+    return tokenizer
+
+
+def load_model(args):
+    """pretrain_gpt.py's model of this rank, unwrapped, with the weights of the latest checkpoint under --load."""
+    from megatron.training.model_setup import get_model
+
+    checkpointing.check_checkpoint_format(args)
+    model = get_model(pretrain_gpt.model_provider, args, wrap_with_ddp=False)[0]
+    if checkpointing.read_tracker(args.load) is None:
+        raise FileNotFoundError(f"--load {args.load}: no checkpoint there (no tracker file)")
+    checkpointing.load_checkpoint([model], None, None, args)
+    return model
+
+
+def result_record(prompt, result, tokenizer):
+    text_tokens = result.generated_tokens[:-1] if result.stopped_at_eod else result.generated_tokens
+    record = {"prompt": prompt, "generated_text": tokenizer.detokenize(text_tokens),
+              "prompt_tokens": result.prompt_tokens, "generated_tokens": result.generated_tokens,
+              "stopped_at_eod": result.stopped_at_eod}
+    if result.generated_log_probs is not None:
+        record["prompt_log_probs"] = result.prompt_log_probs
+        record["generated_log_probs"] = result.generated_log_probs
+    return record
+
+
+def run(args):
+    """Load, generate, print (and write --output-path); returns the records (one per prompt)."""
+    check_args(args)
+    tokenizer = build_tokenizer(args)
+    prompt_tokens = [tokenizer.tokenize(prompt) for prompt in args.prompts]
+    params = sampling_params_from_args(args)
+    check_static_batch(prompt_tokens, params.num_tokens_to_generate, args.inference_max_seq_length,
+                       args.inference_max_requests)
+    model = load_model(args)
+    started = time.perf_counter()
+    results = generate_static_batch(model, prompt_tokens, params, eod_id=tokenizer.eod,
+                                    max_sequence_length=args.inference_max_seq_length,
+                                    max_batch_size=args.inference_max_requests, vocab_size=tokenizer.vocab_size,
+                                    seed=args.seed)
+    elapsed = time.perf_counter() - started
+    records = [result_record(prompt, result, tokenizer) for prompt, result in zip(args.prompts, results)]
+    for index, record in enumerate(records):
+        _print_rank0(f"prompt {index}: {record['prompt']!r}\ngenerated {index}: {record['generated_text']!r}"
+                     + (" [end of document]" if record["stopped_at_eod"] else ""))
+    generated = sum(len(result.generated_tokens) for result in results)
+    prompts_phrase = f"{len(results)} prompt" + ("" if len(results) == 1 else "s")
+    _print_rank0(f"generated {generated} tokens for {prompts_phrase} in {elapsed:.2f} s "
+                 f"({generated / elapsed:.1f} tokens/s)")
+    if args.output_path is not None and dist.get_rank() == 0:
+        with open(args.output_path, "w") as output:
+            for record in records:
+                output.write(json.dumps(record) + "\n")
+        print(f"wrote {len(records)} results to {args.output_path}", flush=True)
+    return records
+
+
+# Generation trains nothing and reads no data: pretrain_gpt.py's required training flags get placeholder values
+# when absent, so a launch needs only the model, tokenizer and inference flags.
+TRAINING_ONLY_DEFAULTS = {"micro_batch_size": 1, "train_iters": 1, "lr": 0.0}
+DATA_FLAGS = ("--data-path", "--train-data-path", "--mock-data", "--data-args-path", "--per-split-data-args-path")
+
+
+def with_placeholder_data_flag(argv):
+    """`argv` plus --mock-data when it names no dataset (the data flags' validation asks for one)."""
+    if any(arg.split("=")[0] in DATA_FLAGS for arg in argv):
+        return argv
+    return [*argv, "--mock-data"]
+
+
+def main(argv=None):
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.training import _teardown
+
+    argv = with_placeholder_data_flag(sys.argv[1:] if argv is None else list(argv))
+    args = initialize_megatron(extra_args_provider=add_static_inference_args, args_defaults=TRAINING_ONLY_DEFAULTS,
+                               args=argv)
+    try:
+        return run(args)
+    finally:
+        _teardown(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Static-batch text generation: tokenized prompts of different lengths decoded together through a key/value cache.
+
+All sequences of the batch sit at the same positions, so one causal cache serves them without padding masks:
+the prefill runs the first `min(prompt lengths)` positions of every prompt at once, then each step feeds one
+position. While a sequence is still inside its own prompt, the token placed at the next position is its prompt
+token (the model's choice is ignored); afterwards it is the sampled token. A sequence stops after
+`num_tokens_to_generate` new tokens or at the end-of-document token (which it keeps as its last token); the
+others go on, and the batch stops when every sequence has stopped.
+
+Under tensor parallelism every rank gets the full (gathered) logits from the model; TP rank 0 samples and
+broadcasts the tokens, so every rank of the group continues with the same sequence. Sampling draws from a
+generator seeded with `seed`: the same seed gives the same text.
+
+Log-probabilities (`return_log_probs`) are those of the model's distribution over the real vocabulary (the
+logits before temperature and filtering, without the padding rows of the vocabulary), for every prompt token
+after the first and every generated token.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+from megatron.core.inference.communication import broadcast_from_tensor_parallel_source, is_tensor_parallel_source
+from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.inference.sampling import sample_next_tokens
+from megatron.core.inference.sampling_params import SamplingParams
+
+
+@dataclass
+class GeneratedSequence:
+    """One prompt's result. `generated_tokens` ends with the end-of-document id when `stopped_at_eod`.
+    `prompt_log_probs[i]` is the log-probability of `prompt_tokens[i + 1]`; both lists are None unless asked."""
+
+    prompt_tokens: List[int]
+    generated_tokens: List[int]
+    stopped_at_eod: bool
+    generated_log_probs: Optional[List[float]] = None
+    prompt_log_probs: Optional[List[float]] = None
+
+
+def check_static_batch(prompts: Sequence[Sequence[int]], num_tokens_to_generate: int, max_sequence_length: int,
+                       max_batch_size: int):
+    """Raise ValueError naming the flag when the prompts cannot be generated from in one static batch."""
+    if len(prompts) == 0:
+        raise ValueError("--prompts: give at least one prompt")
+    if len(prompts) > max_batch_size:
+        raise ValueError(f"{len(prompts)} prompts but --inference-max-requests is {max_batch_size}: raise "
+                         "--inference-max-requests or pass fewer prompts")
+    for index, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {index} is empty (no tokens): every prompt needs at least one token")
+        if len(prompt) > max_sequence_length:
+            raise ValueError(f"prompt {index} is {len(prompt)} tokens long, longer than --inference-max-seq-length "
+                             f"{max_sequence_length}: raise --inference-max-seq-length or shorten the prompt")
+        if len(prompt) + num_tokens_to_generate > max_sequence_length:
+            raise ValueError(f"prompt {index} ({len(prompt)} tokens) plus --num-tokens-to-generate "
+                             f"{num_tokens_to_generate} exceeds --inference-max-seq-length {max_sequence_length}: "
+                             "raise --inference-max-seq-length or generate fewer tokens")
+
+
+def _check_token_ids(prompts, eod_id, vocab_size):
+    if not 0 <= eod_id < vocab_size:
+        raise ValueError(f"the end-of-document id {eod_id} is outside the tokenizer's vocabulary of {vocab_size}")
+    for index, prompt in enumerate(prompts):
+        outside = [token for token in prompt if not 0 <= token < vocab_size]
+        if outside:
+            raise ValueError(f"prompt {index} holds token ids {outside[:5]} outside the tokenizer's vocabulary of "
+                             f"{vocab_size}: tokenize the prompts with the model's tokenizer")
+
+
+def _model_device(model):
+    return next(model.parameters()).device
+
+
+def _target_log_probs(logits, targets, vocab_size):
+    """log p(targets) under softmax(logits) over the real vocabulary: `[b, s, V]`, `[b, s]` -> `[b, s]` fp32."""
+    log_probs = torch.log_softmax(logits[..., :vocab_size].float(), dim=-1)
+    return log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+@torch.no_grad()
+def generate_static_batch(model, prompts: Sequence[Sequence[int]], sampling_params: SamplingParams, *, eod_id: int,
+                          max_sequence_length: int, max_batch_size: int, vocab_size: Optional[int] = None,
+                          seed: int = 1234) -> List[GeneratedSequence]:
+    """Generate from every prompt (token ids) of one static batch; see the module docstring.
+
+    `model(tokens, position_ids, inference_context=context)` must return logits `[b, s, vocab]` for the positions
+    offset .. offset + s - 1 (GPTModel does). `max_sequence_length` / `max_batch_size` size the key/value cache
+    (`--inference-max-seq-length`, `--inference-max-requests`); `vocab_size` is the tokenizer's vocabulary size
+    (the model's may be padded; padding ids are never produced); None uses the model's whole vocabulary.
+    """
+    num_tokens = sampling_params.num_tokens_to_generate
+    check_static_batch(prompts, num_tokens, max_sequence_length, max_batch_size)
+    if vocab_size is not None:
+        _check_token_ids(prompts, eod_id, vocab_size)
+    device = _model_device(model)
+    batch = len(prompts)
+    lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)
+    total_length = int(lengths.max()) + num_tokens
+    tokens = torch.full((batch, total_length), eod_id, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        tokens[row, :len(prompt)] = torch.tensor(list(prompt), dtype=torch.long, device=device)
+    # token_log_probs[:, t]: log-probability of tokens[:, t] given the positions before it (t >= 1).
+    token_log_probs = torch.zeros(batch, total_length, dtype=torch.float32, device=device)
+    generated_counts = torch.zeros(batch, dtype=torch.long, device=device)
+    stopped = torch.zeros(batch, dtype=torch.bool, device=device)
+    stopped_at_eod = torch.zeros(batch, dtype=torch.bool, device=device)
+    context = StaticInferenceContext(max_batch_size, max_sequence_length)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    try:
+        start, end = 0, int(lengths.min())
+        while True:
+            logits = model(tokens[:, start:end], None, inference_context=context)  # [b, end - start, vocab]
+            context.increment_sequence_len_offset(end - start)
+            if start == 0:
+                context.enable_decode_mode()
+            last_logits = logits[:, -1, :vocab_size] if vocab_size is not None else logits[:, -1]
+            sampled = torch.empty(batch, dtype=torch.long, device=device)
+            if is_tensor_parallel_source():
+                sampled = sample_next_tokens(last_logits, sampling_params, generator)
+            broadcast_from_tensor_parallel_source(sampled)
+
+            in_prompt = lengths > end
+            generating = ~in_prompt & ~stopped
+            tokens[:, end] = torch.where(in_prompt, tokens[:, end], torch.where(stopped, eod_id, sampled))
+            if sampling_params.return_log_probs:
+                token_log_probs[:, start + 1:end + 1] = _target_log_probs(logits, tokens[:, start + 1:end + 1],
+                                                                          vocab_size)
+            generated_counts += generating.long()
+            hit_eod = generating & (sampled == eod_id)
+            stopped_at_eod |= hit_eod
+            stopped |= hit_eod | (generating & (generated_counts >= num_tokens))
+            if bool(stopped.all()):
+                break
+            start, end = end, end + 1
+    finally:
+        model.train(was_training)
+    return _results(prompts, tokens, lengths, generated_counts, stopped_at_eod, token_log_probs,
+                    sampling_params.return_log_probs)
+
+
+def _results(prompts, tokens, lengths, generated_counts, stopped_at_eod, token_log_probs, with_log_probs):
+    results = []
+    for row, prompt in enumerate(prompts):
+        length, count = int(lengths[row]), int(generated_counts[row])
+        result = GeneratedSequence(prompt_tokens=list(prompt),
+                                   generated_tokens=tokens[row, length:length + count].tolist(),
+                                   stopped_at_eod=bool(stopped_at_eod[row]))
+        if with_log_probs:
+            result.prompt_log_probs = token_log_probs[row, 1:length].tolist()
+            result.generated_log_probs = token_log_probs[row, length:length + count].tolist()
+        results.append(result)
+    return results

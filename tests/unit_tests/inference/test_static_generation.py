@@ -1,0 +1,126 @@
+"""The static-batch generation loop: prompts of different lengths in one batch, end-of-document stops, padding
+ids, log-probabilities, bad input naming the flag; and greedy tokens with the cache equal to greedy decoding by
+full forwards over the growing sequence without one."""
+
+import pytest
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.inference.model_checks import check_inference_supported
+from megatron.core.inference.sampling_params import SamplingParams
+from megatron.core.inference.static_generation import generate_static_batch
+from tests.unit_tests.models.gpt.gpt_test_utils import VOCAB_SIZE, seeded_model, tiny_config
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+GREEDY = SamplingParams(top_k=1, num_tokens_to_generate=4)
+
+
+class CountingModel(torch.nn.Module):
+    """Predicts token + 1 (mod vocab) after every token, with logit 2 against 0 elsewhere; records each call's
+    cache offset and length."""
+
+    def __init__(self, vocab=10):
+        super().__init__()
+        self.vocab = vocab
+        self.anchor = torch.nn.Parameter(torch.zeros(1))
+        self.calls = []
+
+    def forward(self, tokens, position_ids, inference_context=None):
+        self.calls.append((inference_context.sequence_len_offset, tokens.shape[1]))
+        logits = torch.zeros(*tokens.shape, self.vocab)
+        return logits.scatter(-1, ((tokens + 1) % self.vocab).unsqueeze(-1), 2.0)
+
+
+def _generate(model, prompts, params=GREEDY, eod_id=9, **kwargs):
+    kwargs.setdefault("max_sequence_length", 16)
+    kwargs.setdefault("max_batch_size", 4)
+    return generate_static_batch(model, prompts, params, eod_id=eod_id, **kwargs)
+
+
+def test_prompts_of_different_lengths_continue_their_own_prompt():
+    model = CountingModel()
+    short, long_prompt = [1], [5, 0, 3]
+    results = _generate(model, [short, long_prompt])
+    # The long prompt's tokens are kept while the short one already generates (the model's 1 -> 2 ignored).
+    assert results[0].generated_tokens == [2, 3, 4, 5]
+    assert results[1].generated_tokens == [4, 5, 6, 7]
+    assert results[1].prompt_tokens == long_prompt
+    assert not any(result.stopped_at_eod for result in results)
+    # Prefill of the shortest prompt, then one position a step until the long prompt has its 4 tokens.
+    assert model.calls == [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1)]
+
+
+def test_end_of_document_stops_one_sequence_while_the_other_continues():
+    results = _generate(CountingModel(), [[7], [1, 2]])  # 7 -> 8 -> 9 (the end-of-document id)
+    assert results[0].generated_tokens == [8, 9] and results[0].stopped_at_eod
+    assert results[1].generated_tokens == [3, 4, 5, 6] and not results[1].stopped_at_eod
+
+
+def test_padding_ids_of_the_vocabulary_are_never_produced():
+    # Vocabulary of 8 real tokens padded to 10: after 7 the model prefers the padding id 8.
+    results = _generate(CountingModel(), [[7]], eod_id=3, vocab_size=8,
+                        params=SamplingParams(top_k=1, num_tokens_to_generate=1))
+    assert results[0].generated_tokens == [0]  # all real tokens tie at logit 0: the lowest id
+
+
+def test_log_probs_of_prompt_and_generated_tokens():
+    params = SamplingParams(top_k=1, num_tokens_to_generate=2, return_log_probs=True)
+    (result,) = _generate(CountingModel(vocab=10), [[4, 6]], params=params)
+    assert result.generated_tokens == [7, 8]
+    likely = torch.log_softmax(torch.tensor([2.0] + [0.0] * 9), 0)
+    # 4 -> 6 is an unlikely step (logit 0), 6 -> 7 and 7 -> 8 are the model's choice (logit 2).
+    torch.testing.assert_close(torch.tensor(result.prompt_log_probs), likely[1:2])
+    torch.testing.assert_close(torch.tensor(result.generated_log_probs), likely[:1].repeat(2))
+    (plain,) = _generate(CountingModel(vocab=10), [[4, 6]])
+    assert plain.prompt_log_probs is None and plain.generated_log_probs is None
+
+
+@pytest.mark.parametrize("prompts, kwargs, flag", [
+    ([[1]] * 5, {}, "5 prompts but --inference-max-requests is 4"),
+    ([[1] * 17], {}, "--inference-max-seq-length 16"),
+    ([[1] * 13], {}, "plus --num-tokens-to-generate 4 exceeds --inference-max-seq-length 16"),
+    ([[1], []], {}, "prompt 1 is empty"),
+    ([], {}, "--prompts"),
+    ([[1, 12]], {"vocab_size": 10}, r"prompt 0 holds token ids \[12\] outside the tokenizer's vocabulary of 10"),
+    ([[1]], {"vocab_size": 8}, "end-of-document id 9 is outside"),
+])
+def test_bad_batches_name_the_flag(prompts, kwargs, flag):
+    with pytest.raises(ValueError, match=flag):
+        _generate(CountingModel(), prompts, **kwargs)
+
+
+@pytest.mark.parametrize("overrides, flag", [
+    (dict(pp=2), "--pipeline-model-parallel-size 1"),
+    (dict(context_parallel_size=2), "--context-parallel-size 1"),
+    (dict(tp=2, sequence_parallel=True), "--sequence-parallel"),
+    (dict(multi_latent_attention=True, kv_lora_rank=12, qk_head_dim=6, qk_pos_emb_head_dim=16, v_head_dim=10),
+     "--multi-latent-attention"),
+])
+def test_unsupported_parallelism_names_the_flag(overrides, flag):
+    with pytest.raises(ValueError, match=flag):
+        check_inference_supported(tiny_config(**overrides))
+
+
+def _greedy_with_and_without_cache():
+    parallel_state.initialize_model_parallel()
+    model = seeded_model(tiny_config(num_query_groups=2), position_embedding_type="rope").eval()
+    prompts = [[3, 14, 15, 9, 2], [6, 5], [35, 8, 9]]
+    params = SamplingParams(top_k=1, num_tokens_to_generate=6)
+    cached = _generate(model, prompts, params=params, eod_id=VOCAB_SIZE - 1, max_sequence_length=12)
+    uncached = []
+    with torch.no_grad():
+        for prompt in prompts:  # one prompt at a time, the whole sequence through the model each step
+            sequence = torch.tensor([prompt])
+            for _ in range(params.num_tokens_to_generate):
+                logits = model(sequence, torch.arange(sequence.shape[1]).unsqueeze(0))
+                sequence = torch.cat([sequence, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+            uncached.append(sequence[0, len(prompt):].tolist())
+    return [result.generated_tokens for result in cached], uncached
+
+
+@pytest.mark.parametrize("world_size", [1])
+def test_greedy_tokens_with_the_cache_equal_full_forwards_without(world_size):
+    ((cached, uncached),) = run_on_ranks(world_size, _greedy_with_and_without_cache)
+    assert cached == uncached
+    assert all(len(tokens) == 6 for tokens in cached)
+    assert len({tuple(tokens) for tokens in cached}) == 3  # the prompts lead to different continuations
