@@ -77,6 +77,7 @@ def core_transformer_config_from_args(args, config_class=None):
 def optimizer_config_from_args(args):
     from megatron.core.optimizer import OptimizerConfig
     from megatron.training.argument_groups.memory import optimizer_config_kwargs
+    from megatron.training.global_vars import get_timers
 
     return OptimizerConfig(
         optimizer=args.optimizer,
@@ -100,6 +101,8 @@ def optimizer_config_from_args(args):
         hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer,
         log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        barrier_with_L1_time=args.barrier_with_L1_time,
+        timers=get_timers(),
         **optimizer_config_kwargs(args),
     )
 

@@ -40,6 +40,12 @@ TIMERS_TO_LOG = (
     "embedding-grads-all-reduce",
     "all-grads-sync",
     "params-all-gather",
+    "optimizer-copy-to-main-grad",
+    "optimizer-unscale-and-check-inf",
+    "optimizer-clip-main-grad",
+    "optimizer-count-zeros",
+    "optimizer-inner-step",
+    "optimizer-copy-main-to-model-params",
     "optimizer",
 )
 

@@ -126,7 +126,8 @@ TINY_GPT = (
     "--train-iters 2 --log-interval 2 --use-distributed-optimizer"
 )
 LEVEL_1 = ["forward-backward", "layernorm-grads-all-reduce", "embedding-grads-all-reduce", "all-grads-sync",
-           "params-all-gather", "optimizer"]
+           "params-all-gather", "optimizer-copy-to-main-grad", "optimizer-clip-main-grad", "optimizer-inner-step",
+           "optimizer-copy-main-to-model-params", "optimizer"]
 LEVEL_2 = ["forward-compute", "backward-compute", "batch-generator"]
 # The six pipeline transfers of the 1F1B schedule, each run on one of the two stages.
 PIPELINE_TRANSFERS = ["forward-recv", "forward-send", "backward-recv", "backward-send", "forward-send-backward-recv",
@@ -186,6 +187,9 @@ def test_pretrain_reports_the_timers_of_its_level(tmp_path, world_size, level):
     for name in ("all-grads-sync", "forward-compute", "backward-compute", "batch-generator"):
         if name in report:
             assert report[name][1] <= report["forward-backward"][1] * 1.001
+    for name in report:  # the step's phases nest inside the optimizer timer
+        if name.startswith("optimizer-"):
+            assert report[name][1] <= report["optimizer"][1] * 1.001
     # The level-0 set-up timers are reported at every level, once.
     assert outputs[1].count("    model-and-optimizer-setup .") == 1
     scalars = _tensorboard_scalars(tmp_path)

@@ -173,6 +173,7 @@ class MegatronFSDPOptimizer(MegatronOptimizer):
             torch_optimizer = megatron_fsdp.fully_shard_optimizer(
                 optimizer_factory(real_groups),
                 preproc_state_dict_for_dcp_ckpt=chunk.ddp_config.preproc_state_dict_for_dcp_ckpt,
+                install_after_step=False,  # `_copy_main_params_to_model_params` installs them, timed on its own
             )
             let_offloaded_main_weights_move_to_host(chunk.fsdp, torch_optimizer)
             self.chunk_optimizers.append(ChunkOptimizer(chunk, torch_optimizer, group_indices))
@@ -208,8 +209,10 @@ class MegatronFSDPOptimizer(MegatronOptimizer):
             chunk.finish_grad_sync()
 
     def _copy_main_params_to_model_params(self):
-        """Done by `fully_shard_optimizer`'s step: the new main weights are cast into the compute weights (and
-        gathered under ZeRO-1/2) right after the torch optimizer steps."""
+        """Cast the new main weights into the compute weights of every chunk that has an optimizer (and gather
+        them under ZeRO-1/2)."""
+        for entry in self.chunk_optimizers:
+            entry.chunk.fsdp.install_optimized_model_weights()
 
     def _unscale_main_grads_and_check_for_nan(self):
         found_inf = torch.zeros(1, dtype=torch.float32, device=self._device())

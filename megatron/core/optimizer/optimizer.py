@@ -11,6 +11,7 @@ Gradients are read from `param.main_grad` (the DDP buffer view) when the model i
 Mixture-of-Experts expert parameters over `expert_grad_stats_groups` (see `megatron.core.expert_parameters`).
 """
 
+import contextlib
 import math
 
 import torch
@@ -26,10 +27,13 @@ from megatron.core.optimizer.clip_grads import (
 from megatron.core.expert_parameters import split_expert_parameters
 from megatron.core.optimizer.precision_aware_adam import optimizer_grad
 from megatron.core.device_utils import get_current_device
+from megatron.core.timers import timed
 
 # Attributes that decide how a parameter is counted in the global grad norm; main copies inherit them.
 PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared_embedding",
                        "sequence_parallel", "allreduce")
+
+_UNTIMED = contextlib.nullcontext()
 
 
 def copy_parallel_attributes(source, destination):
@@ -68,6 +72,9 @@ class MegatronOptimizer:
         self.expert_grad_stats_groups = expert_grad_stats_groups
 
     # ---- what subclasses define -------------------------------------------------------------------------
+    # False where the model parameters are the main parameters: the step then has no copy-back phase.
+    copies_main_params_to_model_params = True
+
     def main_params(self):
         return [param for group in self.optimizer.param_groups for param in group["params"]]
 
@@ -164,19 +171,40 @@ class MegatronOptimizer:
                 dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
         return found_inf.item() > 0
 
+    def _phase(self, name):
+        """Times the step phase `name` at level 1 with `config.timers`; a shared no-op context without timers."""
+        timers = self.config.timers
+        if timers is None:
+            return _UNTIMED
+        return timed(timers, name, log_level=1, barrier=self.config.barrier_with_L1_time)
+
     @torch.no_grad()
     def step(self):
-        """Returns `(update_successful, grad_norm, num_zeros_in_grad)`; fp16 overflow skips the update."""
-        self._copy_model_grads_to_main_grads()
+        """Returns `(update_successful, grad_norm, num_zeros_in_grad)`; fp16 overflow skips the update.
+
+        With `config.timers` each phase is timed at level 1 under upstream's names: optimizer-copy-to-main-grad,
+        optimizer-unscale-and-check-inf (with a loss scaler), optimizer-clip-main-grad (the norm and the clip),
+        optimizer-count-zeros (with `log_num_zeros_in_grad`), optimizer-inner-step and
+        optimizer-copy-main-to-model-params (where main and model parameters differ)."""
+        with self._phase("optimizer-copy-to-main-grad"):
+            self._copy_model_grads_to_main_grads()
         if self.grad_scaler is not None:
-            found_inf = self._unscale_main_grads_and_check_for_nan()
+            with self._phase("optimizer-unscale-and-check-inf"):
+                found_inf = self._unscale_main_grads_and_check_for_nan()
             self.grad_scaler.update(found_inf)
             if found_inf:
                 return False, None, None
-        grad_norm = self.clip_grad_norm(self.config.clip_grad)
-        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
-        self.optimizer.step()
-        self._copy_main_params_to_model_params()
+        with self._phase("optimizer-clip-main-grad"):
+            grad_norm = self.clip_grad_norm(self.config.clip_grad)
+        num_zeros = None
+        if self.config.log_num_zeros_in_grad:
+            with self._phase("optimizer-count-zeros"):
+                num_zeros = self.count_zeros()
+        with self._phase("optimizer-inner-step"):
+            self.optimizer.step()
+        if self.copies_main_params_to_model_params:
+            with self._phase("optimizer-copy-main-to-model-params"):
+                self._copy_main_params_to_model_params()
         return True, grad_norm, num_zeros
 
     def state_dict(self):
@@ -193,6 +221,8 @@ class MegatronOptimizer:
 
 class FP32Optimizer(MegatronOptimizer):
     """The model's fp32 parameters are stepped directly; DDP main grads are handed over as `.grad`."""
+
+    copies_main_params_to_model_params = False
 
     def model_params(self):
         return self.main_params()

@@ -1,6 +1,6 @@
 """`OptimizerConfig`: what to optimize with, at which precision, and how to scale and clip gradients."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -69,6 +69,14 @@ class OptimizerConfig:
 
     log_num_zeros_in_grad: bool = False
     """Count zero gradient entries each step (returned by `step()`)."""
+
+    barrier_with_L1_time: bool = False
+    """The level-1 timers of `step()`'s phases pass a barrier when they start, so they time the slowest rank
+    (False here as upstream; `pretrain()` passes `args.barrier_with_L1_time`, True unless
+    `--no-barrier-with-level-1-timing`)."""
+
+    timers: Optional[object] = field(default=None, compare=False, repr=False)
+    """`megatron.core.timers.Timers` of the run: `step()` times its phases at level 1 (None: nothing is timed)."""
 
     use_precision_aware_optimizer: bool = False
     """Keep main parameters and Adam moments in the dtypes below (`--use-precision-aware-optimizer`, see

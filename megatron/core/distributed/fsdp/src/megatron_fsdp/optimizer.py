@@ -100,7 +100,8 @@ def _check_whole_vector_optimizer(optimizer, model):
                          "element-wise optimizer (Adam, AdamW, SGD, ...) with a sharded strategy")
 
 
-def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_for_dcp_ckpt: Optional[bool] = None):
+def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_for_dcp_ckpt: Optional[bool] = None,
+                          install_after_step: bool = True):
     """Make `optimizer` step on the sharded fp32 main weights of the MegatronFSDP model owning its params.
 
     Param groups keep their hyper-parameters; each model parameter is replaced by its main-weight view (its
@@ -111,6 +112,8 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
     (for torch.distributed.checkpoint, at any data-parallel size), or with `preproc_state_dict_for_dcp_ckpt=False`
     is torch's own index-keyed state dict of this rank's shards (for a per-rank torch.save, reloaded at the same
     data-parallel size). None takes the model's `ddp_config.preproc_state_dict_for_dcp_ckpt`.
+    `install_after_step=False` leaves the install to the caller, who calls the model's
+    `install_optimized_model_weights()` after each `step()` (to time it apart from the step, for instance).
     `torch.optim.LBFGS` works under no_shard only (refused otherwise); its closure's loss is averaged over the
     data-parallel ranks so that every rank's line search takes the same branches.
     """
@@ -136,8 +139,10 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
 
     original_zero_grad = optimizer.zero_grad
     optimizer._megatron_fsdp_step_hooks = (
-        optimizer.register_step_pre_hook(_make_step_pre_hook(model, isinstance(optimizer, torch.optim.LBFGS))),
-        optimizer.register_step_post_hook(lambda opt, args, kwargs: model.install_optimized_model_weights()))
+        optimizer.register_step_pre_hook(_make_step_pre_hook(model, isinstance(optimizer, torch.optim.LBFGS))),)
+    if install_after_step:
+        optimizer._megatron_fsdp_step_hooks += (
+            optimizer.register_step_post_hook(lambda opt, args, kwargs: model.install_optimized_model_weights()),)
 
     def zero_grad(self, set_to_none: bool = True):
         original_zero_grad(set_to_none=set_to_none)
