@@ -50,6 +50,7 @@ def core_transformer_config_from_args(args, config_class=None):
         distribute_saved_activations=args.distribute_saved_activations,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
+        recompute_modules=getattr(args, "recompute_modules", None),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),

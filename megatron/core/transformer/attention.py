@@ -174,7 +174,7 @@ class SelfAttention(Attention):
                 raise ValueError("SelfAttention: decoding through a key/value cache (inference_context) is causal "
                                  "over the cached positions; pass attention_mask=None")
             context = self.cached_core_attention(query, key, value, inference_context)
-        elif self.config.recompute_granularity == "selective":
+        elif self.config.recomputes("core_attn"):
             context = checkpointed(self.core_attention, query, key, value, attention_mask)
         else:
             with offloaded_saved_tensors(self, "core_attn"):

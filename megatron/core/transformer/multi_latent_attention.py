@@ -23,6 +23,7 @@ zero-padded to the query width there when d_v differs (the padded output columns
 """
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,7 @@ from megatron.core.transformer.attention import Attention
 from megatron.core.transformer.context_parallel import comm_type_of_layer, context_parallel_attention, local_rows
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.norms import build_norm
-from megatron.core.transformer.recompute import checkpointed
+from megatron.core.transformer.recompute import checkpointed, output_recomputed_in_backward
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -129,33 +130,44 @@ class MLASelfAttention(Attention):
     # Projections
     # ------------------------------------------------------------------------------------------------
 
-    def _queries(self, hidden_states):
-        """`[S, b, heads_per_partition, d_n + d_r]` (S: the whole sequence of this rank's TP group)."""
-        if self.config.q_lora_rank is None:
-            query, _ = self.linear_q_proj(hidden_states)
-        else:
-            latent, _ = self.linear_q_down_proj(hidden_states)
-            if self.q_layernorm is not None:
-                latent = self.q_layernorm(latent)
-            query, _ = self.linear_q_up_proj(latent)
-        return query.view(query.shape[0], query.shape[1], self.num_heads_per_partition, self.q_head_dim)
-
-    def _keys_and_values(self, hidden_states):
-        """(k_nope `[S, b, heads, d_n]`, k_rope `[S, b, 1, d_r]`, value `[S, b, heads, d_v]`)."""
+    def _down_projections(self, hidden_states):
+        """(the query path's input to `_up_projections`: the query latent, or `hidden_states` without one; the
+        key/value latent `[S, b, kv_lora_rank]`; k_rope `[S, b, 1, d_r]`, ready for every head of this rank)."""
         config = self.config
+        query_input = hidden_states
+        if config.q_lora_rank is not None:
+            query_input, _ = self.linear_q_down_proj(hidden_states)
         compressed, _ = self.linear_kv_down_proj(hidden_states)
-        latent, k_rope = torch.split(compressed, [config.kv_lora_rank, config.qk_pos_emb_head_dim], dim=-1)
-        if self.kv_layernorm is not None:
-            latent = self.kv_layernorm(latent)
-        kv, _ = self.linear_kv_up_proj(latent)
-        kv = kv.view(kv.shape[0], kv.shape[1], self.num_heads_per_partition, config.qk_head_dim + config.v_head_dim)
-        k_nope, value = torch.split(kv, [config.qk_head_dim, config.v_head_dim], dim=-1)
+        kv_latent, k_rope = torch.split(compressed, [config.kv_lora_rank, config.qk_pos_emb_head_dim], dim=-1)
         # k_rope serves this rank's heads only: its gradient must be summed over the ranks' heads.
         if config.sequence_parallel and config.tensor_model_parallel_size > 1:
             k_rope = tensor_parallel.gather_from_sequence_parallel_region(k_rope, tensor_parallel_output_grad=True)
         else:
             k_rope = tensor_parallel.copy_to_tensor_model_parallel_region(k_rope)
-        return k_nope, k_rope.unsqueeze(2), value
+        return query_input, kv_latent, k_rope.unsqueeze(2)
+
+    def _up_projections(self, query_input, kv_latent, k_rope, angles):
+        """The latents' norms, the up projections and RoPE -> (query, key `[S, b, heads, d_n + d_r]`, value
+        `[S, b, heads, d_v]`), S the whole sequence of this rank's TP group."""
+        config = self.config
+        if config.q_lora_rank is None:
+            query, _ = self.linear_q_proj(query_input)
+        else:
+            if self.q_layernorm is not None:
+                query_input = self.q_layernorm(query_input)
+            query, _ = self.linear_q_up_proj(query_input)
+        query = query.view(query.shape[0], query.shape[1], self.num_heads_per_partition, self.q_head_dim)
+        if self.kv_layernorm is not None:
+            kv_latent = self.kv_layernorm(kv_latent)
+        kv, _ = self.linear_kv_up_proj(kv_latent)
+        kv = kv.view(kv.shape[0], kv.shape[1], self.num_heads_per_partition, config.qk_head_dim + config.v_head_dim)
+        k_nope, value = torch.split(kv, [config.qk_head_dim, config.v_head_dim], dim=-1)
+        q_nope, q_rope = torch.split(query, [config.qk_head_dim, config.qk_pos_emb_head_dim], dim=-1)
+        q_rope = apply_rotary_pos_emb_regrouped(q_rope, angles, self.rotary_cos_sin_scale)
+        k_rope = apply_rotary_pos_emb_regrouped(k_rope, angles, self.rotary_cos_sin_scale)
+        query = torch.cat((q_nope, q_rope), dim=-1)
+        key = torch.cat((k_nope, k_rope.expand(-1, -1, self.num_heads_per_partition, -1)), dim=-1)
+        return query, key, value
 
     def _rotary_angles(self, seq_len, device):
         """Angles of this rank's `seq_len` positions (global positions under context parallelism)."""
@@ -208,22 +220,34 @@ class MLASelfAttention(Attention):
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None):
         """`hidden_states` `[s, b, h]` (`[s / tp, b, h]` with sequence parallelism) -> same shape.
 
-        `rotary_pos_emb` (the model's angles for whole heads) is not used: the rope channels have their own."""
-        del rotary_pos_emb
-        config = self.config
-        query = self._queries(hidden_states)
-        k_nope, k_rope, value = self._keys_and_values(hidden_states)
-        angles = self._rotary_angles(query.shape[0], query.device)
-        q_nope, q_rope = torch.split(query, [config.qk_head_dim, config.qk_pos_emb_head_dim], dim=-1)
-        q_rope = apply_rotary_pos_emb_regrouped(q_rope, angles, self.rotary_cos_sin_scale)
-        k_rope = apply_rotary_pos_emb_regrouped(k_rope, angles, self.rotary_cos_sin_scale)
-        query = torch.cat((q_nope, q_rope), dim=-1)
-        key = torch.cat((k_nope, k_rope.expand(-1, -1, self.num_heads_per_partition, -1)), dim=-1)
+        `rotary_pos_emb` (the model's angles for whole heads) is not used: the rope channels have their own.
 
-        if config.recompute_granularity == "selective":
-            context = checkpointed(self.core_attention, query, key, value, attention_mask)
+        Selective recompute: core_attn checkpoints the attention; mla_up_proj recomputes the up projections and
+        RoPE in backward without keeping their outputs (both together: one checkpoint over the two)."""
+        del rotary_pos_emb
+        query_input, kv_latent, k_rope = self._down_projections(hidden_states)
+        angles = self._rotary_angles(k_rope.shape[0], k_rope.device)
+        recompute_up = self.training and self.config.recomputes("mla_up_proj")
+        recompute_attention = self.config.recomputes("core_attn")
+
+        def up_projections(query_input, kv_latent, k_rope):
+            return self._up_projections(query_input, kv_latent, k_rope, angles)
+
+        if recompute_up and recompute_attention:
+            context = checkpointed(
+                lambda *latents: self.core_attention(*up_projections(*latents), attention_mask),
+                query_input, kv_latent, k_rope)
         else:
-            with offloaded_saved_tensors(self, "core_attn"):
-                context = self.core_attention(query, key, value, attention_mask)
+            if recompute_up:
+                (query, key, value), attention_context = output_recomputed_in_backward(
+                    up_projections, query_input, kv_latent, k_rope)
+            else:
+                (query, key, value), attention_context = up_projections(query_input, kv_latent, k_rope), nullcontext()
+            with attention_context:
+                if recompute_attention:
+                    context = checkpointed(self.core_attention, query, key, value, attention_mask)
+                else:
+                    with offloaded_saved_tensors(self, "core_attn"):
+                        context = self.core_attention(query, key, value, attention_mask)
         output, _ = self.linear_proj(context)
         return output

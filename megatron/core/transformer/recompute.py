@@ -15,10 +15,20 @@ the recompute (no communication either).
 
 A recomputed forward runs a module's forward a second time. Side effects meant once per forward (the MoE
 router's logged auxiliary losses and its expert-bias token counts) check `is_recomputing()` and skip the
-second run.
+second run. A `checkpointed` call inside another checkpointed forward (or its recompute) just runs: the outer
+checkpoint already keeps only its own inputs.
+
+`output_recomputed_in_backward` (selective `--recompute-modules layernorm moe_act mla_up_proj`) goes further than
+a checkpoint: it keeps a function's inputs and also drops its outputs, which the module consuming them would
+otherwise save for its own backward. The function runs without recording; inside the returned context, the
+consumer's saved references to those outputs are replaced by markers, and the first backward step that needs one
+recomputes the function (recording this time) and serves every marker from that result; the outputs' gradient
+then flows through the recomputed graph (as with upstream's output-discarding checkpoint and reentrant
+checkpointing, the function's own parameters get their gradients in that inner backward, so use `backward()`,
+not `torch.autograd.grad`, over them). The function must be deterministic (no dropout).
 """
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -27,11 +37,17 @@ from torch.utils.checkpoint import checkpoint
 from megatron.core import parallel_state, tensor_parallel
 
 _recompute_depth = 0
+_checkpointed_forward_depth = 0
 
 
 def is_recomputing():
     """Whether a checkpointed forward is being recomputed (inside backward) right now."""
     return _recompute_depth > 0
+
+
+def inside_checkpointed_region():
+    """Whether a checkpointed forward runs (first time or recomputed) right now."""
+    return _checkpointed_forward_depth > 0 or _recompute_depth > 0
 
 
 def _rng_tracker_contexts():
@@ -41,8 +57,13 @@ def _rng_tracker_contexts():
 
     @contextmanager
     def remember_states():
+        global _checkpointed_forward_depth
         snapshot["states"] = tracker.get_states()
-        yield
+        _checkpointed_forward_depth += 1
+        try:
+            yield
+        finally:
+            _checkpointed_forward_depth -= 1
 
     @contextmanager
     def replay_states():
@@ -62,12 +83,95 @@ def _rng_tracker_contexts():
 def checkpointed(function, *args):
     """`function(*args)`, keeping only its inputs for backward and recomputing the rest there.
 
-    Without autograd recording (e.g. under `torch.no_grad()`) nothing would be saved anyway, so the function
-    just runs.
+    Without autograd recording (e.g. under `torch.no_grad()`) nothing would be saved anyway, and inside another
+    checkpointed forward only the outer inputs are kept anyway: there the function just runs.
     """
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() or inside_checkpointed_region():
         return function(*args)
     return checkpoint(function, *args, use_reentrant=False, context_fn=_rng_tracker_contexts)
+
+
+class _DroppedOutputs:
+    """What one `output_recomputed_in_backward` call shares between its autograd node and its saved-tensor hooks:
+    the function, the storages of the outputs it dropped, and the recomputed result once backward made it."""
+
+    def __init__(self, function, inputs):
+        self.function = function
+        self.inputs = inputs  # the autograd node needs them for backward anyway
+        self.output_storages = {}
+        self.recomputed = None  # (detached inputs that require grad, outputs with their graph)
+
+    def recompute(self):
+        global _recompute_depth
+        if self.recomputed is None:
+            detached = [tensor.detach().requires_grad_(tensor.requires_grad) for tensor in self.inputs]
+            _recompute_depth += 1
+            try:
+                with torch.enable_grad():
+                    outputs = self.function(*detached)
+            finally:
+                _recompute_depth -= 1
+            self.recomputed = detached, outputs if isinstance(outputs, tuple) else (outputs,)
+        return self.recomputed
+
+    def pack(self, tensor):
+        try:
+            index = self.output_storages.get(tensor.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # tensors without a plain storage are kept as they are
+            index = None
+        if index is None:
+            return tensor
+        return _DroppedMarker(index, tensor.size(), tensor.stride(), tensor.storage_offset())
+
+    def unpack(self, packed):
+        if not isinstance(packed, _DroppedMarker):
+            return packed
+        _, outputs = self.recompute()
+        output = outputs[packed.index].detach()
+        return output.as_strided(packed.size, packed.stride, packed.storage_offset)
+
+
+class _DroppedMarker:
+    __slots__ = ("index", "size", "stride", "storage_offset")
+
+    def __init__(self, index, size, stride, storage_offset):
+        self.index, self.size, self.stride, self.storage_offset = index, size, stride, storage_offset
+
+
+class _RecomputedInBackward(torch.autograd.Function):
+    """Runs `state.function(*inputs)` unrecorded; backward back-propagates through its recomputed graph."""
+
+    @staticmethod
+    def forward(ctx, state, *inputs):
+        ctx.state = state
+        return state.function(*inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        state = ctx.state
+        detached, outputs = state.recompute()
+        state.recomputed = state.inputs = None
+        pairs = [(output, grad) for output, grad in zip(outputs, grads) if grad is not None and output.requires_grad]
+        if pairs:
+            torch.autograd.backward([output for output, _ in pairs], [grad for _, grad in pairs])
+        return (None, *[tensor.grad if tensor.requires_grad else None for tensor in detached])
+
+
+def output_recomputed_in_backward(function, *inputs):
+    """(`function(*inputs)`, a context to run the outputs' consumer in): the outputs are not kept for backward,
+    neither the function's own saved tensors nor the consumer's saved references to the outputs; backward
+    recomputes them from `inputs` (which are kept). `function` takes and returns tensors (one or a tuple).
+
+    Without autograd recording, or inside a checkpointed forward (whose checkpoint keeps only its inputs), it is
+    `(function(*inputs), nullcontext())`."""
+    if not torch.is_grad_enabled() or inside_checkpointed_region():
+        return function(*inputs), nullcontext()
+    state = _DroppedOutputs(function, inputs)
+    outputs = _RecomputedInBackward.apply(state, *inputs)
+    for index, output in enumerate(outputs if isinstance(outputs, tuple) else (outputs,)):
+        if output.numel() > 0:
+            state.output_storages[output.untyped_storage().data_ptr()] = index
+    return outputs, torch.autograd.graph.saved_tensors_hooks(state.pack, state.unpack)
 
 
 class _OwnSlice(torch.autograd.Function):

@@ -26,6 +26,7 @@ from megatron.core.transformer.pipeline_split import layers_per_pipeline_rank, s
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = (None, "uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,7 +135,12 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelPar
     that is None; when given, the two must agree."""
 
     recompute_granularity: Optional[str] = None
-    """None, "full" (recompute whole layers, see recompute_method) or "selective" (only core attention)."""
+    """None, "full" (recompute whole layers, see recompute_method) or "selective" (the recompute_modules)."""
+    recompute_modules: Optional[tuple] = ("core_attn",)
+    """What selective recompute recomputes in backward (`--recompute-modules`, upstream's names, None means
+    ("core_attn",)): core_attn (attention scores and softmax), mlp (dense MLP layers), moe (whole MoE layers),
+    shared_experts (the MoE shared experts), and, dropping their outputs too, layernorm (both norms of a layer),
+    moe_act (the routed experts' activation), mla_up_proj (multi-latent attention's up projections and RoPE)."""
     distribute_saved_activations: bool = False
     """Full recompute keeps only each tensor-parallel rank's 1/TP slice of a recomputed chunk's input
     (`--distribute-saved-activations`); the recompute all-gathers it."""
@@ -202,6 +208,10 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelPar
 
     def _set(self, name, value):
         object.__setattr__(self, name, value)
+
+    def recomputes(self, module):
+        """Whether selective recompute covers `module` (one of `RECOMPUTE_MODULES`)."""
+        return self.recompute_granularity == "selective" and module in self.recompute_modules
 
     def _validate_shape(self):
         for flag, value in (
@@ -407,6 +417,44 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelPar
                 "--recompute-num-layers only applies to --recompute-granularity full "
                 f"(got granularity {self.recompute_granularity!r}); drop it"
             )
+        self._validate_recompute_modules()
+
+    def _validate_recompute_modules(self):
+        modules = ("core_attn",) if self.recompute_modules is None else self.recompute_modules
+        if isinstance(modules, str):
+            modules = (modules,)
+        modules = tuple(dict.fromkeys(modules))  # a tuple (frozen), each name once
+        self._set("recompute_modules", modules)
+        unknown = [name for name in modules if name not in RECOMPUTE_MODULES]
+        if unknown:
+            raise ValueError(f"--recompute-modules: unknown {' '.join(map(str, unknown))}; choose from "
+                             f"{' '.join(RECOMPUTE_MODULES)}")
+        beyond_default = " ".join(name for name in modules if name != "core_attn")
+        if beyond_default and self.recompute_granularity != "selective":
+            raise ValueError(f"--recompute-modules {beyond_default} only applies to --recompute-granularity selective "
+                             f"(got {self.recompute_granularity!r}); pass --recompute-granularity selective or drop "
+                             f"--recompute-modules")
+        if self.recompute_granularity != "selective":
+            return
+        for name in ("moe", "moe_act", "shared_experts"):
+            if name in modules and self.num_moe_experts is None:
+                raise ValueError(f"--recompute-modules {name} recomputes part of the MoE layers: it needs "
+                                 f"--num-experts (or drop {name})")
+        if "shared_experts" in modules:
+            if self.moe_shared_expert_intermediate_size is None:
+                raise ValueError("--recompute-modules shared_experts needs shared experts "
+                                 "(--moe-shared-expert-intermediate-size), or drop shared_experts")
+            if self.moe_shared_expert_overlap:
+                raise ValueError("--recompute-modules shared_experts does not work with --moe-shared-expert-overlap "
+                                 "(the shared experts then run inside the token dispatch); drop one of them")
+        if "mla_up_proj" in modules and not self.multi_latent_attention:
+            raise ValueError("--recompute-modules mla_up_proj needs --multi-latent-attention (or drop mla_up_proj)")
+        whole_moe = "--recompute-modules moe" if "moe" in modules else (
+            "--moe-layer-recompute" if self.moe_layer_recompute else None)
+        covered = " ".join(name for name in ("moe_act", "shared_experts") if name in modules)
+        if whole_moe and covered:
+            raise ValueError(f"{whole_moe} recomputes the whole MoE layer, which includes --recompute-modules "
+                             f"{covered}: drop {covered}")
 
     def _validate_fp8(self):
         from megatron.core.fp8.formats import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES, GPU_ONLY_RECIPES
@@ -452,6 +500,16 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelPar
                 "an amax history that has moved on since its forward pass; use --fp8-recipe tensorwise (current "
                 "scaling recomputes identically) or selective recompute"
             )
+        if (self.fp8_recipe == "delayed" and self.recompute_granularity == "selective"
+                and self.transformer_impl == "local"):
+            # The rule of full recompute, for the modules whose recompute runs linears again (the norms and the
+            # experts' activation are not quantized here, so their recompute is exact under any recipe).
+            requantized = " ".join(name for name in self.recompute_modules
+                                   if name in ("mla_up_proj", "mlp", "moe", "shared_experts"))
+            if requantized:
+                raise ValueError(f"--fp8-recipe delayed does not support --recompute-modules {requantized}: the "
+                                 f"recomputed linears would be quantized with an amax history that has moved on since "
+                                 f"the forward pass; use --fp8-recipe tensorwise or drop {requantized}")
 
     def _validate_context_parallel(self):
         from megatron.core.transformer.context_parallel.a2a_attention import check_heads_divisible

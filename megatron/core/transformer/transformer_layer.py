@@ -11,7 +11,15 @@ does not apply them itself. The norm modules stay the layer's (`input_layernorm`
 fused linears use their parameters, so both implementations have the same parameter and checkpoint names. The
 post-layernorm residual needs the norm's output itself, so with it the layer applies its norms and TE's plain
 linears run.
+
+Selective recompute (`--recompute-modules`): with mlp, a dense layer's MLP is checkpointed (MoE layers: moe, see
+`MoELayer`); with layernorm, the layer's norms are recomputed in backward and their outputs are not kept by the
+sublayers reading them (`output_recomputed_in_backward`). Norms fused into TE's linears, and the post-layernorm
+residual (which keeps the norm's output anyway), are left as they are. When the MLP is checkpointed the pre-MLP
+norm runs inside its checkpoint.
 """
+
+from contextlib import nullcontext
 
 import torch
 
@@ -24,6 +32,7 @@ from megatron.core.transformer.moe.moe_config import moe_layer_pattern
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.norms import build_norm
+from megatron.core.transformer.recompute import checkpointed, output_recomputed_in_backward
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -63,6 +72,13 @@ class TransformerLayer(torch.nn.Module):
                            fused_input_norm=self.pre_mlp_layernorm if fused else None)
             self.norms_fused_into_mlp = fused
         self.hidden_dropout = torch.nn.Dropout(config.hidden_dropout)
+        recompute_norms = config.recomputes("layernorm") and not config.apply_residual_connection_post_layernorm
+        self.recompute_input_layernorm = recompute_norms and not self.norms_fused_into_linears
+        self.recompute_pre_mlp_layernorm = recompute_norms and not self.norms_fused_into_mlp
+        # A dense MLP checkpointed here; a MoE layer checkpoints itself, with the norm here when both are asked.
+        self.checkpoint_mlp = config.recomputes("mlp") and isinstance(self.mlp, MLP)
+        self.checkpoint_norm_and_mlp = self.recompute_pre_mlp_layernorm and isinstance(self.mlp, MoELayer) and (
+            config.recomputes("moe") or config.moe_layer_recompute)
 
     def reset_parameters(self):
         """Redraw this layer's initial weights; the same values as at construction, whatever else ran before."""
@@ -89,16 +105,42 @@ class TransformerLayer(torch.nn.Module):
             residual = residual.float()
         return residual + self._dropout(sublayer_output)
 
+    def _norm_for(self, norm, hidden_states, fused, recompute):
+        """(the sublayer's input, the context to run the sublayer in): with `recompute` (training) the norm's
+        output is not kept for backward."""
+        if recompute and self.training:
+            return output_recomputed_in_backward(lambda hidden: self._norm(norm, hidden, fused), hidden_states)
+        return self._norm(norm, hidden_states, fused), nullcontext()
+
+    def _mlp_block(self, hidden_states):
+        """(the MLP's input, its output) of the residual stream `hidden_states`; the input is None when it ran
+        inside a checkpoint together with the MLP (not needed: no post-layernorm residual then)."""
+        fused = self.norms_fused_into_mlp
+        if self.training and (self.checkpoint_mlp or self.checkpoint_norm_and_mlp):
+            if self.recompute_pre_mlp_layernorm:
+                return None, checkpointed(lambda hidden: self.mlp(self._norm(self.pre_mlp_layernorm, hidden, fused)),
+                                          hidden_states)
+            mlp_input = self._norm(self.pre_mlp_layernorm, hidden_states, fused)
+            return mlp_input, checkpointed(self.mlp, mlp_input)
+        mlp_input, mlp_context = self._norm_for(self.pre_mlp_layernorm, hidden_states, fused,
+                                                self.recompute_pre_mlp_layernorm)
+        with mlp_context:
+            return mlp_input, self.mlp(mlp_input)
+
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
         """`inference_context` (a `StaticInferenceContext`): decode through its key/value cache (see
         `SelfAttention.forward`); None in training."""
-        attention_input = self._norm(self.input_layernorm, hidden_states, self.norms_fused_into_linears)
-        if inference_context is None:
-            attention_output = self.self_attention(attention_input, attention_mask=attention_mask,
-                                                   rotary_pos_emb=rotary_pos_emb)
-        else:
-            attention_output = self.self_attention(attention_input, attention_mask=attention_mask,
-                                                   rotary_pos_emb=rotary_pos_emb, inference_context=inference_context)
+        attention_input, attention_context = self._norm_for(self.input_layernorm, hidden_states,
+                                                            self.norms_fused_into_linears,
+                                                            self.recompute_input_layernorm)
+        with attention_context:
+            if inference_context is None:
+                attention_output = self.self_attention(attention_input, attention_mask=attention_mask,
+                                                       rotary_pos_emb=rotary_pos_emb)
+            else:
+                attention_output = self.self_attention(attention_input, attention_mask=attention_mask,
+                                                       rotary_pos_emb=rotary_pos_emb,
+                                                       inference_context=inference_context)
         hidden_states = self._residual_add(hidden_states, attention_input, attention_output)
-        mlp_input = self._norm(self.pre_mlp_layernorm, hidden_states, self.norms_fused_into_mlp)
-        return self._residual_add(hidden_states, mlp_input, self.mlp(mlp_input))
+        mlp_input, mlp_output = self._mlp_block(hidden_states)
+        return self._residual_add(hidden_states, mlp_input, mlp_output)

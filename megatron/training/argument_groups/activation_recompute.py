@@ -1,7 +1,8 @@
 """`--recompute-activations`: upstream's shorthand for `--recompute-granularity selective` (recompute only the
 core attention in backward). The granularity flags themselves live with the training flags (training.py); this
 group runs before that one, so their rules see the granularity the shorthand chose. Also upstream's
-`--distribute-saved-activations` (full recompute keeps 1/TP of each chunk's input per tensor-parallel rank)."""
+`--distribute-saved-activations` (full recompute keeps 1/TP of each chunk's input per tensor-parallel rank) and
+`--recompute-modules` (what selective recompute recomputes; its rules are `TransformerConfig`'s)."""
 
 
 def add_arguments(parser):
@@ -18,6 +19,16 @@ def add_arguments(parser):
         help="With --recompute-granularity full and TP > 1: keep only each tensor-parallel rank's 1/TP slice of a "
         "recomputed chunk's input between forward and backward; the recompute all-gathers it (not with "
         "--sequence-parallel, whose input is split already).",
+    )
+    group.add_argument(
+        "--recompute-modules",
+        nargs="*",
+        default=None,
+        help="With --recompute-granularity selective: the parts of each layer recomputed in backward instead of "
+        "kept (default: core_attn). core_attn: attention scores and softmax; mlp: dense MLP layers; moe: whole MoE "
+        "layers; shared_experts: the MoE shared experts; layernorm: both norms of a layer; moe_act: the routed "
+        "experts' activation; mla_up_proj: multi-latent attention's up projections and RoPE. The last three also "
+        "drop their outputs, which the next module would keep.",
     )
 
 

@@ -26,9 +26,13 @@ operands). Tensor-parallel ranks of one expert run the same experts on the same 
 tensor-parallel amax reductions of current scaling line up. Under delayed scaling each expert's amaxes are
 reduced by its global index (`fp8_step_states_by_global_expert`), so an expert's scales do not depend on the
 expert-parallel size.
+
+Selective `--recompute-modules moe_act` keeps neither the activation's output (fc2's input) nor what the
+activation saves: backward recomputes them from fc1's output (`output_recomputed_in_backward`).
 """
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +44,7 @@ from megatron.core.offloading.fine_grained import offloaded_saved_tensors
 from megatron.core.optional_deps import HAVE_TE
 from megatron.core.transformer.init_seeds import derive_init_seed
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.recompute import output_recomputed_in_backward
 
 
 def expert_init_seed(layer_init_seed, global_expert_index):
@@ -70,6 +75,18 @@ def _activate(config, intermediate):
         units = intermediate.view(*intermediate.shape[:-1], intermediate.size(-1) // 2, 2)
         return config.activation_func(units[..., 0]) * units[..., 1]
     return config.activation_func(intermediate)
+
+
+def _activate_then(config, intermediate, recompute, consumer, offload_context):
+    """`consumer(activation(intermediate))`, the activation under `offload_context` (`--offload-modules moe_act`);
+    with `recompute` the activation's output is not kept for backward (offloading excludes recompute)."""
+    if not recompute:
+        with offload_context:
+            activated = _activate(config, intermediate)
+        return consumer(activated)
+    activated, consumer_context = output_recomputed_in_backward(functools.partial(_activate, config), intermediate)
+    with consumer_context:
+        return consumer(activated)
 
 
 class SequentialMLP(torch.nn.Module):
@@ -127,10 +144,13 @@ class SequentialMLP(torch.nn.Module):
         fc1, fc2 = expert.linear_fc1, expert.linear_fc2
         with offloaded_saved_tensors(self, "expert_fc1"):
             intermediate = fc1._matmul(tokens, fc1.weight, fc1.bias)
-        with offloaded_saved_tensors(self, "moe_act"):
-            activated = _activate(self.expert_config, intermediate)
-        partial = fc2._matmul(activated, fc2.weight, None)
+        partial = _activate_then(self.expert_config, intermediate, self._recompute_activation(),
+                                 lambda activated: fc2._matmul(activated, fc2.weight, None),
+                                 offloaded_saved_tensors(self, "moe_act"))
         return self._fc2_bias(partial, expert)
+
+    def _recompute_activation(self):
+        return self.training and self.config.recomputes("moe_act")
 
     def fp8_step_states_by_global_expert(self):
         """Once per optimizer step (`reduce_fp8_amaxes`): every local expert's FP8 step states (its linears'
@@ -231,10 +251,10 @@ class GroupedMLP(SequentialMLP):
             intermediate = _grouped_mm(tokens, fc1, offsets)
             if experts[0].linear_fc1.bias is not None:
                 intermediate = intermediate + torch.stack([e.linear_fc1.bias for e in experts])[expert_of_row]
-        with offloaded_saved_tensors(self, "moe_act"):
-            activated = _activate(config, intermediate)
         fc2 = torch.stack([expert.linear_fc2.weight.t() for expert in experts])
-        partial = _grouped_mm(activated, fc2, offsets)
+        partial = _activate_then(config, intermediate, self._recompute_activation(),
+                                 lambda activated: _grouped_mm(activated, fc2, offsets),
+                                 offloaded_saved_tensors(self, "moe_act"))
         if experts[0].linear_fc2.bias is None:
             return partial
         biases = torch.stack([expert.linear_fc2.bias for expert in experts])

@@ -2,8 +2,8 @@
 experts, optional shared experts). `[s, b, h]` in, `[s, b, h]` out, like the dense `MLP` it replaces.
 
 `--moe-apply-probs-on-input` (top-1) scales each token by its routing probability before dispatch and combines
-the experts' outputs with weight 1; `--moe-layer-recompute` checkpoints the whole layer (its collectives run
-again in backward).
+the experts' outputs with weight 1; `--moe-layer-recompute` (or selective `--recompute-modules moe`) checkpoints
+the whole layer (its collectives run again in backward).
 """
 
 import torch
@@ -46,7 +46,7 @@ class MoELayer(torch.nn.Module):
             self.shared_experts = SharedExpertMLP(config, init_seed)
 
     def forward(self, hidden_states):
-        if self.config.moe_layer_recompute and self.training:
+        if (self.config.moe_layer_recompute or self.config.recomputes("moe")) and self.training:
             return checkpointed(self._forward, hidden_states)
         return self._forward(hidden_states)
 

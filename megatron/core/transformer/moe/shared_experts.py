@@ -6,6 +6,8 @@ experts' output.
 `--moe-shared-expert-gate` multiplies that output by sigmoid(x . w) per token, `gate_weight` w `[1, hidden]`. Like
 the router weight, w is replicated on every rank; under sequence parallelism each tensor-parallel rank gates its
 own tokens, so w is marked `sequence_parallel` and its gradient is summed over the tensor-parallel group.
+
+Selective `--recompute-modules shared_experts` checkpoints the shared experts (gate included) in training.
 """
 
 import dataclasses
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 
 from megatron.core.transformer.init_seeds import derive_init_seed, initialization_rng
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.recompute import checkpointed
 from megatron.core.transformer.utils import initialize_from_cpu_master, parameter_device
 
 
@@ -40,6 +43,11 @@ class SharedExpertMLP(MLP):
 
     def forward(self, hidden_states):
         """`[s, b, h]` (or its sequence-parallel slice) -> same shape, gated per token when configured."""
+        if self.training and self.config.recomputes("shared_experts"):
+            return checkpointed(self._gated_forward, hidden_states)
+        return self._gated_forward(hidden_states)
+
+    def _gated_forward(self, hidden_states):
         output = super().forward(hidden_states)
         if self.gate_weight is None:
             return output
