@@ -30,4 +30,5 @@ def test_the_reasons_given_hold():
     block_parameters = inspect.signature(TransformerBlock.__init__).parameters
     assert "spec" not in block_parameters and "post_layer_norm" not in block_parameters
     assert not hasattr(RotaryEmbedding, "get_rotary_seq_len")
-    assert "inference_context" not in inspect.signature(TransformerBlock.forward).parameters
+    block_forward = inspect.signature(TransformerBlock.forward).parameters
+    assert "inference_params" not in block_forward and "packed_seq_params" not in block_forward

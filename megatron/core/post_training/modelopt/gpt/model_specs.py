@@ -8,7 +8,7 @@ its conversion (`mtsp.convert(model, [("eagle", cfg)])`) builds a `TransformerCo
 (`attention_softmax_in_fp32`, ...) and then assigns attributes on it (`transformer_layer_spec`, `seq_length`,
 `hidden_size`, `pipeline_model_parallel_size`, ...), where this config is frozen; it builds
 `TransformerBlock(config, spec=..., post_layer_norm=...)`, uses upstream's `RotaryEmbedding.get_rotary_seq_len`,
-and calls the decoder with `inference_params`, `packed_seq_params` and `inference_context`.
+and calls the decoder with `inference_params` and `packed_seq_params` (the block here takes `inference_context` only).
 The function keeps its upstream name and signature and says precisely that, and what to use instead.
 """
 
@@ -20,7 +20,7 @@ UNSUPPORTED_MESSAGE = (
     "mutable TransformerConfig with its upstream-only fields (attention_softmax_in_fp32, ...; this one is frozen "
     "and validated once), TransformerBlock(spec=..., post_layer_norm=...), upstream's "
     "RotaryEmbedding.get_rotary_seq_len and decoder calls with inference_params / "
-    "packed_seq_params / inference_context. Instead: for draft-model speculative decoding, distil a smaller draft "
+    "packed_seq_params (the block here takes inference_context only). Instead: for draft-model speculative decoding, distil a smaller draft "
     "GPT from this model (examples/post_training/distill.py, or width-prune it first with "
     "examples/post_training/prune.py); for EAGLE heads, export the checkpoint to Hugging Face format "
     "(tools/checkpoint/convert_checkpoint.py --to hf) and train them with modelopt's Hugging Face EAGLE plugin "
