@@ -162,7 +162,7 @@ ARCHITECTURE_FLAGS = (
     ArchitectureFlag("--moe-shared-expert-gate", _switch("moe_shared_expert_gate"), is_switch=True,
                      compared=_both_have_shared_experts),
 )
-VOCAB_FLAG = "vocabulary size (the tokenizer's, before padding; --vocab-size with NullTokenizer)"
+VOCAB_FLAG = "vocabulary size (the tokenizer's, before padding; --vocab-size + 1 with NullTokenizer)"
 
 
 @functools.lru_cache(maxsize=8)
@@ -188,11 +188,11 @@ def true_vocab_size(args) -> Optional[int]:
 
 def saved_true_vocab_size(recorded: Optional[int], saved_args) -> Optional[int]:
     """The checkpoint's vocabulary size before padding: as recorded at save, else what its args say (a
-    NullTokenizer's --vocab-size); None when neither tells."""
+    NullTokenizer's --vocab-size + 1: its text ids and the end-of-document id); None when neither tells."""
     if recorded is not None:
         return int(recorded)
-    if getattr(saved_args, "tokenizer_type", None) == "NullTokenizer":
-        return getattr(saved_args, "vocab_size", None)
+    if getattr(saved_args, "tokenizer_type", None) == "NullTokenizer" and getattr(saved_args, "vocab_size", None):
+        return saved_args.vocab_size + 1  # the text ids and the end-of-document id after them
     return None
 
 
@@ -229,7 +229,11 @@ def check_same_architecture(checkpoint: str, saved_args, args, saved_vocab_size=
 
     wanted = [flag.launch_with(saved_args) for flag, _, _ in _differing_flags(saved_args, args)]
     if saved_vocab_size is not None and vocab_size is not None and saved_vocab_size != vocab_size:
-        wanted.append(f"tokenizer ({saved_vocab_size} tokens)")
+        if getattr(saved_args, "tokenizer_type", None) == "NullTokenizer":
+            wanted.append(f"--tokenizer-type NullTokenizer --vocab-size {saved_vocab_size - 1} ({saved_vocab_size} "
+                          "tokens with the end-of-document id)")
+        else:
+            wanted.append(f"tokenizer ({saved_vocab_size} tokens)")
     raise CheckpointError(
         f"checkpoint {checkpoint} holds another model than this run builds: " + "; ".join(differences) + ". "
         "These change what the saved weights mean (most without changing their shapes) or which weights there "

@@ -52,14 +52,16 @@ def to_safetensors(directory, output):
 
 def true_vocab_size(common, vocab_size=None):
     """The tokenizer's vocabulary size (HF's embedding rows): `vocab_size` if given, else as the checkpoint
-    recorded it, else from its arguments (a NullTokenizer's --vocab-size, or the tokenizer rebuilt)."""
+    recorded it, else from its arguments (a NullTokenizer's --vocab-size + 1, or the tokenizer rebuilt)."""
     if vocab_size is not None:
         return vocab_size
     if common.get("vocab_size") is not None:
         return int(common["vocab_size"])
     args = common.get("args")
     tokenizer_type = getattr(args, "tokenizer_type", None)
-    if tokenizer_type in (None, "NullTokenizer") and getattr(args, "vocab_size", None) is not None:
+    if tokenizer_type == "NullTokenizer" and getattr(args, "vocab_size", None) is not None:
+        return args.vocab_size + 1  # the text ids and the end-of-document id after them
+    if tokenizer_type is None and getattr(args, "vocab_size", None) is not None:
         return args.vocab_size
     from megatron.training.tokenizer import build_tokenizer_from_args
 

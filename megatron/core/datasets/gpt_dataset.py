@@ -213,7 +213,9 @@ class GPTDataset(torch.utils.data.Dataset):
 class MockGPTDataset(torch.utils.data.Dataset):
     """`num_samples` samples of random token ids, reproducible from (seed, split, sample index); no files.
 
-    Ids are drawn from `[0, vocab_size - 1)`, so the eod id never appears.
+    Ids are drawn uniformly from every id of the tokenizer's vocabulary except its eod, so the eod never appears:
+    `[0, eod)` when the eod is the last id (NullTokenizer's `--vocab-size N`: the text ids `0 .. N - 1`; GPT-2's
+    50256), and otherwise `[0, vocab_size - 1)` with the ids from the eod on moved up by one, skipping it.
     """
 
     def __init__(self, config, split, num_samples):
@@ -221,15 +223,21 @@ class MockGPTDataset(torch.utils.data.Dataset):
         self.split = split
         self.num_samples = int(num_samples)
         self.vocab_size = int(config.tokenizer.vocab_size)
+        self.eod = int(config.tokenizer.eod)
         if self.vocab_size < 2:
-            raise ValueError(f"--mock-data needs --vocab-size of at least 2 (got {self.vocab_size})")
+            raise ValueError(f"--mock-data needs a vocabulary with at least one id besides the eod (got "
+                             f"{self.vocab_size} ids; NullTokenizer: --vocab-size of at least 1)")
+        if not 0 <= self.eod < self.vocab_size:
+            raise ValueError(f"--mock-data needs the tokenizer's eod id ({self.eod}) inside its vocabulary "
+                             f"[0, {self.vocab_size})")
 
     def __len__(self):
         return self.num_samples
 
     def token_window(self, idx):
         rng = np.random.default_rng([int(self.config.random_seed), self.split.value, int(idx)])
-        return rng.integers(0, self.vocab_size - 1, size=self.config.sequence_length + 1, dtype=np.int64)
+        token_ids = rng.integers(0, self.vocab_size - 1, size=self.config.sequence_length + 1, dtype=np.int64)
+        return token_ids + (token_ids >= self.eod)
 
     def __getitem__(self, idx):
         if not 0 <= idx < self.num_samples:

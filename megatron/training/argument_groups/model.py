@@ -101,7 +101,9 @@ def add_arguments(parser):
         default=128,
         help="Pad the vocabulary to a multiple of this value x tensor-parallel size.",
     )
-    group.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size (needed by NullTokenizer).")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="Vocabulary size; NullTokenizer: the text ids 0..N-1, with the end-of-document id N "
+                       "after them (N + 1 ids, as upstream).")
     group.add_argument(
         "--attention-backend",
         default="auto",

@@ -4,19 +4,23 @@ from megatron.training.tokenizer.abstract_tokenizer import MegatronTokenizer
 
 
 class NullTokenizer(MegatronTokenizer):
-    """Ids `0 .. vocab_size - 1`; the last id is the end-of-document token."""
+    """Text ids `0 .. N - 1` for `--vocab-size N`, and the end-of-document token N after them: N + 1 ids in all,
+    as upstream's NullTokenizer (so pre-tokenized data may use every id below N, and the padded vocabulary is
+    upstream's)."""
 
     def __init__(self, vocab_size):
-        if vocab_size is None or int(vocab_size) < 2:
-            raise ValueError(f"NullTokenizer needs --vocab-size of at least 2 (got {vocab_size})")
-        self._vocab_size = int(vocab_size)
+        if vocab_size is None or int(vocab_size) < 1:
+            raise ValueError(f"NullTokenizer needs --vocab-size of at least 1 (got {vocab_size})")
+        self._text_ids = int(vocab_size)
 
     def tokenize(self, text):
         token_ids = [int(piece) for piece in text.split()]
-        out_of_range = [token for token in token_ids if not 0 <= token < self._vocab_size]
+        out_of_range = [token for token in token_ids if not 0 <= token <= self._text_ids]
         if out_of_range:
             raise ValueError(
-                f"NullTokenizer got ids {out_of_range[:5]} outside [0, {self._vocab_size}); raise --vocab-size"
+                f"NullTokenizer got ids {out_of_range[:5]} outside [0, {self._text_ids}] (--vocab-size "
+                f"{self._text_ids}: the text ids 0..{self._text_ids - 1} and the end-of-document id "
+                f"{self._text_ids}); raise --vocab-size"
             )
         return token_ids
 
@@ -25,8 +29,8 @@ class NullTokenizer(MegatronTokenizer):
 
     @property
     def vocab_size(self):
-        return self._vocab_size
+        return self._text_ids + 1
 
     @property
     def eod(self):
-        return self._vocab_size - 1
+        return self._text_ids

@@ -5,7 +5,7 @@ import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 VOCAB_SIZE = 100
-EOD = VOCAB_SIZE - 1  # NullTokenizer's eod
+EOD = VOCAB_SIZE - 1  # the last id ends documents (EodOnlyTokenizer below; NullTokenizer(VOCAB_SIZE - 1).eod)
 
 
 class EodOnlyTokenizer:

@@ -4,7 +4,12 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset, build_gpt_datasets
+from megatron.core.datasets.gpt_dataset import (
+    GPTDatasetConfig,
+    MockGPTDataset,
+    build_gpt_datasets,
+    sample_from_tokens,
+)
 from megatron.core.datasets.gpt_indices import samples_in_tokens, separate_final_epoch
 from megatron.core.datasets.utils import Split, blend_from_data_path
 from megatron.training.tokenizer import NullTokenizer
@@ -232,12 +237,55 @@ def test_mock_dataset_is_deterministic():
         sample = train[i]
         torch.testing.assert_close(sample, again[i], rtol=0, atol=0)
         assert sample["tokens"].shape == (SEQ,)
-        assert 0 <= int(sample["tokens"].min()) and int(sample["tokens"].max()) < 49
+        # The text ids 0..49 of --vocab-size 50; never the eod 50.
+        assert 0 <= int(sample["tokens"].min()) and int(sample["tokens"].max()) < config.tokenizer.eod == 50
         torch.testing.assert_close(sample["tokens"][1:], sample["labels"][:-1], rtol=0, atol=0)
     assert not torch.equal(train[0]["tokens"], valid[0]["tokens"])
     other_seed = MockGPTDataset(GPTDatasetConfig(random_seed=6, sequence_length=SEQ, mock=True,
                                                  tokenizer=NullTokenizer(50)), Split.train, 6)
     assert not torch.equal(train[0]["tokens"], other_seed[0]["tokens"])
+
+
+class _MidVocabularyEodTokenizer:
+    """An eod that is not the last id (as a tokenizer whose special tokens come first)."""
+
+    eod = 2
+    vocab_size = 6
+
+
+@pytest.mark.parametrize("tokenizer, drawn_ids", [
+    (NullTokenizer(5), [0, 1, 2, 3, 4]),  # the text ids of --vocab-size 5, below its eod 5
+    (_MidVocabularyEodTokenizer(), [0, 1, 3, 4, 5]),
+])
+def test_mock_dataset_draws_every_id_but_the_eod(tokenizer, drawn_ids):
+    dataset = MockGPTDataset(GPTDatasetConfig(random_seed=3, sequence_length=63, mock=True, tokenizer=tokenizer),
+                             Split.train, 4)
+    assert np.unique(np.concatenate([dataset.token_window(i) for i in range(4)])).tolist() == drawn_ids
+
+
+def test_mock_dataset_rejects_an_eod_outside_the_vocabulary():
+    tokenizer = _MidVocabularyEodTokenizer()
+    tokenizer.eod = 6
+    with pytest.raises(ValueError, match=r"--mock-data needs the tokenizer's eod id \(6\) inside"):
+        MockGPTDataset(GPTDatasetConfig(random_seed=3, sequence_length=8, mock=True, tokenizer=tokenizer),
+                       Split.train, 1)
+
+
+def test_null_tokenizer_last_text_id_is_text_and_the_next_id_ends_documents():
+    """Pre-tokenized data for --vocab-size 50 may use id 49 as text; only 50, the eod, closes a document."""
+    tokenizer = NullTokenizer(50)
+    documents = ["7 49 3", "49 49", "0 12 49 5"]
+    window = np.array([token for text in documents for token in tokenizer.tokenize(text) + [tokenizer.eod]])
+    np.testing.assert_array_equal(window, [7, 49, 3, 50, 49, 49, 50, 0, 12, 49, 5, 50])
+    config = GPTDatasetConfig(random_seed=1, sequence_length=len(window) - 1, blend=(["unused"], None),
+                              tokenizer=tokenizer, eod_mask_loss=True, reset_position_ids=True,
+                              reset_attention_mask=True, create_attention_mask=True)
+    sample = sample_from_tokens(window, config)
+    np.testing.assert_array_equal(sample["loss_mask"].numpy(), [1, 1, 1, 0, 1, 1, 0, 1, 1, 1, 1])
+    np.testing.assert_array_equal(sample["position_ids"].numpy(), [0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3])
+    document_of_position = np.array([0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2])
+    allowed = np.tril(document_of_position[:, None] == document_of_position[None, :])
+    np.testing.assert_array_equal(sample["attention_mask"][0].numpy(), ~allowed)
 
 
 def _build_on_ranks_with_shared_cache(prefix, cache):

@@ -14,7 +14,7 @@ from megatron.training.datasets.gpt_dataset_config import check_datasets_follow_
 from megatron.training.tokenizer import NullTokenizer
 
 VOCAB_SIZE = 100
-EOD = VOCAB_SIZE - 1
+EOD = NullTokenizer(VOCAB_SIZE).eod  # ends every document written here
 # Each dataset's tokens come from its own id range, so a sample tells which dataset it was read from.
 TOKEN_RANGES = {"a": (0, 20), "b": (20, 40), "c": (40, 60), "d": (60, 80)}
 COUNTS = [40, 16, 8]

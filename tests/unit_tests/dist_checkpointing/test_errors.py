@@ -155,9 +155,11 @@ def test_bad_inputs_get_errors_naming_tensor_or_file(tmp_path, world_size):
     assert "--normalization LayerNorm, no --apply-layernorm-1p" in first["layernorm_1p_rmsnorm"]
     assert ("--add-qkv-bias: not set in the checkpoint, set in this run; --apply-residual-connection-post-layernorm: "
             "not set in the checkpoint, set in this run") in first["qkv_bias_post_layernorm"]
-    assert ("vocabulary size (the tokenizer's, before padding; --vocab-size with NullTokenizer): 120 in the "
-            "checkpoint, 100 in this run") in first["vocab"]
-    assert "tokenizer (120 tokens)" in first["vocab"]
+    # NullTokenizer --vocab-size N: N text ids and the eod
+    assert ("vocabulary size (the tokenizer's, before padding; --vocab-size + 1 with NullTokenizer): "
+            f"{120 + 1} in the checkpoint, {100 + 1} in this run") in first["vocab"]
+    assert ("launch with the checkpoint's --tokenizer-type NullTokenizer --vocab-size 120 (121 tokens with the "
+            "end-of-document id)") in first["vocab"]
     assert first["unchanged"] and first["legacy_unchanged"]
     assert ".metadata is truncated or damaged" in first["metadata"]
     assert all("__1_0.distcp" in result["shard"] and "missing or damaged" in result["shard"] for result in results)

@@ -2,7 +2,7 @@
 learns from a 4-layer teacher loaded from its torch_dist checkpoint. In every microbatch the loss
 backpropagated equals KL(teacher || student) of the two models' logits summed over the unmasked tokens, the
 teacher's distribution over the real vocabulary, computed here independently from the teacher and student of that
-step. The teacher was saved with another vocabulary padding (120 rows) than the student's (128): its padded
+step. The teacher was saved with another vocabulary padding (121 rows) than the student's (128): its padded
 entries, random, must get probability 0, and the student's distribution keeps every entry."""
 
 import os
@@ -20,9 +20,11 @@ pytestmark = pytest.mark.skipif(
     not modelopt_installed(), reason="nvidia-modelopt is not installed (pip install -e '.[modelopt]')"
 )
 
-# Sums over 2 x 16 tokens of a KL divergence between 120-way distributions, in fp32.
+# Sums over 2 x 16 tokens of a KL divergence between 121-way distributions, in fp32.
 REL_TOLERANCE = 1e-5
-REAL_VOCAB_SIZE = 120  # --vocab-size of tiny_gpt_argv; padded to 128 rows by --make-vocab-size-divisible-by 64
+# NullTokenizer --vocab-size 120 of tiny_gpt_argv: the text ids 0..119 and the eod 120; padded to 128 rows by
+# --make-vocab-size-divisible-by 64
+REAL_VOCAB_SIZE = 120 + 1
 
 _records = []
 
@@ -74,7 +76,7 @@ def _distill(workdir):
     import_modelopt_plugins()
     teacher = os.path.join(workdir, "teacher")
     teacher_losses = run_pretrain(workdir, f"--train-iters 4 --save {teacher} --save-interval 4 "
-                                  "--ckpt-format torch_dist --make-vocab-size-divisible-by 8")
+                                  "--ckpt-format torch_dist --make-vocab-size-divisible-by 1")
     _records.clear()
     argv = tiny_gpt_argv(f"--num-layers 2 --train-iters 2 --export-kd-teacher-load {teacher}").split()
     pretrain(pretrain_gpt.train_valid_test_datasets_provider, distill.model_provider, ModelType.encoder_or_decoder,
@@ -140,15 +142,15 @@ def test_teacher_takes_defaults_for_flags_its_checkpoint_predates_and_refuses_an
 
     predated = ("use_rope_scaling", "rope_scaling_factor")
     saved = SimpleNamespace(**{name: f"teacher {name}" for name in TEACHER_ARCHITECTURE if name not in predated})
-    teacher = _teacher_arguments_from(monkeypatch, saved, 120, use_rope_scaling=True, rope_scaling_factor=32.0)
+    teacher = _teacher_arguments_from(monkeypatch, saved, 121, use_rope_scaling=True, rope_scaling_factor=32.0)
     assert teacher.use_rope_scaling is False and teacher.rope_scaling_factor == 8.0  # the flags' defaults
     assert teacher.num_layers == "teacher num_layers" and teacher.rotary_base == "teacher rotary_base"
     assert (teacher.load, teacher.finetune, teacher.no_load_rng) == ("teacher_dir", True, True)
 
     with pytest.raises(ValueError, match=r"--export-kd-teacher-load teacher_dir: the teacher's vocabulary has 100 "
-                                         r"tokens, the student's \(this run's tokenizer\) 120"):
+                                         r"tokens, the student's \(this run's tokenizer\) 121"):
         _teacher_arguments_from(monkeypatch, saved, 100)
     for flag, name, value in (("--num-experts", "num_experts", 4), ("--mtp-num-layers", "mtp_num_layers", 1),
                               ("--multi-latent-attention", "multi_latent_attention", True)):
         with pytest.raises(ValueError, match=f"the teacher was trained with {flag}; distill.py builds dense GPT"):
-            _teacher_arguments_from(monkeypatch, SimpleNamespace(**{**vars(saved), name: value}), 120)
+            _teacher_arguments_from(monkeypatch, SimpleNamespace(**{**vars(saved), name: value}), 121)

@@ -2,12 +2,15 @@ import json
 
 import pytest
 
+from megatron.training import checkpoint_args
+from megatron.training.arguments import parse_args, validate_args
 from megatron.training.tokenizer import (
     ByteLevelTokenizer,
     GPT2BPETokenizer,
     HuggingFaceTokenizer,
     NullTokenizer,
     build_tokenizer,
+    build_tokenizer_from_args,
     pad_vocab_size,
 )
 from megatron.training.tokenizer.bpe_training import save_bpe_tokenizer, train_bpe_tokenizer
@@ -24,14 +27,40 @@ SAMPLE_TEXTS = [
 def test_null_tokenizer():
     tokenizer = build_tokenizer("NullTokenizer", vocab_size=1000)
     assert isinstance(tokenizer, NullTokenizer)
-    assert (tokenizer.vocab_size, tokenizer.eod, tokenizer.pad) == (1000, 999, 999)
-    assert tokenizer.tokenize("5 17  998\n3") == [5, 17, 998, 3]
-    assert tokenizer.detokenize([5, 17, 998, 3]) == "5 17 998 3"
-    assert tokenizer.tokenize(tokenizer.detokenize([0, 999, 42])) == [0, 999, 42]
+    # Upstream's layout: the text ids 0..999, then the end-of-document id 1000.
+    assert (tokenizer.vocab_size, tokenizer.eod, tokenizer.pad) == (1001, 1000, 1000)
+    assert tokenizer.tokenize("5 17  999\n3") == [5, 17, 999, 3]
+    assert tokenizer.detokenize([5, 17, 999, 3]) == "5 17 999 3"
+    assert tokenizer.tokenize(tokenizer.detokenize([0, 999, 42, 1000])) == [0, 999, 42, 1000]
     with pytest.raises(ValueError, match="--vocab-size"):
-        tokenizer.tokenize("1000")
+        tokenizer.tokenize("1001")
+    with pytest.raises(ValueError, match="--vocab-size"):
+        tokenizer.tokenize("-1")
     with pytest.raises(ValueError, match="--vocab-size"):
         build_tokenizer("NullTokenizer")
+    with pytest.raises(ValueError, match="--vocab-size of at least 1"):
+        build_tokenizer("NullTokenizer", vocab_size=0)
+    one_text_id = build_tokenizer("NullTokenizer", vocab_size=1)
+    assert (one_text_id.vocab_size, one_text_id.eod, one_text_id.tokenize("0 1")) == (2, 1, [0, 1])
+
+
+@pytest.mark.parametrize("flags, true_vocab_size, padded_vocab_size", [
+    ("--vocab-size 255 --make-vocab-size-divisible-by 64", 256, 256),  # the functional test cases
+    ("--vocab-size 256 --make-vocab-size-divisible-by 64", 257, 320),
+    ("--vocab-size 1024 --tensor-model-parallel-size 2", 1025, 1280),
+])
+def test_null_tokenizer_vocabulary_sizes_are_upstreams(flags, true_vocab_size, padded_vocab_size, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    args = validate_args(parse_args(args=(
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 "
+        "--train-iters 1 --lr 1e-3 --mock-data " + flags).split()))
+    tokenizer = build_tokenizer_from_args(args)
+    assert (tokenizer.vocab_size, tokenizer.eod) == (true_vocab_size, args.vocab_size)
+    assert checkpoint_args.true_vocab_size(args) == true_vocab_size
+    assert checkpoint_args.saved_true_vocab_size(None, args) == true_vocab_size
+    assert pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+                          args.tensor_model_parallel_size) == padded_vocab_size
 
 
 def test_byte_level_tokenizer():

@@ -47,7 +47,8 @@ MODELS = {
                       "--fp8-format hybrid --fp8-amax-history-len 4", True),
 }
 FP32_MODELS = [name for name in MODELS if "fp8" not in name]
-VOCAB, PADDED_VOCAB, SEQUENCE = 120, 128, 16  # TINY_GPT: --vocab-size 120 --make-vocab-size-divisible-by 64
+# TINY_GPT: NullTokenizer --vocab-size 120 (the text ids 0..119 and the eod 120) --make-vocab-size-divisible-by 64
+VOCAB, PADDED_VOCAB, SEQUENCE = 120 + 1, 128, 16
 # fp32 on CPU. Measured with transformers 5.24: GPT-2 style 0 (the same torch ops in the same order), Llama style
 # 6e-7 on logits of magnitude ~2 (HF's RMSNorm computes x * rsqrt(mean(x^2) + eps) by hand where we call
 # F.rms_norm, and its attention repeats the key/value heads where we pass enable_gqa): rounding only, and the
@@ -392,6 +393,16 @@ def test_models_hugging_face_cannot_compute_are_refused_naming_the_flag(tools):
     refusal = hf_unsupported.hf_export_refusal(argparse.Namespace(mtp_num_layers=2))
     assert "--mtp-num-layers 2: multi-token prediction layers" in refusal and "--to torch" in refusal
     assert hf_unsupported.hf_export_refusal(argparse.Namespace(mtp_num_layers=None)) is None
+
+
+def test_true_vocab_size_of_a_checkpoint_without_a_recorded_one(tools):
+    convert_checkpoint, _ = tools
+    null = argparse.Namespace(tokenizer_type="NullTokenizer", vocab_size=120)
+    assert convert_checkpoint.true_vocab_size({"args": null}) == 121  # the text ids 0..119 and the eod 120
+    assert convert_checkpoint.true_vocab_size({"args": null, "vocab_size": 125}) == 125
+    assert convert_checkpoint.true_vocab_size({"args": null}, vocab_size=119) == 119
+    byte_level = argparse.Namespace(tokenizer_type="ByteLevelTokenizer", vocab_size=None)
+    assert convert_checkpoint.true_vocab_size({"args": byte_level}) == 257
 
 
 def test_hugging_face_configs_we_cannot_compute_are_refused(tools):
