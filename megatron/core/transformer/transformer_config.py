@@ -510,6 +510,10 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelPar
                 raise ValueError(f"--fp8-recipe delayed does not support --recompute-modules {requantized}: the "
                                  f"recomputed linears would be quantized with an amax history that has moved on since "
                                  f"the forward pass; use --fp8-recipe tensorwise or drop {requantized}")
+        if self.fp8_recipe == "delayed" and self.transformer_impl == "local" and self.moe_layer_recompute:
+            raise ValueError("--fp8-recipe delayed does not support --moe-layer-recompute: the recomputed expert "
+                             "linears would be quantized with an amax history that has moved on since the forward "
+                             "pass; use --fp8-recipe tensorwise or drop --moe-layer-recompute")
 
     def _validate_context_parallel(self):
         from megatron.core.transformer.context_parallel.a2a_attention import check_heads_divisible

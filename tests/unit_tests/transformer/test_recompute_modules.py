@@ -318,3 +318,12 @@ def test_moe_pretrain_trains_the_same_losses(tmp_path, wrapper_flags):
     for plain, recomputed, configs in run_on_ranks(2, _pretrain_losses, str(tmp_path), wrapper_flags):
         assert configs == {("selective", ("core_attn", "layernorm", "moe_act", "shared_experts", "mlp"))}
         assert sorted(plain) == [1, 2, 3, 4] and recomputed == plain  # exact
+
+
+def test_delayed_fp8_refuses_moe_layer_recompute_as_it_refuses_the_moe_module():
+    with pytest.raises(ValueError, match=r"--fp8-recipe delayed does not support --moe-layer-recompute: .* use "
+                                         r"--fp8-recipe tensorwise or drop --moe-layer-recompute"):
+        TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, fp8="hybrid", fp8_recipe="delayed",
+                          moe_layer_recompute=True, **MOE)
+    TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, fp8="hybrid", fp8_recipe="tensorwise",
+                      moe_layer_recompute=True, **MOE)  # current scaling recomputes identically
