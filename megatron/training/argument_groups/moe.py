@@ -100,6 +100,21 @@ def add_arguments(parser):
     group.add_argument("--moe-enable-deepep", action="store_true",
                        help="Upstream: DeepEP's dispatcher (CUDA, with --moe-token-dispatcher-type flex). Not "
                        "provided by this build: an error.")
+    group.add_argument("--moe-flex-dispatcher-backend", choices=("deepep", "hybridep"), default="deepep",
+                       help="Upstream: the kernel library behind --moe-token-dispatcher-type flex, which this build "
+                       "refuses (CUDA only); accepted for upstream scripts.")
+    group.add_argument("--moe-hybridep-num-sms", type=int, default=16,
+                       help="Accepted for upstream scripts: the streaming multiprocessors HybridEP uses; only "
+                       "HybridEP reads it (no effect here).")
+    group.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
+                       help="Accepted for upstream scripts: upstream overlaps the expert-parallel token exchange of "
+                       "one microbatch with another's compute on CUDA streams; here the exchange runs in order (no "
+                       "effect on results).")
+    group.add_argument("--moe-use-upcycling", action="store_true",
+                       help="Upstream: build the MoE model from a dense checkpoint (--load) by copying its MLPs into "
+                       "every expert. Not provided here: an error.")
+    group.add_argument("--moe-upcycling-granularity", type=int, default=1,
+                       help="Upstream: experts per dense MLP slice when upcycling (only with --moe-use-upcycling).")
     group.add_argument("--moe-deepep-num-sms", type=int, default=20,
                        help="Accepted for upstream scripts: the streaming multiprocessors DeepEP uses; only DeepEP "
                        "reads it (no effect here).")
@@ -131,6 +146,11 @@ def validate(args):
     if args.moe_enable_deepep:
         raise ValueError("--moe-enable-deepep needs DeepEP on CUDA GPUs, which this build does not provide: drop it "
                          "and use --moe-token-dispatcher-type alltoall (or allgather)")
+    if args.moe_use_upcycling:
+        raise ValueError("--moe-use-upcycling (building a MoE model from a dense checkpoint) is not supported: train "
+                         "the MoE model from scratch, or load a MoE checkpoint; drop --moe-use-upcycling")
+    if args.moe_upcycling_granularity != 1:
+        raise ValueError("--moe-upcycling-granularity applies to --moe-use-upcycling, which is not supported; drop it")
     if args.moe_deepep_num_sms <= 0:
         raise ValueError(f"--moe-deepep-num-sms must be positive, got {args.moe_deepep_num_sms}")
     # One type and coefficient stay a str and a float (as before lists were accepted, and in saved checkpoint
