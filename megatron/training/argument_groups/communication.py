@@ -25,6 +25,16 @@ def _add_pipeline_arguments(group):
     group.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm",
                        help="Accepted for upstream scripts: the same schedule runs as with "
                        "--overlap-p2p-communication (see there).")
+    group.add_argument("--overlap-p2p-communication-warmup-flush", action="store_true",
+                       dest="overlap_p2p_comm_warmup_flush", default=False,
+                       help="Accepted for upstream scripts: upstream also overlaps the interleaved pipeline's "
+                       "transfers with compute in the warm-up and the flush. Here every phase of the interleaved "
+                       "schedule posts its sends and receives together (see --overlap-p2p-communication): it "
+                       "changes no value. Off without an interleaved pipeline, as upstream.")
+    group.add_argument("--no-overlap-p2p-communication-warmup-flush", action="store_false",
+                       dest="overlap_p2p_comm_warmup_flush",
+                       help="Accepted for upstream scripts: the same schedule runs (see "
+                       "--overlap-p2p-communication-warmup-flush).")
     group.add_argument("--use-ring-exchange-p2p", action="store_true",
                        help="Upstream: torch.distributed.ring_exchange (a custom PyTorch build). Not supported: an "
                        "error.")
@@ -100,6 +110,7 @@ def validate(args):
     if not interleaved:
         # Upstream: only the interleaved schedule overlaps p2p or aligns the parameter all-gathers.
         args.overlap_p2p_comm = False
+        args.overlap_p2p_comm_warmup_flush = False
         args.align_param_gather = False
     _validate_pipeline(args, interleaved)
     _validate_gpu_only(args)

@@ -83,6 +83,8 @@ def _stages_from_layers_per_stage(args, layers):
             f"{LAYERS_FLAG} needs the same number of layers in every virtual stage, which {FIRST_FLAG} / "
             f"{LAST_FLAG} change: give {STAGES_FLAG} instead"
         )
+    if layers < 1:
+        raise ValueError(f"{LAYERS_FLAG} must be at least 1, got {layers}")
     pp = args.pipeline_model_parallel_size
     accounted = int(args.account_for_embedding_in_pipeline_split) + int(args.account_for_loss_in_pipeline_split)
     total = args.num_layers + accounted
@@ -91,7 +93,7 @@ def _stages_from_layers_per_stage(args, layers):
                                    account_for_embedding=args.account_for_embedding_in_pipeline_split,
                                    account_for_loss=args.account_for_loss_in_pipeline_split)
     layers_per_stage = total // pp
-    if layers < 1 or layers_per_stage % layers != 0:
+    if layers_per_stage % layers != 0:
         counted = f" + {accounted} accounted" if accounted else ""
         raise ValueError(
             f"the {layers_per_stage} layers of a pipeline stage (--num-layers {args.num_layers}{counted} / "

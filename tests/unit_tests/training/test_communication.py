@@ -34,6 +34,15 @@ def test_defaults_follow_upstream():
     assert not validated("--no-align-grad-reduce").align_grad_reduce
 
 
+def test_warmup_flush_overlap_is_accepted_for_the_interleaved_schedule():
+    assert not validated(INTERLEAVED).overlap_p2p_comm_warmup_flush
+    assert validated(INTERLEAVED + " --overlap-p2p-communication-warmup-flush").overlap_p2p_comm_warmup_flush
+    assert not validated(INTERLEAVED + " --no-overlap-p2p-communication-warmup-flush").overlap_p2p_comm_warmup_flush
+    # Only the interleaved schedule overlaps anything (as --overlap-p2p-communication).
+    plain = validated("--pipeline-model-parallel-size 2 --overlap-p2p-communication-warmup-flush")
+    assert not plain.overlap_p2p_comm_warmup_flush
+
+
 def test_accepted_switches():
     args = validated("--overlap-p2p-communication --align-grad-reduce --align-param-gather "
                      "--defer-embedding-wgrad-compute --wgrad-deferral-limit 2 --pipeline-model-parallel-size 2 "

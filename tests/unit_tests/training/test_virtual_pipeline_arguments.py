@@ -49,7 +49,11 @@ def test_chunks_per_rank(extra, chunks):
       r"number of microbatches \(3\) modulo --microbatch-group-size-per-virtual-pipeline-stage \(2\)"),
      ("--num-virtual-stages-per-pipeline-rank 2 --global-batch-size 4 "
       "--microbatch-group-size-per-virtual-pipeline-stage 8", "between --pipeline-model-parallel-size"),
-     ("--microbatch-group-size-per-virtual-pipeline-stage 2 --global-batch-size 4", "needs an interleaved pipeline")],
+     ("--microbatch-group-size-per-virtual-pipeline-stage 2 --global-batch-size 4", "needs an interleaved pipeline"),
+     ("--num-layers-per-virtual-pipeline-stage 0 --global-batch-size 4",
+      r"--num-layers-per-virtual-pipeline-stage must be at least 1, got 0"),
+     ("--num-layers-per-virtual-pipeline-stage -2 --global-batch-size 4",
+      r"--num-layers-per-virtual-pipeline-stage must be at least 1, got -2")],
 )
 def test_rules_name_the_flags(extra, message):
     with pytest.raises(ValueError, match=message):

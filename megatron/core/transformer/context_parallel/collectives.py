@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 class RingExchange:
     """One step of a ring: `start(tensor)` sends to the next rank and receives from the previous one; `wait()`
-    returns the received tensor."""
+    returns the received tensor. In a ring of one rank (e.g. the outer level of --hierarchical-context-parallel-sizes
+    A 1) the tensor comes back unchanged without a transfer: a rank cannot send to itself."""
 
     def __init__(self, group):
         self.group = group
@@ -30,6 +31,9 @@ class RingExchange:
 
     def start(self, tensor: torch.Tensor):
         tensor = tensor.contiguous()
+        if self.next_rank == dist.get_rank():
+            self._received = tensor
+            return self
         self._received = torch.empty_like(tensor)
         ops = [dist.P2POp(dist.isend, tensor, self.next_rank, group=self.group),
                dist.P2POp(dist.irecv, self._received, self.prev_rank, group=self.group)]

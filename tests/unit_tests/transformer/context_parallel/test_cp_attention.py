@@ -41,19 +41,20 @@ def _full_attention(query, key, value, mask):
     return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
 
-def _cp_group(comm_type):
+def _cp_group(comm_type, hierarchical_sizes=None):
     """The group argument of a comm type: the world, or for a2a+p2p parallel_state's (inner, outer) groups of a
-    2 x 2 hierarchical layout of the world (initialised here, destroyed by the caller)."""
+    hierarchical layout of the world (default 2 x world/2; initialised here, destroyed by the caller)."""
     if comm_type != "a2a+p2p":
         return dist.group.WORLD
+    sizes = hierarchical_sizes or [2, dist.get_world_size() // 2]
     parallel_state.initialize_model_parallel(context_parallel_size=dist.get_world_size(),
-                                             hierarchical_context_parallel_sizes=[2, dist.get_world_size() // 2])
+                                             hierarchical_context_parallel_sizes=sizes)
     return parallel_state.get_hierarchical_context_parallel_groups()
 
 
-def _cp_attention_matches_full(comm_type, with_mask):
+def _cp_attention_matches_full(comm_type, with_mask, hierarchical_sizes=None):
     try:
-        return _cp_attention_errors(comm_type, with_mask, _cp_group(comm_type))
+        return _cp_attention_errors(comm_type, with_mask, _cp_group(comm_type, hierarchical_sizes))
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -90,6 +91,16 @@ CP_LAYOUTS = [(world_size, comm_type) for world_size in (2, 4) for comm_type in 
 @pytest.mark.parametrize("with_mask", [False, True], ids=["causal", "explicit_mask"])
 def test_cp_attention_forward_and_backward_equal_full_attention(world_size, comm_type, with_mask):
     for rank, errors in enumerate(run_on_ranks(world_size, _cp_attention_matches_full, comm_type, with_mask)):
+        assert max(errors.values()) < 1e-5, (rank, errors)
+
+
+@pytest.mark.parametrize("world_size", [2])
+@pytest.mark.parametrize("hierarchical_sizes", [[2, 1], [1, 2]], ids=["ring_of_one", "all_to_all_of_one"])
+def test_hierarchical_cp_with_a_level_of_size_one(world_size, hierarchical_sizes):
+    """a2a+p2p at CP2 with one level of --hierarchical-context-parallel-sizes of size 1: that level passes its
+    tensors on unchanged (a ring of one rank keeps its K/V and their gradients)."""
+    results = run_on_ranks(world_size, _cp_attention_matches_full, "a2a+p2p", False, hierarchical_sizes)
+    for rank, errors in enumerate(results):
         assert max(errors.values()) < 1e-5, (rank, errors)
 
 
