@@ -13,12 +13,14 @@ main weights, step, scheduler, each rank's RNG states, iteration, args); convert
 resumes exactly (dropout masks included).
 safetensors: the fp32 model weights under their logical names, the iteration in the file's metadata; converting
 back gives a model-only checkpoint (training loads it with a fresh optimizer).
-hf: config.json and model.safetensors of a GPT2LMHeadModel (learned positions) or LlamaForCausalLM (RoPE) that
-`transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)` loads and that computes our model's logits, plus
+hf: config.json and model.safetensors of a GPT2LMHeadModel (learned positions), LlamaForCausalLM (RoPE) or
+Qwen3ForCausalLM (RoPE with --qk-layernorm) that `transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)` loads
+and that computes our model's logits, plus
 megatron_extras.safetensors (vocabulary padding rows and what else HF has no place for); converting back gives
 the same model tensors bit for bit. Models HF cannot compute exactly are refused, naming the flag (see
 hf_mapping.py); so are models with multi-latent attention or Mixture-of-Experts layers, which convert between
-our own formats only (see hf_unsupported.py).
+our own formats only (see hf_unsupported.py). `--from hf` also reads Mistral (without a sliding window) and Qwen2,
+which compute as Llama does, and prints the pretrain_gpt.py flags that train from the checkpoint it wrote.
 The logical names are those of the unsplit GPTModel, and a checkpoint written back loads at any TP/PP/DP.
 """
 
@@ -129,6 +131,21 @@ def _read_hf_tensors(directory):
 def from_hf(directory, root, iteration=None, make_vocab_size_divisible_by=128, apply_layernorm_1p=False):
     """A model-only logical checkpoint from a Hugging Face directory. What megatron_extras.safetensors records
     wins over `make_vocab_size_divisible_by` (the padding of a model from elsewhere) and `apply_layernorm_1p`."""
+    return _import_hf(directory, root, iteration, make_vocab_size_divisible_by, apply_layernorm_1p)[0]
+
+
+def hf_import_training_hint(directory, root, shape):
+    """How to train from the checkpoint `--from hf` wrote: the flags that rebuild its model and its tokenizer."""
+    return (f"train from it with pretrain_gpt.py --load {root} --finetune --use-checkpoint-args (the model flags "
+            f"below, recorded in the checkpoint; without --use-checkpoint-args pass them all) and a tokenizer of "
+            f"{shape.vocab_size} tokens: the model's own (--tokenizer-type HuggingFaceTokenizer --tokenizer-model "
+            f"{directory}) or, with --mock-data, --tokenizer-type NullTokenizer --vocab-size {shape.vocab_size - 1} "
+            f"(its ids and the end-of-document id); --seq-length at most {shape.max_position_embeddings}\n"
+            f"model flags: {shape.training_flags()}")
+
+
+def _import_hf(directory, root, iteration, make_vocab_size_divisible_by, apply_layernorm_1p):
+    """from_hf's (model tensors, hf_mapping.ModelShape)."""
     import hf_mapping
     import hf_unsupported
     from megatron.core.dist_checkpointing import offline, safetensors_format
@@ -160,7 +177,7 @@ def from_hf(directory, root, iteration=None, make_vocab_size_divisible_by=128, a
     state["common"] = {"checkpoint_version": 1, "iteration": iteration, "consumed_train_samples": 0,
                        "args": shape.to_args(), "layout": layout, "vocab_size": shape.vocab_size}
     offline.write_checkpoint(root, iteration, state, layout)
-    return model
+    return model, shape
 
 
 def _layout(source):
@@ -238,8 +255,11 @@ def main(argv=None):
     elif options.source == "safetensors":
         from_safetensors(options.input, options.output, options.iteration)
     else:
-        from_hf(options.input, options.output, options.iteration, options.make_vocab_size_divisible_by,
-                options.apply_layernorm_1p)
+        _, shape = _import_hf(options.input, options.output, options.iteration, options.make_vocab_size_divisible_by,
+                              options.apply_layernorm_1p)
+        print(f"wrote {options.output}")
+        print(hf_import_training_hint(options.input, options.output, shape))
+        return
     print(f"wrote {options.output}")
 
 

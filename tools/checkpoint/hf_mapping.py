@@ -1,6 +1,6 @@
 """Our logical GPT checkpoint <-> a Hugging Face causal LM: which architecture, its config.json, its tensors.
 
-Two Hugging Face architectures cover the models pretrain_gpt.py builds, chosen by the position embedding:
+Hugging Face architectures cover the models pretrain_gpt.py builds, chosen by the position embedding:
 
 - learned absolute positions -> GPT2LMHeadModel: LayerNorm, exact GeLU (`activation_function: "gelu"`), the
   tanh approximation of --openai-gelu ("gelu_pytorch_tanh", the very torch op; HF's GPT-2 default "gelu_new"
@@ -17,6 +17,9 @@ Two Hugging Face architectures cover the models pretrain_gpt.py builds, chosen b
   attention scores. --use-rope-scaling is HF's `rope_type: "llama3"` with the low / high frequency factors 1 and 4
   and the original context of 8192 positions that our rotary embedding fixes; other values of those are refused.
   --rotary-seq-len-interpolation-factor is `rope_type: "linear"` (positions divided by the factor).
+  With --qk-layernorm the model is a Qwen3ForCausalLM: a Llama whose query and key heads pass through one RMSNorm
+  over head_dim each (q_norm / k_norm) before RoPE, as ours do; it has no MLP biases. Mistral (without a sliding
+  window) and Qwen2 (biases on q, k and v only: --add-qkv-bias) compute as Llama does and import as it.
 
 Our fused layouts (megatron/core/transformer/attention.py, mlp.py): linear_qkv's rows are `[groups, (q_0 ..
 q_{m-1} | k | v), head_dim]` with m query heads per group, query head g * m + j being group g's j-th; SwiGLU's
@@ -41,7 +44,10 @@ import torch
 from hf_errors import ConversionError
 from hf_rope import hf_rope_config, rope_flags_of_config
 
-GPT2, LLAMA = "GPT2LMHeadModel", "LlamaForCausalLM"
+GPT2, LLAMA, QWEN3 = "GPT2LMHeadModel", "LlamaForCausalLM", "Qwen3ForCausalLM"
+# Architectures that compute as Llama does (RMSNorm, SwiGLU, rotate-half RoPE): architecture -> model_type.
+# Qwen3 adds an RMSNorm on each query and key head (--qk-layernorm).
+LLAMA_RELATIVES = {LLAMA: "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2", QWEN3: "qwen3"}
 MODEL_FILE, MODEL_INDEX_FILE, CONFIG_FILE = "model.safetensors", "model.safetensors.index.json", "config.json"
 EXTRAS_FILE = "megatron_extras.safetensors"
 PADDING_SUFFIX = ".vocab_padding"
@@ -115,9 +121,41 @@ class ModelShape:
         return cls(**values)
 
     def to_args(self) -> argparse.Namespace:
-        """Arguments to record in a converted checkpoint, so that it converts again."""
-        return argparse.Namespace(**dataclasses.asdict(self), tokenizer_type=None,
+        """Arguments to record in a converted checkpoint, so that it converts again and training checks (or, with
+        --use-checkpoint-args, takes) its model flags. No tokenizer: HF's is not one of ours, so the run's own
+        --tokenizer-type and --vocab-size stay (the checkpoint's vocabulary size is recorded beside the args)."""
+        model_flags = {name: value for name, value in dataclasses.asdict(self).items()
+                       if name not in ("vocab_size", "padded_vocab_size")}
+        return argparse.Namespace(**model_flags,
                                   group_query_attention=self.num_query_groups != self.num_attention_heads)
+
+    def training_flags(self) -> str:
+        """pretrain_gpt.py's model flags that build this model (what --use-checkpoint-args takes from it)."""
+        flags = [f"--num-layers {self.num_layers}", f"--hidden-size {self.hidden_size}",
+                 f"--ffn-hidden-size {self.ffn_hidden_size}", f"--num-attention-heads {self.num_attention_heads}"]
+        if self.num_query_groups != self.num_attention_heads:
+            flags.append(f"--group-query-attention --num-query-groups {self.num_query_groups}")
+        if self.kv_channels * self.num_attention_heads != self.hidden_size:
+            flags.append(f"--kv-channels {self.kv_channels}")
+        flags += [f"--max-position-embeddings {self.max_position_embeddings}",
+                  f"--position-embedding-type {self.position_embedding_type}"]
+        if self.position_embedding_type == "rope":
+            base = float(self.rotary_base)  # an int flag: HF's rope_theta is a float, 1e6 say
+            flags.append(f"--rotary-base {int(base) if base.is_integer() else base!r}")
+            if self.rotary_percent != 1.0:
+                flags.append(f"--rotary-percent {self.rotary_percent:g}")
+            if self.use_rope_scaling:
+                flags.append(f"--use-rope-scaling --rope-scaling-factor {self.rope_scaling_factor:g}")
+            if self.rotary_seq_len_interpolation_factor is not None:
+                flags.append(f"--rotary-seq-len-interpolation-factor {self.rotary_seq_len_interpolation_factor:g}")
+        flags += [f"--normalization {self.normalization}", f"--norm-epsilon {self.norm_epsilon:g}"]
+        switches = ("rotary_interleaved", "apply_layernorm_1p", "swiglu", "squared_relu", "openai_gelu",
+                    "add_qkv_bias", "apply_residual_connection_post_layernorm", "qk_layernorm",
+                    "untie_embeddings_and_output_weights")
+        flags += ["--" + name.replace("_", "-") for name in switches if getattr(self, name)]
+        if not self.add_bias_linear:
+            flags.append("--disable-bias-linear")
+        return " ".join(flags)
 
     @property
     def heads_per_group(self) -> int:
@@ -149,8 +187,11 @@ def _gpt2_problems(shape: ModelShape):
     return problems
 
 
-def _llama_problems(shape: ModelShape):
+def _llama_problems(shape: ModelShape, architecture: str):
     problems = []
+    if architecture == QWEN3 and shape.add_bias_linear:
+        problems.append("linear biases (no --disable-bias-linear): Qwen3, the architecture with query and key norms "
+                        "(--qk-layernorm), has no MLP biases")
     if shape.normalization != "RMSNorm":
         problems.append(f"--normalization {shape.normalization}: Llama normalises with RMSNorm")
     if not shape.swiglu:
@@ -171,13 +212,15 @@ def _llama_problems(shape: ModelShape):
 def architecture_for(shape: ModelShape) -> str:
     """GPT2 or LLAMA, or ConversionError listing every flag that keeps the model from being written exactly."""
     if shape.position_embedding_type == "rope":
-        architecture, problems = LLAMA, _llama_problems(shape)
+        architecture = QWEN3 if shape.qk_layernorm else LLAMA
+        problems = _llama_problems(shape, architecture)
         positions = "rotary positions (--position-embedding-type rope)"
     else:
         architecture, problems = GPT2, _gpt2_problems(shape)
         positions = "learned absolute positions"
-    if shape.qk_layernorm:
-        problems.append("--qk-layernorm: neither GPT-2 nor Llama normalises query and key heads")
+        if shape.qk_layernorm:
+            problems.append("--qk-layernorm: GPT-2 does not normalise query and key heads (with RoPE such a model "
+                            "exports as Qwen3)")
     if shape.apply_residual_connection_post_layernorm:
         problems.append("--apply-residual-connection-post-layernorm: GPT-2 and Llama add the un-normalised input "
                         "of attention and MLP back (pre-norm residual)")
@@ -205,7 +248,7 @@ def hf_config(shape: ModelShape, architecture: str) -> dict:
                 "embd_pdrop": shape.hidden_dropout, "attn_pdrop": shape.attention_dropout,
                 "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
                 "reorder_and_upcast_attn": False}
-    return {"model_type": "llama", **common, "hidden_size": shape.hidden_size,
+    llama = {"model_type": LLAMA_RELATIVES[architecture], **common, "hidden_size": shape.hidden_size,
             "intermediate_size": shape.ffn_hidden_size, "num_hidden_layers": shape.num_layers,
             "num_attention_heads": shape.num_attention_heads, "num_key_value_heads": shape.num_query_groups,
             "head_dim": shape.kv_channels, "hidden_act": "silu",
@@ -213,6 +256,10 @@ def hf_config(shape: ModelShape, architecture: str) -> dict:
             "rope_theta": float(shape.rotary_base), **hf_rope_config(shape),
             "attention_bias": shape.qkv_bias, "mlp_bias": shape.add_bias_linear,
             "attention_dropout": shape.attention_dropout}
+    if architecture == QWEN3:  # no mlp_bias (always none); full attention in every layer
+        del llama["mlp_bias"]
+        llama.update(use_sliding_window=False, sliding_window=None)
+    return llama
 
 
 def extras_metadata(shape: ModelShape, iteration: int) -> Dict[str, str]:
@@ -227,13 +274,35 @@ def _require(config, key, path):
 
 
 def _architecture_of_config(config, path):
+    """GPT2, LLAMA or QWEN3: the mapping that reads the directory (Mistral and Qwen2 are read as Llama)."""
     names = config.get("architectures") or []
     if GPT2 in names or config.get("model_type") == "gpt2":
         return GPT2
-    if LLAMA in names or config.get("model_type") == "llama":
+    if QWEN3 in names or config.get("model_type") == LLAMA_RELATIVES[QWEN3]:
+        return QWEN3
+    if any(name in names for name in LLAMA_RELATIVES) or config.get("model_type") in LLAMA_RELATIVES.values():
         return LLAMA
     raise ConversionError(f"{path}: config.json describes {names or config.get('model_type')!r}; only "
-                          f"{GPT2} and {LLAMA} convert to our GPT model")
+                          f"{', '.join((GPT2, *LLAMA_RELATIVES))} convert to our GPT model")
+
+
+def _llama_biases(config, path):
+    """(attention_bias, mlp_bias) of a Llama, Mistral or Qwen2 config.json, after refusing sliding-window
+    attention, which our attention does not have."""
+    window, positions = config.get("sliding_window"), config.get("max_position_embeddings")
+    layer_types = config.get("layer_types") or []
+    if any(kind != "full_attention" for kind in layer_types) or config.get("use_sliding_window"):
+        raise ConversionError(f"{path}: sliding-window attention (config.json use_sliding_window / layer_types "
+                              f"{sorted(set(layer_types))}): our attention is causal over the whole sequence")
+    if config.get("model_type") == "mistral" and window is not None and (positions is None or window < positions):
+        raise ConversionError(f"{path}: sliding_window {window} below max_position_embeddings {positions}: our "
+                              "attention is causal over the whole sequence (Mistral with sliding_window null, or "
+                              "a window covering every position, imports)")
+    if config.get("model_type") == "qwen2":
+        return True, False  # Qwen2's q, k and v projections have biases, its other linear layers none
+    if config.get("model_type") == "qwen3":
+        return bool(config.get("attention_bias", False)), False  # Qwen3's MLP has no biases
+    return bool(config.get("attention_bias", False)), bool(config.get("mlp_bias", False))
 
 
 def shape_from_hf_config(config: dict, path: str, recorded: Optional[dict], padded_vocab_size: int,
@@ -268,7 +337,7 @@ def shape_from_hf_config(config: dict, path: str, recorded: Optional[dict], padd
     else:
         if config.get("hidden_act", "silu") != "silu":
             raise ConversionError(f"{path}: hidden_act '{config['hidden_act']}': our gated MLP is SwiGLU (silu)")
-        attention_bias, mlp_bias = bool(config.get("attention_bias", False)), bool(config.get("mlp_bias", False))
+        attention_bias, mlp_bias = _llama_biases(config, path)
         if mlp_bias and not attention_bias:
             raise ConversionError(f"{path}: mlp_bias true with attention_bias false; our linear layers all have "
                                   "biases, none (--disable-bias-linear) or only the QKV one (--add-qkv-bias)")
@@ -281,6 +350,7 @@ def shape_from_hf_config(config: dict, path: str, recorded: Optional[dict], padd
             max_position_embeddings=_require(config, "max_position_embeddings", path),
             position_embedding_type="rope", **rope_flags_of_config(config, path),
             rotary_interleaved=recorded.get("rotary_interleaved", False), normalization="RMSNorm",
+            qk_layernorm=architecture == QWEN3,
             norm_epsilon=config.get("rms_norm_eps", 1e-6), swiglu=True, add_bias_linear=mlp_bias,
             add_qkv_bias=attention_bias and not mlp_bias,
             untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
@@ -406,6 +476,10 @@ def to_hf_tensors(model: Dict[str, torch.Tensor], shape: ModelShape, architectur
         theirs = f"model.layers.{index}."
         hf[theirs + "input_layernorm.weight"] = norm(ours + "input_layernorm.weight")
         hf[theirs + "post_attention_layernorm.weight"] = norm(ours + "pre_mlp_layernorm.weight")
+        if shape.qk_layernorm:  # one norm over head_dim, its channels in the order of the q and k rows
+            for our_norm, hf_norm in (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm")):
+                hf[f"{theirs}self_attn.{hf_norm}.weight"] = _query_key_rows(
+                    norm(f"{ours}self_attention.{our_norm}.weight"), shape, to_hf=True)
         linears = {"self_attention.linear_proj": "self_attn.o_proj", "mlp.linear_fc2": "mlp.down_proj"}
         for kind in ("weight", "bias") if shape.qkv_bias else ("weight",):
             columns = (hidden,) if kind == "weight" else ()
@@ -459,8 +533,8 @@ def from_hf_tensors(hf_tensors: Dict[str, torch.Tensor], extras: Dict[str, torch
     heads_width = shape.num_attention_heads * shape.kv_channels
     groups_width = shape.num_query_groups * shape.kv_channels
 
-    def norm(name, hf_name):
-        weight = source.take(hf_name, (hidden,))
+    def norm(name, hf_name, width=hidden, to_ours=lambda tensor: tensor):
+        weight = to_ours(source.take(hf_name, (width,)))
         if not shape.apply_layernorm_1p or name.endswith(".bias"):
             model[name] = weight
             return
@@ -520,6 +594,10 @@ def from_hf_tensors(hf_tensors: Dict[str, torch.Tensor], extras: Dict[str, torch
         theirs = f"model.layers.{index}."
         norm(ours + "input_layernorm.weight", theirs + "input_layernorm.weight")
         norm(ours + "pre_mlp_layernorm.weight", theirs + "post_attention_layernorm.weight")
+        if shape.qk_layernorm:
+            for our_norm, hf_norm in (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm")):
+                norm(f"{ours}self_attention.{our_norm}.weight", f"{theirs}self_attn.{hf_norm}.weight",
+                     shape.kv_channels, lambda weight: _query_key_rows(weight, shape, to_hf=False))
         for kind in ("weight", "bias") if shape.qkv_bias else ("weight",):
             columns = (hidden,) if kind == "weight" else ()
             query = source.take(f"{theirs}self_attn.q_proj.{kind}", (heads_width, *columns))
@@ -527,7 +605,8 @@ def from_hf_tensors(hf_tensors: Dict[str, torch.Tensor], extras: Dict[str, torch
             value = source.take(f"{theirs}self_attn.v_proj.{kind}", (groups_width, *columns))
             model[f"{ours}self_attention.linear_qkv.{kind}"] = fuse_qkv(
                 _query_key_rows(query, shape, to_hf=False), _query_key_rows(key, shape, to_hf=False), value, shape)
-        if not shape.add_bias_linear and shape.add_qkv_bias:
+        if not shape.add_bias_linear and shape.add_qkv_bias and theirs + "self_attn.o_proj.bias" in source.tensors:
+            # Llama's attention_bias gives o_proj a bias, which must be zero; Qwen2's o_proj has none
             bias(ours + "self_attention.linear_proj.bias", theirs + "self_attn.o_proj.bias", hidden)
         for kind in ("weight", "bias") if shape.add_bias_linear else ("weight",):
             columns = (hidden,) if kind == "weight" else ()

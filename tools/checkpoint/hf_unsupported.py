@@ -1,11 +1,12 @@
 """Models the Hugging Face conversion does not cover, refused before any tensor is touched.
 
-`--to hf` writes GPT2LMHeadModel or LlamaForCausalLM (see hf_mapping.py): neither has multi-latent attention
-(DeepSeek-V2/V3's low-rank query and key/value projections), Mixture-of-Experts layers (a router and per-expert
-MLPs, Mixtral / Qwen-MoE / DeepSeek-V3 style) or multi-token prediction layers (DeepSeek-V3's). Such checkpoints
+`--to hf` writes GPT2LMHeadModel, LlamaForCausalLM or Qwen3ForCausalLM (see hf_mapping.py): none has
+multi-latent attention (DeepSeek-V2/V3's low-rank query and key/value projections), Mixture-of-Experts layers (a
+router and per-expert MLPs, Mixtral / Qwen-MoE / DeepSeek-V3 style) or multi-token prediction layers
+(DeepSeek-V3's). Such checkpoints
 convert losslessly between our own formats (`--to torch`, `--to safetensors` and back with `--from`), which keep
 every tensor under its logical name, the experts under their global index. Likewise `--from hf` reads only
-GPT-2 and Llama directories.
+dense GPT-2, Llama, Mistral, Qwen2 and Qwen3 directories.
 """
 
 # (training argument, flag, what Hugging Face would need)
@@ -41,7 +42,7 @@ def hf_export_refusal(args):
     problems = hf_export_problems(args)
     if not problems:
         return None
-    return ("Hugging Face export covers dense GPT-2 and Llama models only; this checkpoint was trained with "
+    return ("Hugging Face export covers dense GPT-2, Llama and Qwen3 models only; this checkpoint was trained with "
             + "; ".join(problems) + f". {OWN_FORMATS_HINT[0].upper()}{OWN_FORMATS_HINT[1:]}")
 
 
@@ -54,5 +55,5 @@ def hf_import_refusal(config, path):
         features.append("multi-latent attention (our flag: --multi-latent-attention)")
     if not features:
         return None
-    return (f"{path}: config.json describes a model with " + " and ".join(features) + "; --from hf reads GPT-2 "
-            "and Llama models only")
+    return (f"{path}: config.json describes a model with " + " and ".join(features) + "; --from hf reads dense "
+            "GPT-2, Llama, Mistral, Qwen2 and Qwen3 models only")

@@ -124,4 +124,4 @@ def test_hf_refusals_name_the_features(tmp_path, convert_checkpoint):
         (directory / "config.json").write_text(json.dumps(config))
         with pytest.raises(SystemExit) as refusal:
             convert_checkpoint.from_hf(str(directory), str(tmp_path / "unused"))
-        assert flag in str(refusal.value) and "GPT-2 and Llama" in str(refusal.value)
+        assert flag in str(refusal.value) and "GPT-2, Llama, Mistral, Qwen2 and Qwen3" in str(refusal.value)

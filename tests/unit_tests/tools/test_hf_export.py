@@ -1,11 +1,12 @@
 """tools/checkpoint --to hf / --from hf: the exported directory is a Hugging Face model that computes our model's
 logits, and converting it back gives the checkpoint's tensors bit for bit.
 
-Five small models (TINY_GPT's shape) cover both architectures and the flags the mapping has to get right:
+Six small models (TINY_GPT's shape) cover the three architectures and the flags the mapping has to get right:
 GPT-2 style (tied, GeLU, biases), GPT-2 style with --apply-layernorm-1p and --disable-bias-linear (untied),
 Llama style with grouped-query attention and Llama 3.1's RoPE scaling (untied, no biases), Llama style with
-multi-query attention, biases, --apply-layernorm-1p and another --rotary-base (tied) and Llama style with
-interleaved, position-interpolated RoPE and only a QKV bias (--add-qkv-bias); a sixth, FP8-trained, carries amax
+multi-query attention, biases, --apply-layernorm-1p and another --rotary-base (tied), Llama style with
+interleaved, position-interpolated RoPE and only a QKV bias (--add-qkv-bias) and Qwen3 style (--qk-layernorm,
+--kv-channels wider than hidden / heads, --apply-layernorm-1p, a QKV bias); a seventh, FP8-trained, carries amax
 histories through the round trip. Their weights are perturbed randomly so that norms, biases and
 padding rows all hold distinct values.
 """
@@ -41,6 +42,9 @@ MODELS = {
     "llama_interleaved_interpolated_qkv_bias": (f"{LLAMA} --disable-bias-linear --add-qkv-bias --group-query-attention "
                                                 "--num-query-groups 2 --rotary-interleaved "
                                                 "--rotary-seq-len-interpolation-factor 2", True),
+    # query and key norms: HF's Qwen3 (heads wider than hidden / heads, zero-centred norms, a QKV bias)
+    "qwen3_qk_norm_1p_qkv_bias": (f"{LLAMA} --disable-bias-linear --add-qkv-bias --qk-layernorm --apply-layernorm-1p "
+                                  "--kv-channels 16 --group-query-attention --num-query-groups 2", True),
     # FP8 training keeps amax histories in the model's state: they travel in the extras (no logits test: the
     # model computes its GEMMs in FP8, HF in fp32)
     "llama_gqa_fp8": (f"{LLAMA} --disable-bias-linear --group-query-attention --num-query-groups 2 "
@@ -191,6 +195,8 @@ EXPECTED_CONFIG = {
         "num_key_value_heads": 2, "attention_bias": True, "mlp_bias": False, "rope_theta": 10000.0,
         "rope_scaling": {"rope_type": "linear", "factor": 2.0},
         "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+    "qwen3_qk_norm_1p_qkv_bias": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 16,
+                                  "num_key_value_heads": 2, "attention_bias": True, "use_sliding_window": False},
     "llama_gqa_fp8": {"architectures": ["LlamaForCausalLM"], "num_key_value_heads": 2, "attention_bias": False},
 }
 
@@ -233,7 +239,8 @@ def test_transformers_computes_our_logits(name, checkpoints, trained, exported, 
     _, ours = checkpoints[name]
     model = transformers.AutoModelForCausalLM.from_pretrained(exported[name][0], dtype=torch.float32)
     model.eval()
-    expected_class = "GPT2LMHeadModel" if name.startswith("gpt2") else "LlamaForCausalLM"
+    expected_class = {"gpt2": "GPT2LMHeadModel", "qwen3": "Qwen3ForCausalLM"}.get(name.split("_")[0],
+                                                                                 "LlamaForCausalLM")
     assert type(model).__name__ == expected_class
     with torch.no_grad():
         theirs = model(_tokens()).logits
@@ -363,9 +370,12 @@ def test_models_hugging_face_cannot_compute_are_refused_naming_the_flag(tools):
     _, hf_mapping = tools
     llama = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True)
     assert hf_mapping.architecture_for(_shape(hf_mapping, **llama)) == hf_mapping.LLAMA
+    assert hf_mapping.architecture_for(_shape(hf_mapping, **llama, qk_layernorm=True, add_bias_linear=False)) == \
+        hf_mapping.QWEN3
     assert hf_mapping.architecture_for(_shape(hf_mapping, squared_relu=True)) == hf_mapping.GPT2
     refusals = {
-        "--qk-layernorm": _shape(hf_mapping, **llama, qk_layernorm=True),
+        "linear biases .*Qwen3, the architecture with query and key norms": _shape(hf_mapping, **llama,
+                                                                                   qk_layernorm=True),
         "--rotary-percent 0.5": _shape(hf_mapping, **llama, rotary_percent=0.5),
         "--normalization LayerNorm": _shape(hf_mapping, **{**llama, "normalization": "LayerNorm"}),
         "--squared-relu": _shape(hf_mapping, **{**llama, "swiglu": False}, squared_relu=True),
@@ -422,8 +432,8 @@ def test_hugging_face_configs_we_cannot_compute_are_refused(tools):
                 "mlp_bias true with attention_bias false": {"mlp_bias": True},
                 "'linear' with factor -2: it must be a positive number": {"rope_scaling": {"type": "linear",
                                                                                            "factor": -2}},
-                "partial_rotary_factor": {"partial_rotary_factor": 0.5}, "MistralForCausalLM":
-                {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}}
+                "partial_rotary_factor": {"partial_rotary_factor": 0.5}, "GemmaForCausalLM":
+                {"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}}
     for message, change in refusals.items():
         with pytest.raises(hf_mapping.ConversionError, match=message):
             hf_mapping.shape_from_hf_config({**llama, **change}, "DIR", None, 128, False)

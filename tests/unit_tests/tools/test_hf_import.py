@@ -1,0 +1,196 @@
+"""tools/checkpoint --from hf on directories as transformers writes them (no megatron_extras.safetensors): the
+architectures read as Llama (Mistral, Qwen2), sliding-window attention refused, and what the import tells
+training (the flags it records and prints, the tokenizer left to the run).
+
+Each model is a tiny one that transformers builds and saves here, with head_dim wider than hidden / heads,
+grouped-query attention and an rms_norm_eps other than our default, so that a flag read wrong shows.
+"""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+TOOLS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "tools", "checkpoint"))
+VOCAB = 50
+SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=32, rms_norm_eps=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tools():
+    sys.path.insert(0, TOOLS)
+    import convert_checkpoint
+    import hf_mapping
+
+    yield convert_checkpoint, hf_mapping
+    sys.path.remove(TOOLS)
+
+
+def _save_hf_model(directory, config_class, **overrides):
+    """A transformers model of `config_class` with random weights (biases included) saved in `directory`."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config_class(**{**SHAPE, **overrides})).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(str(directory))
+    return model
+
+
+def _logits(model):
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def _recorded_args(root):
+    from megatron.core.dist_checkpointing import offline
+    from megatron.training.checkpointing import iteration_dir_name, read_tracker
+
+    state = offline.read_checkpoint(os.path.join(root, iteration_dir_name(read_tracker(root))))
+    return state["common"]
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mistral"])
+def test_qwen2_and_mistral_import_as_llama(kind, tools, tmp_path):
+    """Qwen2 (biases on q, k and v only, tied) and Mistral without a sliding window compute as Llama does: the
+    import records those flags, and exported again as Llama the model gives transformers' own logits."""
+    import transformers
+
+    convert_checkpoint, _ = tools
+    if kind == "qwen2":
+        original = _save_hf_model(tmp_path / "hf", transformers.Qwen2Config, tie_word_embeddings=True,
+                                  rope_theta=1e6)
+    else:
+        original = _save_hf_model(tmp_path / "hf", transformers.MistralConfig, sliding_window=None,
+                                  tie_word_embeddings=False)
+    convert_checkpoint.from_hf(str(tmp_path / "hf"), str(tmp_path / "ours"))
+    args = _recorded_args(str(tmp_path / "ours"))["args"]
+    assert (args.add_qkv_bias, args.add_bias_linear) == ((True, False) if kind == "qwen2" else (False, False))
+    assert args.untie_embeddings_and_output_weights == (kind == "mistral")
+    assert (args.kv_channels, args.num_query_groups, args.norm_epsilon) == (16, 2, 1e-6)
+    assert args.rotary_base == (1e6 if kind == "qwen2" else 10000.0)
+
+    convert_checkpoint.to_hf(str(tmp_path / "ours"), str(tmp_path / "llama"))
+    llama = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "llama"), dtype=torch.float32).eval()
+    assert type(llama).__name__ == "LlamaForCausalLM"
+    exported = llama.state_dict()
+    for name, tensor in original.state_dict().items():
+        assert torch.equal(exported[name], tensor), name
+    assert torch.allclose(_logits(llama), _logits(original), rtol=0, atol=1e-5)
+
+
+def test_sliding_window_attention_is_refused_naming_the_field(tools, tmp_path):
+    import transformers
+
+    convert_checkpoint, _ = tools
+    _save_hf_model(tmp_path / "mistral", transformers.MistralConfig, sliding_window=8)
+    with pytest.raises(SystemExit, match="sliding_window 8 below max_position_embeddings 32"):
+        convert_checkpoint.from_hf(str(tmp_path / "mistral"), str(tmp_path / "out"))
+    # a window that covers every position changes nothing
+    _save_hf_model(tmp_path / "wide", transformers.MistralConfig, sliding_window=32)
+    convert_checkpoint.from_hf(str(tmp_path / "wide"), str(tmp_path / "wide_ours"))
+    config = dict(SHAPE, model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=True,
+                  sliding_window=8, max_window_layers=0)
+    os.makedirs(tmp_path / "qwen2")
+    with open(tmp_path / "qwen2" / "config.json", "w") as stream:
+        json.dump(config, stream)
+    with pytest.raises(SystemExit, match="sliding-window attention .*use_sliding_window"):
+        convert_checkpoint.from_hf(str(tmp_path / "qwen2"), str(tmp_path / "out"))
+
+
+def test_use_checkpoint_args_keeps_the_runs_tokenizer(tools, tmp_path):
+    """HF's tokenizer is none of ours: --use-checkpoint-args takes the imported model's flags and leaves the
+    run's --tokenizer-type and --vocab-size, which then match the recorded vocabulary."""
+    import transformers
+    from megatron.training.arguments import build_parser
+    from megatron.training.checkpoint_args import apply_checkpoint_args, check_same_architecture, true_vocab_size
+
+    convert_checkpoint, _ = tools
+    _save_hf_model(tmp_path / "hf", transformers.LlamaConfig)
+    convert_checkpoint.from_hf(str(tmp_path / "hf"), str(tmp_path / "ours"))
+    common = _recorded_args(str(tmp_path / "ours"))
+    run = build_parser().parse_args(f"--tokenizer-type NullTokenizer --vocab-size {VOCAB - 1}".split())
+    apply_checkpoint_args(run, common["args"])
+    assert (run.tokenizer_type, run.vocab_size) == ("NullTokenizer", VOCAB - 1)
+    assert (run.kv_channels, run.norm_epsilon, run.swiglu, run.normalization) == (16, 1e-6, True, "RMSNorm")
+    assert common["vocab_size"] == true_vocab_size(run) == VOCAB
+    check_same_architecture("imported", common["args"], run, common["vocab_size"], true_vocab_size(run))
+
+
+def test_import_prints_the_flags_that_rebuild_the_model(tools, tmp_path, capsys):
+    """The model flags --from hf prints, given to training's parser, are the model the checkpoint records."""
+    import transformers
+    from megatron.training.arguments import build_parser
+    from megatron.training.checkpoint_args import MODEL_ARGS, architecture_differences
+
+    convert_checkpoint, _ = tools
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    _save_hf_model(tmp_path / "hf", transformers.LlamaConfig, rope_theta=1e6, rope_scaling=scaling,
+                   attention_bias=True, mlp_bias=True)
+    convert_checkpoint.main(["--from", "hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "ours")])
+    printed = capsys.readouterr().out
+    assert f"--load {tmp_path / 'ours'} --finetune --use-checkpoint-args" in printed
+    assert f"--tokenizer-type NullTokenizer --vocab-size {VOCAB - 1}" in printed
+    flags = next(line for line in printed.splitlines() if line.startswith("model flags: "))[len("model flags: "):]
+    parsed = build_parser().parse_args(flags.split())
+    recorded = _recorded_args(str(tmp_path / "ours"))["args"]
+    assert architecture_differences(recorded, parsed) == []
+    compared = [name for name in MODEL_ARGS if hasattr(recorded, name) and name != "kv_channels"]
+    assert len(compared) >= 20
+    assert {name: getattr(parsed, name) for name in compared} == {name: getattr(recorded, name) for name in compared}
+    assert (parsed.kv_channels, parsed.rope_scaling_factor, parsed.norm_epsilon) == (16, 8.0, 1e-6)
+
+
+def test_qwen3_query_key_norms_follow_the_rows_of_interleaved_rope(tools, tmp_path):
+    """With --rotary-interleaved the q and k rows of each head are permuted for HF; the q / k norm weights scale
+    those channels, so they are permuted alike: HF's norm channel j must hold the weight of the row HF puts at j."""
+    import dataclasses
+
+    import transformers
+
+    convert_checkpoint, hf_mapping = tools
+    _save_hf_model(tmp_path / "hf", transformers.Qwen3Config, tie_word_embeddings=True)
+    model = convert_checkpoint.from_hf(str(tmp_path / "hf"), str(tmp_path / "ours"))
+    shape = hf_mapping.ModelShape.from_args(_recorded_args(str(tmp_path / "ours"))["args"], VOCAB, 128)
+    assert shape.qk_layernorm and shape.kv_channels == 16
+    shape = dataclasses.replace(shape, rotary_interleaved=True)
+    # each q / k row and each norm channel holds its channel index within the head
+    channel = torch.arange(16.0)
+    for layer in range(2):
+        ours = f"decoder.layers.{layer}.self_attention."
+        model[ours + "linear_qkv.weight"] = channel.repeat(model[ours + "linear_qkv.weight"].shape[0] // 16)[:, None] \
+            .expand_as(model[ours + "linear_qkv.weight"]).clone()
+        model[ours + "q_layernorm.weight"], model[ours + "k_layernorm.weight"] = channel.clone(), channel + 100
+    hf_tensors, _ = hf_mapping.to_hf_tensors(model, shape, hf_mapping.QWEN3)
+    for layer in range(2):
+        theirs = f"model.layers.{layer}.self_attn."
+        assert not torch.equal(hf_tensors[theirs + "q_norm.weight"], channel)
+        for projection, norm, offset in (("q_proj", "q_norm", 0), ("k_proj", "k_norm", 100)):
+            rows = hf_tensors[theirs + projection + ".weight"][:, 0].reshape(-1, 16)
+            assert torch.equal(rows + offset, hf_tensors[theirs + norm + ".weight"].expand_as(rows))
+    back = hf_mapping.from_hf_tensors(hf_tensors, {}, shape, hf_mapping.QWEN3, "HF")
+    assert all(torch.equal(back[name], tensor) for name, tensor in model.items())
+
+
+def test_qwen3_imports_and_exports_as_qwen3(tools, tmp_path):
+    import transformers
+
+    convert_checkpoint, _ = tools
+    original = _save_hf_model(tmp_path / "hf", transformers.Qwen3Config, tie_word_embeddings=True)
+    convert_checkpoint.from_hf(str(tmp_path / "hf"), str(tmp_path / "ours"))
+    args = _recorded_args(str(tmp_path / "ours"))["args"]
+    assert (args.qk_layernorm, args.add_qkv_bias, args.add_bias_linear, args.kv_channels) == (True, False, False, 16)
+    convert_checkpoint.to_hf(str(tmp_path / "ours"), str(tmp_path / "back"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
+    assert type(back).__name__ == "Qwen3ForCausalLM"
+    exported = back.state_dict()
+    for name, tensor in original.state_dict().items():
+        assert torch.equal(exported[name], tensor), name
+    assert torch.equal(_logits(back), _logits(original))
