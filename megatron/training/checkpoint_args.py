@@ -133,6 +133,7 @@ ARCHITECTURE_FLAGS = (
     ArchitectureFlag("--squared-relu", _switch("squared_relu"), is_switch=True),
     ArchitectureFlag("--normalization", _get("normalization")),
     ArchitectureFlag("--apply-layernorm-1p", _switch("apply_layernorm_1p"), is_switch=True),
+    ArchitectureFlag("--norm-epsilon", _get("norm_epsilon")),
     ArchitectureFlag("--position-embedding-type", _get("position_embedding_type")),
     ArchitectureFlag("--rotary-percent", _get("rotary_percent"), compared=_both_use_rope),
     ArchitectureFlag("--rotary-base", _get("rotary_base"), compared=_both_use_rope),

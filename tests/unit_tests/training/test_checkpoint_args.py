@@ -115,3 +115,11 @@ def test_moe_layout_flags_are_compared_on_load_and_routing_choices_are_not():
                                 _moe_args(num_experts=2, moe_layer_freq=2))
     with pytest.raises(CheckpointError, match=r"launch with the checkpoint's no --num-experts \(dense MLPs\) \("):
         check_same_architecture("ckpt", _moe_args(num_experts=None), moe)
+
+
+def test_norm_epsilon_is_compared_on_load():
+    llama3 = argparse.Namespace(normalization="RMSNorm", norm_epsilon=1e-6)
+    assert architecture_differences(llama3, argparse.Namespace(normalization="RMSNorm", norm_epsilon=1e-6)) == []
+    assert architecture_differences(llama3, argparse.Namespace(normalization="RMSNorm", norm_epsilon=1e-5)) == [
+        "--norm-epsilon: 1e-06 in the checkpoint, 1e-05 in this run"]
+    assert architecture_differences(argparse.Namespace(normalization="RMSNorm"), llama3) == []  # not recorded
