@@ -1,4 +1,4 @@
-"""Generate text from a trained GPT checkpoint: one static batch of prompts, decoded through a key/value cache.
+"""Generate text from a trained GPT checkpoint: static batches of prompts, decoded through a key/value cache.
 
     torchrun --nproc-per-node 1 examples/inference/gpt/gpt_static_inference.py \
         --load CKPT_DIR --use-checkpoint-args --tokenizer-type ByteLevelTokenizer --distributed-backend gloo \
@@ -7,8 +7,10 @@
 Takes pretrain_gpt.py's model and tokenizer flags (`--use-checkpoint-args` reads the model's from the
 checkpoint) and `--load`; `--tensor-model-parallel-size 2` on 2 ranks splits the model (the `torch_dist`
 checkpoint reshards on load). No data-parallel wrapper is built; with more ranks than the tensor-parallel size
-every data-parallel replica generates the same batch and rank 0 reports. Greedy by default (`--top_k 1`);
-`--temperature`, `--top_k`, `--top_p` and `--seed` select sampling. See docs/inference.md.
+every data-parallel replica generates the same batches and rank 0 reports. Prompts come from `--prompts` or
+`--prompt-file` (JSON lines with a "text" field); more of them than `--inference-max-requests` are generated in
+several batches. Greedy by default (`--top_k 1`); `--temperature`, `--top_k`, `--top_p` and `--seed` select
+sampling. See docs/inference.md.
 """
 
 import json
@@ -25,7 +27,7 @@ if REPO_ROOT not in sys.path:
 import pretrain_gpt  # noqa: E402
 from megatron.core.inference.model_checks import check_inference_supported  # noqa: E402
 from megatron.core.inference.sampling_params import SamplingParams  # noqa: E402
-from megatron.core.inference.static_generation import check_static_batch, generate_static_batch  # noqa: E402
+from megatron.core.inference.static_generation import check_prompts, generate_in_batches  # noqa: E402
 from megatron.training import checkpointing  # noqa: E402
 
 
@@ -33,6 +35,11 @@ def add_static_inference_args(parser):
     """Upstream's flags of static-batch generation (names and defaults)."""
     group = parser.add_argument_group("static inference")
     group.add_argument("--prompts", nargs="+", default=None, help="One or more prompts to generate from.")
+    group.add_argument("--prompt-file", default=None,
+                       help="JSON lines file of prompts: each line an object whose \"text\" field is a prompt "
+                            "(other fields are ignored). Instead of --prompts.")
+    group.add_argument("--prompt-file-num-truncate", type=int, default=None,
+                       help="Use only the first N prompts of --prompt-file, in order.")
     group.add_argument("--num-tokens-to-generate", type=int, default=30, help="New tokens per prompt.")
     group.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature (> 0).")
     group.add_argument("--top_k", type=int, default=1, help="Top-k sampling; 1 is greedy, 0 keeps every token.")
@@ -44,7 +51,7 @@ def add_static_inference_args(parser):
     group.add_argument("--inference-max-seq-length", type=int, default=2560,
                        help="Key/value cache length: the longest prompt plus the generated tokens must fit.")
     group.add_argument("--inference-max-requests", type=int, default=8,
-                       help="Key/value cache batch size: the most prompts one run takes.")
+                       help="Key/value cache batch size: more prompts are generated in several batches.")
     return parser
 
 
@@ -55,7 +62,7 @@ def sampling_params_from_args(args) -> SamplingParams:
 
 
 def _print_rank0(message):
-    if dist.get_rank() == 0:
+    if not dist.is_initialized() or dist.get_rank() == 0:
         print(message, flush=True)
 
 
@@ -65,14 +72,49 @@ def check_args(args):
 
     if args.load is None:
         raise ValueError("gpt_static_inference.py needs --load: the checkpoint to generate from")
-    if not args.prompts:
-        raise ValueError("--prompts: give one or more prompts to generate from")
+    if args.prompts and args.prompt_file is not None:
+        raise ValueError("--prompts and --prompt-file are exclusive: give the prompts one way")
+    if args.prompt_file is None and not args.prompts:
+        raise ValueError("--prompts: give one or more prompts to generate from (or a --prompt-file)")
+    if args.prompt_file_num_truncate is not None:
+        if args.prompt_file is None:
+            raise ValueError("--prompt-file-num-truncate needs --prompt-file")
+        if args.prompt_file_num_truncate < 1:
+            raise ValueError(f"--prompt-file-num-truncate must be at least 1, got {args.prompt_file_num_truncate}")
+    if args.init_model_with_meta_device:
+        # The model is built unwrapped; the meta device is for Megatron-FSDP to materialise shard by shard.
+        _print_rank0("--init-model-with-meta-device is turned off for generation (the model is built whole)")
+        args.init_model_with_meta_device = False
     if args.sequence_parallel:
         # Sequence parallelism changes no weight; a one-position decoding step cannot be split over TP ranks.
         _print_rank0("--sequence-parallel is turned off for generation (the weights are the same)")
         args.sequence_parallel = False
     check_inference_supported(core_transformer_config_from_args(args))
     sampling_params_from_args(args)  # validates the sampling flags
+
+
+def read_prompt_file(path, num_truncate=None):
+    """The prompts of a --prompt-file: the "text" field of each JSON line (blank lines skipped), the first
+    `num_truncate` of them when given."""
+    prompts = []
+    with open(path) as prompt_file:
+        for line_number, line in enumerate(prompt_file, start=1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"--prompt-file {path}: line {line_number} is not JSON ({error.msg}); write one "
+                                 'JSON object a line, such as {"text": "def "}') from None
+            if not isinstance(item, dict) or not isinstance(item.get("text"), str):
+                raise ValueError(f"--prompt-file {path}: line {line_number} has no string \"text\" field; write one "
+                                 'JSON object a line, such as {"text": "def "}')
+            prompts.append(item["text"])
+            if num_truncate is not None and len(prompts) == num_truncate:
+                break
+    if not prompts:
+        raise ValueError(f"--prompt-file {path} holds no prompts")
+    return prompts
 
 
 def build_tokenizer(args):
@@ -113,23 +155,26 @@ def run(args):
     """Load, generate, print (and write --output-path); returns the records (one per prompt)."""
     check_args(args)
     tokenizer = build_tokenizer(args)
-    prompt_tokens = [tokenizer.tokenize(prompt) for prompt in args.prompts]
+    prompts = args.prompts or read_prompt_file(args.prompt_file, args.prompt_file_num_truncate)
+    prompt_tokens = [tokenizer.tokenize(prompt) for prompt in prompts]
     params = sampling_params_from_args(args)
-    check_static_batch(prompt_tokens, params.num_tokens_to_generate, args.inference_max_seq_length,
-                       args.inference_max_requests)
+    check_prompts(prompt_tokens, params.num_tokens_to_generate, args.inference_max_seq_length)
     model = load_model(args)
     started = time.perf_counter()
-    results = generate_static_batch(model, prompt_tokens, params, eod_id=tokenizer.eod,
-                                    max_sequence_length=args.inference_max_seq_length,
-                                    max_batch_size=args.inference_max_requests, vocab_size=tokenizer.vocab_size,
-                                    seed=args.seed)
+    results = generate_in_batches(model, prompt_tokens, params, eod_id=tokenizer.eod,
+                                  max_sequence_length=args.inference_max_seq_length,
+                                  max_batch_size=args.inference_max_requests, vocab_size=tokenizer.vocab_size,
+                                  seed=args.seed)
     elapsed = time.perf_counter() - started
-    records = [result_record(prompt, result, tokenizer) for prompt, result in zip(args.prompts, results)]
+    records = [result_record(prompt, result, tokenizer) for prompt, result in zip(prompts, results)]
     for index, record in enumerate(records):
         _print_rank0(f"prompt {index}: {record['prompt']!r}\ngenerated {index}: {record['generated_text']!r}"
                      + (" [end of document]" if record["stopped_at_eod"] else ""))
     generated = sum(len(result.generated_tokens) for result in results)
     prompts_phrase = f"{len(results)} prompt" + ("" if len(results) == 1 else "s")
+    num_batches = -(-len(results) // args.inference_max_requests)
+    if num_batches > 1:
+        prompts_phrase += f" ({num_batches} batches of at most {args.inference_max_requests})"
     _print_rank0(f"generated {generated} tokens for {prompts_phrase} in {elapsed:.2f} s "
                  f"({generated / elapsed:.1f} tokens/s)")
     if args.output_path is not None and dist.get_rank() == 0:
@@ -141,8 +186,8 @@ def run(args):
 
 
 # Generation trains nothing and reads no data: pretrain_gpt.py's required training flags get placeholder values
-# when absent, so a launch needs only the model, tokenizer and inference flags.
-TRAINING_ONLY_DEFAULTS = {"micro_batch_size": 1, "train_iters": 1, "lr": 0.0}
+# when absent, so a launch needs only the model, tokenizer and inference flags. Given ones are validated as for
+# training and otherwise unused: no dataset, optimizer or scheduler is built.
 DATA_FLAGS = ("--data-path", "--train-data-path", "--mock-data", "--data-args-path", "--per-split-data-args-path")
 
 
@@ -153,13 +198,25 @@ def with_placeholder_data_flag(argv):
     return [*argv, "--mock-data"]
 
 
+def training_placeholders(argv):
+    """Values for pretrain_gpt.py's required training flags that `argv` leaves unset. The run length fits the
+    schedule flags `argv` gives: none when it sets --train-samples, and longer than any --lr-warmup-iters."""
+    from megatron.training.arguments import build_parser
+
+    given, _ = build_parser(add_static_inference_args).parse_known_args(argv)
+    placeholders = {"micro_batch_size": 1, "lr": 0.0}
+    if given.train_iters is None and given.train_samples is None:
+        placeholders["train_iters"] = max(1, int(given.lr_warmup_iters or 0) + 1)
+    return placeholders
+
+
 def main(argv=None):
     from megatron.training.initialize import initialize_megatron
     from megatron.training.training import _teardown
 
     argv = with_placeholder_data_flag(sys.argv[1:] if argv is None else list(argv))
-    args = initialize_megatron(extra_args_provider=add_static_inference_args, args_defaults=TRAINING_ONLY_DEFAULTS,
-                               args=argv)
+    args = initialize_megatron(extra_args_provider=add_static_inference_args,
+                               args_defaults=training_placeholders(argv), args=argv)
     try:
         return run(args)
     finally:

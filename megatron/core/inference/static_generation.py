@@ -14,6 +14,9 @@ generator seeded with `seed`: the same seed gives the same text.
 Log-probabilities (`return_log_probs`) are those of the model's distribution over the real vocabulary (the
 logits before temperature and filtering, without the padding rows of the vocabulary), for every prompt token
 after the first and every generated token.
+
+`generate_in_batches` takes more prompts than one batch holds (`--inference-max-requests`) and generates them
+in consecutive batches, one after the other.
 """
 
 from dataclasses import dataclass
@@ -39,14 +42,10 @@ class GeneratedSequence:
     prompt_log_probs: Optional[List[float]] = None
 
 
-def check_static_batch(prompts: Sequence[Sequence[int]], num_tokens_to_generate: int, max_sequence_length: int,
-                       max_batch_size: int):
-    """Raise ValueError naming the flag when the prompts cannot be generated from in one static batch."""
+def check_prompts(prompts: Sequence[Sequence[int]], num_tokens_to_generate: int, max_sequence_length: int):
+    """Raise ValueError naming the flag when a prompt cannot be generated from, whatever batch it is in."""
     if len(prompts) == 0:
         raise ValueError("--prompts: give at least one prompt")
-    if len(prompts) > max_batch_size:
-        raise ValueError(f"{len(prompts)} prompts but --inference-max-requests is {max_batch_size}: raise "
-                         "--inference-max-requests or pass fewer prompts")
     for index, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise ValueError(f"prompt {index} is empty (no tokens): every prompt needs at least one token")
@@ -57,6 +56,15 @@ def check_static_batch(prompts: Sequence[Sequence[int]], num_tokens_to_generate:
             raise ValueError(f"prompt {index} ({len(prompt)} tokens) plus --num-tokens-to-generate "
                              f"{num_tokens_to_generate} exceeds --inference-max-seq-length {max_sequence_length}: "
                              "raise --inference-max-seq-length or generate fewer tokens")
+
+
+def check_static_batch(prompts: Sequence[Sequence[int]], num_tokens_to_generate: int, max_sequence_length: int,
+                       max_batch_size: int):
+    """Raise ValueError naming the flag when the prompts cannot be generated from in one static batch."""
+    if len(prompts) > max_batch_size:
+        raise ValueError(f"{len(prompts)} prompts but --inference-max-requests is {max_batch_size}: raise "
+                         "--inference-max-requests or pass fewer prompts")
+    check_prompts(prompts, num_tokens_to_generate, max_sequence_length)
 
 
 def _check_token_ids(prompts, eod_id, vocab_size):
@@ -153,4 +161,24 @@ def _results(prompts, tokens, lengths, generated_counts, stopped_at_eod, token_l
             result.prompt_log_probs = token_log_probs[row, 1:length].tolist()
             result.generated_log_probs = token_log_probs[row, length:length + count].tolist()
         results.append(result)
+    return results
+
+
+def generate_in_batches(model, prompts: Sequence[Sequence[int]], sampling_params: SamplingParams, *, eod_id: int,
+                        max_sequence_length: int, max_batch_size: int, vocab_size: Optional[int] = None,
+                        seed: int = 1234) -> List[GeneratedSequence]:
+    """Generate from any number of prompts, `max_batch_size` (`--inference-max-requests`) at a time, as
+    upstream's static engine does: consecutive prompts form each batch, and each batch is generated exactly as
+    `generate_static_batch` would generate it alone (its own cache, its sampling generator seeded with `seed`).
+    The results are in prompt order. Every prompt is checked before the first batch runs."""
+    check_prompts(prompts, sampling_params.num_tokens_to_generate, max_sequence_length)
+    if max_batch_size < 1:
+        raise ValueError(f"--inference-max-requests must be at least 1, got {max_batch_size}")
+    if vocab_size is not None:
+        _check_token_ids(prompts, eod_id, vocab_size)
+    results = []
+    for first in range(0, len(prompts), max_batch_size):
+        results += generate_static_batch(model, prompts[first:first + max_batch_size], sampling_params,
+                                         eod_id=eod_id, max_sequence_length=max_sequence_length,
+                                         max_batch_size=max_batch_size, vocab_size=vocab_size, seed=seed)
     return results

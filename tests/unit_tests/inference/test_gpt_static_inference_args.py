@@ -1,12 +1,18 @@
-"""The flags of examples/inference/gpt/gpt_static_inference.py: upstream's names and defaults, and the placeholder
-dataset flag a generation run gets when it names none."""
+"""The flags of examples/inference/gpt/gpt_static_inference.py: upstream's names and defaults, the prompt file, the
+placeholder dataset and training flags a generation run gets when it names none, and the training flags of a
+launch script passed anyway."""
+
+import pytest
 
 from examples.inference.gpt.gpt_static_inference import (
     add_static_inference_args,
+    check_args,
+    read_prompt_file,
     sampling_params_from_args,
+    training_placeholders,
     with_placeholder_data_flag,
 )
-from megatron.training.arguments import build_parser
+from megatron.training.arguments import build_parser, validate_args
 
 
 def _parse(argv):
@@ -35,3 +41,61 @@ def test_mock_data_is_added_only_when_no_dataset_is_named():
     assert with_placeholder_data_flag(["--load", "ckpt"]) == ["--load", "ckpt", "--mock-data"]
     for named in (["--data-path", "a_text_document"], ["--data-path=a"], ["--mock-data"], ["--train-data-path", "t"]):
         assert with_placeholder_data_flag(named) == named
+
+
+def test_prompt_file_reads_the_text_of_each_json_line_in_order(tmp_path):
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text('{"text": "def ", "id": 3}\n\n{"text": "Return the"}\n{"text": "x\\ny"}\n')
+    assert read_prompt_file(prompt_file) == ["def ", "Return the", "x\ny"]
+    assert read_prompt_file(prompt_file, num_truncate=2) == ["def ", "Return the"]
+    args = _parse(["--prompt-file", str(prompt_file), "--prompt-file-num-truncate", "2"])
+    assert (args.prompt_file, args.prompt_file_num_truncate, args.prompts) == (str(prompt_file), 2, None)
+
+
+@pytest.mark.parametrize("content, error", [
+    ("def \n", r"line 1 is not JSON"),
+    ('{"text": "a"}\n["b"]\n', r'line 2 has no string "text" field'),
+    ("\n", "holds no prompts"),
+])
+def test_bad_prompt_files_name_the_flag_and_the_line(tmp_path, content, error):
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text(content)
+    with pytest.raises(ValueError, match=f"--prompt-file .*{error}"):
+        read_prompt_file(prompt_file)
+
+
+def _validated(argv):
+    model = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+             "--max-position-embeddings", "16"]
+    argv = with_placeholder_data_flag(["--load", "ckpt", "--tokenizer-type", "ByteLevelTokenizer", *model, *argv])
+    return validate_args(_parse(argv), training_placeholders(argv))
+
+
+@pytest.mark.parametrize("training_flags", [
+    [],
+    ["--lr-warmup-iters", "20"],
+    ["--train-samples", "3200", "--global-batch-size", "16", "--micro-batch-size", "8"],
+    ["--micro-batch-size", "8", "--global-batch-size", "16", "--train-iters", "200", "--lr", "3e-3",
+     "--lr-warmup-iters", "20", "--data-path", "/nonexistent/data_text_document", "--split", "98,2,0"],
+])
+def test_training_flags_of_a_launch_script_validate_and_keep_their_values(training_flags):
+    args = _validated(["--prompts", "def ", *training_flags])
+    given = _parse(with_placeholder_data_flag(training_flags))
+    for name in ("micro_batch_size", "train_iters", "train_samples", "lr", "lr_warmup_iters"):
+        if getattr(given, name) is not None:
+            assert getattr(args, name) == getattr(given, name)
+    if not training_flags:
+        assert (args.micro_batch_size, args.train_iters, args.lr) == (1, 1, 0.0)
+
+
+def test_prompt_sources_and_meta_device_init_are_checked_before_a_model_is_built(tmp_path):
+    prompt_file = str(tmp_path / "prompts.jsonl")
+    for argv, error in ((["--prompts", "a", "--prompt-file", prompt_file], "--prompts and --prompt-file"),
+                        ([], "--prompts: give one or more prompts"),
+                        (["--prompts", "a", "--prompt-file-num-truncate", "2"], "needs --prompt-file"),
+                        (["--prompt-file", prompt_file, "--prompt-file-num-truncate", "0"], "at least 1")):
+        with pytest.raises(ValueError, match=error):
+            check_args(_validated(argv))
+    args = _validated(["--prompts", "a", "--use-megatron-fsdp", "--init-model-with-meta-device"])
+    check_args(args)
+    assert not args.init_model_with_meta_device

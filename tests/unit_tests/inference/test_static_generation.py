@@ -8,7 +8,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.inference.model_checks import check_inference_supported
 from megatron.core.inference.sampling_params import SamplingParams
-from megatron.core.inference.static_generation import generate_static_batch
+from megatron.core.inference.static_generation import generate_in_batches, generate_static_batch
 from tests.unit_tests.models.gpt.gpt_test_utils import VOCAB_SIZE, seeded_model, tiny_config
 from tests.unit_tests.multiprocess_harness import run_on_ranks
 
@@ -87,6 +87,27 @@ def test_log_probs_of_prompt_and_generated_tokens():
 def test_bad_batches_name_the_flag(prompts, kwargs, flag):
     with pytest.raises(ValueError, match=flag):
         _generate(CountingModel(), prompts, **kwargs)
+
+
+def test_more_prompts_than_the_batch_run_in_consecutive_batches_in_prompt_order():
+    prompts = [[1], [5, 0, 3], [7], [2, 2], [4]]
+    params = SamplingParams(top_k=0, temperature=0.9, num_tokens_to_generate=3, return_log_probs=True)
+    model = CountingModel()
+    results = generate_in_batches(model, prompts, params, eod_id=9, max_sequence_length=16, max_batch_size=2, seed=3)
+    alone = [_generate(CountingModel(), prompts[first:first + 2], params=params, max_batch_size=2, seed=3)
+             for first in (0, 2, 4)]
+    assert results == alone[0] + alone[1] + alone[2]  # sampled tokens and log-probabilities included
+    assert [result.prompt_tokens for result in results] == prompts
+    # Three batches, each from cache offset 0: prefill of its shortest prompt, then one position a step.
+    assert [call for call in model.calls if call[0] == 0] == [(0, 1), (0, 1), (0, 1)]
+
+
+def test_batches_are_refused_only_for_a_prompt_that_does_not_fit():
+    with pytest.raises(ValueError, match="prompt 4 .* exceeds --inference-max-seq-length 16"):
+        generate_in_batches(CountingModel(), [[1]] * 4 + [[1] * 13], GREEDY, eod_id=9, max_sequence_length=16,
+                            max_batch_size=2)
+    with pytest.raises(ValueError, match="--inference-max-requests must be at least 1"):
+        generate_in_batches(CountingModel(), [[1]], GREEDY, eod_id=9, max_sequence_length=16, max_batch_size=0)
 
 
 @pytest.mark.parametrize("overrides, flag", [
