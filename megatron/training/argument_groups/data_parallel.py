@@ -1,5 +1,6 @@
 """Data-parallel flags: DDP, the distributed optimizer, Megatron-FSDP and PyTorch FSDP2."""
 
+import argparse
 import os
 import warnings
 
@@ -15,6 +16,18 @@ def megatron_fsdp_dtype(choice):
     import torch
 
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "auto": None}[choice]
+
+
+class _UseCustomFsdp(argparse.Action):
+    """`--use-custom-fsdp`: sets `use_megatron_fsdp` while parsing, so that every argument group's rules (the
+    precision-aware optimizer's, the checkpoint format's, ...) treat it as --use-megatron-fsdp."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        namespace.use_megatron_fsdp = True
+        setattr(namespace, self.dest, True)
 
 
 def add_arguments(parser):
@@ -49,7 +62,7 @@ def add_arguments(parser):
         "--data-parallel-random-init", action="store_true", help="Different initial weights per data-parallel rank."
     )
     group.add_argument("--use-megatron-fsdp", action="store_true", help="Wrap the model with Megatron-FSDP.")
-    group.add_argument("--use-custom-fsdp", action="store_true", dest="use_custom_fsdp_deprecated",
+    group.add_argument("--use-custom-fsdp", action=_UseCustomFsdp, dest="use_custom_fsdp_deprecated",
                        help="Deprecated: upstream's earlier name of --use-megatron-fsdp; the same.")
     group.add_argument(
         "--data-parallel-sharding-strategy",
@@ -113,8 +126,25 @@ def _cuda_visible():
     return cuda_available()
 
 
+def _reject_contradicting_megatron_fsdp_dtypes(args):
+    """An explicit --megatron-fsdp-*-dtype that contradicts --grad-reduce-in-bf16 or an explicit
+    --accumulate-allreduce-grads-in-fp32 (one of them would be silently dropped)."""
+    comm, main_grads = args.megatron_fsdp_grad_comm_dtype, args.megatron_fsdp_main_grads_dtype
+    if args.grad_reduce_in_bf16 and comm not in ("auto", "bf16"):
+        raise ValueError(f"--grad-reduce-in-bf16 and --megatron-fsdp-grad-comm-dtype {comm} contradict each other: "
+                         "drop one")
+    if args.accumulate_allreduce_grads_in_fp32:
+        for flag, value in (("--megatron-fsdp-main-grads-dtype", main_grads),
+                            ("--megatron-fsdp-grad-comm-dtype", comm)):
+            if value in ("bf16", "fp16"):
+                raise ValueError(f"--accumulate-allreduce-grads-in-fp32 and {flag} {value} contradict each other: "
+                                 "drop one")
+
+
 def _validate_gradient_precision(args):
     """Upstream's bf16 rule: gradients accumulate and are reduced in fp32 unless --grad-reduce-in-bf16."""
+    if args.use_megatron_fsdp:
+        _reject_contradicting_megatron_fsdp_dtypes(args)
     if args.grad_reduce_in_bf16:
         if not args.bf16:
             raise ValueError("--grad-reduce-in-bf16 needs --bf16 (fp32 models reduce in fp32); drop it")
@@ -130,9 +160,29 @@ def _validate_gradient_precision(args):
         args.accumulate_allreduce_grads_in_fp32 = True
 
 
+# Megatron-FSDP's own settings: flag, destination, default (a value equal to the default cannot be told apart from
+# an unset flag).
+MEGATRON_FSDP_ONLY_FLAGS = (
+    ("--data-parallel-sharding-strategy", "data_parallel_sharding_strategy", DEFAULT_SHARDING_STRATEGY),
+    ("--outer-dp-sharding-strategy", "outer_dp_sharding_strategy", "no_shard"),
+    ("--megatron-fsdp-main-params-dtype", "megatron_fsdp_main_params_dtype", "fp32"),
+    ("--megatron-fsdp-main-grads-dtype", "megatron_fsdp_main_grads_dtype", "auto"),
+    ("--megatron-fsdp-grad-comm-dtype", "megatron_fsdp_grad_comm_dtype", "auto"),
+)
+
+
+def _warn_megatron_fsdp_only_flags(args):
+    """Without --use-megatron-fsdp its settings change nothing (DDP, the distributed optimizer and FSDP2 read
+    none of them): say so instead of training with other dtypes or sharding than the command line asks for."""
+    for flag, dest, default in MEGATRON_FSDP_ONLY_FLAGS:
+        value = getattr(args, dest)
+        if value != default:
+            warnings.warn(f"{flag} {value} has no effect without --use-megatron-fsdp (it is a Megatron-FSDP "
+                          "setting); add --use-megatron-fsdp to train that way, or drop the flag")
+
+
 def validate(args):
     if getattr(args, "use_custom_fsdp_deprecated", False):
-        args.use_megatron_fsdp = True
         if getattr(args, "rank", 0) == 0:
             print("WARNING: --use-custom-fsdp is deprecated; use --use-megatron-fsdp (the same)", flush=True)
     _validate_gradient_precision(args)
@@ -168,11 +218,8 @@ def validate(args):
     elif args.init_model_with_meta_device:
         # FSDP2 here shards a materialised model; only Megatron-FSDP materialises a meta model shard by shard.
         raise ValueError("--init-model-with-meta-device needs --use-megatron-fsdp")
-    if not args.use_megatron_fsdp and args.data_parallel_sharding_strategy != DEFAULT_SHARDING_STRATEGY:
-        # (an explicit optim_grads_params, the default, cannot be told apart from an unset flag)
-        warnings.warn(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} has no effect "
-                      "without --use-megatron-fsdp (it is Megatron-FSDP's ZeRO level); add --use-megatron-fsdp "
-                      "to shard that way, or drop the flag")
+    if not args.use_megatron_fsdp:
+        _warn_megatron_fsdp_only_flags(args)
     if args.use_torch_fsdp2:
         if args.ckpt_format not in ("torch_dist", "torch_dcp"):
             raise ValueError("--use-torch-fsdp2 needs --ckpt-format torch_dist or torch_dcp")

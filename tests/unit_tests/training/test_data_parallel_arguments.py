@@ -1,0 +1,84 @@
+"""Data-parallel flags across argument groups: upstream's `--use-custom-fsdp` name, and Megatron-FSDP settings
+passed without `--use-megatron-fsdp`."""
+
+import warnings
+
+import pytest
+
+from megatron.training.arguments import parse_args, validate_args
+
+BASE = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+    "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128"
+)
+
+
+@pytest.fixture(autouse=True)
+def single_process_env(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+
+
+def validated(extra):
+    return validate_args(parse_args(args=(BASE + " " + extra).split()))
+
+
+@pytest.mark.parametrize("flags", [
+    "--use-precision-aware-optimizer",
+    "--use-precision-aware-optimizer --exp-avg-dtype bf16",
+    "--megatron-fsdp-param-offload",
+])
+def test_use_custom_fsdp_is_use_megatron_fsdp_for_every_argument_group(flags):
+    # The memory flags are validated before the data-parallel ones; they must see Megatron-FSDP too.
+    for name in ("--use-megatron-fsdp", "--use-custom-fsdp"):
+        args = validated(f"{name} {flags}")
+        assert args.use_megatron_fsdp and args.use_distributed_optimizer
+
+
+def test_use_custom_fsdp_keeps_the_megatron_fsdp_checkpoint_rules(tmp_path):
+    for name in ("--use-megatron-fsdp", "--use-custom-fsdp"):
+        with pytest.raises(ValueError, match="^--use-megatron-fsdp checkpoints need --ckpt-format torch_dist"):
+            validated(f"{name} --ckpt-format torch --save {tmp_path}")
+
+
+def test_use_custom_fsdp_main_params_dtype_points_at_the_megatron_fsdp_flag():
+    with pytest.raises(ValueError, match="^--main-params-dtype is for the distributed optimizer; with "
+                                         "--use-megatron-fsdp use --megatron-fsdp-main-params-dtype"):
+        validated("--use-custom-fsdp --use-precision-aware-optimizer --main-params-dtype fp16")
+
+
+@pytest.mark.parametrize("flag, value, world_size, extra", [
+    ("--outer-dp-sharding-strategy", "optim", 2, "--num-distributed-optimizer-instances 2"),
+    ("--megatron-fsdp-main-params-dtype", "bf16", 1, ""),
+    ("--megatron-fsdp-main-grads-dtype", "fp32", 1, ""),
+    ("--megatron-fsdp-grad-comm-dtype", "bf16", 1, ""),
+])
+def test_megatron_fsdp_settings_without_megatron_fsdp_warn(monkeypatch, flag, value, world_size, extra):
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    with pytest.warns(UserWarning, match=f"^{flag} {value} has no effect without --use-megatron-fsdp"):
+        args = validated(f"--use-distributed-optimizer --bf16 {extra} {flag} {value}")
+    assert args.use_megatron_fsdp is False and getattr(args, flag[2:].replace("-", "_")) == value
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=flag)
+        assert validated(f"--use-megatron-fsdp --bf16 {extra} {flag} {value}").use_megatron_fsdp
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--grad-reduce-in-bf16 --megatron-fsdp-grad-comm-dtype fp32",
+     "--grad-reduce-in-bf16 and --megatron-fsdp-grad-comm-dtype fp32 contradict each other"),
+    ("--accumulate-allreduce-grads-in-fp32 --megatron-fsdp-main-grads-dtype bf16",
+     "--accumulate-allreduce-grads-in-fp32 and --megatron-fsdp-main-grads-dtype bf16 contradict each other"),
+    ("--accumulate-allreduce-grads-in-fp32 --megatron-fsdp-grad-comm-dtype bf16",
+     "--accumulate-allreduce-grads-in-fp32 and --megatron-fsdp-grad-comm-dtype bf16 contradict each other"),
+])
+def test_megatron_fsdp_dtypes_contradicting_the_gradient_precision_flags_are_rejected(flags, message):
+    with pytest.raises(ValueError, match=f"^{message}: drop one"):
+        validated(f"--use-megatron-fsdp --bf16 {flags}")
+
+
+def test_megatron_fsdp_dtypes_agreeing_with_the_gradient_precision_flags_are_kept():
+    args = validated("--use-megatron-fsdp --bf16 --grad-reduce-in-bf16 --megatron-fsdp-grad-comm-dtype bf16")
+    assert args.megatron_fsdp_grad_comm_dtype == "bf16" and not args.accumulate_allreduce_grads_in_fp32
+    # --bf16 turns fp32 accumulation on by itself; an explicit bf16 main-grads dtype still applies then
+    args = validated("--use-megatron-fsdp --bf16 --megatron-fsdp-main-grads-dtype bf16")
+    assert args.megatron_fsdp_main_grads_dtype == "bf16" and args.accumulate_allreduce_grads_in_fp32
