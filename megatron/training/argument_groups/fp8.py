@@ -1,5 +1,7 @@
 """Low-precision (FP8 / FP4) training flags and the layer implementation (`--transformer-impl`)."""
 
+import warnings
+
 from megatron.core.fp8.formats import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES, GPU_ONLY_RECIPES
 
 
@@ -41,6 +43,9 @@ def validate(args):
         raise ValueError("--fp8-format and --fp4-format are exclusive: pick one")
     if args.fp8_param_gather and args.fp8_format is None:
         raise ValueError("--fp8-param-gather needs --fp8-format")
+    if args.keep_fp8_transpose_cache and args.fp8_format is None:
+        warnings.warn("--keep-fp8-transpose-cache has no effect without --fp8-format (there are no FP8 weights to "
+                      "cache); add --fp8-format to train in FP8, or drop the flag")
     if args.first_last_layers_bf16 and args.fp8_format is None:
         raise ValueError("--first-last-layers-bf16 needs --fp8-format")
     if args.fp8_amax_history_len < 1:

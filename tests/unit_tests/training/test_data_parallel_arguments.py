@@ -82,3 +82,11 @@ def test_megatron_fsdp_dtypes_agreeing_with_the_gradient_precision_flags_are_kep
     # --bf16 turns fp32 accumulation on by itself; an explicit bf16 main-grads dtype still applies then
     args = validated("--use-megatron-fsdp --bf16 --megatron-fsdp-main-grads-dtype bf16")
     assert args.megatron_fsdp_main_grads_dtype == "bf16" and args.accumulate_allreduce_grads_in_fp32
+
+
+def test_keep_fp8_transpose_cache_without_fp8_warns():
+    with pytest.warns(UserWarning, match="^--keep-fp8-transpose-cache has no effect without --fp8-format"):
+        validated("--use-megatron-fsdp --keep-fp8-transpose-cache")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validated("--use-megatron-fsdp --keep-fp8-transpose-cache --fp8-format e4m3 --fp8-recipe tensorwise")
