@@ -1,12 +1,12 @@
 """`OptimizerParamScheduler`: learning-rate warmup and decay, and weight-decay increase, set on the optimizer.
 
-Learning rate at step `n` (warmup `W`, decay end `D`):
+Learning rate at step `n` (warmup `W`, which may be fractional, e.g. from `--lr-warmup-fraction`; decay end `D`):
 - `n <= W` (W > 0): linear from `init_lr` to `max_lr`;
 - `constant`: `max_lr` after warmup;
 - `n > D`: `min_lr`;
 - otherwise, with `r = (n - W) / (D - W)`: `min_lr + c(r) * (max_lr - min_lr)` where `c = 1 - r` (linear),
-  `c = (cos(pi * r) + 1) / 2` (cosine), or `c = sqrt(max(W, 1)) / sqrt(max(n, 1))` (inverse-square-root,
-  which has no end and ignores D);
+  `c = (cos(pi * r) + 1) / 2` (cosine); inverse-square-root instead gives `max(min_lr, max_lr * sqrt(max(W, 1)) /
+  sqrt(max(n, 1)))` up to D (`min_lr` after it, like the other styles);
 - `WSD` (warmup-stable-decay): `max_lr` until `D - S` (`S` = `wsd_decay_steps`), then with `q = (n - D + S) / S`:
   `c = 2 * 0.5**q - 1` (exponential), `1 - q` (linear), `(cos(pi * q) + 1) / 2` (cosine), `1 - sqrt(q)`
   (minus_sqrt); `min_lr` after D.
@@ -44,7 +44,7 @@ class OptimizerParamScheduler:
         self.init_lr = float(init_lr)
         self.max_lr = float(max_lr)
         self.min_lr = float(min_lr)
-        self.lr_warmup_steps = int(lr_warmup_steps)
+        self.lr_warmup_steps = lr_warmup_steps  # not rounded: a fraction of the decay need not be whole
         self.lr_decay_steps = int(lr_decay_steps)
         self.lr_decay_style = lr_decay_style
         self.start_wd = float(start_wd)
@@ -120,10 +120,10 @@ class OptimizerParamScheduler:
             return self.init_lr + (max_lr - self.init_lr) * steps / warmup
         if self.lr_decay_style == "constant":
             return max_lr
-        if self.lr_decay_style == "inverse-square-root":
-            return max(min_lr, max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(max(steps, 1)))
         if steps > self.lr_decay_steps:
             return min_lr
+        if self.lr_decay_style == "inverse-square-root":
+            return max(min_lr, max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(max(steps, 1)))
         if self.lr_decay_style == "WSD":
             return min_lr + self._wsd_coeff(steps) * (max_lr - min_lr)
         ratio = (steps - warmup) / (self.lr_decay_steps - warmup)

@@ -106,3 +106,24 @@ def test_invalid_arguments_are_rejected():
         _scheduler(_optimizer(), "linear", min_lr=2.0)
     with pytest.raises(ValueError, match="lr_decay_style"):
         _scheduler(_optimizer(), "exponential")
+
+
+def test_fractional_warmup_is_not_rounded():
+    # --lr-warmup-fraction 0.13 of 4 iterations x 2 samples: a warm-up of 1.04 samples, as upstream.
+    optimizer = _optimizer()
+    scheduler = _scheduler(optimizer, "linear", warmup=0.13 * 8, decay=8, max_lr=1e-3, min_lr=0.0)
+    scheduler.step(increment=1)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 / 1.04, rel=1e-12)
+    scheduler.step(increment=1)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * (1 - (2 - 1.04) / (8 - 1.04)), rel=1e-12)
+
+
+def test_inverse_square_root_ends_at_min_lr_after_decay():
+    optimizer = _optimizer()
+    scheduler = _scheduler(optimizer, "inverse-square-root", warmup=4, decay=16, max_lr=1.0, min_lr=0.1)
+    scheduler.step(increment=9)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2.0 / 3.0)  # sqrt(4) / sqrt(9)
+    scheduler.step(increment=7)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5)  # step 16 = decay end: sqrt(4) / sqrt(16)
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)  # past --lr-decay-iters: min_lr

@@ -325,7 +325,8 @@ def _validate_sample_schedule(args):
         if args.lr_warmup_samples != 0:
             raise ValueError("--lr-warmup-fraction and --lr-warmup-samples are exclusive: pick one")
         _check_warmup_fraction(args)
-        args.lr_warmup_samples = int(args.lr_warmup_fraction * args.lr_decay_samples)
+        # Not rounded, as upstream: the scheduler warms up over fraction x decay samples exactly.
+        args.lr_warmup_samples = args.lr_warmup_fraction * args.lr_decay_samples
     if args.lr_warmup_samples < 0 or args.lr_warmup_samples >= args.lr_decay_samples:
         raise ValueError(
             f"--lr-warmup-samples ({args.lr_warmup_samples}) must be in [0, --lr-decay-samples "

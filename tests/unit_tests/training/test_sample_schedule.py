@@ -119,6 +119,11 @@ def test_warmup_fraction_counts_decay_samples():
     assert args.lr_schedule_samples.weight_decay_increment == 100
 
 
+def test_warmup_fraction_of_samples_is_not_rounded():
+    args = validated("--train-samples 30 --lr-warmup-fraction 0.13")
+    assert args.lr_schedule_samples.warmup == pytest.approx(0.13 * 30)
+
+
 @pytest.mark.parametrize("extra, message", [
     ("--train-iters 10 --train-samples 80", "--train-iters and --train-samples are exclusive"),
     ("--train-samples 80 --lr-decay-iters 5", "--lr-decay-iters needs iteration-based training"),
