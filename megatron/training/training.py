@@ -61,7 +61,12 @@ from megatron.training.result_validation import (
     validate_gradients,
 )
 from megatron.training.signal_handler import SigtermHandler
-from megatron.training.training_log import TrainingLogger, counts_as_nan_iteration, memory_usage
+from megatron.training.training_log import (
+    TrainingLogger,
+    counts_as_nan_iteration,
+    memory_usage,
+    reported_learning_rates,
+)
 from megatron.training.validation_sets import as_validation_sets
 
 LOSS_NAME = "lm loss"
@@ -359,7 +364,8 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
                                  args.device)
     if weight_hash_due(args, iteration):
         check_weight_hashes(model, iteration, args)
-    with SigtermHandler(signal.Signals[args.exit_signal]) as sigterm, ManualGarbageCollection.from_args(args) as manual_gc, \
+    exit_signal = signal.Signals[args.exit_signal]
+    with SigtermHandler(exit_signal) as sigterm, ManualGarbageCollection.from_args(args) as manual_gc, \
             TrainingProfilers(args, dist.get_rank(), dist.get_world_size(), iteration) as profilers:
         while iteration < args.train_iters:
             update_num_microbatches(args.consumed_train_samples)  # a --rampup-batch-size ramp moves with samples
@@ -391,12 +397,14 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
             args.consumed_train_samples += get_current_running_global_batch_size()
             manual_gc.after_iteration(iteration)
             profilers.after_step(iteration)
+            learning_rate, decoupled_learning_rate = reported_learning_rates(optimizer.param_groups)
             logger.log_iteration(
                 {
                     "iteration": iteration,
                     "rank": dist.get_rank(),
                     "losses": {LOSS_NAME: loss},
-                    "learning_rate": optimizer.param_groups[0]["lr"],
+                    "learning_rate": learning_rate,
+                    "decoupled_learning_rate": decoupled_learning_rate,
                     "loss_scale": float(optimizer.get_loss_scale()),
                     "grad_norm": grad_norm,
                     "num_zeros": num_zeros,

@@ -65,6 +65,15 @@ def counts_as_nan_iteration(loss: float) -> bool:
     return not math.isfinite(loss)
 
 
+def reported_learning_rates(param_groups):
+    """(learning rate, decoupled learning rate or None) of the optimizer's groups, as upstream logs them: the first
+    group without a learning rate of its own (`max_lr`, set for --decoupled-lr's groups) and the first with one."""
+    decoupled = [group["lr"] for group in param_groups if "max_lr" in group]
+    regular = [group["lr"] for group in param_groups if "max_lr" not in group]
+    learning_rate = regular[0] if regular else param_groups[0]["lr"]
+    return learning_rate, (decoupled[0] if decoupled else None)
+
+
 def format_log_line(
     iteration,
     train_iters,
@@ -79,6 +88,7 @@ def format_log_line(
     skipped_iterations,
     nan_iterations,
     params_norm=None,
+    decoupled_learning_rate=None,
 ):
     """Megatron's training log line: `iteration 10/ 100 | consumed samples: 320 | ... | number of nan
     iterations: 0 |`. `losses` maps a name ("lm loss") to its value (empty when every iteration of the interval
@@ -89,6 +99,10 @@ def format_log_line(
         f"consumed samples: {consumed_samples}",
         f"elapsed time per iteration (ms): {elapsed_ms_per_iteration:.1f}",
         f"learning rate: {learning_rate:.6E}",
+    ]
+    if decoupled_learning_rate is not None:
+        fields.append(f"decoupled learning rate: {decoupled_learning_rate:.6E}")
+    fields += [
         f"global batch size: {global_batch_size}",
     ]
     fields += [f"{name}: {value:.3E}" for name, value in losses.items()]
@@ -346,6 +360,7 @@ class TrainingLogger:
                 skipped_iterations=self._skipped_iterations,
                 nan_iterations=self._nan_iterations,
                 params_norm=report.get("params_norm"),
+                decoupled_learning_rate=report.get("decoupled_learning_rate"),
             )
             if energy_joules is not None:
                 line += format_energy_fields(energy_joules, count, args.world_size, elapsed_s)
@@ -404,6 +419,8 @@ class TrainingLogger:
             "grad norm": report["grad_norm"],
             "num-zeros": report["num_zeros"],
             "learning-rate": report["learning_rate"],
+            **({"decoupled-learning-rate": report["decoupled_learning_rate"]}
+               if report.get("decoupled_learning_rate") is not None else {}),
             "loss-scale": report["loss_scale"],
             "iteration-time": report["iteration_time_s"],
             "consumed-samples": report["consumed_samples"],
@@ -430,6 +447,8 @@ class TrainingLogger:
         # Upstream's switches: learning rate and loss scale on unless turned off, batch and world size on request.
         if getattr(args, "log_learning_rate_to_tensorboard", True):
             writer.add_scalar("learning-rate", report["learning_rate"], iteration)
+            if report.get("decoupled_learning_rate") is not None:
+                writer.add_scalar("decoupled-learning-rate", report["decoupled_learning_rate"], iteration)
         if getattr(args, "log_loss_scale_to_tensorboard", True):
             writer.add_scalar("loss-scale", report["loss_scale"], iteration)
         if getattr(args, "log_batch_size_to_tensorboard", False):

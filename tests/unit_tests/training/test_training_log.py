@@ -245,3 +245,14 @@ def test_nan_and_infinite_losses_count_as_nan_iterations():
     assert training_log.counts_as_nan_iteration(float("nan"))
     assert training_log.counts_as_nan_iteration(float("inf")) and training_log.counts_as_nan_iteration(float("-inf"))
     assert not training_log.counts_as_nan_iteration(5.25) and not training_log.counts_as_nan_iteration(0.0)
+
+
+def test_decoupled_learning_rate_is_logged_beside_the_learning_rate():
+    groups = [{"lr": 2e-4, "max_lr": 5e-4, "min_lr": 0.0}, {"lr": 1e-3}, {"lr": 1e-3, "weight_decay": 0.0}]
+    assert training_log.reported_learning_rates(groups) == (1e-3, 2e-4)  # the decoupled group need not come first
+    assert training_log.reported_learning_rates([{"lr": 1e-3}]) == (1e-3, None)
+    line = training_log.format_log_line(
+        iteration=5, train_iters=10, consumed_samples=40, elapsed_ms_per_iteration=12.0, learning_rate=1e-3,
+        global_batch_size=8, losses={"lm loss": 2.0}, loss_scale=1.0, grad_norm=None, num_zeros=None,
+        skipped_iterations=0, nan_iterations=0, decoupled_learning_rate=2e-4)
+    assert "| learning rate: 1.000000E-03 | decoupled learning rate: 2.000000E-04 | global batch size: 8 |" in line
