@@ -119,14 +119,15 @@ def expert_modules(module):
 
 def mixed_precision_policy(config, ddp_config: DistributedDataParallelConfig, module):
     """FSDP2's `MixedPrecisionPolicy` for `module`: bf16 compute over fp32 shards for a bf16 model (reduction
-    in fp32 with `grad_reduce_in_fp32`, else bf16); for an fp32 model, no casts."""
+    in fp32 with `grad_reduce_in_fp32`, else bf16); for an fp32 model, no casts. Forward inputs are not cast:
+    the fp32 RoPE angles reach each layer in fp32, as under DDP."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     is_bf16 = getattr(config, "bf16", False) or any(param.dtype == torch.bfloat16 for param in module.parameters())
     if not is_bf16:
         return MixedPrecisionPolicy()
     reduce_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else torch.bfloat16
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
 
 
 def _check_model_supported(config, module):

@@ -40,10 +40,15 @@ class DynamicGradScaler:
         hysteresis=2,
         device=None,
     ):
-        if not (initial_scale > 0 and min_scale > 0 and growth_factor > 1 and 0 < backoff_factor < 1):
+        if not (0 < min_scale <= initial_scale and growth_factor > 1 and 0 < backoff_factor < 1):
             raise ValueError(
-                "DynamicGradScaler: need initial_scale > 0, min_scale > 0, growth_factor > 1, 0 < backoff_factor < 1"
+                f"DynamicGradScaler: need 0 < min_scale ({min_scale}) <= initial_scale ({initial_scale}) "
+                f"(--min-loss-scale, --initial-loss-scale), growth_factor > 1 and 0 < backoff_factor < 1"
             )
+        for name, flag, value in (("growth_interval", "--loss-scale-window", growth_interval),
+                                  ("hysteresis", "--hysteresis", hysteresis)):
+            if value < 1:
+                raise ValueError(f"DynamicGradScaler: {name} ({flag}) must be at least 1, got {value}")
         self._scale = torch.tensor(float(initial_scale), dtype=torch.float32, device=device)
         self.min_scale = float(min_scale)
         self.growth_factor = float(growth_factor)

@@ -55,7 +55,8 @@ def _cast_floats(value, dtype):
 class Float16Module(MegatronModule):
     """Runs `module` in fp16 (`config.fp16`) or bf16 (`config.bf16`): its parameters and buffers are cast once;
     on the first pipeline stage floating-point inputs are cast to that dtype, and on the last stage the outputs
-    come back in fp32. The state dict is the wrapped module's (no `module.` prefix)."""
+    come back in fp32 (in the module's dtype with `fp32_output=False`, as upstream). The state dict is the wrapped
+    module's (no `module.` prefix)."""
 
     def __init__(self, config, module: torch.nn.Module):
         super().__init__(config)
@@ -65,7 +66,7 @@ class Float16Module(MegatronModule):
     def set_input_tensor(self, input_tensor):
         return self.module.set_input_tensor(input_tensor)
 
-    def forward(self, *inputs, **kwargs):
+    def forward(self, *inputs, fp32_output=True, **kwargs):
         from megatron.core import parallel_state
 
         initialized = parallel_state.model_parallel_is_initialized()
@@ -73,7 +74,7 @@ class Float16Module(MegatronModule):
             inputs = _cast_floats(inputs, self.dtype)
             kwargs = _cast_floats(kwargs, self.dtype)
         outputs = self.module(*inputs, **kwargs)
-        if not initialized or parallel_state.is_pipeline_last_stage():
+        if fp32_output and (not initialized or parallel_state.is_pipeline_last_stage()):
             outputs = _cast_floats(outputs, torch.float32)
         return outputs
 

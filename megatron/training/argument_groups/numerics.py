@@ -1,5 +1,5 @@
-"""Numerics flags of the loss and attention: the fused vocab-parallel cross entropy and upstream's query-key
-layer scaling (an fp16 overflow guard)."""
+"""Numerics flags of the loss and attention: the fused vocab-parallel cross entropy, upstream's fp16 cross-entropy
+switch and its query-key layer scaling (an fp16 overflow guard)."""
 
 
 def add_arguments(parser):
@@ -10,6 +10,9 @@ def add_arguments(parser):
     group.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native", "te"],
                        help="native: this build's fused cross entropy; te (Transformer Engine's kernel) is not "
                        "used by this build: an error.")
+    group.add_argument("--fp16-lm-cross-entropy", action="store_true",
+                       help="Accepted for upstream scripts: as in Megatron-Core's GPT model, the language-model cross "
+                       "entropy works in fp32 with --fp16 or --bf16 whether or not this is given.")
     group.add_argument("--apply-query-key-layer-scaling", action="store_true",
                        help="With --fp16: compute attention scores as Q.K^T / (sqrt(d) x layer number) in fp16 and "
                        "multiply them back by the layer number in fp32 before the softmax (overflow guard); with "

@@ -37,3 +37,14 @@ def test_rules(extra, message):
     with pytest.raises(ValueError) as error:
         validated(extra)
     assert message in str(error.value)
+
+
+def test_fp16_lm_cross_entropy_is_accepted_and_keeps_the_fp32_loss():
+    from megatron.training.arguments import build_parser
+
+    args = validated("--fp16 --fp16-lm-cross-entropy")
+    assert args.fp16_lm_cross_entropy is True and validated("--fp16").fp16_lm_cross_entropy is False
+    # As in Megatron-Core's GPT model the loss stays in fp32: the model config is the one without the flag.
+    assert core_transformer_config_from_args(args) == core_transformer_config_from_args(validated("--fp16"))
+    helps = {flag: action.help for action in build_parser()._actions for flag in action.option_strings}
+    assert helps["--fp16-lm-cross-entropy"].startswith("Accepted for upstream scripts: ")

@@ -63,6 +63,8 @@ def test_float16_module_casts_inputs_and_outputs():
     out = wrapped(x)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, reference(x.to(torch.bfloat16)).float(), atol=0, rtol=0)
+    half_out = wrapped(x, fp32_output=False)  # upstream's switch: the output stays in the module's dtype
+    assert half_out.dtype == torch.bfloat16 and torch.equal(half_out, reference(x.to(torch.bfloat16)))
     assert set(wrapped.state_dict()) == {"weight", "bias"}
     with pytest.raises(ValueError, match="--bf16"):
         Float16Module(ModelParallelConfig(), torch.nn.Linear(1, 1))
