@@ -217,11 +217,6 @@ def _validate_layer_variants(args):
     if args.fp32_residual_connection and not (args.bf16 or args.fp16):
         raise ValueError("--fp32-residual-connection keeps the residual in fp32 under --bf16 or --fp16; with fp32 "
                          "parameters it is already fp32: drop the flag")
-    if args.fp32_residual_connection and getattr(args, "use_torch_fsdp2", False):
-        # FSDP2's mixed-precision policy casts every layer's input to the parameters' dtype.
-        raise ValueError("--fp32-residual-connection does not survive --use-torch-fsdp2, which casts each layer's "
-                         "input to bf16; use Megatron DDP, the distributed optimizer or --use-megatron-fsdp, or drop "
-                         "the flag")
     if args.embedding_init_method_std is not None and args.embedding_init_method_std <= 0:
         raise ValueError(f"--embedding-init-method-std must be positive, got {args.embedding_init_method_std}")
 

@@ -23,7 +23,7 @@ WRAPPER_FLAGS = {
 RELATIVE_BOUND = 1e-4
 
 
-def _rope_gpt():
+def _rope_gpt(fp32_residual=False):
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -36,13 +36,13 @@ def _rope_gpt():
     config = TransformerConfig(
         num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, hidden_dropout=0.0, attention_dropout=0.0,
         init_seed=SEED, bf16=True, params_dtype=torch.bfloat16, normalization="RMSNorm", gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
+        activation_func=torch.nn.functional.silu, fp32_residual_connection=fp32_residual,
     )
     return GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=False,
                     position_embedding_type="rope")
 
 
-def _bf16_losses(wrapper):
+def _bf16_losses(wrapper, fp32_residual=False):
     from megatron.core.distributed import wrap_data_parallel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.training.arguments import parse_args, validate_args
@@ -51,15 +51,16 @@ def _bf16_losses(wrapper):
 
     flags = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 "
              "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 64 --bf16 --untie-embeddings-and-output-weights "
-             + WRAPPER_FLAGS[wrapper])
+             + WRAPPER_FLAGS[wrapper] + (" --fp32-residual-connection" if fp32_residual else ""))
     os.environ.update({"WORLD_SIZE": str(dist.get_world_size()), "RANK": str(dist.get_rank())})
     args = validate_args(parse_args(args=flags.split()))
     args.data_parallel_size = dist.get_world_size()
-    model = _rope_gpt()
-    angle_dtypes = set()
+    model = _rope_gpt(fp32_residual)
+    angle_dtypes, residual_dtypes = set(), set()
     for layer in model.decoder.layers:
         layer.self_attention.register_forward_pre_hook(
             lambda module, inputs, kwargs: angle_dtypes.add(kwargs["rotary_pos_emb"].dtype), with_kwargs=True)
+        layer.register_forward_pre_hook(lambda module, inputs: residual_dtypes.add(inputs[0].dtype))
     chunk = wrap_data_parallel(model.config, ddp_config_from_args(args), model)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="sgd", lr=0.5, sgd_momentum=0.0, clip_grad=0.0, bf16=True,
@@ -78,7 +79,7 @@ def _bf16_losses(wrapper):
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / dist.get_world_size())
-    return losses, angle_dtypes
+    return (losses, angle_dtypes, residual_dtypes) if fp32_residual else (losses, angle_dtypes)
 
 
 def test_bf16_losses_agree_across_data_parallel_wrappers():
@@ -91,3 +92,14 @@ def test_bf16_losses_agree_across_data_parallel_wrappers():
             assert abs(value - expected) <= RELATIVE_BOUND * abs(expected), (wrapper, step, values, reference)
     # The steps moved the weights: the losses are not just the initial one repeated.
     assert abs(reference[-1] - reference[0]) > 10 * RELATIVE_BOUND * abs(reference[0]), reference
+
+
+def test_fp32_residual_stream_reaches_every_layer_under_fsdp2():
+    """--fp32-residual-connection: FSDP2 leaves the layers' inputs as they are, so the residual stream stays fp32
+    between its layers, as under Megatron DDP."""
+    (ddp, _, ddp_residuals), (fsdp2, angles, fsdp2_residuals) = (
+        run_on_ranks(2, _bf16_losses, wrapper, True)[0] for wrapper in ("ddp", "fsdp2"))
+    assert ddp_residuals == fsdp2_residuals == {torch.float32} and angles == {torch.float32}
+    assert fsdp2[0] == ddp[0], (fsdp2, ddp)
+    for value, expected in zip(fsdp2, ddp, strict=True):
+        assert abs(value - expected) <= RELATIVE_BOUND * abs(expected), (fsdp2, ddp)

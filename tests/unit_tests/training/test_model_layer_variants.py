@@ -52,10 +52,14 @@ def test_flags_reach_the_transformer_config():
     ("--openai-gelu --squared-relu", "--openai-gelu and --squared-relu are exclusive"),
     ("--fp32-residual-connection", "--fp32-residual-connection keeps the residual in fp32 under --bf16 or --fp16"),
     ("--embedding-init-method-std 0", "--embedding-init-method-std must be positive"),
-    ("--bf16 --fp32-residual-connection --use-torch-fsdp2 --untie-embeddings-and-output-weights",
-     "--fp32-residual-connection does not survive --use-torch-fsdp2"),
 ])
 def test_rules_name_the_flags(extra, message):
     with pytest.raises(ValueError) as error:
         validated(extra)
     assert message in str(error.value)
+
+
+def test_fp32_residual_connection_is_accepted_under_fsdp2():
+    # FSDP2 leaves the layers' inputs in their dtype (test_bf16_wrapper_agreement.py checks the stream is fp32).
+    args = validated("--bf16 --fp32-residual-connection --use-torch-fsdp2 --untie-embeddings-and-output-weights")
+    assert args.fp32_residual_connection and args.use_torch_fsdp2
