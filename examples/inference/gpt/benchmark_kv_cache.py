@@ -143,22 +143,14 @@ def run(args):
         for mode, timing in best.items():
             print(f"{mode:<9} {timing['forward_calls']:>8} {timing['prefill_seconds']:>9.3f} "
                   f"{timing['seconds']:>8.3f} {timing['generated_tokens'] / timing['seconds']:>12.1f}")
-        print(f"the cache is {best['no cache']['seconds'] / best['kv cache']['seconds']:.2f}x faster; "
-              "both choose the same tokens", flush=True)
+        speedup = best['no cache']['seconds'] / best['kv cache']['seconds']
+        verdict = f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
+        print(f"the cache is {verdict}; both choose the same tokens", flush=True)
     return best
 
 
 def main(argv=None):
-    from megatron.training.initialize import initialize_megatron
-    from megatron.training.training import _teardown
-
-    argv = gpt_static_inference.with_placeholder_data_flag(sys.argv[1:] if argv is None else list(argv))
-    args = initialize_megatron(extra_args_provider=add_benchmark_args,
-                               args_defaults=gpt_static_inference.training_placeholders(argv), args=argv)
-    try:
-        return run(args)
-    finally:
-        _teardown(args)
+    return gpt_static_inference.run_with_megatron(add_benchmark_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -210,17 +210,23 @@ def training_placeholders(argv):
     return placeholders
 
 
-def main(argv=None):
+def run_with_megatron(add_arguments, run_function, argv=None):
+    """Initialize Megatron from the command line (`argv`, default sys.argv) with the training-only placeholders,
+    call `run_function(args)` and tear down; shared by this script and the KV-cache benchmark."""
     from megatron.training.initialize import initialize_megatron
     from megatron.training.training import _teardown
 
     argv = with_placeholder_data_flag(sys.argv[1:] if argv is None else list(argv))
-    args = initialize_megatron(extra_args_provider=add_static_inference_args,
-                               args_defaults=training_placeholders(argv), args=argv)
+    args = initialize_megatron(extra_args_provider=add_arguments, args_defaults=training_placeholders(argv),
+                               args=argv)
     try:
-        return run(args)
+        return run_function(args)
     finally:
         _teardown(args)
+
+
+def main(argv=None):
+    return run_with_megatron(add_static_inference_args, run, argv)
 
 
 if __name__ == "__main__":
