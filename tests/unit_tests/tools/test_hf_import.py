@@ -48,6 +48,20 @@ def _logits(model):
         return model(tokens).logits
 
 
+def _exported_with_the_same_tensors(convert_checkpoint, root, output, original, expected_class):
+    """Export checkpoint `root` to HF directory `output`; the model transformers loads from it is of
+    `expected_class` and holds `original`'s tensors exactly."""
+    import transformers
+
+    convert_checkpoint.to_hf(str(root), str(output))
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(output), dtype=torch.float32).eval()
+    assert type(exported).__name__ == expected_class
+    tensors = exported.state_dict()
+    for name, tensor in original.state_dict().items():
+        assert torch.equal(tensors[name], tensor), name
+    return exported
+
+
 def _recorded_args(root):
     from megatron.core.dist_checkpointing import offline
     from megatron.training.checkpointing import iteration_dir_name, read_tracker
@@ -76,12 +90,8 @@ def test_qwen2_and_mistral_import_as_llama(kind, tools, tmp_path):
     assert (args.kv_channels, args.num_query_groups, args.norm_epsilon) == (16, 2, 1e-6)
     assert args.rotary_base == (1e6 if kind == "qwen2" else 10000.0)
 
-    convert_checkpoint.to_hf(str(tmp_path / "ours"), str(tmp_path / "llama"))
-    llama = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "llama"), dtype=torch.float32).eval()
-    assert type(llama).__name__ == "LlamaForCausalLM"
-    exported = llama.state_dict()
-    for name, tensor in original.state_dict().items():
-        assert torch.equal(exported[name], tensor), name
+    llama = _exported_with_the_same_tensors(convert_checkpoint, tmp_path / "ours", tmp_path / "llama", original,
+                                            "LlamaForCausalLM")
     assert torch.allclose(_logits(llama), _logits(original), rtol=0, atol=1e-5)
 
 
@@ -187,10 +197,6 @@ def test_qwen3_imports_and_exports_as_qwen3(tools, tmp_path):
     convert_checkpoint.from_hf(str(tmp_path / "hf"), str(tmp_path / "ours"))
     args = _recorded_args(str(tmp_path / "ours"))["args"]
     assert (args.qk_layernorm, args.add_qkv_bias, args.add_bias_linear, args.kv_channels) == (True, False, False, 16)
-    convert_checkpoint.to_hf(str(tmp_path / "ours"), str(tmp_path / "back"))
-    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
-    assert type(back).__name__ == "Qwen3ForCausalLM"
-    exported = back.state_dict()
-    for name, tensor in original.state_dict().items():
-        assert torch.equal(exported[name], tensor), name
+    back = _exported_with_the_same_tensors(convert_checkpoint, tmp_path / "ours", tmp_path / "back", original,
+                                           "Qwen3ForCausalLM")
     assert torch.equal(_logits(back), _logits(original))
