@@ -14,13 +14,14 @@ resumes exactly (dropout masks included).
 safetensors: the fp32 model weights under their logical names, the iteration in the file's metadata; converting
 back gives a model-only checkpoint (training loads it with a fresh optimizer).
 hf: config.json and model.safetensors of a GPT2LMHeadModel (learned positions), LlamaForCausalLM (RoPE) or
-Qwen3ForCausalLM (RoPE with --qk-layernorm) that `transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)` loads
-and that computes our model's logits, plus
+Qwen3ForCausalLM (RoPE with --qk-layernorm), or of the MistralForCausalLM or Qwen2ForCausalLM a checkpoint was
+imported from (--hf-architecture names one), in the dtype the checkpoint trained in (--hf-dtype), that
+`transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)` loads and that computes our model's logits, plus
 megatron_extras.safetensors (vocabulary padding rows and what else HF has no place for); converting back gives
 the same model tensors bit for bit. Models HF cannot compute exactly are refused, naming the flag (see
 hf_mapping.py); so are models with multi-latent attention or Mixture-of-Experts layers, which convert between
-our own formats only (see hf_unsupported.py). `--from hf` also reads Mistral (without a sliding window) and Qwen2,
-which compute as Llama does, and prints the pretrain_gpt.py flags that train from the checkpoint it wrote.
+our own formats only (see hf_unsupported.py). `--from hf` reads these architectures (Mistral without a sliding
+window) and prints the pretrain_gpt.py flags that train from the checkpoint it wrote.
 The logical names are those of the unsplit GPTModel, and a checkpoint written back loads at any TP/PP/DP.
 """
 
@@ -30,6 +31,10 @@ import os
 
 import _paths  # noqa: F401  (repository on sys.path)
 import torch
+
+# In an imported checkpoint's `common`: what the Hugging Face model was beyond our flags (its architecture, the
+# dtype of its weights, its tokenizer's special token ids), so that `--to hf` writes the same model back.
+HF_SOURCE_KEY = "hf_source"
 
 
 def to_torch(directory, output):
@@ -53,10 +58,14 @@ def to_safetensors(directory, output):
 
 
 def true_vocab_size(common, vocab_size=None):
-    """The tokenizer's vocabulary size (HF's embedding rows): `vocab_size` if given, else as the checkpoint
-    recorded it, else from its arguments (a NullTokenizer's --vocab-size + 1, or the tokenizer rebuilt)."""
+    """The vocabulary size HF's embedding gets: `vocab_size` if given, else the rows of the HF model an import
+    came from, else the tokenizer's as the checkpoint recorded it, else from its arguments (a NullTokenizer's
+    --vocab-size + 1, or the tokenizer rebuilt)."""
     if vocab_size is not None:
         return vocab_size
+    imported_rows = (common.get(HF_SOURCE_KEY) or {}).get("vocab_size")
+    if imported_rows is not None:  # HF's embedding rows, which its tokenizer may not fill
+        return int(imported_rows)
     if common.get("vocab_size") is not None:
         return int(common["vocab_size"])
     args = common.get("args")
@@ -74,8 +83,19 @@ def true_vocab_size(common, vocab_size=None):
                          f"({exc}); pass --vocab-size N") from exc
 
 
-def to_hf(directory, output, vocab_size=None):
-    """Write `output`/config.json, model.safetensors and megatron_extras.safetensors; returns the HF tensors."""
+def export_dtype(common, requested=None):
+    """The HF dtype name of the weights `--to hf` writes: `requested` (--hf-dtype), else the one the checkpoint
+    trained in (--bf16: bfloat16, --fp16: float16), else the one an import recorded, else float32."""
+    from hf_config import training_dtype
+
+    recorded = (common.get(HF_SOURCE_KEY) or {}).get("dtype")
+    return requested or training_dtype(common.get("args")) or recorded or "float32"
+
+
+def to_hf(directory, output, vocab_size=None, architecture=None, dtype=None):
+    """Write `output`/config.json, model.safetensors and megatron_extras.safetensors; returns the HF tensors.
+    `architecture` (--hf-architecture) and `dtype` (--hf-dtype) default to what the checkpoint says: the
+    architecture an import recorded, else the one our flags pick; the dtype of `export_dtype`."""
     import hf_mapping
     import hf_unsupported
     from megatron.core.dist_checkpointing import offline, safetensors_format
@@ -93,15 +113,19 @@ def to_hf(directory, output, vocab_size=None):
     if hf_mapping.WORD_EMBEDDING not in model:
         raise SystemExit(f"{directory}: no '{hf_mapping.WORD_EMBEDDING}' in the checkpoint; is it a GPT model?")
     padded_vocab_size = model[hf_mapping.WORD_EMBEDDING].shape[0]
+    source = common.get(HF_SOURCE_KEY) or {}
+    requested_by = "as --hf-architecture asks" if architecture else (
+        "the architecture it was imported from; pass --hf-architecture to write another")
+    dtype = export_dtype(common, dtype)
     try:
         shape = hf_mapping.ModelShape.from_args(args, true_vocab_size(common, vocab_size), padded_vocab_size)
-        architecture = hf_mapping.architecture_for(shape)
-        tensors, extras = hf_mapping.to_hf_tensors(model, shape, architecture)
+        architecture = hf_mapping.architecture_for(shape, architecture or source.get("architecture"), requested_by)
+        tensors, extras = hf_mapping.to_hf_tensors(model, shape, architecture, hf_mapping.HF_DTYPES[dtype])
     except hf_mapping.ConversionError as exc:
         raise SystemExit(f"{directory}: {exc}") from exc
     os.makedirs(output, exist_ok=True)
     with open(os.path.join(output, hf_mapping.CONFIG_FILE), "w") as stream:
-        json.dump(hf_mapping.hf_config(shape, architecture), stream, indent=2)
+        json.dump(hf_mapping.hf_config(shape, architecture, dtype, source.get("token_ids")), stream, indent=2)
     safetensors_format.save_file(tensors, os.path.join(output, hf_mapping.MODEL_FILE), {"format": "pt"})
     safetensors_format.save_file(extras, os.path.join(output, hf_mapping.EXTRAS_FILE),
                                  hf_mapping.extras_metadata(shape, common.get("iteration", 0)))
@@ -134,18 +158,44 @@ def from_hf(directory, root, iteration=None, make_vocab_size_divisible_by=128, a
     return _import_hf(directory, root, iteration, make_vocab_size_divisible_by, apply_layernorm_1p)[0]
 
 
-def hf_import_training_hint(directory, root, shape):
-    """How to train from the checkpoint `--from hf` wrote: the flags that rebuild its model and its tokenizer."""
+def hf_tokenizer_vocab_size(directory):
+    """The vocabulary size of the tokenizer in a Hugging Face model directory, or None when it has none that
+    HuggingFaceTokenizer loads."""
+    from megatron.training.tokenizer import HuggingFaceTokenizer
+
+    if not any(os.path.isfile(os.path.join(directory, name)) for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    try:
+        return HuggingFaceTokenizer(directory).vocab_size
+    except Exception:  # a tokenizer that needs its own code, or another package: the hint then says less
+        return None
+
+
+def vocab_divisor(tokens, rows):
+    """The smallest --make-vocab-size-divisible-by that pads `tokens` to exactly `rows` at TP 1, or None."""
+    return next((divisor for divisor in range(1, rows + 1) if rows % divisor == 0 and rows - divisor < tokens),
+                None) if 0 < tokens <= rows else None
+
+
+def hf_import_training_hint(directory, root, shape, tokenizer_vocab_size=None):
+    """How to train from the checkpoint `--from hf` wrote: the flags that rebuild its model and its tokenizer.
+    `tokenizer_vocab_size` is that of the directory's tokenizer (None without one)."""
+    tokens, rows = tokenizer_vocab_size or shape.vocab_size, shape.padded_vocab_size
+    divisor = vocab_divisor(tokens, rows)
+    padding = (f" --make-vocab-size-divisible-by {divisor}, which pads its {tokens} tokens to the embedding's "
+               f"{rows} rows at TP 1; at TP t the padding is to a multiple of t times it, so pick one that still gives "
+               f"{rows}" if divisor and tokens < rows
+               else "")
     return (f"train from it with pretrain_gpt.py --load {root} --finetune --use-checkpoint-args (the model flags "
             f"below, recorded in the checkpoint; without --use-checkpoint-args pass them all) and a tokenizer of "
-            f"{shape.vocab_size} tokens: the model's own (--tokenizer-type HuggingFaceTokenizer --tokenizer-model "
-            f"{directory}) or, with --mock-data, --tokenizer-type NullTokenizer --vocab-size {shape.vocab_size - 1} "
+            f"{tokens} tokens: the model's own (--tokenizer-type HuggingFaceTokenizer --tokenizer-model "
+            f"{directory}{padding}) or, with --mock-data, --tokenizer-type NullTokenizer --vocab-size {tokens - 1} "
             f"(its ids and the end-of-document id); --seq-length at most {shape.max_position_embeddings}\n"
             f"model flags: {shape.training_flags()}")
 
 
 def _import_hf(directory, root, iteration, make_vocab_size_divisible_by, apply_layernorm_1p):
-    """from_hf's (model tensors, hf_mapping.ModelShape)."""
+    """from_hf's (model tensors, hf_mapping.ModelShape, the vocabulary size of the directory's tokenizer or None)."""
     import hf_mapping
     import hf_unsupported
     from megatron.core.dist_checkpointing import offline, safetensors_format
@@ -167,17 +217,26 @@ def _import_hf(directory, root, iteration, make_vocab_size_divisible_by, apply_l
     try:
         padded = pad_vocab_size(config.get("vocab_size", 1), make_vocab_size_divisible_by)
         shape, architecture = hf_mapping.shape_from_hf_config(config, directory, recorded, padded, apply_layernorm_1p)
-        model = hf_mapping.from_hf_tensors(_read_hf_tensors(directory), extras, shape, architecture, directory)
+        hf_tensors = _read_hf_tensors(directory)
+        model = hf_mapping.from_hf_tensors(hf_tensors, extras, shape, architecture, directory)
     except hf_mapping.ConversionError as exc:
         raise SystemExit(str(exc)) from exc
+    # The tokenizer's vocabulary is what training checks; HF's embedding may hold more rows (Qwen2's 151936 for
+    # 151665 tokens), the padded vocabulary of that tokenizer, kept for `--to hf`.
+    tokens = hf_tokenizer_vocab_size(directory)
+    tokens = tokens if tokens is not None and tokens <= shape.vocab_size else None
+    source = {"architecture": architecture, "dtype": hf_mapping.dtype_of_tensors(hf_tensors),
+              "vocab_size": shape.vocab_size,
+              "token_ids": {key: config.get(key) for key in hf_mapping.TOKEN_ID_KEYS}}
     iteration = int(metadata.get("iteration", 0)) if iteration is None else iteration
     state = {f"model.{name}": tensor for name, tensor in model.items()}
     layout = _layout(f"{os.path.basename(os.path.normpath(directory))} ({architecture})")
     # The model's flags and vocabulary, so that training checks them when it loads this and --to hf works again.
     state["common"] = {"checkpoint_version": 1, "iteration": iteration, "consumed_train_samples": 0,
-                       "args": shape.to_args(), "layout": layout, "vocab_size": shape.vocab_size}
+                       "args": shape.to_args(), "layout": layout, "vocab_size": tokens or shape.vocab_size,
+                       HF_SOURCE_KEY: source}
     offline.write_checkpoint(root, iteration, state, layout)
-    return model, shape
+    return model, shape, tokens
 
 
 def _layout(source):
@@ -221,6 +280,8 @@ def from_safetensors(path, root, iteration=None):
 
 
 def main(argv=None):
+    from hf_families import ARCHITECTURES
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     direction = parser.add_mutually_exclusive_group(required=True)
     direction.add_argument("--to", choices=["torch", "safetensors", "hf"])
@@ -232,6 +293,15 @@ def main(argv=None):
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="With --to hf: the tokenizer's vocabulary size, where the checkpoint's tokenizer "
                         "cannot be rebuilt (default: from the recorded arguments).")
+    parser.add_argument("--hf-architecture", default=None, choices=ARCHITECTURES,
+                        help="With --to hf: the Hugging Face architecture to write (default: the one the checkpoint "
+                        "was imported from, else GPT2LMHeadModel for learned positions, LlamaForCausalLM for RoPE, "
+                        "Qwen3ForCausalLM for RoPE with --qk-layernorm); refused, naming the flags, where it would "
+                        "compute another model.")
+    parser.add_argument("--hf-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="With --to hf: the dtype of the weights written (default: the one the checkpoint "
+                        "trained in, bfloat16 with --bf16 and float16 with --fp16; for an imported checkpoint the "
+                        "one it was imported in).")
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                         help="With --from hf, for a directory not written by --to hf: pad the vocabulary to a "
                         "multiple of this, as training does at TP 1.")
@@ -249,16 +319,16 @@ def main(argv=None):
     elif options.to == "safetensors":
         to_safetensors(options.input, options.output)
     elif options.to == "hf":
-        to_hf(options.input, options.output, options.vocab_size)
+        to_hf(options.input, options.output, options.vocab_size, options.hf_architecture, options.hf_dtype)
     elif options.source == "torch":
         from_torch(options.input, options.output, options.iteration)
     elif options.source == "safetensors":
         from_safetensors(options.input, options.output, options.iteration)
     else:
-        _, shape = _import_hf(options.input, options.output, options.iteration, options.make_vocab_size_divisible_by,
-                              options.apply_layernorm_1p)
+        _, shape, tokens = _import_hf(options.input, options.output, options.iteration,
+                                      options.make_vocab_size_divisible_by, options.apply_layernorm_1p)
         print(f"wrote {options.output}")
-        print(hf_import_training_hint(options.input, options.output, shape))
+        print(hf_import_training_hint(options.input, options.output, shape, tokens))
         return
     print(f"wrote {options.output}")
 

@@ -1,6 +1,6 @@
 """Models the Hugging Face conversion does not cover, refused before any tensor is touched.
 
-`--to hf` writes GPT2LMHeadModel, LlamaForCausalLM or Qwen3ForCausalLM (see hf_mapping.py): none has
+`--to hf` writes GPT2LMHeadModel or a Llama, Mistral, Qwen2 or Qwen3 model (see hf_families.py): none has
 multi-latent attention (DeepSeek-V2/V3's low-rank query and key/value projections), Mixture-of-Experts layers (a
 router and per-expert MLPs, Mixtral / Qwen-MoE / DeepSeek-V3 style) or multi-token prediction layers
 (DeepSeek-V3's). Such checkpoints
@@ -42,7 +42,8 @@ def hf_export_refusal(args):
     problems = hf_export_problems(args)
     if not problems:
         return None
-    return ("Hugging Face export covers dense GPT-2, Llama and Qwen3 models only; this checkpoint was trained with "
+    return ("Hugging Face export covers dense GPT-2, Llama, Mistral, Qwen2 and Qwen3 models only; this checkpoint was "
+            "trained with "
             + "; ".join(problems) + f". {OWN_FORMATS_HINT[0].upper()}{OWN_FORMATS_HINT[1:]}")
 
 

@@ -8,6 +8,7 @@ grouped-query attention and an rms_norm_eps other than our default, so that a fl
 
 import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -71,12 +72,13 @@ def _recorded_args(root):
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "mistral"])
-def test_qwen2_and_mistral_import_as_llama(kind, tools, tmp_path):
+def test_qwen2_and_mistral_export_as_themselves_or_as_llama(kind, tools, tmp_path):
     """Qwen2 (biases on q, k and v only, tied) and Mistral without a sliding window compute as Llama does: the
-    import records those flags, and exported again as Llama the model gives transformers' own logits."""
+    import records those flags; exported again the model is its own architecture, or with --hf-architecture
+    LlamaForCausalLM a Llama, and either gives transformers' own logits."""
     import transformers
 
-    convert_checkpoint, _ = tools
+    convert_checkpoint, hf_mapping = tools
     if kind == "qwen2":
         original = _save_hf_model(tmp_path / "hf", transformers.Qwen2Config, tie_word_embeddings=True,
                                   rope_theta=1e6)
@@ -90,9 +92,110 @@ def test_qwen2_and_mistral_import_as_llama(kind, tools, tmp_path):
     assert (args.kv_channels, args.num_query_groups, args.norm_epsilon) == (16, 2, 1e-6)
     assert args.rotary_base == (1e6 if kind == "qwen2" else 10000.0)
 
-    llama = _exported_with_the_same_tensors(convert_checkpoint, tmp_path / "ours", tmp_path / "llama", original,
-                                            "LlamaForCausalLM")
+    itself = _exported_with_the_same_tensors(convert_checkpoint, tmp_path / "ours", tmp_path / "back", original,
+                                             type(original).__name__)
+    assert sorted(itself.state_dict()) == sorted(original.state_dict())  # Qwen2: no o_proj bias added
+    assert torch.equal(_logits(itself), _logits(original))
+    convert_checkpoint.to_hf(str(tmp_path / "ours"), str(tmp_path / "llama"), architecture=hf_mapping.LLAMA)
+    llama = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "llama"), dtype=torch.float32).eval()
+    assert type(llama).__name__ == "LlamaForCausalLM"
     assert torch.allclose(_logits(llama), _logits(original), rtol=0, atol=1e-5)
+
+
+def _config(directory):
+    with open(os.path.join(directory, "config.json")) as stream:
+        return json.load(stream)
+
+
+def _dtype(config):
+    return config.get("dtype", config.get("torch_dtype"))
+
+
+def _rope_theta(config):
+    return (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta"))
+
+
+def _hf_tensors(directory):
+    from megatron.core.dist_checkpointing import safetensors_format
+
+    return safetensors_format.load_file(os.path.join(directory, "model.safetensors"))[0]
+
+
+FAMILIES = {"qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, rope_theta=1e6)),
+            "mistral": ("MistralConfig", dict(sliding_window=None, rope_theta=5e5)),
+            "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False))}
+
+
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_bf16_round_trip_keeps_the_architecture_config_and_tensors(kind, tools, tmp_path):
+    """HF (bf16) -> ours -> HF: the same architecture, config fields and bf16 tensors, bit for bit."""
+    import transformers
+
+    convert_checkpoint, _ = tools
+    config_class, overrides = FAMILIES[kind]
+    original = _save_hf_model(tmp_path / "hf", getattr(transformers, config_class), **overrides)
+    original.to(torch.bfloat16).save_pretrained(str(tmp_path / "hf"))
+    convert_checkpoint.from_hf(str(tmp_path / "hf"), str(tmp_path / "ours"))
+    convert_checkpoint.to_hf(str(tmp_path / "ours"), str(tmp_path / "back"))
+
+    before, after = _config(tmp_path / "hf"), _config(tmp_path / "back")
+    for key in ("architectures", "model_type", "attention_bias", "mlp_bias", "vocab_size", "head_dim",
+                "num_key_value_heads", "tie_word_embeddings", "rms_norm_eps", "sliding_window", "use_sliding_window",
+                "layer_types", "bos_token_id", "eos_token_id", "pad_token_id"):
+        assert after.get(key) == before.get(key), key
+    assert (_dtype(before), _dtype(after)) == ("bfloat16", "bfloat16")
+    assert _rope_theta(after) == _rope_theta(before) == overrides.get("rope_theta", 10000.0)
+    theirs, ours = _hf_tensors(tmp_path / "hf"), _hf_tensors(tmp_path / "back")
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in theirs.items():
+        assert ours[name].dtype == torch.bfloat16 and torch.equal(ours[name], tensor), name
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"))
+    assert type(loaded).__name__ == type(original).__name__ and loaded.dtype == torch.bfloat16
+
+
+def _as_trained(root, **training_args):
+    """Checkpoint `root` as a training run saves it: its own arguments (with `training_args`), no record of the
+    import."""
+    from megatron.core.dist_checkpointing import offline
+    from megatron.training.checkpointing import iteration_dir_name, read_tracker
+
+    iteration = read_tracker(root)
+    state = offline.read_checkpoint(os.path.join(root, iteration_dir_name(iteration)))
+    common = dict(state["common"])
+    del common["hf_source"]
+    args = common["args"]
+    for name, value in training_args.items():
+        setattr(args, name, value)
+    state["common"] = common
+    shutil.rmtree(root)
+    offline.write_checkpoint(root, iteration, state, common["layout"])
+
+
+def test_export_after_training_takes_the_dtype_and_architecture_from_the_flags(tools, tmp_path):
+    """A checkpoint that training wrote (no record of the import) exports in the dtype it trained in; our flags
+    pick the architecture, --hf-architecture another that computes the same, and one that does not is refused."""
+    import transformers
+
+    convert_checkpoint, hf_mapping = tools
+    original = _save_hf_model(tmp_path / "hf", transformers.Qwen2Config, tie_word_embeddings=True)
+    convert_checkpoint.from_hf(str(tmp_path / "hf"), str(tmp_path / "ours"))
+    _as_trained(str(tmp_path / "ours"), bf16=True, fp16=False)
+    written = convert_checkpoint.to_hf(str(tmp_path / "ours"), str(tmp_path / "llama"))
+    assert _config(tmp_path / "llama")["architectures"] == ["LlamaForCausalLM"]  # our flags alone
+    assert _dtype(_config(tmp_path / "llama")) == "bfloat16"
+    assert {tensor.dtype for tensor in written.values()} == {torch.bfloat16}
+
+    convert_checkpoint.main(["--to", "hf", "--input", str(tmp_path / "ours"), "--output", str(tmp_path / "qwen2"),
+                             "--hf-architecture", "Qwen2ForCausalLM", "--hf-dtype", "float32"])
+    assert _config(tmp_path / "qwen2")["model_type"] == "qwen2" and _dtype(_config(tmp_path / "qwen2")) == "float32"
+    theirs = _hf_tensors(tmp_path / "qwen2")
+    assert all(torch.equal(theirs[name], tensor) for name, tensor in original.state_dict().items()
+               if name != "lm_head.weight")
+    for architecture, flag in ((hf_mapping.MISTRAL, "--add-qkv-bias: MistralForCausalLM has no biases"),
+                               (hf_mapping.QWEN3, "no --qk-layernorm: Qwen3ForCausalLM normalises"),
+                               (hf_mapping.GPT2, "--position-embedding-type rope: GPT-2 learns absolute")):
+        with pytest.raises(SystemExit, match=f"as --hf-architecture asks.*{flag}"):
+            convert_checkpoint.to_hf(str(tmp_path / "ours"), str(tmp_path / "refused"), architecture=architecture)
 
 
 def test_sliding_window_attention_is_refused_naming_the_field(tools, tmp_path):
@@ -131,6 +234,53 @@ def test_use_checkpoint_args_keeps_the_runs_tokenizer(tools, tmp_path):
     assert (run.kv_channels, run.norm_epsilon, run.swiglu, run.normalization) == (16, 1e-6, True, "RMSNorm")
     assert common["vocab_size"] == true_vocab_size(run) == VOCAB
     check_same_architecture("imported", common["args"], run, common["vocab_size"], true_vocab_size(run))
+
+
+def _save_tokenizer(directory, tokens):
+    """A word-level tokenizer.json of `tokens` tokens (the last one <|endoftext|>) in `directory`."""
+    import tokenizers
+
+    vocab = {f"w{index}": index for index in range(tokens - 1)}
+    vocab["<|endoftext|>"] = tokens - 1
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer.save(os.path.join(directory, "tokenizer.json"))
+
+
+def test_tokenizer_smaller_than_the_embedding_trains_with_the_padding_that_fills_it(tools, tmp_path, capsys):
+    """Qwen2's embedding has more rows (151936) than its tokenizer has tokens: the rows are that tokenizer's
+    padded vocabulary. The import records the tokenizer's size, so training with it and the printed
+    --make-vocab-size-divisible-by (which pads it to the rows) passes the load's check; --to hf keeps the rows."""
+    import transformers
+    from megatron.core.dist_checkpointing.serialization import CheckpointError
+    from megatron.training.arguments import build_parser
+    from megatron.training.checkpoint_args import apply_checkpoint_args, check_same_architecture, true_vocab_size
+    from megatron.training.tokenizer import pad_vocab_size
+
+    convert_checkpoint, _ = tools
+    tokens = 40
+    _save_hf_model(tmp_path / "hf", transformers.Qwen2Config, tie_word_embeddings=True)
+    _save_tokenizer(tmp_path / "hf", tokens)
+    convert_checkpoint.main(["--from", "hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "ours"),
+                             "--make-vocab-size-divisible-by", str(VOCAB)])
+    printed = capsys.readouterr().out
+    assert f"--make-vocab-size-divisible-by 25, which pads its {tokens} tokens to the embedding's {VOCAB} rows" in \
+        printed and f"NullTokenizer --vocab-size {tokens - 1}" in printed
+    assert pad_vocab_size(tokens, 25) == VOCAB
+    common = _recorded_args(str(tmp_path / "ours"))
+    assert common["vocab_size"] == tokens
+    run = build_parser().parse_args(f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {tmp_path / 'hf'} "
+                                    "--make-vocab-size-divisible-by 25".split())
+    apply_checkpoint_args(run, common["args"])
+    assert true_vocab_size(run) == tokens
+    check_same_architecture("imported", common["args"], run, common["vocab_size"], true_vocab_size(run))
+    other = build_parser().parse_args(f"--tokenizer-type NullTokenizer --vocab-size {VOCAB - 1}".split())
+    with pytest.raises(CheckpointError, match=f"{tokens} in the checkpoint, {VOCAB} in this run"):
+        check_same_architecture("imported", common["args"], other, common["vocab_size"], true_vocab_size(other))
+
+    convert_checkpoint.to_hf(str(tmp_path / "ours"), str(tmp_path / "back"))
+    assert _config(tmp_path / "back")["vocab_size"] == VOCAB
+    assert _hf_tensors(tmp_path / "back")["model.embed_tokens.weight"].shape == (VOCAB, 32)
 
 
 def test_import_prints_the_flags_that_rebuild_the_model(tools, tmp_path, capsys):

@@ -1,0 +1,116 @@
+"""ModelShape: the model flags a Hugging Face conversion needs, read from a checkpoint's training arguments and
+written back as arguments and as pretrain_gpt.py's command line."""
+
+import argparse
+import dataclasses
+from typing import Optional
+
+from hf_errors import ConversionError
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The model flags a conversion needs, named as pretrain_gpt.py's arguments are."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    ffn_hidden_size: int
+    vocab_size: int
+    """The tokenizer's vocabulary: rows HF's embedding has."""
+    padded_vocab_size: int
+    """Rows of our embedding (vocab_size rounded up by --make-vocab-size-divisible-by x TP)."""
+    max_position_embeddings: int
+    position_embedding_type: str = "learned_absolute"
+    rotary_percent: float = 1.0
+    rotary_base: float = 10000
+    use_rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    rotary_interleaved: bool = False
+    rotary_seq_len_interpolation_factor: Optional[float] = None
+    normalization: str = "LayerNorm"
+    norm_epsilon: float = 1e-5
+    apply_layernorm_1p: bool = False
+    swiglu: bool = False
+    squared_relu: bool = False
+    openai_gelu: bool = False
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    apply_residual_connection_post_layernorm: bool = False
+    qk_layernorm: bool = False
+    untie_embeddings_and_output_weights: bool = False
+    init_method_std: float = 0.02
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+
+    # Flags newer than some checkpoints: arguments saved without them had their default.
+    ADDED_LATER = ("use_rope_scaling", "rope_scaling_factor", "rotary_interleaved",
+                   "rotary_seq_len_interpolation_factor", "openai_gelu", "add_qkv_bias",
+                   "apply_residual_connection_post_layernorm")
+
+    def __post_init__(self):
+        if not 0 < self.vocab_size <= self.padded_vocab_size:
+            raise ConversionError(f"vocabulary size {self.vocab_size} (--vocab-size) must be between 1 and the "
+                                  f"{self.padded_vocab_size} rows of the word embedding")
+
+    @classmethod
+    def from_args(cls, args, vocab_size: int, padded_vocab_size: int) -> "ModelShape":
+        """The shape of a checkpoint from the training arguments it recorded."""
+        values = {"vocab_size": vocab_size, "padded_vocab_size": padded_vocab_size}
+        for field in dataclasses.fields(cls):
+            if field.name not in values:
+                if not hasattr(args, field.name) and field.name in cls.ADDED_LATER:
+                    continue
+                if not hasattr(args, field.name):
+                    raise ConversionError(f"the checkpoint's arguments lack '{field.name}' (written by an older "
+                                          "version?); cannot tell the model's shape")
+                values[field.name] = getattr(args, field.name)
+        return cls(**values)
+
+    def to_args(self) -> argparse.Namespace:
+        """Arguments to record in a converted checkpoint, so that it converts again and training checks (or, with
+        --use-checkpoint-args, takes) its model flags. No tokenizer: HF's is not one of ours, so the run's own
+        --tokenizer-type and --vocab-size stay (the checkpoint's vocabulary size is recorded beside the args)."""
+        model_flags = {name: value for name, value in dataclasses.asdict(self).items()
+                       if name not in ("vocab_size", "padded_vocab_size")}
+        return argparse.Namespace(**model_flags,
+                                  group_query_attention=self.num_query_groups != self.num_attention_heads)
+
+    def training_flags(self) -> str:
+        """pretrain_gpt.py's model flags that build this model (what --use-checkpoint-args takes from it)."""
+        flags = [f"--num-layers {self.num_layers}", f"--hidden-size {self.hidden_size}",
+                 f"--ffn-hidden-size {self.ffn_hidden_size}", f"--num-attention-heads {self.num_attention_heads}"]
+        if self.num_query_groups != self.num_attention_heads:
+            flags.append(f"--group-query-attention --num-query-groups {self.num_query_groups}")
+        if self.kv_channels * self.num_attention_heads != self.hidden_size:
+            flags.append(f"--kv-channels {self.kv_channels}")
+        flags += [f"--max-position-embeddings {self.max_position_embeddings}",
+                  f"--position-embedding-type {self.position_embedding_type}"]
+        if self.position_embedding_type == "rope":
+            base = float(self.rotary_base)  # an int flag: HF's rope_theta is a float, 1e6 say
+            flags.append(f"--rotary-base {int(base) if base.is_integer() else base!r}")
+            if self.rotary_percent != 1.0:
+                flags.append(f"--rotary-percent {self.rotary_percent:g}")
+            if self.use_rope_scaling:
+                flags.append(f"--use-rope-scaling --rope-scaling-factor {self.rope_scaling_factor:g}")
+            if self.rotary_seq_len_interpolation_factor is not None:
+                flags.append(f"--rotary-seq-len-interpolation-factor {self.rotary_seq_len_interpolation_factor:g}")
+        flags += [f"--normalization {self.normalization}", f"--norm-epsilon {self.norm_epsilon:g}"]
+        switches = ("rotary_interleaved", "apply_layernorm_1p", "swiglu", "squared_relu", "openai_gelu",
+                    "add_qkv_bias", "apply_residual_connection_post_layernorm", "qk_layernorm",
+                    "untie_embeddings_and_output_weights")
+        flags += ["--" + name.replace("_", "-") for name in switches if getattr(self, name)]
+        if not self.add_bias_linear:
+            flags.append("--disable-bias-linear")
+        return " ".join(flags)
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether linear_qkv has a bias (every linear layer's, or --add-qkv-bias alone)."""
+        return self.add_bias_linear or self.add_qkv_bias
