@@ -78,6 +78,7 @@ def core_transformer_config_from_args(args, config_class=None):
 def optimizer_config_from_args(args):
     from megatron.core.optimizer import OptimizerConfig
     from megatron.training.argument_groups.memory import optimizer_config_kwargs
+    from megatron.training.argument_groups.muon import optimizer_config_kwargs as muon_optimizer_config_kwargs
     from megatron.training.global_vars import get_timers
 
     return OptimizerConfig(
@@ -105,6 +106,7 @@ def optimizer_config_from_args(args):
         barrier_with_L1_time=args.barrier_with_L1_time,
         timers=get_timers(),
         **optimizer_config_kwargs(args),
+        **muon_optimizer_config_kwargs(args),
     )
 
 

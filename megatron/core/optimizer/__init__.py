@@ -8,7 +8,8 @@ of these defaults. `scale_lr_cond(name, param)` selects parameters whose learnin
 `lr_mult`. Each group carries `wd_mult` and `lr_mult`, which the `OptimizerParamScheduler` applies when it sets
 `lr` and `weight_decay` every step. With `config.decoupled_lr` the word-embedding and output-layer weights
 (`is_embedding_or_output_parameter`) form groups of their own whose `max_lr` / `min_lr` (`decoupled_lr`,
-`decoupled_min_lr` or else `min_lr`) the scheduler uses instead of the global ones.
+`decoupled_min_lr` or else `min_lr`) the scheduler uses instead of the global ones. With `optimizer='muon'`
+`muon_param_groups` (muon.py) moves the hidden weight matrices of every group into Muon groups of their own.
 """
 
 import torch
@@ -31,6 +32,7 @@ from megatron.core.optimizer.clip_grads import (
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.fsdp_optimizer import MegatronFSDPOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron.core.optimizer.muon import MuonWithAdamW, muon_param_groups
 from megatron.core.optimizer.optimizer import Float16Optimizer, FP32Optimizer, MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.optimizer.precision_aware_adam import PrecisionAwareAdamW, build_precision_aware_adam
@@ -45,6 +47,7 @@ __all__ = [
     "MegatronFSDPOptimizer",
     "PrecisionAwareAdamW",
     "ShardLocalAdamW",
+    "MuonWithAdamW",
     "ConstantGradScaler",
     "DynamicGradScaler",
     "get_megatron_optimizer",
@@ -100,13 +103,16 @@ def _torch_optimizer_factory(config, device):
     def build(groups):
         if config.use_precision_aware_optimizer:
             return build_precision_aware_adam(groups, config, device)
-        if config.optimizer == "adam":
-            if optional_deps.HAVE_APEX and device.type == "cuda":
-                from apex.optimizers import FusedAdam
+        if config.optimizer == "adam" and optional_deps.HAVE_APEX and device.type == "cuda":
+            from apex.optimizers import FusedAdam
 
-                return FusedAdam(groups, lr=config.lr, weight_decay=config.weight_decay,
-                                 betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, adam_w_mode=True)
-            implementation = {"fused": True} if device.type == "cuda" else {"foreach": True}
+            return FusedAdam(groups, lr=config.lr, weight_decay=config.weight_decay,
+                             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, adam_w_mode=True)
+        implementation = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        if config.optimizer == "muon":
+            return MuonWithAdamW(groups, lr=config.lr, weight_decay=config.weight_decay,
+                                 betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, **implementation)
+        if config.optimizer == "adam":
             return ShardLocalAdamW(groups, lr=config.lr, weight_decay=config.weight_decay,
                                    betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
                                    **implementation)
@@ -171,6 +177,10 @@ def _megatron_fsdp_optimizer(config, model_chunks, no_weight_decay_cond, scale_l
     the sharding, whatever `config.use_distributed_optimizer` says)."""
     from megatron.core import parallel_state
 
+    if config.optimizer == "muon":
+        raise ValueError("--optimizer muon needs whole weight matrices, but Megatron-FSDP (--use-megatron-fsdp) "
+                         "shards them: train Muon with Megatron DDP (drop --use-megatron-fsdp) or use "
+                         "--optimizer adam.")
     for name, flag in (("main_params_dtype", "--megatron-fsdp-main-params-dtype"),
                        ("main_grads_dtype", "--megatron-fsdp-main-grads-dtype")):
         if getattr(config, name) != torch.float32:
@@ -213,6 +223,8 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks, no_weight_deca
             )
     param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult,
                                     default_skip_embedding_weight_decay)
+    if config.optimizer == "muon":
+        param_groups = muon_param_groups(param_groups, model_chunks, config)
     all_params = [param for group in param_groups for param in group["params"]]
     device = all_params[0].device if all_params else torch.device("cpu")
     factory = _torch_optimizer_factory(config, device)

@@ -5,7 +5,10 @@ from typing import Optional
 
 import torch
 
-SUPPORTED_OPTIMIZERS = ("adam", "sgd")
+SUPPORTED_OPTIMIZERS = ("adam", "sgd", "muon")
+MUON_SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
+MUON_TP_MODES = ("blockwise", "duplicated", "distributed")
+MUON_FP32_MATMUL_PRECISIONS = ("low", "medium", "high")
 # Upstream's choices for the precision-aware optimizer's dtypes (fp8 moments need Transformer Engine: not here).
 PRECISION_AWARE_DTYPES = {
     "main_params_dtype": (torch.float32, torch.float16),
@@ -20,7 +23,8 @@ class OptimizerConfig:
     """Settings read by `get_megatron_optimizer`; validated once, at construction."""
 
     optimizer: str = "adam"
-    """`adam` (AdamW: decoupled weight decay) or `sgd` (with momentum)."""
+    """`adam` (AdamW: decoupled weight decay), `sgd` (with momentum) or `muon` (Muon for the hidden weight matrices,
+    AdamW with the adam_* settings for embeddings, the output layer, biases and norms; see muon.py)."""
 
     lr: Optional[float] = None
     """Peak learning rate. The scheduler overwrites the optimizer's lr every step from this value."""
@@ -41,6 +45,30 @@ class OptimizerConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     sgd_momentum: float = 0.9
+
+    muon_momentum: float = 0.95
+    """Muon's momentum (an average of gradients: M <- mu M + (1 - mu) G)."""
+
+    muon_use_nesterov: bool = False
+    """Muon orthogonalizes (1 - mu) G + mu M instead of M."""
+
+    muon_num_ns_steps: int = 5
+    """Newton-Schulz iterations per Muon step."""
+
+    muon_scale_mode: str = "spectral"
+    """Scale of the orthogonalized update: spectral, unit_rms_norm or shape_scaling."""
+
+    muon_extra_scale_factor: float = 1.0
+    """Multiplies the scaled Muon update."""
+
+    muon_split_qkv: bool = True
+    """Orthogonalize the fused QKV weight as separate Q, K and V matrices."""
+
+    muon_fp32_matmul_prec: str = "medium"
+    """Precision of Newton-Schulz's fp32 matmuls on an accelerator: low (bf16), medium (TF32), high (fp32)."""
+
+    muon_tp_mode: str = "blockwise"
+    """Tensor-parallel weights: blockwise (per shard), duplicated (gather, full NS), distributed (sharded NS)."""
 
     clip_grad: float = 1.0
     """Clip the global L2 norm of the gradients to this value; 0 disables clipping."""
@@ -153,6 +181,28 @@ class OptimizerConfig:
             raise ValueError(f"OptimizerConfig.hysteresis={self.hysteresis} must be >= 1.")
         self._check_precision_aware()
         self._check_cpu_offload()
+        self._check_muon()
+
+    def _check_muon(self):
+        if not 0 <= self.muon_momentum < 1:
+            raise ValueError(f"OptimizerConfig.muon_momentum={self.muon_momentum} (--muon-momentum) must lie in "
+                             "[0, 1).")
+        if self.muon_num_ns_steps < 1:
+            raise ValueError(f"OptimizerConfig.muon_num_ns_steps={self.muon_num_ns_steps} (--muon-num-ns-steps) must "
+                             "be at least 1.")
+        if self.muon_extra_scale_factor <= 0:
+            raise ValueError(f"OptimizerConfig.muon_extra_scale_factor={self.muon_extra_scale_factor} "
+                             "(--muon-extra-scale-factor) must be > 0.")
+        for name, choices in (("muon_scale_mode", MUON_SCALE_MODES), ("muon_tp_mode", MUON_TP_MODES),
+                              ("muon_fp32_matmul_prec", MUON_FP32_MATMUL_PRECISIONS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"OptimizerConfig.{name}={getattr(self, name)!r} (--{name.replace('_', '-')}): "
+                                 f"choose one of {choices}.")
+        if self.optimizer == "muon" and self.use_distributed_optimizer:
+            raise ValueError(
+                "OptimizerConfig: optimizer='muon' (--optimizer muon) needs whole weight matrices, but "
+                "use_distributed_optimizer (--use-distributed-optimizer) shards them over data parallel: drop "
+                "--use-distributed-optimizer (Muon runs with Megatron DDP) or use --optimizer adam.")
 
     def _check_cpu_offload(self):
         if not 0.0 <= self.optimizer_offload_fraction <= 1.0:

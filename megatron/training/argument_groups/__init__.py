@@ -21,6 +21,7 @@ from megatron.training.argument_groups import (
     model_builders,
     moe,
     mtp,
+    muon,
     numerics,
     parallelism,
     pipeline_split,
@@ -36,13 +37,14 @@ from megatron.training.argument_groups import (
 # checkpoint_args comes first: --use-checkpoint-args replaces model flags before anything is derived from them.
 # memory precedes data_parallel: --main-grads-dtype bf16 opts out of the fp32 gradients data_parallel sets for --bf16.
 # activation_recompute precedes training: --recompute-activations sets the granularity training's rules check.
+# muon follows training (--optimizer) and reads the data-parallel flags as given, before data_parallel derives any.
 # model_builders precedes model: a flag asking for another model builder stops before shape rules run.
 # communication follows virtual_pipeline: its p2p rules depend on the virtual stages per rank.
 # moe comes last: it validates by building the transformer config from every other group's values.
 # virtual_pipeline follows training: its microbatch rule needs the global and micro batch sizes.
 # pipeline_split follows virtual_pipeline: the layers must divide into the virtual stages per rank it derives.
 # mtp follows pipeline_split: a layout's 'm' symbols must match --mtp-num-layers.
-ARGUMENT_GROUPS = (checkpoint_args, model_builders, parallelism, model, mla, activation_recompute, training,
+ARGUMENT_GROUPS = (checkpoint_args, model_builders, parallelism, model, mla, activation_recompute, training, muon,
                    virtual_pipeline, pipeline_split, mtp, data, logging_eval, profiling, checkpoint, memory,
                    data_parallel, communication, fp8, result_validation, numerics, data_parallel_tuning, run_control,
                    resilience, moe)

@@ -100,7 +100,7 @@ def add_arguments(parser):
     group.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
                        help="With --manual-gc, do not collect at the start and end of each evaluation.")
     group.add_argument("--clip-grad", type=float, default=1.0, help="Global gradient-norm clip (0 disables).")
-    group.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    group.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "muon"])
     group.add_argument("--adam-beta1", type=float, default=0.9)
     group.add_argument("--adam-beta2", type=float, default=0.999)
     group.add_argument("--adam-eps", type=float, default=1e-8)

@@ -1,0 +1,262 @@
+"""Muon for the hidden weight matrices, AdamW for everything else, in one torch optimizer.
+
+Muon (momentum orthogonalized by Newton-Schulz) steps every 2-D parameter that is not an embedding or the output
+layer: the linear layers of attention and MLP, experts included (the MoE router too, as upstream). Embeddings
+(word and learned position), the output layer, biases and norm weights are stepped by AdamW with the `--adam-*`
+settings. Both use the group's `lr` and `weight_decay` (decoupled), which the scheduler sets every step.
+
+One Muon step for a matrix W with gradient G, momentum mu and Newton-Schulz steps k:
+    M <- mu M + (1 - mu) G                      (an average, as upstream; `momentum_buffer` in the state)
+    U <- (1 - mu) G + mu M  with nesterov, else M
+    W <- W (1 - lr wd)
+    W <- W - lr * extra_scale * scale(rows, cols) * NS_k(U)
+NS_k normalises U by its Frobenius norm (at least 1e-7) and applies k quintic steps
+X <- a X + (b A + c A^2) X with A = X X^T and (a, b, c) = (3.4445, -4.7750, 2.0315), on the orientation with
+fewer rows. `scale` is `spectral` sqrt(max(rows, cols)), `unit_rms_norm` sqrt(rows / cols) or `shape_scaling`
+sqrt(max(1, rows / cols)), rows being the output dimension.
+
+With `split_qkv` the fused QKV weight (laid out per query group as q heads, k, v; see attention.py) is
+orthogonalized as three matrices, all queries, all keys and all values, each with its own scale.
+
+Tensor parallelism (`tp_mode`), for a weight sharded over the tensor-parallel group:
+- `blockwise`: each rank's shard is a matrix of its own, orthogonalized and scaled by its own shape;
+- `duplicated`: the shards are all-gathered, the full matrix orthogonalized and this rank's slice kept;
+- `distributed`: Newton-Schulz runs on the shards, all-reducing the Gram matrix over the unsharded dimension
+  and the norm, never holding the full matrix.
+`duplicated` and `distributed` compute the single-rank update (the same polynomial; only rounding differs).
+
+`torch.optim.Muon` implements the same iteration, but in bf16 and without tensor parallelism or the QKV split.
+"""
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.expert_parameters import is_expert_parameter
+from megatron.core.optimizer.shard_local_adam import ShardLocalAdamW
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch built without distributed
+    DTensor = None
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_EPS = 1e-7
+SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
+TP_MODES = ("blockwise", "duplicated", "distributed")
+# --muon-fp32-matmul-prec -> torch.set_float32_matmul_precision on accelerators: bf16 passes, TF32, full fp32.
+FP32_MATMUL_PRECISIONS = {"low": "medium", "medium": "high", "high": "highest"}
+
+
+def muon_scale_factor(rows, cols, mode):
+    """The update multiplier for an orthogonalized `rows` x `cols` matrix (rows = output dimension)."""
+    if mode == "spectral":
+        return math.sqrt(max(rows, cols))
+    if mode == "unit_rms_norm":
+        return math.sqrt(rows / cols)
+    if mode == "shape_scaling":
+        return math.sqrt(max(1.0, rows / cols))
+    raise ValueError(f"muon scale mode {mode!r} (--muon-scale-mode): choose one of {SCALE_MODES}")
+
+
+def newton_schulz(matrix, steps, tp_group=None, sharded_dim=None):
+    """NS_steps(matrix) in fp32. With `tp_group` and `sharded_dim`, `matrix` is this rank's shard along
+    `sharded_dim` of a matrix split over `tp_group`, and the result is the same shard of NS of the whole."""
+    a, b, c = NS_COEFFICIENTS
+    distributed = tp_group is not None and dist.get_world_size(tp_group) > 1
+    # The quintic step is the same polynomial on X and on X^T; put the sharded (or else the longer) side last,
+    # so the Gram matrix X X^T is over the unsharded (shorter) side.
+    transpose = (sharded_dim == 0) if distributed else matrix.size(0) > matrix.size(1)
+    x = matrix.float()
+    x = x.T if transpose else x
+    square_norm = x.square().sum()
+    if distributed:
+        dist.all_reduce(square_norm, group=tp_group)
+    x = x / square_norm.sqrt().clamp(min=NS_EPS)
+    for _ in range(steps):
+        gram = x @ x.T
+        if distributed:
+            dist.all_reduce(gram, group=tp_group)
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if transpose else x
+
+
+def _gather_full(shard, tp_group, dim):
+    pieces = [torch.empty_like(shard) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(pieces, shard.contiguous(), group=tp_group)
+    return torch.cat(pieces, dim=dim)
+
+
+def orthogonalize(update, steps, scale_mode, extra_scale_factor, tp_mode="blockwise", tp_group=None,
+                  partition_dim=None):
+    """Scaled NS of one matrix; `update` is this rank's shard along `partition_dim` over `tp_group` (or the whole
+    matrix when either is None)."""
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None and partition_dim is not None else 1
+    if tp_size == 1 or tp_mode == "blockwise":
+        orthogonal = newton_schulz(update, steps)
+        rows, cols = update.shape
+    elif tp_mode == "duplicated":
+        full = _gather_full(update, tp_group, partition_dim)
+        rank = dist.get_rank(tp_group)
+        orthogonal = newton_schulz(full, steps).chunk(tp_size, dim=partition_dim)[rank]
+        rows, cols = full.shape
+    elif tp_mode == "distributed":
+        orthogonal = newton_schulz(update, steps, tp_group, partition_dim)
+        rows, cols = update.shape
+        rows, cols = (rows * tp_size, cols) if partition_dim == 0 else (rows, cols * tp_size)
+    else:
+        raise ValueError(f"muon tensor-parallel mode {tp_mode!r} (--muon-tp-mode): choose one of {TP_MODES}")
+    return orthogonal * (muon_scale_factor(rows, cols, scale_mode) * extra_scale_factor)
+
+
+def split_qkv_rows(matrix, qkv_split):
+    """The fused QKV rows `[groups, (q | k | v)]` as three matrices (all q rows, all k rows, all v rows)."""
+    groups = matrix.size(0) // sum(qkv_split)
+    parts = torch.split(matrix.view(groups, sum(qkv_split), matrix.size(1)), list(qkv_split), dim=1)
+    return [part.reshape(-1, matrix.size(1)) for part in parts]
+
+
+def join_qkv_rows(parts, qkv_split):
+    groups = parts[0].size(0) // qkv_split[0]
+    cols = parts[0].size(1)
+    return torch.cat([part.view(groups, size, cols) for part, size in zip(parts, qkv_split)], dim=1).view(-1, cols)
+
+
+def _tensor_parallel_group(param):
+    """(group, partition dim) of a tensor-parallel weight; (None, None) for a replicated one."""
+    if not getattr(param, "tensor_model_parallel", False) or getattr(param, "partition_dim", -1) not in (0, 1):
+        return None, None
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None, None
+    group = (parallel_state.get_expert_tensor_parallel_group() if is_expert_parameter(param)
+             else parallel_state.get_tensor_model_parallel_group())
+    if group is None or dist.get_world_size(group) == 1:
+        return None, None
+    return group, param.partition_dim
+
+
+@contextlib.contextmanager
+def _fp32_matmul_precision(precision, device):
+    """The precision of fp32 matmuls on an accelerator; CPU matmuls stay full fp32."""
+    if device.type == "cpu":
+        yield
+        return
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(FP32_MATMUL_PRECISIONS[precision])
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+class MuonWithAdamW(ShardLocalAdamW):
+    """AdamW (`ShardLocalAdamW`'s arguments and state) for groups without `use_muon`; Muon for groups with
+    `use_muon=True`, whose own keys are `momentum`, `nesterov`, `ns_steps`, `scale_mode`, `extra_scale_factor`,
+    `tp_mode`, `fp32_matmul_prec` and `qkv_split` (None, or the q, k, v rows per query group: the group's
+    parameters are then fused QKV weights)."""
+
+    def __init__(self, params, *args, **kwargs):
+        super().__init__(params, *args, **kwargs)
+        for group in self.param_groups:
+            if not group.get("use_muon", False):
+                continue
+            for param in group["params"]:
+                if param.dim() != 2:
+                    raise ValueError(f"Muon steps 2-D weights only; a parameter of shape {tuple(param.shape)} is "
+                                     "in a Muon group: give it to AdamW")
+                if DTensor is not None and isinstance(param, DTensor):
+                    raise ValueError("Muon needs whole weight matrices but got a DTensor parameter (sharded by FSDP2 "
+                                     "or Megatron-FSDP): train Muon with Megatron DDP instead")
+
+    def _muon_update(self, group, param):
+        state = self.state[param]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        if "step" not in state:  # a step counter as AdamW keeps: its state loading expects one in every state
+            state["step"] = torch.zeros((), dtype=torch.float32)
+        state["step"] += 1
+        momentum_buffer = state["momentum_buffer"]
+        momentum = group["momentum"]
+        momentum_buffer.lerp_(param.grad, 1 - momentum)
+        update = param.grad.lerp(momentum_buffer, momentum) if group["nesterov"] else momentum_buffer
+        tp_group, partition_dim = _tensor_parallel_group(param)
+        settings = dict(steps=group["ns_steps"], scale_mode=group["scale_mode"],
+                        extra_scale_factor=group["extra_scale_factor"], tp_mode=group["tp_mode"], tp_group=tp_group,
+                        partition_dim=partition_dim)
+        with _fp32_matmul_precision(group["fp32_matmul_prec"], param.device):
+            if group.get("qkv_split") is not None:
+                if partition_dim not in (None, 0):
+                    raise ValueError(f"a fused QKV weight split over dimension {partition_dim}: Muon's QKV split "
+                                     "needs column-parallel (dimension 0) shards; pass --muon-no-split-qkv")
+                qkv_split = group["qkv_split"]
+                orthogonal = join_qkv_rows([orthogonalize(part, **settings)
+                                            for part in split_qkv_rows(update, qkv_split)], qkv_split)
+            else:
+                orthogonal = orthogonalize(update, **settings)
+        if group["weight_decay"] != 0:
+            param.mul_(1 - group["lr"] * group["weight_decay"])
+        param.add_(orthogonal.to(param.dtype), alpha=-group["lr"])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            with_grad = [param for param in group["params"] if param.grad is not None]
+            if group.get("use_muon", False):
+                for param in with_grad:
+                    self._muon_update(group, param)
+                continue
+            self._update(group, with_grad, local=False)
+        return loss
+
+
+def is_muon_parameter(param):
+    """A 2-D weight that is neither an embedding nor the output layer."""
+    return (param.dim() == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
+            and not getattr(param, "is_embedding_parameter", False))
+
+
+def fused_qkv_splits(model_chunks):
+    """{id(fused QKV weight): (q rows, k rows, v rows) per query group} for the attention layers of the chunks."""
+    splits = {}
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            linear_qkv = getattr(module, "linear_qkv", None)
+            weight = getattr(linear_qkv, "weight", None)
+            if weight is None or not hasattr(module, "heads_per_group") or not hasattr(module, "head_dim"):
+                continue
+            splits[id(weight)] = (module.heads_per_group * module.head_dim, module.head_dim, module.head_dim)
+    return splits
+
+
+def muon_param_groups(param_groups, model_chunks, config):
+    """`param_groups` with each group's Muon parameters moved to Muon groups of their own (same lr and weight
+    decay settings), fused QKV weights apart when `config.muon_split_qkv`. AdamW groups keep their order."""
+    qkv_splits = fused_qkv_splits(model_chunks) if config.muon_split_qkv else {}
+    muon_settings = dict(use_muon=True, momentum=config.muon_momentum, nesterov=config.muon_use_nesterov,
+                         ns_steps=config.muon_num_ns_steps, scale_mode=config.muon_scale_mode,
+                         extra_scale_factor=config.muon_extra_scale_factor, tp_mode=config.muon_tp_mode,
+                         fp32_matmul_prec=config.muon_fp32_matmul_prec)
+    muon_groups, adam_groups = [], []
+    for group in param_groups:
+        by_split, adam_params = {}, []
+        for param in group["params"]:
+            if DTensor is not None and isinstance(param, DTensor):
+                raise ValueError("--optimizer muon needs whole weight matrices, but the model's parameters are "
+                                 "DTensors sharded by FSDP2 (--use-torch-fsdp2): use Megatron DDP instead")
+            if is_muon_parameter(param):
+                by_split.setdefault(qkv_splits.get(id(param)), []).append(param)
+            else:
+                adam_params.append(param)
+        for qkv_split, params in by_split.items():
+            muon_groups.append({**group, **muon_settings, "qkv_split": qkv_split, "params": params})
+        if adam_params:
+            adam_groups.append({**group, "params": adam_params})
+    return muon_groups + adam_groups

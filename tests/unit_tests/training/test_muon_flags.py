@@ -1,0 +1,68 @@
+"""`--optimizer muon` and the `--muon-*` flags: upstream's defaults, what reaches OptimizerConfig, refused wrappers."""
+
+import pytest
+
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.model_config import optimizer_config_from_args
+
+BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+        "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128 --optimizer muon")
+
+
+@pytest.fixture(autouse=True)
+def single_process_env(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+
+
+def validated(extra=""):
+    return validate_args(parse_args(args=(BASE + " " + extra).split()))
+
+
+def test_upstream_defaults_reach_the_optimizer_config():
+    config = optimizer_config_from_args(validated())
+    assert config.optimizer == "muon"
+    assert (config.muon_momentum, config.muon_use_nesterov, config.muon_num_ns_steps) == (0.95, False, 5)
+    assert (config.muon_scale_mode, config.muon_extra_scale_factor, config.muon_split_qkv) == ("spectral", 1.0, True)
+    assert (config.muon_fp32_matmul_prec, config.muon_tp_mode) == ("medium", "blockwise")
+
+
+def test_flags_reach_the_optimizer_config():
+    config = optimizer_config_from_args(validated(
+        "--muon-momentum 0.9 --muon-use-nesterov --muon-num-ns-steps 3 --muon-scale-mode unit_rms_norm "
+        "--muon-extra-scale-factor 0.2 --muon-no-split-qkv --muon-fp32-matmul-prec high --muon-tp-mode duplicated"))
+    assert (config.muon_momentum, config.muon_use_nesterov, config.muon_num_ns_steps) == (0.9, True, 3)
+    assert (config.muon_scale_mode, config.muon_extra_scale_factor, config.muon_split_qkv) == ("unit_rms_norm", 0.2,
+                                                                                               False)
+    assert (config.muon_fp32_matmul_prec, config.muon_tp_mode) == ("high", "duplicated")
+    assert validated("--muon-no-split-qkv --muon-split-qkv").muon_split_qkv is True
+
+
+@pytest.mark.parametrize("flags", ["--use-distributed-optimizer", "--use-megatron-fsdp",
+                                   "--use-torch-fsdp2 --ckpt-format torch_dist --untie-embeddings-and-output-weights"])
+def test_sharded_data_parallel_is_refused(flags):
+    flag = flags.split()[0]
+    with pytest.raises(ValueError, match=f"--optimizer muon needs whole weight matrices, but {flag} shards them.*"
+                                         "Megatron DDP"):
+        validated(flags)
+
+
+@pytest.mark.parametrize("flags,message", [("--muon-momentum 1.0", "--muon-momentum"),
+                                           ("--muon-num-ns-steps 0", "--muon-num-ns-steps"),
+                                           ("--muon-extra-scale-factor -1", "--muon-extra-scale-factor")])
+def test_bad_values_are_refused(flags, message):
+    with pytest.raises(ValueError, match=message):
+        validated(flags)
+
+
+@pytest.mark.parametrize("flags", ["--muon-scale-mode rms", "--muon-tp-mode sharded",
+                                   "--muon-fp32-matmul-prec highest"])
+def test_unknown_choices_stop_the_parser(flags, capsys):
+    with pytest.raises(SystemExit):
+        validated(flags)
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_precision_aware_optimizer_stays_adam_only():
+    with pytest.raises(ValueError, match="--use-precision-aware-optimizer steps Adam only"):
+        validated("--use-precision-aware-optimizer")
