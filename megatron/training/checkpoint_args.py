@@ -1,15 +1,17 @@
 """The model a checkpoint holds, against the model of this run: flags that change what the weights mean.
 
 Some flags change how a tensor of an unchanged shape is read: with 4 heads of 8 channels or 8 heads of 4,
-`linear_qkv.weight` is (3 * hidden, hidden) either way, but its rows are split into other heads. Others add or
-drop tensors that the default `--dist-ckpt-strictness` would quietly skip (an untied output layer, the
-q/k norms). Of the mixture-of-experts flags, those of the layout (how many experts, their width, which layers
-have them, the shared experts) are compared too: the weights of another layout fail on a tensor's shape or are
-skipped. Routing choices (top-k, score function, capacity, auxiliary losses, expert bias) are not: a fine-tune
-may change them over the same weights. A checkpoint stores the arguments it was trained with; loading compares
-those flags with this run's before anything is read, in every format and also under `--finetune` (a finetune
-changes the data and the schedule, not the architecture), and refuses another model with an error naming each
-flag and both values.
+`linear_qkv.weight` is (3 * hidden, hidden) either way, but its rows are split into other heads. Others add or drop
+tensors that the default `--dist-ckpt-strictness` would quietly skip (an untied output layer, the q/k norms). Of the
+mixture-of-experts flags, those of the layout (how many experts, their width, which layers have them, the shared
+experts) are compared too: the weights of another layout fail on a tensor's shape or are skipped. Routing choices
+(top-k, score function, capacity, auxiliary losses, expert bias) are not: a fine-tune may change them over the same
+weights. The widths (--hidden-size, --ffn-hidden-size) are compared as well, so that another width is reported by
+its flag rather than by the first tensor whose shape differs; --num-layers is not (a checkpoint's extra layers are
+unexpected keys, the strictness flag's to judge). A checkpoint stores the arguments it was trained with; loading
+compares those flags with this run's before anything is read, in every format and also under `--finetune` (a
+finetune changes the data and the schedule, not the architecture), and refuses another model with an error naming
+each flag and both values.
 """
 
 import functools
@@ -119,6 +121,22 @@ def _both_have_shared_experts(saved_args, args):
         getattr(a, "moe_shared_expert_intermediate_size", None) for a in (saved_args, args))
 
 
+def _has_dense_layers(args):
+    from megatron.core.transformer.moe.moe_config import layer_pattern_from_freq
+
+    if not getattr(args, "num_experts", None):
+        return True
+    if getattr(args, "num_layers", None) is None:
+        return False
+    return not all(layer_pattern_from_freq(getattr(args, "moe_layer_freq", 1), args.num_layers))
+
+
+def _both_have_dense_layers(saved_args, args):
+    """--ffn-hidden-size shapes the dense MLPs only; in a model whose every layer is MoE the expert width is
+    --moe-ffn-hidden-size (compared on its own)."""
+    return _has_dense_layers(saved_args) and _has_dense_layers(args)
+
+
 def _either_groups_queries(saved_args, args):
     """Without --group-query-attention on either side the key/value heads are the attention heads, compared
     already."""
@@ -126,9 +144,11 @@ def _either_groups_queries(saved_args, args):
 
 
 ARCHITECTURE_FLAGS = (
+    ArchitectureFlag("--hidden-size", _get("hidden_size")),
     ArchitectureFlag("--num-attention-heads", _get("num_attention_heads")),
     ArchitectureFlag("--num-query-groups", _query_groups, compared=_either_groups_queries),
     ArchitectureFlag("--kv-channels", _kv_channels),
+    ArchitectureFlag("--ffn-hidden-size", _get("ffn_hidden_size"), compared=_both_have_dense_layers),
     ArchitectureFlag("--swiglu", _switch("swiglu"), is_switch=True),
     ArchitectureFlag("--squared-relu", _switch("squared_relu"), is_switch=True),
     ArchitectureFlag("--normalization", _get("normalization")),

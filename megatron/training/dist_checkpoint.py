@@ -179,12 +179,13 @@ def load_dist_checkpoint(model_chunks, optimizer, scheduler, args, iteration, ro
     if modelopt_note is not None:
         report.loaded.append(modelopt_note)
     model_targets, finish_model_load = checkpoint_state.model_targets(model_chunks)
-    checkpoint_state.adapt_vocab_padding(model_targets, metadata, args, report)
-    serialization.check_shapes(model_targets, metadata, directory)
-    # Same shapes, same model? Checked before anything is read (also under --finetune).
+    # Same model? Checked before the shapes, whose error would name a tensor rather than the flag that differs
+    # (--num-experts, --hidden-size, ...), and before anything is read (also under --finetune).
     saved_args = common.get("args")
     saved_vocab_size = saved_true_vocab_size(common.get(checkpoint_state.VOCAB_SIZE_KEY), saved_args)
     check_same_architecture(directory, saved_args, args, saved_vocab_size, true_vocab_size(args))
+    checkpoint_state.adapt_vocab_padding(model_targets, metadata, args, report)
+    serialization.check_shapes(model_targets, metadata, directory)
     mismatch = serialization.key_mismatch(model_targets, metadata, ["model."])
     # FP8 amax histories a checkpoint lacks (a run without delayed FP8 scaling) are no error: they start empty.
     other_missing, fresh_fp8_histories = split_missing_fp8_histories(mismatch.missing)

@@ -33,25 +33,40 @@ def resolve_group_size(group_size, pipeline_size):
     return pipeline_size if group_size is None else group_size
 
 
-def check_microbatches(num_microbatches, pipeline_size, group_size):
+def check_microbatches(num_microbatches, pipeline_size, group_size=None):
     """Raise ValueError unless `M` microbatches fit groups of `N`: `p <= N <= M` and `M mod N` is 0 or >= p.
 
-    A last, shorter group of fewer than `p` microbatches would leave the pipeline waiting on itself. With the
-    default `N = p` this means `M` must be a multiple of the pipeline size.
+    A last, shorter group of fewer than `p` microbatches would leave the pipeline waiting on itself. `group_size`
+    None is the default `N = p` (the flag unset), where this means `M` must be a positive multiple of the pipeline
+    size; the messages say which of the two applies.
     """
+    microbatches = (f"the number of microbatches per global batch ({num_microbatches} = --global-batch-size / "
+                    "(--micro-batch-size x data-parallel size))")
+    if group_size is None:
+        if num_microbatches < pipeline_size:
+            raise ValueError(
+                f"an interleaved pipeline needs {microbatches} to be at least --pipeline-model-parallel-size "
+                f"({pipeline_size}): raise --global-batch-size"
+            )
+        if num_microbatches % pipeline_size != 0:
+            raise ValueError(
+                f"an interleaved pipeline with the default {FLAG_GROUP_SIZE} (the pipeline size) needs {microbatches} "
+                f"to be a multiple of --pipeline-model-parallel-size ({pipeline_size}): change --global-batch-size, "
+                f"or set {FLAG_GROUP_SIZE} N with {pipeline_size} <= N <= {num_microbatches} and "
+                f"{num_microbatches} mod N either 0 or at least {pipeline_size}"
+            )
+        return
     if not pipeline_size <= group_size <= num_microbatches:
         raise ValueError(
             f"an interleaved pipeline needs {FLAG_GROUP_SIZE} ({group_size}) between --pipeline-model-parallel-size "
-            f"({pipeline_size}) and the number of microbatches per global batch ({num_microbatches} = "
-            "--global-batch-size / (--micro-batch-size x data-parallel size))"
+            f"({pipeline_size}) and {microbatches}"
         )
     remainder = num_microbatches % group_size
     if remainder != 0 and remainder < pipeline_size:
         raise ValueError(
             f"with an interleaved pipeline the number of microbatches ({num_microbatches}) modulo {FLAG_GROUP_SIZE} "
             f"({group_size}) must be 0 or at least --pipeline-model-parallel-size ({pipeline_size}), got {remainder}; "
-            f"change --global-batch-size or {FLAG_GROUP_SIZE} (with the default group size the number of "
-            "microbatches must be a multiple of the pipeline size)"
+            f"change --global-batch-size or {FLAG_GROUP_SIZE}"
         )
 
 
@@ -92,7 +107,7 @@ class InterleavedPlan:
         self.pipeline_size, self.rank, self.num_chunks = pipeline_size, rank, num_chunks
         self.num_microbatches = num_microbatches
         self.group_size = resolve_group_size(group_size, pipeline_size)
-        check_microbatches(num_microbatches, pipeline_size, self.group_size)
+        check_microbatches(num_microbatches, pipeline_size, group_size)
         self.forward_only = forward_only
         self.table = schedule_table(num_microbatches, num_chunks, self.group_size)
         self.total = len(self.table)

@@ -231,8 +231,17 @@ def _validate_non_persistent(args):
                          f"torch_dist, got --ckpt-format {args.ckpt_format}")
 
 
+def _validate_directories(args):
+    for flag, path, what in (("--save", args.save, "the directory checkpoints are written into"),
+                             ("--load", args.load, "the checkpoint root directory, which holds "
+                              "latest_checkpointed_iteration.txt and the iter_* directories")):
+        if path is not None and os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"{flag} {path} is a file, not a directory: {flag} takes {what}")
+
+
 def validate(args):
     _validate_deprecated_aliases(args)
+    _validate_directories(args)
     _validate_conversion(args)
     _validate_retention(args)
     _validate_non_persistent(args)

@@ -253,6 +253,10 @@ def validate(args):
             raise ValueError(f"{flag} is required")
         if value <= 0:
             raise ValueError(f"{flag} must be positive, got {value}")
+    for flag, value in (("--kv-channels", args.kv_channels), ("--ffn-hidden-size", args.ffn_hidden_size)):
+        if value is not None and value <= 0:
+            raise ValueError(f"{flag} must be positive, got {value}; drop it for the default derived from "
+                             "--hidden-size")
     if args.hidden_size % args.num_attention_heads != 0 and args.kv_channels is None:
         raise ValueError(
             f"--hidden-size ({args.hidden_size}) must be divisible by --num-attention-heads "

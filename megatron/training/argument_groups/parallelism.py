@@ -65,6 +65,7 @@ def validate(args):
 
 def _validate_context_parallel(args):
     from megatron.core.transformer.context_parallel.comm_types import (
+        HIERARCHICAL_COMM_TYPE,
         comm_types_in_use,
         heads_split_size,
         normalize_cp_comm_types,
@@ -74,9 +75,24 @@ def _validate_context_parallel(args):
     comm_type = normalize_cp_comm_types(args.cp_comm_type, args.num_layers)
     args.cp_comm_type = comm_type if isinstance(comm_type, str) else list(comm_type)
     cp = args.context_parallel_size
+    if cp == 1 and HIERARCHICAL_COMM_TYPE in comm_types_in_use(comm_type) and \
+            args.hierarchical_context_parallel_sizes is None:
+        # As Megatron-LM: a2a+p2p always needs the sizes, also where one context-parallel rank makes it a no-op.
+        raise ValueError(
+            "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes INNER OUTER with INNER x OUTER = "
+            "--context-parallel-size; at --context-parallel-size 1 that is --hierarchical-context-parallel-sizes "
+            "1 1, or use --cp-comm-type p2p (the default): with one context-parallel rank no comm type communicates"
+        )
     sizes = validate_hierarchical_sizes(args.hierarchical_context_parallel_sizes, cp, comm_type)
     args.hierarchical_context_parallel_sizes = None if sizes is None else list(sizes)
     if cp == 1:
+        tp = args.tensor_model_parallel_size
+        if args.sequence_parallel and args.seq_length is not None and args.seq_length % tp != 0:
+            raise ValueError(
+                f"--seq-length ({args.seq_length}) must be divisible by --tensor-model-parallel-size ({tp}) with "
+                "--sequence-parallel: each tensor-parallel rank holds an equal slice of the sequence; change "
+                "--seq-length or drop --sequence-parallel"
+            )
         return
     divisor = 2 * cp * (args.tensor_model_parallel_size if args.sequence_parallel else 1)
     if args.seq_length is not None and args.seq_length % divisor != 0:

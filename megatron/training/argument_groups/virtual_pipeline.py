@@ -69,11 +69,8 @@ def validate(args):
             raise ValueError(f"{GROUP_FLAG} needs at least two virtual stages per pipeline rank")
         return  # one chunk per rank: plain 1F1B
     args.virtual_pipeline_model_parallel_size = stages
-    group_size = args.microbatch_group_size_per_virtual_pipeline_stage
-    if group_size is None:
-        group_size = pp
     num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-    check_microbatches(num_microbatches, pp, group_size)
+    check_microbatches(num_microbatches, pp, args.microbatch_group_size_per_virtual_pipeline_stage)
 
 
 def _stages_from_layers_per_stage(args, layers):

@@ -69,6 +69,12 @@ def _bad_inputs(workdir):
                                                     root)[0]
     results["vocab"] = _load_into("--vocab-size 100", root)[0]  # still 128 rows after padding
     results["unchanged"] = _snapshot(root) == before
+    # Another expert count changes the router's and the experts' shapes: the error names the flag, not a tensor.
+    moe_root = os.path.join(workdir, "moe")
+    state = TrainingState(f"--num-experts 4 --ckpt-format torch_dist --save {moe_root}")
+    checkpointing.save_checkpoint(1, state.model, state.optimizer, state.scheduler, state.args)
+    state.close()
+    results["experts"] = _load_into("--num-experts 2", moe_root)[0]
 
     # Partial loads say what they skipped; without optimizer state the main weights follow the loaded model.
     state = TrainingState(f"--use-distributed-optimizer --ckpt-format torch_dist --load {root} --no-load-optim")
@@ -135,9 +141,19 @@ def _bad_inputs(workdir):
 def test_bad_inputs_get_errors_naming_tensor_or_file(tmp_path, world_size):
     results = run_on_ranks(world_size, _bad_inputs, str(tmp_path))
     first = results[0]
-    assert "'model.embedding.word_embeddings.weight'" in first["hidden"]
-    assert "(128, 32) in the checkpoint but (128, 48) in this model" in first["hidden"]
-    assert "--hidden-size" in first["hidden"]
+    # Another width is reported by its flags (the swiglu width and the head size follow --hidden-size), before
+    # any tensor's shape is compared.
+    assert first["hidden"].startswith("CheckpointError: checkpoint ")
+    assert ("holds another model than this run builds: --hidden-size: 32 in the checkpoint, 48 in this run; "
+            "--kv-channels: 8 in the checkpoint, 12 in this run; --ffn-hidden-size: 64 in the checkpoint, 128 in "
+            "this run.") in first["hidden"]
+    assert "launch with the checkpoint's --hidden-size 32, --kv-channels 8, --ffn-hidden-size 64" in first["hidden"]
+    for result in results:
+        assert result["experts"].startswith("CheckpointError: checkpoint "), result["experts"]
+        assert ("holds another model than this run builds: --num-experts: 4 in the checkpoint, 2 in this run."
+                in result["experts"])
+        assert "launch with the checkpoint's --num-experts 4" in result["experts"]
+        assert "has shape" not in result["experts"]
     assert "not in the checkpoint" in first["more_layers"] and "decoder.layers.4" in first["more_layers"]
     assert first["fewer_layers_default"] is None  # unexpected keys are fine by default (assume_ok_unexpected)
     assert "not in the model" in first["fewer_layers_raise_all"] and "decoder.layers.2" in first[

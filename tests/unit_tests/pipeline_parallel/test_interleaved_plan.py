@@ -58,6 +58,32 @@ def test_microbatch_count_rule_names_the_flags(num_microbatches, group_size, mes
 def test_microbatch_count_rule_accepts_a_long_enough_last_group():
     check_microbatches(7, 2, 4)  # groups of 4 and 3
     check_microbatches(8, 2, 2)
+    check_microbatches(6, 2)  # the default group size: 6 is a multiple of the pipeline size
+    assert InterleavedPlan(2, 0, 2, 6).group_size == 2
+
+
+@pytest.mark.parametrize(
+    "num_microbatches, message",
+    [(3, r"with the default --microbatch-group-size-per-virtual-pipeline-stage \(the pipeline size\) needs the "
+         r"number of microbatches per global batch \(3 = .*\) to be a multiple of --pipeline-model-parallel-size "
+         r"\(2\): change --global-batch-size, or set --microbatch-group-size-per-virtual-pipeline-stage N with "
+         r"2 <= N <= 3"),
+     (1, r"needs the number of microbatches per global batch \(1 = .*\) to be at least "
+         r"--pipeline-model-parallel-size \(2\): raise --global-batch-size")],
+)
+def test_microbatch_count_rule_says_when_the_group_size_is_the_default(num_microbatches, message):
+    with pytest.raises(ValueError, match=message):
+        check_microbatches(num_microbatches, 2)
+    with pytest.raises(ValueError, match=message):
+        InterleavedPlan(2, 0, 2, num_microbatches)
+
+
+def test_microbatch_count_rule_with_a_given_group_size_does_not_mention_the_default():
+    with pytest.raises(ValueError) as error:
+        check_microbatches(5, 2, 4)
+    assert "modulo --microbatch-group-size-per-virtual-pipeline-stage (4) must be 0 or at least " \
+           "--pipeline-model-parallel-size (2), got 1" in str(error.value)
+    assert "default" not in str(error.value)
 
 
 def _simulate(pipeline_size, num_chunks, num_microbatches, group_size=None, forward_only=False, eager_sends=False):

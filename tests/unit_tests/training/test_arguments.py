@@ -143,11 +143,26 @@ def test_args_defaults_fill_only_unset_options():
         ("--fp16 --min-loss-scale 0", 1, r"^need 0 < --min-loss-scale \(0.0\)"),
         ("--fp16 --loss-scale-window 0", 1, r"^--loss-scale-window must be at least 1, got 0$"),
         ("--fp16 --hysteresis 0", 1, r"^--hysteresis must be at least 1, got 0$"),
+        ("--kv-channels 0", 1, r"^--kv-channels must be positive, got 0; drop it for the default derived from "
+         r"--hidden-size$"),
+        ("--ffn-hidden-size -4", 1, r"^--ffn-hidden-size must be positive, got -4; drop it"),
+        ("--tensor-model-parallel-size 2 --sequence-parallel --seq-length 33 --max-position-embeddings 40", 2,
+         r"^--seq-length \(33\) must be divisible by --tensor-model-parallel-size \(2\) with --sequence-parallel: "
+         r"each tensor-parallel rank holds an equal slice of the sequence"),
     ],
 )
 def test_rule_violations_name_the_flags(monkeypatch, extra, world_size, message):
     with pytest.raises(ValueError, match=message):
         validated(extra, world_size, monkeypatch)
+
+
+@pytest.mark.parametrize("flag", ["--save", "--load"])
+def test_checkpoint_directory_flags_refuse_a_file(tmp_path, flag):
+    path = tmp_path / "model_optim_rng.pt"
+    path.write_bytes(b"")
+    with pytest.raises(ValueError, match=rf"^{flag} {path} is a file, not a directory: {flag} takes the "):
+        validated(f"{flag} {path}")
+    assert validated(f"{flag} {tmp_path}").save == (str(tmp_path) if flag == "--save" else None)
 
 
 def test_required_flags_are_named():

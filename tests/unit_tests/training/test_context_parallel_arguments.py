@@ -16,6 +16,11 @@ def test_cp_flags_and_derived_data_parallel_size(monkeypatch):
     assert core_transformer_config_from_args(args).cp_comm_type == "a2a"
 
 
+def test_hierarchical_comm_type_at_one_context_parallel_rank_takes_sizes_one_one(monkeypatch):
+    args = validated("--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 1 1", 1, monkeypatch)
+    assert (args.cp_comm_type, args.hierarchical_context_parallel_sizes) == ("a2a+p2p", [1, 1])
+
+
 def test_per_layer_and_hierarchical_comm_types_reach_the_config(monkeypatch):
     args = validated("--context-parallel-size 4 --cp-comm-type a2a+p2p all_gather "
                      "--hierarchical-context-parallel-sizes 2 2", 4, monkeypatch)
@@ -42,6 +47,10 @@ def test_per_layer_and_hierarchical_comm_types_reach_the_config(monkeypatch):
         ("--context-parallel-size 2 --hierarchical-context-parallel-sizes 2 1", 2,
          r"--hierarchical-context-parallel-sizes \[2, 1\] is used only by --cp-comm-type a2a\+p2p"),
         ("--context-parallel-size 4 --cp-comm-type a2a+p2p", 4, r"a2a\+p2p needs --hierarchical-context-parallel-sizes"),
+        ("--cp-comm-type a2a+p2p", 1,
+         r"^--cp-comm-type a2a\+p2p needs --hierarchical-context-parallel-sizes INNER OUTER .* at "
+         r"--context-parallel-size 1 that is --hierarchical-context-parallel-sizes 1 1, or use --cp-comm-type p2p"),
+        ("--cp-comm-type p2p a2a+p2p", 1, r"^--cp-comm-type a2a\+p2p needs --hierarchical-context-parallel-sizes"),
         ("--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 4", 4,
          r"product must equal --context-parallel-size \(4\)"),
         ("--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 4 1 "

@@ -46,7 +46,13 @@ def test_chunks_per_rank(extra, chunks):
      ("--num-virtual-stages-per-pipeline-rank 2 --num-layers-per-virtual-pipeline-stage 2 --global-batch-size 4",
       "either"),
      ("--num-virtual-stages-per-pipeline-rank 2 --global-batch-size 3",
-      r"number of microbatches \(3\) modulo --microbatch-group-size-per-virtual-pipeline-stage \(2\)"),
+      r"with the default --microbatch-group-size-per-virtual-pipeline-stage \(the pipeline size\) needs the number "
+      r"of microbatches per global batch \(3 = .*\) to be a multiple of --pipeline-model-parallel-size \(2\)"),
+     ("--num-virtual-stages-per-pipeline-rank 2 --global-batch-size 5 "
+      "--microbatch-group-size-per-virtual-pipeline-stage 4",
+      r"number of microbatches \(5\) modulo --microbatch-group-size-per-virtual-pipeline-stage \(4\) must be 0 "
+      r"or at least --pipeline-model-parallel-size \(2\), got 1; change --global-batch-size or "
+      r"--microbatch-group-size-per-virtual-pipeline-stage$"),
      ("--num-virtual-stages-per-pipeline-rank 2 --global-batch-size 4 "
       "--microbatch-group-size-per-virtual-pipeline-stage 8", "between --pipeline-model-parallel-size"),
      ("--microbatch-group-size-per-virtual-pipeline-stage 2 --global-batch-size 4", "needs an interleaved pipeline"),

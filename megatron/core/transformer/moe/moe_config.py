@@ -280,8 +280,16 @@ class MoEConfigMixin:
         if factor is not None and factor <= 0:
             raise ValueError(f"--moe-router-topk-scaling-factor must be positive, got {factor}")
         groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
-        if (groups is None) != (group_topk is None):
-            raise ValueError("group-limited routing needs both --moe-router-num-groups and --moe-router-group-topk")
+        if groups is not None and group_topk is None:
+            # Megatron-LM ignores the group count alone and routes over all experts; refused here instead.
+            raise ValueError(f"--moe-router-num-groups ({groups}) without --moe-router-group-topk: group-limited "
+                             "routing needs both; add --moe-router-group-topk g (the 1 <= g <= "
+                             f"{groups} groups each token may use), or drop --moe-router-num-groups to route over "
+                             "all experts")
+        if group_topk is not None and groups is None:
+            raise ValueError(f"--moe-router-group-topk ({group_topk}) without --moe-router-num-groups: group-limited "
+                             "routing needs both; add --moe-router-num-groups G (a divisor of --num-experts "
+                             f"({experts}) that splits the experts into G groups), or drop --moe-router-group-topk")
         if groups is not None:
             if groups <= 0 or experts % groups != 0:
                 raise ValueError(f"--moe-router-num-groups ({groups}) must be a positive divisor of --num-experts "

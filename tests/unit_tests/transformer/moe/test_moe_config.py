@@ -103,6 +103,22 @@ def test_bad_config_names_the_flags(overrides, flags):
         assert flag in str(error.value)
 
 
+@pytest.mark.parametrize("extra, message", [
+    ("--moe-router-num-groups 4",
+     "--moe-router-num-groups (4) without --moe-router-group-topk: group-limited routing needs both; add "
+     "--moe-router-group-topk g (the 1 <= g <= 4 groups each token may use), or drop --moe-router-num-groups to "
+     "route over all experts"),
+    ("--moe-router-group-topk 2",
+     "--moe-router-group-topk (2) without --moe-router-num-groups: group-limited routing needs both; add "
+     "--moe-router-num-groups G (a divisor of --num-experts (8) that splits the experts into G groups), or drop "
+     "--moe-router-group-topk"),
+])
+def test_group_limited_routing_flag_alone_says_what_to_add_or_drop(extra, message, monkeypatch):
+    with pytest.raises(ValueError) as error:
+        _validated(f"--num-experts 8 {extra}", monkeypatch, world_size=1)
+    assert str(error.value) == message
+
+
 ARGS = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 "
         "--global-batch-size 2 --train-iters 2 --lr 1e-3 --mock-data --vocab-size 128")
 
