@@ -58,7 +58,7 @@ def initialize_distributed(args):
     args.device = accelerator.device_for_backend(backend, local_rank)
     args.created_process_group = not dist.is_initialized()
     if args.created_process_group:
-        init_kwargs = {}
+        init_kwargs = _rendezvous(args.world_size)
         if args.device.type == "cuda":
             init_kwargs["device_id"] = args.device
         dist.init_process_group(
@@ -84,6 +84,19 @@ def initialize_distributed(args):
         expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
         order=getattr(args, "rank_order", None) or DEFAULT_ORDER,  # --use-tp-pp-dp-mapping: tp-cp-ep-pp-dp
+    )
+
+
+def _rendezvous(world_size):
+    """Where the ranks meet. torchrun sets MASTER_ADDR/MASTER_PORT for env://; a plain `python pretrain_gpt.py`
+    (no launcher, WORLD_SIZE unset or 1) runs as one rank on an in-process store."""
+    if "MASTER_ADDR" in os.environ:
+        return {}
+    if world_size == 1:
+        return {"store": dist.HashStore()}
+    raise RuntimeError(
+        f"WORLD_SIZE is {world_size} but MASTER_ADDR is not set: launch the ranks with torchrun "
+        f"(torchrun --nproc-per-node {world_size} pretrain_gpt.py ...), which sets the rendezvous variables."
     )
 
 
