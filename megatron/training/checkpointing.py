@@ -18,6 +18,7 @@ readable.
 
 import copy
 import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -408,6 +409,11 @@ def _checkpoint_or_none(args):
         message = f"--load {args.load}: the directory does not exist"
     else:
         message = f"--load {args.load}: no {TRACKER_FILENAME} in it (no complete checkpoint)"
+        step = re.fullmatch(r"iter_(\d+)", os.path.basename(os.path.normpath(args.load)))
+        if step is not None:
+            message += (f"; it looks like one iteration's directory: to resume it, pass its parent and the "
+                        f"iteration, --load {os.path.dirname(os.path.normpath(args.load))} --ckpt-step "
+                        f"{int(step.group(1))}")
     if args.exit_on_missing_checkpoint:
         raise FileNotFoundError(f"{message} and --exit-on-missing-checkpoint is set")
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -229,7 +229,7 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelPar
         if self.ffn_hidden_size is not None and self.ffn_hidden_size <= 0:
             raise ValueError(f"--ffn-hidden-size must be positive, got {self.ffn_hidden_size}")
         if self.kv_channels is not None and self.kv_channels <= 0:
-            raise ValueError(f"kv_channels must be positive, got {self.kv_channels}")
+            raise ValueError(f"--kv-channels (kv_channels) must be positive, got {self.kv_channels}")
         if self.init_method_std <= 0:
             raise ValueError(f"--init-method-std must be positive, got {self.init_method_std}")
         if self.embedding_init_method_std is not None and self.embedding_init_method_std <= 0:

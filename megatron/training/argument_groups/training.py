@@ -148,6 +148,9 @@ def validate(args):
         raise ValueError(f"--exit-interval must be positive, got {args.exit_interval}")
     if args.lr is None:
         raise ValueError("--lr is required")
+    for flag, value in (("--lr", args.lr), ("--min-lr", args.min_lr)):
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
     if args.min_lr > args.lr:
         raise ValueError(f"--min-lr ({args.min_lr}) must not exceed --lr ({args.lr})")
     if args.decoupled_min_lr is not None and args.decoupled_lr is None:

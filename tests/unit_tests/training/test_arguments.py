@@ -133,6 +133,8 @@ def test_args_defaults_fill_only_unset_options():
         ("--tokenizer-type GPTSentencePieceTokenizer", 1, r"^--tokenizer-type GPTSentencePieceTokenizer is not one of "
          r".*; for a SentencePiece model use --tokenizer-type HuggingFaceTokenizer with --tokenizer-model"),
         ("--weight-decay -0.1", 1, r"^--weight-decay must be >= 0, got -0.1$"),
+        ("--lr -1 --min-lr -2", 1, r"^--lr must be >= 0, got -1.0$"),
+        ("--min-lr=-1e-5", 1, r"^--min-lr must be >= 0, got -1e-05$"),
         ("--adam-beta2 1.0", 1, r"^--adam-beta2 must be in \[0, 1\), got 1.0$"),
         ("--optimizer sgd --sgd-momentum -0.5", 1, r"^--sgd-momentum must be in \[0, 1\), got -0.5$"),
         ("--adam-eps 0", 1, r"^--adam-eps must be positive, got 0.0$"),

@@ -386,3 +386,18 @@ def test_ckpt_format_help_states_the_formats_each_wrapper_takes(monkeypatch):
     for name in FORMATS:
         assert _validates(f"--ckpt-format {name} --save /c --async-save") == (name != "torch")
         assert _validates(f"--ckpt-format {name} --save /c --keep-last-n 2") == (name != "torch")
+
+
+def test_load_of_an_iteration_directory_says_how_to_resume_it(tmp_path, capsys):
+    checkpointing.write_tracker(tmp_path, 2)
+    iteration_dir = tmp_path / checkpointing.iteration_dir_name(2)
+    iteration_dir.mkdir()
+    args = argparse.Namespace(load=str(iteration_dir), ckpt_step=None, pretrained_checkpoint=None,
+                              exit_on_missing_checkpoint=False)
+    assert checkpointing._checkpoint_or_none(args) is None
+    printed = capsys.readouterr().out
+    assert (f"it looks like one iteration's directory: to resume it, pass its parent and the iteration, --load "
+            f"{tmp_path} --ckpt-step 2; nothing was loaded") in printed
+    args.exit_on_missing_checkpoint = True
+    with pytest.raises(FileNotFoundError, match=f"--load {tmp_path} --ckpt-step 2 and --exit-on-missing"):
+        checkpointing._checkpoint_or_none(args)

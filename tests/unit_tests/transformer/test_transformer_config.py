@@ -68,6 +68,7 @@ def test_embedding_init_method_follows_its_std_or_the_ordinary_init():
         (dict(ffn_hidden_size=90, tensor_model_parallel_size=4), "--ffn-hidden-size .* --tensor-model-parallel-size"),
         (dict(num_layers=6, pipeline_model_parallel_size=4), "--num-layers .* --pipeline-model-parallel-size"),
         (dict(num_layers=0), "--num-layers"),
+        (dict(kv_channels=0), r"--kv-channels \(kv_channels\) must be positive, got 0"),
         (dict(normalization="BatchNorm"), "--normalization"),
         (dict(hidden_dropout=1.0), "--hidden-dropout"),
         (dict(attention_dropout=-0.1), "--attention-dropout"),

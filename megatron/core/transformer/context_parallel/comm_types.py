@@ -57,7 +57,7 @@ def validate_hierarchical_sizes(hierarchical_sizes, context_parallel_size, cp_co
     """
     hierarchical = HIERARCHICAL_COMM_TYPE in comm_types_in_use(cp_comm_type)
     if hierarchical_sizes is None:
-        if hierarchical and context_parallel_size > 1:
+        if hierarchical:
             raise ValueError(
                 "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes INNER OUTER (all-to-all inside "
                 f"groups of INNER ranks, p2p ring across OUTER of them; INNER x OUTER = --context-parallel-size "

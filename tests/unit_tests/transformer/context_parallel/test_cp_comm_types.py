@@ -35,6 +35,7 @@ def test_per_layer_comm_types_resolve_by_global_layer_number():
     "sizes, cp, comm_type, message",
     [
         (None, 4, "a2a+p2p", r"--cp-comm-type a2a\+p2p needs --hierarchical-context-parallel-sizes"),
+        (None, 1, "a2a+p2p", r"--cp-comm-type a2a\+p2p needs --hierarchical-context-parallel-sizes"),
         ([2, 2], 4, "p2p", r"--hierarchical-context-parallel-sizes \[2, 2\] is used only by --cp-comm-type a2a\+p2p"),
         ([2, 1], 4, "a2a+p2p", r"the product must equal --context-parallel-size \(4\)"),
         ([2, 2, 1], 4, "a2a+p2p", r"takes two positive integers"),
