@@ -177,10 +177,6 @@ def _megatron_fsdp_optimizer(config, model_chunks, no_weight_decay_cond, scale_l
     the sharding, whatever `config.use_distributed_optimizer` says)."""
     from megatron.core import parallel_state
 
-    if config.optimizer == "muon":
-        raise ValueError("--optimizer muon needs whole weight matrices, but Megatron-FSDP (--use-megatron-fsdp) "
-                         "shards them: train Muon with Megatron DDP (drop --use-megatron-fsdp) or use "
-                         "--optimizer adam.")
     for name, flag in (("main_params_dtype", "--megatron-fsdp-main-params-dtype"),
                        ("main_grads_dtype", "--megatron-fsdp-main-grads-dtype")):
         if getattr(config, name) != torch.float32:
@@ -190,6 +186,8 @@ def _megatron_fsdp_optimizer(config, model_chunks, no_weight_decay_cond, scale_l
             )
     param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult,
                                     default_skip_embedding_weight_decay)
+    if config.optimizer == "muon":
+        param_groups = muon_param_groups(param_groups, model_chunks, config)
     device = model_chunks[0].device
     if model_chunks[0].ddp_config.megatron_fsdp_param_offload:
         device = torch.device("cpu")  # the main weights it steps rest in host memory

@@ -10,6 +10,10 @@ writes the updated shard into the parameter buffer and all-gathers the buffer (a
 FP8 weights are quantized into their buffer's FP8 bytes instead, and those are gathered (see
 `megatron.core.fp8.params`); the model starts from its FP8 weights, gathered once at construction.
 
+With Muon (`--optimizer muon`) each main parameter of a hidden weight matrix is marked as a piece of that matrix
+over the shard group (`mark_matrix_piece`), and a rank owning none of its elements steps an empty piece of it, so
+that Newton-Schulz sees the whole matrix on every rank (see muon.py).
+
 Checkpoints: `state_dict()` holds this rank's shards and can be loaded back on the same data-parallel layout.
 `gathered_state_dict()` assembles full, unsharded tensors per parameter (a collective; every rank gets the
 same result) and `load_gathered_state_dict()` takes the local shard out of it, so it moves across DP sizes.
@@ -21,6 +25,7 @@ import torch.distributed as dist
 from megatron.core.device_utils import get_current_device
 from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
 from megatron.core.offloading.placement import mark_relocatable
+from megatron.core.optimizer.muon import mark_matrix_piece
 from megatron.core.optimizer.optimizer import MegatronOptimizer, copy_parallel_attributes, fp32_grad
 
 
@@ -63,6 +68,7 @@ class DistributedOptimizer(MegatronOptimizer):
 
         self._model_params = []
         self._shards = []
+        self._empty_matrix_pieces = []  # Muon: this rank's (empty) pieces of the matrices it owns no element of
         main_groups = []
         for group in param_groups:
             main_group_params = []
@@ -70,15 +76,29 @@ class DistributedOptimizer(MegatronOptimizer):
                 self._model_params.append(param)
                 buffer = param_to_buffer[param]
                 ranges = buffer.local_shard_ranges(param)
-                if ranges is None:
+                if ranges is not None:
+                    shard = _ParamShard(param, buffer, *ranges, main_dtype=config.main_params_dtype)
+                    self._shards.append(shard)
+                    main_param, start, end = shard.main_param, shard.param_start, shard.param_end
+                elif group.get("use_muon", False):
+                    main_param, start, end = self._empty_piece(param, config.main_params_dtype), 0, 0
+                else:
                     continue
-                shard = _ParamShard(param, buffer, *ranges, main_dtype=config.main_params_dtype)
-                self._shards.append(shard)
-                main_group_params.append(shard.main_param)
+                if group.get("use_muon", False):
+                    # Newton-Schulz needs the whole matrix: Muon assembles it from the pieces of the shard group.
+                    mark_matrix_piece(main_param, param.shape, start, end, [buffer.groups.shard_group])
+                main_group_params.append(main_param)
             main_groups.append({**group, "params": main_group_params})
         super().__init__(optimizer_factory(main_groups), config, grad_scaler, grad_stats_groups, found_inf_groups,
                          expert_grad_stats_groups)
         self._install_fp8_weights()
+
+    def _empty_piece(self, param, dtype):
+        """An empty main parameter standing for `param` on a rank that owns none of its elements."""
+        piece = torch.nn.Parameter(torch.empty(0, dtype=dtype, device=param.device))
+        copy_parallel_attributes(param, piece)
+        self._empty_matrix_pieces.append(piece)
+        return piece
 
     def _install_fp8_weights(self):
         """With FP8 parameters: quantize the main weights and gather them now, so the model computes with them."""
@@ -106,6 +126,8 @@ class DistributedOptimizer(MegatronOptimizer):
                 shard.main_param.decoupled_grad = shard.grad_view()
             else:
                 shard.main_param.grad = fp32_grad(shard.grad_view())
+        for piece in self._empty_matrix_pieces:
+            piece.grad = torch.zeros_like(piece)
         for param in self._model_params:
             param.grad = None
 

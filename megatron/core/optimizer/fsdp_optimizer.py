@@ -3,7 +3,8 @@
 For each chunk of the rank (one, or one per virtual pipeline stage with an interleaved pipeline) a torch
 optimizer is built from that chunk's parameters and handed to `megatron_fsdp.fully_shard_optimizer`, which
 re-points it at Megatron-FSDP's main-weight views (fp32 by default; this rank's shard piece of each parameter
-under ZeRO-1..3, the whole parameter under ZeRO-0) and installs the updated weights into the model after every
+under ZeRO-1..3, the whole parameter under ZeRO-0; with Muon those pieces are marked as pieces of their matrix,
+see muon.py) and installs the updated weights into the model after every
 `step()`. A chunk without parameters (an empty pipeline stage, passing its input on) gets no optimizer: it has
 nothing to step, gather or reduce. Gradients arrive attached to those views by `finish_grad_sync` (called from
 `finalize_model_grads`, which also applies the tensor- and pipeline-parallel all-reduces to them). With several
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 from megatron.core.expert_parameters import expert_grad_stats_groups, model_has_expert_parameters
 from megatron.core.offloading.placement import InstallTarget, mark_relocatable
+from megatron.core.optimizer.muon import mark_matrix_piece
 from megatron.core.optimizer.optimizer import MegatronOptimizer, copy_parallel_attributes
 from megatron.core.optimizer.precision_aware_adam import optimizer_grad
 
@@ -165,11 +167,15 @@ class MegatronFSDPOptimizer(MegatronOptimizer):
             if not real_groups:
                 continue  # a chunk without parameters (an empty pipeline stage) has nothing to step
             # The main-weight views stand in for the parameters in gradient statistics: give them their attributes.
+            # Muon (`use_muon` groups) assembles each matrix from its flat pieces over the shard groups.
             for group in real_groups:
                 for param in group["params"]:
                     main_param = chunk.main_param_of(param)
                     if main_param is not None:
                         copy_parallel_attributes(param, main_param)
+                        piece = chunk.main_piece_of(param) if group.get("use_muon", False) else None
+                        if piece is not None:
+                            mark_matrix_piece(main_param, *piece)
             torch_optimizer = megatron_fsdp.fully_shard_optimizer(
                 optimizer_factory(real_groups),
                 preproc_state_dict_for_dcp_ckpt=chunk.ddp_config.preproc_state_dict_for_dcp_ckpt,

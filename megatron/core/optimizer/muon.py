@@ -25,11 +25,22 @@ Tensor parallelism (`tp_mode`), for a weight sharded over the tensor-parallel gr
   and the norm, never holding the full matrix.
 `duplicated` and `distributed` compute the single-rank update (the same polynomial; only rounding differs).
 
+Data-parallel sharding (the distributed optimizer, Megatron-FSDP ZeRO-1..3, FSDP2): momentum and weight decay are
+elementwise and stay on each rank's piece; before Newton-Schulz the whole matrix is assembled from the pieces
+and the rank keeps its own part of the result, so every layout computes the unsharded update. A DTensor
+parameter (FSDP2) is assembled with `full_tensor()` over its mesh. A flat piece (the other two) carries a
+`MatrixPiece` (`matrix_piece` attribute, see `mark_matrix_piece`): its elements of the flattened matrix and
+the process groups over which the pieces are disjoint and cover it; every rank of those groups holds one piece
+of each such matrix (possibly empty), so all take part in the same collectives in the same order. Each rank
+orthogonalizes every matrix (the tensor-parallel modes then apply to the assembled tensor-parallel shard).
+
 `torch.optim.Muon` implements the same iteration, but in bf16 and without tensor parallelism or the QKV split.
 """
 
 import contextlib
 import math
+from dataclasses import dataclass
+from typing import Tuple
 
 import torch
 import torch.distributed as dist
@@ -38,9 +49,9 @@ from megatron.core.expert_parameters import is_expert_parameter
 from megatron.core.optimizer.shard_local_adam import ShardLocalAdamW
 
 try:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 except ImportError:  # torch built without distributed
-    DTensor = None
+    DTensor = distribute_tensor = None
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
@@ -48,6 +59,40 @@ SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
 TP_MODES = ("blockwise", "duplicated", "distributed")
 # --muon-fp32-matmul-prec -> torch.set_float32_matmul_precision on accelerators: bf16 passes, TF32, full fp32.
 FP32_MATMUL_PRECISIONS = {"low": "medium", "medium": "high", "high": "highest"}
+
+
+@dataclass(frozen=True)
+class MatrixPiece:
+    """A flat main parameter holding elements `[start, end)` of a flattened matrix of `shape`; the pieces over
+    the ranks of `groups` (applied one after another) are disjoint and make up the whole matrix."""
+
+    shape: Tuple[int, int]
+    start: int
+    end: int
+    groups: tuple
+
+
+def mark_matrix_piece(main_param, shape, start, end, groups):
+    """Tell Muon that the flat `main_param` is a piece of a matrix (see `MatrixPiece`); 2-D `shape` only."""
+    main_param.matrix_piece = MatrixPiece(tuple(shape), start, end, tuple(group for group in groups
+                                                                             if dist.get_world_size(group) > 1))
+
+
+def _whole_matrix(param, update):
+    """(the whole matrix of which `update` is `param`'s piece, a function taking a whole matrix to `param`'s
+    piece of it); the identity for a parameter that is a whole matrix itself."""
+    piece = getattr(param, "matrix_piece", None)
+    if piece is not None:
+        flat = torch.zeros(math.prod(piece.shape), dtype=torch.float32, device=update.device)
+        flat[piece.start:piece.end] = update.reshape(-1)
+        for group in piece.groups:  # each element is non-zero on one rank only: the sums are exact
+            dist.all_reduce(flat, group=group)
+        return flat.view(piece.shape), lambda whole: whole.reshape(-1)[piece.start:piece.end].view_as(param)
+    if DTensor is not None and isinstance(update, DTensor):
+        mesh, placements = update.device_mesh, update.placements
+        # Every rank computes the same whole result: cutting it locally (src_data_rank=None) needs no collective.
+        return update.full_tensor(), lambda whole: distribute_tensor(whole, mesh, placements, src_data_rank=None)
+    return update, lambda whole: whole
 
 
 def muon_scale_factor(rows, cols, mode):
@@ -165,24 +210,38 @@ class MuonWithAdamW(ShardLocalAdamW):
             if not group.get("use_muon", False):
                 continue
             for param in group["params"]:
-                if param.dim() != 2:
+                if param.dim() != 2 and getattr(param, "matrix_piece", None) is None:
                     raise ValueError(f"Muon steps 2-D weights only; a parameter of shape {tuple(param.shape)} is "
                                      "in a Muon group: give it to AdamW")
-                if DTensor is not None and isinstance(param, DTensor):
-                    raise ValueError("Muon needs whole weight matrices but got a DTensor parameter (sharded by FSDP2 "
-                                     "or Megatron-FSDP): train Muon with Megatron DDP instead")
 
-    def _muon_update(self, group, param):
+    def _muon_state(self, param):
         state = self.state[param]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         if "step" not in state:  # a step counter as AdamW keeps: its state loading expects one in every state
             state["step"] = torch.zeros((), dtype=torch.float32)
+        return state
+
+    def initialize_state(self):
+        """Create the state a first step would create (zero moments and momentum, step 0) without stepping, so
+        that a checkpoint can be loaded into it."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                if group.get("use_muon", False):
+                    self._muon_state(param)
+                else:
+                    self._state_of(param, group)
+
+    def _muon_update(self, group, param):
+        state = self._muon_state(param)
         state["step"] += 1
         momentum_buffer = state["momentum_buffer"]
         momentum = group["momentum"]
-        momentum_buffer.lerp_(param.grad, 1 - momentum)
-        update = param.grad.lerp(momentum_buffer, momentum) if group["nesterov"] else momentum_buffer
+        # A sharding wrapper's piece without a gradient (an empty one) still takes part in assembling the matrix.
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        momentum_buffer.lerp_(grad, 1 - momentum)
+        update = grad.lerp(momentum_buffer, momentum) if group["nesterov"] else momentum_buffer
+        update, own_piece = _whole_matrix(param, update)
         tp_group, partition_dim = _tensor_parallel_group(param)
         settings = dict(steps=group["ns_steps"], scale_mode=group["scale_mode"],
                         extra_scale_factor=group["extra_scale_factor"], tp_mode=group["tp_mode"], tp_group=tp_group,
@@ -197,6 +256,7 @@ class MuonWithAdamW(ShardLocalAdamW):
                                             for part in split_qkv_rows(update, qkv_split)], qkv_split)
             else:
                 orthogonal = orthogonalize(update, **settings)
+        orthogonal = own_piece(orthogonal)
         if group["weight_decay"] != 0:
             param.mul_(1 - group["lr"] * group["weight_decay"])
         param.add_(orthogonal.to(param.dtype), alpha=-group["lr"])
@@ -210,8 +270,10 @@ class MuonWithAdamW(ShardLocalAdamW):
         for group in self.param_groups:
             with_grad = [param for param in group["params"] if param.grad is not None]
             if group.get("use_muon", False):
-                for param in with_grad:
-                    self._muon_update(group, param)
+                # Pieces of sharded matrices step on every rank (their collectives must line up).
+                for param in group["params"]:
+                    if param.grad is not None or getattr(param, "matrix_piece", None) is not None:
+                        self._muon_update(group, param)
                 continue
             self._update(group, with_grad, local=False)
         return loss
@@ -248,9 +310,6 @@ def muon_param_groups(param_groups, model_chunks, config):
     for group in param_groups:
         by_split, adam_params = {}, []
         for param in group["params"]:
-            if DTensor is not None and isinstance(param, DTensor):
-                raise ValueError("--optimizer muon needs whole weight matrices, but the model's parameters are "
-                                 "DTensors sharded by FSDP2 (--use-torch-fsdp2): use Megatron DDP instead")
             if is_muon_parameter(param):
                 by_split.setdefault(qkv_splits.get(id(param)), []).append(param)
             else:

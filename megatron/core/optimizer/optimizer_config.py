@@ -198,11 +198,6 @@ class OptimizerConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"OptimizerConfig.{name}={getattr(self, name)!r} (--{name.replace('_', '-')}): "
                                  f"choose one of {choices}.")
-        if self.optimizer == "muon" and self.use_distributed_optimizer:
-            raise ValueError(
-                "OptimizerConfig: optimizer='muon' (--optimizer muon) needs whole weight matrices, but "
-                "use_distributed_optimizer (--use-distributed-optimizer) shards them over data parallel: drop "
-                "--use-distributed-optimizer (Muon runs with Megatron DDP) or use --optimizer adam.")
 
     def _check_cpu_offload(self):
         if not 0.0 <= self.optimizer_offload_fraction <= 1.0:

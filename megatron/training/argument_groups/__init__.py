@@ -37,7 +37,7 @@ from megatron.training.argument_groups import (
 # checkpoint_args comes first: --use-checkpoint-args replaces model flags before anything is derived from them.
 # memory precedes data_parallel: --main-grads-dtype bf16 opts out of the fp32 gradients data_parallel sets for --bf16.
 # activation_recompute precedes training: --recompute-activations sets the granularity training's rules check.
-# muon follows training (--optimizer) and reads the data-parallel flags as given, before data_parallel derives any.
+# muon follows training (--optimizer).
 # model_builders precedes model: a flag asking for another model builder stops before shape rules run.
 # communication follows virtual_pipeline: its p2p rules depend on the virtual stages per rank.
 # moe comes last: it validates by building the transformer config from every other group's values.

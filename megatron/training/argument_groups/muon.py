@@ -1,7 +1,7 @@
 """Muon flags (`--optimizer muon`): upstream's names and defaults; see megatron/core/optimizer/muon.py.
 
-Muon orthogonalizes whole weight matrices, so it runs with Megatron DDP only: the distributed optimizer,
-Megatron-FSDP and FSDP2 hold data-parallel shards of them and are refused here.
+Muon runs under every data-parallel wrapper: with the distributed optimizer, Megatron-FSDP and FSDP2 it assembles
+each whole weight matrix from the data-parallel shards before Newton-Schulz.
 """
 
 from megatron.core.optimizer.optimizer_config import MUON_FP32_MATMUL_PRECISIONS, MUON_SCALE_MODES, MUON_TP_MODES
@@ -35,11 +35,6 @@ def add_arguments(parser):
 def validate(args):
     if args.optimizer != "muon":
         return
-    for dest, flag in (("use_megatron_fsdp", "--use-megatron-fsdp"), ("use_torch_fsdp2", "--use-torch-fsdp2"),
-                       ("use_distributed_optimizer", "--use-distributed-optimizer")):
-        if getattr(args, dest, False):
-            raise ValueError(f"--optimizer muon needs whole weight matrices, but {flag} shards them over data "
-                             f"parallel: drop {flag} (Muon runs with Megatron DDP) or use --optimizer adam")
     if not 0 <= args.muon_momentum < 1:
         raise ValueError(f"--muon-momentum must be in [0, 1), got {args.muon_momentum}")
     if args.muon_num_ns_steps < 1:

@@ -1,5 +1,6 @@
 """`--optimizer muon`: the step against the formulas, which parameters Muon takes, the fused-QKV split, tensor
-parallelism (duplicated and distributed equal one rank), checkpoint round trips and refused combinations."""
+parallelism (duplicated and distributed equal one rank), checkpoint round trips and refused combinations; the
+data-parallel wrappers are in test_muon_data_parallel.py."""
 
 import copy
 import math
@@ -198,7 +199,6 @@ def test_torch_dist_checkpoint_round_trip_resumes_to_identical_steps(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(use_distributed_optimizer=True), "--use-distributed-optimizer"),
     (dict(muon_momentum=1.0), "--muon-momentum"),
     (dict(muon_num_ns_steps=0), "--muon-num-ns-steps"),
     (dict(muon_scale_mode="rms"), "--muon-scale-mode"),
@@ -209,6 +209,11 @@ def test_torch_dist_checkpoint_round_trip_resumes_to_identical_steps(tmp_path):
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         OptimizerConfig(optimizer="muon", lr=1e-3, **kwargs)
+
+
+def test_distributed_optimizer_config_is_accepted():
+    config = OptimizerConfig(optimizer="muon", lr=1e-3, use_distributed_optimizer=True)
+    assert config.optimizer == "muon" and config.use_distributed_optimizer
 
 
 def test_muon_groups_refuse_vectors():

@@ -1,4 +1,5 @@
-"""`--optimizer muon` and the `--muon-*` flags: upstream's defaults, what reaches OptimizerConfig, refused wrappers."""
+"""`--optimizer muon` and the `--muon-*` flags: upstream's defaults, what reaches OptimizerConfig, every
+data-parallel wrapper accepted."""
 
 import pytest
 
@@ -38,13 +39,13 @@ def test_flags_reach_the_optimizer_config():
     assert validated("--muon-no-split-qkv --muon-split-qkv").muon_split_qkv is True
 
 
-@pytest.mark.parametrize("flags", ["--use-distributed-optimizer", "--use-megatron-fsdp",
-                                   "--use-torch-fsdp2 --ckpt-format torch_dist --untie-embeddings-and-output-weights"])
-def test_sharded_data_parallel_is_refused(flags):
-    flag = flags.split()[0]
-    with pytest.raises(ValueError, match=f"--optimizer muon needs whole weight matrices, but {flag} shards them.*"
-                                         "Megatron DDP"):
-        validated(flags)
+@pytest.mark.parametrize("flags,dest", [("--use-distributed-optimizer", "use_distributed_optimizer"),
+                                        ("--use-megatron-fsdp", "use_megatron_fsdp"),
+                                        ("--use-torch-fsdp2 --ckpt-format torch_dist "
+                                         "--untie-embeddings-and-output-weights", "use_torch_fsdp2")])
+def test_sharded_data_parallel_is_accepted(flags, dest):
+    args = validated(flags)
+    assert args.optimizer == "muon" and getattr(args, dest) is True
 
 
 @pytest.mark.parametrize("flags,message", [("--muon-momentum 1.0", "--muon-momentum"),

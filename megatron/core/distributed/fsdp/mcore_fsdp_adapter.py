@@ -393,6 +393,19 @@ class MegatronFSDPAdapter(DataParallelWrapper):
         group, index = self.module.param_to_group[id(param)]
         return group.main_param_views[index]
 
+    def main_piece_of(self, param):
+        """`(shape, start, end, groups)`: the main-weight view of `param` holds elements `[start, end)` of the
+        flattened parameter of `shape`, and the views over `groups` are disjoint and make up the parameter; None
+        when the view is the whole parameter (ZeRO-0) or `param` is frozen."""
+        import megatron_fsdp
+
+        group, index = self.module.param_to_group[id(param)]
+        if self.module.strategy == megatron_fsdp.ShardingStrategy.no_shard or group.main_param_views[index] is None:
+            return None
+        piece = group.main_pieces[index]
+        return group.layout.shapes[index], piece.param_start, piece.param_end, self._optimizer_shard_groups(
+            group.topology)
+
     def owns(self, param) -> bool:
         """Whether `param` (a module parameter or its at-rest placeholder) is one this chunk shards."""
         return id(param) in self.module.param_to_group

@@ -9,7 +9,12 @@ def _scalar_dtype() -> torch.dtype:
 
 def initialize_optimizer_state(optimizer: torch.optim.Optimizer):
     """Create Adam/AdamW state as a first step would, without stepping: zero moments and a step count of 0,
-    so the first real update equals a fresh optimizer's. Other optimizers keep their lazy state."""
+    so the first real update equals a fresh optimizer's. An optimizer with an `initialize_state()` method
+    creates its own (Megatron's Muon: momentum for its matrices, Adam moments for the rest); other optimizers keep
+    their lazy state."""
+    if callable(getattr(optimizer, "initialize_state", None)):
+        optimizer.initialize_state()
+        return
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         return
     for param_group in optimizer.param_groups:
