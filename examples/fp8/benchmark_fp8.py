@@ -187,7 +187,7 @@ def time_linear(tokens, features, repeats):
     return results
 
 
-def main():
+def parse_options(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=2)
@@ -207,7 +207,15 @@ def main():
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--counts", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--emulate", action="store_true", help=argparse.SUPPRESS)
-    options = parser.parse_args()
+    options = parser.parse_args(argv)
+    if options.worker is None and options.part in ("all", "cpu") and options.iters <= WARMUP_ITERATIONS:
+        parser.error(f"--iters {options.iters}: the step time is the median over the iterations after the first "
+                     f"{WARMUP_ITERATIONS}; give --iters {WARMUP_ITERATIONS + 1} or more")
+    return options
+
+
+def main():
+    options = parse_options()
     if options.worker is not None:
         worker(options.worker, options.counts, options.emulate)
         return

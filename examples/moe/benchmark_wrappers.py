@@ -35,7 +35,8 @@ def model_flags(model):
     return (f"--num-layers {layers} --hidden-size {hidden} --num-attention-heads 4 --seq-length {seq} "
             f"--max-position-embeddings {seq} --micro-batch-size 4 --global-batch-size 16 --lr 1e-3 "
             f"--hidden-dropout 0 --attention-dropout 0 --mock-data --tokenizer-type NullTokenizer --vocab-size 1024 "
-            f"--seed 1234 --num-workers 0 --log-interval 1000 --distributed-backend gloo --num-experts {EXPERTS} "
+            f"--seed 1234 --num-workers 0 --log-interval 1000 --eval-iters 0 --distributed-backend gloo "
+            f"--num-experts {EXPERTS} "
             f"--moe-router-topk 2 --moe-ffn-hidden-size {ffn} --moe-token-dispatcher-type alltoall")
 
 ARMS = {  # name: (expert-parallel size, flags, expert-DP sharding of (params, optimizer state))
@@ -56,6 +57,11 @@ def expert_bytes_theory(model, expert_parallel_size, params_over, optimizer_over
     return local // params_over, local // params_over, copies * local // optimizer_over
 
 
+def training_records(records):
+    """The metrics file's training iterations, in order (evaluation records carry no iteration time)."""
+    return [record for record in records if record.get("split") == "train"]
+
+
 def run(name, model, iters, metrics_path):
     expert_parallel_size, flags, _ = ARMS[name]
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD}",
@@ -67,7 +73,7 @@ def run(name, model, iters, metrics_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=python_path)
     subprocess.run(command, check=True, cwd=REPOSITORY, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     with open(metrics_path) as stream:
-        return [json.loads(line) for line in stream]
+        return training_records(json.loads(line) for line in stream)
 
 
 def main():

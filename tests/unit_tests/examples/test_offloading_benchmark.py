@@ -30,3 +30,16 @@ def test_cpu_path_runs_every_arm_and_offload_keeps_the_losses(world_size):
     lines = table.splitlines()
     assert len(lines) == 2 + 6 and all(line.count("|") == 7 for line in lines)
     assert lines[3].startswith("| optimizer offload 1.0 | n/a | n/a |")
+
+
+def test_default_model_without_a_gpu_stops_naming_tiny(monkeypatch):
+    from examples.offloading import benchmark
+
+    def must_not_start(*args, **kwargs):
+        raise AssertionError("the 1.34B-parameter model must not be set up without a GPU")
+
+    monkeypatch.setattr(benchmark.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(benchmark, "_setup", must_not_start)
+    monkeypatch.setattr(benchmark, "build_model", must_not_start)
+    with pytest.raises(ValueError, match="pass --tiny"):
+        benchmark.main(["--steps", "2", "--warmup", "1"])
