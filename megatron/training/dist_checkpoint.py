@@ -128,8 +128,9 @@ def save_dist_checkpoint(iteration, model_chunks, optimizer, scheduler, args):
             if succeeded:
                 publish(root, iteration, temporary, layout, keep_last_n)
                 prune_to_retain_interval(root, iteration, getattr(args, "save_retain_interval", None))
-                print(f"saved checkpoint of iteration {iteration} to {root} (--ckpt-format {args.ckpt_format})",
-                      flush=True)
+                if getattr(args, "async_save", False):  # a synchronous save's line comes from the training loop
+                    print(f"saved checkpoint of iteration {iteration} to {root} (--ckpt-format {args.ckpt_format})",
+                          flush=True)
             else:
                 shutil.rmtree(temporary, ignore_errors=True)
                 print(f"checkpoint of iteration {iteration} was NOT saved: a background write failed (see above); "

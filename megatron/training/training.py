@@ -345,7 +345,10 @@ def _save(iteration, model, optimizer, scheduler, args):
         # The write goes on in the background; its own line says when the checkpoint is published (or not).
         print(f"scheduled a background save of iteration {iteration} to {args.save} (--async-save)", flush=True)
     elif dist.get_rank() == 0:
-        print(f"saved checkpoint at iteration {iteration} to {args.save}", flush=True)
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        print(f"  successfully saved checkpoint from iteration {iteration:7d} to {args.save} "
+              f"[ t 1/{tp_size}, p 1/{pp_size} ]", flush=True)
     return True
 
 

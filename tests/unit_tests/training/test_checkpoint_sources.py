@@ -116,7 +116,10 @@ def _all_runs(workdir):
     fresh, short = f"{workdir}/fresh", "--train-iters 4 --lr-decay-iters 4"
     from_pretrained = f"{SCHEDULE} {short} --load {fresh} --save {fresh} --save-interval 2 " \
                       f"--pretrained-checkpoint {converted_root}"
-    results["from_pretrained"] = run_pretrain(workdir, from_pretrained)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        results["from_pretrained"] = run_pretrain(workdir, from_pretrained)
+    results["from_pretrained_saves"] = [line for line in printed.getvalue().splitlines() if "saved checkpoint" in line]
     results["finetuned_from_converted"] = run_pretrain(workdir, f"{SCHEDULE} {short} --load {converted_root} "
                                                                 "--finetune")
     results["relaunched"] = (run_pretrain(workdir, f"{from_pretrained} --eval-iters 1 --eval-interval 2"),
@@ -195,3 +198,11 @@ def test_pretrained_checkpoint_fine_tunes_until_load_has_one(runs):
     assert runs["from_pretrained"] == runs["finetuned_from_converted"]  # as --load <it> --finetune
     # Launched again: --load has the finished run (iteration 4): nothing left to train, no crash, no fine-tuning.
     assert runs["relaunched"] == ({}, 4)
+
+
+def test_each_synchronous_save_prints_upstreams_line_once(runs):
+    saves = runs["from_pretrained_saves"]
+    fresh = saves[0].split(" to ")[1].split(" [")[0] if saves else None
+    assert fresh is not None and fresh.endswith("/fresh")
+    assert saves == [f"  successfully saved checkpoint from iteration {iteration:7d} to {fresh} [ t 1/1, p 1/1 ]"
+                     for iteration in (2, 4)]
