@@ -15,7 +15,8 @@ call that does the parameter all-gather (`torch.distributed.all_gather_into_tens
 optimizer, `megatron_fsdp.collectives.all_gather_flat` and `all_gather_pieces_in_place` for Megatron-FSDP, which
 gathers point-to-point on gloo).
 `--wrappers` restricts part 1 to one of them. Part 2 times one linear layer's forward + backward (fp32
-`F.linear`, FP8 through `torch._scaled_mm`, FP8 emulated).
+`F.linear`, FP8 through `torch._scaled_mm`, FP8 emulated); `--skip-gemm` leaves it out (part 1's table is printed
+first either way).
 
 Part 3 (`--part gpu`, one GPU): FP8 against bf16 with the torch-native backend, per linear layer (the GPT-1.3B
 shapes; torchao's compiled Float8Linear too when torchao is importable) and `pretrain_gpt.py` end to end (GPT 24
@@ -198,6 +199,9 @@ def parse_options(argv=None):
     parser.add_argument("--part", choices=["all", "cpu", "gpu", "gpu-diagnostics"], default="all",
                         help="cpu: parts 1-2 (gloo ranks, GEMMs on the CPU); gpu: part 3 (FP8 vs bf16 on one GPU); "
                              "gpu-diagnostics: where one FP8 linear's time goes on one GPU (not part of 'all')")
+    parser.add_argument("--skip-gemm", action="store_true",
+                        help="part 1 only on the CPU: skip part 2's per-linear timing (torch._scaled_mm's CPU kernel "
+                             "takes seconds per GEMM on some x86 CPUs)")
     parser.add_argument("--skip-pretrain", action="store_true",
                         help="part 3 without its pretrain_gpt.py runs (the per-linear table only)")
     parser.add_argument("--pretrain-only", action="store_true",
@@ -254,11 +258,6 @@ def run_cpu_parts(options):
             "fp8_bytes_per_step": runs[0]["fp8_bytes_per_step"],
             "final_loss": runs[0]["final_loss"],
         }
-    import torch
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1)))
-    gemm = {f"{tokens}x{features}": time_linear(tokens, features, 5) for tokens, features in ((2048, 128), (4096, 1024))}
-
     print(f"pretrain_gpt.py, README tiny GPT, {options.nproc} gloo ranks, "
           f"{options.iters} iterations x {options.repeats} interleaved repetitions; 'vs' compares with the arm named")
     print("| arm | median step (ms) | all-gathered per step (bytes) | of which FP8 | vs | bytes vs | loss at end |")
@@ -267,7 +266,14 @@ def run_cpu_parts(options):
         base = arms.get(BASELINES[name])
         ratio = f"{arm['gathered_bytes_per_step'] / base['gathered_bytes_per_step']:.3f}" if base else "-"
         print(f"| {name} | {1000 * arm['median_step_s']:.1f} | {arm['gathered_bytes_per_step']:,.0f} | "
-              f"{arm['fp8_bytes_per_step']:,.0f} | {BASELINES[name]} | {ratio} | {arm['final_loss']:.4f} |")
+              f"{arm['fp8_bytes_per_step']:,.0f} | {BASELINES[name]} | {ratio} | {arm['final_loss']:.4f} |", flush=True)
+    if options.skip_gemm:
+        return {"arms": arms}
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1)))
+    gemm = {f"{tokens}x{features}": time_linear(tokens, features, 5)
+            for tokens, features in ((2048, 128), (4096, 1024))}
     print("\none linear layer, forward + backward (median of 5)")
     print("| tokens x features | fp32 F.linear (ms) | fp8 torch._scaled_mm (ms) | fp8 emulated (ms) |")
     print("|---|---|---|---|")
