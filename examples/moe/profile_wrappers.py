@@ -16,6 +16,7 @@ import resource
 import runpy
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -128,7 +129,8 @@ def main():
     parser.add_argument("--model", choices=list(benchmark.MODELS), default="small")
     parser.add_argument("--start", type=int, default=5, help="first profiled step (0-based)")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--out", default="profile_wrappers_out")
+    parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "profile_wrappers_out"),
+                        help="directory for the per-rank profiles (default: under the system temp directory)")
     options = parser.parse_args()
     expert_parallel_size, flags, _ = benchmark.ARMS[options.arm]
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={benchmark.WORLD}",

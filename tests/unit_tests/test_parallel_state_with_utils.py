@@ -43,7 +43,8 @@ def test_initialize_and_destroy_model_parallel():
 @pytest.mark.parametrize("tp", SIZES)
 def test_tensor_parallel_groups_are_consecutive_ranks(tp):
     if world_size % tp:
-        pytest.skip(f"needs a world size divisible by {tp}; this world has {world_size} ranks (launch with torchrun)")
+        pytest.skip(f"needs a world size divisible by {tp}; this world has {world_size} ranks (launch with "
+                    f"torchrun --nproc-per-node {tp} or a multiple of it)")
     Utils.initialize_model_parallel(tensor_model_parallel_size=tp)
     first = rank - rank % tp
     assert ps.get_tensor_model_parallel_rank() == rank % tp
@@ -59,7 +60,8 @@ def test_tensor_parallel_groups_are_consecutive_ranks(tp):
 @pytest.mark.parametrize("pp", SIZES)
 def test_pipeline_stages_are_the_slowest_coordinate(pp):
     if world_size % pp:
-        pytest.skip(f"needs a world size divisible by {pp}; this world has {world_size} ranks (launch with torchrun)")
+        pytest.skip(f"needs a world size divisible by {pp}; this world has {world_size} ranks (launch with "
+                    f"torchrun --nproc-per-node {pp} or a multiple of it)")
     Utils.initialize_model_parallel(1, pp)
     stage_size = world_size // pp
     stage = rank // stage_size
