@@ -23,7 +23,8 @@ def resolve_iteration_dir(path, flag="--input"):
     return path
 
 
-def _is_legacy(directory):
+def is_legacy_directory(directory):
+    """Whether `directory` (an iteration directory) holds a --ckpt-format torch checkpoint's mp_rank_* files."""
     return any(name.startswith("mp_rank_") for name in os.listdir(directory))
 
 
@@ -33,7 +34,7 @@ def logical_checkpoint_dir(path, flag="--input"):
     directory = resolve_iteration_dir(path, flag)
     if os.path.isfile(os.path.join(directory, ".metadata")):
         return directory
-    if os.path.isdir(directory) and _is_legacy(directory):
+    if os.path.isdir(directory) and is_legacy_directory(directory):
         raise SystemExit(f"{flag} {path}: a legacy --ckpt-format torch checkpoint (mp_rank_* directories), not the "
                          "logical torch_dist format; convert it first with: python "
                          f"tools/checkpoint/convert_legacy.py --input {path} --output NEW_ROOT")

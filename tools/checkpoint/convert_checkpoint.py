@@ -155,7 +155,7 @@ def _read_hf_tensors(directory):
 def from_hf(directory, root, iteration=None, make_vocab_size_divisible_by=128, apply_layernorm_1p=False):
     """A model-only logical checkpoint from a Hugging Face directory. What megatron_extras.safetensors records
     wins over `make_vocab_size_divisible_by` (the padding of a model from elsewhere) and `apply_layernorm_1p`."""
-    return _import_hf(directory, root, iteration, make_vocab_size_divisible_by, apply_layernorm_1p)[0]
+    return import_hf(directory, root, iteration, make_vocab_size_divisible_by, apply_layernorm_1p)[0]
 
 
 def hf_tokenizer_vocab_size(directory):
@@ -194,8 +194,9 @@ def hf_import_training_hint(directory, root, shape, tokenizer_vocab_size=None):
             f"model flags: {shape.training_flags()}")
 
 
-def _import_hf(directory, root, iteration, make_vocab_size_divisible_by, apply_layernorm_1p):
-    """from_hf's (model tensors, hf_mapping.ModelShape, the vocabulary size of the directory's tokenizer or None)."""
+def import_hf(directory, root, iteration, make_vocab_size_divisible_by, apply_layernorm_1p, tokens=None):
+    """from_hf's (model tensors, hf_mapping.ModelShape, the vocabulary size of the tokenizer or None). `tokens`:
+    that size where it is known otherwise (at most the embedding's rows), else the directory's tokenizer's."""
     import hf_mapping
     import hf_unsupported
     from megatron.core.dist_checkpointing import offline, safetensors_format
@@ -223,7 +224,7 @@ def _import_hf(directory, root, iteration, make_vocab_size_divisible_by, apply_l
         raise SystemExit(str(exc)) from exc
     # The tokenizer's vocabulary is what training checks; HF's embedding may hold more rows (Qwen2's 151936 for
     # 151665 tokens), the padded vocabulary of that tokenizer, kept for `--to hf`.
-    tokens = hf_tokenizer_vocab_size(directory)
+    tokens = hf_tokenizer_vocab_size(directory) if tokens is None else tokens
     tokens = tokens if tokens is not None and tokens <= shape.vocab_size else None
     source = {"architecture": architecture, "dtype": hf_mapping.dtype_of_tensors(hf_tensors),
               "vocab_size": shape.vocab_size,
@@ -325,8 +326,8 @@ def main(argv=None):
     elif options.source == "safetensors":
         from_safetensors(options.input, options.output, options.iteration)
     else:
-        _, shape, tokens = _import_hf(options.input, options.output, options.iteration,
-                                      options.make_vocab_size_divisible_by, options.apply_layernorm_1p)
+        _, shape, tokens = import_hf(options.input, options.output, options.iteration,
+                                     options.make_vocab_size_divisible_by, options.apply_layernorm_1p)
         print(f"wrote {options.output}")
         print(hf_import_training_hint(options.input, options.output, shape, tokens))
         return

@@ -1,0 +1,217 @@
+"""tools/checkpoint/convert.py: upstream's --loader / --saver command line on this repository's converters.
+
+A Hugging Face Llama directory (written here tensor by tensor, head_dim wider than hidden / heads, grouped-query
+attention) imports through --loader llama_mistral to what `convert_checkpoint.py --from hf` writes and exports
+through --saver hf to the same tensors; a checkpoint of a data-parallel run (torch_dist and --ckpt-format torch)
+converted with --target-tensor-parallel-size 2 loads at TP 2 with every tensor equal; bad flags are named.
+"""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from tests.unit_tests.dist_checkpointing.pretrain_helpers import TrainingState
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+TOOLS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "tools", "checkpoint"))
+VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 50, 32, 48, 2, 4, 2, 16
+HF_TO_CORE = ["--model-type", "GPT", "--loader", "llama_mistral", "--checkpoint-type", "hf", "--model-size", "llama3",
+              "--bf16", "--saver", "core", "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "1"]
+
+
+@pytest.fixture(scope="module")
+def tools():
+    sys.path.insert(0, TOOLS)
+    import convert
+    import convert_checkpoint
+
+    yield convert, convert_checkpoint
+    sys.path.remove(TOOLS)
+
+
+def _write_hf_llama(directory):
+    """config.json and model.safetensors of a LlamaForCausalLM with random weights; returns its tensors."""
+    from megatron.core.dist_checkpointing import safetensors_format
+
+    generator = torch.Generator().manual_seed(3)
+    shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,),
+              "lm_head.weight": (VOCAB, HIDDEN)}
+    for layer in range(LAYERS):
+        prefix = f"model.layers.{layer}."
+        shapes.update({
+            f"{prefix}self_attn.q_proj.weight": (HEADS * HEAD_DIM, HIDDEN),
+            f"{prefix}self_attn.k_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+            f"{prefix}self_attn.v_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+            f"{prefix}self_attn.o_proj.weight": (HIDDEN, HEADS * HEAD_DIM),
+            f"{prefix}mlp.gate_proj.weight": (FFN, HIDDEN), f"{prefix}mlp.up_proj.weight": (FFN, HIDDEN),
+            f"{prefix}mlp.down_proj.weight": (HIDDEN, FFN),
+            f"{prefix}input_layernorm.weight": (HIDDEN,), f"{prefix}post_attention_layernorm.weight": (HIDDEN,)})
+    tensors = {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
+              "hidden_size": HIDDEN, "intermediate_size": FFN, "num_hidden_layers": LAYERS,
+              "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
+              "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False,
+              "mlp_bias": False, "tie_word_embeddings": False, "dtype": "float32",
+              "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}
+    os.makedirs(directory)
+    with open(os.path.join(directory, "config.json"), "w") as stream:
+        json.dump(config, stream)
+    safetensors_format.save_file(tensors, os.path.join(directory, "model.safetensors"), {"format": "pt"})
+    return tensors
+
+
+def _read(root):
+    from megatron.core.dist_checkpointing import offline
+    from megatron.training.checkpointing import iteration_dir_name, read_tracker
+
+    return offline.read_checkpoint(os.path.join(root, iteration_dir_name(read_tracker(root))))
+
+
+def _model(state):
+    return {key: value for key, value in state.items() if key.startswith("model.")}
+
+
+def _assert_same_tensors(actual, expected):
+    assert sorted(actual) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(actual[name], tensor), name
+
+
+def test_hf_to_core_and_back_as_convert_checkpoint_does(tools, tmp_path, capsys):
+    from megatron.core.dist_checkpointing import safetensors_format
+
+    convert, convert_checkpoint = tools
+    hf_dir = str(tmp_path / "hf")
+    original = _write_hf_llama(hf_dir)
+    convert.main([*HF_TO_CORE, "--load-dir", hf_dir, "--save-dir", str(tmp_path / "core"), "--true-vocab-size",
+                  "40", "--megatron-path", "/opt/Megatron-LM"])
+    printed = capsys.readouterr().out
+    convert_checkpoint.main(["--from", "hf", "--input", hf_dir, "--output", str(tmp_path / "reference")])
+    ours, reference = _read(str(tmp_path / "core")), _read(str(tmp_path / "reference"))
+    _assert_same_tensors(_model(ours), _model(reference))
+    assert ours["model.embedding.word_embeddings.weight"].shape == (128, HIDDEN)  # padded as --from hf pads
+    assert vars(ours["common"]["args"]) == vars(reference["common"]["args"])
+    assert ours["common"]["args"].kv_channels == HEAD_DIM and ours["common"]["args"].num_query_groups == KV_HEADS
+    assert ours["common"]["vocab_size"] == 40 and reference["common"]["vocab_size"] == VOCAB  # --true-vocab-size
+    assert "note: --megatron-path /opt/Megatron-LM: ignored" in printed
+    assert f"pretrain_gpt.py --load {tmp_path / 'core'} --finetune --tensor-model-parallel-size 2 " \
+           "--pipeline-model-parallel-size 1 " in printed
+    assert "--ckpt-convert-format torch --ckpt-convert-save TORCH_DIR" in printed and "train with --bf16" in printed
+
+    # --saver hf writes what --to hf writes: the original tensors, in a directory that imports again.
+    convert.main(["--model-type", "GPT", "--loader", "core", "--saver", "hf", "--load-dir", str(tmp_path / "core"),
+                  "--save-dir", str(tmp_path / "hf_back")])
+    back, _ = safetensors_format.load_file(str(tmp_path / "hf_back" / "model.safetensors"))
+    _assert_same_tensors(back, original)
+    capsys.readouterr()
+    convert.main([*HF_TO_CORE, "--load-dir", str(tmp_path / "hf_back"), "--save-dir", str(tmp_path / "again"),
+                  "--model-size", "mistral"])
+    assert f"note: --model-size mistral names a MistralForCausalLM; {tmp_path / 'hf_back' / 'config.json'} is a " \
+           "LlamaForCausalLM, converted as it says" in capsys.readouterr().out
+    _assert_same_tensors(_model(_read(str(tmp_path / "again"))), _model(reference))
+    assert sorted(os.listdir(tmp_path)) == ["again", "core", "hf", "hf_back", "reference"]  # no scratch left
+
+
+def _save_and_load_at_tp2(workdir):
+    """On two ranks: a TP 1 (data-parallel 2) run saves torch_dist and --ckpt-format torch; rank 0 converts each
+    with convert.py --target-tensor-parallel-size 2; a TP 2 model loads the first and saves it again."""
+    from megatron.training import checkpointing
+
+    sys.path.insert(0, TOOLS)
+    import convert
+
+    state = TrainingState("--ckpt-format torch")
+    try:
+        state.train_steps(1)
+        state.args.save = os.path.join(workdir, "legacy")
+        checkpointing.save_checkpoint(1, state.model, state.optimizer, state.scheduler, state.args)
+        state.args.ckpt_format, state.args.save = "torch_dist", os.path.join(workdir, "dist")
+        checkpointing.save_checkpoint(1, state.model, state.optimizer, state.scheduler, state.args)
+    finally:
+        state.close()
+    if torch.distributed.get_rank() == 0:
+        for loader, source in (("core", "dist"), ("legacy", "legacy")):
+            convert.main(["--model-type", "GPT", "--loader", loader, "--saver", "core", "--load-dir",
+                          os.path.join(workdir, source), "--save-dir", os.path.join(workdir, f"{source}_tp2"),
+                          "--target-tensor-parallel-size", "2", "--saver-transformer-impl", "local"])
+    torch.distributed.barrier()
+    state = TrainingState(f"--tensor-model-parallel-size 2 --load {os.path.join(workdir, 'dist_tp2')}")
+    try:
+        iteration = checkpointing.load_checkpoint(state.model, state.optimizer, state.scheduler, state.args)
+        local_fc1 = tuple(state.model[0].module.decoder.layers[0].mlp.linear_fc1.weight.shape)
+        state.args.save = os.path.join(workdir, "reloaded")
+        checkpointing.save_checkpoint(iteration, state.model, state.optimizer, state.scheduler, state.args)
+    finally:
+        state.close()
+    return iteration, local_fc1
+
+
+@pytest.mark.world_size(2)
+def test_core_to_core_at_target_tp2_loads_with_equal_weights(tools, tmp_path, capsys):
+    iteration, local_fc1 = run_on_ranks(2, _save_and_load_at_tp2, str(tmp_path))[0]
+    dist = _read(str(tmp_path / "dist"))
+    assert iteration == 1 and local_fc1 == (64, 32)  # each TP rank holds half of SwiGLU fc1's 128 rows
+    reloaded = _read(str(tmp_path / "reloaded"))
+    assert reloaded["common"]["layout"]["tensor_model_parallel_size"] == 2
+    for name in ("dist_tp2", "legacy_tp2"):
+        converted = _read(str(tmp_path / name))
+        assert converted["common"]["iteration"] == 1
+        tensors = {key: value for key, value in converted.items() if torch.is_tensor(value)}
+        _assert_same_tensors(tensors, {key: value for key, value in dist.items() if torch.is_tensor(value)})
+    # What TP 2 loaded from the conversion and saved again: the input's weights and optimizer state.
+    _assert_same_tensors({key: value for key, value in reloaded.items() if torch.is_tensor(value)},
+                         {key: value for key, value in dist.items() if torch.is_tensor(value)})
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model-type", "BERT"], "--model-type BERT: only GPT models convert here; choose GPT"),
+    (["--loader", "mixtral_hf"], "--loader mixtral_hf: Mixture-of-Experts Hugging Face models are not imported"),
+    (["--loader", "foo"], "--loader foo: not a plugin here; choose one of core, mcore, legacy, megatron, "
+                          "llama_mistral"),
+    (["--saver", "bar"], "--saver bar: not a plugin here; choose one of core, mcore, hf"),
+    (["--saver", "legacy"], "--saver legacy: upstream's legacy saver writes --ckpt-format torch at one layout; use "
+                            "--saver core"),
+    (["--loader", "llama_mistral", "--checkpoint-type", "meta"], "--checkpoint-type meta: Meta's consolidated"),
+    (["--loader", "llama_mistral"], "the following arguments are required: --checkpoint-type"),
+    (["--loader", "llama_mistral", "--checkpoint-type", "hf", "--bf16", "--fp16"], "--bf16 and --fp16: pass one"),
+    (["--target-tensor-parallel-size", "0"], "--target-tensor-parallel-size 0: must be at least 1"),
+])
+def test_bad_flags_are_named(tools, tmp_path, capsys, argv, message):
+    convert, _ = tools
+    defaults = {"--model-type": "GPT", "--loader": "core", "--saver": "core"}
+    for flag, value in defaults.items():
+        if flag not in argv:
+            argv = [*argv, flag, value]
+    with pytest.raises(SystemExit) as exit_info:
+        convert.main([*argv, "--load-dir", str(tmp_path / "in"), "--save-dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert f"error: {message}" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_inputs_and_target_sizes_the_model_cannot_take_are_named(tools, tmp_path):
+    convert, convert_checkpoint = tools
+    hf_dir = str(tmp_path / "hf")
+    _write_hf_llama(hf_dir)
+    convert_checkpoint.from_hf(hf_dir, str(tmp_path / "core"))
+    core_to_core = ["--model-type", "GPT", "--loader", "core", "--saver", "core", "--load-dir"]
+    for argv, message in [
+        ([str(tmp_path / "core"), "--target-tensor-parallel-size", "4"],
+         "--target-tensor-parallel-size 4: the model's 2 key/value heads (--num-query-groups) do not split evenly"),
+        ([str(tmp_path / "core"), "--target-pipeline-parallel-size", "3"],
+         "--target-pipeline-parallel-size 3: more stages than the model's 2 layers"),
+        ([str(tmp_path / "core"), "--target-expert-parallel-size", "2"],
+         "--target-expert-parallel-size 2: the model has no experts (--num-experts)"),
+        ([hf_dir], f"--load-dir {hf_dir}: a Hugging Face model directory; read it with --loader llama_mistral "
+                   "--checkpoint-type hf"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            convert.main([*core_to_core, *argv, "--save-dir", str(tmp_path / "out")])
+        assert str(exit_info.value.code).startswith(message), exit_info.value.code
+    with pytest.raises(SystemExit) as exit_info:
+        convert.main([*HF_TO_CORE, "--load-dir", str(tmp_path / "core"), "--save-dir", str(tmp_path / "out")])
+    assert str(exit_info.value.code).startswith(f"--load-dir {tmp_path / 'core'}: no config.json")
+    assert not os.path.exists(tmp_path / "out")

@@ -1,0 +1,304 @@
+"""Megatron-LM's checkpoint converter command line (`--loader` and `--saver` plugins) on this repository's
+converters.
+
+    python tools/checkpoint/convert.py --model-type GPT --loader llama_mistral --checkpoint-type hf \\
+        --model-size llama3 --load-dir HF_DIR --tokenizer-model HF_DIR --bf16 --saver core --save-dir OUT \\
+        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 1
+    python tools/checkpoint/convert.py --model-type GPT --loader core --saver core --load-dir IN --save-dir OUT \\
+        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+    python tools/checkpoint/convert.py --model-type GPT --loader core --saver hf --load-dir IN --save-dir HF_DIR
+
+Loaders: core (also named mcore, legacy, megatron) reads a checkpoint training wrote, torch_dist as it is and
+--ckpt-format torch (mp_rank_* directories) joined as convert_legacy.py joins it; llama_mistral with
+--checkpoint-type hf reads a Hugging Face Llama, Mistral, Qwen2 or Qwen3 directory as
+`convert_checkpoint.py --from hf` does (config.json gives the shape; a --model-size naming another gets a note).
+Savers: core (also mcore) writes a torch_dist checkpoint. It loads at any tensor-, pipeline-, expert- and
+data-parallel size, so the --target-* sizes are checked against the model and printed with the flags to train at
+them, not written into the files; hf writes a Hugging Face directory as `convert_checkpoint.py --to hf` does.
+A --ckpt-format torch checkpoint at the target layout (upstream's legacy saver) is one run of pretrain_gpt.py with
+--ckpt-convert-format torch at that layout: the core saver prints it.
+"""
+
+import argparse
+import json
+import os
+import tempfile
+
+import _paths  # noqa: F401  (repository on sys.path)
+import convert_checkpoint
+
+# --loader / --saver name -> what reads or writes it here.
+LOADERS = {"core": "ours", "mcore": "ours", "legacy": "ours", "megatron": "ours", "llama_mistral": "hf"}
+SAVERS = {"core": "torch_dist", "mcore": "torch_dist", "hf": "hf"}
+# Upstream plugins that have no counterpart here, and what to do instead.
+NOT_HERE = {
+    ("--loader", "mixtral_hf"): "Mixture-of-Experts Hugging Face models are not imported (see hf_unsupported.py); "
+                                "Mixtral trains here from scratch only",
+    ("--loader", "llava"): "multimodal LLaVA models are not built here",
+    ("--saver", "llava"): "multimodal LLaVA models are not built here",
+    ("--saver", "hf_llava"): "multimodal LLaVA models are not built here",
+    ("--saver", "legacy"): "upstream's legacy saver writes --ckpt-format torch at one layout; use --saver core (a "
+                           "torch_dist checkpoint, which loads at any layout): it prints the pretrain_gpt.py "
+                           "--ckpt-convert-format torch run that writes the torch format at the target layout",
+}
+NOT_HERE[("--saver", "megatron")] = "upstream's default saver; " + NOT_HERE[("--saver", "legacy")]
+# Upstream's llama_mistral --model-size choices, and the Hugging Face architecture each names.
+MODEL_SIZES = ("llama2-7B", "llama2-13B", "llama2-70B", "llama2-7Bf", "llama2-13Bf", "llama2-70Bf", "llama3",
+               "llama3-8B", "llama3-70B", "llama3-8Bf", "llama3-70Bf", "mistral", "mistral-7B", "mistral-7Bf",
+               "yi-34B", "qwen2.5", "qwen2.5-7B", "qwen2.5-72B", "qwen2.5-7Bf", "qwen2.5-72Bf")
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+
+
+def model_size_architecture(model_size):
+    from hf_families import LLAMA, MISTRAL, QWEN2
+
+    return MISTRAL if model_size.startswith("mistral") else QWEN2 if model_size.startswith("qwen") else LLAMA
+
+
+def _plugin(parser, flag, name, known):
+    if name in known:
+        return known[name]
+    reason = NOT_HERE.get((flag, name))
+    parser.error(f"{flag} {name}: " + (f"{reason}; " if reason else "not a plugin here; ")
+                 + f"choose one of {', '.join(known)}")
+
+
+def _loader_arguments(parser, name, kind):
+    group = parser.add_argument_group(f"--loader {name}")
+    group.add_argument("--true-vocab-size", type=int, default=None,
+                       help="The tokenizer's vocabulary size (the embedding's rows beyond it are padding): recorded "
+                       "by an import, the rows the hf saver keeps.")
+    group.add_argument("--megatron-path", default=None, help="Accepted and ignored: this repository converts.")
+    group.add_argument("--loader-transformer-impl", default=None, choices=TRANSFORMER_IMPLS,
+                       help="Accepted: both implementations use the same checkpoint names here.")
+    if kind != "hf":
+        return
+    group.add_argument("--checkpoint-type", required=True, choices=["meta", "hf"],
+                       help="hf: a Hugging Face model directory (meta's consolidated.*.pth files are refused).")
+    group.add_argument("--model-size", default=None, choices=MODEL_SIZES,
+                       help="Compared with config.json's architecture, which gives the shape.")
+    group.add_argument("--tokenizer-model", default=None,
+                       help="Hugging Face tokenizer directory (default: --load-dir): its vocabulary size is recorded.")
+    group.add_argument("--bf16", action="store_true", help="Printed among the flags to train with.")
+    group.add_argument("--fp16", action="store_true", help="Printed among the flags to train with.")
+    group.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                       help="Pad the embedding to a multiple of this, as training does at TP 1 (a directory "
+                       "convert_checkpoint.py --to hf wrote keeps its recorded padding).")
+
+
+def _saver_arguments(parser, name, kind):
+    group = parser.add_argument_group(f"--saver {name}")
+    group.add_argument("--megatron-path", default=None, help="Accepted and ignored: this repository converts.")
+    if kind != "torch_dist":
+        return
+    for name in ("tensor", "pipeline", "expert"):
+        group.add_argument(f"--target-{name}-parallel-size", type=int, default=None,
+                           help=f"The {name}-parallel size to train at, checked against the model and printed "
+                           "(default: the input checkpoint's, else 1); the checkpoint loads at any.")
+    group.add_argument("--saver-transformer-impl", default=None, choices=TRANSFORMER_IMPLS,
+                       help="Accepted: both implementations use the same checkpoint names here.")
+
+
+def parse_args(argv=None):
+    """Upstream's two-step parse: --loader and --saver pick the flag groups, then every flag is parsed."""
+    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    first.add_argument("--loader", default="megatron")
+    first.add_argument("--saver", default="megatron")
+    plugins, _ = first.parse_known_args(argv)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False, conflict_handler="resolve")
+    loader = _plugin(parser, "--loader", plugins.loader, LOADERS)
+    saver = _plugin(parser, "--saver", plugins.saver, SAVERS)
+    parser.add_argument("--model-type", required=True, help="GPT (upstream's BERT is not built here).")
+    parser.add_argument("--loader", default="megatron", help=f"One of {', '.join(LOADERS)}.")
+    parser.add_argument("--saver", default="megatron", help=f"One of {', '.join(SAVERS)}.")
+    parser.add_argument("--load-dir", required=True, help="Checkpoint root (or iteration directory), or HF directory.")
+    parser.add_argument("--save-dir", required=True, help="Root of the checkpoint, or the HF directory, to write.")
+    parser.add_argument("--max-queue-size", type=int, default=50, help="Accepted: no tensors pass through a queue.")
+    parser.add_argument("--no-checking", dest="checking", action="store_false",
+                        help="Accepted: no loader-to-saver messages to check here.")
+    _loader_arguments(parser, plugins.loader, loader)
+    _saver_arguments(parser, plugins.saver, saver)
+    options = parser.parse_args(argv)
+    options.loader_kind, options.saver_kind = loader, saver
+    if options.model_type != "GPT":
+        parser.error(f"--model-type {options.model_type}: only GPT models convert here; choose GPT")
+    if loader == "hf":
+        if options.checkpoint_type == "meta":
+            parser.error("--checkpoint-type meta: Meta's consolidated.*.pth files are not read here; convert them "
+                         "to a Hugging Face directory (transformers' convert_llama_weights_to_hf) and pass "
+                         "--checkpoint-type hf")
+        if options.bf16 and options.fp16:
+            parser.error("--bf16 and --fp16: pass one")
+    for flag in ("tensor", "pipeline", "expert"):
+        size = getattr(options, f"target_{flag}_parallel_size", None)
+        if size is not None and size < 1:
+            parser.error(f"--target-{flag}-parallel-size {size}: must be at least 1")
+    if os.path.abspath(options.load_dir) == os.path.abspath(options.save_dir):
+        parser.error(f"--save-dir {options.save_dir}: the same as --load-dir; write the conversion elsewhere")
+    return options
+
+
+def accepted_flag_notes(options):
+    """A line for each flag that is accepted for upstream's command line and changes nothing here."""
+    notes = []
+    if options.megatron_path is not None:
+        notes.append(f"--megatron-path {options.megatron_path}: ignored; the code of this repository converts")
+    for flag in ("loader_transformer_impl", "saver_transformer_impl"):
+        if getattr(options, flag, None) is not None:
+            notes.append(f"--{flag.replace('_', '-')}: ignored; local and transformer_engine layers use the same "
+                         "checkpoint names here (training picks with --transformer-impl)")
+    if options.true_vocab_size is not None and options.loader_kind == "ours" and options.saver_kind == "torch_dist":
+        notes.append("--true-vocab-size: ignored; the torch_dist checkpoint keeps the padded embedding training "
+                     "wrote (the hf saver drops the rows beyond it)")
+    return notes
+
+
+def _load_ours(options, staging):
+    """(The root of a torch_dist checkpoint with --load-dir's state: --load-dir itself, or, for a --ckpt-format
+    torch checkpoint, `staging`, where convert_legacy.py joins it; lines to print)."""
+    import convert_legacy
+
+    directory = _paths.resolve_iteration_dir(options.load_dir, "--load-dir")
+    if _paths.is_legacy_directory(directory):
+        model, iteration, _ = convert_legacy.convert(options.load_dir, staging)
+        return staging, [f"joined the --ckpt-format torch checkpoint of iteration {iteration} ({len(model)} model "
+                         "tensors) as convert_legacy.py does"]
+    if os.path.isfile(os.path.join(directory, "config.json")) and not os.path.isfile(
+            os.path.join(directory, ".metadata")):
+        raise SystemExit(f"--load-dir {options.load_dir}: a Hugging Face model directory; read it with --loader "
+                         "llama_mistral --checkpoint-type hf")
+    _paths.logical_checkpoint_dir(options.load_dir, "--load-dir")  # exits saying what the directory is instead
+    return options.load_dir, []
+
+
+def _load_hf(options, staging):
+    """(`staging`, where the Hugging Face directory --load-dir is imported; lines to print: how to train from it)."""
+    import hf_mapping
+
+    if not os.path.isdir(options.load_dir):
+        raise SystemExit(f"--load-dir {options.load_dir}: not a directory (--checkpoint-type hf reads a Hugging "
+                         "Face model directory)")
+    config_path = os.path.join(options.load_dir, hf_mapping.CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        raise SystemExit(f"--load-dir {options.load_dir}: no {hf_mapping.CONFIG_FILE}, so not a Hugging Face model "
+                         "directory (a checkpoint training wrote reads with --loader core)")
+    with open(config_path) as stream:
+        config = json.load(stream)
+    architecture = (config.get("architectures") or [None])[0]
+    if options.model_size is not None and architecture != model_size_architecture(options.model_size):
+        print(f"note: --model-size {options.model_size} names a {model_size_architecture(options.model_size)}; "
+              f"{config_path} is a {architecture}, converted as it says")
+    rows = config.get("vocab_size")
+    if options.true_vocab_size is not None and rows is not None and options.true_vocab_size > rows:
+        raise SystemExit(f"--true-vocab-size {options.true_vocab_size}: more than the {rows} embedding rows of "
+                         f"{config_path} (vocab_size); pass the tokenizer's vocabulary size")
+    tokenizer = options.tokenizer_model or options.load_dir
+    tokenizer = tokenizer if os.path.isdir(tokenizer) else os.path.dirname(os.path.abspath(tokenizer))
+    tokens = options.true_vocab_size or convert_checkpoint.hf_tokenizer_vocab_size(tokenizer)
+    _, shape, tokens = convert_checkpoint.import_hf(options.load_dir, staging, None,
+                                                    options.make_vocab_size_divisible_by, False, tokens)
+    lines = [f"imported {options.load_dir} ({shape.num_layers} layers) as convert_checkpoint.py --from hf does"]
+    if options.saver_kind == "torch_dist":
+        lines.append(convert_checkpoint.hf_import_training_hint(tokenizer, options.save_dir, shape, tokens))
+        precision = "--bf16" if options.bf16 else "--fp16" if options.fp16 else None
+        if precision:
+            lines.append(f"{precision}: the checkpoint holds fp32 weights (as --from hf writes them); train with "
+                         f"{precision}, which keeps them as the main weights")
+    return staging, lines
+
+
+def _read_common(root):
+    from megatron.core.dist_checkpointing import offline
+
+    return offline.read_checkpoint(_paths.logical_checkpoint_dir(root, "--load-dir"), keys={"common"}).get(
+        "common") or {}
+
+
+def target_sizes(options, common):
+    """{flag: size} of the target layout: the --target-* sizes, else those the input was trained at, else 1."""
+    layout = common.get("layout") or {}
+    return {
+        "--tensor-model-parallel-size": options.target_tensor_parallel_size
+        or layout.get("tensor_model_parallel_size") or 1,
+        "--pipeline-model-parallel-size": options.target_pipeline_parallel_size
+        or layout.get("pipeline_model_parallel_size") or 1,
+        "--expert-model-parallel-size": options.target_expert_parallel_size
+        or layout.get("expert_model_parallel_size") or 1,
+    }
+
+
+def target_size_problems(args, tensor, pipeline, expert):
+    """Why the model of `args` (the checkpoint's recorded arguments) cannot train at these sizes; [] if it can."""
+    if args is None:
+        return []
+    problems = []
+    heads = getattr(args, "num_attention_heads", None)
+    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else heads
+    if heads and heads % tensor:
+        problems.append(f"--target-tensor-parallel-size {tensor}: the model's {heads} attention heads "
+                        "(--num-attention-heads) do not split evenly over it")
+    elif groups and groups % tensor:
+        problems.append(f"--target-tensor-parallel-size {tensor}: the model's {groups} key/value heads "
+                        "(--num-query-groups) do not split evenly over it")
+    layers = getattr(args, "num_layers", None)
+    if layers and pipeline > layers:
+        problems.append(f"--target-pipeline-parallel-size {pipeline}: more stages than the model's {layers} layers")
+    experts = getattr(args, "num_experts", None)
+    if expert > 1 and not experts:
+        problems.append(f"--target-expert-parallel-size {expert}: the model has no experts (--num-experts)")
+    elif experts and experts % expert:
+        problems.append(f"--target-expert-parallel-size {expert}: the model's {experts} experts (--num-experts) do "
+                        "not split evenly over it")
+    return problems
+
+
+def save_torch_dist(options, source):
+    """Write --save-dir from the torch_dist checkpoint at root `source` (a copy unless it is --save-dir already),
+    after checking the target sizes; returns the lines to print."""
+    from megatron.core.dist_checkpointing import offline
+
+    common = _read_common(source)
+    sizes = target_sizes(options, common)
+    problems = target_size_problems(common.get("args"), *sizes.values())
+    if problems:
+        written = f"; {options.save_dir} holds the checkpoint, which loads at other sizes" if (
+            source == options.save_dir) else ""
+        raise SystemExit("; ".join(problems) + written)
+    if source != options.save_dir:
+        state = offline.read_checkpoint(_paths.logical_checkpoint_dir(source, "--load-dir"))
+        offline.write_checkpoint(options.save_dir, common.get("iteration", 0), state, common.get("layout") or {})
+    directory = _paths.logical_checkpoint_dir(options.save_dir, "--save-dir")
+    model_only = not any(key.startswith("optimizer.") for key, *_ in offline.describe(directory))
+    layout = " ".join(f"{flag} {size}" for flag, size in sizes.items()
+                      if size > 1 or flag != "--expert-model-parallel-size")
+    load = f"--load {options.save_dir}" + (" --finetune" if model_only else "")
+    return [f"wrote {options.save_dir}: a torch_dist checkpoint (iteration {common.get('iteration', 0)}), which "
+            "reshards on load at any tensor-, pipeline-, expert- and data-parallel size",
+            f"train at the target layout with: pretrain_gpt.py {load} {layout} (and the model flags, or "
+            "--use-checkpoint-args)",
+            "a --ckpt-format torch checkpoint at that layout (what upstream's savers write) comes from one such "
+            "launch with --ckpt-convert-format torch --ckpt-convert-save TORCH_DIR added"]
+
+
+def main(argv=None):
+    options = parse_args(argv)
+    for note in accepted_flag_notes(options):
+        print(f"note: {note}")
+    load = _load_hf if options.loader_kind == "hf" else _load_ours
+    if options.saver_kind == "torch_dist":
+        source, lines = load(options, options.save_dir)
+        lines += save_torch_dist(options, source)
+    else:
+        parent = os.path.dirname(os.path.abspath(options.save_dir))
+        os.makedirs(parent, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".convert_", dir=parent) as scratch:
+            source, lines = load(options, os.path.join(scratch, "checkpoint"))
+            convert_checkpoint.to_hf(source, options.save_dir, options.true_vocab_size)
+        lines.append(f"wrote {options.save_dir}: a Hugging Face model directory, as convert_checkpoint.py --to hf "
+                     "writes it")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
