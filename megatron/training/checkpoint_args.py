@@ -217,6 +217,44 @@ def saved_true_vocab_size(recorded: Optional[int], saved_args) -> Optional[int]:
     return None
 
 
+def _rows_stand_for_the_vocabulary(saved_args, saved_vocab_size, args) -> bool:
+    """Whether the checkpoint, imported without a tokenizer (no --tokenizer-type recorded), records its embedding
+    rows as its vocabulary and this run pads its own tokenizer to exactly those rows: the rows beyond this
+    tokenizer's tokens are then padding, and the weights mean what they meant."""
+    rows = getattr(saved_args, "padded_vocab_size", None)
+    return (rows is not None and getattr(saved_args, "tokenizer_type", None) is None
+            and saved_vocab_size == rows and getattr(args, "padded_vocab_size", None) == rows)
+
+
+def _vocab_differs(saved_args, args, saved_vocab_size, vocab_size) -> bool:
+    return (saved_vocab_size is not None and vocab_size is not None and saved_vocab_size != vocab_size
+            and not _rows_stand_for_the_vocabulary(saved_args, saved_vocab_size, args))
+
+
+def _vocab_wanted(saved_args, args, saved_vocab_size, vocab_size) -> str:
+    """The launch flags that give the checkpoint's vocabulary."""
+    from megatron.training.tokenizer import exact_padding_divisor
+
+    if getattr(saved_args, "tokenizer_type", None) == "NullTokenizer":
+        return (f"--tokenizer-type NullTokenizer --vocab-size {saved_vocab_size - 1} ({saved_vocab_size} tokens with "
+                "the end-of-document id)")
+    rows = getattr(saved_args, "padded_vocab_size", None)
+    if rows is None or getattr(saved_args, "tokenizer_type", None) is not None or saved_vocab_size != rows:
+        return f"tokenizer ({saved_vocab_size} tokens)"
+    # Imported without a tokenizer: the rows stand for the vocabulary, and a smaller tokenizer fits when padded
+    # to exactly them.
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    padded = getattr(args, "padded_vocab_size", None)
+    this_run = (f"; this run pads its {vocab_size} tokens to {padded} rows (--make-vocab-size-divisible-by "
+                f"{getattr(args, 'make_vocab_size_divisible_by', '?')} x TP {tp})" if padded is not None else "")
+    divisor = exact_padding_divisor(vocab_size, rows, tp)
+    fit = (f"--make-vocab-size-divisible-by {divisor}, which pads them to exactly {rows} at TP {tp}" if divisor
+           else f"no --make-vocab-size-divisible-by pads {vocab_size} tokens to exactly {rows} rows at TP {tp}")
+    return (f"tokenizer ({rows} tokens, the embedding's rows, as the checkpoint was imported without a tokenizer; "
+            f"a tokenizer of fewer tokens loads it when padded to exactly those rows: for this run's {vocab_size} "
+            f"tokens {fit}{this_run})")
+
+
 def _differing_flags(saved_args, args):
     for flag in ARCHITECTURE_FLAGS:
         if flag.compared(saved_args, args):
@@ -233,7 +271,7 @@ def architecture_differences(saved_args, args, saved_vocab_size=None, vocab_size
     """One phrase per flag whose value differs ('--num-attention-heads: 4 in the checkpoint, 8 in this run')."""
     differences = [f"{flag.flag}: {_phrase(flag, saved)} in the checkpoint, {_phrase(flag, current)} in this run"
                    for flag, saved, current in _differing_flags(saved_args, args)]
-    if saved_vocab_size is not None and vocab_size is not None and saved_vocab_size != vocab_size:
+    if _vocab_differs(saved_args, args, saved_vocab_size, vocab_size):
         differences.append(f"{VOCAB_FLAG}: {saved_vocab_size} in the checkpoint, {vocab_size} in this run")
     return differences
 
@@ -249,12 +287,8 @@ def check_same_architecture(checkpoint: str, saved_args, args, saved_vocab_size=
     from megatron.core.dist_checkpointing.serialization import CheckpointError
 
     wanted = [flag.launch_with(saved_args) for flag, _, _ in _differing_flags(saved_args, args)]
-    if saved_vocab_size is not None and vocab_size is not None and saved_vocab_size != vocab_size:
-        if getattr(saved_args, "tokenizer_type", None) == "NullTokenizer":
-            wanted.append(f"--tokenizer-type NullTokenizer --vocab-size {saved_vocab_size - 1} ({saved_vocab_size} "
-                          "tokens with the end-of-document id)")
-        else:
-            wanted.append(f"tokenizer ({saved_vocab_size} tokens)")
+    if _vocab_differs(saved_args, args, saved_vocab_size, vocab_size):
+        wanted.append(_vocab_wanted(saved_args, args, saved_vocab_size, vocab_size))
     raise CheckpointError(
         f"checkpoint {checkpoint} holds another model than this run builds: " + "; ".join(differences) + ". "
         "These change what the saved weights mean (most without changing their shapes) or which weights there "

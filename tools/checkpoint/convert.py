@@ -196,11 +196,13 @@ def _load_hf(options, staging):
     tokenizer = options.tokenizer_model or options.load_dir
     tokenizer = tokenizer if os.path.isdir(tokenizer) else os.path.dirname(os.path.abspath(tokenizer))
     tokens = options.true_vocab_size or convert_checkpoint.hf_tokenizer_vocab_size(tokenizer)
-    _, shape, tokens = convert_checkpoint.import_hf(options.load_dir, staging, None,
-                                                    options.make_vocab_size_divisible_by, False, tokens)
+    _, shape, tokens, divisor = convert_checkpoint.import_hf(options.load_dir, staging, None,
+                                                             options.make_vocab_size_divisible_by, False, tokens)
     lines = [f"imported {options.load_dir} ({shape.num_layers} layers) as convert_checkpoint.py --from hf does"]
     if options.saver_kind == "torch_dist":
-        lines.append(convert_checkpoint.hf_import_training_hint(tokenizer, options.save_dir, shape, tokens))
+        sizes = sorted({1, options.target_tensor_parallel_size or 1})
+        lines.append(convert_checkpoint.hf_import_training_hint(tokenizer, options.save_dir, shape, tokens, sizes,
+                                                                divisor))
         precision = "--bf16" if options.bf16 else "--fp16" if options.fp16 else None
         if precision:
             lines.append(f"{precision}: the checkpoint holds fp32 weights (as --from hf writes them); train with "
@@ -253,18 +255,65 @@ def target_size_problems(args, tensor, pipeline, expert):
     return problems
 
 
+def _hf_input_common(options):
+    """The `common` an import of the Hugging Face directory --load-dir records, as far as the target sizes need it
+    (the model's arguments), read from its config.json before anything is written."""
+    import hf_mapping
+
+    from megatron.core.dist_checkpointing import safetensors_format
+    from megatron.training.tokenizer import pad_vocab_size
+
+    with open(os.path.join(options.load_dir, hf_mapping.CONFIG_FILE)) as stream:
+        config = json.load(stream)
+    extras_path = os.path.join(options.load_dir, hf_mapping.EXTRAS_FILE)
+    metadata = safetensors_format.load_file(extras_path)[1] if os.path.isfile(extras_path) else {}
+    recorded = json.loads(metadata["megatron_model"]) if "megatron_model" in metadata else None
+    try:
+        padded = pad_vocab_size(config.get("vocab_size", 1), options.make_vocab_size_divisible_by)
+        shape, _ = hf_mapping.shape_from_hf_config(config, options.load_dir, recorded, padded, False)
+    except hf_mapping.ConversionError as exc:
+        raise SystemExit(str(exc)) from exc
+    return {"args": shape.to_args()}
+
+
+def _input_common(options):
+    """The input's `common` (its arguments and layout) for checking the target sizes, read without writing
+    anything: a torch_dist checkpoint's own, a --ckpt-format torch checkpoint's first rank file's, a Hugging Face
+    directory's config.json."""
+    import convert_legacy
+
+    from megatron.training.checkpointing import _torch_load
+
+    if options.loader_kind == "hf":
+        if not os.path.isfile(os.path.join(options.load_dir, "config.json")):
+            return {}  # the loader names what the directory lacks
+        return _hf_input_common(options)
+    directory = _paths.resolve_iteration_dir(options.load_dir, "--load-dir")
+    if _paths.is_legacy_directory(directory):
+        files = convert_legacy._rank_files(directory)
+        layout = {"tensor_model_parallel_size": 1 + max(tp for tp, _ in files),
+                  "pipeline_model_parallel_size": 1 + max(pp for _, pp in files)}
+        return {"args": _torch_load(files[(0, 0)]).get("args"), "layout": layout}
+    if not os.path.isfile(os.path.join(directory, ".metadata")):
+        return {}  # the loader names what the directory is instead
+    return _read_common(options.load_dir)
+
+
+def check_target_sizes(options):
+    """Refuse target sizes the input's model cannot take, before anything is written."""
+    common = _input_common(options)
+    problems = target_size_problems(common.get("args"), *target_sizes(options, common).values())
+    if problems:
+        raise SystemExit("; ".join(problems) + f"; nothing was written to {options.save_dir}")
+
+
 def save_torch_dist(options, source):
     """Write --save-dir from the torch_dist checkpoint at root `source` (a copy unless it is --save-dir already),
-    after checking the target sizes; returns the lines to print."""
+    whose target sizes `check_target_sizes` checked; returns the lines to print."""
     from megatron.core.dist_checkpointing import offline
 
     common = _read_common(source)
     sizes = target_sizes(options, common)
-    problems = target_size_problems(common.get("args"), *sizes.values())
-    if problems:
-        written = f"; {options.save_dir} holds the checkpoint, which loads at other sizes" if (
-            source == options.save_dir) else ""
-        raise SystemExit("; ".join(problems) + written)
     if source != options.save_dir:
         state = offline.read_checkpoint(_paths.logical_checkpoint_dir(source, "--load-dir"))
         offline.write_checkpoint(options.save_dir, common.get("iteration", 0), state, common.get("layout") or {})
@@ -287,6 +336,7 @@ def main(argv=None):
         print(f"note: {note}")
     load = _load_hf if options.loader_kind == "hf" else _load_ours
     if options.saver_kind == "torch_dist":
+        check_target_sizes(options)
         source, lines = load(options, options.save_dir)
         lines += save_torch_dist(options, source)
     else:

@@ -171,32 +171,88 @@ def hf_tokenizer_vocab_size(directory):
         return None
 
 
-def vocab_divisor(tokens, rows):
-    """The smallest --make-vocab-size-divisible-by that pads `tokens` to exactly `rows` at TP 1, or None."""
-    return next((divisor for divisor in range(1, rows + 1) if rows % divisor == 0 and rows - divisor < tokens),
-                None) if 0 < tokens <= rows else None
+def tensor_parallel_sizes(shape, largest=8):
+    """The tensor-parallel sizes up to `largest` (powers of two) that split the model's attention heads and
+    key/value heads evenly."""
+    sizes, size = [], 1
+    while size <= largest:
+        if shape.num_attention_heads % size == 0 and shape.num_query_groups % size == 0:
+            sizes.append(size)
+        size *= 2
+    return sizes
 
 
-def hf_import_training_hint(directory, root, shape, tokenizer_vocab_size=None):
+def _padding_phrase(tokens, rows, sizes, preferred=None):
+    """How --make-vocab-size-divisible-by pads `tokens` to exactly `rows` at each TP size of `sizes`."""
+    from megatron.training.tokenizer import exact_padding_divisor
+
+    divisors = {size: exact_padding_divisor(tokens, rows, size, preferred) for size in sizes}
+    working = [(size, divisor) for size, divisor in divisors.items() if divisor is not None]
+    if not working:
+        return (f"no --make-vocab-size-divisible-by pads its {tokens} tokens to exactly the embedding's {rows} rows "
+                f"at TP {', '.join(map(str, sizes))}: the padding rows then change on load")
+    first = working[0][1]
+    same = ", ".join(str(size) for size, divisor in working if divisor == first)
+    phrase = (f"--make-vocab-size-divisible-by {first}, which pads its {tokens} tokens to the embedding's {rows} "
+              f"rows at TP {same}")
+    others = [f"{divisor} at TP {size}" for size, divisor in working if divisor != first]
+    if others and preferred is not None:  # the recorded one, which --use-checkpoint-args takes at any TP
+        phrase += (" (" + ", ".join(others) + ", given with the model flags in place of --use-checkpoint-args, "
+                   f"which takes the recorded {first} and pads to a multiple of TP times it)")
+    elif others:
+        phrase += " (" + ", ".join(others) + ")"
+    missing = [str(size) for size, divisor in divisors.items() if divisor is None]
+    if missing:
+        phrase += (f"; none gives {rows} rows at TP {', '.join(missing)} (the padding rows then change on load, "
+                   "and a checkpoint imported without a tokenizer is refused)")
+    return phrase
+
+
+def recorded_vocab_divisor(recorded_vocab_size, rows, tokenizer_known, preferred=None):
+    """The --make-vocab-size-divisible-by an import records (and prints among the model flags): the one that pads
+    the recorded vocabulary to the embedding's rows at TP 1; None where the tokenizer is unknown (its rows then
+    stand for the vocabulary, and the divisor is the run's, chosen for the tokenizer it brings)."""
+    from megatron.training.tokenizer import exact_padding_divisor
+
+    if not tokenizer_known:
+        return None
+    return exact_padding_divisor(recorded_vocab_size, rows, 1, preferred if recorded_vocab_size == rows else None)
+
+
+def hf_import_training_hint(directory, root, shape, tokenizer_vocab_size=None, sizes=None, divisor=None):
     """How to train from the checkpoint `--from hf` wrote: the flags that rebuild its model and its tokenizer.
-    `tokenizer_vocab_size` is that of the directory's tokenizer (None without one)."""
+    `tokenizer_vocab_size`: the tokenizer's vocabulary size where known (else the embedding's rows stand for it);
+    `sizes`: the TP sizes to give the vocabulary padding for (default: those that split the model);
+    `divisor`: the --make-vocab-size-divisible-by the import recorded (None: none)."""
     tokens, rows = tokenizer_vocab_size or shape.vocab_size, shape.padded_vocab_size
-    divisor = vocab_divisor(tokens, rows)
-    padding = (f" --make-vocab-size-divisible-by {divisor}, which pads its {tokens} tokens to the embedding's "
-               f"{rows} rows at TP 1; at TP t the padding is to a multiple of t times it, so pick one that still gives "
-               f"{rows}" if divisor and tokens < rows
-               else "")
+    sizes = sizes or tensor_parallel_sizes(shape)
+    known = tokenizer_vocab_size is not None or tokens < rows
+    if hf_tokenizer_vocab_size(directory) is not None:
+        tokenizer = f"the model's own (--tokenizer-type HuggingFaceTokenizer --tokenizer-model {directory})"
+    else:
+        tokenizer = (f"the one the model was trained with ({directory} holds no tokenizer: give its --tokenizer-type "
+                     "and files as that training did)")
+    mock = (f"with --mock-data, --tokenizer-type NullTokenizer --vocab-size {tokens - 1} (its ids and the "
+            "end-of-document id)")
+    if known:
+        padding = _padding_phrase(tokens, rows, sizes, divisor)
+        vocabulary = f"a tokenizer of {tokens} tokens: {tokenizer} or, {mock}; {padding}"
+    else:
+        vocabulary = (f"a tokenizer: {tokenizer} or, {mock}; the checkpoint records its {rows} embedding rows as its "
+                      f"vocabulary, so give the --make-vocab-size-divisible-by that pads the tokenizer's tokens to "
+                      f"exactly {rows} rows (D x TP divides {rows} and exceeds {rows} minus the tokens; "
+                      f"{_padding_phrase(tokens, rows, sizes)})")
+    flags = shape.training_flags() + (f" --make-vocab-size-divisible-by {divisor}" if divisor else "")
     return (f"train from it with pretrain_gpt.py --load {root} --finetune --use-checkpoint-args (the model flags "
-            f"below, recorded in the checkpoint; without --use-checkpoint-args pass them all) and a tokenizer of "
-            f"{tokens} tokens: the model's own (--tokenizer-type HuggingFaceTokenizer --tokenizer-model "
-            f"{directory}{padding}) or, with --mock-data, --tokenizer-type NullTokenizer --vocab-size {tokens - 1} "
-            f"(its ids and the end-of-document id); --seq-length at most {shape.max_position_embeddings}\n"
-            f"model flags: {shape.training_flags()}")
+            f"below, recorded in the checkpoint; without --use-checkpoint-args pass them all) and {vocabulary}; "
+            f"--seq-length at most {shape.max_position_embeddings}\n"
+            f"model flags: {flags}")
 
 
 def import_hf(directory, root, iteration, make_vocab_size_divisible_by, apply_layernorm_1p, tokens=None):
-    """from_hf's (model tensors, hf_mapping.ModelShape, the vocabulary size of the tokenizer or None). `tokens`:
-    that size where it is known otherwise (at most the embedding's rows), else the directory's tokenizer's."""
+    """from_hf's (model tensors, hf_mapping.ModelShape, the vocabulary size of the tokenizer or None, the
+    --make-vocab-size-divisible-by recorded or None). `tokens`: the tokenizer's vocabulary size where it is known
+    otherwise (at most the embedding's rows), else the directory's tokenizer's."""
     import hf_mapping
     import hf_unsupported
     from megatron.core.dist_checkpointing import offline, safetensors_format
@@ -232,12 +288,21 @@ def import_hf(directory, root, iteration, make_vocab_size_divisible_by, apply_la
     iteration = int(metadata.get("iteration", 0)) if iteration is None else iteration
     state = {f"model.{name}": tensor for name, tensor in model.items()}
     layout = _layout(f"{os.path.basename(os.path.normpath(directory))} ({architecture})")
-    # The model's flags and vocabulary, so that training checks them when it loads this and --to hf works again.
+    # The model's flags and vocabulary, so that training checks them when it loads this and --to hf works again:
+    # the embedding's rows, and the padding that gives them for the tokenizer where that is known (config.json's
+    # vocab_size below the rows, or a tokenizer); without, the rows stand for the vocabulary.
+    vocab_size = tokens or shape.vocab_size
+    divisor = recorded_vocab_divisor(vocab_size, shape.padded_vocab_size,
+                                     tokens is not None or vocab_size < shape.padded_vocab_size,
+                                     make_vocab_size_divisible_by)
+    args = shape.to_args()
+    args.padded_vocab_size = shape.padded_vocab_size
+    if divisor is not None:
+        args.make_vocab_size_divisible_by = divisor
     state["common"] = {"checkpoint_version": 1, "iteration": iteration, "consumed_train_samples": 0,
-                       "args": shape.to_args(), "layout": layout, "vocab_size": tokens or shape.vocab_size,
-                       HF_SOURCE_KEY: source}
+                       "args": args, "layout": layout, "vocab_size": vocab_size, HF_SOURCE_KEY: source}
     offline.write_checkpoint(root, iteration, state, layout)
-    return model, shape, tokens
+    return model, shape, tokens, divisor
 
 
 def _layout(source):
@@ -326,10 +391,10 @@ def main(argv=None):
     elif options.source == "safetensors":
         from_safetensors(options.input, options.output, options.iteration)
     else:
-        _, shape, tokens = import_hf(options.input, options.output, options.iteration,
-                                     options.make_vocab_size_divisible_by, options.apply_layernorm_1p)
+        _, shape, tokens, divisor = import_hf(options.input, options.output, options.iteration,
+                                              options.make_vocab_size_divisible_by, options.apply_layernorm_1p)
         print(f"wrote {options.output}")
-        print(hf_import_training_hint(options.input, options.output, shape, tokens))
+        print(hf_import_training_hint(options.input, options.output, shape, tokens, divisor=divisor))
         return
     print(f"wrote {options.output}")
 

@@ -9,6 +9,7 @@ from megatron.training.tokenizer.tokenizer import (
     TOKENIZER_TYPES,
     build_tokenizer,
     build_tokenizer_from_args,
+    exact_padding_divisor,
     pad_vocab_size,
 )
 
@@ -21,5 +22,6 @@ __all__ = [
     "TOKENIZER_TYPES",
     "build_tokenizer",
     "build_tokenizer_from_args",
+    "exact_padding_divisor",
     "pad_vocab_size",
 ]

@@ -61,3 +61,20 @@ def pad_vocab_size(orig_vocab_size, make_vocab_size_divisible_by, tensor_model_p
         raise ValueError(f"--tensor-model-parallel-size must be positive (got {tensor_model_parallel_size})")
     multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
     return -(-orig_vocab_size // multiple) * multiple
+
+
+def exact_padding_divisor(vocab_size, padded_vocab_size, tensor_model_parallel_size=1, preferred=None):
+    """The `--make-vocab-size-divisible-by` that pads `vocab_size` tokens to exactly `padded_vocab_size` rows at
+    this TP size (`pad_vocab_size` gives ceil(tokens / (D x TP)) x D x TP): `preferred` where it does, else the
+    smallest that does (the one most TP sizes share); None where none does at this TP size."""
+    if not 0 < vocab_size <= padded_vocab_size or tensor_model_parallel_size < 1:
+        return None
+
+    def pads_exactly(divisor):
+        multiple = divisor * tensor_model_parallel_size
+        return padded_vocab_size % multiple == 0 and padded_vocab_size - multiple < vocab_size
+
+    if preferred is not None and preferred > 0 and pads_exactly(preferred):
+        return preferred
+    return next((divisor for divisor in range(1, padded_vocab_size // tensor_model_parallel_size + 1)
+                 if pads_exactly(divisor)), None)

@@ -215,3 +215,42 @@ def test_inputs_and_target_sizes_the_model_cannot_take_are_named(tools, tmp_path
         convert.main([*HF_TO_CORE, "--load-dir", str(tmp_path / "core"), "--save-dir", str(tmp_path / "out")])
     assert str(exit_info.value.code).startswith(f"--load-dir {tmp_path / 'core'}: no config.json")
     assert not os.path.exists(tmp_path / "out")
+
+
+def _write_legacy_checkpoint(root):
+    """A --ckpt-format torch checkpoint at TP 1 (one mp_rank_00 file) of a model with 2 key/value heads."""
+    import argparse
+
+    rank_dir = os.path.join(root, "iter_0000001", "mp_rank_00")
+    os.makedirs(rank_dir)
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as stream:
+        stream.write("1")
+    args = argparse.Namespace(num_layers=LAYERS, num_attention_heads=HEADS, group_query_attention=True,
+                              num_query_groups=KV_HEADS)
+    model = {"decoder.layers.0.self_attention.linear_qkv.weight": torch.zeros(HEADS * HEAD_DIM, HIDDEN)}
+    torch.save({"model": model, "args": args, "iteration": 1}, os.path.join(rank_dir, "model_optim_rng.pt"))
+
+
+def test_target_sizes_are_checked_before_anything_is_written(tools, tmp_path, capsys):
+    """The llama_mistral and legacy loaders write the conversion into --save-dir: a target size the model cannot
+    take is refused from config.json or the saved arguments first, and --save-dir stays unwritten."""
+    convert, _ = tools
+    hf_dir, legacy_dir = str(tmp_path / "hf"), str(tmp_path / "legacy")
+    _write_hf_llama(hf_dir)
+    _write_legacy_checkpoint(legacy_dir)
+    refused = "--target-tensor-parallel-size 4: the model's 2 key/value heads (--num-query-groups) do not split evenly"
+    for loader, load_dir in ((["--loader", "llama_mistral", "--checkpoint-type", "hf"], hf_dir),
+                             (["--loader", "legacy"], legacy_dir)):
+        save_dir = str(tmp_path / f"out_{loader[1]}")
+        with pytest.raises(SystemExit) as exit_info:
+            convert.main(["--model-type", "GPT", *loader, "--saver", "core", "--load-dir", load_dir, "--save-dir",
+                          save_dir, "--target-tensor-parallel-size", "4"])
+        assert str(exit_info.value.code).startswith(refused), exit_info.value.code
+        assert f"nothing was written to {save_dir}" in str(exit_info.value.code)
+        assert not os.path.exists(save_dir)
+    # at a size it takes, the advice gives the padding of the embedding's rows at that size
+    convert.main(["--model-type", "GPT", "--loader", "llama_mistral", "--checkpoint-type", "hf", "--saver", "core",
+                  "--load-dir", hf_dir, "--save-dir", str(tmp_path / "tp2"), "--target-tensor-parallel-size", "2",
+                  "--true-vocab-size", "40"])
+    assert "--make-vocab-size-divisible-by 128, which pads its 40 tokens to the embedding's 128 rows at TP 1 (64 at " \
+           "TP 2" in capsys.readouterr().out

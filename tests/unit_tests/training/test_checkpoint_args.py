@@ -123,3 +123,65 @@ def test_norm_epsilon_is_compared_on_load():
     assert architecture_differences(llama3, argparse.Namespace(normalization="RMSNorm", norm_epsilon=1e-5)) == [
         "--norm-epsilon: 1e-06 in the checkpoint, 1e-05 in this run"]
     assert architecture_differences(argparse.Namespace(normalization="RMSNorm"), llama3) == []  # not recorded
+
+
+def test_padding_divisor_that_gives_exactly_the_rows():
+    from megatron.training.tokenizer import exact_padding_divisor, pad_vocab_size
+
+    # the byte-level tokenizer's 257 tokens in 320 rows: 64 at TP 1, 32 x 2, 16 x 4; at TP 8 only 8 x 8 = 64 rows
+    assert [exact_padding_divisor(257, 320, tp) for tp in (1, 2, 4, 8)] == [64, 32, 16, 8]
+    assert exact_padding_divisor(40, 50, 2) == 25 and exact_padding_divisor(40, 50, 4) is None  # 4 D never 50
+    assert exact_padding_divisor(151665, 151936) == 1187  # Qwen2's tokenizer in its 151936 = 128 x 1187 rows
+    assert exact_padding_divisor(320, 320, 1, preferred=64) == 64 and exact_padding_divisor(257, 320, 1, 128) == 64
+    for tokens, rows, tp in ((257, 320, 2), (40, 50, 1), (151665, 151936, 1), (100, 128, 4)):
+        divisor = exact_padding_divisor(tokens, rows, tp)
+        assert pad_vocab_size(tokens, divisor, tp) == rows
+        assert all(pad_vocab_size(tokens, smaller, tp) != rows for smaller in range(1, divisor))
+
+
+def _imported_args(rows):
+    """The arguments an import from a Hugging Face directory without a tokenizer records: no tokenizer, the
+    embedding's rows."""
+    return argparse.Namespace(hidden_size=32, num_attention_heads=4, padded_vocab_size=rows)
+
+
+def test_tokenizer_padded_to_the_rows_of_a_checkpoint_imported_without_one_is_accepted():
+    from megatron.core.dist_checkpointing.serialization import CheckpointError
+    from megatron.training.checkpoint_args import check_same_architecture
+
+    saved = _imported_args(320)  # its vocabulary recorded as its 320 rows
+    run = argparse.Namespace(hidden_size=32, num_attention_heads=4, tokenizer_type="ByteLevelTokenizer",
+                             make_vocab_size_divisible_by=64, tensor_model_parallel_size=1, padded_vocab_size=320)
+    check_same_architecture("imported", saved, run, 320, 257)
+    assert architecture_differences(saved, run, 320, 257) == []
+    # padded to other rows (the default 128: 384), it is refused, with the divisor that fits
+    run.make_vocab_size_divisible_by, run.padded_vocab_size = 128, 384
+    with pytest.raises(CheckpointError) as error:
+        check_same_architecture("imported", saved, run, 320, 257)
+    message = str(error.value)
+    assert "320 in the checkpoint, 257 in this run" in message
+    assert "for this run's 257 tokens --make-vocab-size-divisible-by 64, which pads them to exactly 320 at TP 1" \
+        in message
+    assert "this run pads its 257 tokens to 384 rows (--make-vocab-size-divisible-by 128 x TP 1)" in message
+    run.tensor_model_parallel_size, run.padded_vocab_size = 4, 512
+    with pytest.raises(CheckpointError, match="no --make-vocab-size-divisible-by pads 40 tokens to exactly 50 rows "
+                                              "at TP 4"):
+        check_same_architecture("imported", _imported_args(50), run, 50, 40)
+
+
+def test_a_trained_checkpoint_of_another_vocabulary_is_refused_whatever_the_padding():
+    from megatron.core.dist_checkpointing.serialization import CheckpointError
+    from megatron.training.checkpoint_args import check_same_architecture
+
+    # NullTokenizer --vocab-size 120 against 100: both pad to 128 rows, and the tokens differ
+    saved = argparse.Namespace(hidden_size=32, tokenizer_type="NullTokenizer", vocab_size=120, padded_vocab_size=128)
+    run = argparse.Namespace(hidden_size=32, tokenizer_type="NullTokenizer", vocab_size=100, padded_vocab_size=128)
+    with pytest.raises(CheckpointError, match="--vocab-size 120 \\(121 tokens"):
+        check_same_architecture("trained", saved, run, 121, 101)
+    # a tokenizer that fills the rows exactly is a tokenizer the checkpoint knows: still compared
+    saved = argparse.Namespace(hidden_size=32, tokenizer_type="NullTokenizer", vocab_size=127, padded_vocab_size=128)
+    with pytest.raises(CheckpointError, match="128 in the checkpoint, 101 in this run"):
+        check_same_architecture("trained", saved, run, 128, 101)
+    # an import that knows its tokenizer's size (below the rows) is compared too
+    with pytest.raises(CheckpointError, match="257 in the checkpoint, 101 in this run"):
+        check_same_architecture("imported", _imported_args(320), run, 257, 101)
