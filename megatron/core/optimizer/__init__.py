@@ -9,7 +9,7 @@ of these defaults. `scale_lr_cond(name, param)` selects parameters whose learnin
 `lr` and `weight_decay` every step. With `config.decoupled_lr` the word-embedding and output-layer weights
 (`is_embedding_or_output_parameter`) form groups of their own whose `max_lr` / `min_lr` (`decoupled_lr`,
 `decoupled_min_lr` or else `min_lr`) the scheduler uses instead of the global ones. With `optimizer='muon'`
-`muon_param_groups` (muon.py) moves the hidden weight matrices of every group into Muon groups of their own.
+`muon_param_groups` (muon_param_groups.py) moves the hidden weight matrices of every group into Muon groups of their own.
 """
 
 import torch
@@ -32,7 +32,8 @@ from megatron.core.optimizer.clip_grads import (
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.fsdp_optimizer import MegatronFSDPOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
-from megatron.core.optimizer.muon import MuonWithAdamW, muon_param_groups
+from megatron.core.optimizer.muon import MuonWithAdamW
+from megatron.core.optimizer.muon_param_groups import muon_param_groups
 from megatron.core.optimizer.optimizer import Float16Optimizer, FP32Optimizer, MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.optimizer.precision_aware_adam import PrecisionAwareAdamW, build_precision_aware_adam

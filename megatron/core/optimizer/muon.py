@@ -31,8 +31,13 @@ and the rank keeps its own part of the result, so every layout computes the unsh
 parameter (FSDP2) is assembled with `full_tensor()` over its mesh. A flat piece (the other two) carries a
 `MatrixPiece` (`matrix_piece` attribute, see `mark_matrix_piece`): its elements of the flattened matrix and
 the process groups over which the pieces are disjoint and cover it; every rank of those groups holds one piece
-of each such matrix (possibly empty), so all take part in the same collectives in the same order. Each rank
-orthogonalizes every matrix (the tensor-parallel modes then apply to the assembled tensor-parallel shard).
+of each such matrix (possibly empty), so all take part in the same collectives in the same order. The tensor-parallel
+modes then apply to the assembled tensor-parallel shard.
+
+By default (`MuonWithAdamW.distribute_newton_schulz`) each matrix is orthogonalized by one data-parallel rank
+only, which sends the result, or each rank's piece of it, to the others (muon_sharing.py); the weights are
+bit-equal to assembling and orthogonalizing every matrix on every rank, the path kept for layouts the sharing does
+not cover (a piece over several groups, a multi-dimensional FSDP2 mesh, no data parallelism).
 
 `torch.optim.Muon` implements the same iteration, but in bf16 and without tensor parallelism or the QKV split.
 """
@@ -46,6 +51,17 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.expert_parameters import is_expert_parameter
+from megatron.core.optimizer.muon_sharing import (
+    as_update,
+    assign_owners,
+    flat_piece,
+    gather_piece_ranges,
+    newton_schulz_cost,
+    orthogonalize_pieces,
+    orthogonalize_replicated,
+    piece_range,
+    placement_of,
+)
 from megatron.core.optimizer.shard_local_adam import ShardLocalAdamW
 
 try:
@@ -202,10 +218,16 @@ class MuonWithAdamW(ShardLocalAdamW):
     """AdamW (`ShardLocalAdamW`'s arguments and state) for groups without `use_muon`; Muon for groups with
     `use_muon=True`, whose own keys are `momentum`, `nesterov`, `ns_steps`, `scale_mode`, `extra_scale_factor`,
     `tp_mode`, `fp32_matmul_prec` and `qkv_split` (None, or the q, k, v rows per query group: the group's
-    parameters are then fused QKV weights)."""
+    parameters are then fused QKV weights).
+
+    `distribute_newton_schulz` (on by default): each data-parallel rank orthogonalizes a share of the matrices and
+    the results are exchanged (see muon_sharing.py); off, every rank orthogonalizes every matrix it steps."""
+
+    distribute_newton_schulz = True
 
     def __init__(self, params, *args, **kwargs):
         super().__init__(params, *args, **kwargs)
+        self._piece_ranges = {}  # (group, bucket's parameters) -> every rank's element range of each matrix
         for group in self.param_groups:
             if not group.get("use_muon", False):
                 continue
@@ -232,7 +254,8 @@ class MuonWithAdamW(ShardLocalAdamW):
                 else:
                     self._state_of(param, group)
 
-    def _muon_update(self, group, param):
+    def _momentum_update(self, group, param):
+        """`param`'s update before Newton-Schulz, its momentum stepped (a piece, as `param` is)."""
         state = self._muon_state(param)
         state["step"] += 1
         momentum_buffer = state["momentum_buffer"]
@@ -240,26 +263,68 @@ class MuonWithAdamW(ShardLocalAdamW):
         # A sharding wrapper's piece without a gradient (an empty one) still takes part in assembling the matrix.
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
         momentum_buffer.lerp_(grad, 1 - momentum)
-        update = grad.lerp(momentum_buffer, momentum) if group["nesterov"] else momentum_buffer
-        update, own_piece = _whole_matrix(param, update)
+        return grad.lerp(momentum_buffer, momentum) if group["nesterov"] else momentum_buffer
+
+    def _orthogonalize(self, group, param, update):
+        """The scaled Newton-Schulz of `update`, the whole matrix of `param` (its tensor-parallel shard)."""
         tp_group, partition_dim = _tensor_parallel_group(param)
         settings = dict(steps=group["ns_steps"], scale_mode=group["scale_mode"],
                         extra_scale_factor=group["extra_scale_factor"], tp_mode=group["tp_mode"], tp_group=tp_group,
                         partition_dim=partition_dim)
         with _fp32_matmul_precision(group["fp32_matmul_prec"], param.device):
-            if group.get("qkv_split") is not None:
-                if partition_dim not in (None, 0):
-                    raise ValueError(f"a fused QKV weight split over dimension {partition_dim}: Muon's QKV split "
-                                     "needs column-parallel (dimension 0) shards; pass --muon-no-split-qkv")
-                qkv_split = group["qkv_split"]
-                orthogonal = join_qkv_rows([orthogonalize(part, **settings)
-                                            for part in split_qkv_rows(update, qkv_split)], qkv_split)
-            else:
-                orthogonal = orthogonalize(update, **settings)
-        orthogonal = own_piece(orthogonal)
+            if group.get("qkv_split") is None:
+                return orthogonalize(update, **settings)
+            if partition_dim not in (None, 0):
+                raise ValueError(f"a fused QKV weight split over dimension {partition_dim}: Muon's QKV split "
+                                 "needs column-parallel (dimension 0) shards; pass --muon-no-split-qkv")
+            qkv_split = group["qkv_split"]
+            return join_qkv_rows([orthogonalize(part, **settings) for part in split_qkv_rows(update, qkv_split)],
+                                 qkv_split)
+
+    @staticmethod
+    def _apply(group, param, orthogonal):
         if group["weight_decay"] != 0:
             param.mul_(1 - group["lr"] * group["weight_decay"])
         param.add_(orthogonal.to(param.dtype), alpha=-group["lr"])
+
+    def _muon_update(self, group, param, update):
+        """Assemble `param`'s whole matrix on this rank, orthogonalize it and step `param` by its piece."""
+        whole, own_piece = _whole_matrix(param, update)
+        self._apply(group, param, own_piece(self._orthogonalize(group, param, whole)))
+
+    def _muon_step(self, group, params, loads):
+        """Step the Muon `params` of `group`; `loads`: {process group: each rank's Newton-Schulz cost so far}."""
+        updates = [self._momentum_update(group, param) for param in params]
+        buckets = {}  # placement -> indices of its matrices, in group order (the same on every rank)
+        for index, (param, update) in enumerate(zip(params, updates)):
+            placement = placement_of(param, update) if self.distribute_newton_schulz else None
+            if placement is None:
+                self._muon_update(group, param, update)
+            else:
+                buckets.setdefault(placement, []).append(index)
+        for (kind, process_group), indices in buckets.items():
+            bucket = [params[index] for index in indices]
+            pieces, shapes = zip(*(flat_piece(params[index], updates[index]) for index in indices))
+            world_size = dist.get_world_size(process_group)
+            owners = assign_owners([newton_schulz_cost(*shape, group.get("qkv_split")) for shape in shapes],
+                                   world_size, loads.setdefault(process_group, [0] * world_size))
+
+            def orthogonalize_matrix(position, matrix):
+                return self._orthogonalize(group, bucket[position], matrix)
+
+            if kind == "replicated":
+                results = orthogonalize_replicated([piece.view(shape) for piece, shape in zip(pieces, shapes)],
+                                                   owners, process_group, orthogonalize_matrix)
+            else:
+                key = (id(process_group), tuple(id(param) for param in bucket))
+                if key not in self._piece_ranges:
+                    self._piece_ranges[key] = gather_piece_ranges(
+                        [piece_range(params[index], updates[index]) for index in indices], process_group,
+                        pieces[0].device)
+                results = orthogonalize_pieces(pieces, shapes, self._piece_ranges[key], owners, process_group,
+                                               orthogonalize_matrix)
+            for index, result in zip(indices, results):
+                self._apply(group, params[index], as_update(updates[index], result))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -267,55 +332,12 @@ class MuonWithAdamW(ShardLocalAdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        newton_schulz_loads = {}
         for group in self.param_groups:
-            with_grad = [param for param in group["params"] if param.grad is not None]
             if group.get("use_muon", False):
                 # Pieces of sharded matrices step on every rank (their collectives must line up).
-                for param in group["params"]:
-                    if param.grad is not None or getattr(param, "matrix_piece", None) is not None:
-                        self._muon_update(group, param)
+                self._muon_step(group, [param for param in group["params"] if param.grad is not None
+                                        or getattr(param, "matrix_piece", None) is not None], newton_schulz_loads)
                 continue
-            self._update(group, with_grad, local=False)
+            self._update(group, [param for param in group["params"] if param.grad is not None], local=False)
         return loss
-
-
-def is_muon_parameter(param):
-    """A 2-D weight that is neither an embedding nor the output layer."""
-    return (param.dim() == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
-            and not getattr(param, "is_embedding_parameter", False))
-
-
-def fused_qkv_splits(model_chunks):
-    """{id(fused QKV weight): (q rows, k rows, v rows) per query group} for the attention layers of the chunks."""
-    splits = {}
-    for chunk in model_chunks:
-        for module in chunk.modules():
-            linear_qkv = getattr(module, "linear_qkv", None)
-            weight = getattr(linear_qkv, "weight", None)
-            if weight is None or not hasattr(module, "heads_per_group") or not hasattr(module, "head_dim"):
-                continue
-            splits[id(weight)] = (module.heads_per_group * module.head_dim, module.head_dim, module.head_dim)
-    return splits
-
-
-def muon_param_groups(param_groups, model_chunks, config):
-    """`param_groups` with each group's Muon parameters moved to Muon groups of their own (same lr and weight
-    decay settings), fused QKV weights apart when `config.muon_split_qkv`. AdamW groups keep their order."""
-    qkv_splits = fused_qkv_splits(model_chunks) if config.muon_split_qkv else {}
-    muon_settings = dict(use_muon=True, momentum=config.muon_momentum, nesterov=config.muon_use_nesterov,
-                         ns_steps=config.muon_num_ns_steps, scale_mode=config.muon_scale_mode,
-                         extra_scale_factor=config.muon_extra_scale_factor, tp_mode=config.muon_tp_mode,
-                         fp32_matmul_prec=config.muon_fp32_matmul_prec)
-    muon_groups, adam_groups = [], []
-    for group in param_groups:
-        by_split, adam_params = {}, []
-        for param in group["params"]:
-            if is_muon_parameter(param):
-                by_split.setdefault(qkv_splits.get(id(param)), []).append(param)
-            else:
-                adam_params.append(param)
-        for qkv_split, params in by_split.items():
-            muon_groups.append({**group, **muon_settings, "qkv_split": qkv_split, "params": params})
-        if adam_params:
-            adam_groups.append({**group, "params": adam_params})
-    return muon_groups + adam_groups

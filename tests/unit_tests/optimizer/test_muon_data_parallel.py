@@ -153,3 +153,117 @@ def test_checkpoint_moves_between_wrappers(tmp_path, saved_by, loaded_by):
     weights_only = run_on_ranks(2, _muon_losses, loaded_by, 1, "blockwise", (directory, "load_weights", 2))[0]
     assert weights_only[2] == pytest.approx(uninterrupted[2], abs=TOLERANCE)
     assert abs(weights_only[-1] - uninterrupted[-1]) > 1e3 * TOLERANCE, (weights_only, uninterrupted)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Newton-Schulz shared out over data parallel (muon_sharing.py): each rank orthogonalizes a share of the matrices.
+
+SHARED_SHAPES = [(24, 10), (10, 24), (16, 16), (7, 4), (12, 12)]
+# Rank 0 holds elements [0, cut) of each flattened matrix and rank 1 the rest: uneven, and empty on either side.
+PIECE_CUTS = [100, 240, 0, 13, 77]
+
+
+def _shared_newton_schulz_steps(layout, distribute):
+    """(whole matrices after two Muon steps, newton_schulz calls on this rank) with the matrices of
+    SHARED_SHAPES held on 2 ranks as `layout`: "replicated" (DDP), "pieces" (flat, as the distributed optimizer
+    and Megatron-FSDP hold them) or "rows" (DTensors sharded by rows, as FSDP2 holds them)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import muon
+
+    parallel_state.initialize_model_parallel()
+    group, rank = parallel_state.get_data_parallel_group(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (2,)) if layout == "rows" else None
+    generator = torch.Generator().manual_seed(5)
+    weights = [torch.randn(shape, generator=generator) for shape in SHARED_SHAPES]
+    grads = [[torch.randn(shape, generator=generator) for shape in SHARED_SHAPES] for _ in range(2)]
+
+    def local(tensor, index):
+        if layout == "rows":
+            return distribute_tensor(tensor, mesh, [Shard(0)])
+        if layout == "pieces":
+            cut = PIECE_CUTS[index]
+            return tensor.reshape(-1)[:cut].clone() if rank == 0 else tensor.reshape(-1)[cut:].clone()
+        return tensor.clone()
+
+    params = [torch.nn.Parameter(local(weight, index)) for index, weight in enumerate(weights)]
+    if layout == "pieces":
+        for index, (param, shape) in enumerate(zip(params, SHARED_SHAPES)):
+            cut, numel = PIECE_CUTS[index], shape[0] * shape[1]
+            muon.mark_matrix_piece(param, shape, *((0, cut) if rank == 0 else (cut, numel)), [group])
+    optimizer = muon.MuonWithAdamW([{"params": params, "use_muon": True, "momentum": 0.5, "nesterov": True,
+                                     "ns_steps": 5, "scale_mode": "spectral", "extra_scale_factor": 1.0,
+                                     "tp_mode": "blockwise", "fp32_matmul_prec": "medium", "qkv_split": None}],
+                                   lr=0.05, weight_decay=0.1)
+    optimizer.distribute_newton_schulz = distribute
+    calls = []
+    original = muon.newton_schulz
+    muon.newton_schulz = lambda matrix, *args, **kwargs: calls.append(matrix.shape) or original(matrix, *args,
+                                                                                                **kwargs)
+    try:
+        for step_grads in grads:
+            for index, (param, grad) in enumerate(zip(params, step_grads)):
+                param.grad = local(grad, index)
+            optimizer.step()
+    finally:
+        muon.newton_schulz = original
+    wholes = []
+    for param, shape in zip(params, SHARED_SHAPES):
+        if layout == "rows":
+            wholes.append(param.detach().full_tensor())
+        elif layout == "pieces":
+            flat = torch.zeros(shape[0] * shape[1])
+            start = param.matrix_piece.start
+            flat[start:start + param.numel()] = param.detach()
+            dist.all_reduce(flat)
+            wholes.append(flat.view(shape))
+        else:
+            wholes.append(param.detach().clone())
+    return wholes, len(calls)
+
+
+@pytest.mark.parametrize("layout", ["replicated", "pieces", "rows"])
+def test_newton_schulz_is_shared_over_data_parallel_bit_equal(layout):
+    """Each matrix is orthogonalized on one rank only, and every rank ends with the weights that orthogonalizing
+    every matrix on every rank gives, bit for bit."""
+    import torch
+
+    everywhere = run_on_ranks(2, _shared_newton_schulz_steps, layout, False)
+    shared = run_on_ranks(2, _shared_newton_schulz_steps, layout, True)
+    steps, matrices = 2, len(SHARED_SHAPES)
+    assert [calls for _, calls in everywhere] == [steps * matrices] * 2
+    assert sum(calls for _, calls in shared) == steps * matrices and min(calls for _, calls in shared) > 0
+    for (weights, _), (expected, _) in zip(shared, everywhere):
+        for weight, reference in zip(weights, expected, strict=True):
+            assert torch.equal(weight, reference)
+    # The layouts hold the same matrices: all reach the replicated (DDP) weights.
+    replicated = run_on_ranks(2, _shared_newton_schulz_steps, "replicated", False)[0][0]
+    for weight, reference in zip(shared[0][0], replicated, strict=True):
+        assert torch.equal(weight, reference)
+    assert not torch.equal(replicated[0], _initial_weight(0))
+
+
+def _initial_weight(index):
+    import torch
+
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randn(shape, generator=generator) for shape in SHARED_SHAPES][index]
+
+
+def test_owners_balance_the_newton_schulz_cost():
+    from megatron.core.optimizer.muon_sharing import assign_owners, newton_schulz_cost
+
+    assert newton_schulz_cost(24, 10) == newton_schulz_cost(10, 24) == 2 * 10 * 10 * 24 + 10 ** 3
+    # A fused QKV weight costs its three parts: 2 query groups of (16 q, 8 k, 8 v) rows.
+    assert newton_schulz_cost(64, 12, (16, 8, 8)) == newton_schulz_cost(32, 12) + 2 * newton_schulz_cost(16, 12)
+    costs = [8, 4, 4, 2, 1, 1]
+    owners = assign_owners(costs, 2)
+    assert owners == [0, 1, 1, 0, 1, 1]
+    assert [sum(cost for cost, owner in zip(costs, owners) if owner == rank) for rank in (0, 1)] == [10, 10]
+    assert assign_owners([5, 5, 5], 3) == [0, 1, 2]
+    assert assign_owners([1, 7, 1, 1], 2) == [1, 0, 1, 1]
+    loads = [5, 0]  # an earlier param group's matrices: the next ones go to the other rank first
+    assert assign_owners([4, 2], 2, loads) == [1, 1] and loads == [5, 6]
