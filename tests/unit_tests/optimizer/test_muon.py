@@ -276,3 +276,28 @@ def test_blockwise_orthogonalizes_each_shard_alone():
     for from_full, from_local in run_on_ranks(2, _tensor_parallel_steps, "blockwise"):
         assert max(from_local.values()) == 0.0, from_local
         assert min(from_full.values()) > 1e-3, from_full
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision, tolerance", [("high", 1e-5), ("medium", 2e-2), ("low", 5e-2)])
+def test_cuda_step_follows_fp32_matmul_precision_and_restores_it(precision, tolerance):
+    """On an accelerator `--muon-fp32-matmul-prec` sets Newton-Schulz's fp32 matmul precision (high: full fp32,
+    equal to the CPU step; medium: TF32; low: bf16 passes, each within its mantissa's rounding of the update)
+    and puts the process's setting back after the step."""
+    def one_step(device):
+        model = build_toy_model().to(device)
+        config = OptimizerConfig(optimizer="muon", lr=0.02, weight_decay=0.0, clip_grad=0.0,
+                                 muon_fp32_matmul_prec=precision)
+        optimizer = get_megatron_optimizer(config, [model])
+        before = {name: param.detach().clone() for name, param in model.named_parameters()}
+        inputs, targets = toy_batch(0, 8)
+        mse_loss(model, inputs.to(device), targets.to(device)).backward()
+        optimizer.step()
+        return {name: (param.detach() - before[name]).cpu() for name, param in model.named_parameters()}
+
+    previous = torch.get_float32_matmul_precision()
+    expected, updates = one_step(torch.device("cpu")), one_step(torch.device("cuda"))
+    assert torch.get_float32_matmul_precision() == previous
+    for name, update in updates.items():
+        scale = expected[name].abs().max().item()
+        torch.testing.assert_close(update, expected[name], atol=tolerance * scale, rtol=0, msg=name)
