@@ -357,3 +357,22 @@ def apply_checkpoint_args(args, saved, with_parallel_layout=False) -> List[str]:
             changed.append(f"{_flag(name)} {value} (command line: {current})")
         setattr(args, name, value)
     return changed
+
+
+# What each --optimizer keeps per parameter: the saved state of one does not fit another.
+_OPTIMIZER_STATE = {"adam": "two Adam moments", "sgd": "a momentum buffer", "muon": "Muon's momentum buffers for the "
+                    "hidden weight matrices and Adam's moments for the rest"}
+
+
+def check_resumed_optimizer(saved_args, args, path):
+    """Refuse a checkpoint's optimizer state saved under another --optimizer: the per-parameter state differs."""
+    saved, current = getattr(saved_args, "optimizer", None), getattr(args, "optimizer", None)
+    if saved is None or current is None or saved == current:
+        return
+    from megatron.core.dist_checkpointing.serialization import CheckpointError
+
+    raise CheckpointError(
+        f"{path}: the optimizer state was saved with --optimizer {saved} ({_OPTIMIZER_STATE.get(saved, 'its state')}), "
+        f"which does not fit --optimizer {current} ({_OPTIMIZER_STATE.get(current, 'another state')}). Pass "
+        "--no-load-optim to load the weights and the iteration and start the optimizer state and the learning-rate "
+        f"schedule afresh, or resume with --optimizer {saved}.")

@@ -32,7 +32,12 @@ from megatron.core.dist_checkpointing.checkpoint_directory import (  # noqa: F40
 from megatron.core.distributed.data_parallel_base import unwrap_model
 from megatron.core.fp8.checkpoint import count_fp8_histories_started_empty
 from megatron.training import checkpoint_sources
-from megatron.training.checkpoint_args import check_same_architecture, saved_true_vocab_size, true_vocab_size
+from megatron.training.checkpoint_args import (
+    check_resumed_optimizer,
+    check_same_architecture,
+    saved_true_vocab_size,
+    true_vocab_size,
+)
 from megatron.training.checkpoint_retention import prune_to_retain_interval
 from megatron.training.random_state import rng_state, set_rng_state  # noqa: F401  (part of this module's API)
 
@@ -356,6 +361,7 @@ def _why_optimizer_not_loaded(state, saved_args, args, path):
             f"{path}: the --ckpt-format torch checkpoint holds its optimizer state in {saved_as}; launch {launch}, "
             "or with --no-load-optim to load the weights alone, or convert it to torch_dist "
             "(tools/checkpoint/convert_legacy.py), which loads under either optimizer")
+    check_resumed_optimizer(saved_args, args, path)
     return None
 
 

@@ -36,7 +36,12 @@ from megatron.core.dist_checkpointing.checkpoint_directory import (  # noqa: F40
 from megatron.core.dist_checkpointing.strictness import apply_strictness
 from megatron.core.fp8.checkpoint import fp8_histories_report, split_missing_fp8_histories
 from megatron.training import checkpoint_state, modelopt_checkpoint
-from megatron.training.checkpoint_args import check_same_architecture, saved_true_vocab_size, true_vocab_size
+from megatron.training.checkpoint_args import (
+    check_resumed_optimizer,
+    check_same_architecture,
+    saved_true_vocab_size,
+    true_vocab_size,
+)
 from megatron.training.checkpoint_retention import prune_to_retain_interval
 from megatron.training.random_state import rng_state, set_rng_state
 
@@ -208,6 +213,7 @@ def load_dist_checkpoint(model_chunks, optimizer, scheduler, args, iteration, ro
     elif not any(key.startswith("optimizer.") for key in metadata.state_dict_metadata):
         skip_optimizer = "the checkpoint has none: saved with --no-save-optim or converted from weights"
     if optimizer is not None and skip_optimizer is None:
+        check_resumed_optimizer(saved_args, args, directory)
         _load_optimizer(optimizer, model_chunks, metadata, directory, strictness, report, _print0,
                                         args)
         if scheduler is not None and "scheduler" in metadata.state_dict_metadata:
@@ -286,7 +292,8 @@ def _load_rng(args, directory, metadata, common, report):
                                          metadata=metadata)
     saved_states = {rank: objects[f"{checkpoint_state.RNG_PREFIX}{rank}"] for rank in needed}
     set_rng_state(rng_mapping.restored_state(rng_state(), saved_states, sources))
-    outcomes = checkpoint_state.all_gather_objects([(source.group.name, source.saved_rank, source.reason) for source in sources])
+    outcomes = checkpoint_state.all_gather_objects([(source.group.name, source.saved_rank, source.reason)
+                                                    for source in sources])
     restored, not_restored = rng_mapping.summarize(outcomes)
     if not not_restored:
         report.loaded.append("RNG state")

@@ -137,7 +137,8 @@ def install_optimizer_state(optimizer, installs, step, param_groups, grad_scaler
             state["step"] = torch.tensor(float(step), dtype=torch.float32,
                                          device=entry.main.device if on_device else "cpu")
     if param_groups is not None and len(param_groups) == len(torch_optimizer.param_groups):
+        kept = getattr(torch_optimizer, "settings_from_flags", ())  # Muon's: set by this run's flags
         for group, saved in zip(torch_optimizer.param_groups, param_groups):
-            group.update(saved)
+            group.update({key: value for key, value in saved.items() if key not in kept})
     if optimizer.grad_scaler is not None and grad_scaler_state is not None:
         optimizer.grad_scaler.load_state_dict(grad_scaler_state)

@@ -224,6 +224,10 @@ class MuonWithAdamW(ShardLocalAdamW):
     the results are exchanged (see muon_sharing.py); off, every rank orthogonalizes every matrix it steps."""
 
     distribute_newton_schulz = True
+    # Group keys set from this run's flags and model, which a checkpoint's hyperparameters never replace: a run
+    # resumed with another --muon-tp-mode (or TP size) or --muon-* value steps as its flags say.
+    settings_from_flags = ("use_muon", "momentum", "nesterov", "ns_steps", "scale_mode", "extra_scale_factor",
+                           "tp_mode", "fp32_matmul_prec", "qkv_split")
 
     def __init__(self, params, *args, **kwargs):
         super().__init__(params, *args, **kwargs)
@@ -235,6 +239,23 @@ class MuonWithAdamW(ShardLocalAdamW):
                 if param.dim() != 2 and getattr(param, "matrix_piece", None) is None:
                     raise ValueError(f"Muon steps 2-D weights only; a parameter of shape {tuple(param.shape)} is "
                                      "in a Muon group: give it to AdamW")
+
+    def load_state_dict(self, state_dict):
+        """torch's loading, the groups' `settings_from_flags` kept as they are. The state is matched to the
+        parameters by position, so the groups must be laid out as the saved ones."""
+        layout = [(len(group["params"]), group.get("use_muon", False)) for group in self.param_groups]
+        saved_layout = [(len(group["params"]), group.get("use_muon", False)) for group in state_dict["param_groups"]]
+        if layout != saved_layout:
+            raise ValueError(
+                f"the saved optimizer's parameter groups (size, Muon) {saved_layout} are not this run's {layout}: "
+                "its state is matched to the parameters by position, so flags that regroup them (--muon-split-qkv "
+                "or --muon-no-split-qkv, --decoupled-lr, the model's layers) must be those of the saved run. Resume "
+                "from a --ckpt-format torch_dist checkpoint (matched by parameter name), or pass --no-load-optim.")
+        settings = [{key: group[key] for key in self.settings_from_flags if key in group}
+                    for group in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, kept in zip(self.param_groups, settings):
+            group.update(kept)
 
     def _muon_state(self, param):
         state = self.state[param]

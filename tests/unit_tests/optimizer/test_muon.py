@@ -198,6 +198,40 @@ def test_torch_dist_checkpoint_round_trip_resumes_to_identical_steps(tmp_path):
         assert torch.equal(param, expected)
 
 
+@pytest.mark.parametrize("checkpoint_format", ["torch", "torch_dist"])
+def test_resume_keeps_the_muon_settings_of_this_run(checkpoint_format):
+    """A run resumed with other --muon-* flags (here --muon-tp-mode, as when TP grows) steps as its flags say;
+    the other hyperparameters still come from the checkpoint."""
+    from megatron.core.dist_checkpointing import optimizer_state
+
+    saved_config = OptimizerConfig(optimizer="muon", lr=0.01, adam_beta1=0.8)
+    resumed_config = OptimizerConfig(optimizer="muon", lr=0.01, muon_momentum=0.9, muon_num_ns_steps=3,
+                                     muon_tp_mode="duplicated")
+    saved = get_megatron_optimizer(saved_config, [build_toy_model()])
+    resumed = get_megatron_optimizer(resumed_config, [build_toy_model()])
+    if checkpoint_format == "torch":
+        resumed.load_state_dict(saved.state_dict())
+    else:
+        groups = [{key: value for key, value in group.items() if key != "params"} for group in saved.param_groups]
+        optimizer_state.install_optimizer_state(resumed, [], None, groups, None)
+    muon_groups = [group for group in resumed.param_groups if group.get("use_muon")]
+    assert len(muon_groups) == 1 and len(resumed.param_groups) == 2
+    assert (muon_groups[0]["momentum"], muon_groups[0]["ns_steps"], muon_groups[0]["tp_mode"]) == (0.9, 3,
+                                                                                                  "duplicated")
+    assert all(group["betas"] == (0.8, 0.999) for group in resumed.param_groups)
+
+
+def test_torch_format_resume_with_regrouped_parameters_says_what_to_do():
+    """--muon-no-split-qkv puts the fused QKV weight back with the other matrices: the state, matched by
+    position, would land on other parameters."""
+    model = _gpt()
+    saved = get_megatron_optimizer(OptimizerConfig(optimizer="muon", lr=1e-3), [model])
+    resumed = get_megatron_optimizer(OptimizerConfig(optimizer="muon", lr=1e-3, muon_split_qkv=False), [model])
+    with pytest.raises(ValueError, match=r"--muon-no-split-qkv.*torch_dist.*--no-load-optim"):
+        resumed.load_state_dict(saved.state_dict())
+    assert all(group.get("qkv_split") is None for group in resumed.param_groups)
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(muon_momentum=1.0), "--muon-momentum"),
     (dict(muon_num_ns_steps=0), "--muon-num-ns-steps"),

@@ -43,25 +43,9 @@ def _muon_losses(wrapper, tensor_parallel_size=1, tp_mode="blockwise", checkpoin
     """The mean loss before each of STEPS steps and after the last one. `checkpoint=(directory, action, step)`:
     "save" the model and optimizer (torch_dist's logical format) before `step`; "load" them, or the model alone
     ("load_weights"), and start at `step` (the losses before it are None)."""
-    from megatron.core.distributed import wrap_data_parallel
-    from megatron.core.optimizer import MuonWithAdamW, OptimizerConfig, get_megatron_optimizer
-    from megatron.training.arguments import parse_args, validate_args
-    from megatron.training.model_config import ddp_config_from_args
     from tests.unit_tests.distributed.precision_gpt import gpt_batch, gpt_loss
 
-    flags = ("--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 "
-             f"--train-iters 10 --lr 1e-3 --mock-data --vocab-size 64 --untie-embeddings-and-output-weights "
-             f"--optimizer muon --tensor-model-parallel-size {tensor_parallel_size} " + WRAPPER_FLAGS[wrapper])
-    os.environ.update({"WORLD_SIZE": str(dist.get_world_size()), "RANK": str(dist.get_rank())})
-    args = validate_args(parse_args(args=flags.split()))
-    model = _gpt(tensor_parallel_size)
-    chunk = wrap_data_parallel(model.config, ddp_config_from_args(args), model)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="muon", lr=0.02, weight_decay=0.1, clip_grad=1.0, muon_momentum=0.9,
-                        muon_use_nesterov=True, muon_tp_mode=tp_mode,
-                        use_distributed_optimizer=args.use_distributed_optimizer), [chunk])
-    torch_optimizer = getattr(optimizer.optimizer, "optimizer", optimizer.optimizer)
-    assert isinstance(torch_optimizer, MuonWithAdamW)
+    chunk, optimizer = _wrapped_gpt_and_muon(wrapper, tensor_parallel_size, tp_mode)
     losses = []
     for step in range(STEPS + 1):
         if checkpoint is not None and checkpoint[1] != "save" and step < checkpoint[2]:
@@ -83,6 +67,28 @@ def _muon_losses(wrapper, tensor_parallel_size=1, tp_mode="blockwise", checkpoin
         success, _, _ = optimizer.step()
         assert success
     return losses
+
+
+def _wrapped_gpt_and_muon(wrapper, tensor_parallel_size, tp_mode):
+    from megatron.core.distributed import wrap_data_parallel
+    from megatron.core.optimizer import MuonWithAdamW, OptimizerConfig, get_megatron_optimizer
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.model_config import ddp_config_from_args
+
+    flags = ("--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 "
+             f"--train-iters 10 --lr 1e-3 --mock-data --vocab-size 64 --untie-embeddings-and-output-weights "
+             f"--optimizer muon --tensor-model-parallel-size {tensor_parallel_size} " + WRAPPER_FLAGS[wrapper])
+    os.environ.update({"WORLD_SIZE": str(dist.get_world_size()), "RANK": str(dist.get_rank())})
+    args = validate_args(parse_args(args=flags.split()))
+    model = _gpt(tensor_parallel_size)
+    chunk = wrap_data_parallel(model.config, ddp_config_from_args(args), model)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="muon", lr=0.02, weight_decay=0.1, clip_grad=1.0, muon_momentum=0.9,
+                        muon_use_nesterov=True, muon_tp_mode=tp_mode,
+                        use_distributed_optimizer=args.use_distributed_optimizer), [chunk])
+    torch_optimizer = getattr(optimizer.optimizer, "optimizer", optimizer.optimizer)
+    assert isinstance(torch_optimizer, MuonWithAdamW)
+    return chunk, optimizer
 
 
 def _save_or_load(chunk, optimizer, directory, action):
@@ -153,6 +159,21 @@ def test_checkpoint_moves_between_wrappers(tmp_path, saved_by, loaded_by):
     weights_only = run_on_ranks(2, _muon_losses, loaded_by, 1, "blockwise", (directory, "load_weights", 2))[0]
     assert weights_only[2] == pytest.approx(uninterrupted[2], abs=TOLERANCE)
     assert abs(weights_only[-1] - uninterrupted[-1]) > 1e3 * TOLERANCE, (weights_only, uninterrupted)
+
+
+def _tp_modes_after(wrapper, tp_mode, directory, action):
+    """The `tp_mode` of each Muon group of a `wrapper` run built with `tp_mode` after it saves or loads."""
+    chunk, optimizer = _wrapped_gpt_and_muon(wrapper, 1, tp_mode)
+    _save_or_load(chunk, optimizer, directory, action)
+    return [group["tp_mode"] for group in optimizer.param_groups if group.get("use_muon")]
+
+
+@pytest.mark.parametrize("loaded_by", ["mfsdp_zero3", "distopt"])
+def test_resumed_run_keeps_its_muon_tp_mode(tmp_path, loaded_by):
+    """A run resumed with another --muon-tp-mode (as when the TP size grows) steps with its own, not the saved."""
+    directory = str(tmp_path / "checkpoint")
+    assert run_on_ranks(2, _tp_modes_after, "mfsdp_zero3", "blockwise", directory, "save")[0] == ["blockwise"] * 2
+    assert run_on_ranks(2, _tp_modes_after, loaded_by, "duplicated", directory, "load")[0] == ["duplicated"] * 2
 
 
 # --------------------------------------------------------------------------------------------------------------

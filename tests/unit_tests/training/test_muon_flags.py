@@ -67,3 +67,21 @@ def test_unknown_choices_stop_the_parser(flags, capsys):
 def test_precision_aware_optimizer_stays_adam_only():
     with pytest.raises(ValueError, match="--use-precision-aware-optimizer steps Adam only"):
         validated("--use-precision-aware-optimizer")
+
+
+@pytest.mark.parametrize("saved,current", [("adam", "muon"), ("muon", "adam"), ("adam", "sgd"), ("sgd", "adam")])
+def test_resuming_another_optimizers_state_says_what_to_do(saved, current):
+    """A torch-format checkpoint's optimizer check (torch_dist calls the same one before loading the state)."""
+    from argparse import Namespace
+
+    from megatron.core.dist_checkpointing.serialization import CheckpointError
+    from megatron.training.checkpointing import _why_optimizer_not_loaded
+
+    saved_args = Namespace(optimizer=saved, use_distributed_optimizer=False)
+    args = Namespace(optimizer=current, use_distributed_optimizer=False, finetune=False, no_load_optim=False)
+    with pytest.raises(CheckpointError, match=f"saved with --optimizer {saved}.*--no-load-optim.*--optimizer {saved}"):
+        _why_optimizer_not_loaded({"optimizer": {}}, saved_args, args, "ckpt")
+    saved_args.optimizer = current
+    assert _why_optimizer_not_loaded({"optimizer": {}}, saved_args, args, "ckpt") is None
+    saved_args.optimizer, args.no_load_optim = saved, True
+    assert _why_optimizer_not_loaded({"optimizer": {}}, saved_args, args, "ckpt") == "--no-load-optim"

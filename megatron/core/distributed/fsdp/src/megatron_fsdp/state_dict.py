@@ -367,8 +367,9 @@ def load_optimizer_state_dict(optimizer, state_dict):
     if len(groups_in) != len(optimizer.param_groups):
         raise ValueError(f"optimizer state dict has {len(groups_in)} param groups, the optimizer has "
                          f"{len(optimizer.param_groups)}")
+    kept = getattr(optimizer, "settings_from_flags", ())  # keys the optimizer takes from this run, not a checkpoint
     for saved, current in zip(groups_in, optimizer.param_groups):
-        current.update({k: v for k, v in saved.items() if k != "params"})
+        current.update({k: v for k, v in saved.items() if k != "params" and k not in kept})
     saved_state = state_dict["state"]
     main_weights_loaded = False
     with torch.no_grad():
