@@ -58,21 +58,31 @@ def _build_arm(flags, runtime, model_provider, datasets_provider):
     return args, model, optimizer, scheduler, config, train_iterator
 
 
+def initialize_job(first_arm_flags):
+    """Join the launched job and set up what pretrain() sets up once (timers, rerun state machine, tokenizer and
+    microbatches) from the first arm's flags; returns those validated arguments, the `runtime` of `_build_arm`."""
+    from megatron.core.timers import Timers
+    from megatron.training.global_vars import set_timers
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.result_validation import setup_rerun_state_machine
+    from megatron.training.training import set_up_tokenizer_and_microbatches
+
+    runtime = initialize_megatron(args=first_arm_flags)
+    set_timers(Timers(runtime.timing_log_level, runtime.timing_log_option))
+    setup_rerun_state_machine(runtime)
+    set_up_tokenizer_and_microbatches(runtime)
+    return runtime
+
+
 def worker(arm_names, arm_flags, steps, warmup):
     import torch.distributed as dist
 
     sys.path.insert(0, REPOSITORY)
     import pretrain_gpt
-    from megatron.core.timers import Timers
-    from megatron.training.global_vars import set_args, set_timers
-    from megatron.training.initialize import initialize_megatron
-    from megatron.training.result_validation import setup_rerun_state_machine
-    from megatron.training.training import set_up_tokenizer_and_microbatches, train_step
+    from megatron.training.global_vars import set_args
+    from megatron.training.training import train_step
 
-    runtime = initialize_megatron(args=arm_flags[0])
-    set_timers(Timers(runtime.timing_log_level, runtime.timing_log_option))
-    setup_rerun_state_machine(runtime)
-    set_up_tokenizer_and_microbatches(runtime)
+    runtime = initialize_job(arm_flags[0])
     arms = [_build_arm(flags, runtime, pretrain_gpt.model_provider, pretrain_gpt.train_valid_test_datasets_provider)
             for flags in arm_flags]
     times = [[] for _ in arms]

@@ -90,18 +90,12 @@ def worker(arm_names, arm_flags, steps, warmup):
 
     sys.path.insert(0, REPOSITORY)
     import pretrain_gpt
-    from examples.moe.benchmark_interleaved import _build_arm
+    from examples.moe.benchmark_interleaved import _build_arm, initialize_job
     from megatron.core.optimizer import muon
-    from megatron.core.timers import Timers
-    from megatron.training.global_vars import set_args, set_timers
-    from megatron.training.initialize import initialize_megatron
-    from megatron.training.result_validation import setup_rerun_state_machine
-    from megatron.training.training import set_up_tokenizer_and_microbatches, train_step
+    from megatron.training.global_vars import set_args
+    from megatron.training.training import train_step
 
-    runtime = initialize_megatron(args=arm_flags[0])
-    set_timers(Timers(runtime.timing_log_level, runtime.timing_log_option))
-    setup_rerun_state_machine(runtime)
-    set_up_tokenizer_and_microbatches(runtime)
+    runtime = initialize_job(arm_flags[0])
     newton_schulz_clock, optimizer_clock = _Clock(), _Clock()
     muon.newton_schulz = newton_schulz_clock.wrap(muon.newton_schulz)
     arms = []
