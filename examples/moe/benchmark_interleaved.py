@@ -136,25 +136,40 @@ def main():
     if options.steps <= options.warmup:
         parser.error(f"--steps ({options.steps}) must exceed --warmup ({options.warmup})")
     names = ["DDP"] + [name for name in ALL_ARMS if name in options.arms and name != "DDP"]
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={benchmark.WORLD}",
-               os.path.abspath(__file__), "--worker", str(options.steps), str(options.warmup)]
+    arms = []
     for name in names:
         expert_parallel_size, flags, _ = benchmark.ARMS[name] if name in benchmark.ARMS else (
             benchmark.ARMS["Megatron-FSDP z3"][0], STRATEGY_ARMS[name], None)
         arm_flags = [*benchmark.model_flags(options.model).split(), *flags.split(),
                      "--expert-model-parallel-size", str(expert_parallel_size),
                      "--train-iters", str(options.steps)]
-        command += ["--arm", name, " ".join(arm_flags)]
+        arms.append((name, " ".join(arm_flags)))
+    launch_job(__file__, benchmark.WORLD, options.steps, options.warmup, arms)
+
+
+def launch_job(script, world, steps, warmup, arms):
+    """Run `script` under torchrun on `world` gloo ranks (one intra-op thread each) as
+    `script --worker STEPS WARMUP --arm NAME FLAGS ...`, for `arms` = [(name, flags), ...]; `run_script` reads it."""
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", os.path.abspath(script),
+               "--worker", str(steps), str(warmup)]
+    for name, flags in arms:
+        command += ["--arm", name, flags]
     package = os.path.join(REPOSITORY, "megatron", "core", "distributed", "fsdp", "src")
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [package, REPOSITORY, os.environ.get("PYTHONPATH")])))
     subprocess.run(command, check=True, cwd=REPOSITORY, env=env)
 
 
-if __name__ == "__main__":
+def run_script(worker_function, main_function):
+    """A launched rank (`--worker`, see `launch_job`) calls `worker_function(names, flags, steps, warmup)`;
+    otherwise `main_function()` parses the options and launches the job."""
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         steps, warmup, rest = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
         names, flags = rest[1::3], [entry.split() for entry in rest[2::3]]
-        worker(names, flags, steps, warmup)
+        worker_function(names, flags, steps, warmup)
     else:
-        main()
+        main_function()
+
+
+if __name__ == "__main__":
+    run_script(worker, main)

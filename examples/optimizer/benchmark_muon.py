@@ -21,12 +21,14 @@ of the matrices ("Muon"), and every rank orthogonalizing every matrix ("Muon, NS
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPOSITORY = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, REPOSITORY)
+from examples.moe.benchmark_interleaved import launch_job, run_script  # noqa: E402  (the repository's examples)
+
 WORLD = 2
 WRAPPERS = {
     "DDP": "",
@@ -163,23 +165,11 @@ def main():
     optimizers = [name for name in OPTIMIZERS if name in options.optimizers or name == "Adam"]
     if not hasattr(MuonWithAdamW, "distribute_newton_schulz"):  # Muon that always orthogonalizes on every rank
         optimizers = [name for name in optimizers if name != "Muon, NS on every rank"]
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD}",
-               os.path.abspath(__file__), "--worker", str(options.steps), str(options.warmup)]
-    for wrapper in options.wrappers:
-        for optimizer in optimizers:
-            flags = (model_flags(options.layers, options.hidden, options.seq, options.steps) + " "
-                     + WRAPPERS[wrapper] + " --optimizer " + optimizer.split(",")[0].lower())
-            command += ["--arm", f"{wrapper} / {optimizer}", flags]
-    package = os.path.join(REPOSITORY, "megatron", "core", "distributed", "fsdp", "src")
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [package, REPOSITORY, os.environ.get("PYTHONPATH")])))
-    subprocess.run(command, check=True, cwd=REPOSITORY, env=env)
+    arms = [(f"{wrapper} / {optimizer}", model_flags(options.layers, options.hidden, options.seq, options.steps)
+             + " " + WRAPPERS[wrapper] + " --optimizer " + optimizer.split(",")[0].lower())
+            for wrapper in options.wrappers for optimizer in optimizers]
+    launch_job(__file__, WORLD, options.steps, options.warmup, arms)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        steps, warmup, rest = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
-        names, flags = rest[1::3], [entry.split() for entry in rest[2::3]]
-        worker(names, flags, steps, warmup)
-    else:
-        main()
+    run_script(worker, main)
