@@ -10,8 +10,7 @@ steps see the same machine load, so each step's ratio to the neighbouring DDP st
 each arm's median step (after `--warmup` steps), the ratio of medians, the median of the per-step ratios, the
 median CPU time of a step summed over the process's threads (on 2 cores shared by 2 ranks every CPU millisecond of
 any thread shows in the step), and the lm loss of the last step of each arm: the arms train the same model on the
-same data, so their losses agree
-to rounding.
+same data, so their losses agree to rounding.
 
     python examples/moe/benchmark_interleaved.py [--steps 60] [--warmup 5] [--arms DDP "Megatron-FSDP z3"]
 
