@@ -25,6 +25,7 @@ def core_transformer_config_from_args(args, config_class=None):
     )
     from megatron.training.argument_groups.pipeline_split import transformer_config_kwargs as split_config_kwargs
     from megatron.training.argument_groups.mtp import transformer_config_kwargs as mtp_config_kwargs
+    from megatron.training.argument_groups.qk_clip import transformer_config_kwargs as qk_clip_config_kwargs
 
     config_class = config_class or TransformerConfig
     return config_class(
@@ -72,6 +73,7 @@ def core_transformer_config_from_args(args, config_class=None):
         **mla_config_kwargs(args),
         **moe_config_kwargs(args),
         **mtp_config_kwargs(args),
+        **qk_clip_config_kwargs(args),
     )
 
 

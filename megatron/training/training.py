@@ -12,6 +12,7 @@ import dataclasses
 import gc
 import signal
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,12 @@ from megatron.core.num_microbatches_calculator import (
     update_num_microbatches,
 )
 from megatron.core.fp8.scaling import reduce_fp8_amaxes
+from megatron.core.optimizer.qk_clip import (
+    clipping_after_step,
+    max_attention_logit,
+    reduce_max_attention_logits,
+    reset_max_attention_logits,
+)
 from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 from megatron.core.transformer.moe.router import reset_global_aux_loss_counts, update_expert_biases
 from megatron.training import checkpointing
@@ -246,6 +253,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, co
         optimizer.zero_grad()
         reset_global_aux_loss_counts(model)  # MoE global_aux_loss: counts of this pass's microbatches only
         clear_aux_losses_tracker()  # MoE aux losses logged: this pass's only (a rerun replaces, not adds)
+        if getattr(args, "qk_clip", False) or getattr(args, "log_max_attention_logit", False):
+            reset_max_attention_logits(model)  # this pass's logits only
         with timed(timers, "forward-backward", log_level=1, barrier=args.barrier_with_L1_time):
             losses_reduced = _run_schedule(forward_step_func, data_iterator, model, args, forward_only=False)
         validate_gradients(model, args)
@@ -253,7 +262,10 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, co
     update_expert_biases(model)  # MoE aux-loss-free balancing: once per global batch
     empty_unused_memory(args, level=1)
     reduce_fp8_amaxes(model)  # delayed-scaling amaxes of all FP8 layers in one collective; step's FP8 weight caches
-    with timed(timers, "optimizer", log_level=1, barrier=args.barrier_with_L1_time):
+    if getattr(args, "qk_clip", False) or getattr(args, "log_max_attention_logit", False):
+        reduce_max_attention_logits(model, parallel_state.get_data_parallel_group(with_context_parallel=True))
+    qk_clipping = clipping_after_step(optimizer, model) if getattr(args, "qk_clip", False) else nullcontext()
+    with timed(timers, "optimizer", log_level=1, barrier=args.barrier_with_L1_time), qk_clipping:
         update_successful, grad_norm, num_zeros = optimizer.step()
     empty_unused_memory(args, level=2)
     if update_successful:
@@ -412,6 +424,8 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
                     "grad_norm": grad_norm,
                     "num_zeros": num_zeros,
                     "params_norm": calc_params_norm(optimizer) if args.log_params_norm else None,
+                    "max_attention_logit": (max_attention_logit(model, parallel_state.get_model_parallel_group())
+                                            if getattr(args, "log_max_attention_logit", False) else None),
                     "skipped": not update_successful,
                     "nan": counts_as_nan_iteration(loss),
                     "iteration_time_s": iteration_time_s,

@@ -89,6 +89,7 @@ def format_log_line(
     nan_iterations,
     params_norm=None,
     decoupled_learning_rate=None,
+    max_attention_logit=None,
 ):
     """Megatron's training log line: `iteration 10/ 100 | consumed samples: 320 | ... | number of nan
     iterations: 0 |`. `losses` maps a name ("lm loss") to its value (empty when every iteration of the interval
@@ -113,6 +114,8 @@ def format_log_line(
         fields.append(f"num zeros: {num_zeros:.1f}")
     if params_norm is not None:
         fields.append(f"params norm: {params_norm:.3f}")
+    if max_attention_logit is not None:
+        fields.append(f"max attention logit: {max_attention_logit:.3f}")
     fields.append(f"number of skipped iterations: {skipped_iterations}")
     fields.append(f"number of nan iterations: {nan_iterations}")
     return " | ".join(fields) + " |"
@@ -361,6 +364,7 @@ class TrainingLogger:
                 nan_iterations=self._nan_iterations,
                 params_norm=report.get("params_norm"),
                 decoupled_learning_rate=report.get("decoupled_learning_rate"),
+                max_attention_logit=report.get("max_attention_logit"),
             )
             if energy_joules is not None:
                 line += format_energy_fields(energy_joules, count, args.world_size, elapsed_s)
@@ -435,6 +439,8 @@ class TrainingLogger:
         }
         if report.get("params_norm") is not None:
             record["params-norm"] = report["params_norm"]
+        if report.get("max_attention_logit") is not None:
+            record["max-attention-logit"] = report["max_attention_logit"]
         self._metrics_stream.write(json.dumps(record) + "\n")
         self._metrics_stream.flush()
 
@@ -462,6 +468,8 @@ class TrainingLogger:
             writer.add_scalar("num-zeros", report["num_zeros"], iteration)
         if report.get("params_norm") is not None:
             writer.add_scalar("params-norm", report["params_norm"], iteration)
+        if report.get("max_attention_logit") is not None:
+            writer.add_scalar("max-attention-logit", report["max_attention_logit"], iteration)
         if args.log_memory_to_tensorboard:
             memory = _resolved(report["memory"])
             for key, name in TENSORBOARD_MEMORY_KEYS:

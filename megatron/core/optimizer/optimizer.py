@@ -74,6 +74,9 @@ class MegatronOptimizer:
     # ---- what subclasses define -------------------------------------------------------------------------
     # False where the model parameters are the main parameters: the step then has no copy-back phase.
     copies_main_params_to_model_params = True
+    # Called with this optimizer after each inner step, before the main parameters are copied into the model, so
+    # that what it changes in the main parameters reaches the model weights (QK-Clip: see qk_clip.py); or None.
+    after_inner_step = None
 
     def main_params(self):
         return [param for group in self.optimizer.param_groups for param in group["params"]]
@@ -202,6 +205,8 @@ class MegatronOptimizer:
                 num_zeros = self.count_zeros()
         with self._phase("optimizer-inner-step"):
             self.optimizer.step()
+            if self.after_inner_step is not None:
+                self.after_inner_step(self)
         if self.copies_main_params_to_model_params:
             with self._phase("optimizer-copy-main-to-model-params"):
                 self._copy_main_params_to_model_params()

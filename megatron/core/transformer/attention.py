@@ -17,6 +17,11 @@ Under tensor parallelism each rank caches its own query groups only.
 With `qk_layernorm` each query and key head is normalised over its head_dim by a norm shared by all heads. Ranks
 hold different heads, so a rank's gradient of those weights is a partial sum: they carry `sequence_parallel=True`,
 which makes gradient finalisation all-reduce them over the tensor-parallel group.
+
+With `qk_clip` or `log_max_attention_logit`, each training forward raises `max_attention_logits` (fp32, one
+entry per local query head) to the largest pre-softmax logit it saw (see attention_logits.py); the training step
+reduces it over data- and context-parallel ranks, QK-Clip reads it (megatron/core/optimizer/qk_clip.py), and the
+next step starts it afresh.
 """
 
 import torch
@@ -26,6 +31,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.extensions.transformer_engine import fused_norm_linear_class, layer_classes
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
 from megatron.core.offloading.fine_grained import offloaded_saved_tensors
+from megatron.core.transformer.attention_logits import context_parallel_max_attention_logits, max_attention_logits
 from megatron.core.transformer.context_parallel import comm_type_of_layer, context_parallel_attention
 from megatron.core.transformer import layer_scaled_attention
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
@@ -98,6 +104,18 @@ class SelfAttention(Attention):
             self.k_layernorm = build_norm(config, self.head_dim)
             for param in (*self.q_layernorm.parameters(), *self.k_layernorm.parameters()):
                 param.sequence_parallel = tp_size > 1
+        self.tracks_max_attention_logits = config.qk_clip or config.log_max_attention_logit
+        self.max_attention_logits = None  # [heads per partition] fp32 while tracking; None before a forward
+
+    def track_max_attention_logits(self, query, key, attention_mask):
+        """Raise `max_attention_logits` to this forward's per-head maxima (the arguments of `core_attention`)."""
+        if self.config.context_parallel_size > 1:
+            maxima = context_parallel_max_attention_logits(query, key, attention_mask,
+                                                           parallel_state.get_context_parallel_group())
+        else:
+            maxima = max_attention_logits(query, key, attention_mask)
+        previous = self.max_attention_logits
+        self.max_attention_logits = maxima if previous is None else torch.maximum(previous, maxima)
 
     def core_attention(self, query, key, value, attention_mask):
         """Scaled dot-product attention on `[s, b, heads, head_dim]` queries and `[s, b, groups, head_dim]` keys
@@ -174,11 +192,14 @@ class SelfAttention(Attention):
                 raise ValueError("SelfAttention: decoding through a key/value cache (inference_context) is causal "
                                  "over the cached positions; pass attention_mask=None")
             context = self.cached_core_attention(query, key, value, inference_context)
-        elif self.config.recomputes("core_attn"):
-            context = checkpointed(self.core_attention, query, key, value, attention_mask)
         else:
-            with offloaded_saved_tensors(self, "core_attn"):
-                context = self.core_attention(query, key, value, attention_mask)
+            if self.tracks_max_attention_logits and self.training:
+                self.track_max_attention_logits(query, key, attention_mask)
+            if self.config.recomputes("core_attn"):
+                context = checkpointed(self.core_attention, query, key, value, attention_mask)
+            else:
+                with offloaded_saved_tensors(self, "core_attn"):
+                    context = self.core_attention(query, key, value, attention_mask)
 
         output, _ = self.linear_proj(context)
         return output

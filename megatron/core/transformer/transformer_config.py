@@ -172,6 +172,16 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelPar
     """With fp16 attention inputs, scores are computed divided by the layer number and multiplied back in fp32
     before the softmax (`--apply-query-key-layer-scaling`); a no-op for fp32 and bf16 inputs."""
 
+    qk_clip: bool = False
+    """QK-Clip (`--qk-clip`, megatron/core/optimizer/qk_clip.py): after each optimizer step, the query and key rows
+    of every head whose largest attention logit exceeded `qk_clip_threshold` are scaled down."""
+    qk_clip_alpha: float = 0.5
+    """The share of QK-Clip's rescale put on the queries (`--qk-clip-alpha`): gamma^alpha, keys gamma^(1-alpha)."""
+    qk_clip_threshold: float = 100.0
+    """QK-Clip's bound on the pre-softmax attention logit (`--qk-clip-threshold`)."""
+    log_max_attention_logit: bool = False
+    """Track the largest attention logit of each head during training (`--log-max-attention-logit`)."""
+
     calculate_per_token_loss: bool = False
     """Loss is summed over tokens and divided once by the global token count (`--calculate-per-token-loss`),
     instead of averaging per microbatch; the pipeline schedules and gradient finalisation read it."""
@@ -204,7 +214,22 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelPar
         self._validate_fp8()
         self._validate_context_parallel()
         self._validate_multi_latent_attention()
+        self._validate_qk_clip()
         self._validate_layer_variants()
+
+    def _validate_qk_clip(self):
+        if not 0.0 <= self.qk_clip_alpha <= 1.0:
+            raise ValueError(f"--qk-clip-alpha must be in [0, 1], got {self.qk_clip_alpha}")
+        if not self.qk_clip_threshold > 0:
+            raise ValueError(f"--qk-clip-threshold must be > 0, got {self.qk_clip_threshold}")
+        tracked = [flag for flag, on in (("--qk-clip", self.qk_clip),
+                                         ("--log-max-attention-logit", self.log_max_attention_logit)) if on]
+        if tracked and self.multi_latent_attention:
+            raise ValueError(f"{' and '.join(tracked)}: the attention logits are tracked (and clipped) for standard "
+                             "self-attention only, not for --multi-latent-attention; drop one or the other")
+        if self.qk_clip and self.qk_layernorm:
+            raise ValueError("--qk-clip rescales the query and key weights, which --qk-layernorm's per-head norms "
+                             "undo: use one of them")
 
     def _set(self, name, value):
         object.__setattr__(self, name, value)

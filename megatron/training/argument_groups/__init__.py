@@ -26,6 +26,7 @@ from megatron.training.argument_groups import (
     parallelism,
     pipeline_split,
     profiling,
+    qk_clip,
     resilience,
     result_validation,
     run_control,
@@ -45,6 +46,7 @@ from megatron.training.argument_groups import (
 # pipeline_split follows virtual_pipeline: the layers must divide into the virtual stages per rank it derives.
 # mtp follows pipeline_split: a layout's 'm' symbols must match --mtp-num-layers.
 ARGUMENT_GROUPS = (checkpoint_args, model_builders, parallelism, model, mla, activation_recompute, training, muon,
+                   qk_clip,
                    virtual_pipeline, pipeline_split, mtp, data, logging_eval, profiling, checkpoint, memory,
                    data_parallel, communication, fp8, result_validation, numerics, data_parallel_tuning, run_control,
                    resilience, moe)
