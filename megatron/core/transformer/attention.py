@@ -21,7 +21,8 @@ which makes gradient finalisation all-reduce them over the tensor-parallel group
 With `qk_clip` or `log_max_attention_logit`, each training forward raises `max_attention_logits` (fp32, one
 entry per local query head) to the largest pre-softmax logit it saw (see attention_logits.py); the training step
 reduces it over data- and context-parallel ranks, QK-Clip reads it (megatron/core/optimizer/qk_clip.py), and the
-next step starts it afresh.
+next step starts it afresh; a forward recomputed in backward (`--recompute-granularity full`) is not
+measured again.
 """
 
 import torch
@@ -36,7 +37,7 @@ from megatron.core.transformer.context_parallel import comm_type_of_layer, conte
 from megatron.core.transformer import layer_scaled_attention
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.norms import build_norm
-from megatron.core.transformer.recompute import checkpointed
+from megatron.core.transformer.recompute import checkpointed, is_recomputing
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -193,7 +194,7 @@ class SelfAttention(Attention):
                                  "over the cached positions; pass attention_mask=None")
             context = self.cached_core_attention(query, key, value, inference_context)
         else:
-            if self.tracks_max_attention_logits and self.training:
+            if self.tracks_max_attention_logits and self.training and not is_recomputing():
                 self.track_max_attention_logits(query, key, attention_mask)
             if self.config.recomputes("core_attn"):
                 context = checkpointed(self.core_attention, query, key, value, attention_mask)

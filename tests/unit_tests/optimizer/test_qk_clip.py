@@ -49,6 +49,22 @@ def test_row_factors_match_the_reference(heads, groups):
     assert not torch.equal(expected, weight)
 
 
+@pytest.mark.parametrize("heads,groups,tp", [(4, 4, 2), (4, 2, 2), (8, 2, 2), (8, 4, 4)])
+def test_tensor_parallel_shards_take_their_rows_of_the_full_factors(heads, groups, tp):
+    """A tensor-parallel rank holds whole query groups (a contiguous block of QKV rows) and the maxima of their
+    heads only: its factors must be the full weight's factors of those rows."""
+    head_dim, threshold, alpha = 2, 1.0, 0.4
+    max_logits = torch.linspace(0.2, 3.0, heads)[torch.randperm(heads, generator=torch.Generator().manual_seed(heads))]
+    per_group = heads // groups
+    full = qkv_row_scales(max_logits, per_group, head_dim, threshold, alpha)
+    rows_per_rank, heads_per_rank = len(full) // tp, heads // tp
+    for rank in range(tp):
+        local = qkv_row_scales(max_logits[rank * heads_per_rank:(rank + 1) * heads_per_rank], per_group, head_dim,
+                               threshold, alpha)
+        assert torch.equal(local, full[rank * rows_per_rank:(rank + 1) * rows_per_rank])
+    assert (max_logits > threshold).any() and (max_logits <= threshold).any()  # clipped and unclipped heads
+
+
 def _logits_after_a_clipping_step(threshold):
     """(maxima before, maxima recomputed after) a step at learning rate 0 of a one-layer GPT with grouped queries
     and QKV biases: only the clip moves the weights (one layer: the attention's input is unchanged)."""

@@ -129,3 +129,31 @@ def test_blocks_of_query_rows_give_the_same_maxima(monkeypatch):
         assert torch.equal(max_attention_logits(query, key, mask), expected)
     expected = _by_hand(query, key, lambda b, h, i, j: bool(padding[b, 0, 0, j]))
     torch.testing.assert_close(whole[1], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+def test_recompute_measures_each_forward_once(monkeypatch, granularity):
+    from megatron.core.optimizer.qk_clip import attention_modules
+    from megatron.core.transformer import attention as attention_module
+    from tests.unit_tests.models.gpt.gpt_test_utils import fixed_batch, seeded_model, tiny_config
+
+    measured = []
+
+    def counting(query, key, attention_mask=None, scale=None):
+        measured.append(query.shape)
+        return max_attention_logits(query, key, attention_mask, scale)
+
+    monkeypatch.setattr(attention_module, "max_attention_logits", counting)
+    tokens, labels, position_ids = fixed_batch()
+    maxima = []
+    recompute = dict(recompute_granularity=granularity)
+    if granularity == "full":
+        recompute.update(recompute_method="uniform", recompute_num_layers=1)
+    for recompute in ({}, recompute):
+        model = seeded_model(tiny_config(num_query_groups=GROUPS, log_max_attention_logit=True, **recompute))
+        measured.clear()
+        model(tokens, position_ids, labels=labels).sum().backward()
+        assert len(measured) == 2, (recompute, len(measured))  # one per layer, none again in the recompute
+        maxima.append([attention.max_attention_logits for attention in attention_modules([model])])
+    for plain, recomputed in zip(*maxima):
+        assert torch.equal(plain, recomputed)
