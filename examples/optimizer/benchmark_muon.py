@@ -1,5 +1,5 @@
-"""Adam against Muon under each data-parallel wrapper on 2 CPU ranks: optimizer-step time, whole step time and
-the Newton-Schulz share of the step, in one torchrun job.
+"""Adam against Muon under each data-parallel wrapper on 2 CPU ranks (or `--world`): optimizer-step time,
+whole step time and the Newton-Schulz share of the step, in one torchrun job.
 
 A small fp32 GPT (4 layers, hidden 256 by default: the weight matrices are large enough for Newton-Schulz to show)
 trains on mock data under Megatron DDP, the distributed optimizer, Megatron-FSDP ZeRO-3 and FSDP2, each with
@@ -15,7 +15,10 @@ Muon arms run twice when Muon can distribute Newton-Schulz over data parallel: e
 of the matrices ("Muon"), and every rank orthogonalizing every matrix ("Muon, NS on every rank").
 
     python examples/optimizer/benchmark_muon.py [--steps 12] [--warmup 3] [--hidden 256] [--layers 4]
-        [--wrappers DDP FSDP2 ...]
+        [--wrappers DDP FSDP2 ...] [--world 2]
+
+Megatron-FSDP's hybrid sharding (`--wrappers "Megatron-FSDP HSDP" "Megatron-FSDP HFSDP"`: two optimizer instances,
+the outer ranks replicating or also splitting the main weights) needs `--world` 4 or more.
 """
 
 import argparse
@@ -29,19 +32,23 @@ REPOSITORY = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, REPOSITORY)
 from examples.moe.benchmark_interleaved import launch_job, run_script  # noqa: E402  (the repository's examples)
 
-WORLD = 2
 WRAPPERS = {
     "DDP": "",
     "distributed optimizer": "--use-distributed-optimizer",
     "Megatron-FSDP z3": "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
     "FSDP2": "--use-torch-fsdp2",
+    "Megatron-FSDP HSDP": "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
+                          "--num-distributed-optimizer-instances 2",
+    "Megatron-FSDP HFSDP": "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
+                           "--num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy optim",
 }
+HYBRID_WRAPPERS = ("Megatron-FSDP HSDP", "Megatron-FSDP HFSDP")
 OPTIMIZERS = ("Adam", "Muon", "Muon, NS on every rank")
 
 
-def model_flags(layers, hidden, seq, steps):
+def model_flags(layers, hidden, seq, steps, world):
     return (f"--num-layers {layers} --hidden-size {hidden} --num-attention-heads 4 --seq-length {seq} "
-            f"--max-position-embeddings {seq} --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 "
+            f"--max-position-embeddings {seq} --micro-batch-size 2 --global-batch-size {2 * world} --lr 1e-3 "
             "--hidden-dropout 0 --attention-dropout 0 --mock-data --tokenizer-type NullTokenizer --vocab-size 1024 "
             "--seed 1234 --num-workers 0 --log-interval 1000 --eval-iters 0 --distributed-backend gloo "
             f"--untie-embeddings-and-output-weights --train-iters {steps}")
@@ -153,22 +160,29 @@ def main():
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--wrappers", nargs="+", choices=list(WRAPPERS), default=list(WRAPPERS))
+    parser.add_argument("--wrappers", nargs="+", choices=list(WRAPPERS),
+                        default=[name for name in WRAPPERS if name not in HYBRID_WRAPPERS])
+    parser.add_argument("--world", type=int, default=2, help="CPU ranks (data parallel)")
     parser.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS),
                         help="Adam, the reference of the ratios, always runs")
     options = parser.parse_args()
     if options.steps <= options.warmup:
         parser.error(f"--steps ({options.steps}) must exceed --warmup ({options.warmup})")
+    hybrid = [name for name in options.wrappers if name in HYBRID_WRAPPERS]
+    if hybrid and (options.world < 4 or options.world % 2):
+        parser.error(f"{hybrid} shard over two optimizer instances of at least two ranks: pass an even --world of "
+                     f"at least 4 (got {options.world})")
     sys.path.insert(0, REPOSITORY)
     from megatron.core.optimizer.muon import MuonWithAdamW
 
     optimizers = [name for name in OPTIMIZERS if name in options.optimizers or name == "Adam"]
     if not hasattr(MuonWithAdamW, "distribute_newton_schulz"):  # Muon that always orthogonalizes on every rank
         optimizers = [name for name in optimizers if name != "Muon, NS on every rank"]
-    arms = [(f"{wrapper} / {optimizer}", model_flags(options.layers, options.hidden, options.seq, options.steps)
+    arms = [(f"{wrapper} / {optimizer}",
+             model_flags(options.layers, options.hidden, options.seq, options.steps, options.world)
              + " " + WRAPPERS[wrapper] + " --optimizer " + optimizer.split(",")[0].lower())
             for wrapper in options.wrappers for optimizer in optimizers]
-    launch_job(__file__, WORLD, options.steps, options.warmup, arms)
+    launch_job(__file__, options.world, options.steps, options.warmup, arms)
 
 
 if __name__ == "__main__":

@@ -35,14 +35,16 @@ of each such matrix (possibly empty), so all take part in the same collectives i
 modes then apply to the assembled tensor-parallel shard.
 
 By default (`MuonWithAdamW.distribute_newton_schulz`) each matrix is orthogonalized by one data-parallel rank
-only, which sends the result, or each rank's piece of it, to the others (muon_sharing.py); the weights are
-bit-equal to assembling and orthogonalizing every matrix on every rank, the path kept for layouts the sharing does
-not cover (a piece over several groups, a multi-dimensional FSDP2 mesh, no data parallelism).
+only, which sends the result, or each rank's piece of it, to the others (muon_sharing.py): replicated, pieced
+over one group or over several (HFSDP), rows over one dimension of an FSDP2 mesh replicated over the others
+(HSDP). The weights are bit-equal to assembling and orthogonalizing every matrix on every rank, the path kept
+without data parallelism and for DTensors sharded otherwise (logged once when the optimizer is built).
 
 `torch.optim.Muon` implements the same iteration, but in bf16 and without tensor parallelism or the QKV split.
 """
 
 import contextlib
+import logging
 import math
 from dataclasses import dataclass
 from typing import Tuple
@@ -55,12 +57,12 @@ from megatron.core.optimizer.muon_sharing import (
     as_update,
     assign_owners,
     flat_piece,
-    gather_piece_ranges,
+    gather_piece_table,
     newton_schulz_cost,
-    orthogonalize_pieces,
-    orthogonalize_replicated,
+    orthogonalize_bucket,
     piece_range,
     placement_of,
+    unshared_layout,
 )
 from megatron.core.optimizer.shard_local_adam import ShardLocalAdamW
 
@@ -76,22 +78,29 @@ TP_MODES = ("blockwise", "duplicated", "distributed")
 # --muon-fp32-matmul-prec -> torch.set_float32_matmul_precision on accelerators: bf16 passes, TF32, full fp32.
 FP32_MATMUL_PRECISIONS = {"low": "medium", "medium": "high", "high": "highest"}
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class MatrixPiece:
     """A flat main parameter holding elements `[start, end)` of a flattened matrix of `shape`; the pieces over
-    the ranks of `groups` (applied one after another) are disjoint and make up the whole matrix."""
+    the ranks of `groups` (applied one after another; several groups form a grid, as the dimensions of a device
+    mesh do) are disjoint and make up the whole matrix. The ranks of `replica_groups` hold the same piece (the
+    outer ranks under HSDP); Newton-Schulz is shared over them too, the whole matrix being assembled over
+    `groups` alone."""
 
     shape: Tuple[int, int]
     start: int
     end: int
     groups: tuple
+    replica_groups: tuple = ()
 
 
-def mark_matrix_piece(main_param, shape, start, end, groups):
+def mark_matrix_piece(main_param, shape, start, end, groups, replica_groups=()):
     """Tell Muon that the flat `main_param` is a piece of a matrix (see `MatrixPiece`); 2-D `shape` only."""
-    main_param.matrix_piece = MatrixPiece(tuple(shape), start, end, tuple(group for group in groups
-                                                                             if dist.get_world_size(group) > 1))
+    main_param.matrix_piece = MatrixPiece(
+        tuple(shape), start, end, tuple(group for group in groups if dist.get_world_size(group) > 1),
+        tuple(group for group in replica_groups if dist.get_world_size(group) > 1))
 
 
 def _whole_matrix(param, update):
@@ -231,7 +240,8 @@ class MuonWithAdamW(ShardLocalAdamW):
 
     def __init__(self, params, *args, **kwargs):
         super().__init__(params, *args, **kwargs)
-        self._piece_ranges = {}  # (group, bucket's parameters) -> every rank's element range of each matrix
+        self._piece_tables = {}  # (placement, bucket's parameters) -> PieceTable
+        unshared = set()
         for group in self.param_groups:
             if not group.get("use_muon", False):
                 continue
@@ -239,6 +249,11 @@ class MuonWithAdamW(ShardLocalAdamW):
                 if param.dim() != 2 and getattr(param, "matrix_piece", None) is None:
                     raise ValueError(f"Muon steps 2-D weights only; a parameter of shape {tuple(param.shape)} is "
                                      "in a Muon group: give it to AdamW")
+                unshared.add(unshared_layout(param))
+        for layout in sorted(unshared - {None}):
+            logger.warning(f"Muon: weights held as {layout} are assembled and orthogonalized on every rank that "
+                           "holds a part of them (Newton-Schulz is shared over data parallel only for matrices "
+                           "held whole, as flat pieces, or as rows over one mesh dimension)")
 
     def load_state_dict(self, state_dict):
         """torch's loading, the groups' `settings_from_flags` kept as they are. The state is matched to the
@@ -314,7 +329,7 @@ class MuonWithAdamW(ShardLocalAdamW):
         self._apply(group, param, own_piece(self._orthogonalize(group, param, whole)))
 
     def _muon_step(self, group, params, loads):
-        """Step the Muon `params` of `group`; `loads`: {process group: each rank's Newton-Schulz cost so far}."""
+        """Step the Muon `params` of `group`; `loads`: {placement: each rank's Newton-Schulz cost so far}."""
         updates = [self._momentum_update(group, param) for param in params]
         buckets = {}  # placement -> indices of its matrices, in group order (the same on every rank)
         for index, (param, update) in enumerate(zip(params, updates)):
@@ -323,27 +338,23 @@ class MuonWithAdamW(ShardLocalAdamW):
                 self._muon_update(group, param, update)
             else:
                 buckets.setdefault(placement, []).append(index)
-        for (kind, process_group), indices in buckets.items():
+        for placement, indices in buckets.items():
             bucket = [params[index] for index in indices]
             pieces, shapes = zip(*(flat_piece(params[index], updates[index]) for index in indices))
-            world_size = dist.get_world_size(process_group)
+            world_size = placement.world_size
             owners = assign_owners([newton_schulz_cost(*shape, group.get("qkv_split")) for shape in shapes],
-                                   world_size, loads.setdefault(process_group, [0] * world_size))
+                                   world_size, loads.setdefault(placement, [0] * world_size))
 
             def orthogonalize_matrix(position, matrix):
                 return self._orthogonalize(group, bucket[position], matrix)
 
-            if kind == "replicated":
-                results = orthogonalize_replicated([piece.view(shape) for piece, shape in zip(pieces, shapes)],
-                                                   owners, process_group, orthogonalize_matrix)
-            else:
-                key = (id(process_group), tuple(id(param) for param in bucket))
-                if key not in self._piece_ranges:
-                    self._piece_ranges[key] = gather_piece_ranges(
-                        [piece_range(params[index], updates[index]) for index in indices], process_group,
-                        pieces[0].device)
-                results = orthogonalize_pieces(pieces, shapes, self._piece_ranges[key], owners, process_group,
-                                               orthogonalize_matrix)
+            key = (placement, tuple(id(param) for param in bucket))
+            if key not in self._piece_tables:
+                self._piece_tables[key] = gather_piece_table(
+                    [piece_range(params[index], updates[index]) for index in indices], placement.pieces,
+                    pieces[0].device)
+            results = orthogonalize_bucket(pieces, shapes, self._piece_tables[key], owners, placement,
+                                           orthogonalize_matrix)
             for index, result in zip(indices, results):
                 self._apply(group, params[index], as_update(updates[index], result))
 

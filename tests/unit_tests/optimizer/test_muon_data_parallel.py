@@ -17,20 +17,27 @@ WRAPPER_FLAGS = {
     "mfsdp_zero1": "--use-megatron-fsdp --data-parallel-sharding-strategy optim",
     "mfsdp_zero3": "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
     "fsdp2": "--use-torch-fsdp2",
+    # Two optimizer instances (dp_outer) of two shard ranks: HSDP replicates over the outer ranks, HFSDP splits the
+    # main weights over them too (each matrix in pieces over the shard and the outer group).
+    "mfsdp_hsdp": "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
+                  "--num-distributed-optimizer-instances 2",
+    "mfsdp_hfsdp": "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
+                   "--num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy optim",
 }
 # fp32 on CPU: the wrappers reduce gradients in other orders (about 1e-7 apart); Newton-Schulz sees the same
 # assembled matrices, so the losses stay this close.
 TOLERANCE = 1e-6
 
 
-def _gpt(tensor_parallel_size):
+def _gpt(tensor_parallel_size, optimizer_instances=1):
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size,
+                                             num_distributed_optimizer_instances=optimizer_instances)
     tensor_parallel.model_parallel_cuda_manual_seed(7)
     # Two query groups: the fused QKV weight is split into Q, K and V for Newton-Schulz.
     config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
@@ -80,7 +87,7 @@ def _wrapped_gpt_and_muon(wrapper, tensor_parallel_size, tp_mode):
              f"--optimizer muon --tensor-model-parallel-size {tensor_parallel_size} " + WRAPPER_FLAGS[wrapper])
     os.environ.update({"WORLD_SIZE": str(dist.get_world_size()), "RANK": str(dist.get_rank())})
     args = validate_args(parse_args(args=flags.split()))
-    model = _gpt(tensor_parallel_size)
+    model = _gpt(tensor_parallel_size, args.num_distributed_optimizer_instances)
     chunk = wrap_data_parallel(model.config, ddp_config_from_args(args), model)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="muon", lr=0.02, weight_decay=0.1, clip_grad=1.0, muon_momentum=0.9,
@@ -140,6 +147,12 @@ def test_sharded_wrapper_trains_as_ddp_on_three_ranks(wrapper):
     _assert_agrees_with_ddp(3, wrapper)
 
 
+@pytest.mark.parametrize("wrapper", ["mfsdp_hsdp", "mfsdp_hfsdp"])
+def test_hybrid_sharded_wrapper_trains_as_ddp_on_four_ranks(wrapper):
+    """Megatron-FSDP's HSDP and HFSDP (Newton-Schulz shared over the outer ranks too)."""
+    _assert_agrees_with_ddp(4, wrapper)
+
+
 @pytest.mark.parametrize("wrapper,tp_mode", [("distopt", "blockwise"), ("mfsdp_zero3", "duplicated"),
                                              ("fsdp2", "blockwise")])
 def test_sharded_wrapper_trains_as_ddp_with_tensor_parallelism(wrapper, tp_mode):
@@ -182,43 +195,79 @@ def test_resumed_run_keeps_its_muon_tp_mode(tmp_path, loaded_by):
 SHARED_SHAPES = [(24, 10), (10, 24), (16, 16), (7, 4), (12, 12)]
 # Rank 0 holds elements [0, cut) of each flattened matrix and rank 1 the rest: uneven, and empty on either side.
 PIECE_CUTS = [100, 240, 0, 13, 77]
+# Over a 2 x 2 grid: the four ranges between these cuts, uneven and some empty.
+GRID_CUTS = [(30, 30, 200), (0, 100, 240), (0, 0, 0), (5, 28, 28), (144, 144, 144)]
+# The ranks each layout runs on: 2-D layouts on a (outer, inner) = 2 x 2 mesh of 4 ranks (world rank = 2 outer +
+# inner): "grid pieces" (flat pieces over the inner and the outer group, as HFSDP's), "replicated pieces" (flat
+# pieces over the inner group, alike over the outer one, as HSDP's) and "replicated rows" (DTensor rows over the
+# inner dimension, replicated over the outer one: FSDP2's HSDP); "columns" (a DTensor sharded by columns) is not
+# shared.
+LAYOUT_RANKS = {"replicated": 2, "pieces": 2, "rows": 2, "columns": 2, "grid pieces": 4, "replicated pieces": 4,
+                "replicated rows": 4}
+
+
+def _piece_bounds(layout, index, shape, inner, outer):
+    """(start, end) of the flat piece of matrix `index` at (inner, outer) for the flat-piece layouts."""
+    numel = shape[0] * shape[1]
+    if layout == "grid pieces":  # the outer rank varies slowest, unlike the groups' order (inner, outer)
+        cuts = (0,) + GRID_CUTS[index] + (numel,)
+        return cuts[2 * outer + inner], cuts[2 * outer + inner + 1]
+    cut = PIECE_CUTS[index]
+    return (0, cut) if inner == 0 else (cut, numel)
 
 
 def _shared_newton_schulz_steps(layout, distribute):
-    """(whole matrices after two Muon steps, newton_schulz calls on this rank) with the matrices of
-    SHARED_SHAPES held on 2 ranks as `layout`: "replicated" (DDP), "pieces" (flat, as the distributed optimizer
-    and Megatron-FSDP hold them) or "rows" (DTensors sharded by rows, as FSDP2 holds them)."""
+    """(whole matrices after two Muon steps, newton_schulz calls on this rank, Muon's startup warnings) with the
+    matrices of SHARED_SHAPES held on LAYOUT_RANKS[layout] ranks as `layout`: "replicated" (DDP), "pieces" (flat,
+    as the distributed optimizer and Megatron-FSDP hold them), "rows" (DTensors sharded by rows, as FSDP2 holds
+    them) or one of the others of LAYOUT_RANKS."""
+    import logging
+
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from megatron.core import parallel_state
     from megatron.core.optimizer import muon
 
     parallel_state.initialize_model_parallel()
-    group, rank = parallel_state.get_data_parallel_group(), dist.get_rank()
-    mesh = init_device_mesh("cpu", (2,)) if layout == "rows" else None
+    rank = dist.get_rank()
+    grid = LAYOUT_RANKS[layout] == 4
+    mesh = init_device_mesh("cpu", (2, 2) if grid else (2,), mesh_dim_names=("outer", "inner") if grid else None)
+    inner, outer = (mesh.get_local_rank("inner"), mesh.get_local_rank("outer")) if grid else (rank, 0)
+    placements = {"rows": [Shard(0)], "columns": [Shard(1)], "replicated rows": [Replicate(), Shard(0)]}
+    piece_groups = {"pieces": [parallel_state.get_data_parallel_group()],
+                    "grid pieces": [mesh.get_group("inner"), mesh.get_group("outer")] if grid else None,
+                    "replicated pieces": [mesh.get_group("inner")] if grid else None}
     generator = torch.Generator().manual_seed(5)
     weights = [torch.randn(shape, generator=generator) for shape in SHARED_SHAPES]
     grads = [[torch.randn(shape, generator=generator) for shape in SHARED_SHAPES] for _ in range(2)]
 
     def local(tensor, index):
-        if layout == "rows":
-            return distribute_tensor(tensor, mesh, [Shard(0)])
-        if layout == "pieces":
-            cut = PIECE_CUTS[index]
-            return tensor.reshape(-1)[:cut].clone() if rank == 0 else tensor.reshape(-1)[cut:].clone()
+        if layout in placements:
+            return distribute_tensor(tensor, mesh, placements[layout])
+        if layout in piece_groups:
+            return tensor.reshape(-1)[slice(*_piece_bounds(layout, index, tensor.shape, inner, outer))].clone()
         return tensor.clone()
 
     params = [torch.nn.Parameter(local(weight, index)) for index, weight in enumerate(weights)]
-    if layout == "pieces":
+    if layout in piece_groups:
+        replicas = {"replica_groups": [mesh.get_group("outer")]} if layout == "replicated pieces" else {}
         for index, (param, shape) in enumerate(zip(params, SHARED_SHAPES)):
-            cut, numel = PIECE_CUTS[index], shape[0] * shape[1]
-            muon.mark_matrix_piece(param, shape, *((0, cut) if rank == 0 else (cut, numel)), [group])
-    optimizer = muon.MuonWithAdamW([{"params": params, "use_muon": True, "momentum": 0.5, "nesterov": True,
-                                     "ns_steps": 5, "scale_mode": "spectral", "extra_scale_factor": 1.0,
-                                     "tp_mode": "blockwise", "fp32_matmul_prec": "medium", "qkv_split": None}],
-                                   lr=0.05, weight_decay=0.1)
+            muon.mark_matrix_piece(param, shape, *_piece_bounds(layout, index, shape, inner, outer),
+                                   piece_groups[layout], **replicas)
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logger = logging.getLogger(muon.__name__)
+    logger.addHandler(handler)
+    try:
+        optimizer = muon.MuonWithAdamW([{"params": params, "use_muon": True, "momentum": 0.5, "nesterov": True,
+                                         "ns_steps": 5, "scale_mode": "spectral", "extra_scale_factor": 1.0,
+                                         "tp_mode": "blockwise", "fp32_matmul_prec": "medium", "qkv_split": None}],
+                                       lr=0.05, weight_decay=0.1)
+    finally:
+        logger.removeHandler(handler)
     optimizer.distribute_newton_schulz = distribute
     calls = []
     original = muon.newton_schulz
@@ -233,31 +282,35 @@ def _shared_newton_schulz_steps(layout, distribute):
         muon.newton_schulz = original
     wholes = []
     for param, shape in zip(params, SHARED_SHAPES):
-        if layout == "rows":
+        if layout in placements:
             wholes.append(param.detach().full_tensor())
-        elif layout == "pieces":
+        elif layout in piece_groups:
             flat = torch.zeros(shape[0] * shape[1])
             start = param.matrix_piece.start
             flat[start:start + param.numel()] = param.detach()
-            dist.all_reduce(flat)
+            for group in piece_groups[layout]:
+                dist.all_reduce(flat, group=group)
             wholes.append(flat.view(shape))
         else:
             wholes.append(param.detach().clone())
-    return wholes, len(calls)
+    return wholes, len(calls), warnings
 
 
-@pytest.mark.parametrize("layout", ["replicated", "pieces", "rows"])
+@pytest.mark.parametrize("layout", ["replicated", "pieces", "rows", "grid pieces", "replicated pieces",
+                                    "replicated rows"])
 def test_newton_schulz_is_shared_over_data_parallel_bit_equal(layout):
     """Each matrix is orthogonalized on one rank only, and every rank ends with the weights that orthogonalizing
     every matrix on every rank gives, bit for bit."""
     import torch
 
-    everywhere = run_on_ranks(2, _shared_newton_schulz_steps, layout, False)
-    shared = run_on_ranks(2, _shared_newton_schulz_steps, layout, True)
+    ranks = LAYOUT_RANKS[layout]
+    everywhere = run_on_ranks(ranks, _shared_newton_schulz_steps, layout, False)
+    shared = run_on_ranks(ranks, _shared_newton_schulz_steps, layout, True)
     steps, matrices = 2, len(SHARED_SHAPES)
-    assert [calls for _, calls in everywhere] == [steps * matrices] * 2
-    assert sum(calls for _, calls in shared) == steps * matrices and min(calls for _, calls in shared) > 0
-    for (weights, _), (expected, _) in zip(shared, everywhere):
+    assert [calls for _, calls, _ in everywhere] == [steps * matrices] * ranks
+    assert sum(calls for _, calls, _ in shared) == steps * matrices and min(calls for _, calls, _ in shared) > 0
+    assert [warnings for _, _, warnings in shared] == [[]] * ranks
+    for (weights, _, _), (expected, _, _) in zip(shared, everywhere):
         for weight, reference in zip(weights, expected, strict=True):
             assert torch.equal(weight, reference)
     # The layouts hold the same matrices: all reach the replicated (DDP) weights.
@@ -265,6 +318,20 @@ def test_newton_schulz_is_shared_over_data_parallel_bit_equal(layout):
     for weight, reference in zip(shared[0][0], replicated, strict=True):
         assert torch.equal(weight, reference)
     assert not torch.equal(replicated[0], _initial_weight(0))
+
+
+def test_unshared_layout_is_logged_and_steps_as_ddp():
+    """A DTensor sharded by columns is assembled and orthogonalized on every rank, and one startup line says so."""
+    import torch
+
+    results = run_on_ranks(2, _shared_newton_schulz_steps, "columns", True)
+    assert [calls for _, calls, _ in results] == [2 * len(SHARED_SHAPES)] * 2
+    for _, _, warnings in results:
+        assert len(warnings) == 1 and "placements (Shard(dim=1),)" in warnings[0], warnings
+        assert "orthogonalized on every rank" in warnings[0]
+    replicated = run_on_ranks(2, _shared_newton_schulz_steps, "replicated", False)[0][0]
+    for weight, reference in zip(results[0][0], replicated, strict=True):
+        assert torch.equal(weight, reference)
 
 
 def _initial_weight(index):
