@@ -245,8 +245,8 @@ def _vocab_wanted(saved_args, args, saved_vocab_size, vocab_size) -> str:
     # to exactly them.
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
     padded = getattr(args, "padded_vocab_size", None)
-    this_run = (f"; this run pads its {vocab_size} tokens to {padded} rows (--make-vocab-size-divisible-by "
-                f"{getattr(args, 'make_vocab_size_divisible_by', '?')} x TP {tp})" if padded is not None else "")
+    origin = padding_origin(padded, vocab_size, getattr(args, "make_vocab_size_divisible_by", None), tp)
+    this_run = f"; this run pads its {vocab_size} tokens to {padded} rows ({origin})" if padded is not None else ""
     divisor = exact_padding_divisor(vocab_size, rows, tp)
     fit = (f"--make-vocab-size-divisible-by {divisor}, which pads them to exactly {rows} at TP {tp}" if divisor
            else f"no --make-vocab-size-divisible-by pads {vocab_size} tokens to exactly {rows} rows at TP {tp}")
@@ -356,7 +356,47 @@ def apply_checkpoint_args(args, saved, with_parallel_layout=False) -> List[str]:
         if value != current and current is not None:
             changed.append(f"{_flag(name)} {value} (command line: {current})")
         setattr(args, name, value)
+    # As upstream, the word embedding keeps the checkpoint's rows whatever this run's TP size: padding anew to
+    # --make-vocab-size-divisible-by x TP would give another embedding at another TP size (128 rows at TP 1,
+    # 256 at TP 2 for 120 tokens padded to multiples of 128), whose padding rows enter the softmax.
+    if getattr(saved, "padded_vocab_size", None) is not None:
+        args.padded_vocab_size = saved.padded_vocab_size
     return changed
+
+
+def padded_vocab_size(args, vocab_size) -> int:
+    """The rows of the word embedding and output layer for a tokenizer of `vocab_size` tokens: the vocabulary
+    padded to a multiple of --make-vocab-size-divisible-by x TP size, or, with --use-checkpoint-args, the
+    checkpoint's rows (`apply_checkpoint_args` set them), which must cover the tokens and split over TP."""
+    from megatron.training.tokenizer import pad_vocab_size
+
+    tp = args.tensor_model_parallel_size
+    rows = getattr(args, "padded_vocab_size", None) if getattr(args, "use_checkpoint_args", False) else None
+    if rows is None:
+        return pad_vocab_size(vocab_size, args.make_vocab_size_divisible_by, tp)
+    if rows < vocab_size:
+        raise ValueError(
+            f"--use-checkpoint-args: the checkpoint's word embedding has {rows} rows, fewer than the {vocab_size} "
+            "tokens of this run's tokenizer; launch with the tokenizer the checkpoint was trained with "
+            "(--tokenizer-type, --vocab-size and its files)")
+    if rows % tp:
+        raise ValueError(
+            f"--use-checkpoint-args: the checkpoint's word embedding has {rows} rows (its padded vocabulary), which "
+            f"do not split over --tensor-model-parallel-size {tp}; resume at a TP size that divides {rows}, or "
+            "without --use-checkpoint-args, giving the model flags (a torch_dist load then pads the rows to "
+            "--make-vocab-size-divisible-by x TP, changing the padding rows)")
+    return rows
+
+
+def padding_origin(rows, vocab_size, divisor, tp) -> str:
+    """How a run came to `rows` embedding rows, for messages: 'D x TP t' when --make-vocab-size-divisible-by D
+    pads `vocab_size` tokens to them at TP t, else the checkpoint's rows that --use-checkpoint-args kept."""
+    from megatron.training.tokenizer import pad_vocab_size
+
+    if vocab_size and isinstance(divisor, int) and isinstance(tp, int) and pad_vocab_size(vocab_size, divisor, tp) \
+            == rows:
+        return f"--make-vocab-size-divisible-by {divisor} x TP {tp}"
+    return f"at TP {tp}, the rows of the checkpoint it resumed with --use-checkpoint-args"
 
 
 # What each --optimizer keeps per parameter: the saved state of one does not fit another.

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from megatron.core.dist_checkpointing import rng_mapping, serialization, vocab_padding, wrappers
 from megatron.training import modelopt_checkpoint
-from megatron.training.checkpoint_args import true_vocab_size
+from megatron.training.checkpoint_args import padding_origin, true_vocab_size
 from megatron.training.random_state import rng_state
 
 CHECKPOINT_VERSION = 1
@@ -160,10 +160,12 @@ class LoadReport:
                     if model_rows > saved_rows else f"the checkpoint's rows {loaded}-{saved_rows - 1} are not read")
             tensors = ", ".join(name + (" (and its optimizer state)" if optimizer else "")
                                 for name, optimizer in names.items())
-            notes.append(f"vocabulary padding changed: {tensors}: {saved_rows} rows "
-                         f"in the checkpoint (--make-vocab-size-divisible-by {saved_divisor} x TP {saved_tp}) and "
-                         f"{model_rows} in this run ({divisor} x TP {tp}), true vocabulary size {vocab_size}: rows "
-                         f"0-{loaded - 1} loaded, {rest}")
+            this_run = padding_origin(model_rows, vocab_size, divisor, tp).replace(
+                "--make-vocab-size-divisible-by ", "")
+            notes.append(f"vocabulary padding changed: {tensors}: {saved_rows} rows in the checkpoint "
+                         f"({padding_origin(saved_rows, vocab_size, saved_divisor, saved_tp)}) and {model_rows} in "
+                         f"this run ({this_run}), true vocabulary size {vocab_size}: rows 0-{loaded - 1} loaded, "
+                         f"{rest}")
         return notes
 
     def add_mismatch(self, what, mismatch):

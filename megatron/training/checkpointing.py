@@ -35,6 +35,7 @@ from megatron.training import checkpoint_sources
 from megatron.training.checkpoint_args import (
     check_resumed_optimizer,
     check_same_architecture,
+    padding_origin,
     saved_true_vocab_size,
     true_vocab_size,
 )
@@ -239,6 +240,21 @@ def _check_layout_matches(saved_args, args, path):
                 f"{path} was saved with {flag} {saved} but this run uses {current}; the torch format cannot "
                 f"change the model-parallel layout"
             )
+    # Each rank's file holds its partition of the padded vocabulary: the rows must be the same too.
+    saved_rows, rows = getattr(saved_args, "padded_vocab_size", None), getattr(args, "padded_vocab_size", None)
+    if saved_rows is not None and rows is not None and saved_rows != rows:
+        from megatron.training.tokenizer import exact_padding_divisor
+
+        tp, vocab_size = args.tensor_model_parallel_size, true_vocab_size(args)
+        divisor = exact_padding_divisor(vocab_size, saved_rows, tp) if vocab_size else None
+        fits = (f", or --make-vocab-size-divisible-by {divisor}, which pads this run's {vocab_size} tokens to "
+                f"{saved_rows} rows at TP {tp}" if divisor else "")
+        raise ValueError(
+            f"{path} holds {saved_rows} rows of the word embedding and output layer (its padded vocabulary) but "
+            f"this run builds {rows} ({padding_origin(rows, vocab_size, args.make_vocab_size_divisible_by, tp)}); "
+            "the torch format cannot change the vocabulary padding: launch with --use-checkpoint-args, which keeps "
+            f"the checkpoint's {saved_rows} rows{fits}, or convert it to torch_dist (tools/checkpoint/"
+            "convert_legacy.py), which loads at another padding")
     # Each rank's file holds its stages' layers under local indices: an uneven split must be the same too.
     saved, current = (getattr(each, "virtual_stage_layer_counts", None) for each in (saved_args, args))
     if saved is not None and current is not None and tuple(saved) != tuple(current):

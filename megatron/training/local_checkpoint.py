@@ -19,6 +19,7 @@ replicated tensor piece once, spread over the ranks holding it, and a load sends
 broadcast per rank; `atomic` stores everything a rank holds, so each rank's part restores it on its own.
 """
 
+import argparse
 import copy
 import json
 import time
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from megatron.core.device_utils import get_device_for_group
 from megatron.core.dist_checkpointing import optimizer_state, wrappers
 from megatron.training import checkpoint_state, local_checkpoint_files, modelopt_checkpoint
+from megatron.training.checkpoint_args import check_resumed_optimizer
 from megatron.training.local_checkpoint_pieces import (
     DEFAULT_ALGORITHM,
     PieceId,
@@ -44,7 +46,7 @@ from megatron.training.local_checkpoint_pieces import (
 )
 from megatron.training.random_state import rng_state, set_rng_state
 
-COMMON_KEY = "common"  # {"iteration", "consumed_train_samples"}, on every rank
+COMMON_KEY = "common"  # {"iteration", "consumed_train_samples", "optimizer"}, on every rank
 RNG_KEY = "rng_state"  # this rank's own RNG state
 _OPTIMIZER_OBJECT_KEYS = (optimizer_state.STEP_KEY, optimizer_state.PARAM_GROUPS_KEY, optimizer_state.GRAD_SCALER_KEY)
 
@@ -111,7 +113,8 @@ def _state_of_this_rank(iteration, model_chunks, optimizer, scheduler, args):
     if not args.no_save_rng:
         state[RNG_KEY] = rng_state()
     state[COMMON_KEY] = {"iteration": iteration,
-                         "consumed_train_samples": getattr(args, "consumed_train_samples", 0)}
+                         "consumed_train_samples": getattr(args, "consumed_train_samples", 0),
+                         "optimizer": getattr(args, "optimizer", None)}  # the --optimizer its state fits
     return state
 
 
@@ -365,6 +368,11 @@ def _agreed_part(root, iteration, model_chunks, optimizer, args):
     refusal = _first_refusal([text for text, _ in gathered])
     if refusal is None and len({identifier for _, identifier in gathered}) > 1:
         refusal = (0, "the ranks' parts come from different saves of this iteration", 0)
+    if refusal is None and _loads_optimizer(optimizer, args, _saved_keys(payload))[0]:
+        # Before the pieces are matched: another optimizer's state lacks this one's pieces, which is no reason to
+        # fall back to the global checkpoint (every rank reads the same save, so every rank raises).
+        saved_optimizer = payload["objects"][COMMON_KEY].get("optimizer")
+        check_resumed_optimizer(argparse.Namespace(optimizer=saved_optimizer), args, directory)
     if refusal is None:
         refusal = _first_refusal(checkpoint_state.all_gather_objects(
             _missing_from_part(payload, model_chunks, optimizer, args)))

@@ -124,13 +124,12 @@ def set_up_tokenizer_and_microbatches(args):
     """What pretrain() sets up before it builds the model: the tokenizer (made global, its vocabulary padded into
     `args.padded_vocab_size`) and the number-of-microbatches calculator."""
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
-    from megatron.training.tokenizer import build_tokenizer_from_args, pad_vocab_size
+    from megatron.training.checkpoint_args import padded_vocab_size
+    from megatron.training.tokenizer import build_tokenizer_from_args
 
     tokenizer = build_tokenizer_from_args(args)
     set_tokenizer(tokenizer)
-    args.padded_vocab_size = pad_vocab_size(
-        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
-    )
+    args.padded_vocab_size = padded_vocab_size(args, tokenizer.vocab_size)
     init_num_microbatches_calculator(
         args.rank, args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
         rampup_batch_size=getattr(args, "rampup_batch_size", None),

@@ -15,8 +15,8 @@ Loaders: core (also named mcore, legacy, megatron) reads a checkpoint training w
 Savers: core (also mcore) writes a torch_dist checkpoint. It loads at any tensor-, pipeline-, expert- and
 data-parallel size, so the --target-* sizes are checked against the model and printed with the flags to train at
 them, not written into the files; hf writes a Hugging Face directory as `convert_checkpoint.py --to hf` does.
-A --ckpt-format torch checkpoint at the target layout (upstream's legacy saver) is one run of pretrain_gpt.py with
---ckpt-convert-format torch at that layout: the core saver prints it.
+A --ckpt-format torch checkpoint at the target layout (what upstream's savers write) is not written here: it is one
+run of pretrain_gpt.py with --ckpt-convert-format torch at that layout, which the core saver prints.
 """
 
 import argparse
@@ -322,12 +322,22 @@ def save_torch_dist(options, source):
     layout = " ".join(f"{flag} {size}" for flag, size in sizes.items()
                       if size > 1 or flag != "--expert-model-parallel-size")
     load = f"--load {options.save_dir}" + (" --finetune" if model_only else "")
-    return [f"wrote {options.save_dir}: a torch_dist checkpoint (iteration {common.get('iteration', 0)}), which "
-            "reshards on load at any tensor-, pipeline-, expert- and data-parallel size",
-            f"train at the target layout with: pretrain_gpt.py {load} {layout} (and the model flags, or "
-            "--use-checkpoint-args)",
-            "a --ckpt-format torch checkpoint at that layout (what upstream's savers write) comes from one such "
-            "launch with --ckpt-convert-format torch --ckpt-convert-save TORCH_DIR added"]
+    lines = [f"wrote {options.save_dir}: a torch_dist checkpoint (iteration {common.get('iteration', 0)}), which "
+             "reshards on load at any tensor-, pipeline-, expert- and data-parallel size",
+             f"train at the target layout with: pretrain_gpt.py {load} {layout} (and the model flags, or "
+             "--use-checkpoint-args)"]
+    if sizes["--expert-model-parallel-size"] > 1:
+        return lines + ["a --ckpt-format torch checkpoint (what upstream's savers write) is not written at "
+                        "--expert-model-parallel-size above 1 (training refuses the torch format there): train from "
+                        "this torch_dist checkpoint"]
+    ranks = sizes["--tensor-model-parallel-size"] * sizes["--pipeline-model-parallel-size"]
+    return lines + [
+        "a --ckpt-format torch checkpoint at that layout (what upstream's savers write), which this tool does not "
+        f"write itself: torchrun --nproc-per-node {ranks} pretrain_gpt.py --load {options.save_dir} "
+        f"--use-checkpoint-args {layout} --ckpt-convert-format torch --ckpt-convert-save TORCH_DIR, with the "
+        "data and batch flags of a training launch (--micro-batch-size, --mock-data or --data-path, ...) and "
+        "--use-checkpoint-opt_param-scheduler (the learning-rate schedule the checkpoint holds); train from it "
+        f"with --ckpt-format torch --load TORCH_DIR --use-checkpoint-args {layout}"]
 
 
 def main(argv=None):

@@ -196,9 +196,9 @@ def _padding_phrase(tokens, rows, sizes, preferred=None):
     phrase = (f"--make-vocab-size-divisible-by {first}, which pads its {tokens} tokens to the embedding's {rows} "
               f"rows at TP {same}")
     others = [f"{divisor} at TP {size}" for size, divisor in working if divisor != first]
-    if others and preferred is not None:  # the recorded one, which --use-checkpoint-args takes at any TP
+    if others and preferred is not None:  # --use-checkpoint-args takes the recorded rows at any TP
         phrase += (" (" + ", ".join(others) + ", given with the model flags in place of --use-checkpoint-args, "
-                   f"which takes the recorded {first} and pads to a multiple of TP times it)")
+                   f"which keeps the embedding's {rows} rows at any TP size that divides them)")
     elif others:
         phrase += " (" + ", ".join(others) + ")"
     missing = [str(size) for size, divisor in divisors.items() if divisor is None]

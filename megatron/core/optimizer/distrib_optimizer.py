@@ -86,7 +86,9 @@ class DistributedOptimizer(MegatronOptimizer):
                     continue
                 if group.get("use_muon", False):
                     # Newton-Schulz needs the whole matrix: Muon assembles it from the pieces of the shard group.
-                    mark_matrix_piece(main_param, param.shape, start, end, [buffer.groups.shard_group])
+                    # Under several instances the same piece is held once per instance: they share the work.
+                    outer = [buffer.groups.outer_group] if buffer.groups.outer_group is not None else []
+                    mark_matrix_piece(main_param, param.shape, start, end, [buffer.groups.shard_group], outer)
                 main_group_params.append(main_param)
             main_groups.append({**group, "params": main_group_params})
         super().__init__(optimizer_factory(main_groups), config, grad_scaler, grad_stats_groups, found_inf_groups,
@@ -242,8 +244,11 @@ class DistributedOptimizer(MegatronOptimizer):
                     dtype = state_dtypes.get(key, shard.main_param.dtype)
                     state[key] = value.to(shard.main_param.device, dtype).clone()
                 state["step"] = torch.tensor(float(state_dict["step"]))
+        # As the other loads: hyperparameters from the checkpoint, except the keys this run's flags set (Muon's
+        # `settings_from_flags`) and the parameters themselves.
+        kept = getattr(self.optimizer, "settings_from_flags", ())
         for group, saved in zip(self.optimizer.param_groups, state_dict["param_groups"], strict=True):
-            group.update(saved)
+            group.update({key: value for key, value in saved.items() if key != "params" and key not in kept})
         if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
         self._copy_main_params_to_model_params()

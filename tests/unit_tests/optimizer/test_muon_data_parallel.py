@@ -23,6 +23,7 @@ WRAPPER_FLAGS = {
                   "--num-distributed-optimizer-instances 2",
     "mfsdp_hfsdp": "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
                    "--num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy optim",
+    "distopt_instances": "--use-distributed-optimizer --num-distributed-optimizer-instances 2",
 }
 # fp32 on CPU: the wrappers reduce gradients in other orders (about 1e-7 apart); Newton-Schulz sees the same
 # assembled matrices, so the losses stay this close.
@@ -147,10 +148,39 @@ def test_sharded_wrapper_trains_as_ddp_on_three_ranks(wrapper):
     _assert_agrees_with_ddp(3, wrapper)
 
 
-@pytest.mark.parametrize("wrapper", ["mfsdp_hsdp", "mfsdp_hfsdp"])
+@pytest.mark.parametrize("wrapper", ["mfsdp_hsdp", "mfsdp_hfsdp", "distopt_instances"])
 def test_hybrid_sharded_wrapper_trains_as_ddp_on_four_ranks(wrapper):
-    """Megatron-FSDP's HSDP and HFSDP (Newton-Schulz shared over the outer ranks too)."""
+    """Megatron-FSDP's HSDP and HFSDP and the distributed optimizer with two instances (Newton-Schulz shared over
+    the outer ranks too)."""
     _assert_agrees_with_ddp(4, wrapper)
+
+
+def _newton_schulz_calls(wrapper):
+    """How many matrices this rank orthogonalizes in one Muon step of `wrapper`."""
+    from megatron.core.optimizer import muon
+    from tests.unit_tests.distributed.precision_gpt import gpt_batch, gpt_loss
+
+    chunk, optimizer = _wrapped_gpt_and_muon(wrapper, 1, "blockwise")
+    calls = []
+    original = muon.newton_schulz
+    muon.newton_schulz = lambda matrix, *args, **kwargs: calls.append(matrix.shape) or original(matrix, *args,
+                                                                                                **kwargs)
+    try:
+        gpt_loss(chunk, gpt_batch(0)).backward()
+        chunk.finish_grad_sync()
+        assert optimizer.step()[0]
+    finally:
+        muon.newton_schulz = original
+    return len(calls)
+
+
+@pytest.mark.parametrize("wrapper", ["mfsdp_hsdp", "mfsdp_hfsdp", "distopt_instances"])
+def test_hybrid_layouts_orthogonalize_each_matrix_once(wrapper):
+    """Over all four ranks, each matrix is orthogonalized once a step, as under DDP: the replicas of HSDP and of
+    the distributed optimizer's instances share the work instead of each repeating it."""
+    ddp = run_on_ranks(4, _newton_schulz_calls, "ddp")
+    hybrid = run_on_ranks(4, _newton_schulz_calls, wrapper)
+    assert min(hybrid) > 0 and sum(hybrid) == sum(ddp) > 4, (hybrid, ddp)
 
 
 @pytest.mark.parametrize("wrapper,tp_mode", [("distopt", "blockwise"), ("mfsdp_zero3", "duplicated"),

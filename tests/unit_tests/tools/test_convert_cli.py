@@ -166,6 +166,66 @@ def test_core_to_core_at_target_tp2_loads_with_equal_weights(tools, tmp_path, ca
                          {key: value for key, value in dist.items() if torch.is_tensor(value)})
 
 
+def _pretrain_without_records(argv):
+    """pretrain() with TINY_GPT + `argv` that trains no iteration (a --ckpt-convert-format launch)."""
+    import pretrain_gpt
+    from megatron.core.enums import ModelType
+    from megatron.training.training import pretrain
+    from tests.unit_tests.dist_checkpointing.pretrain_helpers import tiny_gpt_argv
+
+    pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
+             ModelType.encoder_or_decoder, pretrain_gpt.forward_step, argv=tiny_gpt_argv(argv).split())
+
+
+def _torch_format_at_tp2_as_printed(workdir):
+    """A TP 1 run (DP 2) saves --ckpt-format torch at iteration 2 of 4; convert.py converts it for TP 2; the
+    torch-format launch it prints writes TORCH_DIR at TP 2, from which a TP 2 run trains iterations 3 and 4.
+    Returns (the straight run's losses, the resumed run's, what convert.py printed)."""
+    import contextlib
+    import io
+
+    from megatron.training.checkpointing import write_tracker
+    from tests.unit_tests.dist_checkpointing.pretrain_helpers import run_pretrain
+
+    sys.path.insert(0, TOOLS)
+    import convert
+
+    # 121 tokens padded to multiples of 128 x TP: 128 rows at TP 1, which TP 2 would pad to 256
+    flags = "--make-vocab-size-divisible-by 128 --train-iters 4 --lr-decay-iters 4"
+    legacy, dist_tp2, torch_tp2 = (os.path.join(workdir, name) for name in ("legacy", "dist_tp2", "torch_tp2"))
+    straight = run_pretrain(workdir, f"{flags} --micro-batch-size 4 --ckpt-format torch --save {legacy} "
+                                     "--save-interval 2")
+    printed = io.StringIO()
+    if torch.distributed.get_rank() == 0:
+        write_tracker(legacy, 2)
+        with contextlib.redirect_stdout(printed):
+            convert.main(["--model-type", "GPT", "--loader", "core", "--saver", "core", "--load-dir", legacy,
+                          "--save-dir", dist_tp2, "--target-tensor-parallel-size", "2"])
+    torch.distributed.barrier()
+    tp2 = f"{flags} --micro-batch-size 8 --use-checkpoint-opt_param-scheduler"
+    _pretrain_without_records(f"{tp2} --load {dist_tp2} --use-checkpoint-args --tensor-model-parallel-size 2 "
+                              f"--pipeline-model-parallel-size 1 --ckpt-convert-format torch --ckpt-convert-save "
+                              f"{torch_tp2}")
+    resumed = run_pretrain(workdir, f"{tp2} --ckpt-format torch --load {torch_tp2} --use-checkpoint-args "
+                                    "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1")
+    return straight, resumed, printed.getvalue()
+
+
+@pytest.mark.world_size(2)
+def test_torch_format_at_target_tp2_trains_on_from_the_same_loss(tools, tmp_path):
+    """convert.py writes torch_dist and prints the launch that writes the torch format at the target layout; the
+    round trip TP 1 -> TP 2 keeps the model, padded vocabulary included: the first loss after the load (and the
+    next) equal the uninterrupted TP 1 run's, to the reduction order of another TP size."""
+    straight, resumed, printed = run_on_ranks(2, _torch_format_at_tp2_as_printed, str(tmp_path))[0]
+    assert (f"torchrun --nproc-per-node 2 pretrain_gpt.py --load {tmp_path / 'dist_tp2'} --use-checkpoint-args "
+            "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 --ckpt-convert-format torch "
+            "--ckpt-convert-save TORCH_DIR") in printed
+    assert sorted(resumed) == [3, 4]
+    for iteration, loss in resumed.items():
+        assert loss == pytest.approx(straight[iteration], rel=1e-6), (iteration, straight, resumed)
+    assert sorted(os.listdir(tmp_path / "torch_tp2" / "iter_0000002")) == ["mp_rank_00", "mp_rank_01"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--model-type", "BERT"], "--model-type BERT: only GPT models convert here; choose GPT"),
     (["--loader", "mixtral_hf"], "--loader mixtral_hf: Mixture-of-Experts Hugging Face models are not imported"),

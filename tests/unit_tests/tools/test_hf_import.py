@@ -352,17 +352,16 @@ def test_qwen3_imports_and_exports_as_qwen3(tools, tmp_path):
     assert torch.equal(_logits(back), _logits(original))
 
 
-def _training_run(flags, common):
-    """Training's arguments for `flags` after --use-checkpoint-args takes `common`'s model, with the padded
-    vocabulary training sets up before it loads."""
+def _training_run(flags, common, use_checkpoint_args=True):
+    """Training's arguments for `flags` after --use-checkpoint-args takes `common`'s model (or, without it, with the
+    model flags `common` records given on the command line), with the padded vocabulary training sets up before it
+    loads."""
     from megatron.training.arguments import build_parser
-    from megatron.training.checkpoint_args import apply_checkpoint_args, true_vocab_size
-    from megatron.training.tokenizer import pad_vocab_size
+    from megatron.training.checkpoint_args import apply_checkpoint_args, padded_vocab_size, true_vocab_size
 
-    run = build_parser().parse_args(flags.split())
+    run = build_parser().parse_args((flags + (" --use-checkpoint-args" if use_checkpoint_args else "")).split())
     apply_checkpoint_args(run, common["args"])
-    run.padded_vocab_size = pad_vocab_size(true_vocab_size(run), run.make_vocab_size_divisible_by,
-                                           run.tensor_model_parallel_size)
+    run.padded_vocab_size = padded_vocab_size(run, true_vocab_size(run))
     return run
 
 
@@ -381,8 +380,8 @@ def test_directory_without_a_tokenizer_names_none_and_records_the_padding_of_its
     assert f"the one the model was trained with ({tmp_path / 'hf'} holds no tokenizer" in printed
     # 50 tokens in 128 rows: D x TP divides 128 and exceeds 78
     assert (f"--make-vocab-size-divisible-by 128, which pads its {VOCAB} tokens to the embedding's 128 rows at TP 1 "
-            "(64 at TP 2, given with the model flags in place of --use-checkpoint-args, which takes the recorded 128 "
-            "and pads to a multiple of TP times it)") in printed
+            "(64 at TP 2, given with the model flags in place of --use-checkpoint-args, which keeps the embedding's "
+            "128 rows at any TP size that divides them)") in printed
     flags = next(line for line in printed.splitlines() if line.startswith("model flags: "))
     assert flags.endswith(" --make-vocab-size-divisible-by 128")
     common = _recorded_args(str(tmp_path / "ours"))
@@ -390,7 +389,7 @@ def test_directory_without_a_tokenizer_names_none_and_records_the_padding_of_its
     for tp in (1, 2):
         run = _training_run(f"--tokenizer-type NullTokenizer --vocab-size {VOCAB - 1} --make-vocab-size-divisible-by "
                             f"8 --tensor-model-parallel-size {tp}", common)
-        assert run.padded_vocab_size == 128 * tp  # the recorded divisor over the command line's, x TP
+        assert run.padded_vocab_size == 128  # the recorded rows, whatever the command line's divisor and TP
         check_same_architecture("imported", common["args"], run, common["vocab_size"], true_vocab_size(run))
 
     _save_tokenizer(tmp_path / "hf", VOCAB)
@@ -400,9 +399,9 @@ def test_directory_without_a_tokenizer_names_none_and_records_the_padding_of_its
 
 def test_tokenizer_padded_to_the_rows_of_a_directory_without_one_trains_from_it(tools, tmp_path, capsys):
     """Without a tokenizer and with config.json's vocab_size at the rows, the checkpoint records the rows as its
-    vocabulary and no padding: a run's tokenizer of fewer tokens, padded to exactly those rows by the
-    --make-vocab-size-divisible-by the run gives, loads it; padded to other rows it is refused, naming the one
-    that fits."""
+    vocabulary and no padding: a run's tokenizer of fewer tokens loads it with --use-checkpoint-args (which takes
+    the rows) or, given the model flags instead, padded to exactly those rows by the --make-vocab-size-divisible-by
+    the run gives; padded to other rows it is refused, naming the one that fits."""
     import transformers
     from megatron.core.dist_checkpointing.serialization import CheckpointError
     from megatron.training.checkpoint_args import check_same_architecture, true_vocab_size
@@ -421,10 +420,11 @@ def test_tokenizer_padded_to_the_rows_of_a_directory_without_one_trains_from_it(
     os.makedirs(tmp_path / "tokenizer")
     _save_tokenizer(tmp_path / "tokenizer", tokens)
     tokenizer = f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {tmp_path / 'tokenizer'}"
-    run = _training_run(f"{tokenizer} --make-vocab-size-divisible-by 25", common)
-    assert (true_vocab_size(run), run.padded_vocab_size) == (tokens, VOCAB)
-    check_same_architecture("imported", common["args"], run, common["vocab_size"], true_vocab_size(run))
-    run = _training_run(tokenizer, common)  # the default 128 pads to 128 rows
+    for run in (_training_run(tokenizer, common), _training_run(f"{tokenizer} --make-vocab-size-divisible-by 25",
+                                                                common, use_checkpoint_args=False)):
+        assert (true_vocab_size(run), run.padded_vocab_size) == (tokens, VOCAB)
+        check_same_architecture("imported", common["args"], run, common["vocab_size"], true_vocab_size(run))
+    run = _training_run(tokenizer, common, use_checkpoint_args=False)  # the default 128 pads to 128 rows
     with pytest.raises(CheckpointError, match=f"{VOCAB} in the checkpoint, {tokens} in this run.*--make-vocab-size-"
                                               f"divisible-by 25, which pads them to exactly {VOCAB} at TP 1"):
         check_same_architecture("imported", common["args"], run, common["vocab_size"], true_vocab_size(run))

@@ -1,7 +1,7 @@
 """The RoPE scaling and interpolation flags among the model flags a checkpoint imposes and compares
 (checkpoint_args.py): a load names them when they differ, an older checkpoint without them is not compared, and
 --use-checkpoint-args takes them (and the layers multi-token prediction adds). Of the MoE flags, the layout is
-compared, the routing choices are not."""
+compared, the routing choices are not. --use-checkpoint-args also takes the padded vocabulary, as upstream."""
 
 import argparse
 
@@ -185,3 +185,36 @@ def test_a_trained_checkpoint_of_another_vocabulary_is_refused_whatever_the_padd
     # an import that knows its tokenizer's size (below the rows) is compared too
     with pytest.raises(CheckpointError, match="257 in the checkpoint, 101 in this run"):
         check_same_architecture("imported", _imported_args(320), run, 257, 101)
+
+
+def _run_args(**flags):
+    command_line = dict(tensor_model_parallel_size=2, make_vocab_size_divisible_by=128, use_checkpoint_args=True)
+    return argparse.Namespace(**{**command_line, **flags})
+
+
+def test_use_checkpoint_args_takes_the_padded_vocabulary_at_any_tp_size():
+    """As upstream's load_args_from_checkpoint: the checkpoint's rows, not --make-vocab-size-divisible-by x TP of
+    this run (121 tokens: 128 rows saved at TP 1, which TP 2 would pad to 256)."""
+    from megatron.training.checkpoint_args import padded_vocab_size
+
+    run = _run_args()
+    apply_checkpoint_args(run, argparse.Namespace(make_vocab_size_divisible_by=128, padded_vocab_size=128))
+    assert padded_vocab_size(run, 121) == 128
+    # without --use-checkpoint-args (or from a checkpoint that records no rows) the run pads as its flags say
+    assert padded_vocab_size(_run_args(use_checkpoint_args=False, padded_vocab_size=128), 121) == 256
+    unrecorded = _run_args()
+    apply_checkpoint_args(unrecorded, argparse.Namespace(make_vocab_size_divisible_by=128))
+    assert padded_vocab_size(unrecorded, 121) == 256
+    with pytest.raises(ValueError, match="the checkpoint's word embedding has 129 rows \\(its padded vocabulary\\), "
+                                         "which do not split over --tensor-model-parallel-size 2"):
+        padded_vocab_size(_run_args(padded_vocab_size=129), 121)
+    with pytest.raises(ValueError, match="has 128 rows, fewer than the 200 tokens of this run's tokenizer"):
+        padded_vocab_size(_run_args(padded_vocab_size=128), 200)
+
+
+def test_padding_is_explained_by_the_divisor_or_by_the_checkpoint():
+    from megatron.training.checkpoint_args import padding_origin
+
+    assert padding_origin(256, 121, 128, 2) == "--make-vocab-size-divisible-by 128 x TP 2"
+    assert padding_origin(128, 121, 128, 2) == ("at TP 2, the rows of the checkpoint it resumed with "
+                                                "--use-checkpoint-args")

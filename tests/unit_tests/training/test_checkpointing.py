@@ -401,3 +401,27 @@ def test_load_of_an_iteration_directory_says_how_to_resume_it(tmp_path, capsys):
     args.exit_on_missing_checkpoint = True
     with pytest.raises(FileNotFoundError, match=f"--load {tmp_path} --ckpt-step 2 and --exit-on-missing"):
         checkpointing._checkpoint_or_none(args)
+
+
+def test_torch_format_refuses_other_vocabulary_rows_naming_what_keeps_them():
+    """A torch-format file holds its TP partition of the padded vocabulary: another row count (here a TP 2
+    checkpoint written with --use-checkpoint-args from TP 1, 128 rows, loaded by a TP 2 run padding to 256) is
+    refused before any tensor is read, naming both counts and the flags that give the saved rows."""
+    import argparse
+
+    from megatron.training.checkpointing import _check_layout_matches
+
+    layout = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
+    saved = argparse.Namespace(**layout, padded_vocab_size=128)
+    run = argparse.Namespace(**layout, padded_vocab_size=256, make_vocab_size_divisible_by=128,
+                             tokenizer_type="NullTokenizer", vocab_size=120)
+    with pytest.raises(ValueError) as error:
+        _check_layout_matches(saved, run, "ckpt/mp_rank_00/model_optim_rng.pt")
+    assert str(error.value) == (
+        "ckpt/mp_rank_00/model_optim_rng.pt holds 128 rows of the word embedding and output layer (its padded "
+        "vocabulary) but this run builds 256 (--make-vocab-size-divisible-by 128 x TP 2); the torch format cannot "
+        "change the vocabulary padding: launch with --use-checkpoint-args, which keeps the checkpoint's 128 rows, or "
+        "--make-vocab-size-divisible-by 4, which pads this run's 121 tokens to 128 rows at TP 2, or convert it to "
+        "torch_dist (tools/checkpoint/convert_legacy.py), which loads at another padding")
+    run.padded_vocab_size = 128
+    _check_layout_matches(saved, run, "ckpt/mp_rank_00/model_optim_rng.pt")

@@ -247,6 +247,46 @@ def test_a_save_failing_on_one_rank_keeps_the_previous_checkpoint(tmp_path, flag
             and "failed: OSError: No space left on device" in results[1][1])
 
 
+def _resume_under_another_optimizer(root):
+    """A local checkpoint saved under Adam, loaded under --optimizer sgd: the error (or None) and the loaded
+    iteration (or None), without and with --no-load-optim."""
+    from megatron.core.dist_checkpointing.serialization import CheckpointError
+    from megatron.training.local_checkpoint import load_local_checkpoint, save_local_checkpoint
+    from tests.unit_tests.dist_checkpointing.pretrain_helpers import TrainingState
+
+    local = f"--non-persistent-ckpt-type local --non-persistent-local-ckpt-dir {root}"
+    state = TrainingState(local)
+    try:
+        state.train_steps(1)
+        save_local_checkpoint(2, state.model, state.optimizer, state.scheduler, state.args)
+    finally:
+        state.close()
+    results = []
+    for flags in ("--optimizer sgd", "--optimizer sgd --no-load-optim"):
+        state = TrainingState(f"{local} {flags}")
+        try:
+            results.append((None, load_local_checkpoint(state.model, state.optimizer, state.scheduler, state.args,
+                                                        None)))
+        except CheckpointError as exc:
+            results.append((str(exc), None))
+        finally:
+            state.close()
+    return results
+
+
+def test_a_local_checkpoint_of_another_optimizer_is_refused_as_a_global_one(tmp_path):
+    """Adam's moments do not fit SGD: the load stops with the torch_dist load's message (not a quiet fall back to
+    the global checkpoint or to a start from scratch), and --no-load-optim loads the rest."""
+    results = run_on_ranks(WORLD_SIZE, _resume_under_another_optimizer, str(tmp_path))
+    for rank, ((error, _), no_load_optim) in enumerate(results):
+        part = local_checkpoint_files.checkpoint_dir(str(tmp_path), rank, 2)
+        assert error == (
+            f"{part}: the optimizer state was saved with --optimizer adam (two Adam moments), which does not fit "
+            "--optimizer sgd (a momentum buffer). Pass --no-load-optim to load the weights and the iteration and start "
+            "the optimizer state and the learning-rate schedule afresh, or resume with --optimizer adam.")
+        assert no_load_optim == (None, 2)
+
+
 @pytest.mark.parametrize("runs", ["ddp"], indirect=True)
 def test_local_checkpoint_of_another_world_size_is_not_loaded(runs, capsys):
     """This process alone (a world of 1) finds the parts the 2-rank runs wrote: refused before the model is

@@ -394,17 +394,20 @@ class MegatronFSDPAdapter(DataParallelWrapper):
         return group.main_param_views[index]
 
     def main_piece_of(self, param):
-        """`(shape, start, end, groups)`: the main-weight view of `param` holds elements `[start, end)` of the
-        flattened parameter of `shape`, and the views over `groups` are disjoint and make up the parameter; None
-        when the view is the whole parameter (ZeRO-0) or `param` is frozen."""
+        """`(shape, start, end, groups, replica_groups)`: the main-weight view of `param` holds elements
+        `[start, end)` of the flattened parameter of `shape`, the views over `groups` are disjoint and make up the
+        parameter, and the ranks of `replica_groups` (HSDP's outer group) hold the same view; None when the view is
+        the whole parameter (ZeRO-0) or `param` is frozen."""
         import megatron_fsdp
 
         group, index = self.module.param_to_group[id(param)]
         if self.module.strategy == megatron_fsdp.ShardingStrategy.no_shard or group.main_param_views[index] is None:
             return None
         piece = group.main_pieces[index]
-        return group.layout.shapes[index], piece.param_start, piece.param_end, self._optimizer_shard_groups(
-            group.topology)
+        topology = group.topology
+        replica_groups = [] if topology.outer_shards_optimizer or topology.outer_size == 1 else [topology.outer_group]
+        return (group.layout.shapes[index], piece.param_start, piece.param_end, self._optimizer_shard_groups(topology),
+                replica_groups)
 
     def owns(self, param) -> bool:
         """Whether `param` (a module parameter or its at-rest placeholder) is one this chunk shards."""
