@@ -15,14 +15,14 @@ def setup_tokenizer_and_batches(args):
     size and the micro-batch calculator (the post-training examples run outside pretrain())."""
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.training.global_vars import set_tokenizer
-    from megatron.training.tokenizer import build_tokenizer_from_args, pad_vocab_size
+    from megatron.training.checkpoint_args import padded_vocab_size
+    from megatron.training.tokenizer import build_tokenizer_from_args
 
     checkpointing.check_checkpoint_format(args)
     tokenizer = build_tokenizer_from_args(args)
     set_tokenizer(tokenizer)
-    args.padded_vocab_size = pad_vocab_size(
-        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
-    )
+    # The checkpoint's rows under --use-checkpoint-args.
+    args.padded_vocab_size = padded_vocab_size(args, tokenizer.vocab_size)
     init_num_microbatches_calculator(args.rank, args.global_batch_size, args.micro_batch_size, args.data_parallel_size)
 
 

@@ -35,6 +35,8 @@ class ArchitectureFlag(NamedTuple):
             return f"--group-query-attention --num-query-groups {value}"
         if self.flag == "--num-experts" and value == 0:
             return "no --num-experts (dense MLPs)"
+        if self.flag == "--activation-func-clamp-value" and value == 0:
+            return "no --activation-func-clamp-value (no clamping)"
         if self.flag == "--moe-shared-expert-intermediate-size" and value == 0:
             return "no --moe-shared-expert-intermediate-size (no shared experts)"
         return f"{self.flag} {value}"
@@ -165,6 +167,8 @@ ARCHITECTURE_FLAGS = (
     ArchitectureFlag("--apply-residual-connection-post-layernorm",
                      _switch("apply_residual_connection_post_layernorm"), is_switch=True),
     ArchitectureFlag("--openai-gelu", _switch("openai_gelu"), is_switch=True),
+    ArchitectureFlag("--activation-func-clamp-value", _unset_as_zero("activation_func_clamp_value")),
+    ArchitectureFlag("--glu-linear-offset", _get("glu_linear_offset")),
     ArchitectureFlag("--untie-embeddings-and-output-weights", _switch("untie_embeddings_and_output_weights"),
                      is_switch=True),
     ArchitectureFlag("--qk-layernorm", _switch("qk_layernorm"), is_switch=True),
@@ -309,6 +313,7 @@ MODEL_ARGS = (
     "apply_layernorm_1p", "normalization", "norm_epsilon", "qk_layernorm", "make_vocab_size_divisible_by",
     "tokenizer_type", "vocab_size", "add_qkv_bias", "rotary_interleaved", "apply_residual_connection_post_layernorm",
     "openai_gelu", "use_rope_scaling", "rope_scaling_factor", "rotary_seq_len_interpolation_factor",
+    "activation_func_clamp_value", "glu_linear_offset",
     # Multi-token prediction (its layers' tensors).
     "mtp_num_layers",
     # Multi-latent attention.

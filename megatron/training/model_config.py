@@ -115,6 +115,7 @@ def optimizer_config_from_args(args):
 def ddp_config_from_args(args):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.training.argument_groups.memory import ddp_config_kwargs as memory_ddp_config_kwargs
+    from megatron.training.argument_groups.data_parallel_tuning import ddp_config_kwargs as tuning_ddp_config_kwargs
 
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
@@ -129,6 +130,7 @@ def ddp_config_from_args(args):
         torch_fsdp2_reshard_after_forward=getattr(args, "torch_fsdp2_reshard_after_forward", True),
         **megatron_fsdp_config_kwargs(args),
         **memory_ddp_config_kwargs(args),
+        **tuning_ddp_config_kwargs(args),
     )
 
 

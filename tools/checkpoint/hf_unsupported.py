@@ -3,7 +3,7 @@
 `--to hf` writes GPT2LMHeadModel or a Llama, Mistral, Qwen2 or Qwen3 model (see hf_families.py): none has
 multi-latent attention (DeepSeek-V2/V3's low-rank query and key/value projections), Mixture-of-Experts layers (a
 router and per-expert MLPs, Mixtral / Qwen-MoE / DeepSeek-V3 style) or multi-token prediction layers
-(DeepSeek-V3's). Such checkpoints
+(DeepSeek-V3's), nor gpt-oss's clamped gated MLP with an offset. Such checkpoints
 convert losslessly between our own formats (`--to torch`, `--to safetensors` and back with `--from`), which keep
 every tensor under its logical name, the experts under their global index. Likewise `--from hf` reads only
 dense GPT-2, Llama, Mistral, Qwen2 and Qwen3 directories.
@@ -17,6 +17,10 @@ _EXPORT_BLOCKERS = (
                                      "architecture)"),
     ("mtp_num_layers", "--mtp-num-layers", "multi-token prediction layers (DeepSeek-V3-style), which would be "
                                            "lost"),
+    ("activation_func_clamp_value", "--activation-func-clamp-value",
+     "a clamped gated MLP (gpt-oss-style), which the Llama-family MLP does not compute"),
+    ("glu_linear_offset", "--glu-linear-offset",
+     "act(gate) * (up + offset) (gpt-oss-style), which the Llama-family MLP does not compute"),
 )
 OWN_FORMATS_HINT = ("convert it with --to torch or --to safetensors instead (every tensor under its logical name, "
                     "converted back with --from torch / --from safetensors)")

@@ -119,12 +119,13 @@ def read_prompt_file(path, num_truncate=None):
 
 def build_tokenizer(args):
     from megatron.training.global_vars import set_tokenizer
-    from megatron.training.tokenizer import build_tokenizer_from_args, pad_vocab_size
+    from megatron.training.checkpoint_args import padded_vocab_size
+    from megatron.training.tokenizer import build_tokenizer_from_args
 
     tokenizer = build_tokenizer_from_args(args)
     set_tokenizer(tokenizer)
-    args.padded_vocab_size = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
-                                            args.tensor_model_parallel_size)
+    # The checkpoint's rows under --use-checkpoint-args.
+    args.padded_vocab_size = padded_vocab_size(args, tokenizer.vocab_size)
     return tokenizer
 
 

@@ -1,13 +1,22 @@
 """QK-Clip (Kimi K2's MuonClip, `--qk-clip`): keep every attention head's largest pre-softmax logit near a bound.
 
-During the forward each `SelfAttention` tracks, per local query head h, the largest logit S_h over the step's
-microbatches (see attention.py); `reduce_max_attention_logits` takes the MAX over data- and context-parallel
-ranks, so every rank holding the same heads sees the same S. After the optimizer's inner step, for every head with
-S_h > tau (`qk_clip_threshold`), gamma_h = tau / S_h and the head's query rows of the fused QKV weight (and of its
-bias) are multiplied by gamma_h^alpha (`qk_clip_alpha`) and its key rows by gamma_h^(1 - alpha), so the head's
-logits shrink by gamma_h. With grouped-query attention a key head serves several query heads: each query head
-takes its own gamma_h^alpha and the key head the smallest gamma_h^(1 - alpha) of its group, so no head of the
-group is left above the bound (the others are clipped a little more). Values rows are never touched.
+During the forward each `SelfAttention` and `MLASelfAttention` tracks, per local query head h, the largest logit
+S_h over the step's microbatches (see attention.py, multi_latent_attention.py); `reduce_max_attention_logits`
+takes the MAX over data- and context-parallel ranks, so every rank holding the same heads sees the same S. After
+the optimizer's inner step, for every head with S_h > tau (`qk_clip_threshold`), gamma_h = tau / S_h and (standard
+attention) the head's query rows of the fused QKV weight (and of its bias) are multiplied by gamma_h^alpha
+(`qk_clip_alpha`) and its key rows by gamma_h^(1 - alpha), so the head's logits shrink by gamma_h. With
+grouped-query attention a key head serves several query heads: each query head takes its own gamma_h^alpha and
+the key head the smallest gamma_h^(1 - alpha) of its group, so no head of the group is left above the bound (the
+others are clipped a little more). Values rows are never touched.
+
+Multi-latent attention (Kimi K2 paper, section 2.1, and upstream Megatron-LM's `MLASelfAttention.clip_qk`): a
+head's logit is q_nope . k_nope + q_rope . k_rope, with q_nope, q_rope and k_nope its own rows of the query
+projection (`linear_q_up_proj`, or `linear_q_proj` without a query latent; per head `[q_nope | q_rope]`) and of
+`linear_kv_up_proj` (per head `[k_nope | v]`), and k_rope one vector per token shared by every head (from
+`linear_kv_down_proj`). A clipped head's q_nope rows take gamma_h^alpha, its k_nope rows gamma_h^(1 - alpha) and
+its q_rope rows gamma_h, and k_rope is left alone (scaling it would clip every head): both terms, so the logit,
+shrink by gamma_h. The value rows and the down projections are never touched.
 
 The rescale is applied to the main parameters the optimizer steps, before they are copied into the model
 (`MegatronOptimizer.after_inner_step`), so model weights follow them as after any step: the fp32 copies of
@@ -30,10 +39,12 @@ except ImportError:  # torch built without distributed
 
 
 def attention_modules(model_chunks):
-    """The `SelfAttention` modules of `model_chunks` (wrapped or not), in module order."""
+    """The `SelfAttention` and `MLASelfAttention` modules of `model_chunks` (wrapped or not), in module order."""
     from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-    return [module for chunk in model_chunks for module in chunk.modules() if isinstance(module, SelfAttention)]
+    return [module for chunk in model_chunks for module in chunk.modules()
+            if isinstance(module, (SelfAttention, MLASelfAttention))]
 
 
 def reset_max_attention_logits(model_chunks):
@@ -77,14 +88,52 @@ def max_attention_logit(model_chunks, group=None):
 def qkv_row_scales(max_logits, heads_per_group, head_dim, threshold, alpha):
     """The factor of each output row of a fused QKV weight laid out `[groups, (q_0 .. q_{m-1} | k | v)]` of
     `head_dim` rows each (attention.py), from the per-query-head maxima `max_logits` `[heads]`."""
-    max_logits = max_logits.float()
-    gamma = torch.where(max_logits > threshold, threshold / max_logits, torch.ones_like(max_logits))
-    per_query = gamma.view(-1, heads_per_group)  # [groups, m]
+    per_query = clip_factors(max_logits, threshold).view(-1, heads_per_group)  # [groups, m]
     query_scales = per_query.pow(alpha)
     key_scales = per_query.pow(1.0 - alpha).amin(dim=1, keepdim=True)
     value_scales = torch.ones_like(key_scales)
     per_head = torch.cat([query_scales, key_scales, value_scales], dim=1)  # [groups, m + 2]
     return per_head.repeat_interleave(head_dim, dim=1).reshape(-1)
+
+
+def clip_factors(max_logits, threshold):
+    """gamma_h = threshold / S_h for the heads above `threshold`, 1 for the others (fp32 `[heads]`)."""
+    max_logits = max_logits.float()
+    return torch.where(max_logits > threshold, threshold / max_logits, torch.ones_like(max_logits))
+
+
+def mla_query_row_scales(max_logits, nope_dim, rope_dim, threshold, alpha):
+    """The factor of each output row of MLA's query projection laid out `[heads, (q_nope | q_rope)]` (`nope_dim`
+    and `rope_dim` rows): gamma_h^alpha on q_nope, gamma_h on q_rope."""
+    gamma = clip_factors(max_logits, threshold)[:, None]
+    return torch.cat([gamma.pow(alpha).expand(-1, nope_dim), gamma.expand(-1, rope_dim)], dim=1).reshape(-1)
+
+
+def mla_kv_row_scales(max_logits, nope_dim, value_dim, threshold, alpha):
+    """The factor of each output row of MLA's `linear_kv_up_proj` laid out `[heads, (k_nope | v)]` (`nope_dim`
+    and `value_dim` rows): gamma_h^(1 - alpha) on k_nope, 1 on v."""
+    gamma = clip_factors(max_logits, threshold)[:, None]
+    return torch.cat([gamma.pow(1.0 - alpha).expand(-1, nope_dim), torch.ones_like(gamma).expand(-1, value_dim)],
+                     dim=1).reshape(-1)
+
+
+def clipped_rows(attention):
+    """[(parameter, factor of each of its output rows)] of `attention`'s QK-Clip from its tracked maxima."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    config, maxima = attention.config, attention.max_attention_logits
+    threshold, alpha = config.qk_clip_threshold, config.qk_clip_alpha
+    if isinstance(attention, MLASelfAttention):
+        query_proj = attention.linear_q_proj if config.q_lora_rank is None else attention.linear_q_up_proj
+        return [
+            (query_proj.weight,
+             mla_query_row_scales(maxima, config.qk_head_dim, config.qk_pos_emb_head_dim, threshold, alpha)),
+            (attention.linear_kv_up_proj.weight,
+             mla_kv_row_scales(maxima, config.qk_head_dim, config.v_head_dim, threshold, alpha)),
+        ]
+    row_scales = qkv_row_scales(maxima, attention.heads_per_group, attention.head_dim, threshold, alpha)
+    return [(param, row_scales) for param in (attention.linear_qkv.weight, getattr(attention.linear_qkv, "bias", None))
+            if param is not None]
 
 
 def _main_pieces(optimizer, model_param):
@@ -142,11 +191,8 @@ def clip_qk(optimizer, model_chunks):
             continue
         if not bool((attention.max_attention_logits > config.qk_clip_threshold).any()):
             continue
-        row_scales = qkv_row_scales(attention.max_attention_logits, attention.heads_per_group, attention.head_dim,
-                                    config.qk_clip_threshold, config.qk_clip_alpha)
-        for param in (attention.linear_qkv.weight, getattr(attention.linear_qkv, "bias", None)):
-            if param is not None:
-                _scale_main(optimizer, param, row_scales)
+        for param, row_scales in clipped_rows(attention):
+            _scale_main(optimizer, param, row_scales)
 
 
 @contextlib.contextmanager

@@ -44,6 +44,17 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 class Attention(torch.nn.Module):
     """Base of the attention modules (upstream's name, which tools test modules against)."""
 
+    def track_max_attention_logits(self, query, key, attention_mask, scale=None):
+        """Raise `max_attention_logits` to this forward's per-head maxima (the arguments of `core_attention`;
+        `scale`: the softmax scale, None for 1 / sqrt(head dim))."""
+        if self.config.context_parallel_size > 1:
+            maxima = context_parallel_max_attention_logits(query, key, attention_mask,
+                                                           parallel_state.get_context_parallel_group(), scale=scale)
+        else:
+            maxima = max_attention_logits(query, key, attention_mask, scale=scale)
+        previous = self.max_attention_logits
+        self.max_attention_logits = maxima if previous is None else torch.maximum(previous, maxima)
+
 
 class SelfAttention(Attention):
     """Self-attention of one transformer layer.
@@ -107,16 +118,6 @@ class SelfAttention(Attention):
                 param.sequence_parallel = tp_size > 1
         self.tracks_max_attention_logits = config.qk_clip or config.log_max_attention_logit
         self.max_attention_logits = None  # [heads per partition] fp32 while tracking; None before a forward
-
-    def track_max_attention_logits(self, query, key, attention_mask):
-        """Raise `max_attention_logits` to this forward's per-head maxima (the arguments of `core_attention`)."""
-        if self.config.context_parallel_size > 1:
-            maxima = context_parallel_max_attention_logits(query, key, attention_mask,
-                                                           parallel_state.get_context_parallel_group())
-        else:
-            maxima = max_attention_logits(query, key, attention_mask)
-        previous = self.max_attention_logits
-        self.max_attention_logits = maxima if previous is None else torch.maximum(previous, maxima)
 
     def core_attention(self, query, key, value, attention_mask):
         """Scaled dot-product attention on `[s, b, heads, head_dim]` queries and `[s, b, groups, head_dim]` keys

@@ -32,3 +32,14 @@ def scaled_init_method_normal(std: float, num_layers: int) -> NormalInit:
     residual's variance from growing with depth.
     """
     return NormalInit(std / math.sqrt(2.0 * num_layers))
+
+
+@dataclass(frozen=True)
+class XavierUniformInit:
+    """Fills a 2-D weight [out, in] from U(-a, a) with a = sqrt(6 / (in + out)) (`--init-method-xavier-uniform`).
+
+    The layers call it on the full (unsharded) weight, so the bound does not depend on the tensor-parallel size.
+    """
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.nn.init.xavier_uniform_(tensor)

@@ -9,6 +9,7 @@ reproduces TP=1 exactly from the same full initialisation.
 
 import torch
 
+from megatron.core.activations import gated_linear_unit
 from megatron.core.extensions.transformer_engine import fused_norm_linear_class, layer_classes
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -60,9 +61,7 @@ class MLP(torch.nn.Module):
         """`[s, b, h]` (or its sequence-parallel slice) -> same shape."""
         intermediate, _ = self.linear_fc1(hidden_states)
         if self.config.gated_linear_unit:
-            units = intermediate.view(*intermediate.shape[:-1], -1, 2)
-            gate, up = units[..., 0], units[..., 1]
-            intermediate = self.config.activation_func(gate) * up
+            intermediate = gated_linear_unit(self.config, intermediate)
         else:
             intermediate = self.config.activation_func(intermediate)
         output, _ = self.linear_fc2(intermediate)

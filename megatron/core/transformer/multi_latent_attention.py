@@ -20,6 +20,11 @@ without sequence parallelism, its gradient all-reduced over the heads of every r
 
 Context parallelism uses the project's context-parallel attention with RoPE at global positions; values are
 zero-padded to the query width there when d_v differs (the padded output columns are zero and dropped).
+
+With `qk_clip` or `log_max_attention_logit`, each training forward raises `max_attention_logits` (fp32, one entry
+per local head) to the largest pre-softmax logit softmax_scale * [q_nope | q_rope] . [k_nope | k_rope] it saw, as
+`SelfAttention` does (see attention_logits.py; not measured again in a recompute). QK-Clip's rescale of the
+query and key rows is in megatron/core/optimizer/qk_clip.py.
 """
 
 import math
@@ -43,7 +48,7 @@ from megatron.core.transformer.attention import Attention
 from megatron.core.transformer.context_parallel import comm_type_of_layer, context_parallel_attention, local_rows
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.norms import build_norm
-from megatron.core.transformer.recompute import checkpointed, output_recomputed_in_backward
+from megatron.core.transformer.recompute import checkpointed, is_recomputing, output_recomputed_in_backward
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -125,6 +130,8 @@ class MLASelfAttention(Attention):
         self.linear_proj = seeded("linear_proj", lambda: row_parallel_linear(
             heads * config.v_head_dim, config.hidden_size, config=config,
             init_method=config.output_layer_init_method, bias=config.add_bias_linear, input_is_parallel=True))
+        self.tracks_max_attention_logits = config.qk_clip or config.log_max_attention_logit
+        self.max_attention_logits = None  # [heads per partition] fp32 while tracking; None before a forward
 
     # ------------------------------------------------------------------------------------------------
     # Projections
@@ -183,7 +190,12 @@ class MLASelfAttention(Attention):
 
     def core_attention(self, query, key, value, attention_mask):
         """Attention of `[S, b, heads, d_n + d_r]` queries and keys over `[S, b, heads, d_v]` values ->
-        `[S, b, heads * d_v]`; `attention_mask` as in `SelfAttention.core_attention` (None: causal)."""
+        `[S, b, heads * d_v]`; `attention_mask` as in `SelfAttention.core_attention` (None: causal).
+
+        A training forward measures the logits first (`track_max_attention_logits`) when they are tracked; the
+        same call recomputed in backward does not."""
+        if self.tracks_max_attention_logits and self.training and not is_recomputing():
+            self.track_max_attention_logits(query, key, attention_mask, scale=self.softmax_scale)
         dropout_p = self.config.attention_dropout if self.training else 0.0
         if self.config.context_parallel_size > 1:
             value_width = value.shape[-1]

@@ -77,6 +77,11 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelPar
     """Gated MLP: act(gate) * up. With the default activation this is swiglu (`--swiglu`)."""
     activation_func: Optional[Callable] = None
     """MLP activation; None means silu for a gated MLP (swiglu) and gelu otherwise."""
+    activation_func_clamp_value: Optional[float] = None
+    """Gated MLP only: clamp the gate to at most this value and the up projection to [-value, value] before the
+    activation (`--activation-func-clamp-value`, gpt-oss). None: no clamping."""
+    glu_linear_offset: float = 0.0
+    """Gated MLP only: act(gate) * (up + offset) (`--glu-linear-offset`, gpt-oss uses 1)."""
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
     """A bias on the QKV projection even when `add_bias_linear` is False (`--add-qkv-bias`, Qwen2-style); its
@@ -222,12 +227,9 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelPar
             raise ValueError(f"--qk-clip-alpha must be in [0, 1], got {self.qk_clip_alpha}")
         if not self.qk_clip_threshold > 0:
             raise ValueError(f"--qk-clip-threshold must be > 0, got {self.qk_clip_threshold}")
-        tracked = [flag for flag, on in (("--qk-clip", self.qk_clip),
-                                         ("--log-max-attention-logit", self.log_max_attention_logit)) if on]
-        if tracked and self.multi_latent_attention:
-            raise ValueError(f"{' and '.join(tracked)}: the attention logits are tracked (and clipped) for standard "
-                             "self-attention only, not for --multi-latent-attention; drop one or the other")
-        if self.qk_clip and self.qk_layernorm:
+        # With --multi-latent-attention, --qk-layernorm normalises the latents, before the up projections QK-Clip
+        # rescales: the clip holds.
+        if self.qk_clip and self.qk_layernorm and not self.multi_latent_attention:
             raise ValueError("--qk-clip rescales the query and key weights, which --qk-layernorm's per-head norms "
                              "undo: use one of them")
 
@@ -336,6 +338,15 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelPar
             raise ValueError(f"layernorm_epsilon must be positive, got {self.layernorm_epsilon}")
 
     def _validate_layer_variants(self):
+        if not self.gated_linear_unit:
+            for flag, given in (("--activation-func-clamp-value", self.activation_func_clamp_value is not None),
+                                ("--glu-linear-offset", self.glu_linear_offset != 0.0)):
+                if given:
+                    raise ValueError(f"{flag} shapes the gated MLP (act(gate) * up): it needs --swiglu; add that "
+                                     f"or drop {flag}")
+        clamp_value = self.activation_func_clamp_value
+        if clamp_value is not None and not clamp_value > 0:
+            raise ValueError(f"--activation-func-clamp-value must be positive, got {clamp_value}")
         if self.fp32_residual_connection:
             if not (self.fp16 or self.bf16):
                 raise ValueError("--fp32-residual-connection keeps the residual in fp32 under --bf16 or --fp16; "

@@ -31,11 +31,13 @@ from megatron.training.argument_groups import (
     result_validation,
     run_control,
     training,
+    upstream_compat,
     virtual_pipeline,
 )
 
 # Order matters for validation: later groups read values derived by earlier ones (e.g. data_parallel_size).
-# checkpoint_args comes first: --use-checkpoint-args replaces model flags before anything is derived from them.
+# upstream_compat comes first: it turns upstream's aliases (--encoder-seq-length, ...) into the flags the others read.
+# checkpoint_args comes next: --use-checkpoint-args replaces model flags before anything is derived from them.
 # memory precedes data_parallel: --main-grads-dtype bf16 opts out of the fp32 gradients data_parallel sets for --bf16.
 # activation_recompute precedes training: --recompute-activations sets the granularity training's rules check.
 # muon follows training (--optimizer).
@@ -45,8 +47,8 @@ from megatron.training.argument_groups import (
 # virtual_pipeline follows training: its microbatch rule needs the global and micro batch sizes.
 # pipeline_split follows virtual_pipeline: the layers must divide into the virtual stages per rank it derives.
 # mtp follows pipeline_split: a layout's 'm' symbols must match --mtp-num-layers.
-ARGUMENT_GROUPS = (checkpoint_args, model_builders, parallelism, model, mla, activation_recompute, training, muon,
-                   qk_clip,
+ARGUMENT_GROUPS = (upstream_compat, checkpoint_args, model_builders, parallelism, model, mla, activation_recompute,
+                   training, muon, qk_clip,
                    virtual_pipeline, pipeline_split, mtp, data, logging_eval, profiling, checkpoint, memory,
                    data_parallel, communication, fp8, result_validation, numerics, data_parallel_tuning, run_control,
                    resilience, moe)

@@ -4,7 +4,9 @@ gradient buckets by count (--ddp-num-buckets), Megatron-FSDP's communication uni
 the reshardable optimizer checkpoint (--dist-ckpt-optim-fully-reshardable). The two Megatron-FSDP switches
 this build does not implement (--create-all-gather-group, --megatron-fsdp-enable-fine-grained-param-gather)
 and the distributed optimizer's --overlap-param-gather-with-optimizer-step stop at validation with what to do
-instead."""
+instead. --ddp-pad-buckets-for-high-nccl-busbw pads Megatron DDP's gradient buckets."""
+
+import warnings
 
 LOGICAL_FORMATS = ("torch_dist", "torch_dcp", "fsdp_dtensor")
 DEFAULT_STRICTNESS = "assume_ok_unexpected"
@@ -16,6 +18,10 @@ def add_arguments(parser):
     group.add_argument("--ddp-num-buckets", type=int, default=None,
                        help="Split the data-parallel gradients into about this many buckets: the bucket size is the "
                        "model chunks' parameter count // N (exclusive with --ddp-bucket-size).")
+    group.add_argument("--ddp-pad-buckets-for-high-nccl-busbw", action="store_true",
+                       help="Pad each DDP gradient bucket to a multiple of lcm(data-parallel size, 128) x 2^16 "
+                       "elements instead of the data-parallel size, so NCCL's per-rank message sizes are large "
+                       "powers of two (higher bus bandwidth at large data-parallel sizes; more padding memory).")
     group.add_argument("--suggested-communication-unit-size", type=int, default=None,
                        help="Megatron-FSDP: elements per communication group for the parameters outside the "
                        "transformer-layer units (their bucket size; exclusive with --ddp-bucket-size).")
@@ -38,6 +44,10 @@ def add_arguments(parser):
 
 
 def validate(args):
+    if args.ddp_pad_buckets_for_high_nccl_busbw and (args.use_megatron_fsdp or args.use_torch_fsdp2):
+        wrapper = "--use-megatron-fsdp" if args.use_megatron_fsdp else "--use-torch-fsdp2"
+        warnings.warn(f"--ddp-pad-buckets-for-high-nccl-busbw pads the buckets of Megatron DDP; {wrapper} has its "
+                      "own buffers, which it does not change")
     if args.ddp_num_buckets is not None:
         if args.ddp_bucket_size is not None:
             raise ValueError("--ddp-num-buckets and --ddp-bucket-size are exclusive: pick one")
@@ -101,3 +111,7 @@ def bucket_size_for(args, model_chunks):
         return args.ddp_bucket_size
     num_parameters = sum(param.numel() for chunk in model_chunks for param in chunk.parameters())
     return max(1, num_parameters // args.ddp_num_buckets)
+
+
+def ddp_config_kwargs(args):
+    return dict(pad_buckets_for_high_nccl_busbw=args.ddp_pad_buckets_for_high_nccl_busbw)

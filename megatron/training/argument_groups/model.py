@@ -5,6 +5,7 @@ placement and precision, GPT-2's tanh GeLU)."""
 import warnings
 
 DEFAULT_ROPE_SCALING_FACTOR = 8.0  # upstream's, Llama 3.1's
+DEFAULT_INIT_METHOD_STD = 0.02
 ATTENTION_BACKENDS = ["auto", "local", "unfused", "flash", "fused"]
 TRANSFORMER_ENGINE_ATTENTION_BACKENDS = ("flash", "fused")
 # Upstream switches that turn off a fused kernel; every op here is already the unfused torch op.
@@ -92,7 +93,8 @@ def add_arguments(parser):
     )
     group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
                        help="No biases in the linear layers.")
-    group.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal weight init.")
+    group.add_argument("--init-method-std", type=float, default=DEFAULT_INIT_METHOD_STD,
+                       help="Std of the normal weight init.")
     group.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout after attention and MLP.")
     group.add_argument("--attention-dropout", type=float, default=0.1, help="Dropout on attention probabilities.")
     group.add_argument(
@@ -162,6 +164,15 @@ def _add_layer_variant_arguments(group):
                        help="Allocate the weights without drawing their random initial values (biases and norms are "
                        "still set), to start faster when a checkpoint (--load, --pretrained-checkpoint) overwrites "
                        "them right after; without one the weights hold whatever the memory held.")
+    group.add_argument("--init-method-xavier-uniform", action="store_true",
+                       help="Initialise every weight matrix (the embeddings too, unless --embedding-init-method-std "
+                       "is given) from U(-a, a), a = sqrt(6 / (fan_in + fan_out)) of the full unsharded weight, "
+                       "instead of normal(0, --init-method-std); the output projections are not scaled by depth.")
+    group.add_argument("--activation-func-clamp-value", type=float, default=None,
+                       help="Gated MLP (--swiglu): clamp the gate to at most this value and the up projection to "
+                       "[-value, value] before the activation (gpt-oss: 7).")
+    group.add_argument("--glu-linear-offset", type=float, default=0.0,
+                       help="Gated MLP (--swiglu): act(gate) * (up + offset) (gpt-oss: 1).")
     group.add_argument("--embedding-init-method-std", type=float, default=None,
                        help="Std of the zero-mean normal init of the embedding weights (word and learned position "
                        "embeddings; with tied weights also the output layer, which is the word embedding); setting "
@@ -172,6 +183,7 @@ def _add_layer_variant_arguments(group):
 def transformer_config_kwargs(args):
     """The TransformerConfig fields of the layer-variant flags, the MLP activation and the embedding init."""
     from megatron.core.activations import squared_relu
+    from megatron.core.transformer.init_methods import XavierUniformInit
     from megatron.core.transformer.utils import openai_gelu
 
     activation_func = None  # the config's default: gelu, or silu for --swiglu
@@ -179,8 +191,14 @@ def transformer_config_kwargs(args):
         activation_func = squared_relu
     elif args.openai_gelu:
         activation_func = openai_gelu
+    # None: the config's defaults, normal(0, std) and its depth-scaled variant for the output projections.
+    init_method = XavierUniformInit() if args.init_method_xavier_uniform else None
     return dict(
         activation_func=activation_func,
+        activation_func_clamp_value=args.activation_func_clamp_value,
+        glu_linear_offset=args.glu_linear_offset,
+        init_method=init_method,
+        output_layer_init_method=init_method,
         add_qkv_bias=args.add_qkv_bias,
         rotary_interleaved=args.rotary_interleaved,
         rotary_seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
@@ -219,6 +237,17 @@ def _validate_layer_variants(args):
                          "parameters it is already fp32: drop the flag")
     if args.embedding_init_method_std is not None and args.embedding_init_method_std <= 0:
         raise ValueError(f"--embedding-init-method-std must be positive, got {args.embedding_init_method_std}")
+    if not args.swiglu:
+        for flag, given in (("--activation-func-clamp-value", args.activation_func_clamp_value is not None),
+                            ("--glu-linear-offset", args.glu_linear_offset != 0.0)):
+            if given:
+                raise ValueError(f"{flag} shapes the gated MLP (act(gate) * up): it needs --swiglu; add that or "
+                                 f"drop {flag}")
+    if args.init_method_xavier_uniform and args.init_method_std != DEFAULT_INIT_METHOD_STD:
+        warnings.warn(f"--init-method-std {args.init_method_std} has no effect with --init-method-xavier-uniform "
+                      "(the bound comes from each weight's shape); drop one of them")
+    if args.activation_func_clamp_value is not None and not args.activation_func_clamp_value > 0:
+        raise ValueError(f"--activation-func-clamp-value must be positive, got {args.activation_func_clamp_value}")
 
 
 def _validate_rope_scaling(args):

@@ -9,7 +9,8 @@ def add_arguments(parser):
                        "whose largest pre-softmax logit of the step exceeded --qk-clip-threshold.")
     group.add_argument("--qk-clip-alpha", type=float, default=0.5,
                        help="With gamma = threshold / max logit, queries are scaled by gamma^alpha and keys by "
-                       "gamma^(1 - alpha).")
+                       "gamma^(1 - alpha); with --multi-latent-attention the query's rope part takes gamma and the "
+                       "shared rope key is left alone.")
     group.add_argument("--qk-clip-threshold", type=float, default=100,
                        help="The bound QK-Clip keeps each head's largest attention logit under.")
     group.add_argument("--log-max-attention-logit", action="store_true",

@@ -101,7 +101,8 @@ def test_clipped_heads_end_at_the_threshold():
     assert (after[~clipped] <= before[~clipped] * (1 + 1e-6)).all()
 
 
-def _gpt_with_qk_clip(qk_clip, threshold):
+def _gpt_with_qk_clip(qk_clip, threshold, mla=None):
+    """A one-layer GPT with grouped-query attention, or with multi-latent attention of the shape fields `mla`."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -110,10 +111,12 @@ def _gpt_with_qk_clip(qk_clip, threshold):
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel()
     tensor_parallel.model_parallel_cuda_manual_seed(7)
-    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                               hidden_dropout=0.0, attention_dropout=0.0, init_seed=7, qk_clip=qk_clip,
-                               qk_clip_threshold=threshold, log_max_attention_logit=True)
-    return GPTModel(config, vocab_size=64, max_sequence_length=16, share_embeddings_and_output_weights=False)
+    attention = dict(multi_latent_attention=True, **mla) if mla else dict(num_query_groups=2)
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
+                               attention_dropout=0.0, init_seed=7, qk_clip=qk_clip, qk_clip_threshold=threshold,
+                               log_max_attention_logit=True, **attention)
+    return GPTModel(config, vocab_size=64, max_sequence_length=16, share_embeddings_and_output_weights=False,
+                    position_embedding_type="rope" if mla else "learned_absolute")
 
 
 # fp32 on CPU: the wrappers reduce gradients in other orders (about 1e-7 apart).
@@ -126,8 +129,9 @@ WRAPPER_FLAGS = {
 }
 
 
-def _muon_run_with_qk_clip(wrapper, qk_clip=True, threshold=0.05, steps=2):
-    """(mean loss before each step and after the last, each step's reduced per-head maxima) of Muon training."""
+def _muon_run_with_qk_clip(wrapper, qk_clip=True, threshold=0.05, steps=2, mla=None):
+    """(mean loss before each step and after the last, each step's reduced per-head maxima) of Muon training
+    (with multi-latent attention of the shape fields `mla` if given)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import wrap_data_parallel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -140,7 +144,7 @@ def _muon_run_with_qk_clip(wrapper, qk_clip=True, threshold=0.05, steps=2):
              "--optimizer muon " + WRAPPER_FLAGS[wrapper])
     os.environ.update({"WORLD_SIZE": str(dist.get_world_size()), "RANK": str(dist.get_rank())})
     args = validate_args(parse_args(args=flags.split()))
-    model = _gpt_with_qk_clip(qk_clip, threshold)
+    model = _gpt_with_qk_clip(qk_clip, threshold, mla)
     chunk = wrap_data_parallel(model.config, ddp_config_from_args(args), model)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="muon", lr=0.02, weight_decay=0.1, clip_grad=1.0, muon_momentum=0.9,

@@ -403,6 +403,12 @@ def test_models_hugging_face_cannot_compute_are_refused_naming_the_flag(tools):
     refusal = hf_unsupported.hf_export_refusal(argparse.Namespace(mtp_num_layers=2))
     assert "--mtp-num-layers 2: multi-token prediction layers" in refusal and "--to torch" in refusal
     assert hf_unsupported.hf_export_refusal(argparse.Namespace(mtp_num_layers=None)) is None
+    refusal = hf_unsupported.hf_export_refusal(argparse.Namespace(activation_func_clamp_value=7.0,
+                                                                  glu_linear_offset=1.0))
+    assert "--activation-func-clamp-value 7.0: a clamped gated MLP" in refusal
+    assert "--glu-linear-offset 1.0: act(gate) * (up + offset)" in refusal
+    assert hf_unsupported.hf_export_refusal(argparse.Namespace(activation_func_clamp_value=None,
+                                                               glu_linear_offset=0.0)) is None
 
 
 def test_true_vocab_size_of_a_checkpoint_without_a_recorded_one(tools):

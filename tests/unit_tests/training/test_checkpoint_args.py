@@ -218,3 +218,18 @@ def test_padding_is_explained_by_the_divisor_or_by_the_checkpoint():
     assert padding_origin(256, 121, 128, 2) == "--make-vocab-size-divisible-by 128 x TP 2"
     assert padding_origin(128, 121, 128, 2) == ("at TP 2, the rows of the checkpoint it resumed with "
                                                 "--use-checkpoint-args")
+
+
+def test_gated_mlp_clamp_and_offset_are_compared_and_taken_from_the_checkpoint():
+    """gpt-oss's clamped gated MLP computes another function: a resume without the flags is refused, naming them,
+    and --use-checkpoint-args takes them."""
+    saved = argparse.Namespace(activation_func_clamp_value=7.0, glu_linear_offset=1.0)
+    plain = argparse.Namespace(activation_func_clamp_value=None, glu_linear_offset=0.0)
+    assert architecture_differences(saved, plain) == [
+        "--activation-func-clamp-value: 7.0 in the checkpoint, 0 in this run",
+        "--glu-linear-offset: 1.0 in the checkpoint, 0.0 in this run"]
+    assert architecture_differences(saved, argparse.Namespace(**vars(saved))) == []
+    assert architecture_differences(argparse.Namespace(), plain) == []  # saved before the flags existed
+    changed = apply_checkpoint_args(plain, saved)
+    assert (plain.activation_func_clamp_value, plain.glu_linear_offset) == (7.0, 1.0)
+    assert changed == ["--glu-linear-offset 1.0 (command line: 0.0)"]  # the clamp was not given: nothing overridden

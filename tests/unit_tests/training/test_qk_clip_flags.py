@@ -31,7 +31,6 @@ def test_flags_reach_the_transformer_config():
     ("--qk-clip --qk-clip-alpha 1.5", "--qk-clip-alpha"),
     ("--qk-clip --qk-clip-threshold 0", "--qk-clip-threshold"),
     ("--qk-clip --qk-layernorm", "--qk-layernorm"),
-    ("--log-max-attention-logit --multi-latent-attention", "--multi-latent-attention"),
     ("--qk-clip --optimizer-cpu-offload --use-distributed-optimizer", "--optimizer-cpu-offload"),
 ])
 def test_flag_rules(flags, named):

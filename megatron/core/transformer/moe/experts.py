@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
+from megatron.core.activations import gated_linear_unit
 from megatron.core.fp8.region import active_fp8_region
 from megatron.core.offloading.activations import keep_on_device
 from megatron.core.offloading.fine_grained import offloaded_saved_tensors
@@ -72,8 +73,7 @@ class _BiasOnceOverPartialSums(torch.autograd.Function):
 def _activate(config, intermediate):
     """The MLP's activation (gated: fc1's rows interleave gate and up per unit)."""
     if config.gated_linear_unit:
-        units = intermediate.view(*intermediate.shape[:-1], intermediate.size(-1) // 2, 2)
-        return config.activation_func(units[..., 0]) * units[..., 1]
+        return gated_linear_unit(config, intermediate)
     return config.activation_func(intermediate)
 
 
