@@ -75,3 +75,59 @@ def test_state_dict_form_follows_preproc_flag(world_size):
             assert count > 0 and elements > 0 and form["step_moved_all"]
             # As many moments after loading as before, each equal to its saved value.
             assert form["restored"] == (count, count)
+
+
+class _ScaledLinear(torch.nn.Module):
+    """A linear layer times a learned 0-dim temperature (the moments of a 0-dim parameter are 0-dim too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.temperature = torch.nn.Parameter(torch.tensor(1.5))
+        self.linear = torch.nn.Linear(models.IN_FEATURES, models.IN_FEATURES)
+
+    def forward(self, x):
+        return self.linear(x) * self.temperature
+
+
+def _scalar_parameter_state_moves_between_strategies(pairs, optimizer_name):
+    import torch.distributed as dist
+
+    import megatron_fsdp
+
+    def build(strategy, seed):
+        torch.manual_seed(seed)
+        module = _ScaledLinear()
+        optimizer = (torch.optim.AdamW(module.parameters(), lr=1e-2) if optimizer_name == "adamw"
+                     else torch.optim.SGD(module.parameters(), lr=1e-2, momentum=0.9))
+        return megatron_fsdp.fully_shard(module, optimizer, zero_dp_strategy=strategy)
+
+    def weights(model):
+        return {key: value.full_tensor() if hasattr(value, "full_tensor") else value.clone()
+                for key, value in model.state_dict().items()}
+
+    differences = {}
+    for saved_at, loaded_at in pairs:
+        model, optimizer = build(saved_at, seed=0)
+        _one_step(model, optimizer, seed=1)
+        model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
+        other_model, other_optimizer = build(loaded_at, seed=3)
+        other_model.load_state_dict(model_state)
+        other_optimizer.load_state_dict(optimizer_state)
+        for step_model, step_optimizer in ((model, optimizer), (other_model, other_optimizer)):
+            _one_step(step_model, step_optimizer, seed=2)
+        expected, loaded = weights(model), weights(other_model)
+        differences[(saved_at, loaded_at)] = max((expected[key] - loaded[key]).abs().max().item() for key in expected)
+    dist.barrier()
+    return differences
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_zero_dim_parameter_optimizer_state_loads_across_strategies(world_size):
+    """A 0-dim parameter's moments saved at one strategy load at another, and the next step is the one the
+    saving model takes (they used to be loaded as per-parameter scalars, and the step raised)."""
+    adam_pairs = [(3, 3), (0, 1), (1, 0), (2, 3)]
+    sgd_pairs = [(1, 1), (3, 0)]
+    for optimizer_name, pairs in (("adamw", adam_pairs), ("sgd", sgd_pairs)):
+        for differences in run_on_ranks(world_size, _scalar_parameter_state_moves_between_strategies, pairs,
+                                        optimizer_name):
+            assert differences == {pair: 0.0 for pair in pairs}, optimizer_name

@@ -106,3 +106,32 @@ def test_add_param_group_with_model_parameters_trains_like_torch(world_size):
             assert rank_result["losses"] == pytest.approx(reference, abs=1e-5), strategy
             assert rank_result["group_names"] == ["out.weight", "out.bias"], strategy
             assert "not part of its MegatronFSDP model" in rank_result["foreign_error"], strategy
+
+
+def _torch_optimizer_state_dict_helpers():
+    from torch.distributed.checkpoint import state_dict as torch_state_dict
+
+    module = models.make_model(0)
+    model, optimizer = _wrap(module, models.make_optimizer([p for p in module.parameters() if p.requires_grad]), 3)
+    errors = {}
+    for name in ("get_optimizer_state_dict", "get_state_dict"):
+        try:
+            getattr(torch_state_dict, name)(model, optimizer)
+            errors[name] = None
+        except Exception as error:  # noqa: BLE001 -- the type is part of what the test checks
+            errors[name] = (type(error).__name__, str(error))
+    errors["own_state_dict_keys"] = sorted(optimizer.state_dict()["state"])[:1]
+    return errors
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_torch_optimizer_state_dict_helpers_refuse_and_name_the_replacement(world_size):
+    """get_optimizer_state_dict / get_state_dict(model, optimizer) cannot map the sharded optimizer's state to
+    parameter names; they raise an error naming optimizer.state_dict() (which already is that form) instead of
+    torch's KeyError on the first parameter name. The optimizer's own state dict still works afterwards."""
+    for errors in run_on_ranks(world_size, _torch_optimizer_state_dict_helpers):
+        for name in ("get_optimizer_state_dict", "get_state_dict"):
+            kind, message = errors[name]
+            assert kind == "RuntimeError", (name, kind, message)
+            assert "optimizer.state_dict()" in message and "optimizer.load_state_dict()" in message
+        assert errors["own_state_dict_keys"] == ["blocks.0.fc1.bias"]

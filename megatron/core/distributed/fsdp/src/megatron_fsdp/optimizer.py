@@ -1,6 +1,7 @@
 """Re-point a torch optimizer at Megatron-FSDP's sharded main weights, and global grad-norm clipping."""
 
 import math
+import sys
 import types
 from typing import Optional
 
@@ -100,6 +101,17 @@ def _check_whole_vector_optimizer(optimizer, model):
                          "element-wise optimizer (Adam, AdamW, SGD, ...) with a sharded strategy")
 
 
+# torch.distributed.checkpoint.state_dict's get_optimizer_state_dict / get_state_dict key the optimizer's state by
+# the module parameters it steps, which a Megatron-FSDP optimizer does not hold (it steps main-weight shards).
+_TORCH_STATE_DICT_HELPERS = "torch.distributed.checkpoint.state_dict"
+_TORCH_STATE_DICT_HELPERS_MESSAGE = (
+    "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict / get_state_dict / set_optimizer_state_dict "
+    "cannot map a Megatron-FSDP optimizer's state to parameter names (it steps the sharded main weights, not the "
+    "module's parameters): use optimizer.state_dict(), which is already keyed by parameter name and holds "
+    "DTensors for torch.distributed.checkpoint, and optimizer.load_state_dict() after dcp.load (the model's "
+    "state: model.state_dict() or get_model_state_dict(model))")
+
+
 def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_for_dcp_ckpt: Optional[bool] = None,
                           install_after_step: bool = True):
     """Make `optimizer` step on the sharded fp32 main weights of the MegatronFSDP model owning its params.
@@ -149,6 +161,8 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
         model.zero_grad_buffer()
 
     def state_dict(self):
+        if sys._getframe(1).f_globals.get("__name__") == _TORCH_STATE_DICT_HELPERS:
+            raise RuntimeError(_TORCH_STATE_DICT_HELPERS_MESSAGE)
         if not self._megatron_fsdp_preproc_for_dcp:
             return self._megatron_fsdp_original_state_dict()
         return optimizer_state_dict(self)

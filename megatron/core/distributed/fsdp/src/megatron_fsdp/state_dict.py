@@ -310,6 +310,17 @@ def _is_sharded_state(value, view) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == view.shape
 
 
+def _is_element_state(value, current, view) -> bool:
+    """Whether a saved optimizer-state value holds one entry per element of its parameter (Adam's moments, SGD's
+    momentum) rather than one per parameter (a step count). A 0-dim parameter's moments are 0-dim like its step
+    count; they are saved as DTensors (the step count as a plain tensor), and a plain 0-dim value (a no_shard
+    save, or a full-tensor state dict) counts as one when the optimizer's own state for the key is shaped like
+    the parameter's main-weight view (Adam's state exists from the start)."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    return isinstance(value, DTensor) or value.dim() > 0 or _is_sharded_state(current, view)
+
+
 def optimizer_state_dict(optimizer) -> dict:
     """{"state": {param name: {key: DTensor or scalar}}, "param_groups": [{hyper-params, "params": [names]}]}."""
 
@@ -383,9 +394,9 @@ def load_optimizer_state_dict(optimizer, state_dict):
                                                                                      group.main_dtype)))
                 main_weights_loaded = True
             keys = set()
-            for name in group.names:
-                keys.update(k for k, v in saved_state.get(name, {}).items()
-                            if isinstance(v, torch.Tensor) and v.dim() > 0 and k != MAIN_PARAM_KEY)
+            for name, view in zip(group.names, group.main_param_views):
+                keys.update(k for k, v in saved_state.get(name, {}).items() if k != MAIN_PARAM_KEY and
+                            _is_element_state(v, optimizer.state.get(view, {}).get(k), view))
             for key in sorted(keys):
                 values = _tensor_parallel_local_values(
                     model, group, [saved_state.get(name, {}).get(key) for name in group.names])
@@ -395,7 +406,7 @@ def load_optimizer_state_dict(optimizer, state_dict):
                     optimizer.state[view][key] = target.clone()
             for index, name in enumerate(group.names):
                 for key, value in saved_state.get(name, {}).items():
-                    if not (isinstance(value, torch.Tensor) and value.dim() > 0):
+                    if key not in keys and key != MAIN_PARAM_KEY:
                         view = group.main_param_views[index]
                         if isinstance(value, DTensor):
                             value = value.full_tensor()
