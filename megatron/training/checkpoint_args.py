@@ -37,6 +37,10 @@ class ArchitectureFlag(NamedTuple):
             return "no --num-experts (dense MLPs)"
         if self.flag == "--activation-func-clamp-value" and value == 0:
             return "no --activation-func-clamp-value (no clamping)"
+        if self.flag == "--window-size":
+            return "no --window-size (full causal attention)" if value == "none" else f'--window-size "{value}"'
+        if self.flag == "--window-attn-skip-freq":
+            return f'--window-attn-skip-freq "{value}"'
         if self.flag == "--moe-shared-expert-intermediate-size" and value == 0:
             return "no --moe-shared-expert-intermediate-size (no shared experts)"
         return f"{self.flag} {value}"
@@ -110,6 +114,37 @@ def _moe_layer_pattern(args):
     return "[" + ",".join("1" if is_moe else "0" for is_moe in pattern) + "]"
 
 
+def _window_size(args):
+    """--window-size as "(left, right)", "none" where unset; None where the saved args predate the flag."""
+    if not hasattr(args, "window_size"):
+        return None
+    from megatron.core.transformer.attention_variants import parse_window_size
+
+    window = parse_window_size(args.window_size)
+    return "none" if window is None else "(" + ", ".join(str(side) for side in window) + ")"
+
+
+def _window_layer_pattern(args):
+    """--window-attn-skip-freq as one 0/1 per layer (1: sliding window), spelt as the flag takes it."""
+    from megatron.core.transformer.attention_variants import (
+        parse_window_attn_skip_freq,
+        parse_window_size,
+        window_layer_pattern,
+    )
+
+    if getattr(args, "num_layers", None) is None or not hasattr(args, "window_size"):
+        return None
+    pattern = window_layer_pattern(parse_window_size(args.window_size),
+                                   parse_window_attn_skip_freq(getattr(args, "window_attn_skip_freq", None)),
+                                   args.num_layers)
+    return "[" + ",".join("1" if windowed else "0" for windowed in pattern) + "]"
+
+
+def _both_use_windows_over_as_many_layers(saved_args, args):
+    return (all(getattr(a, "window_size", None) for a in (saved_args, args))
+            and getattr(saved_args, "num_layers", None) == getattr(args, "num_layers", None))
+
+
 def _both_use_moe(saved_args, args):
     return all(getattr(a, "num_experts", None) for a in (saved_args, args))
 
@@ -153,6 +188,7 @@ ARCHITECTURE_FLAGS = (
     ArchitectureFlag("--ffn-hidden-size", _get("ffn_hidden_size"), compared=_both_have_dense_layers),
     ArchitectureFlag("--swiglu", _switch("swiglu"), is_switch=True),
     ArchitectureFlag("--squared-relu", _switch("squared_relu"), is_switch=True),
+    ArchitectureFlag("--quick-geglu", _switch("quick_geglu"), is_switch=True),
     ArchitectureFlag("--normalization", _get("normalization")),
     ArchitectureFlag("--apply-layernorm-1p", _switch("apply_layernorm_1p"), is_switch=True),
     ArchitectureFlag("--norm-epsilon", _get("norm_epsilon")),
@@ -172,6 +208,9 @@ ARCHITECTURE_FLAGS = (
     ArchitectureFlag("--untie-embeddings-and-output-weights", _switch("untie_embeddings_and_output_weights"),
                      is_switch=True),
     ArchitectureFlag("--qk-layernorm", _switch("qk_layernorm"), is_switch=True),
+    ArchitectureFlag("--window-size", _window_size),
+    ArchitectureFlag("--window-attn-skip-freq", _window_layer_pattern, compared=_both_use_windows_over_as_many_layers),
+    ArchitectureFlag("--softmax-type", _get("softmax_type")),
     ArchitectureFlag("--multi-latent-attention", _switch("multi_latent_attention"), is_switch=True),
     ArchitectureFlag("--qk-head-dim", _get("qk_head_dim"), compared=_both_use_mla),
     ArchitectureFlag("--qk-pos-emb-head-dim", _get("qk_pos_emb_head_dim"), compared=_both_use_mla),
@@ -313,7 +352,9 @@ MODEL_ARGS = (
     "apply_layernorm_1p", "normalization", "norm_epsilon", "qk_layernorm", "make_vocab_size_divisible_by",
     "tokenizer_type", "vocab_size", "add_qkv_bias", "rotary_interleaved", "apply_residual_connection_post_layernorm",
     "openai_gelu", "use_rope_scaling", "rope_scaling_factor", "rotary_seq_len_interpolation_factor",
-    "activation_func_clamp_value", "glu_linear_offset",
+    "activation_func_clamp_value", "glu_linear_offset", "quick_geglu",
+    # Sliding-window attention and attention sinks.
+    "window_size", "window_attn_skip_freq", "softmax_type",
     # Multi-token prediction (its layers' tensors).
     "mtp_num_layers",
     # Multi-latent attention.

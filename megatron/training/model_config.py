@@ -26,6 +26,9 @@ def core_transformer_config_from_args(args, config_class=None):
     from megatron.training.argument_groups.pipeline_split import transformer_config_kwargs as split_config_kwargs
     from megatron.training.argument_groups.mtp import transformer_config_kwargs as mtp_config_kwargs
     from megatron.training.argument_groups.qk_clip import transformer_config_kwargs as qk_clip_config_kwargs
+    from megatron.training.argument_groups.attention_variants import (
+        transformer_config_kwargs as attention_variants_config_kwargs,
+    )
 
     config_class = config_class or TransformerConfig
     return config_class(
@@ -43,7 +46,7 @@ def core_transformer_config_from_args(args, config_class=None):
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
-        gated_linear_unit=args.swiglu,
+        gated_linear_unit=args.swiglu or getattr(args, "quick_geglu", False),
         **model_config_kwargs(args),
         **communication_config_kwargs(args),
         add_bias_linear=args.add_bias_linear,
@@ -74,6 +77,7 @@ def core_transformer_config_from_args(args, config_class=None):
         **moe_config_kwargs(args),
         **mtp_config_kwargs(args),
         **qk_clip_config_kwargs(args),
+        **attention_variants_config_kwargs(args),
     )
 
 

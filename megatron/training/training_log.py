@@ -143,7 +143,7 @@ def training_flops_per_iteration(args, global_batch_size):
     hidden, layers, seq = args.hidden_size, args.num_layers, args.seq_length
     heads_width = args.kv_channels * args.num_attention_heads
     key_value_width = args.kv_channels * getattr(args, "num_query_groups", args.num_attention_heads)
-    mlp_matrices = 3 if args.swiglu else 2
+    mlp_matrices = 3 if args.swiglu or getattr(args, "quick_geglu", False) else 2  # gated: gate, up, down
     attention = (
         2 * hidden * (heads_width + 2 * key_value_width)  # QKV projection (fewer key/value heads with GQA)
         + 2 * heads_width * hidden  # attention output projection

@@ -3,7 +3,7 @@
 `--to hf` writes GPT2LMHeadModel or a Llama, Mistral, Qwen2 or Qwen3 model (see hf_families.py): none has
 multi-latent attention (DeepSeek-V2/V3's low-rank query and key/value projections), Mixture-of-Experts layers (a
 router and per-expert MLPs, Mixtral / Qwen-MoE / DeepSeek-V3 style) or multi-token prediction layers
-(DeepSeek-V3's), nor gpt-oss's clamped gated MLP with an offset. Such checkpoints
+(DeepSeek-V3's), nor gpt-oss's gated MLP (quick GeLU on the gate, clamped, with an offset). Such checkpoints
 convert losslessly between our own formats (`--to torch`, `--to safetensors` and back with `--from`), which keep
 every tensor under its logical name, the experts under their global index. Likewise `--from hf` reads only
 dense GPT-2, Llama, Mistral, Qwen2 and Qwen3 directories.
@@ -21,7 +21,15 @@ _EXPORT_BLOCKERS = (
      "a clamped gated MLP (gpt-oss-style), which the Llama-family MLP does not compute"),
     ("glu_linear_offset", "--glu-linear-offset",
      "act(gate) * (up + offset) (gpt-oss-style), which the Llama-family MLP does not compute"),
+    ("window_size", "--window-size",
+     "sliding-window attention (gpt-oss-style), which the exported config.json would not describe"),
+    ("softmax_type", "--softmax-type", "attention sinks (gpt-oss-style), which the Llama-family attention does not "
+                                       "compute"),
+    ("quick_geglu", "--quick-geglu",
+     "a gated MLP with quick GeLU, x * sigmoid(1.702 x), on the gate (gpt-oss-style), which no Llama-family MLP "
+     "computes (theirs is SwiGLU)"),
 )
+_DEFAULTS = {"softmax_type": "vanilla"}  # values that are set yet block nothing
 OWN_FORMATS_HINT = ("convert it with --to torch or --to safetensors instead (every tensor under its logical name, "
                     "converted back with --from torch / --from safetensors)")
 
@@ -36,7 +44,7 @@ def hf_export_problems(args):
     problems = []
     for name, flag, needs in _EXPORT_BLOCKERS:
         value = getattr(args, name, None)
-        if value:
+        if value and value != _DEFAULTS.get(name):
             problems.append(f"{flag}{'' if value is True else f' {value}'}: {needs}")
     return problems
 

@@ -23,6 +23,12 @@ entry per local query head) to the largest pre-softmax logit it saw (see attenti
 reduces it over data- and context-parallel ranks, QK-Clip reads it (megatron/core/optimizer/qk_clip.py), and the
 next step starts it afresh; a forward recomputed in backward (`--recompute-granularity full`) is not
 measured again.
+
+Sliding-window layers (`window_size`, `window_attn_skip_freq`) attend under the causal mask and the window (see
+attention_variants.py); the window is an explicit mask, so it composes with a given mask, context parallelism
+(a mask over global positions) and the logit tracking (keys outside the window do not count). With
+`softmax_type` other than vanilla the softmax has a sink per head; "learnable" makes it the parameter
+`softmax_offset` `[heads per partition]`, split over tensor-parallel ranks by heads like the queries.
 """
 
 import torch
@@ -32,13 +38,22 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.extensions.transformer_engine import fused_norm_linear_class, layer_classes
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
 from megatron.core.offloading.fine_grained import offloaded_saved_tensors
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.attention_logits import context_parallel_max_attention_logits, max_attention_logits
 from megatron.core.transformer.context_parallel import comm_type_of_layer, context_parallel_attention
 from megatron.core.transformer import layer_scaled_attention
+from megatron.core.transformer.attention_variants import (
+    attention_with_sinks,
+    is_layer_window_attention,
+    sink_logits,
+    window_blocked,
+    windowed_mask,
+)
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.recompute import checkpointed, is_recomputing
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import parameter_device
 
 
 class Attention(torch.nn.Module):
@@ -118,6 +133,23 @@ class SelfAttention(Attention):
                 param.sequence_parallel = tp_size > 1
         self.tracks_max_attention_logits = config.qk_clip or config.log_max_attention_logit
         self.max_attention_logits = None  # [heads per partition] fp32 while tracking; None before a forward
+        self.window_size = (config.window_size if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number) else None)
+        self.softmax_offset = None
+        if config.softmax_type == "learnable":
+            self.softmax_offset = torch.nn.Parameter(torch.zeros(
+                self.num_heads_per_partition, dtype=config.params_dtype, device=parameter_device(config)))
+            set_tensor_model_parallel_attributes(self.softmax_offset, is_parallel=True, dim=0, stride=1)
+
+    def reset_parameters(self):
+        """Initialise the parameters this module owns itself (the learnable sinks: zeros, as upstream); the
+        projections reset themselves."""
+        if self.softmax_offset is not None:
+            with torch.no_grad():
+                self.softmax_offset.zero_()
+
+    def _sinks(self, device):
+        return sink_logits(self.config.softmax_type, self.softmax_offset, self.num_heads_per_partition, device)
 
     def core_attention(self, query, key, value, attention_mask):
         """Scaled dot-product attention on `[s, b, heads, head_dim]` queries and `[s, b, groups, head_dim]` keys
@@ -140,6 +172,13 @@ class SelfAttention(Attention):
             context = layer_scaled_attention.layer_scaled_attention(query, key, value, attention_mask,
                                                                     self.layer_number, dropout_p)
             return context.permute(2, 0, 1, 3).reshape(context.shape[2], context.shape[0], -1)
+        sinks = self._sinks(query.device)
+        if sinks is not None:
+            blocked = (torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).triu(1)
+                       if attention_mask is None else attention_mask.to(torch.bool))
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                context = attention_with_sinks(query, key, value, blocked, sinks, dropout_p)
+            return context.permute(2, 0, 1, 3).reshape(context.shape[2], context.shape[0], -1)
         if attention_mask is None:
             mask_kwargs = {"is_causal": True}
         else:
@@ -160,8 +199,15 @@ class SelfAttention(Attention):
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # -> [b, heads, s, head_dim]
         query_len, key_len = query.shape[2], key.shape[2]
         # True where masked (Megatron's convention): query i (position offset + i) sees keys 0 .. offset + i.
-        blocked = torch.ones(query_len, key_len, dtype=torch.bool, device=query.device).triu(offset + 1)
-        if layer_scaled_attention.applies(self.config, query):
+        if self.window_size is None:
+            blocked = torch.ones(query_len, key_len, dtype=torch.bool, device=query.device).triu(offset + 1)
+        else:
+            blocked = window_blocked(torch.arange(offset, offset + query_len, device=query.device),
+                                     torch.arange(key_len, device=query.device), self.window_size)
+        sinks = self._sinks(query.device)
+        if sinks is not None:
+            context = attention_with_sinks(query, key, value, blocked, sinks)
+        elif layer_scaled_attention.applies(self.config, query):
             context = layer_scaled_attention.layer_scaled_attention(query, key, value, blocked, self.layer_number,
                                                                     dropout_p=0.0)
         else:
@@ -195,6 +241,10 @@ class SelfAttention(Attention):
                                  "over the cached positions; pass attention_mask=None")
             context = self.cached_core_attention(query, key, value, inference_context)
         else:
+            if self.window_size is not None:
+                # Over global positions: under context parallelism the mask covers the whole sequence.
+                full_len = seq_len * self.config.context_parallel_size
+                attention_mask = windowed_mask(attention_mask, self.window_size, full_len, query.device)
             if self.tracks_max_attention_logits and self.training and not is_recomputing():
                 self.track_max_attention_logits(query, key, attention_mask)
             if self.config.recomputes("core_attn"):

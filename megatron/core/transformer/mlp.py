@@ -1,7 +1,7 @@
 """The feed-forward block: column-parallel fc1, activation (plain or gated), row-parallel fc2.
 
-For a gated MLP (swiglu) fc1 produces a gate and an up projection for each of the ffn units. Its output rows
-are interleaved per unit, `[gate_0, up_0, gate_1, up_1, ...]`, so a contiguous slice of rows (what a
+For a gated MLP (swiglu, quick geglu) fc1 produces a gate and an up projection for each of the ffn units. Its
+output rows are interleaved per unit, `[gate_0, up_0, gate_1, up_1, ...]`, so a contiguous slice of rows (what a
 tensor-parallel rank holds) carries whole units with both their gate and their up rows. The full weight layout
 is therefore the same at every TP size, shards are plain contiguous slices (partition_stride 1), and TP=2
 reproduces TP=1 exactly from the same full initialisation.

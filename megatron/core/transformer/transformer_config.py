@@ -187,6 +187,16 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelPar
     log_max_attention_logit: bool = False
     """Track the largest attention logit of each head during training (`--log-max-attention-logit`)."""
 
+    window_size: Optional[tuple] = None
+    """Sliding-window attention `(left, right)` (`--window-size`): query i sees keys i - left .. i + right under
+    the causal mask; -1 means no limit on that side. None: full causal attention."""
+    window_attn_skip_freq: Optional[object] = None
+    """Which layers skip the window (`--window-attn-skip-freq`): an int N makes every N-th layer (1-based) full
+    attention; a 0/1 list (kept as a tuple) gives one entry per layer, 1 for the window. None: every layer."""
+    softmax_type: str = "vanilla"
+    """Attention sinks (`--softmax-type`): "vanilla", "off-by-one" (1 added to the softmax denominator) or
+    "learnable" (exp of a learned per-head logit, the parameter `softmax_offset`, added)."""
+
     calculate_per_token_loss: bool = False
     """Loss is summed over tokens and divided once by the global token count (`--calculate-per-token-loss`),
     instead of averaging per microbatch; the pipeline schedules and gradient finalisation read it."""
@@ -221,6 +231,14 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelPar
         self._validate_multi_latent_attention()
         self._validate_qk_clip()
         self._validate_layer_variants()
+        self._validate_attention_variants()
+
+    def _validate_attention_variants(self):
+        from megatron.core.transformer.attention_variants import validated_attention_variants
+
+        window_size, skip_freq = validated_attention_variants(self)
+        self._set("window_size", window_size)
+        self._set("window_attn_skip_freq", skip_freq)
 
     def _validate_qk_clip(self):
         if not 0.0 <= self.qk_clip_alpha <= 1.0:
@@ -342,8 +360,8 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelPar
             for flag, given in (("--activation-func-clamp-value", self.activation_func_clamp_value is not None),
                                 ("--glu-linear-offset", self.glu_linear_offset != 0.0)):
                 if given:
-                    raise ValueError(f"{flag} shapes the gated MLP (act(gate) * up): it needs --swiglu; add that "
-                                     f"or drop {flag}")
+                    raise ValueError(f"{flag} shapes the gated MLP (act(gate) * up): it needs --swiglu or "
+                                     f"--quick-geglu; add one or drop {flag}")
         clamp_value = self.activation_func_clamp_value
         if clamp_value is not None and not clamp_value > 0:
             raise ValueError(f"--activation-func-clamp-value must be positive, got {clamp_value}")

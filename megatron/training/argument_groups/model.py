@@ -86,6 +86,10 @@ def add_arguments(parser):
     group.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     group.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of the normalisation layers.")
     group.add_argument("--swiglu", action="store_true", help="Gated SiLU MLP instead of GeLU.")
+    group.add_argument("--quick-geglu", action="store_true",
+                       help="Gated MLP whose gate goes through quick GeLU, x * sigmoid(1.702 x): "
+                       "quick_gelu(gate) * up (gpt-oss); exclusive with --swiglu. --ffn-hidden-size defaults to "
+                       "4 x hidden size, as upstream.")
     group.add_argument(
         "--untie-embeddings-and-output-weights",
         action="store_true",
@@ -169,10 +173,10 @@ def _add_layer_variant_arguments(group):
                        "is given) from U(-a, a), a = sqrt(6 / (fan_in + fan_out)) of the full unsharded weight, "
                        "instead of normal(0, --init-method-std); the output projections are not scaled by depth.")
     group.add_argument("--activation-func-clamp-value", type=float, default=None,
-                       help="Gated MLP (--swiglu): clamp the gate to at most this value and the up projection to "
-                       "[-value, value] before the activation (gpt-oss: 7).")
+                       help="Gated MLP (--swiglu, --quick-geglu): clamp the gate to at most this value and the up "
+                       "projection to [-value, value] before the activation (gpt-oss: 7).")
     group.add_argument("--glu-linear-offset", type=float, default=0.0,
-                       help="Gated MLP (--swiglu): act(gate) * (up + offset) (gpt-oss: 1).")
+                       help="Gated MLP (--swiglu, --quick-geglu): act(gate) * (up + offset) (gpt-oss: 1).")
     group.add_argument("--embedding-init-method-std", type=float, default=None,
                        help="Std of the zero-mean normal init of the embedding weights (word and learned position "
                        "embeddings; with tied weights also the output layer, which is the word embedding); setting "
@@ -182,12 +186,14 @@ def _add_layer_variant_arguments(group):
 
 def transformer_config_kwargs(args):
     """The TransformerConfig fields of the layer-variant flags, the MLP activation and the embedding init."""
-    from megatron.core.activations import squared_relu
+    from megatron.core.activations import quick_gelu, squared_relu
     from megatron.core.transformer.init_methods import XavierUniformInit
     from megatron.core.transformer.utils import openai_gelu
 
     activation_func = None  # the config's default: gelu, or silu for --swiglu
-    if args.squared_relu:
+    if getattr(args, "quick_geglu", False):  # gated: core_transformer_config_from_args sets gated_linear_unit
+        activation_func = quick_gelu
+    elif args.squared_relu:
         activation_func = squared_relu
     elif args.openai_gelu:
         activation_func = openai_gelu
@@ -237,12 +243,17 @@ def _validate_layer_variants(args):
                          "parameters it is already fp32: drop the flag")
     if args.embedding_init_method_std is not None and args.embedding_init_method_std <= 0:
         raise ValueError(f"--embedding-init-method-std must be positive, got {args.embedding_init_method_std}")
-    if not args.swiglu:
+    if args.quick_geglu:
+        for other, given in (("--swiglu", args.swiglu), ("--squared-relu", args.squared_relu),
+                             ("--openai-gelu", args.openai_gelu)):
+            if given:
+                raise ValueError(f"--quick-geglu and {other} are exclusive MLP activations: pick one")
+    if not (args.swiglu or args.quick_geglu):
         for flag, given in (("--activation-func-clamp-value", args.activation_func_clamp_value is not None),
                             ("--glu-linear-offset", args.glu_linear_offset != 0.0)):
             if given:
-                raise ValueError(f"{flag} shapes the gated MLP (act(gate) * up): it needs --swiglu; add that or "
-                                 f"drop {flag}")
+                raise ValueError(f"{flag} shapes the gated MLP (act(gate) * up): it needs --swiglu or "
+                                 f"--quick-geglu; add one or drop {flag}")
     if args.init_method_xavier_uniform and args.init_method_std != DEFAULT_INIT_METHOD_STD:
         warnings.warn(f"--init-method-std {args.init_method_std} has no effect with --init-method-xavier-uniform "
                       "(the bound comes from each weight's shape); drop one of them")

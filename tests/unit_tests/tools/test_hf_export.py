@@ -409,6 +409,9 @@ def test_models_hugging_face_cannot_compute_are_refused_naming_the_flag(tools):
     assert "--glu-linear-offset 1.0: act(gate) * (up + offset)" in refusal
     assert hf_unsupported.hf_export_refusal(argparse.Namespace(activation_func_clamp_value=None,
                                                                glu_linear_offset=0.0)) is None
+    refusal = hf_unsupported.hf_export_refusal(argparse.Namespace(quick_geglu=True))
+    assert "--quick-geglu: a gated MLP with quick GeLU, x * sigmoid(1.702 x), on the gate" in refusal
+    assert hf_unsupported.hf_export_refusal(argparse.Namespace(quick_geglu=False)) is None
 
 
 def test_true_vocab_size_of_a_checkpoint_without_a_recorded_one(tools):

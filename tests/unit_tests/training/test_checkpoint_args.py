@@ -233,3 +233,22 @@ def test_gated_mlp_clamp_and_offset_are_compared_and_taken_from_the_checkpoint()
     changed = apply_checkpoint_args(plain, saved)
     assert (plain.activation_func_clamp_value, plain.glu_linear_offset) == (7.0, 1.0)
     assert changed == ["--glu-linear-offset 1.0 (command line: 0.0)"]  # the clamp was not given: nothing overridden
+
+
+def test_quick_geglu_is_compared_and_taken_from_the_checkpoint():
+    """--quick-geglu (gpt-oss's gated MLP) computes another function over the same fc1 and fc2 shapes as a
+    --ffn-hidden-size swiglu model: a resume without it is refused naming it, and --use-checkpoint-args takes it."""
+    from megatron.core.dist_checkpointing.serialization import CheckpointError
+    from megatron.training.checkpoint_args import check_same_architecture
+
+    saved = argparse.Namespace(quick_geglu=True, swiglu=False)
+    plain = argparse.Namespace(quick_geglu=False, swiglu=False)
+    assert architecture_differences(saved, plain) == ["--quick-geglu: set in the checkpoint, not set in this run"]
+    assert architecture_differences(plain, saved) == ["--quick-geglu: not set in the checkpoint, set in this run"]
+    assert architecture_differences(saved, argparse.Namespace(**vars(saved))) == []
+    assert architecture_differences(argparse.Namespace(swiglu=False), plain) == []  # saved before the flag existed
+    with pytest.raises(CheckpointError, match="--quick-geglu: set in the checkpoint, not set in this run.*"
+                                              "launch with the checkpoint's --quick-geglu"):
+        check_same_architecture("CKPT", saved, plain)
+    assert apply_checkpoint_args(plain, saved) == ["--quick-geglu True (command line: False)"]
+    assert plain.quick_geglu is True

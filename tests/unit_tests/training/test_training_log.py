@@ -256,3 +256,11 @@ def test_decoupled_learning_rate_is_logged_beside_the_learning_rate():
         global_batch_size=8, losses={"lm loss": 2.0}, loss_scale=1.0, grad_norm=None, num_zeros=None,
         skipped_iterations=0, nan_iterations=0, decoupled_learning_rate=2e-4)
     assert "| learning rate: 1.000000E-03 | decoupled learning rate: 2.000000E-04 | global batch size: 8 |" in line
+
+
+def test_flops_estimate_counts_the_quick_geglu_mlp_like_swiglu():
+    h, s, f, layers, batch = 64, 16, 256, 2, 3
+    plain = training_log.training_flops_per_iteration(_flops_args(), batch)
+    quick_geglu = training_log.training_flops_per_iteration(_flops_args(quick_geglu=True), batch)
+    assert quick_geglu == training_log.training_flops_per_iteration(_flops_args(swiglu=True), batch)
+    assert quick_geglu - plain == 3 * layers * 2 * h * f * s * batch  # the up projection: a third matrix
