@@ -27,6 +27,7 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unk
     set_cpu_threads()
     if getattr(parsed, "deterministic_mode", False):
         set_deterministic_mode()
+    set_matmul_precision(parsed)
     initialize_distributed(parsed)
     set_random_seed(parsed.seed, parsed.data_parallel_random_init)
     return parsed
@@ -38,6 +39,12 @@ def set_cpu_threads():
         return
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+
+
+def set_matmul_precision(args):
+    """--disable-bf16-reduced-precision-matmul: bf16 cuBLAS GEMMs reduce in fp32 (only CUDA matmuls read it)."""
+    if getattr(args, "disable_bf16_reduced_precision_matmul", False) and accelerator.cuda_available():
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 
 
 def set_deterministic_mode():

@@ -113,12 +113,16 @@ def build_scheduler(optimizer, args):
 
 def setup_model_and_optimizer(model_provider_func, args):
     """(model chunks, optimizer, scheduler, model config with hooks installed)."""
-    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer import get_megatron_optimizer, no_weight_decay_cond_for
 
     model_chunks = get_model(model_provider_func, args)
     # --embedding-init-method-std also keeps the embeddings out of weight decay (as upstream).
-    optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model_chunks,
-                                       default_skip_embedding_weight_decay=args.embedding_init_method_std is not None)
+    skip_embeddings = args.embedding_init_method_std is not None
+    optimizer = get_megatron_optimizer(
+        optimizer_config_from_args(args), model_chunks,
+        no_weight_decay_cond=no_weight_decay_cond_for(getattr(args, "no_weight_decay_cond_type", None),
+                                                      skip_embeddings),
+        default_skip_embedding_weight_decay=skip_embeddings)
     scheduler = build_scheduler(optimizer, args)
     config = install_schedule_hooks(model_chunks, optimizer, args)
     return model_chunks, optimizer, scheduler, config

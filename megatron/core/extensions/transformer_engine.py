@@ -43,7 +43,14 @@ def te_recipe(config):
             margin=config.fp8_margin,
             amax_history_len=config.fp8_amax_history_len,
             amax_compute_algo=config.fp8_amax_compute_algo,
+            # (fprop, dgrad, wgrad) run in higher precision: --no-fp8-wgrad, as upstream.
+            override_linear_precision=(False, False, not getattr(config, "fp8_wgrad", True)),
         )
+    if not getattr(config, "fp8_wgrad", True):
+        raise ValueError(f"--no-fp8-wgrad with --transformer-impl transformer_engine needs --fp8-recipe delayed (the "
+                         f"Transformer Engine recipe that takes a wgrad precision override), got "
+                         f"{config.fp8_recipe}; use --transformer-impl local, which honours it with delayed and "
+                         "tensorwise")
     if config.fp8_recipe == "tensorwise":
         return te_recipes.Float8CurrentScaling(fp8_format=fp8_format)
     if config.fp8_recipe == "mxfp8":

@@ -3,7 +3,9 @@
 Forward quantizes the input and the weight to the recipe's forward dtype (or takes an FP8 weight the
 parameter already carries, see `--fp8-param-gather`) and keeps the FP8 copies for backward (1 byte per
 element). Backward quantizes the output gradient to the backward dtype (e5m2 under `hybrid`) and computes
-`dgrad = g @ w` and `wgrad = g.T @ x` from FP8 operands. The bias and its gradient stay in high precision;
+`dgrad = g @ w` and `wgrad = g.T @ x` from FP8 operands (with `--no-fp8-wgrad`, the recipe's `fp8_wgrad` off,
+`wgrad` comes from the high-precision `g` and `x` instead, as the non-FP8 linear computes it, and the layer keeps
+`x` in its own dtype for that rather than in FP8). The bias and its gradient stay in high precision;
 `torch._scaled_mm` adds the bias itself where it takes one (an output in the bias's dtype, bf16 or fp16 on GPUs).
 
 Layouts: `_scaled_mm` multiplies a row-major operand by a column-major one. The weight GEMM of the forward pass
@@ -208,6 +210,16 @@ def _autograd_value_after_main_grad(weight):
     return None
 
 
+def _high_precision_weight_grad(grad_2d, input_2d, grad_dtype, main_grad):
+    """`g.T @ x` from the unquantized operands, computed as the non-FP8 linear does (in the activations' dtype),
+    added into `main_grad` when given (returns None then), else returned in `grad_dtype`."""
+    grad_weight = grad_2d.t().matmul(input_2d)
+    if main_grad is not None:
+        main_grad.add_(grad_weight.to(main_grad.dtype))
+        return None
+    return grad_weight.to(grad_dtype)
+
+
 def _pack(fp8: ScaledFloat8):
     return fp8.data, fp8.transpose_data, fp8.scale, fp8.scale_inv
 
@@ -226,16 +238,22 @@ class Fp8LinearFunction(torch.autograd.Function):
         input_2d = input_.reshape(-1, input_.shape[-1])
         on_scaled_mm = scaled_mm_in_use(input_.device.type)
         needs_weight_grad = ctx.needs_input_grad[1]
+        fp8_wgrad = scaling.recipe.fp8_wgrad
         # The weight gradient reads the input column-major: under _scaled_mm its transposed bytes come from the
         # quantizing pass and are all that is kept for backward.
-        input_fp8 = scaling.input.quantize(input_2d, with_transpose=on_scaled_mm and needs_weight_grad)
+        input_fp8 = scaling.input.quantize(input_2d, with_transpose=on_scaled_mm and needs_weight_grad and fp8_wgrad)
         if weight_fp8 is None:
             # The input gradient reads the weight column-major: its transposed bytes come from the same pass.
             weight_fp8 = scaling.weight.quantize(weight, with_transpose=on_scaled_mm and ctx.needs_input_grad[0])
         output = fp8_gemm(input_fp8, weight_fp8.t(), input_.dtype, bias=bias, label=label)
-        saved_input = _pack(input_fp8) if needs_weight_grad else (None, None, None, None)
-        if saved_input[1] is not None:
-            saved_input = (None, *saved_input[1:])
+        if not needs_weight_grad:
+            saved_input = (None, None, None, None)
+        elif fp8_wgrad:
+            saved_input = _pack(input_fp8)
+            if saved_input[1] is not None:
+                saved_input = (None, *saved_input[1:])
+        else:  # the weight gradient reads the input in its own dtype
+            saved_input = (input_2d, None, None, None)
         ctx.save_for_backward(*saved_input, *_pack(weight_fp8), weight)
         ctx.scaling = scaling
         ctx.has_bias = bias is not None
@@ -253,16 +271,22 @@ class Fp8LinearFunction(torch.autograd.Function):
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
         needs_weight_grad = ctx.needs_input_grad[1]
         on_scaled_mm = scaled_mm_in_use(grad_output.device.type)
-        grad_fp8 = ctx.scaling.grad_output.quantize(grad_2d, with_transpose=on_scaled_mm and needs_weight_grad)
+        fp8_wgrad = ctx.scaling.recipe.fp8_wgrad
+        grad_fp8 = ctx.scaling.grad_output.quantize(grad_2d,
+                                                    with_transpose=on_scaled_mm and needs_weight_grad and fp8_wgrad)
 
         grad_input = None
         if ctx.needs_input_grad[0]:
             grad_input = fp8_gemm(grad_fp8, weight_fp8, ctx.input_dtype, label=ctx.label).view(ctx.input_shape)
         grad_weight = None
         if needs_weight_grad:
-            input_fp8 = _unpack(*saved[0:4])
             main_grad, grad_dtype = _weight_grad_target(weight, ctx.accumulate_into_main_grad)
-            grad_weight = fp8_gemm(grad_fp8.t(), input_fp8, grad_dtype, accumulate_into=main_grad, label=ctx.label)
+            if fp8_wgrad:
+                input_fp8 = _unpack(*saved[0:4])
+                grad_weight = fp8_gemm(grad_fp8.t(), input_fp8, grad_dtype, accumulate_into=main_grad,
+                                       label=ctx.label)
+            else:
+                grad_weight = _high_precision_weight_grad(grad_2d, saved[0], grad_dtype, main_grad)
             if main_grad is not None:
                 grad_weight = _autograd_value_after_main_grad(weight)
         grad_bias = grad_2d.sum(dim=0) if ctx.has_bias else None

@@ -19,7 +19,8 @@ class Fp8Recipe:
     hold shards of it). `delayed`: the scale comes from a history of the last `amax_history_len` amaxes
     (`most_recent` or `max` of it), so quantizing needs no reduction on the critical path; the amaxes seen in
     a forward pass are reduced across the ranks that share the tensors when the FP8 region ends.
-    `margin` divides the scale by 2**margin to leave head-room.
+    `margin` divides the scale by 2**margin to leave head-room. `fp8_wgrad` False (`--no-fp8-wgrad`): the
+    linear layers compute their weight gradients from the unquantized input and output gradient.
     """
 
     fp8_format: Fp8Format
@@ -27,6 +28,7 @@ class Fp8Recipe:
     margin: int = 0
     amax_history_len: int = 1
     amax_compute_algo: str = "most_recent"
+    fp8_wgrad: bool = True
 
     def __post_init__(self):
         if self.scaling in GPU_ONLY_RECIPES:
@@ -55,4 +57,5 @@ class Fp8Recipe:
             margin=config.fp8_margin,
             amax_history_len=config.fp8_amax_history_len,
             amax_compute_algo=config.fp8_amax_compute_algo,
+            fp8_wgrad=getattr(config, "fp8_wgrad", True),
         )

@@ -4,7 +4,8 @@ Parameter groups: weights get `config.weight_decay`; biases and 1-D parameters (
 `default_skip_embedding_weight_decay` (`--embedding-init-method-std`), the embedding weights
 (`is_embedding_parameter`: word and learned position embeddings, and a tied output layer's copy of the word
 embedding), so they do not shrink towards zero; `no_weight_decay_cond(name, param)`, when given, decides instead
-of these defaults. `scale_lr_cond(name, param)` selects parameters whose learning rate is multiplied by
+of these defaults (`no_weight_decay_cond_for` builds upstream's named alternatives, `--no-weight-decay-cond-type`).
+`scale_lr_cond(name, param)` selects parameters whose learning rate is multiplied by
 `lr_mult`. Each group carries `wd_mult` and `lr_mult`, which the `OptimizerParamScheduler` applies when it sets
 `lr` and `weight_decay` every step. With `config.decoupled_lr` the word-embedding and output-layer weights
 (`is_embedding_or_output_parameter`) form groups of their own whose `max_lr` / `min_lr` (`decoupled_lr`,
@@ -53,6 +54,7 @@ __all__ = [
     "DynamicGradScaler",
     "get_megatron_optimizer",
     "get_param_groups",
+    "no_weight_decay_cond_for",
     "get_grad_norm_fp32",
     "global_norm_fp32",
     "global_norms_fp32",
@@ -69,6 +71,31 @@ def _default_no_weight_decay(name, param):
 
 def _default_no_weight_decay_nor_on_embeddings(name, param):
     return _default_no_weight_decay(name, param) or getattr(param, "is_embedding_parameter", False)
+
+
+# `--no-weight-decay-cond-type` values, as upstream.
+NO_WEIGHT_DECAY_COND_TYPES = ("apply_wd_to_qk_layernorm",)
+
+
+def no_weight_decay_cond_for(cond_type, default_skip_embedding_weight_decay=False):
+    """The `no_weight_decay_cond` of `--no-weight-decay-cond-type` (None: the defaults of `get_param_groups`).
+
+    `apply_wd_to_qk_layernorm` (Qwen3-Next): the query / key norms' parameters (`q_layernorm` or `k_layernorm` in
+    the name; a LayerNorm's bias too, as upstream) are weight-decayed although they are 1-D; every other parameter
+    follows the defaults."""
+    if cond_type is None:
+        return None
+    if cond_type not in NO_WEIGHT_DECAY_COND_TYPES:
+        raise ValueError(f"--no-weight-decay-cond-type must be one of {NO_WEIGHT_DECAY_COND_TYPES}, got {cond_type!r}")
+    default = (_default_no_weight_decay_nor_on_embeddings if default_skip_embedding_weight_decay
+               else _default_no_weight_decay)
+
+    def apply_wd_to_qk_layernorm(name, param):
+        if "q_layernorm" in name or "k_layernorm" in name:
+            return False
+        return default(name, param)
+
+    return apply_wd_to_qk_layernorm
 
 
 def get_param_groups(model_chunks, config, no_weight_decay_cond=None, scale_lr_cond=None, lr_mult=1.0,

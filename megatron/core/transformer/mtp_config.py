@@ -1,4 +1,5 @@
-"""The multi-token prediction fields of `TransformerConfig` (`--mtp-num-layers`, `--mtp-loss-scaling-factor`).
+"""The multi-token prediction fields of `TransformerConfig` (`--mtp-num-layers`, `--mtp-loss-scaling-factor`,
+`--mtp-use-repeated-layer`).
 
 With `mtp_num_layers` N, the last pipeline stage runs N extra prediction depths after the decoder (see
 `megatron.core.transformer.multi_token_prediction`); depth k predicts the token k + 1 positions ahead, and the
@@ -11,6 +12,7 @@ from typing import Optional
 
 MTP_FLAG = "--mtp-num-layers"
 MTP_SCALE_FLAG = "--mtp-loss-scaling-factor"
+MTP_REPEATED_FLAG = "--mtp-use-repeated-layer"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,10 +25,15 @@ class MTPConfigMixin:
     mtp_loss_scaling_factor: float = 0.1
     """The MTP loss added to the LM loss is this factor times the mean of the depths' losses
     (`--mtp-loss-scaling-factor`)."""
+    mtp_use_repeated_layer: bool = False
+    """One prediction layer (`mtp.layers.0`) run at every depth instead of one per depth
+    (`--mtp-use-repeated-layer`)."""
 
     def _validate_multi_token_prediction(self):
         depths = self.mtp_num_layers
         if depths is None:
+            if self.mtp_use_repeated_layer:
+                raise ValueError(f"{MTP_REPEATED_FLAG} needs {MTP_FLAG} (the depths that share the layer)")
             return
         if isinstance(depths, bool) or not isinstance(depths, int) or depths < 1:
             raise ValueError(f"{MTP_FLAG} must be an integer >= 1 (or unset for no multi-token prediction), "

@@ -23,6 +23,10 @@ instead, as upstream. The logged `lm loss` stays the main model's; each depth's 
 iteration's microbatches and data-parallel ranks is logged as `mtp_{k} loss` (`track_mtp_losses`,
 `reduce_mtp_losses_for_logging`).
 
+With `mtp_use_repeated_layer` (`--mtp-use-repeated-layer`, as upstream) the block holds one depth's layer,
+`mtp.layers.0`, and runs it at every depth k = 1..N (the shift by k and the chain h^{k-1} -> h^k as above); its
+MoE auxiliary losses are logged under each depth's own entry.
+
 Parameter names follow upstream's MultiTokenPredictionBlock: `mtp.layers.{k-1}.enorm`, `.hnorm`, `.eh_proj`,
 `.transformer_layer.*`, `.final_layernorm`. Each depth's transformer layer is a `TransformerLayer` built like the
 decoder's last layer (the same attention and MLP kind, dense or MoE, as upstream's MTP spec); its initial weights
@@ -121,16 +125,27 @@ class MultiTokenPredictionLayer(torch.nn.Module):
 
 
 class MultiTokenPredictionBlock(torch.nn.Module):
-    """The `config.mtp_num_layers` depths, run one after the other on the last pipeline stage."""
+    """The `config.mtp_num_layers` depths, run one after the other on the last pipeline stage (one shared layer
+    under `config.mtp_use_repeated_layer`)."""
 
     def __init__(self, config: TransformerConfig, base_init_seed=None):
         super().__init__()
         if not config.mtp_num_layers:
             raise ValueError("MultiTokenPredictionBlock needs --mtp-num-layers >= 1")
         self.config = config
+        self.repeated = bool(getattr(config, "mtp_use_repeated_layer", False))
+        built = 1 if self.repeated else config.mtp_num_layers
         self.layers = torch.nn.ModuleList(
-            MultiTokenPredictionLayer(config, depth, base_init_seed) for depth in range(1, config.mtp_num_layers + 1)
+            MultiTokenPredictionLayer(config, depth, base_init_seed) for depth in range(1, built + 1)
         )
+
+    def layer_at(self, depth: int) -> MultiTokenPredictionLayer:
+        """The layer that computes depth `depth` (1-based)."""
+        if not self.repeated:
+            return self.layers[depth - 1]
+        layer = self.layers[0]
+        log_aux_losses_as_layer(layer.transformer_layer, self.config.num_layers + depth)
+        return layer
 
     def forward(self, input_ids, position_ids, hidden_states, embedding, attention_mask=None,
                 rotary_pos_emb=None) -> List[torch.Tensor]:
@@ -138,7 +153,8 @@ class MultiTokenPredictionBlock(torch.nn.Module):
         position_ids)` is the model's embedding; `input_ids` / `position_ids` are `[b, s]`."""
         outputs = []
         cp_group = context_parallel_group_or_none(self.config)
-        for depth, layer in enumerate(self.layers, start=1):
+        for depth in range(1, self.config.mtp_num_layers + 1):
+            layer = self.layer_at(depth)
             shifted_positions = None if position_ids is None else shift_left(position_ids, depth, cp_group=cp_group)
             embeddings = embedding(shift_left(input_ids, depth, cp_group=cp_group), shifted_positions)
             hidden_states = layer(embeddings, hidden_states, attention_mask, rotary_pos_emb)

@@ -28,6 +28,15 @@ def add_arguments(parser):
     group.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=list(AMAX_COMPUTE_ALGOS),
                        help="How the scale is read from the amax history (delayed scaling).")
     group.add_argument("--fp8-margin", type=int, default=0, help="Scaling-factor margin (delayed scaling).")
+    group.add_argument("--no-fp8-wgrad", action="store_false", dest="fp8_wgrad",
+                       help="Compute the FP8 linear layers' weight gradients in higher precision (the activations' "
+                       "dtype, from the unquantized input and output gradient); the forward and input-gradient GEMMs "
+                       "stay FP8. The layer keeps its input in that dtype for backward instead of in FP8.")
+    group.add_argument("--fp8-wgrad", action="store_true", dest="fp8_wgrad", default=True,
+                       help="The default: weight gradients in FP8 too (undoes --no-fp8-wgrad).")
+    group.add_argument("--fp8-interval", type=int, default=None,
+                       help="DEPRECATED. This flag is ignored. Scaling update interval for fp8 (upstream's own "
+                       "words; a warning says so).")
     group.add_argument("--first-last-layers-bf16", action="store_true",
                        help="Keep the first and last transformer layers out of FP8.")
     group.add_argument("--num-layers-at-start-in-bf16", type=int, default=1,
@@ -48,6 +57,14 @@ def validate(args):
                       "cache); add --fp8-format to train in FP8, or drop the flag")
     if args.first_last_layers_bf16 and args.fp8_format is None:
         raise ValueError("--first-last-layers-bf16 needs --fp8-format")
+    if args.fp8_interval is not None:
+        warnings.warn(f"--fp8-interval {args.fp8_interval} is deprecated upstream and ignored (the scales are "
+                      "updated every step under delayed scaling); drop it")
+    if not args.fp8_wgrad and args.fp8_format is not None and args.transformer_impl == "transformer_engine" \
+            and args.fp8_recipe != "delayed":
+        raise ValueError(f"--no-fp8-wgrad with --transformer-impl transformer_engine needs --fp8-recipe delayed (the "
+                         f"Transformer Engine recipe that takes a wgrad precision override), got --fp8-recipe "
+                         f"{args.fp8_recipe}; use --transformer-impl local (delayed or tensorwise) or drop the flag")
     if args.fp8_amax_history_len < 1:
         raise ValueError(f"--fp8-amax-history-len must be >= 1, got {args.fp8_amax_history_len}")
     if args.fp8_margin < 0:
@@ -90,6 +107,7 @@ def transformer_config_kwargs(args):
         "fp8_amax_compute_algo": args.fp8_amax_compute_algo,
         "fp8_param": args.fp8_param_gather,
         "keep_fp8_transpose_cache": args.keep_fp8_transpose_cache,
+        "fp8_wgrad": args.fp8_wgrad,
         "first_last_layers_bf16": args.first_last_layers_bf16,
         "num_layers_at_start_in_bf16": args.num_layers_at_start_in_bf16,
         "num_layers_at_end_in_bf16": args.num_layers_at_end_in_bf16,

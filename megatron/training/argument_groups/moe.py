@@ -7,8 +7,9 @@ process group starts.
 The expert-parallel layout rule (DP x CP divisible by EP) is checked here because it needs the world size.
 `--num-experts 0` means no MoE, as upstream; `--moe-router-padding-for-quantization` is upstream's newer
 name of `--moe-router-padding-for-fp8`. Upstream's kernel-selection switches (--moe-permute-fusion,
---moe-router-fusion, --moe-use-legacy-grouped-gemm) are accepted and change nothing: the torch ops run. DeepEP
-(--moe-enable-deepep) stops with what to use instead.
+--moe-router-fusion, --moe-use-legacy-grouped-gemm, --use-fused-weighted-squared-relu) are accepted and change
+nothing: the torch ops run. DeepEP (--moe-enable-deepep) and latent MoE (--moe-latent-size) stop with what to do
+instead.
 """
 
 from megatron.core.transformer.moe.moe_config import (
@@ -115,6 +116,13 @@ def add_arguments(parser):
                        "every expert. Not provided here: an error.")
     group.add_argument("--moe-upcycling-granularity", type=int, default=1,
                        help="Upstream: experts per dense MLP slice when upcycling (only with --moe-use-upcycling).")
+    group.add_argument("--moe-latent-size", type=int, default=None,
+                       help="Upstream: project the tokens to this latent width before the experts and back after "
+                       "them (latent MoE). Not provided here: an error.")
+    group.add_argument("--use-fused-weighted-squared-relu", action="store_true",
+                       help="Accepted for upstream scripts (with --squared-relu and --num-experts): upstream fuses the "
+                       "experts' squared ReLU with the routing-probability weighting in one kernel; the torch ops "
+                       "here compute the same product.")
     group.add_argument("--moe-deepep-num-sms", type=int, default=20,
                        help="Accepted for upstream scripts: the streaming multiprocessors DeepEP uses; only DeepEP "
                        "reads it (no effect here).")
@@ -151,6 +159,13 @@ def validate(args):
                          "the MoE model from scratch, or load a MoE checkpoint; drop --moe-use-upcycling")
     if args.moe_upcycling_granularity != 1:
         raise ValueError("--moe-upcycling-granularity applies to --moe-use-upcycling, which is not supported; drop it")
+    if args.moe_latent_size is not None:
+        raise ValueError(f"--moe-latent-size {args.moe_latent_size} (latent MoE: experts working in a projected "
+                         "latent width) is not supported: drop it; the experts work at --hidden-size, with "
+                         "--moe-ffn-hidden-size as their inner width")
+    if args.use_fused_weighted_squared_relu and not (args.squared_relu and args.num_experts):
+        raise ValueError("--use-fused-weighted-squared-relu fuses the experts' squared ReLU: it needs --squared-relu "
+                         "and --num-experts; add them or drop the flag")
     if args.moe_deepep_num_sms <= 0:
         raise ValueError(f"--moe-deepep-num-sms must be positive, got {args.moe_deepep_num_sms}")
     # One type and coefficient stay a str and a float (as before lists were accepted, and in saved checkpoint

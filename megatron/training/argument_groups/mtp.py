@@ -1,6 +1,7 @@
 """Multi-token prediction flags (DeepSeek-V3), with upstream's names and defaults: `--mtp-num-layers N` extra
 prediction depths on the last pipeline stage, their mean loss scaled by `--mtp-loss-scaling-factor` (0.1) and
-added to the LM loss (see megatron/core/transformer/multi_token_prediction.py).
+added to the LM loss (see megatron/core/transformer/multi_token_prediction.py); `--mtp-use-repeated-layer` runs one
+shared layer at every depth.
 
 Rules here (the config checks the value ranges again): N >= 1; rotary position
 embeddings (`--position-embedding-type rope`, as upstream, which also allows "none"); a
@@ -8,7 +9,7 @@ embeddings (`--position-embedding-type rope`, as upstream, which also allows "no
 `--context-parallel-size` works: the depths shift their tokens along the whole sequence, across the ranks' chunks.
 """
 
-from megatron.core.transformer.mtp_config import MTP_FLAG, MTP_SCALE_FLAG
+from megatron.core.transformer.mtp_config import MTP_FLAG, MTP_REPEATED_FLAG, MTP_SCALE_FLAG
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
 
@@ -24,12 +25,19 @@ def add_arguments(parser):
         help="Scale of the multi-token prediction loss: this factor times the mean of the depths' losses is added "
         "to the LM loss.",
     )
+    group.add_argument(
+        MTP_REPEATED_FLAG, action="store_true",
+        help="Build one multi-token prediction layer and run it at every depth (shared weights) instead of one "
+        "layer per depth.",
+    )
 
 
 def validate(args):
     depths = args.mtp_num_layers
     layout = getattr(args, "pipeline_model_parallel_layout", None)
     if depths is None:
+        if getattr(args, "mtp_use_repeated_layer", False):
+            raise ValueError(f"{MTP_REPEATED_FLAG} needs {MTP_FLAG} (the depths that share the layer)")
         if layout is not None and PipelineParallelLayerLayout(layout, args.pipeline_model_parallel_size
                                                               ).mtp_layer_count():
             raise ValueError(f"--pipeline-model-parallel-layout {layout!r} places multi-token-prediction depths "
@@ -50,4 +58,5 @@ def validate(args):
 def transformer_config_kwargs(args):
     """The multi-token prediction fields of `TransformerConfig`."""
     return dict(mtp_num_layers=getattr(args, "mtp_num_layers", None),
-                mtp_loss_scaling_factor=getattr(args, "mtp_loss_scaling_factor", 0.1))
+                mtp_loss_scaling_factor=getattr(args, "mtp_loss_scaling_factor", 0.1),
+                mtp_use_repeated_layer=getattr(args, "mtp_use_repeated_layer", False))

@@ -1,5 +1,6 @@
-"""Numerics flags of the loss and attention: the fused vocab-parallel cross entropy, upstream's fp16 cross-entropy
-switch and its query-key layer scaling (an fp16 overflow guard)."""
+"""Numerics flags of the loss, attention and matmuls: the fused vocab-parallel cross entropy, upstream's fp16
+cross-entropy switch, its query-key layer scaling (an fp16 overflow guard) and
+`--disable-bf16-reduced-precision-matmul` (applied at start-up by `megatron.training.initialize`)."""
 
 
 def add_arguments(parser):
@@ -17,6 +18,10 @@ def add_arguments(parser):
                        help="With --fp16: compute attention scores as Q.K^T / (sqrt(d) x layer number) in fp16 and "
                        "multiply them back by the layer number in fp32 before the softmax (overflow guard); with "
                        "fp32 or bf16 inputs it changes nothing, as upstream.")
+    group.add_argument("--disable-bf16-reduced-precision-matmul", action="store_true",
+                       help="Set torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False, so bf16 "
+                       "GEMMs on CUDA reduce their partial sums in fp32 (cuBLAS may otherwise use bf16 reductions). "
+                       "CPU matmuls do not read the switch: no effect there.")
 
 
 def validate(args):

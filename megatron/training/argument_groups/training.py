@@ -83,6 +83,10 @@ def add_arguments(parser):
     )
     group.add_argument("--lr-decay-iters", type=int, default=None, help="Decay steps; default --train-iters.")
     group.add_argument("--weight-decay", type=float, default=0.01, help="Decoupled weight decay.")
+    group.add_argument("--no-weight-decay-cond-type", default=None, choices=["apply_wd_to_qk_layernorm"],
+                       help="Which parameters skip weight decay. Unset: biases, 1-D parameters (norms) and, with "
+                       "--embedding-init-method-std, the embeddings. apply_wd_to_qk_layernorm (Qwen3-Next): the same, "
+                       "except that the query / key norm weights (--qk-layernorm) are decayed.")
     group.add_argument("--start-weight-decay", type=float, default=None,
                        help="Weight decay at the first step of an increasing schedule (needs --end-weight-decay "
                        "and --weight-decay-incr-style linear or cosine); default --weight-decay.")

@@ -5,10 +5,13 @@ each one gets upstream's answer or a clear one:
   --seq-length;
 - removed flags: --batch-size, --warmup and --model-parallel-size stop with upstream's own messages, and the
   deprecated --[no-]async-tensor-model-parallel-allreduce are ignored, as upstream does;
-- no-ops: telemetry (one-logger, app tags, the config logger), the legacy tokenizer switch, --onnx-safe and the
-  sub-switches of --tp-comm-overlap; none of them changes what is computed;
+- no-ops: telemetry (one-logger, app tags, the config logger), the legacy tokenizer switch, --onnx-safe, the
+  sub-switches of --tp-comm-overlap, --use-te-activation-func (a kernel choice: the torch activation computes the
+  same function) and --enable-experimental (nothing is gated behind it here); none of them changes what is
+  computed;
 - refusals: features this build does not have (lazy model-parallel initialisation, pre-0.14 checkpoint layouts,
-  local checkpoint replication, Transformer Engine export) and the flags of other upstream programs (BERT, T5,
+  local checkpoint replication, Transformer Engine export, in-process restart; the --inprocess-* settings alone
+  only warn) and the flags of other upstream programs (BERT, T5,
   RETRO, REALM, SFT, the inference server), each named with what to do.
 """
 
@@ -48,6 +51,24 @@ TP_COMM_OVERLAP_SWITCHES = (
 )
 
 DEFAULT_REPLICATION_FACTOR = 2
+
+# The settings of upstream's in-process restart (nvidia-resiliency-ext), with upstream's defaults for the help.
+INPROCESS_SETTINGS = (
+    ("--inprocess-max-iterations", int, "None", "restart attempts"),
+    ("--inprocess-monitor-thread-interval", float, "1.0", "monitoring thread interval (s)"),
+    ("--inprocess-monitor-process-interval", float, "1.0", "monitoring process interval (s)"),
+    ("--inprocess-progress-watchdog-interval", float, "1.0", "progress watchdog interval (s)"),
+    ("--inprocess-heartbeat-interval", float, "30", "heartbeat interval (s)"),
+    ("--inprocess-soft-timeout", float, "60", "soft progress timeout (s)"),
+    ("--inprocess-hard-timeout", float, "90", "hard progress timeout (s)"),
+    ("--inprocess-heartbeat-timeout", float, "60", "missing-heartbeat timeout (s)"),
+    ("--inprocess-barrier-timeout", float, "120", "internal barrier timeout (s)"),
+    ("--inprocess-completion-timeout", float, "120", "completion barrier timeout (s)"),
+    ("--inprocess-last-call-wait", float, "1", "wait for concurrent failures (s)"),
+    ("--inprocess-termination-grace-time", float, "1", "SIGTERM-to-SIGKILL grace time (s)"),
+    ("--inprocess-granularity", str, "node", "restart granularity, node or rank"),
+    ("--inprocess-active-world-size", int, "WORLD_SIZE", "ranks running the job (the rest a warm reserve)"),
+)
 
 
 def boolean(text):
@@ -117,6 +138,12 @@ def _add_no_ops(group):
     group.add_argument("--onnx-safe", type=boolean, default=None,
                        help=f"{accepted}ONNX-exporter workarounds of upstream's legacy models (Megatron-Core's GPT "
                        "ignores it); there is no ONNX export here.")
+    group.add_argument("--use-te-activation-func", action="store_true",
+                       help=f"{accepted}upstream takes the MLP activation's kernel from Transformer Engine; the "
+                       "torch activation here computes the same function.")
+    group.add_argument("--enable-experimental", action="store_true",
+                       help=f"{accepted}upstream unlocks the features it marks experimental; nothing is gated behind "
+                       "it here.")
     for flag, action, dest in TP_COMM_OVERLAP_SWITCHES:
         group.add_argument(flag, action=action, dest=dest,
                            help=f"{accepted}it tunes --tp-comm-overlap, which this build does not support (an "
@@ -137,6 +164,15 @@ def _add_refused(group):
                        help="With --replication: the rank spacing of the replicas.")
     group.add_argument("--replication-factor", type=int, default=DEFAULT_REPLICATION_FACTOR,
                        help="With --replication: how many machines hold each rank's checkpoint.")
+    group.add_argument("--inprocess-restart", action="store_true",
+                       help="Upstream: restart training inside the running processes after a fault "
+                       "(nvidia-resiliency-ext). Not supported: an error.")
+    for flag, kind, default, what in INPROCESS_SETTINGS:
+        extra = {"choices": ["node", "rank"]} if flag == "--inprocess-granularity" else {}
+        group.add_argument(flag, type=kind, default=None, help=f"With --inprocess-restart (not supported): the "
+                           f"{what}; upstream's default {default}.", **extra)
+    group.add_argument("--inprocess-empty-cuda-cache", action="store_true",
+                       help="With --inprocess-restart (not supported): empty the CUDA cache on every restart.")
     group.add_argument("--export-te-mcore-model", action="store_true",
                        help="Upstream (Model Optimizer): export a Transformer Engine Megatron-Core model. Not "
                        "supported: an error.")
@@ -202,6 +238,11 @@ def _reject_unsupported(args):
                          "rank's part once, to --non-persistent-local-ckpt-dir; drop --replication (and "
                          "--replication-jump / --replication-factor), and keep persistent checkpoints (--save, "
                          "--save-interval) on shared storage")
+    if args.inprocess_restart:
+        raise ValueError("--inprocess-restart (restarting training inside the running processes after a fault, "
+                         "upstream's nvidia-resiliency-ext wrapper) is not supported: drop it and the --inprocess-* "
+                         "flags, and relaunch the job to resume from its last checkpoint instead (--save with "
+                         "--save-interval, and --load)")
     if args.export_te_mcore_model:
         raise ValueError("--export-te-mcore-model is not supported: there is no Transformer Engine export; drop it "
                          "(checkpoints convert with tools/checkpoint/convert_checkpoint.py, e.g. --to hf)")
@@ -219,6 +260,11 @@ def _warn_ignored(args):
     if args.config_logger_dir:
         warnings.warn(f"--config-logger-dir {args.config_logger_dir}: this build does not dump module configs, "
                       "inputs or outputs; nothing is written there")
+    given = [flag for flag, _, _, _ in INPROCESS_SETTINGS if getattr(args, flag[2:].replace("-", "_")) is not None]
+    given += ["--inprocess-empty-cuda-cache"] if args.inprocess_empty_cuda_cache else []
+    if given:
+        warnings.warn(f"{', '.join(given)} have no effect without --inprocess-restart (which is not supported "
+                      "here); drop them")
     if not args.replication and (args.replication_jump is not None
                                  or args.replication_factor != DEFAULT_REPLICATION_FACTOR):
         warnings.warn("--replication-jump / --replication-factor have no effect without --replication (which is "

@@ -48,3 +48,21 @@ def test_fp16_lm_cross_entropy_is_accepted_and_keeps_the_fp32_loss():
     assert core_transformer_config_from_args(args) == core_transformer_config_from_args(validated("--fp16"))
     helps = {flag: action.help for action in build_parser()._actions for flag in action.option_strings}
     assert helps["--fp16-lm-cross-entropy"].startswith("Accepted for upstream scripts: ")
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_disable_bf16_reduced_precision_matmul_sets_the_cuda_switch(monkeypatch, cuda):
+    import torch
+
+    from megatron.training import accelerator, initialize
+
+    monkeypatch.setattr(accelerator, "cuda_available", lambda: cuda)
+    matmul = torch.backends.cuda.matmul
+    monkeypatch.setattr(matmul, "allow_bf16_reduced_precision_reduction", True)  # restored after the test
+    initialize.set_matmul_precision(validated(""))
+    assert matmul.allow_bf16_reduced_precision_reduction is True
+    args = validated("--disable-bf16-reduced-precision-matmul")
+    assert args.disable_bf16_reduced_precision_matmul
+    initialize.set_matmul_precision(args)
+    # Set where CUDA runs the GEMMs; left alone on a CPU-only machine, where no matmul reads it.
+    assert matmul.allow_bf16_reduced_precision_reduction is (not cuda)

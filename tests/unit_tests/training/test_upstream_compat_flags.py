@@ -208,3 +208,36 @@ def test_help_lists_the_upstream_flags(capsys):
     for flag in ("--encoder-seq-length", "--init-method-xavier-uniform", "--ddp-pad-buckets-for-high-nccl-busbw",
                  "--no-one-logger", "--max-tokens-to-oom", "--glu-linear-offset"):
         assert flag in out
+
+
+def test_kernel_and_gate_switches_leave_the_model_unchanged():
+    moe = "--num-experts 2 --squared-relu"
+    plain, given = validated(moe), validated(f"{moe} --use-te-activation-func --enable-experimental "
+                                             "--use-fused-weighted-squared-relu")
+    assert (given.use_te_activation_func, given.enable_experimental, given.use_fused_weighted_squared_relu) == (
+        True, True, True)
+    configs = [dataclasses.asdict(core_transformer_config_from_args(args)) for args in (plain, given)]
+    for config in configs:
+        config.pop("timers", None)
+    assert configs[0] == configs[1]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("--inprocess-restart --inprocess-granularity rank", "--inprocess-restart (restarting training inside the "
+     "running processes"),
+    ("--moe-latent-size 16 --num-experts 2", "--moe-latent-size 16 (latent MoE"),
+    ("--use-fused-weighted-squared-relu --num-experts 2", "--use-fused-weighted-squared-relu fuses the experts' "
+     "squared ReLU: it needs --squared-relu and --num-experts"),
+    ("--use-fused-weighted-squared-relu --squared-relu", "it needs --squared-relu and --num-experts"),
+])
+def test_upstream_features_without_a_counterpart_stop_naming_the_flag(extra, message):
+    with pytest.raises(ValueError) as error:
+        validated(extra)
+    assert message in str(error.value)
+
+
+def test_inprocess_settings_alone_warn_and_parse_upstream_values():
+    with pytest.warns(UserWarning, match="--inprocess-soft-timeout, --inprocess-granularity, "
+                      "--inprocess-empty-cuda-cache have no effect without --inprocess-restart"):
+        args = validated("--inprocess-soft-timeout 30 --inprocess-granularity rank --inprocess-empty-cuda-cache")
+    assert (args.inprocess_soft_timeout, args.inprocess_granularity) == (30.0, "rank")
