@@ -9,7 +9,12 @@ the window and 0 for full attention.
 
 Attention sinks add a term to the softmax's denominator of every query and head, so a query may attend to
 nothing: "off-by-one" adds exp(0) = 1, "learnable" adds exp(s_h) with one learned logit s_h per head (upstream's
-`softmax_offset`, initialised to zero). p_ij = exp(l_ij) / (exp(s_h) + sum_k exp(l_ik)).
+`softmax_offset`, initialised to zero). p_ij = exp(l_ij) / (exp(s_h) + sum_k exp(l_ik)). With Z = sum_k exp(l_ik)
+that is the plain softmax times Z / (Z + exp(s_h)) = sigmoid(lse_i - s_h), lse_i = log Z: attention computed
+without the sink, returning the rows' log-sum-exp, is made exact by `sink_rescaled` (how context parallelism does
+it, where no rank holds every key).
+
+`SelfAttention` and `MLASelfAttention` both take their window masks, sinks and sink parameter from here.
 """
 
 import math
@@ -92,6 +97,37 @@ def sink_logits(softmax_type, softmax_offset, heads, device):
     return None
 
 
+def build_softmax_offset(config, heads_per_partition):
+    """The learnable sinks' parameter `softmax_offset` `[heads per partition]` (zeros, split over tensor-parallel
+    ranks by heads like the queries) for `--softmax-type learnable`; None for the other types. The owning module
+    zeroes it again in its `reset_parameters()` (meta-device initialisation)."""
+    if config.softmax_type != "learnable":
+        return None
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+    from megatron.core.transformer.utils import parameter_device
+
+    offset = torch.nn.Parameter(torch.zeros(heads_per_partition, dtype=config.params_dtype,
+                                            device=parameter_device(config)))
+    set_tensor_model_parallel_attributes(offset, is_parallel=True, dim=0, stride=1)
+    return offset
+
+
+def blocked_or_causal(attention_mask, query_len, key_len, device):
+    """Megatron's `attention_mask` (None: causal) as a bool mask, True where masked."""
+    if attention_mask is None:
+        return torch.ones(query_len, key_len, dtype=torch.bool, device=device).triu(1)
+    return attention_mask.to(torch.bool)
+
+
+def sink_rescaled(out, lse, sinks):
+    """Attention output computed without the sink -> with it. `out` `[..., heads, d]`, `lse` `[..., heads]` the
+    log-sum-exp of each row's logits over every key (-inf where a row sees none), `sinks` `[heads]` logits:
+    out * sigmoid(lse - s_h), in fp32 (or wider), returned in `out`'s dtype. Differentiable in all three."""
+    dtype = torch.promote_types(out.dtype, torch.float32)
+    factor = torch.sigmoid(lse.to(dtype) - sinks.to(dtype))
+    return (out.to(dtype) * factor.unsqueeze(-1)).to(out.dtype)
+
+
 def attention_with_sinks(query, key, value, blocked, sinks, dropout_p=0.0, scale=None):
     """Attention whose softmax has a sink: `[b, heads, s_q, d]` queries, `[b, groups, s_k, d]` keys and values,
     `blocked` bool broadcastable to `[b, heads, s_q, s_k]` (True where masked), `sinks` `[heads]` logits ->
@@ -135,15 +171,6 @@ def validated_attention_variants(config):
     softmax_type = config.softmax_type
     if softmax_type not in SOFTMAX_TYPES:
         raise ValueError(f"--softmax-type must be one of {', '.join(SOFTMAX_TYPES)}, got {softmax_type!r}")
-    used = [flag for flag, on in (("--window-size", window is not None),
-                                  (f"--softmax-type {softmax_type}", softmax_type != "vanilla")) if on]
-    if used and config.multi_latent_attention:
-        raise ValueError(f"{' and '.join(used)} apply to standard self-attention, which --multi-latent-attention "
-                         f"replaces: drop {' and '.join(used)} or --multi-latent-attention")
-    if softmax_type != "vanilla" and config.context_parallel_size > 1:
-        raise ValueError(f"--softmax-type {softmax_type} (attention sinks) is not implemented under context "
-                         f"parallelism (--context-parallel-size {config.context_parallel_size}): use --softmax-type "
-                         f"vanilla or --context-parallel-size 1")
     if softmax_type != "vanilla" and config.apply_query_key_layer_scaling and config.fp16:
         raise ValueError(f"--softmax-type {softmax_type} does not implement --apply-query-key-layer-scaling's fp16 "
                          f"scores: drop one of the two flags")

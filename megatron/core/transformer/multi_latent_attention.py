@@ -25,6 +25,11 @@ With `qk_clip` or `log_max_attention_logit`, each training forward raises `max_a
 per local head) to the largest pre-softmax logit softmax_scale * [q_nope | q_rope] . [k_nope | k_rope] it saw, as
 `SelfAttention` does (see attention_logits.py; not measured again in a recompute). QK-Clip's rescale of the
 query and key rows is in megatron/core/optimizer/qk_clip.py.
+
+Sliding-window layers (`window_size`, `window_attn_skip_freq`) and attention sinks (`softmax_type`, with
+"learnable" the parameter `softmax_offset` `[heads per partition]`) work as in `SelfAttention`, from
+attention_variants.py: the window is an explicit mask over global positions added before the logit tracking (keys
+outside it do not count) and context parallelism; the sinks take MLA's softmax scale.
 """
 
 import math
@@ -45,6 +50,14 @@ from megatron.core.offloading.fine_grained import offloaded_saved_tensors
 from megatron.core.tensor_parallel.duplicated_linear import DuplicatedLinear
 from megatron.core.transformer import layer_scaled_attention
 from megatron.core.transformer.attention import Attention
+from megatron.core.transformer.attention_variants import (
+    attention_with_sinks,
+    blocked_or_causal,
+    build_softmax_offset,
+    is_layer_window_attention,
+    sink_logits,
+    windowed_mask,
+)
 from megatron.core.transformer.context_parallel import comm_type_of_layer, context_parallel_attention, local_rows
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.norms import build_norm
@@ -132,6 +145,19 @@ class MLASelfAttention(Attention):
             init_method=config.output_layer_init_method, bias=config.add_bias_linear, input_is_parallel=True))
         self.tracks_max_attention_logits = config.qk_clip or config.log_max_attention_logit
         self.max_attention_logits = None  # [heads per partition] fp32 while tracking; None before a forward
+        self.window_size = (config.window_size if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number) else None)
+        self.softmax_offset = build_softmax_offset(config, self.num_heads_per_partition)
+
+    def reset_parameters(self):
+        """Initialise the parameters this module owns itself (the learnable sinks: zeros); the projections and
+        norms reset themselves."""
+        if self.softmax_offset is not None:
+            with torch.no_grad():
+                self.softmax_offset.zero_()
+
+    def _sinks(self, device):
+        return sink_logits(self.config.softmax_type, self.softmax_offset, self.num_heads_per_partition, device)
 
     # ------------------------------------------------------------------------------------------------
     # Projections
@@ -197,6 +223,7 @@ class MLASelfAttention(Attention):
         if self.tracks_max_attention_logits and self.training and not is_recomputing():
             self.track_max_attention_logits(query, key, attention_mask, scale=self.softmax_scale)
         dropout_p = self.config.attention_dropout if self.training else 0.0
+        sinks = self._sinks(query.device)
         if self.config.context_parallel_size > 1:
             value_width = value.shape[-1]
             if value_width < query.shape[-1]:
@@ -207,11 +234,16 @@ class MLASelfAttention(Attention):
             group = (parallel_state.get_hierarchical_context_parallel_groups() if comm_type == "a2a+p2p"
                      else parallel_state.get_context_parallel_group())
             context = context_parallel_attention(query, key, value, attention_mask, comm_type=comm_type, group=group,
-                                                 dropout_p=dropout_p, scale=self.softmax_scale)
+                                                 dropout_p=dropout_p, scale=self.softmax_scale, sinks=sinks)
             seq_len, batch = context.shape[0], context.shape[1]
             context = context.view(seq_len, batch, self.num_heads_per_partition, -1)[..., :value_width]
             return context.reshape(seq_len, batch, -1)
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # -> [b, heads, S, d]
+        if sinks is not None:
+            blocked = blocked_or_causal(attention_mask, query.shape[2], key.shape[2], query.device)
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                context = attention_with_sinks(query, key, value, blocked, sinks, dropout_p, scale=self.softmax_scale)
+            return context.permute(2, 0, 1, 3).reshape(context.shape[2], context.shape[0], -1)
         if layer_scaled_attention.applies(self.config, query):
             # Its scores are Q.K^T / sqrt(d): the query carries the rest of the softmax scale (YaRN's mscale^2).
             correction = self.softmax_scale * math.sqrt(query.shape[-1])
@@ -239,6 +271,10 @@ class MLASelfAttention(Attention):
         del rotary_pos_emb
         query_input, kv_latent, k_rope = self._down_projections(hidden_states)
         angles = self._rotary_angles(k_rope.shape[0], k_rope.device)
+        if self.window_size is not None:
+            # Over global positions: under context parallelism the mask covers the whole sequence.
+            full_len = k_rope.shape[0] * self.config.context_parallel_size
+            attention_mask = windowed_mask(attention_mask, self.window_size, full_len, k_rope.device)
         recompute_up = self.training and self.config.recomputes("mla_up_proj")
         recompute_attention = self.config.recomputes("core_attn")
 

@@ -178,26 +178,35 @@ def test_tp2_equals_tp1(sequence_parallel):
         assert result["grad_diff"] < 1e-6 * max(1.0, result["largest_grad"]), result
 
 
-def _cp2_equals_cp1():
+def _cp2_equals_cp1(window_size=(3, 0), softmax_type="vanilla"):
+    """Loss and gradients of a GPT whose four layers use the four comm types (a2a+p2p as 2 x 1) at CP2 against
+    the same weights at CP1; learnable sinks start from distinct values per head."""
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.context_parallel import local_rows
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     seq, vocab = 16, 64
     cp_size, cp_rank = dist.get_world_size(), dist.get_rank()
-    parallel_state.initialize_model_parallel(context_parallel_size=cp_size)
+    parallel_state.initialize_model_parallel(context_parallel_size=cp_size,
+                                             hierarchical_context_parallel_sizes=[cp_size, 1])
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     try:
         def gpt(cp):
-            config = TransformerConfig(num_layers=3, hidden_size=HIDDEN, num_attention_heads=HEADS,
+            config = TransformerConfig(num_layers=4, hidden_size=HIDDEN, num_attention_heads=HEADS,
                                        hidden_dropout=0.0, attention_dropout=0.0, init_seed=1234,
-                                       context_parallel_size=cp, cp_comm_type=["p2p", "allgather", "a2a"],
-                                       window_size=(3, 0))
+                                       context_parallel_size=cp,
+                                       cp_comm_type=["p2p", "allgather", "a2a", "a2a+p2p"] if cp > 1 else "p2p",
+                                       hierarchical_context_parallel_sizes=(cp, 1) if cp > 1 else None,
+                                       window_size=window_size, softmax_type=softmax_type)
             return GPTModel(config, vocab_size=vocab, max_sequence_length=seq, position_embedding_type="rope")
 
         stream = torch.randint(0, vocab, (BATCH, seq + 1), generator=torch.Generator().manual_seed(0))
         tokens, labels, positions = stream[:, :-1], stream[:, 1:], torch.arange(seq).expand(BATCH, -1)
         reference, model = gpt(1), gpt(cp_size)
+        with torch.no_grad():
+            for name, param in reference.named_parameters():
+                if name.endswith("softmax_offset"):
+                    param.copy_(torch.linspace(-1.0, 1.5, HEADS))
         model.load_state_dict(reference.state_dict())
         reference(tokens, positions, labels=labels).sum().backward()
         local = [local_rows(t, 1, cp_size, cp_rank) for t in (tokens, positions, labels)]
@@ -205,20 +214,26 @@ def _cp2_equals_cp1():
         loss = losses.detach().sum()
         losses.sum().backward()
         dist.all_reduce(loss)
-        grad_error = 0.0
+        grad_error, sink_grads = 0.0, []
         for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
             grad = param.grad.clone()
             dist.all_reduce(grad)
             grad_error = max(grad_error, (grad - expected.grad).abs().max().item())
+            if name.endswith("softmax_offset"):
+                sink_grads.append(expected.grad.abs().min().item())
         full = reference(tokens, positions, labels=labels).detach().sum()
-        return loss.item(), full.item(), grad_error
+        return loss.item(), full.item(), grad_error, sink_grads
     finally:
         parallel_state.destroy_model_parallel()
 
 
-def test_window_under_context_parallelism_equals_cp1():
-    for loss, reference, grad_error in run_on_ranks(2, _cp2_equals_cp1):
+@pytest.mark.parametrize("window_size, softmax_type", [((3, 0), "vanilla"), ((3, 0), "learnable"),
+                                                       (None, "learnable"), ((3, 0), "off-by-one")])
+def test_window_and_sinks_under_context_parallelism_equal_cp1(window_size, softmax_type):
+    for loss, reference, grad_error, sink_grads in run_on_ranks(2, _cp2_equals_cp1, window_size, softmax_type):
         assert abs(loss - reference) < 1e-5 * abs(reference) and grad_error < 1e-5, (loss, reference, grad_error)
+        assert len(sink_grads) == (4 if softmax_type == "learnable" else 0)
+        assert all(grad > 1e-7 for grad in sink_grads), sink_grads  # every layer's sinks are trained
 
 
 WRAPPER_FLAGS = {
@@ -301,10 +316,6 @@ def _config_fields(**overrides):
     (dict(window_size=(-2, 0)), "--window-size takes two integers (left, right), each >= 0 or -1"),
     (dict(window_size="8"), "--window-size takes two integers"),
     (dict(softmax_type="sigmoid"), "--softmax-type must be one of vanilla, off-by-one, learnable"),
-    (dict(softmax_type="learnable", context_parallel_size=2), "--softmax-type learnable (attention sinks) is not "
-                                                              "implemented under context parallelism"),
-    (dict(window_size=(4, 0), multi_latent_attention=True, kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4,
-          v_head_dim=8), "--window-size apply to standard self-attention, which --multi-latent-attention replaces"),
 ])
 def test_config_rules_name_the_flags(overrides, message):
     from megatron.core.transformer.transformer_config import TransformerConfig

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.transformer.context_parallel.collectives import all_gather_first_dim, reduce_scatter_first_dim
-from megatron.core.transformer.context_parallel.online_softmax import block_backward, block_forward
+from megatron.core.transformer.context_parallel.online_softmax import block_backward, block_forward, row_delta
 from megatron.core.transformer.context_parallel.sequence_split import local_token_indices
 
 
@@ -37,10 +37,12 @@ def _gather_key_value(key, value, group):
 
 
 class AllGatherAttention(torch.autograd.Function):
-    """q `[b, g, m, s/N, d]`, local key and value `[s/N, b, g, d]` -> out `[b, g, m, s/N, d]`."""
+    """q `[b, g, m, s/N, d]`, local key and value `[s/N, b, g, d]` -> (out `[b, g, m, s/N, d]`, fp32 lse
+    `[b, g, m, s/N]` over the whole sequence)."""
 
     @staticmethod
     def forward(ctx, query, key, value, group, mask, scale, dropout_p, seed):
+        ctx.set_materialize_grads(False)
         cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
         seq_len = query.shape[-2] * cp_size
         full_key, full_value = _gather_key_value(key, value, group)
@@ -49,18 +51,18 @@ class AllGatherAttention(torch.autograd.Function):
         del full_key, full_value, block_mask
         ctx.save_for_backward(query, key, value, out, lse, mask if mask is not None else torch.empty(0))
         ctx.has_mask, ctx.group, ctx.scale, ctx.dropout_p, ctx.seed = mask is not None, group, scale, dropout_p, seed
-        return out.to(query.dtype)
+        return out.to(query.dtype), lse
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_lse):
         query, key, value, out, lse, mask = ctx.saved_tensors
         group = ctx.group
         cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
         full_key, full_value = _gather_key_value(key, value, group)
         block_mask = _visibility_mask(mask if ctx.has_mask else None, query.shape[-2] * cp_size, cp_size, cp_rank,
                                       query.device)
-        grad_out = grad_out.float()
-        delta = (grad_out * out).sum(dim=-1)
+        grad_out = torch.zeros_like(out) if grad_out is None else grad_out.float()
+        delta = row_delta(grad_out, out, grad_lse)
         grad_query, grad_key, grad_value = block_backward(query, full_key, full_value, grad_out, lse, delta,
                                                           ctx.scale, block_mask, ctx.dropout_p, ctx.seed)
         # [b, g, 1, s, d] -> [s, 2, b, g, d], summed over ranks, this rank's rows kept.
@@ -70,14 +72,16 @@ class AllGatherAttention(torch.autograd.Function):
                 None, None, None, None, None)
 
 
-def allgather_attention(query, key, value, group, mask, scale, dropout_p):
+def allgather_attention(query, key, value, group, mask, scale, dropout_p, with_lse=False):
     """query `[s/N, b, H, d]`, key/value `[s/N, b, G, d]` -> `[s/N, b, H, d]`; `mask` None (causal) or bool
-    `[b|1, 1, s, s]` over global positions, True where masked."""
+    `[b|1, 1, s, s]` over global positions, True where masked. `with_lse`: also return each row's log-sum-exp
+    over the whole sequence, fp32 `[s/N, b, H]` (differentiable)."""
     seq, batch, heads, dim = query.shape
     groups = key.shape[2]
     q = query.permute(1, 2, 0, 3).reshape(batch, groups, heads // groups, seq, dim)
     seed = 0
     if dropout_p > 0.0:  # ranks hold different query rows: their masks come from different seeds
         seed = int(torch.randint(0, 2**40, (1,), device=query.device).item()) + dist.get_rank(group)
-    out = AllGatherAttention.apply(q, key, value, group, mask, scale, dropout_p, seed)
-    return out.reshape(batch, heads, seq, dim).permute(2, 0, 1, 3)
+    out, lse = AllGatherAttention.apply(q, key, value, group, mask, scale, dropout_p, seed)
+    out = out.reshape(batch, heads, seq, dim).permute(2, 0, 1, 3)
+    return (out, lse.reshape(batch, heads, seq).permute(2, 0, 1)) if with_lse else out

@@ -5,6 +5,11 @@ layout: query `[s/N, b, heads, d]`, key and value `[s/N, b, groups, d]`, RoPE al
 positions. The result `[s/N, b, heads * d]` is exactly the rows of full attention over the whole sequence that
 this rank holds.
 
+Attention sinks (`sinks`, one logit per local head): every comm type also returns the rows' log-sum-exp over
+the whole sequence, and the sink rescales the output by sigmoid(lse - s_h) (`attention_variants.sink_rescaled`),
+which is exact and carries the sinks' gradient; each rank's sink gradient covers its own rows, and the gradient
+reduction over the context-parallel group sums them.
+
 Attention dropout: every comm type draws its masks from the tensor-parallel RNG tracker's stream, so they are
 reproducible (activation recompute regenerates them) but not the masks a CP=1 run would draw for the same
 tokens: a different, equally distributed sample.
@@ -16,6 +21,7 @@ import math
 import torch
 
 from megatron.core import tensor_parallel
+from megatron.core.transformer.attention_variants import sink_rescaled
 from megatron.core.transformer.context_parallel.a2a_attention import a2a_attention
 from megatron.core.transformer.context_parallel.allgather_attention import allgather_attention
 from megatron.core.transformer.context_parallel.comm_types import HIERARCHICAL_COMM_TYPE, normalize_cp_comm_type
@@ -27,13 +33,14 @@ _IMPLEMENTATIONS = {"p2p": ring_attention, "allgather": allgather_attention, "a2
 
 
 def context_parallel_attention(query, key, value, attention_mask, *, comm_type, group, dropout_p=0.0,
-                               scale=None):
+                               scale=None, sinks=None):
     """Exact attention of this rank's queries over the whole sequence of the context-parallel `group`.
 
     `group` is the context-parallel process group, or for `a2a+p2p` the pair (inner all-to-all group, outer
     ring group) of parallel_state's hierarchical context-parallel groups.
     `attention_mask`: None (causal) or a bool tensor broadcastable to `[b, 1, s, s]` over global positions (the
     whole sequence, not this rank's rows), True where attention is not allowed.
+    `sinks`: None, or the attention sinks' logits `[heads]` of this rank's heads (see `attention_variants`).
     """
     if attention_mask is not None:
         attention_mask = attention_mask.to(torch.bool)
@@ -49,6 +56,11 @@ def context_parallel_attention(query, key, value, attention_mask, *, comm_type, 
     # Ranks hold different tokens and heads: draw dropout from the tracker's (reproducible) stream.
     rng = tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p > 0.0 else contextlib.nullcontext()
     with rng:
-        context = _IMPLEMENTATIONS[comm_type](query, key, value, group, attention_mask, scale, dropout_p)
+        if sinks is None:
+            context = _IMPLEMENTATIONS[comm_type](query, key, value, group, attention_mask, scale, dropout_p)
+        else:
+            context, lse = _IMPLEMENTATIONS[comm_type](query, key, value, group, attention_mask, scale, dropout_p,
+                                                       with_lse=True)
+            context = sink_rescaled(context, lse, sinks)
     seq, batch = context.shape[0], context.shape[1]
     return context.reshape(seq, batch, -1)

@@ -7,7 +7,8 @@ group with 1/A of the heads. Those tokens are exactly the two load-balanced "sup
 with 2B chunks of A chunks each: super-chunk o is chunks (o*A, ..., o*A + A - 1), the first chunks of inner ranks
 0..A-1, and super-chunk 2B-1-o is the second chunks of inner ranks A-1..0. So after reordering the gathered rows
 into that order, the p2p ring over the outer group computes exact attention for them (causal masking, explicit
-masks and load balance work unchanged), and the reverse reordering and all-to-all return this rank's rows.
+masks and load balance work unchanged), and the reverse reordering and all-to-all return this rank's rows (and,
+when asked, the rows' log-sum-exps the ring computed, by the same way back).
 """
 
 import torch
@@ -26,9 +27,10 @@ def super_chunk_order(inner_size, chunk, device=None):
     return torch.cat(firsts + seconds)
 
 
-def hierarchical_attention(query, key, value, groups, mask, scale, dropout_p):
+def hierarchical_attention(query, key, value, groups, mask, scale, dropout_p, with_lse=False):
     """query `[s/N, b, H, d]`, key/value `[s/N, b, G, d]` -> `[s/N, b, H, d]`; `groups` is (inner all-to-all group,
-    outer ring group); `mask` None (causal) or bool `[b|1, 1, s, s]` over global positions, True where masked."""
+    outer ring group); `mask` None (causal) or bool `[b|1, 1, s, s]` over global positions, True where masked.
+    `with_lse`: also return each row's log-sum-exp over the whole sequence, fp32 `[s/N, b, H]` (differentiable)."""
     inner_group, outer_group = groups
     inner_size, inner_rank = dist.get_world_size(inner_group), dist.get_rank(inner_group)
     outer_size = dist.get_world_size(outer_group)
@@ -37,6 +39,11 @@ def hierarchical_attention(query, key, value, groups, mask, scale, dropout_p):
     q, k, v = (SequenceToHeads.apply(t, inner_group).index_select(0, order) for t in (query, key, value))
     # Inner ranks attend the same chunk pairs with different heads: their dropout masks must differ.
     seed_offset = inner_rank * (2 * outer_size) ** 2
-    context = ring_attention(q, k, v, outer_group, mask, scale, dropout_p, seed_offset=seed_offset)
-    context = context.index_select(0, torch.argsort(order))
-    return HeadsToSequence.apply(context, inner_group)
+    result = ring_attention(q, k, v, outer_group, mask, scale, dropout_p, seed_offset=seed_offset,
+                            with_lse=with_lse)
+    to_inner_order = torch.argsort(order)
+    if not with_lse:
+        return HeadsToSequence.apply(result.index_select(0, to_inner_order), inner_group)
+    context, lse = result
+    lse = HeadsToSequence.apply(lse.index_select(0, to_inner_order).unsqueeze(-1), inner_group).squeeze(-1)
+    return HeadsToSequence.apply(context.index_select(0, to_inner_order), inner_group), lse

@@ -11,6 +11,10 @@ Layout: queries `[b, g, m, s_q, d]` (g key/value groups, m query heads per group
 `[b, g, 1, s_k, d]`, so grouped-query attention broadcasts without copying K/V. A block mask is None (every key
 visible), `CAUSAL` (a diagonal block: key j visible to query i when j <= i) or a bool tensor broadcastable to
 `[b, g, m, s_q, s_k]`, True where attention is not allowed. Everything is computed in fp32.
+
+The lse of the whole row may itself be an output (attention sinks rescale the output by it): since
+`d lse / dS = P`, its gradient g enters the same recurrence as `dS = P * (dO V^T - (D - g))`, so the backwards
+take `delta = D - g` (`row_delta`).
 """
 
 import torch
@@ -66,6 +70,41 @@ def block_backward(query, key, value, grad_out, lse, delta, scale, mask=None, dr
     grad_query = torch.matmul(grad_scores, key) * scale
     grad_key = torch.matmul(grad_scores.transpose(-1, -2), query).sum(dim=2, keepdim=True) * scale
     return grad_query, grad_key, grad_value
+
+
+def row_delta(grad_out, out, grad_lse=None):
+    """`D = rowsum(dO * O)`, less the gradient of the returned lse when it has one (fp32)."""
+    delta = (grad_out.float() * out).sum(dim=-1)
+    return delta if grad_lse is None else delta - grad_lse.float()
+
+
+class BlockAttention(torch.autograd.Function):
+    """(out, lse) of the queries over all the keys in one block, with the recomputing backward above: q
+    `[b, g, m, s_q, d]`, k and v `[b, g, 1, s_k, d]`, `mask` as for `block_forward`. For a comm type that holds
+    the whole sequence (a2a) and must return the lse."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, scale, mask, dropout_p, seed):
+        ctx.set_materialize_grads(False)
+        out, lse = block_forward(query, key, value, scale, mask, dropout_p, seed)
+        tensor_mask = isinstance(mask, torch.Tensor)
+        ctx.save_for_backward(query, key, value, out, lse, mask if tensor_mask else torch.empty(0))
+        ctx.tensor_mask, ctx.scale, ctx.dropout_p, ctx.seed = tensor_mask, scale, dropout_p, seed
+        ctx.mask = None if tensor_mask else mask  # None or CAUSAL
+        return out.to(query.dtype), lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        query, key, value, out, lse, mask = ctx.saved_tensors
+        mask = mask if ctx.tensor_mask else ctx.mask
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        grad_out = grad_out.float()
+        grad_query, grad_key, grad_value = block_backward(query, key, value, grad_out, lse,
+                                                          row_delta(grad_out, out, grad_lse), ctx.scale, mask,
+                                                          ctx.dropout_p, ctx.seed)
+        return (grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype),
+                None, None, None, None)
 
 
 def merge(out, lse, block_out, block_lse):

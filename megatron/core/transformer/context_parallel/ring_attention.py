@@ -16,7 +16,13 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.transformer.context_parallel.collectives import RingExchange
-from megatron.core.transformer.context_parallel.online_softmax import CAUSAL, block_backward, block_forward, merge
+from megatron.core.transformer.context_parallel.online_softmax import (
+    CAUSAL,
+    block_backward,
+    block_forward,
+    merge,
+    row_delta,
+)
 from megatron.core.transformer.context_parallel.sequence_split import chunk_ids_for_rank
 
 _SKIP = object()
@@ -60,11 +66,13 @@ def _block_calls(cp_size, cp_rank, step, mask, chunk):
 
 
 class RingAttention(torch.autograd.Function):
-    """q `[b, g, m, s_local, d]`, k and v `[b, g, 1, s_local, d]` -> out like q. `mask` is None (causal) or a
-    bool tensor `[b|1, 1, 1, s, s]` over global positions, True where masked."""
+    """q `[b, g, m, s_local, d]`, k and v `[b, g, 1, s_local, d]` -> (out like q, fp32 lse `[b, g, m, s_local]`
+    over the whole sequence). `mask` is None (causal) or a bool tensor `[b|1, 1, 1, s, s]` over global
+    positions, True where masked."""
 
     @staticmethod
     def forward(ctx, query, key, value, group, mask, scale, dropout_p, seed):
+        ctx.set_materialize_grads(False)
         cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
         chunk = query.shape[-2] // 2
         queries = _halves(query, chunk)
@@ -82,17 +90,17 @@ class RingAttention(torch.autograd.Function):
         out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
         ctx.save_for_backward(query, key, value, out, lse, mask if mask is not None else torch.empty(0))
         ctx.has_mask, ctx.group, ctx.scale, ctx.dropout_p, ctx.seed = mask is not None, group, scale, dropout_p, seed
-        return out.to(query.dtype)
+        return out.to(query.dtype), lse
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_lse):
         query, key, value, out, lse, mask = ctx.saved_tensors
         mask = mask if ctx.has_mask else None
         group = ctx.group
         cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
         chunk = query.shape[-2] // 2
-        grad_out = grad_out.float()
-        delta = (grad_out * out).sum(dim=-1)
+        grad_out = torch.zeros_like(out) if grad_out is None else grad_out.float()
+        delta = row_delta(grad_out, out, grad_lse)
         queries, grad_outs = _halves(query, chunk), _halves(grad_out, chunk)
         lses, deltas = (lse[..., :chunk], lse[..., chunk:]), (delta[..., :chunk], delta[..., chunk:])
         grad_query = torch.zeros_like(query, dtype=torch.float32)
@@ -118,10 +126,11 @@ class RingAttention(torch.autograd.Function):
                 None, None, None, None, None)
 
 
-def ring_attention(query, key, value, group, mask, scale, dropout_p, seed_offset=0):
+def ring_attention(query, key, value, group, mask, scale, dropout_p, seed_offset=0, with_lse=False):
     """query `[s/N, b, H, d]`, key/value `[s/N, b, G, d]` -> `[s/N, b, H, d]` in the attention module's layout;
     `mask` None (causal) or bool `[b|1, 1, s, s]` over global positions, True where masked. `seed_offset` keeps
-    the dropout masks of ranks that attend the same chunk pairs with other heads apart (hierarchical CP)."""
+    the dropout masks of ranks that attend the same chunk pairs with other heads apart (hierarchical CP).
+    `with_lse`: also return each row's log-sum-exp over the whole sequence, fp32 `[s/N, b, H]` (differentiable)."""
     seq, batch, heads, dim = query.shape
     groups = key.shape[2]
     q = query.permute(1, 2, 0, 3).reshape(batch, groups, heads // groups, seq, dim)
@@ -131,5 +140,6 @@ def ring_attention(query, key, value, group, mask, scale, dropout_p, seed_offset
     seed = 0
     if dropout_p > 0.0:
         seed = int(torch.randint(0, 2**40, (1,), device=query.device).item()) + seed_offset
-    out = RingAttention.apply(q, k, v, group, mask, scale, dropout_p, seed)
-    return out.reshape(batch, heads, seq, dim).permute(2, 0, 1, 3)
+    out, lse = RingAttention.apply(q, k, v, group, mask, scale, dropout_p, seed)
+    out = out.reshape(batch, heads, seq, dim).permute(2, 0, 1, 3)
+    return (out, lse.reshape(batch, heads, seq).permute(2, 0, 1)) if with_lse else out
