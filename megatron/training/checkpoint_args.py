@@ -41,6 +41,10 @@ class ArchitectureFlag(NamedTuple):
             return "no --window-size (full causal attention)" if value == "none" else f'--window-size "{value}"'
         if self.flag == "--window-attn-skip-freq":
             return f'--window-attn-skip-freq "{value}"'
+        if self.flag == "--no-rope-freq" and "1" not in value:
+            return "no --no-rope-freq (every layer rotates)"
+        if self.flag == "--no-rope-freq":
+            return f'--no-rope-freq "{value}"'
         if self.flag == "--moe-shared-expert-intermediate-size" and value == 0:
             return "no --moe-shared-expert-intermediate-size (no shared experts)"
         return f"{self.flag} {value}"
@@ -140,6 +144,22 @@ def _window_layer_pattern(args):
     return "[" + ",".join("1" if windowed else "0" for windowed in pattern) + "]"
 
 
+def _no_rope_layer_pattern(args):
+    """--no-rope-freq as one 0/1 per layer (1: no rotary embedding), spelt as the flag takes it; None where the saved
+    args predate the flag."""
+    from megatron.core.transformer.attention_head_transforms import no_rope_layer_pattern, parse_no_rope_freq
+
+    if getattr(args, "num_layers", None) is None or not hasattr(args, "no_rope_freq"):
+        return None
+    pattern = no_rope_layer_pattern(parse_no_rope_freq(args.no_rope_freq), args.num_layers)
+    return "[" + ",".join("1" if skipped else "0" for skipped in pattern) + "]"
+
+
+def _both_use_rope_over_as_many_layers(saved_args, args):
+    return (_both_use_rope(saved_args, args)
+            and getattr(saved_args, "num_layers", None) == getattr(args, "num_layers", None))
+
+
 def _both_use_windows_over_as_many_layers(saved_args, args):
     return (all(getattr(a, "window_size", None) for a in (saved_args, args))
             and getattr(saved_args, "num_layers", None) == getattr(args, "num_layers", None))
@@ -211,6 +231,9 @@ ARCHITECTURE_FLAGS = (
     ArchitectureFlag("--window-size", _window_size),
     ArchitectureFlag("--window-attn-skip-freq", _window_layer_pattern, compared=_both_use_windows_over_as_many_layers),
     ArchitectureFlag("--softmax-type", _get("softmax_type")),
+    ArchitectureFlag("--no-rope-freq", _no_rope_layer_pattern, compared=_both_use_rope_over_as_many_layers),
+    ArchitectureFlag("--qk-l2-norm", _switch("qk_l2_norm"), is_switch=True),
+    ArchitectureFlag("--attention-output-gate", _switch("attention_output_gate"), is_switch=True),
     ArchitectureFlag("--multi-latent-attention", _switch("multi_latent_attention"), is_switch=True),
     ArchitectureFlag("--qk-head-dim", _get("qk_head_dim"), compared=_both_use_mla),
     ArchitectureFlag("--qk-pos-emb-head-dim", _get("qk_pos_emb_head_dim"), compared=_both_use_mla),
@@ -355,8 +378,10 @@ MODEL_ARGS = (
     "activation_func_clamp_value", "glu_linear_offset", "quick_geglu",
     # Sliding-window attention and attention sinks.
     "window_size", "window_attn_skip_freq", "softmax_type",
+    # NoPE layers and the QK L2 norm (Llama 4), the attention output gate (Qwen3-Next).
+    "no_rope_freq", "qk_l2_norm", "attention_output_gate",
     # Multi-token prediction (its layers' tensors).
-    "mtp_num_layers",
+    "mtp_num_layers", "mtp_use_repeated_layer",
     # Multi-latent attention.
     "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
     "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings",

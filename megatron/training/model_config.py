@@ -29,6 +29,9 @@ def core_transformer_config_from_args(args, config_class=None):
     from megatron.training.argument_groups.attention_variants import (
         transformer_config_kwargs as attention_variants_config_kwargs,
     )
+    from megatron.training.argument_groups.attention_head_transforms import (
+        transformer_config_kwargs as attention_head_transforms_config_kwargs,
+    )
 
     config_class = config_class or TransformerConfig
     return config_class(
@@ -78,6 +81,7 @@ def core_transformer_config_from_args(args, config_class=None):
         **mtp_config_kwargs(args),
         **qk_clip_config_kwargs(args),
         **attention_variants_config_kwargs(args),
+        **attention_head_transforms_config_kwargs(args),
     )
 
 

@@ -149,6 +149,8 @@ def training_flops_per_iteration(args, global_batch_size):
         + 2 * heads_width * hidden  # attention output projection
         + 2 * 2 * seq * heads_width  # scores and weighted sum over the sequence
     )
+    if getattr(args, "attention_output_gate", False):
+        attention += 2 * hidden * heads_width  # the gate's rows of the QKV projection, one per query channel
     if getattr(args, "multi_latent_attention", False):
         from megatron.training.argument_groups.mla import attention_flops_per_token
 

@@ -28,6 +28,12 @@ _EXPORT_BLOCKERS = (
     ("quick_geglu", "--quick-geglu",
      "a gated MLP with quick GeLU, x * sigmoid(1.702 x), on the gate (gpt-oss-style), which no Llama-family MLP "
      "computes (theirs is SwiGLU)"),
+    ("no_rope_freq", "--no-rope-freq", "layers without the rotary embedding (Llama 4-style NoPE), which the "
+                                       "exported config.json would not describe"),
+    ("qk_l2_norm", "--qk-l2-norm", "a weightless L2 norm of the query and key heads (Llama 4-style), which the "
+                                   "Llama-family attention does not compute"),
+    ("attention_output_gate", "--attention-output-gate",
+     "a sigmoid gate on the attention output (Qwen3-Next-style), which the Llama-family attention does not compute"),
 )
 _DEFAULTS = {"softmax_type": "vanilla"}  # values that are set yet block nothing
 OWN_FORMATS_HINT = ("convert it with --to torch or --to safetensors instead (every tensor under its logical name, "

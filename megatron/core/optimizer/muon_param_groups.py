@@ -2,7 +2,7 @@
 
 Muon takes every 2-D weight that is neither an embedding nor the output layer; the rest stays with AdamW. With
 `--muon-split-qkv` each fused QKV weight carries its per-query-group (q, k, v) row counts, so Muon orthogonalizes
-all queries, all keys and all values as three matrices.
+all queries, all keys and all values as three matrices (with `--attention-output-gate` the gates are a fourth).
 """
 
 
@@ -13,7 +13,10 @@ def is_muon_parameter(param):
 
 
 def fused_qkv_splits(model_chunks):
-    """{id(fused QKV weight): (q rows, k rows, v rows) per query group} for the attention layers of the chunks."""
+    """{id(fused QKV weight): (q rows, k rows, v rows) per query group} for the attention layers of the chunks;
+    (q, gate, k, v) rows with `--attention-output-gate`, whose gate rows are then a matrix of their own."""
+    from megatron.core.transformer.attention_head_transforms import fused_qkv_rows_per_group
+
     splits = {}
     for chunk in model_chunks:
         for module in chunk.modules():
@@ -21,7 +24,8 @@ def fused_qkv_splits(model_chunks):
             weight = getattr(linear_qkv, "weight", None)
             if weight is None or not hasattr(module, "heads_per_group") or not hasattr(module, "head_dim"):
                 continue
-            splits[id(weight)] = (module.heads_per_group * module.head_dim, module.head_dim, module.head_dim)
+            splits[id(weight)] = fused_qkv_rows_per_group(module.heads_per_group, module.head_dim,
+                                                          getattr(module, "output_gate", False))
     return splits
 
 

@@ -29,6 +29,10 @@ attention_variants.py); the window is an explicit mask, so it composes with a gi
 (a mask over global positions) and the logit tracking (keys outside the window do not count). With
 `softmax_type` other than vanilla the softmax has a sink per head; "learnable" makes it the parameter
 `softmax_offset` `[heads per partition]`, split over tensor-parallel ranks by heads like the queries.
+
+NoPE layers (`no_rope_freq`), the L2 norm of the query and key heads (`qk_l2_norm`) and the output gate
+(`attention_output_gate`, which adds the gate's rows to each group of the fused QKV projection) are described in
+attention_head_transforms.py.
 """
 
 import torch
@@ -38,12 +42,19 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.extensions.transformer_engine import fused_norm_linear_class, layer_classes
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
 from megatron.core.offloading.fine_grained import offloaded_saved_tensors
-from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.attention_logits import context_parallel_max_attention_logits, max_attention_logits
 from megatron.core.transformer.context_parallel import comm_type_of_layer, context_parallel_attention
 from megatron.core.transformer import layer_scaled_attention
+from megatron.core.transformer.attention_head_transforms import (
+    gate_attention_output,
+    is_no_rope_layer,
+    l2_normalize_heads,
+    split_fused_qkv,
+)
 from megatron.core.transformer.attention_variants import (
     attention_with_sinks,
+    blocked_or_causal,
+    build_softmax_offset,
     is_layer_window_attention,
     sink_logits,
     window_blocked,
@@ -53,11 +64,21 @@ from megatron.core.transformer.init_seeds import build_with_init_seed, derive_in
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.recompute import checkpointed, is_recomputing
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import parameter_device
 
 
 class Attention(torch.nn.Module):
     """Base of the attention modules (upstream's name, which tools test modules against)."""
+
+    def reset_parameters(self):
+        """Initialise the parameters this module owns itself (the learnable sinks `softmax_offset`: zeros, as
+        upstream); the projections and norms reset themselves."""
+        if getattr(self, "softmax_offset", None) is not None:
+            with torch.no_grad():
+                self.softmax_offset.zero_()
+
+    def _sinks(self, device):
+        """The sink logit of each local head for `--softmax-type` off-by-one / learnable; None for vanilla."""
+        return sink_logits(self.config.softmax_type, self.softmax_offset, self.num_heads_per_partition, device)
 
     def track_max_attention_logits(self, query, key, attention_mask, scale=None):
         """Raise `max_attention_logits` to this forward's per-head maxima (the arguments of `core_attention`;
@@ -94,6 +115,11 @@ class SelfAttention(Attention):
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         projection_size = config.num_attention_heads * config.kv_channels
         qkv_size = projection_size + 2 * config.num_query_groups * config.kv_channels
+        # See attention_head_transforms.py: the gate rows, a NoPE layer, the L2 norm of the heads.
+        self.output_gate = config.attention_output_gate
+        if self.output_gate:
+            qkv_size += projection_size
+        self.skips_rotary_embedding = is_no_rope_layer(config.no_rope_freq, layer_number)
         if init_seed is None:
             init_seed = derive_init_seed(resolve_base_init_seed(config), "layer", layer_number)
         column_parallel_linear, row_parallel_linear = layer_classes(config)
@@ -135,21 +161,7 @@ class SelfAttention(Attention):
         self.max_attention_logits = None  # [heads per partition] fp32 while tracking; None before a forward
         self.window_size = (config.window_size if is_layer_window_attention(
             config.window_size, config.window_attn_skip_freq, layer_number) else None)
-        self.softmax_offset = None
-        if config.softmax_type == "learnable":
-            self.softmax_offset = torch.nn.Parameter(torch.zeros(
-                self.num_heads_per_partition, dtype=config.params_dtype, device=parameter_device(config)))
-            set_tensor_model_parallel_attributes(self.softmax_offset, is_parallel=True, dim=0, stride=1)
-
-    def reset_parameters(self):
-        """Initialise the parameters this module owns itself (the learnable sinks: zeros, as upstream); the
-        projections reset themselves."""
-        if self.softmax_offset is not None:
-            with torch.no_grad():
-                self.softmax_offset.zero_()
-
-    def _sinks(self, device):
-        return sink_logits(self.config.softmax_type, self.softmax_offset, self.num_heads_per_partition, device)
+        self.softmax_offset = build_softmax_offset(config, self.num_heads_per_partition)
 
     def core_attention(self, query, key, value, attention_mask):
         """Scaled dot-product attention on `[s, b, heads, head_dim]` queries and `[s, b, groups, head_dim]` keys
@@ -166,7 +178,7 @@ class SelfAttention(Attention):
             group = (parallel_state.get_hierarchical_context_parallel_groups() if comm_type == "a2a+p2p"
                      else parallel_state.get_context_parallel_group())
             return context_parallel_attention(query, key, value, attention_mask, comm_type=comm_type, group=group,
-                                              dropout_p=dropout_p)
+                                              dropout_p=dropout_p, sinks=self._sinks(query.device))
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # -> [b, heads, s, head_dim]
         if layer_scaled_attention.applies(self.config, query):
             context = layer_scaled_attention.layer_scaled_attention(query, key, value, attention_mask,
@@ -174,8 +186,7 @@ class SelfAttention(Attention):
             return context.permute(2, 0, 1, 3).reshape(context.shape[2], context.shape[0], -1)
         sinks = self._sinks(query.device)
         if sinks is not None:
-            blocked = (torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).triu(1)
-                       if attention_mask is None else attention_mask.to(torch.bool))
+            blocked = blocked_or_causal(attention_mask, query.shape[2], key.shape[2], query.device)
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 context = attention_with_sinks(query, key, value, blocked, sinks, dropout_p)
             return context.permute(2, 0, 1, 3).reshape(context.shape[2], context.shape[0], -1)
@@ -221,19 +232,21 @@ class SelfAttention(Attention):
         With `inference_context` the step's keys and values go into its cache and the queries attend over all
         cached positions (`rotary_pos_emb` must then hold the angles of positions offset .. offset + s - 1);
         the causal mask follows the absolute positions, so `attention_mask` must be None."""
-        mixed_qkv, _ = self.linear_qkv(hidden_states)  # [s, b, groups_per_partition * (m + 2) * head_dim]
-        seq_len, batch = mixed_qkv.shape[0], mixed_qkv.shape[1]
-        groups, per_group = self.num_groups_per_partition, self.heads_per_group
-        mixed_qkv = mixed_qkv.view(seq_len, batch, groups, (per_group + 2) * self.head_dim)
-        query, key, value = torch.split(mixed_qkv, [per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
-        query = query.reshape(seq_len, batch, groups * per_group, self.head_dim)
+        # [s, b, groups_per_partition * (m + 2) * head_dim]; (2m + 2) * head_dim per group with the output gate
+        mixed_qkv, _ = self.linear_qkv(hidden_states)
+        seq_len = mixed_qkv.shape[0]
+        query, key, value, gate = split_fused_qkv(mixed_qkv, self.num_groups_per_partition, self.heads_per_group,
+                                                  self.head_dim, self.output_gate)
         if self.q_layernorm is not None:
             query, key = self.q_layernorm(query), self.k_layernorm(key)
 
-        if rotary_pos_emb is not None:
+        if rotary_pos_emb is not None and not self.skips_rotary_embedding:
             interleaved = self.config.rotary_interleaved
             query = apply_rotary_pos_emb(query, rotary_pos_emb, interleaved=interleaved)
             key = apply_rotary_pos_emb(key, rotary_pos_emb, interleaved=interleaved)
+        if self.config.qk_l2_norm:
+            eps = self.config.layernorm_epsilon
+            query, key = l2_normalize_heads(query, eps), l2_normalize_heads(key, eps)
 
         if inference_context is not None:
             if attention_mask is not None:
@@ -253,5 +266,7 @@ class SelfAttention(Attention):
                 with offloaded_saved_tensors(self, "core_attn"):
                     context = self.core_attention(query, key, value, attention_mask)
 
+        if gate is not None:
+            context = gate_attention_output(context, gate)
         output, _ = self.linear_proj(context)
         return output

@@ -55,7 +55,6 @@ from megatron.core.transformer.attention_variants import (
     blocked_or_causal,
     build_softmax_offset,
     is_layer_window_attention,
-    sink_logits,
     windowed_mask,
 )
 from megatron.core.transformer.context_parallel import comm_type_of_layer, context_parallel_attention, local_rows
@@ -148,16 +147,6 @@ class MLASelfAttention(Attention):
         self.window_size = (config.window_size if is_layer_window_attention(
             config.window_size, config.window_attn_skip_freq, layer_number) else None)
         self.softmax_offset = build_softmax_offset(config, self.num_heads_per_partition)
-
-    def reset_parameters(self):
-        """Initialise the parameters this module owns itself (the learnable sinks: zeros); the projections and
-        norms reset themselves."""
-        if self.softmax_offset is not None:
-            with torch.no_grad():
-                self.softmax_offset.zero_()
-
-    def _sinks(self, device):
-        return sink_logits(self.config.softmax_type, self.softmax_offset, self.num_heads_per_partition, device)
 
     # ------------------------------------------------------------------------------------------------
     # Projections

@@ -119,6 +119,9 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelPar
     """Keep each FP8 weight's transposed bytes (for the backward GEMM under `torch._scaled_mm`) from the pass that
     quantizes it, cached with it for the optimizer step, instead of transposing in every backward: one more byte
     per weight element (`--keep-fp8-transpose-cache`)."""
+    fp8_wgrad: bool = True
+    """False (`--no-fp8-wgrad`): the FP8 linear layers compute their weight gradients in the activations'
+    precision (from the unquantized input and output gradient); the forward and input-gradient GEMMs stay FP8."""
     first_last_layers_bf16: bool = False
     """Run the first `num_layers_at_start_in_bf16` and last `num_layers_at_end_in_bf16` layers outside FP8, in
     the parameters' precision (`--first-last-layers-bf16`)."""
@@ -197,6 +200,16 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelPar
     """Attention sinks (`--softmax-type`): "vanilla", "off-by-one" (1 added to the softmax denominator) or
     "learnable" (exp of a learned per-head logit, the parameter `softmax_offset`, added)."""
 
+    no_rope_freq: Optional[object] = None
+    """NoPE layers (`--no-rope-freq`, Llama 4): an int N makes every N-th layer (1-based) skip the rotary embedding;
+    a 0/1 list (kept as a tuple) gives one entry per layer, 1 for no rotary embedding. None: every layer rotates."""
+    qk_l2_norm: bool = False
+    """Divide each query and key head by its root mean square over kv_channels (eps `layernorm_epsilon`, no weight)
+    after the rotary embedding (`--qk-l2-norm`, Llama 4)."""
+    attention_output_gate: bool = False
+    """The QKV projection also produces a gate per query channel and the attention output is multiplied by its
+    sigmoid before the output projection (`--attention-output-gate`, Qwen3-Next)."""
+
     calculate_per_token_loss: bool = False
     """Loss is summed over tokens and divided once by the global token count (`--calculate-per-token-loss`),
     instead of averaging per microbatch; the pipeline schedules and gradient finalisation read it."""
@@ -232,6 +245,12 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelPar
         self._validate_qk_clip()
         self._validate_layer_variants()
         self._validate_attention_variants()
+        self._validate_attention_head_transforms()
+
+    def _validate_attention_head_transforms(self):
+        from megatron.core.transformer.attention_head_transforms import validated_head_transforms
+
+        self._set("no_rope_freq", validated_head_transforms(self))
 
     def _validate_attention_variants(self):
         from megatron.core.transformer.attention_variants import validated_attention_variants
@@ -250,6 +269,12 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelPar
         if self.qk_clip and self.qk_layernorm and not self.multi_latent_attention:
             raise ValueError("--qk-clip rescales the query and key weights, which --qk-layernorm's per-head norms "
                              "undo: use one of them")
+        if self.qk_clip and self.qk_l2_norm:
+            raise ValueError("--qk-clip rescales the query and key weights, which --qk-l2-norm's per-head norms "
+                             "undo: use one of them")
+        if self.qk_clip and self.attention_output_gate and not self.multi_latent_attention:
+            raise ValueError("--qk-clip rescales the query and key rows of the fused QKV weight as laid out without "
+                             "--attention-output-gate's gate rows: use one of them")
 
     def _set(self, name, value):
         object.__setattr__(self, name, value)

@@ -7,6 +7,7 @@ messages name the flags involved.
 
 from megatron.training.argument_groups import (
     activation_recompute,
+    attention_head_transforms,
     attention_variants,
     checkpoint,
     checkpoint_args,
@@ -49,7 +50,7 @@ from megatron.training.argument_groups import (
 # pipeline_split follows virtual_pipeline: the layers must divide into the virtual stages per rank it derives.
 # mtp follows pipeline_split: a layout's 'm' symbols must match --mtp-num-layers.
 ARGUMENT_GROUPS = (upstream_compat, checkpoint_args, model_builders, parallelism, model, mla, activation_recompute,
-                   training, muon, qk_clip, attention_variants,
+                   training, muon, qk_clip, attention_variants, attention_head_transforms,
                    virtual_pipeline, pipeline_split, mtp, data, logging_eval, profiling, checkpoint, memory,
                    data_parallel, communication, fp8, result_validation, numerics, data_parallel_tuning, run_control,
                    resilience, moe)

@@ -34,8 +34,6 @@ def validate(args):
     validated_attention_variants(types.SimpleNamespace(
         window_size=args.window_size, window_attn_skip_freq=args.window_attn_skip_freq,
         softmax_type=args.softmax_type, num_layers=args.num_layers,
-        multi_latent_attention=getattr(args, "multi_latent_attention", False),
-        context_parallel_size=getattr(args, "context_parallel_size", 1),
         apply_query_key_layer_scaling=getattr(args, "apply_query_key_layer_scaling", False),
         fp16=getattr(args, "fp16", False)))
 

@@ -52,6 +52,12 @@ def check_prunable(model):
     if getattr(config, "multi_latent_attention", False):
         raise ValueError("width pruning handles SelfAttention only: a model with --multi-latent-attention needs "
                          "modelopt's mcore_minitron plugin (--use-modelopt-plugin)")
+    if getattr(config, "attention_output_gate", False):
+        raise ValueError("width pruning does not handle --attention-output-gate (gate rows inside the fused QKV "
+                         "weight): prune a model without it")
+    if getattr(config, "softmax_type", "vanilla") == "learnable":
+        raise ValueError("width pruning does not prune the learnable attention sinks of --softmax-type learnable "
+                         "(one per query head): prune a model without them")
     if any(layer.norms_fused_into_linears for layer in model.decoder.layers):
         raise ValueError("width pruning reads the norms' outputs, which Transformer Engine's fused LayerNorm-linears "
                          "do not expose: build the model with --transformer-impl local (the weights are the same)")

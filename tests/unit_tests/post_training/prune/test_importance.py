@@ -69,6 +69,8 @@ def test_no_forward_pass_means_no_scores():
     ({"pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size 1"),
     ({"num_moe_experts": 2}, "--num-experts"),
     ({"multi_latent_attention": True}, "--multi-latent-attention"),
+    ({"attention_output_gate": True}, "--attention-output-gate"),
+    ({"softmax_type": "learnable"}, "--softmax-type learnable"),
 ])
 def test_unsupported_models_are_refused_with_the_flag(overrides, message):
     model = tiny_gpt.tiny_gpt()
