@@ -5,7 +5,10 @@
         --json-keys text --append-eod --workers 4
 
 Each input line is one JSON document; each `--json-keys` key gives one output dataset in which every
-non-empty document is one sequence. Documents are tokenized by a pool of `--workers` processes in chunks, and
+non-empty document is one sequence. A key whose value is a list of strings is a document already split into
+sentences: one sequence per non-empty sentence. `--split-sentences` splits text values into sentences with nltk's
+punkt models (`pip install nltk`, then `python -m nltk.downloader punkt_tab`) and writes
+`PREFIX_<key>_sentence.bin` / `.idx`. Documents are tokenized by a pool of `--workers` processes in chunks, and
 results are written in input order, so the output does not depend on the number of workers.
 """
 
@@ -28,9 +31,12 @@ from megatron.training.argument_groups.data import add_tokenizer_file_arguments 
 from megatron.training.tokenizer import TOKENIZER_TYPES, build_tokenizer_from_args  # noqa: E402
 
 DOCUMENTS_PER_CHUNK = 32
+# Punkt is slow on very long texts: --split-sentences splits a text in pieces of this many characters (as upstream).
+SENTENCE_SPLIT_PIECE_CHARACTERS = 1_000_000
 
 # Each worker process builds its own tokenizer once (tokenizers are not cheap to pickle per document).
 _worker_tokenizer = None
+_worker_splitter = None
 _worker_settings = None
 
 
@@ -38,35 +44,110 @@ def _tokenizer_from_args(args):
     return build_tokenizer_from_args(args)
 
 
-def _initialize_worker(args):
-    global _worker_tokenizer, _worker_settings
+def sentence_splitter(lang, keep_newlines):
+    """nltk's punkt sentence splitter for `--lang`; with `--keep-newlines`, one that leaves the whitespace after a
+    sentence (newlines included) at its end instead of dropping it. Raises SystemExit when nltk or its punkt data
+    for the language is missing."""
+    try:
+        from nltk.tokenize import punkt
+    except ImportError:
+        raise SystemExit("--split-sentences needs the nltk package, which is not installed: pip install nltk, then "
+                         "python -m nltk.downloader punkt_tab (or drop --split-sentences: each document is then "
+                         "one sequence, which is what GPT training reads)") from None
+    try:
+        if hasattr(punkt, "PunktTokenizer"):  # nltk >= 3.9 reads the punkt_tab tables
+            splitter = punkt.PunktTokenizer(lang)
+        else:
+            import nltk
+
+            splitter = nltk.data.load(f"tokenizers/punkt/{lang}.pickle")
+    except (LookupError, OSError, ValueError) as error:
+        # nltk's message is a banner of asterisks around "Resource punkt_tab not found." and search paths.
+        first_line = next((line.strip() for line in str(error).splitlines() if any(c.isalnum() for c in line)),
+                          type(error).__name__)
+        raise SystemExit(f"--split-sentences --lang {lang}: nltk has no punkt model for this language ({first_line}); "
+                         "run python -m nltk.downloader punkt_tab (set NLTK_DATA to where it is installed), or give "
+                         "another --lang") from None
+    if not keep_newlines:
+        return splitter
+
+    class KeepWhitespaceLanguageVars(punkt.PunktLanguageVars):
+        # Punkt's own pattern requires whitespace after a sentence end and consumes it; here the whitespace is
+        # optional and stays with the sentence, so newlines in the text survive the split.
+        _period_context_fmt = r"""
+            \S*                          # word material
+            %(SentEndChars)s             # a possible sentence end
+            \s*                          # the whitespace after it, kept
+            (?=(?P<after_tok>
+                %(NonWord)s              # punctuation
+                |
+                (?P<next_tok>\S+)        # or the next word
+            ))"""
+
+    return punkt.PunktSentenceTokenizer(train_text=splitter._params, lang_vars=KeepWhitespaceLanguageVars())
+
+
+def _split_sentences(splitter, text):
+    pieces = range(0, len(text), SENTENCE_SPLIT_PIECE_CHARACTERS)
+    return [sentence for start in pieces
+            for sentence in splitter.tokenize(text[start:start + SENTENCE_SPLIT_PIECE_CHARACTERS])]
+
+
+def _initialize_worker(args, splitter_factory=None):
+    global _worker_tokenizer, _worker_splitter, _worker_settings
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _worker_tokenizer = _tokenizer_from_args(args)
+    _worker_splitter = None
+    if args.split_sentences:
+        _worker_splitter = (splitter_factory or sentence_splitter)(args.lang, args.keep_newlines)
     _worker_settings = (tuple(args.json_keys), args.append_eod)
 
 
+def _sentences_of(value):
+    """The texts of one key's value: [value] for a string (split with --split-sentences), the list of a list of
+    strings; None when it is neither."""
+    if isinstance(value, str):
+        return _split_sentences(_worker_splitter, value) if _worker_splitter is not None else [value]
+    if isinstance(value, list) and all(isinstance(sentence, str) for sentence in value):
+        return value
+    return None
+
+
 def encode_document(line):
-    """One JSONL line -> ({key: token ids}, bytes read, None), or (None, bytes read, what is wrong with it) for a
-    document the keys or the tokenizer cannot take (reported by the reader, with its line number). Blank lines
-    yield no tokens."""
+    """One JSONL line -> ({key: (token ids, sequence lengths)}, bytes read, None), or (None, bytes read, what is
+    wrong with it) for a document the keys or the tokenizer cannot take (reported by the reader, with its line
+    number). Each non-empty sentence is one sequence (a whole text is one sentence without --split-sentences);
+    --append-eod ends the last one with the eod. Blank lines yield no tokens."""
     json_keys, append_eod = _worker_settings
     if not line.strip():
-        return {key: [] for key in json_keys}, len(line), None
+        return {key: ([], []) for key in json_keys}, len(line), None
     try:
         document = json.loads(line)
     except ValueError as error:
         return None, len(line), f"not a JSON document ({error})"
+    if not isinstance(document, dict):
+        return None, len(line), f"not a JSON object but a {type(document).__name__}; each line must be {{key: text}}"
     encoded = {}
     for key in json_keys:
         if key not in document:
             return None, len(line), f"document has no key {key!r} (keys: {sorted(document)}); check --json-keys"
+        sentences = _sentences_of(document[key])
+        if sentences is None:
+            return None, len(line), (f"{key!r} must be a string or a list of strings (sentences), got "
+                                     f"{type(document[key]).__name__} {json.dumps(document[key])[:40]}")
+        token_ids, lengths = [], []
         try:
-            token_ids = _worker_tokenizer.tokenize(document[key])
+            for sentence in sentences:
+                sentence_ids = _worker_tokenizer.tokenize(sentence)
+                if sentence_ids:
+                    token_ids.extend(sentence_ids)
+                    lengths.append(len(sentence_ids))
         except ValueError as error:
             return None, len(line), f"{key!r}: {error}"
         if token_ids and append_eod:
             token_ids.append(_worker_tokenizer.eod)
-        encoded[key] = token_ids
+            lengths[-1] += 1
+        encoded[key] = (token_ids, lengths)
     return encoded, len(line), None
 
 
@@ -96,8 +177,8 @@ class ProgressLog:
         )
 
 
-def output_prefix_for_key(output_prefix, key):
-    return f"{output_prefix}_{key}_document"
+def output_prefix_for_key(output_prefix, key, split_sentences=False):
+    return f"{output_prefix}_{key}_{'sentence' if split_sentences else 'document'}"
 
 
 def _remove_partial_outputs(builders, prefixes):
@@ -108,33 +189,37 @@ def _remove_partial_outputs(builders, prefixes):
             os.remove(data_file_path(prefix))
 
 
-def preprocess(args):
-    """Run the conversion; returns {json key: output path prefix}."""
+def preprocess(args, splitter_factory=None):
+    """Run the conversion; returns {json key: output path prefix}. `splitter_factory(lang, keep_newlines)` builds
+    the --split-sentences splitter (default: nltk's punkt, `sentence_splitter`)."""
     try:
         tokenizer = _tokenizer_from_args(args)
     except (ValueError, OSError, ImportError) as error:  # a missing file, flag or package, named in the message
         raise SystemExit(f"cannot build the --tokenizer-type {args.tokenizer_type} tokenizer: {error}") from error
+    if args.split_sentences:  # fail here, before any worker starts, when nltk or its data is missing
+        (splitter_factory or sentence_splitter)(args.lang, args.keep_newlines)
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     dtype = optimal_token_dtype(tokenizer.vocab_size)
-    prefixes = {key: output_prefix_for_key(args.output_prefix, key) for key in args.json_keys}
+    prefixes = {key: output_prefix_for_key(args.output_prefix, key, args.split_sentences) for key in args.json_keys}
     builders = {key: IndexedDatasetBuilder(data_file_path(prefix), dtype=dtype) for key, prefix in prefixes.items()}
     progress = ProgressLog(args.log_interval)
     with open(args.input, "r", encoding="utf-8") as input_file:
         if args.workers > 1:
-            pool = multiprocessing.Pool(args.workers, initializer=_initialize_worker, initargs=(args,))
+            pool = multiprocessing.Pool(args.workers, initializer=_initialize_worker,
+                                        initargs=(args, splitter_factory))
             encoded_documents = pool.imap(encode_document, input_file, DOCUMENTS_PER_CHUNK)
         else:
             pool = None
-            _initialize_worker(args)
+            _initialize_worker(args, splitter_factory)
             encoded_documents = map(encode_document, input_file)
         try:
             for line_number, (encoded, bytes_read, problem) in enumerate(encoded_documents, start=1):
                 if problem is not None:
                     _remove_partial_outputs(builders, prefixes)
                     raise SystemExit(f"{args.input}, line {line_number}: {problem}; nothing was written")
-                for key, token_ids in encoded.items():
+                for key, (token_ids, lengths) in encoded.items():
                     if token_ids:
-                        builders[key].add_document(token_ids, [len(token_ids)])
+                        builders[key].add_document(token_ids, lengths)
                 progress.update(bytes_read)
         except SystemExit:
             raise
@@ -157,16 +242,20 @@ def parse_args(argv=None):
     group.add_argument("--input", required=True, help="JSONL file, one JSON document per line")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize, one output per key")
     group.add_argument("--split-sentences", action="store_true",
-                       help="not supported: every document is written as one sequence (GPT training packs "
-                       "documents, so sentence boundaries are not needed); drop the flag")
-    group.add_argument("--keep-newlines", action="store_true", help="only with --split-sentences (not supported)")
-    group.add_argument("--lang", default="english", help="only with --split-sentences (not supported)")
+                       help="split each text into sentences (nltk punkt; needs nltk installed), one sequence per "
+                       "sentence, written as PREFIX_<key>_sentence")
+    group.add_argument("--keep-newlines", action="store_true",
+                       help="with --split-sentences: keep the newlines between sentences (without it, a text is "
+                       "tokenized whole, newlines included)")
+    group.add_argument("--lang", default="english", help="with --split-sentences: the language of the punkt model")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     group.add_argument("--vocab-size", type=int, default=None,
                        help="for NullTokenizer; for TikTokenizer, the vocabulary with the special tokens "
                        "(default 131072)")
     add_tokenizer_file_arguments(group)  # --vocab-file, --merge-file, --tokenizer-model, tiktoken settings
+    group.add_argument("--vocab-extra-ids", type=int, default=0,
+                       help="upstream's T5/BERT sentinel tokens; only 0 (none) is supported")
     group.add_argument("--append-eod", action="store_true", help="end every document with the eod token")
     group = parser.add_argument_group("output")
     group.add_argument("--output-prefix", required=True, help="writes PREFIX_<key>_document.bin/.idx")
@@ -183,9 +272,9 @@ def parse_args(argv=None):
         parser.error("--workers must be at least 1")
     if args.partitions < 1:
         parser.error("--partitions must be at least 1")
-    if args.split_sentences or args.keep_newlines:
-        parser.error("--split-sentences (and --keep-newlines) are not supported: each document is written as one "
-                     "sequence of PREFIX_<key>_document, which is what GPT training reads; drop the flags")
+    if args.vocab_extra_ids != 0:
+        parser.error(f"--vocab-extra-ids {args.vocab_extra_ids} is not supported: it adds the <extra_id_N> sentinel "
+                     "tokens of upstream's BERT/T5 tokenizers, which GPT tokenizers here do not have; drop the flag")
     if not os.path.isfile(args.input):
         parser.error(f"--input {args.input!r} is not a file (a JSONL file, one JSON document per line)")
     return args

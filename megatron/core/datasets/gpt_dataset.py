@@ -250,9 +250,13 @@ def _check_data_files(prefixes):
     for prefix in prefixes:
         missing += [path for path in (index_file_path(prefix), data_file_path(prefix)) if not os.path.isfile(path)]
     if missing:
+        quoted = [prefix for prefix in prefixes if len(prefix.split()) > 1]
+        hint = (f"; {quoted[0]!r} looks like several words passed as one argument: give weights and prefixes as "
+                "separate words, --data-path 0.3 A 0.7 B, not one quoted string" if quoted else "")
         raise FileNotFoundError(
             f"--data-path names datasets whose files do not exist: {', '.join(missing)} "
             "(give the prefix without .bin/.idx, e.g. my_corpus_text_document; build it with tools/preprocess_data.py)"
+            + hint
         )
 
 

@@ -117,8 +117,7 @@ def test_null_tokenizer_and_several_keys(tmp_path):
     np.testing.assert_array_equal(extra[11], [11])
 
 
-def test_upstream_partitions_flags_are_accepted_and_split_sentences_is_named(tmp_path, preprocess_data,
-                                                                             monkeypatch, capsys):
+def test_upstream_partitions_flags_are_accepted(tmp_path, preprocess_data, monkeypatch, capsys):
     documents = [{"text": " ".join(str(i) for i in range(n, n + 3))} for n in range(6)]
     corpus = str(tmp_path / "ids.jsonl")
     _write_jsonl(corpus, documents)
@@ -127,10 +126,6 @@ def test_upstream_partitions_flags_are_accepted_and_split_sentences_is_named(tmp
               "NullTokenizer", "--vocab-size", "64", "--partitions", "3", "--keep-sequential-samples", "--workers", "1")
     written = IndexedDataset(prefix + "_text_document")
     assert [written[i].tolist() for i in range(len(written))] == [[n, n + 1, n + 2] for n in range(6)]
-    with pytest.raises(SystemExit):
-        preprocess_data.parse_args(["--input", corpus, "--output-prefix", prefix, "--tokenizer-type",
-                                    "NullTokenizer", "--vocab-size", "64", "--split-sentences"])
-    assert "--split-sentences (and --keep-newlines) are not supported" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("workers", [1, 2])

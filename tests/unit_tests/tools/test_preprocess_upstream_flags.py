@@ -1,0 +1,109 @@
+"""`tools/preprocess_data.py` with upstream's sentence flags, list-valued keys and `--vocab-extra-ids`."""
+
+import importlib.util
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+TOOL = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, os.pardir, "tools",
+                                    "preprocess_data.py"))
+NULL_TOKENIZER = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "50"]  # eod is 50
+
+
+@pytest.fixture(scope="module")
+def preprocess_data():
+    spec = importlib.util.spec_from_file_location("preprocess_data_upstream_flags", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _tokenizers_parallelism(monkeypatch):
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # what the worker setup sets, undone after each test
+
+
+def _corpus(tmp_path, documents):
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps(document) + "\n" for document in documents))
+    return str(path)
+
+
+class _PeriodSplitter:
+    """Stands in for nltk's punkt: a sentence ends at " . "."""
+
+    def __init__(self, lang, keep_newlines):
+        self.settings = (lang, keep_newlines)
+
+    def tokenize(self, text):
+        return [sentence for sentence in text.split(" . ") if sentence]
+
+
+def _sequences(dataset):
+    return [dataset[i].tolist() for i in range(len(dataset))]
+
+
+def test_list_values_are_sentences_one_sequence_each(tmp_path, preprocess_data):
+    corpus = _corpus(tmp_path, [{"text": ["1 2", "", "3"]}, {"text": "4 5 6"}, {"text": ["7"]}])
+    prefix = str(tmp_path / "out")
+    preprocess_data.main(["--input", corpus, "--output-prefix", prefix, *NULL_TOKENIZER, "--append-eod",
+                          "--log-interval", "0"])
+    dataset = IndexedDataset(prefix + "_text_document")
+    assert _sequences(dataset) == [[1, 2], [3, 50], [4, 5, 6, 50], [7, 50]]  # the eod ends each document's last
+    np.testing.assert_array_equal(dataset.document_indices, [0, 2, 3, 4])
+    assert dataset.document(0).tolist() == [1, 2, 3, 50]
+
+
+def test_a_value_that_is_not_text_names_the_key_and_line(tmp_path, preprocess_data):
+    corpus = _corpus(tmp_path, [{"text": "1"}, {"text": 5}])
+    with pytest.raises(SystemExit) as exit_info:
+        preprocess_data.main(["--input", corpus, "--output-prefix", str(tmp_path / "o"), *NULL_TOKENIZER])
+    assert exit_info.value.code == (f"{corpus}, line 2: 'text' must be a string or a list of strings (sentences), "
+                                    "got int 5; nothing was written")
+    assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl"]
+
+
+def test_split_sentences_writes_one_sequence_per_sentence(tmp_path, preprocess_data):
+    corpus = _corpus(tmp_path, [{"text": "1 2 . 3 . 4"}, {"text": "5 6"}])
+    prefix = str(tmp_path / "out")
+    args = preprocess_data.parse_args(["--input", corpus, "--output-prefix", prefix, *NULL_TOKENIZER,
+                                       "--split-sentences", "--keep-newlines", "--lang", "german", "--append-eod",
+                                       "--log-interval", "0"])
+    built = []
+
+    def splitter_factory(lang, keep_newlines):
+        built.append((lang, keep_newlines))
+        return _PeriodSplitter(lang, keep_newlines)
+
+    assert preprocess_data.preprocess(args, splitter_factory) == {"text": prefix + "_text_sentence"}
+    assert built[0] == ("german", True)
+    dataset = IndexedDataset(prefix + "_text_sentence")
+    assert _sequences(dataset) == [[1, 2], [3], [4, 50], [5, 6, 50]]
+    np.testing.assert_array_equal(dataset.document_indices, [0, 3, 4])
+    assert not os.path.exists(prefix + "_text_document.bin")
+
+
+def test_split_sentences_without_nltk_says_what_to_install(tmp_path, preprocess_data, monkeypatch):
+    monkeypatch.setitem(sys.modules, "nltk", None)  # `import nltk...` raises ImportError, installed or not
+    monkeypatch.setitem(sys.modules, "nltk.tokenize", None)
+    corpus = _corpus(tmp_path, [{"text": "1 2"}])
+    with pytest.raises(SystemExit) as exit_info:
+        preprocess_data.main(["--input", corpus, "--output-prefix", str(tmp_path / "o"), *NULL_TOKENIZER,
+                              "--split-sentences"])
+    message = exit_info.value.code
+    assert message.startswith("--split-sentences needs the nltk package, which is not installed: pip install nltk")
+    assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl"]
+
+
+def test_vocab_extra_ids(tmp_path, preprocess_data, capsys):
+    corpus = _corpus(tmp_path, [{"text": "1 2"}])
+    base = ["--input", corpus, "--output-prefix", str(tmp_path / "o"), *NULL_TOKENIZER]
+    assert preprocess_data.parse_args(base + ["--vocab-extra-ids", "0"]).vocab_extra_ids == 0
+    with pytest.raises(SystemExit):
+        preprocess_data.parse_args(base + ["--vocab-extra-ids", "100"])
+    assert "--vocab-extra-ids 100 is not supported" in capsys.readouterr().err
