@@ -32,8 +32,8 @@ LOADERS = {"core": "ours", "mcore": "ours", "legacy": "ours", "megatron": "ours"
 SAVERS = {"core": "torch_dist", "mcore": "torch_dist", "hf": "hf"}
 # Upstream plugins that have no counterpart here, and what to do instead.
 NOT_HERE = {
-    ("--loader", "mixtral_hf"): "Mixture-of-Experts Hugging Face models are not imported (see hf_unsupported.py); "
-                                "Mixtral trains here from scratch only",
+    ("--loader", "mixtral_hf"): "import the Mixtral directory with tools/checkpoint/convert_checkpoint.py --from hf "
+                                "--input HF_DIR --output OUT, which prints the flags to train from it",
     ("--loader", "llava"): "multimodal LLaVA models are not built here",
     ("--saver", "llava"): "multimodal LLaVA models are not built here",
     ("--saver", "hf_llava"): "multimodal LLaVA models are not built here",

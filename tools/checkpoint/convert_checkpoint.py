@@ -14,14 +14,15 @@ resumes exactly (dropout masks included).
 safetensors: the fp32 model weights under their logical names, the iteration in the file's metadata; converting
 back gives a model-only checkpoint (training loads it with a fresh optimizer).
 hf: config.json and model.safetensors of a GPT2LMHeadModel (learned positions), LlamaForCausalLM (RoPE) or
-Qwen3ForCausalLM (RoPE with --qk-layernorm), or of the MistralForCausalLM or Qwen2ForCausalLM a checkpoint was
-imported from (--hf-architecture names one), in the dtype the checkpoint trained in (--hf-dtype), that
+Qwen3ForCausalLM (RoPE with --qk-layernorm), with --num-experts of a MixtralForCausalLM, Qwen3MoeForCausalLM
+(--qk-layernorm) or Qwen2MoeForCausalLM (gated shared experts), or of the MistralForCausalLM or Qwen2ForCausalLM a
+checkpoint was imported from (--hf-architecture names one), in the dtype the checkpoint trained in (--hf-dtype), that
 `transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)` loads and that computes our model's logits, plus
 megatron_extras.safetensors (vocabulary padding rows and what else HF has no place for); converting back gives
 the same model tensors bit for bit. Models HF cannot compute exactly are refused, naming the flag (see
-hf_mapping.py); so are models with multi-latent attention or Mixture-of-Experts layers, which convert between
-our own formats only (see hf_unsupported.py). `--from hf` reads these architectures (Mistral without a sliding
-window) and prints the pretrain_gpt.py flags that train from the checkpoint it wrote.
+hf_mapping.py); so are models with multi-latent attention or routers HF does not have, which convert between
+our own formats only (see hf_unsupported.py). `--from hf` reads these architectures (Mistral and Mixtral without a
+sliding window) and prints the pretrain_gpt.py flags that train from the checkpoint it wrote.
 The logical names are those of the unsplit GPTModel, and a checkpoint written back loads at any TP/PP/DP.
 """
 
@@ -125,7 +126,8 @@ def to_hf(directory, output, vocab_size=None, architecture=None, dtype=None):
         raise SystemExit(f"{directory}: {exc}") from exc
     os.makedirs(output, exist_ok=True)
     with open(os.path.join(output, hf_mapping.CONFIG_FILE), "w") as stream:
-        json.dump(hf_mapping.hf_config(shape, architecture, dtype, source.get("token_ids")), stream, indent=2)
+        json.dump(hf_mapping.hf_config(shape, architecture, dtype, source.get("token_ids"), source.get("config_keys")),
+                  stream, indent=2)
     safetensors_format.save_file(tensors, os.path.join(output, hf_mapping.MODEL_FILE), {"format": "pt"})
     safetensors_format.save_file(extras, os.path.join(output, hf_mapping.EXTRAS_FILE),
                                  hf_mapping.extras_metadata(shape, common.get("iteration", 0)))
@@ -284,7 +286,8 @@ def import_hf(directory, root, iteration, make_vocab_size_divisible_by, apply_la
     tokens = tokens if tokens is not None and tokens <= shape.vocab_size else None
     source = {"architecture": architecture, "dtype": hf_mapping.dtype_of_tensors(hf_tensors),
               "vocab_size": shape.vocab_size,
-              "token_ids": {key: config.get(key) for key in hf_mapping.TOKEN_ID_KEYS}}
+              "token_ids": {key: config.get(key) for key in hf_mapping.TOKEN_ID_KEYS},
+              "config_keys": {key: config[key] for key in hf_mapping.RECORDED_CONFIG_KEYS if key in config}}
     iteration = int(metadata.get("iteration", 0)) if iteration is None else iteration
     state = {f"model.{name}": tensor for name, tensor in model.items()}
     layout = _layout(f"{os.path.basename(os.path.normpath(directory))} ({architecture})")

@@ -8,7 +8,19 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from hf_errors import ConversionError
-from hf_families import GPT2, GPT2_ACTIVATIONS, LLAMA_RELATIVES, MISTRAL, QWEN2, QWEN3
+from hf_families import (
+    DENSE_COUNTERPART,
+    GPT2,
+    GPT2_ACTIVATIONS,
+    LLAMA_RELATIVES,
+    MISTRAL,
+    MOE_ARCHITECTURES,
+    QK_NORM_ARCHITECTURES,
+    QWEN2,
+    QWEN2_MOE,
+    QWEN3,
+)
+from hf_moe import hf_moe_config, moe_flags_of_config
 from hf_rope import hf_rope_config, rope_flags_of_config
 from hf_shape import ModelShape
 
@@ -39,9 +51,11 @@ def dtype_of_tensors(tensors: Dict[str, torch.Tensor]) -> str:
     return max(counts, key=counts.get) if counts else "float32"
 
 
-def hf_config(shape: ModelShape, architecture: str, dtype: str = "float32", token_ids: Optional[dict] = None) -> dict:
+def hf_config(shape: ModelShape, architecture: str, dtype: str = "float32", token_ids: Optional[dict] = None,
+              recorded_keys: Optional[dict] = None) -> dict:
     """config.json of the Hugging Face model, its weights in `dtype`; the token ids are those of `token_ids` (a
-    model imported from HF keeps its tokenizer's), else none (ours are not GPT-2's or Llama's)."""
+    model imported from HF keeps its tokenizer's), else none (ours are not GPT-2's or Llama's); `recorded_keys`:
+    the keys an import kept that our flags do not say (hf_moe.RECORDED_CONFIG_KEYS)."""
     token_ids = {key: (token_ids or {}).get(key) for key in TOKEN_ID_KEYS}
     common = {"architectures": [architecture], "vocab_size": shape.vocab_size,
               "initializer_range": shape.init_method_std, "tie_word_embeddings":
@@ -66,16 +80,20 @@ def hf_config(shape: ModelShape, architecture: str, dtype: str = "float32", toke
             "rope_theta": float(shape.rotary_base), **hf_rope_config(shape),
             "attention_bias": shape.qkv_bias, "mlp_bias": shape.add_bias_linear,
             "attention_dropout": shape.attention_dropout}
-    if architecture == QWEN3:  # no mlp_bias (always none)
+    attention = DENSE_COUNTERPART.get(architecture, architecture)
+    if attention == QWEN3:  # no mlp_bias (always none)
         del llama["mlp_bias"]
-    if architecture == QWEN2:  # biases on q, k and v only, written without either key
+    if attention == QWEN2:  # biases on q, k and v only, written without either key (Qwen2-MoE: qkv_bias)
         del llama["attention_bias"], llama["mlp_bias"]
-    if architecture == MISTRAL:  # no biases at all
+    if attention == MISTRAL:  # no biases at all
         del llama["attention_bias"], llama["mlp_bias"]
         llama["sliding_window"] = None
-    if architecture in (QWEN2, QWEN3):  # full attention in every layer
-        llama.update(use_sliding_window=False, sliding_window=None,
-                     layer_types=["full_attention"] * shape.num_layers)
+    if attention in (QWEN2, QWEN3):  # full attention in every layer
+        llama.update(use_sliding_window=False, sliding_window=None)
+        if architecture in (QWEN2, QWEN3, QWEN2_MOE):
+            llama["layer_types"] = ["full_attention"] * shape.num_layers
+    if architecture in MOE_ARCHITECTURES:
+        llama.update(hf_moe_config(shape, architecture, recorded_keys))
     return llama
 
 
@@ -110,13 +128,16 @@ def _llama_biases(config, architecture, path):
     if any(kind != "full_attention" for kind in layer_types) or config.get("use_sliding_window"):
         raise ConversionError(f"{path}: sliding-window attention (config.json use_sliding_window / layer_types "
                               f"{sorted(set(layer_types))}): our attention is causal over the whole sequence")
-    if architecture == MISTRAL and window is not None and (positions is None or window < positions):
+    if DENSE_COUNTERPART.get(architecture, architecture) == MISTRAL and window is not None and \
+            (positions is None or window < positions):
         raise ConversionError(f"{path}: sliding_window {window} below max_position_embeddings {positions}: our "
                               "attention is causal over the whole sequence (Mistral with sliding_window null, or "
                               "a window covering every position, imports)")
     if architecture == QWEN2:
         return True, False  # Qwen2's q, k and v projections have biases, its other linear layers none
-    if architecture == QWEN3:
+    if architecture == QWEN2_MOE:
+        return bool(config.get("qkv_bias", True)), False  # older Qwen2-MoE configs lack the key: biases
+    if architecture in QK_NORM_ARCHITECTURES:
         return bool(config.get("attention_bias", False)), False  # Qwen3's MLP has no biases
     return bool(config.get("attention_bias", False)), bool(config.get("mlp_bias", False))
 
@@ -166,11 +187,13 @@ def shape_from_hf_config(config: dict, path: str, recorded: Optional[dict], padd
             max_position_embeddings=_require(config, "max_position_embeddings", path),
             position_embedding_type="rope", **rope_flags_of_config(config, path),
             rotary_interleaved=recorded.get("rotary_interleaved", False), normalization="RMSNorm",
-            qk_layernorm=architecture == QWEN3,
+            qk_layernorm=architecture in QK_NORM_ARCHITECTURES,
             norm_epsilon=config.get("rms_norm_eps", 1e-6), swiglu=True, add_bias_linear=mlp_bias,
             add_qkv_bias=attention_bias and not mlp_bias,
             untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
             hidden_dropout=recorded.get("hidden_dropout", 0.0), attention_dropout=config.get("attention_dropout", 0.0))
+        if architecture in MOE_ARCHITECTURES:
+            values.update(moe_flags_of_config(config, architecture, values["num_layers"], path))
     if values["padded_vocab_size"] < vocab_size:
         raise ConversionError(f"{path}: vocab_size {vocab_size} in config.json exceeds the recorded padded "
                               f"vocabulary ({values['padded_vocab_size']}); delete {EXTRAS_FILE} to pad anew")

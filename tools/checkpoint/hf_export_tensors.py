@@ -17,6 +17,7 @@ from hf_layouts import (
     split_gate_up,
     split_qkv,
 )
+from hf_moe import moe_layer_to_hf
 from hf_shape import ModelShape
 
 
@@ -86,7 +87,11 @@ def to_hf_tensors(model: Dict[str, torch.Tensor], shape: ModelShape, architectur
             hf[f"{theirs}self_attn.v_proj.{kind}"] = value
         if not shape.add_bias_linear and shape.add_qkv_bias and architecture in O_PROJ_BIAS_WITH_ATTENTION_BIAS:
             hf[theirs + "self_attn.o_proj.bias"] = torch.zeros(hidden)
-        for kind in ("weight", "bias") if shape.add_bias_linear else ("weight",):
+        if shape.moe_layers[index]:  # no biases (hf_families refuses them)
+            hf[theirs + "self_attn.o_proj.weight"] = source.take(ours + "self_attention.linear_proj.weight")
+            hf.update(moe_layer_to_hf(source.take, shape, architecture, ours, theirs))
+        dense_kinds = ("weight", "bias") if shape.add_bias_linear else ("weight",)
+        for kind in () if shape.moe_layers[index] else dense_kinds:
             gate, up = split_gate_up(source.take(f"{ours}mlp.linear_fc1.{kind}"))
             hf[f"{theirs}mlp.gate_proj.{kind}"], hf[f"{theirs}mlp.up_proj.{kind}"] = gate, up
             for our_linear, hf_linear in linears.items():

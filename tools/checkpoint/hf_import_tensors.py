@@ -18,6 +18,7 @@ from hf_layouts import (
     fuse_qkv,
     query_key_rows,
 )
+from hf_moe import moe_layer_from_hf
 from hf_shape import ModelShape
 
 
@@ -114,7 +115,12 @@ def from_hf_tensors(hf_tensors: Dict[str, torch.Tensor], extras: Dict[str, torch
         if not shape.add_bias_linear and shape.add_qkv_bias and theirs + "self_attn.o_proj.bias" in source.tensors:
             # Llama's attention_bias gives o_proj a bias, which must be zero; Qwen2's o_proj has none
             bias(ours + "self_attention.linear_proj.bias", theirs + "self_attn.o_proj.bias", hidden)
-        for kind in ("weight", "bias") if shape.add_bias_linear else ("weight",):
+        if shape.moe_layers[index]:  # no biases (hf_families refuses them)
+            model[ours + "self_attention.linear_proj.weight"] = source.take(theirs + "self_attn.o_proj.weight",
+                                                                            (hidden, heads_width))
+            model.update(moe_layer_from_hf(source.take, shape, architecture, ours, theirs))
+        dense_kinds = ("weight", "bias") if shape.add_bias_linear else ("weight",)
+        for kind in () if shape.moe_layers[index] else dense_kinds:
             columns = (hidden,) if kind == "weight" else ()
             model[f"{ours}self_attention.linear_proj.{kind}"] = source.take(
                 f"{theirs}self_attn.o_proj.{kind}", (hidden, heads_width)[:len(columns) + 1])

@@ -21,6 +21,12 @@ Hugging Face architectures cover the models pretrain_gpt.py builds, chosen by th
   over head_dim each (q_norm / k_norm) before RoPE, as ours do; it has no MLP biases. Mistral (without a sliding
   window, no biases) and Qwen2 (biases on q, k and v only: --add-qkv-bias) compute as Llama does; a model imported
   from one is written back as it, and --hf-architecture names one for any model that fits (hf_families.py).
+- rotary positions with --num-experts -> MixtralForCausalLM (every layer MoE, renormalised top-k),
+  Qwen3MoeForCausalLM (--qk-layernorm; dense layers per `decoder_sparse_step` / `mlp_only_layers`,
+  `norm_topk_prob` the opposite of --moe-router-pre-softmax) or Qwen2MoeForCausalLM (a gated shared expert:
+  --moe-shared-expert-intermediate-size --moe-shared-expert-gate): the router weight and each expert's
+  gate / up / down projections under its global index (hf_moe.py). Router options HF does not have are refused
+  (hf_unsupported.py).
 
 The word embedding and an untied output layer carry vocabulary padding rows, which HF's model must not see.
 
@@ -33,9 +39,9 @@ Anything else that HF cannot compute the same way is refused, naming the flag. T
 dtype the checkpoint trained in (--bf16: bfloat16), and read back in fp32.
 
 The conversion, one job per file: hf_shape.py (the model flags), hf_families.py (which architecture),
-hf_config.py (config.json both ways, the weights' dtype), hf_rope.py (RoPE in config.json), hf_layouts.py (fused
-rows, tensor names), hf_export_tensors.py and hf_import_tensors.py (the tensors each way). This module gathers
-their public names.
+hf_config.py (config.json both ways, the weights' dtype), hf_rope.py (RoPE in config.json), hf_moe.py (experts:
+config keys and tensors), hf_layouts.py (fused rows, tensor names), hf_export_tensors.py and hf_import_tensors.py
+(the tensors each way). This module gathers their public names.
 """
 
 from hf_config import (
@@ -60,8 +66,12 @@ from hf_families import (
     LLAMA,
     LLAMA_RELATIVES,
     MISTRAL,
+    MIXTRAL,
+    MOE_ARCHITECTURES,
     QWEN2,
+    QWEN2_MOE,
     QWEN3,
+    QWEN3_MOE,
     architecture_for,
 )
 from hf_import_tensors import from_hf_tensors
@@ -76,12 +86,14 @@ from hf_layouts import (
     split_gate_up,
     split_qkv,
 )
+from hf_moe import RECORDED_CONFIG_KEYS
 from hf_shape import ModelShape
 
 __all__ = [
     "ARCHITECTURES", "CONFIG_FILE", "EXTRAS_FILE", "FP8_BUFFER_SUFFIXES", "GPT2", "GPT2_ACTIVATIONS", "HF_DTYPES",
-    "LLAMA", "LLAMA_RELATIVES", "MISTRAL", "MODEL_FILE", "MODEL_INDEX_FILE", "OUTPUT_LAYER", "PADDING_SUFFIX",
-    "POSITION_EMBEDDING", "QWEN2", "QWEN3", "TOKEN_ID_KEYS", "WORD_EMBEDDING", "ConversionError", "ModelShape",
+    "LLAMA", "LLAMA_RELATIVES", "MISTRAL", "MIXTRAL", "MODEL_FILE", "MODEL_INDEX_FILE", "MOE_ARCHITECTURES",
+    "OUTPUT_LAYER", "PADDING_SUFFIX", "POSITION_EMBEDDING", "QWEN2", "QWEN2_MOE", "QWEN3", "QWEN3_MOE",
+    "RECORDED_CONFIG_KEYS", "TOKEN_ID_KEYS", "WORD_EMBEDDING", "ConversionError", "ModelShape",
     "architecture_for", "dtype_of_tensors", "extras_metadata", "from_hf_tensors", "fuse_gate_up", "fuse_qkv",
     "hf_config", "shape_from_hf_config", "split_gate_up", "split_qkv", "to_hf_tensors", "training_dtype",
 ]

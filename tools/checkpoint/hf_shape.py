@@ -3,7 +3,9 @@ written back as arguments and as pretrain_gpt.py's command line."""
 
 import argparse
 import dataclasses
-from typing import Optional
+from typing import Optional, Tuple, Union
+
+from megatron.core.transformer.moe.moe_config import layer_pattern_from_freq
 
 from hf_errors import ConversionError
 
@@ -44,11 +46,21 @@ class ModelShape:
     init_method_std: float = 0.02
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    num_experts: Optional[int] = None
+    """Experts per MoE layer; None: a dense model (the fields below then keep their defaults)."""
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_layer_freq: Union[int, Tuple[int, ...], list] = 1
+    moe_router_pre_softmax: bool = False
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_gate: bool = False
 
+    MOE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq", "moe_router_pre_softmax",
+                  "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
     # Flags newer than some checkpoints: arguments saved without them had their default.
     ADDED_LATER = ("use_rope_scaling", "rope_scaling_factor", "rotary_interleaved",
                    "rotary_seq_len_interpolation_factor", "openai_gelu", "add_qkv_bias",
-                   "apply_residual_connection_post_layernorm")
+                   "apply_residual_connection_post_layernorm", *MOE_FIELDS)
 
     def __post_init__(self):
         if not 0 < self.vocab_size <= self.padded_vocab_size:
@@ -67,6 +79,11 @@ class ModelShape:
                     raise ConversionError(f"the checkpoint's arguments lack '{field.name}' (written by an older "
                                           "version?); cannot tell the model's shape")
                 values[field.name] = getattr(args, field.name)
+        if not values.get("num_experts"):  # --num-experts 0 is no MoE, as in training
+            values.update({field.name: field.default for field in dataclasses.fields(cls)
+                           if field.name in cls.MOE_FIELDS})
+        elif values.get("moe_ffn_hidden_size") is None:  # the experts' width defaults to --ffn-hidden-size
+            values["moe_ffn_hidden_size"] = values["ffn_hidden_size"]
         return cls(**values)
 
     def to_args(self) -> argparse.Namespace:
@@ -104,7 +121,25 @@ class ModelShape:
         flags += ["--" + name.replace("_", "-") for name in switches if getattr(self, name)]
         if not self.add_bias_linear:
             flags.append("--disable-bias-linear")
+        if self.num_experts:
+            flags.append(f"--num-experts {self.num_experts} --moe-ffn-hidden-size {self.moe_ffn_hidden_size} "
+                         f"--moe-router-topk {self.moe_router_topk}")
+            if not all(self.moe_layers):
+                flags.append("--moe-layer-freq [" + ",".join(str(int(moe)) for moe in self.moe_layers) + "]")
+            if self.moe_router_pre_softmax:
+                flags.append("--moe-router-pre-softmax")
+            if self.moe_shared_expert_intermediate_size:
+                flags.append(f"--moe-shared-expert-intermediate-size {self.moe_shared_expert_intermediate_size}")
+            if self.moe_shared_expert_gate:
+                flags.append("--moe-shared-expert-gate")
         return " ".join(flags)
+
+    @property
+    def moe_layers(self) -> list:
+        """One bool per layer: whether its MLP is a Mixture-of-Experts layer (--moe-layer-freq)."""
+        if not self.num_experts:
+            return [False] * self.num_layers
+        return layer_pattern_from_freq(self.moe_layer_freq, self.num_layers)
 
     @property
     def heads_per_group(self) -> int:

@@ -1,20 +1,42 @@
 """Models the Hugging Face conversion does not cover, refused before any tensor is touched.
 
-`--to hf` writes GPT2LMHeadModel or a Llama, Mistral, Qwen2 or Qwen3 model (see hf_families.py): none has
-multi-latent attention (DeepSeek-V2/V3's low-rank query and key/value projections), Mixture-of-Experts layers (a
-router and per-expert MLPs, Mixtral / Qwen-MoE / DeepSeek-V3 style) or multi-token prediction layers
-(DeepSeek-V3's), nor gpt-oss's gated MLP (quick GeLU on the gate, clamped, with an offset). Such checkpoints
-convert losslessly between our own formats (`--to torch`, `--to safetensors` and back with `--from`), which keep
-every tensor under its logical name, the experts under their global index. Likewise `--from hf` reads only
-dense GPT-2, Llama, Mistral, Qwen2 and Qwen3 directories.
+`--to hf` writes GPT2LMHeadModel, a Llama, Mistral, Qwen2 or Qwen3 model, or with experts a Mixtral, Qwen2-MoE or
+Qwen3-MoE model (see hf_families.py): none has multi-latent attention (DeepSeek-V2/V3's low-rank query and
+key/value projections) or multi-token prediction layers (DeepSeek-V3's), nor gpt-oss's gated MLP (quick GeLU on
+the gate, clamped, with an offset); their routers take a softmax over all experts, choose the top k and apply
+the (renormalised) probabilities to the experts' outputs, dropping no token, so other scores (sigmoid,
+DeepSeek-V3's expert bias, group-limited choice), scaled probabilities, expert capacity, Sinkhorn routing and
+jitter are refused too. Such checkpoints convert losslessly between our own formats (`--to torch`,
+`--to safetensors` and back with `--from`), which keep every tensor under its logical name, the experts under
+their global index. Likewise `--from hf` reads only GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE and
+Qwen3-MoE directories (other models with experts, DeepSeek's or OLMoE's say, are refused).
 """
 
 # (training argument, flag, what Hugging Face would need)
 _EXPORT_BLOCKERS = (
     ("multi_latent_attention", "--multi-latent-attention",
      "multi-latent attention (a DeepSeek-V3-style architecture)"),
-    ("num_experts", "--num-experts", "Mixture-of-Experts layers (a Mixtral / Qwen-MoE / DeepSeek-V3-style "
-                                     "architecture)"),
+    ("moe_router_score_function", "--moe-router-score-function",
+     "a router without a softmax over the experts (DeepSeek-V3-style), which Mixtral's and Qwen-MoE's routers "
+     "take"),
+    ("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias",
+     "an expert bias in the choice of experts (DeepSeek-V3-style), which HF's Mixtral and Qwen-MoE routers lack"),
+    ("moe_router_num_groups", "--moe-router-num-groups", "group-limited routing (DeepSeek-V3-style), which HF's "
+                                                         "Mixtral and Qwen-MoE routers lack"),
+    ("moe_router_group_topk", "--moe-router-group-topk", "group-limited routing (DeepSeek-V3-style), which HF's "
+                                                         "Mixtral and Qwen-MoE routers lack"),
+    ("moe_router_topk_scaling_factor", "--moe-router-topk-scaling-factor",
+     "scaled routing probabilities, which HF's Mixtral and Qwen-MoE layers do not scale"),
+    ("moe_expert_capacity_factor", "--moe-expert-capacity-factor",
+     "experts that drop tokens over their capacity, where HF's Mixtral and Qwen-MoE experts take every token"),
+    ("moe_router_load_balancing_type", "--moe-router-load-balancing-type",
+     "Sinkhorn routing, which HF's Mixtral and Qwen-MoE routers do not compute"),
+    ("moe_input_jitter_eps", "--moe-input-jitter-eps",
+     "jitter on the router's input alone (HF's Mixtral router_jitter_noise multiplies the experts' input too)"),
+    ("moe_apply_probs_on_input", "--moe-apply-probs-on-input",
+     "experts applied to the input scaled by its probability, where HF's scale the experts' output"),
+    ("moe_router_force_load_balancing", "--moe-router-force-load-balancing",
+     "routing by random logits (benchmarking), which no HF router does"),
     ("mtp_num_layers", "--mtp-num-layers", "multi-token prediction layers (DeepSeek-V3-style), which would be "
                                            "lost"),
     ("activation_func_clamp_value", "--activation-func-clamp-value",
@@ -35,22 +57,38 @@ _EXPORT_BLOCKERS = (
     ("attention_output_gate", "--attention-output-gate",
      "a sigmoid gate on the attention output (Qwen3-Next-style), which the Llama-family attention does not compute"),
 )
-_DEFAULTS = {"softmax_type": "vanilla"}  # values that are set yet block nothing
+# Values that are set yet block nothing (a negative capacity factor is dropless; of the load-balancing types only
+# Sinkhorn routes differently, the others are losses).
+_HARMLESS = {"softmax_type": ("vanilla",), "moe_router_score_function": ("softmax",),
+             "moe_router_topk_scaling_factor": (1.0,)}
 OWN_FORMATS_HINT = ("convert it with --to torch or --to safetensors instead (every tensor under its logical name, "
                     "converted back with --from torch / --from safetensors)")
 
 # config.json keys that mark a Hugging Face model with experts or latent attention.
 _HF_MOE_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_intermediate_size")
 _HF_MLA_KEYS = ("kv_lora_rank", "q_lora_rank")
+# The architectures with experts that --from hf reads (hf_families.MOE_ARCHITECTURES), with their model_type.
+_HF_MOE_READ = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
+                "Qwen3MoeForCausalLM": "qwen3_moe"}
 
 
 def hf_export_problems(args):
     """The flags of a checkpoint's training arguments that keep it from being written as a Hugging Face model,
     each with what it would need (empty when none)."""
     problems = []
+    experts = bool(getattr(args, "num_experts", None))
     for name, flag, needs in _EXPORT_BLOCKERS:
         value = getattr(args, name, None)
-        if value and value != _DEFAULTS.get(name):
+        if name.startswith("moe_") and not experts:  # a dense model's MoE flags keep their defaults
+            continue
+        if name == "moe_router_load_balancing_type":
+            blocks = "sinkhorn" in ([value] if isinstance(value, str) else list(value or []))
+            value = "sinkhorn"
+        elif name == "moe_expert_capacity_factor":
+            blocks = value is not None and value > 0
+        else:
+            blocks = bool(value) and value not in _HARMLESS.get(name, ())
+        if blocks:
             problems.append(f"{flag}{'' if value is True else f' {value}'}: {needs}")
     return problems
 
@@ -60,19 +98,22 @@ def hf_export_refusal(args):
     problems = hf_export_problems(args)
     if not problems:
         return None
-    return ("Hugging Face export covers dense GPT-2, Llama, Mistral, Qwen2 and Qwen3 models only; this checkpoint was "
-            "trained with "
+    return ("Hugging Face export covers GPT-2, Llama, Mistral, Qwen2 and Qwen3 models and, with experts, Mixtral, "
+            "Qwen2-MoE and Qwen3-MoE models only; this checkpoint was trained with "
             + "; ".join(problems) + f". {OWN_FORMATS_HINT[0].upper()}{OWN_FORMATS_HINT[1:]}")
 
 
 def hf_import_refusal(config, path):
     """The message refusing `--from hf` for a config.json with experts or latent attention, or None."""
     features = []
-    if any(config.get(key) for key in _HF_MOE_KEYS):
-        features.append("Mixture-of-Experts layers (our flag: --num-experts)")
+    names = config.get("architectures") or []
+    read = any(name in names or config.get("model_type") == model_type for name, model_type in _HF_MOE_READ.items())
+    if any(config.get(key) for key in _HF_MOE_KEYS) and not read:
+        features.append("Mixture-of-Experts layers other than Mixtral's, Qwen2-MoE's and Qwen3-MoE's (our flag: "
+                        "--num-experts)")
     if any(config.get(key) for key in _HF_MLA_KEYS):
         features.append("multi-latent attention (our flag: --multi-latent-attention)")
     if not features:
         return None
-    return (f"{path}: config.json describes a model with " + " and ".join(features) + "; --from hf reads dense "
-            "GPT-2, Llama, Mistral, Qwen2 and Qwen3 models only")
+    return (f"{path}: config.json describes a model with " + " and ".join(features) + "; --from hf reads GPT-2, "
+            "Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE and Qwen3-MoE models only")

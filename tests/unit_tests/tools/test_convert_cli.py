@@ -228,7 +228,8 @@ def test_torch_format_at_target_tp2_trains_on_from_the_same_loss(tools, tmp_path
 
 @pytest.mark.parametrize("argv, message", [
     (["--model-type", "BERT"], "--model-type BERT: only GPT models convert here; choose GPT"),
-    (["--loader", "mixtral_hf"], "--loader mixtral_hf: Mixture-of-Experts Hugging Face models are not imported"),
+    (["--loader", "mixtral_hf"], "--loader mixtral_hf: import the Mixtral directory with "
+                                 "tools/checkpoint/convert_checkpoint.py --from hf"),
     (["--loader", "foo"], "--loader foo: not a plugin here; choose one of core, mcore, legacy, megatron, "
                           "llama_mistral"),
     (["--saver", "bar"], "--saver bar: not a plugin here; choose one of core, mcore, hf"),

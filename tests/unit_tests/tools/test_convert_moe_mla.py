@@ -1,7 +1,8 @@
 """tools/checkpoint with a DeepSeek-style checkpoint (multi-latent attention, a dense first layer, then MoE layers
 with shared experts and a sigmoid router with expert bias): torch_dist -> torch -> torch_dist and torch_dist ->
 safetensors -> torch_dist give back every tensor, and the checkpoint converted back resumes training with the
-saved weights; `--to hf` and `--from hf` refuse such models, naming the flags."""
+saved weights; `--to hf` and `--from hf` refuse such models (latent attention, a sigmoid router with expert bias),
+naming the flags."""
 
 import argparse
 import json
@@ -105,7 +106,8 @@ def test_deepseek_style_checkpoint_converts_between_our_formats(tmp_path, conver
 
     with pytest.raises(SystemExit) as refusal:
         convert_checkpoint.to_hf(root, str(tmp_path / "hf"))
-    for words in ("--multi-latent-attention", "--num-experts 4", "--to torch", "--to safetensors"):
+    for words in ("--multi-latent-attention", "--moe-router-score-function sigmoid",
+                  "--moe-router-enable-expert-bias", "--to torch", "--to safetensors"):
         assert words in str(refusal.value), str(refusal.value)
     assert not os.path.exists(tmp_path / "hf")
 
@@ -113,10 +115,13 @@ def test_deepseek_style_checkpoint_converts_between_our_formats(tmp_path, conver
 def test_hf_refusals_name_the_features(tmp_path, convert_checkpoint):
     import hf_unsupported
 
-    moe_only = hf_unsupported.hf_export_refusal(argparse.Namespace(num_experts=8, multi_latent_attention=False))
-    assert "--num-experts 8" in moe_only and "--multi-latent-attention" not in moe_only
+    router = hf_unsupported.hf_export_refusal(argparse.Namespace(num_experts=8, multi_latent_attention=False,
+                                                                 moe_router_score_function="sigmoid"))
+    assert "--moe-router-score-function sigmoid" in router and "--multi-latent-attention" not in router
+    assert hf_unsupported.hf_export_refusal(argparse.Namespace(num_experts=8, multi_latent_attention=False,
+                                                               moe_router_score_function="softmax")) is None
     assert hf_unsupported.hf_export_refusal(argparse.Namespace(num_experts=None, multi_latent_attention=False)) is None
-    for config, flag in (({"architectures": ["MixtralForCausalLM"], "num_local_experts": 8}, "--num-experts"),
+    for config, flag in (({"architectures": ["DeepseekV2ForCausalLM"], "n_routed_experts": 8}, "--num-experts"),
                          ({"architectures": ["DeepseekV3ForCausalLM"], "n_routed_experts": 8, "kv_lora_rank": 16},
                           "--multi-latent-attention")):
         directory = tmp_path / config["architectures"][0]
@@ -124,4 +129,4 @@ def test_hf_refusals_name_the_features(tmp_path, convert_checkpoint):
         (directory / "config.json").write_text(json.dumps(config))
         with pytest.raises(SystemExit) as refusal:
             convert_checkpoint.from_hf(str(directory), str(tmp_path / "unused"))
-        assert flag in str(refusal.value) and "GPT-2, Llama, Mistral, Qwen2 and Qwen3" in str(refusal.value)
+        assert flag in str(refusal.value) and "Qwen3, Mixtral, Qwen2-MoE and Qwen3-MoE" in str(refusal.value)
