@@ -25,10 +25,10 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 import pretrain_gpt  # noqa: E402
-from megatron.core.inference.model_checks import check_inference_supported  # noqa: E402
 from megatron.core.inference.sampling_params import SamplingParams  # noqa: E402
 from megatron.core.inference.static_generation import check_prompts, generate_in_batches  # noqa: E402
-from megatron.training import checkpointing  # noqa: E402
+from megatron.inference import launch  # noqa: E402
+from megatron.inference.launch import build_tokenizer, run_with_megatron  # noqa: E402
 
 
 def add_static_inference_args(parser):
@@ -68,8 +68,6 @@ def _print_rank0(message):
 
 def check_args(args):
     """Refuse what cannot generate, before a model is built (errors name the flag)."""
-    from megatron.training.model_config import core_transformer_config_from_args
-
     if args.load is None:
         raise ValueError("gpt_static_inference.py needs --load: the checkpoint to generate from")
     if args.prompts and args.prompt_file is not None:
@@ -81,15 +79,7 @@ def check_args(args):
             raise ValueError("--prompt-file-num-truncate needs --prompt-file")
         if args.prompt_file_num_truncate < 1:
             raise ValueError(f"--prompt-file-num-truncate must be at least 1, got {args.prompt_file_num_truncate}")
-    if args.init_model_with_meta_device:
-        # The model is built unwrapped; the meta device is for Megatron-FSDP to materialise shard by shard.
-        _print_rank0("--init-model-with-meta-device is turned off for generation (the model is built whole)")
-        args.init_model_with_meta_device = False
-    if args.sequence_parallel:
-        # Sequence parallelism changes no weight; a one-position decoding step cannot be split over TP ranks.
-        _print_rank0("--sequence-parallel is turned off for generation (the weights are the same)")
-        args.sequence_parallel = False
-    check_inference_supported(core_transformer_config_from_args(args))
+    launch.check_generation_args(args, _print_rank0)
     sampling_params_from_args(args)  # validates the sampling flags
 
 
@@ -117,28 +107,9 @@ def read_prompt_file(path, num_truncate=None):
     return prompts
 
 
-def build_tokenizer(args):
-    from megatron.training.global_vars import set_tokenizer
-    from megatron.training.checkpoint_args import padded_vocab_size
-    from megatron.training.tokenizer import build_tokenizer_from_args
-
-    tokenizer = build_tokenizer_from_args(args)
-    set_tokenizer(tokenizer)
-    # The checkpoint's rows under --use-checkpoint-args.
-    args.padded_vocab_size = padded_vocab_size(args, tokenizer.vocab_size)
-    return tokenizer
-
-
 def load_model(args):
     """pretrain_gpt.py's model of this rank, unwrapped, with the weights of the latest checkpoint under --load."""
-    from megatron.training.model_setup import get_model
-
-    checkpointing.check_checkpoint_format(args)
-    model = get_model(pretrain_gpt.model_provider, args, wrap_with_ddp=False)[0]
-    if checkpointing.read_tracker(args.load) is None:
-        raise FileNotFoundError(f"--load {args.load}: no checkpoint there (no tracker file)")
-    checkpointing.load_checkpoint([model], None, None, args)
-    return model
+    return launch.load_model(args, pretrain_gpt.model_provider)
 
 
 def result_record(prompt, result, tokenizer):
@@ -186,44 +157,12 @@ def run(args):
     return records
 
 
-# Generation trains nothing and reads no data: pretrain_gpt.py's required training flags get placeholder values
-# when absent, so a launch needs only the model, tokenizer and inference flags. Given ones are validated as for
-# training and otherwise unused: no dataset, optimizer or scheduler is built.
-DATA_FLAGS = ("--data-path", "--train-data-path", "--mock-data", "--data-args-path", "--per-split-data-args-path")
-
-
-def with_placeholder_data_flag(argv):
-    """`argv` plus --mock-data when it names no dataset (the data flags' validation asks for one)."""
-    if any(arg.split("=")[0] in DATA_FLAGS for arg in argv):
-        return argv
-    return [*argv, "--mock-data"]
+with_placeholder_data_flag = launch.with_placeholder_data_flag
 
 
 def training_placeholders(argv):
-    """Values for pretrain_gpt.py's required training flags that `argv` leaves unset. The run length fits the
-    schedule flags `argv` gives: none when it sets --train-samples, and longer than any --lr-warmup-iters."""
-    from megatron.training.arguments import build_parser
-
-    given, _ = build_parser(add_static_inference_args).parse_known_args(argv)
-    placeholders = {"micro_batch_size": 1, "lr": 0.0}
-    if given.train_iters is None and given.train_samples is None:
-        placeholders["train_iters"] = max(1, int(given.lr_warmup_iters or 0) + 1)
-    return placeholders
-
-
-def run_with_megatron(add_arguments, run_function, argv=None):
-    """Initialize Megatron from the command line (`argv`, default sys.argv) with the training-only placeholders,
-    call `run_function(args)` and tear down; shared by this script and the KV-cache benchmark."""
-    from megatron.training.initialize import initialize_megatron
-    from megatron.training.training import _teardown
-
-    argv = with_placeholder_data_flag(sys.argv[1:] if argv is None else list(argv))
-    args = initialize_megatron(extra_args_provider=add_arguments, args_defaults=training_placeholders(argv),
-                               args=argv)
-    try:
-        return run_function(args)
-    finally:
-        _teardown(args)
+    """pretrain_gpt.py's required training flags that `argv` leaves unset (see `megatron.inference.launch`)."""
+    return launch.training_placeholders(argv, add_static_inference_args)
 
 
 def main(argv=None):

@@ -81,7 +81,7 @@ def _model_device(model):
     return next(model.parameters()).device
 
 
-def _target_log_probs(logits, targets, vocab_size):
+def target_log_probs(logits, targets, vocab_size):
     """log p(targets) under softmax(logits) over the real vocabulary: `[b, s, V]`, `[b, s]` -> `[b, s]` fp32."""
     log_probs = torch.log_softmax(logits[..., :vocab_size].float(), dim=-1)
     return log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -135,7 +135,7 @@ def generate_static_batch(model, prompts: Sequence[Sequence[int]], sampling_para
             generating = ~in_prompt & ~stopped
             tokens[:, end] = torch.where(in_prompt, tokens[:, end], torch.where(stopped, eod_id, sampled))
             if sampling_params.return_log_probs:
-                token_log_probs[:, start + 1:end + 1] = _target_log_probs(logits, tokens[:, start + 1:end + 1],
+                token_log_probs[:, start + 1:end + 1] = target_log_probs(logits, tokens[:, start + 1:end + 1],
                                                                           vocab_size)
             generated_counts += generating.long()
             hit_eod = generating & (sampled == eod_id)

@@ -1,0 +1,94 @@
+"""Starting a generation program from pretrain_gpt.py's flags: placeholder training flags, the tokenizer and the
+model of the latest checkpoint under --load (shared by the generation examples and the text-generation server).
+
+Generation trains nothing and reads no data: pretrain_gpt.py's required training flags get placeholder values when
+absent, so a launch needs only the model, tokenizer and inference flags. Given ones are validated as for training
+and otherwise unused: no dataset, optimizer or scheduler is built.
+"""
+
+import sys
+
+DATA_FLAGS = ("--data-path", "--train-data-path", "--mock-data", "--data-args-path", "--per-split-data-args-path")
+
+
+def with_placeholder_data_flag(argv):
+    """`argv` plus --mock-data when it names no dataset (the data flags' validation asks for one)."""
+    if any(arg.split("=")[0] in DATA_FLAGS for arg in argv):
+        return argv
+    return [*argv, "--mock-data"]
+
+
+def training_placeholders(argv, add_arguments=None):
+    """Values for pretrain_gpt.py's required training flags that `argv` leaves unset. The run length fits the
+    schedule flags `argv` gives: none when it sets --train-samples, and longer than any --lr-warmup-iters.
+    `add_arguments` adds the program's own flags to the parser (so their values are not read as training flags)."""
+    from megatron.training.arguments import build_parser
+
+    given, _ = build_parser(add_arguments).parse_known_args(argv)
+    placeholders = {"micro_batch_size": 1, "lr": 0.0}
+    if given.train_iters is None and given.train_samples is None:
+        placeholders["train_iters"] = max(1, int(given.lr_warmup_iters or 0) + 1)
+    return placeholders
+
+
+def run_with_megatron(add_arguments, run_function, argv=None):
+    """Initialize Megatron from the command line (`argv`, default sys.argv) with the training-only placeholders,
+    call `run_function(args)` and tear down."""
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.training import _teardown
+
+    argv = with_placeholder_data_flag(sys.argv[1:] if argv is None else list(argv))
+    args = initialize_megatron(extra_args_provider=add_arguments,
+                               args_defaults=training_placeholders(argv, add_arguments), args=argv)
+    try:
+        return run_function(args)
+    finally:
+        _teardown(args)
+
+
+def check_generation_args(args, print_rank0=print):
+    """Refuse what cannot generate, before a model is built (errors name the flag); turn off the flags that only
+    matter to training (and say so through `print_rank0`)."""
+    from megatron.core.inference.model_checks import check_inference_supported
+    from megatron.training.model_config import core_transformer_config_from_args
+
+    if args.load is None:
+        raise ValueError("--load: give the checkpoint directory to generate from")
+    if args.init_model_with_meta_device:
+        # The model is built unwrapped; the meta device is for Megatron-FSDP to materialise shard by shard.
+        print_rank0("--init-model-with-meta-device is turned off for generation (the model is built whole)")
+        args.init_model_with_meta_device = False
+    if args.sequence_parallel:
+        # Sequence parallelism changes no weight; a one-position decoding step cannot be split over TP ranks.
+        print_rank0("--sequence-parallel is turned off for generation (the weights are the same)")
+        args.sequence_parallel = False
+    check_inference_supported(core_transformer_config_from_args(args))
+
+
+def build_tokenizer(args):
+    """The tokenizer of --tokenizer-type (set as the global one), and `args.padded_vocab_size` from it."""
+    from megatron.training.checkpoint_args import padded_vocab_size
+    from megatron.training.global_vars import set_tokenizer
+    from megatron.training.tokenizer import build_tokenizer_from_args
+
+    tokenizer = build_tokenizer_from_args(args)
+    set_tokenizer(tokenizer)
+    # The checkpoint's rows under --use-checkpoint-args.
+    args.padded_vocab_size = padded_vocab_size(args, tokenizer.vocab_size)
+    return tokenizer
+
+
+def load_model(args, model_provider):
+    """The model `model_provider` builds on this rank (pretrain_gpt.py's), unwrapped, with the weights of the
+    latest checkpoint under --load."""
+    from megatron.training import checkpointing
+    from megatron.training.model_setup import get_model
+
+    if args.load is None:
+        raise ValueError("--load: give the checkpoint directory to generate from")
+    checkpointing.check_checkpoint_format(args)
+    model = get_model(model_provider, args, wrap_with_ddp=False)[0]
+    if checkpointing.read_tracker(args.load) is None:
+        raise FileNotFoundError(f"--load {args.load}: no checkpoint there (no tracker file)")
+    checkpointing.load_checkpoint([model], None, None, args)
+    return model

@@ -1,0 +1,162 @@
+"""One text-generation request, from its parsed fields to upstream's response, in three steps:
+
+- `prepare_job` (the serving rank): tokenize the prompts, check they fit, choose the seed; a `GenerationJob` holds
+  everything the ranks need and nothing else (it is broadcast);
+- `run_job` (every rank, together): generate with `megatron.core.inference` (static batches of at most
+  `max_batch_size` prompts through a key/value cache), or score the prompts when no token is generated;
+- `build_response` (the serving rank): upstream's `{"text", "segments", "logprobs", "tokens"}`.
+
+The response follows upstream's `generate_and_post_process`: `text[i]` is the prompt and its generation as one
+string, `tokens[i]` their ids (the prompt's, with a leading end-of-document id under `add_BOS`, then the generated
+ones, ending with the end-of-document id when generation reached it), `segments[i]` each of those ids detokenized
+alone, and `logprobs[i]` (null unless asked) the log-probability of every token after the first under the model's
+distribution (before temperature and filtering), one fewer than `tokens[i]`.
+"""
+
+import random
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.inference.sampling_params import SamplingParams
+from megatron.core.inference.static_generation import GeneratedSequence, generate_static_batch, target_log_probs
+from megatron.inference.generation_request import GenerationRequest, RequestError
+from megatron.inference.newline_rules import NewlineRules, NewlineRulesModel, strip_forced_stop
+
+
+@dataclass(frozen=True)
+class GenerationLimits:
+    """What the server decodes: the tokenizer's end-of-document id and vocabulary size, the key/value cache's
+    length (each prompt plus its generated tokens must fit) and batch size (more prompts run in several batches)."""
+
+    eod_id: int
+    vocab_size: int
+    max_sequence_length: int
+    max_batch_size: int
+
+
+@dataclass(frozen=True)
+class GenerationJob:
+    """A request as every rank runs it. `sampling_params` None: score the prompts only."""
+
+    prompt_tokens: List[List[int]]
+    sampling_params: Optional[SamplingParams]
+    seed: int
+    logprobs: bool
+    newline_rules: Optional[NewlineRules] = None
+
+
+def _single_token(tokenizer, text, field):
+    ids = tokenizer.tokenize(text)
+    if field is not None and len(ids) != 1:
+        raise RequestError(f"{field} needs a tokenizer that encodes {text!r} as one token; this one gives {ids}")
+    return ids[0] if len(ids) == 1 else None
+
+
+def newline_rules_for(request: GenerationRequest, tokenizer) -> Optional[NewlineRules]:
+    """The request's newline options with the tokenizer's ids, or None when it sets none."""
+    stop_field = "stop_on_eol" if request.stop_on_eol else "stop_on_double_eol" if request.stop_on_double_eol \
+        else None
+    colon_field = "prevent_newline_after_colon" if request.prevent_newline_after_colon else None
+    if stop_field is None and colon_field is None:
+        return None
+    return NewlineRules(newline_id=_single_token(tokenizer, "\n", stop_field or colon_field),
+                        double_newline_id=_single_token(tokenizer, "\n\n", None),
+                        colon_id=_single_token(tokenizer, ":", colon_field),
+                        stop_on_eol=request.stop_on_eol, stop_on_double_eol=request.stop_on_double_eol,
+                        prevent_newline_after_colon=request.prevent_newline_after_colon)
+
+
+def prepare_job(request: GenerationRequest, tokenizer, limits: GenerationLimits) -> GenerationJob:
+    """The job of `request`; raises RequestError (a 400) naming the field when it cannot run."""
+    if request.top_k > limits.vocab_size:
+        raise RequestError(f"top_k {request.top_k} exceeds the tokenizer's vocabulary of {limits.vocab_size} tokens")
+    newline_rules = newline_rules_for(request, tokenizer)
+    prompt_tokens = []
+    for index, prompt in enumerate(request.prompts):
+        try:
+            tokens = list(tokenizer.tokenize(prompt))
+        except ValueError as error:
+            raise RequestError(f"prompts[{index}] cannot be tokenized: {error}") from None
+        if request.add_BOS:
+            tokens = [limits.eod_id] + tokens
+        if not tokens:
+            raise RequestError(f"prompts[{index}] has no tokens: give some text or set add_BOS=true")
+        if len(tokens) + request.tokens_to_generate > limits.max_sequence_length:
+            raise RequestError(
+                f"prompts[{index}] ({len(tokens)} tokens) plus tokens_to_generate {request.tokens_to_generate} is "
+                f"longer than allowed: at most {limits.max_sequence_length} tokens in all (the server's "
+                "--inference-max-seq-length, at most --max-position-embeddings); shorten the prompt or ask for "
+                "fewer tokens")
+        prompt_tokens.append(tokens)
+    sampling_params = None
+    if request.tokens_to_generate > 0:
+        sampling_params = SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
+                                         return_log_probs=request.logprobs,
+                                         num_tokens_to_generate=request.tokens_to_generate)
+    seed = request.random_seed if request.random_seed is not None else random.SystemRandom().randrange(2 ** 31)
+    return GenerationJob(prompt_tokens=prompt_tokens, sampling_params=sampling_params, seed=seed,
+                         logprobs=request.logprobs, newline_rules=newline_rules)
+
+
+@torch.no_grad()
+def score_prompts(model, prompts: List[List[int]], limits: GenerationLimits) -> List[GeneratedSequence]:
+    """Log-probabilities of every prompt token after the first, no token generated: one forward over each batch
+    of right-padded prompts (the padding follows every real token, so under the causal mask it changes none)."""
+    device = next(model.parameters()).device
+    results = []
+    was_training = model.training
+    model.eval()
+    try:
+        for first in range(0, len(prompts), limits.max_batch_size):
+            batch = prompts[first:first + limits.max_batch_size]
+            length = max(len(prompt) for prompt in batch)
+            tokens = torch.full((len(batch), length), limits.eod_id, dtype=torch.long, device=device)
+            for row, prompt in enumerate(batch):
+                tokens[row, :len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=device)
+            context = StaticInferenceContext(len(batch), length)
+            logits = model(tokens, None, inference_context=context)
+            log_probs = target_log_probs(logits[:, :-1], tokens[:, 1:], limits.vocab_size)
+            for row, prompt in enumerate(batch):
+                results.append(GeneratedSequence(prompt_tokens=list(prompt), generated_tokens=[], stopped_at_eod=False,
+                                                 generated_log_probs=[],
+                                                 prompt_log_probs=log_probs[row, :len(prompt) - 1].tolist()))
+    finally:
+        model.train(was_training)
+    return results
+
+
+def run_job(model, job: GenerationJob, limits: GenerationLimits) -> List[GeneratedSequence]:
+    """Generate (or score) the job's prompts; every rank of a tensor-parallel group calls it with the same job."""
+    if job.sampling_params is None:
+        return score_prompts(model, job.prompt_tokens, limits)
+    results = []
+    for first in range(0, len(job.prompt_tokens), limits.max_batch_size):
+        batch = job.prompt_tokens[first:first + limits.max_batch_size]
+        batch_model = model
+        if job.newline_rules is not None:
+            batch_model = NewlineRulesModel(model, job.newline_rules, [len(prompt) for prompt in batch],
+                                            limits.eod_id)
+        results += generate_static_batch(batch_model, batch, job.sampling_params, eod_id=limits.eod_id,
+                                         max_sequence_length=limits.max_sequence_length,
+                                         max_batch_size=limits.max_batch_size, vocab_size=limits.vocab_size,
+                                         seed=job.seed)
+    return results
+
+
+def build_response(job: GenerationJob, results: List[GeneratedSequence], tokenizer, eod_id: int) -> dict:
+    """Upstream's response body for the job's results (see the module docstring)."""
+    texts, segments, tokens, logprobs = [], [], [], []
+    for result in results:
+        generated = result.generated_tokens
+        if job.newline_rules is not None:
+            generated = strip_forced_stop(result.prompt_tokens, generated, job.newline_rules, eod_id)
+        sequence = result.prompt_tokens + generated
+        texts.append(tokenizer.detokenize(sequence))
+        segments.append([tokenizer.detokenize([token]) for token in sequence])
+        tokens.append(sequence)
+        if job.logprobs:
+            logprobs.append((result.prompt_log_probs + result.generated_log_probs)[:len(sequence) - 1])
+    return {"text": texts, "segments": segments, "logprobs": logprobs if job.logprobs else None, "tokens": tokens}

@@ -1,0 +1,131 @@
+"""Upstream's text-generation HTTP endpoint on the standard library: `PUT /api` with a JSON body (see
+`generation_request`) answers upstream's response (see `text_generation`), or 400 with `{"message": ...}`.
+
+Rank 0 serves HTTP. Every request it accepts is checked and tokenized there first (a bad request reaches no other
+rank), then broadcast to all ranks as a `GenerationJob`; every rank runs it (the tensor-parallel ranks together;
+data-parallel replicas, if any, generate the same batches) and rank 0 answers. The other ranks wait in
+`follow_requests` until rank 0 broadcasts the stop signal (`TextGenerationServer.stop_followers`) or they are
+interrupted. Requests are handled one at a time (a lock), as upstream does.
+"""
+
+import datetime
+import json
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch.distributed as dist
+
+from megatron.inference.generation_request import RequestError, parse_generation_request
+from megatron.inference.text_generation import GenerationLimits, build_response, prepare_job, run_job
+
+API_PATH = "/api"
+_STOP = "stop"
+
+
+def _world_size():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def broadcast_from_rank0(job=None):
+    """Rank 0's `job` (a GenerationJob or the stop signal) on every rank."""
+    if _world_size() == 1:
+        return job
+    holder = [job]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def follow_requests(model, limits: GenerationLimits):
+    """Run every job rank 0 broadcasts, until it broadcasts the stop signal (the ranks other than 0)."""
+    while True:
+        job = broadcast_from_rank0()
+        if job == _STOP:
+            return
+        run_job(model, job, limits)
+
+
+class TextGenerationServer:
+    """Rank 0's side: answers requests (`generate`, `handle`) and serves them over HTTP (`serve`)."""
+
+    def __init__(self, model, tokenizer, limits: GenerationLimits):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.lock = threading.Lock()
+
+    def generate(self, body) -> dict:
+        """The response to a request body; raises RequestError for a bad one (before any rank does work)."""
+        request = parse_generation_request(body)
+        job = prepare_job(request, self.tokenizer, self.limits)
+        with self.lock:
+            if not request.no_log:
+                print(f"request: {json.dumps(body)}\nstart time: {datetime.datetime.now()}", flush=True)
+            broadcast_from_rank0(job)
+            results = run_job(self.model, job, self.limits)
+            if not request.no_log:
+                print(f"end time: {datetime.datetime.now()}", flush=True)
+        return build_response(job, results, self.tokenizer, self.limits.eod_id)
+
+    def handle(self, body):
+        """(HTTP status, JSON payload) for a request body."""
+        try:
+            return HTTPStatus.OK, self.generate(body)
+        except RequestError as error:
+            return HTTPStatus.BAD_REQUEST, {"message": str(error)}
+        except Exception as error:  # answer the client; the server keeps serving
+            return HTTPStatus.INTERNAL_SERVER_ERROR, {"message": f"generation failed: {error!r}"}
+
+    def stop_followers(self):
+        """Release the other ranks from `follow_requests` (once, when serving ends)."""
+        with self.lock:
+            broadcast_from_rank0(_STOP)
+
+    def make_http_server(self, host: str, port: int) -> ThreadingHTTPServer:
+        """An HTTP server bound to (host, port) (port 0: a free one, `server.server_address[1]`); the caller
+        runs `serve_forever()`."""
+        http_server = ThreadingHTTPServer((host, port), _handler_class(self))
+        http_server.daemon_threads = True
+        return http_server
+
+    def serve(self, host: str = "0.0.0.0", port: int = 5000):
+        """Serve until interrupted (Ctrl-C reaches every rank of a torchrun job, so the other ranks stop too)."""
+        http_server = self.make_http_server(host, port)
+        print(f"serving text generation on http://{host}:{http_server.server_address[1]}{API_PATH} (PUT)",
+              flush=True)
+        try:
+            http_server.serve_forever()
+        finally:
+            http_server.server_close()
+
+
+def _handler_class(server: TextGenerationServer):
+    class Handler(BaseHTTPRequestHandler):
+        def _reply(self, status, payload):
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_PUT(self):
+            if self.path.rstrip("/") != API_PATH:
+                return self._reply(HTTPStatus.NOT_FOUND, {"message": f"no endpoint {self.path}: use PUT {API_PATH}"})
+            length = int(self.headers.get("Content-Length") or 0)
+            try:
+                body = json.loads(self.rfile.read(length) or b"null")
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                return self._reply(HTTPStatus.BAD_REQUEST, {"message": f"the request body is not JSON: {error}"})
+            self._reply(*server.handle(body))
+
+        def _wrong_method(self):
+            self._reply(HTTPStatus.METHOD_NOT_ALLOWED,
+                        {"message": f"use PUT {API_PATH} with a JSON body, such as {{\"prompts\": [\"Hello\"]}}"})
+
+        do_GET = do_POST = do_DELETE = do_PATCH = _wrong_method
+
+        def log_message(self, format, *args):
+            pass  # requests are logged by TextGenerationServer.generate (unless no_log)
+
+    return Handler

@@ -1,0 +1,76 @@
+"""Serve text generation from a trained GPT checkpoint over HTTP, as upstream Megatron-LM's server does.
+
+    torchrun --standalone --nproc-per-node 1 tools/run_text_generation_server.py \
+        --load CKPT_DIR --use-checkpoint-args --tokenizer-type ByteLevelTokenizer --distributed-backend gloo
+
+Takes pretrain_gpt.py's model and tokenizer flags (`--use-checkpoint-args` reads the model's from the checkpoint)
+and `--load`; `--tensor-model-parallel-size 2` on 2 ranks splits the model. Rank 0 answers `PUT /api` on `--port`
+(default 5000) on every interface; the other ranks follow its requests. Query it with curl or
+`python tools/text_generation_cli.py localhost:5000`. See docs/inference.md.
+"""
+
+import os
+import sys
+
+import torch.distributed as dist
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+import pretrain_gpt  # noqa: E402
+from megatron.inference import launch  # noqa: E402
+from megatron.inference.text_generation import GenerationLimits  # noqa: E402
+from megatron.inference.text_generation_server import TextGenerationServer, follow_requests  # noqa: E402
+
+
+def add_text_generation_server_args(parser):
+    group = parser.add_argument_group("text generation server")
+    group.add_argument("--port", type=int, default=5000, help="Port of the HTTP endpoint (rank 0).")
+    group.add_argument("--inference-max-seq-length", type=int, default=2560,
+                       help="Key/value cache length: a prompt plus its generated tokens must fit (and fit "
+                            "--max-position-embeddings).")
+    group.add_argument("--inference-max-requests", type=int, default=8,
+                       help="Key/value cache batch size: a request with more prompts runs in several batches.")
+    return parser
+
+
+def _print_rank0(message):
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def generation_limits(args, tokenizer) -> GenerationLimits:
+    for flag, value in (("--inference-max-seq-length", args.inference_max_seq_length),
+                        ("--inference-max-requests", args.inference_max_requests)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    max_sequence_length = args.inference_max_seq_length
+    if args.max_position_embeddings is not None:
+        max_sequence_length = min(max_sequence_length, args.max_position_embeddings)
+    return GenerationLimits(eod_id=tokenizer.eod, vocab_size=tokenizer.vocab_size,
+                            max_sequence_length=max_sequence_length, max_batch_size=args.inference_max_requests)
+
+
+def run(args):
+    launch.check_generation_args(args, _print_rank0)
+    tokenizer = launch.build_tokenizer(args)
+    limits = generation_limits(args, tokenizer)
+    model = launch.load_model(args, pretrain_gpt.model_provider)
+    try:
+        if dist.get_rank() == 0:
+            TextGenerationServer(model, tokenizer, limits).serve("0.0.0.0", args.port)
+        else:
+            follow_requests(model, limits)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank of the job
+        _print_rank0("text generation server stopped")
+
+
+def main(argv=None):
+    return launch.run_with_megatron(add_text_generation_server_args, run, argv)
+
+
+if __name__ == "__main__":
+    main()
