@@ -29,10 +29,12 @@ OTHER_PROGRAMS_FLAGS = (
     ("--sft", "supervised fine-tuning (chat-formatted SFT datasets)"),
     ("--sft-tokenizer-prompt-format", "supervised fine-tuning (its chat prompt format)"),
     ("--tokenizer-prompt-format", "the multimodal and SFT tokenizers' chat prompt format"),
-    ("--inference-batch-times-seqlen-threshold", "upstream's text-generation server (pipelined batch splitting; "
-     "examples/inference/gpt/gpt_static_inference.py batches up to --inference-max-requests prompts)"),
-    ("--max-tokens-to-oom", "upstream's text-generation server (its prompt + generation token limit; "
-     "examples/inference/gpt/gpt_static_inference.py is bounded by --inference-max-seq-length)"),
+)
+# (flag, what tools/run_text_generation_server.py does instead); given, each stops validation.
+SERVER_TUNING_FLAGS = (
+    ("--inference-batch-times-seqlen-threshold", "it batches up to --inference-max-requests prompts, without "
+     "pipelined batch splitting"),
+    ("--max-tokens-to-oom", "each request is bounded by --inference-max-seq-length (prompt + generated tokens)"),
 )
 
 # Upstream: "DEPRECATED. This flag is ignored."
@@ -250,6 +252,10 @@ def _reject_unsupported(args):
         if getattr(args, flag[2:].replace("-", "_")) not in (None, False):
             raise ValueError(f"{flag} belongs to {use}, which this project does not have; {PRETRAIN_GPT_ONLY}: "
                              f"drop {flag}")
+    for flag, instead in SERVER_TUNING_FLAGS:
+        if getattr(args, flag[2:].replace("-", "_")) is not None:
+            raise ValueError(f"{flag} tunes upstream's text-generation server; tools/run_text_generation_server.py "
+                             f"has no such setting ({instead}): drop {flag}")
 
 
 def _warn_ignored(args):

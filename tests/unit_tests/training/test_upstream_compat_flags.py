@@ -103,7 +103,7 @@ def test_missing_features_stop_naming_the_flag(extra, what_to_do):
 @pytest.mark.parametrize("extra", [
     "--decoder-seq-length 16", "--bert-no-binary-head", "--output-bert-embeddings", "--embedding-path /e",
     "--retro-project-dir /r", "--sft", "--sft-tokenizer-prompt-format nemotron-h-aligned",
-    "--tokenizer-prompt-format llama3", "--inference-batch-times-seqlen-threshold 512", "--max-tokens-to-oom 100",
+    "--tokenizer-prompt-format llama3",
 ])
 def test_other_model_families_stop_naming_the_flag(extra):
     flag = extra.split()[0]
@@ -112,6 +112,19 @@ def test_other_model_families_stop_naming_the_flag(extra):
     message = str(error.value)
     assert message.startswith(f"{flag} belongs to ")
     assert "this project trains GPT models with pretrain_gpt.py" in message and message.endswith(f"drop {flag}")
+
+
+@pytest.mark.parametrize("extra, instead", [
+    ("--inference-batch-times-seqlen-threshold 512", "--inference-max-requests"),
+    ("--max-tokens-to-oom 100", "--inference-max-seq-length"),
+])
+def test_upstream_server_tuning_stops_naming_what_the_server_does_instead(extra, instead):
+    flag = extra.split()[0]
+    with pytest.raises(ValueError) as error:
+        validated(extra)
+    message = str(error.value)
+    assert message.startswith(f"{flag} tunes upstream's text-generation server; tools/run_text_generation_server.py")
+    assert instead in message and message.endswith(f"drop {flag}")
 
 
 def test_xavier_uniform_init_draws_every_weight_matrix_from_its_bound():
