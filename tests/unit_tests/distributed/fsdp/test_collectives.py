@@ -1,6 +1,7 @@
 """The gloo all-gather and reduce-scatter built from point-to-point messages: they match torch's stock
 collectives at every rank, for every dtype and shard size, in place, concurrently with other collectives and
-across groups; `PendingCollective.wait()` runs its epilogue once; the byte counter records what a ring sends."""
+across groups; `PendingCollective.wait()` runs its epilogue once; the byte counter records what a ring sends;
+at exit the module lets threads waiting for the GIL (gloo's workers) run before the interpreter finalizes."""
 
 import itertools
 
@@ -567,3 +568,60 @@ def test_all_gather_of_pieces_lands_in_place_like_stock_gather_and_copy_out(worl
         assert staging == expected_staging and staging_after_wait == 0, (staging, expected_staging)
         assert counted == ring_bytes
         assert torch.equal(_bits(unsharded), _bits(expected))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# exit
+
+
+def _exit_hook_lets_a_thread_waiting_for_the_gil_finish():
+    """A thread that needs the GIL to finish (as a gloo worker dropping a collective's tensors does) while this
+    thread holds it: it has not run before the exit hook, and has once the hook returns."""
+    import sys
+    import threading
+    import time
+
+    from megatron_fsdp import collectives
+
+    release, finished = threading.Event(), []
+
+    def worker():
+        release.wait(HANG_TIMEOUT_S)
+        finished.append(True)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(HANG_TIMEOUT_S)  # this thread keeps the GIL until it sleeps or blocks
+    try:
+        release.set()
+        busy_until = time.perf_counter() + 0.05
+        while time.perf_counter() < busy_until:  # the worker wakes meanwhile and waits for the GIL
+            pass
+        before = list(finished)
+        collectives._let_gloo_workers_finish()
+        after = list(finished)
+    finally:
+        sys.setswitchinterval(switch_interval)
+        thread.join(HANG_TIMEOUT_S)
+    return before, after, collectives._gloo_in_use()
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_exit_hook_lets_gloo_workers_take_the_gil_before_finalization(world_size):
+    assert _on_ranks(world_size, _exit_hook_lets_a_thread_waiting_for_the_gil_finish) == [([], [True], True)] * 2
+
+
+def test_loading_the_module_registers_the_exit_hook(monkeypatch):
+    """A fresh copy of the module, loaded with `atexit.register` recording (nothing is registered for real)."""
+    import atexit
+    import importlib.util
+
+    from megatron_fsdp import collectives
+
+    registered = []
+    monkeypatch.setattr(atexit, "register", lambda fn, *args, **kwargs: registered.append(fn) or fn)
+    spec = importlib.util.spec_from_file_location("megatron_fsdp.collectives_copy", collectives.__file__)
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    assert registered == [fresh._let_gloo_workers_finish]

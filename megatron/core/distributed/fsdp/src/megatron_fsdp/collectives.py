@@ -20,9 +20,11 @@ Bytes are counted as what one rank *sends* with ring algorithms: an all-gather o
 `n * (world - 1)`, a reduce-scatter of an `N`-byte buffer sends `N * (world - 1) / world`, an all-reduce twice that.
 """
 
+import atexit
 import os
 import queue
 import threading
+import time
 from collections import defaultdict
 from typing import Callable, Dict, Optional
 
@@ -205,6 +207,33 @@ def default_world_size() -> int:
 
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+# A gloo worker thread drops the tensors of the collective it has just run, after the waiter has been woken, and
+# dropping a tensor that has a Python object takes the GIL. A script that ends right after a collective (the
+# `full_tensor()` of a state-dict entry, a loss all-reduce) without `dist.destroy_process_group()` can reach
+# interpreter finalization before that worker gets the GIL; CPython then ends the worker inside torch's noexcept
+# work destructor and the process aborts ("terminate called without an active exception", SIGABRT) although
+# every collective completed. Python runs atexit functions before it starts finalizing, so releasing the GIL
+# there for a moment lets such workers finish first. Collectives never waited for may still be running then:
+# those are not covered, and destroy_process_group() stays the clean way to end.
+GLOO_WORKERS_AT_EXIT_S = 0.02
+
+
+def _gloo_in_use() -> bool:
+    if not is_initialized():
+        return False
+    backends = [backend_of(None)] + [backend for cached in _BACKEND_CACHE.values() for backend in cached.values()]
+    return any("gloo" in backend for backend in backends)
+
+
+def _let_gloo_workers_finish():
+    """At exit, while process groups are still alive: release the GIL long enough for gloo workers to finish."""
+    if _gloo_in_use():
+        time.sleep(GLOO_WORKERS_AT_EXIT_S)
+
+
+atexit.register(_let_gloo_workers_finish)
 
 
 def _finish(work, epilogue, async_op) -> PendingCollective:
