@@ -15,13 +15,14 @@ safetensors: the fp32 model weights under their logical names, the iteration in 
 back gives a model-only checkpoint (training loads it with a fresh optimizer).
 hf: config.json and model.safetensors of a GPT2LMHeadModel (learned positions), LlamaForCausalLM (RoPE) or
 Qwen3ForCausalLM (RoPE with --qk-layernorm), with --num-experts of a MixtralForCausalLM, Qwen3MoeForCausalLM
-(--qk-layernorm) or Qwen2MoeForCausalLM (gated shared experts), or of the MistralForCausalLM or Qwen2ForCausalLM a
+(--qk-layernorm) or Qwen2MoeForCausalLM (gated shared experts), with --multi-latent-attention of a
+DeepseekV3ForCausalLM (hf_deepseek.py), or of the MistralForCausalLM or Qwen2ForCausalLM a
 checkpoint was imported from (--hf-architecture names one), in the dtype the checkpoint trained in (--hf-dtype), that
 `transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)` loads and that computes our model's logits, plus
 megatron_extras.safetensors (vocabulary padding rows and what else HF has no place for); converting back gives
 the same model tensors bit for bit. Models HF cannot compute exactly are refused, naming the flag (see
-hf_mapping.py); so are models with multi-latent attention or routers HF does not have, which convert between
-our own formats only (see hf_unsupported.py). `--from hf` reads these architectures (Mistral and Mixtral without a
+hf_mapping.py); so are models with routers HF does not have (but DeepSeek-V3's), which convert between our own
+formats only (see hf_unsupported.py). `--from hf` reads these architectures (Mistral and Mixtral without a
 sliding window) and prints the pretrain_gpt.py flags that train from the checkpoint it wrote.
 The logical names are those of the unsplit GPTModel, and a checkpoint written back loads at any TP/PP/DP.
 """
@@ -97,6 +98,7 @@ def to_hf(directory, output, vocab_size=None, architecture=None, dtype=None):
     """Write `output`/config.json, model.safetensors and megatron_extras.safetensors; returns the HF tensors.
     `architecture` (--hf-architecture) and `dtype` (--hf-dtype) default to what the checkpoint says: the
     architecture an import recorded, else the one our flags pick; the dtype of `export_dtype`."""
+    import hf_deepseek
     import hf_mapping
     import hf_unsupported
     from megatron.core.dist_checkpointing import offline, safetensors_format
@@ -121,7 +123,10 @@ def to_hf(directory, output, vocab_size=None, architecture=None, dtype=None):
     try:
         shape = hf_mapping.ModelShape.from_args(args, true_vocab_size(common, vocab_size), padded_vocab_size)
         architecture = hf_mapping.architecture_for(shape, architecture or source.get("architecture"), requested_by)
-        tensors, extras = hf_mapping.to_hf_tensors(model, shape, architecture, hf_mapping.HF_DTYPES[dtype])
+        if architecture == hf_deepseek.DEEPSEEK_V3:
+            tensors, extras = hf_deepseek.to_hf_tensors(model, shape, hf_mapping.HF_DTYPES[dtype])
+        else:
+            tensors, extras = hf_mapping.to_hf_tensors(model, shape, architecture, hf_mapping.HF_DTYPES[dtype])
     except hf_mapping.ConversionError as exc:
         raise SystemExit(f"{directory}: {exc}") from exc
     os.makedirs(output, exist_ok=True)
@@ -255,6 +260,7 @@ def import_hf(directory, root, iteration, make_vocab_size_divisible_by, apply_la
     """from_hf's (model tensors, hf_mapping.ModelShape, the vocabulary size of the tokenizer or None, the
     --make-vocab-size-divisible-by recorded or None). `tokens`: the tokenizer's vocabulary size where it is known
     otherwise (at most the embedding's rows), else the directory's tokenizer's."""
+    import hf_deepseek
     import hf_mapping
     import hf_unsupported
     from megatron.core.dist_checkpointing import offline, safetensors_format
@@ -277,7 +283,12 @@ def import_hf(directory, root, iteration, make_vocab_size_divisible_by, apply_la
         padded = pad_vocab_size(config.get("vocab_size", 1), make_vocab_size_divisible_by)
         shape, architecture = hf_mapping.shape_from_hf_config(config, directory, recorded, padded, apply_layernorm_1p)
         hf_tensors = _read_hf_tensors(directory)
-        model = hf_mapping.from_hf_tensors(hf_tensors, extras, shape, architecture, directory)
+        if architecture == hf_deepseek.DEEPSEEK_V3:  # the shape gains the MTP layer and expert bias the files hold
+            model, shape = hf_deepseek.from_hf_tensors(hf_tensors, extras, shape, directory,
+                                                       config.get("rope_interleave", True),
+                                                       config.get("num_nextn_predict_layers", 0))
+        else:
+            model = hf_mapping.from_hf_tensors(hf_tensors, extras, shape, architecture, directory)
     except hf_mapping.ConversionError as exc:
         raise SystemExit(str(exc)) from exc
     # The tokenizer's vocabulary is what training checks; HF's embedding may hold more rows (Qwen2's 151936 for
@@ -287,7 +298,8 @@ def import_hf(directory, root, iteration, make_vocab_size_divisible_by, apply_la
     source = {"architecture": architecture, "dtype": hf_mapping.dtype_of_tensors(hf_tensors),
               "vocab_size": shape.vocab_size,
               "token_ids": {key: config.get(key) for key in hf_mapping.TOKEN_ID_KEYS},
-              "config_keys": {key: config[key] for key in hf_mapping.RECORDED_CONFIG_KEYS if key in config}}
+              "config_keys": {key: config[key] for key in (*hf_mapping.RECORDED_CONFIG_KEYS,
+                                                            *hf_deepseek.RECORDED_CONFIG_KEYS) if key in config}}
     iteration = int(metadata.get("iteration", 0)) if iteration is None else iteration
     state = {f"model.{name}": tensor for name, tensor in model.items()}
     layout = _layout(f"{os.path.basename(os.path.normpath(directory))} ({architecture})")
@@ -365,8 +377,8 @@ def main(argv=None):
     parser.add_argument("--hf-architecture", default=None, choices=ARCHITECTURES,
                         help="With --to hf: the Hugging Face architecture to write (default: the one the checkpoint "
                         "was imported from, else GPT2LMHeadModel for learned positions, LlamaForCausalLM for RoPE, "
-                        "Qwen3ForCausalLM for RoPE with --qk-layernorm); refused, naming the flags, where it would "
-                        "compute another model.")
+                        "Qwen3ForCausalLM for RoPE with --qk-layernorm, DeepseekV3ForCausalLM for "
+                        "--multi-latent-attention); refused, naming the flags, where it would compute another model.")
     parser.add_argument("--hf-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="With --to hf: the dtype of the weights written (default: the one the checkpoint "
                         "trained in, bfloat16 with --bf16 and float16 with --fp16; for an imported checkpoint the "

@@ -7,6 +7,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from hf_deepseek import DEEPSEEK_V3, deepseek_config, deepseek_flags_of_config, is_deepseek_v3_config
 from hf_errors import ConversionError
 from hf_families import (
     DENSE_COUNTERPART,
@@ -20,6 +21,7 @@ from hf_families import (
     QWEN2_MOE,
     QWEN3,
 )
+from hf_gpt_oss import GPT_OSS, GPT_OSS_MODEL_TYPE, gpt_oss_config, gpt_oss_shape_values
 from hf_moe import hf_moe_config, moe_flags_of_config
 from hf_rope import hf_rope_config, rope_flags_of_config
 from hf_shape import ModelShape
@@ -72,6 +74,10 @@ def hf_config(shape: ModelShape, architecture: str, dtype: str = "float32", toke
                 "embd_pdrop": shape.hidden_dropout, "attn_pdrop": shape.attention_dropout,
                 "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
                 "reorder_and_upcast_attn": False}
+    if architecture == GPT_OSS:
+        return gpt_oss_config(shape, common, recorded_keys)
+    if architecture == DEEPSEEK_V3:
+        return deepseek_config(shape, common, recorded_keys)
     llama = {"model_type": LLAMA_RELATIVES[architecture], **common, "hidden_size": shape.hidden_size,
             "intermediate_size": shape.ffn_hidden_size, "num_hidden_layers": shape.num_layers,
             "num_attention_heads": shape.num_attention_heads, "num_key_value_heads": shape.num_query_groups,
@@ -113,11 +119,15 @@ def _architecture_of_config(config, path):
     names = config.get("architectures") or []
     if GPT2 in names or config.get("model_type") == "gpt2":
         return GPT2
+    if GPT_OSS in names or config.get("model_type") == GPT_OSS_MODEL_TYPE:
+        return GPT_OSS
+    if is_deepseek_v3_config(config):
+        return DEEPSEEK_V3
     for architecture, model_type in LLAMA_RELATIVES.items():
         if architecture in names or config.get("model_type") == model_type:
             return architecture
     raise ConversionError(f"{path}: config.json describes {names or config.get('model_type')!r}; only "
-                          f"{', '.join((GPT2, *LLAMA_RELATIVES))} convert to our GPT model")
+                          f"{', '.join((GPT2, *LLAMA_RELATIVES, GPT_OSS, DEEPSEEK_V3))} convert to our GPT model")
 
 
 def _llama_biases(config, architecture, path):
@@ -171,6 +181,11 @@ def shape_from_hf_config(config: dict, path: str, recorded: Optional[dict], padd
             add_bias_linear=recorded.get("add_bias_linear", True), add_qkv_bias=recorded.get("add_qkv_bias", False),
             untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", True),
             hidden_dropout=config.get("resid_pdrop", 0.0), attention_dropout=config.get("attn_pdrop", 0.0))
+    elif architecture == DEEPSEEK_V3:
+        values.update(deepseek_flags_of_config(config, path, recorded))
+    elif architecture == GPT_OSS:
+        values.update(gpt_oss_shape_values(config, path), hidden_dropout=recorded.get("hidden_dropout", 0.0),
+                      rotary_interleaved=recorded.get("rotary_interleaved", False))
     else:
         if config.get("hidden_act", "silu") != "silu":
             raise ConversionError(f"{path}: hidden_act '{config['hidden_act']}': our gated MLP is SwiGLU (silu)")

@@ -6,6 +6,7 @@ import torch
 
 from hf_errors import ConversionError
 from hf_families import GPT2, O_PROJ_BIAS_WITH_ATTENTION_BIAS
+from hf_gpt_oss import GPT_OSS, gpt_oss_layer_to_hf
 from hf_layouts import (
     FP8_BUFFER_SUFFIXES,
     OUTPUT_LAYER,
@@ -87,7 +88,9 @@ def to_hf_tensors(model: Dict[str, torch.Tensor], shape: ModelShape, architectur
             hf[f"{theirs}self_attn.v_proj.{kind}"] = value
         if not shape.add_bias_linear and shape.add_qkv_bias and architecture in O_PROJ_BIAS_WITH_ATTENTION_BIAS:
             hf[theirs + "self_attn.o_proj.bias"] = torch.zeros(hidden)
-        if shape.moe_layers[index]:  # no biases (hf_families refuses them)
+        if architecture == GPT_OSS:  # sinks, o_proj, router and packed experts
+            hf.update(gpt_oss_layer_to_hf(source.take, shape, ours, theirs))
+        elif shape.moe_layers[index]:  # no biases (hf_families refuses them)
             hf[theirs + "self_attn.o_proj.weight"] = source.take(ours + "self_attention.linear_proj.weight")
             hf.update(moe_layer_to_hf(source.take, shape, architecture, ours, theirs))
         dense_kinds = ("weight", "bias") if shape.add_bias_linear else ("weight",)

@@ -29,11 +29,19 @@ softmax over the k chosen logits (no --moe-router-pre-softmax); without renormal
 --moe-router-pre-softmax. Qwen2-MoE's shared expert is --moe-shared-expert-intermediate-size with
 --moe-shared-expert-gate (sigmoid(x . w) times its output). Our flags pick Qwen2-MoE with shared experts, else
 Qwen3-MoE with --qk-layernorm, else Mixtral.
+
+GptOssForCausalLM (hf_gpt_oss.py) is a Llama with experts in every layer, biases, attention sinks, sliding-window
+layers and a clamped quick-GeGLU; our flags pick it with --quick-geglu.
+
+DeepseekV3ForCausalLM (hf_deepseek.py) has multi-latent attention, dense first layers, then MoE layers with shared
+experts and a sigmoid router; our flags pick it with --multi-latent-attention.
 """
 
 from typing import Optional
 
+from hf_deepseek import DEEPSEEK_V3, check_deepseek_architecture
 from hf_errors import ConversionError
+from hf_gpt_oss import GPT_OSS, gpt_oss_feature_problems, gpt_oss_problems
 from hf_shape import ModelShape
 
 GPT2, LLAMA, MISTRAL, QWEN2, QWEN3 = (
@@ -42,7 +50,7 @@ MIXTRAL, QWEN2_MOE, QWEN3_MOE = "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qw
 # The rotary architectures, each with its config.json model_type.
 LLAMA_RELATIVES = {LLAMA: "llama", MISTRAL: "mistral", QWEN2: "qwen2", QWEN3: "qwen3", MIXTRAL: "mixtral",
                    QWEN2_MOE: "qwen2_moe", QWEN3_MOE: "qwen3_moe"}
-ARCHITECTURES = (GPT2, *LLAMA_RELATIVES)
+ARCHITECTURES = (GPT2, *LLAMA_RELATIVES, GPT_OSS, DEEPSEEK_V3)
 MOE_ARCHITECTURES = (MIXTRAL, QWEN2_MOE, QWEN3_MOE)
 # The dense architecture whose attention, norms and biases each MoE architecture has.
 DENSE_COUNTERPART = {MIXTRAL: MISTRAL, QWEN2_MOE: QWEN2, QWEN3_MOE: QWEN3}
@@ -144,8 +152,12 @@ def _moe_problems(shape: ModelShape, architecture: str):
 
 def default_architecture(shape: ModelShape) -> str:
     """The architecture our flags pick: by position embedding, query / key norms and experts."""
+    if shape.multi_latent_attention:
+        return DEEPSEEK_V3
     if shape.position_embedding_type != "rope":
         return GPT2
+    if shape.quick_geglu:
+        return GPT_OSS
     if shape.num_experts:
         if shape.moe_shared_expert_intermediate_size:
             return QWEN2_MOE
@@ -163,8 +175,13 @@ def architecture_for(shape: ModelShape, requested: Optional[str] = None,
                               f"{', '.join(ARCHITECTURES)}")
     rope = shape.position_embedding_type == "rope"
     architecture = requested or default_architecture(shape)
+    if DEEPSEEK_V3 in (architecture, default_architecture(shape)):
+        why = requested_by if requested else "the architecture for multi-latent attention (--multi-latent-attention)"
+        return check_deepseek_architecture(shape, architecture, why, gpt_oss_feature_problems(shape, DEEPSEEK_V3))
     problems = _gpt2_problems(shape) + _moe_problems(shape, GPT2) if architecture == GPT2 else \
-        _llama_problems(shape, architecture)
+        gpt_oss_problems(shape) if architecture == GPT_OSS else _llama_problems(shape, architecture)
+    if architecture != GPT_OSS:
+        problems += gpt_oss_feature_problems(shape, architecture)
     if shape.apply_residual_connection_post_layernorm:
         problems.append("--apply-residual-connection-post-layernorm: GPT-2 and Llama add the un-normalised input "
                         "of attention and MLP back (pre-norm residual)")

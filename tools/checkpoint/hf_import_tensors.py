@@ -7,6 +7,7 @@ import torch
 from hf_config import EXTRAS_FILE
 from hf_errors import ConversionError
 from hf_families import GPT2
+from hf_gpt_oss import GPT_OSS, gpt_oss_layer_from_hf
 from hf_layouts import (
     FP8_BUFFER_SUFFIXES,
     OUTPUT_LAYER,
@@ -115,7 +116,9 @@ def from_hf_tensors(hf_tensors: Dict[str, torch.Tensor], extras: Dict[str, torch
         if not shape.add_bias_linear and shape.add_qkv_bias and theirs + "self_attn.o_proj.bias" in source.tensors:
             # Llama's attention_bias gives o_proj a bias, which must be zero; Qwen2's o_proj has none
             bias(ours + "self_attention.linear_proj.bias", theirs + "self_attn.o_proj.bias", hidden)
-        if shape.moe_layers[index]:  # no biases (hf_families refuses them)
+        if architecture == GPT_OSS:  # sinks, o_proj, router and packed experts
+            model.update(gpt_oss_layer_from_hf(source.take, shape, ours, theirs, where))
+        elif shape.moe_layers[index]:  # no biases (hf_families refuses them)
             model[ours + "self_attention.linear_proj.weight"] = source.take(theirs + "self_attn.o_proj.weight",
                                                                             (hidden, heads_width))
             model.update(moe_layer_from_hf(source.take, shape, architecture, ours, theirs))

@@ -54,13 +54,45 @@ class ModelShape:
     moe_router_pre_softmax: bool = False
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_gate: bool = False
+    # gpt-oss (hf_gpt_oss.py): its gated MLP, attention sinks and sliding-window layers
+    quick_geglu: bool = False
+    activation_func_clamp_value: Optional[float] = None
+    glu_linear_offset: float = 0.0
+    softmax_type: str = "vanilla"
+    window_size: Optional[Tuple[int, int]] = None
+    window_attn_skip_freq: Union[None, int, Tuple[int, ...], list] = None
+    # DeepSeek-V3 (hf_deepseek.py): the router's scores, bias, groups and scale; latent attention; MTP depths
+    moe_router_score_function: str = "softmax"
+    moe_router_enable_expert_bias: bool = False
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_topk_scaling_factor: Optional[float] = None
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 32  # the latent shape: the command line's defaults, which a model without it keeps
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_type: Optional[str] = None
+    rotary_scaling_factor: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    original_max_position_embeddings: Optional[int] = None
+    mtp_num_layers: Optional[int] = None
 
     MOE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq", "moe_router_pre_softmax",
                   "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
+    DEEPSEEK_ROUTER_FIELDS = ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_num_groups",
+                              "moe_router_group_topk", "moe_router_topk_scaling_factor")
+    DEEPSEEK_FIELDS = (*DEEPSEEK_ROUTER_FIELDS, "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                       "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "rotary_scaling_factor", "mscale",
+                       "mscale_all_dim", "original_max_position_embeddings", "mtp_num_layers")
     # Flags newer than some checkpoints: arguments saved without them had their default.
     ADDED_LATER = ("use_rope_scaling", "rope_scaling_factor", "rotary_interleaved",
                    "rotary_seq_len_interpolation_factor", "openai_gelu", "add_qkv_bias",
-                   "apply_residual_connection_post_layernorm", *MOE_FIELDS)
+                   "apply_residual_connection_post_layernorm", *MOE_FIELDS, "quick_geglu",
+                   "activation_func_clamp_value", "glu_linear_offset", "softmax_type", "window_size",
+                   "window_attn_skip_freq", *DEEPSEEK_FIELDS)
 
     def __post_init__(self):
         if not 0 < self.vocab_size <= self.padded_vocab_size:
@@ -81,7 +113,7 @@ class ModelShape:
                 values[field.name] = getattr(args, field.name)
         if not values.get("num_experts"):  # --num-experts 0 is no MoE, as in training
             values.update({field.name: field.default for field in dataclasses.fields(cls)
-                           if field.name in cls.MOE_FIELDS})
+                           if field.name in cls.MOE_FIELDS + cls.DEEPSEEK_ROUTER_FIELDS})
         elif values.get("moe_ffn_hidden_size") is None:  # the experts' width defaults to --ffn-hidden-size
             values["moe_ffn_hidden_size"] = values["ffn_hidden_size"]
         return cls(**values)
@@ -132,7 +164,10 @@ class ModelShape:
                 flags.append(f"--moe-shared-expert-intermediate-size {self.moe_shared_expert_intermediate_size}")
             if self.moe_shared_expert_gate:
                 flags.append("--moe-shared-expert-gate")
-        return " ".join(flags)
+        from hf_deepseek import training_flags as deepseek_training_flags
+        from hf_gpt_oss import gpt_oss_training_flags
+
+        return " ".join(flags + gpt_oss_training_flags(self) + deepseek_training_flags(self))
 
     @property
     def moe_layers(self) -> list:

@@ -1,16 +1,26 @@
 """Models the Hugging Face conversion does not cover, refused before any tensor is touched.
 
-`--to hf` writes GPT2LMHeadModel, a Llama, Mistral, Qwen2 or Qwen3 model, or with experts a Mixtral, Qwen2-MoE or
-Qwen3-MoE model (see hf_families.py): none has multi-latent attention (DeepSeek-V2/V3's low-rank query and
-key/value projections) or multi-token prediction layers (DeepSeek-V3's), nor gpt-oss's gated MLP (quick GeLU on
-the gate, clamped, with an offset); their routers take a softmax over all experts, choose the top k and apply
-the (renormalised) probabilities to the experts' outputs, dropping no token, so other scores (sigmoid,
-DeepSeek-V3's expert bias, group-limited choice), scaled probabilities, expert capacity, Sinkhorn routing and
-jitter are refused too. Such checkpoints convert losslessly between our own formats (`--to torch`,
-`--to safetensors` and back with `--from`), which keep every tensor under its logical name, the experts under
-their global index. Likewise `--from hf` reads only GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE and
-Qwen3-MoE directories (other models with experts, DeepSeek's or OLMoE's say, are refused).
+`--to hf` writes GPT2LMHeadModel, a Llama, Mistral, Qwen2 or Qwen3 model, or with experts a Mixtral, Qwen2-MoE,
+Qwen3-MoE or gpt-oss model (see hf_families.py): none has multi-latent attention (DeepSeek-V2/V3's low-rank query
+and key/value projections) or multi-token prediction layers (DeepSeek-V3's); their routers take a softmax over all
+experts, choose the top k and apply the (renormalised) probabilities to the experts' outputs, dropping no token,
+so other scores (sigmoid, DeepSeek-V3's expert bias, group-limited choice), scaled probabilities, expert capacity,
+Sinkhorn routing and jitter are refused too. Such checkpoints convert losslessly between our own formats
+(`--to torch`, `--to safetensors` and back with `--from`), which keep every tensor under its logical name, the
+experts under their global index. Likewise `--from hf` reads only GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral,
+Qwen2-MoE, Qwen3-MoE and gpt-oss directories (other models with experts, DeepSeek's or OLMoE's say, are refused).
+
+gpt-oss's flags (--quick-geglu, the clamp and offset of its gated MLP, --window-size, --softmax-type) are refused
+here for models that cannot be a GptOssForCausalLM (no --quick-geglu with --num-experts); the others are checked
+flag by flag when the architecture is chosen (hf_gpt_oss.py). Quantized directories (`quantization_config`, as
+gpt-oss's MXFP4 hub checkpoints) are refused by `--from hf`.
+
+DeepseekV3ForCausalLM (hf_deepseek.py) has what the others lack: multi-latent attention, the sigmoid router with
+expert bias, group-limited choice and scaled probabilities, and one multi-token prediction layer. For a model with
+--multi-latent-attention those flags are checked there; --from hf reads DeepSeek-V3 directories.
 """
+
+from hf_deepseek import EXPORT_FLAGS_CHECKED_HERE, is_deepseek_v3_config
 
 # (training argument, flag, what Hugging Face would need)
 _EXPORT_BLOCKERS = (
@@ -69,7 +79,10 @@ _HF_MOE_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_int
 _HF_MLA_KEYS = ("kv_lora_rank", "q_lora_rank")
 # The architectures with experts that --from hf reads (hf_families.MOE_ARCHITECTURES), with their model_type.
 _HF_MOE_READ = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
-                "Qwen3MoeForCausalLM": "qwen3_moe"}
+                "Qwen3MoeForCausalLM": "qwen3_moe", "GptOssForCausalLM": "gpt_oss",
+                "DeepseekV3ForCausalLM": "deepseek_v3"}
+# The blockers a GptOssForCausalLM computes, left to its own checks for a model that may be one.
+_GPT_OSS_FLAGS = ("activation_func_clamp_value", "glu_linear_offset", "window_size", "softmax_type", "quick_geglu")
 
 
 def hf_export_problems(args):
@@ -77,9 +90,15 @@ def hf_export_problems(args):
     each with what it would need (empty when none)."""
     problems = []
     experts = bool(getattr(args, "num_experts", None))
+    gpt_oss = experts and bool(getattr(args, "quick_geglu", False))
+    deepseek = bool(getattr(args, "multi_latent_attention", False))
     for name, flag, needs in _EXPORT_BLOCKERS:
         value = getattr(args, name, None)
         if name.startswith("moe_") and not experts:  # a dense model's MoE flags keep their defaults
+            continue
+        if gpt_oss and name in _GPT_OSS_FLAGS:
+            continue
+        if deepseek and name in EXPORT_FLAGS_CHECKED_HERE:
             continue
         if name == "moe_router_load_balancing_type":
             blocks = "sinkhorn" in ([value] if isinstance(value, str) else list(value or []))
@@ -99,21 +118,29 @@ def hf_export_refusal(args):
     if not problems:
         return None
     return ("Hugging Face export covers GPT-2, Llama, Mistral, Qwen2 and Qwen3 models and, with experts, Mixtral, "
-            "Qwen2-MoE and Qwen3-MoE models only; this checkpoint was trained with "
+            "Qwen2-MoE, Qwen3-MoE, gpt-oss and DeepSeek-V3 models only; this checkpoint was trained with "
             + "; ".join(problems) + f". {OWN_FORMATS_HINT[0].upper()}{OWN_FORMATS_HINT[1:]}")
 
 
 def hf_import_refusal(config, path):
-    """The message refusing `--from hf` for a config.json with experts or latent attention, or None."""
+    """The message refusing `--from hf` for a config.json with experts or latent attention, or quantized weights;
+    None when nothing blocks it."""
+    quantization = config.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
+        return (f"{path}: config.json has quantization_config ({method}): the weights are quantized (gpt-oss's hub "
+                "checkpoints hold MXFP4 experts), which --from hf does not read; dequantize first with transformers: "
+                "AutoModelForCausalLM.from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True), "
+                "dtype=torch.bfloat16) for MXFP4, then save_pretrained to a new directory and convert that")
     features = []
     names = config.get("architectures") or []
     read = any(name in names or config.get("model_type") == model_type for name, model_type in _HF_MOE_READ.items())
     if any(config.get(key) for key in _HF_MOE_KEYS) and not read:
-        features.append("Mixture-of-Experts layers other than Mixtral's, Qwen2-MoE's and Qwen3-MoE's (our flag: "
-                        "--num-experts)")
-    if any(config.get(key) for key in _HF_MLA_KEYS):
+        features.append("Mixture-of-Experts layers other than Mixtral's, Qwen2-MoE's, Qwen3-MoE's and gpt-oss's (our "
+                        "flag: --num-experts)")
+    if any(config.get(key) for key in _HF_MLA_KEYS) and not is_deepseek_v3_config(config):
         features.append("multi-latent attention (our flag: --multi-latent-attention)")
     if not features:
         return None
     return (f"{path}: config.json describes a model with " + " and ".join(features) + "; --from hf reads GPT-2, "
-            "Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE and Qwen3-MoE models only")
+            "Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss and DeepSeek-V3 models only")

@@ -1,8 +1,8 @@
 """tools/checkpoint with a DeepSeek-style checkpoint (multi-latent attention, a dense first layer, then MoE layers
 with shared experts and a sigmoid router with expert bias): torch_dist -> torch -> torch_dist and torch_dist ->
 safetensors -> torch_dist give back every tensor, and the checkpoint converted back resumes training with the
-saved weights; `--to hf` and `--from hf` refuse such models (latent attention, a sigmoid router with expert bias),
-naming the flags."""
+saved weights; `--to hf` refuses it as a DeepseekV3ForCausalLM (no latent norms, biases, another epsilon), naming
+the flags, and `--from hf` refuses latent attention other than DeepSeek-V3's."""
 
 import argparse
 import json
@@ -106,8 +106,8 @@ def test_deepseek_style_checkpoint_converts_between_our_formats(tmp_path, conver
 
     with pytest.raises(SystemExit) as refusal:
         convert_checkpoint.to_hf(root, str(tmp_path / "hf"))
-    for words in ("--multi-latent-attention", "--moe-router-score-function sigmoid",
-                  "--moe-router-enable-expert-bias", "--to torch", "--to safetensors"):
+    for words in ("DeepseekV3ForCausalLM", "no --qk-layernorm", "--disable-bias-linear", "--norm-epsilon 1e-05",
+                  "--to torch", "--to safetensors"):
         assert words in str(refusal.value), str(refusal.value)
     assert not os.path.exists(tmp_path / "hf")
 
@@ -122,11 +122,11 @@ def test_hf_refusals_name_the_features(tmp_path, convert_checkpoint):
                                                                moe_router_score_function="softmax")) is None
     assert hf_unsupported.hf_export_refusal(argparse.Namespace(num_experts=None, multi_latent_attention=False)) is None
     for config, flag in (({"architectures": ["DeepseekV2ForCausalLM"], "n_routed_experts": 8}, "--num-experts"),
-                         ({"architectures": ["DeepseekV3ForCausalLM"], "n_routed_experts": 8, "kv_lora_rank": 16},
+                         ({"architectures": ["MiniCPM3ForCausalLM"], "kv_lora_rank": 16},
                           "--multi-latent-attention")):
         directory = tmp_path / config["architectures"][0]
         directory.mkdir()
         (directory / "config.json").write_text(json.dumps(config))
         with pytest.raises(SystemExit) as refusal:
             convert_checkpoint.from_hf(str(directory), str(tmp_path / "unused"))
-        assert flag in str(refusal.value) and "Qwen3, Mixtral, Qwen2-MoE and Qwen3-MoE" in str(refusal.value)
+        assert flag in str(refusal.value) and "Qwen3-MoE, gpt-oss and DeepSeek-V3 models only" in str(refusal.value)
