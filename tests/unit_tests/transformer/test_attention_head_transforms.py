@@ -6,6 +6,7 @@ them."""
 
 import argparse
 import math
+import os
 import types
 
 import pytest
@@ -17,6 +18,8 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.transformer.attention_head_transforms import no_rope_layer_pattern
 from tests.unit_tests.models.gpt.gpt_test_utils import reference_then_parallel, tiny_config
 from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 SEQ, BATCH, HEADS, GROUPS, HIDDEN = 6, 2, 4, 2, 32
 HEAD_DIM = HIDDEN // HEADS
@@ -233,10 +236,12 @@ def test_flags_reach_the_config(monkeypatch):
         validate_args(parse_args(args=BASE_FLAGS + ["--no-rope-freq", "2"]))
 
 
-def test_checkpoint_records_and_hf_export_refusal():
+def test_checkpoint_records_and_hf_export_refusal(monkeypatch):
     from megatron.training.checkpoint_args import MODEL_ARGS, ArchitectureFlag, architecture_differences
     from megatron.training.checkpoint_args import ARCHITECTURE_FLAGS
-    from tools.checkpoint.hf_unsupported import hf_export_problems
+    # The checkpoint tools import each other as scripts do, from their own directory.
+    monkeypatch.syspath_prepend(os.path.join(REPOSITORY, "tools", "checkpoint"))
+    from hf_unsupported import hf_export_problems
 
     assert {"no_rope_freq", "qk_l2_norm", "attention_output_gate"} <= set(MODEL_ARGS)
     rope = dict(num_layers=4, position_embedding_type="rope")

@@ -4,6 +4,7 @@ reference written here, TP2 against TP1, context parallelism against CP1, the da
 other, and the rules, checkpoint records and HF export refusal that name the flags."""
 
 import math
+import os
 import types
 
 import pytest
@@ -20,6 +21,8 @@ from megatron.core.transformer.attention_variants import (
 )
 from tests.unit_tests.models.gpt.gpt_test_utils import reference_then_parallel, tiny_config
 from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 SEQ, BATCH, HEADS, HIDDEN = 8, 2, 4, 32
 
@@ -344,9 +347,11 @@ def test_flags_reach_the_config(monkeypatch):
         validate_args(parse_args(args=base + ["--window-attn-skip-freq", "2"]))
 
 
-def test_checkpoint_records_and_hf_export_refusal():
+def test_checkpoint_records_and_hf_export_refusal(monkeypatch):
     from megatron.training.checkpoint_args import MODEL_ARGS, architecture_differences
-    from tools.checkpoint.hf_unsupported import hf_export_problems
+    # The checkpoint tools import each other as scripts do, from their own directory.
+    monkeypatch.syspath_prepend(os.path.join(REPOSITORY, "tools", "checkpoint"))
+    from hf_unsupported import hf_export_problems
 
     assert {"window_size", "window_attn_skip_freq", "softmax_type"} <= set(MODEL_ARGS)
     saved = types.SimpleNamespace(num_layers=4, window_size=(8, 0), window_attn_skip_freq=2, softmax_type="learnable")
