@@ -80,6 +80,10 @@ def _both_use_rope(saved_args, args):
     return all(getattr(a, "position_embedding_type", None) == "rope" for a in (saved_args, args))
 
 
+def _both_use_yarn(saved_args, args):
+    return all(getattr(a, "position_embedding_type", None) == "yarn" for a in (saved_args, args))
+
+
 def _both_scale_rope(saved_args, args):
     return _both_use_rope(saved_args, args) and all(getattr(a, "use_rope_scaling", False) for a in (saved_args, args))
 
@@ -248,6 +252,20 @@ ARCHITECTURE_FLAGS = (
                      compared=_both_use_moe),
     ArchitectureFlag("--moe-shared-expert-gate", _switch("moe_shared_expert_gate"), is_switch=True,
                      compared=_both_have_shared_experts),
+    ArchitectureFlag("--moe-router-bias", _switch("moe_router_bias"), is_switch=True, compared=_both_use_moe),
+    # YaRN of standard attention (--position-embedding-type yarn).
+    ArchitectureFlag("--rotary-percent", _get("rotary_percent"), compared=_both_use_yarn),
+    ArchitectureFlag("--rotary-base", _get("rotary_base"), compared=_both_use_yarn),
+    ArchitectureFlag("--rotary-interleaved", _switch("rotary_interleaved"), is_switch=True, compared=_both_use_yarn),
+    ArchitectureFlag("--yarn-rotary-scaling-factor", _get("yarn_rotary_scaling_factor"), compared=_both_use_yarn),
+    ArchitectureFlag("--yarn-original-max-position-embeddings", _get("yarn_original_max_position_embeddings"),
+                     compared=_both_use_yarn),
+    ArchitectureFlag("--yarn-beta-fast", _get("yarn_beta_fast"), compared=_both_use_yarn),
+    ArchitectureFlag("--yarn-beta-slow", _get("yarn_beta_slow"), compared=_both_use_yarn),
+    ArchitectureFlag("--yarn-mscale", _get("yarn_mscale"), compared=_both_use_yarn),
+    ArchitectureFlag("--yarn-mscale-all-dim", _get("yarn_mscale_all_dim"), compared=_both_use_yarn),
+    ArchitectureFlag("--yarn-correction-range-round-to-int", _switch("yarn_correction_range_round_to_int"),
+                     is_switch=True, compared=_both_use_yarn),
 )
 VOCAB_FLAG = "vocabulary size (the tokenizer's, before padding; --vocab-size + 1 with NullTokenizer)"
 
@@ -390,6 +408,10 @@ MODEL_ARGS = (
     "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
     "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
     "moe_apply_probs_on_input",
+    "moe_router_bias",
+    # YaRN of standard attention.
+    "yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
+    "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int",
 )
 # Files the tokenizer reads: taken from the checkpoint only where the command line leaves them unset (a
 # checkpoint copied to another machine names paths that may not exist there).

@@ -154,7 +154,7 @@ def default_architecture(shape: ModelShape) -> str:
     """The architecture our flags pick: by position embedding, query / key norms and experts."""
     if shape.multi_latent_attention:
         return DEEPSEEK_V3
-    if shape.position_embedding_type != "rope":
+    if shape.position_embedding_type not in ("rope", "yarn"):
         return GPT2
     if shape.quick_geglu:
         return GPT_OSS

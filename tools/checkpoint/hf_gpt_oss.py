@@ -18,11 +18,15 @@ per `attention_bias`: ours without --disable-bias-linear) with three additions, 
   same way, so expert e's linear_fc1 weight is gate_up_proj[e] transposed and its linear_fc2 weight down_proj[e]
   transposed, under its global index.
 
-HF's router also has a bias `mlp.router.bias` `[E]`, which ours lacks: a model is imported only when every router
-bias is zero (the export writes zeros). HF's gpt-oss rotates with YaRN by default (`rope_parameters` /
-`rope_scaling` rope_type "yarn"), which our standard attention does not compute (--rope-type yarn is
-multi-latent attention's): such a config.json is refused, as are other rope types but plain RoPE, 'linear' and
-'llama3' (hf_rope.py). MXFP4-quantized directories (`quantization_config`) are refused before (hf_unsupported.py).
+HF's router has a bias, `mlp.router.bias` `[E]`: ours with --moe-router-bias (`mlp.router.bias`), which an import
+sets whenever the model has linear biases (`attention_bias`, as upstream's rule); without them a router bias must
+be zero (the export writes zeros). HF's gpt-oss rotates with YaRN by default (`rope_parameters` / `rope_scaling`
+rope_type "yarn"; transformers' defaults when config.json has neither): --position-embedding-type yarn, with factor
+as --yarn-rotary-scaling-factor, original_max_position_embeddings, beta_fast and beta_slow as the --yarn-* flags of
+those names, `truncate` as --[no-]yarn-correction-range-round-to-int and mscale / mscale_all_dim (when both are
+given) as --yarn-mscale / --yarn-mscale-all-dim (hf_rope.py); HF multiplies cos and sin by the attention factor,
+as our attention does. Plain RoPE, 'linear' and 'llama3' read as for Llama. MXFP4-quantized directories
+(`quantization_config`) are refused before (hf_unsupported.py).
 """
 
 from typing import Dict, Optional
@@ -32,12 +36,16 @@ from megatron.core.activations import QUICK_GELU_ALPHA
 from megatron.core.transformer.attention_variants import window_layer_pattern
 
 from hf_errors import ConversionError
-from hf_rope import hf_rope_config, rope_flags_of_config
+from hf_rope import hf_rope_config, hf_yarn_rope_config, rope_flags_of_config, yarn_flags_of_scaling
 
 GPT_OSS, GPT_OSS_MODEL_TYPE = "GptOssForCausalLM", "gpt_oss"
 SLIDING, FULL = "sliding_attention", "full_attention"
 # The training-only keys of config.json and transformers' defaults, for a model that was not imported.
 _TRAINING_ONLY_DEFAULTS = {"router_aux_loss_coef": 0.001, "output_router_logits": False}
+# transformers' GptOssConfig rotary embedding when config.json gives none, and its default rope_theta.
+DEFAULT_ROPE_PARAMETERS = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                           "original_max_position_embeddings": 4096}
+DEFAULT_ROPE_THETA = 150000.0
 
 
 def _alternating(num_layers: int) -> list:
@@ -54,9 +62,9 @@ def _window_of(shape):
 def gpt_oss_problems(shape) -> list:
     """The flags that keep our model from being written as a GptOssForCausalLM exactly (empty: none)."""
     problems = []
-    if shape.position_embedding_type != "rope":
+    if shape.position_embedding_type not in ("rope", "yarn"):
         problems.append(f"--position-embedding-type {shape.position_embedding_type}: gpt-oss rotates "
-                        "(--position-embedding-type rope)")
+                        "(--position-embedding-type yarn or rope)")
     if shape.rotary_percent != 1.0:
         problems.append(f"--rotary-percent {shape.rotary_percent}: gpt-oss rotates every channel of a head")
     if shape.use_rope_scaling and shape.rotary_seq_len_interpolation_factor is not None:
@@ -115,12 +123,18 @@ def gpt_oss_feature_problems(shape, architecture: str) -> list:
     if shape.window_size is not None:
         problems.append(f"--window-size {shape.window_size}: {architecture} attends to every earlier position "
                         f"{where} has sliding-window layers)")
+    if shape.moe_router_bias:
+        problems.append(f"--moe-router-bias: {architecture}'s router has no bias {where}'s has)")
+    if shape.position_embedding_type == "yarn":
+        problems.append(f"--position-embedding-type yarn: {architecture} does not rotate with YaRN {where} does)")
     return problems
 
 
 def gpt_oss_training_flags(shape) -> list:
     """pretrain_gpt.py's gpt-oss flags of `shape` (none for another model)."""
     flags = ["--quick-geglu"] if shape.quick_geglu else []
+    if shape.moe_router_bias:
+        flags.append("--moe-router-bias")
     if shape.activation_func_clamp_value is not None:
         flags.append(f"--activation-func-clamp-value {shape.activation_func_clamp_value:g}")
     if shape.glu_linear_offset:
@@ -147,7 +161,8 @@ def gpt_oss_config(shape, common: dict, recorded_keys: Optional[dict] = None) ->
             "num_attention_heads": shape.num_attention_heads, "num_key_value_heads": shape.num_query_groups,
             "head_dim": shape.kv_channels, "hidden_act": "silu",
             "max_position_embeddings": shape.max_position_embeddings, "rms_norm_eps": shape.norm_epsilon,
-            **hf_rope_config(shape), "attention_bias": shape.add_bias_linear,
+            **(hf_yarn_rope_config(shape) if shape.position_embedding_type == "yarn" else hf_rope_config(shape)),
+            "attention_bias": shape.add_bias_linear,
             "attention_dropout": shape.attention_dropout, "num_local_experts": shape.num_experts,
             "num_experts_per_tok": shape.moe_router_topk, "swiglu_alpha": QUICK_GELU_ALPHA,
             "swiglu_limit": float(shape.activation_func_clamp_value), "sliding_window": sliding_window,
@@ -176,22 +191,23 @@ def _window_flags(config, num_layers, path):
     return {"window_size": (window - 1, 0), "window_attn_skip_freq": freq}
 
 
+def _rope_values(config, path):
+    """--position-embedding-type, --rotary-base and the RoPE / YaRN flags of config.json (transformers'
+    GptOssConfig defaults where it gives none)."""
+    parameters = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or parameters or DEFAULT_ROPE_PARAMETERS
+    theta = scaling.get("rope_theta", parameters.get("rope_theta", config.get("rope_theta", DEFAULT_ROPE_THETA)))
+    if scaling.get("rope_type", scaling.get("type", "default")) != "yarn":
+        return {"position_embedding_type": "rope", **rope_flags_of_config(config, path), "rotary_base": theta}
+    factor = parameters.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if factor != 1.0:
+        raise ConversionError(f"{path}: partial_rotary_factor {factor}: gpt-oss rotates whole heads")
+    return {**yarn_flags_of_scaling(scaling, config, path), "rotary_base": theta}
+
+
 def gpt_oss_shape_values(config: dict, path: str) -> dict:
     """The ModelShape fields (but the vocabulary and the extras' ones) of a gpt-oss config.json; ConversionError
     naming the key our model cannot compute as HF does."""
-    scaling = config.get("rope_scaling") or config.get("rope_parameters")
-    if not scaling:
-        raise ConversionError(f"{path}: config.json has neither rope_parameters nor rope_scaling, so transformers' "
-                              "GptOssConfig rotates with its default, YaRN, which our standard attention does not "
-                              "compute (--rope-type yarn is implemented for --multi-latent-attention only)")
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "yarn":
-        raise ConversionError(
-            f"{path}: rope_scaling / rope_parameters rope_type 'yarn' (gpt-oss's RoPE, factor "
-            f"{scaling.get('factor')} over {scaling.get('original_max_position_embeddings')} original positions): "
-            "our standard attention rotates with plain RoPE ('linear' and 'llama3' scaling at most; --rope-type "
-            "yarn is implemented for --multi-latent-attention only), so the converted model would compute other "
-            "logits; it cannot be imported")
     alpha = config.get("swiglu_alpha", QUICK_GELU_ALPHA)
     if alpha != QUICK_GELU_ALPHA:
         raise ConversionError(f"{path}: swiglu_alpha {alpha}: --quick-geglu's gate is x * sigmoid("
@@ -211,8 +227,9 @@ def gpt_oss_shape_values(config: dict, path: str) -> dict:
         num_query_groups=config.get("num_key_value_heads") or heads,
         kv_channels=config.get("head_dim") or hidden // heads, ffn_hidden_size=width,
         max_position_embeddings=_positive_int(config, "max_position_embeddings", path),
-        position_embedding_type="rope", **rope_flags_of_config(config, path), normalization="RMSNorm",
-        norm_epsilon=config.get("rms_norm_eps", 1e-5), add_bias_linear=bool(config.get("attention_bias", True)),
+        **_rope_values(config, path), normalization="RMSNorm", norm_epsilon=config.get("rms_norm_eps", 1e-5),
+        add_bias_linear=bool(config.get("attention_bias", True)),
+        moe_router_bias=bool(config.get("attention_bias", True)),
         untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
         attention_dropout=config.get("attention_dropout", 0.0), quick_geglu=True,
         activation_func_clamp_value=float(limit), glu_linear_offset=1.0, softmax_type="learnable",
@@ -242,11 +259,15 @@ def gpt_oss_layer_from_hf(take, shape, ours: str, theirs: str, where: str) -> Di
     def zero(name, rows):
         tensor = take(name, rows)
         if torch.count_nonzero(tensor):
-            why = ("our router has no bias" if name.endswith("router.bias") else
-                   "config.json's attention_bias false reads as --disable-bias-linear, whose experts have no biases")
+            why = "config.json's attention_bias false reads as --disable-bias-linear, whose " + (
+                "router has no bias (--moe-router-bias needs linear biases, as upstream's router bias)"
+                if name.endswith("router.bias") else "experts have no biases")
             raise ConversionError(f"{where}: '{name}' is not zero, but {why}; the model cannot be imported exactly")
 
-    zero(theirs + "mlp.router.bias", (experts,))
+    if shape.moe_router_bias:
+        model[ours + "mlp.router.bias"] = take(theirs + "mlp.router.bias", (experts,))
+    else:
+        zero(theirs + "mlp.router.bias", (experts,))
     packed = theirs + "mlp.experts."
     gate_up = take(packed + "gate_up_proj", (experts, hidden, 2 * width))
     down = take(packed + "down_proj", (experts, width, hidden))
@@ -277,7 +298,8 @@ def gpt_oss_layer_to_hf(take, shape, ours: str, theirs: str) -> Dict[str, torch.
     if shape.add_bias_linear:
         hf[hf_proj + "bias"] = take(our_proj + "bias", (hidden,))
     hf[names["router"][1]] = take(names["router"][0], (experts, hidden))
-    hf[theirs + "mlp.router.bias"] = torch.zeros(experts)
+    hf[theirs + "mlp.router.bias"] = (take(ours + "mlp.router.bias", (experts,)) if shape.moe_router_bias
+                                      else torch.zeros(experts))
     prefixes = [f"{ours}mlp.experts.local_experts.{expert}." for expert in range(experts)]
     packed = theirs + "mlp.experts."
     hf[packed + "gate_up_proj"] = torch.stack([take(prefix + "linear_fc1.weight", (2 * width, hidden)).t()

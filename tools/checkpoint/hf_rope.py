@@ -73,3 +73,86 @@ def rope_flags_of_config(config, path):
     elif rope_type == "linear":
         flags["rotary_seq_len_interpolation_factor"] = _scaling_factor(scaling, "linear", path)
     return flags
+
+
+# ModelShape's YaRN fields (--position-embedding-type yarn) and their defaults, as the training flags have them.
+YARN_DEFAULTS = {"yarn_rotary_scaling_factor": 1.0, "yarn_original_max_position_embeddings": 4096,
+                 "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_mscale": 1.0, "yarn_mscale_all_dim": 0.0,
+                 "yarn_correction_range_round_to_int": True}
+
+
+def _positive(scaling, key, default, path):
+    value = scaling.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConversionError(f"{path}: RoPE scaling 'yarn' with {key} {value!r}: it must be a positive number")
+    return value
+
+
+def yarn_flags_of_scaling(scaling, config, path):
+    """The ModelShape fields of a 'yarn' rope_scaling / rope_parameters (--position-embedding-type yarn and the
+    --yarn-* flags), read as transformers' `_compute_yarn_parameters` reads them."""
+    original = int(_positive(scaling, "original_max_position_embeddings", config.get("max_position_embeddings"),
+                             path) or 0)
+    if not original:
+        raise ConversionError(f"{path}: RoPE scaling 'yarn' without original_max_position_embeddings or "
+                              "max_position_embeddings")
+    factor = scaling.get("factor")
+    if factor is None:  # transformers: the ratio of the context lengths
+        factor = config.get("max_position_embeddings", original) / original
+    factor = _scaling_factor({"factor": factor}, "yarn", path)
+    # transformers divides ms(s, mscale) by ms(s, mscale_all_dim) only when both are given and non-zero
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if not (mscale and mscale_all_dim):
+        mscale, mscale_all_dim = 1.0, 0.0
+    flags = {"position_embedding_type": "yarn", "yarn_rotary_scaling_factor": factor,
+             "yarn_original_max_position_embeddings": original,
+             # transformers reads a missing or zero beta as the default
+             "yarn_beta_fast": float(_positive(scaling, "beta_fast", 32.0, path) if scaling.get("beta_fast") else 32.0),
+             "yarn_beta_slow": float(_positive(scaling, "beta_slow", 1.0, path) if scaling.get("beta_slow") else 1.0),
+             "yarn_mscale": float(mscale), "yarn_mscale_all_dim": float(mscale_all_dim),
+             "yarn_correction_range_round_to_int": bool(scaling.get("truncate", True))}
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is not None:
+        from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import yarn_cos_sin_scale
+
+        ours = yarn_cos_sin_scale(factor, flags["yarn_mscale"], flags["yarn_mscale_all_dim"])
+        if abs(attention_factor - ours) > 1e-6 * ours:
+            raise ConversionError(f"{path}: RoPE scaling 'yarn' with attention_factor {attention_factor}: our YaRN "
+                                  f"multiplies cos and sin by ms(factor, mscale) / ms(factor, mscale_all_dim) = "
+                                  f"{ours:.6g} (--yarn-mscale, --yarn-mscale-all-dim)")
+    return flags
+
+
+def hf_yarn_rope_config(shape) -> dict:
+    """config.json's rope_scaling and rope_parameters of a --position-embedding-type yarn model."""
+    scaling = {"rope_type": "yarn", "factor": float(shape.yarn_rotary_scaling_factor),
+               "beta_fast": float(shape.yarn_beta_fast), "beta_slow": float(shape.yarn_beta_slow),
+               "truncate": bool(shape.yarn_correction_range_round_to_int),
+               "original_max_position_embeddings": int(shape.yarn_original_max_position_embeddings)}
+    mscale, mscale_all_dim = float(shape.yarn_mscale), float(shape.yarn_mscale_all_dim)
+    if mscale and mscale_all_dim:
+        scaling.update(mscale=mscale, mscale_all_dim=mscale_all_dim)
+    elif mscale != 1.0:  # transformers reads the pair only when both are non-zero: give the factor itself
+        from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import yarn_cos_sin_scale
+
+        scaling["attention_factor"] = yarn_cos_sin_scale(shape.yarn_rotary_scaling_factor, mscale, mscale_all_dim)
+    return {"rope_scaling": scaling, "rope_parameters": {**scaling, "rope_theta": float(shape.rotary_base)}}
+
+
+def yarn_training_flags(shape) -> list:
+    """pretrain_gpt.py's --yarn-* flags of a --position-embedding-type yarn `shape` (those off their default)."""
+    if shape.position_embedding_type != "yarn":
+        return []
+    flags = []
+    for name, default in YARN_DEFAULTS.items():
+        value = getattr(shape, name)
+        if value == default:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(default, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            flags.append(f"{flag} {value!r}")
+    return flags

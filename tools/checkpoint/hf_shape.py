@@ -8,6 +8,7 @@ from typing import Optional, Tuple, Union
 from megatron.core.transformer.moe.moe_config import layer_pattern_from_freq
 
 from hf_errors import ConversionError
+from hf_rope import yarn_training_flags
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,13 +55,14 @@ class ModelShape:
     moe_router_pre_softmax: bool = False
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_gate: bool = False
-    # gpt-oss (hf_gpt_oss.py): its gated MLP, attention sinks and sliding-window layers
+    # gpt-oss (hf_gpt_oss.py): its gated MLP, attention sinks, sliding-window layers and router bias
     quick_geglu: bool = False
     activation_func_clamp_value: Optional[float] = None
     glu_linear_offset: float = 0.0
     softmax_type: str = "vanilla"
     window_size: Optional[Tuple[int, int]] = None
     window_attn_skip_freq: Union[None, int, Tuple[int, ...], list] = None
+    moe_router_bias: bool = False
     # DeepSeek-V3 (hf_deepseek.py): the router's scores, bias, groups and scale; latent attention; MTP depths
     moe_router_score_function: str = "softmax"
     moe_router_enable_expert_bias: bool = False
@@ -79,6 +81,16 @@ class ModelShape:
     mscale_all_dim: float = 0.0
     original_max_position_embeddings: Optional[int] = None
     mtp_num_layers: Optional[int] = None
+    # YaRN of standard attention (--position-embedding-type yarn; gpt-oss), hf_rope.py
+    yarn_rotary_scaling_factor: float = 1.0
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_correction_range_round_to_int: bool = True
+    YARN_FIELDS = ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+                   "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int")
 
     MOE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq", "moe_router_pre_softmax",
                   "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
@@ -92,7 +104,7 @@ class ModelShape:
                    "rotary_seq_len_interpolation_factor", "openai_gelu", "add_qkv_bias",
                    "apply_residual_connection_post_layernorm", *MOE_FIELDS, "quick_geglu",
                    "activation_func_clamp_value", "glu_linear_offset", "softmax_type", "window_size",
-                   "window_attn_skip_freq", *DEEPSEEK_FIELDS)
+                   "window_attn_skip_freq", *DEEPSEEK_FIELDS, *YARN_FIELDS, "moe_router_bias")
 
     def __post_init__(self):
         if not 0 < self.vocab_size <= self.padded_vocab_size:
@@ -137,7 +149,7 @@ class ModelShape:
             flags.append(f"--kv-channels {self.kv_channels}")
         flags += [f"--max-position-embeddings {self.max_position_embeddings}",
                   f"--position-embedding-type {self.position_embedding_type}"]
-        if self.position_embedding_type == "rope":
+        if self.position_embedding_type in ("rope", "yarn"):
             base = float(self.rotary_base)  # an int flag: HF's rope_theta is a float, 1e6 say
             flags.append(f"--rotary-base {int(base) if base.is_integer() else base!r}")
             if self.rotary_percent != 1.0:
@@ -146,6 +158,7 @@ class ModelShape:
                 flags.append(f"--use-rope-scaling --rope-scaling-factor {self.rope_scaling_factor:g}")
             if self.rotary_seq_len_interpolation_factor is not None:
                 flags.append(f"--rotary-seq-len-interpolation-factor {self.rotary_seq_len_interpolation_factor:g}")
+            flags += yarn_training_flags(self)
         flags += [f"--normalization {self.normalization}", f"--norm-epsilon {self.norm_epsilon:g}"]
         switches = ("rotary_interleaved", "apply_layernorm_1p", "swiglu", "squared_relu", "openai_gelu",
                     "add_qkv_bias", "apply_residual_connection_post_layernorm", "qk_layernorm",

@@ -241,9 +241,9 @@ class SelfAttention(Attention):
             query, key = self.q_layernorm(query), self.k_layernorm(key)
 
         if rotary_pos_emb is not None and not self.skips_rotary_embedding:
-            interleaved = self.config.rotary_interleaved
-            query = apply_rotary_pos_emb(query, rotary_pos_emb, interleaved=interleaved)
-            key = apply_rotary_pos_emb(key, rotary_pos_emb, interleaved=interleaved)
+            interleaved, scale = self.config.rotary_interleaved, self.config.yarn_cos_sin_scale
+            query = apply_rotary_pos_emb(query, rotary_pos_emb, interleaved=interleaved, scale=scale)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb, interleaved=interleaved, scale=scale)
         if self.config.qk_l2_norm:
             eps = self.config.layernorm_epsilon
             query, key = l2_normalize_heads(query, eps), l2_normalize_heads(key, eps)

@@ -20,6 +20,7 @@ from megatron.core.transformer.init_methods import init_method_normal, scaled_in
 from megatron.core.transformer.moe.moe_config import MoEConfigMixin
 from megatron.core.transformer.mla_config import MLAConfigMixin
 from megatron.core.transformer.mtp_config import MTPConfigMixin
+from megatron.core.transformer.yarn_config import YarnConfigMixin
 from megatron.core.transformer.pipeline_parallel_layer_layout import LAYOUT_FLAG, PipelineParallelLayerLayout
 from megatron.core.transformer.pipeline_split import layers_per_pipeline_rank, split_of_config
 
@@ -30,7 +31,7 @@ RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", 
 
 
 @dataclass(frozen=True, kw_only=True)
-class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelParallelConfig):
+class TransformerConfig(MTPConfigMixin, MLAConfigMixin, YarnConfigMixin, MoEConfigMixin, ModelParallelConfig):
     """Transformer shape, regularisation, initialisation and activation-recompute settings."""
 
     num_layers: int
@@ -242,6 +243,7 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, MoEConfigMixin, ModelPar
         self._validate_fp8()
         self._validate_context_parallel()
         self._validate_multi_latent_attention()
+        self._validate_yarn()
         self._validate_qk_clip()
         self._validate_layer_variants()
         self._validate_attention_variants()

@@ -2,7 +2,10 @@
 and the layer variants of upstream recipes (Qwen2's QKV bias, interleaved / interpolated RoPE, the residual's
 placement and precision, GPT-2's tanh GeLU)."""
 
+import argparse
 import warnings
+
+from megatron.core.transformer.yarn_config import YARN_FIELDS
 
 DEFAULT_ROPE_SCALING_FACTOR = 8.0  # upstream's, Llama 3.1's
 DEFAULT_INIT_METHOD_STD = 0.02
@@ -41,7 +44,9 @@ def add_arguments(parser):
         help="Size of the learned position table; default --seq-length.",
     )
     group.add_argument(
-        "--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope"]
+        "--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope", "yarn"],
+        help="yarn: rotary embeddings with YaRN's frequency scaling and cos / sin factor (the --yarn-* flags; "
+        "gpt-oss).",
     )
     group.add_argument(
         "--use-rotary-position-embeddings",
@@ -70,6 +75,7 @@ def add_arguments(parser):
                        "blended (needs --position-embedding-type rope).")
     group.add_argument("--rope-scaling-factor", type=float, default=DEFAULT_ROPE_SCALING_FACTOR,
                        help="Divisor of the slow RoPE frequencies with --use-rope-scaling (Llama 3.1: 8, 3.2: 32).")
+    _add_yarn_arguments(group)
     group.add_argument(
         "--group-query-attention",
         action="store_true",
@@ -213,11 +219,47 @@ def transformer_config_kwargs(args):
         use_cpu_initialization=args.use_cpu_initialization,
         perform_initialization=args.perform_initialization,
         embedding_init_method_std=args.embedding_init_method_std,
+        **{name: getattr(args, name) for name in YARN_FIELDS},
     )
 
 
+def _add_yarn_arguments(group):
+    """YaRN of standard attention (--position-embedding-type yarn); multi-latent attention's is --rope-type yarn."""
+    helps = {
+        "yarn_rotary_scaling_factor": "YaRN: the factor s by which the trained context is stretched (gpt-oss: 32).",
+        "yarn_original_max_position_embeddings": "YaRN: the context length the unscaled RoPE was trained for.",
+        "yarn_beta_fast": "YaRN: frequencies turning more often than this over the original context are kept.",
+        "yarn_beta_slow": "YaRN: frequencies turning less often than this over the original context are divided "
+                          "by s; those between are blended.",
+        "yarn_mscale": "YaRN: cos and sin are multiplied by ms(s, mscale) / ms(s, mscale-all-dim), ms(s, a) = "
+                       "0.1 a ln(s) + 1 (1 for s <= 1).",
+        "yarn_mscale_all_dim": "YaRN: see --yarn-mscale.",
+    }
+    types = {"yarn_original_max_position_embeddings": int}
+    for name, (flag, default) in YARN_FIELDS.items():
+        if name == "yarn_correction_range_round_to_int":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                               help="YaRN: round the blended channel range outwards to whole channel pairs "
+                               "(default; the paper's rule); --no-yarn-correction-range-round-to-int keeps its "
+                               "fractional bounds (gpt-oss, HF's truncate false).")
+        else:
+            group.add_argument(flag, type=types.get(name, float), default=default, help=helps[name])
+
+
+def _validate_yarn(args):
+    if args.position_embedding_type == "yarn":
+        if args.rotary_seq_len_interpolation_factor is not None:
+            raise ValueError("--rotary-seq-len-interpolation-factor does not combine with --position-embedding-type "
+                             "yarn, which scales the frequencies itself (--yarn-rotary-scaling-factor): drop it")
+        return
+    changed = [flag for name, (flag, default) in YARN_FIELDS.items() if getattr(args, name) != default]
+    if changed:
+        raise ValueError(f"{', '.join(changed)} shape(s) YaRN rotary embeddings: add --position-embedding-type yarn "
+                         f"(got {args.position_embedding_type}) or drop them")
+
+
 def _validate_position_embedding(args):
-    if not args.add_position_embedding and args.position_embedding_type != "rope":
+    if not args.add_position_embedding and args.position_embedding_type not in ("rope", "yarn"):
         raise ValueError(f"--no-position-embedding asks for a model without a learned position table, but "
                          f"--position-embedding-type is {args.position_embedding_type}, which is one; this build has "
                          "no position-free model: add --position-embedding-type rope (as upstream requires), or drop "
@@ -225,7 +267,8 @@ def _validate_position_embedding(args):
 
 
 def _validate_layer_variants(args):
-    if args.position_embedding_type != "rope":
+    _validate_yarn(args)
+    if args.position_embedding_type not in ("rope", "yarn"):
         for flag, value in (("--rotary-interleaved", args.rotary_interleaved),
                             ("--rotary-seq-len-interpolation-factor", args.rotary_seq_len_interpolation_factor)):
             if value:

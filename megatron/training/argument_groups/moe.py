@@ -51,6 +51,11 @@ def add_arguments(parser):
     group.add_argument("--moe-router-enable-expert-bias", action="store_true",
                        help="Aux-loss-free balancing: per-expert bias for the choice, updated every step.")
     group.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    group.add_argument("--moe-router-bias", action="store_true",
+                       help="A learned bias [num-experts] on the router's logits, x W^T + b (gpt-oss; zeros at "
+                       "initialisation). Upstream adds it whenever linear layers have biases; here it is asked for, "
+                       "so existing bias-linear MoE models and checkpoints are unchanged. Not the expert bias of "
+                       "--moe-router-enable-expert-bias, which only steers the choice.")
     group.add_argument("--moe-router-dtype", choices=("fp32", "fp64"), default=None,
                        help="Router, probabilities and combine dtype (default: the input's).")
     group.add_argument("--moe-router-load-balancing-type", nargs="+", choices=LOAD_BALANCING_TYPES,
@@ -190,5 +195,5 @@ def validate(args):
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         ffn_hidden_size=args.ffn_hidden_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
         sequence_parallel=args.sequence_parallel, transformer_impl=args.transformer_impl, fp8=args.fp8_format,
-        **transformer_config_kwargs(args),
+        add_bias_linear=args.add_bias_linear, **transformer_config_kwargs(args),
     )  # raises ValueError naming the flags

@@ -1,6 +1,6 @@
 """Decoding through the key/value cache (GPTModel.forward with an inference context) gives the logits of a full
 forward over the whole sequence without a cache: multi-head and grouped-query attention, rotary (partial,
-interleaved) and learned absolute position embeddings, prefill then chunks and single positions."""
+interleaved, YaRN) and learned absolute position embeddings, prefill then chunks and single positions."""
 
 import pytest
 import torch
@@ -23,6 +23,11 @@ VARIANTS = {
     "mqa_rope_interleaved": (
         {"num_query_groups": 1, "rotary_interleaved": True},
         {"position_embedding_type": "rope", "share_embeddings_and_output_weights": False},
+    ),
+    "gqa_yarn": (
+        {"num_query_groups": 2, "yarn_rotary_scaling_factor": 4.0, "yarn_original_max_position_embeddings": 8,
+         "yarn_correction_range_round_to_int": False},
+        {"position_embedding_type": "yarn"},
     ),
 }
 # (start, end) of each forward: prefill, a chunk past the cache (a causal mask with an offset), single positions.

@@ -3,9 +3,11 @@
 The model is a tiny one that transformers builds with random weights (sinks, biases and experts included) in
 TINY_GPT's shape (4 layers, hidden 32, 4 heads, 121 tokens) with grouped-query attention, 4 experts, top-2
 routing and a sliding window of 4 positions on layers 0 and 2 (HF's alternation), so that the window cuts into
-the 16 positions. Its router biases are zero (ours has none), its RoPE plain (YaRN is refused). Our model, built
-from the flags the import prints and loaded from the converted checkpoint, computes transformers' logits;
-written back, the directory holds the same tensors and config.
+the 16 positions. Its router biases are random (--moe-router-bias) and its RoPE is transformers' default, YaRN
+(factor 32 over 4096 original positions, base 150000, fractional correction range: with 8 channels a head the
+blend covers pairs 1.01 to 2.17, so rounding them would change the frequencies). Our model, built from the flags
+the import prints and loaded from the converted checkpoint, computes transformers' logits; written back, the
+directory holds the same tensors and config.
 """
 
 import json
@@ -21,11 +23,11 @@ TOOLS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."
 VOCAB, PADDED_VOCAB, SEQUENCE = 121, 128, 16  # TINY_GPT: NullTokenizer --vocab-size 120, divisible by 64
 CONFIG = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
               head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
-              max_position_embeddings=SEQUENCE, sliding_window=4, tie_word_embeddings=False,
-              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-FLAGS = ("--num-experts 4 --moe-ffn-hidden-size 24 --moe-router-topk 2", "--quick-geglu",
+              max_position_embeddings=SEQUENCE, sliding_window=4, tie_word_embeddings=False)
+FLAGS = ("--num-experts 4 --moe-ffn-hidden-size 24 --moe-router-topk 2", "--quick-geglu --moe-router-bias",
          "--activation-func-clamp-value 7 --glu-linear-offset 1 --softmax-type learnable",
-         "--window-size 3,0 --window-attn-skip-freq 2")
+         "--window-size 3,0 --window-attn-skip-freq 2", "--position-embedding-type yarn --rotary-base 150000",
+         "--yarn-rotary-scaling-factor 32.0 --no-yarn-correction-range-round-to-int")
 LOGITS_TOLERANCE = 1e-5  # fp32 on CPU, as for the other families
 
 
@@ -44,15 +46,14 @@ def _tokens():
 
 
 def _save_hf_model(directory, **changes):
-    """transformers' gpt-oss with random weights (zero router biases) saved in `directory`; its logits."""
+    """transformers' gpt-oss with random weights (router biases included) saved in `directory`; its logits."""
     import transformers
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.GptOssConfig(**{**CONFIG, **changes})).eval()
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(torch.zeros_like(param) if name.endswith("router.bias") else
-                        param + 0.3 * torch.randn_like(param))
+        for param in model.parameters():
+            param.add_(0.3 * torch.randn_like(param))
         logits = model(_tokens()).logits
     model.save_pretrained(str(directory))
     return model, logits
@@ -152,6 +153,7 @@ def test_gpt_oss_computes_transformers_logits_and_round_trips(tools, tmp_path, c
         assert torch.equal(after[name], tensor), name
     assert after["model.layers.3.mlp.experts.gate_up_proj"].shape == (4, 32, 48)
     assert after["model.layers.1.self_attn.sinks"].abs().min() > 0  # the learned sinks came back
+    assert after["model.layers.2.mlp.router.bias"].abs().min() > 0  # and the router biases
     hf_config, back_config = (transformers.AutoConfig.from_pretrained(str(tmp_path / directory))
                               for directory in ("hf", "back"))
     keys = set(_config(tmp_path / "hf")) - {"transformers_version"}
@@ -223,10 +225,9 @@ def test_gpt_oss_that_we_cannot_compute_is_refused_naming_the_key(tools, tmp_pat
     yarn = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
             "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
     refusals = {
-        "rope_scaling / rope_parameters rope_type 'yarn'.*--rope-type yarn is implemented for "
-        "--multi-latent-attention only": dict(rope_parameters=yarn),
-        "neither rope_parameters nor rope_scaling, so transformers' GptOssConfig rotates with its default, YaRN":
-            dict(rope_parameters=None),
+        r"'yarn' with attention_factor 2.0: our YaRN multiplies cos and sin by .* = 1.34657 \(--yarn-mscale":
+            dict(rope_parameters=dict(yarn, attention_factor=2.0)),
+        "'yarn' with beta_fast -1: it must be a positive number": dict(rope_parameters=dict(yarn, beta_fast=-1)),
         r"swiglu_alpha 1.5: --quick-geglu's gate is x \* sigmoid\(1.702 x\)": dict(swiglu_alpha=1.5),
         "quantization_config \\(mxfp4\\).*dequantize first with transformers.*Mxfp4Config\\(dequantize=True\\)":
             dict(quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}),
@@ -237,16 +238,18 @@ def test_gpt_oss_that_we_cannot_compute_is_refused_naming_the_key(tools, tmp_pat
         directory = _write_config(tmp_path / str(index), **{**base, **change})
         with pytest.raises(SystemExit, match=message):
             convert_checkpoint.import_hf(directory, str(tmp_path / f"out{index}"), None, 64, False)
-    # A router bias, which ours lacks, is refused naming the tensor.
+    # Without linear biases (attention_bias false) a router bias, which ours then lacks, is refused naming it.
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_config(transformers.GptOssConfig(**CONFIG))
+    model = transformers.AutoModelForCausalLM.from_config(transformers.GptOssConfig(**CONFIG, attention_bias=False))
     with torch.no_grad():
-        for layer in model.model.layers:
-            layer.mlp.router.bias.zero_()
+        for name, param in model.named_parameters():
+            if "bias" in name:
+                param.zero_()
         model.model.layers[2].mlp.router.bias[1] = 0.5
     model.save_pretrained(str(tmp_path / "biased"))
-    with pytest.raises(SystemExit, match="'model.layers.2.mlp.router.bias' is not zero, but our router has no bias"):
+    with pytest.raises(SystemExit, match="'model.layers.2.mlp.router.bias' is not zero, but .* router has no bias "
+                       r"\(--moe-router-bias needs linear biases"):
         convert_checkpoint.import_hf(str(tmp_path / "biased"), str(tmp_path / "out"), None, 64, False)
 
 

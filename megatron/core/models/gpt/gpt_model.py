@@ -33,6 +33,7 @@ from megatron.core.models.common.embeddings.language_model_embedding import (
     word_embedding_init_seed,
 )
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 from megatron.core.transformer.context_parallel import local_rows, local_token_indices
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.module import ShardedStateModule
@@ -44,7 +45,7 @@ from megatron.core.transformer.multi_token_prediction import (
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn")
 
 
 class GPTModel(ShardedStateModule):
@@ -57,8 +58,9 @@ class GPTModel(ShardedStateModule):
         pre_process: this stage holds the embedding (first pipeline stage).
         post_process: this stage holds the output layer and computes the loss (last pipeline stage).
         share_embeddings_and_output_weights: tie the output layer to the word embedding.
-        position_embedding_type: "learned_absolute" or "rope".
-        rotary_percent, rotary_base: fraction of each head rotated and the RoPE base (rope only).
+        position_embedding_type: "learned_absolute", "rope", or "yarn" (RoPE with YaRN's frequencies and cos / sin
+            factor, shaped by the config's `yarn_*` fields).
+        rotary_percent, rotary_base: fraction of each head rotated and the RoPE base (rope and yarn).
         seq_len_interpolation_factor: RoPE positions are divided by it (rope only; None: the config's
             `rotary_seq_len_interpolation_factor`). `config.rotary_interleaved` picks the pair layout.
         rope_scaling, rope_scaling_factor: Llama 3.1's scaling of the RoPE frequencies by the factor (rope only;
@@ -101,6 +103,7 @@ class GPTModel(ShardedStateModule):
         if rope_scaling and position_embedding_type != "rope":
             raise ValueError(f"--use-rope-scaling scales rotary position embeddings: it needs "
                              f"--position-embedding-type rope, got {position_embedding_type!r}")
+        self._check_yarn_fields(config, position_embedding_type, seq_len_interpolation_factor)
         if self.mtp_num_layers and position_embedding_type != "rope":
             raise ValueError(
                 "--mtp-num-layers needs --position-embedding-type rope (as upstream), got "
@@ -118,17 +121,25 @@ class GPTModel(ShardedStateModule):
                 position_embedding_type=position_embedding_type,
                 base_init_seed=self.base_init_seed,
             )
-        self.rotary_pos_emb = (
-            RotaryEmbedding(
+        self.rotary_pos_emb = None
+        if position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(
                 config.kv_channels, rotary_percent=rotary_percent, rotary_base=rotary_base,
                 rotary_interleaved=config.rotary_interleaved,
                 seq_len_interpolation_factor=(seq_len_interpolation_factor
                                               or config.rotary_seq_len_interpolation_factor),
                 rope_scaling=rope_scaling, rope_scaling_factor=rope_scaling_factor,
             )
-            if position_embedding_type == "rope"
-            else None
-        )
+        elif position_embedding_type == "yarn":
+            # The attention layers multiply cos and sin by config.yarn_cos_sin_scale.
+            self.rotary_pos_emb = YarnRotaryEmbedding(
+                config.kv_channels, rotary_percent=rotary_percent, rotary_base=rotary_base,
+                rotary_interleaved=config.rotary_interleaved, scaling_factor=config.yarn_rotary_scaling_factor,
+                original_max_position_embeddings=config.yarn_original_max_position_embeddings,
+                beta_fast=config.yarn_beta_fast, beta_slow=config.yarn_beta_slow, mscale=config.yarn_mscale,
+                mscale_all_dim=config.yarn_mscale_all_dim,
+                correction_range_round_to_int=config.yarn_correction_range_round_to_int,
+            )
         self.decoder = TransformerBlock(
             config, pre_process=pre_process, post_process=post_process, base_init_seed=self.base_init_seed
         )
@@ -158,6 +169,25 @@ class GPTModel(ShardedStateModule):
                 ),
             )
         self._setup_embeddings_and_output_layer()
+
+    @staticmethod
+    def _check_yarn_fields(config, position_embedding_type, seq_len_interpolation_factor):
+        """The config's yarn_* fields shape --position-embedding-type yarn only (the attention layers read the
+        cos / sin factor from them whatever the model's position embedding)."""
+        from megatron.core.transformer.yarn_config import YARN_FIELDS
+
+        if position_embedding_type != "yarn":
+            changed = [flag for name, (flag, default) in YARN_FIELDS.items() if getattr(config, name) != default]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} shape(s) YaRN rotary embeddings: they need "
+                                 f"--position-embedding-type yarn, got {position_embedding_type!r}")
+            return
+        if config.multi_latent_attention:
+            raise ValueError("--position-embedding-type yarn is standard attention's YaRN; --multi-latent-attention "
+                             "rotates with its own (--rope-type yarn): use --position-embedding-type rope")
+        if (seq_len_interpolation_factor or config.rotary_seq_len_interpolation_factor) is not None:
+            raise ValueError("--rotary-seq-len-interpolation-factor does not combine with --position-embedding-type "
+                             "yarn, which scales the frequencies itself (--yarn-rotary-scaling-factor): drop it")
 
     # ----------------------------------------------------------------------------------------------------
     # Tied embedding bookkeeping

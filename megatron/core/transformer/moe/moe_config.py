@@ -31,6 +31,7 @@ _FIELDS_NEEDING_EXPERTS = {
     "moe_router_num_groups": ("--moe-router-num-groups", None),
     "moe_router_group_topk": ("--moe-router-group-topk", None),
     "moe_router_enable_expert_bias": ("--moe-router-enable-expert-bias", False),
+    "moe_router_bias": ("--moe-router-bias", False),
     "moe_router_dtype": ("--moe-router-dtype", None),
     "moe_z_loss_coeff": ("--moe-z-loss-coeff", None),
     "moe_expert_capacity_factor": ("--moe-expert-capacity-factor", None),
@@ -159,6 +160,10 @@ class MoEConfigMixin:
     moe_router_enable_expert_bias: bool = False
     """Aux-loss-free balancing: a per-expert bias added to the scores for the choice of experts only."""
     moe_router_bias_update_rate: float = 1e-3
+    moe_router_bias: bool = False
+    """The router's logits are x W^T + b with a learned bias b `[num_experts]` (`router.bias`, zeros at
+    initialisation; gpt-oss) (`--moe-router-bias`). Upstream adds it to every router with `add_bias_linear`; here it
+    is asked for, so that bias-linear MoE models and their checkpoints keep their routers. Needs add_bias_linear."""
     moe_router_dtype: Optional[str] = None
     """None (the input's dtype), "fp32" or "fp64": the router's logits, probabilities and the combine."""
     moe_router_load_balancing_type: Union[str, Tuple[str, ...]] = "aux_loss"
@@ -304,6 +309,9 @@ class MoEConfigMixin:
         if self.moe_router_enable_expert_bias and self.moe_router_score_function not in ("sigmoid", "sqrtsoftplus"):
             raise ValueError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid or "
                              "sqrtsoftplus")
+        if self.moe_router_bias and not self.add_bias_linear:
+            raise ValueError("--moe-router-bias gives the router a bias, which upstream has only with bias linear "
+                             "layers: drop --disable-bias-linear or drop --moe-router-bias")
         if self.moe_router_bias_update_rate < 0:
             raise ValueError(f"--moe-router-bias-update-rate must be >= 0, got {self.moe_router_bias_update_rate}")
 

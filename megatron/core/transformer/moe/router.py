@@ -2,7 +2,9 @@
 
 The router weight `[num_experts, hidden]` is a dense parameter replicated on every rank. Under sequence
 parallelism each tensor-parallel rank routes its own tokens, so the weight is marked `sequence_parallel` and its
-gradient is summed over the tensor-parallel group by `finalize_model_grads`, like the norms' weights.
+gradient is summed over the tensor-parallel group by `finalize_model_grads`, like the norms' weights. With
+`--moe-router-bias` (gpt-oss) the logits are x W^T + b, b `[num_experts]` (`router.bias`, zeros at
+initialisation) a parameter of the same kind; it enters the probabilities, unlike the expert bias below.
 
 Aux-loss-free balancing (`--moe-router-enable-expert-bias`) keeps two buffers: `expert_bias` (saved with the
 model) and `local_tokens_per_expert` (counts since the last update, not saved). `update_expert_biases`, called
@@ -80,6 +82,11 @@ class TopKRouter(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=config.params_dtype,
                                                      device=parameter_device(config)))
         self.weight.sequence_parallel = config.sequence_parallel
+        self.bias = None
+        if config.moe_router_bias:
+            self.bias = torch.nn.Parameter(torch.empty(self.num_experts, dtype=config.params_dtype,
+                                                       device=self.weight.device))
+            self.bias.sequence_parallel = config.sequence_parallel
         if config.moe_router_enable_expert_bias:
             device = self.weight.device
             self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32, device=device))
@@ -103,6 +110,9 @@ class TopKRouter(torch.nn.Module):
         if self.config.perform_initialization:
             with initialization_rng(self.init_seed):
                 initialize_from_cpu_master(self.weight, self.config.init_method)
+        if self.bias is not None and not self.bias.is_meta:
+            with torch.no_grad():
+                self.bias.zero_()
         if self.expert_bias is not None and not self.expert_bias.is_meta:
             self.expert_bias.zero_()
             self.local_tokens_per_expert.zero_()
@@ -125,7 +135,8 @@ class TopKRouter(torch.nn.Module):
         router_input = tokens
         if eps is not None and training:
             router_input = tokens * torch.empty_like(tokens).uniform_(1.0 - eps, 1.0 + eps)
-        logits = F.linear(router_input.to(dtype), self.weight.to(dtype))
+        bias = None if self.bias is None else self.bias.to(dtype)
+        logits = F.linear(router_input.to(dtype), self.weight.to(dtype), bias)
         if self.config.moe_router_force_load_balancing:
             logits = _RandomLogits.apply(logits)
         if training and self.config.moe_z_loss_coeff:

@@ -21,7 +21,7 @@ from megatron.core.transformer.init_seeds import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import initialize_from_cpu_master, parameter_device
 
-POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn", "none")
 
 
 def word_embedding_init_seed(base_seed: int) -> int:
@@ -63,8 +63,8 @@ class LanguageModelEmbedding(torch.nn.Module):
         config: the transformer config (hidden size, embedding init method, dropout, sequence parallelism).
         vocab_size: rows of the word embedding (already padded to a multiple of the TP size).
         max_sequence_length: rows of the learned position embedding.
-        position_embedding_type: "learned_absolute" adds a learned position embedding here; "rope" and "none"
-            add nothing (rope is applied inside attention).
+        position_embedding_type: "learned_absolute" adds a learned position embedding here; "rope", "yarn" and
+            "none" add nothing (rope and yarn are applied inside attention).
         base_init_seed: the model's base init seed (None: `config.init_seed`, else the default generator's
             seed); the word and position embeddings each draw from their own seed derived from it.
     """

@@ -7,7 +7,8 @@ sequence the attention sees (offset..offset+s-1 for a decoding step past `offset
 whatever the activation dtype.
 
 With `rope_scaling` (`--use-rope-scaling`) the frequencies are those of Llama 3.1 (`llama3_scaled_frequencies`):
-slow ones divided by `rope_scaling_factor`, fast ones kept, the band between blended.
+slow ones divided by `rope_scaling_factor`, fast ones kept, the band between blended. YaRN's scaling is
+`yarn_rotary_pos_embedding.YarnRotaryEmbedding`, a subclass.
 """
 
 import math
@@ -107,12 +108,17 @@ def _rotate_interleaved_pairs(x: torch.Tensor) -> torch.Tensor:
     return torch.stack((-odd, even), dim=-1).flatten(-2)
 
 
-def apply_rotary_pos_emb(t: torch.Tensor, angles: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+def apply_rotary_pos_emb(t: torch.Tensor, angles: torch.Tensor, interleaved: bool = False,
+                         scale: float = 1.0) -> torch.Tensor:
     """Rotates the first `angles.shape[-1]` channels of `t` (`[s, b, heads, head_dim]`); `interleaved` pairs
-    channels (2i, 2i + 1) and needs angles from a `RotaryEmbedding(rotary_interleaved=True)`."""
+    channels (2i, 2i + 1) and needs angles from a `RotaryEmbedding(rotary_interleaved=True)`. cos and sin are
+    multiplied by `scale` (YaRN's attention factor; 1 for plain RoPE)."""
     rot_dim = angles.shape[-1]
     rotated, passthrough = t[..., :rot_dim], t[..., rot_dim:]
     rotated_fp32 = rotated.float()
     rotate = _rotate_interleaved_pairs if interleaved else _rotate_half
-    rotated_fp32 = rotated_fp32 * angles.cos() + rotate(rotated_fp32) * angles.sin()
+    cos, sin = angles.cos(), angles.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    rotated_fp32 = rotated_fp32 * cos + rotate(rotated_fp32) * sin
     return torch.cat((rotated_fp32.to(t.dtype), passthrough), dim=-1)

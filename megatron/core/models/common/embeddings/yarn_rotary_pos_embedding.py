@@ -7,7 +7,12 @@ YaRN stretches a RoPE trained on `original_max_position_embeddings` positions by
 - attention logits are sharpened to make up for the flatter distribution: with
   `ms(s, a) = 1 if s <= 1 else 0.1 * a * ln(s) + 1`, cos and sin are multiplied by `ms(s, mscale) /
   ms(s, mscale_all_dim)` and multi-latent attention multiplies its softmax scale by `ms(s, mscale_all_dim)^2`.
-With s = 1 both corrections are 1 and the frequencies are RoPE's: YaRN is then plain RoPE.
+With s = 1 both corrections are 1 and the frequencies are RoPE's: YaRN is then plain RoPE. The bounds of the
+blend are rounded outwards to whole channel pairs unless `correction_range_round_to_int` is False (gpt-oss).
+
+Standard attention uses YaRN with `--position-embedding-type yarn` (the `--yarn-*` flags; the angles come from
+`YarnRotaryEmbedding`, a `RotaryEmbedding` whose frequencies are scaled), multi-latent attention with
+`--rope-type yarn`; both compute the frequencies and the cos / sin factor here.
 
 Multi-latent attention rotates channel pairs (2i, 2i + 1) (the layout of DeepSeek's checkpoints): the even
 channels are gathered before the odd ones, then the rotate-half rotation applies (`apply_rotary_pos_emb_regrouped`).
@@ -17,6 +22,8 @@ import math
 
 import torch
 
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
 
 def yarn_get_mscale(scaling_factor: float, mscale: float) -> float:
     """ms(s, a): 1 for s <= 1, else 0.1 * a * ln(s) + 1."""
@@ -25,16 +32,24 @@ def yarn_get_mscale(scaling_factor: float, mscale: float) -> float:
     return 0.1 * mscale * math.log(scaling_factor) + 1.0
 
 
+def yarn_cos_sin_scale(scaling_factor: float, mscale: float, mscale_all_dim: float) -> float:
+    """ms(s, mscale) / ms(s, mscale_all_dim): the factor on cos and sin (HF's `attention_factor`)."""
+    return yarn_get_mscale(scaling_factor, mscale) / yarn_get_mscale(scaling_factor, mscale_all_dim)
+
+
 def _correction_dim(num_rotations: float, rot_dim: int, base: float, original_max_positions: int) -> float:
     """The (fractional) channel-pair index whose frequency turns `num_rotations` times over the original context."""
     return rot_dim * math.log(original_max_positions / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
 
 
 def yarn_correction_range(beta_fast: float, beta_slow: float, rot_dim: int, base: float,
-                          original_max_positions: int) -> tuple:
-    """(low, high): channel pairs below `low` keep RoPE's frequency, pairs above `high` are interpolated."""
-    low = math.floor(_correction_dim(beta_fast, rot_dim, base, original_max_positions))
-    high = math.ceil(_correction_dim(beta_slow, rot_dim, base, original_max_positions))
+                          original_max_positions: int, round_to_int: bool = True) -> tuple:
+    """(low, high): channel pairs below `low` keep RoPE's frequency, pairs above `high` are interpolated;
+    `round_to_int` rounds the bounds outwards to whole pairs (HF's `truncate`)."""
+    low = _correction_dim(beta_fast, rot_dim, base, original_max_positions)
+    high = _correction_dim(beta_slow, rot_dim, base, original_max_positions)
+    if round_to_int:
+        low, high = math.floor(low), math.ceil(high)
     return max(low, 0), min(high, rot_dim - 1)
 
 
@@ -46,52 +61,58 @@ def yarn_linear_ramp(low: float, high: float, num_pairs: int) -> torch.Tensor:
     return torch.clamp(ramp, 0.0, 1.0)
 
 
-class YarnRotaryEmbedding(torch.nn.Module):
-    """The rotation angles `[s, 1, 1, rot_dim]` of YaRN-scaled RoPE, and the factor cos and sin are scaled by.
+def yarn_scaled_frequencies(inverse_frequencies: torch.Tensor, scaling_factor: float, base: float,
+                            original_max_positions: int, beta_fast: float, beta_slow: float,
+                            round_to_int: bool = True) -> torch.Tensor:
+    """YaRN's frequencies from RoPE's (`[rot_dim / 2]`, base `base`): the fast ones kept, the slow ones divided by
+    `scaling_factor`, a linear ramp over the channel pairs between `yarn_correction_range`'s bounds."""
+    num_pairs = inverse_frequencies.numel()
+    low, high = yarn_correction_range(beta_fast, beta_slow, 2 * num_pairs, base, original_max_positions,
+                                      round_to_int)
+    interpolate = yarn_linear_ramp(low, high, num_pairs).to(inverse_frequencies.device)  # 1: divided by s
+    keep = 1.0 - interpolate
+    return inverse_frequencies / scaling_factor * (1.0 - keep) + inverse_frequencies * keep
+
+
+class YarnRotaryEmbedding(RotaryEmbedding):
+    """The rotation angles `[s, 1, 1, rot_dim]` of YaRN-scaled RoPE (`RotaryEmbedding`'s layout, offset and
+    rotated fraction), and the factor cos and sin are scaled by (`cos_sin_scale`).
 
     Args:
-        rot_dim: rotated channels per head (even).
+        kv_channels: width of a rotated head (multi-latent attention: its rope channels).
+        rotary_percent: fraction of the channels rotated.
         rotary_base: base of the frequencies (`--rotary-base`).
-        scaling_factor: s (`--rotary-scaling-factor`).
+        rotary_interleaved: angles for interleaved channel pairs (see `RotaryEmbedding`).
+        scaling_factor: s (`--yarn-rotary-scaling-factor`; multi-latent attention: `--rotary-scaling-factor`).
         original_max_position_embeddings: the context the unscaled RoPE was trained for.
         beta_fast, beta_slow: rotation counts bounding the blend between kept and interpolated frequencies.
-        mscale, mscale_all_dim: `--mscale`, `--mscale-all-dim`.
+        mscale, mscale_all_dim: set the factor on cos and sin (see the module docstring).
+        correction_range_round_to_int: round the blend's channel range outwards to whole pairs.
     """
 
-    def __init__(self, rot_dim: int, rotary_base: float = 10000.0, scaling_factor: float = 1.0,
+    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_base: float = 10000.0,
+                 rotary_interleaved: bool = False, scaling_factor: float = 1.0,
                  original_max_position_embeddings: int = 4096, beta_fast: float = 32.0, beta_slow: float = 1.0,
-                 mscale: float = 1.0, mscale_all_dim: float = 0.0):
-        super().__init__()
-        if rot_dim < 2 or rot_dim % 2 != 0:
-            raise ValueError(f"the rotated width (--qk-pos-emb-head-dim) must be an even number >= 2, got {rot_dim}")
-        if scaling_factor <= 0:
-            raise ValueError(f"--rotary-scaling-factor must be positive, got {scaling_factor}")
-        self.rot_dim = rot_dim
-        self.rotary_base = float(rotary_base)
+                 mscale: float = 1.0, mscale_all_dim: float = 0.0, correction_range_round_to_int: bool = True):
+        if not scaling_factor > 0:
+            raise ValueError(f"the YaRN scaling factor must be positive, got {scaling_factor}")
+        super().__init__(kv_channels, rotary_percent=rotary_percent, rotary_base=rotary_base,
+                         rotary_interleaved=rotary_interleaved)
         self.scaling_factor = float(scaling_factor)
         self.original_max_position_embeddings = int(original_max_position_embeddings)
         self.beta_fast, self.beta_slow = float(beta_fast), float(beta_slow)
         self.mscale, self.mscale_all_dim = float(mscale), float(mscale_all_dim)
+        self.correction_range_round_to_int = bool(correction_range_round_to_int)
 
     @property
     def cos_sin_scale(self) -> float:
         """ms(s, mscale) / ms(s, mscale_all_dim): the factor on cos and sin."""
-        return (yarn_get_mscale(self.scaling_factor, self.mscale)
-                / yarn_get_mscale(self.scaling_factor, self.mscale_all_dim))
+        return yarn_cos_sin_scale(self.scaling_factor, self.mscale, self.mscale_all_dim)
 
     def inverse_frequencies(self, device=None) -> torch.Tensor:
-        exponents = torch.arange(0, self.rot_dim, 2, dtype=torch.float32) / self.rot_dim
-        extrapolated = 1.0 / (self.rotary_base**exponents)  # RoPE's own frequencies
-        interpolated = extrapolated / self.scaling_factor
-        low, high = yarn_correction_range(self.beta_fast, self.beta_slow, self.rot_dim, self.rotary_base,
-                                          self.original_max_position_embeddings)
-        keep = 1.0 - yarn_linear_ramp(low, high, self.rot_dim // 2)  # 1: keep RoPE's frequency, 0: interpolate
-        return (interpolated * (1.0 - keep) + extrapolated * keep).to(device)
-
-    def forward(self, seq_len: int, device=None) -> torch.Tensor:
-        positions = torch.arange(seq_len, dtype=torch.float32, device=device)
-        angles = torch.outer(positions, self.inverse_frequencies(device))  # [s, rot_dim / 2]
-        return torch.cat((angles, angles), dim=-1)[:, None, None, :]
+        return yarn_scaled_frequencies(super().inverse_frequencies(device), self.scaling_factor, self.rotary_base,
+                                       self.original_max_position_embeddings, self.beta_fast, self.beta_slow,
+                                       self.correction_range_round_to_int)
 
 
 def apply_rotary_pos_emb_regrouped(t: torch.Tensor, angles: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
