@@ -8,8 +8,8 @@ the same data for the same steps and must reach the same losses within fp32 summ
 - every fully sharded case (FSDP2, Megatron-FSDP) against its DDP twin: the case without its FSDP flags on one
   data-parallel rank and without context parallelism, i.e. Megatron DDP with the same model and TP/PP layout
   (`ddp_twin`), which also gives the per-rank bytes the sharding is checked against;
-- the Llama-style TP case and the short CP2 x TP2 + SP case against their single-rank twins (the case on one
-  rank);
+- the Llama-style TP case, the short CP2 x TP2 + SP case, the MoE EP cases and the gpt-oss- and Llama-4-style
+  cases against their single-rank twins (the case on one rank);
 - every checkpoint-resume case, both its uninterrupted and its resumed launches, against the reference of the
   configuration it trains (a resume in another layout, `RESUME_MODEL_ARGS`, may change only the flags its
   reference allows: it still trains the same model).
@@ -71,6 +71,8 @@ REFERENCES = {
     "gpt/moe_tp2_ep2_8experts_megatron_fsdp_z3": DDP_TWIN,
     "gpt/moe_tp2_ep2_8experts_top2_megatron_fsdp_z3_resume": DDP_TWIN,
     "gpt/resume_moe_ep2_distributed_optimizer_to_ep1_ddp": SINGLE_RANK_TWIN,
+    "gpt/gpt_oss_style_cp2_ep2": SINGLE_RANK_TWIN,
+    "gpt/llama4_style_pp2_vpp2": SINGLE_RANK_TWIN,
 }
 
 # Flags that select or tune a fully sharded data-parallel wrapper. Without them a case trains with Megatron DDP.
