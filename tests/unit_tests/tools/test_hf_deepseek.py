@@ -11,14 +11,19 @@ config.
 
 import json
 import os
-import sys
 
 import pytest
 import torch
 
 from tests.unit_tests.multiprocess_harness import run_on_ranks
+from tests.unit_tests.tools.hf_conversion_helpers import (
+    hf_tensors,
+    import_hf,
+    load_and_forward,
+    read_config,
+    train_save_and_forward,
+)
 
-TOOLS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "tools", "checkpoint"))
 VOCAB, PADDED_VOCAB, SEQUENCE = 121, 128, 16  # TINY_GPT: NullTokenizer --vocab-size 120, divisible by 64
 CONFIG = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, moe_intermediate_size=12, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=8,
@@ -34,16 +39,6 @@ FLAGS = ("--multi-latent-attention --q-lora-rank 12 --kv-lora-rank 8 --qk-head-d
          "--moe-router-group-topk 2 --moe-router-topk-scaling-factor 2.5 --mtp-num-layers 1")
 LOGITS_TOLERANCE = 1e-5
 MTP = "model.layers.4."
-
-
-@pytest.fixture(scope="module")
-def tools():
-    sys.path.insert(0, TOOLS)
-    import convert_checkpoint
-    import hf_mapping
-
-    yield convert_checkpoint, hf_mapping
-    sys.path.remove(TOOLS)
 
 
 def _tokens():
@@ -83,30 +78,9 @@ def _save_hf_model(directory, **overrides):
 
 def _load_and_forward(flags, root):
     """On one rank: our model of TINY_GPT + `flags`, loaded from `root` as training loads it; its logits."""
-    from megatron.training import checkpointing
     from tests.unit_tests.dist_checkpointing.pretrain_helpers import TrainingState
 
-    state = TrainingState(f"{flags} --load {root} --finetune --ckpt-format torch_dist")
-    try:
-        checkpointing.load_checkpoint(state.model, state.optimizer, state.scheduler, state.args)
-        model = state.model[0]
-        model.eval()
-        tokens = _tokens()
-        with torch.no_grad():
-            return model(tokens, torch.arange(SEQUENCE).expand_as(tokens)).clone()
-    finally:
-        state.close()
-
-
-def _hf_tensors(directory):
-    from megatron.core.dist_checkpointing import safetensors_format
-
-    return safetensors_format.load_file(os.path.join(directory, "model.safetensors"))[0]
-
-
-def _config(directory):
-    with open(os.path.join(directory, "config.json")) as stream:
-        return json.load(stream)
+    return load_and_forward(TrainingState(f"{flags} --load {root} --finetune --ckpt-format torch_dist"), _tokens())
 
 
 @pytest.mark.world_size(1)
@@ -115,10 +89,7 @@ def test_deepseek_v3_computes_transformers_logits_and_round_trips(tools, tmp_pat
 
     convert_checkpoint, _ = tools
     theirs = _save_hf_model(tmp_path / "hf")
-    convert_checkpoint.main(["--from", "hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "ours"),
-                             "--make-vocab-size-divisible-by", "64"])
-    printed = capsys.readouterr().out
-    flags = next(line for line in printed.splitlines() if line.startswith("model flags: "))[len("model flags: "):]
+    flags = import_hf(convert_checkpoint, tmp_path / "hf", tmp_path / "ours", capsys)
     assert FLAGS in flags and "--qk-layernorm" in flags and "--disable-bias-linear" in flags, flags
     assert "--num-experts 8 --moe-ffn-hidden-size 12 --moe-router-topk 4 --moe-layer-freq [0,1,1,1]" in flags
     assert "--moe-shared-expert-intermediate-size 24" in flags and "--moe-shared-expert-gate" not in flags
@@ -137,13 +108,13 @@ def test_deepseek_v3_computes_transformers_logits_and_round_trips(tools, tmp_pat
     assert difference <= LOGITS_TOLERANCE
 
     written = convert_checkpoint.to_hf(str(tmp_path / "ours"), str(tmp_path / "back"))
-    before, after = _hf_tensors(tmp_path / "hf"), _hf_tensors(tmp_path / "back")
+    before, after = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
     assert sorted(after) == sorted(before) == sorted(written)
     for name, tensor in before.items():
         assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
     assert {MTP + "eh_proj.weight", "model.layers.2.mlp.gate.e_score_correction_bias",
             "model.layers.3.mlp.experts.7.up_proj.weight", "model.layers.0.self_attn.q_b_proj.weight"} <= set(after)
-    json_before, json_after = _config(tmp_path / "hf"), _config(tmp_path / "back")
+    json_before, json_after = read_config(tmp_path / "hf"), read_config(tmp_path / "back")
     keys = set(json_before) - {"transformers_version"}
     assert len(keys) >= 40
     for key in keys:
@@ -162,8 +133,8 @@ def test_rope_interleave_false_imports_as_the_interleaved_layout(tools, tmp_path
     theirs = _save_hf_model(tmp_path / "hf", rope_interleave=False)
     convert_checkpoint.from_hf(str(tmp_path / "hf"), str(tmp_path / "ours"), make_vocab_size_divisible_by=64)
     convert_checkpoint.to_hf(str(tmp_path / "ours"), str(tmp_path / "back"))
-    assert _config(tmp_path / "back")["rope_interleave"] is True
-    before, after = _hf_tensors(tmp_path / "hf"), _hf_tensors(tmp_path / "back")
+    assert read_config(tmp_path / "back")["rope_interleave"] is True
+    before, after = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
     for name in ("model.layers.1.self_attn.q_b_proj.weight", "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"):
         rows = before[name].shape[0]
         rope = torch.arange(rows) % (10 if "q_b_proj" in name else rows) >= (6 if "q_b_proj" in name else rows - 4)
@@ -258,29 +229,15 @@ def test_our_flags_pick_deepseek_v3_and_refuse_what_it_cannot_compute(tools):
 def _train_save_and_forward(flags, root):
     """On one rank: TINY_GPT + `flags` after one step, its weights and expert biases perturbed, saved in `root`; its
     logits."""
-    from megatron.training import checkpointing
     from tests.unit_tests.dist_checkpointing.pretrain_helpers import TrainingState
 
-    state = TrainingState(f"{flags} --ckpt-format torch_dist")
-    try:
-        state.train_steps(1)
-        generator = torch.Generator().manual_seed(7)
-        model = state.model[0]
-        with torch.no_grad():
-            for param in model.parameters():
-                param.add_(0.2 * torch.randn(param.shape, generator=generator))
-            for name, buffer in model.named_buffers():
-                if name.endswith("router.expert_bias"):
-                    buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
-        model.eval()
-        tokens = _tokens()
-        with torch.no_grad():
-            logits = model(tokens, torch.arange(SEQUENCE).expand_as(tokens)).clone()
-        state.args.save = root
-        checkpointing.save_checkpoint(1, state.model, state.optimizer, state.scheduler, state.args)
-        return logits
-    finally:
-        state.close()
+    def perturb_expert_biases(model, generator):
+        for name, buffer in model.named_buffers():
+            if name.endswith("router.expert_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
+
+    return train_save_and_forward(TrainingState(f"{flags} --ckpt-format torch_dist"), root, _tokens(), 0.2,
+                                  perturb_expert_biases)
 
 
 @pytest.mark.world_size(1)
@@ -298,7 +255,7 @@ def test_trained_deepseek_checkpoint_exports_and_imports_back_bit_for_bit(tools,
              "sigmoid --moe-router-enable-expert-bias --mtp-num-layers 1")
     ours = run_on_ranks(1, _train_save_and_forward, flags, str(tmp_path / "ours"))[0]
     convert_checkpoint.to_hf(str(tmp_path / "ours"), str(tmp_path / "hf"))
-    config = _config(tmp_path / "hf")
+    config = read_config(tmp_path / "hf")
     assert (config["first_k_dense_replace"], config["q_lora_rank"], config["num_nextn_predict_layers"],
             config["rope_parameters"]["original_max_position_embeddings"]) == (2, None, 1, 4096)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()

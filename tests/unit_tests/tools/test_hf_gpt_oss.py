@@ -12,14 +12,19 @@ directory holds the same tensors and config.
 
 import json
 import os
-import sys
 
 import pytest
 import torch
 
 from tests.unit_tests.multiprocess_harness import run_on_ranks
+from tests.unit_tests.tools.hf_conversion_helpers import (
+    hf_tensors,
+    import_hf,
+    load_and_forward,
+    read_config,
+    train_save_and_forward,
+)
 
-TOOLS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "tools", "checkpoint"))
 VOCAB, PADDED_VOCAB, SEQUENCE = 121, 128, 16  # TINY_GPT: NullTokenizer --vocab-size 120, divisible by 64
 CONFIG = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
               head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
@@ -29,16 +34,6 @@ FLAGS = ("--num-experts 4 --moe-ffn-hidden-size 24 --moe-router-topk 2", "--quic
          "--window-size 3,0 --window-attn-skip-freq 2", "--position-embedding-type yarn --rotary-base 150000",
          "--yarn-rotary-scaling-factor 32.0 --no-yarn-correction-range-round-to-int")
 LOGITS_TOLERANCE = 1e-5  # fp32 on CPU, as for the other families
-
-
-@pytest.fixture(scope="module")
-def tools():
-    sys.path.insert(0, TOOLS)
-    import convert_checkpoint
-    import hf_mapping
-
-    yield convert_checkpoint, hf_mapping
-    sys.path.remove(TOOLS)
 
 
 def _tokens():
@@ -71,62 +66,14 @@ def _training_state(flags):
         pretrain_helpers.TINY_GPT = tiny_gpt
 
 
-def _forward(state):
-    model = state.model[0]
-    model.eval()
-    tokens = _tokens()
-    with torch.no_grad():
-        return model(tokens, torch.arange(SEQUENCE).expand_as(tokens)).clone()
-
-
 def _load_and_forward(flags, root):
     """On one rank: our model of `flags`, loaded from `root` as training loads it; its logits."""
-    from megatron.training import checkpointing
-
-    state = _training_state(f"{flags} --load {root} --finetune --ckpt-format torch_dist")
-    try:
-        checkpointing.load_checkpoint(state.model, state.optimizer, state.scheduler, state.args)
-        return _forward(state)
-    finally:
-        state.close()
+    return load_and_forward(_training_state(f"{flags} --load {root} --finetune --ckpt-format torch_dist"), _tokens())
 
 
 def _train_save_and_forward(flags, root):
     """On one rank: our model of `flags` after one step, its weights perturbed, saved in `root`; its logits."""
-    from megatron.training import checkpointing
-
-    state = _training_state(f"{flags} --ckpt-format torch_dist")
-    try:
-        state.train_steps(1)
-        generator = torch.Generator().manual_seed(7)
-        with torch.no_grad():
-            for param in state.model[0].parameters():
-                param.add_(0.3 * torch.randn(param.shape, generator=generator))
-        logits = _forward(state)
-        state.args.save = root
-        checkpointing.save_checkpoint(1, state.model, state.optimizer, state.scheduler, state.args)
-        return logits
-    finally:
-        state.close()
-
-
-def _import(convert_checkpoint, hf_dir, root, capsys):
-    """--from hf as the command line runs it; the model flags it prints."""
-    convert_checkpoint.main(["--from", "hf", "--input", str(hf_dir), "--output", str(root),
-                             "--make-vocab-size-divisible-by", "64"])
-    printed = capsys.readouterr().out
-    return next(line for line in printed.splitlines() if line.startswith("model flags: "))[len("model flags: "):]
-
-
-def _config(directory):
-    with open(os.path.join(directory, "config.json")) as stream:
-        return json.load(stream)
-
-
-def _hf_tensors(directory):
-    from megatron.core.dist_checkpointing import safetensors_format
-
-    return safetensors_format.load_file(os.path.join(directory, "model.safetensors"))[0]
+    return train_save_and_forward(_training_state(f"{flags} --ckpt-format torch_dist"), root, _tokens(), 0.3)
 
 
 @pytest.mark.world_size(1)
@@ -135,7 +82,7 @@ def test_gpt_oss_computes_transformers_logits_and_round_trips(tools, tmp_path, c
 
     convert_checkpoint, _ = tools
     original, theirs = _save_hf_model(tmp_path / "hf")
-    flags = _import(convert_checkpoint, tmp_path / "hf", tmp_path / "ours", capsys)
+    flags = import_hf(convert_checkpoint, tmp_path / "hf", tmp_path / "ours", capsys)
     for expected in FLAGS:
         assert expected in flags, (expected, flags)
     assert "--swiglu" not in flags and "--disable-bias-linear" not in flags and "--moe-layer-freq" not in flags
@@ -147,7 +94,7 @@ def test_gpt_oss_computes_transformers_logits_and_round_trips(tools, tmp_path, c
     assert difference <= LOGITS_TOLERANCE
 
     written = convert_checkpoint.to_hf(str(tmp_path / "ours"), str(tmp_path / "back"))
-    before, after = _hf_tensors(tmp_path / "hf"), _hf_tensors(tmp_path / "back")
+    before, after = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
     assert sorted(after) == sorted(before) and sorted(written) == sorted(before)
     for name, tensor in before.items():
         assert torch.equal(after[name], tensor), name
@@ -156,7 +103,7 @@ def test_gpt_oss_computes_transformers_logits_and_round_trips(tools, tmp_path, c
     assert after["model.layers.2.mlp.router.bias"].abs().min() > 0  # and the router biases
     hf_config, back_config = (transformers.AutoConfig.from_pretrained(str(tmp_path / directory))
                               for directory in ("hf", "back"))
-    keys = set(_config(tmp_path / "hf")) - {"transformers_version"}
+    keys = set(read_config(tmp_path / "hf")) - {"transformers_version"}
     assert len(keys) >= 30 and {"layer_types", "sliding_window", "swiglu_limit", "rope_parameters"} <= keys
     for key in keys:
         assert getattr(back_config, key) == getattr(hf_config, key), key
@@ -179,7 +126,7 @@ def test_trained_gpt_oss_checkpoint_exports_and_transformers_computes_its_logits
              "--window-attn-skip-freq [0,1,1,0]")
     ours = run_on_ranks(1, _train_save_and_forward, flags, str(tmp_path / "ours"))[0]
     written = convert_checkpoint.to_hf(str(tmp_path / "ours"), str(tmp_path / "hf"))
-    config = _config(tmp_path / "hf")
+    config = read_config(tmp_path / "hf")
     assert config["architectures"] == ["GptOssForCausalLM"] and config["sliding_window"] == 3
     assert config["layer_types"] == ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
     assert not torch.count_nonzero(written["model.layers.0.mlp.router.bias"])

@@ -12,14 +12,19 @@ tensors and config; the checkpoint trains at EP 2 and TP 2 from the loss it has 
 
 import json
 import os
-import sys
 
 import pytest
 import torch
 
 from tests.unit_tests.multiprocess_harness import run_on_ranks
+from tests.unit_tests.tools.hf_conversion_helpers import (
+    hf_tensors,
+    import_hf,
+    load_and_forward,
+    read_config,
+    train_save_and_forward,
+)
 
-TOOLS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "tools", "checkpoint"))
 VOCAB, PADDED_VOCAB, SEQUENCE = 121, 128, 16  # TINY_GPT: NullTokenizer --vocab-size 120, divisible by 64
 SHAPE = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=SEQUENCE, rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts_per_tok=2)
@@ -40,16 +45,6 @@ MODELS = {
 # fp32 on CPU, as for the dense models (test_hf_export.py): HF's RMSNorm by hand, its renormalisation of the top-k
 # of a softmax over all experts where ours takes the softmax of the k chosen logits.
 LOGITS_TOLERANCE = 1e-5
-
-
-@pytest.fixture(scope="module")
-def tools():
-    sys.path.insert(0, TOOLS)
-    import convert_checkpoint
-    import hf_mapping
-
-    yield convert_checkpoint, hf_mapping
-    sys.path.remove(TOOLS)
 
 
 def _tokens():
@@ -73,38 +68,9 @@ def _save_hf_model(directory, name):
 
 def _load_and_forward(flags, root):
     """On one rank: our model of TINY_GPT + `flags`, loaded from `root` as training loads it; its logits."""
-    from megatron.training import checkpointing
     from tests.unit_tests.dist_checkpointing.pretrain_helpers import TrainingState
 
-    state = TrainingState(f"{flags} --load {root} --finetune --ckpt-format torch_dist")
-    try:
-        checkpointing.load_checkpoint(state.model, state.optimizer, state.scheduler, state.args)
-        model = state.model[0]
-        model.eval()
-        tokens = _tokens()
-        with torch.no_grad():
-            return model(tokens, torch.arange(SEQUENCE).expand_as(tokens)).clone()
-    finally:
-        state.close()
-
-
-def _import(convert_checkpoint, hf_dir, root, capsys):
-    """--from hf as the command line runs it; the model flags it prints."""
-    convert_checkpoint.main(["--from", "hf", "--input", str(hf_dir), "--output", str(root),
-                             "--make-vocab-size-divisible-by", "64"])
-    printed = capsys.readouterr().out
-    return next(line for line in printed.splitlines() if line.startswith("model flags: "))[len("model flags: "):]
-
-
-def _config(directory):
-    with open(os.path.join(directory, "config.json")) as stream:
-        return json.load(stream)
-
-
-def _hf_tensors(directory):
-    from megatron.core.dist_checkpointing import safetensors_format
-
-    return safetensors_format.load_file(os.path.join(directory, "model.safetensors"))[0]
+    return load_and_forward(TrainingState(f"{flags} --load {root} --finetune --ckpt-format torch_dist"), _tokens())
 
 
 @pytest.mark.world_size(1)
@@ -114,7 +80,7 @@ def test_moe_model_computes_transformers_logits_and_round_trips(name, tools, tmp
 
     convert_checkpoint, _ = tools
     original, theirs = _save_hf_model(tmp_path / "hf", name)
-    flags = _import(convert_checkpoint, tmp_path / "hf", tmp_path / "ours", capsys)
+    flags = import_hf(convert_checkpoint, tmp_path / "hf", tmp_path / "ours", capsys)
     assert MODELS[name][2] in flags and "--swiglu" in flags and "--disable-bias-linear" in flags
     assert ("--qk-layernorm" in flags) == (name == "qwen3_moe") and ("--add-qkv-bias" in flags) == (name == "qwen2_moe")
 
@@ -125,7 +91,7 @@ def test_moe_model_computes_transformers_logits_and_round_trips(name, tools, tmp
     assert difference <= LOGITS_TOLERANCE
 
     written = convert_checkpoint.to_hf(str(tmp_path / "ours"), str(tmp_path / "back"))
-    before, after = _hf_tensors(tmp_path / "hf"), _hf_tensors(tmp_path / "back")
+    before, after = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
     assert sorted(after) == sorted(before) and sorted(written) == sorted(before)
     for tensor_name, tensor in before.items():
         assert torch.equal(after[tensor_name], tensor), tensor_name
@@ -135,7 +101,7 @@ def test_moe_model_computes_transformers_logits_and_round_trips(name, tools, tmp
     # The same config, read as transformers reads it (Qwen3-MoE's num_experts is written num_local_experts).
     hf_config, back_config = (transformers.AutoConfig.from_pretrained(str(tmp_path / directory))
                               for directory in ("hf", "back"))
-    json_before, json_after = (_config(tmp_path / directory) for directory in ("hf", "back"))
+    json_before, json_after = (read_config(tmp_path / directory) for directory in ("hf", "back"))
     keys = set(json_before) - {"transformers_version", "sliding_window", "max_window_layers", "head_dim"}
     assert len(keys) >= 25
     for key in keys:
@@ -167,7 +133,7 @@ def test_imported_moe_checkpoint_trains_at_ep2_and_tp2_from_the_same_loss(tools,
     the first loss equals EP 1's (to the reduction order of another layout)."""
     convert_checkpoint, _ = tools
     _save_hf_model(tmp_path / "hf", "qwen2_moe")
-    flags = _import(convert_checkpoint, tmp_path / "hf", tmp_path / "ours", capsys)
+    flags = import_hf(convert_checkpoint, tmp_path / "hf", tmp_path / "ours", capsys)
     losses = run_on_ranks(2, _first_losses, str(tmp_path), flags, str(tmp_path / "ours"))[0]
     print(losses)
     single = losses.pop("EP 1")
@@ -285,26 +251,9 @@ def test_router_options_hf_lacks_are_refused_before_export(tools):
 
 def _train_save_and_forward(flags, root):
     """On one rank: TINY_GPT + `flags` after one step, its weights perturbed, saved in `root`; its logits."""
-    from megatron.training import checkpointing
     from tests.unit_tests.dist_checkpointing.pretrain_helpers import TrainingState
 
-    state = TrainingState(f"{flags} --ckpt-format torch_dist")
-    try:
-        state.train_steps(1)
-        generator = torch.Generator().manual_seed(7)
-        with torch.no_grad():
-            for param in state.model[0].parameters():
-                param.add_(0.2 * torch.randn(param.shape, generator=generator))
-        model = state.model[0]
-        model.eval()
-        tokens = _tokens()
-        with torch.no_grad():
-            logits = model(tokens, torch.arange(SEQUENCE).expand_as(tokens)).clone()
-        state.args.save = root
-        checkpointing.save_checkpoint(1, state.model, state.optimizer, state.scheduler, state.args)
-        return logits
-    finally:
-        state.close()
+    return train_save_and_forward(TrainingState(f"{flags} --ckpt-format torch_dist"), root, _tokens(), 0.2)
 
 
 @pytest.mark.world_size(1)
@@ -319,7 +268,7 @@ def test_trained_moe_checkpoint_exports_as_qwen3_moe(tools, tmp_path):
              "--moe-router-topk 2 --moe-layer-freq 2 --moe-router-pre-softmax --moe-aux-loss-coeff 0.01")
     ours = run_on_ranks(1, _train_save_and_forward, flags, str(tmp_path / "ours"))[0]
     convert_checkpoint.to_hf(str(tmp_path / "ours"), str(tmp_path / "hf"))
-    config = _config(tmp_path / "hf")
+    config = read_config(tmp_path / "hf")
     # our layers 0 and 2 have experts: HF's step 1 with layers 1 and 3 dense
     assert (config["architectures"], config["decoder_sparse_step"], config["mlp_only_layers"]) == \
         (["Qwen3MoeForCausalLM"], 1, [1, 3])

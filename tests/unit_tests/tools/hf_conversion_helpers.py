@@ -1,0 +1,71 @@
+"""What the Hugging Face conversion tests of the MoE, gpt-oss and DeepSeek-V3 families share: the import as its
+command line runs it, reading back what it wrote, and our model's logits (their `tools` fixture is in conftest.py)."""
+
+import json
+import os
+
+import torch
+
+TOOLS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "tools", "checkpoint"))
+
+
+def import_hf(convert_checkpoint, hf_dir, root, capsys):
+    """--from hf as the command line runs it; the model flags it prints."""
+    convert_checkpoint.main(["--from", "hf", "--input", str(hf_dir), "--output", str(root),
+                             "--make-vocab-size-divisible-by", "64"])
+    printed = capsys.readouterr().out
+    return next(line for line in printed.splitlines() if line.startswith("model flags: "))[len("model flags: "):]
+
+
+def read_config(directory):
+    with open(os.path.join(directory, "config.json")) as stream:
+        return json.load(stream)
+
+
+def hf_tensors(directory):
+    from megatron.core.dist_checkpointing import safetensors_format
+
+    return safetensors_format.load_file(os.path.join(directory, "model.safetensors"))[0]
+
+
+def eval_logits(state, tokens):
+    """The logits of `state`'s model (a pretrain_helpers.TrainingState) on `tokens` `[batch, sequence]`."""
+    model = state.model[0]
+    model.eval()
+    with torch.no_grad():
+        return model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens)).clone()
+
+
+def load_and_forward(state, tokens):
+    """`state`'s model loaded as training loads it (its flags carry --load and --finetune); its logits on
+    `tokens`. Closes `state`."""
+    from megatron.training import checkpointing
+
+    try:
+        checkpointing.load_checkpoint(state.model, state.optimizer, state.scheduler, state.args)
+        return eval_logits(state, tokens)
+    finally:
+        state.close()
+
+
+def train_save_and_forward(state, root, tokens, noise, perturb_buffers=None):
+    """`state`'s model after one training step, its parameters moved by `noise` x N(0, 1) (and its buffers by
+    `perturb_buffers(model, generator)` if given), saved in `root` as training saves it; its logits on `tokens`.
+    Closes `state`."""
+    from megatron.training import checkpointing
+
+    try:
+        state.train_steps(1)
+        generator = torch.Generator().manual_seed(7)
+        model = state.model[0]
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(noise * torch.randn(param.shape, generator=generator))
+            if perturb_buffers is not None:
+                perturb_buffers(model, generator)
+        logits = eval_logits(state, tokens)
+        state.args.save = root
+        checkpointing.save_checkpoint(1, state.model, state.optimizer, state.scheduler, state.args)
+        return logits
+    finally:
+        state.close()
