@@ -69,3 +69,22 @@ def train_save_and_forward(state, root, tokens, noise, perturb_buffers=None):
         return logits
     finally:
         state.close()
+
+
+def assert_logits_close(theirs, ours, label, tolerance):
+    """transformers' logits `theirs` `[batch, sequence, vocab]` against ours (padded vocabulary: the extra rows are
+    dropped), within `tolerance` (fp32 on CPU)."""
+    difference = (theirs - ours[..., :theirs.shape[-1]]).abs().max().item()
+    print(f"{label}: max |logit difference| {difference:.3g} (logits up to {theirs.abs().max().item():.3g})")
+    assert difference <= tolerance
+
+
+def assert_exports_back_bit_for_bit(convert_checkpoint, ours, hf_dir, back_dir):
+    """`--to hf` of our checkpoint `ours` writes into `back_dir` every tensor of `hf_dir`, bit for bit, in its dtype;
+    returns (the tensors of hf_dir, those of back_dir)."""
+    written = convert_checkpoint.to_hf(str(ours), str(back_dir))
+    before, after = hf_tensors(hf_dir), hf_tensors(back_dir)
+    assert sorted(after) == sorted(before) == sorted(written)
+    for name, tensor in before.items():
+        assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
+    return before, after

@@ -17,6 +17,8 @@ import torch
 
 from tests.unit_tests.multiprocess_harness import run_on_ranks
 from tests.unit_tests.tools.hf_conversion_helpers import (
+    assert_exports_back_bit_for_bit,
+    assert_logits_close,
     hf_tensors,
     import_hf,
     load_and_forward,
@@ -103,15 +105,10 @@ def test_deepseek_v3_computes_transformers_logits_and_round_trips(tools, tmp_pat
 
     ours = run_on_ranks(1, _load_and_forward, flags, str(tmp_path / "ours"))[0]
     assert ours.shape == (3, SEQUENCE, PADDED_VOCAB)
-    difference = (theirs - ours[..., :VOCAB]).abs().max().item()
-    print(f"DeepSeek-V3: max |logit difference| {difference:.3g} (logits up to {theirs.abs().max().item():.3g})")
-    assert difference <= LOGITS_TOLERANCE
+    assert_logits_close(theirs, ours, "DeepSeek-V3", LOGITS_TOLERANCE)
 
-    written = convert_checkpoint.to_hf(str(tmp_path / "ours"), str(tmp_path / "back"))
-    before, after = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
-    assert sorted(after) == sorted(before) == sorted(written)
-    for name, tensor in before.items():
-        assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
+    before, after = assert_exports_back_bit_for_bit(convert_checkpoint, tmp_path / "ours", tmp_path / "hf",
+                                                    tmp_path / "back")
     assert {MTP + "eh_proj.weight", "model.layers.2.mlp.gate.e_score_correction_bias",
             "model.layers.3.mlp.experts.7.up_proj.weight", "model.layers.0.self_attn.q_b_proj.weight"} <= set(after)
     json_before, json_after = read_config(tmp_path / "hf"), read_config(tmp_path / "back")
@@ -261,9 +258,7 @@ def test_trained_deepseek_checkpoint_exports_and_imports_back_bit_for_bit(tools,
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = model(_tokens()).logits
-    difference = (theirs - ours[..., :VOCAB]).abs().max().item()
-    print(f"trained DeepSeek-V3 style: max |logit difference| {difference:.3g}")
-    assert difference <= LOGITS_TOLERANCE
+    assert_logits_close(theirs, ours, "trained DeepSeek-V3 style", LOGITS_TOLERANCE)
 
     convert_checkpoint.from_hf(str(tmp_path / "hf"), str(tmp_path / "back"))
     saved = offline.full_precision_model(offline.read_checkpoint(os.path.join(tmp_path, "ours", "iter_0000001")))

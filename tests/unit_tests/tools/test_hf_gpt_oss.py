@@ -18,7 +18,8 @@ import torch
 
 from tests.unit_tests.multiprocess_harness import run_on_ranks
 from tests.unit_tests.tools.hf_conversion_helpers import (
-    hf_tensors,
+    assert_exports_back_bit_for_bit,
+    assert_logits_close,
     import_hf,
     load_and_forward,
     read_config,
@@ -89,15 +90,10 @@ def test_gpt_oss_computes_transformers_logits_and_round_trips(tools, tmp_path, c
 
     ours = run_on_ranks(1, _load_and_forward, flags, str(tmp_path / "ours"))[0]
     assert ours.shape == (3, SEQUENCE, PADDED_VOCAB)
-    difference = (theirs - ours[..., :VOCAB]).abs().max().item()
-    print(f"gpt-oss: max |logit difference| {difference:.3g} (logits up to {theirs.abs().max().item():.3g})")
-    assert difference <= LOGITS_TOLERANCE
+    assert_logits_close(theirs, ours, "gpt-oss", LOGITS_TOLERANCE)
 
-    written = convert_checkpoint.to_hf(str(tmp_path / "ours"), str(tmp_path / "back"))
-    before, after = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
-    assert sorted(after) == sorted(before) and sorted(written) == sorted(before)
-    for name, tensor in before.items():
-        assert torch.equal(after[name], tensor), name
+    before, after = assert_exports_back_bit_for_bit(convert_checkpoint, tmp_path / "ours", tmp_path / "hf",
+                                                    tmp_path / "back")
     assert after["model.layers.3.mlp.experts.gate_up_proj"].shape == (4, 32, 48)
     assert after["model.layers.1.self_attn.sinks"].abs().min() > 0  # the learned sinks came back
     assert after["model.layers.2.mlp.router.bias"].abs().min() > 0  # and the router biases
@@ -134,9 +130,7 @@ def test_trained_gpt_oss_checkpoint_exports_and_transformers_computes_its_logits
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = model(_tokens()).logits
-    difference = (theirs - ours[..., :VOCAB]).abs().max().item()
-    print(f"trained gpt-oss: max |logit difference| {difference:.3g}")
-    assert difference <= LOGITS_TOLERANCE
+    assert_logits_close(theirs, ours, "trained gpt-oss", LOGITS_TOLERANCE)
 
 
 def test_gpt_oss_window_pattern_and_biases_read_from_config_json(tools):

@@ -18,7 +18,8 @@ import torch
 
 from tests.unit_tests.multiprocess_harness import run_on_ranks
 from tests.unit_tests.tools.hf_conversion_helpers import (
-    hf_tensors,
+    assert_exports_back_bit_for_bit,
+    assert_logits_close,
     import_hf,
     load_and_forward,
     read_config,
@@ -86,15 +87,10 @@ def test_moe_model_computes_transformers_logits_and_round_trips(name, tools, tmp
 
     ours = run_on_ranks(1, _load_and_forward, flags, str(tmp_path / "ours"))[0]
     assert ours.shape == (3, SEQUENCE, PADDED_VOCAB)
-    difference = (theirs - ours[..., :VOCAB]).abs().max().item()
-    print(f"{name}: max |logit difference| {difference:.3g} (logits up to {theirs.abs().max().item():.3g})")
-    assert difference <= LOGITS_TOLERANCE
+    assert_logits_close(theirs, ours, f"{name}", LOGITS_TOLERANCE)
 
-    written = convert_checkpoint.to_hf(str(tmp_path / "ours"), str(tmp_path / "back"))
-    before, after = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
-    assert sorted(after) == sorted(before) and sorted(written) == sorted(before)
-    for tensor_name, tensor in before.items():
-        assert torch.equal(after[tensor_name], tensor), tensor_name
+    before, after = assert_exports_back_bit_for_bit(convert_checkpoint, tmp_path / "ours", tmp_path / "hf",
+                                                    tmp_path / "back")
     expert = ("model.layers.3.block_sparse_moe.experts.3.w3.weight" if name == "mixtral"
               else "model.layers.3.mlp.experts.3.up_proj.weight")
     assert expert in after
@@ -276,6 +272,4 @@ def test_trained_moe_checkpoint_exports_as_qwen3_moe(tools, tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = model(_tokens()).logits
-    difference = (theirs - ours[..., :VOCAB]).abs().max().item()
-    print(f"trained Qwen3-MoE style: max |logit difference| {difference:.3g}")
-    assert difference <= LOGITS_TOLERANCE
+    assert_logits_close(theirs, ours, "trained Qwen3-MoE style", LOGITS_TOLERANCE)
