@@ -139,16 +139,5 @@ EVAL_AND_LOGGING_ARGS=(
 ARGS=("${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DTYPE_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}" "${DDP_ARGS[@]}"
       "${DATA_ARGS[@]}" "${EVAL_AND_LOGGING_ARGS[@]}" "$@")
 
-if [[ "${PRINT_ARGS:-0}" == 1 ]]; then
-    printf '%s\n' "${ARGS[@]}"
-    exit 0
-fi
-
-mkdir -p "${RUN_DIR}"
-if [[ "${TINY}" == 1 ]]; then
-    exec torchrun --standalone --nproc-per-node 2 "${REPO_ROOT}/pretrain_gpt.py" "${ARGS[@]}"
-fi
-export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
-exec torchrun --nproc-per-node "${GPUS_PER_NODE:-8}" --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \
-    --master-addr "${MASTER_ADDR:-localhost}" --master-port "${MASTER_PORT:-6000}" \
-    "${REPO_ROOT}/pretrain_gpt.py" "${ARGS[@]}"
+source "${REPO_ROOT}/examples/recipe_launch.sh"
+launch_recipe "${ARGS[@]}"
