@@ -1,6 +1,7 @@
 """Habits of a plain torch training loop that carry over to a wrapped model: torch.distributed.checkpoint's
 `get_model_state_dict` / `set_model_state_dict` with `full_state_dict=True` (export to, and load from, an
-unwrapped module) and `optimizer.add_param_group` with more of the model's parameters mid-training."""
+unwrapped module), `optimizer.add_param_group` with more of the model's parameters mid-training, and two
+optimizers over disjoint parameters of one model, each stepped and cleared in turn."""
 
 import pytest
 import torch
@@ -135,3 +136,59 @@ def test_torch_optimizer_state_dict_helpers_refuse_and_name_the_replacement(worl
             assert kind == "RuntimeError", (name, kind, message)
             assert "optimizer.state_dict()" in message and "optimizer.load_state_dict()" in message
         assert errors["own_state_dict_keys"] == ["blocks.0.fc1.bias"]
+
+
+def _split_for_two_optimizers(module):
+    """AdamW over every trainable parameter but the output layer's, SGD over the output layer."""
+    first, head = _param_groups(module)
+    return models.make_optimizer(first), torch.optim.SGD(head, lr=0.1)
+
+
+def _step_then_zero_each(model, optimizers, inputs, target):
+    loss = models.loss_fn(model(inputs), target)
+    loss.backward()
+    for optimizer in optimizers:  # torch clears only an optimizer's own parameters: the next one still steps
+        optimizer.step()
+        optimizer.zero_grad()
+    return loss
+
+
+def _reference_losses_with_two_optimizers():
+    module = models.make_model(0)
+    optimizers = _split_for_two_optimizers(module)
+    return [_step_then_zero_each(module, optimizers, *batch).item() for batch in models.make_batches(NUM_STEPS)]
+
+
+def _train_with_two_optimizers(strategy):
+    import megatron_fsdp
+    import torch.distributed as dist
+
+    model = megatron_fsdp.fully_shard_model(models.make_model(0), fsdp_unit_modules=[models.Block],
+                                            zero_dp_strategy=strategy)
+    optimizers = [megatron_fsdp.fully_shard_optimizer(o) for o in _split_for_two_optimizers(model.module)]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for batch in models.make_batches(NUM_STEPS):
+        inputs, target = (models.local_slice(t, rank, world) for t in batch)
+        losses.append(models.global_mean(_step_then_zero_each(model, optimizers, inputs, target).item()))
+    # One optimizer cleared, the other not: the shared buffers can neither keep nor drop the gradients.
+    optimizers[0].zero_grad()
+    try:
+        models.loss_fn(model(inputs), target).backward()
+        partial_error = None
+    except RuntimeError as error:
+        partial_error = str(error)
+    return {"losses": losses, "partial_error": partial_error}
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_two_optimizers_over_one_model_step_and_clear_in_turn_like_torch(world_size):
+    """`opt_a.step(); opt_a.zero_grad(); opt_b.step(); opt_b.zero_grad()` over disjoint parameters of one model:
+    opt_a's zero_grad() must not clear the gradients opt_b is about to step with (the buffers are shared)."""
+    reference = _reference_losses_with_two_optimizers()
+    for strategy in (0, 1, 2, 3):
+        for rank_result in run_on_ranks(world_size, _train_with_two_optimizers, strategy):
+            assert rank_result["losses"] == pytest.approx(reference, abs=1e-5), strategy
+            error = rank_result["partial_error"]
+            assert error is not None and "zero_grad() of AdamW(" in error and "but not of SGD(out.weight" in error
+            assert "model.zero_grad()" in error, strategy

@@ -11,6 +11,7 @@ from . import collectives
 from .distributed_data_parallel_config import DistributedDataParallelConfig, ShardingStrategy
 from .gather_codec import GatherCodecPolicy
 from .offload import ShardOffload
+from .grad_clearing import GradClearing
 from .grouping import plan_groups
 from .layout import GroupLayout
 from .meta_init import materialize_meta_model
@@ -93,7 +94,8 @@ class MegatronFSDP(nn.Module):
         self.module = module
         self.calculate_per_token_loss = calculate_per_token_loss
         self.counter = collectives.CommunicationCounter()
-        self.optimizer = None
+        self.optimizer = None  # the last optimizer passed to fully_shard_optimizer
+        self.grad_clearing = GradClearing()  # every optimizer over the model: when its gradient buffers are cleared
         self.steps_recorded = 0
 
         meta = any(p.is_meta for p in module.parameters())
@@ -126,6 +128,7 @@ class MegatronFSDP(nn.Module):
             report_nan_in_param_grad=report_nan_in_param_grad or config.check_for_nan_in_grad, pool=self.pool,
             tp_group=self.topology.tp_group, device=self.device)
         self.schedule.register_hooks()
+        self.schedule.before_backward = self._clear_grads_due_before_backward
         if self.strategy == ShardingStrategy.optim_grads_params:
             self._install_resting_placeholders()
         outer_mesh_of = None
@@ -384,8 +387,19 @@ class MegatronFSDP(nn.Module):
         self.schedule.start_param_sync(async_op=not force_sync)
 
     def zero_grad_buffer(self):
+        self.grad_clearing.reset()
         self.schedule.param_grads.drop()  # the gradient storage they view is zeroed or given back
         self.schedule.zero_grad_buffer()
+
+    def zero_grad_buffer_for(self, optimizer):
+        """`optimizer.zero_grad()`: clear the gradient buffers once every optimizer over this model has asked since
+        they were last cleared (grad_clearing.py); with one optimizer, at once."""
+        if self.grad_clearing.request(optimizer):
+            self.zero_grad_buffer()
+
+    def _clear_grads_due_before_backward(self):
+        if self.grad_clearing.check_before_backward():
+            self.zero_grad_buffer()
 
     def zero_grad(self, set_to_none: bool = True):
         """`nn.Module.zero_grad`: the step's gradients live in the flat gradient buffers (`.grad` only views
@@ -433,8 +447,8 @@ class MegatronFSDP(nn.Module):
             for kind, value in group.persistent_bytes().items():
                 report[kind] += value
         state_bytes = 0
-        if self.optimizer is not None:
-            for state in self.optimizer.state.values():
+        for optimizer in self.grad_clearing.optimizers():
+            for state in optimizer.state.values():
                 state_bytes += sum(tensor_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
         report["optimizer_state"] = state_bytes
         report["transient_now"] = sum(group.transient_bytes() for group in self.groups) + (

@@ -119,7 +119,8 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
     Param groups keep their hyper-parameters; each model parameter is replaced by its main-weight view (its
     shard piece under strategies 1-3). `step()` finishes gradient sync (step pre-hook; after the closure when
     one is given), steps and installs the new weights (step post-hook);
-    `zero_grad()` also zeroes the gradient buffers; `add_param_group()` takes the model's parameters (mapped to
+    `zero_grad()` also zeroes the gradient buffers (with several optimizers over one model, once each of them has
+    called it: see grad_clearing.py); `add_param_group()` takes the model's parameters (mapped to
     their main weights the same way); `state_dict()` is keyed by parameter name and holds DTensors
     (for torch.distributed.checkpoint, at any data-parallel size), or with `preproc_state_dict_for_dcp_ckpt=False`
     is torch's own index-keyed state dict of this rank's shards (for a per-rank torch.save, reloaded at the same
@@ -147,6 +148,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
                                                  if preproc_state_dict_for_dcp_ckpt is None
                                                  else preproc_state_dict_for_dcp_ckpt)
     model.optimizer = optimizer
+    model.grad_clearing.register(optimizer)
     initialize_optimizer_state(optimizer)
 
     original_zero_grad = optimizer.zero_grad
@@ -158,7 +160,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
 
     def zero_grad(self, set_to_none: bool = True):
         original_zero_grad(set_to_none=set_to_none)
-        model.zero_grad_buffer()
+        model.zero_grad_buffer_for(self)
 
     def state_dict(self):
         if sys._getframe(1).f_globals.get("__name__") == _TORCH_STATE_DICT_HELPERS:

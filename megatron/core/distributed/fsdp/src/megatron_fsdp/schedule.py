@@ -109,6 +109,7 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
         # install of new weights or a load re-gathers whatever is still gathered.
         self.keep_first_unit_between_microbatches = True
         self.post_backward_queued = False
+        self.before_backward = None  # called at the start of each outermost backward, before any gradient arrives
         self.backward_task = None  # graph task of the step's outermost backward
         self.grads_synced = False  # finish_grad_sync already ran and no gradient arrived since
         self.peak_transient_bytes = 0
@@ -222,6 +223,8 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
     # ---- backward -----------------------------------------------------------------------------------------------
     def _queue_post_backward(self):
         if not self.post_backward_queued:
+            if self.before_backward is not None:
+                self.before_backward()
             self.post_backward_queued = True
             self.backward_task = current_graph_task_id()
             queue_end_of_backward_callback(self._post_backward)
