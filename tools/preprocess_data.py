@@ -4,15 +4,20 @@
         --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \
         --json-keys text --append-eod --workers 4
 
-Each input line is one JSON document; each `--json-keys` key gives one output dataset in which every
-non-empty document is one sequence. A key whose value is a list of strings is a document already split into
-sentences: one sequence per non-empty sentence. `--split-sentences` splits text values into sentences with nltk's
-punkt models (`pip install nltk`, then `python -m nltk.downloader punkt_tab`) and writes
+Each input line is one JSON document; each `--json-keys` key gives one output dataset in which every document is
+one sequence. A key whose value is a list of strings is a document already split into sentences: one sequence per
+non-empty sentence. A document whose text is empty is kept as a document of no sequences (as upstream), so document
+i of every key's `.idx` is the i-th JSON line; blank lines are skipped. `--split-sentences` splits text values into
+sentences with nltk's punkt models (`pip install nltk`, then `python -m nltk.downloader punkt_tab`) and writes
 `PREFIX_<key>_sentence.bin` / `.idx`. Documents are tokenized by a pool of `--workers` processes in chunks, and
-results are written in input order, so the output does not depend on the number of workers.
+results are written in input order, so the output does not depend on the number of workers. `--input` may also be
+a glob pattern (`'shards/*.jsonl'`, quoted), as upstream's with `--partitions`: the matching files are read in the
+sorted order of their names; files ending in `.gz` are read through gzip.
 """
 
 import argparse
+import glob
+import gzip
 import json
 import multiprocessing
 import os
@@ -117,10 +122,10 @@ def encode_document(line):
     """One JSONL line -> ({key: (token ids, sequence lengths)}, bytes read, None), or (None, bytes read, what is
     wrong with it) for a document the keys or the tokenizer cannot take (reported by the reader, with its line
     number). Each non-empty sentence is one sequence (a whole text is one sentence without --split-sentences);
-    --append-eod ends the last one with the eod. Blank lines yield no tokens."""
+    --append-eod ends the last one with the eod. A blank line is no document: ({}, bytes read, None)."""
     json_keys, append_eod = _worker_settings
     if not line.strip():
-        return {key: ([], []) for key in json_keys}, len(line), None
+        return {}, len(line), None
     try:
         document = json.loads(line)
     except ValueError as error:
@@ -177,6 +182,36 @@ class ProgressLog:
         )
 
 
+def input_files(pattern):
+    """The files `--input` names: the file itself, else the files matching it as a glob pattern, sorted."""
+    if os.path.isfile(pattern):
+        return [pattern]
+    return sorted(path for path in glob.glob(pattern) if os.path.isfile(path))
+
+
+def _open_text(path):
+    if path.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, "r", encoding="utf-8")
+
+
+def _read_lines(paths):
+    for path in paths:
+        with _open_text(path) as input_file:
+            yield from input_file
+
+
+def _line_origin(paths, line_number):
+    """(file, line in that file) of line `line_number` (from 1) of the files read one after another."""
+    for path in paths:
+        with _open_text(path) as input_file:
+            lines = sum(1 for _ in input_file)
+        if line_number <= lines:
+            return path, line_number
+        line_number -= lines
+    return paths[-1], line_number
+
+
 def output_prefix_for_key(output_prefix, key, split_sentences=False):
     return f"{output_prefix}_{key}_{'sentence' if split_sentences else 'document'}"
 
@@ -203,33 +238,36 @@ def preprocess(args, splitter_factory=None):
     prefixes = {key: output_prefix_for_key(args.output_prefix, key, args.split_sentences) for key in args.json_keys}
     builders = {key: IndexedDatasetBuilder(data_file_path(prefix), dtype=dtype) for key, prefix in prefixes.items()}
     progress = ProgressLog(args.log_interval)
-    with open(args.input, "r", encoding="utf-8") as input_file:
-        if args.workers > 1:
-            pool = multiprocessing.Pool(args.workers, initializer=_initialize_worker,
-                                        initargs=(args, splitter_factory))
-            encoded_documents = pool.imap(encode_document, input_file, DOCUMENTS_PER_CHUNK)
-        else:
-            pool = None
-            _initialize_worker(args, splitter_factory)
-            encoded_documents = map(encode_document, input_file)
-        try:
-            for line_number, (encoded, bytes_read, problem) in enumerate(encoded_documents, start=1):
-                if problem is not None:
-                    _remove_partial_outputs(builders, prefixes)
-                    raise SystemExit(f"{args.input}, line {line_number}: {problem}; nothing was written")
-                for key, (token_ids, lengths) in encoded.items():
-                    if token_ids:
-                        builders[key].add_document(token_ids, lengths)
-                progress.update(bytes_read)
-        except SystemExit:
-            raise
-        except BaseException:
-            _remove_partial_outputs(builders, prefixes)
-            raise
-        finally:
-            if pool is not None:
-                pool.close()
-                pool.join()
+    paths = input_files(args.input)
+    lines = _read_lines(paths)
+    if args.workers > 1:
+        pool = multiprocessing.Pool(args.workers, initializer=_initialize_worker,
+                                    initargs=(args, splitter_factory))
+        encoded_documents = pool.imap(encode_document, lines, DOCUMENTS_PER_CHUNK)
+    else:
+        pool = None
+        _initialize_worker(args, splitter_factory)
+        encoded_documents = map(encode_document, lines)
+    try:
+        for line_number, (encoded, bytes_read, problem) in enumerate(encoded_documents, start=1):
+            if problem is not None:
+                _remove_partial_outputs(builders, prefixes)
+                path, line_in_file = _line_origin(paths, line_number)
+                raise SystemExit(f"{path}, line {line_in_file}: {problem}; nothing was written")
+            for key, (token_ids, lengths) in encoded.items():
+                # An empty text stays a document (of no sequences), keeping every key aligned with the input.
+                builders[key].add_document(token_ids, lengths)
+            progress.update(bytes_read)
+    except SystemExit:
+        raise
+    except BaseException:
+        _remove_partial_outputs(builders, prefixes)
+        raise
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+        lines.close()
     for key, prefix in prefixes.items():
         builders[key].finalize(index_file_path(prefix))
     progress.report()
@@ -239,7 +277,9 @@ def preprocess(args, splitter_factory=None):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Tokenize JSONL documents into Megatron .bin/.idx files.")
     group = parser.add_argument_group("input")
-    group.add_argument("--input", required=True, help="JSONL file, one JSON document per line")
+    group.add_argument("--input", required=True,
+                       help="JSONL file, one JSON document per line, or a glob pattern of such files (read in sorted "
+                       "order); .gz files are decompressed")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize, one output per key")
     group.add_argument("--split-sentences", action="store_true",
                        help="split each text into sentences (nltk punkt; needs nltk installed), one sequence per "
@@ -275,8 +315,9 @@ def parse_args(argv=None):
     if args.vocab_extra_ids != 0:
         parser.error(f"--vocab-extra-ids {args.vocab_extra_ids} is not supported: it adds the <extra_id_N> sentinel "
                      "tokens of upstream's BERT/T5 tokenizers, which GPT tokenizers here do not have; drop the flag")
-    if not os.path.isfile(args.input):
-        parser.error(f"--input {args.input!r} is not a file (a JSONL file, one JSON document per line)")
+    if not input_files(args.input):
+        parser.error(f"--input {args.input!r} is not a file and matches no file as a glob pattern (give a JSONL "
+                     "file, one JSON document per line, or a quoted pattern such as 'shards/*.jsonl')")
     return args
 
 

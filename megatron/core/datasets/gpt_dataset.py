@@ -158,8 +158,8 @@ class GPTDataset(torch.utils.data.Dataset):
         self.document_range = tuple(int(bound) for bound in document_range)
         documents = np.arange(*self.document_range, dtype=np.int64)
         if documents.size == 0 and len(indexed_dataset) == 0:
-            raise ValueError(f"{indexed_dataset.path_prefix} holds no documents (was its input empty?): drop it from "
-                             "the data path flags")
+            raise ValueError(f"{indexed_dataset.path_prefix} holds no tokens ({indexed_dataset.num_documents} "
+                             "documents, all empty: was its input empty?): drop it from the data path flags")
         if documents.size == 0:
             raise ValueError(
                 f"the {split.name} split of {indexed_dataset.path_prefix} ({len(indexed_dataset)} documents) has no "

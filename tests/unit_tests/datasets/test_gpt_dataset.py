@@ -11,6 +11,7 @@ from megatron.core.datasets.gpt_dataset import (
     sample_from_tokens,
 )
 from megatron.core.datasets.gpt_indices import samples_in_tokens, separate_final_epoch
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from megatron.core.datasets.utils import Split, blend_from_data_path
 from megatron.training.tokenizer import NullTokenizer
 from tests.unit_tests.datasets.gpt_test_data import EOD, EodOnlyTokenizer, write_documents
@@ -208,7 +209,13 @@ def test_an_empty_dataset_is_named_as_empty(corpus, tmp_path):
     empty = str(tmp_path / "empty_text_document")
     write_documents(empty, num_documents=0, seed=0)
     config = _config(corpus[0], blend=blend_from_data_path(["0.5", empty, "0.5", corpus[0]]))
-    with pytest.raises(ValueError, match="empty_text_document holds no documents .*drop it from the data path"):
+    with pytest.raises(ValueError, match=r"empty_text_document holds no tokens \(0 documents.*drop it from the data"):
+        build_gpt_datasets(config, (10, 2, 2))
+    builder = IndexedDatasetBuilder(empty + ".bin", dtype=np.uint16)  # what preprocessing writes for empty texts
+    for _ in range(3):
+        builder.add_document([], [])
+    builder.finalize(empty + ".idx")
+    with pytest.raises(ValueError, match=r"empty_text_document holds no tokens \(3 documents, all empty"):
         build_gpt_datasets(config, (10, 2, 2))
 
 

@@ -49,7 +49,7 @@ def _build(prefix, documents, dtype=np.uint16):
 def test_merging_shards_equals_preprocessing_their_concatenation(tmp_path, merge_tool, preprocess_tool):
     rng = np.random.default_rng(3)
     texts = [" ".join(str(token) for token in rng.integers(0, 100, size=int(rng.integers(1, 12)))) for _ in range(45)]
-    texts[7] = ""  # an empty document is left out by preprocessing, in the shards as in the whole
+    texts[7] = ""  # an empty document is a document of no sequences, in the shards as in the whole
     first, second = texts[:30], texts[30:]
     for name, part in (("a", first), ("b", second), ("ab", texts)):
         _write_jsonl(tmp_path / f"{name}.jsonl", part)
@@ -62,11 +62,12 @@ def test_merging_shards_equals_preprocessing_their_concatenation(tmp_path, merge
     for suffix in (".bin", ".idx"):
         assert (tmp_path / "merged" / f"ab_text_document{suffix}").read_bytes() == open(whole + suffix, "rb").read()
     dataset = IndexedDataset(merged)
-    assert dataset.num_documents == len(dataset) == 44
+    assert (dataset.num_documents, len(dataset)) == (45, 44)
     first_shard = IndexedDataset(str(shards / "part_0_text_document"))
-    assert first_shard.num_documents == 29
-    np.testing.assert_array_equal(dataset.document(28), [int(t) for t in texts[29].split()] + [100])
-    np.testing.assert_array_equal(dataset.document(29), [int(t) for t in texts[30].split()] + [100])
+    assert (first_shard.num_documents, len(first_shard)) == (30, 29)
+    assert dataset.document(7).size == 0
+    np.testing.assert_array_equal(dataset.document(29), [int(t) for t in texts[29].split()] + [100])
+    np.testing.assert_array_equal(dataset.document(30), [int(t) for t in texts[30].split()] + [100])
 
 
 def test_document_boundaries_of_multi_sequence_documents_survive_the_merge(tmp_path, merge_tool):

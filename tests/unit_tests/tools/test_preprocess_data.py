@@ -22,7 +22,7 @@ def _documents():
     for number in range(57):
         text = " ".join(words[i] for i in rng.integers(0, len(words), size=int(rng.integers(1, 40))))
         documents.append({"text": text, "title": f"document {number}"})
-    documents[5]["text"] = ""  # tokenizes to nothing: no sequence is written for it
+    documents[5]["text"] = ""  # tokenizes to nothing: a document of no sequences
     return documents
 
 
@@ -96,7 +96,7 @@ def test_workers_give_identical_output_equal_to_direct_tokenization(tmp_path, to
     expected = [tokenizer.tokenize(document["text"]) + [tokenizer.eod] for document in documents if document["text"]]
     dataset = IndexedDataset(outputs[1])
     assert dataset.dtype == np.uint16
-    assert len(dataset) == len(expected) == 56
+    assert (len(dataset), dataset.num_documents) == (len(expected), 57) == (56, 57)  # the empty text is kept
     assert int(dataset.sequence_lengths.sum()) == sum(map(len, expected))
     for index, tokens in enumerate(expected):
         np.testing.assert_array_equal(dataset[index], tokens)

@@ -1,5 +1,7 @@
-"""`tools/preprocess_data.py` with upstream's sentence flags, list-valued keys and `--vocab-extra-ids`."""
+"""`tools/preprocess_data.py` with upstream's sentence flags, list-valued keys, `--vocab-extra-ids`, empty documents and
+glob inputs."""
 
+import gzip
 import importlib.util
 import json
 import os
@@ -107,3 +109,35 @@ def test_vocab_extra_ids(tmp_path, preprocess_data, capsys):
     with pytest.raises(SystemExit):
         preprocess_data.parse_args(base + ["--vocab-extra-ids", "100"])
     assert "--vocab-extra-ids 100 is not supported" in capsys.readouterr().err
+
+
+def test_empty_documents_are_kept_so_every_key_stays_aligned_with_the_input(tmp_path, preprocess_data):
+    corpus = tmp_path / "corpus.jsonl"
+    lines = [{"text": "1 2", "title": ""}, {"text": "", "title": "3"}, {"text": [""], "title": "4"}]
+    corpus.write_text("".join(json.dumps(line) + "\n" for line in lines[:2]) + "\n" + json.dumps(lines[2]) + "\n")
+    prefix = str(tmp_path / "out")
+    preprocess_data.main(["--input", str(corpus), "--output-prefix", prefix, *NULL_TOKENIZER, "--append-eod",
+                          "--json-keys", "text", "title", "--log-interval", "0"])
+    text, title = IndexedDataset(prefix + "_text_document"), IndexedDataset(prefix + "_title_document")
+    # Upstream's layout: an empty text is a document of no sequences; the blank line is no document.
+    assert _sequences(text) == [[1, 2, 50]]
+    np.testing.assert_array_equal(text.document_indices, [0, 1, 1, 1])
+    assert _sequences(title) == [[3, 50], [4, 50]]
+    np.testing.assert_array_equal(title.document_indices, [0, 0, 1, 2])
+    assert [title.document(i).tolist() for i in range(title.num_documents)] == [[], [3, 50], [4, 50]]
+
+
+def test_input_glob_of_plain_and_gzip_files_reads_them_in_name_order(tmp_path, preprocess_data):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "part_1.jsonl").write_text(json.dumps({"text": "3 4"}) + "\n")
+    with gzip.open(shards / "part_0.jsonl.gz", "wt") as compressed:
+        compressed.write(json.dumps({"text": "1"}) + "\n" + json.dumps({"text": "2"}) + "\n")
+    (shards / "part_2.jsonl").write_text(json.dumps({"text": 5}) + "\n")
+    prefix = str(tmp_path / "out")
+    arguments = ["--output-prefix", prefix, *NULL_TOKENIZER, "--partitions", "2", "--log-interval", "0"]
+    preprocess_data.main(["--input", str(shards / "part_[01]*"), *arguments])
+    assert _sequences(IndexedDataset(prefix + "_text_document")) == [[1], [2], [3, 4]]
+    with pytest.raises(SystemExit) as exit_info:  # a bad line is named by its file and its line in that file
+        preprocess_data.main(["--input", str(shards / "part_*"), *arguments])
+    assert exit_info.value.code.startswith(f"{shards / 'part_2.jsonl'}, line 1: 'text' must be a string")
