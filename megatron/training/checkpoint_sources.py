@@ -3,7 +3,8 @@
 Two roots may hold checkpoints of a run: `--load DIR` (the persistent ones, written by `--save-interval`) and
 the non-persistent root (`--non-persistent-global-ckpt-dir`, by default `DIR/non_persistent`, written by
 `--non-persistent-save-interval`). Each has its own tracker file; the newer of the two checkpoints is resumed
-(the persistent one on a tie). The format of a checkpoint is read from its directory, so that
+(the persistent one on a tie; a released checkpoint, whose tracker says "release", is older than any
+other). The format of a checkpoint is read from its directory, so that
 `--auto-detect-ckpt-format` (and `--use-checkpoint-args`) work whatever `--ckpt-format` says.
 
 Plain file operations only: `--use-checkpoint-args` uses this module before any process group exists.
@@ -14,6 +15,7 @@ import os
 from typing import NamedTuple, Optional
 
 from megatron.core.dist_checkpointing.checkpoint_directory import (
+    RELEASE,
     REPLACED_SUFFIX,
     iteration_dir_name,
     read_tracker,
@@ -26,7 +28,7 @@ TORCH_FORMAT_FILENAME = "model_optim_rng.pt"
 
 class CheckpointSource(NamedTuple):
     root: str  # the directory holding the tracker
-    iteration: int
+    iteration: int  # or RELEASE: the released checkpoint in `root/release`
     format: Optional[str]  # "torch", "torch_dist", or None when the iteration's directory is missing
     non_persistent: bool
 
@@ -75,7 +77,7 @@ def checkpoint_to_load(args) -> Optional[CheckpointSource]:
     persistent = _tracked_iteration(args.load)
     non_persistent_root = non_persistent_load_dir(args)
     non_persistent = _tracked_iteration(non_persistent_root)
-    if non_persistent is not None and (persistent is None or non_persistent > persistent):
+    if non_persistent is not None and (persistent is None or _order(non_persistent) > _order(persistent)):
         root, iteration, is_non_persistent = non_persistent_root, non_persistent, True
     elif persistent is not None:
         root, iteration, is_non_persistent = args.load, persistent, False
@@ -83,6 +85,10 @@ def checkpoint_to_load(args) -> Optional[CheckpointSource]:
         return None
     source = CheckpointSource(root, iteration, None, is_non_persistent)
     return source._replace(format=detect_format(source.directory))
+
+
+def _order(iteration):
+    return -1 if iteration == RELEASE else iteration
 
 
 def _chosen_step(root, iteration) -> CheckpointSource:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.checkpoint_directory import (  # noqa: F401  (part of this module's API)
+    RELEASE,
     TRACKER_FILENAME,
     iteration_dir_name,
     read_tracker,
@@ -280,9 +281,10 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
 
     if local_checkpoint.enabled(args) and getattr(args, "ckpt_step", None) is None:  # --ckpt-step: that one
         global_source = checkpoint_sources.checkpoint_to_load(args)
-        iteration = local_checkpoint.load_local_checkpoint(
-            model_chunks, optimizer, opt_param_scheduler, args,
-            None if global_source is None else global_source.iteration)
+        global_iteration = None if global_source is None or global_source.iteration == RELEASE \
+            else global_source.iteration
+        iteration = local_checkpoint.load_local_checkpoint(model_chunks, optimizer, opt_param_scheduler, args,
+                                                           global_iteration)
         if iteration is not None:
             return iteration
     if args.load is None and getattr(args, "pretrained_checkpoint", None) is None:
@@ -422,6 +424,12 @@ def _checkpoint_or_none(args):
                 print(f"no checkpoint under --load {args.load}: loading {source.directory} from "
                       "--pretrained-checkpoint as --finetune does (weights only, iteration 0)", flush=True)
             return source
+    if source is not None and source.iteration == RELEASE:  # as upstream: weights only, from iteration 0
+        args.finetune = True
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"--load {args.load}: its tracker names the released checkpoint {source.directory}: loading it "
+                  "as --finetune does (weights only, iteration 0)", flush=True)
+        return source
     if source is not None:
         if source.non_persistent and (not dist.is_initialized() or dist.get_rank() == 0):
             print(f"resuming the non-persistent checkpoint {source.directory}: newer than the latest persistent "

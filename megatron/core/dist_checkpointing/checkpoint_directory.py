@@ -5,6 +5,8 @@ and publishing a finished save so that an interrupted one never becomes the late
     iter_0000010/                         one published checkpoint
     iter_0000020.tmp/                     a save in progress (or one that was interrupted): never loaded
     iter_0000010.replaced/                the previous copy while iteration 10 is saved again (see publish)
+    release/                              a released checkpoint (upstream's tracker holds the word "release"):
+                                          weights to start from, loaded as --finetune does; never written here
 
 Plain file operations only (no torch.distributed): tools use it without a process group.
 """
@@ -18,10 +20,13 @@ TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 METADATA_JSON = "metadata.json"
 TEMPORARY_SUFFIX = ".tmp"
 REPLACED_SUFFIX = ".replaced"  # the previous copy of an iteration saved again, while the new one moves in
+RELEASE = "release"  # the tracker's word, and the directory's name, for a released checkpoint
 _ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
 
 
 def iteration_dir_name(iteration):
+    if iteration == RELEASE:
+        return RELEASE
     return f"iter_{iteration:07d}"
 
 
@@ -37,15 +42,19 @@ def write_tracker(root, iteration):
 
 
 def read_tracker(root):
-    """The iteration of the latest complete checkpoint under `root`, or None when there is none."""
+    """The iteration of the latest complete checkpoint under `root`, or None when there is none; `RELEASE` when
+    the tracker names a released checkpoint (in `root/release`)."""
     path = os.path.join(root, TRACKER_FILENAME)
     if not os.path.isfile(path):
         return None
     text = open(path).read().strip()
+    if text == RELEASE:
+        return RELEASE
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"{path} should hold an iteration number, found {text!r}") from None
+        raise ValueError(f"{path} should hold an iteration number (or {RELEASE!r}), found {text!r}; write the "
+                         "iteration of a checkpoint under it there") from None
 
 
 def _fsync_directory(path):

@@ -237,6 +237,38 @@ def test_finetune_and_no_load_optim(tmp_path, world_size):
     }  # fmt: skip
 
 
+def _load_release(root):
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(5)
+    model, optimizer, scheduler = _train_state(seed=3)
+    checkpointing.save_checkpoint(4, model, optimizer, scheduler, _args(root, consumed_train_samples=32))
+    # Upstream's released checkpoints: the tracker says "release" and the files are in release/.
+    os.rename(os.path.join(root, "iter_0000004"), os.path.join(root, "release"))
+    with open(os.path.join(root, checkpointing.TRACKER_FILENAME), "w") as stream:
+        stream.write("release\n")
+    fresh_model, fresh_optimizer, fresh_scheduler = _train_state(seed=77)
+    fresh_exp_avg = fresh_optimizer.state_dict()["state"][0]["exp_avg"].clone()
+    args = _args(root)
+    iteration = checkpointing.load_checkpoint(fresh_model, fresh_optimizer, fresh_scheduler, args)
+    return {
+        "tracker": checkpointing.read_tracker(root),
+        "iteration": iteration,
+        "consumed": args.consumed_train_samples,
+        "weights_loaded": torch.equal(fresh_model.weight, model.weight),
+        "scheduler_steps": fresh_scheduler.num_steps,
+        "optimizer_untouched": torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"], fresh_exp_avg),
+    }
+
+
+def test_release_checkpoint_loads_weights_only_from_iteration_0(tmp_path):
+    (result,) = run_on_ranks(1, _load_release, str(tmp_path))
+    assert result == {"tracker": "release", "iteration": 0, "consumed": 0, "weights_loaded": True,
+                      "scheduler_steps": 77, "optimizer_untouched": True}
+
+
 def _load_what_was_not_saved(root, saved_distributed):
     import contextlib
     import io
@@ -425,3 +457,17 @@ def test_torch_format_refuses_other_vocabulary_rows_naming_what_keeps_them():
         "torch_dist (tools/checkpoint/convert_legacy.py), which loads at another padding")
     run.padded_vocab_size = 128
     _check_layout_matches(saved, run, "ckpt/mp_rank_00/model_optim_rng.pt")
+
+
+def test_release_tracker_is_older_than_any_non_persistent_checkpoint(tmp_path):
+    from megatron.training import checkpoint_sources
+
+    (tmp_path / "release").mkdir()
+    (tmp_path / checkpointing.TRACKER_FILENAME).write_text("release")
+    args = argparse.Namespace(load=str(tmp_path), ckpt_step=None, non_persistent_global_ckpt_dir=None)
+    source = checkpoint_sources.checkpoint_to_load(args)
+    assert (source.iteration, source.directory, source.non_persistent) == ("release", str(tmp_path / "release"), False)
+    (tmp_path / "non_persistent").mkdir()
+    checkpointing.write_tracker(tmp_path / "non_persistent", 3)
+    source = checkpoint_sources.checkpoint_to_load(args)
+    assert (source.iteration, source.non_persistent) == (3, True)
