@@ -10,6 +10,7 @@ stops at --train-iters, --exit-interval, --exit-duration-in-mins or SIGTERM (sav
 
 import dataclasses
 import gc
+import os
 import signal
 import time
 from contextlib import nullcontext
@@ -372,7 +373,9 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
     iteration = args.iteration
     args.stopped_early = False
     validation_sets = as_validation_sets(valid_iterator)
-    last_saved_iteration = iteration if args.load is not None else None
+    # The loaded iteration is already on disk only when it was loaded from --save itself; loaded from another
+    # directory, it is saved into --save at the end even when no iteration runs (--load A --save B).
+    last_saved_iteration = iteration if _loads_from_save_directory(args) else None
     print_memory_on_this_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
     exit_duration = ExitDuration(args.exit_duration_in_mins, getattr(args, "train_start_time", time.time()),
                                  args.device)
@@ -465,6 +468,12 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
     if last_saved_iteration != iteration and iteration > 0:
         _save(iteration, model, optimizer, scheduler, args)
     return iteration
+
+
+def _loads_from_save_directory(args) -> bool:
+    if args.load is None:
+        return False
+    return args.save is None or os.path.realpath(args.load) == os.path.realpath(args.save)
 
 
 def _evaluation_splits_only(train_valid_test_dataset_provider):

@@ -7,7 +7,8 @@ def add_arguments(parser):
     group = parser.add_argument_group("run control")
     group.add_argument("--exit-duration-in-mins", type=int, default=None,
                        help="Stop after this many minutes of training (checked after every training and evaluation "
-                       "step on all ranks together); saves a checkpoint first when --save is set.")
+                       "step on all ranks together); saves a checkpoint first when --save is set. 0: no limit, as "
+                       "upstream.")
     group.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
                        help="Release the allocator's unused cached memory: 0 never, 1 after forward-backward and "
                        "each evaluation step, 2 also after the optimizer step (GPU; CPU keeps no cache).")
@@ -32,8 +33,11 @@ def validate(args):
         raise ValueError("--test-mode is not supported: training here runs no tests alongside it. Drop the flag; "
                          "run the unit tests (pytest tests/unit_tests) or the golden-value functional tests "
                          "(tests/functional_tests) instead")
-    if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
-        raise ValueError(f"--exit-duration-in-mins must be positive, got {args.exit_duration_in_mins}")
+    if args.exit_duration_in_mins is not None and args.exit_duration_in_mins < 0:
+        raise ValueError(f"--exit-duration-in-mins must be positive (0 turns the limit off), got "
+                         f"{args.exit_duration_in_mins}")
+    if args.exit_duration_in_mins == 0:
+        args.exit_duration_in_mins = None  # upstream's 0: no wall-clock limit
     if args.logging_level is not None and args.logging_level < 0:
         raise ValueError(f"--logging-level must be a non-negative logging level, got {args.logging_level}")
     interval = args.check_weight_hash_across_dp_replicas_interval

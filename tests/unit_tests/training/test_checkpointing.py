@@ -471,3 +471,22 @@ def test_release_tracker_is_older_than_any_non_persistent_checkpoint(tmp_path):
     checkpointing.write_tracker(tmp_path / "non_persistent", 3)
     source = checkpoint_sources.checkpoint_to_load(args)
     assert (source.iteration, source.non_persistent) == (3, True)
+
+
+def _load_one_directory_save_another(root):
+    from tests.unit_tests.dist_checkpointing.pretrain_helpers import run_pretrain
+
+    first, second = f"{root}/first", f"{root}/second"
+    run_pretrain(f"{root}/run0", f"--train-iters 4 --save {first} --save-interval 4 --ckpt-format torch")
+    # Nothing is left to train (--train-iters 4 again): the loaded iteration still goes into the other --save.
+    flags = "--train-iters 4 --save-interval 4 --ckpt-format torch"
+    run_pretrain(f"{root}/run1", f"{flags} --load {first} --save {second}")
+    # Loaded from --save itself: it is on disk already and is not written again.
+    before = os.stat(os.path.join(second, "iter_0000004")).st_mtime_ns
+    run_pretrain(f"{root}/run2", f"{flags} --load {second} --save {second}")
+    return (checkpointing.read_tracker(second), os.stat(os.path.join(second, "iter_0000004")).st_mtime_ns == before)
+
+
+def test_checkpoint_loaded_from_another_directory_is_saved_into_save_at_the_end(tmp_path):
+    (result,) = run_on_ranks(1, _load_one_directory_save_another, str(tmp_path))
+    assert result == (4, True)

@@ -118,7 +118,7 @@ def test_logging_level_flag_wins_over_environment(monkeypatch):
 
 
 @pytest.mark.parametrize("extra, message", [
-    ("--exit-duration-in-mins 0", "--exit-duration-in-mins must be positive"),
+    ("--exit-duration-in-mins -1", "--exit-duration-in-mins must be positive"),
     ("--empty-unused-memory-level 3", "invalid choice"),
     ("--logging-level -1", "--logging-level must be a non-negative"),
     ("--check-weight-hash-across-dp-replicas-interval 0", "--check-weight-hash-across-dp-replicas-interval must be"),
@@ -131,6 +131,15 @@ def test_run_control_rules(extra, message, monkeypatch, capsys):
     with pytest.raises((ValueError, SystemExit)) as error:
         validate_args(parse_args(args=(TINY_GPT + " " + extra).split()))
     assert message in str(error.value) + capsys.readouterr().err
+
+
+def test_exit_duration_of_zero_is_no_limit_as_upstream(monkeypatch):
+    from megatron.training.arguments import parse_args, validate_args
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    args = validate_args(parse_args(args=(TINY_GPT + " --exit-duration-in-mins 0").split()))
+    assert args.exit_duration_in_mins is None
 
 
 def _two_megatron_fsdp_runs_checking_weight_hashes(workdir):
