@@ -4,8 +4,8 @@ checked before any rank does work. Pure Python: no model, tokenizer or process g
 Accepted fields (upstream's defaults): `prompts` (required, 1..128 strings), `tokens_to_generate` (64; 0 scores
 the prompts and needs `logprobs`), `logprobs` (false), `temperature` (1.0, in (0, 100]), `top_k` (0, in
 [0, 1000]), `top_p` (0.0, in [0, 1], not with `top_k`), `add_BOS` (false; needed for an empty prompt),
-`random_seed` (none: a fresh seed each request), `no_log` (false), `stop_on_eol`, `stop_on_double_eol`,
-`prevent_newline_after_colon` (false).
+`random_seed` (none: a fresh seed each request; at most 2**64 - 1, a torch.Generator's range), `no_log` (false),
+`stop_on_eol`, `stop_on_double_eol`, `prevent_newline_after_colon` (false).
 
 Upstream fields refused here with a 400 (what they need is not implemented): `beam_width` (beam search) with
 its `stop_token` and `length_penalty`, and `top_p_decay` / `top_p_bound` (a nucleus that shrinks per step).
@@ -20,6 +20,8 @@ MAX_PROMPTS = 128
 DEFAULT_TOKENS_TO_GENERATE = 64
 MAX_TEMPERATURE = 100.0
 MAX_TOP_K = 1000
+# The largest seed a torch.Generator takes (an unsigned 64-bit integer).
+MAX_RANDOM_SEED = 2 ** 64 - 1
 
 RENAMED_FIELDS = {
     "max_len": "max_len is no longer used.  Replace with tokens_to_generate",
@@ -118,8 +120,8 @@ def parse_generation_request(body) -> GenerationRequest:
     if not add_bos and any(len(prompt) == 0 for prompt in prompts):
         raise RequestError("Empty prompts require add_BOS=true")
     random_seed = body.get("random_seed")
-    if random_seed is not None and (not _is_int(random_seed) or random_seed < 0):
-        raise RequestError("random_seed must be a non-negative integer")
+    if random_seed is not None and (not _is_int(random_seed) or not 0 <= random_seed <= MAX_RANDOM_SEED):
+        raise RequestError(f"random_seed must be a non-negative integer at most {MAX_RANDOM_SEED} (2**64 - 1)")
     return GenerationRequest(
         prompts=list(prompts), tokens_to_generate=tokens_to_generate, logprobs=logprobs,
         temperature=float(temperature), top_k=top_k, top_p=float(top_p), add_BOS=add_bos, random_seed=random_seed,

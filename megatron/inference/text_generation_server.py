@@ -37,12 +37,16 @@ def broadcast_from_rank0(job=None):
 
 
 def follow_requests(model, limits: GenerationLimits):
-    """Run every job rank 0 broadcasts, until it broadcasts the stop signal (the ranks other than 0)."""
+    """Run every job rank 0 broadcasts, until it broadcasts the stop signal (the ranks other than 0). A job that
+    fails is reported and the rank keeps following: rank 0 answers that request with a 500 and serves the next."""
     while True:
         job = broadcast_from_rank0()
         if job == _STOP:
             return
-        run_job(model, job, limits)
+        try:
+            run_job(model, job, limits)
+        except Exception as error:  # the same job failed on rank 0, which answers it; wait for the next one
+            print(f"rank {dist.get_rank() if dist.is_initialized() else 0}: generation failed: {error!r}", flush=True)
 
 
 class TextGenerationServer:
@@ -112,12 +116,37 @@ def _handler_class(server: TextGenerationServer):
         def do_PUT(self):
             if self.path.rstrip("/") != API_PATH:
                 return self._reply(HTTPStatus.NOT_FOUND, {"message": f"no endpoint {self.path}: use PUT {API_PATH}"})
-            length = int(self.headers.get("Content-Length") or 0)
             try:
-                body = json.loads(self.rfile.read(length) or b"null")
+                data = self._read_body()
+            except ValueError as error:
+                return self._reply(HTTPStatus.BAD_REQUEST, {"message": str(error)})
+            try:
+                body = json.loads(data or b"null")
             except (json.JSONDecodeError, UnicodeDecodeError) as error:
                 return self._reply(HTTPStatus.BAD_REQUEST, {"message": f"the request body is not JSON: {error}"})
             self._reply(*server.handle(body))
+
+        def _read_body(self) -> bytes:
+            """The request's body, sent with a Content-Length or chunked; ValueError when the framing is bad."""
+            if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+                chunks = []
+                while True:
+                    size_line = self.rfile.readline().split(b";")[0].strip()
+                    try:
+                        size = int(size_line, 16)
+                    except ValueError:
+                        raise ValueError(f"bad chunk size {size_line!r} in the chunked request body") from None
+                    if size == 0:
+                        while self.rfile.readline().strip():  # trailer lines up to the blank line
+                            pass
+                        return b"".join(chunks)
+                    chunks.append(self.rfile.read(size))
+                    self.rfile.readline()
+            length = self.headers.get("Content-Length") or "0"
+            if not length.strip().isdigit():
+                self.close_connection = True  # the body's end is unknown
+                raise ValueError(f"Content-Length must be a non-negative integer, got {length!r}")
+            return self.rfile.read(int(length))
 
         def _wrong_method(self):
             self._reply(HTTPStatus.METHOD_NOT_ALLOWED,

@@ -31,6 +31,9 @@ from megatron.inference import launch  # noqa: E402
 from megatron.inference.launch import build_tokenizer, run_with_megatron  # noqa: E402
 
 
+INFERENCE_MAX_REQUESTS = 8
+
+
 def add_static_inference_args(parser):
     """Upstream's flags of static-batch generation (names and defaults)."""
     group = parser.add_argument_group("static inference")
@@ -50,8 +53,10 @@ def add_static_inference_args(parser):
                        help="Write one JSON line per prompt (prompt, generated text, tokens, log-probs) here.")
     group.add_argument("--inference-max-seq-length", type=int, default=2560,
                        help="Key/value cache length: the longest prompt plus the generated tokens must fit.")
-    group.add_argument("--inference-max-requests", type=int, default=8,
+    group.add_argument("--inference-max-requests", type=int, default=INFERENCE_MAX_REQUESTS,
                        help="Key/value cache batch size: more prompts are generated in several batches.")
+    group.add_argument("--max-batch-size", type=int, default=None,
+                       help="Deprecated name of --inference-max-requests.")
     return parser
 
 
@@ -79,6 +84,12 @@ def check_args(args):
             raise ValueError("--prompt-file-num-truncate needs --prompt-file")
         if args.prompt_file_num_truncate < 1:
             raise ValueError(f"--prompt-file-num-truncate must be at least 1, got {args.prompt_file_num_truncate}")
+    if args.max_batch_size is not None:
+        if args.inference_max_requests not in (INFERENCE_MAX_REQUESTS, args.max_batch_size):
+            raise ValueError(f"--max-batch-size {args.max_batch_size} and --inference-max-requests "
+                             f"{args.inference_max_requests} disagree: give only --inference-max-requests")
+        _print_rank0(f"--max-batch-size is deprecated: use --inference-max-requests {args.max_batch_size}")
+        args.inference_max_requests = args.max_batch_size
     launch.check_generation_args(args, _print_rank0)
     sampling_params_from_args(args)  # validates the sampling flags
 

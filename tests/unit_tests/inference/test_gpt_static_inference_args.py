@@ -99,3 +99,20 @@ def test_prompt_sources_and_meta_device_init_are_checked_before_a_model_is_built
     args = _validated(["--prompts", "a", "--use-megatron-fsdp", "--init-model-with-meta-device"])
     check_args(args)
     assert not args.init_model_with_meta_device
+
+
+@pytest.mark.parametrize("argv, max_requests", [
+    (["--max-batch-size", "3"], 3),
+    (["--max-batch-size", "3", "--inference-max-requests", "3"], 3),
+    (["--inference-max-requests", "5"], 5),
+])
+def test_upstream_max_batch_size_is_the_deprecated_name_of_inference_max_requests(argv, max_requests):
+    args = _validated(["--prompts", "a", *argv])
+    check_args(args)
+    assert args.inference_max_requests == max_requests
+
+
+def test_max_batch_size_that_disagrees_with_inference_max_requests_is_refused():
+    args = _validated(["--prompts", "a", "--max-batch-size", "3", "--inference-max-requests", "5"])
+    with pytest.raises(ValueError, match="--max-batch-size 3 and --inference-max-requests 5 disagree"):
+        check_args(args)

@@ -4,6 +4,7 @@ log-softmax of a full forward, upstream's newline options, and TP2 serving the t
 
 import json
 import re
+import socket
 import threading
 import urllib.error
 import urllib.request
@@ -81,6 +82,8 @@ def _put(url, data: bytes, method="PUT"):
     ({"prompts": ["1"], "add_BOS": 1}, "add_BOS must be a boolean value"),
     ({"prompts": [""]}, "Empty prompts require add_BOS=true"),
     ({"prompts": ["1"], "random_seed": -1}, "random_seed must be a non-negative integer"),
+    ({"prompts": ["1"], "random_seed": 2 ** 64},
+     "random_seed must be a non-negative integer at most 18446744073709551615"),
     ({"prompts": ["1"], "no_log": "no"}, "no_log must be a boolean value"),
     ({"prompts": ["1"], "stop_on_eol": 1}, "stop_on_eol must be a boolean value"),
     ({"prompts": ["1"], "stop_on_double_eol": None}, "stop_on_double_eol must be a boolean value"),
@@ -137,6 +140,61 @@ def test_http_errors_are_json_with_a_message(http_url):
     assert status == 400 and "top_k" in payload["message"]
     assert _put(http_url, b"{}", method="POST")[0] == 405
     assert _put(http_url.replace("/api", "/other"), b"{}")[0] == 404
+
+
+def test_the_largest_random_seed_is_served(server):
+    body = {"prompts": PROMPTS[:1], "tokens_to_generate": 3, "random_seed": 2 ** 64 - 1, "no_log": True}
+    status, payload = server.handle(body)
+    assert status == 200, payload
+    assert len(payload["tokens"][0]) == len(TOKENIZER.tokenize(PROMPTS[0])) + 3
+
+
+def _raw_put(url, head: bytes, body: bytes):
+    """Status and JSON answer of a PUT whose headers (after the request line) and body are sent as given."""
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as connection:
+        connection.sendall(b"PUT /api HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n" + body)
+        reply = b""
+        while b"\r\n\r\n" not in reply or len(reply.split(b"\r\n\r\n", 1)[1]) < _content_length(reply):
+            piece = connection.recv(65536)
+            if not piece:
+                break
+            reply += piece
+    status_line, _, rest = reply.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.split(b"\r\n\r\n", 1)[1])
+
+
+def _content_length(reply):
+    match = re.search(rb"Content-Length: (\d+)", reply)
+    return int(match.group(1)) if match else 0
+
+
+def test_request_body_framing(http_url):
+    body = json.dumps({"prompts": ["6 5"], "tokens_to_generate": 2, "top_k": 1, "no_log": True}).encode()
+    status, plain = _raw_put(http_url, b"Content-Length: %d\r\n" % len(body), body)
+    assert status == 200 and plain["tokens"][0][:2] == [6, 5]
+    # The same body sent in chunks (as clients streaming a body do) gets the same answer.
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in (body[:7], body[7:])) + b"0\r\n\r\n"
+    assert _raw_put(http_url, b"Transfer-Encoding: chunked\r\n", chunked) == (200, plain)
+    status, payload = _raw_put(http_url, b"Content-Length: ten\r\n", body)
+    assert status == 400 and payload["message"] == "Content-Length must be a non-negative integer, got 'ten'"
+
+
+def test_a_follower_keeps_following_after_a_failed_job(monkeypatch):
+    from megatron.inference import text_generation_server
+
+    broadcasts = iter(["bad job", "good job", "stop"])
+    ran = []
+
+    def run_job(model, job, limits):
+        ran.append(job)
+        if job == "bad job":
+            raise ValueError("this job fails on every rank")
+
+    monkeypatch.setattr(text_generation_server, "broadcast_from_rank0", lambda job=None: next(broadcasts))
+    monkeypatch.setattr(text_generation_server, "run_job", run_job)
+    follow_requests(None, LIMITS)
+    assert ran == ["bad job", "good job"]
 
 
 def _full_forward_log_probs(model, tokens):
