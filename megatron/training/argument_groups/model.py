@@ -9,6 +9,15 @@ from megatron.core.transformer.yarn_config import YARN_FIELDS
 
 DEFAULT_ROPE_SCALING_FACTOR = 8.0  # upstream's, Llama 3.1's
 DEFAULT_INIT_METHOD_STD = 0.02
+DEFAULT_ROTARY_BASE = 10000
+POSITION_EMBEDDING_TYPES = ["learned_absolute", "rope", "yarn", "none"]
+# Upstream values that need a model pretrain_gpt.py does not build: what to do instead.
+REFUSED_POSITION_EMBEDDING_TYPES = {
+    "mrope": "multimodal RoPE (Qwen2-VL) needs per-modality position ids from a vision-language model, and "
+             "pretrain_gpt.py trains a text-only GPT: use --position-embedding-type rope",
+    "relative": "relative position buckets belong to upstream's T5 encoder-decoder, not to GPT: use "
+                "--position-embedding-type rope, learned_absolute or none",
+}
 ATTENTION_BACKENDS = ["auto", "local", "unfused", "flash", "fused"]
 TRANSFORMER_ENGINE_ATTENTION_BACKENDS = ("flash", "fused")
 # Upstream switches that turn off a fused kernel; every op here is already the unfused torch op.
@@ -44,9 +53,12 @@ def add_arguments(parser):
         help="Size of the learned position table; default --seq-length.",
     )
     group.add_argument(
-        "--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope", "yarn"],
-        help="yarn: rotary embeddings with YaRN's frequency scaling and cos / sin factor (the --yarn-* flags; "
-        "gpt-oss).",
+        "--position-embedding-type", default="learned_absolute",
+        choices=[*POSITION_EMBEDDING_TYPES, *REFUSED_POSITION_EMBEDDING_TYPES],
+        help="learned_absolute: a learned table of --max-position-embeddings rows; rope: rotary embeddings; yarn: "
+        "rotary embeddings with YaRN's frequency scaling and cos / sin factor (the --yarn-* flags; gpt-oss); none: "
+        "no position information (NoPE). mrope and relative are upstream's multimodal and T5 encodings, which "
+        "pretrain_gpt.py does not offer (an error).",
     )
     group.add_argument(
         "--use-rotary-position-embeddings",
@@ -60,9 +72,10 @@ def add_arguments(parser):
         action="store_false",
         dest="add_position_embedding",
         help="Upstream's older way to say there is no learned position table: accepted with --position-embedding-type "
-        "rope (which has none), an error otherwise.",
+        "rope, yarn or none (which have none), an error with learned_absolute.",
     )
-    group.add_argument("--rotary-base", type=int, default=10000, help="Base of rotary position embeddings.")
+    group.add_argument("--rotary-base", type=int, default=DEFAULT_ROTARY_BASE,
+                       help="Base of rotary position embeddings.")
     group.add_argument(
         "--rotary-percent",
         type=float,
@@ -259,11 +272,24 @@ def _validate_yarn(args):
 
 
 def _validate_position_embedding(args):
-    if not args.add_position_embedding and args.position_embedding_type not in ("rope", "yarn"):
-        raise ValueError(f"--no-position-embedding asks for a model without a learned position table, but "
-                         f"--position-embedding-type is {args.position_embedding_type}, which is one; this build has "
-                         "no position-free model: add --position-embedding-type rope (as upstream requires), or drop "
+    refused = REFUSED_POSITION_EMBEDDING_TYPES.get(args.position_embedding_type)
+    if refused:
+        raise ValueError(f"--position-embedding-type {args.position_embedding_type} is not offered: {refused}")
+    if not args.add_position_embedding and args.position_embedding_type == "learned_absolute":
+        raise ValueError("--no-position-embedding asks for a model without a learned position table, but "
+                         "--position-embedding-type is learned_absolute, which is one: add --position-embedding-type "
+                         "rope (as upstream requires) or none (no position information), or drop "
                          "--no-position-embedding")
+    rotary = args.position_embedding_type in ("rope", "yarn") or getattr(args, "multi_latent_attention", False)
+    if rotary and not args.rotary_base > 0:
+        raise ValueError(f"--rotary-base must be positive, got {args.rotary_base} (Llama 3: 500000, default 10000)")
+    if not rotary:
+        for flag, value, default in (("--rotary-base", args.rotary_base, DEFAULT_ROTARY_BASE),
+                                     ("--rotary-percent", args.rotary_percent, 1.0)):
+            if value != default:
+                warnings.warn(f"{flag} {value} has no effect with --position-embedding-type "
+                              f"{args.position_embedding_type} (no rotary embeddings); add --position-embedding-type "
+                              f"rope or drop {flag}")
 
 
 def _validate_layer_variants(args):
@@ -369,7 +395,9 @@ def validate(args):
     if args.position_embedding_type == "learned_absolute" and args.seq_length > args.max_position_embeddings:
         raise ValueError(
             f"--seq-length ({args.seq_length}) must not exceed --max-position-embeddings "
-            f"({args.max_position_embeddings}) with learned absolute position embeddings"
+            f"({args.max_position_embeddings}) with learned absolute position embeddings (the table has one row "
+            "per position): raise --max-position-embeddings, shorten --seq-length, or use --position-embedding-type "
+            "rope"
         )
     for flag, value in (("--hidden-dropout", args.hidden_dropout), ("--attention-dropout", args.attention_dropout)):
         if not 0.0 <= value < 1.0:
@@ -380,13 +408,13 @@ def validate(args):
             "--attention-backend auto (the default) runs torch's scaled_dot_product_attention, which picks a "
             "flash kernel by itself where the device has one"
         )
+    if not 0.0 < args.rotary_percent <= 1.0:
+        raise ValueError(f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
     _validate_attention_shape(args)
     _validate_position_embedding(args)
     _validate_layer_variants(args)
     if args.squared_relu and args.swiglu:
         raise ValueError("--squared-relu and --swiglu are exclusive MLP activations: pick one")
-    if not 0.0 < args.rotary_percent <= 1.0:
-        raise ValueError(f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
     if args.attention_backend in TRANSFORMER_ENGINE_ATTENTION_BACKENDS:
         raise ValueError(
             f"--attention-backend {args.attention_backend} is a Transformer Engine kernel (GPU) that this build "

@@ -45,7 +45,7 @@ from megatron.core.transformer.multi_token_prediction import (
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn", "none")
 
 
 class GPTModel(ShardedStateModule):
@@ -58,8 +58,9 @@ class GPTModel(ShardedStateModule):
         pre_process: this stage holds the embedding (first pipeline stage).
         post_process: this stage holds the output layer and computes the loss (last pipeline stage).
         share_embeddings_and_output_weights: tie the output layer to the word embedding.
-        position_embedding_type: "learned_absolute", "rope", or "yarn" (RoPE with YaRN's frequencies and cos / sin
-            factor, shaped by the config's `yarn_*` fields).
+        position_embedding_type: "learned_absolute", "rope", "yarn" (RoPE with YaRN's frequencies and cos / sin
+            factor, shaped by the config's `yarn_*` fields), or "none" (no position information: causal attention
+            over the word embeddings alone, NoPE).
         rotary_percent, rotary_base: fraction of each head rotated and the RoPE base (rope and yarn).
         seq_len_interpolation_factor: RoPE positions are divided by it (rope only; None: the config's
             `rotary_seq_len_interpolation_factor`). `config.rotary_interleaved` picks the pair layout.

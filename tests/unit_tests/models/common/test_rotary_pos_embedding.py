@@ -45,3 +45,11 @@ def test_invalid_rotary_dimension():
         RotaryEmbedding(6, rotary_percent=0.5)
     with pytest.raises(ValueError, match="--rotary-percent"):
         RotaryEmbedding(8, rotary_percent=0.0)
+
+
+@pytest.mark.parametrize("base", [0, -10000])
+def test_non_positive_rotary_base_is_refused(base):
+    # base ** 0 = 1 but 0 ** x = 0 (negative bases give NaN): the angles would not be finite.
+    with pytest.raises(ValueError, match=rf"^--rotary-base must be positive, got {base}$"):
+        RotaryEmbedding(8, rotary_base=base)
+    assert torch.isfinite(RotaryEmbedding(8, rotary_base=10000)(4)).all()

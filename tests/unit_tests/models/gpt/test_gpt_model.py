@@ -29,6 +29,11 @@ VARIANTS = {
         {"position_embedding_type": "rope"},
     ),
     "untied": ({}, {"share_embeddings_and_output_weights": False}),
+    # NoPE: no position table and no rotation; only the causal mask orders the tokens.
+    "swiglu_rmsnorm_no_position_embedding": (
+        {"gated_linear_unit": True, "normalization": "RMSNorm", "ffn_hidden_size": 48},
+        {"position_embedding_type": "none"},
+    ),
     # Llama-style: grouped-query attention (2 key/value heads for 4 query heads), query/key norms, zero-centred
     # norm weights, partial rotary embeddings.
     "gqa_qknorm_1p_rope_partial": (
@@ -74,12 +79,12 @@ def _rope_as_complex_rotation(x, base, rotary_percent=1.0):
 
 
 def _reference_per_token_loss(params, config, tokens, labels, position_ids, rope_base=None, tied=True,
-                              rotary_percent=1.0):
+                              rotary_percent=1.0, learned_positions=True):
     heads, head_dim, groups = config.num_attention_heads, config.kv_channels, config.num_query_groups
     per_group = heads // groups
     batch, seq = tokens.shape
     x = params["embedding.word_embeddings.weight"][tokens]
-    if rope_base is None:
+    if learned_positions:
         x = x + params["embedding.position_embeddings.weight"][position_ids]
     causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)
     for index in range(config.num_layers):
@@ -130,10 +135,12 @@ def _model_matches_reference(config_overrides, model_kwargs):
         loss = model(tokens, position_ids, labels=labels)
         logits = model(tokens, position_ids)
         params = {name: p.detach() for name, p in model.named_parameters()}
-        rope_base = 10000 if model_kwargs.get("position_embedding_type") == "rope" else None
+        position_embedding_type = model_kwargs.get("position_embedding_type", "learned_absolute")
+        rope_base = 10000 if position_embedding_type == "rope" else None
         tied = model_kwargs.get("share_embeddings_and_output_weights", True)
         expected = _reference_per_token_loss(params, config, tokens, labels, position_ids, rope_base, tied,
-                                             model_kwargs.get("rotary_percent", 1.0))
+                                             model_kwargs.get("rotary_percent", 1.0),
+                                             learned_positions=position_embedding_type == "learned_absolute")
         # An explicit Megatron-style mask (True = masked) that is causal must give the causal result.
         causal_mask = torch.triu(torch.ones(1, 1, tokens.shape[1], tokens.shape[1], dtype=torch.bool), diagonal=1)
         masked_loss = model(tokens, position_ids, attention_mask=causal_mask, labels=labels)

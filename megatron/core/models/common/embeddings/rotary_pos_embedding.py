@@ -73,6 +73,8 @@ class RotaryEmbedding(torch.nn.Module):
                 f"rotary dimension kv_channels * rotary_percent = {rot_dim} must be an even number >= 2"
             )
         self.rot_dim = rot_dim
+        if not rotary_base > 0:  # base ** exponent would be 0 or undefined: infinite or NaN angles
+            raise ValueError(f"--rotary-base must be positive, got {rotary_base}")
         self.rotary_base = float(rotary_base)
 
     def inverse_frequencies(self, device) -> torch.Tensor:
