@@ -27,6 +27,13 @@ except Exception:  # noqa: BLE001
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+# Squared gradients of LM training (often below 1e-8, times 1 - beta2) are under fp16's smallest subnormal
+# (6e-8): stored unscaled they flush to zero and the update divides by eps. TE's FusedAdam keeps fp16 state with
+# a per-tensor scale; this implementation stores moments unscaled, so it refuses fp16 for the second moment.
+FP16_SECOND_MOMENT_MESSAGE = (
+    "--exp-avg-sq-dtype fp16: the second moment (squared gradients) underflows in fp16 unless it is stored with "
+    "a per-tensor scale, which only Transformer Engine's FusedAdam does (on CUDA, without --optimizer-cpu-offload); "
+    "use --exp-avg-sq-dtype bf16 (same bytes, fp32's range)")
 
 
 def optimizer_grad(param):
@@ -35,22 +42,45 @@ def optimizer_grad(param):
     return decoupled if decoupled is not None else param.grad
 
 
+def fresh_state(param, state_dtypes, empty_like=None):
+    """The state a first step creates for `param`: step 0 and zero moments in `state_dtypes` (moment key ->
+    dtype); `empty_like(param, dtype)` allocates them (default: next to `param`)."""
+    if empty_like is None:
+        def empty_like(tensor, dtype):
+            return torch.empty_like(tensor, dtype=dtype, memory_format=torch.preserve_format)
+    state = {"step": torch.tensor(0.0)}
+    for key in MOMENT_KEYS:
+        state[key] = empty_like(param, state_dtypes[key]).zero_()
+    return state
+
+
 class PrecisionAwareAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) with moments stored as `exp_avg_dtype` / `exp_avg_sq_dtype`; parameters
     keep their own dtype (the main-params dtype). See the module docstring."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
                  exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32):
+        if exp_avg_sq_dtype == torch.float16:
+            raise ValueError(FP16_SECOND_MOMENT_MESSAGE)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.state_dtypes = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype}
 
     def _state_of(self, param):
         state = self.state[param]
         if not state:
-            state["step"] = torch.tensor(0.0)
-            for key in MOMENT_KEYS:
-                state[key] = torch.zeros_like(param, dtype=self.state_dtypes[key], memory_format=torch.preserve_format)
+            state.update(fresh_state(param, self.state_dtypes))
+        for key in MOMENT_KEYS:
+            # A loader that writes the state itself may have cast it (Megatron-FSDP's, to the main weights' dtype).
+            if state[key].dtype != self.state_dtypes[key]:
+                state[key] = state[key].to(self.state_dtypes[key])
         return state
+
+    def initialize_state(self):
+        """Create every parameter's state as a first step would (step 0, zero moments) without stepping, so that
+        a loader that fills the optimizer's existing state (Megatron-FSDP's checkpoints) finds it."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                self._state_of(param)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -95,13 +95,23 @@ def test_fp16_main_params_and_decoupled_bf16_grads():
     torch.testing.assert_close(param.float(), reference.detach(), rtol=2.0**-11, atol=0)
 
 
+def test_fp16_second_moment_is_refused_as_it_underflows():
+    """Squared gradients of 1e-4 (times 1 - beta2) are below fp16's smallest subnormal: an unscaled fp16 second
+    moment would hold zeros and the update would divide by eps."""
+    param = torch.nn.Parameter(torch.ones(4))
+    assert torch.tensor(1e-4**2 * (1 - 0.999), dtype=torch.float16).item() == 0.0
+    with pytest.raises(ValueError, match=r"--exp-avg-sq-dtype fp16: the second moment .* use --exp-avg-sq-dtype bf16"):
+        PrecisionAwareAdamW([param], exp_avg_sq_dtype=torch.float16)
+
+
 def test_load_state_dict_keeps_the_stored_dtypes():
     params, grads = _params_and_grads()
-    optimizer = _run(PrecisionAwareAdamW, params, grads, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.float16)
+    optimizer = _run(PrecisionAwareAdamW, params, grads, exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.bfloat16)
     saved = copy.deepcopy(optimizer.state_dict())
-    assert saved["state"][0]["exp_avg"].dtype == torch.bfloat16 and saved["state"][0]["exp_avg_sq"].dtype == torch.float16
+    assert saved["state"][0]["exp_avg"].dtype == torch.float16
+    assert saved["state"][0]["exp_avg_sq"].dtype == torch.bfloat16
     fresh = PrecisionAwareAdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=LR,
-                                exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.float16)
+                                exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.bfloat16)
     fresh.load_state_dict(saved)
     for index, param in enumerate(fresh.param_groups[0]["params"]):
         for key in ("exp_avg", "exp_avg_sq"):
@@ -136,6 +146,8 @@ def test_config_rules_name_the_flags(kwargs, message):
          r"--main-grads-dtype bf16 needs --bf16"),
         ("--use-precision-aware-optimizer --use-megatron-fsdp --main-params-dtype fp16",
          r"with --use-megatron-fsdp use --megatron-fsdp-main-params-dtype"),
+        ("--use-precision-aware-optimizer --use-distributed-optimizer --exp-avg-sq-dtype fp16",
+         r"--exp-avg-sq-dtype fp16: the second moment .* use --exp-avg-sq-dtype bf16"),
     ],
 )
 def test_flag_rules_name_the_flags(monkeypatch, extra, message):
@@ -152,10 +164,10 @@ def test_flags_reach_the_optimizer_config(monkeypatch):
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     args = validated("--bf16 --use-distributed-optimizer --use-precision-aware-optimizer --main-grads-dtype bf16 "
-                     "--exp-avg-dtype bf16 --exp-avg-sq-dtype fp16 --main-params-dtype fp16")
+                     "--exp-avg-dtype fp16 --exp-avg-sq-dtype bf16 --main-params-dtype fp16")
     config = optimizer_config_from_args(args)
     assert (config.main_params_dtype, config.main_grads_dtype, config.exp_avg_dtype, config.exp_avg_sq_dtype) == (
-        torch.float16, torch.bfloat16, torch.bfloat16, torch.float16)
+        torch.float16, torch.bfloat16, torch.float16, torch.bfloat16)
     assert not ddp_config_from_args(args).grad_reduce_in_fp32  # bf16 gradient buffers
 
 
@@ -214,7 +226,7 @@ def _distributed(precision_aware, dtypes, model_dtype=torch.float32):
 def test_distributed_optimizer_with_precision_aware_state():
     plain = run_on_ranks(2, _distributed, False, {})
     fp32 = run_on_ranks(2, _distributed, True, {})
-    low = run_on_ranks(2, _distributed, True, dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.float16,
+    low = run_on_ranks(2, _distributed, True, dict(exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.bfloat16,
                                                    main_params_dtype=torch.float16))
     bf16_grads = run_on_ranks(2, _distributed, True, dict(main_grads_dtype=torch.bfloat16, exp_avg_dtype=torch.bfloat16),
                               torch.bfloat16)
@@ -223,7 +235,7 @@ def test_distributed_optimizer_with_precision_aware_state():
         # up to torch's foreach kernels' rounding).
         assert fp32[rank]["losses"] == pytest.approx(plain[rank]["losses"], rel=1e-6, abs=0)
         assert low[rank]["main_dtypes"] == {torch.float16}
-        assert low[rank]["state_dtypes"] == {"exp_avg": {torch.bfloat16}, "exp_avg_sq": {torch.float16}}
+        assert low[rank]["state_dtypes"] == {"exp_avg": {torch.float16}, "exp_avg_sq": {torch.bfloat16}}
         assert bf16_grads[rank]["state_dtypes"]["exp_avg"] == {torch.bfloat16}
         for result in (fp32[rank], low[rank], bf16_grads[rank]):
             assert result["local"] and result["gathered"]
@@ -265,3 +277,78 @@ def test_megatron_fsdp_keeps_bf16_moments(strategy):
         # The first step's loss precedes any update; later ones move by bf16 rounding of the moments only.
         assert result["losses"][True][0] == result["losses"][False][0]
         assert result["losses"][True] == pytest.approx(result["losses"][False], rel=1e-3)
+
+
+def _megatron_fsdp_torch_dist_resume(strategy, directory):
+    """Megatron-FSDP with bf16 / fp16 precision-aware moments, with and without optimizer CPU offload: train one
+    step, save torch_dist, train two more; then a fresh run of the other offload setting loads the checkpoint
+    (through the load targets the training loop uses) and trains the same two steps."""
+    from megatron.core.dist_checkpointing import serialization, wrappers
+    from megatron.core.distributed import DistributedDataParallelConfig, wrap_data_parallel
+    from megatron.core.optimizer import get_megatron_optimizer
+    from tests.unit_tests.distributed.precision_gpt import build_gpt
+    from tests.unit_tests.optimizer.test_cpu_offload import _train
+
+    dtypes = dict(exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.bfloat16)
+    offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5)
+
+    def build(settings):
+        model = build_gpt(num_layers=1)
+        ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True, use_distributed_optimizer=True,
+                                                   data_parallel_sharding_strategy=strategy)
+        chunk = wrap_data_parallel(model.config, ddp_config, model)
+        config = OptimizerConfig(lr=LR, use_distributed_optimizer=True, use_precision_aware_optimizer=True,
+                                 **dtypes, **settings)
+        return chunk, get_megatron_optimizer(config, [chunk])
+
+    def moments(optimizer):
+        states = [optimizer.optimizer.state[view] for view in optimizer.main_params()]
+        return [(float(state["step"]), state["exp_avg"].clone(), state["exp_avg_sq"].clone()) if state else None
+                for state in states]
+
+    result = {}
+    for saved_with, loaded_with in (("none", "offload"), ("offload", "none")):
+        path = f"{directory}/{saved_with}"
+        chunk, optimizer = build(offload if saved_with == "offload" else {})
+        _train(chunk, optimizer, range(1))
+        state = wrappers.model_state([chunk], for_saving=True)
+        state.update(wrappers.optimizer_state_to_save(optimizer, [chunk]))
+        serialization.save(state, path)
+        saved_moments = moments(optimizer)
+        uninterrupted = _train(chunk, optimizer, range(1, 3))[0]
+
+        chunk, optimizer = build(offload if loaded_with == "offload" else {})
+        metadata = serialization.read_metadata(path)
+        saved_keys = list(metadata.state_dict_metadata)
+        model_targets, finish_model = wrappers.model_load_targets([chunk])
+        serialization.load(model_targets, path, metadata=metadata)
+        finish_model(set(model_targets))
+        optimizer.reload_model_params()
+        targets, install = wrappers.optimizer_load_targets(optimizer, [chunk], saved_keys)
+        targets.update({key: None for key in ("optimizer.step", "optimizer.param_groups") if key in saved_keys})
+        serialization.load(targets, path, metadata=metadata)
+        install(targets)
+        loaded_moments = moments(optimizer)
+        result[saved_with] = {
+            "saved_dtypes": {key.rsplit(".", 1)[-1]: metadata.state_dict_metadata[key].properties.dtype
+                             for key in saved_keys if key.endswith((".exp_avg", ".exp_avg_sq"))},
+            # Values as saved (the loader may hand them over in another dtype; the first step puts them back).
+            "state_restored": len(loaded_moments) == len(saved_moments) and all(
+                loaded is not None and loaded[0] == saved[0] and torch.equal(loaded[1].cpu().float(), saved[1].float())
+                and torch.equal(loaded[2].cpu().float(), saved[2].float())
+                for loaded, saved in zip(loaded_moments, saved_moments)),
+            "uninterrupted": uninterrupted,
+            "resumed": _train(chunk, optimizer, range(1, 3))[0],
+            "resumed_dtypes": {(m.dtype, v.dtype) for _, m, v in moments(optimizer)},
+        }
+    return result
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_megatron_fsdp_torch_dist_checkpoint_restores_precision_aware_state(tmp_path, strategy):
+    for result in run_on_ranks(2, _megatron_fsdp_torch_dist_resume, strategy, str(tmp_path)):
+        for saved_with, run in result.items():
+            assert run["saved_dtypes"] == {"exp_avg": torch.float16, "exp_avg_sq": torch.bfloat16}, saved_with
+            assert run["resumed_dtypes"] == {(torch.float16, torch.bfloat16)}, saved_with
+            assert run["state_restored"], saved_with
+            assert run["resumed"] == pytest.approx(run["uninterrupted"], rel=1e-6, abs=0), saved_with

@@ -41,7 +41,7 @@ import torch
 
 from megatron.core.offloading.host_transfers import CopyStream
 from megatron.core.offloading.placement import HostPlacement, install_target_of, is_relocatable
-from megatron.core.optimizer.precision_aware_adam import optimizer_grad
+from megatron.core.optimizer.precision_aware_adam import MOMENT_KEYS, fresh_state, optimizer_grad
 
 
 def offload_split(numels: Sequence[int], fraction: float) -> List[bool]:
@@ -201,6 +201,21 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """The device parameters stepped on the host, in order."""
         self._ensure_built()
         return [entry.device_param for entry in self.offloaded]
+
+    def initialize_state(self):
+        """Create every parameter's state as a first step of the precision-aware optimizer would (step 0, zero
+        moments in their dtypes) without stepping or building the split, so that a loader that fills the
+        optimizer's existing state (Megatron-FSDP's checkpoints) finds it. The planned offloaded parameters' state
+        is allocated in host memory. An optimizer of another kind keeps its state lazily."""
+        if set(self.state_dtypes) != set(MOMENT_KEYS):
+            return
+        on_host = {id(param) for param in self.planned_offload()}
+        for group in self.param_groups:
+            for param in group["params"]:
+                state = self.state[param]
+                if not state:
+                    state.update(fresh_state(param, self.state_dtypes,
+                                             self.placement.empty_like if id(param) in on_host else None))
 
     # ---- state shared with the sub-optimizers ----------------------------------------------------------------
     def _link(self):
