@@ -20,11 +20,24 @@ second launch's. Golden values are the uninterrupted run's (saving does not chan
 `RESUME_MODEL_ARGS` makes a resume across layouts: the launch that loads the checkpoint runs with these flags
 over MODEL_ARGS (`false` drops a flag), e.g. a checkpoint saved under CP2 and Megatron-FSDP resumed under CP1 DDP,
 or one saved with an interleaved pipeline resumed without it. It must train the same model on the same ranks.
+
+Cases written for upstream's CI carry over:
+- `${VAR}` placeholders in MODEL_ARGS name the launch's own directories (`PLACEHOLDER_DIRECTORIES`:
+  `${CHECKPOINT_SAVE_PATH}`, `${TENSORBOARD_PATH}`, `${DATA_CACHE_PATH}`); a flag whose value is
+  `${CHECKPOINT_LOAD_PATH}` is left out, since an uninterrupted run starts from scratch and the resumed launch
+  of a ckpt-resume case loads the checkpoint the harness saved. `${DATA_PATH}` and any other variable are
+  refused when the case loads: the cases train on `--mock-data`, and nothing else defines them.
+- `--exit-interval E` below --train-iters ends every launch at iteration E: `train_iters` is then E, the golden
+  values end there, and a ckpt-resume case saves at E/2.
+- ENV_VARS `N_REPEAT` (upstream repeats a run to catch nondeterminism) is dropped: CPU runs here are bitwise
+  reproducible (`test_runner.py`), so a repeat could only give the same numbers. `SKIP_PYTEST` is refused: every
+  case is held to its golden values and its reference.
 """
 
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +74,18 @@ RELATIVE_TOLERANCE = {
 }
 ABSOLUTE_TOLERANCE = {"num-zeros": 4.0}
 
+CONFIG_KEYS = ("NPROC_PER_NODE", "ENV_VARS", "TEST_TYPE", "MODEL_ARGS", "METRICS", "RESUME_MODEL_ARGS")
+# Upstream's `${VAR}` placeholders that name a directory of the launch: the subdirectory of its workdir.
+PLACEHOLDER_DIRECTORIES = {"CHECKPOINT_SAVE_PATH": "checkpoints", "TENSORBOARD_PATH": "tensorboard",
+                           "DATA_CACHE_PATH": "data_cache"}
+# A flag with this value is left out (see the module docstring).
+DROPPED_PLACEHOLDER = "${CHECKPOINT_LOAD_PATH}"
+PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
+# Upstream ENV_VARS that steer its CI scripts rather than the run.
+IGNORED_ENV_VARS = ("N_REPEAT",)
+REFUSED_ENV_VARS = {"SKIP_PYTEST": "every case here is compared with its golden values and its reference "
+                                   "(CPU runs are deterministic): remove it"}
+
 
 @dataclasses.dataclass(frozen=True)
 class FunctionalCase:
@@ -83,10 +108,16 @@ class FunctionalCase:
 
     @property
     def train_iters(self):
-        """--train-iters, or for sample-based training --train-samples // --global-batch-size (as pretrain)."""
+        """The last iteration a launch trains: --train-iters (for sample-based training --train-samples //
+        --global-batch-size, as pretrain), or --exit-interval where that comes first."""
         if "--train-iters" in self.model_args:
-            return int(self.model_args["--train-iters"])
-        return int(self.model_args["--train-samples"]) // int(self.model_args["--global-batch-size"])
+            iterations = int(self.model_args["--train-iters"])
+        else:
+            iterations = int(self.model_args["--train-samples"]) // int(self.model_args["--global-batch-size"])
+        exit_interval = self.model_args.get("--exit-interval")
+        if exit_interval not in (None, False) and 0 < int(exit_interval) < iterations:
+            return int(exit_interval)
+        return iterations
 
 
 def list_cases(model="gpt"):
@@ -99,9 +130,9 @@ def load_case(name):
     if not config_path.is_file():
         raise FileNotFoundError(f"no functional test case {name!r}: {config_path} does not exist")
     config = yaml.safe_load(config_path.read_text())
-    unknown = set(config) - {"NPROC_PER_NODE", "ENV_VARS", "TEST_TYPE", "MODEL_ARGS", "METRICS", "RESUME_MODEL_ARGS"}
+    unknown = set(config) - set(CONFIG_KEYS)
     if unknown:
-        raise ValueError(f"{config_path}: unknown keys {sorted(unknown)}")
+        raise ValueError(f"{config_path}: unknown keys {sorted(unknown)}; a case has {', '.join(CONFIG_KEYS)}")
     test_type = config.get("TEST_TYPE", "regular")
     if test_type not in TEST_TYPES:
         raise ValueError(f"{config_path}: TEST_TYPE must be one of {TEST_TYPES}, got {test_type!r}")
@@ -114,16 +145,58 @@ def load_case(name):
     schedule_or_checkpoint = {"--train-iters", "--train-samples", "--save", "--load", "--exit-interval", "--ckpt-step"}
     if schedule_or_checkpoint & set(resume_model_args):
         raise ValueError(f"{config_path}: RESUME_MODEL_ARGS may change the layout, not the schedule or checkpoint")
+    for key, flags in (("MODEL_ARGS", model_args), ("RESUME_MODEL_ARGS", resume_model_args)):
+        for flag, value in flags.items():
+            _check_placeholders(config_path, key, flag, value)
+    env_vars = {key: str(value) for key, value in (config.get("ENV_VARS") or {}).items()
+                if key not in IGNORED_ENV_VARS}
+    for variable, reason in REFUSED_ENV_VARS.items():
+        if variable in env_vars:
+            raise ValueError(f"{config_path}: ENV_VARS {variable}: {reason}")
     return FunctionalCase(
         name=name,
         directory=directory,
         nproc_per_node=int(config.get("NPROC_PER_NODE", 1)),
-        env_vars={key: str(value) for key, value in (config.get("ENV_VARS") or {}).items()},
+        env_vars=env_vars,
         model_args=model_args,
         test_type=test_type,
         metrics=tuple(config.get("METRICS") or DEFAULT_METRICS),
         resume_model_args=resume_model_args,
     )
+
+
+def _check_placeholders(config_path, key, flag, value):
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        if not isinstance(item, str) or item == DROPPED_PLACEHOLDER:
+            continue
+        for match in PLACEHOLDER.finditer(item):
+            variable = match.group(1)
+            if variable in PLACEHOLDER_DIRECTORIES:
+                continue
+            if variable == "CHECKPOINT_LOAD_PATH":
+                raise ValueError(f"{config_path}: {key} {flag}: {item!r}: {DROPPED_PLACEHOLDER} may only be a "
+                                 "whole value (the flag is then left out)")
+            if variable == "DATA_PATH":
+                raise ValueError(f"{config_path}: {key} {flag}: {item!r}: the functional cases have no data sets; "
+                                 "train on --mock-data with --tokenizer-type NullTokenizer --vocab-size N instead")
+            known = [f"${{{name}}}" for name in PLACEHOLDER_DIRECTORIES] + [DROPPED_PLACEHOLDER]
+            raise ValueError(f"{config_path}: {key} {flag}: {item!r}: ${{{variable}}} is not defined here; "
+                             f"the placeholders a case may use are {', '.join(known)}")
+
+
+def expand_placeholders(model_args, workdir):
+    """`model_args` with the `${VAR}` directories of a launch in `workdir` filled in (see the module docstring)."""
+    def expand(item):
+        if not isinstance(item, str):
+            return item
+        return PLACEHOLDER.sub(lambda match: str(Path(workdir) / PLACEHOLDER_DIRECTORIES[match.group(1)]), item)
+
+    expanded = {}
+    for flag, value in model_args.items():
+        if value == DROPPED_PLACEHOLDER:
+            continue
+        expanded[flag] = [expand(item) for item in value] if isinstance(value, (list, tuple)) else expand(value)
+    return expanded
 
 
 def model_args_to_argv(model_args):
@@ -176,6 +249,7 @@ def launch(case, workdir, extra_model_args=None, timeout_s=DEFAULT_TIMEOUT_S, ta
     if metrics_path.exists():
         metrics_path.unlink()
     model_args = {**case.model_args, **(extra_model_args or {}), "--metrics-file": str(metrics_path)}
+    model_args = expand_placeholders(model_args, workdir)
     argv = model_args_to_argv(model_args)
     env = {**os.environ, **case.env_vars}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
@@ -282,9 +356,20 @@ def compare_series(metric, expected, actual, rtol, atol=0.0):
                 problems.append(f"{metric} @ {iteration}: expected {want}, got {got}")
             continue
         if abs(got - want) > atol + rtol * abs(want):
-            relative = abs(got - want) / abs(want) if want else float("inf")
-            problems.append(f"{metric} @ {iteration}: expected {want!r}, got {got!r} (rel. diff {relative:.3g} > {rtol})")
+            if atol:
+                bound = f"abs. diff {abs(got - want):.3g} > {atol} + {rtol} x |expected|"
+            else:
+                relative = abs(got - want) / abs(want) if want else float("inf")
+                bound = f"rel. diff {relative:.3g} > {rtol}"
+            problems.append(f"{metric} @ {iteration}: expected {want!r}, got {got!r} ({bound})")
     return problems
+
+
+def golden_mismatch_message(case, problems):
+    """What a failing golden-value comparison reports: each difference, then how to record new values."""
+    return (f"{case.name} differs from {case.golden_path}:\n" + "\n".join(problems) + "\nIf the change is intended, "
+            f"re-record the golden values with: python -m tests.functional_tests.regenerate_golden {case.name} "
+            "(and review the diff)")
 
 
 def compare_with_golden(case, metrics, golden):

@@ -10,6 +10,7 @@ from tests.functional_tests.runner import (
     ABSOLUTE_TOLERANCE,
     compare_series,
     compare_with_golden,
+    golden_mismatch_message,
     list_cases,
     load_case,
     load_golden,
@@ -31,7 +32,7 @@ def test_case_matches_golden_values(case_name, case_result):
     golden = load_golden(case)
     result = case_result(case_name)
     problems = compare_with_golden(case, result.metrics, golden)
-    assert not problems, f"{case_name} differs from {case.golden_path}:\n" + "\n".join(problems)
+    assert not problems, golden_mismatch_message(case, problems)
     if case.test_type != "ckpt-resume":
         return
     half = case.train_iters // 2
@@ -39,7 +40,9 @@ def test_case_matches_golden_values(case_name, case_result):
     # trains the second half bit for bit as the uninterrupted run (in the same layout).
     for metric in ("lm loss", "num-zeros"):
         resumed = result.resumed_metrics[metric]
-        assert sorted(resumed) == list(range(half + 1, case.train_iters + 1)), metric
+        assert sorted(resumed) == list(range(half + 1, case.train_iters + 1)), (
+            f"{case_name}: the launch resumed at {half} logged {metric!r} for iterations {sorted(resumed)}, "
+            f"expected {half + 1} to {case.train_iters}")
         uninterrupted = {i: v for i, v in result.metrics[metric].items() if i in resumed}
         rtol, atol = 0.0, 0.0
         if case.resumes_in_another_layout:

@@ -1,5 +1,7 @@
 """The functional-test runner itself: case files, flag conversion and the comparisons that decide pass/fail."""
 
+from pathlib import Path
+
 import pytest
 
 from tests.functional_tests import runner
@@ -95,3 +97,91 @@ def test_a_failing_rank_fails_the_launch_with_its_log(tmp_path):
     case = runner.load_case("gpt/dp2_ddp")
     with pytest.raises(RuntimeError, match=r"(?s)gpt/dp2_ddp \(broken\) failed: .*--num-attention-heads"):
         runner.launch(case, tmp_path, {"--num-attention-heads": 5}, tag="broken")
+
+
+def _write_case(tmp_path, monkeypatch, text, name="gpt/upstream_style"):
+    (tmp_path / name).mkdir(parents=True)
+    (tmp_path / name / "model_config.yaml").write_text(text)
+    monkeypatch.setattr(runner, "CASES_DIR", tmp_path)
+    return runner.load_case(name)
+
+
+UPSTREAM_STYLE_ARGS = """MODEL_ARGS:
+  --train-iters: 6
+  --save: ${CHECKPOINT_SAVE_PATH}
+  --load: ${CHECKPOINT_LOAD_PATH}
+  --tensorboard-dir: ${TENSORBOARD_PATH}
+  --data-cache-path: ${DATA_CACHE_PATH}
+"""
+
+
+def test_upstream_placeholders_name_the_launch_directories(tmp_path, monkeypatch):
+    """${CHECKPOINT_SAVE_PATH} and the like become directories of the launch; --load ${CHECKPOINT_LOAD_PATH} is left
+    out (a run starts from scratch) unless the harness loads a checkpoint itself."""
+    from tests.functional_tests import fork_launcher
+
+    case = _write_case(tmp_path / "cases", monkeypatch, UPSTREAM_STYLE_ARGS)
+    launched = []
+
+    class RecordingLauncher:
+        def launch(self, argv, env, nproc, cwd, log, timeout_s):
+            launched.append(argv)
+            Path(argv[argv.index("--metrics-file") + 1]).write_text('{"iteration": 1, "lm loss": 1.5}\n')
+            return {"returncodes": [0] * nproc, "timed_out": False}
+
+    monkeypatch.setattr(fork_launcher, "launcher_for", lambda case_env, env: RecordingLauncher())
+    workdir = tmp_path / "work"
+    assert runner.launch(case, workdir, launcher="fork") == {"lm loss": {1: 1.5}}
+    runner.launch(case, workdir, {"--load": "saved", "--ckpt-step": 3}, launcher="fork", tag="resumed")
+    first, resumed = launched
+    assert first[first.index("--save") + 1] == str(workdir / "checkpoints")
+    assert first[first.index("--tensorboard-dir") + 1] == str(workdir / "tensorboard")
+    assert first[first.index("--data-cache-path") + 1] == str(workdir / "data_cache")
+    assert "--load" not in first and not any("$" in item for item in first + resumed)
+    assert resumed[resumed.index("--load") + 1] == "saved"
+
+
+@pytest.mark.parametrize("value, message", [
+    ("${DATA_PATH}/my-gpt3_00_text_document",
+     r"MODEL_ARGS --data-path: '\$\{DATA_PATH\}/my-gpt3_00_text_document': .*--mock-data"),
+    ("${NUM_NODES}", r"--data-path: '\$\{NUM_NODES\}': \$\{NUM_NODES\} is not defined here.*CHECKPOINT_SAVE_PATH"),
+    ("${CHECKPOINT_LOAD_PATH}/iter_1", r"CHECKPOINT_LOAD_PATH\} may only be a whole value"),
+], ids=["data-path", "undefined", "load-path-inside-a-value"])
+def test_undefined_placeholders_are_refused_by_name(tmp_path, monkeypatch, value, message):
+    with pytest.raises(ValueError, match=message):
+        _write_case(tmp_path, monkeypatch, f"MODEL_ARGS:\n  --train-iters: 6\n  --data-path: {value}\n")
+
+
+def test_exit_interval_ends_every_launch_of_a_case(tmp_path, monkeypatch):
+    case = _write_case(tmp_path, monkeypatch, "TEST_TYPE: ckpt-resume\nMODEL_ARGS:\n  --train-iters: 8\n"
+                                              "  --exit-interval: 4\n")
+    assert case.train_iters == 4
+    assert runner.checkpoint_args(case, tmp_path)["--save-interval"] == 2
+    later = _write_case(tmp_path, monkeypatch, "MODEL_ARGS:\n  --train-iters: 8\n  --exit-interval: 10\n",
+                        name="gpt/exit_after_the_end")
+    assert later.train_iters == 8
+
+
+def test_upstream_ci_env_vars_are_dropped_or_refused(tmp_path, monkeypatch):
+    case = _write_case(tmp_path, monkeypatch, "ENV_VARS:\n  N_REPEAT: 5\n  NCCL_ALGO: Ring\n"
+                                              "MODEL_ARGS:\n  --train-iters: 6\n")
+    assert case.env_vars == {"NCCL_ALGO": "Ring"}
+    with pytest.raises(ValueError, match="ENV_VARS SKIP_PYTEST: every case here is compared"):
+        _write_case(tmp_path, monkeypatch, "ENV_VARS:\n  SKIP_PYTEST: 1\nMODEL_ARGS:\n  --train-iters: 6\n",
+                    name="gpt/skipped")
+    with pytest.raises(ValueError, match="unknown keys \\['SPEC'\\]; a case has NPROC_PER_NODE, ENV_VARS"):
+        _write_case(tmp_path, monkeypatch, "SPEC: x\nMODEL_ARGS:\n  --train-iters: 6\n", name="gpt/spec")
+
+
+def test_a_golden_mismatch_says_what_differed_and_how_to_re_record():
+    case = runner.load_case("gpt/single_rank")
+    golden = runner.load_golden(case)
+    metrics = {metric: {int(step): value for step, value in spec["values"].items()} for metric, spec in golden.items()}
+    metrics["num-zeros"][2] += 5
+    problems = runner.compare_with_golden(case, metrics, golden)
+    assert problems == [f"num-zeros @ 2: expected {golden['num-zeros']['values']['2']!r}, "
+                        f"got {metrics['num-zeros'][2]!r} (abs. diff 5 > 4.0 + 0.0 x |expected|)"]
+    message = runner.golden_mismatch_message(case, problems)
+    assert message.splitlines()[1] == problems[0]
+    assert "re-record the golden values with: python -m tests.functional_tests.regenerate_golden gpt/single_rank" in (
+        message)
