@@ -87,7 +87,8 @@ def add_arguments(parser):
     group.add_argument("--moe-router-padding-for-fp8", "--moe-router-padding-for-quantization",
                        dest="moe_router_padding_for_fp8", action="store_true",
                        help="With --fp8-format: pad each expert's token count to a multiple of 16 with "
-                       "probability-0 tokens (GEMM alignment; the output is unchanged).")
+                       "probability-0 tokens (GEMM alignment; the output is unchanged up to the FP8 scales, whose "
+                       "amaxes see the padded tokens).")
     group.add_argument("--moe-apply-probs-on-input", action="store_true",
                        help="Multiply each token by its routing probability before the expert instead of the "
                        "expert's output (--moe-router-topk 1 only).")

@@ -51,7 +51,7 @@ def validate(args):
     if layout is None and pp < 2:
         raise ValueError(f"{LAYERS_FLAG} / {STAGES_FLAG} need --pipeline-model-parallel-size > 1, got {pp}")
     if layers is not None:
-        layers_stages = _stages_from_layers_per_stage(args, layers)
+        layers_stages = _stages_from_layers_per_stage(args, layers, layout)
         if layout is not None and layers_stages != layout.virtual_pipeline_model_parallel_size:
             _disagrees_with_layout(layout, f"{LAYERS_FLAG} {layers} gives {layers_stages}")
         stages = layers_stages
@@ -73,8 +73,9 @@ def validate(args):
     check_microbatches(num_microbatches, pp, args.microbatch_group_size_per_virtual_pipeline_stage)
 
 
-def _stages_from_layers_per_stage(args, layers):
-    """Virtual stages per rank from the layers each holds: (L + accounted embedding/loss) / p / layers."""
+def _stages_from_layers_per_stage(args, layers, layout=None):
+    """Virtual stages per rank from the layers each holds: (L + accounted embedding/loss) / p / layers. With a
+    layout, a count that does not split the layers evenly disagrees with it (the layout places them)."""
     if args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None:
         raise ValueError(
             f"{LAYERS_FLAG} needs the same number of layers in every virtual stage, which {FIRST_FLAG} / "
@@ -85,6 +86,10 @@ def _stages_from_layers_per_stage(args, layers):
     pp = args.pipeline_model_parallel_size
     accounted = int(args.account_for_embedding_in_pipeline_split) + int(args.account_for_loss_in_pipeline_split)
     total = args.num_layers + accounted
+    if layout is not None and (total % pp != 0 or (total // pp) % layers != 0):
+        _disagrees_with_layout(layout, f"{LAYERS_FLAG} {layers} does not split the {total} layers (--num-layers "
+                               f"{args.num_layers}) evenly into virtual stages of {layers} on each of the {pp} "
+                               "pipeline ranks")
     if total % pp != 0:  # the split's own message names every flag involved
         virtual_stage_layer_counts(args.num_layers, pp,
                                    account_for_embedding=args.account_for_embedding_in_pipeline_split,

@@ -191,7 +191,8 @@ class MoEConfigMixin:
     logits unchanged), so the load is balanced whatever the weights (`--moe-router-force-load-balancing`)."""
     moe_router_padding_for_fp8: bool = False
     """Each expert's token count on a rank is padded with probability-0 tokens to a multiple of
-    FP8_ROUTING_PAD_MULTIPLE (FP8 GEMM alignment; the output is unchanged) (`--moe-router-padding-for-fp8`)."""
+    FP8_ROUTING_PAD_MULTIPLE (FP8 GEMM alignment; the output is unchanged up to the FP8 scales, whose amaxes see the
+    padded tokens) (`--moe-router-padding-for-fp8`)."""
     moe_apply_probs_on_input: bool = False
     """Scale each token by its routing probability before the expert instead of scaling the expert's output (top-1
     routing only) (`--moe-apply-probs-on-input`)."""
@@ -249,7 +250,8 @@ class MoEConfigMixin:
             object.__setattr__(self, "expert_tensor_parallel_size", tp)
         if self.expert_tensor_parallel_size != tp:
             raise ValueError(f"--expert-tensor-parallel-size ({self.expert_tensor_parallel_size}) must equal "
-                             f"--tensor-model-parallel-size ({tp}): experts use the tensor-parallel size here")
+                             f"--tensor-model-parallel-size ({tp}): the experts are split like the dense layers "
+                             f"here; drop --expert-tensor-parallel-size (or set it to {tp})")
         if tp > 1 and not self.sequence_parallel:
             raise ValueError("MoE layers with --tensor-model-parallel-size > 1 need --sequence-parallel (each "
                              "tensor-parallel rank routes its own tokens)")

@@ -64,7 +64,9 @@ def test_defaults_filled():
      ["--moe-shared-expert-overlap", "--moe-token-dispatcher-type alltoall"]),
     (dict(moe_router_enable_expert_bias=True), ["--moe-router-enable-expert-bias", "--moe-router-score-function"]),
     (dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.1), ["sinkhorn", "--moe-aux-loss-coeff"]),
-    (dict(expert_tensor_parallel_size=2), ["--expert-tensor-parallel-size", "--tensor-model-parallel-size"]),
+    (dict(expert_tensor_parallel_size=2),
+     ["--expert-tensor-parallel-size", "--tensor-model-parallel-size", "drop --expert-tensor-parallel-size (or set "
+      "it to 1)"]),
     (dict(tensor_model_parallel_size=2), ["--sequence-parallel"]),
     (dict(moe_layer_freq=[1, 0]), ["--moe-layer-freq", "--num-layers"]),
     (dict(moe_router_dtype="bf16"), ["--moe-router-dtype"]),
