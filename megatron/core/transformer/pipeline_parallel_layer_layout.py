@@ -186,9 +186,16 @@ class PipelineParallelLayerLayout:
             found = sum(stage.count(symbol) for stage in self.stages)
             stage = self.stages[stage_index]
             if found != 1 or not stage or stage[position] != symbol:
+                if found == 1:
+                    at = next(index for index, candidate in enumerate(self.stages) if symbol in candidate)
+                    seen = f"found in stage {at} of stages 0-{len(self.stages) - 1}"
+                    if not stage:
+                        seen += f", and stage {stage_index} is empty"
+                else:
+                    seen = f"found {found}"
                 raise ValueError(
                     f"{LAYOUT_FLAG} {self.text!r}: the {name} ('{symbol}') must appear once, as the {where} "
-                    f"(found {found}); e.g. 'Ett|ttL'"
+                    f"({seen}); e.g. 'Ett|ttL'"
                 )
         self._validate_mtp_placement(mtp_num_layers)
 

@@ -65,6 +65,8 @@ def test_layout_syntax_errors_point_at_the_character(text, message):
         ("tEt|ttL", 2, 4, r"embedding \('E'\) must appear once, as the first symbol of the first stage"),
         ("Ett|tt", 2, 4, r"loss \('L'\) must appear once, as the last symbol of the last stage \(found 0\)"),
         ("EtLt|ttL", 2, 4, r"loss \('L'\) must appear once.*\(found 2\)"),
+        ("Ett|ttL|", 3, 4, r"loss \('L'\) must appear once.*\(found in stage 1 of stages 0-2, and stage 2 is empty\)"),
+        ("tEt|ttL", 2, 4, r"embedding \('E'\) must appear once.*\(found in stage 0 of stages 0-1\)"),
         ("Etm|ttL", 2, 3, r"multi-token-prediction depths \('m'\) must all sit in the last stage"),
     ],
 )
