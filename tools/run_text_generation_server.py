@@ -4,9 +4,10 @@
         --load CKPT_DIR --use-checkpoint-args --tokenizer-type ByteLevelTokenizer --distributed-backend gloo
 
 Takes pretrain_gpt.py's model and tokenizer flags (`--use-checkpoint-args` reads the model's from the checkpoint)
-and `--load`; `--tensor-model-parallel-size 2` on 2 ranks splits the model. Rank 0 answers `PUT /api` on `--port`
-(default 5000) on every interface; the other ranks follow its requests. Query it with curl or
-`python tools/text_generation_cli.py localhost:5000`. See docs/inference.md.
+and `--load`; `--tensor-model-parallel-size 2` or `--pipeline-model-parallel-size 2` on 2 ranks splits the model
+(both on 4 ranks). Rank 0 answers `PUT /api` on `--port` (default 5000) on every interface; the other ranks
+follow its requests. Query it with curl or `python tools/text_generation_cli.py localhost:5000`. See
+docs/inference.md.
 """
 
 import os

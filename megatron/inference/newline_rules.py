@@ -15,6 +15,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from megatron.core.inference.pipeline_decoding import decode_forward
+
 
 @dataclass(frozen=True)
 class NewlineRules:
@@ -41,7 +43,7 @@ class NewlineRules:
 class NewlineRulesModel(torch.nn.Module):
     """`model` with `rules` applied to the logits of the last position of every row that is generating (its
     next token is past its prompt). `prompt_lengths` are the rows' prompt lengths of one static batch, decoded
-    from position 0."""
+    from position 0. With a pipeline stage as `model` it returns None on the stages before the last."""
 
     def __init__(self, model, rules: NewlineRules, prompt_lengths: Sequence[int], eod_id: int):
         super().__init__()
@@ -53,7 +55,11 @@ class NewlineRulesModel(torch.nn.Module):
         self.train(model.training)  # generation restores this mode afterwards: keep the model's
 
     def forward(self, tokens, position_ids, inference_context=None):
-        logits = self.model(tokens, position_ids, inference_context=inference_context)
+        if position_ids is not None:
+            raise ValueError("NewlineRulesModel decodes the positions of the context's offset: pass position_ids=None")
+        logits = decode_forward(self.model, tokens, inference_context)
+        if logits is None:  # a pipeline stage before the last: the last stage applies the rules
+            return None
         next_position = inference_context.sequence_len_offset + tokens.shape[1]
         for row, prompt_length in enumerate(self.prompt_lengths):
             last = int(tokens[row, -1])

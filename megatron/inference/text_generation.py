@@ -19,7 +19,9 @@ from typing import List, Optional
 
 import torch
 
+from megatron.core.inference.communication import broadcast_from_last_stage
 from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.inference.pipeline_decoding import decode_forward
 from megatron.core.inference.sampling_params import SamplingParams
 from megatron.core.inference.static_generation import GeneratedSequence, generate_static_batch, target_log_probs
 from megatron.inference.generation_request import GenerationRequest, RequestError
@@ -117,8 +119,11 @@ def score_prompts(model, prompts: List[List[int]], limits: GenerationLimits) -> 
             for row, prompt in enumerate(batch):
                 tokens[row, :len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=device)
             context = StaticInferenceContext(len(batch), length)
-            logits = model(tokens, None, inference_context=context)
-            log_probs = target_log_probs(logits[:, :-1], tokens[:, 1:], limits.vocab_size)
+            logits = decode_forward(model, tokens, context)  # None on a pipeline stage before the last
+            log_probs = torch.zeros(len(batch), length - 1, dtype=torch.float32, device=device)
+            if logits is not None:
+                log_probs = target_log_probs(logits[:, :-1], tokens[:, 1:], limits.vocab_size)
+            broadcast_from_last_stage(log_probs)
             for row, prompt in enumerate(batch):
                 results.append(GeneratedSequence(prompt_tokens=list(prompt), generated_tokens=[], stopped_at_eod=False,
                                                  generated_log_probs=[],
@@ -129,7 +134,8 @@ def score_prompts(model, prompts: List[List[int]], limits: GenerationLimits) -> 
 
 
 def run_job(model, job: GenerationJob, limits: GenerationLimits) -> List[GeneratedSequence]:
-    """Generate (or score) the job's prompts; every rank of a tensor-parallel group calls it with the same job."""
+    """Generate (or score) the job's prompts; every rank of the model (its tensor- and pipeline-parallel ranks)
+    calls it with the same job, and every rank gets the same results."""
     if job.sampling_params is None:
         return score_prompts(model, job.prompt_tokens, limits)
     results = []

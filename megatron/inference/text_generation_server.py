@@ -2,8 +2,9 @@
 `generation_request`) answers upstream's response (see `text_generation`), or 400 with `{"message": ...}`.
 
 Rank 0 serves HTTP. Every request it accepts is checked and tokenized there first (a bad request reaches no other
-rank), then broadcast to all ranks as a `GenerationJob`; every rank runs it (the tensor-parallel ranks together;
-data-parallel replicas, if any, generate the same batches) and rank 0 answers. The other ranks wait in
+rank), then broadcast to all ranks as a `GenerationJob`; every rank runs it (the tensor- and pipeline-parallel ranks
+together; data-parallel replicas, if any, generate the same batches) and rank 0 answers with the results every
+rank gets (the last pipeline stage's tokens and log-probabilities). The other ranks wait in
 `follow_requests` until rank 0 broadcasts the stop signal (`TextGenerationServer.stop_followers`) or they are
 interrupted. Requests are handled one at a time (a lock), as upstream does.
 """

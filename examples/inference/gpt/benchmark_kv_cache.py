@@ -9,7 +9,8 @@ Takes gpt_static_inference.py's flags; without `--prompts` / `--prompt-file` it 
 prompts of different lengths. With the cache, the prompts are generated as gpt_static_inference.py generates
 them (`generate_in_batches`). Without it, every step runs the whole batch, right-padded to its longest sequence,
 through the model again (no context; the causal mask keeps each sequence's logits free of the padding after
-it). Both are greedy; the benchmark checks that they choose the same tokens. Results in docs/inference.md.
+it). Both are greedy; the benchmark checks that they choose the same tokens. One pipeline stage only
+(`--pipeline-model-parallel-size 1`). Results in docs/inference.md.
 """
 
 import os
@@ -129,6 +130,10 @@ def run(args):
     if not args.prompts and args.prompt_file is None:
         args.prompts = BUILT_IN_PROMPTS
     gpt_static_inference.check_args(args)
+    if args.pipeline_model_parallel_size > 1:
+        raise ValueError(f"benchmark_kv_cache.py needs --pipeline-model-parallel-size 1 (got "
+                         f"{args.pipeline_model_parallel_size}): its run without the cache calls the whole model; "
+                         "gpt_static_inference.py generates with pipeline parallelism")
     tokenizer = gpt_static_inference.build_tokenizer(args)
     prompts = args.prompts or gpt_static_inference.read_prompt_file(args.prompt_file, args.prompt_file_num_truncate)
     prompt_tokens = [tokenizer.tokenize(prompt) for prompt in prompts]

@@ -5,8 +5,9 @@
         --prompts "def " "Return the" --num-tokens-to-generate 30
 
 Takes pretrain_gpt.py's model and tokenizer flags (`--use-checkpoint-args` reads the model's from the
-checkpoint) and `--load`; `--tensor-model-parallel-size 2` on 2 ranks splits the model (the `torch_dist`
-checkpoint reshards on load). No data-parallel wrapper is built; with more ranks than the tensor-parallel size
+checkpoint) and `--load`; `--tensor-model-parallel-size 2` on 2 ranks splits the model, and so does
+`--pipeline-model-parallel-size 2` (each stage its own layers; both: TP2 x PP2 on 4 ranks); the `torch_dist`
+checkpoint reshards on load. No data-parallel wrapper is built; with more ranks than the model-parallel size
 every data-parallel replica generates the same batches and rank 0 reports. Prompts come from `--prompts` or
 `--prompt-file` (JSON lines with a "text" field); more of them than `--inference-max-requests` are generated in
 several batches. Greedy by default (`--top_k 1`); `--temperature`, `--top_k`, `--top_p` and `--seed` select

@@ -1,3 +1,3 @@
 """Static-batch text generation: the key/value cache (`contexts`), what decoding supports (`model_checks`), the
-sampling rules (`sampling_params`, `sampling`), the tensor-parallel token broadcast (`communication`) and the
-generation loop (`static_generation`)."""
+sampling rules (`sampling_params`, `sampling`), a step through pipeline stages (`pipeline_decoding`), the
+broadcasts of the sampled tokens (`communication`) and the generation loop (`static_generation`)."""

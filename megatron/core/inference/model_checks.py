@@ -1,8 +1,11 @@
 """What decoding through a key/value cache supports, checked once per forward with a context.
 
-Refused, each with what to do instead:
-- pipeline parallelism: one process must hold the whole model (a `torch_dist` checkpoint trained at any
-  pipeline size loads at size 1, it reshards on load);
+Pipeline parallelism is supported: each stage decodes its own layers (`pipeline_decoding`). Refused, each with
+what to do instead:
+- an interleaved (virtual) pipeline: a rank decodes one stage (a `torch_dist` checkpoint trained with virtual
+  stages loads without them, it reshards on load);
+- `GPTModel.forward` with a context on one stage of several: a stage's step runs through
+  `pipeline_decoding.decode_forward`, which passes the activations between the stages;
 - context parallelism: one step's positions are not split over ranks (same remedy, `--context-parallel-size 1`);
 - sequence parallelism: a decoding step of one position cannot be split over the tensor-parallel ranks; it
   changes no weight, so build the model without it;
@@ -14,12 +17,19 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 def check_inference_supported(config: TransformerConfig, pre_process: bool = True, post_process: bool = True):
     """Raise ValueError naming the flag when a model built from `config` cannot decode through a cache."""
-    if config.pipeline_model_parallel_size > 1 or not (pre_process and post_process):
+    virtual_stages = getattr(config, "virtual_pipeline_model_parallel_size", None) or 1
+    if virtual_stages > 1:
         raise ValueError(
-            f"generation needs --pipeline-model-parallel-size 1 (got {config.pipeline_model_parallel_size}): each "
-            "process must hold the whole model. A --ckpt-format torch_dist checkpoint trained with pipeline "
-            "parallelism loads at --pipeline-model-parallel-size 1 (it reshards on load); use tensor parallelism "
-            "to split the model instead"
+            f"generation runs one pipeline stage per rank, not {virtual_stages} virtual stages: drop "
+            "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank (a --ckpt-format "
+            "torch_dist checkpoint trained with them loads without them)"
+        )
+    if not (pre_process and post_process):
+        raise ValueError(
+            "GPTModel.forward with an inference context decodes a whole model, and this one is one stage of "
+            f"--pipeline-model-parallel-size {config.pipeline_model_parallel_size}: decode a stage with "
+            "megatron.core.inference.pipeline_decoding.decode_forward (generate_static_batch does), which passes "
+            "the activations between the stages"
         )
     if config.context_parallel_size > 1:
         raise ValueError(

@@ -8,8 +8,11 @@ token (the model's choice is ignored); afterwards it is the sampled token. A seq
 others go on, and the batch stops when every sequence has stopped.
 
 Under tensor parallelism every rank gets the full (gathered) logits from the model; TP rank 0 samples and
-broadcasts the tokens, so every rank of the group continues with the same sequence. Sampling draws from a
-generator seeded with `seed`: the same seed gives the same text.
+broadcasts the tokens, so every rank of the group continues with the same sequence. Under pipeline parallelism
+each step runs through the stages (`pipeline_decoding`, every stage caching its own layers) and only the last
+stage has logits: its TP rank 0 samples, and the tokens are broadcast to every pipeline rank; the
+log-probabilities are broadcast from the last stage once the batch is done. Sampling draws from a generator
+seeded with `seed`: the same seed gives the same text.
 
 Log-probabilities (`return_log_probs`) are those of the model's distribution over the real vocabulary (the
 logits before temperature and filtering, without the padding rows of the vocabulary), for every prompt token
@@ -24,8 +27,15 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from megatron.core.inference.communication import broadcast_from_tensor_parallel_source, is_tensor_parallel_source
+from megatron.core import parallel_state
+from megatron.core.device_utils import get_device_for_group
+from megatron.core.inference.communication import (
+    broadcast_from_last_stage,
+    broadcast_from_sampling_source,
+    is_sampling_source,
+)
 from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.inference.pipeline_decoding import decode_forward
 from megatron.core.inference.sampling import sample_next_tokens
 from megatron.core.inference.sampling_params import SamplingParams
 
@@ -78,7 +88,11 @@ def _check_token_ids(prompts, eod_id, vocab_size):
 
 
 def _model_device(model):
-    return next(model.parameters()).device
+    parameter = next(model.parameters(), None)
+    if parameter is not None:
+        return parameter.device
+    # A pipeline stage may hold no parameters (no layers, neither embedding nor output layer).
+    return get_device_for_group(parallel_state.get_pipeline_model_parallel_group())
 
 
 def target_log_probs(logits, targets, vocab_size):
@@ -94,7 +108,9 @@ def generate_static_batch(model, prompts: Sequence[Sequence[int]], sampling_para
     """Generate from every prompt (token ids) of one static batch; see the module docstring.
 
     `model(tokens, position_ids, inference_context=context)` must return logits `[b, s, vocab]` for the positions
-    offset .. offset + s - 1 (GPTModel does). `max_sequence_length` / `max_batch_size` size the key/value cache
+    offset .. offset + s - 1 (GPTModel does). A GPTModel that is one stage of a pipeline decodes through
+    `pipeline_decoding.decode_forward`: every pipeline rank calls this function with the same arguments and gets
+    the same results. `max_sequence_length` / `max_batch_size` size the key/value cache
     (`--inference-max-seq-length`, `--inference-max-requests`); `vocab_size` is the tokenizer's vocabulary size
     (the model's may be padded; padding ids are never produced); None uses the model's whole vocabulary.
     """
@@ -121,20 +137,21 @@ def generate_static_batch(model, prompts: Sequence[Sequence[int]], sampling_para
     try:
         start, end = 0, int(lengths.min())
         while True:
-            logits = model(tokens[:, start:end], None, inference_context=context)  # [b, end - start, vocab]
+            # [b, end - start, vocab] on the last pipeline stage, None on the others.
+            logits = decode_forward(model, tokens[:, start:end], context)
             context.increment_sequence_len_offset(end - start)
             if start == 0:
                 context.enable_decode_mode()
-            last_logits = logits[:, -1, :vocab_size] if vocab_size is not None else logits[:, -1]
             sampled = torch.empty(batch, dtype=torch.long, device=device)
-            if is_tensor_parallel_source():
+            if is_sampling_source():
+                last_logits = logits[:, -1, :vocab_size] if vocab_size is not None else logits[:, -1]
                 sampled = sample_next_tokens(last_logits, sampling_params, generator)
-            broadcast_from_tensor_parallel_source(sampled)
+            broadcast_from_sampling_source(sampled)
 
             in_prompt = lengths > end
             generating = ~in_prompt & ~stopped
             tokens[:, end] = torch.where(in_prompt, tokens[:, end], torch.where(stopped, eod_id, sampled))
-            if sampling_params.return_log_probs:
+            if sampling_params.return_log_probs and logits is not None:
                 token_log_probs[:, start + 1:end + 1] = target_log_probs(logits, tokens[:, start + 1:end + 1],
                                                                           vocab_size)
             generated_counts += generating.long()
@@ -146,6 +163,8 @@ def generate_static_batch(model, prompts: Sequence[Sequence[int]], sampling_para
             start, end = end, end + 1
     finally:
         model.train(was_training)
+    if sampling_params.return_log_probs:
+        broadcast_from_last_stage(token_log_probs)
     return _results(prompts, tokens, lengths, generated_counts, stopped_at_eod, token_log_probs,
                     sampling_params.return_log_probs)
 

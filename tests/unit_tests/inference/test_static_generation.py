@@ -111,7 +111,7 @@ def test_batches_are_refused_only_for_a_prompt_that_does_not_fit():
 
 
 @pytest.mark.parametrize("overrides, flag", [
-    (dict(pp=2), "--pipeline-model-parallel-size 1"),
+    (dict(pp=2, num_layers=4, virtual_pipeline_model_parallel_size=2), "--num-virtual-stages-per-pipeline-rank"),
     (dict(context_parallel_size=2), "--context-parallel-size 1"),
     (dict(tp=2, sequence_parallel=True), "--sequence-parallel"),
     (dict(multi_latent_attention=True, kv_lora_rank=12, qk_head_dim=6, qk_pos_emb_head_dim=16, v_head_dim=10),
@@ -120,6 +120,12 @@ def test_batches_are_refused_only_for_a_prompt_that_does_not_fit():
 def test_unsupported_parallelism_names_the_flag(overrides, flag):
     with pytest.raises(ValueError, match=flag):
         check_inference_supported(tiny_config(**overrides))
+
+
+def test_pipeline_stages_decode_through_decode_forward_only():
+    check_inference_supported(tiny_config(pp=2))  # pipeline parallelism is supported
+    with pytest.raises(ValueError, match="pipeline_decoding.decode_forward"):
+        check_inference_supported(tiny_config(pp=2), pre_process=True, post_process=False)
 
 
 def _greedy_with_and_without_cache():

@@ -29,8 +29,12 @@ LIMITS = GenerationLimits(eod_id=TOKENIZER.eod, vocab_size=TOKENIZER.vocab_size,
 PROMPTS = ["3 14 15 9 2", "6 5", "35 8 9"]
 
 
-def _model(tp=1):
-    return seeded_model(tiny_config(tp=tp, num_query_groups=2), position_embedding_type="rope")
+def _model(tp=1, pp=1):
+    stage = {}
+    if pp > 1:
+        stage = dict(pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage())
+    return seeded_model(tiny_config(tp=tp, pp=pp, num_query_groups=2), position_embedding_type="rope", **stage)
 
 
 @pytest.fixture(scope="module")
@@ -273,15 +277,17 @@ def test_newline_options(option, text):
     assert not model.training  # the served model stays in eval mode
 
 
-def _served_at(tp):
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    model = _model(tp)
+def _served_at(tp, pp=1):
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    model = _model(tp, pp)
     body = {"prompts": PROMPTS, "tokens_to_generate": 5, "top_k": 1, "logprobs": True, "no_log": True}
     payload = None
     if torch.distributed.get_rank() == 0:
         server = TextGenerationServer(model, TOKENIZER, LIMITS)
         payload = server.handle(body)[1]
         payload["scored"] = server.handle({**body, "tokens_to_generate": 0})[1]["logprobs"]
+        sampled = {**body, "top_k": 0, "temperature": 1.5, "random_seed": 9}
+        payload["sampled"] = server.handle(sampled)[1]["tokens"]
         server.stop_followers()
     else:
         follow_requests(model, LIMITS)
@@ -299,3 +305,20 @@ def test_tp2_serves_the_greedy_text_of_tp1(world_size):
     assert tp2["text"] == tp1["text"] and tp2["tokens"] == tp1["tokens"]
     for tp2_log_probs, tp1_log_probs in zip(tp2["logprobs"] + tp2["scored"], tp1["logprobs"] + tp1["scored"]):
         torch.testing.assert_close(torch.tensor(tp2_log_probs), torch.tensor(tp1_log_probs), atol=1e-5, rtol=0)
+
+
+def _tp1_then_pp2():
+    return _served_at(1), _served_at(1, pp=2)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_pp2_serves_the_text_of_one_rank(world_size):
+    # Rank 0, which serves, is the first pipeline stage: the tokens and log-probabilities come from the last.
+    (one_rank, pp2), _ = run_on_ranks(world_size, _tp1_then_pp2)
+    assert pp2["text"] == one_rank["text"] and pp2["tokens"] == one_rank["tokens"]
+    assert pp2["sampled"] == one_rank["sampled"] and pp2["sampled"] != pp2["tokens"]
+    for pp2_log_probs, one_rank_log_probs in zip(pp2["logprobs"] + pp2["scored"],
+                                                 one_rank["logprobs"] + one_rank["scored"]):
+        assert min(abs(value) for value in one_rank_log_probs) > 0.1
+        torch.testing.assert_close(torch.tensor(pp2_log_probs), torch.tensor(one_rank_log_probs), atol=1e-6,
+                                   rtol=0)
