@@ -62,8 +62,7 @@ class EnergyMonitor:
         self._nvml.nvmlShutdown()
 
 
-def format_energy_fields(total_joules, iterations, world_size, seconds_per_iteration):
-    """The log line's energy fields: joules per iteration per GPU and the mean power per GPU."""
+def energy_and_power_per_gpu(total_joules, iterations, world_size, seconds_per_iteration):
+    """(joules per iteration per GPU, mean watts per GPU) of `total_joules` used by all ranks over `iterations`."""
     joules_per_iteration_per_gpu = total_joules / iterations / world_size
-    watts = joules_per_iteration_per_gpu / seconds_per_iteration
-    return f" energy per GPU (J/iter/GPU): {joules_per_iteration_per_gpu:.3f} | power per GPU (W/GPU): {watts:.3f} |"
+    return joules_per_iteration_per_gpu, joules_per_iteration_per_gpu / seconds_per_iteration

@@ -18,7 +18,7 @@ from megatron.core.distributed.data_parallel_base import (
     tensor_bytes,
 )
 from megatron.training import accelerator
-from megatron.training.energy_monitor import EnergyMonitor, format_energy_fields
+from megatron.training.energy_monitor import EnergyMonitor, energy_and_power_per_gpu
 from megatron.training.expert_memory import expert_memory_usage, format_expert_memory
 from megatron.training.host_memory import format_host_memory, host_offload_bytes
 from megatron.training.scalar_writers import build_scalar_writers
@@ -90,17 +90,26 @@ def format_log_line(
     params_norm=None,
     decoupled_learning_rate=None,
     max_attention_logit=None,
+    throughput_tflops_per_gpu=None,
+    energy=None,
 ):
     """Megatron's training log line: `iteration 10/ 100 | consumed samples: 320 | ... | number of nan
-    iterations: 0 |`. `losses` maps a name ("lm loss") to its value (empty when every iteration of the interval
-    was skipped: no loss is shown, as upstream); `grad_norm` / `num_zeros` / `params_norm` may be None.
+    iterations: 0 |`, its fields in upstream's order, each loss as `1.034E+01`. `losses` maps a name ("lm loss")
+    to its value (empty when every iteration of the interval was skipped: no loss is shown, as upstream);
+    `grad_norm` / `num_zeros` / `params_norm` may be None. `throughput_tflops_per_gpu` (--log-throughput) and `energy`
+    (--log-energy: joules per iteration and watts, per GPU) follow the iteration time when given.
     """
     fields = [
         f"iteration {iteration}/ {train_iters}",
         f"consumed samples: {consumed_samples}",
         f"elapsed time per iteration (ms): {elapsed_ms_per_iteration:.1f}",
-        f"learning rate: {learning_rate:.6E}",
     ]
+    if throughput_tflops_per_gpu is not None:
+        fields.append(f"throughput per GPU (TFLOP/s/GPU): {throughput_tflops_per_gpu:.1f}")
+    if energy is not None:
+        joules_per_iteration, watts = energy
+        fields += [f"energy per GPU (J/iter/GPU): {joules_per_iteration:.1f}", f"power per GPU (W/GPU): {watts:.1f}"]
+    fields.append(f"learning rate: {learning_rate:.6E}")
     if decoupled_learning_rate is not None:
         fields.append(f"decoupled learning rate: {decoupled_learning_rate:.6E}")
     fields += [
@@ -139,7 +148,9 @@ def format_memory_line(rank, memory):
 
 
 def training_flops_per_iteration(args, global_batch_size):
-    """Estimated matmul FLOPs of one iteration (forward + backward = 3 x forward) over all ranks."""
+    """Estimated matmul FLOPs of one iteration over all ranks, as upstream's `num_floating_point_operations`
+    counts them: each matmul runs three times (forward, then the data and weight gradients), causal attention
+    multiplies half of the score matrix, MoE routers are not counted, and neither is activation recompute."""
     hidden, layers, seq = args.hidden_size, args.num_layers, args.seq_length
     heads_width = args.kv_channels * args.num_attention_heads
     key_value_width = args.kv_channels * getattr(args, "num_query_groups", args.num_attention_heads)
@@ -147,7 +158,7 @@ def training_flops_per_iteration(args, global_batch_size):
     attention = (
         2 * hidden * (heads_width + 2 * key_value_width)  # QKV projection (fewer key/value heads with GQA)
         + 2 * heads_width * hidden  # attention output projection
-        + 2 * 2 * seq * heads_width  # scores and weighted sum over the sequence
+        + 2 * seq * heads_width  # scores and weighted sum over the sequence, halved by the causal mask
     )
     if getattr(args, "attention_output_gate", False):
         attention += 2 * hidden * heads_width  # the gate's rows of the QKV projection, one per query channel
@@ -159,24 +170,23 @@ def training_flops_per_iteration(args, global_batch_size):
     per_token_forward = (layers * attention + sum(mlp_per_layer)
                          + 2 * hidden * args.padded_vocab_size)  # logits
     mtp_depths = getattr(args, "mtp_num_layers", None) or 0
-    # Each multi-token prediction depth: the projection of [embedding, hidden] (2h -> h), one layer of the
-    # decoder's last layer's kind, and its own logits.
-    per_token_forward += mtp_depths * (2 * 2 * hidden * hidden + attention + mlp_per_layer[-1]
+    # Each multi-token prediction depth: its three norms (counted as upstream does, 2 FLOPs per element), the
+    # projection of [embedding, hidden] (2h -> h), one layer of the decoder's last layer's kind, and its own logits.
+    per_token_forward += mtp_depths * (2 * 3 * hidden + 2 * 2 * hidden * hidden + attention + mlp_per_layer[-1]
                                        + 2 * hidden * args.padded_vocab_size)
     return 3 * per_token_forward * seq * global_batch_size
 
 
 def _mlp_flops_per_layer(args, mlp_matrices):
-    """Forward MLP FLOPs of one token in each decoder layer: dense MLPs, and on MoE layers the router, the
-    top-k experts it goes through and the shared experts."""
+    """Forward MLP FLOPs of one token in each decoder layer: dense MLPs, and on MoE layers the top-k experts it
+    goes through and the shared experts (not the router, as upstream)."""
     dense = 2 * mlp_matrices * args.hidden_size * args.ffn_hidden_size
     if getattr(args, "num_experts", None) is None:
         return [dense] * args.num_layers
     from megatron.core.transformer.moe.moe_config import layer_pattern_from_freq
 
     expert_width = (args.moe_ffn_hidden_size or args.ffn_hidden_size) * args.moe_router_topk
-    moe = 2 * args.hidden_size * (args.num_experts + mlp_matrices * (expert_width +
-                                                                       (args.moe_shared_expert_intermediate_size or 0)))
+    moe = 2 * mlp_matrices * args.hidden_size * (expert_width + (args.moe_shared_expert_intermediate_size or 0))
     pattern = layer_pattern_from_freq(args.moe_layer_freq, args.num_layers)
     return [moe if is_moe else dense for is_moe in pattern]
 
@@ -351,6 +361,13 @@ class TrainingLogger:
         if self.is_logging_rank:
             count = self._interval_iterations
             elapsed_s = self._interval_time_s / count
+            tflops_per_rank = None
+            if args.log_throughput:
+                flops = training_flops_per_iteration(args, report["global_batch_size"])
+                tflops_per_rank = flops / elapsed_s / args.world_size / 1e12
+            energy = None
+            if energy_joules is not None:
+                energy = energy_and_power_per_gpu(energy_joules, count, args.world_size, elapsed_s)
             line = format_log_line(
                 iteration=iteration,
                 train_iters=args.train_iters,
@@ -367,14 +384,15 @@ class TrainingLogger:
                 params_norm=report.get("params_norm"),
                 decoupled_learning_rate=report.get("decoupled_learning_rate"),
                 max_attention_logit=report.get("max_attention_logit"),
+                throughput_tflops_per_gpu=tflops_per_rank,
+                energy=energy,
             )
-            if energy_joules is not None:
-                line += format_energy_fields(energy_joules, count, args.world_size, elapsed_s)
             print(line, flush=True)
+            if energy is not None and self._tensorboard is not None:
+                self._tensorboard.add_scalar("iter-energy/gpu", energy[0], iteration)  # upstream's keys
+                self._tensorboard.add_scalar("power/gpu", energy[1], iteration)
             if args.log_throughput:
                 tokens_per_second = report["global_batch_size"] * args.seq_length / elapsed_s
-                flops = training_flops_per_iteration(args, report["global_batch_size"])
-                tflops_per_rank = flops / elapsed_s / args.world_size / 1e12
                 print(format_throughput_line(tokens_per_second, args.world_size, tflops_per_rank), flush=True)
                 if self._tensorboard is not None:
                     self._tensorboard.add_scalar("throughput-tokens-per-second", tokens_per_second, iteration)
@@ -401,9 +419,12 @@ class TrainingLogger:
         at = f"iteration {iteration}" if where is None else f"iteration {iteration} {where}"
         print(f"{shown} loss at {at} | {text} |", flush=True)
         if self._tensorboard is not None and write_to_tensorboard:
+            samples = getattr(self.args, "consumed_train_samples", None)
             for name, value in losses.items():
-                self._tensorboard.add_scalar(f"{name} {shown}", value, iteration)
-                self._tensorboard.add_scalar(f"{name} {shown} ppl", _perplexity(value), iteration)
+                for key, scalar in ((f"{name} {shown}", value), (f"{name} {shown} ppl", _perplexity(value))):
+                    self._tensorboard.add_scalar(key, scalar, iteration)
+                    if samples is not None:
+                        self._tensorboard.add_scalar(f"{key} vs samples", scalar, samples)
         if self._metrics_stream is not None:
             record = {"iteration": iteration, "split": prefix}
             if set_label is not None:
@@ -450,26 +471,33 @@ class TrainingLogger:
         writer, args, iteration = self._tensorboard, self.args, report["iteration"]
         if writer is None or iteration % args.tensorboard_log_interval != 0:
             return
-        for name, value in report["losses"].items():
+
+        def add_scalar_and_vs_samples(name, value):
+            # As upstream: the scalar per iteration, and against the consumed samples for comparing runs whose
+            # batch sizes differ.
             writer.add_scalar(name, value, iteration)
+            writer.add_scalar(f"{name} vs samples", value, report["consumed_samples"])
+
+        for name, value in report["losses"].items():
+            add_scalar_and_vs_samples(name, value)
         # Upstream's switches: learning rate and loss scale on unless turned off, batch and world size on request.
         if getattr(args, "log_learning_rate_to_tensorboard", True):
-            writer.add_scalar("learning-rate", report["learning_rate"], iteration)
+            add_scalar_and_vs_samples("learning-rate", report["learning_rate"])
             if report.get("decoupled_learning_rate") is not None:
                 writer.add_scalar("decoupled-learning-rate", report["decoupled_learning_rate"], iteration)
         if getattr(args, "log_loss_scale_to_tensorboard", True):
-            writer.add_scalar("loss-scale", report["loss_scale"], iteration)
+            add_scalar_and_vs_samples("loss-scale", report["loss_scale"])
         if getattr(args, "log_batch_size_to_tensorboard", False):
-            writer.add_scalar("batch-size", report["global_batch_size"], iteration)
+            add_scalar_and_vs_samples("batch-size", report["global_batch_size"])
         if getattr(args, "log_world_size_to_tensorboard", False):
-            writer.add_scalar("world-size", args.world_size, iteration)
+            add_scalar_and_vs_samples("world-size", args.world_size)
         writer.add_scalar("iteration-time", report["iteration_time_s"], iteration)
         if report["grad_norm"] is not None:
-            writer.add_scalar("grad-norm", report["grad_norm"], iteration)
+            add_scalar_and_vs_samples("grad-norm", report["grad_norm"])
         if report["num_zeros"] is not None:
-            writer.add_scalar("num-zeros", report["num_zeros"], iteration)
+            add_scalar_and_vs_samples("num-zeros", report["num_zeros"])
         if report.get("params_norm") is not None:
-            writer.add_scalar("params-norm", report["params_norm"], iteration)
+            add_scalar_and_vs_samples("params-norm", report["params_norm"])
         if report.get("max_attention_logit") is not None:
             writer.add_scalar("max-attention-logit", report["max_attention_logit"], iteration)
         if args.log_memory_to_tensorboard:

@@ -18,7 +18,9 @@ def add_arguments(parser):
     group.add_argument("--tensorboard-queue-size", type=int, default=1000,
                        help="Scalars TensorBoard's writer queues before it writes them to disk.")
     group.add_argument("--log-num-zeros-in-grad", action="store_true", help="Count zero gradient elements.")
-    group.add_argument("--log-throughput", action="store_true", help="Log tokens/s and TFLOP/s per rank.")
+    group.add_argument("--log-throughput", action="store_true",
+                       help="Add the TFLOP/s per GPU (upstream's FLOPs estimate) to the log line, and a line of "
+                       "tokens/s.")
     group.add_argument("--log-memory-to-tensorboard", action="store_true", help="Memory scalars and log line.")
     group.add_argument(
         "--log-params-norm",

@@ -86,15 +86,16 @@ def transformer_config_kwargs(args):
 
 
 def attention_flops_per_token(args):
-    """Forward matmul FLOPs of one token through one multi-latent attention layer (2 per multiply-add): the
-    projections, then the scores and the weighted sum over the `--seq-length` keys."""
+    """Forward FLOPs of one token through one multi-latent attention layer, as upstream counts them (2 per
+    multiply-add; the latent norms at 2 per latent channel): the projections, then the scores and the weighted
+    sum over the `--seq-length` keys, halved by the causal mask."""
     hidden, heads, seq = args.hidden_size, args.num_attention_heads, args.seq_length
     query_width = heads * (args.qk_head_dim + args.qk_pos_emb_head_dim)
     if args.q_lora_rank is None:
         query = 2 * hidden * query_width
     else:
-        query = 2 * hidden * args.q_lora_rank + 2 * args.q_lora_rank * query_width
+        query = 2 * args.q_lora_rank * (hidden + query_width + 1)
     key_value = (2 * hidden * (args.kv_lora_rank + args.qk_pos_emb_head_dim)
-                 + 2 * args.kv_lora_rank * heads * (args.qk_head_dim + args.v_head_dim))
-    attention = 2 * seq * query_width + 2 * seq * heads * args.v_head_dim
+                 + 2 * args.kv_lora_rank * (heads * (args.qk_head_dim + args.v_head_dim) + 1))
+    attention = seq * query_width + seq * heads * args.v_head_dim
     return query + key_value + attention + 2 * heads * args.v_head_dim * hidden

@@ -30,10 +30,9 @@ def test_laps_are_the_energy_used_since_the_previous_one(monkeypatch):
     assert calls == ["init", "handle 0", "shutdown"]
 
 
-def test_log_line_fields():
+def test_energy_and_power_per_gpu():
     # 800 J over 2 iterations and 2 GPUs: 200 J per iteration per GPU; at 0.5 s per iteration, 400 W.
-    assert energy_monitor.format_energy_fields(800.0, 2, 2, 0.5) == (
-        " energy per GPU (J/iter/GPU): 200.000 | power per GPU (W/GPU): 400.000 |")
+    assert energy_monitor.energy_and_power_per_gpu(800.0, 2, 2, 0.5) == (200.0, 400.0)
 
 
 def test_without_nvml_the_run_says_why_and_logs_no_energy(monkeypatch, capsys):

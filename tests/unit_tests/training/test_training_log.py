@@ -2,8 +2,10 @@
 
 import argparse
 import json
+import math
 import re
 
+import pytest
 import torch
 
 from megatron.training import training_log
@@ -31,6 +33,22 @@ def test_log_line_is_megatrons_format():
     )
 
 
+def test_log_line_fields_follow_upstreams_order_and_formats():
+    """Throughput and energy come right after the iteration time, every loss (MoE aux, MTP) with three decimals."""
+    line = training_log.format_log_line(
+        iteration=4, train_iters=8, consumed_samples=16, elapsed_ms_per_iteration=250.04, learning_rate=3e-4,
+        global_batch_size=4, losses={"lm loss": 6.9412345, "load_balancing_loss": 1.00512, "mtp_1 loss": 6.95},
+        loss_scale=65536.0, grad_norm=1.5, num_zeros=12.0, skipped_iterations=1, nan_iterations=0,
+        params_norm=19.3416, throughput_tflops_per_gpu=123.456, energy=(200.04, 800.16))
+    assert line.split(" | ") == [
+        "iteration 4/ 8", "consumed samples: 16", "elapsed time per iteration (ms): 250.0",
+        "throughput per GPU (TFLOP/s/GPU): 123.5", "energy per GPU (J/iter/GPU): 200.0",
+        "power per GPU (W/GPU): 800.2", "learning rate: 3.000000E-04", "global batch size: 4",
+        "lm loss: 6.941E+00", "load_balancing_loss: 1.005E+00", "mtp_1 loss: 6.950E+00",
+        "loss scale: 65536.0", "grad norm: 1.500", "num zeros: 12.0", "params norm: 19.342",
+        "number of skipped iterations: 1", "number of nan iterations: 0 |"]
+
+
 def test_log_line_leaves_out_unknown_grad_stats():
     line = training_log.format_log_line(3, 5, 6, 1.0, 0.5, 2, {"lm loss": 1.0}, 65536.0, None, None, 1, 0)
     assert "grad norm" not in line and "num zeros" not in line
@@ -46,7 +64,8 @@ def _flops_args(**overrides):
 
 def test_flops_estimate_counts_every_matmul():
     h, s, f, v, layers, batch = 64, 16, 256, 128, 2, 3
-    per_token = layers * (2 * h * 3 * h + 2 * h * h + 4 * s * h + 4 * h * f) + 2 * h * v
+    # Causal attention: the scores and the weighted sum multiply half of the s x s matrix, 2 * s * h in all.
+    per_token = layers * (2 * h * 3 * h + 2 * h * h + 2 * s * h + 4 * h * f) + 2 * h * v
     assert training_log.training_flops_per_iteration(_flops_args(), batch) == 3 * per_token * s * batch
     gated = training_log.training_flops_per_iteration(_flops_args(swiglu=True), batch)
     assert gated - training_log.training_flops_per_iteration(_flops_args(), batch) == 3 * layers * 2 * h * f * s * batch
@@ -58,8 +77,9 @@ def test_flops_estimate_counts_every_matmul():
 
 def test_flops_estimate_counts_multi_token_prediction_depths():
     h, s, f, v, batch = 64, 16, 256, 128, 3
-    layer = 2 * h * 3 * h + 2 * h * h + 4 * s * h + 4 * h * f
-    per_depth = 2 * (2 * h) * h + layer + 2 * h * v  # projection of [embedding, hidden], one layer, logits
+    layer = 2 * h * 3 * h + 2 * h * h + 2 * s * h + 4 * h * f
+    per_depth = 2 * 3 * h + 2 * (2 * h) * h + layer + 2 * h * v  # 3 norms, projection of [embedding, hidden],
+    # one layer, logits
     plain = training_log.training_flops_per_iteration(_flops_args(), batch)
     assert training_log.training_flops_per_iteration(_flops_args(mtp_num_layers=None), batch) == plain
     with_two = training_log.training_flops_per_iteration(_flops_args(mtp_num_layers=2), batch)
@@ -109,6 +129,9 @@ def test_logger_writes_metrics_tensorboard_and_interval_lines(tmp_path, capsys):
     line = printed[1]
     assert line.startswith("iteration 2/ 4 | consumed samples: 16 | elapsed time per iteration (ms): 250.0 |")
     assert "| lm loss: 3.000E+00 |" in line  # the mean over the interval's two iterations
+    tflops_per_gpu = training_log.training_flops_per_iteration(args, 8) / 0.25 / 2 / 1e12
+    assert f"| elapsed time per iteration (ms): 250.0 | throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.1f} | " \
+           "learning rate: 1.000000E-02 |" in line
     tokens_per_second = re.search(r"tokens/s: ([0-9.]+)", printed[2]).group(1)
     assert float(tokens_per_second) == 8 * 16 / 0.25
     assert printed[3].startswith("validation loss at iteration 2 | lm loss value: 1.500000E+00")
@@ -264,3 +287,128 @@ def test_flops_estimate_counts_the_quick_geglu_mlp_like_swiglu():
     quick_geglu = training_log.training_flops_per_iteration(_flops_args(quick_geglu=True), batch)
     assert quick_geglu == training_log.training_flops_per_iteration(_flops_args(swiglu=True), batch)
     assert quick_geglu - plain == 3 * layers * 2 * h * f * s * batch  # the up projection: a third matrix
+
+
+# Upstream's `num_floating_point_operations` (megatron/training/training.py), written out for the shapes below:
+# 12 = 3 GEMMs per matmul (forward, data and weight gradient) x 2 matmuls per block x 2 FLOPs per multiply-add.
+def _upstream_dense_flops(batch, s, h, layers, heads, groups, kv_channels, ffn, vocab, swiglu):
+    query_width = kv_channels * heads
+    gated = 3 / 2 if swiglu else 1
+    attention = 12 * layers * h * h * ((1 + groups / heads + s / h / 2) * query_width / h)
+    mlp = 12 * layers * h * ffn * gated
+    return batch * s * (mlp + attention + 6 * h * vocab)
+
+
+def test_flops_match_upstreams_formula_with_gqa_and_swiglu():
+    args = _flops_args(hidden_size=96, kv_channels=32, num_attention_heads=6, num_query_groups=2, swiglu=True,
+                       ffn_hidden_size=160, seq_length=64, padded_vocab_size=256,
+                       untie_embeddings_and_output_weights=True, recompute_granularity="full")
+    expected = _upstream_dense_flops(batch=5, s=64, h=96, layers=2, heads=6, groups=2, kv_channels=32, ffn=160,
+                                     vocab=256, swiglu=True)
+    assert training_log.training_flops_per_iteration(args, 5) == pytest.approx(expected, rel=1e-12)
+
+
+def test_flops_match_upstreams_formula_with_moe_shared_experts_and_layer_pattern():
+    h, s, layers, batch, ffn, moe_ffn, shared, topk, vocab = 64, 32, 4, 3, 192, 48, 80, 2, 128
+    args = _flops_args(num_layers=layers, seq_length=s, swiglu=True, ffn_hidden_size=ffn, padded_vocab_size=vocab,
+                       num_experts=8, moe_router_topk=topk, moe_ffn_hidden_size=moe_ffn,
+                       moe_shared_expert_intermediate_size=shared, moe_layer_freq=[0, 1, 1, 0], mtp_num_layers=None)
+    dense_layers, moe_layers = 2, 2
+    attention = 12 * layers * h * h * ((1 + 4 / 4 + s / h / 2) * 64 / h)
+    mlp = 12 * layers * h * (ffn * 1.5 * dense_layers / layers + moe_ffn * topk * 1.5 * moe_layers / layers
+                             + shared * 1.5 * moe_layers / layers)
+    expected = batch * s * (mlp + attention + 6 * h * vocab)
+    assert training_log.training_flops_per_iteration(args, batch) == pytest.approx(expected, rel=1e-12)
+    # --moe-layer-freq 2 is the pattern 1, 0, 1, 0: as many MoE layers, so as many FLOPs.
+    args.moe_layer_freq = 2
+    assert training_log.training_flops_per_iteration(args, batch) == pytest.approx(expected, rel=1e-12)
+
+
+def test_flops_match_upstreams_formula_with_multi_token_prediction_after_a_moe_layer():
+    h, s, layers, batch, ffn, moe_ffn, topk, vocab, depths = 64, 16, 2, 2, 256, 32, 2, 128, 2
+    args = _flops_args(num_experts=4, moe_router_topk=topk, moe_ffn_hidden_size=moe_ffn,
+                       moe_shared_expert_intermediate_size=None, moe_layer_freq=[0, 1], mtp_num_layers=depths)
+    all_layers, moe_layers, dense_layers = layers + depths, 1 + depths, 1  # each depth repeats the last layer
+    attention = 12 * all_layers * h * h * ((1 + 1 + s / h / 2) * 64 / h)
+    mlp = 12 * all_layers * h * (ffn * dense_layers / all_layers + moe_ffn * topk * moe_layers / all_layers)
+    mtp_norms_and_projection = 6 * depths * (3 * h + 2 * h * h)
+    expected = batch * s * (mlp + attention + mtp_norms_and_projection + 6 * h * vocab * (depths + 1))
+    assert training_log.training_flops_per_iteration(args, batch) == pytest.approx(expected, rel=1e-12)
+
+
+def test_flops_match_upstreams_formula_with_multi_latent_attention():
+    h, s, layers, batch, heads, ffn, vocab = 64, 16, 2, 3, 4, 256, 128
+    q_lora, kv_lora, qk_dim, rope_dim, v_dim = 24, 32, 8, 4, 12
+    mla = dict(multi_latent_attention=True, kv_lora_rank=kv_lora, qk_head_dim=qk_dim, qk_pos_emb_head_dim=rope_dim,
+               v_head_dim=v_dim)
+    for q_rank, q_term in ((None, h * heads * (qk_dim + rope_dim)),
+                           (q_lora, q_lora * (h + heads * (qk_dim + rope_dim) + 1))):
+        args = _flops_args(q_lora_rank=q_rank, **mla)
+        attention = 6 * layers * (q_term + kv_lora * (h + heads * (qk_dim + v_dim) + 1) + h * rope_dim
+                                  + heads * v_dim * h + s * heads * (qk_dim + rope_dim) / 2 + s * heads * v_dim / 2)
+        expected = batch * s * (12 * layers * h * ffn + attention + 6 * h * vocab)
+        assert training_log.training_flops_per_iteration(args, batch) == pytest.approx(expected, rel=1e-12)
+
+
+class _ScalarRecorder:
+    def __init__(self):
+        self.scalars = []
+
+    def add_scalar(self, name, value, step):
+        self.scalars.append((name, value, step))
+
+    def flush(self):
+        pass
+
+    close = flush
+
+
+def test_tensorboard_writes_upstreams_vs_samples_scalars(monkeypatch, tmp_path):
+    """Each training scalar also against the consumed samples (`<name> vs samples`), as upstream's dashboards
+    plot them, and the validation loss too."""
+    recorder = _ScalarRecorder()
+    monkeypatch.setattr(training_log, "build_scalar_writers", lambda args: recorder)
+    args = argparse.Namespace(metrics_file=None, tensorboard_dir=str(tmp_path), save=None, log_interval=1,
+                              train_iters=3,
+                              tensorboard_log_interval=1, log_memory_to_tensorboard=False, log_throughput=False,
+                              log_timers_to_tensorboard=False, log_batch_size_to_tensorboard=True,
+                              log_world_size_to_tensorboard=True, world_size=2, consumed_train_samples=24)
+    logger = training_log.TrainingLogger(args, is_logging_rank=True)
+    report = _report(3, 2.5)
+    report["params_norm"] = 7.0
+    logger.log_iteration(report)
+    logger.log_evaluation(3, {"lm loss": 1.5})
+    logger.close()
+    against_samples = {name: (value, step) for name, value, step in recorder.scalars if name.endswith("vs samples")}
+    assert against_samples == {
+        "lm loss vs samples": (2.5, 24), "learning-rate vs samples": (0.01, 24), "batch-size vs samples": (8, 24),
+        "loss-scale vs samples": (1.0, 24), "world-size vs samples": (2, 24), "grad-norm vs samples": (0.5, 24),
+        "num-zeros vs samples": (4.0, 24), "params-norm vs samples": (7.0, 24),
+        "lm loss validation vs samples": (1.5, 24), "lm loss validation ppl vs samples": (math.exp(1.5), 24)}
+    assert ("lm loss", 2.5, 3) in recorder.scalars and ("lm loss validation", 1.5, 3) in recorder.scalars
+
+
+def test_energy_fields_sit_after_the_throughput_and_go_to_tensorboard(monkeypatch, capsys, tmp_path):
+    class FakeMonitor:
+        def lap(self):
+            return 1600.0  # joules over the interval, all ranks
+
+        def close(self):
+            pass
+
+    recorder = _ScalarRecorder()
+    monkeypatch.setattr(training_log, "build_scalar_writers", lambda args: recorder)
+    monkeypatch.setattr(training_log.EnergyMonitor, "from_args", classmethod(lambda cls, args: FakeMonitor()))
+    args = argparse.Namespace(metrics_file=None, tensorboard_dir=str(tmp_path), save=None, log_interval=2,
+                              train_iters=2,
+                              tensorboard_log_interval=1, log_memory_to_tensorboard=False, log_throughput=True,
+                              log_timers_to_tensorboard=False, log_energy=True, world_size=2, **vars(_flops_args()))
+    logger = training_log.TrainingLogger(args, is_logging_rank=True)
+    for iteration in (1, 2):
+        logger.log_iteration(_report(iteration, 1.0))
+    logger.close()
+    line = [text for text in capsys.readouterr().out.splitlines() if text.startswith("iteration")][0]
+    # 1600 J over 2 iterations and 2 GPUs: 400 J per iteration per GPU; at 0.25 s per iteration, 1600 W.
+    assert re.search(r"\| throughput per GPU \(TFLOP/s/GPU\): [0-9.]+ \| energy per GPU \(J/iter/GPU\): 400.0 \| "
+                     r"power per GPU \(W/GPU\): 1600.0 \| learning rate: ", line)
+    assert ("iter-energy/gpu", 400.0, 2) in recorder.scalars and ("power/gpu", 1600.0, 2) in recorder.scalars

@@ -332,8 +332,9 @@ def test_throughput_flops_count_the_latent_projections():
                      num_query_groups=4, swiglu=False, ffn_hidden_size=256, padded_vocab_size=128,
                      multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=32, qk_head_dim=8,
                      qk_pos_emb_head_dim=4, v_head_dim=12)
-    # Per token and layer: q down 64x24 and up 24x(4*12); kv down 64x(32+4) and up 32x(4*20); scores over 16 keys
-    # of 4*12 channels, weighted sum of 4*12 value channels; out 48x64. MLP 2 x 64x256, logits 64x128.
-    attention = 2 * (64 * 24 + 24 * 48 + 64 * 36 + 32 * 80 + 16 * 48 + 16 * 48 + 48 * 64)
+    # Per token and layer: q down 64x24, its norm (24) and up 24x(4*12); kv down 64x(32+4), its norm (32) and up
+    # 32x(4*20); scores over 16 keys of 4*12 channels and the weighted sum of 4*12 value channels, both halved by
+    # the causal mask; out 48x64. MLP 2 x 64x256, logits 64x128 (upstream's num_floating_point_operations).
+    attention = 2 * (64 * 24 + 24 * 48 + 24 + 64 * 36 + 32 * 80 + 32 + 16 * 48 // 2 + 16 * 48 // 2 + 48 * 64)
     per_token = 2 * attention + 2 * 2 * (2 * 64 * 256) + 2 * 64 * 128
     assert training_flops_per_iteration(args, global_batch_size=3) == 3 * per_token * 16 * 3
