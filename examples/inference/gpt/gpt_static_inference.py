@@ -58,6 +58,8 @@ def add_static_inference_args(parser):
                        help="Key/value cache batch size: more prompts are generated in several batches.")
     group.add_argument("--max-batch-size", type=int, default=None,
                        help="Deprecated name of --inference-max-requests.")
+    group.add_argument("--stream", action="store_true",
+                       help="Print each prompt's new text as its tokens are generated (rank 0), before the results.")
     return parser
 
 
@@ -124,6 +126,28 @@ def load_model(args):
     return launch.load_model(args, pretrain_gpt.model_provider)
 
 
+class TextStream:
+    """--stream: prints, on rank 0, each prompt's text added by a step's new tokens (`stream <i>: '<text>'`); the
+    end-of-document id adds no text. A token that only completes a character with the next one prints with it."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens, self.printed = {}, {}
+
+    def __call__(self, rows, tokens):
+        for row, token in zip(rows, tokens):
+            if token == self.tokenizer.eod:
+                continue
+            self.tokens.setdefault(row, []).append(token)
+            text = self.tokenizer.detokenize(self.tokens[row])
+            if text.endswith("\ufffd"):
+                continue
+            kept = len(os.path.commonprefix([text, self.printed.get(row, "")]))
+            if len(text) > kept:
+                _print_rank0(f"stream {row}: {text[kept:]!r}")
+                self.printed[row] = text
+
+
 def result_record(prompt, result, tokenizer):
     text_tokens = result.generated_tokens[:-1] if result.stopped_at_eod else result.generated_tokens
     record = {"prompt": prompt, "generated_text": tokenizer.detokenize(text_tokens),
@@ -148,7 +172,7 @@ def run(args):
     results = generate_in_batches(model, prompt_tokens, params, eod_id=tokenizer.eod,
                                   max_sequence_length=args.inference_max_seq_length,
                                   max_batch_size=args.inference_max_requests, vocab_size=tokenizer.vocab_size,
-                                  seed=args.seed)
+                                  seed=args.seed, on_tokens=TextStream(tokenizer) if args.stream else None)
     elapsed = time.perf_counter() - started
     records = [result_record(prompt, result, tokenizer) for prompt, result in zip(prompts, results)]
     for index, record in enumerate(records):

@@ -23,7 +23,7 @@ in consecutive batches, one after the other.
 """
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -38,6 +38,9 @@ from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.inference.pipeline_decoding import decode_forward
 from megatron.core.inference.sampling import sample_next_tokens
 from megatron.core.inference.sampling_params import SamplingParams
+
+# on_tokens(rows, tokens): the rows that generated a token in a step, and those tokens (--stream).
+TokenCallback = Callable[[List[int], List[int]], None]
 
 
 @dataclass
@@ -104,7 +107,7 @@ def target_log_probs(logits, targets, vocab_size):
 @torch.no_grad()
 def generate_static_batch(model, prompts: Sequence[Sequence[int]], sampling_params: SamplingParams, *, eod_id: int,
                           max_sequence_length: int, max_batch_size: int, vocab_size: Optional[int] = None,
-                          seed: int = 1234) -> List[GeneratedSequence]:
+                          seed: int = 1234, on_tokens: Optional[TokenCallback] = None) -> List[GeneratedSequence]:
     """Generate from every prompt (token ids) of one static batch; see the module docstring.
 
     `model(tokens, position_ids, inference_context=context)` must return logits `[b, s, vocab]` for the positions
@@ -113,6 +116,8 @@ def generate_static_batch(model, prompts: Sequence[Sequence[int]], sampling_para
     the same results. `max_sequence_length` / `max_batch_size` size the key/value cache
     (`--inference-max-seq-length`, `--inference-max-requests`); `vocab_size` is the tokenizer's vocabulary size
     (the model's may be padded; padding ids are never produced); None uses the model's whole vocabulary.
+    `on_tokens(rows, tokens)`, when given, is called on every rank after each step that generated tokens, with the
+    rows (prompt indices in this batch) that generated one and their new tokens (`--stream`).
     """
     num_tokens = sampling_params.num_tokens_to_generate
     check_static_batch(prompts, num_tokens, max_sequence_length, max_batch_size)
@@ -154,6 +159,9 @@ def generate_static_batch(model, prompts: Sequence[Sequence[int]], sampling_para
             if sampling_params.return_log_probs and logits is not None:
                 token_log_probs[:, start + 1:end + 1] = target_log_probs(logits, tokens[:, start + 1:end + 1],
                                                                           vocab_size)
+            if on_tokens is not None and bool(generating.any()):
+                rows = generating.nonzero().flatten()
+                on_tokens(rows.tolist(), tokens[rows, end].tolist())
             generated_counts += generating.long()
             hit_eod = generating & (sampled == eod_id)
             stopped_at_eod |= hit_eod
@@ -185,11 +193,12 @@ def _results(prompts, tokens, lengths, generated_counts, stopped_at_eod, token_l
 
 def generate_in_batches(model, prompts: Sequence[Sequence[int]], sampling_params: SamplingParams, *, eod_id: int,
                         max_sequence_length: int, max_batch_size: int, vocab_size: Optional[int] = None,
-                        seed: int = 1234) -> List[GeneratedSequence]:
+                        seed: int = 1234, on_tokens: Optional[TokenCallback] = None) -> List[GeneratedSequence]:
     """Generate from any number of prompts, `max_batch_size` (`--inference-max-requests`) at a time, as
     upstream's static engine does: consecutive prompts form each batch, and each batch is generated exactly as
     `generate_static_batch` would generate it alone (its own cache, its sampling generator seeded with `seed`).
-    The results are in prompt order. Every prompt is checked before the first batch runs."""
+    The results are in prompt order. Every prompt is checked before the first batch runs; `on_tokens` (see
+    `generate_static_batch`) gets indices into `prompts`."""
     check_prompts(prompts, sampling_params.num_tokens_to_generate, max_sequence_length)
     if max_batch_size < 1:
         raise ValueError(f"--inference-max-requests must be at least 1, got {max_batch_size}")
@@ -197,7 +206,16 @@ def generate_in_batches(model, prompts: Sequence[Sequence[int]], sampling_params
         _check_token_ids(prompts, eod_id, vocab_size)
     results = []
     for first in range(0, len(prompts), max_batch_size):
+        batch_callback = None if on_tokens is None else _offset_rows(on_tokens, first)
         results += generate_static_batch(model, prompts[first:first + max_batch_size], sampling_params,
                                          eod_id=eod_id, max_sequence_length=max_sequence_length,
-                                         max_batch_size=max_batch_size, vocab_size=vocab_size, seed=seed)
+                                         max_batch_size=max_batch_size, vocab_size=vocab_size, seed=seed,
+                                         on_tokens=batch_callback)
     return results
+
+
+def _offset_rows(on_tokens: TokenCallback, first: int) -> TokenCallback:
+    """`on_tokens` for the batch that starts at prompt `first`: its rows as indices into all prompts."""
+    def batch_callback(rows, tokens):
+        on_tokens([first + row for row in rows], tokens)
+    return batch_callback

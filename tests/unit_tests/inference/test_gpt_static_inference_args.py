@@ -5,6 +5,7 @@ launch script passed anyway."""
 import pytest
 
 from examples.inference.gpt.gpt_static_inference import (
+    TextStream,
     add_static_inference_args,
     check_args,
     read_prompt_file,
@@ -116,3 +117,19 @@ def test_max_batch_size_that_disagrees_with_inference_max_requests_is_refused():
     args = _validated(["--prompts", "a", "--max-batch-size", "3", "--inference-max-requests", "5"])
     with pytest.raises(ValueError, match="--max-batch-size 3 and --inference-max-requests 5 disagree"):
         check_args(args)
+
+
+def test_stream_prints_each_prompts_new_text_once_its_characters_are_whole(capsys):
+    from megatron.training.tokenizer import build_tokenizer_from_args
+
+    assert _parse(["--stream"]).stream and not _parse([]).stream
+    tokenizer = build_tokenizer_from_args(_parse(["--tokenizer-type", "ByteLevelTokenizer"]))
+    stream = TextStream(tokenizer)
+    e_acute = tokenizer.tokenize("\u00e9")  # two bytes: the first alone is no character yet
+    assert len(e_acute) == 2
+    stream([0, 1], tokenizer.tokenize("ab"))
+    stream([0, 1], [tokenizer.tokenize("c")[0], e_acute[0]])
+    stream([1], [e_acute[1]])
+    stream([0], [tokenizer.eod])
+    assert capsys.readouterr().out.splitlines() == [
+        "stream 0: 'a'", "stream 1: 'b'", "stream 0: 'c'", "stream 1: '\u00e9'"]

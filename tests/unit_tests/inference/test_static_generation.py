@@ -89,6 +89,21 @@ def test_bad_batches_name_the_flag(prompts, kwargs, flag):
         _generate(CountingModel(), prompts, **kwargs)
 
 
+def test_streamed_tokens_are_the_generated_ones_in_order_across_batches():
+    prompts = [[1], [5, 0, 3], [7], [2, 2]]  # 7 -> 8 -> 9 ends the third prompt's document early
+    streamed = {}
+
+    def on_tokens(rows, tokens):
+        assert len(rows) == len(tokens) and len(set(rows)) == len(rows)
+        for row, token in zip(rows, tokens):
+            streamed.setdefault(row, []).append(token)
+
+    results = generate_in_batches(CountingModel(), prompts, GREEDY, eod_id=9, max_sequence_length=16,
+                                  max_batch_size=3, on_tokens=on_tokens)
+    assert streamed == {row: result.generated_tokens for row, result in enumerate(results)}
+    assert streamed[2] == [8, 9] and streamed[1] == [4, 5, 6, 7]
+
+
 def test_more_prompts_than_the_batch_run_in_consecutive_batches_in_prompt_order():
     prompts = [[1], [5, 0, 3], [7], [2, 2], [4]]
     params = SamplingParams(top_k=0, temperature=0.9, num_tokens_to_generate=3, return_log_probs=True)
