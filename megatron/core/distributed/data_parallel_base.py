@@ -28,6 +28,14 @@ import sys
 import torch
 
 
+PER_TOKEN_AVERAGE_MESSAGE = (
+    "--calculate-per-token-loss (config.calculate_per_token_loss) and --ddp-average-in-collective "
+    "(ddp_config.average_in_collective) are exclusive: per-token gradients are summed over the data-parallel ranks "
+    "and divided by the global token count, and an average in the collective would divide them by the "
+    "data-parallel size once more; drop --ddp-average-in-collective"
+)
+
+
 class DataParallelWrapper(torch.nn.Module, abc.ABC):
     """Base of the data-parallel wrappers; see the module docstring for the contract.
 
@@ -36,6 +44,9 @@ class DataParallelWrapper(torch.nn.Module, abc.ABC):
     """
 
     def __init__(self, config, ddp_config):
+        if getattr(config, "calculate_per_token_loss", False) and ddp_config.average_in_collective:
+            # A rule between the model config and the data-parallel one: neither config sees the other.
+            raise ValueError(PER_TOKEN_AVERAGE_MESSAGE)
         super().__init__()
         self.config = config
         self.ddp_config = ddp_config

@@ -30,9 +30,19 @@ class _UseCustomFsdp(argparse.Action):
         setattr(namespace, self.dest, True)
 
 
+class _StoreMegatronFsdpSetting(argparse.Action):
+    """Stores a Megatron-FSDP setting and records that it was given, so that one spelled at its default value
+    without --use-megatron-fsdp is reported like any other value (see `_warn_megatron_fsdp_only_flags`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.megatron_fsdp_settings_given = sorted({*namespace.megatron_fsdp_settings_given, self.dest})
+
+
 def add_arguments(parser):
     nccl_buffers.add_arguments(parser)
     group = parser.add_argument_group("data parallel")
+    parser.set_defaults(megatron_fsdp_settings_given=())
     group.add_argument("--use-distributed-optimizer", action="store_true", help="ZeRO-1 for the DDP path.")
     group.add_argument("--overlap-grad-reduce", action="store_true", help="Overlap grad reduction with backward.")
     group.add_argument("--overlap-param-gather", action="store_true", help="Overlap param gather with forward.")
@@ -66,12 +76,14 @@ def add_arguments(parser):
                        help="Deprecated: upstream's earlier name of --use-megatron-fsdp; the same.")
     group.add_argument(
         "--data-parallel-sharding-strategy",
+        action=_StoreMegatronFsdpSetting,
         default=DEFAULT_SHARDING_STRATEGY,
         choices=SHARDING_STRATEGIES,
         help="ZeRO level under Megatron-FSDP.",
     )
     group.add_argument(
         "--outer-dp-sharding-strategy",
+        action=_StoreMegatronFsdpSetting,
         default="no_shard",
         choices=["no_shard", "optim"],
         help="Across the outer data-parallel dimension: replicate (HSDP) or shard optimizer state (HFSDP).",
@@ -88,12 +100,14 @@ def add_arguments(parser):
     group.add_argument("--fsdp-double-buffer", action="store_true", help="Two unit-sized gather buffers.")
     group.add_argument(
         "--megatron-fsdp-main-params-dtype",
+        action=_StoreMegatronFsdpSetting,
         default="fp32",
         choices=MEGATRON_FSDP_DTYPE_CHOICES,
         help="Megatron-FSDP main weights (what the optimizer steps on); auto: the parameters' dtype.",
     )
     group.add_argument(
         "--megatron-fsdp-main-grads-dtype",
+        action=_StoreMegatronFsdpSetting,
         default="auto",
         choices=MEGATRON_FSDP_DTYPE_CHOICES,
         help="Megatron-FSDP gradient accumulation and optimizer-gradient dtype; auto: fp32 when the main weights "
@@ -102,6 +116,7 @@ def add_arguments(parser):
     )
     group.add_argument(
         "--megatron-fsdp-grad-comm-dtype",
+        action=_StoreMegatronFsdpSetting,
         default="auto",
         choices=MEGATRON_FSDP_DTYPE_CHOICES,
         help="Megatron-FSDP gradient reduction dtype; auto: the main grads dtype.",
@@ -114,9 +129,17 @@ def add_arguments(parser):
     )
     group.add_argument(
         "--torch-fsdp2-no-reshard-after-forward",
+        "--no-torch-fsdp2-reshard-after-forward",
         action="store_false",
         dest="torch_fsdp2_reshard_after_forward",
         help="Keep FSDP2 parameters gathered between forward and backward.",
+    )
+    group.add_argument(
+        "--torch-fsdp2-reshard-after-forward",
+        action="store_true",
+        dest="torch_fsdp2_reshard_after_forward",
+        help="Free FSDP2's gathered parameters after each layer's forward and regather them for backward (the "
+        "default; the last of the two spellings given wins).",
     )
 
 
@@ -160,8 +183,7 @@ def _validate_gradient_precision(args):
         args.accumulate_allreduce_grads_in_fp32 = True
 
 
-# Megatron-FSDP's own settings: flag, destination, default (a value equal to the default cannot be told apart from
-# an unset flag).
+# Megatron-FSDP's own settings: flag, destination, default.
 MEGATRON_FSDP_ONLY_FLAGS = (
     ("--data-parallel-sharding-strategy", "data_parallel_sharding_strategy", DEFAULT_SHARDING_STRATEGY),
     ("--outer-dp-sharding-strategy", "outer_dp_sharding_strategy", "no_shard"),
@@ -174,11 +196,22 @@ MEGATRON_FSDP_ONLY_FLAGS = (
 def _warn_megatron_fsdp_only_flags(args):
     """Without --use-megatron-fsdp its settings change nothing (DDP, the distributed optimizer and FSDP2 read
     none of them): say so instead of training with other dtypes or sharding than the command line asks for."""
+    given = getattr(args, "megatron_fsdp_settings_given", ())
     for flag, dest, default in MEGATRON_FSDP_ONLY_FLAGS:
         value = getattr(args, dest)
-        if value != default:
+        if value != default or dest in given:
             warnings.warn(f"{flag} {value} has no effect without --use-megatron-fsdp (it is a Megatron-FSDP "
                           "setting); add --use-megatron-fsdp to train that way, or drop the flag")
+
+
+def _warn_settings_fsdp2_does_not_read(args):
+    """FSDP2 reduce-scatters each fully_shard module's gradients on its own and chooses how to average them."""
+    if args.ddp_bucket_size is not None:
+        warnings.warn("--ddp-bucket-size has no effect with --use-torch-fsdp2 (it communicates per layer, without "
+                      "gradient buckets); drop the flag")
+    if args.ddp_average_in_collective:
+        warnings.warn("--ddp-average-in-collective has no effect with --use-torch-fsdp2 (FSDP2 averages the "
+                      "gradients in its own way, with the same result); drop the flag")
 
 
 def validate(args):
@@ -220,7 +253,11 @@ def validate(args):
         raise ValueError("--init-model-with-meta-device needs --use-megatron-fsdp")
     if not args.use_megatron_fsdp:
         _warn_megatron_fsdp_only_flags(args)
+    if not args.use_torch_fsdp2 and not args.torch_fsdp2_reshard_after_forward:
+        warnings.warn("--torch-fsdp2-no-reshard-after-forward has no effect without --use-torch-fsdp2; add "
+                      "--use-torch-fsdp2 to train that way, or drop the flag")
     if args.use_torch_fsdp2:
+        _warn_settings_fsdp2_does_not_read(args)
         if args.ckpt_format not in ("torch_dist", "torch_dcp"):
             raise ValueError("--use-torch-fsdp2 needs --ckpt-format torch_dist or torch_dcp")
         if not args.untie_embeddings_and_output_weights:
@@ -248,5 +285,9 @@ def validate(args):
                 f"data-parallel x --context-parallel-size ({data_and_context_parallel}) must be divisible by "
                 f"--num-distributed-optimizer-instances ({instances})"
             )
+    if args.calculate_per_token_loss and args.ddp_average_in_collective:
+        from megatron.core.distributed.data_parallel_base import PER_TOKEN_AVERAGE_MESSAGE
+
+        raise ValueError(PER_TOKEN_AVERAGE_MESSAGE)
     if args.ddp_bucket_size is not None and args.ddp_bucket_size <= 0:
         raise ValueError(f"--ddp-bucket-size must be positive, got {args.ddp_bucket_size}")

@@ -256,3 +256,79 @@ def test_upstream_fsdp_fields_have_their_effect():
         model = torch.nn.Sequential(Fp8CapableLinear(), torch.nn.ReLU(), Fp8CapableLinear())
         _RecordingWrapper(model, DistributedDataParallelConfig(keep_fp8_transpose_cache=keep))
         assert [layer._fp8_keep_transpose for layer in (model[0], model[2])] == [keep, keep]
+
+
+PER_TOKEN_AND_AVERAGE = ("--calculate-per-token-loss", "--ddp-average-in-collective")
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS, ids=lambda cls: cls.__name__)
+def test_every_wrapper_refuses_averaging_per_token_gradients(wrapper):
+    """Per-token gradients are summed over the data-parallel ranks and divided by the global token count in
+    finalize_model_grads: an average in the collective would divide them by DP once more (DDP trained on half the
+    gradient), so every wrapper refuses the pair before building anything, naming both flags."""
+    config = type("ModelConfig", (), {"params_dtype": torch.float32, "calculate_per_token_loss": True})()
+    settings = {DistributedDataParallel: {}, MegatronFSDPAdapter: {"use_megatron_fsdp": True},
+                TorchFSDP2: {"use_torch_fsdp2": True}}[wrapper]
+    ddp_config = DistributedDataParallelConfig(average_in_collective=True, **settings)
+    with pytest.raises(ValueError) as refused:
+        wrapper(config, ddp_config, build_toy_model())
+    assert all(flag in str(refused.value) for flag in PER_TOKEN_AND_AVERAGE), str(refused.value)
+
+
+@pytest.mark.parametrize("wrapper_flags", ["", "--use-distributed-optimizer", "--use-megatron-fsdp",
+                                           "--use-torch-fsdp2 --untie-embeddings-and-output-weights"])
+def test_the_command_line_refuses_averaging_per_token_gradients(monkeypatch, wrapper_flags):
+    from tests.unit_tests.training.test_arguments import validated
+
+    with pytest.raises(ValueError) as refused:
+        validated(f"{wrapper_flags} {' '.join(PER_TOKEN_AND_AVERAGE)}", 2, monkeypatch)
+    message = str(refused.value)
+    assert all(flag in message for flag in PER_TOKEN_AND_AVERAGE) and "drop" in message, message
+    assert validated(PER_TOKEN_AND_AVERAGE[0], 2, monkeypatch).calculate_per_token_loss
+
+
+@pytest.mark.parametrize("wrapper_flags", ["", "--use-distributed-optimizer",
+                                           "--use-torch-fsdp2 --untie-embeddings-and-output-weights"])
+def test_a_megatron_fsdp_strategy_spelled_at_its_default_warns_without_megatron_fsdp(monkeypatch, wrapper_flags):
+    """`--data-parallel-sharding-strategy optim_grads_params` (the default value, asked for explicitly) trains
+    as the other wrapper does, like any other strategy value: the warning says so; leaving it out warns nothing."""
+    import warnings
+
+    from tests.unit_tests.training.test_arguments import validated
+
+    flag = "--data-parallel-sharding-strategy optim_grads_params"
+    with pytest.warns(UserWarning, match=f"^{flag} has no effect without --use-megatron-fsdp"):
+        validated(f"{wrapper_flags} {flag}", 2, monkeypatch)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="--data-parallel-sharding-strategy")
+        assert validated(wrapper_flags, 2, monkeypatch).data_parallel_sharding_strategy == "optim_grads_params"
+        assert validated(f"--use-megatron-fsdp {flag}", 2, monkeypatch).use_megatron_fsdp
+
+
+FSDP2 = "--use-torch-fsdp2 --untie-embeddings-and-output-weights"
+
+
+@pytest.mark.parametrize("flags, reshard_after_forward", [
+    ("--torch-fsdp2-no-reshard-after-forward", False),
+    ("--no-torch-fsdp2-reshard-after-forward", False),
+    ("--torch-fsdp2-reshard-after-forward", True),
+    ("--torch-fsdp2-no-reshard-after-forward --torch-fsdp2-reshard-after-forward", True),
+])
+def test_fsdp2_reshard_after_forward_spellings(monkeypatch, flags, reshard_after_forward):
+    from tests.unit_tests.training.test_arguments import validated
+
+    assert validated(f"{FSDP2} {flags}", 2, monkeypatch).torch_fsdp2_reshard_after_forward is reshard_after_forward
+
+
+@pytest.mark.parametrize("flags, named", [
+    ("--torch-fsdp2-no-reshard-after-forward", "--torch-fsdp2-no-reshard-after-forward"),
+    (f"{FSDP2} --ddp-bucket-size 1000", "--ddp-bucket-size"),
+    (f"{FSDP2} --ddp-average-in-collective", "--ddp-average-in-collective"),
+])
+def test_settings_the_chosen_wrapper_does_not_read_warn(monkeypatch, flags, named):
+    """FSDP2's resharding switch changes nothing under DDP, and FSDP2 has no gradient buckets and picks its own
+    reduction: each such flag warns instead of being dropped without a word."""
+    from tests.unit_tests.training.test_arguments import validated
+
+    with pytest.warns(UserWarning, match=f"^{named} has no effect"):
+        validated(flags, 2, monkeypatch)
