@@ -332,7 +332,8 @@ def _megatron_fsdp_torch_dist_resume(strategy, directory):
         result[saved_with] = {
             "saved_dtypes": {key.rsplit(".", 1)[-1]: metadata.state_dict_metadata[key].properties.dtype
                              for key in saved_keys if key.endswith((".exp_avg", ".exp_avg_sq"))},
-            # Values as saved (the loader may hand them over in another dtype; the first step puts them back).
+            "loaded_dtypes": {(m.dtype, v.dtype) for _, m, v in loaded_moments},
+            # Values as saved, in the dtypes they are kept in from the load on.
             "state_restored": len(loaded_moments) == len(saved_moments) and all(
                 loaded is not None and loaded[0] == saved[0] and torch.equal(loaded[1].cpu().float(), saved[1].float())
                 and torch.equal(loaded[2].cpu().float(), saved[2].float())
@@ -349,6 +350,7 @@ def test_megatron_fsdp_torch_dist_checkpoint_restores_precision_aware_state(tmp_
     for result in run_on_ranks(2, _megatron_fsdp_torch_dist_resume, strategy, str(tmp_path)):
         for saved_with, run in result.items():
             assert run["saved_dtypes"] == {"exp_avg": torch.float16, "exp_avg_sq": torch.bfloat16}, saved_with
+            assert run["loaded_dtypes"] == {(torch.float16, torch.bfloat16)}, saved_with
             assert run["resumed_dtypes"] == {(torch.float16, torch.bfloat16)}, saved_with
             assert run["state_restored"], saved_with
             assert run["resumed"] == pytest.approx(run["uninterrupted"], rel=1e-6, abs=0), saved_with

@@ -403,7 +403,10 @@ def load_optimizer_state_dict(optimizer, state_dict):
                 flat = _main_level(model, group, _shard_from_rows(model, group, values, group.main_dtype))
                 for index, view in enumerate(group.main_param_views):
                     target = group._main_view(flat, index)
-                    optimizer.state[view][key] = target.clone()
+                    existing = optimizer.state[view].get(key)
+                    # State kept in another dtype (the precision-aware optimizer's bf16/fp16 moments) stays in it.
+                    dtype = existing.dtype if isinstance(existing, torch.Tensor) else target.dtype
+                    optimizer.state[view][key] = target.to(dtype=dtype, copy=True)
             for index, name in enumerate(group.names):
                 for key, value in saved_state.get(name, {}).items():
                     if key not in keys and key != MAIN_PARAM_KEY:
