@@ -7,8 +7,8 @@ mark every expert parameter with `expert_global_index` (the expert's index over 
 `num_local_experts`.
 
 Statistics over the whole model (gradient norm, zero count) count each expert once: a rank's sum over its expert
-gradients is reduced over the model-parallel group and over the expert-parallel group (the other experts), plus
-the expert data-parallel group where the gradients are sharded over it.
+gradients is reduced over the expert tensor x expert x pipeline parallel group (the other slices and experts),
+plus the expert data-parallel group where the gradients are sharded over it.
 """
 
 import re
@@ -59,12 +59,13 @@ def expert_data_parallel_group():
 
 
 def expert_grad_stats_groups(shard_group=None):
-    """Groups over which a rank's sum over its expert gradients is reduced so every expert counts once:
-    model parallel (TP x PP), expert parallel, and `shard_group` when the gradients are sharded over it."""
+    """Groups over which a rank's sum over its expert gradients is reduced so every expert counts once: expert
+    tensor x expert x pipeline parallel (ETP x EP x PP), and `shard_group` when the gradients are sharded over
+    it."""
     parallel_state = _parallel_state_if_initialized()
     groups = []
     if parallel_state is not None:
-        groups += [parallel_state.get_model_parallel_group(), parallel_state.get_expert_model_parallel_group()]
+        groups.append(parallel_state.get_expert_tensor_model_pipeline_parallel_group())
     if shard_group is not None:
         groups.append(shard_group)
     return groups

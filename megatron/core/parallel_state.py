@@ -12,7 +12,8 @@ Three files, read top-down:
   name of the other two that callers use is importable from here too, so `parallel_state.X` keeps working.
 
 Expert parallelism uses its own grid over the same ranks: within a pipeline stage the tp*cp*dp ranks are
-re-read as tp x ep x expert-dp (context parallelism folded into expert data parallelism).
+re-read as etp x ep x expert-dp (`expert_tensor_parallel_size`, default tp; context parallelism folded into
+expert data parallelism).
 """
 
 from megatron.core.process_groups import (  # noqa: F401  (re-exported: parallel_state's public face)
@@ -270,7 +271,7 @@ def _expert_data_parallel_name(partial_expert_data_parallel):
     if model_parallel_is_initialized() and not _belongs_to("inner-expt-dp"):
         raise ValueError(
             f"--num-distributed-optimizer-instances {get_num_distributed_optimizer_instances()} does not divide the "
-            f"expert data-parallel size {len(_ranks('expt-dp'))} (world / (TP x EP x PP)): expert parameters cannot "
+            f"expert data-parallel size {len(_ranks('expt-dp'))} (world / (ETP x EP x PP)): expert parameters cannot "
             "be split into that many instances; choose an instance count that divides it or a smaller "
             "--expert-model-parallel-size"
         )
@@ -311,20 +312,36 @@ def get_outer_expert_data_parallel_group():
 
 
 def get_expert_tensor_and_model_parallel_group():
+    """The expert tensor-parallel x expert-parallel ranks (ETP x EP) of this rank's pipeline stage and expert
+    data-parallel position: together they hold every expert once (the token dispatchers' group)."""
     return _group("tp-ep")
 
 
-# Expert tensor parallelism is tensor parallelism here (the experts' linears split over the TP group).
+def get_expert_tensor_and_model_parallel_world_size():
+    return len(_ranks("tp-ep")) if model_parallel_is_initialized() else 1
+
+
+def get_expert_tensor_and_model_parallel_rank():
+    return _rank_in("tp-ep") if model_parallel_is_initialized() else 0
+
+
+def get_expert_tensor_model_pipeline_parallel_group():
+    """ETP x EP x PP: the ranks that together hold every expert of the model once."""
+    return _group("tp-ep-pp")
+
+
+# Expert tensor parallelism: the experts' linears split over `--expert-tensor-parallel-size` ranks (the
+# tensor-parallel group itself when that equals the tensor-parallel size).
 def get_expert_tensor_parallel_group():
-    return get_tensor_model_parallel_group()
+    return _group("etp")
 
 
 def get_expert_tensor_parallel_rank():
-    return get_tensor_model_parallel_rank()
+    return _rank_in("etp") if model_parallel_is_initialized() else 0
 
 
 def get_expert_tensor_parallel_world_size():
-    return get_tensor_model_parallel_world_size()
+    return len(_ranks("etp")) if model_parallel_is_initialized() else 1
 
 
 # Model parallel, embedding (the device mesh: process_groups.get_device_mesh)

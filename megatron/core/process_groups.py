@@ -84,7 +84,6 @@ def initialize_model_parallel(
         pipeline_model_parallel_comm_backend=pipeline_model_parallel_comm_backend,
         use_sharp=use_sharp,
         hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
-        expert_tensor_parallel_size=expert_tensor_parallel_size,
         nccl_communicator_config_path=nccl_communicator_config_path,
         distributed_timeout_minutes=distributed_timeout_minutes,
         high_priority_stream_groups=high_priority_stream_groups,
@@ -100,6 +99,7 @@ def initialize_model_parallel(
         ep=expert_model_parallel_size,
         order=order,
         num_distributed_optimizer_instances=num_distributed_optimizer_instances,
+        etp=expert_tensor_parallel_size,
     )
     if hierarchical_context_parallel_sizes is not None:
         groups.update(hierarchical_context_parallel_groups(groups["cp"], hierarchical_context_parallel_sizes))
@@ -152,7 +152,6 @@ def reject_unsupported_options(
     pipeline_model_parallel_comm_backend=None,
     use_sharp=False,
     hierarchical_context_parallel_sizes=None,
-    expert_tensor_parallel_size=None,
     nccl_communicator_config_path=None,
     distributed_timeout_minutes=30,
     high_priority_stream_groups=None,
@@ -192,11 +191,6 @@ def reject_unsupported_options(
             f"hierarchical_context_parallel_sizes={hierarchical_context_parallel_sizes!r} "
             "(--hierarchical-context-parallel-sizes) must be a list of positive integers (inner to outer) whose "
             "product is the context-parallel size, or None"
-        )
-    if expert_tensor_parallel_size not in (None, tensor_model_parallel_size):
-        raise ValueError(
-            f"expert_tensor_parallel_size={expert_tensor_parallel_size!r}: experts use the tensor-parallel size "
-            f"({tensor_model_parallel_size}); leave it None or equal to tensor_model_parallel_size"
         )
     if nccl_communicator_config_path is not None or high_priority_stream_groups is not None:
         what = ("nccl_communicator_config_path" if nccl_communicator_config_path is not None

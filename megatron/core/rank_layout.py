@@ -6,8 +6,11 @@ fastest, Megatron's default "tp-cp-ep-dp-pp" puts tensor-parallel neighbours on 
 for every kind of group, the list of rank lists. It runs without processes, so the layouts are unit-tested
 directly; `process_groups.py` turns the lists into process groups.
 
-Expert parallelism uses its own grid over the same ranks: within a pipeline stage the tp*cp*dp ranks are
-re-read as tp x ep x expert-dp (context parallelism folded into expert data parallelism).
+Expert parallelism uses its own grid over the same ranks, as upstream's expert rank generator: within a
+pipeline stage the tp*cp*dp ranks are re-read as etp x ep x expert-dp (order tp-ep-dp-pp, the expert
+tensor-parallel size `etp` in the tp slot, context parallelism folded into expert data parallelism), so
+etp x ep x expert-dp = tp x cp x dp. With etp == tp (the default) the expert tensor-parallel groups are the
+tensor-parallel ones.
 """
 
 import itertools
@@ -72,13 +75,19 @@ def validate_parallel_sizes(
     context_parallel_size=1,
     expert_model_parallel_size=1,
     num_distributed_optimizer_instances=1,
+    expert_tensor_parallel_size=None,
 ):
-    """Check the sizes against the world; returns the data-parallel size. Raises ValueError naming the flags."""
+    """Check the sizes against the world; returns the data-parallel size. Raises ValueError naming the flags.
+
+    `expert_tensor_parallel_size` None means the tensor-parallel size."""
+    if expert_tensor_parallel_size is None:
+        expert_tensor_parallel_size = tensor_model_parallel_size
     sizes = {
         "--tensor-model-parallel-size": tensor_model_parallel_size,
         "--pipeline-model-parallel-size": pipeline_model_parallel_size,
         "--context-parallel-size": context_parallel_size,
         "--expert-model-parallel-size": expert_model_parallel_size,
+        "--expert-tensor-parallel-size": expert_tensor_parallel_size,
         "--num-distributed-optimizer-instances": num_distributed_optimizer_instances,
     }
     for flag, value in sizes.items():
@@ -92,10 +101,13 @@ def validate_parallel_sizes(
             "choose sizes whose product divides the number of ranks"
         )
     data_parallel_size = world_size // model_parallel
-    if (data_parallel_size * context_parallel_size) % expert_model_parallel_size != 0:
+    stage_size = tensor_model_parallel_size * context_parallel_size * data_parallel_size
+    if stage_size % (expert_tensor_parallel_size * expert_model_parallel_size) != 0:
         raise ValueError(
-            f"data-parallel ({data_parallel_size}) x context-parallel ({context_parallel_size}) size must be "
-            f"divisible by --expert-model-parallel-size ({expert_model_parallel_size})"
+            f"the {stage_size} ranks of a pipeline stage (tensor {tensor_model_parallel_size} x context "
+            f"{context_parallel_size} x data {data_parallel_size} parallel) must be divisible by "
+            f"--expert-tensor-parallel-size ({expert_tensor_parallel_size}) x --expert-model-parallel-size "
+            f"({expert_model_parallel_size}); choose expert sizes whose product divides it"
         )
     if (data_parallel_size * context_parallel_size) % num_distributed_optimizer_instances != 0:
         raise ValueError(
@@ -106,18 +118,21 @@ def validate_parallel_sizes(
 
 
 def generate_rank_groups(world_size, tp=1, pp=1, cp=1, ep=1, dp=None, order=DEFAULT_ORDER,
-                         num_distributed_optimizer_instances=1):
+                         num_distributed_optimizer_instances=1, etp=None):
     """Every kind of rank group for a layout, as {name: [[global ranks], ...]}.
 
     Names: "tp", "pp", "cp", "dp" (equal tp/pp/cp coordinates), "dp-cp" (equal tp/pp coordinates),
     "tp-cp", "tp-dp" (equal pp/cp coordinates), "tp-dp-cp" (every rank of one pipeline stage: FP8's
     amax-reduction group), "mp" (tp x pp: the model-parallel group), "embedding" (first and last rank of each
     pipeline), "inner-dp-cp" / "outer-dp-cp" (hybrid sharding: the dp-cp group cut into N consecutive chunks, and the
-    ranks at the same position across the chunks), "ep", "expt-dp" (expert grid), "tp-ep", and "inner-expt-dp" /
-    "outer-expt-dp" (the same cut of each expert-dp group, when N divides its size).
+    ranks at the same position across the chunks); on the expert grid (expert tensor-parallel size `etp`, None
+    meaning `tp`): "ep", "etp", "expt-dp", "tp-ep" (etp x ep: the token dispatchers' group), "tp-ep-pp"
+    (etp x ep x pp: every expert of the model once), and "inner-expt-dp" / "outer-expt-dp" (the same cut of each
+    expert-dp group, when N divides its size).
     `dp` is derived from the world size when None; a given value must agree with it.
     """
-    derived_dp = validate_parallel_sizes(world_size, tp, pp, cp, ep, num_distributed_optimizer_instances)
+    etp = tp if etp is None else etp
+    derived_dp = validate_parallel_sizes(world_size, tp, pp, cp, ep, num_distributed_optimizer_instances, etp)
     if dp is not None and dp != derived_dp:
         raise ValueError(
             f"data-parallel size {dp} does not match world size {world_size} / (tp {tp} x pp {pp} x cp {cp}) "
@@ -151,11 +166,13 @@ def generate_rank_groups(world_size, tp=1, pp=1, cp=1, ep=1, dp=None, order=DEFA
     ]
     groups["outer-dp-cp"] = [ranks[position::inner_size] for ranks in groups["dp-cp"] for position in range(inner_size)]
 
-    expert_dp = (dp * cp) // ep
-    expert = RankGrid({"tp": tp, "ep": ep, "dp": expert_dp, "pp": pp}, [n for n in names if n != "cp"])
+    expert_dp = (tp * cp * dp) // (etp * ep)
+    expert = RankGrid({"tp": etp, "ep": ep, "dp": expert_dp, "pp": pp}, [n for n in names if n != "cp"])
     groups["ep"] = expert.groups({"ep"})
+    groups["etp"] = expert.groups({"tp"})
     groups["expt-dp"] = expert.groups({"dp"})
     groups["tp-ep"] = expert.groups({"tp", "ep"})
+    groups["tp-ep-pp"] = expert.groups({"tp", "ep", "pp"})
     if expert_dp % instances == 0:
         # Hybrid sharding of expert parameters: the expert-dp group cut into N consecutive chunks (one per
         # distributed-optimizer instance) and the ranks at the same position across the chunks. Absent when the

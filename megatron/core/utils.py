@@ -80,7 +80,7 @@ def make_tp_sharded_tensor_for_checkpoint(tensor: torch.Tensor, key: str, tp_axi
     from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor
 
     _check_no_prepended_offsets(key, prepend_offsets)
-    rank, size = _tensor_parallel_rank_and_size()
+    rank, size = _tensor_parallel_rank_and_size().of(tensor)[:2]  # an expert's tensor: the expert TP position
     if tensor.dim() == 0:
         raise ValueError(f"{key}: a 0-dimensional tensor has no axis {tp_axis} to shard over tensor parallelism")
     axis = tp_axis % tensor.dim()

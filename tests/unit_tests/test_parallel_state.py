@@ -54,6 +54,32 @@ def test_expert_parallel_regroups_data_parallel_ranks():
     assert groups["tp-ep"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
+def test_expert_tensor_parallel_size_lays_out_its_own_expert_grid():
+    # Upstream's expert rank generator: tp=ETP, ep=EP, dp=world/(ETP*EP*PP), order tp-ep-dp-pp.
+    groups = ps.generate_rank_groups(8, tp=2, pp=2, ep=2, etp=1)
+    assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["etp"] == [[r] for r in range(8)]
+    assert groups["ep"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["expt-dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["tp-ep"] == groups["ep"]
+    assert groups["tp-ep-pp"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    groups = ps.generate_rank_groups(8, tp=2, ep=4, etp=1)
+    assert groups["ep"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups["expt-dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    groups = ps.generate_rank_groups(8, tp=1, ep=2, etp=2)
+    assert groups["tp"] == [[r] for r in range(8)]
+    assert groups["etp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["expt-dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["tp-ep"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # ETP defaults to TP: the expert tensor-parallel groups are the tensor-parallel ones
+    groups = ps.generate_rank_groups(8, tp=2, ep=2)
+    assert groups["etp"] == groups["tp"]
+    assert groups["tp-ep-pp"] == groups["tp-ep"]
+    with pytest.raises(ValueError, match="--expert-tensor-parallel-size \\(4\\) x --expert-model-parallel-size"):
+        ps.generate_rank_groups(4, tp=2, ep=2, etp=4)
+
+
 def test_expert_data_parallel_groups_split_into_optimizer_instances():
     groups = ps.generate_rank_groups(8, ep=2, num_distributed_optimizer_instances=2)
     assert groups["inner-dp-cp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -305,7 +331,6 @@ def test_device_helpers_follow_the_backend():
         ("nccl", dict(high_priority_stream_groups=["dp"]), "high_priority_stream_groups: not implemented yet"),
         ("nccl", dict(pipeline_model_parallel_comm_backend="gloo"), r"default process group's backend \('nccl'\)"),
         ("gloo", dict(virtual_pipeline_model_parallel_size=0), "must be an integer >= 1"),
-        ("gloo", dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=1), "leave it None or equal"),
         ("gloo", dict(distributed_timeout_minutes=True), "distributed_timeout_minutes must be a positive number"),
     ],
 )
@@ -317,5 +342,5 @@ def test_options_that_cannot_be_honoured_are_named(backend, option, message):
 def test_options_that_can_be_honoured_pass():
     ps.reject_unsupported_options("gloo", pipeline_model_parallel_comm_backend="gloo")
     ps.reject_unsupported_options("nccl", pipeline_model_parallel_comm_backend="nccl", distributed_timeout_minutes=0.5)
-    ps.reject_unsupported_options("gloo", tensor_model_parallel_size=2, expert_tensor_parallel_size=2)
+    ps.reject_unsupported_options("gloo", tensor_model_parallel_size=2)
     ps.reject_unsupported_options("gloo", virtual_pipeline_model_parallel_size=2)

@@ -127,7 +127,7 @@ def test_embedding_ranks_and_gloo_groups_can_be_chosen():
         (dict(pipeline_model_parallel_comm_backend="ucc"), r"pipeline_model_parallel_comm_backend='ucc'"),
         (dict(hierarchical_context_parallel_sizes=[2, 1]), r"the product must equal --context-parallel-size \(1\)"),
         (dict(hierarchical_context_parallel_sizes=[0, 1]), "must be a list of positive integers"),
-        (dict(expert_tensor_parallel_size=world_size + 1), "expert_tensor_parallel_size"),
+        (dict(expert_tensor_parallel_size=world_size + 1), "--expert-tensor-parallel-size"),
         (dict(nccl_communicator_config_path="nccl.yaml"), "nccl_communicator_config_path"),
         (dict(high_priority_stream_groups=["dp"]), "high_priority_stream_groups"),
         (dict(distributed_timeout_minutes=0), "distributed_timeout_minutes must be a positive number"),

@@ -9,8 +9,9 @@ SwiGLU's gate/up rows interleaved per unit; see attention.py and mlp.py) do not 
 contiguous partition of the full tensor is exactly what a TP rank holds. The output-layer copy of a tied word
 embedding on a later pipeline stage is the logical `embedding.word_embeddings.weight`: loaded there, saved
 from the first stage only. A Mixture-of-Experts expert tensor is named by its global expert index
-(`...experts.local_experts.{expert_global_index}...`, see `megatron.core.expert_parameters`), so a checkpoint
-loads at any expert-parallel size.
+(`...experts.local_experts.{expert_global_index}...`, see `megatron.core.expert_parameters`) and split by the
+expert tensor-parallel position (`--expert-tensor-parallel-size`), so a checkpoint loads at any expert-parallel
+and expert tensor-parallel size.
 
 Optimizer keys: `optimizer.state.<logical name>.<state key>` (e.g. `exp_avg`, `exp_avg_sq`, and `fp32_param`
 for the main weights of a parameter whose model copy is not fp32), `optimizer.step`, `optimizer.param_groups`
@@ -30,8 +31,19 @@ _LAYER_INDEX = re.compile(r"(^|\.)decoder\.layers\.(\d+)\.")
 
 
 class TensorParallelRank(NamedTuple):
+    """This rank's tensor-parallel position; `expert_rank` / `expert_size` the expert tensor-parallel one (which
+    splits the experts' tensors), None meaning the same as `rank` / `size`."""
+
     rank: int
     size: int
+    expert_rank: Optional[int] = None
+    expert_size: Optional[int] = None
+
+    def of(self, tensor) -> "TensorParallelRank":
+        """The position that splits `tensor`: the expert one for an expert's tensor (`allreduce = False`)."""
+        if self.expert_size is None or getattr(tensor, "allreduce", True) is not False:
+            return self
+        return TensorParallelRank(self.expert_rank, self.expert_size)
 
 
 class Placement(NamedTuple):
@@ -70,13 +82,16 @@ def current_tensor_parallel_rank() -> TensorParallelRank:
     if not parallel_state.model_parallel_is_initialized():
         return TensorParallelRank(0, 1)
     return TensorParallelRank(parallel_state.get_tensor_model_parallel_rank(),
-                              parallel_state.get_tensor_model_parallel_world_size())
+                              parallel_state.get_tensor_model_parallel_world_size(),
+                              parallel_state.get_expert_tensor_parallel_rank(),
+                              parallel_state.get_expert_tensor_parallel_world_size())
 
 
 def placement_of(name: str, tensor: torch.Tensor, layer_offset: int, tp: TensorParallelRank,
                  param: Optional[torch.nn.Parameter] = None) -> Placement:
     """The placement of local tensor `tensor` named `name` in its module (`param` carries the TP attributes)."""
     source = tensor if param is None else param
+    tp = tp.of(source)
     shape = list(tensor.shape)
     partition_dim = None
     if tp.size > 1 and getattr(source, "tensor_model_parallel", False):

@@ -25,11 +25,16 @@ def _parallel_state_if_initialized():
 
 
 def param_is_not_tensor_parallel_duplicate(param):
-    """True for TP partitions everywhere and for TP-duplicated parameters on TP rank 0."""
+    """True for TP partitions everywhere and for TP-duplicated parameters on TP rank 0 (for an expert's
+    parameter: expert tensor-parallel rank 0, the ranks it is duplicated over being the expert TP group)."""
     if getattr(param, "tensor_model_parallel", False):
         return True
     parallel_state = _parallel_state_if_initialized()
-    return parallel_state is None or parallel_state.get_tensor_model_parallel_rank() == 0
+    if parallel_state is None:
+        return True
+    if getattr(param, "allreduce", True) is False:
+        return parallel_state.get_expert_tensor_parallel_rank() == 0
+    return parallel_state.get_tensor_model_parallel_rank() == 0
 
 
 def param_is_not_shared(param):

@@ -68,8 +68,21 @@ def copy_tensor_model_parallel_attributes(destination, source):
 
 
 def param_is_not_tensor_parallel_duplicate(param):
-    """True for partitioned params, and for duplicated ones on tensor-parallel rank 0 (count each once)."""
-    return getattr(param, "tensor_model_parallel", False) or parallel_state.get_tensor_model_parallel_rank() == 0
+    """True for partitioned params, and for duplicated ones on tensor-parallel rank 0 (count each once); an
+    expert's parameter (`allreduce = False`) is duplicated over the expert tensor-parallel group instead."""
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    if getattr(param, "allreduce", True) is False:
+        return parallel_state.get_expert_tensor_parallel_rank() == 0
+    return parallel_state.get_tensor_model_parallel_rank() == 0
+
+
+def tensor_parallel_rank_and_size(is_expert=False):
+    """(rank, size) in the group a linear's weight is split over: the expert tensor-parallel group for an
+    expert's linears (`--expert-tensor-parallel-size`), else the tensor-parallel group."""
+    if is_expert:
+        return parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_expert_tensor_parallel_world_size()
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
 
 
 def _parameter_device(config):
@@ -80,19 +93,15 @@ def _parameter_device(config):
     return get_current_device()
 
 
-def initialize_partition_from_master(param, full_shape, init_method, partition_dim, stride=1):
-    """Fill `param` with this rank's slice of a full fp32 CPU weight initialised by `init_method`."""
+def initialize_partition_from_master(param, full_shape, init_method, partition_dim, stride=1, is_expert=False):
+    """Fill `param` with this rank's slice of a full fp32 CPU weight initialised by `init_method` (split over
+    the expert tensor-parallel group with `is_expert`)."""
     if param.is_meta:
         return
     master = torch.empty(full_shape, dtype=torch.float32, device="cpu")
     init_method(master)
-    partition = strided_partition(
-        master,
-        parallel_state.get_tensor_model_parallel_world_size(),
-        parallel_state.get_tensor_model_parallel_rank(),
-        partition_dim,
-        stride,
-    )
+    tp_rank, tp_size = tensor_parallel_rank_and_size(is_expert)
+    partition = strided_partition(master, tp_size, tp_rank, partition_dim, stride)
     with torch.no_grad():
         param.copy_(partition.to(dtype=param.dtype))
 
@@ -321,7 +330,8 @@ class ColumnParallelLinear(_Fp8LinearMixin, torch.nn.Module):
     fused add) and None otherwise. With `gather_output` the output is all-gathered to the full width.
     With `config.sequence_parallel` the input arrives split along the sequence (dim 0) and is all-gathered
     first. `skip_weight_param_allocation` makes the layer weightless: `forward(x, weight)` then uses the
-    given weight (a tied output layer reusing the embedding).
+    given weight (a tied output layer reusing the embedding). An expert's linear (`is_expert`) is split over the
+    expert tensor-parallel group (`--expert-tensor-parallel-size`) instead.
     """
 
     fp8_parallel_mode = "column"
@@ -350,7 +360,7 @@ class ColumnParallelLinear(_Fp8LinearMixin, torch.nn.Module):
         self.init_method = init_method
         self.stride = stride
         self.is_expert = is_expert
-        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        _, tp_size = tensor_parallel_rank_and_size(is_expert)
         self.output_size_per_partition = divide(output_size, tp_size, "ColumnParallelLinear output_size")
         self.sequence_parallel = config.sequence_parallel and tp_size > 1
         if self.sequence_parallel and gather_output:
@@ -378,7 +388,7 @@ class ColumnParallelLinear(_Fp8LinearMixin, torch.nn.Module):
     def reset_parameters(self):
         if self.weight is not None and self.config.perform_initialization:
             initialize_partition_from_master(
-                self.weight, (self.output_size, self.input_size), self.init_method, 0, self.stride
+                self.weight, (self.output_size, self.input_size), self.init_method, 0, self.stride, self.is_expert
             )
         _zero_(self.bias)
 
@@ -423,7 +433,8 @@ class RowParallelLinear(_Fp8LinearMixin, torch.nn.Module):
 
     The partial products are summed over the tensor-parallel group (reduce-scattered along the sequence
     with `config.sequence_parallel`). The bias is the same on every rank (`tensor_model_parallel=False`)
-    and is added after the reduction. Without `input_is_parallel` the full-width input is split first.
+    and is added after the reduction. Without `input_is_parallel` the full-width input is split first. An
+    expert's linear (`is_expert`) is split over the expert tensor-parallel group instead.
     """
 
     fp8_parallel_mode = "row"
@@ -451,7 +462,7 @@ class RowParallelLinear(_Fp8LinearMixin, torch.nn.Module):
         self.init_method = init_method
         self.stride = stride
         self.is_expert = is_expert
-        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        _, tp_size = tensor_parallel_rank_and_size(is_expert)
         self.input_size_per_partition = divide(input_size, tp_size, "RowParallelLinear input_size")
         self.sequence_parallel = config.sequence_parallel and tp_size > 1
         if self.sequence_parallel and not input_is_parallel:
@@ -478,7 +489,7 @@ class RowParallelLinear(_Fp8LinearMixin, torch.nn.Module):
     def reset_parameters(self):
         if self.config.perform_initialization:
             initialize_partition_from_master(
-                self.weight, (self.output_size, self.input_size), self.init_method, 1, self.stride
+                self.weight, (self.output_size, self.input_size), self.init_method, 1, self.stride, self.is_expert
             )
         _zero_(self.bias)
 

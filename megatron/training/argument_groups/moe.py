@@ -33,8 +33,8 @@ def add_arguments(parser):
     group.add_argument("--expert-model-parallel-size", type=int, default=1,
                        help="Expert-parallel degree: each rank holds num_experts / this many experts.")
     group.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                       help="Tensor-parallel degree of the experts (default and only supported value: the "
-                       "tensor-parallel size).")
+                       help="Tensor-parallel degree of the experts (default: the tensor-parallel size). The "
+                       "expert ranks of a pipeline stage are laid out as expert-TP x EP x expert-DP.")
     group.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="Expert MLP width (default: ffn size).")
     group.add_argument("--moe-layer-freq", type=parse_moe_layer_freq, default=1,
                        help="An int N: layers 0, N, 2N, ... are MoE; or a list such as ([0]*3+[1]*5), one 0/1 per "
@@ -182,11 +182,16 @@ def validate(args):
     ep = args.expert_model_parallel_size
     if ep < 1:
         raise ValueError(f"--expert-model-parallel-size must be at least 1, got {ep}")
-    dense_data_parallel = args.data_parallel_size * args.context_parallel_size
-    if dense_data_parallel % ep != 0:
-        raise ValueError(f"--expert-model-parallel-size ({ep}) must divide data-parallel size x "
-                         f"--context-parallel-size ({args.data_parallel_size} x {args.context_parallel_size}): "
-                         "expert-parallel ranks are taken from the data- and context-parallel ranks")
+    tp = args.tensor_model_parallel_size
+    etp = tp if args.expert_tensor_parallel_size is None else args.expert_tensor_parallel_size
+    if etp < 1:
+        raise ValueError(f"--expert-tensor-parallel-size must be at least 1, got {etp}")
+    stage_ranks = tp * args.data_parallel_size * args.context_parallel_size
+    if stage_ranks % (etp * ep) != 0:
+        raise ValueError(f"--expert-tensor-parallel-size x --expert-model-parallel-size ({etp} x {ep}) must divide "
+                         f"--tensor-model-parallel-size x data-parallel size x --context-parallel-size ({tp} x "
+                         f"{args.data_parallel_size} x {args.context_parallel_size}): the expert ranks of a pipeline "
+                         "stage are its tensor-, data- and context-parallel ranks")
     if not _uses_moe_flags(args):
         return
     from megatron.core.transformer.transformer_config import TransformerConfig

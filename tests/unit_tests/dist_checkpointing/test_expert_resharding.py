@@ -3,6 +3,7 @@ saved at one expert-parallel size (and wrapper) resumes at another exactly like 
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megatron.core.dist_checkpointing import serialization, wrappers
 from megatron.core.expert_parameters import global_expert_name
@@ -72,3 +73,78 @@ def test_global_expert_name_renames_local_index_only_for_expert_parameters():
     assert global_expert_name(name, expert) == "decoder.layers.1.mlp.experts.local_experts.5.linear_fc1.weight"
     dense = torch.nn.Parameter(torch.zeros(1))
     assert global_expert_name(name, dense) == name
+
+
+ETP_MOE = ("--num-layers 1 --num-experts 4 --moe-router-topk 2 --moe-token-dispatcher-type alltoall "
+           "--expert-model-parallel-size 2")
+ETP_SAVED = "--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1"
+ETP_LOADED = {"tp2_etp2": "--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 2",
+              "tp1": "--tensor-model-parallel-size 1"}
+
+
+def _whole(part, param, group):
+    """The whole tensor of `part`, this rank's slice of expert parameter `param` over `group` (its expert
+    tensor-parallel ranks): strided partitions interleaved back in order."""
+    size = dist.get_world_size(group)
+    if size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return part.detach().clone()
+    parts = [torch.empty_like(part) for _ in range(size)]
+    dist.all_gather(parts, part.detach().contiguous(), group=group)
+    stride, dim = param.partition_stride, param.partition_dim
+    blocks = [piece.chunk(stride, dim=dim) for piece in parts]
+    return torch.cat([blocks[rank][index] for index in range(stride) for rank in range(size)], dim=dim)
+
+
+def _global_experts(state):
+    """{global expert name: (whole weights, whole Adam exp_avg)} of the experts of `state`, from every rank."""
+    from megatron.core import parallel_state
+    from megatron.core.expert_parameters import is_expert_parameter
+
+    group = parallel_state.get_expert_tensor_parallel_group()
+    optimizer_state = state.optimizer.optimizer.state
+    experts = {}
+    for chunk in state.model:
+        for name, param in chunk.module.named_parameters():
+            if is_expert_parameter(param):
+                experts[global_expert_name(name, param)] = (
+                    _whole(param, param, group), _whole(optimizer_state[param]["exp_avg"], param, group))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, experts)
+    merged = {}
+    for rank_experts in everyone:
+        for name, tensors in rank_experts.items():
+            if name in merged:  # a replica (expert data-parallel) holds the same values
+                assert all(torch.equal(a, b) for a, b in zip(merged[name], tensors)), name
+            merged[name] = tensors
+    return merged
+
+
+def _save_at_etp1_then_load(root, loaded_layouts):
+    """Save at TP2 / ETP1 / EP2 after one optimizer step; load at each of `loaded_layouts`. Returns the saved
+    experts and {layout: loaded experts}."""
+    from megatron.training import checkpointing, dist_checkpoint
+    from tests.unit_tests.dist_checkpointing.pretrain_helpers import TrainingState
+
+    state = TrainingState(f"--ckpt-format torch_dist --save {root} {ETP_MOE} {ETP_SAVED}")
+    state.train_steps(1)
+    saved = _global_experts(state)
+    checkpointing.save_checkpoint(1, state.model, state.optimizer, state.scheduler, state.args)
+    state.close()
+    loaded = {}
+    for layout in loaded_layouts:
+        state = TrainingState(f"--ckpt-format torch_dist --load {root} {ETP_MOE} {ETP_LOADED[layout]}")
+        dist_checkpoint.load_dist_checkpoint(state.model, state.optimizer, state.scheduler, state.args, 1)
+        loaded[layout] = _global_experts(state)
+        state.close()
+    return saved, loaded
+
+
+def test_expert_checkpoint_saved_at_another_expert_tensor_parallel_size_loads_exactly(tmp_path):
+    saved, loaded = run_on_ranks(4, _save_at_etp1_then_load, str(tmp_path / "ckpt"), list(ETP_LOADED))[0]
+    # 4 experts, each with the weights and biases of fc1 and fc2
+    assert len(saved) == 16 and all(exp_avg.abs().sum() > 0 for _, exp_avg in saved.values())
+    for layout, experts in loaded.items():
+        assert sorted(experts) == sorted(saved), layout
+        for name, (weight, exp_avg) in saved.items():
+            assert torch.equal(experts[name][0], weight), (layout, name)
+            assert torch.equal(experts[name][1], exp_avg), (layout, name)

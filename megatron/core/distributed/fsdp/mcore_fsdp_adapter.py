@@ -153,7 +153,7 @@ def _mesh_from_parallel_state(ddp_config: DistributedDataParallelConfig, module)
     data_parallel_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     expert_device_mesh = expert_hybrid_fsdp_group = None
     if _shards_experts_apart(module):
-        expert_device_mesh = _expert_device_mesh(tensor_parallel, hybrid)
+        expert_device_mesh = _expert_device_mesh(parallel_state.get_expert_tensor_parallel_world_size() > 1, hybrid)
         if hybrid:
             expert_hybrid_fsdp_group = parallel_state.get_expert_data_parallel_group()
     return _Mesh(
@@ -169,13 +169,16 @@ def _mesh_from_parallel_state(ddp_config: DistributedDataParallelConfig, module)
 
 
 def _shards_experts_apart(module) -> bool:
-    """Whether `module`'s expert parameters need groups of their own: under expert parallelism, where the ranks
-    holding the same experts (expert data parallel) are fewer than DP x CP. At EP1 every rank holds every
-    expert and they are sharded like the dense parameters."""
+    """Whether `module`'s expert parameters need groups of their own: under expert parallelism, or an expert
+    tensor-parallel size other than the tensor-parallel size, the ranks holding the same experts (expert data
+    parallel) are not the DP x CP ranks. At EP1 with ETP = TP every rank holds every expert, split like the dense
+    parameters, and they are sharded like them."""
     from megatron.core import parallel_state
     from megatron.core.expert_parameters import is_expert_parameter
 
-    if parallel_state.get_expert_model_parallel_world_size() == 1:
+    if (parallel_state.get_expert_model_parallel_world_size() == 1
+            and parallel_state.get_expert_tensor_parallel_world_size()
+            == parallel_state.get_tensor_model_parallel_world_size()):
         return False
     return any(is_expert_parameter(param) for param in module.parameters())
 
@@ -183,8 +186,8 @@ def _shards_experts_apart(module) -> bool:
 def _expert_device_mesh(tensor_parallel: bool, hybrid: bool):
     """This rank's expert data-parallel mesh, dims named like parallel_state's dense mesh: under HSDP / HFSDP
     `dp_outer` (the instances), `dp_shard_cp` (the expert data-parallel group, of one instance under HSDP /
-    HFSDP) and, under tensor parallelism, `tp` (expert tensor parallelism is tensor parallelism here). Built on
-    the existing groups: no new process groups."""
+    HFSDP) and, under expert tensor parallelism, `tp` (the expert tensor-parallel group). Built on the existing
+    groups: no new process groups."""
     from torch.distributed.device_mesh import DeviceMesh
 
     from megatron.core import parallel_state
@@ -208,10 +211,10 @@ def _expert_device_mesh(tensor_parallel: bool, hybrid: bool):
     else:
         peers = peers[0]
     if tensor_parallel:
-        tp_group = parallel_state.get_tensor_model_parallel_group()
+        tp_group = parallel_state.get_expert_tensor_parallel_group()
         tp_ranks = dist.get_process_group_ranks(tp_group)
-        # The ranks form a regular grid (rank = base + i * expert-dp stride + j * tp stride): entry (..., i, j) is
-        # the i-th expert data-parallel peer moved to the j-th tensor-parallel position.
+        # The ranks form a regular grid (rank = base + i * expert-dp stride + j * etp stride): entry (..., i, j)
+        # is the i-th expert data-parallel peer moved to the j-th expert tensor-parallel position.
         me = dist.get_rank()
         peers = torch.tensor(peers, dtype=torch.int)
         peers = peers.unsqueeze(-1) + torch.tensor(tp_ranks, dtype=torch.int) - me

@@ -7,11 +7,13 @@ seed and that global index alone, so any expert-parallel size builds the same ex
 carries `expert_global_index` and `num_local_experts`, and so do the experts' tensor buffers (FP8 amax
 histories), which checkpoints therefore name by global expert index as well.
 
+The experts' linears are split over the expert tensor-parallel group (`--expert-tensor-parallel-size`, default
+the tensor-parallel size; 1 keeps each expert whole on its rank), not the dense layers' tensor-parallel group.
 The experts take tokens already dispatched to this rank, sorted by local expert (`tokens_per_expert` rows each),
 and return each row's expert output before the routing probability is applied. The dispatcher gathered the
-tokens of the whole tensor-parallel group, so the linears run without their own tensor-parallel
+tokens of the whole expert tensor-parallel group, so the linears run without their own tensor-parallel
 communication: fc2's output is this rank's partial sum, which the dispatcher's combine reduces. fc2's bias is
-added on tensor-parallel rank 0 only (once in that sum), and its gradient is the full one on every rank.
+added on expert tensor-parallel rank 0 only (once in that sum), and its gradient is the full one on every rank.
 
 - `SequentialMLP`: one matmul pair per expert.
 - `GroupedMLP` (`--moe-grouped-gemm`): torch's grouped GEMM (`torch.nn.functional.grouped_mm`) over all local
@@ -23,7 +25,8 @@ FP8 (`--fp8-format`): inside the layer's FP8 region every expert's GEMMs go thro
 (`_Fp8LinearMixin._matmul`: scaling states, the step's cached FP8 weight, the weight gathered by
 `--fp8-param-gather`), one expert after the other (`GroupedMLP` too: torch's grouped GEMM takes no float8
 operands). Tensor-parallel ranks of one expert run the same experts on the same gathered tokens, so the
-tensor-parallel amax reductions of current scaling line up. Under delayed scaling each expert's amaxes are
+tensor-parallel amax reductions of current scaling line up (FP8 therefore needs the expert tensor-parallel size
+to equal the tensor-parallel size). Under delayed scaling each expert's amaxes are
 reduced by its global index (`fp8_step_states_by_global_expert`), so an expert's scales do not depend on the
 expert-parallel size.
 
@@ -53,7 +56,8 @@ def expert_init_seed(layer_init_seed, global_expert_index):
 
 
 def _tensor_parallel_rank():
-    return parallel_state.get_tensor_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+    """This rank's position in the experts' tensor-parallel group (`--expert-tensor-parallel-size`)."""
+    return parallel_state.get_expert_tensor_parallel_rank()
 
 
 class _BiasOnceOverPartialSums(torch.autograd.Function):

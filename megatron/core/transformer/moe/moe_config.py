@@ -182,7 +182,8 @@ class MoEConfigMixin:
     moe_shared_expert_gate: bool = False
     """Multiply the shared experts' output by sigmoid(x . w), w a [1, hidden] weight of the shared experts."""
     expert_tensor_parallel_size: Optional[int] = None
-    """Tensor-parallel size of the experts; None means tensor_model_parallel_size, the only size supported."""
+    """Tensor-parallel size of the experts (their linears split over that many ranks of the expert grid); None
+    means tensor_model_parallel_size."""
     moe_input_jitter_eps: Optional[float] = None
     """In training, the router's input is multiplied by noise drawn uniformly from [1 - eps, 1 + eps] (the experts
     get the input unchanged) (`--moe-input-jitter-eps`)."""
@@ -248,17 +249,21 @@ class MoEConfigMixin:
                              "each expert-parallel rank holds the same number of experts")
         if self.expert_tensor_parallel_size is None:
             object.__setattr__(self, "expert_tensor_parallel_size", tp)
-        if self.expert_tensor_parallel_size != tp:
-            raise ValueError(f"--expert-tensor-parallel-size ({self.expert_tensor_parallel_size}) must equal "
-                             f"--tensor-model-parallel-size ({tp}): the experts are split like the dense layers "
-                             f"here; drop --expert-tensor-parallel-size (or set it to {tp})")
+        etp = self.expert_tensor_parallel_size
+        if isinstance(etp, bool) or not isinstance(etp, int) or etp < 1:
+            raise ValueError(f"--expert-tensor-parallel-size must be a positive integer, got {etp!r}")
         if tp > 1 and not self.sequence_parallel:
             raise ValueError("MoE layers with --tensor-model-parallel-size > 1 need --sequence-parallel (each "
                              "tensor-parallel rank routes its own tokens)")
+        if etp != tp and self.fp8 is not None:
+            raise ValueError(f"--fp8-format with --expert-tensor-parallel-size ({etp}) other than "
+                             f"--tensor-model-parallel-size ({tp}) is not supported: the experts' FP8 scaling "
+                             "reduces amaxes over the tensor-parallel group; drop --expert-tensor-parallel-size "
+                             "or --fp8-format")
         size = self.moe_ffn_hidden_size
-        if not isinstance(size, int) or size <= 0 or size % tp != 0:
+        if not isinstance(size, int) or size <= 0 or size % etp != 0:
             raise ValueError(f"--moe-ffn-hidden-size ({size!r}) must be a positive integer divisible by "
-                             f"--tensor-model-parallel-size ({tp})")
+                             f"--expert-tensor-parallel-size ({etp})")
 
     def _validate_moe_layer_freq(self):
         freq = parse_moe_layer_freq(self.moe_layer_freq)

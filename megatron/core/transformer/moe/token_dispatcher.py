@@ -1,16 +1,18 @@
 """Token dispatchers: move each token to the ranks holding its experts, and the experts' outputs back.
 
-Both work over the expert tensor-and-model-parallel group (TP x EP ranks of a pipeline stage; TP x EP = 1 makes
-every step local). Under sequence parallelism each tensor-parallel rank routes its own tokens, and every rank of
-an expert's TP group must see all of that expert's tokens, since each holds a slice of its weights.
+Both work over the expert tensor-and-model-parallel group (ETP x EP ranks of a pipeline stage, ETP the expert
+tensor-parallel size; ETP x EP = 1 makes every step local): its ranks hold every expert once between them. Under
+sequence parallelism each tensor-parallel rank routes its own tokens, and every rank of an expert's ETP group
+must see all of that expert's tokens, since each holds a slice of its weights. The group need not line up with
+the dense tensor-parallel group (e.g. TP 2 with ETP 1: the two TP ranks of a sequence are two EP ranks).
 
-- `MoEAllGatherTokenDispatcher`: gather every rank's tokens, probabilities and routing map over TP x EP; each
+- `MoEAllGatherTokenDispatcher`: gather every rank's tokens, probabilities and routing map over ETP x EP; each
   rank picks the tokens of its local experts; the combine scatters the weighted outputs into a buffer of all
-  gathered tokens and reduce-scatters it (summing the experts' TP partial outputs and the EP ranks' experts).
+  gathered tokens and reduce-scatters it (summing the experts' ETP partial outputs and the EP ranks' experts).
 - `MoEAlltoAllTokenDispatcher`: sort the local tokens by expert, send each expert-parallel rank's block to
-  every TP rank of that EP rank with one `all_to_all_single` over TP x EP (what upstream's all-to-all over EP
-  followed by an all-gather over TP delivers), regroup by local expert; the combine sends the outputs back
-  the same way and sums each token's TP partial outputs on the source rank.
+  every ETP rank of that EP rank with one `all_to_all_single` over ETP x EP (what upstream's all-to-all over EP
+  followed by an all-gather over ETP delivers), regroup by local expert; the combine sends the outputs back
+  the same way and sums each token's ETP partial outputs on the source rank.
 
 `dispatch(hidden_states, probs, routing_map)` returns (tokens sorted by local expert, tokens per local expert);
 `combine(expert_output)` returns the `[s, b, h]` output: the sum over the token's experts of probability x
@@ -92,7 +94,7 @@ class MoEAlltoAllTokenDispatcher(_Dispatcher):
     _member_ep_ranks = None
 
     def _ep_rank_of_members(self, device):
-        """The expert-parallel rank of each member of the TP x EP group, in group-rank order (gathered once)."""
+        """The expert-parallel rank of each member of the ETP x EP group, in group-rank order (gathered once)."""
         if self._member_ep_ranks is None:
             mine = torch.tensor([self.ep_rank], dtype=torch.int64, device=device)
             self._member_ep_ranks = gather_without_grad(mine, self.group).tolist()

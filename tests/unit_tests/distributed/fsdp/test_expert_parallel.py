@@ -131,5 +131,6 @@ def _expert_stats_group_sizes_with_a_dense_first_chunk():
 @pytest.mark.world_size(2)
 def test_expert_statistics_take_the_expert_shard_groups_of_a_chunk_with_experts():
     for sizes, model_parallel in run_on_ranks(2, _expert_stats_group_sizes_with_a_dense_first_chunk):
-        # model parallel, expert parallel; no expert data-parallel shard group (expert-DP 1), not the dense DP2
-        assert sizes == [model_parallel, EXPERT_PARALLEL]
+        # expert tensor x expert x pipeline parallel (ETP = TP here); no expert data-parallel shard group
+        # (expert-DP 1), not the dense DP2
+        assert sizes == [model_parallel * EXPERT_PARALLEL]

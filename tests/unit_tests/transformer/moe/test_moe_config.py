@@ -41,6 +41,13 @@ def test_top1_routing_takes_the_softmax_before_the_choice_or_scores_that_need_no
     assert moe_config(moe_router_topk=1, moe_router_load_balancing_type="sinkhorn").moe_router_topk == 1
 
 
+def test_expert_tensor_parallel_size_may_differ_from_tensor_parallel_size():
+    config = moe_config(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=1,
+                        moe_ffn_hidden_size=33)
+    assert (config.tensor_model_parallel_size, config.expert_tensor_parallel_size) == (2, 1)
+    assert moe_config(expert_tensor_parallel_size=2).expert_tensor_parallel_size == 2
+
+
 def test_defaults_filled():
     config = moe_config(ffn_hidden_size=48)
     assert config.moe_ffn_hidden_size == 48
@@ -64,9 +71,11 @@ def test_defaults_filled():
      ["--moe-shared-expert-overlap", "--moe-token-dispatcher-type alltoall"]),
     (dict(moe_router_enable_expert_bias=True), ["--moe-router-enable-expert-bias", "--moe-router-score-function"]),
     (dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.1), ["sinkhorn", "--moe-aux-loss-coeff"]),
-    (dict(expert_tensor_parallel_size=2),
-     ["--expert-tensor-parallel-size", "--tensor-model-parallel-size", "drop --expert-tensor-parallel-size (or set "
-      "it to 1)"]),
+    (dict(expert_tensor_parallel_size=0), ["--expert-tensor-parallel-size", "positive integer"]),
+    (dict(expert_tensor_parallel_size=2, moe_ffn_hidden_size=33),
+     ["--moe-ffn-hidden-size (33)", "--expert-tensor-parallel-size (2)"]),
+    (dict(expert_tensor_parallel_size=2, fp8="hybrid"),
+     ["--fp8-format", "--expert-tensor-parallel-size (2)", "--tensor-model-parallel-size (1)"]),
     (dict(tensor_model_parallel_size=2), ["--sequence-parallel"]),
     (dict(moe_layer_freq=[1, 0]), ["--moe-layer-freq", "--num-layers"]),
     (dict(moe_router_dtype="bf16"), ["--moe-router-dtype"]),

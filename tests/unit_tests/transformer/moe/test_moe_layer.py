@@ -138,7 +138,8 @@ def _largest_differences(sizes, local, reference, hidden, upstream):
     under `sizes` (this rank's tokens `local(...)`) against `reference`."""
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=sizes.get("tensor_model_parallel_size", 1),
-        expert_model_parallel_size=sizes.get("expert_model_parallel_size", 1))
+        expert_model_parallel_size=sizes.get("expert_model_parallel_size", 1),
+        expert_tensor_parallel_size=sizes.get("expert_tensor_parallel_size"))
     diffs = {}
     for dispatcher in DISPATCHERS:
         layer = MoELayer(moe_config(moe_token_dispatcher_type=dispatcher, **sizes), init_seed=LAYER_SEED)
@@ -149,13 +150,14 @@ def _largest_differences(sizes, local, reference, hidden, upstream):
         router_grad = grads["router.weight"].clone()
         dist.all_reduce(router_grad)  # each rank routed its own tokens
         worst = max(worst, (router_grad - ref_grads["router.weight"]).abs().max().item())
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        tp = parallel_state.get_expert_tensor_parallel_world_size()  # the experts' split
+        tp_rank = parallel_state.get_expert_tensor_parallel_rank()
         params = dict(layer.named_parameters())
         for name, grad in grads.items():
             key = _expert_key(name, layer.local_expert_indices[0])
             if key is None:
                 continue
+            dist.all_reduce(grad, group=parallel_state.get_expert_data_parallel_group())  # replicas' tokens
             ref_grad = ref_grads[f"experts.local_experts.{key[0]}.{key[1]}"]
             if getattr(params[name], "tensor_model_parallel", False) and tp > 1:
                 ref_grad = ref_grad.chunk(tp, dim=params[name].partition_dim)[tp_rank]
@@ -267,3 +269,31 @@ def test_expert_parallel_with_tensor_parallel_and_sequence_parallel():
     for diffs in run_on_ranks(4, _expert_and_tensor_parallel_together):
         for dispatcher, worst in diffs.items():
             assert worst < 1e-5, (dispatcher, worst)
+
+
+def _expert_tensor_parallel_size_apart_from_tensor_parallel():
+    """On 4 ranks, against the single-rank layer, each rank with a quarter of the tokens (half a sequence): TP=2 +
+    SP with whole experts (ETP=1) over EP=2 (two data-parallel replicas) and EP=4 (one), where the two TP ranks
+    of a sequence are two expert-parallel ranks; and TP=1 with experts split over ETP=2 and EP=2 (the four
+    data-parallel ranks one ETP x EP group)."""
+    rank = dist.get_rank()
+    half, dp_rank = rank % 2, rank // 2
+    hidden, upstream = _inputs()
+    reference = _references(hidden, upstream)
+    local = (lambda t: t[half * SEQ // 2:(half + 1) * SEQ // 2, dp_rank:dp_rank + 1])
+    layouts = {f"tp2_etp1_ep{ep}": dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                                        expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+               for ep in (2, 4)}
+    layouts["tp1_etp2_ep2"] = dict(expert_model_parallel_size=2, expert_tensor_parallel_size=2)
+    diffs = {}
+    for layout, sizes in layouts.items():
+        for dispatcher, worst in _largest_differences(sizes, local, reference, hidden, upstream).items():
+            diffs[f"{layout}/{dispatcher}"] = worst
+    return diffs
+
+
+def test_expert_tensor_parallel_size_apart_from_tensor_parallel_size():
+    for diffs in run_on_ranks(4, _expert_tensor_parallel_size_apart_from_tensor_parallel):
+        assert len(diffs) == 6
+        for case, worst in diffs.items():
+            assert worst < 1e-5, (case, worst)

@@ -34,9 +34,10 @@ class MegatronFSDP(nn.Module):
     them between their sharded and gathered forms.
 
     Mixture-of-Experts expert parameters under expert parallelism: with `expt_device_mesh` (the mesh of the
-    ranks holding the same experts, the expert data-parallel ranks, with the same tp dim as `device_mesh` when
-    there is one) the parameters `is_expert_param` accepts go to groups of their own, sharded, gathered and
-    reduced over that mesh (`self.expert_topology`) while the others use `device_mesh` (`self.topology`).
+    ranks holding the same experts, the expert data-parallel ranks, with a tp dim named like `device_mesh`'s when
+    the experts are split over tensor-parallel ranks, which need not be the dense ones) the parameters
+    `is_expert_param` accepts go to groups of their own, sharded, gathered and reduced over that mesh
+    (`self.expert_topology`) while the others use `device_mesh` (`self.topology`).
     `is_expert_param` defaults to Megatron's marking of expert parameters (`param.allreduce is False`).
     Without `expt_device_mesh` expert parameters are sharded like the others, which is right only when every
     rank holds every expert. Under HSDP / HFSDP (`dp_outer_dim`) the expert mesh needs a dim of the same name
@@ -144,7 +145,9 @@ class MegatronFSDP(nn.Module):
     def _expert_topology(self, expt_device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, expt_hybrid_fsdp_group,
                          config) -> Optional[DataParallelTopology]:
         """The topology of the expert groups: `expt_device_mesh`'s shard dim (its only dim, or `dp_shard_dim`),
-        under HSDP / HFSDP its `dp_outer_dim`, with tensor parallelism its `tp_dim`; None without an expert mesh."""
+        under HSDP / HFSDP its `dp_outer_dim`, with expert tensor parallelism its `tp_dim` (the expert mesh has it
+        only when the experts are split: their tensor-parallel size may differ from the dense layers'); None
+        without an expert mesh."""
         if expt_device_mesh is None:
             if expt_hybrid_fsdp_group is not None:
                 raise ValueError("expt_hybrid_fsdp_group spans the outer x shard dims of expt_device_mesh; pass "
@@ -156,9 +159,8 @@ class MegatronFSDP(nn.Module):
         if expt_hybrid_fsdp_group is not None:
             raise ValueError("expt_hybrid_fsdp_group is for HSDP / HFSDP (dp_outer_dim); without an outer dim the "
                              "expert mesh has none: drop it")
-        if self.topology.tp_dim is not None and expt_device_mesh.ndim == 1:
-            raise ValueError(f"expt_device_mesh is 1-D but the model is tensor-parallel (tp_dim={tp_dim!r}): give the "
-                             "expert mesh the same tp dim, next to its expert data-parallel dim")
+        # The experts' tensor-parallel split (`tp_dim` of the expert mesh) may differ from the dense one's: an
+        # expert mesh without it holds experts whole (expert tensor-parallel size 1).
         if expt_device_mesh.ndim == 1:
             return DataParallelTopology(expt_device_mesh, data_parallel_sharding_strategy=self.strategy,
                                         device=self.topology.device)
@@ -173,15 +175,12 @@ class MegatronFSDP(nn.Module):
         if dp_outer_dim not in names or dp_shard_dim not in names:
             raise ValueError(f"HSDP / HFSDP with expt_device_mesh: the expert mesh needs dims named like the dense "
                              f"outer and shard dims ({dp_outer_dim!r}, {dp_shard_dim!r}), got {names}")
-        if self.topology.tp_dim is not None and tp_dim not in names:
-            raise ValueError(f"expt_device_mesh has dims {names} but the model is tensor-parallel (tp_dim="
-                             f"{tp_dim!r}): give the expert mesh the same tp dim")
         if expt_hybrid_fsdp_group is None:
             raise ValueError("HSDP / HFSDP with expt_device_mesh needs expt_hybrid_fsdp_group, the group spanning "
                              f"the expert mesh's {dp_outer_dim!r} x {dp_shard_dim!r} ranks (every expert "
                              "data-parallel rank)")
         topology = DataParallelTopology(
-            expt_device_mesh, dp_shard_dim, dp_outer_dim, tp_dim if self.topology.tp_dim is not None else None,
+            expt_device_mesh, dp_shard_dim, dp_outer_dim, tp_dim if tp_dim in names else None,
             expt_hybrid_fsdp_group, data_parallel_sharding_strategy=self.strategy,
             outer_dp_sharding_strategy=config.outer_dp_sharding_strategy,
             num_distributed_optimizer_instances=config.num_distributed_optimizer_instances,
