@@ -12,7 +12,9 @@ Learning rate at step `n` (warmup `W`, which may be fractional, e.g. from `--lr-
   (minus_sqrt); `min_lr` after D.
 Weight decay goes from `start_wd` to `end_wd` over `wd_incr_steps` (constant | linear | cosine).
 Each param group receives `lr * group["lr_mult"]` and `wd * group["wd_mult"]` (both default 1); a group may
-override `max_lr`/`min_lr`.
+override `max_lr`/`min_lr` (`--decoupled-lr` / `--decoupled-min-lr`: the embedding and output-layer groups).
+Those two are checked against a checkpoint like `max_lr`/`min_lr` and set on the groups on load, as the optimizer's
+own loading restores the checkpoint's group hyperparameters.
 """
 
 import math
@@ -23,7 +25,8 @@ WD_INCR_STYLES = ("constant", "linear", "cosine")
 
 # Saved in state_dict; checked against the constructor's arguments on load.
 _CHECKED_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "start_wd", "end_wd",
-                 "wd_incr_steps", "wd_incr_style", "wsd_decay_steps", "lr_wsd_decay_style")
+                 "wd_incr_steps", "wd_incr_style", "wsd_decay_steps", "lr_wsd_decay_style", "decoupled_lr",
+                 "decoupled_min_lr")
 # The training flags each checked value comes from (steps count samples: iterations x global batch size).
 _FLAGS_OF_KEY = {
     "max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters / --lr-warmup-samples / "
@@ -31,6 +34,7 @@ _FLAGS_OF_KEY = {
     "lr_decay_style": "--lr-decay-style", "start_wd": "--start-weight-decay", "end_wd": "--end-weight-decay",
     "wd_incr_steps": "the training length", "wd_incr_style": "--weight-decay-incr-style",
     "wsd_decay_steps": "--lr-wsd-decay-iters / --lr-wsd-decay-samples", "lr_wsd_decay_style": "--lr-wsd-decay-style",
+    "decoupled_lr": "--decoupled-lr", "decoupled_min_lr": "--decoupled-min-lr (default: --min-lr)",
 }
 
 
@@ -56,6 +60,11 @@ class OptimizerParamScheduler:
         self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
         self.override_opt_param_scheduler = override_opt_param_scheduler
         self.num_steps = 0
+        # Positions of the groups with a learning rate of their own, and that rate (None: no such group).
+        self._decoupled_groups = [index for index, group in enumerate(optimizer.param_groups) if "max_lr" in group]
+        first = optimizer.param_groups[self._decoupled_groups[0]] if self._decoupled_groups else {}
+        self.decoupled_lr = first.get("max_lr")
+        self.decoupled_min_lr = first.get("min_lr", self.min_lr) if first else None
         self._validate()
         self.step(0)
 
@@ -170,8 +179,25 @@ class OptimizerParamScheduler:
         return saved
 
     def load_state_dict(self, state_dict):
+        # A rank without decoupled groups (a pipeline stage with neither embedding nor output layer) cannot tell
+        # whether --decoupled-lr was given, so it does not compare it.
+        skipped = () if self._decoupled_groups else ("decoupled_lr", "decoupled_min_lr")
         for key in _CHECKED_KEYS:
-            if key in state_dict:
+            if key in state_dict and key not in skipped:
                 setattr(self, key, self._checked(key, getattr(self, key), state_dict[key]))
+        if "decoupled_lr" in state_dict or self.override_opt_param_scheduler:
+            self._set_decoupled_lr_on_groups()
         self.num_steps = 0
         self.step(increment=state_dict["num_steps"])
+
+    def _set_decoupled_lr_on_groups(self):
+        """Put the decoupled learning rates chosen on load on this run's decoupled groups, and drop any the loaded
+        optimizer state gave to the other groups (its groups are matched by position)."""
+        for index, group in enumerate(self.optimizer.param_groups):
+            if index not in self._decoupled_groups:
+                group.pop("max_lr", None)
+                group.pop("min_lr", None)
+            elif self.decoupled_lr is None:  # the checkpoint's run had none: these groups follow --lr
+                group.update(max_lr=self.max_lr, min_lr=self.min_lr)
+            else:
+                group.update(max_lr=self.decoupled_lr, min_lr=self.decoupled_min_lr)

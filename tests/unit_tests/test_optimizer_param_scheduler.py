@@ -127,3 +127,52 @@ def test_inverse_square_root_ends_at_min_lr_after_decay():
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5)  # step 16 = decay end: sqrt(4) / sqrt(16)
     scheduler.step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)  # past --lr-decay-iters: min_lr
+
+
+def _decoupled_optimizer(decoupled_lr=None, decoupled_min_lr=0.0):
+    """A plain group and, with `decoupled_lr`, an embedding group with its own peak and final learning rate."""
+    embedding_group = {"params": [torch.nn.Parameter(torch.zeros(2))]}
+    if decoupled_lr is not None:
+        embedding_group.update(max_lr=decoupled_lr, min_lr=decoupled_min_lr)
+    return torch.optim.AdamW([{"params": [torch.nn.Parameter(torch.zeros(2))]}, embedding_group], lr=1.0)
+
+
+def _resumed(saved_optimizer, saved_scheduler, decoupled_lr, **flags):
+    """A run with `decoupled_lr` loading a checkpoint as training does: the optimizer (which restores the saved
+    groups' hyperparameters), then the scheduler."""
+    optimizer = _decoupled_optimizer(decoupled_lr)
+    scheduler = _scheduler(optimizer, "linear", **flags)
+    optimizer.load_state_dict(saved_optimizer.state_dict())
+    scheduler.load_state_dict(saved_scheduler.state_dict())
+    return optimizer, scheduler
+
+
+def test_decoupled_lr_on_resume_follows_the_scheduler_flags():
+    saved_optimizer = _decoupled_optimizer(decoupled_lr=5.0)
+    saved_scheduler = _scheduler(saved_optimizer, "linear")
+    saved_scheduler.step(increment=60)  # half-way through the decay: lr = min + 0.5 * (max - min)
+    assert saved_optimizer.param_groups[1]["lr"] == pytest.approx(2.5)
+
+    with pytest.raises(ValueError, match=r"decoupled_lr \(from --decoupled-lr\) is 8.0 in this run but 5.0"):
+        _resumed(saved_optimizer, saved_scheduler, 8.0, use_checkpoint_opt_param_scheduler=False)
+
+    optimizer, _ = _resumed(saved_optimizer, saved_scheduler, 8.0, override_opt_param_scheduler=True)
+    assert optimizer.param_groups[1]["lr"] == pytest.approx(4.0)  # this run's --decoupled-lr
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(_expected_lr("linear", 60))
+
+    optimizer, scheduler = _resumed(saved_optimizer, saved_scheduler, 8.0, use_checkpoint_opt_param_scheduler=True)
+    scheduler.step(increment=10)
+    assert optimizer.param_groups[1]["lr"] == pytest.approx(5.0 * 0.4)  # the checkpoint's, 70 of 110 steps
+
+
+def test_resume_without_decoupled_lr_keeps_the_embedding_on_the_global_schedule():
+    saved_optimizer = _decoupled_optimizer(decoupled_lr=5.0)
+    saved_scheduler = _scheduler(saved_optimizer, "linear")
+    saved_scheduler.step(increment=60)
+
+    # The loaded optimizer state puts the saved group's max_lr on this run's (plain) second group; this run
+    # (like a pipeline stage without embedding or output layer) has no decoupled group, so nothing is compared.
+    for flags in ({}, {"use_checkpoint_opt_param_scheduler": False}, {"override_opt_param_scheduler": True}):
+        optimizer, _ = _resumed(saved_optimizer, saved_scheduler, None, **flags)
+        assert [group["lr"] for group in optimizer.param_groups] == pytest.approx([_expected_lr("linear", 60)] * 2)
+        assert "max_lr" not in optimizer.param_groups[1]
