@@ -405,7 +405,8 @@ class TrainingLogger:
 
     def log_evaluation(self, iteration, losses, prefix="validation", set_label=None, where=None,
                        write_to_tensorboard=True):
-        """One "<prefix> loss at iteration N" block; `set_label` (--multiple-validation-sets) names the set:
+        """One "<prefix> loss at iteration N" block ("validation loss at iteration N on test set" for the test set, as
+        upstream); `set_label` (--multiple-validation-sets) names the set:
         "validation (b_text_document) loss ...", TensorBoard "lm loss validation (b_text_document)", and a
         "validation-set" field in the metrics record (whose "split" stays `prefix`). `where` ("on validation
         set", "on test set": the evaluation after the last iteration) follows the iteration in the line and is
@@ -417,7 +418,10 @@ class TrainingLogger:
         text = " | ".join(f"{name} value: {value:.6E} | {name} PPL: {_perplexity(value):.6E}" for name, value in
                           losses.items())
         at = f"iteration {iteration}" if where is None else f"iteration {iteration} {where}"
-        print(f"{shown} loss at {at} | {text} |", flush=True)
+        # Upstream's line starts "validation loss at" for the test set too ("... at iteration N on test set"); the
+        # TensorBoard tags and metrics records keep the split's own name.
+        printed = "validation" if prefix == "test" else shown
+        print(f"{printed} loss at {at} | {text} |", flush=True)
         if self._tensorboard is not None and write_to_tensorboard:
             samples = getattr(self.args, "consumed_train_samples", None)
             for name, value in losses.items():

@@ -412,3 +412,18 @@ def test_energy_fields_sit_after_the_throughput_and_go_to_tensorboard(monkeypatc
     assert re.search(r"\| throughput per GPU \(TFLOP/s/GPU\): [0-9.]+ \| energy per GPU \(J/iter/GPU\): 400.0 \| "
                      r"power per GPU \(W/GPU\): 1600.0 \| learning rate: ", line)
     assert ("iter-energy/gpu", 400.0, 2) in recorder.scalars and ("power/gpu", 1600.0, 2) in recorder.scalars
+
+
+def test_test_set_line_reads_as_upstreams_and_keeps_its_own_tags(monkeypatch, capsys, tmp_path):
+    recorder = _ScalarRecorder()
+    monkeypatch.setattr(training_log, "build_scalar_writers", lambda args: recorder)
+    args = argparse.Namespace(metrics_file=str(tmp_path / "m.jsonl"), tensorboard_dir=str(tmp_path), save=None,
+                              log_interval=1, train_iters=4, log_memory_to_tensorboard=False, log_throughput=False)
+    logger = training_log.TrainingLogger(args, is_logging_rank=True)
+    logger.log_evaluation(4, {"lm loss": 2.0}, prefix="test", where="on test set")
+    logger.close()
+    assert capsys.readouterr().out.startswith(
+        "validation loss at iteration 4 on test set | lm loss value: 2.000000E+00 | lm loss PPL: 7.389056E+00 |")
+    assert {name for name, _, _ in recorder.scalars} == {"lm loss test", "lm loss test ppl"}
+    assert json.loads((tmp_path / "m.jsonl").read_text()) == {
+        "iteration": 4, "split": "test", "when": "on test set", "lm loss": 2.0}
