@@ -119,15 +119,51 @@ def test_tiny_flags_validate_on_two_ranks(script, monkeypatch, tmp_path):
     assert args.hidden_size == 64
 
 
-@pytest.mark.slow  # a torchrun launch per script, 6-9 s each on 2 cores
+# The script whose tiny run goes through its own `torchrun` launch (examples/recipe_launch.sh, the same line for
+# every recipe). The other recipes' ranks run the flags their script passes to that line, forked from the
+# functional tests' launch server (tests/functional_tests/fork_launcher.py: the environment torchrun gives a
+# rank, torch and Megatron imported once; test_runner.py holds both launchers to the same metrics bit for bit).
+LAUNCHED_THROUGH_TORCHRUN = "llama/train_llama3_8b.sh"
+
+
+# The functional cases' environment: their session's server is the one these launches fork from.
+LAUNCH_ENV = {"PYTHONHASHSEED": "0"}
+
+
+@pytest.fixture(scope="module")
+def fork_launcher():
+    """The launch server for LAUNCH_ENV; closed at the end of the module if this module started it."""
+    from tests.functional_tests import fork_launcher as launchers
+
+    key = tuple(sorted(LAUNCH_ENV.items()))
+    started_here = key not in launchers._launchers
+    env = {**knob_free_environment(), **LAUNCH_ENV, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(EXAMPLES.parent), os.environ.get("PYTHONPATH")]))}
+    yield launchers.launcher_for(LAUNCH_ENV, env)
+    if started_here and key in launchers._launchers:
+        launchers._launchers.pop(key).close()
+
+
+def _train_tiny(script, run_dir, metrics_file, fork_launcher):
+    extra = ["--metrics-file", str(metrics_file)]
+    if script == LAUNCHED_THROUGH_TORCHRUN:
+        env = knob_free_environment(TINY="1", TRAIN_ITERS="3", RUN_DIR=str(run_dir))
+        launch = subprocess.run(["bash", str(EXAMPLES / script), *extra], env=env, capture_output=True, text=True,
+                                timeout=300)
+        assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
+        return
+    argv = printed_flags(script, run_dir, TINY="1", TRAIN_ITERS="3") + extra
+    log = run_dir / "ranks.log"
+    answer = fork_launcher.launch(argv, LAUNCH_ENV, 2, run_dir, log, 300)
+    assert answer["returncodes"] == [0, 0] and not answer["timed_out"], log.read_text()[-6000:]
+
+
+@pytest.mark.slow  # a 2-rank launch per script, 3-9 s each on 2 cores
 @pytest.mark.parametrize("script", RECIPES)
-def test_tiny_mode_trains_on_two_cpu_ranks(script, monkeypatch, tmp_path):
+def test_tiny_mode_trains_on_two_cpu_ranks(script, monkeypatch, tmp_path, fork_launcher):
     args = validated(printed_flags(script, tmp_path, TINY="1"), 2, monkeypatch)
     metrics_file = tmp_path / "metrics.jsonl"
-    env = knob_free_environment(TINY="1", TRAIN_ITERS="3", RUN_DIR=str(tmp_path))
-    launch = subprocess.run(["bash", str(EXAMPLES / script), "--metrics-file", str(metrics_file)], env=env,
-                            capture_output=True, text=True, timeout=300)
-    assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
+    _train_tiny(script, tmp_path, metrics_file, fork_launcher)
     records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     train = [record for record in records if record["split"] == "train"]
     # GPT-3's batch ramp-up (4, then 8 samples) takes 4 iterations for 3 full batches
