@@ -74,6 +74,7 @@ def state_to_save(iteration, model_chunks, optimizer, scheduler, args):
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": iteration,
             "consumed_train_samples": getattr(args, "consumed_train_samples", 0),
+            "skipped_train_samples": getattr(args, "skipped_train_samples", 0),
             "args": args,
             "layout": layout,
             VOCAB_SIZE_KEY: true_vocab_size(args),

@@ -174,6 +174,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args):
             "checkpoint_version": 3.0,
             "iteration": iteration,
             "consumed_train_samples": getattr(args, "consumed_train_samples", 0),
+            "skipped_train_samples": getattr(args, "skipped_train_samples", 0),
             "vocab_size": true_vocab_size(args),
             **_model_state(model_chunks),
         }
@@ -340,9 +341,10 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
 
     loaded_directory = os.path.join(root, iteration_dir_name(iteration))
     if args.finetune:
-        iteration, args.consumed_train_samples = 0, 0
+        iteration, args.consumed_train_samples, args.skipped_train_samples = 0, 0, 0
     else:
         args.consumed_train_samples = state.get("consumed_train_samples", 0)
+        args.skipped_train_samples = state.get("skipped_train_samples", 0)
     dist.barrier()
     if dist.get_rank() == 0:
         loaded = (["model"] + (["optimizer"] if load_optimizer else []) + (["scheduler"] if loaded_scheduler else [])

@@ -226,11 +226,12 @@ def load_dist_checkpoint(model_chunks, optimizer, scheduler, args, iteration, ro
 
     _load_rng(args, directory, metadata, common, report)
     if args.finetune:
-        args.consumed_train_samples = 0
+        args.consumed_train_samples, args.skipped_train_samples = 0, 0
         report.not_loaded.append("iteration and consumed samples (--finetune starts at 0)")
         iteration = 0
     else:
         args.consumed_train_samples = common.get("consumed_train_samples", 0)
+        args.skipped_train_samples = common.get("skipped_train_samples", 0)
         report.loaded.append(f"iteration {iteration}, consumed samples {args.consumed_train_samples}")
     _barrier()
     return iteration, report

@@ -114,6 +114,7 @@ def _state_of_this_rank(iteration, model_chunks, optimizer, scheduler, args):
         state[RNG_KEY] = rng_state()
     state[COMMON_KEY] = {"iteration": iteration,
                          "consumed_train_samples": getattr(args, "consumed_train_samples", 0),
+                         "skipped_train_samples": getattr(args, "skipped_train_samples", 0),
                          "optimizer": getattr(args, "optimizer", None)}  # the --optimizer its state fits
     return state
 
@@ -396,10 +397,11 @@ def load_local_checkpoint(model_chunks, optimizer, scheduler, args, global_itera
     loaded, not_loaded = _apply(payload, model_chunks, optimizer, scheduler, args)
     first_part = local_checkpoint_files.checkpoint_dir(root, 0, iteration)
     if args.finetune:
-        iteration, args.consumed_train_samples = 0, 0
+        iteration, args.consumed_train_samples, args.skipped_train_samples = 0, 0, 0
         not_loaded.append("iteration and consumed samples (--finetune starts at 0)")
     else:
         args.consumed_train_samples = payload["objects"][COMMON_KEY].get("consumed_train_samples", 0)
+        args.skipped_train_samples = payload["objects"][COMMON_KEY].get("skipped_train_samples", 0)
         loaded.append(f"iteration {iteration}, consumed samples {args.consumed_train_samples}")
     if dist.is_initialized():
         dist.barrier()

@@ -147,6 +147,7 @@ def _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fu
     config = _attach_timers(model, timers, args)
 
     args.consumed_train_samples = 0
+    args.skipped_train_samples = 0  # --iterations-to-skip: the samples of the dropped batches (counted as consumed)
     args.iteration = 0
     if args.load is not None or getattr(args, "non_persistent_ckpt_type", None) == "local" or \
             getattr(args, "pretrained_checkpoint", None) is not None:  # local: with --load or without
@@ -391,6 +392,8 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
                 iteration += 1
                 args.iteration = iteration
                 args.consumed_train_samples += get_current_running_global_batch_size()
+                args.skipped_train_samples = (getattr(args, "skipped_train_samples", 0)
+                                              + get_current_running_global_batch_size())
                 profilers.after_step(iteration)
                 if dist.get_rank() == 0:
                     print(f"iteration {iteration} skipped (--iterations-to-skip): its global batch was dropped",
@@ -432,6 +435,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
                     "nan": counts_as_nan_iteration(loss),
                     "iteration_time_s": iteration_time_s,
                     "consumed_samples": args.consumed_train_samples,
+                    "skipped_samples": getattr(args, "skipped_train_samples", 0),
                     "global_batch_size": get_current_running_global_batch_size(),
                     # Computed only when this iteration reports it (log line, metrics record, TensorBoard).
                     "memory": lambda: memory_usage(model, optimizer, args.device),

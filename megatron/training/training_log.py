@@ -92,18 +92,20 @@ def format_log_line(
     max_attention_logit=None,
     throughput_tflops_per_gpu=None,
     energy=None,
+    skipped_samples=0,
 ):
     """Megatron's training log line: `iteration 10/ 100 | consumed samples: 320 | ... | number of nan
     iterations: 0 |`, its fields in upstream's order, each loss as `1.034E+01`. `losses` maps a name ("lm loss")
     to its value (empty when every iteration of the interval was skipped: no loss is shown, as upstream);
     `grad_norm` / `num_zeros` / `params_norm` may be None. `throughput_tflops_per_gpu` (--log-throughput) and `energy`
-    (--log-energy: joules per iteration and watts, per GPU) follow the iteration time when given.
+    (--log-energy: joules per iteration and watts, per GPU) follow the iteration time when given;
+    `skipped_samples` (the batches --iterations-to-skip dropped, counted among the consumed ones) follows the
+    consumed samples once it is not 0, as upstream.
     """
-    fields = [
-        f"iteration {iteration}/ {train_iters}",
-        f"consumed samples: {consumed_samples}",
-        f"elapsed time per iteration (ms): {elapsed_ms_per_iteration:.1f}",
-    ]
+    fields = [f"iteration {iteration}/ {train_iters}", f"consumed samples: {consumed_samples}"]
+    if skipped_samples:
+        fields.append(f"skipped samples: {skipped_samples}")
+    fields.append(f"elapsed time per iteration (ms): {elapsed_ms_per_iteration:.1f}")
     if throughput_tflops_per_gpu is not None:
         fields.append(f"throughput per GPU (TFLOP/s/GPU): {throughput_tflops_per_gpu:.1f}")
     if energy is not None:
@@ -372,6 +374,7 @@ class TrainingLogger:
                 iteration=iteration,
                 train_iters=args.train_iters,
                 consumed_samples=report["consumed_samples"],
+                skipped_samples=report.get("skipped_samples", 0),
                 elapsed_ms_per_iteration=elapsed_s * 1000.0,
                 learning_rate=report["learning_rate"],
                 global_batch_size=report["global_batch_size"],

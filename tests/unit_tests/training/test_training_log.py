@@ -427,3 +427,12 @@ def test_test_set_line_reads_as_upstreams_and_keeps_its_own_tags(monkeypatch, ca
     assert {name for name, _, _ in recorder.scalars} == {"lm loss test", "lm loss test ppl"}
     assert json.loads((tmp_path / "m.jsonl").read_text()) == {
         "iteration": 4, "split": "test", "when": "on test set", "lm loss": 2.0}
+
+
+def test_skipped_samples_follow_the_consumed_samples_once_a_batch_was_dropped():
+    args = dict(iteration=3, train_iters=5, consumed_samples=24, elapsed_ms_per_iteration=10.0, learning_rate=1e-3,
+                global_batch_size=8, losses={"lm loss": 2.0}, loss_scale=1.0, grad_norm=None, num_zeros=None,
+                skipped_iterations=0, nan_iterations=0)
+    assert training_log.format_log_line(**args, skipped_samples=8).startswith(
+        "iteration 3/ 5 | consumed samples: 24 | skipped samples: 8 | elapsed time per iteration (ms): 10.0 |")
+    assert "skipped samples" not in training_log.format_log_line(**args)

@@ -51,6 +51,7 @@ def _train_then_evaluate_only(workdir):
     from megatron.core.enums import ModelType
     from megatron.core.rerun_state_machine import get_rerun_state_machine
     from megatron.training import training
+    from megatron.training.global_vars import get_args
 
     wandb, wandb_calls = _fake_wandb()
     sys.modules["wandb"] = wandb
@@ -87,15 +88,18 @@ def _train_then_evaluate_only(workdir):
             "--log-batch-size-to-tensorboard --log-world-size-to-tensorboard --no-log-loss-scale-to-tensorboard "
             "--wandb-project proj --wandb-exp-name exp")
         train_draws, train_forwards = list(draws), list(forwards)
+        skipped_after_training = get_args().skipped_train_samples
         evaluated_at = run(f"{TINY_GPT} --train-iters {TRAIN_ITERS} --eval-iters 1 --save {workdir}/ckpt --load "
                            f"{workdir}/ckpt --skip-train --log-progress --metrics-file {workdir}/skip_train.jsonl "
                            f"--tensorboard-dir {workdir}/tb_skip_train")
+        skipped_after_load = get_args().skipped_train_samples
     finally:
         training.build_data_iterators = real_build
         del sys.modules["wandb"]
     return {"trained_to": trained_to, "evaluated_at": evaluated_at, "draws": train_draws,
             "forwards": train_forwards, "evaluate_only_forwards": forwards[len(train_forwards):],
-            "weight_sums": weight_sums, "wandb": wandb_calls}
+            "weight_sums": weight_sums, "wandb": wandb_calls,
+            "skipped_samples": (skipped_after_training, skipped_after_load)}
 
 
 def _scalars_in_tensorboard(directory):
@@ -127,6 +131,8 @@ def test_skipped_iterations_profiler_scalars_progress_and_skip_train(tmp_path):
         assert result["forwards"] == [1, 1, 3, 3, 4, 4, 5, 5]
         # --skip-train ran the validation and the test batch only (forward-only, no training forward).
         assert result["evaluate_only_forwards"] == []
+        # The dropped global batch counts as skipped samples, saved with the checkpoint and loaded back.
+        assert result["skipped_samples"] == (8, 8)
 
     # Unchanged weights: the step after the skip starts from the weights saved after iteration 1 (no checkpoint
     # at the skipped iteration 2, as upstream skips everything but the data), and only 4 optimizer steps ran.
@@ -136,6 +142,7 @@ def test_skipped_iterations_profiler_scalars_progress_and_skip_train(tmp_path):
     assert abs(results[0]["weight_sums"][3] - weights_after_1) < 1e-9 * max(1.0, abs(weights_after_1))
     final_state, _ = _saved_weight_sum(tmp_path, TRAIN_ITERS)
     assert final_state["opt_param_scheduler"]["num_steps"] == 4 * 8  # samples the scheduler stepped over
+    assert final_state["consumed_train_samples"] == 40 and final_state["skipped_train_samples"] == 8
 
     records = [json.loads(line) for line in (tmp_path / "tb" / "metrics.jsonl").read_text().splitlines()]
     metrics = [record for record in records if record["split"] == "train"]
