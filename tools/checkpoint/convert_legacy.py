@@ -146,7 +146,10 @@ def convert(input_root, output_root):
               "data_parallel_size": dp_size, "world_size": tp_size * pp_size * dp_size if dp_size else None,
               "wrapper": "converted from --ckpt-format torch", "ckpt_format": "torch_dist"}
     state["common"] = {"checkpoint_version": 1, "iteration": iteration,
-                       "consumed_train_samples": first.get("consumed_train_samples", 0), "args": args,
+                       "consumed_train_samples": first.get("consumed_train_samples", 0),
+                       "skipped_train_samples": first.get("skipped_train_samples",
+                                                          getattr(args, "skipped_train_samples", 0)),
+                       "args": args,
                        "layout": layout, "vocab_size": first.get("vocab_size")}  # before padding, if recorded
     if coordinates:
         state["common"]["rng_coordinates"] = coordinates
