@@ -7,9 +7,10 @@ from megatron.training.validation_sets import build_validation_sets, endless
 
 
 def dataset_sample_counts(args):
-    """Samples each split must provide for the whole run (Megatron's train_val_test_num_samples); the
-    validation count is None, the whole split, with --full-validation."""
-    train_samples = args.train_iters * args.global_batch_size
+    """Samples each split must provide for the whole run (Megatron's train_val_test_num_samples): --train-samples
+    when given (with --train-iters, iterations x --global-batch-size); the validation count is None, the whole
+    split, with --full-validation."""
+    train_samples = getattr(args, "train_samples", None) or args.train_iters * args.global_batch_size
     evaluations = args.train_iters // args.eval_interval + 1
     valid_samples = evaluations * args.eval_iters * args.global_batch_size
     if getattr(args, "full_validation", False) and args.eval_iters > 0:

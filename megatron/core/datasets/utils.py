@@ -7,7 +7,7 @@ import enum
 import hashlib
 import json
 import os
-import tempfile
+import uuid
 
 import numpy as np
 
@@ -104,12 +104,17 @@ def description_hash(description):
     return hashlib.md5(json.dumps(description, sort_keys=True).encode("utf-8")).hexdigest()
 
 
-def _save_atomically(path, array):
-    directory = os.path.dirname(path)
-    handle, temporary = tempfile.mkstemp(dir=directory, suffix=".npy.tmp")
+def _write_atomically(path, mode, write):
+    """`write(stream)` into a fresh file beside `path`, then renamed onto it.
+
+    The file is created with the permissions the umask leaves (as `open` would), not `mkstemp`'s owner-only
+    0600, so the other users and jobs that share a --data-cache-path can read the index files.
+    """
+    temporary = os.path.join(os.path.dirname(path), f".{uuid.uuid4().hex}.tmp")
+    handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        with os.fdopen(handle, "wb") as output:
-            np.save(output, array, allow_pickle=False)
+        with os.fdopen(handle, mode) as output:
+            write(output)
         os.replace(temporary, path)
     except BaseException:
         if os.path.exists(temporary):
@@ -137,11 +142,10 @@ def load_or_build_indices(path_to_cache, kind, description, build):
             return {name: np.load(path, mmap_mode="r", allow_pickle=False) for name, path in paths.items()}, True
     arrays = build()
     for name, array in arrays.items():
-        _save_atomically(f"{stem}-{name}.npy", np.asarray(array))
-    handle, temporary = tempfile.mkstemp(dir=path_to_cache, suffix=".json.tmp")
-    with os.fdopen(handle, "w") as description_file:
-        json.dump({"description": description, "arrays": sorted(arrays)}, description_file, indent=2, sort_keys=True)
-    os.replace(temporary, description_path)
+        _write_atomically(f"{stem}-{name}.npy", "wb",
+                          lambda output, array=array: np.save(output, np.asarray(array), allow_pickle=False))
+    _write_atomically(description_path, "w", lambda output: json.dump(
+        {"description": description, "arrays": sorted(arrays)}, output, indent=2, sort_keys=True))
     return arrays, False
 
 
