@@ -6,6 +6,7 @@ absent, so a launch needs only the model, tokenizer and inference flags. Given o
 and otherwise unused: no dataset, optimizer or scheduler is built.
 """
 
+import os
 import sys
 
 DATA_FLAGS = ("--data-path", "--train-data-path", "--mock-data", "--data-args-path", "--per-split-data-args-path")
@@ -26,6 +27,12 @@ def training_placeholders(argv, add_arguments=None):
 
     given, _ = build_parser(add_arguments).parse_known_args(argv)
     placeholders = {"micro_batch_size": 1, "lr": 0.0}
+    if given.global_batch_size is None and (given.pipeline_model_parallel_size or 1) > 1:
+        # An interleaved pipeline's validation wants at least --pipeline-model-parallel-size microbatches a
+        # global batch (a multiple of it): p microbatches on every data-parallel rank the world could hold.
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        placeholders["global_batch_size"] = (given.micro_batch_size or 1) * given.pipeline_model_parallel_size \
+            * world_size
     if given.train_iters is None and given.train_samples is None:
         placeholders["train_iters"] = max(1, int(given.lr_warmup_iters or 0) + 1)
     return placeholders
@@ -50,6 +57,7 @@ def check_generation_args(args, print_rank0=print):
     """Refuse what cannot generate, before a model is built (errors name the flag); turn off the flags that only
     matter to training (and say so through `print_rank0`)."""
     from megatron.core.inference.model_checks import check_inference_supported
+    from megatron.inference.virtual_pipeline import check_chunk_supported, num_virtual_stages
     from megatron.training.model_config import core_transformer_config_from_args
 
     if args.load is None:
@@ -62,7 +70,11 @@ def check_generation_args(args, print_rank0=print):
         # Sequence parallelism changes no weight; a one-position decoding step cannot be split over TP ranks.
         print_rank0("--sequence-parallel is turned off for generation (the weights are the same)")
         args.sequence_parallel = False
-    check_inference_supported(core_transformer_config_from_args(args))
+    config = core_transformer_config_from_args(args)
+    if num_virtual_stages(config) > 1:
+        check_chunk_supported(config)  # the virtual pipeline itself is decoded by VirtualPipelineModel
+    else:
+        check_inference_supported(config)
 
 
 def build_tokenizer(args):
@@ -80,15 +92,17 @@ def build_tokenizer(args):
 
 def load_model(args, model_provider):
     """The model `model_provider` builds on this rank (pretrain_gpt.py's), unwrapped, with the weights of the
-    latest checkpoint under --load."""
+    latest checkpoint under --load. With a virtual pipeline, this rank's model chunks as one
+    `VirtualPipelineModel`."""
+    from megatron.inference.virtual_pipeline import VirtualPipelineModel
     from megatron.training import checkpointing
     from megatron.training.model_setup import get_model
 
     if args.load is None:
         raise ValueError("--load: give the checkpoint directory to generate from")
     checkpointing.check_checkpoint_format(args)
-    model = get_model(model_provider, args, wrap_with_ddp=False)[0]
+    chunks = get_model(model_provider, args, wrap_with_ddp=False)
     if checkpointing.read_tracker(args.load) is None:
         raise FileNotFoundError(f"--load {args.load}: no checkpoint there (no tracker file)")
-    checkpointing.load_checkpoint([model], None, None, args)
-    return model
+    checkpointing.load_checkpoint(chunks, None, None, args)
+    return chunks[0] if len(chunks) == 1 else VirtualPipelineModel(chunks)

@@ -23,6 +23,25 @@ def resolve_iteration_dir(path, flag="--input"):
     return path
 
 
+def is_release(path):
+    """Whether `path` is a released checkpoint: a root whose tracker holds the word `release` (upstream's
+    released checkpoints), or its `release` directory. A conversion keeps it released."""
+    from megatron.core.dist_checkpointing.checkpoint_directory import RELEASE
+    from megatron.training.checkpointing import read_tracker
+
+    if os.path.basename(os.path.normpath(path)) == RELEASE:
+        return True
+    return os.path.isdir(path) and read_tracker(path) == RELEASE
+
+
+def output_iteration(input_path, iteration):
+    """The iteration a conversion of `input_path` publishes: `release` for a released checkpoint, else
+    `iteration` (the one it records)."""
+    from megatron.core.dist_checkpointing.checkpoint_directory import RELEASE
+
+    return RELEASE if is_release(input_path) else iteration
+
+
 def is_legacy_directory(directory):
     """Whether `directory` (an iteration directory) holds a --ckpt-format torch checkpoint's mp_rank_* files."""
     return any(name.startswith("mp_rank_") for name in os.listdir(directory))

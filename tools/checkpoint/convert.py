@@ -314,15 +314,17 @@ def save_torch_dist(options, source):
 
     common = _read_common(source)
     sizes = target_sizes(options, common)
+    iteration = _paths.output_iteration(source, common.get("iteration", 0))
     if source != options.save_dir:
         state = offline.read_checkpoint(_paths.logical_checkpoint_dir(source, "--load-dir"))
-        offline.write_checkpoint(options.save_dir, common.get("iteration", 0), state, common.get("layout") or {})
+        offline.write_checkpoint(options.save_dir, iteration, state, common.get("layout") or {})
     directory = _paths.logical_checkpoint_dir(options.save_dir, "--save-dir")
     model_only = not any(key.startswith("optimizer.") for key, *_ in offline.describe(directory))
     layout = " ".join(f"{flag} {size}" for flag, size in sizes.items()
                       if size > 1 or flag != "--expert-model-parallel-size")
     load = f"--load {options.save_dir}" + (" --finetune" if model_only else "")
-    lines = [f"wrote {options.save_dir}: a torch_dist checkpoint (iteration {common.get('iteration', 0)}), which "
+    written = "released: its tracker says release" if iteration == "release" else f"iteration {iteration}"
+    lines = [f"wrote {options.save_dir}: a torch_dist checkpoint ({written}), which "
              "reshards on load at any tensor-, pipeline-, expert- and data-parallel size",
              f"train at the target layout with: pretrain_gpt.py {load} {layout} (and the model flags, or "
              "--use-checkpoint-args)"]

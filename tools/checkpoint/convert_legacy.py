@@ -153,6 +153,7 @@ def convert(input_root, output_root):
                        "layout": layout, "vocab_size": first.get("vocab_size")}  # before padding, if recorded
     if coordinates:
         state["common"]["rng_coordinates"] = coordinates
+    iteration = _paths.output_iteration(input_root, iteration)
     offline.write_checkpoint(output_root, iteration, state, layout)
     return model, iteration, sorted(key for key in state if not key.startswith("model."))
 

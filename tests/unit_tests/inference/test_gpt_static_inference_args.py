@@ -133,3 +133,15 @@ def test_stream_prints_each_prompts_new_text_once_its_characters_are_whole(capsy
     stream([0], [tokenizer.eod])
     assert capsys.readouterr().out.splitlines() == [
         "stream 0: 'a'", "stream 1: 'b'", "stream 0: 'c'", "stream 1: '\u00e9'"]
+
+
+@pytest.mark.parametrize("world_size, virtual_flag", [("2", "--num-layers-per-virtual-pipeline-stage"),
+                                                      ("4", "--num-virtual-stages-per-pipeline-rank")])
+def test_a_virtual_pipeline_launch_validates_and_is_accepted(monkeypatch, world_size, virtual_flag):
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    args = _validated(["--prompts", "a", "--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                       virtual_flag, "1" if "layers" in virtual_flag else "2"])
+    check_args(args)  # decoded by megatron.inference.virtual_pipeline, not refused
+    assert args.virtual_pipeline_model_parallel_size == 2
+    # micro-batch 1 and pipeline-size x world-size samples: a multiple of the pipeline size of microbatches
+    assert (args.micro_batch_size, args.global_batch_size) == (1, 2 * int(world_size))

@@ -315,3 +315,38 @@ def test_target_sizes_are_checked_before_anything_is_written(tools, tmp_path, ca
                   "--true-vocab-size", "40"])
     assert "--make-vocab-size-divisible-by 128, which pads its 40 tokens to the embedding's 128 rows at TP 1 (64 at " \
            "TP 2" in capsys.readouterr().out
+
+
+def _release(root):
+    """Turn the checkpoint under `root` into a released one, as upstream publishes them: its only iteration
+    directory renamed `release`, the tracker holding the word `release`."""
+    (iteration_dir,) = [name for name in os.listdir(root) if name.startswith("iter_")]
+    os.rename(os.path.join(root, iteration_dir), os.path.join(root, "release"))
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as stream:
+        stream.write("release")
+
+
+def test_a_released_checkpoint_converts_to_a_released_one(tools, tmp_path, capsys):
+    """A tracker that says `release` stays `release` through --saver core (torch_dist and --ckpt-format torch
+    inputs, from the root or its release directory), with the weights of the input."""
+    convert, convert_checkpoint = tools
+    hf_dir, core_dir, legacy_dir = str(tmp_path / "hf"), str(tmp_path / "core"), str(tmp_path / "legacy")
+    _write_hf_llama(hf_dir)
+    convert_checkpoint.from_hf(hf_dir, core_dir)
+    original = _model(_read(core_dir))
+    _release(core_dir)
+    _write_legacy_checkpoint(legacy_dir)
+    _release(legacy_dir)
+    for name, load_dir in (("from_root", core_dir), ("from_release_dir", os.path.join(core_dir, "release")),
+                           ("from_legacy", legacy_dir)):
+        save_dir = tmp_path / name
+        convert.main(["--model-type", "GPT", "--loader", "core", "--saver", "core", "--load-dir", load_dir,
+                      "--save-dir", str(save_dir)])
+        assert "a torch_dist checkpoint (released: its tracker says release)" in capsys.readouterr().out
+        assert (save_dir / "latest_checkpointed_iteration.txt").read_text() == "release"
+        assert sorted(os.listdir(save_dir)) == ["latest_checkpointed_iteration.txt", "release"]
+        assert json.loads((save_dir / "release" / "metadata.json").read_text())["iteration"] == "release"
+        if name != "from_legacy":
+            _assert_same_tensors(_model(_read(str(save_dir))), original)
+    legacy_weight = _read(str(tmp_path / "from_legacy"))["model.decoder.layers.0.self_attention.linear_qkv.weight"]
+    assert legacy_weight.shape == (HEADS * HEAD_DIM, HIDDEN)

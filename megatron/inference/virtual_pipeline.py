@@ -1,0 +1,92 @@
+"""Decoding a model split over an interleaved (virtual) pipeline: each pipeline rank holds several model chunks
+(`--num-layers-per-virtual-pipeline-stage` / `--num-virtual-stages-per-pipeline-rank`).
+
+Chunk `c` of pipeline rank `r` is virtual stage `c * p + r`, so a decoding step passes through chunk 0 of every
+rank, then chunk 1 of every rank, and so on: the activation `[s, b, h]` goes from rank to rank with
+`p2p_communication` (the last rank sends chunk `c`'s output to the first rank's chunk `c + 1`, the pipeline's
+next rank wraps around). Chunk 0 of the first rank embeds the tokens; the last chunk of the last rank applies the
+output layer and returns the logits gathered over its tensor-parallel ranks. Each chunk caches the keys and
+values of its own layers in the step's context (the cache is keyed by the global layer number).
+
+`VirtualPipelineModel` wraps the chunks of one rank as one module that `decode_forward` (and so
+`generate_static_batch` and the server) calls as a whole model: it returns the logits on the last pipeline
+rank and None on the others, as a pipeline stage does.
+"""
+
+import copy
+from typing import Optional, Sequence
+
+import torch
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.inference.model_checks import check_inference_supported
+from megatron.core.pipeline_parallel import p2p_communication
+
+
+def check_chunk_supported(config):
+    """What decoding refuses besides the virtual pipeline itself (which this module decodes): each chunk is
+    checked as one pipeline stage would be."""
+    stage_config = copy.copy(config)
+    stage_config._set("virtual_pipeline_model_parallel_size", None)
+    check_inference_supported(stage_config)
+
+
+def num_virtual_stages(config) -> int:
+    return getattr(config, "virtual_pipeline_model_parallel_size", None) or 1
+
+
+class VirtualPipelineModel(torch.nn.Module):
+    """This pipeline rank's model chunks (in chunk order), decoded as one model; see the module docstring."""
+
+    def __init__(self, chunks: Sequence[torch.nn.Module]):
+        super().__init__()
+        if not chunks:
+            raise ValueError("VirtualPipelineModel needs this rank's model chunks, got none")
+        expected = num_virtual_stages(chunks[0].config)
+        if len(chunks) != expected:
+            raise ValueError(f"{len(chunks)} model chunks on this rank, but the config has {expected} virtual "
+                             "stages per pipeline rank (--num-virtual-stages-per-pipeline-rank)")
+        check_chunk_supported(chunks[0].config)
+        self.chunks = torch.nn.ModuleList(chunks)
+
+    def forward(self, tokens: torch.Tensor, position_ids=None, inference_context=None) -> Optional[torch.Tensor]:
+        if position_ids is not None:
+            raise ValueError("VirtualPipelineModel decodes the positions of the context's offset: pass "
+                             "position_ids=None")
+        if inference_context is None:
+            raise ValueError("VirtualPipelineModel decodes through a key/value cache: pass inference_context")
+        previous_rank = parallel_state.get_virtual_pipeline_model_parallel_rank()
+        logits = None
+        try:
+            for index, chunk in enumerate(self.chunks):
+                parallel_state.set_virtual_pipeline_model_parallel_rank(index)
+                logits = _chunk_forward(chunk, tokens, inference_context)
+        finally:
+            parallel_state.set_virtual_pipeline_model_parallel_rank(previous_rank)
+        return logits
+
+
+def _chunk_forward(chunk, tokens, context):
+    """One chunk's part of a step: embed (first chunk of the first rank) or receive the activation from the
+    previous virtual stage, run the chunk's layers through the cache, then send to the next virtual stage, or
+    (last chunk of the last rank) return the logits `[b, s, vocab]`."""
+    config = chunk.config
+    batch, seq_length = tokens.shape
+    shape = p2p_communication.activation_shape(seq_length=seq_length, micro_batch_size=batch, config=config)
+    position_ids = chunk._decoding_position_ids(tokens, None, context)
+    rotary_angles = chunk._decoding_rotary_angles(tokens, context)
+    decoder_input = None
+    if chunk.pre_process:
+        decoder_input = chunk.embedding(tokens, position_ids)
+    else:
+        chunk.set_input_tensor(p2p_communication.recv_forward(shape, config))
+    try:
+        hidden_states = chunk.decoder(decoder_input, rotary_pos_emb=rotary_angles, inference_context=context)
+    finally:
+        if not chunk.pre_process:
+            chunk.set_input_tensor(None)
+    if not chunk.post_process:
+        p2p_communication.send_forward(hidden_states, config, shape)
+        return None
+    logits = tensor_parallel.gather_from_tensor_model_parallel_region(chunk._vocab_parallel_logits(hidden_states))
+    return logits.transpose(0, 1).contiguous()
