@@ -427,8 +427,12 @@ class TrainingLogger:
         print(f"{printed} loss at {at} | {text} |", flush=True)
         if self._tensorboard is not None and write_to_tensorboard:
             samples = getattr(self.args, "consumed_train_samples", None)
+            with_perplexity = getattr(self.args, "log_validation_ppl_to_tensorboard", False)
             for name, value in losses.items():
-                for key, scalar in ((f"{name} {shown}", value), (f"{name} {shown} ppl", _perplexity(value))):
+                scalars = [(f"{name} {shown}", value)]
+                if with_perplexity:  # as upstream, the perplexity only on request
+                    scalars.append((f"{name} {shown} ppl", _perplexity(value)))
+                for key, scalar in scalars:
                     self._tensorboard.add_scalar(key, scalar, iteration)
                     if samples is not None:
                         self._tensorboard.add_scalar(f"{key} vs samples", scalar, samples)
@@ -488,6 +492,8 @@ class TrainingLogger:
         for name, value in report["losses"].items():
             add_scalar_and_vs_samples(name, value)
         # Upstream's switches: learning rate and loss scale on unless turned off, batch and world size on request.
+        if report.get("skipped_samples", 0) > 0:  # --iterations-to-skip, as upstream: once any batch was dropped
+            writer.add_scalar("skipped-train-samples", report["skipped_samples"], iteration)
         if getattr(args, "log_learning_rate_to_tensorboard", True):
             add_scalar_and_vs_samples("learning-rate", report["learning_rate"])
             if report.get("decoupled_learning_rate") is not None:

@@ -36,7 +36,7 @@ def add_arguments(parser):
     group.add_argument(
         "--log-validation-ppl-to-tensorboard",
         action="store_true",
-        help="Accepted for upstream scripts: validation perplexity is always written next to the validation loss.",
+        help="Also write the validation perplexity (<loss> validation ppl, and vs samples) to TensorBoard.",
     )
     group.add_argument(
         "--timing-log-level",

@@ -207,7 +207,8 @@ def test_evaluation_of_a_named_validation_set(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(training_log, "build_scalar_writers", lambda args: Recorder())
     args = argparse.Namespace(metrics_file=str(tmp_path / "m.jsonl"), tensorboard_dir=None, save=None,
-                              log_interval=1, train_iters=1, log_memory_to_tensorboard=False, log_throughput=False)
+                              log_interval=1, train_iters=1, log_memory_to_tensorboard=False, log_throughput=False,
+                              log_validation_ppl_to_tensorboard=True)
     logger = training_log.TrainingLogger(args, is_logging_rank=True)
     logger.log_evaluation(4, {"lm loss": 2.0}, set_label="b_text_document")
     logger.close()
@@ -372,7 +373,8 @@ def test_tensorboard_writes_upstreams_vs_samples_scalars(monkeypatch, tmp_path):
                               train_iters=3,
                               tensorboard_log_interval=1, log_memory_to_tensorboard=False, log_throughput=False,
                               log_timers_to_tensorboard=False, log_batch_size_to_tensorboard=True,
-                              log_world_size_to_tensorboard=True, world_size=2, consumed_train_samples=24)
+                              log_world_size_to_tensorboard=True, log_validation_ppl_to_tensorboard=True,
+                              world_size=2, consumed_train_samples=24)
     logger = training_log.TrainingLogger(args, is_logging_rank=True)
     report = _report(3, 2.5)
     report["params_norm"] = 7.0
@@ -418,7 +420,8 @@ def test_test_set_line_reads_as_upstreams_and_keeps_its_own_tags(monkeypatch, ca
     recorder = _ScalarRecorder()
     monkeypatch.setattr(training_log, "build_scalar_writers", lambda args: recorder)
     args = argparse.Namespace(metrics_file=str(tmp_path / "m.jsonl"), tensorboard_dir=str(tmp_path), save=None,
-                              log_interval=1, train_iters=4, log_memory_to_tensorboard=False, log_throughput=False)
+                              log_interval=1, train_iters=4, log_memory_to_tensorboard=False, log_throughput=False,
+                              log_validation_ppl_to_tensorboard=True)
     logger = training_log.TrainingLogger(args, is_logging_rank=True)
     logger.log_evaluation(4, {"lm loss": 2.0}, prefix="test", where="on test set")
     logger.close()
@@ -436,3 +439,40 @@ def test_skipped_samples_follow_the_consumed_samples_once_a_batch_was_dropped():
     assert training_log.format_log_line(**args, skipped_samples=8).startswith(
         "iteration 3/ 5 | consumed samples: 24 | skipped samples: 8 | elapsed time per iteration (ms): 10.0 |")
     assert "skipped samples" not in training_log.format_log_line(**args)
+
+
+def test_validation_perplexity_goes_to_tensorboard_only_with_its_flag(monkeypatch, capsys, tmp_path):
+    """As upstream: `<loss> validation` (and vs samples) always, the perplexity scalars only with
+    --log-validation-ppl-to-tensorboard; the printed line shows the perplexity either way."""
+    written = {}
+    for flag in (False, True):
+        recorder = _ScalarRecorder()
+        monkeypatch.setattr(training_log, "build_scalar_writers", lambda args: recorder)
+        args = argparse.Namespace(metrics_file=None, tensorboard_dir=str(tmp_path), save=None, log_interval=1,
+                                  train_iters=4, log_memory_to_tensorboard=False, log_throughput=False,
+                                  log_validation_ppl_to_tensorboard=flag, consumed_train_samples=32)
+        logger = training_log.TrainingLogger(args, is_logging_rank=True)
+        logger.log_evaluation(4, {"lm loss": 2.0})
+        logger.close()
+        written[flag] = sorted(recorder.scalars)
+        assert "| lm loss PPL: 7.389056E+00 |" in capsys.readouterr().out
+    assert written[False] == [("lm loss validation", 2.0, 4), ("lm loss validation vs samples", 2.0, 32)]
+    assert written[True] == sorted(written[False] + [("lm loss validation ppl", math.exp(2.0), 4),
+                                                     ("lm loss validation ppl vs samples", math.exp(2.0), 32)])
+
+
+def test_skipped_train_samples_scalar_appears_once_a_batch_was_dropped(monkeypatch, tmp_path):
+    """--iterations-to-skip: upstream's `skipped-train-samples` scalar, written while the count is above 0."""
+    recorder = _ScalarRecorder()
+    monkeypatch.setattr(training_log, "build_scalar_writers", lambda args: recorder)
+    args = argparse.Namespace(metrics_file=None, tensorboard_dir=str(tmp_path), save=None, log_interval=10,
+                              train_iters=4, tensorboard_log_interval=1, log_memory_to_tensorboard=False,
+                              log_throughput=False, log_timers_to_tensorboard=False)
+    logger = training_log.TrainingLogger(args, is_logging_rank=True)
+    for iteration, skipped_samples in ((1, 0), (3, 8), (4, 8)):
+        report = _report(iteration, 2.0)
+        report["skipped_samples"] = skipped_samples
+        logger.log_iteration(report)
+    logger.close()
+    assert [scalar for scalar in recorder.scalars if scalar[0] == "skipped-train-samples"] == [
+        ("skipped-train-samples", 8, 3), ("skipped-train-samples", 8, 4)]
