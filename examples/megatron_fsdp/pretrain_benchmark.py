@@ -102,16 +102,10 @@ def summarise_arm(arm, runs, warmup, seq_length, global_batch):
     }
 
 
-# Megatron's distributed optimizer steps on fp32 copies of its shards even when the model is fp32 (the other
-# wrappers step on the fp32 weights themselves): one more parameter shard per rank in its theory.
-ARMS_WITH_MAIN_SHARD_COPY = {"distopt"}
-
-
 def theory_bytes(arm, param_bytes):
-    state = bench_theory.zero_state_bytes(ARMS[arm][1], param_bytes, WORLD_SIZE)
-    if arm in ARMS_WITH_MAIN_SHARD_COPY:
-        state["optimizer"] += param_bytes / WORLD_SIZE
-    return state
+    """ZeRO theory for an fp32 model: every arm, the distributed optimizer included, steps the fp32 weights (or
+    their shards) in place, so no arm keeps a main copy."""
+    return bench_theory.zero_state_bytes(ARMS[arm][1], param_bytes, WORLD_SIZE)
 
 
 def render(summaries, meta):

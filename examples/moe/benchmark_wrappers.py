@@ -47,14 +47,13 @@ ARMS = {  # name: (expert-parallel size, flags, expert-DP sharding of (params, o
 }
 
 
-def expert_bytes_theory(model, expert_parallel_size, params_over, optimizer_over, distributed_optimizer):
-    """(params, grads, optimizer state) bytes per rank: fp32 experts with biases, Adam's two moments, plus fp32
-    main weights under the distributed optimizer."""
+def expert_bytes_theory(model, expert_parallel_size, params_over, optimizer_over):
+    """(params, grads, optimizer state) bytes per rank: fp32 experts with biases and Adam's two moments (the
+    distributed optimizer steps an fp32 model's shards in place, with no main copy)."""
     layers, hidden, ffn, _ = MODELS[model]
     per_expert = 2 * hidden * ffn + ffn + hidden
     local = 4 * layers * EXPERTS * per_expert // expert_parallel_size
-    copies = 3 if distributed_optimizer else 2
-    return local // params_over, local // params_over, copies * local // optimizer_over
+    return local // params_over, local // params_over, 2 * local // optimizer_over
 
 
 def training_records(records):
@@ -103,10 +102,9 @@ def main():
           "| step (ms) | vs DDP |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in arms:
-        expert_parallel_size, flags, (params_over, optimizer_over) = ARMS[name]
+        expert_parallel_size, _, (params_over, optimizer_over) = ARMS[name]
         record = last[name]
-        theory = expert_bytes_theory(options.model, expert_parallel_size, params_over, optimizer_over,
-                                     "--use-distributed-optimizer" in flags)
+        theory = expert_bytes_theory(options.model, expert_parallel_size, params_over, optimizer_over)
         measured = (record.get("expert-params-bytes"), record.get("expert-grads-bytes"),
                     record.get("expert-optimizer-state-bytes"))
         cells = " | ".join(f"{'n/a' if m is None else m} | {t}" for m, t in zip(measured, theory))

@@ -6,9 +6,10 @@ ordinary memory otherwise (on a CPU run host and device are the same memory; the
 plain copies). Callers ask the placement for buffers and never branch on the device themselves.
 
 Relocating a parameter: an optimizer may move a tensor's storage to the host (`relocate_to_host`) only when the
-tensor's owner said it may (`mark_relocatable`): the distributed optimizer's main parameters are clones owned by
-nobody else, and Megatron-FSDP's fp32 main weights once the wrapper gave them storages of their own; its main
-weights in the compute dtype are views into the compute weights the wrapper keeps reading, and must stay where
+tensor's owner said it may (`mark_relocatable`): the distributed optimizer's main parameters of a bf16/fp16
+model are clones owned by nobody else (an fp32 model's are views of DDP's parameter buffer and stay), and
+Megatron-FSDP's fp32 main weights once the wrapper gave them storages of their own; its main weights in the
+compute dtype are views into the compute weights the wrapper keeps reading, and must stay where
 they are. An owner may also name an `InstallTarget`, the device tensor it reads the values from (the model's
 compute weights): the offloading optimizer then copies the new values there itself after each host step, on its
 upload stream (a side stream with overlapped copies), and tells the owner it did.

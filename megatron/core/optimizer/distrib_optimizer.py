@@ -2,13 +2,16 @@
 group), on top of DDP's flat buffers.
 
 DDP (with `use_distributed_optimizer=True`) lays out parameters and gradients in flat buffers whose buckets
-are split evenly over the shard group (see param_and_grad_buffer.py). This optimizer keeps fp32 main
-parameters and optimizer state only for the elements this rank owns. A step reads the reduced gradient shard
-from the grad buffer, unscales/clips it (norms are summed over the model-parallel and shard groups), steps,
-writes the updated shard into the parameter buffer and all-gathers the buffer (asynchronously with
-`overlap_param_gather`, completed per module in the next forward). With `--fp8-param-gather` the shards of
-FP8 weights are quantized into their buffer's FP8 bytes instead, and those are gathered (see
-`megatron.core.fp8.params`); the model starts from its FP8 weights, gathered once at construction.
+are split evenly over the shard group (see param_and_grad_buffer.py). This optimizer keeps main parameters and
+optimizer state only for the elements this rank owns. The main parameter of an fp32 model parameter is its
+shard of the parameter buffer itself (a view: the step updates the buffer in place, no copy is kept); bf16/fp16
+parameters (and FP8 weights, whose buffer values are overwritten by their gathered FP8 bytes) get a main copy
+in `main_params_dtype`. A step reads the reduced gradient shard from the grad buffer, unscales/clips it (norms
+are summed over the model-parallel and shard groups), steps, writes the updated copies into the parameter buffer
+and all-gathers the buffer (asynchronously with `overlap_param_gather`, completed per module in the next
+forward). With `--fp8-param-gather` the shards of FP8 weights are quantized into their buffer's FP8 bytes
+instead, and those are gathered (see `megatron.core.fp8.params`); the model starts from its FP8 weights, gathered
+once at construction.
 
 With Muon (`--optimizer muon`) each main parameter of a hidden weight matrix is marked as a piece of that matrix
 over the shard group (`mark_matrix_piece`), and a rank owning none of its elements steps an empty piece of it, so
@@ -29,8 +32,16 @@ from megatron.core.optimizer.muon import mark_matrix_piece
 from megatron.core.optimizer.optimizer import MegatronOptimizer, copy_parallel_attributes, fp32_grad
 
 
+def steps_buffer_in_place(model_param, buffer, main_dtype) -> bool:
+    """Whether the main parameter of `model_param`'s shard is a view of `buffer`'s parameter values (fp32 model
+    and main dtype, no FP8 bytes gathered over the values) rather than a copy."""
+    return (model_param.dtype == torch.float32 and main_dtype == torch.float32
+            and buffer.param_data is not None and getattr(buffer, "fp8_storage", None) is None)
+
+
 class _ParamShard:
-    """The elements `[param_start, param_end)` of `model_param` owned by this rank, and their main copy."""
+    """The elements `[param_start, param_end)` of `model_param` owned by this rank, and the main parameter the
+    optimizer steps for them: their place in the parameter buffer (`is_buffer_view`), or a copy in `main_dtype`."""
 
     def __init__(self, model_param, buffer, param_start, param_end, buffer_start, main_dtype=torch.float32):
         self.model_param = model_param
@@ -38,10 +49,16 @@ class _ParamShard:
         self.param_start = param_start
         self.param_end = param_end
         self.buffer_start = buffer_start
-        flat = model_param.detach().reshape(-1)[param_start:param_end]
-        self.main_param = torch.nn.Parameter(flat.clone().to(main_dtype))
+        self.is_buffer_view = steps_buffer_in_place(model_param, buffer, main_dtype)
+        if self.is_buffer_view:
+            self.main_param = torch.nn.Parameter(self.param_buffer_view())
+        else:
+            flat = model_param.detach().reshape(-1)[param_start:param_end]
+            self.main_param = torch.nn.Parameter(flat.clone().to(main_dtype))
+            # A clone only this optimizer reads: CPU offload may move it to the host. A buffer view stays, since
+            # the buffer is what gets gathered; offload steps a host copy of it and writes the result back.
+            mark_relocatable(self.main_param)
         copy_parallel_attributes(model_param, self.main_param)
-        mark_relocatable(self.main_param)  # a clone only this optimizer reads: CPU offload may move it to the host
 
     def grad_view(self):
         return self.model_param.main_grad.reshape(-1)[self.param_start:self.param_end]
@@ -138,13 +155,16 @@ class DistributedOptimizer(MegatronOptimizer):
         from megatron.core.fp8.params import quantize_main_params_into_fp8_buffers
 
         for shard in quantize_main_params_into_fp8_buffers(self.model_chunks, self._shards):
-            shard.param_buffer_view().copy_(shard.main_param)
+            if not shard.is_buffer_view:
+                shard.param_buffer_view().copy_(shard.main_param)
         for chunk in self.model_chunks:
             chunk.start_param_sync()
 
     @torch.no_grad()
     def reload_model_params(self):
         for shard in self._shards:
+            # Also for a buffer view (then a copy onto itself): it counts as a write of the main parameter, which
+            # tells holders of a copy of it (CPU offload's host copy) that the model's weights changed.
             shard.main_param.copy_(shard.model_param.detach().reshape(-1)[shard.param_start:shard.param_end])
         self._install_fp8_weights()
 

@@ -5,7 +5,8 @@ and weights travel between them and the model:
 - `FP32Optimizer`: the model parameters are the main parameters;
 - `Float16Optimizer`: fp32 copies of bf16/fp16 model parameters (fp16 adds a loss scaler and skips steps
   whose gradients overflowed);
-- `DistributedOptimizer` (distrib_optimizer.py): fp32 copies of this rank's data-parallel shard only.
+- `DistributedOptimizer` (distrib_optimizer.py): this rank's data-parallel shard only (stepped in place in the
+  parameter buffer for fp32 parameters, fp32 copies of it for bf16/fp16 ones).
 Gradients are read from `param.main_grad` (the DDP buffer view) when the model is wrapped in DDP, else from
 `param.grad`. Gradient norms and zero counts sum the dense parameters over `grad_stats_groups` and the
 Mixture-of-Experts expert parameters over `expert_grad_stats_groups` (see `megatron.core.expert_parameters`).

@@ -193,7 +193,7 @@ def test_expert_parallel_training_equals_one_process(reference, expert_model_par
 def _check_expert_memory(memory_per_rank, all_params, expert_model_parallel_size, wrapper):
     """The memory line's expert bytes against the sharding theory: a rank holds 1/EP of the experts' fp32 weights
     and gradients (FSDP2: also 1/expert-DP), and Adam's two moments of what it steps (the distributed optimizer:
-    plus fp32 main weights, over the expert data-parallel ranks together)."""
+    of its shards, which it steps in place in the fp32 weights; exact over the expert data-parallel ranks together)."""
     expert_bytes = 4 * sum(param.numel() for name, param in all_params.items() if ".local_experts." in name)
     expert_data_parallel_size = WORLD // expert_model_parallel_size
     local = expert_bytes // expert_model_parallel_size
@@ -205,7 +205,7 @@ def _check_expert_memory(memory_per_rank, all_params, expert_model_parallel_size
             assert memory["expert_optimizer_state_bytes"] == 2 * sharded
     if wrapper == "distributed_optimizer":  # shards of uneven buckets: exact over each expert data-parallel group
         total = sum(memory["expert_optimizer_state_bytes"] for memory in memory_per_rank)
-        assert total == 3 * local * expert_model_parallel_size
+        assert total == 2 * local * expert_model_parallel_size
 
 
 def _megatron_fsdp_hybrid_error_at_ep2():

@@ -62,8 +62,8 @@ def test_doc_section_is_replaced_in_place(tmp_path):
     assert text.index("intro") < text.index("second") < text.index("## later section")
 
 
-def test_distributed_optimizer_theory_counts_its_fp32_main_shard():
+def test_distributed_optimizer_theory_has_no_fp32_main_shard_copy():
     param_bytes = 8 * MIB
     assert bench.theory_bytes("distopt", param_bytes) == {"params": 8 * MIB, "grads": 8 * MIB,
-                                                          "optimizer": 8 * MIB + 4 * MIB}
+                                                          "optimizer": 8 * MIB}
     assert bench.theory_bytes("mfsdp1", param_bytes)["optimizer"] == 8 * MIB

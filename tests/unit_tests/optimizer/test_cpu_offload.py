@@ -124,8 +124,8 @@ def _layout(optimizer):
         "last_offloaded_numel": entries[-1].device_param.numel() if entries else 0,
         "total_numel": sum(param.numel() for param in main),
         "offloaded_prefix": all(main[index] is entry.device_param for index, entry in enumerate(entries)),
-        # The distributed optimizer's main shards move to the host (one storage, the host buffer's); Megatron-FSDP's
-        # main weights are views into its buffers and keep a separate host copy.
+        # fp32 model: the main parameters are views the wrapper keeps reading (the distributed optimizer's shards of
+        # its parameter buffer, Megatron-FSDP's main weights) and keep a separate host copy.
         "relocated": [entry.relocated for entry in entries],
         "main_in_host_buffer": all(entry.device_param.data_ptr() == entry.host_param.data_ptr()
                                    and entry.device_param.untyped_storage().nbytes() == entry.host_param.nbytes
@@ -184,11 +184,69 @@ def test_offload_trains_and_checkpoints_like_no_offload(world_size, wrapper):
         for layout in layouts.values():
             assert layout["offloaded_prefix"] and layout["separate_copies"] and layout["shared_state"]
             assert layout["main_in_host_buffer"]
-            # Main parameters leave the device where they are the optimizer's own clones (distributed optimizer).
-            assert set(layout["relocated"]) == {wrapper == "distributed_optimizer"}
+            # Only the optimizer's own clones leave the device: an fp32 model has none (see the bf16 test below).
+            assert set(layout["relocated"]) == {False}
         for (saved_with, loaded_with), resumed_losses in result["resumed"].items():
             expected = result["runs"][loaded_with][0][SAVE_AFTER:]
             assert resumed_losses == pytest.approx(expected, rel=1e-6, abs=0), (saved_with, loaded_with)
+
+
+def _distributed_optimizer_offload_against_device(dtype):
+    """A toy model under the distributed optimizer with every main parameter offloaded, next to the same model
+    without offload: where the offloaded main parameters live, and whether both step to the same weights, also
+    after the model's weights are replaced (a load without optimizer state) between steps."""
+    import torch.distributed as dist
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+    from tests.unit_tests.optimizer.toy_models import build_toy_model, mse_loss, toy_batch
+
+    half = dtype != torch.float32
+    runs = []
+    for setting in ("none", "all"):
+        model = build_toy_model(dtype=dtype)
+        ddp = DistributedDataParallel(ModelParallelConfig(), DistributedDataParallelConfig(
+            use_distributed_optimizer=True, bucket_size=40, grad_reduce_in_fp32=half), model)
+        config = OptimizerConfig(lr=LR, use_distributed_optimizer=True, use_precision_aware_optimizer=True,
+                                 bf16=half, **SETTINGS[setting])
+        runs.append((model, ddp, get_megatron_optimizer(config, [ddp])))
+    replacement = build_toy_model(seed=5, dtype=dtype).state_dict()
+    for step in range(3):
+        if step == 2:
+            for model, _, optimizer in runs:
+                model.load_state_dict(replacement)
+                optimizer.reload_model_params()
+        for model, ddp, optimizer in runs:
+            inputs, targets = toy_batch(step + 10 * dist.get_rank(), 2, dtype=dtype)
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            mse_loss(ddp, inputs, targets).backward()
+            finalize_model_grads([ddp])
+            assert optimizer.step()[0]
+    (reference, _, _), (offloaded, ddp, optimizer) = runs
+    buffer_storages = {buffer.param_data.untyped_storage().data_ptr() for buffer in ddp.buffers}
+    entries = optimizer.optimizer.offloaded
+    return {
+        "offloaded": len(entries) == len(optimizer.main_params()) > 0,
+        "relocated": [entry.relocated for entry in entries],
+        "device_param_in_buffer": [entry.device_param.untyped_storage().data_ptr() in buffer_storages
+                                   for entry in entries],
+        "equal": all(torch.equal(a, b) for a, b in zip(offloaded.parameters(), reference.parameters(), strict=True)),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_distributed_optimizer_offloads_buffer_views_by_copy_and_main_copies_by_move(world_size):
+    """fp32: the main parameters are the parameter buffer's own values, so each offloaded one is stepped in a host
+    copy and written back; bf16: the fp32 main copies themselves move to the host. Both equal no offload."""
+    for result in run_on_ranks(world_size, _distributed_optimizer_offload_against_device, torch.float32):
+        assert result["offloaded"] and result["equal"]
+        assert not any(result["relocated"]) and all(result["device_param_in_buffer"])
+    for result in run_on_ranks(world_size, _distributed_optimizer_offload_against_device, torch.bfloat16):
+        assert result["offloaded"] and result["equal"]
+        assert all(result["relocated"]) and not any(result["device_param_in_buffer"])
 
 
 # ---- flags --------------------------------------------------------------------------------------------------

@@ -196,3 +196,55 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_all(world_size):
     ):
         assert not update_successful and grad_norm is None
         assert loss_scale == 32.0 and unchanged
+
+
+def _main_param_storage_and_state_bytes(dtype):
+    """Where each main parameter's values live, and the memory line's optimizer-state bytes against the bytes of
+    the state tensors the optimizer holds, after two steps of a `dtype` model."""
+    from megatron.core.distributed.data_parallel_base import tensor_bytes
+    from megatron.training.training_log import memory_usage
+
+    half = dtype != torch.float32
+    model = build_toy_model(dtype=dtype)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, bucket_size=40,
+                                               grad_reduce_in_fp32=half)
+    ddp = DistributedDataParallel(ModelParallelConfig(), ddp_config, model)
+    config = OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=CLIP_GRAD, use_distributed_optimizer=True,
+                             bf16=dtype == torch.bfloat16)
+    optimizer = get_megatron_optimizer(config, [ddp])
+    for step in range(2):
+        inputs, targets = toy_batch(step + 10 * dist.get_rank(), SAMPLES_PER_RANK, dtype=dtype)
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        mse_loss(ddp, inputs, targets).backward()
+        finalize_model_grads([ddp])
+        assert optimizer.step()[0]
+
+    buffer_storages = {buffer.param_data.untyped_storage().data_ptr() for buffer in ddp.buffers}
+    in_buffer = [param.untyped_storage().data_ptr() in buffer_storages for param in optimizer.main_params()]
+    # The model weights hold the values the optimizer stepped (in the model's dtype).
+    follow = all(torch.equal(shard.model_param.detach().reshape(-1)[shard.param_start:shard.param_end],
+                             shard.main_param.detach().to(dtype)) for shard in optimizer._shards)
+    state_tensors = [value for state in optimizer.optimizer.state.values() for value in state.values()
+                     if torch.is_tensor(value)]
+    moments = [state[key] for state in optimizer.optimizer.state.values() for key in ("exp_avg", "exp_avg_sq")]
+    owned = sum(param.numel() for param in optimizer.main_params())
+    reported = memory_usage([ddp], optimizer, torch.device("cpu"))["optimizer_state_bytes"]
+    return {"in_buffer": in_buffer, "follow": follow, "owned": owned, "reported": reported,
+            "state_bytes": sum(tensor_bytes(value) for value in state_tensors),
+            "moment_bytes": sum(tensor_bytes(value) for value in moments)}
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_fp32_shards_are_stepped_in_the_parameter_buffer(world_size):
+    """fp32: the optimizer steps each shard where DDP's parameter buffer holds it (no main copy), so the memory
+    line's optimizer state is the Adam state alone; bf16 keeps fp32 main copies outside the buffer."""
+    fp32 = run_on_ranks(world_size, _main_param_storage_and_state_bytes, torch.float32)
+    assert sum(result["owned"] for result in fp32) == sum(p.numel() for p in build_toy_model().parameters())
+    for result in fp32:
+        assert result["in_buffer"] and all(result["in_buffer"]) and result["follow"]
+        assert result["moment_bytes"] == 2 * 4 * result["owned"]  # two fp32 moments per owned element
+        assert result["reported"] == result["state_bytes"]
+    for result in run_on_ranks(world_size, _main_param_storage_and_state_bytes, torch.bfloat16):
+        assert result["in_buffer"] and not any(result["in_buffer"]) and result["follow"]
+        assert result["reported"] == result["state_bytes"] + 4 * result["owned"]  # plus the fp32 main copies

@@ -6,17 +6,19 @@ count reaches `offload_fraction` of the total (the tensor that crosses it goes t
 arithmetic, upstream's rule), so the offloaded parameters are a prefix.
 Each offloaded parameter's main values live in host memory (`HostPlacement`: pinned where the compute device
 can use it), where a host optimizer steps them with their optimizer state next to them. A main parameter its
-owner marked relocatable (`mark_relocatable`: the distributed optimizer's fp32 shards, clones nobody else reads)
-is moved there outright: the parameter object keeps its identity but its storage is the host buffer, its device
-storage is released, and the owner's usual copy of main into model parameters (`_copy_main_params_to_model_params`)
-uploads the updated values into the model's device weights. So under the distributed optimizer with fp32 Adam
-the device keeps none of the 12 bytes per offloaded parameter (master weight and both moments). Megatron-FSDP's
-fp32 main weights under bf16 compute are relocated the same way: `MegatronFSDPOptimizer` asks for the split
-(`planned_offload`), has the wrapper give the views it names storages of their own (`separate_main_weights`)
-and marks them relocatable with an `InstallTarget` (their place in the compute weights), into which this
-optimizer uploads their new values after the host step (cast to the target's dtype on the host). A main
-parameter that is a view its owner keeps reading (Megatron-FSDP's main weights in the model's dtype are the
-model's weights themselves) stays where it is: its host copy is stepped and the result copied back into it.
+owner marked relocatable (`mark_relocatable`: the distributed optimizer's fp32 main copies of bf16/fp16 shards,
+clones nobody else reads) is moved there outright: the parameter object keeps its identity but its storage is the
+host buffer, its device storage is released, and the owner's usual copy of main into model parameters
+(`_copy_main_params_to_model_params`) uploads the updated values into the model's device weights. So under the
+distributed optimizer with a bf16 model and fp32 Adam the device keeps none of the 12 bytes per offloaded parameter
+(master weight and both moments). Megatron-FSDP's fp32 main weights under bf16 compute are relocated the same way:
+`MegatronFSDPOptimizer` asks for the split (`planned_offload`), has the wrapper give the views it names storages of
+their own (`separate_main_weights`) and marks them relocatable with an `InstallTarget` (their place in the compute
+weights), into which this optimizer uploads their new values after the host step (cast to the target's dtype on
+the host). A main parameter that is a view its owner keeps reading stays where it is: its host copy is stepped and
+the result copied back into it. Such are the distributed optimizer's main parameters of fp32 weights (their shards
+of its parameter buffer, which it all-gathers) and Megatron-FSDP's main weights in the model's dtype (the model's
+weights themselves).
 
 A step: the offloaded parameters' gradients are copied device -> host (and a kept device view's host copy is
 refreshed first if someone wrote the view since the last step, e.g. a checkpoint load; detected from the
