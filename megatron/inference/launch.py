@@ -57,7 +57,6 @@ def check_generation_args(args, print_rank0=print):
     """Refuse what cannot generate, before a model is built (errors name the flag); turn off the flags that only
     matter to training (and say so through `print_rank0`)."""
     from megatron.core.inference.model_checks import check_inference_supported
-    from megatron.inference.virtual_pipeline import check_chunk_supported, num_virtual_stages
     from megatron.training.model_config import core_transformer_config_from_args
 
     if args.load is None:
@@ -70,11 +69,19 @@ def check_generation_args(args, print_rank0=print):
         # Sequence parallelism changes no weight; a one-position decoding step cannot be split over TP ranks.
         print_rank0("--sequence-parallel is turned off for generation (the weights are the same)")
         args.sequence_parallel = False
-    config = core_transformer_config_from_args(args)
-    if num_virtual_stages(config) > 1:
-        check_chunk_supported(config)  # the virtual pipeline itself is decoded by VirtualPipelineModel
-    else:
-        check_inference_supported(config)
+    check_inference_supported(core_transformer_config_from_args(args))
+
+
+def generation_max_sequence_length(args):
+    """(the longest prompt plus generated tokens, the flag that sets it): --inference-max-seq-length, capped by
+    --max-position-embeddings as upstream's generation caps it whatever the position embedding (learned absolute
+    positions have no row past the table; a rotary model was trained on no position past it)."""
+    if args.inference_max_seq_length < 1:
+        raise ValueError(f"--inference-max-seq-length must be at least 1, got {args.inference_max_seq_length}")
+    max_positions = args.max_position_embeddings
+    if max_positions is not None and max_positions < args.inference_max_seq_length:
+        return max_positions, "--max-position-embeddings"
+    return args.inference_max_seq_length, "--inference-max-seq-length"
 
 
 def build_tokenizer(args):

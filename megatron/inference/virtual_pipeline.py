@@ -13,7 +13,6 @@ values of its own layers in the step's context (the cache is keyed by the global
 rank and None on the others, as a pipeline stage does.
 """
 
-import copy
 from typing import Optional, Sequence
 
 import torch
@@ -21,14 +20,6 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.inference.model_checks import check_inference_supported
 from megatron.core.pipeline_parallel import p2p_communication
-
-
-def check_chunk_supported(config):
-    """What decoding refuses besides the virtual pipeline itself (which this module decodes): each chunk is
-    checked as one pipeline stage would be."""
-    stage_config = copy.copy(config)
-    stage_config._set("virtual_pipeline_model_parallel_size", None)
-    check_inference_supported(stage_config)
 
 
 def num_virtual_stages(config) -> int:
@@ -46,7 +37,7 @@ class VirtualPipelineModel(torch.nn.Module):
         if len(chunks) != expected:
             raise ValueError(f"{len(chunks)} model chunks on this rank, but the config has {expected} virtual "
                              "stages per pipeline rank (--num-virtual-stages-per-pipeline-rank)")
-        check_chunk_supported(chunks[0].config)
+        check_inference_supported(chunks[0].config)
         self.chunks = torch.nn.ModuleList(chunks)
 
     def forward(self, tokens: torch.Tensor, position_ids=None, inference_context=None) -> Optional[torch.Tensor]:

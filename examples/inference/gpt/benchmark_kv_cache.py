@@ -41,9 +41,11 @@ BUILT_IN_PROMPTS = [
 
 
 @torch.no_grad()
-def generate_greedy_without_cache(model, prompts, num_tokens_to_generate, pad_id=0):
+def generate_greedy_without_cache(model, prompts, num_tokens_to_generate, pad_id=0, vocab_size=None):
     """`num_tokens_to_generate` greedy tokens for each prompt (token ids), every step a full forward of the batch
-    over all positions so far; no end-of-document stop. Returns one list of new tokens per prompt."""
+    over all positions so far; no end-of-document stop. `vocab_size` is the tokenizer's vocabulary (the padding
+    rows of the model's are never chosen, as with the cache); None: the model's whole vocabulary. Returns one
+    list of new tokens per prompt."""
     device = next(model.parameters()).device
     lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)
     tokens = torch.full((len(prompts), int(lengths.max()) + num_tokens_to_generate), pad_id, dtype=torch.long,
@@ -57,7 +59,7 @@ def generate_greedy_without_cache(model, prompts, num_tokens_to_generate, pad_id
         for step in range(num_tokens_to_generate):
             end = int(lengths.max()) + step  # positions 0 .. end - 1 hold every sequence so far
             position_ids = torch.arange(end, device=device).unsqueeze(0).expand(len(prompts), end)
-            logits = model(tokens[:, :end], position_ids)
+            logits = model(tokens[:, :end], position_ids)[..., :vocab_size]
             tokens[rows, lengths + step] = logits[rows, lengths + step - 1].argmax(-1)
     finally:
         model.train(was_training)
@@ -106,7 +108,8 @@ def benchmark(model, prompt_tokens, num_tokens_to_generate, eod_id, vocab_size, 
             max_batch_size=max_batch_size, vocab_size=vocab_size))
         cached_tokens = [result.generated_tokens for result in cached]
         uncached_tokens, uncached_seconds, uncached_calls = _timed(
-            model, lambda: generate_greedy_without_cache(model, prompt_tokens, num_tokens_to_generate))
+            model, lambda: generate_greedy_without_cache(model, prompt_tokens, num_tokens_to_generate,
+                                                        vocab_size=vocab_size))
         for mine, full in zip(cached_tokens, uncached_tokens):
             if mine != full[:len(mine)]:  # a cached sequence may stop early at end-of-document
                 raise RuntimeError(f"greedy tokens with the cache {mine} differ from those without {full}")
@@ -135,11 +138,10 @@ def run(args):
                          f"{args.pipeline_model_parallel_size}): its run without the cache calls the whole model; "
                          "gpt_static_inference.py generates with pipeline parallelism")
     tokenizer = gpt_static_inference.build_tokenizer(args)
-    prompts = args.prompts or gpt_static_inference.read_prompt_file(args.prompt_file, args.prompt_file_num_truncate)
-    prompt_tokens = [tokenizer.tokenize(prompt) for prompt in prompts]
+    prompts, prompt_tokens, max_sequence_length = gpt_static_inference.tokenize_prompts(args, tokenizer)
     model = gpt_static_inference.load_model(args)
     best = benchmark(model, prompt_tokens, args.num_tokens_to_generate, tokenizer.eod, tokenizer.vocab_size,
-                     args.inference_max_seq_length, args.inference_max_requests, args.benchmark_repeats)
+                     max_sequence_length, args.inference_max_requests, args.benchmark_repeats)
     if dist.get_rank() == 0:
         print(f"{len(prompts)} prompts ({sum(map(len, prompt_tokens))} prompt tokens), {args.num_tokens_to_generate} "
               f"new tokens each, greedy, {dist.get_world_size()} rank(s), {torch.get_num_threads()} threads, "

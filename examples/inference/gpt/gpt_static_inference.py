@@ -53,7 +53,8 @@ def add_static_inference_args(parser):
     group.add_argument("--output-path", default=None,
                        help="Write one JSON line per prompt (prompt, generated text, tokens, log-probs) here.")
     group.add_argument("--inference-max-seq-length", type=int, default=2560,
-                       help="Key/value cache length: the longest prompt plus the generated tokens must fit.")
+                       help="Key/value cache length: the longest prompt plus the generated tokens must fit (and "
+                            "fit --max-position-embeddings).")
     group.add_argument("--inference-max-requests", type=int, default=INFERENCE_MAX_REQUESTS,
                        help="Key/value cache batch size: more prompts are generated in several batches.")
     group.add_argument("--max-batch-size", type=int, default=None,
@@ -121,6 +122,16 @@ def read_prompt_file(path, num_truncate=None):
     return prompts
 
 
+def tokenize_prompts(args, tokenizer):
+    """(the prompts' texts, their tokens, the cache length): every prompt plus --num-tokens-to-generate must fit
+    --inference-max-seq-length and --max-position-embeddings (checked before a model is built)."""
+    prompts = args.prompts or read_prompt_file(args.prompt_file, args.prompt_file_num_truncate)
+    prompt_tokens = [tokenizer.tokenize(prompt) for prompt in prompts]
+    max_sequence_length, limit_flag = launch.generation_max_sequence_length(args)
+    check_prompts(prompt_tokens, args.num_tokens_to_generate, max_sequence_length, limit_flag)
+    return prompts, prompt_tokens, max_sequence_length
+
+
 def load_model(args):
     """pretrain_gpt.py's model of this rank, unwrapped, with the weights of the latest checkpoint under --load."""
     return launch.load_model(args, pretrain_gpt.model_provider)
@@ -163,14 +174,12 @@ def run(args):
     """Load, generate, print (and write --output-path); returns the records (one per prompt)."""
     check_args(args)
     tokenizer = build_tokenizer(args)
-    prompts = args.prompts or read_prompt_file(args.prompt_file, args.prompt_file_num_truncate)
-    prompt_tokens = [tokenizer.tokenize(prompt) for prompt in prompts]
+    prompts, prompt_tokens, max_sequence_length = tokenize_prompts(args, tokenizer)
     params = sampling_params_from_args(args)
-    check_prompts(prompt_tokens, params.num_tokens_to_generate, args.inference_max_seq_length)
     model = load_model(args)
     started = time.perf_counter()
     results = generate_in_batches(model, prompt_tokens, params, eod_id=tokenizer.eod,
-                                  max_sequence_length=args.inference_max_seq_length,
+                                  max_sequence_length=max_sequence_length,
                                   max_batch_size=args.inference_max_requests, vocab_size=tokenizer.vocab_size,
                                   seed=args.seed, on_tokens=TextStream(tokenizer) if args.stream else None)
     elapsed = time.perf_counter() - started

@@ -7,8 +7,10 @@ those layers (a stage caches only its layers: the cache is keyed by the global l
 `recv_forward` on the next stage, the shape known from `s` and `b`). The last stage applies the output layer and
 returns the logits gathered over its tensor-parallel ranks; the other stages return None.
 
-A model that is not one stage of several (a whole `GPTModel`, or any module that decodes on its own) is called
-as `model(tokens, None, inference_context=context)`.
+A model that is not one stage of several (a whole `GPTModel`, or any module that decodes on its own, such as
+`megatron.inference.virtual_pipeline.VirtualPipelineModel`, which runs all the model chunks of a rank of an
+interleaved pipeline) is called as `model(tokens, None, inference_context=context)`. One chunk of an interleaved
+pipeline alone is refused: its step needs the rank's other chunks in between.
 """
 
 from typing import Optional
@@ -36,6 +38,13 @@ def decode_forward(model, tokens: torch.Tensor, context) -> Optional[torch.Tenso
 def _stage_forward(model, tokens, context):
     config = model.config
     check_inference_supported(config)
+    virtual_stages = getattr(config, "virtual_pipeline_model_parallel_size", None) or 1
+    if virtual_stages > 1:
+        raise ValueError(
+            f"this model is one chunk of {virtual_stages} virtual stages per pipeline rank "
+            "(--num-virtual-stages-per-pipeline-rank): decode all of this rank's chunks together, wrapped in "
+            "megatron.inference.virtual_pipeline.VirtualPipelineModel"
+        )
     batch, seq_length = tokens.shape
     shape = p2p_communication.activation_shape(seq_length=seq_length, micro_batch_size=batch, config=config)
     # GPTModel's own decoding helpers give the positions and rotary angles of this step, as its forward does.

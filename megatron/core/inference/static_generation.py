@@ -55,20 +55,27 @@ class GeneratedSequence:
     prompt_log_probs: Optional[List[float]] = None
 
 
-def check_prompts(prompts: Sequence[Sequence[int]], num_tokens_to_generate: int, max_sequence_length: int):
-    """Raise ValueError naming the flag when a prompt cannot be generated from, whatever batch it is in."""
+def check_prompts(prompts: Sequence[Sequence[int]], num_tokens_to_generate: int, max_sequence_length: int,
+                  limit_flag: str = "--inference-max-seq-length"):
+    """Raise ValueError naming the flag when a prompt cannot be generated from, whatever batch it is in.
+    `limit_flag` names where `max_sequence_length` comes from (`--max-position-embeddings` when the model's
+    positions, not the cache, are the limit)."""
+    if limit_flag == "--inference-max-seq-length":
+        remedy = "raise --inference-max-seq-length or "
+    else:
+        remedy = "the model has no positions past it: "
     if len(prompts) == 0:
         raise ValueError("--prompts: give at least one prompt")
     for index, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise ValueError(f"prompt {index} is empty (no tokens): every prompt needs at least one token")
         if len(prompt) > max_sequence_length:
-            raise ValueError(f"prompt {index} is {len(prompt)} tokens long, longer than --inference-max-seq-length "
-                             f"{max_sequence_length}: raise --inference-max-seq-length or shorten the prompt")
+            raise ValueError(f"prompt {index} is {len(prompt)} tokens long, longer than {limit_flag} "
+                             f"{max_sequence_length}: {remedy}shorten the prompt")
         if len(prompt) + num_tokens_to_generate > max_sequence_length:
             raise ValueError(f"prompt {index} ({len(prompt)} tokens) plus --num-tokens-to-generate "
-                             f"{num_tokens_to_generate} exceeds --inference-max-seq-length {max_sequence_length}: "
-                             "raise --inference-max-seq-length or generate fewer tokens")
+                             f"{num_tokens_to_generate} exceeds {limit_flag} {max_sequence_length}: {remedy}"
+                             "shorten the prompt or generate fewer tokens")
 
 
 def check_static_batch(prompts: Sequence[Sequence[int]], num_tokens_to_generate: int, max_sequence_length: int,

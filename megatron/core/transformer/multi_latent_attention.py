@@ -30,6 +30,11 @@ Sliding-window layers (`window_size`, `window_attn_skip_freq`) and attention sin
 "learnable" the parameter `softmax_offset` `[heads per partition]`) work as in `SelfAttention`, from
 attention_variants.py: the window is an explicit mask over global positions added before the logit tracking (keys
 outside it do not count) and context parallelism; the sinks take MLA's softmax scale.
+
+When decoding (`inference_context`, a `StaticInferenceContext`), each layer caches the up-projected keys
+`[k_nope | k_rope]` (k_rope rotated at its absolute position) and values of this rank's heads, as upstream's static
+inference does, and the step's queries (rotated at positions offset .. offset + s - 1) attend over every cached
+position through `core_attention` with the causal (or windowed) mask of those positions.
 """
 
 import math
@@ -55,6 +60,7 @@ from megatron.core.transformer.attention_variants import (
     blocked_or_causal,
     build_softmax_offset,
     is_layer_window_attention,
+    window_blocked,
     windowed_mask,
 )
 from megatron.core.transformer.context_parallel import comm_type_of_layer, context_parallel_attention, local_rows
@@ -250,14 +256,40 @@ class MLASelfAttention(Attention):
         seq_len, batch = context.shape[2], context.shape[0]
         return context.permute(2, 0, 1, 3).reshape(seq_len, batch, -1)
 
-    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None):
+    def cached_attention(self, hidden_states, inference_context):
+        """One decoding step: `hidden_states` `[s, b, h]` at positions offset .. offset + s - 1 of
+        `inference_context`; this step's keys and values join its cache, the queries attend over all cached ones
+        -> the attention output before `linear_proj`, `[s, b, heads * d_v]`."""
+        offset = inference_context.sequence_len_offset
+        query_input, kv_latent, k_rope = self._down_projections(hidden_states)
+        step_len, device = k_rope.shape[0], k_rope.device
+        angles = self.rotary_pos_emb(step_len, device=device, offset=offset)
+        query, key, value = self._up_projections(query_input, kv_latent, k_rope, angles)
+        key, value = inference_context.append_key_value(self.layer_number, key, value)
+        query_positions = torch.arange(offset, offset + step_len, device=device)
+        key_positions = torch.arange(key.shape[0], device=device)
+        if self.window_size is None:
+            blocked = key_positions.unsqueeze(0) > query_positions.unsqueeze(1)  # True where masked
+        else:
+            blocked = window_blocked(query_positions, key_positions, self.window_size)
+        return self.core_attention(query, key, value, blocked)
+
+    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
         """`hidden_states` `[s, b, h]` (`[s / tp, b, h]` with sequence parallelism) -> same shape.
 
         `rotary_pos_emb` (the model's angles for whole heads) is not used: the rope channels have their own.
+        With `inference_context` the step goes through its key/value cache (`cached_attention`); the causal mask
+        then follows the absolute positions, so `attention_mask` must be None.
 
         Selective recompute: core_attn checkpoints the attention; mla_up_proj recomputes the up projections and
         RoPE in backward without keeping their outputs (both together: one checkpoint over the two)."""
         del rotary_pos_emb
+        if inference_context is not None:
+            if attention_mask is not None:
+                raise ValueError("MLASelfAttention: decoding through a key/value cache (inference_context) is causal "
+                                 "over the cached positions; pass attention_mask=None")
+            output, _ = self.linear_proj(self.cached_attention(hidden_states, inference_context))
+            return output
         query_input, kv_latent, k_rope = self._down_projections(hidden_states)
         angles = self._rotary_angles(k_rope.shape[0], k_rope.device)
         if self.window_size is not None:

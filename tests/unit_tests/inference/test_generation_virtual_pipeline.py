@@ -103,3 +103,11 @@ def test_chunk_count_must_match_the_config():
     chunk.config = config
     with pytest.raises(ValueError, match="--num-virtual-stages-per-pipeline-rank"):
         VirtualPipelineModel([chunk])
+
+
+def test_one_chunk_alone_is_refused_by_decode_forward():
+    chunk = torch.nn.Module()
+    chunk.config = tiny_config(pp=2, num_layers=NUM_LAYERS, virtual_pipeline_model_parallel_size=NUM_CHUNKS)
+    chunk.pre_process, chunk.post_process = True, False
+    with pytest.raises(ValueError, match="VirtualPipelineModel"):
+        decode_forward(chunk, torch.tensor(PROMPTS[:1]), StaticInferenceContext(4, 16))

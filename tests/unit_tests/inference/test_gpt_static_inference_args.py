@@ -10,6 +10,7 @@ from examples.inference.gpt.gpt_static_inference import (
     check_args,
     read_prompt_file,
     sampling_params_from_args,
+    tokenize_prompts,
     training_placeholders,
     with_placeholder_data_flag,
 )
@@ -145,3 +146,26 @@ def test_a_virtual_pipeline_launch_validates_and_is_accepted(monkeypatch, world_
     assert args.virtual_pipeline_model_parallel_size == 2
     # micro-batch 1 and pipeline-size x world-size samples: a multiple of the pipeline size of microbatches
     assert (args.micro_batch_size, args.global_batch_size) == (1, 2 * int(world_size))
+
+
+@pytest.mark.parametrize("position_embedding", ["rope", "learned_absolute"])
+def test_prompt_plus_generated_tokens_must_fit_max_position_embeddings(position_embedding):
+    from megatron.training.tokenizer import build_tokenizer_from_args
+
+    tokenizer = build_tokenizer_from_args(_parse(["--tokenizer-type", "ByteLevelTokenizer"]))
+    model = ["--max-position-embeddings", "128", "--seq-length", "128", "--position-embedding-type",
+             position_embedding]
+    args = _validated(["--prompts", "x" * 130, "--num-tokens-to-generate", "4", *model])
+    with pytest.raises(ValueError, match="prompt 0 is 130 tokens long, longer than --max-position-embeddings 128"):
+        tokenize_prompts(args, tokenizer)
+    args = _validated(["--prompts", "x" * 120, "a", "--num-tokens-to-generate", "9", *model])
+    with pytest.raises(ValueError, match=r"prompt 0 \(120 tokens\) plus --num-tokens-to-generate 9 exceeds "
+                                         "--max-position-embeddings 128"):
+        tokenize_prompts(args, tokenizer)
+    # The cache is as long as the positions (not --inference-max-seq-length's 2560) when they are fewer.
+    args = _validated(["--prompts", "x" * 120, "a", "--num-tokens-to-generate", "8", *model])
+    prompts, prompt_tokens, max_sequence_length = tokenize_prompts(args, tokenizer)
+    assert ([len(tokens) for tokens in prompt_tokens], max_sequence_length) == ([120, 1], 128)
+    args = _validated(["--prompts", "x" * 60, "--inference-max-seq-length", "64", *model])
+    with pytest.raises(ValueError, match="exceeds --inference-max-seq-length 64: raise --inference-max-seq-length"):
+        tokenize_prompts(args, tokenizer)

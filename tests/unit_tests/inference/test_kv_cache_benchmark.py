@@ -36,3 +36,27 @@ def test_batched_generation_without_the_cache_chooses_the_cached_tokens(world_si
     assert timings["kv cache"]["forward_calls"] == (1 + 11 - 1 - 2) + (1 + 9 - 1 - 3)
     assert timings["kv cache"]["generated_tokens"] == timings["no cache"]["generated_tokens"] == 3 * NEW_TOKENS
     assert 0 < timings["kv cache"]["prefill_seconds"] <= timings["kv cache"]["seconds"]
+
+
+def _small_tokenizer_vocabulary(vocab_size):
+    parallel_state.initialize_model_parallel()
+    model = seeded_model(tiny_config(num_query_groups=2, init_method_std=0.1), position_embedding_type="rope",
+                         share_embeddings_and_output_weights=False).eval()
+    prompts = [[3, 14, 15, 9, 2], [6, 5], [11, 8, 9]]
+    everything = generate_greedy_without_cache(model, prompts, NEW_TOKENS)
+    uncached = generate_greedy_without_cache(model, prompts, NEW_TOKENS, vocab_size=vocab_size)
+    cached = generate_static_batch(model, prompts, SamplingParams(top_k=1, num_tokens_to_generate=NEW_TOKENS),
+                                   eod_id=vocab_size - 1, max_sequence_length=12, max_batch_size=3,
+                                   vocab_size=vocab_size)
+    benchmark(model, prompts, NEW_TOKENS, eod_id=vocab_size - 1, vocab_size=vocab_size, max_sequence_length=12,
+              max_batch_size=3, repeats=1)  # raises when the two modes choose different tokens
+    return everything, uncached, [result.generated_tokens for result in cached]
+
+
+@pytest.mark.parametrize("world_size", [1])
+def test_generation_without_the_cache_never_chooses_the_padding_rows(world_size):
+    # A tokenizer of 20 ids: the model's other 44 rows are padding, as --make-vocab-size-divisible-by adds.
+    ((everything, uncached, cached),) = run_on_ranks(world_size, _small_tokenizer_vocabulary, 20)
+    assert any(token >= 20 for tokens in everything for token in tokens)  # the padding rows would win
+    assert all(token < 20 for tokens in uncached for token in tokens)
+    assert [tokens[:len(mine)] for tokens, mine in zip(uncached, cached)] == cached

@@ -1,6 +1,6 @@
 """Decoding through the key/value cache (GPTModel.forward with an inference context) gives the logits of a full
-forward over the whole sequence without a cache: multi-head and grouped-query attention, rotary (partial,
-interleaved, YaRN) and learned absolute position embeddings, prefill then chunks and single positions."""
+forward over the whole sequence without a cache: multi-head, grouped-query and multi-latent attention, rotary
+(partial, interleaved, YaRN) and learned absolute position embeddings, prefill then chunks and single positions."""
 
 import pytest
 import torch
@@ -30,6 +30,18 @@ VARIANTS = {
         {"position_embedding_type": "yarn"},
     ),
 }
+MLA_SHAPE = {"multi_latent_attention": True, "kv_lora_rank": 12, "qk_head_dim": 6, "qk_pos_emb_head_dim": 16,
+             "v_head_dim": 10}
+VARIANTS.update({
+    "mla_rope": ({**MLA_SHAPE, "rope_type": "rope"}, {"position_embedding_type": "rope"}),
+    # A query latent, the latents' norms, YaRN with mscale, and a sliding window on the first layer.
+    "mla_query_latent_yarn_window": (
+        {**MLA_SHAPE, "q_lora_rank": 10, "qk_layernorm": True, "normalization": "RMSNorm",
+         "rotary_scaling_factor": 4.0, "mscale": 1.0, "mscale_all_dim": 0.8, "original_max_position_embeddings": 8,
+         "window_size": (3, 0), "window_attn_skip_freq": 2},
+        {"position_embedding_type": "rope"},
+    ),
+})
 # (start, end) of each forward: prefill, a chunk past the cache (a causal mask with an offset), single positions.
 STEPS = [(0, 4), (4, 7), (7, 8), (8, 9), (9, 10), (10, 11)]
 
@@ -57,7 +69,7 @@ def _decoded_vs_full(config_overrides, model_kwargs):
         "max_diff": (decoded - full).abs().max().item(),
         "ids_diff": (prefill_with_ids - full[:, :4]).abs().max().item(),
         "cached_layers": sorted(context.key_value_memory_dict),
-        "cache_shape": tuple(context.key_value_memory_dict[1][0].shape),
+        "cache_shapes": [tuple(cache.shape) for cache in context.key_value_memory_dict[1]],
         "logit_scale": full.abs().max().item(),
     }
 
@@ -71,9 +83,14 @@ def test_cached_decoding_equals_full_forward(world_size, variant):
     assert result["logit_scale"] > 0.1, "logits too small for the comparison to mean anything"
     assert result["max_diff"] < TOLERANCE, result
     assert result["ids_diff"] < TOLERANCE, result
-    groups = config_overrides.get("num_query_groups", 4)
     assert result["cached_layers"] == [1, 2]
-    assert result["cache_shape"] == (SEQ + 5, BATCH + 1, groups, 32 // 4)
+    rows = (SEQ + 5, BATCH + 1)
+    if config_overrides.get("multi_latent_attention"):
+        # Every head's up-projected key [k_nope | k_rope] and value.
+        assert result["cache_shapes"] == [(*rows, 4, 6 + 16), (*rows, 4, 10)]
+    else:
+        groups = config_overrides.get("num_query_groups", 4)
+        assert result["cache_shapes"] == [(*rows, groups, 32 // 4)] * 2
 
 
 def _refusals():

@@ -126,15 +126,22 @@ def test_batches_are_refused_only_for_a_prompt_that_does_not_fit():
 
 
 @pytest.mark.parametrize("overrides, flag", [
-    (dict(pp=2, num_layers=4, virtual_pipeline_model_parallel_size=2), "--num-virtual-stages-per-pipeline-rank"),
     (dict(context_parallel_size=2), "--context-parallel-size 1"),
     (dict(tp=2, sequence_parallel=True), "--sequence-parallel"),
-    (dict(multi_latent_attention=True, kv_lora_rank=12, qk_head_dim=6, qk_pos_emb_head_dim=16, v_head_dim=10),
-     "--multi-latent-attention"),
 ])
 def test_unsupported_parallelism_names_the_flag(overrides, flag):
     with pytest.raises(ValueError, match=flag):
         check_inference_supported(tiny_config(**overrides))
+
+
+@pytest.mark.parametrize("overrides", [
+    # An interleaved pipeline decodes through megatron.inference.virtual_pipeline.VirtualPipelineModel.
+    dict(pp=2, num_layers=4, virtual_pipeline_model_parallel_size=2),
+    dict(multi_latent_attention=True, kv_lora_rank=12, qk_head_dim=6, qk_pos_emb_head_dim=16, v_head_dim=10),
+    dict(tp=2, pp=2, num_query_groups=2),
+])
+def test_supported_models_pass_the_check(overrides):
+    check_inference_supported(tiny_config(**overrides))
 
 
 def test_pipeline_stages_decode_through_decode_forward_only():

@@ -2,7 +2,9 @@
 
 A batch of at most `max_batch_size` sequences is decoded together for at most `max_sequence_length` positions.
 Each attention layer keeps a key and a value cache of shape `[max_sequence_length, max_batch_size, groups,
-head_dim]` (`key_value_memory_dict[layer_number]`, sequence-first like the activations). A forward pass over
+head_dim]` (`key_value_memory_dict[layer_number]`, sequence-first like the activations); the values may be of
+another width than the keys (multi-latent attention caches its up-projected keys, `qk_head_dim +
+qk_pos_emb_head_dim` wide, and values, `v_head_dim` wide, per head). A forward pass over
 new positions writes its keys and values at `[sequence_len_offset, sequence_len_offset + n)` for the batch rows
 `[batch_size_offset, batch_size_offset + b)` and attends to everything cached so far; after the whole model
 ran, the caller advances `sequence_len_offset` by `n`. `swap_key_value_dict(batch_idx)` reorders the cached
@@ -55,20 +57,24 @@ class StaticInferenceContext:
         self.decode_mode = False
 
     # ---- the cache -----------------------------------------------------------------------------------------
-    def key_value_cache(self, layer_number: int, num_groups: int, head_dim: int, dtype, device):
-        """The (key, value) cache of `layer_number`, allocated (zeros) on first use."""
+    def key_value_cache(self, layer_number: int, num_groups: int, head_dim: int, dtype, device,
+                        value_head_dim=None):
+        """The (key, value) cache of `layer_number`, allocated (zeros) on first use; the values are
+        `value_head_dim` wide (None: `head_dim`)."""
         if layer_number not in self.key_value_memory_dict:
-            shape = (self.max_sequence_length, self.max_batch_size, num_groups, head_dim)
-            self.key_value_memory_dict[layer_number] = (torch.zeros(shape, dtype=dtype, device=device),
-                                                        torch.zeros(shape, dtype=dtype, device=device))
+            rows = (self.max_sequence_length, self.max_batch_size, num_groups)
+            value_head_dim = head_dim if value_head_dim is None else value_head_dim
+            self.key_value_memory_dict[layer_number] = (torch.zeros(*rows, head_dim, dtype=dtype, device=device),
+                                                        torch.zeros(*rows, value_head_dim, dtype=dtype, device=device))
         return self.key_value_memory_dict[layer_number]
 
     def append_key_value(self, layer_number: int, key: torch.Tensor, value: torch.Tensor):
-        """Write `key` / `value` (`[new positions, batch, groups, head_dim]`) at the current offsets; returns the
-        keys and values of every position cached so far for these batch rows (`[offset + new, batch, ...]`)."""
-        if key.shape != value.shape or key.dim() != 4:
-            raise ValueError(f"key and value must both be [sequence, batch, groups, head_dim], got "
-                             f"{tuple(key.shape)} and {tuple(value.shape)}")
+        """Write `key` / `value` (`[new positions, batch, groups, head_dim]`, the value's head_dim may differ)
+        at the current offsets; returns the keys and values of every position cached so far for these batch rows
+        (`[offset + new, batch, ...]`)."""
+        if key.dim() != 4 or value.dim() != 4 or key.shape[:3] != value.shape[:3]:
+            raise ValueError(f"key and value must both be [sequence, batch, groups, head_dim] (the same but for "
+                             f"head_dim), got {tuple(key.shape)} and {tuple(value.shape)}")
         new_positions, batch = key.shape[0], key.shape[1]
         seq_end = self.sequence_len_offset + new_positions
         batch_end = self.batch_size_offset + batch
@@ -76,7 +82,7 @@ class StaticInferenceContext:
             raise ValueError(f"positions up to {seq_end} / batch rows up to {batch_end} exceed the context's "
                              f"max_sequence_length {self.max_sequence_length} / max_batch_size {self.max_batch_size}")
         key_cache, value_cache = self.key_value_cache(layer_number, key.shape[2], key.shape[3], key.dtype,
-                                                      key.device)
+                                                      key.device, value_head_dim=value.shape[3])
         rows = slice(self.batch_size_offset, batch_end)
         key_cache[self.sequence_len_offset:seq_end, rows] = key
         value_cache[self.sequence_len_offset:seq_end, rows] = value
