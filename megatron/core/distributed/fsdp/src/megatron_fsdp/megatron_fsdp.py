@@ -282,7 +282,8 @@ class MegatronFSDP(nn.Module):
         if not all(group.gathered for group in self.root_groups):
             raise RuntimeError(
                 "the module inside MegatronFSDP (ZeRO-3, optim_grads_params) was called directly while its "
-                "parameters rest as shards; call the wrapper instead (`model(...)`, which gathers them), or "
+                "parameters rest as shards; call the wrapper instead (`model(...)`, which gathers them; "
+                "`model.generate(...)` for the module's generate), or "
                 "between steps run the full module inside `with model.gathered_parameters() as module: module(...)`")
 
     def _padded_numel(self, plan) -> int:
@@ -319,12 +320,47 @@ class MegatronFSDP(nn.Module):
                         "fully_shard_model, and load this one's state into it: "
                         "new_model.load_state_dict(model.state_dict())")
 
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is None or name.startswith("_") or not hasattr(inner, name):
+                raise
+        # Attributes of the wrapped module are not forwarded (as under torch's DDP): say where they are.
+        raise AttributeError(
+            f"'MegatronFSDP' object has no attribute '{name}'; the wrapped {type(inner).__name__} has it: use "
+            f"`model.module.{name}`. Under zero_dp_strategy 3 (optim_grads_params) its parameters rest as Shard(0) "
+            "DTensors between steps: run the module through `model(...)` / `model.generate(...)`, and save a "
+            "Hugging Face model with `model.module.save_pretrained(path, state_dict=dict(full))`, `full` being "
+            "`get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))`") from None
+
     # ---- forward ----------------------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         self.schedule.root_pre_forward()
         output = self.module(*args, **kwargs)
         self.schedule.root_post_forward(output)
         return output
+
+    @torch.no_grad()
+    def generate(self, *args, **kwargs):
+        """The wrapped module's `generate` (a Hugging Face `GenerationMixin`), e.g. greedy decoding after training.
+
+        The root groups (embedding, final norm, output layer) stay gathered for the whole call, since generation
+        calls the module once per token; under strategy 3 each unit is gathered for its forward and released
+        after it, as in an eval forward, so at most the root groups and two units are gathered at a time."""
+        generate = getattr(self.module, "generate", None)
+        if generate is None:
+            raise AttributeError(f"the wrapped {type(self.module).__name__} has no generate(); call the model "
+                                 "(`model(...)`) in a decoding loop of your own")
+        if self.strategy != ShardingStrategy.optim_grads_params:
+            self.schedule.wait_gathered(self.groups)  # strategies 1/2: the post-step all-gather may be in flight
+            return generate(*args, **kwargs)
+        self.schedule.ensure_gathered(self.root_groups)
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            self.schedule.release(self.root_groups, at_rest=True)
 
     # ---- gradient and weight synchronisation ------------------------------------------------------------------------
     @contextlib.contextmanager
