@@ -48,9 +48,7 @@ def generation_limits(args, tokenizer) -> GenerationLimits:
             raise ValueError(f"{flag} must be at least 1, got {value}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    max_sequence_length = args.inference_max_seq_length
-    if args.max_position_embeddings is not None:
-        max_sequence_length = min(max_sequence_length, args.max_position_embeddings)
+    max_sequence_length, _ = launch.generation_max_sequence_length(args)
     return GenerationLimits(eod_id=tokenizer.eod, vocab_size=tokenizer.vocab_size,
                             max_sequence_length=max_sequence_length, max_batch_size=args.inference_max_requests)
 
