@@ -38,6 +38,9 @@ class GPTDatasetConfig:
     divides each dataset's documents into train/valid/test (`--split 969,30,1`). `blend_per_split` instead names a
     blend (or None) for each of train, valid and test (`--train-data-path` ...), each using all of its datasets'
     documents; `split` is then unused.
+    Neither a blend nor `mock` is a config without data, as upstream's: `BlendedMegatronDatasetBuilder` builds
+    `MockGPTDataset`s from it, and `build_gpt_datasets` refuses it. `create_attention_mask` (default True, as
+    upstream; `pretrain_gpt.py` sets it only for `--reset-attention-mask`) adds each sample's `[1, s, s]` mask.
     Index arrays are cached as .npy files in `path_to_cache`. `mmap_bin_files` False reads the `.bin` files
     into memory; `num_dataset_builder_threads` opens datasets and builds their indices in parallel; with
     `shared_filesystem` False the first rank of each node (not of the job) builds the cached indices.
@@ -54,7 +57,7 @@ class GPTDatasetConfig:
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
-    create_attention_mask: bool = False
+    create_attention_mask: bool = True
     mock: bool = False
     blend_per_split: Optional[tuple] = None
     mmap_bin_files: bool = True
@@ -82,11 +85,7 @@ class GPTDatasetConfig:
                 raise ValueError("blend_per_split needs three entries (train, valid, test), at least one a blend")
             object.__setattr__(self, "blend_per_split", tuple(
                 None if blend is None else self._normalized_blend(blend) for blend in self.blend_per_split))
-        elif self.blend is None:
-            raise ValueError("no data: give --data-path PREFIX [PREFIX ...] (or --mock-data); for --train-data-path "
-                             "/ --valid-data-path / --test-data-path the datasets provider must pass them as "
-                             "blend_per_split (megatron.training.datasets.gpt_dataset_config builds the config)")
-        else:
+        elif self.blend is not None:
             object.__setattr__(self, "blend", self._normalized_blend(self.blend))
         if self.multiple_validation_sets:
             valid_blend = self.blend_per_split[1] if self.blend_per_split is not None else self.blend
@@ -364,7 +363,7 @@ def _build_split_datasets(config, train_valid_test_num_samples):
     return tuple(results)
 
 
-def build_gpt_datasets(config, train_valid_test_num_samples):
+def build_gpt_datasets(config, train_valid_test_num_samples, built_on_rank=True):
     """(train, valid, test) datasets; a split is None when it gets no samples or no share of `--split`.
 
     A count of None asks for the whole split (one epoch of its datasets, `--full-validation`).
@@ -372,18 +371,26 @@ def build_gpt_datasets(config, train_valid_test_num_samples):
     With `torch.distributed` initialised and a cache directory, rank 0 builds (and caches) the indices
     first and the other ranks then load them, so the work is done once; without a shared filesystem
     (`shared_filesystem` False) the first rank of each node (LOCAL_RANK 0) builds them for its node.
+    A rank with `built_on_rank` False builds nothing and gets (None, None, None); it still takes part in
+    that synchronisation, so every rank calls this.
     """
     counts = tuple(train_valid_test_num_samples)
+    if not config.mock and config.blend is None and config.blend_per_split is None:
+        raise ValueError("no data: give --data-path PREFIX [PREFIX ...] (or --mock-data); for --train-data-path "
+                         "/ --valid-data-path / --test-data-path the datasets provider must pass them as "
+                         "blend_per_split (megatron.training.datasets.gpt_dataset_config builds the config)")
     if len(counts) != 3:
         raise ValueError(f"train_valid_test_num_samples must have three entries (got {counts})")
+    nothing = (None, None, None)
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if not distributed or config.path_to_cache is None or torch.distributed.get_world_size() == 1:
-        return _build_split_datasets(config, counts)
-    datasets = None
-    if _builds_index_cache(config):
+        return _build_split_datasets(config, counts) if built_on_rank else nothing
+    builds_cache_first = _builds_index_cache(config)
+    datasets = nothing
+    if builds_cache_first and built_on_rank:
         datasets = _build_split_datasets(config, counts)
     torch.distributed.barrier()
-    if datasets is None:
+    if not builds_cache_first and built_on_rank:
         datasets = _build_split_datasets(config, counts)
     return datasets
 

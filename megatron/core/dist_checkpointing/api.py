@@ -2,12 +2,14 @@
 
 `save` writes a sharded state dict (see `mapping`) into a directory, each rank its pieces and the picklable
 objects once; `load` fills a sharded state dict in place from a checkpoint written at any layout and returns
-it; `load_common_state_dict` returns every object the checkpoint holds (the state all ranks share).
+it with each single-piece tensor as a plain tensor (so `model.load_state_dict(load(...))` works, as
+upstream); `load_common_state_dict` returns every object the checkpoint holds (the state all ranks share).
 """
 
 import os
 
 from megatron.core.dist_checkpointing import serialization
+from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
 from megatron.core.dist_checkpointing.strictness import KeyMismatch, apply_strictness
 from megatron.core.dist_checkpointing.validation import StrictHandling, parse_strict_flag
@@ -45,7 +47,17 @@ def load(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strat
     remaining = apply_strictness(parse_strict_flag(strict), mismatch, str(checkpoint_dir))
     for key in remaining.missing:
         sharded_state_dict.pop(key, None)
-    return strategy.load(sharded_state_dict, checkpoint_dir)
+    loaded = strategy.load(sharded_state_dict, checkpoint_dir)
+    return {key: _local_tensor(value) for key, value in loaded.items()}
+
+
+def _local_tensor(value):
+    """A `ShardedLogicalTensor` of one piece as that piece (the rank's tensor, as upstream's load returns it, so
+    `module.load_state_dict` takes the result); several pieces (flat distributed-optimizer ranges) stay as they
+    are, filled in place."""
+    if isinstance(value, ShardedLogicalTensor) and len(value.pieces) == 1:
+        return value.pieces[0][1].detach()
+    return value
 
 
 def load_common_state_dict(checkpoint_dir):

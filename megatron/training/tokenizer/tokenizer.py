@@ -6,6 +6,8 @@ from megatron.training.tokenizer.huggingface_tokenizer import HuggingFaceTokeniz
 from megatron.training.tokenizer.null_tokenizer import NullTokenizer
 from megatron.training.tokenizer.tiktoken_tokenizer import DEFAULT_NUM_SPECIAL_TOKENS, TikTokenizer
 
+_NullTokenizer = NullTokenizer  # upstream's name, imported by Megatron-Core's examples
+
 TOKENIZER_TYPES = ("NullTokenizer", "ByteLevelTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "TikTokenizer")
 
 

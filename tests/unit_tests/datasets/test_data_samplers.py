@@ -52,7 +52,8 @@ def test_sampler_rejects_bad_arguments():
 
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_data_loader_yields_batch_dicts(num_workers):
-    config = GPTDatasetConfig(random_seed=3, sequence_length=8, mock=True, tokenizer=NullTokenizer(32))
+    config = GPTDatasetConfig(random_seed=3, sequence_length=8, mock=True, tokenizer=NullTokenizer(32),
+                              create_attention_mask=False)
     dataset = MockGPTDataset(config, Split.train, 24)
     loader = build_pretraining_data_loader(dataset, 4, micro_batch_size=2, data_parallel_rank=1,
                                            data_parallel_size=2, num_workers=num_workers)

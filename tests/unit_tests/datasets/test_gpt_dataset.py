@@ -27,6 +27,7 @@ def _config(prefix, **overrides):
         blend=blend_from_data_path([prefix]),
         split="80,10,10",
         tokenizer=EodOnlyTokenizer(),
+        create_attention_mask=False,
     )
     settings.update(overrides)
     return GPTDatasetConfig(**settings)
@@ -221,7 +222,7 @@ def test_an_empty_dataset_is_named_as_empty(corpus, tmp_path):
 
 def test_config_errors_name_flags(tmp_path):
     with pytest.raises(ValueError, match="--data-path"):
-        GPTDatasetConfig(random_seed=1, sequence_length=8)
+        build_gpt_datasets(GPTDatasetConfig(random_seed=1, sequence_length=8), (1, 0, 0))
     with pytest.raises(ValueError, match="--split"):
         GPTDatasetConfig(random_seed=1, sequence_length=8, blend=(["x"], None), split="a,b")
     with pytest.raises(ValueError, match="--seq-length"):

@@ -55,3 +55,24 @@ def test_parse_strict_flag(tmp_path):
     with pytest.raises(ValueError, match="torch_dist"):
         dist_checkpointing.save({}, str(tmp_path / "zarr_checkpoint"), ("zarr", 1))
     assert not (tmp_path / "zarr_checkpoint").exists()  # refused before anything was written
+
+
+def test_load_returns_tensors_that_load_state_dict_takes(tmp_path):
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    class Tiny(MegatronModule):
+        def __init__(self):
+            super().__init__(TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1))
+            self.linear = torch.nn.Linear(4, 3)
+
+    saved, target = Tiny(), Tiny()
+    with torch.no_grad():
+        target.linear.weight.zero_()
+    assert set(saved.sharded_state_dict(prefix="")) == {"linear.weight", "linear.bias"}
+    dist_checkpointing.save(sharded_state_dict=saved.sharded_state_dict(prefix=""), checkpoint_dir=tmp_path / "c")
+    loaded = dist_checkpointing.load(sharded_state_dict=target.sharded_state_dict(prefix=""),
+                                     checkpoint_dir=tmp_path / "c")
+    assert all(type(value) is torch.Tensor for value in loaded.values())
+    target.load_state_dict(loaded)
+    assert all(torch.equal(a, b) for a, b in zip(saved.state_dict().values(), target.state_dict().values()))

@@ -34,6 +34,7 @@ from megatron.core.models.common.embeddings.language_model_embedding import (
 )
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+from megatron.core.models.gpt.gpt_layer_specs import check_layer_spec
 from megatron.core.transformer.context_parallel import local_rows, local_token_indices
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.module import ShardedStateModule
@@ -48,11 +49,26 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn", "none")
 
 
+def _check_tensor_parallel_size(config):
+    """The attention heads are split by the config's tensor-parallel size, the linear layers by the group's."""
+    if not parallel_state.model_parallel_is_initialized():
+        return
+    group_size = parallel_state.get_tensor_model_parallel_world_size()
+    if config.tensor_model_parallel_size != group_size:
+        raise ValueError(
+            f"TransformerConfig(tensor_model_parallel_size={config.tensor_model_parallel_size}) differs from the "
+            f"initialised tensor-parallel group ({group_size} ranks): build the config with "
+            f"tensor_model_parallel_size={group_size} (and pipeline_model_parallel_size likewise)"
+        )
+
+
 class GPTModel(ShardedStateModule):
     """Decoder-only language model (one pipeline stage of it).
 
     Args:
         config: the transformer config.
+        transformer_layer_spec: upstream's layer spec (`gpt_layer_specs`), or None; the layers are built from the
+            config, and a spec asking for other layers is refused.
         vocab_size: padded vocabulary size (a multiple of the tensor-parallel size).
         max_sequence_length: `--max-position-embeddings`, rows of the learned position embedding.
         pre_process: this stage holds the embedding (first pipeline stage).
@@ -71,8 +87,9 @@ class GPTModel(ShardedStateModule):
     def __init__(
         self,
         config: TransformerConfig,
-        vocab_size: int,
-        max_sequence_length: int,
+        transformer_layer_spec=None,
+        vocab_size: int = None,
+        max_sequence_length: int = None,
         pre_process: bool = True,
         post_process: bool = True,
         share_embeddings_and_output_weights: bool = True,
@@ -84,6 +101,10 @@ class GPTModel(ShardedStateModule):
         rope_scaling_factor: float = 8.0,
     ):
         super().__init__()
+        check_layer_spec(transformer_layer_spec, config)
+        if vocab_size is None or max_sequence_length is None:
+            raise TypeError("GPTModel needs vocab_size and max_sequence_length")
+        _check_tensor_parallel_size(config)
         if position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(
                 f"--position-embedding-type must be one of {POSITION_EMBEDDING_TYPES}, got {position_embedding_type!r}"

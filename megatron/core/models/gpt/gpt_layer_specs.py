@@ -1,0 +1,64 @@
+"""Upstream's GPT layer specs: `get_gpt_layer_local_spec` and `get_gpt_layer_with_transformer_engine_spec`.
+
+Each returns a `ModuleSpec` of `TransformerLayer` that records the `TransformerConfig` fields its arguments
+mean (`transformer_impl`, `qk_layernorm`, `num_moe_experts`, ...). The layers are built from the config;
+`check_layer_spec(spec, config)`, called by `GPTModel`, refuses a spec that asks for something else and names
+the config field to set instead, so an upstream script either builds the layers it asked for or stops.
+"""
+
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+
+def _layer_spec(transformer_impl, num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention, fp8,
+                normalization, qk_l2_norm, use_kitchen):
+    if fp8 is not None:
+        raise ValueError("the spec's fp8 argument is deprecated upstream and not used here: set "
+                         "TransformerConfig(fp8=...) (--fp8-format) instead")
+    if use_kitchen:
+        raise ValueError("use_kitchen (NVIDIA Kitchen quantized layers) is not available: drop it")
+    fields = {"transformer_impl": transformer_impl, "num_moe_experts": num_experts,
+              "qk_layernorm": bool(qk_layernorm), "multi_latent_attention": bool(multi_latent_attention),
+              "qk_l2_norm": bool(qk_l2_norm)}
+    if num_experts is not None:
+        fields["moe_grouped_gemm"] = bool(moe_grouped_gemm)
+    if normalization is not None:
+        fields["normalization"] = normalization
+    return ModuleSpec(module=TransformerLayer, config_fields=fields)
+
+
+def get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False,
+                             multi_latent_attention=False, fp8=None, moe_use_legacy_grouped_gemm=False,
+                             normalization=None, qk_l2_norm=False, use_kitchen=False):
+    """The torch-native layer (`--transformer-impl local`)."""
+    return _layer_spec("local", num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention, fp8,
+                       normalization, qk_l2_norm, use_kitchen)
+
+
+def get_gpt_layer_with_transformer_engine_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False,
+                                               multi_latent_attention=False, fp8=None,
+                                               moe_use_legacy_grouped_gemm=False, qk_l2_norm=False,
+                                               use_te_op_fuser=False, use_kitchen=False):
+    """The Transformer Engine layer (`--transformer-impl transformer_engine`)."""
+    if use_te_op_fuser:
+        raise ValueError("use_te_op_fuser is not available: drop it (the TE linears run unfused)")
+    return _layer_spec("transformer_engine", num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention,
+                       fp8, None, qk_l2_norm, use_kitchen)
+
+
+def check_layer_spec(spec, config):
+    """Raise unless `spec` (None: no spec) describes the layers `config` builds."""
+    if spec is None:
+        return
+    if not isinstance(spec, ModuleSpec) or spec.module is not TransformerLayer:
+        raise TypeError(
+            f"transformer_layer_spec must come from get_gpt_layer_local_spec() or "
+            f"get_gpt_layer_with_transformer_engine_spec() (layers are built from the TransformerConfig), got "
+            f"{spec!r}; GPTModel's arguments are (config, transformer_layer_spec, vocab_size, max_sequence_length) "
+            "as upstream")
+    for name, wanted in spec.config_fields.items():
+        have = getattr(config, name)
+        if have != wanted:
+            raise ValueError(f"transformer_layer_spec asks for {name}={wanted!r} but the TransformerConfig has "
+                             f"{name}={have!r}: the layers are built from the config, so set "
+                             f"TransformerConfig({name}={wanted!r}) (or build the spec to match)")
