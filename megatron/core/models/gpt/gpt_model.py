@@ -332,8 +332,8 @@ class GPTModel(ShardedStateModule):
         `inference_context` (a `StaticInferenceContext`; `inference_params` is upstream's older name for it):
         decode `input_ids`, the positions offset .. offset + s - 1 of each row, through the context's key/value
         cache, and return their logits (gathered over tensor-parallel ranks); the caller then advances the
-        offset. `position_ids` may then be None (those positions). Pipeline or context parallelism, sequence
-        parallelism and multi-latent attention are refused (`inference.model_checks`).
+        offset. `position_ids` may then be None (those positions). Context and sequence parallelism are refused
+        (`inference.model_checks`); a pipeline stage decodes through `inference.pipeline_decoding`.
 
         A stage that is not last returns its hidden states `[s, b, h]` for the next stage. `attention_mask` is
         None (causal) or a bool tensor broadcastable to `[b, heads, s, s]`, True where attention is masked.
