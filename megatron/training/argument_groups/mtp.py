@@ -3,8 +3,8 @@ prediction depths on the last pipeline stage, their mean loss scaled by `--mtp-l
 added to the LM loss (see megatron/core/transformer/multi_token_prediction.py); `--mtp-use-repeated-layer` runs one
 shared layer at every depth.
 
-Rules here (the config checks the value ranges again): N >= 1; rotary position
-embeddings (`--position-embedding-type rope`, as upstream, which also allows "none"); a
+Rules here (the config checks the value ranges again): N >= 1; rotary or no position
+embeddings (`--position-embedding-type rope` or `none`, as upstream); a
 `--pipeline-model-parallel-layout` must place exactly N `m` symbols, together just before the final `L`. Any
 `--context-parallel-size` works: the depths shift their tokens along the whole sequence, across the ranks' chunks.
 """
@@ -47,8 +47,8 @@ def validate(args):
         raise ValueError(f"{MTP_FLAG} must be >= 1 (or unset for no multi-token prediction), got {depths}")
     if args.mtp_loss_scaling_factor < 0:
         raise ValueError(f"{MTP_SCALE_FLAG} must be >= 0, got {args.mtp_loss_scaling_factor}")
-    if args.position_embedding_type != "rope":
-        raise ValueError(f"{MTP_FLAG} needs --position-embedding-type rope (as upstream), got "
+    if args.position_embedding_type not in ("rope", "none"):
+        raise ValueError(f"{MTP_FLAG} needs --position-embedding-type rope or none (as upstream), got "
                          f"{args.position_embedding_type}")
     if layout is not None:
         PipelineParallelLayerLayout(layout, args.pipeline_model_parallel_size).validate_layer_layout(

@@ -52,7 +52,7 @@ def _reference(model, tokens, labels, position_ids, loss_mask, detach_mtp_embedd
     weights; h^0 is the model's own decoder output (the main model is checked in models/gpt/test_gpt_model.py)."""
     config = model.config
     batch, seq = tokens.shape
-    angles = model.rotary_pos_emb(seq, device=tokens.device)
+    angles = model.rotary_pos_emb(seq, device=tokens.device) if model.position_embedding_type == "rope" else None
     hidden = model.decoder(model.embedding(tokens, position_ids), rotary_pos_emb=angles)  # h^0, [s, b, h]
     word_embedding = model.embedding.word_embeddings.weight
     output_weight = word_embedding if model.output_layer.weight is None else model.output_layer.weight
@@ -78,15 +78,16 @@ def _loss_mask(tokens):
     return (torch.rand(tokens.shape, generator=generator) > 0.25).float()
 
 
-def _model_against_reference(num_depths):
+def _model_against_reference(num_depths, position_embedding_type="rope"):
     config_fields, model_kwargs = VARIANTS[num_depths]
     parallel_state.initialize_model_parallel()
     try:
         tokens, labels, position_ids = fixed_batch()
         loss_mask = _loss_mask(tokens)
         model = seeded_model(tiny_config(mtp_num_layers=num_depths, **config_fields),
-                             position_embedding_type="rope", **model_kwargs)
-        plain = seeded_model(tiny_config(**config_fields), position_embedding_type="rope", **model_kwargs)
+                             position_embedding_type=position_embedding_type, **model_kwargs)
+        plain = seeded_model(tiny_config(**config_fields), position_embedding_type=position_embedding_type,
+                             **model_kwargs)
         main_loss, depth_losses = model(tokens, position_ids, labels=labels)
         sums, counts = masked_depth_losses(depth_losses, loss_mask)
         mtp_loss = mtp_loss_for_backward(sums, counts, SCALING_FACTOR, 1.0, per_token_loss=False)
@@ -116,9 +117,9 @@ def _model_against_reference(num_depths):
         parallel_state.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("num_depths", [1, 2])
-def test_mtp_loss_and_gradient_match_plain_torch_reference(num_depths):
-    (result,) = run_on_ranks(1, _model_against_reference, num_depths)
+@pytest.mark.parametrize("num_depths, position_embedding_type", [(1, "rope"), (2, "rope"), (1, "none")])
+def test_mtp_loss_and_gradient_match_plain_torch_reference(num_depths, position_embedding_type):
+    (result,) = run_on_ranks(1, _model_against_reference, num_depths, position_embedding_type)
     assert result["mtp_loss"] == pytest.approx(result["reference_loss"], abs=TOLERANCE, rel=0)
     assert max(result["depth_diffs"]) < TOLERANCE, result["depth_diffs"]
     assert max(result["tails"]) == 0.0  # the shifted label fell off the end: masked out
@@ -220,10 +221,10 @@ def test_layout_with_mtp_depths_splits_only_transformer_layers():
     assert layout.mtp_layer_count() == 2
 
 
-def test_model_needs_rotary_position_embeddings():
+def test_model_needs_rotary_or_no_position_embeddings():
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    with pytest.raises(ValueError, match=r"--mtp-num-layers needs --position-embedding-type rope"):
+    with pytest.raises(ValueError, match=r"--mtp-num-layers needs --position-embedding-type rope or none"):
         GPTModel(tiny_config(mtp_num_layers=1), vocab_size=64, max_sequence_length=16)
 
 
@@ -239,7 +240,7 @@ def _args(**overrides):
     "overrides, message",
     [
         ({"mtp_num_layers": 0}, r"--mtp-num-layers must be >= 1"),
-        ({"position_embedding_type": "learned_absolute"}, r"--mtp-num-layers needs --position-embedding-type rope"),
+        ({"position_embedding_type": "learned_absolute"}, r"--mtp-num-layers needs --position-embedding-type rope or "),
         ({"mtp_num_layers": None, "pipeline_model_parallel_layout": "Ett|ttmL"},
          r"places multi-token-prediction depths \('m'\): add --mtp-num-layers"),
         ({"mtp_num_layers": 2, "pipeline_model_parallel_layout": "Ett|ttmL"},
@@ -252,3 +253,4 @@ def test_command_line_rules_name_the_flags(overrides, message):
     with pytest.raises(ValueError, match=message):
         mtp.validate(_args(**overrides))
     mtp.validate(_args(pipeline_model_parallel_layout="Ett|ttmL"))  # the matching layout passes
+    mtp.validate(_args(position_embedding_type="none"))  # no position embeddings, as upstream allows

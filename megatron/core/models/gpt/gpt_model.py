@@ -126,9 +126,9 @@ class GPTModel(ShardedStateModule):
             raise ValueError(f"--use-rope-scaling scales rotary position embeddings: it needs "
                              f"--position-embedding-type rope, got {position_embedding_type!r}")
         self._check_yarn_fields(config, position_embedding_type, seq_len_interpolation_factor)
-        if self.mtp_num_layers and position_embedding_type != "rope":
+        if self.mtp_num_layers and position_embedding_type not in ("rope", "none"):
             raise ValueError(
-                "--mtp-num-layers needs --position-embedding-type rope (as upstream), got "
+                "--mtp-num-layers needs --position-embedding-type rope or none (as upstream), got "
                 f"{position_embedding_type!r}: the prediction depths embed shifted tokens with the word embedding alone"
             )
         # This stage runs the multi-token-prediction depths (the last one) and so needs the word embedding.
