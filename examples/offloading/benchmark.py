@@ -200,10 +200,10 @@ def main(argv=None) -> List[ArmResult]:
                         help=f"comma-separated arm names of {[arm.name for arm in ARMS]} (default: the first four)")
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
-        raise ValueError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+        parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
     if not args.tiny and not torch.cuda.is_available():
-        raise ValueError("no GPU: the default model (24 layers x 2048, 1.34B parameters) is measured on one GPU; "
-                         "pass --tiny to run the same arms on the CPU with a tiny GPT")
+        parser.error("no GPU: the default model (24 layers x 2048, 1.34B parameters) is measured on one GPU; "
+                     "pass --tiny to run the same arms on the CPU with a tiny GPT")
     device = torch.device("cpu") if args.tiny else torch.device("cuda", 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)

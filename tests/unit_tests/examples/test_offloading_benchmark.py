@@ -32,7 +32,7 @@ def test_cpu_path_runs_every_arm_and_offload_keeps_the_losses(world_size):
     assert lines[3].startswith("| optimizer offload 1.0 | n/a | n/a |")
 
 
-def test_default_model_without_a_gpu_stops_naming_tiny(monkeypatch):
+def test_default_model_without_a_gpu_stops_naming_tiny(monkeypatch, capsys):
     from examples.offloading import benchmark
 
     def must_not_start(*args, **kwargs):
@@ -41,5 +41,6 @@ def test_default_model_without_a_gpu_stops_naming_tiny(monkeypatch):
     monkeypatch.setattr(benchmark.torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(benchmark, "_setup", must_not_start)
     monkeypatch.setattr(benchmark, "build_model", must_not_start)
-    with pytest.raises(ValueError, match="pass --tiny"):
+    with pytest.raises(SystemExit) as stop:  # a usage error, not a traceback
         benchmark.main(["--steps", "2", "--warmup", "1"])
+    assert stop.value.code == 2 and "pass --tiny" in capsys.readouterr().err
