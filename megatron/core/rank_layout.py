@@ -96,9 +96,11 @@ def validate_parallel_sizes(
     model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
     if world_size % model_parallel != 0:
         raise ValueError(
-            f"world size {world_size} is not divisible by tensor ({tensor_model_parallel_size}) x pipeline "
-            f"({pipeline_model_parallel_size}) x context ({context_parallel_size}) model parallel sizes; "
-            "choose sizes whose product divides the number of ranks"
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tensor_model_parallel_size})"
+            f" x --pipeline-model-parallel-size ({pipeline_model_parallel_size}) x --context-parallel-size "
+            f"({context_parallel_size}) (tensor_model_parallel_size, pipeline_model_parallel_size and "
+            "context_parallel_size of initialize_model_parallel); choose sizes whose product divides the number of "
+            "ranks"
         )
     data_parallel_size = world_size // model_parallel
     stage_size = tensor_model_parallel_size * context_parallel_size * data_parallel_size

@@ -145,8 +145,10 @@ def test_device_mesh_layout_per_stage():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(world_size=6, tp=4), r"world size 6 is not divisible by tensor \(4\) x pipeline \(1\) x context \(1\)"),
-        (dict(world_size=8, tp=2, pp=3), r"world size 8 is not divisible by tensor \(2\) x pipeline \(3\)"),
+        (dict(world_size=6, tp=4), r"world size 6 is not divisible by --tensor-model-parallel-size \(4\) x "
+         r"--pipeline-model-parallel-size \(1\) x --context-parallel-size \(1\)"),
+        (dict(world_size=8, tp=2, pp=3), r"world size 8 is not divisible by --tensor-model-parallel-size \(2\) x "
+         r"--pipeline-model-parallel-size \(3\)"),
         (dict(world_size=8, tp=2, num_distributed_optimizer_instances=3), "--num-distributed-optimizer-instances"),
         (dict(world_size=8, tp=2, ep=3), "--expert-model-parallel-size"),
         (dict(world_size=8, tp=0), "--tensor-model-parallel-size must be a positive integer"),
@@ -269,7 +271,7 @@ def _reinitialise_and_reject_bad_sizes():
     with pytest.raises(RuntimeError, match="already initialised"):
         ps.initialize_model_parallel()
     ps.destroy_model_parallel()
-    with pytest.raises(ValueError, match="is not divisible by tensor"):
+    with pytest.raises(ValueError, match="is not divisible by --tensor-model-parallel-size"):
         ps.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size() + 1)
     with pytest.raises(ValueError, match="--num-distributed-optimizer-instances"):
         ps.initialize_model_parallel(num_distributed_optimizer_instances=dist.get_world_size() + 1)
