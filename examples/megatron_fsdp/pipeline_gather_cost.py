@@ -30,7 +30,7 @@ def _train(strategy, args):
                                hidden_dropout=0.0, attention_dropout=0.0, pipeline_model_parallel_size=2, init_seed=1)
     model = GPTModel(config, vocab_size=1024, max_sequence_length=args.seq,
                      pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage())
+                     post_process=parallel_state.is_pipeline_last_stage(), share_embeddings_and_output_weights=True)
     chunk = FullyShardedDataParallel(config, DistributedDataParallelConfig(
         use_megatron_fsdp=True, use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
         data_parallel_sharding_strategy=strategy), model)

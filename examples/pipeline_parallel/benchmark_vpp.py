@@ -53,7 +53,8 @@ def _build(num_chunks):
         parallel_state.set_virtual_pipeline_model_parallel_rank(chunk if num_chunks > 1 else None)
         chunks.append(GPTModel(_config(num_chunks), vocab_size=VOCAB, max_sequence_length=SEQ,
                                pre_process=parallel_state.is_pipeline_first_stage(),
-                               post_process=parallel_state.is_pipeline_last_stage()))
+                               post_process=parallel_state.is_pipeline_last_stage(),
+                               share_embeddings_and_output_weights=True))
     parallel_state.set_virtual_pipeline_model_parallel_rank(None)
     return chunks
 

@@ -39,7 +39,7 @@ def _build(tp, fp8_param_gather, meta=False):
         fp8_param=fp8_param_gather, first_last_layers_bf16=True, num_layers_at_start_in_bf16=1,
         num_layers_at_end_in_bf16=0, init_model_with_meta_device=meta,
     )
-    model = GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ)
+    model = GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=True)
     ddp_config = DistributedDataParallelConfig(
         use_megatron_fsdp=True, use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
         data_parallel_sharding_strategy="optim_grads_params", fp8_param_gather=fp8_param_gather)

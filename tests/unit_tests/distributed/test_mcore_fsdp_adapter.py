@@ -62,7 +62,7 @@ def _build(layout, meta=False, num_layers=2, fp16=False):
     )
     return GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ,
                     pre_process=parallel_state.is_pipeline_first_stage(),
-                    post_process=parallel_state.is_pipeline_last_stage())
+                    post_process=parallel_state.is_pipeline_last_stage(), share_embeddings_and_output_weights=True)
 
 
 def _wrap(model, strategy, instances=1, outer="no_shard", param_offload=False):

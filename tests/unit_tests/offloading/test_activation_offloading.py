@@ -24,7 +24,8 @@ def _gpt(cpu_offloading):
                                hidden_dropout=0.0, attention_dropout=0.0, init_seed=small.SEED,
                                cpu_offloading=cpu_offloading,
                                cpu_offloading_num_layers=OFFLOADED_LAYERS if cpu_offloading else 0)
-    return GPTModel(config, vocab_size=small.VOCAB, max_sequence_length=small.SEQ)
+    return GPTModel(config, vocab_size=small.VOCAB, max_sequence_length=small.SEQ,
+                    share_embeddings_and_output_weights=True)
 
 
 def _losses_and_grads():

@@ -38,7 +38,7 @@ def _gpt(model, modules=(), min_size=0):
                    min_offloaded_tensor_size=min_size) if modules else {}
     config = TransformerConfig(num_layers=NUM_LAYERS, hidden_size=HIDDEN, num_attention_heads=4, hidden_dropout=0.0,
                                attention_dropout=0.0, init_seed=1234, **dict(MODELS[model]), **offload)
-    return GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ)
+    return GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=True)
 
 
 @functools.cache
@@ -122,7 +122,8 @@ def _train_with_multi_token_prediction(modules):
                    min_offloaded_tensor_size=0) if modules else {}
     config = TransformerConfig(num_layers=NUM_LAYERS, hidden_size=HIDDEN, num_attention_heads=4, hidden_dropout=0.0,
                                attention_dropout=0.0, init_seed=1234, mtp_num_layers=1, **offload)
-    gpt = GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
+    gpt = GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope",
+                   share_embeddings_and_output_weights=True)
 
     def lm_and_mtp_loss(gpt, step):
         batch = gpt_batch(step)

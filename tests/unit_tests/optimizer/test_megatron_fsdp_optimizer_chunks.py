@@ -37,7 +37,7 @@ def _chunks(strategy):
     for num_layers in (1, 2):
         config = TransformerConfig(num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
                                    hidden_dropout=0.0, attention_dropout=0.0, init_seed=SEED + num_layers)
-        model = GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ)
+        model = GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=True)
         chunks.append(wrap_data_parallel(config, ddp_config, model))
     return chunks
 

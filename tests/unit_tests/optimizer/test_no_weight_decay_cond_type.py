@@ -17,7 +17,7 @@ EMBEDDINGS = {"embedding.word_embeddings.weight", "embedding.position_embeddings
 
 def _decayed_names(no_weight_decay_cond, skip_embeddings=False):
     config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, qk_layernorm=True, init_seed=1)
-    model = GPTModel(config, vocab_size=64, max_sequence_length=16)
+    model = GPTModel(config, vocab_size=64, max_sequence_length=16, share_embeddings_and_output_weights=True)
     groups = get_param_groups([model], OptimizerConfig(lr=1e-3, weight_decay=0.1), no_weight_decay_cond,
                               default_skip_embedding_weight_decay=skip_embeddings)
     name_of = {id(param): name for name, param in model.named_parameters()}

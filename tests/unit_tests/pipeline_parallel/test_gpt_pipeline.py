@@ -94,7 +94,8 @@ def _gpt_two_stages_against_one(num_microbatches):
     batches = _batches(num_microbatches)
     parallel_state.initialize_model_parallel()
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
-    whole = GPTModel(_config(1), vocab_size=VOCAB_SIZE, max_sequence_length=SEQ_LENGTH)
+    whole = GPTModel(_config(1), vocab_size=VOCAB_SIZE, max_sequence_length=SEQ_LENGTH,
+                     share_embeddings_and_output_weights=True)
     reference_losses = _run(whole, batches)
     reference_params = {name: p.detach().clone() for name, p in whole.named_parameters()}
     reference_grads = {name: p.grad.clone() for name, p in whole.named_parameters()}
@@ -108,6 +109,7 @@ def _gpt_two_stages_against_one(num_microbatches):
         max_sequence_length=SEQ_LENGTH,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=True,
     )
     layer_offset = stage.decoder.layer_offset
     with torch.no_grad():

@@ -57,7 +57,8 @@ def _interleaved_against_one_stage(num_microbatches, group_size):
     batches = _batches(num_microbatches)
     parallel_state.initialize_model_parallel()
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
-    whole = GPTModel(_config(1), vocab_size=VOCAB_SIZE, max_sequence_length=SEQ_LENGTH)
+    whole = GPTModel(_config(1), vocab_size=VOCAB_SIZE, max_sequence_length=SEQ_LENGTH,
+                     share_embeddings_and_output_weights=True)
     reference_losses = _run([whole], batches)
     reference_params = {name: p.detach().clone() for name, p in whole.named_parameters()}
     reference_grads = {name: p.grad.clone() for name, p in whole.named_parameters()}
@@ -72,7 +73,8 @@ def _interleaved_against_one_stage(num_microbatches, group_size):
         parallel_state.set_virtual_pipeline_model_parallel_rank(chunk_index)
         chunks.append(GPTModel(config, vocab_size=VOCAB_SIZE, max_sequence_length=SEQ_LENGTH,
                                pre_process=parallel_state.is_pipeline_first_stage(),
-                               post_process=parallel_state.is_pipeline_last_stage()))
+                               post_process=parallel_state.is_pipeline_last_stage(),
+                               share_embeddings_and_output_weights=True))
     parallel_state.set_virtual_pipeline_model_parallel_rank(None)
     layers = [[layer.layer_number for layer in chunk.decoder.layers] for chunk in chunks]
     for chunk in chunks:  # initialised as the same layers of the one-stage model

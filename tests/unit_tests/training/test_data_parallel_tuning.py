@@ -25,7 +25,8 @@ def _tiny_gpt(args):
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.training.model_config import core_transformer_config_from_args
 
-    return GPTModel(core_transformer_config_from_args(args), vocab_size=128, max_sequence_length=16)
+    return GPTModel(core_transformer_config_from_args(args), vocab_size=128, max_sequence_length=16,
+                    share_embeddings_and_output_weights=True)
 
 
 def _ddp_buckets(bucket_counts):

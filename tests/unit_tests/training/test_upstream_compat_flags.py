@@ -143,7 +143,7 @@ def test_xavier_uniform_init_draws_every_weight_matrix_from_its_bound():
         assert weight.abs().max().item() > 0.98 * bound, name
         assert weight.std().item() == pytest.approx(bound / math.sqrt(3.0), rel=0.05), name
     default = GPTModel(core_transformer_config_from_args(validated("--swiglu")), vocab_size=128,
-                       max_sequence_length=32)
+                       max_sequence_length=32, share_embeddings_and_output_weights=True)
     qkv = default.decoder.layers[0].self_attention.linear_qkv.weight
     assert qkv.std().item() == pytest.approx(0.02, rel=0.05)  # without the flag: normal(0, --init-method-std)
 

@@ -165,7 +165,8 @@ def _cp2_equals_cp1():
                                        init_seed=1234, context_parallel_size=cp,
                                        cp_comm_type=["p2p", "allgather", "a2a"], no_rope_freq=[0, 1, 0],
                                        qk_l2_norm=True, attention_output_gate=True)
-            return GPTModel(config, vocab_size=vocab, max_sequence_length=seq, position_embedding_type="rope")
+            return GPTModel(config, vocab_size=vocab, max_sequence_length=seq, position_embedding_type="rope",
+                            share_embeddings_and_output_weights=True)
 
         stream = torch.randint(0, vocab, (BATCH, seq + 1), generator=torch.Generator().manual_seed(0))
         tokens, labels, positions = stream[:, :-1], stream[:, 1:], torch.arange(seq).expand(BATCH, -1)

@@ -26,7 +26,8 @@ def _gpt(meta, mla):
                                attention_dropout=0.0, init_seed=SEED, init_model_with_meta_device=meta,
                                softmax_type="learnable", window_size=(4, 0), window_attn_skip_freq=2,
                                **(MLA_SHAPE if mla else {}))
-    return GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
+    return GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope",
+                    share_embeddings_and_output_weights=True)
 
 
 def _first_loss(model):

@@ -201,7 +201,8 @@ def _cp2_equals_cp1(window_size=(3, 0), softmax_type="vanilla"):
                                        cp_comm_type=["p2p", "allgather", "a2a", "a2a+p2p"] if cp > 1 else "p2p",
                                        hierarchical_context_parallel_sizes=(cp, 1) if cp > 1 else None,
                                        window_size=window_size, softmax_type=softmax_type)
-            return GPTModel(config, vocab_size=vocab, max_sequence_length=seq, position_embedding_type="rope")
+            return GPTModel(config, vocab_size=vocab, max_sequence_length=seq, position_embedding_type="rope",
+                            share_embeddings_and_output_weights=True)
 
         stream = torch.randint(0, vocab, (BATCH, seq + 1), generator=torch.Generator().manual_seed(0))
         tokens, labels, positions = stream[:, :-1], stream[:, 1:], torch.arange(seq).expand(BATCH, -1)

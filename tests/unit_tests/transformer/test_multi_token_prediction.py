@@ -225,7 +225,8 @@ def test_model_needs_rotary_or_no_position_embeddings():
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     with pytest.raises(ValueError, match=r"--mtp-num-layers needs --position-embedding-type rope or none"):
-        GPTModel(tiny_config(mtp_num_layers=1), vocab_size=64, max_sequence_length=16)
+        GPTModel(tiny_config(mtp_num_layers=1), vocab_size=64, max_sequence_length=16,
+                 share_embeddings_and_output_weights=True)
 
 
 def _args(**overrides):

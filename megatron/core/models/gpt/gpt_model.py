@@ -73,7 +73,8 @@ class GPTModel(ShardedStateModule):
         max_sequence_length: `--max-position-embeddings`, rows of the learned position embedding.
         pre_process: this stage holds the embedding (first pipeline stage).
         post_process: this stage holds the output layer and computes the loss (last pipeline stage).
-        share_embeddings_and_output_weights: tie the output layer to the word embedding.
+        share_embeddings_and_output_weights: tie the output layer to the word embedding (default False, as
+            upstream's GPTModel; pretrain_gpt.py ties unless --untie-embeddings-and-output-weights).
         position_embedding_type: "learned_absolute", "rope", "yarn" (RoPE with YaRN's frequencies and cos / sin
             factor, shaped by the config's `yarn_*` fields), or "none" (no position information: causal attention
             over the word embeddings alone, NoPE).
@@ -92,7 +93,7 @@ class GPTModel(ShardedStateModule):
         max_sequence_length: int = None,
         pre_process: bool = True,
         post_process: bool = True,
-        share_embeddings_and_output_weights: bool = True,
+        share_embeddings_and_output_weights: bool = False,
         position_embedding_type: str = "learned_absolute",
         rotary_percent: float = 1.0,
         rotary_base: int = 10000,

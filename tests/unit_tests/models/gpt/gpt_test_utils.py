@@ -42,6 +42,7 @@ def seeded_model(config, seed=SEED, **model_kwargs):
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     model_kwargs.setdefault("vocab_size", VOCAB_SIZE)
     model_kwargs.setdefault("max_sequence_length", MAX_SEQUENCE_LENGTH)
+    model_kwargs.setdefault("share_embeddings_and_output_weights", True)
     return GPTModel(config, **model_kwargs)
 
 

@@ -28,6 +28,7 @@ def _config(**overrides):
 
 
 def _model(config, **kwargs):
+    kwargs.setdefault("share_embeddings_and_output_weights", True)
     return GPTModel(config, vocab_size=VOCAB, max_sequence_length=MAX_POSITIONS, **kwargs)
 
 

@@ -42,6 +42,7 @@ def _single_stage_name(stage_name, layer_offset, tied):
 
 def _build(config, generator_seed, **kwargs):
     tensor_parallel.model_parallel_cuda_manual_seed(generator_seed)
+    kwargs.setdefault("share_embeddings_and_output_weights", True)
     return GPTModel(config, vocab_size=VOCAB_SIZE, max_sequence_length=MAX_SEQUENCE_LENGTH, **kwargs)
 
 

@@ -27,7 +27,7 @@ def validated(extra):
 def _model_of(args):
     return GPTModel(core_transformer_config_from_args(args), vocab_size=64,
                     max_sequence_length=args.max_position_embeddings,
-                    position_embedding_type=args.position_embedding_type)
+                    position_embedding_type=args.position_embedding_type, share_embeddings_and_output_weights=True)
 
 
 @pytest.mark.parametrize("extra", ["--position-embedding-type none",

@@ -24,6 +24,7 @@ def tiny_gpt(config=None, **model_kwargs):
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
     model_kwargs.setdefault("vocab_size", VOCAB)
     model_kwargs.setdefault("max_sequence_length", SEQ)
+    model_kwargs.setdefault("share_embeddings_and_output_weights", True)
     return GPTModel(config or tiny_config(), **model_kwargs)
 
 

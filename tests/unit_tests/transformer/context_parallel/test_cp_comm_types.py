@@ -61,7 +61,8 @@ def _gpt(cp_size, comm_type, hierarchical_sizes, num_layers):
     config = TransformerConfig(num_layers=num_layers, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
                                attention_dropout=0.0, init_seed=1234, context_parallel_size=cp_size,
                                cp_comm_type=comm_type, hierarchical_context_parallel_sizes=hierarchical_sizes)
-    return GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
+    return GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope",
+                    share_embeddings_and_output_weights=True)
 
 
 def _loss_and_grads(model, tokens, positions, labels, total_tokens, group):

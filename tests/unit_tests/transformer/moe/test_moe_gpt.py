@@ -20,7 +20,8 @@ SHAPE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout
 
 def _model(**overrides):
     model_parallel_cuda_manual_seed(1234)
-    return GPTModel(TransformerConfig(**SHAPE, **overrides), vocab_size=VOCAB, max_sequence_length=MAX_LENGTH)
+    return GPTModel(TransformerConfig(**SHAPE, **overrides), vocab_size=VOCAB, max_sequence_length=MAX_LENGTH,
+                    share_embeddings_and_output_weights=True)
 
 
 def _train(model, steps=STEPS):
@@ -71,7 +72,8 @@ def test_multi_token_prediction_layer_logs_its_aux_loss_as_a_layer_of_its_own():
     model_parallel_cuda_manual_seed(1234)
     config = TransformerConfig(**SHAPE, num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01,
                                moe_per_layer_logging=True, mtp_num_layers=1)
-    model = GPTModel(config, vocab_size=VOCAB, max_sequence_length=MAX_LENGTH, position_embedding_type="rope")
+    model = GPTModel(config, vocab_size=VOCAB, max_sequence_length=MAX_LENGTH, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=True)
     routers = [module for module in model.modules() if isinstance(module, TopKRouter)]
     inputs = {}
     for router in routers:
