@@ -30,6 +30,9 @@ TENSORBOARD_DIR="${TENSORBOARD_DIR:-${REPO_ROOT}/runs/gpt_multinode/tensorboard}
 # Megatron-FSDP refuses it (it would serialise communication with compute): unset it with --use-megatron-fsdp.
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+# With --max-restarts, each restart meets on a fresh store: the shared rendezvous store would still hold the
+# addresses of the killed ranks, and the restarted ones would connect to them (or wait on them) and fail.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
 DISTRIBUTED_ARGS=(
     --nnodes "${NNODES}"

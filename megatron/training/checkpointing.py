@@ -17,6 +17,7 @@ readable.
 """
 
 import copy
+import glob
 import os
 import re
 
@@ -93,7 +94,10 @@ def _serialize(obj, stream):
 
 
 def atomic_torch_save(obj, path):
-    """Write `obj` to `path` so that `path` either does not exist or holds the complete object."""
+    """Write `obj` to `path` so that `path` either does not exist or holds the complete object. A partial file
+    that a writer killed mid-save left next to it (one writer per path) is removed first."""
+    for partial in glob.glob(f"{glob.escape(path)}.tmp.*"):
+        os.remove(partial)
     temporary = f"{path}.tmp.{os.getpid()}"
     with open(temporary, "wb") as stream:
         _serialize(obj, stream)
@@ -231,6 +235,42 @@ def save_converted_checkpoint(iteration, model, optimizer, opt_param_scheduler, 
               f"from --load {args.load} to {args.ckpt_convert_save}; stopping without training", flush=True)
 
 
+def _layout_flags(tensor_size, pipeline_size):
+    return f"--tensor-model-parallel-size {tensor_size} --pipeline-model-parallel-size {pipeline_size}"
+
+
+def _change_layout_hint(saved_layout, root):
+    """What to do when a torch checkpoint of layout `saved_layout` (TP, PP) is loaded at another one."""
+    return (f"the torch format cannot change the model-parallel layout: launch with the checkpoint's "
+            f"{_layout_flags(*saved_layout)}, or convert it to torch_dist, which loads at any layout "
+            f"(python tools/checkpoint/convert_legacy.py --input {root} --output NEW_ROOT, then --load NEW_ROOT "
+            "--ckpt-format torch_dist)")
+
+
+def _saved_layout(iteration_directory):
+    """(TP, PP) as the torch checkpoint's mp_rank_* directories show them, or None when it has none."""
+    pattern = re.compile(r"mp_rank_(\d+)(?:_(\d+))?")
+    names = os.listdir(iteration_directory) if os.path.isdir(iteration_directory) else []
+    ranks = [match.groups() for match in map(pattern.fullmatch, names) if match is not None]
+    if not ranks:
+        return None
+    return 1 + max(int(tensor) for tensor, _ in ranks), 1 + max(int(pipeline or 0) for _, pipeline in ranks)
+
+
+def _check_files_match_layout(path, args):
+    """Raise, naming the layout flags, when this rank's file `path` (ROOT/iter_*/mp_rank_*/file) is missing
+    because the checkpoint was written at another TP / PP size."""
+    iteration_directory = os.path.dirname(os.path.dirname(path))
+    saved_layout = _saved_layout(iteration_directory)
+    if saved_layout in (None, (args.tensor_model_parallel_size, args.pipeline_model_parallel_size)):
+        return
+    raise CheckpointLoadError(
+        f"checkpoint file {path} not found: {iteration_directory} was saved with {_layout_flags(*saved_layout)} "
+        f"(its mp_rank_* directories) but this run uses "
+        f"{_layout_flags(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)}; "
+        f"{_change_layout_hint(saved_layout, os.path.dirname(iteration_directory))}")
+
+
 def _check_layout_matches(saved_args, args, path):
     for name, flag in (
         ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
@@ -238,10 +278,11 @@ def _check_layout_matches(saved_args, args, path):
     ):
         saved, current = getattr(saved_args, name, None), getattr(args, name)
         if saved is not None and saved != current:
-            raise ValueError(
-                f"{path} was saved with {flag} {saved} but this run uses {current}; the torch format cannot "
-                f"change the model-parallel layout"
-            )
+            saved_layout = (getattr(saved_args, "tensor_model_parallel_size", 1),
+                            getattr(saved_args, "pipeline_model_parallel_size", 1))
+            root = os.path.dirname(os.path.dirname(os.path.dirname(path)))  # ROOT/iter_*/mp_rank_*/file
+            raise ValueError(f"{path} was saved with {flag} {saved} but this run uses {current}; "
+                             f"{_change_layout_hint(saved_layout, root)}")
     # Each rank's file holds its partition of the padded vocabulary: the rows must be the same too.
     saved_rows, rows = getattr(saved_args, "padded_vocab_size", None), getattr(args, "padded_vocab_size", None)
     if saved_rows is not None and rows is not None and saved_rows != rows:
@@ -308,6 +349,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
     if not os.path.isfile(path) and os.path.isfile(os.path.join(root, iteration_dir_name(iteration), ".metadata")):
         raise CheckpointLoadError(f"{os.path.dirname(directory)} is a torch_dist checkpoint; load it with "
                                   "--ckpt-format torch_dist")
+    if not os.path.isfile(path):
+        _check_files_match_layout(path, args)
     state = _torch_load(path)
     saved_args = state.get("args")
     check_same_architecture(path, saved_args, args, saved_true_vocab_size(state.get("vocab_size"), saved_args),

@@ -65,14 +65,15 @@ def initialize_distributed(args):
     args.device = accelerator.device_for_backend(backend, local_rank)
     args.created_process_group = not dist.is_initialized()
     if args.created_process_group:
-        init_kwargs = _rendezvous(args.world_size)
+        timeout = timedelta(minutes=args.distributed_timeout_minutes)
+        init_kwargs = _rendezvous(args.world_size, timeout)
         if args.device.type == "cuda":
             init_kwargs["device_id"] = args.device
         dist.init_process_group(
             backend=backend,
             rank=args.rank,
             world_size=args.world_size,
-            timeout=timedelta(minutes=args.distributed_timeout_minutes),
+            timeout=timeout,
             **init_kwargs,
         )
     if dist.get_world_size() != args.world_size:
@@ -94,11 +95,20 @@ def initialize_distributed(args):
     )
 
 
-def _rendezvous(world_size):
+def _rendezvous(world_size, timeout=timedelta(minutes=10)):
     """Where the ranks meet. torchrun sets MASTER_ADDR/MASTER_PORT for env://; a plain `python pretrain_gpt.py`
-    (no launcher, WORLD_SIZE unset or 1) runs as one rank on an in-process store."""
+    (no launcher, WORLD_SIZE unset or 1) runs as one rank on an in-process store.
+
+    After a restart (`torchrun --max-restarts`), the ranks meet on the agent's store, which still holds the keys the
+    previous attempt's ranks wrote, their addresses among them: a rank that reads one connects to a process that is
+    gone. Each restarted attempt therefore meets under a prefix of its own, as torchrun's attempt counter names it."""
     if "MASTER_ADDR" in os.environ:
-        return {}
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+            return {}
+        agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                    is_master=False, timeout=timeout)
+        return {"store": dist.PrefixStore(f"/megatron/attempt_{attempt}", agent_store)}
     if world_size == 1:
         return {"store": dist.HashStore()}
     raise RuntimeError(

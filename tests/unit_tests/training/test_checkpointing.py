@@ -51,6 +51,49 @@ def test_atomic_save_interrupted_mid_write_leaves_no_file(tmp_path, monkeypatch)
     assert not target.exists()
 
 
+def test_atomic_save_removes_the_partial_file_of_a_writer_killed_before(tmp_path):
+    """A SIGKILL mid-write leaves `<file>.tmp.<pid>` in the checkpoint directory; the next save of the file removes
+    it rather than keeping a partial copy of the checkpoint on disk for good."""
+    target = tmp_path / "model_optim_rng.pt"
+    (tmp_path / "model_optim_rng.pt.tmp.4242").write_bytes(b"PK\x03\x04 half a checkpoint")
+    (tmp_path / "distrib_optim_dp_rank_001.pt.tmp.4243").write_bytes(b"another file's writer")
+    checkpointing.atomic_torch_save({"a": 1}, target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["distrib_optim_dp_rank_001.pt.tmp.4243",
+                                                          "model_optim_rng.pt"]
+    assert torch.load(target) == {"a": 1}
+
+
+def test_torch_format_at_another_tensor_parallel_size_names_the_flags_and_the_converter(tmp_path):
+    """TP 2 loaded at TP 1: rank 0's file exists and records TP 2; TP 1 loaded at TP 2 (or PP 2 at PP 1): this
+    rank's file is missing and the mp_rank_* directories give the saved layout."""
+    saved = argparse.Namespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
+    run = argparse.Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    path = os.path.join("ckpt", "iter_0000004", "mp_rank_00", "model_optim_rng.pt")
+    with pytest.raises(ValueError) as error:
+        checkpointing._check_layout_matches(saved, run, path)
+    assert str(error.value) == (
+        f"{path} was saved with --tensor-model-parallel-size 2 but this run uses 1; the torch format cannot change "
+        "the model-parallel layout: launch with the checkpoint's --tensor-model-parallel-size 2 "
+        "--pipeline-model-parallel-size 1, or convert it to torch_dist, which loads at any layout (python "
+        "tools/checkpoint/convert_legacy.py --input ckpt --output NEW_ROOT, then --load NEW_ROOT --ckpt-format "
+        "torch_dist)")
+
+    iteration = tmp_path / "iter_0000004"
+    for name in ("mp_rank_00_000", "mp_rank_00_001"):
+        (iteration / name).mkdir(parents=True)
+    missing = str(iteration / "mp_rank_00" / "model_optim_rng.pt")
+    with pytest.raises(checkpointing.CheckpointLoadError) as error:
+        checkpointing._check_files_match_layout(missing, run)
+    assert str(error.value).startswith(
+        f"checkpoint file {missing} not found: {iteration} was saved with --tensor-model-parallel-size 1 "
+        "--pipeline-model-parallel-size 2 (its mp_rank_* directories) but this run uses --tensor-model-parallel-size "
+        "1 --pipeline-model-parallel-size 1; the torch format cannot change the model-parallel layout: launch with "
+        f"the checkpoint's --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2, or convert it")
+    assert f"convert_legacy.py --input {tmp_path} --output NEW_ROOT" in str(error.value)
+    at_saved_layout = argparse.Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
+    checkpointing._check_files_match_layout(str(iteration / "mp_rank_00_001" / "model_optim_rng.pt"), at_saved_layout)
+
+
 def test_torch_format_refuses_another_pipeline_split():
     """Each rank's file holds its stages' layers under local indices: the split must match to load."""
     layout = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)

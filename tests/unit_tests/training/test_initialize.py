@@ -42,3 +42,37 @@ def test_several_ranks_without_a_launcher_are_told_to_use_torchrun(monkeypatch):
     with pytest.raises(RuntimeError, match=r"WORLD_SIZE is 2 but MASTER_ADDR is not set: launch the ranks with "
                                            r"torchrun \(torchrun --nproc-per-node 2 pretrain_gpt.py"):
         _rendezvous(2)
+
+
+def _store_of_attempt(monkeypatch, agent_store, attempt):
+    """The store rank 0 of torchrun attempt `attempt` meets on (env:// reads MASTER_ADDR/PORT itself)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(attempt))
+    kwargs = _rendezvous(2, timedelta(seconds=5))
+    if "store" in kwargs:
+        return kwargs["store"]
+    return dist.TCPStore("127.0.0.1", agent_store.port, 2, is_master=False, timeout=timedelta(seconds=5))
+
+
+def test_a_restarted_attempt_does_not_read_the_keys_of_the_attempt_before(monkeypatch):
+    """torchrun --max-restarts: the agent's store outlives the killed ranks; their addresses must not be read."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    agent_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                timeout=timedelta(seconds=5))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(agent_store.port))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    first = _store_of_attempt(monkeypatch, agent_store, 0)
+    first.set("rank_1_address", "127.0.0.1:41000")  # written by a rank that was then killed
+    restarted = _store_of_attempt(monkeypatch, agent_store, 1)
+    assert not restarted.check(["rank_1_address"])
+    restarted.set("rank_1_address", "127.0.0.1:42000")
+    assert restarted.get("rank_1_address") == b"127.0.0.1:42000"
+    assert first.get("rank_1_address") == b"127.0.0.1:41000"
+    assert _store_of_attempt(monkeypatch, agent_store, 2).check(["rank_1_address"]) is False
