@@ -1,7 +1,8 @@
 """Run control flags of the training loop: the wall-clock limit (--exit-duration-in-mins), releasing the
 allocator's unused memory (--empty-unused-memory-level), the root logging level (--logging-level), the
-check that data-parallel replicas hold the same weights (--check-weight-hash-across-dp-replicas-interval) and
-the steps dropped by --iterations-to-skip (`skip_training_step`).
+check that data-parallel replicas hold the same weights (--check-weight-hash-across-dp-replicas-interval), the
+device synchronisation every --train-sync-interval iterations and the steps dropped by --iterations-to-skip
+(`skip_training_step`).
 
 Every decision that makes a rank stop or fail is agreed on by all ranks with one collective, so no rank waits
 in a collective the others have left.
@@ -14,6 +15,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from megatron.training.accelerator import synchronize as synchronize_device
 
 LOGGING_LEVEL_ENV = "MEGATRON_LOGGING_LEVEL"
 
@@ -74,6 +77,17 @@ def empty_unused_memory(args, level):
         from megatron.training.accelerator import empty_cache
 
         empty_cache(args.device)
+        return True
+    return False
+
+
+def synchronize_at_interval(args, completed):
+    """--train-sync-interval N: after every N-th completed iteration, wait for the device's queued work, as
+    upstream, so the host cannot run more than N iterations ahead of the GPU (a no-op on CPU). Returns whether it
+    synchronised."""
+    interval = getattr(args, "train_sync_interval", None)
+    if interval and completed % interval == 0:
+        synchronize_device(args.device)
         return True
     return False
 

@@ -56,6 +56,7 @@ from megatron.training.run_control import (
     empty_unused_memory,
     should_skip_step,
     skip_training_step,
+    synchronize_at_interval,
     weight_hash_due,
 )
 from megatron.training.result_validation import (
@@ -238,13 +239,15 @@ def reduce_reported_loss(losses_reduced, device):
     return loss_sum / count if count > 0 else float("nan")
 
 
-def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, config, args):
+def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, config, args, phase_range=None):
     """One global batch: forward/backward over all microbatches, then an optimizer step.
 
     Returns (reported loss, update_successful, grad_norm, num_zeros). The forward-backward pass runs again
     (same data, same random state) when the rerun state machine asks, and `RejectedResultExit` is raised on
-    every rank, before the optimizer step, when it stops training.
+    every rank, before the optimizer step, when it stops training. `phase_range(name)` (--nvtx-ranges: the
+    loop's `TrainingProfilers.phase_range`) wraps the `forward-backward` and `optimizer` phases.
     """
+    phase_range = phase_range or _no_range
     timers = get_timers()
     machine = get_rerun_state_machine()
     data_iterator = wrap_for_reruns(data_iterator)
@@ -256,7 +259,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, co
         clear_aux_losses_tracker()  # MoE aux losses logged: this pass's only (a rerun replaces, not adds)
         if getattr(args, "qk_clip", False) or getattr(args, "log_max_attention_logit", False):
             reset_max_attention_logits(model)  # this pass's logits only
-        with timed(timers, "forward-backward", log_level=1, barrier=args.barrier_with_L1_time):
+        with timed(timers, "forward-backward", log_level=1, barrier=args.barrier_with_L1_time), \
+                phase_range("forward-backward"):
             losses_reduced = _run_schedule(forward_step_func, data_iterator, model, args, forward_only=False)
         validate_gradients(model, args)
     check_step_may_continue()
@@ -266,13 +270,18 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, co
     if getattr(args, "qk_clip", False) or getattr(args, "log_max_attention_logit", False):
         reduce_max_attention_logits(model, parallel_state.get_data_parallel_group(with_context_parallel=True))
     qk_clipping = clipping_after_step(optimizer, model) if getattr(args, "qk_clip", False) else nullcontext()
-    with timed(timers, "optimizer", log_level=1, barrier=args.barrier_with_L1_time), qk_clipping:
+    with timed(timers, "optimizer", log_level=1, barrier=args.barrier_with_L1_time), phase_range("optimizer"), \
+            qk_clipping:
         update_successful, grad_norm, num_zeros = optimizer.step()
     empty_unused_memory(args, level=2)
     if update_successful:
         scheduler.step(increment=get_current_running_global_batch_size())
     loss = reduce_reported_loss(losses_reduced, args.device)
     return loss, update_successful, _as_float(grad_norm), _as_float(num_zeros)
+
+
+def _no_range(name):
+    return nullcontext()
 
 
 def _run_schedule(forward_step_func, data_iterator, model, args, forward_only):
@@ -384,7 +393,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
         check_weight_hashes(model, iteration, args)
     exit_signal = signal.Signals[args.exit_signal]
     with SigtermHandler(exit_signal) as sigterm, ManualGarbageCollection.from_args(args) as manual_gc, \
-            TrainingProfilers(args, dist.get_rank(), dist.get_world_size(), iteration) as profilers:
+            TrainingProfilers(args, dist.get_rank(), dist.get_world_size(), iteration, model) as profilers:
         while iteration < args.train_iters:
             update_num_microbatches(args.consumed_train_samples)  # a --rampup-batch-size ramp moves with samples
             if should_skip_step(args, iteration):  # --iterations-to-skip: drop the batch, as upstream, no checks
@@ -401,9 +410,10 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
                 continue
             start = time.perf_counter()
             try:
-                with profilers.step_range(iteration):  # --profile
+                with profilers.step_range(iteration):  # --profile, --nvtx-ranges
                     loss, update_successful, grad_norm, num_zeros = train_step(
-                        forward_step_func, train_iterator, model, optimizer, scheduler, config, args
+                        forward_step_func, train_iterator, model, optimizer, scheduler, config, args,
+                        phase_range=profilers.phase_range,
                     )
             except RejectedResultExit as stop:
                 exit_after_rejected_result(
@@ -414,6 +424,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
             iteration_time_s = time.perf_counter() - start
             iteration += 1
             args.iteration = iteration
+            synchronize_at_interval(args, iteration)  # --train-sync-interval
             args.consumed_train_samples += get_current_running_global_batch_size()
             manual_gc.after_iteration(iteration)
             profilers.after_step(iteration)

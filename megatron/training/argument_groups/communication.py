@@ -1,5 +1,6 @@
 """Communication and performance switches of upstream launch scripts: pipeline p2p, tensor-parallel overlap,
-deferred weight gradients, CUDA graphs, RNG trackers, the rank order, and NCCL-only process-group options.
+deferred weight gradients, CUDA graphs, RNG trackers, the rank order, NCCL-only process-group options and
+the symmetric-memory all-reduce.
 
 Each flag is accepted where this build does what it asks, or where it only changes when communication or a
 computation happens and never a value (its help says what runs here instead); otherwise validation stops with
@@ -7,6 +8,9 @@ what to do. Nothing is ignored that would change the model, the numbers or the p
 """
 
 from megatron.core.rank_layout import DEFAULT_ORDER, TP_PP_DP_ORDER
+
+# Upstream's --symmetric-ar-type choices (its default None: NCCL's ordinary all-reduce).
+SYMMETRIC_ALL_REDUCE_TYPES = ("two_shot", "one_shot", "multimem_all_reduce")
 
 
 def add_arguments(parser):
@@ -99,6 +103,9 @@ def _add_process_group_arguments(group):
     group.add_argument("--sharp", action="store_true",
                        help="Upstream (NCCL): SHARP in-network reductions for the data-parallel groups. Not "
                        "supported: an error.")
+    group.add_argument("--symmetric-ar-type", default=None, choices=list(SYMMETRIC_ALL_REDUCE_TYPES),
+                       help="Upstream (NCCL, GPUs): the symmetric-memory kernel of the tensor-parallel all-reduces "
+                       "(Transformer Engine's row-parallel linears). Not supported: an error.")
 
 
 def transformer_config_kwargs(args):
@@ -178,6 +185,7 @@ def _validate_process_groups(args):
             raise ValueError("--use-tp-pp-dp-mapping cannot be used with --context-parallel-size > 1 or "
                              "--expert-model-parallel-size > 1 (upstream's rule); drop it")
     backend = args.distributed_backend or _default_backend()
+    _reject_symmetric_all_reduce(args, backend)
     nccl_options = (("--disable-gloo-process-groups", args.disable_gloo_process_groups),
                     ("--high-priority-stream-groups", args.high_priority_stream_groups is not None),
                     ("--nccl-communicator-config-path", args.nccl_communicator_config_path is not None),
@@ -192,6 +200,20 @@ def _validate_process_groups(args):
             raise ValueError(f"{flag} is an NCCL option and this run's --distributed-backend is {backend}: drop it")
         raise ValueError(f"{flag} is not supported by this build yet (process groups are created with NCCL's "
                          "defaults, plus gloo copies of the data-parallel groups): drop it")
+
+
+def _reject_symmetric_all_reduce(args, backend):
+    if args.symmetric_ar_type is None:
+        return
+    flag = f"--symmetric-ar-type {args.symmetric_ar_type}"
+    if backend != "nccl":
+        raise ValueError(f"{flag} runs the tensor-parallel all-reduces on NCCL symmetric memory, which needs CUDA "
+                         f"GPUs; this run's --distributed-backend is {backend}: drop the flag (tensor-parallel "
+                         "all-reduces run as torch.distributed all_reduce, with the same values)")
+    raise ValueError(f"{flag}: upstream hands it to Transformer Engine's row-parallel linears, which this build does "
+                     "not use; its tensor-parallel all-reduces are torch.distributed all_reduce calls on the NCCL "
+                     "group, with no symmetric-memory kernel: drop the flag (NCCL chooses its own algorithm; the "
+                     "values are the same)")
 
 
 def _default_backend():

@@ -61,6 +61,11 @@ def add_arguments(parser):
         "pretrain_gpt.py does not offer (an error).",
     )
     group.add_argument(
+        "--mrope-section", type=int, nargs="+", default=None,
+        help="Upstream: the rotary channels given to each of --position-embedding-type mrope's position ids "
+        "(temporal, height, width). mrope is not offered here: an error.",
+    )
+    group.add_argument(
         "--use-rotary-position-embeddings",
         action="store_const",
         const="rope",
@@ -275,6 +280,9 @@ def _validate_position_embedding(args):
     refused = REFUSED_POSITION_EMBEDDING_TYPES.get(args.position_embedding_type)
     if refused:
         raise ValueError(f"--position-embedding-type {args.position_embedding_type} is not offered: {refused}")
+    if args.mrope_section is not None:
+        raise ValueError(f"--mrope-section splits the rotary channels of --position-embedding-type mrope, which is "
+                         f"not offered: {REFUSED_POSITION_EMBEDDING_TYPES['mrope']}, and drop --mrope-section")
     if not args.add_position_embedding and args.position_embedding_type == "learned_absolute":
         raise ValueError("--no-position-embedding asks for a model without a learned position table, but "
                          "--position-embedding-type is learned_absolute, which is one: add --position-embedding-type "

@@ -1,7 +1,18 @@
-"""Profiling flags: a PyTorch profiler trace or an Nsight Systems capture range over chosen iterations, and the
+"""Profiling flags: a PyTorch profiler trace (optionally with shapes, call stacks and a Chakra execution trace) or
+an Nsight Systems capture range over chosen iterations, NVTX ranges around the steps' phases and modules, and the
 CUDA caching allocator's history (see megatron/training/profiling.py)."""
 
+import warnings
+
+import torch
+
 from megatron.training import accelerator
+
+PYTORCH_PROFILER_COLLECT_FLAGS = (
+    ("--pytorch-profiler-collect-shapes", "pytorch_profiler_collect_shapes"),
+    ("--pytorch-profiler-collect-callstack", "pytorch_profiler_collect_callstack"),
+    ("--pytorch-profiler-collect-chakra", "pytorch_profiler_collect_chakra"),
+)
 
 
 def add_arguments(parser):
@@ -18,6 +29,29 @@ def add_arguments(parser):
         action="store_true",
         help="With --profile: record with torch.profiler (CPU and GPU) and write a Chrome/TensorBoard trace, "
         "<rank>.<time>.pt.trace.json, to --tensorboard-dir (else --save).",
+    )
+    group.add_argument(
+        "--pytorch-profiler-collect-shapes",
+        action="store_true",
+        help="With --use-pytorch-profiler: record the input shapes of every op (torch.profiler's record_shapes).",
+    )
+    group.add_argument(
+        "--pytorch-profiler-collect-callstack",
+        action="store_true",
+        help="With --use-pytorch-profiler: record the Python call stack of every op (torch.profiler's with_stack).",
+    )
+    group.add_argument(
+        "--pytorch-profiler-collect-chakra",
+        action="store_true",
+        help="With --use-pytorch-profiler: also write an execution trace of the profiled steps for Chakra "
+        "(torch.profiler.ExecutionTraceObserver) to <trace dir>/chakra/rank<R>.json.",
+    )
+    group.add_argument(
+        "--nvtx-ranges",
+        action="store_true",
+        help="NVTX ranges for Nsight Systems (CUDA): each training step, its forward-backward and optimizer "
+        "phases, and the forward of the embedding, every transformer layer, its attention and MLP, and the "
+        "output layer. On CPU there is nothing to annotate (a warning says so).",
     )
     group.add_argument(
         "--profile-step-start",
@@ -53,6 +87,16 @@ def validate(args):
     if args.use_pytorch_profiler and not args.profile:
         raise ValueError("--use-pytorch-profiler chooses the profiler of --profile: add --profile (or drop "
                          "--use-pytorch-profiler)")
+    given_collect_flags = [flag for flag, dest in PYTORCH_PROFILER_COLLECT_FLAGS if getattr(args, dest)]
+    if given_collect_flags and not (args.profile and args.use_pytorch_profiler):
+        raise ValueError(f"{', '.join(given_collect_flags)} choose what the PyTorch profiler records: add --profile "
+                         "--use-pytorch-profiler (or drop them)")
+    if args.pytorch_profiler_collect_chakra and not hasattr(torch.profiler, "ExecutionTraceObserver"):
+        raise ValueError(f"--pytorch-profiler-collect-chakra needs torch.profiler.ExecutionTraceObserver, which "
+                         f"torch {torch.__version__} does not have: drop the flag or upgrade torch")
+    if args.nvtx_ranges and _backend(args) != "nccl":
+        warnings.warn(f"--nvtx-ranges annotates CUDA work for Nsight Systems; this run uses {_backend(args)} (CPU), "
+                      "so no range is recorded: drop the flag, or use --profile --use-pytorch-profiler for a trace")
     if args.profile:
         if args.profile_step_start < 0:
             raise ValueError(f"--profile-step-start must be >= 0, got {args.profile_step_start}")

@@ -1,6 +1,6 @@
 """Run-control flags: wall-clock limit, allocator cache release, logging level, weight-hash checks across
-data-parallel replicas, evaluation without training, skipped iterations (see megatron/training/run_control.py);
-upstream's --test-mode stops at validation."""
+data-parallel replicas, periodic device synchronisation, evaluation without training, skipped iterations (see
+megatron/training/run_control.py); upstream's --test-mode stops at validation."""
 
 
 def add_arguments(parser):
@@ -23,6 +23,10 @@ def add_arguments(parser):
                        help="Steps whose global batch is read and dropped: no forward, backward or optimizer step, no "
                        "log line; consumed samples still advance. Counted as upstream counts them, in completed "
                        "iterations: 3 drops the 4th global batch (the step the log would number 4).")
+    group.add_argument("--train-sync-interval", type=int, default=None,
+                       help="Synchronise the device every N iterations, as upstream, so the host cannot run more than "
+                       "N iterations ahead of the GPU (each step here already ends with one, to time it; a no-op on "
+                       "CPU). Default: never.")
     group.add_argument("--test-mode", action="store_true",
                        help="Upstream: run its real-time tests alongside training. This build's checks are the "
                        "pytest suites under tests/: an error.")
@@ -43,6 +47,9 @@ def validate(args):
     interval = args.check_weight_hash_across_dp_replicas_interval
     if interval is not None and interval <= 0:
         raise ValueError(f"--check-weight-hash-across-dp-replicas-interval must be positive, got {interval}")
+    if args.train_sync_interval is not None and args.train_sync_interval <= 0:
+        raise ValueError(f"--train-sync-interval must be a positive number of iterations, got "
+                         f"{args.train_sync_interval} (drop the flag to never synchronise)")
     bad = [iteration for iteration in args.iterations_to_skip if iteration < 0]
     if bad:
         raise ValueError(f"--iterations-to-skip takes completed-iteration counts >= 0, got {bad}")

@@ -10,9 +10,9 @@ each one gets upstream's answer or a clear one:
   same function) and --enable-experimental (nothing is gated behind it here); none of them changes what is
   computed;
 - refusals: features this build does not have (lazy model-parallel initialisation, pre-0.14 checkpoint layouts,
-  local checkpoint replication, Transformer Engine export, in-process restart; the --inprocess-* settings alone
-  only warn) and the flags of other upstream programs (BERT, T5,
-  RETRO, REALM, SFT, the inference server), each named with what to do.
+  local checkpoint replication, Transformer Engine export, in-process restart, NVIDIA Kitchen quantization; the
+  --inprocess-* settings alone only warn) and the flags of other upstream programs (BERT, T5,
+  RETRO, REALM, SFT, the inference server and engine), each named with what to do.
 """
 
 import warnings
@@ -191,6 +191,16 @@ def _add_refused(group):
                        help="Upstream's text-generation server: an error here.")
     group.add_argument("--max-tokens-to-oom", type=int, default=None,
                        help="Upstream's text-generation server: an error here.")
+    group.add_argument("--nccl-all-reduce-for-prefill", action="store_true",
+                       help="Upstream's inference engine: NCCL's all-reduce instead of the --symmetric-ar-type "
+                       "kernels during prefill. An error here.")
+    kitchen = group.add_mutually_exclusive_group()
+    kitchen.add_argument("--kitchen-config-file", default=None,
+                         help="Upstream: a YAML configuring NVIDIA Kitchen quantization per layer. Not supported: an "
+                         "error.")
+    kitchen.add_argument("--kitchen-recipe-number", type=int, default=None,
+                         help="Upstream: one NVIDIA Kitchen quantization recipe for all layers. Not supported: an "
+                         "error.")
 
 
 def validate(args):
@@ -252,6 +262,18 @@ def _reject_unsupported(args):
         if getattr(args, flag[2:].replace("-", "_")) not in (None, False):
             raise ValueError(f"{flag} belongs to {use}, which this project does not have; {PRETRAIN_GPT_ONLY}: "
                              f"drop {flag}")
+    for flag, value in (("--kitchen-config-file", args.kitchen_config_file),
+                        ("--kitchen-recipe-number", args.kitchen_recipe_number)):
+        if value is not None:
+            raise ValueError(f"{flag} configures NVIDIA Kitchen quantization, a library this build does not support: "
+                             f"drop {flag}; for low-precision linear layers use --fp8-format / --fp8-recipe, and for "
+                             "nvidia-modelopt quantization examples/post_training/quantize.py (then pretrain_gpt.py "
+                             "--load <quantized> --finetune trains it quantization-aware)")
+    if args.nccl_all_reduce_for_prefill:
+        raise ValueError("--nccl-all-reduce-for-prefill switches upstream's inference engine from --symmetric-ar-type "
+                         "kernels to NCCL's all-reduce during prefill; neither pretrain_gpt.py nor "
+                         "tools/run_text_generation_server.py has symmetric-memory kernels (every tensor-parallel "
+                         "all-reduce, prefill included, is torch.distributed all_reduce): drop the flag")
     for flag, instead in SERVER_TUNING_FLAGS:
         if getattr(args, flag[2:].replace("-", "_")) is not None:
             raise ValueError(f"{flag} tunes upstream's text-generation server; tools/run_text_generation_server.py "
