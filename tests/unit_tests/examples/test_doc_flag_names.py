@@ -22,12 +22,15 @@ UPSTREAM_CONVERT = {"--model-type", "--loader", "--saver", "--checkpoint-type", 
                     "--save-dir", "--target-tensor-parallel-size", "--target-pipeline-parallel-size",
                     "--target-tensor", "--true-vocab-size", "--megatron-path", "--max-queue-size", "--no-checking"}
 
+TORCHRUN = {"--max-restarts", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--nnodes", "--node-rank",
+            "--nproc-per-node", "--master-addr", "--master-port", "--standalone"}
+
 OTHER_PROGRAMS = {
     "training_flags.md": PREPROCESS_DATA | {"--to", "--from", "--world", "--wrappers"},
     "moe.md": set(),
     "offloading.md": {"--arms", "--tiny", "--cpu-offloading-activations", "--cpu-offloading-weights"},
     "multi_token_prediction.md": set(),
-    "checkpointing.md": CONVERT_CHECKPOINT | UPSTREAM_CONVERT,
+    "checkpointing.md": CONVERT_CHECKPOINT | UPSTREAM_CONVERT | TORCHRUN,
 }
 
 

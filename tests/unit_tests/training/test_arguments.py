@@ -267,7 +267,7 @@ UPSTREAM_FSDP2_SCRIPT = (
 )
 ACCEPTED_FOR_UPSTREAM_SCRIPTS = (
     "--use-mcore-models", "--attention-softmax-in-fp32",
-    "--log-validation-ppl-to-tensorboard", "--no-persist-layer-norm", "--no-rope-fusion",
+    "--no-persist-layer-norm", "--no-rope-fusion",
     "--no-bias-swiglu-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion",
     "--no-one-logger", "--enable-one-logger", "--one-logger-project", "--one-logger-run-name", "--one-logger-async",
     "--app-tag-run-name", "--app-tag-run-version", "--config-logger-dir", "--legacy-tokenizer", "--onnx-safe",
