@@ -29,7 +29,8 @@ def _config(**overrides):
 def _gpt(config, tied=False):
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    return GPTModel(config, VOCAB_SIZE, SEQ_LENGTH, share_embeddings_and_output_weights=tied)
+    return GPTModel(config, vocab_size=VOCAB_SIZE, max_sequence_length=SEQ_LENGTH,
+                    share_embeddings_and_output_weights=tied)
 
 
 def _microbatch(index):
