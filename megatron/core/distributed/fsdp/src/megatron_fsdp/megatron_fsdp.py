@@ -11,6 +11,7 @@ from . import collectives
 from .distributed_data_parallel_config import DistributedDataParallelConfig, ShardingStrategy
 from .gather_codec import GatherCodecPolicy
 from .offload import ShardOffload
+from .fsdp2_methods import Fsdp2MethodNames
 from .grad_clearing import GradClearing
 from .grouping import plan_groups
 from .layout import GroupLayout
@@ -21,12 +22,13 @@ from .param_and_grad_buffer import DoubleBufferPool, ParamGroup
 from .param_grads import ParamGrads
 from .resting_parameters import RestingParameters
 from .schedule import Schedule, Unit
+from .tensor_parallel_dtensors import install_dtensor_forward_hooks, localize_tensor_parallel_dtensors
 from .state_dict import load_model_state_dict, model_state_dict
 from .topology import DataParallelTopology
 from .utils import WRAPPED_ATTR, parameter_owners, replace_parameter, resolve_module_classes, tensor_bytes
 
 
-class MegatronFSDP(nn.Module):
+class MegatronFSDP(Fsdp2MethodNames, nn.Module):
     """Wraps `module`; sharding follows `ddp_config.data_parallel_sharding_strategy` (ZeRO-0..3).
 
     Use through `fully_shard_model` / `fully_shard`. The wrapped model is `self.module`; its parameters become
@@ -99,6 +101,8 @@ class MegatronFSDP(nn.Module):
         self.grad_clearing = GradClearing()  # every optimizer over the model: when its gradient buffers are cleared
         self.steps_recorded = 0
 
+        # torch tensor parallelism (parallelize_module): DTensor parameters become Megatron-style TP partitions
+        tensor_parallel_specs = localize_tensor_parallel_dtensors(module, self.topology, init_model_with_meta_device)
         meta = any(p.is_meta for p in module.parameters())
         if meta and not init_model_with_meta_device:
             raise ValueError("the module has meta-device parameters; pass init_model_with_meta_device=True")
@@ -132,6 +136,7 @@ class MegatronFSDP(nn.Module):
         self.schedule.before_backward = self._clear_grads_due_before_backward
         if self.strategy == ShardingStrategy.optim_grads_params:
             self._install_resting_placeholders()
+        self.schedule.hook_handles.extend(install_dtensor_forward_hooks(tensor_parallel_specs))
         outer_mesh_of = None
         if self.topology.optimizer_outer_size > 1:
             # HFSDP: each group's `.grad` lives on its topology's (outer, ..., shard) mesh; built here, on every rank
@@ -361,6 +366,38 @@ class MegatronFSDP(nn.Module):
             return generate(*args, **kwargs)
         finally:
             self.schedule.release(self.root_groups, at_rest=True)
+
+    # ---- torch.nn.Module methods that would bypass the flat buffers ------------------------------------------------
+    def apply(self, fn):
+        """`nn.Module.apply` after wrapping (`model.apply(init_fn)`): `fn` sees the parameters as they are between
+        steps (strategy 3: this rank's rows as Shard(0) DTensors, on which torch's init functions and in-place ops
+        work; strategies 0-2: the full weights on every rank, so seed the ranks alike for a random init), and what
+        it writes becomes the weights the optimizer steps from (the fp32 main weights of a bf16 model too)."""
+        self.schedule.wait_gathered(self.groups)  # strategies 1/2: a post-step all-gather would overwrite fn's writes
+        self.schedule.refresh_compute_shards(self.groups, async_op=False)  # HFSDP
+        super().apply(fn)
+        for group in self.groups:
+            if self.strategy == ShardingStrategy.optim_grads_params and not group.gathered:
+                group.commit_compute_shard_to_main()
+            else:
+                group.commit_compute_to_shards()
+        return self
+
+    def _apply(self, fn, recurse=True):
+        """`model.to(...)`, `.cuda()`, `.half()`, `.to_empty()` ... : a no-op on parameters is passed on (to the
+        buffers); moving or casting a parameter would take it out of its flat buffer, so that is refused."""
+        for name, param in self.module.named_parameters():
+            if fn(param) is not param:
+                raise ValueError(
+                    f"this call would move or cast parameter '{name}' ({param.dtype}, {param.device}) out of "
+                    "Megatron-FSDP's sharded buffers. Place and cast the module before wrapping it: build it on "
+                    "the target device or pass fully_shard(..., device=...), build it in bf16 for bf16 compute "
+                    "(MixedPrecisionPolicy(main_params_dtype=...) sets the main weights' dtype)")
+        for owner in self.module.modules():
+            for name, buffer in owner._buffers.items():
+                if buffer is not None:
+                    owner._buffers[name] = fn(buffer)
+        return self
 
     # ---- gradient and weight synchronisation ------------------------------------------------------------------------
     @contextlib.contextmanager
