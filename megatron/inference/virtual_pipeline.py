@@ -17,9 +17,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import parallel_state
 from megatron.core.inference.model_checks import check_inference_supported
-from megatron.core.pipeline_parallel import p2p_communication
+from megatron.core.inference.pipeline_decoding import chunk_forward
 
 
 def num_virtual_stages(config) -> int:
@@ -51,33 +51,7 @@ class VirtualPipelineModel(torch.nn.Module):
         try:
             for index, chunk in enumerate(self.chunks):
                 parallel_state.set_virtual_pipeline_model_parallel_rank(index)
-                logits = _chunk_forward(chunk, tokens, inference_context)
+                logits = chunk_forward(chunk, tokens, inference_context)
         finally:
             parallel_state.set_virtual_pipeline_model_parallel_rank(previous_rank)
         return logits
-
-
-def _chunk_forward(chunk, tokens, context):
-    """One chunk's part of a step: embed (first chunk of the first rank) or receive the activation from the
-    previous virtual stage, run the chunk's layers through the cache, then send to the next virtual stage, or
-    (last chunk of the last rank) return the logits `[b, s, vocab]`."""
-    config = chunk.config
-    batch, seq_length = tokens.shape
-    shape = p2p_communication.activation_shape(seq_length=seq_length, micro_batch_size=batch, config=config)
-    position_ids = chunk._decoding_position_ids(tokens, None, context)
-    rotary_angles = chunk._decoding_rotary_angles(tokens, context)
-    decoder_input = None
-    if chunk.pre_process:
-        decoder_input = chunk.embedding(tokens, position_ids)
-    else:
-        chunk.set_input_tensor(p2p_communication.recv_forward(shape, config))
-    try:
-        hidden_states = chunk.decoder(decoder_input, rotary_pos_emb=rotary_angles, inference_context=context)
-    finally:
-        if not chunk.pre_process:
-            chunk.set_input_tensor(None)
-    if not chunk.post_process:
-        p2p_communication.send_forward(hidden_states, config, shape)
-        return None
-    logits = tensor_parallel.gather_from_tensor_model_parallel_region(chunk._vocab_parallel_logits(hidden_states))
-    return logits.transpose(0, 1).contiguous()

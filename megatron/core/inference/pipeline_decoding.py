@@ -45,6 +45,15 @@ def _stage_forward(model, tokens, context):
             "(--num-virtual-stages-per-pipeline-rank): decode all of this rank's chunks together, wrapped in "
             "megatron.inference.virtual_pipeline.VirtualPipelineModel"
         )
+    return chunk_forward(model, tokens, context)
+
+
+def chunk_forward(model, tokens, context):
+    """One pipeline stage's (or one model chunk's) part of a step: embed the tokens (the first stage) or receive
+    the activation from the previous stage, run this stage's layers through the cache, then send the result to the
+    next stage, or (the last stage) return the logits `[b, s, vocab]` gathered over tensor-parallel ranks. The
+    virtual pipeline calls it chunk by chunk, with each chunk's virtual rank set."""
+    config = model.config
     batch, seq_length = tokens.shape
     shape = p2p_communication.activation_shape(seq_length=seq_length, micro_batch_size=batch, config=config)
     # GPTModel's own decoding helpers give the positions and rotary angles of this step, as its forward does.
