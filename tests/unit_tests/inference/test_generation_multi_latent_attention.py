@@ -22,8 +22,8 @@ NUM_TOKENS = 6
 DEEPSEEK_STYLE = dict(
     # Weights large enough that the layers, not the embeddings alone, choose the tokens.
     num_layers=4, init_method_std=0.1, multi_latent_attention=True, q_lora_rank=10, kv_lora_rank=12, qk_head_dim=6,
-    qk_pos_emb_head_dim=16, v_head_dim=10, qk_layernorm=True, normalization="RMSNorm", rotary_scaling_factor=4.0, mscale=1.0,
-    mscale_all_dim=1.0, original_max_position_embeddings=8, add_bias_linear=False, gated_linear_unit=True,
+    qk_pos_emb_head_dim=16, v_head_dim=10, qk_layernorm=True, normalization="RMSNorm", rotary_scaling_factor=4.0,
+    mscale=1.0, mscale_all_dim=1.0, original_max_position_embeddings=8, add_bias_linear=False, gated_linear_unit=True,
     num_moe_experts=4, moe_layer_freq=[0, 1, 1, 1], moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=16,
     moe_router_topk=2, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
     moe_router_pre_softmax=True, moe_router_topk_scaling_factor=2.5, moe_token_dispatcher_type="alltoall",
