@@ -98,7 +98,7 @@ def _check_supported(name: str, param: DTensor, topology, init_on_meta: bool):
             "data-parallel dims itself; parallelize the module over device_mesh[tp_dim] only and pass the model "
             "unsharded")
     placement = param.placements[0]
-    if isinstance(placement, Shard) and type(placement) is Shard:
+    if type(placement) is Shard:  # not a subclass such as a strided shard
         if param.shape[placement.dim] % topology.tp_size:
             raise ValueError(f"{where}: its dim {placement.dim} ({param.shape[placement.dim]}) does not split "
                              f"evenly over the {topology.tp_size} tensor-parallel ranks; Megatron-FSDP needs equal "
