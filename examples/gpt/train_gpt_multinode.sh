@@ -93,6 +93,7 @@ OUTPUT_ARGS=(
     --save "${CHECKPOINT_DIR}"
     --load "${CHECKPOINT_DIR}"
     --save-interval 1000
+    --exit-signal-handler
     --ckpt-format torch
 )
 

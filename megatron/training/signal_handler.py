@@ -1,14 +1,39 @@
-"""SIGTERM handling: remember the signal, and let all ranks agree on it at an iteration boundary.
+"""SIGTERM handling under --exit-signal-handler: remember the signal, and let all ranks agree on it at an
+iteration boundary.
 
 A scheduler that preempts a job sends SIGTERM (torchrun forwards it to every rank, but not necessarily at the
 same moment). The handler only records it; the training loop asks `received_on_any_rank()` after each
-iteration, a MAX all-reduce, so that every rank saves the same checkpoint and exits together.
+iteration, a MAX all-reduce, so that every rank saves the same checkpoint and exits together. Without
+--exit-signal-handler, as upstream, no handler is installed (the signal keeps its default action) and the
+loop makes no per-iteration collective for it.
 """
 
 import signal
 
 import torch
 import torch.distributed as dist
+
+
+def exit_signal_handler_from_args(args):
+    """The handler for --exit-signal when --exit-signal-handler is given, else one that never fires."""
+    if args.exit_signal_handler:
+        return SigtermHandler(signal.Signals[args.exit_signal])
+    return NoSignalHandler()
+
+
+class NoSignalHandler:
+    """No handler installed: the signal keeps its action, and no rank is ever asked."""
+
+    received = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        return False
+
+    def received_on_any_rank(self, device):
+        return False
 
 
 class SigtermHandler:

@@ -11,7 +11,6 @@ stops at --train-iters, --exit-interval, --exit-duration-in-mins or SIGTERM (sav
 import dataclasses
 import gc
 import os
-import signal
 import time
 from contextlib import nullcontext
 
@@ -69,7 +68,7 @@ from megatron.training.result_validation import (
     setup_rerun_state_machine,
     validate_gradients,
 )
-from megatron.training.signal_handler import SigtermHandler
+from megatron.training.signal_handler import exit_signal_handler_from_args
 from megatron.training.training_log import (
     TrainingLogger,
     counts_as_nan_iteration,
@@ -391,8 +390,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
                                  args.device)
     if weight_hash_due(args, iteration):
         check_weight_hashes(model, iteration, args)
-    exit_signal = signal.Signals[args.exit_signal]
-    with SigtermHandler(exit_signal) as sigterm, ManualGarbageCollection.from_args(args) as manual_gc, \
+    with exit_signal_handler_from_args(args) as sigterm, ManualGarbageCollection.from_args(args) as manual_gc, \
             TrainingProfilers(args, dist.get_rank(), dist.get_world_size(), iteration, model) as profilers:
         while iteration < args.train_iters:
             update_num_microbatches(args.consumed_train_samples)  # a --rampup-batch-size ramp moves with samples

@@ -5,6 +5,7 @@ samples (--train-samples, --lr-*-samples), never a mix, as upstream.
 """
 
 import dataclasses
+import warnings
 
 from megatron.core.num_microbatches_calculator import rampup_train_iters, running_global_batch_size
 
@@ -36,11 +37,12 @@ def add_arguments(parser):
     group.add_argument(
         "--exit-signal-handler",
         action="store_true",
-        help="Accepted for compatibility: the --exit-signal always saves a checkpoint (with --save) and exits.",
+        help="On --exit-signal (SIGTERM by default), every rank saves a checkpoint (with --save) at the end of "
+        "the iteration and exits. Without it the signal keeps its default action, as upstream.",
     )
     group.add_argument("--exit-signal", default="SIGTERM", choices=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"],
-                       help="The signal that makes every rank save a checkpoint (with --save) at the end of the "
-                       "iteration and exit, e.g. SIGUSR1 for a scheduler's warning signal before SIGTERM.")
+                       help="With --exit-signal-handler, the signal that makes every rank save a checkpoint (with "
+                       "--save) at the end of the iteration and exit, e.g. SIGUSR1 for a scheduler's warning signal before SIGTERM.")
     group.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
     group.add_argument("--min-lr", type=float, default=0.0, help="Learning rate at the end of decay.")
     group.add_argument("--decoupled-lr", type=float, default=None,
@@ -150,6 +152,9 @@ def validate(args):
     _validate_training_length(args)
     if args.exit_interval is not None and args.exit_interval <= 0:
         raise ValueError(f"--exit-interval must be positive, got {args.exit_interval}")
+    if args.exit_signal != "SIGTERM" and not args.exit_signal_handler:
+        warnings.warn(f"--exit-signal {args.exit_signal} takes effect with --exit-signal-handler only: add it to "
+                      "save a checkpoint and exit on that signal")
     if args.lr is None:
         raise ValueError("--lr is required")
     for flag, value in (("--lr", args.lr), ("--min-lr", args.min_lr)):

@@ -72,7 +72,7 @@ def _pretrain_until_sigterm(workdir, extra_args, signal_name="SIGTERM"):
 
 @pytest.mark.parametrize("world_size", [2])
 def test_sigterm_saves_and_stops_every_rank(tmp_path, world_size):
-    results = run_on_ranks(world_size, _pretrain_until_sigterm, str(tmp_path), "")
+    results = run_on_ranks(world_size, _pretrain_until_sigterm, str(tmp_path), "--exit-signal-handler")
     assert results == [{"iteration": 3, "tracker": 3, "handler_restored": True}] * 2
     assert sorted(os.listdir(tmp_path / "iter_0000003")) == ["mp_rank_00"]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -82,7 +82,8 @@ def test_sigterm_saves_and_stops_every_rank(tmp_path, world_size):
 
 @pytest.mark.parametrize("world_size", [2])
 def test_exit_signal_chooses_the_signal_that_saves_and_stops(tmp_path, world_size):
-    results = run_on_ranks(world_size, _pretrain_until_sigterm, str(tmp_path), "--exit-signal SIGUSR1", "SIGUSR1")
+    results = run_on_ranks(world_size, _pretrain_until_sigterm, str(tmp_path),
+                           "--exit-signal-handler --exit-signal SIGUSR1", "SIGUSR1")
     assert results == [{"iteration": 3, "tracker": 3, "handler_restored": True}] * 2
 
 
