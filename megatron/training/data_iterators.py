@@ -32,11 +32,13 @@ def build_data_iterators(train_valid_test_dataset_provider, args):
     from megatron.training.datasets.gpt_dataset_config import check_datasets_follow_flags
 
     dataloader_type = getattr(args, "dataloader_type", "single")
-    datasets = train_valid_test_dataset_provider(dataset_sample_counts(args))
+    sample_counts = dataset_sample_counts(args)
+    datasets = train_valid_test_dataset_provider(sample_counts)
     if dataloader_type == "external":
         return _external_iterators(datasets)
     check_datasets_follow_flags(datasets, args)
     train_dataset, valid_dataset, test_dataset = datasets
+    _check_unweighted_blend_is_long_enough(train_dataset, sample_counts[0], dataloader_type)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
 
@@ -45,7 +47,7 @@ def build_data_iterators(train_valid_test_dataset_provider, args):
             return None
         return build_pretraining_data_loader(
             dataset, consumed_samples, args.micro_batch_size, dp_rank, dp_size, args.num_workers,
-            dataloader_type=dataloader_type, seed=args.seed,
+            dataloader_type=dataloader_type, seed=args.seed, data_sharding=getattr(args, "data_sharding", True),
         )
 
     iteration = getattr(args, "iteration", 0)
@@ -66,10 +68,25 @@ def build_data_iterators(train_valid_test_dataset_provider, args):
     )
 
 
+def _check_unweighted_blend_is_long_enough(train_dataset, train_samples, dataloader_type):
+    """A blend given without weights holds one epoch of each of its datasets at most, as upstream's; a single pass
+    over it (upstream would run out of data mid-run) that cannot last the run stops here, up front."""
+    from megatron.core.datasets.blended_dataset import BlendedDataset
+
+    if dataloader_type != "single" or not isinstance(train_dataset, BlendedDataset) or train_samples is None:
+        return
+    if len(train_dataset) < train_samples:
+        raise ValueError(f"the training blend holds {len(train_dataset)} samples (prefixes given without weights "
+                         f"blend one epoch of each dataset), fewer than the {train_samples} --train-iters x "
+                         "--global-batch-size (or --train-samples) needs: give weights (--data-path 0.5 A 0.5 B), "
+                         "which repeat the datasets as needed, use --dataloader-type cyclic, or train fewer samples")
+
+
 def _samples_left(train_dataset, consumed_samples, dataloader_type):
-    """Whether training has samples left to read. The training split holds exactly the samples --train-iters (or
-    --train-samples) asks for, so a finished run launched again (a requeued job) has consumed them all: it gets no
-    training iterator, trains no iteration and goes on to the evaluation after the last one, as upstream."""
+    """Whether training has samples left to read. A training split that holds exactly the samples --train-iters
+    (or --train-samples) asks for has been consumed by a finished run launched again (a requeued job): it gets no
+    training iterator, trains no iteration and goes on to the evaluation after the last one, as upstream (a split
+    built for whole epochs holds more, and the run trains nothing either, since its iterations are done)."""
     if train_dataset is None or dataloader_type == "cyclic" or consumed_samples < len(train_dataset) or \
             len(train_dataset) == 0:
         return True

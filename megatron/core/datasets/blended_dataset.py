@@ -9,10 +9,12 @@ from megatron.core.datasets.utils import build_blending_indices, load_or_build_i
 def blending_schedule(weights, size, path_to_cache=None, description=None):
     """(dataset_index, dataset_sample_index) for `size` samples, cached in `path_to_cache` when given.
 
-    `description` identifies the blend in the cache key (dataset names, split, seed, ...).
+    `description` identifies the blend in the cache key (dataset names, split, seed, ...). The weights go to
+    `build_blending_indices` as given (it normalises them once, as upstream's `BlendedDataset` does).
     """
-    weights = normalize_weights(weights, len(weights))
-    key = {"weights": weights.tolist(), "size": int(size), "blend": description}
+    normalize_weights(weights, len(weights))  # validates count and signs
+    weights = [float(weight) for weight in weights]
+    key = {"weights": weights, "size": int(size), "blend": description}
     arrays, _ = load_or_build_indices(
         path_to_cache,
         "BlendedDataset",
@@ -34,7 +36,7 @@ class BlendedDataset(torch.utils.data.Dataset):
         self.weights = normalize_weights(weights, len(self.datasets))
         self.size = int(size)
         if dataset_index is None:
-            dataset_index, dataset_sample_index = blending_schedule(self.weights, self.size)
+            dataset_index, dataset_sample_index = blending_schedule(weights, self.size)
         if len(dataset_index) != self.size or len(dataset_sample_index) != self.size:
             raise ValueError(f"blending schedule has {len(dataset_index)} entries for {self.size} samples")
         self.dataset_index = dataset_index

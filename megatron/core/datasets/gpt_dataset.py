@@ -145,7 +145,8 @@ def sample_from_tokens(token_window, config):
 
 
 class GPTDataset(torch.utils.data.Dataset):
-    """`num_samples` packed samples from the documents `[document_begin, document_end)` of `indexed_dataset`.
+    """Packed samples from the documents `[document_begin, document_end)` of `indexed_dataset`: all the samples of
+    the epochs that `num_samples` needs (one epoch for None), so at least `num_samples`, as upstream's.
 
     Every sequence of the indexed dataset counts as one document (what the preprocessing tool writes).
     """
@@ -155,6 +156,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.config = config
         self.split = split
         self.document_range = tuple(int(bound) for bound in document_range)
+        self.num_samples = None if num_samples is None else int(num_samples)
         documents = np.arange(*self.document_range, dtype=np.int64)
         if documents.size == 0 and len(indexed_dataset) == 0:
             raise ValueError(f"{indexed_dataset.path_prefix} holds no tokens ({indexed_dataset.num_documents} "
@@ -274,15 +276,21 @@ def _open_indexed(config, prefixes):
 
 def _build_split(config, split, weights, indexed, document_ranges, count, split_fractions):
     """The dataset of one split: a GPTDataset, or a BlendedDataset over several (their `document_ranges`); a list
-    of one GPTDataset per dataset for the valid split with `multiple_validation_sets`.
+    of one GPTDataset per dataset for the valid split with `multiple_validation_sets`. `split_fractions` is None
+    for a split with its own blend (`--train-data-path` ...).
 
-    `count` None asks for the whole split (`--full-validation`): one epoch of each dataset, blended in proportion
-    to their sizes (the weights do not apply), so every sample of every dataset is served exactly once.
+    As Megatron-Core's builder: a weighted blend of `count` samples holds `sum(ceil(count * share))` of them and
+    each of its datasets `ceil(ceil(count * share) * (1 + surplus))`; a blend without weights is scheduled by the
+    datasets' sizes (the weights then normalised once instead of twice) and holds at most one epoch of each.
+    One weighted `--data-path` prefix (`--data-path 1.0 A`) is a blend of one dataset, built with the surplus,
+    while a split's own single prefix is not. `count` None asks for the whole split (`--full-validation`): one
+    epoch of each dataset, blended in proportion to their sizes (the weights do not apply), so every sample of
+    every dataset is served exactly once.
     """
     if split is Split.valid and config.multiple_validation_sets:
         return [GPTDataset(dataset, config, split, document_range, count)
                 for dataset, document_range in zip(indexed, document_ranges)]
-    if len(indexed) == 1:
+    if len(indexed) == 1 and (weights is None or split_fractions is None or count is None):
         return GPTDataset(indexed[0], config, split, document_ranges[0], count)
     weighted = weights is not None
     blend_description = {
@@ -298,21 +306,23 @@ def _build_split(config, split, weights, indexed, document_ranges, count, split_
                      list(zip(indexed, document_ranges)))
         weights, count = [len(part) for part in parts], sum(len(part) for part in parts)
     elif weights is None:
+        # One epoch of each dataset, blended by their sizes; the blend holds at most all of their samples.
         weights = _samples_per_epoch(config, split, indexed, document_ranges)
-    shares = normalize_weights(weights, len(indexed))
-    dataset_index, dataset_sample_index = blending_schedule(shares, count, config.path_to_cache, blend_description)
+        count = min(count, sum(weights))
+    else:
+        # Upstream's builder normalises the weights, sizes the blend by them, and its BlendedDataset normalises
+        # them again for the schedule.
+        weights = normalize_weights(weights, len(indexed)).tolist()
+        targets = [math.ceil(count * share) for share in weights]
+        count = sum(targets)
+    dataset_index, dataset_sample_index = blending_schedule(weights, count, config.path_to_cache, blend_description)
     if not whole_split:
-        samples_per_dataset = np.bincount(np.asarray(dataset_index), minlength=len(indexed))
-        if weighted:
-            # Megatron-Core builds each dataset of a weighted blend with ceil(ceil(count * share) * (1 + surplus))
-            # samples; the size sets its number of epochs and so its shuffles.
-            upstream_sizes = [math.ceil(math.ceil(count * share) * (1 + config.mid_level_dataset_surplus))
-                              for share in shares]
-            samples_per_dataset = np.maximum(samples_per_dataset, upstream_sizes)
-        parts = _map(config,
-                     lambda part: GPTDataset(part[0], config, split, part[1], int(part[2])) if part[2] else None,
+        # The size of each dataset of a weighted blend sets its number of epochs and so its shuffles.
+        samples_per_dataset = ([math.ceil(target * (1 + config.mid_level_dataset_surplus)) for target in targets]
+                               if weighted else [None] * len(indexed))
+        parts = _map(config, lambda part: GPTDataset(part[0], config, split, part[1], part[2]),
                      list(zip(indexed, document_ranges, samples_per_dataset)))
-    return BlendedDataset(parts, shares, count, dataset_index, dataset_sample_index)
+    return BlendedDataset(parts, weights, count, dataset_index, dataset_sample_index)
 
 
 def _samples_per_epoch(config, split, indexed, document_ranges):

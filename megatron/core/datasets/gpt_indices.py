@@ -5,7 +5,8 @@
 - sample index: `[num_samples + 1, 2]` rows of (position in the document index, token offset) marking where
   sample i starts; sample i runs through the start of sample i + 1 inclusive, i.e. `sequence_length + 1`
   tokens, so consecutive samples share one token (inputs are `[:-1]`, labels `[1:]`);
-- shuffle index: the order in which samples are served.
+- shuffle index: the order in which samples are served: every sample of the epochs built, so a dataset holds
+  all the samples its epochs make (at least the number asked for), as Megatron-Core's does.
 
 When more than one epoch is needed and the last one is mostly unused, that last epoch is shuffled on its
 own, so the served samples are whole earlier epochs plus a sample of the last one, not a blur of all.
@@ -79,8 +80,12 @@ def build_shuffle_index(num_samples, num_samples_before_final, rng):
 
 
 def build_gpt_indices(sequence_lengths, documents, sequence_length, num_samples, seed):
-    """{document_index, sample_index, shuffle_index} for `num_samples` samples (None: one epoch) drawn from
-    `documents` (indices into `sequence_lengths`), with a `RandomState(seed)` driving every shuffle."""
+    """{document_index, sample_index, shuffle_index} for at least `num_samples` samples (None: one epoch) drawn
+    from `documents` (indices into `sequence_lengths`), with a `RandomState(seed)` driving every shuffle.
+
+    The epochs needed for `num_samples` are built whole: the shuffle index orders every sample they hold, not only
+    the first `num_samples` (the dataset's length, and so the epochs of `--dataloader-type cyclic`, are upstream's).
+    """
     sequence_lengths = np.asarray(sequence_lengths, dtype=np.int64)
     documents = np.asarray(documents, dtype=np.int64)
     tokens_per_epoch = int(sequence_lengths[documents].sum())
@@ -100,5 +105,5 @@ def build_gpt_indices(sequence_lengths, documents, sequence_length, num_samples,
         before_final = samples_in_tokens((num_epochs - 1) * tokens_per_epoch, sequence_length)
     else:
         before_final = total_samples
-    shuffle_index = build_shuffle_index(total_samples, before_final, rng)[:num_samples]
+    shuffle_index = build_shuffle_index(total_samples, before_final, rng)
     return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}

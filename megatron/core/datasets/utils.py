@@ -84,6 +84,10 @@ def build_blending_indices(weights, size):
     share `weight * max(i, 1)` (the samples placed before it; sample 0 counts as 1), ties to the lowest index, so
     a given blend serves the same datasets in the same order as upstream. After sample i is placed, each dataset's
     count is within one sample of `weight * max(i, 1)`.
+
+    The weights are divided by their sum here, once: near-ties are decided by the last bit of the shares, so a
+    caller that needs upstream's shares bit for bit passes what upstream's `BlendedDataset` normalises (the
+    builder's once-normalised weights for a weighted `--data-path`, the datasets' sizes for one without weights).
     """
     weights = [float(weight) for weight in normalize_weights(weights, len(weights))]
     counts = [0] * len(weights)

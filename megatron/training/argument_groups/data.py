@@ -68,6 +68,9 @@ def add_arguments(parser):
                        help="single (default): the samples in the dataset's order; cyclic: a new random order every "
                        "epoch, without end; external: the datasets provider returns the (train, valid, test) "
                        "iterators itself, used as they are.")
+    group.add_argument("--no-data-sharding", action="store_false", dest="data_sharding",
+                       help="--dataloader-type cyclic: every rank draws from one permutation of the whole epoch "
+                       "instead of from its own contiguous bucket of it (the default, as upstream).")
     group.add_argument("--mmap-bin-files", action="store_true", default=True,
                        help="Memory-map the .bin files (the default).")
     group.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",

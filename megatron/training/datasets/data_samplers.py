@@ -51,52 +51,79 @@ class MegatronPretrainingSampler:
                 yield rank_slice
 
 
-class MegatronPretrainingRandomSampler(MegatronPretrainingSampler):
-    """`--dataloader-type cyclic`: endless epochs over the dataset, each in a new random order.
+class MegatronPretrainingRandomSampler:
+    """`--dataloader-type cyclic`: endless epochs over the dataset, each in a new random order, as upstream's.
 
-    Epoch e serves the first `total - total % global micro-batch` entries of a permutation drawn from
-    (seed, e); global micro-batch k of it is split across data-parallel ranks as in the single sampler. The
-    order depends on `consumed_samples` only, so a resumed run continues exactly (also mid-epoch).
+    With `E = total - total % (micro_batch_size x data_parallel_size)` samples an epoch, `consumed_samples` fixes the
+    epoch `consumed // E` and the point reached in it; epoch e's order is `torch.randperm` from a generator seeded
+    with e (not with `--seed`). With `data_sharding` (the default; `--no-data-sharding` turns it off) rank r owns
+    the contiguous bucket `[r * B, (r + 1) * B)` of `B = E / data_parallel_size` samples and reads its own
+    permutation of it; without, every rank reads its every data_parallel_size-th entry of one permutation of the
+    first `total - total % micro_batch_size` samples. A rank's micro-batches are consecutive runs of its entries.
+    The order depends on `consumed_samples` only, so a resumed run continues exactly (also mid-epoch).
     """
 
-    def __init__(self, total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size,
-                 seed=0):
-        samples_per_epoch = total_samples - total_samples % (micro_batch_size * max(data_parallel_size, 1))
-        if samples_per_epoch <= 0:
+    def __init__(self, dataset, total_samples, consumed_samples, micro_batch_size, data_parallel_rank,
+                 data_parallel_size, data_sharding=True):
+        if micro_batch_size <= 0:
+            raise ValueError(f"--micro-batch-size must be positive (got {micro_batch_size})")
+        if data_parallel_size <= 0 or not 0 <= data_parallel_rank < data_parallel_size:
+            raise ValueError(f"data-parallel rank {data_parallel_rank} is not in a group of size {data_parallel_size}")
+        self.dataset = dataset
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_rank = data_parallel_rank
+        self.data_parallel_size = data_parallel_size
+        self.data_sharding = data_sharding
+        self.global_micro_batch_size = micro_batch_size * data_parallel_size
+        self.samples_per_epoch = total_samples - total_samples % self.global_micro_batch_size
+        if self.samples_per_epoch <= 0:
             raise ValueError(f"--dataloader-type cyclic: the dataset's {total_samples} samples do not fill one global "
                              f"micro-batch of {micro_batch_size} x {data_parallel_size} data-parallel ranks")
-        super().__init__(total_samples, consumed_samples % samples_per_epoch, micro_batch_size, data_parallel_rank,
-                         data_parallel_size)
-        self.consumed_samples = consumed_samples
-        self.samples_per_epoch = samples_per_epoch
-        self.seed = seed
+        if consumed_samples % self.global_micro_batch_size:
+            raise ValueError(f"--dataloader-type cyclic: consumed_samples {consumed_samples} is not a multiple of the "
+                             f"global micro-batch {micro_batch_size} x {data_parallel_size}")
 
-    def epoch_order(self, epoch):
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.total_samples, generator=generator)[: self.samples_per_epoch].tolist()
+    def __len__(self):
+        return self.total_samples
+
+    def rank_order(self, epoch, done_in_epoch):
+        """This rank's sample indices for the rest of `epoch`, after `done_in_epoch` samples of it were read."""
+        generator = torch.Generator().manual_seed(epoch)
+        if self.data_sharding:
+            bucket_size = self.samples_per_epoch // self.data_parallel_size
+            bucket_start = self.data_parallel_rank * bucket_size
+            permutation = torch.randperm(bucket_size, generator=generator).tolist()
+            return [bucket_start + index for index in permutation[done_in_epoch // self.data_parallel_size:]]
+        usable = self.total_samples - self.total_samples % self.micro_batch_size
+        permutation = torch.randperm(usable, generator=generator).tolist()
+        return permutation[done_in_epoch:][self.data_parallel_rank::self.data_parallel_size]
 
     def __iter__(self):
-        epoch, offset = divmod(self.consumed_samples, self.samples_per_epoch)
+        consumed = self.consumed_samples
         while True:
-            order = self.epoch_order(epoch)
-            for start in range(offset, self.samples_per_epoch, self.global_micro_batch_size):
-                yield self._slice_for_rank(order[start : start + self.global_micro_batch_size])
-            epoch, offset = epoch + 1, 0
+            epoch, done_in_epoch = divmod(consumed, self.samples_per_epoch)
+            order = self.rank_order(epoch, done_in_epoch)
+            for start in range(0, len(order) - self.micro_batch_size + 1, self.micro_batch_size):
+                consumed += self.global_micro_batch_size
+                yield order[start : start + self.micro_batch_size]
 
 
 def build_pretraining_data_loader(
     dataset, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size, num_workers=0,
-    dataloader_type="single", seed=0,
+    dataloader_type="single", seed=0, data_sharding=True,
 ):
     """A DataLoader yielding batch dicts of `[micro_batch_size, seq_length]` tensors for this DP rank:
-    in the dataset's order (`single`) or reshuffled every epoch, without end (`cyclic`)."""
+    in the dataset's order (`single`) or reshuffled every epoch, without end (`cyclic`, with `data_sharding` as
+    `--no-data-sharding` leaves it). `seed` seeds the workers, not the order."""
     if dataset is None:
         return None
     if dataloader_type not in ("single", "cyclic"):
         raise ValueError(f"--dataloader-type {dataloader_type}: this loader serves single and cyclic")
     if dataloader_type == "cyclic":
-        sampler = MegatronPretrainingRandomSampler(len(dataset), consumed_samples, micro_batch_size,
-                                                   data_parallel_rank, data_parallel_size, seed)
+        sampler = MegatronPretrainingRandomSampler(dataset, len(dataset), consumed_samples, micro_batch_size,
+                                                   data_parallel_rank, data_parallel_size, data_sharding)
     else:
         sampler = MegatronPretrainingSampler(
             total_samples=len(dataset),

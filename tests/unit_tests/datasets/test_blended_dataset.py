@@ -85,12 +85,14 @@ def test_blend_of_gpt_datasets(tmp_path):
     )
     train, valid, test = build_gpt_datasets(config, (200, 21, 5))
     assert test is None
-    # As upstream, each dataset holds ceil(ceil(size * share) * 1.005) samples (--mid-level-dataset-surplus):
-    # train ceil(50 * 1.005) = 51 and ceil(150 * 1.005) = 151, valid ceil(6 * 1.005) = 7 and ceil(16 * 1.005) = 17.
-    for blended, size, part_sizes in ((train, 200, [51, 151]), (valid, 21, [7, 17])):
+    # As upstream, each dataset is built for ceil(ceil(size * share) * 1.005) samples (--mid-level-dataset-surplus):
+    # train ceil(50 * 1.005) = 51 and ceil(150 * 1.005) = 151, valid ceil(6 * 1.005) = 7 and ceil(16 * 1.005) = 17;
+    # the blend holds sum(ceil(size * share)) samples: 50 + 150 for train, 6 + 16 = 22 for 21 valid samples.
+    for blended, size, part_sizes in ((train, 200, [51, 151]), (valid, 22, [7, 17])):
         assert isinstance(blended, BlendedDataset) and len(blended) == size
         np.testing.assert_allclose(blended.samples_per_dataset, [0.25 * size, 0.75 * size], atol=1.0)
-        assert [len(part) for part in blended.datasets] == part_sizes
+        assert [part.num_samples for part in blended.datasets] == part_sizes
+        assert all(len(part) >= part.num_samples for part in blended.datasets)
         for i in (0, 1, 2, size - 1):
             part = blended.datasets[int(blended.dataset_index[i])]
             torch.testing.assert_close(blended[i], part[int(blended.dataset_sample_index[i])], rtol=0, atol=0)
@@ -114,5 +116,6 @@ def test_blend_without_weights_follows_dataset_sizes(tmp_path):
     train, _, _ = build_gpt_datasets(config, (12, 0, 0))
     np.testing.assert_allclose(train.weights, [0.25, 0.75])
     assert train.dataset_index.tolist() == [1, 0, 1, 1, 0, 1, 1, 1, 0, 1, 1, 1]
-    # Without weights no surplus: each dataset gives the samples the schedule takes, from one shuffled epoch.
-    assert [len(part) for part in train.datasets] == [3, 9]
+    # Without weights no surplus: each dataset is one shuffled epoch, as upstream's.
+    assert [part.num_samples for part in train.datasets] == [None, None]
+    assert [len(part) for part in train.datasets] == [11, 33]

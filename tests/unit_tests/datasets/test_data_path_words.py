@@ -18,7 +18,7 @@ def test_weights_and_prefixes_quoted_as_one_argument_are_named(tmp_path):
     assert "--data-path 0.3 A 0.7 B, not one quoted string" in str(error.value)
     config = GPTDatasetConfig(random_seed=1, sequence_length=8, blend=blend_from_data_path(quoted.split()), split="1",
                               tokenizer=EodOnlyTokenizer())
-    assert len(build_gpt_datasets(config, (4, 0, 0))[0]) == 4
+    assert len(build_gpt_datasets(config, (4, 0, 0))[0]) == 5  # ceil(4 x 0.3) + ceil(4 x 0.7), as upstream
 
 
 def test_a_missing_prefix_without_spaces_gets_no_quoting_hint(tmp_path):

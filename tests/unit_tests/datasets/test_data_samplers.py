@@ -69,26 +69,27 @@ def test_data_loader_yields_batch_dicts(num_workers):
     assert build_pretraining_data_loader(None, 0, 2, 0, 1) is None
 
 
-def _cyclic_batches(total, consumed, micro_batch_size, data_parallel_size, steps, seed=7):
+def _cyclic_batches(total, consumed, micro_batch_size, data_parallel_size, steps, data_sharding=True):
     from megatron.training.datasets.data_samplers import MegatronPretrainingRandomSampler
 
     per_rank = []
     for rank in range(data_parallel_size):
-        iterator = iter(MegatronPretrainingRandomSampler(total, consumed, micro_batch_size, rank, data_parallel_size,
-                                                         seed))
+        iterator = iter(MegatronPretrainingRandomSampler(None, total, consumed, micro_batch_size, rank,
+                                                         data_parallel_size, data_sharding))
         per_rank.append([next(iterator) for _ in range(steps)])
     return per_rank
 
 
-def test_cyclic_sampler_reshuffles_every_epoch_and_resumes_exactly():
+@pytest.mark.parametrize("data_sharding", [True, False])
+def test_cyclic_sampler_reshuffles_every_epoch_and_resumes_exactly(data_sharding):
     # 22 samples, global micro-batch 2 x 2: epochs of 20 samples (5 steps), each a new order, without end.
-    per_rank = _cyclic_batches(22, 0, 2, 2, steps=15)
+    per_rank = _cyclic_batches(22, 0, 2, 2, steps=15, data_sharding=data_sharding)
     epochs = [[index for step in range(epoch * 5, epoch * 5 + 5) for batches in per_rank for index in batches[step]]
               for epoch in range(3)]
     assert all(len(set(epoch)) == 20 and set(epoch) <= set(range(22)) for epoch in epochs)
     assert epochs[0] != epochs[1] != epochs[2] and epochs[0] != list(range(20))
     # Resuming mid-epoch (28 samples consumed: epoch 1, step 2) continues with the very same batches.
-    resumed = _cyclic_batches(22, 28, 2, 2, steps=8)
+    resumed = _cyclic_batches(22, 28, 2, 2, steps=8, data_sharding=data_sharding)
     assert [batches[7:] for batches in per_rank] == resumed
 
 

@@ -67,8 +67,9 @@ def test_per_split_paths_give_each_split_the_datasets_named(prefixes):
     train_sources = [_source_of(train[i]) for i in range(len(train))]
     assert all(sources <= {"a", "d"} for sources in train_sources)
     assert sum(sources == {"a"} for sources in train_sources) == 10
-    assert [_source_of(valid[i]) for i in range(len(valid))] == [{"b"}] * 16
-    assert [_source_of(test[i]) for i in range(len(test))] == [{"c"}] * 8
+    assert len(valid) >= 16 and len(test) >= 8  # a single prefix serves all the samples of its epochs
+    assert [_source_of(valid[i]) for i in range(len(valid))] == [{"b"}] * len(valid)
+    assert [_source_of(test[i]) for i in range(len(test))] == [{"c"}] * len(test)
     # Every document of a per-split dataset is used (no --split cut): the valid set reads all 40 documents.
     assert valid.document_range == (0, 40)
 
@@ -114,7 +115,7 @@ def test_mid_level_dataset_surplus_sizes_the_blended_datasets(prefixes):
     config, (train, _, _) = _datasets(_args(flags + ["--mid-level-dataset-surplus", "0.1"]))
     assert config.mid_level_dataset_surplus == 0.1
     # 40 training samples: ceil(ceil(40 * 0.25) * 1.1) = 11 and ceil(ceil(40 * 0.75) * 1.1) = 33.
-    assert [len(part) for part in train.datasets] == [11, 33]
+    assert [part.num_samples for part in train.datasets] == [11, 33]
     assert np.bincount(np.asarray(train.dataset_index)).tolist() == [10, 30]
 
 
