@@ -10,13 +10,51 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "divide",
+    "ensure_divisibility",
+    "get_attr_wrapped_model",
+    "get_batch_on_this_cp_rank",
     "get_model_config",
+    "get_model_type",
     "get_pg_rank",
     "get_pg_size",
     "get_tensor_model_parallel_group_if_none",
     "make_sharded_tensor_for_checkpoint",
     "make_tp_sharded_tensor_for_checkpoint",
+    "init_method_normal",
+    "scaled_init_method_normal",
+    "unwrap_model",
 ]
+
+
+
+def ensure_divisibility(numerator, denominator):
+    """Raise ValueError unless `denominator` divides `numerator`."""
+    if denominator <= 0 or numerator % denominator != 0:
+        raise ValueError(f"{numerator} is not divisible by {denominator}")
+
+
+def divide(numerator, denominator):
+    """`numerator / denominator` as an int; ValueError when the division is not exact."""
+    ensure_divisibility(numerator, denominator)
+    return numerator // denominator
+
+
+def init_method_normal(sigma):
+    """Initialiser drawing from N(0, sigma^2)."""
+    from megatron.core.transformer.init_methods import init_method_normal as normal
+
+    return normal(sigma)
+
+
+def scaled_init_method_normal(sigma, num_layers, multiplier=2.0):
+    """Initialiser drawing from N(0, (sigma / sqrt(multiplier * num_layers))^2), for the projections that write
+    into the residual stream."""
+    import math
+
+    from megatron.core.transformer.init_methods import NormalInit
+
+    return NormalInit(sigma / math.sqrt(multiplier * num_layers))
 
 
 def get_model_config(model):
@@ -24,6 +62,61 @@ def get_model_config(model):
     from megatron.core.pipeline_parallel.model_access import get_model_config as config_through_wrappers
 
     return config_through_wrappers(model)
+
+
+def _default_wrapper_classes():
+    """The data-parallel wrappers, and Float16Module once its module is loaded (looked up without importing it:
+    no instance can exist before)."""
+    import sys
+
+    from megatron.core.distributed.data_parallel_base import DataParallelWrapper
+
+    module = sys.modules.get("megatron.core.transformer.module")
+    return (DataParallelWrapper,) + ((module.Float16Module,) if module is not None else ())
+
+
+def unwrap_model(model, module_instances=None):
+    """`model` without its wrappers (`.module` of each instance of `module_instances`; by default the
+    data-parallel wrappers (DDP, Megatron-FSDP, FSDP2) and Float16Module). A list of chunks gives a list."""
+    if isinstance(model, (list, tuple)):
+        return [unwrap_model(chunk, module_instances) for chunk in model]
+    from megatron.core.distributed.data_parallel_base import unwrap_model as unwrap_data_parallel
+
+    instances = tuple(module_instances) if module_instances is not None else _default_wrapper_classes()
+    while True:
+        if module_instances is None:
+            model = unwrap_data_parallel(model)
+        if not isinstance(model, instances):
+            return model
+        model = model.module
+
+
+def get_attr_wrapped_model(model, attr, allow_none=True, return_model_obj=False):
+    """`attr` of the first module (through `.module` wrappers) that has it, or that module itself with
+    `return_model_obj=True`. With `allow_none=False` a None attribute counts as missing."""
+    if isinstance(model, (list, tuple)):
+        raise RuntimeError(f"get_attr_wrapped_model was given a list of model chunks; pass one chunk (model[i]) "
+                           f"to read {attr!r} from")
+    while True:
+        has_attr = hasattr(model, attr) and (allow_none or getattr(model, attr) is not None)
+        if has_attr:
+            return model if return_model_obj else getattr(model, attr)
+        if not hasattr(model, "module"):
+            raise RuntimeError(f"{type(model).__name__} and the modules it wraps have no attribute {attr!r}")
+        model = model.module
+
+
+def get_model_type(model):
+    """`model_type` of the wrapped model (`ModelType.encoder_or_decoder` for GPT)."""
+    return get_attr_wrapped_model(model, "model_type")
+
+
+def get_batch_on_this_cp_rank(batch):
+    """This context-parallel rank's share of a micro-batch dict (each `[b, s]` tensor cut to the rank's two
+    sequence chunks, as the causal load balancing expects); the batch itself without context parallelism."""
+    from megatron.core.transformer.context_parallel.sequence_split import get_batch_on_this_cp_rank as cut
+
+    return cut(batch)
 
 
 def get_pg_size(group=None) -> int:

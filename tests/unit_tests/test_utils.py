@@ -44,3 +44,60 @@ def test_tp_sharded_tensor_is_this_ranks_partition(monkeypatch):
         utils.make_tp_sharded_tensor_for_checkpoint(local, "w", prepend_offsets=((0, 1, 2),))
     with pytest.raises(ValueError, match="0-dimensional"):
         utils.make_tp_sharded_tensor_for_checkpoint(torch.tensor(1.0), "s")
+
+
+def _wrapped_gpt_like():
+    inner = torch.nn.Linear(2, 2)
+    inner.config = types.SimpleNamespace(hidden_size=2)
+    inner.model_type = "encoder_or_decoder"
+    inner.set_input_tensor = lambda tensor: None
+    outer = torch.nn.Module()
+    outer.module = inner
+    outer.model_type = None  # a wrapper attribute that is None: skipped with allow_none=False
+    return outer, inner
+
+
+def test_get_attr_wrapped_model_walks_module_wrappers():
+    outer, inner = _wrapped_gpt_like()
+    assert utils.get_attr_wrapped_model(outer, "set_input_tensor") is inner.set_input_tensor
+    assert utils.get_attr_wrapped_model(outer, "model_type") is None  # allow_none=True: the wrapper's own
+    assert utils.get_attr_wrapped_model(outer, "model_type", allow_none=False) == "encoder_or_decoder"
+    assert utils.get_attr_wrapped_model(outer, "config", return_model_obj=True) is inner
+    with pytest.raises(RuntimeError, match="no attribute 'absent'"):
+        utils.get_attr_wrapped_model(outer, "absent")
+    with pytest.raises(RuntimeError, match=r"model\[i\]"):
+        utils.get_attr_wrapped_model([outer], "config")
+
+
+def test_unwrap_model_strips_float16_and_given_wrappers():
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    inner = torch.nn.Linear(2, 2)
+    half = Float16Module(ModelParallelConfig(bf16=True, params_dtype=torch.bfloat16), inner)
+    assert utils.unwrap_model(half) is inner
+    assert utils.unwrap_model([half, inner]) == [inner, inner]
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    outer = Wrapper(Wrapper(inner))
+    assert utils.unwrap_model(outer) is outer  # not a known wrapper
+    assert utils.unwrap_model(outer, module_instances=(Wrapper,)) is inner
+    assert utils.unwrap_model(Wrapper(half), module_instances=(Wrapper,)) is half  # only the given classes
+
+
+def test_upstream_helper_names():
+    assert utils.divide(12, 4) == 3
+    with pytest.raises(ValueError, match="not divisible"):
+        utils.divide(5, 2)
+    assert utils.init_method_normal(0.02).std == 0.02
+    assert utils.scaled_init_method_normal(0.02, 8).std == pytest.approx(0.02 / 4.0)
+    assert utils.scaled_init_method_normal(0.02, 8, multiplier=0.5).std == pytest.approx(0.01)
+    batch = {"tokens": torch.arange(4).view(1, 4)}
+    assert utils.get_batch_on_this_cp_rank(batch) is batch  # no context parallelism: the batch itself
+    outer, _ = _wrapped_gpt_like()
+    outer.model_type = "wrapper"
+    assert utils.get_model_type(outer) == "wrapper"

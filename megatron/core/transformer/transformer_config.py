@@ -614,3 +614,29 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, YarnConfigMixin, MoEConf
             if split > 1:
                 flag = "--context-parallel-size" if comm_type == "a2a" else "--hierarchical-context-parallel-sizes"
                 check_heads_divisible(self.num_attention_heads // tp, self.num_query_groups // tp, split, flag)
+
+
+# Hooks a training loop installs after building its wrappers (`config.no_sync_func = model.no_sync`, ...), as
+# upstream's own loops do; they are run-time callbacks, not model settings, so plain assignment is allowed for
+# them while every other field stays frozen (change those with `dataclasses.replace`, which re-validates).
+RUNTIME_HOOK_FIELDS = frozenset(
+    ("finalize_model_grads_func", "grad_scale_func", "no_sync_func", "grad_sync_func", "param_sync_func", "timers")
+)
+_frozen_setattr = TransformerConfig.__setattr__
+
+
+def _setattr_allowing_runtime_hooks(self, name, value):
+    if name in RUNTIME_HOOK_FIELDS:
+        object.__setattr__(self, name, value)
+        return
+    try:
+        _frozen_setattr(self, name, value)
+    except AttributeError as error:  # dataclasses.FrozenInstanceError
+        raise type(error)(
+            f"cannot assign to field {name!r}: TransformerConfig is frozen; build a new one with "
+            f"dataclasses.replace(config, {name}=...), which re-validates (only the hooks "
+            f"{', '.join(sorted(RUNTIME_HOOK_FIELDS))} may be assigned in place)"
+        ) from None
+
+
+TransformerConfig.__setattr__ = _setattr_allowing_runtime_hooks

@@ -320,3 +320,26 @@ def test_param_offload_reaches_the_configs(monkeypatch):
     assert not without_offload.megatron_fsdp_param_offload
     with pytest.raises(ValueError, match=r"\(--megatron-fsdp-param-offload\) offloads ZeRO-3's shards"):
         DistributedDataParallelConfig(megatron_fsdp_param_offload=True)
+
+
+def _sharded_state_dict_round_trip(directory):
+    """Upstream's own-loop checkpoint calls on a ZeRO-3 chunk: save `model.sharded_state_dict()`, then
+    `model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), directory))`."""
+    from megatron.core import dist_checkpointing
+
+    saved = _wrap(_build(_layout()), "optim_grads_params")
+    dist_checkpointing.save(saved.sharded_state_dict(), directory)
+    target = _wrap(_build(_layout()), "optim_grads_params")
+    zeros = {name: torch.zeros_like(value.pieces[0][1]) if value.pieces else value
+             for name, value in target.sharded_state_dict().items()}
+    target.load_state_dict(zeros)
+    zeroed = all(not weight.any() for weight in _full_weights(target).values())
+    target.load_state_dict(dist_checkpointing.load(target.sharded_state_dict(), directory))
+    expected, restored = _full_weights(saved), _full_weights(target)
+    return zeroed, set(expected) == set(restored) and all(torch.equal(expected[k], restored[k]) for k in expected)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_sharded_state_dict_saves_and_loads_through_dist_checkpointing(tmp_path, world_size):
+    for zeroed, restored in run_on_ranks(world_size, _sharded_state_dict_round_trip, str(tmp_path / "ckpt")):
+        assert zeroed and restored

@@ -100,3 +100,18 @@ def test_valid_recompute_settings():
     full = TransformerConfig(**BASE, recompute_granularity="full", recompute_method="block", recompute_num_layers=8)
     assert full.recompute_num_layers == 8
     assert TransformerConfig(**BASE, recompute_granularity="selective").recompute_method is None
+
+
+def test_training_loop_hooks_can_be_assigned_in_place():
+    config = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2)
+
+    def finalize(model_chunks, num_tokens=None):
+        return None
+
+    config.finalize_model_grads_func = finalize  # as upstream's own training loops do
+    config.no_sync_func = [lambda: None, lambda: None]
+    config.grad_sync_func = config.param_sync_func = config.grad_scale_func = config.timers = None
+    assert config.finalize_model_grads_func is finalize and len(config.no_sync_func) == 2
+    with pytest.raises(dataclasses.FrozenInstanceError, match=r"dataclasses.replace\(config, hidden_size=\.\.\.\)"):
+        config.hidden_size = 16
+    assert config.hidden_size == 8

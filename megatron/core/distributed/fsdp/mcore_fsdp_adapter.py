@@ -329,6 +329,72 @@ class MegatronFSDPAdapter(DataParallelWrapper):
         """Parameter name -> DTensor over the data-parallel (and TP) mesh; loadable at another DP size."""
         return self.module.state_dict(*args, **kwargs)
 
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """This rank's shards of the chunk's tensors, keyed by logical name (as `GPTModel.sharded_state_dict`):
+        what `dist_checkpointing.save` writes and `dist_checkpointing.load` fills, at any data-parallel size."""
+        from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor
+
+        if sharded_offsets:
+            raise NotImplementedError("sharded_offsets: Megatron-FSDP chunks name layers by their global index "
+                                      "instead; call sharded_state_dict() without offsets")
+        names = self._logical_names()
+        return {f"{prefix}{names(key)}": ShardedLogicalTensor.from_local(value)
+                for key, value in self.module.state_dict().items() if torch.is_tensor(value)}
+
+    def _logical_names(self):
+        """state-dict key -> its name in the logical model (`dist_checkpointing.logical_names`): global layer
+        and expert indices; a later stage's tied output-layer copy is the word embedding."""
+        from megatron.core.dist_checkpointing.logical_names import TIED_EMBEDDING_NAME, layer_offset_of, logical_name
+        from megatron.core.expert_parameters import global_expert_name
+
+        module = self.unwrapped_module
+        offset = layer_offset_of(module)
+        names = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            real = self.real_parameter(param)
+            if getattr(real, "shared", False) and getattr(real, "shared_embedding", False):
+                names[name] = TIED_EMBEDDING_NAME
+            else:
+                names[name] = logical_name(global_expert_name(name, real), offset)
+        return lambda key: names.get(key, logical_name(key, offset))
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """Load `state_dict()`'s DTensors, or what `dist_checkpointing.load(model.sharded_state_dict(), ...)`
+        returns (logical names, this rank's shard of each tensor)."""
+        from torch.distributed.tensor import DTensor
+
+        from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor
+
+        template = {key: value for key, value in self.module.state_dict().items() if torch.is_tensor(value)}
+        whole_tensors = all(isinstance(value, DTensor) or not torch.is_tensor(value) for value in state_dict.values())
+        if whole_tensors and set(state_dict) <= set(template):
+            return self.module.load_state_dict(state_dict, strict=strict)
+        names = self._logical_names()
+        key_of = {names(key): key for key in template}
+        unexpected = sorted(set(state_dict) - set(key_of))
+        missing = sorted(set(key_of) - set(state_dict))
+        if strict and (unexpected or missing):
+            raise RuntimeError(f"Megatron-FSDP chunk: state dict keys do not match the model's logical names "
+                               f"(missing: {missing[:5]}, unexpected: {unexpected[:5]}); pass strict=False to "
+                               "load a subset")
+        loaded = {}
+        for name, value in state_dict.items():
+            if name not in key_of:
+                continue
+            key = key_of[name]
+            target = ShardedLogicalTensor.from_local(template[key]).pieces  # views of this rank's shard
+            given = value.pieces if isinstance(value, ShardedLogicalTensor) else [(None, value)] if target else []
+            if len(given) != len(target) or any(a.shape != b.shape for (_, a), (_, b) in zip(target, given)):
+                raise ValueError(f"{name}: the given shard {[tuple(t.shape) for _, t in given]} is not this rank's "
+                                 f"{[tuple(t.shape) for _, t in target]}; load the dict that "
+                                 "dist_checkpointing.load returned for this model")
+            with torch.no_grad():
+                for (_, destination), (_, source) in zip(target, given):
+                    destination.copy_(source)
+            loaded[key] = template[key]
+        self.module.load_state_dict(loaded, strict=len(loaded) == len(template))
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
     @contextmanager
     def gathered_parameters(self):
         """Between steps, the wrapped model with every parameter holding its full weights (for reading)."""

@@ -257,13 +257,61 @@ class GPTModel(ShardedStateModule):
     # ----------------------------------------------------------------------------------------------------
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        """Checkpoint entries of this stage (see `ShardedStateModule`). The output layer carries no extra state:
-        quantizer state of a modelopt-quantized model travels in modelopt's own state instead."""
-        sharded_state_dict = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        output_layer_extra_state_key = f"{prefix}output_layer._extra_state"
-        output_layer_extra_state = sharded_state_dict.pop(output_layer_extra_state_key, None)
+        """Checkpoint entries of this stage (see `ShardedStateModule`), keyed by their names in the logical model
+        (`dist_checkpointing.logical_names`): this stage's decoder layer `i` is `decoder.layers.{first layer +
+        i}`, an expert is named by its global index, and a later stage's tied output-layer copy is
+        `embedding.word_embeddings.weight`. Pipeline stages and expert-parallel ranks thus never write under each
+        other's keys, and the names are those of pretrain_gpt's checkpoints. `load_state_dict` takes these names
+        as well as the local ones. The output layer carries no extra state: quantizer state of a
+        modelopt-quantized model travels in modelopt's own state instead."""
+        sharded_state_dict = super().sharded_state_dict("", sharded_offsets, metadata)
+        output_layer_extra_state = sharded_state_dict.pop("output_layer._extra_state", None)
         assert not output_layer_extra_state, f"unexpected output layer extra state: {output_layer_extra_state}"
-        return sharded_state_dict
+        logical = self._logical_names()
+        renamed = {}
+        for key, value in sharded_state_dict.items():
+            renamed.setdefault(f"{prefix}{logical.get(key, key)}", value)  # a tied copy: the first one named
+        return renamed
+
+    def _logical_names(self):
+        """{local state-dict name: its name in the logical model} (see `sharded_state_dict`)."""
+        from megatron.core.dist_checkpointing.logical_names import (
+            current_tensor_parallel_rank,
+            layer_offset_of,
+            logical_name,
+            placement_of,
+        )
+
+        tp, offset = current_tensor_parallel_rank(), layer_offset_of(self)
+        params = dict(self.named_parameters(remove_duplicate=False))
+        names = {}
+        for name, value in self.state_dict(keep_vars=True).items():
+            if torch.is_tensor(value):
+                names[name] = placement_of(name, value, offset, tp, params.get(name)).logical_name
+            else:
+                names[name] = logical_name(name, offset)
+        return names
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        """Load a state dict keyed by this stage's own names (`state_dict()`) or by the logical names of
+        `sharded_state_dict()`, which is what `dist_checkpointing.load(model.sharded_state_dict(), ...)`
+        returns."""
+        local_to_logical = self._logical_names()
+        keys = set(state_dict)
+        if not keys <= set(local_to_logical):
+            logical_to_local = {}
+            for local, logical in local_to_logical.items():
+                logical_to_local.setdefault(logical, []).append(local)
+            translate_all = keys <= set(logical_to_local)
+            translated = type(state_dict)()
+            for key, value in state_dict.items():
+                if key in logical_to_local and (translate_all or key not in local_to_logical):
+                    for local in logical_to_local[key]:
+                        translated[local] = value
+                else:
+                    translated[key] = value
+            state_dict = translated
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def set_input_tensor(self, input_tensor):
         """The previous pipeline stage's output `[s, b, h]` (a tensor, a one-element list, or None)."""
