@@ -169,3 +169,13 @@ def test_prompt_plus_generated_tokens_must_fit_max_position_embeddings(position_
     args = _validated(["--prompts", "x" * 60, "--inference-max-seq-length", "64", *model])
     with pytest.raises(ValueError, match="exceeds --inference-max-seq-length 64: raise --inference-max-seq-length"):
         tokenize_prompts(args, tokenizer)
+
+
+def test_moe_at_tensor_parallel_size_2_is_refused_naming_the_sizes_that_generate(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    # The MoE config asks for --sequence-parallel at TP2; generation turns it off, so it must not ask again.
+    args = _validated(["--prompts", "a", "--num-experts", "4", "--tensor-model-parallel-size", "2",
+                       "--sequence-parallel"])
+    with pytest.raises(ValueError, match=r"--tensor-model-parallel-size 1 \(got 2\).*--expert-model-parallel-size"):
+        check_args(args)
+    check_args(_validated(["--prompts", "a", "--num-experts", "4", "--expert-model-parallel-size", "2"]))
