@@ -8,26 +8,32 @@ Layout of the torch format under the checkpoint root:
     latest_checkpointed_iteration.txt            the last complete checkpoint's iteration number
     iter_0000010/mp_rank_00/model_optim_rng.pt   (mp_rank_TT_PPP with pipeline parallelism)
     iter_0000010/mp_rank_00/distrib_optim_dp_rank_001.pt   optimizer shard of DP rank 1 (distributed optimizer)
+    iter_0000020.tmp/                            a save in progress (or one that was interrupted): never loaded
 
 Only data-parallel rank 0 of each model-parallel rank writes `model_optim_rng.pt` (model, optimizer unless
 distributed, the names of the parameters in the optimizer's order, scheduler, every DP rank's RNG state, args,
-iteration). Every file is written to a temporary name and renamed, and the tracker is written last, after a
-barrier, by global rank 0: a save interrupted at any point leaves the previous checkpoint as the latest, and
-readable.
+iteration). Every rank writes into `iter_XXXXXXX.tmp/` (each file to a temporary name, then renamed); once all
+have, global rank 0 renames the directory into place and then writes the tracker (as the logical format
+publishes): a save interrupted at any point leaves the previous checkpoint as the latest, and readable.
 """
 
 import copy
 import glob
 import os
 import re
+import shutil
 
 import torch
 import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.checkpoint_directory import (  # noqa: F401  (part of this module's API)
     RELEASE,
+    TEMPORARY_SUFFIX,
     TRACKER_FILENAME,
+    CheckpointSaveError,
+    earlier_checkpoint_advice,
     iteration_dir_name,
+    move_into_place,
     read_tracker,
     write_tracker,
 )
@@ -148,7 +154,10 @@ def _load_model_state(model_chunks, state, strict):
 
 
 def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args):
-    """Save a checkpoint of `iteration` under `args.save`; collective over all ranks."""
+    """Save a checkpoint of `iteration` under `args.save`; collective over all ranks. A rank that cannot write
+    its files (a full or read-only disk) makes every rank raise `CheckpointSaveError`."""
+    from megatron.training.dist_checkpoint import raise_if_any_rank_failed
+
     check_checkpoint_format(args)
     model_chunks = model if isinstance(model, (list, tuple)) else [model]
     if is_logical_format(args):
@@ -156,9 +165,11 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args):
 
         return save_dist_checkpoint(iteration, model_chunks, optimizer, opt_param_scheduler, args)
     ranks = _parallel_ranks()
-    directory = checkpoint_dir(
-        args.save, iteration, ranks["tensor_rank"], ranks["pipeline_rank"], ranks["pipeline_size"]
-    )
+    # Every rank writes into ROOT/iter_XXXXXXX.tmp, which rank 0 renames into place once all files are written:
+    # a save killed part-way never leaves a mix of new and old files under a published iteration's name.
+    temporary = os.path.join(args.save, iteration_dir_name(iteration) + TEMPORARY_SUFFIX)
+    directory = os.path.join(temporary, model_parallel_dir_name(
+        ranks["tensor_rank"], ranks["pipeline_rank"], ranks["pipeline_size"]))
     # Collectives first, on every rank: some optimizers gather their state inside state_dict().
     save_optimizer = optimizer is not None and not args.no_save_optim
     optimizer_state = optimizer.state_dict() if save_optimizer else None
@@ -167,33 +178,40 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args):
         all_rng_states = [None] * dist.get_world_size(ranks["data_group"])
         dist.all_gather_object(all_rng_states, rng_state(), group=ranks["data_group"])
 
-    os.makedirs(directory, exist_ok=True)
-    if save_optimizer and args.use_distributed_optimizer:
-        atomic_torch_save(
-            {"optimizer": optimizer_state}, os.path.join(directory, distributed_optimizer_filename(ranks["data_rank"]))
-        )
-    if ranks["data_rank"] == 0:
-        state = {
-            "args": args,
-            "checkpoint_version": 3.0,
-            "iteration": iteration,
-            "consumed_train_samples": getattr(args, "consumed_train_samples", 0),
-            "skipped_train_samples": getattr(args, "skipped_train_samples", 0),
-            "vocab_size": true_vocab_size(args),
-            **_model_state(model_chunks),
-        }
-        if save_optimizer and not args.use_distributed_optimizer:
-            state["optimizer"] = optimizer_state
-        if save_optimizer:
-            state["optimizer_param_names"] = optimizer_param_names(optimizer, model_chunks)
-        if save_optimizer and opt_param_scheduler is not None:
-            state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
-        if all_rng_states is not None:
-            state["rng_state"] = all_rng_states
-        atomic_torch_save(state, os.path.join(directory, MODEL_FILENAME))
+    if dist.get_rank() == 0:
+        shutil.rmtree(temporary, ignore_errors=True)  # left by an interrupted save of this iteration
+    dist.barrier()
+    failure = None
+    try:
+        os.makedirs(directory, exist_ok=True)
+        if save_optimizer and args.use_distributed_optimizer:
+            atomic_torch_save({"optimizer": optimizer_state},
+                              os.path.join(directory, distributed_optimizer_filename(ranks["data_rank"])))
+        if ranks["data_rank"] == 0:
+            state = {
+                "args": args,
+                "checkpoint_version": 3.0,
+                "iteration": iteration,
+                "consumed_train_samples": getattr(args, "consumed_train_samples", 0),
+                "skipped_train_samples": getattr(args, "skipped_train_samples", 0),
+                "vocab_size": true_vocab_size(args),
+                **_model_state(model_chunks),
+            }
+            if save_optimizer and not args.use_distributed_optimizer:
+                state["optimizer"] = optimizer_state
+            if save_optimizer:
+                state["optimizer_param_names"] = optimizer_param_names(optimizer, model_chunks)
+            if save_optimizer and opt_param_scheduler is not None:
+                state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+            if all_rng_states is not None:
+                state["rng_state"] = all_rng_states
+            atomic_torch_save(state, os.path.join(directory, MODEL_FILENAME))
+    except OSError as exc:  # a full or read-only disk: every rank learns of it, none waits for the others
+        failure = f"{type(exc).__name__}: {exc}"
+    raise_if_any_rank_failed(failure, args.save, iteration, temporary)
     dist.barrier()
     if dist.get_rank() == 0:
-        write_tracker(args.save, iteration)
+        move_into_place(args.save, iteration, temporary)
         prune_to_retain_interval(args.save, iteration, getattr(args, "save_retain_interval", None))
     dist.barrier()
 
@@ -344,9 +362,12 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
             print("\n".join(report.lines()), flush=True)
         return iteration
     ranks = _parallel_ranks()
-    directory = checkpoint_dir(root, iteration, ranks["tensor_rank"], ranks["pipeline_rank"], ranks["pipeline_size"])
+    # The `.replaced` copy where a save of this iteration again was killed between its two renames.
+    iteration_directory = source.directory
+    directory = os.path.join(iteration_directory, model_parallel_dir_name(
+        ranks["tensor_rank"], ranks["pipeline_rank"], ranks["pipeline_size"]))
     path = os.path.join(directory, MODEL_FILENAME)
-    if not os.path.isfile(path) and os.path.isfile(os.path.join(root, iteration_dir_name(iteration), ".metadata")):
+    if not os.path.isfile(path) and os.path.isfile(os.path.join(iteration_directory, ".metadata")):
         raise CheckpointLoadError(f"{os.path.dirname(directory)} is a torch_dist checkpoint; load it with "
                                   "--ckpt-format torch_dist")
     if not os.path.isfile(path):
@@ -382,7 +403,6 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
         states = state["rng_state"]
         set_rng_state(states[ranks["data_rank"]] if ranks["data_rank"] < len(states) else states[0])
 
-    loaded_directory = os.path.join(root, iteration_dir_name(iteration))
     if args.finetune:
         iteration, args.consumed_train_samples, args.skipped_train_samples = 0, 0, 0
     else:
@@ -397,7 +417,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
         if fresh_fp8_histories:
             skipped.append(f"FP8 amax histories of {fresh_fp8_histories} layer(s) (not in the checkpoint): they "
                            "start empty")
-        print(f"loaded checkpoint {loaded_directory} (--ckpt-format torch): "
+        print(f"loaded checkpoint {iteration_directory} (--ckpt-format torch): "
               f"{', '.join(loaded)}, resuming at iteration {iteration}"
               + (f"; not loaded: {', '.join(skipped)}" if skipped else ""), flush=True)
     return iteration
@@ -437,7 +457,7 @@ def _torch_load(path):
         return torch.load(path, map_location="cpu", weights_only=False)
     except (OSError, RuntimeError, EOFError, ValueError) as exc:
         raise CheckpointLoadError(f"checkpoint file {path} is truncated or damaged ({type(exc).__name__}: {exc}); "
-                                  "load an earlier checkpoint of this run") from exc
+                                  f"{earlier_checkpoint_advice(os.path.dirname(os.path.dirname(path)))}") from exc
 
 
 def _format_to_load(source, args):

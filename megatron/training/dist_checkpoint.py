@@ -28,10 +28,12 @@ from megatron.core.dist_checkpointing.checkpoint_directory import (  # noqa: F40
     METADATA_JSON,
     REPLACED_SUFFIX,
     TEMPORARY_SUFFIX,
+    CheckpointSaveError,
     iteration_dir_name,
     publish,
     published_directory,
     published_iterations,
+    unwritten_save_advice,
 )
 from megatron.core.dist_checkpointing.strictness import apply_strictness
 from megatron.core.fp8.checkpoint import fp8_histories_report, split_missing_fp8_histories
@@ -121,10 +123,14 @@ def save_dist_checkpoint(iteration, model_chunks, optimizer, scheduler, args):
     state, layout = checkpoint_state.state_to_save(iteration, model_chunks, optimizer, scheduler, args)
     root = args.save
     temporary = os.path.join(root, iteration_dir_name(iteration) + TEMPORARY_SUFFIX)
+    failure = None
     if _rank() == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(temporary, ignore_errors=True)  # left by an interrupted save of this iteration
-    _barrier()
+        try:
+            os.makedirs(root, exist_ok=True)
+            shutil.rmtree(temporary, ignore_errors=True)  # left by an interrupted save of this iteration
+        except OSError as error:  # e.g. --save under a read-only directory, or naming a file
+            failure = f"{type(error).__name__}: {error}"
+    raise_if_any_rank_failed(failure, root, iteration, temporary)
     keep_last_n = getattr(args, "keep_last_n", None)
 
     def finish(succeeded):
@@ -139,7 +145,7 @@ def save_dist_checkpoint(iteration, model_chunks, optimizer, scheduler, args):
             else:
                 shutil.rmtree(temporary, ignore_errors=True)
                 print(f"checkpoint of iteration {iteration} was NOT saved: a background write failed (see above); "
-                      f"the latest checkpoint is still the previous one", flush=True)
+                      f"{unwritten_save_advice(root)}", flush=True)
         _barrier()
 
     if getattr(args, "async_save", False):
@@ -148,9 +154,34 @@ def save_dist_checkpoint(iteration, model_chunks, optimizer, scheduler, args):
         queue.schedule(lambda: serialization.save(staged, temporary, process_group=queue.process_group),
                        finish, f"checkpoint iteration {iteration}")
     else:
-        serialization.save(state, temporary)
+        try:
+            serialization.save(state, temporary)
+        except serialization.CheckpointError as error:  # raised on every rank: DCP gathers the ranks' failures
+            _barrier()
+            if _rank() == 0:
+                shutil.rmtree(temporary, ignore_errors=True)
+            _barrier()
+            raise CheckpointSaveError(f"{error}; {unwritten_save_advice(root)}") from error
         finish(True)
     return time.perf_counter() - start
+
+
+def raise_if_any_rank_failed(failure, root, iteration, temporary):
+    """Collective: when any rank could not write its part (`failure`: what went wrong, else None), remove the
+    unfinished `temporary` directory and raise on every rank, naming it and what to do; no rank is left waiting."""
+    failures = checkpoint_state.all_gather_objects(failure)
+    if all(each is None for each in failures):
+        return
+    if _rank() == 0:
+        shutil.rmtree(temporary, ignore_errors=True)
+    _barrier()
+    causes = {}  # cause -> ranks, in rank order
+    for rank, each in enumerate(failures):
+        if each is not None:
+            causes.setdefault(each, []).append(rank)
+    detail = "; ".join(f"rank {', '.join(map(str, ranks))}: {cause}" for cause, ranks in causes.items())
+    raise CheckpointSaveError(f"could not write the checkpoint of iteration {iteration} to {temporary} ({detail}); "
+                              f"{unwritten_save_advice(root)}")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -16,12 +16,18 @@ import os
 import re
 import shutil
 
+from megatron.core.dist_checkpointing.errors import CheckpointError
+
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 METADATA_JSON = "metadata.json"
 TEMPORARY_SUFFIX = ".tmp"
 REPLACED_SUFFIX = ".replaced"  # the previous copy of an iteration saved again, while the new one moves in
 RELEASE = "release"  # the tracker's word, and the directory's name, for a released checkpoint
 _ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint that could not be written: the message names the directory and what to do."""
 
 
 def iteration_dir_name(iteration):
@@ -57,6 +63,26 @@ def read_tracker(root):
                          "iteration of a checkpoint under it there") from None
 
 
+def unwritten_save_advice(root):
+    """What a user does after a save under `--save root` failed to write, and which checkpoint is still the latest."""
+    latest = read_tracker(root) if os.path.isdir(root) else None
+    still = (f"the latest checkpoint under {root} is still iteration {latest}" if latest is not None
+             else f"{root} holds no complete checkpoint yet")
+    return f"make --save {root} writable with free space (or point --save elsewhere) and restart: {still}"
+
+
+def earlier_checkpoint_advice(directory):
+    """How to load the checkpoint before the damaged one in `directory` (ROOT/iter_XXXXXXX, or its .replaced copy):
+    `--load ROOT --ckpt-step N` with the newest earlier published iteration, or that there is none."""
+    root = os.path.dirname(os.path.normpath(directory))
+    match = re.match(r"^iter_(\d{7})", os.path.basename(os.path.normpath(directory)))
+    earlier = [each for each in published_iterations(root) if match is None or each < int(match.group(1))]
+    if not earlier:
+        return f"there is no earlier checkpoint under {root}: train from scratch or --load another checkpoint"
+    return (f"to resume the checkpoint before it, pass --load {root} --ckpt-step {earlier[-1]} (the earlier "
+            f"iterations there: {', '.join(map(str, earlier))})")
+
+
 def _fsync_directory(path):
     try:
         descriptor = os.open(path, os.O_RDONLY)
@@ -88,6 +114,11 @@ def publish(root, iteration, temporary, layout, keep_last_n=None):
     with open(os.path.join(temporary, METADATA_JSON), "w") as stream:
         json.dump({"format": "megatron_logical_dcp", "version": 1, "iteration": iteration, "layout": layout},
                   stream, indent=1)
+    move_into_place(root, iteration, temporary, keep_last_n)
+
+
+def move_into_place(root, iteration, temporary, keep_last_n=None):
+    """`publish` without the metadata.json summary (the torch format's directories have none)."""
     final = os.path.join(root, iteration_dir_name(iteration))
     replaced = final + REPLACED_SUFFIX
     if os.path.exists(final):
@@ -112,8 +143,6 @@ def published_directory(root, iteration):
         return directory, None
     if os.path.isdir(directory + REPLACED_SUFFIX):
         return directory + REPLACED_SUFFIX, directory
-    from megatron.core.dist_checkpointing.serialization import CheckpointError
-
     raise CheckpointError(
         f"{os.path.join(root, TRACKER_FILENAME)} names iteration {iteration}, but {directory} does not exist (nor "
         f"a {REPLACED_SUFFIX} copy of it); point the tracker at an iteration that exists under {root}")

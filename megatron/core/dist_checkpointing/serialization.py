@@ -19,19 +19,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from megatron.core.dist_checkpointing.checkpoint_directory import earlier_checkpoint_advice
+from megatron.core.dist_checkpointing.errors import CheckpointError, CheckpointShapeError  # noqa: F401 (re-exported)
 from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor
 from megatron.core.dist_checkpointing.planners import LogicalLoadPlanner, LogicalSavePlanner
 from megatron.core.dist_checkpointing.strictness import KeyMismatch
 
 METADATA_FILENAME = ".metadata"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be read as asked: the message names the file or tensor and what to do."""
-
-
-class CheckpointShapeError(CheckpointError):
-    pass
 
 
 def _distributed():
@@ -80,10 +74,12 @@ def _reraise(exc: BaseException, action: str, directory: str):
     if isinstance(cause, CheckpointError):
         raise cause from None
     detail = f"{type(cause).__name__}: {cause}"
+    if action == "write" and failures:
+        detail = f"rank {', '.join(map(str, sorted(failures)))}: {detail}"
     damaged = damaged_data_files(directory) if action == "read" else []
     if damaged:
-        detail = (f"a data file of this checkpoint is missing or damaged: {'; '.join(damaged)} ({detail}); load an "
-                  "earlier checkpoint of this run")
+        detail = (f"a data file of this checkpoint is missing or damaged: {'; '.join(damaged)} ({detail}); "
+                  f"{earlier_checkpoint_advice(directory)}")
     elif isinstance(cause, (FileNotFoundError, EOFError, pickle.UnpicklingError)) or "distcp" in str(cause):
         detail += " (a shard file of this checkpoint is missing or damaged)"
     raise CheckpointError(f"could not {action} checkpoint {directory}: {detail}") from cause
@@ -114,8 +110,8 @@ def read_metadata(directory: str):
     try:
         return dcp.FileSystemReader(directory).read_metadata()
     except (EOFError, pickle.UnpicklingError, AttributeError, ValueError, IndexError) as exc:
-        raise CheckpointError(f"{path} is truncated or damaged ({type(exc).__name__}: {exc}); load an earlier "
-                              "checkpoint of this run") from exc
+        raise CheckpointError(f"{path} is truncated or damaged ({type(exc).__name__}: {exc}); "
+                              f"{earlier_checkpoint_advice(directory)}") from exc
 
 
 def tensor_shapes(metadata) -> Dict[str, torch.Size]:

@@ -97,6 +97,7 @@ def _bad_inputs(workdir):
         if rank == 0:
             shutil.copytree(root, copy)
             iteration_dir = os.path.join(copy, "iter_0000003")
+            shutil.copytree(iteration_dir, os.path.join(copy, "iter_0000001"))  # an earlier one, intact
             if kind == "metadata":
                 path = os.path.join(iteration_dir, ".metadata")
                 with open(path, "r+b") as stream:
@@ -178,6 +179,9 @@ def test_bad_inputs_get_errors_naming_tensor_or_file(tmp_path, world_size):
             "end-of-document id)") in first["vocab"]
     assert first["unchanged"] and first["legacy_unchanged"]
     assert ".metadata is truncated or damaged" in first["metadata"]
+    for kind in ("metadata", "shard", "truncated_shard"):
+        assert (f"to resume the checkpoint before it, pass --load {tmp_path / kind} --ckpt-step 1 (the earlier "
+                "iterations there: 1)") in first[kind], first[kind]
     assert all("__1_0.distcp" in result["shard"] and "missing or damaged" in result["shard"] for result in results)
     for result in results:  # every rank names the file, whichever rank's read failed
         assert "missing or damaged: " in result["truncated_shard"]
@@ -193,4 +197,6 @@ def test_bad_inputs_get_errors_naming_tensor_or_file(tmp_path, world_size):
     assert "does_not_exist: the directory does not exist; nothing was loaded" in results[0]["missing_dir"][1]
     assert "nothing was loaded" in results[0]["missing_dir_torch"][1]
     assert first["model_file"] in first["truncated_torch"] and "truncated or damaged" in first["truncated_torch"]
+    assert (f"there is no earlier checkpoint under {tmp_path / 'legacy'}: train from scratch or --load another "
+            "checkpoint") in first["truncated_torch"]
     assert "is a torch_dist checkpoint; load it with --ckpt-format torch_dist" in first["wrong_format"]

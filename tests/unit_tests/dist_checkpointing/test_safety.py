@@ -176,3 +176,64 @@ def test_kill_between_the_renames_of_a_republished_iteration_loads_the_previous_
     assert (f"  note: {tmp_path}/iter_0000002 was missing (a save of the same iteration was interrupted while "
             f"replacing it); loaded the previous copy {tmp_path}/iter_0000002.replaced") in "\n".join(report)
     assert after == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+
+
+def _writes_failing_on_rank_1(root):
+    """Saves of iteration 2 whose data file rank 1 cannot write (a full disk), then a --save naming a file:
+    (the error each synchronous save raises, what the failed background save printed, the root's entries)."""
+    import contextlib
+    import io
+
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+    from megatron.training import checkpointing, dist_checkpoint
+
+    state = TrainingState(f"--ckpt-format torch_dist --save {root}")
+    checkpointing.save_checkpoint(1, state.model, state.optimizer, state.scheduler, state.args)
+    real_write_item = dcp_filesystem._write_item
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    errors, printed = [], io.StringIO()
+    if torch.distributed.get_rank() == 1:
+        dcp_filesystem._write_item = disk_full
+    try:
+        with pytest.raises(checkpointing.CheckpointSaveError) as error:
+            checkpointing.save_checkpoint(2, state.model, state.optimizer, state.scheduler, state.args)
+        errors.append(str(error.value))
+        state.args.async_save = True
+        with contextlib.redirect_stdout(printed):
+            checkpointing.save_checkpoint(2, state.model, state.optimizer, state.scheduler, state.args)
+            checkpointing.maybe_finalize_async_save(state.args, blocking=True)
+    finally:
+        dcp_filesystem._write_item = real_write_item
+        dist_checkpoint.close_async_queue()
+        state.args.async_save = False
+    entries = sorted(os.listdir(root))
+    state.args.save = os.path.join(root, "latest_checkpointed_iteration.txt", "nested")
+    with pytest.raises(checkpointing.CheckpointSaveError) as error:
+        checkpointing.save_checkpoint(2, state.model, state.optimizer, state.scheduler, state.args)
+    errors.append(str(error.value))
+    state.close()
+    return errors, printed.getvalue(), entries
+
+
+def test_a_failed_write_raises_on_every_rank_naming_the_directory_and_what_to_do(tmp_path):
+    results = run_on_ranks(2, _writes_failing_on_rank_1, str(tmp_path))
+    temporary = tmp_path / "iter_0000002.tmp"
+    advice = (f"make --save {tmp_path} writable with free space (or point --save elsewhere) and restart: the latest "
+              f"checkpoint under {tmp_path} is still iteration 1")
+    sync_error = (f"could not write checkpoint {temporary}: rank 1: OSError: [Errno 28] No space left on device; "
+                  f"{advice}")
+    tracker = tmp_path / "latest_checkpointed_iteration.txt"
+    bad_save = f"{tracker}/nested"
+    bad_save_error = (f"could not write the checkpoint of iteration 2 to {bad_save}/iter_0000002.tmp (rank 0: "
+                      f"NotADirectoryError: [Errno 20] Not a directory: '{bad_save}'); make --save {bad_save} "
+                      f"writable with free space (or point --save elsewhere) and restart: {bad_save} holds no "
+                      "complete checkpoint yet")
+    for errors, _, entries in results:
+        assert errors == [sync_error, bad_save_error]
+        assert entries == ["iter_0000001", "latest_checkpointed_iteration.txt"]  # the unfinished saves are gone
+    assert (f"checkpoint of iteration 2 was NOT saved: a background write failed (see above); {advice}"
+            in results[0][1])
