@@ -114,27 +114,45 @@ def _torch_optimizer_state_dict_helpers():
 
     module = models.make_model(0)
     model, optimizer = _wrap(module, models.make_optimizer([p for p in module.parameters() if p.requires_grad]), 3)
+    own = optimizer.state_dict()
+    calls = {
+        "get_optimizer_state_dict": lambda: torch_state_dict.get_optimizer_state_dict(model, optimizer),
+        "get_state_dict": lambda: torch_state_dict.get_state_dict(model, optimizer),
+        "set_optimizer_state_dict": lambda: torch_state_dict.set_optimizer_state_dict(model, optimizer, own),
+        "set_state_dict": lambda: torch_state_dict.set_state_dict(
+            model, optimizer, model_state_dict=model.state_dict(), optim_state_dict=own),
+    }
     errors = {}
-    for name in ("get_optimizer_state_dict", "get_state_dict"):
+    for name, call in calls.items():
         try:
-            getattr(torch_state_dict, name)(model, optimizer)
+            call()
             errors[name] = None
         except Exception as error:  # noqa: BLE001 -- the type is part of what the test checks
             errors[name] = (type(error).__name__, str(error))
     errors["own_state_dict_keys"] = sorted(optimizer.state_dict()["state"])[:1]
+    optimizer.load_state_dict(own)  # the index-keyed form goes through torch's own load, which replaces .state
+    optimizer._megatron_fsdp_original_load_state_dict(optimizer._megatron_fsdp_original_state_dict())
+    try:
+        torch_state_dict.set_optimizer_state_dict(model, optimizer, own)
+        errors["set_after_reload"] = None
+    except RuntimeError as error:
+        errors["set_after_reload"] = str(error)
     return errors
 
 
 @pytest.mark.parametrize("world_size", [2])
 def test_torch_optimizer_state_dict_helpers_refuse_and_name_the_replacement(world_size):
-    """get_optimizer_state_dict / get_state_dict(model, optimizer) cannot map the sharded optimizer's state to
-    parameter names; they raise an error naming optimizer.state_dict() (which already is that form) instead of
-    torch's KeyError on the first parameter name. The optimizer's own state dict still works afterwards."""
+    """get_optimizer_state_dict / get_state_dict / set_optimizer_state_dict / set_state_dict(model, optimizer)
+    cannot map the sharded optimizer's state to parameter names; they raise an error naming optimizer.state_dict()
+    (which already is that form) instead of torch's KeyError on the first parameter name (the set helpers: on a
+    main-weight tensor, printed whole), also after torch's own load_state_dict replaced `optimizer.state`. The
+    optimizer's own state dict still works afterwards."""
     for errors in run_on_ranks(world_size, _torch_optimizer_state_dict_helpers):
-        for name in ("get_optimizer_state_dict", "get_state_dict"):
+        for name in ("get_optimizer_state_dict", "get_state_dict", "set_optimizer_state_dict", "set_state_dict"):
             kind, message = errors[name]
             assert kind == "RuntimeError", (name, kind, message)
             assert "optimizer.state_dict()" in message and "optimizer.load_state_dict()" in message
+        assert "optimizer.load_state_dict()" in errors["set_after_reload"]
         assert errors["own_state_dict_keys"] == ["blocks.0.fc1.bias"]
 
 
@@ -192,3 +210,65 @@ def test_two_optimizers_over_one_model_step_and_clear_in_turn_like_torch(world_s
             error = rank_result["partial_error"]
             assert error is not None and "zero_grad() of AdamW(" in error and "but not of SGD(out.weight" in error
             assert "model.zero_grad()" in error, strategy
+
+
+def _checkpoint_wrapped(seed):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    module = models.make_model(seed)
+    apply_activation_checkpointing(module, check_fn=lambda submodule: isinstance(submodule, models.Block))
+    return module
+
+
+def _checkpoint_wrapper_state_dicts(strategy):
+    module = _checkpoint_wrapped(0)
+    model, optimizer = _wrap(module, models.make_optimizer([p for p in module.parameters() if p.requires_grad]),
+                             strategy)
+    inputs, target = (models.local_slice(t, *_rank_and_world()) for t in models.make_batches(1)[0])
+    models.loss_fn(model(inputs), target).backward()
+    optimizer.step()
+    saved = optimizer.state_dict()
+    exp_avg = {name: state["exp_avg"].full_tensor() for name, state in saved["state"].items()}
+    for state in optimizer.state.values():
+        state["exp_avg"].zero_()
+    optimizer.load_state_dict(saved)
+    reloaded = {name: state["exp_avg"].full_tensor() for name, state in optimizer.state_dict()["state"].items()}
+    other = _checkpoint_wrapped(7)
+    incompatible = model.load_state_dict(other.state_dict(), strict=True)
+    return {
+        "model_keys": list(model.state_dict()),
+        "optimizer_keys": sorted(saved["state"]),
+        "group_names": saved["param_groups"][0]["params"],
+        "exp_avg_round_trip": all(torch.equal(exp_avg[name], reloaded[name]) for name in exp_avg),
+        "exp_avg_nonzero": all(value.abs().sum() > 0 for name, value in exp_avg.items() if "blocks.1" in name),
+        "incompatible": (list(incompatible.missing_keys), list(incompatible.unexpected_keys)),
+        "after_load": {name: value.full_tensor().clone() for name, value in model.state_dict().items()
+                       if hasattr(value, "full_tensor")},
+    }
+
+
+def _rank_and_world():
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_checkpoint_wrapper_keys_match_the_unwrapped_module(world_size):
+    """Blocks wrapped by torch's checkpoint_wrapper: a plain module's state dict leaves out the wrapper's
+    `_checkpoint_wrapped_module.` (and so do FSDP2 and torch.distributed.checkpoint), so the wrapped model's model
+    and optimizer state dicts do too, and a plain module's state dict loads strictly."""
+    plain = _checkpoint_wrapped(7).state_dict()
+    assert not any("_checkpoint_wrapped_module" in key for key in plain)
+    trainable = [name for name, p in _checkpoint_wrapped(0).named_parameters() if p.requires_grad]
+    expected_optimizer_keys = sorted(name.replace("_checkpoint_wrapped_module.", "") for name in trainable)
+    for strategy in (1, 3):
+        for rank_result in run_on_ranks(world_size, _checkpoint_wrapper_state_dicts, strategy):
+            assert rank_result["model_keys"] == list(plain), strategy
+            assert rank_result["optimizer_keys"] == expected_optimizer_keys, strategy
+            assert rank_result["group_names"][:2] == ["inp.weight", "inp.bias"], strategy
+            assert "blocks.1.fc1.weight" in rank_result["group_names"], strategy
+            assert rank_result["exp_avg_nonzero"] and rank_result["exp_avg_round_trip"], strategy
+            assert rank_result["incompatible"] == ([], []), strategy
+            for name, value in rank_result["after_load"].items():
+                assert torch.equal(value, plain[name]), (strategy, name)

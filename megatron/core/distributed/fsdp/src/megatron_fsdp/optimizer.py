@@ -1,5 +1,6 @@
 """Re-point a torch optimizer at Megatron-FSDP's sharded main weights, and global grad-norm clipping."""
 
+import collections
 import math
 import sys
 import types
@@ -105,11 +106,32 @@ def _check_whole_vector_optimizer(optimizer, model):
 # the module parameters it steps, which a Megatron-FSDP optimizer does not hold (it steps main-weight shards).
 _TORCH_STATE_DICT_HELPERS = "torch.distributed.checkpoint.state_dict"
 _TORCH_STATE_DICT_HELPERS_MESSAGE = (
-    "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict / get_state_dict / set_optimizer_state_dict "
-    "cannot map a Megatron-FSDP optimizer's state to parameter names (it steps the sharded main weights, not the "
-    "module's parameters): use optimizer.state_dict(), which is already keyed by parameter name and holds "
-    "DTensors for torch.distributed.checkpoint, and optimizer.load_state_dict() after dcp.load (the model's "
-    "state: model.state_dict() or get_model_state_dict(model))")
+    "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict / set_optimizer_state_dict / get_state_dict / "
+    "set_state_dict cannot map a Megatron-FSDP optimizer's state to parameter names (it steps the sharded main "
+    "weights, not the module's parameters): use optimizer.state_dict(), which is already keyed by parameter name "
+    "and holds DTensors for torch.distributed.checkpoint, and optimizer.load_state_dict() after dcp.load (for the "
+    "model's state get_model_state_dict(model) / set_model_state_dict(model, ...) work, as do model.state_dict() "
+    "/ model.load_state_dict())")
+
+
+def _called_from_torch_state_dict_helpers(depth: int = 2) -> bool:
+    return sys._getframe(depth).f_globals.get("__name__") == _TORCH_STATE_DICT_HELPERS
+
+
+class _ShardedOptimizerState(collections.defaultdict):
+    """`optimizer.state` of a Megatron-FSDP optimizer. torch's state-dict helpers first test whether it is empty
+    (get and set alike); that test raises the error naming the replacement, where they would otherwise fail on
+    the first main-weight shard they cannot name (a KeyError printing the tensor)."""
+
+    def __bool__(self):
+        if _called_from_torch_state_dict_helpers():
+            raise RuntimeError(_TORCH_STATE_DICT_HELPERS_MESSAGE)
+        return len(self) > 0
+
+
+def _guard_optimizer_state(optimizer):
+    if not isinstance(optimizer.state, _ShardedOptimizerState):
+        optimizer.state = _ShardedOptimizerState(dict, optimizer.state)
 
 
 def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_for_dcp_ckpt: Optional[bool] = None,
@@ -142,6 +164,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
     if isinstance(optimizer, torch.optim.LBFGS):
         optimizer._params = optimizer.param_groups[0]["params"]  # LBFGS steps its own copy of the list
     optimizer.state.clear()
+    _guard_optimizer_state(optimizer)
     optimizer._megatron_fsdp_model = model
     optimizer._megatron_fsdp_param_names = names
     optimizer._megatron_fsdp_preproc_for_dcp = (model.ddp_config.preproc_state_dict_for_dcp_ckpt
@@ -163,7 +186,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
         model.zero_grad_buffer_for(self)
 
     def state_dict(self):
-        if sys._getframe(1).f_globals.get("__name__") == _TORCH_STATE_DICT_HELPERS:
+        if _called_from_torch_state_dict_helpers():
             raise RuntimeError(_TORCH_STATE_DICT_HELPERS_MESSAGE)
         if not self._megatron_fsdp_preproc_for_dcp:
             return self._megatron_fsdp_original_state_dict()
@@ -186,7 +209,11 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
     optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
     optimizer.state_dict = types.MethodType(state_dict, optimizer)
     optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
-    optimizer._megatron_fsdp_original_load_state_dict = torch.optim.Optimizer.load_state_dict.__get__(optimizer)
+    def original_load_state_dict(state_dict):
+        torch.optim.Optimizer.load_state_dict(optimizer, state_dict)
+        _guard_optimizer_state(optimizer)  # torch's load replaces `optimizer.state`
+
+    optimizer._megatron_fsdp_original_load_state_dict = original_load_state_dict
     optimizer._megatron_fsdp_original_state_dict = torch.optim.Optimizer.state_dict.__get__(optimizer)
     return optimizer
 

@@ -31,6 +31,16 @@ from .uneven_dtensor import (
     tensor_parallel_partition_of,
 )
 
+# The child name torch's `checkpoint_wrapper` gives the module it wraps; torch leaves it out of state-dict keys
+# (the wrapper's state-dict hooks strip it, and torch.distributed.checkpoint's FQNs drop it), so ours do too.
+CHECKPOINT_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
+
+
+def state_dict_name(name: str) -> str:
+    """The state-dict key of a parameter or buffer named `name` by `named_parameters()` / `named_buffers()`."""
+    return name.replace(CHECKPOINT_WRAPPER_PREFIX, "")
+
+
 # Optimizer-state key of the main weights, saved when they are kept in another dtype than the compute weights
 # (the model state dict holds the compute dtype, so the main weights would otherwise come back rounded).
 MAIN_PARAM_KEY = "main_param"
@@ -189,10 +199,10 @@ def module_state_keys(module) -> List[tuple]:
         prefix = f"{prefix}." if prefix else ""
         for name, param in submodule._parameters.items():
             if param is not None:
-                keys.append((prefix + name, "param", canonical[id(param)]))
+                keys.append((state_dict_name(prefix + name), "param", canonical[id(param)]))
         for name, buffer in submodule._buffers.items():
             if buffer is not None and name not in submodule._non_persistent_buffers_set:
-                keys.append((prefix + name, "buffer", canonical[id(buffer)]))
+                keys.append((state_dict_name(prefix + name), "buffer", canonical[id(buffer)]))
     return keys
 
 
@@ -251,19 +261,21 @@ def _main_level(model, group: ParamGroup, shard: torch.Tensor) -> torch.Tensor:
 def load_model_state_dict(model, state_dict, strict: bool = True):
     _check_checkpointable(model)
     model.schedule.wait_gathered(model.groups)
-    # A tied parameter may come under any of its names (a plain module's state dict holds them all).
+    # A tied parameter may come under any of its names (a plain module's state dict holds them all), and any
+    # entry under its `named_parameters()` name too (a checkpoint-wrapped module's, with the wrapper's prefix).
     aliases = {}
     for key, _, canonical in module_state_keys(model.module):
-        aliases.setdefault(canonical, []).append(key)
-    state_dict = dict(state_dict)
-    for canonical, keys in aliases.items():
-        present = [key for key in keys if key in state_dict]
-        if present and canonical not in state_dict:
-            state_dict[canonical] = state_dict[present[0]]
-    missing = sorted(key for keys in aliases.values() for key in keys if not any(k in state_dict for k in keys))
+        aliases.setdefault(canonical, [canonical]).append(key)
+    missing = sorted(key for keys in aliases.values() for key in keys[1:] if not any(k in state_dict for k in keys))
     unexpected = sorted(set(state_dict) - {key for keys in aliases.values() for key in keys})
     if strict and (missing or unexpected):
         raise RuntimeError(f"MegatronFSDP.load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+    values = {}
+    for canonical, keys in aliases.items():
+        present = [key for key in keys if key in state_dict]
+        if present:
+            values[canonical] = state_dict[present[0]]
+    state_dict = values
     buffers = dict(model.module.named_buffers())
     with torch.no_grad():
         for group in model.groups:
@@ -344,20 +356,20 @@ def optimizer_state_dict(optimizer) -> dict:
             for index, tensor in enumerate(_row_dtensors(model, group, _rows_of_pieces(model, group, pieces),
                                                          copy=True)):
                 if views[index] in optimizer.state:
-                    state.setdefault(group.names[index], {})[key] = tensor
+                    state.setdefault(state_dict_name(group.names[index]), {})[key] = tensor
         if group.main_dtype != group.param_dtype:
             rows = _rows_of_pieces(model, group, [view.to(group.device) for view in views])
             for index, tensor in enumerate(_row_dtensors(model, group, rows, copy=True)):
-                state.setdefault(group.names[index], {})[MAIN_PARAM_KEY] = tensor
+                state.setdefault(state_dict_name(group.names[index]), {})[MAIN_PARAM_KEY] = tensor
         for index, view in enumerate(views):
             for key, value in optimizer.state.get(view, {}).items():
                 if not _is_sharded_state(value, view):
-                    state.setdefault(group.names[index], {})[key] = value.clone() if isinstance(
+                    state.setdefault(state_dict_name(group.names[index]), {})[key] = value.clone() if isinstance(
                         value, torch.Tensor) else value
     param_groups = []
     for param_group in optimizer.param_groups:
         entry = {k: v for k, v in param_group.items() if k != "params"}
-        entry["params"] = [names[id(p)] for p in param_group["params"]]
+        entry["params"] = [state_dict_name(names[id(p)]) for p in param_group["params"]]
         param_groups.append(entry)
     return {"state": state, "param_groups": param_groups}
 
@@ -381,7 +393,11 @@ def load_optimizer_state_dict(optimizer, state_dict):
     kept = getattr(optimizer, "settings_from_flags", ())  # keys the optimizer takes from this run, not a checkpoint
     for saved, current in zip(groups_in, optimizer.param_groups):
         current.update({k: v for k, v in saved.items() if k != "params" and k not in kept})
-    saved_state = state_dict["state"]
+    saved_state = dict(state_dict["state"])
+    for group in model.groups:  # keyed by state-dict name (or, as saved before, by `named_parameters()` name)
+        for name in group.names:
+            if name not in saved_state and state_dict_name(name) in saved_state:
+                saved_state[name] = saved_state[state_dict_name(name)]
     main_weights_loaded = False
     with torch.no_grad():
         for group in model.groups:
