@@ -51,7 +51,12 @@ class _ParamShard:
         self.buffer_start = buffer_start
         self.is_buffer_view = steps_buffer_in_place(model_param, buffer, main_dtype)
         if self.is_buffer_view:
-            self.main_param = torch.nn.Parameter(self.param_buffer_view())
+            # A parameter whose `.data` is the view has a version counter of its own (a view made directly would
+            # share the whole buffer's): it counts the writes made through it (steps, loads, reloads) and not the
+            # parameter all-gather's, which rewrites this shard with its own values (on gloo from a background
+            # thread). CPU offload compares it with its host copy's version to know when that copy is stale.
+            self.main_param = torch.nn.Parameter(torch.empty(0, dtype=main_dtype, device=model_param.device))
+            self.main_param.data = self.param_buffer_view()
         else:
             flat = model_param.detach().reshape(-1)[param_start:param_end]
             self.main_param = torch.nn.Parameter(flat.clone().to(main_dtype))

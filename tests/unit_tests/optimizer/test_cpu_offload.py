@@ -213,6 +213,7 @@ def _distributed_optimizer_offload_against_device(dtype):
                                  bf16=half, **SETTINGS[setting])
         runs.append((model, ddp, get_megatron_optimizer(config, [ddp])))
     replacement = build_toy_model(seed=5, dtype=dtype).state_dict()
+    downloads_per_step = []  # device -> host copies of the offloaded run's steps after the first
     for step in range(3):
         if step == 2:
             for model, _, optimizer in runs:
@@ -224,7 +225,13 @@ def _distributed_optimizer_offload_against_device(dtype):
             optimizer.zero_grad()
             mse_loss(ddp, inputs, targets).backward()
             finalize_model_grads([ddp])
+            if step == 1 and model is runs[1][0]:  # the copy stream exists once the first step built the split
+                download = optimizer.optimizer._download
+                download.copy = (lambda copy: lambda *args: copies.append(args) or copy(*args))(download.copy)
+            copies = []
             assert optimizer.step()[0]
+            if step > 0 and model is runs[1][0]:
+                downloads_per_step.append(len(copies))
     (reference, _, _), (offloaded, ddp, optimizer) = runs
     buffer_storages = {buffer.param_data.untyped_storage().data_ptr() for buffer in ddp.buffers}
     entries = optimizer.optimizer.offloaded
@@ -234,6 +241,8 @@ def _distributed_optimizer_offload_against_device(dtype):
         "device_param_in_buffer": [entry.device_param.untyped_storage().data_ptr() in buffer_storages
                                    for entry in entries],
         "equal": all(torch.equal(a, b) for a, b in zip(offloaded.parameters(), reference.parameters(), strict=True)),
+        "downloads_per_step": downloads_per_step,
+        "num_offloaded": len(entries),
     }
 
 
@@ -244,6 +253,10 @@ def test_distributed_optimizer_offloads_buffer_views_by_copy_and_main_copies_by_
     for result in run_on_ranks(world_size, _distributed_optimizer_offload_against_device, torch.float32):
         assert result["offloaded"] and result["equal"]
         assert not any(result["relocated"]) and all(result["device_param_in_buffer"])
+        # A step moves each gradient to the host; the host copy of the values is refreshed only after the
+        # weights were replaced (step 2), not after the parameter all-gather, which rewrites the shard unchanged.
+        count = result["num_offloaded"]
+        assert result["downloads_per_step"] == [count, 2 * count]
     for result in run_on_ranks(world_size, _distributed_optimizer_offload_against_device, torch.bfloat16):
         assert result["offloaded"] and result["equal"]
         assert all(result["relocated"]) and not any(result["device_param_in_buffer"])
