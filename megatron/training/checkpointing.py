@@ -48,6 +48,7 @@ from megatron.training.checkpoint_args import (
     true_vocab_size,
 )
 from megatron.training.checkpoint_retention import prune_to_retain_interval
+from megatron.training.param_sync import finish_param_syncs
 from megatron.training.random_state import rng_state, set_rng_state  # noqa: F401  (part of this module's API)
 
 MODEL_FILENAME = "model_optim_rng.pt"
@@ -160,6 +161,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args):
 
     check_checkpoint_format(args)
     model_chunks = model if isinstance(model, (list, tuple)) else [model]
+    finish_param_syncs(model_chunks)  # --overlap-param-gather: the step's gathers land before the weights are read
     if is_logical_format(args):
         from megatron.training.dist_checkpoint import save_dist_checkpoint
 
@@ -229,6 +231,7 @@ def save_non_persistent_checkpoint(iteration, model, optimizer, opt_param_schedu
     from megatron.training.dist_checkpoint import save_dist_checkpoint
 
     model_chunks = model if isinstance(model, (list, tuple)) else [model]
+    finish_param_syncs(model_chunks)  # --overlap-param-gather: the step's gathers land before the weights are read
     if local_checkpoint.enabled(args):
         return local_checkpoint.save_local_checkpoint(iteration, model_chunks, optimizer, opt_param_scheduler, args)
     non_persistent = copy.copy(args)

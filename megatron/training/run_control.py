@@ -132,10 +132,9 @@ def check_weight_hashes(model_chunks, iteration, args):
     they all match."""
     from megatron.core import parallel_state
 
-    for chunk in model_chunks:  # post-step gathers still in flight (overlapped param gather) land first
-        finish_param_sync = getattr(chunk, "finish_param_sync", None)
-        if finish_param_sync is not None:
-            finish_param_sync()
+    from megatron.training.param_sync import finish_param_syncs
+
+    finish_param_syncs(model_chunks)  # post-step gathers still in flight (overlapped param gather) land first
     from megatron.core.expert_parameters import is_expert_parameter
 
     # Mixture-of-Experts experts are replicated over the expert data-parallel group only (the ranks holding them).

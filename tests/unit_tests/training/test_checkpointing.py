@@ -655,3 +655,41 @@ def _load_one_directory_save_another(root):
 def test_checkpoint_loaded_from_another_directory_is_saved_into_save_at_the_end(tmp_path):
     (result,) = run_on_ranks(1, _load_one_directory_save_another, str(tmp_path))
     assert result == (4, True)
+
+
+class _LinearWithGatherInFlight(torch.nn.Linear):
+    """A chunk whose post-step parameter gather has not landed yet: its weight holds the values before the step
+    until `finish_param_sync`, as under --overlap-param-gather."""
+
+    def start_gather(self, updated_weight):
+        self.updated_weight = updated_weight
+
+    def finish_param_sync(self):
+        updated, self.updated_weight = getattr(self, "updated_weight", None), None
+        if updated is not None:
+            with torch.no_grad():
+                self.weight.copy_(updated)
+
+
+def _save_with_a_gather_in_flight(root, ckpt_format):
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(5)
+    torch.manual_seed(0)
+    model = _LinearWithGatherInFlight(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    updated = model.weight.detach() + 1.0
+    model.start_gather(updated)
+    weights_only = dict(ckpt_format=ckpt_format, no_save_optim=True, no_load_optim=True)
+    checkpointing.save_checkpoint(2, model, optimizer, _Scheduler(), _args(root, **weights_only))
+    fresh = _LinearWithGatherInFlight(4, 3)
+    checkpointing.load_checkpoint(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), _Scheduler(),
+                                  _args(root, **weights_only))
+    return torch.equal(fresh.weight, updated)
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_a_save_waits_for_the_parameter_gather_in_flight(tmp_path, ckpt_format):
+    assert run_on_ranks(1, _save_with_a_gather_in_flight, str(tmp_path), ckpt_format) == [True]
