@@ -33,7 +33,7 @@ def add_text_generation_server_args(parser):
                             "--max-position-embeddings).")
     group.add_argument("--inference-max-requests", type=int, default=8,
                        help="Key/value cache batch size: a request with more prompts runs in several batches.")
-    return parser
+    return launch.declare_generation_program(parser)
 
 
 def _print_rank0(message):

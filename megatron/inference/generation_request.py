@@ -4,11 +4,13 @@ checked before any rank does work. Pure Python: no model, tokenizer or process g
 Accepted fields (upstream's defaults): `prompts` (required, 1..128 strings), `tokens_to_generate` (64; 0 scores
 the prompts and needs `logprobs`), `logprobs` (false), `temperature` (1.0, in (0, 100]), `top_k` (0, in
 [0, 1000]), `top_p` (0.0, in [0, 1], not with `top_k`), `add_BOS` (false; needed for an empty prompt),
-`random_seed` (none: a fresh seed each request; at most 2**64 - 1, a torch.Generator's range), `no_log` (false),
-`stop_on_eol`, `stop_on_double_eol`, `prevent_newline_after_colon` (false).
+`top_p_decay` (0.0: top_p stays fixed; in [0, 1], needs `top_p`) and `top_p_bound` (0.0: no bound; in (0, top_p],
+needs `top_p`): after each step top_p becomes max(top_p * top_p_decay, top_p_bound). `random_seed` (none: a fresh
+seed each request; at most 2**64 - 1, a torch.Generator's range), `no_log` (false), `stop_on_eol`,
+`stop_on_double_eol`, `prevent_newline_after_colon` (false).
 
 Upstream fields refused here with a 400 (what they need is not implemented): `beam_width` (beam search) with
-its `stop_token` and `length_penalty`, and `top_p_decay` / `top_p_bound` (a nucleus that shrinks per step).
+its `stop_token` and `length_penalty`.
 Upstream's renamed fields `max_len` and `sentences` get upstream's messages. Any other field is refused too,
 so that a misspelt one is not silently ignored.
 """
@@ -33,11 +35,9 @@ UNSUPPORTED_FIELDS = {
     "stop_token": "stop_token: it is the end token of beam search, which this server does not implement; leave "
                   "it out (generation stops at the tokenizer's end-of-document token)",
     "length_penalty": "length_penalty: it scores beam search, which this server does not implement; leave it out",
-    "top_p_decay": "top_p_decay: a top_p that decays per step is not implemented; leave it out (top_p stays fixed)",
-    "top_p_bound": "top_p_bound: a top_p that decays per step is not implemented; leave it out (top_p stays fixed)",
 }
-FIELDS = ("prompts", "tokens_to_generate", "logprobs", "temperature", "top_k", "top_p", "add_BOS", "random_seed",
-          "no_log", "stop_on_eol", "stop_on_double_eol", "prevent_newline_after_colon")
+FIELDS = ("prompts", "tokens_to_generate", "logprobs", "temperature", "top_k", "top_p", "top_p_decay", "top_p_bound",
+          "add_BOS", "random_seed", "no_log", "stop_on_eol", "stop_on_double_eol", "prevent_newline_after_colon")
 
 
 class RequestError(ValueError):
@@ -52,6 +52,8 @@ class GenerationRequest:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 0.0
+    top_p_decay: float = 0.0
+    top_p_bound: float = 0.0
     add_BOS: bool = False
     random_seed: Optional[int] = None
     no_log: bool = False
@@ -73,6 +75,27 @@ def _boolean(body, name):
     if not isinstance(value, bool):
         raise RequestError(f"{name} must be a boolean value")
     return value
+
+
+def _top_p_schedule(body, top_p):
+    """(top_p_decay, top_p_bound) of the request, with upstream's checks and messages."""
+    top_p_decay = body.get("top_p_decay", 0.0)
+    if "top_p_decay" in body:
+        if not _is_number(top_p_decay) or top_p_decay < 0.0:
+            raise RequestError("top_p_decay must be a positive float less than or equal to 1.0")
+        if top_p == 0.0:
+            raise RequestError("top_p_decay cannot be set without top_p")
+        if top_p_decay > 1.0:
+            raise RequestError("top_p_decay must be less than or equal to 1.0")
+    top_p_bound = body.get("top_p_bound", 0.0)
+    if "top_p_bound" in body:
+        if not _is_number(top_p_bound):
+            raise RequestError("top_p_bound must be a positive float less than or equal to top_p")
+        if top_p == 0.0:
+            raise RequestError("top_p_bound cannot be set without top_p")
+        if not 0.0 < top_p_bound <= top_p:
+            raise RequestError("top_p_bound must be greater than 0 and less than top_p")
+    return float(top_p_decay), float(top_p_bound)
 
 
 def parse_generation_request(body) -> GenerationRequest:
@@ -115,6 +138,7 @@ def parse_generation_request(body) -> GenerationRequest:
         raise RequestError("top_p must be a number from 0.0 to 1.0")
     if top_p > 0.0 and top_k > 0:
         raise RequestError("cannot set both top-k and top-p samplings: set top_k or top_p, not both")
+    top_p_decay, top_p_bound = _top_p_schedule(body, top_p)
 
     add_bos = _boolean(body, "add_BOS")
     if not add_bos and any(len(prompt) == 0 for prompt in prompts):
@@ -124,7 +148,8 @@ def parse_generation_request(body) -> GenerationRequest:
         raise RequestError(f"random_seed must be a non-negative integer at most {MAX_RANDOM_SEED} (2**64 - 1)")
     return GenerationRequest(
         prompts=list(prompts), tokens_to_generate=tokens_to_generate, logprobs=logprobs,
-        temperature=float(temperature), top_k=top_k, top_p=float(top_p), add_BOS=add_bos, random_seed=random_seed,
+        temperature=float(temperature), top_k=top_k, top_p=float(top_p), top_p_decay=top_p_decay,
+        top_p_bound=top_p_bound, add_BOS=add_bos, random_seed=random_seed,
         no_log=_boolean(body, "no_log"), stop_on_eol=_boolean(body, "stop_on_eol"),
         stop_on_double_eol=_boolean(body, "stop_on_double_eol"),
         prevent_newline_after_colon=_boolean(body, "prevent_newline_after_colon"),

@@ -19,6 +19,15 @@ def with_placeholder_data_flag(argv):
     return [*argv, "--mock-data"]
 
 
+def declare_generation_program(parser):
+    """Mark what `parser` parses as a generation program's flags (`args.generation_program`): the flags'
+    validation then skips the rules that hold for training only (MoE layers at --tensor-model-parallel-size > 1
+    without --sequence-parallel, which generation runs with every tensor-parallel rank routing all the tokens).
+    Each generation program's flag function calls it."""
+    parser.set_defaults(generation_program=True)
+    return parser
+
+
 def training_placeholders(argv, add_arguments=None):
     """Values for pretrain_gpt.py's required training flags that `argv` leaves unset. The run length fits the
     schedule flags `argv` gives: none when it sets --train-samples, and longer than any --lr-warmup-iters.
@@ -65,14 +74,6 @@ def check_generation_args(args, print_rank0=print):
         # The model is built unwrapped; the meta device is for Megatron-FSDP to materialise shard by shard.
         print_rank0("--init-model-with-meta-device is turned off for generation (the model is built whole)")
         args.init_model_with_meta_device = False
-    if args.num_experts is not None and args.tensor_model_parallel_size > 1:
-        # The MoE layers' config asks for --sequence-parallel at TP > 1, which decoding cannot keep: name what works.
-        raise ValueError(
-            f"generation of a model with MoE layers (--num-experts {args.num_experts}) needs "
-            f"--tensor-model-parallel-size 1 (got {args.tensor_model_parallel_size}): MoE with tensor parallelism "
-            "needs --sequence-parallel, which a decoding step cannot use. Split the model with "
-            "--expert-model-parallel-size or --pipeline-model-parallel-size instead (the torch_dist checkpoint "
-            "reshards on load)")
     if args.sequence_parallel:
         # Sequence parallelism changes no weight; a one-position decoding step cannot be split over TP ranks.
         print_rank0("--sequence-parallel is turned off for generation (the weights are the same)")

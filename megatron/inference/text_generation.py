@@ -96,6 +96,7 @@ def prepare_job(request: GenerationRequest, tokenizer, limits: GenerationLimits)
     sampling_params = None
     if request.tokens_to_generate > 0:
         sampling_params = SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
+                                         top_p_decay=request.top_p_decay, top_p_bound=request.top_p_bound,
                                          return_log_probs=request.logprobs,
                                          num_tokens_to_generate=request.tokens_to_generate)
     seed = request.random_seed if request.random_seed is not None else random.SystemRandom().randrange(2 ** 31)

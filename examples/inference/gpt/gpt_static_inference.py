@@ -61,7 +61,7 @@ def add_static_inference_args(parser):
                        help="Deprecated name of --inference-max-requests.")
     group.add_argument("--stream", action="store_true",
                        help="Print each prompt's new text as its tokens are generated (rank 0), before the results.")
-    return parser
+    return launch.declare_generation_program(parser)
 
 
 def sampling_params_from_args(args) -> SamplingParams:

@@ -4,6 +4,9 @@ Pure tensor functions on `[batch, vocab]` logits: no process group. Sampling dra
 `torch.Generator`, so a generation is reproducible for a given seed.
 """
 
+import dataclasses
+import sys
+
 import torch
 
 from megatron.core.inference.sampling_params import SamplingParams
@@ -50,3 +53,14 @@ def sample_next_tokens(logits: torch.Tensor, params: SamplingParams, generator: 
         return torch.argmax(logits, dim=-1)
     probs = torch.softmax(filtered_logits(logits, params), dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+def params_for_next_step(params: SamplingParams) -> SamplingParams:
+    """The params the next token is chosen with, as upstream's generation loop updates them after each step: with
+    `top_p > 0` and `top_p_decay > 0`, `top_p <- max(top_p * top_p_decay, top_p_bound)`; otherwise unchanged."""
+    if params.top_p == 0.0 or params.top_p_decay == 0.0:
+        return params
+    top_p = max(params.top_p * params.top_p_decay, params.top_p_bound)
+    # Without a bound the product underflows to 0 after some 1000 halvings, and a top_p of 0 would turn nucleus
+    # sampling off; the smallest positive top_p keeps what a vanishing one keeps: the most likely token.
+    return dataclasses.replace(params, top_p=top_p if top_p > 0.0 else sys.float_info.min)

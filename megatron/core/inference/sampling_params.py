@@ -4,6 +4,9 @@
 by `temperature` and, with `top_k > 1`, all but the k most likely tokens are dropped, or with `top_p > 0` all
 but the smallest set of most likely tokens whose probability reaches `top_p` (nucleus sampling); `top_k == 0`
 and `top_p == 0` sample from the whole distribution. Top-k and top-p cannot be combined (as upstream).
+
+`top_p_decay` / `top_p_bound` (upstream's text-generation server fields; 0 turns each off) shrink the nucleus per
+step: after each token is chosen, `top_p <- max(top_p * top_p_decay, top_p_bound)` (`sampling.params_for_next_step`).
 """
 
 from dataclasses import dataclass
@@ -16,6 +19,8 @@ class SamplingParams:
     top_p: float = 0.0
     return_log_probs: bool = False
     num_tokens_to_generate: int = 30
+    top_p_decay: float = 0.0
+    top_p_bound: float = 0.0
 
     def __post_init__(self):
         if not self.temperature > 0:
@@ -26,6 +31,13 @@ class SamplingParams:
             raise ValueError(f"--top_p must be in [0, 1], got {self.top_p}")
         if self.top_k > 0 and self.top_p > 0.0:
             raise ValueError(f"--top_k {self.top_k} and --top_p {self.top_p}: set only one of them (the other to 0)")
+        for name in ("top_p_decay", "top_p_bound"):
+            if getattr(self, name) != 0.0 and self.top_p == 0.0:
+                raise ValueError(f"{name} cannot be set without top_p: set top_p > 0 or leave {name} at 0")
+        if not 0.0 <= self.top_p_decay <= 1.0:
+            raise ValueError(f"top_p_decay must be in [0, 1] (0: top_p stays fixed), got {self.top_p_decay}")
+        if not 0.0 <= self.top_p_bound <= self.top_p:
+            raise ValueError(f"top_p_bound must be in [0, top_p {self.top_p}] (0: no bound), got {self.top_p_bound}")
         if not isinstance(self.num_tokens_to_generate, int) or self.num_tokens_to_generate < 1:
             raise ValueError(f"--num-tokens-to-generate must be an integer >= 1, got {self.num_tokens_to_generate!r}")
 

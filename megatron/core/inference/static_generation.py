@@ -12,7 +12,8 @@ broadcasts the tokens, so every rank of the group continues with the same sequen
 each step runs through the stages (`pipeline_decoding`, every stage caching its own layers) and only the last
 stage has logits: its TP rank 0 samples, and the tokens are broadcast to every pipeline rank; the
 log-probabilities are broadcast from the last stage once the batch is done. Sampling draws from a generator
-seeded with `seed`: the same seed gives the same text.
+seeded with `seed`: the same seed gives the same text. Under `top_p_decay` the nucleus shrinks after every step
+(every position, as upstream's loop; `sampling.params_for_next_step`), starting from `top_p` in each batch.
 
 Log-probabilities (`return_log_probs`) are those of the model's distribution over the real vocabulary (the
 logits before temperature and filtering, without the padding rows of the vocabulary), for every prompt token
@@ -36,7 +37,7 @@ from megatron.core.inference.communication import (
 )
 from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.inference.pipeline_decoding import decode_forward
-from megatron.core.inference.sampling import sample_next_tokens
+from megatron.core.inference.sampling import params_for_next_step, sample_next_tokens
 from megatron.core.inference.sampling_params import SamplingParams
 
 # on_tokens(rows, tokens): the rows that generated a token in a step, and those tokens (--stream).
@@ -144,6 +145,7 @@ def generate_static_batch(model, prompts: Sequence[Sequence[int]], sampling_para
     stopped_at_eod = torch.zeros(batch, dtype=torch.bool, device=device)
     context = StaticInferenceContext(max_batch_size, max_sequence_length)
     generator = torch.Generator(device=device).manual_seed(seed)
+    step_params = sampling_params  # its top_p shrinks each step under top_p_decay
     was_training = model.training
     model.eval()
     try:
@@ -157,8 +159,9 @@ def generate_static_batch(model, prompts: Sequence[Sequence[int]], sampling_para
             sampled = torch.empty(batch, dtype=torch.long, device=device)
             if is_sampling_source():
                 last_logits = logits[:, -1, :vocab_size] if vocab_size is not None else logits[:, -1]
-                sampled = sample_next_tokens(last_logits, sampling_params, generator)
+                sampled = sample_next_tokens(last_logits, step_params, generator)
             broadcast_from_sampling_source(sampled)
+            step_params = params_for_next_step(step_params)
 
             in_prompt = lengths > end
             generating = ~in_prompt & ~stopped

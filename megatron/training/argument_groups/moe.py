@@ -192,6 +192,12 @@ def validate(args):
                          f"--tensor-model-parallel-size x data-parallel size x --context-parallel-size ({tp} x "
                          f"{args.data_parallel_size} x {args.context_parallel_size}): the expert ranks of a pipeline "
                          "stage are its tensor-, data- and context-parallel ranks")
+    if args.num_experts is not None and tp > 1 and not args.sequence_parallel \
+            and not getattr(args, "generation_program", False):
+        # Training only, as upstream; a generation program (megatron.inference.launch) runs MoE at TP > 1 without.
+        raise ValueError(f"MoE layers (--num-experts {args.num_experts}) with --tensor-model-parallel-size {tp} "
+                         "need --sequence-parallel for training (each tensor-parallel rank routes its own share of "
+                         "the tokens): add --sequence-parallel")
     if not _uses_moe_flags(args):
         return
     from megatron.core.transformer.transformer_config import TransformerConfig

@@ -171,11 +171,18 @@ def test_prompt_plus_generated_tokens_must_fit_max_position_embeddings(position_
         tokenize_prompts(args, tokenizer)
 
 
-def test_moe_at_tensor_parallel_size_2_is_refused_naming_the_sizes_that_generate(monkeypatch):
+def test_moe_at_tensor_parallel_size_2_launches_for_generation_with_or_without_sequence_parallel(monkeypatch):
+    # Training asks for --sequence-parallel with MoE at TP2; a generation program's flags do not, and generation
+    # turns it off when given (tests/unit_tests/inference/test_generation_tensor_parallel.py: TP1's tokens).
     monkeypatch.setenv("WORLD_SIZE", "2")
-    # The MoE config asks for --sequence-parallel at TP2; generation turns it off, so it must not ask again.
-    args = _validated(["--prompts", "a", "--num-experts", "4", "--tensor-model-parallel-size", "2",
-                       "--sequence-parallel"])
-    with pytest.raises(ValueError, match=r"--tensor-model-parallel-size 1 \(got 2\).*--expert-model-parallel-size"):
+    moe_tp2 = ["--prompts", "a", "--num-experts", "4", "--tensor-model-parallel-size", "2"]
+    for extra in ([], ["--sequence-parallel"]):
+        args = _validated(moe_tp2 + extra)
         check_args(args)
+        assert (args.num_experts, args.tensor_model_parallel_size, args.sequence_parallel) == (4, 2, False)
     check_args(_validated(["--prompts", "a", "--num-experts", "4", "--expert-model-parallel-size", "2"]))
+    # The server's flags are a generation program's too; pretrain_gpt.py's alone are not.
+    from tools.run_text_generation_server import add_text_generation_server_args
+
+    assert build_parser(add_text_generation_server_args).parse_args([]).generation_program
+    assert not hasattr(build_parser().parse_args([]), "generation_program")

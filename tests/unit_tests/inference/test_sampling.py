@@ -1,12 +1,18 @@
 """Choosing the next token: temperature, top-k and top-p filtering against hand-computed distributions, greedy
-ties, reproducible draws, and the sampling flags' validation."""
+ties, reproducible draws, the top_p decay schedule, and the sampling flags' validation."""
 
 import math
 
 import pytest
 import torch
 
-from megatron.core.inference.sampling import filtered_logits, sample_next_tokens, top_k_filter, top_p_filter
+from megatron.core.inference.sampling import (
+    filtered_logits,
+    params_for_next_step,
+    sample_next_tokens,
+    top_k_filter,
+    top_p_filter,
+)
 from megatron.core.inference.sampling_params import SamplingParams
 
 INF = float("inf")
@@ -75,7 +81,36 @@ def test_draws_stay_in_the_filtered_set_and_repeat_for_a_seed():
     (dict(top_p=1.5), "--top_p"),
     (dict(top_k=4, top_p=0.5), "--top_k 4 and --top_p 0.5"),
     (dict(num_tokens_to_generate=0), "--num-tokens-to-generate"),
+    (dict(top_p_decay=0.5), "top_p_decay cannot be set without top_p"),
+    (dict(top_p_bound=0.1), "top_p_bound cannot be set without top_p"),
+    (dict(top_p=0.5, top_p_decay=1.5), "top_p_decay must be in"),
+    (dict(top_p=0.5, top_p_bound=0.6), "top_p_bound must be in"),
 ])
 def test_bad_sampling_flags_name_the_flag(kwargs, flag):
     with pytest.raises(ValueError, match=flag):
         SamplingParams(**kwargs)
+
+
+def _top_p_schedule(params, steps):
+    schedule = []
+    for _ in range(steps):
+        schedule.append(params.top_p)
+        params = params_for_next_step(params)
+    return schedule
+
+
+def test_top_p_decays_each_step_down_to_its_bound():
+    # max(top_p * decay, bound) by hand: 0.9, 0.45, 0.225, then 0.1125 < 0.2 stays at the bound.
+    params = SamplingParams(top_p=0.9, top_p_decay=0.5, top_p_bound=0.2)
+    assert _top_p_schedule(params, 5) == pytest.approx([0.9, 0.45, 0.225, 0.2, 0.2], abs=1e-15)
+    # No bound: 0.8 * 0.25^k.
+    assert _top_p_schedule(SamplingParams(top_p=0.8, top_p_decay=0.25), 4) == \
+        pytest.approx([0.8, 0.2, 0.05, 0.0125], abs=1e-15)
+    # Decay 0 (upstream's default) or top_p 0 leaves the params as they are.
+    for fixed in (SamplingParams(top_p=0.7, top_p_bound=0.3), SamplingParams(top_k=0)):
+        assert params_for_next_step(fixed) is fixed
+    # A product that underflows keeps nucleus sampling on (only the most likely token) instead of turning it off.
+    tiny = params_for_next_step(SamplingParams(top_p=1e-300, top_p_decay=1e-300))
+    assert 0.0 < tiny.top_p < 1e-300
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    assert filtered_logits(logits, tiny).isfinite().tolist() == [[True, False, False]]

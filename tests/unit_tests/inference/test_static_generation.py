@@ -75,6 +75,26 @@ def test_log_probs_of_prompt_and_generated_tokens():
     assert plain.prompt_log_probs is None and plain.generated_log_probs is None
 
 
+def test_top_p_decays_after_every_step_and_restarts_with_each_batch(monkeypatch):
+    from megatron.core.inference import static_generation
+
+    used = []
+    real_sample = static_generation.sample_next_tokens
+
+    def recording_sample(logits, params, generator):
+        used.append(params.top_p)
+        return real_sample(logits, params, generator)
+
+    monkeypatch.setattr(static_generation, "sample_next_tokens", recording_sample)
+    params = SamplingParams(top_p=0.9, top_p_decay=0.5, top_p_bound=0.2, num_tokens_to_generate=4)
+    # One step a position, the first after the shortest prompt (as upstream): max(top_p * 0.5, 0.2) each step.
+    _generate(CountingModel(), [[1], [5, 0, 3]], params=params)
+    assert used == pytest.approx([0.9, 0.45, 0.225, 0.2, 0.2, 0.2], abs=1e-15)
+    used.clear()
+    generate_in_batches(CountingModel(), [[1], [2]], params, eod_id=9, max_sequence_length=16, max_batch_size=1)
+    assert used == pytest.approx([0.9, 0.45, 0.225, 0.2] * 2, abs=1e-15)
+
+
 @pytest.mark.parametrize("prompts, kwargs, flag", [
     ([[1]] * 5, {}, "5 prompts but --inference-max-requests is 4"),
     ([[1] * 17], {}, "--inference-max-seq-length 16"),

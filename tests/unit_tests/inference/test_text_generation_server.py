@@ -1,5 +1,6 @@
 """The text-generation server (`megatron.inference`): upstream's request validation (each bad field a 400 naming
-it), a greedy request served over HTTP equal to `generate_in_batches`, log-probabilities equal to the
+it), a greedy request served over HTTP equal to `generate_in_batches`, top_p_decay / top_p_bound shrinking the
+nucleus per step, log-probabilities equal to the
 log-softmax of a full forward, upstream's newline options, and TP2 serving the text (and scores) TP1 serves."""
 
 import json
@@ -96,8 +97,17 @@ def _put(url, data: bytes, method="PUT"):
     ({"prompts": ["1"], "beam_width": 2}, "beam_width: beam search is not implemented"),
     ({"prompts": ["1"], "stop_token": 5}, "stop_token: "),
     ({"prompts": ["1"], "length_penalty": 1.0}, "length_penalty: "),
-    ({"prompts": ["1"], "top_p": 0.5, "top_p_decay": 0.5}, "top_p_decay: "),
-    ({"prompts": ["1"], "top_p": 0.5, "top_p_bound": 0.1}, "top_p_bound: "),
+    ({"prompts": ["1"], "top_p_decay": 0.5}, "^top_p_decay cannot be set without top_p$"),
+    ({"prompts": ["1"], "top_p": 0.5, "top_p_decay": "0.5"},
+     "^top_p_decay must be a positive float less than or equal to 1.0$"),
+    ({"prompts": ["1"], "top_p": 0.5, "top_p_decay": -0.5},
+     "^top_p_decay must be a positive float less than or equal to 1.0$"),
+    ({"prompts": ["1"], "top_p": 0.5, "top_p_decay": 1.5}, "^top_p_decay must be less than or equal to 1.0$"),
+    ({"prompts": ["1"], "top_p_bound": 0.1}, "^top_p_bound cannot be set without top_p$"),
+    ({"prompts": ["1"], "top_p": 0.5, "top_p_bound": True},
+     "^top_p_bound must be a positive float less than or equal to top_p$"),
+    ({"prompts": ["1"], "top_p": 0.5, "top_p_bound": 0.6}, "^top_p_bound must be greater than 0 and less than top_p$"),
+    ({"prompts": ["1"], "top_p": 0.5, "top_p_bound": 0.0}, "^top_p_bound must be greater than 0 and less than top_p$"),
     ({"sentences": ["1"]}, "sentences is no longer used.  Replace with prompts"),
     ({"prompts": ["1"], "max_len": 4}, "max_len is no longer used.  Replace with tokens_to_generate"),
     ({"prompts": ["1"], "top-k": 4}, "unknown field\\(s\\) top-k"),
@@ -135,6 +145,33 @@ def test_served_greedy_request_equals_generate_in_batches(model, http_url):
     assert payload["segments"] == [[str(token) for token in tokens] for tokens in expected_tokens]
     assert all(len(result.generated_tokens) == 5 for result in expected)  # no end-of-document in 5 steps
     assert payload["text"][1].startswith("6 5 ")
+
+
+def test_served_top_p_decay_and_bound_shrink_the_nucleus_per_step(model, http_url):
+    body = {"prompts": PROMPTS[:2], "tokens_to_generate": 6, "temperature": 5.0, "top_p": 1.0, "top_p_decay": 0.1,
+            "top_p_bound": 0.01, "random_seed": 3, "no_log": True}
+    request = parse_generation_request(body)
+    assert (request.top_p, request.top_p_decay, request.top_p_bound) == (1.0, 0.1, 0.01)
+    status, payload = _put(http_url, json.dumps(body).encode())
+    assert status == 200, payload
+    prompt_tokens = [TOKENIZER.tokenize(prompt) for prompt in PROMPTS[:2]]
+
+    def generated(**schedule):
+        params = SamplingParams(temperature=5.0, top_p=1.0, num_tokens_to_generate=6, **schedule)
+        results = generate_in_batches(model, prompt_tokens, params, eod_id=TOKENIZER.eod, max_sequence_length=16,
+                                      max_batch_size=2, vocab_size=TOKENIZER.vocab_size, seed=3)
+        return [result.prompt_tokens + result.generated_tokens for result in results]
+
+    assert payload["tokens"] == generated(top_p_decay=0.1, top_p_bound=0.01)
+    assert payload["tokens"] != generated()  # not the text of a fixed top_p 1.0 at temperature 5
+    # Steps 0, 1, 2, ... (positions from the shortest prompt's end) use top_p 1.0, 0.1, then the bound 0.01: the
+    # most likely of 61 tokens has a probability of at least 1/61 > 0.01, so that nucleus holds it alone, and the
+    # last three tokens of each sequence (steps 3 to 5) are the argmax of a full forward.
+    for tokens in payload["tokens"]:
+        with torch.no_grad():
+            logits = model.eval()(torch.tensor([tokens]), torch.arange(len(tokens)).unsqueeze(0))
+        argmax = logits[0, :-1, :TOKENIZER.vocab_size].argmax(-1).tolist()
+        assert tokens[-3:] == argmax[-3:]
 
 
 def test_http_errors_are_json_with_a_message(http_url):

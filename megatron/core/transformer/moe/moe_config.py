@@ -252,9 +252,8 @@ class MoEConfigMixin:
         etp = self.expert_tensor_parallel_size
         if isinstance(etp, bool) or not isinstance(etp, int) or etp < 1:
             raise ValueError(f"--expert-tensor-parallel-size must be a positive integer, got {etp!r}")
-        if tp > 1 and not self.sequence_parallel:
-            raise ValueError("MoE layers with --tensor-model-parallel-size > 1 need --sequence-parallel (each "
-                             "tensor-parallel rank routes its own tokens)")
+        # TP > 1 without --sequence-parallel is refused for training only (MoELayer.forward in training mode, and
+        # the training flags' validation): generation runs it, every tensor-parallel rank routing all the tokens.
         if etp != tp and self.fp8 is not None:
             raise ValueError(f"--fp8-format with --expert-tensor-parallel-size ({etp}) other than "
                              f"--tensor-model-parallel-size ({tp}) is not supported: the experts' FP8 scaling "

@@ -1,6 +1,10 @@
 """`MoELayer`: the MLP block of a Mixture-of-Experts transformer layer (router, token dispatcher, this rank's
 experts, optional shared experts). `[s, b, h]` in, `[s, b, h]` out, like the dense `MLP` it replaces.
 
+At `--tensor-model-parallel-size` > 1 the layer trains only under `--sequence-parallel` (each TP rank routes its
+own share of the tokens); without it (generation, in eval mode) every TP rank routes all the tokens, and the
+dispatchers treat each rank's copy as tokens of its own, so every rank gets the whole output.
+
 `--moe-apply-probs-on-input` (top-1) scales each token by its routing probability before dispatch and combines
 the experts' outputs with weight 1; `--moe-layer-recompute` (or selective `--recompute-modules moe`) checkpoints
 the whole layer (its collectives run again in backward).
@@ -46,6 +50,12 @@ class MoELayer(torch.nn.Module):
             self.shared_experts = SharedExpertMLP(config, init_seed)
 
     def forward(self, hidden_states):
+        if self.training and self.config.tensor_model_parallel_size > 1 and not self.config.sequence_parallel:
+            # As upstream: training refuses it; generation (eval mode) runs it, every TP rank routing all tokens.
+            raise ValueError(
+                f"training MoE layers at --tensor-model-parallel-size {self.config.tensor_model_parallel_size} "
+                "needs --sequence-parallel (each tensor-parallel rank then routes its own share of the tokens "
+                "instead of all of them); add --sequence-parallel, or set the model to eval mode to generate")
         if (self.config.moe_layer_recompute or self.config.recomputes("moe")) and self.training:
             return checkpointed(self._forward, hidden_states)
         return self._forward(hidden_states)

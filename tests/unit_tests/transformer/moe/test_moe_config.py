@@ -48,6 +48,20 @@ def test_expert_tensor_parallel_size_may_differ_from_tensor_parallel_size():
     assert moe_config(expert_tensor_parallel_size=2).expert_tensor_parallel_size == 2
 
 
+def test_tensor_parallel_without_sequence_parallel_is_a_valid_config_and_training_flags_ask_for_it(monkeypatch):
+    """The config takes MoE at TP2 without --sequence-parallel (generation runs it; the MoE layer refuses to
+    train so); pretrain_gpt's flags refuse it for training, and take it from a generation program's parser."""
+    config = moe_config(tensor_model_parallel_size=2)
+    assert (config.tensor_model_parallel_size, config.sequence_parallel) == (2, False)
+    with pytest.raises(ValueError, match="--tensor-model-parallel-size 2 need --sequence-parallel for training"):
+        _validated("--num-experts 4 --tensor-model-parallel-size 2", monkeypatch)
+    assert _validated("--num-experts 4 --tensor-model-parallel-size 2 --sequence-parallel", monkeypatch).num_experts
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    generation = parse_args(args=f"{ARGS} --num-experts 4 --tensor-model-parallel-size 2".split())
+    generation.generation_program = True  # what megatron.inference.launch.declare_generation_program sets
+    assert not validate_args(generation).sequence_parallel
+
+
 def test_defaults_filled():
     config = moe_config(ffn_hidden_size=48)
     assert config.moe_ffn_hidden_size == 48
@@ -76,7 +90,6 @@ def test_defaults_filled():
      ["--moe-ffn-hidden-size (33)", "--expert-tensor-parallel-size (2)"]),
     (dict(expert_tensor_parallel_size=2, fp8="hybrid"),
      ["--fp8-format", "--expert-tensor-parallel-size (2)", "--tensor-model-parallel-size (1)"]),
-    (dict(tensor_model_parallel_size=2), ["--sequence-parallel"]),
     (dict(moe_layer_freq=[1, 0]), ["--moe-layer-freq", "--num-layers"]),
     (dict(moe_router_dtype="bf16"), ["--moe-router-dtype"]),
     (dict(fp8="hybrid", transformer_impl="transformer_engine"),
@@ -244,6 +257,8 @@ def test_unknown_load_balancing_type_stops_the_parser(capsys):
     ("--num-experts 4 --moe-router-num-groups 3 --moe-router-group-topk 1", ["--moe-router-num-groups"]),
     ("--moe-router-topk 1", ["--moe-router-topk", "--num-experts"]),
     ("--num-experts 4 --expert-model-parallel-size 4", ["--expert-model-parallel-size"]),
+    ("--num-experts 4 --tensor-model-parallel-size 2",
+     ["--num-experts 4", "--tensor-model-parallel-size 2", "need --sequence-parallel for training"]),
 ])
 def test_bad_flags_name_the_flags(extra, flags, monkeypatch):
     with pytest.raises(ValueError) as error:

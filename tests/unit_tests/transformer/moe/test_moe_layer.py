@@ -1,7 +1,8 @@
 """`MoELayer` against a reference built here from its own router and experts (sum over the chosen experts of
 probability x expert MLP), with shared experts (also gated) and capacity dropping; and on two ranks, EP=2 and TP=2
 with sequence parallelism against the single-rank layer (outputs and every gradient within 1e-5), with each
-dispatcher, and the gated shared experts under TP=2."""
+dispatcher, and the gated shared experts under TP=2; at TP=2 without sequence parallelism (generation) the eval-mode
+layer against the single-rank one, and its refusal to train."""
 
 import pytest
 import torch
@@ -295,5 +296,40 @@ def _expert_tensor_parallel_size_apart_from_tensor_parallel():
 def test_expert_tensor_parallel_size_apart_from_tensor_parallel_size():
     for diffs in run_on_ranks(4, _expert_tensor_parallel_size_apart_from_tensor_parallel):
         assert len(diffs) == 6
+        for case, worst in diffs.items():
+            assert worst < 1e-5, (case, worst)
+
+
+def _tensor_parallel_without_sequence_parallel():
+    """On 2 ranks, TP=2 without sequence parallelism (every rank holds all the tokens, as in generation): the layer
+    in eval mode against the single-rank layer, each dispatcher, with experts split over ETP=2 and whole over EP=2
+    (ETP=1), shared experts included; and the refusal of a training-mode forward."""
+    hidden, _ = _inputs()
+    shared = dict(moe_shared_expert_intermediate_size=32)
+    parallel_state.initialize_model_parallel()
+    reference = {dispatcher: MoELayer(moe_config(moe_token_dispatcher_type=dispatcher, **shared),
+                                      init_seed=LAYER_SEED).eval()(hidden).detach() for dispatcher in DISPATCHERS}
+    parallel_state.destroy_model_parallel()
+    diffs = {}
+    for layout, sizes in {"tp2_etp2": dict(tensor_model_parallel_size=2),
+                          "tp2_etp1_ep2": dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=1,
+                                               expert_model_parallel_size=2)}.items():
+        parallel_state.initialize_model_parallel(**sizes)
+        for dispatcher in DISPATCHERS:
+            layer = MoELayer(moe_config(moe_token_dispatcher_type=dispatcher, **sizes, **shared),
+                             init_seed=LAYER_SEED)
+            with pytest.raises(ValueError, match="--tensor-model-parallel-size 2 needs --sequence-parallel"):
+                layer.train()(hidden)
+            with torch.no_grad():
+                output = layer.eval()(hidden)
+            diffs[f"{layout}/{dispatcher}"] = (output - reference[dispatcher]).abs().max().item()
+        parallel_state.destroy_model_parallel()
+    return diffs
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_tensor_parallel_without_sequence_parallel_generates_like_one_rank_and_refuses_to_train(world_size):
+    for diffs in run_on_ranks(world_size, _tensor_parallel_without_sequence_parallel):
+        assert len(diffs) == 4
         for case, worst in diffs.items():
             assert worst < 1e-5, (case, worst)
