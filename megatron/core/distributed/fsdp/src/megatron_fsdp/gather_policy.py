@@ -135,15 +135,16 @@ class GatherReleasePolicy:
         self.gather(groups, async_op=True)
         self.wait_gathered(groups)
 
-    def release(self, groups: List[ParamGroup], at_rest: bool = False):
-        """Drop gathered weights (strategy 3). `at_rest`: no backward of this step will need them, so the
-        module's parameters are swapped for placeholders until the next gather."""
+    def release(self, groups: List[ParamGroup]):
+        """Drop gathered weights (strategy 3). The module's parameters are swapped for their resting placeholders
+        until the next gather, also between a forward and its backward: the real ones view the released buffer
+        (resting_parameters.py)."""
         if self.strategy != ShardingStrategy.optim_grads_params:
             return
         for group in groups:
             self._wait_gather(group)
             group.release_compute()  # a pooled group keeps its slot until another unit claims it
-            if at_rest and self.resting is not None:
+            if self.resting is not None:
                 self.resting.hide(group)
 
     # ---- after the optimizer step ---------------------------------------------------------------------------------

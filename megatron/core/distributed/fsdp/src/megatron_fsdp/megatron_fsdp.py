@@ -365,7 +365,7 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
         try:
             return generate(*args, **kwargs)
         finally:
-            self.schedule.release(self.root_groups, at_rest=True)
+            self.schedule.release(self.root_groups)
 
     # ---- torch.nn.Module methods that would bypass the flat buffers ------------------------------------------------
     def apply(self, fn):
@@ -445,7 +445,7 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
         try:
             yield self.module
         finally:
-            self.schedule.release(self.groups, at_rest=True)
+            self.schedule.release(self.groups)
 
     def start_grad_sync(self):
         self.schedule.start_grad_sync()

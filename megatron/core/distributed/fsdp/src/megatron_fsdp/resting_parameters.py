@@ -1,14 +1,15 @@
 """What the module shows for sharded (strategy 3) parameters between steps: Shard(0) DTensors of this rank's rows.
 
-Under `optim_grads_params` a group's gathered weights are released once the step's backward is done, and the
-module's parameters (views into the released buffer) would read freed memory. So while a group is at rest
-(between steps, or after a forward that no backward will follow) each of its parameters is swapped, in every
-module that holds it, for a *resting parameter*: an `nn.Parameter` DTensor on the data-parallel mesh, on the
-real device, with the parameter's shape, dtype, requires_grad and attributes, placed `Shard(0)`: its local
-tensor is this rank's rows, `layout.chunk_rows(rows, dp_size, dp_rank)` (torch.chunk's split, as torch FSDP2
-gives). The row-aligned layout (layout.py) keeps those rows contiguous in the rank's compute shard, so the
-local tensor is a view of it, not a copy: it always holds the current weights (the optimizer step writes them
-there), costs no memory and no communication. Being a true `Shard(0)` DTensor, every DTensor operation on it
+Under `optim_grads_params` a group's gathered weights are released after its forward and again once the step's
+backward is done, and the module's parameters (views into the released buffer) would read freed memory. So while
+a group is released (between steps, and between a unit's forward and its backward, as torch FSDP2 shows its
+sharded parameters after resharding) each of its parameters is swapped, in every module that holds it, for a
+*resting parameter*: an `nn.Parameter` DTensor on the data-parallel mesh, on the real device, with the
+parameter's shape, dtype, requires_grad and attributes, placed `Shard(0)`: its local tensor is this rank's rows,
+`layout.chunk_rows(rows, dp_size, dp_rank)` (torch.chunk's split, as torch FSDP2 gives). The row-aligned layout
+(layout.py) keeps those rows contiguous in the rank's compute shard, so the local tensor is a view of it, not a
+copy: it always holds the current weights (the optimizer step writes them there), costs no memory and no
+communication. Being a true `Shard(0)` DTensor, every DTensor operation on it
 and on tensors derived from it is exact: `full_tensor()`, `redistribute`, `p.detach().clone()`, `p * 2`,
 indexing, reductions along a dim, EMA updates, `torch.nn.utils.clip_grad_norm_`, storage inspection.
 
@@ -18,10 +19,19 @@ other ranks, so `full_tensor()` and every DTensor operation still see the real v
 
 After a backward, `.grad` of a resting parameter is a DTensor of the same kind over this rank's rows of the
 reduced gradient (see param_grads.py). The real parameter is put back as soon as its group is gathered.
+
+The real parameter objects can still be reached while their group is released: references taken before wrapping
+(`params = list(model.parameters())`), or taken from the module while it was gathered. They have the full shape
+but view a released buffer (storage of size 0), so any torch operation on them would read or write freed memory.
+While hidden they are therefore made `ReleasedParameter`s: every torch operation on them except metadata (shape,
+dtype, device, requires_grad, .grad) raises an error naming the parameter and the resting parameter to use
+instead. (torch FSDP2 leaves the pre-wrapping objects holding their old full weights: reads are stale and writes
+are silently lost.)
 """
 
 from typing import Dict, List, Tuple
 
+import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Shard
 
@@ -35,6 +45,56 @@ def rows_dtensor(local, like, mesh) -> DTensor:
     return dtensor_over_view(local, mesh, [placement], like.shape, like.stride())
 
 
+NAME_ATTR = "_megatron_fsdp_name"  # on a real parameter: its name, for the errors of ReleasedParameter
+
+# What a released parameter still answers: its metadata (no element is read or written), its storage too (of
+# size 0 while released), for tools that walk the live tensors to count memory.
+_METADATA = frozenset({
+    "shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "grad_fn", "layout", "ndim", "names",
+    "is_meta", "is_cuda", "is_cpu", "is_sparse", "is_quantized", "is_nested", "_version", "size", "dim", "numel",
+    "nelement", "stride", "element_size", "itemsize", "nbytes", "is_floating_point", "is_complex", "get_device",
+    "requires_grad_", "is_contiguous", "storage_offset", "untyped_storage", "data_ptr",
+})
+
+
+class ReleasedParameter(nn.Parameter):
+    """The class of a real parameter while its group is released (see the module docstring)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        allowed = name in _METADATA or func is torch.Tensor.__hash__
+        if name in ("__get__", "__set__"):  # a property of the tensor: the descriptor's name says which
+            setting, name = name == "__set__", getattr(getattr(func, "__self__", None), "__name__", "")
+            allowed = name in _METADATA or (setting and name == "data")
+        if allowed:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        released = _first_released([*args, *(kwargs or {}).values()])
+        if func is torch.Tensor.__repr__:
+            return (f"ReleasedParameter('{getattr(released, NAME_ATTR, '?')}', shape={tuple(released.shape)}, "
+                    f"dtype={released.dtype}: released by Megatron-FSDP)")
+        raise RuntimeError(
+            f"parameter '{getattr(released, NAME_ATTR, '?')}' of a Megatron-FSDP model (zero_dp_strategy 3, "
+            f"optim_grads_params) holds no weights now: its group is released (between steps, or between a "
+            f"forward and its backward), and this object was taken before wrapping or while the weights were "
+            f"gathered (`{name}` was used on it). Use the module's current parameters instead "
+            "(`model.parameters()`, `model.module.<...>.weight`): Shard(0) DTensors of this rank's rows, which "
+            "reads and in-place writes (`p.add_(1)`, `p.to_local().copy_(...)`, torch.nn.init) go through to "
+            "this rank's shard; or read the full weights inside `with model.gathered_parameters() as module:`")
+
+
+def _first_released(values):
+    for value in values:
+        if isinstance(value, ReleasedParameter):
+            return value
+        if isinstance(value, (list, tuple)):  # torch._foreach_* take lists of tensors
+            found = _first_released(value)
+            if found is not None:
+                return found
+    return None
+
+
 class RestingParameters:
     """Swaps each group's parameters in every owning module between the real ones and their resting DTensors."""
 
@@ -46,6 +106,11 @@ class RestingParameters:
         for group in self._groups:
             for index, (param, name) in enumerate(zip(group.params, group.names)):
                 self._resting[id(param)] = self._make_resting(group, index, param, name)
+                setattr(param, NAME_ATTR, name)
+        # id(real parameter) -> its class, restored when its group is gathered; a parameter of a class with a
+        # torch function handler of its own (a tensor subclass) keeps it and is not guarded.
+        self._classes = {id(param): type(param) for group in self._groups for param in group.params
+                         if type(param).__torch_function__ is nn.Parameter.__torch_function__}
         self._hidden = set()  # ids of groups whose resting parameters are installed
         # id(group) -> [(owning module's parameter dict, attribute, real parameter, resting parameter)]
         self._slots = {id(group): [(module._parameters, attribute, param, self._resting[id(param)])
@@ -71,11 +136,17 @@ class RestingParameters:
             return
         for parameters, attribute, _, resting in self._slots[id(group)]:
             parameters[attribute] = resting
+        for param in group.params:
+            if id(param) in self._classes:
+                param.__class__ = ReleasedParameter
         self._hidden.add(id(group))
 
     def show(self, group):
         if id(group) not in self._hidden:
             return
+        for param in group.params:
+            if id(param) in self._classes:
+                param.__class__ = self._classes[id(param)]
         for parameters, attribute, real, _ in self._slots[id(group)]:
             parameters[attribute] = real
         self._hidden.discard(id(group))

@@ -188,7 +188,7 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self._root_pre_backward(), mode="any")
         elif not torch.is_grad_enabled():
-            self.release(self.root_groups, at_rest=True)
+            self.release(self.root_groups)
 
     def _make_pre_forward(self, unit: Unit):
         def pre_forward(module, args, kwargs):
@@ -212,7 +212,7 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
                 return None  # activation-checkpoint recompute: the unit stays gathered for its backward
             tensors = tensors_requiring_grad(output) if torch.is_grad_enabled() else []
             if not (tensors and self.keep_last_unit_for_backward and unit is self.units[-1]):
-                self.release(unit.groups, at_rest=not tensors)  # no backward will come back for these weights
+                self.release(unit.groups)
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, lambda grads: self._unit_pre_backward(unit), mode="any")
@@ -332,7 +332,7 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
                 self.launch_reduce(group, async_op=self.overlap_grad_reduce)
         if self.strategy == ShardingStrategy.optim_grads_params:
             held = self.held_for_next_microbatch() if self._holds_for_next_microbatch() else []
-            self.release([group for group in self.groups if not any(group is kept for kept in held)], at_rest=True)
+            self.release([group for group in self.groups if not any(group is kept for kept in held)])
         if any(entry[4] for entry in self.pending_reduces):
             self.wait_reduces()  # the last inner reductions landed: their outer ones start before the step
         if self.sync_enabled and self.sync_model_each_microbatch and not any(g.grads_dirty for g in self.groups):
