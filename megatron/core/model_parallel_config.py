@@ -2,7 +2,8 @@
 
 Frozen and validated once in `__post_init__`; error messages name the command-line flag and say what to do.
 `TransformerConfig` subclasses it: subclasses extend `__post_init__` and call `super().__post_init__()`.
-To change a field after construction use `dataclasses.replace(config, field=value)`, which re-validates.
+To change a field after construction use `dataclasses.replace(config, field=value)`, which re-validates; only
+the run-time hooks (`RUNTIME_HOOK_FIELDS`) may be assigned in place.
 """
 
 from dataclasses import dataclass
@@ -12,7 +13,39 @@ import torch
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+# Hooks a training loop installs after building its wrappers (`config.no_sync_func = model.no_sync`, ...), as
+# upstream's own loops do; they are run-time callbacks, not model settings, so plain assignment is allowed for
+# them while every other field stays frozen (change those with `dataclasses.replace`, which re-validates).
+RUNTIME_HOOK_FIELDS = frozenset(
+    ("finalize_model_grads_func", "grad_scale_func", "no_sync_func", "grad_sync_func", "param_sync_func", "timers")
+)
 
+
+def allow_runtime_hook_assignment(config_class):
+    """Let instances of the frozen config dataclass `config_class` take plain assignment of the
+    `RUNTIME_HOOK_FIELDS`; assigning any other field stays refused, naming `dataclasses.replace`. Every frozen
+    dataclass gets its own `__setattr__`, so each config class that wants this applies it (ModelParallelConfig,
+    TransformerConfig)."""
+    frozen_setattr = config_class.__setattr__
+
+    def __setattr__(self, name, value):
+        if name in RUNTIME_HOOK_FIELDS:
+            object.__setattr__(self, name, value)
+            return
+        try:
+            frozen_setattr(self, name, value)
+        except AttributeError as error:  # dataclasses.FrozenInstanceError
+            raise type(error)(
+                f"cannot assign to field {name!r}: {type(self).__name__} is frozen; build a new one with "
+                f"dataclasses.replace(config, {name}=...), which re-validates (only the hooks "
+                f"{', '.join(sorted(RUNTIME_HOOK_FIELDS))} may be assigned in place)"
+            ) from None
+
+    config_class.__setattr__ = __setattr__
+    return config_class
+
+
+@allow_runtime_hook_assignment
 @dataclass(frozen=True)
 class ModelParallelConfig:
     # Parallel sizes
@@ -45,7 +78,7 @@ class ModelParallelConfig:
     batch_p2p_comm: bool = True
     deallocate_pipeline_outputs: bool = False
 
-    # Hooks the training loop installs (with dataclasses.replace) for the pipeline schedules
+    # Hooks the training loop installs for the pipeline schedules (assignable in place: RUNTIME_HOOK_FIELDS)
     finalize_model_grads_func: Optional[Callable] = None
     grad_scale_func: Optional[Callable] = None
     no_sync_func: Optional[Callable] = None

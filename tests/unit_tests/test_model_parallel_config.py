@@ -74,3 +74,20 @@ def test_valid_precisions():
     assert ModelParallelConfig(fp16=True, params_dtype=torch.float16).params_dtype == torch.float16
     assert ModelParallelConfig(bf16=True, params_dtype=torch.bfloat16).bf16
     assert ModelParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True).sequence_parallel
+
+
+def test_training_loop_hooks_can_be_assigned_in_place():
+    from megatron.core.model_parallel_config import RUNTIME_HOOK_FIELDS
+
+    config = ModelParallelConfig(pipeline_model_parallel_size=2)
+    hooks = [lambda: None, lambda: None]
+    config.no_sync_func = hooks  # as upstream's own training loops do
+    config.finalize_model_grads_func = config.grad_sync_func = config.param_sync_func = print
+    config.grad_scale_func = config.timers = None
+    assert config.no_sync_func is hooks and config.finalize_model_grads_func is print
+    assert RUNTIME_HOOK_FIELDS == {"finalize_model_grads_func", "grad_scale_func", "no_sync_func", "grad_sync_func",
+                                   "param_sync_func", "timers"}
+    with pytest.raises(dataclasses.FrozenInstanceError,
+                       match=r"ModelParallelConfig is frozen; .*dataclasses.replace\(config, sequence_parallel="):
+        config.sequence_parallel = True
+    assert config.sequence_parallel is False

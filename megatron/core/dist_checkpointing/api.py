@@ -1,14 +1,19 @@
 """Upstream's entry points `save`, `load` and `load_common_state_dict` over the torch_dist format.
 
-`save` writes a sharded state dict (see `mapping`) into a directory, each rank its pieces and the picklable
-objects once; `load` fills a sharded state dict in place from a checkpoint written at any layout and returns
-it with each single-piece tensor as a plain tensor (so `model.load_state_dict(load(...))` works, as
-upstream); `load_common_state_dict` returns every object the checkpoint holds (the state all ranks share).
+`save` writes a sharded state dict (see `mapping`), flat or nested as training loops of their own build it
+(`{"model": model.sharded_state_dict(), "iteration": 10, ...}`; see `nesting`): each rank its sharded entries,
+under their own keys, and the first rank the rest (the common state), as objects. `load` fills the sharded
+entries in place from a checkpoint written at any layout and returns the request's nesting with each
+single-piece tensor as a plain tensor (so `model.load_state_dict(load(...)["model"])` works, as upstream) and
+the common state as saved; `strict` (`--dist-ckpt-strictness`) applies to the tensor keys of the whole nesting.
+`load_common_state_dict` returns every object the checkpoint holds (the state all ranks share).
 """
 
 import os
 
-from megatron.core.dist_checkpointing import serialization
+import torch.distributed as dist
+
+from megatron.core.dist_checkpointing import nesting, serialization
 from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
 from megatron.core.dist_checkpointing.strictness import KeyMismatch, apply_strictness
@@ -23,32 +28,54 @@ def _save_strategy(sharded_strategy):
     return sharded_strategy
 
 
+def _writes_common_state(process_group) -> bool:
+    """The common state is the first rank's (upstream writes it from rank 0 alone)."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank(process_group) == 0
+
+
 def save(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strategy=None,
          validate_access_integrity=True):
-    """Write `sharded_state_dict` into `checkpoint_dir` (collective over the world)."""
+    """Write `sharded_state_dict` into `checkpoint_dir` (collective over the world, or the strategy's group)."""
     if common_strategy is not None:
         raise ValueError("a separate common-state strategy is not used: common objects are saved as objects")
     strategy = _save_strategy(sharded_strategy)  # refuses an unknown format before anything is written
+    parts = nesting.split(sharded_state_dict)
+    flat = dict(parts.sharded)
+    if _writes_common_state(getattr(strategy, "process_group", None)):
+        flat.update(parts.common)
     os.makedirs(str(checkpoint_dir), exist_ok=True)
-    strategy.save(sharded_state_dict, checkpoint_dir)
+    strategy.save(flat, checkpoint_dir)
 
 
 def load(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strategy=None,
          validate_access_integrity=True, strict=StrictHandling.ASSUME_OK_UNEXPECTED):
-    """Fill `sharded_state_dict` in place from `checkpoint_dir` and return it. Keys the checkpoint lacks are
-    handled by `strict` (a `StrictHandling`, its value, or a bool); keys the checkpoint has that are not asked
-    for are never read."""
+    """Fill the sharded entries of `sharded_state_dict` in place from `checkpoint_dir` (collective) and return
+    its nesting with them and the saved common state. Tensor keys the checkpoint lacks, top-level common entries
+    it lacks, and tensor keys it has that no rank asks for are handled by `strict` (a `StrictHandling`, its value,
+    or a bool); with `return_unexpected` / `return_all` the result is `(state dict, missing keys, unexpected
+    keys)`, as upstream."""
     if common_strategy is not None:
         raise ValueError("a separate common-state strategy is not used: common objects are saved as objects")
+    mode = parse_strict_flag(strict)
     strategy = sharded_strategy if sharded_strategy is not None else TorchDistLoadShardedStrategy()
-    metadata = serialization.read_metadata(str(checkpoint_dir))
-    saved = set(metadata.state_dict_metadata)
-    mismatch = KeyMismatch(sorted(set(sharded_state_dict) - saved), [])
-    remaining = apply_strictness(parse_strict_flag(strict), mismatch, str(checkpoint_dir))
-    for key in remaining.missing:
-        sharded_state_dict.pop(key, None)
-    loaded = strategy.load(sharded_state_dict, checkpoint_dir)
-    return {key: _local_tensor(value) for key, value in loaded.items()}
+    directory = str(checkpoint_dir)
+    request = nesting.split(sharded_state_dict)
+    metadata = serialization.read_metadata(directory)
+    tensors = serialization.key_mismatch(request.sharded, metadata, [""], getattr(strategy, "process_group", None))
+    saved_objects = set(serialization.object_keys(metadata))
+    missing_common = [str(key) for key in request.common_with_values if key not in saved_objects]
+    mismatch = KeyMismatch(sorted(tensors.missing + missing_common), tensors.unexpected)
+    apply_strictness(mode, mismatch, directory)
+    targets = {key: value for key, value in request.sharded.items() if key not in tensors.missing}
+    targets.update({key: None for key in request.common if key in saved_objects})
+    serialization.check_shapes(targets, metadata, directory)
+    loaded = strategy.load(targets, checkpoint_dir)
+    loaded_sharded = {key: _local_tensor(loaded[key]) for key in request.sharded if key in targets}
+    loaded_common = {key: loaded[key] for key in request.common if key in saved_objects}
+    result = nesting.assemble(sharded_state_dict, request, loaded_common, loaded_sharded)
+    if mode in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL):
+        return result, set(mismatch.missing), set(mismatch.unexpected)
+    return result
 
 
 def _local_tensor(value):

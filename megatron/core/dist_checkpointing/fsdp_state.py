@@ -12,6 +12,8 @@ Megatron's DDP path in model_state / optimizer_state. Names and keys come from `
 `logical_tensor`.
 """
 
+import sys
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -34,14 +36,19 @@ from megatron.core.expert_parameters import global_expert_name
 PACKAGE_MAIN_PARAM_KEY = "main_param"  # megatron_fsdp.state_dict.MAIN_PARAM_KEY
 
 
+def _adapter_class():
+    """`MegatronFSDPAdapter` when its module is loaded (no chunk can be one otherwise); looked up without importing
+    it, since the adapter names its checkpoint entries with this module."""
+    adapter_module = sys.modules.get("megatron.core.distributed.fsdp.mcore_fsdp_adapter")
+    return getattr(adapter_module, "MegatronFSDPAdapter", None) if adapter_module is not None else None
+
+
 def is_fsdp_chunk(chunk) -> bool:
     """Whether `chunk` is sharded by Megatron-FSDP: the Megatron-Core adapter, or a bare package wrapper."""
     from megatron.core.distributed.data_parallel_base import _package_wrapper_class
-    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import MegatronFSDPAdapter
 
-    package_wrapper = _package_wrapper_class()
-    return isinstance(chunk, MegatronFSDPAdapter) or (package_wrapper is not None
-                                                       and isinstance(chunk, package_wrapper))
+    wrapper_classes = tuple(cls for cls in (_adapter_class(), _package_wrapper_class()) if cls is not None)
+    return bool(wrapper_classes) and isinstance(chunk, wrapper_classes)
 
 
 def _names(chunk):
@@ -56,6 +63,13 @@ def _names(chunk):
         else:
             result[name] = (logical_name(global_expert_name(name, real), offset), True)
     return result, offset
+
+
+def logical_names(chunk):
+    """state-dict key -> its name in the logical model, for the keys of the chunk's `state_dict()`: global layer
+    and expert indices; a later stage's tied output-layer copy is the word embedding."""
+    names, offset = _names(chunk)
+    return lambda key: names[key][0] if key in names else logical_name(key, offset)
 
 
 def _as_logical(value):

@@ -6,6 +6,7 @@ Keys (named in `logical_names`): `optimizer.state.<logical name>.<state key>` (e
 parameters as `MainParamEntry`s (which elements of which logical tensor a main tensor holds); the rest is shared.
 """
 
+import sys
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -50,21 +51,27 @@ class MainParamEntry(NamedTuple):
                                                     *self.flat_range)
 
 
+def is_optimizer_of_class(optimizer, class_name: str) -> bool:
+    """isinstance(optimizer, megatron.core.optimizer.<class_name>), found without importing the optimizers (they
+    checkpoint through this package): an optimizer exists only once its module has been imported."""
+    optimizers = sys.modules.get("megatron.core.optimizer")
+    optimizer_class = getattr(optimizers, class_name, None)
+    return optimizer_class is not None and isinstance(optimizer, optimizer_class)
+
+
 def main_param_entries(optimizer, model_chunks, tp: Optional[TensorParallelRank] = None) -> List[MainParamEntry]:
     """The main parameters of a Megatron optimizer (FP32, Float16 or Distributed) and where they sit."""
     tp = tp or current_tensor_parallel_rank()
     placements = {}
     for chunk in model_chunks:
         placements.update(parameter_placements(unwrap_model(chunk), tp))
-    from megatron.core.optimizer import DistributedOptimizer, Float16Optimizer, FP32Optimizer
-
-    if isinstance(optimizer, DistributedOptimizer):
+    if is_optimizer_of_class(optimizer, "DistributedOptimizer"):
         return [MainParamEntry(shard.main_param, placements[shard.model_param], tuple(shard.model_param.shape),
                                (shard.param_start, shard.param_end), shard.model_param.dtype)
                 for shard in optimizer._shards]
-    if isinstance(optimizer, Float16Optimizer):
+    if is_optimizer_of_class(optimizer, "Float16Optimizer"):
         pairs = optimizer._model_and_main
-    elif isinstance(optimizer, FP32Optimizer):
+    elif is_optimizer_of_class(optimizer, "FP32Optimizer"):
         pairs = [(param, param) for param in optimizer.main_params()]
     else:
         raise NotImplementedError(f"no logical checkpoint layout for optimizer {type(optimizer).__name__}")

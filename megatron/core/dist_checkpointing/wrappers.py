@@ -59,9 +59,8 @@ def optimizer_load_targets(optimizer, model_chunks, saved_keys):
         optimizer_state.install_optimizer_state(
             optimizer, installs, loaded.get(optimizer_state.STEP_KEY), loaded.get(optimizer_state.PARAM_GROUPS_KEY),
             loaded.get(optimizer_state.GRAD_SCALER_KEY))
-        from megatron.core.optimizer import DistributedOptimizer
-
-        if isinstance(optimizer, DistributedOptimizer) and optimizer.holds_fp8_parameters():
+        if optimizer_state.is_optimizer_of_class(optimizer, "DistributedOptimizer") and \
+                optimizer.holds_fp8_parameters():
             # The model's FP8 bytes are quantized from the main weights: redo that from the loaded ones. (Other
             # weights were loaded whole on every rank, equal to the main weights in the model's dtype.)
             optimizer._copy_main_params_to_model_params()

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.model_parallel_config import ModelParallelConfig, allow_runtime_hook_assignment
 from megatron.core.offloading.fine_grained import EXPERT_MODULES, OFFLOADABLE_MODULES
 from megatron.core.transformer.init_methods import init_method_normal, scaled_init_method_normal
 from megatron.core.transformer.moe.moe_config import MoEConfigMixin
@@ -616,27 +616,4 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, YarnConfigMixin, MoEConf
                 check_heads_divisible(self.num_attention_heads // tp, self.num_query_groups // tp, split, flag)
 
 
-# Hooks a training loop installs after building its wrappers (`config.no_sync_func = model.no_sync`, ...), as
-# upstream's own loops do; they are run-time callbacks, not model settings, so plain assignment is allowed for
-# them while every other field stays frozen (change those with `dataclasses.replace`, which re-validates).
-RUNTIME_HOOK_FIELDS = frozenset(
-    ("finalize_model_grads_func", "grad_scale_func", "no_sync_func", "grad_sync_func", "param_sync_func", "timers")
-)
-_frozen_setattr = TransformerConfig.__setattr__
-
-
-def _setattr_allowing_runtime_hooks(self, name, value):
-    if name in RUNTIME_HOOK_FIELDS:
-        object.__setattr__(self, name, value)
-        return
-    try:
-        _frozen_setattr(self, name, value)
-    except AttributeError as error:  # dataclasses.FrozenInstanceError
-        raise type(error)(
-            f"cannot assign to field {name!r}: TransformerConfig is frozen; build a new one with "
-            f"dataclasses.replace(config, {name}=...), which re-validates (only the hooks "
-            f"{', '.join(sorted(RUNTIME_HOOK_FIELDS))} may be assigned in place)"
-        ) from None
-
-
-TransformerConfig.__setattr__ = _setattr_allowing_runtime_hooks
+allow_runtime_hook_assignment(TransformerConfig)  # `config.no_sync_func = ...`, as on ModelParallelConfig

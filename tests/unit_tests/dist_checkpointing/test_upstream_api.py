@@ -76,3 +76,49 @@ def test_load_returns_tensors_that_load_state_dict_takes(tmp_path):
     assert all(type(value) is torch.Tensor for value in loaded.values())
     target.load_state_dict(loaded)
     assert all(torch.equal(a, b) for a, b in zip(saved.state_dict().values(), target.state_dict().values()))
+
+
+def _nested(weight, bias):
+    return {"model": {"decoder.w": ShardedLogicalTensor.from_local(weight)},
+            "optimizer": {"state": {"exp_avg": [ShardedLogicalTensor.from_local(bias)]}, "param_groups": [{"lr": 2}]},
+            "iteration": 3, "args": {"seq_length": 8}}
+
+
+def test_nested_state_dict_round_trip(tmp_path):
+    weight, bias = torch.arange(6.0).view(2, 3), torch.tensor([7.0, 8.0])
+    dist_checkpointing.save(_nested(weight, bias), tmp_path / "ckpt")
+    weight_target, bias_target = torch.zeros(2, 3), torch.zeros(2)
+    request = _nested(weight_target, bias_target)
+    request["iteration"] = None
+    loaded = dist_checkpointing.load(request, tmp_path / "ckpt", strict="raise_all")
+    assert torch.equal(weight_target, weight) and torch.equal(bias_target, bias)
+    assert torch.equal(loaded["model"]["decoder.w"], weight)
+    assert torch.equal(loaded["optimizer"]["state"]["exp_avg"][0], bias)
+    assert loaded["optimizer"]["param_groups"] == [{"lr": 2}] and loaded["iteration"] == 3
+    assert loaded["args"] == {"seq_length": 8}
+    common = dist_checkpointing.load_common_state_dict(tmp_path / "ckpt")
+    assert common == {"model": {}, "optimizer": {"state": {"exp_avg": [None]}, "param_groups": [{"lr": 2}]},
+                      "iteration": 3, "args": {"seq_length": 8}}
+
+
+def test_nested_keys_follow_strictness(tmp_path):
+    dist_checkpointing.save(_nested(torch.ones(2, 3), torch.ones(2)), tmp_path / "ckpt")
+    request = {"model": {"decoder.absent": ShardedLogicalTensor.from_local(torch.zeros(2))}, "iteration": None}
+    with pytest.raises(CheckpointKeyError, match=r"not in the checkpoint: decoder.absent;.* not in the model: "
+                                                 r"decoder.w, exp_avg.0"):
+        dist_checkpointing.load(request, tmp_path / "ckpt", strict="raise_all")
+    with pytest.raises(CheckpointKeyError, match="decoder.absent"):
+        dist_checkpointing.load(request, tmp_path / "ckpt")
+    loaded, missing, unexpected = dist_checkpointing.load(request, tmp_path / "ckpt", strict="return_all")
+    assert loaded == {"model": {}, "iteration": 3}
+    assert missing == {"decoder.absent"} and unexpected == {"decoder.w", "exp_avg.0"}
+    with pytest.raises(CheckpointKeyError, match="epoch"):
+        dist_checkpointing.load({"epoch": None}, tmp_path / "ckpt")
+
+
+def test_one_key_for_two_nested_entries_is_refused(tmp_path):
+    entry = {"w": ShardedLogicalTensor.from_local(torch.zeros(2))}
+    with pytest.raises(ValueError, match="'model0.w' and 'model1.w' are both saved under the key 'w'"):
+        dist_checkpointing.save({"model0": entry, "model1": {"w": ShardedLogicalTensor.from_local(torch.ones(2))}},
+                                tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()

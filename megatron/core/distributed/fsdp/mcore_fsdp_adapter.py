@@ -342,21 +342,10 @@ class MegatronFSDPAdapter(DataParallelWrapper):
                 for key, value in self.module.state_dict().items() if torch.is_tensor(value)}
 
     def _logical_names(self):
-        """state-dict key -> its name in the logical model (`dist_checkpointing.logical_names`): global layer
-        and expert indices; a later stage's tied output-layer copy is the word embedding."""
-        from megatron.core.dist_checkpointing.logical_names import TIED_EMBEDDING_NAME, layer_offset_of, logical_name
-        from megatron.core.expert_parameters import global_expert_name
+        """state-dict key -> its name in the logical model (`dist_checkpointing.fsdp_state.logical_names`)."""
+        from megatron.core.dist_checkpointing.fsdp_state import logical_names
 
-        module = self.unwrapped_module
-        offset = layer_offset_of(module)
-        names = {}
-        for name, param in module.named_parameters(remove_duplicate=False):
-            real = self.real_parameter(param)
-            if getattr(real, "shared", False) and getattr(real, "shared_embedding", False):
-                names[name] = TIED_EMBEDDING_NAME
-            else:
-                names[name] = logical_name(global_expert_name(name, real), offset)
-        return lambda key: names.get(key, logical_name(key, offset))
+        return logical_names(self)
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load `state_dict()`'s DTensors, or what `dist_checkpointing.load(model.sharded_state_dict(), ...)`
