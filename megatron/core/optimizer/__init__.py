@@ -263,6 +263,10 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks, no_weight_deca
                                     found_inf_groups, expert_groups)
     has_half_params = any(param.dtype in (torch.float16, torch.bfloat16) for param in all_params)
     if config.fp16 or config.bf16 or has_half_params:
-        return Float16Optimizer(param_groups, factory, config, grad_scaler, grad_stats_groups, found_inf_groups,
-                                expert_groups)
-    return FP32Optimizer(factory(param_groups), config, None, grad_stats_groups, found_inf_groups, expert_groups)
+        optimizer = Float16Optimizer(param_groups, factory, config, grad_scaler, grad_stats_groups, found_inf_groups,
+                                     expert_groups)
+    else:
+        optimizer = FP32Optimizer(factory(param_groups), config, None, grad_stats_groups, found_inf_groups,
+                                  expert_groups)
+    optimizer.model_chunks = list(model_chunks)  # what `sharded_state_dict` checkpoints
+    return optimizer

@@ -184,13 +184,13 @@ class DistributedOptimizer(MegatronOptimizer):
         state["shard_layout"] = self._layout_signature()
         return state
 
-    def load_state_dict(self, state_dict):
+    def load_torch_state_dict(self, state_dict):
         if state_dict.get("shard_layout") != self._layout_signature():
             raise ValueError(
                 "DistributedOptimizer.load_state_dict: the checkpoint was sharded differently (another data-parallel "
                 "size or model layout); save it with gathered_state_dict() and load with load_gathered_state_dict()."
             )
-        super().load_state_dict(state_dict)
+        super().load_torch_state_dict(state_dict)
         with torch.no_grad():
             for shard, saved in zip(self._shards, state_dict["fp32_main_params"], strict=True):
                 shard.main_param.copy_(saved)

@@ -153,6 +153,7 @@ class MegatronFSDPOptimizer(MegatronOptimizer):
 
         self.chunks = _megatron_fsdp_chunks(list(model_chunks))
         self.chunk = self.chunks[0]
+        self.model_chunks = self.chunks  # what `sharded_state_dict` checkpoints
         param_groups = list(param_groups)
         placed = set()
         self.chunk_optimizers = []

@@ -10,6 +10,7 @@ and weights travel between them and the model:
 Gradients are read from `param.main_grad` (the DDP buffer view) when the model is wrapped in DDP, else from
 `param.grad`. Gradient norms and zero counts sum the dense parameters over `grad_stats_groups` and the
 Mixture-of-Experts expert parameters over `expert_grad_stats_groups` (see `megatron.core.expert_parameters`).
+Every optimizer checkpoints through upstream's `sharded_state_dict` / `load_state_dict` (sharded_state.py).
 """
 
 import contextlib
@@ -27,6 +28,7 @@ from megatron.core.optimizer.clip_grads import (
 )
 from megatron.core.expert_parameters import split_expert_parameters
 from megatron.core.optimizer.precision_aware_adam import optimizer_grad
+from megatron.core.optimizer.sharded_state import ShardedStateDictMixin
 from megatron.core.device_utils import get_current_device
 from megatron.core.timers import timed
 
@@ -55,7 +57,7 @@ def fp32_grad(grad):
     return grad if grad.dtype == torch.float32 else grad.float()
 
 
-class MegatronOptimizer:
+class MegatronOptimizer(ShardedStateDictMixin):
     """Common step logic around a `torch.optim.Optimizer` that steps on `main_params()`.
 
     `found_inf_groups`: groups over which an fp16 overflow is agreed on (model-parallel and data-parallel),
@@ -219,7 +221,7 @@ class MegatronOptimizer:
             "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
         }
 
-    def load_state_dict(self, state_dict):
+    def load_torch_state_dict(self, state_dict):
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
@@ -294,8 +296,8 @@ class Float16Optimizer(MegatronOptimizer):
         state["fp32_main_params"] = [main_param.detach().clone() for _, main_param in self._model_and_main]
         return state
 
-    def load_state_dict(self, state_dict):
-        super().load_state_dict(state_dict)
+    def load_torch_state_dict(self, state_dict):
+        super().load_torch_state_dict(state_dict)
         with torch.no_grad():
             for (_, main_param), saved in zip(self._model_and_main, state_dict["fp32_main_params"], strict=True):
                 main_param.copy_(saved)
