@@ -34,6 +34,7 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
 )
 from megatron.training.argument_groups.data import add_tokenizer_file_arguments  # noqa: E402
 from megatron.training.tokenizer import TOKENIZER_TYPES, build_tokenizer_from_args  # noqa: E402
+from megatron.training.tokenizer.tokenizer import SENTENCEPIECE_TOKENIZER_TYPES, sentencepiece_refusal  # noqa: E402
 
 DOCUMENTS_PER_CHUNK = 32
 # Punkt is slow on very long texts: --split-sentences splits a text in pieces of this many characters (as upstream).
@@ -289,7 +290,8 @@ def parse_args(argv=None):
                        "tokenized whole, newlines included)")
     group.add_argument("--lang", default="english", help="with --split-sentences: the language of the punkt model")
     group = parser.add_argument_group("tokenizer")
-    group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES + SENTENCEPIECE_TOKENIZER_TYPES,
+                       help=f"one of {', '.join(TOKENIZER_TYPES)} (upstream's SentencePiece types are refused)")
     group.add_argument("--vocab-size", type=int, default=None,
                        help="for NullTokenizer; for TikTokenizer, the vocabulary with the special tokens "
                        "(default 131072)")
@@ -308,6 +310,8 @@ def parse_args(argv=None):
                        help="accepted for upstream scripts: documents are always written in input order")
     group.add_argument("--log-interval", type=int, default=1000, help="progress line every N documents")
     args = parser.parse_args(argv)
+    if args.tokenizer_type in SENTENCEPIECE_TOKENIZER_TYPES:
+        parser.error(sentencepiece_refusal(args.tokenizer_type))
     if args.workers < 1:
         parser.error("--workers must be at least 1")
     if args.partitions < 1:

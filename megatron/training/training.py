@@ -126,11 +126,13 @@ def set_up_tokenizer_and_microbatches(args):
     `args.padded_vocab_size`) and the number-of-microbatches calculator."""
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.training.checkpoint_args import padded_vocab_size
-    from megatron.training.tokenizer import build_tokenizer_from_args
+    from megatron.training.tokenizer import build_tokenizer_from_args, padded_vocab_message
 
     tokenizer = build_tokenizer_from_args(args)
     set_tokenizer(tokenizer)
     args.padded_vocab_size = padded_vocab_size(args, tokenizer.vocab_size)
+    if getattr(args, "rank", 0) == 0:
+        print(padded_vocab_message(tokenizer.vocab_size, args.padded_vocab_size), flush=True)
     init_num_microbatches_calculator(
         args.rank, args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
         rampup_batch_size=getattr(args, "rampup_batch_size", None),

@@ -25,9 +25,10 @@ def add_tokenizer_file_arguments(group):
     group.add_argument("--tokenizer-model", default=None,
                        help="Tokenizer file or name (HuggingFaceTokenizer), or the .json vocabulary (TikTokenizer).")
     group.add_argument("--trust-remote-code", action="store_true",
-                       help="HuggingFaceTokenizer: a --tokenizer-model directory without tokenizer.json loads with "
+                       help="HuggingFaceTokenizer: a --tokenizer-model directory or name loads with "
                        "transformers.AutoTokenizer.from_pretrained(..., trust_remote_code=True), which may run the "
-                       "directory's Python code. A tokenizer.json is read without running any code either way.")
+                       "directory's Python code. A bare tokenizer.json (or a directory holding only that file) is "
+                       "read without running any code either way.")
     group.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"],
                        help="TikTokenizer pre-tokenizer: v1 splits numbers into digits, v2 into groups of three.")
     group.add_argument("--tiktoken-num-special-tokens", type=int, default=None,

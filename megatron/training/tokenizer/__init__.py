@@ -11,6 +11,7 @@ from megatron.training.tokenizer.tokenizer import (
     build_tokenizer_from_args,
     exact_padding_divisor,
     pad_vocab_size,
+    padded_vocab_message,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "build_tokenizer_from_args",
     "exact_padding_divisor",
     "pad_vocab_size",
+    "padded_vocab_message",
 ]

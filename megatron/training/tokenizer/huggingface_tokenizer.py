@@ -1,6 +1,11 @@
-"""`HuggingFaceTokenizer`: any `tokenizer.json` loadable by the `tokenizers` package (e.g. a locally trained BPE),
-or a Hugging Face tokenizer directory without one (a slow tokenizer, or one whose class is code in the directory),
-loaded with `transformers.AutoTokenizer.from_pretrained` (`--trust-remote-code` lets that run the directory's code).
+"""`HuggingFaceTokenizer`: a Hugging Face tokenizer directory (or hub name) loaded with
+`transformers.AutoTokenizer.from_pretrained`, as upstream (`--trust-remote-code` lets that run the directory's code),
+or a bare `tokenizer.json` (e.g. a locally trained BPE, alone or in a directory without `tokenizer_config.json`)
+loaded with the `tokenizers` package.
+
+As upstream's: `tokenize` gives `AutoTokenizer(text).input_ids` (the special tokens the tokenizer adds, such as a
+beginning-of-sequence token, included), `eod` is `eos_token_id`, `bos` is `bos_token_id`, and `vocab_size` is
+`len(tokenizer)` (added tokens included). `pad` is `pad_token_id`, or `eod` where the tokenizer has none.
 """
 
 import os
@@ -10,6 +15,9 @@ from megatron.training.tokenizer.abstract_tokenizer import MegatronTokenizer
 
 EOD_TOKEN_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[EOS]", "<|end_of_text|>")
 PAD_TOKEN_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]")
+BOS_TOKEN_CANDIDATES = ("<s>", "<bos>", "<|begin_of_text|>", "<|startoftext|>", "[BOS]")
+# What `save_pretrained` writes beside the vocabulary: a directory holding it is a Hugging Face tokenizer directory.
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 def _import_tokenizers():
@@ -35,18 +43,23 @@ def resolve_tokenizer_json(tokenizer_model):
 class TokenizersBackedTokenizer(MegatronTokenizer):
     """Adapter from a `tokenizers.Tokenizer` to the Megatron interface."""
 
-    def __init__(self, backend, eod_token=None, pad_token=None):
+    def __init__(self, backend, eod_token=None, pad_token=None, bos_token=None, search_candidates=True):
+        """Special tokens given as None are looked up among the usual spellings when `search_candidates`; else the
+        tokenizer has no such token (padding then uses the end-of-document id)."""
         self._backend = backend
         self._eod = self._find_token_id(eod_token, EOD_TOKEN_CANDIDATES, "end-of-document")
-        self._pad = self._find_token_id(pad_token, PAD_TOKEN_CANDIDATES, "padding", default=self._eod)
+        self._pad = self._find_token_id(pad_token, PAD_TOKEN_CANDIDATES if search_candidates else (), "padding",
+                                        default=self._eod)
+        self._bos = self._find_token_id(bos_token, BOS_TOKEN_CANDIDATES if search_candidates else (),
+                                        "beginning-of-sequence", required=False)
 
-    def _find_token_id(self, requested, candidates, role, default=None):
+    def _find_token_id(self, requested, candidates, role, default=None, required=True):
         names = (requested,) if requested is not None else candidates
         for name in names:
             token_id = self._backend.token_to_id(name)
             if token_id is not None:
                 return token_id
-        if default is not None:
+        if default is not None or not required:
             return default
         raise ValueError(f"the tokenizer has no {role} token; looked for {', '.join(names)}")
 
@@ -54,8 +67,9 @@ class TokenizersBackedTokenizer(MegatronTokenizer):
     def backend(self):
         return self._backend
 
-    def tokenize(self, text):
-        return self._backend.encode(text, add_special_tokens=False).ids
+    def tokenize(self, text, add_special_tokens=True):
+        """The ids of `text`, with the special tokens the tokenizer's post-processor adds (none for a plain BPE)."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def detokenize(self, token_ids):
         return self._backend.decode([int(token) for token in token_ids], skip_special_tokens=False)
@@ -69,6 +83,11 @@ class TokenizersBackedTokenizer(MegatronTokenizer):
         return self._eod
 
     @property
+    def bos(self):
+        """Id of the beginning-of-sequence token; None where the tokenizer has none."""
+        return self._bos
+
+    @property
     def pad(self):
         return self._pad
 
@@ -79,7 +98,7 @@ class PreTrainedTokenizerBackend:
     def __init__(self, pretrained):
         self.pretrained = pretrained
 
-    def encode(self, text, add_special_tokens=False):
+    def encode(self, text, add_special_tokens=True):
         return types.SimpleNamespace(ids=list(self.pretrained.encode(text, add_special_tokens=add_special_tokens)))
 
     def decode(self, token_ids, skip_special_tokens=False):
@@ -94,29 +113,46 @@ class PreTrainedTokenizerBackend:
         return None if unknown else token_id
 
 
-def load_pretrained_tokenizer(directory, trust_remote_code=False):
-    """`transformers.AutoTokenizer.from_pretrained(directory, trust_remote_code=...)`, for a tokenizer directory
-    that has no tokenizer.json."""
+def load_pretrained_tokenizer(tokenizer_model, trust_remote_code=False):
+    """`transformers.AutoTokenizer.from_pretrained(tokenizer_model, trust_remote_code=...)`: a tokenizer directory
+    or a hub name, as upstream."""
     try:
         from transformers import AutoTokenizer
     except ImportError as error:
-        raise ImportError(f"--tokenizer-model {directory!r} holds no tokenizer.json; loading it needs the "
-                          "`transformers` package: pip install transformers") from error
-    return AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
+        raise ImportError(f"--tokenizer-model {tokenizer_model!r} is a Hugging Face tokenizer directory or name; "
+                          "loading it needs the `transformers` package: pip install transformers") from error
+    try:
+        return AutoTokenizer.from_pretrained(tokenizer_model, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        kind = ValueError if isinstance(error, ValueError) else OSError
+        raise kind(f"--tokenizer-model {tokenizer_model!r}: transformers.AutoTokenizer cannot load it ({error}); give "
+                   "a local tokenizer directory or a tokenizer.json file") from error
+
+
+def _loads_with_auto_tokenizer(tokenizer_model):
+    """A directory `save_pretrained` wrote (it has tokenizer_config.json), one without tokenizer.json, or a name
+    that is no local path; a tokenizer.json file, or a directory holding only one, loads with `tokenizers`."""
+    if os.path.isfile(tokenizer_model):
+        return False
+    if os.path.isdir(tokenizer_model):
+        return os.path.isfile(os.path.join(tokenizer_model, TOKENIZER_CONFIG)) or not os.path.isfile(
+            os.path.join(tokenizer_model, "tokenizer.json"))
+    return not tokenizer_model.endswith(".json")
 
 
 class HuggingFaceTokenizer(TokenizersBackedTokenizer):
-    """Loads `--tokenizer-model path/tokenizer.json` (or a directory holding it) with the `tokenizers` package; a
-    directory without tokenizer.json with `transformers.AutoTokenizer`, which runs the directory's tokenizer code
-    only under `trust_remote_code` (`--trust-remote-code`)."""
+    """`--tokenizer-model DIR` (or a hub name) with `transformers.AutoTokenizer`, which runs the directory's tokenizer
+    code only under `trust_remote_code` (`--trust-remote-code`); `--tokenizer-model path/tokenizer.json`, or a
+    directory holding only that file, with the `tokenizers` package."""
 
     def __init__(self, tokenizer_model, eod_token=None, pad_token=None, trust_remote_code=False):
-        if tokenizer_model is not None and os.path.isdir(tokenizer_model) and not os.path.isfile(
-                os.path.join(tokenizer_model, "tokenizer.json")):
+        if tokenizer_model is not None and _loads_with_auto_tokenizer(tokenizer_model):
             self.tokenizer_path = tokenizer_model
             pretrained = load_pretrained_tokenizer(tokenizer_model, trust_remote_code)
+            # A tokenizer without an eos_token still gets an end-of-document id from the usual spellings.
             super().__init__(PreTrainedTokenizerBackend(pretrained), eod_token or pretrained.eos_token,
-                             pad_token or pretrained.pad_token)
+                             pad_token or getattr(pretrained, "pad_token", None),
+                             getattr(pretrained, "bos_token", None), search_candidates=False)
             return
         tokenizers = _import_tokenizers()
         self.tokenizer_path = resolve_tokenizer_json(tokenizer_model)

@@ -4,7 +4,8 @@ package.
 
 - Vocabulary file (`--tokenizer-model`, `.json`): a list of `{"rank": i, "token_bytes": base64, "token_str": s}`
   in rank order; the first 256 ranks are the single bytes 0..255. Ranks beyond the inner vocabulary
-  (`vocab_size - num_special_tokens`) are dropped.
+  (`vocab_size - num_special_tokens`) are dropped; a file of fewer ranks leaves the ids above them unused, and
+  `vocab_size` is `--vocab-size` (default 131072) either way, as upstream.
 - Ids: `0 .. num_special_tokens - 1` are special tokens (the given list, then `<SPECIAL_i>` fillers);
   BPE rank `r` has id `r + num_special_tokens`. `<unk>`, `<s>` and `</s>` must be among the specials; `</s>` ends
   a document (`eod`).
@@ -89,11 +90,8 @@ class TikTokenizer(MegatronTokenizer):
         if inner_vocab_size < 256:
             raise ValueError(f"--vocab-size ({vocab_size}) must leave at least the 256 byte tokens beside "
                              f"--tiktoken-num-special-tokens ({num_special_tokens})")
+        # As upstream, a vocabulary file of fewer tokens leaves the ids above them unused (vocab_size stays).
         ranks = load_mergeable_ranks(path, max_vocab=inner_vocab_size)
-        if len(ranks) != inner_vocab_size:
-            raise ValueError(f"--tokenizer-model {path!r} holds {len(ranks)} tokens, fewer than --vocab-size "
-                             f"({vocab_size}) minus --tiktoken-num-special-tokens ({num_special_tokens}); lower "
-                             "--vocab-size")
         self.pattern = PATTERNS[pattern]
         self._vocab_size = vocab_size
         self._encoding = _tiktoken().Encoding(name=os.path.basename(os.path.dirname(os.path.abspath(path))) or "tik",

@@ -9,6 +9,16 @@ from megatron.training.tokenizer.tiktoken_tokenizer import DEFAULT_NUM_SPECIAL_T
 _NullTokenizer = NullTokenizer  # upstream's name, imported by Megatron-Core's examples
 
 TOKENIZER_TYPES = ("NullTokenizer", "ByteLevelTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "TikTokenizer")
+# Upstream's types that read a SentencePiece .model file with the sentencepiece package, which is not supported here.
+SENTENCEPIECE_TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+
+
+def sentencepiece_refusal(tokenizer_type):
+    """Why --tokenizer-type `tokenizer_type` (one of upstream's SentencePiece types) is refused, and what to do."""
+    return (f"--tokenizer-type {tokenizer_type} is not supported: upstream reads its SentencePiece .model with the "
+            "sentencepiece package (pip install sentencepiece), and no tokenizer here does; use --tokenizer-type "
+            "HuggingFaceTokenizer with --tokenizer-model set to the model's Hugging Face tokenizer directory (its "
+            "tokenizer.json needs no sentencepiece)")
 
 
 def build_tokenizer(tokenizer_type, vocab_size=None, vocab_file=None, merge_file=None, tokenizer_model=None,
@@ -30,6 +40,8 @@ def build_tokenizer(tokenizer_type, vocab_size=None, vocab_file=None, merge_file
             raise ValueError("--tokenizer-type TikTokenizer needs --tokenizer-model and --tiktoken-pattern")
         return TikTokenizer(tokenizer_model, tiktoken_pattern, vocab_size, tiktoken_num_special_tokens,
                             tiktoken_special_tokens)
+    if tokenizer_type in SENTENCEPIECE_TOKENIZER_TYPES:
+        raise ValueError(sentencepiece_refusal(tokenizer_type))
     raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}")
 
 
@@ -47,6 +59,12 @@ def build_tokenizer_from_args(args):
         tiktoken_special_tokens=getattr(args, "tiktoken_special_tokens", None),
         trust_remote_code=getattr(args, "trust_remote_code", False),
     )
+
+
+def padded_vocab_message(orig_vocab_size, padded_vocab_size):
+    """Upstream's start-up line for the vocabulary padding."""
+    return (f" > padded vocab (size: {orig_vocab_size}) with {padded_vocab_size - orig_vocab_size} dummy tokens "
+            f"(new size: {padded_vocab_size})")
 
 
 def pad_vocab_size(orig_vocab_size, make_vocab_size_divisible_by, tensor_model_parallel_size=1):

@@ -66,6 +66,19 @@ def test_vocabulary_cut_to_vocab_size(vocabulary):
     assert tokenizer.tokenize("hello") == ids(b"hell", b"o")
 
 
+def test_vocabulary_smaller_than_vocab_size_as_upstream(vocabulary):
+    """Upstream keeps --vocab-size (default 131072) when the file holds fewer ranks: the ids above them are unused."""
+    full = TikTokenizer(vocabulary, "v2", vocab_size=SPECIALS + 256 + len(MERGES), num_special_tokens=SPECIALS)
+    larger = TikTokenizer(vocabulary, "v2", vocab_size=400, num_special_tokens=SPECIALS)
+    assert larger.vocab_size == 400
+    assert larger.tokenize("hello world 12345") == full.tokenize("hello world 12345") == ids(
+        b"hello", b" world", b" ", b"123", b"4", b"5")
+    default = TikTokenizer(vocabulary, "v2")  # upstream's defaults: 131072 ids, 1000 of them special
+    assert (default.vocab_size, default.eod, default.bos) == (2**17, 2, 1)
+    assert default.tokenize("hello") == [1000 + rank(b"hello")]
+    assert default.detokenize(default.tokenize("hello world")) == "hello world"
+
+
 def test_flags_build_it(vocabulary, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
@@ -91,8 +104,6 @@ def test_flags_build_it(vocabulary, monkeypatch):
 def test_file_and_size_checks(tmp_path, vocabulary):
     with pytest.raises(ValueError, match="reads a .json vocabulary"):
         TikTokenizer(str(tmp_path / "tokenizer.model"), "v2", vocab_size=300, num_special_tokens=10)
-    with pytest.raises(ValueError, match="fewer than --vocab-size"):
-        TikTokenizer(vocabulary, "v2", vocab_size=400, num_special_tokens=10)
     with pytest.raises(ValueError, match="at least the 256 byte tokens"):
         TikTokenizer(vocabulary, "v2", vocab_size=200, num_special_tokens=10)
     with pytest.raises(ValueError, match="must include <unk>, <s>, </s>; missing </s>"):

@@ -180,3 +180,70 @@ def test_tiktokenizer_flags_and_tokenizer_errors_name_the_flag(tmp_path, preproc
     assert exit_info.value.code == ("cannot build the --tokenizer-type TikTokenizer tokenizer: --tokenizer-type "
                                     "TikTokenizer needs --tokenizer-model and --tiktoken-pattern")
     assert not any(name.startswith("no_") for name in os.listdir(tmp_path))
+
+
+def _llama3_like_directory(directory):
+    """A Hugging Face tokenizer directory that starts every text with <|begin_of_text|> and ends documents with
+    its eos_token <|eot_id|> (not <|endoftext|>, which is in the vocabulary too)."""
+    import tokenizers
+    import transformers
+
+    backend = train_bpe_tokenizer([document["text"] for document in _documents()] * 3, vocab_size=290,
+                                  special_tokens=["<|endoftext|>", "<|begin_of_text|>", "<|eot_id|>"])
+    backend.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", backend.token_to_id("<|begin_of_text|>"))])
+    transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|begin_of_text|>",
+                                         eos_token="<|eot_id|>").save_pretrained(str(directory))
+    return transformers.AutoTokenizer.from_pretrained(str(directory))
+
+
+@pytest.mark.parametrize("tokenizer_type", ["GPT2BPETokenizer", "HuggingFaceTokenizer"])
+def test_upstream_tokenizer_files_give_the_reference_ids_with_any_workers(tmp_path, tokenizer_type, trained_bpe,
+                                                                          preprocess_data, monkeypatch, capsys):
+    """GPT2BPETokenizer from vocab.json + merges.txt writes transformers.GPT2Tokenizer's ids and <|endoftext|>;
+    HuggingFaceTokenizer from a tokenizer directory writes AutoTokenizer(text).input_ids (its beginning-of-sequence
+    token included, as upstream) and eos_token_id; the same bytes with 1 and 2 workers."""
+    transformers = pytest.importorskip("transformers")
+    if tokenizer_type == "GPT2BPETokenizer":
+        directory = os.path.dirname(trained_bpe)
+        vocab_file, merge_file = os.path.join(directory, "vocab.json"), os.path.join(directory, "merges.txt")
+        tokenizer_flags = ["--vocab-file", vocab_file, "--merge-file", merge_file]
+        reference = transformers.GPT2Tokenizer(vocab_file, merge_file)
+        expected_ids, eod = reference.encode, reference.convert_tokens_to_ids("<|endoftext|>")
+    else:
+        reference = _llama3_like_directory(tmp_path / "hf")
+        tokenizer_flags = ["--tokenizer-model", str(tmp_path / "hf")]
+        expected_ids, eod = (lambda text: reference(text).input_ids), reference.eos_token_id
+        assert eod != reference.convert_tokens_to_ids("<|endoftext|>")
+    documents = _documents()[:12]
+    corpus = str(tmp_path / "corpus.jsonl")
+    _write_jsonl(corpus, documents)
+    # The pool's workers fork from this process, and find the tool's functions under its module name.
+    monkeypatch.setitem(sys.modules, preprocess_data.__name__, preprocess_data)
+    outputs = {}
+    for workers in (1, 2):
+        arguments = ("--input", corpus, "--output-prefix", str(tmp_path / f"w{workers}"), "--tokenizer-type",
+                     tokenizer_type, *tokenizer_flags, "--append-eod", "--workers", str(workers))
+        _run_main(preprocess_data, monkeypatch, capsys, *arguments)
+        outputs[workers] = str(tmp_path / f"w{workers}_text_document")
+    for suffix in (".bin", ".idx"):
+        with open(outputs[1] + suffix, "rb") as one, open(outputs[2] + suffix, "rb") as two:
+            assert one.read() == two.read()
+    # As upstream, a text whose ids are only the tokenizer's own (the empty text's <|begin_of_text|>) is a sequence.
+    expected = [expected_ids(document["text"]) + [eod] for document in documents if expected_ids(document["text"])]
+    dataset = IndexedDataset(outputs[1])
+    assert len(dataset) == len(expected) == (11 if tokenizer_type == "GPT2BPETokenizer" else 12)
+    for index, tokens in enumerate(expected):
+        np.testing.assert_array_equal(dataset[index], tokens)
+
+
+def test_sentencepiece_tokenizer_types_name_the_package(tmp_path, preprocess_data, capsys):
+    corpus = str(tmp_path / "corpus.jsonl")
+    _write_jsonl(corpus, _documents()[:1])
+    with pytest.raises(SystemExit):
+        preprocess_data.parse_args(["--input", corpus, "--output-prefix", str(tmp_path / "o"), "--tokenizer-type",
+                                    "GPTSentencePieceTokenizer", "--tokenizer-model", "tokenizer.model"])
+    error = " ".join(capsys.readouterr().err.split())
+    assert ("--tokenizer-type GPTSentencePieceTokenizer is not supported: upstream reads its SentencePiece .model "
+            "with the sentencepiece package (pip install sentencepiece)") in error
+    assert not any(name.startswith("o_") for name in os.listdir(tmp_path))

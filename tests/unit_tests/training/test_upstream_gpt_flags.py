@@ -196,7 +196,7 @@ def test_trust_remote_code_reaches_from_pretrained(tmp_path, from_pretrained_cal
     assert args.trust_remote_code is trusted
     tokenizer = build_tokenizer_from_args(args)
     assert from_pretrained_calls == [(str(tmp_path), {"trust_remote_code": trusted})]
-    assert tokenizer.tokenize("hello world") == [2, 3]  # no special tokens added
+    assert tokenizer.tokenize("hello world") == [2, 3, 1]  # special tokens added, as upstream's tokenizer(text)
     assert tokenizer.detokenize([3, 2]) == "world hello"
     assert (tokenizer.vocab_size, tokenizer.eod, tokenizer.pad) == (4, 1, 1)
 
