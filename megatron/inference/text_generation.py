@@ -13,6 +13,7 @@ alone, and `logprobs[i]` (null unless asked) the log-probability of every token 
 distribution (before temperature and filtering), one fewer than `tokens[i]`.
 """
 
+import inspect
 import random
 from dataclasses import dataclass
 from typing import List, Optional
@@ -50,8 +51,15 @@ class GenerationJob:
     newline_rules: Optional[NewlineRules] = None
 
 
+def _text_ids(tokenizer, text):
+    """The ids of `text` alone: without the BOS / EOS a Hugging Face tokenizer adds to whole prompts."""
+    if "add_special_tokens" in inspect.signature(tokenizer.tokenize).parameters:
+        return tokenizer.tokenize(text, add_special_tokens=False)
+    return tokenizer.tokenize(text)
+
+
 def _single_token(tokenizer, text, field):
-    ids = tokenizer.tokenize(text)
+    ids = _text_ids(tokenizer, text)
     if field is not None and len(ids) != 1:
         raise RequestError(f"{field} needs a tokenizer that encodes {text!r} as one token; this one gives {ids}")
     return ids[0] if len(ids) == 1 else None
