@@ -10,6 +10,7 @@ at one layout and wrapper loads at any other.
 - `optimizer_state`: main parameters and moments keyed by logical name (FP32, mixed-precision, distributed)
 - `fsdp_state`: the same for Megatron-FSDP chunks (from its name-keyed DTensor state dicts)
 - `wrappers`: picks one of the above per wrapper
+- `first_step_state`: optimizer state torch creates on the first step (SGD's momentum), asked for when loading
 - `planners`, `serialization`: DCP save / load with errors naming files and tensors
 - `strictness`: `--dist-ckpt-strictness`
 - `vocab_padding`: word embedding and output layer loaded across another vocabulary padding (another TP size)

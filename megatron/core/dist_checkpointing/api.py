@@ -61,21 +61,58 @@ def load(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strat
     directory = str(checkpoint_dir)
     request = nesting.split(sharded_state_dict)
     metadata = serialization.read_metadata(directory)
-    tensors = serialization.key_mismatch(request.sharded, metadata, [""], getattr(strategy, "process_group", None))
     saved_objects = set(serialization.object_keys(metadata))
-    missing_common = [str(key) for key in request.common_with_values if key not in saved_objects]
+    saved_as = _saved_tensor_keys(request.sharded, set(serialization.tensor_shapes(metadata)))
+    sharded = {saved_as[key]: value for key, value in request.sharded.items()}
+    tensors = serialization.key_mismatch(sharded, metadata, [""], getattr(strategy, "process_group", None))
+    entry_objects = _objects_saved_apart(request.common, saved_objects)
+    missing_common = [str(key) for key in request.common_with_values
+                      if key not in saved_objects and key not in entry_objects]
     mismatch = KeyMismatch(sorted(tensors.missing + missing_common), tensors.unexpected)
     apply_strictness(mode, mismatch, directory)
-    targets = {key: value for key, value in request.sharded.items() if key not in tensors.missing}
+    targets = {key: value for key, value in sharded.items() if key not in tensors.missing}
     targets.update({key: None for key in request.common if key in saved_objects})
+    targets.update({str(entry): None for entries in entry_objects.values() for entry in entries})
     serialization.check_shapes(targets, metadata, directory)
     loaded = strategy.load(targets, checkpoint_dir)
-    loaded_sharded = {key: _local_tensor(loaded[key]) for key in request.sharded if key in targets}
+    loaded_sharded = {key: _local_tensor(loaded[saved_as[key]]) for key in request.sharded if saved_as[key] in targets}
     loaded_common = {key: loaded[key] for key in request.common if key in saved_objects}
+    loaded_common.update({key: {**request.common[key], **{entry: loaded[str(entry)] for entry in entries}}
+                          for key, entries in entry_objects.items()})
     result = nesting.assemble(sharded_state_dict, request, loaded_common, loaded_sharded)
     if mode in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL):
         return result, set(mismatch.missing), set(mismatch.unexpected)
     return result
+
+
+# pretrain_gpt.py's checkpoints (`--ckpt-format torch_dist`) hold the model's tensors under this prefix.
+TRAINING_MODEL_PREFIX = "model."
+
+
+def _saved_tensor_keys(sharded, saved_tensors):
+    """{requested key: the key it is read from}: the key itself, or for a model tensor of a pretrain_gpt
+    checkpoint, which holds `model.<logical name>` where `model.sharded_state_dict()` asks for the logical name,
+    that prefixed key (as upstream, a tensor is found by its own key wherever it sits in the request)."""
+    saved_as = {}
+    for key in sharded:
+        prefixed = TRAINING_MODEL_PREFIX + key
+        use_prefixed = key not in saved_tensors and prefixed in saved_tensors and prefixed not in sharded
+        saved_as[key] = prefixed if use_prefixed else key
+    return saved_as
+
+
+def _objects_saved_apart(common, saved_objects):
+    """{top-level key the checkpoint lacks: its dict's entries that the checkpoint holds as top-level objects}: a
+    pretrain_gpt checkpoint saves `optimizer.step`, `optimizer.param_groups` and `optimizer.grad_scaler` on their
+    own, where a nested request holds them in the optimizer's dict."""
+    found = {}
+    for key, value in common.items():
+        if key in saved_objects or not isinstance(value, dict):
+            continue
+        entries = [entry for entry in value if str(entry) in saved_objects and entry not in common]
+        if entries:
+            found[key] = entries
+    return found
 
 
 def _local_tensor(value):

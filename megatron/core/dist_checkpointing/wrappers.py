@@ -7,6 +7,7 @@ same logical keys. Either way the result is `{logical key: ShardedLogicalTensor 
 """
 
 from megatron.core.dist_checkpointing import fsdp_state, optimizer_state
+from megatron.core.dist_checkpointing.first_step_state import first_step_state
 from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict
 
 
@@ -49,16 +50,21 @@ def optimizer_state_to_save(optimizer, model_chunks, include_tied_copies=False):
 
 
 def optimizer_load_targets(optimizer, model_chunks, saved_keys):
-    """(targets, install): load into `targets` (objects included), then call `install(targets)`."""
+    """(targets, install): load into `targets` (objects included), then call `install(loaded)`, `loaded` holding
+    the keys of the targets that were loaded (state the checkpoint lacks is not installed)."""
     if _is_fsdp(model_chunks):
-        return fsdp_state.optimizer_load_targets(optimizer, model_chunks, saved_keys)
+        with first_step_state(optimizer):  # its targets come from the state the optimizer holds
+            return fsdp_state.optimizer_load_targets(optimizer, model_chunks, saved_keys)
     entries = optimizer_state.main_param_entries(optimizer, model_chunks)
     targets, installs = optimizer_state.optimizer_load_targets(entries, saved_keys)
 
     def install(loaded):
+        loaded_installs = [(entry, {key: tensor for key, tensor in moments.items()
+                                    if optimizer_state.state_key(entry.placement.logical_name, key) in loaded})
+                           for entry, moments in installs]
         optimizer_state.install_optimizer_state(
-            optimizer, installs, loaded.get(optimizer_state.STEP_KEY), loaded.get(optimizer_state.PARAM_GROUPS_KEY),
-            loaded.get(optimizer_state.GRAD_SCALER_KEY))
+            optimizer, loaded_installs, loaded.get(optimizer_state.STEP_KEY),
+            loaded.get(optimizer_state.PARAM_GROUPS_KEY), loaded.get(optimizer_state.GRAD_SCALER_KEY))
         if optimizer_state.is_optimizer_of_class(optimizer, "DistributedOptimizer") and \
                 optimizer.holds_fp8_parameters():
             # The model's FP8 bytes are quantized from the main weights: redo that from the loaded ones. (Other

@@ -17,6 +17,7 @@ goes through the optimizer's own `load_state_dict`.
 
 import torch
 
+from megatron.core.dist_checkpointing.first_step_state import first_step_state
 from megatron.core.dist_checkpointing.logical_names import GRAD_SCALER_KEY, PARAM_GROUPS_KEY, STATE_PREFIX, STEP_KEY
 from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor
 
@@ -80,9 +81,11 @@ class ShardedStateDictMixin:
             self._pending_logical_install = None
             return wrappers.optimizer_state_to_save(self, chunks)
         _initialize_state(self.optimizer)
-        # What this optimizer would save, tied copies included (another stage saves their logical tensor).
-        saved_keys = list(wrappers.optimizer_state_to_save(self, chunks, include_tied_copies=True))
-        targets, install = wrappers.optimizer_load_targets(self, chunks, saved_keys)
+        # What this optimizer would save after a step (SGD's momentum buffers included), tied copies included
+        # (another stage saves their logical tensor).
+        with first_step_state(self.optimizer):
+            saved_keys = list(wrappers.optimizer_state_to_save(self, chunks, include_tied_copies=True))
+            targets, install = wrappers.optimizer_load_targets(self, chunks, saved_keys)
         targets.update({key: None for key in OBJECT_KEYS})  # objects: the loader puts the saved values here
         self._pending_logical_install = (targets, install)
         return targets
@@ -99,6 +102,8 @@ class ShardedStateDictMixin:
         targets, install = self._pending_logical_install
         self._pending_logical_install = None
         _copy_into_targets(targets, state_dict)
+        for key in [key for key in targets if key not in state_dict]:  # not in the checkpoint (lenient `strict`)
+            del targets[key]
         install({**targets, **state_dict})
         return None
 

@@ -617,3 +617,44 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, YarnConfigMixin, MoEConf
 
 
 allow_runtime_hook_assignment(TransformerConfig)  # `config.no_sync_func = ...`, as on ModelParallelConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLATransformerConfig(TransformerConfig):
+    """A `TransformerConfig` for multi-latent attention with upstream Megatron-Core's defaults (DeepSeek-V2/V3
+    shapes, RMSNorm, YaRN with a scaling factor of 40), for code that builds its config as upstream does. The
+    fields are `TransformerConfig`'s own (see `mla_config.MLAConfigMixin`); only their defaults differ, and
+    `multi_latent_attention` must stay True."""
+
+    multi_latent_attention: bool = True
+    q_lora_rank: Optional[int] = 512
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    normalization: str = "RMSNorm"
+    rope_type: str = "yarn"
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    """Upstream's fraction of the rope channels that RoPE rotates; multi-latent attention rotates all of them."""
+    rotary_scaling_factor: float = 40.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    cache_mla_latents: bool = False
+    """Upstream's latent KV cache for its dynamic inference engine with Flash MLA; not available here."""
+
+    def __post_init__(self):
+        if not self.multi_latent_attention:
+            raise ValueError("MLATransformerConfig is the multi-latent attention config: keep "
+                             "multi_latent_attention=True, or build a TransformerConfig for standard attention")
+        if self.rotary_percent != 1.0:
+            raise ValueError(f"MLATransformerConfig: rotary_percent {self.rotary_percent}: multi-latent attention "
+                             "rotates all qk_pos_emb_head_dim channels; set qk_pos_emb_head_dim to the channels to "
+                             "rotate and keep rotary_percent=1.0")
+        if self.cache_mla_latents:
+            raise ValueError("MLATransformerConfig: cache_mla_latents (upstream's latent KV cache for Flash MLA) is "
+                             "not available; keep cache_mla_latents=False (inference caches keys and values)")
+        super().__post_init__()

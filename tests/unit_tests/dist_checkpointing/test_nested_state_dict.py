@@ -111,3 +111,51 @@ def _megatron_fsdp_round_trip(directory):
 def test_megatron_fsdp_round_trip(tmp_path, world_size):
     for zeroed, equal, iteration in run_on_ranks(world_size, _megatron_fsdp_round_trip, str(tmp_path / "ckpt")):
         assert zeroed and equal and iteration == 7
+
+
+def _torch_optimizer_state(optimizer):
+    torch_optimizer = optimizer.optimizer
+    return [{key: value.clone() for key, value in torch_optimizer.state[param].items()}
+            for group in torch_optimizer.param_groups for param in group["params"]]
+
+
+def _own_loop_loads_pretrain_checkpoint(root):
+    """A checkpoint pretrain_gpt saves (tensors under `model.<logical name>`, the optimizer's objects at the top)
+    loaded with upstream's own-loop calls: {weights equal, moments equal, moments not zero, loaded step}."""
+    from megatron.training.dist_checkpoint import save_dist_checkpoint
+    from tests.unit_tests.dist_checkpointing.pretrain_helpers import TrainingState
+
+    state = TrainingState(f"--use-distributed-optimizer --ckpt-format torch_dist --save {root}")
+    state.train_steps(2)
+    save_dist_checkpoint(2, state.model, state.optimizer, state.scheduler, state.args)
+    saved_weights = {name: param.detach().clone() for name, param in state.model[0].module.named_parameters()}
+    saved_moments = _torch_optimizer_state(state.optimizer)
+    state.close()
+
+    state = TrainingState("--use-distributed-optimizer --seed 7")  # other weights: the load must replace them
+    chunk, optimizer = state.model[0], state.optimizer
+    model_sd = chunk.sharded_state_dict()
+    loaded = dist_checkpointing.load({"model": model_sd,
+                                      "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)},
+                                     f"{root}/iter_0000002")
+    chunk.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    weights = {name: param.detach() for name, param in chunk.module.named_parameters()}
+    moments = _torch_optimizer_state(optimizer)
+    result = {
+        "weights": set(weights) == set(saved_weights) and all(
+            torch.equal(weights[name], saved_weights[name]) for name in weights),
+        "moments": len(moments) == len(saved_moments) and all(
+            mine.keys() == saved.keys() and all(torch.equal(mine[key], saved[key]) for key in mine)
+            for mine, saved in zip(moments, saved_moments)),
+        "moments_nonzero": all(state_["exp_avg"].abs().sum() > 0 for state_ in moments),
+        "step": loaded["optimizer"]["optimizer.step"],
+    }
+    state.close()
+    return result
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_own_loop_loads_a_pretrain_gpt_checkpoint(tmp_path, world_size):
+    for result in run_on_ranks(world_size, _own_loop_loads_pretrain_checkpoint, str(tmp_path / "ckpt")):
+        assert result == {"weights": True, "moments": True, "moments_nonzero": True, "step": 2.0}

@@ -130,3 +130,30 @@ def test_resume_with_dropout_and_evaluations_draws_the_uninterrupted_masks(tmp_p
     assert sorted(reference) == list(range(1, 7))
     assert resumed == {i: reference[i] for i in range(5, 7)}
     assert all(reference[i] != without_dropout[i] for i in (1, 2))  # the masks are in the losses
+
+
+SGD_FOUR_ITERATIONS = "--optimizer sgd --sgd-momentum 0.9 --train-iters 4 --lr-decay-iters 4 --ckpt-format torch_dist"
+SGD_LAYOUTS = ("dp2_ddp", "dp2_distopt", "mfsdp_z3")
+
+
+def _sgd_save_then_resume(workdir):
+    from megatron.training.checkpointing import write_tracker
+
+    runs = {}
+    for name in SGD_LAYOUTS:
+        root = os.path.join(workdir, name)
+        reference = run_pretrain(workdir, f"{LAYOUTS[name]} {SGD_FOUR_ITERATIONS} --save {root} --save-interval 2")
+        if torch.distributed.get_rank() == 0:
+            write_tracker(root, 2)
+        torch.distributed.barrier()
+        runs[name] = reference, run_pretrain(workdir, f"{LAYOUTS[name]} {SGD_FOUR_ITERATIONS} --load {root}")
+    return runs
+
+
+@pytest.mark.world_size(2)
+def test_resume_with_sgd_momentum_loads_the_momentum_buffers(tmp_path):
+    # SGD creates its momentum buffers on the first step: a resumed run must still load the saved ones (iteration
+    # 4 is the first whose loss depends on them).
+    for name, (reference, resumed) in run_on_ranks(2, _sgd_save_then_resume, str(tmp_path))[0].items():
+        assert sorted(reference) == [1, 2, 3, 4], name
+        assert resumed == {3: reference[3], 4: reference[4]}, name

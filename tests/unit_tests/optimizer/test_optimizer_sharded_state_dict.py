@@ -12,8 +12,8 @@ VOCAB, SEQ, MICRO_BATCH, HIDDEN, HEADS = 32, 8, 2, 16, 2
 STEPS_BEFORE_SAVE, STEPS_AFTER_LOAD = 2, 2
 
 
-def _build(wrapper, seed):
-    """A tiny GPT on this rank, wrapped by `wrapper`, and its optimizer."""
+def _build(wrapper, seed, optimizer="adam"):
+    """A tiny GPT on this rank, wrapped by `wrapper`, and its `optimizer` ("adam", or "sgd" with momentum)."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -41,8 +41,8 @@ def _build(wrapper, seed):
         chunk = DistributedDataParallel(
             config, DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer), model)
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0, use_distributed_optimizer=distributed_optimizer),
-        [chunk])
+        OptimizerConfig(optimizer=optimizer, lr=1e-2, weight_decay=0.1, clip_grad=1.0, sgd_momentum=0.9,
+                        use_distributed_optimizer=distributed_optimizer), [chunk])
     return chunk, optimizer
 
 
@@ -100,16 +100,16 @@ def _load(chunk, optimizer, directory, nested=True):
                                                           f"{directory}/optimizer"))
 
 
-def _resume_matches_uninterrupted(directory, wrapper):
-    chunk, optimizer = _build(wrapper, seed=1)
+def _resume_matches_uninterrupted(directory, wrapper, optimizer_name="adam"):
+    chunk, optimizer = _build(wrapper, 1, optimizer_name)
     uninterrupted = _train(chunk, optimizer, range(STEPS_BEFORE_SAVE + STEPS_AFTER_LOAD))
     uninterrupted_weights = _weights(chunk)
 
-    chunk, optimizer = _build(wrapper, seed=1)
+    chunk, optimizer = _build(wrapper, 1, optimizer_name)
     _train(chunk, optimizer, range(STEPS_BEFORE_SAVE))
     _save(chunk, optimizer, directory)
 
-    chunk, optimizer = _build(wrapper, seed=2)  # other weights: the load must replace them
+    chunk, optimizer = _build(wrapper, 2, optimizer_name)  # other weights: the load must replace them
     _load(chunk, optimizer, directory)
     resumed = _train(chunk, optimizer, range(STEPS_BEFORE_SAVE, STEPS_BEFORE_SAVE + STEPS_AFTER_LOAD))
     weights = _weights(chunk)
@@ -123,6 +123,16 @@ def _resume_matches_uninterrupted(directory, wrapper):
 def test_resume_from_sharded_optimizer_state_matches_uninterrupted_run(tmp_path, world_size, wrapper):
     for expected, resumed, same_weights in run_on_ranks(world_size, _resume_matches_uninterrupted,
                                                         str(tmp_path / "ckpt"), wrapper):
+        assert resumed == expected
+        assert same_weights
+
+
+@pytest.mark.parametrize("world_size", [2])
+@pytest.mark.parametrize("wrapper", ["ddp", "ddp_distributed_optimizer", "megatron_fsdp"])
+def test_sgd_momentum_buffer_is_loaded(tmp_path, world_size, wrapper):
+    """A fresh SGD has no momentum buffer before its first step: loading must still ask for the saved one."""
+    for expected, resumed, same_weights in run_on_ranks(world_size, _resume_matches_uninterrupted,
+                                                        str(tmp_path / "ckpt"), wrapper, "sgd"):
         assert resumed == expected
         assert same_weights
 
@@ -178,3 +188,60 @@ def test_torch_style_state_dict_still_loads_and_logical_state_needs_its_targets(
         fresh.load_state_dict({"optimizer.step": 1.0})
     with pytest.raises(ValueError, match="model_chunks="):
         fresh.sharded_state_dict({})
+
+
+def _linear_with_sgd(seed, dampening=0.0):
+    from megatron.core.optimizer import FP32Optimizer, OptimizerConfig
+
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    optimizer = FP32Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=dampening),
+                              OptimizerConfig(optimizer="sgd", lr=0.1), grad_stats_groups=[])
+    optimizer.model_chunks = [model]
+    return model, optimizer
+
+
+def _sgd_step(model, optimizer, seed):
+    generator = torch.Generator().manual_seed(seed)
+    model.zero_grad()
+    model(torch.randn(5, 4, generator=generator)).square().sum().backward()
+    optimizer.step()
+
+
+def test_sgd_momentum_buffers_are_asked_for_and_installed_only_where_loaded(tmp_path):
+    from megatron.core import dist_checkpointing
+
+    model, optimizer = _linear_with_sgd(seed=1)
+    for step in range(2):
+        _sgd_step(model, optimizer, step)
+    dist_checkpointing.save({"model": model.state_dict(), "optimizer": optimizer.sharded_state_dict()},
+                            tmp_path / "after_steps")
+
+    fresh_model, fresh = _linear_with_sgd(seed=2)
+    targets = fresh.sharded_state_dict(is_loading=True)
+    assert {"optimizer.state.weight.momentum_buffer", "optimizer.state.bias.momentum_buffer"} <= set(targets)
+    assert not fresh.optimizer.state  # asking does not create buffers: a fresh first step stays torch's
+    fresh.load_state_dict(dist_checkpointing.load({"optimizer": targets}, tmp_path / "after_steps")["optimizer"])
+    for name, param in model.named_parameters():
+        fresh_param = dict(fresh_model.named_parameters())[name]
+        assert torch.equal(fresh.optimizer.state[fresh_param]["momentum_buffer"],
+                           optimizer.optimizer.state[param]["momentum_buffer"]), name
+
+
+def test_sgd_checkpoint_without_momentum_buffers_keeps_the_first_step_rule(tmp_path):
+    """Saved before any step: nothing is installed, so the next step sets the buffer to the gradient as a fresh
+    SGD does (a zero buffer would give (1 - dampening) * gradient)."""
+    from megatron.core import dist_checkpointing
+
+    model, optimizer = _linear_with_sgd(seed=1, dampening=0.5)
+    dist_checkpointing.save(optimizer.sharded_state_dict(), tmp_path / "before_steps")
+    _sgd_step(model, optimizer, seed=0)
+
+    resumed_model, resumed = _linear_with_sgd(seed=1, dampening=0.5)
+    resumed.load_state_dict(dist_checkpointing.load(resumed.sharded_state_dict(is_loading=True),
+                                                    tmp_path / "before_steps", strict="log_all"))
+    assert not any("momentum_buffer" in state for state in resumed.optimizer.state.values())
+    _sgd_step(resumed_model, resumed, seed=0)
+    for (name, param), resumed_param in zip(model.named_parameters(), resumed_model.parameters(), strict=True):
+        assert torch.equal(resumed_param, param), name
+        assert torch.equal(resumed.optimizer.state[resumed_param]["momentum_buffer"], param.grad), name

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 BASE = dict(num_layers=8, hidden_size=64, num_attention_heads=4)
 
@@ -115,3 +115,47 @@ def test_training_loop_hooks_can_be_assigned_in_place():
     with pytest.raises(dataclasses.FrozenInstanceError, match=r"dataclasses.replace\(config, hidden_size=\.\.\.\)"):
         config.hidden_size = 16
     assert config.hidden_size == 8
+
+
+MLA_SHAPE = dict(q_lora_rank=8, kv_lora_rank=12, qk_head_dim=6, qk_pos_emb_head_dim=4, v_head_dim=10)
+
+
+def test_mla_transformer_config_has_upstreams_defaults():
+    config = MLATransformerConfig(**BASE)
+    assert config.multi_latent_attention and isinstance(config, TransformerConfig)
+    assert (config.q_lora_rank, config.kv_lora_rank, config.qk_head_dim, config.qk_pos_emb_head_dim,
+            config.v_head_dim) == (512, 512, 128, 64, 128)
+    assert (config.normalization, config.rope_type, config.rotary_base, config.rotary_scaling_factor) == \
+        ("RMSNorm", "yarn", 10000.0, 40.0)
+    assert (config.original_max_position_embeddings, config.beta_fast, config.beta_slow, config.mscale,
+            config.mscale_all_dim) == (4096, 32.0, 1.0, 1.0, 0.0)
+    for overrides, message in ((dict(multi_latent_attention=False), "keep multi_latent_attention=True"),
+                               (dict(rotary_percent=0.5), "rotary_percent"),
+                               (dict(cache_mla_latents=True), "cache_mla_latents"),
+                               (dict(num_query_groups=2), "--num-query-groups")):
+        with pytest.raises(ValueError, match=message):
+            MLATransformerConfig(**BASE, **overrides)
+
+
+def test_gpt_model_built_from_mla_transformer_config_equals_the_transformer_config_one():
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+    from tests.unit_tests.models.gpt.gpt_test_utils import fixed_batch, seeded_model
+
+    common = dict(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0,
+                  **MLA_SHAPE)
+    mla = MLATransformerConfig(**common, rotary_scaling_factor=4.0, original_max_position_embeddings=8)
+    plain = TransformerConfig(**common, multi_latent_attention=True, normalization="RMSNorm",
+                              rotary_scaling_factor=4.0, original_max_position_embeddings=8)
+    tokens, labels, position_ids = fixed_batch()
+    model = seeded_model(mla, position_embedding_type="rope")
+    reference = seeded_model(plain, position_embedding_type="rope")
+    attention = model.decoder.layers[0].self_attention
+    assert isinstance(attention, MLASelfAttention)
+    assert (attention.linear_q_down_proj.weight.shape, attention.linear_kv_down_proj.weight.shape,
+            attention.linear_kv_up_proj.weight.shape) == ((8, 32), (12 + 4, 32), (4 * (6 + 10), 12))
+    assert [(name, tuple(p.shape)) for name, p in model.named_parameters()] == \
+        [(name, tuple(p.shape)) for name, p in reference.named_parameters()]
+    with torch.no_grad():
+        loss = model(tokens, position_ids, labels=labels)
+        assert torch.equal(loss, reference(tokens, position_ids, labels=labels))
+    assert torch.isfinite(loss).all() and loss.shape == labels.shape
