@@ -36,6 +36,8 @@ def _write(kind, model):
         for param in model.parameters():
             if kind == "add":
                 param.add_(0.01)
+            elif kind == "add_large":
+                param.add_(0.1)
             elif kind == "data_copy":
                 param.data.copy_(param.data * 0.5 + 0.125)
             elif kind == "mul":
@@ -158,3 +160,77 @@ def test_parameters_taken_before_wrapping_raise_instead_of_touching_released_mem
     assert lines[1:6] == ["error True True"] * 5, lines
     expected = weight.sum().item()
     assert lines[6].startswith("gathered sum ") and float(lines[6].split()[-1]) == pytest.approx(expected, abs=1e-5)
+
+
+# bf16 compute weights over fp32 main weights: a write to the parameters between steps must reach the main
+# weights, which the next step would otherwise install over it (the write lost without an error).
+BF16_WRITES = ("add_large", "data_copy", "ema")
+# bf16 compute against the fp32 reference: off by up to 0.007 (bf16 rounding of the weights and activations); a
+# lost write is off by 0.1 to 0.4.
+BF16_ATOL, BF16_RTOL = 1e-2, 2e-2
+
+
+def _steps_around_write(model, optimizer, kind, local):
+    for step, (inputs, target) in enumerate(models.make_batches(2)):
+        optimizer.zero_grad()
+        models.loss_fn(model(local(inputs)), local(target)).backward()
+        optimizer.step()
+        if step == 0:
+            _write(kind, model)
+
+
+def _bf16_reference(kind):
+    model = models.make_model(0)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    _steps_around_write(model, optimizer, kind, lambda tensor: tensor)
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def _bf16_sharded(strategies, overlap_param_gather):
+    """{(strategy, kind): full weights after step, write, step} or the error the write raised."""
+    import torch.distributed as dist
+
+    import megatron_fsdp
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = lambda tensor: models.local_slice(tensor, rank, world).to(torch.bfloat16)  # noqa: E731
+    results = {}
+    for strategy in strategies:
+        for kind in BF16_WRITES:
+            module = models.make_model(0, dtype=torch.bfloat16)
+            optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=LR)
+            model, optimizer = megatron_fsdp.fully_shard(module, optimizer, fsdp_unit_modules=[models.Block],
+                                                         zero_dp_strategy=strategy,
+                                                         overlap_param_gather=overlap_param_gather)
+            try:
+                _steps_around_write(model, optimizer, kind, local)
+                results[(strategy, kind)] = models.full_params(model)
+            except RuntimeError as error:
+                results[(strategy, kind)] = str(error)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_bf16_writes_between_steps_reach_the_fp32_main_weights(world_size):
+    """zero_dp_strategy 3, and 1 without overlapped parameter gathers: the weights after the next step are the
+    unwrapped model's, within bf16 rounding."""
+    references = {kind: _bf16_reference(kind) for kind in BF16_WRITES}
+    for rank, results in enumerate(run_on_ranks(world_size, _bf16_sharded, (1, 3), False)):
+        assert set(results) == {(strategy, kind) for strategy in (1, 3) for kind in BF16_WRITES}, rank
+        for (strategy, kind), params in results.items():
+            assert not isinstance(params, str), (rank, strategy, kind, params)
+            expected = references[kind]
+            for name, value in params.items():
+                torch.testing.assert_close(value, expected[name], rtol=BF16_RTOL, atol=BF16_ATOL,
+                                           msg=f"rank {rank} strategy {strategy} {kind} {name}")
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_writes_racing_the_post_step_gather_raise(world_size):
+    """zero_dp_strategy 1/2 with overlap_param_gather: the all-gather in flight after a step would overwrite a
+    write to the parameters, through them (`p.add_`, `p.lerp_`) or through `p.data`; the next forward or step
+    raises, naming what to use instead."""
+    for results in run_on_ranks(world_size, _bf16_sharded, (2,), True):
+        assert set(results) == {(2, kind) for kind in BF16_WRITES}
+        for key, error in results.items():
+            assert isinstance(error, str) and "post-step all-gather" in error and "model.apply(fn)" in error, key

@@ -171,6 +171,8 @@ class GatherReleasePolicy:
         for group in forward_order:
             self._wait_gather(group)  # an earlier gather of it still queued or in flight lands first
         self.param_syncs_queued = [group for group in forward_order if group.trainable]
+        for group in self.param_syncs_queued:
+            group.note_param_sync_queued()
         self._start_queued_param_syncs()
         if not async_op:
             self.wait_gathered(self.groups)

@@ -451,9 +451,28 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
         self.schedule.start_grad_sync()
 
     def finish_grad_sync(self):
+        self.adopt_written_weights()
         if self.schedule.finish_grad_sync():
             self.steps_recorded += 1
             self.schedule.param_grads.attach()
+
+    def adopt_written_weights(self):
+        """Make in-place writes to the parameters since the last optimizer step (`p.add_`, `p.data.copy_`,
+        `p.lerp_`, ... between steps) the weights the next step updates: with main weights in another dtype
+        (fp32 main weights of a bf16 model) the step would otherwise overwrite them. Called by
+        `finish_grad_sync` (so by `optimizer.step()`); strategies 1/2 first wait for the post-step all-gather."""
+        if self.strategy in (ShardingStrategy.optim, ShardingStrategy.optim_grads):
+            self.schedule.wait_gathered(self.groups)
+            # Groups whose rows changed while their post-step all-gather was in flight: one host synchronisation.
+            raced = [(group, flag) for group in self.groups
+                     for flag in (group.take_param_sync_write_flag(),) if flag is not None]
+            if raced:
+                for (group, _), value in zip(raced, torch.stack([flag for _, flag in raced]).tolist()):
+                    if value:
+                        raise group.param_sync_write_error()
+        for group in self.groups:
+            if group.compute_written():
+                group.adopt_written_compute_weights()
 
     def start_param_sync(self, force_sync: bool = False):
         self.schedule.start_param_sync(async_op=not force_sync)

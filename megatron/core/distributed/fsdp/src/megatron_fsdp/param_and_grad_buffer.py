@@ -291,7 +291,8 @@ class ParamGroup(GroupWeights, GroupGrads):
         gathered += tensor_bytes(self.gather_staging) + tensor_bytes(self.wire_gathered)
         if self.pending_gather is not None:
             gathered += self.pending_gather.staging_bytes
-        if self._gather_send is not None and self._gather_send.data_ptr() not in (
+        if self._gather_send is not None and self._gather_send.untyped_storage().data_ptr() != (
+                self.compute_buffer.untyped_storage().data_ptr()) and self._gather_send.data_ptr() not in (
                 self.main_weights.data_ptr() if self.main_weights is not None else None,
                 self.compute_shard.data_ptr() if self.compute_shard is not None else None,
                 self.wire_shard.data_ptr() if self.wire_shard is not None else None):

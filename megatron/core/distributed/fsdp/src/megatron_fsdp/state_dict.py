@@ -338,6 +338,7 @@ def optimizer_state_dict(optimizer) -> dict:
 
     model, by_name = _optimizer_params_by_name(optimizer)
     _check_checkpointable(model)
+    model.adopt_written_weights()  # the main weights saved include writes to the parameters since the last step
     initialize_optimizer_state(optimizer)
     names = optimizer._megatron_fsdp_param_names
     state = {}

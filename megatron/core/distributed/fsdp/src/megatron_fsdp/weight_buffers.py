@@ -54,6 +54,24 @@ class DoubleBufferPool:
         return 2 * self.slot_bytes
 
 
+_BITS_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` viewed as integers of its element size: compared bit for bit, faster than bf16 arithmetic on
+    CPUs, and a NaN left in place compares equal."""
+    return tensor.view(_BITS_OF_SIZE[tensor.element_size()])
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(_as_bits(a), _as_bits(b))
+
+
+def _written_elements(compute: torch.Tensor, main: torch.Tensor) -> torch.Tensor:
+    """Where `compute` no longer holds `main` cast to its dtype."""
+    return _as_bits(compute).ne(_as_bits(main.to(compute.dtype)))
+
+
 class GroupWeights:
     """Compute-weight storage, gathers and main-weight moves of a `ParamGroup` (mixed into it; reads the buffers
     and layout its constructor sets up: `compute_buffer`, `compute_shard`, `main_weights`, `wire_shard`, ...)."""
@@ -148,6 +166,104 @@ class GroupWeights:
         for piece, view in zip(self.pieces, self.main_param_views):
             view.copy_(values[piece.shard_start:piece.shard_end])
 
+    def _compute_and_main(self) -> list:
+        """(compute weights, main weights) pairs, laid out alike, covering this rank's main weights: the flat
+        buffers where they match, else one pair per parameter. Empty when the main weights are the compute
+        weights (same dtype) or there are none."""
+        if self.main_weights is None or self.main_in_compute_buffer or self.main_weights is self.compute_shard:
+            return []
+        if not self.main_separated and self.strategy in (ShardingStrategy.no_shard,
+                                                         ShardingStrategy.optim_grads_params):
+            compute = self.compute_buffer if self.strategy == ShardingStrategy.no_shard else self.compute_shard
+            return [(compute[self.sub_shard_slice] if self.outer_sharded else compute, self.main_weights)]
+        if self.layout.forms_coincide and not self.main_separated:  # strategies 1/2: this rank's slot
+            return [(self.compute_buffer[slice(*self.layout.shard_range(self.dp_rank))], self.main_weights)]
+        return [(self.main_install_target(index) if not self.outer_sharded else
+                 self._main_view(self.compute_shard[self.sub_shard_slice], index), view)
+                for index, view in enumerate(self.main_param_views)]
+
+    def _differs_from_main(self, pairs) -> torch.Tensor:
+        """Whether any compute weight differs from its main weight cast to the compute dtype: a device flag
+        (no host synchronisation)."""
+        flags = [_written_elements(compute.to(main.device), main).any() for compute, main in pairs]
+        return flags[0] if len(flags) == 1 else torch.stack(flags).any()
+
+    def compute_written(self) -> bool:
+        """Between steps: whether the compute weights were written since the main weights were last installed
+        into them (False when there is nothing to compare: no separate main weights, or the compute weights are
+        not up to date with them now). Two passes over the shard (a cast, an early-exit comparison) and a host
+        synchronisation per pair. See `adopt_written_compute_weights`."""
+        if (self.outer_sharded and self.compute_shard_stale) or self.weight_state is WeightState.GATHERING:
+            return False
+        return not all(_bits_equal(compute.to(main.device), main.to(compute.dtype))
+                       for compute, main in self._compute_and_main())
+
+    def adopt_written_compute_weights(self):
+        """Take in-place writes to the compute weights since the last install into the main weights.
+
+        Between steps the module's parameters (strategy 3's resting DTensors, the full parameters otherwise) are
+        the compute weights; a write to them (`p.add_`, `p.data.copy_`, `p.lerp_`, `torch.nn.init`, ...) would be
+        overwritten by the next install of the main weights. Every element of this rank's compute weights that
+        no longer equals its main weight cast to the compute dtype takes the written value; the others keep the
+        main precision. Called where `compute_written_flag()` is set; strategies 1/2: once the post-step
+        all-gather has landed (writes made while it was in flight are lost to it, see
+        `_raise_if_written_during_param_sync`)."""
+        for compute, main in self._compute_and_main():
+            compute = compute.to(main.device)
+            torch.where(_written_elements(compute, main), compute.to(main.dtype), main, out=main)
+
+    # ---- post-step all-gather of strategies 1/2 and writes racing it -----------------------------------------
+    # Between a step and the landing of the all-gather that follows it, the module's parameters (views of the
+    # compute buffer) hold other ranks' rows of the previous weights; a write to them then is overwritten by the
+    # gather, and is an error. Two checks see it: the parameters' version counters (writes through the
+    # parameters: `p.add_`, `p.copy_`, `p.lerp_`, torch.nn.init; raised when the gather lands) and, with main
+    # weights of their own dtype, this rank's rows compared with the main weights just before the gather lands
+    # (any write, `p.data.copy_` too; a device flag, raised by `take_param_sync_write_flag`'s caller).
+    _param_sync_version = None  # the sum of the parameters' version counters when the gather was queued
+    _written_during_param_sync = False
+    _rows_written_flag = None
+
+    def _params_version(self) -> int:
+        return sum(param._version for param in self.params)
+
+    def note_param_sync_queued(self):
+        """Strategies 1/2: the post-step all-gather of this group is queued."""
+        self._param_sync_version = self._params_version()
+        self._written_during_param_sync = False
+
+    def _note_writes_during_param_sync(self):
+        if self._param_sync_version is not None and self._params_version() != self._param_sync_version:
+            self._written_during_param_sync = True
+
+    def _compare_rows_before_landing(self):
+        """Flag (on the device, no host synchronisation) whether this rank's rows of the compute buffer, which
+        the step set to the main weights and no collective rewrites, differ from them now."""
+        pairs = self._compute_and_main() if self._param_sync_version is not None else []
+        if not pairs:
+            return
+        differ = self._differs_from_main(pairs)
+        self._rows_written_flag = differ if self._rows_written_flag is None else self._rows_written_flag | differ
+
+    def take_param_sync_write_flag(self) -> Optional[torch.Tensor]:
+        """The device flag of `_compare_rows_before_landing` since the last call (None if never compared)."""
+        flag, self._rows_written_flag = self._rows_written_flag, None
+        return flag
+
+    def param_sync_write_error(self) -> RuntimeError:
+        return RuntimeError(
+            f"parameters of Megatron-FSDP group {self.names[:3]}{'...' if len(self.names) > 3 else ''} were "
+            "written in place between optimizer steps while their post-step all-gather (zero_dp_strategy 1/2 "
+            "with overlap_param_gather=True) was in flight; it overwrote them with the optimizer's weights, so "
+            "the write is lost. Write them with `model.apply(fn)` (which waits for the all-gather and keeps "
+            "the write), or inside `with model.gathered_parameters():`, or set overlap_param_gather=False")
+
+    def _raise_if_written_during_param_sync(self):
+        """After the all-gather landed (every rank finished the collective): a write it overwrote is an error."""
+        written, self._written_during_param_sync, self._param_sync_version = (
+            self._written_during_param_sync, False, None)
+        if written:
+            raise self.param_sync_write_error()
+
     # ---- compute-weight storage and gathers -----------------------------------------------------------------
     def allocate_compute(self):
         """Give the compute buffer its full storage (values are undefined until gathered or written)."""
@@ -185,6 +301,7 @@ class GroupWeights:
         collective can land each parameter's chunk apart (gloo's point-to-point all-gather), receives every
         rank's chunks straight into the compute buffer instead: no staging buffer, no copy-out."""
         self.finish_gather()
+        self._note_writes_during_param_sync()
         if self.resident:  # the compute buffer is this rank's shard, which is the whole group
             self.weight_state = WeightState.GATHERED
             return
@@ -193,7 +310,7 @@ class GroupWeights:
                 self._rank_pieces = [rank_pieces_of_unsharded(self.layout, self.compute_buffer, rank)
                                      for rank in range(self.layout.dp_size)]
             outputs = self._rank_pieces
-            if self.main_in_compute_buffer and not self.shards_params:
+            if self.strategy in (ShardingStrategy.optim, ShardingStrategy.optim_grads):
                 self._gather_send, own = None, outputs[self.dp_rank]  # the updated rows are in place already
             else:
                 self._gather_send = self.gather_source()
@@ -214,11 +331,14 @@ class GroupWeights:
         """Wait for the all-gather in flight, if any, and copy it out: the compute buffer then holds the full
         weights."""
         if self.pending_gather is not None:
+            self._note_writes_during_param_sync()
+            self._compare_rows_before_landing()
             pending, self.pending_gather = self.pending_gather, None
             pending.wait()
             self.copy_gathered_into_compute()
             if self.weight_state is WeightState.GATHERING:
                 self.weight_state = WeightState.GATHERED
+            self._raise_if_written_during_param_sync()
 
     def copy_gathered_into_compute(self):
         """The copy-out of a landed all-gather: staging (every rank's shard, rank-major) -> the compute buffer
@@ -263,7 +383,9 @@ class GroupWeights:
         if self.shards_params:
             # param_offload: the host shard travels to the device for the collective.
             return self.compute_shard if self.offload is None else self.offload.to_compute_device(self.compute_shard)
-        if self.main_in_compute_buffer:
+        if self.strategy in (ShardingStrategy.optim, ShardingStrategy.optim_grads):  # rows installed in place
+            if self.layout.forms_coincide:  # this rank's rows are its slot of the compute buffer: gather in place
+                return self.compute_buffer[slice(*self.layout.shard_range(self.dp_rank))]
             shard = torch.empty(self.layout.shard_numel, dtype=self.param_dtype, device=self.device)
             shard_of_unsharded(self.layout, self.compute_buffer, self.dp_rank, shard)
             return shard
@@ -303,14 +425,18 @@ class GroupWeights:
 
         Under HFSDP the main weights are only a sub-shard of the compute shard: the compute shard is marked
         stale instead, and the schedule refreshes it with an all-gather of `outer_gather_source()` over the
-        outer group before gathering it. Under strategies 1/2 the all-gather that follows the step
-        (`gather_source()`) installs them."""
+        outer group before gathering it. Under strategies 1/2 this rank's rows of the compute buffer take them,
+        and the all-gather that follows the step sends them from there (`gather_source()`) to the other ranks."""
         if self.main_weights is None:
             return
         if self.outer_sharded:
             self.compute_shard_stale = True
             return
         if self.strategy in (ShardingStrategy.optim, ShardingStrategy.optim_grads):
+            if not self.main_in_compute_buffer:
+                for index, view in enumerate(self.main_param_views):
+                    if not (self.main_separated and self._main_installed(index)):
+                        self.main_install_target(index).copy_(view)
             return
         target = self.compute_shard if self.shards_params else self.compute_buffer
         if self.main_separated:  # each parameter's piece from wherever its main weights live (host or device)
