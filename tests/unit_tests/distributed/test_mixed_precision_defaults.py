@@ -198,3 +198,19 @@ def _float16_optimizer_grad_storage():
 def test_main_grads_alias_the_fp32_gradient_buffers():
     for result in run_on_ranks(2, _float16_optimizer_grad_storage):
         assert result == {False: True, True: True}
+
+
+@pytest.mark.parametrize("params_dtype, grad_reduce_in_fp32, expected", [
+    (torch.bfloat16, True, torch.float32),
+    (torch.bfloat16, False, torch.bfloat16),  # --bf16 --grad-reduce-in-bf16
+    (torch.float16, False, torch.float16),  # --fp16 without --accumulate-allreduce-grads-in-fp32
+    (torch.float32, False, torch.float32),
+])
+def test_megatron_fsdp_keeps_gradients_in_the_dtype_ddp_would(params_dtype, grad_reduce_in_fp32, expected):
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import _mixed_precision_policy
+
+    config = types.SimpleNamespace(params_dtype=params_dtype)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_reduce_in_fp32,
+                                               data_parallel_sharding_strategy="optim_grads_params")
+    assert _mixed_precision_policy(config, ddp_config).main_grads_dtype == expected

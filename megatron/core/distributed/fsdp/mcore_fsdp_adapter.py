@@ -63,14 +63,16 @@ class GradPiece(NamedTuple):
 
 
 def _mixed_precision_policy(config, ddp_config: DistributedDataParallelConfig):
-    """The package's dtype policy from the `--megatron-fsdp-*-dtype` fields (None there means "auto")."""
+    """The package's dtype policy from the `--megatron-fsdp-*-dtype` fields (None there means "auto"): the
+    gradients are kept and reduced in fp32 with `grad_reduce_in_fp32` (under --bf16 by default), else in the
+    model's dtype (--grad-reduce-in-bf16, --fp16 without --accumulate-allreduce-grads-in-fp32), as under DDP."""
     import megatron_fsdp
 
     params_dtype = getattr(config, "params_dtype", torch.float32)
     main_params_dtype = ddp_config.megatron_fsdp_main_params_dtype or params_dtype
     main_grads_dtype = ddp_config.megatron_fsdp_main_grads_dtype
-    if main_grads_dtype is None and ddp_config.grad_reduce_in_fp32:
-        main_grads_dtype = torch.float32
+    if main_grads_dtype is None:
+        main_grads_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else params_dtype
     return megatron_fsdp.MixedPrecisionPolicy(
         main_params_dtype=main_params_dtype,
         main_grads_dtype=main_grads_dtype,
