@@ -50,8 +50,28 @@ def inside_checkpointed_region():
     return _checkpointed_forward_depth > 0 or _recompute_depth > 0
 
 
+class _Reenterable:
+    """A context manager that a new context from `make()` serves each time it is entered. torch's checkpoint enters
+    its recompute context once per recompute, and a chunk is recomputed once per backward pass that reaches it: a
+    graph back-propagated twice (`retain_graph=True`), or a backward run inside the checkpointed forward (a
+    capability probe) that unpacks a tensor the checkpoint packed."""
+
+    def __init__(self, make):
+        self.make = make
+        self.entered = []
+
+    def __enter__(self):
+        context = self.make()
+        self.entered.append(context)
+        return context.__enter__()
+
+    def __exit__(self, *exception):
+        return self.entered.pop().__exit__(*exception)
+
+
 def _rng_tracker_contexts():
-    """A (forward, recompute) pair of contexts for `checkpoint(context_fn=...)`, sharing one snapshot."""
+    """A (forward, recompute) pair of contexts for `checkpoint(context_fn=...)`, sharing one snapshot; the
+    recompute context may be entered any number of times, each time replaying the snapshot."""
     tracker = tensor_parallel.get_cuda_rng_tracker()
     snapshot = {}
 
@@ -77,7 +97,7 @@ def _rng_tracker_contexts():
             _recompute_depth -= 1
             tracker.set_states(states_before_recompute)
 
-    return remember_states(), replay_states()
+    return remember_states(), _Reenterable(replay_states)
 
 
 def checkpointed(function, *args):

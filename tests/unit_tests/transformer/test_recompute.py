@@ -146,3 +146,39 @@ def test_distributed_checkpoint_keeps_a_slice_and_gives_the_same_gradient(world_
     for (plain_kept, plain_grad, plain_out), (kept, grad, out) in zip(plain, distributed):
         assert plain_kept and not kept  # the plain checkpoint holds the whole input; the distributed one a slice
         assert torch.equal(plain_grad, grad) and torch.equal(plain_out, out)
+
+
+def _backward_twice_through_a_checkpoint():
+    """Gradients of a checkpointed dropout (default stream and the tracker's), back-propagated twice over a
+    retained graph, and of the same computation without the checkpoint."""
+    from megatron.core.transformer.recompute import checkpointed
+
+    parallel_state.initialize_model_parallel()
+    try:
+        def function(x):
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                x = torch.nn.functional.dropout(x, p=0.5)
+            return torch.nn.functional.dropout(x.sin(), p=0.5) * x
+
+        grads = {}
+        for name, run in (("plain", function), ("checkpointed", lambda x: checkpointed(function, x))):
+            tensor_parallel.model_parallel_cuda_manual_seed(123)
+            leaf = torch.linspace(-2, 2, 64).requires_grad_()
+            output = run(leaf * 1.0).sum()
+            output.backward(retain_graph=True)
+            first = leaf.grad.clone()
+            output.backward()  # a second recompute of the same chunk
+            grads[name] = (first, leaf.grad.clone())
+        return grads
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("world_size", [1])
+def test_a_checkpointed_chunk_can_be_recomputed_again(world_size):
+    (grads,) = run_on_ranks(world_size, _backward_twice_through_a_checkpoint)
+    plain_first, plain_twice = grads["plain"]
+    first, twice = grads["checkpointed"]
+    assert plain_first.abs().sum() > 0 and (plain_first == 0).any()  # dropout kept some elements, dropped others
+    assert torch.equal(first, plain_first)
+    assert torch.equal(twice, plain_twice)  # the second recompute replayed the same dropout masks
