@@ -205,14 +205,22 @@ def _grouped_mm(tokens, weights, offsets):
     return _ContiguousGrad.apply(F.grouped_mm(tokens, weights, offs=offsets))
 
 
+def _kept(tensor):
+    return tensor
+
+
 def grouped_mm_supported(device, dtype):
-    """Whether torch's grouped GEMM runs (forward and backward) on this device type and dtype; probed once."""
+    """Whether torch's grouped GEMM runs (forward and backward) on this device type and dtype; probed once.
+
+    The probe's graph keeps its own saved tensors: the first call may come inside a checkpointed (recomputed) or
+    activation-offloaded forward, whose saved-tensor hooks must not take the probe's tensors (its backward
+    would recompute the enclosing chunk in the middle of its forward)."""
     key = (torch.device(device).type, dtype)
     if key not in _GROUPED_MM_SUPPORT:
         supported = hasattr(F, "grouped_mm")
         if supported:
             try:
-                with torch.enable_grad():
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
                     tokens = torch.ones(8, 16, device=device, dtype=dtype, requires_grad=True)
                     weights = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
                     offsets = torch.tensor([3, 8], device=device, dtype=torch.int32)

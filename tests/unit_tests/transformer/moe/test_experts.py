@@ -75,3 +75,21 @@ def test_te_grouped_mlp_needs_transformer_engine():
 def test_token_counts_must_match():
     with pytest.raises(ValueError, match="tokens_per_expert"):
         SequentialMLP(4, config(), LAYER_SEED)(torch.zeros(3, 16), [1, 1, 0, 0])
+
+
+def test_the_grouped_gemm_probe_inside_a_checkpointed_forward_leaves_the_checkpoint_alone(monkeypatch):
+    """The first probe may run inside a recomputed chunk's forward: its backward must not recompute the chunk."""
+    from megatron.core.transformer.moe import experts
+
+    monkeypatch.setattr(experts, "_GROUPED_MM_SUPPORT", {})
+    calls = []
+
+    def chunk(x):
+        calls.append(1)
+        experts.grouped_mm_supported(x.device, x.dtype)
+        return (x * x).sum()
+
+    x = torch.full((3,), 3.0, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(chunk, x, use_reentrant=False).backward()
+    assert len(calls) == 2  # the forward and the one recomputation in backward
+    assert torch.equal(x.grad, torch.full((3,), 6.0))
