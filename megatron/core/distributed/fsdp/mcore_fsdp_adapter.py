@@ -357,8 +357,11 @@ class MegatronFSDPAdapter(DataParallelWrapper):
         from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor
 
         template = {key: value for key, value in self.module.state_dict().items() if torch.is_tensor(value)}
-        whole_tensors = all(isinstance(value, DTensor) or not torch.is_tensor(value) for value in state_dict.values())
-        if whole_tensors and set(state_dict) <= set(template):
+        def whole(key, value):  # a DTensor, or a full tensor of the module's own key (not this rank's piece)
+            return isinstance(value, DTensor) or not torch.is_tensor(value) or (
+                key in template and tuple(value.shape) == tuple(template[key].shape))
+
+        if set(state_dict) <= set(template) and all(whole(key, value) for key, value in state_dict.items()):
             return self.module.load_state_dict(state_dict, strict=strict)
         names = self._logical_names()
         key_of = {names(key): key for key in template}
