@@ -42,7 +42,8 @@ def add_arguments(parser):
     )
     group.add_argument("--exit-signal", default="SIGTERM", choices=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"],
                        help="With --exit-signal-handler, the signal that makes every rank save a checkpoint (with "
-                       "--save) at the end of the iteration and exit, e.g. SIGUSR1 for a scheduler's warning signal before SIGTERM.")
+                       "--save) at the end of the iteration and exit, e.g. SIGUSR1 for a scheduler's warning "
+                       "signal before SIGTERM.")
     group.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
     group.add_argument("--min-lr", type=float, default=0.0, help="Learning rate at the end of decay.")
     group.add_argument("--decoupled-lr", type=float, default=None,
