@@ -8,6 +8,13 @@ micro-batch, as the training loop counts it) continues exactly where the interru
 import torch
 
 
+def _check_batch_layout(micro_batch_size, data_parallel_rank, data_parallel_size):
+    if micro_batch_size <= 0:
+        raise ValueError(f"--micro-batch-size must be positive (got {micro_batch_size})")
+    if data_parallel_size <= 0 or not 0 <= data_parallel_rank < data_parallel_size:
+        raise ValueError(f"data-parallel rank {data_parallel_rank} is not in a group of size {data_parallel_size}")
+
+
 class MegatronPretrainingSampler:
     """Yields this rank's list of `micro_batch_size` indices for each global micro-batch, in order."""
 
@@ -18,10 +25,7 @@ class MegatronPretrainingSampler:
             raise ValueError(f"no samples to iterate (total_samples={total_samples})")
         if not 0 <= consumed_samples < total_samples:
             raise ValueError(f"consumed_samples {consumed_samples} must be in [0, total_samples={total_samples})")
-        if micro_batch_size <= 0:
-            raise ValueError(f"--micro-batch-size must be positive (got {micro_batch_size})")
-        if data_parallel_size <= 0 or not 0 <= data_parallel_rank < data_parallel_size:
-            raise ValueError(f"data-parallel rank {data_parallel_rank} is not in a group of size {data_parallel_size}")
+        _check_batch_layout(micro_batch_size, data_parallel_rank, data_parallel_size)
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
@@ -65,10 +69,7 @@ class MegatronPretrainingRandomSampler:
 
     def __init__(self, dataset, total_samples, consumed_samples, micro_batch_size, data_parallel_rank,
                  data_parallel_size, data_sharding=True):
-        if micro_batch_size <= 0:
-            raise ValueError(f"--micro-batch-size must be positive (got {micro_batch_size})")
-        if data_parallel_size <= 0 or not 0 <= data_parallel_rank < data_parallel_size:
-            raise ValueError(f"data-parallel rank {data_parallel_rank} is not in a group of size {data_parallel_size}")
+        _check_batch_layout(micro_batch_size, data_parallel_rank, data_parallel_size)
         self.dataset = dataset
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
