@@ -48,12 +48,16 @@ def model_provider(pre_process=True, post_process=True):
     )
 
 
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
+
+
 def get_batch(data_iterator):
     """The next micro-batch on this process's device (every stage draws it, keeping iterators in step), cut to
-    this context-parallel rank's two chunks of the sequence."""
+    this context-parallel rank's two chunks of the sequence. Only the keys the step reads are kept (as upstream's
+    get_batch), so a blend's per-sample `dataset_id` does not reach the sequence split."""
     batch = next(data_iterator)
     device = get_args().device
-    batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+    batch = {key: value.to(device, non_blocking=True) for key, value in batch.items() if key in BATCH_KEYS}
     return get_batch_on_this_cp_rank(batch)
 
 

@@ -28,7 +28,9 @@ class BlendedDataset(torch.utils.data.Dataset):
     """Sample i is `datasets[dataset_index[i]][dataset_sample_index[i]]`.
 
     The schedule gives every dataset its weighted share within one sample (see `build_blending_indices`).
-    A dataset whose share is zero samples may be None.
+    A dataset whose share is zero samples may be None. A dict sample (GPT's) gains upstream's `dataset_id`, the
+    position of its dataset in `datasets` (a numpy int16 scalar, an int16 tensor once batched); the training step
+    reads only the keys it needs.
     """
 
     def __init__(self, datasets, weights, size, dataset_index=None, dataset_sample_index=None):
@@ -53,5 +55,8 @@ class BlendedDataset(torch.utils.data.Dataset):
     def __getitem__(self, idx):
         if not 0 <= idx < self.size:
             raise IndexError(f"sample {idx} out of range for a blended dataset of {self.size} samples")
-        dataset = self.datasets[int(self.dataset_index[idx])]
-        return dataset[int(self.dataset_sample_index[idx])]
+        dataset_id = self.dataset_index[idx]
+        sample = self.datasets[int(dataset_id)][int(self.dataset_sample_index[idx])]
+        if isinstance(sample, dict):
+            return {"dataset_id": dataset_id, **sample}
+        return sample

@@ -46,12 +46,18 @@ class GPTDatasetConfig:
     `shared_filesystem` False the first rank of each node (not of the job) builds the cached indices.
     `multiple_validation_sets` (`--multiple-validation-sets`) makes the valid split a list with one dataset per
     validation prefix (given without weights) instead of their blend.
+
+    Upstream's other fields are accepted at their defaults: `split` None (with `blend_per_split` or mock data, which
+    do not use it; a `blend` needs one), `full_validation` (recorded: a valid size of None asks for the whole split),
+    `add_extra_token_to_sequence` True, `drop_last_partial_validation_sequence` True and `object_storage_cache_path`
+    None; other values are refused with what to do. `split_matrix` is upstream's `[(begin, end) or None]` per split.
+    Labels equal to the tokenizer's padding id get no loss, as upstream's (see `pad_token_id`).
     """
 
     random_seed: int
     sequence_length: int
     blend: Optional[tuple] = None
-    split: str = "969,30,1"
+    split: Optional[str] = "969,30,1"
     path_to_cache: Optional[str] = None
     tokenizer: Any = None
     reset_position_ids: bool = False
@@ -65,6 +71,10 @@ class GPTDatasetConfig:
     shared_filesystem: bool = True
     multiple_validation_sets: bool = False
     mid_level_dataset_surplus: float = 0.005
+    full_validation: Optional[bool] = None
+    add_extra_token_to_sequence: bool = True
+    drop_last_partial_validation_sequence: bool = True
+    object_storage_cache_path: Optional[str] = None
 
     def __post_init__(self):
         if int(self.sequence_length) < 1:
@@ -74,9 +84,19 @@ class GPTDatasetConfig:
         if int(self.num_dataset_builder_threads) < 1:
             raise ValueError(
                 f"--num-dataset-builder-threads must be at least 1 (got {self.num_dataset_builder_threads})")
-        object.__setattr__(self, "split_fractions", parse_split(self.split))
+        self._refuse_unsupported_upstream_fields()
         if self.blend is not None and self.blend_per_split is not None:
             raise ValueError("--data-path and --train-data-path / --valid-data-path / --test-data-path are exclusive")
+        if self.split is None and self.blend is not None and not self.mock:
+            raise ValueError("a blend (--data-path) needs split, e.g. split='969,30,1' (--split)")
+        # Upstream splits mock data evenly; neither it nor a per-split blend reads the fractions.
+        object.__setattr__(self, "split_fractions", parse_split("1,1,1" if self.split is None else self.split))
+        split_matrix = None
+        if self.blend_per_split is None:
+            bounds = np.concatenate([[0.0], np.cumsum(self.split_fractions)])
+            split_matrix = [(float(begin), float(end)) if end > begin else None
+                            for begin, end in zip(bounds[:-1], bounds[1:])]
+        object.__setattr__(self, "split_matrix", split_matrix)
         if self.mock:
             if self.tokenizer is None:
                 raise ValueError("--mock-data needs a tokenizer (e.g. --tokenizer-type NullTokenizer --vocab-size N)")
@@ -98,6 +118,19 @@ class GPTDatasetConfig:
                 "--reset-position-ids / --reset-attention-mask / --eod-mask-loss need a tokenizer for the eod id"
             )
 
+    def _refuse_unsupported_upstream_fields(self):
+        if not self.add_extra_token_to_sequence:
+            raise ValueError("add_extra_token_to_sequence=False (samples of sequence_length tokens whose last label "
+                             "is padding) is not supported: leave it True, each sample then reads sequence_length + 1 "
+                             "tokens, upstream's default")
+        if not self.drop_last_partial_validation_sequence:
+            raise ValueError("drop_last_partial_validation_sequence=False (a padded last validation sample) is not "
+                             "supported: leave it True, the validation split then drops its last partial sample")
+        if self.object_storage_cache_path is not None:
+            raise ValueError("object_storage_cache_path: object storage (--object-storage-cache-path) is not "
+                             "supported; copy the .bin/.idx files to a local or shared filesystem and give their "
+                             "prefixes")
+
     @staticmethod
     def _normalized_blend(blend):
         if not (isinstance(blend, (tuple, list)) and len(blend) == 2 and isinstance(blend[0], (tuple, list))):
@@ -113,12 +146,37 @@ class GPTDatasetConfig:
         return prefixes, weights
 
 
+# Upstream's padding id for a tokenizer without a padding token of its own: no real token id, so nothing is masked.
+PAD_TOKEN_ID = -1
+
+
 def _eod(config):
     return None if config.tokenizer is None else int(config.tokenizer.eod)
 
 
+def pad_token_id(tokenizer):
+    """The id whose labels get no loss: the tokenizer's own padding id, else `PAD_TOKEN_ID`.
+
+    Tokenizers here answer `pad` with their eod when they have no padding token (NullTokenizer, GPT-2's): that is
+    no padding token, as upstream's NullTokenizer and GPT-2 tokenizer have none, so eod labels keep their loss.
+    """
+    if tokenizer is None:
+        return PAD_TOKEN_ID
+    try:
+        pad = tokenizer.pad
+    except (AttributeError, NotImplementedError):
+        return PAD_TOKEN_ID
+    if pad is None or int(pad) == int(tokenizer.eod):
+        return PAD_TOKEN_ID
+    return int(pad)
+
+
 def sample_from_tokens(token_window, config):
-    """The training dict for one window of `sequence_length + 1` token ids (a numpy array)."""
+    """The training dict for one window of `sequence_length + 1` token ids (a numpy array).
+
+    As upstream's: labels equal to the padding id (`pad_token_id`) get no loss, and padding ids in tokens and
+    labels read as id 0 so the embedding can look them up.
+    """
     window = torch.from_numpy(np.asarray(token_window, dtype=np.int64))
     tokens, labels = window[:-1].contiguous(), window[1:].contiguous()
     length = tokens.numel()
@@ -134,6 +192,10 @@ def sample_from_tokens(token_window, config):
         next_starts = eod_positions[eod_positions + 1 < length] + 1
         document_starts[next_starts] = next_starts
         position_ids = position_ids - torch.cummax(document_starts, dim=0).values
+    pad = pad_token_id(config.tokenizer)
+    loss_mask[labels == pad] = 0.0
+    tokens = torch.where(tokens == pad, 0, tokens)
+    labels = torch.where(labels == pad, 0, labels)
     sample = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
     if config.create_attention_mask:
         allowed = torch.tril(torch.ones(length, length, dtype=torch.bool))
@@ -142,6 +204,10 @@ def sample_from_tokens(token_window, config):
                 allowed[position + 1 :, : position + 1] = False
         sample["attention_mask"] = (~allowed).unsqueeze(0)  # True = masked out, Megatron's convention
     return sample
+
+
+def _without_loss(sample):
+    return {**sample, "loss_mask": torch.zeros_like(sample["loss_mask"])}
 
 
 class GPTDataset(torch.utils.data.Dataset):
@@ -206,6 +272,9 @@ class GPTDataset(torch.utils.data.Dataset):
         return np.concatenate(pieces)
 
     def __getitem__(self, idx):
+        """Sample `idx`; None is upstream's batch-padding sample: sample 0 with no loss on any token."""
+        if idx is None:
+            return _without_loss(self[0])
         if not 0 <= idx < len(self):
             raise IndexError(f"sample {idx} out of range for a {self.split.name} dataset of {len(self)} samples")
         return sample_from_tokens(self.token_window(int(self.shuffle_index[idx])), self.config)
@@ -241,6 +310,9 @@ class MockGPTDataset(torch.utils.data.Dataset):
         return token_ids + (token_ids >= self.eod)
 
     def __getitem__(self, idx):
+        """Sample `idx`; None is upstream's batch-padding sample: sample 0 with no loss on any token."""
+        if idx is None:
+            return _without_loss(self[0])
         if not 0 <= idx < self.num_samples:
             raise IndexError(f"sample {idx} out of range for a mock dataset of {self.num_samples} samples")
         return sample_from_tokens(self.token_window(idx), self.config)

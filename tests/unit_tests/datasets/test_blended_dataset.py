@@ -94,8 +94,11 @@ def test_blend_of_gpt_datasets(tmp_path):
         assert [part.num_samples for part in blended.datasets] == part_sizes
         assert all(len(part) >= part.num_samples for part in blended.datasets)
         for i in (0, 1, 2, size - 1):
-            part = blended.datasets[int(blended.dataset_index[i])]
-            torch.testing.assert_close(blended[i], part[int(blended.dataset_sample_index[i])], rtol=0, atol=0)
+            dataset_id = int(blended.dataset_index[i])
+            part = blended.datasets[dataset_id]
+            sample = blended[i]
+            assert sample.pop("dataset_id") == dataset_id  # upstream's BlendedDataset names each sample's source
+            torch.testing.assert_close(sample, part[int(blended.dataset_sample_index[i])], rtol=0, atol=0)
     # The component datasets keep their own split documents.
     assert set(np.unique(train.datasets[0].document_index)) == set(range(27))
     assert set(np.unique(valid.datasets[1].document_index)) == set(range(45, 50))

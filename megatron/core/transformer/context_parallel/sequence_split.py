@@ -54,6 +54,7 @@ def get_batch_on_this_cp_rank(batch: dict, cp_size: int = None, cp_rank: int = N
 
     An `attention_mask` (`[b, 1, s, s]`, True where masked) stays whole: it is indexed by global positions inside
     the context-parallel attention, where each comm type reads the query rows and key columns it needs.
+    Entries without a sequence dimension (a blend's per-sample `dataset_id`, `[b]`) pass through whole.
     Sizes default to parallel_state's context-parallel group.
     """
     if cp_size is None or cp_rank is None:
@@ -65,7 +66,7 @@ def get_batch_on_this_cp_rank(batch: dict, cp_size: int = None, cp_rank: int = N
         return batch
     out = {}
     for key, value in batch.items():
-        if value is None or key in _SEQUENCE_DIM:
+        if value is None or key in _SEQUENCE_DIM or value.dim() < 2:
             out[key] = value
         else:
             out[key] = local_rows(value, 1, cp_size, cp_rank)

@@ -163,6 +163,9 @@ def test_load_balanced_split_and_batch_slicing():
     tokens = torch.arange(16).view(2, 8)
     batch = get_batch_on_this_cp_rank({"tokens": tokens, "attention_mask": None}, cp_size=2, cp_rank=1)
     assert batch["tokens"].tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]] and batch["attention_mask"] is None
+    dataset_id = torch.tensor([1, 0], dtype=torch.int16)
+    batch = get_batch_on_this_cp_rank({"tokens": tokens, "dataset_id": dataset_id}, cp_size=2, cp_rank=1)
+    assert batch["dataset_id"] is dataset_id and batch["tokens"].tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
     with pytest.raises(ValueError, match="--context-parallel-size"):
         local_token_indices(6, 2, 0)
 
