@@ -18,6 +18,7 @@ from megatron.core.dist_checkpointing.checkpoint_directory import (
     RELEASE,
     REPLACED_SUFFIX,
     iteration_dir_name,
+    published_iterations,
     read_tracker,
 )
 
@@ -51,6 +52,12 @@ def detect_format(directory) -> Optional[str]:
     if any(name.startswith("mp_rank_") for name in names):
         return "torch"
     return None
+
+
+def checkpoint_iterations(root):
+    """Iterations of the published directories under `root` that hold a checkpoint of either format, ascending."""
+    return [iteration for iteration in published_iterations(root)
+            if detect_format(os.path.join(root, iteration_dir_name(iteration))) is not None]
 
 
 def non_persistent_save_dir(args) -> Optional[str]:
@@ -95,8 +102,7 @@ def _chosen_step(root, iteration) -> CheckpointSource:
     source = CheckpointSource(root, iteration, None, False)
     format_name = detect_format(source.directory)
     if format_name is None:
-        steps = sorted(int(name[len("iter_"):]) for name in (os.listdir(root) if os.path.isdir(root) else [])
-                       if name.startswith("iter_") and name[len("iter_"):].isdigit())
+        steps = checkpoint_iterations(root)
         raise FileNotFoundError(f"--ckpt-step {iteration}: {source.directory} is not a checkpoint; the iterations "
                                 f"under --load {root} are {steps or 'none'}")
     return source._replace(format=format_name)

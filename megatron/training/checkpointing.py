@@ -34,6 +34,7 @@ from megatron.core.dist_checkpointing.checkpoint_directory import (  # noqa: F40
     earlier_checkpoint_advice,
     iteration_dir_name,
     move_into_place,
+    published_directory,
     read_tracker,
     write_tracker,
 )
@@ -47,7 +48,7 @@ from megatron.training.checkpoint_args import (
     saved_true_vocab_size,
     true_vocab_size,
 )
-from megatron.training.checkpoint_retention import prune_to_retain_interval
+from megatron.training.checkpoint_retention import prune_to_retain_interval, remove_superseded_leftovers
 from megatron.training.param_sync import finish_param_syncs
 from megatron.training.random_state import rng_state, set_rng_state  # noqa: F401  (part of this module's API)
 
@@ -156,7 +157,8 @@ def _load_model_state(model_chunks, state, strict):
 
 def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args):
     """Save a checkpoint of `iteration` under `args.save`; collective over all ranks. A rank that cannot write
-    its files (a full or read-only disk) makes every rank raise `CheckpointSaveError`."""
+    its files (a full or read-only disk), or rank 0 that cannot publish them, makes every rank raise
+    `CheckpointSaveError`."""
     from megatron.training.dist_checkpoint import raise_if_any_rank_failed
 
     check_checkpoint_format(args)
@@ -211,11 +213,14 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args):
     except OSError as exc:  # a full or read-only disk: every rank learns of it, none waits for the others
         failure = f"{type(exc).__name__}: {exc}"
     raise_if_any_rank_failed(failure, args.save, iteration, temporary)
-    dist.barrier()
     if dist.get_rank() == 0:
-        move_into_place(args.save, iteration, temporary)
-        prune_to_retain_interval(args.save, iteration, getattr(args, "save_retain_interval", None))
-    dist.barrier()
+        try:
+            move_into_place(args.save, iteration, temporary)
+            prune_to_retain_interval(args.save, iteration, getattr(args, "save_retain_interval", None))
+            remove_superseded_leftovers(args.save, iteration)
+        except OSError as exc:  # e.g. the disk filled up before the tracker could be written
+            failure = f"{type(exc).__name__}: {exc}"
+    raise_if_any_rank_failed(failure, args.save, iteration, temporary, publishing=True)
 
 
 def non_persistent_save_due(args, iteration):
@@ -366,7 +371,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
         return iteration
     ranks = _parallel_ranks()
     # The `.replaced` copy where a save of this iteration again was killed between its two renames.
-    iteration_directory = source.directory
+    iteration_directory, _ = published_directory(root, iteration)
     directory = os.path.join(iteration_directory, model_parallel_dir_name(
         ranks["tensor_rank"], ranks["pipeline_rank"], ranks["pipeline_size"]))
     path = os.path.join(directory, MODEL_FILENAME)
@@ -507,6 +512,10 @@ def _checkpoint_or_none(args):
         message = f"--load {args.load}: the directory does not exist"
     else:
         message = f"--load {args.load}: no {TRACKER_FILENAME} in it (no complete checkpoint)"
+        untracked = checkpoint_sources.checkpoint_iterations(args.load)
+        if untracked:
+            message += (f"; it holds the checkpoints of iterations {', '.join(map(str, untracked))}: to resume one, "
+                        f"pass --ckpt-step N, or write its iteration into {os.path.join(args.load, TRACKER_FILENAME)}")
         step = re.fullmatch(r"iter_(\d+)", os.path.basename(os.path.normpath(args.load)))
         if step is not None:
             message += (f"; it looks like one iteration's directory: to resume it, pass its parent and the "

@@ -28,6 +28,7 @@ from megatron.core.dist_checkpointing.checkpoint_directory import (  # noqa: F40
     METADATA_JSON,
     REPLACED_SUFFIX,
     TEMPORARY_SUFFIX,
+    TRACKER_FILENAME,
     CheckpointSaveError,
     iteration_dir_name,
     publish,
@@ -44,7 +45,7 @@ from megatron.training.checkpoint_args import (
     saved_true_vocab_size,
     true_vocab_size,
 )
-from megatron.training.checkpoint_retention import prune_to_retain_interval
+from megatron.training.checkpoint_retention import prune_to_retain_interval, remove_superseded_leftovers
 from megatron.training.random_state import rng_state, set_rng_state
 
 _async_queue = None
@@ -135,17 +136,30 @@ def save_dist_checkpoint(iteration, model_chunks, optimizer, scheduler, args):
 
     def finish(succeeded):
         _barrier()
-        if _rank() == 0:
-            if succeeded:
-                publish(root, iteration, temporary, layout, keep_last_n)
-                prune_to_retain_interval(root, iteration, getattr(args, "save_retain_interval", None))
-                if getattr(args, "async_save", False):  # a synchronous save's line comes from the training loop
-                    print(f"saved checkpoint of iteration {iteration} to {root} (--ckpt-format {args.ckpt_format})",
-                          flush=True)
-            else:
+        if not succeeded:
+            if _rank() == 0:
                 shutil.rmtree(temporary, ignore_errors=True)
                 print(f"checkpoint of iteration {iteration} was NOT saved: a background write failed (see above); "
                       f"{unwritten_save_advice(root)}", flush=True)
+            _barrier()
+            return
+        failure = None
+        if _rank() == 0:
+            try:
+                publish(root, iteration, temporary, layout, keep_last_n)
+                prune_to_retain_interval(root, iteration, getattr(args, "save_retain_interval", None))
+                remove_superseded_leftovers(root, iteration)
+            except OSError as error:  # e.g. the disk filled up before the tracker could be written
+                failure = f"{type(error).__name__}: {error}"
+        try:
+            raise_if_any_rank_failed(failure, root, iteration, temporary, publishing=True)
+        except CheckpointSaveError as error:
+            if not getattr(args, "async_save", False):
+                raise
+            _print0(f"checkpoint of iteration {iteration} was NOT saved: {error}")  # training goes on
+            return
+        if getattr(args, "async_save", False):  # a synchronous save's line comes from the training loop
+            _print0(f"saved checkpoint of iteration {iteration} to {root} (--ckpt-format {args.ckpt_format})")
         _barrier()
 
     if getattr(args, "async_save", False):
@@ -166,9 +180,10 @@ def save_dist_checkpoint(iteration, model_chunks, optimizer, scheduler, args):
     return time.perf_counter() - start
 
 
-def raise_if_any_rank_failed(failure, root, iteration, temporary):
+def raise_if_any_rank_failed(failure, root, iteration, temporary, publishing=False):
     """Collective: when any rank could not write its part (`failure`: what went wrong, else None), remove the
-    unfinished `temporary` directory and raise on every rank, naming it and what to do; no rank is left waiting."""
+    unfinished `temporary` directory and raise on every rank, naming it and what to do; no rank is left waiting.
+    `publishing`: the failure is rank 0's, renaming the written directory into place or updating the tracker."""
     failures = checkpoint_state.all_gather_objects(failure)
     if all(each is None for each in failures):
         return
@@ -180,8 +195,10 @@ def raise_if_any_rank_failed(failure, root, iteration, temporary):
         if each is not None:
             causes.setdefault(each, []).append(rank)
     detail = "; ".join(f"rank {', '.join(map(str, ranks))}: {cause}" for cause, ranks in causes.items())
-    raise CheckpointSaveError(f"could not write the checkpoint of iteration {iteration} to {temporary} ({detail}); "
-                              f"{unwritten_save_advice(root)}")
+    action = (f"publish the checkpoint of iteration {iteration} (rename {temporary} into place, then point "
+              f"{os.path.join(root, TRACKER_FILENAME)} at it)" if publishing else
+              f"write the checkpoint of iteration {iteration} to {temporary}")
+    raise CheckpointSaveError(f"could not {action} ({detail}); {unwritten_save_advice(root)}")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -143,6 +143,12 @@ def published_directory(root, iteration):
         return directory, None
     if os.path.isdir(directory + REPLACED_SUFFIX):
         return directory + REPLACED_SUFFIX, directory
+    published = published_iterations(root)
+    choices = ", ".join(map(str, published))
+    advice = (f"load one of the checkpoints there with --load {root} --ckpt-step N (N: {choices}), or write one of "
+              "those iterations into the tracker" if published else
+              f"there is no checkpoint under {root}: remove the tracker to start from scratch, or --load another "
+              "directory")
     raise CheckpointError(
         f"{os.path.join(root, TRACKER_FILENAME)} names iteration {iteration}, but {directory} does not exist (nor "
-        f"a {REPLACED_SUFFIX} copy of it); point the tracker at an iteration that exists under {root}")
+        f"a {REPLACED_SUFFIX} copy of it); {advice}")

@@ -237,3 +237,58 @@ def test_a_failed_write_raises_on_every_rank_naming_the_directory_and_what_to_do
         assert entries == ["iter_0000001", "latest_checkpointed_iteration.txt"]  # the unfinished saves are gone
     assert (f"checkpoint of iteration 2 was NOT saved: a background write failed (see above); {advice}"
             in results[0][1])
+
+
+def _publish_failing_then_leftovers_removed(root):
+    """Iteration 2 saved; a staging directory of iteration 1 and one of iteration 9 left by killed saves. Saves of
+    4 whose tracker cannot be written (a full disk), synchronous then --async-save, then a save of 4 that works:
+    (the error of the synchronous save, what the ranks printed, the tracker after the failures, the root's entries)."""
+    import contextlib
+    import io
+
+    from megatron.core.dist_checkpointing import checkpoint_directory
+    from megatron.training import checkpointing, dist_checkpoint
+
+    state = TrainingState(f"--ckpt-format torch_dist --save {root}")
+    checkpointing.save_checkpoint(2, state.model, state.optimizer, state.scheduler, state.args)
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(os.path.join(root, "iter_0000001.tmp"))
+        os.makedirs(os.path.join(root, "iter_0000009.tmp"))
+    real_write_tracker = checkpoint_directory.write_tracker
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    printed = io.StringIO()
+    checkpoint_directory.write_tracker = disk_full
+    try:
+        with pytest.raises(checkpointing.CheckpointSaveError) as error:
+            checkpointing.save_checkpoint(4, state.model, state.optimizer, state.scheduler, state.args)
+        state.args.async_save = True
+        with contextlib.redirect_stdout(printed):
+            checkpointing.save_checkpoint(4, state.model, state.optimizer, state.scheduler, state.args)
+            checkpointing.maybe_finalize_async_save(state.args, blocking=True)
+    finally:
+        checkpoint_directory.write_tracker = real_write_tracker
+        dist_checkpoint.close_async_queue()
+        state.args.async_save = False
+    tracker = checkpointing.read_tracker(root)
+    with contextlib.redirect_stdout(printed):
+        checkpointing.save_checkpoint(4, state.model, state.optimizer, state.scheduler, state.args)
+    state.close()
+    return str(error.value), printed.getvalue(), tracker, sorted(os.listdir(root))
+
+
+def test_a_failed_publish_raises_on_every_rank_and_a_later_save_removes_superseded_staging(tmp_path):
+    results = run_on_ranks(2, _publish_failing_then_leftovers_removed, str(tmp_path))
+    failure = (f"could not publish the checkpoint of iteration 4 (rename {tmp_path}/iter_0000004.tmp into place, then "
+               f"point {tmp_path}/latest_checkpointed_iteration.txt at it) (rank 0: OSError: [Errno 28] No space left "
+               f"on device); make --save {tmp_path} writable with free space (or point --save elsewhere) and restart: "
+               f"the latest checkpoint under {tmp_path} is still iteration 2")
+    for error, printed, tracker, entries in results:
+        assert (error, tracker) == (failure, 2)
+        assert entries == ["iter_0000002", "iter_0000004", "iter_0000009.tmp", "latest_checkpointed_iteration.txt"]
+    printed = results[0][1]
+    assert f"checkpoint of iteration 4 was NOT saved: {failure}\n" in printed  # --async-save: training goes on
+    assert (f"removed what interrupted saves left under {tmp_path} (superseded by the checkpoint of iteration 4): "
+            "iter_0000001.tmp\n") in printed

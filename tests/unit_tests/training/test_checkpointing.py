@@ -2,7 +2,9 @@
 latest checkpoint unreadable."""
 
 import argparse
+import errno
 import os
+import re
 
 import pytest
 import torch
@@ -171,7 +173,8 @@ def _save_fail_then_load(root, pipeline_size, failure):
     expected_random = torch.rand(3)  # drawn right after saving: loading the RNG state must replay it
 
     # A later save dies, either while a rank writes its model file (every rank writes one here) or after
-    # all files are written but before the tracker is updated: either way iteration 10 stays the latest.
+    # all files are written but before the tracker is updated (an I/O error on rank 0, which every rank then
+    # raises): either way iteration 10 stays the latest.
     model_20, optimizer_20, scheduler_20 = _train_state(seed=99)
     from megatron.core.dist_checkpointing import checkpoint_directory
 
@@ -184,22 +187,21 @@ def _save_fail_then_load(root, pipeline_size, failure):
     def dying_write_tracker(root, iteration):
         with open(os.path.join(root, checkpointing.TRACKER_FILENAME + ".tmp.dead"), "w") as stream:
             stream.write("2")
-        raise RuntimeError("node lost")
+        raise OSError(errno.EIO, "node lost")
 
     if failure == "model_file":
         checkpointing._serialize = dying_serialize
     else:
         checkpoint_directory.write_tracker = dying_write_tracker
+    expected_error = RuntimeError if failure == "model_file" else checkpointing.CheckpointSaveError
+    message = "node lost" if failure == "model_file" else re.escape(
+        f"(rank 0: OSError: [Errno {errno.EIO}] node lost); make --save {root} writable with free space (or point "
+        f"--save elsewhere) and restart: the latest checkpoint under {root} is still iteration 10")
     try:
-        if failure == "model_file" or rank == 0:
-            with pytest.raises(RuntimeError, match="node lost"):
-                checkpointing.save_checkpoint(20, model_20, optimizer_20, scheduler_20, args)
-        else:
+        with pytest.raises(expected_error, match=message):  # on every rank
             checkpointing.save_checkpoint(20, model_20, optimizer_20, scheduler_20, args)
     finally:
         checkpointing._serialize, checkpoint_directory.write_tracker = real_serialize, real_write_tracker
-    if failure == "tracker" and rank == 0:
-        torch.distributed.barrier()  # the barrier rank 0 missed by dying before it
     torch.distributed.barrier()
     assert checkpointing.read_tracker(root) == 10
 
@@ -328,6 +330,50 @@ def test_a_save_again_killed_between_its_renames_loads_the_previous_copy(tmp_pat
     entries, iteration, equal, scheduler_steps = run_on_ranks(1, _resave_killed_between_renames, str(tmp_path))[0]
     assert entries == ["iter_0000010.replaced", "iter_0000010.tmp", "latest_checkpointed_iteration.txt"]
     assert (iteration, equal, scheduler_steps) == (10, True, 10)
+
+
+def _leftovers_of_interrupted_saves(root):
+    """Iteration 10 saved beside what killed saves left: a staging directory of an earlier iteration, a stale
+    `.replaced` copy beside its complete directory, the only (`.replaced`) copy of iteration 7, and a staging
+    directory of a later iteration. Saving 20: (the root's entries, what rank 0 printed, the error of a load whose
+    tracker names a missing iteration)."""
+    import contextlib
+    import io
+
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.errors import CheckpointError
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(5)
+    args = _args(root)
+    model, optimizer, scheduler = _train_state(seed=10)
+    checkpointing.save_checkpoint(10, model, optimizer, scheduler, args)
+    for leftover in ("iter_0000005.tmp/mp_rank_00", "iter_0000010.replaced/mp_rank_00",
+                     "iter_0000007.replaced/mp_rank_00", "iter_0000030.tmp/mp_rank_00", "non_persistent"):
+        os.makedirs(os.path.join(root, leftover))
+    with open(os.path.join(root, "iter_0000005.tmp", "mp_rank_00", "model_optim_rng.pt.tmp.123"), "wb") as stream:
+        stream.write(b"partial")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        checkpointing.save_checkpoint(20, model, optimizer, scheduler, args)
+    entries = sorted(os.listdir(root))
+    checkpointing.write_tracker(root, 40)
+    with pytest.raises(CheckpointError) as error:
+        checkpointing.load_checkpoint(model, optimizer, scheduler, args)
+    return entries, printed.getvalue(), str(error.value)
+
+
+def test_a_save_removes_the_staging_left_by_interrupted_saves_it_supersedes(tmp_path):
+    entries, printed, error = run_on_ranks(1, _leftovers_of_interrupted_saves, str(tmp_path))[0]
+    # Kept: the only copy of iteration 7, the staging directory of a later iteration, other entries.
+    assert entries == ["iter_0000007.replaced", "iter_0000010", "iter_0000020", "iter_0000030.tmp",
+                       "latest_checkpointed_iteration.txt", "non_persistent"]
+    assert (f"removed what interrupted saves left under {tmp_path} (superseded by the checkpoint of iteration 20): "
+            "iter_0000005.tmp, iter_0000010.replaced\n") in printed
+    assert error == (f"{tmp_path}/latest_checkpointed_iteration.txt names iteration 40, but {tmp_path}/iter_0000040 "
+                     f"does not exist (nor a .replaced copy of it); load one of the checkpoints there with --load "
+                     f"{tmp_path} --ckpt-step N (N: 10, 20), or write one of those iterations into the tracker")
 
 
 def _save_failing_on_rank_0(root):
@@ -598,6 +644,25 @@ def test_load_of_an_iteration_directory_says_how_to_resume_it(tmp_path, capsys):
     args.exit_on_missing_checkpoint = True
     with pytest.raises(FileNotFoundError, match=f"--load {tmp_path} --ckpt-step 2 and --exit-on-missing"):
         checkpointing._checkpoint_or_none(args)
+
+
+def test_load_without_tracker_names_the_iterations_there_and_ckpt_step(tmp_path, capsys):
+    from megatron.training import checkpoint_sources
+
+    for name in ("iter_0000004/mp_rank_00", "iter_0000008/mp_rank_00", "iter_0000012", "iter_0000016.tmp/mp_rank_00"):
+        (tmp_path / name).mkdir(parents=True)
+    args = argparse.Namespace(load=str(tmp_path), ckpt_step=None, pretrained_checkpoint=None,
+                              non_persistent_global_ckpt_dir=None, exit_on_missing_checkpoint=False)
+    assert checkpointing._checkpoint_or_none(args) is None
+    assert (f"WARNING: --load {tmp_path}: no latest_checkpointed_iteration.txt in it (no complete checkpoint); it "
+            "holds the checkpoints of iterations 4, 8: to resume one, pass --ckpt-step N, or write its iteration "
+            f"into {tmp_path}/latest_checkpointed_iteration.txt; nothing was loaded") in capsys.readouterr().out
+    # Only the directories that hold a checkpoint are named (iteration 12's is empty).
+    args.ckpt_step = 12
+    with pytest.raises(FileNotFoundError) as error:
+        checkpoint_sources.checkpoint_to_load(args)
+    assert str(error.value) == (f"--ckpt-step 12: {tmp_path}/iter_0000012 is not a checkpoint; the iterations under "
+                                f"--load {tmp_path} are [4, 8]")
 
 
 def test_torch_format_refuses_other_vocabulary_rows_naming_what_keeps_them():
