@@ -9,9 +9,11 @@ import argparse
 
 from megatron.training.argument_groups import ARGUMENT_GROUPS
 
-# Declared so launch scripts parse, but rejected until their implementation lands: never silently ignored.
+# Declared so launch scripts parse, but refused with what to use instead: never silently ignored.
 NOT_IMPLEMENTED_FLAGS = (
-    ("fp4_format", "--fp4-format"),
+    ("fp4_format", "--fp4-format", "NVFP4 training needs Transformer Engine's FP4 GEMMs (Blackwell GPUs), which this "
+     "build does not run: drop --fp4-format (and --fp4-recipe), or train in FP8 with --fp8-format e4m3|hybrid "
+     "--fp8-recipe tensorwise|delayed"),
 )
 
 
@@ -45,9 +47,9 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False, args=None):
 
 
 def reject_unimplemented_features(args):
-    for attribute, flag in NOT_IMPLEMENTED_FLAGS:
+    for attribute, flag, advice in NOT_IMPLEMENTED_FLAGS:
         if getattr(args, attribute, None):
-            raise ValueError(f"not implemented yet: {flag}")
+            raise ValueError(f"{flag} is not supported: {advice}")
 
 
 def validate_args(args, defaults=None):
