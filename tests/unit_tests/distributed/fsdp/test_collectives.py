@@ -599,7 +599,12 @@ def _exit_hook_lets_a_thread_waiting_for_the_gil_finish():
         while time.perf_counter() < busy_until:  # the worker wakes meanwhile and waits for the GIL
             pass
         before = list(finished)
-        collectives._let_gloo_workers_finish()
+        # The hook's pause, long enough here that a loaded machine schedules the worker within it.
+        at_exit_s, collectives.GLOO_WORKERS_AT_EXIT_S = collectives.GLOO_WORKERS_AT_EXIT_S, 1.0
+        try:
+            collectives._let_gloo_workers_finish()
+        finally:
+            collectives.GLOO_WORKERS_AT_EXIT_S = at_exit_s
         after = list(finished)
     finally:
         sys.setswitchinterval(switch_interval)

@@ -25,7 +25,8 @@ from .schedule import Schedule, Unit
 from .tensor_parallel_dtensors import install_dtensor_forward_hooks, localize_tensor_parallel_dtensors
 from .state_dict import load_model_state_dict, model_state_dict
 from .topology import DataParallelTopology
-from .utils import WRAPPED_ATTR, parameter_owners, replace_parameter, resolve_module_classes, tensor_bytes
+from .utils import (WRAPPED_ATTR, parameter_owners, replace_parameter, resolve_module_classes, run_eagerly,
+                    tensor_bytes, unit_call_module)
 
 
 class MegatronFSDP(Fsdp2MethodNames, nn.Module):
@@ -133,6 +134,9 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
             report_nan_in_param_grad=report_nan_in_param_grad or config.check_for_nan_in_grad, pool=self.pool,
             tp_group=self.topology.tp_group, device=self.device)
         self.schedule.register_hooks()
+        # torch.compile of the wrapper (or of a module around it) breaks its graphs at these (see run_eagerly)
+        self._root_pre_forward = run_eagerly(self.schedule.root_pre_forward)
+        self._root_post_forward = run_eagerly(self.schedule.root_post_forward)
         self.schedule.before_backward = self._clear_grads_due_before_backward
         if self.strategy == ShardingStrategy.optim_grads_params:
             self._install_resting_placeholders()
@@ -259,7 +263,8 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
                 setattr(param, WRAPPED_ATTR, self)
             self.groups.append(group)
             (groups_by_unit[plan.unit_index] if plan.unit_index is not None else self.root_groups).append(group)
-        self.units = [Unit(i, m, groups_by_unit[i]) for i, m in enumerate(unit_modules)]
+        self.units = [Unit(i, m, groups_by_unit[i], unit_call_module(self.module, m))
+                      for i, m in enumerate(unit_modules)]
         self.param_to_group = {id(p): (g, i) for g in self.groups for i, p in enumerate(g.params)}
         if meta:
             for group in self.groups:
@@ -279,7 +284,8 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
             if not group.gathered:
                 resting.hide(group)
         if self.root_groups:
-            self.schedule.hook_handles.append(self.module.register_forward_pre_hook(self._refuse_resting_root_call))
+            self.schedule.hook_handles.append(
+                self.module.register_forward_pre_hook(run_eagerly(self._refuse_resting_root_call)))
 
     def _refuse_resting_root_call(self, module, args):
         """The root's own parameters are gathered by this wrapper's forward, not by a hook on the module: a
@@ -342,9 +348,9 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
 
     # ---- forward ----------------------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        self.schedule.root_pre_forward()
+        self._root_pre_forward()
         output = self.module(*args, **kwargs)
-        self.schedule.root_post_forward(output)
+        self._root_post_forward(output)
         return output
 
     @torch.no_grad()

@@ -40,14 +40,19 @@ from .gather_policy import GatherReleasePolicy
 from .grad_reduction import GradReductionPipeline
 from .param_and_grad_buffer import DoubleBufferPool, ParamGroup
 from .streams import CommunicationStreams
-from .utils import current_graph_task_id, in_backward_pass, queue_end_of_backward_callback, tensors_requiring_grad
+from .utils import (current_graph_task_id, in_backward_pass, queue_end_of_backward_callback, run_eagerly,
+                    tensors_requiring_grad)
 
 
 class Unit:
-    """An FSDP unit: a module whose parameter groups are gathered and released together."""
+    """An FSDP unit: a module whose parameter groups are gathered and released together. `call_module` is what
+    the model calls to run it: the module, or the wrapper that `torch.compile` / `checkpoint_wrapper` put
+    around it before wrapping (utils.unit_call_module); its hooks are the unit's."""
 
-    def __init__(self, index: int, module: torch.nn.Module, groups: List[ParamGroup]):
+    def __init__(self, index: int, module: torch.nn.Module, groups: List[ParamGroup],
+                 call_module: Optional[torch.nn.Module] = None):
         self.index, self.module, self.groups = index, module, groups
+        self.call_module = module if call_module is None else call_module
 
 
 class Schedule(GatherReleasePolicy, GradReductionPipeline):
@@ -125,10 +130,12 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
 
     # ---- registration -----------------------------------------------------------------------------------------
     def register_hooks(self):
+        """Forward hooks on each unit's call module (the unit, or the compiled / checkpoint wrapper around it),
+        run eagerly where compiled code calls them; gradient hooks on the parameters of the root groups."""
         for unit in self.units:
-            self.hook_handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit),
-                                                                           with_kwargs=True))
-            self.hook_handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+            self.hook_handles.append(unit.call_module.register_forward_pre_hook(
+                run_eagerly(self._make_pre_forward(unit)), with_kwargs=True))
+            self.hook_handles.append(unit.call_module.register_forward_hook(run_eagerly(self._make_post_forward(unit))))
         for group in self.groups:
             if not group.trainable or self._collects_grads_at_unit_end(group):
                 continue

@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import collectives
+from .utils import run_eagerly
 
 
 @dataclass(frozen=True)
@@ -79,8 +80,8 @@ def install_dtensor_forward_hooks(specs: Dict[nn.Module, dict]) -> List:
             installed.clear()
             return output
 
-        handles.append(owner.register_forward_pre_hook(show_dtensors))
-        handles.append(owner.register_forward_hook(restore_locals, prepend=True, always_call=True))
+        handles.append(owner.register_forward_pre_hook(run_eagerly(show_dtensors)))
+        handles.append(owner.register_forward_hook(run_eagerly(restore_locals), prepend=True, always_call=True))
     return handles
 
 

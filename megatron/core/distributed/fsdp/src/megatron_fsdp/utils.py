@@ -1,6 +1,7 @@
 """Small helpers with no better home: devices, autograd-phase queries, module and parameter bookkeeping."""
 
 import os
+import sys
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -133,6 +134,45 @@ def outermost_unit_modules(module: nn.Module, unit_classes: Tuple[type, ...]) ->
             units.append(submodule)
             covered.update(id(inner) for inner in submodule.modules())
     return units
+
+
+_EAGER_REASON = ("Megatron-FSDP's hooks gather, release and reduce parameters and run eagerly. With fullgraph=True, "
+                 "compile each FSDP unit instead of the whole model: `torch.compile(block)` assigned back into the "
+                 "model before wrapping, or `block.compile()` before or after")
+
+
+def run_eagerly(fn):
+    """`fn`, run outside torch.compile's graphs: compiled code that calls it breaks its graph there. Megatron-FSDP's
+    hooks swap parameters, issue collectives and keep Python state, which dynamo would otherwise trace (and
+    recompile for every group) or refuse under `fullgraph=True`."""
+    try:
+        return torch.compiler.disable(fn, recursive=True, reason=_EAGER_REASON)
+    except TypeError:  # torch < 2.7: no reason=
+        return torch.compiler.disable(fn, recursive=True)
+
+
+def unit_call_module(root: nn.Module, unit: nn.Module) -> nn.Module:
+    """The module whose call runs `unit` and nothing else: `unit` itself, or the outermost chain of wrappers
+    around it, `torch.compile(unit)`'s OptimizedModule and `checkpoint_wrapper(unit)`. Hooks registered there
+    run outside the compiled graph (a `fullgraph=True` unit compiles whole) and once per forward, not again in
+    the activation-checkpoint recompute."""
+    wrapper_of = {}
+    for module in root.modules():
+        inner = _wrapped_child(module)
+        if inner is not None:
+            wrapper_of[id(inner)] = module
+    while id(unit) in wrapper_of and wrapper_of[id(unit)] is not root:
+        unit = wrapper_of[id(unit)]
+    return unit
+
+
+def _wrapped_child(module: nn.Module) -> Optional[nn.Module]:
+    """The module that `module` only wraps (a compiled or activation-checkpointed module), else None."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not loaded: nothing was compiled
+    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
+        return module._orig_mod
+    inner = module._modules.get("_checkpoint_wrapped_module")  # torch's ActivationWrapper
+    return inner if inner is not None and len(module._modules) == 1 else None
 
 
 def tensor_bytes(tensor) -> int:
