@@ -178,45 +178,54 @@ def test_kill_between_the_renames_of_a_republished_iteration_loads_the_previous_
     assert after == ["iter_0000002", "latest_checkpointed_iteration.txt"]
 
 
-def _writes_failing_on_rank_1(root):
-    """Saves of iteration 2 whose data file rank 1 cannot write (a full disk), then a --save naming a file:
-    (the error each synchronous save raises, what the failed background save printed, the root's entries)."""
+def _disk_full(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+
+def _failing_sync_then_async_save(state, module, attribute, iteration, fail_here=True):
+    """Saves of `iteration` with `module.attribute` raising a full disk (where `fail_here`), synchronous then
+    --async-save: (the synchronous save's error message, what the background save printed)."""
     import contextlib
     import io
 
+    from megatron.training import checkpointing, dist_checkpoint
+
+    real, printed = getattr(module, attribute), io.StringIO()
+    if fail_here:
+        setattr(module, attribute, _disk_full)
+    try:
+        with pytest.raises(checkpointing.CheckpointSaveError) as error:
+            checkpointing.save_checkpoint(iteration, state.model, state.optimizer, state.scheduler, state.args)
+        state.args.async_save = True
+        with contextlib.redirect_stdout(printed):
+            checkpointing.save_checkpoint(iteration, state.model, state.optimizer, state.scheduler, state.args)
+            checkpointing.maybe_finalize_async_save(state.args, blocking=True)
+    finally:
+        setattr(module, attribute, real)
+        dist_checkpoint.close_async_queue()
+        state.args.async_save = False
+    return str(error.value), printed.getvalue()
+
+
+def _writes_failing_on_rank_1(root):
+    """Saves of iteration 2 whose data file rank 1 cannot write (a full disk), then a --save naming a file:
+    (the error each synchronous save raises, what the failed background save printed, the root's entries)."""
     import torch.distributed.checkpoint.filesystem as dcp_filesystem
 
-    from megatron.training import checkpointing, dist_checkpoint
+    from megatron.training import checkpointing
 
     state = TrainingState(f"--ckpt-format torch_dist --save {root}")
     checkpointing.save_checkpoint(1, state.model, state.optimizer, state.scheduler, state.args)
-    real_write_item = dcp_filesystem._write_item
-
-    def disk_full(*args, **kwargs):
-        raise OSError(28, "No space left on device")
-
-    errors, printed = [], io.StringIO()
-    if torch.distributed.get_rank() == 1:
-        dcp_filesystem._write_item = disk_full
-    try:
-        with pytest.raises(checkpointing.CheckpointSaveError) as error:
-            checkpointing.save_checkpoint(2, state.model, state.optimizer, state.scheduler, state.args)
-        errors.append(str(error.value))
-        state.args.async_save = True
-        with contextlib.redirect_stdout(printed):
-            checkpointing.save_checkpoint(2, state.model, state.optimizer, state.scheduler, state.args)
-            checkpointing.maybe_finalize_async_save(state.args, blocking=True)
-    finally:
-        dcp_filesystem._write_item = real_write_item
-        dist_checkpoint.close_async_queue()
-        state.args.async_save = False
+    sync_error, printed = _failing_sync_then_async_save(
+        state, dcp_filesystem, "_write_item", 2, fail_here=torch.distributed.get_rank() == 1)
+    errors = [sync_error]
     entries = sorted(os.listdir(root))
     state.args.save = os.path.join(root, "latest_checkpointed_iteration.txt", "nested")
     with pytest.raises(checkpointing.CheckpointSaveError) as error:
         checkpointing.save_checkpoint(2, state.model, state.optimizer, state.scheduler, state.args)
     errors.append(str(error.value))
     state.close()
-    return errors, printed.getvalue(), entries
+    return errors, printed, entries
 
 
 def test_a_failed_write_raises_on_every_rank_naming_the_directory_and_what_to_do(tmp_path):
@@ -247,36 +256,20 @@ def _publish_failing_then_leftovers_removed(root):
     import io
 
     from megatron.core.dist_checkpointing import checkpoint_directory
-    from megatron.training import checkpointing, dist_checkpoint
+    from megatron.training import checkpointing
 
     state = TrainingState(f"--ckpt-format torch_dist --save {root}")
     checkpointing.save_checkpoint(2, state.model, state.optimizer, state.scheduler, state.args)
     if torch.distributed.get_rank() == 0:
         os.makedirs(os.path.join(root, "iter_0000001.tmp"))
         os.makedirs(os.path.join(root, "iter_0000009.tmp"))
-    real_write_tracker = checkpoint_directory.write_tracker
-
-    def disk_full(*args, **kwargs):
-        raise OSError(28, "No space left on device")
-
-    printed = io.StringIO()
-    checkpoint_directory.write_tracker = disk_full
-    try:
-        with pytest.raises(checkpointing.CheckpointSaveError) as error:
-            checkpointing.save_checkpoint(4, state.model, state.optimizer, state.scheduler, state.args)
-        state.args.async_save = True
-        with contextlib.redirect_stdout(printed):
-            checkpointing.save_checkpoint(4, state.model, state.optimizer, state.scheduler, state.args)
-            checkpointing.maybe_finalize_async_save(state.args, blocking=True)
-    finally:
-        checkpoint_directory.write_tracker = real_write_tracker
-        dist_checkpoint.close_async_queue()
-        state.args.async_save = False
+    sync_error, printed = _failing_sync_then_async_save(state, checkpoint_directory, "write_tracker", 4)
     tracker = checkpointing.read_tracker(root)
-    with contextlib.redirect_stdout(printed):
+    published = io.StringIO()
+    with contextlib.redirect_stdout(published):
         checkpointing.save_checkpoint(4, state.model, state.optimizer, state.scheduler, state.args)
     state.close()
-    return str(error.value), printed.getvalue(), tracker, sorted(os.listdir(root))
+    return sync_error, printed + published.getvalue(), tracker, sorted(os.listdir(root))
 
 
 def test_a_failed_publish_raises_on_every_rank_and_a_later_save_removes_superseded_staging(tmp_path):
