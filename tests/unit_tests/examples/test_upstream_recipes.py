@@ -129,6 +129,19 @@ LAUNCHED_THROUGH_TORCHRUN = "llama/train_llama3_8b.sh"
 # The functional cases' environment: their session's server is the one these launches fork from.
 LAUNCH_ENV = {"PYTHONHASHSEED": "0"}
 
+# oneDNN's instruction set for each capability below AVX-512 that ATEN_CPU_CAPABILITY can select (its lowest x86-64
+# one for `default`). A CPU without AVX-512 has no AMX, but oneDNN picks its kernels from the host, not from
+# ATEN_CPU_CAPABILITY: on an AMX host, torch 2.13's bf16 flash attention (a key length of 64 or more, as in the bf16
+# recipes' tiny runs) then packs for AMX through a routine only its AVX-512 build has, and raises "pack_vnni2 is
+# only supported when avx512 is supported". Capping oneDNN as well runs the ranks as such a CPU would.
+ONEDNN_ISA_FOR_CAPABILITY = {"default": "SSE41", "avx2": "AVX2"}
+
+
+def cpu_isa_environment():
+    """ONEDNN_MAX_CPU_ISA for the ranks when ATEN_CPU_CAPABILITY selects a capability below AVX-512 (unless set)."""
+    isa = ONEDNN_ISA_FOR_CAPABILITY.get(os.environ.get("ATEN_CPU_CAPABILITY", "").lower())
+    return {"ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA", isa)} if isa else {}
+
 
 @pytest.fixture(scope="module")
 def fork_launcher():
@@ -147,14 +160,14 @@ def fork_launcher():
 def _train_tiny(script, run_dir, metrics_file, fork_launcher):
     extra = ["--metrics-file", str(metrics_file)]
     if script == LAUNCHED_THROUGH_TORCHRUN:
-        env = knob_free_environment(TINY="1", TRAIN_ITERS="3", RUN_DIR=str(run_dir))
+        env = knob_free_environment(TINY="1", TRAIN_ITERS="3", RUN_DIR=str(run_dir), **cpu_isa_environment())
         launch = subprocess.run(["bash", str(EXAMPLES / script), *extra], env=env, capture_output=True, text=True,
                                 timeout=300)
         assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
         return
     argv = printed_flags(script, run_dir, TINY="1", TRAIN_ITERS="3") + extra
     log = run_dir / "ranks.log"
-    answer = fork_launcher.launch(argv, LAUNCH_ENV, 2, run_dir, log, 300)
+    answer = fork_launcher.launch(argv, {**LAUNCH_ENV, **cpu_isa_environment()}, 2, run_dir, log, 300)
     assert answer["returncodes"] == [0, 0] and not answer["timed_out"], log.read_text()[-6000:]
 
 

@@ -83,7 +83,10 @@ def test_gpt_model_with_yarn_computes_the_scaled_rotation():
             qkv.weight.view(heads, 3, width, -1)[:, 0] *= factor**2
             qkv.bias.view(heads, 3, width)[:, 0] *= factor**2
         by_hand = rope_model(tokens, positions)
-    torch.testing.assert_close(yarn, by_hand, rtol=1e-5, atol=1e-5)
+    # Equal in exact arithmetic; in fp32 the factor is rounded in at different places (into cos and sin here, into
+    # query weights as f^2 there), and the std-0.3 weights amplify those few ulps: 1.0e-5 to 1.5e-5 in logits up to
+    # 7 measured with ATen's AVX-512, AVX2 and baseline kernels. A factor^2 off by 1e-5 moves the logits by 1e-4.
+    torch.testing.assert_close(yarn, by_hand, rtol=1e-5, atol=5e-5)
     assert (yarn - plain).abs().max().item() > 0.05
 
 
