@@ -262,7 +262,8 @@ class GroupedMLP(SequentialMLP):
         with offloaded_saved_tensors(self, "expert_fc1"):  # the stacked weights stay (keep_on_device)
             intermediate = _grouped_mm(tokens, fc1, offsets)
             if experts[0].linear_fc1.bias is not None:
-                intermediate = intermediate + torch.stack([e.linear_fc1.bias for e in experts])[expert_of_row]
+                fc1_biases = torch.stack([expert.linear_fc1.bias for expert in experts])
+                intermediate = _RowBias.apply(intermediate, fc1_biases, expert_of_row, True)
         fc2 = torch.stack([expert.linear_fc2.weight.t() for expert in experts])
         partial = _activate_then(config, intermediate, self._recompute_activation(),
                                  lambda activated: _grouped_mm(activated, fc2, offsets),
@@ -270,11 +271,16 @@ class GroupedMLP(SequentialMLP):
         if experts[0].linear_fc2.bias is None:
             return partial
         biases = torch.stack([expert.linear_fc2.bias for expert in experts])
-        return _RowBiasOnce.apply(partial, biases, expert_of_row, _tensor_parallel_rank() == 0)
+        return _RowBias.apply(partial, biases, expert_of_row, _tensor_parallel_rank() == 0)
 
 
-class _RowBiasOnce(torch.autograd.Function):
-    """`_BiasOnceOverPartialSums` with one bias per expert: row i gets `biases[expert_of_row[i]]`."""
+class _RowBias(torch.autograd.Function):
+    """Row i gets `biases[expert_of_row[i]]` where `add` (else the rows pass unchanged: fc2's bias over partial
+    sums, see `_BiasOnceOverPartialSums`); each bias's gradient is the sum of its rows' gradients on every rank.
+
+    The sum is an `index_add`, which adds the rows in order whatever the thread count. Autograd's own backward
+    of `biases[expert_of_row]` (an accumulating `index_put_`) spreads atomic adds over the intra-op threads on
+    CPU once the rows hold 32768 elements or more: its fp32 sum would depend on thread timing."""
 
     @staticmethod
     def forward(ctx, partial, biases, expert_of_row, add):

@@ -93,3 +93,34 @@ def test_the_grouped_gemm_probe_inside_a_checkpointed_forward_leaves_the_checkpo
     torch.utils.checkpoint.checkpoint(chunk, x, use_reentrant=False).backward()
     assert len(calls) == 2  # the forward and the one recomputation in backward
     assert torch.equal(x.grad, torch.full((3,), 6.0))
+
+
+def _grouped_step(module, tokens, counts, upstream):
+    module.zero_grad(set_to_none=True)
+    inputs = tokens.clone().requires_grad_()
+    output = module(inputs, counts)
+    (output * upstream).sum().backward()
+    return [output.detach(), inputs.grad] + [param.grad.clone() for param in module.parameters()]
+
+
+def test_grouped_mlp_step_is_bitwise_reproducible_over_intra_op_threads():
+    """With biases, 1024 rows of width 64 (at least the 32768 elements from which CPU kernels split a tensor
+    over the intra-op threads) and expert 1's rows straddling the threads' halves: the same step gives the same
+    bits every time, with one thread or two."""
+    cfg = config(hidden_size=64, num_attention_heads=4, moe_ffn_hidden_size=64, add_bias_linear=True)
+    module = GroupedMLP(2, cfg, LAYER_SEED)
+    counts = torch.tensor([300, 724])
+    tokens = torch.randn(1024, 64, generator=torch.Generator().manual_seed(3))
+    upstream = torch.randn(1024, 64, generator=torch.Generator().manual_seed(4))
+    if not module.uses_grouped_gemm(tokens):
+        pytest.skip("torch's grouped GEMM does not run on this build")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        reference = _grouped_step(module, tokens, counts, upstream)
+        torch.set_num_threads(2)
+        for _ in range(8):
+            for got, expected in zip(_grouped_step(module, tokens, counts, upstream), reference):
+                assert torch.equal(got, expected)
+    finally:
+        torch.set_num_threads(threads)
