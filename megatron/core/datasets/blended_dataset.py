@@ -3,7 +3,12 @@
 import numpy as np
 import torch
 
-from megatron.core.datasets.utils import build_blending_indices, load_or_build_indices, normalize_weights
+from megatron.core.datasets.utils import (
+    build_blending_indices,
+    load_or_build_indices,
+    normalize_weights,
+    sample_position,
+)
 
 
 def blending_schedule(weights, size, path_to_cache=None, description=None):
@@ -53,8 +58,7 @@ class BlendedDataset(torch.utils.data.Dataset):
         return self.size
 
     def __getitem__(self, idx):
-        if not 0 <= idx < self.size:
-            raise IndexError(f"sample {idx} out of range for a blended dataset of {self.size} samples")
+        idx = sample_position(idx, self.size, "a blended dataset")
         dataset_id = self.dataset_index[idx]
         sample = self.datasets[int(dataset_id)][int(self.dataset_sample_index[idx])]
         if isinstance(sample, dict):

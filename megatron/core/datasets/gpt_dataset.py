@@ -23,6 +23,7 @@ from megatron.core.datasets.utils import (
     load_or_build_indices,
     normalize_weights,
     parse_split,
+    sample_position,
     split_document_ranges,
 )
 
@@ -275,8 +276,7 @@ class GPTDataset(torch.utils.data.Dataset):
         """Sample `idx`; None is upstream's batch-padding sample: sample 0 with no loss on any token."""
         if idx is None:
             return _without_loss(self[0])
-        if not 0 <= idx < len(self):
-            raise IndexError(f"sample {idx} out of range for a {self.split.name} dataset of {len(self)} samples")
+        idx = sample_position(idx, len(self), f"a {self.split.name} dataset")
         return sample_from_tokens(self.token_window(int(self.shuffle_index[idx])), self.config)
 
 
@@ -313,8 +313,7 @@ class MockGPTDataset(torch.utils.data.Dataset):
         """Sample `idx`; None is upstream's batch-padding sample: sample 0 with no loss on any token."""
         if idx is None:
             return _without_loss(self[0])
-        if not 0 <= idx < self.num_samples:
-            raise IndexError(f"sample {idx} out of range for a mock dataset of {self.num_samples} samples")
+        idx = sample_position(idx, self.num_samples, "a mock dataset")
         return sample_from_tokens(self.token_window(idx), self.config)
 
 

@@ -18,6 +18,17 @@ class Split(enum.Enum):
     test = 2
 
 
+def sample_position(idx, size, what):
+    """`idx` as a position in `[0, size)`: negative indices count from the end, as numpy's (and so upstream's
+    datasets') do; anything else out of range raises IndexError naming `what`."""
+    position = int(idx)
+    if position < 0:
+        position += size
+    if not 0 <= position < size:
+        raise IndexError(f"sample {idx} out of range for {what} of {size} samples")
+    return position
+
+
 def parse_split(split):
     """`"969,30,1"` (or `"98/2/0"`, or fewer numbers padded with zeros) -> three fractions summing to 1."""
     text = str(split).replace("/", ",")

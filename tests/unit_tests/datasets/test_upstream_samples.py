@@ -90,6 +90,27 @@ def test_blended_samples_carry_their_dataset_id(tmp_path):
     assert batch["dataset_id"].dtype == torch.int16 and batch["dataset_id"].tolist() == [1, 0, 1, 1]
 
 
+def test_negative_indices_count_from_the_end_as_numpys(tmp_path):
+    prefixes = [str(tmp_path / name) for name in ("a", "b")]
+    for seed, prefix in enumerate(prefixes):
+        write_documents(prefix, num_documents=30, seed=seed)
+    config = GPTDatasetConfig(random_seed=2, sequence_length=8, split="1",
+                              blend=blend_from_data_path(["0.25", prefixes[0], "0.75", prefixes[1]]),
+                              tokenizer=EodOnlyTokenizer(), create_attention_mask=False)
+    blend, _, _ = build_gpt_datasets(config, (8, 0, 0))
+    mock = MockGPTDataset(GPTDatasetConfig(random_seed=5, sequence_length=8, mock=True, tokenizer=NullTokenizer(16)),
+                          Split.train, 4)
+    for dataset in (blend, blend.datasets[1], mock):
+        size = len(dataset)
+        for key in ("tokens", "labels", "loss_mask"):
+            assert torch.equal(dataset[-1][key], dataset[size - 1][key])
+            assert torch.equal(dataset[-size][key], dataset[0][key])
+        with pytest.raises(IndexError, match=f"sample {-size - 1} out of range for .* of {size} samples"):
+            dataset[-size - 1]
+        with pytest.raises(IndexError, match=f"sample {size} out of range"):
+            dataset[size]
+
+
 def test_pretrain_gpt_get_batch_keeps_the_model_inputs_only(monkeypatch, tmp_path):
     # A blend's dataset_id ([b]) must not reach the context-parallel split of [b, s] tensors.
     import pretrain_gpt
