@@ -4,7 +4,7 @@ The losses are not added to the language-model loss. Each is attached to an acti
 `MoEAuxLossAutoScaler`: the forward returns the activation unchanged, and the backward adds
 `backward_scale * d(loss)/d(inputs)` to the gradient flowing through that activation. The schedule sets
 `backward_scale` so the auxiliary gradient is scaled like the language-model loss's (loss scale x CP / number of
-microbatches, see `set_aux_loss_backward_scale`).
+microbatches, or the loss scale alone for a per-token loss, see `set_aux_loss_backward_scale`).
 """
 
 import torch
@@ -39,8 +39,10 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
 
 def set_aux_loss_backward_scale(config, num_microbatches):
     """Called by the schedule before each microbatch: the auxiliary losses' gradient scale equals the language
-    model loss's (the fp16/bf16 loss scale, times the context-parallel size because gradients are averaged over
-    DP x CP, divided by the microbatches unless the loss is per token). No-op for a model without experts."""
+    model loss's: the fp16/bf16 loss scale, times the context-parallel size (gradients are averaged over DP x CP)
+    and divided by the microbatches. A per-token loss keeps the loss scale alone: its gradients are summed over
+    DP x CP and divided by the global token count, and each CP rank's auxiliary loss is its share of the whole
+    sequence's. No-op for a model without experts."""
     if getattr(config, "num_moe_experts", None) is None:
         return
     grad_scale_func = getattr(config, "grad_scale_func", None)
@@ -48,9 +50,8 @@ def set_aux_loss_backward_scale(config, num_microbatches):
         scale = float(grad_scale_func(torch.ones(1, device=get_current_device())).item())
     else:
         scale = 1.0
-    scale *= getattr(config, "context_parallel_size", 1)
     if not getattr(config, "calculate_per_token_loss", False):
-        scale /= num_microbatches
+        scale = scale * getattr(config, "context_parallel_size", 1) / num_microbatches
     MoEAuxLossAutoScaler.set_loss_scale(scale)
 
 

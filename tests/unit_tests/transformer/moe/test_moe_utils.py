@@ -22,14 +22,18 @@ def test_backward_scale_follows_the_loss():
                              calculate_per_token_loss=False)
     moe_utils.set_aux_loss_backward_scale(config, num_microbatches=4)
     assert moe_utils.MoEAuxLossAutoScaler.backward_scale.item() == 4.0  # 8 x 2 / 4
+    # A per-token loss is summed over DP x CP and divided by the global token count, and each CP rank's auxiliary
+    # loss is its share of the sequence's: the loss scale alone, whatever the CP size (CP2 then matches 1 rank).
     config.calculate_per_token_loss = True
-    moe_utils.set_aux_loss_backward_scale(config, num_microbatches=4)
-    assert moe_utils.MoEAuxLossAutoScaler.backward_scale.item() == 16.0
+    for context_parallel_size in (1, 2):
+        config.context_parallel_size = context_parallel_size
+        moe_utils.set_aux_loss_backward_scale(config, num_microbatches=4)
+        assert moe_utils.MoEAuxLossAutoScaler.backward_scale.item() == 8.0
     moe_utils.set_aux_loss_backward_scale(SimpleNamespace(num_moe_experts=None), num_microbatches=4)
-    assert moe_utils.MoEAuxLossAutoScaler.backward_scale.item() == 16.0  # untouched without experts
+    assert moe_utils.MoEAuxLossAutoScaler.backward_scale.item() == 8.0  # untouched without experts
     activation, loss = torch.ones(3, requires_grad=True), torch.tensor(2.0, requires_grad=True)
     moe_utils.MoEAuxLossAutoScaler.apply(activation, loss).sum().backward()
-    assert loss.grad.item() == 16.0 and activation.grad.tolist() == [1.0, 1.0, 1.0]
+    assert loss.grad.item() == 8.0 and activation.grad.tolist() == [1.0, 1.0, 1.0]
 
 
 def test_tracker_averages_layers_and_microbatches():
