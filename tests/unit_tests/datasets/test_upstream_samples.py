@@ -73,14 +73,19 @@ def test_none_is_the_padding_sample_with_no_loss(tmp_path):
         assert torch.equal(first["loss_mask"], torch.ones(8)) and torch.equal(padding["loss_mask"], torch.zeros(8))
 
 
-def test_blended_samples_carry_their_dataset_id(tmp_path):
+def _quarter_three_quarters_blend(tmp_path):
+    """The train split of a 0.25 / 0.75 blend of two 30-document datasets, 8 samples."""
     prefixes = [str(tmp_path / name) for name in ("a", "b")]
     for seed, prefix in enumerate(prefixes):
         write_documents(prefix, num_documents=30, seed=seed)
     config = GPTDatasetConfig(random_seed=2, sequence_length=8, split="1",
                               blend=blend_from_data_path(["0.25", prefixes[0], "0.75", prefixes[1]]),
                               tokenizer=EodOnlyTokenizer(), create_attention_mask=False)
-    train, _, _ = build_gpt_datasets(config, (8, 0, 0))
+    return build_gpt_datasets(config, (8, 0, 0))[0]
+
+
+def test_blended_samples_carry_their_dataset_id(tmp_path):
+    train = _quarter_three_quarters_blend(tmp_path)
     assert isinstance(train, BlendedDataset)
     # Upstream's schedule for 0.25 / 0.75 (test_schedule_is_upstreams): b, a, b, b, a, b, b, b.
     assert [int(train[i]["dataset_id"]) for i in range(8)] == [1, 0, 1, 1, 0, 1, 1, 1]
@@ -91,13 +96,7 @@ def test_blended_samples_carry_their_dataset_id(tmp_path):
 
 
 def test_negative_indices_count_from_the_end_as_numpys(tmp_path):
-    prefixes = [str(tmp_path / name) for name in ("a", "b")]
-    for seed, prefix in enumerate(prefixes):
-        write_documents(prefix, num_documents=30, seed=seed)
-    config = GPTDatasetConfig(random_seed=2, sequence_length=8, split="1",
-                              blend=blend_from_data_path(["0.25", prefixes[0], "0.75", prefixes[1]]),
-                              tokenizer=EodOnlyTokenizer(), create_attention_mask=False)
-    blend, _, _ = build_gpt_datasets(config, (8, 0, 0))
+    blend = _quarter_three_quarters_blend(tmp_path)
     mock = MockGPTDataset(GPTDatasetConfig(random_seed=5, sequence_length=8, mock=True, tokenizer=NullTokenizer(16)),
                           Split.train, 4)
     for dataset in (blend, blend.datasets[1], mock):
