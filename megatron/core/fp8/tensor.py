@@ -192,7 +192,8 @@ def _triton_kernels_take(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
 def _check_triton_kernels(device):
     """Once per device, before the kernels quantize anything: they must reproduce the eager path's amax, scale
     and bytes (both float8 formats, with the transposed bytes and the recorded amax) on a probe tensor with
-    values across the float8 range; otherwise the other paths take over and the log says why."""
+    values across the float8 range, and `torch._scaled_mm` must take their e4m3 operands as it takes the eager
+    ones; otherwise the other paths take over and the log says why."""
     from megatron.core.fp8 import triton_quantize
 
     generator = torch.Generator().manual_seed(0)
@@ -214,8 +215,27 @@ def _check_triton_kernels(device):
                 if not same:
                     _triton_failed(f"on {device} they do not reproduce the eager {dtype} quantization")
                     return
+                if dtype == torch.float8_e4m3fn and not _scaled_mm_takes_like_eager(data, scale_inv, want):
+                    _triton_failed(f"on {device} torch._scaled_mm gives another product from their operands")
+                    return
     except Exception as error:  # noqa: BLE001 - any build or launch failure: fall back
         _triton_failed(error)
+
+
+def _scaled_mm_takes_like_eager(data, scale_inv, eager) -> bool:
+    """Whether `torch._scaled_mm` multiplies the kernels' bytes and scale (`data @ data.t()`) to the product of
+    the eager path's: their outputs must be usable as GEMM operands, not only equal in value. True where the
+    eager operands have no FP8 GEMM here either (then the GEMMs are emulated and take anything)."""
+    def product(matrix, reciprocal):
+        return torch._scaled_mm(matrix, matrix.t(), scale_a=reciprocal, scale_b=reciprocal, out_dtype=torch.float32)
+
+    if not hasattr(torch, "_scaled_mm"):
+        return True
+    try:
+        expected = product(eager[0], eager[3])
+    except Exception:  # noqa: BLE001 - no FP8 GEMM for these operands on this device
+        return True
+    return torch.equal(product(data, scale_inv), expected)
 
 
 def _triton_failed(error):

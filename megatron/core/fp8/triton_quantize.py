@@ -150,16 +150,19 @@ def quantize(tensor: torch.Tensor, dtype: torch.dtype, scale_amax: torch.Tensor,
     mantissa_bits, min_exponent = _GRID[dtype]
     data = torch.empty((rows, cols), dtype=dtype, device=device)
     transpose = torch.empty((cols, rows), dtype=dtype, device=device) if with_transpose else None
-    scales = torch.empty(2, dtype=torch.float32, device=device)
+    # The scale and its reciprocal in allocations of their own: cuBLASLt refuses a scale pointer into the middle
+    # of another tensor (torch._scaled_mm then fails with CUBLAS_STATUS_NOT_SUPPORTED).
+    scale = torch.empty((), dtype=torch.float32, device=device)
+    scale_inv = torch.empty((), dtype=torch.float32, device=device)
     own_amax = torch.zeros(1, dtype=torch.float32, device=device) if record_amax else None
     _, quantize_kernel = kernels()
     grid = (-(-rows // TILE_ROWS), -(-cols // TILE_COLS))
     quantize_kernel[grid](
         matrix, data, transpose if with_transpose else data, scale_amax.reshape(1).to(torch.float32),
-        own_amax if record_amax else scales, scales[0:1], scales[1:2], rows, cols, limit / (2.0**margin), limit,
+        own_amax if record_amax else scale, scale, scale_inv, rows, cols, limit / (2.0**margin), limit,
         MANTISSA_BITS=mantissa_bits, MIN_EXPONENT=min_exponent, WRITE_TRANSPOSE=with_transpose,
         RECORD_AMAX=record_amax, BLOCK_ROWS=TILE_ROWS, BLOCK_COLS=TILE_COLS,
     )
     if tensor.dim() == 1:
         data = data.view(-1)
-    return data, transpose, scales[0], scales[1], None if own_amax is None else own_amax[0]
+    return data, transpose, scale, scale_inv, None if own_amax is None else own_amax[0]

@@ -82,6 +82,16 @@ def check_interpreted_amax_counts_nan_as_inf_and_bad_amaxes_give_scale_one():
         assert scale.item() == 1.0 and scale_inv.item() == 1.0
 
 
+def check_interpreted_scales_start_allocations_of_their_own():
+    # cuBLASLt takes a scale pointer only at the start of an allocation (an H200 refused one 4 bytes in).
+    for record_amax in (False, True):
+        _, _, scale, scale_inv, _ = triton_quantize.quantize(HALFWAY, torch.float8_e4m3fn, torch.tensor([1792.0]),
+                                                             record_amax=record_amax)
+        for tensor in (scale, scale_inv):
+            assert tensor.dim() == 0 and tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == 4
+        assert scale.item() == 0.25 and scale_inv.item() == 4.0  # 448 / 1792 and back
+
+
 def check_interpreted_kernels_pass_the_first_use_check():
     fp8_tensor._check_triton_kernels(torch.device("cpu"))
     assert not fp8_tensor._TRITON_FAILED, fp8_tensor._TRITON_FAILED
@@ -107,12 +117,42 @@ def test_first_use_check_hands_over_to_the_other_paths_when_the_kernels_disagree
     assert len(fp8_tensor._TRITON_FAILED) == 1 and "do not reproduce the eager" in fp8_tensor._TRITON_FAILED[0]
 
 
+def test_first_use_check_hands_over_when_scaled_mm_refuses_the_kernels_operands(monkeypatch):
+    """Kernels with the eager bytes and scales, but a scale `torch._scaled_mm` refuses (here: one that is a view
+    4 bytes into another tensor, as cuBLASLt refused on an H200), are not used: the check records the GEMM's
+    error, and quantizing goes on through the other paths."""
+    monkeypatch.setattr(fp8_tensor, "_TRITON_FAILED", [])
+
+    def scales_in_one_tensor(tensor, dtype, scale_amax, margin=0, with_transpose=False, record_amax=False):
+        limit = fp8_max(dtype)
+        amax = fp8_tensor._amax_eager(tensor)
+        data, transpose, scale, scale_inv = fp8_tensor._scale_and_cast_eager(tensor, amax, dtype, limit, limit,
+                                                                              with_transpose)
+        scales = torch.stack([scale, scale_inv])
+        return data, transpose, scales[0], scales[1], amax
+
+    scaled_mm = torch._scaled_mm
+
+    def refusing_offset_scales(a, b, scale_a, scale_b, **kwargs):
+        if scale_a.storage_offset() or scale_b.storage_offset():
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul")
+        return scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, **kwargs)
+
+    monkeypatch.setattr(triton_quantize, "amax", lambda tensor: fp8_tensor._amax_eager(tensor).reshape(1))
+    monkeypatch.setattr(triton_quantize, "quantize", scales_in_one_tensor)
+    monkeypatch.setattr(torch, "_scaled_mm", refusing_offset_scales)
+    fp8_tensor._check_triton_kernels(torch.device("cpu"))
+    assert len(fp8_tensor._TRITON_FAILED) == 1 and "CUBLAS_STATUS_NOT_SUPPORTED" in fp8_tensor._TRITON_FAILED[0]
+    assert not fp8_tensor._triton_kernels_take(torch.ones(4, 4), torch.float8_e4m3fn)
+
+
 def test_interpreted_kernels_write_the_eager_bytes_and_handle_bad_amaxes():
     """The kernels under Triton's CPU interpreter, which must be on before Triton is first imported: in a child
     process with `TRITON_INTERPRET=1`."""
     pytest.importorskip("triton", reason="Triton is not installed (`pip install -e .[dev]` installs it)")
     checks = ("check_interpreted_kernels_write_the_eager_bytes",
               "check_interpreted_amax_counts_nan_as_inf_and_bad_amaxes_give_scale_one",
+              "check_interpreted_scales_start_allocations_of_their_own",
               "check_interpreted_kernels_pass_the_first_use_check")
     code = "import tests.unit_tests.fp8.test_triton_quantize as t; " + "; ".join(f"t.{name}()" for name in checks)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -160,7 +200,9 @@ def test_cuda_scaling_states_quantize_through_the_kernels_with_the_eager_results
             state = ScalingState(recipe, fmt.forward_dtype, sharded_over_tensor_parallel=False)
             original = fp8_tensor._triton_kernels_take
             if path == "eager":
+                # The eager functions themselves: torch.compile'd ones may round the reciprocal differently.
                 fp8_tensor._triton_kernels_take = lambda tensor, dtype: False
+                fp8_tensor._COMPILE_OVERRIDE[0] = False
             try:
                 outputs = []
                 for step, tensor in enumerate(values):
@@ -175,6 +217,7 @@ def test_cuda_scaling_states_quantize_through_the_kernels_with_the_eager_results
                         outputs.append((state.amax_history.clone(),))
             finally:
                 fp8_tensor._triton_kernels_take = original
+                fp8_tensor._COMPILE_OVERRIDE[0] = None
             results[path] = outputs
         for mine, eager in zip(results["kernels"], results["eager"]):
             for a, b in zip(mine, eager):

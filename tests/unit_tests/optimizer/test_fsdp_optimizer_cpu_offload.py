@@ -256,8 +256,10 @@ def test_offloaded_main_weights_rest_in_host_memory_pinned_on_an_accelerator(dev
                 assert run["losses"] == pytest.approx(reference, rel=1e-6, abs=0), fraction
             else:
                 # CPU and CUDA AdamW kernels may round the fp32 update differently by an ulp, which a bf16 forward
-                # can turn into a bf16 rounding step of a weight: losses agree to 1e-3.
-                assert run["losses"] == pytest.approx(reference, rel=1e-3, abs=0), fraction
+                # can turn into a bf16 rounding step (2**-8 relative) of a weight, and lr 1e-2 carries that on:
+                # the first loss (the same weights) is equal, the third within 5e-3 (1.6e-3 on an H200).
+                assert run["losses"][0] == reference[0], fraction
+                assert run["losses"] == pytest.approx(reference, rel=5e-3, abs=0), fraction
             assert run["views"] == {(True, "cpu", device == "cuda")}, fraction  # pinned on CUDA only
             assert run["moments_on_host"] and run["flat_released"] and run["separated"] > 0, fraction
             assert run["install_targets"] == {not hfsdp}, fraction
