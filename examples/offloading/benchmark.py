@@ -25,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+import weakref
 from typing import List, Optional
 
 import torch
@@ -141,10 +142,14 @@ def _synchronize(device):
 
 
 def run_arm(arm: Arm, cpu_model, shape: Shape, device, steps: int, warmup: int, bf16: bool) -> ArmResult:
-    """Train `steps` steps of `arm` from a copy of `cpu_model`; the first `warmup` are not measured."""
+    """Train `steps` steps of `arm` from a copy of `cpu_model`; the first `warmup` are not measured. The peak is
+    the arm's own: device memory still allocated when the arm starts is not counted, and the arm must leave none
+    of its model behind (a `RuntimeError` otherwise, since it would distort the arms measured after it)."""
+    resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     model = copy.deepcopy(cpu_model).to(device)
     num_params = sum(param.numel() for param in model.parameters())
     chunk, optimizer = _wrap(arm, model, bf16)
+    model_alive = weakref.ref(model)
     seconds, losses, peak = [], [], None
     for step in range(steps):
         if step == warmup and device.type == "cuda":
@@ -164,9 +169,12 @@ def run_arm(arm: Arm, cpu_model, shape: Shape, device, steps: int, warmup: int, 
             seconds.append(time.perf_counter() - start)
         losses.append(loss.item())
     if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-    del chunk, optimizer, model
+        peak = torch.cuda.max_memory_allocated(device) - resident
+    del chunk, optimizer, model, loss
     gc.collect()
+    if model_alive() is not None:
+        raise RuntimeError(f"arm {arm.name!r}: its model is still referenced after the arm ended; its device memory "
+                           "would count in the peaks of the arms measured after it")
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return ArmResult(arm, peak, seconds, losses, num_params)

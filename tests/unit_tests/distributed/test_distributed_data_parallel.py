@@ -202,3 +202,30 @@ def test_fused_weight_grads_keep_other_uses_of_a_tied_weight(world_size):
     """The word embedding is also the output layer's weight: the fused kernel's share goes straight to
     main_grad, the embedding lookup's share through param.grad; both must reach main_grad."""
     assert run_on_ranks(world_size, _tied_gpt_main_grads_match_autograd) == [True]
+
+
+def _dropped_wrappers_are_freed():
+    import gc
+    import weakref
+
+    alive = {}
+    for overlap in (False, True):
+        model = build_toy_model()
+        ddp = DistributedDataParallel(ModelParallelConfig(), DistributedDataParallelConfig(
+            overlap_grad_reduce=overlap, bucket_size=40), model)
+        inputs, targets = toy_batch(0, MICRO_BATCH_SIZE)
+        mse_loss(ddp, inputs, targets).backward()
+        ddp.finish_grad_sync()
+        references = [weakref.ref(ddp), *(weakref.ref(buffer) for buffer in ddp.buffers)]
+        del ddp, model
+        gc.collect()
+        alive[overlap] = sum(reference() is not None for reference in references)
+    return alive
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_a_dropped_wrapper_is_freed_with_its_buffers(world_size):
+    """The gradient hooks live in the parameters' autograd data, out of the garbage collector's sight: they must
+    not keep a dropped wrapper and its buffers alive (a process building several models would keep them all)."""
+    for alive in run_on_ranks(world_size, _dropped_wrappers_are_freed):
+        assert alive == {False: 0, True: 0}

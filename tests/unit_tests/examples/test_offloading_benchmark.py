@@ -44,3 +44,42 @@ def test_default_model_without_a_gpu_stops_naming_tiny(monkeypatch, capsys):
     with pytest.raises(SystemExit) as stop:  # a usage error, not a traceback
         benchmark.main(["--steps", "2", "--warmup", "1"])
     assert stop.value.code == 2 and "pass --tiny" in capsys.readouterr().err
+
+
+def _live_tensor_bytes():
+    """Bytes of the distinct storages of every tensor the garbage collector tracks."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _bytes_left_by_arms(arm_names):
+    from examples.offloading import benchmark
+
+    benchmark._setup(benchmark.torch.device("cpu"))
+    cpu_model = benchmark.build_model(benchmark.TINY, bf16=False)
+    arms = {arm.name: arm for arm in benchmark.ARMS}
+    benchmark.run_arm(arms[arm_names[0]], cpu_model, benchmark.TINY, benchmark.torch.device("cpu"), 2, 1, False)
+    left = {}
+    for name in arm_names:
+        before = _live_tensor_bytes()
+        result = benchmark.run_arm(arms[name], cpu_model, benchmark.TINY, benchmark.torch.device("cpu"), 2, 1, False)
+        left[name] = (_live_tensor_bytes() - before, result.num_params)
+    return left
+
+
+@pytest.mark.parametrize("world_size", [1])
+def test_an_arm_leaves_no_tensor_behind(world_size):
+    """An arm's buffers must be freed before the next arm starts, or the next arm's peak counts them (under the
+    distributed optimizer: its fp32 parameter and gradient buffers, 8 bytes per parameter of the tiny GPT)."""
+    left = run_on_ranks(world_size, _bytes_left_by_arms, ["no offload", "optimizer offload 1.0"])[0]
+    for name, (leftover_bytes, num_params) in left.items():
+        assert num_params > 100_000 and leftover_bytes == 0, (name, leftover_bytes / num_params)

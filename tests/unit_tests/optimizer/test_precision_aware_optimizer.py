@@ -43,6 +43,66 @@ def test_fp32_state_steps_exactly_like_torch_adamw():
             torch.testing.assert_close(ours.state[mine][key], theirs.state[torch_param][key], rtol=0, atol=0)
 
 
+def _largest_allocation_during(fn):
+    """Bytes of the largest new storage any operator returns while `fn()` runs (views and in-place results of
+    existing storages are not new)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class LargestAllocation(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            inputs = {leaf.untyped_storage().data_ptr() for leaf in tree_leaves((args, kwargs or {}))
+                      if isinstance(leaf, torch.Tensor)}
+            out = func(*args, **(kwargs or {}))
+            for leaf in tree_leaves(out):
+                if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() not in inputs:
+                    self.largest = max(self.largest, leaf.untyped_storage().nbytes())
+            return out
+
+    with LargestAllocation() as mode:
+        fn()
+    return mode.largest
+
+
+@pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16])
+def test_host_step_runs_in_blocks_with_the_same_arithmetic(moment_dtype):
+    """A host tensor larger than a block (and not a multiple of it) steps exactly as whole-tensor torch AdamW
+    would (fp32 state) or as one block would (bf16 moments), and no temporary exceeds one block in fp32."""
+    from megatron.core.optimizer.precision_aware_adam import HOST_BLOCK_NUMEL
+
+    numel = 2 * HOST_BLOCK_NUMEL + 1000
+    generator = torch.Generator().manual_seed(0)
+    values, grad = torch.randn(numel, generator=generator), torch.randn(numel, generator=generator)
+    param = torch.nn.Parameter(values.clone())
+    optimizer = PrecisionAwareAdamW([param], lr=LR, weight_decay=0.1, exp_avg_dtype=moment_dtype,
+                                    exp_avg_sq_dtype=moment_dtype)
+    param.grad = grad
+    optimizer.step()  # creates the state (its zero moments are the step's only full-size allocations)
+    largest = _largest_allocation_during(optimizer.step)
+    assert largest <= 4 * HOST_BLOCK_NUMEL, largest / (4 * numel)
+    # The same two steps on each block alone: equal element for element.
+    for start in range(0, numel, HOST_BLOCK_NUMEL):
+        piece = torch.nn.Parameter(values[start:start + HOST_BLOCK_NUMEL].clone())
+        reference = PrecisionAwareAdamW([piece], lr=LR, weight_decay=0.1, exp_avg_dtype=moment_dtype,
+                                        exp_avg_sq_dtype=moment_dtype)
+        piece.grad = grad[start:start + HOST_BLOCK_NUMEL]
+        reference.step()
+        reference.step()
+        torch.testing.assert_close(param.detach()[start:start + piece.numel()], piece.detach(), rtol=0, atol=0)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(optimizer.state[param][key][start:start + piece.numel()],
+                                       reference.state[piece][key], rtol=0, atol=0)
+    if moment_dtype == torch.float32:
+        whole = torch.nn.Parameter(values.clone())
+        torch_adamw = torch.optim.AdamW([whole], lr=LR, weight_decay=0.1, foreach=False)
+        whole.grad = grad
+        torch_adamw.step()
+        torch_adamw.step()
+        torch.testing.assert_close(param, whole, rtol=0, atol=0)
+
+
 # bf16 keeps 8 significant bits: each step rounds a stored moment by at most 2^-9 of its value, and earlier
 # errors are carried on multiplied by beta < 1, so after STEPS steps a moment is within
 # STEPS * 2^-9 * max over steps |moment| of fp32's (per element; relative to the running maximum because a
