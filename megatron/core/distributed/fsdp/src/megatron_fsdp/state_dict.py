@@ -293,6 +293,10 @@ def load_model_state_dict(model, state_dict, strict: bool = True):
                 group.compute_buffer.copy_(shard)  # the full group already
             else:  # frozen groups of strategies 1/2 are never re-gathered: they take the whole group at once
                 group.compute_buffer.copy_(_unsharded_of_shard(model, group, shard))
+            # The parameters view the buffers without sharing their version counters: bump theirs, as an in-place
+            # write to them would, so that whatever keys on a parameter's version (a layer's FP8 weight cached for
+            # the step) sees the new values.
+            torch.autograd.graph.increment_version(group.params)
         for name, buffer in buffers.items():
             if name in state_dict:
                 value = state_dict[name]
