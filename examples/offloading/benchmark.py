@@ -149,7 +149,7 @@ def run_arm(arm: Arm, cpu_model, shape: Shape, device, steps: int, warmup: int, 
     model = copy.deepcopy(cpu_model).to(device)
     num_params = sum(param.numel() for param in model.parameters())
     chunk, optimizer = _wrap(arm, model, bf16)
-    model_alive = weakref.ref(model)
+    model_alive, optimizer_alive = weakref.ref(model), weakref.ref(optimizer)
     seconds, losses, peak = [], [], None
     for step in range(steps):
         if step == warmup and device.type == "cuda":
@@ -172,9 +172,10 @@ def run_arm(arm: Arm, cpu_model, shape: Shape, device, steps: int, warmup: int, 
         peak = torch.cuda.max_memory_allocated(device) - resident
     del chunk, optimizer, model, loss
     gc.collect()
-    if model_alive() is not None:
-        raise RuntimeError(f"arm {arm.name!r}: its model is still referenced after the arm ended; its device memory "
-                           "would count in the peaks of the arms measured after it")
+    for what, alive in (("model", model_alive), ("optimizer", optimizer_alive)):
+        if alive() is not None:
+            raise RuntimeError(f"arm {arm.name!r}: its {what} is still referenced after the arm ended; its device "
+                               "memory would count in the peaks of the arms measured after it")
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return ArmResult(arm, peak, seconds, losses, num_params)
