@@ -51,11 +51,18 @@ def _chunk_grads(chunk):
 
 @torch.no_grad()
 def local_grad_norm(model_chunks):
-    """L2 norm (fp32) of the gradients this rank holds for its optimizer; NaN/Inf when any element is."""
-    squares = [grad.detach().float().pow(2).sum() for chunk in model_chunks for grad in _chunk_grads(chunk)]
-    if not squares:
+    """L2 norm (fp32, on the host) of the gradients this rank holds for its optimizer; NaN/Inf when any element
+    is. One fused norm per device holding gradients and one copy of its result to the host: the check adds one
+    host synchronisation per step, not one per gradient."""
+    by_device = {}
+    for chunk in model_chunks:
+        for grad in _chunk_grads(chunk):
+            by_device.setdefault(grad.device, []).append(grad.detach())
+    if not by_device:
         return torch.zeros(())
-    return torch.stack([square.cpu() for square in squares]).sum().sqrt()
+    squares = [torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum().cpu()
+               for grads in by_device.values()]
+    return torch.stack(squares).sum().sqrt()
 
 
 def validate_gradients(model_chunks, args):
