@@ -38,7 +38,8 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from megatron.core.distributed.data_parallel_base import DataParallelWrapper, local_tensor, tensor_bytes
@@ -145,6 +146,30 @@ def _check_model_supported(config, module):
             f"TorchFSDP2 (--use-torch-fsdp2) needs a materialised model, but {meta_params[0]} is on the meta "
             "device; drop --init-model-with-meta-device or use --use-megatron-fsdp"
         )
+
+
+def local_shard_like(target, full, name):
+    """A DTensor like `target` whose local tensor holds this rank's piece of `full` (the unsharded value).
+
+    Only this rank's piece is copied, and straight to the device of `target`'s local tensor. `distribute_tensor`
+    would first move all of `full` to the mesh's device: the GPU under --torch-fsdp2-cpu-offload, whose shards
+    rest in host memory. The piece is the one FSDP2 keeps: `torch.chunk` along each sharded dimension, shorter
+    or empty on the last ranks when the size does not divide."""
+    unsupported = [placement for placement in target.placements if type(placement) not in (Shard, Replicate)]
+    if unsupported:
+        raise ValueError(
+            f"TorchFSDP2.load_state_dict: {name} is placed as {unsupported[0]}; a full tensor can be loaded only "
+            "into Shard/Replicate placements; load a DTensor state dict instead"
+        )
+    local_shape, global_offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh,
+                                                                       target.placements)
+    piece = full
+    for dim, (size, start) in enumerate(zip(local_shape, global_offset)):
+        piece = piece.narrow(dim, start, size)
+    shard = torch.empty_like(target)
+    with torch.no_grad():
+        shard.to_local().copy_(piece)
+    return shard
 
 
 class TorchFSDP2(DataParallelWrapper):
@@ -275,7 +300,8 @@ class TorchFSDP2(DataParallelWrapper):
 
     # ---- state ------------------------------------------------------------------------------------------------
     def load_state_dict(self, state_dict, strict=True):
-        """Loads DTensors as they are and full (unsharded) tensors by taking this rank's shard of them."""
+        """Loads DTensors as they are and full (unsharded) tensors by taking this rank's shard of them (copied
+        straight to where the shard lives: host memory under --torch-fsdp2-cpu-offload)."""
         own = self.module.state_dict()
         converted = {}
         for key, value in state_dict.items():
@@ -286,8 +312,7 @@ class TorchFSDP2(DataParallelWrapper):
                         f"TorchFSDP2.load_state_dict: {key} has shape {tuple(value.shape)}, "
                         f"the model expects {tuple(target.shape)}"
                     )
-                value = distribute_tensor(value.to(target.device, target.dtype), target.device_mesh,
-                                          target.placements, src_data_rank=None)
+                value = local_shard_like(target, value, key)
             converted[key] = value
         return self.module.load_state_dict(converted, strict=strict)
 

@@ -177,6 +177,74 @@ def test_gradients_interface_and_refusals(world_size):
                 assert messages == expected
 
 
+# ---- loading full (unsharded) state dicts -------------------------------------------------------------------
+class _UnevenModel(torch.nn.Module):
+    """First dims of 5, 7 and 1: over 2 or 3 ranks the last shards are shorter or empty."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.linear = torch.nn.Linear(3, 5)
+        self.embedding = torch.nn.Embedding(7, 2)
+        self.scale = torch.nn.Parameter(torch.randn(1, 4))
+
+
+def _full_state_round_trip(cpu_offload):
+    """Local shards of a model loaded from another FSDP2 model's full state dict, and those of that model."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(use_torch_fsdp2=True, torch_fsdp2_cpu_offload=cpu_offload)
+    source = _wrap(_UnevenModel(seed=1), config=_config(), ddp_config=ddp_config, fsdp_unit_modules=[torch.nn.Linear])
+    loaded = _wrap(_UnevenModel(seed=2), config=_config(), ddp_config=ddp_config, fsdp_unit_modules=[torch.nn.Linear])
+    full_state = {key: value.full_tensor() for key, value in source.state_dict().items()}
+    before = {name: param.to_local().data_ptr() for name, param in loaded.module.named_parameters()}
+    loaded.load_state_dict(full_state)
+    # Loaded in place: the parameters FSDP2 offloaded (or not) are the ones holding the values.
+    assert before == {name: param.to_local().data_ptr() for name, param in loaded.module.named_parameters()}
+    local = {name: param.to_local().detach().clone() for name, param in loaded.module.named_parameters()}
+    expected = {name: param.to_local().detach().clone() for name, param in source.module.named_parameters()}
+    return local, expected
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_full_state_dict_loads_as_fsdp2_shards(world_size):
+    for cpu_offload in (False, True):
+        for rank, (local, expected) in enumerate(run_on_ranks(world_size, _full_state_round_trip, cpu_offload)):
+            assert local.keys() == expected.keys()
+            for name, shard in local.items():
+                assert shard.shape == expected[name].shape and torch.equal(shard, expected[name]), (rank, name)
+            if world_size == 3:  # scale (1 row) lives on rank 0 only; embedding (7 rows) splits 3, 3, 1
+                assert local["scale"].shape[0] == (1 if rank == 0 else 0)
+                assert local["embedding.weight"].shape[0] == (3, 3, 1)[rank]
+
+
+def _load_over_host_shards_of_a_cuda_mesh():
+    """What --torch-fsdp2-cpu-offload makes on a GPU machine: a "cuda" mesh whose DTensors keep their local
+    tensors in host memory. Loading a full tensor must only ever touch this rank's piece, on the host."""
+    from types import SimpleNamespace
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFSDP2
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda", mesh=torch.arange(world_size, dtype=torch.int))
+    full = torch.arange(5 * 3, dtype=torch.float64).reshape(5, 3)  # 5 rows over 2 ranks: 3 and 2
+    expected = full.chunk(world_size)[rank].float()
+    host_shard = torch.zeros_like(expected)
+    spec = DTensorSpec(mesh, (Shard(0),), TensorMeta(full.shape, full.stride(), torch.float32))
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(DTensor(host_shard, spec, requires_grad=False))
+    TorchFSDP2.load_state_dict(SimpleNamespace(module=module), {"weight": full})
+    return module.weight.to_local().device.type, torch.equal(module.weight.to_local(), expected)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_full_state_dict_loads_into_host_shards_of_a_cuda_mesh(world_size):
+    assert run_on_ranks(world_size, _load_over_host_shards_of_a_cuda_mesh) == [("cpu", True)] * world_size
+
+
 TINY_GPT = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --micro-batch-size 2 "
     "--global-batch-size 8 --train-iters 4 --lr 5e-3 --lr-warmup-iters 1 --mock-data --vocab-size 127 "
