@@ -23,8 +23,9 @@ import torch.distributed as dist
 from megatron.core.distributed.data_parallel_base import DataParallelWrapper, parameter_and_grad_bytes
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.param_and_grad_buffer import BucketCommunicationGroups, ParamAndGradBuffer
-from megatron.core.timers import timed
 from megatron.core.expert_parameters import expert_data_parallel_group, is_expert_parameter
+from megatron.core.fused_weight_grad import is_untouched_placeholder
+from megatron.core.timers import timed
 
 DEFAULT_OVERLAP_BUCKET_SIZE = 40_000_000
 
@@ -159,9 +160,9 @@ class DistributedDataParallel(DataParallelWrapper):
                 "before each step."
             )
         # A fused weight-gradient kernel has already added its share into main_grad and contributed zeros to
-        # param.grad; what param.grad holds is the sum of the other uses of the parameter (e.g. the embedding
-        # lookup of a weight tied to the output layer), so it is always added.
-        if param.grad is not None:
+        # param.grad; what param.grad holds beyond them is the sum of the other uses of the parameter (e.g. the
+        # embedding lookup of a weight tied to the output layer), so it is added unless it is still those zeros.
+        if param.grad is not None and not is_untouched_placeholder(param):
             param.main_grad.add_(param.grad)
         param.grad = None
         param.grad_added_to_main_grad = False

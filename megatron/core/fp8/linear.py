@@ -31,6 +31,7 @@ import logging
 import torch
 
 from megatron.core.fp8.tensor import ScaledFloat8
+from megatron.core.fused_weight_grad import weight_grad_after_main_grad
 
 logger = logging.getLogger(__name__)
 
@@ -201,15 +202,6 @@ def _weight_grad_target(weight, accumulate_into_main_grad):
     return None, weight.dtype
 
 
-def _autograd_value_after_main_grad(weight):
-    """What autograd receives for a weight whose gradient went into `main_grad` (zeros when the weight has
-    `grad_added_to_main_grad`, so gradient hooks still run)."""
-    if hasattr(weight, "grad_added_to_main_grad"):
-        weight.grad_added_to_main_grad = True
-        return torch.zeros_like(weight)
-    return None
-
-
 def _high_precision_weight_grad(grad_2d, input_2d, grad_dtype, main_grad):
     """`g.T @ x` from the unquantized operands, computed as the non-FP8 linear does (in the activations' dtype),
     added into `main_grad` when given (returns None then), else returned in `grad_dtype`."""
@@ -288,7 +280,7 @@ class Fp8LinearFunction(torch.autograd.Function):
             else:
                 grad_weight = _high_precision_weight_grad(grad_2d, saved[0], grad_dtype, main_grad)
             if main_grad is not None:
-                grad_weight = _autograd_value_after_main_grad(weight)
+                grad_weight = weight_grad_after_main_grad(weight)
         grad_bias = grad_2d.sum(dim=0) if ctx.has_bias else None
         return grad_input, grad_weight, grad_bias, None, None, None, None
 

@@ -30,6 +30,7 @@ from megatron.core.fp8.linear import fp8_linear, scaled_mm_in_use
 from megatron.core.fp8.recipe import Fp8Recipe
 from megatron.core.fp8.region import active_fp8_region
 from megatron.core.fp8.scaling import LinearScaling
+from megatron.core.fused_weight_grad import weight_grad_after_main_grad
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -140,11 +141,7 @@ class LinearWithGradAccumulation(torch.autograd.Function):
         grad_weight = grad_output_2d.t().matmul(input_2d)
         if hasattr(weight, "main_grad"):
             weight.main_grad.add_(grad_weight.to(weight.main_grad.dtype))
-            if hasattr(weight, "grad_added_to_main_grad"):
-                weight.grad_added_to_main_grad = True
-                grad_weight = torch.zeros_like(weight)
-            else:
-                grad_weight = None
+            grad_weight = weight_grad_after_main_grad(weight)
         grad_bias = grad_output_2d.sum(dim=0) if ctx.has_bias else None
         return grad_input, grad_weight, grad_bias
 
