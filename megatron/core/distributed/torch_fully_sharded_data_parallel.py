@@ -158,8 +158,8 @@ def local_shard_like(target, full, name):
     unsupported = [placement for placement in target.placements if type(placement) not in (Shard, Replicate)]
     if unsupported:
         raise ValueError(
-            f"TorchFSDP2.load_state_dict: {name} is placed as {unsupported[0]}; a full tensor can be loaded only "
-            "into Shard/Replicate placements; load a DTensor state dict instead"
+            f"cannot take this rank's piece of the full {name}: it is placed as {unsupported[0]}, and only Shard "
+            "and Replicate placements can be cut locally; pass a DTensor (e.g. load a DTensor state dict) instead"
         )
     local_shape, global_offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh,
                                                                        target.placements)

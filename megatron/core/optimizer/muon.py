@@ -54,7 +54,6 @@ import torch.distributed as dist
 
 from megatron.core.expert_parameters import is_expert_parameter
 from megatron.core.optimizer.muon_sharing import (
-    as_update,
     assign_owners,
     flat_piece,
     gather_piece_table,
@@ -67,9 +66,9 @@ from megatron.core.optimizer.muon_sharing import (
 from megatron.core.optimizer.shard_local_adam import ShardLocalAdamW
 
 try:
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 except ImportError:  # torch built without distributed
-    DTensor = distribute_tensor = None
+    DTensor = None
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
@@ -114,10 +113,17 @@ def _whole_matrix(param, update):
             dist.all_reduce(flat, group=group)
         return flat.view(piece.shape), lambda whole: whole.reshape(-1)[piece.start:piece.end].view_as(param)
     if DTensor is not None and isinstance(update, DTensor):
-        mesh, placements = update.device_mesh, update.placements
-        # Every rank computes the same whole result: cutting it locally (src_data_rank=None) needs no collective.
-        return update.full_tensor(), lambda whole: distribute_tensor(whole, mesh, placements, src_data_rank=None)
+        from megatron.core.distributed.torch_fully_sharded_data_parallel import local_shard_like
+
+        # Every rank computes the same whole result: its own piece is cut locally (no collective) and copied to
+        # where the shard lives (host memory under --torch-fsdp2-cpu-offload), not via the mesh's device.
+        return update.full_tensor(), lambda whole: local_shard_like(update, whole, "a Muon update")
     return update, lambda whole: whole
+
+
+def _local(tensor):
+    """A DTensor's local tensor (itself under no_grad, so stepping it steps the DTensor); any other tensor."""
+    return tensor.to_local() if DTensor is not None and isinstance(tensor, DTensor) else tensor
 
 
 def muon_scale_factor(rows, cols, mode):
@@ -319,9 +325,12 @@ class MuonWithAdamW(ShardLocalAdamW):
 
     @staticmethod
     def _apply(group, param, orthogonal):
+        """Decay `param` and step it by `orthogonal`, its piece of the update, on the local tensors: a DTensor's
+        stays where it lives (host memory under --torch-fsdp2-cpu-offload, whose mesh is the GPU's)."""
+        param, orthogonal = _local(param), _local(orthogonal)
         if group["weight_decay"] != 0:
             param.mul_(1 - group["lr"] * group["weight_decay"])
-        param.add_(orthogonal.to(param.dtype), alpha=-group["lr"])
+        param.add_(orthogonal.to(device=param.device, dtype=param.dtype), alpha=-group["lr"])
 
     def _muon_update(self, group, param, update):
         """Assemble `param`'s whole matrix on this rank, orthogonalize it and step `param` by its piece."""
@@ -356,7 +365,7 @@ class MuonWithAdamW(ShardLocalAdamW):
             results = orthogonalize_bucket(pieces, shapes, self._piece_tables[key], owners, placement,
                                            orthogonalize_matrix)
             for index, result in zip(indices, results):
-                self._apply(group, params[index], as_update(updates[index], result))
+                self._apply(group, params[index], result.view_as(_local(updates[index])))
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 
 try:
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 except ImportError:  # torch built without distributed
-    DTensor = distribute_tensor = None
+    DTensor = None
 
 
 def attention_modules(model_chunks):
@@ -163,22 +163,31 @@ def _main_pieces(optimizer, model_param):
                      "or use Megatron DDP, the distributed optimizer, Megatron-FSDP or FSDP2")
 
 
+def scale_rows(main, row_scales, start=None, end=None, shape=None):
+    """Multiply row r of the parameter `main` stands for (a weight `[rows, cols]` or bias `[rows]`) by
+    `row_scales[r]` in `main`: a flat piece holding elements `[start, end)` of the flattened parameter of `shape`,
+    or (start None) the whole parameter, a DTensor's shard of it included."""
+    row_scales = row_scales.to(main.device)
+    if start is not None:  # a flat piece: element e of the flattened parameter lies in row e // cols
+        rows = torch.arange(start, end, device=main.device) // math.prod(shape[1:])
+        main.mul_(row_scales[rows].to(main.dtype).view_as(main))
+        return
+    factors = row_scales.to(main.dtype).view(-1, *([1] * (main.dim() - 1)))
+    if DTensor is not None and isinstance(main, DTensor):
+        from megatron.core.distributed.torch_fully_sharded_data_parallel import local_shard_like
+
+        # Every rank holds the same factors: this rank's shard of them is cut locally (no collective) from a
+        # view of the whole and made where the shard lives (host memory under --torch-fsdp2-cpu-offload, whose
+        # mesh is the GPU's), not on the mesh's device.
+        main.mul_(local_shard_like(main, factors.expand(tuple(main.shape)), "a QK-Clip factor"))
+    else:
+        main.mul_(factors.to(main.device))
+
+
 def _scale_main(optimizer, model_param, row_scales):
-    """Multiply row r of every main piece of `model_param` (a weight `[rows, cols]` or bias `[rows]`) by
-    `row_scales[r]`."""
+    """`scale_rows` on every main piece of `model_param`."""
     for main, start, end, shape in _main_pieces(optimizer, model_param):
-        row_scales = row_scales.to(main.device)
-        if start is not None:  # a flat piece: element e of the flattened parameter lies in row e // cols
-            rows = torch.arange(start, end, device=main.device) // math.prod(shape[1:])
-            main.mul_(row_scales[rows].to(main.dtype).view_as(main))
-            continue
-        factors = row_scales.view(-1, *([1] * (len(shape) - 1)))
-        if DTensor is not None and isinstance(main, DTensor):
-            # Every rank holds the same factors: cut this rank's shard of them locally (no collective).
-            whole = factors.expand(tuple(main.shape)).to(main.dtype).contiguous()
-            main.mul_(distribute_tensor(whole, main.device_mesh, main.placements, src_data_rank=None))
-        else:
-            main.mul_(factors.to(device=main.device, dtype=main.dtype))
+        scale_rows(main, row_scales, start, end, shape)
 
 
 @torch.no_grad()

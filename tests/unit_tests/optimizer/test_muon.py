@@ -312,6 +312,51 @@ def test_blockwise_orthogonalizes_each_shard_alone():
         assert min(from_full.values()) > 1e-3, from_full
 
 
+def _host_shards_of_a_cuda_mesh_steps():
+    """What --torch-fsdp2-cpu-offload makes on a GPU machine: a "cuda" mesh whose DTensor parameters, gradients
+    and momenta keep their local tensors in host memory (on CPU-only torch any move to the mesh's device raises).
+    Each rank's row shard of a 5 x 3 weight (3 and 2 rows) takes two steps, Newton-Schulz shared over the ranks
+    and not, next to the whole weight stepped as a plain tensor."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(5, 3, generator=generator)
+    grads = [torch.randn(5, 3, generator=generator) for _ in range(2)]
+
+    def steps(param, grad_of, distribute=True):
+        optimizer = MuonWithAdamW([_muon_group([param], "blockwise")], lr=0.1, weight_decay=0.1)
+        optimizer.distribute_newton_schulz = distribute
+        for grad in grads:
+            param.grad = grad_of(grad)
+            optimizer.step()
+        return param.detach()
+
+    whole = steps(torch.nn.Parameter(weight.clone()), lambda grad: grad)
+    mesh = DeviceMesh.from_group(torch.distributed.group.WORLD, "cuda", mesh=torch.arange(world_size))
+    spec = DTensorSpec(mesh, (Shard(0),), TensorMeta(weight.shape, weight.stride(), weight.dtype))
+
+    def host_shard(full):
+        return DTensor(full.chunk(world_size)[rank].clone(), spec, requires_grad=False)
+
+    expected = whole.chunk(world_size)[rank]
+    results = {}
+    for distribute in (True, False):
+        local = steps(torch.nn.Parameter(host_shard(weight)), host_shard, distribute).to_local()
+        results[distribute] = (local.device.type, torch.equal(local, expected))
+    return results, torch.equal(expected, weight.chunk(world_size)[rank])
+
+
+def test_steps_host_shards_of_a_cuda_mesh_where_they_live():
+    """Muon writes each rank's piece of the update straight into its host shard (bit-equal to stepping the whole
+    weight), never building the update on the mesh's device."""
+    for results, unchanged in run_on_ranks(2, _host_shards_of_a_cuda_mesh_steps):
+        assert results == {True: ("cpu", True), False: ("cpu", True)}
+        assert not unchanged
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision, tolerance", [("high", 1e-5), ("medium", 2e-2), ("low", 5e-2)])
 def test_cuda_step_follows_fp32_matmul_precision_and_restores_it(precision, tolerance):

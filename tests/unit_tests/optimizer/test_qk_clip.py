@@ -14,6 +14,7 @@ from megatron.core.optimizer.qk_clip import (
     qkv_row_scales,
     reduce_max_attention_logits,
     reset_max_attention_logits,
+    scale_rows,
 )
 from tests.unit_tests.multiprocess_harness import run_on_ranks
 
@@ -63,6 +64,32 @@ def test_tensor_parallel_shards_take_their_rows_of_the_full_factors(heads, group
                                threshold, alpha)
         assert torch.equal(local, full[rank * rows_per_rank:(rank + 1) * rows_per_rank])
     assert (max_logits > threshold).any() and (max_logits <= threshold).any()  # clipped and unclipped heads
+
+
+def _scale_host_shards_of_a_cuda_mesh():
+    """What --torch-fsdp2-cpu-offload makes on a GPU machine: a "cuda" mesh whose DTensor main weights keep their
+    local tensors in host memory (on CPU-only torch any move to the mesh's device raises). Each rank scales its
+    row shard of a 5 x 3 weight (3 and 2 rows) and of a 5-row bias."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda", mesh=torch.arange(world_size))
+    row_scales = torch.tensor([0.5, 1.0, 0.25, 1.0, 0.75])
+    results = []
+    for full in (torch.randn(5, 3, generator=torch.Generator().manual_seed(3)), torch.arange(1.0, 6.0)):
+        spec = DTensorSpec(mesh, (Shard(0),), TensorMeta(full.shape, full.stride(), full.dtype))
+        main = DTensor(full.chunk(world_size)[rank].clone(), spec, requires_grad=False)
+        scale_rows(main, row_scales)
+        expected = (full * row_scales.view(-1, *([1] * (full.dim() - 1)))).chunk(world_size)[rank]
+        results.append((main.to_local().device.type, torch.equal(main.to_local(), expected)))
+    return results
+
+
+def test_scales_host_shards_of_a_cuda_mesh_where_they_live():
+    """Each rank's shard of the factors is cut and applied in host memory, never built on the mesh's device."""
+    assert run_on_ranks(2, _scale_host_shards_of_a_cuda_mesh) == [[("cpu", True), ("cpu", True)]] * 2
 
 
 def _logits_after_a_clipping_step(threshold):
