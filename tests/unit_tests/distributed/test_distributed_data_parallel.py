@@ -178,32 +178,6 @@ def test_gradient_after_reduction_started_raises(world_size):
         assert message is not None and "no_sync" in message
 
 
-def _tied_gpt_main_grads_match_autograd():
-    from tests.unit_tests.models.gpt.gpt_test_utils import fixed_batch, loss_and_grads, seeded_model, tiny_config
-
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel()
-    _, reference_grads = loss_and_grads(seeded_model(tiny_config()), fixed_batch())
-    config = tiny_config(gradient_accumulation_fusion=True)
-    model = seeded_model(config)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
-    ddp.zero_grad_buffer()
-    tokens, labels, position_ids = fixed_batch()
-    ddp(tokens, position_ids, labels=labels).sum().backward()
-    ddp.finish_grad_sync()
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(param.main_grad, reference_grads[name], rtol=1e-5, atol=1e-6, msg=name)
-    return True
-
-
-@pytest.mark.parametrize("world_size", [1])
-def test_fused_weight_grads_keep_other_uses_of_a_tied_weight(world_size):
-    """The word embedding is also the output layer's weight: the fused kernel's share goes straight to
-    main_grad, the embedding lookup's share through param.grad; both must reach main_grad."""
-    assert run_on_ranks(world_size, _tied_gpt_main_grads_match_autograd) == [True]
-
-
 def _dropped_wrappers_are_freed():
     import gc
     import weakref

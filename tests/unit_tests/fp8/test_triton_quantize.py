@@ -97,22 +97,32 @@ def check_interpreted_kernels_pass_the_first_use_check():
     assert not fp8_tensor._TRITON_FAILED, fp8_tensor._TRITON_FAILED
 
 
+def _eager_kernel_outputs(tensor, dtype, with_transpose):
+    """What the quantize kernel returns, computed by the eager functions (current scaling)."""
+    limit = fp8_max(dtype)
+    amax = fp8_tensor._amax_eager(tensor)
+    data, transpose, scale, scale_inv = fp8_tensor._scale_and_cast_eager(tensor, amax, dtype, limit, limit,
+                                                                          with_transpose)
+    return data, transpose, scale, scale_inv, amax
+
+
+def _replace_kernels(monkeypatch, quantize):
+    monkeypatch.setattr(triton_quantize, "amax", lambda tensor: fp8_tensor._amax_eager(tensor).reshape(1))
+    monkeypatch.setattr(triton_quantize, "quantize", quantize)
+
+
 def test_first_use_check_hands_over_to_the_other_paths_when_the_kernels_disagree(monkeypatch):
     """Kernels whose bytes differ from the eager path's (one float8 byte off) are not used: the check records
     why, and quantizing goes on through the eager path."""
     monkeypatch.setattr(fp8_tensor, "_TRITON_FAILED", [])
 
     def one_byte_off(tensor, dtype, scale_amax, margin=0, with_transpose=False, record_amax=False):
-        limit = fp8_max(dtype)
-        amax = fp8_tensor._amax_eager(tensor)
-        data, transpose, scale, scale_inv = fp8_tensor._scale_and_cast_eager(tensor, amax, dtype, limit, limit,
-                                                                              with_transpose)
+        data, transpose, scale, scale_inv, amax = _eager_kernel_outputs(tensor, dtype, with_transpose)
         data = data.clone()
         data.view(torch.uint8)[0, 5] += 1
         return data, transpose, scale, scale_inv, amax
 
-    monkeypatch.setattr(triton_quantize, "amax", lambda tensor: fp8_tensor._amax_eager(tensor).reshape(1))
-    monkeypatch.setattr(triton_quantize, "quantize", one_byte_off)
+    _replace_kernels(monkeypatch, one_byte_off)
     fp8_tensor._check_triton_kernels(torch.device("cpu"))
     assert len(fp8_tensor._TRITON_FAILED) == 1 and "do not reproduce the eager" in fp8_tensor._TRITON_FAILED[0]
 
@@ -124,10 +134,7 @@ def test_first_use_check_hands_over_when_scaled_mm_refuses_the_kernels_operands(
     monkeypatch.setattr(fp8_tensor, "_TRITON_FAILED", [])
 
     def scales_in_one_tensor(tensor, dtype, scale_amax, margin=0, with_transpose=False, record_amax=False):
-        limit = fp8_max(dtype)
-        amax = fp8_tensor._amax_eager(tensor)
-        data, transpose, scale, scale_inv = fp8_tensor._scale_and_cast_eager(tensor, amax, dtype, limit, limit,
-                                                                              with_transpose)
+        data, transpose, scale, scale_inv, amax = _eager_kernel_outputs(tensor, dtype, with_transpose)
         scales = torch.stack([scale, scale_inv])
         return data, transpose, scales[0], scales[1], amax
 
@@ -138,8 +145,7 @@ def test_first_use_check_hands_over_when_scaled_mm_refuses_the_kernels_operands(
             raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul")
         return scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, **kwargs)
 
-    monkeypatch.setattr(triton_quantize, "amax", lambda tensor: fp8_tensor._amax_eager(tensor).reshape(1))
-    monkeypatch.setattr(triton_quantize, "quantize", scales_in_one_tensor)
+    _replace_kernels(monkeypatch, scales_in_one_tensor)
     monkeypatch.setattr(torch, "_scaled_mm", refusing_offset_scales)
     fp8_tensor._check_triton_kernels(torch.device("cpu"))
     assert len(fp8_tensor._TRITON_FAILED) == 1 and "CUBLAS_STATUS_NOT_SUPPORTED" in fp8_tensor._TRITON_FAILED[0]
