@@ -145,15 +145,6 @@ def piece_range(param, update):
     return 0, update.numel()
 
 
-def as_update(update, flat):
-    """`flat`, this rank's elements of an orthogonalized matrix, in the form of its piece `update`."""
-    if DTensor is not None and isinstance(update, DTensor):
-        local = flat.view(update.to_local().shape)
-        return DTensor.from_local(local, update.device_mesh, update.placements, run_check=False,
-                                  shape=update.shape, stride=update.stride())
-    return flat.view_as(update)
-
-
 class PieceTable:
     """Every rank's piece of each matrix of a bucket, by the rank's coordinate in the grid of the piece groups
     (its rank in each, first group first): `ranges[coordinate][matrix] -> (start, end)`. `held_length(prefix,
