@@ -14,7 +14,6 @@ expert-parallel rank sent it. With several distributed-optimizer instances, dens
 sharded (reduce-scattered) inside an instance and all-reduced across the instances.
 """
 
-import weakref
 from contextlib import contextmanager
 
 import torch
@@ -60,20 +59,6 @@ def _default_expert_groups(ddp_config):
         )
     return BucketCommunicationGroups(expert_data_parallel_group())
 
-
-
-def _holding_weakly(method):
-    """The bound `method` as a post-accumulate-grad hook that does not keep its object alive. Autograd keeps such
-    hooks in the parameters' C++ data, out of the garbage collector's sight: a hook holding the wrapper would keep
-    the wrapper and its buffers for as long as the parameters live, even after the wrapper is dropped."""
-    reference = weakref.WeakMethod(method)
-
-    def hook(param):
-        bound = reference()
-        if bound is not None:
-            bound(param)
-
-    return hook
 
 class DistributedDataParallel(DataParallelWrapper):
     """Wraps `module`; `config` is the model's (Transformer/ModelParallel) config, `ddp_config` the DDP one.
@@ -143,7 +128,7 @@ class DistributedDataParallel(DataParallelWrapper):
         self.is_last_microbatch = True
 
         self._hook_handles = [
-            param.register_post_accumulate_grad_hook(_holding_weakly(self._accumulate_into_main_grad))
+            param.register_post_accumulate_grad_hook(self._accumulate_into_main_grad)
             for param in self._param_to_bucket
         ]
         if ddp_config.overlap_param_gather:

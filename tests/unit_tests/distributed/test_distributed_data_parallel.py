@@ -176,30 +176,3 @@ def _late_gradient_raises():
 def test_gradient_after_reduction_started_raises(world_size):
     for message in run_on_ranks(world_size, _late_gradient_raises):
         assert message is not None and "no_sync" in message
-
-
-def _dropped_wrappers_are_freed():
-    import gc
-    import weakref
-
-    alive = {}
-    for overlap in (False, True):
-        model = build_toy_model()
-        ddp = DistributedDataParallel(ModelParallelConfig(), DistributedDataParallelConfig(
-            overlap_grad_reduce=overlap, bucket_size=40), model)
-        inputs, targets = toy_batch(0, MICRO_BATCH_SIZE)
-        mse_loss(ddp, inputs, targets).backward()
-        ddp.finish_grad_sync()
-        references = [weakref.ref(ddp), *(weakref.ref(buffer) for buffer in ddp.buffers)]
-        del ddp, model
-        gc.collect()
-        alive[overlap] = sum(reference() is not None for reference in references)
-    return alive
-
-
-@pytest.mark.parametrize("world_size", [2])
-def test_a_dropped_wrapper_is_freed_with_its_buffers(world_size):
-    """The gradient hooks live in the parameters' autograd data, out of the garbage collector's sight: they must
-    not keep a dropped wrapper and its buffers alive (a process building several models would keep them all)."""
-    for alive in run_on_ranks(world_size, _dropped_wrappers_are_freed):
-        assert alive == {False: 0, True: 0}

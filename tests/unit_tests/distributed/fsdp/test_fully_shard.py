@@ -56,36 +56,3 @@ def test_flattened_mesh_dims_upstream_style_script(world_size):
     for outer in ("no_shard", "optim"):
         for losses in run_on_ranks(world_size, _hybrid_script, outer):
             assert losses == pytest.approx(reference, abs=1e-5), outer
-
-
-def _dropped_wrappers_script():
-    """Wrap, train a step, drop every reference: the wrapper, its schedule and its parameter groups (with their
-    buffers) must be freed, for each ZeRO strategy (root groups keep a gradient hook on every parameter)."""
-    import gc
-    import weakref
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from megatron_fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
-    alive = {}
-    for strategy in (0, 1, 2, 3):
-        module = models.make_model(0)
-        optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-2)
-        model, optimizer = fully_shard(module, optimizer, device_mesh=mesh, dp_shard_dim="dp",
-                                       fsdp_unit_modules=[models.Block], zero_dp_strategy=strategy)
-        models.train_sharded(model, optimizer, 1)
-        assert any(group.unit_index is None for group in model.groups)  # a root group: hooks per parameter
-        references = [weakref.ref(model), weakref.ref(model.schedule), *map(weakref.ref, model.groups)]
-        del module, optimizer, model
-        gc.collect()
-        alive[strategy] = sum(reference() is not None for reference in references)
-    return alive
-
-
-@pytest.mark.parametrize("world_size", [2])
-def test_a_dropped_wrapper_is_freed_with_its_buffers(world_size):
-    for alive in run_on_ranks(world_size, _dropped_wrappers_script):
-        assert alive == {0: 0, 1: 0, 2: 0, 3: 0}

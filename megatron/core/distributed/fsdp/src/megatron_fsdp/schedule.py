@@ -30,7 +30,6 @@ the post-backward node on a unit's inputs); `gather_policy.py` gathers and relea
 reduces gradients. `Schedule` combines the three.
 """
 
-import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -268,30 +267,20 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
             self.gather(self.units[unit.index - 1].groups, async_op=True)
 
     def _make_grad_hook(self, group: ParamGroup, index: int):
-        # Weak references: autograd keeps the hook in the parameter's C++ data, out of the garbage collector's
-        # sight, so a hook holding the schedule or the group would keep the wrapper and its buffers alive for as
-        # long as the parameter lives.
-        schedule_reference, group_reference = weakref.ref(self), weakref.ref(group)
-
         def on_grad_accumulated(param):
-            schedule, live_group = schedule_reference(), group_reference()
-            if schedule is not None and live_group is not None:
-                schedule._on_grad_accumulated(live_group, index, param)
+            grad = param.grad
+            if grad is None:
+                return
+            # strategies 0/1: another gradient for a persistent buffer whose reduction may be in flight (the
+            # unit's pre-backward waits for it first, so this is normally a no-op)
+            self._reopen_persistent_grads(group)
+            group.write_grad(index, grad, self.expert_grad_scale if group.expert else self.grad_scale)
+            param.grad = None
+            self.grads_synced = False
+            if group.unit_index is None:
+                self._count_root_grad(group, index)
 
         return on_grad_accumulated
-
-    def _on_grad_accumulated(self, group: ParamGroup, index: int, param):
-        grad = param.grad
-        if grad is None:
-            return
-        # strategies 0/1: another gradient for a persistent buffer whose reduction may be in flight (the unit's
-        # pre-backward waits for it first, so this is normally a no-op)
-        self._reopen_persistent_grads(group)
-        group.write_grad(index, grad, self.expert_grad_scale if group.expert else self.grad_scale)
-        param.grad = None
-        self.grads_synced = False
-        if group.unit_index is None:
-            self._count_root_grad(group, index)
 
     def _count_root_grad(self, group: ParamGroup, index: int):
         """Root groups have no module of their own whose backward ends before the model's: they are reduced and
