@@ -56,8 +56,11 @@ def _live_tensor_bytes():
     storages = {}
     for obj in gc.get_objects():
         if isinstance(obj, torch.Tensor) and not obj.is_meta:
-            storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+            try:
+                storage = obj.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # fake / functional tensors left by compiled code
+                continue
     return sum(storages.values())
 
 
