@@ -25,6 +25,7 @@ from .schedule import Schedule, Unit
 from .tensor_parallel_dtensors import install_dtensor_forward_hooks, localize_tensor_parallel_dtensors
 from .state_dict import load_model_state_dict, model_state_dict
 from .topology import DataParallelTopology
+from .trainability import refuse_trainability_changes, trainability_at_wrap
 from .utils import (WRAPPED_ATTR, parameter_owners, replace_parameter, resolve_module_classes, run_eagerly,
                     tensor_bytes, unit_call_module)
 
@@ -135,12 +136,13 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
             tp_group=self.topology.tp_group, device=self.device)
         self.schedule.register_hooks()
         # torch.compile of the wrapper (or of a module around it) breaks its graphs at these (see run_eagerly)
-        self._root_pre_forward = run_eagerly(self.schedule.root_pre_forward)
+        self._root_pre_forward = run_eagerly(self._checked_root_pre_forward)
         self._root_post_forward = run_eagerly(self.schedule.root_post_forward)
         self.schedule.before_backward = self._clear_grads_due_before_backward
         if self.strategy == ShardingStrategy.optim_grads_params:
             self._install_resting_placeholders()
         self.schedule.hook_handles.extend(install_dtensor_forward_hooks(tensor_parallel_specs))
+        self._trainable_at_wrap = trainability_at_wrap(self.groups, getattr(self.schedule, "resting", None))
         outer_mesh_of = None
         if self.topology.optimizer_outer_size > 1:
             # HFSDP: each group's `.grad` lives on its topology's (outer, ..., shard) mesh; built here, on every rank
@@ -347,6 +349,10 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
             "`get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))`") from None
 
     # ---- forward ----------------------------------------------------------------------------------------------------
+    def _checked_root_pre_forward(self):
+        refuse_trainability_changes(self._trainable_at_wrap)  # trainability.py
+        self.schedule.root_pre_forward()
+
     def forward(self, *args, **kwargs):
         self._root_pre_forward()
         output = self.module(*args, **kwargs)
