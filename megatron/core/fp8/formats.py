@@ -5,6 +5,7 @@ A *format* names the float8 dtype of each direction of a GEMM: `e4m3` uses `floa
 exponent range matters more than mantissa bits. A *recipe* says how a tensor's scale is chosen (see scaling.py).
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ def get_fp8_format(name: str) -> Fp8Format:
     return _FORMATS[name]
 
 
+@functools.cache
 def fp8_max(dtype: torch.dtype) -> float:
     """Largest finite value of a float8 dtype (448 for e4m3fn, 57344 for e5m2)."""
     return float(torch.finfo(dtype).max)

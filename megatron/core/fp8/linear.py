@@ -18,8 +18,9 @@ A GEMM runs through `torch._scaled_mm` on an accelerator that has a kernel for i
 operands are dequantized (exactly, float8 values are fp32 values) and multiplied in fp32, which gives the same
 product up to summation order (both scales are applied to the fp32 product, as `_scaled_mm` does). A GEMM
 whose dimensions are not multiples of 16 (what the GPU kernels take) is zero-padded to them when that adds at
-most `PAD_WORK_LIMIT` work, else emulated, which the log says once per layer and shape (`gemm_plan`). On the CPU emulation is the default even where torch has a `_scaled_mm` kernel:
-that kernel converts its operands before an fp32-class GEMM too, and its speed varies by orders of magnitude
+most `PAD_WORK_LIMIT` work, else emulated, which the log says once per layer and shape (`gemm_plan`). On the CPU
+emulation is the default even where torch has a `_scaled_mm` kernel: that kernel converts its operands before an
+fp32-class GEMM too, and its speed varies by orders of magnitude
 between x86 CPUs (1024x128x384 on one thread: 1.41 s against 4.2 ms emulated on an AMX Xeon; comparable to
 emulation on an AMD EPYC). `force_fp8_scaled_mm()` runs it there anyway (tests of that path).
 """
@@ -125,16 +126,23 @@ def _report_emulated(label, m, k, n):
                        k, n, round(100 * (PAD_WORK_LIMIT - 1)))
 
 
+def _is_column_major(matrix: torch.Tensor) -> bool:
+    """`matrix.t().is_contiguous()`, read from the strides (no transposed view is made to ask)."""
+    rows, cols = matrix.shape
+    row_stride, col_stride = matrix.stride()
+    return rows * cols == 0 or ((rows == 1 or row_stride == 1) and (cols == 1 or col_stride == rows))
+
+
 def _row_major(tensor: ScaledFloat8) -> torch.Tensor:
     if tensor.data.is_contiguous():
         return tensor.data
-    if tensor.transpose_data is not None and tensor.transpose_data.t().is_contiguous():
+    if tensor.transpose_data is not None and _is_column_major(tensor.transpose_data):
         return tensor.transpose_data.t()
     return tensor.data.contiguous()
 
 
 def _column_major(tensor: ScaledFloat8) -> torch.Tensor:
-    if tensor.data.t().is_contiguous():
+    if _is_column_major(tensor.data):
         return tensor.data
     if tensor.transpose_data is not None and tensor.transpose_data.is_contiguous():
         return tensor.transpose_data.t()

@@ -1,5 +1,6 @@
 """`Fp8Recipe`: the format and scaling rules of one FP8 run, built from a `TransformerConfig`."""
 
+import functools
 from dataclasses import dataclass
 
 from megatron.core.fp8.formats import (
@@ -37,11 +38,13 @@ class Fp8Recipe:
                 f"transformer_engine); the torch-native FP8 backend implements {TORCH_NATIVE_RECIPES}"
             )
         if self.scaling not in TORCH_NATIVE_RECIPES:
-            raise ValueError(f"--fp8-recipe must be one of {TORCH_NATIVE_RECIPES + GPU_ONLY_RECIPES}, got {self.scaling!r}")
+            raise ValueError(f"--fp8-recipe must be one of {TORCH_NATIVE_RECIPES + GPU_ONLY_RECIPES}, "
+                             f"got {self.scaling!r}")
         if self.amax_history_len < 1:
             raise ValueError(f"--fp8-amax-history-len must be >= 1, got {self.amax_history_len}")
         if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
-            raise ValueError(f"--fp8-amax-compute-algo must be one of {AMAX_COMPUTE_ALGOS}, got {self.amax_compute_algo!r}")
+            raise ValueError(f"--fp8-amax-compute-algo must be one of {AMAX_COMPUTE_ALGOS}, "
+                             f"got {self.amax_compute_algo!r}")
         if self.margin < 0:
             raise ValueError(f"--fp8-margin must be >= 0, got {self.margin}")
 
@@ -51,11 +54,13 @@ class Fp8Recipe:
 
     @classmethod
     def from_config(cls, config) -> "Fp8Recipe":
-        return cls(
-            fp8_format=get_fp8_format(config.fp8),
-            scaling=config.fp8_recipe,
-            margin=config.fp8_margin,
-            amax_history_len=config.fp8_amax_history_len,
-            amax_compute_algo=config.fp8_amax_compute_algo,
-            fp8_wgrad=getattr(config, "fp8_wgrad", True),
-        )
+        """The recipe of `config`'s FP8 flags: one object per distinct setting (the FP8 region asks for it per
+        layer and pass, and layers compare it by identity first)."""
+        return _recipe(cls, config.fp8, config.fp8_recipe, config.fp8_margin, config.fp8_amax_history_len,
+                       config.fp8_amax_compute_algo, getattr(config, "fp8_wgrad", True))
+
+
+@functools.lru_cache(maxsize=64)
+def _recipe(cls, fp8_format, scaling, margin, amax_history_len, amax_compute_algo, fp8_wgrad):
+    return cls(fp8_format=get_fp8_format(fp8_format), scaling=scaling, margin=margin,
+               amax_history_len=amax_history_len, amax_compute_algo=amax_compute_algo, fp8_wgrad=fp8_wgrad)

@@ -18,7 +18,10 @@ from megatron.core.fp8.tensor import (
     fused_amax_recording_available,
     quantize_by_amax,
     quantize_recording_amax,
+    quantize_with_scales,
     scale_from_amax,
+    scales_from_amax,
+    without_autograd,
 )
 
 NO_AMAX = -1.0  # marks "nothing recorded" in a reduced amax vector (real amaxes are >= 0)
@@ -61,6 +64,11 @@ def all_reduce_max(tensor, groups):
     return tensor
 
 
+def _version_of(tensor):
+    """`tensor`'s version counter (every in-place write bumps it); None for an inference tensor, which has none."""
+    return None if tensor.is_inference() else tensor._version
+
+
 class ScalingState:
     """The scale of one tensor role of one module.
 
@@ -75,7 +83,13 @@ class ScalingState:
             with their module).
 
     Nothing here synchronises with the host: amaxes stay on the device, pending ones are combined with MAX until
-    `reduce_and_record_amaxes` pushes them into the history.
+    `reduce_and_record_amaxes` pushes them into the history. Under delayed scaling the scale the history gives is
+    computed once per record and reused by every quantization until the next one.
+
+    A write into the history storage other than a record (a checkpoint load that copies into the buffers in place,
+    as Megatron-FSDP's `load_state_dict` does) is seen by the storage's version counter: the state then forgets
+    what it knew of the old history (the host-side `has_history`, the scale it gave) and the amaxes pending from
+    before the write, as a state built after the load would.
     """
 
     def __init__(self, recipe: Fp8Recipe, dtype: torch.dtype, sharded_over_tensor_parallel: bool,
@@ -97,6 +111,13 @@ class ScalingState:
         # (False after a load, until the next record: the device-side count then decides, see `_amax_for_scale`).
         self.has_history = False
         self.generation = 0  # bumped by every record (the scale may have changed)
+        # The history storage's version counter as of the last record (or this state's construction): any other
+        # write into it since then was a load (see `_notice_overwritten_history`).
+        self._history_version = _version_of(self.amax_history)
+        # Under delayed scaling with a known history: the amax it gives and, where the eager kernels quantize, the
+        # `Scales` from it, on the device they were computed for; None until first used after a record.
+        self._history_amax = None
+        self._history_scales = None
 
     @property
     def num_recorded(self) -> int:
@@ -118,19 +139,49 @@ class ScalingState:
             return self.amax_history.max()
         return self.amax_history[0]
 
+    def _notice_overwritten_history(self):
+        """If the history storage was written since the last record (a load in place), start over as a state
+        built after the load: no history known on the host, and the amaxes pending from before it dropped."""
+        version = _version_of(self.amax_history)
+        if version != self._history_version:
+            self._history_version = version
+            self.has_history = False
+            self.pending_amax = None
+            self._forget_history_scales()
+
+    def _forget_history_scales(self):
+        self._history_amax = None
+        self._history_scales = None
+
+    def _record_pending(self, local_amax):
+        self.pending_amax = local_amax if self.pending_amax is None else torch.maximum(self.pending_amax, local_amax)
+
+    def _follow_device(self, tensor):
+        if self._owns_storage and self.amax_history.device != tensor.device:
+            self.amax_history = self.amax_history.to(tensor.device)
+            self.recorded_count = self.recorded_count.to(tensor.device)
+            self._history_version = _version_of(self.amax_history)
+            self._forget_history_scales()
+
+    def _known_history_amax(self, device) -> torch.Tensor:
+        """The amax the known history gives, on `device` (computed once per record)."""
+        history_amax = self._history_amax
+        if history_amax is None or history_amax.device != device:
+            history_amax = self._history_amax = self.history_amax().to(device)
+        return history_amax
+
     def _amax_for_scale(self, tensor: torch.Tensor) -> torch.Tensor:
         local_amax = amax(tensor)
         if not self.recipe.is_delayed:
             return self._current_amax(local_amax)
-        self.pending_amax = local_amax if self.pending_amax is None else torch.maximum(self.pending_amax, local_amax)
-        if self._owns_storage and self.amax_history.device != tensor.device:
-            self.amax_history = self.amax_history.to(tensor.device)
-            self.recorded_count = self.recorded_count.to(tensor.device)
-        history = self.history_amax().to(tensor.device)
+        self._follow_device(tensor)
+        self._notice_overwritten_history()
+        self._record_pending(local_amax)
         if self.has_history:
-            return history
+            return self._known_history_amax(tensor.device)
         # No history known on the host (the first step, or just loaded): the history where the device-side count
         # says there is one, else this tensor's own amax, rather than an arbitrary scale of 1.
+        history = self.history_amax().to(tensor.device)
         recorded = self.recorded_count[0].to(tensor.device) > 0
         return torch.where(recorded, history, self._current_amax(local_amax))
 
@@ -140,16 +191,29 @@ class ScalingState:
 
     def quantize(self, tensor: torch.Tensor, with_transpose: bool = False) -> ScaledFloat8:
         """`tensor` in FP8 with this role's scale (scale, reciprocal and bytes from one pass)."""
-        if self.recipe.is_delayed and self.has_history and fused_amax_recording_available(tensor, self.dtype):
-            # The scale comes from the history; the tensor's own amax is recorded from the same pass.
-            history = self.history_amax()
-            fp8, local_amax = quantize_recording_amax(tensor, self.dtype, history, self.recipe.margin,
-                                                      with_transpose=with_transpose)
-            self.pending_amax = (local_amax if self.pending_amax is None
-                                 else torch.maximum(self.pending_amax, local_amax))
-            return fp8
+        tensor = without_autograd(tensor)  # once here rather than in each op below
+        if self.recipe.is_delayed:
+            self._follow_device(tensor)
+            self._notice_overwritten_history()
+            if self.has_history:
+                return self._quantize_by_known_history(tensor, with_transpose)
         return quantize_by_amax(tensor, self.dtype, self._amax_for_scale(tensor), self.recipe.margin,
                                 with_transpose=with_transpose)
+
+    def _quantize_by_known_history(self, tensor, with_transpose):
+        device = tensor.device
+        if fused_amax_recording_available(tensor, self.dtype):
+            # The scale comes from the history; the tensor's own amax is recorded from the same pass.
+            fp8, local_amax = quantize_recording_amax(tensor, self.dtype, self._known_history_amax(device),
+                                                      self.recipe.margin, with_transpose=with_transpose)
+            self._record_pending(local_amax)
+            return fp8
+        self._record_pending(amax(tensor))
+        scales = self._history_scales
+        if scales is None or scales.scale.device != device:
+            scales = self._history_scales = scales_from_amax(self._known_history_amax(device), self.dtype,
+                                                             self.recipe.margin)
+        return quantize_with_scales(tensor, self.dtype, scales, with_transpose=with_transpose)
 
 
 def reduce_and_record_amaxes(states, groups):
@@ -162,6 +226,8 @@ def reduce_and_record_amaxes(states, groups):
     if not states:
         return
     present = [state for state in states if state is not None]
+    for state in present:
+        state._notice_overwritten_history()
     device = present[0].amax_history.device if present else get_device_for_group(groups[0] if groups else None)
     nothing = torch.full((), NO_AMAX, dtype=torch.float32, device=device)
     pending = torch.stack([nothing if state is None or state.pending_amax is None else state.pending_amax.to(device)
@@ -188,6 +254,8 @@ def reduce_and_record_amaxes(states, groups):
             state.has_history = True
         state.pending_amax = None
         state.generation += 1
+        state._history_version = _version_of(state.amax_history)
+        state._forget_history_scales()
 
 
 def _collect_step_states(module, states, seen):

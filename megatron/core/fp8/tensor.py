@@ -10,12 +10,13 @@ the amax is one kernel and the scale-and-cast another, which also writes the tra
 under delayed scaling, records the tensor's amax in the same pass (`triton_quantize`): a handful of launches per
 tensor, so the host keeps ahead of the GPU. Tensors those kernels do not take (more than two dimensions) go
 through `torch.compile`d functions on CUDA; where compiling fails they run eagerly and a message says so once.
-Elsewhere (the CPU) they run eagerly: the amax is one `aminmax` pass (no `abs` temporary), and the cast is one
+Elsewhere (the CPU) they run eagerly: the amax is one infinity-norm pass (no `abs` temporary), and the cast is one
 multiply (in fp32, without a separate upcast copy), an in-place clamp and the float8 conversion.
 """
 
 import contextlib
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -93,30 +94,44 @@ def is_float8tensor(tensor) -> bool:
 
 
 def _amax_eager(tensor: torch.Tensor) -> torch.Tensor:
-    low, high = torch.aminmax(tensor)  # one pass; max(|x|) = max(max, -min); NaN propagates
-    return torch.maximum(high, low.neg()).to(torch.float32)
+    # One op and one pass: the infinity norm is max(|x|) (exact in any precision, no `abs` temporary), reduced in
+    # fp32 for 16-bit inputs; NaN propagates.
+    if tensor.dtype == torch.float64:
+        return torch.linalg.vector_norm(tensor, float("inf")).to(torch.float32)
+    return torch.linalg.vector_norm(tensor, float("inf"), dtype=torch.float32)
+
+
+# The positive finite fp32 range: a scale outside it (or NaN) is replaced by 1.
+_SMALLEST_POSITIVE_FP32 = torch.finfo(torch.float32).smallest_normal * 2.0**-23
+_LARGEST_FP32 = torch.finfo(torch.float32).max
 
 
 def _scale_eager(amax_value: torch.Tensor, limit: float) -> torch.Tensor:
-    scale = limit / amax_value.to(torch.float32)
+    if amax_value.dtype != torch.float32:
+        amax_value = amax_value.to(torch.float32)
+    # `limit * (1 / amax)`: the two roundings of `limit / amax` as a tensor computes it (and as the Triton kernel
+    # reproduces), into a new tensor that the rest updates in place.
+    scale = torch.reciprocal(amax_value).mul_(limit)
     # amax 0, inf, NaN, negative or so small that the scale overflows: scale 1 (all-zero tensors stay zero, and a
-    # bad amax cannot poison the scale).
-    return torch.where((scale > 0) & (scale < float("inf")), scale, 1.0)
+    # bad amax cannot poison the scale). Clamping to the positive finite range changes exactly those (NaN stays
+    # NaN, which compares unequal).
+    outside = scale.clamp(_SMALLEST_POSITIVE_FP32, _LARGEST_FP32).ne(scale)
+    return scale.masked_fill_(outside, 1.0)
 
 
-def _cast_eager(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, limit: float) -> torch.Tensor:
-    # A one-element (not 0-dim) scale takes part in type promotion: a bf16 tensor is multiplied in fp32 and no
-    # fp32 copy of it is made first.
-    scaled = tensor * scale.reshape(1)
+def _cast_eager(tensor: torch.Tensor, multiplier: torch.Tensor, dtype: torch.dtype, limit: float) -> torch.Tensor:
+    # The scale as a one-element (not 0-dim) tensor, `multiplier`, takes part in type promotion: a bf16 tensor is
+    # multiplied in fp32 and no fp32 copy of it is made first.
+    scaled = tensor * multiplier
     return scaled.clamp_(-limit, limit).to(dtype)
 
 
 def _scale_and_cast_eager(tensor, amax_value, dtype, target, limit, with_transpose):
     # `target` (the float8 maximum / 2**margin) is what the amax maps onto; `limit` the saturation bound.
     scale = _scale_eager(amax_value, target)
-    data = _cast_eager(tensor, scale, dtype, limit)
+    data = _cast_eager(tensor, scale.reshape(1), dtype, limit)
     transpose = data.t().contiguous() if with_transpose else None
-    return data, transpose, scale, scale.reciprocal()
+    return data, transpose, scale, torch.reciprocal(scale)
 
 
 # ---- compiled kernels (CUDA) ---------------------------------------------------------------------------------------
@@ -138,20 +153,27 @@ def _wants_compiled(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda
 
 
-def _compiled(name, function):
-    if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(function, dynamic=True, fullgraph=True, backend=_COMPILE_BACKEND[0])
-    return _COMPILED[name]
+def _compiled(key, function):
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(function, dynamic=True, fullgraph=True, backend=_COMPILE_BACKEND[0])
+    return _COMPILED[key]
 
 
-def _run(name, eager, tensor, *args):
+def _run(key, eager, tensor, *args):
+    """`eager(tensor, *args)`, compiled (one compiled function per `key`, a tuple) where `_wants_compiled`."""
     if _wants_compiled(tensor):
         try:
-            return _compiled(name, eager)(tensor, *args)
+            return _compiled(key, eager)(tensor, *args)
         except Exception as error:  # no working compiler / backend here: stay eager from now on
             _COMPILE_FAILED.append(repr(error))
             logger.warning("FP8 quantization runs eagerly: torch.compile of its kernels failed (%s)", error)
     return eager(tensor, *args)
+
+
+def without_autograd(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` detached where an op on it would be recorded by autograd (the FP8 linear quantizes inside its
+    autograd function, where nothing is: no `detach` op is dispatched then)."""
+    return tensor.detach() if tensor.requires_grad and torch.is_grad_enabled() else tensor
 
 
 # ---- public API ---------------------------------------------------------------------------------------------------
@@ -253,10 +275,10 @@ def amax(tensor: torch.Tensor) -> torch.Tensor:
         from megatron.core.fp8 import triton_quantize
 
         try:
-            return triton_quantize.amax(tensor.detach())[0]
+            return triton_quantize.amax(without_autograd(tensor))[0]
         except Exception as error:  # noqa: BLE001 - any build or launch failure: fall back
             _triton_failed(error)
-    return _run("amax", _amax_eager, tensor.detach())
+    return _run(("amax",), _amax_eager, without_autograd(tensor))
 
 
 def scale_from_amax(amax_value: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
@@ -268,6 +290,21 @@ def scale_from_amax(amax_value: torch.Tensor, dtype: torch.dtype, margin: int = 
     return _scale_eager(amax_value, fp8_max(dtype) / (2.0**margin))
 
 
+class Scales(NamedTuple):
+    """A scale computed ahead of the tensors it quantizes: `scale` (fp32, 0-dim), `scale_inv` (its reciprocal) and
+    `multiplier` (the scale as a one-element tensor, the form the cast multiplies by)."""
+
+    scale: torch.Tensor
+    scale_inv: torch.Tensor
+    multiplier: torch.Tensor
+
+
+def scales_from_amax(amax_value: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> Scales:
+    """`scale_from_amax(amax_value, dtype, margin)` in the forms `quantize_with_scales` takes."""
+    scale = scale_from_amax(amax_value, dtype, margin)
+    return Scales(scale, torch.reciprocal(scale), scale.reshape(1))
+
+
 def _check_fp8(dtype):
     if not is_fp8_dtype(dtype):
         raise ValueError(f"quantize needs a float8 dtype, got {dtype}")
@@ -277,7 +314,7 @@ def quantize(tensor: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> S
     """`tensor * scale`, saturated to the float8 range, stored in `dtype`."""
     _check_fp8(dtype)
     scale = scale.detach().to(torch.float32)
-    data = _run(f"cast_{dtype}", _cast_eager, tensor.detach(), scale, dtype, fp8_max(dtype))
+    data = _run(("cast", dtype), _cast_eager, without_autograd(tensor), scale.reshape(1), dtype, fp8_max(dtype))
     return ScaledFloat8(data, scale)
 
 
@@ -291,15 +328,30 @@ def quantize_by_amax(tensor: torch.Tensor, dtype: torch.dtype, amax_value: torch
 
         try:
             data, transpose, scale, scale_inv, _ = triton_quantize.quantize(
-                tensor.detach(), dtype, amax_value, margin, with_transpose=with_transpose)
+                without_autograd(tensor), dtype, amax_value, margin, with_transpose=with_transpose)
             return ScaledFloat8(data, scale, scale_inv, transpose)
         except Exception as error:  # noqa: BLE001 - any build or launch failure: fall back
             _triton_failed(error)
     limit = fp8_max(dtype)
-    data, transpose, scale, scale_inv = _run(f"scale_and_cast_{dtype}_{with_transpose}", _scale_and_cast_eager,
-                                             tensor.detach(), amax_value, dtype, limit / (2.0**margin), limit,
+    data, transpose, scale, scale_inv = _run(("scale_and_cast", dtype, with_transpose), _scale_and_cast_eager,
+                                             without_autograd(tensor), amax_value, dtype, limit / (2.0**margin), limit,
                                              with_transpose)
     return ScaledFloat8(data, scale, scale_inv, transpose)
+
+
+def _cast_with_transpose_eager(tensor, multiplier, dtype, limit, with_transpose):
+    data = _cast_eager(tensor, multiplier, dtype, limit)
+    return data, data.t().contiguous() if with_transpose else None
+
+
+def quantize_with_scales(tensor: torch.Tensor, dtype: torch.dtype, scales: Scales,
+                         with_transpose: bool = False) -> ScaledFloat8:
+    """`tensor` cast to `dtype` with a scale known beforehand (`scales_from_amax`), which the result holds as it
+    is; with `with_transpose` also the transposed bytes of a 2-D tensor. The same bytes as `quantize_by_amax`
+    with the amax the scale came from."""
+    data, transpose = _run(("cast_with_transpose", dtype, with_transpose), _cast_with_transpose_eager,
+                           without_autograd(tensor), scales.multiplier, dtype, fp8_max(dtype), with_transpose)
+    return ScaledFloat8(data, scales.scale, scales.scale_inv, transpose)
 
 
 def fused_amax_recording_available(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -317,7 +369,7 @@ def quantize_recording_amax(tensor: torch.Tensor, dtype: torch.dtype, scale_amax
 
     _check_fp8(dtype)
     data, transpose, scale, scale_inv, own_amax = triton_quantize.quantize(
-        tensor.detach(), dtype, scale_amax, margin, with_transpose=with_transpose, record_amax=True)
+        without_autograd(tensor), dtype, scale_amax, margin, with_transpose=with_transpose, record_amax=True)
     return ScaledFloat8(data, scale, scale_inv, transpose), own_amax
 
 

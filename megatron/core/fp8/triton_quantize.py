@@ -128,12 +128,13 @@ def _blocks_per_program(tensor):
 
 def amax(tensor: torch.Tensor) -> torch.Tensor:
     """max(|tensor|) as a one-element fp32 tensor (NaN counted as +inf), from one pass."""
-    flat = tensor.contiguous().view(-1)
+    flat = tensor.contiguous()  # read as a flat array: the kernel takes the pointer and the element count
     out = torch.zeros(1, dtype=torch.float32, device=tensor.device)
     amax_kernel, _ = kernels()
+    numel = flat.numel()
     blocks_per_program = _blocks_per_program(flat)
-    programs = -(-flat.numel() // (AMAX_BLOCK * blocks_per_program))
-    amax_kernel[(programs,)](flat, out, flat.numel(), BLOCKS_PER_PROGRAM=blocks_per_program, BLOCK=AMAX_BLOCK)
+    programs = -(-numel // (AMAX_BLOCK * blocks_per_program))
+    amax_kernel[(programs,)](flat, out, numel, BLOCKS_PER_PROGRAM=blocks_per_program, BLOCK=AMAX_BLOCK)
     return out
 
 
@@ -157,8 +158,11 @@ def quantize(tensor: torch.Tensor, dtype: torch.dtype, scale_amax: torch.Tensor,
     own_amax = torch.zeros(1, dtype=torch.float32, device=device) if record_amax else None
     _, quantize_kernel = kernels()
     grid = (-(-rows // TILE_ROWS), -(-cols // TILE_COLS))
+    # The kernel reads the one element of `scale_amax` through its pointer, whatever its shape.
+    if scale_amax.dtype != torch.float32:
+        scale_amax = scale_amax.to(torch.float32)
     quantize_kernel[grid](
-        matrix, data, transpose if with_transpose else data, scale_amax.reshape(1).to(torch.float32),
+        matrix, data, transpose if with_transpose else data, scale_amax,
         own_amax if record_amax else scale, scale, scale_inv, rows, cols, limit / (2.0**margin), limit,
         MANTISSA_BITS=mantissa_bits, MIN_EXPONENT=min_exponent, WRITE_TRANSPOSE=with_transpose,
         RECORD_AMAX=record_amax, BLOCK_ROWS=TILE_ROWS, BLOCK_COLS=TILE_COLS,

@@ -19,6 +19,8 @@ state dict without them (a run without delayed FP8 scaling) loads, and the histo
 (`megatron.core.fp8.checkpoint`); layers that never run in FP8 (the output layer) have none and ignore them.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.nn.parameter import Parameter
@@ -231,7 +233,7 @@ class _Fp8LinearMixin:
         self._fp8_history_recipe = Fp8Recipe.from_config(config) if _uses_torch_native_delayed_fp8(config) else None
         self._register_load_state_dict_pre_hook(_fp8_linear_load_pre_hook, with_module=True)
 
-    @property
+    @functools.cached_property
     def _fp8_label(self):
         return f"{type(self).__name__}({self.input_size}->{self.output_size})"
 
@@ -250,12 +252,13 @@ class _Fp8LinearMixin:
 
     def fp8_scaling(self, recipe):
         """The layer's `LinearScaling` for `recipe` (rebuilt when the recipe or the history buffers change)."""
-        history = getattr(self, "fp8_amax_history", None)
-        counts = getattr(self, "fp8_amax_recorded_count", None)
+        history = self._buffers.get("fp8_amax_history")
+        counts = self._buffers.get("fp8_amax_recorded_count")
         if history is not None and history.shape[1] != recipe.amax_history_len:
             history = counts = None
         scaling = self._fp8_scaling
-        if scaling is None or scaling.recipe != recipe or getattr(scaling, "storage", None) is not history:
+        if (scaling is None or (scaling.recipe is not recipe and scaling.recipe != recipe)
+                or getattr(scaling, "storage", None) is not history):
             scaling = LinearScaling(recipe, self.fp8_parallel_mode, history_storage=history, count_storage=counts)
             scaling.storage = history
             self._fp8_scaling = scaling
@@ -273,7 +276,7 @@ class _Fp8LinearMixin:
 
     def _fp8_weight(self, weight, scaling):
         """The weight in FP8: the gathered one (`--fp8-param-gather`), the step's cached one, or quantized now."""
-        gathered = getattr(weight, "fp8_weight", None)
+        gathered = weight.__dict__.get("fp8_weight")  # a missing attribute would cost an exception per call
         if gathered is not None:
             return gathered
         with_transpose = self._fp8_keep_transpose and scaled_mm_in_use(weight.device.type)
