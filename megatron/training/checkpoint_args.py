@@ -385,7 +385,8 @@ def check_same_architecture(checkpoint: str, saved_args, args, saved_vocab_size=
 # --use-checkpoint-args: the checkpoint's model over the command line's
 # ---------------------------------------------------------------------------------------------------------
 
-# What shapes the model (and its tokenizer): taken from the checkpoint whatever the command line says.
+# What shapes the model (and its tokenizer), and the dropout: taken from the checkpoint whatever the command line
+# says.
 MODEL_ARGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads", "num_query_groups",
     "group_query_attention", "kv_channels", "max_position_embeddings", "position_embedding_type", "rotary_base",
@@ -394,6 +395,8 @@ MODEL_ARGS = (
     "tokenizer_type", "vocab_size", "add_qkv_bias", "rotary_interleaved", "apply_residual_connection_post_layernorm",
     "openai_gelu", "use_rope_scaling", "rope_scaling_factor", "rotary_seq_len_interpolation_factor",
     "activation_func_clamp_value", "glu_linear_offset", "quick_geglu",
+    # Not shapes, but taken as upstream takes them: a resume trains with the checkpoint's dropout.
+    "attention_dropout", "hidden_dropout", "apply_query_key_layer_scaling",
     # Sliding-window attention and attention sinks.
     "window_size", "window_attn_skip_freq", "softmax_type",
     # NoPE layers and the QK L2 norm (Llama 4), the attention output gate (Qwen3-Next).
@@ -430,10 +433,11 @@ def _flag(name):
     return "--" + name.replace("_", "-")
 
 
-def apply_checkpoint_args(args, saved, with_parallel_layout=False) -> List[str]:
+def apply_checkpoint_args(args, saved, with_parallel_layout=False, with_tokenizer_model=True) -> List[str]:
     """Set `args`' model arguments (and with `with_parallel_layout` the TP/PP/EP layout) to `saved`'s, before
     validation derives anything from them; returns one phrase per value that the command line had otherwise.
-    Names the saved arguments lack (an older checkpoint) keep the command line's value."""
+    Names the saved arguments lack (an older checkpoint) keep the command line's value. Without
+    `with_tokenizer_model` (--no-use-tokenizer-model-from-checkpoint-args) the saved --tokenizer-model is not taken."""
     forced = MODEL_ARGS + (PARALLEL_ARGS if with_parallel_layout else ())
     changed = []
     for name in forced + TOKENIZER_FILE_ARGS:
@@ -441,6 +445,8 @@ def apply_checkpoint_args(args, saved, with_parallel_layout=False) -> List[str]:
             continue
         value, current = getattr(saved, name), getattr(args, name)
         if name in TOKENIZER_FILE_ARGS and current is not None:
+            continue
+        if name == "tokenizer_model" and not with_tokenizer_model:
             continue
         # The key/value heads matter only with --group-query-attention; without it the saved value is the
         # one validation derived (one per head), which this run derives again from its own heads.

@@ -26,6 +26,13 @@ def add_arguments(parser):
         "pipeline split) from the checkpoint.",
     )
     group.add_argument(
+        "--no-use-tokenizer-model-from-checkpoint-args",
+        action="store_false",
+        dest="use_tokenizer_model_from_checkpoint_args",
+        help="With --use-checkpoint-args: do not take --tokenizer-model from the checkpoint (a path recorded on "
+        "another machine); the command line's value, or none, is used.",
+    )
+    group.add_argument(
         "--load-main-params-from-ckpt",
         action="store_true",
         help="Upstream: with --no-load-optim, still take the fp32 main weights from the checkpoint. Not supported "
@@ -58,7 +65,8 @@ def validate(args):
     if saved is None:
         raise ValueError(f"--use-checkpoint-args: {source.directory} records no arguments (converted from bare "
                          "weights?); give the model's flags on the command line instead")
-    changed = apply_checkpoint_args(args, saved, args.use_mp_args_from_checkpoint_args)
+    changed = apply_checkpoint_args(args, saved, args.use_mp_args_from_checkpoint_args,
+                                    with_tokenizer_model=args.use_tokenizer_model_from_checkpoint_args)
     _print_rank0(f"--use-checkpoint-args: model arguments from {source.directory}"
                  + (": " + ", ".join(changed) if changed else " (the command line agreed)"))
 

@@ -252,3 +252,38 @@ def test_quick_geglu_is_compared_and_taken_from_the_checkpoint():
         check_same_architecture("CKPT", saved, plain)
     assert apply_checkpoint_args(plain, saved) == ["--quick-geglu True (command line: False)"]
     assert plain.quick_geglu is True
+
+
+def test_use_checkpoint_args_takes_the_dropout_rates_and_query_key_layer_scaling():
+    """As upstream's load_args_from_checkpoint (force=True): a run resumed with --use-checkpoint-args trains with
+    the checkpoint's dropout, so a run saved with --hidden-dropout 0 does not resume under the default 0.1."""
+    command_line = dict(hidden_size=32, hidden_dropout=0.1, attention_dropout=0.1,
+                        apply_query_key_layer_scaling=False)
+    args = argparse.Namespace(**command_line)
+    changed = apply_checkpoint_args(args, argparse.Namespace(hidden_size=32, hidden_dropout=0.0, attention_dropout=0.05,
+                                                             apply_query_key_layer_scaling=True))
+    assert (args.hidden_dropout, args.attention_dropout, args.apply_query_key_layer_scaling) == (0.0, 0.05, True)
+    assert changed == ["--attention-dropout 0.05 (command line: 0.1)", "--hidden-dropout 0.0 (command line: 0.1)",
+                       "--apply-query-key-layer-scaling True (command line: False)"]
+    # a checkpoint older than the flags leaves the command line's values
+    args = argparse.Namespace(**command_line)
+    assert apply_checkpoint_args(args, argparse.Namespace(hidden_size=32)) == []
+    assert (args.hidden_dropout, args.attention_dropout) == (0.1, 0.1)
+
+
+def test_no_use_tokenizer_model_from_checkpoint_args_keeps_the_command_lines_tokenizer_model(monkeypatch):
+    """Upstream's --no-use-tokenizer-model-from-checkpoint-args: the saved --tokenizer-model path is not taken."""
+    from megatron.training.arguments import parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert parse_args(args=[]).use_tokenizer_model_from_checkpoint_args is True
+    assert parse_args(args=["--no-use-tokenizer-model-from-checkpoint-args"]).use_tokenizer_model_from_checkpoint_args \
+        is False
+    saved = argparse.Namespace(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="/elsewhere/tokenizer")
+    args = argparse.Namespace(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=None)
+    apply_checkpoint_args(args, saved)
+    assert args.tokenizer_model == "/elsewhere/tokenizer"
+    args = argparse.Namespace(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=None)
+    assert apply_checkpoint_args(args, saved, with_tokenizer_model=False) == []
+    assert args.tokenizer_model is None
