@@ -171,12 +171,17 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
 
 def copy_to_tensor_model_parallel_region(input_):
-    """Identity forward; all-reduce of the gradient over the tensor-parallel group."""
+    """Identity forward; all-reduce of the gradient over the tensor-parallel group (`input_` itself, with no
+    autograd node and no copy of the gradient, on one tensor-parallel rank)."""
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return input_
     return _CopyToTensorModelParallelRegion.apply(input_)
 
 
 def reduce_from_tensor_model_parallel_region(input_):
-    """All-reduce forward; identity backward."""
+    """All-reduce forward; identity backward (`input_` itself, not a copy, on one tensor-parallel rank)."""
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return input_
     return _ReduceFromTensorModelParallelRegion.apply(input_)
 
 

@@ -81,3 +81,28 @@ def test_mappings_are_identity_without_tensor_parallelism():
         mappings.reduce_scatter_to_sequence_parallel_region,
     ):
         assert torch.equal(mapping(x), x)
+
+
+def test_copy_and_reduce_regions_copy_nothing_without_tensor_parallelism():
+    """On one tensor-parallel rank the copy-to region (input of a column-parallel linear) and the reduce-from
+    region (output of a row-parallel one) hand the tensor on as it is: no copy in the forward or the backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountCopies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.copies = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.clone, torch.ops.aten.copy_, torch.ops.aten._to_copy):
+                self.copies.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    for mapping in (mappings.copy_to_tensor_model_parallel_region, mappings.reduce_from_tensor_model_parallel_region):
+        x = torch.randn(4, 3, requires_grad=True)
+        with CountCopies() as counter:
+            y = mapping(x)
+            (y * 2).sum().backward()
+        assert y is x, mapping.__name__
+        assert counter.copies == [], (mapping.__name__, counter.copies)
+        assert torch.equal(x.grad, torch.full((4, 3), 2.0))
