@@ -135,13 +135,19 @@ class GatherReleasePolicy:
         self.gather(groups, async_op=True)
         self.wait_gathered(groups)
 
-    def release(self, groups: List[ParamGroup]):
+    def release(self, groups: List[ParamGroup], mid_step: bool = False):
         """Drop gathered weights (strategy 3). The module's parameters are swapped for their resting placeholders
         until the next gather, also between a forward and its backward: the real ones view the released buffer
-        (resting_parameters.py)."""
+        (resting_parameters.py).
+
+        `mid_step`: a release between a unit's forward and its backward, or within the backward. A resident group
+        (sharded over one rank: its compute weights are its shard, nothing is freed) then stays gathered and shown
+        until the end of the backward, instead of being hidden and shown again for each use."""
         if self.strategy != ShardingStrategy.optim_grads_params:
             return
         for group in groups:
+            if mid_step and group.resident:
+                continue
             self._wait_gather(group)
             group.release_compute()  # a pooled group keeps its slot until another unit claims it
             if self.resting is not None:

@@ -40,8 +40,8 @@ from .gather_policy import GatherReleasePolicy
 from .grad_reduction import GradReductionPipeline
 from .param_and_grad_buffer import DoubleBufferPool, ParamGroup
 from .streams import CommunicationStreams
-from .utils import (current_graph_task_id, in_backward_pass, queue_end_of_backward_callback, run_eagerly,
-                    tensors_requiring_grad)
+from .utils import (current_graph_task_id, in_backward_pass, queue_end_of_backward_callback, register_first_grad_hook,
+                    run_eagerly, tensors_requiring_grad)
 
 
 class Unit:
@@ -193,7 +193,7 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
     def root_post_forward(self, output):
         tensors = tensors_requiring_grad(output) if torch.is_grad_enabled() else []
         if tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self._root_pre_backward(), mode="any")
+            register_first_grad_hook(tensors, self._root_pre_backward)
         elif not torch.is_grad_enabled():
             self.release(self.root_groups)
 
@@ -219,10 +219,9 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
                 return None  # activation-checkpoint recompute: the unit stays gathered for its backward
             tensors = tensors_requiring_grad(output) if torch.is_grad_enabled() else []
             if not (tensors and self.keep_last_unit_for_backward and unit is self.units[-1]):
-                self.release(unit.groups)
+                self.release(unit.groups, mid_step=bool(tensors))
             if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, lambda grads: self._unit_pre_backward(unit), mode="any")
+                register_first_grad_hook(tensors, lambda: self._unit_pre_backward(unit))
             return None
 
         return post_forward
@@ -304,7 +303,7 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
             if group.grads_dirty and self._reduces_now(group):
                 self.launch_reduce(group, async_op=self.overlap_grad_reduce)
         if not (unit.index == 0 and self._holds_for_next_microbatch()):
-            self.release(unit.groups)
+            self.release(unit.groups, mid_step=True)
 
     def _holds_for_next_microbatch(self) -> bool:
         """Whether the root groups and the first unit stay gathered at the end of this backward (see
@@ -325,10 +324,12 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
         # (a root group too; the next forward or backward gathers it again, unless it stays gathered for the next
         # microbatch).
         if not self._holds_for_next_microbatch():
-            self.release([group])
+            self.release([group], mid_step=True)
 
     def held_for_next_microbatch(self) -> List[ParamGroup]:
-        return list(self.root_groups) + (list(self.units[0].groups) if self.units else [])
+        """The root groups, the first unit's groups, and every resident group (whose weights are its shard)."""
+        held = list(self.root_groups) + (list(self.units[0].groups) if self.units else [])
+        return held + [group for group in self.groups if group.resident and not any(group is kept for kept in held)]
 
     def _post_backward(self):
         self.post_backward_queued = False
@@ -382,6 +383,17 @@ def _route_inputs_through_post_backward(args, kwargs, callback):
         for position, tensor in zip(positions, routed):
             leaves[position] = tensor
         return tuple(leaves), kwargs
+    if not any(_is_tree_node(value) for value in args) and not any(_is_tree_node(value) for value in kwargs.values()):
+        # tensors and other leaves passed positionally and by keyword (a transformer layer's call): the same
+        # leaves as the tree walk below finds, without it
+        names = list(kwargs)
+        values = list(args) + [kwargs[name] for name in names]
+        positions = [i for i, value in enumerate(values) if isinstance(value, torch.Tensor) and value.requires_grad]
+        if not positions:
+            return None
+        for position, tensor in zip(positions, _PostBackward.apply(callback, *(values[i] for i in positions))):
+            values[position] = tensor
+        return tuple(values[:len(args)]), dict(zip(names, values[len(args):]))
     leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
     if not positions:
@@ -390,3 +402,8 @@ def _route_inputs_through_post_backward(args, kwargs, callback):
     for position, tensor in zip(positions, routed):
         leaves[position] = tensor
     return torch.utils._pytree.tree_unflatten(leaves, spec)
+
+
+def _is_tree_node(value) -> bool:
+    """Whether torch's pytree walks into `value` (a tuple, list, dict or other registered container)."""
+    return isinstance(value, (tuple, list, dict)) or type(value) in torch.utils._pytree.SUPPORTED_NODES

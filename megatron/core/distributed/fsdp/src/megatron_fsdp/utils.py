@@ -2,7 +2,7 @@
 
 import os
 import sys
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -86,8 +86,23 @@ def queue_end_of_backward_callback(callback):
 
 
 def tensors_requiring_grad(value) -> List[torch.Tensor]:
+    """The tensors in `value` (a tensor or any pytree of them) that require grad."""
+    if isinstance(value, torch.Tensor):  # the common output of a module: no tree to walk
+        return [value] if value.requires_grad else []
     leaves, _ = torch.utils._pytree.tree_flatten(value)
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+
+
+def register_first_grad_hook(tensors: List[torch.Tensor], callback: Callable[[], None]):
+    """Run `callback()` once in each backward, when the first gradient of any of `tensors` (which require grad)
+    has been computed: `torch.autograd.graph.register_multi_grad_hook(..., mode="any")`, or for one tensor its own
+    gradient hook, which fires once per backward alike at a small part of the cost."""
+    if len(tensors) == 1:
+        def on_grad(grad):
+            callback()
+
+        return tensors[0].register_hook(on_grad)
+    return torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: callback(), mode="any")
 
 
 def parameter_owners(module: nn.Module) -> Dict[int, List[Tuple[nn.Module, str]]]:
