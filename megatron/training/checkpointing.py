@@ -40,6 +40,7 @@ from megatron.core.dist_checkpointing.checkpoint_directory import (  # noqa: F40
 )
 from megatron.core.distributed.data_parallel_base import unwrap_model
 from megatron.core.fp8.checkpoint import count_fp8_histories_started_empty
+from megatron.core.dist_checkpointing.param_groups import GROUPING_FLAGS, ParamGroupMismatchError, reorder_by_name
 from megatron.training import checkpoint_sources
 from megatron.training.checkpoint_args import (
     check_resumed_optimizer,
@@ -391,12 +392,13 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
 
     load_optimizer = optimizer is not None and skip_optimizer is None
     loaded_scheduler = False
+    regrouped = []  # the optimizer's param groups whose parameters the checkpoint grouped otherwise
     if load_optimizer:
         if args.use_distributed_optimizer:
             shard_path = os.path.join(directory, distributed_optimizer_filename(ranks["data_rank"]))
             optimizer.load_state_dict(_torch_load(shard_path)["optimizer"])
         else:
-            optimizer.load_state_dict(state["optimizer"])
+            optimizer.load_state_dict(_optimizer_state_by_name(state, optimizer, model_chunks, path, regrouped))
         if opt_param_scheduler is not None and "opt_param_scheduler" in state:
             opt_param_scheduler.load_state_dict(state["opt_param_scheduler"])
             loaded_scheduler = True
@@ -422,6 +424,11 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
                   + ([] if skip_rng else ["RNG state"]))
         skipped = ([f"optimizer and scheduler ({skip_optimizer})"] if skip_optimizer else []) \
             + ([f"RNG state ({skip_rng})"] if skip_rng else [])
+        if regrouped:
+            loaded[loaded.index("optimizer")] = (
+                f"optimizer (state matched by parameter name; param group(s) {', '.join(map(str, regrouped))} "
+                f"grouped otherwise in the checkpoint ({GROUPING_FLAGS}): their learning-rate and weight-decay "
+                "settings come from this run's flags)")
         if fresh_fp8_histories:
             skipped.append(f"FP8 amax histories of {fresh_fp8_histories} layer(s) (not in the checkpoint): they "
                            "start empty")
@@ -429,6 +436,34 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
               f"{', '.join(loaded)}, resuming at iteration {iteration}"
               + (f"; not loaded: {', '.join(skipped)}" if skipped else ""), flush=True)
     return iteration
+
+
+def _optimizer_state_by_name(state, optimizer, model_chunks, path, regrouped):
+    """The checkpoint's (non-distributed) optimizer state laid out for `optimizer` by parameter name, when the
+    checkpoint names its parameters; appends to `regrouped` the param groups that keep this run's settings. A
+    checkpoint without names (or a plain torch optimizer) is loaded as saved: by position."""
+    saved_state, saved_names = state["optimizer"], state.get("optimizer_param_names")
+    current_names = optimizer_param_names(optimizer, model_chunks)
+    torch_style = isinstance(saved_state, dict) and isinstance(saved_state.get("optimizer"), dict) \
+        and "param_groups" in saved_state["optimizer"]
+    if saved_names is None or current_names is None or not torch_style:
+        return saved_state
+    current_groups = optimizer.param_groups
+    current_params = [param for group in current_groups for param in group["params"]]
+    if len(current_params) != len(current_names):
+        return saved_state
+    single_chunk = len(model_chunks) == 1
+
+    def readable(names):
+        return [name if single_chunk else f"model{index}.{name}" for index, name in names]
+
+    try:
+        reordered, groups = reorder_by_name(saved_state, readable(saved_names), readable(current_names),
+                                            current_groups, current_params)
+    except ParamGroupMismatchError as error:
+        raise CheckpointLoadError(f"{path}: {error}") from error
+    regrouped.extend(groups)
+    return reordered
 
 
 def _why_optimizer_not_loaded(state, saved_args, args, path):

@@ -36,6 +36,7 @@ from megatron.core.dist_checkpointing.checkpoint_directory import (  # noqa: F40
     published_iterations,
     unwritten_save_advice,
 )
+from megatron.core.dist_checkpointing.param_groups import GROUPING_FLAGS
 from megatron.core.dist_checkpointing.strictness import apply_strictness
 from megatron.core.fp8.checkpoint import fp8_histories_report, split_missing_fp8_histories
 from megatron.training import checkpoint_state, modelopt_checkpoint
@@ -300,8 +301,13 @@ def _load_optimizer(optimizer, model_chunks, metadata, directory, strictness, re
         if key in metadata.state_dict_metadata:
             targets[key] = None
     serialization.load(targets, directory, metadata=metadata)
-    install(targets)
+    unmatched = install(targets) or []
     report.loaded.append(f"optimizer ({sum(1 for k in targets if k.startswith('optimizer.state.'))} tensors)")
+    if unmatched:
+        report.notes.append(
+            f"the checkpoint holds no optimizer param group grouped as this run's group(s) "
+            f"{', '.join(map(str, unmatched))} ({GROUPING_FLAGS} changed the grouping): their parameters' state "
+            "was loaded by name, their learning-rate and weight-decay settings come from this run's flags")
     report.add_mismatch("optimizer", mismatch)
 
 

@@ -30,6 +30,7 @@ from megatron.core.dist_checkpointing.logical_names import (
     state_key,
 )
 from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor
+from megatron.core.dist_checkpointing.param_groups import saved_group_for_each
 from megatron.core.distributed.data_parallel_base import unwrap_model
 from megatron.core.expert_parameters import global_expert_name
 
@@ -185,7 +186,7 @@ def optimizer_state_to_save(optimizer, model_chunks, include_tied_copies=False):
 
 
 def optimizer_load_targets(optimizer, model_chunks, saved_keys):
-    entries, num_groups = _chunk_optimizers(optimizer, model_chunks)
+    entries, _ = _chunk_optimizers(optimizer, model_chunks)
     targets, loads = {}, []
     for chunk, torch_optimizer, group_indices in entries:
         names, offset = _names(chunk)
@@ -202,6 +203,13 @@ def optimizer_load_targets(optimizer, model_chunks, saved_keys):
     def install(loaded):
         step = loaded.get(STEP_KEY)
         saved_groups = loaded.get(PARAM_GROUPS_KEY)
+        current_groups = {}  # index in the optimizer's param groups -> the group (its first chunk's)
+        for _, group_indices, _, _, template in loads:
+            for index, group in zip(group_indices, template["param_groups"]):
+                current_groups.setdefault(index, group)
+        indices = sorted(current_groups)
+        saved_index_of = {} if saved_groups is None else dict(zip(indices, saved_group_for_each(
+            [current_groups[index] for index in indices], saved_groups)))
         for torch_optimizer, group_indices, names, offset, template in loads:
             state = {}
             for key, values in template["state"].items():
@@ -216,11 +224,11 @@ def optimizer_load_targets(optimizer, model_chunks, saved_keys):
                             if torch.is_tensor(value) else step
                 if entry:
                     state[key] = entry
-            groups = template["param_groups"]
-            if saved_groups is not None and len(saved_groups) == num_groups:
-                groups = [{**group, **saved_groups[index]} for group, index in zip(groups, group_indices)]
+            groups = [group if saved_index_of.get(index) is None else {**group, **saved_groups[saved_index_of[index]]}
+                      for group, index in zip(template["param_groups"], group_indices)]
             torch_optimizer.load_state_dict({"state": state, "param_groups": groups})
         if optimizer.grad_scaler is not None and loaded.get(GRAD_SCALER_KEY) is not None:
             optimizer.grad_scaler.load_state_dict(loaded[GRAD_SCALER_KEY])
+        return [] if saved_groups is None else [index for index in indices if saved_index_of[index] is None]
 
     return targets, install

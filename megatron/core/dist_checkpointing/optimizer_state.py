@@ -28,6 +28,7 @@ from megatron.core.dist_checkpointing.logical_names import (  # noqa: F401  (key
     state_key,
 )
 from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor
+from megatron.core.dist_checkpointing.param_groups import saved_group_for_each
 from megatron.core.distributed.data_parallel_base import unwrap_model
 
 
@@ -134,7 +135,9 @@ def optimizer_load_targets(entries: List[MainParamEntry], saved_keys) -> Tuple[D
 
 
 def install_optimizer_state(optimizer, installs, step, param_groups, grad_scaler_state):
-    """Put loaded moments and the step counter into the torch optimizer, and restore hyperparameters."""
+    """Put loaded moments and the step counter into the torch optimizer, and restore hyperparameters: each
+    group's from the saved group of the same identity (see `param_groups`). Returns the indices of the groups
+    the checkpoint has none for, which keep this run's."""
     torch_optimizer = optimizer.optimizer
     on_device = bool(torch_optimizer.defaults.get("fused") or torch_optimizer.defaults.get("capturable"))
     for entry, moments in installs:
@@ -143,9 +146,15 @@ def install_optimizer_state(optimizer, installs, step, param_groups, grad_scaler
         if step is not None and moments:
             state["step"] = torch.tensor(float(step), dtype=torch.float32,
                                          device=entry.main.device if on_device else "cpu")
-    if param_groups is not None and len(param_groups) == len(torch_optimizer.param_groups):
+    unmatched = []
+    if param_groups is not None:
         kept = getattr(torch_optimizer, "settings_from_flags", ())  # Muon's: set by this run's flags
-        for group, saved in zip(torch_optimizer.param_groups, param_groups):
-            group.update({key: value for key, value in saved.items() if key not in kept})
+        matches = saved_group_for_each(torch_optimizer.param_groups, param_groups)
+        for index, (group, saved_index) in enumerate(zip(torch_optimizer.param_groups, matches)):
+            if saved_index is None:
+                unmatched.append(index)
+                continue
+            group.update({key: value for key, value in param_groups[saved_index].items() if key not in kept})
     if optimizer.grad_scaler is not None and grad_scaler_state is not None:
         optimizer.grad_scaler.load_state_dict(grad_scaler_state)
+    return unmatched

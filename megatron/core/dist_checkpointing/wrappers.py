@@ -51,7 +51,9 @@ def optimizer_state_to_save(optimizer, model_chunks, include_tied_copies=False):
 
 def optimizer_load_targets(optimizer, model_chunks, saved_keys):
     """(targets, install): load into `targets` (objects included), then call `install(loaded)`, `loaded` holding
-    the keys of the targets that were loaded (state the checkpoint lacks is not installed)."""
+    the keys of the targets that were loaded (state the checkpoint lacks is not installed); `install` returns
+    the indices of the param groups the checkpoint holds no group of the same identity for (see `param_groups`),
+    which keep this run's hyperparameters."""
     if _is_fsdp(model_chunks):
         with first_step_state(optimizer):  # its targets come from the state the optimizer holds
             return fsdp_state.optimizer_load_targets(optimizer, model_chunks, saved_keys)
@@ -62,7 +64,7 @@ def optimizer_load_targets(optimizer, model_chunks, saved_keys):
         loaded_installs = [(entry, {key: tensor for key, tensor in moments.items()
                                     if optimizer_state.state_key(entry.placement.logical_name, key) in loaded})
                            for entry, moments in installs]
-        optimizer_state.install_optimizer_state(
+        unmatched = optimizer_state.install_optimizer_state(
             optimizer, loaded_installs, loaded.get(optimizer_state.STEP_KEY),
             loaded.get(optimizer_state.PARAM_GROUPS_KEY), loaded.get(optimizer_state.GRAD_SCALER_KEY))
         if optimizer_state.is_optimizer_of_class(optimizer, "DistributedOptimizer") and \
@@ -72,5 +74,6 @@ def optimizer_load_targets(optimizer, model_chunks, saved_keys):
             optimizer._copy_main_params_to_model_params()
             for chunk in optimizer.model_chunks:
                 chunk.finish_param_sync()
+        return unmatched
 
     return targets, install

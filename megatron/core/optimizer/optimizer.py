@@ -28,6 +28,7 @@ from megatron.core.optimizer.clip_grads import (
 )
 from megatron.core.expert_parameters import split_expert_parameters
 from megatron.core.optimizer.precision_aware_adam import optimizer_grad
+from megatron.core.dist_checkpointing.param_groups import check_groups_match
 from megatron.core.optimizer.sharded_state import ShardedStateDictMixin
 from megatron.core.device_utils import get_current_device
 from megatron.core.timers import timed
@@ -222,6 +223,8 @@ class MegatronOptimizer(ShardedStateDictMixin):
         }
 
     def load_torch_state_dict(self, state_dict):
+        # torch's loading matches the state to the parameters by position: refuse groups laid out otherwise.
+        check_groups_match(self.optimizer.param_groups, state_dict["optimizer"]["param_groups"])
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
