@@ -1,6 +1,7 @@
 """A GPT with MoE layers trains on one rank (no data-parallel wrapper): with one expert and top-1 routing it is
 the dense GPT (the expert's probability is 1), step for step; with four experts, top-2 and the auxiliary losses,
-its loss falls. `--moe-layer-freq` decides which layers are MoE."""
+its loss falls. `--moe-layer-freq` decides which layers are MoE. Grouped-GEMM experts under full recompute repeat
+bit for bit."""
 
 import re
 
@@ -94,3 +95,34 @@ def test_multi_token_prediction_layer_logs_its_aux_loss_as_a_layer_of_its_own():
         assert abs(logged[f"load_balancing_loss_layer_{index}"] - value) <= 1e-6 * value
     assert abs(logged["load_balancing_loss"] - sum(expected) / 3) <= 1e-6 * sum(expected)
     assert moe_utils.aux_loss_layer_counts(4, "([1]*3+[0]*1)", 2) == (6, 3)  # the depths are dense like layer 4
+
+
+def _gradients(model, tokens, labels, position_ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(tokens, position_ids, labels=labels).mean()
+    loss.backward()
+    return [loss.detach()] + [param.grad.clone() for param in model.parameters()]
+
+
+def test_grouped_gemm_under_full_recompute_repeats_bit_for_bit_over_two_threads():
+    """`--moe-grouped-gemm` with `--recompute-granularity full --recompute-method uniform --recompute-num-layers
+    1` at two intra-op threads, with linear biases and 1024 expert rows (fc2's bias gradient sums 1024 x 32 =
+    32768 elements, from where CPU kernels split over threads): every step gives the same loss and gradients to
+    the bit, equal to those without recompute, and within 1e-6 of sequential experts."""
+    moe = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_aux_loss_coeff=0.01,
+               moe_token_dispatcher_type="alltoall", add_bias_linear=True)
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    batch = fixed_batch(seed=3, batch=32, seq=MAX_LENGTH, vocab=VOCAB)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        grouped = _model(moe_grouped_gemm=True, **moe, **recompute)
+        runs = [_gradients(grouped, *batch) for _ in range(3)]
+        kept = _gradients(_model(moe_grouped_gemm=True, **moe), *batch)
+        sequential = _gradients(_model(**moe, **recompute), *batch)
+    finally:
+        torch.set_num_threads(threads)
+    for run in runs[1:] + [kept]:
+        assert all(torch.equal(got, expected) for got, expected in zip(run, runs[0]))
+    for got, expected in zip(runs[0], sequential):
+        assert (got - expected).norm() <= 1e-6 * expected.norm()
