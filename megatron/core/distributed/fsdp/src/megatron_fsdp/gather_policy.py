@@ -43,6 +43,7 @@ class GatherReleasePolicy:
             if group.weight_state is not WeightState.SHARDED:
                 continue
             started = True
+            self.note_transient(group)
             self._refresh_compute_shard(group)
             self._wait_compute_shard_refresh(group)
             if group.uses_pool:
@@ -89,16 +90,20 @@ class GatherReleasePolicy:
             self._finish_param_sync(self.param_syncs_in_flight[0])
         if group in self.param_syncs_in_flight:
             self._finish_param_sync(group)
+        if group.pending_gather is not None:
+            self.note_transient(group)  # landing a gather may allocate (a codec's decoded weights)
         group.finish_gather()
 
     def _finish_param_sync(self, group: ParamGroup):
         self.param_syncs_in_flight.remove(group)
+        self.note_transient(group)
         group.finish_gather()
         self._start_queued_param_syncs()
 
     def _start_queued_param_syncs(self):
         while self.param_syncs_queued and len(self.param_syncs_in_flight) < self.max_param_syncs_in_flight:
             group = self.param_syncs_queued.pop(0)
+            self.note_transient(group)
             self._start_gather(group)
             self.param_syncs_in_flight.append(group)
         self._track_transient()

@@ -70,6 +70,7 @@ class GradReductionPipeline:
             self._wait_oldest_reduce()
         self._wait_outer(group)  # the main gradients this reduction adds to may still be in an outer reduction
         self._reopen_outer_reduced(group)
+        self.note_transient(group)
         self._track_transient()
         flat = group.reduce_input()
         average = self.average_in_collective

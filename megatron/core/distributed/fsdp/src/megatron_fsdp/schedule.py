@@ -118,6 +118,11 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
         self.backward_task = None  # graph task of the step's outermost backward
         self.grads_synced = False  # finish_grad_sync already ran and no gradient arrived since
         self.peak_transient_bytes = 0
+        # The groups that may hold transient bytes (see _track_transient), by id: noted where the schedule makes
+        # a group allocate (a gather, a gradient written, a reduction), dropped once found holding none; HFSDP's
+        # outer-sharded groups (whose shard gradients come and go with the optimizer step) always counted.
+        self.transient_holders: Dict[int, ParamGroup] = {}
+        self.always_counted = [group for group in self.groups if group.outer_sharded]
         self.hook_handles = []
         for group in self.groups:
             group.grads_into_main = (group.resident and group.trainable and self._reduces_locally(group)
@@ -165,6 +170,7 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
                 # strategies 0/1: a reduction of the buffer still in flight (the unit's pre-backward normally
                 # waited for it already) lands before more is added
                 self._reopen_persistent_grads(group)
+                self.note_transient(group)
                 group.take_accumulated_grads(indices, grads, self.expert_grad_scale if group.expert else self.grad_scale)
                 self.grads_synced = False
 
@@ -174,10 +180,27 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
         self.hook_handles = []
 
     # ---- reporting ----------------------------------------------------------------------------------------------
+    def note_transient(self, group: ParamGroup):
+        """`group` is about to allocate transient memory (gathered weights, gradient buffers)."""
+        if not group.outer_sharded:  # those are always counted
+            self.transient_holders[id(group)] = group
+
     def _track_transient(self):
-        current = sum(group.transient_bytes() for group in self.groups)
+        """Update the peak of transient bytes: gathered weights and their staging, gradient buffers, reductions
+        in flight and the pool. Summed over the groups noted as holders since they last held nothing, not over
+        every group: with many units the full sum at every gather would cost the host time quadratic in them."""
+        current = sum(group.transient_bytes() for group in self.always_counted)
+        idle = []
+        for key, group in self.transient_holders.items():
+            held = group.transient_bytes()
+            if held:
+                current += held
+            else:
+                idle.append(key)
+        for key in idle:
+            del self.transient_holders[key]
         current += sum(entry[2].numel() * entry[2].element_size() for entry in self.pending_reduces
-                       if not any(entry[2] is group.grad_buffer for group in self.groups))
+                       if entry[2] is not entry[3].grad_buffer)
         if self.pool is not None:
             current += self.pool.total_bytes()
         self.peak_transient_bytes = max(self.peak_transient_bytes, current)
@@ -273,6 +296,7 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
             # strategies 0/1: another gradient for a persistent buffer whose reduction may be in flight (the
             # unit's pre-backward waits for it first, so this is normally a no-op)
             self._reopen_persistent_grads(group)
+            self.note_transient(group)
             group.write_grad(index, grad, self.expert_grad_scale if group.expert else self.grad_scale)
             param.grad = None
             self.grads_synced = False
