@@ -156,9 +156,25 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if not os.path.isdir(args.stdlib_dir):
+        raise SystemExit(f"build_corpus.py: --stdlib-dir {args.stdlib_dir!r} is not a directory; give the standard "
+                         "library root (the default is this Python's)")
+    documents = build_documents(args.stdlib_dir, args.modules)
+    if not documents:
+        if args.modules:
+            reason = (f"--modules {' '.join(args.modules)} names no module under --stdlib-dir {args.stdlib_dir} "
+                      f"with at least {MIN_DOCUMENT_CHARS} characters of docstrings; name standard library modules "
+                      "(such as json csv)")
+        else:
+            reason = (f"--stdlib-dir {args.stdlib_dir} holds no Python module with at least {MIN_DOCUMENT_CHARS} "
+                      "characters of docstrings; give the standard library root")
+        raise SystemExit(f"build_corpus.py: {reason}; nothing was written")
+    first_size = len((json.dumps(documents[0], ensure_ascii=False, sort_keys=True) + "\n").encode("utf-8"))
+    if args.max_bytes < first_size:
+        raise SystemExit(f"build_corpus.py: --max-bytes {args.max_bytes} is smaller than the first document "
+                         f"({documents[0]['source']}, {first_size} bytes); give at least that; nothing was written")
     output_dir = os.path.dirname(os.path.abspath(args.output))
     os.makedirs(output_dir, exist_ok=True)
-    documents = build_documents(args.stdlib_dir, args.modules)
     count, size = write_jsonl(documents, args.output, args.max_bytes)
     if not args.no_licence_copy:
         copy_python_licence(args.stdlib_dir, output_dir)

@@ -42,8 +42,13 @@ def send_request(url: str, body: dict, timeout: float = 600.0):
 
 def main(argv=None, read=input, write=print):
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        write("usage: python tools/text_generation_cli.py HOST:PORT   (for example localhost:5000)")
+    usage = "usage: python tools/text_generation_cli.py HOST:PORT   (for example localhost:5000)"
+    if argv in (["-h"], ["--help"]):
+        write(usage)
+        write(__doc__.strip())
+        return 0
+    if len(argv) != 1 or argv[0].startswith("-"):
+        write(usage)
         return 2
     url = api_url(argv[0])
     while True:

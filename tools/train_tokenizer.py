@@ -18,12 +18,24 @@ DEFAULT_CORPUS = os.path.join(os.path.dirname(__file__), os.path.pardir, "data",
 
 
 def iterate_texts(input_path, json_keys):
+    """The `json_keys` strings of every document of the JSONL file; raises ValueError naming the line at fault."""
     with open(input_path, encoding="utf-8") as input_file:
-        for line in input_file:
-            if line.strip():
+        for line_number, line in enumerate(input_file, start=1):
+            if not line.strip():
+                continue
+            try:
                 document = json.loads(line)
-                for key in json_keys:
-                    yield document[key]
+            except json.JSONDecodeError as error:
+                raise ValueError(f"--input {input_path} line {line_number} is not JSON ({error})") from None
+            if not isinstance(document, dict):
+                raise ValueError(f"--input {input_path} line {line_number} is not a JSON object")
+            for key in json_keys:
+                if not isinstance(document.get(key), str):
+                    found = (f"no key {key!r}" if key not in document
+                             else f"a {type(document[key]).__name__} under {key!r}, not a string")
+                    raise ValueError(f"--json-keys {key}: line {line_number} of --input {input_path} has {found} "
+                                     f"(its keys: {', '.join(sorted(document))})")
+                yield document[key]
 
 
 def main(argv=None):
@@ -34,7 +46,12 @@ def main(argv=None):
     parser.add_argument("--min-frequency", type=int, default=2)
     parser.add_argument("--output-dir", required=True)
     args = parser.parse_args(argv)
-    backend = train_bpe_tokenizer(iterate_texts(args.input, args.json_keys), args.vocab_size, args.min_frequency)
+    if not os.path.isfile(args.input):
+        parser.error(f"--input {args.input!r} is not a file (give a JSONL corpus, one JSON document a line)")
+    try:
+        backend = train_bpe_tokenizer(iterate_texts(args.input, args.json_keys), args.vocab_size, args.min_frequency)
+    except ValueError as error:
+        raise SystemExit(f"train_tokenizer.py: {error}; nothing was written") from error
     path = save_bpe_tokenizer(backend, args.output_dir)
     print(f"trained a {backend.get_vocab_size()}-token BPE on {args.input}; saved {path}")
     return path

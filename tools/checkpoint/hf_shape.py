@@ -10,6 +10,8 @@ from megatron.core.transformer.moe.moe_config import layer_pattern_from_freq
 from hf_errors import ConversionError
 from hf_rope import yarn_training_flags
 
+TRAINING_DEFAULT_DROPOUT = 0.1  # pretrain_gpt.py's --hidden-dropout and --attention-dropout
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
@@ -177,6 +179,10 @@ class ModelShape:
                 flags.append(f"--moe-shared-expert-intermediate-size {self.moe_shared_expert_intermediate_size}")
             if self.moe_shared_expert_gate:
                 flags.append("--moe-shared-expert-gate")
+        # --use-checkpoint-args takes the recorded dropout too; given here where it is not training's default
+        for name, rate in (("hidden-dropout", self.hidden_dropout), ("attention-dropout", self.attention_dropout)):
+            if rate != TRAINING_DEFAULT_DROPOUT:
+                flags.append(f"--{name} {rate:g}")
         from hf_deepseek import training_flags as deepseek_training_flags
         from hf_gpt_oss import gpt_oss_training_flags
 
