@@ -41,6 +41,7 @@ REFERENCES = {
     "gpt/megatron_fsdp_z3_dp2": DDP_TWIN,
     "gpt/megatron_fsdp_z3_meta_init_dp2": DDP_TWIN,
     "gpt/megatron_fsdp_z3_double_buffer_dp2": DDP_TWIN,
+    "gpt/megatron_fsdp_z3_overlap_dp3": DDP_TWIN,
     "gpt/megatron_fsdp_z3_tp2_sp_dp2": DDP_TWIN,
     "gpt/megatron_fsdp_z3_pp2_dp2": DDP_TWIN,
     "gpt/megatron_fsdp_z3_tp2_pp2_dp2": DDP_TWIN,
