@@ -1,20 +1,17 @@
-import importlib.util
 import inspect
 import json
 import os
 import sysconfig
 
 import pytest
+from tests.unit_tests.tools.tool_loading import load_tool
 
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, os.pardir))
 CORPUS_DIR = os.path.join(REPO_ROOT, "data", "corpus")
 
 
 def _load_tool(name):
-    spec = importlib.util.spec_from_file_location(f"tools_{name}", os.path.join(REPO_ROOT, "tools", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool(name)
 
 
 @pytest.fixture(scope="module")

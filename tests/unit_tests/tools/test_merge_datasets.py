@@ -1,4 +1,3 @@
-import importlib.util
 import json
 import os
 
@@ -6,15 +5,12 @@ import numpy as np
 import pytest
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from tests.unit_tests.tools.tool_loading import load_tool
 
-TOOLS = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, os.pardir, "tools"))
 
 
 def _load_tool(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(TOOLS, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool(name, name)
 
 
 @pytest.fixture(scope="module")

@@ -1,19 +1,14 @@
 """Command-line tools refuse input that would give an empty or wrong result, naming the flag, and write nothing."""
 
-import importlib.util
 import os
 
 import pytest
+from tests.unit_tests.tools.tool_loading import load_tool
 
-REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, os.pardir))
 
 
 def _load_tool(name):
-    path = os.path.join(REPO_ROOT, "tools", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"tools_{name}_errors", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool(name, f"tools_{name}_errors")
 
 
 @pytest.fixture(scope="module")
