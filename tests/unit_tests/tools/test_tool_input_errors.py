@@ -1,6 +1,5 @@
 """Command-line tools refuse input that would give an empty or wrong result, naming the flag, and write nothing."""
 
-import os
 
 import pytest
 from tests.unit_tests.tools.tool_loading import load_tool
