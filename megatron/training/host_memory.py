@@ -57,6 +57,22 @@ def host_offload_bytes(model_chunks, torch_optimizers) -> Optional[int]:
     return _distinct_bytes(tensor for tensor in tensors if tensor is not None)
 
 
+def offload_copy_bytes(torch_optimizers) -> dict:
+    """Bytes `--optimizer-cpu-offload` holds beside the model's and the optimizer's own tensors, which the line's
+    other counts do not reach: the host gradients of the offloaded main parameters (`grads_bytes`), and the host
+    copies of the main parameters it keeps a device view of plus the compute-dtype staging buffers of uploads
+    (`optimizer_state_bytes`). A relocated main parameter is its host copy: counted where the parameter is."""
+    grads, optimizer_side = [], []
+    for optimizer in torch_optimizers:
+        for entry in getattr(optimizer, "offloaded", None) or []:
+            grads.append(entry.host_grad)
+            if storage_key(entry.host_param) != storage_key(entry.device_param):
+                optimizer_side.append(entry.host_param)
+            optimizer_side.append(getattr(entry, "staging", None))
+    return {"grads_bytes": _distinct_bytes(t for t in grads if t is not None),
+            "optimizer_state_bytes": _distinct_bytes(t for t in optimizer_side if t is not None)}
+
+
 def _distinct_bytes(tensors) -> int:
     """Bytes of `tensors`' local parts, bytes shared between them (views of one storage, such as a group's
     main weights and its per-parameter views, or gradients that are views of one flat buffer) counted once."""

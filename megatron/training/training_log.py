@@ -20,7 +20,7 @@ from megatron.core.distributed.data_parallel_base import (
 from megatron.training import accelerator
 from megatron.training.energy_monitor import EnergyMonitor, energy_and_power_per_gpu
 from megatron.training.expert_memory import expert_memory_usage, format_expert_memory
-from megatron.training.host_memory import format_host_memory, host_offload_bytes
+from megatron.training.host_memory import format_host_memory, host_offload_bytes, offload_copy_bytes
 from megatron.training.scalar_writers import build_scalar_writers
 
 # Timers reported at each log interval (those above --timing-log-level never run and are left out).
@@ -233,7 +233,8 @@ def memory_usage(model_chunks, optimizer, device):
     (gradient buffers) and, when the wrapper knows it, `optimizer_state_bytes` (main weights that are not the
     compute weights plus the optimizer's state tensors); without that key the optimizer's bytes are counted from
     the torch optimizer. DDP chunks are counted from their parameters and `main_grad` buffers. With offloading on,
-    `host_offload_bytes` is what it keeps in host memory (see host_memory.py).
+    `host_offload_bytes` is what it keeps in host memory (see host_memory.py); `--optimizer-cpu-offload`'s host
+    gradients and host copies of main parameters are added to grads and optimizer state (`offload_copy_bytes`).
     """
     params_bytes = grads_bytes = 0
     optimizer_state_bytes = None
@@ -247,6 +248,9 @@ def memory_usage(model_chunks, optimizer, device):
     if optimizer_state_bytes is None:
         model_params = [param for chunk in model_chunks for param in chunk.parameters()]
         optimizer_state_bytes = _optimizer_state_bytes(optimizer, model_params)
+    offload_copies = offload_copy_bytes(_torch_optimizers(optimizer))
+    grads_bytes += offload_copies["grads_bytes"]
+    optimizer_state_bytes += offload_copies["optimizer_state_bytes"]
     allocated = accelerator.allocated_memory_bytes(device)
     host_bytes = host_offload_bytes(model_chunks, _torch_optimizers(optimizer))
     return {

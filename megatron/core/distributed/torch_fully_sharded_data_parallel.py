@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
-from megatron.core.distributed.data_parallel_base import DataParallelWrapper, local_tensor, tensor_bytes
+from megatron.core.distributed.data_parallel_base import DataParallelWrapper, local_tensor
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.fsdp_units import default_fsdp_unit_modules
 from megatron.core.expert_parameters import expert_data_parallel_group, is_expert_parameter
@@ -317,12 +317,26 @@ class TorchFSDP2(DataParallelWrapper):
         return self.module.load_state_dict(converted, strict=strict)
 
     def state_bytes(self):
-        """Bytes this rank holds in parameters and gradients (local shards only), by kind."""
+        """Bytes this rank holds in parameters and gradients, by kind: the storages behind their local shards,
+        each once. FSDP2 pads every parameter's shards to the same row count, so a rank whose rows fall short
+        (the last ones when the rows do not divide by the data-parallel size) holds more than its shard's
+        elements; the padding is counted with the shard it belongs to."""
         params = list(self.module.parameters())
         return {
-            "params_bytes": sum(tensor_bytes(p) for p in params),
-            "grads_bytes": sum(tensor_bytes(p.grad) for p in params if p.grad is not None),
+            "params_bytes": _storage_bytes(params),
+            "grads_bytes": _storage_bytes(p.grad for p in params if p.grad is not None),
         }
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors`' local parts (meta tensors hold none)."""
+    sizes = {}
+    for tensor in tensors:
+        local = local_tensor(tensor)
+        if not local.is_meta:
+            storage = local.untyped_storage()
+            sizes[(local.device, storage.data_ptr())] = storage.nbytes()
+    return sum(sizes.values())
 
 
 # Upstream Megatron-Core's name for the FSDP2 wrapper.
