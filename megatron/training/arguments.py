@@ -6,6 +6,8 @@ Megatron-LM so existing launch scripts carry over.
 """
 
 import argparse
+import difflib
+import re
 
 from megatron.training.argument_groups import ARGUMENT_GROUPS
 
@@ -17,14 +19,37 @@ NOT_IMPLEMENTED_FLAGS = (
 )
 
 
+# argparse takes "-1e-3" for a flag (its own pattern knows "-1" and "-0.5" only), so `--lr -1e-3` would fail with
+# "expected one argument" instead of reaching the check that names the rule.
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
 class _MegatronArgumentParser(argparse.ArgumentParser):
-    """argparse, whose error for an unknown flag also says where the known ones are listed."""
+    """argparse, whose error for an unknown flag names the closest known flag and says where all are listed."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = _NEGATIVE_NUMBER
 
     def error(self, message):
+        """The message alone, after a one-line usage: the full usage lists every flag (hundreds of lines per rank
+        under torchrun) and would bury it."""
         if message.startswith("unrecognized arguments"):
-            message += (" (not a flag of pretrain_gpt.py: check its spelling; the flags it takes, with "
-                        "Megatron-LM's names, are listed by area in docs/training_flags.md)")
-        super().error(message)
+            suggestions = self._closest_flags(message.split(":", 1)[1].split())
+            message += (" (not a flag of pretrain_gpt.py: check its spelling" + suggestions + "; the flags it takes, "
+                        "with Megatron-LM's names, are listed by area in docs/training_flags.md)")
+        self.exit(2, f"usage: {self.prog} [flags] (--help lists them)\n{self.prog}: error: {message}\n")
+
+    def _closest_flags(self, words):
+        """'; did you mean --x?' for each unknown flag among `words` that is close to a known one."""
+        known = [flag for flag in self._option_string_actions if flag.startswith("--")]
+        unknown = [word.split("=", 1)[0] for word in words if word.startswith("--")]
+        hints = []
+        for flag in unknown:
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
+            if close:
+                hints.append(f"did you mean {close[0]}" + (f" for {flag}?" if len(unknown) > 1 else "?"))
+        return "; " + "; ".join(hints) if hints else ""
 
 
 def build_parser(extra_args_provider=None):

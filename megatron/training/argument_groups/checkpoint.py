@@ -237,6 +237,21 @@ def _validate_directories(args):
                               "latest_checkpointed_iteration.txt and the iter_* directories")):
         if path is not None and os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(f"{flag} {path} is a file, not a directory: {flag} takes {what}")
+    blocking_file = _file_among_parents(args.save)
+    if blocking_file is not None:
+        raise ValueError(f"--save {args.save} cannot be created: {blocking_file} is a file, not a directory; point "
+                         "--save at a directory path (it is created if missing)")
+
+
+def _file_among_parents(path):
+    """The nearest existing ancestor of a missing `path` when it is a file (the checkpoint directory could never
+    be created under it, which would otherwise surface only after the model is built), else None."""
+    if path is None or os.path.exists(path):
+        return None
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    return parent if os.path.exists(parent) and not os.path.isdir(parent) else None
 
 
 def validate(args):
