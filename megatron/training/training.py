@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.datasets.gpt_dataset import check_data_files
+from megatron.core.datasets.utils import blend_from_data_path
 from megatron.core.enums import ModelType
 from megatron.core.num_microbatches_calculator import (
     get_current_running_global_batch_size,
@@ -140,8 +142,23 @@ def set_up_tokenizer_and_microbatches(args):
     )
 
 
+def _check_data_files_before_building(args):
+    """Dataset prefixes (`--data-path` and the per-split paths) whose .bin / .idx files are missing stop the run
+    before the model is built and a checkpoint loaded, with the message the dataset builder would give later."""
+    if getattr(args, "mock_data", False) or getattr(args, "dataloader_type", None) == "external":
+        return
+    prefixes = []
+    for paths in (getattr(args, name, None) for name in ("data_path", "train_data_path", "valid_data_path",
+                                                          "test_data_path")):
+        if paths:
+            prefixes += blend_from_data_path(paths)[0]
+    if prefixes:
+        check_data_files(prefixes)
+
+
 def _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func, args):
     checkpointing.check_checkpoint_format(args)
+    _check_data_files_before_building(args)
     set_up_tokenizer_and_microbatches(args)
     timers = get_timers()
     with timed(timers, "model-and-optimizer-setup", log_level=0, barrier=True):

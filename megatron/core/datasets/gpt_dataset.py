@@ -317,7 +317,8 @@ class MockGPTDataset(torch.utils.data.Dataset):
         return sample_from_tokens(self.token_window(idx), self.config)
 
 
-def _check_data_files(prefixes):
+def check_data_files(prefixes):
+    """Raise naming --data-path when a dataset prefix lacks its .idx or .bin file."""
     missing = []
     for prefix in prefixes:
         missing += [path for path in (index_file_path(prefix), data_file_path(prefix)) if not os.path.isfile(path)]
@@ -341,7 +342,7 @@ def _map(config, function, items):
 
 
 def _open_indexed(config, prefixes):
-    _check_data_files(prefixes)
+    check_data_files(prefixes)
     return _map(config, lambda prefix: IndexedDataset(prefix, mmap=config.mmap_bin_files), list(prefixes))
 
 
