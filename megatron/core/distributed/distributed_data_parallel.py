@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed.data_parallel_base import DataParallelWrapper, parameter_and_grad_bytes
+from megatron.core.distributed.data_parallel_base import DataParallelWrapper, parameter_and_grad_bytes, tensor_bytes
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.param_and_grad_buffer import BucketCommunicationGroups, ParamAndGradBuffer
 from megatron.core.expert_parameters import expert_data_parallel_group, is_expert_parameter
@@ -245,5 +245,12 @@ class DistributedDataParallel(DataParallelWrapper):
 
     def state_bytes(self):
         """Parameters plus their `main_grad` views into the gradient buffers; the optimizer's main weights and
-        state are counted from the optimizer by the memory line."""
-        return parameter_and_grad_bytes(self.module)
+        state are counted from the optimizer by the memory line. Under `--fp8-param-gather` the FP8 bytes and
+        scales of the FP8 layers' weights are compute weights too (upstream's FP8 parameters): `params_bytes`."""
+        report = parameter_and_grad_bytes(self.module)
+        for buffer in self.buffers:
+            fp8_storage = getattr(buffer, "fp8_storage", None)
+            if fp8_storage is not None:
+                report["params_bytes"] += tensor_bytes(fp8_storage.data) + sum(
+                    tensor_bytes(scale) for scale in fp8_storage.scales.values())
+        return report

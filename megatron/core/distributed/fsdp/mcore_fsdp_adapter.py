@@ -502,8 +502,9 @@ class MegatronFSDPAdapter(DataParallelWrapper):
     def expert_state_bytes(self) -> dict:
         """The part of `state_bytes()` that belongs to Mixture-of-Experts expert parameters, per parameter (the
         padding of the flat buffers is no parameter's): `expert_params_bytes` (this rank's compute weights of
-        them), `expert_grads_bytes` and `expert_optimizer_state_bytes` (main weights not aliasing the compute
-        weights plus the optimizer's state tensors); {} when the chunk holds no expert parameters."""
+        them, with their FP8 wire shard under `--fp8-param-gather`), `expert_grads_bytes` and
+        `expert_optimizer_state_bytes` (main weights not aliasing the compute weights plus the optimizer's state
+        tensors); {} when the chunk holds no expert parameters."""
         from megatron.core.expert_parameters import is_expert_parameter
 
         import megatron_fsdp
@@ -522,6 +523,8 @@ class MegatronFSDPAdapter(DataParallelWrapper):
                 shard_numel = group.pieces[index].numel
                 params_numel = shard_numel if sharded else param.numel()
                 totals["expert_params_bytes"] += params_numel * group.param_dtype.itemsize
+                if group.wire_shard is not None:  # the encoded (FP8) form of the shard: compute weights too
+                    totals["expert_params_bytes"] += shard_numel * group.wire_shard.element_size()
                 main = group.main_param_views[index]
                 if main is None:
                     continue
