@@ -146,8 +146,10 @@ class DistributedOptimizer(MegatronOptimizer):
     def _copy_model_grads_to_main_grads(self):
         for shard in self._shards:
             if self.config.use_precision_aware_optimizer:
-                # The buffer's view as it is (any dtype): the precision-aware Adam reads it in fp32 itself.
-                shard.main_param.decoupled_grad = shard.grad_view()
+                # The buffer's view when it holds --main-grads-dtype (no copy; the precision-aware Adam computes in
+                # fp32 itself), else a copy in that dtype: bf16 buffers (--grad-reduce-in-bf16) under fp32 main
+                # gradients would otherwise be clipped in bf16, unlike the plain distributed optimizer's.
+                shard.main_param.decoupled_grad = shard.grad_view().to(self.config.main_grads_dtype)
             else:
                 shard.main_param.grad = fp32_grad(shard.grad_view())
         for piece in self._empty_matrix_pieces:

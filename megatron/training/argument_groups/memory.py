@@ -105,6 +105,10 @@ def _validate_cpu_offload(args):
             if set_:
                 raise ValueError(f"{flag} needs --optimizer-cpu-offload; pass it or drop {flag}")
         return
+    if getattr(args, "use_torch_fsdp2", False):
+        raise ValueError("--optimizer-cpu-offload does not work with --use-torch-fsdp2 (it needs "
+                         "--use-distributed-optimizer or --use-megatron-fsdp, which FSDP2 excludes): use "
+                         "--torch-fsdp2-cpu-offload to keep FSDP2's shards and optimizer state in host memory")
     if not args.use_precision_aware_optimizer:
         # Upstream's rule: the hybrid optimizer reuses the precision-aware optimizer's code path.
         raise ValueError("--optimizer-cpu-offload needs --use-precision-aware-optimizer (with "
@@ -147,6 +151,10 @@ def validate(args):
         return
     if args.optimizer != "adam":
         raise ValueError("--use-precision-aware-optimizer steps Adam only: use --optimizer adam")
+    if getattr(args, "use_torch_fsdp2", False):
+        # FSDP2 excludes the distributed optimizer, so pointing at it would only lead to the next error.
+        raise ValueError("--use-precision-aware-optimizer does not work with --use-torch-fsdp2 (it needs "
+                         "--use-distributed-optimizer or --use-megatron-fsdp, which FSDP2 excludes): drop it")
     if not (args.use_distributed_optimizer or args.use_megatron_fsdp):
         raise ValueError(
             "--use-precision-aware-optimizer needs the distributed optimizer: pass --use-distributed-optimizer "
