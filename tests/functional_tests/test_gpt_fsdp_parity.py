@@ -32,6 +32,7 @@ SHARDED_OVER = {
     "gpt/megatron_fsdp_z3_dp2": (2, 2, 2),
     "gpt/megatron_fsdp_z3_meta_init_dp2": (2, 2, 2),
     "gpt/megatron_fsdp_z3_double_buffer_dp2": (2, 2, 2),
+    "gpt/megatron_fsdp_z3_overlap_dp3": (3, 3, 3),
     "gpt/megatron_fsdp_z3_tp2_sp_dp2": (2, 2, 2),
     "gpt/megatron_fsdp_z3_pp2_dp2": (2, 2, 2),
     "gpt/megatron_fsdp_z3_tp2_pp2_dp2": (2, 2, 2),
@@ -53,6 +54,15 @@ OTHER_RANKS_EXPERT_TENSORS = {
 # themselves: HFSDP stores its quarter of the main weights apart from the compute half it belongs to.
 SEPARATE_MAIN_WEIGHTS = {
     "gpt/megatron_fsdp_hfsdp_dp4",
+}
+# Cases whose data-parallel size does not divide every parameter's rows: each rank holds its torch.chunk share
+# of each parameter's rows, which differs from 1/N by up to a row per parameter, and Megatron-FSDP's flat shards
+# are padded to the largest share; measured on 3 ranks (the rank the metrics report): parameter bytes 1.5% above
+# a third (padded), the optimizer's moments 3.0% below (this rank's real elements). A state left unsharded or
+# split by the wrong factor is off by 50% or more.
+UNEVEN_SPLIT_MARGIN = 0.05
+UNEVEN_SPLIT = {
+    "gpt/megatron_fsdp_z3_overlap_dp3",
 }
 # More than two ranks on two cores take longer.
 CASES = [pytest.param(name, marks=pytest.mark.slow) if load_case(name).nproc_per_node > 2 else name
@@ -76,20 +86,24 @@ def test_fsdp_case_trains_as_its_ddp_twin(case_name, runs):
                                atol=ACCIDENTAL_ZEROS_TOLERANCE)
     assert not problems, f"{case_name} vs its DDP twin:\n" + "\n".join(problems)
 
-    # Sharded state is split evenly (every sharded size of this model divides evenly), replicated state is
-    # whole. Adam's state is two moments per element plus one 4-byte step counter per parameter, which no
+    # Sharded state is split evenly (every sharded size of this model divides evenly, except in UNEVEN_SPLIT),
+    # replicated state is whole. Adam's state is two moments per element plus one 4-byte step counter per parameter, which no
     # strategy shards; fp32 main weights are the compute weights (or a slice of them) unless listed above.
     params_over, grads_over, optimizer_over = SHARDED_OVER[case_name]
     fsdp_bytes, ddp_bytes = _per_rank_bytes(fsdp), _per_rank_bytes(ddp)
     full_params = ddp_bytes["params-bytes"]
     step_counters = ddp_bytes["optimizer-state-bytes"] - 2 * full_params
     assert 0 < step_counters < 1000
-    assert fsdp_bytes["params-bytes"] == full_params // params_over
-    assert fsdp_bytes["grads-bytes"] == ddp_bytes["grads-bytes"] // grads_over
     main_weights_copies = 1 if case_name in SEPARATE_MAIN_WEIGHTS else 0
     step_counters -= 4 * OTHER_RANKS_EXPERT_TENSORS.get(case_name, 0)
-    expected_optimizer_bytes = (2 + main_weights_copies) * (full_params // optimizer_over) + step_counters
-    assert fsdp_bytes["optimizer-state-bytes"] == expected_optimizer_bytes
+    shares = {"params-bytes": full_params / params_over, "grads-bytes": ddp_bytes["grads-bytes"] / grads_over,
+              "optimizer-state-bytes": (2 + main_weights_copies) * full_params / optimizer_over}
+    for name, share in shares.items():
+        fixed = step_counters if name == "optimizer-state-bytes" else 0
+        if case_name in UNEVEN_SPLIT:
+            assert abs(fsdp_bytes[name] - fixed - share) <= UNEVEN_SPLIT_MARGIN * share, (name, share)
+        else:
+            assert fsdp_bytes[name] == int(share) + fixed, (name, share)
 
 
 def test_every_fsdp_case_folder_has_a_ddp_twin_check():
