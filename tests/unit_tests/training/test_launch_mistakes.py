@@ -3,11 +3,7 @@
 import pytest
 
 from megatron.training.arguments import parse_args, validate_args
-
-BASE = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
-    "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128"
-)
+from tests.unit_tests.training.test_arguments import BASE  # the tiny model's flags the argument tests share
 
 
 @pytest.fixture(autouse=True)
