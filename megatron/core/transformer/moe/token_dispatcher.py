@@ -68,8 +68,19 @@ class _Dispatcher:
         if group_size(self.group) == 1:
             self.group = None
 
+    def _routing_state(self):
+        """The attributes `dispatch` sets for its `combine`; dropped once combined, so the last forward's routing
+        (its probabilities tied to the autograd graph, its index tensors) is not kept alive until the next one."""
+        return {name: getattr(self, name) for name in self.ROUTING_STATE}
+
+    def _forget_routing(self):
+        for name in self.ROUTING_STATE:
+            self.__dict__.pop(name, None)
+
 
 class MoEAllGatherTokenDispatcher(_Dispatcher):
+    ROUTING_STATE = ("hidden_shape", "hidden_dtype", "num_gathered_tokens", "token_index", "permuted_probs")
+
     def dispatch(self, hidden_states, probs, routing_map):
         self.hidden_shape, self.hidden_dtype = hidden_states.shape, hidden_states.dtype
         tokens = hidden_states.reshape(-1, hidden_states.size(-1))
@@ -85,13 +96,17 @@ class MoEAllGatherTokenDispatcher(_Dispatcher):
         return permuted, tokens_per_expert
 
     def combine(self, expert_output):
-        output = unpermute(expert_output, self.token_index, self.permuted_probs, self.num_gathered_tokens)
+        state = self._routing_state()
+        self._forget_routing()
+        output = unpermute(expert_output, state["token_index"], state["permuted_probs"], state["num_gathered_tokens"])
         output = reduce_scatter_along_first_dim(output, self.group)
-        return output.to(self.hidden_dtype).view(self.hidden_shape)
+        return output.to(state["hidden_dtype"]).view(state["hidden_shape"])
 
 
 class MoEAlltoAllTokenDispatcher(_Dispatcher):
     _member_ep_ranks = None
+    ROUTING_STATE = ("hidden_shape", "hidden_dtype", "num_tokens", "token_index", "permuted_probs", "input_splits",
+                     "output_splits", "send_index", "sort_index", "overlapped_result")
 
     def _ep_rank_of_members(self, device):
         """The expert-parallel rank of each member of the ETP x EP group, in group-rank order (gathered once)."""
@@ -131,12 +146,14 @@ class MoEAlltoAllTokenDispatcher(_Dispatcher):
         return received.index_select(0, self.sort_index), received_counts.sum(dim=0)
 
     def combine(self, expert_output):
-        unsorted = expert_output.new_zeros(expert_output.shape).index_add(0, self.sort_index, expert_output)
-        returned = all_to_all(unsorted, self.group, self.input_splits, self.output_splits)
-        per_assignment = returned.new_zeros(self.token_index.numel(), returned.size(-1))
-        per_assignment = per_assignment.index_add(0, self.send_index.to(returned.device), returned)
-        output = unpermute(per_assignment, self.token_index, self.permuted_probs, self.num_tokens)
-        return output.to(self.hidden_dtype).view(self.hidden_shape)
+        state = self._routing_state()
+        self._forget_routing()
+        unsorted = expert_output.new_zeros(expert_output.shape).index_add(0, state["sort_index"], expert_output)
+        returned = all_to_all(unsorted, self.group, state["input_splits"], state["output_splits"])
+        per_assignment = returned.new_zeros(state["token_index"].numel(), returned.size(-1))
+        per_assignment = per_assignment.index_add(0, state["send_index"].to(returned.device), returned)
+        output = unpermute(per_assignment, state["token_index"], state["permuted_probs"], state["num_tokens"])
+        return output.to(state["hidden_dtype"]).view(state["hidden_shape"])
 
 
 def build_token_dispatcher(config, num_local_experts, local_expert_indices):

@@ -56,6 +56,19 @@ def test_layer_equals_hand_built_reference(dispatcher, extra):
     torch.testing.assert_close(layer(hidden), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dispatcher", DISPATCHERS)
+def test_dispatcher_keeps_no_routing_after_combining(dispatcher):
+    """The routing of a forward (probabilities tied to its autograd graph, index tensors) is dropped once the
+    tokens are combined: a second forward gives the same output, and none of it outlives the first."""
+    layer = MoELayer(moe_config(moe_token_dispatcher_type=dispatcher), layer_number=1, init_seed=LAYER_SEED)
+    hidden, _ = _inputs()
+    first = layer(hidden.requires_grad_())
+    kept = set(layer.token_dispatcher.ROUTING_STATE) & set(vars(layer.token_dispatcher))
+    assert not kept, f"routing state kept after combine: {sorted(kept)}"
+    first.sum().backward()
+    torch.testing.assert_close(layer(hidden), first, rtol=0, atol=0)
+
+
 def test_shared_expert_overlap_gives_the_same_result():
     common = dict(moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=32)
     plain = MoELayer(moe_config(**common), init_seed=LAYER_SEED)
