@@ -206,7 +206,8 @@ def _parallel_layers_match_single_rank():
                      init_seed=LAYER_SEED)
     local = layouts["ep2"][1]
     output, input_grad, grads = _run(layer, local(hidden), local(upstream))
-    worst = max((output - local(ref_output)).abs().max().item(), (input_grad - local(ref_input_grad)).abs().max().item())
+    worst = max((output - local(ref_output)).abs().max().item(),
+                (input_grad - local(ref_input_grad)).abs().max().item())
     for name, grad in grads.items():
         if name.startswith("shared_experts."):
             dist.all_reduce(grad)
