@@ -8,6 +8,7 @@ from .distributed_data_parallel_config import DistributedDataParallelConfig, Sha
 from .megatron_fsdp import MegatronFSDP
 from .mixed_precision import MixedPrecisionPolicy
 from .optimizer import fully_shard_optimizer
+from .optimizer_state import state_records_step
 
 
 def fully_shard_model(
@@ -118,7 +119,7 @@ def _rebind_replaced_params(optimizer: torch.optim.Optimizer, names_before: dict
         rebound = []
         for param in param_group["params"]:
             if id(param) not in model.param_to_group and id(param) in names_before:
-                if optimizer.state.get(param):
+                if state_records_step(optimizer.state.get(param, {})):
                     raise ValueError(f"the optimizer already has state for '{names_before[id(param)]}'; "
                                      "wrap the model before the first optimizer step")
                 param = params_now[names_before[id(param)]]

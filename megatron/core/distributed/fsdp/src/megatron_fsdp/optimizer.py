@@ -10,7 +10,7 @@ import torch
 
 from . import collectives
 from .distributed_data_parallel_config import ShardingStrategy
-from .optimizer_state import initialize_optimizer_state
+from .optimizer_state import initialize_optimizer_state, optimizer_has_stepped
 from .state_dict import load_optimizer_state_dict, optimizer_state_dict
 from .utils import WRAPPED_ATTR
 
@@ -72,6 +72,7 @@ def _make_step_pre_hook(model, agree_on_loss: bool):
     apart would issue different collectives."""
 
     def before_step(optimizer, args, kwargs):
+        _refuse_grad_scaler(optimizer)
         # torch passes `self` as args[0]; the closure comes positionally after it or by keyword.
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
         if closure is None:
@@ -90,6 +91,26 @@ def _make_step_pre_hook(model, agree_on_loss: bool):
         return args[:1], {**{k: v for k, v in kwargs.items() if k != "closure"}, "closure": synchronising_closure}
 
     return before_step
+
+
+_GRAD_SCALER_MESSAGE = (
+    "torch.amp.GradScaler cannot drive a Megatron-FSDP optimizer: its inf/NaN check reads the gradients of the "
+    "optimizer's tensors before step(), and those are this rank's shards of the main weights (gradients attached "
+    "by step() itself), so the ranks could not agree on skipping a step. Compute in bf16 instead, which needs no "
+    "loss scaling (torch.autocast(device_type, dtype=torch.bfloat16), or a bf16 model with MixedPrecisionPolicy("
+    "main_params_dtype=torch.float32)); to scale an fp16 loss, multiply it yourself and call "
+    "model.scale_gradients(1 / scale) before optimizer.step()")
+
+
+def _refuse_grad_scaler(optimizer):
+    """GradScaler.step() sets `grad_scale` / `found_inf` on an optimizer that handles scaling in its step (see
+    `fully_shard_optimizer`) and calls step(): refused there, the attributes removed so a later plain step runs."""
+    if not (hasattr(optimizer, "found_inf") or getattr(optimizer, "grad_scale", None) is not None):
+        return
+    for name in ("grad_scale", "found_inf"):
+        if name in optimizer.__dict__:
+            delattr(optimizer, name)
+    raise RuntimeError(_GRAD_SCALER_MESSAGE)
 
 
 def _check_whole_vector_optimizer(optimizer, model):
@@ -155,7 +176,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
     if getattr(optimizer, "_megatron_fsdp_model", None) is not None:
         raise ValueError("this optimizer was already passed to fully_shard_optimizer")
     model = _find_fsdp_model(optimizer)
-    if any(len(state) for state in optimizer.state.values()):
+    if optimizer_has_stepped(optimizer):
         raise ValueError("the optimizer already has state (it has stepped); shard it before the first step")
     _check_whole_vector_optimizer(optimizer, model)
     names = {}
@@ -163,8 +184,11 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
         param_group["params"] = _main_weight_views(model, param_group["params"], names)
     if isinstance(optimizer, torch.optim.LBFGS):
         optimizer._params = optimizer.param_groups[0]["params"]  # LBFGS steps its own copy of the list
-    optimizer.state.clear()
+    optimizer.state.clear()  # state a constructor created (Adagrad's) was keyed by the module's parameters
     _guard_optimizer_state(optimizer)
+    # GradScaler then hands its scale to step() (where it is refused with a message) rather than checking the
+    # gradients itself, which are not attached before step() and would be per-rank shards.
+    optimizer._step_supports_amp_scaling = True
     optimizer._megatron_fsdp_model = model
     optimizer._megatron_fsdp_param_names = names
     optimizer._megatron_fsdp_preproc_for_dcp = (model.ddp_config.preproc_state_dict_for_dcp_ckpt
@@ -172,7 +196,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
                                                  else preproc_state_dict_for_dcp_ckpt)
     model.optimizer = optimizer
     model.grad_clearing.register(optimizer)
-    initialize_optimizer_state(optimizer)
+    initialize_optimizer_state(optimizer, sgd_momentum=True)
 
     original_zero_grad = optimizer.zero_grad
     optimizer._megatron_fsdp_step_hooks = (
@@ -203,7 +227,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         views = _main_weight_views(model, params, self._megatron_fsdp_param_names)
         original_add_param_group({**param_group, "params": views})
-        initialize_optimizer_state(self)
+        initialize_optimizer_state(self, sgd_momentum=True)
 
     optimizer.add_param_group = types.MethodType(add_param_group, optimizer)
     optimizer.zero_grad = types.MethodType(zero_grad, optimizer)

@@ -343,7 +343,7 @@ def optimizer_state_dict(optimizer) -> dict:
     model, by_name = _optimizer_params_by_name(optimizer)
     _check_checkpointable(model)
     model.adopt_written_weights()  # the main weights saved include writes to the parameters since the last step
-    initialize_optimizer_state(optimizer)
+    initialize_optimizer_state(optimizer, sgd_momentum=True)
     names = optimizer._megatron_fsdp_param_names
     state = {}
     for group in model.groups:
@@ -391,7 +391,7 @@ def load_optimizer_state_dict(optimizer, state_dict):
 
     model, by_name = _optimizer_params_by_name(optimizer)
     _check_checkpointable(model)
-    initialize_optimizer_state(optimizer)
+    initialize_optimizer_state(optimizer, sgd_momentum=True)
     if len(groups_in) != len(optimizer.param_groups):
         raise ValueError(f"optimizer state dict has {len(groups_in)} param groups, the optimizer has "
                          f"{len(optimizer.param_groups)}")
