@@ -553,6 +553,7 @@ def _resolved(memory):
 
 
 def _perplexity(loss):
-    import math
-
+    """exp(loss), capped at exp(20) as upstream caps it; a NaN or infinite loss keeps its NaN or Inf."""
+    if not math.isfinite(loss):
+        return math.exp(loss)  # nan -> nan, inf -> inf, -inf -> 0
     return math.exp(min(20.0, loss))

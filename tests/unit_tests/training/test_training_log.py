@@ -476,3 +476,23 @@ def test_skipped_train_samples_scalar_appears_once_a_batch_was_dropped(monkeypat
     logger.close()
     assert [scalar for scalar in recorder.scalars if scalar[0] == "skipped-train-samples"] == [
         ("skipped-train-samples", 8, 3), ("skipped-train-samples", 8, 4)]
+
+
+def test_validation_perplexity_of_a_diverged_loss_is_not_the_cap(monkeypatch, capsys, tmp_path):
+    """A finite loss above 20 shows upstream's capped perplexity exp(20); a NaN or Inf validation loss shows a NaN
+    or Inf perplexity, not that cap (which would read as a finite, merely large, perplexity)."""
+    recorder = _ScalarRecorder()
+    monkeypatch.setattr(training_log, "build_scalar_writers", lambda args: recorder)
+    args = argparse.Namespace(metrics_file=None, tensorboard_dir=str(tmp_path), save=None, log_interval=1,
+                              train_iters=4, log_memory_to_tensorboard=False, log_throughput=False,
+                              log_validation_ppl_to_tensorboard=True)
+    logger = training_log.TrainingLogger(args, is_logging_rank=True)
+    for iteration, loss in ((1, 25.0), (2, float("nan")), (3, float("inf"))):
+        logger.log_evaluation(iteration, {"lm loss": loss})
+    logger.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith(f"| lm loss PPL: {math.exp(20.0):.6E} |")
+    assert lines[1].endswith("| lm loss value: NAN | lm loss PPL: NAN |")
+    assert lines[2].endswith("| lm loss value: INF | lm loss PPL: INF |")
+    perplexities = [value for name, value, _ in recorder.scalars if name == "lm loss validation ppl"]
+    assert perplexities[0] == math.exp(20.0) and math.isnan(perplexities[1]) and perplexities[2] == math.inf
