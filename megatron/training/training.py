@@ -332,13 +332,23 @@ def evaluate(forward_step_func, data_iterator, model, config, args, exit_duratio
         chunk.eval()
     validation_mode = pause_result_validation()
     total = torch.zeros(2, dtype=torch.float64, device=args.device)
-    with torch.no_grad():
-        for _ in range(args.eval_iters if num_batches is None else num_batches):
-            losses_reduced = _run_schedule(forward_step_func, data_iterator, model, args, forward_only=True)
-            total += _loss_sums(losses_reduced, args.device)
-            empty_unused_memory(args, level=1)
-            if exit_duration is not None and exit_duration.reached():
-                break
+    # As upstream, the evaluation's forward steps are not timed: the schedule's level-2 timers (forward-compute,
+    # pipeline transfers) would otherwise add them to the next training log line's.
+    timed_configs = {index: chunk.config for index, chunk in enumerate(model)
+                     if getattr(getattr(chunk, "config", None), "timers", None) is not None}
+    try:
+        for index, config_of_chunk in timed_configs.items():
+            model[index].config = dataclasses.replace(config_of_chunk, timers=None)
+        with torch.no_grad():
+            for _ in range(args.eval_iters if num_batches is None else num_batches):
+                losses_reduced = _run_schedule(forward_step_func, data_iterator, model, args, forward_only=True)
+                total += _loss_sums(losses_reduced, args.device)
+                empty_unused_memory(args, level=1)
+                if exit_duration is not None and exit_duration.reached():
+                    break
+    finally:
+        for index, config_of_chunk in timed_configs.items():
+            model[index].config = config_of_chunk
     resume_result_validation(validation_mode)
     for chunk in model:
         chunk.train()

@@ -112,3 +112,36 @@ def test_moe_aux_losses_are_logged_once_when_report_stats_reruns_each_iteration(
         for name in names:
             assert plain[name] > 0
             assert rerun[name] == pytest.approx(plain[name], rel=1e-6), (name, plain, rerun)
+
+
+def test_evaluation_steps_run_untimed_and_the_training_timers_come_back(monkeypatch):
+    """As upstream, evaluate() runs its forward steps with the chunks' config timers off, so the schedule's level-2
+    timers (forward-compute, pipeline transfers) of the next training log line hold training steps only."""
+    import argparse
+    import dataclasses
+
+    from megatron.training import training
+
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        timers: object = None
+
+    seen = []
+
+    def run_schedule(forward_step_func, data_iterator, model, args, forward_only):
+        seen.append([chunk.config.timers for chunk in model])
+        return [{"lm loss": torch.tensor([3.0, 1.0])}]
+
+    monkeypatch.setattr(training, "_run_schedule", run_schedule)
+    monkeypatch.setattr(training, "reduce_reported_loss", lambda reports, device: training._loss_sums(reports, device))
+    monkeypatch.setattr(training, "pause_result_validation", lambda: None)
+    monkeypatch.setattr(training, "resume_result_validation", lambda mode: None)
+    timers = object()
+    model = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    for chunk in model:
+        chunk.config = Config(timers=timers)
+    args = argparse.Namespace(eval_iters=3, device=torch.device("cpu"), empty_unused_memory_level=0)
+    losses = training.evaluate(None, None, model, model[0].config, args)
+    assert seen == [[None, None]] * 3
+    assert torch.equal(losses["lm loss"], torch.tensor([9.0, 3.0], dtype=torch.float64))
+    assert [chunk.config.timers for chunk in model] == [timers, timers] and all(chunk.training for chunk in model)
