@@ -85,24 +85,24 @@ def _validate_context_parallel(args):
         )
     sizes = validate_hierarchical_sizes(args.hierarchical_context_parallel_sizes, cp, comm_type)
     args.hierarchical_context_parallel_sizes = None if sizes is None else list(sizes)
-    if cp == 1:
-        tp = args.tensor_model_parallel_size
-        if args.sequence_parallel and args.seq_length is not None and args.seq_length % tp != 0:
-            raise ValueError(
-                f"--seq-length ({args.seq_length}) must be divisible by --tensor-model-parallel-size ({tp}) with "
-                "--sequence-parallel: each tensor-parallel rank holds an equal slice of the sequence; change "
-                "--seq-length or drop --sequence-parallel"
-            )
-        return
-    divisor = 2 * cp * (args.tensor_model_parallel_size if args.sequence_parallel else 1)
-    if args.seq_length is not None and args.seq_length % divisor != 0:
-        with_sp = (f" x --tensor-model-parallel-size ({args.tensor_model_parallel_size}) with --sequence-parallel"
-                   if args.sequence_parallel else "")
+    tp, seq_length = args.tensor_model_parallel_size, args.seq_length
+    if cp > 1 and seq_length is not None and seq_length % (2 * cp) != 0:
         raise ValueError(
-            f"--seq-length ({args.seq_length}) must be divisible by 2 x --context-parallel-size ({cp}){with_sp} "
-            f"= {divisor}: each context-parallel rank holds two of 2 x CP equal chunks"
+            f"--seq-length ({seq_length}) must be divisible by 2 x --context-parallel-size ({cp}) = {2 * cp}: each "
+            "context-parallel rank holds two of 2 x CP equal chunks; change --seq-length"
         )
-    tp = args.tensor_model_parallel_size
+    # As upstream: sequence parallelism splits each context-parallel rank's tokens (its two chunks together), so
+    # only their count, not each chunk, must divide by the tensor-parallel size.
+    if args.sequence_parallel and seq_length is not None and (seq_length // cp) % tp != 0:
+        per_rank = (f" / --context-parallel-size ({cp}) = {seq_length // cp} tokens per context-parallel rank"
+                    if cp > 1 else "")
+        raise ValueError(
+            f"--seq-length ({seq_length}){per_rank} must be divisible by --tensor-model-parallel-size ({tp}) with "
+            "--sequence-parallel: each tensor-parallel rank holds an equal slice of the sequence; change "
+            "--seq-length or drop --sequence-parallel"
+        )
+    if cp == 1:
+        return
     heads = args.num_attention_heads
     groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
     for name in sorted(comm_types_in_use(comm_type)):

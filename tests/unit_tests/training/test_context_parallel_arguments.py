@@ -30,15 +30,26 @@ def test_per_layer_and_hierarchical_comm_types_reach_the_config(monkeypatch):
     assert (config.cp_comm_type, config.hierarchical_context_parallel_sizes) == (("a2a+p2p", "allgather"), (2, 2))
 
 
+@pytest.mark.parametrize("seq_length, tp, world_size", [(36, 2, 4), (12, 2, 4), (24, 4, 8)])
+def test_sequence_parallel_under_cp_needs_only_each_ranks_tokens_to_divide_by_tp(monkeypatch, seq_length, tp,
+                                                                                 world_size):
+    """As upstream: sequence parallelism splits a context-parallel rank's two chunks together, so a chunk need
+    not divide by the tensor-parallel size (36 / (2 x 2) = 9 tokens a chunk, 18 a rank, 9 a TP rank)."""
+    args = validated(f"--context-parallel-size 2 --tensor-model-parallel-size {tp} --sequence-parallel "
+                     f"--seq-length {seq_length} --max-position-embeddings {seq_length}", world_size, monkeypatch)
+    assert (args.seq_length, args.context_parallel_size, args.tensor_model_parallel_size) == (seq_length, 2, tp)
+    assert args.sequence_parallel
+
+
 @pytest.mark.parametrize(
     "extra, world_size, message",
     [
         ("--context-parallel-size 2 --seq-length 30 --max-position-embeddings 32", 2,
          r"--seq-length \(30\) must be divisible by 2 x --context-parallel-size \(2\) = 4"),
-        ("--context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel --seq-length 36 "
-         "--max-position-embeddings 36", 4,
-         r"--seq-length \(36\) must be divisible by 2 x --context-parallel-size \(2\) x "
-         r"--tensor-model-parallel-size \(2\) with --sequence-parallel = 8"),
+        ("--context-parallel-size 2 --tensor-model-parallel-size 4 --sequence-parallel --seq-length 36 "
+         "--max-position-embeddings 36", 8,
+         r"^--seq-length \(36\) / --context-parallel-size \(2\) = 18 tokens per context-parallel rank must be "
+         r"divisible by --tensor-model-parallel-size \(4\) with --sequence-parallel"),
         ("--context-parallel-size 4 --cp-comm-type a2a --group-query-attention --num-query-groups 2", 4,
          r"--cp-comm-type a2a .*--num-attention-heads \(4\) and --num-query-groups \(2\)"),
         ("--context-parallel-size 2 --cp-comm-type ring", 2, r"--cp-comm-type must be one of"),
