@@ -1,4 +1,9 @@
-"""Loss scalers for fp16 training: a constant one and a dynamic one with growth, backoff and hysteresis."""
+"""Loss scalers for fp16 training: a constant one and a dynamic one with growth, backoff and hysteresis.
+
+On resume, as upstream, a static scale (`--loss-scale`) is the flag's, whatever the checkpoint holds; a dynamic one
+continues from the checkpoint's scale and trackers when the checkpoint's run scaled dynamically too, and starts
+from `--initial-loss-scale` when it used a static scale (whose saved state has no trackers).
+"""
 
 import torch
 
@@ -24,7 +29,8 @@ class ConstantGradScaler:
         return {"scale": self._scale.item()}
 
     def load_state_dict(self, state_dict):
-        self._scale.fill_(state_dict["scale"])
+        """Nothing to restore: the scale is `--loss-scale` of this run, also when the checkpoint's differs."""
+        del state_dict
 
 
 class DynamicGradScaler:
@@ -87,6 +93,8 @@ class DynamicGradScaler:
         }
 
     def load_state_dict(self, state_dict):
+        if "growth_tracker" not in state_dict or "hysteresis_tracker" not in state_dict:
+            return  # saved by a static --loss-scale run: start from this run's --initial-loss-scale
         self._scale.fill_(state_dict["scale"])
         self._clean_steps = int(state_dict["growth_tracker"])
         self._overflows_left = int(state_dict["hysteresis_tracker"])

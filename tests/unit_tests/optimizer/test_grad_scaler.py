@@ -43,3 +43,29 @@ def test_constant_scaler_never_moves():
 def test_dynamic_scaler_rejects_settings_that_would_never_grow_or_start_below_the_floor(settings, message):
     with pytest.raises(ValueError, match=message):
         DynamicGradScaler(**settings)
+
+
+def test_static_scale_on_resume_is_this_runs_flag_not_the_checkpoints():
+    saved = ConstantGradScaler(1024.0).state_dict()
+    resumed = ConstantGradScaler(4096.0)  # --loss-scale changed on resume
+    resumed.load_state_dict(saved)
+    assert resumed.scale.item() == 4096.0
+    from_dynamic = ConstantGradScaler(8.0)  # resuming a dynamically scaled run with a static scale
+    from_dynamic.load_state_dict(DynamicGradScaler(initial_scale=2.0**20).state_dict())
+    assert from_dynamic.scale.item() == 8.0
+
+
+def test_dynamic_scaler_resumes_a_dynamic_checkpoint_and_starts_afresh_from_a_static_one():
+    saved = DynamicGradScaler(initial_scale=1024.0, growth_interval=3, hysteresis=2)
+    for found_inf in (OVERFLOW, OVERFLOW, CLEAN):
+        saved.update(found_inf)
+    resumed = DynamicGradScaler(initial_scale=2.0**16, growth_interval=3, hysteresis=2)
+    resumed.load_state_dict(saved.state_dict())
+    assert resumed.state_dict() == {"scale": 512.0, "growth_tracker": 1, "hysteresis_tracker": 0}
+
+    from_static = DynamicGradScaler(initial_scale=2.0**16, growth_interval=3, hysteresis=2)
+    from_static.load_state_dict(ConstantGradScaler(1024.0).state_dict())
+    assert from_static.state_dict() == {"scale": 2.0**16, "growth_tracker": 0, "hysteresis_tracker": 2}
+    for found_inf, expected in ((OVERFLOW, 2.0**16), (OVERFLOW, 2.0**15), (CLEAN, 2.0**15)):
+        from_static.update(found_inf)
+        assert from_static.scale.item() == expected
