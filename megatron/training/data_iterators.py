@@ -3,7 +3,7 @@
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.training.validation_sets import build_validation_sets, endless
+from megatron.training.validation_sets import build_validation_sets, evaluation_stream
 
 
 def dataset_sample_counts(args):
@@ -23,7 +23,9 @@ def build_data_iterators(train_valid_test_dataset_provider, args):
     """(train, valid, test) iterators for this rank's data-parallel slice; None for a missing split.
 
     The training iterator starts after `args.consumed_train_samples` (so a resumed run sees the samples an
-    uninterrupted run would), the validation iterator after the samples earlier evaluations consumed.
+    uninterrupted run would), the validation iterator after the samples earlier evaluations consumed (from its
+    first sample with --skip-train), the test iterator at its first sample; both read their set again when their
+    evaluations need more samples than it holds (`evaluation_stream`).
     `--dataloader-type cyclic` reshuffles every epoch; with `external` the provider's three objects are the
     iterators, passed through as they are (they decide where a resumed run starts). With --full-validation or
     --multiple-validation-sets the validation element is a list of `ValidationSet` (validation_sets.py).
@@ -50,22 +52,23 @@ def build_data_iterators(train_valid_test_dataset_provider, args):
             dataloader_type=dataloader_type, seed=args.seed, data_sharding=getattr(args, "data_sharding", True),
         )
 
-    iteration = getattr(args, "iteration", 0)
+    # A resumed run's evaluations continue after the samples earlier ones took; a --skip-train evaluation starts at
+    # the first validation sample whatever iteration it loaded, as upstream's.
+    iteration = 0 if getattr(args, "skip_train", False) else getattr(args, "iteration", 0)
     consumed_valid_samples = (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
     train_loader = None
     if _samples_left(train_dataset, args.consumed_train_samples, dataloader_type):
         train_loader = loader(train_dataset, args.consumed_train_samples)
-    test_loader = loader(test_dataset, 0)
+    test = None
+    if test_dataset is not None and len(test_dataset) > 0:
+        test = evaluation_stream(test_dataset, loader, 0, dataloader_type, name="test set")
     if getattr(args, "full_validation", False) or getattr(args, "multiple_validation_sets", False):
         valid = build_validation_sets(valid_dataset, loader, consumed_valid_samples, args)
     else:
-        valid_loader = loader(valid_dataset, consumed_valid_samples)
-        valid = endless(valid_loader) if valid_loader is not None else None
-    return (
-        iter(train_loader) if train_loader is not None else None,
-        valid,
-        iter(test_loader) if test_loader is not None else None,
-    )
+        valid = None
+        if valid_dataset is not None and len(valid_dataset) > 0:
+            valid = evaluation_stream(valid_dataset, loader, consumed_valid_samples, dataloader_type)
+    return iter(train_loader) if train_loader is not None else None, valid, test
 
 
 def _check_unweighted_blend_is_long_enough(train_dataset, train_samples, dataloader_type):

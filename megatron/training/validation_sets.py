@@ -26,6 +26,35 @@ def endless(loader):
         yield from loader
 
 
+def evaluation_stream(dataset, make_loader, consumed_samples, dataloader_type="single", name="validation set"):
+    """This rank's batches of an evaluation set (`name`: the validation or the test set) without end, as an
+    uninterrupted run reads them, after the `consumed_samples` that earlier evaluations took.
+
+    A `single` loader makes one pass over the complete global micro-batches (micro batch x data-parallel size; a
+    partial last one is left out) and the stream starts the next pass from the first sample, so a resumed run starts
+    `consumed_samples` modulo one pass into a pass, and a set shorter than its evaluations need is read again instead
+    of running out. A `cyclic` loader is endless and places `consumed_samples` in its epochs itself.
+    """
+    if dataloader_type != "single":
+        return endless(make_loader(dataset, consumed_samples))
+    loader = make_loader(dataset, 0)
+    sampler = loader.batch_sampler
+    samples_per_pass = len(dataset) - len(dataset) % sampler.global_micro_batch_size
+    if samples_per_pass == 0:
+        raise ValueError(f"the {name} holds {len(dataset)} samples, fewer than one micro-batch for every "
+                         f"data-parallel rank ({sampler.micro_batch_size} x {sampler.data_parallel_size}): give it "
+                         "more data (--split, or the split's own --*-data-path) or use a smaller --micro-batch-size")
+    into_pass = consumed_samples % samples_per_pass
+    return _passes(loader, make_loader(dataset, into_pass) if into_pass else None)
+
+
+def _passes(loader, first_pass):
+    if first_pass is not None:
+        yield from first_pass
+        del first_pass  # its worker processes (--num-workers) end with it
+    yield from endless(loader)
+
+
 @dataclasses.dataclass
 class ValidationSet:
     """One validation set: `label` None for the single default set (logged as plain "validation").
@@ -88,7 +117,8 @@ def build_validation_sets(valid_split, make_loader, consumed_samples, args):
             _report_full_size(label, len(dataset), args.global_batch_size)
             sets.append(ValidationSet(label, loader=make_loader(dataset, 0, "single")))
         else:
-            sets.append(ValidationSet(label, stream=endless(make_loader(dataset, consumed_samples))))
+            sets.append(ValidationSet(label, stream=evaluation_stream(dataset, make_loader, consumed_samples,
+                                                                      getattr(args, "dataloader_type", "single"))))
     return sets or None
 
 

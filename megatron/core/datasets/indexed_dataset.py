@@ -51,6 +51,11 @@ def index_file_path(path_prefix):
     return path_prefix + ".idx"
 
 
+# Megatron-Core's names.
+get_bin_path = data_file_path
+get_idx_path = index_file_path
+
+
 def dtype_code(dtype):
     try:
         return _CODE_OF_DTYPE[np.dtype(dtype)]
@@ -208,10 +213,19 @@ class IndexedDataset:
     `dataset[i]` is sequence i as a numpy array; `dataset[a:b]` is a list of sequences; `get(i, offset,
     length)` reads part of a sequence without touching the rest. With `mmap=False` (`--no-mmap-bin-files`) the
     `.bin` is read into memory once instead of being memory-mapped (for filesystems where mapping is slow).
+    The arguments are upstream's, in its order; its multimodal datasets (a mode per sequence) are not supported.
     """
 
-    def __init__(self, path_prefix, mmap=True):
+    def __init__(self, path_prefix, multimodal=False, mmap=True):
+        if multimodal:
+            raise ValueError(f"IndexedDataset({path_prefix!r}, multimodal=True): multimodal datasets (a mode per "
+                             "sequence) are not supported; open text datasets with multimodal=False")
         self._open(path_prefix, mmap)
+
+    @staticmethod
+    def exists(path_prefix):
+        """Whether both `path_prefix.idx` and `path_prefix.bin` exist, as upstream's."""
+        return dataset_exists(path_prefix)
 
     def _open(self, path_prefix, mmap=True):
         self.path_prefix = path_prefix

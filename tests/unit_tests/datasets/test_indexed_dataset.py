@@ -188,3 +188,18 @@ def test_inconsistent_pointers(small_dataset):
 def test_missing_files(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"nothing\.idx.*nothing\.bin"):
         IndexedDataset(str(tmp_path / "nothing"))
+
+
+def test_upstream_constructor_and_helpers(small_dataset, tmp_path):
+    from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
+
+    # Upstream's signature: IndexedDataset(path_prefix, multimodal=False, mmap=True), and its path helpers.
+    dataset = IndexedDataset(small_dataset, False, False)
+    assert not dataset.mmap and dataset[2].tolist() == [0, 1, 2]
+    assert IndexedDataset(small_dataset, multimodal=False, mmap=True).mmap
+    assert (get_bin_path("a/b"), get_idx_path("a/b")) == ("a/b.bin", "a/b.idx")
+    assert IndexedDataset.exists(small_dataset)
+    os.remove(small_dataset + ".bin")
+    assert not IndexedDataset.exists(small_dataset) and not IndexedDataset.exists(str(tmp_path / "nothing"))
+    with pytest.raises(ValueError, match="multimodal datasets .* are not supported"):
+        IndexedDataset(small_dataset + "x", multimodal=True)

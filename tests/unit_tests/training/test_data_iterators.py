@@ -1,4 +1,4 @@
-"""`--dataloader-type external`: the provider's iterators are used as they are."""
+"""`build_data_iterators`: external iterators passed through, blends too short for the run, where validation starts."""
 
 import argparse
 
@@ -47,3 +47,67 @@ def test_a_single_pass_over_a_too_short_blend_stops_up_front():
     args = argparse.Namespace(**{**vars(ARGS), "dataloader_type": "single"})
     with pytest.raises(ValueError, match="the training blend holds 10 samples .* fewer than the 32 --train-iters"):
         build_data_iterators(lambda counts: (blend, None, None), args)
+
+
+def _first_validation_batch(**overrides):
+    args = argparse.Namespace(**{**vars(ARGS), "dataloader_type": "single", "micro_batch_size": 4,
+                                 "global_batch_size": 4, "num_workers": 0, "seed": 0, "consumed_train_samples": 0,
+                                 "train_iters": 10, "eval_interval": 5, "eval_iters": 2, **overrides})
+    valid_samples = []
+
+    def provider(counts):
+        valid_samples.append(counts[1])
+        return None, _Numbers(counts[1]), None
+
+    _, valid, _ = build_data_iterators(provider, args)
+    return valid_samples[0], next(valid).tolist()
+
+
+def test_a_resumed_run_evaluates_after_the_samples_earlier_evaluations_took():
+    # Iteration 5 of --eval-interval 5: one evaluation of 2 global batches of 4 samples was done.
+    assert _first_validation_batch(iteration=5, skip_train=False) == (24, [8, 9, 10, 11])
+
+
+@pytest.mark.parametrize("train_iters, iteration", [(10, 10), (1, 1000)])
+def test_skip_train_evaluates_from_the_first_validation_sample(train_iters, iteration):
+    # As upstream: --skip-train reads the validation split from its start, whatever iteration was loaded (a
+    # checkpoint of iteration 1000 evaluated with --train-iters 1 sizes the split for one evaluation).
+    valid_samples, batch = _first_validation_batch(iteration=iteration, skip_train=True, train_iters=train_iters)
+    assert valid_samples == (train_iters // 5 + 1) * 2 * 4
+    assert batch == [0, 1, 2, 3]
+
+
+def _validation_batches(valid_size, iteration, count):
+    args = argparse.Namespace(**{**vars(ARGS), "dataloader_type": "single", "micro_batch_size": 4,
+                                 "global_batch_size": 4, "num_workers": 0, "seed": 0, "consumed_train_samples": 0,
+                                 "train_iters": 20, "eval_interval": 5, "eval_iters": 1, "iteration": iteration})
+    _, valid, _ = build_data_iterators(lambda counts: (None, _Numbers(valid_size), None), args)
+    return [next(valid).tolist() for _ in range(count)]
+
+
+@pytest.mark.parametrize("iteration", [5, 15])
+def test_a_resumed_validation_stream_continues_the_uninterrupted_one(iteration):
+    # 11 validation samples make passes of 8 (2 global batches of 4, the partial third left out); each evaluation
+    # takes one batch. After iteration 15 the three evaluations took 12 samples, more than the set holds.
+    uninterrupted = _validation_batches(11, 0, 8)
+    evaluations_done = iteration // 5
+    assert _validation_batches(11, iteration, 4) == uninterrupted[evaluations_done:evaluations_done + 4]
+    assert uninterrupted[:3] == [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3]]
+
+
+def test_a_validation_set_smaller_than_one_global_micro_batch_stops_up_front():
+    with pytest.raises(ValueError, match="the validation set holds 3 samples, fewer than one micro-batch for every "
+                                         "data-parallel rank \\(4 x 1\\)"):
+        build_data_iterators(lambda counts: (None, _Numbers(3), None),
+                             argparse.Namespace(**{**vars(ARGS), "dataloader_type": "single", "micro_batch_size": 4,
+                                                   "num_workers": 0, "seed": 0, "consumed_train_samples": 0}))
+
+
+def test_a_test_set_shorter_than_its_evaluation_is_read_again():
+    # --eval-iters 2 of 4 samples need 8 test samples; a blend without weights may hold fewer (here 6: one pass of
+    # the first 4, the partial rest left out), and the evaluation reads the set again rather than running out.
+    args = argparse.Namespace(**{**vars(ARGS), "dataloader_type": "single", "micro_batch_size": 4,
+                                 "global_batch_size": 4, "num_workers": 0, "seed": 0, "consumed_train_samples": 0,
+                                 "eval_iters": 2})
+    _, _, test = build_data_iterators(lambda counts: (None, None, _Numbers(6)), args)
+    assert [next(test).tolist() for _ in range(2)] == [[0, 1, 2, 3], [0, 1, 2, 3]]
