@@ -386,7 +386,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
     check_same_architecture(path, saved_args, args, saved_true_vocab_size(state.get("vocab_size"), saved_args),
                             true_vocab_size(args))
     _check_layout_matches(saved_args, args, path)
-    skip_optimizer = None if optimizer is None else _why_optimizer_not_loaded(state, saved_args, args, path)
+    skip_optimizer = None if optimizer is None else _why_optimizer_not_loaded(
+        state, saved_args, args, path, data_parallel_size=dist.get_world_size(ranks["data_group"]))
     _load_model_state(model_chunks, state, strict)
     fresh_fp8_histories = count_fp8_histories_started_empty(model_chunks)
 
@@ -396,7 +397,10 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
     if load_optimizer:
         if args.use_distributed_optimizer:
             shard_path = os.path.join(directory, distributed_optimizer_filename(ranks["data_rank"]))
-            optimizer.load_state_dict(_torch_load(shard_path)["optimizer"])
+            try:
+                optimizer.load_state_dict(_torch_load(shard_path)["optimizer"])
+            except ValueError as error:  # the shards cut the parameters otherwise (e.g. another bucketing)
+                raise CheckpointLoadError(f"{shard_path}: {error} {_RESHARD_HINT}") from error
         else:
             optimizer.load_state_dict(_optimizer_state_by_name(state, optimizer, model_chunks, path, regrouped))
         if opt_param_scheduler is not None and "opt_param_scheduler" in state:
@@ -466,9 +470,29 @@ def _optimizer_state_by_name(state, optimizer, model_chunks, path, regrouped):
     return reordered
 
 
-def _why_optimizer_not_loaded(state, saved_args, args, path):
+_RESHARD_HINT = ("The torch format keeps the distributed optimizer's state as each data-parallel rank's shard: "
+                 "launch at the data-parallel size it was saved at, or with --no-load-optim to load the weights "
+                 "alone, or convert it to torch_dist (tools/checkpoint/convert_legacy.py), which loads at any "
+                 "data-parallel size")
+
+
+def _check_distributed_optimizer_shards(directory, data_parallel_size):
+    """Raise (on every rank alike, before anything is loaded) when the per-data-parallel-rank optimizer files
+    under `directory` were written at another data-parallel (x context-parallel) size than `data_parallel_size`."""
+    saved = len(glob.glob(os.path.join(glob.escape(directory), "distrib_optim_dp_rank_*.pt")))
+    if saved == data_parallel_size:
+        return
+    found = (f"holds {saved} distrib_optim_dp_rank_*.pt files (saved at data-parallel size {saved})" if saved
+             else "holds no distrib_optim_dp_rank_*.pt file (the optimizer state is missing)")
+    raise CheckpointLoadError(
+        f"{directory} {found}, but this run has data-parallel size {data_parallel_size} (data- x context-parallel "
+        f"ranks). {_RESHARD_HINT}")
+
+
+def _why_optimizer_not_loaded(state, saved_args, args, path, data_parallel_size=None):
     """None when the optimizer state is to be loaded, else the reason it is not; raises when the checkpoint
-    holds it in the other layout (the whole state in the model file, or per-data-parallel-rank shard files)."""
+    holds it in the other layout (the whole state in the model file, or per-data-parallel-rank shard files), or,
+    given this run's `data_parallel_size`, in shard files of another data-parallel size."""
     if args.finetune:
         return "--finetune"
     if args.no_load_optim:
@@ -488,6 +512,8 @@ def _why_optimizer_not_loaded(state, saved_args, args, path):
             "or with --no-load-optim to load the weights alone, or convert it to torch_dist "
             "(tools/checkpoint/convert_legacy.py), which loads under either optimizer")
     check_resumed_optimizer(saved_args, args, path)
+    if saved_sharded and data_parallel_size is not None:
+        _check_distributed_optimizer_shards(os.path.dirname(path), data_parallel_size)
     return None
 
 

@@ -257,6 +257,33 @@ def test_torch_format_optimizer_saved_in_the_other_layout_names_the_flag(tmp_pat
     assert expected in message and "iter_0000004" in message
 
 
+def _load_distributed_optimizer_of_another_data_parallel_size(root):
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel()
+    args = checkpoint_args(root, use_distributed_optimizer=True)
+    checkpointing.save_checkpoint(4, *trained_state(seed=3), args)
+    shards = os.path.join(root, "iter_0000004", "mp_rank_00")
+    # As a save at data-parallel size 2 leaves it: a second rank's shard next to the first.
+    os.link(os.path.join(shards, "distrib_optim_dp_rank_000.pt"), os.path.join(shards, "distrib_optim_dp_rank_001.pt"))
+    model, optimizer, scheduler = trained_state(seed=77)
+    weights_before = model.weight.detach().clone()
+    with pytest.raises(checkpointing.CheckpointLoadError) as error:
+        checkpointing.load_checkpoint(model, optimizer, scheduler, args)
+    return str(error.value), torch.equal(model.weight, weights_before), scheduler.num_steps
+
+
+def test_torch_format_distributed_optimizer_at_another_data_parallel_size_names_the_sizes(tmp_path):
+    """Each rank's shard file cuts the parameters by the saved data-parallel size: a run of another size stops
+    before loading anything, on every rank alike, instead of loading a shard cut for another rank."""
+    ((message, model_untouched, scheduler_steps),) = run_on_ranks(
+        1, _load_distributed_optimizer_of_another_data_parallel_size, str(tmp_path))
+    assert "holds 2 distrib_optim_dp_rank_*.pt files (saved at data-parallel size 2), but this run has " \
+        "data-parallel size 1" in message
+    assert "--no-load-optim" in message and "convert_legacy.py" in message
+    assert model_untouched and scheduler_steps == 77
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Checkpoint flags
 # ---------------------------------------------------------------------------------------------------------
