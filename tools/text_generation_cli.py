@@ -6,6 +6,7 @@ asks for a prompt and a number of tokens, sends `PUT /api` with {"prompts": [pro
 and prints the text (the prompt and its continuation); end with Ctrl-D. Standard library only.
 """
 
+import http.client
 import json
 import sys
 import urllib.error
@@ -67,6 +68,9 @@ def main(argv=None, read=input, write=print):
             status, payload = send_request(url, build_request(prompt, tokens_to_generate))
         except urllib.error.URLError as error:
             write(f"cannot reach {url}: {error.reason}")
+            continue
+        except (http.client.HTTPException, OSError) as error:  # the server closed or reset the connection
+            write(f"no answer from {url}: {error!r}; is the server still running?")
             continue
         if status != 200:
             write(f"Error {status}: {payload.get('message', payload)}")

@@ -44,7 +44,28 @@ def training_placeholders(argv, add_arguments=None):
             * world_size
     if given.train_iters is None and given.train_samples is None:
         placeholders["train_iters"] = max(1, int(given.lr_warmup_iters or 0) + 1)
+    if given.seq_length is None:
+        # The training sequence length sizes nothing in generation (its limit is --max-position-embeddings). A
+        # checkpoint imported from Hugging Face records none: --use-checkpoint-args then keeps this placeholder.
+        max_positions = given.max_position_embeddings or _checkpoint_max_positions(given)
+        if max_positions is not None:
+            placeholders["seq_length"] = max_positions
     return placeholders
+
+
+def _checkpoint_max_positions(given):
+    """--max-position-embeddings of the --load checkpoint under --use-checkpoint-args (None without the flag, or
+    when the checkpoint records none; a missing checkpoint is reported by the flags' validation)."""
+    from megatron.training import checkpoint_sources
+
+    if not given.use_checkpoint_args or given.load is None:
+        return None
+    try:
+        source = checkpoint_sources.checkpoint_to_load(given)
+        saved = checkpoint_sources.saved_args(source) if source is not None else None
+    except (FileNotFoundError, ValueError):
+        return None
+    return getattr(saved, "max_position_embeddings", None)
 
 
 def run_with_megatron(add_arguments, run_function, argv=None):

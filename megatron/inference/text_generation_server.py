@@ -22,6 +22,19 @@ from megatron.inference.text_generation import GenerationLimits, build_response,
 
 API_PATH = "/api"
 _STOP = "stop"
+# The largest request body read (128 prompts of 2560 tokens take a few MiB of JSON); a larger declared size is
+# refused before anything is read, so a bad Content-Length cannot make the server allocate it.
+MAX_REQUEST_BYTES = 64 * 2 ** 20
+
+
+class RequestTooLarge(ValueError):
+    """A request body past MAX_REQUEST_BYTES (answered with 413)."""
+
+
+def _check_body_size(size: int):
+    if size > MAX_REQUEST_BYTES:
+        raise RequestTooLarge(f"the request body ({size} bytes) is larger than the {MAX_REQUEST_BYTES} bytes this "
+                              "server reads: send fewer or shorter prompts")
 
 
 def _world_size():
@@ -119,6 +132,9 @@ def _handler_class(server: TextGenerationServer):
                 return self._reply(HTTPStatus.NOT_FOUND, {"message": f"no endpoint {self.path}: use PUT {API_PATH}"})
             try:
                 data = self._read_body()
+            except RequestTooLarge as error:
+                self.close_connection = True  # the body is left unread
+                return self._reply(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, {"message": str(error)})
             except ValueError as error:
                 return self._reply(HTTPStatus.BAD_REQUEST, {"message": str(error)})
             try:
@@ -128,25 +144,33 @@ def _handler_class(server: TextGenerationServer):
             self._reply(*server.handle(body))
 
         def _read_body(self) -> bytes:
-            """The request's body, sent with a Content-Length or chunked; ValueError when the framing is bad."""
+            """The request's body, sent with a Content-Length or chunked; ValueError when the framing is bad,
+            RequestTooLarge past MAX_REQUEST_BYTES."""
             if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-                chunks = []
+                chunks, received = [], 0
                 while True:
                     size_line = self.rfile.readline().split(b";")[0].strip()
                     try:
                         size = int(size_line, 16)
                     except ValueError:
                         raise ValueError(f"bad chunk size {size_line!r} in the chunked request body") from None
+                    if size < 0:
+                        self.close_connection = True  # the body's end is unknown
+                        raise ValueError(f"bad chunk size {size_line!r} in the chunked request body: a chunk "
+                                         "size is a non-negative hexadecimal number")
                     if size == 0:
                         while self.rfile.readline().strip():  # trailer lines up to the blank line
                             pass
                         return b"".join(chunks)
+                    received += size
+                    _check_body_size(received)
                     chunks.append(self.rfile.read(size))
                     self.rfile.readline()
             length = self.headers.get("Content-Length") or "0"
             if not length.strip().isdigit():
                 self.close_connection = True  # the body's end is unknown
                 raise ValueError(f"Content-Length must be a non-negative integer, got {length!r}")
+            _check_body_size(int(length))
             return self.rfile.read(int(length))
 
         def _wrong_method(self):

@@ -103,6 +103,28 @@ def test_prompt_sources_and_meta_device_init_are_checked_before_a_model_is_built
     assert not args.init_model_with_meta_device
 
 
+@pytest.mark.parametrize("saved_seq_length, seq_length", [(None, 48), (32, 32)])
+def test_a_checkpoint_without_a_seq_length_launches_with_use_checkpoint_args(monkeypatch, saved_seq_length,
+                                                                           seq_length):
+    """A Hugging Face import records the model flags but no --seq-length (a training choice); generation takes the
+    checkpoint's --max-position-embeddings for it, a training checkpoint's own --seq-length where it has one."""
+    import argparse
+
+    from megatron.training import checkpoint_sources
+
+    saved = argparse.Namespace(num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=48,
+                               position_embedding_type="rope", normalization="RMSNorm", swiglu=True)
+    if saved_seq_length is not None:
+        saved.seq_length = saved_seq_length
+    source = checkpoint_sources.CheckpointSource("imported", 1, "torch_dist", False)
+    monkeypatch.setattr(checkpoint_sources, "checkpoint_to_load", lambda args: source)
+    monkeypatch.setattr(checkpoint_sources, "saved_args", lambda checkpoint: saved)
+    argv = with_placeholder_data_flag(["--load", "imported", "--use-checkpoint-args", "--tokenizer-type",
+                                       "ByteLevelTokenizer", "--prompts", "def "])
+    args = validate_args(_parse(argv), training_placeholders(argv))
+    assert (args.seq_length, args.max_position_embeddings, args.num_layers) == (seq_length, 48, 2)
+
+
 @pytest.mark.parametrize("argv, max_requests", [
     (["--max-batch-size", "3"], 3),
     (["--max-batch-size", "3", "--inference-max-requests", "3"], 3),

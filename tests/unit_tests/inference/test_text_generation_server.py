@@ -190,10 +190,10 @@ def test_the_largest_random_seed_is_served(server):
     assert len(payload["tokens"][0]) == len(TOKENIZER.tokenize(PROMPTS[0])) + 3
 
 
-def _raw_put(url, head: bytes, body: bytes):
+def _raw_put(url, head: bytes, body: bytes, timeout=60):
     """Status and JSON answer of a PUT whose headers (after the request line) and body are sent as given."""
     host, port = url.split("//")[1].split("/")[0].split(":")
-    with socket.create_connection((host, int(port)), timeout=60) as connection:
+    with socket.create_connection((host, int(port)), timeout=timeout) as connection:
         connection.sendall(b"PUT /api HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n" + body)
         reply = b""
         while b"\r\n\r\n" not in reply or len(reply.split(b"\r\n\r\n", 1)[1]) < _content_length(reply):
@@ -219,6 +219,25 @@ def test_request_body_framing(http_url):
     assert _raw_put(http_url, b"Transfer-Encoding: chunked\r\n", chunked) == (200, plain)
     status, payload = _raw_put(http_url, b"Content-Length: ten\r\n", body)
     assert status == 400 and payload["message"] == "Content-Length must be a non-negative integer, got 'ten'"
+    # A negative chunk size is refused at once (reading "-5 bytes" would wait for the client to close).
+    status, payload = _raw_put(http_url, b"Transfer-Encoding: chunked\r\n", b"-5\r\n{}", timeout=10)
+    assert status == 400 and payload["message"].startswith("bad chunk size b'-5' in the chunked request body")
+
+
+def test_a_body_past_the_size_limit_is_a_413_and_the_server_keeps_serving(http_url):
+    from megatron.inference.text_generation_server import MAX_REQUEST_BYTES
+
+    declared = 10 ** 11  # far more memory than the host has: reading it whole would raise MemoryError
+    status, payload = _raw_put(http_url, b"Content-Length: %d\r\n" % declared, b"{}")
+    assert status == 413
+    assert payload["message"] == (f"the request body ({declared} bytes) is larger than the {MAX_REQUEST_BYTES} "
+                                  "bytes this server reads: send fewer or shorter prompts")
+    chunked = b"%x\r\n{}" % (MAX_REQUEST_BYTES + 1)
+    status, payload = _raw_put(http_url, b"Transfer-Encoding: chunked\r\n", chunked)
+    assert status == 413 and f"({MAX_REQUEST_BYTES + 1} bytes)" in payload["message"]
+    body = json.dumps({"prompts": ["6 5"], "tokens_to_generate": 2, "top_k": 1, "no_log": True}).encode()
+    status, payload = _raw_put(http_url, b"Content-Length: %d\r\n" % len(body), body)
+    assert status == 200 and payload["tokens"][0][:2] == [6, 5]
 
 
 def test_a_follower_keeps_following_after_a_failed_job(monkeypatch):

@@ -4,6 +4,7 @@ and what it prints for an answer and for an error."""
 import importlib.util
 import json
 import os
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -83,3 +84,32 @@ def test_cli_needs_the_address():
     printed = []
     assert cli.main([], write=printed.append) == 2
     assert "HOST:PORT" in printed[0]
+
+
+def test_a_connection_closed_without_an_answer_is_reported_and_the_cli_goes_on():
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def accept_and_close():
+        connection, _ = listener.accept()
+        connection.recv(65536)
+        connection.close()
+
+    thread = threading.Thread(target=accept_and_close, daemon=True)
+    thread.start()
+    answers = iter(["Hello", "3"])
+    printed = []
+
+    def read(question):
+        try:
+            return next(answers)
+        except StopIteration:
+            raise EOFError from None
+
+    try:
+        assert cli.main([f"127.0.0.1:{port}"], read=read, write=printed.append) == 0
+    finally:
+        thread.join(timeout=10)
+        listener.close()
+    assert printed == [f"no answer from http://127.0.0.1:{port}/api: RemoteDisconnected('Remote end closed connection "
+                       "without response'); is the server still running?", ""]
