@@ -19,6 +19,7 @@ from megatron_fsdp import GatherCodec, GatherCodecPolicy
 
 from megatron.core.fp8.formats import get_fp8_format
 from megatron.core.fp8.params import consumes_fp8_weights, fp8_weight_params
+from megatron.core.fp8.recipe import scale_margin_of
 from megatron.core.fp8.scaling import all_reduce_max, tensor_parallel_group_if_sharded
 from megatron.core.fp8.tensor import ScaledFloat8, amax, quantize, scale_from_amax
 
@@ -28,7 +29,7 @@ class Fp8GatherCodec(GatherCodec):
 
     Args:
         dtype: the float8 dtype weights are stored in (the recipe's forward dtype).
-        margin: `--fp8-margin`.
+        margin: `--fp8-margin` under delayed scaling (current scaling takes none).
         agreement_groups: process groups besides the shard group over which scales are agreed (the
             tensor-parallel group; None entries are skipped).
         attach_fp8_weight: give each gathered weight `fp8_weight` as well as its dequantized value (False:
@@ -76,7 +77,7 @@ def fp8_gather_codec_policy(module, config) -> GatherCodecPolicy:
         raise ValueError("--fp8-param-gather needs --fp8-format (config.fp8)")
     selected = {id(param) for param in fp8_weight_params(module, config)}
     dtype = get_fp8_format(config.fp8).forward_dtype
-    margin = getattr(config, "fp8_margin", 0)
+    margin = scale_margin_of(config)
     attach = consumes_fp8_weights(config)
     return GatherCodecPolicy(
         selects=lambda param: id(param) in selected,

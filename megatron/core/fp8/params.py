@@ -22,6 +22,7 @@ import torch
 
 from megatron.core.fp8.context import is_first_last_bf16_layer
 from megatron.core.fp8.formats import get_fp8_format
+from megatron.core.fp8.recipe import scale_margin_of
 from megatron.core.fp8.scaling import all_reduce_max, tensor_parallel_group_if_sharded
 from megatron.core.fp8.tensor import ScaledFloat8, quantize, scale_from_amax
 
@@ -57,7 +58,7 @@ class Fp8ParamStorage:
         numel: elements of the buffer.
         device: where the bytes live.
         dtype: the float8 dtype weights are stored in (the recipe's forward dtype).
-        margin: `--fp8-margin`.
+        margin: `--fp8-margin` under delayed scaling (current scaling takes none).
         attach_fp8_weight: give each weight `fp8_weight` as well as its dequantized value (False: the
             dequantized value only, for layers that quantize their weights themselves, such as TE's).
     """
@@ -71,7 +72,7 @@ class Fp8ParamStorage:
 
     @classmethod
     def from_config(cls, numel, device, config):
-        return cls(numel, device, get_fp8_format(config.fp8).forward_dtype, config.fp8_margin,
+        return cls(numel, device, get_fp8_format(config.fp8).forward_dtype, scale_margin_of(config),
                    attach_fp8_weight=consumes_fp8_weights(config))
 
     def weight(self, param, start, end):

@@ -20,7 +20,9 @@ class Fp8Recipe:
     hold shards of it). `delayed`: the scale comes from a history of the last `amax_history_len` amaxes
     (`most_recent` or `max` of it), so quantizing needs no reduction on the critical path; the amaxes seen in
     a forward pass are reduced across the ranks that share the tensors when the FP8 region ends.
-    `margin` divides the scale by 2**margin to leave head-room. `fp8_wgrad` False (`--no-fp8-wgrad`): the
+    `margin` divides the delayed scale by 2**margin to leave head-room for amaxes that grow past the history's;
+    current scaling has no such risk and ignores it (`scale_margin`), as Megatron's tensorwise recipe (Transformer
+    Engine's `Float8CurrentScaling`) takes no margin. `fp8_wgrad` False (`--no-fp8-wgrad`): the
     linear layers compute their weight gradients from the unquantized input and output gradient.
     """
 
@@ -52,12 +54,22 @@ class Fp8Recipe:
     def is_delayed(self) -> bool:
         return self.scaling == "delayed"
 
+    @property
+    def scale_margin(self) -> int:
+        """The margin scales are computed with: `margin` under delayed scaling, 0 under current scaling."""
+        return self.margin if self.is_delayed else 0
+
     @classmethod
     def from_config(cls, config) -> "Fp8Recipe":
         """The recipe of `config`'s FP8 flags: one object per distinct setting (the FP8 region asks for it per
         layer and pass, and layers compare it by identity first)."""
         return _recipe(cls, config.fp8, config.fp8_recipe, config.fp8_margin, config.fp8_amax_history_len,
                        config.fp8_amax_compute_algo, getattr(config, "fp8_wgrad", True))
+
+
+def scale_margin_of(config) -> int:
+    """`Fp8Recipe.scale_margin` of `config`'s FP8 flags (any recipe name, Transformer Engine's too)."""
+    return getattr(config, "fp8_margin", 0) if getattr(config, "fp8_recipe", "delayed") == "delayed" else 0
 
 
 @functools.lru_cache(maxsize=64)

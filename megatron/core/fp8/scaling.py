@@ -187,7 +187,7 @@ class ScalingState:
 
     def scale_for(self, tensor: torch.Tensor) -> torch.Tensor:
         """The scale to quantize `tensor` with; under delayed scaling also records its amax as pending."""
-        return scale_from_amax(self._amax_for_scale(tensor), self.dtype, self.recipe.margin)
+        return scale_from_amax(self._amax_for_scale(tensor), self.dtype, self.recipe.scale_margin)
 
     def quantize(self, tensor: torch.Tensor, with_transpose: bool = False) -> ScaledFloat8:
         """`tensor` in FP8 with this role's scale (scale, reciprocal and bytes from one pass)."""
@@ -197,7 +197,7 @@ class ScalingState:
             self._notice_overwritten_history()
             if self.has_history:
                 return self._quantize_by_known_history(tensor, with_transpose)
-        return quantize_by_amax(tensor, self.dtype, self._amax_for_scale(tensor), self.recipe.margin,
+        return quantize_by_amax(tensor, self.dtype, self._amax_for_scale(tensor), self.recipe.scale_margin,
                                 with_transpose=with_transpose)
 
     def _quantize_by_known_history(self, tensor, with_transpose):
@@ -205,14 +205,14 @@ class ScalingState:
         if fused_amax_recording_available(tensor, self.dtype):
             # The scale comes from the history; the tensor's own amax is recorded from the same pass.
             fp8, local_amax = quantize_recording_amax(tensor, self.dtype, self._known_history_amax(device),
-                                                      self.recipe.margin, with_transpose=with_transpose)
+                                                      self.recipe.scale_margin, with_transpose=with_transpose)
             self._record_pending(local_amax)
             return fp8
         self._record_pending(amax(tensor))
         scales = self._history_scales
         if scales is None or scales.scale.device != device:
             scales = self._history_scales = scales_from_amax(self._known_history_amax(device), self.dtype,
-                                                             self.recipe.margin)
+                                                             self.recipe.scale_margin)
         return quantize_with_scales(tensor, self.dtype, scales, with_transpose=with_transpose)
 
 

@@ -27,7 +27,8 @@ def add_arguments(parser):
     group.add_argument("--fp8-amax-history-len", type=int, default=1, help="Amax history (delayed scaling).")
     group.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=list(AMAX_COMPUTE_ALGOS),
                        help="How the scale is read from the amax history (delayed scaling).")
-    group.add_argument("--fp8-margin", type=int, default=0, help="Scaling-factor margin (delayed scaling).")
+    group.add_argument("--fp8-margin", type=int, default=0,
+                       help="Delayed scaling: scales divided by 2**margin (current scaling takes none).")
     group.add_argument("--no-fp8-wgrad", action="store_false", dest="fp8_wgrad",
                        help="Compute the FP8 linear layers' weight gradients in higher precision (the activations' "
                        "dtype, from the unquantized input and output gradient); the forward and input-gradient GEMMs "
@@ -65,6 +66,14 @@ def validate(args):
         raise ValueError(f"--no-fp8-wgrad with --transformer-impl transformer_engine needs --fp8-recipe delayed (the "
                          f"Transformer Engine recipe that takes a wgrad precision override), got --fp8-recipe "
                          f"{args.fp8_recipe}; use --transformer-impl local (delayed or tensorwise) or drop the flag")
+    if args.fp8_format is not None and args.fp8_recipe != "delayed":
+        delayed_flags = (("--fp8-amax-history-len", args.fp8_amax_history_len != 1),
+                         ("--fp8-amax-compute-algo", args.fp8_amax_compute_algo != "most_recent"),
+                         ("--fp8-margin", args.fp8_margin != 0))
+        delayed_only = [flag for flag, set_ in delayed_flags if set_]
+        if delayed_only:
+            warnings.warn(f"{', '.join(delayed_only)}: flags of delayed scaling, without effect under --fp8-recipe "
+                          f"{args.fp8_recipe} (as upstream); drop them or use --fp8-recipe delayed")
     if args.fp8_amax_history_len < 1:
         raise ValueError(f"--fp8-amax-history-len must be >= 1, got {args.fp8_amax_history_len}")
     if args.fp8_margin < 0:

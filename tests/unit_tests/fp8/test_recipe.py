@@ -1,0 +1,36 @@
+"""`--fp8-margin` is part of the delayed recipe: current (tensorwise) scaling takes none, as Megatron's tensorwise
+recipe (Transformer Engine's `Float8CurrentScaling`) has no margin, in the layers' scaling states and in the
+scales `--fp8-param-gather` quantizes weights with."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron.core.fp8.formats import fp8_max, get_fp8_format
+from megatron.core.fp8.fsdp_gather import fp8_gather_codec_policy
+from megatron.core.fp8.params import Fp8ParamStorage
+from megatron.core.fp8.recipe import Fp8Recipe
+from megatron.core.fp8.scaling import LinearScaling
+
+MARGIN = 3
+
+
+@pytest.mark.parametrize("scaling, divisor", [("tensorwise", 1.0), ("delayed", 2.0**MARGIN)])
+def test_margin_divides_delayed_scales_only(scaling, divisor):
+    recipe = Fp8Recipe(get_fp8_format("hybrid"), scaling=scaling, margin=MARGIN)
+    states = LinearScaling(recipe, "none")
+    values = torch.tensor([[0.5, -3.0], [2.0, 1.0]])
+    for state in states.states():
+        quantized = state.quantize(values)  # delayed, first step: scaled by the tensor's own amax too
+        expected = torch.tensor(fp8_max(state.dtype) / divisor, dtype=torch.float32) / 3.0
+        torch.testing.assert_close(quantized.scale, expected, rtol=1e-6, atol=0)
+        torch.testing.assert_close(state.scale_for(values), expected, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("recipe, expected_margin", [("tensorwise", 0), ("delayed", MARGIN)])
+def test_fp8_param_gather_scales_take_the_recipes_margin(recipe, expected_margin):
+    config = SimpleNamespace(fp8="e4m3", fp8_recipe=recipe, fp8_margin=MARGIN, transformer_impl="local")
+    assert Fp8ParamStorage.from_config(4, "cpu", config).margin == expected_margin
+    codec = fp8_gather_codec_policy(torch.nn.Linear(2, 2), config).make_codec()
+    assert codec.margin == expected_margin

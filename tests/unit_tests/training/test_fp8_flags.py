@@ -1,0 +1,37 @@
+"""The delayed-scaling flags under another FP8 recipe: accepted as upstream, with a warning that names them."""
+
+import warnings
+
+import pytest
+
+from megatron.training.arguments import parse_args, validate_args
+
+BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+        "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128 --fp8-format hybrid ")
+
+
+@pytest.fixture(autouse=True)
+def single_process_env(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+
+
+def _warnings(extra):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        validate_args(parse_args(args=(BASE + extra).split()))
+    return [str(warning.message) for warning in caught if "delayed scaling" in str(warning.message)]
+
+
+def test_delayed_scaling_flags_under_tensorwise_warn_naming_them():
+    messages = _warnings("--fp8-recipe tensorwise --fp8-margin 2 --fp8-amax-compute-algo max")
+    assert len(messages) == 1
+    assert messages[0].startswith("--fp8-amax-compute-algo, --fp8-margin: flags of delayed scaling, without "
+                                   "effect under --fp8-recipe tensorwise")
+    assert "--fp8-amax-history-len" not in messages[0]
+
+
+@pytest.mark.parametrize("extra", ["--fp8-recipe tensorwise", "--fp8-recipe delayed --fp8-margin 2 "
+                                   "--fp8-amax-history-len 16 --fp8-amax-compute-algo max"])
+def test_no_warning_where_the_flags_apply_or_are_left_alone(extra):
+    assert _warnings(extra) == []
