@@ -291,6 +291,8 @@ def _validate_position_embedding(args):
     rotary = args.position_embedding_type in ("rope", "yarn") or getattr(args, "multi_latent_attention", False)
     if rotary and not args.rotary_base > 0:
         raise ValueError(f"--rotary-base must be positive, got {args.rotary_base} (Llama 3: 500000, default 10000)")
+    if args.position_embedding_type in ("rope", "yarn") and not getattr(args, "multi_latent_attention", False):
+        _validate_rotary_dim(args)
     if not rotary:
         for flag, value, default in (("--rotary-base", args.rotary_base, DEFAULT_ROTARY_BASE),
                                      ("--rotary-percent", args.rotary_percent, 1.0)):
@@ -298,6 +300,16 @@ def _validate_position_embedding(args):
                 warnings.warn(f"{flag} {value} has no effect with --position-embedding-type "
                               f"{args.position_embedding_type} (no rotary embeddings); add --position-embedding-type "
                               f"rope or drop {flag}")
+
+
+def _validate_rotary_dim(args):
+    # Same rule as RotaryEmbedding's, checked here so that it stops before any rank builds a model.
+    rotary_dim = int(args.kv_channels * args.rotary_percent)
+    if rotary_dim < 2 or rotary_dim % 2 != 0:
+        raise ValueError(f"--kv-channels ({args.kv_channels}) x --rotary-percent ({args.rotary_percent}) gives "
+                         f"{rotary_dim} rotated channels per head, but RoPE rotates channel pairs: it needs an even "
+                         "number >= 2; change --rotary-percent or --kv-channels (default --hidden-size / "
+                         "--num-attention-heads)")
 
 
 def _validate_layer_variants(args):
@@ -393,6 +405,9 @@ def validate(args):
         args.kv_channels = args.hidden_size // args.num_attention_heads
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = _swiglu_ffn_hidden_size(args.hidden_size) if args.swiglu else 4 * args.hidden_size
+        if args.ffn_hidden_size == 0:
+            raise ValueError(f"--swiglu's default --ffn-hidden-size (2/3 of 4 x --hidden-size, rounded down to a "
+                             f"multiple of 64) is 0 for --hidden-size {args.hidden_size}: pass --ffn-hidden-size")
     if args.ffn_hidden_size % args.tensor_model_parallel_size != 0:
         raise ValueError(
             f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by "

@@ -148,6 +148,8 @@ def test_args_defaults_fill_only_unset_options():
         ("--kv-channels 0", 1, r"^--kv-channels must be positive, got 0; drop it for the default derived from "
          r"--hidden-size$"),
         ("--ffn-hidden-size -4", 1, r"^--ffn-hidden-size must be positive, got -4; drop it"),
+        ("--hidden-size 16 --swiglu", 1, r"^--swiglu's default --ffn-hidden-size \(2/3 of 4 x --hidden-size, "
+         r"rounded down to a multiple of 64\) is 0 for --hidden-size 16: pass --ffn-hidden-size$"),
         ("--tensor-model-parallel-size 2 --sequence-parallel --seq-length 33 --max-position-embeddings 40", 2,
          r"^--seq-length \(33\) must be divisible by --tensor-model-parallel-size \(2\) with --sequence-parallel: "
          r"each tensor-parallel rank holds an equal slice of the sequence"),

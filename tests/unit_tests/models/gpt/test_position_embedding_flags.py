@@ -73,3 +73,17 @@ def test_learned_positions_shorter_than_the_sequence_say_what_to_do():
                                          r"--position-embedding-type rope$"):
         validated("--max-position-embeddings 4")
     assert validated("--max-position-embeddings 4 --position-embedding-type rope").max_position_embeddings == 4
+
+
+@pytest.mark.parametrize("position_embedding_type", ["rope", "yarn"])
+@pytest.mark.parametrize("shape, rotated", [("--kv-channels 6 --rotary-percent 0.5", 3), ("--kv-channels 3", 3),
+                                            ("--rotary-percent 0.1", 0)])
+def test_an_odd_rotary_width_stops_at_the_flags(position_embedding_type, shape, rotated):
+    with pytest.raises(ValueError, match=rf"^--kv-channels \(\d+\) x --rotary-percent \([\d.]+\) gives {rotated} "
+                                         r"rotated channels per head, but RoPE rotates channel pairs: .*change "
+                                         r"--rotary-percent or --kv-channels"):
+        validated(f"--position-embedding-type {position_embedding_type} {shape}")
+    args = validated(f"--position-embedding-type {position_embedding_type} --kv-channels 6 --rotary-percent 0.34")
+    model = GPTModel(core_transformer_config_from_args(args), vocab_size=64, max_sequence_length=8,
+                     position_embedding_type=position_embedding_type, rotary_percent=args.rotary_percent)
+    assert model.rotary_pos_emb.rot_dim == 2

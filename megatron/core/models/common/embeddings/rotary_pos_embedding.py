@@ -70,7 +70,8 @@ class RotaryEmbedding(torch.nn.Module):
         rot_dim = int(kv_channels * rotary_percent)
         if rot_dim < 2 or rot_dim % 2 != 0:
             raise ValueError(
-                f"rotary dimension kv_channels * rotary_percent = {rot_dim} must be an even number >= 2"
+                f"rotary dimension kv_channels ({kv_channels}) x rotary_percent ({rotary_percent}) = {rot_dim} must "
+                "be an even number >= 2 (RoPE rotates channel pairs): change --rotary-percent or --kv-channels"
             )
         self.rot_dim = rot_dim
         if not rotary_base > 0:  # base ** exponent would be 0 or undefined: infinite or NaN angles
