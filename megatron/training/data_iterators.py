@@ -1,5 +1,7 @@
 """Train / validation / test data iterators for `pretrain()`: sample counts, datasets, samplers, loaders."""
 
+import signal
+
 import torch.distributed as dist
 
 from megatron.core import parallel_state
@@ -43,6 +45,9 @@ def build_data_iterators(train_valid_test_dataset_provider, args):
     _check_unweighted_blend_is_long_enough(train_dataset, sample_counts[0], dataloader_type)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
+    # The signal the rank catches to save and exit: the loader's worker processes must outlive it.
+    caught_signal = (signal.Signals[getattr(args, "exit_signal", "SIGTERM")]
+                     if getattr(args, "exit_signal_handler", False) else None)
 
     def loader(dataset, consumed_samples, dataloader_type=dataloader_type):
         if dataset is None or len(dataset) == 0:
@@ -50,6 +55,7 @@ def build_data_iterators(train_valid_test_dataset_provider, args):
         return build_pretraining_data_loader(
             dataset, consumed_samples, args.micro_batch_size, dp_rank, dp_size, args.num_workers,
             dataloader_type=dataloader_type, seed=args.seed, data_sharding=getattr(args, "data_sharding", True),
+            worker_ignored_signal=caught_signal,
         )
 
     # A resumed run's evaluations continue after the samples earlier ones took; a --skip-train evaluation starts at

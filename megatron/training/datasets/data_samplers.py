@@ -5,7 +5,19 @@ rank r reads the r-th contiguous slice of it. Resuming from `consumed_samples` (
 micro-batch, as the training loop counts it) continues exactly where the interrupted run stopped.
 """
 
+import functools
+import signal
+
 import torch
+
+
+def _ignore_in_worker(signal_number, worker_id):
+    """`worker_init_fn`: the worker ignores `signal_number`. torch's workers die on a SIGTERM that does not come
+    from their parent; launchers (torchrun, SLURM) signal every process of the job, so without this the rank that
+    catches the signal to save a checkpoint (--exit-signal-handler) fails on its dead workers instead. The
+    workers still end with their loader, or on their own once the rank is gone."""
+    del worker_id
+    signal.signal(signal_number, signal.SIG_IGN)
 
 
 def _check_batch_layout(micro_batch_size, data_parallel_rank, data_parallel_size):
@@ -113,11 +125,12 @@ class MegatronPretrainingRandomSampler:
 
 def build_pretraining_data_loader(
     dataset, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size, num_workers=0,
-    dataloader_type="single", seed=0, data_sharding=True,
+    dataloader_type="single", seed=0, data_sharding=True, worker_ignored_signal=None,
 ):
     """A DataLoader yielding batch dicts of `[micro_batch_size, seq_length]` tensors for this DP rank:
     in the dataset's order (`single`) or reshuffled every epoch, without end (`cyclic`, with `data_sharding` as
-    `--no-data-sharding` leaves it). `seed` seeds the workers, not the order."""
+    `--no-data-sharding` leaves it). `seed` seeds the workers, not the order. `worker_ignored_signal`: a signal
+    the worker processes ignore (the one --exit-signal-handler catches in the rank)."""
     if dataset is None:
         return None
     if dataloader_type not in ("single", "cyclic"):
@@ -143,4 +156,6 @@ def build_pretraining_data_loader(
         # restarting an iterator leaves the dropout stream alone, so a resumed run draws the masks of the
         # uninterrupted one.
         generator=torch.Generator().manual_seed(seed),
+        worker_init_fn=(functools.partial(_ignore_in_worker, worker_ignored_signal)
+                        if worker_ignored_signal is not None and num_workers > 0 else None),
     )

@@ -120,3 +120,20 @@ def test_iterating_the_loader_leaves_the_global_generator_alone(num_workers):
     second_pass = [batch["tokens"] for batch in loader]
     torch.testing.assert_close(torch.rand(4), expected, rtol=0, atol=0)
     assert len(first_pass) == 4 and all(torch.equal(a, b) for a, b in zip(first_pass, second_pass))
+
+
+def test_workers_outlive_the_signal_the_rank_catches():
+    """Launchers send SIGTERM to every process of the job; with --exit-signal-handler the rank catches it to save a
+    checkpoint, so its loader's workers must not die of it (torch's workers do, by default)."""
+    import os
+    import signal
+
+    config = GPTDatasetConfig(random_seed=3, sequence_length=8, mock=True, tokenizer=NullTokenizer(32))
+    dataset = MockGPTDataset(config, Split.train, 8)
+    expected = [batch["tokens"] for batch in build_pretraining_data_loader(dataset, 0, 2, 0, 1)]
+    loader = build_pretraining_data_loader(dataset, 0, 2, 0, 1, num_workers=1, worker_ignored_signal=signal.SIGTERM)
+    iterator = iter(loader)
+    batches = [next(iterator)["tokens"]]
+    os.kill(iterator._workers[0].pid, signal.SIGTERM)
+    batches += [batch["tokens"] for batch in iterator]
+    assert len(batches) == len(expected) and all(torch.equal(a, b) for a, b in zip(batches, expected))
