@@ -195,8 +195,10 @@ def validate(args):
     if per_split and args.data_path:
         raise ValueError("--data-path (with --split) and --train-data-path / --valid-data-path / --test-data-path "
                          "are exclusive: give the datasets one way")
-    if per_split and not args.train_data_path:
-        raise ValueError("--valid-data-path / --test-data-path need --train-data-path too (or use --data-path)")
+    if per_split and not args.train_data_path and not getattr(args, "skip_train", False):
+        # As upstream, evaluating a loaded model alone (--skip-train) needs no training data.
+        raise ValueError("--valid-data-path / --test-data-path need --train-data-path too (or use --data-path), "
+                         "unless only evaluating with --skip-train")
     if args.mock_data and (args.data_path or per_split):
         given = "--data-path" if args.data_path else "--train/valid/test-data-path"
         raise ValueError(f"--mock-data and {given} are exclusive: pick one")

@@ -110,6 +110,12 @@ def test_data_flag_rules_name_the_flags(extra, message):
         validated(extra)
 
 
+def test_skip_train_evaluates_from_validation_and_test_paths_alone():
+    """As upstream, evaluating a loaded model (--skip-train) needs no --train-data-path."""
+    args = validated("--valid-data-path b --test-data-path c --skip-train --tokenizer-type NullTokenizer")
+    assert (args.train_data_path, args.valid_data_path, args.test_data_path) == (None, ["b"], ["c"])
+
+
 def test_data_flags_defaults_and_accepted_values(tmp_path):
     args = validated("--mock-data")
     assert (args.dataloader_type, args.mmap_bin_files, args.num_dataset_builder_threads,
