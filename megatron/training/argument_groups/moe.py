@@ -12,6 +12,8 @@ nothing: the torch ops run. DeepEP (--moe-enable-deepep) and latent MoE (--moe-l
 instead.
 """
 
+import warnings
+
 from megatron.core.transformer.moe.moe_config import (
     LOAD_BALANCING_TYPES,
     SCORE_FUNCTIONS,
@@ -198,6 +200,8 @@ def validate(args):
         raise ValueError(f"MoE layers (--num-experts {args.num_experts}) with --tensor-model-parallel-size {tp} "
                          "need --sequence-parallel for training (each tensor-parallel rank routes its own share of "
                          "the tokens): add --sequence-parallel")
+    if args.num_experts is None:
+        _warn_routing_flags_without_experts(args)
     if not _uses_moe_flags(args):
         return
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -209,3 +213,20 @@ def validate(args):
         sequence_parallel=args.sequence_parallel, transformer_impl=args.transformer_impl, fp8=args.fp8_format,
         add_bias_linear=args.add_bias_linear, **transformer_config_kwargs(args),
     )  # raises ValueError naming the flags
+
+
+def _warn_routing_flags_without_experts(args):
+    """The MoE flags a dense model (no --num-experts) accepts, as upstream does, but never reads: a warning names
+    those given (the flags that shape MoE layers stop instead, in MoEConfig)."""
+    coeffs = args.moe_aux_loss_coeff if isinstance(args.moe_aux_loss_coeff, list) else [args.moe_aux_loss_coeff]
+    given = [flag for flag, is_set in (
+        ("--moe-aux-loss-coeff", any(coeff != 0.0 for coeff in coeffs)),
+        ("--moe-router-load-balancing-type", args.moe_router_load_balancing_type != "aux_loss"),
+        ("--moe-token-drop-policy", args.moe_token_drop_policy != "probs"),
+        ("--moe-router-bias-update-rate", args.moe_router_bias_update_rate != 1e-3),
+        ("--expert-tensor-parallel-size", args.expert_tensor_parallel_size not in (None,
+                                                                                    args.tensor_model_parallel_size)),
+    ) if is_set]
+    if given:
+        warnings.warn(f"{', '.join(given)}: MoE flags without effect on a model without experts; add --num-experts "
+                      "or drop them")

@@ -184,6 +184,22 @@ def test_rules_name_the_flags(extra, message, monkeypatch):
     assert message in str(error.value)
 
 
+def test_routing_flags_on_a_dense_model_warn_naming_them(monkeypatch):
+    """Upstream accepts these MoE flags without --num-experts and never reads them: a warning names them."""
+    with pytest.warns(UserWarning) as record:
+        validated("--moe-aux-loss-coeff 0.01 --moe-token-drop-policy position --moe-router-bias-update-rate 0.01",
+                  monkeypatch)
+    messages = [str(warning.message) for warning in record if "MoE flags without effect" in str(warning.message)]
+    assert messages == ["--moe-aux-loss-coeff, --moe-token-drop-policy, --moe-router-bias-update-rate: MoE flags "
+                        "without effect on a model without experts; add --num-experts or drop them"]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*MoE flags without effect")
+        validated("--num-experts 4 --moe-aux-loss-coeff 0.01 --moe-token-drop-policy position", monkeypatch)
+        validated("", monkeypatch)
+
+
 def test_router_pads_after_counting_for_the_expert_bias():
     router = TopKRouter(config(moe_router_padding_for_fp8=True, fp8="e4m3", moe_router_score_function="sigmoid",
                                moe_router_enable_expert_bias=True))
