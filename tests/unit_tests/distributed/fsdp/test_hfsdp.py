@@ -315,3 +315,43 @@ def test_hfsdp_bad_inputs_name_the_flags(world_size):
     errors = run_on_ranks(world_size, _bad_hfsdp_inputs)[0]
     assert "outer_dp_sharding_strategy='optim' (HFSDP) shards over the outer dim" in errors["no_outer_dim"]
     assert "data_parallel_sharding_strategy='optim_grads_params'" in errors["zero1"]
+
+
+def _flattened_dims_without_slicing_the_root():
+    """Upstream's idiom: the sharding dim flattened from (dp_shard, cp), the hybrid group from a flattened "hsdp".
+    Megatron-FSDP takes flattened dims from the meshes the root keeps, not by slicing them out of the root (which
+    torch deprecates), and the (outer, shard) mesh it builds equals the sliced one."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (OUTER, SHARD, 1), mesh_dim_names=("dp_outer", "dp_shard", "cp"))
+    mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
+    hybrid = mesh[("dp_outer", "dp_shard", "cp")]._flatten("hsdp")
+    module = models.make_model(0)
+    optimizer = models.make_optimizer([p for p in module.parameters() if p.requires_grad])
+    import megatron_fsdp
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, optimizer = megatron_fsdp.fully_shard(
+            module, optimizer, fsdp_unit_modules=[models.Block], zero_dp_strategy=3, device_mesh=mesh,
+            dp_shard_dim="dp_shard_cp", dp_outer_dim="dp_outer", hybrid_fsdp_group=hybrid.get_group(),
+            outer_dp_sharding_strategy="optim")
+        built = model.topology.checkpoint_mesh().mesh
+    slicing = [str(w.message) for w in caught if "Slicing a flattened dim" in str(w.message)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sliced = mesh[("dp_outer", "dp_shard_cp")]
+    groups_agree = all(
+        dist.get_process_group_ranks(built.get_group(dim)) == dist.get_process_group_ranks(sliced.get_group(dim))
+        for dim in range(2))
+    return slicing, built.mesh.tolist(), sliced.mesh.tolist(), built.mesh_dim_names, groups_agree
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_flattened_mesh_dims_are_not_sliced_out_of_the_root(world_size):
+    results = run_on_ranks(world_size, _flattened_dims_without_slicing_the_root)
+    for slicing, built, sliced, names, groups_agree in results:
+        assert slicing == [] and built == sliced and names == ("dp_outer", "dp_shard_cp") and groups_agree

@@ -120,10 +120,10 @@ class DataParallelTopology:
                 self._checkpoint_meshes["tensor_parallel"] = self._tensor_parallel_checkpoint_mesh()
             return self._checkpoint_meshes["tensor_parallel"]
         if self.dp_outer_dim is not None:
-            return CheckpointMesh(self.device_mesh[(self.dp_outer_dim, self.dp_shard_dim)], 1)
+            return CheckpointMesh(_outer_and_shard_mesh(self.device_mesh, self.dp_outer_dim, self.dp_shard_dim), 1)
         if self.device_mesh.ndim == 1:
             return CheckpointMesh(self.device_mesh, 0)
-        return CheckpointMesh(self.device_mesh[self.dp_shard_dim], 0)
+        return CheckpointMesh(_submesh(self.device_mesh, self.dp_shard_dim), 0)
 
     def _tensor_parallel_checkpoint_mesh(self) -> CheckpointMesh:
         """A (dp_outer?, tp, dp_shard) mesh. DTensor splits mesh dims in order, so tp must precede dp_shard for
@@ -211,21 +211,60 @@ def _check_hybrid_group(hybrid_fsdp_group, dp_group, outer_group, dp_shard_dim, 
                          "data-parallel group of both dims")
 
 
+def _flattened_mesh(device_mesh, name: str):
+    """The mesh `_flatten(name)` made from dims of `device_mesh`'s root, as the root keeps it (None if there is
+    none): taken from there rather than sliced out of the root, which torch deprecates for flattened dims."""
+    if name in tuple(device_mesh.mesh_dim_names or ()):
+        return None
+    get_root = getattr(device_mesh, "_get_root_mesh", None)
+    root = get_root() if callable(get_root) else device_mesh
+    mapping = getattr(root, "_flatten_mapping", None)
+    return mapping.get(name) if isinstance(mapping, dict) else None
+
+
+def _submesh(device_mesh, name: str):
+    """`device_mesh[name]`: one of its dims, or one flattened from them."""
+    flattened = _flattened_mesh(device_mesh, name)
+    return flattened if flattened is not None else device_mesh[name]
+
+
+def _outer_and_shard_mesh(device_mesh, outer_dim, shard_dim):
+    """`device_mesh[(outer_dim, shard_dim)]`. Where a dim is a flattened one of a root mesh laid out as consecutive
+    ranks (init_device_mesh's), the 2-D mesh is built from the two dims' own meshes instead: rank offsets along
+    disjoint dims then add up, so the rank at (i, j) is outer_i + shard_j - this rank (torch deprecates slicing
+    flattened dims out of the root)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    names = (outer_dim, shard_dim)
+    if all(isinstance(name, str) and _flattened_mesh(device_mesh, name) is None for name in names):
+        return device_mesh[names]
+    get_root = getattr(device_mesh, "_get_root_mesh", None)
+    root_ranks = (get_root() if callable(get_root) else device_mesh).mesh.flatten()
+    consecutive = torch.arange(root_ranks.numel(), dtype=root_ranks.dtype) + root_ranks[0]
+    if not all(isinstance(name, str) for name in names) or not torch.equal(root_ranks, consecutive):
+        return device_mesh[names]
+    outer, shard = _submesh(device_mesh, outer_dim), _submesh(device_mesh, shard_dim)
+    grid = outer.mesh.reshape(-1, 1) + shard.mesh.reshape(1, -1) - dist.get_rank()
+    return DeviceMesh.from_group([outer.get_group(), shard.get_group()], device_mesh.device_type, mesh=grid,
+                                 mesh_dim_names=names)
+
+
 def _dim_group(device_mesh, dim):
     """The process group of one dim of `device_mesh` (a 1-D mesh's own group for its only dim)."""
     if device_mesh.ndim == 1:
         return device_mesh.get_group()
-    return device_mesh.get_group(dim) if isinstance(dim, int) else device_mesh[dim].get_group()
+    return device_mesh.get_group(dim) if isinstance(dim, int) else _submesh(device_mesh, dim).get_group()
 
 
 def _dim_size(device_mesh, dim) -> int:
-    return device_mesh.size(dim) if isinstance(dim, int) else device_mesh[dim].size()
+    return device_mesh.size(dim) if isinstance(dim, int) else _submesh(device_mesh, dim).size()
 
 
 def _mesh_has_dim(device_mesh, name: str) -> bool:
     """Whether `device_mesh[name]` names a dim: one of its own, or one flattened from them (as in
     `mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")`, the usual way to name the sharding dim)."""
-    if name in tuple(device_mesh.mesh_dim_names or ()):
+    if name in tuple(device_mesh.mesh_dim_names or ()) or _flattened_mesh(device_mesh, name) is not None:
         return True
     try:
         device_mesh[name]
