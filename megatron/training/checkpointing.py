@@ -413,9 +413,17 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
     skip_rng = "--finetune" if args.finetune else "--no-load-rng" if args.no_load_rng else None
     if skip_rng is None and "rng_state" not in state:
         skip_rng = "the checkpoint has none: saved with --no-save-rng"
+    rng_not_loaded_beyond = None
     if skip_rng is None:
         states = state["rng_state"]
-        set_rng_state(states[ranks["data_rank"]] if ranks["data_rank"] < len(states) else states[0])
+        random_init = bool(getattr(args, "data_parallel_random_init", False))
+        if ranks["data_rank"] < len(states):
+            set_rng_state(states[ranks["data_rank"]])
+        elif not random_init:  # without --data-parallel-random-init every data-parallel rank draws the same streams
+            set_rng_state(states[0])
+        if random_init and dist.get_world_size(ranks["data_group"]) > len(states):
+            # Another rank's streams would repeat that rank's dropout masks: these ranks keep their own seeded ones.
+            rng_not_loaded_beyond = len(states)
 
     if args.finetune:
         iteration, args.consumed_train_samples, args.skipped_train_samples = 0, 0, 0
@@ -433,6 +441,10 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
                 f"optimizer (state matched by parameter name; param group(s) {', '.join(map(str, regrouped))} "
                 f"grouped otherwise in the checkpoint ({GROUPING_FLAGS}): their learning-rate and weight-decay "
                 "settings come from this run's flags)")
+        if rng_not_loaded_beyond is not None:
+            skipped.append(f"RNG state of data-parallel ranks {rng_not_loaded_beyond} and above (saved at "
+                           f"data-parallel size {rng_not_loaded_beyond}; under --data-parallel-random-init they keep "
+                           "their own seeded streams)")
         if fresh_fp8_histories:
             skipped.append(f"FP8 amax histories of {fresh_fp8_histories} layer(s) (not in the checkpoint): they "
                            "start empty")

@@ -141,7 +141,8 @@ def _finetune_and_no_load(root):
             "weights_loaded": torch.equal(fresh_model.weight, model.weight),
             "scheduler_steps": fresh_scheduler.num_steps,
             "optimizer_untouched": fresh_optimizer.state_dict()["state"][0]["step"].item() == 1.0
-            and not torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"]),
+            and not torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"],
+                                optimizer.state_dict()["state"][0]["exp_avg"]),
         }
     mismatched = checkpoint_args(root, pipeline_model_parallel_size=2)
     with pytest.raises(ValueError, match="--pipeline-model-parallel-size 1 but this run uses 2"):
@@ -497,3 +498,41 @@ def _save_with_a_gather_in_flight(root, ckpt_format):
 @pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
 def test_a_save_waits_for_the_parameter_gather_in_flight(tmp_path, ckpt_format):
     assert run_on_ranks(1, _save_with_a_gather_in_flight, str(tmp_path), ckpt_format) == [True]
+
+
+def _save_random_init_at_one_rank(root):
+    from megatron.core import parallel_state
+    from megatron.training.initialize import set_random_seed
+
+    parallel_state.initialize_model_parallel()
+    set_random_seed(1234, data_parallel_random_init=True)
+    model, optimizer, scheduler = trained_state(seed=3)
+    checkpointing.save_checkpoint(4, model, optimizer, scheduler, checkpoint_args(root, data_parallel_random_init=True))
+    return torch.get_rng_state()
+
+
+def _load_random_init_at_two_ranks(root):
+    import contextlib
+    import io
+
+    from megatron.core import parallel_state
+    from megatron.training.initialize import set_random_seed
+
+    parallel_state.initialize_model_parallel()
+    set_random_seed(1234, data_parallel_random_init=True)
+    model, optimizer, scheduler = trained_state(seed=77)
+    seeded = torch.get_rng_state()
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        checkpointing.load_checkpoint(model, optimizer, scheduler,
+                                      checkpoint_args(root, data_parallel_random_init=True))
+    return torch.get_rng_state(), seeded, printed.getvalue()
+
+
+def test_ranks_beyond_the_saved_data_parallel_size_keep_their_seeded_streams(tmp_path):
+    """torch format, --data-parallel-random-init, saved at DP1 and resumed at DP2: rank 0 takes the saved RNG state;
+    rank 1 keeps its own seeded one (rank 0's would repeat its dropout masks) and the load report says so."""
+    (saved,) = run_on_ranks(1, _save_random_init_at_one_rank, str(tmp_path))
+    (rank0, _, report), (rank1, seeded1, _) = run_on_ranks(2, _load_random_init_at_two_ranks, str(tmp_path))
+    assert torch.equal(rank0, saved) and torch.equal(rank1, seeded1) and not torch.equal(rank1, saved)
+    assert "RNG state of data-parallel ranks 1 and above (saved at data-parallel size 1; under " \
+        "--data-parallel-random-init they keep their own seeded streams)" in report
