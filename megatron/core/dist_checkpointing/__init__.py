@@ -14,6 +14,7 @@ at one layout and wrapper loads at any other.
 - `planners`, `serialization`: DCP save / load with errors naming files and tensors
 - `strictness`: `--dist-ckpt-strictness`
 - `vocab_padding`: word embedding and output layer loaded across another vocabulary padding (another TP size)
+- `fp8_histories`: FP8 amax histories loaded across another `--fp8-amax-history-len`
 - `rng_mapping`: which saved rank's random-number streams a rank of another layout restores
 - `offline`, `safetensors_format`: whole-tensor reads and writes for tools, without a process group
 - `api` (`save`, `load`, `load_common_state_dict`), `mapping`, `strategies`, `validation`, `utils`: upstream's

@@ -19,11 +19,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from megatron.core.dist_checkpointing import fp8_histories
 from megatron.core.dist_checkpointing.checkpoint_directory import earlier_checkpoint_advice
 from megatron.core.dist_checkpointing.errors import CheckpointError, CheckpointShapeError  # noqa: F401 (re-exported)
 from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor
 from megatron.core.dist_checkpointing.planners import LogicalLoadPlanner, LogicalSavePlanner
 from megatron.core.dist_checkpointing.strictness import KeyMismatch
+from megatron.core.fp8.checkpoint import history_length_error, is_amax_history_key
 
 METADATA_FILENAME = ".metadata"
 
@@ -129,15 +131,19 @@ def _target_shape(value):
 
 
 def check_shapes(targets: Dict[str, object], metadata, directory: str):
-    """Every target tensor must have the saved logical shape: raise naming the tensor and both shapes."""
+    """Every target tensor must have the saved logical shape: raise naming the tensor and both shapes. FP8 amax
+    histories saved with another history length are no error: `load` fits them (see `fp8_histories`)."""
     saved = tensor_shapes(metadata)
     for key, value in targets.items():
         shape = _target_shape(value)
-        if shape is not None and key in saved and saved[key] != shape:
-            raise CheckpointShapeError(
-                f"checkpoint {directory}: tensor '{key}' has shape {tuple(saved[key])} in the checkpoint but "
-                f"{tuple(shape)} in this model; the model configuration (e.g. --hidden-size, --num-attention-heads, "
-                f"--ffn-hidden-size, --vocab-size) must match the one that wrote it")
+        if shape is None or key not in saved or saved[key] == shape or fp8_histories.can_fit(key, value, saved[key]):
+            continue
+        if is_amax_history_key(key) and tuple(saved[key])[-1:] != tuple(shape)[-1:]:
+            raise CheckpointShapeError(f"checkpoint {directory}: {history_length_error(key, saved[key], shape)}")
+        raise CheckpointShapeError(
+            f"checkpoint {directory}: tensor '{key}' has shape {tuple(saved[key])} in the checkpoint but "
+            f"{tuple(shape)} in this model; the model configuration (e.g. --hidden-size, --num-attention-heads, "
+            f"--ffn-hidden-size, --vocab-size) must match the one that wrote it")
 
 
 def key_mismatch(targets: Dict[str, object], metadata, prefixes, process_group=None) -> KeyMismatch:
@@ -173,10 +179,14 @@ def load(targets: Dict[str, object], directory: str, process_group=None, single_
          metadata=None):
     """Fill `targets` in place from `directory` (collective: every rank calls it, also with nothing to load;
     this process alone with `single_process`). Objects come back as new values in `targets`. `metadata`: the
-    directory's index from `read_metadata`, if the caller has it already."""
+    directory's index from `read_metadata`, if the caller has it already. FP8 amax histories saved with another
+    `--fp8-amax-history-len` are read at the saved shape and fitted to the model's (see `fp8_histories`)."""
     no_dist = single_process or not _distributed()
     if not targets and no_dist:
         return targets
+    if metadata is None and any(is_amax_history_key(key) for key in targets):
+        metadata = read_metadata(directory)
+    staged = fp8_histories.stage(targets, tensor_shapes(metadata)) if metadata is not None else []
     reader = dcp.FileSystemReader(directory) if metadata is None else _IndexedReader(directory, metadata)
     try:
         with _alone(no_dist):
@@ -186,6 +196,7 @@ def load(targets: Dict[str, object], directory: str, process_group=None, single_
         _reraise(exc, "read", directory)
     except (FileNotFoundError, EOFError, RuntimeError, ValueError) as exc:
         _reraise(exc, "read", directory)
+    fp8_histories.finish(targets, staged)
     return targets
 
 

@@ -1,17 +1,28 @@
-"""FP8 state in checkpoints: loading a checkpoint without FP8 amax histories into an FP8 run.
+"""FP8 state in checkpoints: amax histories missing from a checkpoint, or saved at another history length.
 
 Under delayed scaling each FP8 linear layer keeps its amax histories in buffers (`fp8_amax_history`,
 `fp8_amax_recorded_count`), so checkpoints of FP8 runs carry them. A checkpoint of a run without FP8 (or with
 another recipe) has none, and loading it into a delayed-scaling model is a normal thing to do (fine-tuning in
 FP8): the histories then start empty, as in a fresh run (the first step scales by the current amax), and the
 load says so instead of failing on the missing buffers.
+
+A checkpoint saved with another `--fp8-amax-history-len` holds `[3, saved length]` histories, newest amax first
+(`megatron.core.fp8.scaling.reduce_and_record_amaxes` pushes each step's amax in at column 0). They load fitted to
+this run's length (`fit_amax_history`): a longer history keeps every saved amax and is zero past them (no amax
+recorded there, which neither `most_recent` nor `max` picks), a shorter one keeps the newest amaxes. The scales
+that follow are the ones this run's length gives from the saved amaxes.
 """
 
+import logging
 from typing import List, Sequence, Tuple
 
 import torch
 
-FP8_HISTORY_BUFFERS = ("fp8_amax_history", "fp8_amax_recorded_count")
+logger = logging.getLogger(__name__)
+
+AMAX_HISTORY_BUFFER = "fp8_amax_history"
+FP8_HISTORY_BUFFERS = (AMAX_HISTORY_BUFFER, "fp8_amax_recorded_count")
+_LENGTH_CHANGES_REPORTED = set()
 
 
 def is_fp8_history_key(key: str) -> bool:
@@ -55,3 +66,59 @@ def fp8_histories_report(history_keys: Sequence[str]) -> str:
     layers = {key.rsplit(".", 1)[0] for key in history_keys}
     return (f"FP8 amax histories of {len(layers)} layer(s) (not in the checkpoint, e.g. from a run without "
             "delayed FP8 scaling): they start empty")
+
+
+def is_amax_history_key(key: str) -> bool:
+    """Whether a state-dict key (any prefix) names an FP8 amax-history buffer (`[3, history length]`)."""
+    return key.rsplit(".", 1)[-1] == AMAX_HISTORY_BUFFER
+
+
+def history_length_changed(saved_shape: Sequence[int], model_shape: Sequence[int]) -> bool:
+    """Whether amax histories of `saved_shape` differ from the model's `model_shape` in their length (the last
+    dim) alone, which `fit_amax_history` adapts."""
+    saved_shape, model_shape = tuple(saved_shape), tuple(model_shape)
+    return (len(saved_shape) == len(model_shape) >= 1 and saved_shape[:-1] == model_shape[:-1]
+            and saved_shape[-1] != model_shape[-1] and min(saved_shape[-1], model_shape[-1]) >= 1)
+
+
+@torch.no_grad()
+def fit_amax_history(saved: torch.Tensor, length: int) -> torch.Tensor:
+    """Amax histories `saved` (`[..., saved length]`, newest first) at history length `length`: the newest
+    `length` amaxes, followed by zeros (nothing recorded) where the saved histories are shorter."""
+    fitted = saved.new_zeros(*saved.shape[:-1], length)
+    kept = min(length, saved.shape[-1])
+    fitted[..., :kept] = saved[..., :kept]
+    return fitted
+
+
+def history_length_error(key: str, saved_shape: Sequence[int], model_shape: Sequence[int]) -> str:
+    """The message for amax histories that cannot be loaded at this run's shape: names the flag and both lengths."""
+    return (f"FP8 amax history '{key}' has shape {tuple(saved_shape)} in the checkpoint but {tuple(model_shape)} "
+            f"in this model: saved with --fp8-amax-history-len {saved_shape[-1]}, this run uses "
+            f"--fp8-amax-history-len {model_shape[-1]}; resume with --fp8-amax-history-len {saved_shape[-1]}")
+
+
+def report_history_length_change(saved_length: int, model_length: int) -> None:
+    """Say on rank 0 (once per pair of lengths) that amax histories were fitted to another length."""
+    import torch.distributed as dist
+
+    if (saved_length, model_length) in _LENGTH_CHANGES_REPORTED:
+        return
+    _LENGTH_CHANGES_REPORTED.add((saved_length, model_length))
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    kept = ("every saved amax kept, zeros past them" if model_length > saved_length
+            else f"the newest {model_length} amaxes kept")
+    logger.warning("FP8 amax histories saved with --fp8-amax-history-len %d load into --fp8-amax-history-len %d: "
+                   "%s", saved_length, model_length, kept)
+
+
+def fit_loaded_amax_history(module, state_dict, prefix) -> None:
+    """`load_state_dict` pre-hook part of an FP8 linear layer: amax histories saved at another history length are
+    fitted to the layer's (`fit_amax_history`) before the state dict's shapes are checked."""
+    key = prefix + AMAX_HISTORY_BUFFER
+    saved, current = state_dict.get(key), getattr(module, AMAX_HISTORY_BUFFER, None)
+    if not torch.is_tensor(saved) or current is None or not history_length_changed(saved.shape, current.shape):
+        return
+    state_dict[key] = fit_amax_history(saved, current.shape[-1])
+    report_history_length_change(saved.shape[-1], current.shape[-1])

@@ -15,8 +15,9 @@ FP8 through the torch-native backend (`megatron.core.fp8.linear`); a weight that
 (`weight.fp8_weight`, installed by `--fp8-param-gather`) is used as it is, else the layer quantizes its weight
 once per optimizer step. Under delayed scaling each linear layer of a transformer layer keeps its amax histories
 in buffers (`fp8_amax_history`, `fp8_amax_recorded_count`), so they are saved and restored with the model; a
-state dict without them (a run without delayed FP8 scaling) loads, and the histories start empty
-(`megatron.core.fp8.checkpoint`); layers that never run in FP8 (the output layer) have none and ignore them.
+state dict without them (a run without delayed FP8 scaling) loads, and the histories start empty; histories
+saved with another `--fp8-amax-history-len` load fitted to this run's (`megatron.core.fp8.checkpoint`); layers
+that never run in FP8 (the output layer) have none and ignore them.
 """
 
 import functools
@@ -27,7 +28,11 @@ from torch.nn.parameter import Parameter
 
 from megatron.core import parallel_state
 from megatron.core.device_utils import get_current_device
-from megatron.core.fp8.checkpoint import FP8_HISTORY_BUFFERS, start_missing_fp8_histories_empty
+from megatron.core.fp8.checkpoint import (
+    FP8_HISTORY_BUFFERS,
+    fit_loaded_amax_history,
+    start_missing_fp8_histories_empty,
+)
 from megatron.core.fp8.linear import fp8_linear, scaled_mm_in_use
 from megatron.core.fp8.recipe import Fp8Recipe
 from megatron.core.fp8.region import active_fp8_region
@@ -200,13 +205,15 @@ def _fp8_linear_load_pre_hook(module, state_dict, prefix, local_metadata, strict
                               error_msgs):
     """Loading resets the layer's FP8 state kept off the state dict (scaling states, the step's weight cache); a
     layer without amax-history buffers ignores the ones a state dict has (older checkpoints gave them to every
-    linear layer, the output layer too); one with them starts them empty when the state dict has none."""
+    linear layer, the output layer too); one with them starts them empty when the state dict has none, and fits
+    them to its history length when they were saved with another `--fp8-amax-history-len`."""
     module._fp8_scaling = None
     module._fp8_weight_cache = None
     if getattr(module, "fp8_amax_history", None) is None:
         for name in FP8_HISTORY_BUFFERS:
             state_dict.pop(prefix + name, None)
         return
+    fit_loaded_amax_history(module, state_dict, prefix)
     start_missing_fp8_histories_empty(module, state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 
