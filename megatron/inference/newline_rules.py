@@ -54,7 +54,11 @@ class NewlineRulesModel(torch.nn.Module):
         self.last_tokens = [None] * len(self.prompt_lengths)  # the input token before this step's, per row
         self.train(model.training)  # generation restores this mode afterwards: keep the model's
 
-    def forward(self, tokens, position_ids, inference_context=None):
+    def forward(self, tokens, position_ids, inference_context=None, runtime_gather_output=True):
+        """The logits over the whole vocabulary (the rules read it by token id), as `decode_forward` asks."""
+        if not runtime_gather_output:
+            raise ValueError("NewlineRulesModel returns the logits gathered over tensor-parallel ranks: pass "
+                             "runtime_gather_output=True")
         if position_ids is not None:
             raise ValueError("NewlineRulesModel decodes the positions of the context's offset: pass position_ids=None")
         logits = decode_forward(self.model, tokens, inference_context)

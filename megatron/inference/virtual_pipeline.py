@@ -40,7 +40,13 @@ class VirtualPipelineModel(torch.nn.Module):
         check_inference_supported(chunks[0].config)
         self.chunks = torch.nn.ModuleList(chunks)
 
-    def forward(self, tokens: torch.Tensor, position_ids=None, inference_context=None) -> Optional[torch.Tensor]:
+    def forward(self, tokens: torch.Tensor, position_ids=None, inference_context=None,
+                runtime_gather_output=True) -> Optional[torch.Tensor]:
+        """The logits gathered over tensor-parallel ranks on the last pipeline rank (as `decode_forward` asks),
+        None on the others."""
+        if not runtime_gather_output:
+            raise ValueError("VirtualPipelineModel returns the logits gathered over tensor-parallel ranks: pass "
+                             "runtime_gather_output=True")
         if position_ids is not None:
             raise ValueError("VirtualPipelineModel decodes the positions of the context's offset: pass "
                              "position_ids=None")

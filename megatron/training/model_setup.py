@@ -2,6 +2,7 @@
 the learning-rate / weight-decay scheduler, and installs the gradient hooks the pipeline schedules call."""
 
 import dataclasses
+import inspect
 
 import torch
 
@@ -24,10 +25,14 @@ def get_model(model_provider_func, args, wrap_with_ddp=True):
     The model is built with the default CPU generator seeded with the un-offset `--seed` (the per-stage offset
     `set_random_seed` applies is for dropout), so a model whose config leaves `init_seed` unset still starts
     from the same weights on every pipeline layout; the generator state is restored afterwards.
+
+    Before wrapping, data-parallel rank 0 of context-parallel rank 0 prints the parameter count of its chunks
+    (` > number of parameters on (tensor, pipeline) model parallel rank (T, P): N`, as upstream).
     """
     num_chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     chunks = [_build_chunk(model_provider_func, args, chunk if num_chunks > 1 else None)
               for chunk in range(num_chunks)]
+    print_parameter_count(chunks)
     if not wrap_with_ddp:
         return chunks
     from megatron.training.argument_groups.data_parallel_tuning import bucket_size_for
@@ -36,10 +41,30 @@ def get_model(model_provider_func, args, wrap_with_ddp=True):
     return [wrap_model_chunk(chunk, args, bucket_size) for chunk in chunks]
 
 
+def print_parameter_count(chunks):
+    """Upstream's line: the parameters of this rank's model chunks, printed once per (tensor, pipeline) rank."""
+    if parallel_state.get_data_parallel_rank() != 0 or parallel_state.get_context_parallel_rank() != 0:
+        return
+    num_parameters = sum(param.nelement() for chunk in chunks for param in chunk.parameters())
+    print(f" > number of parameters on (tensor, pipeline) model parallel rank "
+          f"({parallel_state.get_tensor_model_parallel_rank()}, {parallel_state.get_pipeline_model_parallel_rank()}): "
+          f"{num_parameters}", flush=True)
+
+
+def _accepts_vp_stage(model_provider_func):
+    try:
+        parameters = inspect.signature(model_provider_func).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "vp_stage" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
 def _build_chunk(model_provider_func, args, vp_stage):
     """One model chunk: the stage's model, or with an interleaved pipeline the chunk `vp_stage` (virtual stage
     `vp_stage * p + pipeline rank`; the virtual pipeline rank is set while it is built, so the model takes the
-    layers of that virtual stage and `is_pipeline_first_stage()` / `is_pipeline_last_stage()` answer for it)."""
+    layers of that virtual stage and `is_pipeline_first_stage()` / `is_pipeline_last_stage()` answer for it).
+    With an interleaved pipeline a provider that takes `vp_stage` (upstream's signature) also gets it."""
+    stage_kwargs = {"vp_stage": vp_stage} if vp_stage is not None and _accepts_vp_stage(model_provider_func) else {}
     parallel_state.set_virtual_pipeline_model_parallel_rank(vp_stage)
     try:
         with torch.random.fork_rng(devices=[]):
@@ -47,6 +72,7 @@ def _build_chunk(model_provider_func, args, vp_stage):
             model = model_provider_func(
                 pre_process=parallel_state.is_pipeline_first_stage(),
                 post_process=parallel_state.is_pipeline_last_stage(),
+                **stage_kwargs,
             )
     finally:
         parallel_state.set_virtual_pipeline_model_parallel_rank(None)

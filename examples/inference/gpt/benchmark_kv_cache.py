@@ -59,7 +59,7 @@ def generate_greedy_without_cache(model, prompts, num_tokens_to_generate, pad_id
         for step in range(num_tokens_to_generate):
             end = int(lengths.max()) + step  # positions 0 .. end - 1 hold every sequence so far
             position_ids = torch.arange(end, device=device).unsqueeze(0).expand(len(prompts), end)
-            logits = model(tokens[:, :end], position_ids)[..., :vocab_size]
+            logits = model(tokens[:, :end], position_ids, runtime_gather_output=True)[..., :vocab_size]
             tokens[rows, lengths + step] = logits[rows, lengths + step - 1].argmax(-1)
     finally:
         model.train(was_training)

@@ -9,8 +9,9 @@ returns the logits gathered over its tensor-parallel ranks; the other stages ret
 
 A model that is not one stage of several (a whole `GPTModel`, or any module that decodes on its own, such as
 `megatron.inference.virtual_pipeline.VirtualPipelineModel`, which runs all the model chunks of a rank of an
-interleaved pipeline) is called as `model(tokens, None, inference_context=context)`. One chunk of an interleaved
-pipeline alone is refused: its step needs the rank's other chunks in between.
+interleaved pipeline) is called as `model(tokens, None, inference_context=context, runtime_gather_output=True)`:
+the logits gathered over tensor-parallel ranks, whatever the model's `parallel_output`. One chunk of an
+interleaved pipeline alone is refused: its step needs the rank's other chunks in between.
 """
 
 from typing import Optional
@@ -31,7 +32,7 @@ def decode_forward(model, tokens: torch.Tensor, context) -> Optional[torch.Tenso
     """The logits `[b, s, vocab]` of `tokens` (positions `context.sequence_len_offset ..`) on the last pipeline
     stage, None on the others. Every stage of the pipeline must call it with the same tokens and context state."""
     if not is_pipeline_stage(model):
-        return model(tokens, None, inference_context=context)
+        return model(tokens, None, inference_context=context, runtime_gather_output=True)
     return _stage_forward(model, tokens, context)
 
 

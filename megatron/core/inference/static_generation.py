@@ -7,7 +7,8 @@ token (the model's choice is ignored); afterwards it is the sampled token. A seq
 `num_tokens_to_generate` new tokens or at the end-of-document token (which it keeps as its last token); the
 others go on, and the batch stops when every sequence has stopped.
 
-Under tensor parallelism every rank gets the full (gathered) logits from the model; TP rank 0 samples and
+Under tensor parallelism every rank gets the full logits from the model (it asks for them gathered,
+`runtime_gather_output=True`, whatever the model's `parallel_output`); TP rank 0 samples and
 broadcasts the tokens, so every rank of the group continues with the same sequence. Under pipeline parallelism
 each step runs through the stages (`pipeline_decoding`, every stage caching its own layers) and only the last
 stage has logits: its TP rank 0 samples, and the tokens are broadcast to every pipeline rank; the
@@ -118,8 +119,9 @@ def generate_static_batch(model, prompts: Sequence[Sequence[int]], sampling_para
                           seed: int = 1234, on_tokens: Optional[TokenCallback] = None) -> List[GeneratedSequence]:
     """Generate from every prompt (token ids) of one static batch; see the module docstring.
 
-    `model(tokens, position_ids, inference_context=context)` must return logits `[b, s, vocab]` for the positions
-    offset .. offset + s - 1 (GPTModel does). A GPTModel that is one stage of a pipeline decodes through
+    `model(tokens, position_ids, inference_context=context, runtime_gather_output=True)` must return logits
+    `[b, s, vocab]` (all of the vocabulary on every tensor-parallel rank) for the positions offset .. offset + s - 1
+    (GPTModel does, whatever its `parallel_output`). A GPTModel that is one stage of a pipeline decodes through
     `pipeline_decoding.decode_forward`: every pipeline rank calls this function with the same arguments and gets
     the same results. `max_sequence_length` / `max_batch_size` size the key/value cache
     (`--inference-max-seq-length`, `--inference-max-requests`); `vocab_size` is the tokenizer's vocabulary size

@@ -24,7 +24,9 @@ def _generate_at(tp, ep=1, **config_fields):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     if ep > 1:
         config_fields["expert_model_parallel_size"] = ep
-    model = seeded_model(tiny_config(tp=tp, num_query_groups=2, **config_fields), position_embedding_type="rope")
+    # parallel_output=True (upstream's default, pretrain_gpt's model): generation asks for the gathered logits.
+    model = seeded_model(tiny_config(tp=tp, num_query_groups=2, **config_fields), position_embedding_type="rope",
+                         parallel_output=True)
     outputs = {}
     for name, params in (("greedy", SamplingParams(top_k=1, num_tokens_to_generate=6, return_log_probs=True)),
                          ("sampled", SamplingParams(temperature=1.5, top_k=0, num_tokens_to_generate=6))):

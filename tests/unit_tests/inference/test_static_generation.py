@@ -25,7 +25,8 @@ class CountingModel(torch.nn.Module):
         self.anchor = torch.nn.Parameter(torch.zeros(1))
         self.calls = []
 
-    def forward(self, tokens, position_ids, inference_context=None):
+    def forward(self, tokens, position_ids, inference_context=None, runtime_gather_output=None):
+        assert runtime_gather_output is True  # generation samples from the whole vocabulary
         self.calls.append((inference_context.sequence_len_offset, tokens.shape[1]))
         logits = torch.zeros(*tokens.shape, self.vocab)
         return logits.scatter(-1, ((tokens + 1) % self.vocab).unsqueeze(-1), 2.0)

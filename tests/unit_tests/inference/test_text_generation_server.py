@@ -301,7 +301,7 @@ class SuccessorModel(torch.nn.Module):
         super().__init__()
         self.anchor = torch.nn.Parameter(torch.zeros(1))
 
-    def forward(self, tokens, position_ids, inference_context=None):
+    def forward(self, tokens, position_ids, inference_context=None, runtime_gather_output=None):
         chars = CharTokenizer.CHARS
         logits = torch.zeros(*tokens.shape, 8)
         for char, successor in self.FIRST.items():

@@ -1,11 +1,14 @@
-"""Upstream's GPT layer specs: `get_gpt_layer_local_spec` and `get_gpt_layer_with_transformer_engine_spec`.
+"""Upstream's GPT layer specs: `get_gpt_layer_local_spec`, `get_gpt_layer_with_transformer_engine_spec` and
+`get_gpt_mtp_block_spec`.
 
-Each returns a `ModuleSpec` of `TransformerLayer` that records the `TransformerConfig` fields its arguments
-mean (`transformer_impl`, `qk_layernorm`, `num_moe_experts`, ...). The layers are built from the config;
-`check_layer_spec(spec, config)`, called by `GPTModel`, refuses a spec that asks for something else and names
+Each returns a `ModuleSpec` (of `TransformerLayer`, or of `MultiTokenPredictionBlock`) that records the
+`TransformerConfig` fields its arguments mean (`transformer_impl`, `qk_layernorm`, `num_moe_experts`,
+`mtp_num_layers`, ...). The modules are built from the config; `check_layer_spec(spec, config)` and
+`check_mtp_block_spec(spec, config)`, called by `GPTModel`, refuse a spec that asks for something else and name
 the config field to set instead, so an upstream script either builds the layers it asked for or stops.
 """
 
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -46,6 +49,42 @@ def get_gpt_layer_with_transformer_engine_spec(num_experts=None, moe_grouped_gem
                        fp8, None, qk_l2_norm, use_kitchen)
 
 
+def get_gpt_mtp_block_spec(config, spec, use_transformer_engine, vp_stage=None, pp_rank=None):
+    """The multi-token-prediction block of `config` (`--mtp-num-layers`), or None without one (as upstream).
+    `spec` is the layer spec of the MTP depths (checked against the config); the depths run on the last pipeline
+    stage, which `GPTModel` knows from `post_process`, so `vp_stage` and `pp_rank` are not needed to place them."""
+    if not config.mtp_num_layers:
+        return None
+    if isinstance(spec, ModuleSpec):
+        check_layer_spec(spec, config)
+    wanted_impl = "transformer_engine" if use_transformer_engine else "local"
+    return ModuleSpec(module=MultiTokenPredictionBlock,
+                      config_fields={"mtp_num_layers": config.mtp_num_layers, "transformer_impl": wanted_impl})
+
+
+def check_mtp_block_spec(spec, config):
+    """Raise unless `spec` (None: the config decides) describes the multi-token-prediction block `config`
+    builds."""
+    if spec is None:
+        return
+    if not isinstance(spec, ModuleSpec) or spec.module is not MultiTokenPredictionBlock:
+        raise TypeError(f"mtp_block_spec must come from get_gpt_mtp_block_spec() (the MTP depths are built from "
+                        f"TransformerConfig.mtp_num_layers), got {spec!r}")
+    if not config.mtp_num_layers:
+        raise ValueError("mtp_block_spec is given but TransformerConfig(mtp_num_layers) is unset: set "
+                         "--mtp-num-layers, or pass mtp_block_spec=None")
+    _check_config_fields("mtp_block_spec", spec, config)
+
+
+def _check_config_fields(argument, spec, config):
+    for name, wanted in spec.config_fields.items():
+        have = getattr(config, name)
+        if have != wanted:
+            raise ValueError(f"{argument} asks for {name}={wanted!r} but the TransformerConfig has "
+                             f"{name}={have!r}: the layers are built from the config, so set "
+                             f"TransformerConfig({name}={wanted!r}) (or build the spec to match)")
+
+
 def check_layer_spec(spec, config):
     """Raise unless `spec` (None: no spec) describes the layers `config` builds."""
     if spec is None:
@@ -56,9 +95,4 @@ def check_layer_spec(spec, config):
             f"get_gpt_layer_with_transformer_engine_spec() (layers are built from the TransformerConfig), got "
             f"{spec!r}; GPTModel's arguments are (config, transformer_layer_spec, vocab_size, max_sequence_length) "
             "as upstream")
-    for name, wanted in spec.config_fields.items():
-        have = getattr(config, name)
-        if have != wanted:
-            raise ValueError(f"transformer_layer_spec asks for {name}={wanted!r} but the TransformerConfig has "
-                             f"{name}={have!r}: the layers are built from the config, so set "
-                             f"TransformerConfig({name}={wanted!r}) (or build the spec to match)")
+    _check_config_fields("transformer_layer_spec", spec, config)

@@ -34,7 +34,7 @@ from megatron.core.models.common.embeddings.language_model_embedding import (
 )
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
-from megatron.core.models.gpt.gpt_layer_specs import check_layer_spec
+from megatron.core.models.gpt.gpt_layer_specs import check_layer_spec, check_mtp_block_spec
 from megatron.core.transformer.context_parallel import local_rows, local_token_indices
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.module import ShardedStateModule
@@ -62,6 +62,26 @@ def _check_tensor_parallel_size(config):
         )
 
 
+def _check_vp_stage(config, vp_stage):
+    """`vp_stage` names one of the config's virtual stages per pipeline rank, and the chunk being built if one is
+    set."""
+    if vp_stage is None:
+        return
+    num_chunks = getattr(config, "virtual_pipeline_model_parallel_size", None) or 1
+    if not 0 <= vp_stage < num_chunks:
+        raise ValueError(
+            f"GPTModel(vp_stage={vp_stage}) names a model chunk, but the config has {num_chunks} virtual "
+            "stage(s) per pipeline rank (--num-virtual-stages-per-pipeline-rank): pass vp_stage in "
+            f"0..{num_chunks - 1}, or None without an interleaved pipeline"
+        )
+    building = parallel_state.get_virtual_pipeline_model_parallel_rank()
+    if building is not None and building != vp_stage:
+        raise ValueError(
+            f"GPTModel(vp_stage={vp_stage}) while model chunk {building} is being built "
+            "(set_virtual_pipeline_model_parallel_rank): pass the chunk get_model builds, or vp_stage=None"
+        )
+
+
 class GPTModel(ShardedStateModule):
     """Decoder-only language model (one pipeline stage of it).
 
@@ -73,6 +93,12 @@ class GPTModel(ShardedStateModule):
         max_sequence_length: `--max-position-embeddings`, rows of the learned position embedding.
         pre_process: this stage holds the embedding (first pipeline stage).
         post_process: this stage holds the output layer and computes the loss (last pipeline stage).
+        fp16_lm_cross_entropy: upstream's switch (`--fp16-lm-cross-entropy`); the loss works in fp32 whatever
+            its value, as Megatron-Core's does.
+        parallel_output: without labels, return this tensor-parallel rank's vocabulary slice of the logits,
+            `[b, s, vocab / tp]` (True, upstream's default), or the logits gathered over the tensor-parallel ranks,
+            `[b, s, vocab]` (False). `forward(..., runtime_gather_output=...)` overrides it per call; the loss
+            does not depend on it.
         share_embeddings_and_output_weights: tie the output layer to the word embedding (default False, as
             upstream's GPTModel; pretrain_gpt.py ties unless --untie-embeddings-and-output-weights).
         position_embedding_type: "learned_absolute", "rope", "yarn" (RoPE with YaRN's frequencies and cos / sin
@@ -83,6 +109,17 @@ class GPTModel(ShardedStateModule):
             `rotary_seq_len_interpolation_factor`). `config.rotary_interleaved` picks the pair layout.
         rope_scaling, rope_scaling_factor: Llama 3.1's scaling of the RoPE frequencies by the factor (rope only;
             `--use-rope-scaling`, `--rope-scaling-factor`).
+        scatter_embedding_sequence_parallel: with --sequence-parallel, scatter the embedding output over the
+            tensor-parallel ranks (True, the default). False (upstream: the caller scatters a decoder input it
+            passes itself) is refused with --sequence-parallel on a stage holding the embedding, since `forward`
+            takes no decoder input; without sequence parallelism there is nothing to scatter.
+        mtp_block_spec: upstream's multi-token-prediction block spec (`get_gpt_mtp_block_spec`). The depths are
+            built from `config.mtp_num_layers` on the last stage: None builds what the config asks for, and a
+            spec must describe the same (it is refused when the config has no `mtp_num_layers`).
+        vp_stage: with an interleaved pipeline, the model chunk this is (virtual stage `vp_stage * p + pipeline
+            rank`), as upstream's `get_model` passes it; None: the virtual pipeline rank being built
+            (`parallel_state.set_virtual_pipeline_model_parallel_rank`, which `get_model` sets). `pre_process` and
+            `post_process` are still the caller's.
     """
 
     def __init__(
@@ -93,19 +130,26 @@ class GPTModel(ShardedStateModule):
         max_sequence_length: int = None,
         pre_process: bool = True,
         post_process: bool = True,
+        fp16_lm_cross_entropy: bool = False,
+        parallel_output: bool = True,
         share_embeddings_and_output_weights: bool = False,
         position_embedding_type: str = "learned_absolute",
         rotary_percent: float = 1.0,
         rotary_base: int = 10000,
-        seq_len_interpolation_factor: Optional[float] = None,
         rope_scaling: bool = False,
         rope_scaling_factor: float = 8.0,
+        scatter_embedding_sequence_parallel: bool = True,
+        seq_len_interpolation_factor: Optional[float] = None,
+        mtp_block_spec=None,
+        vp_stage: Optional[int] = None,
     ):
         super().__init__()
         check_layer_spec(transformer_layer_spec, config)
+        check_mtp_block_spec(mtp_block_spec, config)
         if vocab_size is None or max_sequence_length is None:
             raise TypeError("GPTModel needs vocab_size and max_sequence_length")
         _check_tensor_parallel_size(config)
+        _check_vp_stage(config, vp_stage)
         if position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(
                 f"--position-embedding-type must be one of {POSITION_EMBEDDING_TYPES}, got {position_embedding_type!r}"
@@ -122,6 +166,9 @@ class GPTModel(ShardedStateModule):
         self.post_process = post_process
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         self.position_embedding_type = position_embedding_type
+        self.fp16_lm_cross_entropy = fp16_lm_cross_entropy
+        self.parallel_output = parallel_output
+        self.vp_stage = vp_stage
         self.mtp_num_layers = config.mtp_num_layers or 0
         if rope_scaling and position_embedding_type != "rope":
             raise ValueError(f"--use-rope-scaling scales rotary position embeddings: it needs "
@@ -134,6 +181,12 @@ class GPTModel(ShardedStateModule):
             )
         # This stage runs the multi-token-prediction depths (the last one) and so needs the word embedding.
         self.mtp_process = post_process and self.mtp_num_layers > 0
+        if not scatter_embedding_sequence_parallel and config.sequence_parallel and (pre_process or self.mtp_process):
+            raise ValueError(
+                "GPTModel(scatter_embedding_sequence_parallel=False) leaves the embedding output unscattered for a "
+                "caller that passes its own decoder input, which this GPTModel's forward does not take: with "
+                "--sequence-parallel keep scatter_embedding_sequence_parallel=True (the default)"
+            )
 
         self.base_init_seed = resolve_base_init_seed(config)
         if pre_process or self.mtp_process:
@@ -164,7 +217,8 @@ class GPTModel(ShardedStateModule):
                 correction_range_round_to_int=config.yarn_correction_range_round_to_int,
             )
         self.decoder = TransformerBlock(
-            config, pre_process=pre_process, post_process=post_process, base_init_seed=self.base_init_seed
+            config, pre_process=pre_process, post_process=post_process, base_init_seed=self.base_init_seed,
+            vp_stage=vp_stage,
         )
         self.mtp = MultiTokenPredictionBlock(config, self.base_init_seed) if self.mtp_process else None
         self.output_layer = None
@@ -375,14 +429,18 @@ class GPTModel(ShardedStateModule):
         inference_context=None,
         *,
         inference_params=None,
+        runtime_gather_output: Optional[bool] = None,
     ):
-        """Returns the per-token loss `[b, s]` (fp32) when `labels` are given, else the logits `[b, s, vocab]`.
+        """Returns the per-token loss `[b, s]` (fp32) when `labels` are given, else the logits: this rank's
+        vocabulary slice `[b, s, vocab / tp]`, or with `runtime_gather_output=True` (None: `not parallel_output`)
+        all of them, `[b, s, vocab]`.
 
         `inference_context` (a `StaticInferenceContext`; `inference_params` is upstream's older name for it):
         decode `input_ids`, the positions offset .. offset + s - 1 of each row, through the context's key/value
-        cache, and return their logits (gathered over tensor-parallel ranks); the caller then advances the
-        offset. `position_ids` may then be None (those positions). Context and sequence parallelism are refused
-        (`inference.model_checks`); a pipeline stage decodes through `inference.pipeline_decoding`.
+        cache, and return their logits (as without labels: gathered when `runtime_gather_output`, else by
+        `parallel_output`); the caller then advances the offset. `position_ids` may then be None (those
+        positions). Context and sequence parallelism are refused (`inference.model_checks`); a pipeline stage
+        decodes through `inference.pipeline_decoding`.
 
         A stage that is not last returns its hidden states `[s, b, h]` for the next stage. `attention_mask` is
         None (causal) or a bool tensor broadcastable to `[b, heads, s, s]`, True where attention is masked.
@@ -396,7 +454,8 @@ class GPTModel(ShardedStateModule):
                                  "not two different contexts")
             inference_context = inference_params
         if inference_context is not None:
-            return self._decode(input_ids, position_ids, attention_mask, labels, inference_context)
+            return self._decode(input_ids, position_ids, attention_mask, labels, inference_context,
+                                runtime_gather_output)
         if not self.pre_process and self.decoder.input_tensor is None:
             raise RuntimeError("a pipeline stage that is not first needs set_input_tensor() before forward")
         decoder_input = self.embedding(input_ids, position_ids) if self.pre_process else None
@@ -407,16 +466,22 @@ class GPTModel(ShardedStateModule):
 
         logits = self._vocab_parallel_logits(hidden_states)
         if labels is None:
-            full_logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
-            return full_logits.transpose(0, 1).contiguous()
+            return self._batch_first_logits(logits, runtime_gather_output)
         loss = self._per_token_loss(logits, labels)
         if not self.mtp_process:
             return loss
         del logits
         return loss, self._mtp_losses(input_ids, position_ids, hidden_states, labels, attention_mask, rotary_angles)
 
-    def _decode(self, input_ids, position_ids, attention_mask, labels, inference_context):
-        """The forward of one decoding step through `inference_context`'s cache -> logits `[b, s, vocab]`."""
+    def _batch_first_logits(self, logits, runtime_gather_output):
+        """This rank's logits `[s, b, vocab / tp]` -> `[b, s, vocab / tp]`, or gathered `[b, s, vocab]`."""
+        gather = not self.parallel_output if runtime_gather_output is None else runtime_gather_output
+        if gather:
+            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+        return logits.transpose(0, 1).contiguous()
+
+    def _decode(self, input_ids, position_ids, attention_mask, labels, inference_context, runtime_gather_output):
+        """The forward of one decoding step through `inference_context`'s cache -> logits (see `forward`)."""
         check_inference_supported(self.config, self.pre_process, self.post_process)
         if labels is not None:
             raise ValueError("GPTModel.forward: decoding (inference_context) returns logits; compute a loss "
@@ -427,8 +492,7 @@ class GPTModel(ShardedStateModule):
         hidden_states = self.decoder(self.embedding(input_ids, position_ids), attention_mask=attention_mask,
                                      rotary_pos_emb=self._decoding_rotary_angles(input_ids, inference_context),
                                      inference_context=inference_context)
-        logits = tensor_parallel.gather_from_tensor_model_parallel_region(self._vocab_parallel_logits(hidden_states))
-        return logits.transpose(0, 1).contiguous()
+        return self._batch_first_logits(self._vocab_parallel_logits(hidden_states), runtime_gather_output)
 
     def _per_token_loss(self, logits, labels):
         """Vocab-parallel logits `[s, b, vocab / tp]` and labels `[b, s]` -> per-token loss `[b, s]` (fp32)."""

@@ -179,7 +179,8 @@ def build_like(model, config):
     pruned = GPTModel(config, vocab_size=model.vocab_size, max_sequence_length=model.max_sequence_length,
                       pre_process=model.pre_process, post_process=model.post_process,
                       share_embeddings_and_output_weights=model.share_embeddings_and_output_weights,
-                      position_embedding_type=model.position_embedding_type)
+                      position_embedding_type=model.position_embedding_type,
+                      parallel_output=getattr(model, "parallel_output", True))
     # The rotary embedding depends on the head width only, which pruning keeps.
     pruned.rotary_pos_emb = copy.deepcopy(model.rotary_pos_emb)
     return pruned.to(next(model.parameters()).device)

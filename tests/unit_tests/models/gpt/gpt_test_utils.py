@@ -38,8 +38,11 @@ def fixed_batch(seed=7, batch=MICRO_BATCH_SIZE, seq=SEQ_LENGTH, vocab=VOCAB_SIZE
 
 
 def seeded_model(config, seed=SEED, **model_kwargs):
-    """A GPTModel built right after seeding, so its weights depend only on `seed` (not on the layout)."""
+    """A GPTModel built right after seeding, so its weights depend only on `seed` (not on the layout). Without
+    labels it returns the logits gathered over tensor-parallel ranks (`parallel_output=False`) unless asked
+    otherwise, so the tests compare them across layouts."""
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    model_kwargs.setdefault("parallel_output", False)
     model_kwargs.setdefault("vocab_size", VOCAB_SIZE)
     model_kwargs.setdefault("max_sequence_length", MAX_SEQUENCE_LENGTH)
     model_kwargs.setdefault("share_embeddings_and_output_weights", True)

@@ -1,0 +1,142 @@
+"""Upstream Megatron-Core's GPTModel keywords: `parallel_output` (TP-split or gathered logits, also while
+decoding, overridden per call by `runtime_gather_output`), `fp16_lm_cross_entropy`, `vp_stage`, `mtp_block_spec`
+and `scatter_embedding_sequence_parallel`, with clear refusals of the values that cannot work."""
+
+import pytest
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from tests.unit_tests.models.gpt.gpt_test_utils import VOCAB_SIZE, fixed_batch, seeded_model, tiny_config
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+
+def _logits_by_parallel_output():
+    tokens, labels, positions = fixed_batch()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    with torch.no_grad():
+        reference = seeded_model(tiny_config(), parallel_output=True)(tokens, positions)
+    parallel_state.destroy_model_parallel()
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    results = {"reference": reference}
+    with torch.no_grad():
+        for parallel_output in (True, False):
+            model = seeded_model(tiny_config(tp=2), parallel_output=parallel_output).eval()
+            results[parallel_output] = {
+                "logits": model(tokens, positions),
+                "gathered": model(tokens, positions, runtime_gather_output=True),
+                "local": model(tokens, positions, runtime_gather_output=False),
+                "loss": model(tokens, positions, labels=labels),
+            }
+            context = StaticInferenceContext(max_batch_size=tokens.shape[0], max_sequence_length=tokens.shape[1])
+            results[parallel_output]["decoded"] = model(tokens, None, inference_context=context)
+    results["tp_rank"] = parallel_state.get_tensor_model_parallel_rank()
+    parallel_state.destroy_model_parallel()
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_tp2_logits_are_split_with_parallel_output_and_full_without(world_size):
+    for results in run_on_ranks(world_size, _logits_by_parallel_output):
+        full = results["reference"]
+        assert full.shape[-1] == VOCAB_SIZE
+        half = VOCAB_SIZE // 2
+        own_slice = full[..., results["tp_rank"] * half:(results["tp_rank"] + 1) * half]
+        split, gathered = results[True], results[False]
+        # parallel_output=True (upstream's default): this rank's half of the vocabulary, forward and decoding.
+        assert split["logits"].shape == own_slice.shape
+        torch.testing.assert_close(split["logits"], own_slice, atol=1e-5, rtol=0)
+        torch.testing.assert_close(split["decoded"], own_slice, atol=1e-5, rtol=0)
+        torch.testing.assert_close(split["gathered"], full, atol=1e-5, rtol=0)
+        # parallel_output=False: every rank holds all the logits.
+        torch.testing.assert_close(gathered["logits"], full, atol=1e-5, rtol=0)
+        torch.testing.assert_close(gathered["decoded"], full, atol=1e-5, rtol=0)
+        torch.testing.assert_close(gathered["local"], own_slice, atol=1e-5, rtol=0)
+        # The per-token loss does not depend on it.
+        torch.testing.assert_close(split["loss"], gathered["loss"], atol=0, rtol=0)
+
+
+def test_fp16_lm_cross_entropy_keeps_the_fp32_loss():
+    tokens, labels, positions = fixed_batch()
+    losses = [seeded_model(tiny_config(), fp16_lm_cross_entropy=flag)(tokens, positions, labels=labels)
+              for flag in (False, True)]
+    assert losses[1].dtype == torch.float32
+    torch.testing.assert_close(losses[0], losses[1], atol=0, rtol=0)
+
+
+def test_mtp_block_spec_maps_to_the_config():
+    config = tiny_config(mtp_num_layers=1)
+    spec = get_gpt_mtp_block_spec(config, get_gpt_layer_local_spec(), use_transformer_engine=False)
+    model = seeded_model(config, position_embedding_type="rope", mtp_block_spec=spec,
+                         transformer_layer_spec=get_gpt_layer_local_spec())
+    assert len(model.mtp.layers) == 1
+    assert get_gpt_mtp_block_spec(tiny_config(), get_gpt_layer_local_spec(), use_transformer_engine=False) is None
+    with pytest.raises(ValueError, match=r"mtp_block_spec is given but TransformerConfig\(mtp_num_layers\) is unset"):
+        seeded_model(tiny_config(), mtp_block_spec=spec)
+    with pytest.raises(ValueError, match="mtp_block_spec asks for transformer_impl='transformer_engine'"):
+        seeded_model(config, position_embedding_type="rope",
+                     mtp_block_spec=get_gpt_mtp_block_spec(config, None, use_transformer_engine=True))
+
+
+def test_vp_stage_names_a_virtual_stage_of_the_config():
+    with pytest.raises(ValueError, match=r"GPTModel\(vp_stage=1\) names a model chunk, but the config has 1 "):
+        seeded_model(tiny_config(), vp_stage=1)
+    # Without an interleaved pipeline, chunk 0 is the whole stage.
+    assert seeded_model(tiny_config(), vp_stage=0).vp_stage == 0
+
+
+def _vp_stage_layers():
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    config = tiny_config(pp=2, num_layers=4, virtual_pipeline_model_parallel_size=2)
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    offsets = []
+    for chunk in (0, 1):
+        model = seeded_model(config, vp_stage=chunk,
+                             pre_process=parallel_state.is_pipeline_first_stage(vp_stage=chunk),
+                             post_process=parallel_state.is_pipeline_last_stage(vp_stage=chunk))
+        offsets.append((model.decoder.layer_offset, len(model.decoder.layers)))
+    parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+    try:
+        seeded_model(config, vp_stage=1, pre_process=False, post_process=rank == 1)
+    except ValueError as error:
+        mismatch = str(error)
+    finally:
+        parallel_state.set_virtual_pipeline_model_parallel_rank(None)
+    parallel_state.destroy_model_parallel()
+    return offsets, mismatch
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_vp_stage_builds_that_virtual_stage(world_size):
+    # Chunk c of pipeline rank r is virtual stage c * 2 + r, one layer each.
+    results = run_on_ranks(world_size, _vp_stage_layers)
+    assert [offsets for offsets, _ in results] == [[(0, 1), (2, 1)], [(1, 1), (3, 1)]]
+    assert all("GPTModel(vp_stage=1) while model chunk 0 is being built" in mismatch for _, mismatch in results)
+
+
+def _scatter_embedding_refusal():
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    config = tiny_config(tp=2, sequence_parallel=True)
+    try:
+        seeded_model(config, scatter_embedding_sequence_parallel=False)
+    except ValueError as error:
+        message = str(error)
+    # A stage without the embedding has nothing to scatter.
+    middle = seeded_model(config, scatter_embedding_sequence_parallel=False, pre_process=False, post_process=False)
+    parallel_state.destroy_model_parallel()
+    return message, isinstance(middle, GPTModel)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_unscattered_embedding_is_refused_with_sequence_parallelism(world_size):
+    for message, middle_built in run_on_ranks(world_size, _scatter_embedding_refusal):
+        assert "with --sequence-parallel keep scatter_embedding_sequence_parallel=True" in message
+        assert middle_built
+    # Without sequence parallelism the embedding is never scattered: False changes nothing.
+    tokens, labels, positions = fixed_batch()
+    losses = [seeded_model(tiny_config(), scatter_embedding_sequence_parallel=flag)(tokens, positions, labels=labels)
+              for flag in (True, False)]
+    torch.testing.assert_close(losses[0], losses[1], atol=0, rtol=0)
