@@ -360,6 +360,27 @@ def architecture_differences(saved_args, args, saved_vocab_size=None, vocab_size
     return differences
 
 
+# Flags that set how many layers (and so which layer tensors) a model has; a checkpoint of another count loads only
+# partly (--dist-ckpt-strictness), so they are named when its tensors do not match rather than refused up front.
+LAYER_COUNT_FLAGS = (("--num-layers", "num_layers"), ("--mtp-num-layers", "mtp_num_layers"))
+
+
+def layer_count_hint(saved_args, args):
+    """'saved with --num-layers 2, this run has --num-layers 3: launch with the checkpoint's (--use-checkpoint-args
+    takes them)', or None when the layer counts agree (or the checkpoint records no arguments)."""
+    if saved_args is None:
+        return None
+    differing = [(flag, getattr(saved_args, name, None) or 0, getattr(args, name, None) or 0)
+                 for flag, name in LAYER_COUNT_FLAGS
+                 if (getattr(saved_args, name, None) or 0) != (getattr(args, name, None) or 0)]
+    if not differing:
+        return None
+    saved = ", ".join(f"{flag} {value}" for flag, value, _ in differing)
+    current = ", ".join(f"{flag} {value}" for flag, _, value in differing)
+    return (f"The checkpoint was saved with {saved}, this run has {current}: launch with the checkpoint's "
+            f"({saved}; --use-checkpoint-args takes them)")
+
+
 def check_same_architecture(checkpoint: str, saved_args, args, saved_vocab_size=None, vocab_size=None):
     """Raise a CheckpointError naming every flag that makes this run's model another model than the
     checkpoint's. Nothing is checked when the checkpoint records no arguments (e.g. converted from weights)."""

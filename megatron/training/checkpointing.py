@@ -45,6 +45,7 @@ from megatron.training import checkpoint_sources
 from megatron.training.checkpoint_args import (
     check_resumed_optimizer,
     check_same_architecture,
+    layer_count_hint,
     padding_origin,
     saved_true_vocab_size,
     true_vocab_size,
@@ -325,6 +326,9 @@ def _check_layout_matches(saved_args, args, path):
             "the torch format cannot change the vocabulary padding: launch with --use-checkpoint-args, which keeps "
             f"the checkpoint's {saved_rows} rows{fits}, or convert it to torch_dist (tools/checkpoint/"
             "convert_legacy.py), which loads at another padding")
+    layer_counts = layer_count_hint(saved_args, args)
+    if layer_counts is not None:
+        raise ValueError(f"{path} holds another number of layers than this run builds. {layer_counts}")
     # Each rank's file holds its stages' layers under local indices: an uneven split must be the same too.
     saved, current = (getattr(each, "virtual_stage_layer_counts", None) for each in (saved_args, args))
     if saved is not None and current is not None and tuple(saved) != tuple(current):

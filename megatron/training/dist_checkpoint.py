@@ -43,6 +43,7 @@ from megatron.training import checkpoint_state, modelopt_checkpoint
 from megatron.training.checkpoint_args import (
     check_resumed_optimizer,
     check_same_architecture,
+    layer_count_hint,
     saved_true_vocab_size,
     true_vocab_size,
 )
@@ -244,7 +245,8 @@ def load_dist_checkpoint(model_chunks, optimizer, scheduler, args, iteration, ro
     mismatch = serialization.key_mismatch(model_targets, metadata, ["model."])
     # FP8 amax histories a checkpoint lacks (a run without delayed FP8 scaling) are no error: they start empty.
     other_missing, fresh_fp8_histories = split_missing_fp8_histories(mismatch.missing)
-    mismatch = apply_strictness(strictness, mismatch._replace(missing=other_missing), directory, _print0)
+    mismatch = apply_strictness(strictness, mismatch._replace(missing=other_missing), directory, _print0,
+                                hint=layer_count_hint(saved_args, args))
     for key in mismatch.missing + fresh_fp8_histories:
         model_targets.pop(key, None)
     serialization.load(model_targets, directory, metadata=metadata)

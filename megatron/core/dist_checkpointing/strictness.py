@@ -37,10 +37,11 @@ def _listing(keys, limit=8):
     return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
 
 
-def apply_strictness(mode, mismatch: KeyMismatch, checkpoint_dir: str, log=print) -> KeyMismatch:
+def apply_strictness(mode, mismatch: KeyMismatch, checkpoint_dir: str, log=print, hint=None) -> KeyMismatch:
     """Raise or log as `mode` says; returns the mismatch for the load report.
 
-    Missing keys that the mode tolerates are simply not loaded (the caller drops them from its targets).
+    Missing keys that the mode tolerates are simply not loaded (the caller drops them from its targets). `hint`:
+    what the caller knows makes the models differ (e.g. the flags that set the number of layers), put in the error.
     """
     mode = StrictHandling(mode)
     fail_missing = mode not in (StrictHandling.LOG_ALL, StrictHandling.RETURN_ALL, StrictHandling.IGNORE_ALL)
@@ -53,9 +54,10 @@ def apply_strictness(mode, mismatch: KeyMismatch, checkpoint_dir: str, log=print
         problems.append(f"{len(mismatch.unexpected)} tensor(s) in the checkpoint are not in the model: "
                         f"{_listing(mismatch.unexpected)}")
     if problems:
+        cause = f"{hint}." if hint else "Is it from another model configuration?"
         raise CheckpointKeyError(
-            f"checkpoint {checkpoint_dir} does not match the model ({'; '.join(problems)}). Is it from another model "
-            f"configuration? --dist-ckpt-strictness log_all loads what matches and lists the rest.")
+            f"checkpoint {checkpoint_dir} does not match the model ({'; '.join(problems)}). {cause} "
+            "--dist-ckpt-strictness log_all loads what matches and lists the rest.")
     if mode in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL) and mismatch.unexpected:
         log(f"checkpoint {checkpoint_dir}: not loaded, not in the model: {_listing(mismatch.unexpected, 50)}")
     if mode is StrictHandling.LOG_ALL and mismatch.missing:

@@ -287,3 +287,29 @@ def test_no_use_tokenizer_model_from_checkpoint_args_keeps_the_command_lines_tok
     args = argparse.Namespace(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=None)
     assert apply_checkpoint_args(args, saved, with_tokenizer_model=False) == []
     assert args.tokenizer_model is None
+
+
+def test_another_layer_count_is_named_with_the_flag_and_the_way_to_load():
+    """A checkpoint of another --num-layers (or --mtp-num-layers) is not refused up front (it may load partly under
+    --dist-ckpt-strictness), but when its tensors do not match, the error names the flags and both values."""
+    from megatron.core.dist_checkpointing.strictness import CheckpointKeyError, KeyMismatch, apply_strictness
+    from megatron.training.checkpoint_args import layer_count_hint
+    from megatron.training.checkpointing import _check_layout_matches
+
+    saved = argparse.Namespace(num_layers=2, mtp_num_layers=None)
+    hint = layer_count_hint(saved, argparse.Namespace(num_layers=3, mtp_num_layers=1))
+    assert hint == ("The checkpoint was saved with --num-layers 2, --mtp-num-layers 0, this run has --num-layers 3, "
+                    "--mtp-num-layers 1: launch with the checkpoint's (--num-layers 2, --mtp-num-layers 0; "
+                    "--use-checkpoint-args takes them)")
+    assert layer_count_hint(saved, argparse.Namespace(num_layers=2, mtp_num_layers=0)) is None
+    assert layer_count_hint(None, argparse.Namespace(num_layers=3)) is None
+    with pytest.raises(CheckpointKeyError, match=r"\(1 tensor\(s\) the model needs are not in the checkpoint: "
+                       r"model.decoder.layers.2.w\). The checkpoint was saved with --num-layers 2"):
+        apply_strictness("assume_ok_unexpected", KeyMismatch(["model.decoder.layers.2.w"], []), "ckpt", hint=hint)
+    current = argparse.Namespace(num_layers=3, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                 padded_vocab_size=None, virtual_stage_layer_counts=(3,))
+    saved = argparse.Namespace(num_layers=2, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                               padded_vocab_size=None, virtual_stage_layer_counts=(2,))
+    with pytest.raises(ValueError, match=r"^f holds another number of layers than this run builds. The checkpoint "
+                       r"was saved with --num-layers 2, this run has --num-layers 3"):
+        _check_layout_matches(saved, current, "f")
