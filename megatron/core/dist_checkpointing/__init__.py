@@ -17,8 +17,10 @@ at one layout and wrapper loads at any other.
 - `fp8_histories`: FP8 amax histories loaded across another `--fp8-amax-history-len`
 - `rng_mapping`: which saved rank's random-number streams a rank of another layout restores
 - `offline`, `safetensors_format`: whole-tensor reads and writes for tools, without a process group
-- `api` (`save`, `load`, `load_common_state_dict`), `mapping`, `strategies`, `validation`, `utils`: upstream's
-  entry points and names over the same format
+- `api` (`save`, `load`, `load_common_state_dict`), `mapping` (`ShardedTensor`, `ShardedObject`), `strategies`,
+  `validation`, `utils`: upstream's entry points and names over the same format
+- `inspection` (`check_is_distributed_checkpoint`, `load_tensors_metadata`, `load_plain_tensors`,
+  `load_content_metadata`): upstream's reads of a checkpoint without a model
 """
 
 from megatron.core.dist_checkpointing.strictness import STRICTNESS_CHOICES, StrictHandling
@@ -31,6 +33,12 @@ _LAZY = {  # torch.distributed.checkpoint is imported on first use, not by argum
     "save": "api",
     "load": "api",
     "load_common_state_dict": "api",
+    "ShardedTensor": "mapping",
+    "ShardedObject": "mapping",
+    "check_is_distributed_checkpoint": "inspection",
+    "load_tensors_metadata": "inspection",
+    "load_plain_tensors": "inspection",
+    "load_content_metadata": "inspection",
 }
 
 

@@ -6,15 +6,20 @@ under their own keys, and the first rank the rest (the common state), as objects
 entries in place from a checkpoint written at any layout and returns the request's nesting with each
 single-piece tensor as a plain tensor (so `model.load_state_dict(load(...)["model"])` works, as upstream) and
 the common state as saved; `strict` (`--dist-ckpt-strictness`) applies to the tensor keys of the whole nesting.
-`load_common_state_dict` returns every object the checkpoint holds (the state all ranks share).
+`load_common_state_dict` returns every object the checkpoint holds (the state all ranks share). Upstream's
+`ShardedTensor` and `ShardedObject` (see `mapping`) are sharded entries under their own keys: each rank saves its
+ShardedObjects (the main replica's) and `load` returns their saved data.
 """
 
 import os
+from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
 
 from megatron.core.dist_checkpointing import nesting, serialization
 from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
 from megatron.core.dist_checkpointing.strictness import KeyMismatch, apply_strictness
 from megatron.core.dist_checkpointing.validation import StrictHandling, parse_strict_flag
@@ -33,16 +38,42 @@ def _writes_common_state(process_group) -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank(process_group) == 0
 
 
+# The common object holding `save(..., content_metadata=...)` (upstream's key); see `inspection`.
+CONTENT_METADATA_KEY = "content_metadata"
+
+
+_NOT_WRITTEN = object()
+
+
+class _TensorObject(NamedTuple):
+    """A ShardedObject's tensor data, pickled as an object (DCP would save a bare tensor as a tensor)."""
+
+    tensor: torch.Tensor
+
+
+def _saved_value(value):
+    """What serialization writes for a sharded entry: a ShardedObject's data (from its main replica alone)."""
+    if not isinstance(value, ShardedObject):
+        return value
+    if not is_main_replica(value.replica_id):
+        return _NOT_WRITTEN
+    return _TensorObject(value.data) if torch.is_tensor(value.data) else value.data
+
+
 def save(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strategy=None,
-         validate_access_integrity=True):
-    """Write `sharded_state_dict` into `checkpoint_dir` (collective over the world, or the strategy's group)."""
+         validate_access_integrity=True, content_metadata=None):
+    """Write `sharded_state_dict` into `checkpoint_dir` (collective over the world, or the strategy's group);
+    `content_metadata` (a dict describing the content) is kept for `load_content_metadata`."""
     if common_strategy is not None:
         raise ValueError("a separate common-state strategy is not used: common objects are saved as objects")
     strategy = _save_strategy(sharded_strategy)  # refuses an unknown format before anything is written
     parts = nesting.split(sharded_state_dict)
-    flat = dict(parts.sharded)
+    flat = {key: _saved_value(value) for key, value in parts.sharded.items()}
+    flat = {key: value for key, value in flat.items() if value is not _NOT_WRITTEN}
     if _writes_common_state(getattr(strategy, "process_group", None)):
         flat.update(parts.common)
+        if content_metadata is not None:
+            flat[CONTENT_METADATA_KEY] = content_metadata
     os.makedirs(str(checkpoint_dir), exist_ok=True)
     strategy.save(flat, checkpoint_dir)
 
@@ -68,9 +99,12 @@ def load(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strat
     entry_objects = _objects_saved_apart(request.common, saved_objects)
     missing_common = [str(key) for key in request.common_with_values
                       if key not in saved_objects and key not in entry_objects]
+    missing_common += [key for key, value in sharded.items()  # ShardedObjects are objects of the checkpoint
+                       if isinstance(value, ShardedObject) and key not in saved_objects]
     mismatch = KeyMismatch(sorted(tensors.missing + missing_common), tensors.unexpected)
     apply_strictness(mode, mismatch, directory)
-    targets = {key: value for key, value in sharded.items() if key not in tensors.missing}
+    targets = {key: None if isinstance(value, ShardedObject) else value for key, value in sharded.items()
+               if key not in tensors.missing and key not in missing_common}
     targets.update({key: None for key in request.common if key in saved_objects})
     targets.update({str(entry): None for entries in entry_objects.values() for entry in entries})
     serialization.check_shapes(targets, metadata, directory)
@@ -117,8 +151,12 @@ def _objects_saved_apart(common, saved_objects):
 
 def _local_tensor(value):
     """A `ShardedLogicalTensor` of one piece as that piece (the rank's tensor, as upstream's load returns it, so
-    `module.load_state_dict` takes the result); several pieces (flat distributed-optimizer ranges) stay as they
-    are, filled in place."""
+    `module.load_state_dict` takes the result; a ShardedTensor's `data`); several pieces (flat
+    distributed-optimizer ranges) stay as they are, filled in place."""
+    if isinstance(value, ShardedTensor) and value.data is not None:
+        return value.data.detach()
+    if isinstance(value, _TensorObject):
+        return value.tensor
     if isinstance(value, ShardedLogicalTensor) and len(value.pieces) == 1:
         return value.pieces[0][1].detach()
     return value
@@ -127,4 +165,5 @@ def _local_tensor(value):
 def load_common_state_dict(checkpoint_dir):
     """Every picklable object saved in `checkpoint_dir`, by key."""
     metadata = serialization.read_metadata(str(checkpoint_dir))
-    return serialization.read_objects(str(checkpoint_dir), serialization.object_keys(metadata), metadata=metadata)
+    objects = serialization.read_objects(str(checkpoint_dir), serialization.object_keys(metadata), metadata=metadata)
+    return {key: value.tensor if isinstance(value, _TensorObject) else value for key, value in objects.items()}

@@ -2,12 +2,13 @@
 `{"model": model.sharded_state_dict(), "optimizer": ..., "iteration": 10, "args": ...}`, with a virtual
 pipeline `{"model0": ..., "model1": ...}`.
 
-Dicts and lists are walked. A sharded entry (`ShardedLogicalTensor` or DTensor) anywhere in the nesting is one
-tensor of the checkpoint under its own key: the key of the dict holding it (for an entry held by a list, that key
-followed by the list indices, `"key.0"`), not its position in the nesting, as upstream writes a ShardedTensor
-under its own key. So `model.sharded_state_dict()`'s logical names stay the checkpoint's tensor names whether the
-dict is saved flat, under "model" or split over "model0" / "model1", and the checkpoint loads at another
-pipeline layout. Two entries of one rank under the same key are refused.
+Dicts and lists are walked. A sharded entry (`ShardedLogicalTensor`, DTensor or `ShardedObject`) anywhere in
+the nesting is one entry of the checkpoint under its own key: the key of the dict holding it (for an entry held by
+a list, that key followed by the list indices, `"key.0"`; a ShardedTensor's `key`, a ShardedObject's
+`unique_key()`), not its position in the nesting, as upstream writes a ShardedTensor under its own key. So
+`model.sharded_state_dict()`'s logical names stay the checkpoint's tensor names whether the dict is saved flat,
+under "model" or split over "model0" / "model1", and the checkpoint loads at another pipeline layout. Two entries
+of one rank under the same key are refused.
 
 Everything else (numbers, strings, plain tensors, namespaces, ...) is the common state: each top-level entry
 is one object, its dicts and lists kept with the sharded entries taken out (dropped from dicts, None in lists),
@@ -19,12 +20,13 @@ from typing import Dict, NamedTuple, Tuple
 from torch.distributed.tensor import DTensor
 
 from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor
+from megatron.core.dist_checkpointing.mapping import ShardedObject, checkpoint_key
 
 _TAKEN = object()  # stands for a sharded entry taken out of the common state
 
 
 def is_sharded(value) -> bool:
-    return isinstance(value, (ShardedLogicalTensor, DTensor))
+    return isinstance(value, (ShardedLogicalTensor, DTensor, ShardedObject))
 
 
 def _dotted(path) -> str:
@@ -44,6 +46,7 @@ def split(state_dict) -> Split:
 
     def take(value, path, own_key):
         if is_sharded(value):
+            own_key = checkpoint_key(value, own_key)
             if own_key in sharded and sharded[own_key] is not value:
                 raise ValueError(
                     f"sharded state dict: the entries at '{_dotted(paths[own_key])}' and '{_dotted(path)}' are both "
@@ -117,8 +120,8 @@ def assemble(request, request_split: Split, loaded_common, loaded_sharded) -> di
     result = {}
     for key, value in request.items():
         if is_sharded(value):
-            if str(key) in loaded_sharded:
-                result[key] = loaded_sharded[str(key)]
+            if checkpoint_key(value, str(key)) in loaded_sharded:
+                result[key] = loaded_sharded[checkpoint_key(value, str(key))]
         elif key in loaded_common:
             result[key] = loaded_common[key]
         elif isinstance(value, (dict, list)):

@@ -1,7 +1,8 @@
 """Data-parallel and distributed-checkpoint tuning flags of upstream's FSDP recipes and test configurations:
 gradient buckets by count (--ddp-num-buckets), Megatron-FSDP's communication unit
 (--suggested-communication-unit-size), non-strict fsdp_dtensor loads (--disable-strict-fsdp-dtensor-load) and
-the reshardable optimizer checkpoint (--dist-ckpt-optim-fully-reshardable). The two Megatron-FSDP switches
+the reshardable optimizer checkpoint (--dist-ckpt-optim-fully-reshardable, and its memory-saving mode
+--distrib-optim-fully-reshardable-mem-efficient, which nothing here needs). The two Megatron-FSDP switches
 this build does not implement (--create-all-gather-group, --megatron-fsdp-enable-fine-grained-param-gather)
 and the distributed optimizer's --overlap-param-gather-with-optimizer-step stop at validation with what to do
 instead. --ddp-pad-buckets-for-high-nccl-busbw pads Megatron DDP's gradient buckets."""
@@ -41,6 +42,12 @@ def add_arguments(parser):
                        help="Save optimizer state so that TP/PP/DP may all change on load. The torch_dist / "
                        "fsdp_dtensor optimizer state here is always keyed per whole parameter, so it is always "
                        "fully reshardable; the flag needs such a --ckpt-format.")
+    group.add_argument("--distrib-optim-fully-reshardable-mem-efficient", action="store_true",
+                       help="Upstream: save and load the fully reshardable distributed-optimizer state with as "
+                       "little memory as possible (gathered through one rank over gloo). Changes nothing here: "
+                       "each rank writes and reads only its own shard of the torch_dist optimizer state, so "
+                       "nothing is gathered. Has effect upstream only with --dist-ckpt-optim-fully-reshardable "
+                       "(a warning without it).")
 
 
 def validate(args):
@@ -83,6 +90,9 @@ def validate(args):
                              f"{NON_STRICT_FSDP_DTENSOR_STRICTNESS}; drop --dist-ckpt-strictness "
                              f"{args.dist_ckpt_strictness}")
         args.dist_ckpt_strictness = NON_STRICT_FSDP_DTENSOR_STRICTNESS
+    if args.distrib_optim_fully_reshardable_mem_efficient and not args.dist_ckpt_optim_fully_reshardable:
+        warnings.warn("--distrib-optim-fully-reshardable-mem-efficient has effect only with "
+                      "--dist-ckpt-optim-fully-reshardable (as upstream); add that flag or drop this one")
     if args.dist_ckpt_optim_fully_reshardable and args.ckpt_format not in LOGICAL_FORMATS:
         raise ValueError(f"--dist-ckpt-optim-fully-reshardable needs --ckpt-format torch_dist (or "
                          f"{', '.join(LOGICAL_FORMATS[1:])}); --ckpt-format {args.ckpt_format} saves each rank's "

@@ -1,5 +1,6 @@
 """--ddp-num-buckets, --suggested-communication-unit-size, --disable-strict-fsdp-dtensor-load,
---dist-ckpt-optim-fully-reshardable and the two Megatron-FSDP switches that stop with a message."""
+--dist-ckpt-optim-fully-reshardable (and --distrib-optim-fully-reshardable-mem-efficient) and the two Megatron-FSDP
+switches that stop with a message."""
 
 import pytest
 import torch
@@ -95,6 +96,21 @@ def test_disable_strict_fsdp_dtensor_load_tolerates_missing_keys():
 
 def test_fully_reshardable_optimizer_checkpoint_needs_a_logical_format():
     assert validated("--dist-ckpt-optim-fully-reshardable").dist_ckpt_optim_fully_reshardable
+
+
+def test_mem_efficient_fully_reshardable_flag_is_accepted_and_needs_fully_reshardable():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        args = validated("--dist-ckpt-optim-fully-reshardable --distrib-optim-fully-reshardable-mem-efficient")
+    assert args.distrib_optim_fully_reshardable_mem_efficient and args.dist_ckpt_optim_fully_reshardable
+    assert not [w for w in caught if "mem-efficient" in str(w.message)]
+    with pytest.warns(UserWarning, match="--distrib-optim-fully-reshardable-mem-efficient has effect only with "
+                                         "--dist-ckpt-optim-fully-reshardable"):
+        alone = validated("--distrib-optim-fully-reshardable-mem-efficient")
+    assert alone.distrib_optim_fully_reshardable_mem_efficient and not alone.dist_ckpt_optim_fully_reshardable
+    assert not validated("").distrib_optim_fully_reshardable_mem_efficient
 
 
 @pytest.mark.parametrize("extra, message", [
