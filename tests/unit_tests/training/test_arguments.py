@@ -6,14 +6,12 @@ import warnings
 import pytest
 
 from megatron.training.arguments import parse_args, validate_args
-
-BASE = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
-    "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128"
-)
+from tests.unit_tests.training.argument_checks import BASE
 
 
 def validated(extra="", world_size=1, monkeypatch=None, defaults=None):
+    """Other test modules import this one: with `monkeypatch` WORLD_SIZE / RANK stay set for the rest of their
+    test; without, validation reads the environment as it is."""
     if monkeypatch is not None:
         monkeypatch.setenv("WORLD_SIZE", str(world_size))
         monkeypatch.setenv("RANK", "0")
@@ -66,36 +64,61 @@ def test_args_defaults_fill_only_unset_options():
 @pytest.mark.parametrize(
     "extra, world_size, message",
     [
-        ("--global-batch-size 6", 2, r"--global-batch-size \(6\) must be a positive multiple of --micro-batch-size \(2\) x data-parallel size \(2\)"),
-        ("--tensor-model-parallel-size 3", 4, r"world size \(4\) must be divisible by --tensor-model-parallel-size \(3\)"),
-        ("--num-attention-heads 3 --hidden-size 63 --tensor-model-parallel-size 2", 2, r"--num-attention-heads \(3\) must be divisible by --tensor-model-parallel-size \(2\)"),
-        ("--num-layers 3 --pipeline-model-parallel-size 2", 2, r"--num-layers \(3\) must be divisible by --pipeline-model-parallel-size \(2\)"),
+        ("--global-batch-size 6", 2,
+         r"--global-batch-size \(6\) must be a positive multiple of --micro-batch-size \(2\) x data-parallel size "
+         r"\(2\)"),
+        ("--tensor-model-parallel-size 3", 4,
+         r"world size \(4\) must be divisible by --tensor-model-parallel-size \(3\)"),
+        ("--num-attention-heads 3 --hidden-size 63 --tensor-model-parallel-size 2", 2,
+         r"--num-attention-heads \(3\) must be divisible by --tensor-model-parallel-size \(2\)"),
+        ("--num-layers 3 --pipeline-model-parallel-size 2", 2,
+         r"--num-layers \(3\) must be divisible by --pipeline-model-parallel-size \(2\)"),
         ("--hidden-size 65", 1, r"--hidden-size \(65\) must be divisible by --num-attention-heads \(4\)"),
-        ("--seq-length 64 --max-position-embeddings 32", 1, r"--seq-length \(64\) must not exceed --max-position-embeddings \(32\)"),
+        ("--seq-length 64 --max-position-embeddings 32", 1,
+         r"--seq-length \(64\) must not exceed --max-position-embeddings \(32\)"),
         ("--overlap-param-gather", 1, r"--overlap-param-gather needs --overlap-grad-reduce"),
-        ("--overlap-param-gather --overlap-grad-reduce", 1, r"--overlap-param-gather needs --use-distributed-optimizer or --use-megatron-fsdp"),
-        ("--use-distributed-optimizer --num-distributed-optimizer-instances 3", 4, r"data-parallel x --context-parallel-size \(4\) must be divisible by --num-distributed-optimizer-instances \(3\)"),
-        ("--num-distributed-optimizer-instances 2", 4, r"--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer"),
-        ("--use-megatron-fsdp --init-model-with-meta-device --data-parallel-sharding-strategy no_shard", 2, r"--init-model-with-meta-device needs a sharded --data-parallel-sharding-strategy"),
+        ("--overlap-param-gather --overlap-grad-reduce", 1,
+         r"--overlap-param-gather needs --use-distributed-optimizer or --use-megatron-fsdp"),
+        ("--use-distributed-optimizer --num-distributed-optimizer-instances 3", 4,
+         r"data-parallel x --context-parallel-size \(4\) must be divisible by --num-distributed-optimizer-instances "
+         r"\(3\)"),
+        ("--num-distributed-optimizer-instances 2", 4,
+         r"--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer"),
+        ("--use-megatron-fsdp --init-model-with-meta-device --data-parallel-sharding-strategy no_shard", 2,
+         r"--init-model-with-meta-device needs a sharded --data-parallel-sharding-strategy"),
         ("--init-model-with-meta-device", 1, r"--init-model-with-meta-device needs --use-megatron-fsdp"),
-        ("--use-torch-fsdp2 --untie-embeddings-and-output-weights --init-model-with-meta-device", 2, r"--init-model-with-meta-device needs --use-megatron-fsdp"),
-        ("--use-torch-fsdp2 --untie-embeddings-and-output-weights --num-distributed-optimizer-instances 2", 4, r"--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer or --use-megatron-fsdp"),
-        ("--use-torch-fsdp2 --untie-embeddings-and-output-weights --ckpt-format fsdp_dtensor", 2, r"--use-torch-fsdp2 needs --ckpt-format torch_dist or torch_dcp"),
-        ("--lr-warmup-fraction 0.1 --lr-warmup-iters 2", 1, r"--lr-warmup-fraction and --lr-warmup-iters are exclusive"),
+        ("--use-torch-fsdp2 --untie-embeddings-and-output-weights --init-model-with-meta-device", 2,
+         r"--init-model-with-meta-device needs --use-megatron-fsdp"),
+        ("--use-torch-fsdp2 --untie-embeddings-and-output-weights --num-distributed-optimizer-instances 2", 4,
+         r"--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer or --use-megatron-fsdp"),
+        ("--use-torch-fsdp2 --untie-embeddings-and-output-weights --ckpt-format fsdp_dtensor", 2,
+         r"--use-torch-fsdp2 needs --ckpt-format torch_dist or torch_dcp"),
+        ("--lr-warmup-fraction 0.1 --lr-warmup-iters 2", 1,
+         r"--lr-warmup-fraction and --lr-warmup-iters are exclusive"),
         ("--lr-warmup-fraction 1.0", 1, r"--lr-warmup-fraction must be in \[0, 1\), got 1.0"),
-        ("--use-checkpoint-opt_param-scheduler --override-opt_param-scheduler", 1, r"--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler are exclusive"),
-        ("--attention-backend flash", 1, r"--attention-backend flash is a Transformer Engine kernel .* pass --attention-backend auto, local or unfused"),
+        ("--use-checkpoint-opt_param-scheduler --override-opt_param-scheduler", 1,
+         r"--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler are exclusive"),
+        ("--attention-backend flash", 1,
+         r"--attention-backend flash is a Transformer Engine kernel .* pass --attention-backend auto, local or "
+         r"unfused"),
         ("--attention-backend fused", 1, r"--attention-backend fused is a Transformer Engine kernel"),
-        ("--use-megatron-fsdp --outer-dp-sharding-strategy optim --data-parallel-sharding-strategy optim_grads --num-distributed-optimizer-instances 2", 4, r"--outer-dp-sharding-strategy optim needs --data-parallel-sharding-strategy optim_grads_params"),
-        ("--use-torch-fsdp2 --ckpt-format torch --untie-embeddings-and-output-weights", 2, r"--use-torch-fsdp2 needs --ckpt-format torch_dist or torch_dcp"),
+        ("--use-megatron-fsdp --outer-dp-sharding-strategy optim --data-parallel-sharding-strategy "
+         "optim_grads --num-distributed-optimizer-instances 2", 4,
+         r"--outer-dp-sharding-strategy optim needs --data-parallel-sharding-strategy optim_grads_params"),
+        ("--use-torch-fsdp2 --ckpt-format torch --untie-embeddings-and-output-weights", 2,
+         r"--use-torch-fsdp2 needs --ckpt-format torch_dist or torch_dcp"),
         ("--use-torch-fsdp2", 2, r"--use-torch-fsdp2 needs --untie-embeddings-and-output-weights"),
-        ("--use-torch-fsdp2 --untie-embeddings-and-output-weights --fp16", 2, r"--use-torch-fsdp2 does not support --fp16"),
-        ("--use-torch-fsdp2 --untie-embeddings-and-output-weights --use-distributed-optimizer", 2, r"--use-torch-fsdp2 and --use-distributed-optimizer are exclusive"),
+        ("--use-torch-fsdp2 --untie-embeddings-and-output-weights --fp16", 2,
+         r"--use-torch-fsdp2 does not support --fp16"),
+        ("--use-torch-fsdp2 --untie-embeddings-and-output-weights --use-distributed-optimizer", 2,
+         r"--use-torch-fsdp2 and --use-distributed-optimizer are exclusive"),
         ("--use-megatron-fsdp --use-torch-fsdp2", 2, r"--use-megatron-fsdp and --use-torch-fsdp2 are exclusive"),
         ("--fp8-format e4m3 --fp4-format e2m1", 1, r"--fp8-format and --fp4-format are exclusive"),
         ("--fp8-param-gather", 1, r"--fp8-param-gather needs --fp8-format"),
         ("--fp8-format e4m3 --fp8-param-gather", 2, r"--fp8-param-gather needs --use-distributed-optimizer"),
-        ("--use-megatron-fsdp --fp8-format e4m3 --fp8-param-gather --data-parallel-sharding-strategy optim_grads", 2, r"--fp8-param-gather with --use-megatron-fsdp needs --data-parallel-sharding-strategy optim_grads_params \(got optim_grads\)"),
+        ("--use-megatron-fsdp --fp8-format e4m3 --fp8-param-gather --data-parallel-sharding-strategy optim_grads", 2,
+         r"--fp8-param-gather with --use-megatron-fsdp needs --data-parallel-sharding-strategy optim_grads_params "
+         r"\(got optim_grads\)"),
         ("--fp8-format e4m3 --fp8-recipe mxfp8", 1, r"--fp8-recipe mxfp8 needs Transformer Engine on a GPU"),
         ("--first-last-layers-bf16", 1, r"--first-last-layers-bf16 needs --fp8-format"),
         ("--bf16 --fp16", 1, r"--bf16 and --fp16 are exclusive"),
@@ -107,8 +130,10 @@ def test_args_defaults_fill_only_unset_options():
         ("--save-interval 5", 1, r"--save-interval needs --save"),
         ("--data-path a_text_document", 1, r"--mock-data and --data-path are exclusive"),
         ("--split 1,x", 1, r"--split must be comma-separated numbers"),
-        ("--group-query-attention --num-query-groups 3", 1, r"--num-query-groups \(3\) must be a positive divisor of --num-attention-heads \(4\)"),
-        ("--group-query-attention --num-query-groups 1 --tensor-model-parallel-size 2", 2, r"--num-query-groups \(1\) must be divisible by --tensor-model-parallel-size \(2\)"),
+        ("--group-query-attention --num-query-groups 3", 1,
+         r"--num-query-groups \(3\) must be a positive divisor of --num-attention-heads \(4\)"),
+        ("--group-query-attention --num-query-groups 1 --tensor-model-parallel-size 2", 2,
+         r"--num-query-groups \(1\) must be divisible by --tensor-model-parallel-size \(2\)"),
         ("--use-flash-attn", 1, r"--use-flash-attn asks for the flash-attention kernel.*--attention-backend auto"),
         ("--squared-relu --swiglu", 1, r"--squared-relu and --swiglu are exclusive"),
         ("--rotary-percent 0", 1, r"--rotary-percent must be in \(0, 1\]"),
@@ -121,9 +146,12 @@ def test_args_defaults_fill_only_unset_options():
         ("--multi-latent-attention --position-embedding-type rope --use-rope-scaling", 1,
          r"^--use-rope-scaling scales the RoPE of ordinary attention; --multi-latent-attention has its own rotary "
          r"embedding \(--rope-type\), which it would not change: drop --use-rope-scaling$"),
-        ("--start-weight-decay 0.1", 1, r"--start-weight-decay \(0.1\) differs from --weight-decay \(0.01\) with --weight-decay-incr-style constant"),
-        ("--weight-decay-incr-style linear --end-weight-decay 0.1", 1, r"--weight-decay-incr-style linear needs --start-weight-decay and --end-weight-decay"),
-        ("--weight-decay-incr-style cosine --start-weight-decay 0.2 --end-weight-decay 0.1", 1, r"--start-weight-decay \(0.2\) must not exceed --end-weight-decay \(0.1\)"),
+        ("--start-weight-decay 0.1", 1,
+         r"--start-weight-decay \(0.1\) differs from --weight-decay \(0.01\) with --weight-decay-incr-style constant"),
+        ("--weight-decay-incr-style linear --end-weight-decay 0.1", 1,
+         r"--weight-decay-incr-style linear needs --start-weight-decay and --end-weight-decay"),
+        ("--weight-decay-incr-style cosine --start-weight-decay 0.2 --end-weight-decay 0.1", 1,
+         r"--start-weight-decay \(0.2\) must not exceed --end-weight-decay \(0.1\)"),
         ("--manual-gc-interval 5", 1, r"--manual-gc-interval needs --manual-gc"),
         ("--manual-gc --manual-gc-interval -1", 1, r"--manual-gc-interval must be >= 0"),
         ("--no-position-embedding", 1, r"^--no-position-embedding asks for a model without a learned position table, "

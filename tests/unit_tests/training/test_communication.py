@@ -2,25 +2,17 @@
 the config or derived values as upstream; the others stop with a message naming the flag. The tp-pp-dp rank
 order itself is laid out by rank_layout (group membership checked here)."""
 
+from functools import partial
+
 import pytest
 
 from megatron.core import parallel_state
-from megatron.training.arguments import parse_args, validate_args
 from megatron.training.model_config import core_transformer_config_from_args
+from tests.unit_tests.training import argument_checks
 
-BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 "
-        "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128 --distributed-backend gloo")
+FOUR_LAYERS_ON_GLOO = "--num-layers 4 --micro-batch-size 1 --distributed-backend gloo"
 INTERLEAVED = "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --global-batch-size 4"
-
-
-def validated(extra):
-    return validate_args(parse_args(args=(BASE + " " + extra).split()))
-
-
-@pytest.fixture(autouse=True)
-def two_ranks(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "0")
+validated = partial(argument_checks.validated, world_size=2, base=f"{argument_checks.BASE} {FOUR_LAYERS_ON_GLOO}")
 
 
 def test_defaults_follow_upstream():
@@ -79,7 +71,7 @@ def test_stops_name_the_flag(extra, message):
 
 def test_nccl_options_on_nccl_are_not_supported_yet():
     with pytest.raises(ValueError, match="--sharp is not supported by this build yet"):
-        validate_args(parse_args(args=(BASE + " --sharp").replace("gloo", "nccl").split()))
+        validated("--distributed-backend nccl --sharp")
 
 
 def test_tp_pp_dp_order_groups():

@@ -5,22 +5,7 @@ import warnings
 
 import pytest
 
-from megatron.training.arguments import parse_args, validate_args
-
-BASE = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
-    "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128"
-)
-
-
-@pytest.fixture(autouse=True)
-def single_process_env(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("RANK", "0")
-
-
-def validated(extra):
-    return validate_args(parse_args(args=(BASE + " " + extra).split()))
+from tests.unit_tests.training.argument_checks import validated
 
 
 @pytest.mark.parametrize("flags", [
@@ -53,14 +38,13 @@ def test_use_custom_fsdp_main_params_dtype_points_at_the_megatron_fsdp_flag():
     ("--megatron-fsdp-main-grads-dtype", "fp32", 1, ""),
     ("--megatron-fsdp-grad-comm-dtype", "bf16", 1, ""),
 ])
-def test_megatron_fsdp_settings_without_megatron_fsdp_warn(monkeypatch, flag, value, world_size, extra):
-    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+def test_megatron_fsdp_settings_without_megatron_fsdp_warn(flag, value, world_size, extra):
     with pytest.warns(UserWarning, match=f"^{flag} {value} has no effect without --use-megatron-fsdp"):
-        args = validated(f"--use-distributed-optimizer --bf16 {extra} {flag} {value}")
+        args = validated(f"--use-distributed-optimizer --bf16 {extra} {flag} {value}", world_size)
     assert args.use_megatron_fsdp is False and getattr(args, flag[2:].replace("-", "_")) == value
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=flag)
-        assert validated(f"--use-megatron-fsdp --bf16 {extra} {flag} {value}").use_megatron_fsdp
+        assert validated(f"--use-megatron-fsdp --bf16 {extra} {flag} {value}", world_size).use_megatron_fsdp
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -4,22 +4,13 @@ import warnings
 
 import pytest
 
-from megatron.training.arguments import parse_args, validate_args
-
-BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
-        "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128 --fp8-format hybrid ")
-
-
-@pytest.fixture(autouse=True)
-def single_process_env(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("RANK", "0")
+from tests.unit_tests.training.argument_checks import BASE, validated
 
 
 def _warnings(extra):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        validate_args(parse_args(args=(BASE + extra).split()))
+        validated(extra, base=f"{BASE} --fp8-format hybrid")
     return [str(warning.message) for warning in caught if "delayed scaling" in str(warning.message)]
 
 

@@ -2,18 +2,8 @@
 
 import pytest
 
-from megatron.training.arguments import parse_args, validate_args
-from tests.unit_tests.training.test_arguments import BASE  # the tiny model's flags the argument tests share
-
-
-@pytest.fixture(autouse=True)
-def single_process_env(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("RANK", "0")
-
-
-def validated(argv):
-    return validate_args(parse_args(args=argv))
+from megatron.training.arguments import parse_args
+from tests.unit_tests.training.argument_checks import BASE, validated
 
 
 def argparse_error(argv, capsys):
@@ -29,9 +19,8 @@ def argparse_error(argv, capsys):
     ("--min-lr", "-1e-5", r"--min-lr must be >= 0, got -1e-05"),
 ])
 def test_negative_numbers_in_scientific_notation_reach_the_rule_that_names_them(flag, value, message):
-    argv = BASE.replace("--lr 1e-3", "--lr 1e-3" if flag != "--lr" else "").split() + [flag, value]
     with pytest.raises(ValueError, match=message):
-        validated(argv)
+        validated(f"{flag} {value}", base=BASE.replace("--lr 1e-3", "--lr 1e-3" if flag != "--lr" else ""))
 
 
 def test_negative_values_parse_as_values_and_flags_still_parse_as_flags():
@@ -73,6 +62,6 @@ def test_save_under_a_file_fails_at_validation(tmp_path):
     for save in (blocking / "ckpt", blocking / "a" / "b"):
         with pytest.raises(ValueError, match=f"--save {save} cannot be created: {blocking} is a file, not a "
                            "directory; point --save at a directory path"):
-            validated(BASE.split() + ["--save", str(save)])
-    assert validated(BASE.split() + ["--save", str(tmp_path / "new" / "ckpt")]).save == str(tmp_path / "new" / "ckpt")
+            validated(f"--save {save}")
+    assert validated(f"--save {tmp_path / 'new' / 'ckpt'}").save == str(tmp_path / "new" / "ckpt")
     assert not (tmp_path / "new").exists()  # validation creates nothing

@@ -3,16 +3,7 @@ configurations, TE export) parse and stop at validation with a message naming th
 
 import pytest
 
-from megatron.training.arguments import parse_args, validate_args
-
-BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
-        "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128")
-
-
-@pytest.fixture(autouse=True)
-def one_rank(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("RANK", "0")
+from tests.unit_tests.training.argument_checks import validated
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -28,6 +19,6 @@ def one_rank(monkeypatch):
 ])
 def test_other_model_builders_stop(extra, message):
     with pytest.raises(ValueError) as error:
-        validate_args(parse_args(args=(BASE + " " + extra).split()))
+        validated(extra)
     flag = extra.split()[0]
     assert str(error.value).startswith(f"{flag} is not supported") and message in str(error.value)

@@ -7,21 +7,8 @@ import pytest
 import torch
 
 from megatron.core.transformer.utils import openai_gelu
-from megatron.training.arguments import parse_args, validate_args
 from megatron.training.model_config import core_transformer_config_from_args
-
-BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
-        "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128")
-
-
-def validated(extra):
-    return validate_args(parse_args(args=(BASE + " " + extra).split()))
-
-
-@pytest.fixture(autouse=True)
-def one_rank(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("RANK", "0")
+from tests.unit_tests.training.argument_checks import validated
 
 
 def test_flags_reach_the_transformer_config():

@@ -1,23 +1,14 @@
 """`--optimizer muon` and the `--muon-*` flags: upstream's defaults, what reaches OptimizerConfig, every
 data-parallel wrapper accepted."""
 
+from functools import partial
+
 import pytest
 
-from megatron.training.arguments import parse_args, validate_args
 from megatron.training.model_config import optimizer_config_from_args
+from tests.unit_tests.training import argument_checks
 
-BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
-        "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128 --optimizer muon")
-
-
-@pytest.fixture(autouse=True)
-def single_process_env(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("RANK", "0")
-
-
-def validated(extra=""):
-    return validate_args(parse_args(args=(BASE + " " + extra).split()))
+validated = partial(argument_checks.validated, base=f"{argument_checks.BASE} --optimizer muon")
 
 
 def test_upstream_defaults_reach_the_optimizer_config():

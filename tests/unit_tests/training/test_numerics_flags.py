@@ -1,23 +1,14 @@
 """--cross-entropy-loss-fusion, --cross-entropy-fusion-impl and --apply-query-key-layer-scaling: parsed, checked
 with upstream's rules, and passed to the model's TransformerConfig."""
 
+from functools import partial
+
 import pytest
 
-from megatron.training.arguments import parse_args, validate_args
 from megatron.training.model_config import core_transformer_config_from_args
+from tests.unit_tests.training import argument_checks
 
-BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
-        "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128")
-
-
-def validated(extra):
-    return validate_args(parse_args(args=(BASE + " " + extra).split()))
-
-
-@pytest.fixture(autouse=True)
-def single_process_env(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "0")
+validated = partial(argument_checks.validated, world_size=2)
 
 
 def test_flags_reach_the_transformer_config():

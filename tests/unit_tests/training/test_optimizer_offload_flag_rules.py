@@ -1,24 +1,14 @@
 """Optimizer CPU offload and the precision-aware optimizer under FSDP2: the refusal names FSDP2 and its own
 offload flag instead of pointing at the distributed optimizer, which FSDP2 excludes."""
 
+from functools import partial
+
 import pytest
 
-from megatron.training.arguments import parse_args, validate_args
+from tests.unit_tests.training import argument_checks
 
-BASE = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
-    "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128 --use-torch-fsdp2 --untie-embeddings-and-output-weights"
-)
-
-
-@pytest.fixture(autouse=True)
-def two_rank_env(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "0")
-
-
-def validated(extra):
-    return validate_args(parse_args(args=(BASE + " " + extra).split()))
+FSDP2 = "--use-torch-fsdp2 --untie-embeddings-and-output-weights"
+validated = partial(argument_checks.validated, world_size=2, base=f"{argument_checks.BASE} {FSDP2}")
 
 
 @pytest.mark.parametrize("extra", [

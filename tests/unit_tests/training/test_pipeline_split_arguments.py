@@ -1,22 +1,17 @@
 """The uneven pipeline-split flags on the command line: the split and the virtual stages they derive, and the
 rules (upstream's, plus what the wrappers here need), with messages naming the flags."""
 
+from functools import partial
+
 import pytest
 
-from megatron.training.arguments import parse_args, validate_args
 from megatron.training.model_config import core_transformer_config_from_args
+from tests.unit_tests.training import argument_checks
 
-BASE = (
-    "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 "
-    "--global-batch-size 4 --train-iters 2 --lr 1e-3 --mock-data --vocab-size 128"
-)
+SMALLER = ("--num-layers 4 --hidden-size 32 --seq-length 16 --micro-batch-size 1 --global-batch-size 4 "
+           "--train-iters 2")
 PP2 = "--pipeline-model-parallel-size 2"
-
-
-def validated(extra, world_size=2, monkeypatch=None):
-    monkeypatch.setenv("WORLD_SIZE", str(world_size))
-    monkeypatch.setenv("RANK", "0")
-    return validate_args(parse_args(args=f"{BASE} {extra}".split()))
+validated = partial(argument_checks.validated, world_size=2, base=f"{argument_checks.BASE} {SMALLER}")
 
 
 @pytest.mark.parametrize(
@@ -36,8 +31,8 @@ def validated(extra, world_size=2, monkeypatch=None):
         ("--pipeline-model-parallel-layout EttttL", (4,), None),  # one stage without pipelining
     ],
 )
-def test_split_and_chunks(extra, counts, chunks, monkeypatch):
-    args = validated(extra, monkeypatch=monkeypatch)
+def test_split_and_chunks(extra, counts, chunks):
+    args = validated(extra)
     assert args.virtual_stage_layer_counts == counts
     assert args.virtual_pipeline_model_parallel_size == chunks
     config = core_transformer_config_from_args(args)  # the config accepts what the flags accepted
@@ -93,22 +88,21 @@ def test_split_and_chunks(extra, counts, chunks, monkeypatch):
          r"leaves pipeline rank\(s\) \[1\] without any parameter"),
     ],
 )
-def test_rules_name_the_flags(extra, world_size, message, monkeypatch):
+def test_rules_name_the_flags(extra, world_size, message):
     with pytest.raises(ValueError, match=message):
-        validated(extra, world_size, monkeypatch)
+        validated(extra, world_size=world_size)
 
 
-def test_odd_layer_count_needs_an_uneven_split(monkeypatch):
+def test_odd_layer_count_needs_an_uneven_split():
     with pytest.raises(ValueError, match=r"--num-layers \(3\) must be divisible by --pipeline-model-parallel-size "
                                          r"\(2\).*or split unevenly with --decoder-first-pipeline-num-layers"):
-        validated(f"{PP2} --num-layers 3", monkeypatch=monkeypatch)
-    assert validated(f"{PP2} --num-layers 3 --decoder-last-pipeline-num-layers 2",
-                     monkeypatch=monkeypatch).virtual_stage_layer_counts == (1, 2)
+        validated(f"{PP2} --num-layers 3")
+    assert validated(f"{PP2} --num-layers 3 --decoder-last-pipeline-num-layers 2").virtual_stage_layer_counts == (1, 2)
 
 
 @pytest.mark.parametrize("wrapper", ["--use-distributed-optimizer", "--use-megatron-fsdp"])
-def test_empty_middle_chunk_runs_under_every_wrapper(wrapper, monkeypatch):
+def test_empty_middle_chunk_runs_under_every_wrapper(wrapper):
     """A chunk without layers is fine where its rank holds parameters elsewhere (Megatron DDP, the distributed
     optimizer, FSDP2, Megatron-FSDP)."""
-    args = validated(f"{PP2} --pipeline-model-parallel-layout Ett||tt|L {wrapper}", monkeypatch=monkeypatch)
+    args = validated(f"{PP2} --pipeline-model-parallel-layout Ett||tt|L {wrapper}")
     assert args.virtual_stage_layer_counts == (2, 0, 2, 0)

@@ -5,23 +5,13 @@ import signal
 
 import pytest
 
-from megatron.training.arguments import parse_args, validate_args
+from megatron.training.arguments import parse_args
 from megatron.training.signal_handler import exit_signal_handler_from_args
-
-BASE = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
-    "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128"
-)
-
-
-@pytest.fixture(autouse=True)
-def single_process_env(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("RANK", "0")
+from tests.unit_tests.training.argument_checks import BASE, validated
 
 
 def _parsed(extra):
-    return parse_args(args=(BASE + " " + extra).split())
+    return parse_args(args=f"{BASE} {extra}".split())
 
 
 def test_without_the_flag_the_signal_keeps_its_action():
@@ -43,4 +33,4 @@ def test_with_the_flag_the_signal_is_recorded_and_the_handler_restored():
 
 def test_another_exit_signal_without_the_handler_is_named_in_a_warning():
     with pytest.warns(UserWarning, match="--exit-signal SIGUSR2 takes effect with --exit-signal-handler"):
-        validate_args(_parsed("--exit-signal SIGUSR2"))
+        validated("--exit-signal SIGUSR2")

@@ -4,25 +4,17 @@ documented no-ops, stopping with upstream's messages (removed flags), or naming 
 
 import dataclasses
 import math
+from functools import partial
 
 import pytest
 import torch
 
-from megatron.training.arguments import parse_args, validate_args
+from megatron.training.arguments import parse_args
 from megatron.training.model_config import core_transformer_config_from_args, ddp_config_from_args
+from tests.unit_tests.training import argument_checks
 
-BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
-        "--train-iters 4 --lr 1e-3 --mock-data --vocab-size 128")
-
-
-@pytest.fixture(autouse=True)
-def one_rank(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("RANK", "0")
-
-
-def validated(extra, base=BASE):
-    return validate_args(parse_args(args=f"{base} {extra}".split()))
+BASE = f"{argument_checks.BASE} --train-iters 4"
+validated = partial(argument_checks.validated, base=BASE)
 
 
 def test_encoder_aliases_set_num_layers_and_seq_length():

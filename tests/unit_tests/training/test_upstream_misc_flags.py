@@ -6,28 +6,20 @@ import argparse
 import glob
 import json
 import warnings
+from functools import partial
 
 import pytest
 import torch
 
 from megatron.training import run_control
-from megatron.training.arguments import parse_args, validate_args
+from megatron.training.arguments import parse_args
 from megatron.training.profiling import TorchProfilerSteps
 from tests.unit_tests.multiprocess_harness import run_on_ranks
+from tests.unit_tests.training import argument_checks
 from tests.unit_tests.training.test_training import TINY_GPT
 
-BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
-        "--train-iters 4 --lr 1e-3 --mock-data --vocab-size 128")
-
-
-@pytest.fixture
-def one_rank(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("RANK", "0")
-
-
-def validated(extra):
-    return validate_args(parse_args(args=f"{BASE} {extra}".split()))
+BASE = f"{argument_checks.BASE} --train-iters 4"
+validated = partial(argument_checks.validated, base=BASE)
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -49,12 +41,12 @@ def validated(extra):
      r"--pytorch-profiler-collect-chakra choose what the PyTorch profiler records: add --profile "
      r"--use-pytorch-profiler"),
 ])
-def test_refused_flags_name_the_flag_and_what_to_do(one_rank, extra, message):
+def test_refused_flags_name_the_flag_and_what_to_do(extra, message):
     with pytest.raises(ValueError, match=message):
         validated(extra)
 
 
-def test_kitchen_flags_exclude_each_other_and_symmetric_ar_type_takes_upstreams_choices(one_rank, capsys):
+def test_kitchen_flags_exclude_each_other_and_symmetric_ar_type_takes_upstreams_choices(capsys):
     for extra, error in (
             ("--kitchen-config-file a.yaml --kitchen-recipe-number 1",
              "argument --kitchen-recipe-number: not allowed with argument --kitchen-config-file"),
@@ -66,7 +58,7 @@ def test_kitchen_flags_exclude_each_other_and_symmetric_ar_type_takes_upstreams_
         assert parse_args(args=f"{BASE} --symmetric-ar-type {choice}".split()).symmetric_ar_type == choice
 
 
-def test_nvtx_ranges_warn_on_cpu_and_parse_with_upstreams_defaults(one_rank):
+def test_nvtx_ranges_warn_on_cpu_and_parse_with_upstreams_defaults():
     with pytest.warns(UserWarning, match="--nvtx-ranges annotates CUDA work for Nsight Systems; this run uses gloo"):
         args = validated("--nvtx-ranges --train-sync-interval 3")
     assert (args.nvtx_ranges, args.train_sync_interval) == (True, 3)

@@ -1,23 +1,13 @@
 """The interleaved-pipeline flags: derived chunk count and the upstream rules, with messages naming the flags."""
 
+from functools import partial
+
 import pytest
 
-from megatron.training.arguments import parse_args, validate_args
+from tests.unit_tests.training import argument_checks
 
-BASE = (
-    "--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 "
-    "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128 --pipeline-model-parallel-size 2"
-)
-
-
-@pytest.fixture(autouse=True)
-def two_ranks(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "0")
-
-
-def validated(extra):
-    return validate_args(parse_args(args=f"{BASE} {extra}".split()))
+EIGHT_LAYERS = f"{argument_checks.BASE} --num-layers 8 --micro-batch-size 1"
+validated = partial(argument_checks.validated, world_size=2, base=f"{EIGHT_LAYERS} --pipeline-model-parallel-size 2")
 
 
 @pytest.mark.parametrize(
@@ -66,8 +56,6 @@ def test_rules_name_the_flags(extra, message):
         validated(extra)
 
 
-def test_needs_a_pipeline(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "1")
+def test_needs_a_pipeline():
     with pytest.raises(ValueError, match="need --pipeline-model-parallel-size > 1"):
-        validate_args(parse_args(args=f"{BASE} --num-virtual-stages-per-pipeline-rank 2".replace(
-            "--pipeline-model-parallel-size 2", "").split()))
+        argument_checks.validated("--num-virtual-stages-per-pipeline-rank 2", base=EIGHT_LAYERS)
