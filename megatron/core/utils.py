@@ -23,6 +23,7 @@ __all__ = [
     "make_tp_sharded_tensor_for_checkpoint",
     "init_method_normal",
     "scaled_init_method_normal",
+    "StragglerDetector",
     "unwrap_model",
 ]
 
@@ -191,3 +192,37 @@ def make_sharded_tensor_for_checkpoint(tensor: torch.Tensor, key: str, prepend_o
 
     _check_no_prepended_offsets(key, prepend_offsets)
     return ShardedLogicalTensor.from_local(tensor)
+
+
+class StragglerDetector:
+    """Upstream's straggler detector, as a context manager that measures nothing: straggler detection is not done
+    here (it reads GPU clocks and utilisation through NVML; `--log-straggler` is refused at validation for the same
+    reason). Scripts written against upstream keep working: `stimer = StragglerDetector()`, `with stimer:`,
+    `with stimer(bdata=True):`, `stimer.configure(...)` (with `enabled=False`) and `stimer.report(...)` (returns
+    False: nothing was reported). `--timing-log-option minmax` / `all` shows the slowest rank's timers instead."""
+
+    def __init__(self):
+        self.configured = False
+
+    @property
+    def enabled(self):
+        return False
+
+    def configure(self, world, rank, mmcnt=1, amp=3.0, port=65535, prefill=1024, enabled=False):
+        if enabled:
+            raise ValueError("StragglerDetector.configure(enabled=True): straggler detection is not available here "
+                             "(as --log-straggler); configure it with enabled=False, or use --timing-log-option "
+                             "minmax|all to see the slowest rank's timers")
+        self.configured = True
+
+    def report(self, total_flops=0.0, log_interval=0):
+        return False
+
+    def __call__(self, bdata=False):
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        return False

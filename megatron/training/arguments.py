@@ -10,6 +10,9 @@ import difflib
 import re
 
 from megatron.training.argument_groups import ARGUMENT_GROUPS
+from megatron.training.model_config import core_transformer_config_from_args  # also here: upstream's import path
+
+__all__ = ["build_parser", "core_transformer_config_from_args", "parse_args", "validate_args"]
 
 # Declared so launch scripts parse, but refused with what to use instead: never silently ignored.
 NOT_IMPLEMENTED_FLAGS = (
