@@ -14,7 +14,7 @@ from megatron.core.enums import ModelType
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.timers import timed
-from megatron.core.transformer.context_parallel import context_parallel_loss, get_batch_on_this_cp_rank
+from megatron.core.transformer.context_parallel import get_batch_on_this_cp_rank
 from megatron.core.transformer.multi_token_prediction import (
     masked_depth_losses,
     mtp_depth_losses_or_none,
@@ -65,7 +65,8 @@ def loss_func(loss_mask, output_tensor):
     """(masked loss sum, token count, report): the schedule divides the loss by the count.
 
     The report is this rank's [sum, count]; the training loop sums reports over DP x CP. Under context
-    parallelism the loss and count cover the whole sequence (`context_parallel_loss`).
+    parallelism both are this rank's part of each sequence; the schedule makes the loss the whole sequence's mean
+    (`context_parallel_loss`).
 
     With multi-token prediction (`--mtp-num-layers`) the model also returns each depth's per-token losses: their
     term (`--mtp-loss-scaling-factor` / N times the sum of the depths' masked means) joins the loss for the
@@ -88,7 +89,6 @@ def loss_func(loss_mask, output_tensor):
         loss_sum = loss_sum + mtp_loss_for_backward(depth_sums, depth_counts, args.mtp_loss_scaling_factor,
                                                     num_tokens, args.calculate_per_token_loss, cp_group=group)
     validate_loss(loss_sum, get_args())
-    loss_sum, num_tokens = context_parallel_loss(loss_sum, num_tokens, group, get_args().calculate_per_token_loss)
     return loss_sum, num_tokens, {"lm loss": report}
 
 

@@ -7,7 +7,17 @@ import torch
 from megatron.core.device_utils import get_current_device
 from megatron.core.pipeline_parallel.model_access import schedule_setting, set_input_tensor
 from megatron.core.timers import timed
+from megatron.core.transformer.context_parallel.loss import context_parallel_loss
 from megatron.core.transformer.moe.moe_utils import set_aux_loss_backward_scale
+
+
+def _context_parallel_group():
+    """The context-parallel group when there is one of more than one rank, else None."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized() or parallel_state.get_context_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_context_parallel_group()
 
 
 def _unpack_loss(outputs):
@@ -63,9 +73,14 @@ def _forward_step(
 
     loss, loss_num_tokens, reported = _unpack_loss(loss_func(output_tensor))
     per_token_loss = schedule_setting(config, "calculate_per_token_loss")
+    cp_group = _context_parallel_group()
     if loss_num_tokens is not None:
+        # Under context parallelism this rank's sum and count cover its part of each sequence: the loss becomes
+        # the mean over the whole sequence (context_parallel_loss; with per-token loss they go out as they are).
+        loss, loss_num_tokens = context_parallel_loss(loss, torch.as_tensor(loss_num_tokens, device=loss.device),
+                                                      cp_group, per_token_loss)
         # int64 on every stage, so that stages without a loss (count 0) can exchange counts with the last one.
-        num_tokens = torch.as_tensor(loss_num_tokens, device=loss.device).detach().round().to(torch.int64)
+        num_tokens = loss_num_tokens.detach().round().to(torch.int64)
         if not per_token_loss:
             loss = loss / loss_num_tokens
     if not per_token_loss:

@@ -99,6 +99,12 @@ def per_token_loss_func(loss_mask, output_tensor):
     return loss, num_tokens, {"lm loss": reporting_loss}
 
 
+def first_tokens_masked_loss_func(loss_mask, output_tensor):
+    # Upstream's loss over all but the first 3 positions of each sequence: under context parallelism the ranks
+    # then hold different token counts (the first positions lie in rank 0's chunks).
+    return per_token_loss_func(loss_mask * (POSITION_IDS >= 3), output_tensor)
+
+
 def averaged_loss_func(loss_mask, output_tensor):
     losses = output_tensor.view(-1).float()
     loss_mask = loss_mask.view(-1).float()
@@ -113,6 +119,8 @@ def forward_step(data_iterator, model):
     with stimer(bdata=True):
         vp_stage = get_attr_wrapped_model(model, "vp_stage")
         tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
+        global POSITION_IDS
+        POSITION_IDS = position_ids
     timers("batch-generator").stop()
     with stimer:
         output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
@@ -142,11 +150,11 @@ def upstream_script(loss_func_name):
     return UPSTREAM_IMPORTS + UPSTREAM_SCRIPT_BODY.replace("LOSS_FUNC", loss_func_name)
 
 
-def _metrics_losses(path):
-    return [json.loads(line)["lm loss"] for line in open(path).read().splitlines()]
+def _metrics_losses(path, field="lm loss"):
+    return [json.loads(line)[field] for line in open(path).read().splitlines()]
 
 
-def _upstream_script_and_pretrain_gpt_losses(workdir, loss_func_name, extra_flags):
+def _upstream_script_and_pretrain_gpt_losses(workdir, loss_func_name, extra_flags, field="lm loss"):
     """(the upstream-style script's losses, pretrain_gpt.py's losses) on the same flags, on every rank."""
     import pretrain_gpt
     from megatron.core.enums import ModelType
@@ -172,7 +180,7 @@ def _upstream_script_and_pretrain_gpt_losses(workdir, loss_func_name, extra_flag
     finally:
         sys.argv = saved_argv
     torch.distributed.barrier()
-    return _metrics_losses(script_metrics), _metrics_losses(reference_metrics)
+    return _metrics_losses(script_metrics, field), _metrics_losses(reference_metrics, field)
 
 
 @pytest.mark.parametrize("world_size", [1])
@@ -298,3 +306,36 @@ def test_batch_and_blend_helpers(monkeypatch):
     assert get_blend_and_blend_per_split(data_args(["0.3", "a", "0.7", "b"])) == ((["a", "b"], [0.3, 0.7]), None)
     assert get_blend_and_blend_per_split(data_args(train=["t"], test=["x", "y"])) == (
         None, [(["t"], None), None, (["x", "y"], None)])
+
+
+def _script_losses_and_grad_norms(workdir, loss_func_name, extra_flags):
+    """The upstream-style script's (lm loss, grad norm) per iteration, on every rank."""
+    script = os.path.join(workdir, "pretrain_custom.py")
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(workdir, exist_ok=True)
+        with open(script, "w") as stream:
+            stream.write(upstream_script(loss_func_name))
+    torch.distributed.barrier()
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    saved_argv = sys.argv
+    sys.argv = [script] + f"{TINY_GPT} {extra_flags}".split() + ["--metrics-file", metrics]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.argv = saved_argv
+    torch.distributed.barrier()
+    return list(zip(_metrics_losses(metrics), _metrics_losses(metrics, "grad norm")))
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_upstream_loss_function_under_context_parallelism_is_the_whole_sequences_mean(tmp_path, world_size):
+    """CP2 on two ranks against one rank: an upstream-style loss function returns this rank's sum and token count
+    of each sequence's share, here uneven between the ranks (the first positions are masked); the schedule
+    divides by the whole sequence's count, so loss and grad norm are the one-rank run's."""
+    (one_rank,) = run_on_ranks(1, _script_losses_and_grad_norms, str(tmp_path / "cp1"),
+                               "first_tokens_masked_loss_func", "")
+    context_parallel = run_on_ranks(world_size, _script_losses_and_grad_norms, str(tmp_path / "cp2"),
+                                    "first_tokens_masked_loss_func", "--context-parallel-size 2")[1]
+    assert len(one_rank) == 3
+    for (loss, grad_norm), (cp_loss, cp_grad_norm) in zip(one_rank, context_parallel):
+        assert cp_loss == pytest.approx(loss, rel=1e-5) and cp_grad_norm == pytest.approx(grad_norm, rel=1e-5)
