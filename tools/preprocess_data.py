@@ -32,7 +32,7 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
     index_file_path,
     optimal_token_dtype,
 )
-from megatron.training.argument_groups.data import add_tokenizer_file_arguments  # noqa: E402
+from megatron.training.argument_groups.data import add_tokenizer_file_arguments, vocab_extra_ids_refusal  # noqa: E402
 from megatron.training.tokenizer import TOKENIZER_TYPES, build_tokenizer_from_args  # noqa: E402
 from megatron.training.tokenizer.tokenizer import SENTENCEPIECE_TOKENIZER_TYPES, sentencepiece_refusal  # noqa: E402
 
@@ -295,9 +295,11 @@ def parse_args(argv=None):
     group.add_argument("--vocab-size", type=int, default=None,
                        help="for NullTokenizer; for TikTokenizer, the vocabulary with the special tokens "
                        "(default 131072)")
-    add_tokenizer_file_arguments(group)  # --vocab-file, --merge-file, --tokenizer-model, tiktoken settings
-    group.add_argument("--vocab-extra-ids", type=int, default=0,
-                       help="upstream's T5/BERT sentinel tokens; only 0 (none) is supported")
+    # --vocab-file, --merge-file, --tokenizer-model, --trust-remote-code, tiktoken settings, --vocab-extra-ids
+    add_tokenizer_file_arguments(group)
+    group.add_argument("--legacy-tokenizer", action="store_true",
+                       help="accepted for upstream scripts (upstream then uses megatron.training.tokenizer); the "
+                       "tokenizers here are always those of megatron.training.tokenizer")
     group.add_argument("--append-eod", action="store_true", help="end every document with the eod token")
     group = parser.add_argument_group("output")
     group.add_argument("--output-prefix", required=True, help="writes PREFIX_<key>_document.bin/.idx")
@@ -316,9 +318,8 @@ def parse_args(argv=None):
         parser.error("--workers must be at least 1")
     if args.partitions < 1:
         parser.error("--partitions must be at least 1")
-    if args.vocab_extra_ids != 0:
-        parser.error(f"--vocab-extra-ids {args.vocab_extra_ids} is not supported: it adds the <extra_id_N> sentinel "
-                     "tokens of upstream's BERT/T5 tokenizers, which GPT tokenizers here do not have; drop the flag")
+    if vocab_extra_ids_refusal(args.vocab_extra_ids):
+        parser.error(vocab_extra_ids_refusal(args.vocab_extra_ids))
     if not input_files(args.input):
         parser.error(f"--input {args.input!r} is not a file and matches no file as a glob pattern (give a JSONL "
                      "file, one JSON document per line, or a quoted pattern such as 'shards/*.jsonl')")

@@ -14,9 +14,6 @@ UNSUPPORTED_FLAGS = (
      "their path to --data-path"),
 )
 
-# Upstream tokenizer types that read a SentencePiece .model file.
-SENTENCEPIECE_TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
-
 
 def add_tokenizer_file_arguments(group):
     """The flags naming a tokenizer's files and settings, shared with tools/preprocess_data.py."""
@@ -36,6 +33,17 @@ def add_tokenizer_file_arguments(group):
     group.add_argument("--tiktoken-special-tokens", nargs="+", default=None,
                        help="TikTokenizer special tokens (must include <unk>, <s>, </s>); default <unk> <s> </s> "
                        "<mask> <pad> <cls> <sep>.")
+    group.add_argument("--vocab-extra-ids", type=int, default=0,
+                       help="Upstream's <extra_id_N> sentinel tokens of its BERT/T5 tokenizers; only 0 (none, the "
+                       "default) is accepted.")
+
+
+def vocab_extra_ids_refusal(vocab_extra_ids):
+    """Why --vocab-extra-ids `vocab_extra_ids` is refused; None for 0, the default."""
+    if vocab_extra_ids == 0:
+        return None
+    return (f"--vocab-extra-ids {vocab_extra_ids} is not supported: it adds the <extra_id_N> sentinel tokens of "
+            "upstream's BERT/T5 tokenizers, which GPT tokenizers here do not have; drop the flag")
 
 
 def add_arguments(parser):
@@ -177,14 +185,16 @@ def _validate_validation_flags(args, per_split):
 
 def _check_tokenizer_type(tokenizer_type):
     """Upstream's argparse choices, checked here so that a misspelt or upstream-only type stops before start-up."""
-    from megatron.training.tokenizer.tokenizer import TOKENIZER_TYPES
+    from megatron.training.tokenizer.tokenizer import SENTENCEPIECE_TOKENIZER_TYPES, TOKENIZER_TYPES
 
     if tokenizer_type in TOKENIZER_TYPES:
         return
     message = f"--tokenizer-type {tokenizer_type} is not one of {', '.join(TOKENIZER_TYPES)}"
     if tokenizer_type in SENTENCEPIECE_TOKENIZER_TYPES:
-        message += ("; for a SentencePiece model use --tokenizer-type HuggingFaceTokenizer with --tokenizer-model "
-                    "set to the model's Hugging Face tokenizer directory (or its tokenizer.json)")
+        message += ("; upstream reads its SentencePiece .model with the sentencepiece package (pip install "
+                    "sentencepiece), which no tokenizer here uses; for a SentencePiece model use --tokenizer-type "
+                    "HuggingFaceTokenizer with --tokenizer-model set to the model's Hugging Face tokenizer directory "
+                    "(or its tokenizer.json)")
     raise ValueError(message)
 
 
@@ -231,5 +241,11 @@ def validate(args):
                          "code: drop the flag")
     if args.tokenizer_type == "GPT2BPETokenizer" and (args.vocab_file is None or args.merge_file is None):
         raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+    if args.tokenizer_type == "HuggingFaceTokenizer" and args.tokenizer_model is None:
+        raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a Hugging Face tokenizer "
+                         "directory or name, or a tokenizer.json file)")
+    refusal = vocab_extra_ids_refusal(args.vocab_extra_ids)
+    if refusal:
+        raise ValueError(refusal)
     if args.num_workers < 0:
         raise ValueError(f"--num-workers must be >= 0, got {args.num_workers}")

@@ -33,7 +33,8 @@ def _import_tokenizers():
 def resolve_tokenizer_json(tokenizer_model):
     """Accept either a tokenizer.json path or a directory that contains one."""
     if tokenizer_model is None:
-        raise ValueError("HuggingFaceTokenizer needs --tokenizer-model pointing at a tokenizer.json file")
+        raise ValueError("HuggingFaceTokenizer needs --tokenizer-model: a Hugging Face tokenizer directory or name, "
+                         "or a tokenizer.json file")
     path = os.path.join(tokenizer_model, "tokenizer.json") if os.path.isdir(tokenizer_model) else tokenizer_model
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--tokenizer-model {tokenizer_model!r}: no tokenizer file at {path}")

@@ -1,5 +1,5 @@
-"""`tools/preprocess_data.py` with upstream's sentence flags, list-valued keys, `--vocab-extra-ids`, empty documents and
-glob inputs."""
+"""`tools/preprocess_data.py` with upstream's sentence flags, list-valued keys, `--vocab-extra-ids`,
+`--legacy-tokenizer`, empty documents and glob inputs."""
 
 import gzip
 import importlib.util
@@ -141,3 +141,13 @@ def test_input_glob_of_plain_and_gzip_files_reads_them_in_name_order(tmp_path, p
     with pytest.raises(SystemExit) as exit_info:  # a bad line is named by its file and its line in that file
         preprocess_data.main(["--input", str(shards / "part_*"), *arguments])
     assert exit_info.value.code.startswith(f"{shards / 'part_2.jsonl'}, line 1: 'text' must be a string")
+
+
+def test_legacy_tokenizer_is_accepted_and_changes_nothing(tmp_path, preprocess_data):
+    corpus = _corpus(tmp_path, [{"text": "1 2 3"}, {"text": "4 49"}])
+    outputs = {}
+    for name, extra in (("plain", []), ("legacy", ["--legacy-tokenizer"])):
+        args = preprocess_data.parse_args(["--input", corpus, "--output-prefix", str(tmp_path / name),
+                                           *NULL_TOKENIZER, "--append-eod", *extra])
+        outputs[name] = _sequences(IndexedDataset(preprocess_data.preprocess(args)["text"]))
+    assert outputs["legacy"] == outputs["plain"] == [[1, 2, 3, 50], [4, 49, 50]]
