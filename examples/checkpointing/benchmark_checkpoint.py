@@ -3,7 +3,7 @@ optimizer, Megatron-FSDP (ZeRO-3) and FSDP2, sync and --async-save, next to torc
 (`get_state_dict` + `dcp.save`) of the same model.
 
     torchrun --nproc-per-node 2 examples/checkpointing/benchmark_checkpoint.py [--model small] [--repeats 3]
-             [--steps 3] [--out results.json] [--doc docs/benchmarks.md]
+             [--steps 3] [--arms "Megatron-FSDP z3,distributed optimizer"] [--out results.json]
 
 Per arm: one training step (so the optimizer has state), then, `--repeats` times, interleaved:
 - sync save: wall time of `save_checkpoint` (training is stopped for all of it) and bytes on disk;
@@ -202,22 +202,35 @@ def table(rows, model, repeats, steps):
     return "\n".join(lines)
 
 
-def main():
+def arm_list(text):
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in ARMS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown arm(s) {unknown}; choose from: " + ", ".join(ARMS))
+    return names
+
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="small")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--arms", default=",".join(ARMS), help="Comma-separated subset of: " + ", ".join(ARMS))
+    parser.add_argument("--arms", type=arm_list, default=list(ARMS),
+                        help="Comma-separated subset of: " + ", ".join(ARMS))
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--out", default=None, help="Write the results as JSON here.")
-    options = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main():
+    options = parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     dist.init_process_group("gloo")
     shared = [options.workdir or (tempfile.mkdtemp(prefix="ckpt_bench_") if dist.get_rank() == 0 else None)]
     dist.broadcast_object_list(shared, src=0)  # one checkpoint root for all ranks
     workdir = shared[0]
     results = {}
-    for name in [arm.strip() for arm in options.arms.split(",")]:
+    for name in options.arms:
         results[name] = benchmark_arm(name, MODELS[options.model], workdir, options.repeats, options.steps)
     if dist.get_rank() == 0:
         rows = summarize(results)

@@ -61,13 +61,16 @@ def _train(strategy, args):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seq", type=int, default=64)
     args = parser.parse_args()
+    if "RANK" not in os.environ:
+        raise SystemExit("run under torchrun (PP=2 x DP=2): "
+                         "torchrun --nproc-per-node 4 -m examples.megatron_fsdp.pipeline_gather_cost")
     dist.init_process_group("gloo")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     rows = []

@@ -13,8 +13,9 @@ On request (`--arms`): `Megatron-FSDP ZeRO-3` and `Megatron-FSDP parameter offlo
 
 Printed per arm: the peak device memory over the timed steps (`torch.cuda.max_memory_allocated`; "n/a" on the CPU,
 where host and device are the same memory), its saving against the arm's reference, the median step time and
-its ratio to the reference, and the last loss (arms of one reference train the same numbers). The targets: the
-optimizer-offload arm saves at least 12 bytes per parameter at <= 1.3x the step time.
+its ratio to the reference ("-" where `--arms` leaves the reference out), and the last loss (arms of one reference
+train the same numbers). The targets: the optimizer-offload arm saves at least 12 bytes per parameter at <= 1.3x
+the step time.
 """
 
 import argparse
@@ -201,15 +202,15 @@ def format_table(results: List[ArmResult]) -> str:
               "| last loss |")
     lines = [header, "|---|---|---|---|---|---|"]
     for result in results:
-        reference = by_name.get(result.arm.reference, result)
+        reference = by_name.get(result.arm.reference)  # "-" where the reference arm was not run
         step = statistics.median(result.step_seconds)
-        ratio = step / statistics.median(reference.step_seconds)
+        ratio = f"{step / statistics.median(reference.step_seconds):.2f}" if reference else "-"
         if result.peak_bytes is None:
             peak = saved = "n/a"
         else:
             peak = f"{result.peak_bytes / GIB:.2f}"
-            saved = f"{(reference.peak_bytes - result.peak_bytes) / result.num_params:.1f}"
-        lines.append(f"| {result.arm.name} | {peak} | {saved} | {step:.3f} | {ratio:.2f} | {result.losses[-1]:.6f} |")
+            saved = f"{(reference.peak_bytes - result.peak_bytes) / result.num_params:.1f}" if reference else "-"
+        lines.append(f"| {result.arm.name} | {peak} | {saved} | {step:.3f} | {ratio} | {result.losses[-1]:.6f} |")
     return "\n".join(lines)
 
 

@@ -150,9 +150,9 @@ def _table(per_rank, m):
             "|---|---|---|---|---|---|"]
     base_step = max(per_rank[rank][1][0] for rank in per_rank)
     for v, name in ((1, f"1F1B, p={p}, m={m}"), (2, f"interleaved, p={p}, v=2, m={m}")):
-        step = max(per_rank[rank][v][0] for rank in per_rank)
-        compute = max(per_rank[rank][v][1] for rank in per_rank)
-        bubble = max((per_rank[rank][v][0] - per_rank[rank][v][1]) / per_rank[rank][v][0] for rank in per_rank)
+        # step, compute and bubble all of the slower rank, so that the row reads bubble = (step - compute) / step
+        step, compute = max((per_rank[rank][v] for rank in per_rank), key=lambda times: times[0])
+        bubble = (step - compute) / step
         theory = (p - 1) / (v * m + p - 1)
         rows.append(f"| {name} | {step:.3f} | {compute:.3f} | {bubble:.1%} | {theory:.1%} "
                     f"((p-1)/(v m) = {(p - 1) / (v * m):.1%} of compute) | {step / base_step:.2f}x |")

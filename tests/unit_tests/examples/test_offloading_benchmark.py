@@ -86,3 +86,16 @@ def test_an_arm_leaves_no_tensor_behind(world_size):
     left = run_on_ranks(world_size, _bytes_left_by_arms, ["no offload", "optimizer offload 1.0"])[0]
     for name, (leftover_bytes, num_params) in left.items():
         assert num_params > 100_000 and leftover_bytes == 0, (name, leftover_bytes / num_params)
+
+
+def test_table_leaves_the_comparison_out_when_the_reference_did_not_run():
+    from examples.offloading import benchmark
+
+    arms = {arm.name: arm for arm in benchmark.ARMS}
+    gib = 1 << 30
+    results = [benchmark.ArmResult(arms["FSDP2 parameter offload"], 2 * gib, [0.3, 0.5], [4.0, 3.5], 1 << 28),
+               benchmark.ArmResult(arms["no offload"], 4 * gib, [0.2], [4.0, 3.25], 1 << 28),
+               benchmark.ArmResult(arms["optimizer offload 1.0"], 3 * gib, [0.8], [4.0, 3.25], 1 << 28)]
+    rows = [row.split(" | ") for row in benchmark.format_table(results).splitlines()[2:]]
+    assert [row[1:5] for row in rows] == [["2.00", "-", "0.400", "-"], ["4.00", "0.0", "0.200", "1.00"],
+                                          ["3.00", "4.0", "0.800", "4.00"]]
