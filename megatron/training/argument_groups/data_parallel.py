@@ -60,7 +60,7 @@ def add_arguments(parser):
         "--grad-reduce-in-bf16",
         action="store_true",
         help="With --bf16: accumulate and reduce gradients in bf16 instead of upstream's fp32 default (Megatron DDP, "
-        "the distributed optimizer and FSDP2; with --use-megatron-fsdp the gradient reduction only).",
+        "the distributed optimizer, FSDP2 and Megatron-FSDP).",
     )
     group.add_argument(
         "--no-gradient-accumulation-fusion",
@@ -110,9 +110,10 @@ def add_arguments(parser):
         action=_StoreMegatronFsdpSetting,
         default="auto",
         choices=MEGATRON_FSDP_DTYPE_CHOICES,
-        help="Megatron-FSDP gradient accumulation and optimizer-gradient dtype; auto: fp32 when the main weights "
-        "are fp32 (the default --megatron-fsdp-main-params-dtype) or with --accumulate-allreduce-grads-in-fp32, "
-        "otherwise the parameters' dtype.",
+        help="Megatron-FSDP gradient accumulation and optimizer-gradient dtype; auto: fp32 with "
+        "--accumulate-allreduce-grads-in-fp32 (on under --bf16 unless --grad-reduce-in-bf16; an explicit "
+        "--megatron-fsdp-grad-comm-dtype under --bf16 keeps fp32 here), otherwise the parameters' dtype, as "
+        "Megatron DDP keeps its gradients.",
     )
     group.add_argument(
         "--megatron-fsdp-grad-comm-dtype",
@@ -181,6 +182,10 @@ def _validate_gradient_precision(args):
     explicit_half_comm = args.use_megatron_fsdp and args.megatron_fsdp_grad_comm_dtype in ("bf16", "fp16")
     if args.bf16 and not explicit_half_comm:
         args.accumulate_allreduce_grads_in_fp32 = True
+    elif args.bf16 and args.megatron_fsdp_main_grads_dtype == "auto":
+        # The explicit dtype changes the reduction only (fp32 reduction would contradict it): gradients still
+        # accumulate in fp32, as under --bf16 without it.
+        args.megatron_fsdp_main_grads_dtype = "fp32"
 
 
 # Megatron-FSDP's own settings: flag, destination, default.

@@ -74,3 +74,27 @@ def test_keep_fp8_transpose_cache_without_fp8_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         validated("--use-megatron-fsdp --keep-fp8-transpose-cache --fp8-format e4m3 --fp8-recipe tensorwise")
+
+
+@pytest.mark.parametrize("comm", ["bf16", "fp16"])
+def test_explicit_half_gradient_reduction_keeps_fp32_accumulation_under_bf16(comm):
+    import types
+
+    import torch
+
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import _mixed_precision_policy
+    from megatron.training.model_config import ddp_config_from_args
+
+    bf16_model = types.SimpleNamespace(params_dtype=torch.bfloat16)
+
+    def policy(flags):
+        args = validated(f"--use-megatron-fsdp --bf16 {flags}")
+        return _mixed_precision_policy(bf16_model, ddp_config_from_args(args))
+
+    comm_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[comm]
+    explicit = policy(f"--megatron-fsdp-grad-comm-dtype {comm}")
+    assert (explicit.main_grads_dtype, explicit.grad_comm_dtype) == (torch.float32, comm_dtype)
+    # --grad-reduce-in-bf16 opts out of fp32 accumulation, as under DDP; an explicit main-grads dtype is kept.
+    assert policy("--grad-reduce-in-bf16").main_grads_dtype == torch.bfloat16
+    assert policy(f"--megatron-fsdp-grad-comm-dtype {comm} --megatron-fsdp-main-grads-dtype bf16"
+                  ).main_grads_dtype == torch.bfloat16
