@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed.data_parallel_base import DataParallelWrapper, parameter_and_grad_bytes, tensor_bytes
+from megatron.core.distributed.data_parallel_base import DataParallelWrapper, tensor_bytes
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.param_and_grad_buffer import BucketCommunicationGroups, ParamAndGradBuffer
 from megatron.core.expert_parameters import expert_data_parallel_group, is_expert_parameter
@@ -244,13 +244,26 @@ class DistributedDataParallel(DataParallelWrapper):
                 dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
 
     def state_bytes(self):
-        """Parameters plus their `main_grad` views into the gradient buffers; the optimizer's main weights and
-        state are counted from the optimizer by the memory line. Under `--fp8-param-gather` the FP8 bytes and
-        scales of the FP8 layers' weights are compute weights too (upstream's FP8 parameters): `params_bytes`."""
-        report = parameter_and_grad_bytes(self.module)
+        """What this rank holds for the model: its flat gradient buffers, bucket padding included; with the
+        distributed optimizer its flat parameter buffers, which hold the bucketed parameters, else those
+        parameters; and the parameters outside any buffer (frozen ones) with their gradients if any. The
+        optimizer's main weights and state are counted from the optimizer by the memory line. Under
+        `--fp8-param-gather` the FP8 bytes and scales of the FP8 layers' weights are compute weights too
+        (upstream's FP8 parameters): `params_bytes`."""
+        params_bytes = grads_bytes = 0
         for buffer in self.buffers:
+            grads_bytes += tensor_bytes(buffer.grad_data)
+            if buffer.param_data is not None:
+                params_bytes += tensor_bytes(buffer.param_data)
             fp8_storage = getattr(buffer, "fp8_storage", None)
             if fp8_storage is not None:
-                report["params_bytes"] += tensor_bytes(fp8_storage.data) + sum(
+                params_bytes += tensor_bytes(fp8_storage.data) + sum(
                     tensor_bytes(scale) for scale in fp8_storage.scales.values())
-        return report
+        buffer_of = {param: buffer for buffer in self.buffers for param in buffer.params}
+        for param in self.module.parameters():
+            buffer = buffer_of.get(param)
+            if buffer is None or buffer.param_data is None:
+                params_bytes += tensor_bytes(param)
+            if buffer is None and param.grad is not None:
+                grads_bytes += tensor_bytes(param.grad)
+        return {"params_bytes": params_bytes, "grads_bytes": grads_bytes}

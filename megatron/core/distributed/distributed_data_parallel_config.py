@@ -48,7 +48,8 @@ class DistributedDataParallelConfig:
     """Elements per bucket; None: one bucket per dtype, or max(40M, 1M * DP) with overlap_grad_reduce."""
 
     pad_buckets_for_high_nccl_busbw: bool = False
-    """Pad buckets to a multiple of lcm(DP, 128) * 2**16 elements instead of a multiple of DP."""
+    """With `use_distributed_optimizer`: pad each bucket to a multiple of lcm(DP, 128, 2**16) elements instead of a
+    multiple of DP, as upstream (no effect without it)."""
 
     average_in_collective: bool = False
     """Average with ReduceOp.AVG in the collective instead of pre-scaling gradients by 1/DP."""
@@ -101,9 +102,9 @@ class DistributedDataParallelConfig:
     parameters' own dtype (`--megatron-fsdp-main-params-dtype`)."""
 
     megatron_fsdp_main_grads_dtype: Optional[torch.dtype] = None
-    """Megatron-FSDP: dtype gradients accumulate in and reach the optimizer with; None ("auto"): fp32 when the
-    main weights are fp32 (the default `megatron_fsdp_main_params_dtype`) or with `grad_reduce_in_fp32`,
-    otherwise the parameters' dtype (`--megatron-fsdp-main-grads-dtype`)."""
+    """Megatron-FSDP: dtype gradients accumulate in and reach the optimizer with; None ("auto"): fp32 with
+    `grad_reduce_in_fp32`, otherwise the parameters' dtype, as Megatron DDP keeps its gradients
+    (`--megatron-fsdp-main-grads-dtype`)."""
 
     megatron_fsdp_grad_comm_dtype: Optional[torch.dtype] = None
     """Megatron-FSDP: dtype gradients are reduced in; None ("auto"): the main grads dtype

@@ -2,7 +2,8 @@
 
 Layout: parameters are laid out one after another in the order given (DDP passes them in reverse, roughly
 the order their gradients appear in backward). A bucket closes once it holds at least `bucket_size` elements
-and is padded so its length divides the data-parallel shard count; every parameter's `main_grad` (and, with
+and is padded so its length divides the data-parallel shard count (with the distributed optimizer and
+`pad_buckets_for_high_nccl_busbw`, lcm(shard count, 128, 2**16)); every parameter's `main_grad` (and, with
 the distributed optimizer, its `.data`) is a view into the flat buffer. With the distributed optimizer, rank
 `r` of the shard group owns elements `[r * n / D, (r + 1) * n / D)` of every bucket of length `n`.
 
@@ -221,8 +222,10 @@ class ParamAndGradBuffer:
 
     def _pad_divisor(self):
         shard_count = _world_size(self.groups.shard_group)
-        if self.ddp_config.pad_buckets_for_high_nccl_busbw:
-            return math.lcm(shard_count, 128) * 2**16
+        if self.ddp_config.pad_buckets_for_high_nccl_busbw and self.ddp_config.use_distributed_optimizer:
+            # As upstream: bucket lengths divisible by 2**16 as well, for NCCL's bus bandwidth on the
+            # reduce-scatter and all-gather of large data-parallel groups (at most that many padding elements).
+            return math.lcm(shard_count, 128, 2**16)
         return shard_count
 
     def _layout(self, params, bucket_size):

@@ -193,13 +193,13 @@ def test_ddp_pad_buckets_for_high_nccl_busbw_pads_each_bucket():
     from tests.unit_tests.test_utilities import Utils
 
     assert ddp_config_from_args(validated("")).pad_buckets_for_high_nccl_busbw is False
-    ddp_config = ddp_config_from_args(validated("--ddp-pad-buckets-for-high-nccl-busbw"))
+    ddp_config = ddp_config_from_args(validated("--ddp-pad-buckets-for-high-nccl-busbw --use-distributed-optimizer"))
     assert ddp_config.pad_buckets_for_high_nccl_busbw is True
     Utils.initialize_model_parallel()
     try:
         model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 2))  # 26 elements
         (buffer,) = DistributedDataParallel(ModelParallelConfig(), ddp_config, model).buffers
-        multiple = math.lcm(Utils.world_size, 128) * 2**16
+        multiple = math.lcm(Utils.world_size, 128, 2**16)  # upstream's divisor with the distributed optimizer
         assert [bucket.numel for bucket in buffer.buckets] == [multiple]
     finally:
         Utils.destroy_model_parallel()
