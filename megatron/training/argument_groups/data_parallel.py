@@ -188,6 +188,28 @@ def _validate_gradient_precision(args):
         args.megatron_fsdp_main_grads_dtype = "fp32"
 
 
+def _check_weight_hash_has_replicas(args):
+    """--check-weight-hash-across-dp-replicas-interval compares the data-parallel replicas of each weight; a
+    wrapper that shards the weights over every data-parallel rank has none (each gathered weight is the same bytes
+    on every rank by construction), so the check cannot fail: a warning says so (upstream's Megatron-FSDP recipe
+    passes the flag, so it is not refused)."""
+    if getattr(args, "check_weight_hash_across_dp_replicas_interval", None) is None:
+        return
+    if args.data_parallel_size * args.context_parallel_size == 1:
+        return
+    zero3 = args.use_megatron_fsdp and args.data_parallel_sharding_strategy == "optim_grads_params"
+    if zero3 and args.num_distributed_optimizer_instances == 1:
+        wrapper = "--use-megatron-fsdp with --data-parallel-sharding-strategy optim_grads_params"
+    elif args.use_torch_fsdp2:
+        wrapper = "--use-torch-fsdp2"
+    else:
+        return
+    warnings.warn(f"--check-weight-hash-across-dp-replicas-interval compares the data-parallel replicas of each "
+                  f"weight, but {wrapper} shards every weight over the data-parallel ranks: there are no replicas to "
+                  "compare and the check always passes. Shard less (another --data-parallel-sharding-strategy, or "
+                  "HSDP with --num-distributed-optimizer-instances > 1, whose replicas it compares) or drop the flag")
+
+
 # Megatron-FSDP's own settings: flag, destination, default.
 MEGATRON_FSDP_ONLY_FLAGS = (
     ("--data-parallel-sharding-strategy", "data_parallel_sharding_strategy", DEFAULT_SHARDING_STRATEGY),
@@ -290,6 +312,7 @@ def validate(args):
                 f"data-parallel x --context-parallel-size ({data_and_context_parallel}) must be divisible by "
                 f"--num-distributed-optimizer-instances ({instances})"
             )
+    _check_weight_hash_has_replicas(args)
     if args.calculate_per_token_loss and args.ddp_average_in_collective:
         from megatron.core.distributed.data_parallel_base import PER_TOKEN_AVERAGE_MESSAGE
 

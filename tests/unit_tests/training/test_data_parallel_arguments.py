@@ -98,3 +98,15 @@ def test_explicit_half_gradient_reduction_keeps_fp32_accumulation_under_bf16(com
     assert policy("--grad-reduce-in-bf16").main_grads_dtype == torch.bfloat16
     assert policy(f"--megatron-fsdp-grad-comm-dtype {comm} --megatron-fsdp-main-grads-dtype bf16"
                   ).main_grads_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("sharding, warns", [("--use-megatron-fsdp", True), ("--use-torch-fsdp2 "
+                                             "--untie-embeddings-and-output-weights", True),
+                                             ("--use-megatron-fsdp --data-parallel-sharding-strategy optim", False),
+                                             ("--use-distributed-optimizer", False)])
+def test_weight_hash_check_over_fully_sharded_weights_warns_that_it_compares_nothing(sharding, warns):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        validated(f"{sharding} --check-weight-hash-across-dp-replicas-interval 2", world_size=2)
+    said = [str(w.message) for w in caught if "there are no replicas to compare" in str(w.message)]
+    assert len(said) == (1 if warns else 0)
