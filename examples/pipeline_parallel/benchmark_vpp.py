@@ -169,8 +169,10 @@ def _write_section(path, table):
     text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
     if heading in text:
         start = text.index(heading)
-        end = text.find("\n## ", start + len(heading))
-        text = text[:start] + section + (text[end + 1:] if end != -1 else "")
+        # The section ends at the next heading of its level or above (a "# " part or a "## " section).
+        ends = [index for index in (text.find(marker, start + len(heading)) for marker in ("\n# ", "\n## "))
+                if index != -1]
+        text = text[:start] + section + (text[min(ends) + 1:] if ends else "")
     else:
         text = text.rstrip("\n") + "\n\n" + section
     with open(path, "w") as stream:

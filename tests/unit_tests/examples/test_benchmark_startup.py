@@ -53,3 +53,16 @@ def test_vpp_table_row_is_the_slower_ranks():
     rows = [row.split(" | ") for row in benchmark_vpp._table(per_rank, 4).splitlines()[2:]]
     assert [row[1:4] for row in rows] == [["2.000", "1.800", "10.0%"], ["1.000", "0.750", "25.0%"]]
     assert [row[-1] for row in rows] == ["1.00x |", "0.50x |"]
+
+
+def test_vpp_write_replaces_its_section_only(tmp_path):
+    """--write replaces the VPP section up to the next heading of its level or above, "# " parts included."""
+    from examples.pipeline_parallel import benchmark_vpp
+
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Part A\n\n## Interleaved pipeline (VPP)\n\nold table\n\nold reading\n\n# Part B\n\nkept\n\n"
+                   "## Section C\n\nkept too\n")
+    benchmark_vpp._write_section(str(doc), "| new table |")
+    text = doc.read_text()
+    assert "old table" not in text and "| new table |" in text
+    assert text.endswith("\n# Part B\n\nkept\n\n## Section C\n\nkept too\n") and text.startswith("# Part A\n\n## ")
