@@ -2,6 +2,7 @@
 
 import signal
 
+import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
@@ -30,7 +31,8 @@ def build_data_iterators(train_valid_test_dataset_provider, args):
     evaluations need more samples than it holds (`evaluation_stream`).
     `--dataloader-type cyclic` reshuffles every epoch; with `external` the provider's three objects are the
     iterators, passed through as they are (they decide where a resumed run starts). With --full-validation or
-    --multiple-validation-sets the validation element is a list of `ValidationSet` (validation_sets.py).
+    --multiple-validation-sets the validation element is a list of `ValidationSet` (validation_sets.py). The first
+    batch of each loader has its token ids checked against `args.padded_vocab_size` (`TokenIdCheckedLoader`).
     """
     from megatron.training.datasets.data_samplers import build_pretraining_data_loader
     from megatron.training.datasets.gpt_dataset_config import check_datasets_follow_flags
@@ -52,11 +54,11 @@ def build_data_iterators(train_valid_test_dataset_provider, args):
     def loader(dataset, consumed_samples, dataloader_type=dataloader_type):
         if dataset is None or len(dataset) == 0:
             return None
-        return build_pretraining_data_loader(
+        return TokenIdCheckedLoader(build_pretraining_data_loader(
             dataset, consumed_samples, args.micro_batch_size, dp_rank, dp_size, args.num_workers,
             dataloader_type=dataloader_type, seed=args.seed, data_sharding=getattr(args, "data_sharding", True),
             worker_ignored_signal=caught_signal,
-        )
+        ), args)
 
     # A resumed run's evaluations continue after the samples earlier ones took; a --skip-train evaluation starts at
     # the first validation sample whatever iteration it loaded, as upstream's.
@@ -75,6 +77,73 @@ def build_data_iterators(train_valid_test_dataset_provider, args):
         if valid_dataset is not None and len(valid_dataset) > 0:
             valid = evaluation_stream(valid_dataset, loader, consumed_valid_samples, dataloader_type)
     return iter(train_loader) if train_loader is not None else None, valid, test
+
+
+class TokenIdCheckedLoader:
+    """A data loader whose first batch has its token ids checked against the model's vocabulary
+    (`check_token_ids`): one check per loader in the run, so a run on data preprocessed with another tokenizer
+    stops naming the dataset and the flags instead of failing inside the embedding. Otherwise the loader itself."""
+
+    def __init__(self, loader, args):
+        self.loader = loader
+        self.args = args
+        self.checked = False
+
+    def __iter__(self):
+        batches = iter(self.loader)
+        if self.checked:
+            return batches
+        return self._checking_first(batches)
+
+    def _checking_first(self, batches):
+        for batch in batches:
+            if not self.checked:
+                check_token_ids(batch, self.loader.dataset, self.args)
+                self.checked = True
+            yield batch
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __getattr__(self, name):
+        if name == "loader":  # not set yet (an unpickled copy)
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
+def check_token_ids(batch, dataset, args):
+    """Raise, naming the dataset prefix and the tokenizer flags, when a batch of `dataset` (a dict with `tokens`
+    and `labels`) holds a token id the model's embedding has no row for (`args.padded_vocab_size`)."""
+    vocab_rows = getattr(args, "padded_vocab_size", None)
+    if vocab_rows is None or not isinstance(batch, dict) or "tokens" not in batch:
+        return
+    token_ids = [batch[key] for key in ("tokens", "labels") if key in batch]
+    largest = max(int(ids.max()) for ids in token_ids)
+    if largest < vocab_rows:
+        return
+    out_of_range = torch.stack([(ids >= vocab_rows).reshape(len(ids), -1).any(dim=1) for ids in token_ids]).any(0)
+    tokenizer = " ".join(f"{flag} {getattr(args, name)}" for flag, name in (
+        ("--tokenizer-type", "tokenizer_type"), ("--vocab-size", "vocab_size"),
+        ("--tokenizer-model", "tokenizer_model"), ("--vocab-file", "vocab_file"))
+        if getattr(args, name, None) is not None)
+    raise ValueError(
+        f"the first batch read from {_dataset_names(dataset, batch, out_of_range)} holds token id {largest}, "
+        f"outside the model's vocabulary of {vocab_rows} ids (the padded vocabulary size of this run's tokenizer"
+        f"{': ' + tokenizer if tokenizer else ''}), so the data was likely preprocessed with another tokenizer. Check "
+        "--tokenizer-type, --vocab-size and --tokenizer-model / --vocab-file against the ones "
+        "tools/preprocess_data.py was given: the data must be preprocessed with the tokenizer the run trains with "
+        "(preprocess it again, or train with its tokenizer)")
+
+
+def _dataset_names(dataset, batch, out_of_range):
+    """The prefixes of the datasets whose samples of `batch` are `out_of_range` (a blend's, by their `dataset_id`)."""
+    datasets = [dataset]
+    if hasattr(dataset, "datasets") and "dataset_id" in batch:
+        datasets = [dataset.datasets[int(index)] for index in batch["dataset_id"][out_of_range].unique()]
+    prefixes = [getattr(getattr(part, "indexed_dataset", None), "path_prefix", None) for part in datasets]
+    if all(prefixes):
+        return f"dataset {', '.join(prefixes)}" if len(prefixes) == 1 else f"datasets {', '.join(prefixes)}"
+    return f"a {type(dataset).__name__}"
 
 
 def _check_unweighted_blend_is_long_enough(train_dataset, train_samples, dataloader_type):

@@ -2,6 +2,7 @@
 
 import argparse
 
+import numpy as np
 import pytest
 
 from megatron.training.data_iterators import build_data_iterators
@@ -111,3 +112,58 @@ def test_a_test_set_shorter_than_its_evaluation_is_read_again():
                                  "eval_iters": 2})
     _, _, test = build_data_iterators(lambda counts: (None, None, _Numbers(6)), args)
     assert [next(test).tolist() for _ in range(2)] == [[0, 1, 2, 3], [0, 1, 2, 3]]
+
+
+def _write_out_of_vocabulary_documents(prefix, largest_id):
+    """Documents `1 2 <largest_id> 3 EOD`: token ids a tokenizer of VOCAB_SIZE ids has no row for."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from tests.unit_tests.datasets.gpt_test_data import EOD
+
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for _ in range(60):
+        builder.add_document(np.array([1, 2, largest_id, 3, EOD]), [5])
+    builder.finalize(prefix + ".idx")
+
+
+def _gpt_iterators(prefixes, split="1,1,1"):
+    """(train, valid, test) iterators over GPT datasets of `prefixes` for a run whose embedding has 128 rows."""
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, build_gpt_datasets
+    from megatron.core.datasets.utils import blend_from_data_path
+    from tests.unit_tests.datasets.gpt_test_data import EodOnlyTokenizer
+
+    config = GPTDatasetConfig(random_seed=1, sequence_length=8, blend=blend_from_data_path(prefixes), split=split,
+                              tokenizer=EodOnlyTokenizer(), create_attention_mask=False)
+    args = argparse.Namespace(**{**vars(ARGS), "dataloader_type": "single", "micro_batch_size": 2,
+                                 "global_batch_size": 2, "num_workers": 0, "seed": 0, "consumed_train_samples": 0,
+                                 "padded_vocab_size": 128, "tokenizer_type": "NullTokenizer", "vocab_size": 99})
+    return build_data_iterators(lambda counts: build_gpt_datasets(config, counts), args)
+
+
+def test_token_ids_beyond_the_vocabulary_stop_the_first_batch_naming_the_dataset_and_flags(tmp_path):
+    from tests.unit_tests.datasets.gpt_test_data import write_documents
+
+    good, bad = str(tmp_path / "good_text_document"), str(tmp_path / "bad_text_document")
+    write_documents(good, num_documents=60, seed=3)
+    _write_out_of_vocabulary_documents(bad, largest_id=300)
+    for iterator in _gpt_iterators(["1", good, "1", bad]):  # train, validation and test: a weighted blend
+        with pytest.raises(ValueError) as error:
+            next(iterator)
+        message = str(error.value)
+        assert f"the first batch read from dataset {bad} holds token id 300, outside the model's vocabulary of " \
+               "128 ids" in message
+        assert good not in message  # the blend's other dataset is within the vocabulary
+        assert "this run's tokenizer: --tokenizer-type NullTokenizer --vocab-size 99)" in message
+        assert "Check --tokenizer-type, --vocab-size and --tokenizer-model / --vocab-file" in message
+        assert "the data must be preprocessed with the tokenizer the run trains with" in message
+
+
+def test_token_ids_within_the_vocabulary_pass(tmp_path):
+    from tests.unit_tests.datasets.gpt_test_data import write_documents
+
+    prefix = str(tmp_path / "good_text_document")
+    write_documents(prefix, num_documents=60, seed=3)
+    _write_out_of_vocabulary_documents(str(tmp_path / "edge_text_document"), largest_id=127)  # the last row
+    train, valid, test = _gpt_iterators([prefix, str(tmp_path / "edge_text_document")])
+    for iterator in (train, valid, test):
+        batches = [next(iterator) for _ in range(3)]
+        assert max(int(batch["tokens"].max()) for batch in batches) == 127  # read, not refused
