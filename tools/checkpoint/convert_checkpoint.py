@@ -94,6 +94,21 @@ def export_dtype(common, requested=None):
     return requested or training_dtype(common.get("args")) or recorded or "float32"
 
 
+def trained_token_ids(args):
+    """config.json's special token ids for a checkpoint that training wrote: the beginning-of-sequence and
+    end-of-document ids of the tokenizer its arguments name (where it can be rebuilt, else none), as generation
+    stops at the end-of-document id."""
+    from megatron.training.tokenizer import build_tokenizer_from_args
+
+    if getattr(args, "tokenizer_type", None) is None:
+        return {}
+    try:
+        tokenizer = build_tokenizer_from_args(args)
+        return {"bos_token_id": getattr(tokenizer, "bos", None), "eos_token_id": tokenizer.eod}
+    except Exception:  # a tokenizer file that is not here any more, or one without these ids: they stay unset
+        return {}
+
+
 def to_hf(directory, output, vocab_size=None, architecture=None, dtype=None):
     """Write `output`/config.json, model.safetensors and megatron_extras.safetensors; returns the HF tensors.
     `architecture` (--hf-architecture) and `dtype` (--hf-dtype) default to what the checkpoint says: the
@@ -131,8 +146,9 @@ def to_hf(directory, output, vocab_size=None, architecture=None, dtype=None):
         raise SystemExit(f"{directory}: {exc}") from exc
     os.makedirs(output, exist_ok=True)
     with open(os.path.join(output, hf_mapping.CONFIG_FILE), "w") as stream:
-        json.dump(hf_mapping.hf_config(shape, architecture, dtype, source.get("token_ids"), source.get("config_keys")),
-                  stream, indent=2)
+        token_ids = source["token_ids"] if "token_ids" in source else trained_token_ids(args)
+        json.dump(hf_mapping.hf_config(shape, architecture, dtype, token_ids, source.get("config_keys")), stream,
+                  indent=2)
     safetensors_format.save_file(tensors, os.path.join(output, hf_mapping.MODEL_FILE), {"format": "pt"})
     safetensors_format.save_file(extras, os.path.join(output, hf_mapping.EXTRAS_FILE),
                                  hf_mapping.extras_metadata(shape, common.get("iteration", 0)))

@@ -247,6 +247,29 @@ def _save_tokenizer(directory, tokens):
     tokenizer.save(os.path.join(directory, "tokenizer.json"))
 
 
+def test_export_after_training_takes_the_token_ids_from_the_runs_tokenizer(tools, tmp_path):
+    """A checkpoint that training wrote records no HF token ids: config.json gets the end-of-document id of the
+    tokenizer the run trained with (where generation stops), and none where that tokenizer is gone."""
+    import transformers
+
+    convert_checkpoint, _ = tools
+    _save_hf_model(tmp_path / "hf", transformers.LlamaConfig, bos_token_id=None, eos_token_id=None)
+    os.makedirs(tmp_path / "tokenizer")
+    _save_tokenizer(tmp_path / "tokenizer", VOCAB)
+    convert_checkpoint.from_hf(str(tmp_path / "hf"), str(tmp_path / "ours"))
+    _as_trained(str(tmp_path / "ours"), tokenizer_type="HuggingFaceTokenizer",
+                tokenizer_model=str(tmp_path / "tokenizer"))
+    convert_checkpoint.to_hf(str(tmp_path / "ours"), str(tmp_path / "back"))
+    config = _config(tmp_path / "back")
+    assert (config["eos_token_id"], config["bos_token_id"], config["pad_token_id"]) == (VOCAB - 1, None, None)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"))
+    assert loaded.generation_config.eos_token_id == VOCAB - 1
+
+    shutil.rmtree(tmp_path / "tokenizer")
+    convert_checkpoint.to_hf(str(tmp_path / "ours"), str(tmp_path / "without"), vocab_size=VOCAB)
+    assert _config(tmp_path / "without")["eos_token_id"] is None
+
+
 def test_tokenizer_smaller_than_the_embedding_trains_with_the_padding_that_fills_it(tools, tmp_path, capsys):
     """Qwen2's embedding has more rows (151936) than its tokenizer has tokens: the rows are that tokenizer's
     padded vocabulary. The import records the tokenizer's size, so training with it and the printed
