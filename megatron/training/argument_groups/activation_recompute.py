@@ -42,6 +42,10 @@ def validate(args):
             raise ValueError("--distribute-saved-activations does not work with --sequence-parallel (the "
                              "recomputed chunks' inputs are split across the tensor-parallel ranks already); drop "
                              "one of them")
+        if args.tensor_model_parallel_size <= 1:
+            raise ValueError("--distribute-saved-activations splits the recomputed chunks' inputs across the "
+                             "tensor-parallel ranks: it needs --tensor-model-parallel-size > 1 (got "
+                             f"{args.tensor_model_parallel_size}); drop it or raise the tensor-parallel size")
     if not args.recompute_activations:
         return
     if args.recompute_granularity == "full":
