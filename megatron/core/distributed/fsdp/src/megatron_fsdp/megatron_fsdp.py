@@ -30,6 +30,14 @@ from .utils import (WRAPPED_ATTR, parameter_owners, replace_parameter, resolve_m
                     tensor_bytes, unit_call_module)
 
 
+def _expert_tp_dim(expt_device_mesh, data_parallel_dims) -> Optional[str]:
+    """The expert mesh's tensor-parallel dim: the one that is not a data-parallel dim (None if it has none). It
+    is named apart from the dense `tp_dim`, which is None at a dense tensor-parallel size of 1 even where the
+    experts are split (ETP > TP = 1)."""
+    others = [name for name in (expt_device_mesh.mesh_dim_names or ()) if name not in data_parallel_dims]
+    return others[0] if others else None
+
+
 class MegatronFSDP(Fsdp2MethodNames, nn.Module):
     """Wraps `module`; sharding follows `ddp_config.data_parallel_sharding_strategy` (ZeRO-0..3).
 
@@ -175,7 +183,8 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
         if expt_device_mesh.ndim == 1:
             return DataParallelTopology(expt_device_mesh, data_parallel_sharding_strategy=self.strategy,
                                         device=self.topology.device)
-        return DataParallelTopology(expt_device_mesh, dp_shard_dim, None, tp_dim, None,
+        return DataParallelTopology(expt_device_mesh, dp_shard_dim, None,
+                                    _expert_tp_dim(expt_device_mesh, (dp_shard_dim,)), None,
                                     data_parallel_sharding_strategy=self.strategy, device=self.topology.device)
 
     def _hybrid_expert_topology(self, expt_device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, expt_hybrid_fsdp_group,
@@ -191,7 +200,8 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
                              f"the expert mesh's {dp_outer_dim!r} x {dp_shard_dim!r} ranks (every expert "
                              "data-parallel rank)")
         topology = DataParallelTopology(
-            expt_device_mesh, dp_shard_dim, dp_outer_dim, tp_dim if tp_dim in names else None,
+            expt_device_mesh, dp_shard_dim, dp_outer_dim,
+            _expert_tp_dim(expt_device_mesh, (dp_outer_dim, dp_shard_dim)),
             expt_hybrid_fsdp_group, data_parallel_sharding_strategy=self.strategy,
             outer_dp_sharding_strategy=config.outer_dp_sharding_strategy,
             num_distributed_optimizer_instances=config.num_distributed_optimizer_instances,

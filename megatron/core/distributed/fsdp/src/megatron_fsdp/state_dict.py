@@ -46,20 +46,19 @@ def state_dict_name(name: str) -> str:
 MAIN_PARAM_KEY = "main_param"
 
 
-def _tp_partition_dim(model, param):
-    """The dim along which `param` holds its tensor-parallel partition, or None if it is replicated over TP
-    (Megatron-Core's TP layers mark partitioned parameters; read with getattr to stay free of megatron.core)."""
-    if model.topology.tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+def _tp_partition_dim(group: ParamGroup, param):
+    """The dim along which `param` holds its tensor-parallel partition, or None if it is replicated over its
+    group's TP ranks (Megatron-Core's TP layers mark partitioned parameters, also at size 1; read with getattr to
+    stay free of megatron.core). An expert group's TP size is the expert tensor-parallel size, not the model's."""
+    if group.topology.tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
         return None
     return getattr(param, "partition_dim") % param.dim()
 
 
 def _check_checkpointable(model):
-    if model.topology.tp_size == 1:
-        return
     for group in model.groups:
         for name, param in zip(group.names, group.params):
-            if _tp_partition_dim(model, param) is not None and getattr(param, "partition_stride", 1) != 1:
+            if _tp_partition_dim(group, param) is not None and getattr(param, "partition_stride", 1) != 1:
                 raise NotImplementedError(
                     f"parameter '{name}' has partition_stride={param.partition_stride}: strided tensor-parallel "
                     "partitions have no DTensor placement here; build the layer with stride=1 to checkpoint it")
@@ -70,7 +69,7 @@ def _tensor_parallel_local_values(model, group: ParamGroup, values) -> list:
     a missing value, None)."""
     topology = group.topology
     return [torch.zeros(span.shape) if value is None else
-            tensor_parallel_partition_of(value, span.shape, _tp_partition_dim(model, param), topology.tp_size,
+            tensor_parallel_partition_of(value, span.shape, _tp_partition_dim(group, param), topology.tp_size,
                                          topology.tp_rank, topology.dp_size, topology.dp_rank)
             for value, span, param in zip(values, group.layout.spans, group.params)]
 
@@ -171,8 +170,8 @@ def _row_dtensors(model, group: ParamGroup, rows: List[torch.Tensor], copy: bool
         local = rows[index].detach()
         if copy:
             local = local.clone()
-        partition_dim = _tp_partition_dim(model, param)
-        shape = tensor_parallel_full_shape(span.shape, partition_dim, model.topology.tp_size)
+        partition_dim = _tp_partition_dim(group, param)
+        shape = tensor_parallel_full_shape(span.shape, partition_dim, group.topology.tp_size)
         result.append(make_row_sharded_dtensor(local, shape, mesh, dp_mesh_dim, tp_mesh_dim, partition_dim))
     return result
 
