@@ -5,7 +5,9 @@
 #
 # torchrun's c10d rendezvous joins the nodes: every node must agree on MASTER_ADDR:MASTER_PORT and RDZV_ID.
 # Under SLURM they come from SLURM_* variables; elsewhere export NNODES, NODE_RANK and MASTER_ADDR yourself.
-# Edit DATA_PREFIX, the tokenizer flags and the model size for your run.
+# Edit DATA_PREFIX, the tokenizer flags and the model size for your run; extra arguments are passed on to
+# pretrain_gpt.py (e.g. --use-megatron-fsdp for Megatron-FSDP instead of the distributed optimizer). The
+# torch_dist checkpoints resume at another node count, TP / PP layout or data-parallel wrapper.
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -27,8 +29,11 @@ CHECKPOINT_DIR="${CHECKPOINT_DIR:-${REPO_ROOT}/checkpoints/gpt_multinode}"
 TENSORBOARD_DIR="${TENSORBOARD_DIR:-${REPO_ROOT}/runs/gpt_multinode/tensorboard}"
 
 # One connection orders tensor-parallel communication before the compute that needs it (Megatron DDP/TP).
-# Megatron-FSDP refuses it (it would serialise communication with compute): unset it with --use-megatron-fsdp.
-export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
+# Megatron-FSDP refuses it (it would serialise communication with compute): passed --use-megatron-fsdp, the
+# script leaves CUDA_DEVICE_MAX_CONNECTIONS as it finds it.
+if [[ " $* " != *" --use-megatron-fsdp "* ]]; then
+    export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
+fi
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 # With --max-restarts, each restart meets on a fresh store: the shared rendezvous store would still hold the
 # addresses of the killed ranks, and the restarted ones would connect to them (or wait on them) and fail.
@@ -94,7 +99,7 @@ OUTPUT_ARGS=(
     --load "${CHECKPOINT_DIR}"
     --save-interval 1000
     --exit-signal-handler
-    --ckpt-format torch
+    --ckpt-format torch_dist
 )
 
 cd "${REPO_ROOT}"

@@ -6,6 +6,7 @@
 # The corpus (data/corpus/stdlib_docs.jsonl, CPython docstrings) is tokenized once with the byte-level tokenizer
 # into $CACHE_DIR; later runs reuse it. Set TP=2 (or PP=2) to split the model instead of the data.
 # Expect the loss to start near 5.6 (uniform over 257 byte tokens) and reach about 2.0 at iteration 200.
+# Checkpoints go to $OUTPUT_DIR/checkpoints; the same command launched again resumes from the latest one there.
 #
 # Data parallelism: Megatron-FSDP ZeRO-3 by default. DP_WRAPPER selects another wrapper:
 #   DP_WRAPPER=mfsdp   Megatron-FSDP; ZERO=optim_grads_params (default), optim_grads, optim or no_shard
@@ -93,8 +94,27 @@ OUTPUT_ARGS=(
     --save-interval 100
     --ckpt-format torch_dist
 )
+LAUNCH=(torchrun --standalone --nproc-per-node "${NPROC}" pretrain_gpt.py
+    "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@")
+# The same command launched again resumes from its latest checkpoint; another command (wrapper, layout, model
+# flags, TRAIN_ITERS) trains afresh, as the checkpoint would not load under it or would have nothing left to train.
+LAUNCH_RECORD="${OUTPUT_DIR}/launch_command.txt"
+TRACKER="${OUTPUT_DIR}/checkpoints/latest_checkpointed_iteration.txt"
+THIS_LAUNCH="$(printf '%q ' "${LAUNCH[@]}")"
+if [[ -f "${TRACKER}" && -f "${LAUNCH_RECORD}" && "$(cat "${LAUNCH_RECORD}")" == "${THIS_LAUNCH}" ]]; then
+    echo "resuming from the latest checkpoint in ${OUTPUT_DIR}/checkpoints (another OUTPUT_DIR starts afresh)"
+    LAUNCH+=(--load "${OUTPUT_DIR}/checkpoints")
+else
+    if [[ -f "${TRACKER}" ]]; then
+        echo "${OUTPUT_DIR}/checkpoints holds a run of another command: training afresh and saving over it" \
+             "(set OUTPUT_DIR to keep both)"
+        # Its iterations are not this command's to resume, even if this run stops before its first save.
+        rm -f "${TRACKER}"
+    fi
+    # A fresh run starts a fresh record; a resumed one appends to the record of the run it continues.
+    rm -f "${OUTPUT_DIR}/metrics.jsonl"
+    printf '%s' "${THIS_LAUNCH}" > "${LAUNCH_RECORD}"
+fi
 
-rm -f "${OUTPUT_DIR}/metrics.jsonl"
 cd "${REPO_ROOT}"
-exec torchrun --standalone --nproc-per-node "${NPROC}" pretrain_gpt.py \
-    "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"
+exec "${LAUNCH[@]}"
