@@ -39,7 +39,7 @@ experts and a sigmoid router; our flags pick it with --multi-latent-attention.
 
 from typing import Optional
 
-from hf_deepseek import DEEPSEEK_V3, check_deepseek_architecture
+from hf_deepseek import DEEPSEEK_V3, OWN_FORMATS, check_deepseek_architecture
 from hf_errors import ConversionError
 from hf_gpt_oss import GPT_OSS, gpt_oss_feature_problems, gpt_oss_problems
 from hf_shape import ModelShape
@@ -190,5 +190,5 @@ def architecture_for(shape: ModelShape, requested: Optional[str] = None,
         positions += " and experts (--num-experts)" if shape.num_experts else ""
         why = requested_by if requested else f"the architecture for {positions}"
         raise ConversionError(f"this model cannot be written as a Hugging Face {architecture} ({why}) without "
-                              "changing what it computes: " + "; ".join(problems))
+                              "changing what it computes: " + "; ".join(problems) + f"; {OWN_FORMATS}")
     return architecture

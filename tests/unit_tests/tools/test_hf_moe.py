@@ -215,6 +215,16 @@ def test_our_flags_pick_the_moe_architecture_and_refuse_what_it_cannot_compute(t
             hf_mapping.architecture_for(refused, requested)
 
 
+def test_refused_moe_export_says_which_conversion_keeps_the_model(tools):
+    # A MoE model trained with pretrain_gpt.py's default linear biases has no Mixtral form: the refusal names the
+    # flag and the formats that keep every tensor.
+    _, hf_mapping = tools
+    with pytest.raises(hf_mapping.ConversionError) as refused:
+        hf_mapping.architecture_for(_moe_shape(hf_mapping, add_bias_linear=True))
+    message = str(refused.value)
+    assert "linear biases (no --disable-bias-linear): MixtralForCausalLM has no biases" in message
+    assert message.endswith("converts between our own formats only (--to torch / --to safetensors)")
+
 def test_router_options_hf_lacks_are_refused_before_export(tools):
     import argparse
 
