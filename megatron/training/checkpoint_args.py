@@ -433,6 +433,8 @@ MODEL_ARGS = (
     "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
     "moe_apply_probs_on_input",
     "moe_router_bias",
+    # How the router picks experts (sinkhorn routes otherwise than top-k; top-1 sinkhorn needs no pre-softmax).
+    "moe_router_load_balancing_type",
     # YaRN of standard attention.
     "yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
     "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int",

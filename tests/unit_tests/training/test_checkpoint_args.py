@@ -313,3 +313,12 @@ def test_another_layer_count_is_named_with_the_flag_and_the_way_to_load():
     with pytest.raises(ValueError, match=r"^f holds another number of layers than this run builds. The checkpoint "
                        r"was saved with --num-layers 2, this run has --num-layers 3"):
         _check_layout_matches(saved, current, "f")
+
+
+def test_use_checkpoint_args_takes_the_routers_load_balancing_type():
+    """Sinkhorn routing picks experts otherwise than top-k: a model trained with it is rebuilt with it (top-1
+    sinkhorn would otherwise fail validation, needing --moe-router-pre-softmax, and top-2 route differently)."""
+    args = _moe_args(moe_router_load_balancing_type="aux_loss")
+    changed = apply_checkpoint_args(args, _moe_args(moe_router_load_balancing_type="sinkhorn", moe_router_topk=1))
+    assert (args.moe_router_load_balancing_type, args.moe_router_topk) == ("sinkhorn", 1)
+    assert "--moe-router-load-balancing-type sinkhorn (command line: aux_loss)" in changed
