@@ -8,6 +8,7 @@ import torch
 
 from megatron.core.dist_checkpointing import serialization
 from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor
+from tests.unit_tests.fp8.fsdp_fp8_model import amax_histories, fsdp_fp8_chunk
 from tests.unit_tests.multiprocess_harness import run_on_ranks
 
 KEY = "model.decoder.layers.0.mlp.linear_fc1.fp8_amax_history"
@@ -62,29 +63,6 @@ def test_histories_that_cannot_be_fitted_name_the_flag_and_both_lengths(tmp_path
     assert "--hidden-size" not in message
 
 
-def _fsdp_chunk(history_len):
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.distributed import DistributedDataParallelConfig, FullyShardedDataParallel
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel()
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, hidden_dropout=0.0,
-                               attention_dropout=0.0, init_seed=1234, fp8="hybrid", fp8_recipe="delayed",
-                               fp8_amax_history_len=history_len)
-    model = GPTModel(config, vocab_size=32, max_sequence_length=8, share_embeddings_and_output_weights=True)
-    ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True, use_distributed_optimizer=True,
-                                               data_parallel_sharding_strategy="optim_grads_params")
-    return FullyShardedDataParallel(config, ddp_config, model)
-
-
-def _histories(chunk):
-    return [module.fp8_amax_history.clone() for module in chunk.modules() if hasattr(module, "fp8_amax_history")]
-
-
 def _fsdp_save_and_load_on_ranks(directory, lengths):
     import torch.distributed as dist
 
@@ -92,22 +70,22 @@ def _fsdp_save_and_load_on_ranks(directory, lengths):
     from megatron.core.dist_checkpointing import wrappers
 
     tokens = torch.randint(0, 32, (3, 2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
-    chunk = _fsdp_chunk(4)
+    chunk = fsdp_fp8_chunk(4)
     for step_tokens in tokens:  # three steps: three amaxes in each history of length 4
         chunk.zero_grad_buffer()
         chunk(step_tokens, torch.arange(8).expand_as(step_tokens), None, labels=step_tokens).sum().backward()
         fp8_utils.reduce_fp8_amaxes([chunk])
     serialization.save(wrappers.model_state([chunk], for_saving=True), directory)
-    saved = _histories(chunk)
+    saved = amax_histories(chunk)
     loaded = {}
     for length in lengths:
-        resumed = _fsdp_chunk(length)
+        resumed = fsdp_fp8_chunk(length)
         targets, finish = wrappers.model_load_targets([resumed])
         metadata = serialization.read_metadata(directory)
         serialization.check_shapes(targets, metadata, directory)
         serialization.load(targets, directory, metadata=metadata)
         finish(set(targets))
-        loaded[length] = _histories(resumed)
+        loaded[length] = amax_histories(resumed)
     return saved, loaded
 
 

@@ -9,6 +9,7 @@ own amax, and would push the amaxes pending from before the load into the loaded
 
 import torch
 
+from tests.unit_tests.fp8.fsdp_fp8_model import amax_histories, fsdp_fp8_chunk
 from tests.unit_tests.multiprocess_harness import run_on_ranks
 
 
@@ -89,25 +90,6 @@ def test_scaling_states_built_under_inference_mode_quantize():
         assert torch.equal(first.scale, torch.tensor(448.0) * torch.reciprocal(x.abs().max()))
 
 
-def _fsdp_chunk():
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.distributed import DistributedDataParallelConfig, FullyShardedDataParallel
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel()
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, hidden_dropout=0.0,
-                               attention_dropout=0.0, init_seed=1234, fp8="hybrid", fp8_recipe="delayed",
-                               fp8_amax_history_len=2)
-    model = GPTModel(config, vocab_size=32, max_sequence_length=8, share_embeddings_and_output_weights=True)
-    ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True, use_distributed_optimizer=True,
-                                               data_parallel_sharding_strategy="optim_grads_params")
-    return FullyShardedDataParallel(config, ddp_config, model)
-
-
 def _fsdp_step(chunk, tokens):
     position_ids = torch.arange(tokens.shape[1]).expand_as(tokens)
     chunk.zero_grad_buffer()
@@ -116,17 +98,13 @@ def _fsdp_step(chunk, tokens):
     return loss.detach()
 
 
-def _histories(chunk):
-    return [module.fp8_amax_history.clone() for module in chunk.modules() if hasattr(module, "fp8_amax_history")]
-
-
 def _fsdp_load_on_ranks():
     import torch.distributed as dist
 
     from megatron.core import fp8_utils
 
     tokens, other_tokens = torch.randint(0, 32, (2, 2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
-    chunk = _fsdp_chunk()
+    chunk = fsdp_fp8_chunk(2)
     checkpoint = {key: (value.full_tensor() if hasattr(value, "full_tensor") else value).clone()
                   for key, value in chunk.state_dict().items() if torch.is_tensor(value)}
     for _ in range(2):
@@ -137,11 +115,11 @@ def _fsdp_load_on_ranks():
     loss = _fsdp_step(chunk, tokens)
     fp8_utils.reduce_fp8_amaxes([chunk])
 
-    fresh = _fsdp_chunk()
+    fresh = fsdp_fp8_chunk(2)
     fresh.load_state_dict(checkpoint)
     fresh_loss = _fsdp_step(fresh, tokens)
     fp8_utils.reduce_fp8_amaxes([fresh])
-    return loss, fresh_loss, _histories(chunk), _histories(fresh)
+    return loss, fresh_loss, amax_histories(chunk), amax_histories(fresh)
 
 
 def test_megatron_fsdp_load_starts_the_histories_over_as_a_fresh_model_would():
