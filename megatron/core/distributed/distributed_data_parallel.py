@@ -10,7 +10,8 @@ collective with `average_in_collective`.
 Mixture-of-Experts expert parameters (`allreduce=False`, see `megatron.core.expert_parameters`) get buffers of
 their own, reduced (and, with the distributed optimizer, sharded) over the expert data-parallel group with the
 same 1/(DP x CP) scaling as the dense gradients: an expert's gradient already sums the tokens that every
-expert-parallel rank sent it. With several distributed-optimizer instances, dense and expert buffers alike are
+expert-parallel rank sent it (with `average_in_collective`: AVG's 1/expert-DP times a pre-scale of
+expert-DP/DP). With several distributed-optimizer instances, dense and expert buffers alike are
 sharded (reduce-scattered) inside an instance and all-reduced across the instances.
 """
 
@@ -87,11 +88,10 @@ class DistributedDataParallel(DataParallelWrapper):
             bucket_size = None
         self.bucket_size = bucket_size
 
-        if getattr(config, "calculate_per_token_loss", False) or ddp_config.average_in_collective:
-            # Per-token losses are divided by the global token count in finalize_model_grads; AVG divides itself.
-            gradient_scaling_factor = 1.0
-        else:
-            gradient_scaling_factor = 1.0 / data_parallel_size
+        per_token_loss = getattr(config, "calculate_per_token_loss", False)
+        # Per-token losses are divided by the global token count in finalize_model_grads; AVG divides itself.
+        averaged_by_collective = per_token_loss or ddp_config.average_in_collective
+        gradient_scaling_factor = 1.0 if averaged_by_collective else 1.0 / data_parallel_size
 
         param_names = {param: name for name, param in module.named_parameters()}
         self._param_names = param_names
@@ -110,10 +110,16 @@ class DistributedDataParallel(DataParallelWrapper):
         self.expert_groups = None
         if any(is_expert for is_expert, *_ in params_by_dtype):
             self.expert_groups = expert_groups if expert_groups is not None else _default_expert_groups(ddp_config)
+        expert_gradient_scaling_factor = gradient_scaling_factor
+        if self.expert_groups is not None and ddp_config.average_in_collective and not per_token_loss:
+            # AVG over the expert data-parallel group divides by its size, DP / EP: expert gradients need 1 / DP too.
+            expert_data_parallel_size = dist.get_world_size(self.expert_groups.data_parallel_group)
+            expert_gradient_scaling_factor = expert_data_parallel_size / data_parallel_size
         # Dense buffers first, then the experts': the same order on every rank.
         self.buffers = [
             ParamAndGradBuffer(ddp_config, params, param_dtype, grad_dtype, bucket_size,
-                               self.expert_groups if is_expert else self.groups, gradient_scaling_factor,
+                               self.expert_groups if is_expert else self.groups,
+                               expert_gradient_scaling_factor if is_expert else gradient_scaling_factor,
                                param_names, fp8_config=config if is_fp8 else None)
             for (is_expert, param_dtype, grad_dtype, is_fp8), params in sorted(
                 params_by_dtype.items(), key=lambda item: item[0][0])

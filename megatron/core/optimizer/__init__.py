@@ -35,7 +35,7 @@ from megatron.core.optimizer.fsdp_optimizer import MegatronFSDPOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron.core.optimizer.muon import MuonWithAdamW
 from megatron.core.optimizer.muon_param_groups import muon_param_groups
-from megatron.core.optimizer.optimizer import Float16Optimizer, FP32Optimizer, MegatronOptimizer
+from megatron.core.optimizer.optimizer import ChainedOptimizer, Float16Optimizer, FP32Optimizer, MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.optimizer.precision_aware_adam import PrecisionAwareAdamW, build_precision_aware_adam
 from megatron.core.optimizer.shard_local_adam import ShardLocalAdamW
@@ -45,6 +45,7 @@ __all__ = [
     "MegatronOptimizer",
     "FP32Optimizer",
     "Float16Optimizer",
+    "ChainedOptimizer",
     "DistributedOptimizer",
     "MegatronFSDPOptimizer",
     "PrecisionAwareAdamW",
@@ -229,9 +230,12 @@ def _megatron_fsdp_optimizer(config, model_chunks, no_weight_decay_cond, scale_l
 
 
 def get_megatron_optimizer(config: OptimizerConfig, model_chunks, no_weight_decay_cond=None, scale_lr_cond=None,
-                           lr_mult=1.0, default_skip_embedding_weight_decay=False):
+                           lr_mult=1.0, use_gloo_process_groups=True, default_skip_embedding_weight_decay=False):
     """Build the optimizer for `model_chunks` (DDP-wrapped or plain modules) as `config` asks; every wrapper's
-    param groups come from `get_param_groups` (see the module docstring for the arguments)."""
+    param groups come from `get_param_groups` (see the module docstring for the arguments). The arguments are
+    upstream's, in upstream's order; `use_gloo_process_groups` (`--disable-gloo-process-groups`) has nothing to
+    choose here: the optimizers' checkpoint collectives run on the model's own data-parallel groups."""
+    del use_gloo_process_groups
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import MegatronFSDPAdapter

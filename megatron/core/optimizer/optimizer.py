@@ -6,7 +6,8 @@ and weights travel between them and the model:
 - `Float16Optimizer`: fp32 copies of bf16/fp16 model parameters (fp16 adds a loss scaler and skips steps
   whose gradients overflowed);
 - `DistributedOptimizer` (distrib_optimizer.py): this rank's data-parallel shard only (stepped in place in the
-  parameter buffer for fp32 parameters, fp32 copies of it for bf16/fp16 ones).
+  parameter buffer for fp32 parameters, fp32 copies of it for bf16/fp16 ones);
+- `ChainedOptimizer`: several of the above stepped as one, with one global gradient norm and one fp16 skip decision.
 Gradients are read from `param.main_grad` (the DDP buffer view) when the model is wrapped in DDP, else from
 `param.grad`. Gradient norms and zero counts sum the dense parameters over `grad_stats_groups` and the
 Mixture-of-Experts expert parameters over `expert_grad_stats_groups` (see `megatron.core.expert_parameters`).
@@ -84,6 +85,10 @@ class MegatronOptimizer(ShardedStateDictMixin):
 
     def main_params(self):
         return [param for group in self.optimizer.param_groups for param in group["params"]]
+
+    def get_parameters(self):
+        """The parameters the inner optimizer steps (upstream's name for `main_params()`)."""
+        return self.main_params()
 
     def _copy_model_grads_to_main_grads(self):
         raise NotImplementedError
@@ -185,6 +190,38 @@ class MegatronOptimizer(ShardedStateDictMixin):
             return _UNTIMED
         return timed(timers, name, log_level=1, barrier=self.config.barrier_with_L1_time)
 
+    def _copy_and_unscale_grads(self):
+        """Main gradients from the model's, divided by the loss scale; True when some rank found inf/nan in them
+        (the loss scale is not updated)."""
+        with self._phase("optimizer-copy-to-main-grad"):
+            self._copy_model_grads_to_main_grads()
+        if self.grad_scaler is None:
+            return False
+        with self._phase("optimizer-unscale-and-check-inf"):
+            return self._unscale_main_grads_and_check_for_nan()
+
+    @torch.no_grad()
+    def prepare_grads(self):
+        """The first half of `step()` (upstream's name): main gradients copied from the model's and unscaled, the
+        loss scale updated; True when the step must be skipped (fp16 overflow on some rank)."""
+        found_inf = self._copy_and_unscale_grads()
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(found_inf)
+        return found_inf
+
+    @torch.no_grad()
+    def step_with_ready_grads(self):
+        """The second half of `step()` (upstream's name): the inner optimizer's step on the prepared (and clipped)
+        main gradients, then the main parameters copied into the model. Returns True."""
+        with self._phase("optimizer-inner-step"):
+            self.optimizer.step()
+            if self.after_inner_step is not None:
+                self.after_inner_step(self)
+        if self.copies_main_params_to_model_params:
+            with self._phase("optimizer-copy-main-to-model-params"):
+                self._copy_main_params_to_model_params()
+        return True
+
     @torch.no_grad()
     def step(self):
         """Returns `(update_successful, grad_norm, num_zeros_in_grad)`; fp16 overflow skips the update.
@@ -193,28 +230,15 @@ class MegatronOptimizer(ShardedStateDictMixin):
         optimizer-unscale-and-check-inf (with a loss scaler), optimizer-clip-main-grad (the norm and the clip),
         optimizer-count-zeros (with `log_num_zeros_in_grad`), optimizer-inner-step and
         optimizer-copy-main-to-model-params (where main and model parameters differ)."""
-        with self._phase("optimizer-copy-to-main-grad"):
-            self._copy_model_grads_to_main_grads()
-        if self.grad_scaler is not None:
-            with self._phase("optimizer-unscale-and-check-inf"):
-                found_inf = self._unscale_main_grads_and_check_for_nan()
-            self.grad_scaler.update(found_inf)
-            if found_inf:
-                return False, None, None
+        if self.prepare_grads():
+            return False, None, None
         with self._phase("optimizer-clip-main-grad"):
             grad_norm = self.clip_grad_norm(self.config.clip_grad)
         num_zeros = None
         if self.config.log_num_zeros_in_grad:
             with self._phase("optimizer-count-zeros"):
                 num_zeros = self.count_zeros()
-        with self._phase("optimizer-inner-step"):
-            self.optimizer.step()
-            if self.after_inner_step is not None:
-                self.after_inner_step(self)
-        if self.copies_main_params_to_model_params:
-            with self._phase("optimizer-copy-main-to-model-params"):
-                self._copy_main_params_to_model_params()
-        return True, grad_norm, num_zeros
+        return self.step_with_ready_grads(), grad_norm, num_zeros
 
     def state_dict(self):
         return {
@@ -305,3 +329,165 @@ class Float16Optimizer(MegatronOptimizer):
             for (_, main_param), saved in zip(self._model_and_main, state_dict["fp32_main_params"], strict=True):
                 main_param.copy_(saved)
             self._copy_main_params_to_model_params()
+
+
+CHAINED_KEY_PREFIX = "chained_{index}."  # upstream's prefix of each chained optimizer's checkpoint keys
+
+
+class ChainedOptimizer(MegatronOptimizer):
+    """Several Megatron optimizers stepped as one (upstream's name), e.g. one per model, or per set of parameters
+    that needs settings of its own.
+
+    `step()` prepares every optimizer's gradients (an fp16 overflow in any of them skips the step of all and
+    backs off all their loss scales), takes the global gradient norm over all of them, clips each optimizer's
+    gradients with its own `clip_grad` against that norm, then steps each; it returns `(update_successful,
+    grad_norm, num_zeros_in_grad)` like a single optimizer (the zeros of the optimizers that log them).
+    `param_groups` are the optimizers' own group dicts one after another, so a scheduler sets all of them.
+    `state_dict()` is the list of theirs; `sharded_state_dict()` prefixes each optimizer's keys with
+    `chained_<index>.` as upstream, so that optimizers over parameters of the same names do not collide.
+    """
+
+    def __init__(self, chained_optimizers):
+        self.chained_optimizers = list(chained_optimizers)
+        if not self.chained_optimizers:
+            raise ValueError("ChainedOptimizer needs at least one optimizer to chain.")
+        stepped_by = {}
+        for index, optimizer in enumerate(self.chained_optimizers):
+            if not isinstance(optimizer, MegatronOptimizer):
+                raise TypeError(f"ChainedOptimizer chains Megatron optimizers (from get_megatron_optimizer); "
+                                f"optimizer {index} is a {type(optimizer).__name__}.")
+            for param in optimizer.main_params():
+                if id(param) in stepped_by:
+                    raise ValueError(f"ChainedOptimizer: optimizers {stepped_by[id(param)]} and {index} step the same "
+                                     "parameter; build each over parameters of its own.")
+                stepped_by[id(param)] = index
+        scales = [None if optimizer.grad_scaler is None else optimizer.get_loss_scale().item()
+                  for optimizer in self.chained_optimizers]
+        if len(set(scales)) > 1:
+            raise ValueError(f"ChainedOptimizer: the loss scales of the optimizers differ ({scales}, None: no loss "
+                             "scaling); the loss is scaled once for all of them, so build them with the same --fp16 "
+                             "and loss-scale settings.")
+        self.optimizer = None
+        self.config = self.chained_optimizers[0].config
+        self.grad_scaler = self.chained_optimizers[0].grad_scaler
+
+    @property
+    def model_chunks(self):
+        chunks = []
+        for optimizer in self.chained_optimizers:
+            for chunk in optimizer.model_chunks or []:
+                if not any(chunk is known for known in chunks):
+                    chunks.append(chunk)
+        return chunks
+
+    @property
+    def param_groups(self):
+        return [group for optimizer in self.chained_optimizers for group in optimizer.param_groups]
+
+    @property
+    def state(self):
+        merged = {}
+        for optimizer in self.chained_optimizers:
+            merged.update(optimizer.state)
+        return merged
+
+    def main_params(self):
+        return [param for optimizer in self.chained_optimizers for param in optimizer.main_params()]
+
+    def model_params(self):
+        return [param for optimizer in self.chained_optimizers for param in optimizer.model_params()]
+
+    def get_loss_scale(self):
+        return self.chained_optimizers[0].get_loss_scale()
+
+    def zero_grad(self, set_to_none=True):
+        for optimizer in self.chained_optimizers:
+            optimizer.zero_grad(set_to_none)
+
+    def reload_model_params(self):
+        for optimizer in self.chained_optimizers:
+            optimizer.reload_model_params()
+
+    def get_grad_norm(self):
+        return math.sqrt(sum(optimizer.get_grad_norm() ** 2 for optimizer in self.chained_optimizers))
+
+    def global_norm(self, tensor_of):
+        return math.sqrt(sum(optimizer.global_norm(tensor_of) ** 2 for optimizer in self.chained_optimizers))
+
+    def clip_grad_norm(self, clip_grad=None):
+        """The global gradient norm of all the optimizers; each one's gradients are clipped against it with
+        `clip_grad`, or with its own `config.clip_grad` when None."""
+        grad_norm = self.get_grad_norm()
+        for optimizer in self.chained_optimizers:
+            max_norm = optimizer.config.clip_grad if clip_grad is None else clip_grad
+            if max_norm > 0.0:
+                clip_grad_by_total_norm_fp32([optimizer_grad(param) for param in optimizer.main_params()], max_norm,
+                                             grad_norm)
+        return grad_norm
+
+    def count_zeros(self):
+        return sum(optimizer.count_zeros() for optimizer in self.chained_optimizers)
+
+    @torch.no_grad()
+    def prepare_grads(self):
+        found_inf = False
+        for optimizer in self.chained_optimizers:
+            found_inf = optimizer._copy_and_unscale_grads() or found_inf
+        # One decision for all: the loss scales stay equal, as the loss is scaled once.
+        for optimizer in self.chained_optimizers:
+            if optimizer.grad_scaler is not None:
+                optimizer.grad_scaler.update(found_inf)
+        return found_inf
+
+    @torch.no_grad()
+    def step_with_ready_grads(self):
+        return all([optimizer.step_with_ready_grads() for optimizer in self.chained_optimizers])
+
+    @torch.no_grad()
+    def step(self):
+        if self.prepare_grads():
+            return False, None, None
+        with self._phase("optimizer-clip-main-grad"):
+            grad_norm = self.clip_grad_norm()
+        logging = [optimizer for optimizer in self.chained_optimizers if optimizer.config.log_num_zeros_in_grad]
+        num_zeros = None
+        if logging:
+            with self._phase("optimizer-count-zeros"):
+                num_zeros = sum(optimizer.count_zeros() for optimizer in logging)
+        return self.step_with_ready_grads(), grad_norm, num_zeros
+
+    def state_dict(self):
+        return [optimizer.state_dict() for optimizer in self.chained_optimizers]
+
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, **kwargs):
+        chained = {}
+        for index, optimizer in enumerate(self.chained_optimizers):
+            prefix = CHAINED_KEY_PREFIX.format(index=index)
+            state = optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, **kwargs)
+            chained.update({prefix + key: value for key, value in state.items()})
+        return chained
+
+    def load_state_dict(self, state_dict):
+        """What `state_dict()` returned (a list, one entry per optimizer), or what `dist_checkpointing.load`
+        returned for `sharded_state_dict(..., is_loading=True)`."""
+        count = len(self.chained_optimizers)
+        if isinstance(state_dict, (list, tuple)):
+            if len(state_dict) != count:
+                raise ValueError(f"ChainedOptimizer.load_state_dict: the state holds {len(state_dict)} optimizers, "
+                                 f"this chain {count}.")
+            for optimizer, state in zip(self.chained_optimizers, state_dict):
+                optimizer.load_state_dict(state)
+            return
+        saved = {}
+        for key, value in state_dict.items():
+            index, dot, rest = str(key).removeprefix("chained_").partition(".")
+            if not (str(key).startswith("chained_") and dot and index.isdigit()):
+                raise ValueError(f"ChainedOptimizer.load_state_dict: '{key}' is not a key of a chained optimizer "
+                                 "(chained_<index>.<key>); load what sharded_state_dict(..., is_loading=True) of "
+                                 "this chain asked for.")
+            saved.setdefault(int(index), {})[rest] = value
+        if sorted(saved) != list(range(count)):
+            raise ValueError(f"ChainedOptimizer.load_state_dict: the state holds optimizers {sorted(saved)}, this "
+                             f"chain has {count}.")
+        for index, optimizer in enumerate(self.chained_optimizers):
+            optimizer.load_state_dict(saved[index])

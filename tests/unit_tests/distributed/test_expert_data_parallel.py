@@ -258,3 +258,39 @@ def test_weight_hash_check_compares_experts_over_expert_data_parallel_ranks():
     assert run_on_ranks(WORLD, _weight_hash_check, 2, False) == [True, True]
     messages = run_on_ranks(WORLD, _weight_hash_check, 1, True)
     assert all("mlp.experts.local_experts.0.linear_fc1.weight" in message for message in messages)
+
+
+def _reduced_gradients(expert_model_parallel_size, use_distributed_optimizer):
+    """{global name: reduced main_grad} of this rank after one backward under DDP with average_in_collective."""
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=expert_model_parallel_size)
+    model = ToyMoEModel(ep_group=parallel_state.get_expert_model_parallel_group())
+    ddp = DistributedDataParallel(ModelParallelConfig(expert_model_parallel_size=expert_model_parallel_size),
+                                  DistributedDataParallelConfig(average_in_collective=True,
+                                                                use_distributed_optimizer=use_distributed_optimizer),
+                                  model)
+    inputs, targets = toy_batch(0, SAMPLES_PER_RANK * WORLD)
+    local = slice(dist.get_rank() * SAMPLES_PER_RANK, (dist.get_rank() + 1) * SAMPLES_PER_RANK)
+    mse_loss(ddp, inputs[local], targets[local]).backward()
+    finalize_model_grads([ddp])
+    return {name: param.main_grad.clone() for name, param in named_parameters_by_global_name(model).items()}
+
+
+@pytest.mark.parametrize("use_distributed_optimizer", [False, True], ids=["ddp", "distributed_optimizer"])
+@pytest.mark.parametrize("expert_model_parallel_size", [1, 2], ids=["ep1", "ep2"])
+def test_average_in_collective_gives_expert_gradients_the_full_batch_mean(expert_model_parallel_size,
+                                                                           use_distributed_optimizer):
+    """--ddp-average-in-collective: AVG over the expert data-parallel group (DP / EP ranks) alone would leave expert
+    gradients EP times the full-batch mean gradient; they must equal it, like the dense ones."""
+    model = ToyMoEModel()
+    inputs, targets = toy_batch(0, SAMPLES_PER_RANK * WORLD)
+    mse_loss(model, inputs, targets).backward()
+    expected = {name: torch.zeros_like(param) if param.grad is None else param.grad
+                for name, param in named_parameters_by_global_name(model).items()}
+    reduced = {}
+    for rank_gradients in run_on_ranks(WORLD, _reduced_gradients, expert_model_parallel_size,
+                                       use_distributed_optimizer):
+        reduced.update(rank_gradients)
+    assert sorted(reduced) == sorted(expected)
+    assert any(".local_experts." in name and expected[name].abs().sum() > 0 for name in expected)
+    for name, gradient in expected.items():
+        torch.testing.assert_close(reduced[name], gradient, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")

@@ -211,3 +211,22 @@ def test_reload_model_params_refreshes_fp32_main_copies():
     optimizer.step()  # lr 0: the weights written back must be the freshly loaded ones
     for param, expected in zip(model.parameters(), build_toy_model(seed=3, dtype=torch.bfloat16).parameters()):
         assert torch.equal(param, expected)
+
+
+def test_arguments_in_upstreams_order_and_names():
+    """Upstream's signature: (config, model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult,
+    use_gloo_process_groups, default_skip_embedding_weight_decay), also positionally."""
+    model = build_toy_model()
+    model[0].weight.is_embedding_parameter = True
+
+    def decayed(optimizer):
+        return {id(param) for group in optimizer.param_groups if group["wd_mult"] == 1.0 for param in group["params"]}
+
+    config = OptimizerConfig(lr=0.01)
+    assert id(model[0].weight) in decayed(get_megatron_optimizer(config, [model], None, None, 1.0, True))
+    assert id(model[0].weight) not in decayed(get_megatron_optimizer(config, [model], None, None, 1.0, False, True))
+    optimizer = get_megatron_optimizer(config=config, model_chunks=[model], no_weight_decay_cond=None,
+                                       scale_lr_cond=lambda name, param: name.startswith("3."), lr_mult=2.0,
+                                       use_gloo_process_groups=False)
+    assert {id(model[3].weight), id(model[3].bias)} == {
+        id(param) for group in optimizer.param_groups if group["lr_mult"] == 2.0 for param in group["params"]}
