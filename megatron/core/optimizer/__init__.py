@@ -156,10 +156,13 @@ def _torch_optimizer_factory(config, device):
 
 
 def _grad_scaler(config, device):
-    if not config.fp16:
-        return None
+    """As upstream: a static `loss_scale` scales the loss under every optimizer that keeps main parameters of its
+    own (fp16, bf16, the distributed optimizer, Megatron-FSDP; a plain fp32 optimizer ignores it); only fp16
+    without one scales dynamically."""
     if config.loss_scale is not None:
         return ConstantGradScaler(config.loss_scale, device=device)
+    if not config.fp16:
+        return None
     return DynamicGradScaler(
         initial_scale=config.initial_loss_scale,
         min_scale=config.min_loss_scale,

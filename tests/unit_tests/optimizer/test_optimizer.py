@@ -230,3 +230,34 @@ def test_arguments_in_upstreams_order_and_names():
                                        use_gloo_process_groups=False)
     assert {id(model[3].weight), id(model[3].bias)} == {
         id(param) for group in optimizer.param_groups if group["lr_mult"] == 2.0 for param in group["params"]}
+
+
+def test_static_loss_scale_under_bf16_scales_and_unscales_like_upstream():
+    """Upstream's constant scaler also serves --bf16 with --loss-scale: the loss is multiplied by it and the main
+    gradients divided by it, and a non-finite gradient skips the step."""
+    model = build_toy_model(dtype=torch.bfloat16)
+    reference = copy.deepcopy(model)
+    config = OptimizerConfig(optimizer="sgd", lr=0.1, weight_decay=0.0, sgd_momentum=0.0, bf16=True,
+                             loss_scale=64.0, clip_grad=0.0)
+    optimizer = get_megatron_optimizer(config, [model])
+    assert optimizer.get_loss_scale().item() == 64.0
+    inputs, targets = toy_batch(0, 8, dtype=torch.bfloat16)
+    loss = mse_loss(model, inputs, targets)
+    assert optimizer.scale_loss(loss).item() == loss.item() * 64.0
+    optimizer.scale_loss(loss).backward()
+    mse_loss(reference, inputs, targets).backward()
+    expected = [param.detach().float() - 0.1 * ref.grad.float() for param, ref in
+                zip(model.parameters(), reference.parameters(), strict=True)]
+    assert optimizer.step()[0]
+    for param, value in zip(model.parameters(), expected, strict=True):
+        # The scaled bf16 gradient rounds like the unscaled one (64 is a power of two).
+        assert torch.equal(param, value.to(torch.bfloat16))
+
+    optimizer.zero_grad()
+    optimizer.scale_loss(mse_loss(model, inputs, targets)).backward()
+    model[3].weight.grad[0, 0] = float("nan")
+    before = [param.detach().clone() for param in model.parameters()]
+    update_successful, grad_norm, _ = optimizer.step()
+    assert not update_successful and grad_norm is None
+    assert all(torch.equal(param, old) for param, old in zip(model.parameters(), before, strict=True))
+    assert optimizer.get_loss_scale().item() == 64.0
