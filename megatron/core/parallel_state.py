@@ -359,8 +359,25 @@ def get_embedding_global_ranks():
     return list(_ranks("embedding"))
 
 
-def is_rank_in_embedding_group():
-    return _belongs_to("embedding")
+def is_rank_in_embedding_group(ignore_virtual=True, vp_stage=None):
+    """Whether this rank is in an embedding group. Without `ignore_virtual`, as upstream, the group's first rank
+    counts only on the first (virtual) stage and its last rank only on the last (see `is_pipeline_first_stage`
+    for `vp_stage`)."""
+    if not _belongs_to("embedding"):
+        return False
+    if ignore_virtual:
+        return True
+    position = _rank_in("embedding")
+    if position == 0:
+        return is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if position == len(_ranks("embedding")) - 1:
+        return is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    return True
+
+
+def is_initialized():
+    """Upstream's check that the model-parallel groups exist (same as `model_parallel_is_initialized`)."""
+    return model_parallel_is_initialized()
 
 
 def get_position_embedding_group():

@@ -346,3 +346,21 @@ def test_options_that_can_be_honoured_pass():
     ps.reject_unsupported_options("nccl", pipeline_model_parallel_comm_backend="nccl", distributed_timeout_minutes=0.5)
     ps.reject_unsupported_options("gloo", tensor_model_parallel_size=2)
     ps.reject_unsupported_options("gloo", virtual_pipeline_model_parallel_size=2)
+
+
+def _embedding_group_membership_by_virtual_stage():
+    before = ps.is_initialized()
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    membership = [ps.is_initialized(), ps.is_rank_in_embedding_group(), ps.is_rank_in_embedding_group(True)]
+    membership += [ps.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=chunk) for chunk in (0, 1)]
+    ps.destroy_model_parallel()
+    return before, membership
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_upstream_is_rank_in_embedding_group_and_is_initialized(world_size):
+    # Pipeline rank 0 holds the embedding in chunk 0, rank 1 the output layer in chunk 1.
+    assert run_on_ranks(world_size, _embedding_group_membership_by_virtual_stage) == [
+        (False, [True, True, True, True, False]),
+        (False, [True, True, True, False, True]),
+    ]

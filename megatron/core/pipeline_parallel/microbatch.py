@@ -3,6 +3,7 @@ releasing an activation once it was sent. Every schedule (`schedules.py`, `inter
 microbatches through these."""
 
 import torch
+import torch.distributed as dist
 
 from megatron.core.device_utils import get_current_device
 from megatron.core.pipeline_parallel.model_access import schedule_setting, set_input_tensor
@@ -83,6 +84,11 @@ def _forward_step(
         num_tokens = loss_num_tokens.detach().round().to(torch.int64)
         if not per_token_loss:
             loss = loss / loss_num_tokens
+    elif cp_group is not None:
+        # A (loss, report) loss function gives this rank's loss of the whole sequence, as upstream's
+        # does by all-reducing its sum and count over the CP ranks: the gradient reduction averages over DP x CP,
+        # so each rank back-propagates CP times it (upstream's scaling), and the average is that loss's gradient.
+        loss = loss * dist.get_world_size(cp_group)
     if not per_token_loss:
         loss = loss / num_microbatches
     forward_data_store.append(reported)

@@ -9,6 +9,7 @@ from megatron.core.tensor_parallel.layers import (
     VocabParallelEmbedding,
     copy_tensor_model_parallel_attributes,
     initialize_partition_from_master,
+    linear_with_grad_accumulation_and_async_allreduce,
     param_is_not_tensor_parallel_duplicate,
     set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
@@ -27,6 +28,8 @@ from megatron.core.tensor_parallel.random import (
     RNGStatesTracker,
     checkpoint,
     get_cuda_rng_tracker,
+    get_data_parallel_rng_tracker_name,
+    get_expert_parallel_rng_tracker_name,
     model_parallel_cuda_manual_seed,
 )
 from megatron.core.tensor_parallel.utils import (
@@ -52,7 +55,10 @@ __all__ = [
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
     "get_cuda_rng_tracker",
+    "get_data_parallel_rng_tracker_name",
+    "get_expert_parallel_rng_tracker_name",
     "initialize_partition_from_master",
+    "linear_with_grad_accumulation_and_async_allreduce",
     "model_parallel_cuda_manual_seed",
     "param_is_not_tensor_parallel_duplicate",
     "reduce_from_tensor_model_parallel_region",

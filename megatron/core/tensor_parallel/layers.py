@@ -93,6 +93,36 @@ def tensor_parallel_rank_and_size(is_expert=False):
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
 
 
+def check_tensor_parallel_group(layer_name, tp_group, is_expert=False):
+    """Upstream's `tp_group` keyword: a linear here is split over parallel_state's tensor-parallel group (the
+    expert one with `is_expert`), so a group given must have that group's ranks."""
+    if tp_group is None:
+        return
+    import torch.distributed as dist
+
+    if parallel_state.model_parallel_is_initialized():
+        kind = "expert tensor-parallel" if is_expert else "tensor-parallel"
+        expected = (parallel_state.get_expert_tensor_parallel_group() if is_expert
+                    else parallel_state.get_tensor_model_parallel_group())
+        expected_ranks = dist.get_process_group_ranks(expected)
+    else:
+        kind, expected_ranks = "single-rank tensor-parallel (model parallelism is not initialised)", [dist.get_rank()]
+    given_ranks = dist.get_process_group_ranks(tp_group)
+    if given_ranks != expected_ranks:
+        raise ValueError(
+            f"{layer_name}(tp_group=...) spans ranks {given_ranks}, but the layer is split over the {kind} group "
+            f"of parallel_state (ranks {expected_ranks}): pass tp_group=None, or initialize_model_parallel() with "
+            "the tensor-parallel size you want"
+        )
+
+
+def _refuse_upstream_only_options(layer_name, **options):
+    """Upstream keywords whose non-default values (None or False) have no implementation here: refused by name."""
+    for name, (value, instead) in options.items():
+        if value is not None and value is not False:
+            raise ValueError(f"{layer_name}({name}=...) is not supported here: {instead}")
+
+
 def _parameter_device(config):
     if getattr(config, "init_model_with_meta_device", False) or torch.get_default_device().type == "meta":
         return torch.device("meta")
@@ -103,15 +133,16 @@ def _parameter_device(config):
 
 def initialize_partition_from_master(param, full_shape, init_method, partition_dim, stride=1, is_expert=False):
     """Fill `param` with this rank's slice of a full fp32 CPU weight initialised by `init_method` (split over
-    the expert tensor-parallel group with `is_expert`)."""
+    the expert tensor-parallel group with `is_expert`); returns that full weight (None on the meta device)."""
     if param.is_meta:
-        return
+        return None
     master = torch.empty(full_shape, dtype=torch.float32, device="cpu")
     init_method(master)
     tp_rank, tp_size = tensor_parallel_rank_and_size(is_expert)
     partition = strided_partition(master, tp_size, tp_rank, partition_dim, stride)
     with torch.no_grad():
         param.copy_(partition.to(dtype=param.dtype))
+    return master
 
 
 def _zero_(param):
@@ -339,6 +370,10 @@ class ColumnParallelLinear(_Fp8LinearMixin, torch.nn.Module):
     first. `skip_weight_param_allocation` makes the layer weightless: `forward(x, weight)` then uses the
     given weight (a tied output layer reusing the embedding). An expert's linear (`is_expert`) is split over the
     expert tensor-parallel group (`--expert-tensor-parallel-size`) instead.
+
+    Upstream's other keywords: `keep_master_weight_for_test` keeps the full initial weight as `master_weight`;
+    `tp_group` must be parallel_state's group (see `check_tensor_parallel_group`); `embedding_activation_buffer`,
+    `grad_output_buffer` and `disable_grad_reduce` are refused unless left at their defaults.
     """
 
     fp8_parallel_mode = "column"
@@ -357,9 +392,26 @@ class ColumnParallelLinear(_Fp8LinearMixin, torch.nn.Module):
         skip_weight_param_allocation=False,
         is_expert=False,
         tp_comm_buffer_name=None,
+        keep_master_weight_for_test=False,
+        embedding_activation_buffer=None,
+        grad_output_buffer=None,
+        disable_grad_reduce=False,
+        tp_group=None,
     ):
         super().__init__()
+        check_tensor_parallel_group("ColumnParallelLinear", tp_group, is_expert)
+        _refuse_upstream_only_options(
+            "ColumnParallelLinear",
+            embedding_activation_buffer=(embedding_activation_buffer, "the embedding weight gradient is not "
+                                         "deferred (--defer-embedding-wgrad-compute); pass None"),
+            grad_output_buffer=(grad_output_buffer, "the embedding weight gradient is not deferred "
+                                "(--defer-embedding-wgrad-compute); pass None"),
+            disable_grad_reduce=(disable_grad_reduce, "the input gradient is always all-reduced over the "
+                                 "tensor-parallel group; leave it False"),
+        )
         self.config = config
+        self.keep_master_weight_for_test = keep_master_weight_for_test
+        self.master_weight = None
         self.input_size = input_size
         self.output_size = output_size
         self.gather_output = gather_output
@@ -394,9 +446,11 @@ class ColumnParallelLinear(_Fp8LinearMixin, torch.nn.Module):
 
     def reset_parameters(self):
         if self.weight is not None and self.config.perform_initialization:
-            initialize_partition_from_master(
+            master = initialize_partition_from_master(
                 self.weight, (self.output_size, self.input_size), self.init_method, 0, self.stride, self.is_expert
             )
+            if self.keep_master_weight_for_test:
+                self.master_weight = master
         _zero_(self.bias)
 
     def forward(self, input_, weight=None):
@@ -442,6 +496,7 @@ class RowParallelLinear(_Fp8LinearMixin, torch.nn.Module):
     with `config.sequence_parallel`). The bias is the same on every rank (`tensor_model_parallel=False`)
     and is added after the reduction. Without `input_is_parallel` the full-width input is split first. An
     expert's linear (`is_expert`) is split over the expert tensor-parallel group instead.
+    `keep_master_weight_for_test` and `tp_group` are as in `ColumnParallelLinear`.
     """
 
     fp8_parallel_mode = "row"
@@ -459,9 +514,14 @@ class RowParallelLinear(_Fp8LinearMixin, torch.nn.Module):
         skip_bias_add=False,
         is_expert=False,
         tp_comm_buffer_name=None,
+        keep_master_weight_for_test=False,
+        tp_group=None,
     ):
         super().__init__()
+        check_tensor_parallel_group("RowParallelLinear", tp_group, is_expert)
         self.config = config
+        self.keep_master_weight_for_test = keep_master_weight_for_test
+        self.master_weight = None
         self.input_size = input_size
         self.output_size = output_size
         self.input_is_parallel = input_is_parallel
@@ -495,9 +555,11 @@ class RowParallelLinear(_Fp8LinearMixin, torch.nn.Module):
 
     def reset_parameters(self):
         if self.config.perform_initialization:
-            initialize_partition_from_master(
+            master = initialize_partition_from_master(
                 self.weight, (self.output_size, self.input_size), self.init_method, 1, self.stride, self.is_expert
             )
+            if self.keep_master_weight_for_test:
+                self.master_weight = master
         _zero_(self.bias)
 
     def forward(self, input_):
@@ -538,8 +600,10 @@ class VocabParallelEmbedding(torch.nn.Module):
     transposed to sequence-first and reduce-scattered along the sequence for sequence parallelism.
     """
 
-    def __init__(self, num_embeddings, embedding_dim, *, init_method, config, reduce_scatter_embeddings=False):
+    def __init__(self, num_embeddings, embedding_dim, *, init_method, config, reduce_scatter_embeddings=False,
+                 tp_group=None):
         super().__init__()
+        check_tensor_parallel_group("VocabParallelEmbedding", tp_group)
         self.config = config
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim

@@ -75,12 +75,28 @@ def get_cuda_rng_tracker():
     return _RNG_STATE_TRACKER
 
 
-def model_parallel_cuda_manual_seed(seed):
+def get_data_parallel_rng_tracker_name():
+    return _DATA_PARALLEL_RNG_TRACKER_NAME
+
+
+def get_expert_parallel_rng_tracker_name():
+    return _EXPERT_PARALLEL_RNG_TRACKER_NAME
+
+
+def model_parallel_cuda_manual_seed(seed, te_rng_tracker=False, inference_rng_tracker=False,
+                                    use_cudagraphable_rng=False):
     """Seed the default generators with `seed` and register the model-, expert- and data-parallel streams.
 
     The default stream is identical on all ranks (so weights initialised outside `fork` agree); the
-    model-parallel stream is `seed + 2718 + tensor_model_parallel_rank`.
+    model-parallel stream is `seed + 2718 + tensor_model_parallel_rank`. Upstream's other trackers (Transformer
+    Engine's, the inference one, CUDA-graph-safe generators) are refused: leave those switches False.
     """
+    for name, value in (("te_rng_tracker", te_rng_tracker), ("inference_rng_tracker", inference_rng_tracker),
+                        ("use_cudagraphable_rng", use_cudagraphable_rng)):
+        if value:
+            raise ValueError(f"model_parallel_cuda_manual_seed({name}=True) asks for a random-number tracker this "
+                             "implementation does not have; leave it False (the one tracker serves training and "
+                             "inference)")
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     torch.manual_seed(seed)  # CPU and every accelerator's default generator

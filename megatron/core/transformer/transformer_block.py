@@ -58,16 +58,21 @@ def pipeline_stage_layer_range(config: TransformerConfig, vp_stage: Optional[int
 
 
 class TransformerBlock(torch.nn.Module):
-    """Args: config; pre_process: this stage is first (takes `hidden_states` from the embedding);
-    post_process: this stage is last (applies the final norm); base_init_seed: the model's base init seed
-    (None: `config.init_seed`, else the default generator's seed). Each layer's initial weights depend only on
-    it and the layer's global number, so a stage's layers equal the same layers of a single-stage model."""
+    """Args (upstream's order): config; spec: upstream's layer spec (`gpt_layer_specs`) or None; the layers are
+    built from the config, and a spec asking for other layers is refused; post_layer_norm: the last stage applies
+    the final norm (True); pre_process: this stage is first (takes `hidden_states` from the embedding);
+    post_process: this stage is last; base_init_seed: the model's base init seed (None: `config.init_seed`, else
+    the default generator's seed). Each layer's initial weights depend only on it and the layer's global number,
+    so a stage's layers equal the same layers of a single-stage model."""
 
     def __init__(
-        self, config: TransformerConfig, pre_process: bool = True, post_process: bool = True, base_init_seed=None,
-        vp_stage: Optional[int] = None,
+        self, config: TransformerConfig, spec=None, post_layer_norm: bool = True, pre_process: bool = True,
+        post_process: bool = True, base_init_seed=None, vp_stage: Optional[int] = None,
     ):
         super().__init__()
+        from megatron.core.models.gpt.gpt_layer_specs import check_layer_spec
+
+        check_layer_spec(spec, config)
         self.config = config
         self.pre_process = pre_process
         self.post_process = post_process
@@ -78,7 +83,8 @@ class TransformerBlock(torch.nn.Module):
             TransformerLayer(config, layer_number=self.layer_offset + index + 1, base_init_seed=base_init_seed)
             for index in range(num_local_layers)
         )
-        self.final_layernorm = build_norm(config, config.hidden_size) if post_process else None
+        self.post_layer_norm = post_layer_norm
+        self.final_layernorm = build_norm(config, config.hidden_size) if post_process and post_layer_norm else None
         self.input_tensor: Optional[torch.Tensor] = None
         self.activation_offloader = None  # --cpu-offloading builds it at the first forward
         if config.fine_grained_activation_offloading:

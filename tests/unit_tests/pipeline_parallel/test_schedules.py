@@ -335,3 +335,42 @@ def test_schedule_rejects_several_model_chunks_and_bad_loss_func():
 
     with pytest.raises(ValueError, match="loss_func must return"):
         forward_backward_no_pipelining(forward_step_func=forward_step_bad_loss, model=model, **common)
+
+
+def _two_tuple_loss_gradient_under_context_parallelism():
+    """Each CP rank holds its share of a sequence's per-token values; the loss function is upstream's legacy
+    (loss, report) one, which all-reduces its sum and count over the CP ranks into the sequence mean."""
+    parallel_state.initialize_model_parallel(context_parallel_size=2)
+    cp_group = parallel_state.get_context_parallel_group()
+    rank = parallel_state.get_context_parallel_rank()
+    values = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0, 5.0, 6.0])][rank]
+    loss_mask = [torch.tensor([1.0, 1.0, 0.0]), torch.tensor([1.0, 1.0, 1.0])][rank]
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+
+    def forward_step_func(data_iterator, model):
+        output = model(next(data_iterator).unsqueeze(-1)).squeeze(-1)
+
+        def loss_func(output_tensor):
+            local_sum = (output_tensor * loss_mask).sum()
+            totals = torch.stack([local_sum.detach(), loss_mask.sum()])
+            dist.all_reduce(totals, group=cp_group)
+            loss = local_sum / totals[1]  # the sequence mean; its gradient flows through this rank's share
+            return loss, {"lm loss": loss.detach()}
+
+        return output, loss_func
+
+    forward_backward_no_pipelining(forward_step_func=forward_step_func, data_iterator=iter([values]), model=model,
+                                   num_microbatches=1, seq_length=3, micro_batch_size=1)
+    grad = model.weight.grad.clone()
+    dist.all_reduce(grad, group=cp_group)  # what the gradient reduction over DP x CP does, before its 1 / (DP x CP)
+    parallel_state.destroy_model_parallel()
+    return (grad / 2).item()
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_two_tuple_loss_under_context_parallelism_scales_as_upstream(world_size):
+    # d(sequence mean)/dw over the unmasked values 1, 2, 4, 5, 6: their mean, 18 / 5.
+    for averaged_grad in run_on_ranks(world_size, _two_tuple_loss_gradient_under_context_parallelism):
+        assert abs(averaged_grad - 18 / 5) < 1e-6

@@ -319,3 +319,63 @@ def test_weightless_column_layer_uses_given_weight():
         layer(x)
     with pytest.raises(ValueError, match="expected"):
         layer(x, torch.randn(5, 4))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Upstream's constructor keywords
+# --------------------------------------------------------------------------------------------------------
+
+
+def _upstream_keywords():
+    from megatron.core import parallel_state as ps
+
+    config, rank, tp = setup_tensor_parallel()
+    group = ps.get_tensor_model_parallel_group()
+    column = ColumnParallelLinear(IN_FEATURES, OUT_FEATURES, config=config, init_method=_normal(1.0), bias=True,
+                                  gather_output=False, keep_master_weight_for_test=True, tp_group=group,
+                                  embedding_activation_buffer=None, grad_output_buffer=None, disable_grad_reduce=False)
+    row = RowParallelLinear(OUT_FEATURES, IN_FEATURES, config=config, init_method=_normal(1.0), bias=True,
+                            input_is_parallel=True, skip_bias_add=False, keep_master_weight_for_test=True,
+                            tp_group=group)
+    embedding = VocabParallelEmbedding(16, IN_FEATURES, init_method=_normal(), config=config, tp_group=group)
+    plain = ColumnParallelLinear(IN_FEATURES, OUT_FEATURES, config=config, init_method=_normal())
+    refusals = []
+    data_parallel_group = ps.get_data_parallel_group()  # this rank alone
+    for build in (
+        lambda: ColumnParallelLinear(IN_FEATURES, OUT_FEATURES, config=config, init_method=_normal(),
+                                     tp_group=data_parallel_group),
+        lambda: RowParallelLinear(OUT_FEATURES, IN_FEATURES, config=config, init_method=_normal(),
+                                  tp_group=data_parallel_group),
+        lambda: ColumnParallelLinear(IN_FEATURES, OUT_FEATURES, config=config, init_method=_normal(),
+                                     disable_grad_reduce=True),
+        lambda: ColumnParallelLinear(IN_FEATURES, OUT_FEATURES, config=config, init_method=_normal(),
+                                     grad_output_buffer=[]),
+    ):
+        try:
+            build()
+        except ValueError as error:
+            refusals.append(str(error))
+    return {
+        "rank": rank, "tp": tp, "column": (column.weight.detach(), column.master_weight),
+        "row": (row.weight.detach(), row.master_weight), "embedding_rows": embedding.weight.shape[0],
+        "plain_master": plain.master_weight, "refusals": refusals,
+    }
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_upstream_constructor_keywords(world_size):
+    for result in run_on_ranks(world_size, _upstream_keywords):
+        rank, tp = result["rank"], result["tp"]
+        column_weight, column_master = result["column"]
+        row_weight, row_master = result["row"]
+        # keep_master_weight_for_test keeps the full weight this rank's partition was cut from.
+        assert column_master.shape == (OUT_FEATURES, IN_FEATURES) and row_master.shape == (IN_FEATURES, OUT_FEATURES)
+        torch.testing.assert_close(column_weight, chunk(column_master, 0, rank, tp), atol=0, rtol=0)
+        torch.testing.assert_close(row_weight, chunk(row_master, 1, rank, tp), atol=0, rtol=0)
+        assert result["plain_master"] is None and result["embedding_rows"] == 16 // tp
+        column_group, row_group, grad_reduce, buffer = result["refusals"]
+        assert f"ColumnParallelLinear(tp_group=...) spans ranks [{rank}], but the layer is split over the " \
+               "tensor-parallel group of parallel_state (ranks [0, 1])" in column_group
+        assert row_group.startswith("RowParallelLinear(tp_group=...) spans ranks")
+        assert grad_reduce.startswith("ColumnParallelLinear(disable_grad_reduce=...) is not supported here")
+        assert buffer.startswith("ColumnParallelLinear(grad_output_buffer=...) is not supported here")

@@ -79,3 +79,20 @@ def test_checkpoint_recomputes_with_same_dropout_and_gradients():
     with pytest.raises(ValueError, match="distribute_saved_activations"):
         checkpoint(block, True, x)
     get_cuda_rng_tracker().reset()
+
+
+def test_upstream_tracker_names_and_seed_switches():
+    from megatron.core import tensor_parallel
+
+    model_parallel_cuda_manual_seed(5, te_rng_tracker=False, inference_rng_tracker=False, use_cudagraphable_rng=False)
+    tracker = get_cuda_rng_tracker()
+    names = (tensor_parallel.get_data_parallel_rng_tracker_name(),
+             tensor_parallel.get_expert_parallel_rng_tracker_name())
+    assert names == ("data-parallel-rng", "expert-parallel-rng")
+    # The expert stream at EP = TP = 1 is seeded with seed + 1024.
+    with tracker.fork(names[1]):
+        expert_draw = torch.rand(3)
+    torch.testing.assert_close(expert_draw, torch.rand(3, generator=torch.Generator().manual_seed(5 + 1024)))
+    with pytest.raises(ValueError, match=r"model_parallel_cuda_manual_seed\(te_rng_tracker=True\)"):
+        model_parallel_cuda_manual_seed(5, te_rng_tracker=True)
+    assert callable(tensor_parallel.linear_with_grad_accumulation_and_async_allreduce)

@@ -122,3 +122,23 @@ def test_pp2_stages_hold_their_layers_and_chain_to_pp1_loss(world_size, position
     assert last["output_weight_vs_embedding"] == 0.0
     assert last["loss_diff"] < 1e-5
     assert first["grad_diff"] < 1e-5 and last["grad_diff"] < 1e-5
+
+
+def test_upstream_positional_spec_and_post_layer_norm():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    model_parallel_cuda_manual_seed(3)
+    config = tiny_config(num_layers=1, hidden_size=16, init_seed=3)
+    hidden_states = torch.randn(SEQ_LENGTH, MICRO_BATCH_SIZE, 16, generator=torch.Generator().manual_seed(0))
+    # Upstream's TransformerBlock(config, spec, post_layer_norm, pre_process, post_process).
+    with_spec = TransformerBlock(config, get_gpt_layer_local_spec())
+    without_spec = TransformerBlock(config)
+    assert with_spec.pre_process is True and with_spec.final_layernorm is not None
+    torch.testing.assert_close(with_spec(hidden_states), without_spec(hidden_states), atol=0, rtol=0)
+    unnormalised = TransformerBlock(config, get_gpt_layer_local_spec(), post_layer_norm=False)
+    assert unnormalised.final_layernorm is None
+    torch.testing.assert_close(unnormalised(hidden_states), without_spec.layers[0](hidden_states), atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"set TransformerConfig\(qk_layernorm=True\)"):
+        TransformerBlock(config, get_gpt_layer_local_spec(qk_layernorm=True))

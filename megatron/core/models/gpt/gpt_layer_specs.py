@@ -82,7 +82,19 @@ def _check_config_fields(argument, spec, config):
         if have != wanted:
             raise ValueError(f"{argument} asks for {name}={wanted!r} but the TransformerConfig has "
                              f"{name}={have!r}: the layers are built from the config, so set "
-                             f"TransformerConfig({name}={wanted!r}) (or build the spec to match)")
+                             f"TransformerConfig({name}={wanted!r}) (or build the spec to match)"
+                             + _without_transformer_engine_hint(name, wanted))
+
+
+def _without_transformer_engine_hint(name, wanted):
+    """Where Transformer Engine cannot be imported, the TE spec's only way forward is the local one."""
+    from megatron.core import optional_deps
+
+    if name != "transformer_impl" or wanted != "transformer_engine" or optional_deps.HAVE_TE:
+        return ""
+    return ("; transformer-engine is not importable here (it needs CUDA), so on this machine use "
+            "get_gpt_layer_local_spec() instead of get_gpt_layer_with_transformer_engine_spec() (same layers and "
+            "parameter names, torch-native)")
 
 
 def check_layer_spec(spec, config):

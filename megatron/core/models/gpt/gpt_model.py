@@ -82,6 +82,24 @@ def _check_vp_stage(config, vp_stage):
         )
 
 
+def _refuse_unsupported_forward_inputs(decoder_input, packed_seq_params, extra_block_kwargs):
+    if decoder_input is not None:
+        raise ValueError("GPTModel.forward(decoder_input=...) is not supported: pass input_ids (and position_ids) "
+                         "and the model embeds them")
+    if packed_seq_params is not None:
+        raise ValueError("GPTModel.forward(packed_seq_params=...) is not supported: packed (THD) sequences are "
+                         "not; pass padded [b, s] batches with an attention_mask and loss_mask instead")
+    if extra_block_kwargs:
+        raise ValueError(f"GPTModel.forward(extra_block_kwargs={sorted(extra_block_kwargs)}) is not supported: "
+                         "the decoder takes only the attention mask and rotary embeddings; drop them")
+
+
+def _check_loss_mask(loss_mask, labels):
+    if loss_mask is not None and loss_mask.shape != labels.shape:
+        raise ValueError(f"GPTModel.forward: loss_mask has shape {tuple(loss_mask.shape)} but labels have "
+                         f"{tuple(labels.shape)}: pass the batch's [b, s] loss_mask, one entry per label")
+
+
 class GPTModel(ShardedStateModule):
     """Decoder-only language model (one pipeline stage of it).
 
@@ -430,6 +448,10 @@ class GPTModel(ShardedStateModule):
         *,
         inference_params=None,
         runtime_gather_output: Optional[bool] = None,
+        loss_mask: Optional[torch.Tensor] = None,
+        decoder_input: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+        extra_block_kwargs: Optional[dict] = None,
     ):
         """Returns the per-token loss `[b, s]` (fp32) when `labels` are given, else the logits: this rank's
         vocabulary slice `[b, s, vocab / tp]`, or with `runtime_gather_output=True` (None: `not parallel_output`)
@@ -447,7 +469,14 @@ class GPTModel(ShardedStateModule):
         With multi-token prediction and `labels`, the last stage returns `(loss, mtp_losses)`: `mtp_losses`
         `[N, b, s]` (fp32) holds depth k's per-token loss against the labels shifted left by k in row k - 1,
         zero where the shifted label falls off the end (the MTP depths do not run without labels).
+
+        `loss_mask` (`[b, s]`, like `labels`; upstream's keyword): as upstream, the main per-token loss is returned
+        unmasked (the loss function applies the mask), and depth k's MTP losses are multiplied by the mask shifted
+        left by k. It is ignored without labels. Upstream's `decoder_input`, `packed_seq_params` and
+        `extra_block_kwargs` are taken by keyword and must be None (the embedding always runs here, on padded
+        `[b, s]` batches).
         """
+        _refuse_unsupported_forward_inputs(decoder_input, packed_seq_params, extra_block_kwargs)
         if inference_params is not None:
             if inference_context is not None and inference_context is not inference_params:
                 raise ValueError("GPTModel.forward: pass inference_context or its older name inference_params, "
@@ -467,11 +496,13 @@ class GPTModel(ShardedStateModule):
         logits = self._vocab_parallel_logits(hidden_states)
         if labels is None:
             return self._batch_first_logits(logits, runtime_gather_output)
+        _check_loss_mask(loss_mask, labels)
         loss = self._per_token_loss(logits, labels)
         if not self.mtp_process:
             return loss
         del logits
-        return loss, self._mtp_losses(input_ids, position_ids, hidden_states, labels, attention_mask, rotary_angles)
+        return loss, self._mtp_losses(input_ids, position_ids, hidden_states, labels, attention_mask, rotary_angles,
+                                      loss_mask)
 
     def _batch_first_logits(self, logits, runtime_gather_output):
         """This rank's logits `[s, b, vocab / tp]` -> `[b, s, vocab / tp]`, or gathered `[b, s, vocab]`."""
@@ -505,7 +536,8 @@ class GPTModel(ShardedStateModule):
             loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
         return loss.transpose(0, 1).contiguous()
 
-    def _mtp_losses(self, input_ids, position_ids, hidden_states, labels, attention_mask, rotary_angles):
+    def _mtp_losses(self, input_ids, position_ids, hidden_states, labels, attention_mask, rotary_angles,
+                    loss_mask=None):
         """`[N, b, s]`: each MTP depth's per-token loss (see `forward`), logits from the shared output layer."""
         if input_ids is None:
             raise RuntimeError("the multi-token-prediction depths on the last stage need the input ids: pass the "
@@ -524,5 +556,8 @@ class GPTModel(ShardedStateModule):
         for depth, states in enumerate(depth_states, start=1):
             shifted_labels = shift_left(labels, depth, cp_group=cp_group)
             loss = self._per_token_loss(self._vocab_parallel_logits(states), shifted_labels)
-            losses.append(torch.where(positions < seq_len - depth, loss, torch.zeros_like(loss)))
+            loss = torch.where(positions < seq_len - depth, loss, torch.zeros_like(loss))
+            if loss_mask is not None:
+                loss = loss * shift_left(loss_mask, depth, cp_group=cp_group).to(loss.dtype)
+            losses.append(loss)
         return torch.stack(losses)

@@ -54,3 +54,16 @@ def test_config_tensor_parallel_size_must_match_the_group():
     for message in run_on_ranks(2, _model_with_default_tensor_parallel_size):
         assert "TransformerConfig(tensor_model_parallel_size=1) differs" in message
         assert "tensor_model_parallel_size=2" in message
+
+
+def test_transformer_engine_spec_without_transformer_engine_points_to_the_local_spec():
+    from megatron.core import optional_deps
+
+    with pytest.raises(ValueError) as refused:
+        GPTModel(_config(), get_gpt_layer_with_transformer_engine_spec(), 32, 16)
+    hint = "transformer-engine is not importable here (it needs CUDA), so on this machine use get_gpt_layer_local_spec"
+    assert (hint in str(refused.value)) == (not optional_deps.HAVE_TE)
+    # Other fields keep the plain message.
+    with pytest.raises(ValueError) as refused:
+        GPTModel(_config(), get_gpt_layer_local_spec(qk_layernorm=True), 32, 16)
+    assert "transformer-engine" not in str(refused.value)

@@ -140,3 +140,44 @@ def test_unscattered_embedding_is_refused_with_sequence_parallelism(world_size):
     losses = [seeded_model(tiny_config(), scatter_embedding_sequence_parallel=flag)(tokens, positions, labels=labels)
               for flag in (True, False)]
     torch.testing.assert_close(losses[0], losses[1], atol=0, rtol=0)
+
+
+def test_loss_mask_keyword_masks_the_mtp_depths_not_the_main_loss():
+    tokens, labels, positions = fixed_batch()
+    loss_mask = torch.ones_like(labels, dtype=torch.float32)
+    loss_mask[0, 2] = loss_mask[1, 5] = 0.0
+    model = seeded_model(tiny_config(num_layers=1, mtp_num_layers=2), position_embedding_type="rope")
+    with torch.no_grad():
+        loss, depth_losses = model(tokens, positions, labels=labels)
+        masked_loss, masked_depth_losses = model(tokens, positions, labels=labels, loss_mask=loss_mask)
+        plain_model = seeded_model(tiny_config(num_layers=1))
+        plain_loss = plain_model(tokens, positions, labels=labels)
+        plain_masked = plain_model(tokens, positions, labels=labels, loss_mask=loss_mask)
+    # As upstream: the main per-token loss stays unmasked, the loss function applies the mask.
+    torch.testing.assert_close(masked_loss, loss, atol=0, rtol=0)
+    torch.testing.assert_close(plain_masked, plain_loss, atol=0, rtol=0)
+    # Depth k's losses are multiplied by the mask shifted left by k: token (0, 2) is depth 1's (0, 1).
+    for depth in (1, 2):
+        shifted = torch.cat([loss_mask[:, depth:], torch.zeros(labels.shape[0], depth)], dim=1)
+        torch.testing.assert_close(masked_depth_losses[depth - 1], depth_losses[depth - 1] * shifted, atol=0, rtol=0)
+    assert masked_depth_losses[0, 0, 1] == 0 and depth_losses[0, 0, 1] > 0
+    with pytest.raises(ValueError, match=r"loss_mask has shape \(2, 7\) but labels have \(2, 8\)"):
+        model(tokens, positions, labels=labels, loss_mask=loss_mask[:, 1:])
+
+
+def test_upstream_forward_keywords_left_at_none_and_refused_otherwise():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    tokens, labels, positions = fixed_batch()
+    model = seeded_model(tiny_config(num_layers=1))
+    with torch.no_grad():
+        loss = model(tokens, positions, None, labels=labels)
+        same = model(tokens, positions, None, labels=labels, decoder_input=None, packed_seq_params=None,
+                     extra_block_kwargs=None)
+    torch.testing.assert_close(same, loss, atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"forward\(packed_seq_params=...\) is not supported"):
+        model(tokens, positions, labels=labels, packed_seq_params=PackedSeqParams())
+    with pytest.raises(ValueError, match=r"forward\(decoder_input=...\) is not supported"):
+        model(tokens, positions, labels=labels, decoder_input=torch.zeros(8, 2, 32))
+    with pytest.raises(ValueError, match=r"forward\(extra_block_kwargs=\['foo'\]\) is not supported"):
+        model(tokens, positions, labels=labels, extra_block_kwargs={"foo": 1})

@@ -6,9 +6,11 @@ import dataclasses
 import inspect
 
 import pytest
+import torch
 
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.post_training.modelopt.gpt.model_specs import get_gpt_modelopt_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -17,7 +19,7 @@ def test_the_spec_builder_says_what_is_unsupported_and_what_to_use_instead():
     with pytest.raises(NotImplementedError) as raised:
         get_gpt_modelopt_spec(None, remap_te_layernorm=True, use_arbitrary_attention_mask=True)
     message = str(raised.value)
-    for part in ("EAGLE speculative decoding", "is not supported", "TransformerBlock takes no spec",
+    for part in ("EAGLE speculative decoding", "is not supported", "TransformerBlock only checks a spec",
                  "attention_softmax_in_fp32", "frozen", "get_rotary_seq_len", "examples/post_training/distill.py",
                  "convert_checkpoint.py --to hf", "hf_eagle"):
         assert part in message, part
@@ -27,8 +29,10 @@ def test_the_reasons_given_hold():
     fields = {field.name for field in dataclasses.fields(TransformerConfig)}
     assert TransformerConfig.__dataclass_params__.frozen
     assert "attention_softmax_in_fp32" not in fields and "transformer_layer_spec" not in fields
-    block_parameters = inspect.signature(TransformerBlock.__init__).parameters
-    assert "spec" not in block_parameters and "post_layer_norm" not in block_parameters
+    # A spec of other layer modules (as EAGLE's draft layers) is refused, not built.
+    with pytest.raises(TypeError, match="transformer_layer_spec must come from get_gpt_layer_local_spec"):
+        TransformerBlock(TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2),
+                         ModuleSpec(module=torch.nn.Linear))
     assert not hasattr(RotaryEmbedding, "get_rotary_seq_len")
     block_forward = inspect.signature(TransformerBlock.forward).parameters
     assert "inference_params" not in block_forward and "packed_seq_params" not in block_forward

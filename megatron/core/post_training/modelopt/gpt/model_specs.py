@@ -2,23 +2,26 @@
 no fused TE modules), from which modelopt's EAGLE speculative-decoding plugin
 (`modelopt.torch.speculative.plugins.megatron_eagle`) builds its draft decoder layers.
 
-Layers here are built from a `TransformerConfig` directly (see `transformer_layer.py`); `TransformerBlock` takes
-no spec, so there is no spec to return that anything could build. A spec alone would not make EAGLE run either:
+Layers here are built from a `TransformerConfig` directly (see `transformer_layer.py`); `TransformerBlock` only
+checks a spec against the config and never builds a spec's modules, so there is no spec to return that anything
+could build. A spec alone would not make EAGLE run either:
 its conversion (`mtsp.convert(model, [("eagle", cfg)])`) builds a `TransformerConfig` with upstream-only fields
 (`attention_softmax_in_fp32`, ...) and then assigns attributes on it (`transformer_layer_spec`, `seq_length`,
 `hidden_size`, `pipeline_model_parallel_size`, ...), where this config is frozen; it builds
-`TransformerBlock(config, spec=..., post_layer_norm=...)`, uses upstream's `RotaryEmbedding.get_rotary_seq_len`,
-and calls the decoder with `inference_params` and `packed_seq_params` (the block here takes `inference_context` only).
+`TransformerBlock(config, spec=..., post_layer_norm=...)` from its own layer modules, uses upstream's
+`RotaryEmbedding.get_rotary_seq_len`, and calls the decoder with `inference_params` and `packed_seq_params` (the
+block here takes `inference_context` only).
 The function keeps its upstream name and signature and says precisely that, and what to use instead.
 """
 
 UNSUPPORTED_MESSAGE = (
     "get_gpt_modelopt_spec: modelopt's EAGLE speculative decoding (modelopt.torch.speculative.plugins."
     "megatron_eagle) is not supported by this megatron.core. Its draft module is built from upstream module "
-    "specs, and transformer layers here are built from TransformerConfig directly (TransformerBlock takes no "
-    "spec), so there is no layer spec to return. Beyond the spec, modelopt's EAGLE conversion needs upstream's "
+    "specs, and transformer layers here are built from TransformerConfig directly (TransformerBlock only checks "
+    "a spec against the config), so there is no layer spec to return. Beyond the spec, modelopt's EAGLE "
+    "conversion needs upstream's "
     "mutable TransformerConfig with its upstream-only fields (attention_softmax_in_fp32, ...; this one is frozen "
-    "and validated once), TransformerBlock(spec=..., post_layer_norm=...), upstream's "
+    "and validated once), TransformerBlock(spec=...) building the spec's own modules, upstream's "
     "RotaryEmbedding.get_rotary_seq_len and decoder calls with inference_params / "
     "packed_seq_params (the block here takes inference_context only). Instead: for draft-model speculative "
     "decoding, distil a smaller draft GPT from this model (examples/post_training/distill.py, or width-prune it "
