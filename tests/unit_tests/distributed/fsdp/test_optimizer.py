@@ -1,6 +1,8 @@
 """`fully_shard_optimizer` with torch optimizers that keep more than their param groups: LBFGS steps its own list
 of the parameters and takes inner products over all of them, so it trains like a single process under no_shard
-(its list re-pointed at the main weights) and is refused, naming the strategy to use, under the sharded ones."""
+(its list re-pointed at the main weights) and is refused, naming the strategy to use, under the sharded ones.
+Adafactor (row and column statistics of each matrix) and Muon (each matrix orthogonalised whole) also need
+whole parameters: they train like torch under no_shard and are refused under the sharded strategies."""
 
 import pytest
 import torch
@@ -67,3 +69,63 @@ def test_lbfgs_is_refused_under_sharded_strategies(world_size):
         for message in run_on_ranks(world_size, _train_with_lbfgs, strategy):
             assert isinstance(message, str), strategy
             assert "LBFGS" in message and "zero_dp_strategy='no_shard'" in message, message
+
+
+WHOLE_MATRIX_OPTIMIZERS = {
+    "Adafactor": lambda module: torch.optim.Adafactor([p for p in module.parameters() if p.requires_grad and p.numel()],
+                                                      lr=1e-2),
+    "Muon": lambda module: torch.optim.Muon([p for p in module.parameters() if p.requires_grad and p.dim() == 2],
+                                            lr=1e-2),
+}
+
+
+def _reference_whole_matrix_losses(name):
+    module = models.make_model(0)
+    optimizer = WHOLE_MATRIX_OPTIMIZERS[name](module)
+    losses = []
+    for inputs, target in models.make_batches(NUM_STEPS):
+        optimizer.zero_grad()
+        loss = models.loss_fn(module(inputs), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _train_with_whole_matrix_optimizers():
+    import torch.distributed as dist
+
+    import megatron_fsdp
+
+    results = {}
+    for name, make_optimizer in WHOLE_MATRIX_OPTIMIZERS.items():
+        for strategy in (0, 1, 3):
+            module = models.make_model(0)
+            try:
+                model, optimizer = megatron_fsdp.fully_shard(
+                    module, make_optimizer(module), fsdp_unit_modules=[models.Block], zero_dp_strategy=strategy)
+            except ValueError as error:
+                results[name, strategy] = str(error)
+                continue
+            losses = []
+            for batch in models.make_batches(NUM_STEPS):
+                inputs, target = (models.local_slice(t, dist.get_rank(), dist.get_world_size()) for t in batch)
+                optimizer.zero_grad()
+                loss = models.loss_fn(model(inputs), target)
+                loss.backward()
+                optimizer.step()
+                losses.append(models.global_mean(loss.item()))
+            results[name, strategy] = losses
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_adafactor_and_muon_train_like_torch_under_no_shard_and_are_refused_when_sharded(world_size):
+    for results in run_on_ranks(world_size, _train_with_whole_matrix_optimizers):
+        for name in WHOLE_MATRIX_OPTIMIZERS:
+            assert results[name, 0] == pytest.approx(_reference_whole_matrix_losses(name), rel=1e-5, abs=1e-6), name
+            for strategy in (1, 3):
+                message = results[name, strategy]
+                assert isinstance(message, str), (name, strategy, message)
+                assert f"torch.optim.{name} needs every parameter whole" in message, message
+                assert "zero_dp_strategy='no_shard' (0)" in message, message

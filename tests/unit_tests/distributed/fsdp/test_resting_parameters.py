@@ -1,7 +1,9 @@
 """Between steps, strategy-3 parameters are true Shard(0) DTensors on the real device whose local tensor is this
 rank's rows (`chunk_rows`) viewing the compute shard, and after a backward their `.grad` are DTensors of this
 rank's rows of the reduced gradient: torch code that reads parameters, and every DTensor derived from them
-(clones, arithmetic, indexing, reductions along a dim, an EMA, redistribute), gives exact values."""
+(clones, arithmetic, indexing, reductions along a dim, an EMA, redistribute), gives exact values. A gradient
+hook registered on a resting parameter (`p.register_hook(fn)` over `model.parameters()`) acts on the weights
+the forward computes with, as under the other strategies, and its handle removes it."""
 
 import pytest
 import torch
@@ -192,3 +194,74 @@ def _strategy1_keeps_real_parameters():
 @pytest.mark.parametrize("world_size", [2])
 def test_other_strategies_keep_real_parameters(world_size):
     assert all(run_on_ranks(world_size, _strategy1_keeps_real_parameters))
+
+
+HOOK_STEPS = 3
+
+
+def _losses_with_a_hook_in_the_first_step(parameters, train_step, hooked=True):
+    """Losses of HOOK_STEPS steps, the output layer's gradient zeroed by a hook on it in the first step only."""
+    handle = parameters["out.weight"].register_hook(lambda grad: grad * 0.0) if hooked else None
+    losses = []
+    for step, batch in enumerate(models.make_batches(HOOK_STEPS)):
+        if step == 1 and handle is not None:
+            handle.remove()
+        losses.append(train_step(batch))
+    return losses
+
+
+def _reference_hooked_losses(hooked=True):
+    module = models.make_model(0)
+    optimizer = models.make_optimizer([p for p in module.parameters() if p.requires_grad])
+
+    def train_step(batch):
+        inputs, target = batch
+        optimizer.zero_grad()
+        loss = models.loss_fn(module(inputs), target)
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    return _losses_with_a_hook_in_the_first_step(dict(module.named_parameters()), train_step, hooked)
+
+
+def _hooked_losses(strategy):
+    import torch.distributed as dist
+
+    import megatron_fsdp
+
+    module = models.make_model(0)
+    model, optimizer = megatron_fsdp.fully_shard(
+        module, models.make_optimizer([p for p in module.parameters() if p.requires_grad]),
+        fsdp_unit_modules=[models.Block], zero_dp_strategy=strategy)
+
+    def train_step(batch):
+        inputs, target = (models.local_slice(t, dist.get_rank(), dist.get_world_size()) for t in batch)
+        optimizer.zero_grad()
+        loss = models.loss_fn(model(inputs), target)
+        loss.backward()
+        optimizer.step()
+        return models.global_mean(loss.item())
+
+    losses = _losses_with_a_hook_in_the_first_step(dict(model.module.named_parameters()), train_step)
+    model.module.out.bias.register_post_accumulate_grad_hook(lambda param: None)
+    try:
+        model(torch.zeros(1, models.IN_FEATURES))
+        post_accumulate_error = None
+    except ValueError as error:
+        post_accumulate_error = str(error)
+    return losses, post_accumulate_error
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_gradient_hooks_registered_after_wrapping_act_like_torch(world_size):
+    reference = _reference_hooked_losses()
+    assert abs(reference[1] - _reference_hooked_losses(hooked=False)[1]) > 1e-4  # the hook changes the next loss
+    for strategy in (1, 3):
+        for losses, post_accumulate_error in run_on_ranks(world_size, _hooked_losses, strategy):
+            assert losses == pytest.approx(reference, rel=1e-5, abs=1e-6), strategy
+            if strategy == 3:
+                assert post_accumulate_error is not None and "'out.bias'" in post_accumulate_error, strategy
+                assert "register_hook(fn)" in post_accumulate_error, post_accumulate_error
+            else:
+                assert post_accumulate_error is None, post_accumulate_error

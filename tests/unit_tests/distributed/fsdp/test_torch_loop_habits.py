@@ -1,10 +1,13 @@
 """Habits of a plain torch training loop that carry over to a wrapped model: torch.distributed.checkpoint's
 `get_model_state_dict` / `set_model_state_dict` with `full_state_dict=True` (export to, and load from, an
-unwrapped module), `optimizer.add_param_group` with more of the model's parameters mid-training, and two
-optimizers over disjoint parameters of one model, each stepped and cleared in turn."""
+unwrapped module), `optimizer.add_param_group` with more of the model's parameters mid-training, two
+optimizers over disjoint parameters of one model, each stepped and cleared in turn, `load_state_dict(partial,
+strict=False)` (a backbone checkpoint into a model with a new head), and a wrapped model held as a child of a
+plain module, whose `state_dict()` / `load_state_dict()` go through the parent."""
 
 import pytest
 import torch
+import torch.nn as nn
 
 from tests.unit_tests.distributed.fsdp import fsdp_test_models as models
 from tests.unit_tests.multiprocess_harness import run_on_ranks
@@ -272,3 +275,78 @@ def test_checkpoint_wrapper_keys_match_the_unwrapped_module(world_size):
             assert rank_result["incompatible"] == ([], []), strategy
             for name, value in rank_result["after_load"].items():
                 assert torch.equal(value, plain[name]), (strategy, name)
+
+
+def _full_values(state):
+    return {name: (value.full_tensor() if hasattr(value, "full_tensor") else value).clone()
+            for name, value in state.items()}
+
+
+def _partial_load(strategy):
+    module = models.make_model(0)
+    model, _ = _wrap(module, models.make_optimizer([p for p in module.parameters() if p.requires_grad]), strategy)
+    partial = models.make_model(7).state_dict()
+    del partial["out.bias"]
+    partial["extra.weight"] = torch.zeros(1)
+    incompatible = model.load_state_dict(partial, strict=False)
+    return {"incompatible": (list(incompatible.missing_keys), list(incompatible.unexpected_keys)),
+            "after": _full_values(model.state_dict())}
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_load_state_dict_with_strict_false_loads_every_key_it_is_given(world_size):
+    """`out.bias` is missing: it keeps its value, and every other entry (out.weight, in the same parameter group
+    as out.bias, included) takes the dict's, as `nn.Module.load_state_dict(strict=False)` does."""
+    initial, loaded = models.make_model(0).state_dict(), models.make_model(7).state_dict()
+    for strategy in (0, 1, 2, 3):
+        for rank_result in run_on_ranks(world_size, _partial_load, strategy):
+            assert rank_result["incompatible"] == (["out.bias"], ["extra.weight"]), strategy
+            for name, value in rank_result["after"].items():
+                assert torch.equal(value, (initial if name == "out.bias" else loaded)[name]), (strategy, name)
+
+
+class _Parent(nn.Module):
+    """A plain module holding the model to shard as a child, next to a head of its own."""
+
+    def __init__(self, seed):
+        super().__init__()
+        self.net = models.make_model(seed)
+        torch.manual_seed(seed + 1)
+        self.head = nn.Linear(models.IN_FEATURES, 2)
+
+
+def _wrapped_as_a_child(strategy):
+    import megatron_fsdp
+
+    parent = _Parent(0)
+    parent.net = megatron_fsdp.fully_shard_model(parent.net, fsdp_unit_modules=[models.Block],
+                                                 zero_dp_strategy=strategy)
+    saved = _full_values(parent.state_dict())
+    incompatible = parent.load_state_dict(_Parent(7).state_dict())
+    after = _full_values(parent.state_dict())
+    lacking = _Parent(9).state_dict()
+    del lacking["net.out.bias"]
+    try:
+        parent.load_state_dict(lacking)
+        strict_error = None
+    except RuntimeError as error:
+        strict_error = str(error)
+    return {"saved": saved, "incompatible": (list(incompatible.missing_keys), list(incompatible.unexpected_keys)),
+            "after": after, "strict_error": strict_error}
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_a_model_wrapped_as_a_child_saves_and_loads_through_its_parent(world_size):
+    """The parent's `state_dict()` has the unwrapped parent's keys and values (the child's under `net.`, no
+    `module.`), and the parent's `load_state_dict()` loads a plain parent's state dict into the shards, strictly,
+    naming a missing key as the unwrapped parent would."""
+    initial, loaded = _Parent(0).state_dict(), _Parent(7).state_dict()
+    for strategy in (0, 3):
+        for rank_result in run_on_ranks(world_size, _wrapped_as_a_child, strategy):
+            assert list(rank_result["saved"]) == list(initial), strategy
+            assert rank_result["incompatible"] == ([], []), strategy
+            for name in initial:
+                assert torch.equal(rank_result["saved"][name], initial[name]), (strategy, name)
+                assert torch.equal(rank_result["after"][name], loaded[name]), (strategy, name)
+            error = rank_result["strict_error"]
+            assert error is not None and '"net.out.bias"' in error and "net.module." not in error, error

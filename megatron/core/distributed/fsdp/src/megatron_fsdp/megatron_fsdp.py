@@ -1,5 +1,6 @@
 """`MegatronFSDP`: the module wrapper that shards a model's parameters, gradients and optimizer state."""
 
+import collections
 import contextlib
 import warnings
 from typing import Callable, Optional
@@ -159,6 +160,7 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
         self.schedule.param_grads = ParamGrads(self.groups, self.strategy, _shard_mesh_of,
                                                resting=self.schedule.resting, outer_mesh_of=outer_mesh_of)
         module.__dict__[WRAPPED_ATTR] = self  # a plain attribute: not registered as a submodule
+        self.register_load_state_dict_post_hook(self._drop_inner_missing_keys)
 
     # ---- construction ---------------------------------------------------------------------------------------------
     def _expert_topology(self, expt_device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, expt_hybrid_fsdp_group,
@@ -361,6 +363,8 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
     # ---- forward ----------------------------------------------------------------------------------------------------
     def _checked_root_pre_forward(self):
         refuse_trainability_changes(self._trainable_at_wrap)  # trainability.py
+        if self.schedule.resting is not None:
+            self.schedule.resting.carry_gradient_hooks()
         self.schedule.root_pre_forward()
 
     def forward(self, *args, **kwargs):
@@ -582,15 +586,48 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
         self.steps_recorded = 0
 
     # ---- checkpointing ----------------------------------------------------------------------------------------------
-    def state_dict(self, *args, **kwargs):
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """Parameter name -> DTensor (full logical shape, Shard(0) rows over the data-parallel ranks); buffers
         as plain tensors. Loadable at another data-parallel size with torch.distributed.checkpoint. For an
         unwrapped module (which cannot load DTensors): `torch.distributed.checkpoint.state_dict.
-        get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))` gives full plain tensors."""
-        return model_state_dict(self)
+        get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))` gives full plain tensors.
+        `destination` and `prefix` work as in `nn.Module.state_dict` (a module holding this one as a child
+        calls it so), and so does the deprecated positional form; `keep_vars` has no effect (DTensors of rows)."""
+        if args:  # nn.Module.state_dict(destination, prefix, keep_vars)
+            destination, prefix = args[0], args[1] if len(args) > 1 else prefix
+        state = model_state_dict(self)
+        if destination is None and not prefix:
+            return state
+        destination = collections.OrderedDict() if destination is None else destination
+        for key, value in state.items():
+            destination[prefix + key] = value
+        return destination
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         return load_model_state_dict(self, state_dict, strict=strict)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """`load_state_dict` of a module holding this one as a child: this model's entries (keys as `state_dict`
+        gives them, or with `module.` first) load through the sharded buffers here, and are taken out of the dict
+        so that the wrapped module's own loading (which would write the parameters directly) finds none of them;
+        the keys it then reports missing are dropped again by `_drop_inner_missing_keys`."""
+        own = {}
+        for key in [key for key in state_dict if key.startswith(prefix)]:
+            name = key[len(prefix):]
+            own[name[len("module."):] if name.startswith("module.") else name] = state_dict.pop(key)
+        result = load_model_state_dict(self, own, strict=False)
+        missing_keys.extend(prefix + key for key in result.missing_keys)
+        unexpected_keys.extend(prefix + key for key in result.unexpected_keys)
+        self._nested_load_prefix = prefix
+
+    def _drop_inner_missing_keys(self, module, incompatible_keys):
+        """Load-state-dict post-hook: the wrapped module's entries were loaded (and reported) by this model."""
+        prefix, self._nested_load_prefix = getattr(self, "_nested_load_prefix", None), None
+        if prefix is not None:
+            inner = prefix + "module."
+            incompatible_keys.missing_keys[:] = [key for key in incompatible_keys.missing_keys
+                                                 if not key.startswith(inner)]
 
     def _fqn_modifiers(self) -> dict:
         """For torch.distributed.checkpoint.state_dict (`get_model_state_dict`, `set_model_state_dict`): the

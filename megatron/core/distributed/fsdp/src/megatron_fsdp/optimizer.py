@@ -113,14 +113,28 @@ def _refuse_grad_scaler(optimizer):
     raise RuntimeError(_GRAD_SCALER_MESSAGE)
 
 
+# Optimizers whose update of an element depends on more than that element of its parameter's gradient and
+# state: under strategies 1-3 each rank's optimizer sees flat pieces of rows, not the parameters.
+_WHOLE_PARAMETER_OPTIMIZERS = {
+    "LBFGS": "its inner products and line search span every parameter",
+    "Adafactor": "it factors each matrix's second moment into row and column statistics",
+    "Muon": "it orthogonalises each 2-D parameter as a whole matrix",
+}
+
+
 def _check_whole_vector_optimizer(optimizer, model):
-    """LBFGS takes inner products and norms over the whole parameter vector; a rank's optimizer holds only its
-    shard of that vector under strategies 1-3, so each rank would step in its own direction."""
-    if isinstance(optimizer, torch.optim.LBFGS) and model.strategy != ShardingStrategy.no_shard:
-        raise ValueError(f"torch.optim.LBFGS needs every parameter whole on each rank (its inner products and line "
-                         f"search span all of them), but zero_dp_strategy='{model.strategy.name}' gives each "
-                         "rank's optimizer a shard only: use zero_dp_strategy='no_shard' (0) with LBFGS, or an "
-                         "element-wise optimizer (Adam, AdamW, SGD, ...) with a sharded strategy")
+    """LBFGS takes inner products and norms over the whole parameter vector, Adafactor and Muon work on each
+    matrix whole; a rank's optimizer holds flat pieces of its shard under strategies 1-3, so each would step
+    differently (LBFGS, Adafactor: silently) from the same optimizer on one process."""
+    if model.strategy == ShardingStrategy.no_shard:
+        return
+    for name, reason in _WHOLE_PARAMETER_OPTIMIZERS.items():
+        kind = getattr(torch.optim, name, None)
+        if kind is not None and isinstance(optimizer, kind):
+            raise ValueError(f"torch.optim.{name} needs every parameter whole on each rank ({reason}), but "
+                             f"zero_dp_strategy='{model.strategy.name}' gives each rank's optimizer flat pieces of "
+                             f"its shard only: use zero_dp_strategy='no_shard' (0) with {name}, or an element-wise "
+                             "optimizer (Adam, AdamW, SGD, ...) with a sharded strategy")
 
 
 # torch.distributed.checkpoint.state_dict's get_optimizer_state_dict / get_state_dict key the optimizer's state by

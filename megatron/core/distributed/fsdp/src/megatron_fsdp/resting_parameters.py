@@ -122,7 +122,33 @@ class RestingParameters:
         resting = dtensor_parameter(rows_dtensor(local, param, self._mesh_of(group)), param.requires_grad)
         resting.__dict__.update(param.__dict__)  # Megatron attributes (tensor_model_parallel, ...) stay visible
         resting.resting_name = name
+        if param._backward_hooks is not None:  # `param.register_hook(fn)` before wrapping: one dict for both
+            resting._backward_hooks = param._backward_hooks
         return resting
+
+    def carry_gradient_hooks(self):
+        """Before a forward: `register_hook(fn)` on a resting parameter (`p.register_hook` over `model.parameters()`
+        between steps) acts on its real parameter, which the forward computes with. Both share one hook dict (so
+        the handle's `remove()` works), and `fn` sees this rank's gradient of the whole parameter before it is
+        reduced, as a hook registered before wrapping does. `register_post_accumulate_grad_hook` on a resting
+        parameter is refused: the real parameters' post-accumulate hooks are Megatron-FSDP's own."""
+        for group in self._groups:
+            for param, name in zip(group.params, group.names):
+                resting = self._resting[id(param)]
+                if resting._post_accumulate_grad_hooks:
+                    raise ValueError(
+                        f"register_post_accumulate_grad_hook on parameter '{name}' of a Megatron-FSDP model "
+                        "(zero_dp_strategy 3) would never run: the forward computes with the gathered weights, not "
+                        "with the Shard(0) parameter the module shows between steps. Use register_hook(fn) (fn sees "
+                        "this rank's gradient before reduction), or read p.grad after loss.backward()")
+                hooks = resting._backward_hooks
+                if not hooks:
+                    continue
+                with torch._C.DisableTorchFunctionSubclass():  # `param` may be a ReleasedParameter now
+                    current = param._backward_hooks
+                    if current is not hooks:
+                        hooks.update(current or {})
+                        param._backward_hooks = hooks
 
     def placeholders(self) -> Dict[int, nn.Parameter]:
         """id(real parameter) -> its resting parameter."""

@@ -257,6 +257,16 @@ def _main_level(model, group: ParamGroup, shard: torch.Tensor) -> torch.Tensor:
     return shard
 
 
+def _current_rows(model, group: ParamGroup) -> List[torch.Tensor]:
+    """This rank's rows of every parameter of `group` as loading would write them: the main weights (in their
+    own dtype, so a partial load leaves the other parameters' fp32 values as they are), else the compute weights."""
+    if group.main_weights is None:
+        return _weight_rows(model, group)
+    if group.compute_written():  # writes to the parameters since the last step (see adopt_written_weights)
+        group.adopt_written_compute_weights()
+    return _rows_of_pieces(model, group, [view.to(group.device) for view in group.main_param_views])
+
+
 def load_model_state_dict(model, state_dict, strict: bool = True):
     _check_checkpointable(model)
     model.schedule.wait_gathered(model.groups)
@@ -278,10 +288,16 @@ def load_model_state_dict(model, state_dict, strict: bool = True):
     buffers = dict(model.module.named_buffers())
     with torch.no_grad():
         for group in model.groups:
-            if any(name not in state_dict for name in group.names):
+            present = [name in state_dict for name in group.names]
+            if not any(present):
                 continue
             dtype = group.main_dtype if group.main_weights is not None else group.param_dtype
-            values = _tensor_parallel_local_values(model, group, [state_dict[name] for name in group.names])
+            values = [state_dict.get(name) for name in group.names]
+            if not all(present):  # strict=False: the parameters the dict lacks keep their current values
+                current = _row_dtensors(model, group, _current_rows(model, group), copy=True)
+                values = [value if loaded else current[index]
+                          for index, (value, loaded) in enumerate(zip(values, present))]
+            values = _tensor_parallel_local_values(model, group, values)
             shard = _shard_from_rows(model, group, values, dtype)
             if group.main_weights is not None:
                 group.write_main_weights(_main_level(model, group, shard))
