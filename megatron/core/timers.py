@@ -10,7 +10,7 @@ A timer whose level is above the configured one is a no-op (`NullTimer`), so cal
 start/stop waits for the accelerator's queued work (nothing to wait for on the CPU) and may first pass a barrier
 so that the time measured is that of the slowest rank. `log` / `write` gather every rank's accumulated time
 (milliseconds, divided by `normalizer`), ignore ranks where a timer did not run (zero), and print on the last
-rank, or write the maximum to TensorBoard as `<name>-time`.
+rank, or write the maximum to TensorBoard as `<name>-time` in seconds (as upstream, and as `iteration-time`).
 
 Levels as in Megatron: 0 for the one-off and per-interval timers (set-up, checkpoint save/load, the interval
 time), 1 for the main parts of a step (forward-backward, gradient all-reduce, parameter all-gather, optimizer),
@@ -206,12 +206,12 @@ class Timers:
         return text
 
     def write(self, names, writer, iteration, normalizer=1.0, reset=True, barrier=False):
-        """Write each timer's maximum over ranks to TensorBoard as `<name>-time` (collective; `writer` may be
-        None on ranks that do not write)."""
+        """Write each timer's maximum over ranks to TensorBoard as `<name>-time`, in seconds as upstream
+        (collective; `writer` may be None on ranks that do not write). Returns {name: (min ms, max ms)}."""
         min_max = self.min_max_times(names, normalizer, reset, barrier)
         if writer is not None:
-            for name, (_, high) in min_max.items():
-                writer.add_scalar(f"{name}-time", high, iteration)
+            for name, (_, high_ms) in min_max.items():
+                writer.add_scalar(f"{name}-time", high_ms / 1000.0, iteration)
         return min_max
 
 

@@ -1,9 +1,13 @@
-"""Process-wide handles set once by `initialize_megatron()` / `pretrain()`: the parsed arguments, the tokenizer
-and the timers."""
+"""Process-wide handles set by `initialize_megatron()` / `pretrain()`: the parsed arguments, the tokenizer, the
+timers, and while `pretrain()` trains, the training log's TensorBoard writer and W&B run and the
+--exit-signal-handler handler (upstream's `megatron.training.global_vars` names)."""
 
 _ARGS = None
 _TOKENIZER = None
 _TIMERS = None
+_TENSORBOARD_WRITER = None
+_WANDB_WRITER = None
+_SIGNAL_HANDLER = None
 
 
 def set_args(args):
@@ -39,8 +43,58 @@ def get_timers():
     return _TIMERS
 
 
+def set_scalar_writers(tensorboard_writer, wandb_writer):
+    """Share the training log's writers (None, None when it closes them)."""
+    global _TENSORBOARD_WRITER, _WANDB_WRITER
+    _TENSORBOARD_WRITER, _WANDB_WRITER = tensorboard_writer, wandb_writer
+
+
+def get_tensorboard_writer():
+    """The `torch.utils.tensorboard.SummaryWriter` of --tensorboard-dir that the training log writes to, from the
+    start of training on the last rank; None elsewhere, without --tensorboard-dir, or without TensorBoard
+    installed (as upstream: scripts call `add_scalar` when it is not None)."""
+    return _TENSORBOARD_WRITER
+
+
+def get_wandb_writer():
+    """The W&B run of --wandb-project that the training log writes to, from the start of training on the last
+    rank; None elsewhere or without --wandb-project (as upstream, scripts call `.log({name: value}, step)`)."""
+    return _WANDB_WRITER
+
+
+def set_signal_handler(handler):
+    global _SIGNAL_HANDLER
+    _SIGNAL_HANDLER = handler
+
+
+def get_signal_handler():
+    """The --exit-signal-handler handler while `pretrain()`'s training loop runs: `signals_received()` lists, for
+    every rank, whether it received --exit-signal (collective). The loop itself saves a checkpoint and stops
+    every rank once any rank received it."""
+    if _SIGNAL_HANDLER is None:
+        raise RuntimeError("get_signal_handler(): no signal handler is installed: it exists with "
+                           "--exit-signal-handler while pretrain()'s training loop runs (the loop saves a "
+                           "checkpoint and stops all ranks together when --exit-signal arrives)")
+    return _SIGNAL_HANDLER
+
+
+def get_one_logger():
+    """None, as upstream returns without one-logger telemetry: there is none here (--enable-one-logger and the
+    other one-logger flags are accepted and have no effect)."""
+    return None
+
+
+def get_adlr_autoresume():
+    """None, as upstream returns without --adlr-autoresume (ADLR's cluster auto-resume, which does not exist
+    here)."""
+    return None
+
+
 def unset_global_state():
-    """Forget the arguments, tokenizer and timers (used by tests that initialise more than once per process)."""
+    """Forget the arguments, tokenizer, timers, writers and signal handler (used by tests that initialise more
+    than once per process)."""
     set_args(None)
     set_tokenizer(None)
     set_timers(None)
+    set_scalar_writers(None, None)
+    set_signal_handler(None)

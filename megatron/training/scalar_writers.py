@@ -23,6 +23,11 @@ class WandbWriter:
             init_kwargs["entity"] = args.wandb_entity
         self._run = wandb.init(**init_kwargs)
 
+    @property
+    def run(self):
+        """The W&B run (what upstream's `get_wandb_writer()` returns for scripts: `.log({name: value}, step)`)."""
+        return self._run
+
     def add_scalar(self, name, value, step):
         self._run.log({name: value}, step=step)
 
@@ -59,6 +64,13 @@ class ScalarWriters:
     def close(self):
         for writer in self.writers:
             writer.close()
+
+    def shared_writers(self):
+        """(TensorBoard's SummaryWriter or None, the W&B run or None): the objects upstream's
+        `get_tensorboard_writer()` and `get_wandb_writer()` hand to scripts."""
+        tensorboard = next((writer for writer in self.writers if not isinstance(writer, WandbWriter)), None)
+        wandb_run = next((writer.run for writer in self.writers if isinstance(writer, WandbWriter)), None)
+        return tensorboard, wandb_run
 
 
 def build_scalar_writers(args):

@@ -13,6 +13,8 @@ import signal
 import torch
 import torch.distributed as dist
 
+from megatron.training.global_vars import set_signal_handler
+
 
 def exit_signal_handler_from_args(args):
     """The handler for --exit-signal when --exit-signal-handler is given, else one that never fires."""
@@ -44,14 +46,27 @@ class SigtermHandler:
 
     def __enter__(self):
         self._previous_handler = signal.signal(self.signal_number, self._record)
+        set_signal_handler(self)  # upstream's get_signal_handler() returns it to scripts
         return self
 
     def __exit__(self, *exc_info):
+        set_signal_handler(None)
         signal.signal(self.signal_number, self._previous_handler)
         return False
 
     def _record(self, signal_number, frame):
         self.received = True
+
+    def signals_received(self):
+        """Upstream's `signals_received()`: for every rank, whether it received the signal (collective)."""
+        from megatron.core.device_utils import get_current_device
+
+        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32, device=get_current_device())
+        if not dist.is_initialized():
+            return [bool(flag.item())]
+        gathered = [torch.zeros_like(flag) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, flag)
+        return [bool(each.item()) for each in gathered]
 
     def received_on_any_rank(self, device):
         flag = torch.tensor([1 if self.received else 0], dtype=torch.int32, device=device)

@@ -36,6 +36,7 @@ from megatron.core.optimizer.qk_clip import (
 from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 from megatron.core.transformer.moe.router import reset_global_aux_loss_counts, update_expert_biases
 from megatron.training import checkpointing
+from megatron.training.checkpoint_sources import non_persistent_save_dir
 from megatron.training.data_iterators import build_data_iterators
 from megatron.core.rerun_state_machine import destroy_rerun_state_machine, get_rerun_state_machine
 from megatron.core.rerun_data_iterator import wrap_for_reruns
@@ -326,8 +327,9 @@ def _as_float(value):
 
 
 def evaluate(forward_step_func, data_iterator, model, config, args, exit_duration=None, num_batches=None):
-    """Mean validation loss over `num_batches` (default --eval-iters) global batches (no gradients); stops
-    early, on every rank together, once `exit_duration` (--exit-duration-in-mins) is reached."""
+    """Mean validation loss over `num_batches` (default --eval-iters) global batches (no gradients). Once
+    `exit_duration` (--exit-duration-in-mins) is reached it stops, on every rank together, and returns None when
+    batches were left: as upstream, a loss over part of the batches is not reported."""
     for chunk in model:
         chunk.eval()
     validation_mode = pause_result_validation()
@@ -339,12 +341,15 @@ def evaluate(forward_step_func, data_iterator, model, config, args, exit_duratio
     try:
         for index, config_of_chunk in timed_configs.items():
             model[index].config = dataclasses.replace(config_of_chunk, timers=None)
+        batches = args.eval_iters if num_batches is None else num_batches
+        cut_short = False
         with torch.no_grad():
-            for _ in range(args.eval_iters if num_batches is None else num_batches):
+            for done in range(1, batches + 1):
                 losses_reduced = _run_schedule(forward_step_func, data_iterator, model, args, forward_only=True)
                 total += _loss_sums(losses_reduced, args.device)
                 empty_unused_memory(args, level=1)
                 if exit_duration is not None and exit_duration.reached():
+                    cut_short = done < batches
                     break
     finally:
         for index, config_of_chunk in timed_configs.items():
@@ -352,17 +357,25 @@ def evaluate(forward_step_func, data_iterator, model, config, args, exit_duratio
     resume_result_validation(validation_mode)
     for chunk in model:
         chunk.train()
+    if cut_short:
+        if dist.get_rank() == 0:
+            print(f"evaluation stopped after {done} of {batches} batches: reached --exit-duration-in-mins "
+                  f"{args.exit_duration_in_mins}; its loss is not reported", flush=True)
+        return None
     # Reuse the training reduction on a single synthetic report holding the accumulated sums.
     return {LOSS_NAME: reduce_reported_loss([{LOSS_NAME: total}], args.device)}
 
 
 def evaluate_validation_sets(forward_step_func, validation_sets, model, config, logger, iteration, args,
                              exit_duration=None, where=None):
-    """Evaluate and log each validation set (validation_sets.py): one "validation loss" block per set."""
+    """Evaluate and log each validation set (validation_sets.py): one "validation loss" block per set; the
+    sets left once --exit-duration-in-mins cuts an evaluation short are neither evaluated nor logged."""
     for validation_set in validation_sets:
         iterator, num_batches = validation_set.next_evaluation(args.eval_iters,
                                                                get_current_running_global_batch_size())
         losses = _timed_evaluation(forward_step_func, iterator, model, config, args, exit_duration, num_batches)
+        if losses is None:
+            return
         logger.log_evaluation(iteration, losses, set_label=validation_set.label, where=where,
                               write_to_tensorboard=not args.skip_train)
 
@@ -400,6 +413,18 @@ def _save(iteration, model, optimizer, scheduler, args):
         print(f"  successfully saved checkpoint from iteration {iteration:7d} to {args.save} "
               f"[ t 1/{tp_size}, p 1/{pp_size} ]", flush=True)
     return True
+
+
+def _save_non_persistent(iteration, model, optimizer, scheduler, args):
+    """--non-persistent-save-interval: save, timed and reported as upstream (the local type reports itself)."""
+    timers = get_timers()
+    with timed(timers, "save-checkpoint-non-persistent", log_level=0, barrier=True):
+        checkpointing.save_non_persistent_checkpoint(iteration, model, optimizer, scheduler, args)
+    if timers is not None:
+        timers.log(["save-checkpoint-non-persistent"])
+    if dist.get_rank() == 0 and getattr(args, "non_persistent_ckpt_type", None) != "local":
+        print(f"  successfully saved non-persistent checkpoint from iteration {iteration:7d} to "
+              f"{non_persistent_save_dir(args)}", flush=True)
 
 
 def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_iterator, config, logger,
@@ -492,7 +517,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
                 if _save(iteration, model, optimizer, scheduler, args):
                     last_saved_iteration = iteration
             elif checkpointing.non_persistent_save_due(args, iteration):
-                checkpointing.save_non_persistent_checkpoint(iteration, model, optimizer, scheduler, args)
+                _save_non_persistent(iteration, model, optimizer, scheduler, args)
             stop_reason = None
             if sigterm.received_on_any_rank(args.device):
                 stop_reason = f"received {args.exit_signal}"

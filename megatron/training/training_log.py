@@ -20,8 +20,9 @@ from megatron.core.distributed.data_parallel_base import (
 from megatron.training import accelerator
 from megatron.training.energy_monitor import EnergyMonitor, energy_and_power_per_gpu
 from megatron.training.expert_memory import expert_memory_usage, format_expert_memory
+from megatron.training.global_vars import set_scalar_writers
 from megatron.training.host_memory import format_host_memory, host_offload_bytes, offload_copy_bytes
-from megatron.training.scalar_writers import build_scalar_writers
+from megatron.training.scalar_writers import ScalarWriters, build_scalar_writers
 
 # Timers reported at each log interval (those above --timing-log-level never run and are left out).
 TIMERS_TO_LOG = (
@@ -326,8 +327,11 @@ class TrainingLogger:
             os.makedirs(os.path.dirname(os.path.abspath(metrics_path)), exist_ok=True)
             # Appending lets a resumed run continue the record of the run it resumes.
             self._metrics_stream = open(metrics_path, "a")
-        # TensorBoard and/or Weights & Biases, fed the same scalars (scalar_writers.py).
+        # TensorBoard and/or Weights & Biases, fed the same scalars (scalar_writers.py), and shared with scripts
+        # through get_tensorboard_writer() / get_wandb_writer() while training runs.
         self._tensorboard = build_scalar_writers(args)
+        if isinstance(self._tensorboard, ScalarWriters):
+            set_scalar_writers(*self._tensorboard.shared_writers())
 
     def log_iteration(self, report):
         """`report`: iteration, losses (dict), learning_rate, loss_scale, grad_norm, num_zeros, skipped, nan,
@@ -530,6 +534,7 @@ class TrainingLogger:
             self._metrics_stream.close()
             self._metrics_stream = None
         if self._tensorboard is not None:
+            set_scalar_writers(None, None)
             self._tensorboard.flush()
             self._tensorboard.close()
             self._tensorboard = None

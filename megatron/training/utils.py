@@ -14,6 +14,13 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.utils import get_batch_on_this_cp_rank, unwrap_model
+from megatron.training.global_vars import (
+    get_adlr_autoresume,
+    get_one_logger,
+    get_signal_handler,
+    get_tensorboard_writer,
+    get_wandb_writer,
+)
 
 __all__ = [
     "average_losses_across_data_parallel_group",
@@ -191,58 +198,6 @@ def get_model(model_provider_func, model_type=None, wrap_with_ddp=True):
 def set_startup_timestamps(program_start=None, main_entry=None):
     """Accepted for upstream's scripts, which pass the process's start times for upstream's start-up timing log.
     That log does not exist here (`pretrain()` times its own set-up phases), so the times are not used."""
-
-
-def get_one_logger():
-    """None, as upstream returns without one-logger telemetry: there is none here (--enable-one-logger and the
-    other one-logger flags are accepted and have no effect)."""
-    return None
-
-
-def get_adlr_autoresume():
-    """None, as upstream returns without --adlr-autoresume (ADLR's cluster auto-resume, which does not exist
-    here)."""
-    return None
-
-
-def _writer_owned_by_the_training_log(flag, value):
-    raise RuntimeError(
-        f"{flag} {value}: the writer belongs to pretrain()'s training log here and is not shared with scripts; "
-        f"write extra scalars with a writer of your own (for TensorBoard, "
-        f"torch.utils.tensorboard.SummaryWriter(log_dir=...) in another directory)"
-    )
-
-
-def get_tensorboard_writer():
-    """None where upstream returns None: without --tensorboard-dir, and on every rank but the last. With
-    --tensorboard-dir on the last rank it raises: the training log's writer is not shared here."""
-    from megatron.training.global_vars import get_args
-
-    args = get_args()
-    if not getattr(args, "tensorboard_dir", None) or not is_last_rank():
-        return None
-    _writer_owned_by_the_training_log("--tensorboard-dir", args.tensorboard_dir)
-
-
-def get_wandb_writer():
-    """None where upstream returns None: without --wandb-project, and on every rank but the last. With
-    --wandb-project on the last rank it raises: the training log's W&B run is not shared here."""
-    from megatron.training.global_vars import get_args
-
-    args = get_args()
-    if not getattr(args, "wandb_project", None) or not is_last_rank():
-        return None
-    _writer_owned_by_the_training_log("--wandb-project", args.wandb_project)
-
-
-def get_signal_handler():
-    """Raises: the --exit-signal-handler handler belongs to pretrain()'s training loop, which itself saves a
-    checkpoint and stops every rank at the same iteration once any rank received --exit-signal."""
-    raise RuntimeError(
-        "get_signal_handler(): the --exit-signal-handler handler is owned by pretrain()'s training loop, which "
-        "saves a checkpoint and stops all ranks together when --exit-signal arrives; scripts need not poll it "
-        "(pass --exit-signal-handler and let the loop act on it)"
-    )
 
 
 def _maybe_wrap_for_inprocess_restart(pretrain_func):

@@ -111,7 +111,8 @@ def test_max_minmax_all_over_two_ranks(world_size):
     assert report["all"] == ("times across ranks (ms):\n  forward-backward:\n     rank  0: 62.50\n"
                              "     rank  1: 125.00\n  optimizer:\n     rank  1: 31.25")
     assert report["written"] == {"forward-backward": (62.5, 125.0), "optimizer": (31.25, 31.25)}
-    assert report["scalars"] == [("forward-backward-time", 125.0, 7), ("optimizer-time", 31.25, 7)]
+    # TensorBoard gets seconds, as upstream (and as the loop's `iteration-time`).
+    assert report["scalars"] == [("forward-backward-time", 0.125, 7), ("optimizer-time", 0.03125, 7)]
     assert report["after reset"] is None
 
 
@@ -197,4 +198,5 @@ def test_pretrain_reports_the_timers_of_its_level(tmp_path, world_size, level):
         sorted(expected))
     for name in expected:  # iterations 1 and 2: the mean so far over the log interval, then over both iterations
         assert len(scalars[f"{name}-time"]) == 2 and all(value > 0.0 for value in scalars[f"{name}-time"])
-        assert scalars[f"{name}-time"][1] == pytest.approx(report[name][1], abs=0.006)  # the printed max, 2 decimals
+        # The printed max (ms, 2 decimals), in seconds.
+        assert scalars[f"{name}-time"][1] * 1000.0 == pytest.approx(report[name][1], abs=0.006)

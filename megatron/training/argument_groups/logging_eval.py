@@ -70,8 +70,10 @@ def add_arguments(parser):
                        help="Write the global batch size (batch-size) with the scalars.")
     group.add_argument("--log-learning-rate-to-tensorboard", dest="log_learning_rate_to_tensorboard",
                        action="store_true", default=True, help="Write the learning rate (on by default).")
-    group.add_argument("--no-log-learning-rate-to-tensorboard", dest="log_learning_rate_to_tensorboard",
-                       action="store_false", help="Do not write the learning rate.")
+    # Upstream spells it --no-log-learnig-rate-to-tensorboard: its launch scripts pass that spelling.
+    group.add_argument("--no-log-learning-rate-to-tensorboard", "--no-log-learnig-rate-to-tensorboard",
+                       dest="log_learning_rate_to_tensorboard", action="store_false",
+                       help="Do not write the learning rate.")
     group.add_argument("--log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard",
                        action="store_true", default=True, help="Write the loss scale (on by default).")
     group.add_argument("--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard",
