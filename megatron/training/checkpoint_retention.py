@@ -28,7 +28,7 @@ from megatron.core.dist_checkpointing.checkpoint_directory import (
     read_tracker,
 )
 
-_LEFTOVER_DIR = re.compile(rf"^iter_(\d{{7}})({re.escape(TEMPORARY_SUFFIX)}|{re.escape(REPLACED_SUFFIX)})$")
+_LEFTOVER_DIR = re.compile(rf"^iter_(\d{{7,}})({re.escape(TEMPORARY_SUFFIX)}|{re.escape(REPLACED_SUFFIX)})$")
 
 
 def iterations_to_remove(iterations, latest, retain_interval):

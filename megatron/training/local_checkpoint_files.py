@@ -22,7 +22,7 @@ from megatron.core.dist_checkpointing.checkpoint_directory import TEMPORARY_SUFF
 STATE_FILENAME = "state.pt"
 METADATA_FILENAME = "metadata.json"
 FORMAT_NAME = "megatron_local_checkpoint"
-_ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
+_ITERATION_DIR = re.compile(r"^iter_(\d{7,})$")  # 8 digits from iteration 10,000,000 on
 
 
 def rank_dir(root, rank):

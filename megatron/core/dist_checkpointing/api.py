@@ -84,7 +84,8 @@ def load(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strat
     its nesting with them and the saved common state. Tensor keys the checkpoint lacks, top-level common entries
     it lacks, and tensor keys it has that no rank asks for are handled by `strict` (a `StrictHandling`, its value,
     or a bool); with `return_unexpected` / `return_all` the result is `(state dict, missing keys, unexpected
-    keys)`, as upstream."""
+    keys)` in upstream's sense: missing = checkpoint keys no rank asks for (empty under `return_unexpected`),
+    unexpected = keys asked for that the checkpoint lacks."""
     if common_strategy is not None:
         raise ValueError("a separate common-state strategy is not used: common objects are saved as objects")
     mode = parse_strict_flag(strict)
@@ -115,7 +116,10 @@ def load(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strat
                           for key, entries in entry_objects.items()})
     result = nesting.assemble(sharded_state_dict, request, loaded_common, loaded_sharded)
     if mode in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL):
-        return result, set(mismatch.missing), set(mismatch.unexpected)
+        # Upstream's names: missing = checkpoint keys no rank asked for (only return_all looks for them),
+        # unexpected = keys asked for that the checkpoint lacks.
+        unasked = set(mismatch.unexpected) if mode is StrictHandling.RETURN_ALL else set()
+        return result, unasked, set(mismatch.missing)
     return result
 
 

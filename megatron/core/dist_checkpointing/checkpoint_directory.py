@@ -23,7 +23,7 @@ METADATA_JSON = "metadata.json"
 TEMPORARY_SUFFIX = ".tmp"
 REPLACED_SUFFIX = ".replaced"  # the previous copy of an iteration saved again, while the new one moves in
 RELEASE = "release"  # the tracker's word, and the directory's name, for a released checkpoint
-_ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
+_ITERATION_DIR = re.compile(r"^iter_(\d{7,})$")  # 8 digits from iteration 10,000,000 on
 
 
 class CheckpointSaveError(RuntimeError):
@@ -75,7 +75,7 @@ def earlier_checkpoint_advice(directory):
     """How to load the checkpoint before the damaged one in `directory` (ROOT/iter_XXXXXXX, or its .replaced copy):
     `--load ROOT --ckpt-step N` with the newest earlier published iteration, or that there is none."""
     root = os.path.dirname(os.path.normpath(directory))
-    match = re.match(r"^iter_(\d{7})", os.path.basename(os.path.normpath(directory)))
+    match = re.match(r"^iter_(\d{7,})", os.path.basename(os.path.normpath(directory)))
     earlier = [each for each in published_iterations(root) if match is None or each < int(match.group(1))]
     if not earlier:
         return f"there is no earlier checkpoint under {root}: train from scratch or --load another checkpoint"

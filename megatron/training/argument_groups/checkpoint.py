@@ -59,10 +59,11 @@ def add_arguments(parser):
         "--dist-ckpt-strictness",
         default="assume_ok_unexpected",
         choices=STRICTNESS_CHOICES,
-        help="torch_dist loads: handling of checkpoint tensors the model lacks (unexpected) and model tensors "
-        "the checkpoint lacks (missing): assume_ok_unexpected (default; missing fail), log_unexpected, log_all "
-        "(missing keep their initial values), raise_unexpected, raise_all, return_unexpected, return_all, "
-        "ignore_all. A tensor of another shape always fails.",
+        help="torch_dist loads, as upstream: handling of model tensors the checkpoint lacks (unexpected) and "
+        "checkpoint tensors the model does not ask for (missing): assume_ok_unexpected (default) and "
+        "raise_unexpected: unexpected fail, missing ignored; log_unexpected: unexpected listed and left as "
+        "initialised; log_all: both listed; raise_all: either fails; return_unexpected, return_all, ignore_all: "
+        "unexpected left as initialised. A tensor of another shape always fails.",
     )
     group.add_argument(
         "--keep-last-n",
