@@ -16,9 +16,12 @@ re-read as etp x ep x expert-dp (`expert_tensor_parallel_size`, default tp; cont
 expert data parallelism).
 """
 
+import torch
+import torch.distributed as dist
+
 from megatron.core.process_groups import (  # noqa: F401  (re-exported: parallel_state's public face)
     belongs_to as _belongs_to,
-    destroy_model_parallel,
+    destroy_model_parallel as _destroy_process_groups,
     get_device_mesh,
     get_num_distributed_optimizer_instances,
     get_virtual_pipeline_rank as _get_virtual_pipeline_rank,
@@ -44,6 +47,30 @@ from megatron.core.rank_layout import (  # noqa: F401  (re-exported)
     validate_parallel_sizes,
 )
 
+# Upstream's setters (`set_tensor_model_parallel_world_size`, ...) override what the getters below return until
+# `destroy_model_parallel()`: conversion tools use them to build one shard of a model in a single process.
+_OVERRIDES = {}
+
+
+def _override_or(key, value_of_groups):
+    """The value set by upstream's setter for `key`, else `value_of_groups()`."""
+    value = _OVERRIDES.get(key)
+    return value_of_groups() if value is None else value
+
+
+def _set_override(key, value, what):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"set_{what}({value!r}): expected a non-negative int, or None to clear it")
+    _OVERRIDES[key] = value
+
+
+def destroy_model_parallel():
+    """Destroy the model-parallel groups, clear the values of upstream's setters and the global memory buffer."""
+    global _GLOBAL_MEMORY_BUFFER
+    _destroy_process_groups()
+    _OVERRIDES.clear()
+    _GLOBAL_MEMORY_BUFFER = None
+
 
 # Tensor model parallel
 def get_tensor_model_parallel_group():
@@ -51,11 +78,19 @@ def get_tensor_model_parallel_group():
 
 
 def get_tensor_model_parallel_rank():
-    return _rank_in("tp") if model_parallel_is_initialized() else 0
+    return _override_or("tp-rank", lambda: _rank_in("tp") if model_parallel_is_initialized() else 0)
 
 
 def get_tensor_model_parallel_world_size():
-    return len(_ranks("tp")) if model_parallel_is_initialized() else 1
+    return _override_or("tp-size", lambda: len(_ranks("tp")) if model_parallel_is_initialized() else 1)
+
+
+def set_tensor_model_parallel_world_size(world_size):
+    _set_override("tp-size", world_size, "tensor_model_parallel_world_size")
+
+
+def set_tensor_model_parallel_rank(rank):
+    _set_override("tp-rank", rank, "tensor_model_parallel_rank")
 
 
 def get_tensor_model_parallel_src_rank():
@@ -73,11 +108,19 @@ def get_pipeline_model_parallel_group():
 
 
 def get_pipeline_model_parallel_rank():
-    return _rank_in("pp") if model_parallel_is_initialized() else 0
+    return _override_or("pp-rank", lambda: _rank_in("pp") if model_parallel_is_initialized() else 0)
 
 
 def get_pipeline_model_parallel_world_size():
-    return len(_ranks("pp")) if model_parallel_is_initialized() else 1
+    return _override_or("pp-size", lambda: len(_ranks("pp")) if model_parallel_is_initialized() else 1)
+
+
+def set_pipeline_model_parallel_world_size(world_size):
+    _set_override("pp-size", world_size, "pipeline_model_parallel_world_size")
+
+
+def set_pipeline_model_parallel_rank(rank):
+    _set_override("pp-rank", rank, "pipeline_model_parallel_rank")
 
 
 def _virtual_rank_in_effect(ignore_virtual):
@@ -198,6 +241,28 @@ def get_outer_data_parallel_group():
     return _group("outer-dp-cp")
 
 
+def get_intra_distributed_optimizer_instance_group(check_initialized=True):
+    """Every rank of this rank's distributed-optimizer instance (`num_distributed_optimizer_instances`): the whole
+    world with one instance."""
+    if not model_parallel_is_initialized():
+        if check_initialized:
+            raise RuntimeError("distributed-optimizer instance groups are not initialised; call "
+                               "initialize_model_parallel() first")
+        return None
+    if get_num_distributed_optimizer_instances() == 1:
+        return dist.group.WORLD
+    _expert_data_parallel_name(partial_expert_data_parallel=True)  # explains an instance count that cannot split
+    return _group("dist-opt-instance")
+
+
+def get_inter_distributed_optimizer_instance_group(check_initialized=True):
+    """The ranks at this rank's position across the distributed-optimizer instances (one rank per instance: the
+    outer data-parallel group of hybrid sharding)."""
+    if not model_parallel_is_initialized() and not check_initialized:
+        return None
+    return get_outer_data_parallel_group()
+
+
 # Context parallel
 def get_context_parallel_group():
     return _group("cp")
@@ -258,11 +323,19 @@ def get_expert_model_parallel_group():
 
 
 def get_expert_model_parallel_rank():
-    return _rank_in("ep") if model_parallel_is_initialized() else 0
+    return _override_or("ep-rank", lambda: _rank_in("ep") if model_parallel_is_initialized() else 0)
 
 
 def get_expert_model_parallel_world_size():
-    return len(_ranks("ep")) if model_parallel_is_initialized() else 1
+    return _override_or("ep-size", lambda: len(_ranks("ep")) if model_parallel_is_initialized() else 1)
+
+
+def set_expert_model_parallel_world_size(world_size):
+    _set_override("ep-size", world_size, "expert_model_parallel_world_size")
+
+
+def set_expert_model_parallel_rank(rank):
+    _set_override("ep-rank", rank, "expert_model_parallel_rank")
 
 
 def _expert_data_parallel_name(partial_expert_data_parallel):
@@ -337,11 +410,19 @@ def get_expert_tensor_parallel_group():
 
 
 def get_expert_tensor_parallel_rank():
-    return _rank_in("etp") if model_parallel_is_initialized() else 0
+    return _override_or("etp-rank", lambda: _rank_in("etp") if model_parallel_is_initialized() else 0)
 
 
 def get_expert_tensor_parallel_world_size():
-    return len(_ranks("etp")) if model_parallel_is_initialized() else 1
+    return _override_or("etp-size", lambda: len(_ranks("etp")) if model_parallel_is_initialized() else 1)
+
+
+def set_expert_tensor_parallel_world_size(world_size):
+    _set_override("etp-size", world_size, "expert_tensor_parallel_world_size")
+
+
+def set_expert_tensor_parallel_rank(rank):
+    _set_override("etp-rank", rank, "expert_tensor_parallel_rank")
 
 
 # Model parallel, embedding (the device mesh: process_groups.get_device_mesh)
@@ -387,3 +468,42 @@ def get_position_embedding_group():
 
 def is_rank_in_position_embedding_group():
     return _belongs_to("position-embedding")
+
+
+# Upstream's scratch-memory pool, for tensors reused across calls (e.g. the output of an all-gather).
+_GLOBAL_MEMORY_BUFFER = None
+
+
+class GlobalMemoryBuffer:
+    """Named, reusable flat buffers on the current device; `get_tensor` returns a view of the needed size."""
+
+    def __init__(self):
+        self.buffer = {}
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        if mem_alloc_context is not None:
+            raise ValueError("GlobalMemoryBuffer.get_tensor(mem_alloc_context=...) is not supported here; pass None")
+        from megatron.core.device_utils import get_current_device
+
+        numel = 1
+        for size in tensor_shape:
+            numel *= size
+        key = (name, dtype)
+        if key not in self.buffer or self.buffer[key].numel() < numel:
+            self.buffer[key] = torch.empty(numel, dtype=dtype, device=get_current_device(), requires_grad=False)
+        return self.buffer[key][:numel].view(*tensor_shape)
+
+
+def get_global_memory_buffer():
+    """The process-wide `GlobalMemoryBuffer` (created on first use after `initialize_model_parallel`)."""
+    global _GLOBAL_MEMORY_BUFFER
+    if not model_parallel_is_initialized():
+        raise RuntimeError("global memory buffer is not initialised; call initialize_model_parallel() first")
+    if _GLOBAL_MEMORY_BUFFER is None:
+        _GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
+    return _GLOBAL_MEMORY_BUFFER
+
+
+def destroy_global_memory_buffer():
+    global _GLOBAL_MEMORY_BUFFER
+    _GLOBAL_MEMORY_BUFFER = None

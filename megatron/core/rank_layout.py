@@ -130,7 +130,8 @@ def generate_rank_groups(world_size, tp=1, pp=1, cp=1, ep=1, dp=None, order=DEFA
     ranks at the same position across the chunks); on the expert grid (expert tensor-parallel size `etp`, None
     meaning `tp`): "ep", "etp", "expt-dp", "tp-ep" (etp x ep: the token dispatchers' group), "tp-ep-pp"
     (etp x ep x pp: every expert of the model once), and "inner-expt-dp" / "outer-expt-dp" (the same cut of each
-    expert-dp group, when N divides its size).
+    expert-dp group, when N divides its size); with N > 1 instances dividing the expert-dp size,
+    "dist-opt-instance" (every rank of one distributed-optimizer instance).
     `dp` is derived from the world size when None; a given value must agree with it.
     """
     etp = tp if etp is None else etp
@@ -184,6 +185,12 @@ def generate_rank_groups(world_size, tp=1, pp=1, cp=1, ep=1, dp=None, order=DEFA
                                    for start in range(0, len(ranks), expert_inner_size)]
         groups["outer-expt-dp"] = [ranks[position::expert_inner_size] for ranks in groups["expt-dp"]
                                    for position in range(expert_inner_size)]
+        if instances > 1:
+            # Every rank of one distributed-optimizer instance: N consecutive runs of tp-ep-pp groups (one
+            # instance is the whole world).
+            per_instance = len(groups["tp-ep-pp"]) // instances
+            groups["dist-opt-instance"] = [sum(groups["tp-ep-pp"][start : start + per_instance], [])
+                                           for start in range(0, len(groups["tp-ep-pp"]), per_instance)]
     return groups
 
 

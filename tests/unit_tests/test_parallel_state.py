@@ -364,3 +364,71 @@ def test_upstream_is_rank_in_embedding_group_and_is_initialized(world_size):
         (False, [True, True, True, True, False]),
         (False, [True, True, True, False, True]),
     ]
+
+
+def test_upstream_setters_build_one_shard_in_a_single_process():
+    """Conversion tools set the tensor/pipeline sizes and ranks without process groups and build one shard."""
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    def init(weight):
+        torch.nn.init.normal_(weight, generator=torch.Generator().manual_seed(7))
+
+    config = ModelParallelConfig(use_cpu_initialization=True)
+    full = ColumnParallelLinear(3, 8, config=config, init_method=init, bias=False).weight.detach()
+    try:
+        ps.set_tensor_model_parallel_world_size(2)
+        ps.set_tensor_model_parallel_rank(1)
+        ps.set_pipeline_model_parallel_world_size(4)
+        ps.set_pipeline_model_parallel_rank(3)
+        ps.set_expert_model_parallel_world_size(2)
+        ps.set_expert_model_parallel_rank(1)
+        ps.set_expert_tensor_parallel_world_size(2)
+        ps.set_expert_tensor_parallel_rank(0)
+        shard = ColumnParallelLinear(3, 8, config=config, init_method=init, bias=False).weight.detach()
+        assert torch.equal(shard, full[4:])
+        assert (ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()) == (4, 3)
+        assert ps.is_pipeline_last_stage() and not ps.is_pipeline_first_stage()
+        assert (ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()) == (2, 1)
+        assert (ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()) == (2, 0)
+        with pytest.raises(ValueError, match=r"set_tensor_model_parallel_rank\(-1\): expected a non-negative int"):
+            ps.set_tensor_model_parallel_rank(-1)
+    finally:
+        ps.destroy_model_parallel()
+    assert (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()) == (1, 0)
+    assert (ps.get_pipeline_model_parallel_world_size(), ps.get_expert_model_parallel_rank()) == (1, 0)
+
+
+def _memory_buffer_and_optimizer_instance_groups():
+    with pytest.raises(RuntimeError, match="call initialize_model_parallel"):
+        ps.get_global_memory_buffer()
+    assert ps.get_intra_distributed_optimizer_instance_group(check_initialized=False) is None
+    result = {}
+    for instances in (1, 2):
+        ps.initialize_model_parallel(num_distributed_optimizer_instances=instances)
+        buffer = ps.get_global_memory_buffer()
+        big = buffer.get_tensor((2, 3), torch.float32, "scratch")
+        small = buffer.get_tensor((4,), torch.float32, "scratch")
+        assert small.data_ptr() == big.data_ptr() and tuple(big.shape) == (2, 3)
+        assert ps.get_global_memory_buffer() is buffer
+        result[instances] = (dist.get_process_group_ranks(ps.get_intra_distributed_optimizer_instance_group()),
+                             dist.get_process_group_ranks(ps.get_inter_distributed_optimizer_instance_group()))
+        ps.destroy_model_parallel()
+        assert ps._GLOBAL_MEMORY_BUFFER is None
+    return result
+
+
+def test_upstream_memory_buffer_and_distributed_optimizer_instance_groups():
+    # One instance spans the world; two instances of DP 2 hold one rank each, exchanging across instances.
+    assert run_on_ranks(2, _memory_buffer_and_optimizer_instance_groups) == [
+        {1: ([0, 1], [0]), 2: ([0], [0, 1])},
+        {1: ([0, 1], [1]), 2: ([1], [0, 1])},
+    ]
+
+
+def test_distributed_optimizer_instance_layout():
+    groups = ps.generate_rank_groups(8, tp=2, cp=2, num_distributed_optimizer_instances=2)
+    assert groups["dist-opt-instance"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    groups = ps.generate_rank_groups(8, tp=2, pp=2, num_distributed_optimizer_instances=2)
+    assert groups["dist-opt-instance"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert "dist-opt-instance" not in ps.generate_rank_groups(8, tp=2)

@@ -23,7 +23,11 @@ import contextlib
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import microbatch, p2p_communication
 from megatron.core.pipeline_parallel.interleaved_plan import InterleavedPlan
-from megatron.core.pipeline_parallel.model_access import get_model_config, schedule_setting
+from megatron.core.pipeline_parallel.model_access import (
+    get_model_config,
+    refuse_upstream_schedule_options,
+    schedule_setting,
+)
 from megatron.core.timers import timed
 
 
@@ -113,9 +117,16 @@ def forward_backward_pipelining_with_interleaving(
     forward_only=False,
     collect_non_loss_data=False,
     first_val_step=None,
+    adjust_tensor_shapes_fn=None,
+    p2p_communicator=None,
+    pg_collection=None,
 ):
     """The interleaved 1F1B schedule over `model` (a list of this rank's chunks); returns the loss dicts on the
     last pipeline rank, else []."""
+    refuse_upstream_schedule_options(
+        "forward_backward_pipelining_with_interleaving", adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
+        p2p_communicator=p2p_communicator, pg_collection=pg_collection,
+    )
     if not isinstance(model, (list, tuple)) or len(model) < 2:
         raise ValueError("the interleaved schedule runs a list of at least two model chunks per pipeline rank")
     num_chunks = len(model)

@@ -82,3 +82,18 @@ def set_input_tensor(model, input_tensor):
         f"{type(model).__name__} (and the modules it wraps via .module) has no set_input_tensor(); pipeline "
         "stages must accept the previous stage's activation through set_input_tensor"
     )
+
+
+_UPSTREAM_OPTION_ADVICE = {
+    "adjust_tensor_shapes_fn": "every stage sends and receives [seq_length, micro_batch_size, hidden_size] "
+                               "activations; pass None",
+    "p2p_communicator": "stages exchange activations over parallel_state's pipeline group; pass None",
+    "pg_collection": "the schedules use parallel_state's process groups (initialize_model_parallel); pass None",
+}
+
+
+def refuse_upstream_schedule_options(schedule, **options):
+    """Upstream's schedule keywords whose non-None values have no implementation here: refused by name."""
+    for name, value in options.items():
+        if value is not None:
+            raise ValueError(f"{schedule}({name}=...) is not supported here: {_UPSTREAM_OPTION_ADVICE[name]}")

@@ -14,7 +14,8 @@ Both take Megatron's keyword arguments and return the loss dicts of every microb
 accumulated gradients are those of the mean loss over the batch; with `calculate_per_token_loss` the loss
 sums are back-propagated unscaled and `finalize_model_grads_func` receives the total token count to divide by.
 `decoder_seq_length` and `first_val_step` are accepted for call-site compatibility and unused (there are no
-encoder-decoder models here).
+encoder-decoder models here); upstream's `adjust_tensor_shapes_fn`, `p2p_communicator` and `pg_collection` are
+accepted as None and refused by name otherwise.
 
 Hooks come from the model's config (see `model_access`): `no_sync_func` is a context manager that holds
 back gradient synchronisation during every backward but the last microbatch's; `finalize_model_grads_func(
@@ -34,7 +35,12 @@ from megatron.core.pipeline_parallel.microbatch import (
     deallocate_output_tensor,
     forward_step,
 )
-from megatron.core.pipeline_parallel.model_access import get_model_config, schedule_setting, single_model_chunk
+from megatron.core.pipeline_parallel.model_access import (
+    get_model_config,
+    refuse_upstream_schedule_options,
+    schedule_setting,
+    single_model_chunk,
+)
 from megatron.core.pipeline_parallel import tensor_shapes as _tensor_shapes
 
 
@@ -114,8 +120,12 @@ def forward_backward_no_pipelining(
     forward_only=False,
     collect_non_loss_data=False,
     first_val_step=None,
+    adjust_tensor_shapes_fn=None,
+    pg_collection=None,
 ):
-    """Forward and backward each microbatch in turn on a single stage; returns the loss dicts."""
+    """Forward and backward each microbatch in turn on a single stage; returns the loss dicts.
+    `adjust_tensor_shapes_fn` is unused (a single stage exchanges no activations), as upstream."""
+    refuse_upstream_schedule_options("forward_backward_no_pipelining", pg_collection=pg_collection)
     model, data_iterator, config = _prepare(model, data_iterator, num_microbatches)
     forward_data_store = []
     total_num_tokens = zero_token_count()
@@ -149,8 +159,15 @@ def forward_backward_pipelining_without_interleaving(
     forward_only=False,
     collect_non_loss_data=False,
     first_val_step=None,
+    adjust_tensor_shapes_fn=None,
+    p2p_communicator=None,
+    pg_collection=None,
 ):
     """The 1F1B schedule for one model chunk per stage; returns the loss dicts on the last stage, else []."""
+    refuse_upstream_schedule_options(
+        "forward_backward_pipelining_without_interleaving", adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
+        p2p_communicator=p2p_communicator, pg_collection=pg_collection,
+    )
     model, data_iterator, config = _prepare(model, data_iterator, num_microbatches)
     is_last_stage = parallel_state.is_pipeline_last_stage()
     deallocate = schedule_setting(config, "deallocate_pipeline_outputs")

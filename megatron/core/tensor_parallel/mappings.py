@@ -16,7 +16,10 @@ from megatron.core import parallel_state
 # --------------------------------------------------------------------------------------------------------
 
 
-def _tp_group_and_size():
+def _tp_group_and_size(group=None):
+    """(group, size): `group` when given, else the tensor-parallel group (None when it has one rank)."""
+    if group is not None:
+        return group, dist.get_world_size(group)
     size = parallel_state.get_tensor_model_parallel_world_size()
     return (parallel_state.get_tensor_model_parallel_group() if size > 1 else None), size
 
@@ -30,8 +33,8 @@ def _all_reduce(tensor):
     return tensor
 
 
-def _all_gather_first_dim(tensor):
-    group, size = _tp_group_and_size()
+def _all_gather_first_dim(tensor, group=None):
+    group, size = _tp_group_and_size(group)
     if size == 1:
         return tensor
     tensor = tensor.contiguous()
@@ -40,8 +43,8 @@ def _all_gather_first_dim(tensor):
     return output
 
 
-def _reduce_scatter_first_dim(tensor):
-    group, size = _tp_group_and_size()
+def _reduce_scatter_first_dim(tensor, group=None):
+    group, size = _tp_group_and_size(group)
     if size == 1:
         return tensor
     if tensor.size(0) % size != 0:
@@ -76,13 +79,37 @@ def _split_last_dim(tensor):
     return tensor[..., rank * chunk : (rank + 1) * chunk].contiguous()
 
 
-def _all_gather_last_dim(tensor):
-    _, size = _tp_group_and_size()
+def _all_gather_last_dim(tensor, group=None):
+    group, size = _tp_group_and_size(group)
     if size == 1:
         return tensor
     # Gather along the first dimension (one contiguous buffer, rank blocks in rank order), then move that
     # dimension back to the end.
-    return _all_gather_first_dim(tensor.movedim(-1, 0)).movedim(0, -1).contiguous()
+    return _all_gather_first_dim(tensor.movedim(-1, 0), group).movedim(0, -1).contiguous()
+
+
+def _reduce_scatter_last_dim(tensor, group=None):
+    group, size = _tp_group_and_size(group)
+    if size == 1:
+        return tensor
+    if tensor.size(-1) % size != 0:
+        raise ValueError(f"last dimension {tensor.size(-1)} is not divisible by tensor-parallel size {size}")
+    return _reduce_scatter_first_dim(tensor.movedim(-1, 0), group).movedim(0, -1).contiguous()
+
+
+def _all_to_all_first_dim(tensor, group, output_split_sizes, input_split_sizes):
+    size = dist.get_world_size(group)
+    if size == 1:
+        return tensor
+    if input_split_sizes is None and tensor.size(0) % size != 0:
+        raise ValueError(f"all_to_all: dimension 0 ({tensor.size(0)}) is not divisible by the group size {size}; "
+                         "pass input_split_sizes and output_split_sizes_")
+    tensor = tensor.contiguous()
+    rows = tensor.size(0) if output_split_sizes is None else sum(output_split_sizes)
+    output = tensor.new_empty((rows,) + tuple(tensor.shape[1:]))
+    dist.all_to_all_single(output, tensor, output_split_sizes=output_split_sizes,
+                           input_split_sizes=input_split_sizes, group=group)
+    return output
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -165,6 +192,41 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         return _all_gather_first_dim(grad_output)
 
 
+class _AllGatherLastDimFromTensorParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _all_gather_last_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _reduce_scatter_last_dim(grad_output, ctx.group), None
+
+
+class _ReduceScatterLastDimToTensorParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _reduce_scatter_last_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _all_gather_last_dim(grad_output, ctx.group), None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, input_, output_split_sizes, input_split_sizes):
+        ctx.group, ctx.output_split_sizes, ctx.input_split_sizes = group, output_split_sizes, input_split_sizes
+        return _all_to_all_first_dim(input_, group, output_split_sizes, input_split_sizes)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        # The adjoint of an all-to-all is the all-to-all with the split sizes swapped.
+        grad_input = _AllToAll.apply(ctx.group, grad_output, ctx.input_split_sizes, ctx.output_split_sizes)
+        return None, grad_input, None, None
+
+
 # --------------------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------------------
@@ -218,3 +280,53 @@ def all_gather_along_first_dim(tensor):
 def all_reduce_over_tensor_model_parallel_group(tensor):
     """Non-differentiable in-place-or-returned sum over the tensor-parallel group."""
     return _all_reduce(tensor)
+
+
+def all_gather_last_dim_from_tensor_parallel_region(input_, group=None):
+    """All-gather along the last dimension over `group` (default: tensor-parallel); the gradient is summed over
+    the group and split back (reduce-scatter), since every rank's consumer contributes to it."""
+    return _AllGatherLastDimFromTensorParallelRegion.apply(input_, group)
+
+
+def reduce_scatter_last_dim_to_tensor_parallel_region(input_, group=None):
+    """Sum over `group` (default: tensor-parallel) and keep this rank's chunk of the last dimension; all-gather
+    the gradient."""
+    return _ReduceScatterLastDimToTensorParallelRegion.apply(input_, group)
+
+
+def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None):
+    """Rows `input_split_sizes[r]` of dimension 0 go to rank r of `group`; rows from rank r arrive as
+    `output_split_sizes_[r]`, in group-rank order (None: equal splits). Backward: the reverse all-to-all."""
+    if group is None:
+        raise ValueError("all_to_all(group=None): pass the process group to exchange over")
+    if (output_split_sizes_ is None) != (input_split_sizes is None):
+        raise ValueError("all_to_all: pass both output_split_sizes_ and input_split_sizes, or neither")
+    if output_split_sizes_ is not None:
+        output_split_sizes_, input_split_sizes = list(output_split_sizes_), list(input_split_sizes)
+    return _AllToAll.apply(group, input_, output_split_sizes_, input_split_sizes)
+
+
+def _group_or_tensor_parallel(group):
+    return parallel_state.get_tensor_model_parallel_group() if group is None else group
+
+
+def all_to_all_sp2hp(input_, group=None):
+    """Sequence-parallel to hidden-parallel: [tokens/TP, H] (leading dims flattened) -> [tokens, H/TP] over
+    `group` (default: tensor-parallel), tokens in rank order."""
+    group = _group_or_tensor_parallel(group)
+    size = dist.get_world_size(group)
+    input_ = input_.reshape(-1, input_.shape[-1])
+    if input_.size(-1) % size != 0:
+        raise ValueError(f"all_to_all_sp2hp: hidden size {input_.size(-1)} is not divisible by group size {size}")
+    chunks = torch.split(input_, input_.size(-1) // size, dim=1)
+    return all_to_all(group, torch.cat(chunks, dim=0))
+
+
+def all_to_all_hp2sp(input_, group=None):
+    """Hidden-parallel to sequence-parallel: [tokens, H/TP] (leading dims flattened) -> [tokens/TP, H] over
+    `group` (default: tensor-parallel); the inverse of `all_to_all_sp2hp`."""
+    group = _group_or_tensor_parallel(group)
+    size = dist.get_world_size(group)
+    input_ = input_.reshape(-1, input_.shape[-1])
+    exchanged = all_to_all(group, input_)
+    return torch.cat(torch.split(exchanged, exchanged.size(0) // size, dim=0), dim=-1)

@@ -41,13 +41,35 @@ def layer_init_seed(base_seed: int, layer_number: int) -> int:
     return derive_init_seed(base_seed, "layer", layer_number)
 
 
-class TransformerLayer(torch.nn.Module):
-    """Args: config; layer_number: 1-based index of this layer in the whole model; base_init_seed: the model's
-    base init seed (None: `config.init_seed`, else the default generator's seed). The layer's initial weights
-    depend only on the base seed and `layer_number`."""
+def _check_upstream_layer_arguments(submodules, pg_collection, vp_stage):
+    """Upstream's (config, submodules, layer_number, hidden_dropout, pg_collection, vp_stage): what this layer,
+    built from the config, cannot honour is refused by name."""
+    if isinstance(submodules, int) and not isinstance(submodules, bool):
+        raise TypeError(f"TransformerLayer(config, {submodules}, ...): the second argument is upstream's submodules; "
+                        f"pass the layer number by keyword (layer_number={submodules})")
+    if submodules is not None:
+        raise TypeError(f"TransformerLayer(submodules={submodules!r}): layers are built from the TransformerConfig "
+                        "here, so the submodules of get_gpt_layer_local_spec() are None; pass spec.submodules (None)")
+    if pg_collection is not None:
+        raise ValueError("TransformerLayer(pg_collection=...) is not supported here: the layer uses parallel_state's "
+                         "process groups (initialize_model_parallel); pass None")
+    if vp_stage is not None:
+        raise ValueError("TransformerLayer(vp_stage=...) is not supported here: layer_number is the layer's 1-based "
+                         "number in the whole model (no pipeline offset is added); pass that and vp_stage=None")
 
-    def __init__(self, config: TransformerConfig, layer_number: int, base_init_seed=None):
+
+class TransformerLayer(torch.nn.Module):
+    """Args (upstream's order): config; submodules: None (the `.submodules` of the specs of `gpt_layer_specs`: the
+    layer is built from the config); layer_number: 1-based
+    index of this layer in the whole model; hidden_dropout: the residual dropout (None: `config.hidden_dropout`);
+    pg_collection and vp_stage: None. base_init_seed (keyword): the model's base init seed (None:
+    `config.init_seed`, else the default generator's seed). The layer's initial weights depend only on the base
+    seed and `layer_number`."""
+
+    def __init__(self, config: TransformerConfig, submodules=None, layer_number: int = 1, hidden_dropout=None,
+                 pg_collection=None, vp_stage=None, *, base_init_seed=None):
         super().__init__()
+        _check_upstream_layer_arguments(submodules, pg_collection, vp_stage)
         self.config = config
         self.layer_number = layer_number
         if base_init_seed is None:
@@ -71,7 +93,7 @@ class TransformerLayer(torch.nn.Module):
             self.mlp = MLP(config, init_seed=self.init_seed,
                            fused_input_norm=self.pre_mlp_layernorm if fused else None)
             self.norms_fused_into_mlp = fused
-        self.hidden_dropout = torch.nn.Dropout(config.hidden_dropout)
+        self.hidden_dropout = torch.nn.Dropout(config.hidden_dropout if hidden_dropout is None else hidden_dropout)
         recompute_norms = config.recomputes("layernorm") and not config.apply_residual_connection_post_layernorm
         self.recompute_input_layernorm = recompute_norms and not self.norms_fused_into_linears
         self.recompute_pre_mlp_layernorm = recompute_norms and not self.norms_fused_into_mlp

@@ -374,3 +374,28 @@ def test_two_tuple_loss_under_context_parallelism_scales_as_upstream(world_size)
     # d(sequence mean)/dw over the unmasked values 1, 2, 4, 5, 6: their mean, 18 / 5.
     for averaged_grad in run_on_ranks(world_size, _two_tuple_loss_gradient_under_context_parallelism):
         assert abs(averaged_grad - 18 / 5) < 1e-6
+
+
+def test_schedules_take_upstream_keywords_and_refuse_what_they_cannot_honour():
+    from megatron.core.pipeline_parallel.interleaved_schedule import forward_backward_pipelining_with_interleaving
+
+    batches = make_batches(2)
+    model = _single_stage_model()
+    reported = forward_backward_no_pipelining(
+        forward_step_func=toy_stages.forward_step_mean_loss, data_iterator=iter(batches), model=model,
+        num_microbatches=2, seq_length=SEQ_LENGTH, micro_batch_size=MICRO_BATCH_SIZE, forward_only=True,
+        adjust_tensor_shapes_fn=lambda recv, send: (recv, send), pg_collection=None,
+    )
+    expected, _ = reference_losses_and_grads(batches)
+    assert [item["lm loss"].item() for item in reported] == pytest.approx(expected, abs=1e-6)
+
+    common = dict(forward_step_func=toy_stages.forward_step_mean_loss, data_iterator=iter(batches), model=model,
+                  num_microbatches=2, seq_length=SEQ_LENGTH, micro_batch_size=MICRO_BATCH_SIZE)
+    with pytest.raises(ValueError, match=r"forward_backward_no_pipelining\(pg_collection=...\) is not supported"
+                                         r".*initialize_model_parallel\); pass None"):
+        forward_backward_no_pipelining(pg_collection=object(), **common)
+    for schedule in (forward_backward_pipelining_without_interleaving, forward_backward_pipelining_with_interleaving):
+        for keyword in ("adjust_tensor_shapes_fn", "p2p_communicator", "pg_collection"):
+            with pytest.raises(ValueError, match=rf"{schedule.__name__}\({keyword}=...\) is not supported here: "
+                                                 r".*pass None"):
+                schedule(**common, **{keyword: object()})

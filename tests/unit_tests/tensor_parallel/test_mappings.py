@@ -79,6 +79,8 @@ def test_mappings_are_identity_without_tensor_parallelism():
         mappings.scatter_to_sequence_parallel_region,
         mappings.gather_from_sequence_parallel_region,
         mappings.reduce_scatter_to_sequence_parallel_region,
+        mappings.all_gather_last_dim_from_tensor_parallel_region,
+        mappings.reduce_scatter_last_dim_to_tensor_parallel_region,
     ):
         assert torch.equal(mapping(x), x)
 
@@ -106,3 +108,71 @@ def test_copy_and_reduce_regions_copy_nothing_without_tensor_parallelism():
         assert y is x, mapping.__name__
         assert counter.copies == [], (mapping.__name__, counter.copies)
         assert torch.equal(x.grad, torch.full((4, 3), 2.0))
+
+
+def _upstream_mappings_match_a_single_process_reference():
+    """Upstream's other exported mappings at TP = world size, against references built from the full tensors."""
+    from megatron.core import tensor_parallel
+
+    _, rank, tp = setup_tensor_parallel()
+    group = mappings.parallel_state.get_tensor_model_parallel_group()
+    full = shared_randn(4, 2, 4 * tp, seed=1)
+    full_grad = shared_randn(4, 2, 4 * tp, seed=2)
+    per_rank = [shared_randn(4, 2, 4 * tp, seed=10 + r) for r in range(tp)]
+    per_rank_grad = [shared_randn(4, 2, 4 * tp, seed=20 + r) for r in range(tp)]
+    total, total_grad = sum(per_rank), sum(per_rank_grad)
+
+    y, g = _apply(tensor_parallel.all_gather_last_dim_from_tensor_parallel_region, chunk(full, -1, rank, tp),
+                  per_rank_grad[rank])
+    assert_close(y, full, "last-dim all-gather forward")
+    assert_close(g, chunk(total_grad, -1, rank, tp), "last-dim all-gather backward reduce-scatters")
+
+    y, g = _apply(tensor_parallel.reduce_scatter_last_dim_to_tensor_parallel_region, per_rank[rank],
+                  chunk(full_grad, -1, rank, tp), group=group)
+    assert_close(y, chunk(total, -1, rank, tp), "last-dim reduce-scatter forward")
+    assert_close(g, full_grad, "last-dim reduce-scatter backward gathers")
+
+    # Equal splits: block r of every rank's rows lands on rank r, in source-rank order.
+    rows = [shared_randn(2 * tp, 3, seed=30 + r) for r in range(tp)]
+    rows_grad = [shared_randn(2 * tp, 3, seed=40 + r) for r in range(tp)]
+    y, g = _apply(lambda x: tensor_parallel.all_to_all(group, x), rows[rank], rows_grad[rank])
+    assert_close(y, torch.cat([chunk(rows[s], 0, rank, tp) for s in range(tp)]), "all_to_all forward")
+    assert_close(g, torch.cat([chunk(rows_grad[s], 0, rank, tp) for s in range(tp)]), "all_to_all backward")
+
+    # Uneven splits: rank s sends s + t + 1 rows to rank t.
+    def sent(s, t, tensor):
+        start = sum(s + u + 1 for u in range(t))
+        return tensor[start : start + s + t + 1]
+
+    uneven = [shared_randn(sum(s + t + 1 for t in range(tp)), 3, seed=50 + s) for s in range(tp)]
+    received_grad = [shared_randn(sum(s + t + 1 for s in range(tp)), 3, seed=60 + t) for t in range(tp)]
+    in_splits = [rank + t + 1 for t in range(tp)]
+    out_splits = [s + rank + 1 for s in range(tp)]
+    y, g = _apply(lambda x: tensor_parallel.all_to_all(group, x, out_splits, in_splits), uneven[rank],
+                  received_grad[rank])
+    assert_close(y, torch.cat([sent(s, rank, uneven[s]) for s in range(tp)]), "uneven all_to_all forward")
+
+    def block_from(source, t):  # rows of received_grad[t] that came from `source`
+        start = sum(s + t + 1 for s in range(source))
+        return received_grad[t][start : start + source + t + 1]
+
+    assert_close(g, torch.cat([block_from(rank, t) for t in range(tp)]), "uneven all_to_all backward")
+
+    flat, flat_grad = full.reshape(-1, 4 * tp), full_grad.reshape(-1, 4 * tp)
+    y, g = _apply(tensor_parallel.all_to_all_sp2hp, chunk(full, 0, rank, tp), chunk(flat_grad, -1, rank, tp))
+    assert_close(y, chunk(flat, -1, rank, tp), "sp2hp forward")
+    assert_close(g, chunk(full_grad, 0, rank, tp), "sp2hp backward")
+    y, g = _apply(tensor_parallel.all_to_all_hp2sp, chunk(flat, -1, rank, tp), chunk(flat_grad, 0, rank, tp))
+    assert_close(y, chunk(flat, 0, rank, tp), "hp2sp forward")
+    assert_close(g, chunk(flat_grad, -1, rank, tp), "hp2sp backward")
+
+    with pytest.raises(ValueError, match=r"all_to_all\(group=None\): pass the process group"):
+        tensor_parallel.all_to_all(None, full)
+    with pytest.raises(ValueError, match="pass both output_split_sizes_ and input_split_sizes"):
+        tensor_parallel.all_to_all(group, full, [1] * tp)
+    dist.barrier()
+    return True
+
+
+def test_upstream_mappings_at_tp2():
+    assert run_on_ranks(2, _upstream_mappings_match_a_single_process_reference) == [True, True]

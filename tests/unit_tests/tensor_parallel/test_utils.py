@@ -45,3 +45,23 @@ def _broadcast_from_rank_zero():
 def test_broadcast_data(world_size):
     expected = ([[0, 1, 2], [3, 4, 5]], [[100, 101, 102, 103]])
     assert run_on_ranks(world_size, _broadcast_from_rank_zero) == [expected] * world_size
+
+
+def _split_and_gather_1d_chunks():
+    from megatron.core.tensor_parallel import gather_split_1d_tensor, split_tensor_into_1d_equal_chunks
+
+    _, rank, tp = setup_tensor_parallel()
+    full = torch.arange(6.0 * 4 * tp).reshape(6, 4 * tp)
+    part = split_tensor_into_1d_equal_chunks(full)
+    assert part.data_ptr() == full.view(-1)[rank * 24].data_ptr()  # a view of this rank's range
+    copied = split_tensor_into_1d_equal_chunks(full, new_buffer=True)
+    assert copied.data_ptr() != part.data_ptr() and torch.equal(copied, part)
+    assert torch.equal(part, full.view(-1)[rank * 24 : (rank + 1) * 24])
+    assert torch.equal(gather_split_1d_tensor(part), full.view(-1))
+    with pytest.raises(ValueError, match="5 elements are not divisible by the tensor-parallel size 2"):
+        split_tensor_into_1d_equal_chunks(torch.zeros(5))
+    return True
+
+
+def test_split_and_gather_1d_chunks_round_trip_at_tp2():
+    assert run_on_ranks(2, _split_and_gather_1d_chunks) == [True, True]
