@@ -42,6 +42,7 @@ def build_data_iterators(train_valid_test_dataset_provider, args):
     datasets = train_valid_test_dataset_provider(sample_counts)
     if dataloader_type == "external":
         return _external_iterators(datasets)
+    _check_tensor_parallel_ranks_have_the_same_splits(datasets, args)
     check_datasets_follow_flags(datasets, args)
     train_dataset, valid_dataset, test_dataset = datasets
     _check_unweighted_blend_is_long_enough(train_dataset, sample_counts[0], dataloader_type)
@@ -158,6 +159,37 @@ def _check_unweighted_blend_is_long_enough(train_dataset, train_samples, dataloa
                          f"blend one epoch of each dataset), fewer than the {train_samples} --train-iters x "
                          "--global-batch-size (or --train-samples) needs: give weights (--data-path 0.5 A 0.5 B), "
                          "which repeat the datasets as needed, use --dataloader-type cyclic, or train fewer samples")
+
+
+def _check_tensor_parallel_ranks_have_the_same_splits(datasets, args):
+    """Raise on every rank of a tensor-parallel group in which some ranks got a split from the provider and others
+    did not.
+
+    Every rank reads its own batches here (`get_batch_on_this_tp_rank` broadcasts nothing), where upstream's
+    broadcasts them from tensor-parallel rank 0: a provider written for that, passing upstream's
+    is_dataset_built_on_rank to BlendedMegatronDatasetBuilder, leaves the other tensor-parallel ranks with None,
+    which would fail at their first batch. (A middle pipeline stage without data is left alone: upstream's
+    get_batch does not read there.) One all-gather over the tensor-parallel group, at start-up."""
+    from megatron.core import parallel_state
+
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    if size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return
+    built = torch.tensor([dataset is not None for dataset in datasets], dtype=torch.int32,
+                         device=getattr(args, "device", None) or "cpu")
+    per_rank = [torch.zeros_like(built) for _ in range(size)]
+    dist.all_gather(per_rank, built, group=parallel_state.get_tensor_model_parallel_group())
+    per_rank = torch.stack(per_rank).cpu()
+    for split, name in enumerate(("train", "validation", "test")):
+        if per_rank[:, split].any() and not per_rank[:, split].all():
+            without = per_rank[:, split].eq(0).nonzero().flatten().tolist()
+            raise ValueError(
+                f"the datasets provider built no {name} dataset on tensor-parallel rank(s) {without} of {size}, "
+                "while the others have one. Every rank reads its own batches here (upstream broadcasts them from "
+                "tensor-parallel rank 0, so its is_dataset_built_on_rank builds them there only): build the "
+                "datasets on every rank, e.g. BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, "
+                "config).build() (pretrain_gpt.py's provider does)"
+            )
 
 
 def _samples_left(train_dataset, consumed_samples, dataloader_type):

@@ -8,6 +8,7 @@ of that stream; `tokens` are its first `sequence_length` tokens and `labels` its
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import math
 import os
 from typing import Any, Optional
@@ -42,9 +43,10 @@ class GPTDatasetConfig:
     Neither a blend nor `mock` is a config without data, as upstream's: `BlendedMegatronDatasetBuilder` builds
     `MockGPTDataset`s from it, and `build_gpt_datasets` refuses it. `create_attention_mask` (default True, as
     upstream; `pretrain_gpt.py` sets it only for `--reset-attention-mask`) adds each sample's `[1, s, s]` mask.
-    Index arrays are cached as .npy files in `path_to_cache`. `mmap_bin_files` False reads the `.bin` files
-    into memory; `num_dataset_builder_threads` opens datasets and builds their indices in parallel; with
-    `shared_filesystem` False the first rank of each node (not of the job) builds the cached indices.
+    Index arrays are cached as .npy files in `path_to_cache`. `mmap_bin_files` False reads each sample's tokens
+    from the `.bin` files instead of mapping them; `num_dataset_builder_threads` opens datasets and builds their
+    indices in parallel; with `shared_filesystem` False the first rank of each node (not of the job) builds the
+    cached indices.
     `multiple_validation_sets` (`--multiple-validation-sets`) makes the valid split a list with one dataset per
     validation prefix (given without weights) instead of their blend.
 
@@ -244,6 +246,12 @@ class GPTDataset(torch.utils.data.Dataset):
             "num_samples": None if num_samples is None else int(num_samples),
             "random_seed": int(config.random_seed),
         }
+        if config.path_to_cache is not None:
+            # The indices follow from the split's sequence lengths: data preprocessed again into files of the same
+            # sizes (e.g. its documents in another order) gets indices of its own, not the earlier data's.
+            lengths = np.ascontiguousarray(indexed_dataset.sequence_lengths[self.document_range[0]:
+                                                                            self.document_range[1]])
+            description["sequence_lengths_blake2b"] = hashlib.blake2b(lengths, digest_size=16).hexdigest()
         arrays, self.indices_loaded_from_cache = load_or_build_indices(
             config.path_to_cache,
             f"{type(self).__name__}-{split.name}",

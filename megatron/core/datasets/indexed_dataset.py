@@ -107,21 +107,33 @@ class IndexedDatasetBuilder:
         self._sequence_lengths = []
         self._document_indices = [0]
 
+    def _stored(self, tokens):
+        """`tokens` flattened into this builder's dtype; ids the dtype cannot hold are refused, not wrapped around."""
+        array = np.asarray(tokens).reshape(-1)
+        if array.size and np.issubdtype(self.dtype, np.integer) and np.issubdtype(array.dtype, np.integer):
+            limits = np.iinfo(self.dtype)
+            low, high = int(array.min()), int(array.max())
+            if low < limits.min or high > limits.max:
+                raise ValueError(
+                    f"token ids {low}..{high} do not fit this builder's dtype {self.dtype.name} ({limits.min}.."
+                    f"{limits.max}) and would be stored wrapped around: build with a wider dtype, e.g. "
+                    "optimal_token_dtype(tokenizer.vocab_size)"
+                )
+        return array.astype(self.dtype, copy=False)
+
     def add_item(self, tokens):
-        array = np.asarray(tokens)
-        if array.ndim != 1:
-            array = array.reshape(-1)
-        self._data_file.write(array.astype(self.dtype, copy=False).tobytes(order="C"))
+        array = self._stored(tokens)
+        self._data_file.write(array.tobytes(order="C"))
         self._sequence_lengths.append(array.size)
 
     def end_document(self):
         self._document_indices.append(len(self._sequence_lengths))
 
     def add_document(self, tokens, lengths):
-        array = np.asarray(tokens).reshape(-1)
+        array = self._stored(tokens)
         if sum(lengths) != array.size:
             raise ValueError(f"sequence lengths {list(lengths)} do not add up to the {array.size} tokens given")
-        self._data_file.write(array.astype(self.dtype, copy=False).tobytes(order="C"))
+        self._data_file.write(array.tobytes(order="C"))
         self._sequence_lengths.extend(int(length) for length in lengths)
         self.end_document()
 
@@ -207,12 +219,40 @@ class _IndexReader:
             self._fail("document indices are not non-decreasing")
 
 
+class _FileTokens:
+    """The token ids of a `.bin` file read from it on demand: `tokens[start:stop]` opens the file and reads those
+    ids only (no memory map, no copy of the file kept), so any number of ranks and DataLoader workers can read a
+    dataset far larger than their memory."""
+
+    def __init__(self, bin_path, dtype):
+        self.bin_path = bin_path
+        self.dtype = np.dtype(dtype)
+
+    def __getitem__(self, window):
+        start, stop = window.start, window.stop
+        tokens = np.empty(max(stop - start, 0), dtype=self.dtype)
+        buffer = memoryview(tokens).cast("B")
+        read = 0
+        with open(self.bin_path, "rb", buffering=0) as data_file:
+            data_file.seek(start * self.dtype.itemsize)
+            while read < tokens.nbytes:  # a raw read may return fewer bytes than asked for
+                got = data_file.readinto(buffer[read:])
+                if not got:
+                    break
+                read += got
+        if read != tokens.nbytes:
+            raise IndexFileError(f"{self.bin_path} ended after {read} of the {tokens.nbytes} bytes its index "
+                                 f"places at byte {start * self.dtype.itemsize} (was it truncated?)")
+        return tokens
+
+
 class IndexedDataset:
     """Read-only access to the sequences of `path_prefix.bin` / `path_prefix.idx`.
 
     `dataset[i]` is sequence i as a numpy array; `dataset[a:b]` is a list of sequences; `get(i, offset,
     length)` reads part of a sequence without touching the rest. With `mmap=False` (`--no-mmap-bin-files`) the
-    `.bin` is read into memory once instead of being memory-mapped (for filesystems where mapping is slow).
+    `.bin` is not memory-mapped: each read takes only the tokens it needs from the file, as upstream's (for
+    filesystems where mapping is slow); nothing of the file is kept in memory.
     The arguments are upstream's, in its order; its multimodal datasets (a mode per sequence) are not supported.
     """
 
@@ -243,7 +283,7 @@ class IndexedDataset:
         elif self.mmap:
             self._tokens = np.memmap(bin_path, mode="r", dtype=self.dtype, order="C")
         else:
-            self._tokens = np.fromfile(bin_path, dtype=self.dtype)
+            self._tokens = _FileTokens(bin_path, self.dtype)
 
     def __getstate__(self):
         # Reopen by path in another process (e.g. a spawned DataLoader worker) instead of pickling the maps.

@@ -137,16 +137,26 @@ def _write_atomically(path, mode, write):
         raise
 
 
+# Part of every index cache key: raise it whenever the arrays built for a description change (the epochs a dataset
+# holds, the blending schedule, ...), so that a cache directory filled by earlier code is not served to this one.
+INDEX_CACHE_FORMAT = 2
+
+
 def load_or_build_indices(path_to_cache, kind, description, build):
     """Index arrays for `description`, from `path_to_cache` when present there, else from `build()`.
 
     `build()` returns {name: array}. Files are `<hash>-<kind>-<name>.npy` plus `<hash>-<kind>-description.json`,
-    written through a temporary file and a rename so a concurrent reader never sees half a file.
-    Returns (arrays, loaded_from_cache).
+    written through a temporary file and a rename so a concurrent reader never sees half a file. The hash covers
+    `description` and `INDEX_CACHE_FORMAT`. Returns (arrays, loaded_from_cache).
     """
     if path_to_cache is None:
         return build(), False
-    os.makedirs(path_to_cache, exist_ok=True)
+    description = {**description, "index_cache_format": INDEX_CACHE_FORMAT}
+    try:
+        os.makedirs(path_to_cache, exist_ok=True)
+    except OSError as error:
+        raise OSError(f"--data-cache-path {path_to_cache}: cannot use it as the dataset index cache directory "
+                      f"({error.strerror}): give a directory, or a path where one can be created") from error
     stem = os.path.join(path_to_cache, f"{description_hash(description)}-{kind}")
     description_path = f"{stem}-description.json"
     if os.path.isfile(description_path):

@@ -83,7 +83,8 @@ def add_arguments(parser):
     group.add_argument("--mmap-bin-files", action="store_true", default=True,
                        help="Memory-map the .bin files (the default).")
     group.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
-                       help="Read the .bin files into memory instead of memory-mapping them.")
+                       help="Read each sample's tokens from the .bin files instead of memory-mapping "
+                       "them (for filesystems where mapping is slow); nothing of the files is kept in memory.")
     group.add_argument("--num-dataset-builder-threads", type=int, default=1,
                        help="Threads that open datasets and build their indices (per rank).")
     group.add_argument("--mid-level-dataset-surplus", type=float, default=0.005,

@@ -203,3 +203,49 @@ def test_upstream_constructor_and_helpers(small_dataset, tmp_path):
     assert not IndexedDataset.exists(small_dataset) and not IndexedDataset.exists(str(tmp_path / "nothing"))
     with pytest.raises(ValueError, match="multimodal datasets .* are not supported"):
         IndexedDataset(small_dataset + "x", multimodal=True)
+
+
+def test_no_mmap_reads_only_the_tokens_asked_for(tmp_path):
+    # --no-mmap-bin-files, as upstream's file reader: a dataset far larger than memory opens and reads; neither
+    # opening it nor reading a sequence holds a copy of the .bin (here 8 MB).
+    import tracemalloc
+
+    prefix = str(tmp_path / "large")
+    tokens = np.arange(2_000_000, dtype=np.int32)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    builder.add_document(tokens, [1_000, 1_999_000])
+    builder.finalize(prefix + ".idx")
+    tracemalloc.start()
+    try:
+        dataset = IndexedDataset(prefix, mmap=False)
+        partial = dataset.get(1, offset=1_500_000, length=5)
+        first = dataset[0]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 100_000, f"{peak} bytes allocated to read 1,005 tokens"
+    np.testing.assert_array_equal(partial, np.arange(1_501_000, 1_501_005))
+    np.testing.assert_array_equal(first, np.arange(1_000))
+    np.testing.assert_array_equal(dataset.document(0), tokens)
+    with open(prefix + ".bin", "r+b") as data_file:  # truncated after opening: the read says so
+        data_file.truncate(4 * 1_000_000)
+    with pytest.raises(IndexFileError, match=r"large\.bin ended after 0 of the 20 bytes .*truncated"):
+        dataset.get(1, offset=1_500_000, length=5)
+
+
+@pytest.mark.parametrize("add", ["item", "document"])
+@pytest.mark.parametrize("dtype, token_ids", [(np.uint16, [5, 70000, 6]), (np.uint16, [-1, 3]),
+                                              (np.int32, [2**31, 0])])
+def test_builder_refuses_token_ids_its_dtype_cannot_hold(tmp_path, add, dtype, token_ids):
+    # 70000 stored as uint16 would read back as 4464: a silently different token.
+    import torch
+
+    builder = IndexedDatasetBuilder(str(tmp_path / "data.bin"), dtype=dtype)
+    builder.add_item(torch.tensor([1, 2, 3]))  # a tensor, as upstream's callers pass
+    name = np.dtype(dtype).name
+    with pytest.raises(ValueError, match=rf"token ids {min(token_ids)}\.\.{max(token_ids)} do not fit this "
+                                         rf"builder's dtype {name} .* wider dtype"):
+        builder.add_item(token_ids) if add == "item" else builder.add_document(token_ids, [len(token_ids)])
+    builder.add_document(torch.tensor([65535, 0]), [1, 1])
+    builder.finalize(str(tmp_path / "data.idx"))
+    assert [sequence.tolist() for sequence in IndexedDataset(str(tmp_path / "data"))[:]] == [[1, 2, 3], [65535], [0]]

@@ -1,4 +1,5 @@
-"""`build_data_iterators`: external iterators passed through, blends too short for the run, where validation starts."""
+"""`build_data_iterators`: external iterators passed through, blends too short for the run, where validation starts,
+tensor-parallel ranks left without datasets by the provider."""
 
 import argparse
 
@@ -167,3 +168,46 @@ def test_token_ids_within_the_vocabulary_pass(tmp_path):
     for iterator in (train, valid, test):
         batches = [next(iterator) for _ in range(3)]
         assert max(int(batch["tokens"].max()) for batch in batches) == 127  # read, not refused
+
+
+def _tensor_parallel_pair(monkeypatch, other_rank_built):
+    """This process as tensor-parallel rank 1 of 2, whose rank 0 built the splits `other_rank_built` says
+    (train, valid, test)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_group", lambda: "tp group")
+
+    def all_gather(per_rank, built, group=None):
+        assert group == "tp group"
+        per_rank[0].copy_(torch.tensor(other_rank_built, dtype=built.dtype))
+        per_rank[1].copy_(built)
+
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+
+
+def test_a_provider_building_on_tensor_parallel_rank_0_only_stops_naming_the_others(monkeypatch):
+    # Upstream's is_dataset_built_on_rank (tensor-parallel rank 0 of the first and last stages) leaves rank 1 with
+    # None: here every rank reads its own batches, so the run stops at start-up instead of at rank 1's first batch.
+    _tensor_parallel_pair(monkeypatch, other_rank_built=[1, 1, 0])
+    args = argparse.Namespace(**{**vars(ARGS), "dataloader_type": "single"})
+    with pytest.raises(ValueError, match=r"built no train dataset on tensor-parallel rank\(s\) \[1\] of 2, while the "
+                                         r"others have one\. .*BlendedMegatronDatasetBuilder\(cls, sizes, lambda: "
+                                         r"True, config\)"):
+        build_data_iterators(lambda counts: (None, None, None), args)
+
+
+def test_splits_no_tensor_parallel_rank_has_pass(monkeypatch):
+    # --split 0,1,0 (no train or test split anywhere), or a middle pipeline stage without any data.
+    _tensor_parallel_pair(monkeypatch, other_rank_built=[0, 0, 0])
+    args = argparse.Namespace(**{**vars(ARGS), "dataloader_type": "single", "micro_batch_size": 4, "num_workers": 0,
+                                 "seed": 0, "consumed_train_samples": 0})
+    assert build_data_iterators(lambda counts: (None, None, None), args) == (None, None, None)
+    _tensor_parallel_pair(monkeypatch, other_rank_built=[0, 1, 0])
+    train, valid, test = build_data_iterators(lambda counts: (None, _Numbers(8), None), args)
+    monkeypatch.undo()  # reading needs no process group
+    assert (train, test) == (None, None) and next(valid).tolist() == [0, 1, 2, 3]
