@@ -11,6 +11,8 @@ import uuid
 
 import numpy as np
 
+from megatron.core.datasets.compiled_blending import build_blending_indices_compiled
+
 
 class Split(enum.Enum):
     train = 0
@@ -99,10 +101,20 @@ def build_blending_indices(weights, size):
     The weights are divided by their sum here, once: near-ties are decided by the last bit of the shares, so a
     caller that needs upstream's shares bit for bit passes what upstream's `BlendedDataset` normalises (the
     builder's once-normalised weights for a weighted `--data-path`, the datasets' sizes for one without weights).
+    The loop runs compiled where a C compiler is available (`compiled_blending.py`), else in Python.
     """
     weights = [float(weight) for weight in normalize_weights(weights, len(weights))]
+    index_dtype = np.int16 if len(weights) < 2**15 else np.int64
+    compiled = build_blending_indices_compiled(weights, size, index_dtype)  # compiled_blending.py: same arrays
+    if compiled is not None:
+        return compiled
+    return build_blending_indices_in_python(weights, size, index_dtype)
+
+
+def build_blending_indices_in_python(weights, size, index_dtype):
+    """The greedy loop of `build_blending_indices` over already normalised `weights`, in Python."""
     counts = [0] * len(weights)
-    dataset_index = np.empty(size, dtype=np.int16 if len(weights) < 2**15 else np.int64)
+    dataset_index = np.empty(size, dtype=index_dtype)
     dataset_sample_index = np.empty(size, dtype=np.int64)
     candidates = range(len(weights))
     for sample in range(size):
