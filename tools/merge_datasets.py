@@ -24,6 +24,7 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
 )
 
 DATASET_SUFFIXES = (".bin", ".idx")
+PARTIAL_SUFFIX = ".partial"
 
 
 def find_dataset_prefixes(directory):
@@ -46,7 +47,7 @@ def merge_datasets(prefixes, output_prefix):
     """Append the datasets at `prefixes`, in that order, into `output_prefix.bin/.idx`; returns the output prefix.
 
     Every input is opened and checked (index valid, same dtype) before anything is written; a failure part way
-    leaves no output behind.
+    leaves no output of its own behind, and a dataset already at `output_prefix` as it was.
     """
     if not prefixes:
         raise ValueError("no datasets to merge")
@@ -65,15 +66,18 @@ def merge_datasets(prefixes, output_prefix):
                              "merge only datasets made with one tokenizer")
         del dataset  # release the memory maps
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
-    builder = IndexedDatasetBuilder(data_file_path(output_prefix), dtype=dtype)
+    # Written under .partial names and renamed at the end: a failed merge leaves an earlier output as it was.
+    builder = IndexedDatasetBuilder(data_file_path(output_prefix) + PARTIAL_SUFFIX, dtype=dtype)
     try:
         for prefix in prefixes:
             builder.add_index(prefix)
     except BaseException:
         builder.close()
-        os.remove(data_file_path(output_prefix))
+        os.remove(data_file_path(output_prefix) + PARTIAL_SUFFIX)
         raise
-    builder.finalize(index_file_path(output_prefix))
+    builder.finalize(index_file_path(output_prefix) + PARTIAL_SUFFIX)
+    for path in (data_file_path(output_prefix), index_file_path(output_prefix)):
+        os.replace(path + PARTIAL_SUFFIX, path)
     return output_prefix
 
 

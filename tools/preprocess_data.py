@@ -12,7 +12,9 @@ sentences with nltk's punkt models (`pip install nltk`, then `python -m nltk.dow
 `PREFIX_<key>_sentence.bin` / `.idx`. Documents are tokenized by a pool of `--workers` processes in chunks, and
 results are written in input order, so the output does not depend on the number of workers. `--input` may also be
 a glob pattern (`'shards/*.jsonl'`, quoted), as upstream's with `--partitions`: the matching files are read in the
-sorted order of their names; files ending in `.gz` are read through gzip.
+sorted order of their names; files ending in `.gz` are read through gzip. A line that is not UTF-8 JSON, lacks a key
+or holds text the tokenizer refuses stops the run, naming its file and line; the outputs are written as `.partial`
+files and renamed at the end, so a failed run leaves a dataset already at the prefix as it was.
 """
 
 import argparse
@@ -37,6 +39,8 @@ from megatron.training.tokenizer import TOKENIZER_TYPES, build_tokenizer_from_ar
 from megatron.training.tokenizer.tokenizer import SENTENCEPIECE_TOKENIZER_TYPES, sentencepiece_refusal  # noqa: E402
 
 DOCUMENTS_PER_CHUNK = 32
+# The outputs are written as PREFIX_<key>_document.bin.partial / .idx.partial and renamed when the run succeeds.
+PARTIAL_SUFFIX = ".partial"
 # Punkt is slow on very long texts: --split-sentences splits a text in pieces of this many characters (as upstream).
 SENTENCE_SPLIT_PIECE_CHARACTERS = 1_000_000
 
@@ -119,28 +123,45 @@ def _sentences_of(value):
     return None
 
 
-def encode_document(line):
-    """One JSONL line -> ({key: (token ids, sequence lengths)}, bytes read, None), or (None, bytes read, what is
-    wrong with it) for a document the keys or the tokenizer cannot take (reported by the reader, with its line
-    number). Each non-empty sentence is one sequence (a whole text is one sentence without --split-sentences);
+def _unencodable_text_problem(text):
+    """What makes `text` no Unicode text a tokenizer takes (a lone surrogate, from a JSON escape such as "\\ud800"
+    without its pair), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return (f"holds a lone surrogate {text[error.start]!r} at character {error.start}, which is not Unicode "
+                "text; repair or drop the document")
+    return None
+
+
+def encode_document(raw_line):
+    """One JSONL line (bytes) -> ({key: (token ids, sequence lengths)}, bytes read, None), or (None, bytes read,
+    what is wrong with it) for a document the keys or the tokenizer cannot take (reported by the reader, with its
+    line number). Each non-empty sentence is one sequence (a whole text is one sentence without --split-sentences);
     --append-eod ends the last one with the eod. A blank line is no document: ({}, bytes read, None)."""
     json_keys, append_eod = _worker_settings
-    if not line.strip():
-        return {}, len(line), None
+    if not raw_line.strip():
+        return {}, len(raw_line), None
+    try:
+        line = raw_line.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return None, len(raw_line), (f"not UTF-8 text (byte 0x{raw_line[error.start]:02x} at byte {error.start} of "
+                                     "the line); the input must be UTF-8 encoded JSON lines")
     try:
         document = json.loads(line)
     except ValueError as error:
-        return None, len(line), f"not a JSON document ({error})"
+        return None, len(raw_line), f"not a JSON document ({error})"
     if not isinstance(document, dict):
-        return None, len(line), f"not a JSON object but a {type(document).__name__}; each line must be {{key: text}}"
+        return None, len(raw_line), (f"not a JSON object but a {type(document).__name__}; each line must be "
+                                     "{key: text}")
     encoded = {}
     for key in json_keys:
         if key not in document:
-            return None, len(line), f"document has no key {key!r} (keys: {sorted(document)}); check --json-keys"
+            return None, len(raw_line), f"document has no key {key!r} (keys: {sorted(document)}); check --json-keys"
         sentences = _sentences_of(document[key])
         if sentences is None:
-            return None, len(line), (f"{key!r} must be a string or a list of strings (sentences), got "
-                                     f"{type(document[key]).__name__} {json.dumps(document[key])[:40]}")
+            return None, len(raw_line), (f"{key!r} must be a string or a list of strings (sentences), got "
+                                         f"{type(document[key]).__name__} {json.dumps(document[key])[:40]}")
         token_ids, lengths = [], []
         try:
             for sentence in sentences:
@@ -148,13 +169,13 @@ def encode_document(line):
                 if sentence_ids:
                     token_ids.extend(sentence_ids)
                     lengths.append(len(sentence_ids))
-        except ValueError as error:
-            return None, len(line), f"{key!r}: {error}"
+        except (ValueError, TypeError) as error:  # the `tokenizers` package raises TypeError for a lone surrogate
+            return None, len(raw_line), f"{key!r}: {_unencodable_text_problem(sentence) or error}"
         if token_ids and append_eod:
             token_ids.append(_worker_tokenizer.eod)
             lengths[-1] += 1
         encoded[key] = (token_ids, lengths)
-    return encoded, len(line), None
+    return encoded, len(raw_line), None
 
 
 class ProgressLog:
@@ -190,22 +211,22 @@ def input_files(pattern):
     return sorted(path for path in glob.glob(pattern) if os.path.isfile(path))
 
 
-def _open_text(path):
-    if path.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, "r", encoding="utf-8")
+def _open_binary(path):
+    """The file's bytes (decompressed for .gz); lines are decoded one by one, so a byte that is not UTF-8 is named
+    with its line."""
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
 def _read_lines(paths):
     for path in paths:
-        with _open_text(path) as input_file:
+        with _open_binary(path) as input_file:
             yield from input_file
 
 
 def _line_origin(paths, line_number):
     """(file, line in that file) of line `line_number` (from 1) of the files read one after another."""
     for path in paths:
-        with _open_text(path) as input_file:
+        with _open_binary(path) as input_file:
             lines = sum(1 for _ in input_file)
         if line_number <= lines:
             return path, line_number
@@ -217,12 +238,31 @@ def output_prefix_for_key(output_prefix, key, split_sentences=False):
     return f"{output_prefix}_{key}_{'sentence' if split_sentences else 'document'}"
 
 
+def _partial(path):
+    """Where `path` is written until the run succeeds: a failed run leaves a dataset already at `path` as it was."""
+    return path + PARTIAL_SUFFIX
+
+
 def _remove_partial_outputs(builders, prefixes):
-    """A failed run leaves no `.bin` without its `.idx` behind."""
+    """A failed run leaves nothing of its own behind (and no `.bin` without its `.idx`)."""
     for key, prefix in prefixes.items():
         builders[key].close()
-        if os.path.exists(data_file_path(prefix)):
-            os.remove(data_file_path(prefix))
+        if os.path.exists(_partial(data_file_path(prefix))):
+            os.remove(_partial(data_file_path(prefix)))
+
+
+def _finalize_outputs(builders, prefixes):
+    """Write each key's index, then move its `.bin` and `.idx` to their names (replacing an earlier run's)."""
+    for key, prefix in prefixes.items():
+        builders[key].finalize(_partial(index_file_path(prefix)))
+        for path in (data_file_path(prefix), index_file_path(prefix)):
+            os.replace(_partial(path), path)
+
+
+def _tokenizer_file_flags(args):
+    """`--flag value` for each tokenizer file flag the command line gave."""
+    flags = (("--vocab-file", "vocab_file"), ("--merge-file", "merge_file"), ("--tokenizer-model", "tokenizer_model"))
+    return " ".join(f"{flag} {getattr(args, name)}" for flag, name in flags if getattr(args, name, None) is not None)
 
 
 def preprocess(args, splitter_factory=None):
@@ -232,12 +272,18 @@ def preprocess(args, splitter_factory=None):
         tokenizer = _tokenizer_from_args(args)
     except (ValueError, OSError, ImportError) as error:  # a missing file, flag or package, named in the message
         raise SystemExit(f"cannot build the --tokenizer-type {args.tokenizer_type} tokenizer: {error}") from error
+    except Exception as error:  # the `tokenizers` package raises a bare Exception for a file it cannot parse
+        raise SystemExit(f"cannot build the --tokenizer-type {args.tokenizer_type} tokenizer from "
+                         f"{_tokenizer_file_flags(args)}: {error}; check that each flag names the right file "
+                         "(--vocab-file vocab.json, --merge-file merges.txt, --tokenizer-model a tokenizer directory "
+                         "or tokenizer.json)") from error
     if args.split_sentences:  # fail here, before any worker starts, when nltk or its data is missing
         (splitter_factory or sentence_splitter)(args.lang, args.keep_newlines)
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     dtype = optimal_token_dtype(tokenizer.vocab_size)
     prefixes = {key: output_prefix_for_key(args.output_prefix, key, args.split_sentences) for key in args.json_keys}
-    builders = {key: IndexedDatasetBuilder(data_file_path(prefix), dtype=dtype) for key, prefix in prefixes.items()}
+    builders = {key: IndexedDatasetBuilder(_partial(data_file_path(prefix)), dtype=dtype)
+                for key, prefix in prefixes.items()}
     progress = ProgressLog(args.log_interval)
     paths = input_files(args.input)
     lines = _read_lines(paths)
@@ -269,8 +315,7 @@ def preprocess(args, splitter_factory=None):
             pool.close()
             pool.join()
         lines.close()
-    for key, prefix in prefixes.items():
-        builders[key].finalize(index_file_path(prefix))
+    _finalize_outputs(builders, prefixes)
     progress.report()
     return prefixes
 

@@ -244,8 +244,16 @@ def target_size_problems(args, tensor, pipeline, expert):
         problems.append(f"--target-tensor-parallel-size {tensor}: the model's {groups} key/value heads "
                         "(--num-query-groups) do not split evenly over it")
     layers = getattr(args, "num_layers", None)
+    uneven_split = any(getattr(args, name, None) is not None for name in (
+        "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout"))
     if layers and pipeline > layers:
         problems.append(f"--target-pipeline-parallel-size {pipeline}: more stages than the model's {layers} layers")
+    elif layers and layers % pipeline and not uneven_split:
+        problems.append(f"--target-pipeline-parallel-size {pipeline}: the model's {layers} layers (--num-layers) do "
+                        "not split evenly over it, which training needs without --decoder-first-pipeline-num-layers "
+                        "/ --decoder-last-pipeline-num-layers or --pipeline-model-parallel-layout (the checkpoint "
+                        "written is the same at any target size: give one that divides the layers, and those flags "
+                        "to the training run)")
     experts = getattr(args, "num_experts", None)
     if expert > 1 and not experts:
         problems.append(f"--target-expert-parallel-size {expert}: the model has no experts (--num-experts)")

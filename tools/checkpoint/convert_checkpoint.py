@@ -39,12 +39,18 @@ import torch
 HF_SOURCE_KEY = "hf_source"
 
 
+def _make_parent_directory(path):
+    """Create the directory a file `--output` goes in, as the directory outputs are created."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
 def to_torch(directory, output):
     from megatron.core.dist_checkpointing import offline
 
     state = offline.read_checkpoint(_paths.logical_checkpoint_dir(directory))
     model = offline.full_precision_model(state)
     rest = {key: value for key, value in state.items() if not key.startswith("model.")}
+    _make_parent_directory(output)
     torch.save({"model": model, "checkpoint": rest}, output)
     return model
 
@@ -55,6 +61,7 @@ def to_safetensors(directory, output):
     state = offline.read_checkpoint(_paths.logical_checkpoint_dir(directory))
     model = offline.full_precision_model(state)
     iteration = (state.get("common") or {}).get("iteration", 0)
+    _make_parent_directory(output)
     safetensors_format.save_file(model, output, {"format": "megatron_logical", "iteration": iteration})
     return model
 
@@ -411,6 +418,10 @@ def main(argv=None):
                      f"--to {options.source} wrote)")
     if options.source == "hf" and not os.path.isdir(options.input):
         parser.error(f"--input {options.input}: not a directory (--from hf reads a Hugging Face model directory)")
+    if options.to in ("torch", "safetensors") and os.path.isdir(options.output):
+        suffix = "pt" if options.to == "torch" else "safetensors"
+        parser.error(f"--output {options.output}: a directory; --to {options.to} writes one file, such as "
+                     f"{os.path.join(options.output, 'model.' + suffix)}")
     if options.to == "torch":
         to_torch(options.input, options.output)
     elif options.to == "safetensors":

@@ -350,3 +350,20 @@ def test_a_released_checkpoint_converts_to_a_released_one(tools, tmp_path, capsy
             _assert_same_tensors(_model(_read(str(save_dir))), original)
     legacy_weight = _read(str(tmp_path / "from_legacy"))["model.decoder.layers.0.self_attention.linear_qkv.weight"]
     assert legacy_weight.shape == (HEADS * HEAD_DIM, HIDDEN)
+
+
+def test_a_target_pipeline_size_that_does_not_divide_the_layers_is_named(tools):
+    """Training splits the layers evenly over the pipeline stages unless its uneven-split flags say otherwise: a
+    target size training would refuse is refused, one the recorded uneven split allows is not."""
+    import argparse
+
+    convert, _ = tools
+    even = argparse.Namespace(num_layers=4, num_attention_heads=4)
+    assert convert.target_size_problems(even, 1, 2, 1) == convert.target_size_problems(even, 1, 4, 1) == []
+    assert convert.target_size_problems(even, 1, 3, 1) == [
+        "--target-pipeline-parallel-size 3: the model's 4 layers (--num-layers) do not split evenly over it, which "
+        "training needs without --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers or "
+        "--pipeline-model-parallel-layout (the checkpoint written is the same at any target size: give one that "
+        "divides the layers, and those flags to the training run)"]
+    uneven = argparse.Namespace(num_layers=4, num_attention_heads=4, decoder_first_pipeline_num_layers=2)
+    assert convert.target_size_problems(uneven, 1, 3, 1) == []

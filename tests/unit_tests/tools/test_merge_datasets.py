@@ -119,3 +119,26 @@ def test_errors_name_the_problem_and_write_nothing(tmp_path, merge_tool, capsys)
         merge_tool.main(["--input", str(tmp_path / "missing"), "--output-prefix", str(output)])
     assert "is not a directory" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_merge_that_fails_part_way_leaves_the_earlier_output_as_it_was(tmp_path, merge_tool, monkeypatch):
+    inputs, output = tmp_path / "in", tmp_path / "out" / "merged"
+    inputs.mkdir()
+    _build(str(inputs / "a"), [[[1]]])
+    _build(str(inputs / "b"), [[[2, 3]]])
+    merge_tool.main(["--input", str(inputs), "--output-prefix", str(output)])
+    written = {name: (output.parent / name).read_bytes() for name in sorted(os.listdir(output.parent))}
+    assert sorted(written) == ["merged.bin", "merged.idx"]
+    _build(str(inputs / "c"), [[[4]]])
+    add_index = IndexedDatasetBuilder.add_index
+
+    def fail_on_the_last_input(builder, prefix):
+        if prefix.endswith("c"):
+            raise OSError(28, "No space left on device")
+        add_index(builder, prefix)
+
+    monkeypatch.setattr(IndexedDatasetBuilder, "add_index", fail_on_the_last_input)
+    with pytest.raises(OSError, match="No space left on device"):
+        merge_tool.main(["--input", str(inputs), "--output-prefix", str(output)])
+    assert {name: (output.parent / name).read_bytes() for name in sorted(os.listdir(output.parent))} == written
+    assert IndexedDataset(str(output)).document(1).tolist() == [2, 3]
