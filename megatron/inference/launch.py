@@ -117,7 +117,7 @@ def generation_max_sequence_length(args):
 def build_tokenizer(args):
     """The tokenizer of --tokenizer-type (set as the global one), and `args.padded_vocab_size` from it."""
     from megatron.training.checkpoint_args import padded_vocab_size
-    from megatron.training.global_vars import set_tokenizer
+    from megatron.training.global_state import set_tokenizer
     from megatron.training.tokenizer import build_tokenizer_from_args
 
     tokenizer = build_tokenizer_from_args(args)

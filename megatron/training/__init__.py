@@ -9,14 +9,14 @@ module in it, loads nothing else.
 # Upstream name -> the module that holds it here (under the same name). Names whose upstream signature or meaning
 # differs from this repository's implementation go through the adapters of `megatron.training.utils`.
 UPSTREAM_NAMES = {
-    "get_args": "megatron.training.global_vars",
-    "get_timers": "megatron.training.global_vars",
-    "get_tokenizer": "megatron.training.global_vars",
-    "get_tensorboard_writer": "megatron.training.global_vars",
-    "get_wandb_writer": "megatron.training.global_vars",
-    "get_signal_handler": "megatron.training.global_vars",
-    "get_one_logger": "megatron.training.global_vars",
-    "get_adlr_autoresume": "megatron.training.global_vars",
+    "get_args": "megatron.training.global_state",
+    "get_timers": "megatron.training.global_state",
+    "get_tokenizer": "megatron.training.global_state",
+    "get_tensorboard_writer": "megatron.training.global_state",
+    "get_wandb_writer": "megatron.training.global_state",
+    "get_signal_handler": "megatron.training.global_state",
+    "get_one_logger": "megatron.training.global_state",
+    "get_adlr_autoresume": "megatron.training.global_state",
     "initialize_megatron": "megatron.training.initialize",
     "get_num_microbatches": "megatron.core.num_microbatches_calculator",
     "get_current_global_batch_size": "megatron.core.num_microbatches_calculator",

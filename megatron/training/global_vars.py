@@ -1,100 +1,80 @@
-"""Process-wide handles set by `initialize_megatron()` / `pretrain()`: the parsed arguments, the tokenizer, the
-timers, and while `pretrain()` trains, the training log's TensorBoard writer and W&B run and the
---exit-signal-handler handler (upstream's `megatron.training.global_vars` names)."""
+"""Upstream's `megatron.training.global_vars`: the process-wide handles (`get_args()`, `get_tokenizer()`,
+`get_timers()`, `get_tensorboard_writer()`, ...; held in `global_state.py`) and `set_global_variables()` /
+`unset_global_variables()` for scripts that set them up themselves."""
 
-_ARGS = None
-_TOKENIZER = None
-_TIMERS = None
-_TENSORBOARD_WRITER = None
-_WANDB_WRITER = None
-_SIGNAL_HANDLER = None
+from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
+from megatron.core.timers import Timers
+from megatron.training.global_state import (  # upstream's names, re-exported
+    set_args,
+    get_args,
+    set_tokenizer,
+    get_tokenizer,
+    set_timers,
+    get_timers,
+    set_scalar_writers,
+    get_tensorboard_writer,
+    get_wandb_writer,
+    set_signal_handler,
+    installed_signal_handler,
+    get_signal_handler,
+    set_energy_monitor,
+    get_energy_monitor,
+    get_one_logger,
+    get_adlr_autoresume,
+)
+from megatron.training.signal_handler import install_exit_signal_handler, uninstall_exit_signal_handler
+from megatron.training.training import set_up_microbatches, set_up_tokenizer
 
-
-def set_args(args):
-    global _ARGS
-    _ARGS = args
-
-
-def get_args():
-    if _ARGS is None:
-        raise RuntimeError("arguments are not set: call initialize_megatron() (or pretrain()) first")
-    return _ARGS
-
-
-def set_tokenizer(tokenizer):
-    global _TOKENIZER
-    _TOKENIZER = tokenizer
-
-
-def get_tokenizer():
-    if _TOKENIZER is None:
-        raise RuntimeError("the tokenizer is not built: call initialize_megatron() (or pretrain()) first")
-    return _TOKENIZER
-
-
-def set_timers(timers):
-    global _TIMERS
-    _TIMERS = timers
-
-
-def get_timers():
-    """The `megatron.core.timers.Timers` of this run (--timing-log-level, --timing-log-option); None outside
-    `pretrain()` (`megatron.core.timers.timed` then times nothing)."""
-    return _TIMERS
-
-
-def set_scalar_writers(tensorboard_writer, wandb_writer):
-    """Share the training log's writers (None, None when it closes them)."""
-    global _TENSORBOARD_WRITER, _WANDB_WRITER
-    _TENSORBOARD_WRITER, _WANDB_WRITER = tensorboard_writer, wandb_writer
-
-
-def get_tensorboard_writer():
-    """The `torch.utils.tensorboard.SummaryWriter` of --tensorboard-dir that the training log writes to, from the
-    start of training on the last rank; None elsewhere, without --tensorboard-dir, or without TensorBoard
-    installed (as upstream: scripts call `add_scalar` when it is not None)."""
-    return _TENSORBOARD_WRITER
+__all__ = [
+    "set_args",
+    "get_args",
+    "set_tokenizer",
+    "get_tokenizer",
+    "set_timers",
+    "get_timers",
+    "set_scalar_writers",
+    "get_tensorboard_writer",
+    "get_wandb_writer",
+    "set_signal_handler",
+    "installed_signal_handler",
+    "get_signal_handler",
+    "set_energy_monitor",
+    "get_energy_monitor",
+    "get_one_logger",
+    "get_adlr_autoresume",
+    "set_global_variables",
+    "unset_global_variables",
+    "destroy_global_vars",
+    "unset_global_state",
+]
 
 
-def get_wandb_writer():
-    """The W&B run of --wandb-project that the training log writes to, from the start of training on the last
-    rank; None elsewhere or without --wandb-project (as upstream, scripts call `.log({name: value}, step)`)."""
-    return _WANDB_WRITER
+def set_global_variables(args, build_tokenizer=True):
+    """Upstream's set-up of the process-wide handles for a script that does not call `initialize_megatron()`:
+    the arguments (validated), the number-of-microbatches calculator, the tokenizer (which pads
+    `args.padded_vocab_size`; not with `build_tokenizer=False`), the timers and, with --exit-signal-handler, the
+    signal handler. The TensorBoard / W&B writers and the energy monitor come with the training log, when
+    `pretrain()` trains. Undo with `unset_global_variables()`."""
+    set_args(args)
+    set_up_microbatches(args)
+    if build_tokenizer:
+        set_up_tokenizer(args)
+    set_timers(Timers(args.timing_log_level, args.timing_log_option))
+    install_exit_signal_handler(args)
 
 
-def set_signal_handler(handler):
-    global _SIGNAL_HANDLER
-    _SIGNAL_HANDLER = handler
-
-
-def get_signal_handler():
-    """The --exit-signal-handler handler while `pretrain()`'s training loop runs: `signals_received()` lists, for
-    every rank, whether it received --exit-signal (collective). The loop itself saves a checkpoint and stops
-    every rank once any rank received it."""
-    if _SIGNAL_HANDLER is None:
-        raise RuntimeError("get_signal_handler(): no signal handler is installed: it exists with "
-                           "--exit-signal-handler while pretrain()'s training loop runs (the loop saves a "
-                           "checkpoint and stops all ranks together when --exit-signal arrives)")
-    return _SIGNAL_HANDLER
-
-
-def get_one_logger():
-    """None, as upstream returns without one-logger telemetry: there is none here (--enable-one-logger and the
-    other one-logger flags are accepted and have no effect)."""
-    return None
-
-
-def get_adlr_autoresume():
-    """None, as upstream returns without --adlr-autoresume (ADLR's cluster auto-resume, which does not exist
-    here)."""
-    return None
-
-
-def unset_global_state():
-    """Forget the arguments, tokenizer, timers, writers and signal handler (used by tests that initialise more
-    than once per process)."""
+def unset_global_variables():
+    """Forget every handle `set_global_variables()`, `initialize_megatron()` or `pretrain()` set: the arguments,
+    tokenizer, timers, writers, energy monitor and number-of-microbatches calculator, and give --exit-signal its
+    previous action back (upstream's name; for scripts and tests that set up more than once per process)."""
+    uninstall_exit_signal_handler()
     set_args(None)
     set_tokenizer(None)
     set_timers(None)
     set_scalar_writers(None, None)
-    set_signal_handler(None)
+    set_energy_monitor(None)
+    destroy_num_microbatches_calculator()
+
+
+destroy_global_vars = unset_global_variables  # upstream's other name for it
+unset_global_state = unset_global_variables

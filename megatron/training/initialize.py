@@ -11,25 +11,33 @@ import torch.distributed as dist
 from megatron.core.rank_layout import DEFAULT_ORDER
 from megatron.training import accelerator
 from megatron.training.arguments import parse_args, validate_args
-from megatron.training.global_vars import set_args
+from megatron.training.global_state import set_args
 from megatron.training.run_control import setup_logging
+from megatron.training.signal_handler import install_exit_signal_handler, uninstall_exit_signal_handler
 
 
 def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unknown_args=False, args=None):
-    """Parse and validate flags, join the process group launched by torchrun, build parallel groups, seed.
+    """Parse and validate flags, install the --exit-signal-handler handler, join the process group launched by
+    torchrun, build parallel groups, seed.
 
     Returns the validated arguments (also available from `megatron.training.global_vars.get_args()`).
     """
     parsed = parse_args(extra_args_provider, ignore_unknown_args, args)
     validate_args(parsed, args_defaults)
     set_args(parsed)
-    setup_logging(parsed)
-    set_cpu_threads()
-    if getattr(parsed, "deterministic_mode", False):
-        set_deterministic_mode()
-    set_matmul_precision(parsed)
-    initialize_distributed(parsed)
-    set_random_seed(parsed.seed, parsed.data_parallel_random_init)
+    # As upstream, from start-up on: a signal during set-up is recorded, and acted on when the training loop starts.
+    install_exit_signal_handler(parsed)
+    try:
+        setup_logging(parsed)
+        set_cpu_threads()
+        if getattr(parsed, "deterministic_mode", False):
+            set_deterministic_mode()
+        set_matmul_precision(parsed)
+        initialize_distributed(parsed)
+        set_random_seed(parsed.seed, parsed.data_parallel_random_init)
+    except BaseException:
+        uninstall_exit_signal_handler()
+        raise
     return parsed
 
 

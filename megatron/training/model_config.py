@@ -89,7 +89,7 @@ def optimizer_config_from_args(args):
     from megatron.core.optimizer import OptimizerConfig
     from megatron.training.argument_groups.memory import optimizer_config_kwargs
     from megatron.training.argument_groups.muon import optimizer_config_kwargs as muon_optimizer_config_kwargs
-    from megatron.training.global_vars import get_timers
+    from megatron.training.global_state import get_timers
 
     return OptimizerConfig(
         optimizer=args.optimizer,

@@ -2,18 +2,21 @@
 iteration boundary.
 
 A scheduler that preempts a job sends SIGTERM (torchrun forwards it to every rank, but not necessarily at the
-same moment). The handler only records it; the training loop asks `received_on_any_rank()` after each
-iteration, a MAX all-reduce, so that every rank saves the same checkpoint and exits together. Without
---exit-signal-handler, as upstream, no handler is installed (the signal keeps its default action) and the
-loop makes no per-iteration collective for it.
+same moment). As upstream, the handler is installed at start-up (`initialize_megatron()`), so a signal that
+arrives while the model is built, a checkpoint loads or the final evaluation runs is recorded too. It only
+records it; the training loop asks `received_on_any_rank()` before the first iteration and after each one, a
+MAX all-reduce, so that every rank saves the same checkpoint and exits together. Without --exit-signal-handler,
+as upstream, no handler is installed (the signal keeps its default action) and the loop makes no per-iteration
+collective for it.
 """
 
 import signal
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 
-from megatron.training.global_vars import set_signal_handler
+from megatron.training.global_state import installed_signal_handler, set_signal_handler
 
 
 def exit_signal_handler_from_args(args):
@@ -21,6 +24,28 @@ def exit_signal_handler_from_args(args):
     if args.exit_signal_handler:
         return SigtermHandler(signal.Signals[args.exit_signal])
     return NoSignalHandler()
+
+
+def install_exit_signal_handler(args):
+    """Start-up, as upstream's `set_global_variables()`: with --exit-signal-handler, --exit-signal is recorded
+    from now on (until `uninstall_exit_signal_handler()`); `get_signal_handler()` returns the handler."""
+    uninstall_exit_signal_handler()
+    if args.exit_signal_handler:
+        exit_signal_handler_from_args(args).__enter__()
+
+
+def uninstall_exit_signal_handler():
+    """Give the signal its previous action back (nothing to do when no handler is installed)."""
+    handler = installed_signal_handler()
+    if handler is not None:
+        handler.__exit__(None, None, None)
+
+
+def signal_handler_for_the_loop(args):
+    """The handler the training loop asks (a context manager): the one installed at start-up, or, when `train()`
+    runs without `initialize_megatron()`, one installed for the loop's duration."""
+    handler = installed_signal_handler()
+    return nullcontext(handler) if handler is not None else exit_signal_handler_from_args(args)
 
 
 class NoSignalHandler:

@@ -35,13 +35,13 @@ from megatron.core.optimizer.qk_clip import (
 )
 from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 from megatron.core.transformer.moe.router import reset_global_aux_loss_counts, update_expert_biases
-from megatron.training import checkpointing
+from megatron.training import checkpoint_sources, checkpointing
 from megatron.training.checkpoint_sources import non_persistent_save_dir
 from megatron.training.data_iterators import build_data_iterators
 from megatron.core.rerun_state_machine import destroy_rerun_state_machine, get_rerun_state_machine
 from megatron.core.rerun_data_iterator import wrap_for_reruns
 from megatron.core.timers import Timers, timed
-from megatron.training.global_vars import get_args, get_timers, set_timers, set_tokenizer
+from megatron.training.global_state import get_args, get_timers, set_timers, set_tokenizer
 from megatron.training.initialize import initialize_megatron
 from megatron.training.manual_gc import ManualGarbageCollection
 from megatron.training.model_setup import setup_model_and_optimizer
@@ -71,7 +71,7 @@ from megatron.training.result_validation import (
     setup_rerun_state_machine,
     validate_gradients,
 )
-from megatron.training.signal_handler import exit_signal_handler_from_args
+from megatron.training.signal_handler import signal_handler_for_the_loop, uninstall_exit_signal_handler
 from megatron.training.training_log import (
     TrainingLogger,
     counts_as_nan_iteration,
@@ -103,10 +103,10 @@ def pretrain(
     start_time = time.time()  # --exit-duration-in-mins counts from here (the earliest rank's start)
     model_type = resolve_model_type(model_type)
     args = initialize_megatron(extra_args_provider, args_defaults, args=argv)
-    set_timers(Timers(args.timing_log_level, args.timing_log_option))
-    setup_rerun_state_machine(args)
-    args.train_start_time = start_time
     try:
+        set_timers(Timers(args.timing_log_level, args.timing_log_option))
+        setup_rerun_state_machine(args)
+        args.train_start_time = start_time
         return _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func, args)
     finally:
         _teardown(args)
@@ -127,7 +127,11 @@ def resolve_model_type(model_type):
 def set_up_tokenizer_and_microbatches(args):
     """What pretrain() sets up before it builds the model: the tokenizer (made global, its vocabulary padded into
     `args.padded_vocab_size`) and the number-of-microbatches calculator."""
-    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+    set_up_tokenizer(args)
+    set_up_microbatches(args)
+
+
+def set_up_tokenizer(args):
     from megatron.training.checkpoint_args import padded_vocab_size
     from megatron.training.tokenizer import build_tokenizer_from_args, padded_vocab_message
 
@@ -136,6 +140,11 @@ def set_up_tokenizer_and_microbatches(args):
     args.padded_vocab_size = padded_vocab_size(args, tokenizer.vocab_size)
     if getattr(args, "rank", 0) == 0:
         print(padded_vocab_message(tokenizer.vocab_size, args.padded_vocab_size), flush=True)
+
+
+def set_up_microbatches(args):
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+
     init_num_microbatches_calculator(
         args.rank, args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
         rampup_batch_size=getattr(args, "rampup_batch_size", None),
@@ -214,6 +223,7 @@ def _teardown(args):
     destroy_rerun_state_machine()
     forget_progress_log()
     set_timers(None)
+    uninstall_exit_signal_handler()  # the signal gets its previous action back once pretrain() returns
     if getattr(args, "created_process_group", False):
         # Sharded models hold reference cycles (wrapper <-> module <-> parameters, DTensor meshes) that keep
         # process groups alive; collect them while the groups can still shut down in order, not during
@@ -436,16 +446,20 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
     iteration = args.iteration
     args.stopped_early = False
     validation_sets = as_validation_sets(valid_iterator)
-    # The loaded iteration is already on disk only when it was loaded from --save itself; loaded from another
-    # directory, it is saved into --save at the end even when no iteration runs (--load A --save B).
-    last_saved_iteration = iteration if _loads_from_save_directory(args) else None
+    # The loaded iteration is saved into --save at the end even when no iteration runs, unless it is already a
+    # persistent checkpoint there: loaded from another directory (--load A --save B), or from a non-persistent
+    # checkpoint (global or local) newer than --save's last one.
+    last_saved_iteration = iteration if _saved_persistently(args, iteration) else None
     print_memory_on_this_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
     exit_duration = ExitDuration(args.exit_duration_in_mins, getattr(args, "train_start_time", time.time()),
                                  args.device)
     if weight_hash_due(args, iteration):
         check_weight_hashes(model, iteration, args)
-    with exit_signal_handler_from_args(args) as sigterm, ManualGarbageCollection.from_args(args) as manual_gc, \
+    with signal_handler_for_the_loop(args) as sigterm, ManualGarbageCollection.from_args(args) as manual_gc, \
             TrainingProfilers(args, dist.get_rank(), dist.get_world_size(), iteration, model) as profilers:
+        if iteration < args.train_iters and sigterm.received_on_any_rank(args.device):  # during the set-up
+            return _stop(f"received {args.exit_signal} before the first iteration", iteration, last_saved_iteration,
+                         model, optimizer, scheduler, args)
         while iteration < args.train_iters:
             update_num_microbatches(args.consumed_train_samples)  # a --rampup-batch-size ramp moves with samples
             if should_skip_step(args, iteration):  # --iterations-to-skip: drop the batch, as upstream, no checks
@@ -526,21 +540,30 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
             elif args.exit_interval and iteration % args.exit_interval == 0:
                 stop_reason = f"reached --exit-interval {args.exit_interval}"
             if stop_reason is not None:
-                if last_saved_iteration != iteration and _save(iteration, model, optimizer, scheduler, args):
-                    last_saved_iteration = iteration
-                if dist.get_rank() == 0:
-                    print(f"exiting at iteration {iteration}: {stop_reason}", flush=True)
-                args.stopped_early = True
-                return iteration
+                return _stop(stop_reason, iteration, last_saved_iteration, model, optimizer, scheduler, args)
     if last_saved_iteration != iteration and iteration > 0:
         _save(iteration, model, optimizer, scheduler, args)
     return iteration
 
 
-def _loads_from_save_directory(args) -> bool:
+def _stop(reason, iteration, last_saved_iteration, model, optimizer, scheduler, args):
+    """Stop before --train-iters: save the iteration reached (with --save, unless saved already or untrained)."""
+    if last_saved_iteration != iteration and iteration > 0:
+        _save(iteration, model, optimizer, scheduler, args)
+    if dist.get_rank() == 0:
+        print(f"exiting at iteration {iteration}: {reason}", flush=True)
+    args.stopped_early = True
+    return iteration
+
+
+def _saved_persistently(args, iteration) -> bool:
+    """Whether `iteration`, just loaded, is a persistent checkpoint of --save (True without --save)."""
     if args.load is None:
         return False
-    return args.save is None or os.path.realpath(args.load) == os.path.realpath(args.save)
+    if args.save is None:
+        return True
+    return (os.path.realpath(args.load) == os.path.realpath(args.save)
+            and iteration in checkpoint_sources.checkpoint_iterations(args.save))
 
 
 def _evaluation_splits_only(train_valid_test_dataset_provider):

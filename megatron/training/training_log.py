@@ -20,7 +20,7 @@ from megatron.core.distributed.data_parallel_base import (
 from megatron.training import accelerator
 from megatron.training.energy_monitor import EnergyMonitor, energy_and_power_per_gpu
 from megatron.training.expert_memory import expert_memory_usage, format_expert_memory
-from megatron.training.global_vars import set_scalar_writers
+from megatron.training.global_state import set_energy_monitor, set_scalar_writers
 from megatron.training.host_memory import format_host_memory, host_offload_bytes, offload_copy_bytes
 from megatron.training.scalar_writers import ScalarWriters, build_scalar_writers
 
@@ -311,6 +311,8 @@ class TrainingLogger:
         self.is_logging_rank = is_logging_rank
         self.timers = timers
         self._energy = EnergyMonitor.from_args(args)
+        if self._energy is not None:
+            set_energy_monitor(self._energy)  # get_energy_monitor(), while training runs
         self._interval_losses = {}  # sums over the interval's iterations whose update was applied
         self._interval_advanced = 0
         self._interval_iterations = 0
@@ -399,6 +401,8 @@ class TrainingLogger:
                 energy=energy,
             )
             print(line, flush=True)
+            if self._tensorboard is not None and getattr(args, "log_timers_to_tensorboard", False):
+                self._tensorboard.add_scalar("iteration-time", elapsed_s, iteration)  # as upstream: the line's mean
             if energy is not None and self._tensorboard is not None:
                 self._tensorboard.add_scalar("iter-energy/gpu", energy[0], iteration)  # upstream's keys
                 self._tensorboard.add_scalar("power/gpu", energy[1], iteration)
@@ -512,7 +516,6 @@ class TrainingLogger:
             add_scalar_and_vs_samples("batch-size", report["global_batch_size"])
         if getattr(args, "log_world_size_to_tensorboard", False):
             add_scalar_and_vs_samples("world-size", args.world_size)
-        writer.add_scalar("iteration-time", report["iteration_time_s"], iteration)
         if report["grad_norm"] is not None:
             add_scalar_and_vs_samples("grad-norm", report["grad_norm"])
         if report["num_zeros"] is not None:
@@ -528,6 +531,7 @@ class TrainingLogger:
 
     def close(self):
         if self._energy is not None:
+            set_energy_monitor(None)
             self._energy.close()
             self._energy = None
         if self._metrics_stream is not None:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.utils import get_batch_on_this_cp_rank, unwrap_model
-from megatron.training.global_vars import (
+from megatron.training.global_state import (
     get_adlr_autoresume,
     get_one_logger,
     get_signal_handler,
@@ -94,7 +94,7 @@ def get_batch_on_this_tp_rank(data_iterator, mtp_on_this_rank=False):
     if data_iterator is None:
         raise ValueError("get_batch_on_this_tp_rank needs the data iterator pretrain() passes to forward_step; "
                          "got None")
-    from megatron.training.global_vars import get_args
+    from megatron.training.global_state import get_args
 
     sample = next(data_iterator)
     missing = [key for key in BATCH_KEYS if key != "attention_mask" and key not in sample]
@@ -186,7 +186,7 @@ def get_model(model_provider_func, model_type=None, wrap_with_ddp=True):
     """Upstream's `get_model(model_provider_func, model_type, wrap_with_ddp)`: the list of this rank's model
     chunks, built from the parsed arguments (`initialize_megatron()` first). `model_type` must be
     `ModelType.encoder_or_decoder` (or None)."""
-    from megatron.training.global_vars import get_args
+    from megatron.training.global_state import get_args
     from megatron.training.model_setup import get_model as build_model
     from megatron.training.training import resolve_model_type
 

@@ -31,7 +31,7 @@ def add_arguments(parser):
         "--log-timers-to-tensorboard",
         action="store_true",
         help="Write each timer of --timing-log-level (the maximum over ranks, per iteration) to TensorBoard as "
-        "<name>-time.",
+        "<name>-time, and the mean time per iteration of each log line as iteration-time.",
     )
     group.add_argument(
         "--log-validation-ppl-to-tensorboard",

@@ -75,7 +75,7 @@ def test_scripts_log_to_the_training_logs_wandb_run(tmp_path, monkeypatch):
 
 def test_signal_handler_is_available_while_the_loop_holds_it():
     exit_on_signal = argparse.Namespace(exit_signal_handler=True, exit_signal="SIGUSR1")
-    with pytest.raises(RuntimeError, match="it exists with --exit-signal-handler while pretrain"):
+    with pytest.raises(RuntimeError, match="it exists with --exit-signal-handler, from initialize_megatron"):
         global_vars.get_signal_handler()
     with exit_signal_handler_from_args(exit_on_signal) as handler:
         assert global_vars.get_signal_handler() is handler

@@ -212,7 +212,7 @@ def test_importing_megatron_training_loads_nothing_until_a_name_is_used():
         "print(get_args.__module__)\n"
     )
     output = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
-    assert output.stdout.splitlines() == ["['megatron', 'megatron.training'] False", "megatron.training.global_vars"]
+    assert output.stdout.splitlines() == ["['megatron', 'megatron.training'] False", "megatron.training.global_state"]
 
 
 def test_upstream_names_are_this_repositorys_implementations():
@@ -255,7 +255,7 @@ def test_straggler_detector_measures_nothing_and_refuses_to_be_enabled():
 
 
 def test_names_without_meaning_here(monkeypatch):
-    from megatron.training import global_vars
+    from megatron.training import global_state
     from megatron.training import (get_one_logger, get_signal_handler, get_tensorboard_writer, get_wandb_writer,
                                    inprocess_restart, pretrain, set_startup_timestamps)
 
@@ -270,10 +270,10 @@ def test_names_without_meaning_here(monkeypatch):
         pretrain(None, None, None, None, store=object())
     with pytest.raises(RuntimeError, match="--exit-signal-handler"):
         get_signal_handler()  # installed only while pretrain()'s loop runs with --exit-signal-handler
-    monkeypatch.setattr(global_vars, "_ARGS", types.SimpleNamespace(tensorboard_dir=None, wandb_project=""))
+    monkeypatch.setattr(global_state, "_ARGS", types.SimpleNamespace(tensorboard_dir=None, wandb_project=""))
     assert get_tensorboard_writer() is None and get_wandb_writer() is None
     # With the flags, the training log's writers from the start of training (test_global_vars.py); none before.
-    monkeypatch.setattr(global_vars, "_ARGS", types.SimpleNamespace(tensorboard_dir="/runs/a", wandb_project="p"))
+    monkeypatch.setattr(global_state, "_ARGS", types.SimpleNamespace(tensorboard_dir="/runs/a", wandb_project="p"))
     assert get_tensorboard_writer() is None and get_wandb_writer() is None
     with pytest.raises(ImportError, match="get_ltor_masks_and_position_ids is not available here: the GPT datasets"):
         exec("from megatron.training.utils import get_ltor_masks_and_position_ids", {})
@@ -282,10 +282,10 @@ def test_names_without_meaning_here(monkeypatch):
 
 
 def test_batch_and_blend_helpers(monkeypatch):
-    from megatron.training import global_vars
+    from megatron.training import global_state
     from megatron.training.utils import get_batch_on_this_tp_rank, get_blend_and_blend_per_split
 
-    monkeypatch.setattr(global_vars, "_ARGS", types.SimpleNamespace(device=torch.device("cpu")))
+    monkeypatch.setattr(global_state, "_ARGS", types.SimpleNamespace(device=torch.device("cpu")))
     sample = {"tokens": torch.ones(2, 4, dtype=torch.long), "labels": torch.zeros(2, 4, dtype=torch.long),
               "loss_mask": torch.ones(2, 4), "position_ids": torch.arange(4).repeat(2, 1),
               "dataset_id": torch.zeros(2)}
