@@ -66,9 +66,9 @@ CARRIED_PARAM_ATTRIBUTES = (
 )
 
 
-def data_parallel_mesh():
-    """The 1-D data-parallel (x context-parallel) mesh of this rank, on parallel_state's group (the world's
-    when parallel_state is not initialised).
+def data_parallel_mesh(group=None):
+    """The 1-D mesh over `group`; by default this rank's data-parallel (x context-parallel) group of
+    parallel_state (the world's when parallel_state is not initialised).
 
     Built from the group itself: one dimension, named as in parallel_state's (dp_outer, dp_shard_cp, tp) mesh."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -76,10 +76,9 @@ def data_parallel_mesh():
     from megatron.core import parallel_state
     from megatron.core.device_utils import get_device_for_group
 
-    if parallel_state.model_parallel_is_initialized():
-        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    else:
-        group = dist.group.WORLD
+    if group is None:
+        group = (parallel_state.get_data_parallel_group(with_context_parallel=True)
+                 if parallel_state.model_parallel_is_initialized() else dist.group.WORLD)
     ranks = dist.get_process_group_ranks(group)
     # torch caches DTensor sharding decisions (which carry their mesh) keyed by meshes that compare equal
     # whenever their ranks and names do, whatever their process groups. A process that rebuilt its groups
@@ -116,6 +115,40 @@ def expert_modules(module):
 
     visit(module)
     return found
+
+
+def unit_modules_children_first(module, unit_classes):
+    """The submodules of `module` (not `module` itself: it is the root unit anyway) that are instances of
+    `unit_classes`, every one after all of its descendants (a post-order walk; siblings keep their order): FSDP2
+    must shard an inner unit before the unit around it, since `fully_shard` on the outer one takes every
+    parameter not yet in a unit."""
+    found, seen = [], set()
+
+    def visit(submodule):
+        if id(submodule) in seen:
+            return
+        seen.add(id(submodule))
+        for child in submodule.children():
+            visit(child)
+        if submodule is not module and isinstance(submodule, unit_classes):
+            found.append(submodule)
+
+    visit(module)
+    return found
+
+
+def declared_unit_classes(module):
+    """Module classes that submodules of `module` ask to be FSDP2 units through an `_fsdp_modules` attribute (a
+    list of classes, upstream's way for a model to add its own units to the default ones)."""
+    declared = []
+    for submodule in module.modules():
+        for unit_class in getattr(submodule, "_fsdp_modules", ()):
+            if not isinstance(unit_class, type):
+                raise TypeError(
+                    f"{type(submodule).__name__}._fsdp_modules must list module classes, got {unit_class!r}"
+                )
+            declared.append(unit_class)
+    return declared
 
 
 def mixed_precision_policy(config, ddp_config: DistributedDataParallelConfig, module):
@@ -180,30 +213,46 @@ class TorchFSDP2(DataParallelWrapper):
         ddp_config: the data-parallel config; kept with `use_torch_fsdp2=True`, so that the config checks its
             FSDP2 rules (e.g. no distributed optimizer) even when the caller left that flag unset.
         module: the model chunk, already on the mesh's device.
-        fsdp_unit_modules: module classes that become units; default `default_fsdp_unit_modules(embedding_unit=True)`.
+        sub_modules_to_wrap: module classes that become units (upstream's name; `fsdp_unit_modules` is the
+            same); default `default_fsdp_unit_modules(embedding_unit=True)`. Classes listed in a submodule's
+            `_fsdp_modules` attribute are added, as upstream does. Units may nest (e.g. `ColumnParallelLinear`
+            inside `TransformerLayer`): inner ones are sharded first.
+        process_group: the group to shard over (upstream's name); default parallel_state's data-parallel
+            (x context-parallel) group. Give this or `device_mesh`, not both.
         reshard_after_forward: free gathered parameters after each unit's forward and regather them for
             backward (True, less memory) or keep them until backward (False,
             --torch-fsdp2-no-reshard-after-forward: one all-gather per unit per step fewer); default
             `ddp_config.torch_fsdp2_reshard_after_forward`.
-        device_mesh: a 1-D mesh to shard over; default parallel_state's data-parallel mesh.
+        device_mesh: a 1-D mesh to shard over; default the mesh over `process_group`.
     """
 
-    def __init__(self, config, ddp_config: DistributedDataParallelConfig, module, fsdp_unit_modules=None,
-                 reshard_after_forward=None, device_mesh=None):
+    def __init__(self, config, ddp_config: DistributedDataParallelConfig, module, sub_modules_to_wrap=None,
+                 process_group=None, *, fsdp_unit_modules=None, reshard_after_forward=None, device_mesh=None):
         if not ddp_config.use_torch_fsdp2:
             ddp_config = dataclasses.replace(ddp_config, use_torch_fsdp2=True)  # re-validates the config
         super().__init__(config, ddp_config)
         from torch.distributed.fsdp import fully_shard
 
         _check_model_supported(config, module)
+        if sub_modules_to_wrap is not None and fsdp_unit_modules is not None:
+            raise ValueError("TorchFSDP2: sub_modules_to_wrap and fsdp_unit_modules name the same setting; give one")
+        if process_group is not None and device_mesh is not None:
+            raise ValueError("TorchFSDP2: give process_group or device_mesh, not both")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"TorchFSDP2: process_group must be a torch.distributed ProcessGroup, got "
+                            f"{type(process_group).__name__} (reshard_after_forward is a keyword argument)")
         if reshard_after_forward is None:
             reshard_after_forward = ddp_config.torch_fsdp2_reshard_after_forward
         self.reshard_after_forward = reshard_after_forward
-        self.device_mesh = device_mesh if device_mesh is not None else data_parallel_mesh()
+        self.device_mesh = device_mesh if device_mesh is not None else data_parallel_mesh(process_group)
         if self.device_mesh.ndim != 1:
             raise ValueError(f"TorchFSDP2 shards over a 1-D mesh, got {self.device_mesh.ndim} dims")
         self.data_parallel_group = self.device_mesh.get_group()
-        unit_classes = tuple(fsdp_unit_modules or default_fsdp_unit_modules(embedding_unit=True))
+        if sub_modules_to_wrap is None:
+            sub_modules_to_wrap = fsdp_unit_modules
+        if sub_modules_to_wrap is None:
+            sub_modules_to_wrap = default_fsdp_unit_modules(embedding_unit=True)
+        unit_classes = (*sub_modules_to_wrap, *declared_unit_classes(module))
 
         carried = {
             name: {key: getattr(param, key) for key in CARRIED_PARAM_ATTRIBUTES if hasattr(param, key)}
@@ -216,14 +265,16 @@ class TorchFSDP2(DataParallelWrapper):
                 if param.dtype == torch.bfloat16:
                     param.data = param.data.float()
         # Children before parents, as FSDP2 requires: a unit's parameters leave the enclosing unit's group.
-        self.fsdp_units = [submodule for submodule in module.modules() if isinstance(submodule, unit_classes)]
+        self.fsdp_units = unit_modules_children_first(module, unit_classes)
         # --torch-fsdp2-cpu-offload: shards and gradient shards rest in host memory (see megatron.core.offloading).
         self.offload_policy = fsdp2_offload_policy(ddp_config.torch_fsdp2_cpu_offload, self.device_mesh.device_type)
         # Experts first (they sit inside the layers): sharded over the ranks holding the same experts. Their
         # gradients are summed over that mesh and divided by DP x CP, like the dense ones: each expert's gradient
         # already sums the tokens every expert-parallel rank sent it.
         self.expert_units = expert_modules(module)
-        self.fsdp_units = [unit for unit in self.fsdp_units if unit not in self.expert_units]
+        # A unit class inside an expert unit would take expert parameters off the expert mesh: it stays in that unit.
+        inside_experts = {id(submodule) for unit in self.expert_units for submodule in unit.modules()}
+        self.fsdp_units = [unit for unit in self.fsdp_units if id(unit) not in inside_experts]
         if self.expert_units:
             self.expert_mesh = expert_data_parallel_mesh()
             data_parallel_size = self.device_mesh.size()

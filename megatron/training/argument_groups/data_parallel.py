@@ -294,6 +294,11 @@ def validate(args):
         if args.use_distributed_optimizer:
             raise ValueError("--use-torch-fsdp2 and --use-distributed-optimizer are exclusive")
     if args.overlap_param_gather:
+        if args.use_torch_fsdp2:
+            # FSDP2 excludes the distributed optimizer, so pointing at it would only lead to the next error.
+            raise ValueError("--overlap-param-gather does not work with --use-torch-fsdp2 (it needs "
+                             "--use-distributed-optimizer or --use-megatron-fsdp, which FSDP2 excludes; FSDP2 "
+                             "already gathers each unit's parameters ahead of its use): drop it")
         if not args.overlap_grad_reduce:
             raise ValueError("--overlap-param-gather needs --overlap-grad-reduce")
         if not (args.use_distributed_optimizer or args.use_megatron_fsdp):
