@@ -9,7 +9,8 @@ The expert-parallel layout rule (DP x CP divisible by EP) is checked here becaus
 name of `--moe-router-padding-for-fp8`. Upstream's kernel-selection switches (--moe-permute-fusion,
 --moe-router-fusion, --moe-use-legacy-grouped-gemm, --use-fused-weighted-squared-relu) are accepted and change
 nothing: the torch ops run. DeepEP (--moe-enable-deepep) and latent MoE (--moe-latent-size) stop with what to do
-instead.
+instead, and so does the removed --moe-router-topk-limited-devices; the deprecated --moe-extended-tp is ignored with
+a warning, as upstream ignores it.
 """
 
 import warnings
@@ -134,6 +135,12 @@ def add_arguments(parser):
     group.add_argument("--moe-deepep-num-sms", type=int, default=20,
                        help="Accepted for upstream scripts: the streaming multiprocessors DeepEP uses; only DeepEP "
                        "reads it (no effect here).")
+    group.add_argument("--moe-extended-tp", action="store_true",
+                       help="Deprecated and ignored upstream (since Megatron-Core 0.10): accepted with a warning; "
+                       "split each expert over more ranks with --expert-tensor-parallel-size.")
+    group.add_argument("--moe-router-topk-limited-devices", type=int, default=None,
+                       help="Removed upstream: an error naming its replacement, --moe-router-num-groups (the "
+                       "expert-parallel size) with --moe-router-group-topk (this value).")
 
 
 def transformer_config_kwargs(args):
@@ -176,6 +183,16 @@ def validate(args):
                          "and --num-experts; add them or drop the flag")
     if args.moe_deepep_num_sms <= 0:
         raise ValueError(f"--moe-deepep-num-sms must be positive, got {args.moe_deepep_num_sms}")
+    devices, ep = args.moe_router_topk_limited_devices, args.expert_model_parallel_size
+    if devices is not None:
+        replacement = (f"use --moe-router-num-groups {ep} --moe-router-group-topk {devices} instead" if devices < ep
+                       else f"at --expert-model-parallel-size {ep} it limits nothing: drop it")
+        raise ValueError("--moe-router-topk-limited-devices was replaced upstream by group-limited routing (one "
+                         f"group of experts per expert-parallel rank): {replacement}")
+    if args.moe_extended_tp:
+        warnings.warn("--moe-extended-tp is deprecated and ignored (as upstream since Megatron-Core 0.10): the "
+                      "experts are split over --expert-tensor-parallel-size ranks; set that instead and drop "
+                      "--moe-extended-tp")
     # One type and coefficient stay a str and a float (as before lists were accepted, and in saved checkpoint
     # args); several stay lists.
     kind, coeff = normalize_load_balancing(args.moe_router_load_balancing_type, args.moe_aux_loss_coeff)
@@ -202,6 +219,8 @@ def validate(args):
                          "the tokens): add --sequence-parallel")
     if args.num_experts is None:
         _warn_routing_flags_without_experts(args)
+    else:
+        _warn_moe_flags_without_effect(args)
     if not _uses_moe_flags(args):
         return
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -213,6 +232,20 @@ def validate(args):
         sequence_parallel=args.sequence_parallel, transformer_impl=args.transformer_impl, fp8=args.fp8_format,
         add_bias_linear=args.add_bias_linear, **transformer_config_kwargs(args),
     )  # raises ValueError naming the flags
+
+
+def _warn_moe_flags_without_effect(args):
+    """Settings of a MoE model that upstream accepts and never reads: a warning names them."""
+    given = []
+    if args.moe_router_load_balancing_type == "none" and args.moe_aux_loss_coeff:
+        given.append(f"--moe-aux-loss-coeff {args.moe_aux_loss_coeff} (--moe-router-load-balancing-type none adds "
+                     "no auxiliary loss)")
+    dropless = args.moe_expert_capacity_factor is None or args.moe_expert_capacity_factor < 0
+    if args.moe_token_drop_policy != "probs" and dropless:
+        given.append(f"--moe-token-drop-policy {args.moe_token_drop_policy} (dropless without a positive "
+                     "--moe-expert-capacity-factor: no token is dropped)")
+    if given:
+        warnings.warn(f"{'; '.join(given)}: without effect; drop them or set what they apply to")
 
 
 def _warn_routing_flags_without_experts(args):

@@ -18,6 +18,8 @@ TOKEN_DROP_POLICIES = ("probs", "position")
 TOKEN_DISPATCHER_TYPES = ("allgather", "alltoall", "flex")
 ROUTER_DTYPES = (None, "fp32", "fp64")
 
+# Upstream's newer name of --moe-router-padding-for-fp8 (messages name both: either may have been given).
+FP8_PADDING_NEWER_NAME = "--moe-router-padding-for-quantization"
 # Flags that only mean something with --num-experts, and their defaults.
 _FIELDS_NEEDING_EXPERTS = {
     "moe_router_topk": ("--moe-router-topk", 2),
@@ -41,7 +43,7 @@ _FIELDS_NEEDING_EXPERTS = {
     "moe_shared_expert_gate": ("--moe-shared-expert-gate", False),
     "moe_input_jitter_eps": ("--moe-input-jitter-eps", None),
     "moe_router_force_load_balancing": ("--moe-router-force-load-balancing", False),
-    "moe_router_padding_for_fp8": ("--moe-router-padding-for-fp8", False),
+    "moe_router_padding_for_fp8": (f"--moe-router-padding-for-fp8 ({FP8_PADDING_NEWER_NAME})", False),
     "moe_apply_probs_on_input": ("--moe-apply-probs-on-input", False),
     "moe_layer_recompute": ("--moe-layer-recompute", False),
     "moe_per_layer_logging": ("--moe-per-layer-logging", False),
@@ -328,6 +330,8 @@ class MoEConfigMixin:
         if kind == "sinkhorn" and coeff > 0:
             raise ValueError("--moe-router-load-balancing-type sinkhorn takes no auxiliary loss: drop "
                              "--moe-aux-loss-coeff")
+        if kind == "sinkhorn":
+            self._refuse_settings_sinkhorn_ignores()
         if (self.moe_router_topk == 1 and self.moe_router_score_function == "softmax"
                 and not self.moe_router_pre_softmax and kind != "sinkhorn"):
             raise ValueError("--moe-router-topk 1 with --moe-router-score-function softmax needs "
@@ -335,6 +339,21 @@ class MoEConfigMixin:
                              "router would get no gradient from the language-model loss")
         if self.moe_z_loss_coeff is not None and self.moe_z_loss_coeff < 0:
             raise ValueError(f"--moe-z-loss-coeff must be >= 0, got {self.moe_z_loss_coeff}")
+
+    def _refuse_settings_sinkhorn_ignores(self):
+        """Sinkhorn routing chooses the top-k of its balanced scores and weighs them by the sigmoid (top-1) or the
+        softmax of the logits: the router settings below would be silently ignored (as upstream does)."""
+        ignored = [flag for flag, is_set in (
+            ("--moe-router-enable-expert-bias", self.moe_router_enable_expert_bias),
+            (f"--moe-router-score-function {self.moe_router_score_function}",
+             self.moe_router_score_function != "softmax"),
+            ("--moe-router-num-groups / --moe-router-group-topk", self.moe_router_num_groups is not None),
+            ("--moe-router-topk-scaling-factor", self.moe_router_topk_scaling_factor is not None),
+        ) if is_set]
+        if ignored:
+            raise ValueError(f"--moe-router-load-balancing-type sinkhorn ignores {', '.join(ignored)} (it chooses by "
+                             "Sinkhorn-balanced scores, weighted by the sigmoid for --moe-router-topk 1 or the "
+                             "softmax of the logits): drop them, or pick another --moe-router-load-balancing-type")
 
     def _validate_capacity(self):
         factor = self.moe_expert_capacity_factor
@@ -364,7 +383,7 @@ class MoEConfigMixin:
                              f"which receives it scaled), got {self.moe_router_topk}")
         if self.moe_router_padding_for_fp8 and self.fp8 is None:
             raise ValueError("--moe-router-padding-for-fp8 pads the experts' token counts for FP8 GEMMs: it needs "
-                             "--fp8-format; add it or drop the flag")
+                             f"--fp8-format; add it or drop the flag (or its newer name {FP8_PADDING_NEWER_NAME})")
 
     def _validate_shared_experts(self):
         size = self.moe_shared_expert_intermediate_size

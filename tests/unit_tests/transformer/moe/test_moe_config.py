@@ -85,6 +85,15 @@ def test_defaults_filled():
      ["--moe-shared-expert-overlap", "--moe-token-dispatcher-type alltoall"]),
     (dict(moe_router_enable_expert_bias=True), ["--moe-router-enable-expert-bias", "--moe-router-score-function"]),
     (dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.1), ["sinkhorn", "--moe-aux-loss-coeff"]),
+    # Sinkhorn routing reads none of these: refused instead of silently ignored.
+    (dict(moe_router_load_balancing_type="sinkhorn", moe_router_score_function="sigmoid",
+          moe_router_enable_expert_bias=True),
+     ["--moe-router-load-balancing-type sinkhorn ignores --moe-router-enable-expert-bias, "
+      "--moe-router-score-function sigmoid (", "drop them"]),
+    (dict(moe_router_load_balancing_type="sinkhorn", moe_router_num_groups=2, moe_router_group_topk=1),
+     ["sinkhorn ignores --moe-router-num-groups / --moe-router-group-topk"]),
+    (dict(moe_router_load_balancing_type="sinkhorn", moe_router_topk_scaling_factor=2.0),
+     ["sinkhorn ignores --moe-router-topk-scaling-factor"]),
     (dict(expert_tensor_parallel_size=0), ["--expert-tensor-parallel-size", "positive integer"]),
     (dict(expert_tensor_parallel_size=2, moe_ffn_hidden_size=33),
      ["--moe-ffn-hidden-size (33)", "--expert-tensor-parallel-size (2)"]),

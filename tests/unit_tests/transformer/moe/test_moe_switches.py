@@ -177,6 +177,11 @@ def test_flags_reach_the_config(monkeypatch):
                                                      "counts for FP8 GEMMs: it needs --fp8-format"),
     ("--num-experts 4 --moe-input-jitter-eps 1.5", "--moe-input-jitter-eps must be in (0, 1)"),
     ("--num-experts 4 --moe-enable-deepep", "--moe-enable-deepep needs DeepEP on CUDA GPUs"),
+    # Upstream's newer name is named too, whichever of the two was given.
+    ("--num-experts 4 --moe-router-padding-for-quantization", "it needs --fp8-format; add it or drop the flag (or "
+                                                              "its newer name --moe-router-padding-for-quantization)"),
+    ("--moe-router-padding-for-quantization", "--moe-router-padding-for-fp8 (--moe-router-padding-for-quantization) "
+                                              "needs --num-experts"),
 ])
 def test_rules_name_the_flags(extra, message, monkeypatch):
     with pytest.raises(ValueError) as error:
@@ -198,6 +203,33 @@ def test_routing_flags_on_a_dense_model_warn_naming_them(monkeypatch):
         warnings.filterwarnings("error", message=".*MoE flags without effect")
         validated("--num-experts 4 --moe-aux-loss-coeff 0.01 --moe-token-drop-policy position", monkeypatch)
         validated("", monkeypatch)
+
+
+def test_removed_and_deprecated_upstream_flags(monkeypatch):
+    with pytest.raises(ValueError) as error:
+        validated("--num-experts 4 --moe-router-topk-limited-devices 1 --expert-model-parallel-size 2", monkeypatch)
+    assert str(error.value) == ("--moe-router-topk-limited-devices was replaced upstream by group-limited routing "
+                                "(one group of experts per expert-parallel rank): use --moe-router-num-groups 2 "
+                                "--moe-router-group-topk 1 instead")
+    with pytest.raises(ValueError, match=r"--moe-router-topk-limited-devices .* at --expert-model-parallel-size 1 it "
+                                         r"limits nothing: drop it"):
+        validated("--num-experts 4 --moe-router-topk-limited-devices 2", monkeypatch)
+    with pytest.warns(UserWarning, match=r"--moe-extended-tp is deprecated and ignored .* set that instead"):
+        args = validated("--num-experts 4 --moe-extended-tp", monkeypatch)
+    assert core_transformer_config_from_args(args).expert_tensor_parallel_size == 1
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("--moe-router-load-balancing-type none --moe-aux-loss-coeff 0.01",
+     "--moe-aux-loss-coeff 0.01 (--moe-router-load-balancing-type none adds no auxiliary loss): without effect"),
+    ("--moe-token-drop-policy position", "--moe-token-drop-policy position (dropless without a positive "
+                                         "--moe-expert-capacity-factor: no token is dropped): without effect"),
+    ("--moe-token-drop-policy position --moe-expert-capacity-factor -1", "--moe-token-drop-policy position"),
+])
+def test_moe_settings_without_effect_warn_naming_them(extra, message, monkeypatch):
+    with pytest.warns(UserWarning) as record:
+        validated("--num-experts 4 " + extra, monkeypatch)
+    assert any(message in str(warning.message) for warning in record)
 
 
 def test_router_pads_after_counting_for_the_expert_bias():
