@@ -121,7 +121,7 @@ def launch(name, argv, nproc, workdir, emulate=False):
         if os.path.exists(path):
             os.remove(path)
     command = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-port", "29631",
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
         os.path.abspath(__file__), "--worker", f"{argv} --metrics-file {metrics}", "--counts", counts,
     ] + (["--emulate"] if emulate else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}

@@ -171,7 +171,8 @@ def run_pretrain(model_args, extra, workdir, train_iters, timeout=600):
     metrics = os.path.join(workdir, "metrics.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--master-port", "29641",
+    # --standalone: the rendezvous takes a free port, so runs beside another job on this host do not collide
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--standalone",
                os.path.join(REPO_ROOT, "pretrain_gpt.py"), *model_args.split(), *extra.split(),
                "--train-iters", str(train_iters), "--metrics-file", metrics]
     fsdp_src = os.path.join(REPO_ROOT, "megatron", "core", "distributed", "fsdp", "src")

@@ -4,6 +4,10 @@ end-to-end arm launched (the whole `--smoke` run launches six: `python examples/
 --smoke`)."""
 
 import json
+import os
+import subprocess
+
+import pytest
 
 from examples.fp8 import gpu_benchmark
 
@@ -40,6 +44,22 @@ def test_every_pretrain_arm_validates_and_one_runs_on_the_cpu(tmp_path):
     median_step_s = gpu_benchmark.run_pretrain(gpu_benchmark.SMOKE_GPT, extra, str(tmp_path),
                                                gpu_benchmark.MEDIAN_FROM_ITERATION + 1)
     assert 0 < median_step_s < 60
+
+
+def test_pretrain_arm_asks_torchrun_for_a_free_port(tmp_path, monkeypatch):
+    """A run launched beside another job on this host (another test session, another benchmark) asks torchrun for a
+    free rendezvous port instead of a fixed one that the other job may already be listening on."""
+    launched = []
+
+    def record(command, **kwargs):
+        launched.append(command)
+        return subprocess.CompletedProcess(command, 1, "", "stopped before launching")
+
+    monkeypatch.setattr(gpu_benchmark.subprocess, "run", record)
+    with pytest.raises(RuntimeError, match="stopped before launching"):
+        gpu_benchmark.run_pretrain(gpu_benchmark.SMOKE_GPT, "", str(tmp_path), 2)
+    torchrun_args = launched[0][:launched[0].index(os.path.join(gpu_benchmark.REPO_ROOT, "pretrain_gpt.py"))]
+    assert "--standalone" in torchrun_args and not any(arg.startswith("--master-port") for arg in torchrun_args)
 
 
 def test_diagnostics_run_on_the_cpu():
