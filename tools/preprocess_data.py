@@ -35,7 +35,7 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
     optimal_token_dtype,
 )
 from megatron.training.argument_groups.data import add_tokenizer_file_arguments, vocab_extra_ids_refusal  # noqa: E402
-from megatron.training.tokenizer import TOKENIZER_TYPES, build_tokenizer_from_args  # noqa: E402
+from megatron.training.tokenizer import TOKENIZER_TYPES, TokenizerFileError, build_tokenizer_from_args  # noqa: E402
 from megatron.training.tokenizer.tokenizer import SENTENCEPIECE_TOKENIZER_TYPES, sentencepiece_refusal  # noqa: E402
 
 DOCUMENTS_PER_CHUNK = 32
@@ -259,24 +259,15 @@ def _finalize_outputs(builders, prefixes):
             os.replace(_partial(path), path)
 
 
-def _tokenizer_file_flags(args):
-    """`--flag value` for each tokenizer file flag the command line gave."""
-    flags = (("--vocab-file", "vocab_file"), ("--merge-file", "merge_file"), ("--tokenizer-model", "tokenizer_model"))
-    return " ".join(f"{flag} {getattr(args, name)}" for flag, name in flags if getattr(args, name, None) is not None)
-
-
 def preprocess(args, splitter_factory=None):
     """Run the conversion; returns {json key: output path prefix}. `splitter_factory(lang, keep_newlines)` builds
     the --split-sentences splitter (default: nltk's punkt, `sentence_splitter`)."""
     try:
         tokenizer = _tokenizer_from_args(args)
-    except (ValueError, OSError, ImportError) as error:  # a missing file, flag or package, named in the message
+    except TokenizerFileError as error:  # a file the tokenizer cannot read: the message names the flags and paths
+        raise SystemExit(str(error)) from error
+    except (ValueError, OSError, ImportError) as error:  # a missing flag or package, named in the message
         raise SystemExit(f"cannot build the --tokenizer-type {args.tokenizer_type} tokenizer: {error}") from error
-    except Exception as error:  # the `tokenizers` package raises a bare Exception for a file it cannot parse
-        raise SystemExit(f"cannot build the --tokenizer-type {args.tokenizer_type} tokenizer from "
-                         f"{_tokenizer_file_flags(args)}: {error}; check that each flag names the right file "
-                         "(--vocab-file vocab.json, --merge-file merges.txt, --tokenizer-model a tokenizer directory "
-                         "or tokenizer.json)") from error
     if args.split_sentences:  # fail here, before any worker starts, when nltk or its data is missing
         (splitter_factory or sentence_splitter)(args.lang, args.keep_newlines)
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)

@@ -47,6 +47,9 @@ MODEL_SIZES = ("llama2-7B", "llama2-13B", "llama2-70B", "llama2-7Bf", "llama2-13
                "llama3-8B", "llama3-70B", "llama3-8Bf", "llama3-70Bf", "mistral", "mistral-7B", "mistral-7Bf",
                "yi-34B", "qwen2.5", "qwen2.5-7B", "qwen2.5-72B", "qwen2.5-7Bf", "qwen2.5-72Bf")
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
+# The training flags pretrain_gpt.py asks for, given to its --ckpt-convert-format torch launch: it trains no
+# iteration (and keeps the checkpoint's learning-rate schedule), so these values are used for nothing.
+PLACEHOLDER_TRAINING_FLAGS = "--micro-batch-size 1 --train-iters 1 --lr 0 --mock-data"
 
 
 def model_size_architecture(model_size):
@@ -341,13 +344,35 @@ def save_torch_dist(options, source):
                         "--expert-model-parallel-size above 1 (training refuses the torch format there): train from "
                         "this torch_dist checkpoint"]
     ranks = sizes["--tensor-model-parallel-size"] * sizes["--pipeline-model-parallel-size"]
+    unrecorded = _unrecorded_model_flags(common)
     return lines + [
         "a --ckpt-format torch checkpoint at that layout (what upstream's savers write), which this tool does not "
         f"write itself: torchrun --nproc-per-node {ranks} pretrain_gpt.py --load {options.save_dir} "
-        f"--use-checkpoint-args {layout} --ckpt-convert-format torch --ckpt-convert-save TORCH_DIR, with the "
-        "data and batch flags of a training launch (--micro-batch-size, --mock-data or --data-path, ...) and "
-        "--use-checkpoint-opt_param-scheduler (the learning-rate schedule the checkpoint holds); train from it "
-        f"with --ckpt-format torch --load TORCH_DIR --use-checkpoint-args {layout}"]
+        f"--use-checkpoint-args {layout} --ckpt-convert-format torch --ckpt-convert-save TORCH_DIR "
+        "--use-checkpoint-opt_param-scheduler " + " ".join([PLACEHOLDER_TRAINING_FLAGS, *unrecorded])
+        + " (the launch trains no iteration: --use-checkpoint-opt_param-scheduler keeps the learning-rate schedule "
+        f"the checkpoint holds, and {PLACEHOLDER_TRAINING_FLAGS} only fill in what every training launch asks for"
+        + ("".join(f"; {flag}: {what}" for flag, what in unrecorded.items()) if unrecorded else "")
+        + f"); train from it with --ckpt-format torch --load TORCH_DIR --use-checkpoint-args {layout}"]
+
+
+def _unrecorded_model_flags(common):
+    """{placeholder: what to give} for the model arguments pretrain_gpt.py needs that the checkpoint's arguments
+    lack (an import from Hugging Face records neither a sequence length nor a tokenizer). The launch records what it
+    is given, and --use-checkpoint-args takes it from TORCH_DIR later: so the training's own values."""
+    saved = common.get("args")
+    unrecorded = {}
+    if getattr(saved, "seq_length", None) is None:
+        limit = getattr(saved, "max_position_embeddings", None)
+        unrecorded["--seq-length SEQ_LENGTH"] = ("the training's sequence length"
+                                                 + (f", at most {limit}" if limit else ""))
+    if getattr(saved, "tokenizer_type", None) is None:
+        tokens = common.get("vocab_size")
+        unrecorded["TOKENIZER_FLAGS"] = (
+            "the training's tokenizer, as the checkpoint records none: its --tokenizer-type and files"
+            + (f" ({tokens} tokens), or --tokenizer-type NullTokenizer --vocab-size {tokens - 1} with --mock-data"
+               if tokens else ""))
+    return unrecorded
 
 
 def main(argv=None):

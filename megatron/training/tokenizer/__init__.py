@@ -2,6 +2,7 @@
 
 from megatron.training.tokenizer.abstract_tokenizer import MegatronTokenizer
 from megatron.training.tokenizer.byte_level_tokenizer import ByteLevelTokenizer
+from megatron.training.tokenizer.file_errors import TokenizerFileError
 from megatron.training.tokenizer.gpt2_bpe_tokenizer import GPT2BPETokenizer
 from megatron.training.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
 from megatron.training.tokenizer.null_tokenizer import NullTokenizer
@@ -21,6 +22,7 @@ __all__ = [
     "HuggingFaceTokenizer",
     "NullTokenizer",
     "TOKENIZER_TYPES",
+    "TokenizerFileError",
     "build_tokenizer",
     "build_tokenizer_from_args",
     "exact_padding_divisor",

@@ -12,6 +12,7 @@ import os
 import types
 
 from megatron.training.tokenizer.abstract_tokenizer import MegatronTokenizer
+from megatron.training.tokenizer.file_errors import check_tokenizer_file, reading_tokenizer_files
 
 EOD_TOKEN_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[EOS]", "<|end_of_text|>")
 PAD_TOKEN_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]")
@@ -36,8 +37,7 @@ def resolve_tokenizer_json(tokenizer_model):
         raise ValueError("HuggingFaceTokenizer needs --tokenizer-model: a Hugging Face tokenizer directory or name, "
                          "or a tokenizer.json file")
     path = os.path.join(tokenizer_model, "tokenizer.json") if os.path.isdir(tokenizer_model) else tokenizer_model
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--tokenizer-model {tokenizer_model!r}: no tokenizer file at {path}")
+    check_tokenizer_file("HuggingFaceTokenizer", (("--tokenizer-model", tokenizer_model),), path)
     return path
 
 
@@ -117,17 +117,14 @@ class PreTrainedTokenizerBackend:
 def load_pretrained_tokenizer(tokenizer_model, trust_remote_code=False):
     """`transformers.AutoTokenizer.from_pretrained(tokenizer_model, trust_remote_code=...)`: a tokenizer directory
     or a hub name, as upstream."""
+    file_flags = (("--tokenizer-model", tokenizer_model),)
     try:
         from transformers import AutoTokenizer
     except ImportError as error:
         raise ImportError(f"--tokenizer-model {tokenizer_model!r} is a Hugging Face tokenizer directory or name; "
                           "loading it needs the `transformers` package: pip install transformers") from error
-    try:
+    with reading_tokenizer_files("HuggingFaceTokenizer", file_flags, source="transformers.AutoTokenizer"):
         return AutoTokenizer.from_pretrained(tokenizer_model, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
-        kind = ValueError if isinstance(error, ValueError) else OSError
-        raise kind(f"--tokenizer-model {tokenizer_model!r}: transformers.AutoTokenizer cannot load it ({error}); give "
-                   "a local tokenizer directory or a tokenizer.json file") from error
 
 
 def _loads_with_auto_tokenizer(tokenizer_model):
@@ -147,14 +144,18 @@ class HuggingFaceTokenizer(TokenizersBackedTokenizer):
     directory holding only that file, with the `tokenizers` package."""
 
     def __init__(self, tokenizer_model, eod_token=None, pad_token=None, trust_remote_code=False):
+        file_flags = (("--tokenizer-model", tokenizer_model),)
         if tokenizer_model is not None and _loads_with_auto_tokenizer(tokenizer_model):
             self.tokenizer_path = tokenizer_model
             pretrained = load_pretrained_tokenizer(tokenizer_model, trust_remote_code)
             # A tokenizer without an eos_token still gets an end-of-document id from the usual spellings.
-            super().__init__(PreTrainedTokenizerBackend(pretrained), eod_token or pretrained.eos_token,
-                             pad_token or getattr(pretrained, "pad_token", None),
-                             getattr(pretrained, "bos_token", None), search_candidates=False)
+            with reading_tokenizer_files("HuggingFaceTokenizer", file_flags):
+                super().__init__(PreTrainedTokenizerBackend(pretrained), eod_token or pretrained.eos_token,
+                                 pad_token or getattr(pretrained, "pad_token", None),
+                                 getattr(pretrained, "bos_token", None), search_candidates=False)
             return
         tokenizers = _import_tokenizers()
         self.tokenizer_path = resolve_tokenizer_json(tokenizer_model)
-        super().__init__(tokenizers.Tokenizer.from_file(self.tokenizer_path), eod_token, pad_token)
+        source = None if self.tokenizer_path == tokenizer_model else self.tokenizer_path
+        with reading_tokenizer_files("HuggingFaceTokenizer", file_flags, source=source):
+            super().__init__(tokenizers.Tokenizer.from_file(self.tokenizer_path), eod_token, pad_token)

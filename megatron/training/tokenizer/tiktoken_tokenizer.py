@@ -17,6 +17,12 @@ import json
 import os
 
 from megatron.training.tokenizer.abstract_tokenizer import MegatronTokenizer
+from megatron.training.tokenizer.file_errors import (
+    TokenizerFileContentError,
+    check_tokenizer_file,
+    reading_tokenizer_files,
+    tokenizer_file_message,
+)
 
 PATTERN_V1 = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"
               r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}|"
@@ -31,31 +37,30 @@ DEFAULT_NUM_SPECIAL_TOKENS = 1000
 
 def load_mergeable_ranks(path, max_vocab=None):
     """{token bytes: rank} from a tiktoken-format JSON vocabulary, keeping the first `max_vocab` ranks."""
+    file_flags = (("--tokenizer-model", path),)
     if not str(path).endswith(".json"):
-        raise ValueError(f"--tokenizer-model {path!r}: TikTokenizer reads a .json vocabulary (a list of "
-                         "{rank, token_bytes, token_str})")
-    if not os.path.isfile(path):
-        raise ValueError(f"--tokenizer-model {path!r}: no such file")
-    with open(path, encoding="utf-8") as handle:
-        entries = json.load(handle)
-    if not isinstance(entries, list):
-        raise ValueError(f"--tokenizer-model {path!r}: expected a JSON list of vocabulary entries")
-    if max_vocab is not None:
-        entries = entries[:max_vocab]
-    ranks = {}
-    for index, entry in enumerate(entries):
-        if not isinstance(entry, dict) or set(entry) != {"rank", "token_bytes", "token_str"}:
-            raise ValueError(f"--tokenizer-model {path!r}: entry {index} must have exactly the keys rank, "
-                             "token_bytes, token_str")
-        if entry["rank"] != index:
-            raise ValueError(f"--tokenizer-model {path!r}: entry {index} has rank {entry['rank']}; ranks must be "
-                             "0, 1, 2, ... in order")
-        token = base64.b64decode(entry["token_bytes"])
-        if index < 256 and token != bytes([index]):
-            raise ValueError(f"--tokenizer-model {path!r}: rank {index} must be the single byte {index}")
-        if token in ranks:
-            raise ValueError(f"--tokenizer-model {path!r}: token {token!r} appears twice")
-        ranks[token] = index
+        raise TokenizerFileContentError(tokenizer_file_message("TikTokenizer", file_flags,
+                                                               "TikTokenizer reads a .json vocabulary"))
+    check_tokenizer_file("TikTokenizer", file_flags, path)
+    with reading_tokenizer_files("TikTokenizer", file_flags):
+        with open(path, encoding="utf-8") as handle:
+            entries = json.load(handle)
+        if not isinstance(entries, list):
+            raise ValueError("expected a JSON list of vocabulary entries")
+        if max_vocab is not None:
+            entries = entries[:max_vocab]
+        ranks = {}
+        for index, entry in enumerate(entries):
+            if not isinstance(entry, dict) or set(entry) != {"rank", "token_bytes", "token_str"}:
+                raise ValueError(f"entry {index} must have exactly the keys rank, token_bytes, token_str")
+            if entry["rank"] != index:
+                raise ValueError(f"entry {index} has rank {entry['rank']}; ranks must be 0, 1, 2, ... in order")
+            token = base64.b64decode(entry["token_bytes"])
+            if index < 256 and token != bytes([index]):
+                raise ValueError(f"rank {index} must be the single byte {index}")
+            if token in ranks:
+                raise ValueError(f"token {token!r} appears twice")
+            ranks[token] = index
     return ranks
 
 

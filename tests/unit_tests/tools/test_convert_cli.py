@@ -367,3 +367,39 @@ def test_a_target_pipeline_size_that_does_not_divide_the_layers_is_named(tools):
         "divides the layers, and those flags to the training run)"]
     uneven = argparse.Namespace(num_layers=4, num_attention_heads=4, decoder_first_pipeline_num_layers=2)
     assert convert.target_size_problems(uneven, 1, 3, 1) == []
+
+
+def test_the_printed_torch_format_launch_passes_training_validation(tools, tmp_path, capsys):
+    """The pretrain_gpt.py --ckpt-convert-format torch launch convert.py prints names every flag training asks
+    for: with its placeholders filled in as it says, pretrain_gpt.py's argument validation takes it. A checkpoint
+    imported from Hugging Face records no sequence length and no tokenizer, which the launch then names."""
+    import re
+    from unittest import mock
+
+    from megatron.training.arguments import parse_args, validate_args
+
+    convert, _ = tools
+    hf_dir, core_dir, torch_dir = (str(tmp_path / name) for name in ("hf", "core", "torch"))
+    _write_hf_llama(hf_dir)
+    convert.main([*HF_TO_CORE, "--load-dir", hf_dir, "--save-dir", core_dir])
+    printed = capsys.readouterr().out
+    ranks, launch = re.search(r"torchrun --nproc-per-node (\d+) pretrain_gpt\.py (--load [^(,;]*)", printed).groups()
+    assert "--seq-length SEQ_LENGTH: the training's sequence length, at most 64" in printed
+    assert (f"TOKENIZER_FLAGS: the training's tokenizer, as the checkpoint records none: its --tokenizer-type and "
+            f"files ({VOCAB} tokens), or --tokenizer-type NullTokenizer --vocab-size {VOCAB - 1} with --mock-data"
+            ) in printed
+    launch = launch.replace("TORCH_DIR", torch_dir).replace("SEQ_LENGTH", "64").replace(
+        "TOKENIZER_FLAGS", f"--tokenizer-type NullTokenizer --vocab-size {VOCAB - 1}")
+    with mock.patch.dict(os.environ, {"WORLD_SIZE": ranks, "RANK": "0"}):
+        args = validate_args(parse_args(args=launch.split()))
+    assert (args.ckpt_convert_format, args.ckpt_convert_save, args.tensor_model_parallel_size) == (
+        "torch", torch_dir, 2)
+    assert (args.seq_length, args.vocab_size, args.padded_vocab_size, args.num_layers) == (64, VOCAB - 1, 128, LAYERS)
+
+
+def test_a_checkpoint_recording_its_sequence_length_and_tokenizer_needs_neither_in_the_printed_launch(tools):
+    import argparse
+
+    convert, _ = tools
+    saved = argparse.Namespace(seq_length=16, max_position_embeddings=16, tokenizer_type="NullTokenizer")
+    assert convert._unrecorded_model_flags({"args": saved, "vocab_size": 121}) == {}
