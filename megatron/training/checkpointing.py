@@ -247,20 +247,31 @@ def save_non_persistent_checkpoint(iteration, model, optimizer, opt_param_schedu
     return save_dist_checkpoint(iteration, model_chunks, optimizer, opt_param_scheduler, non_persistent)
 
 
+def converted_checkpoint_dir(args):
+    """Where --ckpt-convert-format F writes, as upstream: the subdirectory F of --ckpt-convert-save (DIR/torch,
+    DIR/torch_dist), so that conversions to both formats can share one --ckpt-convert-save."""
+    return os.path.join(args.ckpt_convert_save, args.ckpt_convert_format)
+
+
 def save_converted_checkpoint(iteration, model, optimizer, opt_param_scheduler, args):
-    """--ckpt-convert-format: save the checkpoint just loaded from --load in that format to --ckpt-convert-save
-    (the training run then stops); collective."""
-    if checkpoint_sources.checkpoint_to_load(args) is None:
+    """--ckpt-convert-format: save the checkpoint just loaded from --load in that format to
+    `converted_checkpoint_dir` (the training run then stops) as a --save there would (a directory already holding
+    checkpoints gets this iteration added and its tracker updated); collective."""
+    source = checkpoint_sources.checkpoint_to_load(args)
+    if source is None:
         raise FileNotFoundError(f"--ckpt-convert-format {args.ckpt_convert_format}: --load {args.load} holds no "
                                 "checkpoint to convert")
     converted = copy.copy(args)
-    converted.save, converted.ckpt_format = args.ckpt_convert_save, args.ckpt_convert_format
+    converted.save, converted.ckpt_format = converted_checkpoint_dir(args), args.ckpt_convert_format
     converted.ckpt_convert_format = converted.ckpt_convert_save = None
     converted.async_save, converted.keep_last_n, converted.save_retain_interval = False, None, None
     save_checkpoint(iteration, model, optimizer, opt_param_scheduler, converted)
     if dist.get_rank() == 0:
+        print(f"> converted checkpoint: {source.format or args.ckpt_format} -> {args.ckpt_convert_format}.",
+              flush=True)
         print(f"--ckpt-convert-format {args.ckpt_convert_format}: converted the checkpoint of iteration {iteration} "
-              f"from --load {args.load} to {args.ckpt_convert_save}; stopping without training", flush=True)
+              f"from --load {args.load} to {converted.save} (train from it with --load {converted.save} "
+              f"--ckpt-format {args.ckpt_convert_format}); stopping without training", flush=True)
 
 
 def _layout_flags(tensor_size, pipeline_size):

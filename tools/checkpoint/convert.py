@@ -353,13 +353,14 @@ def save_torch_dist(options, source):
         + " (the launch trains no iteration: --use-checkpoint-opt_param-scheduler keeps the learning-rate schedule "
         f"the checkpoint holds, and {PLACEHOLDER_TRAINING_FLAGS} only fill in what every training launch asks for"
         + ("".join(f"; {flag}: {what}" for flag, what in unrecorded.items()) if unrecorded else "")
-        + f"); train from it with --ckpt-format torch --load TORCH_DIR --use-checkpoint-args {layout}"]
+        + "), which writes TORCH_DIR/torch; train from it with --ckpt-format torch --load TORCH_DIR/torch "
+        f"--use-checkpoint-args {layout}"]
 
 
 def _unrecorded_model_flags(common):
     """{placeholder: what to give} for the model arguments pretrain_gpt.py needs that the checkpoint's arguments
     lack (an import from Hugging Face records neither a sequence length nor a tokenizer). The launch records what it
-    is given, and --use-checkpoint-args takes it from TORCH_DIR later: so the training's own values."""
+    is given, and --use-checkpoint-args takes it from TORCH_DIR/torch later: so the training's own values."""
     saved = common.get("args")
     unrecorded = {}
     if getattr(saved, "seq_length", None) is None:

@@ -103,10 +103,12 @@ def add_arguments(parser):
         "--ckpt-convert-format",
         default=None,
         choices=["torch", "torch_dist", "zarr"],
-        help="Load the --load checkpoint, save it in this format to --ckpt-convert-save, and stop (no training). "
-        "zarr is not supported.",
+        help="Load the --load checkpoint, save it in this format to <--ckpt-convert-save>/<format>, and stop (no "
+        "training). zarr is not supported.",
     )
-    group.add_argument("--ckpt-convert-save", default=None, help="Where --ckpt-convert-format writes.")
+    group.add_argument("--ckpt-convert-save", default=None,
+                       help="Where --ckpt-convert-format F writes: into its subdirectory F (DIR/torch or "
+                       "DIR/torch_dist).")
     group.add_argument(
         "--save-retain-interval",
         type=int,
@@ -180,8 +182,11 @@ def _validate_conversion(args):
     if args.load is None or args.ckpt_convert_save is None:
         raise ValueError(f"--ckpt-convert-format {args.ckpt_convert_format} needs --load DIR (the checkpoint to "
                          "convert) and --ckpt-convert-save DIR (where the converted one goes)")
-    if os.path.abspath(args.ckpt_convert_save) == os.path.abspath(args.load):
-        raise ValueError("--ckpt-convert-save must be another directory than --load")
+    target = os.path.join(args.ckpt_convert_save, args.ckpt_convert_format)
+    if os.path.abspath(target) == os.path.abspath(args.load):
+        raise ValueError(f"--ckpt-convert-format {args.ckpt_convert_format} --ckpt-convert-save "
+                         f"{args.ckpt_convert_save} writes into {target}, which is --load: give another "
+                         "--ckpt-convert-save")
 
 
 def _validate_retention(args):

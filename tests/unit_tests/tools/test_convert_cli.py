@@ -179,7 +179,7 @@ def _pretrain_without_records(argv):
 
 def _torch_format_at_tp2_as_printed(workdir):
     """A TP 1 run (DP 2) saves --ckpt-format torch at iteration 2 of 4; convert.py converts it for TP 2; the
-    torch-format launch it prints writes TORCH_DIR at TP 2, from which a TP 2 run trains iterations 3 and 4.
+    torch-format launch it prints writes TORCH_DIR/torch at TP 2, from which a TP 2 run trains iterations 3 and 4.
     Returns (the straight run's losses, the resumed run's, what convert.py printed)."""
     import contextlib
     import io
@@ -206,7 +206,7 @@ def _torch_format_at_tp2_as_printed(workdir):
     _pretrain_without_records(f"{tp2} --load {dist_tp2} --use-checkpoint-args --tensor-model-parallel-size 2 "
                               f"--pipeline-model-parallel-size 1 --ckpt-convert-format torch --ckpt-convert-save "
                               f"{torch_tp2}")
-    resumed = run_pretrain(workdir, f"{tp2} --ckpt-format torch --load {torch_tp2} --use-checkpoint-args "
+    resumed = run_pretrain(workdir, f"{tp2} --ckpt-format torch --load {torch_tp2}/torch --use-checkpoint-args "
                                     "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1")
     return straight, resumed, printed.getvalue()
 
@@ -220,10 +220,13 @@ def test_torch_format_at_target_tp2_trains_on_from_the_same_loss(tools, tmp_path
     assert (f"torchrun --nproc-per-node 2 pretrain_gpt.py --load {tmp_path / 'dist_tp2'} --use-checkpoint-args "
             "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 --ckpt-convert-format torch "
             "--ckpt-convert-save TORCH_DIR") in printed
+    assert ("which writes TORCH_DIR/torch; train from it with --ckpt-format torch --load TORCH_DIR/torch "
+            "--use-checkpoint-args --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1") in printed
     assert sorted(resumed) == [3, 4]
     for iteration, loss in resumed.items():
         assert loss == pytest.approx(straight[iteration], rel=1e-6), (iteration, straight, resumed)
-    assert sorted(os.listdir(tmp_path / "torch_tp2" / "iter_0000002")) == ["mp_rank_00", "mp_rank_01"]
+    assert os.listdir(tmp_path / "torch_tp2") == ["torch"]
+    assert sorted(os.listdir(tmp_path / "torch_tp2" / "torch" / "iter_0000002")) == ["mp_rank_00", "mp_rank_01"]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -63,7 +63,8 @@ def _all_runs(workdir):
 
     rank = torch.distributed.get_rank()
     results = {}
-    torch_root, converted_root = f"{workdir}/torch", f"{workdir}/converted"
+    torch_root, convert_save = f"{workdir}/torch", f"{workdir}/converted"
+    converted_root = f"{convert_save}/torch_dist"  # as upstream, --ckpt-convert-save DIR writes into DIR/<format>
     # 1. Straight, torch format, saved every 2 iterations, retaining multiples of 4 (and the latest).
     results["straight"] = run_pretrain(workdir, f"{SCHEDULE} --ckpt-format torch --save {torch_root} "
                                                 "--save-interval 2 --save-retain-interval 4")
@@ -78,8 +79,8 @@ def _all_runs(workdir):
     # 3. --ckpt-convert-format torch_dist: iteration 4 of the torch checkpoint, then a resume from the converted one.
     results["convert_returned"] = _pretrain_returning_iteration(
         f"{SCHEDULE} --ckpt-format torch --load {torch_root} --ckpt-convert-format torch_dist "
-        f"--ckpt-convert-save {converted_root}")
-    results["converted"] = (_listing(converted_root), read_tracker(converted_root))
+        f"--ckpt-convert-save {convert_save}")
+    results["converted"] = (_listing(convert_save), _listing(converted_root), read_tracker(converted_root))
     results["from_converted"] = run_pretrain(workdir, f"{SCHEDULE} --load {converted_root} --exit-interval 6")
     # 4. Non-persistent checkpoints every 3 iterations, persistent ones every 5, interrupted in iteration 8.
     persistent_root = f"{workdir}/persistent"
@@ -152,7 +153,8 @@ def test_auto_detect_loads_a_torch_checkpoint_under_torch_dist(runs):
 
 def test_ckpt_convert_format_saves_the_loaded_checkpoint_and_stops(runs):
     assert runs["convert_returned"] == 4  # returned right after loading iteration 4: no training
-    listing, tracker = runs["converted"]
+    parent, listing, tracker = runs["converted"]  # into <--ckpt-convert-save>/torch_dist
+    assert parent == ["torch_dist"]
     assert listing == ["iter_0000004", "latest_checkpointed_iteration.txt"] and tracker == 4
     assert runs["from_converted"] == _second_part(runs["straight"], 5, 6)
 
