@@ -108,9 +108,10 @@ def _all_rank_coordinates():
     return {rank: tuple(coordinates) for rank, coordinates in enumerate(all_gather_objects(rank_coordinates()))}
 
 
-def model_targets(model_chunks):
-    """({`model.<name>`: target}, finish(loaded keys)) for loading the model chunks."""
-    targets, finish = wrappers.model_load_targets(model_chunks)
+def model_targets(model_chunks, fp32_names=()):
+    """({`model.<name>`: target}, finish(loaded keys)) for loading the model chunks (`fp32_names`: see
+    `wrappers.model_load_targets`)."""
+    targets, finish = wrappers.model_load_targets(model_chunks, fp32_names)
     prefixed = {f"model.{name}": value for name, value in targets.items()}
     return prefixed, lambda loaded_keys: finish({key[len("model."):] for key in loaded_keys})
 

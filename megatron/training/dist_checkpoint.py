@@ -234,7 +234,8 @@ def load_dist_checkpoint(model_chunks, optimizer, scheduler, args, iteration, ro
                                                                 serialization.object_keys(metadata))
     if modelopt_note is not None:
         report.loaded.append(modelopt_note)
-    model_targets, finish_model_load = checkpoint_state.model_targets(model_chunks)
+    fp32_weights = _fp32_weight_names(metadata)
+    model_targets, finish_model_load = checkpoint_state.model_targets(model_chunks, fp32_weights)
     # Same model? Checked before the shapes, whose error would name a tensor rather than the flag that differs
     # (--num-experts, --hidden-size, ...), and before anything is read (also under --finetune).
     saved_args = common.get("args")
@@ -256,6 +257,13 @@ def load_dist_checkpoint(model_chunks, optimizer, scheduler, args, iteration, ro
     if fresh_fp8_histories:
         report.not_loaded.append(fp8_histories_report(fresh_fp8_histories))
 
+    if optimizer is not None:
+        # Main weights follow the model weights just loaded, unrounded where the checkpoint holds them in fp32;
+        # the optimizer state's `fp32_param`, where it is loaded, replaces them.
+        checkpoint_state.refresh_main_params(optimizer)
+        _load_fp32_weights_into_main_weights(optimizer, model_chunks, fp32_weights, metadata, directory, args,
+                                             report)
+
     skip_optimizer = None  # why the optimizer state is not loaded
     if args.finetune:
         skip_optimizer = "--finetune"
@@ -265,14 +273,12 @@ def load_dist_checkpoint(model_chunks, optimizer, scheduler, args, iteration, ro
         skip_optimizer = "the checkpoint has none: saved with --no-save-optim or converted from weights"
     if optimizer is not None and skip_optimizer is None:
         check_resumed_optimizer(saved_args, args, directory)
-        _load_optimizer(optimizer, model_chunks, metadata, directory, strictness, report, _print0,
-                                        args)
+        _load_optimizer(optimizer, model_chunks, metadata, directory, strictness, report, _print0, args)
         if scheduler is not None and "scheduler" in metadata.state_dict_metadata:
             saved = serialization.read_objects(directory, ["scheduler"], metadata=metadata)["scheduler"]
             scheduler.load_state_dict(saved)
             report.loaded.append("scheduler")
     elif optimizer is not None:
-        checkpoint_state.refresh_main_params(optimizer)
         report.not_loaded.append(f"optimizer and scheduler ({skip_optimizer})")
 
     _load_rng(args, directory, metadata, common, report)
@@ -288,9 +294,27 @@ def load_dist_checkpoint(model_chunks, optimizer, scheduler, args, iteration, ro
     return iteration, report
 
 
+def _fp32_weight_names(metadata):
+    """The logical names of the model weights the checkpoint holds in fp32: an fp32 run's, or FSDP2's (which keeps
+    fp32 weights and computes in bf16), where a bf16 run of another wrapper saves bf16 ones and the fp32 main
+    weights as `optimizer.state.<name>.fp32_param`."""
+    return {key[len("model."):] for key, dtype in serialization.tensor_dtypes(metadata).items()
+            if key.startswith("model.") and dtype == torch.float32}
+
+
+def _load_fp32_weights_into_main_weights(optimizer, model_chunks, fp32_weights, metadata, directory, args, report):
+    """Read the checkpoint's fp32 model weights into the fp32 main weights that a bf16 / fp16 model keeps beside
+    its own copy (into which the model load rounded them). Collective."""
+    if not fp32_weights or not (getattr(args, "bf16", False) or getattr(args, "fp16", False)):
+        return
+    targets = {f"model.{name}": pieces
+               for name, pieces in wrappers.main_weight_targets(optimizer, model_chunks, fp32_weights).items()}
+    checkpoint_state.adapt_vocab_padding(targets, metadata, args, report)
+    serialization.check_shapes(targets, metadata, directory)
+    serialization.load(targets, directory, metadata=metadata)
+
+
 def _load_optimizer(optimizer, model_chunks, metadata, directory, strictness, report, log, args):
-    # Main weights the checkpoint does not hold in fp32 come from the model.
-    checkpoint_state.refresh_main_params(optimizer)
     saved_keys = list(metadata.state_dict_metadata)
     targets, install = wrappers.optimizer_load_targets(optimizer, model_chunks, saved_keys)
     checkpoint_state.adapt_vocab_padding(targets, metadata, args, report)

@@ -92,8 +92,10 @@ def model_state(model_chunks, for_saving):
     return state
 
 
-def model_load_targets(model_chunks):
-    """(targets, finish): fill the targets, then `finish()` loads them into the Megatron-FSDP chunks."""
+def model_load_targets(model_chunks, fp32_names=()):
+    """(targets, finish): fill the targets, then `finish()` loads them into the Megatron-FSDP chunks. The weights
+    named in `fp32_names` (held in fp32 by the checkpoint) are read into fp32 copies of bf16 / fp16 weights, so
+    that loading writes them unrounded into fp32 main weights (the compute weights take them rounded)."""
     targets, loads = {}, []
     for chunk in model_chunks:
         names, offset = _names(chunk)
@@ -103,6 +105,8 @@ def model_load_targets(model_chunks):
             if not torch.is_tensor(value):
                 continue
             name = names.get(key, (logical_name(key, offset), True))[0]
+            if name in fp32_names and value.dtype in (torch.bfloat16, torch.float16):
+                value = template[key] = value.to(torch.float32)
             targets[name] = _as_logical(value)
             by_key[key] = name
         loads.append((chunk, template, by_key))

@@ -120,6 +120,11 @@ def tensor_shapes(metadata) -> Dict[str, torch.Size]:
     return {key: md.size for key, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
 
 
+def tensor_dtypes(metadata) -> Dict[str, torch.dtype]:
+    return {key: md.properties.dtype for key, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)}
+
+
 def object_keys(metadata) -> Iterable[str]:
     return [key for key, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)]
 

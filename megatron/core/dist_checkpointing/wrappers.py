@@ -6,9 +6,13 @@ partitions in the model and flat ranges of them in a distributed optimizer: `mod
 same logical keys. Either way the result is `{logical key: ShardedLogicalTensor | object}`.
 """
 
+import torch
+
 from megatron.core.dist_checkpointing import fsdp_state, optimizer_state
 from megatron.core.dist_checkpointing.first_step_state import first_step_state
 from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _is_fsdp(model_chunks):
@@ -33,11 +37,28 @@ def model_state(model_chunks, for_saving):
     return model_sharded_state_dict(model_chunks, for_saving)
 
 
-def model_load_targets(model_chunks):
-    """(targets, finish): load into `targets`, then call `finish(set of logical names loaded)`."""
+def model_load_targets(model_chunks, fp32_names=()):
+    """(targets, finish): load into `targets`, then call `finish(set of logical names loaded)`. `fp32_names`: the
+    weights the checkpoint holds in fp32, which Megatron-FSDP loads into its fp32 main weights unrounded."""
     if _is_fsdp(model_chunks):
-        return fsdp_state.model_load_targets(model_chunks)
+        return fsdp_state.model_load_targets(model_chunks, fp32_names)
     return model_sharded_state_dict(model_chunks, for_saving=False), lambda loaded_names: None
+
+
+def main_weight_targets(optimizer, model_chunks, fp32_names):
+    """{logical name: the fp32 main weights' pieces} of the weights named in `fp32_names` (those a checkpoint
+    holds in fp32, e.g. FSDP2's) whose model copy is bf16 / fp16 under Megatron's DDP (mixed-precision or
+    distributed optimizer): loading the checkpoint's weights into these keeps the precision the model's copy
+    rounds away. Megatron-FSDP's main weights load with its model (`model_load_targets`); FSDP2, and an fp32
+    model, step their model weights themselves."""
+    if not fp32_names or _is_fsdp(model_chunks) or not any(
+            optimizer_state.is_optimizer_of_class(optimizer, name)
+            for name in ("DistributedOptimizer", "Float16Optimizer")):
+        return {}
+    return {entry.placement.logical_name: entry.pieces_of(entry.main.data)
+            for entry in optimizer_state.main_param_entries(optimizer, model_chunks)
+            if entry.model_dtype in HALF_DTYPES and entry.main.dtype == torch.float32
+            and entry.placement.logical_name in fp32_names}
 
 
 def optimizer_state_to_save(optimizer, model_chunks, include_tied_copies=False):
