@@ -82,10 +82,7 @@ def _check_vp_stage(config, vp_stage):
         )
 
 
-def _refuse_unsupported_forward_inputs(decoder_input, packed_seq_params, extra_block_kwargs):
-    if decoder_input is not None:
-        raise ValueError("GPTModel.forward(decoder_input=...) is not supported: pass input_ids (and position_ids) "
-                         "and the model embeds them")
+def _refuse_unsupported_forward_inputs(packed_seq_params, extra_block_kwargs):
     if packed_seq_params is not None:
         raise ValueError("GPTModel.forward(packed_seq_params=...) is not supported: packed (THD) sequences are "
                          "not; pass padded [b, s] batches with an attention_mask and loss_mask instead")
@@ -393,13 +390,37 @@ class GPTModel(ShardedStateModule):
             input_tensor = input_tensor[0]
         self.decoder.set_input_tensor(input_tensor)
 
-    def _rotary_angles(self, input_ids):
+    def _check_decoder_input(self, decoder_input, input_ids, inference_context):
+        """`decoder_input` must be the embedding output this stage would compute: `[s, b, h]`, `[s / tp, b, h]`
+        with sequence parallelism; only the first stage embeds, and decoding embeds its tokens itself."""
+        fix = ("decoder_input replaces the embedding output [s, b, h] on the first pipeline stage (as upstream, it "
+               "is forward's fourth positional argument; pass labels by keyword: model(tokens, position_ids, "
+               "attention_mask, labels=labels))")
+        if not self.pre_process:
+            raise ValueError(f"GPTModel.forward: this pipeline stage is not the first; {fix}")
+        if inference_context is not None:
+            raise ValueError("GPTModel.forward: decoding (inference_context) embeds the input_ids; pass them "
+                             "instead of decoder_input")
+        if decoder_input.dim() != 3 or decoder_input.shape[2] != self.config.hidden_size:
+            raise ValueError(f"GPTModel.forward: decoder_input has shape {tuple(decoder_input.shape)}, not "
+                             f"[s, b, {self.config.hidden_size}]: {fix}")
+        if input_ids is not None:
+            seq_len = input_ids.shape[1]
+            if self.config.sequence_parallel:
+                seq_len //= self.config.tensor_model_parallel_size
+            if tuple(decoder_input.shape[:2]) != (seq_len, input_ids.shape[0]):
+                raise ValueError(f"GPTModel.forward: decoder_input has shape {tuple(decoder_input.shape)} but "
+                                 f"input_ids {tuple(input_ids.shape)} embed to [{seq_len}, {input_ids.shape[0]}, "
+                                 f"{self.config.hidden_size}] on this rank: {fix}")
+
+    def _rotary_angles(self, input_ids, decoder_input=None):
         if self.rotary_pos_emb is None:
             return None
         if input_ids is not None:
             seq_len, device = input_ids.shape[1], input_ids.device
         else:
-            received = self.decoder.input_tensor  # [s, b, h], or [s / tp, b, h] with sequence parallelism
+            # [s, b, h], or [s / tp, b, h] with sequence parallelism
+            received = decoder_input if decoder_input is not None else self.decoder.input_tensor
             seq_len, device = received.shape[0], received.device
             if self.config.sequence_parallel:
                 seq_len *= self.config.tensor_model_parallel_size
@@ -443,15 +464,15 @@ class GPTModel(ShardedStateModule):
         input_ids: Optional[torch.Tensor],
         position_ids: Optional[torch.Tensor],
         attention_mask: Optional[torch.Tensor] = None,
+        decoder_input: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
         inference_context=None,
-        *,
-        inference_params=None,
-        runtime_gather_output: Optional[bool] = None,
-        loss_mask: Optional[torch.Tensor] = None,
-        decoder_input: Optional[torch.Tensor] = None,
         packed_seq_params=None,
         extra_block_kwargs: Optional[dict] = None,
+        runtime_gather_output: Optional[bool] = None,
+        *,
+        inference_params=None,
+        loss_mask: Optional[torch.Tensor] = None,
     ):
         """Returns the per-token loss `[b, s]` (fp32) when `labels` are given, else the logits: this rank's
         vocabulary slice `[b, s, vocab / tp]`, or with `runtime_gather_output=True` (None: `not parallel_output`)
@@ -472,23 +493,28 @@ class GPTModel(ShardedStateModule):
 
         `loss_mask` (`[b, s]`, like `labels`; upstream's keyword): as upstream, the main per-token loss is returned
         unmasked (the loss function applies the mask), and depth k's MTP losses are multiplied by the mask shifted
-        left by k. It is ignored without labels. Upstream's `decoder_input`, `packed_seq_params` and
-        `extra_block_kwargs` are taken by keyword and must be None (the embedding always runs here, on padded
-        `[b, s]` batches).
+        left by k. It is ignored without labels. The parameters are upstream's, in its positional order
+        (`decoder_input` fourth, `labels` fifth). `decoder_input`, as upstream, replaces the embedding on the
+        first stage: its output `[s, b, h]` (`[s / tp, b, h]` with sequence parallelism); `input_ids` may then be
+        None unless multi-token prediction runs. `packed_seq_params` and `extra_block_kwargs` must be None (padded
+        `[b, s]` batches only).
         """
-        _refuse_unsupported_forward_inputs(decoder_input, packed_seq_params, extra_block_kwargs)
+        _refuse_unsupported_forward_inputs(packed_seq_params, extra_block_kwargs)
         if inference_params is not None:
             if inference_context is not None and inference_context is not inference_params:
                 raise ValueError("GPTModel.forward: pass inference_context or its older name inference_params, "
                                  "not two different contexts")
             inference_context = inference_params
+        if decoder_input is not None:
+            self._check_decoder_input(decoder_input, input_ids, inference_context)
         if inference_context is not None:
             return self._decode(input_ids, position_ids, attention_mask, labels, inference_context,
                                 runtime_gather_output)
         if not self.pre_process and self.decoder.input_tensor is None:
             raise RuntimeError("a pipeline stage that is not first needs set_input_tensor() before forward")
-        decoder_input = self.embedding(input_ids, position_ids) if self.pre_process else None
-        rotary_angles = self._rotary_angles(input_ids)
+        if decoder_input is None and self.pre_process:
+            decoder_input = self.embedding(input_ids, position_ids)
+        rotary_angles = self._rotary_angles(input_ids, decoder_input)
         hidden_states = self.decoder(decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary_angles)
         if not self.post_process:
             return hidden_states

@@ -1,6 +1,9 @@
 """Upstream Megatron-Core's GPTModel keywords: `parallel_output` (TP-split or gathered logits, also while
 decoding, overridden per call by `runtime_gather_output`), `fp16_lm_cross_entropy`, `vp_stage`, `mtp_block_spec`
-and `scatter_embedding_sequence_parallel`, with clear refusals of the values that cannot work."""
+and `scatter_embedding_sequence_parallel`, with clear refusals of the values that cannot work; and the upstream
+positional order of `forward`'s parameters."""
+
+import inspect
 
 import pytest
 import torch
@@ -177,7 +180,74 @@ def test_upstream_forward_keywords_left_at_none_and_refused_otherwise():
     torch.testing.assert_close(same, loss, atol=0, rtol=0)
     with pytest.raises(ValueError, match=r"forward\(packed_seq_params=...\) is not supported"):
         model(tokens, positions, labels=labels, packed_seq_params=PackedSeqParams())
-    with pytest.raises(ValueError, match=r"forward\(decoder_input=...\) is not supported"):
-        model(tokens, positions, labels=labels, decoder_input=torch.zeros(8, 2, 32))
     with pytest.raises(ValueError, match=r"forward\(extra_block_kwargs=\['foo'\]\) is not supported"):
         model(tokens, positions, labels=labels, extra_block_kwargs={"foo": 1})
+
+
+UPSTREAM_POSITIONAL_PARAMETERS = ["input_ids", "position_ids", "attention_mask", "decoder_input", "labels",
+                                  "inference_context", "packed_seq_params", "extra_block_kwargs",
+                                  "runtime_gather_output"]
+
+
+def test_forward_takes_upstreams_positional_order():
+    parameters = list(inspect.signature(GPTModel.forward).parameters.values())[1:]
+    positional = [p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert positional == UPSTREAM_POSITIONAL_PARAMETERS
+    assert [p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY] == ["inference_params",
+                                                                                         "loss_mask"]
+    assert all(p.default is None for p in parameters[3:])
+
+    tokens, labels, positions = fixed_batch()
+    seq = tokens.shape[1]
+    mask = torch.ones(seq, seq, dtype=torch.bool).triu(1)  # causal, True where masked
+    mask[3:, 2] = True  # and key 2 hidden from the later queries, so the mask shows in the loss
+    model = seeded_model(tiny_config(num_layers=1)).eval()
+    with torch.no_grad():
+        by_keyword = model(tokens, positions, mask, labels=labels)
+        upstream_positional = model(tokens, positions, mask, None, labels)
+        unmasked = model(tokens, positions, None, None, labels)
+        contexts = [StaticInferenceContext(max_batch_size=tokens.shape[0], max_sequence_length=seq)
+                    for _ in range(2)]
+        decoded_by_keyword = model(tokens, None, inference_context=contexts[0], runtime_gather_output=True)
+        decoded_positional = model(tokens, None, None, None, None, contexts[1], None, None, True)
+    assert by_keyword.shape == labels.shape
+    torch.testing.assert_close(upstream_positional, by_keyword, atol=0, rtol=0)
+    assert not torch.allclose(unmasked, by_keyword)
+    torch.testing.assert_close(decoded_positional, decoded_by_keyword, atol=0, rtol=0)
+    # The old order (labels fourth) now lands on decoder_input, refused with the way out.
+    with pytest.raises(ValueError, match=r"decoder_input has shape \(2, 8\), not \[s, b, 32\]: .* it is forward's "
+                                         r"fourth positional argument; pass labels by keyword"):
+        model(tokens, positions, mask, labels)
+
+
+@pytest.mark.parametrize("position_embedding_type", ["learned_absolute", "rope"])
+def test_decoder_input_replaces_the_embedding(position_embedding_type):
+    tokens, labels, positions = fixed_batch()
+    model = seeded_model(tiny_config(num_layers=1), position_embedding_type=position_embedding_type).eval()
+    with torch.no_grad():
+        embedded = model.embedding(tokens, positions)
+        loss = model(tokens, positions, labels=labels)
+        from_embedding = model(None, None, None, embedded, labels)
+        from_other_input = model(None, None, None, embedded.flip(0), labels)
+        other_input_with_tokens = model(tokens, positions, decoder_input=embedded.flip(0), labels=labels)
+    torch.testing.assert_close(from_embedding, loss, atol=0, rtol=0)
+    assert not torch.allclose(from_other_input, loss)
+    torch.testing.assert_close(other_input_with_tokens, from_other_input, atol=0, rtol=0)
+
+
+def test_decoder_input_refusals():
+    tokens, labels, positions = fixed_batch()
+    model = seeded_model(tiny_config(num_layers=1))
+    embedded = model.embedding(tokens, positions)
+    with pytest.raises(ValueError, match=r"decoder_input has shape \(7, 2, 32\) but input_ids \(2, 8\) embed to "
+                                         r"\[8, 2, 32\]"):
+        model(tokens, positions, None, embedded[1:], labels)
+    context = StaticInferenceContext(max_batch_size=tokens.shape[0], max_sequence_length=tokens.shape[1])
+    with pytest.raises(ValueError, match=r"decoding \(inference_context\) embeds the input_ids; pass them instead "
+                                         "of decoder_input"):
+        model(tokens, None, decoder_input=embedded, inference_context=context)
+    later_stage = seeded_model(tiny_config(num_layers=1), pre_process=False)
+    later_stage.set_input_tensor(embedded)
+    with pytest.raises(ValueError, match=r"this pipeline stage is not the first; decoder_input replaces the "
+                                         r"embedding output \[s, b, h\] on the first pipeline stage"):
+        later_stage(tokens, positions, None, embedded, labels)
