@@ -67,6 +67,151 @@ def test_dcp_save_at_dp4_loads_at_dp2_and_dp3(tmp_path):
             assert loaded[world_size][strategy] == pytest.approx(uninterrupted, abs=1e-6), (strategy, world_size)
 
 
+def _load_in_place(directory, strategy):
+    """torch FSDP2's resume: `dcp.load` into the new model's `state_dict()`, without `model.load_state_dict`.
+    Returns (the error of the first step, or None; the losses after the load, calling `model.load_state_dict`
+    after such an error)."""
+    import torch.distributed.checkpoint as dcp
+
+    model, optimizer = _wrap(strategy, seed=123)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    dcp.load(state, checkpoint_id=directory)
+    optimizer.load_state_dict(state["optimizer"])
+    try:
+        return None, models.train_from_step(model, optimizer, STEPS_AFTER_LOAD, STEPS_BEFORE_SAVE)
+    except RuntimeError as error:
+        model.load_state_dict(state["model"])
+        return str(error), models.train_from_step(model, optimizer, STEPS_AFTER_LOAD, STEPS_BEFORE_SAVE)
+
+
+def _step_without_loading_optimizer_state(directory, strategy):
+    """The error of a step after `dcp.load` into `optimizer.state_dict()` without `optimizer.load_state_dict`."""
+    import torch.distributed.checkpoint as dcp
+
+    model, optimizer = _wrap(strategy, seed=123)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    dcp.load(state, checkpoint_id=directory)
+    model.load_state_dict(state["model"])
+    try:
+        models.train_from_step(model, optimizer, 1, STEPS_BEFORE_SAVE)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def _save_and_load_in_place(directory, strategies):
+    saved = _save_all(directory, strategies)
+    return {strategy: (saved[strategy][0], _load_in_place(f"{directory}_{strategy}", strategy),
+                       _step_without_loading_optimizer_state(f"{directory}_{strategy}", strategy))
+            for strategy in strategies}
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_dcp_load_into_model_state_dict_loads_in_place_or_says_what_to_call(world_size, tmp_path):
+    """Strategy 3's state dict views the shards: `dcp.load` into it resumes exactly. Under strategies 0-2 each
+    rank's `dcp.load` writes only its rows of the full compute weights (the next forward used to compute with the
+    other ranks' rows of the new model's init): the forward now raises, and after the `model.load_state_dict`
+    it names the run resumes exactly. The optimizer's state dict holds copies: a step after loading into it
+    without `optimizer.load_state_dict` raises (it used to step from the new optimizer's state)."""
+    results = run_on_ranks(world_size, _save_and_load_in_place, str(tmp_path / "ckpt"), (0, 1, 2, 3))[0]
+    for strategy, (uninterrupted, (load_error, resumed), step_error) in results.items():
+        assert resumed == uninterrupted, strategy  # bit-identical continuation
+        if strategy == 3:
+            assert load_error is None
+        else:
+            assert "were written through model.state_dict()" in load_error, (strategy, load_error)
+            assert "Call `model.load_state_dict(sd)` after `dcp.load(sd, ...)`" in load_error, strategy
+        assert step_error is not None and "Call `optimizer.load_state_dict(sd)` after `dcp.load(sd, ...)`" in (
+            step_error), (strategy, step_error)
+
+
+class _ScaledLinear(torch.nn.Module):
+    """A linear layer times a learned 0-dim temperature (held by data-parallel rank 0's shard)."""
+
+    def __init__(self):
+        super().__init__()
+        self.temperature = torch.nn.Parameter(torch.tensor(1.5))
+        self.linear = torch.nn.Linear(models.IN_FEATURES, models.IN_FEATURES)
+
+    def forward(self, x):
+        return self.linear(x) * self.temperature
+
+
+def _outputs_after_in_place_load(directory, strategies):
+    """Per strategy: (output of the saved model, output of another one after `dcp.load(model.state_dict())`)."""
+    import torch.distributed.checkpoint as dcp
+
+    import megatron_fsdp
+
+    batch = torch.randn(4, models.IN_FEATURES, generator=torch.Generator().manual_seed(5))
+    outputs = {}
+    for strategy in strategies:
+        models_by_seed = {}
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            module = _ScaledLinear()
+            if seed == 0:
+                module.temperature.data.fill_(2.5)
+            models_by_seed[seed] = megatron_fsdp.fully_shard_model(module, zero_dp_strategy=strategy)
+        dcp.save(models_by_seed[0].state_dict(), checkpoint_id=f"{directory}_{strategy}")
+        dcp.load(models_by_seed[1].state_dict(), checkpoint_id=f"{directory}_{strategy}")
+        with torch.no_grad():
+            outputs[strategy] = tuple(models_by_seed[seed](batch) for seed in (0, 1))
+    return outputs
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_dcp_load_into_model_state_dict_sets_zero_dim_parameters(world_size, tmp_path):
+    """Strategy 3: the state-dict entry of a 0-dim parameter views it on rank 0 (it used to be a copy on every
+    rank, so an in-place load left the new model's value)."""
+    results = run_on_ranks(world_size, _outputs_after_in_place_load, str(tmp_path / "ckpt"), (3,))
+    for outputs in results:
+        for strategy, (saved, loaded) in outputs.items():
+            assert torch.equal(loaded, saved), strategy
+
+
+def _load_into_state_dict_of_an_earlier_step(directory, strategies):
+    """Per strategy, the error of the forward after `dcp.load` into a state dict taken before the last forward,
+    then a forward after the documented `model.load_state_dict`."""
+    import torch.distributed.checkpoint as dcp
+
+    import megatron_fsdp
+
+    batch = torch.randn(4, models.IN_FEATURES, generator=torch.Generator().manual_seed(5))
+    errors = {}
+    for strategy in strategies:
+        torch.manual_seed(0)
+        model = megatron_fsdp.fully_shard_model(_ScaledLinear(), zero_dp_strategy=strategy)
+        with torch.no_grad():
+            model(batch)
+        state = model.state_dict()
+        dcp.save(state, checkpoint_id=f"{directory}_{strategy}")
+        with torch.no_grad():
+            model(batch)
+        dcp.load(state, checkpoint_id=f"{directory}_{strategy}")
+        try:
+            with torch.no_grad():
+                model(batch)
+            errors[strategy] = None
+        except RuntimeError as error:
+            errors[strategy] = str(error)
+        model.load_state_dict(state)  # the documented call: the next forward runs
+        with torch.no_grad():
+            model(batch)
+    return errors
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_dcp_load_into_a_model_state_dict_without_load_state_dict_raises(world_size, tmp_path):
+    """Strategies 0-2: a write into the state dict (each rank writing its rows of the full weights) used to leave
+    mixed weights silently; it raises at the next forward, with no collective."""
+    for errors in run_on_ranks(world_size, _load_into_state_dict_of_an_earlier_step, str(tmp_path / "ckpt"),
+                               (0, 1, 2)):
+        for strategy, error in errors.items():
+            assert error is not None and "were written through model.state_dict()" in error, strategy
+            assert "Call `model.load_state_dict(sd)` after `dcp.load(sd, ...)`" in error, strategy
+
+
 def _full_main_state(model, optimizer):
     """Full fp32 main weights and Adam moments by parameter name, read from the shards (not the state dicts)."""
     from megatron_fsdp.state_dict import _full_flat

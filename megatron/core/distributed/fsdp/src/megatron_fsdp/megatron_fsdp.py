@@ -24,7 +24,7 @@ from .param_grads import ParamGrads
 from .resting_parameters import RestingParameters
 from .schedule import Schedule, Unit
 from .tensor_parallel_dtensors import install_dtensor_forward_hooks, localize_tensor_parallel_dtensors
-from .state_dict import load_model_state_dict, model_state_dict
+from .state_dict import gather_rows_written_through_state_dict, load_model_state_dict, model_state_dict
 from .topology import DataParallelTopology
 from .trainability import refuse_trainability_changes, trainability_at_wrap
 from .utils import (WRAPPED_ATTR, parameter_owners, replace_parameter, resolve_module_classes, run_eagerly,
@@ -363,6 +363,7 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
     # ---- forward ----------------------------------------------------------------------------------------------------
     def _checked_root_pre_forward(self):
         refuse_trainability_changes(self._trainable_at_wrap)  # trainability.py
+        gather_rows_written_through_state_dict(self)  # strategies 0-2: `dcp.load(model.state_dict())` in place
         if self.schedule.resting is not None:
             self.schedule.resting.carry_gradient_hooks()
         self.schedule.root_pre_forward()
@@ -386,6 +387,7 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
                                  "(`model(...)`) in a decoding loop of your own")
         if self.strategy != ShardingStrategy.optim_grads_params:
             self.schedule.wait_gathered(self.groups)  # strategies 1/2: the post-step all-gather may be in flight
+            gather_rows_written_through_state_dict(self)
             return generate(*args, **kwargs)
         self.schedule.ensure_gathered(self.root_groups)
         try:
@@ -401,6 +403,7 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
         it writes becomes the weights the optimizer steps from (the fp32 main weights of a bf16 model too)."""
         self.schedule.wait_gathered(self.groups)  # strategies 1/2: a post-step all-gather would overwrite fn's writes
         self.schedule.refresh_compute_shards(self.groups, async_op=False)  # HFSDP
+        gather_rows_written_through_state_dict(self)
         super().apply(fn)
         for group in self.groups:
             if self.strategy == ShardingStrategy.optim_grads_params and not group.gathered:
@@ -462,6 +465,7 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
         strategies hold full weights already. Writes made inside are not copied back into the shards."""
         if self.strategy != ShardingStrategy.optim_grads_params:
             self.schedule.wait_gathered(self.groups)  # strategies 1/2: the post-step all-gather may be in flight
+            gather_rows_written_through_state_dict(self)
             yield self.module
             return
         if self.pool is not None:
@@ -550,6 +554,7 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
                     group.commit_compute_shard_to_main()
             return
         self.schedule.wait_gathered(self.groups)  # a post-step all-gather in flight would overwrite the broadcast
+        gather_rows_written_through_state_dict(self)
         for group in self.groups:
             for process_group in [group.topology.dp_group] + ([group.topology.outer_group]
                                                               if group.topology.outer_group else []):

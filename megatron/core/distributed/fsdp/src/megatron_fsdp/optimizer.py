@@ -11,7 +11,7 @@ import torch
 from . import collectives
 from .distributed_data_parallel_config import ShardingStrategy
 from .optimizer_state import initialize_optimizer_state, optimizer_has_stepped
-from .state_dict import load_optimizer_state_dict, optimizer_state_dict
+from .state_dict import load_optimizer_state_dict, optimizer_state_dict, refuse_unloaded_optimizer_state_writes
 from .utils import WRAPPED_ATTR
 
 
@@ -73,6 +73,7 @@ def _make_step_pre_hook(model, agree_on_loss: bool):
 
     def before_step(optimizer, args, kwargs):
         _refuse_grad_scaler(optimizer)
+        refuse_unloaded_optimizer_state_writes(optimizer)
         # torch passes `self` as args[0]; the closure comes positionally after it or by keyword.
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
         if closure is None:

@@ -14,6 +14,7 @@ With tensor parallelism a parameter's rows are those of this rank's TP partition
 unpartitioned shape (see uneven_dtensor.py); loading cuts full values down to the partition first.
 """
 
+import weakref
 from typing import Dict, List
 
 import torch
@@ -144,7 +145,8 @@ def _rows_of_pieces(model, group: ParamGroup, pieces: List[torch.Tensor]) -> Lis
 
 
 def _replicate_scalars(model, group: ParamGroup, rows: List[torch.Tensor]) -> List[torch.Tensor]:
-    """0-dim values held by data-parallel rank 0 only -> the value on every rank (one sum over the group)."""
+    """0-dim values held by data-parallel rank 0 only -> the value on every rank (one sum over the group; rank 0
+    keeps its row as it is, a view where `rows` are views)."""
     if model.strategy == ShardingStrategy.no_shard:
         return rows
     scalars = [index for index, shape in enumerate(group.layout.shapes) if not shape]
@@ -156,7 +158,8 @@ def _replicate_scalars(model, group: ParamGroup, rows: List[torch.Tensor]) -> Li
     collectives.all_reduce_scalar_sum(values, group.topology.dp_group)
     rows = list(rows)
     for position, index in enumerate(scalars):
-        rows[index] = values[position].to(rows[index].dtype)
+        if group.dp_rank != 0:  # rank 0's own value stays: a view, so a write into the state dict reaches it
+            rows[index] = values[position].to(rows[index].dtype)
     return rows
 
 
@@ -178,10 +181,14 @@ def _row_dtensors(model, group: ParamGroup, rows: List[torch.Tensor], copy: bool
 
 def _weight_rows(model, group: ParamGroup) -> List[torch.Tensor]:
     """This rank's rows of every parameter in the compute dtype, as views of the weights the module computes
-    with (the compute shard, or the full compute buffer of strategies 0-2)."""
+    with (the compute shard, or the full compute buffer of strategies 0-2 through `state_dict_alias`)."""
     if group.shards_params:
         return [group.rows_of_shard(group.compute_shard, index) for index in range(len(group.params))]
-    return _rows_of_full(group, [group.param_view(index) for index in range(len(group.params))])
+    if group.state_dict_alias is None:
+        group.state_dict_alias = group.compute_buffer.data  # see GroupWeights.state_dict_alias
+        group.state_dict_alias_version = group.state_dict_alias._version
+    alias = group.state_dict_alias
+    return _rows_of_full(group, [alias[span.flat_start:span.flat_end].view(span.shape) for span in group.layout.spans])
 
 
 def module_state_keys(module) -> List[tuple]:
@@ -222,6 +229,31 @@ def model_state_dict(model) -> Dict[str, object]:
     for key, kind, canonical in module_state_keys(model.module):
         state[key] = params[canonical] if kind == "param" else buffers[canonical]
     return state
+
+
+def gather_rows_written_through_state_dict(model):
+    """Strategies 0-2: a write into the DTensors of `model.state_dict()` (`dcp.load(sd)` without
+    `model.load_state_dict(sd)`, which torch FSDP2 allows) sets this rank's rows of the full compute weights only,
+    so the ranks would compute with mixed weights. Called before each forward (and `generate`,
+    `gathered_parameters`, `apply`, `broadcast_params`, which read the full weights): such a write raises, naming
+    what to call. No communication, so `state_dict()` may be called on some ranks only (strategy 3, whose state
+    dict views the shards themselves, loads in place)."""
+    for group in model.groups:
+        if group.state_dict_alias is not None and _written_through_state_dict(group):
+            raise RuntimeError(
+                f"the weights of {group.names[:3]}{'...' if len(group.names) > 3 else ''} were written through "
+                f"model.state_dict() (zero_dp_strategy '{model.strategy.name}': each rank holds the full weights and "
+                "a write into the state dict sets only its own rows, so the ranks would compute with mixed "
+                "weights). Call `model.load_state_dict(sd)` after `dcp.load(sd, ...)`")
+
+
+def _written_through_state_dict(group: ParamGroup) -> bool:
+    return group.state_dict_alias._version != group.state_dict_alias_version
+
+
+def _note_state_dict_rows_gathered(group: ParamGroup):
+    if group.state_dict_alias is not None:
+        group.state_dict_alias_version = group.state_dict_alias._version
 
 
 def _shard_from_rows(model, group: ParamGroup, values: List[torch.Tensor], dtype) -> torch.Tensor:
@@ -316,6 +348,8 @@ def load_model_state_dict(model, state_dict, strict: bool = True):
             if name in state_dict:
                 value = state_dict[name]
                 buffer.copy_(value.full_tensor() if isinstance(value, DTensor) else value)
+    for group in model.groups:  # the full compute weights hold what was loaded on every rank
+        _note_state_dict_rows_gathered(group)
     if model.strategy in (ShardingStrategy.optim, ShardingStrategy.optim_grads):
         model.schedule.start_param_sync(async_op=False)
     elif model.strategy == ShardingStrategy.optim_grads_params:
@@ -391,7 +425,40 @@ def optimizer_state_dict(optimizer) -> dict:
         entry = {k: v for k, v in param_group.items() if k != "params"}
         entry["params"] = [state_dict_name(names[id(p)]) for p in param_group["params"]]
         param_groups.append(entry)
+    _watch_optimizer_state_copies(optimizer, state)
     return {"state": state, "param_groups": param_groups}
+
+
+def _watch_optimizer_state_copies(optimizer, state):
+    """Remember the tensors of a handed-out optimizer state dict (copies, unlike torch's own state dict): a
+    `dcp.load` into them without `optimizer.load_state_dict` would be lost, so the next step refuses it."""
+    watched = [entry for entry in getattr(optimizer, "_megatron_fsdp_state_copies", []) if entry[0]() is not None]
+    for entries in state.values():
+        for value in entries.values():
+            if isinstance(value, torch.Tensor):
+                local = value._local_tensor if isinstance(value, DTensor) else value
+                watched.append((weakref.ref(local), local._version))
+    optimizer._megatron_fsdp_state_copies = watched
+
+
+def _optimizer_state_copies_loaded(optimizer):
+    """`optimizer.load_state_dict` took a state dict: what was written into the handed-out copies is loaded."""
+    optimizer._megatron_fsdp_state_copies = [(ref, ref()._version) for ref, _ in
+                                             getattr(optimizer, "_megatron_fsdp_state_copies", [])
+                                             if ref() is not None]
+
+
+def refuse_unloaded_optimizer_state_writes(optimizer):
+    """Before a step: raise if a tensor of `optimizer.state_dict()` was written (`dcp.load` into it) and not
+    loaded with `optimizer.load_state_dict` since; the step would run from the state it had before."""
+    for ref, version in getattr(optimizer, "_megatron_fsdp_state_copies", []):
+        tensor = ref()
+        if tensor is not None and tensor._version != version:
+            raise RuntimeError(
+                "a tensor of optimizer.state_dict() was written (dcp.load into it?) but not loaded: the "
+                "Megatron-FSDP optimizer's state dict holds copies of its sharded state, not the state itself. "
+                "Call `optimizer.load_state_dict(sd)` after `dcp.load(sd, ...)` (and after "
+                "`model.load_state_dict`, if called)")
 
 
 def load_optimizer_state_dict(optimizer, state_dict):
@@ -453,3 +520,4 @@ def load_optimizer_state_dict(optimizer, state_dict):
     if main_weights_loaded:
         model.install_optimized_model_weights()
         model.schedule.wait_gathered(model.groups)
+    _optimizer_state_copies_loaded(optimizer)

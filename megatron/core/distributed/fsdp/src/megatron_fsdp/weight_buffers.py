@@ -212,6 +212,14 @@ class GroupWeights:
             compute = compute.to(main.device)
             torch.where(_written_elements(compute, main), compute.to(main.dtype), main, out=main)
 
+    # ---- writes into the model state dict (strategies 0-2, see state_dict.py) ---------------------------------
+    # `state_dict()`'s DTensors view this rank's rows of the full compute buffer through `state_dict_alias`, its
+    # storage under a version counter of its own: only writes into those DTensors move it, not the gathers and
+    # steps that write the compute buffer. `state_dict_alias_version` is its count when the full weights were
+    # last known to agree on every rank (after `load_state_dict`); a write since then is refused at the forward.
+    state_dict_alias = None
+    state_dict_alias_version = 0
+
     # ---- post-step all-gather of strategies 1/2 and writes racing it -----------------------------------------
     # Between a step and the landing of the all-gather that follows it, the module's parameters (views of the
     # compute buffer) hold other ranks' rows of the previous weights; a write to them then is overwritten by the
