@@ -1,8 +1,8 @@
 """Post-training quantization of a trained GPT checkpoint with nvidia-modelopt.
 
     torchrun --nproc-per-node N examples/post_training/quantize.py <the model's pretrain_gpt.py flags> \
-        --load CKPT --ckpt-format torch --data-path ... --quant-cfg fp8 --calib-batches 8 --eval-iters 4 \
-        --export-dir QUANTIZED
+        --micro-batch-size 4 --lr 0 --train-iters 1 --load CKPT --ckpt-format torch --data-path ... --quant-cfg fp8 \
+        --calib-batches 8 --eval-iters 4 --export-dir QUANTIZED
 
 Loads the latest checkpoint under `--load` (weights only), measures the validation loss, inserts modelopt's
 quantizers (`--quant-cfg`: fp8, fp8_per_channel_per_token, int8, int8_weight_only; all run on CPUs), calibrates

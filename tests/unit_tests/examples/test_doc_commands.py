@@ -1,9 +1,12 @@
 """The commands README.md, docs/*.md and the examples' READMEs give run the programs they name: a quoted
 `tools/...` or `examples/...` command names a file (not a directory), and launches of the tiny CPU script choose
-their data-parallel wrapper with DP_WRAPPER, which the script turns into the wrapper's flags."""
+their data-parallel wrapper with DP_WRAPPER, which the script turns into the wrapper's flags; the FP8 README's
+quantization launch gives the flags argument validation requires."""
 
+import os
 import re
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -42,3 +45,17 @@ def test_patterns_read_commands():
     assert [a.split() for a in TINY_SCRIPT.findall("bash examples/gpt/train_gpt_tiny_cpu.sh --fp8-format hybrid \\\n"
                                                    "    --use-distributed-optimizer\n```")] == [
         ["--fp8-format", "hybrid", "\\", "--use-distributed-optimizer"]]
+
+
+def test_fp8_readme_quantize_command_passes_argument_validation():
+    """The PTQ launch in examples/fp8/README.md, its model placeholder filled in, gives every flag pretrain_gpt.py's
+    validation requires (quantize.py validates as training does; its own flags are left to its tests)."""
+    from megatron.training.arguments import parse_args, validate_args
+
+    text = (REPO / "examples" / "fp8" / "README.md").read_text()
+    launch = re.search(r"examples/post_training/quantize\.py((?:\\\n|[^\n])*)", text).group(1).replace("\\\n", " ")
+    model = "--num-layers 2 --hidden-size 64 --num-attention-heads 2 --seq-length 32 --max-position-embeddings 32"
+    argv = launch.replace("<the model's flags>", model).split()
+    with mock.patch.dict(os.environ, {"WORLD_SIZE": "2", "RANK": "0"}):
+        args = validate_args(parse_args(ignore_unknown_args=True, args=argv))
+    assert (args.micro_batch_size, args.global_batch_size, args.train_iters, args.load) == (4, 8, 1, "CKPT")
