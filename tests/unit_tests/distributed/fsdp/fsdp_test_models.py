@@ -251,3 +251,16 @@ def reference_losses_mixed(num_steps, dtype=torch.bfloat16, seed=0):
             for master, param in zip(masters, trainable):
                 param.copy_(master)
     return losses
+
+
+class ScaledLinear(torch.nn.Module):
+    """A linear layer times a learned 0-dim temperature (held by data-parallel rank 0's shard; its optimizer
+    moments are 0-dim too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.temperature = torch.nn.Parameter(torch.tensor(1.5))
+        self.linear = torch.nn.Linear(IN_FEATURES, IN_FEATURES)
+
+    def forward(self, x):
+        return self.linear(x) * self.temperature

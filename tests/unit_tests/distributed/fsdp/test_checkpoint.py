@@ -125,18 +125,6 @@ def test_dcp_load_into_model_state_dict_loads_in_place_or_says_what_to_call(worl
             step_error), (strategy, step_error)
 
 
-class _ScaledLinear(torch.nn.Module):
-    """A linear layer times a learned 0-dim temperature (held by data-parallel rank 0's shard)."""
-
-    def __init__(self):
-        super().__init__()
-        self.temperature = torch.nn.Parameter(torch.tensor(1.5))
-        self.linear = torch.nn.Linear(models.IN_FEATURES, models.IN_FEATURES)
-
-    def forward(self, x):
-        return self.linear(x) * self.temperature
-
-
 def _outputs_after_in_place_load(directory, strategies):
     """Per strategy: (output of the saved model, output of another one after `dcp.load(model.state_dict())`)."""
     import torch.distributed.checkpoint as dcp
@@ -149,7 +137,7 @@ def _outputs_after_in_place_load(directory, strategies):
         models_by_seed = {}
         for seed in (0, 1):
             torch.manual_seed(seed)
-            module = _ScaledLinear()
+            module = models.ScaledLinear()
             if seed == 0:
                 module.temperature.data.fill_(2.5)
             models_by_seed[seed] = megatron_fsdp.fully_shard_model(module, zero_dp_strategy=strategy)
@@ -181,7 +169,7 @@ def _load_into_state_dict_of_an_earlier_step(directory, strategies):
     errors = {}
     for strategy in strategies:
         torch.manual_seed(0)
-        model = megatron_fsdp.fully_shard_model(_ScaledLinear(), zero_dp_strategy=strategy)
+        model = megatron_fsdp.fully_shard_model(models.ScaledLinear(), zero_dp_strategy=strategy)
         with torch.no_grad():
             model(batch)
         state = model.state_dict()

@@ -77,18 +77,6 @@ def test_state_dict_form_follows_preproc_flag(world_size):
             assert form["restored"] == (count, count)
 
 
-class _ScaledLinear(torch.nn.Module):
-    """A linear layer times a learned 0-dim temperature (the moments of a 0-dim parameter are 0-dim too)."""
-
-    def __init__(self):
-        super().__init__()
-        self.temperature = torch.nn.Parameter(torch.tensor(1.5))
-        self.linear = torch.nn.Linear(models.IN_FEATURES, models.IN_FEATURES)
-
-    def forward(self, x):
-        return self.linear(x) * self.temperature
-
-
 def _scalar_parameter_state_moves_between_strategies(pairs, optimizer_name):
     import torch.distributed as dist
 
@@ -96,7 +84,7 @@ def _scalar_parameter_state_moves_between_strategies(pairs, optimizer_name):
 
     def build(strategy, seed):
         torch.manual_seed(seed)
-        module = _ScaledLinear()
+        module = models.ScaledLinear()
         optimizer = (torch.optim.AdamW(module.parameters(), lr=1e-2) if optimizer_name == "adamw"
                      else torch.optim.SGD(module.parameters(), lr=1e-2, momentum=0.9))
         return megatron_fsdp.fully_shard(module, optimizer, zero_dp_strategy=strategy)
