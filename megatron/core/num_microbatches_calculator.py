@@ -81,7 +81,8 @@ class RampupBatchsizeNumMicroBatchesCalculator:
         check_rampup(global_batch_size, micro_batch_size * data_parallel_size, start_global_batch_size,
                      batch_size_increment, rampup_samples, decrease_batch_size_if_needed)
         increments = (global_batch_size - start_global_batch_size) // batch_size_increment
-        self.rampup_samples_per_increment = rampup_samples / increments if increments else None
+        # No ramp when the start is the full size or the ramp spans no samples: every step runs the full size.
+        self.rampup_samples_per_increment = rampup_samples / increments if increments and rampup_samples else None
         self.update(0)
 
     def update(self, consumed_samples, consistency_check=True):

@@ -509,7 +509,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
                     "max_attention_logit": (max_attention_logit(model, parallel_state.get_model_parallel_group())
                                             if getattr(args, "log_max_attention_logit", False) else None),
                     "skipped": not update_successful,
-                    "nan": counts_as_nan_iteration(loss),
+                    "nan": counts_as_nan_iteration(loss, skipped=not update_successful),
                     "iteration_time_s": iteration_time_s,
                     "consumed_samples": args.consumed_train_samples,
                     "skipped_samples": getattr(args, "skipped_train_samples", 0),

@@ -61,9 +61,11 @@ TENSORBOARD_MEMORY_KEYS = (
 )
 
 
-def counts_as_nan_iteration(loss: float) -> bool:
-    """Whether an iteration counts in the log line's "number of nan iterations": its loss is NaN or infinite."""
-    return not math.isfinite(loss)
+def counts_as_nan_iteration(loss: float, skipped: bool) -> bool:
+    """Whether an iteration counts in the log line's "number of nan iterations": as upstream, one whose update was
+    skipped (fp16 overflow) and whose loss is NaN or infinite. A non-finite loss of an applied update is not
+    counted (the loss check, --check-for-nan-in-loss-and-grad, is what reports it)."""
+    return skipped and not math.isfinite(loss)
 
 
 def reported_learning_rates(param_groups):

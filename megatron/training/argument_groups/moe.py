@@ -181,6 +181,10 @@ def validate(args):
     if args.use_fused_weighted_squared_relu and not (args.squared_relu and args.num_experts):
         raise ValueError("--use-fused-weighted-squared-relu fuses the experts' squared ReLU: it needs --squared-relu "
                          "and --num-experts; add them or drop the flag")
+    if args.moe_layer_recompute and args.recompute_granularity == "full":
+        # Upstream's rule: full recompute already recomputes every layer, MoE layers included.
+        raise ValueError("--moe-layer-recompute does not work with --recompute-granularity full (full recompute "
+                         "already recomputes the whole layer, its MoE part included): drop one of them")
     if args.moe_deepep_num_sms <= 0:
         raise ValueError(f"--moe-deepep-num-sms must be positive, got {args.moe_deepep_num_sms}")
     devices, ep = args.moe_router_topk_limited_devices, args.expert_model_parallel_size

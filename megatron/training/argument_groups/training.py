@@ -189,6 +189,8 @@ def validate(args):
         raise ValueError("--bf16 and --fp16 are exclusive: pick one")
     if args.clip_grad < 0:
         raise ValueError(f"--clip-grad must be >= 0, got {args.clip_grad}")
+    if args.seed <= 0:
+        raise ValueError(f"--seed must be a positive integer (as upstream), got {args.seed}")
     _validate_optimizer_settings(args)
     if args.recompute_method is not None and args.recompute_granularity != "full":
         raise ValueError("--recompute-method needs --recompute-granularity full")

@@ -127,6 +127,10 @@ def test_args_defaults_fill_only_unset_options():
         ("--lr-warmup-init 0.1", 1, r"--lr-warmup-init \(0.1\) must be in \[0, --lr \(0.001\)\]"),
         ("--recompute-granularity full", 1, r"--recompute-granularity full needs --recompute-method"),
         ("--recompute-method uniform", 1, r"--recompute-method needs --recompute-granularity full"),
+        ("--num-experts 4 --moe-layer-recompute --recompute-granularity full --recompute-method uniform "
+         "--recompute-num-layers 1", 1,
+         r"^--moe-layer-recompute does not work with --recompute-granularity full \(full recompute already "
+         r"recomputes the whole layer, its MoE part included\): drop one of them$"),
         ("--save-interval 5", 1, r"--save-interval needs --save"),
         ("--data-path a_text_document", 1, r"--mock-data and --data-path are exclusive"),
         ("--split 1,x", 1, r"--split must be comma-separated numbers"),
@@ -166,6 +170,8 @@ def test_args_defaults_fill_only_unset_options():
         ("--adam-beta2 1.0", 1, r"^--adam-beta2 must be in \[0, 1\), got 1.0$"),
         ("--optimizer sgd --sgd-momentum -0.5", 1, r"^--sgd-momentum must be in \[0, 1\), got -0.5$"),
         ("--adam-eps 0", 1, r"^--adam-eps must be positive, got 0.0$"),
+        ("--seed 0", 1, r"^--seed must be a positive integer \(as upstream\), got 0$"),
+        ("--seed -5", 1, r"^--seed must be a positive integer \(as upstream\), got -5$"),
         ("--fp16 --loss-scale 0", 1, r"^--loss-scale is a static loss scale and must be positive, got 0.0; leave it "
          r"out for dynamic loss scaling$"),
         ("--fp16 --min-loss-scale 8 --initial-loss-scale 4", 1,

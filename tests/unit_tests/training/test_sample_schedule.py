@@ -177,6 +177,19 @@ def test_rampup_batch_size_steps_and_iteration_count():
     assert args.rampup_batch_size == (4, 4, 48) and args.train_iters == 8 + 9
 
 
+def test_rampup_over_zero_samples_runs_the_full_batch_from_the_start():
+    """--rampup-batch-size <start> <increment> 0: a ramp over no samples, so every step is a full global batch
+    (the ramp's per-increment samples would be 0, a division by zero)."""
+    from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
+
+    ramp = RampupBatchsizeNumMicroBatchesCalculator(16, 2, 1, 4, 4, 0)
+    for consumed in (0, 1, 16):
+        ramp.update(consumed)
+        assert (ramp.current_global_batch_size, ramp.num_microbatches) == (16, 8)
+    args = validated("--global-batch-size 16 --train-samples 200 --rampup-batch-size 4 4 0")
+    assert args.train_iters == 200 // 16
+
+
 @pytest.mark.parametrize("extra, message", [
     ("--train-iters 10 --rampup-batch-size 2 2 16", "--rampup-batch-size needs sample-based training"),
     ("--train-samples 80 --rampup-batch-size 2 2", "takes three integers"),

@@ -265,10 +265,26 @@ def test_tensorboard_memory_and_throughput_scalars_have_upstreams_names(monkeypa
     assert scalars["throughput-tokens-per-second"] == 8 * 16 / 0.25
 
 
-def test_nan_and_infinite_losses_count_as_nan_iterations():
-    assert training_log.counts_as_nan_iteration(float("nan"))
-    assert training_log.counts_as_nan_iteration(float("inf")) and training_log.counts_as_nan_iteration(float("-inf"))
-    assert not training_log.counts_as_nan_iteration(5.25) and not training_log.counts_as_nan_iteration(0.0)
+def test_only_skipped_iterations_with_a_non_finite_loss_count_as_nan_iterations(capsys):
+    """As upstream: "number of nan iterations" counts the skipped iterations (fp16 overflow) whose loss is NaN or
+    infinite; an applied update with a non-finite loss, or a skipped one with a finite loss, is not counted."""
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        assert training_log.counts_as_nan_iteration(bad, skipped=True)
+        assert not training_log.counts_as_nan_iteration(bad, skipped=False)
+    assert not training_log.counts_as_nan_iteration(5.25, skipped=True)
+    assert not training_log.counts_as_nan_iteration(0.0, skipped=False)
+
+    args = argparse.Namespace(metrics_file=None, tensorboard_dir=None, save=None, log_interval=4, train_iters=4,
+                              log_memory_to_tensorboard=False, log_throughput=False)
+    logger = training_log.TrainingLogger(args, is_logging_rank=True)
+    for iteration, loss, skipped in ((1, float("nan"), True), (2, float("inf"), False), (3, 7.0, True),
+                                     (4, float("inf"), True)):
+        report = _report(iteration, loss)
+        report.update(skipped=skipped, nan=training_log.counts_as_nan_iteration(loss, skipped=skipped))
+        logger.log_iteration(report)
+    logger.close()
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.endswith("| number of skipped iterations: 3 | number of nan iterations: 2 |")
 
 
 def test_decoupled_learning_rate_is_logged_beside_the_learning_rate():
