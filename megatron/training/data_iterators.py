@@ -31,8 +31,9 @@ def build_data_iterators(train_valid_test_dataset_provider, args):
     evaluations need more samples than it holds (`evaluation_stream`).
     `--dataloader-type cyclic` reshuffles every epoch; with `external` the provider's three objects are the
     iterators, passed through as they are (they decide where a resumed run starts). With --full-validation or
-    --multiple-validation-sets the validation element is a list of `ValidationSet` (validation_sets.py). The first
-    batch of each loader has its token ids checked against `args.padded_vocab_size` (`TokenIdCheckedLoader`).
+    --multiple-validation-sets the validation element is a list of `ValidationSet` (validation_sets.py). Every
+    sample of a GPT dataset, and every batch of any dataset, has its token ids checked against
+    `args.padded_vocab_size` (`limit_token_ids`, `TokenIdCheckedLoader`).
     """
     from megatron.training.datasets.data_samplers import build_pretraining_data_loader
     from megatron.training.datasets.gpt_dataset_config import check_datasets_follow_flags
@@ -45,6 +46,7 @@ def build_data_iterators(train_valid_test_dataset_provider, args):
     _check_tensor_parallel_ranks_have_the_same_splits(datasets, args)
     check_datasets_follow_flags(datasets, args)
     train_dataset, valid_dataset, test_dataset = datasets
+    _limit_token_ids(datasets, args)
     _check_unweighted_blend_is_long_enough(train_dataset, sample_counts[0], dataloader_type)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
@@ -81,26 +83,21 @@ def build_data_iterators(train_valid_test_dataset_provider, args):
 
 
 class TokenIdCheckedLoader:
-    """A data loader whose first batch has its token ids checked against the model's vocabulary
-    (`check_token_ids`): one check per loader in the run, so a run on data preprocessed with another tokenizer
-    stops naming the dataset and the flags instead of failing inside the embedding. Otherwise the loader itself."""
+    """A data loader whose batches have their token ids checked against the model's vocabulary
+    (`check_token_ids`, one max and one min per batch), so a run on data preprocessed with another tokenizer, or
+    with a corrupt document anywhere, stops naming the dataset and the flags instead of failing inside the
+    embedding. Otherwise the loader itself."""
 
     def __init__(self, loader, args):
         self.loader = loader
         self.args = args
-        self.checked = False
 
     def __iter__(self):
-        batches = iter(self.loader)
-        if self.checked:
-            return batches
-        return self._checking_first(batches)
+        return self._checking(iter(self.loader))
 
-    def _checking_first(self, batches):
+    def _checking(self, batches):
         for batch in batches:
-            if not self.checked:
-                check_token_ids(batch, self.loader.dataset, self.args)
-                self.checked = True
+            check_token_ids(batch, self.loader.dataset, self.args)
             yield batch
 
     def __len__(self):
@@ -114,26 +111,43 @@ class TokenIdCheckedLoader:
 
 def check_token_ids(batch, dataset, args):
     """Raise, naming the dataset prefix and the tokenizer flags, when a batch of `dataset` (a dict with `tokens`
-    and `labels`) holds a token id the model's embedding has no row for (`args.padded_vocab_size`)."""
+    and `labels`) holds a token id the model's embedding has no row for (outside `[0, args.padded_vocab_size)`)."""
     vocab_rows = getattr(args, "padded_vocab_size", None)
     if vocab_rows is None or not isinstance(batch, dict) or "tokens" not in batch:
         return
-    token_ids = [batch[key] for key in ("tokens", "labels") if key in batch]
-    largest = max(int(ids.max()) for ids in token_ids)
-    if largest < vocab_rows:
+    token_ids = [batch[key] for key in ("tokens", "labels") if key in batch and batch[key].numel()]
+    if not token_ids:
         return
-    out_of_range = torch.stack([(ids >= vocab_rows).reshape(len(ids), -1).any(dim=1) for ids in token_ids]).any(0)
+    largest, smallest = max(int(ids.max()) for ids in token_ids), min(int(ids.min()) for ids in token_ids)
+    if largest < vocab_rows and smallest >= 0:
+        return
+    out_of_range = torch.stack([((ids >= vocab_rows) | (ids < 0)).reshape(len(ids), -1).any(dim=1)
+                                for ids in token_ids]).any(0)
+    token_id = largest if largest >= vocab_rows else smallest
+    raise ValueError(f"a batch read from {_dataset_names(dataset, batch, out_of_range)} holds token id {token_id}, "
+                     f"{_outside_vocabulary(vocab_rows, args)}")
+
+
+def _outside_vocabulary(vocab_rows, args):
+    """What a token id outside the model's vocabulary of `vocab_rows` ids means, and what to check."""
     tokenizer = " ".join(f"{flag} {getattr(args, name)}" for flag, name in (
         ("--tokenizer-type", "tokenizer_type"), ("--vocab-size", "vocab_size"),
         ("--tokenizer-model", "tokenizer_model"), ("--vocab-file", "vocab_file"))
         if getattr(args, name, None) is not None)
-    raise ValueError(
-        f"the first batch read from {_dataset_names(dataset, batch, out_of_range)} holds token id {largest}, "
-        f"outside the model's vocabulary of {vocab_rows} ids (the padded vocabulary size of this run's tokenizer"
-        f"{': ' + tokenizer if tokenizer else ''}), so the data was likely preprocessed with another tokenizer. Check "
-        "--tokenizer-type, --vocab-size and --tokenizer-model / --vocab-file against the ones "
-        "tools/preprocess_data.py was given: the data must be preprocessed with the tokenizer the run trains with "
-        "(preprocess it again, or train with its tokenizer)")
+    return (f"outside the model's vocabulary of {vocab_rows} ids (the padded vocabulary size of this run's tokenizer"
+            f"{': ' + tokenizer if tokenizer else ''}), so the data was likely preprocessed with another tokenizer "
+            "(or the file is corrupt). Check --tokenizer-type, --vocab-size and --tokenizer-model / --vocab-file "
+            "against the ones tools/preprocess_data.py was given: the data must be preprocessed with the tokenizer "
+            "the run trains with (preprocess it again, or train with its tokenizer)")
+
+
+def _limit_token_ids(datasets, args):
+    """Every sample of the GPT datasets checked against the model's vocabulary, an error naming its document."""
+    from megatron.core.datasets.gpt_dataset import limit_token_ids
+
+    vocab_rows = getattr(args, "padded_vocab_size", None)
+    if vocab_rows is not None:
+        limit_token_ids(list(datasets), vocab_rows, _outside_vocabulary(vocab_rows, args))
 
 
 def _dataset_names(dataset, batch, out_of_range):

@@ -37,9 +37,9 @@ class GPTDatasetConfig:
     `(["a_text_document", "b_text_document"], [0.3, 0.7])`; weights None blends the datasets in proportion to
     their sizes (the samples one epoch of each split holds), as Megatron-Core does. Each dataset of a weighted
     blend holds `ceil(ceil(samples * share) * (1 + mid_level_dataset_surplus))` samples, as upstream's. `split`
-    divides each dataset's documents into train/valid/test (`--split 969,30,1`). `blend_per_split` instead names a
-    blend (or None) for each of train, valid and test (`--train-data-path` ...), each using all of its datasets'
-    documents; `split` is then unused.
+    divides each dataset's documents into train/valid/test (`--split 969,30,1`); a blend needs one. `blend_per_split`
+    instead names a blend (or None) for each of train, valid and test (`--train-data-path` ...), each using all of
+    its datasets' documents; `split` must then be None, as upstream's.
     Neither a blend nor `mock` is a config without data, as upstream's: `BlendedMegatronDatasetBuilder` builds
     `MockGPTDataset`s from it, and `build_gpt_datasets` refuses it. `create_attention_mask` (default True, as
     upstream; `pretrain_gpt.py` sets it only for `--reset-attention-mask`) adds each sample's `[1, s, s]` mask.
@@ -50,17 +50,17 @@ class GPTDatasetConfig:
     `multiple_validation_sets` (`--multiple-validation-sets`) makes the valid split a list with one dataset per
     validation prefix (given without weights) instead of their blend.
 
-    Upstream's other fields are accepted at their defaults: `split` None (with `blend_per_split` or mock data, which
-    do not use it; a `blend` needs one), `full_validation` (recorded: a valid size of None asks for the whole split),
-    `add_extra_token_to_sequence` True, `drop_last_partial_validation_sequence` True and `object_storage_cache_path`
-    None; other values are refused with what to do. `split_matrix` is upstream's `[(begin, end) or None]` per split.
+    Upstream's other fields are accepted at their defaults: `full_validation` (recorded: a valid size of None asks
+    for the whole split), `add_extra_token_to_sequence` True, `drop_last_partial_validation_sequence` True and
+    `object_storage_cache_path` None; other values are refused with what to do. `split_matrix` is upstream's
+    `[(begin, end) or None]` per split.
     Labels equal to the tokenizer's padding id get no loss, as upstream's (see `pad_token_id`).
     """
 
     random_seed: int
     sequence_length: int
     blend: Optional[tuple] = None
-    split: Optional[str] = "969,30,1"
+    split: Optional[str] = None
     path_to_cache: Optional[str] = None
     tokenizer: Any = None
     reset_position_ids: bool = False
@@ -92,6 +92,10 @@ class GPTDatasetConfig:
             raise ValueError("--data-path and --train-data-path / --valid-data-path / --test-data-path are exclusive")
         if self.split is None and self.blend is not None and not self.mock:
             raise ValueError("a blend (--data-path) needs split, e.g. split='969,30,1' (--split)")
+        if self.split is not None and self.blend_per_split is not None and not self.mock:
+            raise ValueError(f"split ({self.split!r}, --split) and blend_per_split (--train-data-path / "
+                             "--valid-data-path / --test-data-path) are exclusive, as upstream's: each split of "
+                             "blend_per_split reads all of its datasets' documents; leave split None (drop --split)")
         # Upstream splits mock data evenly; neither it nor a per-split blend reads the fractions.
         object.__setattr__(self, "split_fractions", parse_split("1,1,1" if self.split is None else self.split))
         split_matrix = None
@@ -214,19 +218,31 @@ def _without_loss(sample):
 
 
 class GPTDataset(torch.utils.data.Dataset):
-    """Packed samples from the documents `[document_begin, document_end)` of `indexed_dataset`: all the samples of
-    the epochs that `num_samples` needs (one epoch for None), so at least `num_samples`, as upstream's.
+    """Packed samples from the documents `indexed_indices` of `indexed_dataset`: all the samples of the epochs that
+    `num_samples` needs (one epoch for None), so at least `num_samples`, as upstream's.
 
+    Upstream's signature: `GPTDataset(indexed_dataset, dataset_path, indexed_indices, num_samples, index_split,
+    config)`, `indexed_indices` the document ids (`numpy.arange(begin, end)` for a split of `--split`) and
+    `dataset_path` the prefix (None: the indexed dataset's own). Upstream's attribute names (`dataset`,
+    `dataset_path`, `indices`, `index_split`) are kept next to `indexed_dataset`, `split` and `document_range`
+    (`(begin, end)` when the documents are contiguous, else None).
     Every sequence of the indexed dataset counts as one document (what the preprocessing tool writes).
     """
 
-    def __init__(self, indexed_dataset, config, split, document_range, num_samples):
-        self.indexed_dataset = indexed_dataset
+    def __init__(self, indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config=None):
+        if isinstance(dataset_path, GPTDatasetConfig) or not isinstance(config, GPTDatasetConfig):
+            raise TypeError("GPTDataset takes upstream's arguments (indexed_dataset, dataset_path, indexed_indices, "
+                            "num_samples, index_split, config), e.g. GPTDataset(indexed, prefix, numpy.arange(begin, "
+                            f"end), num_samples, Split.train, config); got a {type(dataset_path).__name__} as "
+                            f"dataset_path and a {type(config).__name__} as config")
+        self.indexed_dataset = self.dataset = indexed_dataset
+        self.dataset_path = indexed_dataset.path_prefix if dataset_path is None else dataset_path
         self.config = config
-        self.split = split
-        self.document_range = tuple(int(bound) for bound in document_range)
+        self.split = self.index_split = Split(index_split)
+        split = self.split
+        documents = np.ascontiguousarray(np.asarray(indexed_indices, dtype=np.int64).reshape(-1))
+        self.indices = documents
         self.num_samples = None if num_samples is None else int(num_samples)
-        documents = np.arange(*self.document_range, dtype=np.int64)
         if documents.size == 0 and len(indexed_dataset) == 0:
             raise ValueError(f"{indexed_dataset.path_prefix} holds no tokens ({indexed_dataset.num_documents} "
                              "documents, all empty: was its input empty?): drop it from the data path flags")
@@ -235,22 +251,30 @@ class GPTDataset(torch.utils.data.Dataset):
                 f"the {split.name} split of {indexed_dataset.path_prefix} ({len(indexed_dataset)} documents) has no "
                 "documents; adjust --split"
             )
+        if documents.min() < 0 or documents.max() >= len(indexed_dataset):
+            raise IndexError(f"indexed_indices of the {split.name} split name documents outside [0, "
+                             f"{len(indexed_dataset)}) of {indexed_dataset.path_prefix}")
+        contiguous = bool(np.array_equal(documents, np.arange(documents[0], documents[0] + documents.size)))
+        self.document_range = (int(documents[0]), int(documents[0]) + documents.size) if contiguous else None
         description = {
             "class": type(self).__name__,
             "path_prefix": os.path.abspath(indexed_dataset.path_prefix),
             "index_bytes": os.path.getsize(index_file_path(indexed_dataset.path_prefix)),
             "data_bytes": os.path.getsize(data_file_path(indexed_dataset.path_prefix)),
             "split": split.name,
-            "document_range": list(self.document_range),
+            "document_range": list(self.document_range) if contiguous else None,
             "sequence_length": int(config.sequence_length),
             "num_samples": None if num_samples is None else int(num_samples),
             "random_seed": int(config.random_seed),
         }
+        if not contiguous:
+            description["document_indices_blake2b"] = hashlib.blake2b(documents, digest_size=16).hexdigest()
         if config.path_to_cache is not None:
             # The indices follow from the split's sequence lengths: data preprocessed again into files of the same
             # sizes (e.g. its documents in another order) gets indices of its own, not the earlier data's.
-            lengths = np.ascontiguousarray(indexed_dataset.sequence_lengths[self.document_range[0]:
-                                                                            self.document_range[1]])
+            lengths = np.ascontiguousarray(
+                indexed_dataset.sequence_lengths[self.document_range[0]:self.document_range[1]] if contiguous
+                else np.asarray(indexed_dataset.sequence_lengths)[documents])
             description["sequence_lengths_blake2b"] = hashlib.blake2b(lengths, digest_size=16).hexdigest()
         arrays, self.indices_loaded_from_cache = load_or_build_indices(
             config.path_to_cache,
@@ -267,25 +291,71 @@ class GPTDataset(torch.utils.data.Dataset):
     def __len__(self):
         return len(self.shuffle_index)
 
-    def token_window(self, idx):
-        """The `sequence_length + 1` token ids of sample `idx` (before any shuffling: use `shuffle_index`)."""
+    def document_pieces(self, idx):
+        """[(document id, its token ids in the window)] of sample `idx` (before any shuffling), in window order."""
         first_position, first_offset = (int(value) for value in self.sample_index[idx])
         last_position, last_offset = (int(value) for value in self.sample_index[idx + 1])
         read = self.indexed_dataset.get
+
+        def document(position):
+            return int(self.document_index[position])
+
         if first_position == last_position:
-            return read(int(self.document_index[first_position]), first_offset, last_offset - first_offset + 1)
-        pieces = [read(int(self.document_index[first_position]), first_offset)]
+            return [(document(first_position),
+                     read(document(first_position), first_offset, last_offset - first_offset + 1))]
+        pieces = [(document(first_position), read(document(first_position), first_offset))]
         for position in range(first_position + 1, last_position):
-            pieces.append(read(int(self.document_index[position])))
-        pieces.append(read(int(self.document_index[last_position]), 0, last_offset + 1))
-        return np.concatenate(pieces)
+            pieces.append((document(position), read(document(position))))
+        pieces.append((document(last_position), read(document(last_position), 0, last_offset + 1)))
+        return pieces
+
+    def token_window(self, idx):
+        """The `sequence_length + 1` token ids of sample `idx` (before any shuffling: use `shuffle_index`)."""
+        pieces = self.document_pieces(idx)
+        return pieces[0][1] if len(pieces) == 1 else np.concatenate([tokens for _, tokens in pieces])
 
     def __getitem__(self, idx):
         """Sample `idx`; None is upstream's batch-padding sample: sample 0 with no loss on any token."""
         if idx is None:
             return _without_loss(self[0])
         idx = sample_position(idx, len(self), f"a {self.split.name} dataset")
-        return sample_from_tokens(self.token_window(int(self.shuffle_index[idx])), self.config)
+        window = self.token_window(int(self.shuffle_index[idx]))
+        limit = self.token_id_limit
+        if limit is not None and window.size and (int(window.max()) >= limit or int(window.min()) < 0):
+            raise ValueError(self._token_id_error(idx, limit))
+        return sample_from_tokens(window, self.config)
+
+    # Set by `limit_token_ids`: a sample holding a token id outside [0, limit) raises, naming its documents.
+    token_id_limit = None
+    token_id_limit_explanation = None
+
+    def _token_id_error(self, idx, limit):
+        pieces = self.document_pieces(int(self.shuffle_index[idx]))
+        outside = [(document, tokens[(tokens >= limit) | (tokens < 0)]) for document, tokens in pieces]
+        outside = [(document, ids) for document, ids in outside if ids.size]
+        ids = np.concatenate([ids for _, ids in outside])
+        token_id = int(ids.max()) if ids.max() >= limit else int(ids.min())
+        documents = list(dict.fromkeys(document for document, _ in outside))
+        documents = ("document " if len(documents) == 1 else "documents ") + ", ".join(map(str, documents))
+        prefix = self.indexed_dataset.path_prefix
+        explanation = self.token_id_limit_explanation or f"outside the {limit} token ids the model has embeddings for"
+        return (f"sample {idx} of the {self.split.name} split read from dataset {prefix} holds token id {token_id} "
+                f"({documents} of {prefix}.bin), {explanation}")
+
+
+def limit_token_ids(dataset, limit, explanation=None):
+    """Make every GPTDataset in `dataset` (a GPTDataset, a blend of them, or a list of such) raise on reading a
+    sample that holds a token id outside `[0, limit)`, naming its dataset prefix and documents, followed by
+    `explanation` (what the limit is and what to do). One comparison per sample; returns nothing."""
+    if isinstance(dataset, (list, tuple)):
+        for part in dataset:
+            limit_token_ids(part, limit, explanation)
+    elif isinstance(dataset, BlendedDataset):
+        for part in dataset.datasets:
+            limit_token_ids(part, limit, explanation)
+    elif isinstance(dataset, GPTDataset):
+        dataset.token_id_limit = None if limit is None else int(limit)
+        dataset.token_id_limit_explanation = explanation
 
 
 class MockGPTDataset(torch.utils.data.Dataset):
@@ -294,11 +364,21 @@ class MockGPTDataset(torch.utils.data.Dataset):
     Ids are drawn uniformly from every id of the tokenizer's vocabulary except its eod, so the eod never appears:
     `[0, eod)` when the eod is the last id (NullTokenizer's `--vocab-size N`: the text ids `0 .. N - 1`; GPT-2's
     50256), and otherwise `[0, vocab_size - 1)` with the ids from the eod on moved up by one, skipping it.
+    Upstream's signature: `MockGPTDataset(dataset, dataset_path, indices, num_samples, index_split, config)`; the
+    samples do not come from documents, so `dataset`, `dataset_path` and `indices` are only kept as attributes.
     """
 
-    def __init__(self, config, split, num_samples):
+    def __init__(self, dataset, dataset_path, indices, num_samples=None, index_split=None, config=None):
+        if isinstance(dataset, GPTDatasetConfig) or not isinstance(config, GPTDatasetConfig):
+            raise TypeError("MockGPTDataset takes upstream's arguments (dataset, dataset_path, indices, num_samples, "
+                            "index_split, config), e.g. MockGPTDataset(None, None, None, num_samples, Split.train, "
+                            f"config); got a {type(dataset).__name__} as dataset and a {type(config).__name__} as "
+                            "config")
+        if num_samples is None:
+            raise ValueError("MockGPTDataset has no natural size: give num_samples")
+        self.dataset, self.dataset_path, self.indices = dataset, dataset_path, indices
         self.config = config
-        self.split = split
+        self.split = self.index_split = Split(index_split)
         self.num_samples = int(num_samples)
         self.vocab_size = int(config.tokenizer.vocab_size)
         self.eod = int(config.tokenizer.eod)
@@ -354,6 +434,12 @@ def _open_indexed(config, prefixes):
     return _map(config, lambda prefix: IndexedDataset(prefix, mmap=config.mmap_bin_files), list(prefixes))
 
 
+def _gpt_dataset(indexed_dataset, document_range, num_samples, split, config):
+    """The GPTDataset of the documents `[begin, end)` of `indexed_dataset`, built as upstream's builder does."""
+    return GPTDataset(indexed_dataset, indexed_dataset.path_prefix, np.arange(*document_range, dtype=np.int64),
+                      num_samples, split, config)
+
+
 def _build_split(config, split, weights, indexed, document_ranges, count, split_fractions):
     """The dataset of one split: a GPTDataset, or a BlendedDataset over several (their `document_ranges`); a list
     of one GPTDataset per dataset for the valid split with `multiple_validation_sets`. `split_fractions` is None
@@ -368,10 +454,10 @@ def _build_split(config, split, weights, indexed, document_ranges, count, split_
     every dataset is served exactly once.
     """
     if split is Split.valid and config.multiple_validation_sets:
-        return [GPTDataset(dataset, config, split, document_range, count)
+        return [_gpt_dataset(dataset, document_range, count, split, config)
                 for dataset, document_range in zip(indexed, document_ranges)]
     if len(indexed) == 1 and (weights is None or split_fractions is None or count is None):
-        return GPTDataset(indexed[0], config, split, document_ranges[0], count)
+        return _gpt_dataset(indexed[0], document_ranges[0], count, split, config)
     weighted = weights is not None
     blend_description = {
         "prefixes": [os.path.abspath(dataset.path_prefix) for dataset in indexed],
@@ -382,7 +468,7 @@ def _build_split(config, split, weights, indexed, document_ranges, count, split_
     }
     whole_split = count is None
     if whole_split:
-        parts = _map(config, lambda part: GPTDataset(part[0], config, split, part[1], None),
+        parts = _map(config, lambda part: _gpt_dataset(part[0], part[1], None, split, config),
                      list(zip(indexed, document_ranges)))
         weights, count = [len(part) for part in parts], sum(len(part) for part in parts)
     elif weights is None:
@@ -400,7 +486,7 @@ def _build_split(config, split, weights, indexed, document_ranges, count, split_
         # The size of each dataset of a weighted blend sets its number of epochs and so its shuffles.
         samples_per_dataset = ([math.ceil(target * (1 + config.mid_level_dataset_surplus)) for target in targets]
                                if weighted else [None] * len(indexed))
-        parts = _map(config, lambda part: GPTDataset(part[0], config, split, part[1], part[2]),
+        parts = _map(config, lambda part: _gpt_dataset(part[0], part[1], part[2], split, config),
                      list(zip(indexed, document_ranges, samples_per_dataset)))
     return BlendedDataset(parts, weights, count, dataset_index, dataset_sample_index)
 
@@ -426,7 +512,7 @@ def _build_split_datasets(config, train_valid_test_num_samples):
             raise ValueError("--mock-data has no natural size to evaluate in full: --full-validation needs "
                              "--data-path or --valid-data-path datasets")
         return tuple(
-            MockGPTDataset(config, split, count) if count else None
+            MockGPTDataset(None, None, None, count, split, config) if count else None
             for split, count in zip(Split, train_valid_test_num_samples)
         )
     if config.blend_per_split is not None:  # each split its own datasets, all of their documents

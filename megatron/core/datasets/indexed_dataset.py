@@ -96,10 +96,14 @@ class IndexedDatasetBuilder:
 
     `add_item` appends one sequence; `end_document` closes the current document; `add_document` does both
     for a document given as a flat token list plus its sequence lengths; `add_index` appends a whole
-    existing dataset (used to merge shards written by parallel workers).
+    existing dataset (used to merge shards written by parallel workers). The arguments are upstream's; as its
+    text builder (`multimodal=False`), this one ignores the `mode` / `modes` of sequences.
     """
 
-    def __init__(self, bin_path, dtype=np.int32):
+    def __init__(self, bin_path, dtype=np.int32, multimodal=False):
+        if multimodal:
+            raise ValueError(f"IndexedDatasetBuilder({bin_path!r}, multimodal=True): multimodal datasets (a mode per "
+                             "sequence) are not supported; build text datasets with multimodal=False")
         self.bin_path = bin_path
         self.dtype = np.dtype(dtype)
         dtype_code(self.dtype)  # reject unsupported dtypes before creating the file
@@ -121,7 +125,7 @@ class IndexedDatasetBuilder:
                 )
         return array.astype(self.dtype, copy=False)
 
-    def add_item(self, tokens):
+    def add_item(self, tokens, mode=0):
         array = self._stored(tokens)
         self._data_file.write(array.tobytes(order="C"))
         self._sequence_lengths.append(array.size)
@@ -129,7 +133,7 @@ class IndexedDatasetBuilder:
     def end_document(self):
         self._document_indices.append(len(self._sequence_lengths))
 
-    def add_document(self, tokens, lengths):
+    def add_document(self, tokens, lengths, modes=None):
         array = self._stored(tokens)
         if sum(lengths) != array.size:
             raise ValueError(f"sequence lengths {list(lengths)} do not add up to the {array.size} tokens given")
@@ -304,6 +308,19 @@ class IndexedDataset:
     @property
     def document_indices(self):
         return self._index.document_indices
+
+    @property
+    def sequence_modes(self):
+        """None: text datasets have no sequence modes (upstream's value without multimodal)."""
+        return None
+
+    def get_document_indices(self):
+        """`document_indices`, by upstream's older accessor."""
+        return self._index.document_indices
+
+    def set_document_indices(self, document_indices):
+        """Replace `document_indices` (upstream's accessor): which sequences make up each document."""
+        self._index.document_indices = np.asarray(document_indices, dtype=np.int64)
 
     @property
     def num_documents(self):

@@ -63,7 +63,9 @@ def add_arguments(parser):
     group.add_argument("--per-split-data-args-path", default=None,
                        help='A JSON file {"train": [...], "valid": [...], "test": [...]} giving --train-data-path, '
                        "--valid-data-path and --test-data-path.")
-    group.add_argument("--split", default="969, 30, 1", help="Train/valid/test proportions, e.g. '969,30,1'.")
+    group.add_argument("--split", default=None,
+                       help="Train/valid/test proportions of the --data-path datasets, e.g. '969,30,1' (the default "
+                       "there); not with --train/valid/test-data-path, whose splits have their own datasets.")
     group.add_argument("--mock-data", action="store_true", help="Synthetic token ids instead of --data-path.")
     group.add_argument("--data-cache-path", default=None, help="Where dataset index caches are written.")
     group.add_argument(
@@ -216,7 +218,14 @@ def validate(args):
     if not args.mock_data and not args.data_path and not per_split:
         raise ValueError("give --data-path PREFIX [...], --train-data-path PREFIX [...] or --mock-data")
     _validate_validation_flags(args, per_split)
-    args.split_weights = _parse_split(args.split)
+    if per_split and args.split is not None:
+        raise ValueError(f"--split {args.split} divides the --data-path datasets into train/valid/test; with "
+                         "--train-data-path / --valid-data-path / --test-data-path (or --per-split-data-args-path) "
+                         "each split reads all the documents of its own datasets: drop --split (upstream refuses "
+                         "the two together too: 'split and blend_per_split are incompatible')")
+    if args.split is None and not per_split:
+        args.split = "969, 30, 1"  # upstream's legacy default for --data-path
+    args.split_weights = None if args.split is None else _parse_split(args.split)
     if args.tokenizer_type is None:
         args.tokenizer_type = "NullTokenizer" if args.mock_data else None
         if args.tokenizer_type is None:

@@ -54,7 +54,7 @@ def test_sampler_rejects_bad_arguments():
 def test_data_loader_yields_batch_dicts(num_workers):
     config = GPTDatasetConfig(random_seed=3, sequence_length=8, mock=True, tokenizer=NullTokenizer(32),
                               create_attention_mask=False)
-    dataset = MockGPTDataset(config, Split.train, 24)
+    dataset = MockGPTDataset(None, None, None, 24, Split.train, config)
     loader = build_pretraining_data_loader(dataset, 4, micro_batch_size=2, data_parallel_rank=1,
                                            data_parallel_size=2, num_workers=num_workers)
     batches = list(loader)
@@ -95,7 +95,7 @@ def test_cyclic_sampler_reshuffles_every_epoch_and_resumes_exactly(data_sharding
 
 def test_dataloader_type_cyclic_reaches_the_loader():
     config = GPTDatasetConfig(random_seed=5, sequence_length=8, mock=True, tokenizer=NullTokenizer(50))
-    dataset = MockGPTDataset(config, Split.train, 8)
+    dataset = MockGPTDataset(None, None, None, 8, Split.train, config)
     single = build_pretraining_data_loader(dataset, 0, 2, 0, 1)
     cyclic = build_pretraining_data_loader(dataset, 0, 2, 0, 1, dataloader_type="cyclic", seed=3)
     single_batches = [batch["tokens"] for batch in single]
@@ -111,7 +111,7 @@ def test_iterating_the_loader_leaves_the_global_generator_alone(num_workers):
     # Dropout draws from torch's global generator on the CPU: starting or restarting a loader's iterator (the
     # training iterator after a checkpoint load, the validation iterator every epoch) must not advance it.
     config = GPTDatasetConfig(random_seed=3, sequence_length=8, mock=True, tokenizer=NullTokenizer(32))
-    dataset = MockGPTDataset(config, Split.train, 8)
+    dataset = MockGPTDataset(None, None, None, 8, Split.train, config)
     loader = build_pretraining_data_loader(dataset, 0, 2, 0, 1, num_workers=num_workers, seed=11)
     torch.manual_seed(5)
     expected = torch.rand(4)
@@ -129,7 +129,7 @@ def test_workers_outlive_the_signal_the_rank_catches():
     import signal
 
     config = GPTDatasetConfig(random_seed=3, sequence_length=8, mock=True, tokenizer=NullTokenizer(32))
-    dataset = MockGPTDataset(config, Split.train, 8)
+    dataset = MockGPTDataset(None, None, None, 8, Split.train, config)
     expected = [batch["tokens"] for batch in build_pretraining_data_loader(dataset, 0, 2, 0, 1)]
     loader = build_pretraining_data_loader(dataset, 0, 2, 0, 1, num_workers=1, worker_ignored_signal=signal.SIGTERM)
     iterator = iter(loader)

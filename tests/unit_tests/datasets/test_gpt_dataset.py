@@ -5,13 +5,14 @@ import pytest
 import torch
 
 from megatron.core.datasets.gpt_dataset import (
+    GPTDataset,
     GPTDatasetConfig,
     MockGPTDataset,
     build_gpt_datasets,
     sample_from_tokens,
 )
 from megatron.core.datasets.gpt_indices import samples_in_tokens, separate_final_epoch
-from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megatron.core.datasets.utils import Split, blend_from_data_path
 from megatron.training.tokenizer import NullTokenizer
 from tests.unit_tests.datasets.gpt_test_data import EOD, EodOnlyTokenizer, write_documents
@@ -71,6 +72,30 @@ def test_samples_are_windows_of_the_document_stream(corpus):
             np.bincount(dataset.document_index, minlength=40)[range(*document_range)], epochs
         )
         _check_windows(dataset, documents)
+
+
+
+def test_gpt_dataset_takes_upstreams_positional_arguments(corpus):
+    prefix, documents = corpus
+    config = _config(prefix)
+    train, valid, _ = build_gpt_datasets(config, (50, 5, 3))
+    indexed = IndexedDataset(prefix)
+    # Upstream's order: (indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config).
+    by_hand = GPTDataset(indexed, prefix, np.arange(32, 36, dtype=np.int32), 5, Split.valid, config)
+    assert (by_hand.dataset, by_hand.dataset_path, by_hand.index_split) == (indexed, prefix, Split.valid)
+    assert by_hand.document_range == (32, 36) and by_hand.indices.tolist() == [32, 33, 34, 35]
+    np.testing.assert_array_equal(by_hand.shuffle_index, valid.shuffle_index)
+    assert all(torch.equal(by_hand[i]["tokens"], valid[i]["tokens"]) for i in range(len(valid)))
+    by_keyword = GPTDataset(indexed_dataset=indexed, dataset_path=None, indexed_indices=np.arange(32), num_samples=50,
+                            index_split=Split.train, config=config)
+    np.testing.assert_array_equal(by_keyword.document_index, train.document_index)
+    # Any documents, as upstream's: the samples are windows of the stream of the documents given.
+    chosen = GPTDataset(indexed, prefix, np.array([3, 17, 5, 30]), None, Split.train, config)
+    assert chosen.document_range is None and sorted(chosen.document_index.tolist()) == [3, 5, 17, 30]
+    _check_windows(chosen, documents)
+    with pytest.raises(TypeError, match=r"GPTDataset takes upstream's arguments \(indexed_dataset, dataset_path, "
+                                        r"indexed_indices, num_samples, index_split, config\)"):
+        GPTDataset(indexed, config, Split.train, (0, 32), 50)
 
 
 def test_consecutive_samples_share_one_token(corpus):
@@ -229,8 +254,8 @@ def test_config_errors_name_flags(tmp_path):
     with pytest.raises(ValueError, match="--mock-data"):
         GPTDatasetConfig(random_seed=1, sequence_length=8, mock=True)
     with pytest.raises(ValueError, match="weights"):
-        GPTDatasetConfig(random_seed=1, sequence_length=8, blend=(["x", "y"], [1.0]))
-    config = GPTDatasetConfig(random_seed=1, sequence_length=8, blend=(["x"], None))
+        GPTDatasetConfig(random_seed=1, sequence_length=8, blend=(["x", "y"], [1.0]), split="1")
+    config = GPTDatasetConfig(random_seed=1, sequence_length=8, blend=(["x"], None), split="1")
     with pytest.raises(Exception):
         config.sequence_length = 4  # frozen
 
@@ -239,7 +264,7 @@ def test_mock_dataset_is_deterministic():
     config = GPTDatasetConfig(random_seed=5, sequence_length=SEQ, mock=True, tokenizer=NullTokenizer(50))
     train, valid, test = build_gpt_datasets(config, (6, 4, 0))
     assert isinstance(train, MockGPTDataset) and (len(train), len(valid), test) == (6, 4, None)
-    again = MockGPTDataset(config, Split.train, 6)
+    again = MockGPTDataset(None, None, None, 6, Split.train, config)
     for i in range(6):
         sample = train[i]
         torch.testing.assert_close(sample, again[i], rtol=0, atol=0)
@@ -248,8 +273,8 @@ def test_mock_dataset_is_deterministic():
         assert 0 <= int(sample["tokens"].min()) and int(sample["tokens"].max()) < config.tokenizer.eod == 50
         torch.testing.assert_close(sample["tokens"][1:], sample["labels"][:-1], rtol=0, atol=0)
     assert not torch.equal(train[0]["tokens"], valid[0]["tokens"])
-    other_seed = MockGPTDataset(GPTDatasetConfig(random_seed=6, sequence_length=SEQ, mock=True,
-                                                 tokenizer=NullTokenizer(50)), Split.train, 6)
+    other_seed = MockGPTDataset(None, None, None, 6, Split.train, GPTDatasetConfig(
+        random_seed=6, sequence_length=SEQ, mock=True, tokenizer=NullTokenizer(50)))
     assert not torch.equal(train[0]["tokens"], other_seed[0]["tokens"])
 
 
@@ -260,13 +285,25 @@ class _MidVocabularyEodTokenizer:
     vocab_size = 6
 
 
+
+def test_mock_gpt_dataset_takes_upstreams_positional_arguments():
+    config = GPTDatasetConfig(random_seed=5, sequence_length=SEQ, mock=True, tokenizer=NullTokenizer(50))
+    _, valid, _ = build_gpt_datasets(config, (6, 4, 0))
+    by_hand = MockGPTDataset(None, None, None, 4, Split.valid, config)
+    assert (len(by_hand), by_hand.index_split) == (4, Split.valid)
+    assert all(torch.equal(by_hand[i]["tokens"], valid[i]["tokens"]) for i in range(4))
+    with pytest.raises(TypeError, match=r"MockGPTDataset takes upstream's arguments \(dataset, dataset_path, indices, "
+                                        r"num_samples, index_split, config\)"):
+        MockGPTDataset(config, Split.train, 4)
+
+
 @pytest.mark.parametrize("tokenizer, drawn_ids", [
     (NullTokenizer(5), [0, 1, 2, 3, 4]),  # the text ids of --vocab-size 5, below its eod 5
     (_MidVocabularyEodTokenizer(), [0, 1, 3, 4, 5]),
 ])
 def test_mock_dataset_draws_every_id_but_the_eod(tokenizer, drawn_ids):
-    dataset = MockGPTDataset(GPTDatasetConfig(random_seed=3, sequence_length=63, mock=True, tokenizer=tokenizer),
-                             Split.train, 4)
+    dataset = MockGPTDataset(None, None, None, 4, Split.train,
+                             GPTDatasetConfig(random_seed=3, sequence_length=63, mock=True, tokenizer=tokenizer))
     assert np.unique(np.concatenate([dataset.token_window(i) for i in range(4)])).tolist() == drawn_ids
 
 
@@ -274,8 +311,8 @@ def test_mock_dataset_rejects_an_eod_outside_the_vocabulary():
     tokenizer = _MidVocabularyEodTokenizer()
     tokenizer.eod = 6
     with pytest.raises(ValueError, match=r"--mock-data needs the tokenizer's eod id \(6\) inside"):
-        MockGPTDataset(GPTDatasetConfig(random_seed=3, sequence_length=8, mock=True, tokenizer=tokenizer),
-                       Split.train, 1)
+        MockGPTDataset(None, None, None, 1, Split.train,
+                       GPTDatasetConfig(random_seed=3, sequence_length=8, mock=True, tokenizer=tokenizer))
 
 
 def test_null_tokenizer_last_text_id_is_text_and_the_next_id_ends_documents():
@@ -285,7 +322,7 @@ def test_null_tokenizer_last_text_id_is_text_and_the_next_id_ends_documents():
     window = np.array([token for text in documents for token in tokenizer.tokenize(text) + [tokenizer.eod]])
     np.testing.assert_array_equal(window, [7, 49, 3, 50, 49, 49, 50, 0, 12, 49, 5, 50])
     config = GPTDatasetConfig(random_seed=1, sequence_length=len(window) - 1, blend=(["unused"], None),
-                              tokenizer=tokenizer, eod_mask_loss=True, reset_position_ids=True,
+                              split="1", tokenizer=tokenizer, eod_mask_loss=True, reset_position_ids=True,
                               reset_attention_mask=True, create_attention_mask=True)
     sample = sample_from_tokens(window, config)
     np.testing.assert_array_equal(sample["loss_mask"].numpy(), [1, 1, 1, 0, 1, 1, 0, 1, 1, 1, 1])

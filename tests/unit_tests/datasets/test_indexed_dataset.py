@@ -205,6 +205,28 @@ def test_upstream_constructor_and_helpers(small_dataset, tmp_path):
         IndexedDataset(small_dataset + "x", multimodal=True)
 
 
+
+def test_upstream_builder_calls_with_modes_and_document_index_accessors(tmp_path):
+    import torch
+
+    # Upstream's text builder takes (bin_path, dtype, multimodal=False) and a mode per item / modes per document,
+    # which it ignores; its reader answers sequence_modes None and has get/set_document_indices.
+    prefix = str(tmp_path / "modes")
+    builder = IndexedDatasetBuilder(prefix + ".bin", np.uint16, False)
+    builder.add_item(torch.tensor([4, 5]), 0)
+    builder.end_document()
+    builder.add_document(torch.tensor([1, 2, 3]), [2, 1], None)
+    builder.finalize(prefix + ".idx")
+    dataset = IndexedDataset(prefix)
+    assert [dataset[i].tolist() for i in range(len(dataset))] == [[4, 5], [1, 2], [3]]
+    assert dataset.sequence_modes is None and dataset.get_document_indices().tolist() == [0, 1, 3]
+    dataset.set_document_indices(np.array([0, 1, 2, 3]))
+    assert dataset.document_indices.tolist() == [0, 1, 2, 3] and dataset.num_documents == 3
+    with pytest.raises(ValueError, match="multimodal datasets .* are not supported"):
+        IndexedDatasetBuilder(str(tmp_path / "other.bin"), np.uint16, multimodal=True)
+    assert not os.path.exists(tmp_path / "other.bin")
+
+
 def test_no_mmap_reads_only_the_tokens_asked_for(tmp_path):
     # --no-mmap-bin-files, as upstream's file reader: a dataset far larger than memory opens and reads; neither
     # opening it nor reading a sequence holds a copy of the .bin (here 8 MB).

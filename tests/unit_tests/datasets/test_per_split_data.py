@@ -94,6 +94,20 @@ def test_per_split_json_and_data_args_file(prefixes, tmp_path):
     assert set.union(*(_source_of(train[i]) for i in range(len(train)))) == {"c", "d"}
 
 
+
+def test_split_with_per_split_paths_is_refused_as_upstream(prefixes, tmp_path):
+    # Upstream's --split defaults to None (969,30,1 filled in for --data-path only) and its config refuses
+    # split together with per-split blends, which read all of their datasets' documents.
+    split_file = tmp_path / "splits.json"
+    split_file.write_text(json.dumps({"train": [prefixes["a"]]}))
+    for flags in (["--train-data-path", prefixes["a"]], ["--per-split-data-args-path", str(split_file)]):
+        with pytest.raises(ValueError, match=r"^--split 8,1,1 divides the --data-path datasets into train/valid/test; "
+                                             r"with --train-data-path / .* drop --split"):
+            _args(flags + ["--split", "8,1,1"])
+        assert _args(flags).split is None and _datasets(_args(flags))[0].split is None
+    assert _args(["--data-path", prefixes["a"]]).split == "969, 30, 1"
+
+
 def test_no_mmap_and_builder_threads_read_the_same_samples(prefixes):
     flags = ["--data-path", "0.5", prefixes["a"], "0.5", prefixes["b"], "--split", "8,1,1"]
     _, mapped = _datasets(_args(flags))

@@ -35,8 +35,8 @@ def _upstream_keywords(**overrides):
 
 
 def test_labels_equal_to_the_tokenizers_own_pad_id_get_no_loss():
-    config = GPTDatasetConfig(random_seed=0, sequence_length=7, blend=(["unused"], None), tokenizer=_TokenizerWithPad(),
-                              create_attention_mask=False)
+    config = GPTDatasetConfig(random_seed=0, sequence_length=7, blend=(["unused"], None), split="1",
+                              tokenizer=_TokenizerWithPad(), create_attention_mask=False)
     window = np.array([5, 3, 3, 7, EOD, 3, 8, 9])
     sample = sample_from_tokens(window, config)
     # Labels are [3, 3, 7, EOD, 3, 8, 9]: positions 0, 1 and 4 are padding; pad ids read as 0 in tokens and labels.
@@ -52,7 +52,8 @@ def test_a_pad_that_is_the_eod_is_no_padding_token():
     assert tokenizer.pad == tokenizer.eod == 10
     assert pad_token_id(tokenizer) == PAD_TOKEN_ID == -1
     assert pad_token_id(EodOnlyTokenizer()) == -1 and pad_token_id(_TokenizerWithPad()) == 3
-    config = GPTDatasetConfig(random_seed=0, sequence_length=5, blend=(["unused"], None), tokenizer=tokenizer)
+    config = GPTDatasetConfig(random_seed=0, sequence_length=5, blend=(["unused"], None), split="1",
+                              tokenizer=tokenizer)
     sample = sample_from_tokens(np.array([1, 10, 2, 10, 4, 10]), config)
     np.testing.assert_array_equal(sample["loss_mask"].numpy(), [1, 1, 1, 1, 1])
     np.testing.assert_array_equal(sample["labels"].numpy(), [10, 2, 10, 4, 10])
@@ -64,8 +65,8 @@ def test_none_is_the_padding_sample_with_no_loss(tmp_path):
     config = GPTDatasetConfig(random_seed=5, sequence_length=8, blend=blend_from_data_path([prefix]), split="1",
                               tokenizer=EodOnlyTokenizer(), create_attention_mask=False)
     train, _, _ = build_gpt_datasets(config, (6, 0, 0))
-    mock = MockGPTDataset(GPTDatasetConfig(random_seed=5, sequence_length=8, mock=True, tokenizer=NullTokenizer(16)),
-                          Split.train, 4)
+    mock = MockGPTDataset(None, None, None, 4, Split.train,
+                          GPTDatasetConfig(random_seed=5, sequence_length=8, mock=True, tokenizer=NullTokenizer(16)))
     for dataset in (train, mock):
         padding, first = dataset[None], dataset[0]
         assert set(padding) == set(first)
@@ -97,8 +98,8 @@ def test_blended_samples_carry_their_dataset_id(tmp_path):
 
 def test_negative_indices_count_from_the_end_as_numpys(tmp_path):
     blend = _quarter_three_quarters_blend(tmp_path)
-    mock = MockGPTDataset(GPTDatasetConfig(random_seed=5, sequence_length=8, mock=True, tokenizer=NullTokenizer(16)),
-                          Split.train, 4)
+    mock = MockGPTDataset(None, None, None, 4, Split.train,
+                          GPTDatasetConfig(random_seed=5, sequence_length=8, mock=True, tokenizer=NullTokenizer(16)))
     for dataset in (blend, blend.datasets[1], mock):
         size = len(dataset)
         for key in ("tokens", "labels", "loss_mask"):
@@ -143,6 +144,16 @@ def test_split_matrix_is_upstreams():
     assert config.split_matrix == [(0.0, 0.9), (0.9, 1.0), None]
     per_split = GPTDatasetConfig(**_upstream_keywords(split=None, blend_per_split=[(["a"], None), None, None]))
     assert per_split.split_matrix is None
+
+
+def test_split_and_blend_per_split_are_exclusive_as_upstream():
+    # Upstream's config asserts "split and blend_per_split are incompatible"; its split defaults to None.
+    assert GPTDatasetConfig(random_seed=1, sequence_length=8, blend_per_split=[(["a"], None), None, None]).split is None
+    with pytest.raises(ValueError, match=r"split \('90,10,0', --split\) and blend_per_split \(--train-data-path / "
+                                         r"--valid-data-path / --test-data-path\) are exclusive, as upstream's: .* "
+                                         r"leave split None \(drop --split\)"):
+        GPTDatasetConfig(random_seed=1, sequence_length=8, split="90,10,0",
+                         blend_per_split=[(["a"], None), None, None])
 
 
 @pytest.mark.parametrize("keyword,value,message", [

@@ -2,6 +2,7 @@
 tensor-parallel ranks left without datasets by the provider."""
 
 import argparse
+import re
 
 import numpy as np
 import pytest
@@ -150,8 +151,9 @@ def test_token_ids_beyond_the_vocabulary_stop_the_first_batch_naming_the_dataset
         with pytest.raises(ValueError) as error:
             next(iterator)
         message = str(error.value)
-        assert f"the first batch read from dataset {bad} holds token id 300, outside the model's vocabulary of " \
-               "128 ids" in message
+        assert re.search(rf"sample \d+ of the (train|valid|test) split read from dataset {re.escape(bad)} holds token "
+                         rf"id 300 \(documents? \d+(, \d+)* of {re.escape(bad)}\.bin\), outside the model's "
+                         r"vocabulary of 128 ids", message), message
         assert good not in message  # the blend's other dataset is within the vocabulary
         assert "this run's tokenizer: --tokenizer-type NullTokenizer --vocab-size 99)" in message
         assert "Check --tokenizer-type, --vocab-size and --tokenizer-model / --vocab-file" in message
@@ -168,6 +170,75 @@ def test_token_ids_within_the_vocabulary_pass(tmp_path):
     for iterator in (train, valid, test):
         batches = [next(iterator) for _ in range(3)]
         assert max(int(batch["tokens"].max()) for batch in batches) == 127  # read, not refused
+
+
+
+def _write_with_one_corrupt_document(prefix, corrupt_document, token_id, dtype=np.uint16):
+    """60 documents of ids below the eod, `corrupt_document` holding `token_id` in its middle."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from tests.unit_tests.datasets.gpt_test_data import EOD
+
+    rng = np.random.default_rng(4)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
+    for document in range(60):
+        body = rng.integers(0, EOD, size=12)
+        if document == corrupt_document:
+            body[6] = token_id
+        builder.add_document(np.append(body, EOD), [13])
+    builder.finalize(prefix + ".idx")
+
+
+def test_a_corrupt_document_read_after_the_first_batch_stops_naming_it(tmp_path):
+    prefix = str(tmp_path / "late_text_document")
+    _write_with_one_corrupt_document(prefix, corrupt_document=47, token_id=300)
+    train, _, _ = _gpt_iterators([prefix], split="1,0,0")
+    next(train)  # the first batch holds no sample of document 47
+    with pytest.raises(ValueError) as error:
+        for _ in train:
+            pass
+    assert re.search(rf"sample \d+ of the train split read from dataset {re.escape(prefix)} holds token id 300 "
+                     rf"\(document 47 of {re.escape(prefix)}\.bin\), outside the model's vocabulary of 128 ids",
+                     str(error.value)), str(error.value)
+
+
+def test_a_negative_token_id_stops_naming_its_document(tmp_path):
+    prefix = str(tmp_path / "signed_text_document")
+    _write_with_one_corrupt_document(prefix, corrupt_document=3, token_id=-7, dtype=np.int32)
+    train, _, _ = _gpt_iterators([prefix], split="1,0,0")
+    with pytest.raises(ValueError, match=rf"holds token id -7 \(document 3 of {re.escape(prefix)}\.bin\), outside "
+                                         "the model's vocabulary of 128 ids"):
+        for _ in train:
+            pass
+
+
+class _TokenSamples:
+    """Samples of token ids 1, one of them (`bad_sample`) holding `token_id`: a dataset other than a GPTDataset."""
+
+    def __init__(self, size, bad_sample, token_id):
+        self.size, self.bad_sample, self.token_id = size, bad_sample, token_id
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        import torch
+
+        tokens = torch.ones(4, dtype=torch.int64)
+        if index == self.bad_sample:
+            tokens[2] = self.token_id
+        return {"tokens": tokens, "labels": tokens.roll(-1)}
+
+
+def test_every_batch_of_any_dataset_is_checked_against_the_vocabulary():
+    args = argparse.Namespace(**{**vars(ARGS), "dataloader_type": "single", "micro_batch_size": 2,
+                                 "global_batch_size": 2, "num_workers": 0, "seed": 0, "consumed_train_samples": 0,
+                                 "padded_vocab_size": 128, "tokenizer_type": "NullTokenizer", "vocab_size": 99})
+    train, _, _ = build_data_iterators(lambda counts: (_TokenSamples(8, 5, 200), None, None), args)
+    assert next(train)["tokens"].max() == 1 and next(train)["tokens"].max() == 1
+    with pytest.raises(ValueError, match="a batch read from a _TokenSamples holds token id 200, outside the model's "
+                                         r"vocabulary of 128 ids \(the padded vocabulary size of this run's tokenizer: "
+                                         r"--tokenizer-type NullTokenizer --vocab-size 99\)"):
+        next(train)
 
 
 def _tensor_parallel_pair(monkeypatch, other_rank_built):
