@@ -14,7 +14,8 @@ Weight decay goes from `start_wd` to `end_wd` over `wd_incr_steps` (constant | l
 Each param group receives `lr * group["lr_mult"]` and `wd * group["wd_mult"]` (both default 1); a group may
 override `max_lr`/`min_lr` (`--decoupled-lr` / `--decoupled-min-lr`: the embedding and output-layer groups).
 Those two are checked against a checkpoint like `max_lr`/`min_lr` and set on the groups on load, as the optimizer's
-own loading restores the checkpoint's group hyperparameters.
+own loading restores the checkpoint's group hyperparameters. Groups given differing `max_lr`/`min_lr` of their own
+(built by hand) are followed as they are, and left as the optimizer's loading restores them.
 """
 
 import math
@@ -60,8 +61,14 @@ class OptimizerParamScheduler:
         self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
         self.override_opt_param_scheduler = override_opt_param_scheduler
         self.num_steps = 0
-        # Positions of the groups with a learning rate of their own, and that rate (None: no such group).
-        self._decoupled_groups = [index for index, group in enumerate(optimizer.param_groups) if "max_lr" in group]
+        # Groups whose `max_lr` / `min_lr` differ from one another (built by hand, as upstream's per-group rates)
+        # keep them: the scheduler follows each and leaves them to the optimizer's own loading on resume.
+        group_rates = {(group["max_lr"], group.get("min_lr")) for group in optimizer.param_groups if "max_lr" in group}
+        self._groups_set_own_rates = len(group_rates) > 1
+        # Positions of the groups with the one learning rate of their own (--decoupled-lr), and that rate (None: no
+        # such group).
+        self._decoupled_groups = [] if self._groups_set_own_rates else [
+            index for index, group in enumerate(optimizer.param_groups) if "max_lr" in group]
         first = optimizer.param_groups[self._decoupled_groups[0]] if self._decoupled_groups else {}
         self.decoupled_lr = first.get("max_lr")
         self.decoupled_min_lr = first.get("min_lr", self.min_lr) if first else None
@@ -185,7 +192,7 @@ class OptimizerParamScheduler:
         for key in _CHECKED_KEYS:
             if key in state_dict and key not in skipped:
                 setattr(self, key, self._checked(key, getattr(self, key), state_dict[key]))
-        if "decoupled_lr" in state_dict or self.override_opt_param_scheduler:
+        if ("decoupled_lr" in state_dict or self.override_opt_param_scheduler) and not self._groups_set_own_rates:
             self._set_decoupled_lr_on_groups()
         self.num_steps = 0
         self.step(increment=state_dict["num_steps"])

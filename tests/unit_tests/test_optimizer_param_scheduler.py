@@ -176,3 +176,23 @@ def test_resume_without_decoupled_lr_keeps_the_embedding_on_the_global_schedule(
         optimizer, _ = _resumed(saved_optimizer, saved_scheduler, None, **flags)
         assert [group["lr"] for group in optimizer.param_groups] == pytest.approx([_expected_lr("linear", 60)] * 2)
         assert "max_lr" not in optimizer.param_groups[1]
+
+
+def test_groups_with_rates_of_their_own_keep_them_on_resume():
+    """Hand-built groups with differing `max_lr` / `min_lr` (upstream's per-group rates) are scheduled each on its
+    own, before and after a resume."""
+    def build():
+        groups = [{"params": [torch.nn.Parameter(torch.zeros(2))], "max_lr": 1.0, "min_lr": 0.1},
+                  {"params": [torch.nn.Parameter(torch.zeros(2))], "max_lr": 0.5, "min_lr": 0.05}]
+        optimizer = torch.optim.AdamW(groups, lr=1.0)
+        return optimizer, _scheduler(optimizer, "linear", use_checkpoint_opt_param_scheduler=False)
+
+    saved_optimizer, saved_scheduler = build()
+    saved_scheduler.step(increment=60)  # half-way through the decay
+    expected = [0.1 + 0.5 * 0.9, 0.05 + 0.5 * 0.45]
+    assert [group["lr"] for group in saved_optimizer.param_groups] == pytest.approx(expected)
+    optimizer, scheduler = build()
+    optimizer.load_state_dict(saved_optimizer.state_dict())
+    scheduler.load_state_dict(saved_scheduler.state_dict())
+    assert [group["lr"] for group in optimizer.param_groups] == pytest.approx(expected)
+    assert [group["max_lr"] for group in optimizer.param_groups] == [1.0, 0.5]

@@ -59,6 +59,15 @@ def fp32_grad(grad):
     return grad if grad.dtype == torch.float32 else grad.float()
 
 
+def reject_closure(optimizer, closure):
+    """Megatron optimizers, as upstream's, step on gradients already accumulated: they take no torch closure."""
+    if closure is not None:
+        raise TypeError(
+            f"{type(optimizer).__name__}.step() takes no closure (as upstream Megatron-LM's optimizers): run the "
+            "forward and backward passes yourself (e.g. `loss = closure()`), then call optimizer.step(); it returns "
+            "(update_successful, grad_norm, num_zeros_in_grad).")
+
+
 class MegatronOptimizer(ShardedStateDictMixin):
     """Common step logic around a `torch.optim.Optimizer` that steps on `main_params()`.
 
@@ -123,13 +132,21 @@ class MegatronOptimizer(ShardedStateDictMixin):
         return loss * self.get_loss_scale().to(loss.device)
 
     def zero_grad(self, set_to_none=True):
+        """As upstream (and torch): drop the gradients, or with `set_to_none=False` zero them in place (a gradient
+        that is a view of DDP's gradient buffer is zeroed there, which cannot detach it in place)."""
         for param in self.model_params() + self.main_params():
-            param.decoupled_grad = None
-            if set_to_none:
-                param.grad = None
-            elif param.grad is not None:
-                param.grad.detach_()
-                param.grad.zero_()
+            for grad_attr in ("grad", "decoupled_grad"):
+                grad = getattr(param, grad_attr, None)
+                if grad is None:
+                    continue
+                if set_to_none:
+                    setattr(param, grad_attr, None)
+                    continue
+                if grad.grad_fn is not None:
+                    grad.detach_()
+                else:
+                    grad.requires_grad_(False)
+                grad.zero_()
 
     def _dense_and_expert_stats(self, tensor_of):
         """`[(tensors counted once, groups to reduce over)]` for the dense and (if any) the expert main params."""
@@ -223,13 +240,14 @@ class MegatronOptimizer(ShardedStateDictMixin):
         return True
 
     @torch.no_grad()
-    def step(self):
+    def step(self, closure=None):
         """Returns `(update_successful, grad_norm, num_zeros_in_grad)`; fp16 overflow skips the update.
 
         With `config.timers` each phase is timed at level 1 under upstream's names: optimizer-copy-to-main-grad,
         optimizer-unscale-and-check-inf (with a loss scaler), optimizer-clip-main-grad (the norm and the clip),
         optimizer-count-zeros (with `log_num_zeros_in_grad`), optimizer-inner-step and
         optimizer-copy-main-to-model-params (where main and model parameters differ)."""
+        reject_closure(self, closure)
         if self.prepare_grads():
             return False, None, None
         with self._phase("optimizer-clip-main-grad"):
@@ -444,7 +462,8 @@ class ChainedOptimizer(MegatronOptimizer):
         return all([optimizer.step_with_ready_grads() for optimizer in self.chained_optimizers])
 
     @torch.no_grad()
-    def step(self):
+    def step(self, closure=None):
+        reject_closure(self, closure)
         if self.prepare_grads():
             return False, None, None
         with self._phase("optimizer-clip-main-grad"):

@@ -274,6 +274,11 @@ def test_distributed_optimizer_offloads_buffer_views_by_copy_and_main_copies_by_
         (dict(optimizer_cpu_offload=True, use_precision_aware_optimizer=True, use_distributed_optimizer=True,
               use_torch_optimizer_for_cpu_offload=True, exp_avg_dtype=torch.bfloat16),
          r"keeps fp32 state; drop --exp-avg-dtype"),
+        # Refused when the config is built, not at the first step on an accelerator (the host part's optimizer).
+        (dict(optimizer_cpu_offload=True, use_precision_aware_optimizer=True, use_distributed_optimizer=True,
+              optimizer_offload_fraction=0.3, exp_avg_sq_dtype=torch.float16),
+         r"--exp-avg-sq-dtype fp16\) with optimizer_cpu_offload \(--optimizer-cpu-offload\).*"
+         r"use --exp-avg-sq-dtype bf16"),
     ],
 )
 def test_config_rules_name_the_flags(kwargs, message):
