@@ -127,12 +127,7 @@ class ModelParallelConfig:
     def _validate_virtual_pipeline(self):
         chunks = self.virtual_pipeline_model_parallel_size
         if chunks is None:
-            if self.microbatch_group_size_per_vp_stage is not None:
-                raise ValueError(
-                    "--microbatch-group-size-per-virtual-pipeline-stage needs an interleaved pipeline: set "
-                    "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank"
-                )
-            return
+            return  # as upstream, microbatch_group_size_per_vp_stage is unused without an interleaved pipeline
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(
                 f"--num-virtual-stages-per-pipeline-rank (virtual_pipeline_model_parallel_size) must be an integer "

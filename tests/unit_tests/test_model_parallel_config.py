@@ -61,13 +61,17 @@ def test_subclass_extends_validation():
         (dict(virtual_pipeline_model_parallel_size=2), "needs --pipeline-model-parallel-size > 1"),
         (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
               microbatch_group_size_per_vp_stage=1), "--microbatch-group-size-per-virtual-pipeline-stage"),
-        (dict(microbatch_group_size_per_vp_stage=2), "needs an interleaved pipeline"),
         (dict(pipeline_dtype=torch.int64), "pipeline_dtype must be one of"),
     ],
 )
 def test_invalid_combinations_name_the_flag(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ModelParallelConfig(**kwargs)
+
+
+def test_microbatch_group_size_without_interleaving_is_accepted_as_upstream():
+    config = ModelParallelConfig(pipeline_model_parallel_size=2, microbatch_group_size_per_vp_stage=4)
+    assert (config.virtual_pipeline_model_parallel_size, config.microbatch_group_size_per_vp_stage) == (None, 4)
 
 
 def test_valid_precisions():

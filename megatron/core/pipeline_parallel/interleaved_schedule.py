@@ -160,7 +160,7 @@ def forward_backward_pipelining_with_interleaving(
         is_last_stage = plan.is_last_virtual_stage(chunk)
         output_tensor, num_tokens = microbatch.forward_step(
             forward_step_func, iterators[chunk], model[chunk], num_microbatches, input_tensor, forward_data_store,
-            config, collect_non_loss_data, is_last_stage=is_last_stage,
+            config, collect_non_loss_data, is_last_stage=is_last_stage, forward_only=forward_only,
         )  # fmt: skip
         total_num_tokens = total_num_tokens + num_tokens
         if not forward_only:

@@ -37,12 +37,12 @@ def _unpack_loss(outputs):
 
 
 def forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor, forward_data_store, config,
-                 collect_non_loss_data=False, is_last_stage=True):
+                 collect_non_loss_data=False, is_last_stage=True, forward_only=False):
     """One microbatch forward, timed as `forward-compute` (level 2) when the config carries timers; see
     `_forward_step`."""
     with timed(schedule_setting(config, "timers"), "forward-compute", log_level=2):
         return _forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor,
-                             forward_data_store, config, collect_non_loss_data, is_last_stage)
+                             forward_data_store, config, collect_non_loss_data, is_last_stage, forward_only)
 
 
 def _forward_step(
@@ -55,12 +55,13 @@ def _forward_step(
     config,
     collect_non_loss_data=False,
     is_last_stage=True,
+    forward_only=False,
 ):
     """Run one microbatch forward; returns (output tensor or scaled loss, number of tokens in its loss or 0).
 
     On the last stage the loss function runs here: its report goes to `forward_data_store`, and the returned
-    tensor is the loss ready for backward (divided by `num_microbatches`, and by the token count for a
-    3-tuple loss, unless `calculate_per_token_loss`). Elsewhere the stage's output activation is returned.
+    tensor is the loss ready for backward (divided by `num_microbatches`, and by the token count, at least 1, for
+    a 3-tuple loss, unless `calculate_per_token_loss`). Elsewhere the stage's output activation is returned.
     """
     set_input_tensor(model, input_tensor)
     set_aux_loss_backward_scale(config, num_microbatches)  # MoE auxiliary losses: scaled like this loss
@@ -74,6 +75,12 @@ def _forward_step(
 
     loss, loss_num_tokens, reported = _unpack_loss(loss_func(output_tensor))
     per_token_loss = schedule_setting(config, "calculate_per_token_loss")
+    if per_token_loss and loss_num_tokens is None and not forward_only:
+        raise ValueError(
+            "calculate_per_token_loss (--calculate-per-token-loss) divides the gradients by the tokens the losses "
+            "counted, so loss_func must return the 3-tuple (loss_sum, num_tokens, {'lm loss': tensor([sum, "
+            "count])}), got a (loss, report) 2-tuple; return the 3-tuple or drop the flag"
+        )
     cp_group = _context_parallel_group()
     if loss_num_tokens is not None:
         # Under context parallelism this rank's sum and count cover its part of each sequence: the loss becomes
@@ -83,7 +90,8 @@ def _forward_step(
         # int64 on every stage, so that stages without a loss (count 0) can exchange counts with the last one.
         num_tokens = loss_num_tokens.detach().round().to(torch.int64)
         if not per_token_loss:
-            loss = loss / loss_num_tokens
+            # As upstream, a microbatch whose tokens are all masked gives a zero loss, not 0 / 0.
+            loss = loss / loss_num_tokens.clamp(min=1)
     elif cp_group is not None:
         # A (loss, report) loss function gives this rank's loss of the whole sequence, as upstream's
         # does by all-reducing its sum and count over the CP ranks: the gradient reduction averages over DP x CP,

@@ -6,7 +6,8 @@ waits for all of them before returning, so two stages that call matching functio
 never wait on each other in the wrong order, on gloo as on NCCL. Receive buffers are allocated from the shape
 known up front (`[seq_length, micro_batch_size, hidden_size]`, the sequence split over context-parallel ranks
 and, with sequence parallelism, over tensor-parallel ranks); with `variable_seq_lengths` the shapes are
-exchanged first. Peers are the global ranks of the next and previous pipeline stage.
+exchanged first (also around the interleaved pipeline's ring). Peers are the global ranks of the next and
+previous pipeline stage.
 """
 
 import torch
@@ -243,9 +244,12 @@ def send_backward_recv_forward(input_tensor_grad, tensor_shape, config):
 # ---------------------------------------------------------------------------------------------------------
 
 # Activations and gradients travel with their own tags, so a receive matches the next transfer of its kind even
-# when an earlier send of the other kind to the same rank (two ranks: next == prev) is still pending.
+# when an earlier send of the other kind to the same rank (two ranks: next == prev) is still pending. With
+# variable_seq_lengths each transfer is preceded by one of its shape, under tags of its own.
 ACTIVATION_TAG = 1
 GRADIENT_TAG = 2
+ACTIVATION_SHAPE_TAG = 3
+GRADIENT_SHAPE_TAG = 4
 
 
 def ring_exchange(*, activation_to_next, grad_to_prev, recv_activation, recv_grad, tensor_shape, config,
@@ -257,32 +261,62 @@ def ring_exchange(*, activation_to_next, grad_to_prev, recv_activation, recv_gra
     exchanges that pair up match in posting order. Only the receives are waited for here: the send requests
     are appended to `pending_sends` (call `wait_for_sends` with it before the tensors are reused or the
     schedule returns), so a rank never waits for a neighbour to reach the step that consumes what it sent.
+    With `variable_seq_lengths` the shapes go first, in an exchange of the same form.
     """
-    if schedule_setting(config, "variable_seq_lengths"):
-        raise ValueError("the interleaved pipeline schedule needs fixed activation shapes; set variable_seq_lengths "
-                         "False (or drop the virtual pipeline flags)")
     group = parallel_state.get_pipeline_model_parallel_group()
     device = get_device_for_group(group)
     dtype = pipeline_dtype(config)
+    variable_shapes = schedule_setting(config, "variable_seq_lengths")
+    expected_shape = None if variable_shapes else tensor_shape
+    if activation_to_next is not None:
+        _check_outgoing(activation_to_next, expected_shape, dtype, "the activation sent to the next stage")
+        activation_to_next = activation_to_next.detach().contiguous()
+    if grad_to_prev is not None:
+        _check_outgoing(grad_to_prev, expected_shape, dtype, "the gradient sent to the previous stage")
+        grad_to_prev = grad_to_prev.detach().contiguous()
+    activation_shape_in = grad_shape_in = tensor_shape
+    if variable_shapes:
+        def shape_of(tensor):
+            return None if tensor is None else torch.tensor(tensor.shape, dtype=torch.int64, device=device)
+
+        activation_shape_in, grad_shape_in = _post_ring_exchange(
+            shape_of(activation_to_next), shape_of(grad_to_prev),
+            torch.empty(SHAPE_RANK, dtype=torch.int64, device=device) if recv_activation else None,
+            torch.empty(SHAPE_RANK, dtype=torch.int64, device=device) if recv_grad else None,
+            (ACTIVATION_SHAPE_TAG, GRADIENT_SHAPE_TAG), pending_sends,
+        )
+        activation_shape_in, grad_shape_in = (None if shape is None else tuple(shape.tolist())
+                                              for shape in (activation_shape_in, grad_shape_in))
+    received_activation, received_grad = _post_ring_exchange(
+        activation_to_next, grad_to_prev,
+        torch.empty(activation_shape_in, dtype=dtype, device=device) if recv_activation else None,
+        torch.empty(grad_shape_in, dtype=dtype, device=device) if recv_grad else None,
+        (ACTIVATION_TAG, GRADIENT_TAG), pending_sends,
+    )
+    _drop_completed(pending_sends)
+    if received_activation is not None:
+        received_activation.requires_grad_()
+    return received_activation, received_grad
+
+
+def _post_ring_exchange(activation_to_next, grad_to_prev, activation_buffer, grad_buffer, tags, pending_sends):
+    """Post the given sends and receives (None: not in this exchange) under (activation tag, gradient tag); wait
+    for the receives, append the sends to `pending_sends`; returns the two receive buffers."""
+    group = parallel_state.get_pipeline_model_parallel_group()
     next_rank = parallel_state.get_pipeline_model_parallel_next_rank()
     prev_rank = parallel_state.get_pipeline_model_parallel_prev_rank()
+    activation_tag, gradient_tag = tags
     sends, receives = [], []
-    received_activation = received_grad = None
     if activation_to_next is not None:
-        _check_outgoing(activation_to_next, tensor_shape, dtype, "the activation sent to the next stage")
-        sends.append(dist.P2POp(dist.isend, activation_to_next.detach().contiguous(), next_rank, group,
-                                ACTIVATION_TAG))
-    if recv_activation:
-        received_activation = torch.empty(tensor_shape, dtype=dtype, device=device)
-        receives.append(dist.P2POp(dist.irecv, received_activation, prev_rank, group, ACTIVATION_TAG))
+        sends.append(dist.P2POp(dist.isend, activation_to_next, next_rank, group, activation_tag))
+    if activation_buffer is not None:
+        receives.append(dist.P2POp(dist.irecv, activation_buffer, prev_rank, group, activation_tag))
     if grad_to_prev is not None:
-        _check_outgoing(grad_to_prev, tensor_shape, dtype, "the gradient sent to the previous stage")
-        sends.append(dist.P2POp(dist.isend, grad_to_prev.detach().contiguous(), prev_rank, group, GRADIENT_TAG))
-    if recv_grad:
-        received_grad = torch.empty(tensor_shape, dtype=dtype, device=device)
-        receives.append(dist.P2POp(dist.irecv, received_grad, next_rank, group, GRADIENT_TAG))
-    operations = _posting_order(activation_to_next is not None, bool(recv_activation), grad_to_prev is not None,
-                                bool(recv_grad), sends, receives)
+        sends.append(dist.P2POp(dist.isend, grad_to_prev, prev_rank, group, gradient_tag))
+    if grad_buffer is not None:
+        receives.append(dist.P2POp(dist.irecv, grad_buffer, next_rank, group, gradient_tag))
+    operations = _posting_order(activation_to_next is not None, activation_buffer is not None,
+                                grad_to_prev is not None, grad_buffer is not None, sends, receives)
     if operations:
         requests = dist.batch_isend_irecv(operations)
         for operation, request in zip(operations, requests):
@@ -290,10 +324,7 @@ def ring_exchange(*, activation_to_next, grad_to_prev, recv_activation, recv_gra
                 pending_sends.append((request, operation.tensor))
             else:
                 request.wait()
-    _drop_completed(pending_sends)
-    if received_activation is not None:
-        received_activation.requires_grad_()
-    return received_activation, received_grad
+    return activation_buffer, grad_buffer
 
 
 def _posting_order(send_next, recv_prev, send_prev, recv_next, sends, receives):

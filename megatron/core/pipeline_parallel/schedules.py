@@ -47,11 +47,16 @@ from megatron.core.pipeline_parallel import tensor_shapes as _tensor_shapes
 get_tensor_shapes = _tensor_shapes.get_tensor_shapes  # upstream's name in this module
 
 
-def get_forward_backward_func():
+def get_forward_backward_func(pp_size=None, vp_size=None):
     """The schedule for this rank: interleaved 1F1B with several model chunks per pipeline rank (virtual
-    stages), 1F1B with several pipeline stages, else no pipelining."""
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        if (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
+    stages), 1F1B with several pipeline stages, else no pipelining. `pp_size` / `vp_size` (upstream's keywords)
+    override the pipeline and virtual pipeline sizes read from parallel_state."""
+    if pp_size is None:
+        pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    if vp_size is None:
+        vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if pp_size > 1:
+        if (vp_size or 1) > 1:
             from megatron.core.pipeline_parallel.interleaved_schedule import (
                 forward_backward_pipelining_with_interleaving,
             )
@@ -137,7 +142,7 @@ def forward_backward_no_pipelining(
             grad_sync.enable()
         output_tensor, num_tokens = forward_step(
             forward_step_func, data_iterator, model, num_microbatches, None, forward_data_store, config,
-            collect_non_loss_data, is_last_stage=True,
+            collect_non_loss_data, is_last_stage=True, forward_only=forward_only,
         )  # fmt: skip
         total_num_tokens = total_num_tokens + num_tokens
         if not forward_only:
@@ -191,7 +196,7 @@ def forward_backward_pipelining_without_interleaving(
         nonlocal total_num_tokens
         output_tensor, num_tokens = forward_step(
             forward_step_func, data_iterator, model, num_microbatches, input_tensor, forward_data_store, config,
-            collect_non_loss_data, is_last_stage=is_last_stage,
+            collect_non_loss_data, is_last_stage=is_last_stage, forward_only=forward_only,
         )  # fmt: skip
         total_num_tokens = total_num_tokens + num_tokens
         return output_tensor

@@ -44,8 +44,7 @@ def _add_pipeline_arguments(group):
                        "error.")
     group.add_argument("--variable-seq-lengths", action="store_true",
                        help="Sequence lengths may differ between microbatches: pipeline stages exchange each "
-                       "activation's shape before it (one small extra transfer per exchange). Not with an "
-                       "interleaved pipeline.")
+                       "activation's shape before it (one small extra transfer per exchange).")
     for name, what in (("grad-reduce", "gradient reductions"), ("param-gather", "parameter all-gathers")):
         dest = "align_" + name.replace("-", "_")
         group.add_argument(f"--align-{name}", action="store_true", dest=dest, default=True,
@@ -119,18 +118,15 @@ def validate(args):
         args.overlap_p2p_comm = False
         args.overlap_p2p_comm_warmup_flush = False
         args.align_param_gather = False
-    _validate_pipeline(args, interleaved)
+    _validate_pipeline(args)
     _validate_gpu_only(args)
     _validate_process_groups(args)
 
 
-def _validate_pipeline(args, interleaved):
+def _validate_pipeline(args):
     if args.use_ring_exchange_p2p:
         raise ValueError("--use-ring-exchange-p2p needs torch.distributed.ring_exchange (a custom PyTorch build); "
                          "pipeline stages here exchange with batch_isend_irecv: drop the flag")
-    if args.variable_seq_lengths and interleaved:
-        raise ValueError("--variable-seq-lengths is not supported by the interleaved pipeline schedule (its "
-                         "exchanges need fixed activation shapes): drop it or the virtual pipeline flags")
     if args.wgrad_deferral_limit < 0:
         raise ValueError(f"--wgrad-deferral-limit must be >= 0, got {args.wgrad_deferral_limit}")
     if args.wgrad_deferral_limit and not args.defer_embedding_wgrad_compute:

@@ -5,10 +5,13 @@ Upstream's rules: give at most one of `--num-layers-per-virtual-pipeline-stage` 
 itself (its stage count / p), and either flag given with it must agree; the layers of a pipeline stage
 (L / p, or what the uneven-split flags of `pipeline_split` give it) must divide into the virtual stages; the
 microbatches of a global batch (M) must fit groups of N = `--microbatch-group-size-per-virtual-pipeline-stage`
-(default p): p <= N <= M and M mod N is 0 or at least p. One virtual stage per rank is the plain
-1F1B pipeline (`args.virtual_pipeline_model_parallel_size` is then None). Each chunk is wrapped on its own (DDP,
-the distributed optimizer, Megatron-FSDP or FSDP2); one optimizer steps them all.
+(default p): p <= N <= M and M mod N is 0 or at least p; without an interleaved pipeline N is ignored (with a
+warning), as upstream. One virtual stage per rank is the plain 1F1B pipeline
+(`args.virtual_pipeline_model_parallel_size` is then None). Each chunk is wrapped on its own (DDP, the distributed
+optimizer, Megatron-FSDP or FSDP2); one optimizer steps them all.
 """
+
+import warnings
 
 from megatron.core.pipeline_parallel.interleaved_plan import check_microbatches
 from megatron.core.transformer.pipeline_parallel_layer_layout import LAYOUT_FLAG
@@ -42,8 +45,7 @@ def validate(args):
     args.virtual_pipeline_model_parallel_size = None
     layout = parsed_layout(args)
     if layout is None and layers is None and stages is None:
-        if args.microbatch_group_size_per_virtual_pipeline_stage is not None:
-            raise ValueError(f"{GROUP_FLAG} needs an interleaved pipeline: set {LAYERS_FLAG} or {STAGES_FLAG}")
+        _group_size_unused(args)
         return
     if layers is not None and stages is not None:
         raise ValueError(f"give either {LAYERS_FLAG} or {STAGES_FLAG}, not both")
@@ -65,12 +67,18 @@ def validate(args):
             raise ValueError(f"{LAYOUT_FLAG} {layout.text!r} has {len(layout.stages)} stages: an interleaved "
                              "pipeline needs --pipeline-model-parallel-size > 1 (one stage per pipeline rank)")
     if stages == 1:
-        if args.microbatch_group_size_per_virtual_pipeline_stage is not None:
-            raise ValueError(f"{GROUP_FLAG} needs at least two virtual stages per pipeline rank")
+        _group_size_unused(args)
         return  # one chunk per rank: plain 1F1B
     args.virtual_pipeline_model_parallel_size = stages
     num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     check_microbatches(num_microbatches, pp, args.microbatch_group_size_per_virtual_pipeline_stage)
+
+
+def _group_size_unused(args):
+    """As upstream, the group size is accepted without an interleaved pipeline, where it changes nothing."""
+    if args.microbatch_group_size_per_virtual_pipeline_stage is not None:
+        warnings.warn(f"{GROUP_FLAG} has no effect without an interleaved pipeline (set {LAYERS_FLAG} or "
+                      f"{STAGES_FLAG} to at least 2 virtual stages); ignoring it")
 
 
 def _stages_from_layers_per_stage(args, layers, layout=None):

@@ -210,6 +210,39 @@ def test_variable_sequence_lengths(world_size):
     _check_against_reference(results, 2, 4)
 
 
+def _interleaved_variable_lengths(seq_lengths):
+    """Two ranks of two chunks, one toy layer each (chunk c of rank r holds layer 2c + r), microbatches of
+    different sequence lengths: (losses, reference losses, max gradient error)."""
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    try:
+        rank = parallel_state.get_pipeline_model_parallel_rank()
+        layers = toy_stages.build_layers()
+        config = ToyConfig(variable_seq_lengths=True)
+        chunks = [toy_stages.ToyStage([layers[2 * chunk + rank]], chunk == 0 and rank == 0, config)
+                  for chunk in range(2)]
+        batches = make_batches(len(seq_lengths), seq_lengths=seq_lengths)
+        reported = get_forward_backward_func()(
+            forward_step_func=toy_stages.forward_step_mean_loss, data_iterator=iter(batches), model=chunks,
+            num_microbatches=len(batches), seq_length=SEQ_LENGTH, micro_batch_size=MICRO_BATCH_SIZE,
+        )
+        reference_losses, reference_grads = reference_losses_and_grads(batches)
+        grad_error = max((parameter.grad - expected).abs().max().item() for chunk in range(2)
+                         for parameter, expected in zip(layers[2 * chunk + rank].parameters(),
+                                                        reference_grads[2 * chunk + rank]))
+        return [item["lm loss"].item() for item in reported], reference_losses, grad_error
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_interleaved_pipeline_with_variable_sequence_lengths(world_size):
+    """As upstream, --variable-seq-lengths also works with virtual pipeline stages: the shapes travel first."""
+    (first_losses, _, first_error), (losses, reference, last_error) = run_on_ranks(
+        world_size, _interleaved_variable_lengths, [4, 2, 5, 3])
+    assert first_losses == [] and losses == pytest.approx(reference, abs=TOLERANCE, rel=TOLERANCE)
+    assert first_error < TOLERANCE and last_error < TOLERANCE
+
+
 @pytest.mark.parametrize("world_size", [2])
 def test_grad_scale_func_scales_the_backward(world_size):
     results = run_on_ranks(world_size, _run_schedule_against_reference, 2, 3, {"grad_scale": 8.0})
@@ -235,6 +268,15 @@ def test_get_forward_backward_func_follows_pipeline_size(world_size):
 # ---------------------------------------------------------------------------------------------------------
 # Single stage (no process group needed)
 # ---------------------------------------------------------------------------------------------------------
+
+
+def test_get_forward_backward_func_takes_upstreams_size_keywords():
+    from megatron.core.pipeline_parallel.interleaved_schedule import forward_backward_pipelining_with_interleaving
+
+    assert get_forward_backward_func(pp_size=1) is forward_backward_no_pipelining
+    assert get_forward_backward_func(pp_size=2) is forward_backward_pipelining_without_interleaving
+    assert get_forward_backward_func(pp_size=2, vp_size=1) is forward_backward_pipelining_without_interleaving
+    assert get_forward_backward_func(pp_size=4, vp_size=2) is forward_backward_pipelining_with_interleaving
 
 
 def _single_stage_model(config=None):
@@ -319,6 +361,42 @@ def test_no_pipelining_per_token_loss_hands_token_count_to_finalize():
     _, reference_grads = reference_losses_and_grads(batches, "token_mean_global")
     assert finalize_calls == [sum(batch["loss_mask"].sum().item() for batch in batches)]
     assert max_grad_error(model, reference_grads, 0, 1) < TOLERANCE
+
+
+def test_fully_masked_microbatch_adds_zero_loss_not_nan():
+    """As upstream, a 3-tuple loss divides by max(num_tokens, 1): a microbatch with every token masked contributes
+    nothing, and the others keep their gradients."""
+    batches = make_batches(2)
+    batches[1]["loss_mask"] = torch.zeros_like(batches[1]["loss_mask"])
+    model = _single_stage_model()
+    reported = forward_backward_no_pipelining(
+        forward_step_func=toy_stages.forward_step_token_loss, data_iterator=iter(batches), model=model,
+        num_microbatches=2, seq_length=SEQ_LENGTH, micro_batch_size=MICRO_BATCH_SIZE,
+    )
+    assert reported[1]["lm loss"].tolist() == [0.0, 0.0]
+    reference = _single_stage_model()
+    reference_loss = toy_stages.forward_step_token_loss(iter(batches[:1]), reference)
+    loss_sum, num_tokens, _ = reference_loss[1](reference_loss[0])
+    (loss_sum / num_tokens / 2).backward()
+    for parameter, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(parameter.grad, expected.grad, atol=1e-6, rtol=1e-6)
+
+
+def test_per_token_loss_refuses_a_two_tuple_loss_func():
+    """A (loss, report) loss counts no tokens: the gradients would be divided by zero tokens at the step's end."""
+    model = _single_stage_model(ToyConfig(calculate_per_token_loss=True))
+    with pytest.raises(ValueError, match=r"calculate_per_token_loss \(--calculate-per-token-loss\) .* loss_func must "
+                                         r"return the 3-tuple .* got a \(loss, report\) 2-tuple"):
+        forward_backward_no_pipelining(
+            forward_step_func=toy_stages.forward_step_mean_loss, data_iterator=iter(make_batches(1)), model=model,
+            num_microbatches=1, seq_length=SEQ_LENGTH, micro_batch_size=MICRO_BATCH_SIZE,
+        )
+    reported = forward_backward_no_pipelining(  # forward only: no gradients to divide, the reports come back
+        forward_step_func=toy_stages.forward_step_mean_loss, data_iterator=iter(make_batches(1)), model=model,
+        num_microbatches=1, seq_length=SEQ_LENGTH, micro_batch_size=MICRO_BATCH_SIZE, forward_only=True,
+    )
+    assert [item["lm loss"].item() for item in reported] == pytest.approx(reference_losses_and_grads(
+        make_batches(1))[0], abs=1e-6)
 
 
 def test_schedule_rejects_several_model_chunks_and_bad_loss_func():

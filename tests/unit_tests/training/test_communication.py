@@ -41,11 +41,11 @@ def test_accepted_switches():
                      "--variable-seq-lengths")
     assert core_transformer_config_from_args(args).variable_seq_lengths
     assert args.rank_order == parallel_state.DEFAULT_ORDER
+    assert validated(INTERLEAVED + " --variable-seq-lengths").variable_seq_lengths  # as upstream
 
 
 @pytest.mark.parametrize("extra, message", [
     ("--use-ring-exchange-p2p", "--use-ring-exchange-p2p needs torch.distributed.ring_exchange"),
-    (INTERLEAVED + " --variable-seq-lengths", "--variable-seq-lengths is not supported by the interleaved"),
     ("--wgrad-deferral-limit 2", "--wgrad-deferral-limit needs --defer-embedding-wgrad-compute"),
     ("--delay-wgrad-compute", "--delay-wgrad-compute needs Transformer Engine"),
     ("--tp-comm-overlap", "--tp-comm-overlap needs Transformer Engine's userbuffers"),

@@ -30,6 +30,13 @@ def test_per_layer_and_hierarchical_comm_types_reach_the_config(monkeypatch):
     assert (config.cp_comm_type, config.hierarchical_context_parallel_sizes) == (("a2a+p2p", "allgather"), (2, 2))
 
 
+def test_hierarchical_sizes_without_a2a_p2p_are_accepted_as_upstream(monkeypatch):
+    args = validated("--context-parallel-size 4 --hierarchical-context-parallel-sizes 2 2", 4, monkeypatch)
+    assert (args.cp_comm_type, args.hierarchical_context_parallel_sizes) == ("p2p", [2, 2])
+    args.padded_vocab_size = 128
+    assert core_transformer_config_from_args(args).hierarchical_context_parallel_sizes == (2, 2)
+
+
 @pytest.mark.parametrize("seq_length, tp, world_size", [(36, 2, 4), (12, 2, 4), (24, 4, 8)])
 def test_sequence_parallel_under_cp_needs_only_each_ranks_tokens_to_divide_by_tp(monkeypatch, seq_length, tp,
                                                                                  world_size):
@@ -55,8 +62,8 @@ def test_sequence_parallel_under_cp_needs_only_each_ranks_tokens_to_divide_by_tp
         ("--context-parallel-size 2 --cp-comm-type ring", 2, r"--cp-comm-type must be one of"),
         ("--context-parallel-size 2 --cp-comm-type p2p a2a p2p", 2,
          r"--cp-comm-type takes one value for every layer or one per layer \(--num-layers 2\), got 3 values"),
-        ("--context-parallel-size 2 --hierarchical-context-parallel-sizes 2 1", 2,
-         r"--hierarchical-context-parallel-sizes \[2, 1\] is used only by --cp-comm-type a2a\+p2p"),
+        ("--context-parallel-size 2 --hierarchical-context-parallel-sizes 2 2", 2,
+         r"--hierarchical-context-parallel-sizes \[2, 2\]: the product must equal --context-parallel-size \(2\)"),
         ("--context-parallel-size 4 --cp-comm-type a2a+p2p", 4, r"a2a\+p2p needs --hierarchical-context-parallel-sizes"),
         ("--cp-comm-type a2a+p2p", 1,
          r"^--cp-comm-type a2a\+p2p needs --hierarchical-context-parallel-sizes INNER OUTER .* at "

@@ -45,7 +45,6 @@ def test_chunks_per_rank(extra, chunks):
       r"--microbatch-group-size-per-virtual-pipeline-stage$"),
      ("--num-virtual-stages-per-pipeline-rank 2 --global-batch-size 4 "
       "--microbatch-group-size-per-virtual-pipeline-stage 8", "between --pipeline-model-parallel-size"),
-     ("--microbatch-group-size-per-virtual-pipeline-stage 2 --global-batch-size 4", "needs an interleaved pipeline"),
      ("--num-layers-per-virtual-pipeline-stage 0 --global-batch-size 4",
       r"--num-layers-per-virtual-pipeline-stage must be at least 1, got 0"),
      ("--num-layers-per-virtual-pipeline-stage -2 --global-batch-size 4",
@@ -54,6 +53,16 @@ def test_chunks_per_rank(extra, chunks):
 def test_rules_name_the_flags(extra, message):
     with pytest.raises(ValueError, match=message):
         validated(extra)
+
+
+@pytest.mark.parametrize("extra", ["--global-batch-size 3", "--num-virtual-stages-per-pipeline-rank 1 "
+                                                         "--global-batch-size 3"])
+def test_group_size_without_interleaving_is_ignored_as_upstream(extra):
+    """Upstream accepts the group size with a plain 1F1B pipeline, where it changes nothing (here: a warning)."""
+    with pytest.warns(UserWarning, match="--microbatch-group-size-per-virtual-pipeline-stage has no effect without "
+                                         "an interleaved pipeline"):
+        args = validated(f"{extra} --microbatch-group-size-per-virtual-pipeline-stage 4")
+    assert args.virtual_pipeline_model_parallel_size is None
 
 
 def test_needs_a_pipeline():

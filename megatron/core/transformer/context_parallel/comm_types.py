@@ -4,6 +4,7 @@ comm type to the layout (pure validation, no communication).
 `--cp-comm-type` takes one value for every layer or one value per layer (in global layer order). `a2a+p2p` is the
 hierarchical type: all-to-all over heads inside the inner groups of `--hierarchical-context-parallel-sizes` and a
 p2p ring across the outer groups; it needs exactly those two sizes, whose product is the context-parallel size.
+Other comm types accept the sizes (as upstream) without using them.
 """
 
 CP_COMM_TYPES = ("p2p", "allgather", "a2a", "a2a+p2p")
@@ -50,10 +51,12 @@ def comm_types_in_use(cp_comm_type):
 
 
 def validate_hierarchical_sizes(hierarchical_sizes, context_parallel_size, cp_comm_type):
-    """The checked `(inner a2a size, outer p2p size)` tuple, or None; ValueError naming the flags.
+    """The checked tuple of `--hierarchical-context-parallel-sizes` (inner to outer), or None; ValueError naming the
+    flags.
 
-    `--hierarchical-context-parallel-sizes` is read only by `a2a+p2p`, so it is required with it and refused
-    without it (it would otherwise be ignored).
+    As upstream, the sizes are required with `a2a+p2p` (exactly two there: the all-to-all size inside, the p2p ring
+    size across) and their product must be the context-parallel size; without `a2a+p2p` they are accepted (the
+    hierarchical groups are built) and no attention uses them.
     """
     hierarchical = HIERARCHICAL_COMM_TYPE in comm_types_in_use(cp_comm_type)
     if hierarchical_sizes is None:
@@ -65,17 +68,19 @@ def validate_hierarchical_sizes(hierarchical_sizes, context_parallel_size, cp_co
             )
         return None
     sizes = tuple(hierarchical_sizes)
-    if not hierarchical:
+    if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
         raise ValueError(
-            f"--hierarchical-context-parallel-sizes {list(sizes)} is used only by --cp-comm-type a2a+p2p; add "
-            "a2a+p2p to --cp-comm-type or drop the flag"
+            f"--hierarchical-context-parallel-sizes takes positive integers (inner to outer), got {list(sizes)}"
         )
-    if len(sizes) != 2 or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+    if hierarchical and len(sizes) != 2:
         raise ValueError(
             f"--hierarchical-context-parallel-sizes takes two positive integers (the all-to-all size inside, the "
             f"p2p ring size across) for --cp-comm-type a2a+p2p, got {list(sizes)}"
         )
-    if sizes[0] * sizes[1] != context_parallel_size:
+    product = 1
+    for size in sizes:
+        product *= size
+    if product != context_parallel_size:
         raise ValueError(
             f"--hierarchical-context-parallel-sizes {list(sizes)}: the product must equal --context-parallel-size "
             f"({context_parallel_size})"

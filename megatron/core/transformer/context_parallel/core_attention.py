@@ -3,7 +3,7 @@
 Inputs are this rank's tokens (its two load-balanced chunks, see `sequence_split`) in the attention module's
 layout: query `[s/N, b, heads, d]`, key and value `[s/N, b, groups, d]`, RoPE already applied with global
 positions. The result `[s/N, b, heads * d]` is exactly the rows of full attention over the whole sequence that
-this rank holds.
+this rank holds. `s` must be divisible by 2N (an even `s/N`), as `get_batch_on_this_cp_rank` requires.
 
 Attention sinks (`sinks`, one logit per local head): every comm type also returns the rows' log-sum-exp over
 the whole sequence, and the sink rescales the output by sigmoid(lse - s_h) (`attention_variants.sink_rescaled`),
@@ -19,6 +19,7 @@ import contextlib
 import math
 
 import torch
+import torch.distributed as dist
 
 from megatron.core import tensor_parallel
 from megatron.core.transformer.attention_variants import sink_rescaled
@@ -27,9 +28,21 @@ from megatron.core.transformer.context_parallel.allgather_attention import allga
 from megatron.core.transformer.context_parallel.comm_types import HIERARCHICAL_COMM_TYPE, normalize_cp_comm_type
 from megatron.core.transformer.context_parallel.hierarchical_attention import hierarchical_attention
 from megatron.core.transformer.context_parallel.ring_attention import ring_attention
+from megatron.core.transformer.context_parallel.sequence_split import check_divisible
 
 _IMPLEMENTATIONS = {"p2p": ring_attention, "allgather": allgather_attention, "a2a": a2a_attention,
                     HIERARCHICAL_COMM_TYPE: hierarchical_attention}
+
+
+def _check_local_sequence(local_seq_len, group):
+    """The whole sequence's length; every comm type cuts a rank's tokens into its two equal load-balanced chunks,
+    so an odd count is refused."""
+    groups = group if isinstance(group, (tuple, list)) else (group,)
+    cp_size = 1
+    for member in groups:
+        cp_size *= dist.get_world_size(member)
+    check_divisible(local_seq_len * cp_size, cp_size)
+    return local_seq_len * cp_size
 
 
 def context_parallel_attention(query, key, value, attention_mask, *, comm_type, group, dropout_p=0.0,
@@ -38,8 +51,8 @@ def context_parallel_attention(query, key, value, attention_mask, *, comm_type, 
 
     `group` is the context-parallel process group, or for `a2a+p2p` the pair (inner all-to-all group, outer
     ring group) of parallel_state's hierarchical context-parallel groups.
-    `attention_mask`: None (causal) or a bool tensor broadcastable to `[b, 1, s, s]` over global positions (the
-    whole sequence, not this rank's rows), True where attention is not allowed.
+    `attention_mask`: None (causal) or a bool tensor `[b or 1, 1, s, s]` over global positions (the whole
+    sequence, not this rank's rows), True where attention is not allowed.
     `sinks`: None, or the attention sinks' logits `[heads]` of this rank's heads (see `attention_variants`).
     """
     if attention_mask is not None:
@@ -52,6 +65,13 @@ def context_parallel_attention(query, key, value, attention_mask, *, comm_type, 
         raise ValueError(f"--cp-comm-type {comm_type} takes "
                          + ("the (inner, outer) pair of hierarchical context-parallel groups"
                             if comm_type == HIERARCHICAL_COMM_TYPE else "one context-parallel group"))
+    seq_len = _check_local_sequence(query.shape[0], group)
+    if attention_mask is not None and tuple(attention_mask.shape[-2:]) != (seq_len, seq_len):
+        raise ValueError(
+            f"context parallelism takes the attention mask of the whole sequence, [b or 1, 1, {seq_len}, {seq_len}], "
+            f"got {tuple(attention_mask.shape)}: pass the mask unsplit (get_batch_on_this_cp_rank keeps it whole; "
+            "upstream's version cuts its query rows, which this attention reads itself)"
+        )
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     # Ranks hold different tokens and heads: draw dropout from the tracker's (reproducible) stream.
     rng = tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p > 0.0 else contextlib.nullcontext()

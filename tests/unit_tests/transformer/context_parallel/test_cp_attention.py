@@ -134,6 +134,53 @@ def test_a2a_names_the_flags_when_heads_do_not_divide(world_size):
     assert message is not None and "--cp-comm-type a2a" in message and "--num-attention-heads" in message
 
 
+def _odd_local_sequence_messages():
+    """Each rank holds 3 tokens (6 in all at CP2): no two equal load-balanced chunks."""
+    query = torch.randn(3, 1, 2, 8)
+    messages = {}
+    for comm_type in ("p2p", "allgather", "a2a", "a2a+p2p"):
+        try:
+            context_parallel_attention(query, query, query, None, comm_type=comm_type, group=_cp_group(comm_type))
+            messages[comm_type] = None
+        except ValueError as error:
+            messages[comm_type] = str(error)
+        finally:
+            parallel_state.destroy_model_parallel()
+    return messages
+
+
+def _row_sliced_mask_messages():
+    """Upstream's get_batch_on_this_cp_rank hands each rank its query rows of the mask, [b, 1, s/N, s]."""
+    query, key, value, _, mask = _inputs()
+    q, k, v = (local_rows(t, 0, 2, dist.get_rank()) for t in (query, key, value))
+    rows = local_rows(mask, 2, 2, dist.get_rank())
+    messages = {}
+    for comm_type in ("p2p", "allgather", "a2a"):
+        try:
+            context_parallel_attention(q, k, v, rows, comm_type=comm_type, group=dist.group.WORLD)
+            messages[comm_type] = None
+        except ValueError as error:
+            messages[comm_type] = str(error)
+    return messages
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_row_sliced_mask_is_refused_with_what_to_pass(world_size):
+    expected = (f"context parallelism takes the attention mask of the whole sequence, [b or 1, 1, {SEQ}, {SEQ}], got "
+                f"({BATCH}, 1, {SEQ // 2}, {SEQ}): pass the mask unsplit (get_batch_on_this_cp_rank keeps it whole; "
+                "upstream's version cuts its query rows, which this attention reads itself)")
+    for messages in run_on_ranks(world_size, _row_sliced_mask_messages):
+        assert messages == dict.fromkeys(("p2p", "allgather", "a2a"), expected)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_odd_local_sequence_is_refused_by_every_comm_type(world_size):
+    expected = ("sequence length 6 must be divisible by 2 x --context-parallel-size (4): each rank holds two of "
+                "2 x CP equal chunks (change --seq-length)")
+    for messages in run_on_ranks(world_size, _odd_local_sequence_messages):
+        assert messages == dict.fromkeys(("p2p", "allgather", "a2a", "a2a+p2p"), expected)
+
+
 def _dropout_is_reproducible(comm_type):
     from megatron.core import tensor_parallel
 

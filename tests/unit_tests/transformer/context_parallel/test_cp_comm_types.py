@@ -36,7 +36,8 @@ def test_per_layer_comm_types_resolve_by_global_layer_number():
     [
         (None, 4, "a2a+p2p", r"--cp-comm-type a2a\+p2p needs --hierarchical-context-parallel-sizes"),
         (None, 1, "a2a+p2p", r"--cp-comm-type a2a\+p2p needs --hierarchical-context-parallel-sizes"),
-        ([2, 2], 4, "p2p", r"--hierarchical-context-parallel-sizes \[2, 2\] is used only by --cp-comm-type a2a\+p2p"),
+        ([2, 1], 4, "p2p", r"--hierarchical-context-parallel-sizes \[2, 1\]: the product must equal"),
+        ([2, 0, 2], 4, "a2a", r"--hierarchical-context-parallel-sizes takes positive integers"),
         ([2, 1], 4, "a2a+p2p", r"the product must equal --context-parallel-size \(4\)"),
         ([2, 2, 1], 4, "a2a+p2p", r"takes two positive integers"),
     ],
@@ -44,6 +45,13 @@ def test_per_layer_comm_types_resolve_by_global_layer_number():
 def test_hierarchical_sizes_rules_name_the_flags(sizes, cp, comm_type, message):
     with pytest.raises(ValueError, match=message):
         validate_hierarchical_sizes(sizes, cp, comm_type)
+
+
+def test_hierarchical_sizes_are_accepted_without_a2a_p2p_as_upstream():
+    """Upstream builds the hierarchical groups whatever the comm type; only a2a+p2p needs exactly two sizes."""
+    assert validate_hierarchical_sizes([2, 2], 4, "p2p") == (2, 2)
+    assert validate_hierarchical_sizes([2, 1, 2], 4, ("a2a", "allgather")) == (2, 1, 2)
+    assert validate_hierarchical_sizes([1, 4], 4, ("p2p", "a2a+p2p")) == (1, 4)
 
 
 def test_hierarchical_groups_split_each_cp_group_inner_first():
