@@ -12,15 +12,18 @@ Plain file operations only: `--use-checkpoint-args` uses this module before any 
 
 import glob
 import os
+import pickle
 from typing import NamedTuple, Optional
 
 from megatron.core.dist_checkpointing.checkpoint_directory import (
     RELEASE,
     REPLACED_SUFFIX,
+    earlier_checkpoint_advice,
     iteration_dir_name,
     published_iterations,
     read_tracker,
 )
+from megatron.core.dist_checkpointing.errors import CheckpointError
 
 NON_PERSISTENT_SUBDIR = "non_persistent"
 DCP_INDEX_FILENAME = ".metadata"
@@ -130,10 +133,17 @@ def saved_args(source: CheckpointSource):
             raise FileNotFoundError(f"{source.directory} holds no mp_rank_*/{TORCH_FORMAT_FILENAME}")
         import torch
 
-        return torch.load(files[0], map_location="cpu", weights_only=False).get("args")
+        try:
+            state = torch.load(files[0], map_location="cpu", weights_only=False)
+        except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:
+            raise CheckpointError(f"checkpoint file {files[0]} is truncated or damaged ({type(exc).__name__}: "
+                                  f"{exc}); {earlier_checkpoint_advice(source.directory)}") from exc
+        return state.get("args")
     if source.format == "torch_dist":
         from megatron.core.dist_checkpointing import serialization
 
-        common = serialization.load({"common": None}, source.directory, single_process=True)["common"]
+        metadata = serialization.read_metadata(source.directory)  # a damaged index: an error naming the file
+        common = serialization.load({"common": None}, source.directory, single_process=True,
+                                    metadata=metadata)["common"]
         return common.get("args")
     raise FileNotFoundError(f"{source.directory} is neither a torch nor a torch_dist checkpoint")

@@ -75,12 +75,14 @@ def is_logical_format(args):
     return args.ckpt_format in LOGICAL_FORMATS
 
 
-def maybe_finalize_async_save(args, blocking=False):
-    """Publish a finished `--async-save` write (call on every rank at the same points; cheap when none)."""
+def maybe_finalize_async_save(args, blocking=False, at_exit=False):
+    """Publish a finished `--async-save` write (call on every rank at the same points; cheap when none).
+    `at_exit` (blocking, as training ends): a write that failed raises CheckpointSaveError on every rank, as a
+    synchronous save would, instead of only being reported."""
     if getattr(args, "async_save", False):
         from megatron.training import dist_checkpoint
 
-        dist_checkpoint.finalize_async_save(args, blocking=blocking)
+        dist_checkpoint.finalize_async_save(args, blocking=blocking or at_exit, raise_if_failed=at_exit)
 
 
 def model_parallel_dir_name(tensor_rank, pipeline_rank, pipeline_size):
@@ -393,7 +395,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
     path = os.path.join(directory, MODEL_FILENAME)
     if not os.path.isfile(path) and os.path.isfile(os.path.join(iteration_directory, ".metadata")):
         raise CheckpointLoadError(f"{os.path.dirname(directory)} is a torch_dist checkpoint; load it with "
-                                  "--ckpt-format torch_dist")
+                                  "--ckpt-format torch_dist, or pass --auto-detect-ckpt-format (which loads either "
+                                  "format and saves in --ckpt-format)")
     if not os.path.isfile(path):
         _check_files_match_layout(path, args)
     state = _torch_load(path)

@@ -51,6 +51,7 @@ from megatron.training.checkpoint_retention import prune_to_retain_interval, rem
 from megatron.training.random_state import rng_state, set_rng_state
 
 _async_queue = None
+_failed_background_save = None  # why the background save just finalised was not published (None: it was)
 
 
 def _rank():
@@ -76,11 +77,19 @@ def async_queue(args):
     return _async_queue
 
 
-def finalize_async_save(args, blocking):
-    """Publish a finished background save (all ranks call this at the same points); True if one was."""
+def finalize_async_save(args, blocking, raise_if_failed=False):
+    """Publish a finished background save (all ranks call this at the same points); True if one was.
+    A save that failed is reported and training goes on; with `raise_if_failed` (the end of a run, where no
+    later save makes up for it) it raises CheckpointSaveError on every rank."""
+    global _failed_background_save
     if _async_queue is None or not _async_queue.pending:
         return False
-    return _async_queue.finalize(blocking=blocking)
+    _failed_background_save = None
+    finalized = _async_queue.finalize(blocking=blocking)
+    failure, _failed_background_save = _failed_background_save, None
+    if failure is not None and raise_if_failed:
+        raise CheckpointSaveError(failure)
+    return finalized
 
 
 def close_async_queue():
@@ -137,12 +146,14 @@ def save_dist_checkpoint(iteration, model_chunks, optimizer, scheduler, args):
     keep_last_n = getattr(args, "keep_last_n", None)
 
     def finish(succeeded):
+        global _failed_background_save
         _barrier()
         if not succeeded:
             if _rank() == 0:
                 shutil.rmtree(temporary, ignore_errors=True)
-                print(f"checkpoint of iteration {iteration} was NOT saved: a background write failed (see above); "
-                      f"{unwritten_save_advice(root)}", flush=True)
+            _failed_background_save = (f"checkpoint of iteration {iteration} was NOT saved: a background write "
+                                       f"failed (see above); {unwritten_save_advice(root)}")
+            _print0(_failed_background_save)
             _barrier()
             return
         failure = None
@@ -158,7 +169,8 @@ def save_dist_checkpoint(iteration, model_chunks, optimizer, scheduler, args):
         except CheckpointSaveError as error:
             if not getattr(args, "async_save", False):
                 raise
-            _print0(f"checkpoint of iteration {iteration} was NOT saved: {error}")  # training goes on
+            _failed_background_save = f"checkpoint of iteration {iteration} was NOT saved: {error}"
+            _print0(_failed_background_save)  # training goes on
             return
         if getattr(args, "async_save", False):  # a synchronous save's line comes from the training loop
             _print0(f"saved checkpoint of iteration {iteration} to {root} (--ckpt-format {args.ckpt_format})")
@@ -211,8 +223,9 @@ def raise_if_any_rank_failed(failure, root, iteration, temporary, publishing=Fal
 def _check_not_legacy(directory):
     if os.path.isdir(directory) and any(name.startswith("mp_rank_") for name in os.listdir(directory)):
         raise serialization.CheckpointError(
-            f"{directory} is a --ckpt-format torch checkpoint; load it with --ckpt-format torch, or convert it with "
-            f"tools/checkpoint/convert_legacy.py")
+            f"{directory} is a --ckpt-format torch checkpoint; load it with --ckpt-format torch, or pass "
+            "--auto-detect-ckpt-format (which loads either format and saves in --ckpt-format), or convert it with "
+            "tools/checkpoint/convert_legacy.py")
 
 
 def load_dist_checkpoint(model_chunks, optimizer, scheduler, args, iteration, root=None):

@@ -207,7 +207,7 @@ def _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fu
                               config, logger, args)
             if iteration >= args.train_iters and not args.stopped_early:
                 evaluate_at_the_end(forward_step_func, model, valid_iterator, test_iterator, config, logger, args)
-        checkpointing.maybe_finalize_async_save(args, blocking=True)
+        checkpointing.maybe_finalize_async_save(args, at_exit=True)  # a failed last save fails the run
         stop_progress_log(args, iteration)
     finally:
         logger.close()

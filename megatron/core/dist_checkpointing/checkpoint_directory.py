@@ -40,11 +40,16 @@ def write_tracker(root, iteration):
     """Point the tracker at `iteration`, atomically (temporary file + rename)."""
     path = os.path.join(root, TRACKER_FILENAME)
     temporary = f"{path}.tmp.{os.getpid()}"
-    with open(temporary, "w") as stream:
-        stream.write(str(iteration))
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "w") as stream:
+            stream.write(str(iteration))
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except OSError:  # e.g. a full disk: the previous tracker stays, and no stray file beside it
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
 
 
 def read_tracker(root):
@@ -53,21 +58,29 @@ def read_tracker(root):
     path = os.path.join(root, TRACKER_FILENAME)
     if not os.path.isfile(path):
         return None
-    text = open(path).read().strip()
+    with open(path, "rb") as stream:
+        raw = stream.read()
+    text = raw.decode("utf-8", errors="replace").strip()
     if text == RELEASE:
         return RELEASE
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{path} should hold an iteration number (or {RELEASE!r}), found {text!r}; write the "
-                         "iteration of a checkpoint under it there") from None
+    if re.fullmatch(r"[0-9]+", text) is None:  # also a damaged file (bytes that are no text) or a negative number
+        shown = text if len(text) <= 40 else f"{text[:40]}..."
+        published = published_iterations(root)
+        there = f" (the iterations there: {', '.join(map(str, published))})" if published else ""
+        raise ValueError(f"{path} should hold an iteration number (or {RELEASE!r}), found {shown!r}; write the "
+                         f"iteration of a checkpoint under it there{there}")
+    return int(text)
 
 
 def unwritten_save_advice(root):
     """What a user does after a save under `--save root` failed to write, and which checkpoint is still the latest."""
-    latest = read_tracker(root) if os.path.isdir(root) else None
-    still = (f"the latest checkpoint under {root} is still iteration {latest}" if latest is not None
-             else f"{root} holds no complete checkpoint yet")
+    try:
+        latest = read_tracker(root) if os.path.isdir(root) else None
+    except ValueError as damaged:  # the save's own error comes first; the tracker's is said beside it
+        still = f"its tracker is damaged too: {damaged}"
+    else:
+        still = (f"the latest checkpoint under {root} is still iteration {latest}" if latest is not None
+                 else f"{root} holds no complete checkpoint yet")
     return f"make --save {root} writable with free space (or point --save elsewhere) and restart: {still}"
 
 

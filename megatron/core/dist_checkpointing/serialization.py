@@ -108,7 +108,7 @@ def read_metadata(directory: str):
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} not found: {directory} is not a complete torch_dist checkpoint (an "
                               "interrupted save never publishes one; point --load at the root holding "
-                              "latest_checkpointed_iteration.txt)")
+                              f"latest_checkpointed_iteration.txt); {earlier_checkpoint_advice(directory)}")
     try:
         return dcp.FileSystemReader(directory).read_metadata()
     except (EOFError, pickle.UnpicklingError, AttributeError, ValueError, IndexError) as exc:

@@ -235,6 +235,13 @@ def _validate_non_persistent(args):
     if args.ckpt_format not in LOGICAL_FORMATS:
         raise ValueError("--non-persistent-save-interval writes torch_dist checkpoints: it needs --ckpt-format "
                          f"torch_dist, got --ckpt-format {args.ckpt_format}")
+    directory = args.non_persistent_global_ckpt_dir
+    for flag, path in (("--save", args.save), ("--load", args.load)):
+        if directory is not None and path is not None and os.path.realpath(directory) == os.path.realpath(path):
+            raise ValueError(f"--non-persistent-global-ckpt-dir {directory} is {flag}: only the latest "
+                             "non-persistent checkpoint is kept there, so each non-persistent save would delete the "
+                             f"persistent checkpoints of {flag}; give it a directory of its own (by default "
+                             "<--save>/non_persistent)")
 
 
 def _validate_directories(args):

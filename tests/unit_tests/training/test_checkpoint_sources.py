@@ -208,3 +208,40 @@ def test_each_synchronous_save_prints_upstreams_line_once(runs):
     assert fresh is not None and fresh.endswith("/fresh")
     assert saves == [f"  successfully saved checkpoint from iteration {iteration:7d} to {fresh} [ t 1/1, p 1/1 ]"
                      for iteration in (2, 4)]
+
+
+def _truncate(path):
+    data = open(path, "rb").read()
+    with open(path, "wb") as stream:
+        stream.write(data[:len(data) // 2])
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_use_checkpoint_args_names_a_damaged_file_and_the_checkpoint_before_it(tmp_path, ckpt_format):
+    """--use-checkpoint-args reads the saved arguments before anything else: a truncated file there must be named,
+    with the --ckpt-step that resumes the earlier checkpoint, as a load would."""
+    import argparse
+
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.errors import CheckpointError
+    from megatron.training import checkpoint_sources
+
+    for iteration in (4, 8):
+        directory = tmp_path / f"iter_{iteration:07d}"
+        if ckpt_format == "torch":
+            os.makedirs(directory / "mp_rank_00")
+            torch.save({"args": argparse.Namespace(hidden_size=32)}, directory / "mp_rank_00" / "model_optim_rng.pt")
+        else:
+            serialization.save({"common": {"args": argparse.Namespace(hidden_size=32)}, "w": torch.ones(2)},
+                               str(directory), single_process=True)
+    write_tracker(str(tmp_path), 8)
+    damaged = tmp_path / "iter_0000008" / ("mp_rank_00/model_optim_rng.pt" if ckpt_format == "torch" else ".metadata")
+    _truncate(damaged)
+    args = argparse.Namespace(load=str(tmp_path), ckpt_step=None, non_persistent_global_ckpt_dir=None)
+    with pytest.raises(CheckpointError) as error:
+        checkpoint_sources.saved_args(checkpoint_sources.checkpoint_to_load(args))
+    message = str(error.value)
+    assert message.startswith(f"{'checkpoint file ' if ckpt_format == 'torch' else ''}{damaged} is truncated or "
+                              "damaged ("), message
+    assert message.endswith(f"); to resume the checkpoint before it, pass --load {tmp_path} --ckpt-step 4 (the "
+                            "earlier iterations there: 4)"), message

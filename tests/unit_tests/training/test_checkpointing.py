@@ -307,6 +307,11 @@ def _checkpoint_flags(argv):
         ("--keep-last-n 0 --save /c", "--keep-last-n must be positive"),
         ("--use-megatron-fsdp --ckpt-format torch --save /c", "--use-megatron-fsdp checkpoints need --ckpt-format"),
         ("--use-torch-fsdp2 --ckpt-format torch --load /c", "--use-torch-fsdp2 checkpoints need --ckpt-format"),
+        ("--save /c --non-persistent-save-interval 2 --non-persistent-global-ckpt-dir /c",
+         "^--non-persistent-global-ckpt-dir /c is --save: only the latest non-persistent checkpoint is kept there, so "
+         "each non-persistent save would delete the persistent checkpoints of --save; give it a directory of its own"),
+        ("--save /c --load /d --non-persistent-save-interval 2 --non-persistent-global-ckpt-dir /d/",
+         "^--non-persistent-global-ckpt-dir /d/ is --load: .* persistent checkpoints of --load; give it a directory"),
     ],
 )
 def test_checkpoint_flag_rules_name_the_flags(argv, message):
@@ -536,3 +541,34 @@ def test_ranks_beyond_the_saved_data_parallel_size_keep_their_seeded_streams(tmp
     assert torch.equal(rank0, saved) and torch.equal(rank1, seeded1) and not torch.equal(rank1, saved)
     assert "RNG state of data-parallel ranks 1 and above (saved at data-parallel size 1; under " \
         "--data-parallel-random-init they keep their own seeded streams)" in report
+
+
+def _load_in_the_other_format(root):
+    """Errors of loading a torch_dist checkpoint with --ckpt-format torch, and a torch one with torch_dist."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing import serialization
+
+    parallel_state.initialize_model_parallel()
+    torch_dist_root, torch_root = os.path.join(root, "torch_dist"), os.path.join(root, "torch")
+    serialization.save({"w": torch.ones(2)}, os.path.join(torch_dist_root, "iter_0000004"))
+    checkpointing.write_tracker(torch_dist_root, 4)
+    model, optimizer, scheduler = trained_state(seed=3)
+    checkpointing.save_checkpoint(4, model, optimizer, scheduler, checkpoint_args(torch_root))
+    errors = []
+    for directory, ckpt_format in ((torch_dist_root, "torch"), (torch_root, "torch_dist")):
+        with pytest.raises(Exception) as error:
+            checkpointing.load_checkpoint(model, optimizer, scheduler, checkpoint_args(directory,
+                                                                                       ckpt_format=ckpt_format))
+        errors.append(str(error.value))
+    parallel_state.destroy_model_parallel()
+    return errors
+
+
+def test_a_checkpoint_of_the_other_format_names_the_flag_that_loads_it(tmp_path):
+    (errors,) = run_on_ranks(1, _load_in_the_other_format, str(tmp_path))
+    assert errors == [
+        f"{tmp_path}/torch_dist/iter_0000004 is a torch_dist checkpoint; load it with --ckpt-format torch_dist, or "
+        "pass --auto-detect-ckpt-format (which loads either format and saves in --ckpt-format)",
+        f"{tmp_path}/torch/iter_0000004 is a --ckpt-format torch checkpoint; load it with --ckpt-format torch, or "
+        "pass --auto-detect-ckpt-format (which loads either format and saves in --ckpt-format), or convert it with "
+        "tools/checkpoint/convert_legacy.py"]
