@@ -46,7 +46,7 @@ from megatron.core.fp8.region import active_fp8_region
 from megatron.core.offloading.activations import keep_on_device
 from megatron.core.offloading.fine_grained import offloaded_saved_tensors
 from megatron.core.optional_deps import HAVE_TE
-from megatron.core.transformer.init_seeds import derive_init_seed
+from megatron.core.transformer.init_seeds import derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.recompute import output_recomputed_in_backward
 
@@ -94,11 +94,27 @@ def _activate_then(config, intermediate, recompute, consumer, offload_context):
 
 
 class SequentialMLP(torch.nn.Module):
-    """Args: num_local_experts; config (a MoE `TransformerConfig`); layer_init_seed: the owning layer's seed;
-    first_global_index: the global index of local expert 0 (ep_rank * num_local_experts)."""
+    """Args, in upstream's order: num_local_experts; config (a MoE `TransformerConfig`); submodules: upstream's
+    `MLPSubmodules` (the config picks the linears here; accepted and not read); pg_collection: must be None (the
+    groups come from `parallel_state`). Keyword-only: layer_init_seed, the owning layer's seed (default: the
+    config's base seed, as `MoELayer` without one); first_global_index, the global index of local expert 0
+    (default: this rank's expert-parallel rank x num_local_experts)."""
 
-    def __init__(self, num_local_experts, config, layer_init_seed, first_global_index=0):
+    def __init__(self, num_local_experts, config, submodules=None, pg_collection=None, *, layer_init_seed=None,
+                 first_global_index=None):
         super().__init__()
+        if pg_collection is not None:
+            raise ValueError(f"{type(self).__name__}(pg_collection=...) is not supported: the process groups come "
+                             "from parallel_state.initialize_model_parallel; drop pg_collection")
+        if isinstance(submodules, int):
+            raise ValueError(f"{type(self).__name__}'s third argument is upstream's submodules: pass the seed as "
+                             f"layer_init_seed={submodules}")
+        if layer_init_seed is None:
+            layer_init_seed = resolve_base_init_seed(config)
+        if first_global_index is None:
+            ep_rank = (parallel_state.get_expert_model_parallel_rank()
+                       if parallel_state.model_parallel_is_initialized() else 0)
+            first_global_index = ep_rank * num_local_experts
         self.config = config
         self.num_local_experts = num_local_experts
         self.num_global_experts = config.num_moe_experts
@@ -300,11 +316,13 @@ class TEGroupedMLP(GroupedMLP):
     """The expert module of Transformer Engine builds (`--transformer-impl transformer_engine --moe-grouped-gemm`);
     same parameters and computation as `GroupedMLP`."""
 
-    def __init__(self, num_local_experts, config, layer_init_seed, first_global_index=0):
+    def __init__(self, num_local_experts, config, submodules=None, pg_collection=None, *, layer_init_seed=None,
+                 first_global_index=None):
         if not HAVE_TE:
             raise ValueError("TEGroupedMLP needs transformer-engine, which is not installed (it needs CUDA): use "
                              "--transformer-impl local, whose --moe-grouped-gemm builds GroupedMLP")
-        super().__init__(num_local_experts, config, layer_init_seed, first_global_index)
+        super().__init__(num_local_experts, config, submodules, pg_collection, layer_init_seed=layer_init_seed,
+                         first_global_index=first_global_index)
 
 
 def build_experts(config, layer_init_seed, num_local_experts, first_global_index):
@@ -315,4 +333,4 @@ def build_experts(config, layer_init_seed, num_local_experts, first_global_index
         cls = TEGroupedMLP
     else:
         cls = GroupedMLP
-    return cls(num_local_experts, config, layer_init_seed, first_global_index)
+    return cls(num_local_experts, config, layer_init_seed=layer_init_seed, first_global_index=first_global_index)

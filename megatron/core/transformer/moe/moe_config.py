@@ -203,6 +203,18 @@ class MoEConfigMixin:
     """Recompute the whole MoE layer (router, dispatch, experts) in backward (`--moe-layer-recompute`)."""
     moe_per_layer_logging: bool = False
     """Log each MoE layer's auxiliary losses too, besides their average (`--moe-per-layer-logging`)."""
+    moe_router_padding_for_quantization: bool = False
+    """Upstream's newer name of `moe_router_padding_for_fp8`; either sets both."""
+    moe_permute_fusion: bool = False
+    """Upstream's fused permutation kernels (`--moe-permute-fusion`); the torch ops here give the same values."""
+    moe_router_fusion: bool = False
+    """Upstream's fused router kernels (`--moe-router-fusion`); the torch ops here give the same values."""
+    moe_use_legacy_grouped_gemm: bool = False
+    """Upstream's choice of grouped-GEMM implementation (`--moe-use-legacy-grouped-gemm`); no effect here."""
+    moe_enable_deepep: bool = False
+    """DeepEP dispatch (`--moe-enable-deepep`): refused, it needs DeepEP on CUDA GPUs."""
+    moe_deepep_num_sms: int = 20
+    """Streaming multiprocessors DeepEP uses (`--moe-deepep-num-sms`); read by DeepEP only."""
 
     @property
     def num_local_experts(self):
@@ -235,6 +247,10 @@ class MoEConfigMixin:
                 raise ValueError(f"{flag} needs --num-experts; set the number of experts or drop {flag}")
         if self.expert_model_parallel_size > 1:
             raise ValueError("--expert-model-parallel-size > 1 needs --num-experts")
+        if self.moe_router_padding_for_quantization:
+            raise ValueError(f"{FP8_PADDING_NEWER_NAME} needs --num-experts; set the number of experts or drop it")
+        if self.moe_enable_deepep:
+            raise ValueError("--moe-enable-deepep needs --num-experts (and DeepEP on CUDA GPUs): drop it")
 
     def _validate_dispatcher(self):
         kind = self.moe_token_dispatcher_type
@@ -375,6 +391,12 @@ class MoEConfigMixin:
                              "seq_aux_loss, global_aux_loss or none, not sinkhorn")
 
     def _validate_moe_switches(self):
+        if self.moe_router_padding_for_fp8 or self.moe_router_padding_for_quantization:
+            object.__setattr__(self, "moe_router_padding_for_fp8", True)
+            object.__setattr__(self, "moe_router_padding_for_quantization", True)
+        if self.moe_enable_deepep:
+            raise ValueError("--moe-enable-deepep (moe_enable_deepep) needs DeepEP on CUDA GPUs, which this build "
+                             "does not provide: drop it and use --moe-token-dispatcher-type alltoall (or allgather)")
         eps = self.moe_input_jitter_eps
         if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1):
             raise ValueError(f"--moe-input-jitter-eps must be in (0, 1), got {eps!r}")

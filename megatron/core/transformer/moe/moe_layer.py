@@ -22,13 +22,19 @@ from megatron.core.transformer.moe.token_dispatcher import build_token_dispatche
 
 
 class MoELayer(torch.nn.Module):
-    """Args: config (a `TransformerConfig` with `num_moe_experts`); layer_number: 1-based global layer index;
-    init_seed: the owning layer's init seed (see `init_seeds`)."""
+    """Args, in upstream's order: config (a `TransformerConfig` with `num_moe_experts`); submodules: upstream's
+    `MLPSubmodules` of the experts (the config picks the modules here, see `spec_utils`; accepted and not read);
+    layer_number: 1-based global layer index under which the router logs its losses (None: not logged, as
+    upstream); pg_collection: must be None (the groups come from `parallel_state`); init_seed: the owning layer's
+    init seed (see `init_seeds`)."""
 
-    def __init__(self, config, layer_number=1, init_seed=None):
+    def __init__(self, config, submodules=None, layer_number=1, pg_collection=None, init_seed=None):
         super().__init__()
         if config.num_moe_experts is None:
             raise ValueError("MoELayer needs --num-experts")
+        if pg_collection is not None:
+            raise ValueError("MoELayer(pg_collection=...) is not supported: the process groups come from "
+                             "parallel_state.initialize_model_parallel; drop pg_collection")
         self.config = config
         self.layer_number = layer_number
         if init_seed is None:
@@ -48,6 +54,11 @@ class MoELayer(torch.nn.Module):
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = SharedExpertMLP(config, init_seed)
+
+    def set_layer_number(self, layer_number):
+        """The 1-based global layer number under which the router logs its losses (upstream's method)."""
+        self.layer_number = layer_number
+        self.router.set_layer_number(layer_number)
 
     def forward(self, hidden_states):
         if self.training and self.config.tensor_model_parallel_size > 1 and not self.config.sequence_parallel:

@@ -65,11 +65,15 @@ def _group_size(group_getter):
 
 
 class TopKRouter(torch.nn.Module):
-    """Args: config; layer_number: 1-based global layer index (for logging); init_seed: seed of the layer's
-    initial weights (the router draws from a seed derived from it)."""
+    """Args: config; pg_collection (upstream's second argument): must be None, the groups come from
+    `parallel_state`; layer_number: 1-based global layer index (for logging; `set_layer_number`); init_seed: seed
+    of the layer's initial weights (the router draws from a seed derived from it)."""
 
-    def __init__(self, config, layer_number=1, init_seed=None):
+    def __init__(self, config, pg_collection=None, *, layer_number=1, init_seed=None):
         super().__init__()
+        if pg_collection is not None:
+            raise ValueError("TopKRouter(pg_collection=...) is not supported: the process groups come from "
+                             "parallel_state.initialize_model_parallel; drop pg_collection")
         self.config = config
         self.layer_number = layer_number  # where the aux losses are logged (`log_aux_losses_as_layer`)
         # Entries of the loss tracker: the decoder's layers, then the multi-token-prediction depths'.
@@ -117,6 +121,23 @@ class TopKRouter(torch.nn.Module):
             self.expert_bias.zero_()
             self.local_tokens_per_expert.zero_()
 
+    def _apply(self, fn, recurse=True):
+        """Module casts (`.to(torch.bfloat16)`, `.half()`, `Float16Module`) move the expert-bias buffers but keep
+        them in fp32, as upstream: in bf16 an update of 1e-3 to a bias of 0.5 rounds away, and counts above 256
+        lose whole tokens."""
+        kept = {name: self._buffers[name] for name in ("expert_bias", "local_tokens_per_expert")
+                if self._buffers.get(name) is not None}
+        result = super()._apply(fn, recurse)
+        for name, original in kept.items():
+            moved = self._buffers[name]
+            if moved.dtype != torch.float32:
+                self._buffers[name] = original.to(device=moved.device)
+        return result
+
+    def set_layer_number(self, layer_number):
+        """The 1-based global layer number under which the losses are logged (None: not logged)."""
+        self.layer_number = layer_number
+
     @property
     def router_dtype(self):
         return _ROUTER_DTYPES.get(self.config.moe_router_dtype)
@@ -129,14 +150,12 @@ class TopKRouter(torch.nn.Module):
                              f"{tuple(hidden_states.shape)}")
         seq_length, batch_size = hidden_states.shape[0], hidden_states.shape[1]
         tokens = hidden_states.reshape(-1, hidden_states.size(-1))
-        dtype = self.router_dtype or tokens.dtype
         training = self.training and torch.is_grad_enabled()
         eps = self.config.moe_input_jitter_eps
         router_input = tokens
         if eps is not None and training:
             router_input = tokens * torch.empty_like(tokens).uniform_(1.0 - eps, 1.0 + eps)
-        bias = None if self.bias is None else self.bias.to(dtype)
-        logits = F.linear(router_input.to(dtype), self.weight.to(dtype), bias)
+        logits = self.gating(router_input)
         if self.config.moe_router_force_load_balancing:
             logits = _RandomLogits.apply(logits)
         if training and self.config.moe_z_loss_coeff:
@@ -165,6 +184,13 @@ class TopKRouter(torch.nn.Module):
         if config.moe_router_padding_for_fp8:
             probs, routing_map = pad_routing_map(probs, routing_map, FP8_ROUTING_PAD_MULTIPLE)
         return probs, routing_map
+
+    def gating(self, hidden_states):
+        """The router logits x W^T (+ b), in the router dtype (`--moe-router-dtype`, else the input's), for input
+        of any leading shape (upstream's method)."""
+        dtype = self.router_dtype or hidden_states.dtype
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(hidden_states.to(dtype), self.weight.to(dtype), bias)
 
     def _sinkhorn_routing(self, logits, training):
         """Choose by Sinkhorn-balanced scores in training (by the activations in evaluation); the probabilities

@@ -60,7 +60,9 @@ def topk_routing(logits, topk, score_function="softmax", pre_softmax=False, scal
     else:
         scores = independent_scores(logits, score_function)
         if expert_bias is not None:
-            _, indices = _topk(scores + expert_bias.to(scores.dtype), topk, num_groups, group_topk)
+            # In the wider of the two dtypes (as upstream's type promotion): a bf16 sum would round away the
+            # bias's steps of --moe-router-bias-update-rate.
+            _, indices = _topk(scores + expert_bias, topk, num_groups, group_topk)
             probs = scores.gather(1, indices)
         else:
             probs, indices = _topk(scores, topk, num_groups, group_topk)
@@ -75,9 +77,10 @@ def topk_routing(logits, topk, score_function="softmax", pre_softmax=False, scal
 
 def scores_for_aux_loss(logits, topk, score_function):
     """(scores over all E, their own top-k map) on which the load-balancing losses are computed: the softmax,
-    or the sigmoid / sqrtsoftplus scores normalised to sum to 1, of every expert."""
+    or the sigmoid / sqrtsoftplus scores normalised to sum to 1, of every expert. The softmax is taken in fp32 at
+    least, as upstream: a bf16 router's losses are computed, logged and differentiated in fp32."""
     if score_function == "softmax":
-        scores = torch.softmax(logits, dim=-1)
+        scores = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
     else:
         scores = independent_scores(logits, score_function)
         scores = scores / (scores.sum(dim=-1, keepdim=True) + _NORMALISATION_EPS)

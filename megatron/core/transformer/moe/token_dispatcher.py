@@ -57,7 +57,13 @@ def _concatenated_ranges(starts, sizes):
 
 
 class _Dispatcher:
-    def __init__(self, config, num_local_experts, local_expert_indices):
+    """Args, in upstream's order: num_local_experts; local_expert_indices: the global indices of this rank's
+    experts (consecutive); config; pg_collection: must be None (the groups come from `parallel_state`)."""
+
+    def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
+        if pg_collection is not None:
+            raise ValueError(f"{type(self).__name__}(pg_collection=...) is not supported: the process groups come "
+                             "from parallel_state.initialize_model_parallel; drop pg_collection")
         self.config = config
         self.num_local_experts = num_local_experts
         self.local_expert_indices = list(local_expert_indices)
@@ -158,4 +164,4 @@ class MoEAlltoAllTokenDispatcher(_Dispatcher):
 
 def build_token_dispatcher(config, num_local_experts, local_expert_indices):
     cls = MoEAlltoAllTokenDispatcher if config.moe_token_dispatcher_type == "alltoall" else MoEAllGatherTokenDispatcher
-    return cls(config, num_local_experts, local_expert_indices)
+    return cls(num_local_experts, local_expert_indices, config)

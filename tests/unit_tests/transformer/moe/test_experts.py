@@ -20,8 +20,9 @@ def config(**overrides):
 
 
 def test_expert_weights_depend_on_the_global_index_only():
-    all_experts = SequentialMLP(4, config(), LAYER_SEED, first_global_index=0)
-    second_half = SequentialMLP(2, config(expert_model_parallel_size=2), LAYER_SEED, first_global_index=2)
+    all_experts = SequentialMLP(4, config(), layer_init_seed=LAYER_SEED, first_global_index=0)
+    second_half = SequentialMLP(2, config(expert_model_parallel_size=2), layer_init_seed=LAYER_SEED,
+                                first_global_index=2)
     for local_index in range(2):
         for (name, value), (_, reference) in zip(second_half.local_experts[local_index].named_parameters(),
                                                  all_experts.local_experts[2 + local_index].named_parameters()):
@@ -31,9 +32,23 @@ def test_expert_weights_depend_on_the_global_index_only():
     assert not torch.equal(all_experts.local_experts[0].linear_fc1.weight, all_experts.local_experts[1].linear_fc1.weight)
 
 
+def test_upstream_constructor_arguments():
+    """SequentialMLP(num_local_experts, config, submodules) as upstream: the config's base seed and this rank's
+    experts (global indices from the expert-parallel rank, 0 on one rank); the old positional seed is refused."""
+    upstream_style = SequentialMLP(4, config(), None)
+    seeded = SequentialMLP(4, config(), layer_init_seed=5, first_global_index=0)  # 5: config()'s init_seed
+    for (name, value), (_, reference) in zip(upstream_style.named_parameters(), seeded.named_parameters()):
+        assert torch.equal(value, reference), name
+    assert [expert.linear_fc1.weight.expert_global_index for expert in upstream_style.local_experts] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="layer_init_seed=11"):
+        GroupedMLP(4, config(), LAYER_SEED)
+    with pytest.raises(ValueError, match="pg_collection"):
+        SequentialMLP(4, config(), None, pg_collection=object())
+
+
 def _compare(cfg, counts, hidden=16):
-    sequential = SequentialMLP(4, cfg, LAYER_SEED)
-    grouped = GroupedMLP(4, cfg, LAYER_SEED)
+    sequential = SequentialMLP(4, cfg, layer_init_seed=LAYER_SEED)
+    grouped = GroupedMLP(4, cfg, layer_init_seed=LAYER_SEED)
     assert list(sequential.state_dict()) == list(grouped.state_dict())
     for key, value in sequential.state_dict().items():
         assert torch.equal(value, grouped.state_dict()[key]), key
@@ -69,12 +84,12 @@ def test_te_grouped_mlp_needs_transformer_engine():
     if HAVE_TE:
         pytest.skip("transformer-engine is installed")
     with pytest.raises(ValueError, match="TEGroupedMLP needs transformer-engine"):
-        TEGroupedMLP(4, config(), LAYER_SEED)
+        TEGroupedMLP(4, config(), layer_init_seed=LAYER_SEED)
 
 
 def test_token_counts_must_match():
     with pytest.raises(ValueError, match="tokens_per_expert"):
-        SequentialMLP(4, config(), LAYER_SEED)(torch.zeros(3, 16), [1, 1, 0, 0])
+        SequentialMLP(4, config(), layer_init_seed=LAYER_SEED)(torch.zeros(3, 16), [1, 1, 0, 0])
 
 
 def test_the_grouped_gemm_probe_inside_a_checkpointed_forward_leaves_the_checkpoint_alone(monkeypatch):
@@ -108,7 +123,7 @@ def test_grouped_mlp_step_is_bitwise_reproducible_over_intra_op_threads():
     over the intra-op threads) and expert 1's rows straddling the threads' halves: the same step gives the same
     bits every time, with one thread or two."""
     cfg = config(hidden_size=64, num_attention_heads=4, moe_ffn_hidden_size=64, add_bias_linear=True)
-    module = GroupedMLP(2, cfg, LAYER_SEED)
+    module = GroupedMLP(2, cfg, layer_init_seed=LAYER_SEED)
     counts = torch.tensor([300, 724])
     tokens = torch.randn(1024, 64, generator=torch.Generator().manual_seed(3))
     upstream = torch.randn(1024, 64, generator=torch.Generator().manual_seed(4))

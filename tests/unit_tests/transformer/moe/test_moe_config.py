@@ -274,3 +274,21 @@ def test_bad_flags_name_the_flags(extra, flags, monkeypatch):
         _validated(extra, monkeypatch)
     for flag in flags:
         assert flag in str(error.value)
+
+
+def test_upstream_config_fields_of_fused_kernels_and_renamed_padding():
+    """TransformerConfig takes upstream's MoE fields: the kernel switches (no effect here), the newer name of the
+    FP8 padding (setting both names), and DeepEP refused by name."""
+    config = moe_config(moe_permute_fusion=True, moe_router_fusion=True, moe_use_legacy_grouped_gemm=True,
+                        moe_deepep_num_sms=24)
+    assert (config.moe_permute_fusion, config.moe_router_fusion, config.moe_deepep_num_sms) == (True, True, 24)
+    padded = moe_config(moe_router_padding_for_quantization=True, fp8="e4m3", transformer_impl="local")
+    assert padded.moe_router_padding_for_fp8 and padded.moe_router_padding_for_quantization
+    assert moe_config(moe_router_padding_for_fp8=True, fp8="e4m3",
+                      transformer_impl="local").moe_router_padding_for_quantization
+    with pytest.raises(ValueError, match="--fp8-format"):
+        moe_config(moe_router_padding_for_quantization=True)
+    with pytest.raises(ValueError, match="--moe-router-padding-for-quantization needs --num-experts"):
+        TransformerConfig(**SHAPE, moe_router_padding_for_quantization=True)
+    with pytest.raises(ValueError, match="--moe-enable-deepep"):
+        moe_config(moe_enable_deepep=True)

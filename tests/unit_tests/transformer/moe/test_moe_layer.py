@@ -109,6 +109,28 @@ def test_bad_input_names_the_tensor():
         MoELayer(TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=2))
 
 
+def test_upstream_constructor_arguments_and_layer_number():
+    """MoELayer(config, submodules, layer_number) as upstream: the losses are logged under that layer, and under
+    the one `set_layer_number` gives; pg_collection is refused by name."""
+    from megatron.core.transformer.moe import moe_utils
+
+    layer = MoELayer(moe_config(moe_aux_loss_coeff=0.1), None, 2)
+    assert layer.layer_number == 2 and layer.router.layer_number == 2
+    hidden, _ = _inputs()
+    moe_utils.clear_aux_losses_tracker()  # what earlier tests' training forwards left
+    try:
+        layer(hidden).sum().backward()
+        logged = moe_utils.get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"]
+        assert logged[1].item() > 0 and logged.count_nonzero().item() == 1
+        layer.set_layer_number(1)
+        layer(hidden).sum().backward()
+        assert logged[0].item() == pytest.approx(logged[1].item())
+    finally:
+        moe_utils.clear_aux_losses_tracker()
+    with pytest.raises(ValueError, match="pg_collection"):
+        MoELayer(moe_config(), None, 1, pg_collection=object())
+
+
 @pytest.mark.parametrize("dispatcher", DISPATCHERS)
 def test_capacity_drops_tokens(dispatcher):
     # 16 tokens, top-2 of 4 experts, factor 0.5: each expert keeps ceil(16 * 2 / 4 * 0.5) = 4 tokens.

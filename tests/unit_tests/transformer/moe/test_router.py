@@ -164,9 +164,43 @@ def test_expert_bias_update_against_hand_counts():
     assert probs[0, 1].item() == pytest.approx(0.5)
 
 
+def test_expert_bias_buffers_stay_fp32_when_the_model_is_cast_to_bf16():
+    """As upstream: a bf16 cast (`Float16Module`, `.bfloat16()`) keeps the expert bias and its counts in fp32,
+    where an update of 1e-3 to a bias of 0.5 and a count of 1000 + 1 are exact."""
+    from megatron.core.transformer.module import Float16Module
+
+    module = router(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, bf16=True,
+                    params_dtype=torch.bfloat16)
+    with torch.no_grad():
+        module.expert_bias.fill_(0.5)
+    model = Float16Module(module.config, torch.nn.Sequential(module))
+    assert module.weight.dtype == torch.bfloat16
+    assert module.expert_bias.dtype == module.local_tokens_per_expert.dtype == torch.float32
+    module.local_tokens_per_expert.copy_(torch.tensor([1000.0, 1.0, 1.0, 1.0]))
+    module.local_tokens_per_expert += 1.0
+    assert module.local_tokens_per_expert.tolist() == [1001.0, 2.0, 2.0, 2.0]
+    update_expert_biases([model])
+    torch.testing.assert_close(module.expert_bias, torch.tensor([0.499, 0.501, 0.501, 0.501]), rtol=0, atol=1e-7)
+    model.bfloat16()
+    assert module.expert_bias.dtype == torch.float32 and module.expert_bias[1].item() == pytest.approx(0.501)
+
+
+def test_upstream_constructor_refuses_a_process_group_collection():
+    with pytest.raises(ValueError, match="pg_collection"):
+        TopKRouter(router().config, object())
+
+
+def test_gating_gives_the_logits_in_the_router_dtype():
+    module = router(moe_router_dtype="fp64")
+    hidden = torch.randn(SEQ, BATCH, HIDDEN)
+    logits = module.gating(hidden)
+    assert logits.dtype == torch.float64 and logits.shape == (SEQ, BATCH, NUM_EXPERTS)
+    torch.testing.assert_close(logits, hidden.double() @ module.weight.double().t())
+
+
 def test_sinkhorn_balances_rows_and_columns():
     cost = torch.randn(12, 4, generator=torch.Generator().manual_seed(2))
-    balanced = moe_utils.sinkhorn(cost, tolerance=1e-9)
+    balanced = moe_utils.sinkhorn(cost, tol=1e-9)
     torch.testing.assert_close(balanced.sum(dim=0), torch.full((4,), 1 / 4), rtol=1e-4, atol=0)
     torch.testing.assert_close(balanced.sum(dim=1), torch.full((12,), 1 / 12), rtol=1e-4, atol=0)
     module = router(moe_router_load_balancing_type="sinkhorn", moe_router_topk=1)

@@ -45,6 +45,27 @@ def test_sigmoid_normalised_and_expert_bias_chooses_only():
     torch.testing.assert_close(single[0, 1], s[1], rtol=0, atol=0)  # k = 1: no normalisation
 
 
+def test_expert_bias_chooses_in_fp32_with_bf16_scores():
+    """A bf16 router (the default under --bf16) adds the fp32 expert bias in fp32, as upstream: the bias's
+    1e-3 steps are below bf16's spacing at 0.5 and would be rounded away."""
+    logits = torch.zeros(2, 4, dtype=torch.bfloat16)  # every sigmoid score is 0.5
+    probs, routing_map = topk_routing(logits, 1, score_function="sigmoid",
+                                      expert_bias=torch.tensor([0.0, 0.001, 0.0, 0.0]))
+    assert _chosen(routing_map) == [[1], [1]] and probs.dtype == torch.bfloat16
+    bias = torch.tensor([0.0, 0.001, 0.0, 0.002])
+    _, routing_map = topk_routing(logits, 2, score_function="sigmoid", expert_bias=bias, num_groups=2, group_topk=1)
+    assert _chosen(routing_map) == [[2, 3], [2, 3]]  # group {2, 3} scores 0.502 + 0.5 > group {0, 1}
+
+
+def test_aux_loss_softmax_in_fp32_for_a_bf16_router():
+    logits = torch.randn(6, 4, generator=torch.Generator().manual_seed(1)).bfloat16()
+    scores, routing_map = scores_for_aux_loss(logits, 2, "softmax")
+    assert scores.dtype == torch.float32
+    torch.testing.assert_close(scores, torch.softmax(logits.float(), dim=-1), rtol=0, atol=0)
+    assert routing_map.sum(dim=1).tolist() == [2] * 6
+    assert scores_for_aux_loss(logits.double(), 2, "softmax")[0].dtype == torch.float64
+
+
 def _sqrtsoftplus(values):
     return torch.tensor([math.sqrt(math.log1p(math.exp(value))) for value in values])
 
