@@ -106,23 +106,29 @@ def _exchange_shapes(*, tensor_send_next, tensor_send_prev, recv_prev, recv_next
     return as_shape(recv_prev_shape), as_shape(recv_next_shape)
 
 
+def _outgoing(activation_to_next, grad_to_prev, tensor_shape, config):
+    """(device, dtype, variable shapes?, the activation and gradient to send, checked, detached, contiguous)."""
+    device = get_device_for_group(parallel_state.get_pipeline_model_parallel_group())
+    dtype = pipeline_dtype(config)
+    variable_shapes = schedule_setting(config, "variable_seq_lengths")
+    expected_shape = None if variable_shapes else tensor_shape
+    if activation_to_next is not None:
+        _check_outgoing(activation_to_next, expected_shape, dtype, "the activation sent to the next stage")
+        activation_to_next = activation_to_next.detach().contiguous()
+    if grad_to_prev is not None:
+        _check_outgoing(grad_to_prev, expected_shape, dtype, "the gradient sent to the previous stage")
+        grad_to_prev = grad_to_prev.detach().contiguous()
+    return device, dtype, variable_shapes, activation_to_next, grad_to_prev
+
+
 def _communicate(*, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape, config):
     """One exchange with the neighbouring stages; returns (tensor from prev, tensor from next), None if not asked.
 
     The tensor received from the previous stage is an activation the local backward differentiates with
     respect to, so it comes back as a leaf with requires_grad=True; gradients from the next stage do not.
     """
-    group = parallel_state.get_pipeline_model_parallel_group()
-    device = get_device_for_group(group)
-    dtype = pipeline_dtype(config)
-    variable_shapes = schedule_setting(config, "variable_seq_lengths")
-    expected_shape = None if variable_shapes else tensor_shape
-    if tensor_send_next is not None:
-        _check_outgoing(tensor_send_next, expected_shape, dtype, "the activation sent to the next stage")
-        tensor_send_next = tensor_send_next.detach().contiguous()
-    if tensor_send_prev is not None:
-        _check_outgoing(tensor_send_prev, expected_shape, dtype, "the gradient sent to the previous stage")
-        tensor_send_prev = tensor_send_prev.detach().contiguous()
+    device, dtype, variable_shapes, tensor_send_next, tensor_send_prev = _outgoing(
+        tensor_send_next, tensor_send_prev, tensor_shape, config)
 
     if variable_shapes:
         recv_prev_shape, recv_next_shape = _exchange_shapes(
@@ -263,17 +269,8 @@ def ring_exchange(*, activation_to_next, grad_to_prev, recv_activation, recv_gra
     schedule returns), so a rank never waits for a neighbour to reach the step that consumes what it sent.
     With `variable_seq_lengths` the shapes go first, in an exchange of the same form.
     """
-    group = parallel_state.get_pipeline_model_parallel_group()
-    device = get_device_for_group(group)
-    dtype = pipeline_dtype(config)
-    variable_shapes = schedule_setting(config, "variable_seq_lengths")
-    expected_shape = None if variable_shapes else tensor_shape
-    if activation_to_next is not None:
-        _check_outgoing(activation_to_next, expected_shape, dtype, "the activation sent to the next stage")
-        activation_to_next = activation_to_next.detach().contiguous()
-    if grad_to_prev is not None:
-        _check_outgoing(grad_to_prev, expected_shape, dtype, "the gradient sent to the previous stage")
-        grad_to_prev = grad_to_prev.detach().contiguous()
+    device, dtype, variable_shapes, activation_to_next, grad_to_prev = _outgoing(
+        activation_to_next, grad_to_prev, tensor_shape, config)
     activation_shape_in = grad_shape_in = tensor_shape
     if variable_shapes:
         def shape_of(tensor):
