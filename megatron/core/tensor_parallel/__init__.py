@@ -30,6 +30,7 @@ from megatron.core.tensor_parallel.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from megatron.core.tensor_parallel.random import (
+    CheckpointWithoutOutput,
     RNGStatesTracker,
     checkpoint,
     get_cuda_rng_tracker,
@@ -47,6 +48,7 @@ from megatron.core.tensor_parallel.utils import (
 )
 
 __all__ = [
+    "CheckpointWithoutOutput",
     "ColumnParallelLinear",
     "LinearWithGradAccumulation",
     "RNGStatesTracker",

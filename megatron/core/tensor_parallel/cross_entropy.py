@@ -75,4 +75,6 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
             f"logits shape {tuple(vocab_parallel_logits.shape)} and target shape {tuple(target.shape)} disagree; "
             "logits must be target's shape plus a vocabulary dimension"
         )
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, float(label_smoothing))

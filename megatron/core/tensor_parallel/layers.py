@@ -93,6 +93,18 @@ def tensor_parallel_rank_and_size(is_expert=False):
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
 
 
+def explicit_expert_communication(config, is_expert):
+    """As upstream: an expert's linear under tensor or expert parallelism does no communication of its own (the
+    MoE token dispatcher gathers its input and reduces its output), so it must leave its bias to the caller."""
+    return is_expert and (config.tensor_model_parallel_size > 1 or config.expert_model_parallel_size > 1)
+
+
+def _communication_group(is_expert, tp_size):
+    """The group a linear's activations are exchanged over: the expert tensor-parallel group for an expert's
+    linear (None, meaning the tensor-parallel group, otherwise or when the split is over one rank)."""
+    return parallel_state.get_expert_tensor_parallel_group() if is_expert and tp_size > 1 else None
+
+
 def check_tensor_parallel_group(layer_name, tp_group, is_expert=False):
     """Upstream's `tp_group` keyword: a linear here is split over parallel_state's tensor-parallel group (the
     expert one with `is_expert`), so a group given must have that group's ranks."""
@@ -369,7 +381,8 @@ class ColumnParallelLinear(_Fp8LinearMixin, torch.nn.Module):
     With `config.sequence_parallel` the input arrives split along the sequence (dim 0) and is all-gathered
     first. `skip_weight_param_allocation` makes the layer weightless: `forward(x, weight)` then uses the
     given weight (a tied output layer reusing the embedding). An expert's linear (`is_expert`) is split over the
-    expert tensor-parallel group (`--expert-tensor-parallel-size`) instead.
+    expert tensor-parallel group (`--expert-tensor-parallel-size`) instead and, as upstream, communicates nothing
+    under tensor or expert parallelism (the MoE token dispatcher gathers and reduces), else over that group.
 
     Upstream's other keywords: `keep_master_weight_for_test` keeps the full initial weight as `master_weight`;
     `tp_group` must be parallel_state's group (see `check_tensor_parallel_group`); `embedding_activation_buffer`,
@@ -424,6 +437,11 @@ class ColumnParallelLinear(_Fp8LinearMixin, torch.nn.Module):
         self.sequence_parallel = config.sequence_parallel and tp_size > 1
         if self.sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be used with --sequence-parallel")
+        self.explicit_expert_comm = explicit_expert_communication(config, is_expert)
+        if self.explicit_expert_comm and gather_output:
+            raise ValueError("ColumnParallelLinear(is_expert=True) under tensor or expert parallelism leaves the "
+                             "communication to the MoE token dispatcher: pass gather_output=False")
+        self._comm_group = _communication_group(is_expert, tp_size)
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         device = _parameter_device(config)
 
@@ -453,18 +471,36 @@ class ColumnParallelLinear(_Fp8LinearMixin, torch.nn.Module):
                 self.master_weight = master
         _zero_(self.bias)
 
-    def forward(self, input_, weight=None):
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        """-> (output, output_bias). `runtime_gather_output` (upstream's keyword) overrides `gather_output` for
+        this call when not None."""
         if weight is None:
             if self.weight is None:
-                raise ValueError("ColumnParallelLinear built with skip_weight_param_allocation needs forward(x, weight)")
+                raise ValueError("ColumnParallelLinear built with skip_weight_param_allocation needs "
+                                 "forward(x, weight)")
             weight = self.weight
         elif tuple(weight.shape) != (self.output_size_per_partition, self.input_size):
             raise ValueError(
                 f"weight of shape {tuple(weight.shape)} given; expected "
                 f"{(self.output_size_per_partition, self.input_size)}"
             )
+        gather_output = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather_output and self.explicit_expert_comm:
+            raise ValueError("ColumnParallelLinear(is_expert=True) under tensor or expert parallelism cannot gather "
+                             "its output: pass runtime_gather_output=False")
         bias = self.bias if not self.skip_bias_add else None
-        if active_fp8_region() is None:
+        if self.is_expert:
+            # Upstream's expert linears: no communication under tensor or expert parallelism, else the
+            # gradient of the input is summed over the expert tensor-parallel group.
+            if not self.explicit_expert_comm:
+                input_ = copy_to_tensor_model_parallel_region(input_, group=self._comm_group)
+            if active_fp8_region() is None:
+                output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+                    input_, weight, bias, self.gradient_accumulation_fusion, allreduce_dgrad=False,
+                    sequence_parallel=False)
+            else:
+                output_parallel = self._matmul(input_, weight, bias)
+        elif active_fp8_region() is None:
             output_parallel = linear_with_grad_accumulation_and_async_allreduce(
                 input_, weight, bias, self.gradient_accumulation_fusion,
                 allreduce_dgrad=not self.sequence_parallel, sequence_parallel=self.sequence_parallel)
@@ -474,7 +510,10 @@ class ColumnParallelLinear(_Fp8LinearMixin, torch.nn.Module):
             else:
                 input_parallel = copy_to_tensor_model_parallel_region(input_)
             output_parallel = self._matmul(input_parallel, weight, bias)
-        output = gather_from_tensor_model_parallel_region(output_parallel) if self.gather_output else output_parallel
+        if gather_output:
+            output = gather_from_tensor_model_parallel_region(output_parallel, group=self._comm_group)
+        else:
+            output = output_parallel
         return output, (self.bias if self.skip_bias_add else None)
 
     def extra_repr(self):
@@ -495,7 +534,8 @@ class RowParallelLinear(_Fp8LinearMixin, torch.nn.Module):
     The partial products are summed over the tensor-parallel group (reduce-scattered along the sequence
     with `config.sequence_parallel`). The bias is the same on every rank (`tensor_model_parallel=False`)
     and is added after the reduction. Without `input_is_parallel` the full-width input is split first. An
-    expert's linear (`is_expert`) is split over the expert tensor-parallel group instead.
+    expert's linear (`is_expert`) is split over the expert tensor-parallel group instead; as upstream, under tensor
+    or expert parallelism it leaves the reduction to the MoE token dispatcher (and so needs `skip_bias_add`).
     `keep_master_weight_for_test` and `tp_group` are as in `ColumnParallelLinear`.
     """
 
@@ -534,6 +574,8 @@ class RowParallelLinear(_Fp8LinearMixin, torch.nn.Module):
         self.sequence_parallel = config.sequence_parallel and tp_size > 1
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: --sequence-parallel needs input_is_parallel=True")
+        self.explicit_expert_comm = explicit_expert_communication(config, is_expert)
+        self._comm_group = _communication_group(is_expert, tp_size)
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         device = _parameter_device(config)
 
@@ -563,17 +605,26 @@ class RowParallelLinear(_Fp8LinearMixin, torch.nn.Module):
         _zero_(self.bias)
 
     def forward(self, input_):
-        input_parallel = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_)
+        if self.input_is_parallel:
+            input_parallel = input_
+        else:
+            input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self._comm_group)
         if active_fp8_region() is None:
             output_parallel = linear_with_grad_accumulation_and_async_allreduce(
                 input_parallel, self.weight, None, self.gradient_accumulation_fusion, allreduce_dgrad=False,
                 sequence_parallel=False)
         else:
             output_parallel = self._matmul(input_parallel, self.weight, None)
-        if self.sequence_parallel:
+        if self.explicit_expert_comm:
+            if self.bias is not None and not self.skip_bias_add:
+                raise ValueError("RowParallelLinear(is_expert=True) under tensor or expert parallelism leaves the "
+                                 "reduction of its output to the MoE token dispatcher, so the bias must be added "
+                                 "after it: build it with skip_bias_add=True (or bias=False)")
+            output = output_parallel  # reduced by the MoE token dispatcher
+        elif self.sequence_parallel and not self.is_expert:
             output = reduce_scatter_to_sequence_parallel_region(output_parallel)
         else:
-            output = reduce_from_tensor_model_parallel_region(output_parallel)
+            output = reduce_from_tensor_model_parallel_region(output_parallel, group=self._comm_group)
         if self.skip_bias_add:
             return output, self.bias
         if self.bias is not None:
@@ -652,3 +703,7 @@ class VocabParallelEmbedding(torch.nn.Module):
             f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "
             f"num_embeddings_per_partition={self.num_embeddings_per_partition}"
         )
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Checkpoint entries: the weight as this rank's rows (dim 0, the vocabulary) of the logical table."""
+        return _sharded_state_dict_with_axes(self, prefix, sharded_offsets, {"weight": 0})

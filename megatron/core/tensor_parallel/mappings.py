@@ -3,7 +3,9 @@
 Each mapping is a pair of collectives that are each other's adjoint: what the forward does to activations,
 the backward does (transposed) to gradients. Tensor-parallel mappings split/gather along the last (hidden)
 dimension; sequence-parallel mappings along dimension 0, the sequence dimension of `[s, b, h]` activations.
-With a tensor-parallel size of 1 every mapping is the identity.
+With a tensor-parallel size of 1 every mapping is the identity. As upstream, the mappings take a `group` keyword
+(default: the tensor-parallel group), and the sequence-parallel gather and reduce-scatter take per-rank row counts
+(`output_split_sizes` / `input_split_sizes`) for uneven splits.
 """
 
 import torch
@@ -24,8 +26,8 @@ def _tp_group_and_size(group=None):
     return (parallel_state.get_tensor_model_parallel_group() if size > 1 else None), size
 
 
-def _all_reduce(tensor):
-    group, size = _tp_group_and_size()
+def _all_reduce(tensor, group=None):
+    group, size = _tp_group_and_size(group)
     if size == 1:
         return tensor
     tensor = tensor.contiguous()
@@ -33,23 +35,58 @@ def _all_reduce(tensor):
     return tensor
 
 
-def _all_gather_first_dim(tensor, group=None):
+def _check_split_sizes(what, split_sizes, size):
+    if len(split_sizes) != size:
+        raise ValueError(f"{what} has {len(split_sizes)} entries; pass one row count per rank of the group "
+                         f"({size} ranks)")
+
+
+def _all_gather_first_dim(tensor, group=None, output_split_sizes=None):
+    """Concatenate every rank's `tensor` along dim 0 in rank order; `output_split_sizes[r]` rows from rank r
+    (None: the same number of rows on every rank)."""
     group, size = _tp_group_and_size(group)
     if size == 1:
         return tensor
     tensor = tensor.contiguous()
-    output = torch.empty((size * tensor.size(0),) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    dist.all_gather_single(output, tensor, group=group)
+    if output_split_sizes is None:
+        output = torch.empty((size * tensor.size(0),) + tuple(tensor.shape[1:]), dtype=tensor.dtype,
+                             device=tensor.device)
+        dist.all_gather_single(output, tensor, group=group)
+        return output
+    rank = dist.get_rank(group)
+    output_split_sizes = [int(rows) for rows in output_split_sizes]
+    _check_split_sizes("output_split_sizes", output_split_sizes, size)
+    if output_split_sizes[rank] != tensor.size(0):
+        raise ValueError(f"output_split_sizes[{rank}] = {output_split_sizes[rank]} but this rank's input has "
+                         f"{tensor.size(0)} rows along dimension 0; pass the row count of each rank's input")
+    # An all-gather of unequal blocks written as an all-to-all (every rank sends its rows to every rank):
+    # gloo's all_gather accepts equal sizes only.
+    output = tensor.new_empty((sum(output_split_sizes),) + tuple(tensor.shape[1:]))
+    dist.all_to_all_single(output, tensor.repeat((size,) + (1,) * (tensor.dim() - 1)),
+                           output_split_sizes=output_split_sizes, input_split_sizes=[tensor.size(0)] * size,
+                           group=group)
     return output
 
 
-def _reduce_scatter_first_dim(tensor, group=None):
+def _reduce_scatter_first_dim(tensor, group=None, input_split_sizes=None):
+    """Sum over the group and keep this rank's rows of dim 0: an equal share, or `input_split_sizes[rank]` rows
+    starting at the sum of the earlier ranks' sizes."""
     group, size = _tp_group_and_size(group)
     if size == 1:
         return tensor
+    tensor = tensor.contiguous()
+    if input_split_sizes is not None:
+        input_split_sizes = [int(rows) for rows in input_split_sizes]
+        _check_split_sizes("input_split_sizes", input_split_sizes, size)
+        if sum(input_split_sizes) != tensor.size(0):
+            raise ValueError(f"input_split_sizes sum to {sum(input_split_sizes)} but the input has "
+                             f"{tensor.size(0)} rows along dimension 0")
+        blocks = [block.contiguous() for block in torch.split(tensor, input_split_sizes, dim=0)]
+        output = torch.empty_like(blocks[dist.get_rank(group)])
+        dist.reduce_scatter(output, blocks, group=group)
+        return output
     if tensor.size(0) % size != 0:
         raise ValueError(f"sequence dimension {tensor.size(0)} is not divisible by tensor-parallel size {size}")
-    tensor = tensor.contiguous()
     output = torch.empty(
         (tensor.size(0) // size,) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device
     )
@@ -57,25 +94,29 @@ def _reduce_scatter_first_dim(tensor, group=None):
     return output
 
 
-def _split_first_dim(tensor):
-    _, size = _tp_group_and_size()
+def _split_first_dim(tensor, group=None, split_sizes=None):
+    group, size = _tp_group_and_size(group)
     if size == 1:
         return tensor
+    rank = dist.get_rank(group)
+    if split_sizes is not None:
+        split_sizes = [int(rows) for rows in split_sizes]
+        _check_split_sizes("output_split_sizes", split_sizes, size)
+        return torch.split(tensor, split_sizes, dim=0)[rank].contiguous()
     if tensor.size(0) % size != 0:
         raise ValueError(f"sequence dimension {tensor.size(0)} is not divisible by tensor-parallel size {size}")
     chunk = tensor.size(0) // size
-    rank = parallel_state.get_tensor_model_parallel_rank()
     return tensor[rank * chunk : (rank + 1) * chunk].contiguous()
 
 
-def _split_last_dim(tensor):
-    _, size = _tp_group_and_size()
+def _split_last_dim(tensor, group=None):
+    group, size = _tp_group_and_size(group)
     if size == 1:
         return tensor
     if tensor.size(-1) % size != 0:
         raise ValueError(f"last dimension {tensor.size(-1)} is not divisible by tensor-parallel size {size}")
     chunk = tensor.size(-1) // size
-    rank = parallel_state.get_tensor_model_parallel_rank()
+    rank = dist.get_rank(group)
     return tensor[..., rank * chunk : (rank + 1) * chunk].contiguous()
 
 
@@ -119,77 +160,85 @@ def _all_to_all_first_dim(tensor, group, output_split_sizes, input_split_sizes):
 
 class _CopyToTensorModelParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input_):
+    def forward(ctx, input_, group):
+        ctx.group = group
         return input_
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _all_reduce(grad_output.clone())
+        return _all_reduce(grad_output.clone(), ctx.group), None
 
 
 class _ReduceFromTensorModelParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input_):
-        return _all_reduce(input_.clone())
+    def forward(ctx, input_, group):
+        return _all_reduce(input_.clone(), group)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return grad_output
+        return grad_output, None
 
 
 class _ScatterToTensorModelParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input_):
-        return _split_last_dim(input_)
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _split_last_dim(input_, group)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _all_gather_last_dim(grad_output)
+        return _all_gather_last_dim(grad_output, ctx.group), None
 
 
 class _GatherFromTensorModelParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input_):
-        return _all_gather_last_dim(input_)
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _all_gather_last_dim(input_, group)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _split_last_dim(grad_output)
+        return _split_last_dim(grad_output, ctx.group), None
 
 
 class _ScatterToSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input_):
-        return _split_first_dim(input_)
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _split_first_dim(input_, group)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _all_gather_first_dim(grad_output)
+        return _all_gather_first_dim(grad_output, ctx.group), None
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input_, tensor_parallel_output_grad):
+    def forward(ctx, input_, tensor_parallel_output_grad, group, output_split_sizes):
         ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
-        return _all_gather_first_dim(input_)
+        ctx.group, ctx.output_split_sizes = group, output_split_sizes
+        return _all_gather_first_dim(input_, group, output_split_sizes)
 
     @staticmethod
     def backward(ctx, grad_output):
         # When the consumer is tensor-parallel each rank holds a partial gradient of the full sequence:
         # sum them and keep this rank's part. Otherwise every rank holds the full gradient already.
         if ctx.tensor_parallel_output_grad:
-            return _reduce_scatter_first_dim(grad_output), None
-        return _split_first_dim(grad_output), None
+            grad_input = _reduce_scatter_first_dim(grad_output, ctx.group, ctx.output_split_sizes)
+        else:
+            grad_input = _split_first_dim(grad_output, ctx.group, ctx.output_split_sizes)
+        return grad_input, None, None, None
 
 
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input_):
-        return _reduce_scatter_first_dim(input_)
+    def forward(ctx, input_, group, input_split_sizes):
+        ctx.group, ctx.input_split_sizes = group, input_split_sizes
+        return _reduce_scatter_first_dim(input_, group, input_split_sizes)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _all_gather_first_dim(grad_output)
+        return _all_gather_first_dim(grad_output, ctx.group, ctx.input_split_sizes), None, None
 
 
 class _AllGatherLastDimFromTensorParallelRegion(torch.autograd.Function):
@@ -232,44 +281,56 @@ class _AllToAll(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------------------
 
 
-def copy_to_tensor_model_parallel_region(input_):
-    """Identity forward; all-reduce of the gradient over the tensor-parallel group (`input_` itself, with no
-    autograd node and no copy of the gradient, on one tensor-parallel rank)."""
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+def _group_size(group):
+    return parallel_state.get_tensor_model_parallel_world_size() if group is None else dist.get_world_size(group)
+
+
+def copy_to_tensor_model_parallel_region(input_, group=None):
+    """Identity forward; all-reduce of the gradient over `group` (default: tensor-parallel); `input_` itself,
+    with no autograd node and no copy of the gradient, on a one-rank group."""
+    if _group_size(group) == 1:
         return input_
-    return _CopyToTensorModelParallelRegion.apply(input_)
+    return _CopyToTensorModelParallelRegion.apply(input_, group)
 
 
-def reduce_from_tensor_model_parallel_region(input_):
-    """All-reduce forward; identity backward (`input_` itself, not a copy, on one tensor-parallel rank)."""
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+def reduce_from_tensor_model_parallel_region(input_, group=None):
+    """All-reduce forward over `group` (default: tensor-parallel); identity backward (`input_` itself, not a
+    copy, on a one-rank group)."""
+    if _group_size(group) == 1:
         return input_
-    return _ReduceFromTensorModelParallelRegion.apply(input_)
+    return _ReduceFromTensorModelParallelRegion.apply(input_, group)
 
 
-def scatter_to_tensor_model_parallel_region(input_):
+def scatter_to_tensor_model_parallel_region(input_, group=None):
     """Keep this rank's chunk of the last dimension; all-gather the gradient."""
-    return _ScatterToTensorModelParallelRegion.apply(input_)
+    return _ScatterToTensorModelParallelRegion.apply(input_, group)
 
 
-def gather_from_tensor_model_parallel_region(input_):
+def gather_from_tensor_model_parallel_region(input_, group=None):
     """All-gather along the last dimension; the gradient is split back."""
-    return _GatherFromTensorModelParallelRegion.apply(input_)
+    return _GatherFromTensorModelParallelRegion.apply(input_, group)
 
 
-def scatter_to_sequence_parallel_region(input_):
+def scatter_to_sequence_parallel_region(input_, group=None):
     """Keep this rank's chunk of the sequence (dim 0); all-gather the gradient."""
-    return _ScatterToSequenceParallelRegion.apply(input_)
+    return _ScatterToSequenceParallelRegion.apply(input_, group)
 
 
-def gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True):
-    """All-gather along the sequence (dim 0); backward reduce-scatters (or just splits, see above)."""
-    return _GatherFromSequenceParallelRegion.apply(input_, tensor_parallel_output_grad)
+def gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=None,
+                                         output_split_sizes=None, use_global_buffer=False):
+    """All-gather along the sequence (dim 0) over `group` (default: tensor-parallel), rank r contributing
+    `output_split_sizes[r]` rows (None: equal shares). Backward reduce-scatters the gradient back to those rows
+    or, with `tensor_parallel_output_grad=False` (every rank holds the full gradient), just splits it.
+    `use_global_buffer` (upstream's reuse of one preallocated output buffer) is accepted; the result is always a
+    tensor of its own."""
+    return _GatherFromSequenceParallelRegion.apply(input_, tensor_parallel_output_grad, group, output_split_sizes)
 
 
-def reduce_scatter_to_sequence_parallel_region(input_):
-    """Sum over the tensor-parallel group and keep this rank's sequence chunk; all-gather the gradient."""
-    return _ReduceScatterToSequenceParallelRegion.apply(input_)
+def reduce_scatter_to_sequence_parallel_region(input_, group=None, input_split_sizes=None,
+                                               use_global_buffer=False):
+    """Sum over `group` (default: tensor-parallel) and keep this rank's rows of the sequence (dim 0): an equal
+    share, or `input_split_sizes[rank]` rows; all-gather the gradient. `use_global_buffer` as above."""
+    return _ReduceScatterToSequenceParallelRegion.apply(input_, group, input_split_sizes)
 
 
 def all_gather_along_first_dim(tensor):

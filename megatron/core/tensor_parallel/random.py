@@ -84,12 +84,17 @@ def get_expert_parallel_rng_tracker_name():
 
 
 def model_parallel_cuda_manual_seed(seed, te_rng_tracker=False, inference_rng_tracker=False,
-                                    use_cudagraphable_rng=False):
+                                    use_cudagraphable_rng=False, tp_rank=None, ep_rank=None, etp_rank=None,
+                                    force_reset_rng=False):
     """Seed the default generators with `seed` and register the model-, expert- and data-parallel streams.
 
     The default stream is identical on all ranks (so weights initialised outside `fork` agree); the
-    model-parallel stream is `seed + 2718 + tensor_model_parallel_rank`. Upstream's other trackers (Transformer
-    Engine's, the inference one, CUDA-graph-safe generators) are refused: leave those switches False.
+    model-parallel stream is `seed + 2718 + tensor_model_parallel_rank`, the expert-parallel one
+    `seed + 1024 + 100 * expert_model_parallel_rank + expert_tensor_parallel_rank` (experts are split over the
+    expert-tensor-parallel group, which differs from the tensor-parallel one under
+    `--expert-tensor-parallel-size`). `tp_rank`, `ep_rank` and `etp_rank` (upstream's keywords) replace the ranks
+    parallel_state reports; `force_reset_rng` is accepted (the tracker is always reset). Upstream's other trackers
+    (Transformer Engine's, the inference one, CUDA-graph-safe generators) are refused: leave those switches False.
     """
     for name, value in (("te_rng_tracker", te_rng_tracker), ("inference_rng_tracker", inference_rng_tracker),
                         ("use_cudagraphable_rng", use_cudagraphable_rng)):
@@ -97,15 +102,19 @@ def model_parallel_cuda_manual_seed(seed, te_rng_tracker=False, inference_rng_tr
             raise ValueError(f"model_parallel_cuda_manual_seed({name}=True) asks for a random-number tracker this "
                              "implementation does not have; leave it False (the one tracker serves training and "
                              "inference)")
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    if tp_rank is None:
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    if ep_rank is None:
+        ep_rank = parallel_state.get_expert_model_parallel_rank()
+    if etp_rank is None:
+        etp_rank = parallel_state.get_expert_tensor_parallel_rank()
     torch.manual_seed(seed)  # CPU and every accelerator's default generator
     tracker = get_cuda_rng_tracker()
     tracker.reset()
     tracker.add(_DATA_PARALLEL_RNG_TRACKER_NAME, seed)
     tracker.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank)
     tracker.add(
-        _EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + EXPERT_PARALLEL_SEED_OFFSET + 100 * ep_rank + tp_rank
+        _EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + EXPERT_PARALLEL_SEED_OFFSET + 100 * ep_rank + etp_rank
     )
 
 
@@ -177,3 +186,101 @@ def checkpoint(function, distribute_saved_activations, *args):
     if distribute_saved_activations:
         raise ValueError("distribute_saved_activations=True is not supported; pass False")
     return CheckpointFunction.apply(function, *args)
+
+
+class _CheckpointWithoutOutputFunction(torch.autograd.Function):
+    """Runs the function without recording; its backward pushes the gradient through the recomputed graph."""
+
+    @staticmethod
+    def forward(ctx, run_function, owner, *args):
+        with torch.no_grad():
+            outputs = run_function(*args)
+        owner.ctx = ctx
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        owner = ctx.owner
+        if ctx.recomputed_outputs is None:  # the hook tensor's gradient did not come first: recompute now
+            owner._recompute(None)
+        pairs = [(output, grad) for output, grad in zip(ctx.recomputed_outputs, grad_outputs)
+                 if torch.is_tensor(output) and output.requires_grad and grad is not None]
+        if pairs:
+            torch.autograd.backward([output for output, _ in pairs], [grad for _, grad in pairs])
+        ctx.recomputed_outputs = None
+        ctx.owner = None
+        grads = tuple(arg.grad if torch.is_tensor(arg) and arg.requires_grad else None for arg in ctx.inputs)
+        ctx.inputs = None
+        return (None, None) + grads
+
+
+class CheckpointWithoutOutput:
+    """Recompute a function in backward and also free its outputs in between (upstream's API).
+
+    `checkpoint(run_function, *args)` runs the function without recording a graph and returns its outputs.
+    Once the caller has used them (typically as the input of the next layer, which saves them for its own
+    backward), `discard_output_and_register_recompute(hook_tensor)` frees their storage and registers the
+    recompute on `hook_tensor`'s gradient: when backward reaches `hook_tensor` (a tensor computed from the
+    outputs, e.g. the next layer's output) the function is rerun under the forward's RNG states and the
+    recomputed values are written back into the outputs' storage before anything reads them. `fp8` is
+    accepted for upstream's signature; the recompute runs under whatever precision context is active then.
+    """
+
+    def __init__(self, fp8=False):
+        self.fp8 = fp8
+        self.run_function = None
+        self.rng_states = None
+        self.ctx = None
+        self.outputs = None
+
+    def checkpoint(self, run_function, *args):
+        self.run_function = run_function
+        self.rng_states = _capture_rng_states()
+        outputs = _CheckpointWithoutOutputFunction.apply(run_function, self, *args)
+        ctx = self.ctx
+        ctx.owner = self
+        ctx.recomputed_outputs = None
+        ctx.inputs = [_detached_like(arg) for arg in args]
+        self.outputs = (outputs,) if torch.is_tensor(outputs) else tuple(outputs)
+        return outputs
+
+    def _recompute(self, _grad):
+        ctx = self.ctx
+        if ctx is None:  # already recomputed
+            return
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError("CheckpointWithoutOutput does not support torch.autograd.grad; use .backward()")
+        states_now = _capture_rng_states()
+        _restore_rng_states(self.rng_states)
+        try:
+            with torch.enable_grad():
+                recomputed = self.run_function(*ctx.inputs)
+        finally:
+            _restore_rng_states(states_now)
+        recomputed = (recomputed,) if torch.is_tensor(recomputed) else tuple(recomputed)
+        with torch.no_grad():
+            for output, value in zip(self.outputs, recomputed):
+                if torch.is_tensor(output) and output.untyped_storage().size() == 0:
+                    output.untyped_storage().resize_(value.untyped_storage().size())
+                    output.untyped_storage().copy_(value.untyped_storage())
+        ctx.recomputed_outputs = recomputed
+        self.run_function = self.rng_states = self.outputs = self.ctx = None
+
+    def discard_output_and_register_recompute(self, hook_tensor):
+        """Free the outputs' storage (shapes stay) and recompute them when `hook_tensor`'s gradient is computed.
+        The caller must not read the outputs in the forward after this call."""
+        if self.ctx is None:
+            raise RuntimeError("discard_output_and_register_recompute() needs a checkpoint() call first")
+        for output in self.outputs:
+            if torch.is_tensor(output):
+                output.untyped_storage().resize_(0)
+        if hook_tensor.requires_grad:
+            hook_tensor.register_hook(self._recompute)
+
+
+def _detached_like(arg):
+    if not torch.is_tensor(arg):
+        return arg
+    detached = arg.detach()
+    detached.requires_grad_(arg.requires_grad)
+    return detached

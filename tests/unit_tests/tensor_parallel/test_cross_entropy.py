@@ -65,3 +65,11 @@ def test_single_rank_bf16_logits_return_fp32_loss_and_bf16_grad():
     torch.testing.assert_close(loss.detach(), expected, atol=1e-5, rtol=1e-5)
     loss.sum().backward()
     assert logits.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("label_smoothing", [-0.1, 1.0, 1.5])
+def test_label_smoothing_outside_zero_one_is_refused(label_smoothing):
+    """As the fused cross entropy and upstream (which asserts 0 < label_smoothing < 1): a negative value used to
+    give the unsmoothed loss silently, 1.0 a target that ignores the label and more a loss pushing away from it."""
+    with pytest.raises(ValueError, match=rf"label_smoothing must be in \[0, 1\), got {label_smoothing}"):
+        vocab_parallel_cross_entropy(torch.zeros(2, VOCAB), torch.zeros(2, dtype=torch.long), label_smoothing)

@@ -379,3 +379,90 @@ def test_upstream_constructor_keywords(world_size):
         assert row_group.startswith("RowParallelLinear(tp_group=...) spans ranks")
         assert grad_reduce.startswith("ColumnParallelLinear(disable_grad_reduce=...) is not supported here")
         assert buffer.startswith("ColumnParallelLinear(grad_output_buffer=...) is not supported here")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Expert linears (is_expert) and upstream's runtime_gather_output
+# --------------------------------------------------------------------------------------------------------
+
+
+def _expert_and_runtime_gather_layers():
+    from megatron.core import parallel_state as ps
+
+    x, upstream = shared_randn(3, 2, IN_FEATURES, seed=3), shared_randn(3, 2, OUT_FEATURES, seed=4)
+    weight = shared_randn(OUT_FEATURES, IN_FEATURES, seed=1)
+    reference_x = x.clone().requires_grad_()
+    reference_y = F.linear(reference_x, weight)
+    reference_y.backward(upstream)
+    results = {}
+
+    # TP = 2, expert TP = 1: each rank holds whole expert weights and does no communication (the dispatcher's job).
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_tensor_parallel_size=1)
+    config = ModelParallelConfig(tensor_model_parallel_size=2)
+    row = RowParallelLinear(IN_FEATURES, OUT_FEATURES, config=config, init_method=_normal(), bias=True,
+                            input_is_parallel=True, skip_bias_add=True, is_expert=True)
+    column = ColumnParallelLinear(IN_FEATURES, OUT_FEATURES, config=config, init_method=_normal(), bias=False,
+                                  is_expert=True)
+    for name, layer in (("row", row), ("column", column)):
+        with torch.no_grad():
+            layer.weight.copy_(weight)
+        x_local = x.clone().requires_grad_()
+        output, _ = layer(x_local)
+        output.backward(upstream)
+        assert_close(output, reference_y.detach(), f"{name} etp1 output")
+        assert_close(x_local.grad, reference_x.grad, f"{name} etp1 input grad")
+    bias_added = RowParallelLinear(IN_FEATURES, OUT_FEATURES, config=config, init_method=_normal(), bias=True,
+                                   input_is_parallel=True, skip_bias_add=False, is_expert=True)
+    with pytest.raises(ValueError, match=r"RowParallelLinear\(is_expert=True\) .* build it with skip_bias_add=True"):
+        bias_added(x)
+    ps.destroy_model_parallel()
+
+    # TP = 1, expert TP = 2: the expert linears are split over, and communicate over, the expert TP group.
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, expert_tensor_parallel_size=2)
+    rank, config = ps.get_expert_tensor_parallel_rank(), ModelParallelConfig()
+    column = ColumnParallelLinear(IN_FEATURES, OUT_FEATURES, config=config, init_method=_normal(), bias=False,
+                                  is_expert=True)
+    row = RowParallelLinear(OUT_FEATURES, IN_FEATURES, config=config, init_method=_normal(), bias=False,
+                            input_is_parallel=False, is_expert=True)
+    with torch.no_grad():
+        column.weight.copy_(chunk(weight, 0, rank, 2))
+        row.weight.copy_(chunk(weight.t(), 1, rank, 2))
+    x_local = x.clone().requires_grad_()
+    output, _ = column(x_local, runtime_gather_output=True)
+    output.backward(upstream)
+    results["column etp2 gathered"] = (output.detach(), x_local.grad)
+    y_local = upstream.clone().requires_grad_()
+    output, _ = row(y_local)
+    output.sum().backward()
+    results["row etp2"] = (output.detach(), y_local.grad)
+    ps.destroy_model_parallel()
+    expected = {
+        "column etp2 gathered": (reference_y.detach(), reference_x.grad),
+        "row etp2": (F.linear(upstream, weight.t()), torch.ones(3, 2, IN_FEATURES) @ weight.t()),
+    }
+    for name, (output, grad) in results.items():
+        assert_close(output, expected[name][0], f"{name} output")
+        assert_close(grad, expected[name][1], f"{name} input grad")
+    return True
+
+
+def test_expert_linears_communicate_over_the_expert_tensor_parallel_group():
+    """Upstream's expert linears (`is_expert=True`): under tensor or expert parallelism no communication (here
+    TP = 2 with --expert-tensor-parallel-size 1 summed each output twice over the tensor-parallel group); otherwise
+    over the expert tensor-parallel group. Also `runtime_gather_output`, upstream's per-call override."""
+    assert run_on_ranks(2, _expert_and_runtime_gather_layers) == [True, True]
+
+
+def _embedding_sharded_state_dict():
+    config, rank, tp = setup_tensor_parallel()
+    embedding = VocabParallelEmbedding(8 * tp, IN_FEATURES, init_method=_normal(), config=config)
+    entries = embedding.sharded_state_dict(prefix="embedding.word_embeddings.")
+    assert list(entries) == ["embedding.word_embeddings.weight"]
+    (offsets, piece), = entries["embedding.word_embeddings.weight"].pieces
+    return tuple(entries["embedding.word_embeddings.weight"].global_shape), tuple(offsets), piece is embedding.weight
+
+
+def test_vocab_parallel_embedding_has_upstreams_sharded_state_dict():
+    """As upstream's VocabParallelEmbedding (and this project's linears): its rows of the whole table."""
+    results = run_on_ranks(2, _embedding_sharded_state_dict)
+    assert results == [((16, IN_FEATURES), (0, 0), True), ((16, IN_FEATURES), (8, 0), True)]

@@ -176,3 +176,64 @@ def _upstream_mappings_match_a_single_process_reference():
 
 def test_upstream_mappings_at_tp2():
     assert run_on_ranks(2, _upstream_mappings_match_a_single_process_reference) == [True, True]
+
+
+def _sequence_mappings_with_upstream_keywords():
+    """gather_from_sequence_parallel_region / reduce_scatter_to_sequence_parallel_region called with upstream's
+    keywords (an explicit group, uneven split sizes, use_global_buffer), against full-tensor references."""
+    _, rank, tp = setup_tensor_parallel()
+    group = mappings.parallel_state.get_tensor_model_parallel_group()
+    sizes = [r + 1 for r in range(tp)]  # rank r holds r + 1 rows
+    start = sum(sizes[:rank])
+    full = shared_randn(sum(sizes), 2, 3, seed=1)
+    per_rank_grad = [shared_randn(sum(sizes), 2, 3, seed=20 + r) for r in range(tp)]
+    total_grad = sum(per_rank_grad)
+    mine = full[start : start + sizes[rank]]
+
+    y, g = _apply(mappings.gather_from_sequence_parallel_region, mine, per_rank_grad[rank], group=group,
+                  output_split_sizes=sizes, use_global_buffer=True)
+    assert_close(y, full, "uneven sequence gather forward")
+    assert_close(g, total_grad[start : start + sizes[rank]], "uneven sequence gather backward reduce-scatters")
+
+    y, g = _apply(mappings.gather_from_sequence_parallel_region, mine, per_rank_grad[0],
+                  tensor_parallel_output_grad=False, output_split_sizes=sizes)
+    assert_close(g, per_rank_grad[0][start : start + sizes[rank]], "uneven sequence gather backward splits")
+
+    per_rank = [shared_randn(sum(sizes), 2, 3, seed=10 + r) for r in range(tp)]
+    total = sum(per_rank)
+    mine_grad = per_rank_grad[0][start : start + sizes[rank]]
+    y, g = _apply(mappings.reduce_scatter_to_sequence_parallel_region, per_rank[rank], mine_grad, group=group,
+                  input_split_sizes=sizes, use_global_buffer=False)
+    assert_close(y, total[start : start + sizes[rank]], "uneven reduce-scatter forward")
+    gathered_grad = torch.cat([per_rank_grad[0][sum(sizes[:r]) : sum(sizes[: r + 1])] for r in range(tp)])
+    assert_close(g, gathered_grad, "uneven reduce-scatter backward gathers")
+
+    # Equal shares over an explicit group, and the tensor-parallel regions with upstream's group keyword.
+    even = shared_randn(2 * tp, 2, 2 * tp, seed=3)
+    y, g = _apply(mappings.reduce_scatter_to_sequence_parallel_region, even, chunk(even, 0, rank, tp), group=group)
+    assert_close(y, tp * chunk(even, 0, rank, tp), "reduce-scatter over an explicit group")
+    assert_close(g, even, "reduce-scatter over an explicit group: backward")
+    y, g = _apply(mappings.copy_to_tensor_model_parallel_region, even, even, group=group)
+    assert_close(g, tp * even, "copy region over an explicit group: backward sums")
+    y, _ = _apply(mappings.reduce_from_tensor_model_parallel_region, even, even, group=group)
+    assert_close(y, tp * even, "reduce region over an explicit group")
+    y, g = _apply(mappings.scatter_to_tensor_model_parallel_region, even, chunk(even, -1, rank, tp), group=group)
+    assert_close(y, chunk(even, -1, rank, tp), "scatter region over an explicit group")
+    y, g = _apply(mappings.gather_from_tensor_model_parallel_region, chunk(even, -1, rank, tp), even, group=group)
+    assert_close(y, even, "gather region over an explicit group")
+    y, g = _apply(mappings.scatter_to_sequence_parallel_region, even, chunk(even, 0, rank, tp), group=group)
+    assert_close(g, even, "sequence scatter over an explicit group: backward gathers")
+
+    wrong = list(sizes)
+    wrong[rank] += 4  # every rank fails its own check before any collective
+    expected = rf"output_split_sizes\[{rank}\] = {sizes[rank] + 4} but this rank's input has {sizes[rank]} rows"
+    with pytest.raises(ValueError, match=expected):
+        mappings.gather_from_sequence_parallel_region(mine, output_split_sizes=wrong)
+    with pytest.raises(ValueError, match="input_split_sizes sum to"):
+        mappings.reduce_scatter_to_sequence_parallel_region(full, input_split_sizes=[1] * tp)
+    dist.barrier()
+    return True
+
+
+def test_sequence_parallel_mappings_take_upstream_keywords_at_tp2():
+    assert run_on_ranks(2, _sequence_mappings_with_upstream_keywords) == [True, True]

@@ -55,6 +55,73 @@ def test_model_parallel_stream_differs_per_tensor_parallel_rank(world_size):
     assert not torch.equal(results[0][2], results[1][2])
 
 
+def _expert_stream_per_rank(seed):
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                                 expert_tensor_parallel_size=1)
+    model_parallel_cuda_manual_seed(seed)
+    with get_cuda_rng_tracker().fork("expert-parallel-rng"):
+        draw = torch.rand(4)
+    get_cuda_rng_tracker().reset()
+    return ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank(), draw
+
+
+def test_expert_stream_is_seeded_from_the_expert_tensor_parallel_rank():
+    """TP = 2 with --expert-tensor-parallel-size 1 and EP = 2: both ranks are expert-tensor-parallel rank 0, so
+    the expert stream is seed + 1024 + 100 * ep_rank (not + the tensor-parallel rank), as upstream seeds it."""
+    results = run_on_ranks(2, _expert_stream_per_rank, 5)
+    assert [(ep, etp) for ep, etp, _ in results] == [(0, 0), (1, 0)]
+    for ep_rank, etp_rank, draw in results:
+        torch.testing.assert_close(draw, _draws(5 + 1024 + 100 * ep_rank + etp_rank, 4), atol=0, rtol=0)
+    # Upstream's explicit-rank keywords replace parallel_state's ranks.
+    model_parallel_cuda_manual_seed(5, tp_rank=1, ep_rank=2, etp_rank=3, force_reset_rng=True)
+    tracker = get_cuda_rng_tracker()
+    for name, seed in (("model-parallel-rng", 5 + 2718 + 1), ("expert-parallel-rng", 5 + 1024 + 200 + 3)):
+        with tracker.fork(name):
+            torch.testing.assert_close(torch.rand(4), _draws(seed, 4), atol=0, rtol=0, msg=name)
+    tracker.reset()
+
+
+def test_checkpoint_without_output_frees_outputs_and_matches_plain_gradients():
+    """Upstream's output-discarding checkpoint: the activation's storage is freed after the consumer ran, the
+    recompute replays the dropout of the tracker's stream, and every gradient equals the run without it."""
+    from megatron.core.tensor_parallel import CheckpointWithoutOutput
+
+    torch.manual_seed(0)
+    fc1, fc2 = torch.nn.Linear(5, 6), torch.nn.Linear(6, 4)
+    x = torch.randn(3, 5)
+
+    def activation(hidden):
+        with get_cuda_rng_tracker().fork():
+            return torch.nn.functional.dropout(torch.nn.functional.gelu(hidden), p=0.5, training=True)
+
+    results = []
+    for discard_output in (False, True):
+        model_parallel_cuda_manual_seed(7)
+        fc1.zero_grad()
+        fc2.zero_grad()
+        inputs = x.clone().requires_grad_()
+        hidden = fc1(inputs)
+        if discard_output:
+            recompute = CheckpointWithoutOutput()
+            activated = recompute.checkpoint(activation, hidden)
+            output = fc2(activated)
+            recompute.discard_output_and_register_recompute(output)
+            assert activated.untyped_storage().size() == 0
+        else:
+            output = fc2(activation(hidden))
+        output.pow(2).sum().backward()
+        after = torch.rand(3)  # the recompute must not move the default stream
+        with get_cuda_rng_tracker().fork():
+            after_forked = torch.rand(3)
+        results.append((output.detach(), inputs.grad, fc1.weight.grad.clone(), fc2.weight.grad.clone(), after,
+                        after_forked))
+    for plain, recomputed in zip(*results):
+        torch.testing.assert_close(recomputed, plain, atol=1e-6, rtol=1e-6)
+    get_cuda_rng_tracker().reset()
+
+
 def test_checkpoint_recomputes_with_same_dropout_and_gradients():
     torch.manual_seed(0)
     linear = torch.nn.Linear(6, 6)

@@ -1,5 +1,5 @@
-"""Upstream's GPT layer specs: `get_gpt_layer_local_spec`, `get_gpt_layer_with_transformer_engine_spec` and
-`get_gpt_mtp_block_spec`.
+"""Upstream's GPT layer specs: `get_gpt_layer_local_spec`, `get_gpt_layer_with_transformer_engine_spec`,
+`get_gpt_decoder_block_spec` and `get_gpt_mtp_block_spec`.
 
 Each returns a `ModuleSpec` (of `TransformerLayer`, or of `MultiTokenPredictionBlock`) that records the
 `TransformerConfig` fields its arguments mean (`transformer_impl`, `qk_layernorm`, `num_moe_experts`,
@@ -15,9 +15,6 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 def _layer_spec(transformer_impl, num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention, fp8,
                 normalization, qk_l2_norm, use_kitchen):
-    if fp8 is not None:
-        raise ValueError("the spec's fp8 argument is deprecated upstream and not used here: set "
-                         "TransformerConfig(fp8=...) (--fp8-format) instead")
     if use_kitchen:
         raise ValueError("use_kitchen (NVIDIA Kitchen quantized layers) is not available: drop it")
     fields = {"transformer_impl": transformer_impl, "num_moe_experts": num_experts,
@@ -27,6 +24,9 @@ def _layer_spec(transformer_impl, num_experts, moe_grouped_gemm, qk_layernorm, m
         fields["moe_grouped_gemm"] = bool(moe_grouped_gemm)
     if normalization is not None:
         fields["normalization"] = normalization
+    if fp8 is not None:
+        # Upstream's deprecated argument (older scripts pass args.fp8): FP8 comes from the config, which must agree.
+        fields["fp8"] = fp8
     return ModuleSpec(module=TransformerLayer, config_fields=fields)
 
 
@@ -41,12 +41,29 @@ def get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layern
 def get_gpt_layer_with_transformer_engine_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False,
                                                multi_latent_attention=False, fp8=None,
                                                moe_use_legacy_grouped_gemm=False, qk_l2_norm=False,
-                                               use_te_op_fuser=False, use_kitchen=False):
-    """The Transformer Engine layer (`--transformer-impl transformer_engine`)."""
+                                               use_te_op_fuser=False, use_kitchen=False, use_te_activation_func=False,
+                                               fallback_to_eager_attn=False):
+    """The Transformer Engine layer (`--transformer-impl transformer_engine`). `use_te_activation_func` and
+    `fallback_to_eager_attn` choose kernels that compute the same values; they are accepted and change nothing."""
     if use_te_op_fuser:
         raise ValueError("use_te_op_fuser is not available: drop it (the TE linears run unfused)")
     return _layer_spec("transformer_engine", num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention,
                        fp8, None, qk_l2_norm, use_kitchen)
+
+
+def get_gpt_decoder_block_spec(config, use_transformer_engine, normalization=None, qk_l2_norm=False, vp_stage=None,
+                               pp_rank=None):
+    """Upstream's spec of the whole decoder, used for MoE models (dense and MoE layers by `--moe-layer-freq`).
+    Every layer here is built from `config`, which already says which layers are MoE and which of them this
+    pipeline stage holds, so this is the layer spec of `config` (local or Transformer Engine), for
+    `GPTModel(config, transformer_layer_spec=...)`; `vp_stage` and `pp_rank` are not needed."""
+    if use_transformer_engine:
+        return get_gpt_layer_with_transformer_engine_spec(
+            config.num_moe_experts, config.moe_grouped_gemm, config.qk_layernorm, config.multi_latent_attention,
+            qk_l2_norm=qk_l2_norm)
+    return get_gpt_layer_local_spec(config.num_moe_experts, config.moe_grouped_gemm, config.qk_layernorm,
+                                    config.multi_latent_attention, normalization=normalization,
+                                    qk_l2_norm=qk_l2_norm)
 
 
 def get_gpt_mtp_block_spec(config, spec, use_transformer_engine, vp_stage=None, pp_rank=None):

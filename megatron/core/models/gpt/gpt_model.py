@@ -125,9 +125,10 @@ class GPTModel(ShardedStateModule):
         rope_scaling, rope_scaling_factor: Llama 3.1's scaling of the RoPE frequencies by the factor (rope only;
             `--use-rope-scaling`, `--rope-scaling-factor`).
         scatter_embedding_sequence_parallel: with --sequence-parallel, scatter the embedding output over the
-            tensor-parallel ranks (True, the default). False (upstream: the caller scatters a decoder input it
-            passes itself) is refused with --sequence-parallel on a stage holding the embedding, since `forward`
-            takes no decoder input; without sequence parallelism there is nothing to scatter.
+            tensor-parallel ranks (True, the default). False, as upstream: `self.embedding(...)` returns the whole
+            `[s, b, h]` for a caller that combines it with other inputs and passes the scattered result as
+            `decoder_input`; `forward` without `decoder_input` scatters the embedding itself. Refused with
+            multi-token prediction; without sequence parallelism there is nothing to scatter.
         mtp_block_spec: upstream's multi-token-prediction block spec (`get_gpt_mtp_block_spec`). The depths are
             built from `config.mtp_num_layers` on the last stage: None builds what the config asks for, and a
             spec must describe the same (it is refused when the config has no `mtp_num_layers`).
@@ -196,12 +197,13 @@ class GPTModel(ShardedStateModule):
             )
         # This stage runs the multi-token-prediction depths (the last one) and so needs the word embedding.
         self.mtp_process = post_process and self.mtp_num_layers > 0
-        if not scatter_embedding_sequence_parallel and config.sequence_parallel and (pre_process or self.mtp_process):
+        if not scatter_embedding_sequence_parallel and config.sequence_parallel and self.mtp_process:
             raise ValueError(
-                "GPTModel(scatter_embedding_sequence_parallel=False) leaves the embedding output unscattered for a "
-                "caller that passes its own decoder input, which this GPTModel's forward does not take: with "
-                "--sequence-parallel keep scatter_embedding_sequence_parallel=True (the default)"
+                "GPTModel(scatter_embedding_sequence_parallel=False) leaves the embedding output unscattered, which "
+                "the multi-token-prediction depths (--mtp-num-layers) cannot take: with --sequence-parallel keep "
+                "scatter_embedding_sequence_parallel=True (the default)"
             )
+        self.scatter_embedding_sequence_parallel = scatter_embedding_sequence_parallel
 
         self.base_init_seed = resolve_base_init_seed(config)
         if pre_process or self.mtp_process:
@@ -211,6 +213,7 @@ class GPTModel(ShardedStateModule):
                 max_sequence_length,
                 position_embedding_type=position_embedding_type,
                 base_init_seed=self.base_init_seed,
+                scatter_to_sequence_parallel=scatter_embedding_sequence_parallel,
             )
         self.rotary_pos_emb = None
         if position_embedding_type == "rope":
@@ -514,6 +517,8 @@ class GPTModel(ShardedStateModule):
             raise RuntimeError("a pipeline stage that is not first needs set_input_tensor() before forward")
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids, position_ids)
+            if self.config.sequence_parallel and not self.scatter_embedding_sequence_parallel:
+                decoder_input = tensor_parallel.scatter_to_sequence_parallel_region(decoder_input)
         rotary_angles = self._rotary_angles(input_ids, decoder_input)
         hidden_states = self.decoder(decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary_angles)
         if not self.post_process:

@@ -122,21 +122,25 @@ def test_vp_stage_builds_that_virtual_stage(world_size):
 
 def _scatter_embedding_refusal():
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-    config = tiny_config(tp=2, sequence_parallel=True)
+    config = tiny_config(tp=2, sequence_parallel=True, mtp_num_layers=1)
     try:
-        seeded_model(config, scatter_embedding_sequence_parallel=False)
+        seeded_model(config, scatter_embedding_sequence_parallel=False, position_embedding_type="rope")
     except ValueError as error:
         message = str(error)
     # A stage without the embedding has nothing to scatter.
-    middle = seeded_model(config, scatter_embedding_sequence_parallel=False, pre_process=False, post_process=False)
+    middle = seeded_model(config, scatter_embedding_sequence_parallel=False, pre_process=False, post_process=False,
+                          position_embedding_type="rope")
     parallel_state.destroy_model_parallel()
     return message, isinstance(middle, GPTModel)
 
 
 @pytest.mark.parametrize("world_size", [2])
-def test_unscattered_embedding_is_refused_with_sequence_parallelism(world_size):
+def test_unscattered_embedding_is_refused_with_sequence_parallel_mtp(world_size):
+    """The unscattered embedding itself works (see test_gpt_decoder_input_parallel.py); the MTP depths, which
+    embed shifted tokens with it, cannot take it."""
     for message, middle_built in run_on_ranks(world_size, _scatter_embedding_refusal):
-        assert "with --sequence-parallel keep scatter_embedding_sequence_parallel=True" in message
+        assert "which the multi-token-prediction depths (--mtp-num-layers) cannot take: with --sequence-parallel " \
+               "keep scatter_embedding_sequence_parallel=True" in message
         assert middle_built
     # Without sequence parallelism the embedding is never scattered: False changes nothing.
     tokens, labels, positions = fixed_batch()

@@ -67,6 +67,8 @@ class LanguageModelEmbedding(torch.nn.Module):
             "none" add nothing (rope and yarn are applied inside attention).
         base_init_seed: the model's base init seed (None: `config.init_seed`, else the default generator's
             seed); the word and position embeddings each draw from their own seed derived from it.
+        scatter_to_sequence_parallel: with --sequence-parallel, return this rank's `[s / tp, b, h]` slice (True,
+            upstream's default) or the whole `[s, b, h]` for a caller that scatters it itself (False).
     """
 
     def __init__(
@@ -76,8 +78,10 @@ class LanguageModelEmbedding(torch.nn.Module):
         max_sequence_length: int,
         position_embedding_type: str = "learned_absolute",
         base_init_seed=None,
+        scatter_to_sequence_parallel: bool = True,
     ):
         super().__init__()
+        self.scatter_to_sequence_parallel = scatter_to_sequence_parallel
         if position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(
                 f"--position-embedding-type must be one of {POSITION_EMBEDDING_TYPES}, got {position_embedding_type!r}"
@@ -109,7 +113,8 @@ class LanguageModelEmbedding(torch.nn.Module):
         reset_children_parameters(self)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor = None) -> torch.Tensor:
-        """`input_ids`, `position_ids`: `[b, s]` -> embeddings `[s, b, h]` (sequence-split when SP is on)."""
+        """`input_ids`, `position_ids`: `[b, s]` -> embeddings `[s, b, h]` (sequence-split when SP is on, unless
+        `scatter_to_sequence_parallel` is False)."""
         embeddings = self.word_embeddings(input_ids)
         if self.add_position_embedding:
             if position_ids is None:
@@ -122,7 +127,7 @@ class LanguageModelEmbedding(torch.nn.Module):
             embeddings = embeddings + self.position_embeddings(position_ids)
         embeddings = embeddings.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
 
-        if self.config.sequence_parallel:
+        if self.config.sequence_parallel and self.scatter_to_sequence_parallel:
             embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
             # Each rank now holds different tokens, so each needs its own dropout mask.
             with tensor_parallel.get_cuda_rng_tracker().fork():
