@@ -1,9 +1,10 @@
 """Habits of a plain torch training loop that carry over to a wrapped model: torch.distributed.checkpoint's
 `get_model_state_dict` / `set_model_state_dict` with `full_state_dict=True` (export to, and load from, an
-unwrapped module), `optimizer.add_param_group` with more of the model's parameters mid-training, two
-optimizers over disjoint parameters of one model, each stepped and cleared in turn, `load_state_dict(partial,
-strict=False)` (a backbone checkpoint into a model with a new head), and a wrapped model held as a child of a
-plain module, whose `state_dict()` / `load_state_dict()` go through the parent."""
+unwrapped module; `ignore_frozen_params=True` leaves out the frozen parameters' keys), `optimizer.add_param_group`
+with more of the model's parameters mid-training, two optimizers over disjoint parameters of one model, each
+stepped and cleared in turn, `load_state_dict(partial, strict=False)` (a backbone checkpoint into a model with a
+new head), and a wrapped model held as a child of a plain module, whose `state_dict()` / `load_state_dict()` (and
+torch's `get_model_state_dict`) go through the parent."""
 
 import pytest
 import torch
@@ -29,11 +30,16 @@ def _full_state_dict_round_trip(strategy):
     module = models.make_model(0)
     model, _ = _wrap(module, models.make_optimizer([p for p in module.parameters() if p.requires_grad]), strategy)
     exported = get_model_state_dict(model, options=full)
+    trainable_only = get_model_state_dict(model, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
+    sharded_trainable = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
     plain = models.make_model(5)
     exported_loads = plain.load_state_dict(exported, strict=True)
     incompatible = set_model_state_dict(model, models.make_model(7).state_dict(), options=full)
     return {
         "keys": list(exported),
+        "trainable_only": {name: value.clone() for name, value in trainable_only.items()},
+        "sharded_trainable_keys": list(sharded_trainable),
         "exported_loads": (list(exported_loads.missing_keys), list(exported_loads.unexpected_keys)),
         "exported_plain": {name: value.clone() for name, value in plain.state_dict().items()},
         "set_incompatible": (list(incompatible.missing_keys), list(incompatible.unexpected_keys)),
@@ -44,9 +50,16 @@ def _full_state_dict_round_trip(strategy):
 @pytest.mark.parametrize("world_size", [3])
 def test_full_state_dict_exports_to_and_loads_from_an_unwrapped_module(world_size):
     initial, other = models.make_model(0).state_dict(), models.make_model(7).state_dict()
+    # ignore_frozen_params: the unwrapped module's keys less the frozen layer's, as torch gives them
+    trainable = [name for name in initial if not name.startswith("frozen.")]
     for strategy in (0, 1, 2, 3):
-        for rank_result in run_on_ranks(world_size, _full_state_dict_round_trip, strategy):
+        for rank, rank_result in enumerate(run_on_ranks(world_size, _full_state_dict_round_trip, strategy)):
             assert rank_result["keys"] == list(initial), strategy
+            assert rank_result["sharded_trainable_keys"] == trainable, strategy
+            # cpu_offload with full_state_dict: rank 0 holds the full tensors, the other ranks nothing
+            assert list(rank_result["trainable_only"]) == (trainable if rank == 0 else []), strategy
+            for name, value in rank_result["trainable_only"].items():
+                assert torch.equal(value, initial[name]), (strategy, name)
             assert rank_result["exported_loads"] == ([], []), strategy
             assert rank_result["set_incompatible"] == ([], []), strategy
             for name in initial:
@@ -316,12 +329,15 @@ class _Parent(nn.Module):
 
 
 def _wrapped_as_a_child(strategy):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     import megatron_fsdp
 
     parent = _Parent(0)
     parent.net = megatron_fsdp.fully_shard_model(parent.net, fsdp_unit_modules=[models.Block],
                                                  zero_dp_strategy=strategy)
     saved = _full_values(parent.state_dict())
+    trainable_keys = list(get_model_state_dict(parent, options=StateDictOptions(ignore_frozen_params=True)))
     incompatible = parent.load_state_dict(_Parent(7).state_dict())
     after = _full_values(parent.state_dict())
     lacking = _Parent(9).state_dict()
@@ -332,7 +348,7 @@ def _wrapped_as_a_child(strategy):
     except RuntimeError as error:
         strict_error = str(error)
     return {"saved": saved, "incompatible": (list(incompatible.missing_keys), list(incompatible.unexpected_keys)),
-            "after": after, "strict_error": strict_error}
+            "after": after, "strict_error": strict_error, "trainable_keys": trainable_keys}
 
 
 @pytest.mark.parametrize("world_size", [2])
@@ -344,6 +360,8 @@ def test_a_model_wrapped_as_a_child_saves_and_loads_through_its_parent(world_siz
     for strategy in (0, 3):
         for rank_result in run_on_ranks(world_size, _wrapped_as_a_child, strategy):
             assert list(rank_result["saved"]) == list(initial), strategy
+            # get_model_state_dict(parent, ignore_frozen_params=True): the unwrapped parent's keys less the frozen
+            assert rank_result["trainable_keys"] == [key for key in initial if not key.startswith("net.frozen.")]
             assert rank_result["incompatible"] == ([], []), strategy
             for name in initial:
                 assert torch.equal(rank_result["saved"][name], initial[name]), (strategy, name)

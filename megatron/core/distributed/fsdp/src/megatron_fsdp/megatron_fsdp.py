@@ -24,11 +24,12 @@ from .param_grads import ParamGrads
 from .resting_parameters import RestingParameters
 from .schedule import Schedule, Unit
 from .tensor_parallel_dtensors import install_dtensor_forward_hooks, localize_tensor_parallel_dtensors
-from .state_dict import gather_rows_written_through_state_dict, load_model_state_dict, model_state_dict
+from .state_dict import (gather_rows_written_through_state_dict, load_model_state_dict, model_state_dict,
+                         refresh_scalar_replicas)
 from .topology import DataParallelTopology
 from .trainability import refuse_trainability_changes, trainability_at_wrap
-from .utils import (WRAPPED_ATTR, parameter_owners, replace_parameter, resolve_module_classes, run_eagerly,
-                    tensor_bytes, unit_call_module)
+from .utils import (WRAPPED_ATTR, called_from_torch_state_dict_helpers, parameter_owners, replace_parameter,
+                    resolve_module_classes, run_eagerly, tensor_bytes, unit_call_module)
 
 
 def _expert_tp_dim(expt_device_mesh, data_parallel_dims) -> Optional[str]:
@@ -160,6 +161,7 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
         self.schedule.param_grads = ParamGrads(self.groups, self.strategy, _shard_mesh_of,
                                                resting=self.schedule.resting, outer_mesh_of=outer_mesh_of)
         module.__dict__[WRAPPED_ATTR] = self  # a plain attribute: not registered as a submodule
+        refresh_scalar_replicas(self)  # strategy 3: so that state_dict() needs no communication
         self.register_load_state_dict_post_hook(self._drop_inner_missing_keys)
 
     # ---- construction ---------------------------------------------------------------------------------------------
@@ -540,6 +542,7 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
 
     def install_optimized_model_weights(self):
         self.schedule.install_optimized_model_weights()
+        refresh_scalar_replicas(self, [group for group in self.groups if group.trainable])
         if self.schedule.resting is not None:
             # HFSDP: the resting parameters view the compute shards, rebuilt from the outer ranks' main weights
             self.schedule.refresh_compute_shards(self.groups, async_op=False)
@@ -597,7 +600,9 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
         unwrapped module (which cannot load DTensors): `torch.distributed.checkpoint.state_dict.
         get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))` gives full plain tensors.
         `destination` and `prefix` work as in `nn.Module.state_dict` (a module holding this one as a child
-        calls it so), and so does the deprecated positional form; `keep_vars` has no effect (DTensors of rows)."""
+        calls it so), and so does the deprecated positional form; `keep_vars` has no effect (DTensors of rows).
+        Issues no collective (as FSDP2's), so it may be called on some ranks only; see `refresh_scalar_replicas`
+        for the one exception."""
         if args:  # nn.Module.state_dict(destination, prefix, keep_vars)
             destination, prefix = args[0], args[1] if len(args) > 1 else prefix
         state = model_state_dict(self)
@@ -640,6 +645,27 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
         (a child, parameter or buffer of `self.module`) is looked up under `module`."""
         inner = self.module
         return {name: "module" for name in [*inner._modules, *inner._parameters, *inner._buffers]}
+
+    def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True):
+        """`nn.Module.named_modules` (the wrapped module under `module.`), except under torch.distributed.checkpoint.
+        state_dict's helpers: they match the names of `named_parameters()` (which comes here, of this model or of a
+        module holding it) against the state-dict keys, which leave out the `module.` (`get_model_state_dict(...,
+        options=StateDictOptions(ignore_frozen_params=True))` drops the frozen parameters' keys by them), so the
+        wrapped module's submodules get the names they have in the state dict."""
+        if not called_from_torch_state_dict_helpers(1, through_module_methods=True):
+            return super().named_modules(memo, prefix, remove_duplicate)
+        return self._named_modules_by_state_dict_keys(memo, prefix, remove_duplicate)
+
+    def _named_modules_by_state_dict_keys(self, memo, prefix: str, remove_duplicate: bool):
+        memo = set() if memo is None else memo
+        if remove_duplicate:
+            if self in memo:
+                return
+            memo.add(self)
+        for name, child in self._modules.items():
+            if child is not None:
+                child_prefix = prefix if name == "module" else (f"{prefix}.{name}" if prefix else name)
+                yield from child.named_modules(memo, child_prefix, remove_duplicate)
 
     def named_group_params(self):
         for group in self.groups:

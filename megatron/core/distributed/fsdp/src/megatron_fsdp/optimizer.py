@@ -2,7 +2,6 @@
 
 import collections
 import math
-import sys
 import types
 from typing import Optional
 
@@ -12,7 +11,7 @@ from . import collectives
 from .distributed_data_parallel_config import ShardingStrategy
 from .optimizer_state import initialize_optimizer_state, optimizer_has_stepped
 from .state_dict import load_optimizer_state_dict, optimizer_state_dict, refuse_unloaded_optimizer_state_writes
-from .utils import WRAPPED_ATTR
+from .utils import WRAPPED_ATTR, called_from_torch_state_dict_helpers
 
 
 def _find_fsdp_model(optimizer):
@@ -140,7 +139,6 @@ def _check_whole_vector_optimizer(optimizer, model):
 
 # torch.distributed.checkpoint.state_dict's get_optimizer_state_dict / get_state_dict key the optimizer's state by
 # the module parameters it steps, which a Megatron-FSDP optimizer does not hold (it steps main-weight shards).
-_TORCH_STATE_DICT_HELPERS = "torch.distributed.checkpoint.state_dict"
 _TORCH_STATE_DICT_HELPERS_MESSAGE = (
     "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict / set_optimizer_state_dict / get_state_dict / "
     "set_state_dict cannot map a Megatron-FSDP optimizer's state to parameter names (it steps the sharded main "
@@ -150,17 +148,13 @@ _TORCH_STATE_DICT_HELPERS_MESSAGE = (
     "/ model.load_state_dict())")
 
 
-def _called_from_torch_state_dict_helpers(depth: int = 2) -> bool:
-    return sys._getframe(depth).f_globals.get("__name__") == _TORCH_STATE_DICT_HELPERS
-
-
 class _ShardedOptimizerState(collections.defaultdict):
     """`optimizer.state` of a Megatron-FSDP optimizer. torch's state-dict helpers first test whether it is empty
     (get and set alike); that test raises the error naming the replacement, where they would otherwise fail on
     the first main-weight shard they cannot name (a KeyError printing the tensor)."""
 
     def __bool__(self):
-        if _called_from_torch_state_dict_helpers():
+        if called_from_torch_state_dict_helpers(1):
             raise RuntimeError(_TORCH_STATE_DICT_HELPERS_MESSAGE)
         return len(self) > 0
 
@@ -225,7 +219,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
         model.zero_grad_buffer_for(self)
 
     def state_dict(self):
-        if _called_from_torch_state_dict_helpers():
+        if called_from_torch_state_dict_helpers(1):
             raise RuntimeError(_TORCH_STATE_DICT_HELPERS_MESSAGE)
         if not self._megatron_fsdp_preproc_for_dcp:
             return self._megatron_fsdp_original_state_dict()

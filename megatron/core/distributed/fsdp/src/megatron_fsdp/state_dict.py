@@ -5,7 +5,9 @@ is exactly what a state-dict DTensor (`Shard(0)` rows) holds: saving hands out v
 writes the rows into the shard, without communication. Two exceptions gather: HFSDP's optimizer side (main
 weights and optimizer state are flat sub-shards of the rows, all-gathered over the outer group), and groups
 whose full compute weights are written on load (strategy 0, frozen groups of strategies 1/2). A 0-dim
-parameter lives on rank 0 only; its (replicated) value is summed over the data-parallel group.
+parameter lives on rank 0 only; its (replicated) value is summed over the data-parallel group, except in the
+model state dict, which takes it from the full weights (strategies 0-2) or from replicas kept on every rank
+(strategy 3, see `refresh_scalar_replicas`), so that `model.state_dict()` issues no collective.
 
 Each group's rows are those of its shard ranks (`group.topology`): expert groups' DTensors live on the expert
 data-parallel mesh, so an expert tensor's rows are spread over the ranks holding that expert.
@@ -15,7 +17,7 @@ unpartitioned shape (see uneven_dtensor.py); loading cuts full values down to th
 """
 
 import weakref
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -144,30 +146,82 @@ def _rows_of_pieces(model, group: ParamGroup, pieces: List[torch.Tensor]) -> Lis
     return rows
 
 
-def _replicate_scalars(model, group: ParamGroup, rows: List[torch.Tensor]) -> List[torch.Tensor]:
-    """0-dim values held by data-parallel rank 0 only -> the value on every rank (one sum over the group; rank 0
-    keeps its row as it is, a view where `rows` are views)."""
+def _scalar_indices(group: ParamGroup) -> List[int]:
+    return [index for index, shape in enumerate(group.layout.shapes) if not shape]
+
+
+def _replicate_scalars(model, group: ParamGroup, rows: List[torch.Tensor],
+                       known: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+    """0-dim values held by data-parallel rank 0 only -> the value on every rank: `known` (the values, in
+    `_scalar_indices` order, where every rank has them without communication), else one sum over the group.
+    Rank 0 keeps its row as it is (a view where `rows` are views, so a write into the state dict reaches it)."""
     if model.strategy == ShardingStrategy.no_shard:
         return rows
-    scalars = [index for index, shape in enumerate(group.layout.shapes) if not shape]
+    scalars = _scalar_indices(group)
     if not scalars:
         return rows
-    values = torch.stack([rows[index].detach().to(torch.float64) for index in scalars])
-    if group.dp_rank != 0:
-        values.zero_()
-    collectives.all_reduce_scalar_sum(values, group.topology.dp_group)
+    values = known
+    if values is None:
+        values = torch.stack([rows[index].detach().to(torch.float64) for index in scalars])
+        if group.dp_rank != 0:
+            values.zero_()
+        collectives.all_reduce_scalar_sum(values, group.topology.dp_group)
     rows = list(rows)
     for position, index in enumerate(scalars):
         if group.dp_rank != 0:  # rank 0's own value stays: a view, so a write into the state dict reaches it
-            rows[index] = values[position].to(rows[index].dtype)
+            rows[index] = values[position] if values.dtype == rows[index].dtype else values[position].to(
+                rows[index].dtype)
     return rows
 
 
-def _row_dtensors(model, group: ParamGroup, rows: List[torch.Tensor], copy: bool = False) -> List[DTensor]:
+# Strategy 3 keeps a 0-dim parameter in rank 0's shard only; `model.state_dict()` must not communicate (FSDP2's
+# does not, and `if rank == 0: torch.save(model.state_dict(), ...)` is a common habit), so every rank keeps a
+# replica of its group's 0-dim compute weights, refreshed where all ranks act together: wrapping, each optimizer
+# step's install, `load_state_dict` (from the loaded values, without communication). They are current while no
+# write reached the compute shard, the replicas (which the state dict hands out on ranks other than 0, so that
+# `dcp.load` into it writes them) or the 0-dim resting parameters (in-place DTensor ops between steps) since;
+# otherwise the next state dict sums the values over the group once more (a collective: call it on every rank).
+def _scalar_replica_versions(model, group: ParamGroup) -> tuple:
+    resting = model.schedule.resting.placeholders() if model.schedule.resting is not None else {}
+    return (group.compute_shard._version, group.scalar_replicas._version,
+            tuple(resting[id(group.params[index])]._version for index in _scalar_indices(group)
+                  if id(group.params[index]) in resting))
+
+
+def _keeps_scalar_replicas(group: ParamGroup) -> bool:
+    """HFSDP compute shards are rebuilt by an all-gather over the outer group (the state dict waits for it)."""
+    return group.shards_params and not group.outer_sharded and bool(_scalar_indices(group))
+
+
+def _set_scalar_replicas(model, group: ParamGroup, values: torch.Tensor):
+    group.scalar_replicas = values.to(device=group.compute_shard.device, dtype=group.compute_shard.dtype)
+    group.scalar_replicas_versions = _scalar_replica_versions(model, group)
+
+
+def refresh_scalar_replicas(model, groups=None):
+    """Collective: every rank's replicas of the 0-dim compute weights of `groups` (default: all) of strategy 3."""
+    for group in model.groups if groups is None else groups:
+        if _keeps_scalar_replicas(group):
+            rows = _replicate_scalars(model, group, _weight_rows(model, group))
+            _set_scalar_replicas(model, group, torch.stack([rows[index].detach()
+                                                            for index in _scalar_indices(group)]))
+
+
+def _current_scalar_replicas(model, group: ParamGroup) -> Optional[torch.Tensor]:
+    if group.scalar_replicas is None or _scalar_replica_versions(model, group) != group.scalar_replicas_versions:
+        return None
+    return group.scalar_replicas
+
+
+def _row_dtensors(model, group: ParamGroup, rows: List[torch.Tensor], copy: bool = False,
+                  known_scalars: Optional[torch.Tensor] = None, full_weights: bool = False) -> List[DTensor]:
     """One DTensor of the full (TP-unpartitioned) shape per parameter, holding this rank's `rows` of its
-    (partition of the) parameter (views of them, or copies with `copy`)."""
+    (partition of the) parameter (views of them, or copies with `copy`). `known_scalars`: see `_replicate_scalars`;
+    `full_weights`: `rows` are of the full weights every rank holds (`_weight_rows` of strategies 0-2), 0-dim
+    values included."""
     mesh, dp_mesh_dim, tp_mesh_dim = group.topology.checkpoint_mesh()
-    rows = _replicate_scalars(model, group, rows)
+    if not full_weights:
+        rows = _replicate_scalars(model, group, rows, known_scalars)
     result = []
     for index, (span, param) in enumerate(zip(group.layout.spans, group.params)):
         local = rows[index].detach()
@@ -222,7 +276,14 @@ def model_state_dict(model) -> Dict[str, object]:
     model.schedule.refresh_compute_shards(model.groups, async_op=False)  # HFSDP: compute shards up to date
     params = {}
     for group in model.groups:
-        for name, tensor in zip(group.names, _row_dtensors(model, group, _weight_rows(model, group))):
+        known_scalars = None
+        if _keeps_scalar_replicas(group):
+            if _current_scalar_replicas(model, group) is None:
+                refresh_scalar_replicas(model, [group])  # written since they were taken: one sum over the group
+            known_scalars = group.scalar_replicas
+        tensors = _row_dtensors(model, group, _weight_rows(model, group), known_scalars=known_scalars,
+                                full_weights=not group.shards_params)
+        for name, tensor in zip(group.names, tensors):
             params[name] = tensor
     buffers = {name: buffer.detach().clone() for name, buffer in model.module.named_buffers()}
     state = {}
@@ -344,6 +405,11 @@ def load_model_state_dict(model, state_dict, strict: bool = True):
             # write to them would, so that whatever keys on a parameter's version (a layer's FP8 weight cached for
             # the step) sees the new values.
             torch.autograd.graph.increment_version(group.params)
+            if _keeps_scalar_replicas(group):  # every rank was given the 0-dim values: no sum needed
+                topology = group.topology
+                _set_scalar_replicas(model, group, torch.stack([
+                    local_rows_of(values[index], (), topology.dp_size, topology.dp_rank).to(dtype)
+                    for index in _scalar_indices(group)]))
         for name, buffer in buffers.items():
             if name in state_dict:
                 value = state_dict[name]
@@ -386,6 +452,23 @@ def _is_element_state(value, current, view) -> bool:
     return isinstance(value, DTensor) or value.dim() > 0 or _is_sharded_state(current, view)
 
 
+# Adam moments an optimizer may store scaled (`get_unscaled_state` / `set_scaled_state`: TE's FusedAdam, the
+# precision-aware AdamW with fp16 moments); state dicts hold their values.
+SCALED_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def _is_scale_of_saved_value(optimizer, key) -> bool:
+    """The precision-aware AdamW's scale of an fp16 moment (`<moment>_scale`): the state dict holds the moment's
+    value, and loading it picks the scale again."""
+    return hasattr(optimizer, "get_unscaled_state") and key in {f"{name}_scale" for name in SCALED_STATE_KEYS}
+
+
+def _state_value(optimizer, view, key):
+    if key in SCALED_STATE_KEYS and hasattr(optimizer, "get_unscaled_state"):
+        return optimizer.get_unscaled_state(view, key)
+    return optimizer.state[view][key]
+
+
 def optimizer_state_dict(optimizer) -> dict:
     """{"state": {param name: {key: DTensor or scalar}}, "param_groups": [{hyper-params, "params": [names]}]}."""
 
@@ -405,7 +488,7 @@ def optimizer_state_dict(optimizer) -> dict:
         for key in sorted(keys):
             # `.to(group.device)`: an offloading optimizer (--optimizer-cpu-offload) keeps this state, and maybe the
             # main weights themselves, in host memory; the DTensors live on the model's device.
-            pieces = [optimizer.state[view][key].to(group.device) if key in optimizer.state.get(view, {})
+            pieces = [_state_value(optimizer, view, key).to(group.device) if key in optimizer.state.get(view, {})
                       else torch.zeros_like(view, device=group.device) for view in views]
             for index, tensor in enumerate(_row_dtensors(model, group, _rows_of_pieces(model, group, pieces),
                                                          copy=True)):
@@ -417,7 +500,7 @@ def optimizer_state_dict(optimizer) -> dict:
                 state.setdefault(state_dict_name(group.names[index]), {})[MAIN_PARAM_KEY] = tensor
         for index, view in enumerate(views):
             for key, value in optimizer.state.get(view, {}).items():
-                if not _is_sharded_state(value, view):
+                if not _is_sharded_state(value, view) and not _is_scale_of_saved_value(optimizer, key):
                     state.setdefault(state_dict_name(group.names[index]), {})[key] = value.clone() if isinstance(
                         value, torch.Tensor) else value
     param_groups = []
@@ -506,8 +589,12 @@ def load_optimizer_state_dict(optimizer, state_dict):
                 flat = _main_level(model, group, _shard_from_rows(model, group, values, group.main_dtype))
                 for index, view in enumerate(group.main_param_views):
                     target = group._main_view(flat, index)
+                    if key in SCALED_STATE_KEYS and hasattr(optimizer, "set_scaled_state"):
+                        # Stored by the optimizer in its dtype (fp16 moments with a scale: TE's, precision-aware).
+                        optimizer.set_scaled_state(view, key, target.to(dtype=torch.float32, copy=True))
+                        continue
                     existing = optimizer.state[view].get(key)
-                    # State kept in another dtype (the precision-aware optimizer's bf16/fp16 moments) stays in it.
+                    # State kept in another dtype (the precision-aware optimizer's bf16 moments) stays in it.
                     dtype = existing.dtype if isinstance(existing, torch.Tensor) else target.dtype
                     optimizer.state[view][key] = target.to(dtype=dtype, copy=True)
             for index, name in enumerate(group.names):

@@ -190,6 +190,21 @@ def _wrapped_child(module: nn.Module) -> Optional[nn.Module]:
     return inner if inner is not None and len(module._modules) == 1 else None
 
 
+# The module whose helpers (get_model_state_dict, get_optimizer_state_dict, ...) name a model's tensors by their
+# state-dict keys.
+TORCH_STATE_DICT_HELPERS = "torch.distributed.checkpoint.state_dict"
+
+
+def called_from_torch_state_dict_helpers(depth: int, through_module_methods: bool = False) -> bool:
+    """Whether the function `depth` frames up from the caller of this one belongs to `TORCH_STATE_DICT_HELPERS`;
+    with `through_module_methods`, the first one above it that is not an `nn.Module` method of torch's own (a
+    helper's `model.named_parameters()` reaches a child's `named_modules` through `nn.Module`'s traversal)."""
+    frame = sys._getframe(depth + 1)
+    while through_module_methods and frame is not None and frame.f_globals.get("__name__") == nn.Module.__module__:
+        frame = frame.f_back
+    return frame is not None and frame.f_globals.get("__name__") == TORCH_STATE_DICT_HELPERS
+
+
 def tensor_bytes(tensor) -> int:
     if tensor is None:
         return 0

@@ -219,6 +219,10 @@ class GroupWeights:
     # last known to agree on every rank (after `load_state_dict`); a write since then is refused at the forward.
     state_dict_alias = None
     state_dict_alias_version = 0
+    # Strategy 3: every rank's copy of the group's 0-dim compute weights, and the version counts (compute shard,
+    # replicas) when they were taken (see state_dict.py).
+    scalar_replicas = None
+    scalar_replicas_versions = None
 
     # ---- post-step all-gather of strategies 1/2 and writes racing it -----------------------------------------
     # Between a step and the landing of the all-gather that follows it, the module's parameters (views of the
