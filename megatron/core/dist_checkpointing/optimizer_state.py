@@ -110,8 +110,18 @@ def optimizer_state_to_save(optimizer, entries: List[MainParamEntry], include_ti
             state[state_key(name, MAIN_PARAM_KEY)] = entry.pieces_of(entry.main.detach())
         for key, value in torch_state.get(entry.main, {}).items():
             if torch.is_tensor(value) and value.shape == entry.main.shape and value.dim() > 0:
+                value = state_value(optimizer.optimizer, entry.main, key, value)
                 state[state_key(name, key)] = entry.pieces_of(value.detach())
     return state
+
+
+def state_value(torch_optimizer, param, key, stored):
+    """The value of `param`'s state tensor `key`: Adam moments that an optimizer stores scaled (TE's FusedAdam,
+    the precision-aware AdamW with fp16 moments) come unscaled through its `get_unscaled_state`."""
+    get_unscaled_state = getattr(torch_optimizer, "get_unscaled_state", None)
+    if get_unscaled_state is None or key not in ("exp_avg", "exp_avg_sq"):
+        return stored
+    return get_unscaled_state(param, key)
 
 
 def optimizer_load_targets(entries: List[MainParamEntry], saved_keys) -> Tuple[Dict[str, object], list]:

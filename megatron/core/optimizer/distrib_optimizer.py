@@ -30,6 +30,7 @@ from megatron.core.distributed.distributed_data_parallel import DistributedDataP
 from megatron.core.offloading.placement import mark_relocatable
 from megatron.core.optimizer.muon import mark_matrix_piece
 from megatron.core.optimizer.optimizer import MegatronOptimizer, copy_parallel_attributes, fp32_grad
+from megatron.core.optimizer.precision_aware_adam import MOMENT_KEYS
 
 
 def steps_buffer_in_place(model_param, buffer, main_dtype) -> bool:
@@ -208,9 +209,9 @@ class DistributedOptimizer(MegatronOptimizer):
             if shard is not None:
                 for key, value in self.optimizer.state.get(shard.main_param, {}).items():
                     if key != "step" and torch.is_tensor(value) and value.shape == shard.main_param.shape:
-                        local[key] = value.detach()
+                        local[key] = self._state_value(shard.main_param, key, value).detach()
             keys = sorted(key for key in local if local[key] is not None)
-            param_states.append(self._assemble(param, shard, keys))
+            param_states.append(self._assemble(param, shard, keys, local))
         return {
             "param_states": param_states,
             "step": self._local_step(),
@@ -218,7 +219,12 @@ class DistributedOptimizer(MegatronOptimizer):
             "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
         }
 
-    def _assemble(self, param, shard, keys):
+    def _state_value(self, main_param, key, stored):
+        """The value of a state tensor: an optimizer that stores moments scaled (fp16) unscales them."""
+        get_unscaled_state = getattr(self.optimizer, "get_unscaled_state", None)
+        return stored if get_unscaled_state is None or key not in MOMENT_KEYS else get_unscaled_state(main_param, key)
+
+    def _assemble(self, param, shard, keys, local_values):
         group = self._shard_group_of(param)
         # Ranks may own different state keys for a parameter (or none at all): agree on the union first.
         gathered_keys = [None] * dist.get_world_size(group)
@@ -228,7 +234,7 @@ class DistributedOptimizer(MegatronOptimizer):
         for key in all_keys:
             flat = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
             if shard is not None:
-                source = shard.main_param if key == "main_param" else self.optimizer.state[shard.main_param][key]
+                source = shard.main_param if key == "main_param" else local_values[key]
                 flat[shard.param_start:shard.param_end] = source.detach().float()
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(flat, group=group)
@@ -267,7 +273,11 @@ class DistributedOptimizer(MegatronOptimizer):
                 shard.main_param.copy_(local.pop("main_param"))
                 state = self.optimizer.state[shard.main_param]
                 state_dtypes = getattr(self.optimizer, "state_dtypes", {})
+                set_scaled_state = getattr(self.optimizer, "set_scaled_state", None)
                 for key, value in local.items():
+                    if key in MOMENT_KEYS and set_scaled_state is not None:  # stored in its dtype (fp16 scaled)
+                        set_scaled_state(shard.main_param, key, value.to(shard.main_param.device, torch.float32))
+                        continue
                     dtype = state_dtypes.get(key, shard.main_param.dtype)
                     state[key] = value.to(shard.main_param.device, dtype).clone()
                 state["step"] = torch.tensor(float(state_dict["step"]))

@@ -213,11 +213,6 @@ class OptimizerConfig:
             raise ValueError(
                 "OptimizerConfig.optimizer_cpu_offload (--optimizer-cpu-offload) needs use_precision_aware_optimizer="
                 "True (--use-precision-aware-optimizer, with --use-distributed-optimizer or --use-megatron-fsdp).")
-        if self.exp_avg_sq_dtype == torch.float16 and not self.use_torch_optimizer_for_cpu_offload:
-            raise ValueError(
-                "OptimizerConfig.exp_avg_sq_dtype=torch.float16 (--exp-avg-sq-dtype fp16) with optimizer_cpu_offload "
-                "(--optimizer-cpu-offload): the host steps store the second moment unscaled, where fp16 underflows; "
-                "use --exp-avg-sq-dtype bf16 (same bytes, fp32's range).")
         if self.use_torch_optimizer_for_cpu_offload:
             for name in ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
                 if getattr(self, name) != torch.float32:

@@ -11,8 +11,20 @@ their own dtype, since `.grad` must match the parameter's dtype), else from `par
 Transformer Engine's `FusedAdam` does the same in one fused kernel on CUDA; `build_precision_aware_adam` uses
 it where TE is installed (`HAVE_TE_FUSED_ADAM`) and the parameters are on a CUDA device.
 
-Checkpoints keep the stored dtypes: `state_dict()` holds the moments as stored, and `load_state_dict` takes
-them back as saved, in the configured dtypes (torch's loader would cast floating state to the parameter's).
+fp16 moments are stored scaled, per parameter tensor (as TE's FusedAdam does): the state holds `stored` (fp16)
+and `<key>_scale` (a 0-dim fp32 power of two) with moment = stored * scale. Each step picks the scale from the
+new moment's largest magnitude so that the stored values reach up to 2^15 (fp16's largest finite value is
+65504): the moments keep fp16's 11 significant bits however small the gradients are, where unscaled fp16 would
+flush squared gradients of 1e-4 and below to zero (and keep first moments below 6e-5 to few bits). The scale
+is a power of two, so scaling is exact: the value `get_unscaled_state` returns (stored * scale, in fp32) is
+stored again unchanged by `set_scaled_state`, and checkpoints of values round-trip exactly.
+
+Checkpoints keep the stored dtypes: `state_dict()` holds the moments as stored, with the scales of fp16 ones,
+and `load_state_dict` takes them back as saved, in the configured dtypes (torch's loader would cast floating
+state to the parameter's); an fp16 moment saved without a scale (by earlier versions, unscaled) loads with
+scale 1. Logical (`dist_checkpointing`) checkpoints hold each fp16 moment's value in fp32
+(`get_unscaled_state`), as upstream does with TE's scaled state; a loader that writes a moment's value into the
+state in another dtype has it stored (scaled) again at the next step.
 """
 
 import torch
@@ -27,13 +39,77 @@ except Exception:  # noqa: BLE001
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
-# Squared gradients of LM training (often below 1e-8, times 1 - beta2) are under fp16's smallest subnormal
-# (6e-8): stored unscaled they flush to zero and the update divides by eps. TE's FusedAdam keeps fp16 state with
-# a per-tensor scale; this implementation stores moments unscaled, so it refuses fp16 for the second moment.
-FP16_SECOND_MOMENT_MESSAGE = (
-    "--exp-avg-sq-dtype fp16: the second moment (squared gradients) underflows in fp16 unless it is stored with "
-    "a per-tensor scale, which only Transformer Engine's FusedAdam does (on CUDA, without --optimizer-cpu-offload); "
-    "use --exp-avg-sq-dtype bf16 (same bytes, fp32's range)")
+SCALE_KEYS = {key: f"{key}_scale" for key in MOMENT_KEYS}
+# Stored fp16 moments reach up to 2^15 (half of fp16's range: headroom for rounding, none needed for growth as
+# each step rescales); scales stay normal fp32 numbers that keep the smallest stored subnormal (2^-24) normal too.
+FP16_STORED_MAX_EXPONENT = 15
+MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT = -126 + 24, 127
+
+
+def moment_scale(amax):
+    """The power of two (0-dim fp32, on `amax`'s device) by which a moment of largest magnitude `amax` is
+    divided for fp16 storage: the smallest with amax / scale <= 2^15. 1 for a zero or non-finite `amax`."""
+    amax = amax.float()
+    mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
+    exponent = exponent - (mantissa == 0.5).to(exponent.dtype) - FP16_STORED_MAX_EXPONENT  # ceil(log2 amax) - 15
+    scale = torch.ldexp(torch.ones_like(amax), exponent.clamp(MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT))
+    return torch.where(torch.isfinite(amax) & (amax > 0), scale, torch.ones_like(amax))
+
+
+def unscaled_moment(state, key):
+    """The value of moment `key` of `state`: stored * scale in fp32 for a scaled (fp16) moment, else the stored
+    tensor itself (fp32 or bf16, which need no scale)."""
+    scale = state.get(SCALE_KEYS.get(key))
+    if scale is None:
+        return state[key]
+    return state[key].float().mul_(scale.to(state[key].device))
+
+
+def store_moment(state, key, value, dtype):
+    """Store the moment `value` in `state` as `dtype`: fp16 divided by the scale its largest magnitude gives
+    (kept under `<key>_scale`), other dtypes as they are."""
+    if dtype != torch.float16:
+        state[key] = value.to(dtype)
+        state.pop(SCALE_KEYS[key], None)
+        return
+    value = value.float()
+    scale = moment_scale(value.abs().amax() if value.numel() else value.new_zeros(()))
+    state[key] = (value / scale).to(torch.float16)
+    state[SCALE_KEYS[key]] = scale
+
+
+def restore_moments(state, saved, state_dtypes, device):
+    """Put the moments of a saved state (`saved`, as `state_dict()` holds them) into `state` in `state_dtypes`,
+    on `device`: a stored fp16 moment and its scale exactly (scale 1 when saved without one, unscaled), other
+    saved forms by value."""
+    for key, dtype in state_dtypes.items():
+        if key not in saved:
+            continue
+        scale = saved.get(SCALE_KEYS[key])
+        if dtype == torch.float16 and saved[key].dtype == torch.float16:
+            state[key] = saved[key].to(device).clone()
+            state[SCALE_KEYS[key]] = (torch.ones(()) if scale is None else scale).to(device, torch.float32).clone()
+            continue
+        value = saved[key].to(device).float()
+        if scale is not None and saved[key].dtype == torch.float16:
+            value = value * scale.to(device, torch.float32)
+        store_moment(state, key, value, dtype)
+
+
+def checked_stored_moments(state, state_dtypes, device):
+    """Bring the moments of `state` into their stored form for a step on `device`: a moment a loader wrote in
+    another dtype (its value) is stored again; an fp16 one without a scale (unscaled) gets scale 1."""
+    for key, dtype in state_dtypes.items():
+        scale_key = SCALE_KEYS[key]
+        if key not in state:
+            continue
+        if state[key].dtype != dtype:
+            state.pop(scale_key, None)  # belonged to the moment the loader replaced
+            store_moment(state, key, state[key], dtype)
+        elif dtype == torch.float16 and scale_key not in state:
+            state[scale_key] = torch.ones((), device=device)
+        if scale_key in state and (state[scale_key].device != device or state[scale_key].dtype != torch.float32):
+            state[scale_key] = state[scale_key].to(device, torch.float32)
 
 
 def optimizer_grad(param):
@@ -51,6 +127,8 @@ def fresh_state(param, state_dtypes, empty_like=None):
     state = {"step": torch.tensor(0.0)}
     for key in MOMENT_KEYS:
         state[key] = empty_like(param, state_dtypes[key]).zero_()
+        if state_dtypes[key] == torch.float16:
+            state[SCALE_KEYS[key]] = torch.ones((), device=state[key].device)
     return state
 
 
@@ -73,30 +151,62 @@ def _blocks(param, grad, exp_avg, exp_avg_sq):
         yield tuple(tensor[start:start + HOST_BLOCK_NUMEL] for tensor in flat)
 
 
+def _advance(key, moment32, grad32, beta1, beta2):
+    """Adam's update of moment `key` (fp32, in place) by the gradient."""
+    if key == "exp_avg":
+        return moment32.lerp_(grad32, 1 - beta1)
+    return moment32.mul_(beta2).addcmul_(grad32, grad32, value=1 - beta2)
+
+
+def _read_moment(stored, scale):
+    """A stored moment in fp32: the tensor itself when fp32 (updated in place), else a copy times its scale."""
+    value = stored.float()
+    return value if scale is None else value.mul_(scale)
+
+
+def _new_moments_amax(blocks, scales, beta1, beta2):
+    """{key: largest magnitude of the moment after this step} for the scaled moments, computed block by block
+    with the step's own arithmetic (so a blocked step picks the scale a whole-tensor step would)."""
+    amax = {}
+    for _, grad, exp_avg, exp_avg_sq in blocks:
+        grad32 = grad.float()
+        for key, stored in zip(MOMENT_KEYS, (exp_avg, exp_avg_sq)):
+            if scales[key] is not None:
+                block_amax = _advance(key, _read_moment(stored, scales[key]), grad32, beta1, beta2).abs().amax()
+                amax[key] = torch.maximum(amax[key], block_amax) if key in amax else block_amax
+    return amax
+
+
 def _adamw_update(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, bias_correction1,
-                  bias_correction2_sqrt):
-    """One AdamW update of the stored tensors, computed in fp32 and written back in their dtypes."""
+                  bias_correction2_sqrt, scales, new_scales=None):
+    """One AdamW update of the stored tensors, computed in fp32 and written back in their dtypes. `scales`: the
+    scale of each moment stored scaled (None for the others); the new values are stored divided by `new_scales`
+    (chosen here from their largest magnitude when None). Returns the new scales."""
     # fp32 working copies; `.float()` of an fp32 tensor is the tensor itself (updated in place).
     grad32, param32 = grad.float(), param.float()
-    exp_avg32, exp_avg_sq32 = exp_avg.float(), exp_avg_sq.float()
+    exp_avg32 = _advance("exp_avg", _read_moment(exp_avg, scales["exp_avg"]), grad32, beta1, beta2)
+    exp_avg_sq32 = _advance("exp_avg_sq", _read_moment(exp_avg_sq, scales["exp_avg_sq"]), grad32, beta1, beta2)
+    if new_scales is None:
+        new_scales = {key: None if scales[key] is None else moment_scale(value.abs().amax())
+                      for key, value in zip(MOMENT_KEYS, (exp_avg32, exp_avg_sq32))}
     param32.mul_(1 - lr * weight_decay)
-    exp_avg32.lerp_(grad32, 1 - beta1)
-    exp_avg_sq32.mul_(beta2).addcmul_(grad32, grad32, value=1 - beta2)
     denom = (exp_avg_sq32.sqrt() / bias_correction2_sqrt).add_(eps)
     param32.addcdiv_(exp_avg32, denom, value=-lr / bias_correction1)
+    for key, computed in zip(MOMENT_KEYS, (exp_avg32, exp_avg_sq32)):
+        if new_scales[key] is not None:
+            computed.div_(new_scales[key])  # a power of two: exact
     for stored, computed in ((param, param32), (exp_avg, exp_avg32), (exp_avg_sq, exp_avg_sq32)):
         if stored is not computed:
             stored.copy_(computed)
+    return new_scales
 
 
 class PrecisionAwareAdamW(torch.optim.Optimizer):
-    """AdamW (decoupled weight decay) with moments stored as `exp_avg_dtype` / `exp_avg_sq_dtype`; parameters
-    keep their own dtype (the main-params dtype). See the module docstring."""
+    """AdamW (decoupled weight decay) with moments stored as `exp_avg_dtype` / `exp_avg_sq_dtype` (fp16 ones
+    scaled per tensor); parameters keep their own dtype (the main-params dtype). See the module docstring."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
                  exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32):
-        if exp_avg_sq_dtype == torch.float16:
-            raise ValueError(FP16_SECOND_MOMENT_MESSAGE)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.state_dtypes = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype}
 
@@ -104,10 +214,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         state = self.state[param]
         if not state:
             state.update(fresh_state(param, self.state_dtypes))
-        for key in MOMENT_KEYS:
-            # A loader that writes the state itself may have cast it (Megatron-FSDP's, to the main weights' dtype).
-            if state[key].dtype != self.state_dtypes[key]:
-                state[key] = state[key].to(self.state_dtypes[key])
+        # A loader that writes the state itself may have put a moment's value there in another dtype
+        # (Megatron-FSDP's, `dist_checkpointing`'s); a state saved unscaled has no scales.
+        checked_stored_moments(state, self.state_dtypes, param.device)
         return state
 
     def initialize_state(self):
@@ -116,6 +225,16 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             for param in group["params"]:
                 self._state_of(param)
+
+    def get_unscaled_state(self, param, state_name):
+        """The value of `param`'s moment `state_name` (TE FusedAdam's name): fp32 for an fp16 moment, else the
+        stored tensor. Checkpoints of the logical state hold it."""
+        return unscaled_moment(self._state_of(param), state_name)
+
+    def set_scaled_state(self, param, state_name, unscaled_state):
+        """Store `unscaled_state` as `param`'s moment `state_name`, in its configured dtype (fp16 scaled)."""
+        store_moment(self._state_of(param), state_name, unscaled_state.to(param.device),
+                     self.state_dtypes[state_name])
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -135,30 +254,39 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 step = state["step"].item()
                 bias_correction1 = 1 - beta1**step
                 bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-                for stored in _blocks(param, grad, state["exp_avg"], state["exp_avg_sq"]):
-                    _adamw_update(*stored, lr, beta1, beta2, eps, weight_decay, bias_correction1,
-                                  bias_correction2_sqrt)
+                scales = {key: state.get(SCALE_KEYS[key]) for key in MOMENT_KEYS}
+                blocks = list(_blocks(param, grad, state["exp_avg"], state["exp_avg_sq"]))
+                new_scales = None
+                if len(blocks) > 1 and any(scale is not None for scale in scales.values()):
+                    # The scale comes from the whole tensor's new values: one pass to find them first.
+                    amax = _new_moments_amax(blocks, scales, beta1, beta2)
+                    new_scales = {key: moment_scale(amax[key]) if key in amax else None for key in MOMENT_KEYS}
+                for stored in blocks:
+                    new_scales = _adamw_update(*stored, lr, beta1, beta2, eps, weight_decay, bias_correction1,
+                                               bias_correction2_sqrt, scales, new_scales)
+                for key, scale in (new_scales or {}).items():  # no blocks for an empty tensor
+                    if scale is not None:
+                        state[SCALE_KEYS[key]] = scale
         return loss
 
     def load_state_dict(self, state_dict):
         """torch's loader casts floating state to each parameter's dtype (bf16 moments of fp16 main parameters
-        would lose their range): take the moments from `state_dict` itself, in their configured dtypes."""
+        would lose their range, scales could underflow): take the moments and their scales from `state_dict`
+        itself, in their configured dtypes."""
         super().load_state_dict(state_dict)
         params = [param for group in self.param_groups for param in group["params"]]
         for index, saved in state_dict["state"].items():
             param = params[index]
-            for key in MOMENT_KEYS:
-                if key in saved:
-                    self.state[param][key] = saved[key].to(param.device, self.state_dtypes[key]).clone()
+            restore_moments(self.state[param], saved, self.state_dtypes, param.device)
         self.cast_state_to_stored_dtypes()
 
     @torch.no_grad()
     def cast_state_to_stored_dtypes(self):
         """Put every moment back in its configured dtype (after a loader cast it, e.g. to the parameter's)."""
-        for state in self.state.values():
-            for key in MOMENT_KEYS:
-                if key in state and state[key].dtype != self.state_dtypes[key]:
-                    state[key] = state[key].to(self.state_dtypes[key])
+        for group in self.param_groups:
+            for param in group["params"]:
+                if self.state.get(param):
+                    self._state_of(param)
 
 
 def build_precision_aware_adam(param_groups, config, device):

@@ -160,11 +160,6 @@ def validate(args):
             "--use-precision-aware-optimizer needs the distributed optimizer: pass --use-distributed-optimizer "
             "(or --use-megatron-fsdp)"
         )
-    if args.exp_avg_sq_dtype == "fp16":
-        from megatron.core.optimizer.precision_aware_adam import FP16_SECOND_MOMENT_MESSAGE, HAVE_TE_FUSED_ADAM
-
-        if not HAVE_TE_FUSED_ADAM or args.optimizer_cpu_offload:
-            raise ValueError(FP16_SECOND_MOMENT_MESSAGE)
     for dest in ("exp_avg_dtype", "exp_avg_sq_dtype"):
         if getattr(args, dest) == "fp8":
             raise ValueError(

@@ -274,11 +274,6 @@ def test_distributed_optimizer_offloads_buffer_views_by_copy_and_main_copies_by_
         (dict(optimizer_cpu_offload=True, use_precision_aware_optimizer=True, use_distributed_optimizer=True,
               use_torch_optimizer_for_cpu_offload=True, exp_avg_dtype=torch.bfloat16),
          r"keeps fp32 state; drop --exp-avg-dtype"),
-        # Refused when the config is built, not at the first step on an accelerator (the host part's optimizer).
-        (dict(optimizer_cpu_offload=True, use_precision_aware_optimizer=True, use_distributed_optimizer=True,
-              optimizer_offload_fraction=0.3, exp_avg_sq_dtype=torch.float16),
-         r"--exp-avg-sq-dtype fp16\) with optimizer_cpu_offload \(--optimizer-cpu-offload\).*"
-         r"use --exp-avg-sq-dtype bf16"),
     ],
 )
 def test_config_rules_name_the_flags(kwargs, message):
@@ -305,6 +300,55 @@ def test_flag_rules_name_the_flags(extra, message):
 
     with pytest.raises(ValueError, match=message):
         validated(extra)
+
+
+def test_fp16_moments_are_stored_scaled_by_the_host_optimizer_too(monkeypatch):
+    """`--exp-avg-dtype fp16 --exp-avg-sq-dtype fp16` with offload: accepted, and the host part steps with the
+    same per-tensor scaled fp16 moments as the device part (equal to one precision-aware AdamW), keeping its
+    scales through a state dict round trip."""
+    from megatron.core.optimizer.cpu_offloading import host_optimizer_factory
+    from megatron.core.optimizer.precision_aware_adam import PrecisionAwareAdamW, build_precision_aware_adam
+    from megatron.training.model_config import optimizer_config_from_args
+    from tests.unit_tests.training.test_arguments import validated
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    config = optimizer_config_from_args(validated(
+        "--use-distributed-optimizer --use-precision-aware-optimizer --optimizer-cpu-offload "
+        "--optimizer-offload-fraction 0.5 --exp-avg-dtype fp16 --exp-avg-sq-dtype fp16"))
+    assert (config.exp_avg_dtype, config.exp_avg_sq_dtype) == (torch.float16, torch.float16)
+    generator = torch.Generator().manual_seed(0)
+    values = [torch.randn(64, generator=generator), torch.randn(64, generator=generator)]
+    grads = [[torch.randn(64, generator=generator) * 1e-6 for _ in values] for _ in range(3)]
+
+    def device_factory(groups):
+        return build_precision_aware_adam(groups, config, torch.device("cpu"))
+
+    params = [torch.nn.Parameter(value.clone()) for value in values]
+    hybrid = HybridDeviceOptimizer([{"params": params}], device_factory, host_optimizer_factory(config),
+                                   offload_fraction=0.5)
+    reference_params = [torch.nn.Parameter(value.clone()) for value in values]
+    reference = device_factory([{"params": reference_params}])
+    for step_grads in grads:
+        for param, reference_param, grad in zip(params, reference_params, step_grads):
+            param.decoupled_grad, reference_param.decoupled_grad = grad.clone(), grad.clone()
+        hybrid.step()
+        reference.step()
+    host_optimizer = hybrid.host_steps[0][0]
+    assert isinstance(host_optimizer, PrecisionAwareAdamW) and hybrid.offloaded_params() == [params[0]]
+    for param, reference_param in zip(params, reference_params):
+        assert torch.equal(param, reference_param)
+        for key in ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale"):
+            assert torch.equal(hybrid.state[param][key], reference.state[reference_param][key]), key
+        assert hybrid.state[param]["exp_avg_sq"].dtype == torch.float16
+        value = hybrid.get_unscaled_state(param, "exp_avg_sq")
+        assert torch.equal(value, reference.get_unscaled_state(reference_param, "exp_avg_sq")) and value.min() > 0
+    saved = copy.deepcopy(hybrid.state_dict())
+    restored = HybridDeviceOptimizer([{"params": [torch.nn.Parameter(p.detach().clone()) for p in params]}],
+                                     device_factory, host_optimizer_factory(config), offload_fraction=0.5)
+    restored.load_state_dict(saved)
+    for index, param in enumerate(restored.param_groups[0]["params"]):
+        for key, value in saved["state"][index].items():
+            assert restored.state[param][key].dtype == value.dtype and torch.equal(restored.state[param][key], value)
 
 
 def test_flags_reach_the_optimizer_config(monkeypatch):

@@ -34,7 +34,9 @@ re-point them before the first step, as Megatron-FSDP does; the split is rebuilt
 those parameters (the host optimizer's state dicts are the same objects, so writes through `state` reach it),
 and `state_dict()` / `load_state_dict()` are torch's, so checkpoints have the same keys and values with or
 without offload and load across offload settings. State loaded onto the device is moved to the host at the
-next step; `state_dtypes` (the precision-aware optimizer's moment dtypes) are kept through loads.
+next step; `state_dtypes` (the precision-aware optimizer's moment dtypes) are kept through loads, with the
+scales of fp16 moments (`get_unscaled_state` / `set_scaled_state` read and write moments by value, as the
+precision-aware optimizer's do).
 """
 
 from typing import Callable, List, Sequence
@@ -43,7 +45,9 @@ import torch
 
 from megatron.core.offloading.host_transfers import CopyStream
 from megatron.core.offloading.placement import HostPlacement, install_target_of, is_relocatable
-from megatron.core.optimizer.precision_aware_adam import MOMENT_KEYS, fresh_state, optimizer_grad
+from megatron.core.optimizer.precision_aware_adam import (MOMENT_KEYS, checked_stored_moments, fresh_state,
+                                                        optimizer_grad, restore_moments, store_moment,
+                                                        unscaled_moment)
 
 
 def offload_split(numels: Sequence[int], fraction: float) -> List[bool]:
@@ -238,16 +242,28 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 optimizer.state[entry.host_param] = state
 
     def load_state_dict(self, state_dict):
-        """torch's loader, then the moments back in their configured dtypes (it casts them to the parameter's)
-        and the offloaded parameters' state moved to the host."""
+        """torch's loader, then the moments (and scales) back in their configured dtypes (it casts them to the
+        parameter's) and the offloaded parameters' state moved to the host."""
         super().load_state_dict(state_dict)
         params = [param for group in self.param_groups for param in group["params"]]
         for index, saved in state_dict["state"].items():
-            for key, dtype in self.state_dtypes.items():
-                if key in saved:
-                    self.state[params[index]][key] = saved[key].to(params[index].device, dtype).clone()
+            restore_moments(self.state[params[index]], saved, self.state_dtypes, params[index].device)
         self._ensure_built()
         self._link()
+
+    def get_unscaled_state(self, param, state_name):
+        """The value of `param`'s moment `state_name`: fp32 for an fp16 (scaled) moment, else as stored."""
+        state = self.state[param]
+        checked_stored_moments(state, self.state_dtypes, state[state_name].device)  # after a loader's write
+        return unscaled_moment(state, state_name)
+
+    def set_scaled_state(self, param, state_name, unscaled_state):
+        """Store `unscaled_state` as `param`'s moment `state_name` in its configured dtype (fp16 scaled), where
+        the moment is kept now."""
+        state = self.state[param]
+        device = state[state_name].device if state_name in state else param.device
+        store_moment(state, state_name, unscaled_state.to(device), self.state_dtypes.get(state_name,
+                                                                                          unscaled_state.dtype))
 
     # ---- the step ---------------------------------------------------------------------------------------------
     @torch.no_grad()
