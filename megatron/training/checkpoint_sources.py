@@ -18,6 +18,7 @@ from typing import NamedTuple, Optional
 from megatron.core.dist_checkpointing.checkpoint_directory import (
     RELEASE,
     REPLACED_SUFFIX,
+    TRACKER_FILENAME,
     earlier_checkpoint_advice,
     iteration_dir_name,
     published_iterations,
@@ -94,7 +95,28 @@ def checkpoint_to_load(args) -> Optional[CheckpointSource]:
     else:
         return None
     source = CheckpointSource(root, iteration, None, is_non_persistent)
+    if is_non_persistent and not os.path.isdir(source.directory):
+        raise CheckpointError(_stale_non_persistent_tracker(source, args.load, persistent))
     return source._replace(format=detect_format(source.directory))
+
+
+def _stale_non_persistent_tracker(source, load, persistent):
+    """What to do when the non-persistent tracker names a checkpoint that is not there: `--ckpt-step` picks an
+    iteration under --load (the persistent root), never one of the non-persistent root, which keeps only its
+    latest checkpoint."""
+    tracker = os.path.join(source.root, TRACKER_FILENAME)
+    missing = os.path.join(source.root, iteration_dir_name(source.iteration))
+    steps = checkpoint_iterations(load) if load is not None else []
+    if persistent is not None:
+        advice = (f"remove that tracker file to resume the persistent checkpoint under --load {load} (iteration "
+                  f"{persistent})")
+    else:
+        advice = (f"remove that tracker file to start from scratch or from --pretrained-checkpoint (--load {load} has "
+                  "no tracker of its own)")
+    if steps:
+        advice += f", or load an iteration of --load {load} with --ckpt-step N (N: {', '.join(map(str, steps))})"
+    return (f"{tracker} (the non-persistent checkpoints, --non-persistent-global-ckpt-dir) names iteration "
+            f"{source.iteration}, but {missing} does not exist (nor a {REPLACED_SUFFIX} copy of it); {advice}")
 
 
 def _order(iteration):

@@ -251,8 +251,9 @@ def _loss_sums(losses_reduced, device):
     return total
 
 
-def reduce_reported_loss(losses_reduced, device):
-    """The token-weighted mean loss over all microbatches of all data-parallel ranks, on every rank.
+def reduce_reported_loss(losses_reduced, device, without_tokens=float("nan")):
+    """The token-weighted mean loss over all microbatches of all data-parallel ranks, on every rank;
+    `without_tokens` when no token was counted (every loss-mask entry zero).
 
     The last pipeline stage reduces over data-parallel ranks and broadcasts along its pipeline group, so
     every rank (not only the logging one) holds the same number.
@@ -265,16 +266,18 @@ def reduce_reported_loss(losses_reduced, device):
         last_stage_rank = dist.get_process_group_ranks(pipeline_group)[-1]
         dist.broadcast(total, src=last_stage_rank, group=pipeline_group)
     loss_sum, count = total.tolist()
-    return loss_sum / count if count > 0 else float("nan")
+    return loss_sum / count if count > 0 else without_tokens
 
 
 def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, config, args, phase_range=None):
     """One global batch: forward/backward over all microbatches, then an optimizer step.
 
-    Returns (reported loss, update_successful, grad_norm, num_zeros). The forward-backward pass runs again
-    (same data, same random state) when the rerun state machine asks, and `RejectedResultExit` is raised on
-    every rank, before the optimizer step, when it stops training. `phase_range(name)` (--nvtx-ranges: the
-    loop's `TrainingProfilers.phase_range`) wraps the `forward-backward` and `optimizer` phases.
+    Returns (reported loss, update_successful, grad_norm, num_zeros); the loss is None when the loss mask of the
+    whole global batch was zero (no token to average; the log line leaves the iteration out of its mean). The
+    forward-backward pass runs again (same data, same random state) when the rerun state machine asks, and
+    `RejectedResultExit` is raised on every rank, before the optimizer step, when it stops training.
+    `phase_range(name)` (--nvtx-ranges: the loop's `TrainingProfilers.phase_range`) wraps the `forward-backward`
+    and `optimizer` phases.
     """
     phase_range = phase_range or _no_range
     timers = get_timers()
@@ -305,7 +308,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, co
     empty_unused_memory(args, level=2)
     if update_successful:
         scheduler.step(increment=get_current_running_global_batch_size())
-    loss = reduce_reported_loss(losses_reduced, args.device)
+    loss = reduce_reported_loss(losses_reduced, args.device, without_tokens=None)
     return loss, update_successful, _as_float(grad_norm), _as_float(num_zeros)
 
 

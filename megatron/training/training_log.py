@@ -60,12 +60,16 @@ TENSORBOARD_MEMORY_KEYS = (
     ("peak_bytes", "mem-max-allocated-bytes"),
 )
 
+# --moe-per-layer-logging: upstream's TensorBoard tags for each MoE layer's losses, `moe/<name>_layer_<i>`.
+MOE_PER_LAYER_PREFIX = "moe/"
 
-def counts_as_nan_iteration(loss: float, skipped: bool) -> bool:
+
+def counts_as_nan_iteration(loss, skipped: bool) -> bool:
     """Whether an iteration counts in the log line's "number of nan iterations": as upstream, one whose update was
     skipped (fp16 overflow) and whose loss is NaN or infinite. A non-finite loss of an applied update is not
-    counted (the loss check, --check-for-nan-in-loss-and-grad, is what reports it)."""
-    return skipped and not math.isfinite(loss)
+    counted (the loss check, --check-for-nan-in-loss-and-grad, is what reports it), nor is a batch without a loss
+    (None: every token masked)."""
+    return skipped and loss is not None and not math.isfinite(loss)
 
 
 def reported_learning_rates(param_groups):
@@ -271,9 +275,10 @@ def memory_usage(model_chunks, optimizer, device):
 
 
 def moe_aux_losses(args):
-    """The MoE routers' auxiliary losses of the last iteration, {name: value} (e.g. `load_balancing_loss`),
-    each averaged over the MoE layers and microbatches, without its coefficient. Collective over the world
-    when the model has experts; {} otherwise."""
+    """The MoE routers' auxiliary losses of the last iteration, {name: value}: each loss (e.g.
+    `load_balancing_loss`) averaged over the MoE layers and microbatches, without its coefficient, and with
+    --moe-per-layer-logging each MoE layer's value under upstream's TensorBoard tag `moe/<name>_layer_<i>` (i the
+    0-based global layer index). Collective over the world when the model has experts; {} otherwise."""
     if getattr(args, "num_experts", None) is None:
         return {}
     from megatron.core.num_microbatches_calculator import get_num_microbatches
@@ -283,8 +288,9 @@ def moe_aux_losses(args):
                                              args.moe_z_loss_coeff)
     num_layers, num_moe_layers = moe_utils.aux_loss_layer_counts(args.num_layers, args.moe_layer_freq,
                                                                  getattr(args, "mtp_num_layers", None))
-    return moe_utils.reduce_aux_losses_for_logging(names, num_layers, num_moe_layers, get_num_microbatches(),
-                                                   args.data_parallel_size, args.device)
+    values = moe_utils.reduce_aux_losses_for_logging(names, num_layers, num_moe_layers, get_num_microbatches(),
+                                                     args.data_parallel_size, args.device)
+    return {key if key in names else f"{MOE_PER_LAYER_PREFIX}{key}": value for key, value in values.items()}
 
 
 def mtp_losses(args):
@@ -316,7 +322,7 @@ class TrainingLogger:
         if self._energy is not None:
             set_energy_monitor(self._energy)  # get_energy_monitor(), while training runs
         self._interval_losses = {}  # sums over the interval's iterations whose update was applied
-        self._interval_advanced = 0
+        self._interval_loss_counts = {}  # how many iterations each sum holds (a loss may be None: no token)
         self._interval_iterations = 0
         self._interval_time_s = 0.0
         self._skipped_iterations = 0
@@ -344,13 +350,20 @@ class TrainingLogger:
         args = self.args
         iteration = report["iteration"]
         # Collectives: every rank logs.
-        report["losses"] = {**report["losses"], **moe_aux_losses(args), **mtp_losses(args)}
+        losses = {**report["losses"], **moe_aux_losses(args), **mtp_losses(args)}
+        # As upstream, the per-layer MoE losses go to TensorBoard (and the metrics file), not to the log line.
+        report["moe_per_layer_losses"] = {tag: value for tag, value in losses.items()
+                                          if tag.startswith(MOE_PER_LAYER_PREFIX)}
+        report["losses"] = {name: value for name, value in losses.items() if name not in report["moe_per_layer_losses"]}
         # As upstream, the log line's losses average the iterations whose update was applied: a skipped one (fp16
         # overflow) may have a non-finite loss, and its step changed nothing.
+        # A loss of None (a global batch whose tokens were all masked) has no value to average: the line's mean
+        # leaves that iteration out, and leaves the loss out when no iteration of the interval had one.
         if not report["skipped"]:
             for name, value in report["losses"].items():
-                self._interval_losses[name] = self._interval_losses.get(name, 0.0) + value
-            self._interval_advanced += 1
+                if value is not None:
+                    self._interval_losses[name] = self._interval_losses.get(name, 0.0) + value
+                    self._interval_loss_counts[name] = self._interval_loss_counts.get(name, 0) + 1
         self._interval_iterations += 1
         self._interval_time_s += report["iteration_time_s"]
         self._skipped_iterations += int(report["skipped"])
@@ -390,7 +403,8 @@ class TrainingLogger:
                 elapsed_ms_per_iteration=elapsed_s * 1000.0,
                 learning_rate=report["learning_rate"],
                 global_batch_size=report["global_batch_size"],
-                losses={name: total / self._interval_advanced for name, total in self._interval_losses.items()},
+                losses={name: total / self._interval_loss_counts[name]
+                        for name, total in self._interval_losses.items()},
                 loss_scale=report["loss_scale"],
                 grad_norm=report["grad_norm"],
                 num_zeros=report["num_zeros"],
@@ -417,7 +431,7 @@ class TrainingLogger:
         if self.timers is not None:
             self.timers.log(TIMERS_TO_LOG, normalizer=self._interval_iterations)  # collective: every rank calls it
         self._interval_losses, self._interval_iterations, self._interval_time_s = {}, 0, 0.0
-        self._interval_advanced = 0
+        self._interval_loss_counts = {}
         self._skipped_iterations, self._nan_iterations = 0, 0
 
     def log_evaluation(self, iteration, losses, prefix="validation", set_label=None, where=None,
@@ -484,6 +498,7 @@ class TrainingLogger:
             "optimizer-state-bytes": memory["optimizer_state_bytes"],
             **{key.replace("_", "-"): value for key, value in memory.items()
                if key.startswith("expert_") or key == "host_offload_bytes"},
+            **report.get("moe_per_layer_losses", {}),  # TensorBoard's tags, `moe/<name>_layer_<i>`
         }
         if report.get("params_norm") is not None:
             record["params-norm"] = report["params_norm"]
@@ -504,7 +519,10 @@ class TrainingLogger:
             writer.add_scalar(f"{name} vs samples", value, report["consumed_samples"])
 
         for name, value in report["losses"].items():
-            add_scalar_and_vs_samples(name, value)
+            if value is not None:  # None: every token masked, no loss to plot
+                add_scalar_and_vs_samples(name, value)
+        for tag, value in report.get("moe_per_layer_losses", {}).items():  # as upstream: per iteration only
+            writer.add_scalar(tag, value, iteration)
         # Upstream's switches: learning rate and loss scale on unless turned off, batch and world size on request.
         if report.get("skipped_samples", 0) > 0:  # --iterations-to-skip, as upstream: once any batch was dropped
             writer.add_scalar("skipped-train-samples", report["skipped_samples"], iteration)

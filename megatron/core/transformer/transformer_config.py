@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from megatron.core.model_parallel_config import ModelParallelConfig, allow_runtime_hook_assignment
 from megatron.core.offloading.fine_grained import EXPERT_MODULES, OFFLOADABLE_MODULES
 from megatron.core.transformer.init_methods import init_method_normal, scaled_init_method_normal
+from megatron.core.transformer.kernel_choice_config import KernelChoiceConfigMixin
 from megatron.core.transformer.moe.moe_config import MoEConfigMixin
 from megatron.core.transformer.mla_config import MLAConfigMixin
 from megatron.core.transformer.mtp_config import MTPConfigMixin
@@ -31,8 +32,10 @@ RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", 
 
 
 @dataclass(frozen=True, kw_only=True)
-class TransformerConfig(MTPConfigMixin, MLAConfigMixin, YarnConfigMixin, MoEConfigMixin, ModelParallelConfig):
-    """Transformer shape, regularisation, initialisation and activation-recompute settings."""
+class TransformerConfig(KernelChoiceConfigMixin, MTPConfigMixin, MLAConfigMixin, YarnConfigMixin, MoEConfigMixin,
+                        ModelParallelConfig):
+    """Transformer shape, regularisation, initialisation and activation-recompute settings (upstream's kernel-choice
+    fields: see `kernel_choice_config`)."""
 
     num_layers: int
     hidden_size: int
@@ -248,6 +251,7 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, YarnConfigMixin, MoEConf
         self._validate_layer_variants()
         self._validate_attention_variants()
         self._validate_attention_head_transforms()
+        self._validate_kernel_choices()
 
     def _validate_attention_head_transforms(self):
         from megatron.core.transformer.attention_head_transforms import validated_head_transforms
@@ -498,6 +502,9 @@ class TransformerConfig(MTPConfigMixin, MLAConfigMixin, YarnConfigMixin, MoEConf
                 "--recompute-num-layers only applies to --recompute-granularity full "
                 f"(got granularity {self.recompute_granularity!r}); drop it"
             )
+        if self.moe_layer_recompute and self.recompute_granularity == "full":
+            raise ValueError("--moe-layer-recompute does not work with --recompute-granularity full (full recompute "
+                             "already recomputes the whole layer, its MoE part included): drop one of them")
         self._validate_recompute_modules()
 
     def _validate_recompute_modules(self):

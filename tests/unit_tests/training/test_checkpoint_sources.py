@@ -245,3 +245,40 @@ def test_use_checkpoint_args_names_a_damaged_file_and_the_checkpoint_before_it(t
                               "damaged ("), message
     assert message.endswith(f"); to resume the checkpoint before it, pass --load {tmp_path} --ckpt-step 4 (the "
                             "earlier iterations there: 4)"), message
+
+
+def test_a_stale_non_persistent_tracker_points_at_the_persistent_checkpoints(tmp_path):
+    """The non-persistent tracker names a directory that is gone: the error says to remove that tracker (which
+    resumes the persistent checkpoint) or to pick a persistent iteration with --ckpt-step, not to pass the
+    non-persistent root as --load."""
+    import argparse
+
+    from megatron.core.dist_checkpointing.errors import CheckpointError
+    from megatron.training.checkpoint_sources import checkpoint_to_load
+
+    load, non_persistent = tmp_path / "load", tmp_path / "load" / "non_persistent"
+    for iteration in (5, 10):
+        (load / f"iter_{iteration:07d}").mkdir(parents=True)
+        (load / f"iter_{iteration:07d}" / ".metadata").write_bytes(b"")
+    write_tracker(str(load), 10)
+    non_persistent.mkdir()
+    write_tracker(str(non_persistent), 20)
+    args = argparse.Namespace(load=str(load), non_persistent_global_ckpt_dir=None, ckpt_step=None)
+    with pytest.raises(CheckpointError) as raised:
+        checkpoint_to_load(args)
+    assert str(raised.value) == (
+        f"{non_persistent}/latest_checkpointed_iteration.txt (the non-persistent checkpoints, "
+        f"--non-persistent-global-ckpt-dir) names iteration 20, but {non_persistent}/iter_0000020 does not exist "
+        f"(nor a .replaced copy of it); remove that tracker file to resume the persistent checkpoint under --load "
+        f"{load} (iteration 10), or load an iteration of --load {load} with --ckpt-step N (N: 5, 10)")
+    # Each way out the message gives works.
+    assert checkpoint_to_load(argparse.Namespace(**{**vars(args), "ckpt_step": 5}))[:2] == (str(load), 5)
+    os.remove(load / "latest_checkpointed_iteration.txt")
+    with pytest.raises(CheckpointError, match=r"iter_0000020 does not exist \(nor a .replaced copy of it\); remove "
+                                              r"that tracker file to start from scratch or from "
+                                              r"--pretrained-checkpoint \(--load .* has no tracker of its own\), or "
+                                              r"load an iteration of --load .* with --ckpt-step N \(N: 5, 10\)$"):
+        checkpoint_to_load(args)
+    write_tracker(str(load), 10)
+    os.remove(non_persistent / "latest_checkpointed_iteration.txt")
+    assert checkpoint_to_load(args) == (str(load), 10, "torch_dist", False)

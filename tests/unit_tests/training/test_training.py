@@ -2,6 +2,7 @@
 all ranks save a checkpoint at the same iteration and stop."""
 
 import json
+import math
 import os
 import signal
 
@@ -28,6 +29,22 @@ def _reported_loss_on_ranks(pipeline_size):
     if not parallel_state.is_pipeline_last_stage():
         reports = []
     return reduce_reported_loss(reports, torch.device("cpu"))
+
+
+def _reported_loss_without_tokens():
+    from megatron.core import parallel_state
+    from megatron.training.training import reduce_reported_loss
+
+    parallel_state.initialize_model_parallel()
+    reports = [{"lm loss": torch.tensor([0.0, 0.0])}] * 2  # every token of both microbatches masked, on both ranks
+    return reduce_reported_loss(reports, torch.device("cpu"), without_tokens=None), math.isnan(
+        reduce_reported_loss(reports, torch.device("cpu")))
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_reported_loss_of_a_fully_masked_batch_is_no_value_not_zero(world_size):
+    # train_step asks for None (no loss this iteration); evaluation keeps NaN.
+    assert run_on_ranks(world_size, _reported_loss_without_tokens) == [(None, True)] * 2
 
 
 @pytest.mark.parametrize("world_size", [2])

@@ -512,3 +512,66 @@ def test_validation_perplexity_of_a_diverged_loss_is_not_the_cap(monkeypatch, ca
     assert lines[2].endswith("| lm loss value: INF | lm loss PPL: INF |")
     perplexities = [value for name, value, _ in recorder.scalars if name == "lm loss validation ppl"]
     assert perplexities[0] == math.exp(20.0) and math.isnan(perplexities[1]) and perplexities[2] == math.inf
+
+
+def test_moe_per_layer_losses_use_upstreams_tensorboard_tags_and_stay_out_of_the_log_line(
+        monkeypatch, capsys, tmp_path):
+    """--moe-per-layer-logging: each MoE layer's loss under upstream's tag `moe/<name>_layer_<i>` (TensorBoard,
+    per iteration, and the metrics file); the log line shows only the average over the MoE layers, as upstream."""
+    from megatron.core import num_microbatches_calculator
+    from megatron.core.transformer.moe import moe_utils
+
+    recorder = _ScalarRecorder()
+    monkeypatch.setattr(training_log, "build_scalar_writers", lambda args: recorder)
+    monkeypatch.setattr(num_microbatches_calculator, "get_num_microbatches", lambda: 2)
+    args = argparse.Namespace(metrics_file=str(tmp_path / "metrics.jsonl"), tensorboard_dir=str(tmp_path),
+                              save=None, log_interval=1, train_iters=1, tensorboard_log_interval=1,
+                              log_memory_to_tensorboard=False, log_throughput=False, log_timers_to_tensorboard=False,
+                              num_experts=4, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01,
+                              moe_z_loss_coeff=None, moe_layer_freq=[0, 1, 1], num_layers=3, data_parallel_size=1,
+                              device="cpu", world_size=1)
+    moe_utils.clear_aux_losses_tracker()
+    for layer_number, value in ((2, 1.0), (3, 3.0), (2, 2.0), (3, 5.0)):  # two microbatches
+        moe_utils.save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(value), layer_number, 3,
+                                             per_layer=True)
+    logger = training_log.TrainingLogger(args, is_logging_rank=True)
+    logger.log_iteration(_report(1, 2.5))
+    logger.close()
+
+    expected_per_layer = {"moe/load_balancing_loss_layer_1": 1.5, "moe/load_balancing_loss_layer_2": 4.0}
+    moe_scalars = {name: (value, step) for name, value, step in recorder.scalars if "load_balancing" in name}
+    assert moe_scalars == {"load_balancing_loss": (2.75, 1), "load_balancing_loss vs samples": (2.75, 8),
+                           **{tag: (value, 1) for tag, value in expected_per_layer.items()}}
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {key: value for key, value in record.items() if "load_balancing" in key} == {
+        "load_balancing_loss": 2.75, **expected_per_layer}
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert "| lm loss: 2.500E+00 | load_balancing_loss: 2.750E+00 | loss scale: 1.0 |" in line
+
+
+def test_an_iteration_whose_tokens_were_all_masked_is_left_out_of_the_interval_mean(monkeypatch, capsys, tmp_path):
+    """A global batch whose loss mask is all zero (over DP x CP) has no loss (None, not 0/0): the line's mean is
+    over the iterations that had one, an interval without any shows no loss (as upstream shows no NaN mean), the
+    metrics record holds null and TensorBoard gets no point."""
+    recorder = _ScalarRecorder()
+    monkeypatch.setattr(training_log, "build_scalar_writers", lambda args: recorder)
+    args = argparse.Namespace(metrics_file=str(tmp_path / "metrics.jsonl"), tensorboard_dir=str(tmp_path),
+                              save=None, log_interval=3, train_iters=6, tensorboard_log_interval=1,
+                              log_memory_to_tensorboard=False, log_throughput=False, log_timers_to_tensorboard=False,
+                              world_size=1)
+    logger = training_log.TrainingLogger(args, is_logging_rank=True)
+    for iteration, loss in ((1, 4.0), (2, None), (3, 1.0), (4, None), (5, None), (6, None)):
+        report = _report(iteration, loss)
+        report["nan"] = training_log.counts_as_nan_iteration(loss, skipped=False)
+        logger.log_iteration(report)
+    logger.close()
+
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("iteration ")]
+    assert len(lines) == 2
+    assert "| global batch size: 8 | lm loss: 2.500E+00 | loss scale: 1.0 |" in lines[0]
+    assert "| global batch size: 8 | loss scale: 1.0 |" in lines[1] and "lm loss" not in lines[1]
+    assert lines[1].endswith("| number of skipped iterations: 0 | number of nan iterations: 0 |")
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [record["lm loss"] for record in records] == [4.0, None, 1.0, None, None, None]
+    assert [(step, value) for name, value, step in recorder.scalars if name == "lm loss"] == [(1, 4.0), (3, 1.0)]
+    assert not training_log.counts_as_nan_iteration(None, skipped=True)

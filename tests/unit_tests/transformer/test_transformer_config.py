@@ -91,6 +91,19 @@ def test_invalid_combinations_name_the_flag(overrides, flag):
         TransformerConfig(**{**BASE, **overrides})
 
 
+def test_moe_layer_recompute_is_refused_with_full_recompute_as_on_the_command_line():
+    """As upstream (and --moe-layer-recompute with --recompute-granularity full on the command line): full recompute
+    already recomputes whole layers, their MoE part included."""
+    with pytest.raises(ValueError, match=r"^--moe-layer-recompute does not work with --recompute-granularity full "
+                                         r"\(full recompute already recomputes the whole layer, its MoE part "
+                                         r"included\): drop one of them$"):
+        TransformerConfig(**BASE, num_moe_experts=2, moe_layer_recompute=True, recompute_granularity="full",
+                          recompute_method="uniform", recompute_num_layers=1)
+    selective = TransformerConfig(**BASE, num_moe_experts=2, moe_layer_recompute=True,
+                                  recompute_granularity="selective")
+    assert selective.moe_layer_recompute and selective.recompute_modules == ("core_attn",)
+
+
 def test_kv_channels_given_explicitly_lifts_the_head_divisibility_rule():
     config = TransformerConfig(num_layers=2, hidden_size=66, num_attention_heads=4, kv_channels=16)
     assert config.kv_channels == 16

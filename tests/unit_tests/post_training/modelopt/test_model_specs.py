@@ -20,7 +20,8 @@ def test_the_spec_builder_says_what_is_unsupported_and_what_to_use_instead():
         get_gpt_modelopt_spec(None, remap_te_layernorm=True, use_arbitrary_attention_mask=True)
     message = str(raised.value)
     for part in ("EAGLE speculative decoding", "is not supported", "TransformerBlock only checks a spec",
-                 "attention_softmax_in_fp32", "frozen", "get_rotary_seq_len", "examples/post_training/distill.py",
+                 "assigns transformer_layer_spec, seq_length", "frozen", "get_rotary_seq_len",
+                 "examples/post_training/distill.py",
                  "convert_checkpoint.py --to hf", "hf_eagle"):
         assert part in message, part
 
@@ -28,7 +29,9 @@ def test_the_spec_builder_says_what_is_unsupported_and_what_to_use_instead():
 def test_the_reasons_given_hold():
     fields = {field.name for field in dataclasses.fields(TransformerConfig)}
     assert TransformerConfig.__dataclass_params__.frozen
-    assert "attention_softmax_in_fp32" not in fields and "transformer_layer_spec" not in fields
+    assert "transformer_layer_spec" not in fields and "seq_length" not in fields
+    with pytest.raises(AttributeError, match="dataclasses.replace"):  # EAGLE's conversion assigns fields after building
+        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2).hidden_size = 16
     # A spec of other layer modules (as EAGLE's draft layers) is refused, not built.
     with pytest.raises(TypeError, match="transformer_layer_spec must come from get_gpt_layer_local_spec"):
         TransformerBlock(TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2),

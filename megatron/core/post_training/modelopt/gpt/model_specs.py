@@ -5,9 +5,9 @@ no fused TE modules), from which modelopt's EAGLE speculative-decoding plugin
 Layers here are built from a `TransformerConfig` directly (see `transformer_layer.py`); `TransformerBlock` only
 checks a spec against the config and never builds a spec's modules, so there is no spec to return that anything
 could build. A spec alone would not make EAGLE run either:
-its conversion (`mtsp.convert(model, [("eagle", cfg)])`) builds a `TransformerConfig` with upstream-only fields
-(`attention_softmax_in_fp32`, ...) and then assigns attributes on it (`transformer_layer_spec`, `seq_length`,
-`hidden_size`, `pipeline_model_parallel_size`, ...), where this config is frozen; it builds
+its conversion (`mtsp.convert(model, [("eagle", cfg)])`) builds a `TransformerConfig` and then assigns attributes
+on it (`transformer_layer_spec`, which is no field here, `seq_length`, `hidden_size`,
+`pipeline_model_parallel_size`, ...), where this config is frozen; it builds
 `TransformerBlock(config, spec=..., post_layer_norm=...)` from its own layer modules, uses upstream's
 `RotaryEmbedding.get_rotary_seq_len`, and calls the decoder with `inference_params` and `packed_seq_params` (the
 block here takes `inference_context` only).
@@ -19,16 +19,15 @@ UNSUPPORTED_MESSAGE = (
     "megatron_eagle) is not supported by this megatron.core. Its draft module is built from upstream module "
     "specs, and transformer layers here are built from TransformerConfig directly (TransformerBlock only checks "
     "a spec against the config), so there is no layer spec to return. Beyond the spec, modelopt's EAGLE "
-    "conversion needs upstream's "
-    "mutable TransformerConfig with its upstream-only fields (attention_softmax_in_fp32, ...; this one is frozen "
-    "and validated once), TransformerBlock(spec=...) building the spec's own modules, upstream's "
-    "RotaryEmbedding.get_rotary_seq_len and decoder calls with inference_params / "
-    "packed_seq_params (the block here takes inference_context only). Instead: for draft-model speculative "
-    "decoding, distil a smaller draft GPT from this model (examples/post_training/distill.py, or width-prune it "
-    "first with examples/post_training/prune.py); for EAGLE heads, export the checkpoint to Hugging Face format "
-    "(tools/checkpoint/convert_checkpoint.py --to hf) and train them with modelopt's Hugging Face EAGLE plugin "
-    "(modelopt.torch.speculative.plugins.hf_eagle) under the transformers version modelopt supports "
-    "(pip install 'nvidia-modelopt[hf]')."
+    "conversion needs upstream's mutable TransformerConfig, on which it assigns transformer_layer_spec, seq_length, "
+    "... after building it (this one is frozen and validated once, and has no transformer_layer_spec field), "
+    "TransformerBlock(spec=...) building the spec's own modules, upstream's RotaryEmbedding.get_rotary_seq_len and "
+    "decoder calls with inference_params / packed_seq_params (the block here takes inference_context only). "
+    "Instead: for draft-model speculative decoding, distil a smaller draft GPT from this model "
+    "(examples/post_training/distill.py, or width-prune it first with examples/post_training/prune.py); for EAGLE "
+    "heads, export the checkpoint to Hugging Face format (tools/checkpoint/convert_checkpoint.py --to hf) and "
+    "train them with modelopt's Hugging Face EAGLE plugin (modelopt.torch.speculative.plugins.hf_eagle) under the "
+    "transformers version modelopt supports (pip install 'nvidia-modelopt[hf]')."
 )
 
 
