@@ -66,6 +66,15 @@ from megatron.core.transformer.recompute import checkpointed, is_recomputing
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
+def check_layer_number(module_name, layer_number):
+    """Attention modules take (config, layer_number, ...): upstream's (config, submodules, layer_number, ...) would
+    put its submodules where the layer number goes."""
+    if isinstance(layer_number, bool) or not isinstance(layer_number, int) or layer_number < 1:
+        raise TypeError(f"{module_name}(config, layer_number, ...): layer_number must be the layer's 1-based number "
+                        f"in the whole model, got {layer_number!r}; upstream's second argument, submodules, is not "
+                        f"taken here (the attention is built from the config): pass layer_number=N by keyword")
+
+
 class Attention(torch.nn.Module):
     """Base of the attention modules (upstream's name, which tools test modules against)."""
 
@@ -106,6 +115,7 @@ class SelfAttention(Attention):
 
     def __init__(self, config: TransformerConfig, layer_number: int, init_seed=None, fused_input_norm=None):
         super().__init__()
+        check_layer_number("SelfAttention", layer_number)
         self.config = config
         self.layer_number = layer_number
         tp_size = config.tensor_model_parallel_size
@@ -237,16 +247,18 @@ class SelfAttention(Attention):
         seq_len = mixed_qkv.shape[0]
         query, key, value, gate = split_fused_qkv(mixed_qkv, self.num_groups_per_partition, self.heads_per_group,
                                                   self.head_dim, self.output_gate)
+        # Both head norms come before the rotary embedding, as upstream (the L2 norm takes q_layernorm's place):
+        # YaRN's factor on cos and sin then survives into the logits.
         if self.q_layernorm is not None:
             query, key = self.q_layernorm(query), self.k_layernorm(key)
-
-        if rotary_pos_emb is not None and not self.skips_rotary_embedding:
-            interleaved, scale = self.config.rotary_interleaved, self.config.yarn_cos_sin_scale
-            query = apply_rotary_pos_emb(query, rotary_pos_emb, interleaved=interleaved, scale=scale)
-            key = apply_rotary_pos_emb(key, rotary_pos_emb, interleaved=interleaved, scale=scale)
         if self.config.qk_l2_norm:
             eps = self.config.layernorm_epsilon
             query, key = l2_normalize_heads(query, eps), l2_normalize_heads(key, eps)
+
+        if rotary_pos_emb is not None and not self.skips_rotary_embedding:
+            scale = self.config.yarn_cos_sin_scale
+            query = apply_rotary_pos_emb(query, rotary_pos_emb, self.config, mscale=scale)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb, self.config, mscale=scale)
 
         if inference_context is not None:
             if attention_mask is not None:

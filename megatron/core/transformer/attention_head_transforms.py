@@ -6,8 +6,9 @@
 - QK L2 norm (`--qk-l2-norm`, Llama 4): each query and key head is divided by its root mean square over the head
   dim, x * rsqrt(mean(x^2) + eps) with eps = `--norm-epsilon`, computed in fp32 and without a learned weight
   (upstream's `L2Norm`, which its layer spec puts where `--qk-layernorm`'s norms go, on every layer). It is taken
-  after the rotary embedding, as Llama 4 does; a rotation keeps the mean square, so the order does not change
-  the result.
+  before the rotary embedding, in that place as upstream; a rotation keeps the mean square, so this equals Llama
+  4's order (after the rotation) except under YaRN, whose factor on cos and sin then reaches the logits, as
+  upstream.
 - Attention output gate (`--attention-output-gate`, Qwen3-Next): the QKV projection also produces a gate g with one
   entry per query channel, and the attention output is multiplied by sigmoid(g) (in fp32) before the output
   projection. Per query group the fused rows are `[q_0 .. q_{m-1} | g_0 .. g_{m-1} | k | v]` of head_dim each

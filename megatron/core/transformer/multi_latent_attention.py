@@ -54,7 +54,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
 from megatron.core.offloading.fine_grained import offloaded_saved_tensors
 from megatron.core.tensor_parallel.duplicated_linear import DuplicatedLinear
 from megatron.core.transformer import layer_scaled_attention
-from megatron.core.transformer.attention import Attention
+from megatron.core.transformer.attention import Attention, check_layer_number
 from megatron.core.transformer.attention_variants import (
     attention_with_sinks,
     blocked_or_causal,
@@ -108,6 +108,7 @@ class MLASelfAttention(Attention):
         super().__init__()
         if not config.multi_latent_attention:
             raise ValueError("MLASelfAttention needs a config with multi_latent_attention (--multi-latent-attention)")
+        check_layer_number("MLASelfAttention", layer_number)
         self.config = config
         self.layer_number = layer_number
         tp_size = config.tensor_model_parallel_size

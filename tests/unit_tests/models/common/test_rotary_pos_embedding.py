@@ -53,3 +53,60 @@ def test_non_positive_rotary_base_is_refused(base):
     with pytest.raises(ValueError, match=rf"^--rotary-base must be positive, got {base}$"):
         RotaryEmbedding(8, rotary_base=base)
     assert torch.isfinite(RotaryEmbedding(8, rotary_base=10000)(4)).all()
+
+
+# Upstream's signatures: RotaryEmbedding(kv_channels, rotary_percent, rotary_interleaved,
+# seq_len_interpolation_factor, rotary_base, ...), forward(max_seq_len, offset, packed_seq),
+# YarnRotaryEmbedding(kv_channels, rotary_percent, rotary_interleaved, seq_len_interpolation_factor, rotary_base,
+# scaling_factor, ...) and apply_rotary_pos_emb(t, freqs, config, cu_seqlens, mscale, cp_group): positional calls
+# written for upstream must mean the same here.
+
+
+def _reference_angles(seq, rot_dim, base, interleaved=False, interpolation=1.0, offset=0):
+    """[s, 1, 1, rot_dim] float64: position / interpolation times base^(-2i / rot_dim), each pair's angle twice."""
+    inverse_frequency = base ** (-torch.arange(rot_dim // 2, dtype=torch.float64) * 2 / rot_dim)
+    positions = torch.arange(offset, offset + seq, dtype=torch.float64) / interpolation
+    angles = positions[:, None] * inverse_frequency[None, :]
+    doubled = angles.repeat_interleave(2, dim=-1) if interleaved else torch.cat((angles, angles), dim=-1)
+    return doubled[:, None, None, :]
+
+
+def test_positional_arguments_follow_upstream_order():
+    rope = RotaryEmbedding(16, 0.5, True, 2.0, 500000)  # 8 of 16 channels, interleaved, positions / 2
+    expected = _reference_angles(6, 8, 500000.0, interleaved=True, interpolation=2.0)
+    torch.testing.assert_close(rope(6).double(), expected, rtol=1e-6, atol=1e-6)
+    offset_expected = _reference_angles(3, 8, 500000.0, interleaved=True, interpolation=2.0, offset=4)
+    torch.testing.assert_close(rope(3, 4).double(), offset_expected, rtol=1e-6, atol=1e-6)  # (max_seq_len, offset)
+    torch.testing.assert_close(rope.inv_freq.double(), expected[1, 0, 0, 0::2] * 2.0, rtol=1e-6, atol=1e-9)
+    with pytest.raises(ValueError, match=r"packed_seq=True\): packed \(THD\) sequences are not supported"):
+        rope(6, 0, True)
+
+
+def test_yarn_positional_arguments_follow_upstream_order():
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+
+    positional = YarnRotaryEmbedding(8, 1.0, False, None, 500000.0, 4.0, 64)
+    keywords = YarnRotaryEmbedding(8, rotary_base=500000.0, scaling_factor=4.0, original_max_position_embeddings=64)
+    assert (positional.rotary_base, positional.scaling_factor) == (500000.0, 4.0)
+    torch.testing.assert_close(positional(5), keywords(5), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="--rotary-seq-len-interpolation-factor does not combine with YaRN"):
+        YarnRotaryEmbedding(8, 1.0, False, 2.0)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_apply_takes_upstreams_config_and_mscale(interleaved):
+    from tests.unit_tests.models.gpt.gpt_test_utils import tiny_config
+
+    config = tiny_config(rotary_interleaved=interleaved)
+    x = torch.randn(5, 2, 3, 8, generator=torch.Generator().manual_seed(3))
+    angles = RotaryEmbedding(8, rotary_interleaved=interleaved)(5)
+    rotated = apply_rotary_pos_emb(x, angles, config, None, 1.5)  # upstream: (t, freqs, config, cu_seqlens, mscale)
+    if interleaved:  # channel pairs (2i, 2i + 1): the rotate-half reference on the regrouped channels
+        regrouped = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+        expected = _complex_rope(regrouped, 10000, 8)
+        expected = torch.stack((expected[..., :4], expected[..., 4:]), dim=-1).flatten(-2)
+    else:
+        expected = _complex_rope(x, 10000, 8)
+    torch.testing.assert_close(rotated.double(), 1.5 * expected, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match=r"cu_seqlens=...\): packed \(THD\) sequences are not supported"):
+        apply_rotary_pos_emb(x, angles, config, torch.tensor([0, 5]))

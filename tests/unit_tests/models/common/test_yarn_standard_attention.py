@@ -59,7 +59,7 @@ def test_cos_and_sin_are_scaled_by_the_attention_factor():
     assert TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2).yarn_cos_sin_scale == 1.0
     t = torch.randn(5, 2, 3, 8, generator=torch.Generator().manual_seed(0))
     angles = YarnRotaryEmbedding(8, scaling_factor=32.0)(5)
-    torch.testing.assert_close(apply_rotary_pos_emb(t, angles, scale=1.5), 1.5 * apply_rotary_pos_emb(t, angles))
+    torch.testing.assert_close(apply_rotary_pos_emb(t, angles, mscale=1.5), 1.5 * apply_rotary_pos_emb(t, angles))
 
 
 def test_gpt_model_with_yarn_computes_the_scaled_rotation():

@@ -40,19 +40,19 @@ def llama3_scaled_frequencies(inverse_frequencies: torch.Tensor, factor: float,
 class RotaryEmbedding(torch.nn.Module):
     """Produces the rotation angles `[s, 1, 1, rot_dim]` for a sequence length.
 
-    Args:
+    Args (upstream's order, so positional calls written for upstream mean the same):
         kv_channels: width of one attention head.
         rotary_percent: fraction of each head's channels that is rotated (the rest passes through).
-        rotary_base: the base of the geometric progression of frequencies (`--rotary-base`).
         rotary_interleaved: angles laid out for interleaved pairs `[a_0, a_0, a_1, a_1, ...]` (apply them with
             `apply_rotary_pos_emb(..., interleaved=True)`) instead of halves `[a_0, a_1, ..., a_0, a_1, ...]`.
         seq_len_interpolation_factor: positions are divided by it (None: 1).
+        rotary_base: the base of the geometric progression of frequencies (`--rotary-base`).
         rope_scaling: Llama 3.1's frequency scaling (`--use-rope-scaling`), by `rope_scaling_factor`
             (`--rope-scaling-factor`).
     """
 
-    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_base: float = 10000.0,
-                 rotary_interleaved: bool = False, seq_len_interpolation_factor=None, rope_scaling: bool = False,
+    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_interleaved: bool = False,
+                 seq_len_interpolation_factor=None, rotary_base: float = 10000.0, rope_scaling: bool = False,
                  rope_scaling_factor: float = 8.0):
         super().__init__()
         if rope_scaling and not rope_scaling_factor > 0:
@@ -85,10 +85,18 @@ class RotaryEmbedding(torch.nn.Module):
             frequencies = llama3_scaled_frequencies(frequencies, self.rope_scaling_factor)
         return frequencies
 
-    def forward(self, seq_len: int, device=None, offset: int = 0) -> torch.Tensor:
-        """The angles of positions `offset .. offset + seq_len - 1` (a decoding step starts past the cached
-        positions)."""
-        positions = torch.arange(offset, offset + seq_len, dtype=torch.float32, device=device)
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """The frequencies `[rot_dim / 2]` (fp32, CPU), under upstream's attribute name."""
+        return self.inverse_frequencies(None)
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, device=None) -> torch.Tensor:
+        """The angles of positions `offset .. offset + max_seq_len - 1` (a decoding step starts past the cached
+        positions), on `device`. Upstream's positional order; `packed_seq` (THD) is not supported."""
+        if packed_seq:
+            raise ValueError("RotaryEmbedding(packed_seq=True): packed (THD) sequences are not supported here; "
+                             "pass packed_seq=False")
+        positions = torch.arange(offset, offset + max_seq_len, dtype=torch.float32, device=device)
         if self.seq_len_interpolation_factor is not None:
             positions = positions / self.seq_len_interpolation_factor
         angles = torch.outer(positions, self.inverse_frequencies(device))  # [s, rot_dim / 2]
@@ -111,17 +119,33 @@ def _rotate_interleaved_pairs(x: torch.Tensor) -> torch.Tensor:
     return torch.stack((-odd, even), dim=-1).flatten(-2)
 
 
-def apply_rotary_pos_emb(t: torch.Tensor, angles: torch.Tensor, interleaved: bool = False,
-                         scale: float = 1.0) -> torch.Tensor:
-    """Rotates the first `angles.shape[-1]` channels of `t` (`[s, b, heads, head_dim]`); `interleaved` pairs
-    channels (2i, 2i + 1) and needs angles from a `RotaryEmbedding(rotary_interleaved=True)`. cos and sin are
-    multiplied by `scale` (YaRN's attention factor; 1 for plain RoPE)."""
-    rot_dim = angles.shape[-1]
+def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config=None, cu_seqlens=None, mscale: float = 1.0,
+                         cp_group=None, *, interleaved=None) -> torch.Tensor:
+    """Rotates the first `freqs.shape[-1]` channels of `t` (`[s, b, heads, head_dim]`) by the angles `freqs`
+    (`RotaryEmbedding`'s output), with cos and sin multiplied by `mscale` (YaRN's attention factor; 1 for plain
+    RoPE). Upstream's signature: with a `config`, its `rotary_interleaved` picks the pair layout and with its
+    `multi_latent_attention` the rotated channels' even ones are gathered before the odd ones first (upstream's
+    layout for multi-latent attention); without one, `interleaved` pairs channels (2i, 2i + 1) (angles from a
+    `RotaryEmbedding(rotary_interleaved=True)`) instead of (i, i + rot_dim / 2). Packed sequences (`cu_seqlens`)
+    are not supported; `cp_group`, which upstream reads for packed sequences only, changes nothing."""
+    if cu_seqlens is not None:
+        raise ValueError("apply_rotary_pos_emb(cu_seqlens=...): packed (THD) sequences are not supported here; "
+                         "pass [s, b, heads, head_dim] tensors and cu_seqlens=None")
+    regroup = False
+    if config is not None:
+        if interleaved is not None:
+            raise ValueError("apply_rotary_pos_emb: pass either a config (its rotary_interleaved picks the pair "
+                             "layout) or interleaved=, not both")
+        interleaved = config.rotary_interleaved
+        regroup = bool(getattr(config, "multi_latent_attention", False))
+    rot_dim = freqs.shape[-1]
     rotated, passthrough = t[..., :rot_dim], t[..., rot_dim:]
     rotated_fp32 = rotated.float()
+    if regroup:
+        rotated_fp32 = torch.cat((rotated_fp32[..., 0::2], rotated_fp32[..., 1::2]), dim=-1)
     rotate = _rotate_interleaved_pairs if interleaved else _rotate_half
-    cos, sin = angles.cos(), angles.sin()
-    if scale != 1.0:
-        cos, sin = cos * scale, sin * scale
+    cos, sin = freqs.cos(), freqs.sin()
+    if mscale != 1.0:
+        cos, sin = cos * mscale, sin * mscale
     rotated_fp32 = rotated_fp32 * cos + rotate(rotated_fp32) * sin
     return torch.cat((rotated_fp32.to(t.dtype), passthrough), dim=-1)

@@ -78,11 +78,13 @@ class YarnRotaryEmbedding(RotaryEmbedding):
     """The rotation angles `[s, 1, 1, rot_dim]` of YaRN-scaled RoPE (`RotaryEmbedding`'s layout, offset and
     rotated fraction), and the factor cos and sin are scaled by (`cos_sin_scale`).
 
-    Args:
+    Args (upstream's order, so positional calls written for upstream mean the same):
         kv_channels: width of a rotated head (multi-latent attention: its rope channels).
         rotary_percent: fraction of the channels rotated.
-        rotary_base: base of the frequencies (`--rotary-base`).
         rotary_interleaved: angles for interleaved channel pairs (see `RotaryEmbedding`).
+        seq_len_interpolation_factor: must be None: YaRN scales the frequencies itself (upstream accepts and
+            ignores it).
+        rotary_base: base of the frequencies (`--rotary-base`).
         scaling_factor: s (`--yarn-rotary-scaling-factor`; multi-latent attention: `--rotary-scaling-factor`).
         original_max_position_embeddings: the context the unscaled RoPE was trained for.
         beta_fast, beta_slow: rotation counts bounding the blend between kept and interpolated frequencies.
@@ -90,10 +92,13 @@ class YarnRotaryEmbedding(RotaryEmbedding):
         correction_range_round_to_int: round the blend's channel range outwards to whole pairs.
     """
 
-    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_base: float = 10000.0,
-                 rotary_interleaved: bool = False, scaling_factor: float = 1.0,
+    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_interleaved: bool = False,
+                 seq_len_interpolation_factor=None, rotary_base: float = 10000.0, scaling_factor: float = 1.0,
                  original_max_position_embeddings: int = 4096, beta_fast: float = 32.0, beta_slow: float = 1.0,
                  mscale: float = 1.0, mscale_all_dim: float = 0.0, correction_range_round_to_int: bool = True):
+        if seq_len_interpolation_factor is not None:
+            raise ValueError("--rotary-seq-len-interpolation-factor does not combine with YaRN, which scales the "
+                             "frequencies itself (--yarn-rotary-scaling-factor): drop it")
         if not scaling_factor > 0:
             raise ValueError(f"the YaRN scaling factor must be positive, got {scaling_factor}")
         super().__init__(kv_channels, rotary_percent=rotary_percent, rotary_base=rotary_base,
