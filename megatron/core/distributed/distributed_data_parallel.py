@@ -61,15 +61,64 @@ def _default_expert_groups(ddp_config):
     return BucketCommunicationGroups(expert_data_parallel_group())
 
 
+def _pg_collection_group(pg_collection, name, purpose):
+    group = getattr(pg_collection, name, None)
+    if group is None:
+        raise ValueError(
+            f"DistributedDataParallel(pg_collection=...): {purpose} needs pg_collection.{name}; set it, or pass "
+            "pg_collection=None to use parallel_state's groups."
+        )
+    return group
+
+
+def _groups_from_pg_collection(pg_collection, ddp_config):
+    """Upstream's `pg_collection` (a `ProcessGroupCollection`, or any object with its attribute names): `dp_cp`
+    for the reduction; with several distributed-optimizer instances `intra_dp_cp` (sharding) and `inter_dist_opt`
+    (across instances). Returns the dense groups and a function giving the expert ones (`expt_dp`), asked for
+    only when the model has expert parameters."""
+    hybrid = ddp_config.num_distributed_optimizer_instances > 1
+    hybrid_purpose = "num_distributed_optimizer_instances > 1"
+    data_parallel_group = _pg_collection_group(pg_collection, "dp_cp", "the data-parallel gradient reduction")
+    if hybrid:
+        groups = BucketCommunicationGroups(
+            data_parallel_group,
+            shard_group=_pg_collection_group(pg_collection, "intra_dp_cp", hybrid_purpose),
+            outer_group=_pg_collection_group(pg_collection, "inter_dist_opt", hybrid_purpose),
+        )
+    else:
+        groups = BucketCommunicationGroups(data_parallel_group)
+
+    def expert_groups():
+        if hybrid:
+            raise ValueError(
+                "DistributedDataParallel(pg_collection=...) with expert parameters and "
+                "num_distributed_optimizer_instances > 1 is not supported; pass pg_collection=None to use "
+                "parallel_state's expert data-parallel groups."
+            )
+        return BucketCommunicationGroups(
+            _pg_collection_group(pg_collection, "expt_dp", "reducing the expert parameters' gradients"))
+
+    return groups, expert_groups
+
+
 class DistributedDataParallel(DataParallelWrapper):
     """Wraps `module`; `config` is the model's (Transformer/ModelParallel) config, `ddp_config` the DDP one.
 
     Build it through `megatron.core.distributed.wrap_data_parallel` to have the config pick the wrapper; the
-    config rules (e.g. `fp8_param_gather` needs `use_distributed_optimizer`) are checked by the config."""
+    config rules (e.g. `fp8_param_gather` needs `use_distributed_optimizer`) are checked by the config.
+
+    The process groups come from parallel_state (the world when it is not initialised), from upstream's
+    `pg_collection`, or from `groups` / `expert_groups` given directly."""
 
     def __init__(self, config, ddp_config: DistributedDataParallelConfig, module, disable_bucketing=False,
-                 groups: BucketCommunicationGroups = None, expert_groups: BucketCommunicationGroups = None):
+                 pg_collection=None, *, groups: BucketCommunicationGroups = None,
+                 expert_groups: BucketCommunicationGroups = None):
         super().__init__(config, ddp_config)
+        expert_groups_from_collection = None
+        if pg_collection is not None:
+            if groups is not None or expert_groups is not None:
+                raise ValueError("DistributedDataParallel: give pg_collection or groups/expert_groups, not both.")
+            groups, expert_groups_from_collection = _groups_from_pg_collection(pg_collection, ddp_config)
         if ddp_config.fp8_param_gather and not getattr(config, "fp8", None):
             # A rule between the model config and this one: neither config sees the other.
             raise ValueError(
@@ -109,6 +158,8 @@ class DistributedDataParallel(DataParallelWrapper):
             params_by_dtype.setdefault(key, []).append(param)
         self.expert_groups = None
         if any(is_expert for is_expert, *_ in params_by_dtype):
+            if expert_groups is None and expert_groups_from_collection is not None:
+                expert_groups = expert_groups_from_collection()
             self.expert_groups = expert_groups if expert_groups is not None else _default_expert_groups(ddp_config)
         expert_gradient_scaling_factor = gradient_scaling_factor
         if self.expert_groups is not None and ddp_config.average_in_collective and not per_token_loss:
@@ -133,14 +184,16 @@ class DistributedDataParallel(DataParallelWrapper):
         self._ready_buckets = set()
         self.is_last_microbatch = True
 
+        # Parameters frozen when wrapped have no main_grad: a gradient they get later is not reduced.
+        self._params_outside_buffers = [param for param in module.parameters() if param not in self._param_to_bucket]
+
         self._hook_handles = [
             param.register_post_accumulate_grad_hook(self._accumulate_into_main_grad)
             for param in self._param_to_bucket
         ]
+        self._forward_pre_hook_handles = []
         if ddp_config.overlap_param_gather:
-            for submodule in module.modules():
-                if any(True for _ in submodule.parameters(recurse=False)):
-                    self._hook_handles.append(submodule.register_forward_pre_hook(self._wait_for_param_gather))
+            self.enable_forward_pre_hook()
 
     # ---- hooks -------------------------------------------------------------------------------------------------
     def _accumulate_into_main_grad(self, param):
@@ -195,6 +248,7 @@ class DistributedDataParallel(DataParallelWrapper):
 
     def finish_grad_sync(self):
         """Complete all gradient reductions; afterwards every `main_grad` (or owned shard) is reduced."""
+        self._check_no_gradient_outside_buffers()
         self.finish_param_sync()
         for bucket in self._buckets[self._next_bucket_to_start:]:
             bucket.start_grad_sync(async_op=False)
@@ -204,6 +258,16 @@ class DistributedDataParallel(DataParallelWrapper):
         self._ready_buckets = set()
         for bucket in self._buckets:
             bucket.reset_grad_state()
+
+    def _check_no_gradient_outside_buffers(self):
+        for param in self._params_outside_buffers:
+            if param.requires_grad and param.grad is not None:
+                raise RuntimeError(
+                    f"DistributedDataParallel: {self._param_names[param]} has a gradient, but it had "
+                    "requires_grad=False when the model was wrapped, so it has no main_grad and its gradient is not "
+                    "reduced over the data-parallel ranks; set requires_grad before wrapping the model in "
+                    "DistributedDataParallel (parameters cannot be unfrozen after wrapping)."
+                )
 
     def zero_grad_buffer(self):
         """Zero all main grads and forget this step's communication state (call before each step)."""
@@ -215,12 +279,22 @@ class DistributedDataParallel(DataParallelWrapper):
         self._next_bucket_to_start = 0
         self._ready_buckets = set()
 
+    def zero_grad(self, set_to_none: bool = True):
+        """torch's `Module.zero_grad`, which also zeroes the gradient buffers: the gradients live in `main_grad`
+        (same as `zero_grad_buffer()`)."""
+        super().zero_grad(set_to_none=set_to_none)
+        self.zero_grad_buffer()
+
     def scale_gradients(self, scaling_factor):
         for buffer in self.buffers:
             buffer.scale_gradients(scaling_factor)
 
-    def start_param_sync(self, force_sync=False):
-        """All-gather updated parameter shards (distributed optimizer); async with overlap_param_gather."""
+    def start_param_sync(self, *unused, force_sync=False, force_dispatch=False):
+        """All-gather updated parameter shards (distributed optimizer); async with overlap_param_gather.
+
+        Upstream's signature: positional arguments (the parameters upstream's schedules pass to
+        `config.param_sync_func`) are ignored, and so is `force_dispatch`, which only matters with
+        --overlap-param-gather-with-optimizer-step (not offered here)."""
         async_op = self.ddp_config.overlap_param_gather and not force_sync
         if async_op:
             for bucket in self._buckets:
@@ -233,6 +307,37 @@ class DistributedDataParallel(DataParallelWrapper):
             for bucket in self._buckets:
                 bucket.start_param_sync(async_op=False)
             self.finish_param_sync()
+
+    def _check_forward_pre_hooks_in_use(self, method):
+        if not self.ddp_config.overlap_param_gather:
+            raise RuntimeError(
+                f"DistributedDataParallel.{method}(): the forward pre-hooks wait for parameter all-gathers, which "
+                "only overlap_param_gather=True (--overlap-param-gather) uses; call it only with that setting."
+            )
+
+    def enable_forward_pre_hook(self):
+        """Install the forward pre-hooks that wait for each module's parameter all-gather (with
+        `overlap_param_gather`, where the wrapper installs them itself; again after `disable_forward_pre_hook`)."""
+        self._check_forward_pre_hooks_in_use("enable_forward_pre_hook")
+        if self._forward_pre_hook_handles:
+            raise RuntimeError("DistributedDataParallel.enable_forward_pre_hook(): the hooks are already installed; "
+                               "call disable_forward_pre_hook() first.")
+        for submodule in self.module.modules():
+            if any(True for _ in submodule.parameters(recurse=False)):
+                self._forward_pre_hook_handles.append(submodule.register_forward_pre_hook(self._wait_for_param_gather))
+
+    def disable_forward_pre_hook(self, param_sync=True):
+        """Remove the forward pre-hooks (as upstream's loop does around evaluation and checkpointing); with
+        `param_sync`, complete the parameter all-gather now so that the model holds the updated weights."""
+        self._check_forward_pre_hooks_in_use("disable_forward_pre_hook")
+        if not self._forward_pre_hook_handles:
+            raise RuntimeError("DistributedDataParallel.disable_forward_pre_hook(): the hooks are not installed; "
+                               "call enable_forward_pre_hook() first.")
+        for handle in self._forward_pre_hook_handles:
+            handle.remove()
+        self._forward_pre_hook_handles = []
+        if param_sync:
+            self.start_param_sync(force_sync=True)
 
     def finish_param_sync(self):
         """Wait for the parameter all-gathers `start_param_sync` started."""

@@ -10,6 +10,25 @@ MEGATRON_FSDP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OUTER_DP_SHARDING_STRATEGIES = ("no_shard", "optim")
 
 
+def _refuse_assignment_naming_replace(config_class):
+    """Assigning a field of the frozen config raises naming `dataclasses.replace`, which re-validates (upstream's
+    config is mutable and its training loop assigns e.g. `ddp_config.bucket_size`)."""
+    frozen_setattr = config_class.__setattr__
+
+    def __setattr__(self, name, value):
+        try:
+            frozen_setattr(self, name, value)
+        except AttributeError as error:  # dataclasses.FrozenInstanceError
+            raise type(error)(
+                f"cannot assign to field {name!r}: {type(self).__name__} is frozen (its rules are checked once, at "
+                f"construction); build a new one with dataclasses.replace(ddp_config, {name}=...), which re-validates"
+            ) from None
+
+    config_class.__setattr__ = __setattr__
+    return config_class
+
+
+@_refuse_assignment_naming_replace
 @dataclass(frozen=True)
 class DistributedDataParallelConfig:
     """Settings of the data-parallel wrappers; `use_megatron_fsdp` / `use_torch_fsdp2` select the wrapper
@@ -57,6 +76,18 @@ class DistributedDataParallelConfig:
     fp8_param_gather: bool = False
     """All-gather the FP8-region linear weights as FP8 (`--fp8-param-gather`): with the distributed optimizer,
     or with Megatron-FSDP under `optim_grads_params`."""
+
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
+    """Upstream: all-gather MXFP8 parameters through the gradient buffer. MXFP8 needs Transformer Engine on GPUs,
+    which this build does not use: only False is accepted."""
+
+    gradient_reduce_div_fusion: bool = True
+    """Upstream Megatron-FSDP: fuse the 1/DP division into the reduce-scatter (PREMUL_SUM). Gloo has no PREMUL_SUM,
+    so gradients are scaled before the collective either way: the values are the same, True or False."""
+
+    delay_wgrad_compute: bool = False
+    """Upstream: delay weight-gradient GEMMs (Transformer Engine's split backward, CUDA). Only False is accepted
+    here: weight gradients are computed inside each backward."""
 
     use_megatron_fsdp: bool = False
     """Wrap the model with Megatron-FSDP (`MegatronFSDPAdapter`, `--use-megatron-fsdp`) instead of Megatron
@@ -222,6 +253,19 @@ class DistributedDataParallelConfig:
             raise ValueError(
                 "DistributedDataParallelConfig.outer_dp_sharding_strategy='optim' (HFSDP) needs "
                 "data_parallel_sharding_strategy='optim_grads_params'."
+            )
+        if self.reuse_grad_buf_for_mxfp8_param_ag:
+            raise ValueError(
+                "DistributedDataParallelConfig.reuse_grad_buf_for_mxfp8_param_ag (--reuse-grad-buf-for-mxfp8-param-ag) "
+                "all-gathers MXFP8 parameters, and MXFP8 (--fp8-recipe mxfp8) needs Transformer Engine on GPUs, which "
+                "this build does not use: drop it (FP8 weights are gathered with --fp8-param-gather and --fp8-recipe "
+                "delayed or tensorwise)."
+            )
+        if self.delay_wgrad_compute:
+            raise ValueError(
+                "DistributedDataParallelConfig.delay_wgrad_compute (--delay-wgrad-compute) needs Transformer Engine's "
+                "split weight-gradient GEMMs (CUDA), which this build does not use: weight gradients are computed "
+                "inside each backward; drop it (the values are the same)."
             )
         if self.check_for_large_grads and self.large_grad_threshold <= 0:
             raise ValueError("DistributedDataParallelConfig.large_grad_threshold must be > 0.")

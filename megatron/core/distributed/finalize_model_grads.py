@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.device_utils import get_device_for_group
-from megatron.core.distributed.data_parallel_base import local_tensor
+from megatron.core.distributed.data_parallel_base import DataParallelWrapper, local_tensor
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import MegatronFSDPAdapter
 from megatron.core.timers import timed
 
@@ -189,10 +189,33 @@ def _scale_grads(model_chunks, factor):
                 grad.mul_(factor)
 
 
-def finalize_model_grads(model_chunks, num_tokens=None):
-    """Complete gradient reductions across DP, TP (sequence parallel) and PP (shared embedding); see module doc."""
+def _check_chunks_sum_per_token_gradients(model_chunks):
+    """Data-parallel wrappers average gradients over the data-parallel ranks unless their model config has
+    `calculate_per_token_loss`; dividing such an average by the global token count would be off by that size."""
+    for chunk in model_chunks:
+        if isinstance(chunk, DataParallelWrapper) and not getattr(chunk.config, "calculate_per_token_loss", False):
+            raise ValueError(
+                "finalize_model_grads(num_tokens=...) divides the gradients by the global token count, but this "
+                f"{type(chunk).__name__} was built from a model config without calculate_per_token_loss "
+                "(--calculate-per-token-loss), so it averages them over the data-parallel ranks as well; set "
+                "calculate_per_token_loss=True in the config the model is wrapped with, or pass num_tokens=None."
+            )
+
+
+def finalize_model_grads(model_chunks, num_tokens=None, pg_collection=None):
+    """Complete gradient reductions across DP, TP (sequence parallel) and PP (shared embedding); see module doc.
+
+    With `num_tokens`, a global token count of 0 (every loss token masked) leaves the gradients unscaled, as
+    upstream does. Upstream's `pg_collection` is accepted as None only: the groups come from parallel_state."""
+    if pg_collection is not None:
+        raise ValueError(
+            "finalize_model_grads(pg_collection=...) is not supported here: it reduces over parallel_state's groups "
+            "(initialize_model_parallel) and the chunks' data-parallel groups; pass None"
+        )
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
+    if num_tokens is not None:
+        _check_chunks_sum_per_token_gradients(model_chunks)
     config = getattr(model_chunks[0], "config", None)
     timers = getattr(config, "timers", None)
     barrier = getattr(config, "barrier_with_L1_time", False)
@@ -207,6 +230,8 @@ def finalize_model_grads(model_chunks, num_tokens=None):
             _allreduce_shared_embedding_grads(model_chunks)
     if num_tokens is not None:
         total_tokens = _global_token_count(model_chunks, torch.as_tensor(num_tokens))
-        if total_tokens <= 0:
-            raise ValueError(f"finalize_model_grads: num_tokens summed over data parallel is {total_tokens}; need > 0.")
-        _scale_grads(model_chunks, 1.0 / total_tokens)
+        if total_tokens < 0:
+            raise ValueError(
+                f"finalize_model_grads: num_tokens summed over data parallel is {total_tokens}; need >= 0.")
+        if total_tokens > 0:
+            _scale_grads(model_chunks, 1.0 / total_tokens)

@@ -130,14 +130,25 @@ class Bucket:
     def _check_grads(self, config):
         norm = self.grad_data.float().norm().item()
         rank = dist.get_rank() if dist.is_initialized() else 0
-        names = self.buffer.param_names
-        where = f"rank {rank}, bucket {self.bucket_id} ({', '.join(names[p] for p in self.params[:4])}, ...)"
         if config.check_for_nan_in_grad and not math.isfinite(norm):
-            raise RuntimeError(f"Gradient norm is {norm} on {where} before data-parallel reduction.")
-        if config.check_for_large_grads and norm > config.large_grad_threshold:
+            kind = "NaN" if math.isnan(norm) else "Inf"
+            culprits = [param for param in self.params if not torch.isfinite(param.main_grad).all()]
+            where = (f"non-finite gradients in: {self._names(culprits)}" if culprits else
+                     "every gradient is finite, their squared sum overflows fp32")
             raise RuntimeError(
-                f"Gradient norm {norm:.3e} exceeds large_grad_threshold={config.large_grad_threshold:.3e} on {where}."
+                f"Rank {rank}: found {kind} in local grad norm ({norm}) of bucket {self.bucket_id} before the "
+                f"data-parallel reduction; {where}."
             )
+        if config.check_for_large_grads and norm > config.large_grad_threshold:
+            largest = sorted(self.params, key=lambda param: -param.main_grad.float().norm().item())[:4]
+            raise RuntimeError(
+                f"Rank {rank}: local grad norm {norm:.3e} of bucket {self.bucket_id} exceeds "
+                f"large_grad_threshold={config.large_grad_threshold:.3e}; largest gradients in: "
+                f"{self._names(largest)}."
+            )
+
+    def _names(self, params):
+        return ", ".join(self.buffer.param_names[param] for param in params)
 
     # ---- parameter all-gather (distributed optimizer) ---------------------------------------------------------
     def start_param_sync(self, async_op):

@@ -140,3 +140,39 @@ def test_tied_embedding_grads_reduced_piecewise_under_megatron_fsdp(strategy):
         # One all-reduce, of this rank's piece only: the whole gradient under ZeRO-0, half of it at DP2 otherwise.
         expected = result["full_numel"] if strategy == "no_shard" else result["full_numel"] // 2
         assert result["sizes"] == [result["piece_numel"]] and result["piece_numel"] == expected, result
+
+
+def test_zero_global_tokens_leave_gradients_unscaled_as_upstream():
+    model = build_toy_model()
+    for salt, param in enumerate(model.parameters()):
+        param.grad = _rank_grad(param.shape, 0, salt)
+    expected = [param.grad.clone() for param in model.parameters()]
+    finalize_model_grads([model], num_tokens=torch.tensor(0))  # every loss token masked in the global batch
+    for param, grad in zip(model.parameters(), expected, strict=True):
+        assert torch.equal(param.grad, grad)
+    finalize_model_grads([model], num_tokens=torch.tensor(4))
+    for param, grad in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(param.grad, grad / 4)
+    with pytest.raises(ValueError, match=r"finalize_model_grads\(pg_collection=\.\.\.\) is not supported here"):
+        finalize_model_grads([model], num_tokens=None, pg_collection=object())
+
+
+def _token_count_with_an_averaging_wrapper():
+    model = build_toy_model()
+    chunk = DistributedDataParallel(types.SimpleNamespace(calculate_per_token_loss=False),
+                                    DistributedDataParallelConfig(), model)
+    chunk.zero_grad_buffer()
+    inputs, targets = toy_batch(0, 4)
+    torch.nn.functional.mse_loss(chunk(inputs), targets, reduction="sum").backward()
+    try:
+        finalize_model_grads([chunk], num_tokens=torch.tensor(4))
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("world_size", [1])
+def test_token_count_for_a_wrapper_that_averages_is_refused(world_size):
+    (message,) = run_on_ranks(world_size, _token_count_with_an_averaging_wrapper)
+    assert message is not None and "DistributedDataParallel was built from a model config without " \
+        "calculate_per_token_loss (--calculate-per-token-loss)" in message
