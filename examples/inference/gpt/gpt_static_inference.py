@@ -45,7 +45,8 @@ def add_static_inference_args(parser):
     group.add_argument("--prompt-file-num-truncate", type=int, default=None,
                        help="Use only the first N prompts of --prompt-file, in order.")
     group.add_argument("--num-tokens-to-generate", type=int, default=30, help="New tokens per prompt.")
-    group.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature (> 0).")
+    group.add_argument("--temperature", type=float, default=1.0,
+                       help="Sampling temperature (> 0; unused by greedy --top_k 1, where 0 is accepted).")
     group.add_argument("--top_k", type=int, default=1, help="Top-k sampling; 1 is greedy, 0 keeps every token.")
     group.add_argument("--top_p", type=float, default=0.0, help="Top-p (nucleus) sampling; 0 turns it off.")
     group.add_argument("--return-log-probs", action="store_true",

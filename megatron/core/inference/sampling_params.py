@@ -1,18 +1,22 @@
 """`SamplingParams`: how the next token is chosen and how long a generation runs (upstream's name and defaults).
 
-`top_k == 1` is greedy decoding (the example script's default, as upstream's). Otherwise the logits are divided
-by `temperature` and, with `top_k > 1`, all but the k most likely tokens are dropped, or with `top_p > 0` all
-but the smallest set of most likely tokens whose probability reaches `top_p` (nucleus sampling); `top_k == 0`
-and `top_p == 0` sample from the whole distribution. Top-k and top-p cannot be combined (as upstream).
+`top_k == 1` is greedy decoding (the example script's default, as upstream's; the temperature is then unused and
+may be 0). Otherwise the logits are divided by `temperature` and, with `top_k > 1`, all but the k most likely
+tokens are dropped, or with `top_p > 0` all but the smallest set of most likely tokens whose probability reaches
+`top_p` (nucleus sampling); `top_k == 0` and `top_p == 0` sample from the whole distribution. Top-k and top-p
+cannot be combined (as upstream).
 
 `top_p_decay` / `top_p_bound` (upstream's text-generation server fields; 0 turns each off) shrink the nucleus per
 step: after each token is chosen, `top_p <- max(top_p * top_p_decay, top_p_bound)` (`sampling.params_for_next_step`).
+
+As upstream's, the params may be changed after they are made (`params.top_k = 1`, `add_attributes({...})`): they
+are checked when made and again when a generation starts (`check`).
 """
 
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass
 class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0
@@ -23,8 +27,14 @@ class SamplingParams:
     top_p_bound: float = 0.0
 
     def __post_init__(self):
-        if not self.temperature > 0:
-            raise ValueError(f"--temperature must be > 0, got {self.temperature} (use --top_k 1 for greedy decoding)")
+        self.check()
+
+    def check(self):
+        """Raise ValueError naming the flag when these params cannot generate."""
+        # Greedy decoding ignores the temperature, so it may be 0 there (as upstream's, which never divides by it).
+        if not (self.temperature > 0 or (self.temperature == 0 and self.top_k == 1)):
+            raise ValueError(f"--temperature must be > 0, got {self.temperature} (use --top_k 1 for greedy decoding, "
+                             "where a temperature of 0 is accepted)")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"--top_k must be an integer >= 0, got {self.top_k!r}")
         if not 0.0 <= self.top_p <= 1.0:
@@ -40,6 +50,11 @@ class SamplingParams:
             raise ValueError(f"top_p_bound must be in [0, top_p {self.top_p}] (0: no bound), got {self.top_p_bound}")
         if not isinstance(self.num_tokens_to_generate, int) or self.num_tokens_to_generate < 1:
             raise ValueError(f"--num-tokens-to-generate must be an integer >= 1, got {self.num_tokens_to_generate!r}")
+
+    def add_attributes(self, attribute_value_pair: dict):
+        """Set several attributes at once (upstream's helper); checked when a generation starts."""
+        for key, value in attribute_value_pair.items():
+            setattr(self, key, value)
 
     @property
     def greedy(self) -> bool:

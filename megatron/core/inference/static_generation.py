@@ -129,6 +129,7 @@ def generate_static_batch(model, prompts: Sequence[Sequence[int]], sampling_para
     `on_tokens(rows, tokens)`, when given, is called on every rank after each step that generated tokens, with the
     rows (prompt indices in this batch) that generated one and their new tokens (`--stream`).
     """
+    sampling_params.check()  # the params may have been changed since they were made
     num_tokens = sampling_params.num_tokens_to_generate
     check_static_batch(prompts, num_tokens, max_sequence_length, max_batch_size)
     if vocab_size is not None:
@@ -211,6 +212,7 @@ def generate_in_batches(model, prompts: Sequence[Sequence[int]], sampling_params
     `generate_static_batch` would generate it alone (its own cache, its sampling generator seeded with `seed`).
     The results are in prompt order. Every prompt is checked before the first batch runs; `on_tokens` (see
     `generate_static_batch`) gets indices into `prompts`."""
+    sampling_params.check()
     check_prompts(prompts, sampling_params.num_tokens_to_generate, max_sequence_length)
     if max_batch_size < 1:
         raise ValueError(f"--inference-max-requests must be at least 1, got {max_batch_size}")

@@ -62,6 +62,11 @@ def test_greedy_takes_the_argmax_lowest_id_on_ties():
     logits = torch.tensor([[0.1, 2.0, 2.0, -3.0], [4.0, 0.0, 0.0, 0.0]])
     params = SamplingParams(top_k=1, temperature=0.01)
     assert sample_next_tokens(logits, params, torch.Generator().manual_seed(0)).tolist() == [1, 0]
+    # As upstream's, greedy decoding never divides by the temperature: 0 is accepted there, and only there.
+    params = SamplingParams(top_k=1, temperature=0.0)
+    assert sample_next_tokens(logits, params, torch.Generator().manual_seed(0)).tolist() == [1, 0]
+    with pytest.raises(ValueError, match=r"--temperature must be > 0, got 0.0 \(use --top_k 1 for greedy decoding"):
+        SamplingParams(top_k=2, temperature=0.0)
 
 
 def test_draws_stay_in_the_filtered_set_and_repeat_for_a_seed():

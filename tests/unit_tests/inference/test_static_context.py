@@ -76,3 +76,33 @@ def test_bad_sizes_are_rejected():
         context.append_key_value(1, key[:3], value[:3])
     with pytest.raises(ValueError, match="empty"):
         InferenceParams(BATCH, SEQ).swap_key_value_dict([0])
+
+
+def test_micro_batches_of_rows_fill_the_cache_as_one_batch():
+    # Upstream's pipelined decoding runs a step's rows as micro-batches: rows 0-1, then row 2.
+    query, key, value = _qkv(3)
+    expected = _attention(query, key, value)
+    context = StaticInferenceContext(BATCH, SEQ)
+    assert not context.is_dynamic_batching()
+    outputs, steps = [], [(0, 3)] + [(position, position + 1) for position in range(3, SEQ)]
+    for start, end in steps:
+        step_rows = []
+        for rows in (slice(0, 2), slice(2, 3)):
+            keys, values = context.append_key_value(1, key[start:end, rows], value[start:end, rows])
+            step_rows.append(_attention(query[start:end, rows], keys, values, causal_offset=start))
+            context.increment_batch_size_offset(rows.stop - rows.start)
+        with pytest.raises(ValueError, match="batch rows past max_batch_size 3"):
+            context.increment_batch_size_offset(1)
+        context.reset_batch_size_offset()
+        context.increment_sequence_len_offset(end - start)
+        outputs.append(torch.cat(step_rows, dim=1))
+    torch.testing.assert_close(torch.cat(outputs), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_from_config_sizes_the_cache_as_the_wrapper_config():
+    from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
+
+    config = InferenceWrapperConfig(hidden_size=8, inference_batch_times_seqlen_threshold=-1, padded_vocab_size=16,
+                                    params_dtype=torch.float32, inference_max_requests=5, inference_max_seq_length=7)
+    context = StaticInferenceContext.from_config(config)
+    assert (context.max_batch_size, context.max_sequence_length) == (5, 7)

@@ -110,6 +110,21 @@ def test_bad_batches_name_the_flag(prompts, kwargs, flag):
         _generate(CountingModel(), prompts, **kwargs)
 
 
+def test_sampling_params_changed_after_they_are_made_are_used_and_checked():
+    # As upstream's SamplingParams: set a field, or several with add_attributes, then generate.
+    params = SamplingParams(num_tokens_to_generate=2)
+    params.top_k = 1
+    params.add_attributes({"num_tokens_to_generate": 3, "return_log_probs": True})
+    (result,) = _generate(CountingModel(), [[1]], params=params)
+    assert result.generated_tokens == [2, 3, 4] and len(result.generated_log_probs) == 3
+    params.top_p = 0.5  # top_k is still 1
+    with pytest.raises(ValueError, match="--top_k 1 and --top_p 0.5: set only one of them"):
+        _generate(CountingModel(), [[1]], params=params)
+    params.add_attributes({"top_k": 0, "num_tokens_to_generate": 0})
+    with pytest.raises(ValueError, match="--num-tokens-to-generate must be an integer >= 1, got 0"):
+        generate_in_batches(CountingModel(), [[1]], params, eod_id=9, max_sequence_length=16, max_batch_size=1)
+
+
 def test_streamed_tokens_are_the_generated_ones_in_order_across_batches():
     prompts = [[1], [5, 0, 3], [7], [2, 2]]  # 7 -> 8 -> 9 ends the third prompt's document early
     streamed = {}

@@ -7,8 +7,10 @@ another width than the keys (multi-latent attention caches its up-projected keys
 qk_pos_emb_head_dim` wide, and values, `v_head_dim` wide, per head). A forward pass over
 new positions writes its keys and values at `[sequence_len_offset, sequence_len_offset + n)` for the batch rows
 `[batch_size_offset, batch_size_offset + b)` and attends to everything cached so far; after the whole model
-ran, the caller advances `sequence_len_offset` by `n`. `swap_key_value_dict(batch_idx)` reorders the cached
-sequences (beam search), `reset()` starts a new batch.
+ran, the caller advances `sequence_len_offset` by `n`. A batch may also run as several micro-batches of rows
+(upstream's pipelined decoding): `increment_batch_size_offset(b)` after each, `reset_batch_size_offset()` before
+the next step. `swap_key_value_dict(batch_idx)` reorders the cached sequences (beam search), `reset()` starts a new
+batch.
 """
 
 import torch
@@ -29,9 +31,17 @@ class StaticInferenceContext:
         self.decode_mode = False
         self.key_value_memory_dict = {}
 
+    @classmethod
+    def from_config(cls, inference_wrapper_config):
+        """The context an `InferenceWrapperConfig` sizes (its inference_max_requests and inference_max_seq_length)."""
+        return cls(inference_wrapper_config.inference_max_requests, inference_wrapper_config.inference_max_seq_length)
+
     # ---- mode and offsets ----------------------------------------------------------------------------------
     def is_static_batching(self) -> bool:
         return True
+
+    def is_dynamic_batching(self) -> bool:
+        return False
 
     def is_decode_only(self) -> bool:
         """True once the prompt is in the cache and each step adds one position."""
@@ -48,6 +58,17 @@ class StaticInferenceContext:
             raise ValueError(f"decoding past max_sequence_length {self.max_sequence_length} "
                              f"(offset {self.sequence_len_offset} + {increment})")
         self.sequence_len_offset += increment
+
+    def increment_batch_size_offset(self, increment: int):
+        """Move past the `increment` rows of the micro-batch just run: the next forward writes the rows after them."""
+        if self.batch_size_offset + increment > self.max_batch_size:
+            raise ValueError(f"batch rows past max_batch_size {self.max_batch_size} "
+                             f"(offset {self.batch_size_offset} + {increment})")
+        self.batch_size_offset += increment
+
+    def reset_batch_size_offset(self):
+        """Back to the first row (before the first micro-batch of the next step)."""
+        self.batch_size_offset = 0
 
     def reset(self):
         """Start a new batch: offsets back to zero, decode mode off (the caches are reused and overwritten)."""

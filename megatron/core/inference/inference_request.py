@@ -1,0 +1,36 @@
+"""`InferenceRequest`: one prompt of a `StaticInferenceEngine.generate` call and, once done, its result
+(upstream's class and field names)."""
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import List, Optional
+
+from megatron.core.inference.sampling_params import SamplingParams
+
+
+class Status(Enum):
+    WAITING_IN_QUEUE = 1
+    ACTIVE_AND_GENERATING_TOKENS = 2
+    ACTIVE_BUT_NOT_GENERATING_TOKENS = 3
+    COMPLETED = 4
+
+
+@dataclass
+class InferenceRequest:
+    """`prompt_tokens` as tokenized (with the BOS token under `add_BOS`). Once COMPLETED: `generated_tokens` ends
+    with the end-of-document id when generation reached it (`stopped_at_eod`), which `generated_text` leaves out;
+    with `sampling_params.return_log_probs`, `prompt_log_probs[i]` is the log-probability of
+    `prompt_tokens[i + 1]` and `generated_log_probs[i]` that of `generated_tokens[i]`."""
+
+    request_id: str
+    prompt: str
+    sampling_params: SamplingParams
+    prompt_tokens: List[int]
+    arrival_time: Optional[float] = None
+    status: Status = Status.WAITING_IN_QUEUE
+    generated_text: Optional[str] = None
+    generated_tokens: Optional[List[int]] = None
+    generated_length: Optional[int] = None
+    generated_log_probs: Optional[List[float]] = None
+    prompt_log_probs: Optional[List[float]] = None
+    stopped_at_eod: Optional[bool] = None

@@ -1,0 +1,1 @@
+"""Upstream's model wrappers for the inference engine: `InferenceWrapperConfig` and `gpt.GPTInferenceWrapper`."""

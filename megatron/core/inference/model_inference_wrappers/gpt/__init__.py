@@ -1,0 +1,1 @@
+"""`GPTInferenceWrapper`, upstream's wrapper of a GPT model for the inference engine."""

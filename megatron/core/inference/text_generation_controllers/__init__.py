@@ -1,0 +1,2 @@
+"""Upstream's text generation controllers: `TextGenerationController` (and its older name
+`SimpleTextGenerationController`)."""
