@@ -6,13 +6,16 @@ class RerunDataIterator:
     """Wraps an iterator; records the batches drawn since the last `advance()` and replays them after `rewind()`.
 
     `advance()` starts a new iteration (forgets the recorded batches); `rewind()` makes the next `next()` calls
-    return the recorded batches in order before drawing new ones from the wrapped iterator.
+    return the recorded batches in order before drawing new ones from the wrapped iterator. Nothing is recorded
+    before the first `advance()`: an iterator that no rerun state machine drives (`--rerun-mode disabled`,
+    evaluation) holds no batch.
     """
 
     def __init__(self, iterable):
         self.iterable = iter(iterable)
         self._batches = []
         self._replay_position = None
+        self._recording = False
 
     def __iter__(self):
         return self
@@ -25,18 +28,32 @@ class RerunDataIterator:
                 return batch
             self._replay_position = None
         batch = next(self.iterable)
-        self._batches.append(batch)
+        if self._recording:
+            self._batches.append(batch)
         return batch
 
     def advance(self):
         self._batches = []
         self._replay_position = None
+        self._recording = True
 
     def rewind(self):
         self._replay_position = 0
 
+    def stop_recording(self):
+        """Forget the recorded batches and record none until the next `advance()` (reruns are off)."""
+        self._batches = []
+        self._replay_position = None
+        self._recording = False
+
     def recorded_batch_count(self):
         return len(self._batches)
+
+
+def rerun_iterators_in(data_iterator):
+    """The `RerunDataIterator`s in `data_iterator` (one iterator, a list of them per model chunk, or None)."""
+    candidates = data_iterator if isinstance(data_iterator, (list, tuple)) else [data_iterator]
+    return [candidate for candidate in candidates if isinstance(candidate, RerunDataIterator)]
 
 
 def as_rerun_iterators(data_iterator):

@@ -54,7 +54,12 @@ import torch.distributed as dist
 
 from megatron.core.random_state_snapshot import capture_random_state, restore_random_state
 from megatron.core.rerun_comparison import DifferenceStats, relative_difference
-from megatron.core.rerun_data_iterator import RerunDataIterator, as_rerun_iterators, wrap_for_reruns
+from megatron.core.rerun_data_iterator import (
+    RerunDataIterator,
+    as_rerun_iterators,
+    rerun_iterators_in,
+    wrap_for_reruns,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +71,7 @@ class RerunMode(str, enum.Enum):
     DISABLED = "disabled"
     VALIDATE_RESULTS = "validate_results"
     REPORT_STATS = "report_stats"
+    REPORT_DETERMINISM_STATS = "report_stats"  # upstream's name of the same mode
 
 
 class RerunState(enum.Enum):
@@ -108,7 +114,6 @@ class RerunStateMachine:
         self.error_injection_type = RerunDiagnostic(error_injection_type)
         # A generator of its own: injecting must not move the random state the training step draws from.
         self._injection_random = random.Random(f"rerun-error-injection-{_rank()}")
-        self.injected_error_type = None
         self.result_rejected_tracker_filename = result_rejected_tracker_filename
         self.state = RerunState.NOT_RUNNING_YET
         self.current_iteration = 0
@@ -116,10 +121,7 @@ class RerunStateMachine:
         self._saved_random_state = None
         self._resumed_to_rerun = False
         self._reset_step_flags()
-        self.failed_call = None
-        self.initial_result = None
-        self.suspicious_node_and_device = None
-        self.diagnostic = None
+        self._forget_rejected_result()
         self.saved_results = {}
         self.stats = defaultdict(DifferenceStats)
         self.large_value_counts = {}
@@ -141,6 +143,14 @@ class RerunStateMachine:
         self.continue_requested = False
         self.fatal_failure = None
 
+    def _forget_rejected_result(self):
+        """A new step: what an earlier step rejected (then found correct, training went on) is not this step's."""
+        self.failed_call = None
+        self.initial_result = None
+        self.injected_error_type = None
+        self.suspicious_node_and_device = None
+        self.diagnostic = None
+
     # ---- the loop around forward-backward ----------------------------------------------------------------------
     def should_run_forward_backward(self, data_iterator):
         """True while the forward-backward pass of this iteration must (re)run; call it in a `while` loop."""
@@ -148,11 +158,15 @@ class RerunStateMachine:
         iterators = as_rerun_iterators(data_iterator) if self.mode != RerunMode.DISABLED else []
         if self.state == RerunState.NOT_RUNNING_YET:
             self._reset_step_flags()
+            self._forget_rejected_result()
             self.current_iteration += 1
             if self.mode != RerunMode.DISABLED:
                 self._saved_random_state = capture_random_state()
                 for iterator in iterators:
                     iterator.advance()
+            else:
+                for iterator in rerun_iterators_in(data_iterator):
+                    iterator.stop_recording()  # reruns were on in earlier steps: keep no batch from now on
             self.state = RerunState.INITIAL_RUN
             return True
         if self.state == RerunState.WILL_RERUN_FROM_CHECKPOINT and self._resumed_to_rerun:
@@ -214,6 +228,9 @@ class RerunStateMachine:
         elif self._any_rank(self.continue_requested):
             if _rank() == 0:
                 logger.warning("the rejected result was correct and its check is not fatal: training continues")
+            if self.failed_call is not None:
+                self._track_rejected_result("verdict\trerun on another node or device\tdiagnostic=correct_result\t"
+                                            "training continues")
             self.state = RerunState.NOT_RUNNING_YET
         return False
 
@@ -388,8 +405,11 @@ class RerunStateMachine:
             print(f"rerun statistics at iteration {self.current_iteration}:\n" + "\n".join(lines), flush=True)
 
     # ---- checkpoint ------------------------------------------------------------------------------------------
-    def state_dict(self):
-        """This rank's state to save with the checkpoint when it must resume to rerun; None otherwise."""
+    def state_dict(self, data_iterator=None, ckpt_format=None):
+        """This rank's state to save with the checkpoint when it must resume to rerun; None otherwise.
+
+        `data_iterator` and `ckpt_format` are taken as upstream's checkpoint code passes them, and not needed:
+        the resumed data iterators start after the checkpoint's consumed samples, at the rejected step's data."""
         if self.state != RerunState.WILL_RERUN_FROM_CHECKPOINT:
             return None
         return {

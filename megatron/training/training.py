@@ -38,6 +38,7 @@ from megatron.core.transformer.moe.router import reset_global_aux_loss_counts, u
 from megatron.training import checkpoint_sources, checkpointing
 from megatron.training.checkpoint_sources import non_persistent_save_dir
 from megatron.training.data_iterators import build_data_iterators
+from megatron.training.energy_monitor import energy_not_counted
 from megatron.core.rerun_state_machine import destroy_rerun_state_machine, get_rerun_state_machine
 from megatron.core.rerun_data_iterator import wrap_for_reruns
 from megatron.core.timers import Timers, timed
@@ -412,7 +413,7 @@ def _save(iteration, model, optimizer, scheduler, args):
     if args.save is None:
         return False
     timers = get_timers()
-    with timed(timers, "save-checkpoint", log_level=0, barrier=True):
+    with timed(timers, "save-checkpoint", log_level=0, barrier=True), energy_not_counted():
         checkpointing.save_checkpoint(iteration, model, optimizer, scheduler, args)
     if timers is not None:
         timers.log(["save-checkpoint"])
@@ -431,7 +432,7 @@ def _save(iteration, model, optimizer, scheduler, args):
 def _save_non_persistent(iteration, model, optimizer, scheduler, args):
     """--non-persistent-save-interval: save, timed and reported as upstream (the local type reports itself)."""
     timers = get_timers()
-    with timed(timers, "save-checkpoint-non-persistent", log_level=0, barrier=True):
+    with timed(timers, "save-checkpoint-non-persistent", log_level=0, barrier=True), energy_not_counted():
         checkpointing.save_non_persistent_checkpoint(iteration, model, optimizer, scheduler, args)
     if timers is not None:
         timers.log(["save-checkpoint-non-persistent"])
@@ -524,8 +525,9 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
             )
             if validation_sets and args.eval_iters > 0 and iteration % args.eval_interval == 0:
                 manual_gc.around_evaluation_step()
-                evaluate_validation_sets(forward_step_func, validation_sets, model, config, logger, iteration, args,
-                                         exit_duration)
+                with energy_not_counted():  # --log-energy: training steps only
+                    evaluate_validation_sets(forward_step_func, validation_sets, model, config, logger, iteration,
+                                             args, exit_duration)
                 manual_gc.around_evaluation_step()
             checkpointing.maybe_finalize_async_save(args)
             if weight_hash_due(args, iteration):

@@ -63,7 +63,10 @@ def _persistent_fault_checkpoint():
     assert torch.equal(torch.rand(3), expected_noise)
     assert machine.should_checkpoint_and_exit() == (True, True, rsm.EXIT_CODE_RESUME_TO_DISAMBIGUATE) == (
         True, True, 16)
-    return machine.state_dict()
+    state = machine.state_dict()
+    # Upstream's checkpoint code passes the data iterator and the checkpoint format.
+    assert machine.state_dict(data_iterator=data, ckpt_format="torch_dist") == state
+    return state
 
 
 @pytest.mark.parametrize(
@@ -260,3 +263,29 @@ def test_loss_and_gradient_checks_follow_the_flags():
         assert machine.large_value_counts == {"loss": 1} and machine.max_values == {"loss": 1.5}
     finally:
         rsm.destroy_rerun_state_machine()
+
+
+def test_upstream_name_of_the_report_stats_mode():
+    assert rsm.RerunMode.REPORT_DETERMINISM_STATS is rsm.RerunMode.REPORT_STATS is rsm.RerunMode("report_stats")
+
+
+def test_a_result_found_correct_is_forgotten_by_the_next_step(monkeypatch, tmp_path):
+    """A non-fatal rejected result, found correct on another device, lets training go on; when another rank then
+    rejects a result, this rank must neither judge its healthy result against the old one nor save it again."""
+    state = _persistent_fault_checkpoint()
+    monkeypatch.setattr(rsm, "this_node_and_device", lambda: ("another-node", "cpu"))
+    tracker = tmp_path / "rejected.txt"
+    resumed = rsm.RerunStateMachine(rsm.RerunMode.VALIDATE_RESULTS, result_rejected_tracker_filename=str(tracker))
+    resumed.load_state_dict(state)
+    data = RerunDataIterator(iter(range(1, 100)))
+    _run_iteration(resumed, data, lambda *_: math.nan, fatal=False)
+    assert resumed.should_checkpoint_and_exit() == (False, False, 0)
+    tracked = tracker.read_text()
+    assert tracked.splitlines()[-1].endswith("\tverdict\trerun on another node or device\tdiagnostic=correct_result\t"
+                                             "training continues")
+
+    monkeypatch.setattr(resumed, "_any_rank", lambda flag: True)  # another rank rejects a result, reproducibly
+    assert len(_run_iteration(resumed, data, lambda run, batch, noise: float(batch))) == 2
+    assert resumed.state_dict()["failed_call"] is None and resumed.state_dict()["initial_result"] is None
+    assert resumed.should_checkpoint_and_exit() == (True, True, 16)
+    assert tracker.read_text() == tracked  # nothing rejected on this rank

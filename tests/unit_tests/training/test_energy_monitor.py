@@ -58,3 +58,25 @@ def test_energy_of_a_real_gpu_grows_with_work():
     torch.cuda.synchronize()
     assert monitor.lap() > 0.0
     monitor.close()
+
+
+def test_evaluation_and_checkpoint_saves_are_not_counted(monkeypatch):
+    """As upstream pauses its monitor around evaluation and checkpoint saves: a lap holds the training steps'
+    energy only, the same span as the log line's iteration time."""
+    from megatron.training.global_state import set_energy_monitor
+
+    calls = []
+    # Readings (mJ): start 1000; before evaluation 3000; after it 10000; before a save 11000; after it 20000;
+    # at the lap 20500. Training used 2 J + 1 J + 0.5 J.
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml([1000, 3000, 10000, 11000, 20000, 20500], calls))
+    monitor = energy_monitor.EnergyMonitor(torch.device("cpu"))
+    set_energy_monitor(monitor)
+    try:
+        for _ in range(2):  # an evaluation, then a checkpoint save
+            with energy_monitor.energy_not_counted(), energy_monitor.energy_not_counted():  # nested: still paused
+                pass
+        assert monitor.lap() == 3.5
+    finally:
+        set_energy_monitor(None)
+    with energy_monitor.energy_not_counted():  # no monitor (no --log-energy): nothing to pause
+        pass
