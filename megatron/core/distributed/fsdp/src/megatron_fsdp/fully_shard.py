@@ -1,5 +1,6 @@
 """Entry points: `fully_shard_model`, `fully_shard_optimizer` and `fully_shard` (both at once)."""
 
+import dataclasses
 from typing import Optional, Tuple, Union
 
 import torch
@@ -7,6 +8,7 @@ import torch
 from .distributed_data_parallel_config import DistributedDataParallelConfig, ShardingStrategy
 from .megatron_fsdp import MegatronFSDP
 from .mixed_precision import MixedPrecisionPolicy
+from .nccl_allocator import NcclUserBuffers
 from .optimizer import fully_shard_optimizer
 from .optimizer_state import state_records_step
 
@@ -39,6 +41,11 @@ def fully_shard_model(
     is_expert_param=None,
     nccl_user_buffers=None,
     expt_hybrid_fsdp_group=None,
+    grad_reduce_in_fp32: bool = False,
+    preserve_fp32_weights: Optional[bool] = None,
+    check_for_nan_in_grad: Optional[bool] = None,
+    nccl_ub: bool = False,
+    disable_symmetric_registration: bool = False,
 ) -> MegatronFSDP:
     """Shard `module` over the data-parallel ranks (a 1-D mesh over the world when no mesh is given).
 
@@ -56,10 +63,26 @@ def fully_shard_model(
     too and `expt_hybrid_fsdp_group` spans its outer x shard ranks.
     `nccl_user_buffers` (an `NcclUserBuffers`): allocate the buffers from a memory pool registered with NCCL
     (see nccl_allocator.py; plain allocations on CPU / gloo).
+    Keywords of upstream's earlier signature work too: `grad_reduce_in_fp32` (DistributedDataParallelConfig's),
+    `preserve_fp32_weights=False` (`MixedPrecisionPolicy(main_params_dtype=None)`: no fp32 copy of the weights),
+    `check_for_nan_in_grad` (`report_nan_in_param_grad`), `nccl_ub` / `disable_symmetric_registration`
+    (`nccl_user_buffers=NcclUserBuffers(symmetric=not disable_symmetric_registration)`).
     """
+    mixed_precision_policy = _apply_preserve_fp32_weights(mixed_precision_policy, preserve_fp32_weights)
+    if check_for_nan_in_grad is not None:
+        if report_nan_in_param_grad and not check_for_nan_in_grad:
+            raise ValueError("check_for_nan_in_grad=False contradicts report_nan_in_param_grad=True (the same "
+                             "setting under its earlier name); pass one of them")
+        report_nan_in_param_grad = check_for_nan_in_grad
+    if nccl_ub:
+        if nccl_user_buffers is not None:
+            raise ValueError("pass nccl_ub=True or nccl_user_buffers, not both (nccl_ub=True is "
+                             "nccl_user_buffers=NcclUserBuffers(symmetric=not disable_symmetric_registration))")
+        nccl_user_buffers = NcclUserBuffers(symmetric=not disable_symmetric_registration)
     # Both overlaps default to on, so turning off overlap_grad_reduce alone turns off overlap_param_gather with
     # it rather than tripping the config's rule that the second needs the first.
     config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=grad_reduce_in_fp32,
         overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather and overlap_grad_reduce,
         use_distributed_optimizer=True,
@@ -93,6 +116,22 @@ def fully_shard_model(
         is_expert_param=is_expert_param,
         nccl_user_buffers=nccl_user_buffers,
     )
+
+
+def _apply_preserve_fp32_weights(policy: MixedPrecisionPolicy,
+                                 preserve_fp32_weights: Optional[bool]) -> MixedPrecisionPolicy:
+    """Upstream's `preserve_fp32_weights=False`: the compute weights act as the main weights (no fp32 copy)."""
+    if preserve_fp32_weights is None:
+        return policy
+    if preserve_fp32_weights:
+        if policy.main_params_dtype is None:
+            raise ValueError("preserve_fp32_weights=True contradicts MixedPrecisionPolicy(main_params_dtype=None); "
+                             "pass preserve_fp32_weights=False or a main_params_dtype")
+        return policy
+    if policy.main_params_dtype not in (None, torch.float32):
+        raise ValueError(f"preserve_fp32_weights=False contradicts MixedPrecisionPolicy(main_params_dtype="
+                         f"{policy.main_params_dtype}); pass one of them")
+    return dataclasses.replace(policy, main_params_dtype=None)
 
 
 def fully_shard(module: torch.nn.Module, optimizer: torch.optim.Optimizer, **kwargs) -> Tuple[MegatronFSDP,

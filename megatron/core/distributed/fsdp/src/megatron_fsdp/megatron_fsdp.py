@@ -542,10 +542,10 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
 
     def install_optimized_model_weights(self):
         self.schedule.install_optimized_model_weights()
-        refresh_scalar_replicas(self, [group for group in self.groups if group.trainable])
         if self.schedule.resting is not None:
             # HFSDP: the resting parameters view the compute shards, rebuilt from the outer ranks' main weights
             self.schedule.refresh_compute_shards(self.groups, async_op=False)
+        refresh_scalar_replicas(self, [group for group in self.groups if group.trainable])
 
     def broadcast_params(self):
         """Make every data-parallel replica hold DP-rank 0's weights (no-op for the shards of strategy 3)."""

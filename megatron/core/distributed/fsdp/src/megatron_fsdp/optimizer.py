@@ -10,7 +10,12 @@ import torch
 from . import collectives
 from .distributed_data_parallel_config import ShardingStrategy
 from .optimizer_state import initialize_optimizer_state, optimizer_has_stepped
-from .state_dict import load_optimizer_state_dict, optimizer_state_dict, refuse_unloaded_optimizer_state_writes
+from .state_dict import (
+    load_optimizer_state_dict,
+    optimizer_state_dict,
+    refresh_optimizer_scalar_replicas,
+    refuse_unloaded_optimizer_state_writes,
+)
 from .utils import WRAPPED_ATTR, called_from_torch_state_dict_helpers
 
 
@@ -176,7 +181,9 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
     their main weights the same way); `state_dict()` is keyed by parameter name and holds DTensors
     (for torch.distributed.checkpoint, at any data-parallel size), or with `preproc_state_dict_for_dcp_ckpt=False`
     is torch's own index-keyed state dict of this rank's shards (for a per-rank torch.save, reloaded at the same
-    data-parallel size). None takes the model's `ddp_config.preproc_state_dict_for_dcp_ckpt`.
+    data-parallel size). None takes the model's `ddp_config.preproc_state_dict_for_dcp_ckpt`. `state_dict()`
+    issues no collective (it may be called on some ranks only), except under HFSDP, whose optimizer state is
+    all-gathered over the outer dim (call it on every rank there); see `refresh_optimizer_scalar_replicas`.
     `install_after_step=False` leaves the install to the caller, who calls the model's
     `install_optimized_model_weights()` after each `step()` (to time it apart from the step, for instance).
     `torch.optim.LBFGS` works under no_shard only (refused otherwise); its closure's loss is averaged over the
@@ -213,6 +220,10 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
     if install_after_step:
         optimizer._megatron_fsdp_step_hooks += (
             optimizer.register_step_post_hook(lambda opt, args, kwargs: model.install_optimized_model_weights()),)
+    # So that state_dict() needs no communication (0-dim parameters' state lives on data-parallel rank 0 only).
+    optimizer._megatron_fsdp_step_hooks += (
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: refresh_optimizer_scalar_replicas(opt)),)
+    refresh_optimizer_scalar_replicas(optimizer)
 
     def zero_grad(self, set_to_none: bool = True):
         original_zero_grad(set_to_none=set_to_none)
@@ -237,6 +248,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
         views = _main_weight_views(model, params, self._megatron_fsdp_param_names)
         original_add_param_group({**param_group, "params": views})
         initialize_optimizer_state(self, sgd_momentum=True)
+        refresh_optimizer_scalar_replicas(self)
 
     optimizer.add_param_group = types.MethodType(add_param_group, optimizer)
     optimizer.zero_grad = types.MethodType(zero_grad, optimizer)

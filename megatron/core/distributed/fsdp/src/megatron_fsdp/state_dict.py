@@ -5,9 +5,10 @@ is exactly what a state-dict DTensor (`Shard(0)` rows) holds: saving hands out v
 writes the rows into the shard, without communication. Two exceptions gather: HFSDP's optimizer side (main
 weights and optimizer state are flat sub-shards of the rows, all-gathered over the outer group), and groups
 whose full compute weights are written on load (strategy 0, frozen groups of strategies 1/2). A 0-dim
-parameter lives on rank 0 only; its (replicated) value is summed over the data-parallel group, except in the
-model state dict, which takes it from the full weights (strategies 0-2) or from replicas kept on every rank
-(strategy 3, see `refresh_scalar_replicas`), so that `model.state_dict()` issues no collective.
+parameter lives on rank 0 only; its (replicated) value comes from the full weights (model state of strategies
+0-2) or from replicas kept on every rank (`refresh_scalar_replicas`, `refresh_optimizer_scalar_replicas`), so
+that `model.state_dict()` and `optimizer.state_dict()` issue no collective; stale replicas are summed over the
+data-parallel group again.
 
 Each group's rows are those of its shard ranks (`group.topology`): expert groups' DTensors live on the expert
 data-parallel mesh, so an expert tensor's rows are spread over the ranks holding that expert.
@@ -177,7 +178,8 @@ def _replicate_scalars(model, group: ParamGroup, rows: List[torch.Tensor],
 # Strategy 3 keeps a 0-dim parameter in rank 0's shard only; `model.state_dict()` must not communicate (FSDP2's
 # does not, and `if rank == 0: torch.save(model.state_dict(), ...)` is a common habit), so every rank keeps a
 # replica of its group's 0-dim compute weights, refreshed where all ranks act together: wrapping, each optimizer
-# step's install, `load_state_dict` (from the loaded values, without communication). They are current while no
+# step's install, `load_state_dict` (from the loaded values, without communication). The optimizer keeps replicas
+# of its 0-dim state the same way (see `refresh_optimizer_scalar_replicas`). They are current while no
 # write reached the compute shard, the replicas (which the state dict hands out on ranks other than 0, so that
 # `dcp.load` into it writes them) or the 0-dim resting parameters (in-place DTensor ops between steps) since;
 # otherwise the next state dict sums the values over the group once more (a collective: call it on every rank).
@@ -189,8 +191,9 @@ def _scalar_replica_versions(model, group: ParamGroup) -> tuple:
 
 
 def _keeps_scalar_replicas(group: ParamGroup) -> bool:
-    """HFSDP compute shards are rebuilt by an all-gather over the outer group (the state dict waits for it)."""
-    return group.shards_params and not group.outer_sharded and bool(_scalar_indices(group))
+    """Strategy 3, HFSDP included (its compute shards are rebuilt from the outer ranks' main weights after each
+    step and load, before the replicas are taken)."""
+    return group.shards_params and bool(_scalar_indices(group))
 
 
 def _set_scalar_replicas(model, group: ParamGroup, values: torch.Tensor):
@@ -379,6 +382,9 @@ def load_model_state_dict(model, state_dict, strict: bool = True):
             values[canonical] = state_dict[present[0]]
     state_dict = values
     buffers = dict(model.module.named_buffers())
+    loaded_scalars = {}  # id(group) -> its 0-dim values as loaded, in `_scalar_indices` order
+    optimizer_replicas = {(id(optimizer), id(group)): _current_optimizer_scalar_replicas(optimizer, group)
+                          for optimizer in model.grad_clearing.optimizers() for group in model.groups}
     with torch.no_grad():
         for group in model.groups:
             present = [name in state_dict for name in group.names]
@@ -405,11 +411,12 @@ def load_model_state_dict(model, state_dict, strict: bool = True):
             # write to them would, so that whatever keys on a parameter's version (a layer's FP8 weight cached for
             # the step) sees the new values.
             torch.autograd.graph.increment_version(group.params)
-            if _keeps_scalar_replicas(group):  # every rank was given the 0-dim values: no sum needed
+            if _scalar_indices(group) and model.strategy != ShardingStrategy.no_shard:
+                # every rank was given the 0-dim values: no sum needed
                 topology = group.topology
-                _set_scalar_replicas(model, group, torch.stack([
+                loaded_scalars[id(group)] = torch.stack([
                     local_rows_of(values[index], (), topology.dp_size, topology.dp_rank).to(dtype)
-                    for index in _scalar_indices(group)]))
+                    for index in _scalar_indices(group)])
         for name, buffer in buffers.items():
             if name in state_dict:
                 value = state_dict[name]
@@ -419,10 +426,22 @@ def load_model_state_dict(model, state_dict, strict: bool = True):
     if model.strategy in (ShardingStrategy.optim, ShardingStrategy.optim_grads):
         model.schedule.start_param_sync(async_op=False)
     elif model.strategy == ShardingStrategy.optim_grads_params:
+        model.schedule.refresh_compute_shards(model.groups, async_op=False)  # HFSDP: from the loaded main weights
         for group in model.groups:
             if group.gathered:
                 group.gathered = False
                 model.schedule.ensure_gathered([group])
+    for group in model.groups:
+        if id(group) not in loaded_scalars:
+            continue
+        if _keeps_scalar_replicas(group):
+            _set_scalar_replicas(model, group, loaded_scalars[id(group)])
+        for optimizer in model.grad_clearing.optimizers():  # the main weights took the loaded values
+            replicas = optimizer_replicas.get((id(optimizer), id(group)))
+            if replicas is not None and _keeps_optimizer_scalar_replicas(group):
+                if MAIN_PARAM_KEY in replicas:
+                    replicas = {**replicas, MAIN_PARAM_KEY: loaded_scalars[id(group)].to(group.main_dtype)}
+                _set_optimizer_scalar_replicas(optimizer, group, replicas)
     return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
@@ -469,8 +488,88 @@ def _state_value(optimizer, view, key):
     return optimizer.state[view][key]
 
 
+def _optimizer_state_keys(optimizer, group: ParamGroup) -> List[str]:
+    """The keys `optimizer.state_dict()` saves as DTensors for `group`: its element-wise state, then the main
+    weights where they are kept in another dtype than the compute weights."""
+    keys = set()
+    for view in group.main_param_views:
+        keys.update(k for k, v in optimizer.state.get(view, {}).items() if _is_sharded_state(v, view))
+    return sorted(keys) + ([MAIN_PARAM_KEY] if group.main_dtype != group.param_dtype else [])
+
+
+def _optimizer_state_rows(optimizer, model, group: ParamGroup, key: str) -> List[torch.Tensor]:
+    """Per parameter of `group`, this rank's rows of state `key` (0-dim values on data-parallel rank 0 only)."""
+    views = group.main_param_views
+    # `.to(group.device)`: an offloading optimizer (--optimizer-cpu-offload) keeps this state, and maybe the main
+    # weights themselves, in host memory; the DTensors live on the model's device.
+    if key == MAIN_PARAM_KEY:
+        pieces = [view.to(group.device) for view in views]
+    else:
+        pieces = [_state_value(optimizer, view, key).to(group.device) if key in optimizer.state.get(view, {})
+                  else torch.zeros_like(view, device=group.device) for view in views]
+    return _rows_of_pieces(model, group, pieces)
+
+
+# Under strategies 1-3 a 0-dim parameter's main weight and optimizer state (its Adam moments) live on data-parallel
+# rank 0 only, and every rank's `optimizer.state_dict()` holds their values. It must not communicate (FSDP2's does
+# not, and `if rank == 0: torch.save({"model": ..., "optim": optimizer.state_dict()}, f)` is a common habit), so
+# every rank keeps replicas of them, refreshed where all ranks act together: `fully_shard_optimizer`,
+# `add_param_group`, after each step (the only time the optimizer writes its state) and on loading. They are
+# current while this rank's state tensors of those parameters (and main weights, where saved) were not written
+# otherwise since; else the next state dict sums the values over the group once more (a collective: call it on
+# every rank). HFSDP groups keep none: their state dict all-gathers the sub-shards over the outer group anyway.
+def _keeps_optimizer_scalar_replicas(group: ParamGroup) -> bool:
+    return (group.main_weights is not None and group.strategy != ShardingStrategy.no_shard
+            and not _in_outer_sub_shards(group) and bool(_scalar_indices(group)))
+
+
+def _optimizer_scalar_versions(optimizer, group: ParamGroup) -> tuple:
+    versions = []
+    for index in _scalar_indices(group):
+        view = group.main_param_views[index]
+        if group.main_dtype != group.param_dtype:
+            versions.append((id(view), view._version))
+        versions.extend((key, id(value), value._version) for key, value in
+                        sorted(optimizer.state.get(view, {}).items()) if isinstance(value, torch.Tensor))
+    return tuple(versions)
+
+
+def _set_optimizer_scalar_replicas(optimizer, group: ParamGroup, replicas: Dict[str, torch.Tensor]):
+    """`replicas`: state key -> the values of `group`'s 0-dim parameters, in `_scalar_indices` order."""
+    store = optimizer.__dict__.setdefault("_megatron_fsdp_scalar_replicas", {})
+    store[id(group)] = (replicas, _optimizer_scalar_versions(optimizer, group))
+
+
+def _current_optimizer_scalar_replicas(optimizer, group: ParamGroup) -> Optional[Dict[str, torch.Tensor]]:
+    if not _keeps_optimizer_scalar_replicas(group):
+        return None
+    entry = getattr(optimizer, "_megatron_fsdp_scalar_replicas", {}).get(id(group))
+    if entry is None or entry[1] != _optimizer_scalar_versions(optimizer, group):
+        return None
+    return entry[0]
+
+
+def refresh_optimizer_scalar_replicas(optimizer):
+    """Collective: every rank's replicas of the 0-dim state (and main weights) `optimizer.state_dict()` saves."""
+    model = optimizer._megatron_fsdp_model
+    for group in model.groups:
+        if not _keeps_optimizer_scalar_replicas(group):
+            continue
+        scalars, keys = _scalar_indices(group), _optimizer_state_keys(optimizer, group)
+        values = torch.zeros(len(keys) * len(scalars), dtype=torch.float64, device=group.device)
+        if group.dp_rank == 0:
+            for position, key in enumerate(keys):
+                rows = _optimizer_state_rows(optimizer, model, group, key)
+                values[position * len(scalars):(position + 1) * len(scalars)].copy_(
+                    torch.stack([rows[index].detach().to(torch.float64) for index in scalars]))
+        collectives.all_reduce_scalar_sum(values, group.topology.dp_group)
+        _set_optimizer_scalar_replicas(optimizer, group, {
+            key: values[position * len(scalars):(position + 1) * len(scalars)] for position, key in enumerate(keys)})
+
+
 def optimizer_state_dict(optimizer) -> dict:
-    """{"state": {param name: {key: DTensor or scalar}}, "param_groups": [{hyper-params, "params": [names]}]}."""
+    """{"state": {param name: {key: DTensor or scalar}}, "param_groups": [{hyper-params, "params": [names]}]}.
+    Issues no collective, except under HFSDP (see `refresh_optimizer_scalar_replicas`)."""
 
     model, by_name = _optimizer_params_by_name(optimizer)
     _check_checkpointable(model)
@@ -482,22 +581,13 @@ def optimizer_state_dict(optimizer) -> dict:
         if group.main_weights is None:
             continue
         views = group.main_param_views
-        keys = set()
-        for view in views:
-            keys.update(k for k, v in optimizer.state.get(view, {}).items() if _is_sharded_state(v, view))
-        for key in sorted(keys):
-            # `.to(group.device)`: an offloading optimizer (--optimizer-cpu-offload) keeps this state, and maybe the
-            # main weights themselves, in host memory; the DTensors live on the model's device.
-            pieces = [_state_value(optimizer, view, key).to(group.device) if key in optimizer.state.get(view, {})
-                      else torch.zeros_like(view, device=group.device) for view in views]
-            for index, tensor in enumerate(_row_dtensors(model, group, _rows_of_pieces(model, group, pieces),
-                                                         copy=True)):
-                if views[index] in optimizer.state:
+        replicas = _current_optimizer_scalar_replicas(optimizer, group) or {}
+        for key in _optimizer_state_keys(optimizer, group):
+            rows = _optimizer_state_rows(optimizer, model, group, key)
+            for index, tensor in enumerate(_row_dtensors(model, group, rows, copy=True,
+                                                         known_scalars=replicas.get(key))):
+                if key == MAIN_PARAM_KEY or views[index] in optimizer.state:
                     state.setdefault(state_dict_name(group.names[index]), {})[key] = tensor
-        if group.main_dtype != group.param_dtype:
-            rows = _rows_of_pieces(model, group, [view.to(group.device) for view in views])
-            for index, tensor in enumerate(_row_dtensors(model, group, rows, copy=True)):
-                state.setdefault(state_dict_name(group.names[index]), {})[MAIN_PARAM_KEY] = tensor
         for index, view in enumerate(views):
             for key, value in optimizer.state.get(view, {}).items():
                 if not _is_sharded_state(value, view) and not _is_scale_of_saved_value(optimizer, key):
@@ -552,7 +642,9 @@ def load_optimizer_state_dict(optimizer, state_dict):
     load the model state first and the optimizer state second."""
     groups_in = state_dict["param_groups"]
     if groups_in and groups_in[0]["params"] and not isinstance(groups_in[0]["params"][0], str):
-        return optimizer._megatron_fsdp_original_load_state_dict(state_dict)
+        optimizer._megatron_fsdp_original_load_state_dict(state_dict)
+        refresh_optimizer_scalar_replicas(optimizer)
+        return
 
     model, by_name = _optimizer_params_by_name(optimizer)
     _check_checkpointable(model)
@@ -569,6 +661,18 @@ def load_optimizer_state_dict(optimizer, state_dict):
             if name not in saved_state and state_dict_name(name) in saved_state:
                 saved_state[name] = saved_state[state_dict_name(name)]
     main_weights_loaded = False
+    # id(group) -> 0-dim replicas as loaded (every rank is given the values) over those current before
+    scalar_replicas = {id(group): dict(_current_optimizer_scalar_replicas(optimizer, group) or {})
+                       for group in model.groups}
+
+    def note_loaded_scalars(group, key, values):
+        if not _keeps_optimizer_scalar_replicas(group):
+            return
+        topology = group.topology
+        scalar_replicas[id(group)][key] = torch.stack([
+            local_rows_of(values[index], (), topology.dp_size, topology.dp_rank).to(torch.float64)
+            for index in _scalar_indices(group)])
+
     with torch.no_grad():
         for group in model.groups:
             if group.main_weights is None or not any(name in saved_state for name in group.names):
@@ -576,6 +680,8 @@ def load_optimizer_state_dict(optimizer, state_dict):
             if all(MAIN_PARAM_KEY in saved_state.get(name, {}) for name in group.names):
                 values = _tensor_parallel_local_values(model, group,
                                                        [saved_state[name][MAIN_PARAM_KEY] for name in group.names])
+                if group.main_dtype != group.param_dtype:
+                    note_loaded_scalars(group, MAIN_PARAM_KEY, values)
                 group.write_main_weights(_main_level(model, group, _shard_from_rows(model, group, values,
                                                                                      group.main_dtype)))
                 main_weights_loaded = True
@@ -586,6 +692,7 @@ def load_optimizer_state_dict(optimizer, state_dict):
             for key in sorted(keys):
                 values = _tensor_parallel_local_values(
                     model, group, [saved_state.get(name, {}).get(key) for name in group.names])
+                note_loaded_scalars(group, key, values)
                 flat = _main_level(model, group, _shard_from_rows(model, group, values, group.main_dtype))
                 for index, view in enumerate(group.main_param_views):
                     target = group._main_view(flat, index)
@@ -607,4 +714,8 @@ def load_optimizer_state_dict(optimizer, state_dict):
     if main_weights_loaded:
         model.install_optimized_model_weights()
         model.schedule.wait_gathered(model.groups)
+    for group in model.groups:
+        replicas = scalar_replicas[id(group)]
+        if _keeps_optimizer_scalar_replicas(group) and set(replicas) >= set(_optimizer_state_keys(optimizer, group)):
+            _set_optimizer_scalar_replicas(optimizer, group, replicas)
     _optimizer_state_copies_loaded(optimizer)

@@ -121,7 +121,10 @@ def replace_parameter(owners: Iterable[Tuple[nn.Module, str]], new_param: nn.Par
 
 
 def resolve_module_classes(fsdp_unit_modules) -> Tuple[type, ...]:
-    """Accept classes or dotted names ("torch.nn.TransformerEncoderLayer") for `fsdp_unit_modules`."""
+    """Accept classes or dotted names ("torch.nn.TransformerEncoderLayer") for `fsdp_unit_modules`: a sequence
+    of them, or one."""
+    if isinstance(fsdp_unit_modules, (str, type)):
+        fsdp_unit_modules = [fsdp_unit_modules]
     classes = []
     for entry in fsdp_unit_modules or ():
         if isinstance(entry, str):
@@ -130,7 +133,12 @@ def resolve_module_classes(fsdp_unit_modules) -> Tuple[type, ...]:
                 raise ValueError(f"fsdp_unit_modules entry {entry!r} must be a class or a dotted 'package.Class'")
             import importlib
 
-            entry = getattr(importlib.import_module(module_path), class_name)
+            try:
+                entry = getattr(importlib.import_module(module_path), class_name)
+            except (ImportError, AttributeError) as error:
+                raise ValueError(f"fsdp_unit_modules entry {entry!r} names no importable class ({error}); give the "
+                                 "class itself or its full dotted path, e.g. 'torch.nn.TransformerEncoderLayer'"
+                                 ) from error
         if not isinstance(entry, type) or not issubclass(entry, nn.Module):
             raise TypeError(f"fsdp_unit_modules entries must be nn.Module subclasses, got {entry!r}")
         classes.append(entry)
