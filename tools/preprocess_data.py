@@ -34,7 +34,7 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
     index_file_path,
     optimal_token_dtype,
 )
-from megatron.training.argument_groups.data import add_tokenizer_file_arguments, vocab_extra_ids_refusal  # noqa: E402
+from megatron.training.tokenizer.arguments import add_tokenizer_file_arguments, vocab_extra_ids_refusal  # noqa: E402
 from megatron.training.tokenizer import TOKENIZER_TYPES, TokenizerFileError, build_tokenizer_from_args  # noqa: E402
 from megatron.training.tokenizer.tokenizer import SENTENCEPIECE_TOKENIZER_TYPES, sentencepiece_refusal  # noqa: E402
 

@@ -103,6 +103,18 @@ def test_workers_give_identical_output_equal_to_direct_tokenization(tmp_path, to
     assert tokenizer.detokenize(dataset[0][:-1].tolist()) == documents[0]["text"]
 
 
+def test_the_tool_starts_without_loading_torch():
+    """A run of the tool is a fresh interpreter: its imports (the indexed-dataset writer, the tokenizers and their
+    flags) leave out torch and the training flags' groups, seconds of CPU that tokenizing does not need."""
+    code = ("import importlib.util, sys\n"
+            f"spec = importlib.util.spec_from_file_location('preprocess_data', {TOOL!r})\n"
+            "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+            "print(sorted(name for name in ('torch', 'megatron.training.argument_groups') if name in sys.modules))\n")
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.strip() == "[]"
+
+
 def test_null_tokenizer_and_several_keys(tmp_path):
     documents = [{"text": " ".join(str(i) for i in range(n, n + 5)), "extra": str(n)} for n in range(12)]
     corpus = str(tmp_path / "ids.jsonl")
