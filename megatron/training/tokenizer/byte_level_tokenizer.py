@@ -8,6 +8,9 @@ NUM_BYTES = 256
 class ByteLevelTokenizer(MegatronTokenizer):
     """Ids 0..255 are bytes, 256 is end-of-document (vocab size 257)."""
 
+    def __init__(self):
+        super().__init__()
+
     def tokenize(self, text):
         return list(text.encode("utf-8"))
 

@@ -1,5 +1,6 @@
 """`GPT2BPETokenizer`: byte-level BPE from user-supplied GPT-2 style `vocab.json` + `merges.txt`."""
 
+from megatron.training.tokenizer.abstract_tokenizer import MegatronTokenizer
 from megatron.training.tokenizer.file_errors import check_tokenizer_file, reading_tokenizer_files
 from megatron.training.tokenizer.huggingface_tokenizer import TokenizersBackedTokenizer, _import_tokenizers
 
@@ -11,6 +12,7 @@ class GPT2BPETokenizer(TokenizersBackedTokenizer):
 
     def __init__(self, vocab_file, merge_file):
         file_flags = (("--vocab-file", vocab_file), ("--merge-file", merge_file))
+        MegatronTokenizer.__init__(self, vocab_file, merge_file)
         for flag, path in file_flags:
             if path is None:
                 raise ValueError(f"GPT2BPETokenizer needs {flag}")

@@ -47,7 +47,10 @@ class TokenizersBackedTokenizer(MegatronTokenizer):
     def __init__(self, backend, eod_token=None, pad_token=None, bos_token=None, search_candidates=True):
         """Special tokens given as None are looked up among the usual spellings when `search_candidates`; else the
         tokenizer has no such token (padding then uses the end-of-document id)."""
+        if not hasattr(self, "unique_identifiers"):  # subclasses name their files first
+            super().__init__()
         self._backend = backend
+        self._vocab = None
         self._eod = self._find_token_id(eod_token, EOD_TOKEN_CANDIDATES, "end-of-document")
         self._pad = self._find_token_id(pad_token, PAD_TOKEN_CANDIDATES if search_candidates else (), "padding",
                                         default=self._eod)
@@ -72,8 +75,52 @@ class TokenizersBackedTokenizer(MegatronTokenizer):
         """The ids of `text`, with the special tokens the tokenizer's post-processor adds (none for a plain BPE)."""
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def detokenize(self, token_ids):
-        return self._backend.decode([int(token) for token in token_ids], skip_special_tokens=False)
+    def detokenize(self, token_ids, skip_special_tokens=False):
+        """The text of `token_ids`, their special tokens spelled out unless `skip_special_tokens`."""
+        return self._backend.decode([int(token) for token in token_ids], skip_special_tokens=skip_special_tokens)
+
+    def offsets(self, ids, text):
+        """Where each of the `ids` of `text` starts in it, as upstream's: from the characters each token of `text`
+        re-tokenized covers; a token covering none (a special token) starts where the previous one ended."""
+        if isinstance(self._backend, PreTrainedTokenizerBackend):
+            spans = self._backend.char_spans(text)
+        else:
+            encoding = self._backend.encode(text)
+            spans = [encoding.token_to_chars(index) for index in range(len(encoding.ids))]
+        starts, next_start = [], 0
+        for index in range(len(ids)):
+            span = spans[index] if index < len(spans) else None
+            if span is None:
+                starts.append(next_start)
+            else:
+                starts.append(span[0])
+                next_start = span[1]
+        return starts
+
+    def _load_vocab(self):
+        if self._vocab is None:
+            self._vocab = dict(self._backend.get_vocab(with_added_tokens=True))
+            self._inv_vocab = {token_id: token for token, token_id in self._vocab.items()}
+
+    @property
+    def vocab(self):
+        """Token -> id, added tokens included."""
+        self._load_vocab()
+        return self._vocab
+
+    @property
+    def inv_vocab(self):
+        """Id -> token, added tokens included."""
+        self._load_vocab()
+        return self._inv_vocab
+
+    @property
+    def encoder(self):
+        return self.vocab
+
+    @property
+    def decoder(self):
+        return self.inv_vocab
 
     @property
     def vocab_size(self):
@@ -107,6 +154,15 @@ class PreTrainedTokenizerBackend:
 
     def get_vocab_size(self, with_added_tokens=True):
         return len(self.pretrained)
+
+    def get_vocab(self, with_added_tokens=True):
+        return self.pretrained.get_vocab()
+
+    def char_spans(self, text):
+        """(start, end) of the characters each token of `text` covers; None for a token covering none."""
+        encoding = self.pretrained(text)
+        spans = [encoding.token_to_chars(index) for index in range(len(encoding.input_ids))]
+        return [None if span is None else (span.start, span.end) for span in spans]
 
     def token_to_id(self, token):
         token_id = self.pretrained.convert_tokens_to_ids(token)
@@ -145,6 +201,7 @@ class HuggingFaceTokenizer(TokenizersBackedTokenizer):
 
     def __init__(self, tokenizer_model, eod_token=None, pad_token=None, trust_remote_code=False):
         file_flags = (("--tokenizer-model", tokenizer_model),)
+        MegatronTokenizer.__init__(self, tokenizer_model, trust_remote_code=trust_remote_code)
         if tokenizer_model is not None and _loads_with_auto_tokenizer(tokenizer_model):
             self.tokenizer_path = tokenizer_model
             pretrained = load_pretrained_tokenizer(tokenizer_model, trust_remote_code)
@@ -159,3 +216,8 @@ class HuggingFaceTokenizer(TokenizersBackedTokenizer):
         source = None if self.tokenizer_path == tokenizer_model else self.tokenizer_path
         with reading_tokenizer_files("HuggingFaceTokenizer", file_flags, source=source):
             super().__init__(tokenizers.Tokenizer.from_file(self.tokenizer_path), eod_token, pad_token)
+
+    @property
+    def eos(self):
+        """Id of the end-of-sequence token: the end-of-document one."""
+        return self.eod

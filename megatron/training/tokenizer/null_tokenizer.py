@@ -11,6 +11,7 @@ class NullTokenizer(MegatronTokenizer):
     def __init__(self, vocab_size):
         if vocab_size is None or int(vocab_size) < 1:
             raise ValueError(f"NullTokenizer needs --vocab-size of at least 1 (got {vocab_size})")
+        super().__init__(None, vocab_size=vocab_size)
         self._text_ids = int(vocab_size)
 
     def tokenize(self, text):
@@ -27,6 +28,14 @@ class NullTokenizer(MegatronTokenizer):
     def detokenize(self, token_ids):
         return " ".join(str(int(token)) for token in token_ids)
 
+    def offsets(self, ids, text):
+        """Where each id of `detokenize(ids)` starts: the ids and the single spaces between them."""
+        starts, start = [], 0
+        for token in ids:
+            starts.append(start)
+            start += len(str(int(token))) + 1
+        return starts
+
     @property
     def vocab_size(self):
         return self._text_ids + 1
@@ -34,3 +43,20 @@ class NullTokenizer(MegatronTokenizer):
     @property
     def eod(self):
         return self._text_ids
+
+    # Upstream's answers: no classification, separator or mask token, and no additional special tokens.
+    @property
+    def cls(self):
+        return -1
+
+    @property
+    def sep(self):
+        return -1
+
+    @property
+    def mask(self):
+        return -1
+
+    @property
+    def additional_special_tokens_ids(self):
+        return None

@@ -77,6 +77,8 @@ class TikTokenizer(MegatronTokenizer):
                  special_tokens=None):
         if pattern not in PATTERNS:
             raise ValueError(f"--tiktoken-pattern {pattern!r}: choose v1 or v2")
+        super().__init__(path, pattern=pattern, vocab_size=vocab_size, num_special_tokens=num_special_tokens,
+                         special_tokens=special_tokens)
         vocab_size = DEFAULT_VOCAB_SIZE if vocab_size is None else int(vocab_size)
         special_tokens = list(DEFAULT_SPECIAL_TOKENS if special_tokens is None else special_tokens)
         missing = [token for token in REQUIRED_SPECIAL_TOKENS if token not in special_tokens]
@@ -114,9 +116,29 @@ class TikTokenizer(MegatronTokenizer):
                  if int(token) >= self.num_special_tokens]
         return self._encoding.decode(ranks)
 
+    def offsets(self, ids, text):
+        """Where each of `ids` starts in `detokenize(ids)` (`text`); a special id, which has no text, starts where
+        the text before it ends."""
+        ranks = [int(token) - self.num_special_tokens for token in ids if int(token) >= self.num_special_tokens]
+        decoded, rank_starts = self._encoding.decode_with_offsets(ranks)
+        rank_ends = rank_starts[1:] + [len(decoded)]
+        starts, next_start, rank_index = [], 0, 0
+        for token in ids:
+            if int(token) >= self.num_special_tokens:
+                starts.append(rank_starts[rank_index])
+                next_start = rank_ends[rank_index]
+                rank_index += 1
+            else:
+                starts.append(next_start)
+        return starts
+
     @property
     def vocab_size(self):
         return self._vocab_size
+
+    @property
+    def eos(self):
+        return self._special_ids["</s>"]
 
     @property
     def bos(self):

@@ -6,7 +6,11 @@ from megatron.training.tokenizer.huggingface_tokenizer import HuggingFaceTokeniz
 from megatron.training.tokenizer.null_tokenizer import NullTokenizer
 from megatron.training.tokenizer.tiktoken_tokenizer import DEFAULT_NUM_SPECIAL_TOKENS, TikTokenizer
 
-_NullTokenizer = NullTokenizer  # upstream's name, imported by Megatron-Core's examples
+# Upstream's class names, imported by scripts written for it.
+_NullTokenizer = NullTokenizer
+_GPT2BPETokenizer = GPT2BPETokenizer
+_HuggingFaceTokenizer = HuggingFaceTokenizer
+CustomTikTokenizer = TikTokenizer
 
 TOKENIZER_TYPES = ("NullTokenizer", "ByteLevelTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "TikTokenizer")
 # Upstream's types that read a SentencePiece .model file with the sentencepiece package, which is not supported here.
@@ -24,7 +28,12 @@ def sentencepiece_refusal(tokenizer_type):
 def build_tokenizer(tokenizer_type, vocab_size=None, vocab_file=None, merge_file=None, tokenizer_model=None,
                     tiktoken_pattern=None, tiktoken_num_special_tokens=DEFAULT_NUM_SPECIAL_TOKENS,
                     tiktoken_special_tokens=None, trust_remote_code=False):
-    """The tokenizer named by `--tokenizer-type`, built from the file/size flags that type needs."""
+    """The tokenizer named by `--tokenizer-type`, built from the file/size flags that type needs.
+
+    Called as upstream's `build_tokenizer(args)` with the parsed arguments instead of a type name, it reads the
+    flags from `args`, sets `args.padded_vocab_size` and prints upstream's start-up lines on rank 0."""
+    if not isinstance(tokenizer_type, str) and hasattr(tokenizer_type, "tokenizer_type"):
+        return _build_tokenizer_as_upstream(tokenizer_type)
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
             raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
@@ -59,6 +68,28 @@ def build_tokenizer_from_args(args):
         tiktoken_special_tokens=getattr(args, "tiktoken_special_tokens", None),
         trust_remote_code=getattr(args, "trust_remote_code", False),
     )
+
+
+def _build_tokenizer_as_upstream(args):
+    """Upstream's `build_tokenizer(args)`: the tokenizer of `args`, with `args.padded_vocab_size` padded from it."""
+    from megatron.training.checkpoint_args import padded_vocab_size
+
+    if getattr(args, "rank", 0) == 0:
+        print(f"> building {args.tokenizer_type} tokenizer ...", flush=True)
+    tokenizer = build_tokenizer_from_args(args)
+    args.padded_vocab_size = padded_vocab_size(args, tokenizer.vocab_size)
+    if getattr(args, "rank", 0) == 0:
+        print(padded_vocab_message(tokenizer.vocab_size, args.padded_vocab_size), flush=True)
+    return tokenizer
+
+
+def _vocab_size_with_padding(orig_vocab_size, args, logging_enabled=True):
+    """Upstream's helper: `orig_vocab_size` padded to a multiple of --make-vocab-size-divisible-by x TP size,
+    logged on rank 0 with upstream's line."""
+    padded = pad_vocab_size(orig_vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    if logging_enabled and getattr(args, "rank", 0) == 0:
+        print(padded_vocab_message(orig_vocab_size, padded), flush=True)
+    return padded
 
 
 def padded_vocab_message(orig_vocab_size, padded_vocab_size):

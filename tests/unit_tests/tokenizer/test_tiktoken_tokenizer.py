@@ -115,3 +115,22 @@ def test_file_and_size_checks(tmp_path, vocabulary):
     (tmp_path / "bad.json").write_text(json.dumps(entries))
     with pytest.raises(ValueError, match="entry 3 has rank 7"):
         TikTokenizer(str(tmp_path / "bad.json"), "v2", vocab_size=270, num_special_tokens=10)
+
+
+def test_upstream_attributes_eos_offsets_and_identifiers(vocabulary):
+    size = SPECIALS + 256 + len(MERGES)
+    tokenizer = TikTokenizer(vocabulary, "v2", vocab_size=size, num_special_tokens=SPECIALS)
+    assert tokenizer.eos == tokenizer.eod == 2
+    text = "hello world 12345"
+    framed = tokenizer.tokenize(text, bos=True, eos=True)
+    assert framed == [1, *ids(b"hello", b" world", b" ", b"123", b"4", b"5"), 2]
+    # Where each id starts in the text; the special ids have none and start where the text before ends.
+    assert tokenizer.offsets(framed, text) == [0, 0, 5, 11, 12, 15, 16, 17]
+    unicode_text = "Grüße 世界"
+    unicode_ids = tokenizer.tokenize(unicode_text)
+    starts = tokenizer.offsets(unicode_ids, unicode_text)
+    assert len(starts) == len(unicode_ids) and starts[0] == 0 and starts == sorted(starts)
+    assert starts[-1] == unicode_text.index("界")
+    assert tokenizer.unique_identifiers == {
+        "class": "TikTokenizer", "tokenizer_path": [vocabulary], "pattern": "v2", "vocab_size": str(size),
+        "num_special_tokens": str(SPECIALS), "special_tokens": "None"}
