@@ -22,6 +22,7 @@ run of pretrain_gpt.py with --ckpt-convert-format torch at that layout, which th
 import argparse
 import json
 import os
+import sys
 import tempfile
 
 import _paths  # noqa: F401  (repository on sys.path)
@@ -58,9 +59,11 @@ def model_size_architecture(model_size):
     return MISTRAL if model_size.startswith("mistral") else QWEN2 if model_size.startswith("qwen") else LLAMA
 
 
-def _plugin(parser, flag, name, known):
+def _plugin(parser, flag, name, known, asks_help=False):
     if name in known:
         return known[name]
+    if asks_help:  # --help without a plugin of ours (upstream's default, megatron): the common flags
+        return None
     reason = NOT_HERE.get((flag, name))
     parser.error(f"{flag} {name}: " + (f"{reason}; " if reason else "not a plugin here; ")
                  + f"choose one of {', '.join(known)}")
@@ -108,10 +111,11 @@ def parse_args(argv=None):
     first.add_argument("--loader", default="megatron")
     first.add_argument("--saver", default="megatron")
     plugins, _ = first.parse_known_args(argv)
+    asks_help = any(arg in ("-h", "--help") for arg in (sys.argv[1:] if argv is None else argv))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False, conflict_handler="resolve")
-    loader = _plugin(parser, "--loader", plugins.loader, LOADERS)
-    saver = _plugin(parser, "--saver", plugins.saver, SAVERS)
+    loader = _plugin(parser, "--loader", plugins.loader, LOADERS, asks_help)
+    saver = _plugin(parser, "--saver", plugins.saver, SAVERS, asks_help)
     parser.add_argument("--model-type", required=True, help="GPT (upstream's BERT is not built here).")
     parser.add_argument("--loader", default="megatron", help=f"One of {', '.join(LOADERS)}.")
     parser.add_argument("--saver", default="megatron", help=f"One of {', '.join(SAVERS)}.")

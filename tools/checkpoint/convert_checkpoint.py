@@ -146,7 +146,8 @@ def to_hf(directory, output, vocab_size=None, architecture=None, dtype=None):
         shape = hf_mapping.ModelShape.from_args(args, true_vocab_size(common, vocab_size), padded_vocab_size)
         architecture = hf_mapping.architecture_for(shape, architecture or source.get("architecture"), requested_by)
         if architecture == hf_deepseek.DEEPSEEK_V3:
-            tensors, extras = hf_deepseek.to_hf_tensors(model, shape, hf_mapping.HF_DTYPES[dtype])
+            rope_interleave = (source.get("config_keys") or {}).get("rope_interleave", True)
+            tensors, extras = hf_deepseek.to_hf_tensors(model, shape, hf_mapping.HF_DTYPES[dtype], rope_interleave)
         else:
             tensors, extras = hf_mapping.to_hf_tensors(model, shape, architecture, hf_mapping.HF_DTYPES[dtype])
     except hf_mapping.ConversionError as exc:

@@ -15,11 +15,13 @@ from hf_families import (
     GPT2_ACTIVATIONS,
     LLAMA_RELATIVES,
     MISTRAL,
+    MIXTRAL,
     MOE_ARCHITECTURES,
     QK_NORM_ARCHITECTURES,
     QWEN2,
     QWEN2_MOE,
     QWEN3,
+    QWEN3_MOE,
 )
 from hf_gpt_oss import GPT_OSS, GPT_OSS_MODEL_TYPE, gpt_oss_config, gpt_oss_shape_values
 from hf_moe import hf_moe_config, moe_flags_of_config
@@ -31,6 +33,22 @@ EXTRAS_FILE = "megatron_extras.safetensors"
 # config.json's dtype names (transformers writes `dtype`, older versions `torch_dtype`) -> the tensors' dtype.
 HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# GPT-2's config.json keys our flags do not say: the activation's name (gelu_new and gelu_pytorch_tanh are both
+# --openai-gelu, computed a little differently), n_inner null for 4 x n_embd, and the attention's upcast.
+GPT2_RECORDED_CONFIG_KEYS = ("activation_function", "n_inner", "reorder_and_upcast_attn")
+# transformers' config class defaults that differ from the ones the import falls back on: a config.json without
+# the key means the class default (Mistral's 4096-token window, Mixtral's epsilon and RoPE base, DeepSeek-V3's
+# router groups and scaling, ...), not the Llama value that would give a model computing something else.
+CONFIG_CLASS_DEFAULTS = {
+    MISTRAL: {"sliding_window": 4096, "num_key_value_heads": 8},
+    MIXTRAL: {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_key_value_heads": 8},
+    QWEN2: {"num_key_value_heads": 32},
+    QWEN3: {"num_key_value_heads": 32, "head_dim": 128},
+    QWEN2_MOE: {"num_key_value_heads": 16},
+    QWEN3_MOE: {"num_key_value_heads": 4},
+    DEEPSEEK_V3: {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3,
+                  "n_shared_experts": 1},
+}
 
 
 def training_dtype(args) -> Optional[str]:
@@ -57,23 +75,29 @@ def hf_config(shape: ModelShape, architecture: str, dtype: str = "float32", toke
               recorded_keys: Optional[dict] = None) -> dict:
     """config.json of the Hugging Face model, its weights in `dtype`; the token ids are those of `token_ids` (a
     model imported from HF keeps its tokenizer's), else none (ours are not GPT-2's or Llama's); `recorded_keys`:
-    the keys an import kept that our flags do not say (hf_moe.RECORDED_CONFIG_KEYS)."""
+    the keys an import kept that our flags do not say (hf_mapping.RECORDED_CONFIG_KEYS)."""
     token_ids = {key: (token_ids or {}).get(key) for key in TOKEN_ID_KEYS}
     common = {"architectures": [architecture], "vocab_size": shape.vocab_size,
               "initializer_range": shape.init_method_std, "tie_word_embeddings":
               not shape.untie_embeddings_and_output_weights, "use_cache": True, **token_ids,
               "dtype": dtype, "torch_dtype": dtype}
     if architecture == GPT2:
+        recorded_keys = recorded_keys or {}
         flags = {"squared_relu": shape.squared_relu, "openai_gelu": shape.openai_gelu}
-        activation = next(name for name, set_flags in GPT2_ACTIVATIONS.items()
-                          if {flag: set_flags.get(flag, False) for flag in flags} == flags)
+        names = [name for name, set_flags in GPT2_ACTIVATIONS.items()
+                 if {flag: set_flags.get(flag, False) for flag in flags} == flags]
+        activation = recorded_keys.get("activation_function")
+        activation = activation if activation in names else names[0]
+        inner = shape.ffn_hidden_size
+        if "n_inner" in recorded_keys and recorded_keys["n_inner"] is None and inner == 4 * shape.hidden_size:
+            inner = None
         return {"model_type": "gpt2", **common, "n_positions": shape.max_position_embeddings,
                 "n_embd": shape.hidden_size, "n_layer": shape.num_layers, "n_head": shape.num_attention_heads,
-                "n_inner": shape.ffn_hidden_size, "activation_function": activation,
+                "n_inner": inner, "activation_function": activation,
                 "layer_norm_epsilon": shape.norm_epsilon, "resid_pdrop": shape.hidden_dropout,
                 "embd_pdrop": shape.hidden_dropout, "attn_pdrop": shape.attention_dropout,
                 "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-                "reorder_and_upcast_attn": False}
+                "reorder_and_upcast_attn": bool(recorded_keys.get("reorder_and_upcast_attn", False))}
     if architecture == GPT_OSS:
         return gpt_oss_config(shape, common, recorded_keys)
     if architecture == DEEPSEEK_V3:
@@ -158,6 +182,7 @@ def shape_from_hf_config(config: dict, path: str, recorded: Optional[dict], padd
     (the extras' megatron_model, None for a model from elsewhere) adds what it cannot say; `padded_vocab_size`
     and `apply_layernorm_1p` are used where nothing is recorded."""
     architecture = _architecture_of_config(config, path)
+    config = {**CONFIG_CLASS_DEFAULTS.get(architecture, {}), **config}
     recorded = recorded or {}
     vocab_size = _require(config, "vocab_size", path)
     values = {"vocab_size": vocab_size, "init_method_std": config.get("initializer_range", 0.02),

@@ -24,7 +24,7 @@ Tensors map one to one (`self_attn.q_a_proj` is `self_attention.linear_q_down_pr
 `kv_layernorm`, `kv_b_proj` `linear_kv_up_proj`, `o_proj` `linear_proj`): the head layouts agree (`[q_nope | q_rope]`
 and `[k_nope | v]` per head, `[latent | k_rope]`), and both rotate the rope channels as interleaved pairs (2i,
 2i + 1) (`rope_interleave`, our regrouped RoPE). A model whose config says `rope_interleave: false` rotates
-(i, i + d/2); its q_rope and k_rope rows are permuted on import (written back as the interleaved layout).
+(i, i + d/2); its q_rope and k_rope rows are permuted on import (and back on export, as the import records it).
 
 What HF computes differently is refused, naming the key or flag: a softmax router, unrenormalised top-k (ours
 renormalises the chosen sigmoid scores when k > 1), group scores that are not the sum of each group's best two
@@ -55,7 +55,8 @@ EXPORT_FLAGS_CHECKED_HERE = ("multi_latent_attention", "moe_router_score_functio
                              "mtp_num_layers")
 # config.json keys that change nothing our model computes, which an import records and an export writes back.
 RECORDED_CONFIG_KEYS = ("num_key_value_heads", "num_nextn_predict_layers", "pretraining_tp", "output_router_logits",
-                        "topk_method", "scoring_func", "aux_loss_alpha", "seq_aux", "ep_size", "moe_layer_freq")
+                        "topk_method", "scoring_func", "aux_loss_alpha", "seq_aux", "ep_size", "moe_layer_freq",
+                        "rope_interleave")
 # HF's latent norms (q_a_layernorm, kv_a_layernorm) always use this epsilon.
 LATENT_NORM_EPSILON = 1e-6
 # YaRN values our rotary embedding fixes.
@@ -230,7 +231,8 @@ def deepseek_config(shape: ModelShape, common: dict, recorded: Optional[dict] = 
               "hidden_act": "silu", "max_position_embeddings": shape.max_position_embeddings,
               "rms_norm_eps": shape.norm_epsilon, "rope_theta": rope["rope_theta"],
               "rope_scaling": None if shape.rope_type == "rope" else rope, "rope_parameters": rope,
-              "rope_interleave": True, "attention_bias": False, "attention_dropout": shape.attention_dropout,
+              "rope_interleave": bool(recorded.get("rope_interleave", True)), "attention_bias": False,
+              "attention_dropout": shape.attention_dropout,
               "num_nextn_predict_layers": shape.mtp_num_layers or recorded.get("num_nextn_predict_layers", 0),
               "pretraining_tp": recorded.get("pretraining_tp", 1),
               "output_router_logits": recorded.get("output_router_logits", False)}
@@ -487,9 +489,11 @@ def _without_layers(shape: ModelShape) -> ModelShape:
                                add_qkv_bias=False, add_bias_linear=False)
 
 
-def to_hf_tensors(model: Dict[str, torch.Tensor], shape: ModelShape, dtype: torch.dtype = torch.float32):
+def to_hf_tensors(model: Dict[str, torch.Tensor], shape: ModelShape, dtype: torch.dtype = torch.float32,
+                  rope_interleave: bool = True):
     """(HF tensors by HF name in `dtype`, but the fp32 expert-bias buffers; extras by our name in fp32) of our
-    fp32 model tensors of a DeepSeek-V3-shaped model."""
+    fp32 model tensors of a DeepSeek-V3-shaped model; without `rope_interleave` (config.json's, as an import
+    recorded it) the rope rows in HF's rotate-half layout."""
     import hf_export_tensors
 
     source, hf, extras, fp32 = TensorSource(model, "the checkpoint", "its recorded arguments"), {}, {}, set()
@@ -504,6 +508,11 @@ def to_hf_tensors(model: Dict[str, torch.Tensor], shape: ModelShape, dtype: torc
         for our_name, hf_name, size in plain:
             if len(size) > 1:
                 hf[hf_name] = source.take(our_name, size)
+            if not rope_interleave and hf_name.endswith(("q_proj.weight", "q_b_proj.weight")):
+                hf[hf_name] = _rope_rows(hf[hf_name], shape.qk_head_dim + shape.qk_pos_emb_head_dim,
+                                         shape.qk_pos_emb_head_dim, to_interleaved=False)
+            if not rope_interleave and hf_name.endswith("kv_a_proj_with_mqa.weight"):
+                hf[hf_name] = _rope_rows(hf[hf_name], size[0], shape.qk_pos_emb_head_dim, to_interleaved=False)
         for our_name, hf_name, size in norms:
             weight = source.take(our_name, size)
             if shape.apply_layernorm_1p:

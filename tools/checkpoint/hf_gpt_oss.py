@@ -46,6 +46,10 @@ _TRAINING_ONLY_DEFAULTS = {"router_aux_loss_coef": 0.001, "output_router_logits"
 DEFAULT_ROPE_PARAMETERS = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                            "original_max_position_embeddings": 4096}
 DEFAULT_ROPE_THETA = 150000.0
+# transformers' GptOssForCausalLM builds the sliding-window mask even when no layer uses it, so config.json needs a
+# sliding_window: the imported one (recorded), else GptOssConfig's default.
+RECORDED_CONFIG_KEYS = ("sliding_window",)
+DEFAULT_SLIDING_WINDOW = 128
 
 
 def _alternating(num_layers: int) -> list:
@@ -153,9 +157,11 @@ def gpt_oss_training_flags(shape) -> list:
 
 def gpt_oss_config(shape, common: dict, recorded_keys: Optional[dict] = None) -> dict:
     """config.json of the GptOssForCausalLM of `shape`; `common`: the keys every architecture writes;
-    `recorded_keys`: the training-only keys an import kept."""
+    `recorded_keys`: the keys an import kept (its training-only ones and sliding_window)."""
     recorded_keys = recorded_keys or {}
     sliding_window, pattern = _window_of(shape)
+    if sliding_window is None:  # no layer uses it
+        sliding_window = recorded_keys.get("sliding_window") or DEFAULT_SLIDING_WINDOW
     return {"model_type": GPT_OSS_MODEL_TYPE, **common, "hidden_size": shape.hidden_size,
             "intermediate_size": shape.moe_ffn_hidden_size, "num_hidden_layers": shape.num_layers,
             "num_attention_heads": shape.num_attention_heads, "num_key_value_heads": shape.num_query_groups,

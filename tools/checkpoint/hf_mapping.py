@@ -47,6 +47,7 @@ config keys and tensors), hf_layouts.py (fused rows, tensor names), hf_export_te
 from hf_config import (
     CONFIG_FILE,
     EXTRAS_FILE,
+    GPT2_RECORDED_CONFIG_KEYS,
     HF_DTYPES,
     MODEL_FILE,
     MODEL_INDEX_FILE,
@@ -86,8 +87,12 @@ from hf_layouts import (
     split_gate_up,
     split_qkv,
 )
-from hf_moe import RECORDED_CONFIG_KEYS
+from hf_gpt_oss import RECORDED_CONFIG_KEYS as GPT_OSS_RECORDED_CONFIG_KEYS
+from hf_moe import RECORDED_CONFIG_KEYS as MOE_RECORDED_CONFIG_KEYS
 from hf_shape import ModelShape
+
+# The config.json keys an import records for --to hf to write back (those our flags do not say).
+RECORDED_CONFIG_KEYS = MOE_RECORDED_CONFIG_KEYS + GPT2_RECORDED_CONFIG_KEYS + GPT_OSS_RECORDED_CONFIG_KEYS
 
 __all__ = [
     "ARCHITECTURES", "CONFIG_FILE", "EXTRAS_FILE", "FP8_BUFFER_SUFFIXES", "GPT2", "GPT2_ACTIVATIONS", "HF_DTYPES",

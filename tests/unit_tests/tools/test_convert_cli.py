@@ -229,6 +229,20 @@ def test_torch_format_at_target_tp2_trains_on_from_the_same_loss(tools, tmp_path
     assert sorted(os.listdir(tmp_path / "torch_tp2" / "torch" / "iter_0000002")) == ["mp_rank_00", "mp_rank_01"]
 
 
+@pytest.mark.parametrize("argv, group", [
+    (["--help"], "--loader megatron"),  # upstream's default plugins, which are not here: the common flags
+    (["--loader", "llama_mistral", "--saver", "core", "-h"], "--target-tensor-parallel-size"),
+])
+def test_help_prints_the_flags_and_exits_zero(tools, capsys, argv, group):
+    convert, _ = tools
+    with pytest.raises(SystemExit) as exit_info:
+        convert.parse_args(argv)
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert "--load-dir LOAD_DIR" in printed and "One of core, mcore, legacy, megatron, llama_mistral." in printed
+    assert group in printed
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--model-type", "BERT"], "--model-type BERT: only GPT models convert here; choose GPT"),
     (["--loader", "mixtral_hf"], "--loader mixtral_hf: import the Mixtral directory with "

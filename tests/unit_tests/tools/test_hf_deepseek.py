@@ -121,25 +121,32 @@ def test_deepseek_v3_computes_transformers_logits_and_round_trips(tools, tmp_pat
         assert torch.equal(back(_tokens()).logits, theirs)
 
 
-def test_rope_interleave_false_imports_as_the_interleaved_layout(tools, tmp_path):
-    """HF's rotate-half rope channels (rope_interleave false) become our interleaved pairs on import: written
-    back (as rope_interleave true), transformers computes the same logits from permuted q_rope / k_rope rows."""
+def test_rope_interleave_false_imports_as_the_interleaved_layout_and_exports_as_it_came(tools, tmp_path):
+    """HF's rotate-half rope channels (rope_interleave false) become our interleaved pairs on import (a checkpoint
+    that --to hf writes for a model that was never imported is interleaved); written back, the directory says
+    rope_interleave false again and holds the same tensors bit for bit, so transformers computes the same logits."""
     import transformers
+    from megatron.core.dist_checkpointing import offline
 
     convert_checkpoint, _ = tools
     theirs = _save_hf_model(tmp_path / "hf", rope_interleave=False)
     convert_checkpoint.from_hf(str(tmp_path / "hf"), str(tmp_path / "ours"), make_vocab_size_divisible_by=64)
+    ours = offline.full_precision_model(offline.read_checkpoint(os.path.join(tmp_path, "ours", "iter_0000000")))
+    hf_query = hf_tensors(tmp_path / "hf")["model.layers.1.self_attn.q_b_proj.weight"]
+    our_query = ours["decoder.layers.1.self_attention.linear_q_up_proj.weight"]
+    rope = torch.arange(hf_query.shape[0]) % 10 >= 6  # qk_nope_head_dim 6, qk_rope_head_dim 4 per head
+    assert torch.equal(our_query[~rope], hf_query[~rope]) and not torch.equal(our_query[rope], hf_query[rope])
+    pairs = (-1, 2, 2, hf_query.shape[1])  # ours (i, half) is HF's (half, i): pairs 2i, 2i + 1 from i, i + 2
+    assert torch.equal(our_query[rope].reshape(pairs).transpose(1, 2), hf_query[rope].reshape(pairs))
     convert_checkpoint.to_hf(str(tmp_path / "ours"), str(tmp_path / "back"))
-    assert read_config(tmp_path / "back")["rope_interleave"] is True
+    assert read_config(tmp_path / "back")["rope_interleave"] is False
     before, after = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
-    for name in ("model.layers.1.self_attn.q_b_proj.weight", "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"):
-        rows = before[name].shape[0]
-        rope = torch.arange(rows) % (10 if "q_b_proj" in name else rows) >= (6 if "q_b_proj" in name else rows - 4)
-        assert torch.equal(after[name][~rope], before[name][~rope]) and not torch.equal(after[name], before[name])
+    assert sorted(after) == sorted(before)
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor), name
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
     with torch.no_grad():
-        difference = (back(_tokens()).logits - theirs).abs().max().item()
-    assert difference <= LOGITS_TOLERANCE
+        assert torch.equal(back(_tokens()).logits, theirs)
 
 
 def _write_config(directory, **overrides):

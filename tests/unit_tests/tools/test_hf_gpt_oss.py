@@ -133,6 +133,25 @@ def test_trained_gpt_oss_checkpoint_exports_and_transformers_computes_its_logits
     assert_logits_close(theirs, ours, "trained gpt-oss", LOGITS_TOLERANCE)
 
 
+def test_gpt_oss_without_windowed_layers_exports_a_model_transformers_runs(tools, tmp_path):
+    """transformers' gpt-oss builds its sliding-window mask even when every layer is full_attention: the export of
+    such a model keeps the imported sliding_window (and, for one training wrote, writes GptOssConfig's 128), so
+    transformers computes the same logits instead of failing on a null sliding_window."""
+    import transformers
+
+    convert_checkpoint, hf_mapping = tools
+    _, theirs = _save_hf_model(tmp_path / "hf", layer_types=["full_attention"] * 4, num_hidden_layers=4)
+    convert_checkpoint.from_hf(str(tmp_path / "hf"), str(tmp_path / "ours"))
+    convert_checkpoint.to_hf(str(tmp_path / "ours"), str(tmp_path / "back"))
+    config = read_config(tmp_path / "back")
+    assert config["layer_types"] == ["full_attention"] * 4 and config["sliding_window"] == 4
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(back(_tokens()).logits, theirs)
+    shape, architecture = hf_mapping.shape_from_hf_config(config, "back", None, PADDED_VOCAB, False)
+    assert shape.window_size is None and hf_mapping.hf_config(shape, architecture)["sliding_window"] == 128
+
+
 def test_gpt_oss_window_pattern_and_biases_read_from_config_json(tools):
     """layer_types other than HF's alternation become a 0/1 --window-attn-skip-freq, attention_bias false
     --disable-bias-linear; written back they give the same config."""

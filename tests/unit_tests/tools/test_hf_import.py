@@ -217,6 +217,79 @@ def test_sliding_window_attention_is_refused_naming_the_field(tools, tmp_path):
         convert_checkpoint.from_hf(str(tmp_path / "qwen2"), str(tmp_path / "out"))
 
 
+def test_gpt2_round_trip_keeps_the_activation_name_and_transformers_logits(tools, tmp_path):
+    """GPT-2's gelu_new and gelu_pytorch_tanh are both --openai-gelu but transformers computes them a little
+    differently: the model written back keeps the name it came with (and n_inner null, reorder_and_upcast_attn),
+    so it computes exactly the logits of the one imported."""
+    import transformers
+
+    convert_checkpoint, _ = tools
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                                     reorder_and_upcast_attn=True, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    original = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for param in original.parameters():
+            param.add_(0.5 * torch.randn_like(param))
+    original.save_pretrained(str(tmp_path / "hf"))
+    convert_checkpoint.from_hf(str(tmp_path / "hf"), str(tmp_path / "ours"))
+    back = _exported_with_the_same_tensors(convert_checkpoint, tmp_path / "ours", tmp_path / "back", original,
+                                           "GPT2LMHeadModel")
+    written = _config(tmp_path / "back")
+    assert (written["activation_function"], written["n_inner"], written["reorder_and_upcast_attn"]) == (
+        "gelu_new", None, True)
+    assert torch.equal(_logits(back), _logits(original))
+
+
+MOE_COUNTS = dict(num_experts_per_tok=4, moe_intermediate_size=24)
+MINIMAL_CONFIGS = {  # config class: what config.json must say (the rest left to the class defaults)
+    "MistralConfig": {}, "MixtralConfig": dict(num_local_experts=8, num_experts_per_tok=2), "Qwen2Config": {},
+    "Qwen3Config": {}, "Qwen3MoeConfig": dict(num_experts=8, **MOE_COUNTS),
+    "Qwen2MoeConfig": dict(num_experts=8, shared_expert_intermediate_size=24, **MOE_COUNTS),
+    "DeepseekV3Config": dict(n_routed_experts=16, num_experts_per_tok=8, moe_intermediate_size=24, q_lora_rank=None,
+                             kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4),
+}
+
+
+@pytest.mark.parametrize("config_class", list(MINIMAL_CONFIGS))
+def test_keys_config_json_omits_read_as_the_transformers_class_defaults(config_class):
+    """A config.json without rms_norm_eps, rope_theta, num_key_value_heads, head_dim or the router's groups means
+    what transformers' config class defaults to (Mixtral's epsilon 1e-5 and RoPE base 1e6, Qwen3's head_dim 128,
+    DeepSeek-V3's 8 groups, scaling 2.5 and 3 dense layers), not Llama's."""
+    import transformers
+
+    sys.path.insert(0, TOOLS)
+    try:
+        import hf_config
+    finally:
+        sys.path.remove(TOOLS)
+    hidden_only = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                       num_attention_heads=32, max_position_embeddings=4096, **MINIMAL_CONFIGS[config_class])
+    theirs = getattr(transformers, config_class)(**hidden_only)
+    config = {"model_type": theirs.model_type, **hidden_only}
+    shape, _ = hf_config.shape_from_hf_config(config, "hf", None, 64, False)
+    assert shape.norm_epsilon == theirs.rms_norm_eps
+    assert shape.rotary_base == theirs.rope_parameters["rope_theta"]
+    if config_class == "DeepseekV3Config":
+        assert (shape.moe_router_num_groups, shape.moe_router_group_topk) == (theirs.n_group, theirs.topk_group)
+        assert shape.moe_router_topk_scaling_factor == theirs.routed_scaling_factor
+        assert shape.moe_layer_freq == [0] * theirs.first_k_dense_replace + [1]
+        return
+    assert shape.num_query_groups == theirs.num_key_value_heads
+    assert shape.kv_channels == (getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads)
+
+
+def test_mistral_without_sliding_window_key_has_transformers_4096_window(tools, tmp_path):
+    """MistralConfig's sliding_window defaults to 4096: a config.json without the key, for a longer context, is
+    refused as sliding-window attention, as one that says so."""
+    convert_checkpoint, _ = tools
+    os.makedirs(tmp_path / "mistral")
+    with open(tmp_path / "mistral" / "config.json", "w") as stream:
+        json.dump(dict(SHAPE, model_type="mistral", max_position_embeddings=32768), stream)
+    with pytest.raises(SystemExit, match="sliding_window 4096 below max_position_embeddings 32768"):
+        convert_checkpoint.from_hf(str(tmp_path / "mistral"), str(tmp_path / "out"))
+
+
 def test_use_checkpoint_args_keeps_the_runs_tokenizer(tools, tmp_path):
     """HF's tokenizer is none of ours: --use-checkpoint-args takes the imported model's flags and leaves the
     run's --tokenizer-type and --vocab-size, which then match the recorded vocabulary."""
