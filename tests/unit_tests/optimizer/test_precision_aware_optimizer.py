@@ -157,9 +157,9 @@ def test_fp16_main_params_and_decoupled_bf16_grads():
 
 # fp16 moments are stored with a per-tensor power-of-two scale, so they keep fp16's 11 significant bits at any
 # gradient scale. Update error against fp32 Adam over 20 steps of N(0, 1e-6) gradients (median of the per-element
-# relative error; largest error relative to the largest update), measured: fp16 moments 2.9e-4 / 1.2e-3, fp16
-# first and bf16 second moment 9.2e-4 / 4.8e-3, bf16 moments 2.3e-3 / 8.5e-3; unscaled fp16 first moment
-# 0.14 / 0.83. Bounds with margin (docs/training_flags.md, Precision):
+# relative error; largest error relative to the largest update), measured: fp16 moments 2.9e-4 / 1.1e-3, fp16
+# first and bf16 second moment 9.2e-4 / 4.4e-3, bf16 moments 2.3e-3 / 8.8e-3; unscaled fp16 first moment
+# 0.14 / 0.73. Bounds with margin (docs/training_flags.md, Precision):
 SMALL_GRAD_BOUNDS = {(torch.float16, torch.float16): (2.0**-10, 2.0**-8),
                      (torch.float16, torch.bfloat16): (2.0**-8, 2.0**-6)}
 
