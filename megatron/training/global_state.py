@@ -1,7 +1,8 @@
-"""Process-wide handles set by `initialize_megatron()` / `pretrain()`: the parsed arguments, the tokenizer, the
-timers, the --exit-signal-handler handler (from start-up on), and while `pretrain()` trains, the training log's
-TensorBoard writer, W&B run and --log-energy monitor. Scripts import them from `megatron.training.global_vars`
-(upstream's module, which also sets them up); the training code imports them from here."""
+"""Process-wide handles: the parsed arguments and the timers (set by `initialize_megatron()`, which `pretrain()`
+calls), the --exit-signal-handler handler (from start-up on), the tokenizer (`pretrain()`), and while
+`pretrain()` trains, the training log's TensorBoard writer, W&B run and --log-energy monitor. Scripts import them
+from `megatron.training.global_vars` (upstream's module, whose `set_global_variables()` also sets them up); the
+training code imports them from here."""
 
 _ARGS = None
 _TOKENIZER = None
@@ -30,7 +31,8 @@ def set_tokenizer(tokenizer):
 
 def get_tokenizer():
     if _TOKENIZER is None:
-        raise RuntimeError("the tokenizer is not built: call initialize_megatron() (or pretrain()) first")
+        raise RuntimeError("the tokenizer is not built: call megatron.training.global_vars.set_global_variables(args) "
+                           "(or pretrain()) first; initialize_megatron() does not build it")
     return _TOKENIZER
 
 
@@ -40,8 +42,17 @@ def set_timers(timers):
 
 
 def get_timers():
-    """The `megatron.core.timers.Timers` of this run (--timing-log-level, --timing-log-option); None outside
-    `pretrain()` (`megatron.core.timers.timed` then times nothing)."""
+    """The `megatron.core.timers.Timers` of this run (--timing-log-level, --timing-log-option), set by
+    `initialize_megatron()` (which `pretrain()` calls) or `set_global_variables()`; as upstream, an error before."""
+    if _TIMERS is None:
+        raise RuntimeError("timers is not initialized: call initialize_megatron() or "
+                           "megatron.training.global_vars.set_global_variables(args) first")
+    return _TIMERS
+
+
+def timers_or_none():
+    """The timers `get_timers()` returns, or None where none are set (`megatron.core.timers.timed` then times
+    nothing): for code that also runs outside `pretrain()`."""
     return _TIMERS
 
 

@@ -9,35 +9,51 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.rank_layout import DEFAULT_ORDER
+from megatron.core.timers import Timers
 from megatron.training import accelerator
 from megatron.training.arguments import parse_args, validate_args
-from megatron.training.global_state import set_args
+from megatron.training.global_state import set_args, set_timers
 from megatron.training.run_control import setup_logging
 from megatron.training.signal_handler import install_exit_signal_handler, uninstall_exit_signal_handler
 
 
-def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unknown_args=False, args=None):
+def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unknown_args=False, args=None, *,
+                        allow_no_cuda=False, skip_mpu_initialization=False, get_embedding_ranks=None,
+                        get_position_embedding_ranks=None, parsed_args=None, store=None):
     """Parse and validate flags, install the --exit-signal-handler handler, join the process group launched by
-    torchrun, build parallel groups, seed.
+    torchrun, build parallel groups, seed, and set the timers (`get_timers()`).
+
+    `args` replaces `sys.argv[1:]`. Upstream's keywords: `parsed_args` (a namespace already parsed, used instead
+    of parsing), `skip_mpu_initialization` (set the arguments and globals only: no process group, no seeding),
+    `get_embedding_ranks` / `get_position_embedding_ranks` (passed to `initialize_model_parallel`), `store` (the
+    rendezvous store of a process group created here). `allow_no_cuda` is accepted and changes nothing: without a
+    GPU the run uses gloo on the CPU.
 
     Returns the validated arguments (also available from `megatron.training.global_vars.get_args()`).
     """
-    parsed = parse_args(extra_args_provider, ignore_unknown_args, args)
+    del allow_no_cuda  # upstream asserts a GPU unless it is set; CPU runs are supported here either way
+    parsed = parse_args(extra_args_provider, ignore_unknown_args, args) if parsed_args is None else parsed_args
+    if dist.is_initialized():
+        # As upstream: a process group the caller made (say with init_method="tcp://..." and no launcher
+        # environment) is reused, and its rank and size are this run's.
+        parsed.rank, parsed.world_size = dist.get_rank(), dist.get_world_size()
     validate_args(parsed, args_defaults)
     set_args(parsed)
     # As upstream, from start-up on: a signal during set-up is recorded, and acted on when the training loop starts.
     install_exit_signal_handler(parsed)
     try:
         setup_logging(parsed)
-        set_cpu_threads()
-        if getattr(parsed, "deterministic_mode", False):
-            set_deterministic_mode()
-        set_matmul_precision(parsed)
-        initialize_distributed(parsed)
-        set_random_seed(parsed.seed, parsed.data_parallel_random_init)
+        if not skip_mpu_initialization:
+            set_cpu_threads()
+            if getattr(parsed, "deterministic_mode", False):
+                set_deterministic_mode()
+            set_matmul_precision(parsed)
+            initialize_distributed(parsed, get_embedding_ranks, get_position_embedding_ranks, store)
+            set_random_seed(parsed.seed, parsed.data_parallel_random_init)
     except BaseException:
         uninstall_exit_signal_handler()
         raise
+    set_timers(Timers(parsed.timing_log_level, parsed.timing_log_option))  # get_timers(), as upstream
     return parsed
 
 
@@ -62,8 +78,9 @@ def set_deterministic_mode():
     torch.use_deterministic_algorithms(True)
 
 
-def initialize_distributed(args):
-    """Join (or reuse) the default process group, then build Megatron's model-parallel groups."""
+def initialize_distributed(args, get_embedding_ranks=None, get_position_embedding_ranks=None, store=None):
+    """Join (or reuse) the default process group, then build Megatron's model-parallel groups. `store`, when
+    given, is where the ranks of a new process group meet."""
     from megatron.core import parallel_state
 
     backend = args.distributed_backend or accelerator.default_backend()
@@ -74,7 +91,7 @@ def initialize_distributed(args):
     args.created_process_group = not dist.is_initialized()
     if args.created_process_group:
         timeout = timedelta(minutes=args.distributed_timeout_minutes)
-        init_kwargs = _rendezvous(args.world_size, timeout)
+        init_kwargs = _rendezvous(args.world_size, timeout) if store is None else {"store": store}
         if args.device.type == "cuda":
             init_kwargs["device_id"] = args.device
         dist.init_process_group(
@@ -99,7 +116,10 @@ def initialize_distributed(args):
         expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
         expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
         order=getattr(args, "rank_order", None) or DEFAULT_ORDER,  # --use-tp-pp-dp-mapping: tp-cp-ep-pp-dp
+        get_embedding_ranks=get_embedding_ranks,
+        get_position_embedding_ranks=get_position_embedding_ranks,
     )
 
 

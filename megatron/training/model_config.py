@@ -89,7 +89,7 @@ def optimizer_config_from_args(args):
     from megatron.core.optimizer import OptimizerConfig
     from megatron.training.argument_groups.memory import optimizer_config_kwargs
     from megatron.training.argument_groups.muon import optimizer_config_kwargs as muon_optimizer_config_kwargs
-    from megatron.training.global_state import get_timers
+    from megatron.training.global_state import timers_or_none
 
     return OptimizerConfig(
         optimizer=args.optimizer,
@@ -114,7 +114,7 @@ def optimizer_config_from_args(args):
         use_distributed_optimizer=args.use_distributed_optimizer,
         log_num_zeros_in_grad=args.log_num_zeros_in_grad,
         barrier_with_L1_time=args.barrier_with_L1_time,
-        timers=get_timers(),
+        timers=timers_or_none(),
         **optimizer_config_kwargs(args),
         **muon_optimizer_config_kwargs(args),
     )

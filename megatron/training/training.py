@@ -42,7 +42,7 @@ from megatron.training.energy_monitor import energy_not_counted
 from megatron.core.rerun_state_machine import destroy_rerun_state_machine, get_rerun_state_machine
 from megatron.core.rerun_data_iterator import wrap_for_reruns
 from megatron.core.timers import Timers, timed
-from megatron.training.global_state import get_args, get_timers, set_timers, set_tokenizer
+from megatron.training.global_state import get_args, set_timers, set_tokenizer, timers_or_none
 from megatron.training.initialize import initialize_megatron
 from megatron.training.manual_gc import ManualGarbageCollection
 from megatron.training.model_setup import setup_model_and_optimizer
@@ -92,6 +92,9 @@ def pretrain(
     extra_args_provider=None,
     args_defaults={},
     argv=None,
+    get_embedding_ranks=None,
+    get_position_embedding_ranks=None,
+    store=None,
 ):
     """Train a model end to end as the command line describes.
 
@@ -99,11 +102,13 @@ def pretrain(
     `train_valid_test_dataset_provider([train, valid, test] sample counts)` returns three datasets (or None);
     `forward_step_func(data_iterator, model)` returns `(output, loss_func)`. `model_type` is a `ModelType`
     (or its name); only `ModelType.encoder_or_decoder` (decoder-only models) is supported. `argv` replaces
-    `sys.argv[1:]` (tests). Returns the iteration training stopped at.
+    `sys.argv[1:]` (tests). `get_embedding_ranks`, `get_position_embedding_ranks` and `store` go to
+    `initialize_megatron()`, as upstream. Returns the iteration training stopped at.
     """
     start_time = time.time()  # --exit-duration-in-mins counts from here (the earliest rank's start)
     model_type = resolve_model_type(model_type)
-    args = initialize_megatron(extra_args_provider, args_defaults, args=argv)
+    args = initialize_megatron(extra_args_provider, args_defaults, args=argv, get_embedding_ranks=get_embedding_ranks,
+                               get_position_embedding_ranks=get_position_embedding_ranks, store=store)
     try:
         set_timers(Timers(args.timing_log_level, args.timing_log_option))
         setup_rerun_state_machine(args)
@@ -171,7 +176,7 @@ def _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fu
     checkpointing.check_checkpoint_format(args)
     _check_data_files_before_building(args)
     set_up_tokenizer_and_microbatches(args)
-    timers = get_timers()
+    timers = timers_or_none()
     with timed(timers, "model-and-optimizer-setup", log_level=0, barrier=True):
         model, optimizer, scheduler, config = setup_model_and_optimizer(model_provider, args)
     config = _attach_timers(model, timers, args)
@@ -281,7 +286,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, co
     and `optimizer` phases.
     """
     phase_range = phase_range or _no_range
-    timers = get_timers()
+    timers = timers_or_none()
     machine = get_rerun_state_machine()
     data_iterator = wrap_for_reruns(data_iterator)
     while machine.should_run_forward_backward(data_iterator):
@@ -396,7 +401,7 @@ def evaluate_validation_sets(forward_step_func, validation_sets, model, config, 
 
 def _timed_evaluation(forward_step_func, iterator, model, config, args, exit_duration=None, num_batches=None):
     """`evaluate` under the level-0 "evaluate" timer, logged after each evaluation as upstream (collective)."""
-    timers = get_timers()
+    timers = timers_or_none()
     with timed(timers, "evaluate", log_level=0, barrier=True):
         losses = evaluate(forward_step_func, iterator, model, config, args, exit_duration, num_batches)
     if timers is not None:
@@ -412,7 +417,7 @@ def _timed_evaluation(forward_step_func, iterator, model, config, args, exit_dur
 def _save(iteration, model, optimizer, scheduler, args):
     if args.save is None:
         return False
-    timers = get_timers()
+    timers = timers_or_none()
     with timed(timers, "save-checkpoint", log_level=0, barrier=True), energy_not_counted():
         checkpointing.save_checkpoint(iteration, model, optimizer, scheduler, args)
     if timers is not None:
@@ -431,7 +436,7 @@ def _save(iteration, model, optimizer, scheduler, args):
 
 def _save_non_persistent(iteration, model, optimizer, scheduler, args):
     """--non-persistent-save-interval: save, timed and reported as upstream (the local type reports itself)."""
-    timers = get_timers()
+    timers = timers_or_none()
     with timed(timers, "save-checkpoint-non-persistent", log_level=0, barrier=True), energy_not_counted():
         checkpointing.save_non_persistent_checkpoint(iteration, model, optimizer, scheduler, args)
     if timers is not None:

@@ -10,7 +10,7 @@ The shape fields have no defaults here: with `multi_latent_attention` each must 
 upstream's defaults), and without it none may be.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 ROPE_TYPES = ("rope", "yarn")
@@ -22,6 +22,11 @@ _REQUIRED_SHAPE_FIELDS = (
     ("qk_pos_emb_head_dim", "--qk-pos-emb-head-dim"),
     ("v_head_dim", "--v-head-dim"),
 )
+
+
+def _field_default(config, name):
+    """The default of dataclass field `name` in `config`'s own class."""
+    return next(field.default for field in fields(config) if field.name == name)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,7 +96,10 @@ class MLAConfigMixin:
                             ("beta_slow", self.beta_slow)):
             if value <= 0:
                 raise ValueError(f"{flag} must be positive, got {value}")
-        if self.effective_rope_type == "rope" and self.rotary_scaling_factor != 1.0:
+        # With plain RoPE the factor is unused: 1 or the class's default (MLATransformerConfig's YaRN default of 40,
+        # which upstream accepts with rope_type="rope") is fine, any other value was set for nothing.
+        unused_factors = (1.0, _field_default(self, "rotary_scaling_factor"))
+        if self.effective_rope_type == "rope" and self.rotary_scaling_factor not in unused_factors:
             raise ValueError(f"--rotary-scaling-factor {self.rotary_scaling_factor} scales YaRN rotary embeddings: "
                              "use --rope-type yarn (the default with --multi-latent-attention) or drop the factor")
 

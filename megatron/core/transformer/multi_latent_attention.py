@@ -49,6 +49,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     YarnRotaryEmbedding,
     apply_rotary_pos_emb_regrouped,
+    rotary_angles,
     yarn_get_mscale,
 )
 from megatron.core.offloading.fine_grained import offloaded_saved_tensors
@@ -202,8 +203,8 @@ class MLASelfAttention(Attention):
         """Angles of this rank's `seq_len` positions (global positions under context parallelism)."""
         cp_size = self.config.context_parallel_size
         if cp_size == 1:
-            return self.rotary_pos_emb(seq_len, device=device)
-        angles = self.rotary_pos_emb(seq_len * cp_size, device=device)
+            return rotary_angles(self.rotary_pos_emb, seq_len, device=device)
+        angles = rotary_angles(self.rotary_pos_emb, seq_len * cp_size, device=device)
         return local_rows(angles, 0, cp_size, parallel_state.get_context_parallel_rank())
 
     # ------------------------------------------------------------------------------------------------
@@ -264,7 +265,7 @@ class MLASelfAttention(Attention):
         offset = inference_context.sequence_len_offset
         query_input, kv_latent, k_rope = self._down_projections(hidden_states)
         step_len, device = k_rope.shape[0], k_rope.device
-        angles = self.rotary_pos_emb(step_len, device=device, offset=offset)
+        angles = rotary_angles(self.rotary_pos_emb, step_len, device=device, offset=offset)
         query, key, value = self._up_projections(query_input, kv_latent, k_rope, angles)
         key, value = inference_context.append_key_value(self.layer_number, key, value)
         query_positions = torch.arange(offset, offset + step_len, device=device)

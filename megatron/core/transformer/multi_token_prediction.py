@@ -219,16 +219,17 @@ def clear_mtp_loss_tracker():
 
 def reduce_mtp_losses_for_logging(num_depths: int, device) -> Dict[str, float]:
     """{`mtp_{k} loss`: depth k's token-weighted mean loss} over every microbatch tracked since the last call and
-    every data-parallel rank; clears the tracker. Collective over the world: only the last pipeline stage tracks
-    anything (zeros elsewhere) and tensor-parallel ranks track the same sums and counts, which cancel in the
-    ratio."""
+    every data-parallel rank, None (not 0/0) for a depth without any token (its shifted loss mask all zero: the
+    log line leaves it out of the interval's mean, as `lm loss`); clears the tracker. Collective over the world:
+    only the last pipeline stage tracks anything (zeros elsewhere) and tensor-parallel ranks track the same sums
+    and counts, which cancel in the ratio."""
     total = torch.zeros(num_depths, 2, dtype=torch.float64, device=device)
     if _tracked is not None:
         total += _tracked.to(device)
     clear_mtp_loss_tracker()
     if dist.is_initialized():
         dist.all_reduce(total)
-    return {f"mtp_{depth} loss": (loss_sum / count if count > 0 else float("nan"))
+    return {f"mtp_{depth} loss": (loss_sum / count if count > 0 else None)
             for depth, (loss_sum, count) in enumerate(total.tolist(), start=1)}
 
 

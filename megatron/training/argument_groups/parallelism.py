@@ -33,13 +33,18 @@ def add_arguments(parser):
         choices=["nccl", "gloo"],
         help="Process-group backend; default nccl when a GPU is visible, else gloo.",
     )
-    group.add_argument("--distributed-timeout-minutes", type=int, default=10, help="Collective timeout.")
-    group.add_argument("--local-rank", type=int, default=None, help="Set by the launcher (LOCAL_RANK is preferred).")
+    group.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                       help="Timeout of the collectives of every process group (default and model-parallel).")
+    group.add_argument("--local-rank", "--local_rank", type=int, default=None,
+                       help="Set by the launcher (LOCAL_RANK is preferred); --local_rank is the older launchers' "
+                       "spelling.")
 
 
 def validate(args):
-    args.rank = int(os.environ.get("RANK", "0"))
-    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args.rank, args.world_size = launch_rank_and_world_size(args)
+    if args.distributed_timeout_minutes < 1:
+        raise ValueError(f"--distributed-timeout-minutes must be at least 1, got {args.distributed_timeout_minutes}: "
+                         "it is how long a collective may wait for the other ranks")
     for flag, value in (
         ("--tensor-model-parallel-size", args.tensor_model_parallel_size),
         ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
@@ -61,6 +66,32 @@ def validate(args):
         warnings.warn("--sequence-parallel has no effect with --tensor-model-parallel-size 1; turning it off")
         args.sequence_parallel = False
     _validate_context_parallel(args)
+
+
+def launch_rank_and_world_size(args):
+    """(rank, world size) of this process: those `initialize_megatron()` took from a process group that already
+    existed (args.rank / args.world_size set), else the launcher's RANK / WORLD_SIZE (0 / 1 without one)."""
+    if getattr(args, "rank", None) is not None and getattr(args, "world_size", None) is not None:
+        return args.rank, args.world_size
+    rank, world_size = _environment_int("RANK", 0), _environment_int("WORLD_SIZE", 1)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(
+            f"the launcher's environment gives this process RANK={os.environ.get('RANK', '(unset)')} and "
+            f"WORLD_SIZE={os.environ.get('WORLD_SIZE', '(unset)')}: RANK must be in 0 .. WORLD_SIZE - 1. Launch the "
+            "ranks with torchrun (torchrun --nproc-per-node N pretrain_gpt.py ...), which sets both, or unset "
+            "them to run one rank with plain python"
+        )
+    return rank, world_size
+
+
+def _environment_int(name, default):
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"the environment variable {name}={text!r} must be an integer (torchrun sets it)") from None
 
 
 def _validate_context_parallel(args):

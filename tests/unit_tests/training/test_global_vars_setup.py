@@ -35,7 +35,24 @@ def test_set_global_variables_sets_up_what_scripts_read_and_unset_forgets_it(uns
                    num_microbatches_calculator.get_num_microbatches):
         with pytest.raises(RuntimeError):
             getter()
-    assert global_vars.get_timers() is None
+    with pytest.raises(RuntimeError, match="timers is not initialized"):
+        global_vars.get_timers()
+
+
+def test_getters_outside_set_up_name_what_to_call_or_return_none_as_upstream():
+    """As upstream, get_timers() before set-up is an error (not None, which `get_timers()("x")` would turn into
+    "'NoneType' object is not callable"); the writers and the one-logger are None until training has them."""
+    global_vars.unset_global_variables()
+    for getter, message in ((global_vars.get_timers, "timers is not initialized: call initialize_megatron() or "
+                             "megatron.training.global_vars.set_global_variables(args) first"),
+                            (global_vars.get_tokenizer, "the tokenizer is not built: call "
+                             "megatron.training.global_vars.set_global_variables(args)")):
+        with pytest.raises(RuntimeError) as raised:
+            getter()
+        assert str(raised.value).startswith(message)
+    for getter in (global_vars.get_tensorboard_writer, global_vars.get_wandb_writer, global_vars.get_one_logger,
+                   global_vars.get_adlr_autoresume):
+        assert getter() is None, getter.__name__
 
 
 def test_set_global_variables_without_the_tokenizer():

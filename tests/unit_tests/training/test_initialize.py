@@ -20,6 +20,9 @@ args = initialize_megatron(args="--num-layers 1 --hidden-size 16 --num-attention
 tensor = __import__("torch").ones(3)
 dist.all_reduce(tensor)
 print("WORLD", dist.get_world_size(), dist.get_rank(), tensor.tolist(), flush=True)
+from megatron.training import get_timers
+get_timers()("probe", log_level=0).start()  # upstream scripts time their own phases after initialize_megatron()
+print("TIMERS", type(get_timers()).__name__, flush=True)
 """
 
 
@@ -30,6 +33,7 @@ def test_plain_python_runs_as_one_rank_without_torchrun_variables(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert "WORLD 1 0 [1.0, 1.0, 1.0]" in result.stdout
+    assert "TIMERS Timers" in result.stdout
 
 
 def test_torchrun_variables_use_env_rendezvous(monkeypatch):

@@ -69,7 +69,7 @@ def test_head_norms_precede_the_yarn_rotation(head_norm):
     rotary = YarnRotaryEmbedding(HEAD_DIM, scaling_factor=4.0, original_max_position_embeddings=64)
     hidden = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        output = attention(hidden, rotary_pos_emb=rotary(SEQ))
+        output = attention(hidden, rotary_pos_emb=rotary(SEQ)[0])  # (angles, mscale), as upstream
     torch.testing.assert_close(output.double(), _reference(attention, hidden, scale), rtol=0, atol=1e-5)
 
 

@@ -10,6 +10,7 @@ tests/unit_tests/training/test_multi_token_prediction_training.py.
 """
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -19,9 +20,12 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.context_parallel import context_parallel_loss, local_rows
 from megatron.core.transformer.multi_token_prediction import (
+    clear_mtp_loss_tracker,
     masked_depth_losses,
     mtp_loss_for_backward,
+    reduce_mtp_losses_for_logging,
     shift_left,
+    track_mtp_losses,
 )
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.transformer.pipeline_split import virtual_stage_layer_counts
@@ -142,6 +146,41 @@ def test_shift_left_and_masked_depth_losses():
     per_token_term = mtp_loss_for_backward(sums, counts, 0.1, torch.tensor(5.0), per_token_loss=True)
     assert per_token_term.item() == pytest.approx(0.1 / 2 * (13 + 18))
 
+
+
+def test_a_depth_without_tokens_is_left_out_of_the_logged_mean(tmp_path, capsys):
+    """A batch whose loss mask keeps only the first two of six positions leaves depth 2 (mask shifted by two) no
+    token: its logged loss is None, not 0/0 = NaN, and the log line's mean over the interval is that of the
+    iteration that had tokens, as for `lm loss`; the metrics file records null."""
+    from megatron.training.training_log import TrainingLogger
+
+    depth_losses = torch.arange(1.0, 13.0).view(2, 1, 6)
+    no_depth_two = masked_depth_losses(depth_losses, torch.tensor([[1.0, 1.0, 0.0, 0.0, 0.0, 0.0]]))
+    all_tokens = masked_depth_losses(depth_losses, torch.ones(1, 6))
+    assert no_depth_two[1].tolist() == [1.0, 0.0]
+    clear_mtp_loss_tracker()
+    track_mtp_losses(*no_depth_two)
+    assert reduce_mtp_losses_for_logging(2, "cpu") == {"mtp_1 loss": 1.0, "mtp_2 loss": None}
+
+    args = argparse.Namespace(metrics_file=str(tmp_path / "metrics.jsonl"), tensorboard_dir=None, save=None,
+                              log_interval=2, train_iters=2, tensorboard_log_interval=1,
+                              log_memory_to_tensorboard=False, log_throughput=False, log_timers_to_tensorboard=False,
+                              world_size=1, mtp_num_layers=2, device="cpu")
+    logger = TrainingLogger(args, is_logging_rank=True)
+    memory = {"on_gpu": False, "params_bytes": 1, "grads_bytes": 1, "optimizer_state_bytes": 1,
+              "allocated_bytes": 3, "peak_bytes": 3}
+    for iteration, (sums, counts) in ((1, no_depth_two), (2, all_tokens)):
+        track_mtp_losses(sums, counts)
+        logger.log_iteration({"iteration": iteration, "rank": 0, "losses": {"lm loss": 1.0}, "learning_rate": 0.1,
+                              "loss_scale": 1.0, "grad_norm": None, "num_zeros": None, "skipped": False,
+                              "nan": False, "iteration_time_s": 0.1, "consumed_samples": iteration,
+                              "global_batch_size": 1, "memory": memory})
+    logger.close()
+    line = [text for text in capsys.readouterr().out.splitlines() if text.startswith("iteration ")][0]
+    # depth 1: 1 (position 0 only), then (1 + ... + 5) / 5 = 3; depth 2: (7 + ... + 10) / 4 = 8.5 only
+    assert "| lm loss: 1.000E+00 | mtp_1 loss: 2.000E+00 | mtp_2 loss: 8.500E+00 |" in line
+    records = [json.loads(text) for text in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [record["mtp_2 loss"] for record in records] == [None, 8.5]
 
 def _mtp_objective_gradient_under_cp():
     """LM and two depths' per-token losses as leaves, a loss mask that leaves the CP ranks uneven counts: the

@@ -150,6 +150,23 @@ def test_mla_transformer_config_has_upstreams_defaults():
             MLATransformerConfig(**BASE, **overrides)
 
 
+
+def test_mla_transformer_config_with_plain_rope_leaves_its_yarn_default_unused():
+    """As upstream, MLATransformerConfig(rope_type="rope") keeps the class's YaRN factor of 40, unused: the rope
+    channels rotate with plain RoPE and neither cos / sin nor the softmax scale carry a YaRN factor. A factor set
+    to another value is still refused (it would change nothing)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.transformer.multi_latent_attention import build_mla_rotary_embedding, mla_softmax_scale
+
+    config = MLATransformerConfig(**BASE, rope_type="rope")
+    assert (config.effective_rope_type, config.rotary_scaling_factor) == ("rope", 40.0)
+    rotary, cos_sin_scale = build_mla_rotary_embedding(config)
+    assert type(rotary) is RotaryEmbedding and cos_sin_scale == 1.0
+    assert mla_softmax_scale(config) == pytest.approx(1 / math.sqrt(128 + 64), rel=1e-15)
+    assert MLATransformerConfig(**BASE, rope_type="rope", rotary_scaling_factor=1.0).rotary_scaling_factor == 1.0
+    with pytest.raises(ValueError, match="--rotary-scaling-factor 2.0 scales YaRN rotary embeddings"):
+        MLATransformerConfig(**BASE, rope_type="rope", rotary_scaling_factor=2.0)
+
 def test_gpt_model_built_from_mla_transformer_config_equals_the_transformer_config_one():
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
     from tests.unit_tests.models.gpt.gpt_test_utils import fixed_batch, seeded_model

@@ -33,7 +33,7 @@ from megatron.core.models.common.embeddings.language_model_embedding import (
     word_embedding_init_seed,
 )
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding, rotary_angles
 from megatron.core.models.gpt.gpt_layer_specs import check_layer_spec, check_mtp_block_spec
 from megatron.core.transformer.context_parallel import local_rows, local_token_indices
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
@@ -429,17 +429,17 @@ class GPTModel(ShardedStateModule):
                 seq_len *= self.config.tensor_model_parallel_size
         cp_size = self.config.context_parallel_size
         if cp_size == 1:
-            return self.rotary_pos_emb(seq_len, device=device)
+            return rotary_angles(self.rotary_pos_emb, seq_len, device=device)
         # This rank holds two chunks of the sequence: the angles of their global positions.
-        angles = self.rotary_pos_emb(seq_len * cp_size, device=device)
+        angles = rotary_angles(self.rotary_pos_emb, seq_len * cp_size, device=device)
         return local_rows(angles, 0, cp_size, parallel_state.get_context_parallel_rank())
 
     def _decoding_rotary_angles(self, input_ids, inference_context):
         """The angles of the positions this decoding step fills (offset .. offset + s - 1)."""
         if self.rotary_pos_emb is None:
             return None
-        return self.rotary_pos_emb(input_ids.shape[1], device=input_ids.device,
-                                   offset=inference_context.sequence_len_offset)
+        return rotary_angles(self.rotary_pos_emb, input_ids.shape[1], device=input_ids.device,
+                             offset=inference_context.sequence_len_offset)
 
     def _decoding_position_ids(self, input_ids, position_ids, inference_context):
         """`position_ids`, or the positions offset .. offset + s - 1 of every row when None; checked against

@@ -58,8 +58,26 @@ def test_cos_and_sin_are_scaled_by_the_attention_factor():
     assert config.yarn_cos_sin_scale == pytest.approx(0.1 * math.log(32) + 1)  # gpt-oss: 1.3466
     assert TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2).yarn_cos_sin_scale == 1.0
     t = torch.randn(5, 2, 3, 8, generator=torch.Generator().manual_seed(0))
-    angles = YarnRotaryEmbedding(8, scaling_factor=32.0)(5)
+    angles = YarnRotaryEmbedding(8, scaling_factor=32.0).angles(5)
     torch.testing.assert_close(apply_rotary_pos_emb(t, angles, mscale=1.5), 1.5 * apply_rotary_pos_emb(t, angles))
+
+
+def test_a_call_returns_upstreams_angles_and_mscale():
+    """As upstream, `emb, mscale = yarn(seq_len)`: the angles of every position (not a tensor that unpacks into
+    rows) and ms(s, mscale) / ms(s, mscale_all_dim); the models' rotary angles are those angles, unchanged."""
+    yarn = YarnRotaryEmbedding(16, **SETTINGS)
+    output = yarn(6, offset=2)
+    assert isinstance(output, tuple) and len(output) == 2
+    emb, mscale = output
+    assert mscale == yarn.cos_sin_scale == pytest.approx((0.1 * math.log(4.0) + 1) / (0.08 * math.log(4.0) + 1))
+    positions = torch.arange(2.0, 8.0)
+    half = torch.outer(positions, yarn.inverse_frequencies())
+    assert emb.shape == (6, 1, 1, 16)
+    assert torch.equal(emb, torch.cat((half, half), dim=-1)[:, None, None, :])
+    assert torch.equal(yarn.angles(6, offset=2), emb)
+    model = seeded_model(tiny_config(**GPT_YARN), position_embedding_type="yarn")
+    tokens = fixed_batch(seq=16)[0]
+    assert torch.equal(model._rotary_angles(tokens), model.rotary_pos_emb(16)[0])
 
 
 def test_gpt_model_with_yarn_computes_the_scaled_rotation():

@@ -76,7 +76,8 @@ def yarn_scaled_frequencies(inverse_frequencies: torch.Tensor, scaling_factor: f
 
 class YarnRotaryEmbedding(RotaryEmbedding):
     """The rotation angles `[s, 1, 1, rot_dim]` of YaRN-scaled RoPE (`RotaryEmbedding`'s layout, offset and
-    rotated fraction), and the factor cos and sin are scaled by (`cos_sin_scale`).
+    rotated fraction), and the factor cos and sin are scaled by (`cos_sin_scale`). As upstream, a call returns
+    both, `(angles, cos_sin_scale)`; `angles(...)` returns the angles alone.
 
     Args (upstream's order, so positional calls written for upstream mean the same):
         kv_channels: width of a rotated head (multi-latent attention: its rope channels).
@@ -118,6 +119,24 @@ class YarnRotaryEmbedding(RotaryEmbedding):
         return yarn_scaled_frequencies(super().inverse_frequencies(device), self.scaling_factor, self.rotary_base,
                                        self.original_max_position_embeddings, self.beta_fast, self.beta_slow,
                                        self.correction_range_round_to_int)
+
+    def angles(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, device=None) -> torch.Tensor:
+        """The angles `[s, 1, 1, rot_dim]` of positions `offset .. offset + max_seq_len - 1` (see
+        `RotaryEmbedding.forward`), without the factor on cos and sin."""
+        return super().forward(max_seq_len, offset=offset, packed_seq=packed_seq, device=device)
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, device=None):
+        """(angles, factor on cos and sin), as upstream's `emb, mscale = yarn(max_seq_len)`: the angles of
+        positions `offset .. offset + max_seq_len - 1` (`angles`) and `cos_sin_scale`."""
+        return self.angles(max_seq_len, offset=offset, packed_seq=packed_seq, device=device), self.cos_sin_scale
+
+
+def rotary_angles(rotary_embedding: RotaryEmbedding, max_seq_len: int, offset: int = 0, device=None) -> torch.Tensor:
+    """The angles of `rotary_embedding`, a `RotaryEmbedding` or a `YarnRotaryEmbedding` (whose call also returns
+    the factor on cos and sin, which the attention layers take from the config)."""
+    if isinstance(rotary_embedding, YarnRotaryEmbedding):
+        return rotary_embedding.angles(max_seq_len, offset=offset, device=device)
+    return rotary_embedding(max_seq_len, offset=offset, device=device)
 
 
 def apply_rotary_pos_emb_regrouped(t: torch.Tensor, angles: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
