@@ -84,17 +84,29 @@ from megatron.training.validation_sets import as_validation_sets
 LOSS_NAME = "lm loss"
 
 
+def _refuse_unsupported_pretrain_arguments(**given):
+    for name, value in given.items():
+        if value is not None:
+            raise ValueError(f"pretrain({name}=...) is not supported: evaluation here reports the losses only"
+                             + (" and there is no in-process restart" if name == "inprocess_call_wrapper" else "")
+                             + f"; drop {name} (pass extra_args_provider, args_defaults and the others by keyword)")
+
+
 def pretrain(
     train_valid_test_dataset_provider,
     model_provider,
     model_type,
     forward_step_func,
+    process_non_loss_data_func=None,
     extra_args_provider=None,
     args_defaults={},
-    argv=None,
     get_embedding_ranks=None,
     get_position_embedding_ranks=None,
+    non_loss_data_func=None,
     store=None,
+    inprocess_call_wrapper=None,
+    *,
+    argv=None,
 ):
     """Train a model end to end as the command line describes.
 
@@ -103,8 +115,13 @@ def pretrain(
     `forward_step_func(data_iterator, model)` returns `(output, loss_func)`. `model_type` is a `ModelType`
     (or its name); only `ModelType.encoder_or_decoder` (decoder-only models) is supported. `argv` replaces
     `sys.argv[1:]` (tests). `get_embedding_ranks`, `get_position_embedding_ranks` and `store` go to
-    `initialize_megatron()`, as upstream. Returns the iteration training stopped at.
+    `initialize_megatron()`, as upstream. The arguments are in upstream's order; its `process_non_loss_data_func`,
+    `non_loss_data_func` (evaluation outputs other than the loss) and `inprocess_call_wrapper` (in-process restart)
+    are refused when given. Returns the iteration training stopped at.
     """
+    _refuse_unsupported_pretrain_arguments(process_non_loss_data_func=process_non_loss_data_func,
+                                           non_loss_data_func=non_loss_data_func,
+                                           inprocess_call_wrapper=inprocess_call_wrapper)
     start_time = time.time()  # --exit-duration-in-mins counts from here (the earliest rank's start)
     model_type = resolve_model_type(model_type)
     args = initialize_megatron(extra_args_provider, args_defaults, args=argv, get_embedding_ranks=get_embedding_ranks,

@@ -200,3 +200,29 @@ def test_pretrain_hands_upstreams_launch_keywords_to_initialize_megatron(monkeyp
                           get_embedding_ranks=_only_the_last_stage, get_position_embedding_ranks=_only_the_last_stage)
     assert calls == [{"args": None, "store": store, "get_embedding_ranks": _only_the_last_stage,
                       "get_position_embedding_ranks": _only_the_last_stage}]
+
+
+def test_pretrain_takes_upstreams_positional_order_and_refuses_non_loss_data_functions(monkeypatch):
+    """Upstream's fifth argument is process_non_loss_data_func, then extra_args_provider and args_defaults: a
+    positional call in that order passes the providers where upstream does, and the evaluation hooks this
+    pretrain() does not run are refused by name instead of being taken as another argument."""
+    from megatron.core.enums import ModelType
+    from megatron.training import training
+
+    calls = []
+
+    def record_instead_of_initializing(*args, **kwargs):
+        calls.append((args, kwargs))
+        raise _Joined
+
+    def extra_args(parser):
+        return parser
+
+    monkeypatch.setattr(training, "initialize_megatron", record_instead_of_initializing)
+    with pytest.raises(_Joined):
+        training.pretrain(None, None, ModelType.encoder_or_decoder, None, None, extra_args, {"lr": 0.5})
+    assert calls[0][0] == (extra_args, {"lr": 0.5})
+    for name in ("process_non_loss_data_func", "non_loss_data_func", "inprocess_call_wrapper"):
+        with pytest.raises(ValueError, match=rf"^pretrain\({name}=\.\.\.\) is not supported: .*; drop {name} "):
+            training.pretrain(None, None, ModelType.encoder_or_decoder, None, **{name: print})
+    assert len(calls) == 1
