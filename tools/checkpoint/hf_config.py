@@ -25,13 +25,15 @@ from hf_families import (
 )
 from hf_gpt_oss import GPT_OSS, GPT_OSS_MODEL_TYPE, gpt_oss_config, gpt_oss_shape_values
 from hf_moe import hf_moe_config, moe_flags_of_config
-from hf_rope import hf_rope_config, rope_flags_of_config
+from hf_rope import hf_rope_config, hf_yarn_rope_config, rope_flags_of_config
 from hf_shape import ModelShape
 
 MODEL_FILE, MODEL_INDEX_FILE, CONFIG_FILE = "model.safetensors", "model.safetensors.index.json", "config.json"
 EXTRAS_FILE = "megatron_extras.safetensors"
 # config.json's dtype names (transformers writes `dtype`, older versions `torch_dtype`) -> the tensors' dtype.
 HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# transformers' names of x * sigmoid(x), the activation of our SwiGLU (--swiglu).
+SILU_NAMES = ("silu", "swish")
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # GPT-2's config.json keys our flags do not say: the activation's name (gelu_new and gelu_pytorch_tanh are both
 # --openai-gelu, computed a little differently), n_inner null for 4 x n_embd, and the attention's upcast.
@@ -42,10 +44,10 @@ GPT2_RECORDED_CONFIG_KEYS = ("activation_function", "n_inner", "reorder_and_upca
 CONFIG_CLASS_DEFAULTS = {
     MISTRAL: {"sliding_window": 4096, "num_key_value_heads": 8},
     MIXTRAL: {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_key_value_heads": 8},
-    QWEN2: {"num_key_value_heads": 32},
-    QWEN3: {"num_key_value_heads": 32, "head_dim": 128},
-    QWEN2_MOE: {"num_key_value_heads": 16},
-    QWEN3_MOE: {"num_key_value_heads": 4},
+    QWEN2: {"num_key_value_heads": 32, "sliding_window": 4096, "max_window_layers": 28},
+    QWEN3: {"num_key_value_heads": 32, "head_dim": 128, "sliding_window": 4096, "max_window_layers": 28},
+    QWEN2_MOE: {"num_key_value_heads": 16, "sliding_window": 4096, "max_window_layers": 28},
+    QWEN3_MOE: {"num_key_value_heads": 4, "sliding_window": 4096},
     DEEPSEEK_V3: {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3,
                   "n_shared_experts": 1},
 }
@@ -107,7 +109,8 @@ def hf_config(shape: ModelShape, architecture: str, dtype: str = "float32", toke
             "num_attention_heads": shape.num_attention_heads, "num_key_value_heads": shape.num_query_groups,
             "head_dim": shape.kv_channels, "hidden_act": "silu",
             "max_position_embeddings": shape.max_position_embeddings, "rms_norm_eps": shape.norm_epsilon,
-            "rope_theta": float(shape.rotary_base), **hf_rope_config(shape),
+            "rope_theta": float(shape.rotary_base),
+            **(hf_yarn_rope_config(shape) if shape.position_embedding_type == "yarn" else hf_rope_config(shape)),
             "attention_bias": shape.qkv_bias, "mlp_bias": shape.add_bias_linear,
             "attention_dropout": shape.attention_dropout}
     attention = DENSE_COUNTERPART.get(architecture, architecture)
@@ -154,14 +157,38 @@ def _architecture_of_config(config, path):
                           f"{', '.join((GPT2, *LLAMA_RELATIVES, GPT_OSS, DEEPSEEK_V3))} convert to our GPT model")
 
 
+def _sliding_layers(config, architecture):
+    """The layers transformers' Qwen config classes give a sliding window (indices): those `layer_types` marks,
+    else with use_sliding_window those from max_window_layers on (Qwen2, Qwen3), the even ones below it
+    (Qwen2-MoE), or all (Qwen3-MoE)."""
+    num_layers = config.get("num_hidden_layers") or 0
+    layer_types = config.get("layer_types")
+    if layer_types:
+        return [index for index, kind in enumerate(layer_types) if kind != "full_attention"]
+    if not config.get("use_sliding_window") or config.get("sliding_window") is None:
+        return []
+    if architecture == QWEN3_MOE:
+        return list(range(num_layers))
+    max_window_layers = config.get("max_window_layers", num_layers)
+    if architecture == QWEN2_MOE:
+        return [index for index in range(min(num_layers, max_window_layers)) if index % 2 == 0]
+    return list(range(max_window_layers, num_layers))
+
+
 def _llama_biases(config, architecture, path):
     """(attention_bias, mlp_bias) of a Llama, Mistral or Qwen2 config.json, after refusing sliding-window
-    attention, which our attention does not have."""
+    attention, which our attention does not have (a window covering max_position_embeddings is none)."""
     window, positions = config.get("sliding_window"), config.get("max_position_embeddings")
     layer_types = config.get("layer_types") or []
-    if any(kind != "full_attention" for kind in layer_types) or config.get("use_sliding_window"):
-        raise ConversionError(f"{path}: sliding-window attention (config.json use_sliding_window / layer_types "
-                              f"{sorted(set(layer_types))}): our attention is causal over the whole sequence")
+    sliding = _sliding_layers(config, architecture)
+    covers_every_position = config.get("use_sliding_window") and isinstance(window, int) and \
+        isinstance(positions, int) and window >= positions
+    if sliding and not covers_every_position:
+        given = f", layer_types {sorted(set(layer_types))}" if layer_types else ""
+        raise ConversionError(f"{path}: sliding-window attention in layers {sliding} (config.json "
+                              f"use_sliding_window {config.get('use_sliding_window')}, sliding_window {window}, "
+                              f"max_window_layers {config.get('max_window_layers')}{given}): our attention is "
+                              "causal over the whole sequence")
     if DENSE_COUNTERPART.get(architecture, architecture) == MISTRAL and window is not None and \
             (positions is None or window < positions):
         raise ConversionError(f"{path}: sliding_window {window} below max_position_embeddings {positions}: our "
@@ -212,7 +239,7 @@ def shape_from_hf_config(config: dict, path: str, recorded: Optional[dict], padd
         values.update(gpt_oss_shape_values(config, path), hidden_dropout=recorded.get("hidden_dropout", 0.0),
                       rotary_interleaved=recorded.get("rotary_interleaved", False))
     else:
-        if config.get("hidden_act", "silu") != "silu":
+        if config.get("hidden_act", "silu") not in SILU_NAMES:
             raise ConversionError(f"{path}: hidden_act '{config['hidden_act']}': our gated MLP is SwiGLU (silu)")
         attention_bias, mlp_bias = _llama_biases(config, architecture, path)
         if mlp_bias and not attention_bias:
@@ -225,7 +252,7 @@ def shape_from_hf_config(config: dict, path: str, recorded: Optional[dict], padd
             kv_channels=config.get("head_dim") or hidden // heads,
             ffn_hidden_size=_require(config, "intermediate_size", path),
             max_position_embeddings=_require(config, "max_position_embeddings", path),
-            position_embedding_type="rope", **rope_flags_of_config(config, path),
+            **rope_flags_of_config(config, path),
             rotary_interleaved=recorded.get("rotary_interleaved", False), normalization="RMSNorm",
             qk_layernorm=architecture in QK_NORM_ARCHITECTURES,
             norm_epsilon=config.get("rms_norm_eps", 1e-6), swiglu=True, add_bias_linear=mlp_bias,

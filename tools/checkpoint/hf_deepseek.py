@@ -290,7 +290,7 @@ def deepseek_flags_of_config(config: dict, path: str, recorded: Optional[dict] =
     hidden, heads = _positive_int(config, "hidden_size", path), _positive_int(config, "num_attention_heads", path)
     layers = _positive_int(config, "num_hidden_layers", path)
     refusals = []
-    if config.get("hidden_act", "silu") != "silu":
+    if config.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' two names of x * sigmoid(x)
         refusals.append(f"hidden_act '{config['hidden_act']}': our gated MLP is SwiGLU (silu)")
     if config.get("attention_bias"):
         refusals.append("attention_bias true: our latent attention's projections have no biases (but o_proj's, "

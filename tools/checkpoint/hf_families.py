@@ -65,8 +65,9 @@ GPT2_ACTIVATIONS = {"gelu": {}, "relu2": {"squared_relu": True}, "gelu_pytorch_t
 
 def _gpt2_problems(shape: ModelShape):
     problems = []
-    if shape.position_embedding_type == "rope":
-        problems.append("--position-embedding-type rope: GPT-2 learns absolute positions")
+    if shape.position_embedding_type in ("rope", "yarn"):
+        problems.append(f"--position-embedding-type {shape.position_embedding_type}: GPT-2 learns absolute "
+                        "positions")
     if shape.normalization != "LayerNorm":
         problems.append(f"--normalization {shape.normalization}: GPT-2 normalises with LayerNorm")
     if shape.swiglu:
@@ -101,9 +102,13 @@ def _bias_problems(shape: ModelShape, architecture: str):
 
 def _llama_problems(shape: ModelShape, architecture: str):
     problems = _bias_problems(shape, architecture)
-    if shape.position_embedding_type != "rope":
+    if shape.position_embedding_type not in ("rope", "yarn"):
         problems.append(f"--position-embedding-type {shape.position_embedding_type}: {architecture} rotates "
-                        "(--position-embedding-type rope)")
+                        "(--position-embedding-type rope or yarn)")
+    elif shape.position_embedding_type == "yarn" and \
+            (shape.use_rope_scaling or shape.rotary_seq_len_interpolation_factor is not None):
+        problems.append("--use-rope-scaling / --rotary-seq-len-interpolation-factor with --position-embedding-type "
+                        "yarn: config.json holds one RoPE scaling")
     if shape.qk_layernorm != (architecture in QK_NORM_ARCHITECTURES):
         problems.append(f"--qk-layernorm: {architecture} does not normalise query and key heads (Qwen3ForCausalLM "
                         "and Qwen3MoeForCausalLM do)" if shape.qk_layernorm else f"no --qk-layernorm: {architecture} "
@@ -173,11 +178,15 @@ def architecture_for(shape: ModelShape, requested: Optional[str] = None,
     if requested is not None and requested not in ARCHITECTURES:
         raise ConversionError(f"--hf-architecture {requested}: not one we write; choose one of "
                               f"{', '.join(ARCHITECTURES)}")
-    rope = shape.position_embedding_type == "rope"
+    rope = shape.position_embedding_type in ("rope", "yarn")
     architecture = requested or default_architecture(shape)
     if DEEPSEEK_V3 in (architecture, default_architecture(shape)):
         why = requested_by if requested else "the architecture for multi-latent attention (--multi-latent-attention)"
-        return check_deepseek_architecture(shape, architecture, why, gpt_oss_feature_problems(shape, DEEPSEEK_V3))
+        problems = gpt_oss_feature_problems(shape, DEEPSEEK_V3)
+        if shape.position_embedding_type == "yarn":
+            problems.append("--position-embedding-type yarn: DeepseekV3ForCausalLM's multi-latent attention rotates "
+                            "with --rope-type yarn")
+        return check_deepseek_architecture(shape, architecture, why, problems)
     problems = _gpt2_problems(shape) + _moe_problems(shape, GPT2) if architecture == GPT2 else \
         gpt_oss_problems(shape) if architecture == GPT_OSS else _llama_problems(shape, architecture)
     if architecture != GPT_OSS:
@@ -186,7 +195,8 @@ def architecture_for(shape: ModelShape, requested: Optional[str] = None,
         problems.append("--apply-residual-connection-post-layernorm: GPT-2 and Llama add the un-normalised input "
                         "of attention and MLP back (pre-norm residual)")
     if problems:
-        positions = "rotary positions (--position-embedding-type rope)" if rope else "learned absolute positions"
+        positions = f"rotary positions (--position-embedding-type {shape.position_embedding_type})" if rope \
+            else "learned absolute positions"
         positions += " and experts (--num-experts)" if shape.num_experts else ""
         why = requested_by if requested else f"the architecture for {positions}"
         raise ConversionError(f"this model cannot be written as a Hugging Face {architecture} ({why}) without "

@@ -129,8 +129,6 @@ def gpt_oss_feature_problems(shape, architecture: str) -> list:
                         f"{where} has sliding-window layers)")
     if shape.moe_router_bias:
         problems.append(f"--moe-router-bias: {architecture}'s router has no bias {where}'s has)")
-    if shape.position_embedding_type == "yarn":
-        problems.append(f"--position-embedding-type yarn: {architecture} does not rotate with YaRN {where} does)")
     return problems
 
 

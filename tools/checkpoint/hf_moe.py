@@ -28,7 +28,11 @@ from hf_layouts import fuse_gate_up, split_gate_up
 from hf_shape import ModelShape
 
 # config.json keys that change nothing our model computes, which an import records and an export writes back.
-RECORDED_CONFIG_KEYS = ("router_aux_loss_coef", "output_router_logits", "decoder_sparse_step", "mlp_only_layers")
+# Mixtral's router_jitter_noise is one of them: HF multiplies the input of the router and of the experts by
+# uniform(1 - eps, 1 + eps) noise in training; --moe-input-jitter-eps jitters the router's only, so a run that wants
+# jitter chooses it itself.
+RECORDED_CONFIG_KEYS = ("router_aux_loss_coef", "output_router_logits", "decoder_sparse_step", "mlp_only_layers",
+                        "router_jitter_noise")
 # transformers' defaults of the training-only keys, for a model that was not imported.
 _TRAINING_ONLY_DEFAULTS = {"router_aux_loss_coef": 0.001, "output_router_logits": False}
 
@@ -57,7 +61,7 @@ def hf_moe_config(shape: ModelShape, architecture: str, recorded: Optional[dict]
     keys["num_experts_per_tok"] = shape.moe_router_topk
     if architecture == MIXTRAL:
         return {**keys, "num_local_experts": shape.num_experts, "intermediate_size": shape.moe_ffn_hidden_size,
-                "router_jitter_noise": 0.0}
+                "router_jitter_noise": recorded.get("router_jitter_noise", 0.0)}
     step, dense = sparse_step_and_dense_layers(shape.moe_layers, recorded)
     keys.update(num_experts=shape.num_experts, moe_intermediate_size=shape.moe_ffn_hidden_size,
                 norm_topk_prob=not shape.moe_router_pre_softmax, decoder_sparse_step=step, mlp_only_layers=dense)
@@ -78,10 +82,8 @@ def moe_flags_of_config(config: dict, architecture: str, num_layers: int, path: 
                               f"num_experts_per_tok ({topk!r}) must be positive, the second at most the first")
     if architecture == MIXTRAL:
         jitter = config.get("router_jitter_noise") or 0.0
-        if jitter:
-            raise ConversionError(f"{path}: router_jitter_noise {jitter}: HF multiplies the input of the router and "
-                                  "the experts by noise in training, ours (--moe-input-jitter-eps) the router's "
-                                  "only; set it to 0.0 to import")
+        if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or jitter < 0:
+            raise ConversionError(f"{path}: router_jitter_noise {jitter!r} must be a number >= 0")
         renormalised, pattern = True, [True] * num_layers
         width = config.get("intermediate_size")
         flags = {"ffn_hidden_size": width}

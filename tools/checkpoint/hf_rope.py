@@ -1,5 +1,6 @@
 """RoPE in a Hugging Face Llama config.json: our --rotary-base, --use-rope-scaling / --rope-scaling-factor (HF's
-`rope_type: "llama3"`) and --rotary-seq-len-interpolation-factor (`rope_type: "linear"`), both ways."""
+`rope_type: "llama3"`), --rotary-seq-len-interpolation-factor (`rope_type: "linear"`) and --position-embedding-type
+yarn with the --yarn-* flags (`rope_type: "yarn"`), both ways."""
 
 from megatron.core.models.common.embeddings.rotary_pos_embedding import (
     LLAMA3_HIGH_FREQ_FACTOR,
@@ -54,21 +55,25 @@ def _llama3_scaling_factor(scaling, path):
 
 
 def rope_flags_of_config(config, path):
-    """--rotary-base, --use-rope-scaling, --rope-scaling-factor and --rotary-seq-len-interpolation-factor of a
-    Llama config.json."""
+    """--position-embedding-type, --rotary-base, --use-rope-scaling, --rope-scaling-factor,
+    --rotary-seq-len-interpolation-factor and the --yarn-* flags (rope_type "yarn") of a Llama config.json."""
     parameters = config.get("rope_parameters") or {}
     # transformers reads rope_scaling where a config has it (older ones know nothing else)
     scaling = config.get("rope_scaling") or parameters
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in ("default", "llama3", "linear"):
+    if rope_type not in ("default", "llama3", "linear", "yarn"):
         raise ConversionError(f"{path}: RoPE scaling '{rope_type}' (config.json rope_scaling / rope_parameters) "
                               "has no counterpart in our rotary embedding (plain RoPE with --rotary-base, "
-                              "'llama3' as --use-rope-scaling, 'linear' as --rotary-seq-len-interpolation-factor)")
+                              "'llama3' as --use-rope-scaling, 'linear' as --rotary-seq-len-interpolation-factor, "
+                              "'yarn' as --position-embedding-type yarn)")
     factor = parameters.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     if factor != 1.0:
         raise ConversionError(f"{path}: partial_rotary_factor {factor}: Llama rotates whole heads")
-    flags = {"rotary_base": scaling.get("rope_theta", parameters.get("rope_theta", config.get("rope_theta", 10000.0)))}
-    if rope_type == "llama3":
+    flags = {"position_embedding_type": "rope",
+             "rotary_base": scaling.get("rope_theta", parameters.get("rope_theta", config.get("rope_theta", 10000.0)))}
+    if rope_type == "yarn":
+        flags.update(yarn_flags_of_scaling(scaling, config, path))
+    elif rope_type == "llama3":
         flags.update(use_rope_scaling=True, rope_scaling_factor=_llama3_scaling_factor(scaling, path))
     elif rope_type == "linear":
         flags["rotary_seq_len_interpolation_factor"] = _scaling_factor(scaling, "linear", path)
@@ -93,6 +98,8 @@ def _positive(scaling, key, default, path):
 def yarn_flags_of_scaling(scaling, config, path):
     """The ModelShape fields of a 'yarn' rope_scaling / rope_parameters (--position-embedding-type yarn and the
     --yarn-* flags), read as transformers' `_compute_yarn_parameters` reads them."""
+    if config.get("original_max_position_embeddings") is not None:  # transformers prefers the top-level key
+        scaling = {**scaling, "original_max_position_embeddings": config["original_max_position_embeddings"]}
     original = int(_positive(scaling, "original_max_position_embeddings", config.get("max_position_embeddings"),
                              path) or 0)
     if not original:

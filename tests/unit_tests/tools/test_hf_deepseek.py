@@ -179,6 +179,11 @@ def test_deepseek_configs_we_cannot_compute_are_refused_naming_the_key(tools, tm
         with pytest.raises(SystemExit, match=message):
             convert_checkpoint.from_hf(directory, str(tmp_path / "unused"))
     assert not os.path.exists(tmp_path / "unused")
+    # hidden_act 'swish' is transformers' other name of silu
+    config = {**CONFIG, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
+    _, hf_mapping = tools
+    assert hf_mapping.shape_from_hf_config({**config, "hidden_act": "swish"}, "DIR", None, PADDED_VOCAB, False) == \
+        hf_mapping.shape_from_hf_config(config, "DIR", None, PADDED_VOCAB, False)
 
 
 def _deepseek_shape(hf_mapping, **flags):

@@ -479,7 +479,8 @@ def test_llama3_rope_scaling_both_ways(tools):
                 {"low_freq_factor": 2.0}, "'llama3' with high_freq_factor 8.0": {"high_freq_factor": 8.0},
                 "'llama3' with original_max_position_embeddings 4096": {"original_max_position_embeddings": 4096},
                 "'llama3' with factor 0: it must be a positive number": {"factor": 0},
-                r"'yarn' \(config.json rope_scaling / rope_parameters\) has no counterpart": {"rope_type": "yarn"}}
+                r"'dynamic' \(config.json rope_scaling / rope_parameters\) has no counterpart":
+                    {"rope_type": "dynamic"}}
     for message, change in refusals.items():
         with pytest.raises(hf_mapping.ConversionError, match=f"^DIR: RoPE scaling {message}"):
             hf_mapping.shape_from_hf_config({**published, "rope_scaling": {**llama32_scaling, **change}}, "DIR",

@@ -8,6 +8,7 @@ grouped-query attention and an rms_norm_eps other than our default, so that a fl
 
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -215,6 +216,31 @@ def test_sliding_window_attention_is_refused_naming_the_field(tools, tmp_path):
         json.dump(config, stream)
     with pytest.raises(SystemExit, match="sliding-window attention .*use_sliding_window"):
         convert_checkpoint.from_hf(str(tmp_path / "qwen2"), str(tmp_path / "out"))
+
+
+def test_qwen2_whose_window_starts_past_the_last_layer_and_swish_import_as_full_attention_silu(tools, tmp_path):
+    """Qwen2 with use_sliding_window true slides only from layer max_window_layers on: with max_window_layers
+    >= num_hidden_layers (and no layer_types) every layer attends to all earlier positions; hidden_act 'swish' is
+    transformers' other name of silu. Both import, and the export (full attention, silu) gives transformers'
+    logits; a window starting at layer 1 is refused naming the layers."""
+    import transformers
+
+    convert_checkpoint, hf_mapping = tools
+    original = _save_hf_model(tmp_path / "hf", transformers.Qwen2Config, use_sliding_window=True, sliding_window=4,
+                              max_window_layers=2, hidden_act="swish")
+    assert original.config.layer_types == ["full_attention"] * 2  # transformers' own reading
+    config = _config(tmp_path / "hf")
+    del config["layer_types"]  # as older transformers wrote it: the rule alone decides
+    with open(tmp_path / "hf" / "config.json", "w") as stream:
+        json.dump(config, stream)
+    convert_checkpoint.from_hf(str(tmp_path / "hf"), str(tmp_path / "ours"))
+    back = _exported_with_the_same_tensors(convert_checkpoint, tmp_path / "ours", tmp_path / "back", original,
+                                           "Qwen2ForCausalLM")
+    assert (back.config.hidden_act, back.config.layer_types) == ("silu", ["full_attention"] * 2)
+    assert torch.equal(_logits(back), _logits(original))
+    with pytest.raises(hf_mapping.ConversionError, match=r"^DIR: sliding-window attention in layers \[1\] "
+                       r"\(config.json use_sliding_window True, sliding_window 4, max_window_layers 1"):
+        hf_mapping.shape_from_hf_config({**config, "max_window_layers": 1}, "DIR", None, 64, False)
 
 
 def test_gpt2_round_trip_keeps_the_activation_name_and_transformers_logits(tools, tmp_path):
@@ -524,3 +550,25 @@ def test_tokenizer_padded_to_the_rows_of_a_directory_without_one_trains_from_it(
     with pytest.raises(CheckpointError, match=f"{VOCAB} in the checkpoint, {tokens} in this run.*--make-vocab-size-"
                                               f"divisible-by 25, which pads them to exactly {VOCAB} at TP 1"):
         check_same_architecture("imported", common["args"], run, common["vocab_size"], true_vocab_size(run))
+
+
+@pytest.mark.parametrize("config_class", ["Qwen2Config", "Qwen3Config", "Qwen2MoeConfig"])
+def test_sliding_layers_follow_transformers_rule(config_class, tools):
+    """Without layer_types, the layers the import refuses as sliding are those transformers' config class marks
+    `sliding_attention` (Qwen2 / Qwen3: from max_window_layers on; Qwen2-MoE: the even ones below it)."""
+    import transformers
+
+    _, hf_mapping = tools
+    model_type = getattr(transformers, config_class).model_type
+    for max_window_layers in (0, 1, 3, 4, 28):
+        keys = dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=4, max_window_layers=max_window_layers)
+        theirs = getattr(transformers, config_class)(**keys).layer_types
+        sliding = [index for index, kind in enumerate(theirs) if kind == "sliding_attention"]
+        config = dict(SHAPE, model_type=model_type, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                      shared_expert_intermediate_size=8, **keys)
+        if not sliding:
+            hf_mapping.shape_from_hf_config(config, "DIR", None, 64, False)
+            continue
+        message = re.escape(f"sliding-window attention in layers {sliding} ")
+        with pytest.raises(hf_mapping.ConversionError, match=message):
+            hf_mapping.shape_from_hf_config(config, "DIR", None, 64, False)

@@ -31,7 +31,8 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attentio
              max_position_embeddings=SEQUENCE, rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts_per_tok=2)
 # name: (transformers config class, its MoE settings, the MoE flags the import gives)
 MODELS = {
-    "mixtral": ("MixtralConfig", dict(num_local_experts=4, intermediate_size=24),
+    # router_jitter_noise: noise in training only, written back as imported
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, intermediate_size=24, router_jitter_noise=0.1),
                 "--num-experts 4 --moe-ffn-hidden-size 24 --moe-router-topk 2"),
     # layers 1 and 3 have experts; renormalised top-2
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, moe_intermediate_size=24, intermediate_size=40,
@@ -150,7 +151,7 @@ def test_hf_moe_configs_we_cannot_compute_are_refused_naming_the_key(tools, tmp_
     base = dict(SHAPE, intermediate_size=24, num_local_experts=4, architectures=["MixtralForCausalLM"],
                 model_type="mixtral")
     refusals = {
-        "router_jitter_noise 0.1: HF multiplies the input of the router and the experts": dict(router_jitter_noise=0.1),
+        "router_jitter_noise -0.1 must be a number >= 0": dict(router_jitter_noise=-0.1),
         "num_experts_per_tok 1: every token's one expert gets probability 1": dict(num_experts_per_tok=1),
         "num_experts_per_tok 1 with norm_topk_prob true": dict(
             architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4, num_experts_per_tok=1,
