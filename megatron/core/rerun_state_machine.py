@@ -16,14 +16,15 @@ no rank is left waiting in a collective.
 Modes (`--rerun-mode`):
 - `disabled`: one pass per iteration; a rejected fatal result raises RuntimeError on every rank (after the pass,
   once all ranks agree), a rejected non-fatal one is logged.
-- `validate_results` (default): a rejected result reruns the iteration in place (same data, random state
-  restored). A different result means a transient fault: exit with `EXIT_CODE_FAILED_ON_RESULT_VALIDATION` (17)
-  after saving the last iteration's checkpoint. The same result means the fault may be persistent or the
-  result correct: save the last iteration's checkpoint with this machine's state and exit with
-  `EXIT_CODE_RESUME_TO_DISAMBIGUATE` (16). Resumed from that checkpoint on another node or device, the
-  iteration runs a third time: a different result is a persistent fault of the first device, the same result
-  a correct result (an application problem), both exit 17 (a non-fatal check continues training instead);
-  resumed on the same node and device, it exits 16 again.
+- `validate_results` (the default of `--rerun-mode`; a machine created without a mode is `disabled`, as
+  upstream's): a rejected result reruns the iteration in place (same data, random state restored). A different
+  result means a transient fault: exit with `EXIT_CODE_FAILED_ON_RESULT_VALIDATION` (17) after saving the last
+  iteration's checkpoint. The same result means the fault may be persistent or the result correct: save the
+  last iteration's checkpoint with this machine's state and exit with `EXIT_CODE_RESUME_TO_DISAMBIGUATE` (16).
+  Resumed from that checkpoint on another node or device, the iteration runs a third time: a different result
+  is a persistent fault of the first device, the same result a correct result (an application problem), both
+  exit 17 (a non-fatal check continues training instead); resumed on the same node and device, it exits 16
+  again.
 - `report_stats`: every iteration runs twice and the relative differences of each validated result between the
   two runs are collected and printed (nondeterminism statistics); nothing stops training.
 
@@ -44,6 +45,7 @@ import datetime
 import enum
 import logging
 import math
+import numbers
 import random
 import socket
 from collections import defaultdict
@@ -103,15 +105,55 @@ def this_node_and_device():
     return socket.gethostname(), str(get_current_device())
 
 
-class RerunStateMachine:
-    """See the module docstring. `report_interval`: iterations between the statistics lines of report_stats."""
+class RerunErrorInjector:
+    """Fault injection for testing the rerun paths (upstream's class): each validation of a training step is
+    rejected with probability 1/`error_injection_rate` (0: never), and its reruns behave as a fault of
+    `error_injection_type` would (see the module docstring)."""
 
-    def __init__(self, mode=RerunMode.VALIDATE_RESULTS, report_interval=100, error_injection_rate=0,
-                 error_injection_type=RerunDiagnostic.TRANSIENT_ERROR, result_rejected_tracker_filename=None):
+    def __init__(self, error_injection_rate=0, error_injection_type=RerunDiagnostic.TRANSIENT_ERROR):
+        if isinstance(error_injection_rate, bool) or not isinstance(error_injection_rate, numbers.Integral) or \
+                error_injection_rate < 0:
+            raise ValueError(f"error_injection_rate (--error-injection-rate) must be an integer >= 0 (0: no "
+                             f"injection, N: 1 in N checks), got {error_injection_rate!r}")
+        try:
+            self.error_injection_type = RerunDiagnostic(error_injection_type)
+        except ValueError:
+            raise ValueError(f"error_injection_type (--error-injection-type) must be one of "
+                             f"{[kind.value for kind in RerunDiagnostic]}, got {error_injection_type!r}") from None
+        self.error_injection_rate = int(error_injection_rate)
+
+    @property
+    def should_inject_errors(self):
+        return self.error_injection_rate > 0
+
+
+class RerunStateMachine:
+    """See the module docstring. `report_interval`: iterations between the statistics lines of report_stats.
+    `state_save_func() -> state` and `state_restore_func(state)` (upstream's hooks): state of the caller's own,
+    beyond the random generators (always restored), saved before each training step and put back before its
+    rerun. `error_injector`: a `RerunErrorInjector`, as upstream passes it (or `error_injection_rate` and
+    `error_injection_type`)."""
+
+    def __init__(self, mode=RerunMode.DISABLED, report_interval=100, error_injection_rate=0,
+                 error_injection_type=RerunDiagnostic.TRANSIENT_ERROR, result_rejected_tracker_filename=None, *,
+                 state_save_func=None, state_restore_func=None, error_injector=None):
+        if callable(mode):
+            raise TypeError("RerunStateMachine's first positional argument is the mode; pass state_save_func and "
+                            "state_restore_func by keyword")
+        if (state_save_func is None) != (state_restore_func is None):
+            raise ValueError("state_save_func and state_restore_func go together: state_save_func() is called "
+                             "before each training step and state_restore_func(saved) before its rerun; pass both "
+                             "or neither")
+        if error_injector is not None and error_injection_rate:
+            raise ValueError("pass the fault injection either as error_injector=RerunErrorInjector(rate, type) or "
+                             "as error_injection_rate/error_injection_type, not both")
         self.mode = RerunMode(mode)
         self.report_interval = report_interval
-        self.error_injection_rate = error_injection_rate
-        self.error_injection_type = RerunDiagnostic(error_injection_type)
+        self.error_injector = error_injector or RerunErrorInjector(error_injection_rate, error_injection_type)
+        # Extra state (beyond the random generators, always restored) to put back before a rerun.
+        self.state_save_func = state_save_func
+        self.state_restore_func = state_restore_func
+        self._saved_extra_state = None
         # A generator of its own: injecting must not move the random state the training step draws from.
         self._injection_random = random.Random(f"rerun-error-injection-{_rank()}")
         self.result_rejected_tracker_filename = result_rejected_tracker_filename
@@ -126,6 +168,14 @@ class RerunStateMachine:
         self.stats = defaultdict(DifferenceStats)
         self.large_value_counts = {}
         self.max_values = {}
+
+    @property
+    def error_injection_rate(self):
+        return self.error_injector.error_injection_rate
+
+    @property
+    def error_injection_type(self):
+        return self.error_injector.error_injection_type
 
     def get_mode(self):
         return self.mode
@@ -162,6 +212,7 @@ class RerunStateMachine:
             self.current_iteration += 1
             if self.mode != RerunMode.DISABLED:
                 self._saved_random_state = capture_random_state()
+                self._saved_extra_state = self.state_save_func() if self.state_save_func is not None else None
                 for iterator in iterators:
                     iterator.advance()
             else:
@@ -236,6 +287,8 @@ class RerunStateMachine:
 
     def _rewind(self, iterators):
         restore_random_state(self._saved_random_state)
+        if self._saved_extra_state is not None:
+            self.state_restore_func(self._saved_extra_state)
         for iterator in iterators:
             iterator.rewind()
 
@@ -448,16 +501,20 @@ def _rank():
 _STATE_MACHINE = None
 
 
-def initialize_rerun_state_machine(mode=RerunMode.VALIDATE_RESULTS, report_interval=100, **options):
-    """`options`: error_injection_rate, error_injection_type, result_rejected_tracker_filename."""
+def initialize_rerun_state_machine(mode=RerunMode.DISABLED, report_interval=100, **options):
+    """Set the process's machine. `options`, as upstream: state_save_func, state_restore_func, error_injector
+    (a `RerunErrorInjector`), result_rejected_tracker_filename; or error_injection_rate and error_injection_type."""
     global _STATE_MACHINE
     _STATE_MACHINE = RerunStateMachine(mode, report_interval, **options)
     return _STATE_MACHINE
 
 
 def get_rerun_state_machine():
-    """The process's machine (a `validate_results` one is created on first use when none was initialized)."""
+    """The process's machine. As upstream, when none was initialized one is created on first use, in mode
+    `disabled` (a rejected fatal result raises), with a warning: `pretrain()` initializes it from --rerun-mode; a
+    loop of its own calls `initialize_rerun_state_machine(mode=...)` for reruns."""
     if _STATE_MACHINE is None:
+        logger.warning("Implicit initialization of Rerun State Machine!")
         initialize_rerun_state_machine()
     return _STATE_MACHINE
 
@@ -473,6 +530,7 @@ __all__ = [
     "RerunDataIterator",
     "wrap_for_reruns",
     "RerunDiagnostic",
+    "RerunErrorInjector",
     "RerunMode",
     "RerunState",
     "RerunStateMachine",

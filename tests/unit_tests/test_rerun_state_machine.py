@@ -289,3 +289,76 @@ def test_a_result_found_correct_is_forgotten_by_the_next_step(monkeypatch, tmp_p
     assert resumed.state_dict()["failed_call"] is None and resumed.state_dict()["initial_result"] is None
     assert resumed.should_checkpoint_and_exit() == (True, True, 16)
     assert tracker.read_text() == tracked  # nothing rejected on this rank
+
+
+def test_implicit_machine_is_disabled_as_upstream_and_warns_once(caplog):
+    """A loop of its own that never initialized the machine gets upstream's: disabled (a rejected fatal result
+    raises, no rerun), created with a warning the first time only."""
+    rsm.destroy_rerun_state_machine()
+    try:
+        with caplog.at_level("WARNING", logger=rsm.__name__):
+            machine = rsm.get_rerun_state_machine()
+            assert rsm.get_rerun_state_machine() is machine
+        implicit = [record for record in caplog.records if "Implicit initialization" in record.getMessage()]
+        assert [record.getMessage() for record in implicit] == ["Implicit initialization of Rerun State Machine!"]
+        assert machine.get_mode() == rsm.RerunMode.DISABLED
+        data = RerunDataIterator(iter(range(100)))
+        with pytest.raises(RuntimeError, match=r"iteration 1: unexpected result nan \(found NaN"):
+            _run_iteration(machine, data, lambda *_: math.nan)
+        assert machine.should_checkpoint_and_exit() == (False, False, 0)
+    finally:
+        rsm.destroy_rerun_state_machine()
+
+
+def test_upstream_initialization_keywords_restore_the_callers_state_before_a_rerun():
+    """Upstream's `initialize_rerun_state_machine(state_save_func=, state_restore_func=, mode=,
+    error_injector=RerunErrorInjector(rate, type), result_rejected_tracker_filename=)`: the caller's state is saved
+    before the step and restored before its rerun, as the random state is."""
+    counter = {"value": 0}
+    saved = []
+
+    def state_save_func():
+        saved.append(counter["value"])
+        return {"counter": counter["value"]}
+
+    def state_restore_func(state):
+        counter["value"] = state["counter"]
+
+    machine = rsm.initialize_rerun_state_machine(
+        state_save_func=state_save_func,
+        state_restore_func=state_restore_func,
+        mode=rsm.RerunMode.VALIDATE_RESULTS,
+        error_injector=rsm.RerunErrorInjector(error_injection_rate=1,
+                                              error_injection_type=rsm.RerunDiagnostic.TRANSIENT_ERROR),
+        result_rejected_tracker_filename=None,
+    )
+    try:
+        assert rsm.get_rerun_state_machine() is machine
+        assert (machine.error_injection_rate, machine.error_injection_type) == (1, rsm.RerunDiagnostic.TRANSIENT_ERROR)
+        seen = []
+        data = RerunDataIterator(iter(range(100)))
+        while machine.should_run_forward_backward(data):
+            counter["value"] += 10  # the step moves the caller's state
+            seen.append(counter["value"])
+            machine.validate_result(float(next(data)), math.isnan, NAN_MESSAGE)
+        # Injected (rate 1): rerun in place from the saved state, the same value again; transient: exit 17.
+        assert saved == [0] and seen == [10, 10]
+        assert machine.should_checkpoint_and_exit() == (True, True, 17)
+    finally:
+        rsm.destroy_rerun_state_machine()
+
+
+def test_upstream_initialization_keywords_refuse_what_cannot_work():
+    with pytest.raises(ValueError, match="state_save_func and state_restore_func go together"):
+        rsm.RerunStateMachine(rsm.RerunMode.VALIDATE_RESULTS, state_save_func=dict)
+    with pytest.raises(ValueError, match="either as error_injector=RerunErrorInjector"):
+        rsm.RerunStateMachine(error_injector=rsm.RerunErrorInjector(2), error_injection_rate=3)
+    with pytest.raises(ValueError, match=r"error_injection_type \(--error-injection-type\) must be one of"):
+        rsm.RerunErrorInjector(1, "bogus")
+    with pytest.raises(ValueError, match=r"error_injection_rate \(--error-injection-rate\) must be an integer >= 0"):
+        rsm.RerunErrorInjector(-1)
+    with pytest.raises(TypeError, match="pass state_save_func and state_restore_func by keyword"):
+        rsm.RerunStateMachine(dict, dict)
+    injector = rsm.RerunErrorInjector()
+    assert (injector.error_injection_rate, injector.error_injection_type, injector.should_inject_errors) == (
+        0, rsm.RerunDiagnostic.TRANSIENT_ERROR, False)
