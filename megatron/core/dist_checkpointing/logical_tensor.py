@@ -11,8 +11,6 @@ import math
 from typing import List, NamedTuple, Sequence, Tuple
 
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 
 class Box(NamedTuple):
@@ -105,6 +103,9 @@ class ShardedLogicalTensor:
         return self.global_shape
 
     def __create_write_items__(self, fqn, obj):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
         return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=tensor.shape),
                                                       properties=TensorProperties.create_from_tensor(tensor),
@@ -112,6 +113,8 @@ class ShardedLogicalTensor:
                 for offsets, tensor in self.pieces]
 
     def __create_chunk_list__(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
         return [ChunkStorageMetadata(offsets=offsets, sizes=tensor.shape) for offsets, tensor in self.pieces]
 
     def piece_at(self, offsets) -> torch.Tensor:

@@ -135,8 +135,8 @@ _BaseDataParallel = DataParallelWrapper
 def _package_wrapper_class():
     """`megatron_fsdp.MegatronFSDP` when that package is loaded (a bare package wrapper has `.module` too);
     looked up without importing it."""
-    package = sys.modules.get("megatron_fsdp")
-    return getattr(package, "MegatronFSDP", None) if package is not None else None
+    wrapper_module = sys.modules.get("megatron_fsdp.megatron_fsdp")
+    return getattr(wrapper_module, "MegatronFSDP", None) if wrapper_module is not None else None
 
 
 def unwrap_model(model):
@@ -154,11 +154,16 @@ def unwrap_model(model):
             return model
 
 
+def is_dtensor(tensor) -> bool:
+    """Whether `tensor` is a DTensor, without importing torch.distributed.tensor (slow to import): no DTensor
+    exists before that module is loaded."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and isinstance(tensor, dtensor)
+
+
 def local_tensor(tensor):
     """The part of `tensor` this rank stores: a DTensor's local shard, a plain tensor itself."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def storage_key(tensor):

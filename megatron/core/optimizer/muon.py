@@ -52,6 +52,7 @@ from typing import Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.data_parallel_base import is_dtensor
 from megatron.core.expert_parameters import is_expert_parameter
 from megatron.core.optimizer.muon_sharing import (
     assign_owners,
@@ -64,11 +65,6 @@ from megatron.core.optimizer.muon_sharing import (
     unshared_layout,
 )
 from megatron.core.optimizer.shard_local_adam import ShardLocalAdamW
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch built without distributed
-    DTensor = None
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
@@ -112,7 +108,7 @@ def _whole_matrix(param, update):
         for group in piece.groups:  # each element is non-zero on one rank only: the sums are exact
             dist.all_reduce(flat, group=group)
         return flat.view(piece.shape), lambda whole: whole.reshape(-1)[piece.start:piece.end].view_as(param)
-    if DTensor is not None and isinstance(update, DTensor):
+    if is_dtensor(update):
         from megatron.core.distributed.torch_fully_sharded_data_parallel import local_shard_like
 
         # Every rank computes the same whole result: its own piece is cut locally (no collective) and copied to
@@ -123,7 +119,7 @@ def _whole_matrix(param, update):
 
 def _local(tensor):
     """A DTensor's local tensor (itself under no_grad, so stepping it steps the DTensor); any other tensor."""
-    return tensor.to_local() if DTensor is not None and isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def muon_scale_factor(rows, cols, mode):

@@ -31,12 +31,8 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.data_parallel_base import is_dtensor
 from megatron.core.expert_parameters import is_expert_parameter
-
-try:
-    from torch.distributed.tensor import DTensor, Shard
-except ImportError:  # torch built without distributed
-    DTensor = Shard = None
 
 
 class Placement(NamedTuple):
@@ -87,6 +83,8 @@ def _replicated_group(param):
 def _mesh_placement(update) -> Optional[Placement]:
     """Rows of a DTensor over one mesh dimension, replicated over the others (FSDP2, HSDP included); None for
     any other sharding."""
+    from torch.distributed.tensor import Shard
+
     sharded = [dim for dim, placement in enumerate(update.placements) if not placement.is_replicate()]
     if len(sharded) != 1 or type(update.placements[sharded[0]]) is not Shard or update.placements[sharded[0]].dim:
         return None
@@ -101,7 +99,7 @@ def placement_of(param, update) -> Optional[Placement]:
     piece = getattr(param, "matrix_piece", None)
     if piece is not None:
         placement = Placement(tuple(piece.groups), tuple(piece.replica_groups))
-    elif DTensor is not None and isinstance(update, DTensor):
+    elif is_dtensor(update):
         placement = _mesh_placement(update)
     else:
         group = _replicated_group(param)
@@ -116,7 +114,7 @@ def placement_of(param, update) -> Optional[Placement]:
 def unshared_layout(param) -> Optional[str]:
     """A description of `param`'s layout where it spans several ranks but its Newton-Schulz is not shared (each
     of those ranks assembles and orthogonalizes the whole matrix); None otherwise."""
-    if DTensor is None or not isinstance(param, DTensor) or param.device_mesh.size() == 1:
+    if not is_dtensor(param) or param.device_mesh.size() == 1:
         return None
     if _mesh_placement(param) is not None:
         return None
@@ -129,7 +127,7 @@ def flat_piece(param, update):
     piece = getattr(param, "matrix_piece", None)
     if piece is not None:
         return update.reshape(-1).float(), piece.shape
-    if DTensor is not None and isinstance(update, DTensor):
+    if is_dtensor(update):
         return update.to_local().reshape(-1).float(), tuple(update.shape)
     return update.reshape(-1).float(), tuple(update.shape)
 
@@ -140,7 +138,7 @@ def piece_range(param, update):
     piece = getattr(param, "matrix_piece", None)
     if piece is not None:
         return piece.start, piece.end
-    if DTensor is not None and isinstance(update, DTensor):
+    if is_dtensor(update):
         return -1, update.to_local().numel()
     return 0, update.numel()
 

@@ -32,10 +32,7 @@ import math
 import torch
 import torch.distributed as dist
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch built without distributed
-    DTensor = None
+from megatron.core.distributed.data_parallel_base import is_dtensor
 
 
 def attention_modules(model_chunks):
@@ -173,7 +170,7 @@ def scale_rows(main, row_scales, start=None, end=None, shape=None):
         main.mul_(row_scales[rows].to(main.dtype).view_as(main))
         return
     factors = row_scales.to(main.dtype).view(-1, *([1] * (main.dim() - 1)))
-    if DTensor is not None and isinstance(main, DTensor):
+    if is_dtensor(main):
         from megatron.core.distributed.torch_fully_sharded_data_parallel import local_shard_like
 
         # Every rank holds the same factors: this rank's shard of them is cut locally (no collective) from a

@@ -12,22 +12,16 @@ in placement) is stepped as torch's AdamW steps it.
 import torch
 from torch.optim.adam import adam
 
-try:
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.placement_types import Partial
-except ImportError:  # torch built without distributed
-    DTensor, Partial = None, None
-
-
-def _is_dtensor(tensor):
-    return DTensor is not None and isinstance(tensor, DTensor)
+from megatron.core.distributed.data_parallel_base import is_dtensor
 
 
 def steps_on_local_shard(param):
     """Whether `param`'s update equals the update of its local shard (see the module docstring)."""
     grad = param.grad
-    if not (_is_dtensor(param) and _is_dtensor(grad)):
+    if not (is_dtensor(param) and is_dtensor(grad)):
         return False
+    from torch.distributed.tensor.placement_types import Partial
+
     return (tuple(grad.placements) == tuple(param.placements) and grad.device_mesh == param.device_mesh
             and not any(isinstance(placement, Partial) for placement in grad.placements))
 

@@ -3,6 +3,7 @@
 `package_info.py`; imported from the built wheel, it loads nothing of the `megatron` training stack."""
 
 import email.parser
+import importlib
 import os
 import shutil
 import subprocess
@@ -72,3 +73,36 @@ def test_wheel_imports_without_the_training_stack(wheel, tmp_path):
     assert location.startswith(str(tmp_path / "site")), location
     assert stack_modules == "[]"
     assert api == f"megatron_fsdp.fully_shard {megatron_fsdp.package_info.__version__}"
+
+
+def test_a_submodule_imports_without_the_rest_of_the_package(tmp_path):
+    # Gloo worker processes import `megatron_fsdp.collectives` alone.
+    probe = (
+        "import sys, megatron_fsdp.collectives\n"
+        "print(sorted(name for name in sys.modules if name.startswith('megatron_fsdp')))\n"
+        "print('torch.distributed.tensor' in sys.modules)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": SOURCE_ROOT}
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded, dtensor_loaded = result.stdout.splitlines()
+    assert loaded == str(["megatron_fsdp", "megatron_fsdp.collectives", "megatron_fsdp.package_info",
+                          "megatron_fsdp.utils"])
+    assert dtensor_loaded == "False"
+
+
+def test_public_names_are_those_of_their_submodules(monkeypatch):
+    homes = {"fully_shard": "fully_shard", "fully_shard_model": "fully_shard", "fully_shard_optimizer": "fully_shard",
+             "MegatronFSDP": "megatron_fsdp", "MixedPrecisionPolicy": "mixed_precision",
+             "NcclUserBuffers": "nccl_allocator", "GatherCodec": "gather_codec", "GatherCodecPolicy": "gather_codec",
+             "DistributedDataParallelConfig": "distributed_data_parallel_config",
+             "ShardingStrategy": "distributed_data_parallel_config", "clip_grad_norm_": "optimizer"}
+    assert sorted(megatron_fsdp.__all__) == sorted(list(homes) + ["package_info"])
+    for name, home in homes.items():
+        assert getattr(megatron_fsdp, name) is getattr(importlib.import_module(f"megatron_fsdp.{home}"), name), name
+    assert megatron_fsdp.utils is importlib.import_module("megatron_fsdp.utils")
+    # Importing the submodule `megatron_fsdp.fully_shard` sets the package attribute of that name to it; the
+    # attribute stays the function, as `megatron_fsdp.fully_shard(model, optimizer, ...)` calls it.
+    function = megatron_fsdp.fully_shard
+    monkeypatch.setattr(megatron_fsdp, "fully_shard", sys.modules["megatron_fsdp.fully_shard"])
+    assert megatron_fsdp.fully_shard is function
