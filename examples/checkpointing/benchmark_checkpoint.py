@@ -57,10 +57,10 @@ class Run:
         from megatron.training.data_iterators import build_data_iterators
         from megatron.training.initialize import initialize_megatron
         from megatron.training.model_setup import setup_model_and_optimizer
-        from megatron.training.training import set_up_tokenizer_and_microbatches
+        from megatron.training.result_validation import setup_rerun_state_machine
 
-        self.args = args = initialize_megatron(None, {}, args=argv.split())
-        set_up_tokenizer_and_microbatches(args)
+        self.args = args = initialize_megatron(None, {}, args=argv.split())  # also the tokenizer and microbatches
+        setup_rerun_state_machine(args)  # --rerun-mode, as pretrain() sets it
         self.model, self.optimizer, self.scheduler, self.config = setup_model_and_optimizer(
             pretrain_gpt.model_provider, args)
         args.consumed_train_samples, args.iteration = 0, 0

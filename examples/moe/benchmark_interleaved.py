@@ -59,18 +59,14 @@ def _build_arm(flags, runtime, model_provider, datasets_provider):
 
 
 def initialize_job(first_arm_flags):
-    """Join the launched job and set up what pretrain() sets up once (timers, rerun state machine, tokenizer and
-    microbatches) from the first arm's flags; returns those validated arguments, the `runtime` of `_build_arm`."""
-    from megatron.core.timers import Timers
-    from megatron.training.global_vars import set_timers
+    """Join the launched job and set up what pretrain() sets up once (timers, tokenizer and microbatches, which
+    initialize_megatron() sets up, and the rerun state machine) from the first arm's flags; returns those validated
+    arguments, the `runtime` of `_build_arm`."""
     from megatron.training.initialize import initialize_megatron
     from megatron.training.result_validation import setup_rerun_state_machine
-    from megatron.training.training import set_up_tokenizer_and_microbatches
 
     runtime = initialize_megatron(args=first_arm_flags)
-    set_timers(Timers(runtime.timing_log_level, runtime.timing_log_option))
     setup_rerun_state_machine(runtime)
-    set_up_tokenizer_and_microbatches(runtime)
     return runtime
 
 

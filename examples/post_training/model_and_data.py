@@ -11,19 +11,10 @@ from megatron.training import checkpointing
 
 
 def setup_tokenizer_and_batches(args):
-    """What pretrain() sets up before building a model and reading data: the tokenizer, the padded vocabulary
-    size and the micro-batch calculator (the post-training examples run outside pretrain())."""
-    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
-    from megatron.training.global_vars import set_tokenizer
-    from megatron.training.checkpoint_args import padded_vocab_size
-    from megatron.training.tokenizer import build_tokenizer_from_args
-
+    """What pretrain() does before building a model and reading data, beyond what `initialize_megatron()` (in
+    `run_with_megatron`) already set up (the tokenizer, the padded vocabulary size, with --use-checkpoint-args the
+    checkpoint's, and the micro-batch calculator): checking the checkpoint format flags."""
     checkpointing.check_checkpoint_format(args)
-    tokenizer = build_tokenizer_from_args(args)
-    set_tokenizer(tokenizer)
-    # The checkpoint's rows under --use-checkpoint-args.
-    args.padded_vocab_size = padded_vocab_size(args, tokenizer.vocab_size)
-    init_num_microbatches_calculator(args.rank, args.global_batch_size, args.micro_batch_size, args.data_parallel_size)
 
 
 def build_model(args):

@@ -115,11 +115,16 @@ def generation_max_sequence_length(args):
 
 
 def build_tokenizer(args):
-    """The tokenizer of --tokenizer-type (set as the global one), and `args.padded_vocab_size` from it."""
-    from megatron.training.checkpoint_args import padded_vocab_size
+    """The tokenizer of --tokenizer-type (set as the global one), and `args.padded_vocab_size` from it: the one
+    `initialize_megatron()` (`run_with_megatron`) built from `args`, else built here."""
+    from megatron.training.tokenizer.tokenizer import padded_vocab_size
     from megatron.training.global_state import set_tokenizer
+    from megatron.training.initialize import tokenizer_set_up_for
     from megatron.training.tokenizer import build_tokenizer_from_args
 
+    tokenizer = tokenizer_set_up_for(args)
+    if tokenizer is not None:
+        return tokenizer
     tokenizer = build_tokenizer_from_args(args)
     set_tokenizer(tokenizer)
     # The checkpoint's rows under --use-checkpoint-args.

@@ -486,30 +486,6 @@ def apply_checkpoint_args(args, saved, with_parallel_layout=False, with_tokenize
     return changed
 
 
-def padded_vocab_size(args, vocab_size) -> int:
-    """The rows of the word embedding and output layer for a tokenizer of `vocab_size` tokens: the vocabulary
-    padded to a multiple of --make-vocab-size-divisible-by x TP size, or, with --use-checkpoint-args, the
-    checkpoint's rows (`apply_checkpoint_args` set them), which must cover the tokens and split over TP."""
-    from megatron.training.tokenizer import pad_vocab_size
-
-    tp = args.tensor_model_parallel_size
-    rows = getattr(args, "padded_vocab_size", None) if getattr(args, "use_checkpoint_args", False) else None
-    if rows is None:
-        return pad_vocab_size(vocab_size, args.make_vocab_size_divisible_by, tp)
-    if rows < vocab_size:
-        raise ValueError(
-            f"--use-checkpoint-args: the checkpoint's word embedding has {rows} rows, fewer than the {vocab_size} "
-            "tokens of this run's tokenizer; launch with the tokenizer the checkpoint was trained with "
-            "(--tokenizer-type, --vocab-size and its files)")
-    if rows % tp:
-        raise ValueError(
-            f"--use-checkpoint-args: the checkpoint's word embedding has {rows} rows (its padded vocabulary), which "
-            f"do not split over --tensor-model-parallel-size {tp}; resume at a TP size that divides {rows}, or "
-            "without --use-checkpoint-args, giving the model flags (a torch_dist load then pads the rows to "
-            "--make-vocab-size-divisible-by x TP, changing the padding rows)")
-    return rows
-
-
 def padding_origin(rows, vocab_size, divisor, tp) -> str:
     """How a run came to `rows` embedding rows, for messages: 'D x TP t' when --make-vocab-size-divisible-by D
     pads `vocab_size` tokens to them at TP t, else the checkpoint's rows that --use-checkpoint-args kept."""

@@ -1,5 +1,5 @@
-"""Process-wide handles: the parsed arguments and the timers (set by `initialize_megatron()`, which `pretrain()`
-calls), the --exit-signal-handler handler (from start-up on), the tokenizer (`pretrain()`), and while
+"""Process-wide handles: the parsed arguments, the tokenizer and the timers (set by `initialize_megatron()`, which
+`pretrain()` calls), the --exit-signal-handler handler (from start-up on), and while
 `pretrain()` trains, the training log's TensorBoard writer, W&B run and --log-energy monitor. Scripts import them
 from `megatron.training.global_vars` (upstream's module, whose `set_global_variables()` also sets them up); the
 training code imports them from here."""
@@ -32,7 +32,7 @@ def set_tokenizer(tokenizer):
 def get_tokenizer():
     if _TOKENIZER is None:
         raise RuntimeError("the tokenizer is not built: call megatron.training.global_vars.set_global_variables(args) "
-                           "(or pretrain()) first; initialize_megatron() does not build it")
+                           "or initialize_megatron() (which pretrain() calls) first")
     return _TOKENIZER
 
 

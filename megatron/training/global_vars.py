@@ -23,7 +23,7 @@ from megatron.training.global_state import (  # upstream's names, re-exported
     get_adlr_autoresume,
 )
 from megatron.training.signal_handler import install_exit_signal_handler, uninstall_exit_signal_handler
-from megatron.training.training import set_up_microbatches, set_up_tokenizer
+from megatron.training.initialize import set_up_microbatches, set_up_tokenizer
 
 __all__ = [
     "set_args",

@@ -8,11 +8,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.core.num_microbatches_calculator import (
+    destroy_num_microbatches_calculator,
+    init_num_microbatches_calculator,
+)
 from megatron.core.rank_layout import DEFAULT_ORDER
 from megatron.core.timers import Timers
 from megatron.training import accelerator
 from megatron.training.arguments import parse_args, validate_args
-from megatron.training.global_state import set_args, set_timers
+from megatron.training.global_state import get_tokenizer, set_args, set_timers, set_tokenizer
+from megatron.training.result_validation import setup_rerun_state_machine
 from megatron.training.run_control import setup_logging
 from megatron.training.signal_handler import install_exit_signal_handler, uninstall_exit_signal_handler
 
@@ -20,14 +25,17 @@ from megatron.training.signal_handler import install_exit_signal_handler, uninst
 def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unknown_args=False, args=None, *,
                         allow_no_cuda=False, skip_mpu_initialization=False, get_embedding_ranks=None,
                         get_position_embedding_ranks=None, parsed_args=None, store=None):
-    """Parse and validate flags, install the --exit-signal-handler handler, join the process group launched by
-    torchrun, build parallel groups, seed, and set the timers (`get_timers()`).
+    """Parse and validate flags, set up the globals as upstream's `set_global_variables()` does (the
+    number-of-microbatches calculator, `get_num_microbatches()`; the tokenizer, `get_tokenizer()`, padding
+    `args.padded_vocab_size`; the timers, `get_timers()`; the --exit-signal-handler handler), join the process
+    group launched by torchrun, build parallel groups, seed, and set up the rerun state machine of
+    --rerun-mode (`get_rerun_state_machine()`).
 
     `args` replaces `sys.argv[1:]`. Upstream's keywords: `parsed_args` (a namespace already parsed, used instead
     of parsing), `skip_mpu_initialization` (set the arguments and globals only: no process group, no seeding),
     `get_embedding_ranks` / `get_position_embedding_ranks` (passed to `initialize_model_parallel`), `store` (the
     rendezvous store of a process group created here). `allow_no_cuda` is accepted and changes nothing: without a
-    GPU the run uses gloo on the CPU.
+    GPU the run uses gloo on the CPU. Calling it again replaces the globals of the previous call.
 
     Returns the validated arguments (also available from `megatron.training.global_vars.get_args()`).
     """
@@ -43,6 +51,9 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unk
     install_exit_signal_handler(parsed)
     try:
         setup_logging(parsed)
+        destroy_num_microbatches_calculator()  # a previous call's
+        set_up_microbatches(parsed)
+        set_up_tokenizer(parsed)
         if not skip_mpu_initialization:
             set_cpu_threads()
             if getattr(parsed, "deterministic_mode", False):
@@ -52,9 +63,54 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unk
             set_random_seed(parsed.seed, parsed.data_parallel_random_init)
     except BaseException:
         uninstall_exit_signal_handler()
+        destroy_num_microbatches_calculator()
+        set_tokenizer(None)
         raise
     set_timers(Timers(parsed.timing_log_level, parsed.timing_log_option))  # get_timers(), as upstream
+    setup_rerun_state_machine(parsed)  # --rerun-mode, as upstream's initialize_megatron() sets it
     return parsed
+
+
+def set_up_tokenizer(args):
+    """Build the tokenizer of --tokenizer-type, make it `get_tokenizer()`'s and pad its vocabulary into
+    `args.padded_vocab_size` (with --use-checkpoint-args the checkpoint's rows, which validation put there),
+    printing upstream's " > padded vocab ..." line on rank 0."""
+    from megatron.training.tokenizer.tokenizer import padded_vocab_size
+    from megatron.training.tokenizer import build_tokenizer_from_args, padded_vocab_message
+
+    global _TOKENIZER_SET_UP
+    tokenizer = build_tokenizer_from_args(args)
+    set_tokenizer(tokenizer)
+    args.padded_vocab_size = padded_vocab_size(args, tokenizer.vocab_size)
+    _TOKENIZER_SET_UP = (args, tokenizer)
+    if getattr(args, "rank", 0) == 0:
+        print(padded_vocab_message(tokenizer.vocab_size, args.padded_vocab_size), flush=True)
+    return tokenizer
+
+
+_TOKENIZER_SET_UP = (None, None)  # (arguments, tokenizer) of the last set_up_tokenizer()
+
+
+def tokenizer_set_up_for(args):
+    """The global tokenizer when `set_up_tokenizer()` (`initialize_megatron()`) built it from `args` (and
+    `args.padded_vocab_size` is padded from it), else None."""
+    built_for, tokenizer = _TOKENIZER_SET_UP
+    if built_for is not args:
+        return None
+    try:
+        return tokenizer if get_tokenizer() is tokenizer else None
+    except RuntimeError:  # unset since
+        return None
+
+
+def set_up_microbatches(args):
+    """The number-of-microbatches calculator of --global-batch-size, --micro-batch-size, the data-parallel size
+    and --rampup-batch-size (`get_num_microbatches()`, `get_current_global_batch_size()`)."""
+    init_num_microbatches_calculator(
+        args.rank, args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
+        rampup_batch_size=getattr(args, "rampup_batch_size", None),
+        decrease_batch_size_if_needed=getattr(args, "decrease_batch_size_if_needed", False),
+    )
 
 
 def set_cpu_threads():

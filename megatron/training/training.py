@@ -1,8 +1,9 @@
 """`pretrain()`: Megatron's training driver.
 
-initialize (flags, process groups, seeds) -> tokenizer -> model, optimizer, scheduler -> checkpoint load ->
-data iterators -> train loop (one `train_step` per global batch: the pipeline schedule runs forward/backward
-over the microbatches, then the optimizer and scheduler step) with periodic evaluation, checkpoints and logs;
+initialize (flags, tokenizer, microbatch calculator, timers, process groups, seeds) -> model, optimizer,
+scheduler -> checkpoint load -> data iterators -> train loop (one `train_step` per global batch: the pipeline
+schedule runs forward/backward over the microbatches, then the optimizer and scheduler step) with periodic
+evaluation, checkpoints and logs;
 stops at --train-iters, --exit-interval, --exit-duration-in-mins or SIGTERM (saving a checkpoint first when
 --save is set). --skip-train evaluates instead of training; --iterations-to-skip drops chosen steps' batches;
 --profile and --log-progress wrap the loop (profiling.py, progress_log.py).
@@ -41,9 +42,9 @@ from megatron.training.data_iterators import build_data_iterators
 from megatron.training.energy_monitor import energy_not_counted
 from megatron.core.rerun_state_machine import destroy_rerun_state_machine, get_rerun_state_machine
 from megatron.core.rerun_data_iterator import wrap_for_reruns
-from megatron.core.timers import Timers, timed
-from megatron.training.global_state import get_args, set_timers, set_tokenizer, timers_or_none
-from megatron.training.initialize import initialize_megatron
+from megatron.core.timers import timed
+from megatron.training.global_state import get_args, set_timers, timers_or_none
+from megatron.training.initialize import initialize_megatron, set_up_microbatches, set_up_tokenizer
 from megatron.training.manual_gc import ManualGarbageCollection
 from megatron.training.model_setup import setup_model_and_optimizer
 from megatron.training.profiling import TrainingProfilers
@@ -69,7 +70,6 @@ from megatron.training.result_validation import (
     load_rerun_state,
     pause_result_validation,
     resume_result_validation,
-    setup_rerun_state_machine,
     validate_gradients,
 )
 from megatron.training.signal_handler import signal_handler_for_the_loop, uninstall_exit_signal_handler
@@ -127,8 +127,6 @@ def pretrain(
     args = initialize_megatron(extra_args_provider, args_defaults, args=argv, get_embedding_ranks=get_embedding_ranks,
                                get_position_embedding_ranks=get_position_embedding_ranks, store=store)
     try:
-        set_timers(Timers(args.timing_log_level, args.timing_log_option))
-        setup_rerun_state_machine(args)
         args.train_start_time = start_time
         return _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func, args)
     finally:
@@ -148,31 +146,11 @@ def resolve_model_type(model_type):
 
 
 def set_up_tokenizer_and_microbatches(args):
-    """What pretrain() sets up before it builds the model: the tokenizer (made global, its vocabulary padded into
-    `args.padded_vocab_size`) and the number-of-microbatches calculator."""
+    """The tokenizer (made global, its vocabulary padded into `args.padded_vocab_size`) and the
+    number-of-microbatches calculator, for a script that validated its arguments without `initialize_megatron()`
+    (which sets both up, as `pretrain()` uses them)."""
     set_up_tokenizer(args)
     set_up_microbatches(args)
-
-
-def set_up_tokenizer(args):
-    from megatron.training.checkpoint_args import padded_vocab_size
-    from megatron.training.tokenizer import build_tokenizer_from_args, padded_vocab_message
-
-    tokenizer = build_tokenizer_from_args(args)
-    set_tokenizer(tokenizer)
-    args.padded_vocab_size = padded_vocab_size(args, tokenizer.vocab_size)
-    if getattr(args, "rank", 0) == 0:
-        print(padded_vocab_message(tokenizer.vocab_size, args.padded_vocab_size), flush=True)
-
-
-def set_up_microbatches(args):
-    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
-
-    init_num_microbatches_calculator(
-        args.rank, args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
-        rampup_batch_size=getattr(args, "rampup_batch_size", None),
-        decrease_batch_size_if_needed=getattr(args, "decrease_batch_size_if_needed", False),
-    )
 
 
 def _check_data_files_before_building(args):
@@ -192,7 +170,6 @@ def _check_data_files_before_building(args):
 def _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func, args):
     checkpointing.check_checkpoint_format(args)
     _check_data_files_before_building(args)
-    set_up_tokenizer_and_microbatches(args)
     timers = timers_or_none()
     with timed(timers, "model-and-optimizer-setup", log_level=0, barrier=True):
         model, optimizer, scheduler, config = setup_model_and_optimizer(model_provider, args)

@@ -72,8 +72,6 @@ def build_tokenizer_from_args(args):
 
 def _build_tokenizer_as_upstream(args):
     """Upstream's `build_tokenizer(args)`: the tokenizer of `args`, with `args.padded_vocab_size` padded from it."""
-    from megatron.training.checkpoint_args import padded_vocab_size
-
     if getattr(args, "rank", 0) == 0:
         print(f"> building {args.tokenizer_type} tokenizer ...", flush=True)
     tokenizer = build_tokenizer_from_args(args)
@@ -112,6 +110,28 @@ def pad_vocab_size(orig_vocab_size, make_vocab_size_divisible_by, tensor_model_p
         raise ValueError(f"--tensor-model-parallel-size must be positive (got {tensor_model_parallel_size})")
     multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
     return -(-orig_vocab_size // multiple) * multiple
+
+
+def padded_vocab_size(args, vocab_size) -> int:
+    """The rows of the word embedding and output layer for a tokenizer of `vocab_size` tokens: the vocabulary
+    padded to a multiple of --make-vocab-size-divisible-by x TP size, or, with --use-checkpoint-args, the
+    checkpoint's rows (`apply_checkpoint_args` set them), which must cover the tokens and split over TP."""
+    tp = args.tensor_model_parallel_size
+    rows = getattr(args, "padded_vocab_size", None) if getattr(args, "use_checkpoint_args", False) else None
+    if rows is None:
+        return pad_vocab_size(vocab_size, args.make_vocab_size_divisible_by, tp)
+    if rows < vocab_size:
+        raise ValueError(
+            f"--use-checkpoint-args: the checkpoint's word embedding has {rows} rows, fewer than the {vocab_size} "
+            "tokens of this run's tokenizer; launch with the tokenizer the checkpoint was trained with "
+            "(--tokenizer-type, --vocab-size and its files)")
+    if rows % tp:
+        raise ValueError(
+            f"--use-checkpoint-args: the checkpoint's word embedding has {rows} rows (its padded vocabulary), which "
+            f"do not split over --tensor-model-parallel-size {tp}; resume at a TP size that divides {rows}, or "
+            "without --use-checkpoint-args, giving the model flags (a torch_dist load then pads the rows to "
+            "--make-vocab-size-divisible-by x TP, changing the padding rows)")
+    return rows
 
 
 def exact_padding_divisor(vocab_size, padded_vocab_size, tensor_model_parallel_size=1, preferred=None):

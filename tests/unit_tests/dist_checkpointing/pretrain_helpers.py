@@ -59,17 +59,12 @@ class TrainingState:
 
     def __init__(self, extra_args):
         import pretrain_gpt
-        from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
         from megatron.training.initialize import initialize_megatron
         from megatron.training.model_setup import setup_model_and_optimizer
-        from megatron.training.tokenizer import build_tokenizer_from_args, pad_vocab_size
 
+        # As pretrain(): initialize_megatron() builds the tokenizer (padding the vocabulary) and the
+        # number-of-microbatches calculator.
         args = initialize_megatron(None, {}, args=tiny_gpt_argv(extra_args).split())
-        tokenizer = build_tokenizer_from_args(args)
-        args.padded_vocab_size = pad_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
-                                                args.tensor_model_parallel_size)
-        init_num_microbatches_calculator(args.rank, args.global_batch_size, args.micro_batch_size,
-                                         args.data_parallel_size)
         self.args = args
         self.model, self.optimizer, self.scheduler, _ = setup_model_and_optimizer(pretrain_gpt.model_provider, args)
         self.args.consumed_train_samples = 0

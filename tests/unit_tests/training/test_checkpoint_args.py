@@ -195,7 +195,7 @@ def _run_args(**flags):
 def test_use_checkpoint_args_takes_the_padded_vocabulary_at_any_tp_size():
     """As upstream's load_args_from_checkpoint: the checkpoint's rows, not --make-vocab-size-divisible-by x TP of
     this run (121 tokens: 128 rows saved at TP 1, which TP 2 would pad to 256)."""
-    from megatron.training.checkpoint_args import padded_vocab_size
+    from megatron.training.tokenizer.tokenizer import padded_vocab_size
 
     run = _run_args()
     apply_checkpoint_args(run, argparse.Namespace(make_vocab_size_divisible_by=128, padded_vocab_size=128))
