@@ -48,6 +48,14 @@ def load_and_forward(state, tokens):
         state.close()
 
 
+def load_import_and_forward(flags, root, tokens):
+    """On one rank: our model of TINY_GPT + `flags` (an import's printed flags), loaded from `root` as training
+    loads it; its logits on `tokens`."""
+    from tests.unit_tests.dist_checkpointing.pretrain_helpers import TrainingState
+
+    return load_and_forward(TrainingState(f"{flags} --load {root} --finetune --ckpt-format torch_dist"), tokens)
+
+
 def train_save_and_forward(state, root, tokens, noise, perturb_buffers=None):
     """`state`'s model after one training step, its parameters moved by `noise` x N(0, 1) (and its buffers by
     `perturb_buffers(model, generator)` if given), saved in `root` as training saves it; its logits on `tokens`.

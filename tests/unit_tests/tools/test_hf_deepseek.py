@@ -21,7 +21,7 @@ from tests.unit_tests.tools.hf_conversion_helpers import (
     assert_logits_close,
     hf_tensors,
     import_hf,
-    load_and_forward,
+    load_import_and_forward,
     read_config,
     train_save_and_forward,
 )
@@ -78,13 +78,6 @@ def _save_hf_model(directory, **overrides):
     return logits
 
 
-def _load_and_forward(flags, root):
-    """On one rank: our model of TINY_GPT + `flags`, loaded from `root` as training loads it; its logits."""
-    from tests.unit_tests.dist_checkpointing.pretrain_helpers import TrainingState
-
-    return load_and_forward(TrainingState(f"{flags} --load {root} --finetune --ckpt-format torch_dist"), _tokens())
-
-
 @pytest.mark.world_size(1)
 def test_deepseek_v3_computes_transformers_logits_and_round_trips(tools, tmp_path, capsys):
     import transformers
@@ -103,7 +96,7 @@ def test_deepseek_v3_computes_transformers_logits_and_round_trips(tools, tmp_pat
     recorded = offline.read_checkpoint(os.path.join(tmp_path, "ours", "iter_0000000"))["common"]["args"]
     assert architecture_differences(recorded, build_parser().parse_args(flags.split())) == []
 
-    ours = run_on_ranks(1, _load_and_forward, flags, str(tmp_path / "ours"))[0]
+    ours = run_on_ranks(1, load_import_and_forward, flags, str(tmp_path / "ours"), _tokens())[0]
     assert ours.shape == (3, SEQUENCE, PADDED_VOCAB)
     assert_logits_close(theirs, ours, "DeepSeek-V3", LOGITS_TOLERANCE)
 

@@ -21,7 +21,7 @@ from tests.unit_tests.tools.hf_conversion_helpers import (
     assert_exports_back_bit_for_bit,
     assert_logits_close,
     import_hf,
-    load_and_forward,
+    load_import_and_forward,
     read_config,
     train_save_and_forward,
 )
@@ -68,13 +68,6 @@ def _save_hf_model(directory, name):
     return model, logits
 
 
-def _load_and_forward(flags, root):
-    """On one rank: our model of TINY_GPT + `flags`, loaded from `root` as training loads it; its logits."""
-    from tests.unit_tests.dist_checkpointing.pretrain_helpers import TrainingState
-
-    return load_and_forward(TrainingState(f"{flags} --load {root} --finetune --ckpt-format torch_dist"), _tokens())
-
-
 @pytest.mark.world_size(1)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_moe_model_computes_transformers_logits_and_round_trips(name, tools, tmp_path, capsys):
@@ -86,7 +79,7 @@ def test_moe_model_computes_transformers_logits_and_round_trips(name, tools, tmp
     assert MODELS[name][2] in flags and "--swiglu" in flags and "--disable-bias-linear" in flags
     assert ("--qk-layernorm" in flags) == (name == "qwen3_moe") and ("--add-qkv-bias" in flags) == (name == "qwen2_moe")
 
-    ours = run_on_ranks(1, _load_and_forward, flags, str(tmp_path / "ours"))[0]
+    ours = run_on_ranks(1, load_import_and_forward, flags, str(tmp_path / "ours"), _tokens())[0]
     assert ours.shape == (3, SEQUENCE, PADDED_VOCAB)
     assert_logits_close(theirs, ours, f"{name}", LOGITS_TOLERANCE)
 

@@ -19,7 +19,7 @@ from tests.unit_tests.multiprocess_harness import run_on_ranks
 from tests.unit_tests.tools.hf_conversion_helpers import (
     assert_logits_close,
     import_hf,
-    load_and_forward,
+    load_import_and_forward,
     read_config,
 )
 
@@ -69,13 +69,6 @@ def _save_hf_model(directory, name):
     return model, logits
 
 
-def _load_and_forward(flags, root):
-    """On one rank: our model of TINY_GPT + `flags`, loaded from `root` as training loads it; its logits."""
-    from tests.unit_tests.dist_checkpointing.pretrain_helpers import TrainingState
-
-    return load_and_forward(TrainingState(f"{flags} --load {root} --finetune --ckpt-format torch_dist"), _tokens())
-
-
 @pytest.mark.world_size(1)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_yarn_model_computes_transformers_logits_and_exports_its_rope(name, tools, tmp_path, capsys):
@@ -86,7 +79,7 @@ def test_yarn_model_computes_transformers_logits_and_exports_its_rope(name, tool
     flags = import_hf(convert_checkpoint, tmp_path / "hf", tmp_path / "ours", capsys)
     assert MODELS[name][2] in flags, flags
 
-    ours = run_on_ranks(1, _load_and_forward, flags, str(tmp_path / "ours"))[0]
+    ours = run_on_ranks(1, load_import_and_forward, flags, str(tmp_path / "ours"), _tokens())[0]
     assert ours.shape == (3, SEQUENCE, PADDED_VOCAB)
     assert_logits_close(theirs, ours, name, LOGITS_TOLERANCE)
 
