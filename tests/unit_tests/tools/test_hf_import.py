@@ -479,7 +479,8 @@ def _training_run(flags, common, use_checkpoint_args=True):
     model flags `common` records given on the command line), with the padded vocabulary training sets up before it
     loads."""
     from megatron.training.arguments import build_parser
-    from megatron.training.checkpoint_args import apply_checkpoint_args, padded_vocab_size, true_vocab_size
+    from megatron.training.checkpoint_args import apply_checkpoint_args, true_vocab_size
+    from megatron.training.tokenizer.tokenizer import padded_vocab_size
 
     run = build_parser().parse_args((flags + (" --use-checkpoint-args" if use_checkpoint_args else "")).split())
     apply_checkpoint_args(run, common["args"])

@@ -442,7 +442,7 @@ def test_release_tracker_is_older_than_any_non_persistent_checkpoint(tmp_path):
     args = argparse.Namespace(load=str(tmp_path), ckpt_step=None, non_persistent_global_ckpt_dir=None)
     source = checkpoint_sources.checkpoint_to_load(args)
     assert (source.iteration, source.directory, source.non_persistent) == ("release", str(tmp_path / "release"), False)
-    (tmp_path / "non_persistent").mkdir()
+    (tmp_path / "non_persistent" / "iter_0000003").mkdir(parents=True)
     checkpointing.write_tracker(tmp_path / "non_persistent", 3)
     source = checkpoint_sources.checkpoint_to_load(args)
     assert (source.iteration, source.non_persistent) == (3, True)
