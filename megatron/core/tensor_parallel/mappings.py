@@ -179,37 +179,31 @@ class _ReduceFromTensorModelParallelRegion(torch.autograd.Function):
         return grad_output, None
 
 
-class _ScatterToTensorModelParallelRegion(torch.autograd.Function):
-    @staticmethod
+def _adjoint_pair(name, forward_op, backward_op):
+    """An autograd function computing `forward_op(input_, group)` whose gradient is `backward_op(grad, group)`
+    (the op's adjoint: a split's is the gather, a gather's the split or reduce-scatter)."""
+
     def forward(ctx, input_, group):
         ctx.group = group
-        return _split_last_dim(input_, group)
+        return forward_op(input_, group)
 
-    @staticmethod
     def backward(ctx, grad_output):
-        return _all_gather_last_dim(grad_output, ctx.group), None
+        return backward_op(grad_output, ctx.group), None
+
+    methods = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
+    return type(name, (torch.autograd.Function,), methods)
 
 
-class _GatherFromTensorModelParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_, group):
-        ctx.group = group
-        return _all_gather_last_dim(input_, group)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _split_last_dim(grad_output, ctx.group), None
-
-
-class _ScatterToSequenceParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_, group):
-        ctx.group = group
-        return _split_first_dim(input_, group)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _all_gather_first_dim(grad_output, ctx.group), None
+_ScatterToTensorModelParallelRegion = _adjoint_pair(
+    "_ScatterToTensorModelParallelRegion", _split_last_dim, _all_gather_last_dim)
+_GatherFromTensorModelParallelRegion = _adjoint_pair(
+    "_GatherFromTensorModelParallelRegion", _all_gather_last_dim, _split_last_dim)
+_ScatterToSequenceParallelRegion = _adjoint_pair(
+    "_ScatterToSequenceParallelRegion", _split_first_dim, _all_gather_first_dim)
+_AllGatherLastDimFromTensorParallelRegion = _adjoint_pair(
+    "_AllGatherLastDimFromTensorParallelRegion", _all_gather_last_dim, _reduce_scatter_last_dim)
+_ReduceScatterLastDimToTensorParallelRegion = _adjoint_pair(
+    "_ReduceScatterLastDimToTensorParallelRegion", _reduce_scatter_last_dim, _all_gather_last_dim)
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
@@ -239,28 +233,6 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         return _all_gather_first_dim(grad_output, ctx.group, ctx.input_split_sizes), None, None
-
-
-class _AllGatherLastDimFromTensorParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_, group):
-        ctx.group = group
-        return _all_gather_last_dim(input_, group)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _reduce_scatter_last_dim(grad_output, ctx.group), None
-
-
-class _ReduceScatterLastDimToTensorParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_, group):
-        ctx.group = group
-        return _reduce_scatter_last_dim(input_, group)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _all_gather_last_dim(grad_output, ctx.group), None
 
 
 class _AllToAll(torch.autograd.Function):
