@@ -21,28 +21,36 @@ RUNTIME_HOOK_FIELDS = frozenset(
 )
 
 
-def allow_runtime_hook_assignment(config_class):
-    """Let instances of the frozen config dataclass `config_class` take plain assignment of the
-    `RUNTIME_HOOK_FIELDS`; assigning any other field stays refused, naming `dataclasses.replace`. Every frozen
-    dataclass gets its own `__setattr__`, so each config class that wants this applies it (ModelParallelConfig,
-    TransformerConfig)."""
+def refuse_assignment_naming_replace(config_class, instance_name="config", assignable=(), reason=""):
+    """Make assigning a field of the frozen config dataclass `config_class` raise naming
+    `dataclasses.replace(<instance_name>, ...)`, which re-validates (upstream's configs are mutable and upstream
+    loops assign their fields), `reason` following "is frozen"; the fields in `assignable` take plain assignment.
+    Every frozen dataclass gets its own `__setattr__`, so each config class applies this itself."""
     frozen_setattr = config_class.__setattr__
+    hooks_note = (f" (only the hooks {', '.join(sorted(assignable))} may be assigned in place)" if assignable
+                  else "")
 
     def __setattr__(self, name, value):
-        if name in RUNTIME_HOOK_FIELDS:
+        if name in assignable:
             object.__setattr__(self, name, value)
             return
         try:
             frozen_setattr(self, name, value)
         except AttributeError as error:  # dataclasses.FrozenInstanceError
             raise type(error)(
-                f"cannot assign to field {name!r}: {type(self).__name__} is frozen; build a new one with "
-                f"dataclasses.replace(config, {name}=...), which re-validates (only the hooks "
-                f"{', '.join(sorted(RUNTIME_HOOK_FIELDS))} may be assigned in place)"
+                f"cannot assign to field {name!r}: {type(self).__name__} is frozen{reason}; build a new one with "
+                f"dataclasses.replace({instance_name}, {name}=...), which re-validates{hooks_note}"
             ) from None
 
     config_class.__setattr__ = __setattr__
     return config_class
+
+
+def allow_runtime_hook_assignment(config_class):
+    """Let instances of the frozen config dataclass `config_class` take plain assignment of the
+    `RUNTIME_HOOK_FIELDS`; assigning any other field stays refused, naming `dataclasses.replace`
+    (ModelParallelConfig, TransformerConfig)."""
+    return refuse_assignment_naming_replace(config_class, assignable=RUNTIME_HOOK_FIELDS)
 
 
 @allow_runtime_hook_assignment

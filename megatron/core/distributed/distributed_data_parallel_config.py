@@ -1,34 +1,20 @@
 """`DistributedDataParallelConfig`: how gradients are bucketed, reduced and (optionally) sharded."""
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 import torch
+
+from megatron.core.model_parallel_config import refuse_assignment_naming_replace
 
 DATA_PARALLEL_SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 MEGATRON_FSDP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OUTER_DP_SHARDING_STRATEGIES = ("no_shard", "optim")
 
 
-def _refuse_assignment_naming_replace(config_class):
-    """Assigning a field of the frozen config raises naming `dataclasses.replace`, which re-validates (upstream's
-    config is mutable and its training loop assigns e.g. `ddp_config.bucket_size`)."""
-    frozen_setattr = config_class.__setattr__
-
-    def __setattr__(self, name, value):
-        try:
-            frozen_setattr(self, name, value)
-        except AttributeError as error:  # dataclasses.FrozenInstanceError
-            raise type(error)(
-                f"cannot assign to field {name!r}: {type(self).__name__} is frozen (its rules are checked once, at "
-                f"construction); build a new one with dataclasses.replace(ddp_config, {name}=...), which re-validates"
-            ) from None
-
-    config_class.__setattr__ = __setattr__
-    return config_class
-
-
-@_refuse_assignment_naming_replace
+@partial(refuse_assignment_naming_replace, instance_name="ddp_config",
+         reason=" (its rules are checked once, at construction)")
 @dataclass(frozen=True)
 class DistributedDataParallelConfig:
     """Settings of the data-parallel wrappers; `use_megatron_fsdp` / `use_torch_fsdp2` select the wrapper
