@@ -58,6 +58,14 @@ def _check_upstream_layer_arguments(submodules, pg_collection, vp_stage):
                          "number in the whole model (no pipeline offset is added); pass that and vp_stage=None")
 
 
+def _mlp_output(result):
+    """The MLP block's output: `MoELayer` returns upstream's `(output, mlp_bias)`, the dense `MLP` the output."""
+    if isinstance(result, tuple):
+        output, bias = result
+        return output if bias is None else output + bias
+    return result
+
+
 class TransformerLayer(torch.nn.Module):
     """Args (upstream's order): config; submodules: None (the `.submodules` of the specs of `gpt_layer_specs`: the
     layer is built from the config); layer_number: 1-based
@@ -140,14 +148,14 @@ class TransformerLayer(torch.nn.Module):
         fused = self.norms_fused_into_mlp
         if self.training and (self.checkpoint_mlp or self.checkpoint_norm_and_mlp):
             if self.recompute_pre_mlp_layernorm:
-                return None, checkpointed(lambda hidden: self.mlp(self._norm(self.pre_mlp_layernorm, hidden, fused)),
-                                          hidden_states)
+                return None, _mlp_output(checkpointed(
+                    lambda hidden: self.mlp(self._norm(self.pre_mlp_layernorm, hidden, fused)), hidden_states))
             mlp_input = self._norm(self.pre_mlp_layernorm, hidden_states, fused)
-            return mlp_input, checkpointed(self.mlp, mlp_input)
+            return mlp_input, _mlp_output(checkpointed(self.mlp, mlp_input))
         mlp_input, mlp_context = self._norm_for(self.pre_mlp_layernorm, hidden_states, fused,
                                                 self.recompute_pre_mlp_layernorm)
         with mlp_context:
-            return mlp_input, self.mlp(mlp_input)
+            return mlp_input, _mlp_output(self.mlp(mlp_input))
 
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
         """`inference_context` (a `StaticInferenceContext`): decode through its key/value cache (see

@@ -146,7 +146,7 @@ def test_experts_equal_the_dense_mlp_of_their_weights(grouped):
 
 def test_shared_experts_compute_the_formula():
     config = moe_config(moe_shared_expert_intermediate_size=32)
-    shared = SharedExpertMLP(config, SEED)
+    shared = SharedExpertMLP(config, layer_init_seed=SEED)
     _widen(shared)
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
@@ -156,6 +156,7 @@ def test_shared_experts_compute_the_formula():
 def _run(module, x, upstream):
     x = x.clone().requires_grad_()
     output = module(x)
+    output = output[0] if isinstance(output, tuple) else output  # MoELayer: (output, None)
     (output * upstream).sum().backward()
     return output.detach(), x.grad, {name: param.grad for name, param in module.named_parameters()}
 

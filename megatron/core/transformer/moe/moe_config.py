@@ -215,12 +215,16 @@ class MoEConfigMixin:
     """DeepEP dispatch (`--moe-enable-deepep`): refused, it needs DeepEP on CUDA GPUs."""
     moe_deepep_num_sms: int = 20
     """Streaming multiprocessors DeepEP uses (`--moe-deepep-num-sms`); read by DeepEP only."""
+    moe_router_topk_limited_devices: Optional[int] = None
+    """Upstream's removed device-limited routing (`--moe-router-topk-limited-devices`): refused, naming its
+    replacement (group-limited routing, one group per expert-parallel rank)."""
 
     @property
     def num_local_experts(self):
         return self.num_moe_experts // self.expert_model_parallel_size
 
     def _validate_moe(self):
+        self._refuse_topk_limited_devices()
         if self.num_moe_experts is None:
             self._validate_no_moe_flags()
             return
@@ -240,6 +244,16 @@ class MoEConfigMixin:
         if self.fp8 is not None and self.transformer_impl == "transformer_engine":
             raise ValueError("--fp8-format with --num-experts needs --transformer-impl local: the experts run the "
                              "torch-native FP8 linears, which Transformer Engine's FP8 autocast does not reach")
+
+    def _refuse_topk_limited_devices(self):
+        devices, ep = self.moe_router_topk_limited_devices, self.expert_model_parallel_size
+        if devices is None:
+            return
+        replacement = (f"set moe_router_num_groups={ep} (--moe-router-num-groups) and moe_router_group_topk="
+                       f"{devices} (--moe-router-group-topk) instead" if devices < ep
+                       else f"at expert_model_parallel_size {ep} it limits nothing: drop it")
+        raise ValueError("moe_router_topk_limited_devices (--moe-router-topk-limited-devices) was replaced upstream "
+                         f"by group-limited routing (one group of experts per expert-parallel rank): {replacement}")
 
     def _validate_no_moe_flags(self):
         for name, (flag, default) in _FIELDS_NEEDING_EXPERTS.items():

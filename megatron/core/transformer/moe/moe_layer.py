@@ -1,5 +1,6 @@
 """`MoELayer`: the MLP block of a Mixture-of-Experts transformer layer (router, token dispatcher, this rank's
-experts, optional shared experts). `[s, b, h]` in, `[s, b, h]` out, like the dense `MLP` it replaces.
+experts, optional shared experts). `[s, b, h]` in; out, as upstream, `(output [s, b, h], mlp_bias)` with
+`mlp_bias` None (the experts' biases are inside the output).
 
 At `--tensor-model-parallel-size` > 1 the layer trains only under `--sequence-parallel` (each TP rank routes its
 own share of the tokens); without it (generation, in eval mode) every TP rank routes all the tokens, and the
@@ -53,7 +54,7 @@ class MoELayer(torch.nn.Module):
         self.token_dispatcher = build_token_dispatcher(config, self.num_local_experts, self.local_expert_indices)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:
-            self.shared_experts = SharedExpertMLP(config, init_seed)
+            self.shared_experts = SharedExpertMLP(config, layer_init_seed=init_seed)
 
     def set_layer_number(self, layer_number):
         """The 1-based global layer number under which the router logs its losses (upstream's method)."""
@@ -68,8 +69,8 @@ class MoELayer(torch.nn.Module):
                 "needs --sequence-parallel (each tensor-parallel rank then routes its own share of the tokens "
                 "instead of all of them); add --sequence-parallel, or set the model to eval mode to generate")
         if (self.config.moe_layer_recompute or self.config.recomputes("moe")) and self.training:
-            return checkpointed(self._forward, hidden_states)
-        return self._forward(hidden_states)
+            return checkpointed(self._forward, hidden_states), None
+        return self._forward(hidden_states), None
 
     def _forward(self, hidden_states):
         probs, routing_map = self.router(hidden_states)

@@ -112,6 +112,7 @@ def sinkhorn(cost, tol=1e-4, max_iterations=1000):
 AUX_LOSS_LOG_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
                       "global_aux_loss": "global_load_balancing_loss"}
 _tracked = {}  # name -> float64 tensor [num_layers] (global layer index), on the device of the first value
+_tracked_groups = {}  # name -> (reduce_group, avg_group, reduce_group_has_dp), as the last save gave them
 _tracked_layers = set()  # 1-based global numbers of the layers this rank tracked a loss for
 _per_layer = {"requested": False}  # --moe-per-layer-logging, as the routers that tracked a value were configured
 
@@ -125,33 +126,71 @@ def aux_loss_layer_counts(num_layers, moe_layer_freq, mtp_num_layers=None):
     return num_layers + depths, sum(pattern) + (depths if pattern and pattern[-1] else 0)
 
 
-def save_to_aux_losses_tracker(name, value, layer_number, num_layers, *, per_layer=False):
-    """Add `value` (this rank's share of the layer's loss, without its coefficient) to layer `layer_number`'s
-    (1-based, global) entry of loss `name`, one of `num_layers` entries (`aux_loss_layer_counts`); `per_layer`
-    (`--moe-per-layer-logging`) asks the logger for each layer's value too. A recomputed forward (activation
-    recompute) adds nothing: its original forward already did; nor does a layer without a number (None, as
-    upstream: a router built outside a numbered transformer layer)."""
+def save_to_aux_losses_tracker(name, loss, layer_number, num_layers, reduce_group=None, avg_group=None,
+                               reduce_group_has_dp=False, *, per_layer=False):
+    """Add `loss` (this rank's value, without its coefficient) to layer `layer_number`'s (1-based, global) entry
+    of loss `name`, one of `num_layers` entries (`aux_loss_layer_counts`). When logged, as upstream, the value is
+    summed over `reduce_group` (each rank holds a share of the loss), averaged over `avg_group`, averaged over
+    the data-parallel replicas (unless `reduce_group_has_dp`: the sum already spans them) and summed over the
+    pipeline stages; without groups each rank's value is its own (averaged over the stage's ranks for the log).
+    `per_layer` (`--moe-per-layer-logging`) asks the logger for each layer's value too. A recomputed forward
+    (activation recompute) adds nothing: its original forward already did; nor does a layer without a number
+    (None, as upstream: a router built outside a numbered transformer layer)."""
     if is_recomputing() or layer_number is None:
         return
+    if not 1 <= layer_number <= num_layers:
+        raise ValueError(f"save_to_aux_losses_tracker({name!r}): layer_number {layer_number} is outside 1.."
+                         f"{num_layers} (num_layers); pass the 1-based global layer number")
     _tracked_layers.add(layer_number)
     _per_layer["requested"] = _per_layer["requested"] or bool(per_layer)
     values = _tracked.get(name)
     if values is None or values.numel() != num_layers:
-        values = torch.zeros(num_layers, dtype=torch.float64, device=value.device)
+        values = torch.zeros(num_layers, dtype=torch.float64, device=loss.device)
         _tracked[name] = values
-    values[layer_number - 1] += value.detach().to(torch.float64)
+    values[layer_number - 1] += loss.detach().to(torch.float64)
+    _tracked_groups[name] = (reduce_group, avg_group, bool(reduce_group_has_dp))
 
 
 def get_moe_layer_wise_logging_tracker():
-    """Upstream's view of the tracker: {name: {"values": float64 tensor [num_layers]}}, each layer's tracked
-    value (summed over this iteration's microbatches, this rank's share) at its 0-based global index."""
-    return {name: {"values": values} for name, values in _tracked.items()}
+    """Upstream's view of the tracker: {name: {"values": float64 tensor [num_layers], "reduce_group",
+    "avg_group", "reduce_group_has_dp"}}, each layer's tracked value (summed over this iteration's microbatches,
+    this rank's) at its 0-based global index, and the groups its last save named."""
+    view = {}
+    for name, values in _tracked.items():
+        reduce_group, avg_group, has_dp = _tracked_groups.get(name, (None, None, False))
+        view[name] = {"values": values, "reduce_group": reduce_group, "avg_group": avg_group,
+                      "reduce_group_has_dp": has_dp}
+    return view
 
 
 def clear_aux_losses_tracker():
     _tracked.clear()
+    _tracked_groups.clear()
     _tracked_layers.clear()
     _per_layer["requested"] = False
+
+
+def _stage_size(data_parallel_size):
+    """Ranks of one pipeline stage of one data-parallel replica (TP x CP): the world's sum of the logged shares,
+    divided by the data-parallel size, must count each stage's value once."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return 1
+    pipeline_size = (parallel_state.get_pipeline_model_parallel_world_size()
+                     if parallel_state.model_parallel_is_initialized() else 1)
+    return max(1, dist.get_world_size() // (pipeline_size * data_parallel_size))
+
+
+def _logged_share(name, stage_size):
+    """This rank's share of loss `name`'s logged value: its tracked values reduced over the groups the routers
+    named (sum over `reduce_group`, mean over `avg_group`; collectives over those groups), over the stage size."""
+    values = _tracked[name].clone()
+    reduce_group, avg_group, _ = _tracked_groups.get(name, (None, None, False))
+    if reduce_group is not None and dist.get_world_size(reduce_group) > 1:
+        dist.all_reduce(values, group=reduce_group)
+    if avg_group is not None and dist.get_world_size(avg_group) > 1:
+        dist.all_reduce(values, group=avg_group)  # gloo has no AVG
+        values /= dist.get_world_size(avg_group)
+    return values / stage_size
 
 
 def tracked_aux_loss_names(load_balancing_type, aux_loss_coeff, z_loss_coeff):
@@ -165,16 +204,18 @@ def tracked_aux_loss_names(load_balancing_type, aux_loss_coeff, z_loss_coeff):
 
 def reduce_aux_losses_for_logging(names, num_layers, num_moe_layers, num_microbatches, data_parallel_size, device):
     """{name: value} averaged over the MoE layers and microbatches (collective over the world: every rank calls
-    it with the same `names`). Each rank holds its tensor-/context-parallel share of its pipeline stage's layers
-    for its data-parallel replica, so the world sum divided by the data-parallel size is each layer's loss summed
-    over microbatches. With `--moe-per-layer-logging` (on any rank's routers) also `{name}_layer_{i}`: MoE layer
-    i's (0-based global index, as upstream) value averaged over the microbatches."""
+    it with the same `names`; and over the groups the routers named). After the groups' reductions each rank
+    holds its share of its pipeline stage's layers for its data-parallel replica (`_logged_share`), so the world
+    sum divided by the data-parallel size is each layer's loss summed over microbatches. With
+    `--moe-per-layer-logging` (on any rank's routers) also `{name}_layer_{i}`: MoE layer i's (0-based global
+    index, as upstream) value averaged over the microbatches."""
     if not names:
         return {}
     stacked = torch.zeros(len(names), num_layers, dtype=torch.float64, device=device)
+    stage_size = _stage_size(data_parallel_size)
     for row, name in enumerate(names):
         if name in _tracked:
-            stacked[row] = _tracked[name].to(device)
+            stacked[row] = _logged_share(name, stage_size).to(device)
     # One more row: which layers some rank tracked, and (last element) whether per-layer values were asked for.
     extra = torch.zeros(num_layers + 1, dtype=torch.float64, device=device)
     for layer_number in _tracked_layers:

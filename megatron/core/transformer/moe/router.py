@@ -204,9 +204,12 @@ class TopKRouter(torch.nn.Module):
 
     def _attach_z_loss(self, logits):
         group, size = _group_size(parallel_state.get_tensor_and_context_parallel_group)
-        loss = moe_utils.z_loss(logits, self.config.moe_z_loss_coeff / size)
-        moe_utils.save_to_aux_losses_tracker("z_loss", loss / self.config.moe_z_loss_coeff, self.layer_number,
-                                             self.num_logged_layers, per_layer=self.config.moe_per_layer_logging)
+        coeff = self.config.moe_z_loss_coeff / size
+        loss = moe_utils.z_loss(logits, coeff)
+        # Each rank's z-loss of its own tokens, averaged over TP x CP for the log (as upstream).
+        moe_utils.save_to_aux_losses_tracker("z_loss", loss / coeff, self.layer_number, self.num_logged_layers,
+                                             avg_group=group if size > 1 else None,
+                                             per_layer=self.config.moe_per_layer_logging)
         return moe_utils.MoEAuxLossAutoScaler.apply(logits, loss)
 
     def _attach_load_balancing_losses(self, probs, logits, seq_length, batch_size, terms):
@@ -220,15 +223,25 @@ class TopKRouter(torch.nn.Module):
                 loss = self._sequence_loss(scores, aux_map, seq_length, batch_size, coeff)
             else:
                 loss = self._global_loss(scores, aux_map, coeff)
-            logged = loss / coeff
-            if kind == "global_aux_loss":
-                # The logger divides the world's sum by the data-parallel size (each replica has its own loss);
-                # the shares of this loss already sum to the one loss of the global batch over DP.
-                logged = logged * parallel_state.get_data_parallel_world_size()
-            moe_utils.save_to_aux_losses_tracker(moe_utils.AUX_LOSS_LOG_NAMES[kind], logged, self.layer_number,
-                                                 self.num_logged_layers, per_layer=config.moe_per_layer_logging)
+            # Each rank's loss is its share of the loss of the tokens its counts span: the log sums the shares
+            # over that group (TP x CP; TP x DP x CP for the global batch's loss), as upstream.
+            share_group = self._share_group(kind)
+            moe_utils.save_to_aux_losses_tracker(moe_utils.AUX_LOSS_LOG_NAMES[kind], loss / coeff, self.layer_number,
+                                                 self.num_logged_layers, reduce_group=share_group,
+                                                 reduce_group_has_dp=kind == "global_aux_loss",
+                                                 per_layer=config.moe_per_layer_logging)
             probs = moe_utils.MoEAuxLossAutoScaler.apply(probs, loss)
         return probs
+
+    @staticmethod
+    def _share_group(kind):
+        """The group whose ranks' losses add up to `kind`'s loss (None: one rank holds all of it)."""
+        if kind == "global_aux_loss":
+            group, size = _group_size(
+                lambda: parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True))
+        else:
+            group, size = _group_size(parallel_state.get_tensor_and_context_parallel_group)
+        return group if size > 1 else None
 
     def _switch_loss(self, scores, aux_map, coeff):
         group, size = _group_size(parallel_state.get_tensor_and_context_parallel_group)

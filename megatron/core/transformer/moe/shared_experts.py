@@ -15,20 +15,34 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from megatron.core.transformer.init_seeds import derive_init_seed, initialization_rng
+from megatron.core.transformer.init_seeds import derive_init_seed, initialization_rng, resolve_base_init_seed
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.recompute import checkpointed
 from megatron.core.transformer.utils import initialize_from_cpu_master, parameter_device
 
 
 class SharedExpertMLP(MLP):
-    """Args: config (with `moe_shared_expert_intermediate_size` set); layer_init_seed: the owning layer's seed."""
+    """Args, in upstream's order: config (with `moe_shared_expert_intermediate_size` set); submodules: upstream's
+    `MLPSubmodules` (the config picks the modules here; accepted and not read); gate: build the gate (None: as
+    `moe_shared_expert_gate`); pg_collection: must be None (the groups come from `parallel_state`).
+    layer_init_seed (keyword): the owning layer's init seed (None: the config's base seed, see `init_seeds`)."""
 
-    def __init__(self, config, layer_init_seed):
+    def __init__(self, config, submodules=None, gate=None, pg_collection=None, *, layer_init_seed=None):
+        if isinstance(submodules, int) and not isinstance(submodules, bool):
+            raise TypeError("SharedExpertMLP(config, submodules, gate): pass the layer's init seed as the keyword "
+                            "layer_init_seed")
+        if pg_collection is not None:
+            raise ValueError("SharedExpertMLP(pg_collection=...) is not supported: the process groups come from "
+                             "parallel_state.initialize_model_parallel; drop pg_collection")
+        if config.moe_shared_expert_intermediate_size is None:
+            raise ValueError("SharedExpertMLP needs --moe-shared-expert-intermediate-size "
+                             "(config.moe_shared_expert_intermediate_size), the shared experts' total width")
+        if layer_init_seed is None:
+            layer_init_seed = resolve_base_init_seed(config)
         shared_config = dataclasses.replace(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
         super().__init__(shared_config, init_seed=derive_init_seed(layer_init_seed, "mlp.shared_experts"))
         self.gate_weight = None
-        if config.moe_shared_expert_gate:
+        if config.moe_shared_expert_gate if gate is None else gate:
             self.gate_init_seed = derive_init_seed(layer_init_seed, "mlp.shared_experts.gate_weight")
             self.gate_weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype,
                                                               device=parameter_device(config)))

@@ -292,3 +292,12 @@ def test_upstream_config_fields_of_fused_kernels_and_renamed_padding():
         TransformerConfig(**SHAPE, moe_router_padding_for_quantization=True)
     with pytest.raises(ValueError, match="--moe-enable-deepep"):
         moe_config(moe_enable_deepep=True)
+
+
+def test_upstream_topk_limited_devices_field_names_its_replacement():
+    with pytest.raises(ValueError, match=r"moe_router_topk_limited_devices \(--moe-router-topk-limited-devices\) "
+                                         r"was replaced .*: set moe_router_num_groups=2 .* moe_router_group_topk=1"):
+        moe_config(moe_router_topk_limited_devices=1, expert_model_parallel_size=2)
+    with pytest.raises(ValueError, match="at expert_model_parallel_size 1 it limits nothing: drop it"):
+        moe_config(moe_router_topk_limited_devices=2)
+    assert moe_config().moe_router_topk_limited_devices is None

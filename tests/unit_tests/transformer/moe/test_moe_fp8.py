@@ -52,7 +52,7 @@ def _run(layer, hidden, upstream, fp8):
     hidden = hidden.clone().requires_grad_()
     context = get_fp8_context(layer.config, layer_no=0) if fp8 else torch.enable_grad()
     with context:
-        output = layer(hidden)
+        output, _ = layer(hidden)
     (output * upstream).sum().backward()
     grads = {name: param.grad.detach().clone() for name, param in layer.named_parameters()}
     return output.detach(), hidden.grad, grads

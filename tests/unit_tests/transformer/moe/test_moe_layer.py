@@ -53,7 +53,7 @@ def test_layer_equals_hand_built_reference(dispatcher, extra):
     layer = MoELayer(moe_config(moe_token_dispatcher_type=dispatcher, **extra), layer_number=1, init_seed=LAYER_SEED)
     hidden, _ = _inputs()
     expected, _ = _hand_built(layer, hidden)
-    torch.testing.assert_close(layer(hidden), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer(hidden)[0], expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dispatcher", DISPATCHERS)
@@ -62,11 +62,11 @@ def test_dispatcher_keeps_no_routing_after_combining(dispatcher):
     tokens are combined: a second forward gives the same output, and none of it outlives the first."""
     layer = MoELayer(moe_config(moe_token_dispatcher_type=dispatcher), layer_number=1, init_seed=LAYER_SEED)
     hidden, _ = _inputs()
-    first = layer(hidden.requires_grad_())
+    first, _ = layer(hidden.requires_grad_())
     kept = set(layer.token_dispatcher.ROUTING_STATE) & set(vars(layer.token_dispatcher))
     assert not kept, f"routing state kept after combine: {sorted(kept)}"
     first.sum().backward()
-    torch.testing.assert_close(layer(hidden), first, rtol=0, atol=0)
+    torch.testing.assert_close(layer(hidden)[0], first, rtol=0, atol=0)
 
 
 def test_shared_expert_overlap_gives_the_same_result():
@@ -74,7 +74,7 @@ def test_shared_expert_overlap_gives_the_same_result():
     plain = MoELayer(moe_config(**common), init_seed=LAYER_SEED)
     overlapped = MoELayer(moe_config(moe_shared_expert_overlap=True, **common), init_seed=LAYER_SEED)
     hidden, _ = _inputs()
-    assert torch.equal(plain(hidden), overlapped(hidden))
+    assert torch.equal(plain(hidden)[0], overlapped(hidden)[0])
 
 
 def test_shared_expert_gate_scales_the_shared_output():
@@ -87,7 +87,7 @@ def test_shared_expert_gate_scales_the_shared_output():
     assert "shared_experts.gate_weight" not in dict(MoELayer(moe_config(moe_shared_expert_intermediate_size=32),
                                                             init_seed=LAYER_SEED).named_parameters())
     hidden, upstream = _inputs()
-    output = layer(hidden)
+    output, _ = layer(hidden)
     (output * upstream).sum().backward()
 
     gate_weight = shared.gate_weight.detach().clone().requires_grad_()
@@ -119,16 +119,40 @@ def test_upstream_constructor_arguments_and_layer_number():
     hidden, _ = _inputs()
     moe_utils.clear_aux_losses_tracker()  # what earlier tests' training forwards left
     try:
-        layer(hidden).sum().backward()
+        layer(hidden)[0].sum().backward()
         logged = moe_utils.get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"]
         assert logged[1].item() > 0 and logged.count_nonzero().item() == 1
         layer.set_layer_number(1)
-        layer(hidden).sum().backward()
+        layer(hidden)[0].sum().backward()
         assert logged[0].item() == pytest.approx(logged[1].item())
     finally:
         moe_utils.clear_aux_losses_tracker()
     with pytest.raises(ValueError, match="pg_collection"):
         MoELayer(moe_config(), None, 1, pg_collection=object())
+
+
+class _NoAttention(torch.nn.Module):
+    def forward(self, hidden_states, **kwargs):
+        return torch.zeros_like(hidden_states)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_forward_returns_output_and_mlp_bias_as_upstream(recompute):
+    """`output, mlp_bias = moe_layer(hidden)` as upstream (mlp_bias None); the transformer layer adds the output
+    to the residual stream, also when it checkpoints the layer."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    hidden, _ = _inputs()
+    config = moe_config(moe_layer_recompute=recompute)
+    layer = MoELayer(config, init_seed=LAYER_SEED)
+    output, mlp_bias = layer(hidden)
+    assert mlp_bias is None
+    torch.testing.assert_close(output, _hand_built(layer, hidden)[0], rtol=1e-5, atol=1e-6)
+    block = TransformerLayer(config, layer_number=1)
+    block.self_attention = _NoAttention()  # the residual stream after attention is the input itself
+    with torch.no_grad():
+        expected = hidden + block.mlp(block.pre_mlp_layernorm(hidden))[0]
+    torch.testing.assert_close(block(hidden.clone().requires_grad_()), expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dispatcher", DISPATCHERS)
@@ -139,12 +163,12 @@ def test_capacity_drops_tokens(dispatcher):
     hidden, _ = _inputs()
     expected, routing_map = _hand_built(layer, hidden)
     assert routing_map.sum(dim=0).tolist() == [4, 4, 4, 4]
-    torch.testing.assert_close(layer(hidden), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer(hidden)[0], expected, rtol=1e-5, atol=1e-6)
 
 
 def _run(layer, hidden, upstream):
     hidden = hidden.clone().requires_grad_()
-    output = layer(hidden)
+    output, _ = layer(hidden)
     (output * upstream).sum().backward()
     grads = {name: p.grad.detach().clone() for name, p in layer.named_parameters()}
     return output.detach(), hidden.grad, grads
@@ -265,7 +289,7 @@ def _gated_shared_experts_under_tensor_parallel(hidden, upstream, local):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     layer = MoELayer(moe_config(tensor_model_parallel_size=2, sequence_parallel=True, **gated), init_seed=LAYER_SEED)
     local_hidden = local(hidden).clone().requires_grad_()
-    output = layer(local_hidden)
+    output, _ = layer(local_hidden)
     (output * local(upstream)).sum().backward()
     _allreduce_sequence_parallel_grads([layer])
     worst = max((output - local(ref_output)).abs().max().item(),
@@ -344,7 +368,7 @@ def _tensor_parallel_without_sequence_parallel():
     shared = dict(moe_shared_expert_intermediate_size=32)
     parallel_state.initialize_model_parallel()
     reference = {dispatcher: MoELayer(moe_config(moe_token_dispatcher_type=dispatcher, **shared),
-                                      init_seed=LAYER_SEED).eval()(hidden).detach() for dispatcher in DISPATCHERS}
+                                      init_seed=LAYER_SEED).eval()(hidden)[0].detach() for dispatcher in DISPATCHERS}
     parallel_state.destroy_model_parallel()
     diffs = {}
     for layout, sizes in {"tp2_etp2": dict(tensor_model_parallel_size=2),
@@ -357,7 +381,7 @@ def _tensor_parallel_without_sequence_parallel():
             with pytest.raises(ValueError, match="--tensor-model-parallel-size 2 needs --sequence-parallel"):
                 layer.train()(hidden)
             with torch.no_grad():
-                output = layer.eval()(hidden)
+                output, _ = layer.eval()(hidden)
             diffs[f"{layout}/{dispatcher}"] = (output - reference[dispatcher]).abs().max().item()
         parallel_state.destroy_model_parallel()
     return diffs

@@ -6,9 +6,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from megatron.core import parallel_state
 from megatron.core.transformer.moe import moe_utils
 from megatron.training.training_log import training_flops_per_iteration
+from tests.unit_tests.multiprocess_harness import run_on_ranks
 
 
 @pytest.fixture(autouse=True)
@@ -189,3 +192,40 @@ def test_upstream_tracker_view_and_track_moe_metrics():
                               "moe/load_balancing_loss_layer_2": (4.0, 7)}
     assert totals["load_balancing_loss"].item() == pytest.approx(1.0 + 3.0)
     assert moe_utils.get_moe_layer_wise_logging_tracker() == {}  # cleared
+
+
+def _log_upstream_style_saves(tensor_model_parallel_size):
+    """Two ranks (TP 2, or DP 2), two microbatches of layer 2 of 3, saved as a user's router would upstream."""
+    rank = dist.get_rank()
+    moe_utils.clear_aux_losses_tracker()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_dp_group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    for microbatch in range(2):
+        value = float(10 * rank + microbatch + 1)  # rank 0: 1, 2; rank 1: 11, 12 (sums 3 and 23)
+        moe_utils.save_to_aux_losses_tracker("share_loss", torch.tensor(value), 2, 3, reduce_group=tp_group,
+                                             per_layer=True)
+        moe_utils.save_to_aux_losses_tracker("averaged_loss", torch.tensor(value), 2, 3, avg_group=tp_group)
+        moe_utils.save_to_aux_losses_tracker("global_loss", torch.tensor(value), 2, 3, tp_dp_group, None, True)
+    names = ["share_loss", "averaged_loss", "global_loss"]
+    logged = moe_utils.reduce_aux_losses_for_logging(names, num_layers=3, num_moe_layers=1, num_microbatches=2,
+                                                     data_parallel_size=parallel_state.get_data_parallel_world_size(),
+                                                     device="cpu")
+    parallel_state.destroy_model_parallel()
+    return logged
+
+
+def test_tracker_honours_upstream_reduce_and_avg_groups_over_tensor_parallel_ranks():
+    # TP 2: the shares add up over TP (12 + 14 over 2 microbatches), avg_group averages them (6 + 7 over 2), the
+    # TP x DP sum (here TP) adds them up too; --moe-per-layer-logging adds each layer's value of every loss.
+    for logged in run_on_ranks(2, _log_upstream_style_saves, 2):
+        expected = {"share_loss": 13.0, "averaged_loss": 6.5, "global_loss": 13.0}
+        assert logged == pytest.approx({**expected, **{f"{name}_layer_1": value for name, value in expected.items()}})
+
+
+def test_tracker_averages_data_parallel_replicas_unless_the_reduce_group_spans_them():
+    # DP 2: a TP group of one rank leaves each replica's value (3 and 23 over 2 microbatches), averaged over the
+    # replicas (upstream's DP average); a reduce group with DP adds the replicas' shares.
+    for logged in run_on_ranks(2, _log_upstream_style_saves, 1):
+        expected = {"share_loss": 6.5, "averaged_loss": 6.5, "global_loss": 13.0}
+        assert logged == pytest.approx({**expected, **{f"{name}_layer_1": value for name, value in expected.items()}})

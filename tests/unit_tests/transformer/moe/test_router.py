@@ -403,3 +403,27 @@ def test_listed_losses_add_up_with_their_own_coefficients():
     torch.testing.assert_close(both + without, seq + glob, rtol=1e-6, atol=1e-7)
     assert both_logged == pytest.approx({names[0]: seq_logged[names[0]], names[1]: glob_logged[names[1]]}, rel=1e-6)
     assert seq_logged[names[1]] == 0.0 and glob_logged[names[0]] == 0.0
+
+
+def _losses_logged_over_two_tensor_parallel_ranks():
+    """Each of two TP ranks routes half of the sequence (sequence parallel). Returns the logged losses and the
+    single-rank formulas' values on the whole sequence."""
+    rank = dist.get_rank()
+    moe_utils.clear_aux_losses_tracker()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    coeff, z_coeff = 0.3, 0.02
+    module = router(moe_aux_loss_coeff=coeff, moe_z_loss_coeff=z_coeff, tensor_model_parallel_size=2,
+                    sequence_parallel=True)
+    hidden = torch.randn(2 * SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(4))
+    module(hidden[rank * SEQ:(rank + 1) * SEQ])
+    logged = moe_utils.reduce_aux_losses_for_logging(["load_balancing_loss", "z_loss"], num_layers=2,
+                                                     num_moe_layers=1, num_microbatches=1, data_parallel_size=1,
+                                                     device="cpu")
+    parallel_state.destroy_model_parallel()
+    logits = hidden.reshape(-1, HIDDEN) @ module.weight.detach().t()
+    return logged, (_switch_loss(logits, coeff) / coeff).item(), (_z_loss(logits, z_coeff) / z_coeff).item()
+
+
+def test_tensor_parallel_ranks_log_the_whole_sequence_losses():
+    for logged, aux, z in run_on_ranks(2, _losses_logged_over_two_tensor_parallel_ranks):
+        assert logged == pytest.approx({"load_balancing_loss": aux, "z_loss": z}, rel=1e-6)
