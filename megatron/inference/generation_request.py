@@ -7,7 +7,8 @@ the prompts and needs `logprobs`), `logprobs` (false), `temperature` (1.0, in (0
 `top_p_decay` (0.0: top_p stays fixed; in [0, 1], needs `top_p`) and `top_p_bound` (0.0: no bound; in (0, top_p],
 needs `top_p`): after each step top_p becomes max(top_p * top_p_decay, top_p_bound). `random_seed` (none: a fresh
 seed each request; at most 2**64 - 1, a torch.Generator's range), `no_log` (false), `stop_on_eol`,
-`stop_on_double_eol`, `prevent_newline_after_colon` (false).
+`stop_on_double_eol`, `prevent_newline_after_colon` (false), `top_n_logprobs` (0: none; the n most likely tokens
+of every position `logprobs` covers, at most the vocabulary size).
 
 Upstream fields refused here with a 400 (what they need is not implemented): `beam_width` (beam search) with
 its `stop_token` and `length_penalty`.
@@ -37,7 +38,8 @@ UNSUPPORTED_FIELDS = {
     "length_penalty": "length_penalty: it scores beam search, which this server does not implement; leave it out",
 }
 FIELDS = ("prompts", "tokens_to_generate", "logprobs", "temperature", "top_k", "top_p", "top_p_decay", "top_p_bound",
-          "add_BOS", "random_seed", "no_log", "stop_on_eol", "stop_on_double_eol", "prevent_newline_after_colon")
+          "add_BOS", "random_seed", "no_log", "stop_on_eol", "stop_on_double_eol", "prevent_newline_after_colon",
+          "top_n_logprobs")
 
 
 class RequestError(ValueError):
@@ -60,6 +62,7 @@ class GenerationRequest:
     stop_on_eol: bool = False
     stop_on_double_eol: bool = False
     prevent_newline_after_colon: bool = False
+    top_n_logprobs: int = 0
 
 
 def _is_int(value):
@@ -146,11 +149,14 @@ def parse_generation_request(body) -> GenerationRequest:
     random_seed = body.get("random_seed")
     if random_seed is not None and (not _is_int(random_seed) or not 0 <= random_seed <= MAX_RANDOM_SEED):
         raise RequestError(f"random_seed must be a non-negative integer at most {MAX_RANDOM_SEED} (2**64 - 1)")
+    top_n_logprobs = body.get("top_n_logprobs", 0)
+    if not _is_int(top_n_logprobs) or top_n_logprobs < 0:
+        raise RequestError("top_n_logprobs must be an integer greater than or equal to 0")
     return GenerationRequest(
         prompts=list(prompts), tokens_to_generate=tokens_to_generate, logprobs=logprobs,
         temperature=float(temperature), top_k=top_k, top_p=float(top_p), top_p_decay=top_p_decay,
         top_p_bound=top_p_bound, add_BOS=add_bos, random_seed=random_seed,
         no_log=_boolean(body, "no_log"), stop_on_eol=_boolean(body, "stop_on_eol"),
         stop_on_double_eol=_boolean(body, "stop_on_double_eol"),
-        prevent_newline_after_colon=_boolean(body, "prevent_newline_after_colon"),
+        prevent_newline_after_colon=_boolean(body, "prevent_newline_after_colon"), top_n_logprobs=top_n_logprobs,
     )

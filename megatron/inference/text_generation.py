@@ -4,13 +4,16 @@
   everything the ranks need and nothing else (it is broadcast);
 - `run_job` (every rank, together): generate with `megatron.core.inference` (static batches of at most
   `max_batch_size` prompts through a key/value cache), or score the prompts when no token is generated;
-- `build_response` (the serving rank): upstream's `{"text", "segments", "logprobs", "tokens"}`.
+- `build_response` (the serving rank): upstream's `{"text", "segments", "logprobs", "tokens"}` (and
+  `"top_n_logprobs"` when asked).
 
 The response follows upstream's `generate_and_post_process`: `text[i]` is the prompt and its generation as one
 string, `tokens[i]` their ids (the prompt's, with a leading end-of-document id under `add_BOS`, then the generated
 ones, ending with the end-of-document id when generation reached it), `segments[i]` each of those ids detokenized
 alone, and `logprobs[i]` (null unless asked) the log-probability of every token after the first under the model's
-distribution (before temperature and filtering), one fewer than `tokens[i]`.
+distribution (before temperature and filtering), one fewer than `tokens[i]`. `top_n_logprobs[i]` (only with
+`top_n_logprobs` > 0) lists for the same positions the n most likely tokens under that distribution, each a
+`{segment: log-probability}` object, most likely first (tokens that detokenize alike keep the likeliest entry).
 """
 
 import inspect
@@ -24,7 +27,8 @@ from megatron.core.inference.communication import broadcast_from_last_stage
 from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.inference.pipeline_decoding import decode_forward
 from megatron.core.inference.sampling_params import SamplingParams
-from megatron.core.inference.static_generation import GeneratedSequence, generate_static_batch, target_log_probs
+from megatron.core.inference.log_probs import target_log_probs, top_n_by_text, top_n_dicts, top_n_log_probs
+from megatron.core.inference.static_generation import GeneratedSequence, generate_static_batch
 from megatron.inference.generation_request import GenerationRequest, RequestError
 from megatron.inference.newline_rules import NewlineRules, NewlineRulesModel, strip_forced_stop
 
@@ -49,6 +53,7 @@ class GenerationJob:
     seed: int
     logprobs: bool
     newline_rules: Optional[NewlineRules] = None
+    top_n_logprobs: int = 0
 
 
 def _text_ids(tokenizer, text):
@@ -83,6 +88,9 @@ def prepare_job(request: GenerationRequest, tokenizer, limits: GenerationLimits)
     """The job of `request`; raises RequestError (a 400) naming the field when it cannot run."""
     if request.top_k > limits.vocab_size:
         raise RequestError(f"top_k {request.top_k} exceeds the tokenizer's vocabulary of {limits.vocab_size} tokens")
+    if request.top_n_logprobs > limits.vocab_size:
+        raise RequestError(f"top_n_logprobs {request.top_n_logprobs} exceeds the tokenizer's vocabulary of "
+                           f"{limits.vocab_size} tokens")
     newline_rules = newline_rules_for(request, tokenizer)
     prompt_tokens = []
     for index, prompt in enumerate(request.prompts):
@@ -106,16 +114,21 @@ def prepare_job(request: GenerationRequest, tokenizer, limits: GenerationLimits)
         sampling_params = SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
                                          top_p_decay=request.top_p_decay, top_p_bound=request.top_p_bound,
                                          return_log_probs=request.logprobs,
-                                         num_tokens_to_generate=request.tokens_to_generate)
+                                         num_tokens_to_generate=request.tokens_to_generate,
+                                         top_n_logprobs=request.top_n_logprobs,
+                                         return_prompt_top_n_logprobs=request.top_n_logprobs > 0)
     seed = request.random_seed if request.random_seed is not None else random.SystemRandom().randrange(2 ** 31)
     return GenerationJob(prompt_tokens=prompt_tokens, sampling_params=sampling_params, seed=seed,
-                         logprobs=request.logprobs, newline_rules=newline_rules)
+                         logprobs=request.logprobs, newline_rules=newline_rules,
+                         top_n_logprobs=request.top_n_logprobs)
 
 
 @torch.no_grad()
-def score_prompts(model, prompts: List[List[int]], limits: GenerationLimits) -> List[GeneratedSequence]:
-    """Log-probabilities of every prompt token after the first, no token generated: one forward over each batch
-    of right-padded prompts (the padding follows every real token, so under the causal mask it changes none)."""
+def score_prompts(model, prompts: List[List[int]], limits: GenerationLimits,
+                  top_n: int = 0) -> List[GeneratedSequence]:
+    """Log-probabilities of every prompt token after the first (and, with `top_n` > 0, the `top_n` most likely
+    tokens of those positions), no token generated: one forward over each batch of right-padded prompts (the
+    padding follows every real token, so under the causal mask it changes none)."""
     device = next(model.parameters()).device
     results = []
     was_training = model.training
@@ -130,13 +143,24 @@ def score_prompts(model, prompts: List[List[int]], limits: GenerationLimits) -> 
             context = StaticInferenceContext(len(batch), length)
             logits = decode_forward(model, tokens, context)  # None on a pipeline stage before the last
             log_probs = torch.zeros(len(batch), length - 1, dtype=torch.float32, device=device)
+            top_values = torch.zeros(len(batch), length - 1, top_n, dtype=torch.float32, device=device)
+            top_ids = torch.zeros(len(batch), length - 1, top_n, dtype=torch.long, device=device)
             if logits is not None:
                 log_probs = target_log_probs(logits[:, :-1], tokens[:, 1:], limits.vocab_size)
+                if top_n > 0:
+                    top_values, top_ids = top_n_log_probs(logits[:, :-1], top_n, limits.vocab_size)
             broadcast_from_last_stage(log_probs)
+            if top_n > 0:
+                broadcast_from_last_stage(top_values)
+                broadcast_from_last_stage(top_ids)
             for row, prompt in enumerate(batch):
-                results.append(GeneratedSequence(prompt_tokens=list(prompt), generated_tokens=[], stopped_at_eod=False,
-                                                 generated_log_probs=[],
-                                                 prompt_log_probs=log_probs[row, :len(prompt) - 1].tolist()))
+                scored = len(prompt) - 1
+                result = GeneratedSequence(prompt_tokens=list(prompt), generated_tokens=[], stopped_at_eod=False,
+                                           generated_log_probs=[], prompt_log_probs=log_probs[row, :scored].tolist())
+                if top_n > 0:
+                    result.generated_top_n_logprobs = []
+                    result.prompt_top_n_logprobs = top_n_dicts(top_values[row, :scored], top_ids[row, :scored])
+                results.append(result)
     finally:
         model.train(was_training)
     return results
@@ -146,7 +170,7 @@ def run_job(model, job: GenerationJob, limits: GenerationLimits) -> List[Generat
     """Generate (or score) the job's prompts; every rank of the model (its tensor- and pipeline-parallel ranks)
     calls it with the same job, and every rank gets the same results."""
     if job.sampling_params is None:
-        return score_prompts(model, job.prompt_tokens, limits)
+        return score_prompts(model, job.prompt_tokens, limits, job.top_n_logprobs)
     results = []
     for first in range(0, len(job.prompt_tokens), limits.max_batch_size):
         batch = job.prompt_tokens[first:first + limits.max_batch_size]
@@ -163,7 +187,7 @@ def run_job(model, job: GenerationJob, limits: GenerationLimits) -> List[Generat
 
 def build_response(job: GenerationJob, results: List[GeneratedSequence], tokenizer, eod_id: int) -> dict:
     """Upstream's response body for the job's results (see the module docstring)."""
-    texts, segments, tokens, logprobs = [], [], [], []
+    texts, segments, tokens, logprobs, top_n = [], [], [], [], []
     for result in results:
         generated = result.generated_tokens
         if job.newline_rules is not None:
@@ -174,4 +198,11 @@ def build_response(job: GenerationJob, results: List[GeneratedSequence], tokeniz
         tokens.append(sequence)
         if job.logprobs:
             logprobs.append((result.prompt_log_probs + result.generated_log_probs)[:len(sequence) - 1])
-    return {"text": texts, "segments": segments, "logprobs": logprobs if job.logprobs else None, "tokens": tokens}
+        if job.top_n_logprobs > 0:
+            positions = (result.prompt_top_n_logprobs + result.generated_top_n_logprobs)[:len(sequence) - 1]
+            top_n.append(top_n_by_text(positions, tokenizer))
+    response = {"text": texts, "segments": segments, "logprobs": logprobs if job.logprobs else None, "tokens": tokens}
+    if job.top_n_logprobs > 0:
+        response["top_n_logprobs"] = top_n
+    return response
+

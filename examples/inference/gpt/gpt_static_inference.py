@@ -11,7 +11,7 @@ checkpoint reshards on load. No data-parallel wrapper is built; with more ranks 
 every data-parallel replica generates the same batches and rank 0 reports. Prompts come from `--prompts` or
 `--prompt-file` (JSON lines with a "text" field); more of them than `--inference-max-requests` are generated in
 several batches. Greedy by default (`--top_k 1`); `--temperature`, `--top_k`, `--top_p` and `--seed` select
-sampling. See docs/inference.md.
+sampling; `--return-log-probs` and `--top-n-logprobs N` add log-probabilities to the results. See docs/inference.md.
 """
 
 import json
@@ -26,6 +26,7 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 import pretrain_gpt  # noqa: E402
+from megatron.core.inference.log_probs import top_n_by_text  # noqa: E402
 from megatron.core.inference.sampling_params import SamplingParams  # noqa: E402
 from megatron.core.inference.static_generation import check_prompts, generate_in_batches  # noqa: E402
 from megatron.inference import launch  # noqa: E402
@@ -51,6 +52,9 @@ def add_static_inference_args(parser):
     group.add_argument("--top_p", type=float, default=0.0, help="Top-p (nucleus) sampling; 0 turns it off.")
     group.add_argument("--return-log-probs", action="store_true",
                        help="Also compute the log-probability of every prompt and generated token.")
+    group.add_argument("--top-n-logprobs", type=int, default=0,
+                       help="Also list the N most likely tokens of every generated position, with their "
+                            "log-probabilities (0: none).")
     group.add_argument("--output-path", default=None,
                        help="Write one JSON line per prompt (prompt, generated text, tokens, log-probs) here.")
     group.add_argument("--inference-max-seq-length", type=int, default=2560,
@@ -68,7 +72,7 @@ def add_static_inference_args(parser):
 def sampling_params_from_args(args) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                           return_log_probs=args.return_log_probs,
-                          num_tokens_to_generate=args.num_tokens_to_generate)
+                          num_tokens_to_generate=args.num_tokens_to_generate, top_n_logprobs=args.top_n_logprobs)
 
 
 def _print_rank0(message):
@@ -168,6 +172,8 @@ def result_record(prompt, result, tokenizer):
     if result.generated_log_probs is not None:
         record["prompt_log_probs"] = result.prompt_log_probs
         record["generated_log_probs"] = result.generated_log_probs
+    if result.generated_top_n_logprobs is not None:
+        record["generated_top_n_logprobs"] = top_n_by_text(result.generated_top_n_logprobs, tokenizer)
     return record
 
 

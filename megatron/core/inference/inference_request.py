@@ -3,7 +3,7 @@
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from megatron.core.inference.sampling_params import SamplingParams
 
@@ -20,7 +20,10 @@ class InferenceRequest:
     """`prompt_tokens` as tokenized (with the BOS token under `add_BOS`). Once COMPLETED: `generated_tokens` ends
     with the end-of-document id when generation reached it (`stopped_at_eod`), which `generated_text` leaves out;
     with `sampling_params.return_log_probs`, `prompt_log_probs[i]` is the log-probability of
-    `prompt_tokens[i + 1]` and `generated_log_probs[i]` that of `generated_tokens[i]`."""
+    `prompt_tokens[i + 1]` and `generated_log_probs[i]` that of `generated_tokens[i]`; with
+    `sampling_params.top_n_logprobs` n > 0, `generated_top_n_logprobs[i]` maps the n most likely tokens at the
+    position of `generated_tokens[i]`, each detokenized alone, to their log-probabilities (most likely first), and
+    with `return_prompt_top_n_logprobs` `prompt_top_n_logprobs[i]` those at the position of `prompt_tokens[i + 1]`."""
 
     request_id: str
     prompt: str
@@ -34,3 +37,5 @@ class InferenceRequest:
     generated_log_probs: Optional[List[float]] = None
     prompt_log_probs: Optional[List[float]] = None
     stopped_at_eod: Optional[bool] = None
+    generated_top_n_logprobs: Optional[List[Dict[str, float]]] = None
+    prompt_top_n_logprobs: Optional[List[Dict[str, float]]] = None

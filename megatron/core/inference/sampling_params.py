@@ -9,11 +9,20 @@ cannot be combined (as upstream).
 `top_p_decay` / `top_p_bound` (upstream's text-generation server fields; 0 turns each off) shrink the nucleus per
 step: after each token is chosen, `top_p <- max(top_p * top_p_decay, top_p_bound)` (`sampling.params_for_next_step`).
 
+`return_log_probs` adds the log-probability of every prompt token after the first and every generated token;
+`top_n_logprobs > 0` the `top_n_logprobs` most likely tokens of each generated position with their
+log-probabilities (and of each prompt position after the first with `return_prompt_top_n_logprobs`), both under the
+model's distribution over the real vocabulary (`log_probs`).
+
+A sequence stops after `num_tokens_to_generate` new tokens or once it generates `termination_id` (None: the
+tokenizer's end-of-document id), which it keeps as its last token.
+
 As upstream's, the params may be changed after they are made (`params.top_k = 1`, `add_attributes({...})`): they
 are checked when made and again when a generation starts (`check`).
 """
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass
@@ -25,6 +34,9 @@ class SamplingParams:
     num_tokens_to_generate: int = 30
     top_p_decay: float = 0.0
     top_p_bound: float = 0.0
+    top_n_logprobs: int = 0
+    return_prompt_top_n_logprobs: bool = False
+    termination_id: Optional[int] = None
 
     def __post_init__(self):
         self.check()
@@ -50,6 +62,15 @@ class SamplingParams:
             raise ValueError(f"top_p_bound must be in [0, top_p {self.top_p}] (0: no bound), got {self.top_p_bound}")
         if not isinstance(self.num_tokens_to_generate, int) or self.num_tokens_to_generate < 1:
             raise ValueError(f"--num-tokens-to-generate must be an integer >= 1, got {self.num_tokens_to_generate!r}")
+        if not isinstance(self.top_n_logprobs, int) or isinstance(self.top_n_logprobs, bool) \
+                or self.top_n_logprobs < 0:
+            raise ValueError(f"--top-n-logprobs must be an integer >= 0 (0: none), got {self.top_n_logprobs!r}")
+        if self.return_prompt_top_n_logprobs and self.top_n_logprobs == 0:
+            raise ValueError("return_prompt_top_n_logprobs needs top_n_logprobs > 0 (how many tokens to list)")
+        if self.termination_id is not None and (not isinstance(self.termination_id, int)
+                                                or isinstance(self.termination_id, bool) or self.termination_id < 0):
+            raise ValueError(f"termination_id must be a token id >= 0 or None (the end-of-document id), got "
+                             f"{self.termination_id!r}")
 
     def add_attributes(self, attribute_value_pair: dict):
         """Set several attributes at once (upstream's helper); checked when a generation starts."""

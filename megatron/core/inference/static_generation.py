@@ -4,8 +4,8 @@ All sequences of the batch sit at the same positions, so one causal cache serves
 the prefill runs the first `min(prompt lengths)` positions of every prompt at once, then each step feeds one
 position. While a sequence is still inside its own prompt, the token placed at the next position is its prompt
 token (the model's choice is ignored); afterwards it is the sampled token. A sequence stops after
-`num_tokens_to_generate` new tokens or at the end-of-document token (which it keeps as its last token); the
-others go on, and the batch stops when every sequence has stopped.
+`num_tokens_to_generate` new tokens or at the end-of-document token (`termination_id` when set), which it keeps
+as its last token; the others go on, and the batch stops when every sequence has stopped.
 
 Under tensor parallelism every rank gets the full logits from the model (it asks for them gathered,
 `runtime_gather_output=True`, whatever the model's `parallel_output`); TP rank 0 samples and
@@ -18,14 +18,15 @@ seeded with `seed`: the same seed gives the same text. Under `top_p_decay` the n
 
 Log-probabilities (`return_log_probs`) are those of the model's distribution over the real vocabulary (the
 logits before temperature and filtering, without the padding rows of the vocabulary), for every prompt token
-after the first and every generated token.
+after the first and every generated token; `top_n_logprobs` lists the most likely tokens of the same positions
+under the same distribution.
 
 `generate_in_batches` takes more prompts than one batch holds (`--inference-max-requests`) and generates them
 in consecutive batches, one after the other.
 """
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -37,6 +38,7 @@ from megatron.core.inference.communication import (
     is_sampling_source,
 )
 from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.inference.log_probs import check_top_n, target_log_probs, top_n_dicts, top_n_log_probs
 from megatron.core.inference.pipeline_decoding import decode_forward
 from megatron.core.inference.sampling import params_for_next_step, sample_next_tokens
 from megatron.core.inference.sampling_params import SamplingParams
@@ -47,14 +49,19 @@ TokenCallback = Callable[[List[int], List[int]], None]
 
 @dataclass
 class GeneratedSequence:
-    """One prompt's result. `generated_tokens` ends with the end-of-document id when `stopped_at_eod`.
-    `prompt_log_probs[i]` is the log-probability of `prompt_tokens[i + 1]`; both lists are None unless asked."""
+    """One prompt's result. `generated_tokens` ends with the end-of-document id (`termination_id` when set) when
+    `stopped_at_eod`. `prompt_log_probs[i]` is the log-probability of `prompt_tokens[i + 1]`; both lists are None unless asked.
+    With `top_n_logprobs` n > 0, `generated_top_n_logprobs[i]` maps the n most likely ids at the position of
+    `generated_tokens[i]` to their log-probabilities (most likely first), and `prompt_top_n_logprobs[i]` those at
+    the position of `prompt_tokens[i + 1]`; both None otherwise."""
 
     prompt_tokens: List[int]
     generated_tokens: List[int]
     stopped_at_eod: bool
     generated_log_probs: Optional[List[float]] = None
     prompt_log_probs: Optional[List[float]] = None
+    generated_top_n_logprobs: Optional[List[Dict[int, float]]] = None
+    prompt_top_n_logprobs: Optional[List[Dict[int, float]]] = None
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], num_tokens_to_generate: int, max_sequence_length: int,
@@ -89,7 +96,8 @@ def check_static_batch(prompts: Sequence[Sequence[int]], num_tokens_to_generate:
     check_prompts(prompts, num_tokens_to_generate, max_sequence_length)
 
 
-def _check_token_ids(prompts, eod_id, vocab_size):
+def _check_token_ids(prompts, eod_id, vocab_size, top_n=0):
+    check_top_n(top_n, vocab_size)
     if not 0 <= eod_id < vocab_size:
         raise ValueError(f"the end-of-document id {eod_id} is outside the tokenizer's vocabulary of {vocab_size}")
     for index, prompt in enumerate(prompts):
@@ -107,10 +115,15 @@ def _model_device(model):
     return get_device_for_group(parallel_state.get_pipeline_model_parallel_group())
 
 
-def target_log_probs(logits, targets, vocab_size):
-    """log p(targets) under softmax(logits) over the real vocabulary: `[b, s, V]`, `[b, s]` -> `[b, s]` fp32."""
-    log_probs = torch.log_softmax(logits[..., :vocab_size].float(), dim=-1)
-    return log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+def _stop_id(sampling_params: SamplingParams, eod_id: int, vocab_size: Optional[int]) -> int:
+    """The id that ends a sequence: `termination_id` when set, else the end-of-document id."""
+    stop_id = sampling_params.termination_id
+    if stop_id is None:
+        return eod_id
+    if vocab_size is not None and stop_id >= vocab_size:
+        raise ValueError(f"termination_id {stop_id} is outside the tokenizer's vocabulary of {vocab_size}: give "
+                         "the id of a token generation can produce (None: the end-of-document id)")
+    return stop_id
 
 
 @torch.no_grad()
@@ -133,7 +146,8 @@ def generate_static_batch(model, prompts: Sequence[Sequence[int]], sampling_para
     num_tokens = sampling_params.num_tokens_to_generate
     check_static_batch(prompts, num_tokens, max_sequence_length, max_batch_size)
     if vocab_size is not None:
-        _check_token_ids(prompts, eod_id, vocab_size)
+        _check_token_ids(prompts, eod_id, vocab_size, sampling_params.top_n_logprobs)
+    eod_id = _stop_id(sampling_params, eod_id, vocab_size)  # from here on, the id that ends a sequence
     device = _model_device(model)
     batch = len(prompts)
     lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)
@@ -143,6 +157,10 @@ def generate_static_batch(model, prompts: Sequence[Sequence[int]], sampling_para
         tokens[row, :len(prompt)] = torch.tensor(list(prompt), dtype=torch.long, device=device)
     # token_log_probs[:, t]: log-probability of tokens[:, t] given the positions before it (t >= 1).
     token_log_probs = torch.zeros(batch, total_length, dtype=torch.float32, device=device)
+    # top_values[:, t] / top_ids[:, t]: the top_n most likely tokens at position t (t >= 1) and their log-probs.
+    top_n = sampling_params.top_n_logprobs
+    top_values = torch.zeros(batch, total_length, top_n, dtype=torch.float32, device=device)
+    top_ids = torch.zeros(batch, total_length, top_n, dtype=torch.long, device=device)
     generated_counts = torch.zeros(batch, dtype=torch.long, device=device)
     stopped = torch.zeros(batch, dtype=torch.bool, device=device)
     stopped_at_eod = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -172,6 +190,9 @@ def generate_static_batch(model, prompts: Sequence[Sequence[int]], sampling_para
             if sampling_params.return_log_probs and logits is not None:
                 token_log_probs[:, start + 1:end + 1] = target_log_probs(logits, tokens[:, start + 1:end + 1],
                                                                           vocab_size)
+            if top_n > 0 and logits is not None:
+                top_values[:, start + 1:end + 1], top_ids[:, start + 1:end + 1] = top_n_log_probs(logits, top_n,
+                                                                                                  vocab_size)
             if on_tokens is not None and bool(generating.any()):
                 rows = generating.nonzero().flatten()
                 on_tokens(rows.tolist(), tokens[rows, end].tolist())
@@ -186,8 +207,18 @@ def generate_static_batch(model, prompts: Sequence[Sequence[int]], sampling_para
         model.train(was_training)
     if sampling_params.return_log_probs:
         broadcast_from_last_stage(token_log_probs)
-    return _results(prompts, tokens, lengths, generated_counts, stopped_at_eod, token_log_probs,
-                    sampling_params.return_log_probs)
+    if top_n > 0:
+        broadcast_from_last_stage(top_values)
+        broadcast_from_last_stage(top_ids)
+    results = _results(prompts, tokens, lengths, generated_counts, stopped_at_eod, token_log_probs,
+                       sampling_params.return_log_probs)
+    if top_n > 0:
+        for row, result in enumerate(results):
+            length, count = int(lengths[row]), len(result.generated_tokens)
+            result.prompt_top_n_logprobs = top_n_dicts(top_values[row, 1:length], top_ids[row, 1:length])
+            result.generated_top_n_logprobs = top_n_dicts(top_values[row, length:length + count],
+                                                          top_ids[row, length:length + count])
+    return results
 
 
 def _results(prompts, tokens, lengths, generated_counts, stopped_at_eod, token_log_probs, with_log_probs):
@@ -217,7 +248,8 @@ def generate_in_batches(model, prompts: Sequence[Sequence[int]], sampling_params
     if max_batch_size < 1:
         raise ValueError(f"--inference-max-requests must be at least 1, got {max_batch_size}")
     if vocab_size is not None:
-        _check_token_ids(prompts, eod_id, vocab_size)
+        _check_token_ids(prompts, eod_id, vocab_size, sampling_params.top_n_logprobs)
+    _stop_id(sampling_params, eod_id, vocab_size)  # checked before the first batch runs
     results = []
     for first in range(0, len(prompts), max_batch_size):
         batch_callback = None if on_tokens is None else _offset_rows(on_tokens, first)

@@ -38,7 +38,8 @@ def _model(tp, pp):
 def _generate_at(tp, pp):
     model = _model(tp, pp)
     outputs = {}
-    for name, params in (("greedy", SamplingParams(top_k=1, num_tokens_to_generate=6, return_log_probs=True)),
+    for name, params in (("greedy", SamplingParams(top_k=1, num_tokens_to_generate=6, return_log_probs=True,
+                                                   top_n_logprobs=3)),
                          ("sampled", SamplingParams(temperature=1.5, top_k=0, num_tokens_to_generate=6))):
         # Other seeds on the ranks that do not sample: every rank must follow the sampling source's draws.
         seed = 11 if is_sampling_source() else 12 + torch.distributed.get_rank()
@@ -48,9 +49,11 @@ def _generate_at(tp, pp):
         if params.return_log_probs:
             outputs["log_probs"] = torch.tensor([result.generated_log_probs for result in results])
             outputs["prompt_log_probs"] = [result.prompt_log_probs for result in results]
-    scored = run_job(model, GenerationJob(prompt_tokens=PROMPTS, sampling_params=None, seed=0, logprobs=True),
-                     LIMITS)
+            outputs["top_n"] = [result.prompt_top_n_logprobs + result.generated_top_n_logprobs for result in results]
+    scored = run_job(model, GenerationJob(prompt_tokens=PROMPTS, sampling_params=None, seed=0, logprobs=True,
+                                          top_n_logprobs=2), LIMITS)
     outputs["scores"] = [result.prompt_log_probs for result in scored]
+    outputs["scored_top_n"] = [result.prompt_top_n_logprobs for result in scored]
     newline_job = GenerationJob(prompt_tokens=PROMPTS, seed=3, logprobs=False, newline_rules=NEWLINE_RULES,
                                 sampling_params=SamplingParams(top_k=0, num_tokens_to_generate=8))
     outputs["newline"] = [result.generated_tokens for result in run_job(model, newline_job, LIMITS)]
@@ -67,6 +70,12 @@ def _one_rank_then(tp, pp):
     return _generate_at(1, 1), _generate_at(tp, pp)
 
 
+def _top_n_table(rows):
+    """Every position's top-n ids (a list) and log-probabilities (one tensor) of all rows."""
+    positions = [position for row in rows for position in row]
+    return [list(position) for position in positions], torch.tensor([list(p.values()) for p in positions])
+
+
 def _check_equal(one_rank, parallel):
     assert parallel["greedy"] == one_rank["greedy"]
     assert parallel["sampled"] == one_rank["sampled"]
@@ -76,6 +85,12 @@ def _check_equal(one_rank, parallel):
         torch.testing.assert_close(torch.tensor(sum(parallel[name], [])), torch.tensor(sum(one_rank[name], [])),
                                    atol=1e-6, rtol=0)
     assert one_rank["log_probs"].abs().min() > 0.1  # real log-probabilities, not the zeros of a missing broadcast
+    for name in ("top_n", "scored_top_n"):  # the last stage's most likely ids, on every stage
+        parallel_ids, parallel_values = _top_n_table(parallel[name])
+        one_rank_ids, one_rank_values = _top_n_table(one_rank[name])
+        assert parallel_ids == one_rank_ids
+        torch.testing.assert_close(parallel_values, one_rank_values, atol=1e-6, rtol=0)
+    assert len(one_rank["top_n"][0]) == 10 and all(len(position) == 3 for position in one_rank["top_n"][0])
 
 
 @pytest.mark.parametrize("world_size", [2])

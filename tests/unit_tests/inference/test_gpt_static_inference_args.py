@@ -9,12 +9,15 @@ from examples.inference.gpt.gpt_static_inference import (
     add_static_inference_args,
     check_args,
     read_prompt_file,
+    result_record,
     sampling_params_from_args,
     tokenize_prompts,
     training_placeholders,
     with_placeholder_data_flag,
 )
+from megatron.core.inference.static_generation import GeneratedSequence
 from megatron.training.arguments import build_parser, validate_args
+from megatron.training.tokenizer.null_tokenizer import NullTokenizer
 
 
 def _parse(argv):
@@ -37,6 +40,18 @@ def test_sampling_flags_reach_the_sampling_params():
     params = sampling_params_from_args(args)
     assert (params.top_k, params.top_p, params.temperature, params.num_tokens_to_generate) == (0, 0.9, 0.7, 5)
     assert params.return_log_probs and not params.greedy
+
+
+def test_top_n_logprobs_flag_reaches_the_sampling_params_and_the_records():
+    args = _parse(["--prompts", "x", "--top-n-logprobs", "2"])
+    assert sampling_params_from_args(args).top_n_logprobs == 2 and _parse(["--prompts", "x"]).top_n_logprobs == 0
+    with pytest.raises(ValueError, match="--top-n-logprobs must be an integer >= 0"):
+        sampling_params_from_args(_parse(["--prompts", "x", "--top-n-logprobs", "-1"]))
+    result = GeneratedSequence(prompt_tokens=[1], generated_tokens=[4, 7], stopped_at_eod=True,
+                               generated_top_n_logprobs=[{4: -0.1, 2: -2.5}, {7: -0.3, 4: -1.5}])
+    record = result_record("1", result, NullTokenizer(7))
+    assert record["generated_top_n_logprobs"] == [{"4": -0.1, "2": -2.5}, {"7": -0.3, "4": -1.5}]
+    assert "generated_top_n_logprobs" not in result_record("1", GeneratedSequence([1], [4], False), NullTokenizer(7))
 
 
 def test_mock_data_is_added_only_when_no_dataset_is_named():

@@ -23,13 +23,15 @@ from tests.unit_tests.multiprocess_harness import run_on_ranks
 
 TOKENIZER = NullTokenizer(VOCAB_SIZE - 1)  # ids 0..62 and the end-of-document id 63: the model's 64 rows
 PROMPTS = ["3 14 15 9 2", "6 5", "35 8 9"]
+PADDED_REAL_VOCAB = 60  # a tokenizer of ids 0..59 (59 the end of document) on the model's 64 rows
+PADDED_TOKENIZER = NullTokenizer(PADDED_REAL_VOCAB - 1)
 
 
-def _engine(model, max_requests=8, controller_class=TextGenerationController, **engine_kwargs):
+def _engine(model, max_requests=8, controller_class=TextGenerationController, tokenizer=TOKENIZER, **engine_kwargs):
     config = InferenceWrapperConfig(hidden_size=32, inference_batch_times_seqlen_threshold=-1,
                                     padded_vocab_size=VOCAB_SIZE, params_dtype=torch.float32,
                                     inference_max_requests=max_requests, inference_max_seq_length=64)
-    return StaticInferenceEngine(controller_class(GPTInferenceWrapper(model, config), TOKENIZER), **engine_kwargs)
+    return StaticInferenceEngine(controller_class(GPTInferenceWrapper(model, config), tokenizer), **engine_kwargs)
 
 
 def _full_forward_greedy(model, prompt_tokens, num_tokens):
@@ -61,7 +63,15 @@ def _engine_generations():
     second = _engine(model).generate(prompts=PROMPTS[:1], sampling_params=sampled)[0]
     with pytest.raises(ValueError) as too_long:
         _engine(model).generate(prompts=["1 2 3 4 5 6 7 8 9 10 11 12 13"], sampling_params=greedy)
-    return batched, alone, expected, seeded, (first, second), str(too_long.value)
+    top_n = SamplingParams(top_k=0, num_tokens_to_generate=3, return_log_probs=True, top_n_logprobs=PADDED_REAL_VOCAB,
+                           return_prompt_top_n_logprobs=True)
+    (padded,) = _engine(model, tokenizer=PADDED_TOKENIZER, random_seed=3).generate(prompts=PROMPTS[:1],
+                                                                                  sampling_params=top_n)
+    sequence = torch.tensor([padded.prompt_tokens + padded.generated_tokens])
+    with torch.no_grad():
+        padded_logits = model(sequence, torch.arange(sequence.shape[1]).unsqueeze(0))[0, :-1]
+    top_n_outputs = (padded, sequence[0], padded_logits)
+    return batched, alone, expected, seeded, (first, second), top_n_outputs, str(too_long.value)
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +101,25 @@ def test_batches_of_two_give_each_prompt_its_tokens_alone(generations):
 
 
 def test_sampling_is_reproducible_from_the_engine_seed_or_torch_manual_seed(generations):
-    *_, seeded, (first, second), _ = generations
+    *_, seeded, (first, second), _, _ = generations
     assert seeded[0].generated_tokens == seeded[1].generated_tokens
     assert first.generated_tokens == second.generated_tokens
     assert len(first.generated_tokens) == 4
+
+
+def test_top_n_logprobs_are_detokenized_and_cover_only_the_real_vocabulary(generations):
+    request, sequence, logits = generations[-2]
+    expected = torch.log_softmax(logits[:, :PADDED_REAL_VOCAB].float(), dim=-1)  # position t -> token t + 1
+    top = request.prompt_top_n_logprobs + request.generated_top_n_logprobs
+    assert len(request.prompt_top_n_logprobs) == 4 and len(request.generated_top_n_logprobs) == 3
+    for position, entries in enumerate(top):
+        # Every real token, keyed by its text, most likely first; the padding rows 60..63 have no mass.
+        values, ids = torch.sort(expected[position], descending=True)
+        assert list(entries) == [PADDED_TOKENIZER.detokenize([token]) for token in ids.tolist()]
+        torch.testing.assert_close(torch.tensor(list(entries.values())), values)
+        torch.testing.assert_close(torch.tensor(list(entries.values())).exp().sum(), torch.tensor(1.0))
+    got = torch.tensor(request.prompt_log_probs + request.generated_log_probs)
+    torch.testing.assert_close(got, expected.gather(-1, sequence[1:, None]).squeeze(-1))
 
 
 def test_a_prompt_past_the_model_positions_names_the_flag(generations):

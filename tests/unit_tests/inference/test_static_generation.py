@@ -209,3 +209,64 @@ def test_greedy_tokens_with_the_cache_equal_full_forwards_without(world_size):
     assert cached == uncached
     assert all(len(tokens) == 6 for tokens in cached)
     assert len({tuple(tokens) for tokens in cached}) == 3  # the prompts lead to different continuations
+
+
+class PaddedRankingModel(torch.nn.Module):
+    """Distinct logits per position (depending on its token) over a vocabulary of 8 real ids padded to 10; the
+    padding ids 8 and 9 get the largest logits, so any use of the padded rows shows in the results."""
+
+    def __init__(self):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, tokens, position_ids, inference_context=None, runtime_gather_output=None):
+        ids = torch.arange(10)
+        real = ((ids * (tokens.unsqueeze(-1) + 3)) % 7).float() * 0.5 + ids * 0.01
+        return torch.where(ids >= 8, torch.full_like(real, 9.0), real)
+
+
+def test_top_n_logprobs_are_the_real_vocabulary_log_softmax_at_every_position():
+    model = PaddedRankingModel()
+    params = SamplingParams(top_k=0, num_tokens_to_generate=3, return_log_probs=True, top_n_logprobs=3)
+    prompts = [[1, 4, 2], [6]]
+    results = _generate(model, prompts, params=params, eod_id=7, vocab_size=8, seed=5)
+    for result in results:
+        sequence = torch.tensor(result.prompt_tokens + result.generated_tokens)
+        expected = torch.log_softmax(model(sequence[None, :-1], None)[0, :, :8], dim=-1)  # position t -> t + 1
+        top = result.prompt_top_n_logprobs + result.generated_top_n_logprobs
+        assert len(result.prompt_top_n_logprobs) == len(result.prompt_tokens) - 1
+        assert len(top) == len(sequence) - 1
+        for position, entries in enumerate(top):
+            values, ids = torch.topk(expected[position], 3)
+            assert list(entries) == ids.tolist()  # most likely first, never a padding id
+            torch.testing.assert_close(torch.tensor(list(entries.values())), values)
+        # The log-probabilities are those of a distribution over the 8 real ids: they sum to 1 there.
+        log_probs = torch.tensor(result.prompt_log_probs + result.generated_log_probs)
+        torch.testing.assert_close(log_probs, expected.gather(-1, sequence[1:, None]).squeeze(-1))
+        torch.testing.assert_close(expected.exp().sum(-1), torch.ones(len(sequence) - 1))
+    (plain,) = _generate(model, [[1]], params=GREEDY, eod_id=7, vocab_size=8)
+    assert plain.generated_top_n_logprobs is None and plain.prompt_top_n_logprobs is None
+
+
+def test_top_n_logprobs_past_the_vocabulary_or_negative_name_the_flag():
+    with pytest.raises(ValueError, match="--top-n-logprobs 9 exceeds the vocabulary size 8"):
+        params = SamplingParams(top_k=1, num_tokens_to_generate=2, top_n_logprobs=9)
+        _generate(PaddedRankingModel(), [[1]], params=params, eod_id=7, vocab_size=8)
+    with pytest.raises(ValueError, match="--top-n-logprobs must be an integer >= 0"):
+        SamplingParams(top_n_logprobs=-1)
+    with pytest.raises(ValueError, match="return_prompt_top_n_logprobs needs top_n_logprobs > 0"):
+        SamplingParams(return_prompt_top_n_logprobs=True)
+
+
+def test_termination_id_stops_a_sequence_in_place_of_the_end_of_document_id():
+    params = SamplingParams(top_k=1, num_tokens_to_generate=4, termination_id=3)
+    results = generate_in_batches(CountingModel(), [[1], [4, 5], [7]], params, eod_id=9, max_sequence_length=16,
+                                  max_batch_size=2)
+    assert results[0].generated_tokens == [2, 3] and results[0].stopped_at_eod  # 1 -> 2 -> 3 ends it
+    assert results[1].generated_tokens == [6, 7, 8, 9] and not results[1].stopped_at_eod  # 9 is no stop now
+    assert results[2].generated_tokens == [8, 9, 0, 1] and not results[2].stopped_at_eod
+    with pytest.raises(ValueError, match="termination_id 12 is outside the tokenizer's vocabulary of 10"):
+        _generate(CountingModel(), [[1]], params=SamplingParams(top_k=1, num_tokens_to_generate=2,
+                                                                termination_id=12), vocab_size=10)
+    with pytest.raises(ValueError, match="termination_id must be a token id >= 0 or None"):
+        SamplingParams(termination_id=-1)

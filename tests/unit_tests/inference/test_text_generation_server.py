@@ -114,6 +114,9 @@ def _put(url, data: bytes, method="PUT"):
     ({"prompts": ["1 2 3"], "tokens_to_generate": 14}, r"prompts\[0\] \(3 tokens\) plus tokens_to_generate 14"),
     ({"prompts": ["1", "61"], "tokens_to_generate": 2}, r"prompts\[1\] cannot be tokenized"),
     (["1"], "the request body must be a JSON object"),
+    ({"prompts": ["1"], "top_n_logprobs": -1}, "top_n_logprobs must be an integer greater than or equal to 0"),
+    ({"prompts": ["1"], "top_n_logprobs": 2.0}, "top_n_logprobs must be an integer greater than or equal to 0"),
+    ({"prompts": ["1"], "top_n_logprobs": 62}, "top_n_logprobs 62 exceeds the tokenizer's vocabulary of 61"),
 ])
 def test_each_bad_field_is_a_400_naming_it(server, body, message):
     status, payload = server.handle(body)
@@ -278,6 +281,25 @@ def test_logprobs_are_the_log_softmax_of_the_model_logits(model, server, tokens_
                                    rtol=0)
     # The same seed gives the same sampled text.
     assert server.handle(body)[1]["tokens"] == payload["tokens"]
+
+
+@pytest.mark.parametrize("tokens_to_generate", [0, 3])
+def test_top_n_logprobs_list_the_likeliest_real_tokens_of_every_scored_position(model, server, tokens_to_generate):
+    body = {"prompts": PROMPTS[:2], "tokens_to_generate": tokens_to_generate, "logprobs": True, "top_n_logprobs": 4,
+            "random_seed": 2, "no_log": True}
+    status, payload = server.handle(body)
+    assert status == 200
+    for tokens, log_probs, top_n in zip(payload["tokens"], payload["logprobs"], payload["top_n_logprobs"]):
+        with torch.no_grad():
+            logits = model.eval()(torch.tensor([tokens]), torch.arange(len(tokens)).unsqueeze(0))
+        # Over the tokenizer's 61 ids only: the model's padding rows 61..63 are never listed.
+        expected = torch.log_softmax(logits[0, :-1, :TOKENIZER.vocab_size].float(), dim=-1)
+        assert len(top_n) == len(log_probs) == len(tokens) - 1
+        for position, entries in enumerate(top_n):
+            values, ids = torch.topk(expected[position], 4)
+            assert list(entries) == [TOKENIZER.detokenize([token]) for token in ids.tolist()]
+            torch.testing.assert_close(torch.tensor(list(entries.values())), values, atol=1e-5, rtol=0)
+    assert "top_n_logprobs" not in server.handle({**body, "top_n_logprobs": 0})[1]
 
 
 class CharTokenizer:

@@ -6,6 +6,7 @@ from collections import OrderedDict
 from typing import List
 
 from megatron.core.inference.inference_request import InferenceRequest, Status
+from megatron.core.inference.log_probs import top_n_by_text
 from megatron.core.inference.static_generation import check_prompts, generate_in_batches
 
 
@@ -29,7 +30,6 @@ class TextGenerationController:
 
     def detokenize_generations(self, tokens: List[int]) -> str:
         return self.tokenizer.detokenize(tokens)
-
     def generate_all_output_tokens_static_batch(self, active_requests: "OrderedDict[str, InferenceRequest]",
                                                 *, max_batch_size: int, seed: int):
         """Generate every request (all with the same sampling params), `max_batch_size` prompts at a time, and
@@ -56,5 +56,9 @@ class TextGenerationController:
             request.stopped_at_eod = result.stopped_at_eod
             request.generated_log_probs = result.generated_log_probs
             request.prompt_log_probs = result.prompt_log_probs
+            if sampling_params.top_n_logprobs > 0:
+                request.generated_top_n_logprobs = top_n_by_text(result.generated_top_n_logprobs, self.tokenizer)
+                if sampling_params.return_prompt_top_n_logprobs:
+                    request.prompt_top_n_logprobs = top_n_by_text(result.prompt_top_n_logprobs, self.tokenizer)
             request.status = Status.COMPLETED
         return active_requests
