@@ -43,10 +43,16 @@ from megatron.training.energy_monitor import energy_not_counted
 from megatron.core.rerun_state_machine import destroy_rerun_state_machine, get_rerun_state_machine
 from megatron.core.rerun_data_iterator import wrap_for_reruns
 from megatron.core.timers import timed
-from megatron.training.global_state import get_args, set_timers, timers_or_none
+from megatron.training.global_state import get_args, get_tensorboard_writer, set_timers, timers_or_none
 from megatron.training.initialize import initialize_megatron, set_up_microbatches, set_up_tokenizer
 from megatron.training.manual_gc import ManualGarbageCollection
 from megatron.training.model_setup import setup_model_and_optimizer
+from megatron.training.non_loss_data import (
+    NO_HOOKS,
+    NonLossDataHooks,
+    collect_non_loss_data,
+    process_non_loss_data,
+)
 from megatron.training.profiling import TrainingProfilers
 from megatron.training.progress_log import (
     forget_progress_log,
@@ -84,12 +90,11 @@ from megatron.training.validation_sets import as_validation_sets
 LOSS_NAME = "lm loss"
 
 
-def _refuse_unsupported_pretrain_arguments(**given):
-    for name, value in given.items():
-        if value is not None:
-            raise ValueError(f"pretrain({name}=...) is not supported: evaluation here reports the losses only"
-                             + (" and there is no in-process restart" if name == "inprocess_call_wrapper" else "")
-                             + f"; drop {name} (pass extra_args_provider, args_defaults and the others by keyword)")
+def _refuse_unsupported_pretrain_arguments(inprocess_call_wrapper):
+    if inprocess_call_wrapper is not None:
+        raise ValueError("pretrain(inprocess_call_wrapper=...) is not supported: there is no in-process restart; "
+                         "drop inprocess_call_wrapper (pass extra_args_provider, args_defaults and the others by "
+                         "keyword)")
 
 
 def pretrain(
@@ -115,20 +120,19 @@ def pretrain(
     `forward_step_func(data_iterator, model)` returns `(output, loss_func)`. `model_type` is a `ModelType`
     (or its name); only `ModelType.encoder_or_decoder` (decoder-only models) is supported. `argv` replaces
     `sys.argv[1:]` (tests). `get_embedding_ranks`, `get_position_embedding_ranks` and `store` go to
-    `initialize_megatron()`, as upstream. The arguments are in upstream's order; its `process_non_loss_data_func`,
-    `non_loss_data_func` (evaluation outputs other than the loss) and `inprocess_call_wrapper` (in-process restart)
-    are refused when given. Returns the iteration training stopped at.
+    `initialize_megatron()`, as upstream. The arguments are in upstream's order; `process_non_loss_data_func` and
+    `non_loss_data_func` hand evaluation outputs other than the loss to a hook (non_loss_data.py);
+    `inprocess_call_wrapper` (in-process restart) is refused when given. Returns the iteration training stopped at.
     """
-    _refuse_unsupported_pretrain_arguments(process_non_loss_data_func=process_non_loss_data_func,
-                                           non_loss_data_func=non_loss_data_func,
-                                           inprocess_call_wrapper=inprocess_call_wrapper)
+    _refuse_unsupported_pretrain_arguments(inprocess_call_wrapper)
+    non_loss_data = NonLossDataHooks(process_non_loss_data_func, non_loss_data_func)
     start_time = time.time()  # --exit-duration-in-mins counts from here (the earliest rank's start)
     model_type = resolve_model_type(model_type)
     args = initialize_megatron(extra_args_provider, args_defaults, args=argv, get_embedding_ranks=get_embedding_ranks,
                                get_position_embedding_ranks=get_position_embedding_ranks, store=store)
     try:
         args.train_start_time = start_time
-        return _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func, args)
+        return _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func, args, non_loss_data)
     finally:
         _teardown(args)
 
@@ -167,7 +171,7 @@ def _check_data_files_before_building(args):
         check_data_files(prefixes)
 
 
-def _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func, args):
+def _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func, args, non_loss_data=NO_HOOKS):
     checkpointing.check_checkpoint_format(args)
     _check_data_files_before_building(args)
     timers = timers_or_none()
@@ -201,12 +205,13 @@ def _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fu
     try:
         if args.skip_train:
             iteration = evaluate_without_training(forward_step_func, model, valid_iterator, test_iterator, config,
-                                                  logger, args)
+                                                  logger, args, non_loss_data)
         else:
             iteration = train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_iterator,
-                              config, logger, args)
+                              config, logger, args, non_loss_data=non_loss_data)
             if iteration >= args.train_iters and not args.stopped_early:
-                evaluate_at_the_end(forward_step_func, model, valid_iterator, test_iterator, config, logger, args)
+                evaluate_at_the_end(forward_step_func, model, valid_iterator, test_iterator, config, logger, args,
+                                    non_loss_data)
         checkpointing.maybe_finalize_async_save(args, at_exit=True)  # a failed last save fails the run
         stop_progress_log(args, iteration)
     finally:
@@ -316,8 +321,9 @@ def _no_range(name):
     return nullcontext()
 
 
-def _run_schedule(forward_step_func, data_iterator, model, args, forward_only):
-    """One global batch through the pipeline schedule; returns the last stage's per-microbatch loss reports."""
+def _run_schedule(forward_step_func, data_iterator, model, args, forward_only, collect_non_loss_data=False):
+    """One global batch through the pipeline schedule; returns the last stage's per-microbatch loss reports (with
+    `collect_non_loss_data`, what its loss functions return for `non_loss_data=True`)."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -330,6 +336,7 @@ def _run_schedule(forward_step_func, data_iterator, model, args, forward_only):
         micro_batch_size=args.micro_batch_size,
         decoder_seq_length=args.seq_length,
         forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data,
     )
 
 
@@ -343,6 +350,14 @@ def evaluate(forward_step_func, data_iterator, model, config, args, exit_duratio
     """Mean validation loss over `num_batches` (default --eval-iters) global batches (no gradients). Once
     `exit_duration` (--exit-duration-in-mins) is reached it stops, on every rank together, and returns None when
     batches were left: as upstream, a loss over part of the batches is not reported."""
+    return _evaluate(forward_step_func, data_iterator, model, args, exit_duration, num_batches)[0]
+
+
+def _evaluate(forward_step_func, data_iterator, model, args, exit_duration=None, num_batches=None,
+              non_loss_data=NO_HOOKS):
+    """(`evaluate`'s losses, the non-loss data collected after them: None unless `non_loss_data` collects and
+    the evaluation was not cut short)."""
+    collected = None
     for chunk in model:
         chunk.eval()
     validation_mode = pause_result_validation()
@@ -364,6 +379,9 @@ def evaluate(forward_step_func, data_iterator, model, config, args, exit_duratio
                 if exit_duration is not None and exit_duration.reached():
                     cut_short = done < batches
                     break
+            if not cut_short:
+                collected = collect_non_loss_data(non_loss_data, model, lambda **collect: _run_schedule(
+                    forward_step_func, data_iterator, model, args, forward_only=True, **collect))
     finally:
         for index, config_of_chunk in timed_configs.items():
             model[index].config = config_of_chunk
@@ -374,33 +392,43 @@ def evaluate(forward_step_func, data_iterator, model, config, args, exit_duratio
         if dist.get_rank() == 0:
             print(f"evaluation stopped after {done} of {batches} batches: reached --exit-duration-in-mins "
                   f"{args.exit_duration_in_mins}; its loss is not reported", flush=True)
-        return None
+        return None, None
     # Reuse the training reduction on a single synthetic report holding the accumulated sums.
-    return {LOSS_NAME: reduce_reported_loss([{LOSS_NAME: total}], args.device)}
+    return {LOSS_NAME: reduce_reported_loss([{LOSS_NAME: total}], args.device)}, collected
 
 
 def evaluate_validation_sets(forward_step_func, validation_sets, model, config, logger, iteration, args,
-                             exit_duration=None, where=None):
-    """Evaluate and log each validation set (validation_sets.py): one "validation loss" block per set; the
-    sets left once --exit-duration-in-mins cuts an evaluation short are neither evaluated nor logged."""
+                             exit_duration=None, where=None, non_loss_data=NO_HOOKS):
+    """Evaluate and log each validation set (validation_sets.py): one "validation loss" block per set, then its
+    non-loss data to `process_non_loss_data_func` (non_loss_data.py); the sets left once
+    --exit-duration-in-mins cuts an evaluation short are neither evaluated nor logged."""
     for validation_set in validation_sets:
         iterator, num_batches = validation_set.next_evaluation(args.eval_iters,
                                                                get_current_running_global_batch_size())
-        losses = _timed_evaluation(forward_step_func, iterator, model, config, args, exit_duration, num_batches)
+        losses, collected = _timed_evaluation(forward_step_func, iterator, model, config, args, exit_duration,
+                                              num_batches, non_loss_data)
         if losses is None:
             return
         logger.log_evaluation(iteration, losses, set_label=validation_set.label, where=where,
                               write_to_tensorboard=not args.skip_train)
+        process_non_loss_data(non_loss_data, collected, iteration, _writer(args))
 
 
-def _timed_evaluation(forward_step_func, iterator, model, config, args, exit_duration=None, num_batches=None):
-    """`evaluate` under the level-0 "evaluate" timer, logged after each evaluation as upstream (collective)."""
+def _writer(args):
+    """The TensorBoard writer evaluations write to (None with --skip-train, as upstream)."""
+    return None if args.skip_train else get_tensorboard_writer()
+
+
+def _timed_evaluation(forward_step_func, iterator, model, config, args, exit_duration=None, num_batches=None,
+                      non_loss_data=NO_HOOKS):
+    """`_evaluate` under the level-0 "evaluate" timer, logged after each evaluation as upstream (collective)."""
     timers = timers_or_none()
     with timed(timers, "evaluate", log_level=0, barrier=True):
-        losses = evaluate(forward_step_func, iterator, model, config, args, exit_duration, num_batches)
+        losses, collected = _evaluate(forward_step_func, iterator, model, args, exit_duration, num_batches,
+                                      non_loss_data)
     if timers is not None:
         timers.log(["evaluate"])
-    return losses
+    return losses, collected
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -441,7 +469,7 @@ def _save_non_persistent(iteration, model, optimizer, scheduler, args):
 
 
 def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_iterator, config, logger,
-          args=None):
+          args=None, non_loss_data=NO_HOOKS):
     """Run iterations from `args.iteration` to --train-iters; returns the last iteration reached."""
     args = args or get_args()
     for chunk in model:
@@ -526,7 +554,7 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
                 manual_gc.around_evaluation_step()
                 with energy_not_counted():  # --log-energy: training steps only
                     evaluate_validation_sets(forward_step_func, validation_sets, model, config, logger, iteration,
-                                             args, exit_duration)
+                                             args, exit_duration, non_loss_data=non_loss_data)
                 manual_gc.around_evaluation_step()
             checkpointing.maybe_finalize_async_save(args)
             if weight_hash_due(args, iteration):
@@ -578,20 +606,24 @@ def _evaluation_splits_only(train_valid_test_dataset_provider):
     return provide
 
 
-def evaluate_at_the_end(forward_step_func, model, valid_iterator, test_iterator, config, logger, args):
+def evaluate_at_the_end(forward_step_func, model, valid_iterator, test_iterator, config, logger, args,
+                        non_loss_data=NO_HOOKS):
     """After the last training iteration (not after an early exit), as upstream: one more evaluation of each
     validation set and one of the test set (those that exist, --eval-iters batches each, or whole with
     --full-validation), logged "... loss at iteration N on validation set" / "... on test set"."""
     if args.eval_iters <= 0:
         return
     evaluate_validation_sets(forward_step_func, as_validation_sets(valid_iterator), model, config, logger,
-                             args.iteration, args, where="on validation set")
+                             args.iteration, args, where="on validation set", non_loss_data=non_loss_data)
     if test_iterator is not None:
-        logger.log_evaluation(args.iteration, _timed_evaluation(forward_step_func, test_iterator, model, config, args),
-                              prefix="test", where="on test set")
+        losses, collected = _timed_evaluation(forward_step_func, test_iterator, model, config, args,
+                                              non_loss_data=non_loss_data)
+        logger.log_evaluation(args.iteration, losses, prefix="test", where="on test set")
+        process_non_loss_data(non_loss_data, collected, args.iteration, _writer(args))
 
 
-def evaluate_without_training(forward_step_func, model, valid_iterator, test_iterator, config, logger, args):
+def evaluate_without_training(forward_step_func, model, valid_iterator, test_iterator, config, logger, args,
+                              non_loss_data=NO_HOOKS):
     """--skip-train: evaluate the model as loaded once on the validation set(s) and the test set (those that
     exist, --eval-iters batches each, or whole with --full-validation), log it at `args.iteration`, and return
     that iteration."""
@@ -601,9 +633,10 @@ def evaluate_without_training(forward_step_func, model, valid_iterator, test_ite
     if args.eval_iters > 0:
         # As upstream: "... on validation set" / "... on test set", and nothing written to TensorBoard.
         evaluate_validation_sets(forward_step_func, as_validation_sets(valid_iterator), model, config, logger,
-                                 iteration, args, where="on validation set")
+                                 iteration, args, where="on validation set", non_loss_data=non_loss_data)
         if test_iterator is not None:
-            losses = _timed_evaluation(forward_step_func, test_iterator, model, config, args)
+            losses, _ = _timed_evaluation(forward_step_func, test_iterator, model, config, args,
+                                          non_loss_data=non_loss_data)
             logger.log_evaluation(iteration, losses, prefix="test", where="on test set", write_to_tensorboard=False)
     return iteration
 

@@ -149,8 +149,6 @@ def average_losses_across_data_parallel_group(losses):
 # ---------------------------------------------------------------------------------------------------------
 
 _PRETRAIN_ARGUMENTS_NOT_HERE = {
-    "process_non_loss_data_func": "evaluation here reports losses only, with no hook for non-loss data",
-    "non_loss_data_func": "evaluation here reports losses only, with no hook for non-loss data",
     "get_embedding_ranks": "the embedding group is always the first and last pipeline stage (upstream's default)",
     "get_position_embedding_ranks": "the position-embedding group is always the first pipeline stage (upstream's "
                                     "default)",
@@ -169,8 +167,7 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
     The arguments upstream adds for features this repository does not have must stay None (a value raises,
     naming it); `argv` (keyword only) replaces `sys.argv[1:]`, as in `megatron.training.training.pretrain`.
     """
-    given = {"process_non_loss_data_func": process_non_loss_data_func, "non_loss_data_func": non_loss_data_func,
-             "get_embedding_ranks": get_embedding_ranks, "get_position_embedding_ranks": get_position_embedding_ranks,
+    given = {"get_embedding_ranks": get_embedding_ranks, "get_position_embedding_ranks": get_position_embedding_ranks,
              "store": store, "inprocess_call_wrapper": inprocess_call_wrapper}
     for name, value in given.items():
         if value is not None:
@@ -179,7 +176,9 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
     from megatron.training.training import pretrain as run_pretrain
 
     return run_pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
-                        extra_args_provider=extra_args_provider, args_defaults=args_defaults, argv=argv)
+                        process_non_loss_data_func=process_non_loss_data_func,
+                        extra_args_provider=extra_args_provider, args_defaults=args_defaults,
+                        non_loss_data_func=non_loss_data_func, argv=argv)
 
 
 def get_model(model_provider_func, model_type=None, wrap_with_ddp=True):

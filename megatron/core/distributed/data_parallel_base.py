@@ -83,8 +83,9 @@ class DataParallelWrapper(torch.nn.Module, abc.ABC):
         outside it (the last microbatch) reduces them."""
 
     @abc.abstractmethod
-    def start_grad_sync(self):
-        """Start the data-parallel gradient reductions not started yet (asynchronously where possible)."""
+    def start_grad_sync(self, *unused):
+        """Start the data-parallel gradient reductions not started yet (asynchronously where possible). Positional
+        arguments (the parameters the schedules pass to `config.grad_sync_func`) are ignored."""
 
     @abc.abstractmethod
     def finish_grad_sync(self):
@@ -101,8 +102,9 @@ class DataParallelWrapper(torch.nn.Module, abc.ABC):
 
     # ---- parameters --------------------------------------------------------------------------------------------
     @abc.abstractmethod
-    def start_param_sync(self, force_sync: bool = False):
-        """Start gathering the parameters the optimizer just updated (synchronously with `force_sync`)."""
+    def start_param_sync(self, *unused, force_sync: bool = False):
+        """Start gathering the parameters the optimizer just updated (synchronously with `force_sync`). Positional
+        arguments (the parameters the schedules pass to `config.param_sync_func`) are ignored."""
 
     @abc.abstractmethod
     def finish_param_sync(self):

@@ -240,8 +240,9 @@ class DistributedDataParallel(DataParallelWrapper):
         finally:
             self.is_last_microbatch = True
 
-    def start_grad_sync(self):
-        """Start reducing every bucket not yet started (asynchronously), in the fixed bucket order."""
+    def start_grad_sync(self, *unused):
+        """Start reducing every bucket not yet started (asynchronously), in the fixed bucket order. Positional
+        arguments (the parameters upstream's schedules pass to `config.grad_sync_func`) are ignored."""
         for bucket in self._buckets[self._next_bucket_to_start:]:
             bucket.start_grad_sync(async_op=True)
         self._next_bucket_to_start = len(self._buckets)

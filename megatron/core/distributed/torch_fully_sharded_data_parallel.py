@@ -316,7 +316,7 @@ class TorchFSDP2(DataParallelWrapper):
             self.module.set_requires_gradient_sync(True)
             self._requires_gradient_sync = True
 
-    def start_grad_sync(self):
+    def start_grad_sync(self, *unused):
         """Nothing to start: FSDP2 reduce-scatters each unit's gradients inside backward, as soon as they exist."""
 
     def finish_grad_sync(self):
@@ -339,7 +339,7 @@ class TorchFSDP2(DataParallelWrapper):
             if param.grad is not None:
                 local_tensor(param.grad).mul_(scaling_factor)
 
-    def start_param_sync(self, force_sync=False):
+    def start_param_sync(self, *unused, force_sync=False):
         """Nothing to start: each FSDP2 unit all-gathers its parameters in its own forward pre-hook."""
 
     def finish_param_sync(self):

@@ -15,6 +15,13 @@ backward, so a wrapper that overlaps its reduction with the backward (DDP / Mega
 `overlap_grad_reduce`) starts reducing that chunk while the other chunks still compute. `finalize_model_grads_func`
 receives every chunk once all backwards are done, which finishes every chunk's reduction before the optimizer
 step. Losses are reported (and returned) by the last virtual stage only: chunk v-1 of the last pipeline rank.
+
+Upstream's explicit hooks (each one function for all chunks or a list of one per chunk, called with the chunk's
+parameters): with `grad_sync_func`, every backward runs inside `no_sync_func` and a chunk's reduction is started
+by `grad_sync_func` `r` backwards after that chunk's last one on pipeline rank `r` (so that the ranks start
+reducing together), the chunks not reached by then after the last backward. `param_sync_func` (parameter
+all-gathers) is called for chunks 0 and 1 before the first forward and for chunk `c + 1 > 1` `r` forwards
+before chunk `c` runs its first microbatch.
 """
 
 import collections
@@ -71,6 +78,18 @@ def _per_chunk_iterators(data_iterator, num_chunks):
     return [shared.view(chunk) for chunk in range(num_chunks)]
 
 
+def _per_chunk_hooks(config, name, num_chunks):
+    """`config.<name>` as one function per chunk (None when unset)."""
+    hook = schedule_setting(config, name)
+    if hook is None:
+        return None
+    if isinstance(hook, (list, tuple)):
+        if len(hook) != num_chunks:
+            raise ValueError(f"{name}: one per model chunk, got {len(hook)} for {num_chunks} chunks")
+        return list(hook)
+    return [hook] * num_chunks
+
+
 class _ChunkGradSync:
     """Holds gradient synchronisation back per chunk until the chunk's last backward."""
 
@@ -104,6 +123,19 @@ class _ChunkGradSync:
                 context.__exit__(None, None, None)
                 self._contexts[index] = None
 
+    @contextlib.contextmanager
+    def opened_for(self, chunk, backwards_left):
+        """Gradient synchronisation of `chunk` enabled while its `grad_sync_func` runs; a context shared by all
+        chunks is entered again afterwards while backwards are left."""
+        index = 0 if self._shared else chunk
+        if self._contexts[index] is not None:
+            self._contexts[index].__exit__(None, None, None)
+            self._contexts[index] = None
+        yield
+        if self._shared and backwards_left:
+            self._contexts[0] = self._funcs[0]()
+            self._contexts[0].__enter__()
+
 
 def forward_backward_pipelining_with_interleaving(
     *,
@@ -129,6 +161,7 @@ def forward_backward_pipelining_with_interleaving(
     )
     if not isinstance(model, (list, tuple)) or len(model) < 2:
         raise ValueError("the interleaved schedule runs a list of at least two model chunks per pipeline rank")
+    microbatch.check_collect_non_loss_data(collect_non_loss_data, forward_only)
     num_chunks = len(model)
     config = get_model_config(model[0])
     pipeline_size = parallel_state.get_pipeline_model_parallel_world_size()
@@ -147,13 +180,39 @@ def forward_backward_pipelining_with_interleaving(
     forward_data_store = []
     total_num_tokens = microbatch.zero_token_count()
     grad_sync = _ChunkGradSync(config, num_chunks)
+    grad_sync_funcs = _per_chunk_hooks(config, "grad_sync_func", num_chunks)
+    param_sync_funcs = _per_chunk_hooks(config, "param_sync_func", num_chunks)
     if not forward_only:
         grad_sync.disable_all()
     chunks_left = set(range(num_chunks))
+    chunks_synced = set()  # chunks whose grad_sync_func was called
     previous_virtual_rank = parallel_state.get_virtual_pipeline_model_parallel_rank()
+    if param_sync_funcs is not None:
+        for chunk in (0, 1):
+            param_sync_funcs[chunk](model[chunk].parameters())
+
+    def sync_params_ahead(k):
+        # Forward k + rank runs a chunk's first microbatch: gather the next chunk's parameters now.
+        ahead = k + rank
+        if param_sync_funcs is None or ahead >= plan.total or plan.forward_of(ahead)[0] != 0:
+            return
+        next_chunk = plan.forward_of(ahead)[1] + 1
+        if 1 < next_chunk < num_chunks:
+            param_sync_funcs[next_chunk](model[next_chunk].parameters())
+
+    def sync_grads_behind(k):
+        # Backward k - rank was a chunk's last microbatch: start that chunk's reduction now.
+        behind = k - rank
+        if grad_sync_funcs is None or behind < 0 or plan.backward_of(behind)[0] != num_microbatches - 1:
+            return
+        chunk = plan.backward_of(behind)[1]
+        with grad_sync.opened_for(chunk, backwards_left=k + 1 < plan.total):
+            grad_sync_funcs[chunk](model[chunk].parameters())
+        chunks_synced.add(chunk)
 
     def run_forward(k):
         nonlocal total_num_tokens
+        sync_params_ahead(k)
         _, chunk = plan.forward_of(k)
         parallel_state.set_virtual_pipeline_model_parallel_rank(chunk)
         input_tensor = None if plan.is_first_virtual_stage(chunk) else received_inputs[chunk].popleft()
@@ -170,12 +229,14 @@ def forward_backward_pipelining_with_interleaving(
     def run_backward(k):
         _, chunk = plan.backward_of(k)
         parallel_state.set_virtual_pipeline_model_parallel_rank(chunk)
-        if plan.is_last_backward_of_chunk(k):
+        if plan.is_last_backward_of_chunk(k) and grad_sync_funcs is None:
             chunks_left.discard(chunk)
             grad_sync.enable(chunk, remaining_chunks=len(chunks_left) + 1)
         input_tensor, output_tensor = awaiting_backward[chunk].popleft()
         output_tensor_grad = None if plan.is_last_virtual_stage(chunk) else received_grads[chunk].popleft()
-        return microbatch.backward_step(input_tensor, output_tensor, output_tensor_grad, config)
+        input_tensor_grad = microbatch.backward_step(input_tensor, output_tensor, output_tensor_grad, config)
+        sync_grads_behind(k)
+        return input_tensor_grad
 
     try:
         for step in plan.steps:
@@ -209,6 +270,9 @@ def forward_backward_pipelining_with_interleaving(
         parallel_state.set_virtual_pipeline_model_parallel_rank(previous_virtual_rank)
     if not forward_only:
         grad_sync.enable_all()
+        for chunk in range(num_chunks):
+            if grad_sync_funcs is not None and chunk not in chunks_synced:
+                grad_sync_funcs[chunk](model[chunk].parameters())
         finalize = schedule_setting(config, "finalize_model_grads_func")
         if finalize is not None:
             per_token_loss = schedule_setting(config, "calculate_per_token_loss")

@@ -36,6 +36,13 @@ def _unpack_loss(outputs):
     return outputs[0], None, outputs[1]
 
 
+def check_collect_non_loss_data(collect_non_loss_data, forward_only):
+    """`collect_non_loss_data=True` keeps the loss function's non-loss outputs, which have no backward."""
+    if collect_non_loss_data and not forward_only:
+        raise ValueError("collect_non_loss_data=True keeps what loss_func(output_tensor, non_loss_data=True) returns "
+                         "instead of a loss, so there is nothing to back-propagate: pass forward_only=True with it")
+
+
 def forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor, forward_data_store, config,
                  collect_non_loss_data=False, is_last_stage=True, forward_only=False):
     """One microbatch forward, timed as `forward-compute` (level 2) when the config carries timers; see

@@ -25,6 +25,7 @@ DEFAULT_SCHEDULE_SETTINGS = types.MappingProxyType(
         # Gradient-synchronisation hooks.
         "no_sync_func": None,
         "grad_sync_func": None,
+        "param_sync_func": None,
         "finalize_model_grads_func": None,
         # Timers (megatron.core.timers.Timers) of forward-compute and backward-compute; None: not timed.
         "timers": None,

@@ -9,20 +9,24 @@
   schedule. Stage `r` of `p` first runs `p - r - 1` warm-up forwards, then alternates one forward with one
   backward, then drains the remaining backwards, so at most `p - r` microbatches' activations are alive.
 
-Both take Megatron's keyword arguments and return the loss dicts of every microbatch on the last stage
+All take Megatron's keyword arguments and return the loss dicts of every microbatch on the last stage
 (an empty list elsewhere). Each microbatch's loss is divided by `num_microbatches` before its backward, so the
 accumulated gradients are those of the mean loss over the batch; with `calculate_per_token_loss` the loss
 sums are back-propagated unscaled and `finalize_model_grads_func` receives the total token count to divide by.
+With `collect_non_loss_data=True` (evaluation, `forward_only=True`) the last stage keeps what each
+microbatch's `loss_func(output_tensor, non_loss_data=True)` returns, as it is, and returns that list instead.
 `decoder_seq_length` and `first_val_step` are accepted for call-site compatibility and unused (there are no
 encoder-decoder models here); upstream's `adjust_tensor_shapes_fn`, `p2p_communicator` and `pg_collection` are
-accepted as None and refused by name otherwise.
+accepted as None and refused by name otherwise (a single stage exchanges no activations, so
+`forward_backward_no_pipelining` ignores the first two).
 
 Hooks come from the model's config (see `model_access`): `no_sync_func` is a context manager that holds
 back gradient synchronisation during every backward but the last microbatch's; `finalize_model_grads_func(
 [model], num_tokens)` finishes the step's gradients (data-parallel reduction, shared embeddings, ...) when the
-schedule computed gradients. With one model chunk per stage the last backward already runs outside
-`no_sync_func`, which is where a data-parallel wrapper starts its reduction, so `grad_sync_func` (used to
-start the reduction of one chunk of an interleaved pipeline early) is not called by these schedules.
+schedule computed gradients. As upstream, 1F1B with a `grad_sync_func(parameters)` keeps every stage but the
+first inside `no_sync_func` for its last backward too and then calls `grad_sync_func(model.parameters())` to
+start the reduction (the first stage's last backward starts it, as without the hook); the single-stage schedule
+does not call it.
 """
 
 import contextlib
@@ -32,6 +36,7 @@ from megatron.core.pipeline_parallel import p2p_communication
 from megatron.core.pipeline_parallel.microbatch import (
     zero_token_count,
     backward_step,
+    check_collect_non_loss_data,
     deallocate_output_tensor,
     forward_step,
 )
@@ -96,7 +101,18 @@ def _finalize(model, config, total_num_tokens):
         finalize_model_grads_func([model], total_num_tokens if per_token_loss else None)
 
 
-def _prepare(model, data_iterator, num_microbatches):
+def _grad_sync_func(config):
+    """`config.grad_sync_func` for one model chunk: the function, or the single entry of a one-element list."""
+    grad_sync_func = schedule_setting(config, "grad_sync_func")
+    if isinstance(grad_sync_func, (list, tuple)):
+        if len(grad_sync_func) != 1:
+            raise ValueError(f"grad_sync_func: one per model chunk, got {len(grad_sync_func)} for 1 chunk")
+        grad_sync_func = grad_sync_func[0]
+    return grad_sync_func
+
+
+def _prepare(model, data_iterator, num_microbatches, collect_non_loss_data=False, forward_only=False):
+    check_collect_non_loss_data(collect_non_loss_data, forward_only)
     model = single_model_chunk(model)
     if isinstance(data_iterator, (list, tuple)):
         if len(data_iterator) != 1:
@@ -126,12 +142,14 @@ def forward_backward_no_pipelining(
     collect_non_loss_data=False,
     first_val_step=None,
     adjust_tensor_shapes_fn=None,
+    p2p_communicator=None,
     pg_collection=None,
 ):
     """Forward and backward each microbatch in turn on a single stage; returns the loss dicts.
-    `adjust_tensor_shapes_fn` is unused (a single stage exchanges no activations), as upstream."""
+    `adjust_tensor_shapes_fn` and `p2p_communicator` are unused (a single stage exchanges no activations)."""
     refuse_upstream_schedule_options("forward_backward_no_pipelining", pg_collection=pg_collection)
-    model, data_iterator, config = _prepare(model, data_iterator, num_microbatches)
+    model, data_iterator, config = _prepare(model, data_iterator, num_microbatches, collect_non_loss_data,
+                                            forward_only)
     forward_data_store = []
     total_num_tokens = zero_token_count()
     grad_sync = _GradSyncControl(config)
@@ -173,7 +191,8 @@ def forward_backward_pipelining_without_interleaving(
         "forward_backward_pipelining_without_interleaving", adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
         p2p_communicator=p2p_communicator, pg_collection=pg_collection,
     )
-    model, data_iterator, config = _prepare(model, data_iterator, num_microbatches)
+    model, data_iterator, config = _prepare(model, data_iterator, num_microbatches, collect_non_loss_data,
+                                            forward_only)
     is_last_stage = parallel_state.is_pipeline_last_stage()
     deallocate = schedule_setting(config, "deallocate_pipeline_outputs")
     tensor_shape = p2p_communication.activation_shape(
@@ -181,6 +200,10 @@ def forward_backward_pipelining_without_interleaving(
     )
     pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
     pipeline_size = parallel_state.get_pipeline_model_parallel_world_size()
+    # As upstream: with a grad_sync_func, stages after the first start their reduction through it after the
+    # cool-down (in the pipeline bubble), not from their last backward.
+    grad_sync_func = _grad_sync_func(config)
+    sync_in_last_backward = grad_sync_func is None or pipeline_rank == 0
     num_warmup_microbatches = min(pipeline_size - pipeline_rank - 1, num_microbatches)
     num_steady_microbatches = num_microbatches - num_warmup_microbatches
 
@@ -206,7 +229,7 @@ def forward_backward_pipelining_without_interleaving(
         pending_outputs.append(output_tensor)
 
     def run_oldest_backward(output_tensor_grad, is_last_backward):
-        if is_last_backward:
+        if is_last_backward and sync_in_last_backward:
             grad_sync.enable()
         return backward_step(pending_inputs.pop(0), pending_outputs.pop(0), output_tensor_grad, config)
 
@@ -252,5 +275,7 @@ def forward_backward_pipelining_without_interleaving(
             )
             p2p_communication.send_backward(input_tensor_grad, config, tensor_shape)
         grad_sync.enable()
+        if not sync_in_last_backward:
+            grad_sync_func(model.parameters())
         _finalize(model, config, total_num_tokens)
     return forward_data_store if is_last_stage else []

@@ -180,9 +180,9 @@ def _wrap_each_kind_and_use_the_contract():
         with wrapped.no_sync():
             torch.nn.functional.mse_loss(wrapped(inputs[half[0]]), targets[half[0]]).mul(0.5).backward()
         torch.nn.functional.mse_loss(wrapped(inputs[half[1]]), targets[half[1]]).mul(0.5).backward()
-        wrapped.start_grad_sync()
+        wrapped.start_grad_sync(model.parameters())  # as the schedules call config.grad_sync_func
         wrapped.finish_grad_sync()
-        wrapped.start_param_sync(force_sync=True)
+        wrapped.start_param_sync(model.parameters(), force_sync=True)  # ... and config.param_sync_func
         wrapped.finish_param_sync()
         report = wrapped.state_bytes()
         assert {"params_bytes", "grads_bytes"} <= set(report) and report["params_bytes"] > 0

@@ -298,7 +298,7 @@ class MegatronFSDPAdapter(DataParallelWrapper):
         with self.module.no_sync():
             yield
 
-    def start_grad_sync(self):
+    def start_grad_sync(self, *unused):
         self.module.start_grad_sync()
 
     def finish_grad_sync(self):
@@ -311,7 +311,7 @@ class MegatronFSDPAdapter(DataParallelWrapper):
     def scale_gradients(self, scaling_factor: float):
         self.module.scale_gradients(scaling_factor)
 
-    def start_param_sync(self, force_sync: bool = False):
+    def start_param_sync(self, *unused, force_sync: bool = False):
         self.module.start_param_sync(force_sync=force_sync)
 
     def finish_param_sync(self):
