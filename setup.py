@@ -36,11 +36,11 @@ setup(
     install_requires=[TORCH_REQUIREMENT, "numpy", "pyyaml"],
     extras_require={
         # transformers: the checkpoint tools' test loads a --to hf export with it and compares logits.
-        # tiktoken: --tokenizer-type TikTokenizer.
+        # tiktoken: --tokenizer-type TikTokenizer; sentencepiece: the SentencePiece tokenizer types.
         # triton: the FP8 quantization kernels (GPUs); their tests run them on the CPU under Triton's interpreter.
         "dev": ["pytest>=7", "tokenizers>=0.15", "tensorboard", "transformers>=5", "tiktoken>=0.7",
-                TRITON_REQUIREMENT, *MODELOPT_REQUIREMENTS],
-        "test": ["pytest>=7", "tokenizers>=0.15", "tensorboard", "tiktoken>=0.7", TRITON_REQUIREMENT,
+                "sentencepiece", TRITON_REQUIREMENT, *MODELOPT_REQUIREMENTS],
+        "test": ["pytest>=7", "tokenizers>=0.15", "tensorboard", "tiktoken>=0.7", "sentencepiece", TRITON_REQUIREMENT,
                  *MODELOPT_REQUIREMENTS],
         "modelopt": MODELOPT_REQUIREMENTS,
         "te": ["transformer-engine[pytorch]"],

@@ -36,7 +36,6 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
 )
 from megatron.training.tokenizer.arguments import add_tokenizer_file_arguments, vocab_extra_ids_refusal  # noqa: E402
 from megatron.training.tokenizer import TOKENIZER_TYPES, TokenizerFileError, build_tokenizer_from_args  # noqa: E402
-from megatron.training.tokenizer.tokenizer import SENTENCEPIECE_TOKENIZER_TYPES, sentencepiece_refusal  # noqa: E402
 
 DOCUMENTS_PER_CHUNK = 32
 # The outputs are written as PREFIX_<key>_document.bin.partial / .idx.partial and renamed when the run succeeds.
@@ -326,8 +325,9 @@ def parse_args(argv=None):
                        "tokenized whole, newlines included)")
     group.add_argument("--lang", default="english", help="with --split-sentences: the language of the punkt model")
     group = parser.add_argument_group("tokenizer")
-    group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES + SENTENCEPIECE_TOKENIZER_TYPES,
-                       help=f"one of {', '.join(TOKENIZER_TYPES)} (upstream's SentencePiece types are refused)")
+    group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES,
+                       help=f"one of {', '.join(TOKENIZER_TYPES)} (the SentencePiece types need the sentencepiece "
+                       "package)")
     group.add_argument("--vocab-size", type=int, default=None,
                        help="for NullTokenizer; for TikTokenizer, the vocabulary with the special tokens "
                        "(default 131072)")
@@ -348,14 +348,12 @@ def parse_args(argv=None):
                        help="accepted for upstream scripts: documents are always written in input order")
     group.add_argument("--log-interval", type=int, default=1000, help="progress line every N documents")
     args = parser.parse_args(argv)
-    if args.tokenizer_type in SENTENCEPIECE_TOKENIZER_TYPES:
-        parser.error(sentencepiece_refusal(args.tokenizer_type))
     if args.workers < 1:
         parser.error("--workers must be at least 1")
     if args.partitions < 1:
         parser.error("--partitions must be at least 1")
-    if vocab_extra_ids_refusal(args.vocab_extra_ids):
-        parser.error(vocab_extra_ids_refusal(args.vocab_extra_ids))
+    if vocab_extra_ids_refusal(args.vocab_extra_ids, args.tokenizer_type):
+        parser.error(vocab_extra_ids_refusal(args.vocab_extra_ids, args.tokenizer_type))
     if not input_files(args.input):
         parser.error(f"--input {args.input!r} is not a file and matches no file as a glob pattern (give a JSONL "
                      "file, one JSON document per line, or a quoted pattern such as 'shards/*.jsonl')")

@@ -158,17 +158,10 @@ def _validate_validation_flags(args, per_split):
 
 def _check_tokenizer_type(tokenizer_type):
     """Upstream's argparse choices, checked here so that a misspelt or upstream-only type stops before start-up."""
-    from megatron.training.tokenizer.tokenizer import SENTENCEPIECE_TOKENIZER_TYPES, TOKENIZER_TYPES
+    from megatron.training.tokenizer.tokenizer import TOKENIZER_TYPES
 
-    if tokenizer_type in TOKENIZER_TYPES:
-        return
-    message = f"--tokenizer-type {tokenizer_type} is not one of {', '.join(TOKENIZER_TYPES)}"
-    if tokenizer_type in SENTENCEPIECE_TOKENIZER_TYPES:
-        message += ("; upstream reads its SentencePiece .model with the sentencepiece package (pip install "
-                    "sentencepiece), which no tokenizer here uses; for a SentencePiece model use --tokenizer-type "
-                    "HuggingFaceTokenizer with --tokenizer-model set to the model's Hugging Face tokenizer directory "
-                    "(or its tokenizer.json)")
-    raise ValueError(message)
+    if tokenizer_type not in TOKENIZER_TYPES:
+        raise ValueError(f"--tokenizer-type {tokenizer_type} is not one of {', '.join(TOKENIZER_TYPES)}")
 
 
 def validate(args):
@@ -224,7 +217,12 @@ def validate(args):
     if args.tokenizer_type == "HuggingFaceTokenizer" and args.tokenizer_model is None:
         raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a Hugging Face tokenizer "
                          "directory or name, or a tokenizer.json file)")
-    refusal = vocab_extra_ids_refusal(args.vocab_extra_ids)
+    from megatron.training.tokenizer.tokenizer import SENTENCEPIECE_TOKENIZER_TYPES
+
+    if args.tokenizer_type in SENTENCEPIECE_TOKENIZER_TYPES and args.tokenizer_model is None:
+        raise ValueError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model (the SentencePiece .model "
+                         "file)")
+    refusal = vocab_extra_ids_refusal(args.vocab_extra_ids, args.tokenizer_type)
     if refusal:
         raise ValueError(refusal)
     if args.num_workers < 0:

@@ -6,6 +6,11 @@ from megatron.training.tokenizer.file_errors import TokenizerFileError
 from megatron.training.tokenizer.gpt2_bpe_tokenizer import GPT2BPETokenizer
 from megatron.training.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
 from megatron.training.tokenizer.null_tokenizer import NullTokenizer
+from megatron.training.tokenizer.sentencepiece_tokenizer import (
+    GPTSentencePieceTokenizer,
+    Llama2Tokenizer,
+    SentencePieceTokenizer,
+)
 from megatron.training.tokenizer.tokenizer import (
     TOKENIZER_TYPES,
     build_tokenizer,
@@ -21,6 +26,9 @@ __all__ = [
     "GPT2BPETokenizer",
     "HuggingFaceTokenizer",
     "NullTokenizer",
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer",
     "TOKENIZER_TYPES",
     "TokenizerFileError",
     "build_tokenizer",

@@ -14,6 +14,13 @@ def add_tokenizer_file_arguments(group):
                        "transformers.AutoTokenizer.from_pretrained(..., trust_remote_code=True), which may run the "
                        "directory's Python code. A bare tokenizer.json (or a directory holding only that file) is "
                        "read without running any code either way.")
+    group.add_argument("--tokenizer-hf-use-fast", action="store_true",
+                       help="HuggingFaceTokenizer: load a --tokenizer-model directory or name with "
+                       "AutoTokenizer.from_pretrained(..., use_fast=True), as upstream.")
+    group.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",
+                       help="HuggingFaceTokenizer: accepted for upstream scripts; text is always tokenized with the "
+                       "special tokens the tokenizer adds (such as a beginning-of-sequence token), flag or not, as "
+                       "upstream's legacy tokenizer.")
     group.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"],
                        help="TikTokenizer pre-tokenizer: v1 splits numbers into digits, v2 into groups of three.")
     group.add_argument("--tiktoken-num-special-tokens", type=int, default=None,
@@ -22,13 +29,17 @@ def add_tokenizer_file_arguments(group):
                        help="TikTokenizer special tokens (must include <unk>, <s>, </s>); default <unk> <s> </s> "
                        "<mask> <pad> <cls> <sep>.")
     group.add_argument("--vocab-extra-ids", type=int, default=0,
-                       help="Upstream's <extra_id_N> sentinel tokens of its BERT/T5 tokenizers; only 0 (none, the "
-                       "default) is accepted.")
+                       help="SentencePieceTokenizer: this many <extra_id_N> sentinel tokens appended to the "
+                       "vocabulary, as upstream; other types take only 0 (none, the default).")
 
 
-def vocab_extra_ids_refusal(vocab_extra_ids):
-    """Why --vocab-extra-ids `vocab_extra_ids` is refused; None for 0, the default."""
-    if vocab_extra_ids == 0:
+def vocab_extra_ids_refusal(vocab_extra_ids, tokenizer_type=None):
+    """Why --vocab-extra-ids `vocab_extra_ids` is refused for --tokenizer-type `tokenizer_type`; None for 0 (the
+    default) and for SentencePieceTokenizer's count."""
+    if vocab_extra_ids == 0 or (tokenizer_type == "SentencePieceTokenizer" and vocab_extra_ids > 0):
         return None
-    return (f"--vocab-extra-ids {vocab_extra_ids} is not supported: it adds the <extra_id_N> sentinel tokens of "
-            "upstream's BERT/T5 tokenizers, which GPT tokenizers here do not have; drop the flag")
+    if vocab_extra_ids < 0:
+        return f"--vocab-extra-ids must be 0 or more (got {vocab_extra_ids})"
+    return (f"--vocab-extra-ids {vocab_extra_ids} is not supported: --tokenizer-type {tokenizer_type} has no "
+            "<extra_id_N> sentinel tokens (SentencePieceTokenizer appends them, as upstream's BERT/T5 tokenizers); "
+            "drop the flag or use --tokenizer-type SentencePieceTokenizer")

@@ -13,6 +13,8 @@ EXPECTED_FILES = {
     ("GPT2BPETokenizer", "--merge-file"): "merges.txt",
     ("HuggingFaceTokenizer", "--tokenizer-model"): "a Hugging Face tokenizer directory or its tokenizer.json",
     ("TikTokenizer", "--tokenizer-model"): "a tiktoken .json vocabulary, a list of {rank, token_bytes, token_str}",
+    **{(sentencepiece_type, "--tokenizer-model"): "a SentencePiece .model file"
+       for sentencepiece_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")},
 }
 
 # The BaseException (not an Exception) the Rust `tokenizers` package raises for some files it cannot read, such as

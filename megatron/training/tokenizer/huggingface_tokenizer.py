@@ -5,7 +5,9 @@ loaded with the `tokenizers` package.
 
 As upstream's: `tokenize` gives `AutoTokenizer(text).input_ids` (the special tokens the tokenizer adds, such as a
 beginning-of-sequence token, included), `eod` is `eos_token_id`, `bos` is `bos_token_id`, and `vocab_size` is
-`len(tokenizer)` (added tokens included). `pad` is `pad_token_id`, or `eod` where the tokenizer has none.
+`len(tokenizer)` (added tokens included). `pad` is `pad_token_id`, or `eod` where the tokenizer has none. A pad
+token that plain text encodes to (an ordinary token such as GPT-2's `!` made the pad token) is no padding id: `pad`
+is then `eod`, so the GPT dataset keeps that real token and its loss (upstream's legacy tokenizer has no `pad`).
 """
 
 import os
@@ -54,6 +56,9 @@ class TokenizersBackedTokenizer(MegatronTokenizer):
         self._eod = self._find_token_id(eod_token, EOD_TOKEN_CANDIDATES, "end-of-document")
         self._pad = self._find_token_id(pad_token, PAD_TOKEN_CANDIDATES if search_candidates else (), "padding",
                                         default=self._eod)
+        if self._pad != self._eod and self._plain_text_encodes_to(self._pad):
+            # The dataset masks and zeroes `pad` labels: an id that text produces is a real token, not padding.
+            self._pad = self._eod
         self._bos = self._find_token_id(bos_token, BOS_TOKEN_CANDIDATES if search_candidates else (),
                                         "beginning-of-sequence", required=False)
 
@@ -66,6 +71,20 @@ class TokenizersBackedTokenizer(MegatronTokenizer):
         if default is not None or not required:
             return default
         raise ValueError(f"the tokenizer has no {role} token; looked for {', '.join(names)}")
+
+    def _plain_text_encodes_to(self, token_id):
+        """Whether the token's own text, its special tokens read as plain text, encodes to `token_id` alone."""
+        text = self._backend.decode([token_id], skip_special_tokens=False)
+        if not text:
+            return False
+        if isinstance(self._backend, PreTrainedTokenizerBackend):
+            return self._backend.encode_plain_text(text) == [token_id]
+        reads_special_tokens_as_text = self._backend.encode_special_tokens
+        self._backend.encode_special_tokens = True
+        try:
+            return self._backend.encode(text, add_special_tokens=False).ids == [token_id]
+        finally:
+            self._backend.encode_special_tokens = reads_special_tokens_as_text
 
     @property
     def backend(self):
@@ -152,6 +171,14 @@ class PreTrainedTokenizerBackend:
     def decode(self, token_ids, skip_special_tokens=False):
         return self.pretrained.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def encode_plain_text(self, text):
+        """The ids of `text` with no special tokens added and its special tokens' spellings read as plain text;
+        None where the tokenizer (a custom class) cannot read them so."""
+        try:
+            return list(self.pretrained.encode(text, add_special_tokens=False, split_special_tokens=True))
+        except (TypeError, ValueError):
+            return None
+
     def get_vocab_size(self, with_added_tokens=True):
         return len(self.pretrained)
 
@@ -170,9 +197,9 @@ class PreTrainedTokenizerBackend:
         return None if unknown else token_id
 
 
-def load_pretrained_tokenizer(tokenizer_model, trust_remote_code=False):
-    """`transformers.AutoTokenizer.from_pretrained(tokenizer_model, trust_remote_code=...)`: a tokenizer directory
-    or a hub name, as upstream."""
+def load_pretrained_tokenizer(tokenizer_model, trust_remote_code=False, **from_pretrained_kwargs):
+    """`transformers.AutoTokenizer.from_pretrained(tokenizer_model, trust_remote_code=..., **from_pretrained_kwargs)`:
+    a tokenizer directory or a hub name, as upstream."""
     file_flags = (("--tokenizer-model", tokenizer_model),)
     try:
         from transformers import AutoTokenizer
@@ -180,12 +207,15 @@ def load_pretrained_tokenizer(tokenizer_model, trust_remote_code=False):
         raise ImportError(f"--tokenizer-model {tokenizer_model!r} is a Hugging Face tokenizer directory or name; "
                           "loading it needs the `transformers` package: pip install transformers") from error
     with reading_tokenizer_files("HuggingFaceTokenizer", file_flags, source="transformers.AutoTokenizer"):
-        return AutoTokenizer.from_pretrained(tokenizer_model, trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(tokenizer_model, trust_remote_code=trust_remote_code,
+                                             **from_pretrained_kwargs)
 
 
-def _loads_with_auto_tokenizer(tokenizer_model):
+def loads_with_auto_tokenizer(tokenizer_model):
     """A directory `save_pretrained` wrote (it has tokenizer_config.json), one without tokenizer.json, or a name
     that is no local path; a tokenizer.json file, or a directory holding only one, loads with `tokenizers`."""
+    if tokenizer_model is None:
+        return False
     if os.path.isfile(tokenizer_model):
         return False
     if os.path.isdir(tokenizer_model):
@@ -197,20 +227,28 @@ def _loads_with_auto_tokenizer(tokenizer_model):
 class HuggingFaceTokenizer(TokenizersBackedTokenizer):
     """`--tokenizer-model DIR` (or a hub name) with `transformers.AutoTokenizer`, which runs the directory's tokenizer
     code only under `trust_remote_code` (`--trust-remote-code`); `--tokenizer-model path/tokenizer.json`, or a
-    directory holding only that file, with the `tokenizers` package."""
+    directory holding only that file, with the `tokenizers` package. Further keywords (`padding_side="left"`,
+    `use_fast=False`, ...) go to `from_pretrained`, as upstream's; a bare tokenizer.json takes none."""
 
-    def __init__(self, tokenizer_model, eod_token=None, pad_token=None, trust_remote_code=False):
+    def __init__(self, tokenizer_model, eod_token=None, pad_token=None, trust_remote_code=False,
+                 **from_pretrained_kwargs):
         file_flags = (("--tokenizer-model", tokenizer_model),)
-        MegatronTokenizer.__init__(self, tokenizer_model, trust_remote_code=trust_remote_code)
-        if tokenizer_model is not None and _loads_with_auto_tokenizer(tokenizer_model):
+        MegatronTokenizer.__init__(self, tokenizer_model, trust_remote_code=trust_remote_code, **from_pretrained_kwargs)
+        if loads_with_auto_tokenizer(tokenizer_model):
             self.tokenizer_path = tokenizer_model
-            pretrained = load_pretrained_tokenizer(tokenizer_model, trust_remote_code)
+            pretrained = load_pretrained_tokenizer(tokenizer_model, trust_remote_code, **from_pretrained_kwargs)
             # A tokenizer without an eos_token still gets an end-of-document id from the usual spellings.
             with reading_tokenizer_files("HuggingFaceTokenizer", file_flags):
                 super().__init__(PreTrainedTokenizerBackend(pretrained), eod_token or pretrained.eos_token,
                                  pad_token or getattr(pretrained, "pad_token", None),
                                  getattr(pretrained, "bos_token", None), search_candidates=False)
             return
+        if from_pretrained_kwargs:
+            raise ValueError(
+                f"--tokenizer-model {tokenizer_model} is a bare tokenizer.json, read with the `tokenizers` package; "
+                f"the keywords {', '.join(sorted(from_pretrained_kwargs))} are for "
+                "transformers.AutoTokenizer.from_pretrained: give a tokenizer directory with tokenizer_config.json "
+                "(save_pretrained writes one), or drop the keywords")
         tokenizers = _import_tokenizers()
         self.tokenizer_path = resolve_tokenizer_json(tokenizer_model)
         source = None if self.tokenizer_path == tokenizer_model else self.tokenizer_path

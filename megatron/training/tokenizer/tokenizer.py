@@ -1,9 +1,15 @@
 """`build_tokenizer` (the `--tokenizer-type` switch) and the vocabulary padding rule of the training code."""
 
+from megatron.training.tokenizer.arguments import vocab_extra_ids_refusal
 from megatron.training.tokenizer.byte_level_tokenizer import ByteLevelTokenizer
 from megatron.training.tokenizer.gpt2_bpe_tokenizer import GPT2BPETokenizer
-from megatron.training.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
+from megatron.training.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer, loads_with_auto_tokenizer
 from megatron.training.tokenizer.null_tokenizer import NullTokenizer
+from megatron.training.tokenizer.sentencepiece_tokenizer import (
+    GPTSentencePieceTokenizer,
+    Llama2Tokenizer,
+    SentencePieceTokenizer,
+)
 from megatron.training.tokenizer.tiktoken_tokenizer import DEFAULT_NUM_SPECIAL_TOKENS, TikTokenizer
 
 # Upstream's class names, imported by scripts written for it.
@@ -11,29 +17,44 @@ _NullTokenizer = NullTokenizer
 _GPT2BPETokenizer = GPT2BPETokenizer
 _HuggingFaceTokenizer = HuggingFaceTokenizer
 CustomTikTokenizer = TikTokenizer
+_SentencePieceTokenizer = SentencePieceTokenizer
+_GPTSentencePieceTokenizer = GPTSentencePieceTokenizer
+_Llama2Tokenizer = Llama2Tokenizer
 
-TOKENIZER_TYPES = ("NullTokenizer", "ByteLevelTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "TikTokenizer")
-# Upstream's types that read a SentencePiece .model file with the sentencepiece package, which is not supported here.
+# Upstream's types that read a SentencePiece .model file with the sentencepiece package.
 SENTENCEPIECE_TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
-
-
-def sentencepiece_refusal(tokenizer_type):
-    """Why --tokenizer-type `tokenizer_type` (one of upstream's SentencePiece types) is refused, and what to do."""
-    return (f"--tokenizer-type {tokenizer_type} is not supported: upstream reads its SentencePiece .model with the "
-            "sentencepiece package (pip install sentencepiece), and no tokenizer here does; use --tokenizer-type "
-            "HuggingFaceTokenizer with --tokenizer-model set to the model's Hugging Face tokenizer directory (its "
-            "tokenizer.json needs no sentencepiece)")
+TOKENIZER_TYPES = ("NullTokenizer", "ByteLevelTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
+                   "TikTokenizer") + SENTENCEPIECE_TOKENIZER_TYPES
 
 
 def build_tokenizer(tokenizer_type, vocab_size=None, vocab_file=None, merge_file=None, tokenizer_model=None,
                     tiktoken_pattern=None, tiktoken_num_special_tokens=DEFAULT_NUM_SPECIAL_TOKENS,
-                    tiktoken_special_tokens=None, trust_remote_code=False):
+                    tiktoken_special_tokens=None, trust_remote_code=False, vocab_extra_ids=0,
+                    **from_pretrained_kwargs):
     """The tokenizer named by `--tokenizer-type`, built from the file/size flags that type needs.
 
-    Called as upstream's `build_tokenizer(args)` with the parsed arguments instead of a type name, it reads the
-    flags from `args`, sets `args.padded_vocab_size` and prints upstream's start-up lines on rank 0."""
+    Called as upstream's `build_tokenizer(args, **kwargs)` with the parsed arguments instead of a type name, it
+    reads the flags from `args`, sets `args.padded_vocab_size` and prints upstream's start-up lines on rank 0.
+    Further keywords (`padding_side="left"`, ...) go to HuggingFaceTokenizer's
+    `transformers.AutoTokenizer.from_pretrained`, as upstream's; the other types take none."""
     if not isinstance(tokenizer_type, str) and hasattr(tokenizer_type, "tokenizer_type"):
-        return _build_tokenizer_as_upstream(tokenizer_type)
+        flags_given = [name for name, value, default in (
+            ("vocab_size", vocab_size, None), ("vocab_file", vocab_file, None), ("merge_file", merge_file, None),
+            ("tokenizer_model", tokenizer_model, None), ("tiktoken_pattern", tiktoken_pattern, None),
+            ("tiktoken_num_special_tokens", tiktoken_num_special_tokens, DEFAULT_NUM_SPECIAL_TOKENS),
+            ("tiktoken_special_tokens", tiktoken_special_tokens, None),
+            ("trust_remote_code", trust_remote_code, False), ("vocab_extra_ids", vocab_extra_ids, 0))
+            if value != default]
+        if flags_given:
+            raise TypeError(f"build_tokenizer(args, ...) reads {', '.join(flags_given)} from args; set them on args "
+                            "(the keywords after args go to transformers.AutoTokenizer.from_pretrained)")
+        return _build_tokenizer_as_upstream(tokenizer_type, **from_pretrained_kwargs)
+    if from_pretrained_kwargs and tokenizer_type != "HuggingFaceTokenizer":
+        raise ValueError(f"build_tokenizer keywords {', '.join(sorted(from_pretrained_kwargs))} go to "
+                         "transformers.AutoTokenizer.from_pretrained, which only --tokenizer-type HuggingFaceTokenizer "
+                         f"uses; --tokenizer-type {tokenizer_type} takes none: drop them")
+    if vocab_extra_ids_refusal(vocab_extra_ids or 0, tokenizer_type):
+        raise ValueError(vocab_extra_ids_refusal(vocab_extra_ids, tokenizer_type))
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
             raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
@@ -41,7 +62,7 @@ def build_tokenizer(tokenizer_type, vocab_size=None, vocab_file=None, merge_file
     if tokenizer_type == "ByteLevelTokenizer":
         return ByteLevelTokenizer()
     if tokenizer_type == "HuggingFaceTokenizer":
-        return HuggingFaceTokenizer(tokenizer_model, trust_remote_code=trust_remote_code)
+        return HuggingFaceTokenizer(tokenizer_model, trust_remote_code=trust_remote_code, **from_pretrained_kwargs)
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "TikTokenizer":
@@ -49,14 +70,22 @@ def build_tokenizer(tokenizer_type, vocab_size=None, vocab_file=None, merge_file
             raise ValueError("--tokenizer-type TikTokenizer needs --tokenizer-model and --tiktoken-pattern")
         return TikTokenizer(tokenizer_model, tiktoken_pattern, vocab_size, tiktoken_num_special_tokens,
                             tiktoken_special_tokens)
-    if tokenizer_type in SENTENCEPIECE_TOKENIZER_TYPES:
-        raise ValueError(sentencepiece_refusal(tokenizer_type))
+    if tokenizer_type == "SentencePieceTokenizer":
+        return SentencePieceTokenizer(tokenizer_model, vocab_extra_ids=vocab_extra_ids or 0)
+    if tokenizer_type == "GPTSentencePieceTokenizer":
+        return GPTSentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type == "Llama2Tokenizer":
+        return Llama2Tokenizer(tokenizer_model)
     raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}")
 
 
-def build_tokenizer_from_args(args):
+def build_tokenizer_from_args(args, **from_pretrained_kwargs):
     """`build_tokenizer` reading `tokenizer_type`, `vocab_size`, `vocab_file`, `merge_file`, `tokenizer_model`,
-    the tiktoken settings and `trust_remote_code`."""
+    the tiktoken settings and `trust_remote_code`; `from_pretrained_kwargs` as `build_tokenizer`'s, with
+    `use_fast=True` for a HuggingFaceTokenizer directory under `--tokenizer-hf-use-fast`."""
+    if (getattr(args, "tokenizer_hf_use_fast", False) and args.tokenizer_type == "HuggingFaceTokenizer"
+            and loads_with_auto_tokenizer(args.tokenizer_model)):
+        from_pretrained_kwargs.setdefault("use_fast", True)
     return build_tokenizer(
         args.tokenizer_type,
         vocab_size=getattr(args, "vocab_size", None),
@@ -67,14 +96,17 @@ def build_tokenizer_from_args(args):
         tiktoken_num_special_tokens=getattr(args, "tiktoken_num_special_tokens", None) or DEFAULT_NUM_SPECIAL_TOKENS,
         tiktoken_special_tokens=getattr(args, "tiktoken_special_tokens", None),
         trust_remote_code=getattr(args, "trust_remote_code", False),
+        vocab_extra_ids=getattr(args, "vocab_extra_ids", 0),
+        **from_pretrained_kwargs,
     )
 
 
-def _build_tokenizer_as_upstream(args):
-    """Upstream's `build_tokenizer(args)`: the tokenizer of `args`, with `args.padded_vocab_size` padded from it."""
+def _build_tokenizer_as_upstream(args, **from_pretrained_kwargs):
+    """Upstream's `build_tokenizer(args, **kwargs)`: the tokenizer of `args`, with `args.padded_vocab_size` padded
+    from it."""
     if getattr(args, "rank", 0) == 0:
         print(f"> building {args.tokenizer_type} tokenizer ...", flush=True)
-    tokenizer = build_tokenizer_from_args(args)
+    tokenizer = build_tokenizer_from_args(args, **from_pretrained_kwargs)
     args.padded_vocab_size = padded_vocab_size(args, tokenizer.vocab_size)
     if getattr(args, "rank", 0) == 0:
         print(padded_vocab_message(tokenizer.vocab_size, args.padded_vocab_size), flush=True)

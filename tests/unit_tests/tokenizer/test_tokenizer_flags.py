@@ -9,13 +9,12 @@ SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "L
 
 
 @pytest.mark.parametrize("tokenizer_type", SENTENCEPIECE_TYPES)
-def test_sentencepiece_types_name_the_package_and_the_alternative(tokenizer_type):
-    with pytest.raises(ValueError) as error:
-        validated(f"--tokenizer-type {tokenizer_type} --tokenizer-model tokenizer.model")
-    message = str(error.value)
-    assert message.startswith(f"--tokenizer-type {tokenizer_type} is not one of ")
-    assert "sentencepiece package (pip install sentencepiece)" in message
-    assert "use --tokenizer-type HuggingFaceTokenizer with --tokenizer-model" in message
+def test_sentencepiece_types_need_their_model_file(tokenizer_type):
+    assert validated(f"--tokenizer-type {tokenizer_type} --tokenizer-model tokenizer.model").tokenizer_type == \
+        tokenizer_type
+    with pytest.raises(ValueError, match=rf"^--tokenizer-type {tokenizer_type} needs --tokenizer-model \(the "
+                                         r"SentencePiece .model file\)$"):
+        validated(f"--tokenizer-type {tokenizer_type}")
 
 
 def test_huggingface_tokenizer_without_tokenizer_model_stops_in_validation():
@@ -24,8 +23,11 @@ def test_huggingface_tokenizer_without_tokenizer_model_stops_in_validation():
         validated("--tokenizer-type HuggingFaceTokenizer")
 
 
-def test_vocab_extra_ids_zero_is_accepted_and_others_are_refused():
+def test_vocab_extra_ids_zero_is_accepted_and_others_are_refused_outside_sentencepiece():
     assert validated("").vocab_extra_ids == 0
     assert validated("--vocab-extra-ids 0").vocab_extra_ids == 0
-    with pytest.raises(ValueError, match=r"^--vocab-extra-ids 100 is not supported: .*sentinel tokens.*drop the flag"):
+    with pytest.raises(ValueError, match=r"^--vocab-extra-ids 100 is not supported: --tokenizer-type NullTokenizer "
+                                         r"has no <extra_id_N> sentinel tokens.*drop the flag"):
         validated("--vocab-extra-ids 100")
+    with pytest.raises(ValueError, match=r"^--vocab-extra-ids must be 0 or more \(got -1\)$"):
+        validated("--tokenizer-type SentencePieceTokenizer --tokenizer-model tokenizer.model --vocab-extra-ids -1")

@@ -1,6 +1,7 @@
 """Tokenizers against the reference implementations upstream Megatron-LM wraps, over tiny vocabularies built here:
 GPT2BPETokenizer against `transformers.GPT2Tokenizer` on the same vocab.json / merges.txt, HuggingFaceTokenizer
-against `transformers.AutoTokenizer` on the same directory; upstream's SentencePiece types and start-up line."""
+against `transformers.AutoTokenizer` on the same directory; the SentencePiece types' file errors; upstream's start-up
+line."""
 
 import os
 
@@ -68,10 +69,11 @@ def test_huggingface_directory_is_auto_tokenizers(tmp_path):
     assert ours.pad == ours.eod  # no pad token
 
 
-def test_sentencepiece_types_name_the_package():
+def test_sentencepiece_types_name_a_missing_model_file():
     for tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
-        with pytest.raises(ValueError, match=rf"--tokenizer-type {tokenizer_type} is not supported: .*sentencepiece "
-                                             r"package \(pip install sentencepiece\).*HuggingFaceTokenizer"):
+        with pytest.raises(FileNotFoundError, match=rf"--tokenizer-type {tokenizer_type} tokenizer from --tokenizer-"
+                                                    r"model tokenizer.model: tokenizer.model: no such file.*"
+                                                    r"--tokenizer-model a SentencePiece .model file"):
             build_tokenizer(tokenizer_type, tokenizer_model="tokenizer.model")
 
 

@@ -249,13 +249,34 @@ def test_upstream_tokenizer_files_give_the_reference_ids_with_any_workers(tmp_pa
         np.testing.assert_array_equal(dataset[index], tokens)
 
 
-def test_sentencepiece_tokenizer_types_name_the_package(tmp_path, preprocess_data, capsys):
+def test_sentencepiece_tokenizer_types_name_the_package(tmp_path, preprocess_data, monkeypatch):
     corpus = str(tmp_path / "corpus.jsonl")
     _write_jsonl(corpus, _documents()[:1])
-    with pytest.raises(SystemExit):
-        preprocess_data.parse_args(["--input", corpus, "--output-prefix", str(tmp_path / "o"), "--tokenizer-type",
-                                    "GPTSentencePieceTokenizer", "--tokenizer-model", "tokenizer.model"])
-    error = " ".join(capsys.readouterr().err.split())
-    assert ("--tokenizer-type GPTSentencePieceTokenizer is not supported: upstream reads its SentencePiece .model "
-            "with the sentencepiece package (pip install sentencepiece)") in error
+    model = tmp_path / "tokenizer.model"
+    model.write_bytes(b"\x0a\x01x")
+    monkeypatch.setitem(sys.modules, "sentencepiece", None)
+    with pytest.raises(SystemExit) as exit_info:
+        preprocess_data.main(["--input", corpus, "--output-prefix", str(tmp_path / "o"), "--tokenizer-type",
+                              "GPTSentencePieceTokenizer", "--tokenizer-model", str(model)])
+    assert str(exit_info.value.code).endswith("--tokenizer-type GPTSentencePieceTokenizer reads its --tokenizer-model "
+                                              ".model file with the `sentencepiece` package, which is not installed: "
+                                              "pip install sentencepiece")
     assert not any(name.startswith("o_") for name in os.listdir(tmp_path))
+
+
+def test_llama2_tokenizer_documents_start_with_bos(tmp_path, preprocess_data, monkeypatch, capsys):
+    sentencepiece = pytest.importorskip("sentencepiece")
+    documents = _documents()[:6]
+    corpus, model = str(tmp_path / "corpus.jsonl"), str(tmp_path / "tokenizer.model")
+    _write_jsonl(corpus, documents)
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter([d["text"] for d in documents]),
+                                             model_prefix=str(tmp_path / "tokenizer"), vocab_size=60,
+                                             hard_vocab_limit=False, minloglevel=2)
+    _run_main(preprocess_data, monkeypatch, capsys, "--input", corpus, "--output-prefix", str(tmp_path / "o"),
+              "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", model, "--append-eod")
+    pieces = sentencepiece.SentencePieceProcessor(model_file=model)
+    dataset = IndexedDataset(str(tmp_path / "o_text_document"))
+    expected = [[1] + pieces.encode(document["text"]) + [2] for document in documents]  # bos ... eos (the eod)
+    assert len(dataset) == len(expected)
+    for index, tokens in enumerate(expected):
+        np.testing.assert_array_equal(dataset[index], tokens)
