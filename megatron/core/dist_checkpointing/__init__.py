@@ -19,8 +19,11 @@ at one layout and wrapper loads at any other.
 - `offline`, `safetensors_format`: whole-tensor reads and writes for tools, without a process group
 - `api` (`save`, `load`, `load_common_state_dict`), `mapping` (`ShardedTensor`, `ShardedObject`), `strategies`,
   `validation`, `utils`: upstream's entry points and names over the same format
-- `inspection` (`check_is_distributed_checkpoint`, `load_tensors_metadata`, `load_plain_tensors`,
-  `load_content_metadata`): upstream's reads of a checkpoint without a model
+- `inspection` (`check_is_distributed_checkpoint`, `load_tensors_metadata`, `load_sharded_metadata`,
+  `load_plain_tensors`, `load_content_metadata`, `remove_sharded_tensors`): upstream's reads (and pruning) of a
+  checkpoint without a model
+- `dict_utils` (`dict_list_map_inplace`, ...), `strategies.fully_parallel`: upstream's helpers and wrappers
+- `access_integrity`: `save(..., validate_access_integrity=True)`, the ranks' ShardedTensors must tile each tensor
 """
 
 from megatron.core.dist_checkpointing.strictness import STRICTNESS_CHOICES, StrictHandling
@@ -39,6 +42,12 @@ _LAZY = {  # torch.distributed.checkpoint is imported on first use, not by argum
     "load_tensors_metadata": "inspection",
     "load_plain_tensors": "inspection",
     "load_content_metadata": "inspection",
+    "load_sharded_metadata": "inspection",
+    "remove_sharded_tensors": "inspection",
+    "ShardedTensorFactory": "mapping",
+    "LocalNonpersistentObject": "mapping",
+    "get_default_save_sharded_strategy": "serialization",
+    "get_default_load_sharded_strategy": "serialization",
 }
 
 

@@ -8,7 +8,10 @@ single-piece tensor as a plain tensor (so `model.load_state_dict(load(...)["mode
 the common state as saved; `strict` (`--dist-ckpt-strictness`) applies to the tensor keys of the whole nesting.
 `load_common_state_dict` returns every object the checkpoint holds (the state all ranks share). Upstream's
 `ShardedTensor` and `ShardedObject` (see `mapping`) are sharded entries under their own keys: each rank saves its
-ShardedObjects (the main replica's) and `load` returns their saved data.
+ShardedObjects (the main replica's) and `load` returns their saved data. As upstream, both build
+`ShardedTensorFactory`s in place (`load` returns their `merge_fn` of what was read), leave
+`LocalNonpersistentObject`s out of the checkpoint (`load` returns their objects), and `save` checks first that the
+ranks' ShardedTensors tile each tensor (`validate_access_integrity`, see `access_integrity`).
 """
 
 import os
@@ -17,9 +20,19 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from megatron.core.dist_checkpointing import nesting, serialization
+from megatron.core.dist_checkpointing import nesting, offline, serialization
+from megatron.core.dist_checkpointing.access_integrity import validate_sharding_integrity
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace, nested_values
+from megatron.core.dist_checkpointing.inspection import CONTENT_METADATA_KEY, checked_metadata
 from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
+from megatron.core.dist_checkpointing.mapping import (
+    LocalNonpersistentObject,
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+    apply_factories,
+    is_main_replica,
+)
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
 from megatron.core.dist_checkpointing.strictness import KeyMismatch, apply_strictness
 from megatron.core.dist_checkpointing.validation import StrictHandling, parse_strict_flag
@@ -36,10 +49,6 @@ def _save_strategy(sharded_strategy):
 def _writes_common_state(process_group) -> bool:
     """The common state is the first rank's (upstream writes it from rank 0 alone)."""
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank(process_group) == 0
-
-
-# The common object holding `save(..., content_metadata=...)` (upstream's key); see `inspection`.
-CONTENT_METADATA_KEY = "content_metadata"
 
 
 _NOT_WRITTEN = object()
@@ -61,13 +70,22 @@ def _saved_value(value):
 
 
 def save(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strategy=None,
-         validate_access_integrity=True, content_metadata=None):
+         validate_access_integrity=True, async_sharded_save=False, preprocess_common_before_consistancy_check=None,
+         content_metadata=None):
     """Write `sharded_state_dict` into `checkpoint_dir` (collective over the world, or the strategy's group);
-    `content_metadata` (a dict describing the content) is kept for `load_content_metadata`."""
+    `content_metadata` (a dict describing the content) is kept for `load_content_metadata`. The common state is
+    the first rank's, so `preprocess_common_before_consistancy_check` (upstream's hook for comparing it across
+    ranks) is accepted and not needed."""
     if common_strategy is not None:
         raise ValueError("a separate common-state strategy is not used: common objects are saved as objects")
+    if async_sharded_save:
+        raise ValueError("save(async_sharded_save=True) is not supported by megatron.core.dist_checkpointing: call "
+                         "save() synchronously, or let the training loop write in the background (--async-save)")
     strategy = _save_strategy(sharded_strategy)  # refuses an unknown format before anything is written
-    parts = nesting.split(sharded_state_dict)
+    apply_factories(sharded_state_dict)  # in place, as upstream
+    parts = nesting.split(_persistent(sharded_state_dict))
+    if validate_access_integrity:
+        validate_sharding_integrity(parts.sharded, getattr(strategy, "process_group", None))
     flat = {key: _saved_value(value) for key, value in parts.sharded.items()}
     flat = {key: value for key, value in flat.items() if value is not _NOT_WRITTEN}
     if _writes_common_state(getattr(strategy, "process_group", None)):
@@ -91,8 +109,14 @@ def load(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strat
     mode = parse_strict_flag(strict)
     strategy = sharded_strategy if sharded_strategy is not None else TorchDistLoadShardedStrategy()
     directory = str(checkpoint_dir)
+    factories = dict_list_map_outplace(lambda value: value if isinstance(value, ShardedTensorFactory) else None,
+                                       sharded_state_dict)
+    local_objects = dict_list_map_outplace(lambda value: value if isinstance(value, LocalNonpersistentObject)
+                                           else None, sharded_state_dict)
+    apply_factories(sharded_state_dict)  # in place, as upstream
+    sharded_state_dict = _persistent(sharded_state_dict)
     request = nesting.split(sharded_state_dict)
-    metadata = serialization.read_metadata(directory)
+    metadata = checked_metadata(directory)
     saved_objects = set(serialization.object_keys(metadata))
     saved_as = _saved_tensor_keys(request.sharded, set(serialization.tensor_shapes(metadata)))
     sharded = {saved_as[key]: value for key, value in request.sharded.items()}
@@ -109,18 +133,60 @@ def load(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strat
     targets.update({key: None for key in request.common if key in saved_objects})
     targets.update({str(entry): None for entries in entry_objects.values() for entry in entries})
     serialization.check_shapes(targets, metadata, directory)
+    saved_shapes = serialization.tensor_shapes(metadata)
+    targets.update({key: _overlap_with_saved(value, saved_shapes[key]) for key, value in targets.items()
+                    if getattr(value, "allow_shape_mismatch", False) and key in saved_shapes})
     loaded = strategy.load(targets, checkpoint_dir)
-    loaded_sharded = {key: _local_tensor(loaded[saved_as[key]]) for key in request.sharded if saved_as[key] in targets}
+    loaded_sharded = {key: _local_tensor(value if getattr(value, "allow_shape_mismatch", False)
+                                         else loaded[saved_as[key]])
+                      for key, value in request.sharded.items() if saved_as[key] in targets}
     loaded_common = {key: loaded[key] for key in request.common if key in saved_objects}
     loaded_common.update({key: {**request.common[key], **{entry: loaded[str(entry)] for entry in entries}}
                           for key, entries in entry_objects.items()})
     result = nesting.assemble(sharded_state_dict, request, loaded_common, loaded_sharded)
+    _merge_factories_and_local_objects(result, factories, local_objects)
     if mode in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL):
         # Upstream's names: missing = checkpoint keys no rank asked for (only return_all looks for them),
         # unexpected = keys asked for that the checkpoint lacks.
         unasked = set(mismatch.unexpected) if mode is StrictHandling.RETURN_ALL else set()
         return result, unasked, set(mismatch.missing)
     return result
+
+
+def _persistent(state_dict):
+    """`state_dict` without its `LocalNonpersistentObject`s (dropped from dicts, None in lists); containers
+    are copied, values are not."""
+    if isinstance(state_dict, dict):
+        return {key: _persistent(value) for key, value in state_dict.items()
+                if not isinstance(value, LocalNonpersistentObject)}
+    if isinstance(state_dict, list):
+        return [None if isinstance(value, LocalNonpersistentObject) else _persistent(value) for value in state_dict]
+    return state_dict
+
+
+def _merge_factories_and_local_objects(result, factories, local_objects):
+    """In the loaded `result`, a `ShardedTensorFactory` of the request (at its place in `factories`) becomes its
+    `merge_fn` of what was loaded for the state dict it built, and a `LocalNonpersistentObject` (in
+    `local_objects`) its object."""
+    items = factories.items() if isinstance(factories, dict) else enumerate(factories)
+    for key, factory in items:
+        local_object = local_objects[key]
+        if isinstance(local_object, LocalNonpersistentObject):
+            if isinstance(result, list):
+                result.extend([None] * (key + 1 - len(result)))
+            result[key] = local_object.unwrap()
+        elif isinstance(factory, ShardedTensorFactory):
+            if isinstance(result, dict) and key not in result:
+                continue  # not loaded (strictness let it be absent)
+            result[key] = factory.merge_fn(result[key])
+        elif isinstance(factory, (dict, list)) and _holds_any(factory, local_object):
+            if isinstance(result, dict) and key not in result:
+                result[key] = [] if isinstance(factory, list) else {}
+            _merge_factories_and_local_objects(result[key], factory, local_object)
+
+
+def _holds_any(*trees) -> bool:
+    return any(value is not None for tree in trees for value in nested_values(tree))
 
 
 # pretrain_gpt.py's checkpoints (`--ckpt-format torch_dist`) hold the model's tensors under this prefix.
@@ -153,6 +219,16 @@ def _objects_saved_apart(common, saved_objects):
     return found
 
 
+def _overlap_with_saved(value: ShardedLogicalTensor, saved_shape) -> ShardedLogicalTensor:
+    """A ShardedTensor with `allow_shape_mismatch` as the views of its pieces that lie inside the saved tensor,
+    in a logical tensor of the saved shape: loading fills those and leaves the rest (padding) as it is."""
+    pieces = []
+    for offsets, tensor in value.pieces:
+        sizes = [max(0, min(size, full - offset)) for offset, size, full in zip(offsets, tensor.shape, saved_shape)]
+        pieces.append((offsets, tensor[tuple(slice(0, size) for size in sizes)]))
+    return ShardedLogicalTensor(saved_shape, pieces, dtype=value.dtype)
+
+
 def _local_tensor(value):
     """A `ShardedLogicalTensor` of one piece as that piece (the rank's tensor, as upstream's load returns it, so
     `module.load_state_dict` takes the result; a ShardedTensor's `data`); several pieces (flat
@@ -167,7 +243,8 @@ def _local_tensor(value):
 
 
 def load_common_state_dict(checkpoint_dir):
-    """Every picklable object saved in `checkpoint_dir`, by key."""
-    metadata = serialization.read_metadata(str(checkpoint_dir))
-    objects = serialization.read_objects(str(checkpoint_dir), serialization.object_keys(metadata), metadata=metadata)
+    """Every picklable object saved in `checkpoint_dir`, by key, read by this process alone (as upstream, which
+    reads its common file: any rank, or a tool, may call it without the others)."""
+    keys = serialization.object_keys(checked_metadata(checkpoint_dir))
+    objects = offline.read_checkpoint(str(checkpoint_dir), keys)
     return {key: value.tensor if isinstance(value, _TensorObject) else value for key, value in objects.items()}

@@ -5,7 +5,7 @@ pipeline `{"model0": ..., "model1": ...}`.
 Dicts and lists are walked. A sharded entry (`ShardedLogicalTensor`, DTensor or `ShardedObject`) anywhere in
 the nesting is one entry of the checkpoint under its own key: the key of the dict holding it (for an entry held by
 a list, that key followed by the list indices, `"key.0"`; a ShardedTensor's `key`, a ShardedObject's
-`unique_key()`), not its position in the nesting, as upstream writes a ShardedTensor under its own key. So
+`unique_key`), not its position in the nesting, as upstream writes a ShardedTensor under its own key. So
 `model.sharded_state_dict()`'s logical names stay the checkpoint's tensor names whether the dict is saved flat,
 under "model" or split over "model0" / "model1", and the checkpoint loads at another pipeline layout. Two entries
 of one rank under the same key are refused.

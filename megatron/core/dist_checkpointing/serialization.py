@@ -3,7 +3,9 @@
 `save` writes a flat `{key: ShardedLogicalTensor | DTensor | tensor | picklable object}` dict into a directory
 (each rank writes its own `__<rank>_0.distcp` file, the coordinator the `.metadata` index); identical pieces
 offered by replicas are written once. `load` fills the same kind of dict in place from a checkpoint written at
-any layout; `read_objects` returns the picklable objects.
+any layout; `read_objects` returns the picklable objects. `TorchDistSaveShardedStrategy` and
+`TorchDistLoadShardedStrategy` are upstream's strategy objects over the two, and
+`get_default_save_sharded_strategy` / `get_default_load_sharded_strategy` upstream's way of asking for them.
 """
 
 import contextlib
@@ -137,10 +139,13 @@ def _target_shape(value):
 
 def check_shapes(targets: Dict[str, object], metadata, directory: str):
     """Every target tensor must have the saved logical shape: raise naming the tensor and both shapes. FP8 amax
-    histories saved with another history length are no error: `load` fits them (see `fp8_histories`)."""
+    histories saved with another history length are no error: `load` fits them (see `fp8_histories`), nor is a
+    ShardedTensor with `allow_shape_mismatch` (e.g. a padded tensor): it is filled where it overlaps the saved one."""
     saved = tensor_shapes(metadata)
     for key, value in targets.items():
         shape = _target_shape(value)
+        if getattr(value, "allow_shape_mismatch", False):  # upstream's ShardedTensor: reads the overlap
+            continue
         if shape is None or key not in saved or saved[key] == shape or fp8_histories.can_fit(key, value, saved[key]):
             continue
         if is_amax_history_key(key) and tuple(saved[key])[-1:] != tuple(shape)[-1:]:
@@ -208,3 +213,41 @@ def load(targets: Dict[str, object], directory: str, process_group=None, single_
 def read_objects(directory: str, keys, process_group=None, metadata=None) -> Dict[str, object]:
     """The picklable objects saved under `keys` (every rank reads them)."""
     return load({key: None for key in keys}, directory, process_group, metadata=metadata)
+
+
+class TorchDistSaveShardedStrategy:
+    """Writes a sharded state dict with `save` (collective over `process_group`)."""
+
+    backend = "torch_dist"
+
+    def __init__(self, backend="torch_dist", version=1, thread_count=1, process_group=None):
+        if backend != "torch_dist":
+            raise ValueError(f"TorchDistSaveShardedStrategy writes the torch_dist format, not {backend!r}")
+        self.thread_count = thread_count
+        self.process_group = process_group
+
+    def save(self, sharded_state_dict, checkpoint_dir):
+        save(sharded_state_dict, str(checkpoint_dir), self.process_group, thread_count=self.thread_count)
+
+
+class TorchDistLoadShardedStrategy:
+    """Fills a sharded state dict in place with `load` (collective) and returns it."""
+
+    def __init__(self, process_group=None):
+        self.process_group = process_group
+
+    def load(self, sharded_state_dict, checkpoint_dir):
+        return load(sharded_state_dict, str(checkpoint_dir), self.process_group)
+
+
+def get_default_save_sharded_strategy(backend: str = "torch_dist", version: int = 1) -> TorchDistSaveShardedStrategy:
+    """The strategy `dist_checkpointing.save` uses by default; torch_dist is the one format written here."""
+    if backend != "torch_dist":
+        raise ValueError(f"checkpoint format {backend!r} is not supported: write 'torch_dist' "
+                         "(--ckpt-format torch_dist)")
+    return TorchDistSaveShardedStrategy(backend, version)
+
+
+def get_default_load_sharded_strategy(checkpoint_dir=None) -> TorchDistLoadShardedStrategy:
+    """The strategy `dist_checkpointing.load` uses by default (every torch_dist checkpoint is read the same way)."""
+    return TorchDistLoadShardedStrategy()

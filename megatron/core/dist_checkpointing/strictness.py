@@ -33,6 +33,21 @@ class StrictHandling(enum.Enum):
     RETURN_ALL = "return_all"  # both returned to the caller; keys asked for but absent are skipped
     IGNORE_ALL = "ignore_all"  # both ignored; keys asked for but absent keep their current values
 
+    @staticmethod
+    def requires_explicit_ckpt_mismatch_check(mode: "StrictHandling") -> bool:
+        """Whether `load` compares the keys at all (upstream's name; every mode but the default does)."""
+        return mode != StrictHandling.ASSUME_OK_UNEXPECTED
+
+    @staticmethod
+    def requires_global_app_metadata(mode: "StrictHandling") -> bool:
+        """Whether the mode looks at checkpoint keys no rank asks for (needs every rank's request)."""
+        return mode in (StrictHandling.LOG_ALL, StrictHandling.RAISE_ALL, StrictHandling.RETURN_ALL)
+
+    @staticmethod
+    def requires_returning_mismatch_keys(mode: "StrictHandling") -> bool:
+        """Whether `load` returns `(state dict, missing keys, unexpected keys)`."""
+        return mode in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL)
+
 
 STRICTNESS_CHOICES = [mode.value for mode in StrictHandling]
 

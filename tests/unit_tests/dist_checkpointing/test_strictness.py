@@ -11,6 +11,7 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor
 from megatron.core.dist_checkpointing.strictness import CheckpointKeyError
+from megatron.core.dist_checkpointing.validation import StrictHandling
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +66,12 @@ def test_unexpected_modes_ignore_checkpoint_keys_no_one_asks_for(checkpoint, str
 def test_raise_all_fails_on_checkpoint_keys_no_one_asks_for(checkpoint):
     with pytest.raises(CheckpointKeyError, match=r"1 tensor\(s\) in the checkpoint are not in the model: extra"):
         _load(checkpoint, "raise_all", ask_for_absent=False)
+
+
+def test_upstreams_questions_about_a_mode():
+    returning = {mode for mode in StrictHandling if StrictHandling.requires_returning_mismatch_keys(mode)}
+    assert returning == {StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL}
+    global_keys = {mode for mode in StrictHandling if StrictHandling.requires_global_app_metadata(mode)}
+    assert global_keys == {StrictHandling.LOG_ALL, StrictHandling.RAISE_ALL, StrictHandling.RETURN_ALL}
+    checked = {mode for mode in StrictHandling if StrictHandling.requires_explicit_ckpt_mismatch_check(mode)}
+    assert checked == set(StrictHandling) - {StrictHandling.ASSUME_OK_UNEXPECTED}

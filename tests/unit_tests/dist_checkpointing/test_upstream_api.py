@@ -1,16 +1,19 @@
-"""Upstream's dist_checkpointing entry points over the torch_dist format (one process): save / load /
-load_common_state_dict round trips, strictness for missing keys, replace_prefix_for_sharding, the strategy
-classes and parse_strict_flag."""
+"""Upstream's dist_checkpointing entry points over the torch_dist format: save / load / load_common_state_dict
+round trips, strictness for missing keys, replace_prefix_for_sharding, the strategy classes and parse_strict_flag,
+upstream's save arguments, allow_shape_mismatch, a directory that is no checkpoint, and upstream ShardedTensors
+saved at two ranks and loaded at one and three."""
 
 import pytest
 import torch
 
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.errors import CheckpointError, CheckpointShapeError
 from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from megatron.core.dist_checkpointing.strictness import CheckpointKeyError
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.dist_checkpointing.validation import StrictHandling, parse_strict_flag
+from tests.unit_tests.multiprocess_harness import run_on_ranks
 
 
 def _saved(tmp_path):
@@ -123,3 +126,92 @@ def test_one_key_for_two_nested_entries_is_refused(tmp_path):
         dist_checkpointing.save({"model0": entry, "model1": {"w": ShardedLogicalTensor.from_local(torch.ones(2))}},
                                 tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_save_takes_upstreams_arguments(tmp_path):
+    weight = torch.arange(4.0)
+    state = {"w": dist_checkpointing.ShardedTensor.from_rank_offsets("w", weight), "step": 2}
+    dist_checkpointing.save(state, tmp_path / "ckpt", None, None, True, False, None)
+    dist_checkpointing.save(state, tmp_path / "ckpt", preprocess_common_before_consistancy_check=lambda sd: sd)
+    assert dist_checkpointing.load_common_state_dict(tmp_path / "ckpt") == {"step": 2}
+    with pytest.raises(ValueError, match="async_sharded_save=True.*--async-save"):
+        dist_checkpointing.save(state, tmp_path / "other", async_sharded_save=True)
+
+
+def test_allow_shape_mismatch_reads_the_overlap(tmp_path):
+    ShardedTensor = dist_checkpointing.ShardedTensor
+    dist_checkpointing.save({"emb": ShardedTensor.from_rank_offsets("emb", torch.arange(6.0).view(3, 2))}, tmp_path)
+    padded = torch.full((4, 2), -1.0)  # one padding row more than saved: left as it is
+    dist_checkpointing.load({"emb": ShardedTensor.from_rank_offsets("emb", padded, allow_shape_mismatch=True)},
+                            tmp_path)
+    assert torch.equal(padded, torch.tensor([[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [-1.0, -1.0]]))
+    fewer = torch.zeros(2, 2)
+    loaded = dist_checkpointing.load(
+        {"emb": ShardedTensor.from_rank_offsets("emb", fewer, allow_shape_mismatch=True)}, tmp_path)
+    assert torch.equal(loaded["emb"], torch.arange(4.0).view(2, 2)) and loaded["emb"].data_ptr() == fewer.data_ptr()
+    with pytest.raises(CheckpointShapeError, match=r"tensor 'emb' has shape \(3, 2\) in the checkpoint but \(4, 2\)"):
+        dist_checkpointing.load({"emb": ShardedTensor.from_rank_offsets("emb", torch.zeros(4, 2))}, tmp_path)
+
+
+def test_load_from_a_directory_that_is_not_a_checkpoint_names_it(tmp_path):
+    (tmp_path / "mp_rank_00").mkdir()
+    request = {"w": dist_checkpointing.ShardedTensor.from_rank_offsets("w", torch.zeros(2))}
+    with pytest.raises(CheckpointError, match="is not a torch_dist checkpoint.*--ckpt-format torch checkpoint"):
+        dist_checkpointing.load(request, tmp_path)
+    assert not dist_checkpointing.check_is_distributed_checkpoint(tmp_path)
+
+
+def _save_at_two(directory):
+    rank = torch.distributed.get_rank()
+    ShardedTensor = dist_checkpointing.ShardedTensor
+    rows = torch.arange(12.0).view(6, 2)[3 * rank:3 * rank + 3].clone()
+    flat = torch.arange(10.0)[5 * rank:5 * rank + 5].clone()
+    dist_checkpointing.save({"model": {
+        "w": ShardedTensor.from_rank_offsets("w", rows, (0, rank, 2)),
+        "b": ShardedTensor.from_rank_offsets_flat("b", flat, (10,), flattened_range=slice(5 * rank, 5 * rank + 5)),
+        "bias": ShardedTensor.from_rank_offsets("bias", torch.ones(2) * 7, replica_id=rank),
+        "extra": dist_checkpointing.ShardedObject("extra", {"rank": rank}, (2,), (rank,))}, "iteration": 9},
+        directory)
+
+
+def _read_common_on_one_rank(directory):
+    rank = torch.distributed.get_rank()
+    common = dist_checkpointing.load_common_state_dict(directory) if rank == 1 else None  # one rank alone
+    torch.distributed.barrier()
+    return common
+
+
+def test_one_rank_reads_the_common_state_alone(tmp_path):
+    dist_checkpointing.save({"w": dist_checkpointing.ShardedTensor.from_rank_offsets("w", torch.ones(2)),
+                             "iteration": 9}, tmp_path)
+    assert run_on_ranks(2, _read_common_on_one_rank, str(tmp_path), timeout_s=30)[1] == {"iteration": 9}
+
+
+def _request(rank, world_size):
+    ShardedTensor = dist_checkpointing.ShardedTensor
+    rows, per = 6 // world_size, -(-10 // world_size)
+    start, stop = min(rank * per, 10), min((rank + 1) * per, 10)
+    return {"model": {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(rows, 2), (0, rank, world_size)),
+                      "b": ShardedTensor.from_rank_offsets_flat("b", torch.zeros(stop - start), (10,),
+                                                                flattened_range=slice(start, stop)),
+                      "bias": ShardedTensor.from_rank_offsets("bias", torch.zeros(2), replica_id=rank)},
+            "iteration": None}
+
+
+def _load_at(directory):
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return dist_checkpointing.load(_request(rank, world_size), directory, strict="raise_unexpected")
+
+
+def test_saved_at_two_ranks_loads_at_one_and_three(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    run_on_ranks(2, _save_at_two, directory)
+    assert dist_checkpointing.load_common_state_dict(directory) == {
+        "iteration": 9, "model": {}, "extra/shard_1_2": {"rank": 1}, "extra/shard_0_2": {"rank": 0}}
+    alone = dist_checkpointing.load(_request(0, 1), directory, strict="raise_all")
+    assert torch.equal(alone["model"]["w"], torch.arange(12.0).view(6, 2))
+    assert torch.equal(alone["model"]["b"], torch.arange(10.0)) and alone["iteration"] == 9
+    for rank, loaded in enumerate(run_on_ranks(3, _load_at, directory)):
+        assert torch.equal(loaded["model"]["w"], torch.arange(12.0).view(6, 2)[2 * rank:2 * rank + 2])
+        assert torch.equal(loaded["model"]["b"], torch.arange(10.0)[4 * rank:min(4 * rank + 4, 10)])
+        assert torch.equal(loaded["model"]["bias"], torch.ones(2) * 7) and loaded["iteration"] == 9

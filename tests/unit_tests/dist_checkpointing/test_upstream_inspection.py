@@ -1,5 +1,6 @@
 """Upstream's reads of a torch_dist checkpoint without a model (check_is_distributed_checkpoint,
-load_tensors_metadata, load_plain_tensors, load_content_metadata) and their errors for directories that are
+load_tensors_metadata, load_sharded_metadata, load_plain_tensors, load_content_metadata), remove_sharded_tensors,
+and their errors for directories that are
 not one; upstream's ShardedTensor / ShardedObject saved and loaded by `save` / `load` at two ranks."""
 
 import os
@@ -38,6 +39,37 @@ def test_content_metadata_and_nested_tensors(tmp_path):
         "decoder.w": ((2, 3), torch.float32), "exp_avg.0": ((2,), torch.bfloat16)}
     plain = dist_checkpointing.load_plain_tensors(tmp_path / "ckpt")
     assert torch.equal(plain["decoder.w"], weight) and torch.equal(plain["exp_avg.0"], bias)
+
+
+def _with_object_and_two_tensors(directory):
+    ShardedTensor = dist_checkpointing.ShardedTensor
+    dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("decoder.w", torch.ones(2, 3)),
+                             "b": ShardedTensor.from_rank_offsets("decoder.b", torch.ones(3, dtype=torch.bfloat16)),
+                             "extra": dist_checkpointing.ShardedObject("decoder._extra", {"x": 1}, (2, 1), (1, 0)),
+                             "iteration": 4}, directory)
+
+
+def test_load_sharded_metadata_describes_tensors_and_objects(tmp_path):
+    _with_object_and_two_tensors(tmp_path)
+    described = dist_checkpointing.load_sharded_metadata(tmp_path)
+    assert sorted(described) == ["decoder._extra/shard_1.0_2.1", "decoder.b", "decoder.w"]
+    extra = described["decoder._extra/shard_1.0_2.1"]
+    assert isinstance(extra, dist_checkpointing.ShardedObject) and extra.data is None
+    assert (extra.key, extra.global_shape, extra.global_offset) == ("decoder._extra", (2, 1), (1, 0))
+    assert tuple(described["decoder.b"].global_shape) == (3,) and described["decoder.b"].dtype == torch.bfloat16
+
+
+def test_remove_sharded_tensors_drops_them_from_the_checkpoint(tmp_path):
+    _with_object_and_two_tensors(tmp_path)
+    dist_checkpointing.remove_sharded_tensors(tmp_path, "decoder.b")
+    assert sorted(dist_checkpointing.load_tensors_metadata(tmp_path)) == ["decoder.w"]
+    assert torch.equal(dist_checkpointing.load_plain_tensors(tmp_path)["decoder.w"], torch.ones(2, 3))
+    assert dist_checkpointing.load_common_state_dict(tmp_path) == {"iteration": 4,
+                                                                  "decoder._extra/shard_1.0_2.1": {"x": 1}}
+    target = torch.zeros(3, dtype=torch.bfloat16)
+    loaded = dist_checkpointing.load({"b": dist_checkpointing.ShardedTensor.from_rank_offsets("decoder.b", target)},
+                                     tmp_path, strict="return_unexpected")
+    assert loaded[2] == {"decoder.b"} and torch.equal(target, torch.zeros(3, dtype=torch.bfloat16))
 
 
 def _root_with_tracker(path):
