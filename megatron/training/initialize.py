@@ -141,8 +141,9 @@ def initialize_distributed(args, get_embedding_ranks=None, get_position_embeddin
 
     backend = args.distributed_backend or accelerator.default_backend()
     args.distributed_backend = backend
-    local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
-    args.local_rank = local_rank
+    if args.local_rank is None:  # arguments validated elsewhere: --local-rank wins over LOCAL_RANK, as upstream
+        args.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = args.local_rank
     args.device = accelerator.device_for_backend(backend, local_rank)
     args.created_process_group = not dist.is_initialized()
     if args.created_process_group:

@@ -36,12 +36,18 @@ def add_arguments(parser):
     group.add_argument("--distributed-timeout-minutes", type=int, default=10,
                        help="Timeout of the collectives of every process group (default and model-parallel).")
     group.add_argument("--local-rank", "--local_rank", type=int, default=None,
-                       help="Set by the launcher (LOCAL_RANK is preferred); --local_rank is the older launchers' "
-                       "spelling.")
+                       help="This process's rank on its node, as the launcher passes it; default: the environment's "
+                       "LOCAL_RANK (0 without one). The flag wins over the variable, as upstream; --local_rank is the "
+                       "older launchers' spelling.")
 
 
 def validate(args):
     args.rank, args.world_size = launch_rank_and_world_size(args)
+    if args.local_rank is None:
+        args.local_rank = _environment_int("LOCAL_RANK", 0)
+    elif args.local_rank < 0:
+        raise ValueError(f"--local-rank must be >= 0 (this process's device on its node), got {args.local_rank}: drop "
+                         "it to take the launcher's LOCAL_RANK")
     if args.distributed_timeout_minutes < 1:
         raise ValueError(f"--distributed-timeout-minutes must be at least 1, got {args.distributed_timeout_minutes}: "
                          "it is how long a collective may wait for the other ranks")

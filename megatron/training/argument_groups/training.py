@@ -33,7 +33,8 @@ def add_arguments(parser):
                        "a multiple of --micro-batch-size x data-parallel size runs as the largest multiple below it "
                        "instead of being an error, e.g. to keep training on fewer data-parallel ranks; relaunching "
                        "with a data-parallel size that divides it restores the full size.")
-    group.add_argument("--exit-interval", type=int, default=None, help="Exit after an iteration divisible by this.")
+    group.add_argument("--exit-interval", type=int, default=None,
+                       help="Exit after an iteration divisible by this (0: never, as upstream).")
     group.add_argument(
         "--exit-signal-handler",
         action="store_true",
@@ -151,8 +152,10 @@ def validate(args):
             f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size}) = {samples_per_pass}"
         )
     _validate_training_length(args)
-    if args.exit_interval is not None and args.exit_interval <= 0:
-        raise ValueError(f"--exit-interval must be positive, got {args.exit_interval}")
+    if args.exit_interval is not None and args.exit_interval < 0:
+        raise ValueError(f"--exit-interval must be positive (0 turns it off), got {args.exit_interval}")
+    if args.exit_interval == 0:
+        args.exit_interval = None  # upstream's 0: no exit interval
     if args.exit_signal != "SIGTERM" and not args.exit_signal_handler:
         warnings.warn(f"--exit-signal {args.exit_signal} takes effect with --exit-signal-handler only: add it to "
                       "save a checkpoint and exit on that signal")

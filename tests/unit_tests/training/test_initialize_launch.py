@@ -59,6 +59,35 @@ def test_both_spellings_of_the_launchers_local_rank_flag_parse(spelling):
     assert parse_args(args=BASE.split() + spelling.split()).local_rank == 1
 
 
+@pytest.mark.parametrize("environment, extra, expected", [
+    ({"LOCAL_RANK": "1"}, "--local-rank 0", 0),
+    ({"LOCAL_RANK": "1"}, "", 1),
+    ({}, "--local-rank 1", 1),
+    ({}, "", 0),
+])
+def test_the_local_rank_flag_wins_over_the_environment(environment, extra, expected):
+    """As upstream (LOCAL_RANK is only the flag's default): the value the launcher passed on the command line
+    picks the device, even when LOCAL_RANK says otherwise."""
+    assert _validated_with_environment(environment, extra).local_rank == expected
+
+
+def test_a_negative_local_rank_flag_is_refused():
+    with pytest.raises(ValueError, match=r"--local-rank must be >= 0 .*got -1: drop it to take the launcher's "
+                       r"LOCAL_RANK"):
+        _validated_with_environment({"LOCAL_RANK": "0"}, "--local-rank -1")
+
+
+def test_initialize_distributed_uses_the_local_rank_flag_over_the_environment():
+    from megatron.training import initialize
+
+    args = _validated_with_environment({"LOCAL_RANK": "1"}, "--local-rank 0")
+    with mock.patch.dict(os.environ, {"LOCAL_RANK": "1"}), \
+            mock.patch.object(initialize.accelerator, "device_for_backend", side_effect=RuntimeError("stop")) as pick:
+        with pytest.raises(RuntimeError, match="stop"):
+            initialize.initialize_distributed(args)
+    assert pick.call_args.args[1] == 0 and args.local_rank == 0
+
+
 def _group_timeout(group):
     return group._get_backend(torch.device("cpu")).options._timeout
 
@@ -204,8 +233,8 @@ def test_pretrain_hands_upstreams_launch_keywords_to_initialize_megatron(monkeyp
 
 def test_pretrain_takes_upstreams_positional_order_and_refuses_inprocess_call_wrapper(monkeypatch):
     """Upstream's fifth argument is process_non_loss_data_func, then extra_args_provider and args_defaults: a
-    positional call in that order passes the providers where upstream does, and the evaluation hooks this
-    pretrain() does not run are refused by name instead of being taken as another argument."""
+    positional call in that order passes the providers where upstream does, and the in-process restart wrapper
+    this pretrain() does not run is refused by name instead of being taken as another argument."""
     from megatron.core.enums import ModelType
     from megatron.training import training
 

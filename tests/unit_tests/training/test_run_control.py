@@ -142,6 +142,18 @@ def test_exit_duration_of_zero_is_no_limit_as_upstream(monkeypatch):
     assert args.exit_duration_in_mins is None
 
 
+def test_exit_interval_of_zero_is_no_exit_interval_as_upstream(monkeypatch):
+    """Upstream tests `args.exit_interval and ...`: 0 never stops the run (it was refused here)."""
+    from megatron.training.arguments import parse_args, validate_args
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert validate_args(parse_args(args=(TINY_GPT + " --exit-interval 0").split())).exit_interval is None
+    assert validate_args(parse_args(args=(TINY_GPT + " --exit-interval 3").split())).exit_interval == 3
+    with pytest.raises(ValueError, match=r"--exit-interval must be positive \(0 turns it off\), got -1"):
+        validate_args(parse_args(args=(TINY_GPT + " --exit-interval -1").split()))
+
+
 def _two_megatron_fsdp_runs_checking_weight_hashes(workdir):
     from tests.unit_tests.dist_checkpointing.pretrain_helpers import run_pretrain
 
