@@ -10,7 +10,8 @@ Learning rate at step `n` (warmup `W`, which may be fractional, e.g. from `--lr-
 - `WSD` (warmup-stable-decay): `max_lr` until `D - S` (`S` = `wsd_decay_steps`), then with `q = (n - D + S) / S`:
   `c = 2 * 0.5**q - 1` (exponential), `1 - q` (linear), `(cos(pi * q) + 1) / 2` (cosine), `1 - sqrt(q)`
   (minus_sqrt); `min_lr` after D.
-Weight decay goes from `start_wd` to `end_wd` over `wd_incr_steps` (constant | linear | cosine).
+Weight decay goes from `start_wd` to `end_wd` over `wd_incr_steps` (constant | linear | cosine); a group may
+override `start_wd`/`end_wd` (as upstream's per-group settings: `get_wd(param_group)`).
 Each param group receives `lr * group["lr_mult"]` and `wd * group["wd_mult"]` (both default 1); a group may
 override `max_lr`/`min_lr` (`--decoupled-lr` / `--decoupled-min-lr`: the embedding and output-layer groups).
 Those two are checked against a checkpoint like `max_lr`/`min_lr` and set on the groups on load, as the optimizer's
@@ -117,15 +118,19 @@ class OptimizerParamScheduler:
         if self.wd_incr_style != "constant" and self.wd_incr_steps <= 0:
             raise ValueError(f"OptimizerParamScheduler: wd_incr_steps={self.wd_incr_steps} must be > 0.")
 
-    def get_wd(self):
+    def get_wd(self, param_group=None):
+        """The weight decay now, of `param_group` when given (its own `start_wd` / `end_wd` if it has them)."""
+        param_group = param_group or {}
+        start_wd = param_group.get("start_wd", self.start_wd)
+        end_wd = param_group.get("end_wd", self.end_wd)
         if self.wd_incr_style == "constant" or self.num_steps > self.wd_incr_steps:
-            return self.end_wd
+            return end_wd
         ratio = self.num_steps / self.wd_incr_steps
         if self.wd_incr_style == "linear":
             coeff = ratio
         else:
             coeff = 0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0)
-        return self.start_wd + coeff * (self.end_wd - self.start_wd)
+        return start_wd + coeff * (end_wd - start_wd)
 
     def get_lr(self, param_group=None):
         param_group = param_group or {}
@@ -164,10 +169,9 @@ class OptimizerParamScheduler:
 
     def step(self, increment=1):
         self.num_steps += increment
-        new_wd = self.get_wd()
         for group in self.optimizer.param_groups:
             group["lr"] = self.get_lr(group) * group.get("lr_mult", 1.0)
-            group["weight_decay"] = new_wd * group.get("wd_mult", 1.0)
+            group["weight_decay"] = self.get_wd(group) * group.get("wd_mult", 1.0)
 
     def state_dict(self):
         return {"num_steps": self.num_steps, **{key: getattr(self, key) for key in _CHECKED_KEYS}}

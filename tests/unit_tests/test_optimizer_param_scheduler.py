@@ -70,6 +70,19 @@ def test_weight_decay_increment(style):
         assert optimizer.param_groups[1]["weight_decay"] == 0.0
 
 
+def test_groups_with_weight_decay_bounds_of_their_own_follow_them():
+    """As upstream's `get_wd(param_group)`: a group's `start_wd` / `end_wd` replace the scheduler's."""
+    optimizer = _optimizer()
+    optimizer.param_groups[1].update(start_wd=0.0, end_wd=0.4)
+    scheduler = _scheduler(optimizer, "constant", start_wd=0.1, end_wd=0.2, wd_incr_steps=20, wd_incr_style="linear")
+    scheduler.step(increment=5)  # a quarter of the way
+    assert scheduler.get_wd() == pytest.approx(0.125)
+    assert scheduler.get_wd(optimizer.param_groups[1]) == pytest.approx(0.1)
+    assert [group["weight_decay"] for group in optimizer.param_groups] == pytest.approx([0.125, 0.1])
+    scheduler.step(increment=30)
+    assert [group["weight_decay"] for group in optimizer.param_groups] == [0.2, 0.4]
+
+
 def test_state_dict_round_trip_and_mismatch_checks():
     scheduler = _scheduler(_optimizer(), "cosine")
     scheduler.step(increment=42)

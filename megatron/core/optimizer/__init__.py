@@ -10,7 +10,8 @@ of these defaults (`no_weight_decay_cond_for` builds upstream's named alternativ
 `lr` and `weight_decay` every step. With `config.decoupled_lr` the word-embedding and output-layer weights
 (`is_embedding_or_output_parameter`) form groups of their own whose `max_lr` / `min_lr` (`decoupled_lr`,
 `decoupled_min_lr` or else `min_lr`) the scheduler uses instead of the global ones. With `optimizer='muon'`
-`muon_param_groups` (muon_param_groups.py) moves the hidden weight matrices of every group into Muon groups of their own.
+`muon_param_groups` (muon_param_groups.py) moves the hidden weight matrices of every group into Muon groups of
+their own.
 """
 
 import torch

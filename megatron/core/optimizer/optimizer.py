@@ -121,7 +121,8 @@ class MegatronOptimizer(ShardedStateDictMixin):
         return self.optimizer.state
 
     def get_lr(self):
-        return self.optimizer.param_groups[0]["lr"]
+        """The learning rate of the first param group (of the first chained optimizer for a chain)."""
+        return self.param_groups[0]["lr"]
 
     def get_loss_scale(self):
         if self.grad_scaler is None:

@@ -139,6 +139,21 @@ class OptimizerConfig:
     """Step the offloaded part with torch's multi-tensor AdamW (fp32 state) instead of the precision-aware
     AdamW (`--use-torch-optimizer-for-cpu-offload`)."""
 
+    pin_cpu_grads: bool = True
+    """Pin the offloaded parameters' host gradient buffers where the accelerator can use pinned memory."""
+
+    pin_cpu_params: bool = True
+    """Pin the offloaded parameters' host copies and their optimizer state likewise."""
+
+    store_param_remainders: bool = True
+    """Upstream's memory saving for bf16 parameters under the precision-aware optimizer with TE (main parameters
+    kept as the 16 bits fp32 adds to bf16). Accepted for upstream's API: the main parameters here are whole fp32
+    tensors, with the same values."""
+
+    overlap_param_gather_with_optimizer_step: bool = False
+    """Upstream's overlap of the parameter all-gather with the optimizer step (interleaved pipeline only); not
+    implemented, as `--overlap-param-gather` already overlaps that all-gather with the next forward."""
+
     def __post_init__(self):
         if self.optimizer not in SUPPORTED_OPTIMIZERS:
             raise ValueError(f"OptimizerConfig.optimizer={self.optimizer!r}: choose one of {SUPPORTED_OPTIMIZERS}.")
@@ -179,6 +194,11 @@ class OptimizerConfig:
             raise ValueError(f"OptimizerConfig.loss_scale_window={self.loss_scale_window} must be >= 1.")
         if self.hysteresis < 1:
             raise ValueError(f"OptimizerConfig.hysteresis={self.hysteresis} must be >= 1.")
+        if self.overlap_param_gather_with_optimizer_step:
+            raise ValueError(
+                "OptimizerConfig.overlap_param_gather_with_optimizer_step (--overlap-param-gather-with-optimizer-step) "
+                "is not implemented: with --overlap-param-gather the updated parameters' all-gather already overlaps "
+                "the next forward; leave it False.")
         self._check_precision_aware()
         self._check_cpu_offload()
         self._check_muon()

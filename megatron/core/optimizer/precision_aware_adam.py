@@ -151,43 +151,58 @@ def _blocks(param, grad, exp_avg, exp_avg_sq):
         yield tuple(tensor[start:start + HOST_BLOCK_NUMEL] for tensor in flat)
 
 
-def _advance(key, moment32, grad32, beta1, beta2):
-    """Adam's update of moment `key` (fp32, in place) by the gradient."""
-    if key == "exp_avg":
-        return moment32.lerp_(grad32, 1 - beta1)
-    return moment32.mul_(beta2).addcmul_(grad32, grad32, value=1 - beta2)
-
-
-def _read_moment(stored, scale):
-    """A stored moment in fp32: the tensor itself when fp32 (updated in place), else a copy times its scale."""
+def _advanced_moment(key, stored, scale, grad32, beta1, beta2):
+    """Moment `key` after Adam's update by the gradient, in fp32: the stored tensor itself when fp32 (updated in
+    place), else a copy. A scaled moment is its stored values times `scale`; for the second moment the scale is
+    folded into the decay (scale is a power of two, so stored * (scale * beta2) rounds as (stored * scale) * beta2
+    does, one pass fewer)."""
     value = stored.float()
-    return value if scale is None else value.mul_(scale)
+    if key == "exp_avg":
+        if scale is not None:
+            value = value.mul_(scale)
+        return value.lerp_(grad32, 1 - beta1)
+    decay = beta2 if scale is None else scale * beta2
+    return value.mul_(decay).addcmul_(grad32, grad32, value=1 - beta2)
+
+
+def _largest_magnitude(key, value):
+    """max |value| of moment `key` without an |value| temporary: the second moment (a decayed sum of squares) is
+    never negative."""
+    if key == "exp_avg_sq":
+        return value.amax()
+    return torch.maximum(value.amax(), value.amin().neg())
 
 
 def _new_moments_amax(blocks, scales, beta1, beta2):
-    """{key: largest magnitude of the moment after this step} for the scaled moments, computed block by block
-    with the step's own arithmetic (so a blocked step picks the scale a whole-tensor step would)."""
-    amax = {}
+    """({key: largest magnitude of the moment after this step} for the scaled moments, computed block by block
+    with the step's own arithmetic (so a blocked step picks the scale a whole-tensor step would); {key: the last
+    block's new moment}, which its update reuses instead of computing it again)."""
+    amax, last_block = {}, {}
     for _, grad, exp_avg, exp_avg_sq in blocks:
         grad32 = grad.float()
+        last_block = {}
         for key, stored in zip(MOMENT_KEYS, (exp_avg, exp_avg_sq)):
             if scales[key] is not None:
-                block_amax = _advance(key, _read_moment(stored, scales[key]), grad32, beta1, beta2).abs().amax()
+                last_block[key] = _advanced_moment(key, stored, scales[key], grad32, beta1, beta2)
+                block_amax = _largest_magnitude(key, last_block[key])
                 amax[key] = torch.maximum(amax[key], block_amax) if key in amax else block_amax
-    return amax
+    return amax, last_block
 
 
 def _adamw_update(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, bias_correction1,
-                  bias_correction2_sqrt, scales, new_scales=None):
+                  bias_correction2_sqrt, scales, new_scales=None, advanced=None):
     """One AdamW update of the stored tensors, computed in fp32 and written back in their dtypes. `scales`: the
     scale of each moment stored scaled (None for the others); the new values are stored divided by `new_scales`
-    (chosen here from their largest magnitude when None). Returns the new scales."""
+    (chosen here from their largest magnitude when None). `advanced`: new moments already computed (fp32, by
+    key). Returns the new scales."""
     # fp32 working copies; `.float()` of an fp32 tensor is the tensor itself (updated in place).
     grad32, param32 = grad.float(), param.float()
-    exp_avg32 = _advance("exp_avg", _read_moment(exp_avg, scales["exp_avg"]), grad32, beta1, beta2)
-    exp_avg_sq32 = _advance("exp_avg_sq", _read_moment(exp_avg_sq, scales["exp_avg_sq"]), grad32, beta1, beta2)
+    advanced = advanced or {}
+    exp_avg32, exp_avg_sq32 = (
+        advanced[key] if key in advanced else _advanced_moment(key, stored, scales[key], grad32, beta1, beta2)
+        for key, stored in zip(MOMENT_KEYS, (exp_avg, exp_avg_sq)))
     if new_scales is None:
-        new_scales = {key: None if scales[key] is None else moment_scale(value.abs().amax())
+        new_scales = {key: None if scales[key] is None else moment_scale(_largest_magnitude(key, value))
                       for key, value in zip(MOMENT_KEYS, (exp_avg32, exp_avg_sq32))}
     param32.mul_(1 - lr * weight_decay)
     denom = (exp_avg_sq32.sqrt() / bias_correction2_sqrt).add_(eps)
@@ -256,14 +271,16 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 bias_correction2_sqrt = (1 - beta2**step) ** 0.5
                 scales = {key: state.get(SCALE_KEYS[key]) for key in MOMENT_KEYS}
                 blocks = list(_blocks(param, grad, state["exp_avg"], state["exp_avg_sq"]))
-                new_scales = None
+                new_scales, advanced = None, {}
                 if len(blocks) > 1 and any(scale is not None for scale in scales.values()):
                     # The scale comes from the whole tensor's new values: one pass to find them first.
-                    amax = _new_moments_amax(blocks, scales, beta1, beta2)
+                    amax, advanced = _new_moments_amax(blocks, scales, beta1, beta2)
                     new_scales = {key: moment_scale(amax[key]) if key in amax else None for key in MOMENT_KEYS}
+                    blocks = [blocks[-1]] + blocks[:-1]  # the last block first: its new moments are at hand
                 for stored in blocks:
                     new_scales = _adamw_update(*stored, lr, beta1, beta2, eps, weight_decay, bias_correction1,
-                                               bias_correction2_sqrt, scales, new_scales)
+                                               bias_correction2_sqrt, scales, new_scales, advanced)
+                    advanced = {}  # the first block's only
                 for key, scale in (new_scales or {}).items():  # no blocks for an empty tensor
                     if scale is not None:
                         state[SCALE_KEYS[key]] = scale

@@ -20,6 +20,7 @@ import torch
 from megatron.core.dist_checkpointing.first_step_state import first_step_state
 from megatron.core.dist_checkpointing.logical_names import GRAD_SCALER_KEY, PARAM_GROUPS_KEY, STATE_PREFIX, STEP_KEY
 from megatron.core.dist_checkpointing.logical_tensor import ShardedLogicalTensor
+from megatron.core.optimizer.checkpointable_state import check_state_is_checkpointable, lazy_state_to_load
 
 OBJECT_KEYS = (STEP_KEY, PARAM_GROUPS_KEY, GRAD_SCALER_KEY)
 
@@ -79,11 +80,13 @@ class ShardedStateDictMixin:
         chunks = self._checkpointed_chunks(model_chunks)
         if not is_loading:
             self._pending_logical_install = None
+            check_state_is_checkpointable(self.optimizer)
             return wrappers.optimizer_state_to_save(self, chunks)
         _initialize_state(self.optimizer)
-        # What this optimizer would save after a step (SGD's momentum buffers included), tied copies included
-        # (another stage saves their logical tensor).
-        with first_step_state(self.optimizer):
+        # What this optimizer would save after a step (SGD's momentum buffers, other lazily created state
+        # included), tied copies included (another stage saves their logical tensor).
+        with lazy_state_to_load(self.optimizer), first_step_state(self.optimizer):
+            check_state_is_checkpointable(self.optimizer)
             saved_keys = list(wrappers.optimizer_state_to_save(self, chunks, include_tied_copies=True))
             targets, install = wrappers.optimizer_load_targets(self, chunks, saved_keys)
         targets.update({key: None for key in OBJECT_KEYS})  # objects: the loader puts the saved values here

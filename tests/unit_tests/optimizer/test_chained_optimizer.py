@@ -70,6 +70,7 @@ def test_chain_steps_like_one_adamw_over_both_models_with_one_global_clip():
         assert grad_norm == pytest.approx(expected_norm, rel=1e-6) and grad_norm > CLIP_GRAD
         # The scheduler's learning rate reached the groups of both optimizers.
         assert [group["lr"] for group in chain.param_groups] == [reference_optimizer.param_groups[0]["lr"]] * 4
+        assert chain.get_lr() == reference_optimizer.param_groups[0]["lr"]
     for model, reference in zip(models, references, strict=True):
         for param, expected in zip(model.parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(param, expected, atol=1e-6, rtol=1e-5)

@@ -302,6 +302,21 @@ def test_flag_rules_name_the_flags(extra, message):
         validated(extra)
 
 
+@pytest.mark.parametrize("pin_cpu_grads, pin_cpu_params", [(True, True), (False, True), (True, False)])
+def test_upstreams_pin_cpu_fields_choose_the_host_memory(monkeypatch, pin_cpu_grads, pin_cpu_params):
+    """OptimizerConfig.pin_cpu_grads / pin_cpu_params (upstream's fields, default True) reach the host buffers:
+    pinned where the compute device can use pinned memory (an accelerator, stood in for by the meta device)."""
+    from megatron.core.offloading import placement
+    from megatron.core.optimizer.cpu_offloading import hybrid_optimizer_factory
+
+    monkeypatch.setattr(placement, "pinning_available", lambda: True)
+    config = OptimizerConfig(lr=LR, use_distributed_optimizer=True, use_precision_aware_optimizer=True,
+                             optimizer_cpu_offload=True, pin_cpu_grads=pin_cpu_grads, pin_cpu_params=pin_cpu_params)
+    build = hybrid_optimizer_factory(config, lambda groups: torch.optim.AdamW(groups, lr=LR))
+    hybrid = build([{"params": [torch.nn.Parameter(torch.zeros(4, device="meta"))]}])
+    assert (hybrid.grad_placement.pin_memory, hybrid.placement.pin_memory) == (pin_cpu_grads, pin_cpu_params)
+
+
 def test_fp16_moments_are_stored_scaled_by_the_host_optimizer_too(monkeypatch):
     """`--exp-avg-dtype fp16 --exp-avg-sq-dtype fp16` with offload: accepted, and the host part steps with the
     same per-tensor scaled fp16 moments as the device part (equal to one precision-aware AdamW), keeping its

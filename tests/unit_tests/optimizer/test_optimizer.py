@@ -201,6 +201,17 @@ def test_config_validation_names_the_flag():
         OptimizerConfig(lr=1.0, min_lr=2.0)
 
 
+def test_upstreams_config_fields_are_accepted_at_their_defaults():
+    """Configs written for upstream's OptimizerConfig construct: its memory fields at their defaults (the values
+    stay the same without remainders), and the one feature not implemented is refused by its flag."""
+    config = OptimizerConfig(lr=1e-3, bf16=True, use_distributed_optimizer=True, use_precision_aware_optimizer=True,
+                             store_param_remainders=True, pin_cpu_grads=True, pin_cpu_params=True,
+                             overlap_param_gather_with_optimizer_step=False)
+    assert config.store_param_remainders and config.pin_cpu_grads and config.pin_cpu_params
+    with pytest.raises(ValueError, match=r"--overlap-param-gather-with-optimizer-step\) is not implemented"):
+        OptimizerConfig(lr=1e-3, use_distributed_optimizer=True, overlap_param_gather_with_optimizer_step=True)
+
+
 def test_reload_model_params_refreshes_fp32_main_copies():
     model = build_toy_model(dtype=torch.bfloat16)
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=0.0, bf16=True), [model])

@@ -212,7 +212,8 @@ def test_fp16_moment_scales_are_exact_powers_of_two():
 
 
 def test_fp16_host_step_in_blocks_equals_the_whole_tensor_step(monkeypatch):
-    """The scale of a blocked host step comes from the whole tensor's new moments: the same as one pass."""
+    """The scale of a blocked host step comes from the whole tensor's new moments: the same as one pass, with
+    temporaries of one block (in fp32) at most."""
     from megatron.core.optimizer import precision_aware_adam
 
     generator = torch.Generator().manual_seed(0)
@@ -224,12 +225,47 @@ def test_fp16_host_step_in_blocks_equals_the_whole_tensor_step(monkeypatch):
         optimizer = PrecisionAwareAdamW([param], lr=LR, exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16)
         for grad in grads:
             param.grad = grad.clone()
-            optimizer.step()
+            largest = _largest_allocation_during(optimizer.step)
+        assert block > 2500 or largest <= 4 * block, largest
         results.append((param.detach(), optimizer.state[param]))
     (blocked, blocked_state), (whole, whole_state) = results
     assert torch.equal(blocked, whole)
     for key in ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale"):
         assert torch.equal(blocked_state[key], whole_state[key]), key
+
+
+@pytest.mark.parametrize("block", [1000, 1 << 20], ids=["blocked", "whole"])
+def test_fp16_step_computes_exactly_from_the_stored_values(monkeypatch, block):
+    """A step from scaled fp16 moments (scales far from 1) is an fp32 step from their values (stored * scale):
+    the same parameter bit for bit, and the new moments are the fp32 step's, stored with their own scale."""
+    from megatron.core.optimizer import precision_aware_adam
+    from megatron.core.optimizer.precision_aware_adam import store_moment
+
+    monkeypatch.setattr(precision_aware_adam, "HOST_BLOCK_NUMEL", block)
+    generator = torch.Generator().manual_seed(3)
+    values, grads = torch.randn(2500, generator=generator), torch.randn(3, 2500, generator=generator) * 1e-7
+    param, reference_param = torch.nn.Parameter(values.clone()), torch.nn.Parameter(values.clone())
+    kwargs = dict(lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
+    optimizer = PrecisionAwareAdamW([param], exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16, **kwargs)
+    for grad in grads[:2]:
+        param.grad = grad.clone()
+        optimizer.step()
+    state = optimizer.state[param]
+    assert state["exp_avg_sq_scale"].item() < 2.0**-40 and state["exp_avg_scale"].item() < 2.0**-20
+    reference_param.data.copy_(param.detach())
+    reference = PrecisionAwareAdamW([reference_param], **kwargs)
+    reference.load_state_dict({"state": {0: {"step": state["step"].clone(),
+                                             **{key: optimizer.get_unscaled_state(param, key).clone()
+                                                for key in ("exp_avg", "exp_avg_sq")}}},
+                               "param_groups": optimizer.state_dict()["param_groups"]})
+    param.grad, reference_param.grad = grads[2].clone(), grads[2].clone()
+    optimizer.step()
+    reference.step()
+    assert torch.equal(param, reference_param)
+    for key in ("exp_avg", "exp_avg_sq"):
+        expected = {}
+        store_moment(expected, key, reference.state[reference_param][key], torch.float16)
+        assert torch.equal(state[key], expected[key]) and torch.equal(state[f"{key}_scale"], expected[f"{key}_scale"])
 
 
 def _fp16_run(steps=3):

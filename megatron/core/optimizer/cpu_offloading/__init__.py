@@ -28,6 +28,7 @@ def hybrid_optimizer_factory(config, device_optimizer_factory):
     def build(groups):
         return HybridDeviceOptimizer(groups, device_optimizer_factory, host_optimizer_factory(config),
                                      offload_fraction=config.optimizer_offload_fraction,
-                                     overlap_d2h_h2d=config.overlap_cpu_optimizer_d2h_h2d)
+                                     overlap_d2h_h2d=config.overlap_cpu_optimizer_d2h_h2d,
+                                     pin_cpu_grads=config.pin_cpu_grads, pin_cpu_params=config.pin_cpu_params)
 
     return build

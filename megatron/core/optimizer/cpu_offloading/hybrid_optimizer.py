@@ -71,10 +71,12 @@ class _OffloadedParam:
     target's dtype through the host buffer `staging` when the dtypes differ); otherwise the host tensor is a copy
     uploaded into the parameter after each step."""
 
-    def __init__(self, device_param, group_index, grads_by_attribute, placement: HostPlacement):
+    def __init__(self, device_param, group_index, grads_by_attribute, placement: HostPlacement,
+                 grad_placement: HostPlacement):
         self.device_param = device_param
         self.group_index = group_index
         self.placement = placement
+        self.grad_placement = grad_placement
         self.relocated = is_relocatable(device_param)
         self.install = self.staging = None
         if self.relocated:
@@ -94,7 +96,7 @@ class _OffloadedParam:
         else in the parameter's (torch optimizers want `.grad` in the parameter's dtype)."""
         dtype = device_grad.dtype if self.grads_by_attribute else self.host_param.dtype
         if self.host_grad is None or self.host_grad.dtype != dtype:
-            self.host_grad = self.placement.empty_like(self.host_param, dtype)
+            self.host_grad = self.grad_placement.empty_like(self.host_param, dtype)
         if self.grads_by_attribute:
             self.host_param.decoupled_grad = self.host_grad
         else:
@@ -121,17 +123,21 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         host_optimizer_factory: builds a host optimizer from param groups of host tensors.
         offload_fraction: share of the elements stepped on the host (`--optimizer-offload-fraction`).
         overlap_d2h_h2d: side-stream copies and per-parameter host optimizers (`--overlap-cpu-optimizer-d2h-h2d`).
+        pin_cpu_grads, pin_cpu_params: pin the host gradients, and the host parameters and their state, where the
+            compute device can use pinned memory (upstream's `OptimizerConfig` fields; False: pageable memory).
     """
 
     def __init__(self, param_groups, device_optimizer_factory: Callable, host_optimizer_factory: Callable,
-                 offload_fraction: float = 1.0, overlap_d2h_h2d: bool = False):
+                 offload_fraction: float = 1.0, overlap_d2h_h2d: bool = False, pin_cpu_grads: bool = True,
+                 pin_cpu_params: bool = True):
         param_groups = list(param_groups)
         first = next(param for group in param_groups for param in group["params"])
         # The defaults of the optimizer being replaced, so param groups (and checkpoints) carry the same keys.
         probe = device_optimizer_factory([{"params": [torch.zeros(1, device=first.device)]}])
         super().__init__(param_groups, dict(probe.defaults))
         self.device = first.device
-        self.placement = HostPlacement.for_device(self.device)
+        self.placement = HostPlacement.for_device(self.device, can_pin=None if pin_cpu_params else False)
+        self.grad_placement = HostPlacement.for_device(self.device, can_pin=None if pin_cpu_grads else False)
         self.offload_fraction = offload_fraction
         self.overlap_d2h_h2d = overlap_d2h_h2d
         self.state_dtypes = dict(getattr(probe, "state_dtypes", {}))
@@ -163,7 +169,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._host_optimizer_factory([{"params": [torch.zeros(1)]}]))
         for (index, param), goes_to_host in zip(indexed, on_host):
             if goes_to_host:
-                self.offloaded.append(_OffloadedParam(param, index, host_reads_decoupled, self.placement))
+                self.offloaded.append(_OffloadedParam(param, index, host_reads_decoupled, self.placement,
+                                                      self.grad_placement))
             else:
                 device_groups[index].append(param)
         self.device_optimizer = self._build(self._device_optimizer_factory, device_groups)
