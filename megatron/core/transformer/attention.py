@@ -75,6 +75,37 @@ def check_layer_number(module_name, layer_number):
                         f"taken here (the attention is built from the config): pass layer_number=N by keyword")
 
 
+_UNSUPPORTED_FORWARD_INPUTS = {
+    "context": "cross-attention needs an encoder's output, and layers here are decoder-only self-attention",
+    "context_mask": "cross-attention needs an encoder's output, and layers here are decoder-only self-attention",
+    "key_value_states": "cross-attention needs an encoder's output, and layers here are decoder-only self-attention",
+    "rotary_pos_cos": "pass the rotary angles as rotary_pos_emb (GPTModel computes them)",
+    "rotary_pos_sin": "pass the rotary angles as rotary_pos_emb (GPTModel computes them)",
+    "attention_bias": "an additive attention bias is not supported; mask with attention_mask (True where masked)",
+    "packed_seq_params": "packed (THD) sequences are not supported; pass padded [s, b, h] batches",
+    "sequence_len_offset": "decoding takes its offset from inference_context.sequence_len_offset",
+}
+
+
+def refuse_unsupported_forward_inputs(module_name, **given):
+    """Upstream's forward arguments of the layer and its attention that this project has no use for must be
+    None; each one given is refused by name."""
+    for name, value in given.items():
+        if value is not None:
+            raise ValueError(f"{module_name}.forward({name}=...) is not supported: "
+                             f"{_UNSUPPORTED_FORWARD_INPUTS[name]}; pass {name}=None")
+
+
+def one_inference_context(module_name, inference_context, inference_params):
+    """`inference_context`, or upstream's older name for it, `inference_params`."""
+    if inference_params is None:
+        return inference_context
+    if inference_context is not None and inference_context is not inference_params:
+        raise ValueError(f"{module_name}.forward: pass inference_context or its older name inference_params, not "
+                         "two different contexts")
+    return inference_params
+
+
 class Attention(torch.nn.Module):
     """Base of the attention modules (upstream's name, which tools test modules against)."""
 
@@ -159,6 +190,7 @@ class SelfAttention(Attention):
                 init_method=config.output_layer_init_method,
                 bias=config.add_bias_linear,
                 input_is_parallel=True,
+                skip_bias_add=config.add_bias_linear,  # returned by forward, as upstream
             ),
         )
         self.q_layernorm = self.k_layernorm = None
@@ -236,12 +268,23 @@ class SelfAttention(Attention):
                                                      enable_gqa=key.shape[1] != query.shape[1])
         return context.permute(2, 0, 1, 3).reshape(query_len, context.shape[0], -1)
 
-    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
-        """`hidden_states` `[s, b, h]` (`[s / tp, b, h]` with sequence parallelism) -> same shape.
+    def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
+                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None,
+                packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
+        """`hidden_states` `[s, b, h]` (`[s / tp, b, h]` with sequence parallelism) -> `(output, bias)` as
+        upstream: the output has the input's shape; `bias` `[h]` is `linear_proj`'s, not yet added (None without
+        `add_bias_linear`); the layer adds it with the residual dropout. Upstream's arguments in its order;
+        `key_value_states`, `rotary_pos_cos` / `rotary_pos_sin`, `attention_bias`, `packed_seq_params` and
+        `sequence_len_offset` must be None, and `inference_params` is `inference_context`'s older name.
 
         With `inference_context` the step's keys and values go into its cache and the queries attend over all
         cached positions (`rotary_pos_emb` must then hold the angles of positions offset .. offset + s - 1);
         the causal mask follows the absolute positions, so `attention_mask` must be None."""
+        refuse_unsupported_forward_inputs(
+            "SelfAttention", key_value_states=key_value_states, rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin, attention_bias=attention_bias, packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset)
+        inference_context = one_inference_context("SelfAttention", inference_context, inference_params)
         # [s, b, groups_per_partition * (m + 2) * head_dim]; (2m + 2) * head_dim per group with the output gate
         mixed_qkv, _ = self.linear_qkv(hidden_states)
         seq_len = mixed_qkv.shape[0]
@@ -280,5 +323,4 @@ class SelfAttention(Attention):
 
         if gate is not None:
             context = gate_attention_output(context, gate)
-        output, _ = self.linear_proj(context)
-        return output
+        return self.linear_proj(context)

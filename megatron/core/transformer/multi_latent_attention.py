@@ -55,7 +55,12 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
 from megatron.core.offloading.fine_grained import offloaded_saved_tensors
 from megatron.core.tensor_parallel.duplicated_linear import DuplicatedLinear
 from megatron.core.transformer import layer_scaled_attention
-from megatron.core.transformer.attention import Attention, check_layer_number
+from megatron.core.transformer.attention import (
+    Attention,
+    check_layer_number,
+    one_inference_context,
+    refuse_unsupported_forward_inputs,
+)
 from megatron.core.transformer.attention_variants import (
     attention_with_sinks,
     blocked_or_causal,
@@ -149,7 +154,8 @@ class MLASelfAttention(Attention):
             "linear_kv_up_proj", config.kv_lora_rank, heads * (config.qk_head_dim + config.v_head_dim))
         self.linear_proj = seeded("linear_proj", lambda: row_parallel_linear(
             heads * config.v_head_dim, config.hidden_size, config=config,
-            init_method=config.output_layer_init_method, bias=config.add_bias_linear, input_is_parallel=True))
+            init_method=config.output_layer_init_method, bias=config.add_bias_linear, input_is_parallel=True,
+            skip_bias_add=config.add_bias_linear))  # the bias is returned, as upstream (see `forward`)
         self.tracks_max_attention_logits = config.qk_clip or config.log_max_attention_logit
         self.max_attention_logits = None  # [heads per partition] fp32 while tracking; None before a forward
         self.window_size = (config.window_size if is_layer_window_attention(
@@ -276,8 +282,13 @@ class MLASelfAttention(Attention):
             blocked = window_blocked(query_positions, key_positions, self.window_size)
         return self.core_attention(query, key, value, blocked)
 
-    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
-        """`hidden_states` `[s, b, h]` (`[s / tp, b, h]` with sequence parallelism) -> same shape.
+    def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
+                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None,
+                packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
+        """`hidden_states` `[s, b, h]` (`[s / tp, b, h]` with sequence parallelism) -> `(output, bias)` as
+        upstream: the output has the input's shape; `bias` is `linear_proj`'s, not yet added (None without
+        `add_bias_linear`); the layer adds it with the residual dropout. Upstream's arguments in its order (see
+        `SelfAttention.forward`).
 
         `rotary_pos_emb` (the model's angles for whole heads) is not used: the rope channels have their own.
         With `inference_context` the step goes through its key/value cache (`cached_attention`); the causal mask
@@ -286,12 +297,16 @@ class MLASelfAttention(Attention):
         Selective recompute: core_attn checkpoints the attention; mla_up_proj recomputes the up projections and
         RoPE in backward without keeping their outputs (both together: one checkpoint over the two)."""
         del rotary_pos_emb
+        refuse_unsupported_forward_inputs(
+            "MLASelfAttention", key_value_states=key_value_states, rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin, attention_bias=attention_bias, packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset)
+        inference_context = one_inference_context("MLASelfAttention", inference_context, inference_params)
         if inference_context is not None:
             if attention_mask is not None:
                 raise ValueError("MLASelfAttention: decoding through a key/value cache (inference_context) is causal "
                                  "over the cached positions; pass attention_mask=None")
-            output, _ = self.linear_proj(self.cached_attention(hidden_states, inference_context))
-            return output
+            return self.linear_proj(self.cached_attention(hidden_states, inference_context))
         query_input, kv_latent, k_rope = self._down_projections(hidden_states)
         angles = self._rotary_angles(k_rope.shape[0], k_rope.device)
         if self.window_size is not None:
@@ -320,5 +335,4 @@ class MLASelfAttention(Attention):
                 else:
                     with offloaded_saved_tensors(self, "core_attn"):
                         context = self.core_attention(query, key, value, attention_mask)
-        output, _ = self.linear_proj(context)
-        return output
+        return self.linear_proj(context)

@@ -118,7 +118,7 @@ class MultiTokenPredictionLayer(torch.nn.Module):
         if fp32_residual:  # as in the decoder block: the layer's residual stream is fp32
             projected = projected.float()
         with get_fp8_context(self.config, self.transformer_layer.layer_number - 1):
-            output = self.transformer_layer(projected, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+            output, _ = self.transformer_layer(projected, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
         if fp32_residual:
             output = output.to(self.config.params_dtype)
         return self.final_layernorm(output)

@@ -47,14 +47,19 @@ _NORM_CLASSES = {
 }
 
 
+def norm_class(config: TransformerConfig) -> type:
+    """The class `build_norm` builds for `config`."""
+    found = _NORM_CLASSES.get((config.normalization, bool(config.layernorm_zero_centered_gamma)))
+    if found is None:
+        raise ValueError(f"--normalization must be LayerNorm or RMSNorm, got {config.normalization!r}")
+    return found
+
+
 def build_norm(config: TransformerConfig, hidden_size: int) -> torch.nn.Module:
     """A LayerNorm or RMSNorm over the last dimension, per `config.normalization` (zero-centred weights with
     `config.layernorm_zero_centered_gamma`)."""
     factory = {"device": parameter_device(config), "dtype": config.params_dtype}
-    norm_class = _NORM_CLASSES.get((config.normalization, bool(config.layernorm_zero_centered_gamma)))
-    if norm_class is None:
-        raise ValueError(f"--normalization must be LayerNorm or RMSNorm, got {config.normalization!r}")
-    norm = norm_class(hidden_size, eps=config.layernorm_epsilon, **factory)
+    norm = norm_class(config)(hidden_size, eps=config.layernorm_epsilon, **factory)
     for param in norm.parameters():
         param.tensor_model_parallel = False
         param.sequence_parallel = bool(config.sequence_parallel)

@@ -7,7 +7,7 @@ config fields recorded in `config_fields`.
 """
 
 import dataclasses
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 
 @dataclasses.dataclass
@@ -19,3 +19,14 @@ class ModuleSpec:
     params: Dict[str, Any] = dataclasses.field(default_factory=dict)
     submodules: Optional[Any] = None
     config_fields: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class TransformerBlockSubmodules:
+    """Upstream's spec of a whole block (`get_gpt_decoder_block_spec`): `layer_specs`, one layer spec per layer
+    of the pipeline stage, in order (each checked against the layer the config builds there, dense or MoE), and
+    `layer_norm`, the final norm's class (the config picks the norm; None: the block applies no final norm, as
+    upstream)."""
+
+    layer_specs: Optional[List[Any]] = None
+    layer_norm: Optional[Any] = None

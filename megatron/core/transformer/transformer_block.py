@@ -13,54 +13,27 @@ from typing import Optional
 
 import torch
 
-from megatron.core import parallel_state
 from megatron.core.fp8_utils import get_fp8_context
 from megatron.core.offloading.activations import ActivationOffloader
 from megatron.core.offloading.fine_grained import attach_fine_grained_offloading
+from megatron.core.transformer.attention import one_inference_context, refuse_unsupported_forward_inputs
 from megatron.core.transformer.init_seeds import resolve_base_init_seed
 from megatron.core.transformer.norms import build_norm
-from megatron.core.transformer.pipeline_split import split_of_config, stage_layer_range
+from megatron.core.transformer.pipeline_stage import pipeline_stage_layer_range
 from megatron.core.transformer.recompute import checkpointed as plain_checkpointed
 from megatron.core.transformer.recompute import distributed_checkpointed
+from megatron.core.transformer.spec_utils import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-
-def pipeline_stage_layer_range(config: TransformerConfig, vp_stage: Optional[int] = None):
-    """(offset, count): the 0-based global index of this stage's first layer and how many layers it holds.
-
-    The split is `pipeline_split.split_of_config(config)`: even (L / (p * v) per virtual stage), or uneven by
-    `--decoder-first/last-pipeline-num-layers`, `--account-for-embedding/loss-in-pipeline-split` or
-    `--pipeline-model-parallel-layout`. With `v` virtual stages per pipeline rank
-    (`config.virtual_pipeline_model_parallel_size`), model chunk `c` of pipeline rank `r` is virtual stage
-    `c * p + r` and starts after the layers of every virtual stage before it; the chunk is `vp_stage`, else the
-    virtual pipeline rank being built (`set_virtual_pipeline_model_parallel_rank`).
-    """
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    if pp_size != config.pipeline_model_parallel_size:
-        raise ValueError(
-            f"--pipeline-model-parallel-size in the config ({config.pipeline_model_parallel_size}) differs from "
-            f"the initialised pipeline group size ({pp_size}); build the config with the same size"
-        )
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    num_chunks = getattr(config, "virtual_pipeline_model_parallel_size", None) or 1
-    if num_chunks == 1:
-        vp_stage = 0
-    else:
-        if vp_stage is None:
-            vp_stage = parallel_state.get_virtual_pipeline_model_parallel_rank()
-        if vp_stage is None or not 0 <= vp_stage < num_chunks:
-            raise ValueError(
-                f"a model chunk of an interleaved pipeline ({num_chunks} virtual stages per pipeline rank) needs "
-                f"its chunk index: pass vp_stage or set_virtual_pipeline_model_parallel_rank() (got {vp_stage!r})"
-            )
-    return stage_layer_range(split_of_config(config), pp_size, pp_rank, vp_stage)
+__all__ = ["TransformerBlock", "TransformerBlockSubmodules", "pipeline_stage_layer_range"]
 
 
 class TransformerBlock(torch.nn.Module):
-    """Args (upstream's order): config; spec: upstream's layer spec (`gpt_layer_specs`) or None; the layers are
-    built from the config, and a spec asking for other layers is refused; post_layer_norm: the last stage applies
-    the final norm (True); pre_process: this stage is first (takes `hidden_states` from the embedding);
+    """Args (upstream's order): config; spec: upstream's layer spec or block spec (`TransformerBlockSubmodules`,
+    from `gpt_layer_specs`) or None; the layers are built from the config, and a spec asking for other layers is
+    refused; post_layer_norm: the last stage applies the final norm (True; a block spec's `layer_norm=None` turns
+    it off, as upstream); pre_process: this stage is first (takes `hidden_states` from the embedding);
     post_process: this stage is last; base_init_seed: the model's base init seed (None: `config.init_seed`, else
     the default generator's seed). Each layer's initial weights depend only on it and the layer's global number,
     so a stage's layers equal the same layers of a single-stage model."""
@@ -72,7 +45,9 @@ class TransformerBlock(torch.nn.Module):
         super().__init__()
         from megatron.core.models.gpt.gpt_layer_specs import check_layer_spec
 
-        check_layer_spec(spec, config)
+        check_layer_spec(spec, config, vp_stage)
+        if isinstance(spec, TransformerBlockSubmodules) and spec.layer_norm is None:
+            post_layer_norm = False
         self.config = config
         self.pre_process = pre_process
         self.post_process = post_process
@@ -103,8 +78,8 @@ class TransformerBlock(torch.nn.Module):
             for index in range(start, end):
                 layer = self.layers[index]
                 with get_fp8_context(self.config, layer.layer_number - 1), self._activation_offload(index, layer):
-                    hidden_states = layer(hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
-                                          **decode_kwargs)
+                    hidden_states, _ = layer(hidden_states, attention_mask=attention_mask,
+                                             rotary_pos_emb=rotary_pos_emb, **decode_kwargs)
             return hidden_states
 
         return run
@@ -137,9 +112,19 @@ class TransformerBlock(torch.nn.Module):
                 hidden_states = run_layer(hidden_states, attention_mask, rotary_pos_emb)
         return hidden_states
 
-    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
-        """`[s, b, h]` (`[s / tp, b, h]` with sequence parallelism) -> same shape. With `inference_context` each
-        layer's attention decodes through the context's key/value cache (no recomputation)."""
+    def forward(self, hidden_states, attention_mask=None, context=None, context_mask=None, rotary_pos_emb=None,
+                rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None, inference_context=None,
+                packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
+        """`[s, b, h]` (`[s / tp, b, h]` with sequence parallelism) -> same shape. With `inference_context` (or
+        its older name `inference_params`) each layer's attention decodes through the context's key/value cache
+        (no recomputation). Upstream's arguments in its order; those the layers have no use for (`context`,
+        `context_mask`, `rotary_pos_cos` / `rotary_pos_sin`, `attention_bias`, `packed_seq_params`,
+        `sequence_len_offset`) must be None."""
+        refuse_unsupported_forward_inputs("TransformerBlock", context=context, context_mask=context_mask,
+                                          rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
+                                          attention_bias=attention_bias, packed_seq_params=packed_seq_params,
+                                          sequence_len_offset=sequence_len_offset)
+        inference_context = one_inference_context("TransformerBlock", inference_context, inference_params)
         if not self.pre_process:
             if self.input_tensor is None:
                 raise RuntimeError("a pipeline stage that is not first needs set_input_tensor() before forward")

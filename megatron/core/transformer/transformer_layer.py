@@ -25,7 +25,11 @@ import torch
 
 from megatron.core import tensor_parallel
 from megatron.core.extensions.transformer_engine import uses_transformer_engine
-from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.attention import (
+    SelfAttention,
+    one_inference_context,
+    refuse_unsupported_forward_inputs,
+)
 from megatron.core.transformer.init_seeds import derive_init_seed, reset_children_parameters, resolve_base_init_seed
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_config import moe_layer_pattern
@@ -58,12 +62,11 @@ def _check_upstream_layer_arguments(submodules, pg_collection, vp_stage):
                          "number in the whole model (no pipeline offset is added); pass that and vp_stage=None")
 
 
-def _mlp_output(result):
-    """The MLP block's output: `MoELayer` returns upstream's `(output, mlp_bias)`, the dense `MLP` the output."""
-    if isinstance(result, tuple):
-        output, bias = result
-        return output if bias is None else output + bias
-    return result
+def _add_bias(output_and_bias):
+    """A sublayer's `(output, bias)` (upstream's return of attention, `MLP` and `MoELayer`) -> output + bias; the
+    residual dropout then applies to the sum, as upstream's bias-dropout-add."""
+    output, bias = output_and_bias
+    return output if bias is None else output + bias
 
 
 class TransformerLayer(torch.nn.Module):
@@ -148,29 +151,40 @@ class TransformerLayer(torch.nn.Module):
         fused = self.norms_fused_into_mlp
         if self.training and (self.checkpoint_mlp or self.checkpoint_norm_and_mlp):
             if self.recompute_pre_mlp_layernorm:
-                return None, _mlp_output(checkpointed(
+                return None, _add_bias(checkpointed(
                     lambda hidden: self.mlp(self._norm(self.pre_mlp_layernorm, hidden, fused)), hidden_states))
             mlp_input = self._norm(self.pre_mlp_layernorm, hidden_states, fused)
-            return mlp_input, _mlp_output(checkpointed(self.mlp, mlp_input))
+            return mlp_input, _add_bias(checkpointed(self.mlp, mlp_input))
         mlp_input, mlp_context = self._norm_for(self.pre_mlp_layernorm, hidden_states, fused,
                                                 self.recompute_pre_mlp_layernorm)
         with mlp_context:
-            return mlp_input, _mlp_output(self.mlp(mlp_input))
+            return mlp_input, _add_bias(self.mlp(mlp_input))
 
-    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None):
-        """`inference_context` (a `StaticInferenceContext`): decode through its key/value cache (see
-        `SelfAttention.forward`); None in training."""
+    def forward(self, hidden_states, attention_mask=None, context=None, context_mask=None, rotary_pos_emb=None,
+                rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None, inference_context=None,
+                packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
+        """Upstream's signature and return: `(hidden_states, context)`, the layer's output `[s, b, h]` and
+        `context` (None: a decoder-only layer has no cross-attention). `inference_context` (a
+        `StaticInferenceContext`; `inference_params` is its older name): decode through its key/value cache (see
+        `SelfAttention.forward`); None in training. The cross-attention inputs (`context`, `context_mask`),
+        `rotary_pos_cos` / `rotary_pos_sin`, `attention_bias`, `packed_seq_params` and `sequence_len_offset`
+        must be None (see `refuse_unsupported_forward_inputs`)."""
+        refuse_unsupported_forward_inputs("TransformerLayer", context=context, context_mask=context_mask,
+                                          rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
+                                          attention_bias=attention_bias, packed_seq_params=packed_seq_params,
+                                          sequence_len_offset=sequence_len_offset)
+        inference_context = one_inference_context("TransformerLayer", inference_context, inference_params)
         attention_input, attention_context = self._norm_for(self.input_layernorm, hidden_states,
                                                             self.norms_fused_into_linears,
                                                             self.recompute_input_layernorm)
         with attention_context:
             if inference_context is None:
-                attention_output = self.self_attention(attention_input, attention_mask=attention_mask,
-                                                       rotary_pos_emb=rotary_pos_emb)
+                attention_output = _add_bias(self.self_attention(attention_input, attention_mask=attention_mask,
+                                                                 rotary_pos_emb=rotary_pos_emb))
             else:
-                attention_output = self.self_attention(attention_input, attention_mask=attention_mask,
-                                                       rotary_pos_emb=rotary_pos_emb,
-                                                       inference_context=inference_context)
+                attention_output = _add_bias(self.self_attention(attention_input, attention_mask=attention_mask,
+                                                                 rotary_pos_emb=rotary_pos_emb,
+                                                                 inference_context=inference_context))
         hidden_states = self._residual_add(hidden_states, attention_input, attention_output)
         mlp_input, mlp_output = self._mlp_block(hidden_states)
-        return self._residual_add(hidden_states, mlp_input, mlp_output)
+        return self._residual_add(hidden_states, mlp_input, mlp_output), None

@@ -249,7 +249,7 @@ def _layer_config(normalization, zero_centered, **overrides):
 def _run_layer(layer, x):
     x = x.clone().requires_grad_(True)
     layer.zero_grad(set_to_none=True)
-    out = layer(x)
+    out, _ = layer(x)  # (output, context) as upstream
     out.square().sum().backward()
     grads = {name: param.grad.clone() for name, param in layer.named_parameters()}
     return out.detach(), x.grad, grads

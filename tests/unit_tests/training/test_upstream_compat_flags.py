@@ -162,7 +162,9 @@ def test_glu_clamp_and_offset_match_a_hand_written_mlp():
     x = torch.randn(3, 2, 64)
     fc1, fc2 = mlp.linear_fc1.weight.detach(), mlp.linear_fc2.weight.detach()
     expected = _glu_reference(x, fc1, fc2, clamp_value=0.5, offset=1.0)
-    torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-5)
+    output, bias = mlp(x)  # (output, None): --disable-bias-linear
+    assert bias is None
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
     hidden = x @ fc1.t()
     assert (hidden.abs() > 0.5).float().mean() > 0.5  # the clamp acts on most values
     unclamped = _glu_reference(x, fc1, fc2, clamp_value=1e9, offset=1.0)

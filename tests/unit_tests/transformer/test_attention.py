@@ -69,8 +69,9 @@ def test_head_norms_precede_the_yarn_rotation(head_norm):
     rotary = YarnRotaryEmbedding(HEAD_DIM, scaling_factor=4.0, original_max_position_embeddings=64)
     hidden = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        output = attention(hidden, rotary_pos_emb=rotary(SEQ)[0])  # (angles, mscale), as upstream
-    torch.testing.assert_close(output.double(), _reference(attention, hidden, scale), rtol=0, atol=1e-5)
+        output, bias = attention(hidden, rotary_pos_emb=rotary(SEQ)[0])  # (angles, mscale), as upstream
+    assert bias is attention.linear_proj.bias  # returned, not added: (output, bias) as upstream
+    torch.testing.assert_close((output + bias).double(), _reference(attention, hidden, scale), rtol=0, atol=1e-5)
 
 
 def test_upstream_positional_submodules_are_refused_by_name():
@@ -90,3 +91,25 @@ def test_upstream_positional_submodules_are_refused_by_name():
     with pytest.raises(TypeError, match=r"^MLASelfAttention\(config, layer_number, ...\): .* got None"):
         MLASelfAttention(mla, submodules, 1)
     assert SelfAttention(tiny_config(), layer_number=2).layer_number == 2
+
+
+def test_forward_takes_upstream_arguments_in_upstream_order():
+    """Upstream: forward(hidden_states, attention_mask, key_value_states, inference_context, rotary_pos_emb, ...);
+    the arguments this self-attention has no use for are refused by name."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    tensor_parallel.model_parallel_cuda_manual_seed(3)
+    attention = SelfAttention(tiny_config(), layer_number=1).eval()
+    hidden = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(4))
+    angles = RotaryEmbedding(HEAD_DIM)(SEQ)
+    with torch.no_grad():
+        output, bias = attention(hidden, None, None, None, angles)  # upstream's positional order
+        keyword_output, _ = attention(hidden, rotary_pos_emb=angles)
+        unrotated, _ = attention(hidden)
+    torch.testing.assert_close(output, keyword_output, rtol=0, atol=0)
+    assert bias is attention.linear_proj.bias
+    assert not torch.allclose(output, unrotated, rtol=0, atol=1e-6)  # the angles went to rotary_pos_emb
+    for name in ("key_value_states", "attention_bias", "packed_seq_params", "rotary_pos_sin"):
+        with pytest.raises(ValueError, match=rf"SelfAttention.forward\({name}=...\) is not supported: .* "
+                                             rf"pass {name}=None"):
+            attention(hidden, **{name: torch.zeros(1)})

@@ -26,6 +26,12 @@ HEAD_DIM = HIDDEN // HEADS
 ALL_THREE = dict(no_rope_freq=2, qk_l2_norm=True, attention_output_gate=True)
 
 
+def _summed(output_and_bias):
+    """An attention's `(output, bias)` (upstream's return) -> output + bias, what the layer adds to the residual."""
+    output, bias = output_and_bias
+    return output if bias is None else output + bias
+
+
 def test_no_rope_pattern_follows_upstream():
     # An int N: every N-th layer (1-based) skips RoPE; a list: 1 skips it.
     assert no_rope_layer_pattern(4, 8) == [False, False, False, True] * 2
@@ -95,14 +101,15 @@ def _hidden():
 def test_self_attention_equals_the_reference(layer_number, overrides):
     hidden, angles = _hidden(), RotaryEmbedding(HEAD_DIM)(SEQ)
     attention = _attention(layer_number, **overrides)
-    output = attention(hidden, rotary_pos_emb=angles)
+    output, bias = attention(hidden, rotary_pos_emb=angles)  # (output, bias) as upstream
+    output = output + bias
     expected = _reference(attention, hidden, layer_number, torch.arange(SEQ))
     torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
     plain = _attention(layer_number)
     if overrides == dict(no_rope_freq=2) and layer_number == 1:  # a layer that keeps RoPE: unchanged
-        assert torch.equal(plain(hidden, rotary_pos_emb=angles), output)
+        assert torch.equal(_summed(plain(hidden, rotary_pos_emb=angles)), output)
     elif not overrides.get("attention_output_gate"):  # same weights: the variant must change the result
-        assert (plain(hidden, rotary_pos_emb=angles) - output).abs().max() > 1e-3
+        assert (_summed(plain(hidden, rotary_pos_emb=angles)) - output).abs().max() > 1e-3
     else:
         assert attention.linear_qkv.weight.shape == (2 * HIDDEN + 2 * GROUPS * HEAD_DIM, HIDDEN)
 
@@ -126,12 +133,12 @@ def test_decoding_through_the_cache_equals_the_whole_sequence():
     for layer_number in (1, 2):  # a RoPE layer and a NoPE layer
         attention = _attention(layer_number, **ALL_THREE)
         with torch.no_grad():
-            full = attention(hidden, rotary_pos_emb=rotary(SEQ))
+            full, _ = attention(hidden, rotary_pos_emb=rotary(SEQ))
             context = StaticInferenceContext(max_batch_size=BATCH, max_sequence_length=SEQ)
             steps = []
             for start, stop in ((0, 3), (3, 4), (4, 6)):  # a prompt, then one and two tokens at a time
                 steps.append(attention(hidden[start:stop], rotary_pos_emb=rotary(stop - start, offset=start),
-                                       inference_context=context))
+                                       inference_context=context)[0])
                 context.increment_sequence_len_offset(stop - start)
         torch.testing.assert_close(torch.cat(steps), full, atol=1e-5, rtol=1e-5)
 

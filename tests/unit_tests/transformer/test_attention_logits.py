@@ -92,7 +92,7 @@ def test_self_attention_tracks_without_changing_its_output():
     for tracked in (False, True):
         tensor_parallel.model_parallel_cuda_manual_seed(5)
         attention = SelfAttention(tiny_config(num_query_groups=GROUPS, log_max_attention_logit=tracked), 1)
-        outputs.append(attention(hidden))
+        outputs.append(attention(hidden)[0])
         modules.append(attention)
     assert torch.equal(outputs[0], outputs[1])
     assert modules[0].max_attention_logits is None

@@ -99,7 +99,8 @@ def _attention_and_reference(**overrides):
         with torch.no_grad():
             attention.softmax_offset.copy_(torch.tensor([0.5, -1.0, 2.0, 0.0]))
     hidden = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(4))
-    output = attention(hidden)
+    output, bias = attention(hidden)  # (output, bias) as upstream; the reference's linear_proj skips it too
+    assert bias is attention.linear_proj.bias
     mixed = attention.linear_qkv(hidden)[0].view(SEQ, BATCH, HEADS, 3, HIDDEN // HEADS)
     query, key, value = (mixed[:, :, :, part].permute(1, 2, 0, 3) for part in range(3))
     sinks = {"vanilla": None, "off-by-one": torch.zeros(HEADS),
@@ -382,6 +383,6 @@ def test_decoding_through_the_cache_keeps_the_window_and_sinks():
     steps = []
     with torch.no_grad():
         for start, stop in ((0, 5), (5, 6), (6, 8)):  # a prompt, then one and two tokens at a time
-            steps.append(attention(hidden[start:stop], inference_context=context))
+            steps.append(attention(hidden[start:stop], inference_context=context)[0])
             context.increment_sequence_len_offset(stop - start)
     torch.testing.assert_close(torch.cat(steps), full.detach(), atol=1e-5, rtol=1e-5)

@@ -23,6 +23,12 @@ def _hidden(dtype=torch.float32):
     return torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(11)).to(dtype)
 
 
+def _summed(output_and_bias):
+    """A sublayer's `(output, bias)` -> output + bias (the bias is returned for the layer to add, as upstream)."""
+    output, bias = output_and_bias
+    return output if bias is None else output + bias
+
+
 def _layer(**overrides):
     tensor_parallel.model_parallel_cuda_manual_seed(5)
     return TransformerLayer(tiny_config(**overrides), layer_number=1)
@@ -94,14 +100,14 @@ def test_post_layernorm_residual_matches_hand_written_layer():
     x = _hidden()
     with torch.no_grad():
         normed = layer.input_layernorm(x)
-        y = normed + layer.self_attention(normed)
+        y = normed + _summed(layer.self_attention(normed))
         normed_y = layer.pre_mlp_layernorm(y)
-        expected = normed_y + layer.mlp(normed_y)
-        torch.testing.assert_close(layer(x), expected)
+        expected = normed_y + _summed(layer.mlp(normed_y))
+        torch.testing.assert_close(layer(x)[0], expected)
         pre_norm = _layer()
         pre_norm.load_state_dict(layer.state_dict())
-        y = x + pre_norm.self_attention(pre_norm.input_layernorm(x))
-        torch.testing.assert_close(pre_norm(x), y + pre_norm.mlp(pre_norm.pre_mlp_layernorm(y)))
+        y = x + _summed(pre_norm.self_attention(pre_norm.input_layernorm(x)))
+        torch.testing.assert_close(pre_norm(x)[0], y + _summed(pre_norm.mlp(pre_norm.pre_mlp_layernorm(y))))
 
 
 def test_fp32_residual_under_bf16():
@@ -109,17 +115,17 @@ def test_fp32_residual_under_bf16():
     layer = _layer(**overrides)
     x = _hidden()
     with torch.no_grad():
-        output = layer(x)
+        output, _ = layer(x)
         assert output.dtype == torch.float32
-        attention = layer.self_attention(layer.input_layernorm(x.to(torch.bfloat16)))
+        attention = _summed(layer.self_attention(layer.input_layernorm(x.to(torch.bfloat16))))
         y = x + attention.float()
-        expected = y + layer.mlp(layer.pre_mlp_layernorm(y.to(torch.bfloat16))).float()
+        expected = y + _summed(layer.mlp(layer.pre_mlp_layernorm(y.to(torch.bfloat16)))).float()
         torch.testing.assert_close(output, expected)
     assert tiny_config(**overrides).pipeline_dtype == torch.float32
     model = seeded_model(tiny_config(**overrides))
     seen = []
     for block_layer in model.decoder.layers:
-        block_layer.register_forward_hook(lambda module, inputs, out: seen.append((inputs[0].dtype, out.dtype)))
+        block_layer.register_forward_hook(lambda module, inputs, out: seen.append((inputs[0].dtype, out[0].dtype)))
     tokens, labels, positions = fixed_batch()
     loss = model(tokens, positions, labels=labels)
     assert seen == [(torch.float32, torch.float32)] * 2 and torch.isfinite(loss).all()
@@ -137,7 +143,9 @@ def test_openai_gelu_is_the_tanh_formula():
     with torch.no_grad():
         expected = F.linear(openai_gelu(F.linear(h, mlp.linear_fc1.weight, mlp.linear_fc1.bias)),
                             mlp.linear_fc2.weight, mlp.linear_fc2.bias)
-        torch.testing.assert_close(mlp(h), expected)
+        output, bias = mlp(h)  # (output, bias) as upstream: the layer adds fc2's bias
+        assert bias is mlp.linear_fc2.bias
+        torch.testing.assert_close(output + bias, expected)
 
 
 def test_cpu_initialization_gives_the_same_weights():

@@ -22,6 +22,12 @@ YARN = dict(rope_type="yarn", rotary_scaling_factor=4.0, mscale=1.0, mscale_all_
             original_max_position_embeddings=256)
 
 
+def _summed(output_and_bias):
+    """An attention's `(output, bias)` (upstream's return) -> output + bias, what the layer adds to the residual."""
+    output, bias = output_and_bias
+    return output if bias is None else output + bias
+
+
 def mla_config(**overrides):
     fields = dict(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, hidden_dropout=0.0,
                   attention_dropout=0.0, multi_latent_attention=True, rope_type="rope", init_method_std=0.3, **SHAPE)
@@ -71,7 +77,9 @@ def test_mla_equals_the_reference(overrides):
     if "rope_type" in overrides:
         width = SHAPE["qk_head_dim"] + SHAPE["qk_pos_emb_head_dim"]
         assert abs(layer.softmax_scale * math.sqrt(width) - 1.0) > 0.05
-    output = layer(hidden)
+    output, bias = layer(hidden)  # (output, bias) as upstream
+    assert bias is layer.linear_proj.bias
+    output = output + bias
     query, key, value = (t.detach() for t in _query_key_value(layer, hidden))
     sinks = {"vanilla": None, "off-by-one": torch.zeros(HEADS),
              "learnable": OFFSETS.double().requires_grad_()}[layer.config.softmax_type]
@@ -80,7 +88,7 @@ def test_mla_equals_the_reference(overrides):
     expected = context @ weight.T + layer.linear_proj.bias.detach().double()
     torch.testing.assert_close(output.double(), expected, atol=1e-5, rtol=1e-5)
     plain_layer, _ = _layer_and_inputs(**{k: v for k, v in overrides.items() if k in YARN})
-    assert (output - plain_layer(hidden)).abs().max() > 1e-2  # the variant changes the result
+    assert (output - _summed(plain_layer(hidden))).abs().max() > 1e-2  # the variant changes the result
     if layer.softmax_offset is not None:
         upstream = torch.randn(output.shape, generator=torch.Generator().manual_seed(7))
         output.backward(upstream)

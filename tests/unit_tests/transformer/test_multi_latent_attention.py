@@ -34,6 +34,12 @@ VARIANTS = {
 }
 
 
+def _summed(output_and_bias):
+    """An attention's `(output, bias)` (upstream's return) -> output + bias, what the layer adds to the residual."""
+    output, bias = output_and_bias
+    return output if bias is None else output + bias
+
+
 def mla_config(**overrides):
     fields = dict(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, hidden_dropout=0.0,
                   attention_dropout=0.0, multi_latent_attention=True, **SHAPE)
@@ -146,7 +152,7 @@ def test_layer_matches_plain_torch_reference(variant):
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=generator, requires_grad=True)
     upstream_grad = torch.randn(SEQ, BATCH, HIDDEN, generator=generator)
-    out = layer(x)
+    out = _summed(layer(x))  # (output, bias) as upstream
     out.backward(upstream_grad)
 
     weights = {name: p.detach().double().requires_grad_() for name, p in layer.named_parameters()}
@@ -173,7 +179,7 @@ def test_fp16_query_key_layer_scaling_keeps_the_mla_softmax_scale():
     layer = MLASelfAttention(config, layer_number=3)
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        out = layer(x.half()).double()
+        out = _summed(layer(x.half())).double()
     weights = {name: p.detach().double() for name, p in layer.named_parameters()}
     reference = _reference_mla(config, weights, x.half().double())
     without_mscale = _reference_mla(dataclasses.replace(config, mscale_all_dim=0.0), weights, x.half().double())

@@ -67,7 +67,7 @@ def _reference(model, tokens, labels, position_ids, loss_mask, detach_mtp_embedd
         embedded = F.embedding(shifted_ids, table).transpose(0, 1)
         combined = torch.cat([_norm(embedded, layer.enorm, config), _norm(hidden, layer.hnorm, config)], dim=-1)
         projected = combined @ layer.eh_proj.weight.t()
-        hidden = _norm(layer.transformer_layer(projected, rotary_pos_emb=angles), layer.final_layernorm, config)
+        hidden = _norm(layer.transformer_layer(projected, rotary_pos_emb=angles)[0], layer.final_layernorm, config)
         logits = (hidden @ output_weight.t()).transpose(0, 1)[:, : seq - depth]  # [b, s - k, vocab]
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, depth:].reshape(-1),
                                reduction="none").view(batch, seq - depth)

@@ -87,7 +87,9 @@ def test_flag_builds_the_gated_mlp_of_the_formula(one_rank, extra, clamp_value, 
     x = torch.randn(3, 2, 64, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = _mlp_reference(mlp, x, config)
-        torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-5)
+        output, bias = mlp(x)
+        assert bias is mlp.linear_fc2.bias
+        torch.testing.assert_close(output + bias, expected, rtol=1e-5, atol=1e-5)
         fc1 = mlp.linear_fc1
         hidden = x @ fc1.weight.t() + fc1.bias
         if clamp_value == 0.5:
@@ -140,7 +142,8 @@ def test_experts_equal_the_dense_mlp_of_their_weights(grouped):
         for expert, chunk, expert_output in zip(experts.local_experts, torch.split(tokens, counts),
                                                 torch.split(output, counts)):
             dense.load_state_dict(expert.state_dict())
-            torch.testing.assert_close(expert_output, dense(chunk), rtol=1e-5, atol=1e-5)
+            dense_output, dense_bias = dense(chunk)
+            torch.testing.assert_close(expert_output, dense_output + dense_bias, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(expert_output, _mlp_reference(expert, chunk, config), rtol=1e-5, atol=1e-5)
 
 
@@ -155,8 +158,8 @@ def test_shared_experts_compute_the_formula():
 
 def _run(module, x, upstream):
     x = x.clone().requires_grad_()
-    output = module(x)
-    output = output[0] if isinstance(output, tuple) else output  # MoELayer: (output, None)
+    output, bias = module(x)  # (output, bias) as upstream: the dense MLP's fc2 bias, MoELayer's None
+    output = output if bias is None else output + bias
     (output * upstream).sum().backward()
     return output.detach(), x.grad, {name: param.grad for name, param in module.named_parameters()}
 
@@ -197,7 +200,7 @@ def _tensor_parallel_differences():
     wide = dict(init_method_std=0.5)  # the clamp at 0.5 acts (the weights are drawn from the full matrices)
 
     def dense(tp):
-        return MLP(dense_config(ffn_hidden_size=32, tensor_model_parallel_size=tp, **wide), SEED)
+        return MLP(dense_config(ffn_hidden_size=32, tensor_model_parallel_size=tp, **wide), init_seed=SEED)
 
     def moe(tp):
         config = moe_config(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, moe_grouped_gemm=True,

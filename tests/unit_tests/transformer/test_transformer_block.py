@@ -139,6 +139,27 @@ def test_upstream_positional_spec_and_post_layer_norm():
     torch.testing.assert_close(with_spec(hidden_states), without_spec(hidden_states), atol=0, rtol=0)
     unnormalised = TransformerBlock(config, get_gpt_layer_local_spec(), post_layer_norm=False)
     assert unnormalised.final_layernorm is None
-    torch.testing.assert_close(unnormalised(hidden_states), without_spec.layers[0](hidden_states), atol=0, rtol=0)
+    torch.testing.assert_close(unnormalised(hidden_states), without_spec.layers[0](hidden_states)[0], atol=0, rtol=0)
     with pytest.raises(ValueError, match=r"set TransformerConfig\(qk_layernorm=True\)"):
         TransformerBlock(config, get_gpt_layer_local_spec(qk_layernorm=True))
+
+
+def test_forward_takes_upstream_arguments_in_upstream_order():
+    """Upstream: forward(hidden_states, attention_mask, context, context_mask, rotary_pos_emb, ...)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    model_parallel_cuda_manual_seed(3)
+    block = TransformerBlock(tiny_config(num_layers=2, hidden_size=16, init_seed=3)).eval()
+    hidden_states = torch.randn(SEQ_LENGTH, MICRO_BATCH_SIZE, 16, generator=torch.Generator().manual_seed(0))
+    angles = RotaryEmbedding(4)(SEQ_LENGTH)
+    with torch.no_grad():
+        positional = block(hidden_states, None, None, None, angles)  # upstream's positional order
+        expected = block.final_layernorm(
+            block.layers[1](block.layers[0](hidden_states, rotary_pos_emb=angles)[0], rotary_pos_emb=angles)[0])
+    torch.testing.assert_close(positional, expected, atol=0, rtol=0)
+    assert not torch.allclose(block(hidden_states), positional, atol=1e-6, rtol=0)  # the angles were used
+    with pytest.raises(ValueError, match=r"TransformerBlock.forward\(context=...\) is not supported: .* "
+                                         r"pass context=None"):
+        block(hidden_states, None, hidden_states)

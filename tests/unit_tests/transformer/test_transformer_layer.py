@@ -31,10 +31,10 @@ def test_hidden_dropout_argument_overrides_the_config():
     tensor_parallel.model_parallel_cuda_manual_seed(5)
     x = _hidden()
     kept = TransformerLayer(config, None, 1).train()
-    assert kept.hidden_dropout.p == 0.0 and not torch.allclose(kept(x), x)
+    assert kept.hidden_dropout.p == 0.0 and not torch.allclose(kept(x)[0], x)
     dropped = TransformerLayer(config, None, 1, hidden_dropout=1.0).train()
     assert dropped.hidden_dropout.p == 1.0
-    torch.testing.assert_close(dropped(x), x)  # both sublayer outputs dropped: the residual stream alone
+    torch.testing.assert_close(dropped(x)[0], x)  # both sublayer outputs dropped: the residual stream alone
 
 
 def test_arguments_this_layer_cannot_honour_are_refused_by_name():
@@ -48,3 +48,31 @@ def test_arguments_this_layer_cannot_honour_are_refused_by_name():
         TransformerLayer(config, None, 1, pg_collection=object())
     with pytest.raises(ValueError, match=r"TransformerLayer\(vp_stage=...\) is not supported here"):
         TransformerLayer(config, None, 1, vp_stage=0)
+
+
+def test_forward_takes_upstream_arguments_and_returns_output_and_context():
+    """Upstream: forward(hidden_states, attention_mask, context, context_mask, rotary_pos_emb, ...) returns
+    `(hidden_states, context)`; a decoder layer's context is None."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    tensor_parallel.model_parallel_cuda_manual_seed(5)
+    layer = TransformerLayer(tiny_config(), None, 1).eval()
+    x = _hidden()
+    angles = RotaryEmbedding(8)(x.shape[0])
+    mask = torch.ones(x.shape[0], x.shape[0], dtype=torch.bool).triu(1)  # causal, True where masked
+    with torch.no_grad():
+        output, context = layer(x, mask, None, None, angles)  # upstream's positional order
+        keyword_output, _ = layer(hidden_states=x, attention_mask=None, rotary_pos_emb=angles)
+        attention_input = layer.input_layernorm(x)
+        attention_output, attention_bias = layer.self_attention(attention_input, rotary_pos_emb=angles)
+        middle = x + attention_output + attention_bias
+        mlp_output, mlp_bias = layer.mlp(layer.pre_mlp_layernorm(middle))
+    assert context is None
+    torch.testing.assert_close(output, middle + mlp_output + mlp_bias)
+    torch.testing.assert_close(keyword_output, output)  # attention_mask None is causal too
+    assert not torch.allclose(layer(x)[0], output)  # the rotary angles matter
+    for name in ("context", "context_mask", "attention_bias", "packed_seq_params", "sequence_len_offset",
+                 "rotary_pos_cos"):
+        with pytest.raises(ValueError, match=rf"TransformerLayer.forward\({name}=...\) is not supported: .* "
+                                             rf"pass {name}=None"):
+            layer(x, **{name: torch.zeros(1)})

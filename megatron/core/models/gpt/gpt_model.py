@@ -102,8 +102,9 @@ class GPTModel(ShardedStateModule):
 
     Args:
         config: the transformer config.
-        transformer_layer_spec: upstream's layer spec (`gpt_layer_specs`), or None; the layers are built from the
-            config, and a spec asking for other layers is refused.
+        transformer_layer_spec: upstream's layer spec or decoder block spec (`get_gpt_decoder_block_spec`: one
+            layer spec per layer of this stage), or None; the layers are built from the config, and a spec asking
+            for other layers is refused.
         vocab_size: padded vocabulary size (a multiple of the tensor-parallel size).
         max_sequence_length: `--max-position-embeddings`, rows of the learned position embedding.
         pre_process: this stage holds the embedding (first pipeline stage).
@@ -160,7 +161,7 @@ class GPTModel(ShardedStateModule):
         vp_stage: Optional[int] = None,
     ):
         super().__init__()
-        check_layer_spec(transformer_layer_spec, config)
+        check_layer_spec(transformer_layer_spec, config, vp_stage)
         check_mtp_block_spec(mtp_block_spec, config)
         if vocab_size is None or max_sequence_length is None:
             raise TypeError("GPTModel needs vocab_size and max_sequence_length")
@@ -235,8 +236,8 @@ class GPTModel(ShardedStateModule):
                 correction_range_round_to_int=config.yarn_correction_range_round_to_int,
             )
         self.decoder = TransformerBlock(
-            config, pre_process=pre_process, post_process=post_process, base_init_seed=self.base_init_seed,
-            vp_stage=vp_stage,
+            config, spec=transformer_layer_spec, pre_process=pre_process, post_process=post_process,
+            base_init_seed=self.base_init_seed, vp_stage=vp_stage,
         )
         self.mtp = MultiTokenPredictionBlock(config, self.base_init_seed) if self.mtp_process else None
         self.output_layer = None

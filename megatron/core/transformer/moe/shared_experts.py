@@ -62,7 +62,9 @@ class SharedExpertMLP(MLP):
         return self._gated_forward(hidden_states)
 
     def _gated_forward(self, hidden_states):
-        output = super().forward(hidden_states)
+        output, bias = super().forward(hidden_states)
+        if bias is not None:
+            output = output + bias
         if self.gate_weight is None:
             return output
         return output * torch.sigmoid(F.linear(hidden_states, self.gate_weight))

@@ -39,7 +39,8 @@ def _hand_built(layer, hidden, include_shared=True):
         tokens = hidden.reshape(-1, HIDDEN)
         output = torch.zeros_like(tokens)
         for token, expert in routing_map.nonzero().tolist():
-            output[token] += probs[token, expert] * layer.experts.local_experts[expert](tokens[token:token + 1])[0]
+            expert_output, expert_bias = layer.experts.local_experts[expert](tokens[token:token + 1])
+            output[token] += probs[token, expert] * (expert_output + expert_bias)[0]
         output = output.view_as(hidden)
         if layer.shared_experts is not None and include_shared:
             output = output + layer.shared_experts(hidden)
@@ -93,7 +94,8 @@ def test_shared_expert_gate_scales_the_shared_output():
     gate_weight = shared.gate_weight.detach().clone().requires_grad_()
     routed, _ = _hand_built(layer, hidden, include_shared=False)
     with torch.no_grad():
-        ungated = MLP.forward(shared, hidden)
+        ungated, shared_bias = MLP.forward(shared, hidden)
+        ungated = ungated + shared_bias
     gate = torch.sigmoid((hidden * gate_weight[0]).sum(dim=-1, keepdim=True))
     expected = routed + gate * ungated
     torch.testing.assert_close(output, expected, rtol=1e-6, atol=1e-6)
@@ -133,7 +135,7 @@ def test_upstream_constructor_arguments_and_layer_number():
 
 class _NoAttention(torch.nn.Module):
     def forward(self, hidden_states, **kwargs):
-        return torch.zeros_like(hidden_states)
+        return torch.zeros_like(hidden_states), None  # (output, bias), as the attention returns
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -152,7 +154,7 @@ def test_forward_returns_output_and_mlp_bias_as_upstream(recompute):
     block.self_attention = _NoAttention()  # the residual stream after attention is the input itself
     with torch.no_grad():
         expected = hidden + block.mlp(block.pre_mlp_layernorm(hidden))[0]
-    torch.testing.assert_close(block(hidden.clone().requires_grad_()), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(block(hidden.clone().requires_grad_())[0], expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dispatcher", DISPATCHERS)

@@ -105,7 +105,8 @@ def test_apply_probs_on_input_scales_the_expert_input():
         expected = torch.zeros_like(tokens)
         for token, expert in routing_map.nonzero().tolist():
             scaled = tokens[token:token + 1] * probs[token, expert]
-            expected[token] = layer.experts.local_experts[expert](scaled)[0]
+            expert_output, expert_bias = layer.experts.local_experts[expert](scaled)  # (output, bias)
+            expected[token] = (expert_output + expert_bias)[0]
     torch.testing.assert_close(output, expected.view_as(x), rtol=1e-5, atol=1e-6)
 
 

@@ -9,8 +9,8 @@ its conversion (`mtsp.convert(model, [("eagle", cfg)])`) builds a `TransformerCo
 on it (`transformer_layer_spec`, which is no field here, `seq_length`, `hidden_size`,
 `pipeline_model_parallel_size`, ...), where this config is frozen; it builds
 `TransformerBlock(config, spec=..., post_layer_norm=...)` from its own layer modules, uses upstream's
-`RotaryEmbedding.get_rotary_seq_len`, and calls the decoder with `inference_params` and `packed_seq_params` (the
-block here takes `inference_context` only).
+`RotaryEmbedding.get_rotary_seq_len`, and calls the decoder with `packed_seq_params` (packed sequences, which the
+block here refuses).
 The function keeps its upstream name and signature and says precisely that, and what to use instead.
 """
 
@@ -22,7 +22,7 @@ UNSUPPORTED_MESSAGE = (
     "conversion needs upstream's mutable TransformerConfig, on which it assigns transformer_layer_spec, seq_length, "
     "... after building it (this one is frozen and validated once, and has no transformer_layer_spec field), "
     "TransformerBlock(spec=...) building the spec's own modules, upstream's RotaryEmbedding.get_rotary_seq_len and "
-    "decoder calls with inference_params / packed_seq_params (the block here takes inference_context only). "
+    "decoder calls with packed_seq_params (the block here refuses packed sequences). "
     "Instead: for draft-model speculative decoding, distil a smaller draft GPT from this model "
     "(examples/post_training/distill.py, or width-prune it first with examples/post_training/prune.py); for EAGLE "
     "heads, export the checkpoint to Hugging Face format (tools/checkpoint/convert_checkpoint.py --to hf) and "
