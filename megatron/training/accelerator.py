@@ -54,3 +54,22 @@ def allocated_memory_bytes(device):
     if device.type == "cuda":
         return int(torch.cuda.memory_allocated(device))
     return None
+
+
+def memory_counters_bytes(device):
+    """{name: bytes} of this process's memory: on a GPU the caching allocator's allocated / max allocated /
+    reserved / max reserved bytes (upstream's `report_memory` fields); on CPU the resident set size, current and
+    peak (the current one where /proc tells it)."""
+    if device.type == "cuda":
+        return {"allocated": torch.cuda.memory_allocated(device),
+                "max allocated": torch.cuda.max_memory_allocated(device),
+                "reserved": torch.cuda.memory_reserved(device),
+                "max reserved": torch.cuda.max_memory_reserved(device)}
+    counters = {}
+    try:
+        with open("/proc/self/statm") as statm:
+            counters["resident"] = int(statm.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        pass
+    counters["max resident"] = peak_memory_bytes(device)
+    return counters

@@ -6,7 +6,8 @@ pipeline schedule with `collect_non_loss_data=True`: on the last stage each micr
 handed, with the iteration and the TensorBoard writer, to `process_non_loss_data_func(collected, iteration,
 writer)` on the last rank, as upstream. `non_loss_data_func(model)`, when given, produces the data instead of
 that extra batch. As upstream, the hook is called only where there is a writer (--tensorboard-dir, on the last
-rank; not with --skip-train, which writes nothing to TensorBoard).
+rank; not with --skip-train, which writes nothing to TensorBoard). With --full-validation, which leaves no batch
+to collect from, `process_non_loss_data_func` needs `non_loss_data_func`.
 """
 
 import dataclasses
@@ -29,6 +30,16 @@ class NonLossDataHooks:
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(f"pretrain({name}=...) must be a function or None, got {type(value).__name__}")
+
+    def check_fits(self, args):
+        """Refuse hooks the run cannot serve: --full-validation evaluates each validation set to its last complete
+        batch, so no batch is left for `process_non_loss_data_func` to collect (`non_loss_data_func` needs none)."""
+        if (getattr(args, "full_validation", False) and self.process_non_loss_data_func is not None
+                and self.non_loss_data_func is None):
+            raise ValueError("pretrain(process_non_loss_data_func=...) cannot be used with --full-validation: each "
+                             "evaluation reads the whole validation set, leaving no batch to collect the non-loss "
+                             "data from; drop --full-validation, or also pass non_loss_data_func=(model) -> data "
+                             "to produce the data without a batch")
 
     @property
     def collects(self):

@@ -3,7 +3,7 @@
 initialize (flags, tokenizer, microbatch calculator, timers, process groups, seeds) -> model, optimizer,
 scheduler -> checkpoint load -> data iterators -> train loop (one `train_step` per global batch: the pipeline
 schedule runs forward/backward over the microbatches, then the optimizer and scheduler step) with periodic
-evaluation, checkpoints and logs;
+evaluation (evaluation.py), checkpoints and logs;
 stops at --train-iters, --exit-interval, --exit-duration-in-mins or SIGTERM (saving a checkpoint first when
 --save is set). --skip-train evaluates instead of training; --iterations-to-skip drops chosen steps' batches;
 --profile and --log-progress wrap the loop (profiling.py, progress_log.py).
@@ -40,19 +40,24 @@ from megatron.training import checkpoint_sources, checkpointing
 from megatron.training.checkpoint_sources import non_persistent_save_dir
 from megatron.training.data_iterators import build_data_iterators
 from megatron.training.energy_monitor import energy_not_counted
+from megatron.training.evaluation import (  # noqa: F401 (re-exported)
+    _evaluate,
+    _timed_evaluation,
+    _writer,
+    evaluate,
+    evaluate_at_the_end,
+    evaluate_validation_sets,
+    evaluate_without_training,
+)
+from megatron.training.global_batch import LOSS_NAME, loss_sums, reduce_reported_loss, run_schedule
 from megatron.core.rerun_state_machine import destroy_rerun_state_machine, get_rerun_state_machine
 from megatron.core.rerun_data_iterator import wrap_for_reruns
 from megatron.core.timers import timed
-from megatron.training.global_state import get_args, get_tensorboard_writer, set_timers, timers_or_none
+from megatron.training.global_state import get_args, set_timers, timers_or_none
 from megatron.training.initialize import initialize_megatron, set_up_microbatches, set_up_tokenizer
 from megatron.training.manual_gc import ManualGarbageCollection
 from megatron.training.model_setup import setup_model_and_optimizer
-from megatron.training.non_loss_data import (
-    NO_HOOKS,
-    NonLossDataHooks,
-    collect_non_loss_data,
-    process_non_loss_data,
-)
+from megatron.training.non_loss_data import NO_HOOKS, NonLossDataHooks
 from megatron.training.profiling import TrainingProfilers
 from megatron.training.progress_log import (
     forget_progress_log,
@@ -74,8 +79,6 @@ from megatron.training.result_validation import (
     check_step_may_continue,
     exit_after_rejected_result,
     load_rerun_state,
-    pause_result_validation,
-    resume_result_validation,
     validate_gradients,
 )
 from megatron.training.signal_handler import signal_handler_for_the_loop, uninstall_exit_signal_handler
@@ -87,7 +90,10 @@ from megatron.training.training_log import (
 )
 from megatron.training.validation_sets import as_validation_sets
 
-LOSS_NAME = "lm loss"
+# Evaluation lives in evaluation.py and one global batch's schedule run and loss in global_batch.py; their names
+# stay importable from here, as upstream's scripts and this repository's tests import them.
+_loss_sums = loss_sums
+_run_schedule = run_schedule
 
 
 def _refuse_unsupported_pretrain_arguments(inprocess_call_wrapper):
@@ -131,6 +137,7 @@ def pretrain(
     args = initialize_megatron(extra_args_provider, args_defaults, args=argv, get_embedding_ranks=get_embedding_ranks,
                                get_position_embedding_ranks=get_position_embedding_ranks, store=store)
     try:
+        non_loss_data.check_fits(args)
         args.train_start_time = start_time
         return _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func, args, non_loss_data)
     finally:
@@ -244,36 +251,6 @@ def _teardown(args):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _loss_sums(losses_reduced, device):
-    """Sum of [loss sum, token count] over the microbatch reports of this rank (zeros off the last stage)."""
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    for report in losses_reduced:
-        value = report[LOSS_NAME]
-        if torch.is_tensor(value) and value.numel() == 2:
-            total += value.detach().to(torch.float64)
-        else:  # a per-microbatch mean: count it as one unit
-            total += torch.tensor([float(value), 1.0], dtype=torch.float64, device=device)
-    return total
-
-
-def reduce_reported_loss(losses_reduced, device, without_tokens=float("nan")):
-    """The token-weighted mean loss over all microbatches of all data-parallel ranks, on every rank;
-    `without_tokens` when no token was counted (every loss-mask entry zero).
-
-    The last pipeline stage reduces over data-parallel ranks and broadcasts along its pipeline group, so
-    every rank (not only the logging one) holds the same number.
-    """
-    total = _loss_sums(losses_reduced, device)
-    if parallel_state.is_pipeline_last_stage():
-        dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        pipeline_group = parallel_state.get_pipeline_model_parallel_group()
-        last_stage_rank = dist.get_process_group_ranks(pipeline_group)[-1]
-        dist.broadcast(total, src=last_stage_rank, group=pipeline_group)
-    loss_sum, count = total.tolist()
-    return loss_sum / count if count > 0 else without_tokens
-
-
 def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, config, args, phase_range=None):
     """One global batch: forward/backward over all microbatches, then an optimizer step.
 
@@ -298,7 +275,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, co
             reset_max_attention_logits(model)  # this pass's logits only
         with timed(timers, "forward-backward", log_level=1, barrier=args.barrier_with_L1_time), \
                 phase_range("forward-backward"):
-            losses_reduced = _run_schedule(forward_step_func, data_iterator, model, args, forward_only=False)
+            losses_reduced = run_schedule(forward_step_func, data_iterator, model, args, forward_only=False)
         validate_gradients(model, args)
     check_step_may_continue()
     update_expert_biases(model)  # MoE aux-loss-free balancing: once per global batch
@@ -321,114 +298,10 @@ def _no_range(name):
     return nullcontext()
 
 
-def _run_schedule(forward_step_func, data_iterator, model, args, forward_only, collect_non_loss_data=False):
-    """One global batch through the pipeline schedule; returns the last stage's per-microbatch loss reports (with
-    `collect_non_loss_data`, what its loss functions return for `non_loss_data=True`)."""
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    return get_forward_backward_func()(
-        forward_step_func=forward_step_func,
-        data_iterator=data_iterator,
-        model=model,
-        num_microbatches=get_num_microbatches(),
-        seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size,
-        decoder_seq_length=args.seq_length,
-        forward_only=forward_only,
-        collect_non_loss_data=collect_non_loss_data,
-    )
-
-
 def _as_float(value):
     if value is None:
         return None
     return float(value.item() if torch.is_tensor(value) else value)
-
-
-def evaluate(forward_step_func, data_iterator, model, config, args, exit_duration=None, num_batches=None):
-    """Mean validation loss over `num_batches` (default --eval-iters) global batches (no gradients). Once
-    `exit_duration` (--exit-duration-in-mins) is reached it stops, on every rank together, and returns None when
-    batches were left: as upstream, a loss over part of the batches is not reported."""
-    return _evaluate(forward_step_func, data_iterator, model, args, exit_duration, num_batches)[0]
-
-
-def _evaluate(forward_step_func, data_iterator, model, args, exit_duration=None, num_batches=None,
-              non_loss_data=NO_HOOKS):
-    """(`evaluate`'s losses, the non-loss data collected after them: None unless `non_loss_data` collects and
-    the evaluation was not cut short)."""
-    collected = None
-    for chunk in model:
-        chunk.eval()
-    validation_mode = pause_result_validation()
-    total = torch.zeros(2, dtype=torch.float64, device=args.device)
-    # As upstream, the evaluation's forward steps are not timed: the schedule's level-2 timers (forward-compute,
-    # pipeline transfers) would otherwise add them to the next training log line's.
-    timed_configs = {index: chunk.config for index, chunk in enumerate(model)
-                     if getattr(getattr(chunk, "config", None), "timers", None) is not None}
-    try:
-        for index, config_of_chunk in timed_configs.items():
-            model[index].config = dataclasses.replace(config_of_chunk, timers=None)
-        batches = args.eval_iters if num_batches is None else num_batches
-        cut_short = False
-        with torch.no_grad():
-            for done in range(1, batches + 1):
-                losses_reduced = _run_schedule(forward_step_func, data_iterator, model, args, forward_only=True)
-                total += _loss_sums(losses_reduced, args.device)
-                empty_unused_memory(args, level=1)
-                if exit_duration is not None and exit_duration.reached():
-                    cut_short = done < batches
-                    break
-            if not cut_short:
-                collected = collect_non_loss_data(non_loss_data, model, lambda **collect: _run_schedule(
-                    forward_step_func, data_iterator, model, args, forward_only=True, **collect))
-    finally:
-        for index, config_of_chunk in timed_configs.items():
-            model[index].config = config_of_chunk
-    resume_result_validation(validation_mode)
-    for chunk in model:
-        chunk.train()
-    if cut_short:
-        if dist.get_rank() == 0:
-            print(f"evaluation stopped after {done} of {batches} batches: reached --exit-duration-in-mins "
-                  f"{args.exit_duration_in_mins}; its loss is not reported", flush=True)
-        return None, None
-    # Reuse the training reduction on a single synthetic report holding the accumulated sums.
-    return {LOSS_NAME: reduce_reported_loss([{LOSS_NAME: total}], args.device)}, collected
-
-
-def evaluate_validation_sets(forward_step_func, validation_sets, model, config, logger, iteration, args,
-                             exit_duration=None, where=None, non_loss_data=NO_HOOKS):
-    """Evaluate and log each validation set (validation_sets.py): one "validation loss" block per set, then its
-    non-loss data to `process_non_loss_data_func` (non_loss_data.py); the sets left once
-    --exit-duration-in-mins cuts an evaluation short are neither evaluated nor logged."""
-    for validation_set in validation_sets:
-        iterator, num_batches = validation_set.next_evaluation(args.eval_iters,
-                                                               get_current_running_global_batch_size())
-        losses, collected = _timed_evaluation(forward_step_func, iterator, model, config, args, exit_duration,
-                                              num_batches, non_loss_data)
-        if losses is None:
-            return
-        logger.log_evaluation(iteration, losses, set_label=validation_set.label, where=where,
-                              write_to_tensorboard=not args.skip_train)
-        process_non_loss_data(non_loss_data, collected, iteration, _writer(args))
-
-
-def _writer(args):
-    """The TensorBoard writer evaluations write to (None with --skip-train, as upstream)."""
-    return None if args.skip_train else get_tensorboard_writer()
-
-
-def _timed_evaluation(forward_step_func, iterator, model, config, args, exit_duration=None, num_batches=None,
-                      non_loss_data=NO_HOOKS):
-    """`_evaluate` under the level-0 "evaluate" timer, logged after each evaluation as upstream (collective)."""
-    timers = timers_or_none()
-    with timed(timers, "evaluate", log_level=0, barrier=True):
-        losses, collected = _evaluate(forward_step_func, iterator, model, args, exit_duration, num_batches,
-                                      non_loss_data)
-    if timers is not None:
-        timers.log(["evaluate"])
-    return losses, collected
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -604,41 +477,6 @@ def _evaluation_splits_only(train_valid_test_dataset_provider):
         return None, valid_dataset, test_dataset
 
     return provide
-
-
-def evaluate_at_the_end(forward_step_func, model, valid_iterator, test_iterator, config, logger, args,
-                        non_loss_data=NO_HOOKS):
-    """After the last training iteration (not after an early exit), as upstream: one more evaluation of each
-    validation set and one of the test set (those that exist, --eval-iters batches each, or whole with
-    --full-validation), logged "... loss at iteration N on validation set" / "... on test set"."""
-    if args.eval_iters <= 0:
-        return
-    evaluate_validation_sets(forward_step_func, as_validation_sets(valid_iterator), model, config, logger,
-                             args.iteration, args, where="on validation set", non_loss_data=non_loss_data)
-    if test_iterator is not None:
-        losses, collected = _timed_evaluation(forward_step_func, test_iterator, model, config, args,
-                                              non_loss_data=non_loss_data)
-        logger.log_evaluation(args.iteration, losses, prefix="test", where="on test set")
-        process_non_loss_data(non_loss_data, collected, args.iteration, _writer(args))
-
-
-def evaluate_without_training(forward_step_func, model, valid_iterator, test_iterator, config, logger, args,
-                              non_loss_data=NO_HOOKS):
-    """--skip-train: evaluate the model as loaded once on the validation set(s) and the test set (those that
-    exist, --eval-iters batches each, or whole with --full-validation), log it at `args.iteration`, and return
-    that iteration."""
-    iteration = args.iteration
-    if dist.get_rank() == 0:
-        print(f"--skip-train: evaluating at iteration {iteration} without training", flush=True)
-    if args.eval_iters > 0:
-        # As upstream: "... on validation set" / "... on test set", and nothing written to TensorBoard.
-        evaluate_validation_sets(forward_step_func, as_validation_sets(valid_iterator), model, config, logger,
-                                 iteration, args, where="on validation set", non_loss_data=non_loss_data)
-        if test_iterator is not None:
-            losses, _ = _timed_evaluation(forward_step_func, test_iterator, model, config, args,
-                                          non_loss_data=non_loss_data)
-            logger.log_evaluation(iteration, losses, prefix="test", where="on test set", write_to_tensorboard=False)
-    return iteration
 
 
 def calc_params_norm(optimizer):

@@ -4,8 +4,7 @@
 A custom pretrain script written against upstream (`from megatron.training import get_args, pretrain, ...`,
 `from megatron.training.utils import get_batch_on_this_tp_rank, ...`) runs here unchanged: each name does what
 upstream's does, on this repository's data loaders, process groups and training loop. Names that cannot mean
-anything here either return what upstream returns when their feature is off (documented per name) or are absent,
-and importing them raises an ImportError that says what to use instead.
+anything here return what upstream returns when their feature is off (documented per name).
 """
 
 import types
@@ -23,11 +22,14 @@ from megatron.training.global_state import (
 )
 
 __all__ = [
+    "append_to_progress_log",
     "average_losses_across_data_parallel_group",
+    "calc_params_l2_norm",
     "get_adlr_autoresume",
     "get_batch_on_this_cp_rank",
     "get_batch_on_this_tp_rank",
     "get_blend_and_blend_per_split",
+    "get_ltor_masks_and_position_ids",
     "get_model",
     "get_one_logger",
     "get_signal_handler",
@@ -36,11 +38,15 @@ __all__ = [
     "inprocess_restart",
     "is_first_or_last_pipeline_stage",
     "is_last_rank",
+    "logical_and_across_model_parallel_group",
     "pretrain",
+    "print_params_min_max_norm",
     "print_rank_0",
     "print_rank_last",
+    "report_memory",
     "set_startup_timestamps",
     "unwrap_model",
+    "update_use_dist_ckpt",
 ]
 
 # The keys of upstream's batch dict, in the order upstream's `get_batch` unpacks them with `batch.values()`.
@@ -210,23 +216,135 @@ inprocess_restart = types.SimpleNamespace(maybe_wrap_for_inprocess_restart=_mayb
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Upstream names with no meaning here
+# Masks, norms, memory and progress lines
 # ---------------------------------------------------------------------------------------------------------
 
-UNAVAILABLE = {
-    "get_ltor_masks_and_position_ids": (
-        "the GPT datasets build each sample's loss_mask, position_ids and (with --reset-attention-mask) "
-        "attention_mask from --eod-mask-loss, --reset-position-ids and --reset-attention-mask; read them from the "
-        "batch (get_batch_on_this_tp_rank(data_iterator))"
-    ),
-    "calc_params_l2_norm": (
-        "the training loop logs the parameter norm itself with --log-params-norm"
-    ),
-}
+
+def get_ltor_masks_and_position_ids(data, eod_token, reset_position_ids, reset_attention_mask, eod_mask_loss):
+    """(attention_mask, loss_mask, position_ids) of a left-to-right model for the token ids `data` [b, s], as
+    upstream: `attention_mask` [1 (b with reset_attention_mask), 1, s, s] bool, True where masked out (the causal
+    mask; with `reset_attention_mask` no token sees past an `eod_token` before it); `loss_mask` [b, s] float, 0 on
+    `eod_token`s with `eod_mask_loss`; `position_ids` [b, s], restarting at 0 after each `eod_token` with
+    `reset_position_ids`. The GPT datasets build the same from --reset-position-ids, --reset-attention-mask and
+    --eod-mask-loss for every sample they return."""
+    batch_size, seq_length = data.shape
+    is_eod = data == eod_token
+    loss_mask = torch.ones(data.shape, dtype=torch.float, device=data.device)
+    if eod_mask_loss:
+        loss_mask[is_eod] = 0.0
+    positions = torch.arange(seq_length, dtype=torch.long, device=data.device)
+    # The first position of each token's document: one past the last eod before it (0 in the first document).
+    after_eod = torch.zeros(data.shape, dtype=torch.long, device=data.device)
+    after_eod[:, 1:] = torch.where(is_eod[:, :-1], positions[1:], 0)
+    document_start = torch.cummax(after_eod, dim=1).values
+    position_ids = positions - document_start if reset_position_ids else positions.unsqueeze(0).expand_as(data)
+    causal = torch.tril(torch.ones(seq_length, seq_length, dtype=torch.bool, device=data.device))
+    if reset_attention_mask:  # a query sees the keys of its own document only
+        allowed = causal & (positions.view(1, 1, seq_length) >= document_start.unsqueeze(2))
+    else:
+        allowed = causal.unsqueeze(0)
+    return ~allowed.unsqueeze(1), loss_mask, position_ids
 
 
-def __getattr__(name):
-    if name in UNAVAILABLE:
-        # An ImportError (not AttributeError), so that `from megatron.training.utils import name` shows this text.
-        raise ImportError(f"megatron.training.utils.{name} is not available here: {UNAVAILABLE[name]}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def calc_params_l2_norm(model, force_create_fp32_copy=False):
+    """The L2 norm of all the model's parameters, each element counted once over the tensor-, pipeline-, expert-
+    and data-parallel ranks (tensor-parallel duplicates and the last stage's copy of a shared embedding left out,
+    sharded parameters summed over their shards), in fp32, as the log's `params norm` (--log-params-norm).
+    `model` is a module or the list of this rank's model chunks. Collective over the world. Parameters are always
+    converted to fp32 for the sum, so `force_create_fp32_copy` changes nothing."""
+    import math
+
+    from megatron.core.expert_parameters import (
+        expert_grad_stats_groups,
+        model_has_expert_parameters,
+        split_expert_parameters,
+    )
+    from megatron.core.optimizer.clip_grads import default_grad_stats_groups, global_norms_fp32, tensors_counted_once
+
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    dense, expert = split_expert_parameters([param for chunk in chunks for param in chunk.parameters()])
+    parts = [(tensors_counted_once(dense, _detached), default_grad_stats_groups())]
+    if model_has_expert_parameters(chunks):
+        parts.append((tensors_counted_once(expert, _detached), expert_grad_stats_groups()))
+    return math.sqrt(sum(norm ** 2 for norm in global_norms_fp32(parts, 2.0, _collective_device())))
+
+
+def _detached(param):
+    return param.detach()
+
+
+def _collective_device():
+    from megatron.core.device_utils import get_device_for_group
+
+    return get_device_for_group() if dist.is_initialized() else torch.device("cpu")
+
+
+def logical_and_across_model_parallel_group(input):
+    """Whether `input` is True on every rank of this rank's model-parallel group (tensor x pipeline)."""
+    from megatron.core import parallel_state
+
+    value = torch.tensor([1 if input is True else 0], dtype=torch.int, device=_collective_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=parallel_state.get_model_parallel_group())
+    return value.item() == 1
+
+
+def print_params_min_max_norm(optimizer, iteration):
+    """Print, on every rank, one line per parameter the optimizer steps (in its param groups' order): iteration,
+    rank, 1-based index, whether it is tensor-parallel, then its min, max and L2 norm. A sharded parameter
+    (distributed optimizer, FSDP) shows this rank's shard; an empty shard shows nan."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    lines = ["iteration, rank, index, tensor-model-parallel, min, max, norm"]
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    for index, param in enumerate(params, start=1):
+        values = (param.to_local() if hasattr(param, "to_local") else param).detach().float()
+        if values.numel() == 0:
+            low = high = norm = float("nan")
+        else:
+            low, high, norm = values.min().item(), values.max().item(), torch.linalg.norm(values).item()
+        tensor_parallel = int(getattr(param, "tensor_model_parallel", False))
+        lines.append(f"{iteration:7d}, {rank:4d}, {index:4d}, {tensor_parallel:2d}, {low:.6E}, {high:.6E}, {norm:.6E}")
+    print("\n".join(lines), flush=True)
+
+
+def report_memory(name):
+    """Print this rank's memory in MB, on data-parallel rank 0, as upstream: "[Rank r] <name> memory (MB) |
+    allocated: ... | max allocated: ... | reserved: ... | max reserved: ..." on a GPU; on CPU, where there is no
+    caching allocator, "| resident: ... | max resident: ..." (the process's resident set size)."""
+    from megatron.core import parallel_state
+    from megatron.core.device_utils import get_current_device
+    from megatron.training.accelerator import memory_counters_bytes
+
+    counters = memory_counters_bytes(get_current_device())
+    line = f"{name} memory (MB)" + "".join(f" | {key}: {value / 2 ** 20}" for key, value in counters.items())
+    data_parallel_rank = (parallel_state.get_data_parallel_rank() if parallel_state.model_parallel_is_initialized()
+                          else 0)
+    if data_parallel_rank == 0:
+        print(f"[Rank {dist.get_rank() if dist.is_initialized() else 0}] {line}", flush=True)
+
+
+def append_to_progress_log(string, barrier=True):
+    """Append "<time>\tJob ID: <SLURM_JOB_ID>\t# GPUs: <world size>\t<string>" to <--save>/progress.txt on rank 0,
+    as upstream (nothing without --save); with `barrier`, after a barrier of all ranks. --log-progress writes its
+    own lines to the same file."""
+    import datetime
+    import os
+
+    from megatron.training.global_state import get_args
+    from megatron.training.progress_log import TIME_FORMAT, progress_log_path
+
+    args = get_args()
+    if args.save is None:
+        return
+    if barrier and dist.is_initialized():
+        dist.barrier()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        stamp = datetime.datetime.now().strftime(TIME_FORMAT)
+        os.makedirs(args.save, exist_ok=True)
+        with open(progress_log_path(args), "a") as stream:
+            stream.write(f"{stamp}\tJob ID: {os.environ.get('SLURM_JOB_ID', '')}\t# GPUs: {args.world_size}\t"
+                         f"{string}\n")
+
+
+def update_use_dist_ckpt(args):
+    """`args.use_dist_ckpt`, as upstream: True for every --ckpt-format but `torch`."""
+    args.use_dist_ckpt = args.ckpt_format != "torch"

@@ -38,6 +38,10 @@ def add_arguments(parser):
     group.add_argument("--fp8-interval", type=int, default=None,
                        help="DEPRECATED. This flag is ignored. Scaling update interval for fp8 (upstream's own "
                        "words; a warning says so).")
+    group.add_argument("--fp8-dot-product-attention", action="store_true",
+                       help="Not supported (refused): FP8 attention needs Transformer Engine's fused attention.")
+    group.add_argument("--fp8-multi-head-attention", action="store_true",
+                       help="Not supported (refused): FP8 attention needs Transformer Engine's fused attention.")
     group.add_argument("--first-last-layers-bf16", action="store_true",
                        help="Keep the first and last transformer layers out of FP8.")
     group.add_argument("--num-layers-at-start-in-bf16", type=int, default=1,
@@ -91,6 +95,10 @@ def validate(args):
                 "--transformer-impl transformer_engine needs transformer-engine, which is not importable here "
                 "(it needs CUDA): install it on a GPU machine (pip install '.[te]') or use --transformer-impl local"
             )
+    if args.fp8_param_gather and getattr(args, "use_torch_fsdp2", False):
+        raise ValueError("--fp8-param-gather is not supported with --use-torch-fsdp2 (FSDP2 gathers the weights in "
+                         "their own dtype; the linear layers still run in FP8): drop --fp8-param-gather, or gather FP8 "
+                         "weights with --use-megatron-fsdp or --use-distributed-optimizer instead")
     if args.fp8_param_gather and not (args.use_distributed_optimizer or getattr(args, "use_megatron_fsdp", False)):
         raise ValueError("--fp8-param-gather needs --use-distributed-optimizer (or --use-megatron-fsdp)")
     if args.fp8_param_gather and getattr(args, "use_megatron_fsdp", False):
@@ -117,6 +125,8 @@ def transformer_config_kwargs(args):
         "fp8_param": args.fp8_param_gather,
         "keep_fp8_transpose_cache": args.keep_fp8_transpose_cache,
         "fp8_wgrad": args.fp8_wgrad,
+        "fp8_dot_product_attention": args.fp8_dot_product_attention,
+        "fp8_multi_head_attention": args.fp8_multi_head_attention,
         "first_last_layers_bf16": args.first_last_layers_bf16,
         "num_layers_at_start_in_bf16": args.num_layers_at_start_in_bf16,
         "num_layers_at_end_in_bf16": args.num_layers_at_end_in_bf16,

@@ -26,3 +26,19 @@ def test_delayed_scaling_flags_under_tensorwise_warn_naming_them():
                                    "--fp8-amax-history-len 16 --fp8-amax-compute-algo max"])
 def test_no_warning_where_the_flags_apply_or_are_left_alone(extra):
     assert _warnings(extra) == []
+
+
+@pytest.mark.parametrize("flag", ["--fp8-dot-product-attention", "--fp8-multi-head-attention"])
+def test_fp8_attention_flags_are_parsed_and_refused_naming_the_flag(flag):
+    from megatron.training.model_config import core_transformer_config_from_args
+
+    args = validated(f"--fp8-format hybrid --fp8-recipe tensorwise {flag}")
+    with pytest.raises(ValueError, match=f"^{flag} is not supported: it needs Transformer Engine's fused attention"):
+        core_transformer_config_from_args(args)
+    assert core_transformer_config_from_args(validated("--fp8-format hybrid")).fp8_multi_head_attention is False
+
+
+def test_fp8_param_gather_under_fsdp2_is_refused_naming_fsdp2():
+    with pytest.raises(ValueError, match="^--fp8-param-gather is not supported with --use-torch-fsdp2"):
+        validated("--fp8-format hybrid --fp8-param-gather --use-torch-fsdp2 --untie-embeddings-and-output-weights "
+                  "--ckpt-format torch_dist", world_size=2)

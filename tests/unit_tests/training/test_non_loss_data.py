@@ -10,6 +10,7 @@ import io
 import pytest
 import torch
 
+from tests.unit_tests.datasets.gpt_test_data import VOCAB_SIZE, write_documents
 from tests.unit_tests.multiprocess_harness import run_on_ranks
 
 TINY_GPT = (
@@ -95,23 +96,26 @@ def test_two_pipeline_stages_hand_the_last_stages_outputs_to_the_last_rank(tmp_p
 
 
 def test_non_loss_data_func_replaces_the_collecting_batch(monkeypatch):
-    from megatron.training import training
+    from megatron.training import evaluation, training
     from megatron.training.non_loss_data import NonLossDataHooks
 
     schedule_calls = []
 
-    def run_schedule(forward_step_func, data_iterator, model, args, forward_only, collect_non_loss_data=False):
+    def run_schedule(forward_step_func, data_iterator, model, args, forward_only, collect_non_loss_data=False,
+                     num_microbatches=None):
         schedule_calls.append(collect_non_loss_data)
         if collect_non_loss_data:
             return [{"collected": index} for index in range(2)]
         return [{"lm loss": torch.tensor([3.0, 1.0])}]
 
-    monkeypatch.setattr(training, "_run_schedule", run_schedule)
-    monkeypatch.setattr(training, "reduce_reported_loss", lambda reports, device: training._loss_sums(reports, device))
-    monkeypatch.setattr(training, "pause_result_validation", lambda: None)
-    monkeypatch.setattr(training, "resume_result_validation", lambda mode: None)
+    monkeypatch.setattr(evaluation, "run_schedule", run_schedule)
+    monkeypatch.setattr(evaluation, "reduce_reported_loss", lambda reports, device: training._loss_sums(reports,
+                                                                                                        device))
+    monkeypatch.setattr(evaluation, "pause_result_validation", lambda: None)
+    monkeypatch.setattr(evaluation, "resume_result_validation", lambda mode: None)
     model = [torch.nn.Linear(2, 2)]
-    args = argparse.Namespace(eval_iters=2, device=torch.device("cpu"), empty_unused_memory_level=0)
+    args = argparse.Namespace(eval_iters=2, device=torch.device("cpu"), empty_unused_memory_level=0,
+                              global_batch_size=4, micro_batch_size=1, data_parallel_size=2)
     losses, collected = training._evaluate(None, None, model, args, non_loss_data=NonLossDataHooks(
         process_non_loss_data_func=print))
     assert schedule_calls == [False, False, True] and collected == [{"collected": 0}, {"collected": 1}]
@@ -130,3 +134,46 @@ def test_non_loss_data_func_replaces_the_collecting_batch(monkeypatch):
     assert training.evaluate(None, None, model, None, args)["lm loss"].tolist() == [6.0, 2.0]  # losses only
     with pytest.raises(TypeError, match=r"pretrain\(non_loss_data_func=...\) must be a function or None, got str"):
         NonLossDataHooks(non_loss_data_func="plot")
+
+
+def _pretrain_full_validation_with_hooks(workdir, hooks):
+    import pretrain_gpt
+    from megatron.core.enums import ModelType
+    from megatron.training import training
+
+    built = []
+
+    def model_provider(*args, **kwargs):
+        built.append("model")
+        return pretrain_gpt.model_provider(*args, **kwargs)
+
+    def non_loss_data_func(model):
+        return "from the model"
+
+    hook_functions = {"process": {"process_non_loss_data_func": lambda collected, iteration, writer: None},
+                      "both": {"process_non_loss_data_func": lambda collected, iteration, writer: None,
+                               "non_loss_data_func": non_loss_data_func}}[hooks]
+    data = (f"--train-data-path {workdir}/train_text_document --valid-data-path {workdir}/valid_text_document "
+            f"--tokenizer-type NullTokenizer --vocab-size {VOCAB_SIZE} --make-vocab-size-divisible-by 4")
+    flags = TINY_GPT.replace("--mock-data --vocab-size 127 --make-vocab-size-divisible-by 64", data)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            iteration = training.pretrain(pretrain_gpt.train_valid_test_datasets_provider, model_provider,
+                                          ModelType.encoder_or_decoder, pretrain_gpt.forward_step,
+                                          argv=f"{flags} --full-validation".split(), **hook_functions)
+    except ValueError as error:
+        return {"error": str(error), "built": built}
+    return {"iteration": iteration, "built": built}
+
+
+def test_full_validation_refuses_a_collecting_batch_before_training(tmp_path):
+    """--full-validation reads each validation set to its end, so the collecting batch would have no data: the
+    combination stops before the model is built, naming both; with non_loss_data_func (no batch needed) it runs."""
+    write_documents(str(tmp_path / "train_text_document"), 40, seed=0)
+    write_documents(str(tmp_path / "valid_text_document"), 20, seed=1)
+    (refused,) = run_on_ranks(1, _pretrain_full_validation_with_hooks, str(tmp_path), "process")
+    assert refused["built"] == []
+    assert "pretrain(process_non_loss_data_func=...) cannot be used with --full-validation" in refused["error"]
+    assert "non_loss_data_func=" in refused["error"].split("--full-validation", 1)[1]
+    (ran,) = run_on_ranks(1, _pretrain_full_validation_with_hooks, str(tmp_path), "both")
+    assert ran == {"iteration": 4, "built": ["model"]}

@@ -137,7 +137,7 @@ def test_evaluation_steps_run_untimed_and_the_training_timers_come_back(monkeypa
     import argparse
     import dataclasses
 
-    from megatron.training import training
+    from megatron.training import evaluation, training
 
     @dataclasses.dataclass(frozen=True)
     class Config:
@@ -145,19 +145,21 @@ def test_evaluation_steps_run_untimed_and_the_training_timers_come_back(monkeypa
 
     seen = []
 
-    def run_schedule(forward_step_func, data_iterator, model, args, forward_only):
+    def run_schedule(forward_step_func, data_iterator, model, args, forward_only, num_microbatches):
         seen.append([chunk.config.timers for chunk in model])
         return [{"lm loss": torch.tensor([3.0, 1.0])}]
 
-    monkeypatch.setattr(training, "_run_schedule", run_schedule)
-    monkeypatch.setattr(training, "reduce_reported_loss", lambda reports, device: training._loss_sums(reports, device))
-    monkeypatch.setattr(training, "pause_result_validation", lambda: None)
-    monkeypatch.setattr(training, "resume_result_validation", lambda mode: None)
+    monkeypatch.setattr(evaluation, "run_schedule", run_schedule)
+    monkeypatch.setattr(evaluation, "reduce_reported_loss", lambda reports, device: training._loss_sums(reports,
+                                                                                                        device))
+    monkeypatch.setattr(evaluation, "pause_result_validation", lambda: None)
+    monkeypatch.setattr(evaluation, "resume_result_validation", lambda mode: None)
     timers = object()
     model = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
     for chunk in model:
         chunk.config = Config(timers=timers)
-    args = argparse.Namespace(eval_iters=3, device=torch.device("cpu"), empty_unused_memory_level=0)
+    args = argparse.Namespace(eval_iters=3, device=torch.device("cpu"), empty_unused_memory_level=0,
+                              global_batch_size=4, micro_batch_size=1, data_parallel_size=2)
     losses = training.evaluate(None, None, model, model[0].config, args)
     assert seen == [[None, None]] * 3
     assert torch.equal(losses["lm loss"], torch.tensor([9.0, 3.0], dtype=torch.float64))
