@@ -23,6 +23,8 @@
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+source "${REPO_ROOT}/examples/recipe_launch.sh"
+refuse_positional_arguments "CHECKPOINT_DIR, OUTPUT_DIR, TOKENIZER_MODEL, DATA_PATH" "$@"
 TINY="${TINY:-0}"
 DATA_PATH="${DATA_PATH:-}"
 
@@ -180,5 +182,4 @@ ARGS=("${DISTRIBUTED_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${NETWOR
       "${REGULARIZATION_ARGS[@]}" "${LEARNING_RATE_ARGS[@]}" "${MOE_ARGS[@]}" "${MLA_ARGS[@]}" "${EVAL_ARGS[@]}"
       "${CHECKPOINT_ARGS[@]}" "${LOGGING_ARGS[@]}" "$@")
 
-source "${REPO_ROOT}/examples/recipe_launch.sh"
 launch_recipe "${ARGS[@]}"

@@ -12,12 +12,15 @@
 # batch of 1536: --train-samples 768000000 and --lr-decay-samples 660480000.
 # Without DATA_PATH the run trains on mock data (NullTokenizer, GPT-2's 50257 ids). Extra arguments are passed on
 # to pretrain_gpt.py. TINY=1 keeps every training flag but shrinks the model (4 layers, hidden 64) and the batch,
-# splits it TP 2 over 2 CPU ranks joined by gloo, trains TRAIN_ITERS (default 10)
-# full batches on mock data and writes under RUN_DIR. fp16 runs there as on a GPU, its dynamic loss scale starting
-# at 2^16 (--initial-loss-scale 65536) instead of 2^32, which would skip a short run's every step as overflowed.
+# splits it TP 2 over 2 CPU ranks joined by gloo, trains the samples of TRAIN_ITERS (default 10) full batches on
+# mock data (in one iteration more: the first two take batches of 4, the ramp-up) and writes under RUN_DIR.
+# fp16 runs there as on a GPU, its dynamic loss scale starting at 2^16 (--initial-loss-scale 65536) instead of
+# 2^32, which would skip a short run's every step as overflowed.
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+source "${REPO_ROOT}/examples/recipe_launch.sh"
+refuse_positional_arguments "CHECKPOINT_DIR, TENSORBOARD_DIR, VOCAB_FILE, MERGE_FILE, DATA_PATH" "$@"
 TINY="${TINY:-0}"
 DATA_PATH="${DATA_PATH:-}"
 
@@ -104,5 +107,4 @@ EVAL_AND_LOGGING_ARGS=(
 ARGS=("${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}"
       "${EVAL_AND_LOGGING_ARGS[@]}" "$@")
 
-source "${REPO_ROOT}/examples/recipe_launch.sh"
 launch_recipe "${ARGS[@]}"

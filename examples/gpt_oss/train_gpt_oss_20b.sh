@@ -19,6 +19,8 @@
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+source "${REPO_ROOT}/examples/recipe_launch.sh"
+refuse_positional_arguments "CHECKPOINT_DIR, TENSORBOARD_DIR, TOKENIZER_MODEL, DATA_PATH" "$@"
 TINY="${TINY:-0}"
 DATA_PATH="${DATA_PATH:-}"
 
@@ -129,5 +131,4 @@ EVAL_AND_LOGGING_ARGS=(
 ARGS=("${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${TRAINING_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}"
       "${EVAL_AND_LOGGING_ARGS[@]}" "$@")
 
-source "${REPO_ROOT}/examples/recipe_launch.sh"
 launch_recipe "${ARGS[@]}"

@@ -91,7 +91,7 @@ METHOD_TEXT = """
 ## How to reproduce
 
 Run on a quiet machine (no other jobs; run-to-run spread on shared machines is 10-30% or worse). Both memory
-modes are measured by one command; `--provisional` marks a report taken on a busy machine.
+modes are measured by one command; `--provisional` marks a report taken on a busy machine (and its re-renders).
 
 ```
 python examples/megatron_fsdp/benchmark.py --model tiny --out docs/benchmarks.md --raw-json /tmp/tiny.json
@@ -335,6 +335,7 @@ def finish(args, results, command, launch, started, in_process, repeats):
         "threads": first.get("threads", 1),
         "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         "command": command,
+        "provisional": args.provisional,
         "launch": launch,
         "in_process": in_process,
         "steps": args.steps,
@@ -383,6 +384,10 @@ def render_main(args):
         raw = json.load(handle)
     meta = raw["meta"]
     meta.setdefault("in_process", meta["launch"].startswith("torchrun"))
+    # A report measured on a busy machine stays marked so when re-rendered (raw files written before the mark was
+    # recorded carry it in their command line only).
+    recorded = meta.get("provisional", "--provisional" in meta.get("command", "").split())
+    args.provisional = args.provisional or recorded
     write_report(args, meta, raw["results"])
 
 

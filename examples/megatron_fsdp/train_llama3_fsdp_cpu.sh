@@ -13,6 +13,8 @@
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+source "${REPO_ROOT}/examples/recipe_launch.sh"
+refuse_positional_arguments "CHECKPOINT_DIR, TENSORBOARD_DIR, TOKENIZER_MODEL" "$@"
 RUN_DIR="${RUN_DIR:-${REPO_ROOT}/runs/llama3_fsdp_cpu}"
 CHECKPOINT_DIR="${CHECKPOINT_DIR:-${RUN_DIR}/checkpoints}"
 TENSORBOARD_DIR="${TENSORBOARD_DIR:-${RUN_DIR}/tensorboard}"

@@ -17,6 +17,8 @@
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+source "${REPO_ROOT}/examples/recipe_launch.sh"
+refuse_positional_arguments "CHECKPOINT_DIR, TOKENIZER_MODEL, DATA_PATH" "$@"
 TINY="${TINY:-0}"
 DATA_PATH="${DATA_PATH:-}"
 
@@ -116,5 +118,4 @@ LOGGING_ARGS=(
 ARGS=("${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${DATA_ARGS[@]}" "${TRAINING_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}"
       "${LOGGING_ARGS[@]}" "$@")
 
-source "${REPO_ROOT}/examples/recipe_launch.sh"
 launch_recipe "${ARGS[@]}"
