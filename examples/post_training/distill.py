@@ -55,6 +55,16 @@ def add_distillation_arguments(parser):
     return parser
 
 
+def check_modelopt_available():
+    """Raise RuntimeError with the install command where nvidia-modelopt cannot be imported."""
+    from megatron.core import optional_deps
+
+    if not optional_deps.have_modelopt():
+        raise RuntimeError("distill.py needs nvidia-modelopt (its Megatron distillation plugin builds the loss and "
+                           "runs the teacher): pip install -e '.[modelopt]', which also brings the requests and "
+                           "huggingface_hub packages modelopt imports")
+
+
 def _check_arguments(args):
     if args.export_kd_teacher_load is None:
         raise ValueError("distill.py needs --export-kd-teacher-load: the teacher's torch_dist checkpoint")
@@ -167,6 +177,7 @@ def build_teacher(args):
 
 def model_provider(pre_process=True, post_process=True):
     """The student (pretrain_gpt's model) wrapped by modelopt for distillation from the teacher."""
+    check_modelopt_available()
     import modelopt.torch.distill as mtd
     from modelopt.torch.distill.plugins.megatron import LogitsKLLoss, setup_distillation_config
 
@@ -249,6 +260,7 @@ def forward_step(data_iterator, model):
 def main(argv=None):
     from megatron.training.training import pretrain
 
+    check_modelopt_available()  # before Megatron starts up
     return pretrain(pretrain_gpt.train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
                     forward_step, extra_args_provider=add_distillation_arguments, argv=argv)
 

@@ -6,11 +6,11 @@
 
 Loads the latest checkpoint under `--load` (weights only), measures the validation loss, inserts modelopt's
 quantizers (`--quant-cfg`: fp8, fp8_per_channel_per_token, int8, int8_weight_only; all run on CPUs), calibrates
-them on `--calib-batches` global batches of training data from the data pipeline, measures the validation loss
-again on the same batches, and saves the quantized model under `--export-dir` in the checkpoint layout
-(`iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt`) with modelopt's own state (`modelopt_state`), which
-`load_quantized_model` replays on a freshly built model before loading the weights and quantizer states. With
-`--ckpt-format torch_dist` the export is a training checkpoint holding modelopt's state
+them on `--calib-batches` global batches (or `--calib-size` samples) of training data from the data pipeline,
+measures the validation loss again on the same batches, and saves the quantized model under `--export-dir` (else
+`--save`) in the checkpoint layout (`iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt`) with modelopt's own state
+(`modelopt_state`), which `load_quantized_model` replays on a freshly built model before loading the weights and
+quantizer states. With `--ckpt-format torch_dist` the export is a training checkpoint holding modelopt's state
 (`megatron.training.modelopt_checkpoint`): `pretrain_gpt.py --load QUANTIZED --finetune` continues with
 quantization-aware training, at any tensor- or data-parallel size.
 """
@@ -40,33 +40,57 @@ from megatron.core.extensions import modelopt as modelopt_support  # noqa: E402
 from megatron.training import checkpointing  # noqa: E402
 
 MODELOPT_STATE_KEY = "modelopt_state"
+DEFAULT_CALIB_BATCHES = 4
 
 
 def add_quantize_arguments(parser):
     group = parser.add_argument_group("post-training quantization")
-    group.add_argument("--quant-cfg", default="fp8", choices=sorted(modelopt_support.QUANT_CONFIGS),
-                       help="modelopt quantization configuration.")
-    group.add_argument("--calib-batches", type=int, default=4, help="Global batches of training data to calibrate on.")
-    group.add_argument("--export-dir", default=None, help="Where to save the quantized model.")
+    group.add_argument("--quant-cfg", "--export-quant-cfg", dest="quant_cfg", default="fp8",
+                       choices=sorted(modelopt_support.QUANT_CONFIGS),
+                       help="modelopt quantization configuration (--export-quant-cfg: upstream's name).")
+    group.add_argument("--calib-batches", type=int, default=None,
+                       help=f"Global batches of training data to calibrate on (default {DEFAULT_CALIB_BATCHES}).")
+    group.add_argument("--calib-size", type=int, default=None,
+                       help="Training samples to calibrate on, rounded up to whole global batches (instead of "
+                            "--calib-batches).")
+    group.add_argument("--export-dir", default=None,
+                       help="Where to save the quantized model (default: --save, where upstream saves it).")
     return parser
+
+
+def calibration_batches(args):
+    """Global batches to calibrate on: --calib-batches, or --calib-size samples rounded up to whole batches."""
+    if args.calib_batches is not None and args.calib_size is not None:
+        raise ValueError("give --calib-batches (global batches) or --calib-size (samples), not both")
+    if args.calib_size is not None:
+        if args.calib_size < 1:
+            raise ValueError(f"--calib-size must be >= 1, got {args.calib_size}")
+        return -(-args.calib_size // args.global_batch_size)
+    if args.calib_batches is not None and args.calib_batches < 1:
+        raise ValueError(f"--calib-batches must be >= 1, got {args.calib_batches}")
+    return DEFAULT_CALIB_BATCHES if args.calib_batches is None else args.calib_batches
+
+
+def export_root(args):
+    """Where the quantized model goes: --export-dir, else --save (None: not saved)."""
+    return args.export_dir if args.export_dir is not None else args.save
 
 
 def _setup(args):
     if args.load is None:
         raise ValueError("quantize.py needs --load: the checkpoint of the model to quantize")
-    if args.calib_batches < 1:
-        raise ValueError(f"--calib-batches must be >= 1, got {args.calib_batches}")
+    calibration_batches(args)  # checks --calib-batches / --calib-size
     if args.eval_iters < 1:
         raise ValueError("quantize.py needs --eval-iters >= 1 to report the validation loss before and after")
     setup_tokenizer_and_batches(args)
 
 
 def quantize_model(model, args):
-    """Insert and calibrate `--quant-cfg` quantizers on `--calib-batches` global batches of training data."""
+    """Insert and calibrate `--quant-cfg` quantizers on the calibration batches of training data."""
     train_iterator, _ = data_iterators(args)
 
     def forward_loop(quantized):
-        run_global_batches(quantized, train_iterator, args.calib_batches, args)
+        run_global_batches(quantized, train_iterator, calibration_batches(args), args)
 
     return modelopt_support.quantize(model, args.quant_cfg, forward_loop)
 
@@ -152,8 +176,8 @@ def run(args):
     if dist.get_rank() == dist.get_world_size() - 1:
         print(f"validation loss ({global_batches_phrase(args.eval_iters)}): before {before:.6f} | after "
               f"{args.quant_cfg} PTQ {after:.6f} | change {after - before:+.6f}", flush=True)
-    if args.export_dir is not None:
-        result["export"] = save_quantized_model(model, args.export_dir, iteration, args,
+    if export_root(args) is not None:
+        result["export"] = save_quantized_model(model, export_root(args), iteration, args,
                                                 {"before": before, "after": after})
     return result
 

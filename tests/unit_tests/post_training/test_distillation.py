@@ -16,7 +16,7 @@ from tests.unit_tests.dist_checkpointing.pretrain_helpers import run_pretrain, t
 from tests.unit_tests.multiprocess_harness import run_on_ranks
 from tests.unit_tests.post_training.modelopt_plugins import import_modelopt_plugins
 
-pytestmark = pytest.mark.skipif(
+needs_modelopt = pytest.mark.skipif(
     not modelopt_installed(), reason="nvidia-modelopt is not installed (pip install -e '.[modelopt]')"
 )
 
@@ -84,6 +84,7 @@ def _distill(workdir):
     return {"teacher_losses": teacher_losses, "records": list(_records)}
 
 
+@needs_modelopt
 def test_distillation_step_backpropagates_the_kl_divergence_to_the_teacher(tmp_path):
     for result in run_on_ranks(2, _distill, str(tmp_path)):
         records = result["records"]
@@ -97,6 +98,7 @@ def test_distillation_step_backpropagates_the_kl_divergence_to_the_teacher(tmp_p
         assert records[0]["kd"] != records[-1]["kd"]
 
 
+@needs_modelopt
 def test_distill_refuses_missing_teacher_or_kd_cfg_and_pipeline_parallelism(tmp_path):
     from types import SimpleNamespace
 
@@ -135,6 +137,7 @@ def _teacher_arguments_from(monkeypatch, saved_args, saved_vocab_size, **student
     return teacher_arguments(args)
 
 
+@needs_modelopt
 def test_teacher_takes_defaults_for_flags_its_checkpoint_predates_and_refuses_another_vocabulary(monkeypatch):
     from types import SimpleNamespace
 
@@ -154,3 +157,13 @@ def test_teacher_takes_defaults_for_flags_its_checkpoint_predates_and_refuses_an
                               ("--multi-latent-attention", "multi_latent_attention", True)):
         with pytest.raises(ValueError, match=f"the teacher was trained with {flag}; distill.py builds dense GPT"):
             _teacher_arguments_from(monkeypatch, SimpleNamespace(**{**vars(saved), name: value}), 121)
+
+
+@pytest.mark.parametrize("entry", ["main", "model_provider"])
+def test_distill_without_modelopt_says_how_to_install_it(monkeypatch, entry):
+    from examples.post_training import distill
+    from megatron.core import optional_deps
+
+    monkeypatch.setattr(optional_deps, "have_modelopt", lambda: False)  # as where nvidia-modelopt is missing
+    with pytest.raises(RuntimeError, match=r"distill.py needs nvidia-modelopt.*pip install -e '.\[modelopt\]'"):
+        getattr(distill, entry)()

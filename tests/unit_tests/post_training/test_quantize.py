@@ -40,10 +40,12 @@ def _train_then_quantize(prefix, workdir):
              argv=f"{base} --train-iters 12 --eval-iters 0 --save {workdir}/trained".split())
 
     results = {}
-    for quant_cfg in ("fp8", "int8"):
+    # int8 with upstream's flags: --export-quant-cfg, --calib-size in samples (2 global batches), saved under --save.
+    for quant_cfg, flags in (("fp8", "--quant-cfg fp8 --calib-batches 2 --export-dir"),
+                             ("int8", "--export-quant-cfg int8 --calib-size 16 --save")):
         export = f"{workdir}/{quant_cfg}"
         argv = f"{base} --train-iters 12 --load {workdir}/trained --eval-iters 2 --eval-interval 10 " \
-               f"--quant-cfg {quant_cfg} --calib-batches 2 --export-dir {export}"
+               f"{flags} {export}"
         args = initialize_megatron(extra_args_provider=quantize.add_quantize_arguments, args=argv.split())
         try:
             result = quantize.run(args)
@@ -59,6 +61,9 @@ def _train_then_quantize(prefix, workdir):
                 saved = quantize.load_quantized_model(restored, export)
                 actual = restored(tokens, positions)
             results[quant_cfg] = {
+                "quant_cfg": args.quant_cfg,
+                "calibration_batches": quantize.calibration_batches(args),
+                "export": result.get("export"),
                 "before": result["before"],
                 "after": result["after"],
                 "restored_equal": torch.equal(actual, expected),
@@ -77,6 +82,8 @@ def test_ptq_reports_losses_and_restores_from_modelopt_state(tmp_path):
     results = run_on_ranks(2, _train_then_quantize, prefix, str(tmp_path))
     assert results[0] == results[1]
     for quant_cfg, result in results[0].items():
+        assert result["quant_cfg"] == quant_cfg and result["calibration_batches"] == 2, result
+        assert result["export"].startswith(f"{tmp_path}/{quant_cfg}/"), result
         assert result["before"] < 5.0, result  # a trained model (untrained: ~5.6)
         assert result["after"] != result["before"], result  # quantization is in effect
         assert abs(result["after"] - result["before"]) < LOSS_CHANGE_BOUND, result
@@ -84,3 +91,18 @@ def test_ptq_reports_losses_and_restores_from_modelopt_state(tmp_path):
         assert 1e-5 < result["output_change"] < 0.05, result  # logits of the quantized vs the trained model
         assert result["saved_losses"] == {"before": result["before"], "after": result["after"]}
         assert result["num_quantizers"] == 2 * 4 + 1  # qkv, proj, fc1, fc2 per layer, and the output layer
+
+
+def test_calibration_size_is_given_one_way():
+    from argparse import Namespace
+
+    from examples.post_training.quantize import calibration_batches
+
+    def args(batches=None, size=None):
+        return Namespace(calib_batches=batches, calib_size=size, global_batch_size=8)
+
+    assert [calibration_batches(args()), calibration_batches(args(batches=3)), calibration_batches(args(size=17))] \
+        == [4, 3, 3]
+    for wrong, message in ((args(2, 16), "not both"), (args(size=0), "--calib-size"), (args(0), "--calib-batches")):
+        with pytest.raises(ValueError, match=message):
+            calibration_batches(wrong)

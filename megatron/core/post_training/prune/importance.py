@@ -41,7 +41,8 @@ def check_prunable(model):
         raise ValueError(f"width pruning takes an unwrapped GPTModel, got {type(model).__name__} (unwrap_model it)")
     config = model.config
     if config.tensor_model_parallel_size != 1:
-        raise ValueError(f"width pruning runs at --tensor-model-parallel-size 1 (got {config.tensor_model_parallel_size}):"
+        raise ValueError(f"width pruning runs at --tensor-model-parallel-size 1 (got "
+                         f"{config.tensor_model_parallel_size}):"
                          " load the checkpoint at TP1 (torch_dist checkpoints load at any layout)")
     if config.pipeline_model_parallel_size != 1 or not (model.pre_process and model.post_process):
         raise ValueError(f"width pruning runs at --pipeline-model-parallel-size 1 (got "
@@ -52,6 +53,9 @@ def check_prunable(model):
     if getattr(config, "multi_latent_attention", False):
         raise ValueError("width pruning handles SelfAttention only: a model with --multi-latent-attention needs "
                          "modelopt's mcore_minitron plugin (--use-modelopt-plugin)")
+    if getattr(config, "mtp_num_layers", None):
+        raise ValueError("width pruning does not prune the multi-token-prediction depths of --mtp-num-layers (their "
+                         "projections and layers are not scored): prune a model without them")
     if getattr(config, "attention_output_gate", False):
         raise ValueError("width pruning does not handle --attention-output-gate (gate rows inside the fused QKV "
                          "weight): prune a model without it")

@@ -70,6 +70,7 @@ def test_no_forward_pass_means_no_scores():
     ({"num_moe_experts": 2}, "--num-experts"),
     ({"multi_latent_attention": True}, "--multi-latent-attention"),
     ({"attention_output_gate": True}, "--attention-output-gate"),
+    ({"mtp_num_layers": 1}, "--mtp-num-layers"),
     ({"softmax_type": "learnable"}, "--softmax-type learnable"),
 ])
 def test_unsupported_models_are_refused_with_the_flag(overrides, message):
