@@ -159,19 +159,46 @@ def rampup_train_iters(train_samples, global_batch_size, micro_batch_size, data_
 _CALCULATOR = None
 
 
-def init_num_microbatches_calculator(rank, global_batch_size, micro_batch_size, data_parallel_size,
-                                     rampup_batch_size=None, decrease_batch_size_if_needed=False):
-    """Set up the process-wide calculator (constant, or ramping up with `rampup_batch_size` = (start, increment,
-    ramp-up samples)); raises ValueError when the batch sizes do not divide evenly, unless
-    `decrease_batch_size_if_needed` (`--decrease-batch-size-if-needed`) lets each step run the largest multiple of
-    micro-batch x data-parallel size below its size."""
-    global _CALCULATOR
+def init_num_microbatches_calculator(rank, rampup_batch_size, global_batch_size, micro_batch_size,
+                                     data_parallel_size, decrease_batch_size_if_needed=False):
+    """Set up the process-wide calculator (Megatron-Core's positional order): constant, or ramping up with
+    `rampup_batch_size` = (start, increment, ramp-up samples) (ints, or the strings of `--rampup-batch-size`).
+    Raises ValueError when the batch sizes do not divide evenly, unless `decrease_batch_size_if_needed`
+    (`--decrease-batch-size-if-needed`) lets each step run the largest multiple of micro-batch x data-parallel size
+    below its size."""
     if _CALCULATOR is not None:
         raise RuntimeError(
             "the num-microbatches calculator is already initialised; call destroy_num_microbatches_calculator() "
-            "before initialising it again"
+            "(or reconfigure_num_microbatches_calculator()) to set it up again"
         )
+    return _configure(rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size,
+                      decrease_batch_size_if_needed)
+
+
+def reconfigure_num_microbatches_calculator(rank, rampup_batch_size, global_batch_size, micro_batch_size,
+                                            data_parallel_size, decrease_batch_size_if_needed=False):
+    """Replace the process-wide calculator (e.g. for evaluation at another batch size); same arguments as
+    `init_num_microbatches_calculator`."""
+    return _configure(rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size,
+                      decrease_batch_size_if_needed)
+
+
+def _rampup_triple(rampup_batch_size):
+    if isinstance(rampup_batch_size, (str, bytes)) or len(rampup_batch_size) != 3:
+        raise ValueError(f"--rampup-batch-size {rampup_batch_size!r}: expected three values, the start global batch "
+                         "size, the increment and the ramp-up samples")
+    try:
+        return tuple(int(value) for value in rampup_batch_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"--rampup-batch-size {list(rampup_batch_size)}: the start, increment and ramp-up samples "
+                         "must be integers") from None
+
+
+def _configure(rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size,
+               decrease_batch_size_if_needed):
+    global _CALCULATOR
     if rampup_batch_size is not None:
+        rampup_batch_size = _rampup_triple(rampup_batch_size)
         _CALCULATOR = RampupBatchsizeNumMicroBatchesCalculator(global_batch_size, micro_batch_size,
                                                                data_parallel_size, *rampup_batch_size,
                                                                decrease_batch_size_if_needed)
@@ -219,11 +246,18 @@ def get_micro_batch_size():
     return _calculator().micro_batch_size
 
 
-def update_num_microbatches(consumed_samples, consistency_check=True):
-    """Move a ramping global batch size to where `consumed_samples` puts it; a constant one never changes."""
+def update_num_microbatches(consumed_samples, consistency_check=True, verbose=False):
+    """Move a ramping global batch size to where `consumed_samples` puts it; a constant one never changes.
+    `verbose` logs the new sizes when they change."""
     calculator = _calculator()
-    if isinstance(calculator, RampupBatchsizeNumMicroBatchesCalculator):
-        calculator.update(consumed_samples, consistency_check)
+    if not isinstance(calculator, RampupBatchsizeNumMicroBatchesCalculator):
+        return
+    before = calculator.current_global_batch_size
+    calculator.update(consumed_samples, consistency_check)
+    if verbose and calculator.current_global_batch_size != before:
+        logger.info("after %d consumed samples the global batch size is %d (running %d, %d microbatches)",
+                    consumed_samples, calculator.current_global_batch_size,
+                    calculator.current_running_global_batch_size, calculator.num_microbatches)
 
 
 def num_microbatches_calculator_is_initialized():

@@ -40,6 +40,7 @@ from megatron.core.rank_layout import (  # noqa: F401  (re-exported)
     DEFAULT_ORDER,
     DEVICE_MESH_DIM_NAMES,
     TP_PP_DP_ORDER,
+    RankGenerator,
     RankGrid,
     device_mesh_layout,
     generate_rank_groups,
@@ -64,6 +65,14 @@ def _set_override(key, value, what):
     _OVERRIDES[key] = value
 
 
+def _group_if(name, check_initialized):
+    """This rank's group of kind `name`; with `check_initialized=False`, None instead of an error when the groups
+    are not initialised or this rank belongs to none of that kind (upstream's getters' escape hatch)."""
+    if not check_initialized and not _belongs_to(name):
+        return None
+    return _group(name)
+
+
 def destroy_model_parallel():
     """Destroy the model-parallel groups, clear the values of upstream's setters and the global memory buffer."""
     global _GLOBAL_MEMORY_BUFFER
@@ -73,8 +82,8 @@ def destroy_model_parallel():
 
 
 # Tensor model parallel
-def get_tensor_model_parallel_group():
-    return _group("tp")
+def get_tensor_model_parallel_group(check_initialized=True):
+    return _group_if("tp", check_initialized)
 
 
 def get_tensor_model_parallel_rank():
@@ -103,8 +112,8 @@ def get_tensor_model_parallel_global_ranks():
 
 
 # Pipeline model parallel
-def get_pipeline_model_parallel_group():
-    return _group("pp")
+def get_pipeline_model_parallel_group(check_initialized=True):
+    return _group_if("pp", check_initialized)
 
 
 def get_pipeline_model_parallel_rank():
@@ -264,8 +273,8 @@ def get_inter_distributed_optimizer_instance_group(check_initialized=True):
 
 
 # Context parallel
-def get_context_parallel_group():
-    return _group("cp")
+def get_context_parallel_group(check_initialized=True):
+    return _group_if("cp", check_initialized)
 
 
 def get_context_parallel_rank():
@@ -294,14 +303,14 @@ def get_hierarchical_context_parallel_groups(check_initialized=True):
     return groups
 
 
-def get_tensor_and_context_parallel_group():
-    return _group("tp-cp")
+def get_tensor_and_context_parallel_group(check_initialized=True):
+    return _group_if("tp-cp", check_initialized)
 
 
-def get_tensor_and_data_parallel_group(with_context_parallel=False):
+def get_tensor_and_data_parallel_group(check_initialized=True, with_context_parallel=False):
     """The tensor-parallel x data-parallel ranks of this rank's pipeline stage that share its context-parallel
-    position; `with_context_parallel`: every rank of the stage (TP x DP x CP)."""
-    return _group("tp-dp-cp" if with_context_parallel else "tp-dp")
+    position; `with_context_parallel`: every rank of the stage (TP x DP x CP). Upstream's positional order."""
+    return _group_if("tp-dp-cp" if with_context_parallel else "tp-dp", check_initialized)
 
 
 def get_amax_reduction_group(with_context_parallel=False, tp_only_amax_red=False):
@@ -314,12 +323,12 @@ def get_amax_reduction_group(with_context_parallel=False, tp_only_amax_red=False
     """
     if tp_only_amax_red:
         return get_tensor_model_parallel_group()
-    return get_tensor_and_data_parallel_group(with_context_parallel)
+    return get_tensor_and_data_parallel_group(with_context_parallel=with_context_parallel)
 
 
 # Expert parallel
-def get_expert_model_parallel_group():
-    return _group("ep")
+def get_expert_model_parallel_group(check_initialized=True):
+    return _group_if("ep", check_initialized)
 
 
 def get_expert_model_parallel_rank():
@@ -351,13 +360,20 @@ def _expert_data_parallel_name(partial_expert_data_parallel):
     return "inner-expt-dp"
 
 
-def get_expert_data_parallel_group(partial_expert_data_parallel=False):
+def get_expert_data_parallel_group(check_initialized=True, partial_expert_data_parallel=False):
     """The ranks holding the same experts (equal tp/ep/pp coordinates of the expert grid).
 
     `partial_expert_data_parallel` selects the inner group of hybrid sharding: the expert data-parallel ranks of
     one distributed-optimizer instance (see `get_outer_expert_data_parallel_group` for the ones across them).
     """
+    if not check_initialized and not model_parallel_is_initialized():
+        return None
     return _group(_expert_data_parallel_name(partial_expert_data_parallel))
+
+
+def get_expert_data_parallel_group_gloo(partial_expert_data_parallel=False):
+    """The gloo twin of `get_expert_data_parallel_group(...)` (needs `create_gloo_process_groups=True`)."""
+    return _gloo_group_named(_expert_data_parallel_name(partial_expert_data_parallel))
 
 
 def get_expert_data_parallel_rank(partial_expert_data_parallel=False):
@@ -384,10 +400,10 @@ def get_outer_expert_data_parallel_group():
     return _group("outer-expt-dp")
 
 
-def get_expert_tensor_and_model_parallel_group():
+def get_expert_tensor_and_model_parallel_group(check_initialized=True):
     """The expert tensor-parallel x expert-parallel ranks (ETP x EP) of this rank's pipeline stage and expert
     data-parallel position: together they hold every expert once (the token dispatchers' group)."""
-    return _group("tp-ep")
+    return _group_if("tp-ep", check_initialized)
 
 
 def get_expert_tensor_and_model_parallel_world_size():
@@ -398,15 +414,15 @@ def get_expert_tensor_and_model_parallel_rank():
     return _rank_in("tp-ep") if model_parallel_is_initialized() else 0
 
 
-def get_expert_tensor_model_pipeline_parallel_group():
+def get_expert_tensor_model_pipeline_parallel_group(check_initialized=True):
     """ETP x EP x PP: the ranks that together hold every expert of the model once."""
-    return _group("tp-ep-pp")
+    return _group_if("tp-ep-pp", check_initialized)
 
 
 # Expert tensor parallelism: the experts' linears split over `--expert-tensor-parallel-size` ranks (the
 # tensor-parallel group itself when that equals the tensor-parallel size).
-def get_expert_tensor_parallel_group():
-    return _group("etp")
+def get_expert_tensor_parallel_group(check_initialized=True):
+    return _group_if("etp", check_initialized)
 
 
 def get_expert_tensor_parallel_rank():
@@ -426,14 +442,14 @@ def set_expert_tensor_parallel_rank(rank):
 
 
 # Model parallel, embedding (the device mesh: process_groups.get_device_mesh)
-def get_model_parallel_group():
+def get_model_parallel_group(check_initialized=True):
     """Tensor x pipeline model-parallel group."""
-    return _group("mp")
+    return _group_if("mp", check_initialized)
 
 
-def get_embedding_group():
+def get_embedding_group(check_initialized=True):
     """First and last pipeline stage ranks of this rank's pipeline (only the one rank when PP == 1)."""
-    return _group("embedding")
+    return _group_if("embedding", check_initialized)
 
 
 def get_embedding_global_ranks():
@@ -461,9 +477,9 @@ def is_initialized():
     return model_parallel_is_initialized()
 
 
-def get_position_embedding_group():
+def get_position_embedding_group(check_initialized=True):
     """The ranks of this rank's pipeline that hold position embeddings (the first stage by default)."""
-    return _group("position-embedding")
+    return _group_if("position-embedding", check_initialized)
 
 
 def is_rank_in_position_embedding_group():

@@ -218,8 +218,10 @@ def _custom_pipeline_groups(pipeline_groups, choose_ranks, option, default):
 
 
 def _create_gloo_data_parallel_groups(groups, rank, backend, timeout):
-    """gloo twins of the data-parallel groups (the groups themselves when the world already runs on gloo)."""
-    for name in ("dp", "dp-cp", "inner-dp-cp"):
+    """gloo twins of the (expert) data-parallel groups (the groups themselves when the world runs on gloo)."""
+    for name in ("dp", "dp-cp", "inner-dp-cp", "expt-dp", "inner-expt-dp"):
+        if name not in groups:
+            continue  # inner-expt-dp: the optimizer instances do not divide the expert data-parallel size
         if backend == "gloo":
             _GLOO_GROUPS[name] = _GROUPS[name][0]
             continue

@@ -68,6 +68,40 @@ class RankGrid:
         return groups
 
 
+class RankGenerator:
+    """Megatron-Core's rank generator: the ranks `rank_offset`.. of a tp x ep x dp x pp x cp grid laid out along
+    `order` (fastest axis first; axes it leaves out must have size 1 and are appended). `get_ranks("tp-dp")`
+    lists the rank groups along the named axes, one per combination of the others, in upstream's order.
+    `initialize_model_parallel` builds the decoder's groups on one with ep=1 and the experts' on one with
+    tp=ETP, cp=1."""
+
+    def __init__(self, tp, ep, dp, pp, cp, order, rank_offset=0):
+        sizes = {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "cp": cp}
+        for name, size in sizes.items():
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"RankGenerator: {name} size must be a positive integer, got {size!r}")
+        names = parse_order(order)
+        missing = [name for name in sizes if name not in names and sizes[name] != 1]
+        if missing:
+            raise ValueError(f"RankGenerator: order {order!r} must name every axis of size > 1; missing {missing}")
+        names += [name for name in sizes if name not in names]
+        self.order = "-".join(names)
+        self.ordered_size = [sizes[name] for name in names]
+        self.rank_offset = rank_offset
+        self._grid = RankGrid(sizes, names)
+        self.world_size = self._grid.world_size
+
+    def get_mask(self, order, token):
+        """For each axis of `order`, whether `token` ("tp-dp", ...) names it."""
+        tokens = parse_order(token)
+        return [name in tokens for name in parse_order(order)]
+
+    def get_ranks(self, token):
+        """The rank groups along the axes `token` names ("tp", "tp-cp", "dp-cp", ...)."""
+        dims = set(parse_order(token))
+        return [[rank + self.rank_offset for rank in ranks] for ranks in self._grid.groups(dims)]
+
+
 def validate_parallel_sizes(
     world_size,
     tensor_model_parallel_size=1,

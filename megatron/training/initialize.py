@@ -107,9 +107,8 @@ def set_up_microbatches(args):
     """The number-of-microbatches calculator of --global-batch-size, --micro-batch-size, the data-parallel size
     and --rampup-batch-size (`get_num_microbatches()`, `get_current_global_batch_size()`)."""
     init_num_microbatches_calculator(
-        args.rank, args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
-        rampup_batch_size=getattr(args, "rampup_batch_size", None),
-        decrease_batch_size_if_needed=getattr(args, "decrease_batch_size_if_needed", False),
+        args.rank, getattr(args, "rampup_batch_size", None), args.global_batch_size, args.micro_batch_size,
+        args.data_parallel_size, decrease_batch_size_if_needed=getattr(args, "decrease_batch_size_if_needed", False),
     )
 
 

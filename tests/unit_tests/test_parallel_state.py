@@ -195,14 +195,19 @@ def _check_layout_on_rank(tp, pp, cp, ep, instances):
         return next(ranks for ranks in groups[name] if rank in ranks)
 
     checks = [
-        (ps.get_tensor_model_parallel_group(), "tp", ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()),
-        (ps.get_pipeline_model_parallel_group(), "pp", ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()),
+        (ps.get_tensor_model_parallel_group(), "tp", ps.get_tensor_model_parallel_rank(),
+         ps.get_tensor_model_parallel_world_size()),
+        (ps.get_pipeline_model_parallel_group(), "pp", ps.get_pipeline_model_parallel_rank(),
+         ps.get_pipeline_model_parallel_world_size()),
         (ps.get_context_parallel_group(), "cp", ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()),
         (ps.get_data_parallel_group(), "dp", ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()),
         (ps.get_data_parallel_group(with_context_parallel=True), "dp-cp",
-         ps.get_data_parallel_rank(with_context_parallel=True), ps.get_data_parallel_world_size(with_context_parallel=True)),
-        (ps.get_expert_model_parallel_group(), "ep", ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()),
-        (ps.get_expert_data_parallel_group(), "expt-dp", ps.get_expert_data_parallel_rank(), ps.get_expert_data_parallel_world_size()),
+         ps.get_data_parallel_rank(with_context_parallel=True),
+         ps.get_data_parallel_world_size(with_context_parallel=True)),
+        (ps.get_expert_model_parallel_group(), "ep", ps.get_expert_model_parallel_rank(),
+         ps.get_expert_model_parallel_world_size()),
+        (ps.get_expert_data_parallel_group(), "expt-dp", ps.get_expert_data_parallel_rank(),
+         ps.get_expert_data_parallel_world_size()),
     ]
     for group, name, group_rank, group_size in checks:
         assert _group_ranks(group) == mine(name), name
@@ -287,7 +292,8 @@ def test_world_8_getters_and_device_mesh(world_size):
     layouts = [(2, 1, 2, 1, 2), (2, 2, 1, 2, 1), (1, 4, 1, 1, 2), (8, 1, 1, 1, 1)]
     results = run_on_ranks(world_size, _run_layouts, layouts)
     for rank, per_layout in enumerate(results):
-        (shape_a, names_a, device_a, mesh_a), (shape_b, _, _, mesh_b), (shape_c, _, _, _), (shape_d, _, _, _) = per_layout
+        (shape_a, names_a, device_a, mesh_a), (shape_b, _, _, mesh_b) = per_layout[:2]
+        (shape_c, _, _, _), (shape_d, _, _, _) = per_layout[2:]
         assert names_a == ("dp_outer", "dp_shard_cp", "tp") and device_a == "cpu"
         assert shape_a == (2, 2, 2) and mesh_a == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
         # PP == 2: one mesh per pipeline stage.
@@ -432,3 +438,45 @@ def test_distributed_optimizer_instance_layout():
     groups = ps.generate_rank_groups(8, tp=2, pp=2, num_distributed_optimizer_instances=2)
     assert groups["dist-opt-instance"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
     assert "dist-opt-instance" not in ps.generate_rank_groups(8, tp=2)
+
+
+def _upstream_getter_signatures():
+    unset = [ps.get_tensor_model_parallel_group(check_initialized=False),
+             ps.get_expert_data_parallel_group(check_initialized=False)]
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
+                                 expert_model_parallel_size=2, expert_tensor_parallel_size=1,
+                                 num_distributed_optimizer_instances=2)
+    getters = [ps.get_tensor_model_parallel_group, ps.get_pipeline_model_parallel_group,
+               ps.get_context_parallel_group, ps.get_tensor_and_context_parallel_group, ps.get_model_parallel_group,
+               ps.get_expert_model_parallel_group, ps.get_expert_tensor_parallel_group,
+               ps.get_expert_tensor_and_model_parallel_group, ps.get_expert_tensor_model_pipeline_parallel_group,
+               ps.get_embedding_group, ps.get_position_embedding_group, ps.get_expert_data_parallel_group,
+               ps.get_tensor_and_data_parallel_group]
+    result = {
+        "unset": unset,
+        "same": all(getter(check_initialized=False) is getter() for getter in getters),
+        # Megatron-Core's positional order: (check_initialized, with_context_parallel / partial_expert_dp)
+        "tp-dp": _group_ranks(ps.get_tensor_and_data_parallel_group(True, True)),
+        "expt-dp": _group_ranks(ps.get_expert_data_parallel_group(True, False)),
+        "inner-expt-dp": _group_ranks(ps.get_expert_data_parallel_group(True, True)),
+        "expt-dp-gloo": _group_ranks(ps.get_expert_data_parallel_group_gloo()),
+        "inner-expt-dp-gloo": _group_ranks(ps.get_expert_data_parallel_group_gloo(partial_expert_data_parallel=True)),
+    }
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(pipeline_model_parallel_size=4, create_gloo_process_groups=False)
+    result["middle-stage-embedding"] = ps.get_embedding_group(check_initialized=False) is None
+    with pytest.raises(RuntimeError, match="create_gloo_process_groups=True"):
+        ps.get_expert_data_parallel_group_gloo()
+    ps.destroy_model_parallel()
+    return result
+
+
+def test_upstream_check_initialized_positional_orders_and_expert_gloo_groups():
+    # TP2 x DP2, EP2 with ETP1: expert dp size 2, split over two optimizer instances.
+    results = run_on_ranks(4, _upstream_getter_signatures)
+    for rank, result in enumerate(results):
+        assert result["unset"] == [None, None] and result["same"]
+        assert result["tp-dp"] == [0, 1, 2, 3]
+        assert result["expt-dp"] == result["expt-dp-gloo"] == [rank % 2, rank % 2 + 2]
+        assert result["inner-expt-dp"] == result["inner-expt-dp-gloo"] == [rank]
+        assert result["middle-stage-embedding"] == (rank in (1, 2))

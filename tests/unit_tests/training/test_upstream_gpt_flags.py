@@ -59,7 +59,7 @@ def test_decreased_constant_batch_and_the_process_wide_calculator():
     constant = calculator.ConstantNumMicroBatchesCalculator(30, 4, 2, decrease_batch_size_if_needed=True)
     assert (constant.current_global_batch_size, constant.current_running_global_batch_size,
             constant.num_microbatches) == (30, 24, 3)
-    calculator.init_num_microbatches_calculator(0, 24, 2, 2, rampup_batch_size=(6, 6, 36),
+    calculator.init_num_microbatches_calculator(0, (6, 6, 36), 24, 2, 2,
                                                 decrease_batch_size_if_needed=True)
     calculator.update_num_microbatches(24)
     assert (calculator.get_current_global_batch_size(), calculator.get_current_running_global_batch_size(),
