@@ -1,7 +1,8 @@
 """`PackedSeqParams`: where each sequence starts in a batch of sequences packed back to back (upstream name).
 
 GPTModel here runs padded `[batch, sequence]` batches only; a model given packed-sequence parameters refuses
-them. The dataclass is the upstream record that tools build and pass around.
+them. The dataclass is the upstream record that tools build and pass around; `qkv_format` may be None (unset), as
+upstream allows.
 """
 
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ QKV_FORMATS = ("thd", "sbhd", "bshd")
 
 @dataclass
 class PackedSeqParams:
-    qkv_format: str = "thd"
+    qkv_format: Optional[str] = "thd"
     cu_seqlens_q: Optional[torch.Tensor] = None
     cu_seqlens_kv: Optional[torch.Tensor] = None
     cu_seqlens_q_padded: Optional[torch.Tensor] = None
@@ -23,8 +24,8 @@ class PackedSeqParams:
     max_seqlen_kv: Optional[int] = None
 
     def __post_init__(self):
-        if self.qkv_format not in QKV_FORMATS:
-            raise ValueError(f"qkv_format must be one of {QKV_FORMATS}, got {self.qkv_format!r}")
+        if self.qkv_format is not None and self.qkv_format not in QKV_FORMATS:
+            raise ValueError(f"qkv_format must be None or one of {QKV_FORMATS}, got {self.qkv_format!r}")
         for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
             offsets = getattr(self, name)
             if offsets is not None and (offsets.dim() != 1 or bool((offsets[1:] < offsets[:-1]).any())):

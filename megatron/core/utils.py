@@ -112,12 +112,13 @@ def get_model_type(model):
     return get_attr_wrapped_model(model, "model_type")
 
 
-def get_batch_on_this_cp_rank(batch):
+def get_batch_on_this_cp_rank(batch, cp_group=None):
     """This context-parallel rank's share of a micro-batch dict (each `[b, s]` tensor cut to the rank's two
-    sequence chunks, as the causal load balancing expects); the batch itself without context parallelism."""
+    sequence chunks, as the causal load balancing expects), updated in place and returned; `cp_group` defaults
+    to parallel_state's context-parallel group."""
     from megatron.core.transformer.context_parallel.sequence_split import get_batch_on_this_cp_rank as cut
 
-    return cut(batch)
+    return cut(batch, cp_group=cp_group)
 
 
 def get_pg_size(group=None) -> int:

@@ -61,7 +61,7 @@ class AllGatherAttention(torch.autograd.Function):
         full_key, full_value = _gather_key_value(key, value, group)
         block_mask = _visibility_mask(mask if ctx.has_mask else None, query.shape[-2] * cp_size, cp_size, cp_rank,
                                       query.device)
-        grad_out = torch.zeros_like(out) if grad_out is None else grad_out.float()
+        grad_out = torch.zeros_like(out) if grad_out is None else grad_out.to(out.dtype)
         delta = row_delta(grad_out, out, grad_lse)
         grad_query, grad_key, grad_value = block_backward(query, full_key, full_value, grad_out, lse, delta,
                                                           ctx.scale, block_mask, ctx.dropout_p, ctx.seed)

@@ -13,7 +13,10 @@ _ALIASES = {"all_gather": "allgather"}
 
 
 def normalize_cp_comm_type(comm_type):
-    """The canonical name of a comm type (upstream spells allgather both ways); ValueError naming the flag."""
+    """The canonical name of a comm type (upstream spells allgather both ways; None, upstream's default, is p2p);
+    ValueError naming the flag."""
+    if comm_type is None:
+        return "p2p"
     comm_type = _ALIASES.get(comm_type, comm_type)
     if comm_type not in CP_COMM_TYPES:
         raise ValueError(f"--cp-comm-type must be one of {CP_COMM_TYPES} (or all_gather), got {comm_type!r}")
@@ -24,9 +27,10 @@ def normalize_cp_comm_types(cp_comm_type, num_layers):
     """A single comm type (str) for every layer, or a tuple with one per layer.
 
     `cp_comm_type` is a str or a sequence; a sequence of one value, or of equal values, collapses to that value.
-    ValueError naming `--cp-comm-type` when a sequence has neither 1 nor `num_layers` entries.
+    None (upstream TransformerConfig's default), also as a per-layer entry, is p2p. ValueError naming
+    `--cp-comm-type` when a sequence has neither 1 nor `num_layers` entries.
     """
-    if isinstance(cp_comm_type, str):
+    if cp_comm_type is None or isinstance(cp_comm_type, str):
         return normalize_cp_comm_type(cp_comm_type)
     comm_types = tuple(normalize_cp_comm_type(value) for value in cp_comm_type)
     if len(comm_types) not in (1, num_layers):

@@ -10,7 +10,7 @@ mask / (1 - p)).
 Layout: queries `[b, g, m, s_q, d]` (g key/value groups, m query heads per group), keys and values
 `[b, g, 1, s_k, d]`, so grouped-query attention broadcasts without copying K/V. A block mask is None (every key
 visible), `CAUSAL` (a diagonal block: key j visible to query i when j <= i) or a bool tensor broadcastable to
-`[b, g, m, s_q, s_k]`, True where attention is not allowed. Everything is computed in fp32.
+`[b, g, m, s_q, s_k]`, True where attention is not allowed. Everything is computed in fp32 (fp64 inputs in fp64).
 
 The lse of the whole row may itself be an output (attention sinks rescale the output by it): since
 `d lse / dS = P`, its gradient g enters the same recurrence as `dS = P * (dO V^T - (D - g))`, so the backwards
@@ -20,6 +20,11 @@ take `delta = D - g` (`row_delta`).
 import torch
 
 CAUSAL = "causal"
+
+
+def compute_dtype(tensor):
+    """fp32 for half-precision and fp32 inputs, fp64 for fp64 ones (no precision is lost to the merge)."""
+    return torch.promote_types(tensor.dtype, torch.float32)
 
 
 def _masked_scores(query, key, scale, mask):
@@ -46,17 +51,19 @@ def dropout_keep_mask(shape, dropout_p, seed, device):
 
 def block_forward(query, key, value, scale, mask=None, dropout_p=0.0, seed=None):
     """(out `[b, g, m, s_q, d]`, lse `[b, g, m, s_q]`) of the queries over this block of keys."""
-    scores = _masked_scores(query.float(), key.float(), scale, mask)
+    dtype = compute_dtype(query)
+    scores = _masked_scores(query.to(dtype), key.to(dtype), scale, mask)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - _finite(lse).unsqueeze(-1))
     if dropout_p > 0.0:
         probs = probs * dropout_keep_mask(probs.shape, dropout_p, seed, probs.device) / (1.0 - dropout_p)
-    return torch.matmul(probs, value.float()), lse
+    return torch.matmul(probs, value.to(dtype)), lse
 
 
 def block_backward(query, key, value, grad_out, lse, delta, scale, mask=None, dropout_p=0.0, seed=None):
     """(dq, dk, dv) of one block given the final (merged) `lse` and `delta = rowsum(grad_out * out)`."""
-    query, key, value = query.float(), key.float(), value.float()
+    dtype = compute_dtype(query)
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     probs = torch.exp(_masked_scores(query, key, scale, mask) - _finite(lse).unsqueeze(-1))
     grad_probs = torch.matmul(grad_out, value.transpose(-1, -2))
     if dropout_p > 0.0:
@@ -73,9 +80,9 @@ def block_backward(query, key, value, grad_out, lse, delta, scale, mask=None, dr
 
 
 def row_delta(grad_out, out, grad_lse=None):
-    """`D = rowsum(dO * O)`, less the gradient of the returned lse when it has one (fp32)."""
-    delta = (grad_out.float() * out).sum(dim=-1)
-    return delta if grad_lse is None else delta - grad_lse.float()
+    """`D = rowsum(dO * O)`, less the gradient of the returned lse when it has one (in `out`'s dtype)."""
+    delta = (grad_out.to(out.dtype) * out).sum(dim=-1)
+    return delta if grad_lse is None else delta - grad_lse.to(out.dtype)
 
 
 class BlockAttention(torch.autograd.Function):
@@ -99,7 +106,7 @@ class BlockAttention(torch.autograd.Function):
         mask = mask if ctx.tensor_mask else ctx.mask
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        grad_out = grad_out.float()
+        grad_out = grad_out.to(out.dtype)
         grad_query, grad_key, grad_value = block_backward(query, key, value, grad_out, lse,
                                                           row_delta(grad_out, out, grad_lse), ctx.scale, mask,
                                                           ctx.dropout_p, ctx.seed)

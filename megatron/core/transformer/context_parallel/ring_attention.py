@@ -99,14 +99,14 @@ class RingAttention(torch.autograd.Function):
         group = ctx.group
         cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
         chunk = query.shape[-2] // 2
-        grad_out = torch.zeros_like(out) if grad_out is None else grad_out.float()
+        grad_out = torch.zeros_like(out) if grad_out is None else grad_out.to(out.dtype)
         delta = row_delta(grad_out, out, grad_lse)
         queries, grad_outs = _halves(query, chunk), _halves(grad_out, chunk)
         lses, deltas = (lse[..., :chunk], lse[..., chunk:]), (delta[..., :chunk], delta[..., chunk:])
-        grad_query = torch.zeros_like(query, dtype=torch.float32)
+        grad_query = torch.zeros_like(query, dtype=out.dtype)
         grad_queries = _halves(grad_query, chunk)
         key_value = torch.stack([key, value])
-        grad_key_value = torch.zeros_like(key_value, dtype=torch.float32)
+        grad_key_value = torch.zeros_like(key_value, dtype=out.dtype)
         for step in range(cp_size):
             exchange = RingExchange(group).start(key_value) if step < cp_size - 1 else None
             keys, values = _halves(key_value[0], chunk), _halves(key_value[1], chunk)

@@ -256,3 +256,44 @@ def test_allgather_keeps_only_local_key_value_for_backward(world_size):
     for saved in run_on_ranks(world_size, _saved_bytes_of_attention, "allgather"):
         assert saved == expected, (saved, expected)
     assert run_on_ranks(world_size, _saved_bytes_of_attention, "p2p") == [expected] * world_size
+
+
+def _fp64_errors(comm_type):
+    """fp64 inputs, with and without attention sinks: the largest difference of this rank's output and Q/K/V
+    gradients from full attention computed in fp64."""
+    from megatron.core.transformer.attention_variants import attention_with_sinks
+
+    query, key, value, grad_out, mask = (t.double() if t.is_floating_point() else t for t in _inputs(seed=5))
+    sinks = torch.linspace(-1.0, 1.0, HEADS, dtype=torch.float64)
+    cp_size, cp_rank = dist.get_world_size(), dist.get_rank()
+    errors = []
+    try:
+        group = _cp_group(comm_type)
+        for with_sinks in (False, True):
+            full = [t.clone().requires_grad_() for t in (query, key, value)]
+            if with_sinks:
+                q, k, v = (t.permute(1, 2, 0, 3) for t in full)
+                expected = attention_with_sinks(q, k.repeat_interleave(HEADS // GROUPS, 1),
+                                                v.repeat_interleave(HEADS // GROUPS, 1), mask, sinks)
+                expected = expected.permute(2, 0, 1, 3).reshape(SEQ, BATCH, -1)
+            else:
+                expected = _full_attention(*full, mask)
+            expected.backward(grad_out)
+            local = [local_rows(t, 0, cp_size, cp_rank).clone().requires_grad_() for t in (query, key, value)]
+            out = context_parallel_attention(*local, mask, comm_type=comm_type, group=group,
+                                             sinks=sinks if with_sinks else None)
+            out.backward(local_rows(grad_out, 0, cp_size, cp_rank))
+            pairs = [(out, expected)] + [(mine.grad, whole.grad) for mine, whole in zip(local, full)]
+            errors.append(max((mine - local_rows(whole, 0, cp_size, cp_rank)).abs().max().item()
+                              for mine, whole in pairs))
+    finally:
+        parallel_state.destroy_model_parallel()
+    return errors
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_fp64_inputs_are_attended_in_fp64(world_size):
+    """A float64 check (as gradcheck-style tests use) keeps float64 accuracy: the merge does not drop to fp32."""
+    for comm_type in ("p2p", "allgather", "a2a", "a2a+p2p"):
+        for rank, errors in enumerate(run_on_ranks(world_size, _fp64_errors, comm_type)):
+            assert max(errors) < 1e-12, (comm_type, rank, errors)

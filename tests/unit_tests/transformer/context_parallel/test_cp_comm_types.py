@@ -14,6 +14,7 @@ from megatron.core.transformer.context_parallel import (
     normalize_cp_comm_types,
     validate_hierarchical_sizes,
 )
+from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.multiprocess_harness import run_on_ranks
 
 SEQ, BATCH, VOCAB = 32, 2, 64
@@ -30,6 +31,15 @@ def test_per_layer_comm_types_resolve_by_global_layer_number():
                                          r"\(--num-layers 4\), got 2 values"):
         normalize_cp_comm_types(["p2p", "a2a"], 4)
 
+
+
+def test_none_is_p2p_as_upstream_default():
+    """Upstream TransformerConfig's cp_comm_type defaults to None, which its attention runs as p2p."""
+    assert normalize_cp_comm_types(None, 4) == "p2p"
+    assert normalize_cp_comm_types(["a2a", None], 2) == ("a2a", "p2p")
+    config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4, context_parallel_size=2,
+                               cp_comm_type=None)
+    assert config.cp_comm_type == "p2p"
 
 @pytest.mark.parametrize(
     "sizes, cp, comm_type, message",
@@ -64,7 +74,6 @@ def test_hierarchical_groups_split_each_cp_group_inner_first():
 
 def _gpt(cp_size, comm_type, hierarchical_sizes, num_layers):
     from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(num_layers=num_layers, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
                                attention_dropout=0.0, init_seed=1234, context_parallel_size=cp_size,
