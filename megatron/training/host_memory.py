@@ -57,14 +57,17 @@ def host_offload_bytes(model_chunks, torch_optimizers) -> Optional[int]:
     return _distinct_bytes(tensor for tensor in tensors if tensor is not None)
 
 
-def offload_copy_bytes(torch_optimizers) -> dict:
+def offload_copy_bytes(torch_optimizers, select=None) -> dict:
     """Bytes `--optimizer-cpu-offload` holds beside the model's and the optimizer's own tensors, which the line's
     other counts do not reach: the host gradients of the offloaded main parameters (`grads_bytes`), and the host
     copies of the main parameters it keeps a device view of plus the compute-dtype staging buffers of uploads
-    (`optimizer_state_bytes`). A relocated main parameter is its host copy: counted where the parameter is."""
+    (`optimizer_state_bytes`). A relocated main parameter is its host copy: counted where the parameter is.
+    `select(main_param)`, when given, keeps only the main parameters it accepts (the experts' part of the line)."""
     grads, optimizer_side = [], []
     for optimizer in torch_optimizers:
         for entry in getattr(optimizer, "offloaded", None) or []:
+            if select is not None and not select(entry.device_param):
+                continue
             grads.append(entry.host_grad)
             if storage_key(entry.host_param) != storage_key(entry.device_param):
                 optimizer_side.append(entry.host_param)

@@ -9,8 +9,9 @@ it, so the device memory is released once the copy is done) and the device tenso
 (parameters, views of parameters, and tensors marked with `keep_on_device`, such as the experts' stacked weights)
 and tensors of fewer than `min_offloaded_tensor_size` elements, which stay where they are. Unpacking copies a
 tensor back to its device on the same stream, and the compute stream waits for that copy. On the CPU the same
-path runs as plain copies. Strides are kept where the tensor is dense, so the backward kernels see the same
-layouts as without offload and the results are exact. `packed` / `unpacked` count tensors per label and
+path runs as plain copies. Strides are kept (a view that does not fill its span, such as the value heads of a
+fused QKV output, comes back in a buffer of its span's size), so the backward kernels see the same layouts as
+without offload and the results are exact. `packed` / `unpacked` count tensors per label and
 `packed_bytes` their size, for tests and logs.
 
 Prefetch: labels are remembered in the order the forward pass first offloaded under them (the layers' order;
@@ -70,12 +71,22 @@ def _dense(tensor) -> bool:
     return True
 
 
+def _span(tensor) -> int:
+    """The number of elements from `tensor`'s first element to its last in its storage (its numel if dense)."""
+    if tensor.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+
+
 def _empty_like_layout(tensor, device, pin_memory=False):
-    """An empty tensor with `tensor`'s shape, dtype and (where it is dense) strides on `device`."""
+    """An empty tensor with `tensor`'s shape, dtype and strides on `device`. A view that does not fill its span
+    (the value heads of a fused QKV output, one half of a gated MLP's input) gets a buffer of the span's size, so
+    the backward kernels see the strides they would see without offload and compute the same bits."""
     if _dense(tensor):
         return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device,
                                    pin_memory=pin_memory)
-    return torch.empty(tensor.shape, dtype=tensor.dtype, device=device, pin_memory=pin_memory)
+    span = torch.empty(_span(tensor), dtype=tensor.dtype, device=device, pin_memory=pin_memory)
+    return span.as_strided(tensor.shape, tensor.stride())
 
 
 class ActivationOffloader:

@@ -13,6 +13,7 @@ NUM_LAYERS, OFFLOADED_LAYERS = 3, 2
 
 def _gpt(cpu_offloading):
     from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from tests.unit_tests.distributed import precision_gpt as small
 
@@ -20,11 +21,16 @@ def _gpt(cpu_offloading):
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel()
     tensor_parallel.model_parallel_cuda_manual_seed(small.SEED)
+    # The README's shape (RoPE, SwiGLU, RMSNorm): the value heads of the fused QKV output and the halves of the
+    # gated MLP's input are saved as views that do not fill their storage.
     config = TransformerConfig(num_layers=NUM_LAYERS, hidden_size=small.HIDDEN, num_attention_heads=small.HEADS,
                                hidden_dropout=0.0, attention_dropout=0.0, init_seed=small.SEED,
+                               normalization="RMSNorm", gated_linear_unit=True,
+                               activation_func=torch.nn.functional.silu,
                                cpu_offloading=cpu_offloading,
                                cpu_offloading_num_layers=OFFLOADED_LAYERS if cpu_offloading else 0)
-    return GPTModel(config, vocab_size=small.VOCAB, max_sequence_length=small.SEQ,
+    return GPTModel(config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                    vocab_size=small.VOCAB, max_sequence_length=small.SEQ, position_embedding_type="rope",
                     share_embeddings_and_output_weights=True)
 
 
@@ -115,6 +121,39 @@ def test_hooks_keep_layouts_and_values(device):
     for expected, actual in zip(reference, offloaded):
         assert torch.equal(expected, actual)
     assert offloader.packed["layer"] == offloader.unpacked["layer"] >= 2  # tanh's output and the matmul operand
+
+
+def test_views_that_do_not_fill_their_span_come_back_with_their_strides():
+    """The value heads of a fused QKV output and one half of an interleaved gated-MLP input are views with gaps:
+    they come back with the strides they were saved with (a contiguous copy would change the backward kernels'
+    layouts and their last bits), their values intact, and every element of the view filled."""
+    from megatron.core.offloading.activations import ActivationOffloader
+
+    layouts = []
+
+    class SaveAndRecord(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, tensor):
+            ctx.save_for_backward(tensor)
+            return tensor * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            (saved,) = ctx.saved_tensors
+            layouts.append((saved.stride(), saved.clone()))
+            return grad * 2
+
+    fused = torch.randn(4, 18, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    offloader = ActivationOffloader()
+    with offloader.hooks("layer"):
+        value_heads = fused[:, 12:]  # strides (18, 1)
+        gate = fused.view(4, 9, 2)[..., 0]  # strides (18, 2)
+        loss = SaveAndRecord.apply(value_heads).sum() + SaveAndRecord.apply(gate).sum()
+    loss.backward()
+    assert offloader.packed["layer"] == offloader.unpacked["layer"] == 2
+    (gate_stride, gate_saved), (value_stride, value_saved) = layouts  # the backward runs in reverse order
+    assert (value_stride, gate_stride) == ((18, 1), (18, 2))
+    assert torch.equal(value_saved, fused.detach()[:, 12:]) and torch.equal(gate_saved, fused.detach()[:, ::2])
 
 
 class _RecordingCopyStream:
