@@ -438,9 +438,11 @@ class RerunStateMachine:
     def is_unexpectedly_large(self, result, threshold, context, num_samples=100, resample=False):
         """Whether |result| >= `threshold` x the largest |value| among the first `num_samples` values of
         `context` (a rejection function for spiky losses or gradients). The first `num_samples` values only
-        build the reference; the first iteration is skipped; NaN and Inf are left to their own checks."""
+        build the reference; the first iteration is skipped (a machine that no `should_run_forward_backward` loop
+        drives, as in a training loop of one's own, stays at iteration 0 and counts every value); NaN and Inf are
+        left to their own checks."""
         value = abs(_as_float(result))
-        if math.isnan(value) or math.isinf(value) or self.current_iteration <= 1:
+        if math.isnan(value) or math.isinf(value) or self.current_iteration == 1:
             return False
         if resample or context not in self.large_value_counts:
             self.large_value_counts[context] = 0

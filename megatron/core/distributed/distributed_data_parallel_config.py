@@ -45,9 +45,8 @@ class DistributedDataParallelConfig:
     """Raise before communication if a bucket's local gradients hold inf/nan."""
 
     check_for_large_grads: bool = False
-    """Raise before communication if a bucket's local gradient norm exceeds `large_grad_threshold`."""
-
-    large_grad_threshold: float = 1.0e10
+    """Before communication, hand each bucket's local gradient norm to the rerun state machine, which rejects (not
+    fatally) a norm >= 10x the largest of the first 100 bucket norms (iteration 1 skipped), as upstream."""
 
     bucket_size: Optional[int] = None
     """Elements per bucket; None: one bucket per dtype, or max(40M, 1M * DP) with overlap_grad_reduce."""
@@ -55,6 +54,11 @@ class DistributedDataParallelConfig:
     pad_buckets_for_high_nccl_busbw: bool = False
     """With `use_distributed_optimizer`: pad each bucket to a multiple of lcm(DP, 128, 2**16) elements instead of a
     multiple of DP, as upstream (no effect without it)."""
+
+    reduce_scatter_with_fp32_accumulation: bool = False
+    """With `use_distributed_optimizer` and gradients kept below fp32: reduce each bucket with fp32 accumulation
+    (the bucket is widened to fp32 for the collective and the result rounded back), as upstream's reduce-scatter
+    that accumulates locally in fp32; here the wire carries fp32."""
 
     average_in_collective: bool = False
     """Average with ReduceOp.AVG in the collective instead of pre-scaling gradients by 1/DP."""
@@ -78,6 +82,13 @@ class DistributedDataParallelConfig:
     use_megatron_fsdp: bool = False
     """Wrap the model with Megatron-FSDP (`MegatronFSDPAdapter`, `--use-megatron-fsdp`) instead of Megatron
     DDP; `data_parallel_sharding_strategy` is its ZeRO level."""
+
+    use_custom_fsdp: bool = False
+    """Upstream's former name of `use_megatron_fsdp` (`--use-custom-fsdp`): True sets `use_megatron_fsdp`."""
+
+    suggested_communication_unit_size: Optional[int] = None
+    """Megatron-FSDP: elements per communication group outside the FSDP units (`--suggested-communication-unit-
+    size`); it sets `bucket_size`, so give one or the other."""
 
     use_torch_fsdp2: bool = False
     """Wrap the model with PyTorch FSDP2 (`TorchFSDP2`, `--use-torch-fsdp2`) instead of Megatron DDP."""
@@ -152,6 +163,10 @@ class DistributedDataParallelConfig:
         return "torch_fsdp2" if self.use_torch_fsdp2 else "ddp"
 
     def __post_init__(self):
+        if self.use_custom_fsdp:
+            object.__setattr__(self, "use_megatron_fsdp", True)
+        self._apply_communication_unit_size()
+        self._check_fp32_accumulation()
         if not self.preserve_fp32_weights and self.megatron_fsdp_main_params_dtype == torch.float32:
             object.__setattr__(self, "megatron_fsdp_main_params_dtype", None)
         if self.megatron_fsdp_param_offload and not (
@@ -253,16 +268,50 @@ class DistributedDataParallelConfig:
                 "split weight-gradient GEMMs (CUDA), which this build does not use: weight gradients are computed "
                 "inside each backward; drop it (the values are the same)."
             )
-        if self.check_for_large_grads and self.large_grad_threshold <= 0:
-            raise ValueError("DistributedDataParallelConfig.large_grad_threshold must be > 0.")
         self._check_wrapper_choice()
         self._check_fp8_param_gather()
+
+    def _apply_communication_unit_size(self):
+        unit = self.suggested_communication_unit_size
+        if unit is None:
+            return
+        if not self.use_megatron_fsdp:
+            raise ValueError("DistributedDataParallelConfig.suggested_communication_unit_size (--suggested-"
+                             "communication-unit-size) needs use_megatron_fsdp=True (--use-megatron-fsdp).")
+        if unit <= 0:
+            raise ValueError(f"DistributedDataParallelConfig.suggested_communication_unit_size={unit} must be "
+                             "positive.")
+        if self.bucket_size is not None and self.bucket_size != unit:
+            raise ValueError("DistributedDataParallelConfig.suggested_communication_unit_size sets Megatron-FSDP's "
+                             "bucket_size: give one of them, not both.")
+        object.__setattr__(self, "bucket_size", unit)
+
+    def _check_fp32_accumulation(self):
+        if self.reduce_scatter_with_fp32_accumulation and (
+                not self.use_distributed_optimizer or self.use_megatron_fsdp or self.use_torch_fsdp2):
+            raise ValueError(
+                "DistributedDataParallelConfig.reduce_scatter_with_fp32_accumulation is the reduce-scatter of Megatron "
+                "DDP's distributed optimizer: it needs use_distributed_optimizer=True (--use-distributed-optimizer) "
+                "without use_megatron_fsdp / use_torch_fsdp2 (Megatron-FSDP: set megatron_fsdp_grad_comm_dtype="
+                "torch.float32; or reduce in fp32 everywhere with grad_reduce_in_fp32=True)."
+            )
 
     def _check_wrapper_choice(self):
         if self.use_megatron_fsdp and self.use_torch_fsdp2:
             raise ValueError(
                 "DistributedDataParallelConfig: use_megatron_fsdp and use_torch_fsdp2 (--use-megatron-fsdp and "
                 "--use-torch-fsdp2 are exclusive): pick one."
+            )
+        # Per-bucket checks before communication: Megatron DDP's (and, for NaN/Inf, Megatron-FSDP's) own.
+        unchecked = [name for name, wrapper_checks in (
+            ("check_for_large_grads", self.wrapper_name == "ddp"),
+            ("check_for_nan_in_grad", self.wrapper_name != "torch_fsdp2"),
+        ) if getattr(self, name) and not wrapper_checks]
+        if unchecked:
+            raise ValueError(
+                f"DistributedDataParallelConfig.{unchecked[0]}: the {self.wrapper_name} wrapper does not check its "
+                "gradients per bucket; drop it (the training loop checks the gradients of every wrapper: "
+                "--check-for-large-grads, and NaN/Inf unless --no-check-for-nan-in-loss-and-grad)."
             )
         if self.use_torch_fsdp2 and self.use_distributed_optimizer:
             raise ValueError(

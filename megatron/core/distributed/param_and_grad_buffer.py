@@ -13,10 +13,24 @@ and are completed by the matching `finish_*` call. A buffer of FP8 weights (`--f
 `megatron.core.fp8.params`) all-gathers their FP8 bytes instead of the high-precision values.
 """
 
+import logging
 import math
 
 import torch
 import torch.distributed as dist
+
+from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+logger = logging.getLogger(__name__)
+
+# --check-for-large-grads (upstream's values): a bucket's gradient norm this many times the largest of the first
+# bucket norms is rejected; a rerun within this relative difference reproduces it (reduction orders may vary).
+LARGE_GRADS_FACTOR = 10
+LARGE_GRADS_TOLERANCE = 1e-3
+
+
+def _as_float(result):
+    return float(result.item() if torch.is_tensor(result) else result)
 
 
 def _is_gloo(group):
@@ -58,6 +72,7 @@ class Bucket:
         self.buffer = buffer
         self._params_with_grad = set()
         self._grad_works = []
+        self._fp32_staging = None  # the fp32 copy a bucket is reduced in (reduce_scatter_with_fp32_accumulation)
         self._param_gather_works = []
         self._fp8_install_pending = False
         self.grad_sync_started = False
@@ -89,25 +104,29 @@ class Bucket:
             self.grad_data.mul_(self.buffer.gradient_scaling_factor)
         op = dist.ReduceOp.AVG if config.average_in_collective else dist.ReduceOp.SUM
         groups = self.buffer.groups
+        reduced = self.grad_data
+        if config.reduce_scatter_with_fp32_accumulation and reduced.dtype != torch.float32:
+            # Copied back into the bucket by finish_grad_sync, once the collectives are done.
+            self._fp32_staging = reduced = self.grad_data.float()
         if not config.use_distributed_optimizer:
             if _world_size(groups.data_parallel_group) > 1:
                 self._grad_works.append(
-                    dist.all_reduce(self.grad_data, op=op, group=groups.data_parallel_group, async_op=async_op)
+                    dist.all_reduce(reduced, op=op, group=groups.data_parallel_group, async_op=async_op)
                 )
         elif _is_gloo(groups.data_parallel_group):
             # gloo's reduce-scatter is several times slower than its all-reduce of the same size (measured),
             # so reduce everything; the shard this rank owns then holds exactly the reduce-scatter result.
             if _world_size(groups.data_parallel_group) > 1:
                 self._grad_works.append(
-                    dist.all_reduce(self.grad_data, op=op, group=groups.data_parallel_group, async_op=async_op)
+                    dist.all_reduce(reduced, op=op, group=groups.data_parallel_group, async_op=async_op)
                 )
         else:
             start, end = self.local_shard_range()
-            shard = self.grad_data[start:end]
+            shard = reduced[start:end]
             if _world_size(groups.shard_group) > 1:
                 self._grad_works.append(
                     dist.reduce_scatter_tensor(
-                        shard, self.grad_data, op=op, group=groups.shard_group, async_op=async_op
+                        shard, reduced, op=op, group=groups.shard_group, async_op=async_op
                     )
                 )
             if groups.outer_group is not None:
@@ -121,31 +140,51 @@ class Bucket:
         for work in self._grad_works:
             work.wait()
         self._grad_works = []
+        if self._fp32_staging is not None:
+            self.grad_data.copy_(self._fp32_staging)
+            self._fp32_staging = None
 
     def reset_grad_state(self):
         self._params_with_grad = set()
         self._grad_works = []
+        self._fp32_staging = None
         self.grad_sync_started = False
 
     def _check_grads(self, config):
-        norm = self.grad_data.float().norm().item()
+        norm = self.grad_data.float().norm()
         rank = dist.get_rank() if dist.is_initialized() else 0
-        if config.check_for_nan_in_grad and not math.isfinite(norm):
-            kind = "NaN" if math.isnan(norm) else "Inf"
+        norm_value = norm.item() if config.check_for_nan_in_grad else 0.0
+        if not math.isfinite(norm_value):
+            kind = "NaN" if math.isnan(norm_value) else "Inf"
             culprits = [param for param in self.params if not torch.isfinite(param.main_grad).all()]
             where = (f"non-finite gradients in: {self._names(culprits)}" if culprits else
                      "every gradient is finite, their squared sum overflows fp32")
             raise RuntimeError(
-                f"Rank {rank}: found {kind} in local grad norm ({norm}) of bucket {self.bucket_id} before the "
+                f"Rank {rank}: found {kind} in local grad norm ({norm_value}) of bucket {self.bucket_id} before the "
                 f"data-parallel reduction; {where}."
             )
-        if config.check_for_large_grads and norm > config.large_grad_threshold:
-            largest = sorted(self.params, key=lambda param: -param.main_grad.float().norm().item())[:4]
-            raise RuntimeError(
-                f"Rank {rank}: local grad norm {norm:.3e} of bucket {self.bucket_id} exceeds "
-                f"large_grad_threshold={config.large_grad_threshold:.3e}; largest gradients in: "
-                f"{self._names(largest)}."
-            )
+        if config.check_for_large_grads:
+            self._check_for_large_grads(norm)
+
+    def _check_for_large_grads(self, norm):
+        """As upstream: the rerun state machine rejects (not fatally) a bucket norm >= 10x the largest of the first
+        100 bucket norms (context "grads"); its mode decides what a rejection does (see rerun_state_machine)."""
+        machine = get_rerun_state_machine()
+
+        def is_large(result):
+            large = machine.is_unexpectedly_large(result, threshold=LARGE_GRADS_FACTOR, context="grads")
+            if large:
+                largest = sorted(self.params, key=lambda param: -param.main_grad.float().norm().item())[:4]
+                logger.warning(f"bucket {self.bucket_id}: local grad norm {_as_float(result):.3e}; largest "
+                               f"gradients in: {self._names(largest)}")
+            return large
+
+        machine.validate_result(
+            norm, is_large,
+            message=f"found unexpectedly large grads in bucket #{self.bucket_id} in backward pass before "
+            "data-parallel communication collective",
+            tolerance=LARGE_GRADS_TOLERANCE, fatal=False,
+        )
 
     def _names(self, params):
         return ", ".join(self.buffer.param_names[param] for param in params)

@@ -93,7 +93,8 @@ def test_a_submodule_imports_without_the_rest_of_the_package(tmp_path):
 
 def test_public_names_are_those_of_their_submodules(monkeypatch):
     homes = {"fully_shard": "fully_shard", "fully_shard_model": "fully_shard", "fully_shard_optimizer": "fully_shard",
-             "MegatronFSDP": "megatron_fsdp", "MixedPrecisionPolicy": "mixed_precision",
+             "MegatronFSDP": "megatron_fsdp", "FSDPDistributedIndex": "distributed_index",
+             "MixedPrecisionPolicy": "mixed_precision",
              "NcclUserBuffers": "nccl_allocator", "GatherCodec": "gather_codec", "GatherCodecPolicy": "gather_codec",
              "DistributedDataParallelConfig": "distributed_data_parallel_config",
              "ShardingStrategy": "distributed_data_parallel_config", "clip_grad_norm_": "optimizer"}
@@ -101,6 +102,7 @@ def test_public_names_are_those_of_their_submodules(monkeypatch):
     for name, home in homes.items():
         assert getattr(megatron_fsdp, name) is getattr(importlib.import_module(f"megatron_fsdp.{home}"), name), name
     assert megatron_fsdp.utils is importlib.import_module("megatron_fsdp.utils")
+    assert megatron_fsdp.utils.FSDPDistributedIndex is megatron_fsdp.FSDPDistributedIndex  # upstream's path
     # Importing the submodule `megatron_fsdp.fully_shard` sets the package attribute of that name to it; the
     # attribute stays the function, as `megatron_fsdp.fully_shard(model, optimizer, ...)` calls it.
     function = megatron_fsdp.fully_shard

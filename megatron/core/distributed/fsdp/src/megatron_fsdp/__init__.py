@@ -17,6 +17,7 @@ _EXPORTS = {
     "fully_shard_optimizer": ".fully_shard",
     "fully_shard": ".fully_shard",
     "MegatronFSDP": ".megatron_fsdp",
+    "FSDPDistributedIndex": ".distributed_index",
     "MixedPrecisionPolicy": ".mixed_precision",
     "NcclUserBuffers": ".nccl_allocator",
     "GatherCodec": ".gather_codec",

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from . import collectives
 from .distributed_data_parallel_config import DistributedDataParallelConfig, ShardingStrategy
+from .distributed_index import FSDPDistributedIndex, apply_upstream_keywords
 from .gather_codec import GatherCodecPolicy
 from .offload import ShardOffload
 from .fsdp2_methods import Fsdp2MethodNames
@@ -67,11 +68,22 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
                  calculate_per_token_loss: bool = False, report_nan_in_param_grad: bool = False,
                  gather_codec: Optional[GatherCodecPolicy] = None, expt_device_mesh=None,
                  is_expert_param: Optional[Callable[[nn.Parameter], bool]] = None,
-                 nccl_user_buffers: Optional[NcclUserBuffers] = None, expt_hybrid_fsdp_group=None):
+                 nccl_user_buffers: Optional[NcclUserBuffers] = None, expt_hybrid_fsdp_group=None,
+                 dist_index: Optional[FSDPDistributedIndex] = None, nccl_ub: bool = False,
+                 disable_symmetric_registration: bool = False, fsdp_double_buffer: Optional[bool] = None,
+                 keep_fp8_transpose_cache: bool = False, enable_fine_grained_param_gather_hook: bool = False):
         """`gather_codec`: parameters whose weights travel through the all-gather encoded (see gather_codec.py;
         strategy 3 only). `nccl_user_buffers`: allocate the buffers from a memory pool registered with NCCL
-        (nccl_allocator.py; plain allocations on CPU / gloo)."""
+        (nccl_allocator.py; plain allocations on CPU / gloo). `dist_index` (upstream's `FSDPDistributedIndex`, in
+        place of the mesh keywords) and the keywords after it: upstream's (see distributed_index.py)."""
         super().__init__()
+        if dist_index is not None:
+            outer_dp_shards = ddp_config is not None and ShardingStrategy.parse(
+                ddp_config.outer_dp_sharding_strategy) != ShardingStrategy.no_shard
+            device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, hybrid_fsdp_group, expt_device_mesh = (
+                dist_index.mesh_arguments(dict(
+                    device_mesh=device_mesh, dp_shard_dim=dp_shard_dim, dp_outer_dim=dp_outer_dim, tp_dim=tp_dim,
+                    hybrid_fsdp_group=hybrid_fsdp_group, expt_device_mesh=expt_device_mesh), outer_dp_shards))
         if isinstance(module, MegatronFSDP) or module.__dict__.get(WRAPPED_ATTR) is not None:
             raise ValueError("this module is already wrapped by MegatronFSDP; wrap each model once")
         if any(getattr(p, WRAPPED_ATTR, None) is not None for p in module.parameters()):
@@ -79,6 +91,11 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
         config = ddp_config or DistributedDataParallelConfig(
             data_parallel_sharding_strategy=ShardingStrategy.optim_grads_params)
         self.ddp_config = config
+        nccl_user_buffers = apply_upstream_keywords(
+            module, config, nccl_user_buffers, nccl_ub=nccl_ub,
+            disable_symmetric_registration=disable_symmetric_registration, fsdp_double_buffer=fsdp_double_buffer,
+            keep_fp8_transpose_cache=keep_fp8_transpose_cache,
+            enable_fine_grained_param_gather_hook=enable_fine_grained_param_gather_hook)
         self.strategy = ShardingStrategy.parse(config.data_parallel_sharding_strategy)
         if init_model_with_meta_device and self.strategy == ShardingStrategy.no_shard:
             raise ValueError("init_model_with_meta_device=True needs a sharded strategy; zero_dp_strategy="

@@ -217,3 +217,12 @@ def tensor_bytes(tensor) -> int:
     if tensor is None:
         return 0
     return tensor.numel() * tensor.element_size()
+
+
+def __getattr__(name):
+    """`megatron_fsdp.utils.FSDPDistributedIndex`, upstream's import path (loaded on use, as the package's names)."""
+    if name == "FSDPDistributedIndex":
+        from .distributed_index import FSDPDistributedIndex
+
+        return FSDPDistributedIndex
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
