@@ -38,7 +38,8 @@ from megatron.core.dist_checkpointing.checkpoint_directory import (  # noqa: F40
 )
 from megatron.core.dist_checkpointing.param_groups import GROUPING_FLAGS
 from megatron.core.dist_checkpointing.strictness import apply_strictness
-from megatron.core.fp8.checkpoint import fp8_histories_report, split_missing_fp8_histories
+from megatron.core.fp8.checkpoint import (fp8_histories_report, split_missing_fp8_histories,
+                                         unused_fp8_histories_report)
 from megatron.training import checkpoint_state, modelopt_checkpoint
 from megatron.training.checkpoint_args import (
     check_resumed_optimizer,
@@ -259,8 +260,10 @@ def load_dist_checkpoint(model_chunks, optimizer, scheduler, args, iteration, ro
     mismatch = serialization.key_mismatch(model_targets, metadata, ["model."])
     # FP8 amax histories a checkpoint lacks (a run without delayed FP8 scaling) are no error: they start empty.
     other_missing, fresh_fp8_histories = split_missing_fp8_histories(mismatch.missing)
-    mismatch = apply_strictness(strictness, mismatch._replace(missing=other_missing), directory, _print0,
-                                hint=layer_count_hint(saved_args, args))
+    # ... and those of a delayed-scaling run that this run (no FP8, or tensorwise) has no buffers for are unused.
+    other_unexpected, unused_fp8_histories = split_missing_fp8_histories(mismatch.unexpected)
+    mismatch = apply_strictness(strictness, mismatch._replace(missing=other_missing, unexpected=other_unexpected),
+                                directory, _print0, hint=layer_count_hint(saved_args, args))
     for key in mismatch.missing + fresh_fp8_histories:
         model_targets.pop(key, None)
     serialization.load(model_targets, directory, metadata=metadata)
@@ -269,6 +272,8 @@ def load_dist_checkpoint(model_chunks, optimizer, scheduler, args, iteration, ro
     report.add_mismatch("model", mismatch)
     if fresh_fp8_histories:
         report.not_loaded.append(fp8_histories_report(fresh_fp8_histories))
+    if unused_fp8_histories:
+        report.not_loaded.append(unused_fp8_histories_report(unused_fp8_histories))
 
     if optimizer is not None:
         # Main weights follow the model weights just loaded, unrounded where the checkpoint holds them in fp32;

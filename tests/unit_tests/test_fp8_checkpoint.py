@@ -89,3 +89,26 @@ def test_non_fp8_checkpoint_loads_into_delayed_fp8_run(tmp_path, wrapper):
     # 4 transformer layers x (qkv, proj, fc1, fc2); the output layer never runs in FP8 and has no histories.
     assert "not loaded: FP8 amax histories of 16 layer(s) (not in the checkpoint" in printed, printed
     assert "they start empty" in printed
+
+
+def _plain_resume_from_delayed_fp8_checkpoint(workdir):
+    import torch.distributed as dist
+
+    fp8 = run_pretrain(f"{workdir}/fp8", f"{THREE_ITERATIONS} --ckpt-format torch_dist --fp8-format hybrid "
+                                         f"--fp8-recipe delayed --save {workdir}/ckpt --save-interval 1 "
+                                         "--exit-interval 1")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        plain = run_pretrain(f"{workdir}/plain", f"{THREE_ITERATIONS} --ckpt-format torch_dist --load {workdir}/ckpt "
+                                                 "--dist-ckpt-strictness raise_all")
+    return fp8, plain, printed.getvalue() if dist.get_rank() == 0 else None
+
+
+def test_delayed_fp8_checkpoint_resumes_without_fp8_leaving_its_histories_unused(tmp_path):
+    fp8, plain, printed = run_on_ranks(2, _plain_resume_from_delayed_fp8_checkpoint, str(tmp_path))[0]
+    assert sorted(fp8) == [1] and sorted(plain) == [2, 3]
+    assert all(math.isfinite(loss) for loss in plain.values())
+    # Even --dist-ckpt-strictness raise_all takes them for what they are, not for tensors of another model.
+    assert "not loaded: FP8 amax histories of 16 layer(s) (saved by a run with delayed FP8 scaling; this run keeps " \
+           "none): unused" in printed, printed
+    assert "the model lacks" not in printed

@@ -69,7 +69,7 @@ def te_fp8_context(config):
 
     from megatron.core.fp8.scaling import amax_reduction_group
 
-    group = amax_reduction_group()
+    group = amax_reduction_group(getattr(config, "tp_only_amax_red", False))
     if hasattr(te, "autocast"):  # TE >= 2.8; fp8_autocast is its deprecated spelling
         return te.autocast(enabled=True, recipe=te_recipe(config), amax_reduction_group=group)
     return te.fp8_autocast(enabled=True, fp8_recipe=te_recipe(config), fp8_group=group)

@@ -4,7 +4,8 @@ Under delayed scaling each FP8 linear layer keeps its amax histories in buffers 
 `fp8_amax_recorded_count`), so checkpoints of FP8 runs carry them. A checkpoint of a run without FP8 (or with
 another recipe) has none, and loading it into a delayed-scaling model is a normal thing to do (fine-tuning in
 FP8): the histories then start empty, as in a fresh run (the first step scales by the current amax), and the
-load says so instead of failing on the missing buffers.
+load says so instead of failing on the missing buffers. The other way round (a delayed-scaling checkpoint loaded
+without FP8 or under tensorwise scaling) the saved histories are left unused, and the load says so too.
 
 A checkpoint saved with another `--fp8-amax-history-len` holds `[3, saved length]` histories, newest amax first
 (`megatron.core.fp8.scaling.reduce_and_record_amaxes` pushes each step's amax in at column 0). They load fitted to
@@ -56,7 +57,9 @@ def count_fp8_histories_started_empty(model_chunks: Sequence[torch.nn.Module]) -
 
 
 def split_missing_fp8_histories(missing_keys: Sequence[str]) -> Tuple[List[str], List[str]]:
-    """(other missing keys, missing FP8 history keys): the latter are not an error, they start empty."""
+    """(other keys, FP8 history keys) of `missing_keys` or of a checkpoint's unexpected keys. Neither kind of
+    history key is an error: missing histories start empty, and histories a run without delayed FP8 scaling has
+    no buffers for are left unused (`unused_fp8_histories_report`)."""
     histories = [key for key in missing_keys if is_fp8_history_key(key)]
     return [key for key in missing_keys if not is_fp8_history_key(key)], histories
 
@@ -66,6 +69,13 @@ def fp8_histories_report(history_keys: Sequence[str]) -> str:
     layers = {key.rsplit(".", 1)[0] for key in history_keys}
     return (f"FP8 amax histories of {len(layers)} layer(s) (not in the checkpoint, e.g. from a run without "
             "delayed FP8 scaling): they start empty")
+
+
+def unused_fp8_histories_report(history_keys: Sequence[str]) -> str:
+    """The load report's line for FP8 histories in the checkpoint that this run has no use for."""
+    layers = {key.rsplit(".", 1)[0] for key in history_keys}
+    return (f"FP8 amax histories of {len(layers)} layer(s) (saved by a run with delayed FP8 scaling; this run "
+            "keeps none): unused")
 
 
 def is_amax_history_key(key: str) -> bool:

@@ -63,7 +63,8 @@ class Fp8Recipe:
     def from_config(cls, config) -> "Fp8Recipe":
         """The recipe of `config`'s FP8 flags: one object per distinct setting (the FP8 region asks for it per
         layer and pass, and layers compare it by identity first)."""
-        return _recipe(cls, config.fp8, config.fp8_recipe, config.fp8_margin, config.fp8_amax_history_len,
+        # str(): a `megatron.core.enums.Fp8Recipe` member and its name are one setting (and one cached recipe).
+        return _recipe(cls, config.fp8, str(config.fp8_recipe), config.fp8_margin, config.fp8_amax_history_len,
                        config.fp8_amax_compute_algo, getattr(config, "fp8_wgrad", True))
 
 

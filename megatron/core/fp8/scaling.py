@@ -38,21 +38,23 @@ def tensor_parallel_group_if_sharded():
     return parallel_state.get_tensor_model_parallel_group()
 
 
-def amax_reduction_group():
+def amax_reduction_group(tp_only_amax_red: bool = False):
     """The group over which delayed-scaling amaxes are reduced: every rank of this pipeline stage (TP x DP x CP,
-    `parallel_state.get_amax_reduction_group(with_context_parallel=True)`), or None when that is one rank or no
-    model-parallel state exists. Transformer Engine's autocast gets the same group as its `fp8_group`."""
+    `parallel_state.get_amax_reduction_group(with_context_parallel=True)`), only its tensor-parallel group with
+    `tp_only_amax_red` (`--tp-only-amax-red`: shards agree, data-parallel replicas keep their own histories), or
+    None when that is one rank or no model-parallel state exists. Transformer Engine's autocast gets the same
+    group as its `fp8_group`."""
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
         return None
-    group = parallel_state.get_amax_reduction_group(with_context_parallel=True)
+    group = parallel_state.get_amax_reduction_group(with_context_parallel=True, tp_only_amax_red=tp_only_amax_red)
     return group if dist.get_world_size(group) > 1 else None
 
 
-def amax_reduction_groups():
-    """`[amax_reduction_group()]`, or `[]` when there is nothing to reduce over (the form the reductions take)."""
-    group = amax_reduction_group()
+def amax_reduction_groups(tp_only_amax_red: bool = False):
+    """`[amax_reduction_group(...)]`, or `[]` when there is nothing to reduce over (the form the reductions take)."""
+    group = amax_reduction_group(tp_only_amax_red)
     return [] if group is None else [group]
 
 
@@ -281,6 +283,7 @@ def reduce_fp8_amaxes(model_chunks) -> None:
     delayed-scaling amaxes over the pipeline stage's amax-reduction group in one collective, record them, and
     start the step's FP8 weight caches anew (the optimizer step is about to change the weights).
 
+    With `--tp-only-amax-red` (the chunks' config's `tp_only_amax_red`) the group is the tensor-parallel one.
     Every rank of the amax-reduction group must call it (the layers' order is the modules' order, the same on
     every rank). Layers take part through their `fp8_step_states()` method (the tensor-parallel linear layers);
     MoE experts through `fp8_step_states_by_global_expert()`, one position per state of every expert of the
@@ -290,7 +293,14 @@ def reduce_fp8_amaxes(model_chunks) -> None:
     states, seen = [], set()
     for chunk in model_chunks:
         _collect_step_states(chunk, states, seen)
-    reduce_and_record_amaxes(states, amax_reduction_groups())
+    tp_only = any(getattr(_model_config(chunk), "tp_only_amax_red", False) for chunk in model_chunks)
+    reduce_and_record_amaxes(states, amax_reduction_groups(tp_only))
+
+
+def _model_config(chunk):
+    """The model config of a model chunk, wrapped (DDP, Megatron-FSDP, FSDP2) or not; None where it has none."""
+    config = getattr(chunk, "config", None)
+    return config if config is not None else getattr(getattr(chunk, "module", None), "config", None)
 
 
 class LinearScaling:

@@ -126,6 +126,15 @@ class TransformerConfig(KernelChoiceConfigMixin, MTPConfigMixin, MLAConfigMixin,
     fp8_wgrad: bool = True
     """False (`--no-fp8-wgrad`): the FP8 linear layers compute their weight gradients in the activations'
     precision (from the unquantized input and output gradient); the forward and input-gradient GEMMs stay FP8."""
+    tp_only_amax_red: bool = False
+    """Reduce delayed-scaling amaxes over the tensor-parallel group only, not over the data-parallel replicas
+    (`--tp-only-amax-red`)."""
+    fp8_dot_product_attention: bool = False
+    """FP8 inside the attention kernel (`--fp8-dot-product-attention`); fp8_multi_head_attention: FP8 between the
+    attention's projections and its kernel (`--fp8-multi-head-attention`). Both need Transformer Engine's fused
+    attention, which this code base does not build (attention runs in its own core attention), so both are
+    refused when set."""
+    fp8_multi_head_attention: bool = False
     first_last_layers_bf16: bool = False
     """Run the first `num_layers_at_start_in_bf16` and last `num_layers_at_end_in_bf16` layers outside FP8, in
     the parameters' precision (`--first-last-layers-bf16`)."""
@@ -549,6 +558,11 @@ class TransformerConfig(KernelChoiceConfigMixin, MTPConfigMixin, MLAConfigMixin,
 
         if self.transformer_impl not in ("local", "transformer_engine"):
             raise ValueError(f"--transformer-impl must be local or transformer_engine, got {self.transformer_impl!r}")
+        for name in ("fp8_dot_product_attention", "fp8_multi_head_attention"):
+            if getattr(self, name):
+                raise ValueError(f"--{name.replace('_', '-')} is not supported: it needs Transformer Engine's fused "
+                                 "attention, and attention here runs in megatron.core's own core attention (the "
+                                 "linear layers around it still run in FP8 with --fp8-format); drop the flag")
         if self.fp8 is None:
             for name, flag in (("fp8_param", "--fp8-param-gather"), ("first_last_layers_bf16", "--first-last-layers-bf16")):
                 if getattr(self, name):

@@ -38,6 +38,9 @@ def add_arguments(parser):
     group.add_argument("--fp8-interval", type=int, default=None,
                        help="DEPRECATED. This flag is ignored. Scaling update interval for fp8 (upstream's own "
                        "words; a warning says so).")
+    group.add_argument("--tp-only-amax-red", action="store_true",
+                       help="Delayed scaling: reduce the amaxes over the tensor-parallel group only (data-parallel "
+                            "replicas keep their own histories).")
     group.add_argument("--fp8-dot-product-attention", action="store_true",
                        help="Not supported (refused): FP8 attention needs Transformer Engine's fused attention.")
     group.add_argument("--fp8-multi-head-attention", action="store_true",
@@ -125,6 +128,7 @@ def transformer_config_kwargs(args):
         "fp8_param": args.fp8_param_gather,
         "keep_fp8_transpose_cache": args.keep_fp8_transpose_cache,
         "fp8_wgrad": args.fp8_wgrad,
+        "tp_only_amax_red": args.tp_only_amax_red,
         "fp8_dot_product_attention": args.fp8_dot_product_attention,
         "fp8_multi_head_attention": args.fp8_multi_head_attention,
         "first_last_layers_bf16": args.first_last_layers_bf16,

@@ -34,3 +34,23 @@ def test_fp8_param_gather_scales_take_the_recipes_margin(recipe, expected_margin
     assert Fp8ParamStorage.from_config(4, "cpu", config).margin == expected_margin
     codec = fp8_gather_codec_policy(torch.nn.Linear(2, 2), config).make_codec()
     assert codec.margin == expected_margin
+
+
+def test_upstream_recipe_enum_configures_the_same_recipe_as_its_name():
+    from megatron.core.enums import Fp8Recipe as RecipeName
+    from megatron.core.fp8_utils import get_fp8_context
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    assert [member.value for member in RecipeName] == ["delayed", "tensorwise", "mxfp8", "blockwise", "custom"]
+    by_enum = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, fp8="hybrid",
+                                fp8_recipe=RecipeName.tensorwise)
+    by_name = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, fp8="hybrid",
+                                fp8_recipe="tensorwise")
+    recipe = Fp8Recipe.from_config(by_enum)
+    assert recipe is Fp8Recipe.from_config(by_name) and type(recipe.scaling) is str
+    assert recipe.scaling == "tensorwise" and not recipe.is_delayed
+    with get_fp8_context(by_enum, 0) as region:
+        assert region.recipe is recipe
+    with pytest.raises(ValueError, match="--fp8-recipe mxfp8 needs Transformer Engine"):
+        TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, fp8="hybrid",
+                          fp8_recipe=RecipeName.mxfp8)
