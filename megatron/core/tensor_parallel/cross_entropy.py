@@ -3,6 +3,10 @@
 Never gathers the full vocabulary: the maximum logit and the sum of exponentials are all-reduced over the
 tensor-parallel group (max first, so exponentials cannot overflow), and the target's logit is contributed
 by the one rank whose vocabulary range holds it. Computed in fp32; the gradient returns in the logits' dtype.
+
+Label smoothing `eps` follows upstream Megatron (not `torch.nn.functional.cross_entropy`): the smoothed target
+keeps `1 - eps` on the label and spreads `eps` evenly over the other `V - 1` tokens of the whole vocabulary
+(`label_smoothing_weight`), so the loss is the same at every tensor-parallel size.
 """
 
 import torch
@@ -10,6 +14,14 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.utils import VocabUtility
+
+
+def label_smoothing_weight(label_smoothing, vocab_size):
+    """The weight `s` of the mean log-probability in the smoothed loss `(1 - s) * ce - s * mean(log p)`: with
+    `s = eps * V / (V - 1)` the target is `1 - eps` on the label and `eps / (V - 1)` on each other token."""
+    if label_smoothing == 0 or vocab_size < 2:
+        return 0.0
+    return label_smoothing * vocab_size / (vocab_size - 1)
 
 
 def _all_reduce_tp(tensor, op=dist.ReduceOp.SUM):
@@ -42,14 +54,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         loss = log_sum_exp - predicted
 
         vocab_size = partition_vocab_size * tp_size
-        if label_smoothing > 0:
-            # Smoothed target: (1 - eps) on the label, eps / V spread uniformly; the mean log-probability
-            # over the vocabulary is summed across ranks.
+        smoothing = label_smoothing_weight(label_smoothing, vocab_size)
+        if smoothing > 0:
+            # The mean log-probability over the whole vocabulary: each rank's partial sum, summed across ranks.
             mean_log_probs = _all_reduce_tp((shifted - log_sum_exp.unsqueeze(-1)).sum(dim=-1)) / vocab_size
-            loss = (1.0 - label_smoothing) * loss - label_smoothing * mean_log_probs
+            loss = (1.0 - smoothing) * loss - smoothing * mean_log_probs
 
         softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
-        ctx.label_smoothing = label_smoothing
+        ctx.smoothing = smoothing
         ctx.vocab_size = vocab_size
         ctx.input_dtype = vocab_parallel_logits.dtype
         ctx.save_for_backward(softmax, target_not_here, local_target)
@@ -60,9 +72,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, target_not_here, local_target = ctx.saved_tensors
         grad = softmax.clone()
         on_target = (~target_not_here).to(grad.dtype)
-        if ctx.label_smoothing > 0:
-            grad -= ctx.label_smoothing / ctx.vocab_size
-            on_target = on_target * (1.0 - ctx.label_smoothing)
+        if ctx.smoothing > 0:
+            grad -= ctx.smoothing / ctx.vocab_size
+            on_target = on_target * (1.0 - ctx.smoothing)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -on_target.unsqueeze(-1))
         grad.mul_(grad_output.float().unsqueeze(-1))
         return grad.to(ctx.input_dtype), None, None

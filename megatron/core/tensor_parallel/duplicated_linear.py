@@ -15,11 +15,11 @@ import torch
 from torch.nn.parameter import Parameter
 
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel.layers import (
-    _Fp8LinearMixin,
-    _parameter_device,
-    _zero_,
+from megatron.core.tensor_parallel.fp8_layer_state import _Fp8LinearMixin
+from megatron.core.tensor_parallel.partitioned_parameters import (
+    parameter_device,
     set_tensor_model_parallel_attributes,
+    zero_parameter,
 )
 
 
@@ -36,7 +36,7 @@ class DuplicatedLinear(_Fp8LinearMixin, torch.nn.Module):
         self.init_method = init_method
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         split_tokens = bool(config.sequence_parallel) and parallel_state.get_tensor_model_parallel_world_size() > 1
-        device = _parameter_device(config)
+        device = parameter_device(config)
         self.weight = Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype, device=device))
         params = [self.weight]
         if bias:
@@ -54,7 +54,7 @@ class DuplicatedLinear(_Fp8LinearMixin, torch.nn.Module):
     def reset_parameters(self):
         if self.config.perform_initialization and not self.weight.is_meta:
             self._initialize_weight()
-        _zero_(self.bias)
+        zero_parameter(self.bias)
 
     def _initialize_weight(self):
         master = torch.empty(self.output_size, self.input_size, dtype=torch.float32, device="cpu")

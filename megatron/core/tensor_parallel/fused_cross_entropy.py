@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.tensor_parallel.cross_entropy import label_smoothing_weight
 from megatron.core.tensor_parallel.utils import VocabUtility
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 22  # 16 MiB of fp32 per chunk
@@ -60,10 +61,11 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
         _all_reduce_tp(sums, dist.ReduceOp.SUM)
         log_sum_exp = sums[1].log()
         loss = log_sum_exp - sums[0]
-        if label_smoothing > 0:
+        smoothing = label_smoothing_weight(label_smoothing, vocab_size)
+        if smoothing > 0:
             mean_log_probs = sums[2] / vocab_size - log_sum_exp
-            loss = (1.0 - label_smoothing) * loss - label_smoothing * mean_log_probs
-        ctx.label_smoothing, ctx.vocab_size, ctx.chunk_elements = label_smoothing, vocab_size, chunk_elements
+            loss = (1.0 - smoothing) * loss - smoothing * mean_log_probs
+        ctx.smoothing, ctx.vocab_size, ctx.chunk_elements = smoothing, vocab_size, chunk_elements
         ctx.logits_shape = logits.shape
         ctx.save_for_backward(rows, row_max, sums[1].clone(), local_target, target_not_here)
         return loss.reshape(target.shape)
@@ -72,13 +74,13 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_output):
         rows, row_max, sum_exp, local_target, target_not_here = ctx.saved_tensors
         grad_rows = grad_output.reshape(-1).float()
-        on_target = (~target_not_here).float() * (1.0 - ctx.label_smoothing)
+        on_target = (~target_not_here).float() * (1.0 - ctx.smoothing)
         grad = torch.empty_like(rows)
         for start, end in _row_chunks(rows.size(0), rows.size(-1), ctx.chunk_elements):
             softmax = (rows[start:end].float() - row_max[start:end].unsqueeze(-1)).exp_()
             softmax.div_(sum_exp[start:end].unsqueeze(-1))
-            if ctx.label_smoothing > 0:
-                softmax -= ctx.label_smoothing / ctx.vocab_size
+            if ctx.smoothing > 0:
+                softmax -= ctx.smoothing / ctx.vocab_size
             softmax.scatter_add_(-1, local_target[start:end].unsqueeze(-1), -on_target[start:end].unsqueeze(-1))
             softmax.mul_(grad_rows[start:end].unsqueeze(-1))
             grad[start:end] = softmax

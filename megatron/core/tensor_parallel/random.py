@@ -13,6 +13,7 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.device_utils import get_current_device, get_rng_state, manual_seed_device, set_rng_state
+from megatron.core.tensor_parallel.utils import gather_split_1d_tensor, split_tensor_into_1d_equal_chunks
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
 _EXPERT_PARALLEL_RNG_TRACKER_NAME = "expert-parallel-rng"
@@ -70,9 +71,19 @@ class RNGStatesTracker:
 _RNG_STATE_TRACKER = RNGStatesTracker()
 
 
-def get_cuda_rng_tracker():
-    """The process-wide tracker (for the current device, despite the name)."""
+def get_cuda_rng_tracker(use_te_rng_tracker=False, inference_rng_tracker=False, use_cudagraphable_rng=False):
+    """The process-wide tracker (for the current device, despite the name). Upstream's switches for its other
+    trackers are accepted left False and refused otherwise, as in `model_parallel_cuda_manual_seed`."""
+    _refuse_other_trackers("get_cuda_rng_tracker", use_te_rng_tracker=use_te_rng_tracker,
+                           inference_rng_tracker=inference_rng_tracker, use_cudagraphable_rng=use_cudagraphable_rng)
     return _RNG_STATE_TRACKER
+
+
+def _refuse_other_trackers(caller, **switches):
+    for name, value in switches.items():
+        if value:
+            raise ValueError(f"{caller}({name}=True) asks for a random-number tracker this implementation does "
+                             "not have; leave it False (the one tracker serves training and inference)")
 
 
 def get_data_parallel_rng_tracker_name():
@@ -96,12 +107,8 @@ def model_parallel_cuda_manual_seed(seed, te_rng_tracker=False, inference_rng_tr
     parallel_state reports; `force_reset_rng` is accepted (the tracker is always reset). Upstream's other trackers
     (Transformer Engine's, the inference one, CUDA-graph-safe generators) are refused: leave those switches False.
     """
-    for name, value in (("te_rng_tracker", te_rng_tracker), ("inference_rng_tracker", inference_rng_tracker),
-                        ("use_cudagraphable_rng", use_cudagraphable_rng)):
-        if value:
-            raise ValueError(f"model_parallel_cuda_manual_seed({name}=True) asks for a random-number tracker this "
-                             "implementation does not have; leave it False (the one tracker serves training and "
-                             "inference)")
+    _refuse_other_trackers("model_parallel_cuda_manual_seed", te_rng_tracker=te_rng_tracker,
+                           inference_rng_tracker=inference_rng_tracker, use_cudagraphable_rng=use_cudagraphable_rng)
     if tp_rank is None:
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
     if ep_rank is None:
@@ -137,17 +144,23 @@ def _restore_rng_states(states):
 
 
 class CheckpointFunction(torch.autograd.Function):
-    """Run `function` without keeping activations; recompute it in backward under the same RNG states."""
+    """Run `function` without keeping activations; recompute it in backward under the same RNG states. With
+    `distribute_saved_activations` only this tensor-parallel rank's 1/TP of the first argument (flattened) is kept
+    until backward, which all-gathers it over the tensor-parallel group."""
 
     @staticmethod
-    def forward(ctx, function, *args):
+    def forward(ctx, function, distribute_saved_activations, *args):
         ctx.function = function
         ctx.rng_states = _capture_rng_states()
         with torch.no_grad():
             outputs = function(*args)
-        ctx.input_requires_grad = [torch.is_tensor(a) and a.requires_grad for a in args]
-        tensor_args = [a if torch.is_tensor(a) else None for a in args]
-        ctx.non_tensor_args = [None if torch.is_tensor(a) else a for a in args]
+        saved_args = list(args)
+        ctx.distributed_input = None
+        if distribute_saved_activations:
+            ctx.distributed_input = (args[0].shape, args[0].requires_grad)
+            saved_args[0] = split_tensor_into_1d_equal_chunks(args[0].detach(), new_buffer=True)
+        tensor_args = [a if torch.is_tensor(a) else None for a in saved_args]
+        ctx.non_tensor_args = [None if torch.is_tensor(a) else a for a in saved_args]
         ctx.save_for_backward(*[a for a in tensor_args if a is not None])
         ctx.tensor_positions = [i for i, a in enumerate(tensor_args) if a is not None]
         return outputs
@@ -158,8 +171,12 @@ class CheckpointFunction(torch.autograd.Function):
             raise RuntimeError("activation recomputation does not support torch.autograd.grad; use .backward()")
         args = list(ctx.non_tensor_args)
         for position, saved in zip(ctx.tensor_positions, ctx.saved_tensors):
+            requires_grad = saved.requires_grad
+            if position == 0 and ctx.distributed_input is not None:
+                shape, requires_grad = ctx.distributed_input
+                saved = gather_split_1d_tensor(saved).view(shape)
             detached = saved.detach()
-            detached.requires_grad_(saved.requires_grad)
+            detached.requires_grad_(requires_grad)
             args[position] = detached
         states_now = _capture_rng_states()
         _restore_rng_states(ctx.rng_states)
@@ -174,18 +191,26 @@ class CheckpointFunction(torch.autograd.Function):
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         grads = tuple(a.grad if torch.is_tensor(a) and a.requires_grad else None for a in args)
-        return (None,) + grads
+        return (None, None) + grads
 
 
 def checkpoint(function, distribute_saved_activations, *args):
     """Recompute `function(*args)` during backward instead of storing its activations.
 
-    `distribute_saved_activations` (splitting the saved input across tensor-parallel ranks) is not
-    supported and must be False.
+    With `distribute_saved_activations` (upstream's `--distribute-saved-activations`) the first argument, a tensor
+    that must be the same on every tensor-parallel rank (no sequence parallelism), is kept as this rank's 1/TP of
+    its flattened elements and all-gathered for the recompute.
     """
     if distribute_saved_activations:
-        raise ValueError("distribute_saved_activations=True is not supported; pass False")
-    return CheckpointFunction.apply(function, *args)
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        if not args or not torch.is_tensor(args[0]):
+            raise ValueError("checkpoint(function, distribute_saved_activations=True, *args) splits the first "
+                             "argument across tensor-parallel ranks: pass a tensor first")
+        if args[0].numel() % tp_size != 0:
+            raise ValueError(f"checkpoint(distribute_saved_activations=True): the first argument has "
+                             f"{args[0].numel()} elements, not divisible by the tensor-parallel size {tp_size}; "
+                             "pass distribute_saved_activations=False for it")
+    return CheckpointFunction.apply(function, bool(distribute_saved_activations), *args)
 
 
 class _CheckpointWithoutOutputFunction(torch.autograd.Function):

@@ -1,4 +1,4 @@
-"""vocab_parallel_cross_entropy against F.cross_entropy on the full vocabulary, forward and backward."""
+"""vocab_parallel_cross_entropy against the cross entropy on the full vocabulary, forward and backward."""
 
 import pytest
 import torch
@@ -17,11 +17,15 @@ from tests.unit_tests.tensor_parallel.tp_helpers import (
 SEQ, BATCH, VOCAB = 5, 3, 16
 
 
+def _smoothed_target(target, label_smoothing):
+    """Upstream Megatron's smoothed target: 1 - eps on the label, eps / (V - 1) on every other token."""
+    one_hot = F.one_hot(target, VOCAB).float()
+    return one_hot * (1.0 - label_smoothing) + (1.0 - one_hot) * label_smoothing / (VOCAB - 1)
+
+
 def _reference(logits, target, upstream, label_smoothing):
     logits = logits.clone().requires_grad_()
-    loss = F.cross_entropy(
-        logits.reshape(-1, VOCAB), target.reshape(-1), reduction="none", label_smoothing=label_smoothing
-    ).reshape(target.shape)
+    loss = -(_smoothed_target(target, label_smoothing) * F.log_softmax(logits, dim=-1)).sum(dim=-1)
     loss.backward(upstream)
     return loss.detach(), logits.grad
 
@@ -65,6 +69,27 @@ def test_single_rank_bf16_logits_return_fp32_loss_and_bf16_grad():
     torch.testing.assert_close(loss.detach(), expected, atol=1e-5, rtol=1e-5)
     loss.sum().backward()
     assert logits.grad.dtype == torch.bfloat16
+
+
+def test_label_smoothing_follows_upstream_on_one_rank():
+    """Upstream's smoothing puts eps / (V - 1) on each non-label token (torch's puts eps / V on every token): with
+    eps = 0.5 and V = 16 the loss of uniform logits is log(16) for either, but the gradient on the label is
+    1/16 - 0.5 here against 1/16 - (1 - 0.5 + 0.5/16) in torch's convention."""
+    logits = shared_randn(4, VOCAB, seed=6).requires_grad_()
+    target = torch.tensor([0, 3, VOCAB - 1, 7])
+    loss = vocab_parallel_cross_entropy(logits, target, label_smoothing=0.5)
+    log_probs = torch.log_softmax(logits.detach(), dim=-1)
+    on_label = log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    by_hand = -(0.5 * on_label + 0.5 / (VOCAB - 1) * (log_probs.sum(dim=-1) - on_label))
+    torch.testing.assert_close(loss.detach(), by_hand, atol=1e-6, rtol=1e-6)
+    loss.sum().backward()
+    torch.testing.assert_close(logits.grad, log_probs.exp() - _smoothed_target(target, 0.5), atol=1e-6, rtol=1e-6)
+
+    uniform = torch.zeros(1, VOCAB, requires_grad=True)
+    loss = vocab_parallel_cross_entropy(uniform, torch.tensor([2]), label_smoothing=0.5)
+    torch.testing.assert_close(loss.detach(), torch.tensor([torch.log(torch.tensor(16.0)).item()]))
+    loss.sum().backward()
+    torch.testing.assert_close(uniform.grad[0, 2], torch.tensor(1 / 16 - 0.5))
 
 
 @pytest.mark.parametrize("label_smoothing", [-0.1, 1.0, 1.5])

@@ -46,7 +46,8 @@ def _column_parallel_matches_linear():
             gather_output=gather_output, skip_bias_add=skip_bias_add,
         )
         assert tuple(layer.weight.shape) == (OUT_FEATURES // tp, IN_FEATURES)
-        assert (layer.weight.tensor_model_parallel, layer.weight.partition_dim, layer.weight.partition_stride) == (True, 0, 1)
+        partitioning = (layer.weight.tensor_model_parallel, layer.weight.partition_dim, layer.weight.partition_stride)
+        assert partitioning == (True, 0, 1)
         assert layer.bias.tensor_model_parallel and layer.bias.partition_dim == 0
         with torch.no_grad():
             layer.weight.copy_(chunk(weight, 0, rank, tp))
@@ -132,7 +133,8 @@ def _vocab_parallel_embedding_matches_embedding():
     assert_close(gather_partitions(layer.weight.grad, 0), reference.weight.grad, "embedding weight grad")
 
     # Sequence-parallel variant: [b, s] ids -> this rank's [s / tp, b, h] chunk of the summed embeddings.
-    scattering = VocabParallelEmbedding(vocab, hidden, init_method=_normal(), config=config, reduce_scatter_embeddings=True)
+    scattering = VocabParallelEmbedding(vocab, hidden, init_method=_normal(), config=config,
+                                        reduce_scatter_embeddings=True)
     with torch.no_grad():
         scattering.weight.copy_(chunk(table, 0, rank, tp))
     ids_for_sequence_split = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(12))
@@ -309,7 +311,8 @@ def test_gradient_accumulation_fusion_adds_into_main_grad():
 
 def test_weightless_column_layer_uses_given_weight():
     config = ModelParallelConfig()
-    layer = ColumnParallelLinear(4, 6, config=config, init_method=_normal(), bias=False, skip_weight_param_allocation=True)
+    layer = ColumnParallelLinear(4, 6, config=config, init_method=_normal(), bias=False,
+                                 skip_weight_param_allocation=True)
     assert layer.weight is None and list(layer.parameters()) == []
     weight = torch.randn(6, 4, requires_grad=True)
     x = torch.randn(2, 4)
@@ -466,3 +469,27 @@ def test_vocab_parallel_embedding_has_upstreams_sharded_state_dict():
     """As upstream's VocabParallelEmbedding (and this project's linears): its rows of the whole table."""
     results = run_on_ranks(2, _embedding_sharded_state_dict)
     assert results == [((16, IN_FEATURES), (0, 0), True), ((16, IN_FEATURES), (8, 0), True)]
+
+
+def test_layers_call_the_linear_function_through_the_layers_module(monkeypatch):
+    # modelopt's Megatron plugin wraps `layers.linear_with_grad_accumulation_and_async_allreduce` and expects the
+    # column- and row-parallel layers to call the wrapped function.
+    from megatron.core.tensor_parallel import layers
+
+    original = layers.linear_with_grad_accumulation_and_async_allreduce
+    calls = []
+
+    def doubling_linear(input_, weight, bias, *args, **kwargs):
+        calls.append(tuple(weight.shape))
+        return 2 * original(input_, weight, bias, *args, **kwargs)
+
+    monkeypatch.setattr(layers, "linear_with_grad_accumulation_and_async_allreduce", doubling_linear)
+    config = ModelParallelConfig()
+    column = ColumnParallelLinear(4, 6, config=config, init_method=_normal(), bias=False)
+    row = RowParallelLinear(6, 4, config=config, init_method=_normal(), bias=False, input_is_parallel=True)
+    x = torch.randn(2, 4)
+    hidden, _ = column(x)
+    output, _ = row(hidden)
+    assert calls == [(6, 4), (4, 6)]
+    torch.testing.assert_close(hidden, 2 * x @ column.weight.t())
+    torch.testing.assert_close(output, 2 * hidden @ row.weight.t())

@@ -143,9 +143,46 @@ def test_checkpoint_recomputes_with_same_dropout_and_gradients():
         results.append((output.detach(), inputs.grad, linear.weight.grad.clone(), after))
     for plain, recomputed in zip(*results):
         torch.testing.assert_close(recomputed, plain, atol=1e-6, rtol=1e-6)
-    with pytest.raises(ValueError, match="distribute_saved_activations"):
-        checkpoint(block, True, x)
+    with pytest.raises(ValueError, match="distribute_saved_activations=True.*pass a tensor first"):
+        checkpoint(lambda scale, inputs: block(inputs) * scale, True, 2.0, x)
     get_cuda_rng_tracker().reset()
+
+
+def _distributed_checkpoint_per_rank():
+    _, rank, tp = setup_tensor_parallel()
+    linear = torch.nn.Linear(6, 6)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(6, 6, generator=torch.Generator().manual_seed(1)))
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(2))
+
+    def block(inputs, scale):
+        with get_cuda_rng_tracker().fork():
+            return torch.nn.functional.dropout(linear(inputs), p=0.5, training=True) * scale
+
+    results = []
+    for distribute in (None, False, True):
+        model_parallel_cuda_manual_seed(3)
+        linear.zero_grad()
+        inputs = x.clone().requires_grad_()
+        output = block(inputs, 2.0) if distribute is None else checkpoint(block, distribute, inputs, 2.0)
+        kept = [] if distribute is None else [saved.numel() for saved in output.grad_fn.saved_tensors]
+        output.sum().backward()
+        results.append((output.detach(), inputs.grad, linear.weight.grad.clone(), kept))
+    with pytest.raises(ValueError, match="has 5 elements, not divisible by the tensor-parallel size 2"):
+        checkpoint(block, True, torch.ones(5), 2.0)
+    get_cuda_rng_tracker().reset()
+    return rank, results
+
+
+def test_checkpoint_distributes_its_saved_input_over_tensor_parallel_ranks():
+    """Upstream's `checkpoint(function, True, hidden, ...)`: each rank keeps 1/TP of the input (here 24 / 2
+    elements instead of 24), the recompute all-gathers it, and outputs and gradients equal a plain forward's."""
+    for rank, (plain, undistributed, distributed) in run_on_ranks(2, _distributed_checkpoint_per_rank):
+        assert undistributed[3] == [24] and distributed[3] == [12]
+        for name, expected, kept_whole, kept_split in zip(("output", "input grad", "weight grad"), plain,
+                                                           undistributed, distributed):
+            torch.testing.assert_close(kept_whole, expected, atol=1e-6, rtol=1e-6, msg=f"rank {rank} {name}")
+            torch.testing.assert_close(kept_split, expected, atol=1e-6, rtol=1e-6, msg=f"rank {rank} {name}")
 
 
 def test_upstream_tracker_names_and_seed_switches():
@@ -162,4 +199,9 @@ def test_upstream_tracker_names_and_seed_switches():
     torch.testing.assert_close(expert_draw, torch.rand(3, generator=torch.Generator().manual_seed(5 + 1024)))
     with pytest.raises(ValueError, match=r"model_parallel_cuda_manual_seed\(te_rng_tracker=True\)"):
         model_parallel_cuda_manual_seed(5, te_rng_tracker=True)
+    # Upstream's keywords of get_cuda_rng_tracker: the one tracker when left False.
+    assert get_cuda_rng_tracker(use_te_rng_tracker=False, inference_rng_tracker=False,
+                                use_cudagraphable_rng=False) is tracker
+    with pytest.raises(ValueError, match=r"get_cuda_rng_tracker\(inference_rng_tracker=True\)"):
+        get_cuda_rng_tracker(inference_rng_tracker=True)
     assert callable(tensor_parallel.linear_with_grad_accumulation_and_async_allreduce)

@@ -47,6 +47,31 @@ def test_broadcast_data(world_size):
     assert run_on_ranks(world_size, _broadcast_from_rank_zero) == [expected] * world_size
 
 
+def test_broadcast_data_checks_the_dtype_on_one_rank_too():
+    """As upstream, rank 0 checks every tensor's dtype at any tensor-parallel size, so a batch of the wrong dtype
+    fails at TP1 as it would at TP2 instead of coming back unconverted."""
+    tokens = torch.arange(6).view(2, 3)
+    assert torch.equal(broadcast_data(["tokens"], {"tokens": tokens}, torch.int64)["tokens"], tokens)
+    with pytest.raises(ValueError, match=r"broadcast_data: labels has dtype torch.float32, expected torch.int64"):
+        broadcast_data(["tokens", "labels"], {"tokens": tokens, "labels": tokens.float()}, torch.int64)
+
+
+def _broadcast_a_float_batch_as_int64():
+    _, rank, _ = setup_tensor_parallel()
+    data = {"tokens": torch.arange(4), "labels": torch.ones(4)} if rank == 0 else None
+    with pytest.raises(ValueError) as error:
+        broadcast_data(["tokens", "labels"], data, torch.int64)
+    return str(error.value)
+
+
+def test_broadcast_data_of_a_wrong_dtype_raises_on_every_rank():
+    """Rank 0 used to raise alone while the other ranks waited for its broadcast."""
+    rank_zero, rank_one = run_on_ranks(2, _broadcast_a_float_batch_as_int64, timeout_s=60)
+    assert rank_zero == ("broadcast_data: labels has dtype torch.float32, expected torch.int64; convert it or pass "
+                         "its dtype as datatype")
+    assert rank_one == "broadcast_data: labels on tensor-parallel rank 0 does not have dtype torch.int64"
+
+
 def _split_and_gather_1d_chunks():
     from megatron.core.tensor_parallel import gather_split_1d_tensor, split_tensor_into_1d_equal_chunks
 
