@@ -1,12 +1,9 @@
 """Train / validation / test data iterators for `pretrain()`: sample counts, datasets, samplers, loaders."""
 
-import signal
-
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state
-from megatron.training.validation_sets import build_validation_sets, evaluation_stream
+from megatron.training.validation_sets import build_validation_sets, endless, evaluation_stream
 
 
 def dataset_sample_counts(args):
@@ -22,6 +19,31 @@ def dataset_sample_counts(args):
     return [train_samples, valid_samples, test_samples]
 
 
+def get_train_valid_test_num_samples():
+    """Upstream's name: the samples each split must provide (`dataset_sample_counts`) for the parsed arguments."""
+    from megatron.training.global_state import get_args
+
+    return dataset_sample_counts(get_args())
+
+
+def build_train_valid_test_data_iterators(build_train_valid_test_datasets_provider):
+    """Upstream's entry point for a script with its own training loop, after `initialize_megatron()` (and a
+    checkpoint load): `build_data_iterators` for the parsed arguments. As upstream's, a loaded iteration without a
+    recorded `consumed_train_samples` counts `iteration x --global-batch-size` samples as consumed."""
+    from megatron.training.global_state import get_args
+
+    args = get_args()
+    iteration = getattr(args, "iteration", 0) or 0
+    if not getattr(args, "consumed_train_samples", 0) and iteration > 0 and not getattr(args, "train_samples", None):
+        args.consumed_train_samples = iteration * args.global_batch_size
+    args.consumed_train_samples = getattr(args, "consumed_train_samples", 0) or 0
+    return build_data_iterators(build_train_valid_test_datasets_provider, args)
+
+
+# Upstream's name for the helper that reads a loader pass after pass, without end.
+cyclic_iter = endless
+
+
 def build_data_iterators(train_valid_test_dataset_provider, args):
     """(train, valid, test) iterators for this rank's data-parallel slice; None for a missing split.
 
@@ -35,7 +57,7 @@ def build_data_iterators(train_valid_test_dataset_provider, args):
     sample of a GPT dataset, and every batch of any dataset, has its token ids checked against
     `args.padded_vocab_size` (`limit_token_ids`, `TokenIdCheckedLoader`).
     """
-    from megatron.training.datasets.data_samplers import build_pretraining_data_loader
+    from megatron.training.datasets.data_samplers import build_pretraining_data_loader, loader_settings_from_args
     from megatron.training.datasets.gpt_dataset_config import check_datasets_follow_flags
 
     dataloader_type = getattr(args, "dataloader_type", "single")
@@ -48,20 +70,13 @@ def build_data_iterators(train_valid_test_dataset_provider, args):
     train_dataset, valid_dataset, test_dataset = datasets
     _limit_token_ids(datasets, args)
     _check_unweighted_blend_is_long_enough(train_dataset, sample_counts[0], dataloader_type)
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
-    # The signal the rank catches to save and exit: the loader's worker processes must outlive it.
-    caught_signal = (signal.Signals[getattr(args, "exit_signal", "SIGTERM")]
-                     if getattr(args, "exit_signal_handler", False) else None)
+    settings = loader_settings_from_args(args)
 
     def loader(dataset, consumed_samples, dataloader_type=dataloader_type):
         if dataset is None or len(dataset) == 0:
             return None
         return TokenIdCheckedLoader(build_pretraining_data_loader(
-            dataset, consumed_samples, args.micro_batch_size, dp_rank, dp_size, args.num_workers,
-            dataloader_type=dataloader_type, seed=args.seed, data_sharding=getattr(args, "data_sharding", True),
-            worker_ignored_signal=caught_signal,
-        ), args)
+            dataset, consumed_samples, **{**settings, "dataloader_type": dataloader_type}), args)
 
     # A resumed run's evaluations continue after the samples earlier ones took; a --skip-train evaluation starts at
     # the first validation sample whatever iteration it loaded, as upstream's.
@@ -79,7 +94,10 @@ def build_data_iterators(train_valid_test_dataset_provider, args):
         valid = None
         if valid_dataset is not None and len(valid_dataset) > 0:
             valid = evaluation_stream(valid_dataset, loader, consumed_valid_samples, dataloader_type)
-    return iter(train_loader) if train_loader is not None else None, valid, test
+    if train_loader is None:
+        return None, valid, test
+    # A cyclic loader's every pass is the rest of one epoch (as upstream's sampler): passes follow one another.
+    return (endless(train_loader) if dataloader_type == "cyclic" else iter(train_loader)), valid, test
 
 
 class TokenIdCheckedLoader:

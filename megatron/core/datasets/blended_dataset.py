@@ -29,21 +29,34 @@ def blending_schedule(weights, size, path_to_cache=None, description=None):
     return arrays["dataset_index"], arrays["dataset_sample_index"]
 
 
+def _blend_description(datasets):
+    """What identifies a blend of `datasets` in the schedule's cache key: each dataset's prefix, split and size."""
+    return [None if dataset is None else [str(getattr(dataset, "dataset_path", type(dataset).__name__)),
+                                          str(getattr(getattr(dataset, "split", None), "name", None)), len(dataset)]
+            for dataset in datasets]
+
+
 class BlendedDataset(torch.utils.data.Dataset):
     """Sample i is `datasets[dataset_index[i]][dataset_sample_index[i]]`.
 
     The schedule gives every dataset its weighted share within one sample (see `build_blending_indices`).
-    A dataset whose share is zero samples may be None. A dict sample (GPT's) gains upstream's `dataset_id`, the
+    A dataset whose share is zero samples may be None.
+    `config` is upstream's fourth argument (the datasets' `GPTDatasetConfig`): the schedule is then cached in its
+    `path_to_cache`. `split` is the datasets' split. A dict sample (GPT's) gains upstream's `dataset_id`, the
     position of its dataset in `datasets` (a numpy int16 scalar, an int16 tensor once batched); the training step
     reads only the keys it needs.
     """
 
-    def __init__(self, datasets, weights, size, dataset_index=None, dataset_sample_index=None):
+    def __init__(self, datasets, weights, size, config=None, dataset_index=None, dataset_sample_index=None):
         self.datasets = list(datasets)
         self.weights = normalize_weights(weights, len(self.datasets))
         self.size = int(size)
+        self.config = config
+        splits = {getattr(dataset, "split", None) for dataset in self.datasets if dataset is not None}
+        self.split = splits.pop() if len(splits) == 1 else None
         if dataset_index is None:
-            dataset_index, dataset_sample_index = blending_schedule(weights, self.size)
+            dataset_index, dataset_sample_index = blending_schedule(
+                weights, self.size, getattr(config, "path_to_cache", None), _blend_description(self.datasets))
         if len(dataset_index) != self.size or len(dataset_sample_index) != self.size:
             raise ValueError(f"blending schedule has {len(dataset_index)} entries for {self.size} samples")
         self.dataset_index = dataset_index

@@ -291,6 +291,17 @@ class GPTDataset(torch.utils.data.Dataset):
     def __len__(self):
         return len(self.shuffle_index)
 
+    @staticmethod
+    def build_low_level_dataset(dataset_path, config):
+        """Upstream's: the `IndexedDataset` of prefix `dataset_path`, memory-mapped as `config.mmap_bin_files` says."""
+        return IndexedDataset(dataset_path, multimodal=False, mmap=config.mmap_bin_files)
+
+    @staticmethod
+    def numel_low_level_dataset(low_level_dataset):
+        """Upstream's: the number of documents (sequences) of an `IndexedDataset`, the range `indexed_indices`
+        picks from."""
+        return low_level_dataset.sequence_lengths.shape[0]
+
     def document_pieces(self, idx):
         """[(document id, its token ids in the window)] of sample `idx` (before any shuffling), in window order."""
         first_position, first_offset = (int(value) for value in self.sample_index[idx])
@@ -488,7 +499,7 @@ def _build_split(config, split, weights, indexed, document_ranges, count, split_
                                if weighted else [None] * len(indexed))
         parts = _map(config, lambda part: _gpt_dataset(part[0], part[1], part[2], split, config),
                      list(zip(indexed, document_ranges, samples_per_dataset)))
-    return BlendedDataset(parts, weights, count, dataset_index, dataset_sample_index)
+    return BlendedDataset(parts, weights, count, config, dataset_index, dataset_sample_index)
 
 
 def _samples_per_epoch(config, split, indexed, document_ranges):

@@ -257,10 +257,15 @@ class IndexedDataset:
     length)` reads part of a sequence without touching the rest. With `mmap=False` (`--no-mmap-bin-files`) the
     `.bin` is not memory-mapped: each read takes only the tokens it needs from the file, as upstream's (for
     filesystems where mapping is slow); nothing of the file is kept in memory.
-    The arguments are upstream's, in its order; its multimodal datasets (a mode per sequence) are not supported.
+    The arguments are upstream's, in its order; its multimodal datasets (a mode per sequence) and object storage
+    (`object_storage_config`, `s3_config`: accepted as None) are not supported.
     """
 
-    def __init__(self, path_prefix, multimodal=False, mmap=True):
+    def __init__(self, path_prefix, multimodal=False, mmap=True, object_storage_config=None, s3_config=None):
+        if object_storage_config is not None or s3_config is not None:
+            raise ValueError(f"IndexedDataset({path_prefix!r}): reading from object storage (object_storage_config, "
+                             "s3_config) is not supported; copy the .bin/.idx files to a local or shared filesystem "
+                             "and open them with these arguments left None")
         if multimodal:
             raise ValueError(f"IndexedDataset({path_prefix!r}, multimodal=True): multimodal datasets (a mode per "
                              "sequence) are not supported; open text datasets with multimodal=False")

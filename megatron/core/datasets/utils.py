@@ -62,7 +62,7 @@ def blend_from_data_path(data_path):
 
     Accepts `["prefix"]`, `["p1", "p2"]` (equal weights, returned as None) and `["0.3", "p1", "0.7", "p2"]`.
     """
-    values = [str(value) for value in data_path]
+    values = [str(value).strip() for value in data_path]
     if not values:
         raise ValueError("--data-path is empty; give one or more dataset prefixes (optionally with weights)")
 
@@ -186,8 +186,10 @@ def load_or_build_indices(path_to_cache, kind, description, build):
     return arrays, False
 
 
-# Megatron-Core's name for the `--data-path` parser.
-get_blend_from_list = blend_from_data_path
+def get_blend_from_list(blend):
+    """Megatron-Core's name for the `--data-path` parser: None (no `--data-path`, e.g. `--mock-data`) gives None,
+    as upstream's, so a provider may pass `args.data_path` through unconditionally."""
+    return None if blend is None else blend_from_data_path(blend)
 
 
 def compile_helpers():

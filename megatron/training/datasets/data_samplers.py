@@ -10,6 +10,8 @@ import signal
 
 import torch
 
+from megatron.core.datasets.utils import Split
+
 
 def _ignore_in_worker(signal_number, worker_id):
     """`worker_init_fn`: the worker ignores `signal_number`. torch's workers die on a SIGTERM that does not come
@@ -68,7 +70,9 @@ class MegatronPretrainingSampler:
 
 
 class MegatronPretrainingRandomSampler:
-    """`--dataloader-type cyclic`: endless epochs over the dataset, each in a new random order, as upstream's.
+    """`--dataloader-type cyclic`: epochs over the dataset, each in a new random order, as upstream's. Each
+    iteration yields the rest of the epoch `consumed_samples` is in and advances `consumed_samples` past it, so the
+    next iteration (the training iterator's next pass over the loader) reads the next epoch.
 
     With `E = total - total % (micro_batch_size x data_parallel_size)` samples an epoch, `consumed_samples` fixes the
     epoch `consumed // E` and the point reached in it; epoch e's order is `torch.randperm` from a generator seeded
@@ -114,27 +118,60 @@ class MegatronPretrainingRandomSampler:
         return permutation[done_in_epoch:][self.data_parallel_rank::self.data_parallel_size]
 
     def __iter__(self):
-        consumed = self.consumed_samples
-        while True:
-            epoch, done_in_epoch = divmod(consumed, self.samples_per_epoch)
-            order = self.rank_order(epoch, done_in_epoch)
-            for start in range(0, len(order) - self.micro_batch_size + 1, self.micro_batch_size):
-                consumed += self.global_micro_batch_size
-                yield order[start : start + self.micro_batch_size]
+        epoch, done_in_epoch = divmod(self.consumed_samples, self.samples_per_epoch)
+        order = self.rank_order(epoch, done_in_epoch)
+        for start in range(0, len(order) - self.micro_batch_size + 1, self.micro_batch_size):
+            self.consumed_samples += self.global_micro_batch_size
+            yield order[start : start + self.micro_batch_size]
+
+
+def loader_settings_from_args(args):
+    """The keyword arguments of `build_pretraining_data_loader` that the command line and the data-parallel group
+    give: --micro-batch-size, this rank's place in its data-parallel group, --num-workers, --dataloader-type,
+    --seed, --no-data-sharding and the signal --exit-signal-handler catches (the loader's workers outlive it)."""
+    from megatron.core import parallel_state
+
+    caught_signal = (signal.Signals[getattr(args, "exit_signal", "SIGTERM")]
+                     if getattr(args, "exit_signal_handler", False) else None)
+    return dict(micro_batch_size=args.micro_batch_size,
+                data_parallel_rank=parallel_state.get_data_parallel_rank(),
+                data_parallel_size=parallel_state.get_data_parallel_world_size(),
+                num_workers=args.num_workers, dataloader_type=getattr(args, "dataloader_type", "single"),
+                seed=args.seed, data_sharding=getattr(args, "data_sharding", True), worker_ignored_signal=caught_signal)
 
 
 def build_pretraining_data_loader(
-    dataset, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size, num_workers=0,
-    dataloader_type="single", seed=0, data_sharding=True, worker_ignored_signal=None,
+    dataset, consumed_samples, micro_batch_size=None, data_parallel_rank=None, data_parallel_size=None,
+    num_workers=0, dataloader_type="single", seed=0, data_sharding=True, worker_ignored_signal=None,
 ):
     """A DataLoader yielding batch dicts of `[micro_batch_size, seq_length]` tensors for this DP rank:
-    in the dataset's order (`single`) or reshuffled every epoch, without end (`cyclic`, with `data_sharding` as
-    `--no-data-sharding` leaves it). `seed` seeds the workers, not the order. `worker_ignored_signal`: a signal
-    the worker processes ignore (the one --exit-signal-handler catches in the rank)."""
+    in the dataset's order (`single`) or in a new random order every epoch (`cyclic`, with `data_sharding` as
+    `--no-data-sharding` leaves it; each pass over the loader is the rest of one epoch, as upstream's); `external`
+    returns `dataset` itself, as upstream's. `seed` seeds the workers, not the order. `worker_ignored_signal`: a
+    signal the worker processes ignore (the one --exit-signal-handler catches in the rank).
+
+    Upstream's form, `build_pretraining_data_loader(dataset, consumed_samples)`, takes every setting from the
+    parsed arguments (`get_args()`, after `initialize_megatron`) and the data-parallel group, and reads a
+    validation split from its start with --full-validation, as upstream's."""
     if dataset is None:
         return None
+    if micro_batch_size is None:
+        if data_parallel_rank is not None or data_parallel_size is not None:
+            raise TypeError("build_pretraining_data_loader: give micro_batch_size with data_parallel_rank and "
+                            "data_parallel_size, or none of them to take all three from the parsed arguments")
+        from megatron.training.global_state import get_args
+
+        args = get_args()
+        if getattr(args, "full_validation", False) and getattr(dataset, "split", None) is Split.valid:
+            consumed_samples = 0
+        return build_pretraining_data_loader(dataset, consumed_samples, **loader_settings_from_args(args))
+    if data_parallel_rank is None or data_parallel_size is None:
+        raise TypeError("build_pretraining_data_loader: micro_batch_size needs data_parallel_rank and "
+                        "data_parallel_size too")
+    if dataloader_type == "external":
+        return dataset
     if dataloader_type not in ("single", "cyclic"):
-        raise ValueError(f"--dataloader-type {dataloader_type}: this loader serves single and cyclic")
+        raise ValueError(f"--dataloader-type {dataloader_type}: choose single, cyclic or external")
     if dataloader_type == "cyclic":
         sampler = MegatronPretrainingRandomSampler(dataset, len(dataset), consumed_samples, micro_batch_size,
                                                    data_parallel_rank, data_parallel_size, data_sharding)

@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -122,3 +124,23 @@ def test_blend_without_weights_follows_dataset_sizes(tmp_path):
     # Without weights no surplus: each dataset is one shuffled epoch, as upstream's.
     assert [part.num_samples for part in train.datasets] == [None, None]
     assert [len(part) for part in train.datasets] == [11, 33]
+
+
+def test_upstreams_blended_dataset_arguments_with_the_config(tmp_path):
+    # Upstream's BlendedDataset(datasets, weights, size, config): the config's cache keeps the schedule, and the
+    # blend serves what the builder's blend of the same datasets serves.
+    prefixes = [str(tmp_path / "a"), str(tmp_path / "b")]
+    for seed, prefix in enumerate(prefixes):
+        write_documents(prefix, num_documents=12, seed=seed)
+    config = GPTDatasetConfig(random_seed=2, sequence_length=8, blend=blend_from_data_path(["1", prefixes[0], "3",
+                              prefixes[1]]), split="1", tokenizer=EodOnlyTokenizer(), path_to_cache=str(tmp_path / "c"))
+    built = build_gpt_datasets(config, (20, 0, 0))[0]
+    own_cache = dataclasses.replace(config, path_to_cache=str(tmp_path / "own"))
+    blended = BlendedDataset(built.datasets, [1, 3], len(built), own_cache)
+    assert blended.config is own_cache and blended.split is built.split is built.datasets[0].split
+    for index in (0, 7, len(built) - 1):
+        assert torch.equal(blended[index]["tokens"], built[index]["tokens"])
+        assert blended[index]["dataset_id"] == built[index]["dataset_id"]
+    assert sorted(path.name.split("-", 1)[1] for path in (tmp_path / "own").iterdir()) == [
+        "BlendedDataset-dataset_index.npy", "BlendedDataset-dataset_sample_index.npy",
+        "BlendedDataset-description.json"]

@@ -1,3 +1,5 @@
+import itertools
+
 import pytest
 import torch
 
@@ -74,8 +76,9 @@ def _cyclic_batches(total, consumed, micro_batch_size, data_parallel_size, steps
 
     per_rank = []
     for rank in range(data_parallel_size):
-        iterator = iter(MegatronPretrainingRandomSampler(None, total, consumed, micro_batch_size, rank,
-                                                         data_parallel_size, data_sharding))
+        sampler = MegatronPretrainingRandomSampler(None, total, consumed, micro_batch_size, rank, data_parallel_size,
+                                                   data_sharding)
+        iterator = itertools.chain.from_iterable(iter(sampler) for _ in itertools.count())  # pass after pass
         per_rank.append([next(iterator) for _ in range(steps)])
     return per_rank
 
@@ -99,8 +102,8 @@ def test_dataloader_type_cyclic_reaches_the_loader():
     single = build_pretraining_data_loader(dataset, 0, 2, 0, 1)
     cyclic = build_pretraining_data_loader(dataset, 0, 2, 0, 1, dataloader_type="cyclic", seed=3)
     single_batches = [batch["tokens"] for batch in single]
-    cyclic_batches = [batch["tokens"] for _, batch in zip(range(8), cyclic)]  # two epochs: it does not end
-    assert len(single_batches) == 4
+    cyclic_batches = [batch["tokens"] for _ in range(2) for batch in itertools.islice(cyclic, 10)]  # 2 epochs
+    assert len(single_batches) == 4 and len(cyclic_batches) == 8
     as_rows = lambda batches: sorted(map(tuple, torch.cat(batches).tolist()))  # noqa: E731
     assert as_rows(cyclic_batches[:4]) == as_rows(single_batches) == as_rows(cyclic_batches[4:])
     assert not all(torch.equal(a, b) for a, b in zip(cyclic_batches[:4], single_batches))
@@ -137,3 +140,60 @@ def test_workers_outlive_the_signal_the_rank_catches():
     os.kill(iterator._workers[0].pid, signal.SIGTERM)
     batches += [batch["tokens"] for batch in iterator]
     assert len(batches) == len(expected) and all(torch.equal(a, b) for a, b in zip(batches, expected))
+
+
+def _mock_dataset(num_samples, split=Split.train):
+    config = GPTDatasetConfig(random_seed=5, sequence_length=8, mock=True, tokenizer=NullTokenizer(50),
+                              create_attention_mask=False)
+    return MockGPTDataset(None, None, None, num_samples, split, config)
+
+
+def test_a_pass_over_a_cyclic_loader_is_one_epoch_and_the_next_pass_the_next_epoch():
+    # As upstream's sampler: `for batch in loader` ends with the epoch (the training iterator chains the passes).
+    dataset = _mock_dataset(9)  # epochs of 8 samples: 4 micro-batches of 2
+    loader = build_pretraining_data_loader(dataset, 4, 2, 0, 1, dataloader_type="cyclic")
+    first = [batch["tokens"] for batch in itertools.islice(loader, 10)]
+    assert len(first) == 2 and loader.batch_sampler.consumed_samples == 8  # the rest of epoch 0
+    second = [batch["tokens"] for batch in itertools.islice(loader, 10)]
+    assert len(second) == 4 and loader.batch_sampler.consumed_samples == 16
+    fresh = build_pretraining_data_loader(dataset, 8, 2, 0, 1, dataloader_type="cyclic")
+    assert all(torch.equal(a, b["tokens"]) for a, b in zip(second, fresh, strict=True))
+
+
+@pytest.mark.parametrize("dataloader_type", ["single", "cyclic"])
+def test_upstreams_two_argument_form_reads_the_parsed_arguments(monkeypatch, dataloader_type):
+    import argparse
+
+    from megatron.training import global_state
+
+    args = argparse.Namespace(micro_batch_size=3, num_workers=0, dataloader_type=dataloader_type, seed=1,
+                              data_sharding=True, full_validation=False)
+    monkeypatch.setattr(global_state, "get_args", lambda: args)
+    dataset = _mock_dataset(12)
+    loader = build_pretraining_data_loader(dataset, 6)
+    expected = build_pretraining_data_loader(dataset, 6, 3, 0, 1, dataloader_type=dataloader_type)
+    batches = [batch["tokens"] for batch in loader]
+    assert [tuple(batch.shape) for batch in batches] == [(3, 8), (3, 8)]
+    assert all(torch.equal(a, b["tokens"]) for a, b in zip(batches, expected, strict=True))
+
+
+def test_upstreams_two_argument_form_reads_a_full_validation_split_from_its_start(monkeypatch):
+    import argparse
+
+    from megatron.training import global_state
+
+    args = argparse.Namespace(micro_batch_size=2, num_workers=0, dataloader_type="single", seed=1,
+                              data_sharding=True, full_validation=True)
+    monkeypatch.setattr(global_state, "get_args", lambda: args)
+    assert len(list(build_pretraining_data_loader(_mock_dataset(8, Split.valid), 4))) == 4
+    assert len(list(build_pretraining_data_loader(_mock_dataset(8, Split.train), 4))) == 2
+
+
+def test_external_hands_the_dataset_back_as_upstream():
+    dataset = _mock_dataset(4)
+    assert build_pretraining_data_loader(dataset, 0, 2, 0, 1, dataloader_type="external") is dataset
+
+
+def test_a_partial_layout_names_what_is_missing():
+    with pytest.raises(TypeError, match="micro_batch_size needs data_parallel_rank and data_parallel_size"):
+        build_pretraining_data_loader(_mock_dataset(4), 0, 2)

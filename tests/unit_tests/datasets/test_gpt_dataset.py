@@ -98,6 +98,16 @@ def test_gpt_dataset_takes_upstreams_positional_arguments(corpus):
         GPTDataset(indexed, config, Split.train, (0, 32), 50)
 
 
+def test_upstreams_low_level_dataset_helpers(corpus):
+    # Upstream's builder opens each prefix and sizes its splits with these two static methods.
+    prefix, documents = corpus
+    config = _config(prefix, mmap_bin_files=False)
+    indexed = GPTDataset.build_low_level_dataset(prefix, config)
+    assert isinstance(indexed, IndexedDataset) and not indexed.mmap and indexed.path_prefix == prefix
+    assert GPTDataset.numel_low_level_dataset(indexed) == len(documents) == 40
+    np.testing.assert_array_equal(indexed[7], documents[7])
+
+
 def test_consecutive_samples_share_one_token(corpus):
     prefix, _ = corpus
     train, _, _ = build_gpt_datasets(_config(prefix, split="1,0,0"), (30, 0, 0))

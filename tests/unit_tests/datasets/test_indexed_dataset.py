@@ -271,3 +271,10 @@ def test_builder_refuses_token_ids_its_dtype_cannot_hold(tmp_path, add, dtype, t
     builder.add_document(torch.tensor([65535, 0]), [1, 1])
     builder.finalize(str(tmp_path / "data.idx"))
     assert [sequence.tolist() for sequence in IndexedDataset(str(tmp_path / "data"))[:]] == [[1, 2, 3], [65535], [0]]
+
+
+def test_upstreams_object_storage_arguments_are_accepted_as_none_and_refused_otherwise(small_dataset):
+    dataset = IndexedDataset(small_dataset, multimodal=False, mmap=False, object_storage_config=None, s3_config=None)
+    np.testing.assert_array_equal(dataset[0], np.arange(10))
+    with pytest.raises(ValueError, match="object storage .* is not supported; copy the .bin/.idx files"):
+        IndexedDataset(small_dataset, s3_config=object())

@@ -16,6 +16,7 @@ import torch
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, build_gpt_datasets
 from megatron.core.datasets.utils import blend_from_data_path
 from megatron.training.datasets.data_samplers import build_pretraining_data_loader
+from megatron.training.validation_sets import endless
 from tests.unit_tests.datasets.gpt_test_data import EodOnlyTokenizer, write_documents
 
 SEQ = 13
@@ -188,6 +189,8 @@ def _compare(ours, upstream, ranks, dataloader_type, consumed, steps, sharding=T
             expected = _upstream_single_batches(len(upstream), consumed, MICRO_BATCH, rank, ranks)
         else:
             expected = _upstream_cyclic_batches(len(upstream), consumed, MICRO_BATCH, rank, ranks, sharding)
+        if dataloader_type == "cyclic":
+            loader = endless(loader)  # each pass over a cyclic loader is one epoch, as upstream's
         served = 0
         for batch, indices in zip(loader, expected):
             windows = np.stack([upstream.window(index) for index in indices])

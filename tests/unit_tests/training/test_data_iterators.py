@@ -116,6 +116,22 @@ def test_a_test_set_shorter_than_its_evaluation_is_read_again():
     assert [next(test).tolist() for _ in range(2)] == [[0, 1, 2, 3], [0, 1, 2, 3]]
 
 
+def _cyclic_training_batches(consumed_train_samples, count):
+    args = argparse.Namespace(**{**vars(ARGS), "dataloader_type": "cyclic", "micro_batch_size": 2,
+                                 "global_batch_size": 2, "num_workers": 0, "seed": 0,
+                                 "consumed_train_samples": consumed_train_samples})
+    train, _, _ = build_data_iterators(lambda counts: (_Numbers(7), None, None), args)
+    return [next(train).tolist() for _ in range(count)]
+
+
+def test_cyclic_training_runs_epoch_after_epoch_and_resumes_with_the_same_samples():
+    # Epochs of 6 samples (3 batches of 2), each in a new order; the training iterator goes on past the epochs.
+    uninterrupted = _cyclic_training_batches(0, 9)
+    epochs = [sorted(sum(uninterrupted[start:start + 3], [])) for start in (0, 3, 6)]
+    assert epochs == [list(range(6))] * 3 and uninterrupted[:3] != uninterrupted[3:6]
+    assert _cyclic_training_batches(8, 5) == uninterrupted[4:]
+
+
 def _write_out_of_vocabulary_documents(prefix, largest_id):
     """Documents `1 2 <largest_id> 3 EOD`: token ids a tokenizer of VOCAB_SIZE ids has no row for."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
@@ -282,3 +298,27 @@ def test_splits_no_tensor_parallel_rank_has_pass(monkeypatch):
     train, valid, test = build_data_iterators(lambda counts: (None, _Numbers(8), None), args)
     monkeypatch.undo()  # reading needs no process group
     assert (train, test) == (None, None) and next(valid).tolist() == [0, 1, 2, 3]
+
+
+def test_upstreams_iterator_builder_reads_the_parsed_arguments_and_resumes_after_the_loaded_iteration(monkeypatch):
+    from megatron.training import global_state
+    from megatron.training.data_iterators import (
+        build_train_valid_test_data_iterators,
+        cyclic_iter,
+        get_train_valid_test_num_samples,
+    )
+
+    args = argparse.Namespace(**{**vars(ARGS), "dataloader_type": "single", "micro_batch_size": 2,
+                                 "global_batch_size": 2, "num_workers": 0, "seed": 0, "iteration": 3})
+    monkeypatch.setattr(global_state, "get_args", lambda: args)
+    assert get_train_valid_test_num_samples() == [8, 6, 2]
+    requested = []
+
+    def provider(counts):
+        requested.append(counts)
+        return _Numbers(counts[0]), None, None
+
+    train, valid, test = build_train_valid_test_data_iterators(provider)
+    assert requested == [[8, 6, 2]] and args.consumed_train_samples == 6 and valid is None and test is None
+    assert [batch.tolist() for batch in train] == [[6, 7]]
+    assert [next(stream) for stream in [cyclic_iter([1, 2])] for _ in range(5)] == [1, 2, 1, 2, 1]
