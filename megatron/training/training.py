@@ -38,7 +38,12 @@ from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 from megatron.core.transformer.moe.router import reset_global_aux_loss_counts, update_expert_biases
 from megatron.training import checkpoint_sources, checkpointing
 from megatron.training.checkpoint_sources import non_persistent_save_dir
-from megatron.training.data_iterators import build_data_iterators
+from megatron.training.data_iterators import (  # noqa: F401 (upstream's names in megatron.training.training)
+    build_data_iterators,
+    build_train_valid_test_data_iterators,
+    cyclic_iter,
+    get_train_valid_test_num_samples,
+)
 from megatron.training.energy_monitor import energy_not_counted
 from megatron.training.evaluation import (  # noqa: F401 (re-exported)
     _evaluate,

@@ -339,3 +339,12 @@ def test_upstream_loss_function_under_context_parallelism_is_the_whole_sequences
     assert len(one_rank) == 3
     for (loss, grad_norm), (cp_loss, cp_grad_norm) in zip(one_rank, context_parallel):
         assert cp_loss == pytest.approx(loss, rel=1e-5) and cp_grad_norm == pytest.approx(grad_norm, rel=1e-5)
+
+
+def test_upstreams_data_iterator_builders_import_from_training():
+    """Upstream scripts with their own loop import the data builders from `megatron.training.training`."""
+    from megatron.training import data_iterators, training
+
+    assert training.build_train_valid_test_data_iterators is data_iterators.build_train_valid_test_data_iterators
+    assert training.get_train_valid_test_num_samples is data_iterators.get_train_valid_test_num_samples
+    assert training.cyclic_iter is data_iterators.cyclic_iter
