@@ -27,6 +27,25 @@ NOT_IMPLEMENTED_FLAGS = (
 _NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
 
+# Upstream flags that pretrain_gpt.py does not take because another script here runs that job.
+_SCRIPT_OF_FLAG = {
+    "--export-kd-teacher-load": "examples/post_training/distill.py",
+    "--export-kd-cfg": "examples/post_training/distill.py",
+    "--export-quant-cfg": "examples/post_training/quantize.py",
+    "--calib-size": "examples/post_training/quantize.py",
+    "--target-ffn-hidden-size": "examples/post_training/prune.py",
+    "--target-hidden-size": "examples/post_training/prune.py",
+    "--target-num-attention-heads": "examples/post_training/prune.py",
+}
+
+
+def _flags_of_other_scripts(words):
+    """'--x is a flag of S: run S with the same flags' for each unknown flag that another script here takes."""
+    hints = [f"{flag} is a flag of {_SCRIPT_OF_FLAG[flag]}: run that script with the same flags instead"
+             for flag in (word.split("=", 1)[0] for word in words) if flag in _SCRIPT_OF_FLAG]
+    return "; ".join(hints)
+
+
 class _MegatronArgumentParser(argparse.ArgumentParser):
     """argparse, whose error for an unknown flag names the closest known flag and says where all are listed."""
 
@@ -38,9 +57,12 @@ class _MegatronArgumentParser(argparse.ArgumentParser):
         """The message alone, after a one-line usage: the full usage lists every flag (hundreds of lines per rank
         under torchrun) and would bury it."""
         if message.startswith("unrecognized arguments"):
-            suggestions = self._closest_flags(message.split(":", 1)[1].split())
-            message += (" (not a flag of pretrain_gpt.py: check its spelling" + suggestions + "; the flags it takes, "
-                        "with Megatron-LM's names, are listed by area in docs/training_flags.md)")
+            words = message.split(":", 1)[1].split()
+            elsewhere = _flags_of_other_scripts(words)
+            suggestions = self._closest_flags(words)
+            message += (" (not a flag of pretrain_gpt.py: " + (elsewhere or "check its spelling" + suggestions)
+                        + "; the flags it takes, with Megatron-LM's names, are listed by area in "
+                        "docs/training_flags.md)")
         self.exit(2, f"usage: {self.prog} [flags] (--help lists them)\n{self.prog}: error: {message}\n")
 
     def _closest_flags(self, words):

@@ -222,6 +222,16 @@ def test_unknown_flags_are_an_argparse_error(capsys):
     assert known.num_layers == 2
 
 
+@pytest.mark.parametrize("flag, script", [("--export-kd-teacher-load /ckpt", "examples/post_training/distill.py"),
+                                          ("--export-quant-cfg fp8", "examples/post_training/quantize.py")])
+def test_upstream_flags_of_another_script_name_that_script(capsys, flag, script):
+    """Upstream's pretrain_gpt.py distils and quantizes with these flags; here other scripts do."""
+    with pytest.raises(SystemExit):
+        parse_args(args=(BASE + " " + flag).split())
+    error = capsys.readouterr().err
+    assert f"{flag.split()[0]} is a flag of {script}: run that script with the same flags instead" in error
+
+
 def test_abbreviations_are_not_accepted():
     with pytest.raises(SystemExit):
         parse_args(args=(BASE + " --tensor-model 2").split())
