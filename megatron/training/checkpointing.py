@@ -50,6 +50,7 @@ from megatron.training.checkpoint_args import (
     saved_true_vocab_size,
     true_vocab_size,
 )
+from megatron.training.checkpoint_optimizer_shards import RESHARD_HINT, reshard_hint
 from megatron.training.checkpoint_retention import prune_to_retain_interval, remove_superseded_leftovers
 from megatron.training.param_sync import finish_param_syncs
 from megatron.training.random_state import rng_state, set_rng_state  # noqa: F401  (part of this module's API)
@@ -348,9 +349,22 @@ def _check_layout_matches(saved_args, args, path):
         raise ValueError(
             f"{path} was saved with {tuple(saved)} transformer layers per virtual pipeline stage but this run "
             f"places {tuple(current)}; the torch format cannot move layers between stages: pass the split flags "
-            "it was saved with (--decoder-first/last-pipeline-num-layers, --account-for-embedding/loss-in-"
-            "pipeline-split, --pipeline-model-parallel-layout), or save with --ckpt-format torch_dist"
+            f"it was saved with ({_virtual_stages_advice(saved_args, args)}--decoder-first/last-pipeline-num-"
+            "layers, --account-for-embedding/loss-in-pipeline-split, --pipeline-model-parallel-layout), or save "
+            "with --ckpt-format torch_dist"
         )
+
+
+def _virtual_stages_advice(saved_args, args):
+    """The interleaved-pipeline flag to launch with when the checkpoint has another number of virtual stages per
+    pipeline rank than this run ('' when the same)."""
+    saved, current = (getattr(each, "virtual_pipeline_model_parallel_size", None) or 1 for each in (saved_args, args))
+    if saved == current:
+        return ""
+    if saved == 1:
+        return ("saved without an interleaved pipeline: no --num-virtual-stages-per-pipeline-rank / "
+                "--num-layers-per-virtual-pipeline-stage; ")
+    return f"saved with --num-virtual-stages-per-pipeline-rank {saved}, this run has {current}; "
 
 
 def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
@@ -418,7 +432,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, strict=True):
             try:
                 optimizer.load_state_dict(_torch_load(shard_path)["optimizer"])
             except ValueError as error:  # the shards cut the parameters otherwise (e.g. another bucketing)
-                raise CheckpointLoadError(f"{shard_path}: {error} {_RESHARD_HINT}") from error
+                raise CheckpointLoadError(f"{shard_path}: {error} {reshard_hint(saved_args, args)}") from error
         else:
             optimizer.load_state_dict(_optimizer_state_by_name(state, optimizer, model_chunks, path, regrouped))
         if opt_param_scheduler is not None and "opt_param_scheduler" in state:
@@ -500,12 +514,6 @@ def _optimizer_state_by_name(state, optimizer, model_chunks, path, regrouped):
     return reordered
 
 
-_RESHARD_HINT = ("The torch format keeps the distributed optimizer's state as each data-parallel rank's shard: "
-                 "launch at the data-parallel size it was saved at, or with --no-load-optim to load the weights "
-                 "alone, or convert it to torch_dist (tools/checkpoint/convert_legacy.py), which loads at any "
-                 "data-parallel size")
-
-
 def _check_distributed_optimizer_shards(directory, data_parallel_size):
     """Raise (on every rank alike, before anything is loaded) when the per-data-parallel-rank optimizer files
     under `directory` were written at another data-parallel (x context-parallel) size than `data_parallel_size`."""
@@ -516,7 +524,7 @@ def _check_distributed_optimizer_shards(directory, data_parallel_size):
              else "holds no distrib_optim_dp_rank_*.pt file (the optimizer state is missing)")
     raise CheckpointLoadError(
         f"{directory} {found}, but this run has data-parallel size {data_parallel_size} (data- x context-parallel "
-        f"ranks). {_RESHARD_HINT}")
+        f"ranks). {RESHARD_HINT}")
 
 
 def _why_optimizer_not_loaded(state, saved_args, args, path, data_parallel_size=None):

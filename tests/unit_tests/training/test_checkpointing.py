@@ -107,6 +107,19 @@ def test_torch_format_refuses_another_pipeline_split():
     checkpointing._check_layout_matches(argparse.Namespace(**layout), argparse.Namespace(**layout), "ckpt")
 
 
+def test_torch_format_at_another_number_of_virtual_stages_names_the_interleaving_flag():
+    layout = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
+    interleaved = argparse.Namespace(**layout, virtual_pipeline_model_parallel_size=2,
+                                     virtual_stage_layer_counts=(1, 1, 1, 1))
+    plain = argparse.Namespace(**layout, virtual_pipeline_model_parallel_size=None, virtual_stage_layer_counts=(2, 2))
+    with pytest.raises(ValueError, match=r"places \(2, 2\); .* pass the split flags it was saved with \(saved with "
+                                         r"--num-virtual-stages-per-pipeline-rank 2, this run has 1; --decoder-first"):
+        checkpointing._check_layout_matches(interleaved, plain, "ckpt")
+    with pytest.raises(ValueError, match=r"\(saved without an interleaved pipeline: no --num-virtual-stages-per-"
+                                         r"pipeline-rank / --num-layers-per-virtual-pipeline-stage; --decoder-first"):
+        checkpointing._check_layout_matches(plain, interleaved, "ckpt")
+
+
 def test_unknown_format_is_rejected_only_when_saving_or_loading():
     args = argparse.Namespace(save=None, load=None, ckpt_format="zarr")
     checkpointing.check_checkpoint_format(args)  # no --save/--load: nothing to write
