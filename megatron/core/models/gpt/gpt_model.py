@@ -33,9 +33,13 @@ from megatron.core.models.common.embeddings.language_model_embedding import (
     word_embedding_init_seed,
 )
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding, rotary_angles
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+    YarnRotaryEmbedding,
+    local_rotary_angles,
+    rotary_angles,
+)
 from megatron.core.models.gpt.gpt_layer_specs import check_layer_spec, check_mtp_block_spec
-from megatron.core.transformer.context_parallel import local_rows, local_token_indices
+from megatron.core.transformer.context_parallel import local_token_indices
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.module import ShardedStateModule
 from megatron.core.transformer.multi_token_prediction import (
@@ -224,6 +228,7 @@ class GPTModel(ShardedStateModule):
                 seq_len_interpolation_factor=(seq_len_interpolation_factor
                                               or config.rotary_seq_len_interpolation_factor),
                 rope_scaling=rope_scaling, rope_scaling_factor=rope_scaling_factor,
+                cp_group=context_parallel_group_or_none(config),
             )
         elif position_embedding_type == "yarn":
             # The attention layers multiply cos and sin by config.yarn_cos_sin_scale.
@@ -234,6 +239,7 @@ class GPTModel(ShardedStateModule):
                 beta_fast=config.yarn_beta_fast, beta_slow=config.yarn_beta_slow, mscale=config.yarn_mscale,
                 mscale_all_dim=config.yarn_mscale_all_dim,
                 correction_range_round_to_int=config.yarn_correction_range_round_to_int,
+                cp_group=context_parallel_group_or_none(config),
             )
         self.decoder = TransformerBlock(
             config, spec=transformer_layer_spec, pre_process=pre_process, post_process=post_process,
@@ -429,11 +435,11 @@ class GPTModel(ShardedStateModule):
             if self.config.sequence_parallel:
                 seq_len *= self.config.tensor_model_parallel_size
         cp_size = self.config.context_parallel_size
-        if cp_size == 1:
+        if cp_size == 1:  # every position, whatever parallel_state's context-parallel group is (the config decides)
             return rotary_angles(self.rotary_pos_emb, seq_len, device=device)
-        # This rank holds two chunks of the sequence: the angles of their global positions.
-        angles = rotary_angles(self.rotary_pos_emb, seq_len * cp_size, device=device)
-        return local_rows(angles, 0, cp_size, parallel_state.get_context_parallel_rank())
+        # This rank holds two chunks of the sequence: asked for the whole sequence, the module (built over the
+        # context-parallel group) returns the angles of their global positions.
+        return local_rotary_angles(self.rotary_pos_emb, seq_len * cp_size, device=device)
 
     def _decoding_rotary_angles(self, input_ids, inference_context):
         """The angles of the positions this decoding step fills (offset .. offset + s - 1)."""

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from megatron.core import tensor_parallel
-from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.post_training.modelopt.gpt.model_specs import get_gpt_modelopt_spec
 from megatron.core.transformer.spec_utils import ModuleSpec, TransformerBlockSubmodules
@@ -82,7 +81,6 @@ def test_the_reasons_given_for_eagle_hold():
     assert "transformer_layer_spec" not in fields and "seq_length" not in fields
     with pytest.raises(AttributeError, match="dataclasses.replace"):  # EAGLE's conversion assigns fields after building
         TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2).hidden_size = 16
-    assert not hasattr(RotaryEmbedding, "get_rotary_seq_len")
     block = TransformerBlock(TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2))
     with pytest.raises(ValueError, match=r"packed_seq_params=...\) is not supported"):  # packed sequences
         block(torch.zeros(2, 1, 8), packed_seq_params=object())

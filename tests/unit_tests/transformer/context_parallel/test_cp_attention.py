@@ -63,7 +63,7 @@ def _cp_attention_errors(comm_type, with_mask, group):
     cp_size, cp_rank = dist.get_world_size(), dist.get_rank()
     query, key, value, grad_out, mask = _inputs()
     mask = mask if with_mask else None
-    angles = RotaryEmbedding(HEAD_DIM)(SEQ)
+    angles = RotaryEmbedding(HEAD_DIM).full_angles(SEQ)  # every position: the call would give this rank's share
 
     leaves = [t.clone().requires_grad_() for t in (query, key, value)]
     reference = _attention(*leaves, mask, angles, _full_attention)

@@ -6,14 +6,23 @@ sequence the attention sees (offset..offset+s-1 for a decoding step past `offset
 `seq_len_interpolation_factor` when given (`--rotary-seq-len-interpolation-factor`). Angles are computed in fp32
 whatever the activation dtype.
 
+Under context parallelism (a `cp_group` of more than one rank), as upstream, a call returns this rank's share of
+the angles of the whole sequence: its two load-balanced chunks (`context_parallel.local_rows`), matching the
+tokens `get_batch_on_this_cp_rank` gives it. `get_rotary_seq_len` gives the whole sequence's length to ask for.
+
 With `rope_scaling` (`--use-rope-scaling`) the frequencies are those of Llama 3.1 (`llama3_scaled_frequencies`):
 slow ones divided by `rope_scaling_factor`, fast ones kept, the band between blended. YaRN's scaling is
 `yarn_rotary_pos_embedding.YarnRotaryEmbedding`, a subclass.
 """
 
+import copy
 import math
 
 import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.transformer.context_parallel.sequence_split import local_rows
 
 # Llama 3.1's frequency scaling, fixed as upstream Megatron fixes them (only the factor is a flag).
 LLAMA3_LOW_FREQ_FACTOR = 1.0
@@ -49,12 +58,19 @@ class RotaryEmbedding(torch.nn.Module):
         rotary_base: the base of the geometric progression of frequencies (`--rotary-base`).
         rope_scaling: Llama 3.1's frequency scaling (`--use-rope-scaling`), by `rope_scaling_factor`
             (`--rope-scaling-factor`).
+        use_cpu_initialization: accepted for upstream's signature; the frequencies are computed on the device
+            `forward` is asked for, so there is nothing to place.
+        cp_group: the context-parallel group whose rank's share of the angles `forward` returns (None:
+            parallel_state's context-parallel group, when initialised; no group: the whole sequence).
     """
 
     def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_interleaved: bool = False,
                  seq_len_interpolation_factor=None, rotary_base: float = 10000.0, rope_scaling: bool = False,
-                 rope_scaling_factor: float = 8.0):
+                 rope_scaling_factor: float = 8.0, use_cpu_initialization: bool = False, cp_group=None):
         super().__init__()
+        if cp_group is None:
+            cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
+        self.cp_group = cp_group
         if rope_scaling and not rope_scaling_factor > 0:
             raise ValueError(f"--rope-scaling-factor must be positive, got {rope_scaling_factor}")
         self.rope_scaling = rope_scaling
@@ -90,12 +106,9 @@ class RotaryEmbedding(torch.nn.Module):
         """The frequencies `[rot_dim / 2]` (fp32, CPU), under upstream's attribute name."""
         return self.inverse_frequencies(None)
 
-    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, device=None) -> torch.Tensor:
-        """The angles of positions `offset .. offset + max_seq_len - 1` (a decoding step starts past the cached
-        positions), on `device`. Upstream's positional order; `packed_seq` (THD) is not supported."""
-        if packed_seq:
-            raise ValueError("RotaryEmbedding(packed_seq=True): packed (THD) sequences are not supported here; "
-                             "pass packed_seq=False")
+    def full_angles(self, max_seq_len: int, offset: int = 0, device=None) -> torch.Tensor:
+        """The angles `[max_seq_len, 1, 1, rot_dim]` of positions `offset .. offset + max_seq_len - 1`, all of
+        them whatever the context parallelism (`forward` cuts them to this rank's share)."""
         positions = torch.arange(offset, offset + max_seq_len, dtype=torch.float32, device=device)
         if self.seq_len_interpolation_factor is not None:
             positions = positions / self.seq_len_interpolation_factor
@@ -106,6 +119,54 @@ class RotaryEmbedding(torch.nn.Module):
         else:
             angles = torch.cat((angles, angles), dim=-1)
         return angles[:, None, None, :]
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, device=None) -> torch.Tensor:
+        """The angles of positions `offset .. offset + max_seq_len - 1` (a decoding step starts past the cached
+        positions), on `device`; with a `cp_group` of N > 1 ranks, this rank's two chunks of them
+        (`[max_seq_len / N, 1, 1, rot_dim]`; `max_seq_len` is the whole sequence's length, see
+        `get_rotary_seq_len`). Upstream's positional order; `packed_seq` (THD) is not supported."""
+        if packed_seq:
+            raise ValueError("RotaryEmbedding(packed_seq=True): packed (THD) sequences are not supported here; "
+                             "pass packed_seq=False")
+        angles = self.full_angles(max_seq_len, offset=offset, device=device)
+        cp_size = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
+        if cp_size == 1:
+            return angles
+        if max_seq_len % (2 * cp_size) != 0:
+            raise ValueError(
+                f"RotaryEmbedding: max_seq_len {max_seq_len} must be the whole sequence's length, divisible by 2 x "
+                f"the context-parallel size ({2 * cp_size}); pass the local length x the context-parallel size "
+                "(get_rotary_seq_len)"
+            )
+        return local_rows(angles, 0, cp_size, dist.get_rank(self.cp_group))
+
+    def get_rotary_seq_len(self, inference_context, transformer, transformer_input, transformer_config,
+                           packed_seq_params=None, *, inference_params=None) -> int:
+        """The whole sequence's length to pass to `forward` (upstream's method): the decoding context's
+        `max_sequence_length`, else the length of the block's received `input_tensor` (a later pipeline stage)
+        or of `transformer_input` (`[s, b, h]`), times the tensor-parallel size under sequence parallelism;
+        either way times the context-parallel size."""
+        if packed_seq_params is not None:
+            raise ValueError("RotaryEmbedding.get_rotary_seq_len(packed_seq_params=...): packed (THD) sequences "
+                             "are not supported here; pass packed_seq_params=None")
+        inference_context = inference_params if inference_params is not None else inference_context
+        if inference_context is not None:
+            seq_len = inference_context.max_sequence_length
+        else:
+            received = getattr(transformer, "input_tensor", None)
+            seq_len = (received if received is not None else transformer_input).size(0)
+            if transformer_config.sequence_parallel:
+                seq_len *= transformer_config.tensor_model_parallel_size
+        return seq_len * transformer_config.context_parallel_size
+
+    def __deepcopy__(self, memo):
+        # A process group cannot be copied: the copy computes its share over the same group.
+        if self.cp_group is not None:
+            memo.setdefault(id(self.cp_group), self.cp_group)
+        clone = self.__class__.__new__(self.__class__)
+        memo[id(self)] = clone
+        clone.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return clone
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

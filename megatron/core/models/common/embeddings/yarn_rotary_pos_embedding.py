@@ -91,19 +91,22 @@ class YarnRotaryEmbedding(RotaryEmbedding):
         beta_fast, beta_slow: rotation counts bounding the blend between kept and interpolated frequencies.
         mscale, mscale_all_dim: set the factor on cos and sin (see the module docstring).
         correction_range_round_to_int: round the blend's channel range outwards to whole pairs.
+        use_cpu_initialization, cp_group: as `RotaryEmbedding`'s (under context parallelism a call returns this
+            rank's share of the angles).
     """
 
     def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_interleaved: bool = False,
                  seq_len_interpolation_factor=None, rotary_base: float = 10000.0, scaling_factor: float = 1.0,
                  original_max_position_embeddings: int = 4096, beta_fast: float = 32.0, beta_slow: float = 1.0,
-                 mscale: float = 1.0, mscale_all_dim: float = 0.0, correction_range_round_to_int: bool = True):
+                 mscale: float = 1.0, mscale_all_dim: float = 0.0, correction_range_round_to_int: bool = True,
+                 use_cpu_initialization: bool = False, cp_group=None):
         if seq_len_interpolation_factor is not None:
             raise ValueError("--rotary-seq-len-interpolation-factor does not combine with YaRN, which scales the "
                              "frequencies itself (--yarn-rotary-scaling-factor): drop it")
         if not scaling_factor > 0:
             raise ValueError(f"the YaRN scaling factor must be positive, got {scaling_factor}")
         super().__init__(kv_channels, rotary_percent=rotary_percent, rotary_base=rotary_base,
-                         rotary_interleaved=rotary_interleaved)
+                         rotary_interleaved=rotary_interleaved, cp_group=cp_group)
         self.scaling_factor = float(scaling_factor)
         self.original_max_position_embeddings = int(original_max_position_embeddings)
         self.beta_fast, self.beta_slow = float(beta_fast), float(beta_slow)
@@ -121,8 +124,8 @@ class YarnRotaryEmbedding(RotaryEmbedding):
                                        self.correction_range_round_to_int)
 
     def angles(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, device=None) -> torch.Tensor:
-        """The angles `[s, 1, 1, rot_dim]` of positions `offset .. offset + max_seq_len - 1` (see
-        `RotaryEmbedding.forward`), without the factor on cos and sin."""
+        """The angles `[s, 1, 1, rot_dim]` of positions `offset .. offset + max_seq_len - 1` (this rank's share
+        under context parallelism, see `RotaryEmbedding.forward`), without the factor on cos and sin."""
         return super().forward(max_seq_len, offset=offset, packed_seq=packed_seq, device=device)
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, device=None):
@@ -132,11 +135,17 @@ class YarnRotaryEmbedding(RotaryEmbedding):
 
 
 def rotary_angles(rotary_embedding: RotaryEmbedding, max_seq_len: int, offset: int = 0, device=None) -> torch.Tensor:
-    """The angles of `rotary_embedding`, a `RotaryEmbedding` or a `YarnRotaryEmbedding` (whose call also returns
-    the factor on cos and sin, which the attention layers take from the config)."""
+    """All the angles of `rotary_embedding`, a `RotaryEmbedding` or a `YarnRotaryEmbedding`, whatever the context
+    parallelism (`full_angles`; the factor YaRN scales cos and sin by comes from the config)."""
+    return rotary_embedding.full_angles(max_seq_len, offset=offset, device=device)
+
+
+def local_rotary_angles(rotary_embedding: RotaryEmbedding, max_seq_len: int, device=None) -> torch.Tensor:
+    """This context-parallel rank's share of the angles of a `max_seq_len`-long sequence (the module's call,
+    without YaRN's factor on cos and sin)."""
     if isinstance(rotary_embedding, YarnRotaryEmbedding):
-        return rotary_embedding.angles(max_seq_len, offset=offset, device=device)
-    return rotary_embedding(max_seq_len, offset=offset, device=device)
+        return rotary_embedding.angles(max_seq_len, device=device)
+    return rotary_embedding(max_seq_len, device=device)
 
 
 def apply_rotary_pos_emb_regrouped(t: torch.Tensor, angles: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
