@@ -156,14 +156,14 @@ def time_linear(tokens, features, repeats):
     import torch
     import torch.nn.functional as F
 
-    from megatron.core.fp8_utils import (Fp8Recipe, LinearScaling, force_fp8_gemm_emulation, force_fp8_scaled_mm,
-                                         fp8_linear, get_fp8_format)
+    from megatron.core.fp8_utils import (Fp8RecipeSettings, LinearScaling, force_fp8_gemm_emulation,
+                                         force_fp8_scaled_mm, fp8_linear, get_fp8_format)
 
     torch.manual_seed(0)
     x = torch.randn(tokens, features, requires_grad=True)
     weight = torch.randn(features, features, requires_grad=True)
     grad = torch.randn(tokens, features)
-    scaling = LinearScaling(Fp8Recipe(get_fp8_format("hybrid"), "tensorwise"), "none")
+    scaling = LinearScaling(Fp8RecipeSettings(get_fp8_format("hybrid"), "tensorwise"), "none")
 
     def fp32():
         F.linear(x, weight).backward(grad)

@@ -115,7 +115,8 @@ def time_linears(device, shapes, runs=20, warmup=5):
     import torch
     import torch.nn.functional as F
 
-    from megatron.core.fp8_utils import Fp8Recipe, LinearScaling, fp8_linear, get_fp8_format, reduce_and_record_amaxes
+    from megatron.core.fp8_utils import (Fp8RecipeSettings, LinearScaling, fp8_linear, get_fp8_format,
+                                         reduce_and_record_amaxes)
 
     timer = _Timer(device)
     hybrid = get_fp8_format("hybrid")
@@ -127,8 +128,9 @@ def time_linears(device, shapes, runs=20, warmup=5):
         weight = (torch.randn(out_features, in_features, device=device, generator=generator) * 0.02)
         weight = weight.to(torch.bfloat16).requires_grad_(True)
         grad = torch.randn(tokens, out_features, device=device, generator=generator, dtype=torch.bfloat16)
-        tensorwise = LinearScaling(Fp8Recipe(hybrid, "tensorwise"), "none")
-        delayed = LinearScaling(Fp8Recipe(hybrid, "delayed", amax_history_len=16, amax_compute_algo="max"), "none")
+        tensorwise = LinearScaling(Fp8RecipeSettings(hybrid, "tensorwise"), "none")
+        delayed = LinearScaling(Fp8RecipeSettings(hybrid, "delayed", amax_history_len=16, amax_compute_algo="max"),
+                                "none")
         fp8_linear(x, weight, None, delayed).backward(grad)
         reduce_and_record_amaxes(delayed.states(), [])  # a recorded history: the steady state of training
 

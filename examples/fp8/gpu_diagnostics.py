@@ -50,7 +50,7 @@ def diagnose(device, shape, profile_rows=25):
 
     from megatron.core.fp8.linear import fp8_gemm
     from megatron.core.fp8.tensor import quantize_with_current_scale
-    from megatron.core.fp8_utils import Fp8Recipe, LinearScaling, fp8_linear, get_fp8_format
+    from megatron.core.fp8_utils import Fp8RecipeSettings, LinearScaling, fp8_linear, get_fp8_format
 
     tokens, in_features, out_features = shape
     hybrid = get_fp8_format("hybrid")
@@ -59,7 +59,7 @@ def diagnose(device, shape, profile_rows=25):
     weight = (torch.randn(out_features, in_features, device=device, generator=generator) * 0.02)
     weight = weight.to(torch.bfloat16).requires_grad_(True)
     grad = torch.randn(tokens, out_features, device=device, generator=generator).to(torch.bfloat16)
-    tensorwise = LinearScaling(Fp8Recipe(hybrid, "tensorwise"), "none")
+    tensorwise = LinearScaling(Fp8RecipeSettings(hybrid, "tensorwise"), "none")
 
     lines = [f"\nFP8 linear diagnostics, {tokens}x{in_features}x{out_features} ({_device_name(device)})"]
     # The floor: GEMMs alone.

@@ -1,7 +1,11 @@
 """megatron.core.fp8_utils: quantization error bounds per format, delayed-scaling histories, recipes and
-contexts, and ranks agreeing on one scale for tensors they share."""
+contexts, and ranks agreeing on one scale for tensors they share; and the other names upstream's module exports
+(`Fp8Recipe` the enum, `get_fp8_align_size`, `dequantize_fp8_tensor`, `modify_underlying_storage`,
+`correct_amax_history_if_needed`, `prepare_model_for_fp8_inference`, and `quantize_param_shard`, which has no
+FP8 parameters to write into here and says so)."""
 
 import contextlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -65,13 +69,14 @@ def test_formats_and_recipe_validation():
         fp8_utils.get_fp8_format("e5m2")
     for gpu_only in ("mxfp8", "blockwise"):
         with pytest.raises(ValueError, match=f"--fp8-recipe {gpu_only} needs Transformer Engine on a GPU"):
-            fp8_utils.Fp8Recipe(hybrid, scaling=gpu_only)
+            fp8_utils.Fp8RecipeSettings(hybrid, scaling=gpu_only)
     with pytest.raises(ValueError, match="--fp8-amax-compute-algo"):
-        fp8_utils.Fp8Recipe(hybrid, amax_compute_algo="mean")
+        fp8_utils.Fp8RecipeSettings(hybrid, amax_compute_algo="mean")
 
 
 def _history_scales(algo):
-    recipe = fp8_utils.Fp8Recipe(fp8_utils.get_fp8_format("e4m3"), "delayed", amax_history_len=3, amax_compute_algo=algo)
+    recipe = fp8_utils.Fp8RecipeSettings(fp8_utils.get_fp8_format("e4m3"), "delayed", amax_history_len=3,
+                                         amax_compute_algo=algo)
     state = ScalingState(recipe, torch.float8_e4m3fn, sharded_over_tensor_parallel=False)
     scales = []
     for peak in (1.0, 4.0, 2.0, 0.5, 0.25):
@@ -131,14 +136,14 @@ def _scales_on_ranks():
     # TP=2: each rank holds a different shard; tensorwise scaling reduces the amax over the TP group.
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     shard = torch.full((4,), 1.0 + 3.0 * rank)  # amax 1 on rank 0, 4 on rank 1
-    tensorwise = LinearScaling(fp8_utils.Fp8Recipe(hybrid, "tensorwise"), "column")
+    tensorwise = LinearScaling(fp8_utils.Fp8RecipeSettings(hybrid, "tensorwise"), "column")
     results["weight_scale_tp"] = float(tensorwise.weight.scale_for(shard))
     results["input_scale_replicated"] = float(tensorwise.input.scale_for(shard))  # not sharded: own amax
     parallel_state.destroy_model_parallel()
 
     # DP=2, delayed: pending amaxes are reduced over the data-parallel group once per step.
     parallel_state.initialize_model_parallel()
-    recipe = fp8_utils.Fp8Recipe(hybrid, "delayed", amax_history_len=2)
+    recipe = fp8_utils.Fp8RecipeSettings(hybrid, "delayed", amax_history_len=2)
     scaling = LinearScaling(recipe, "column")
     with fp8_utils.Fp8Region(recipe):
         scaling.input.scale_for(torch.full((3,), 2.0 + rank))
@@ -178,7 +183,7 @@ def _delayed_scales_over_the_amax_reduction_group():
                         ("tp2_pp2", {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2})):
         parallel_state.initialize_model_parallel(**sizes)
         group = parallel_state.get_amax_reduction_group(with_context_parallel=True)
-        recipe = fp8_utils.Fp8Recipe(hybrid, "delayed", amax_history_len=2)
+        recipe = fp8_utils.Fp8RecipeSettings(hybrid, "delayed", amax_history_len=2)
         scaling = LinearScaling(recipe, "column")
         with fp8_utils.Fp8Region(recipe):
             scaling.input.scale_for(torch.full((3,), 1.0 + rank))  # amaxes 1, 2, 3, 4
@@ -227,3 +232,102 @@ def test_delayed_scaling_reduces_amaxes_over_the_stage_amax_reduction_group(worl
         assert result["tp2_pp2"]["group"] == stage_ranks
         assert result["tp2_pp2"]["histories"] == [[input_amax, 0.0], [weight_amax, 0.0], [0.0, 0.0]]
         assert result["tp2_pp2"]["next_weight_scale"] == 448.0 / weight_amax
+
+
+# ---- upstream's other fp8_utils names ----------------------------------------------------------------------------
+
+
+def test_fp8_recipe_is_the_enum_of_recipe_names():
+    from megatron.core.enums import Fp8Recipe
+
+    assert fp8_utils.Fp8Recipe is Fp8Recipe
+    assert fp8_utils.Fp8Recipe.delayed == "delayed" and fp8_utils.Fp8Recipe.tensorwise.value == "tensorwise"
+    # The run's settings keep their own name and read the enum member as its name.
+    settings = fp8_utils.Fp8RecipeSettings(fp8_utils.get_fp8_format("hybrid"), str(fp8_utils.Fp8Recipe.tensorwise))
+    assert settings.scaling == "tensorwise" and not settings.is_delayed
+
+
+def test_get_fp8_align_size():
+    recipe = fp8_utils.Fp8Recipe
+    assert [fp8_utils.get_fp8_align_size(member) for member in (recipe.delayed, recipe.tensorwise, recipe.blockwise,
+                                                                  recipe.mxfp8)] == [16, 16, 16, 32]
+    assert fp8_utils.get_fp8_align_size("mxfp8") == 32 and fp8_utils.get_fp8_align_size("delayed") == 16
+    with pytest.raises(ValueError, match=r"fp8_recipe \(--fp8-recipe\) must be one of"):
+        fp8_utils.get_fp8_align_size(recipe.custom)
+
+
+def test_dequantize_fp8_tensor_returns_the_scaled_value():
+    values = torch.tensor([[0.5, -3.0], [2.0, 0.25]])
+    quantized = fp8_utils.quantize(values, torch.float8_e4m3fn, torch.tensor(64.0))
+    restored = fp8_utils.dequantize_fp8_tensor(quantized)
+    assert restored.dtype == torch.float32 and torch.equal(restored, values)  # all on the e4m3 grid at scale 64
+    with pytest.raises(TypeError, match="fp8_tensor must be a ScaledFloat8"):
+        fp8_utils.dequantize_fp8_tensor(values.to(torch.float8_e4m3fn))
+
+
+@pytest.mark.parametrize("raw_dtype", [torch.uint8, torch.float8_e4m3fn])
+def test_modify_underlying_storage_moves_the_bytes_into_a_buffer(raw_dtype):
+    values = torch.tensor([[0.5, -3.0, 1.5], [2.0, 0.25, -0.75]])
+    quantized = fp8_utils.quantize(values, torch.float8_e4m3fn, torch.tensor(16.0))
+    buffer = torch.zeros(10, dtype=raw_dtype)
+    fp8_utils.modify_underlying_storage(quantized, buffer[2:8])
+    assert quantized.data.data_ptr() == buffer[2:8].data_ptr() and quantized.shape == (2, 3)
+    assert torch.equal(quantized.dequantize(), values)
+    assert buffer.view(torch.uint8)[[0, 1, 8, 9]].tolist() == [0, 0, 0, 0]
+    buffer.view(torch.uint8)[2] = 0  # writes into the buffer are writes into the tensor
+    assert quantized.dequantize()[0, 0].item() == 0.0
+    with pytest.raises(ValueError, match="new_raw_data must be contiguous with 6 elements"):
+        fp8_utils.modify_underlying_storage(quantized, torch.zeros(5, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="new_raw_data must be uint8"):
+        fp8_utils.modify_underlying_storage(quantized, torch.zeros(6))
+    with pytest.raises(TypeError, match="tensor must be a ScaledFloat8"):
+        fp8_utils.modify_underlying_storage(values, torch.zeros(6, dtype=torch.uint8))
+
+
+def _delayed_layer():
+    from megatron.core.extensions.transformer_engine import layer_classes
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, fp8="hybrid",
+                               fp8_recipe="delayed", fp8_amax_history_len=4)
+    torch.manual_seed(0)
+    layer = layer_classes(config)[0](16, 32, config=config, init_method=torch.nn.init.normal_, bias=True)
+    return layer, config
+
+
+def test_correct_amax_history_if_needed_leaves_the_histories_as_recorded():
+    layer, config = _delayed_layer()
+    for step in range(2):
+        with fp8_utils.get_fp8_context(config, layer_no=0):
+            out, _ = layer(torch.randn(5, 16) * (step + 1))
+        out.sum().backward()
+        fp8_utils.reduce_fp8_amaxes([layer])
+    history = layer.fp8_amax_history.clone()
+    assert history[:, :2].min() > 0
+    assert fp8_utils.correct_amax_history_if_needed([layer]) is None
+    fp8_utils.correct_amax_history_if_needed(layer)
+    assert torch.equal(layer.fp8_amax_history, history)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module or a list of them"):
+        fp8_utils.correct_amax_history_if_needed("model")
+
+
+def test_quantize_param_shard_refuses_and_names_the_fp8_param_gather_path():
+    fp8_utils.quantize_param_shard([], [], [], None)  # nothing to quantize
+    weight = torch.nn.Parameter(torch.ones(4))
+    with pytest.raises(NotImplementedError, match="--fp8-param-gather"):
+        fp8_utils.quantize_param_shard([weight], [torch.ones(2)], [0], None)
+
+
+def test_prepare_model_for_fp8_inference_runs_any_length_in_fp8():
+    layer, config = _delayed_layer()
+    assert fp8_utils.prepare_model_for_fp8_inference(layer) is layer
+    x = torch.randn(7, 16)  # 7 tokens: a GPU's FP8 GEMM of them is zero-padded to 16 rows by the layer itself
+    with torch.no_grad(), fp8_utils.get_fp8_context(config, layer_no=0):
+        out, _ = layer(x)
+    reference = x @ layer.weight.t() + layer.bias
+    assert out.shape == (7, 32) and not torch.equal(out, reference)  # it did run in FP8
+    torch.testing.assert_close(out, reference, rtol=0.15, atol=0.5)
+    te_model = torch.nn.Module()
+    te_model.config = SimpleNamespace(fp8="hybrid", transformer_impl="transformer_engine")
+    with pytest.raises(NotImplementedError, match="--transformer-impl local"):
+        fp8_utils.prepare_model_for_fp8_inference(te_model)

@@ -2,10 +2,10 @@
 
 Linear layers quantize their GEMMs only inside an FP8 region. The transformer block opens one region per
 layer, so `--first-last-layers-bf16` can keep the first and last layers in the parameters' precision by simply
-not opening it there; the output layer and the embedding are never inside one. Under delayed scaling the amaxes the layers
-record stay pending on the device; the training step reduces all of them across the ranks sharing the layers in
-one collective per optimizer step (`megatron.core.fp8.scaling.reduce_fp8_amaxes`) and pushes them into the
-histories that the next scales are read from.
+not opening it there; the output layer and the embedding are never inside one. Under delayed scaling the amaxes
+the layers record stay pending on the device; the training step reduces all of them across the ranks sharing the
+layers in one collective per optimizer step (`megatron.core.fp8.scaling.reduce_fp8_amaxes`) and pushes them into
+the histories that the next scales are read from.
 
 The region itself lives in `megatron.core.fp8.region`, which imports nothing of the Transformer Engine backend:
 the tensor-parallel layers import it, and the backend imports those layers.
@@ -13,7 +13,7 @@ the tensor-parallel layers import it, and the backend imports those layers.
 
 import contextlib
 
-from megatron.core.fp8.recipe import Fp8Recipe
+from megatron.core.fp8.recipe import Fp8RecipeSettings
 from megatron.core.fp8.region import Fp8Region, active_fp8_region
 
 __all__ = ["Fp8Region", "active_fp8_region", "get_fp8_context", "is_first_last_bf16_layer"]
@@ -44,4 +44,4 @@ def get_fp8_context(config, layer_no: int = -1, is_init: bool = False):
         from megatron.core.extensions.transformer_engine import te_fp8_context
 
         return te_fp8_context(config)
-    return Fp8Region(Fp8Recipe.from_config(config))
+    return Fp8Region(Fp8RecipeSettings.from_config(config))

@@ -47,3 +47,17 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 def is_fp8_dtype(dtype: torch.dtype) -> bool:
     return dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+
+
+# Rows an FP8 GEMM operand is padded to a multiple of: 16 for the per-tensor recipes' kernels, 32 for MXFP8's
+# blocks of 32 elements sharing one scale.
+_ALIGN_SIZES = {"delayed": 16, "tensorwise": 16, "blockwise": 16, "mxfp8": 32}
+
+
+def get_fp8_align_size(fp8_recipe) -> int:
+    """The multiple FP8 GEMM dimensions are padded to under `fp8_recipe` (a `megatron.core.enums.Fp8Recipe`
+    member or its name): 32 for `mxfp8`, 16 otherwise (e.g. tokens per expert, `--moe-router-padding-for-fp8`)."""
+    name = str(fp8_recipe)
+    if name not in _ALIGN_SIZES:
+        raise ValueError(f"fp8_recipe (--fp8-recipe) must be one of {FP8_RECIPES}, got {fp8_recipe!r}")
+    return _ALIGN_SIZES[name]

@@ -125,3 +125,34 @@ def quantize_main_params_into_fp8_buffers(model_chunks, shards):
             groups = [buffer.groups.shard_group]
             storage.quantize_main_shards(buffer, shards_by_buffer.get(id(buffer), []), groups)
     return plain_shards
+
+
+def _modules_of(model, name):
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if not all(isinstance(chunk, torch.nn.Module) for chunk in chunks):
+        raise TypeError(f"{name}: model must be a torch.nn.Module or a list of them (the model chunks), got "
+                        f"{type(model).__name__}")
+    return chunks
+
+
+def correct_amax_history_if_needed(model) -> None:
+    """Nothing to correct here, by design: the weights `--fp8-param-gather` quantizes are scaled by their own
+    current amax (`Fp8ParamStorage.quantize_main_shards`) and never write into the layers' delayed-scaling amax
+    histories, so no stale weight amax reaches a history after a step or a checkpoint load. Accepts a module or
+    the list of model chunks, as the training loop passes them."""
+    _modules_of(model, "correct_amax_history_if_needed")
+
+
+def quantize_param_shard(model_params, main_params, start_offsets, data_parallel_group,
+                         fsdp_shard_model_params=None) -> None:
+    """Not available: it writes main-parameter shards into Transformer Engine Float8Tensor parameters, and this
+    codebase builds every weight in high precision (no FP8 parameters; `get_fp8_context(..., is_init=True)` is a
+    null context). With `--fp8-param-gather` the distributed optimizer and Megatron-FSDP quantize the main shards
+    into their FP8 gather buffers themselves (`quantize_main_params_into_fp8_buffers`, `fsdp_gather`). An empty
+    `model_params` is accepted and does nothing, as there is nothing to quantize."""
+    if len(model_params) == 0:
+        return
+    raise NotImplementedError(
+        "quantize_param_shard quantizes into Transformer Engine Float8Tensor parameters, which this codebase does "
+        "not create; use --fp8-param-gather, whose optimizer step quantizes the main shards into the FP8 gather "
+        "buffers (megatron.core.fp8.params.quantize_main_params_into_fp8_buffers)")

@@ -1,4 +1,8 @@
-"""`Fp8Recipe`: the format and scaling rules of one FP8 run, built from a `TransformerConfig`."""
+"""`Fp8RecipeSettings`: the format and scaling rules of one FP8 run, built from a `TransformerConfig`.
+
+Named apart from the recipe names themselves, `megatron.core.enums.Fp8Recipe` (also `fp8_utils.Fp8Recipe`),
+which are only the `--fp8-recipe` choices; this object adds the format, margin and history settings.
+"""
 
 import functools
 from dataclasses import dataclass
@@ -13,7 +17,7 @@ from megatron.core.fp8.formats import (
 
 
 @dataclass(frozen=True)
-class Fp8Recipe:
+class Fp8RecipeSettings:
     """How tensors are scaled into FP8.
 
     `tensorwise`: each tensor is scaled by its own current amax (reduced over the tensor-parallel ranks that
@@ -60,7 +64,7 @@ class Fp8Recipe:
         return self.margin if self.is_delayed else 0
 
     @classmethod
-    def from_config(cls, config) -> "Fp8Recipe":
+    def from_config(cls, config) -> "Fp8RecipeSettings":
         """The recipe of `config`'s FP8 flags: one object per distinct setting (the FP8 region asks for it per
         layer and pass, and layers compare it by identity first)."""
         # str(): a `megatron.core.enums.Fp8Recipe` member and its name are one setting (and one cached recipe).
@@ -69,7 +73,7 @@ class Fp8Recipe:
 
 
 def scale_margin_of(config) -> int:
-    """`Fp8Recipe.scale_margin` of `config`'s FP8 flags (any recipe name, Transformer Engine's too)."""
+    """`Fp8RecipeSettings.scale_margin` of `config`'s FP8 flags (any recipe name, Transformer Engine's too)."""
     return getattr(config, "fp8_margin", 0) if getattr(config, "fp8_recipe", "delayed") == "delayed" else 0
 
 

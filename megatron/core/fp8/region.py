@@ -7,7 +7,7 @@ reduces all of them at once (`megatron.core.fp8.scaling.reduce_fp8_amaxes`).
 
 import threading
 
-from megatron.core.fp8.recipe import Fp8Recipe
+from megatron.core.fp8.recipe import Fp8RecipeSettings
 
 _LOCAL = threading.local()
 
@@ -21,7 +21,7 @@ def _region_stack():
 class Fp8Region:
     """A torch-native FP8 region: linear layers run inside it quantize with `recipe`."""
 
-    def __init__(self, recipe: Fp8Recipe):
+    def __init__(self, recipe: Fp8RecipeSettings):
         self.recipe = recipe
 
     def __enter__(self):

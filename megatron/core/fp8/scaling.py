@@ -11,7 +11,7 @@ reduction runs once per optimizer step for all layers together (`reduce_fp8_amax
 import torch
 import torch.distributed as dist
 
-from megatron.core.fp8.recipe import Fp8Recipe
+from megatron.core.fp8.recipe import Fp8RecipeSettings
 from megatron.core.fp8.tensor import (
     ScaledFloat8,
     amax,
@@ -75,7 +75,7 @@ class ScalingState:
     """The scale of one tensor role of one module.
 
     Args:
-        recipe: the run's `Fp8Recipe`.
+        recipe: the run's `Fp8RecipeSettings`.
         dtype: the float8 dtype this role is stored in.
         sharded_over_tensor_parallel: the tensor is split across tensor-parallel ranks (so its amax is reduced
             over them); replicated tensors already agree.
@@ -94,7 +94,7 @@ class ScalingState:
     before the write, as a state built after the load would.
     """
 
-    def __init__(self, recipe: Fp8Recipe, dtype: torch.dtype, sharded_over_tensor_parallel: bool,
+    def __init__(self, recipe: Fp8RecipeSettings, dtype: torch.dtype, sharded_over_tensor_parallel: bool,
                  history_storage=None, count_storage=None):
         self.recipe = recipe
         self.dtype = dtype
@@ -312,7 +312,7 @@ class LinearScaling:
 
     ROLES = ("input", "weight", "grad_output")
 
-    def __init__(self, recipe: Fp8Recipe, parallel_mode: str, history_storage=None, count_storage=None):
+    def __init__(self, recipe: Fp8RecipeSettings, parallel_mode: str, history_storage=None, count_storage=None):
         """`history_storage` `[3, amax_history_len]` fp32 and `count_storage` `[3]` int64 (optional) hold the
         three roles' histories, e.g. as module buffers."""
         if parallel_mode not in ("column", "row", "none"):

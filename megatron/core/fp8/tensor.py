@@ -380,3 +380,35 @@ def quantize_with_current_scale(tensor: torch.Tensor, dtype: torch.dtype, margin
 
 def dequantize(fp8_tensor: ScaledFloat8, dtype=torch.float32) -> torch.Tensor:
     return fp8_tensor.dequantize(dtype)
+
+
+def dequantize_fp8_tensor(fp8_tensor) -> torch.Tensor:
+    """The high-precision value of an FP8 tensor: a `ScaledFloat8` in fp32 (it has no other nominal dtype), a
+    Transformer Engine Float8Tensor in its own nominal dtype."""
+    if is_float8tensor(fp8_tensor):
+        return fp8_tensor.dequantize()
+    raise TypeError(f"dequantize_fp8_tensor: fp8_tensor must be a ScaledFloat8 or Transformer Engine Float8Tensor "
+                    f"(is_float8tensor), got {type(fp8_tensor).__name__}; a plain float8 torch.Tensor carries no "
+                    f"scale: use `.float()` and divide by the scale it was quantized with")
+
+
+def modify_underlying_storage(tensor: ScaledFloat8, new_raw_data: torch.Tensor) -> None:
+    """Move the FP8 bytes of `tensor` into `new_raw_data` (e.g. a view into a flat buffer): its current bytes are
+    copied there and `tensor.data` becomes a view of it. `new_raw_data` is contiguous, holds as many elements as
+    `tensor`, and is uint8 or `tensor`'s float8 dtype."""
+    if not isinstance(tensor, ScaledFloat8):
+        raise TypeError(f"modify_underlying_storage: tensor must be a ScaledFloat8 (this package's FP8 tensor), got "
+                        f"{type(tensor).__name__}; Transformer Engine's Float8Tensor storage is managed by "
+                        f"Transformer Engine (transformer_engine.pytorch.tensor.utils.replace_raw_data)")
+    old = tensor.data
+    if new_raw_data.dtype not in (torch.uint8, old.dtype):
+        raise TypeError(f"modify_underlying_storage: new_raw_data must be uint8 or {old.dtype}, got "
+                        f"{new_raw_data.dtype}")
+    if new_raw_data.numel() != old.numel() or not new_raw_data.is_contiguous():
+        raise ValueError(f"modify_underlying_storage: new_raw_data must be contiguous with {old.numel()} elements "
+                         f"(tensor's shape {tuple(old.shape)}), got shape {tuple(new_raw_data.shape)}"
+                         f"{'' if new_raw_data.is_contiguous() else ', not contiguous'}")
+    new_data = new_raw_data.detach().view(old.dtype).view(old.shape)
+    if new_data.data_ptr() != old.data_ptr():
+        new_data.copy_(old)
+    tensor.data = new_data

@@ -20,7 +20,7 @@ from megatron.core.fp8.checkpoint import (
     start_missing_fp8_histories_empty,
 )
 from megatron.core.fp8.linear import fp8_linear, scaled_mm_in_use
-from megatron.core.fp8.recipe import Fp8Recipe
+from megatron.core.fp8.recipe import Fp8RecipeSettings
 from megatron.core.fp8.region import active_fp8_region
 from megatron.core.fp8.scaling import LinearScaling
 from megatron.core.tensor_parallel.linear_function import linear_with_grad_accumulation
@@ -71,7 +71,8 @@ class _Fp8LinearMixin:
         self._fp8_weight_cache = None
         self._fp8_step_managed = False
         self._fp8_keep_transpose = bool(getattr(config, "keep_fp8_transpose_cache", False))
-        self._fp8_history_recipe = Fp8Recipe.from_config(config) if _uses_torch_native_delayed_fp8(config) else None
+        self._fp8_history_recipe = (Fp8RecipeSettings.from_config(config) if _uses_torch_native_delayed_fp8(config)
+                                    else None)
         self._register_load_state_dict_pre_hook(_fp8_linear_load_pre_hook, with_module=True)
 
     @functools.cached_property

@@ -18,7 +18,7 @@ def _recorded_histories(length):
     from megatron.core import fp8_utils
     from megatron.core.fp8.scaling import ScalingState
 
-    recipe = fp8_utils.Fp8Recipe(fp8_utils.get_fp8_format("hybrid"), "delayed", amax_history_len=length)
+    recipe = fp8_utils.Fp8RecipeSettings(fp8_utils.get_fp8_format("hybrid"), "delayed", amax_history_len=length)
     state = ScalingState(recipe, torch.float8_e4m3fn, sharded_over_tensor_parallel=False)
     for value in AMAXES:
         state._record_pending(torch.tensor(value))

@@ -24,8 +24,8 @@ def test_weight_gradient_is_the_high_precision_one_and_the_rest_stays_fp8(scaled
     generator = torch.Generator().manual_seed(0)
     x, weight, bias = (torch.randn(*shape, generator=generator) for shape in ((16, 32), (48, 32), (48,)))
     grad = torch.randn(16, 48, generator=generator)
-    fp8_recipe = fp8_utils.Fp8Recipe(hybrid, "tensorwise")
-    hp_wgrad_recipe = fp8_utils.Fp8Recipe(hybrid, "tensorwise", fp8_wgrad=False)
+    fp8_recipe = fp8_utils.Fp8RecipeSettings(hybrid, "tensorwise")
+    hp_wgrad_recipe = fp8_utils.Fp8RecipeSettings(hybrid, "tensorwise", fp8_wgrad=False)
     with fp8_utils.force_fp8_scaled_mm() if scaled_mm else fp8_utils.force_fp8_gemm_emulation():
         fp8_out, fp8_dgrad, fp8_wgrad, fp8_bgrad = _run(fp8_recipe, x, weight, bias, grad)
         out, dgrad, wgrad, bgrad = _run(hp_wgrad_recipe, x, weight, bias, grad)
@@ -49,7 +49,7 @@ def test_config_flag_reaches_the_layer_and_the_main_grad_under_delayed_scaling()
     config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, fp8="hybrid", fp8_recipe="delayed",
                                fp8_wgrad=False, gradient_accumulation_fusion=True, params_dtype=torch.bfloat16,
                                bf16=True)
-    assert fp8_utils.Fp8Recipe.from_config(config).fp8_wgrad is False
+    assert fp8_utils.Fp8RecipeSettings.from_config(config).fp8_wgrad is False
     torch.manual_seed(0)
     layer = layer_classes(config)[0](16, 32, config=config, init_method=torch.nn.init.normal_, bias=False)
     layer.weight.main_grad = torch.zeros(32, 16, dtype=torch.float32)

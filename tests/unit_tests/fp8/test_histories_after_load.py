@@ -82,7 +82,7 @@ def test_scaling_states_built_under_inference_mode_quantize():
     x = torch.randn(4, 16)
     for recipe in ("tensorwise", "delayed"):
         with torch.inference_mode():
-            scaling = LinearScaling(fp8_utils.Fp8Recipe(fp8_utils.get_fp8_format("hybrid"), recipe), "none")
+            scaling = LinearScaling(fp8_utils.Fp8RecipeSettings(fp8_utils.get_fp8_format("hybrid"), recipe), "none")
             first = scaling.input.quantize(x)
             fp8_utils.reduce_and_record_amaxes(scaling.states(), [])
             again = scaling.input.quantize(x)

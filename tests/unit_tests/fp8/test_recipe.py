@@ -10,7 +10,7 @@ import torch
 from megatron.core.fp8.formats import fp8_max, get_fp8_format
 from megatron.core.fp8.fsdp_gather import fp8_gather_codec_policy
 from megatron.core.fp8.params import Fp8ParamStorage
-from megatron.core.fp8.recipe import Fp8Recipe
+from megatron.core.fp8.recipe import Fp8RecipeSettings
 from megatron.core.fp8.scaling import LinearScaling
 
 MARGIN = 3
@@ -18,7 +18,7 @@ MARGIN = 3
 
 @pytest.mark.parametrize("scaling, divisor", [("tensorwise", 1.0), ("delayed", 2.0**MARGIN)])
 def test_margin_divides_delayed_scales_only(scaling, divisor):
-    recipe = Fp8Recipe(get_fp8_format("hybrid"), scaling=scaling, margin=MARGIN)
+    recipe = Fp8RecipeSettings(get_fp8_format("hybrid"), scaling=scaling, margin=MARGIN)
     states = LinearScaling(recipe, "none")
     values = torch.tensor([[0.5, -3.0], [2.0, 1.0]])
     for state in states.states():
@@ -46,8 +46,8 @@ def test_upstream_recipe_enum_configures_the_same_recipe_as_its_name():
                                 fp8_recipe=RecipeName.tensorwise)
     by_name = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, fp8="hybrid",
                                 fp8_recipe="tensorwise")
-    recipe = Fp8Recipe.from_config(by_enum)
-    assert recipe is Fp8Recipe.from_config(by_name) and type(recipe.scaling) is str
+    recipe = Fp8RecipeSettings.from_config(by_enum)
+    assert recipe is Fp8RecipeSettings.from_config(by_name) and type(recipe.scaling) is str
     assert recipe.scaling == "tensorwise" and not recipe.is_delayed
     with get_fp8_context(by_enum, 0) as region:
         assert region.recipe is recipe

@@ -12,7 +12,7 @@ import torch
 from megatron.core.fp8 import tensor as fp8_tensor
 from megatron.core.fp8 import triton_quantize
 from megatron.core.fp8.formats import fp8_max
-from megatron.core.fp8.recipe import Fp8Recipe
+from megatron.core.fp8.recipe import Fp8RecipeSettings
 from megatron.core.fp8.scaling import ScalingState
 from megatron.core.fp8_utils import get_fp8_format
 
@@ -199,7 +199,7 @@ def test_cuda_scaling_states_quantize_through_the_kernels_with_the_eager_results
         pytest.skip("Triton is not importable on this GPU machine")
     fmt = get_fp8_format("hybrid")
     values = [_wide_range_values((256, 512), torch.bfloat16, seed=seed).cuda() for seed in range(3)]
-    for recipe in (Fp8Recipe(fmt, "tensorwise"), Fp8Recipe(fmt, "delayed", amax_history_len=4,
+    for recipe in (Fp8RecipeSettings(fmt, "tensorwise"), Fp8RecipeSettings(fmt, "delayed", amax_history_len=4,
                                                            amax_compute_algo="max")):
         results = {}
         for path in ("kernels", "eager"):

@@ -77,7 +77,7 @@ def _fp8_linear_on_ranks(fmt_name):
     x = shared_randn(5, 3, 16, seed=1)
     grad = shared_randn(5, 3, 16, seed=2)
     fmt = fp8_utils.get_fp8_format(fmt_name)
-    recipe = fp8_utils.Fp8Recipe(fmt, "tensorwise")
+    recipe = fp8_utils.Fp8RecipeSettings(fmt, "tensorwise")
     results = {}
 
     with fp8_utils.force_fp8_scaled_mm():  # on the CPU the default is emulation: run torch's kernel here
@@ -169,7 +169,7 @@ def test_delayed_scaling_histories_are_module_buffers_and_reduced_once_per_step(
     assert layer.state_dict()["fp8_amax_recorded_count"].tolist() == [3, 3, 2]
     restored = _transformer_layer_column(config, init_method=torch.nn.init.ones_, bias=False)
     restored.load_state_dict(layer.state_dict())
-    assert restored.fp8_scaling(fp8_utils.Fp8Recipe.from_config(config)).input.num_recorded == 3
+    assert restored.fp8_scaling(fp8_utils.Fp8RecipeSettings.from_config(config)).input.num_recorded == 3
 
 
 def test_layers_outside_transformer_layers_have_no_histories_and_ignore_old_ones():
@@ -218,7 +218,7 @@ def test_state_dict_without_fp8_histories_loads_strictly_and_starts_them_empty()
     # The load also forgot that a history had been recorded: the next scale comes from the tensor's own amax.
     with fp8_utils.get_fp8_context(fp8_config, layer_no=0):
         layer(torch.full((2, 8), 0.25))
-    assert float(layer.fp8_scaling(fp8_utils.Fp8Recipe.from_config(fp8_config)).input.scale_for(
+    assert float(layer.fp8_scaling(fp8_utils.Fp8RecipeSettings.from_config(fp8_config)).input.scale_for(
         torch.full((2, 8), 0.25))) == 448.0 / 0.25
 
     partial = {**plain_state, "fp8_amax_history": torch.ones(3, 4)}
@@ -247,7 +247,7 @@ def _accumulation_bound(a, b, out_rounding, unit=2.0**-23):
 def test_fp8_linear_on_cuda_matches_the_emulation_reference(monkeypatch, tokens, in_features, out_features):
     if not fp8_utils.scaled_mm_supported("cuda"):
         pytest.skip("this GPU has no FP8 torch._scaled_mm kernel (FP8 tensor cores need compute capability 8.9+)")
-    recipe = fp8_utils.Fp8Recipe(fp8_utils.get_fp8_format("hybrid"), "tensorwise")
+    recipe = fp8_utils.Fp8RecipeSettings(fp8_utils.get_fp8_format("hybrid"), "tensorwise")
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, in_features, generator=generator)
     weight = torch.randn(out_features, in_features, generator=generator) * 0.3
@@ -319,7 +319,7 @@ def test_fp8_linear_on_cuda_matches_the_emulation_reference(monkeypatch, tokens,
 def test_cpu_gemm_policy_emulates_by_default_and_runs_scaled_mm_when_forced(monkeypatch):
     """On the CPU the FP8 GEMMs are emulated unless `force_fp8_scaled_mm()` asks for torch's kernel; both give
     the same numbers (float8 operands are exact in fp32; sums of 32 products differ in order only)."""
-    recipe = fp8_utils.Fp8Recipe(fp8_utils.get_fp8_format("hybrid"), "tensorwise")
+    recipe = fp8_utils.Fp8RecipeSettings(fp8_utils.get_fp8_format("hybrid"), "tensorwise")
     generator = torch.Generator().manual_seed(0)
     x, weight, bias = (torch.randn(*shape, generator=generator) for shape in ((8, 32), (16, 32), (16,)))
     grad = torch.randn(8, 16, generator=generator)
@@ -359,7 +359,7 @@ def test_gemm_plan_pads_cheap_shapes_and_reports_emulated_ones_once(monkeypatch,
         assert fp8_utils.gemm_plan("cpu", 8, 8, 8) == "emulate"
     assert fp8_utils.gemm_plan("cpu", 64, 32, 40) == "emulate"  # not forced: the CPU emulates
 
-    recipe = fp8_utils.Fp8Recipe(fp8_utils.get_fp8_format("hybrid"), "tensorwise")
+    recipe = fp8_utils.Fp8RecipeSettings(fp8_utils.get_fp8_format("hybrid"), "tensorwise")
     generator = torch.Generator().manual_seed(1)
     calls = []
     scaled_mm = torch._scaled_mm
