@@ -17,10 +17,13 @@ class Status(Enum):
 
 @dataclass
 class InferenceRequest:
-    """`prompt_tokens` as tokenized (with the BOS token under `add_BOS`). Once COMPLETED: `generated_tokens` ends
-    with the end-of-document id when generation reached it (`stopped_at_eod`), which `generated_text` leaves out;
+    """`prompt_tokens` as tokenized (with the BOS token under the engine's or the sampling params' `add_BOS`).
+    Once COMPLETED: `generated_tokens` ends with the end-of-document id when generation reached it
+    (`stopped_at_eod`), which `generated_text` leaves out;
     with `sampling_params.return_log_probs`, `prompt_log_probs[i]` is the log-probability of
-    `prompt_tokens[i + 1]` and `generated_log_probs[i]` that of `generated_tokens[i]`; with
+    `prompt_tokens[i + 1]` (None under `skip_prompt_log_probs`) and `generated_log_probs[i]` that of
+    `generated_tokens[i]`; with `sampling_params.return_segments`, `segments[i]` is the part of `generated_text` that
+    `generated_tokens[i]` adds (their concatenation is `generated_text`); with
     `sampling_params.top_n_logprobs` n > 0, `generated_top_n_logprobs[i]` maps the n most likely tokens at the
     position of `generated_tokens[i]`, each detokenized alone, to their log-probabilities (most likely first), and
     with `return_prompt_top_n_logprobs` `prompt_top_n_logprobs[i]` those at the position of `prompt_tokens[i + 1]`."""
@@ -39,3 +42,4 @@ class InferenceRequest:
     stopped_at_eod: Optional[bool] = None
     generated_top_n_logprobs: Optional[List[Dict[str, float]]] = None
     prompt_top_n_logprobs: Optional[List[Dict[str, float]]] = None
+    segments: Optional[List[str]] = None

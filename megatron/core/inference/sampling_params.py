@@ -14,8 +14,13 @@ step: after each token is chosen, `top_p <- max(top_p * top_p_decay, top_p_bound
 log-probabilities (and of each prompt position after the first with `return_prompt_top_n_logprobs`), both under the
 model's distribution over the real vocabulary (`log_probs`).
 
-A sequence stops after `num_tokens_to_generate` new tokens or once it generates `termination_id` (None: the
-tokenizer's end-of-document id), which it keeps as its last token.
+`skip_prompt_log_probs` (with `return_log_probs`) leaves the prompt's out: `prompt_log_probs` stays None.
+`return_segments` adds `segments`, the generated text split at its tokens (their concatenation is the text).
+`add_BOS` puts the tokenizer's beginning-of-sequence id before every prompt given as text.
+
+A sequence stops after `num_tokens_to_generate` new tokens, or with `num_tokens_total` once prompt and generated
+tokens are that many (set one of the two; neither given means `num_tokens_to_generate=30`), or once it generates
+`termination_id` (None: the tokenizer's end-of-document id), which it keeps as its last token.
 
 As upstream's, the params may be changed after they are made (`params.top_k = 1`, `add_attributes({...})`): they
 are checked when made and again when a generation starts (`check`).
@@ -24,6 +29,8 @@ are checked when made and again when a generation starts (`check`).
 from dataclasses import dataclass
 from typing import Optional
 
+DEFAULT_NUM_TOKENS_TO_GENERATE = 30  # upstream's
+
 
 @dataclass
 class SamplingParams:
@@ -31,14 +38,20 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 0.0
     return_log_probs: bool = False
-    num_tokens_to_generate: int = 30
+    num_tokens_to_generate: Optional[int] = None  # 30 unless num_tokens_total is given
     top_p_decay: float = 0.0
     top_p_bound: float = 0.0
     top_n_logprobs: int = 0
     return_prompt_top_n_logprobs: bool = False
     termination_id: Optional[int] = None
+    skip_prompt_log_probs: bool = False
+    return_segments: bool = False
+    num_tokens_total: Optional[int] = None
+    add_BOS: bool = False
 
     def __post_init__(self):
+        if self.num_tokens_to_generate is None and self.num_tokens_total is None:
+            self.num_tokens_to_generate = DEFAULT_NUM_TOKENS_TO_GENERATE
         self.check()
 
     def check(self):
@@ -60,8 +73,17 @@ class SamplingParams:
             raise ValueError(f"top_p_decay must be in [0, 1] (0: top_p stays fixed), got {self.top_p_decay}")
         if not 0.0 <= self.top_p_bound <= self.top_p:
             raise ValueError(f"top_p_bound must be in [0, top_p {self.top_p}] (0: no bound), got {self.top_p_bound}")
-        if not isinstance(self.num_tokens_to_generate, int) or self.num_tokens_to_generate < 1:
+        if (self.num_tokens_to_generate is None) == (self.num_tokens_total is None):
+            raise ValueError(f"num_tokens_to_generate {self.num_tokens_to_generate} and num_tokens_total "
+                             f"{self.num_tokens_total}: set exactly one of them (the other to None)")
+        if self.num_tokens_to_generate is not None and (not isinstance(self.num_tokens_to_generate, int)
+                                                        or self.num_tokens_to_generate < 1):
             raise ValueError(f"--num-tokens-to-generate must be an integer >= 1, got {self.num_tokens_to_generate!r}")
+        if self.num_tokens_total is not None and (not isinstance(self.num_tokens_total, int)
+                                                  or isinstance(self.num_tokens_total, bool)
+                                                  or self.num_tokens_total < 2):
+            raise ValueError(f"num_tokens_total (prompt plus generated tokens) must be an integer >= 2, got "
+                             f"{self.num_tokens_total!r}")
         if not isinstance(self.top_n_logprobs, int) or isinstance(self.top_n_logprobs, bool) \
                 or self.top_n_logprobs < 0:
             raise ValueError(f"--top-n-logprobs must be an integer >= 0 (0: none), got {self.top_n_logprobs!r}")
@@ -76,6 +98,12 @@ class SamplingParams:
         """Set several attributes at once (upstream's helper); checked when a generation starts."""
         for key, value in attribute_value_pair.items():
             setattr(self, key, value)
+
+    def tokens_to_generate(self, prompt_length: int) -> int:
+        """How many tokens a prompt of `prompt_length` tokens may generate."""
+        if self.num_tokens_total is None:
+            return self.num_tokens_to_generate
+        return self.num_tokens_total - prompt_length
 
     @property
     def greedy(self) -> bool:

@@ -4,8 +4,9 @@ All sequences of the batch sit at the same positions, so one causal cache serves
 the prefill runs the first `min(prompt lengths)` positions of every prompt at once, then each step feeds one
 position. While a sequence is still inside its own prompt, the token placed at the next position is its prompt
 token (the model's choice is ignored); afterwards it is the sampled token. A sequence stops after
-`num_tokens_to_generate` new tokens or at the end-of-document token (`termination_id` when set), which it keeps
-as its last token; the others go on, and the batch stops when every sequence has stopped.
+`num_tokens_to_generate` new tokens (`num_tokens_total` minus its prompt's length when that is set) or at the
+end-of-document token (`termination_id` when set), which it keeps as its last token; the others go on, and the
+batch stops when every sequence has stopped.
 
 Under tensor parallelism every rank gets the full logits from the model (it asks for them gathered,
 `runtime_gather_output=True`, whatever the model's `parallel_output`); TP rank 0 samples and
@@ -18,8 +19,8 @@ seeded with `seed`: the same seed gives the same text. Under `top_p_decay` the n
 
 Log-probabilities (`return_log_probs`) are those of the model's distribution over the real vocabulary (the
 logits before temperature and filtering, without the padding rows of the vocabulary), for every prompt token
-after the first and every generated token; `top_n_logprobs` lists the most likely tokens of the same positions
-under the same distribution.
+after the first (none under `skip_prompt_log_probs`) and every generated token; `top_n_logprobs` lists the most
+likely tokens of the same positions under the same distribution.
 
 `generate_in_batches` takes more prompts than one batch holds (`--inference-max-requests`) and generates them
 in consecutive batches, one after the other.
@@ -50,7 +51,8 @@ TokenCallback = Callable[[List[int], List[int]], None]
 @dataclass
 class GeneratedSequence:
     """One prompt's result. `generated_tokens` ends with the end-of-document id (`termination_id` when set) when
-    `stopped_at_eod`. `prompt_log_probs[i]` is the log-probability of `prompt_tokens[i + 1]`; both lists are None unless asked.
+    `stopped_at_eod`. `prompt_log_probs[i]` is the log-probability of `prompt_tokens[i + 1]`; both lists are None
+    unless asked (`prompt_log_probs` also under `skip_prompt_log_probs`).
     With `top_n_logprobs` n > 0, `generated_top_n_logprobs[i]` maps the n most likely ids at the position of
     `generated_tokens[i]` to their log-probabilities (most likely first), and `prompt_top_n_logprobs[i]` those at
     the position of `prompt_tokens[i + 1]`; both None otherwise."""
@@ -87,13 +89,31 @@ def check_prompts(prompts: Sequence[Sequence[int]], num_tokens_to_generate: int,
                              "shorten the prompt or generate fewer tokens")
 
 
-def check_static_batch(prompts: Sequence[Sequence[int]], num_tokens_to_generate: int, max_sequence_length: int,
+def check_prompts_for(prompts: Sequence[Sequence[int]], sampling_params: SamplingParams, max_sequence_length: int,
+                      limit_flag: str = "--inference-max-seq-length"):
+    """`check_prompts` for the length `sampling_params` asks for: `num_tokens_to_generate`, or `num_tokens_total`
+    (prompt plus generated tokens), which must exceed every prompt and fit `max_sequence_length`."""
+    total = sampling_params.num_tokens_total
+    if total is None:
+        check_prompts(prompts, sampling_params.num_tokens_to_generate, max_sequence_length, limit_flag)
+        return
+    if total > max_sequence_length:
+        raise ValueError(f"num_tokens_total {total} exceeds {limit_flag} {max_sequence_length}: lower "
+                         "num_tokens_total")
+    for index, prompt in enumerate(prompts):
+        if len(prompt) >= total:
+            raise ValueError(f"prompt {index} is {len(prompt)} tokens long, not shorter than num_tokens_total "
+                             f"{total} (prompt plus generated tokens): raise num_tokens_total or shorten the prompt")
+    check_prompts(prompts, 0, max_sequence_length, limit_flag)
+
+
+def check_static_batch(prompts: Sequence[Sequence[int]], sampling_params: SamplingParams, max_sequence_length: int,
                        max_batch_size: int):
     """Raise ValueError naming the flag when the prompts cannot be generated from in one static batch."""
     if len(prompts) > max_batch_size:
         raise ValueError(f"{len(prompts)} prompts but --inference-max-requests is {max_batch_size}: raise "
                          "--inference-max-requests or pass fewer prompts")
-    check_prompts(prompts, num_tokens_to_generate, max_sequence_length)
+    check_prompts_for(prompts, sampling_params, max_sequence_length)
 
 
 def _check_token_ids(prompts, eod_id, vocab_size, top_n=0):
@@ -143,15 +163,15 @@ def generate_static_batch(model, prompts: Sequence[Sequence[int]], sampling_para
     rows (prompt indices in this batch) that generated one and their new tokens (`--stream`).
     """
     sampling_params.check()  # the params may have been changed since they were made
-    num_tokens = sampling_params.num_tokens_to_generate
-    check_static_batch(prompts, num_tokens, max_sequence_length, max_batch_size)
+    check_static_batch(prompts, sampling_params, max_sequence_length, max_batch_size)
     if vocab_size is not None:
         _check_token_ids(prompts, eod_id, vocab_size, sampling_params.top_n_logprobs)
     eod_id = _stop_id(sampling_params, eod_id, vocab_size)  # from here on, the id that ends a sequence
     device = _model_device(model)
     batch = len(prompts)
     lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)
-    total_length = int(lengths.max()) + num_tokens
+    num_tokens = torch.tensor([sampling_params.tokens_to_generate(len(prompt)) for prompt in prompts], device=device)
+    total_length = int((lengths + num_tokens).max())
     tokens = torch.full((batch, total_length), eod_id, dtype=torch.long, device=device)
     for row, prompt in enumerate(prompts):
         tokens[row, :len(prompt)] = torch.tensor(list(prompt), dtype=torch.long, device=device)
@@ -188,8 +208,10 @@ def generate_static_batch(model, prompts: Sequence[Sequence[int]], sampling_para
             generating = ~in_prompt & ~stopped
             tokens[:, end] = torch.where(in_prompt, tokens[:, end], torch.where(stopped, eod_id, sampled))
             if sampling_params.return_log_probs and logits is not None:
-                token_log_probs[:, start + 1:end + 1] = target_log_probs(logits, tokens[:, start + 1:end + 1],
-                                                                          vocab_size)
+                # Without the prompt's log-probs, the prefill needs only its last position's.
+                first = end if sampling_params.skip_prompt_log_probs else start + 1
+                token_log_probs[:, first:end + 1] = target_log_probs(logits[:, first - end - 1:],
+                                                                     tokens[:, first:end + 1], vocab_size)
             if top_n > 0 and logits is not None:
                 top_values[:, start + 1:end + 1], top_ids[:, start + 1:end + 1] = top_n_log_probs(logits, top_n,
                                                                                                   vocab_size)
@@ -210,8 +232,7 @@ def generate_static_batch(model, prompts: Sequence[Sequence[int]], sampling_para
     if top_n > 0:
         broadcast_from_last_stage(top_values)
         broadcast_from_last_stage(top_ids)
-    results = _results(prompts, tokens, lengths, generated_counts, stopped_at_eod, token_log_probs,
-                       sampling_params.return_log_probs)
+    results = _results(prompts, tokens, lengths, generated_counts, stopped_at_eod, token_log_probs, sampling_params)
     if top_n > 0:
         for row, result in enumerate(results):
             length, count = int(lengths[row]), len(result.generated_tokens)
@@ -221,15 +242,16 @@ def generate_static_batch(model, prompts: Sequence[Sequence[int]], sampling_para
     return results
 
 
-def _results(prompts, tokens, lengths, generated_counts, stopped_at_eod, token_log_probs, with_log_probs):
+def _results(prompts, tokens, lengths, generated_counts, stopped_at_eod, token_log_probs, sampling_params):
     results = []
     for row, prompt in enumerate(prompts):
         length, count = int(lengths[row]), int(generated_counts[row])
         result = GeneratedSequence(prompt_tokens=list(prompt),
                                    generated_tokens=tokens[row, length:length + count].tolist(),
                                    stopped_at_eod=bool(stopped_at_eod[row]))
-        if with_log_probs:
-            result.prompt_log_probs = token_log_probs[row, 1:length].tolist()
+        if sampling_params.return_log_probs:
+            if not sampling_params.skip_prompt_log_probs:
+                result.prompt_log_probs = token_log_probs[row, 1:length].tolist()
             result.generated_log_probs = token_log_probs[row, length:length + count].tolist()
         results.append(result)
     return results
@@ -244,7 +266,7 @@ def generate_in_batches(model, prompts: Sequence[Sequence[int]], sampling_params
     The results are in prompt order. Every prompt is checked before the first batch runs; `on_tokens` (see
     `generate_static_batch`) gets indices into `prompts`."""
     sampling_params.check()
-    check_prompts(prompts, sampling_params.num_tokens_to_generate, max_sequence_length)
+    check_prompts_for(prompts, sampling_params, max_sequence_length)
     if max_batch_size < 1:
         raise ValueError(f"--inference-max-requests must be at least 1, got {max_batch_size}")
     if vocab_size is not None:

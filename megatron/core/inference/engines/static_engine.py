@@ -71,7 +71,8 @@ class StaticInferenceEngine:
             arrival_time = time.time()
             inference_requests = [
                 InferenceRequest(request_id=str(index), prompt=prompt, sampling_params=sampling_params,
-                                 prompt_tokens=controller.tokenize_prompt(prompt, add_BOS), arrival_time=arrival_time)
+                                 prompt_tokens=controller.tokenize_prompt(prompt, add_BOS or sampling_params.add_BOS),
+                                 arrival_time=arrival_time)
                 for index, prompt in enumerate(prompts)]
         elif sampling_params is not None or add_BOS:
             raise ValueError("StaticInferenceEngine.generate: inference_requests carry their own sampling_params "

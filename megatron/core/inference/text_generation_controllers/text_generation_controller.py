@@ -7,7 +7,7 @@ from typing import List
 
 from megatron.core.inference.inference_request import InferenceRequest, Status
 from megatron.core.inference.log_probs import top_n_by_text
-from megatron.core.inference.static_generation import check_prompts, generate_in_batches
+from megatron.core.inference.static_generation import check_prompts_for, generate_in_batches
 
 
 class TextGenerationController:
@@ -30,6 +30,18 @@ class TextGenerationController:
 
     def detokenize_generations(self, tokens: List[int]) -> str:
         return self.tokenizer.detokenize(tokens)
+
+    def segments(self, tokens: List[int], text: str) -> List[str]:
+        """`text` (the detokenized `tokens`) cut where each token starts, by the tokenizer's `offsets`."""
+        starts = list(self.tokenizer.offsets(tokens, text))
+        return [text[start:end] for start, end in zip(starts, starts[1:] + [len(text)])]
+
+    def _check_segments(self):
+        try:
+            self.tokenizer.offsets([], "")
+        except NotImplementedError:
+            raise ValueError(f"return_segments: {type(self.tokenizer).__name__} cannot tell where each token's text "
+                             "starts (it has no offsets); generate with return_segments=False") from None
     def generate_all_output_tokens_static_batch(self, active_requests: "OrderedDict[str, InferenceRequest]",
                                                 *, max_batch_size: int, seed: int):
         """Generate every request (all with the same sampling params), `max_batch_size` prompts at a time, and
@@ -44,7 +56,9 @@ class TextGenerationController:
         wrapper = self.inference_wrapped_model
         max_sequence_length, limit_flag = wrapper.max_sequence_length()
         prompts = [request.prompt_tokens for request in requests]
-        check_prompts(prompts, sampling_params.num_tokens_to_generate, max_sequence_length, limit_flag)
+        check_prompts_for(prompts, sampling_params, max_sequence_length, limit_flag)
+        if sampling_params.return_segments:
+            self._check_segments()
         results = generate_in_batches(wrapper.model, prompts, sampling_params, eod_id=self.tokenizer.eod,
                                       max_sequence_length=max_sequence_length, max_batch_size=max_batch_size,
                                       vocab_size=self.tokenizer.vocab_size, seed=seed)
@@ -53,6 +67,8 @@ class TextGenerationController:
             request.generated_tokens = result.generated_tokens
             request.generated_length = len(result.generated_tokens)
             request.generated_text = self.detokenize_generations(text_tokens)
+            if sampling_params.return_segments:
+                request.segments = self.segments(text_tokens, request.generated_text)
             request.stopped_at_eod = result.stopped_at_eod
             request.generated_log_probs = result.generated_log_probs
             request.prompt_log_probs = result.prompt_log_probs

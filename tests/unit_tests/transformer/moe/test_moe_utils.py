@@ -81,7 +81,7 @@ def test_training_log_reports_the_tracked_losses():
                            moe_z_loss_coeff=None, moe_layer_freq="([1]*2+[0]*1)", num_layers=3,
                            data_parallel_size=1, device="cpu")
     assert moe_aux_losses(SimpleNamespace(num_experts=None)) == {}
-    init_num_microbatches_calculator(0, global_batch_size=4, micro_batch_size=2, data_parallel_size=1)
+    init_num_microbatches_calculator(0, None, global_batch_size=4, micro_batch_size=2, data_parallel_size=1)
     try:
         for layer, value in ((1, 1.0), (2, 1.5), (1, 1.25), (2, 1.25)):  # two microbatches
             moe_utils.save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(value), layer, 3)
