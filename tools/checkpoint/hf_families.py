@@ -65,7 +65,7 @@ GPT2_ACTIVATIONS = {"gelu": {}, "relu2": {"squared_relu": True}, "gelu_pytorch_t
 
 def _gpt2_problems(shape: ModelShape):
     problems = []
-    if shape.position_embedding_type in ("rope", "yarn"):
+    if shape.position_embedding_type != "learned_absolute":
         problems.append(f"--position-embedding-type {shape.position_embedding_type}: GPT-2 learns absolute "
                         "positions")
     if shape.normalization != "LayerNorm":
@@ -195,8 +195,9 @@ def architecture_for(shape: ModelShape, requested: Optional[str] = None,
         problems.append("--apply-residual-connection-post-layernorm: GPT-2 and Llama add the un-normalised input "
                         "of attention and MLP back (pre-norm residual)")
     if problems:
-        positions = f"rotary positions (--position-embedding-type {shape.position_embedding_type})" if rope \
-            else "learned absolute positions"
+        positions = "learned absolute positions" if shape.position_embedding_type == "learned_absolute" else \
+            f"--position-embedding-type {shape.position_embedding_type}" if not rope else \
+            f"rotary positions (--position-embedding-type {shape.position_embedding_type})"
         positions += " and experts (--num-experts)" if shape.num_experts else ""
         why = requested_by if requested else f"the architecture for {positions}"
         raise ConversionError(f"this model cannot be written as a Hugging Face {architecture} ({why}) without "

@@ -383,6 +383,10 @@ def test_models_hugging_face_cannot_compute_are_refused_naming_the_flag(tools):
         "--swiglu": _shape(hf_mapping, swiglu=True),
         "--num-query-groups 2": _shape(hf_mapping, num_query_groups=2),
         "--kv-channels 16": _shape(hf_mapping, kv_channels=16),
+        "--position-embedding-type none: GPT-2 learns absolute positions": _shape(
+            hf_mapping, position_embedding_type="none"),
+        "--position-embedding-type mrope: GPT-2 learns absolute positions": _shape(
+            hf_mapping, position_embedding_type="mrope"),
         "--apply-residual-connection-post-layernorm: GPT-2 and Llama": _shape(
             hf_mapping, apply_residual_connection_post_layernorm=True),
         "LlamaForCausalLM .*--apply-residual-connection-post-layernorm": _shape(
