@@ -207,7 +207,8 @@ def parse_options(argv=None):
     parser.add_argument("--pretrain-only", action="store_true",
                         help="part 3's pretrain_gpt.py runs only (no per-linear table)")
     parser.add_argument("--smoke", action="store_true",
-                        help="part 3 on the CPU with tiny shapes and a tiny model: checks the program, measures nothing")
+                        help="part 3 on the CPU with tiny shapes and a tiny model: checks the program, "
+                             "measures nothing")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--counts", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--emulate", action="store_true", help=argparse.SUPPRESS)

@@ -3,7 +3,8 @@
 Upstream's name for it, `TorchFullyShardedDataParallel`, stays importable from here and from
 `megatron.core.distributed`.
 
-Each `TransformerLayer` and the embedding become their own FSDP2 unit (see `megatron.core.distributed.fsdp_units`) (one all-gather before their forward and
+Each `TransformerLayer` and the embedding become their own FSDP2 unit (see
+`megatron.core.distributed.fsdp_units`) (one all-gather before their forward and
 backward, one reduce-scatter after their backward); everything else (final norm, output layer) belongs to the
 root unit. Parameters are sharded over the data-parallel (x context-parallel) dimension of parallel_state's
 device mesh; tensor parallelism stays Megatron's own (each TP rank shards its local TP slice over its DP group),
@@ -11,7 +12,8 @@ and pipeline parallelism wraps each stage's chunk on its own. Mixture-of-Experts
 `experts`, whose parameters are all expert parameters) are units of their own, sharded over the expert
 data-parallel mesh (the ranks holding the same experts).
 
-The wrapper implements the `DataParallelWrapper` contract: `no_sync()` (FSDP2's `set_requires_gradient_sync(False)`: unsharded gradients accumulate locally until the
+The wrapper implements the `DataParallelWrapper` contract: `no_sync()` (FSDP2's
+`set_requires_gradient_sync(False)`: unsharded gradients accumulate locally until the
 last microbatch), `start_grad_sync` / `finish_grad_sync` (FSDP2 reduce-scatters inside backward; on return
 every `param.grad` is this rank's reduced shard, a DTensor), `start_param_sync` / `finish_param_sync` (nothing
 to do: each unit gathers in its forward pre-hook), `zero_grad_buffer`, `scale_gradients`, `broadcast_params`,

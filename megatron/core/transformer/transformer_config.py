@@ -486,7 +486,8 @@ class TransformerConfig(KernelChoiceConfigMixin, MTPConfigMixin, MLAConfigMixin,
                 f"--recompute-granularity must be one of full, selective (or unset), got {self.recompute_granularity!r}"
             )
         if self.recompute_method not in RECOMPUTE_METHODS:
-            raise ValueError(f"--recompute-method must be one of uniform, block (or unset), got {self.recompute_method!r}")
+            raise ValueError("--recompute-method must be one of uniform, block (or unset), got "
+                             f"{self.recompute_method!r}")
         if self.recompute_method is not None and self.recompute_granularity != "full":
             raise ValueError(
                 f"--recompute-method {self.recompute_method} needs --recompute-granularity full "
@@ -564,7 +565,8 @@ class TransformerConfig(KernelChoiceConfigMixin, MTPConfigMixin, MLAConfigMixin,
                                  "attention, and attention here runs in megatron.core's own core attention (the "
                                  "linear layers around it still run in FP8 with --fp8-format); drop the flag")
         if self.fp8 is None:
-            for name, flag in (("fp8_param", "--fp8-param-gather"), ("first_last_layers_bf16", "--first-last-layers-bf16")):
+            for name, flag in (("fp8_param", "--fp8-param-gather"),
+                               ("first_last_layers_bf16", "--first-last-layers-bf16")):
                 if getattr(self, name):
                     raise ValueError(f"{flag} needs FP8 training: add --fp8-format e4m3 or hybrid")
             return

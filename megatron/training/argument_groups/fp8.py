@@ -85,9 +85,11 @@ def validate(args):
         raise ValueError(f"--fp8-amax-history-len must be >= 1, got {args.fp8_amax_history_len}")
     if args.fp8_margin < 0:
         raise ValueError(f"--fp8-margin must be >= 0, got {args.fp8_margin}")
-    if args.fp8_format is not None and args.fp8_recipe in GPU_ONLY_RECIPES and args.transformer_impl != "transformer_engine":
+    if args.fp8_format is not None and args.fp8_recipe in GPU_ONLY_RECIPES and \
+            args.transformer_impl != "transformer_engine":
         raise ValueError(
-            f"--fp8-recipe {args.fp8_recipe} needs Transformer Engine on a GPU (--transformer-impl transformer_engine); "
+            f"--fp8-recipe {args.fp8_recipe} needs Transformer Engine on a GPU "
+            "(--transformer-impl transformer_engine); "
             "the torch-native FP8 backend runs --fp8-recipe delayed or tensorwise"
         )
     if args.transformer_impl == "transformer_engine":
@@ -112,8 +114,8 @@ def validate(args):
                 "compute weights each step; drop --fp8-param-gather for the other strategies"
             )
         if args.outer_dp_sharding_strategy == "optim":
-            raise ValueError("--fp8-param-gather with --use-megatron-fsdp does not support --outer-dp-sharding-strategy "
-                             "optim (HFSDP); use no_shard (HSDP)")
+            raise ValueError("--fp8-param-gather with --use-megatron-fsdp does not support "
+                             "--outer-dp-sharding-strategy optim (HFSDP); use no_shard (HSDP)")
 
 
 def transformer_config_kwargs(args):

@@ -377,7 +377,8 @@ def test_load_state_dict_keeps_the_stored_dtypes():
     [
         (dict(exp_avg_dtype=torch.bfloat16, use_distributed_optimizer=True), r"--exp-avg-dtype\) needs "
          r"use_precision_aware_optimizer"),
-        (dict(use_precision_aware_optimizer=True), r"needs the distributed optimizer: pass --use-distributed-optimizer"),
+        (dict(use_precision_aware_optimizer=True),
+         r"needs the distributed optimizer: pass --use-distributed-optimizer"),
         (dict(use_precision_aware_optimizer=True, use_distributed_optimizer=True, optimizer="sgd"), r"Adam only"),
         (dict(use_precision_aware_optimizer=True, use_distributed_optimizer=True, main_params_dtype=torch.bfloat16),
          r"--main-params-dtype\): choose one of"),
@@ -494,8 +495,8 @@ def test_distributed_optimizer_with_precision_aware_state():
                                                    main_params_dtype=torch.float16))
     fp16_moments = run_on_ranks(2, _distributed, True, dict(exp_avg_dtype=torch.float16,
                                                             exp_avg_sq_dtype=torch.float16))
-    bf16_grads = run_on_ranks(2, _distributed, True, dict(main_grads_dtype=torch.bfloat16, exp_avg_dtype=torch.bfloat16),
-                              torch.bfloat16)
+    bf16_grads = run_on_ranks(2, _distributed, True,
+                              dict(main_grads_dtype=torch.bfloat16, exp_avg_dtype=torch.bfloat16), torch.bfloat16)
     for rank in range(2):
         # All-fp32 precision-aware state trains as the plain distributed optimizer does (same AdamW arithmetic
         # up to torch's foreach kernels' rounding).

@@ -109,9 +109,11 @@ def test_pp2_stages_hold_their_layers_and_chain_to_pp1_loss(world_size, position
     assert first["shared_flag"] and last["shared_flag"]
 
     numel = first["reference_numel"]
-    first_expected = [n for n in first["reference_names"] if n.startswith(("embedding.", "decoder.layers.0.", "decoder.layers.1."))]
+    first_expected = [n for n in first["reference_names"]
+                      if n.startswith(("embedding.", "decoder.layers.0.", "decoder.layers.1."))]
     last_expected = [
-        n for n in first["reference_names"] if n.startswith(("decoder.layers.2.", "decoder.layers.3.", "decoder.final_"))
+        n for n in first["reference_names"]
+        if n.startswith(("decoder.layers.2.", "decoder.layers.3.", "decoder.final_"))
     ] + ["embedding.word_embeddings.weight"]
     assert first["names"] == sorted(first_expected)
     assert last["names"] == sorted(last_expected)

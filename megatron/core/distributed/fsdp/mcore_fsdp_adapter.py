@@ -24,7 +24,8 @@ partial_expert_data_parallel=True)`) and their gradients reduced (HFSDP: their o
 instances over `get_outer_expert_data_parallel_group()`; N must divide the expert data-parallel size.
 
 Training uses it through the `DataParallelWrapper` contract it implements, like Megatron's
-`DistributedDataParallel`. Gradients live in Megatron-FSDP's buffers, not in `param.main_grad`: `optimizer_grad_pieces()` hands
+`DistributedDataParallel`. Gradients live in Megatron-FSDP's buffers, not in `param.main_grad`:
+`optimizer_grad_pieces()` hands
 `finalize_model_grads` and the optimizer the gradient tensors the optimizer steps with (this rank's shard
 piece of each parameter), with the process groups over which the pieces of one parameter are spread.
 

@@ -219,7 +219,8 @@ def test_load_balanced_split_and_batch_slicing():
 
 @pytest.mark.parametrize("cp_size", [2, 4, 8])
 def test_causal_ring_work_is_balanced_across_ranks(cp_size):
-    """Every rank attends the same number of (query chunk, key chunk) pairs: 2N chunk-pair units (a diagonal pair is half a unit)."""
+    """Every rank attends the same number of (query chunk, key chunk) pairs: 2N chunk-pair units (a diagonal pair is
+    half a unit)."""
     work = []
     for rank in range(cp_size):
         pairs = attended_pairs(cp_size, rank)
