@@ -75,3 +75,24 @@ class MegatronTokenizer(ABC):
 
     def __repr__(self):
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod}, pad={self.pad})"
+
+
+class WithoutClassificationTokens:
+    """Upstream's answers for a language-model tokenizer: no classification, separator or mask token (-1 each) and
+    no additional special tokens (None). Listed before `MegatronTokenizer` among the bases."""
+
+    @property
+    def cls(self):
+        return -1
+
+    @property
+    def sep(self):
+        return -1
+
+    @property
+    def mask(self):
+        return -1
+
+    @property
+    def additional_special_tokens_ids(self):
+        return None

@@ -1,9 +1,9 @@
 """`NullTokenizer`: text is already token ids separated by spaces; used with `--mock-data` and id-level tests."""
 
-from megatron.training.tokenizer.abstract_tokenizer import MegatronTokenizer
+from megatron.training.tokenizer.abstract_tokenizer import MegatronTokenizer, WithoutClassificationTokens
 
 
-class NullTokenizer(MegatronTokenizer):
+class NullTokenizer(WithoutClassificationTokens, MegatronTokenizer):
     """Text ids `0 .. N - 1` for `--vocab-size N`, and the end-of-document token N after them: N + 1 ids in all,
     as upstream's NullTokenizer (so pre-tokenized data may use every id below N, and the padded vocabulary is
     upstream's)."""
@@ -43,20 +43,3 @@ class NullTokenizer(MegatronTokenizer):
     @property
     def eod(self):
         return self._text_ids
-
-    # Upstream's answers: no classification, separator or mask token, and no additional special tokens.
-    @property
-    def cls(self):
-        return -1
-
-    @property
-    def sep(self):
-        return -1
-
-    @property
-    def mask(self):
-        return -1
-
-    @property
-    def additional_special_tokens_ids(self):
-        return None

@@ -10,7 +10,7 @@ package (`pip install sentencepiece`):
   document.
 """
 
-from megatron.training.tokenizer.abstract_tokenizer import MegatronTokenizer
+from megatron.training.tokenizer.abstract_tokenizer import MegatronTokenizer, WithoutClassificationTokens
 from megatron.training.tokenizer.file_errors import check_tokenizer_file, reading_tokenizer_files
 
 
@@ -154,7 +154,7 @@ class SentencePieceTokenizer(MegatronTokenizer):
         return [self._vocab[token] for token in self._extra_id_tokens]
 
 
-class GPTSentencePieceTokenizer(SentencePieceTokenizer):
+class GPTSentencePieceTokenizer(WithoutClassificationTokens, SentencePieceTokenizer):
     """Upstream's `_GPTSentencePieceTokenizer`: the model's own ids, no added tokens; eod is its eos."""
 
     def __init__(self, model_file):
@@ -174,22 +174,6 @@ class GPTSentencePieceTokenizer(SentencePieceTokenizer):
     @property
     def eod(self):
         return self._eos_id
-
-    @property
-    def cls(self):
-        return -1
-
-    @property
-    def sep(self):
-        return -1
-
-    @property
-    def mask(self):
-        return -1
-
-    @property
-    def additional_special_tokens_ids(self):
-        return None
 
 
 class Llama2Tokenizer(GPTSentencePieceTokenizer):
