@@ -413,6 +413,13 @@ def all_reduce_scalar_sum(value: torch.Tensor, group) -> torch.Tensor:
     return value
 
 
+def broadcast_small(tensor: torch.Tensor, group, src_group_rank: int = 0) -> torch.Tensor:
+    """`tensor` of group rank `src_group_rank` on every rank (a few elements; not counted as training traffic)."""
+    if group_size(group) > 1:
+        dist.broadcast(tensor, group=group, group_src=src_group_rank)
+    return tensor
+
+
 def all_reduce_max(value: torch.Tensor, group) -> torch.Tensor:
     if group_size(group) > 1:
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)

@@ -16,8 +16,11 @@ module shows then gets a DTensor `.grad`:
 | 3 optim_grads_params   | Shard(0) DTensor (resting) | Shard(0) DTensor: this rank's rows of it                   |
 
 on the data-parallel (shard) mesh; HSDP's gradients, summed over the outer ranks, are the same on every outer
-rank. A 0-dim parameter's gradient is `Partial()` (held by rank 0), like its resting parameter. As views,
-in-place changes (`torch.nn.utils.clip_grad_norm_`, scaling) reach the step.
+rank. A 0-dim parameter's reduced gradient lands on shard rank 0, in its slot of the shard; the other ranks' slot
+is padding, which the optimizer does not step. When `.grad` is attached, rank 0's value is broadcast into those
+slots, and the gradient is a `Replicate()` DTensor over each rank's slot, so element-wise in-place changes that a
+`Partial()` placement would refuse (`torch.nn.utils.clip_grad_value_`, `p.grad.clamp_`) work and reach rank 0's,
+the one the step uses. As views, in-place changes (`torch.nn.utils.clip_grad_norm_`, scaling) reach the step.
 
 HFSDP (`outer_dp_sharding_strategy='optim'`) reduces each rank's rows once more, in flat ranges, over the
 outer ranks: the optimizer steps with this rank's sub-shard only. Its `.grad` is a DTensor on the
@@ -41,6 +44,7 @@ import torch.nn as nn
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from . import collectives
 from .distributed_data_parallel_config import ShardingStrategy
 from .dtensor_views import dtensor_over_view
 from .resting_parameters import rows_dtensor
@@ -107,19 +111,25 @@ class ParamGrads:
                     grad = self._outer_sharded_grad(group, index, param)
                 else:
                     grad = self._grad_view(group, index, param)
+                    if not param.dim() and self._strategy != ShardingStrategy.no_shard:
+                        collectives.broadcast_small(grad.to_local(), self._mesh_of(group).get_group())
                 previous_dtype = getattr(param, "grad_dtype", param.dtype)
                 if _set_grad(param, grad):
                     attached.append((param, previous_dtype))
 
     def _grad_view(self, group, index: int, param: nn.Parameter) -> torch.Tensor:
         """Parameter `index`'s part of `group.main_grads`: a Replicate() DTensor of the whole gradient
-        (no_shard) or a DTensor of this rank's rows."""
+        (no_shard), or of a 0-dim parameter's slot (its value once `attach` broadcast it), or a DTensor of this
+        rank's rows."""
         source, grad = self._grads.get((id(group), index), (None, None))
         if source is not group.main_grads:
             if self._strategy == ShardingStrategy.no_shard:
                 span = group.layout.spans[index]
                 whole = group.main_grads[span.flat_start:span.flat_end].view(span.shape)
                 grad = dtensor_over_view(whole, self._mesh_of(group), [Replicate()], param.shape, param.stride())
+            elif not param.dim():
+                slot = group.rows_of_shard(group.main_grads, index)
+                grad = dtensor_over_view(slot, self._mesh_of(group), [Replicate()], param.shape, param.stride())
             else:
                 grad = rows_dtensor(group.rows_of_shard(group.main_grads, index), param, self._mesh_of(group))
             self._grads[(id(group), index)] = (group.main_grads, grad)

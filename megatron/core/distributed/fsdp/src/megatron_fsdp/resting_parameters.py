@@ -18,7 +18,8 @@ over a view of its slot in the compute shard, which holds the value on rank 0 an
 other ranks, so `full_tensor()` and every DTensor operation still see the real value.
 
 After a backward, `.grad` of a resting parameter is a DTensor of the same kind over this rank's rows of the
-reduced gradient (see param_grads.py). The real parameter is put back as soon as its group is gathered.
+reduced gradient (a 0-dim one's is `Replicate()`; see param_grads.py). The real parameter is put back as soon as
+its group is gathered.
 
 The real parameter objects can still be reached while their group is released: references taken before wrapping
 (`params = list(model.parameters())`), or taken from the module while it was gathered. They have the full shape
