@@ -11,8 +11,9 @@ i of every key's `.idx` is the i-th JSON line; blank lines are skipped. `--split
 sentences with nltk's punkt models (`pip install nltk`, then `python -m nltk.downloader punkt_tab`) and writes
 `PREFIX_<key>_sentence.bin` / `.idx`. Documents are tokenized by a pool of `--workers` processes in chunks, and
 results are written in input order, so the output does not depend on the number of workers. `--input` may also be
-a glob pattern (`'shards/*.jsonl'`, quoted), as upstream's with `--partitions`: the matching files are read in the
-sorted order of their names; files ending in `.gz` are read through gzip. A line that is not UTF-8 JSON, lacks a key
+a glob pattern (`'shards/*.jsonl'`), as upstream's with `--partitions`: the matching files are read in the sorted
+order of their names; it may name several files or patterns, read in the order given; files ending in `.gz` are
+read through gzip. A line that is not UTF-8 JSON, lacks a key
 or holds text the tokenizer refuses stops the run, naming its file and line; the outputs are written as `.partial`
 files and renamed at the end, so a failed run leaves a dataset already at the prefix as it was.
 """
@@ -133,6 +134,14 @@ def _unencodable_text_problem(text):
     return None
 
 
+def _hint(error):
+    """What to do about a tokenizer error whose message does not say: NullTokenizer reads integers only."""
+    if type(_worker_tokenizer).__name__ == "NullTokenizer" and "invalid literal for int()" in str(error):
+        return (" (--tokenizer-type NullTokenizer reads each text as token ids separated by whitespace; tokenize "
+                "words with a real tokenizer)")
+    return ""
+
+
 def encode_document(raw_line):
     """One JSONL line (bytes) -> ({key: (token ids, sequence lengths)}, bytes read, None), or (None, bytes read,
     what is wrong with it) for a document the keys or the tokenizer cannot take (reported by the reader, with its
@@ -169,7 +178,7 @@ def encode_document(raw_line):
                     token_ids.extend(sentence_ids)
                     lengths.append(len(sentence_ids))
         except (ValueError, TypeError) as error:  # the `tokenizers` package raises TypeError for a lone surrogate
-            return None, len(raw_line), f"{key!r}: {_unencodable_text_problem(sentence) or error}"
+            return None, len(raw_line), f"{key!r}: {_unencodable_text_problem(sentence) or error}{_hint(error)}"
         if token_ids and append_eod:
             token_ids.append(_worker_tokenizer.eod)
             lengths[-1] += 1
@@ -203,8 +212,14 @@ class ProgressLog:
         )
 
 
-def input_files(pattern):
-    """The files `--input` names: the file itself, else the files matching it as a glob pattern, sorted."""
+def input_files(patterns):
+    """The files `--input` names, in its order: each file itself, else the files matching it as a glob pattern,
+    sorted. `patterns` is one path or pattern, or a list of them."""
+    return [path for pattern in ([patterns] if isinstance(patterns, str) else patterns)
+            for path in _files_of_pattern(pattern)]
+
+
+def _files_of_pattern(pattern):
     if os.path.isfile(pattern):
         return [pattern]
     return sorted(path for path in glob.glob(pattern) if os.path.isfile(path))
@@ -313,9 +328,9 @@ def preprocess(args, splitter_factory=None):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Tokenize JSONL documents into Megatron .bin/.idx files.")
     group = parser.add_argument_group("input")
-    group.add_argument("--input", required=True,
+    group.add_argument("--input", required=True, nargs="+",
                        help="JSONL file, one JSON document per line, or a glob pattern of such files (read in sorted "
-                       "order); .gz files are decompressed")
+                       "order); several are read one after another; .gz files are decompressed")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize, one output per key")
     group.add_argument("--split-sentences", action="store_true",
                        help="split each text into sentences (nltk punkt; needs nltk installed), one sequence per "
@@ -354,9 +369,15 @@ def parse_args(argv=None):
         parser.error("--partitions must be at least 1")
     if vocab_extra_ids_refusal(args.vocab_extra_ids, args.tokenizer_type):
         parser.error(vocab_extra_ids_refusal(args.vocab_extra_ids, args.tokenizer_type))
-    if not input_files(args.input):
-        parser.error(f"--input {args.input!r} is not a file and matches no file as a glob pattern (give a JSONL "
-                     "file, one JSON document per line, or a quoted pattern such as 'shards/*.jsonl')")
+    for pattern in args.input:
+        if not input_files(pattern):
+            parser.error(f"--input {pattern!r} is not a file and matches no file as a glob pattern (give a JSONL "
+                         "file, one JSON document per line, or a quoted pattern such as 'shards/*.jsonl')")
+    if not args.split_sentences:
+        for flag, given in (("--keep-newlines", args.keep_newlines), (f"--lang {args.lang}", args.lang != "english")):
+            if given:
+                print(f"note: {flag} has no effect without --split-sentences: each text is tokenized whole, "
+                      "newlines included", file=sys.stderr)
     return args
 
 

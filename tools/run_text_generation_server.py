@@ -6,8 +6,10 @@
 Takes pretrain_gpt.py's model and tokenizer flags (`--use-checkpoint-args` reads the model's from the checkpoint)
 and `--load`; `--tensor-model-parallel-size 2` or `--pipeline-model-parallel-size 2` on 2 ranks splits the model
 (both on 4 ranks). Rank 0 answers `PUT /api` on `--port` (default 5000) on every interface; the other ranks
-follow its requests. Query it with curl or `python tools/text_generation_cli.py localhost:5000`. See
-docs/inference.md.
+follow its requests. Query it with curl or `python tools/text_generation_cli.py localhost:5000`. Upstream's
+server-wide sampling flags (`--temperature`, `--top_k`, `--top_p`, `--num-tokens-to-generate`, `--out-seq-length`,
+`--return-log-probs`) are accepted and, as upstream's, set nothing: each request gives its own fields (a note
+names each). See docs/inference.md.
 """
 
 import os
@@ -25,6 +27,18 @@ from megatron.inference.text_generation import GenerationLimits  # noqa: E402
 from megatron.inference.text_generation_server import TextGenerationServer, follow_requests  # noqa: E402
 
 
+# Upstream's server-wide sampling flags -> (the PUT /api field that sets it per request, the field's default).
+# Upstream's server accepts them and its requests do not read them; here they are accepted and say so.
+REQUEST_FIELD_FLAGS = {
+    "--temperature": ("temperature", "1.0"),
+    "--top_k": ("top_k", "0"),
+    "--top_p": ("top_p", "0.0"),
+    "--num-tokens-to-generate": ("tokens_to_generate", "64"),
+    "--out-seq-length": ("tokens_to_generate", "64"),
+    "--return-log-probs": ("logprobs", "false"),
+}
+
+
 def add_text_generation_server_args(parser):
     group = parser.add_argument_group("text generation server")
     group.add_argument("--port", type=int, default=5000, help="Port of the HTTP endpoint (rank 0).")
@@ -33,7 +47,27 @@ def add_text_generation_server_args(parser):
                             "--max-position-embeddings).")
     group.add_argument("--inference-max-requests", type=int, default=8,
                        help="Key/value cache batch size: a request with more prompts runs in several batches.")
+    group = parser.add_argument_group("upstream's server sampling flags (each request sets its own)")
+    for flag, (field, default) in REQUEST_FIELD_FLAGS.items():
+        help_text = f'Accepted for upstream launch scripts; a request\'s "{field}" (default {default}) sets it.'
+        if flag == "--return-log-probs":
+            group.add_argument(flag, action="store_true", help=help_text)
+        else:
+            group.add_argument(flag, type=float if flag in ("--temperature", "--top_p") else int, default=None,
+                               help=help_text)
     return launch.declare_generation_program(parser)
+
+
+def request_field_flag_notes(args):
+    """A line for each of upstream's server-wide sampling flags given: what sets it instead."""
+    notes = []
+    for flag, (field, default) in REQUEST_FIELD_FLAGS.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None and value is not False:
+            shown = flag if value is True else f"{flag} {value}"
+            notes.append(f'note: {shown} sets no default of this server (nor of upstream\'s): each PUT /api request '
+                         f'gives its own "{field}" (default {default})')
+    return notes
 
 
 def _print_rank0(message):
@@ -55,6 +89,8 @@ def generation_limits(args, tokenizer) -> GenerationLimits:
 
 def run(args):
     launch.check_generation_args(args, _print_rank0)
+    for note in request_field_flag_notes(args):
+        _print_rank0(note)
     tokenizer = launch.build_tokenizer(args)
     limits = generation_limits(args, tokenizer)
     model = launch.load_model(args, pretrain_gpt.model_provider)

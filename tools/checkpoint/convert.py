@@ -12,6 +12,8 @@ Loaders: core (also named mcore, legacy, megatron) reads a checkpoint training w
 --ckpt-format torch (mp_rank_* directories) joined as convert_legacy.py joins it; llama_mistral with
 --checkpoint-type hf reads a Hugging Face Llama, Mistral, Qwen2 or Qwen3 directory as
 `convert_checkpoint.py --from hf` does (config.json gives the shape; a --model-size naming another gets a note).
+Either loader's --vocab-file (a GPT-2 vocab.json) gives the tokenizer's vocabulary size as --true-vocab-size does;
+the core loader's --position-embedding-type is checked against the checkpoint's, which the conversion keeps.
 Savers: core (also mcore) writes a torch_dist checkpoint. It loads at any tensor-, pipeline-, expert- and
 data-parallel size, so the --target-* sizes are checked against the model and printed with the flags to train at
 them, not written into the files; hf writes a Hugging Face directory as `convert_checkpoint.py --to hf` does.
@@ -48,6 +50,7 @@ MODEL_SIZES = ("llama2-7B", "llama2-13B", "llama2-70B", "llama2-7Bf", "llama2-13
                "llama3-8B", "llama3-70B", "llama3-8Bf", "llama3-70Bf", "mistral", "mistral-7B", "mistral-7Bf",
                "yi-34B", "qwen2.5", "qwen2.5-7B", "qwen2.5-72B", "qwen2.5-7Bf", "qwen2.5-72Bf")
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "mrope", "relative", "none")
 # The training flags pretrain_gpt.py asks for, given to its --ckpt-convert-format torch launch: it trains no
 # iteration (and keeps the checkpoint's learning-rate schedule), so these values are used for nothing.
 PLACEHOLDER_TRAINING_FLAGS = "--micro-batch-size 1 --train-iters 1 --lr 0 --mock-data"
@@ -74,10 +77,15 @@ def _loader_arguments(parser, name, kind):
     group.add_argument("--true-vocab-size", type=int, default=None,
                        help="The tokenizer's vocabulary size (the embedding's rows beyond it are padding): recorded "
                        "by an import, the rows the hf saver keeps.")
+    group.add_argument("--vocab-file", default=None,
+                       help="A GPT-2 vocab.json: its number of entries is the tokenizer's vocabulary size, as "
+                       "--true-vocab-size gives it.")
     group.add_argument("--megatron-path", default=None, help="Accepted and ignored: this repository converts.")
     group.add_argument("--loader-transformer-impl", default=None, choices=TRANSFORMER_IMPLS,
                        help="Accepted: both implementations use the same checkpoint names here.")
     if kind != "hf":
+        group.add_argument("--position-embedding-type", default=None, choices=POSITION_EMBEDDING_TYPES,
+                           help="Checked against the one the checkpoint records (which the conversion keeps).")
         return
     group.add_argument("--checkpoint-type", required=True, choices=["meta", "hf"],
                        help="hf: a Hugging Face model directory (meta's consolidated.*.pth files are refused).")
@@ -137,6 +145,8 @@ def parse_args(argv=None):
                          "--checkpoint-type hf")
         if options.bf16 and options.fp16:
             parser.error("--bf16 and --fp16: pass one")
+    if options.vocab_file is not None:
+        _vocabulary_size_from_file(parser, options)
     for flag in ("tensor", "pipeline", "expert"):
         size = getattr(options, f"target_{flag}_parallel_size", None)
         if size is not None and size < 1:
@@ -144,6 +154,37 @@ def parse_args(argv=None):
     if os.path.abspath(options.load_dir) == os.path.abspath(options.save_dir):
         parser.error(f"--save-dir {options.save_dir}: the same as --load-dir; write the conversion elsewhere")
     return options
+
+
+def _vocabulary_size_from_file(parser, options):
+    """--vocab-file gives the tokenizer's vocabulary size (its JSON object's entries), as upstream's loaders read
+    it; it must agree with --true-vocab-size when both are given."""
+    try:
+        with open(options.vocab_file, encoding="utf-8") as stream:
+            vocabulary = json.load(stream)
+    except (OSError, ValueError) as error:
+        parser.error(f"--vocab-file {options.vocab_file}: cannot read it as a JSON vocabulary ({error}); give the "
+                     "vocab.json the model was trained with, or --true-vocab-size N")
+    if not isinstance(vocabulary, dict) or not vocabulary:
+        parser.error(f"--vocab-file {options.vocab_file}: not a JSON object of tokens to ids (a GPT-2 vocab.json); "
+                     "give --true-vocab-size N instead")
+    if options.true_vocab_size is not None and options.true_vocab_size != len(vocabulary):
+        parser.error(f"--true-vocab-size {options.true_vocab_size} and --vocab-file {options.vocab_file} "
+                     f"({len(vocabulary)} tokens) disagree; pass one")
+    options.true_vocab_size = len(vocabulary)
+
+
+def check_position_embedding_type(options):
+    """--position-embedding-type (upstream's core loader flag) must be the checkpoint's: the conversion keeps the
+    model as it was trained."""
+    given = getattr(options, "position_embedding_type", None)
+    if given is None:
+        return
+    recorded = getattr(_input_common(options).get("args"), "position_embedding_type", None)
+    if recorded is not None and recorded != given:
+        raise SystemExit(f"--position-embedding-type {given}: the checkpoint at {options.load_dir} was trained "
+                         f"with --position-embedding-type {recorded}, which the conversion keeps; drop the flag or "
+                         f"pass {recorded}; nothing was written to {options.save_dir}")
 
 
 def accepted_flag_notes(options):
@@ -156,7 +197,8 @@ def accepted_flag_notes(options):
             notes.append(f"--{flag.replace('_', '-')}: ignored; local and transformer_engine layers use the same "
                          "checkpoint names here (training picks with --transformer-impl)")
     if options.true_vocab_size is not None and options.loader_kind == "ours" and options.saver_kind == "torch_dist":
-        notes.append("--true-vocab-size: ignored; the torch_dist checkpoint keeps the padded embedding training "
+        flag = "--vocab-file" if options.vocab_file is not None else "--true-vocab-size"
+        notes.append(f"{flag}: ignored; the torch_dist checkpoint keeps the padded embedding training "
                      "wrote (the hf saver drops the rows beyond it)")
     return notes
 
@@ -198,7 +240,9 @@ def _load_hf(options, staging):
               f"{config_path} is a {architecture}, converted as it says")
     rows = config.get("vocab_size")
     if options.true_vocab_size is not None and rows is not None and options.true_vocab_size > rows:
-        raise SystemExit(f"--true-vocab-size {options.true_vocab_size}: more than the {rows} embedding rows of "
+        given = (f"--vocab-file {options.vocab_file} ({options.true_vocab_size} tokens)"
+                 if options.vocab_file is not None else f"--true-vocab-size {options.true_vocab_size}")
+        raise SystemExit(f"{given}: more than the {rows} embedding rows of "
                          f"{config_path} (vocab_size); pass the tokenizer's vocabulary size")
     tokenizer = options.tokenizer_model or options.load_dir
     tokenizer = tokenizer if os.path.isdir(tokenizer) else os.path.dirname(os.path.abspath(tokenizer))
@@ -384,6 +428,7 @@ def main(argv=None):
     options = parse_args(argv)
     for note in accepted_flag_notes(options):
         print(f"note: {note}")
+    check_position_embedding_type(options)
     load = _load_hf if options.loader_kind == "hf" else _load_ours
     if options.saver_kind == "torch_dist":
         check_target_sizes(options)
@@ -394,7 +439,8 @@ def main(argv=None):
         os.makedirs(parent, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".convert_", dir=parent) as scratch:
             source, lines = load(options, os.path.join(scratch, "checkpoint"))
-            convert_checkpoint.to_hf(source, options.save_dir, options.true_vocab_size)
+            convert_checkpoint.to_hf(source, options.save_dir, options.true_vocab_size,
+                                     vocab_size_flag="--true-vocab-size N or --vocab-file VOCAB_JSON")
         lines.append(f"wrote {options.save_dir}: a Hugging Face model directory, as convert_checkpoint.py --to hf "
                      "writes it")
     print("\n".join(lines))

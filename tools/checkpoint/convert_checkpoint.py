@@ -66,10 +66,10 @@ def to_safetensors(directory, output):
     return model
 
 
-def true_vocab_size(common, vocab_size=None):
+def true_vocab_size(common, vocab_size=None, vocab_size_flag="--vocab-size N"):
     """The vocabulary size HF's embedding gets: `vocab_size` if given, else the rows of the HF model an import
     came from, else the tokenizer's as the checkpoint recorded it, else from its arguments (a NullTokenizer's
-    --vocab-size + 1, or the tokenizer rebuilt)."""
+    --vocab-size + 1, or the tokenizer rebuilt). `vocab_size_flag`: the calling tool's flag that gives the size."""
     if vocab_size is not None:
         return vocab_size
     imported_rows = (common.get(HF_SOURCE_KEY) or {}).get("vocab_size")
@@ -89,7 +89,7 @@ def true_vocab_size(common, vocab_size=None):
         return build_tokenizer_from_args(args).vocab_size
     except Exception as exc:  # a tokenizer file that is not here any more, say
         raise SystemExit(f"cannot rebuild the checkpoint's {tokenizer_type} tokenizer to learn the vocabulary size "
-                         f"({exc}); pass --vocab-size N") from exc
+                         f"({exc}); pass {vocab_size_flag}") from exc
 
 
 def export_dtype(common, requested=None):
@@ -116,10 +116,11 @@ def trained_token_ids(args):
         return {}
 
 
-def to_hf(directory, output, vocab_size=None, architecture=None, dtype=None):
+def to_hf(directory, output, vocab_size=None, architecture=None, dtype=None, vocab_size_flag="--vocab-size N"):
     """Write `output`/config.json, model.safetensors and megatron_extras.safetensors; returns the HF tensors.
     `architecture` (--hf-architecture) and `dtype` (--hf-dtype) default to what the checkpoint says: the
-    architecture an import recorded, else the one our flags pick; the dtype of `export_dtype`."""
+    architecture an import recorded, else the one our flags pick; the dtype of `export_dtype`. `vocab_size_flag`
+    is named when the vocabulary size is needed and cannot be found."""
     import hf_deepseek
     import hf_mapping
     import hf_unsupported
@@ -143,7 +144,8 @@ def to_hf(directory, output, vocab_size=None, architecture=None, dtype=None):
         "the architecture it was imported from; pass --hf-architecture to write another")
     dtype = export_dtype(common, dtype)
     try:
-        shape = hf_mapping.ModelShape.from_args(args, true_vocab_size(common, vocab_size), padded_vocab_size)
+        shape = hf_mapping.ModelShape.from_args(args, true_vocab_size(common, vocab_size, vocab_size_flag),
+                                                 padded_vocab_size)
         architecture = hf_mapping.architecture_for(shape, architecture or source.get("architecture"), requested_by)
         if architecture == hf_deepseek.DEEPSEEK_V3:
             rope_interleave = (source.get("config_keys") or {}).get("rope_interleave", True)

@@ -295,6 +295,70 @@ def test_inputs_and_target_sizes_the_model_cannot_take_are_named(tools, tmp_path
     assert not os.path.exists(tmp_path / "out")
 
 
+def test_upstream_loader_flags_vocab_file_and_position_embedding_type(tools, tmp_path, capsys):
+    """--vocab-file gives the vocabulary size as --true-vocab-size does (upstream: the entries of its vocab.json),
+    for the core and the llama_mistral loader; --position-embedding-type is checked against the checkpoint's."""
+    from megatron.core.dist_checkpointing import safetensors_format
+
+    convert, convert_checkpoint = tools
+    hf_dir, core = str(tmp_path / "hf"), str(tmp_path / "core")
+    original = _write_hf_llama(hf_dir)
+    convert_checkpoint.from_hf(hf_dir, core)
+    vocab_file = tmp_path / "vocab.json"
+    vocab_file.write_text(json.dumps({f"token{i}": i for i in range(40)}))
+    core_to_hf = ["--model-type", "GPT", "--loader", "core", "--saver", "hf", "--load-dir", core]
+    convert.main([*core_to_hf, "--save-dir", str(tmp_path / "by_file"), "--vocab-file", str(vocab_file),
+                  "--position-embedding-type", "rope"])
+    convert.main([*core_to_hf, "--save-dir", str(tmp_path / "by_size"), "--true-vocab-size", "40"])
+    for name in ("by_file", "by_size"):
+        with open(tmp_path / name / "config.json") as stream:
+            assert json.load(stream)["vocab_size"] == 40
+        exported, _ = safetensors_format.load_file(str(tmp_path / name / "model.safetensors"))
+        assert torch.equal(exported["model.embed_tokens.weight"], original["model.embed_tokens.weight"][:40])
+    convert.main([*HF_TO_CORE, "--load-dir", hf_dir, "--save-dir", str(tmp_path / "imported"), "--vocab-file",
+                  str(vocab_file)])
+    assert _read(str(tmp_path / "imported"))["common"]["vocab_size"] == 40
+    capsys.readouterr()
+
+    # A checkpoint that records no vocabulary size (upstream's) and whose tokenizer file is gone: the error names
+    # this tool's flags, and --vocab-file exports it.
+    from megatron.core.dist_checkpointing import offline
+
+    state = _read(core)
+    for key in ("vocab_size", convert_checkpoint.HF_SOURCE_KEY):
+        state["common"].pop(key, None)
+    args = state["common"]["args"]
+    args.tokenizer_type, args.vocab_file, args.merge_file = "GPT2BPETokenizer", str(tmp_path / "gone.json"), None
+    offline.write_checkpoint(str(tmp_path / "unrecorded"), 1, state, {})
+    unrecorded_to_hf = [*core_to_hf[:-1], str(tmp_path / "unrecorded"), "--save-dir", str(tmp_path / "from_file")]
+    with pytest.raises(SystemExit) as exit_info:
+        convert.main(unrecorded_to_hf)
+    assert str(exit_info.value.code).startswith("cannot rebuild the checkpoint's GPT2BPETokenizer tokenizer")
+    assert str(exit_info.value.code).endswith("; pass --true-vocab-size N or --vocab-file VOCAB_JSON")
+    convert.main([*unrecorded_to_hf, "--vocab-file", str(vocab_file)])
+    with open(tmp_path / "from_file" / "config.json") as stream:
+        assert json.load(stream)["vocab_size"] == 40
+
+    with pytest.raises(SystemExit) as exit_info:
+        convert.main([*core_to_hf, "--save-dir", str(tmp_path / "out"), "--position-embedding-type",
+                      "learned_absolute"])
+    assert exit_info.value.code == (f"--position-embedding-type learned_absolute: the checkpoint at {core} was "
+                                    "trained with --position-embedding-type rope, which the conversion keeps; drop "
+                                    f"the flag or pass rope; nothing was written to {tmp_path / 'out'}")
+    (tmp_path / "merges.txt").write_text("#version: 0.2\na b\n")
+    for extra, message in [
+        (["--vocab-file", str(vocab_file), "--true-vocab-size", "50"],
+         f"--true-vocab-size 50 and --vocab-file {vocab_file} (40 tokens) disagree; pass one"),
+        (["--vocab-file", str(tmp_path / "merges.txt")],
+         f"--vocab-file {tmp_path / 'merges.txt'}: cannot read it as a JSON vocabulary"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            convert.main([*core_to_hf, "--save-dir", str(tmp_path / "out"), *extra])
+        assert exit_info.value.code == 2
+        assert f"error: {message}" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "out")
+
+
 def _write_legacy_checkpoint(root):
     """A --ckpt-format torch checkpoint at TP 1 (one mp_rank_00 file) of a model with 2 key/value heads."""
     import argparse

@@ -151,3 +151,41 @@ def test_legacy_tokenizer_is_accepted_and_changes_nothing(tmp_path, preprocess_d
                                            *NULL_TOKENIZER, "--append-eod", *extra])
         outputs[name] = _sequences(IndexedDataset(preprocess_data.preprocess(args)["text"]))
     assert outputs["legacy"] == outputs["plain"] == [[1, 2, 3, 50], [4, 49, 50]]
+
+
+def test_several_inputs_are_read_in_the_order_given(tmp_path, preprocess_data, capsys):
+    """`--input a b` (also what a shell makes of an unquoted glob): the files one after another, in that order; a
+    bad line is named by its own file, and a name that matches nothing is refused before anything is read."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "b.jsonl").write_text(json.dumps({"text": "1 2"}) + "\n" + json.dumps({"text": ""}) + "\n")
+    (shards / "a.jsonl").write_text(json.dumps({"text": "3"}) + "\n")
+    (shards / "c.jsonl").write_text(json.dumps({"text": "4"}) + "\n" + json.dumps({"text": "x"}) + "\n")
+    prefix = str(tmp_path / "out")
+    arguments = ["--output-prefix", prefix, *NULL_TOKENIZER, "--append-eod", "--log-interval", "0"]
+    preprocess_data.main(["--input", str(shards / "b.jsonl"), str(shards / "a.jsonl"), *arguments])
+    dataset = IndexedDataset(prefix + "_text_document")
+    assert _sequences(dataset) == [[1, 2, 50], [3, 50]]
+    np.testing.assert_array_equal(dataset.document_indices, [0, 1, 1, 2])  # b's empty text stays a document
+    with pytest.raises(SystemExit) as exit_info:
+        preprocess_data.main(["--input", str(shards / "[ab].jsonl"), str(shards / "c.jsonl"), *arguments])
+    assert exit_info.value.code == (f"{shards / 'c.jsonl'}, line 2: 'text': invalid literal for int() with base 10: "
+                                    "'x' (--tokenizer-type NullTokenizer reads each text as token ids separated by "
+                                    "whitespace; tokenize words with a real tokenizer); nothing was written")
+    with pytest.raises(SystemExit):
+        preprocess_data.parse_args(["--input", str(shards / "a.jsonl"), str(shards / "missing.jsonl"), *arguments])
+    assert f"error: --input '{shards / 'missing.jsonl'}' is not a file and matches no file" in capsys.readouterr().err
+    assert _sequences(IndexedDataset(prefix + "_text_document")) == [[1, 2, 50], [3, 50]]  # as it was
+
+
+def test_sentence_flags_without_split_sentences_say_they_change_nothing(tmp_path, preprocess_data, capsys):
+    corpus = _corpus(tmp_path, [{"text": "1 2"}])
+    base = ["--input", corpus, "--output-prefix", str(tmp_path / "o"), *NULL_TOKENIZER]
+    capsys.readouterr()
+    preprocess_data.parse_args(base + ["--keep-newlines", "--lang", "german"])
+    assert capsys.readouterr().err.splitlines() == [
+        f"note: {flag} has no effect without --split-sentences: each text is tokenized whole, newlines included"
+        for flag in ("--keep-newlines", "--lang german")]
+    preprocess_data.parse_args(base)
+    preprocess_data.parse_args(base + ["--keep-newlines", "--split-sentences"])
+    assert capsys.readouterr().err == ""

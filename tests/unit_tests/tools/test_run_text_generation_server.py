@@ -1,0 +1,34 @@
+"""tools/run_text_generation_server.py's command line: upstream's server-wide sampling flags are accepted (upstream
+launch scripts pass them) and say which request field sets each instead, as upstream's requests never read them."""
+
+import pytest
+
+from megatron.training.arguments import build_parser
+from tools.run_text_generation_server import add_text_generation_server_args, request_field_flag_notes
+
+
+def _parsed(*argv):
+    return build_parser(add_text_generation_server_args).parse_args(list(argv))
+
+
+def test_upstream_sampling_flags_are_accepted_and_name_the_request_field():
+    args = _parsed("--temperature", "0.5", "--top_k", "0", "--top_p", "0.0", "--num-tokens-to-generate", "30",
+                   "--out-seq-length", "1024", "--return-log-probs", "--port", "5001")
+    assert (args.temperature, args.top_k, args.top_p, args.num_tokens_to_generate, args.out_seq_length,
+            args.return_log_probs, args.port) == (0.5, 0, 0.0, 30, 1024, True, 5001)
+    tail = " sets no default of this server (nor of upstream's): each PUT /api request gives its own "
+    assert request_field_flag_notes(args) == [  # a zero is a value given, and noted
+        f'note: --temperature 0.5{tail}"temperature" (default 1.0)',
+        f'note: --top_k 0{tail}"top_k" (default 0)',
+        f'note: --top_p 0.0{tail}"top_p" (default 0.0)',
+        f'note: --num-tokens-to-generate 30{tail}"tokens_to_generate" (default 64)',
+        f'note: --out-seq-length 1024{tail}"tokens_to_generate" (default 64)',
+        f'note: --return-log-probs{tail}"logprobs" (default false)',
+    ]
+    assert request_field_flag_notes(_parsed()) == []
+
+
+def test_a_sampling_flag_value_of_the_wrong_type_is_named(capsys):
+    with pytest.raises(SystemExit):
+        _parsed("--top_k", "0.5")
+    assert "argument --top_k: invalid int value: '0.5'" in capsys.readouterr().err
