@@ -137,9 +137,13 @@ def evaluate_without_training(forward_step_func, model, valid_iterator, test_ite
     iteration = args.iteration
     if dist.get_rank() == 0:
         print(f"--skip-train: evaluating at iteration {iteration} without training", flush=True)
+    validation_sets = as_validation_sets(valid_iterator)
+    if not validation_sets and test_iterator is None and dist.get_rank() == 0:
+        print("WARNING: --skip-train: there is no validation or test data to evaluate (see --split or "
+              "--valid-data-path / --test-data-path), so nothing was evaluated", flush=True)
     if args.eval_iters > 0:
         # As upstream: "... on validation set" / "... on test set", and nothing written to TensorBoard.
-        evaluate_validation_sets(forward_step_func, as_validation_sets(valid_iterator), model, config, logger,
+        evaluate_validation_sets(forward_step_func, validation_sets, model, config, logger,
                                  iteration, args, where="on validation set", non_loss_data=non_loss_data)
         if test_iterator is not None:
             losses, _ = _timed_evaluation(forward_step_func, test_iterator, model, config, args,

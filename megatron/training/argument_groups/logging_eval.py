@@ -112,6 +112,35 @@ def validate(args):
         raise ValueError("--log-progress writes progress.txt in the checkpoint directory: add --save (or drop "
                          "--log-progress)")
     _validate_wandb(args)
+    _warn_scalar_flags_without_a_writer(args)
+
+
+# Flags whose only effect is on the scalars TensorBoard and W&B receive: (flag, attribute, value that asks nothing).
+_SCALAR_ONLY_FLAGS = (
+    ("--log-timers-to-tensorboard", "log_timers_to_tensorboard", False),
+    ("--log-validation-ppl-to-tensorboard", "log_validation_ppl_to_tensorboard", False),
+    ("--log-world-size-to-tensorboard", "log_world_size_to_tensorboard", False),
+    ("--log-batch-size-to-tensorboard", "log_batch_size_to_tensorboard", False),
+    ("--tensorboard-log-interval", "tensorboard_log_interval", 1),
+)
+
+
+def _warn_scalar_flags_without_a_writer(args):
+    """Upstream ignores these without a writer; here the run says which of them write nothing, and why."""
+    if args.tensorboard_dir:
+        return
+    if not args.wandb_project:
+        given = [flag for flag, name, inactive in _SCALAR_ONLY_FLAGS if getattr(args, name) != inactive]
+        if given:
+            warnings.warn(f"{', '.join(given)} without --tensorboard-dir or --wandb-project: these scalars are "
+                          "written nowhere; add --tensorboard-dir DIR (or --wandb-project) to get them")
+        if args.log_memory_to_tensorboard:
+            warnings.warn("--log-memory-to-tensorboard without --tensorboard-dir or --wandb-project: the memory "
+                          "line is printed at every log line, but no mem-* scalars are written; add "
+                          "--tensorboard-dir DIR (or --wandb-project) to get them")
+    if args.tensorboard_queue_size != 1000:
+        warnings.warn(f"--tensorboard-queue-size {args.tensorboard_queue_size} without --tensorboard-dir: there is "
+                      "no TensorBoard writer to queue for; add --tensorboard-dir DIR")
 
 
 def _validate_wandb(args):

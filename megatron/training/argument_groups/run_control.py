@@ -53,5 +53,8 @@ def validate(args):
     bad = [iteration for iteration in args.iterations_to_skip if iteration < 0]
     if bad:
         raise ValueError(f"--iterations-to-skip takes completed-iteration counts >= 0, got {bad}")
+    if args.skip_train and args.eval_iters == 0:
+        raise ValueError("--skip-train only evaluates, and --eval-iters 0 turns evaluation off: the run would do "
+                         "nothing. Give --eval-iters N (batches per evaluation) or drop --skip-train")
     if args.skip_train and args.iterations_to_skip:
         raise ValueError("--iterations-to-skip drops training steps, but --skip-train runs none: drop one of them")

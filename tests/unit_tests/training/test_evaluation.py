@@ -70,3 +70,18 @@ def test_evaluation_num_microbatches_ignores_the_ramp():
 
 if __name__ == "__main__":
     pytest.main([__file__, "-q"])
+
+
+def test_skip_train_without_validation_or_test_data_says_nothing_was_evaluated(monkeypatch, capsys):
+    import argparse
+
+    from megatron.training import evaluation
+
+    monkeypatch.setattr(evaluation.dist, "get_rank", lambda: 0)
+    args = argparse.Namespace(iteration=7, eval_iters=2, skip_train=True, global_batch_size=4)
+    # No validation or test iterator (--split 100,0,0): nothing to run, so no model, config or logger is needed.
+    assert evaluation.evaluate_without_training(None, None, None, None, None, None, args) == 7
+    assert capsys.readouterr().out.splitlines() == [
+        "--skip-train: evaluating at iteration 7 without training",
+        "WARNING: --skip-train: there is no validation or test data to evaluate (see --split or --valid-data-path / "
+        "--test-data-path), so nothing was evaluated"]

@@ -122,6 +122,8 @@ def test_logging_level_flag_wins_over_environment(monkeypatch):
     ("--empty-unused-memory-level 3", "invalid choice"),
     ("--logging-level -1", "--logging-level must be a non-negative"),
     ("--check-weight-hash-across-dp-replicas-interval 0", "--check-weight-hash-across-dp-replicas-interval must be"),
+    ("--skip-train --eval-iters 0", "--eval-iters 0 turns evaluation off: the run would do nothing. Give "
+     "--eval-iters N"),
 ])
 def test_run_control_rules(extra, message, monkeypatch, capsys):
     from megatron.training.arguments import parse_args, validate_args
