@@ -318,11 +318,7 @@ class MegatronFSDPAdapter(DataParallelWrapper):
     def finish_param_sync(self):
         """ZeRO-1/2: wait for the post-step all-gather of the updated weights. ZeRO-3 keeps weights sharded between
         steps and each unit waits for its own gather in its forward pre-hook, so there is nothing to wait for."""
-        import megatron_fsdp
-
-        if self.module.strategy != megatron_fsdp.ShardingStrategy.optim_grads_params:
-            with self.module.gathered_parameters():
-                pass
+        self.module.finish_param_sync()
 
     def broadcast_params(self):
         """Make every data-parallel replica hold data-parallel rank 0's weights."""
@@ -392,7 +388,8 @@ class MegatronFSDPAdapter(DataParallelWrapper):
 
     @contextmanager
     def gathered_parameters(self):
-        """Between steps, the wrapped model with every parameter holding its full weights (for reading)."""
+        """Between steps, the wrapped model with every parameter holding its full weights; in-place writes made
+        inside persist (the same on every rank; see MegatronFSDP.gathered_parameters)."""
         with self.module.gathered_parameters() as model:
             yield model
 

@@ -1,9 +1,9 @@
 """Gather codecs (gather_codec.py) on 2 ranks with a codec that sends weights as bf16: the selected parameters get
 groups of their own, travel as bf16, are decoded into the compute weights (the main weights rounded to bf16)
 with an attribute attached while gathered, are re-encoded once per change of the shard, and a codec under a
-strategy other than optim_grads_params is refused."""
+strategy other than optim_grads_params is refused. A write inside `gathered_parameters()` is kept without the
+decoding's rounding reaching the elements it did not set."""
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -68,6 +68,12 @@ def _bf16_gather():
     result["rounded"] = all(not torch.equal(compute[name], state[name]) for name in result["encoded_names"])
     result["attached"] = sorted(name for name, has in attached.items() if has)
     result["released"] = not any(hasattr(group.params[0], "wire_value") for group in encoded_groups)
+    # A write inside the context keeps the elements it set; the others keep their exact (not decoded) values.
+    with model.gathered_parameters() as gathered, torch.no_grad():
+        gathered.out.weight[0].fill_(0.5)
+    expected = state["out.weight"].clone()
+    expected[0] = 0.5
+    result["written_kept_exactly"] = torch.equal(model.state_dict()["out.weight"].full_tensor(), expected)
 
     try:
         MegatronFSDP(make_model(), DistributedDataParallelConfig(data_parallel_sharding_strategy="optim_grads"),
@@ -88,5 +94,5 @@ def test_bf16_gather_codec_encodes_decodes_and_is_refused_outside_strategy_3():
         assert result["encode_group_size"] == {2}
         assert result["decoded_equal"] and result["rounded"]
         assert result["attached"] == result["encoded_names"]
-        assert result["released"]
+        assert result["released"] and result["written_kept_exactly"]
         assert result["refused"] is not None and "optim_grads_params" in result["refused"]

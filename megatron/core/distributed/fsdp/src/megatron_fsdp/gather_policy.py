@@ -22,6 +22,10 @@ class GatherReleasePolicy:
     """Gathers, releases and post-step weight installs of a `Schedule` (mixed into it; reads the state its
     constructor sets up: `groups`, `units`, `pool`, `streams`, `pending_shard_refreshes`, `param_syncs_*`, ...)."""
 
+    # ids of the groups `MegatronFSDP.gathered_parameters()` holds gathered: `release` leaves them (a forward run
+    # inside the context would otherwise drop the weights shown there, and writes made to them)
+    held_gathered: frozenset = frozenset()
+
     # ---- gathering ----------------------------------------------------------------------------------------------
     def _claim_pool_slot(self, group: ParamGroup):
         slot = group.unit_index % 2
@@ -151,7 +155,7 @@ class GatherReleasePolicy:
         if self.strategy != ShardingStrategy.optim_grads_params:
             return
         for group in groups:
-            if mid_step and group.resident:
+            if (mid_step and group.resident) or id(group) in self.held_gathered:
                 continue
             self._wait_gather(group)
             group.release_compute()  # a pooled group keeps its slot until another unit claims it

@@ -12,6 +12,7 @@ from . import collectives
 from .distributed_data_parallel_config import DistributedDataParallelConfig, ShardingStrategy
 from .distributed_index import FSDPDistributedIndex, apply_upstream_keywords
 from .gather_codec import GatherCodecPolicy
+from .gathered_writes import adopt_full_weight_writes, snapshot_on_entry, write_back_gathered_rows
 from .offload import ShardOffload
 from .fsdp2_methods import Fsdp2MethodNames
 from .grad_clearing import GradClearing
@@ -23,10 +24,10 @@ from .mixed_precision import MixedPrecisionPolicy
 from .param_and_grad_buffer import DoubleBufferPool, ParamGroup
 from .param_grads import ParamGrads
 from .resting_parameters import RestingParameters
+from .scalar_slots import mirror_from_rank0, mirror_known
 from .schedule import Schedule, Unit
 from .tensor_parallel_dtensors import install_dtensor_forward_hooks, localize_tensor_parallel_dtensors
-from .state_dict import (gather_rows_written_through_state_dict, load_model_state_dict, model_state_dict,
-                         refresh_scalar_replicas)
+from .state_dict import gather_rows_written_through_state_dict, load_model_state_dict, model_state_dict
 from .topology import DataParallelTopology
 from .trainability import refuse_trainability_changes, trainability_at_wrap
 from .utils import (WRAPPED_ATTR, called_from_torch_state_dict_helpers, parameter_owners, replace_parameter,
@@ -178,7 +179,7 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
         self.schedule.param_grads = ParamGrads(self.groups, self.strategy, _shard_mesh_of,
                                                resting=self.schedule.resting, outer_mesh_of=outer_mesh_of)
         module.__dict__[WRAPPED_ATTR] = self  # a plain attribute: not registered as a submodule
-        refresh_scalar_replicas(self)  # strategy 3: so that state_dict() needs no communication
+        mirror_from_rank0(self)  # strategy 3: 0-dim parameters rest Replicate(); state_dict() needs no collective
         self.register_load_state_dict_post_hook(self._drop_inner_missing_keys)
 
     # ---- construction ---------------------------------------------------------------------------------------------
@@ -429,6 +430,7 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
                 group.commit_compute_shard_to_main()
             else:
                 group.commit_compute_to_shards()
+        mirror_from_rank0(self)  # strategy 3: rank 0's 0-dim values, whatever `fn` drew on the others
         return self
 
     def _apply(self, fn, recurse=True):
@@ -478,22 +480,33 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
 
     @contextlib.contextmanager
     def gathered_parameters(self):
-        """Between steps, make every parameter of `self.module` hold its full current weights (for reading).
+        """Between steps, make every parameter of `self.module` hold its full current weights, to read or write.
 
         Strategy 3 gathers each group (transiently, all at once) and releases them again on exit; other
-        strategies hold full weights already. Writes made inside are not copied back into the shards."""
+        strategies hold full weights already. In-place writes made inside (`p.data.mul_(0.5)`, `p.copy_(...)`
+        under `torch.no_grad()`, `layer.reset_parameters()`) persist, as with torch FSDP1's
+        `summon_full_params(writeback=True)`: on exit each rank keeps its own rows of them (in its shard, and in
+        the main weights the optimizer steps), so the next forward, the optimizer step and `state_dict()` see
+        them. Every rank must enter the context (a collective) and make the same writes: each keeps only its
+        rows, so writes that differ between ranks would leave a model made of different ones. A body that
+        raises writes nothing back under strategy 3."""
         if self.strategy != ShardingStrategy.optim_grads_params:
             self.schedule.wait_gathered(self.groups)  # strategies 1/2: the post-step all-gather may be in flight
             gather_rows_written_through_state_dict(self)
             yield self.module
+            adopt_full_weight_writes(self)  # so that the optimizer's state dict holds the writes before the step
             return
         if self.pool is not None:
             raise ValueError("gathered_parameters() gathers every unit at once, but fsdp_double_buffer=True bounds "
                              "the gathered units to two; read the weights with state_dict() instead")
         self.schedule.ensure_gathered(self.groups)
+        self.schedule.held_gathered = frozenset(id(group) for group in self.groups)  # a forward inside keeps them
         try:
+            snapshot = snapshot_on_entry(self.groups)
             yield self.module
+            write_back_gathered_rows(self, self.groups, snapshot)
         finally:
+            self.schedule.held_gathered = frozenset()
             self.schedule.release(self.groups)
 
     def start_grad_sync(self):
@@ -525,6 +538,13 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
 
     def start_param_sync(self, force_sync: bool = False):
         self.schedule.start_param_sync(async_op=not force_sync)
+
+    def finish_param_sync(self):
+        """Strategies 1/2: wait for the post-step all-gather of the updated weights (strategy 3 gathers each unit
+        in its forward; strategy 0 has none)."""
+        if self.strategy != ShardingStrategy.optim_grads_params:
+            self.schedule.wait_gathered(self.groups)
+            gather_rows_written_through_state_dict(self)
 
     def zero_grad_buffer(self):
         self.grad_clearing.reset()
@@ -562,7 +582,7 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
         if self.schedule.resting is not None:
             # HFSDP: the resting parameters view the compute shards, rebuilt from the outer ranks' main weights
             self.schedule.refresh_compute_shards(self.groups, async_op=False)
-        refresh_scalar_replicas(self, [group for group in self.groups if group.trainable])
+        mirror_from_rank0(self, [group for group in self.groups if group.trainable])
 
     def broadcast_params(self):
         """Make every data-parallel replica hold DP-rank 0's weights (no-op for the shards of strategy 3)."""
@@ -631,7 +651,9 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
         return destination
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        return load_model_state_dict(self, state_dict, strict=strict)
+        result = load_model_state_dict(self, state_dict, strict=strict)
+        mirror_known(self)  # strategy 3: the loaded 0-dim values into every rank's slot (scalar_slots.py)
+        return result
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -644,6 +666,7 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
             name = key[len(prefix):]
             own[name[len("module."):] if name.startswith("module.") else name] = state_dict.pop(key)
         result = load_model_state_dict(self, own, strict=False)
+        mirror_known(self)
         missing_keys.extend(prefix + key for key in result.missing_keys)
         unexpected_keys.extend(prefix + key for key in result.unexpected_keys)
         self._nested_load_prefix = prefix

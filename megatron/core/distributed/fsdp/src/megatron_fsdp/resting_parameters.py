@@ -13,9 +13,11 @@ communication. Being a true `Shard(0)` DTensor, every DTensor operation on it
 and on tensors derived from it is exact: `full_tensor()`, `redistribute`, `p.detach().clone()`, `p * 2`,
 indexing, reductions along a dim, EMA updates, `torch.nn.utils.clip_grad_norm_`, storage inspection.
 
-A 0-dim parameter cannot be sharded: rank 0 holds it, and its resting parameter is placed `Partial()` (sum)
-over a view of its slot in the compute shard, which holds the value on rank 0 and the zero padding on the
-other ranks, so `full_tensor()` and every DTensor operation still see the real value.
+A 0-dim parameter cannot be sharded: rank 0 owns it, and every other rank keeps a copy of its value in the
+parameter's padding slot of its compute shard (scalar_slots.py). Its resting parameter is placed `Replicate()`
+over a view of this rank's slot, so reads see the value on every rank and element-wise in-place ops work
+(`with torch.no_grad(): p.clamp_(0, 1)`, `p.fill_`, `torch.nn.init.constant_`); made alike on every rank, as
+any write to a replicated DTensor must be, they change the value the forward and the optimizer use (rank 0's).
 
 After a backward, `.grad` of a resting parameter is a DTensor of the same kind over this rank's rows of the
 reduced gradient (a 0-dim one's is `Replicate()`; see param_grads.py). The real parameter is put back as soon as
@@ -34,15 +36,15 @@ from typing import Dict, List, Tuple
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .dtensor_views import dtensor_over_view, dtensor_parameter
 
 
 def rows_dtensor(local, like, mesh) -> DTensor:
     """A DTensor of `like`'s shape and stride over `mesh` whose local tensor is `local`, this rank's rows
-    (`Shard(0)`), or for a 0-dim `like` its share of the value (`Partial()`)."""
-    placement = Shard(0) if like.dim() else Partial()
+    (`Shard(0)`), or for a 0-dim `like` this rank's copy of the value (`Replicate()`)."""
+    placement = Shard(0) if like.dim() else Replicate()
     return dtensor_over_view(local, mesh, [placement], like.shape, like.stride())
 
 
