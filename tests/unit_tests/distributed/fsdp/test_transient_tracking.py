@@ -9,13 +9,15 @@ from tests.unit_tests.distributed.fsdp.test_gather_codec import _bf16_codec_poli
 from tests.unit_tests.multiprocess_harness import run_on_ranks
 
 CASES = [dict(zero_dp_strategy=strategy) for strategy in (0, 1, 2, 3)] + [
-    dict(zero_dp_strategy=3, overlap_grad_reduce=False, overlap_param_gather=False),dict(zero_dp_strategy=3, fsdp_double_buffer=True), dict(zero_dp_strategy=3, gather_codec="bf16")]
+    dict(zero_dp_strategy=3, overlap_grad_reduce=False, overlap_param_gather=False),
+    dict(zero_dp_strategy=3, fsdp_double_buffer=True), dict(zero_dp_strategy=3, gather_codec="bf16")]
 
 
 def _full_sum(schedule):
     current = sum(group.transient_bytes() for group in schedule.groups)
     current += sum(entry[2].numel() * entry[2].element_size() for entry in schedule.pending_reduces
                    if not any(entry[2] is group.grad_buffer for group in schedule.groups))
+    current += sum(flat.numel() * flat.element_size() for held in schedule.held_reduces.values() for _, flat in held)
     if schedule.pool is not None:
         current += schedule.pool.total_bytes()
     return current

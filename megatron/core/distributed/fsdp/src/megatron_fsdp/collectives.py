@@ -371,6 +371,46 @@ def reduce_scatter_flat(output: torch.Tensor, flat_input: torch.Tensor, group, c
     return _finish(None, lambda: _store(output, result.div(world) if average else result, accumulate), False)
 
 
+def reduce_scatter_coalesced(outputs: list, flat_inputs: list, group, counter: CommunicationCounter,
+                             average: bool = False, accumulate: bool = False,
+                             async_op: bool = False) -> PendingCollective:
+    """Several `reduce_scatter_flat`s over one group (rank-major flat inputs of one dtype, each a multiple of the
+    world size long) as one exchange: each rank's shards of all inputs are laid end to end (one copy of the
+    inputs), reduced together, and each output gets its own part. From point-to-point messages every element is
+    summed (and averaged) as its own reduce-scatter sums it, so the results are bit-identical; a stock collective
+    sums as its backend does for the longer buffer. What is saved is the per-exchange cost (posting, the messages,
+    the wait), which on gloo outweighs the copy for small buffers."""
+    world = group_size(group)
+    if world == 1 or len(flat_inputs) == 1:
+        pendings = [reduce_scatter_flat(output, flat_input, group, counter, average=average, accumulate=accumulate,
+                                        async_op=True) for output, flat_input in zip(outputs, flat_inputs)]
+        return _finish(None, lambda: [pending.wait() for pending in pendings], async_op)
+    shard_numels = [flat_input.numel() // world for flat_input in flat_inputs]
+    rows = torch.cat([flat_input.view(world, numel) for flat_input, numel in zip(flat_inputs, shard_numels)], dim=1)
+    shard_numel = rows.shape[1]
+    counter.record(REDUCE_SCATTER, rows.numel() * rows.element_size() * (world - 1) / world)
+
+    def store_parts(summed: torch.Tensor):
+        for output, part in zip(outputs, summed.split(shard_numels)):
+            _store(output, part, accumulate)
+
+    if _point_to_point(group, rows):
+        flat = rows.view(-1)
+        received, works = _exchange_shards_for_reduction(flat, shard_numel, group, world)
+        own_shard = rows[group_rank(group)]
+
+        def sum_received():
+            summed = received.view(world - 1, shard_numel).sum(dim=0) if world > 2 else received
+            summed.add_(own_shard)
+            store_parts(summed.div_(world) if average else summed)
+
+        return _finish(works, sum_received, async_op)
+    result = rows.new_empty(shard_numel)
+    op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+    work = _REDUCE_SCATTER_FROM_FLAT(result, rows.view(-1), op=op, group=group, async_op=async_op)
+    return _finish(work, lambda: store_parts(result), async_op)
+
+
 def _exchange_shards_for_reduction(flat_input: torch.Tensor, shard_numel: int, group, world: int):
     """Post the point-to-point messages of a reduce-scatter: send each peer its shard of `flat_input` and receive
     the peers' copies of our shard, one row each. Returns (received rows, work handles)."""

@@ -16,9 +16,26 @@ from .grad_state import GradState, OuterGradState
 from .param_and_grad_buffer import ParamGroup
 
 
+# Reductions of gradient buffers smaller than this many bytes are held back and issued together, as one exchange
+# over their group, once the held buffers reach this size, or when the backward ends, or when anything waits for
+# them (see `GradReductionPipeline.coalesce_reduce_bytes`).
+COALESCE_REDUCE_BYTES = 2 * 1024 * 1024
+
+
 class GradReductionPipeline:
     """Gradient reductions of a `Schedule` (mixed into it; reads the state its constructor sets up: `groups`,
     `dp_group`, `outer_group`, `streams`, `pending_reduces`, `pending_outer`, `deferred_reduces`, ...)."""
+
+    # Strategies 2/3 without an outer dim: a reduce-scatter of fewer bytes than this is not issued at once but held
+    # (its buffer taken from the group, so the next microbatch writes a fresh one) and issued as one exchange with
+    # the next held ones over the same group (`collectives.reduce_scatter_coalesced`, bit-identical results) once
+    # they hold this many bytes together, the backward ends, or a reduction of theirs is waited for. The cost of a
+    # small exchange is per exchange rather than per byte (on gloo about a millisecond of CPU, the same for 4 bytes
+    # as for 128 KiB), so a model of small units reduces a microbatch's last units and its root groups in one
+    # exchange instead of one each; the price is up to twice this many bytes of gradient buffers held a little
+    # longer and the reductions of those units no longer overlapping the backward of the next ones. Groups of at
+    # least this size reduce as before; 0 turns holding off.
+    coalesce_reduce_bytes = COALESCE_REDUCE_BYTES
 
     # ---- when a group reduces -----------------------------------------------------------------------------------
     def _reduces_now(self, group: ParamGroup) -> bool:
@@ -61,11 +78,15 @@ class GradReductionPipeline:
     def launch_reduce(self, group: ParamGroup, async_op: bool):
         """Reduce one group's gradients on the reduce-scatter stream; at most `max_reduces_in_flight` batches
         (a unit's groups, or one root group: each holds up to a unit's gradient buffers) at once, the oldest
-        waited for first. A local reduction (`_reduces_locally`) neither waits for nor joins them."""
+        waited for first. A local reduction (`_reduces_locally`) neither waits for nor joins them. A small one
+        may be held and issued with the next ones instead (`coalesce_reduce_bytes`)."""
         group.move_grads_to(GradState.REDUCED)  # first: a reduction of nothing must not issue a collective
         if group.grads_into_main:  # its gradients were added into the main gradients as they arrived
             return
         local = self._reduces_locally(group)
+        if async_op and not local and self._holds_reduce(group):
+            self._hold_reduce(group)
+            return
         while not local and self._batches_in_flight_beside(group) >= self.max_reduces_in_flight:
             self._wait_oldest_reduce()
         self._wait_outer(group)  # the main gradients this reduction adds to may still be in an outer reduction
@@ -102,6 +123,47 @@ class GradReductionPipeline:
         if not async_op:
             self.wait_reduces()
 
+    # ---- small reductions issued together ----------------------------------------------------------------------
+    def _holds_reduce(self, group: ParamGroup) -> bool:
+        """Whether `group`'s reduce-scatter may wait to be issued with others (see `coalesce_reduce_bytes`)."""
+        if self.strategy < ShardingStrategy.optim_grads or self._has_outer() or group.grad_buffer is not None:
+            return False
+        return group.layout.padded_numel * group.comm_dtype.itemsize < self.coalesce_reduce_bytes
+
+    def _hold_reduce(self, group: ParamGroup):
+        """Take `group`'s flat gradient buffer for a later reduction with others over the same group, of the same
+        dtype; issue them all once they reach `coalesce_reduce_bytes`."""
+        self.note_transient(group)
+        flat = group.reduce_input()
+        group.ensure_main_grads()
+        group.drop_transient_grads()  # the buffer is the held reduction's; the next microbatch writes a fresh one
+        key = (self._shard_group(group), flat.dtype, flat.device)
+        held = self.held_reduces.setdefault(key, [])
+        held.append((group, flat))
+        self._track_transient()
+        if sum(entry[1].numel() * entry[1].element_size() for entry in held) >= self.coalesce_reduce_bytes:
+            self._issue_held(key)
+
+    def issue_held_reduces(self):
+        """Issue every held reduction (in the order their first reductions were held, the same on every rank)."""
+        for key in list(self.held_reduces):
+            self._issue_held(key)
+
+    def _issue_held(self, key):
+        held = self.held_reduces.pop(key)
+        groups, flats = [entry[0] for entry in held], [entry[1] for entry in held]
+        batches = {self._reduction_batch(group) for group in groups}
+        while len({self._reduction_batch(entry[3]) for entry in self.pending_reduces} - batches) \
+                >= self.max_reduces_in_flight:
+            self._wait_oldest_reduce()
+        process_group, average = key[0], self.average_in_collective
+        accumulate = self.strategy >= ShardingStrategy.optim_grads
+        pending = self.streams.issue(self.streams.reduce_scatter, lambda: collectives.reduce_scatter_coalesced(
+            [group.main_grads for group in groups], flats, process_group, self.counter, average=average,
+            accumulate=accumulate, async_op=True))
+        # One entry per group, all on the same handle: waiting for any of them completes the exchange.
+        self.pending_reduces.extend((pending, None, flat, group, False) for group, flat in held)
+
     def _wait_oldest_reduce(self):
         pending, epilogue, _, group, outer_after = self.pending_reduces.pop(0)
         pending.wait()
@@ -114,11 +176,14 @@ class GradReductionPipeline:
 
     def wait_reduce_of(self, group: ParamGroup):
         """Wait for the reductions in flight up to and including `group`'s, if it has one."""
+        if any(entry[0] is group for held in self.held_reduces.values() for entry in held):
+            self.issue_held_reduces()
         count = max((i + 1 for i, entry in enumerate(self.pending_reduces) if entry[3] is group), default=0)
         for _ in range(count):
             self._wait_oldest_reduce()
 
     def wait_reduces(self):
+        self.issue_held_reduces()
         while self.pending_reduces:
             self._wait_oldest_reduce()
 

@@ -6,7 +6,8 @@ One step under strategy 3 (units U0..Un in forward order, R = parameters outside
               post-fwd Un: keep Un gathered (its backward comes first)
     backward: loss grad: gather R if released | pre-bwd Un (grad of Un's outputs): wait/gather Un, prefetch Un-1 |
               Un's first gradient: wait for the reduction in flight | Un bwd |
-              all grads of a group written -> reduce-scatter it (async if overlapping), release its weights
+              all grads of a group written -> reduce-scatter it (async if overlapping; a small one is held and
+              issued with the next ones: grad_reduction.py's coalesce_reduce_bytes), release its weights
               (R's groups too) | ... | end of backward: reduce leftovers, release anything still gathered
               (inside no_sync R and U0 stay gathered: the next microbatch's forward starts with them)
     step:     finish_grad_sync (wait reduces) -> optimizer.step on shards -> write shards into compute shards
@@ -100,6 +101,9 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
         # GradReductionPipeline.launch_reduce): launching one of another batch first waits for the oldest. One
         # batch in flight while the next unit's backward computes is the overlap; each holds a unit's gradients.
         self.max_reduces_in_flight = 1
+        # Small reductions held to be issued together (GradReductionPipeline.coalesce_reduce_bytes): per (process
+        # group, dtype, device), the groups and the flat buffers they reduce, in the order they were held.
+        self.held_reduces: Dict[tuple, List[tuple]] = {}
         # With an outer dim: outer reductions (HSDP all-reduce, HFSDP reduce-scatter) in flight, issued during the
         # backward as soon as a group's inner reduction has landed, by group id.
         self.pending_outer: Dict[int, collectives.PendingCollective] = {}
@@ -171,7 +175,8 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
                 # waited for it already) lands before more is added
                 self._reopen_persistent_grads(group)
                 self.note_transient(group)
-                group.take_accumulated_grads(indices, grads, self.expert_grad_scale if group.expert else self.grad_scale)
+                scale = self.expert_grad_scale if group.expert else self.grad_scale
+                group.take_accumulated_grads(indices, grads, scale)
                 self.grads_synced = False
 
     def remove_hooks(self):
@@ -201,6 +206,7 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
             del self.transient_holders[key]
         current += sum(entry[2].numel() * entry[2].element_size() for entry in self.pending_reduces
                        if entry[2] is not entry[3].grad_buffer)
+        current += sum(flat.numel() * flat.element_size() for held in self.held_reduces.values() for _, flat in held)
         if self.pool is not None:
             current += self.pool.total_bytes()
         self.peak_transient_bytes = max(self.peak_transient_bytes, current)
@@ -362,6 +368,7 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
         for group in self.groups:
             if group.grads_dirty and self._reduces_now(group):
                 self.launch_reduce(group, async_op=self.overlap_grad_reduce)
+        self.issue_held_reduces()  # the backward's last small reductions, together
         if self.strategy == ShardingStrategy.optim_grads_params:
             held = self.held_for_next_microbatch() if self._holds_for_next_microbatch() else []
             self.release([group for group in self.groups if not any(group is kept for kept in held)])
