@@ -59,10 +59,13 @@ DEFAULT_TIMEOUT_S = 300
 #   deterministic gloo ring, no atomics); across kernel sets and CPUs the loss moved by at most 8.5e-8 relative
 #   over 10 steps. 1e-6 leaves a 10x margin and stays far below the ~1e-3 a real regression (a wrong gradient
 #   scale, a skipped reduction) moves the loss by.
-# - num-zeros: no gradient entry of these models is structurally zero, so the counts are accidental exact zeros
-#   (fp32 cancellations and underflows): 0 to 3 per step, different on every kernel set, never the same twice.
-#   An absolute tolerance of 4 covers them (measured: at most 3 apart from the golden count); anything
-#   structural (a bias vector or an embedding row left without gradient is >= 64 entries) is far outside it.
+# - num-zeros: the counts are accidental exact zeros, mostly entries of the attention key bias gradient, which is
+#   zero up to rounding (a bias added to every key shifts each row of scores by a constant, which the softmax
+#   ignores), plus fp32 cancellations and underflows elsewhere: a few per step, different on every kernel set.
+#   Measured: at most 6 apart from the golden count (cp2_megatron_fsdp_z3 at step 3 under
+#   ATEN_CPU_CAPABILITY=default, 1 or 2 in each of six key-bias shards). An absolute tolerance of 12 covers them
+#   with a margin; anything structural (a bias vector or an embedding row left without gradient is >= 64
+#   entries) is far outside it.
 # - memory on CPU is the bytes of tensors the rank holds: exact unless the layout changes, 5% as upstream.
 #   Peak RSS depends on the allocator: loose.
 RELATIVE_TOLERANCE = {
@@ -72,7 +75,7 @@ RELATIVE_TOLERANCE = {
     "mem-max-allocated-bytes": 0.5,
     "iteration-time": None,  # not compared: CPU timing spread on shared machines is 10-30%
 }
-ABSOLUTE_TOLERANCE = {"num-zeros": 4.0}
+ABSOLUTE_TOLERANCE = {"num-zeros": 12.0}
 
 CONFIG_KEYS = ("NPROC_PER_NODE", "ENV_VARS", "TEST_TYPE", "MODEL_ARGS", "METRICS", "RESUME_MODEL_ARGS")
 # Upstream's `${VAR}` placeholders that name a directory of the launch: the subdirectory of its workdir.

@@ -13,11 +13,11 @@ model, not from the generator state of the stage building it.
 import pytest
 
 from tests.functional_tests import references
-from tests.functional_tests.runner import compare_series, list_cases, load_case
+from tests.functional_tests.runner import ABSOLUTE_TOLERANCE, compare_series, list_cases, load_case
 
 RELATIVE_TOLERANCE = 1e-5
 # Accidental exact zeros of a summation order (see runner.py); compared where the reference is data parallel too.
-ACCIDENTAL_ZEROS_TOLERANCE = 4.0
+ACCIDENTAL_ZEROS_TOLERANCE = ABSOLUTE_TOLERANCE["num-zeros"]
 
 
 def test_every_golden_case_has_a_reference():
