@@ -48,8 +48,17 @@ _FIELDS_NEEDING_EXPERTS = {
     "moe_layer_recompute": ("--moe-layer-recompute", False),
     "moe_per_layer_logging": ("--moe-per-layer-logging", False),
 }
-# Tokens per expert are padded to a multiple of this with --moe-router-padding-for-fp8 (FP8 GEMM alignment).
+# Tokens per expert are padded to a multiple of this with --moe-router-padding-for-fp8 (FP8 GEMM alignment) under
+# the per-tensor recipes; `fp8_routing_pad_multiple` gives the multiple of the configured recipe (32 for mxfp8).
 FP8_ROUTING_PAD_MULTIPLE = 16
+
+
+def fp8_routing_pad_multiple(config) -> int:
+    """The multiple `--moe-router-padding-for-fp8` pads each expert's token count to: the FP8 GEMM alignment of
+    `config.fp8_recipe` (`get_fp8_align_size`, as upstream: 32 for mxfp8's 32-element scale blocks, 16 else)."""
+    from megatron.core.fp8.formats import get_fp8_align_size
+
+    return get_fp8_align_size(getattr(config, "fp8_recipe", None) or "delayed")
 
 
 def normalize_load_balancing(load_balancing_type, aux_loss_coeff):
@@ -194,8 +203,8 @@ class MoEConfigMixin:
     logits unchanged), so the load is balanced whatever the weights (`--moe-router-force-load-balancing`)."""
     moe_router_padding_for_fp8: bool = False
     """Each expert's token count on a rank is padded with probability-0 tokens to a multiple of
-    FP8_ROUTING_PAD_MULTIPLE (FP8 GEMM alignment; the output is unchanged up to the FP8 scales, whose amaxes see the
-    padded tokens) (`--moe-router-padding-for-fp8`)."""
+    `fp8_routing_pad_multiple` (the FP8 recipe's GEMM alignment: 32 under mxfp8, 16 otherwise; the output is
+    unchanged up to the FP8 scales, whose amaxes see the padded tokens) (`--moe-router-padding-for-fp8`)."""
     moe_apply_probs_on_input: bool = False
     """Scale each token by its routing probability before the expert instead of scaling the expert's output (top-1
     routing only) (`--moe-apply-probs-on-input`)."""

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.init_seeds import derive_init_seed, initialization_rng, resolve_base_init_seed
 from megatron.core.transformer.moe import moe_utils
-from megatron.core.transformer.moe.moe_config import FP8_ROUTING_PAD_MULTIPLE, aux_loss_terms
+from megatron.core.transformer.moe.moe_config import aux_loss_terms, fp8_routing_pad_multiple
 from megatron.core.transformer.moe.routing import (
     apply_capacity,
     expert_capacity,
@@ -182,7 +182,7 @@ class TopKRouter(torch.nn.Module):
             with torch.no_grad():
                 self.local_tokens_per_expert += routing_map.sum(dim=0).to(self.local_tokens_per_expert.dtype)
         if config.moe_router_padding_for_fp8:
-            probs, routing_map = pad_routing_map(probs, routing_map, FP8_ROUTING_PAD_MULTIPLE)
+            probs, routing_map = pad_routing_map(probs, routing_map, fp8_routing_pad_multiple(config))
         return probs, routing_map
 
     def gating(self, hidden_states):

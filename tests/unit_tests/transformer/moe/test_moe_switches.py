@@ -3,10 +3,13 @@ load balancing with its straight-through gradient, routing-map padding for FP8 (
 applied to the expert input (top-1), whole-layer recompute (same values and gradients, fewer saved tensors),
 per-layer aux-loss logging; and their command-line flags and rules."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.moe_config import fp8_routing_pad_multiple
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.routing import pad_routing_map, topk_routing
@@ -231,6 +234,23 @@ def test_moe_settings_without_effect_warn_naming_them(extra, message, monkeypatc
     with pytest.warns(UserWarning) as record:
         validated("--num-experts 4 " + extra, monkeypatch)
     assert any(message in str(warning.message) for warning in record)
+
+
+def test_router_padding_follows_the_fp8_recipe_alignment():
+    # mxfp8 needs Transformer Engine on a GPU, so the config of that recipe is checked through the helper the router
+    # calls: mxfp8's scales cover blocks of 32 elements, the per-tensor recipes' kernels need multiples of 16.
+    assert [fp8_routing_pad_multiple(SimpleNamespace(fp8_recipe=recipe))
+            for recipe in ("delayed", "tensorwise", "blockwise", "mxfp8")] == [16, 16, 16, 32]
+    mxfp8 = config(moe_router_padding_for_fp8=True, fp8="e4m3")
+    object.__setattr__(mxfp8, "fp8_recipe", "mxfp8")  # after validation, which refuses mxfp8 without TE
+    tokens = torch.randn(80, 1, HIDDEN, generator=torch.Generator().manual_seed(0))  # 160 choices over 4 experts
+    unpadded = TopKRouter(config())(tokens)[1].sum(dim=0)
+    counts = TopKRouter(mxfp8)(tokens)[1].sum(dim=0)
+
+    def padded_to(multiple):
+        return torch.clamp(torch.ceil(unpadded / multiple) * multiple, max=80).long()
+
+    assert torch.equal(counts, padded_to(32)) and not torch.equal(counts, padded_to(16)), (counts, unpadded)
 
 
 def test_router_pads_after_counting_for_the_expert_bias():
