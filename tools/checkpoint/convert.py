@@ -63,12 +63,15 @@ def model_size_architecture(model_size):
 
 
 def _plugin(parser, flag, name, known, asks_help=False):
+    """The plugin `flag` names (None: not given, upstream's default `megatron`, which is not one here)."""
+    shown = f"{flag} {name}" if name is not None else f"{flag} not given (upstream's default: megatron)"
+    name = "megatron" if name is None else name
     if name in known:
         return known[name]
     if asks_help:  # --help without a plugin of ours (upstream's default, megatron): the common flags
         return None
     reason = NOT_HERE.get((flag, name))
-    parser.error(f"{flag} {name}: " + (f"{reason}; " if reason else "not a plugin here; ")
+    parser.error(f"{shown}: " + (f"{reason}; " if reason else "not a plugin here; ")
                  + f"choose one of {', '.join(known)}")
 
 
@@ -116,14 +119,15 @@ def _saver_arguments(parser, name, kind):
 def parse_args(argv=None):
     """Upstream's two-step parse: --loader and --saver pick the flag groups, then every flag is parsed."""
     first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    first.add_argument("--loader", default="megatron")
-    first.add_argument("--saver", default="megatron")
+    first.add_argument("--loader", default=None)
+    first.add_argument("--saver", default=None)
     plugins, _ = first.parse_known_args(argv)
     asks_help = any(arg in ("-h", "--help") for arg in (sys.argv[1:] if argv is None else argv))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False, conflict_handler="resolve")
     loader = _plugin(parser, "--loader", plugins.loader, LOADERS, asks_help)
     saver = _plugin(parser, "--saver", plugins.saver, SAVERS, asks_help)
+    plugins.loader, plugins.saver = plugins.loader or "megatron", plugins.saver or "megatron"
     parser.add_argument("--model-type", required=True, help="GPT (upstream's BERT is not built here).")
     parser.add_argument("--loader", default="megatron", help=f"One of {', '.join(LOADERS)}.")
     parser.add_argument("--saver", default="megatron", help=f"One of {', '.join(SAVERS)}.")

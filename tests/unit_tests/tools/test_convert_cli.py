@@ -270,6 +270,17 @@ def test_bad_flags_are_named(tools, tmp_path, capsys, argv, message):
     assert not os.path.exists(tmp_path / "out")
 
 
+def test_a_saver_left_to_upstreams_default_is_named_as_not_given(tools, tmp_path, capsys):
+    convert, _ = tools
+    with pytest.raises(SystemExit) as exit_info:
+        convert.main(["--model-type", "GPT", "--loader", "core", "--load-dir", str(tmp_path / "in"),
+                      "--save-dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "error: --saver not given (upstream's default: megatron): upstream's default saver;" in error
+    assert "choose one of core, mcore, hf" in error
+
+
 def test_inputs_and_target_sizes_the_model_cannot_take_are_named(tools, tmp_path):
     convert, convert_checkpoint = tools
     hf_dir = str(tmp_path / "hf")
