@@ -287,3 +287,59 @@ def test_bf16_writes_inside_gathered_parameters_reach_the_fp32_main_weights(worl
             assert main["temperature"].item() == 0.75, strategy
             assert torch.equal(weights["out.weight"], expected_out.to(torch.bfloat16)), strategy
             assert weights["temperature"].item() == 0.75, strategy
+
+
+def _bf16_scalar_writes_at_rest(strategy):
+    """A bf16 model with fp32 main weights: a step, then 0-dim parameters written at rest on every rank, then
+    `optimizer.state_dict()` on rank 0 only (the save habit), then on every rank, then a step at learning rate 0.
+    The saved main weights of the two 0-dim parameters each time, and the weights after the last step."""
+    import torch.distributed as dist
+
+    import megatron_fsdp
+
+    torch.manual_seed(0)
+    module = TemperatureNet().to(torch.bfloat16)
+    # overlap_param_gather=False: under strategies 1/2 a write at rest is then made after the post-step gather
+    model, optimizer = megatron_fsdp.fully_shard(module, torch.optim.Adam(module.parameters(), lr=0.1),
+                                                 fsdp_unit_modules=[GainBlock], zero_dp_strategy=strategy,
+                                                 overlap_param_gather=False)
+    inputs = torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(dist.get_rank())).to(torch.bfloat16)
+
+    def step():
+        optimizer.zero_grad()
+        model(inputs).float().square().mean().backward()
+        optimizer.step()
+
+    def saved_main():
+        state = optimizer.state_dict()["state"]
+        return {name: float(_weights([(name, state[name]["main_param"])])[name])
+                for name in ("temperature", "blocks.0.gain")}
+
+    step()
+    with torch.no_grad():
+        model.module.temperature.fill_(0.75)
+        model.module.blocks[0].gain.clamp_(max=0.5)
+    on_rank0_only = saved_main() if dist.get_rank() == 0 else None
+    dist.barrier()
+    on_every_rank = saved_main()
+    for param_group in optimizer.param_groups:
+        param_group["lr"] = 0.0
+    step()
+    return on_rank0_only, on_every_rank, _weights(model.state_dict().items())
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_bf16_scalar_writes_at_rest_reach_every_ranks_optimizer_state_dict(world_size):
+    """Rank 0 alone holds a 0-dim parameter's fp32 main weight; a write to the parameter at rest moves it there only.
+    The optimizer state dict still issues no collective (rank 0 may save alone) and holds the written value on every
+    rank."""
+    from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+    expected = {"temperature": 0.75, "blocks.0.gain": 0.5}  # the gain (0.7 after a step at lr 0.1) clamped
+    for strategy in (1, 2, 3):
+        results = run_on_ranks(world_size, _bf16_scalar_writes_at_rest, strategy)
+        assert results[0][0] == expected, strategy
+        for rank, (on_rank0_only, on_every_rank, weights) in enumerate(results):
+            assert on_rank0_only is None or rank == 0
+            assert on_every_rank == expected, (strategy, rank)
+            assert weights["temperature"].item() == 0.75 and weights["blocks.0.gain"].item() == 0.5, strategy

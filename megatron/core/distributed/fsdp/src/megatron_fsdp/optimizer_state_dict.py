@@ -24,6 +24,7 @@ from .state_dict_rows import (
     state_dict_name,
 )
 from .uneven_dtensor import local_rows_of
+from .weight_buffers import _as_bits
 
 # Optimizer-state key of the main weights, saved when they are kept in another dtype than the compute weights
 # (the model state dict holds the compute dtype, so the main weights would otherwise come back rounded).
@@ -151,13 +152,45 @@ def refresh_optimizer_scalar_replicas(optimizer):
             key: values[position * len(scalars):(position + 1) * len(scalars)] for position, key in enumerate(keys)})
 
 
+def _scalar_compute_values(group: ParamGroup) -> torch.Tensor:
+    """This rank's compute weights of `group`'s 0-dim parameters, in `_scalar_indices` order: every rank holds them
+    (the full weights of strategies 1/2, strategy 3's mirrored slots)."""
+    if group.shards_params:
+        return torch.stack([group.rows_of_shard(group.compute_shard, index).detach()
+                            for index in _scalar_indices(group)])
+    return torch.stack([group.compute_buffer[group.layout.spans[index].flat_start].detach()
+                        for index in _scalar_indices(group)])
+
+
+def _adopt_written_weights(model):
+    """`model.adopt_written_weights()`, with every optimizer's replicas of the 0-dim main weights following what it
+    adopts, without communicating. Rank 0 alone holds those main weights, so a write to a 0-dim parameter since the
+    last step (made alike on every rank) moves its main weight's version counter only there: its replicas would go
+    stale and its next state dict would sum over the group while the others' would not. Every rank holds the
+    written value and the replica of the main weight, so each makes the comparison rank 0 makes."""
+    followed = []
+    for optimizer in model.grad_clearing.optimizers():
+        for group in model.groups:
+            replicas = _current_optimizer_scalar_replicas(optimizer, group)
+            if replicas is not None and MAIN_PARAM_KEY in replicas:
+                followed.append((optimizer, group, replicas))
+    model.adopt_written_weights()
+    for optimizer, group, replicas in followed:
+        compute = _scalar_compute_values(group)
+        main = replicas[MAIN_PARAM_KEY]
+        as_main = main.to(group.main_dtype)
+        written = _as_bits(compute).ne(_as_bits(as_main.to(compute.dtype)))
+        adopted = torch.where(written.to(main.device), compute.to(group.main_dtype).to(main.device), as_main)
+        _set_optimizer_scalar_replicas(optimizer, group, {**replicas, MAIN_PARAM_KEY: adopted.to(main.dtype)})
+
+
 def optimizer_state_dict(optimizer) -> dict:
     """{"state": {param name: {key: DTensor or scalar}}, "param_groups": [{hyper-params, "params": [names]}]}.
     Issues no collective, except under HFSDP (see `refresh_optimizer_scalar_replicas`)."""
 
     model, by_name = _optimizer_params_by_name(optimizer)
     _check_checkpointable(model)
-    model.adopt_written_weights()  # the main weights saved include writes to the parameters since the last step
+    _adopt_written_weights(model)  # the main weights saved include writes to the parameters since the last step
     initialize_optimizer_state(optimizer, sgd_momentum=True)
     names = optimizer._megatron_fsdp_param_names
     state = {}
