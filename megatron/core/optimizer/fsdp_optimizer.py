@@ -181,6 +181,7 @@ class MegatronFSDPOptimizer(MegatronOptimizer):
                 optimizer_factory(real_groups),
                 preproc_state_dict_for_dcp_ckpt=chunk.ddp_config.preproc_state_dict_for_dcp_ckpt,
                 install_after_step=False,  # `_copy_main_params_to_model_params` installs them, timed on its own
+                step_params_without_grads=True,  # as upstream: zero gradients where no rank gave one
             )
             let_offloaded_main_weights_move_to_host(chunk.fsdp, torch_optimizer)
             self.chunk_optimizers.append(ChunkOptimizer(chunk, torch_optimizer, group_indices))

@@ -58,6 +58,7 @@ class GroupGrads:
         """Add (or, in a fresh transient buffer, write) one parameter's gradient into the flat gradient buffer:
         param-major under strategy 0 (all-reduced), else rank-major, ready for the reduce-scatter (the
         copy-in, `resharding.copy_grad_in`)."""
+        self.grad_marks.mark((index,))
         if self.grads_into_main:  # a resident group reduced locally: nothing to reduce, add where it ends up
             self.ensure_main_grads()
             copy_grad_in(self.layout, self.main_grads, index, grad, scale, accumulate=True)
@@ -88,6 +89,7 @@ class GroupGrads:
         gradients, a persistent buffer's (strategies 0/1) added into it (reopened first if a reduction of this
         step already took it), any other's copied into the flat transient buffer (rank-major, ready for the
         reduce-scatter)."""
+        self.grad_marks.mark(indices)
         if self.grads_into_main:
             self.ensure_main_grads()
             self._add_all([self._main_grad_target(index) for index in indices], grads, scale)
@@ -234,6 +236,7 @@ class GroupGrads:
         self.grad_state, self.outer_grad_state = GradState.EMPTY, OuterGradState.NONE  # zeroing: from any state
         self.optim_grads_written = False
         self._optimizer_grad_storage = None
+        self.grad_marks.clear()
         for view in self.main_param_views:
             if view is not None:
                 view.grad = None
@@ -248,7 +251,8 @@ class GroupGrads:
     def attach_optimizer_grads(self):
         """Point each main-weight view's `.grad` at its gradient (cast to the main dtype when they differ). A view
         an offloading optimizer moved to host memory cannot take a device tensor as `.grad`: it gets it as
-        `decoupled_grad` (what Megatron's optimizers read first), which that optimizer copies to the host."""
+        `decoupled_grad` (what Megatron's optimizers read first), which that optimizer copies to the host.
+        Parameters no rank gave a gradient (`grad_marks.ungraded`, see ungraded_params.py) get none."""
         if self.main_weights is None:
             return
         grads = self._grads_for_optimizer()
@@ -256,6 +260,9 @@ class GroupGrads:
             self._optimizer_grad_storage = grads.to(self.main_dtype)
             grads = self._optimizer_grad_storage
         for index, view in enumerate(self.main_param_views):
+            if index in self.grad_marks.ungraded:  # no rank gave it a gradient: the step leaves it alone
+                view.grad = None
+                continue
             grad = self._main_view(grads, index)
             if view.device == grad.device:
                 view.grad = grad

@@ -14,6 +14,7 @@ from . import collectives
 from .distributed_data_parallel_config import ShardingStrategy
 from .grad_state import GradState, OuterGradState
 from .param_and_grad_buffer import ParamGroup
+from .ungraded_params import agree_on_ungraded_params
 
 
 # Reductions of gradient buffers smaller than this many bytes are held back and issued together, as one exchange
@@ -36,6 +37,17 @@ class GradReductionPipeline:
     # longer and the reductions of those units no longer overlapping the backward of the next ones. Groups of at
     # least this size reduce as before; 0 turns holding off.
     coalesce_reduce_bytes = COALESCE_REDUCE_BYTES
+
+    # Set by `fully_shard_optimizer`: parameters no rank gave a gradient get no `.grad` (ungraded_params.py).
+    # `ungraded_params_due`: a backward ran since the ranks last agreed on them.
+    leaves_ungraded_params_without_grad = False
+    ungraded_params_due = False
+
+    def agree_on_ungraded_params(self):
+        """Once per step, after its last backward and reductions (on every rank alike): see ungraded_params.py."""
+        if self.leaves_ungraded_params_without_grad and self.ungraded_params_due:
+            agree_on_ungraded_params(self.groups, self._shard_group, self._outer_group)
+            self.ungraded_params_due = False
 
     # ---- when a group reduces -----------------------------------------------------------------------------------
     def _reduces_now(self, group: ParamGroup) -> bool:
@@ -279,6 +291,7 @@ class GradReductionPipeline:
             self.wait_outer_reductions()
         if self.report_nan_in_param_grad:
             self._raise_on_nan_grads()
+        self.agree_on_ungraded_params()
         for group in self.groups:
             group.attach_optimizer_grads()
         self.grads_synced = True

@@ -170,7 +170,7 @@ def _guard_optimizer_state(optimizer):
 
 
 def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_for_dcp_ckpt: Optional[bool] = None,
-                          install_after_step: bool = True):
+                          install_after_step: bool = True, step_params_without_grads: bool = False):
     """Make `optimizer` step on the sharded fp32 main weights of the MegatronFSDP model owning its params.
 
     Param groups keep their hyper-parameters; each model parameter is replaced by its main-weight view (its
@@ -186,6 +186,9 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
     all-gathered over the outer dim (call it on every rank there); see `refresh_optimizer_scalar_replicas`.
     `install_after_step=False` leaves the install to the caller, who calls the model's
     `install_optimized_model_weights()` after each `step()` (to time it apart from the step, for instance).
+    Parameters no data-parallel rank gave a gradient since the last `zero_grad()` get no `.grad`, so the step
+    leaves them alone as torch's does (ungraded_params.py); `step_params_without_grads=True` steps every
+    parameter with its reduced gradient, zeros included, as Megatron's optimizers do.
     `torch.optim.LBFGS` works under no_shard only (refused otherwise); its closure's loss is averaged over the
     data-parallel ranks so that every rank's line search takes the same branches.
     """
@@ -212,6 +215,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_f
                                                  else preproc_state_dict_for_dcp_ckpt)
     model.optimizer = optimizer
     model.grad_clearing.register(optimizer)
+    model.schedule.leaves_ungraded_params_without_grad = not step_params_without_grads  # see ungraded_params.py
     initialize_optimizer_state(optimizer, sgd_momentum=True)
 
     original_zero_grad = optimizer.zero_grad

@@ -69,6 +69,7 @@ from .grad_state import GradState, OuterGradState
 from .layout import GroupLayout, chunk_rows
 from .mixed_precision import MixedPrecisionPolicy
 from .offload import ShardOffload
+from .ungraded_params import GradMarks
 from .utils import tensor_bytes
 # DoubleBufferPool and WeightState live with the compute weights and stay importable from here.
 from .weight_buffers import DoubleBufferPool, GroupWeights, WeightState  # noqa: F401
@@ -223,6 +224,8 @@ class ParamGroup(GroupWeights, GroupGrads):
         # for the rest of the backward when a gradient arrives from a nested (reentrant checkpoint) backward.
         self.grads_received = set()
         self.early_release_blocked = False
+        # Parameters whose gradient arrived on this rank since the last clearing (ungraded_params.py).
+        self.grad_marks = GradMarks(len(self.params))
         # Where the step's gradients are (grad_state.py); moved by the schedule, zeroed by zero_grads.
         self.grad_state = GradState.EMPTY
         self.outer_grad_state = OuterGradState.NONE

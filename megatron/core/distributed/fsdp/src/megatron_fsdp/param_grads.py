@@ -107,6 +107,8 @@ class ParamGrads:
             attached = self._attached[id(group)] = []
             for index in range(len(group.params)):
                 param = self._shown(group, index)
+                if index in group.grad_marks.ungraded:  # no rank gave it a gradient (ungraded_params.py)
+                    continue
                 if group.outer_sharded:
                     grad = self._outer_sharded_grad(group, index, param)
                 else:

@@ -363,6 +363,7 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
 
     def _post_backward(self):
         self.post_backward_queued = False
+        self.ungraded_params_due = True
         self._add_accumulated_grads(self.groups)
         self._launch_deferred_reduces()
         for group in self.groups:
@@ -379,6 +380,7 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
             # outer ones have landed, `.grad` shows the step's gradients (param_grads.py).
             self.complete_reductions()
             if self.param_grads is not None:
+                self.agree_on_ungraded_params()
                 self.param_grads.attach()
         for group in self.groups:
             group.grads_received = set()
