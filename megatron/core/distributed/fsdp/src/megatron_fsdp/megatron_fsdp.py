@@ -11,6 +11,7 @@ import torch.nn as nn
 from . import collectives
 from .distributed_data_parallel_config import DistributedDataParallelConfig, ShardingStrategy
 from .distributed_index import FSDPDistributedIndex, apply_upstream_keywords
+from .expert_topology import expert_topology
 from .gather_codec import GatherCodecPolicy
 from .gathered_writes import adopt_full_weight_writes, snapshot_on_entry, write_back_gathered_rows
 from .offload import ShardOffload
@@ -32,14 +33,6 @@ from .topology import DataParallelTopology
 from .trainability import refuse_trainability_changes, trainability_at_wrap
 from .utils import (WRAPPED_ATTR, called_from_torch_state_dict_helpers, parameter_owners, replace_parameter,
                     resolve_module_classes, run_eagerly, tensor_bytes, unit_call_module)
-
-
-def _expert_tp_dim(expt_device_mesh, data_parallel_dims) -> Optional[str]:
-    """The expert mesh's tensor-parallel dim: the one that is not a data-parallel dim (None if it has none). It
-    is named apart from the dense `tp_dim`, which is None at a dense tensor-parallel size of 1 even where the
-    experts are split (ETP > TP = 1)."""
-    others = [name for name in (expt_device_mesh.mesh_dim_names or ()) if name not in data_parallel_dims]
-    return others[0] if others else None
 
 
 class MegatronFSDP(Fsdp2MethodNames, nn.Module):
@@ -111,8 +104,8 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
             data_parallel_sharding_strategy=self.strategy,
             outer_dp_sharding_strategy=config.outer_dp_sharding_strategy,
             num_distributed_optimizer_instances=config.num_distributed_optimizer_instances, device=device)
-        self.expert_topology = self._expert_topology(expt_device_mesh, dp_shard_dim, dp_outer_dim, tp_dim,
-                                                     expt_hybrid_fsdp_group, config)
+        self.expert_topology = expert_topology(self.topology, self.strategy, expt_device_mesh, dp_shard_dim,
+                                               dp_outer_dim, expt_hybrid_fsdp_group, config)
         self.is_expert_param = None
         if self.expert_topology is not None:
             self.is_expert_param = is_expert_param or _marked_expert_parameter
@@ -183,56 +176,6 @@ class MegatronFSDP(Fsdp2MethodNames, nn.Module):
         self.register_load_state_dict_post_hook(self._drop_inner_missing_keys)
 
     # ---- construction ---------------------------------------------------------------------------------------------
-    def _expert_topology(self, expt_device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, expt_hybrid_fsdp_group,
-                         config) -> Optional[DataParallelTopology]:
-        """The topology of the expert groups: `expt_device_mesh`'s shard dim (its only dim, or `dp_shard_dim`),
-        under HSDP / HFSDP its `dp_outer_dim`, with expert tensor parallelism its `tp_dim` (the expert mesh has it
-        only when the experts are split: their tensor-parallel size may differ from the dense layers'); None
-        without an expert mesh."""
-        if expt_device_mesh is None:
-            if expt_hybrid_fsdp_group is not None:
-                raise ValueError("expt_hybrid_fsdp_group spans the outer x shard dims of expt_device_mesh; pass "
-                                 "expt_device_mesh too (or neither)")
-            return None
-        if self.topology.outer_group is not None:
-            return self._hybrid_expert_topology(expt_device_mesh, dp_shard_dim, dp_outer_dim, tp_dim,
-                                                expt_hybrid_fsdp_group, config)
-        if expt_hybrid_fsdp_group is not None:
-            raise ValueError("expt_hybrid_fsdp_group is for HSDP / HFSDP (dp_outer_dim); without an outer dim the "
-                             "expert mesh has none: drop it")
-        # The experts' tensor-parallel split (`tp_dim` of the expert mesh) may differ from the dense one's: an
-        # expert mesh without it holds experts whole (expert tensor-parallel size 1).
-        if expt_device_mesh.ndim == 1:
-            return DataParallelTopology(expt_device_mesh, data_parallel_sharding_strategy=self.strategy,
-                                        device=self.topology.device)
-        return DataParallelTopology(expt_device_mesh, dp_shard_dim, None,
-                                    _expert_tp_dim(expt_device_mesh, (dp_shard_dim,)), None,
-                                    data_parallel_sharding_strategy=self.strategy, device=self.topology.device)
-
-    def _hybrid_expert_topology(self, expt_device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, expt_hybrid_fsdp_group,
-                                config) -> DataParallelTopology:
-        """HSDP / HFSDP with expert groups: the expert mesh's `dp_outer_dim` holds the same replicas as the dense
-        one, its `dp_shard_dim` the expert data-parallel ranks of one replica."""
-        names = tuple(expt_device_mesh.mesh_dim_names or ())
-        if dp_outer_dim not in names or dp_shard_dim not in names:
-            raise ValueError(f"HSDP / HFSDP with expt_device_mesh: the expert mesh needs dims named like the dense "
-                             f"outer and shard dims ({dp_outer_dim!r}, {dp_shard_dim!r}), got {names}")
-        if expt_hybrid_fsdp_group is None:
-            raise ValueError("HSDP / HFSDP with expt_device_mesh needs expt_hybrid_fsdp_group, the group spanning "
-                             f"the expert mesh's {dp_outer_dim!r} x {dp_shard_dim!r} ranks (every expert "
-                             "data-parallel rank)")
-        topology = DataParallelTopology(
-            expt_device_mesh, dp_shard_dim, dp_outer_dim,
-            _expert_tp_dim(expt_device_mesh, (dp_outer_dim, dp_shard_dim)),
-            expt_hybrid_fsdp_group, data_parallel_sharding_strategy=self.strategy,
-            outer_dp_sharding_strategy=config.outer_dp_sharding_strategy,
-            num_distributed_optimizer_instances=config.num_distributed_optimizer_instances,
-            device=self.topology.device)
-        if topology.outer_size != self.topology.outer_size:
-            raise ValueError(f"expt_device_mesh's {dp_outer_dim!r} dim has {topology.outer_size} ranks but the "
-                             f"dense one {self.topology.outer_size}: both count the same replicas")
-        return topology
-
     def _topology_of(self, plan) -> DataParallelTopology:
         return self.expert_topology if plan.expert else self.topology
 
