@@ -115,7 +115,8 @@ def _train_sharded(runs, outer_strategy=None):
             mean_loss = loss.detach().clone()
             dist.all_reduce(mean_loss)
             losses.append(mean_loss.item() / world)
-        results[(strategy, str(routes))] = (losses, graded, {name: _full(value) for name, value in model.state_dict().items()})
+        final = {name: _full(value) for name, value in model.state_dict().items()}
+        results[(strategy, str(routes))] = (losses, graded, final)
     return results
 
 
