@@ -9,6 +9,8 @@ optimizer, Megatron-FSDP ZeRO-0..3 / HSDP / HFSDP, FSDP2): equal to 1e-6 relativ
 only the order of floating-point reductions (measured: at most 5e-8); 1e-4 in bf16 (measured: 2.6e-6).
 """
 
+import contextlib
+import io
 import os
 
 import pytest
@@ -58,12 +60,17 @@ def _save_then_resume_everywhere(workdir, save_layout, resume_layouts, save_args
         write_tracker(root, 4)  # resume from the middle of the reference run
     torch.distributed.barrier()
     resumed = {name: run_pretrain(workdir, f"{LAYOUTS[name]} {SIX_ITERATIONS} --load {root} --ckpt-format torch_dist")
-               for name in resume_layouts}
-    # --exit-interval with --async-save: the exit checkpoint is published before pretrain() returns.
+               for name in resume_layouts if name != save_layout}
+    # The resume at the saving layout also stops by --exit-interval (its check comes after each iteration, before
+    # the loop's end) and saves there with --async-save: the exit checkpoint is published before pretrain() returns.
     exit_root = os.path.join(workdir, "exit")
-    exited = run_pretrain(workdir, f"{LAYOUTS[save_layout]} {SIX_ITERATIONS} --load {root} --save {exit_root} "
-                                   "--exit-interval 5 --ckpt-format torch_dist --async-save")
-    return reference, resumed, (exited, read_tracker(exit_root), sorted(os.listdir(exit_root)))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        resumed[save_layout] = run_pretrain(workdir, f"{LAYOUTS[save_layout]} {SIX_ITERATIONS} --load {root} "
+                                                     f"--ckpt-format torch_dist --save {exit_root} --exit-interval 6 "
+                                                     "--async-save")
+    stopped = "exiting at iteration 6: reached --exit-interval 6" in printed.getvalue()
+    return reference, resumed, (stopped, read_tracker(exit_root), sorted(os.listdir(exit_root)))
 
 
 def _check(reference, resumed, same_layout, other_layouts, rel=FP32_REL_TOLERANCE):
@@ -101,7 +108,7 @@ def test_resume_is_exact_and_reshards(tmp_path, save_layout, resume_layouts, sav
     # bf16 across wrappers: other reduction orders round bf16 activations and gradients differently.
     tolerance = BF16_REL_TOLERANCE if "bf16" in save_layout else FP32_REL_TOLERANCE
     _check(reference, resumed, save_layout, resume_layouts, rel=tolerance)
-    assert exited == ({5: reference[5]}, 5, ["iter_0000005", "latest_checkpointed_iteration.txt"])
+    assert exited == (True, 6, ["iter_0000006", "latest_checkpointed_iteration.txt"])
 
 
 DROPOUT = "--hidden-dropout 0.1 --attention-dropout 0.1 --eval-interval 2 --eval-iters 1"

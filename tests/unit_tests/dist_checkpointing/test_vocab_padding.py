@@ -142,33 +142,31 @@ def test_training_continues_at_another_vocab_padding(cases):
     print("largest relative loss difference after loading at another vocab padding:", largest)
 
 
-def _resume_at_tp2_with_checkpoint_args(workdir):
-    """A TP1 run (128 rows) saves at iteration 2 of 4; a TP2 run resumes it with --use-checkpoint-args (and a wrong
-    --hidden-size). Returns (straight losses, resumed losses, the rows the resumed run built, what rank 0
+def _resume_at_tp2_with_checkpoint_args(workdir, saved):
+    """The DDP case's TP1 run (128 rows), saved at iteration 2 of 4, resumed by a TP2 run with --use-checkpoint-args
+    (and a wrong --hidden-size). Returns (the resumed losses, the rows the resumed run built, what rank 0
     printed)."""
-    from megatron.training.checkpointing import write_tracker
     from megatron.training.global_vars import get_args
 
     flags = f"{PADDING} --ckpt-format torch_dist --train-iters {2 * SAVED_AT} --lr-decay-iters {2 * SAVED_AT}"
-    saved = os.path.join(workdir, "saved")
-    straight = run_pretrain(workdir, f"{flags} {TP1} --save {saved} --save-interval {SAVED_AT}")
-    if torch.distributed.get_rank() == 0:
-        write_tracker(saved, SAVED_AT)
-    torch.distributed.barrier()
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         resumed = run_pretrain(workdir, f"{flags} {TP2} --load {saved} --use-checkpoint-args --hidden-size 64")
-    return straight, resumed, get_args().padded_vocab_size, printed.getvalue()
+    return resumed, get_args().padded_vocab_size, printed.getvalue()
 
 
 @pytest.mark.world_size(2)
-def test_use_checkpoint_args_keeps_the_saved_rows_at_another_tp_size(tmp_path):
+def test_use_checkpoint_args_keeps_the_saved_rows_at_another_tp_size(cases, tmp_path):
     """As upstream, --use-checkpoint-args takes the checkpoint's padded vocabulary: TP2 builds the 128 rows TP1
     saved (not 256), so the padding rows are the trained ones and the losses go on as the uninterrupted run's
     (to the reduction order of another TP size)."""
-    straight, resumed, rows, printed = run_on_ranks(2, _resume_at_tp2_with_checkpoint_args, str(tmp_path))[0]
+    case = next(case for case in cases if os.path.basename(case) == f"ddp_{ROWS[TP1]}_to_{ROWS[TP2]}")
+    straight = cases[case][3]  # the uninterrupted TP1 run that saved the checkpoint
+    resumed, rows, printed = run_on_ranks(2, _resume_at_tp2_with_checkpoint_args, str(tmp_path),
+                                          os.path.join(case, "saved"))[0]
     assert rows == ROWS[TP1]
     assert "vocabulary padding changed" not in printed and "--hidden-size 32 (command line: 64)" in printed
+    assert sorted(straight) == list(range(1, 2 * SAVED_AT + 1))
     assert sorted(resumed) == list(range(SAVED_AT + 1, 2 * SAVED_AT + 1))
     for iteration, loss in resumed.items():
         assert loss == pytest.approx(straight[iteration], rel=1e-6), (iteration, straight, resumed)

@@ -1,28 +1,35 @@
 """`--async-save` across runs: a process that calls pretrain() twice (each creating and destroying the default
 process group) saves in the background in both; the second run's writes must not use the first run's group."""
 
+import multiprocessing
 import os
 import socket
-import subprocess
-import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import torch
 
-TWO_RUNS = """
-import sys
-import pretrain_gpt
-from megatron.core.enums import ModelType
-from megatron.training.checkpointing import read_tracker
-from megatron.training.training import pretrain
-from tests.unit_tests.dist_checkpointing.pretrain_helpers import tiny_gpt_argv
+from tests.unit_tests.multiprocess_harness import FORK_SERVER_PRELOAD
 
-for root in sys.argv[1:]:
-    argv = tiny_gpt_argv(f"--train-iters 2 --global-batch-size 2 --save {root} --save-interval 1 --async-save "
-                         "--ckpt-format torch_dist")
-    pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
-             ModelType.encoder_or_decoder, pretrain_gpt.forward_step, argv=argv.split())
-    print("TRACKER", root, read_tracker(root), flush=True)
-"""
+
+def _two_pretrains_forked(roots, port, log_path):
+    """pretrain() once per root, saving in the background, as the one rank of a world of its own on `port` (no
+    process group before the first run), with the output in `log_path`."""
+    import pretrain_gpt
+    from megatron.core.enums import ModelType
+    from megatron.training.checkpointing import read_tracker
+    from megatron.training.training import pretrain
+    from tests.unit_tests.dist_checkpointing.pretrain_helpers import tiny_gpt_argv
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    torch.set_num_threads(1)
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    for root in roots:
+        argv = tiny_gpt_argv(f"--train-iters 2 --global-batch-size 2 --save {root} --save-interval 1 --async-save "
+                             "--ckpt-format torch_dist")
+        pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
+                 ModelType.encoder_or_decoder, pretrain_gpt.forward_step, argv=argv.split())
+        print("TRACKER", root, read_tracker(root), flush=True)
 
 
 def _free_port():
@@ -33,12 +40,18 @@ def _free_port():
 
 def test_background_saves_work_in_a_second_pretrain_of_the_process(tmp_path):
     roots = [str(tmp_path / "first"), str(tmp_path / "second")]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-               LOCAL_RANK="0", OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, "-c", TWO_RUNS, *roots], cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=240)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-3000:]
+    log = tmp_path / "child.log"
+    # A process of its own, forked from the rank pools' fork server (torch and Megatron already imported).
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(FORK_SERVER_PRELOAD)
+    child = context.Process(target=_two_pretrains_forked, args=(roots, _free_port(), str(log)))
+    child.start()
+    child.join(timeout=240)
+    if child.exitcode is None:
+        child.kill()
+        child.join()
+    output = log.read_text(errors="replace") if log.exists() else ""
+    assert child.exitcode == 0, output[-3000:]
     assert "NOT saved" not in output, output[-3000:]
     for root in roots:
         assert f"TRACKER {root} 2" in output
