@@ -11,9 +11,10 @@
 # with --rampup-batch-size (a ramp-up is defined on samples); here they are the same lengths in samples at the full
 # batch of 1536: --train-samples 768000000 and --lr-decay-samples 660480000.
 # Without DATA_PATH the run trains on mock data (NullTokenizer, GPT-2's 50257 ids). Extra arguments are passed on
-# to pretrain_gpt.py. TINY=1 keeps every training flag but shrinks the model (4 layers, hidden 64) and the batch,
-# splits it TP 2 over 2 CPU ranks joined by gloo, trains the samples of TRAIN_ITERS (default 10) full batches on
-# mock data (in one iteration more: the first two take batches of 4, the ramp-up) and writes under RUN_DIR.
+# to pretrain_gpt.py. TINY=1 keeps every training flag but shrinks the model (4 layers, hidden 64, a 1024-id mock
+# vocabulary as in the other recipes' tiny runs) and the batch, splits it TP 2 over 2 CPU ranks joined by gloo,
+# trains the samples of TRAIN_ITERS (default 10) full batches on mock data (in one iteration more: the first two
+# take batches of 4, the ramp-up) and writes under RUN_DIR.
 # fp16 runs there as on a GPU, its dynamic loss scale starting at 2^16 (--initial-loss-scale 65536) instead of
 # 2^32, which would skip a short run's every step as overflowed.
 set -euo pipefail
@@ -26,7 +27,7 @@ DATA_PATH="${DATA_PATH:-}"
 
 if [[ "${TINY}" == 1 ]]; then
     RUN_DIR="${RUN_DIR:-${REPO_ROOT}/runs/gpt3_175b_tiny}"
-    NUM_LAYERS=4 HIDDEN=64 HEADS=4 SEQ=64
+    NUM_LAYERS=4 HIDDEN=64 HEADS=4 SEQ=64 VOCAB=1024
     MICRO_BATCH=2 GLOBAL_BATCH=8 RAMPUP=(4 4 8)
     TRAIN_SAMPLES=$(( ${TRAIN_ITERS:-10} * GLOBAL_BATCH )) DECAY_SAMPLES=$(( ${TRAIN_ITERS:-10} * GLOBAL_BATCH ))
     TP=2 PP=1
@@ -36,7 +37,7 @@ if [[ "${TINY}" == 1 ]]; then
     LOSS_SCALE_ARGS=(--initial-loss-scale 65536)
 else
     RUN_DIR="${RUN_DIR:-${REPO_ROOT}/runs/gpt3_175b}"
-    NUM_LAYERS=96 HIDDEN=12288 HEADS=96 SEQ=2048
+    NUM_LAYERS=96 HIDDEN=12288 HEADS=96 SEQ=2048 VOCAB=50257
     MICRO_BATCH=1 GLOBAL_BATCH=1536 RAMPUP=(16 16 5859375)
     TRAIN_SAMPLES=$(( 500000 * GLOBAL_BATCH )) DECAY_SAMPLES=$(( 430000 * GLOBAL_BATCH ))
     TP=8 PP=16
@@ -90,7 +91,7 @@ else
     DATA_ARGS=(
         --mock-data
         --tokenizer-type NullTokenizer
-        --vocab-size 50257
+        --vocab-size "${VOCAB}"
         --split 949,50,1
     )
 fi

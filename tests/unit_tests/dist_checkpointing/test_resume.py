@@ -1,6 +1,6 @@
 """torch_dist checkpoints in training: exact resume, and resume at another layout or wrapper (resharding).
 
-Exact resume per wrapper (6 iterations straight, saving at 3, against loading 3 and training to 6) is checked by
+Exact resume per wrapper (4 iterations straight, saving at 2, against loading 2 and training to 4) is checked by
 the functional `gpt/resume_*` cases. Here: a reference run trains 6 iterations and saves at iteration 4; resumed
 runs load iteration 4 and train to 6 (iteration 5 tests the loaded weights, 6 the loaded optimizer state as
 well). Same layout: the losses of iterations 5-6 are identical. Another layout or wrapper

@@ -1,21 +1,9 @@
-"""The compute-floor program trains the benchmark model in independent processes and reports every phase."""
-
-import functools
+"""The compute-floor program trains the benchmark model in independent processes and reports every phase.
+`measure` starts them from the rank pools' fork server (conftest.py) instead of spawning interpreters."""
 
 import pytest
-import torch.multiprocessing
 
 from examples.megatron_fsdp import compute_floor
-from tests.unit_tests import multiprocess_harness
-
-
-@pytest.fixture
-def processes_from_the_fork_server(monkeypatch):
-    """`measure` starts its processes from the rank pools' fork server, which has imported torch and Megatron once
-    per session, instead of spawning interpreters that import them each; they run the same worker."""
-    multiprocess_harness._worker_context()  # the fork server with its preload
-    monkeypatch.setattr(compute_floor.mp, "spawn",
-                        functools.partial(torch.multiprocessing.start_processes, start_method="forkserver"))
 
 
 def test_reports_positive_phase_medians_that_add_up_to_the_step(processes_from_the_fork_server):

@@ -10,6 +10,7 @@ import subprocess
 import pytest
 
 from examples.fp8 import gpu_benchmark
+from tests.unit_tests.examples import forked_launches
 
 
 def test_linear_part_and_report_run_on_the_cpu(capsys):
@@ -31,9 +32,23 @@ def test_median_step_reads_iterations_4_to_10(tmp_path):
     assert "nccl" in gpu_benchmark.GPT_1_3B and "--num-layers 24" in gpu_benchmark.GPT_1_3B
 
 
-def test_every_pretrain_arm_validates_and_one_runs_on_the_cpu(tmp_path):
+def _forked_torchrun(server, log, run):
+    """`subprocess.run` for the benchmark: its torchrun launch of pretrain_gpt.py runs with the rank forked from
+    the launch server (forked_launches.py); anything else runs as given."""
+    def run_command(command, *args, cwd=None, timeout=None, **kwargs):
+        try:
+            forked_launches.torchrun_ranks(command)
+        except ValueError:
+            return run(command, *args, cwd=cwd, timeout=timeout, **kwargs)
+        return forked_launches.run_forked(server, command, cwd, log, timeout)
+    return run_command
+
+
+def test_every_pretrain_arm_validates_and_one_runs_on_the_cpu(tmp_path, monkeypatch, launch_server):
     """Each of the six arms' command lines (the GPT-1.3B model) passes argument validation; one arm, the most
-    involved (Megatron-FSDP z3 with delayed FP8), runs end to end on the smoke model and reports its median step."""
+    involved (Megatron-FSDP z3 with delayed FP8), runs end to end on the smoke model and reports its median step.
+    The run's rank is forked from the launch server instead of started by torchrun (the torchrun command line
+    itself: test_pretrain_arm_asks_torchrun_for_a_free_port)."""
     from megatron.training.arguments import parse_args, validate_args
 
     for wrapper_args in gpu_benchmark.WRAPPERS.values():
@@ -41,6 +56,8 @@ def test_every_pretrain_arm_validates_and_one_runs_on_the_cpu(tmp_path):
             argv = f"{gpu_benchmark.GPT_1_3B} {wrapper_args} {precision_args} --train-iters 10".split()
             validate_args(parse_args(args=argv))
     extra = f"{gpu_benchmark.WRAPPERS['Megatron-FSDP z3']} {gpu_benchmark.PRECISIONS['fp8 delayed']}"
+    monkeypatch.setattr(gpu_benchmark.subprocess, "run",
+                        _forked_torchrun(launch_server, tmp_path / "rank.log", subprocess.run))
     median_step_s = gpu_benchmark.run_pretrain(gpu_benchmark.SMOKE_GPT, extra, str(tmp_path),
                                                gpu_benchmark.MEDIAN_FROM_ITERATION + 1)
     assert 0 < median_step_s < 60

@@ -14,6 +14,7 @@ import pytest
 
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.tokenizer.tokenizer import pad_vocab_size
+from tests.unit_tests.examples.forked_launches import LAUNCH_ENV
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
@@ -119,15 +120,12 @@ def test_tiny_flags_validate_on_two_ranks(script, monkeypatch, tmp_path):
     assert args.hidden_size == 64
 
 
-# The script whose tiny run goes through its own `torchrun` launch (examples/recipe_launch.sh, the same line for
-# every recipe). The other recipes' ranks run the flags their script passes to that line, forked from the
-# functional tests' launch server (tests/functional_tests/fork_launcher.py: the environment torchrun gives a
-# rank, torch and Megatron imported once; test_runner.py holds both launchers to the same metrics bit for bit).
-LAUNCHED_THROUGH_TORCHRUN = "llama/train_llama3_8b.sh"
-
-
-# The functional cases' environment: their session's server is the one these launches fork from.
-LAUNCH_ENV = {"PYTHONHASHSEED": "0"}
+# The script whose tiny run goes through its own launch line (examples/recipe_launch.sh: `torchrun --standalone
+# --nproc-per-node 2 pretrain_gpt.py ...`, the same line for every recipe) with a `torchrun` on PATH that records
+# what it is given; the other recipes' ranks run the flags their script prints. Every run's ranks are forked from the
+# functional tests' launch server (forked_launches.py: the environment torchrun gives a rank, torch and Megatron
+# imported once; test_runner.py holds a torchrun launch of that form and the server to the same metrics bit for bit).
+LAUNCHED_THROUGH_ITS_SCRIPT = "llama/train_llama3_8b.sh"
 
 # oneDNN's instruction set for each capability below AVX-512 that ATEN_CPU_CAPABILITY can select (its lowest x86-64
 # one for `default`). A CPU without AVX-512 has no AMX, but oneDNN picks its kernels from the host, not from
@@ -143,46 +141,47 @@ def cpu_isa_environment():
     return {"ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA", isa)} if isa else {}
 
 
-@pytest.fixture(scope="module")
-def fork_launcher():
-    """The launch server for LAUNCH_ENV; closed at the end of the module if this module started it."""
-    from tests.functional_tests import fork_launcher as launchers
-
-    key = tuple(sorted(LAUNCH_ENV.items()))
-    started_here = key not in launchers._launchers
-    env = {**knob_free_environment(), **LAUNCH_ENV, "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(EXAMPLES.parent), os.environ.get("PYTHONPATH")]))}
-    yield launchers.launcher_for(LAUNCH_ENV, env)
-    if started_here and key in launchers._launchers:
-        launchers._launchers.pop(key).close()
-
-
 # Full batches each tiny run trains. GPT-3's are 2: its fp16 GEMMs, on a CPU without AVX512-FP16, are more than 10
 # times slower than fp32 ones, and 2 batches already show its ramp-up (4, 4, then 8 samples: 3 iterations).
 TINY_TRAIN_ITERS = {script: 2 if "gpt3" in script else 3 for script in RECIPES}
 
 
-def _train_tiny(script, run_dir, metrics_file, fork_launcher):
+def _torchrun_arguments(script, run_dir, extra, train_iters):
+    """What the script's TINY=1 launch passes to `torchrun` (a recording one on PATH), one item per argument."""
+    bin_dir = run_dir / "bin"
+    bin_dir.mkdir()
+    recorder = bin_dir / "torchrun"
+    recorder.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$TORCHRUN_ARGS"\n')
+    recorder.chmod(0o755)
+    recorded = run_dir / "torchrun_args"
+    env = knob_free_environment(TINY="1", TRAIN_ITERS=train_iters, RUN_DIR=str(run_dir), TORCHRUN_ARGS=str(recorded),
+                                PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    launch = subprocess.run(["bash", str(EXAMPLES / script), *extra], env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
+    return recorded.read_text().splitlines()
+
+
+def _train_tiny(script, run_dir, metrics_file, launch_server):
     extra = ["--metrics-file", str(metrics_file)]
     train_iters = str(TINY_TRAIN_ITERS[script])
-    if script == LAUNCHED_THROUGH_TORCHRUN:
-        env = knob_free_environment(TINY="1", TRAIN_ITERS=train_iters, RUN_DIR=str(run_dir), **cpu_isa_environment())
-        launch = subprocess.run(["bash", str(EXAMPLES / script), *extra], env=env, capture_output=True, text=True,
-                                timeout=300)
-        assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
-        return
     argv = printed_flags(script, run_dir, TINY="1", TRAIN_ITERS=train_iters) + extra
+    if script == LAUNCHED_THROUGH_ITS_SCRIPT:
+        launched = _torchrun_arguments(script, run_dir, extra, train_iters)
+        assert launched[:3] == ["--standalone", "--nproc-per-node", "2"], launched[:4]
+        assert Path(launched[3]).resolve() == EXAMPLES.parent / "pretrain_gpt.py"
+        assert launched[4:] == argv
     log = run_dir / "ranks.log"
-    answer = fork_launcher.launch(argv, {**LAUNCH_ENV, **cpu_isa_environment()}, 2, run_dir, log, 300)
+    answer = launch_server.launch(argv, {**LAUNCH_ENV, **cpu_isa_environment()}, 2, run_dir, log, 300)
     assert answer["returncodes"] == [0, 0] and not answer["timed_out"], log.read_text()[-6000:]
 
 
-@pytest.mark.slow  # a 2-rank launch per script, 3-9 s each on 2 cores
+@pytest.mark.slow  # a 2-rank launch per script, 1-4 s each on 2 cores
 @pytest.mark.parametrize("script", RECIPES)
-def test_tiny_mode_trains_on_two_cpu_ranks(script, monkeypatch, tmp_path, fork_launcher):
+def test_tiny_mode_trains_on_two_cpu_ranks(script, monkeypatch, tmp_path, launch_server):
     args = validated(printed_flags(script, tmp_path, TINY="1"), 2, monkeypatch)
     metrics_file = tmp_path / "metrics.jsonl"
-    _train_tiny(script, tmp_path, metrics_file, fork_launcher)
+    _train_tiny(script, tmp_path, metrics_file, launch_server)
     records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     train = [record for record in records if record["split"] == "train"]
     # GPT-3's batch ramp-up (4, then 8 samples) takes 3 iterations for 2 full batches; the others keep one batch size
