@@ -262,6 +262,8 @@ class GroupGrads:
         for index, view in enumerate(self.main_param_views):
             if index in self.grad_marks.ungraded:  # no rank gave it a gradient: the step leaves it alone
                 view.grad = None
+                if getattr(view, "decoupled_grad", None) is not None:
+                    view.decoupled_grad = None
                 continue
             grad = self._main_view(grads, index)
             if view.device == grad.device:

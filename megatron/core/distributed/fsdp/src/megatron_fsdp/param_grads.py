@@ -7,7 +7,8 @@ step, inner and outer, has landed: at the end of the backward of a synchronised 
 `set_model_auto_sync(True)` / `sync_model_each_microbatch=True`, outside `no_sync()`), or in
 `finish_grad_sync()` (which `optimizer.step()` runs). Microbatches run with sync off leave every `.grad` None,
 under every strategy (strategies 2/3 reduce them anyway; the sums are not final). Each trainable parameter the
-module shows then gets a DTensor `.grad`:
+module shows then gets a DTensor `.grad` (under a torch optimizer, except those no rank gave a gradient since the
+last clearing, which keep None as torch leaves them: ungraded_params.py):
 
 | strategy               | parameter the module shows | `.grad` (a view of the gradients the optimizer steps with) |
 |------------------------|----------------------------|-----------------------------------------------------------|
