@@ -39,6 +39,22 @@ def _live_storages() -> dict:
     return {ptr: storage for ptr, storage in found.items() if ptr not in mesh_ranks}
 
 
+def _settled_new_bytes(before: dict) -> int:
+    """Bytes of the live storages not in `before`, measured until two measurements 10 ms apart agree: a
+    collective's worker thread (gloo's) drops its reference to a small tensor just after waking the waiter (the
+    per-step all-reduce of the ungraded-parameter marks), so a measurement taken at once may still see it."""
+    import time
+
+    previous = None
+    for _ in range(50):
+        measured = sum(storage.nbytes() for ptr, storage in _live_storages().items() if ptr not in before)
+        if measured == previous:
+            return measured
+        previous = measured
+        time.sleep(0.01)
+    raise AssertionError(f"the live storages did not settle within 0.5 s (last {previous} bytes)")
+
+
 def _accounting():
     """Per-rank bytes and bytes sent per step for each strategy on a model made only of units, and the bytes of
     the tensor storages that wrapping and training created (measured) next to what memory_report() says."""
@@ -71,7 +87,7 @@ def _accounting():
         if strategy in (1, 2):  # the last post-step gathers still queued behind the window of two start now
             with model.gathered_parameters():
                 pass
-        measured = sum(storage.nbytes() for ptr, storage in _live_storages().items() if ptr not in before)
+        measured = _settled_new_bytes(before)
         del before
         owned = sum(piece.numel for group in model.groups for piece in group.pieces)  # this rank's rows
         last_unit = sum(group.layout.padded_numel for group in model.schedule.units[-1].groups)
