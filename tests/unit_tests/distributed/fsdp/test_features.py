@@ -72,9 +72,11 @@ def _accounting():
         before = _live_storages()  # held alive here, so no new storage can reuse their addresses
         model, optimizer = megatron_fsdp.fully_shard(module, optimizer, fsdp_unit_modules=[models.Block],
                                                      zero_dp_strategy=strategy)
-        # ZeRO's theory of what is held: each reduction issued on its own (this model's groups are small enough
-        # for the schedule to hold them and reduce them together, see test_coalesced_reductions.py)
+        # ZeRO's theory of what is held: each reduction and gather issued on its own (this model's groups are
+        # small enough for the schedule to hold them and reduce them together, see test_coalesced_reductions.py,
+        # and to gather several units ahead in one exchange)
         model.schedule.coalesce_reduce_bytes = 0
+        model.schedule.coalesce_gather_bytes = 0  # and each gather (test_coalesced_gathers.py)
         padded = sum(group.layout.padded_numel for group in model.groups)
         # The row-aligned layout's theory: each parameter's chunk is ceil(rows / world) rows on every rank
         # (no_shard pads nothing).

@@ -179,6 +179,7 @@ def _last_unit_between_forward_and_backward():
     for keep in (True, False):
         model, optimizer, reference = _sharded_idle_params_model()
         model.schedule.keep_last_unit_for_backward = keep
+        model.schedule.coalesce_gather_bytes = 0  # one all-gather per group (test_coalesced_gathers.py: together)
         after_forward, after_backward, gathers, losses = [], [], [], []
         for inputs, target in models.make_batches(NUM_STEPS):
             optimizer.zero_grad()
@@ -228,6 +229,7 @@ def _microbatch_boundaries(all_no_sync: bool):
     for keep in (True, False):
         model, optimizer, reference = _sharded_idle_params_model()
         model.schedule.keep_first_unit_between_microbatches = keep
+        model.schedule.coalesce_gather_bytes = 0  # one all-gather per group (test_coalesced_gathers.py: together)
         states, gathers, held_after_step, losses = [], [], [], []
         for inputs, target in models.make_batches(NUM_STEPS):
             optimizer.zero_grad()

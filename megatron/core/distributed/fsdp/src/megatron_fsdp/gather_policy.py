@@ -8,14 +8,20 @@ when; `ParamGroup` (weight_buffers.py) does the copies; `collectives` issues the
 """
 
 import functools
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
 from . import collectives
+from .coalesced_gathers import CoalescedGathers
 from .distributed_data_parallel_config import ShardingStrategy
 from .param_and_grad_buffer import ParamGroup
 from .weight_buffers import WeightState
+
+# Groups whose gathered weights are smaller than this many bytes are gathered together, as one exchange, when one
+# call gathers several of them; a prefetch also takes the next units along while their weights together stay
+# under it (see `GatherReleasePolicy.coalesce_gather_bytes`).
+COALESCE_GATHER_BYTES = 2 * 1024 * 1024
 
 
 class GatherReleasePolicy:
@@ -25,6 +31,14 @@ class GatherReleasePolicy:
     # ids of the groups `MegatronFSDP.gathered_parameters()` holds gathered: `release` leaves them (a forward run
     # inside the context would otherwise drop the weights shown there, and writes made to them)
     held_gathered: frozenset = frozenset()
+
+    # Where gathers are built from point-to-point messages (gloo), the gathers of groups under this many bytes
+    # that one call starts go out as one exchange (coalesced_gathers.py: each piece lands where its own gather
+    # puts it), and a prefetch of a unit that is still sharded takes the next units along while their weights
+    # together stay under it: a model of small units gathers several of them per exchange instead of one each
+    # (on gloo every exchange costs host time whatever its size). The price is at most this many bytes of weights
+    # gathered ahead of their use. 0 turns it off.
+    coalesce_gather_bytes = COALESCE_GATHER_BYTES
 
     # ---- gathering ----------------------------------------------------------------------------------------------
     def _claim_pool_slot(self, group: ParamGroup):
@@ -43,6 +57,7 @@ class GatherReleasePolicy:
 
     def gather(self, groups: List[ParamGroup], async_op: bool):
         started = False
+        batch = CoalescedGathers(self._issue_gather_in_place) if self.coalesce_gather_bytes else None
         for group in groups:
             if group.weight_state is not WeightState.SHARDED:
                 continue
@@ -54,9 +69,11 @@ class GatherReleasePolicy:
                 self._claim_pool_slot(group)
             group.allocate_compute()
             group.encode_wire_shard(self._shard_group(group))  # a gather codec's encoding, if the shard changed
-            self._start_gather(group)
+            self._start_gather(group, batch)
             if self.resting is not None:
                 self.resting.show(group)
+        if batch is not None:
+            batch.issue()
         if not async_op:
             self.wait_gathered(groups)
         if started:  # only a started gather allocates
@@ -82,11 +99,39 @@ class GatherReleasePolicy:
         return self.streams.issue(self.streams.all_gather, lambda: collectives.all_gather_pieces_in_place(
             outputs_by_rank, own_pieces, process_group, self.counter, async_op=True))
 
-    def _start_gather(self, group: ParamGroup):
+    def _start_gather(self, group: ParamGroup, batch: Optional[CoalescedGathers] = None):
+        """Start `group`'s all-gather; with `batch`, a small one joins the batch's exchange over its process
+        group, posted when the batch holds `coalesce_gather_bytes` or when `gather` is done adding groups."""
         process_group = self._shard_group(group)
+        if batch is not None and self._gathers_coalesced(group):
+            num_bytes = self._gather_bytes(group)
+            group.start_gather(functools.partial(self._hold_flat_gather, batch, process_group, num_bytes),
+                               functools.partial(batch.add, process_group, num_bytes))
+            if batch.held_bytes(process_group) >= self.coalesce_gather_bytes:
+                batch.issue(process_group)
+            return
         in_place = collectives.gathers_in_place(process_group, group.compute_buffer)
         group.start_gather(functools.partial(self._issue_gather, process_group),
                            functools.partial(self._issue_gather_in_place, process_group) if in_place else None)
+
+    @staticmethod
+    def _hold_flat_gather(batch: CoalescedGathers, process_group, num_bytes: int, output: torch.Tensor,
+                          shard: torch.Tensor) -> collectives.PendingCollective:
+        """A gather into one rank-major buffer (a group whose shard is one slice of its compute buffer), held in
+        `batch` as a gather of one piece per rank."""
+        numel = shard.numel()
+        by_rank = [[output[rank * numel:(rank + 1) * numel]] for rank in range(collectives.group_size(process_group))]
+        return batch.add(process_group, num_bytes, by_rank, [shard])
+
+    @staticmethod
+    def _gather_bytes(group: ParamGroup) -> int:
+        return group.layout.padded_numel * group.param_dtype.itemsize
+
+    def _gathers_coalesced(self, group: ParamGroup) -> bool:
+        """Whether `group`'s gather can join an exchange with others (see `coalesce_gather_bytes`): a gather from
+        point-to-point messages, with no codec and no pool slot, of fewer bytes than the threshold."""
+        return (not group.uses_pool and group.codec is None and self._gather_bytes(group) < self.coalesce_gather_bytes
+                and collectives.gathers_in_place(self._shard_group(group), group.compute_buffer))
 
     def _wait_gather(self, group: ParamGroup):
         self._wait_compute_shard_refresh(group)

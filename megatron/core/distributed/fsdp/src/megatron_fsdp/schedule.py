@@ -4,6 +4,8 @@ One step under strategy 3 (units U0..Un in forward order, R = parameters outside
 
     forward:  gather R | pre-fwd U0: wait/gather U0, prefetch U1 | U0 fwd | post-fwd U0: release U0 | ... |
               post-fwd Un: keep Un gathered (its backward comes first)
+              (small units: a prefetch takes the next units along, one exchange for them all: gather_policy.py's
+              coalesce_gather_bytes)
     backward: loss grad: gather R if released | pre-bwd Un (grad of Un's outputs): wait/gather Un, prefetch Un-1 |
               Un's first gradient: wait for the reduction in flight | Un bwd |
               all grads of a group written -> reduce-scatter it (async if overlapping; a small one is held and
@@ -214,9 +216,8 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
     # ---- forward ------------------------------------------------------------------------------------------------
     def root_pre_forward(self):
         if self.strategy == ShardingStrategy.optim_grads_params:
-            self.gather(self.root_groups, async_op=True)
-            if self.overlap_param_gather and self.units:
-                self.gather(self.units[0].groups, async_op=True)
+            prefetched = self._units_ahead(0, 1) if self.overlap_param_gather and self.units else []
+            self.gather(list(self.root_groups) + prefetched, async_op=True)
         self.wait_gathered(self.root_groups)
 
     def root_post_forward(self, output):
@@ -237,7 +238,7 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
                 return routed
             if self.overlap_param_gather and self.strategy == ShardingStrategy.optim_grads_params:
                 if unit.index + 1 < len(self.units):
-                    self.gather(self.units[unit.index + 1].groups, async_op=True)
+                    self.gather(self._units_ahead(unit.index + 1, 1), async_op=True)
             return routed
 
         return pre_forward
@@ -292,7 +293,29 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
             return
         self.ensure_gathered(unit.groups)
         if self.overlap_param_gather and unit.index > 0:
-            self.gather(self.units[unit.index - 1].groups, async_op=True)
+            self.gather(self._units_ahead(unit.index - 1, -1), async_op=True)
+
+    def _units_ahead(self, index: int, direction: int) -> List[ParamGroup]:
+        """The groups to prefetch for unit `index`: its own and, when it is still to be gathered and its
+        gathers coalesce (`coalesce_gather_bytes`), those of the units after it in `direction` (+1 forward, -1
+        backward) while their weights together stay under that many bytes: one exchange for them all."""
+        groups = list(self.units[index].groups)
+        if not self._unit_coalesces(index) or all(group.gathered for group in groups if not group.resident):
+            return groups
+        ahead_bytes, following = 0, index + direction
+        while 0 <= following < len(self.units) and self._unit_coalesces(following):
+            ahead_bytes += sum(self._gather_bytes(group) for group in self.units[following].groups
+                               if not group.resident)
+            if ahead_bytes > self.coalesce_gather_bytes:
+                break
+            groups += self.units[following].groups
+            following += direction
+        return groups
+
+    def _unit_coalesces(self, index: int) -> bool:
+        """Whether every group of unit `index` that moves bytes when gathered can join a coalesced exchange."""
+        return bool(self.coalesce_gather_bytes) and all(
+            group.resident or self._gathers_coalesced(group) for group in self.units[index].groups)
 
     def _make_grad_hook(self, group: ParamGroup, index: int):
         def on_grad_accumulated(param):
