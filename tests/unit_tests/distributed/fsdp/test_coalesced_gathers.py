@@ -1,9 +1,10 @@
 """Small all-gathers posted together (`GatherReleasePolicy.coalesce_gather_bytes`, `coalesced_gathers.py`).
 
 The toy model's groups are a few hundred bytes each, far under the default threshold, so under ZeRO-3 a prefetch
-takes every following unit along and the gathers one call starts go out as one exchange. Training must be
-bit-identical to the schedule that gathers each group on its own (`coalesce_gather_bytes = 0`), with fewer
-exchanges, and the units gathered ahead of their use must stay within the threshold.
+takes every following unit along, the gathers one call starts go out as one exchange, and the units stay
+gathered from their forward to their backward. Training must be bit-identical to the schedule that gathers each
+group on its own (`coalesce_gather_bytes = 0`), with fewer exchanges, and the units gathered ahead of their use or
+kept for the backward must stay within the threshold.
 """
 
 import pytest
@@ -18,7 +19,8 @@ MICROBATCHES = 2
 
 
 def _train(coalesce_gather_bytes):
-    """(losses, final main weights, all-gather calls a step, bytes gathered a step, units, groups)."""
+    """(losses, final main weights, all-gather calls a step, bytes sent by gathers a step, each unit's gathered
+    bytes, groups)."""
     import megatron_fsdp
     from megatron_fsdp import collectives
 
@@ -46,7 +48,9 @@ def _train(coalesce_gather_bytes):
         optimizer.step()
     weights = [group.main_weights_flat().clone() for group in model.groups if group.main_weights is not None]
     return (losses, weights, counter.calls[collectives.ALL_GATHER] / NUM_STEPS,
-            counter.bytes_sent[collectives.ALL_GATHER] / NUM_STEPS, len(model.units), len(model.groups))
+            counter.bytes_sent[collectives.ALL_GATHER] / NUM_STEPS,
+            [sum(group.layout.padded_numel * group.param_dtype.itemsize for group in unit.groups)
+             for unit in model.units], len(model.groups))
 
 
 def _coalesced_and_separate():
@@ -58,16 +62,19 @@ def _coalesced_and_separate():
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_small_gathers_go_out_together_with_identical_training(world_size):
     for coalesced, separate in run_on_ranks(world_size, _coalesced_and_separate):
-        losses, weights, calls, sent, units, groups = coalesced
+        losses, weights, calls, sent, unit_bytes, groups = coalesced
         separate_losses, separate_weights, separate_calls, separate_sent, _, _ = separate
-        assert units == 3 and groups > units
-        # Per step: the first microbatch's forward gathers the root groups and all three units at its start, its
-        # backward units 1 and 0 together (unit 2 stays gathered from its forward); the second microbatch's
-        # forward starts with the root groups and unit 0 still gathered (no_sync) and gathers units 1 and 2 together,
-        # its backward units 1 and 0: four exchanges.
-        assert calls == 4
+        assert len(unit_bytes) == 3 and groups > 3
+        # Per step: the first microbatch's forward gathers the root groups and all three units at its start, and
+        # the units stay gathered for the backward (all three fit in the threshold); the second microbatch's
+        # forward starts with the root groups and unit 0 still gathered (no_sync) and gathers units 1 and 2
+        # together: two exchanges, where each group gathered on its own in forward and again in backward.
+        assert calls == 2
         assert separate_calls > 2 * calls
-        assert sent == separate_sent  # the same bytes travel, in fewer exchanges
+        # what is not sent: units 0 and 1 gathered again for each microbatch's backward (each rank sends its
+        # shard, 1/world of a unit, to every other rank)
+        assert separate_sent - sent == pytest.approx(MICROBATCHES * (unit_bytes[0] + unit_bytes[1])
+                                                     * (world_size - 1) / world_size, rel=1e-9)
         assert losses == separate_losses  # bit-identical, not approximately equal
         assert len(weights) == len(separate_weights)
         for mine, theirs in zip(weights, separate_weights):
@@ -103,6 +110,33 @@ def test_a_prefetch_takes_following_units_along_only_within_the_threshold(units_
         # unit 0 takes unit 1 along); then one more unit for each unit's bytes the threshold holds
         gathered = min(4, max(2, 1 + units_ahead))
         assert seen == [[index < gathered for index in range(4)]], (units_ahead, seen)
+
+
+def _units_gathered_between_forward_and_backward(coalesce_gather_bytes_in_units):
+    """Which units hold their weights after a forward with grad and after its backward, with the threshold set to
+    that many units' gathered bytes plus one."""
+    import megatron_fsdp
+
+    model = models.make_model(0, num_blocks=4)
+    model, _ = megatron_fsdp.fully_shard(model, models.make_optimizer(model.parameters()),
+                                         fsdp_unit_modules=[models.Block], zero_dp_strategy=3)
+    schedule = model.schedule
+    unit_bytes = sum(schedule._gather_bytes(group) for group in schedule.units[1].groups)
+    schedule.coalesce_gather_bytes = coalesce_gather_bytes_in_units * unit_bytes + 1
+    output = model(torch.randn(2, models.IN_FEATURES))
+    after_forward = [any(group.gathered for group in unit.groups) for unit in schedule.units]
+    output.square().mean().backward()
+    after_backward = [any(group.gathered for group in unit.groups) for unit in schedule.units]
+    return after_forward, after_backward
+
+
+@pytest.mark.parametrize("units_kept", [0, 1, 2, 3])
+def test_small_units_stay_gathered_for_their_backward_only_within_the_threshold(units_kept):
+    for after_forward, after_backward in run_on_ranks(2, _units_gathered_between_forward_and_backward, units_kept):
+        # the last unit always (keep_last_unit_for_backward), then the units before it, from the end, as many as
+        # the threshold holds
+        assert after_forward == [index >= 3 - units_kept for index in range(4)], (units_kept, after_forward)
+        assert after_backward == [False] * 4  # each released by its post-backward
 
 
 def _coalesced_against_separate():

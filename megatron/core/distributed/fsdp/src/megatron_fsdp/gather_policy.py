@@ -34,10 +34,12 @@ class GatherReleasePolicy:
 
     # Where gathers are built from point-to-point messages (gloo), the gathers of groups under this many bytes
     # that one call starts go out as one exchange (coalesced_gathers.py: each piece lands where its own gather
-    # puts it), and a prefetch of a unit that is still sharded takes the next units along while their weights
-    # together stay under it: a model of small units gathers several of them per exchange instead of one each
-    # (on gloo every exchange costs host time whatever its size). The price is at most this many bytes of weights
-    # gathered ahead of their use. 0 turns it off.
+    # puts it), a prefetch of a unit that is still sharded takes the next units along while their weights
+    # together stay under it, and the units before the last one, from the end while their weights together stay
+    # under it, stay gathered from their forward to their backward (schedule.py): a model of small units gathers
+    # several of them per exchange, and not again for the backward (on gloo every exchange costs host time
+    # whatever its size). The price is at most this many bytes of weights gathered ahead of their use and as many
+    # held for the backward. 0 turns it off.
     coalesce_gather_bytes = COALESCE_GATHER_BYTES
 
     # ---- gathering ----------------------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ One step under strategy 3 (units U0..Un in forward order, R = parameters outside
 
     forward:  gather R | pre-fwd U0: wait/gather U0, prefetch U1 | U0 fwd | post-fwd U0: release U0 | ... |
               post-fwd Un: keep Un gathered (its backward comes first)
-              (small units: a prefetch takes the next units along, one exchange for them all: gather_policy.py's
-              coalesce_gather_bytes)
+              (small units: a prefetch takes the next units along, one exchange for them all, and the last
+              units within that budget stay gathered for their backward: gather_policy.py's coalesce_gather_bytes)
     backward: loss grad: gather R if released | pre-bwd Un (grad of Un's outputs): wait/gather Un, prefetch Un-1 |
               Un's first gradient: wait for the reduction in flight | Un bwd |
               all grads of a group written -> reduce-scatter it (async if overlapping; a small one is held and
@@ -248,7 +248,7 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
             if in_backward_pass():
                 return None  # activation-checkpoint recompute: the unit stays gathered for its backward
             tensors = tensors_requiring_grad(output) if torch.is_grad_enabled() else []
-            if not (tensors and self.keep_last_unit_for_backward and unit is self.units[-1]):
+            if not (tensors and self._stays_gathered_for_backward(unit)):
                 self.release(unit.groups, mid_step=bool(tensors))
             if tensors:
                 register_first_grad_hook(tensors, lambda: self._unit_pre_backward(unit))
@@ -311,6 +311,28 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
             groups += self.units[following].groups
             following += direction
         return groups
+
+    def _stays_gathered_for_backward(self, unit: Unit) -> bool:
+        """Whether `unit` keeps its weights from its forward to its backward instead of being released and gathered
+        again: the last unit (`keep_last_unit_for_backward`), and the small units before it whose backward follows
+        (those whose gathers coalesce, from the second-to-last backwards while their weights together stay under
+        `coalesce_gather_bytes`: the budget a prefetch may gather ahead of use)."""
+        if unit is self.units[-1]:
+            return self.keep_last_unit_for_backward
+        return unit.index >= self._first_unit_kept_for_backward()
+
+    def _first_unit_kept_for_backward(self) -> int:
+        key = self.coalesce_gather_bytes
+        if getattr(self, "_kept_for_backward_key", None) != key:
+            first, kept_bytes = len(self.units) - 1, 0
+            while first > 0 and self._unit_coalesces(first - 1):
+                kept_bytes += sum(self._gather_bytes(group) for group in self.units[first - 1].groups
+                                  if not group.resident)
+                if kept_bytes > self.coalesce_gather_bytes:
+                    break
+                first -= 1
+            self._kept_for_backward_key, self._first_kept_for_backward = key, first
+        return self._first_kept_for_backward
 
     def _unit_coalesces(self, index: int) -> bool:
         """Whether every group of unit `index` that moves bytes when gathered can join a coalesced exchange."""
