@@ -37,6 +37,9 @@ def _weight_cache_on_ranks():
     from tests.unit_tests.test_fp8_fsdp_param_gather import _batches, _build
 
     _, chunk = _build(1, fp8_param_gather=False)
+    # this model's units are small enough for the schedule to keep them gathered from their forward to their
+    # backward (coalesce_gather_bytes): gather them again for each use, the case this test is about
+    chunk.module.schedule.coalesce_gather_bytes = 0
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=3e-3, clip_grad=1.0), [chunk])
     install_schedule_hooks([chunk], optimizer, types.SimpleNamespace(fp16=False))
     quantized, gathers = [], []
