@@ -18,8 +18,8 @@ from .ungraded_params import agree_on_ungraded_params
 
 
 # Reductions of gradient buffers smaller than this many bytes are held back and issued together, as one exchange
-# over their group, once the held buffers reach this size, or when the backward ends, or when anything waits for
-# them (see `GradReductionPipeline.coalesce_reduce_bytes`).
+# over their group, once the held buffers reach this size, or when the backward ends (outside no_sync), or when
+# anything waits for them (see `GradReductionPipeline.coalesce_reduce_bytes`).
 COALESCE_REDUCE_BYTES = 2 * 1024 * 1024
 
 
@@ -30,10 +30,10 @@ class GradReductionPipeline:
     # Strategies 2/3 without an outer dim: a reduce-scatter of fewer bytes than this is not issued at once but held
     # (its buffer taken from the group, so the next microbatch writes a fresh one) and issued as one exchange with
     # the next held ones over the same group (`collectives.reduce_scatter_coalesced`, bit-identical results) once
-    # they hold this many bytes together, the backward ends, or a reduction of theirs is waited for. The cost of a
-    # small exchange is per exchange rather than per byte (on gloo about a millisecond of CPU, the same for 4 bytes
-    # as for 128 KiB), so a model of small units reduces a microbatch's last units and its root groups in one
-    # exchange instead of one each; the price is up to twice this many bytes of gradient buffers held a little
+    # they hold this many bytes together, a synchronised backward ends (inside no_sync they wait for the next
+    # microbatch's), or a reduction of theirs is waited for. The cost of a small exchange is per exchange rather
+    # than per byte (on gloo about a millisecond of CPU, the same for 4 bytes as for 128 KiB), so a model of small
+    # units reduces a step's units and root groups in one exchange instead of one each per microbatch; the price is up to twice this many bytes of gradient buffers held a little
     # longer and the reductions of those units no longer overlapping the backward of the next ones. Groups of at
     # least this size reduce as before; 0 turns holding off.
     coalesce_reduce_bytes = COALESCE_REDUCE_BYTES

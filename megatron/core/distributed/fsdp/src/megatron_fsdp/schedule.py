@@ -9,7 +9,8 @@ One step under strategy 3 (units U0..Un in forward order, R = parameters outside
     backward: loss grad: gather R if released | pre-bwd Un (grad of Un's outputs): wait/gather Un, prefetch Un-1 |
               Un's first gradient: wait for the reduction in flight | Un bwd |
               all grads of a group written -> reduce-scatter it (async if overlapping; a small one is held and
-              issued with the next ones: grad_reduction.py's coalesce_reduce_bytes), release its weights
+              issued with the next ones, inside no_sync with the next microbatch's: grad_reduction.py's
+              coalesce_reduce_bytes), release its weights
               (R's groups too) | ... | end of backward: reduce leftovers, release anything still gathered
               (inside no_sync R and U0 stay gathered: the next microbatch's forward starts with them)
     step:     finish_grad_sync (wait reduces) -> optimizer.step on shards -> write shards into compute shards
@@ -414,7 +415,10 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
         for group in self.groups:
             if group.grads_dirty and self._reduces_now(group):
                 self.launch_reduce(group, async_op=self.overlap_grad_reduce)
-        self.issue_held_reduces()  # the backward's last small reductions, together
+        if self.sync_enabled:
+            self.issue_held_reduces()  # the backward's last small reductions, together
+        # Inside no_sync() they stay held: the next microbatch's reductions of the same groups join them, one
+        # exchange for the step's instead of one per microbatch (up to `coalesce_reduce_bytes` held at once).
         if self.strategy == ShardingStrategy.optim_grads_params:
             held = self.held_for_next_microbatch() if self._holds_for_next_microbatch() else []
             self.release([group for group in self.groups if not any(group is kept for kept in held)])
