@@ -33,9 +33,10 @@ class GradReductionPipeline:
     # they hold this many bytes together, a synchronised backward ends (inside no_sync they wait for the next
     # microbatch's), or a reduction of theirs is waited for. The cost of a small exchange is per exchange rather
     # than per byte (on gloo about a millisecond of CPU, the same for 4 bytes as for 128 KiB), so a model of small
-    # units reduces a step's units and root groups in one exchange instead of one each per microbatch; the price is up to twice this many bytes of gradient buffers held a little
-    # longer and the reductions of those units no longer overlapping the backward of the next ones. Groups of at
-    # least this size reduce as before; 0 turns holding off.
+    # units reduces a step's units and root groups in one exchange instead of one each per microbatch; the price
+    # is up to twice this many bytes of gradient buffers held longer and the reductions of those units no longer
+    # overlapping the backward of the next ones. Groups of at least this size reduce as before; 0 turns holding
+    # off.
     coalesce_reduce_bytes = COALESCE_REDUCE_BYTES
 
     # Set by `fully_shard_optimizer`: parameters no rank gave a gradient get no `.grad` (ungraded_params.py).

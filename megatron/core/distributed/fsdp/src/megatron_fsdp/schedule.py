@@ -315,12 +315,12 @@ class Schedule(GatherReleasePolicy, GradReductionPipeline):
 
     def _stays_gathered_for_backward(self, unit: Unit) -> bool:
         """Whether `unit` keeps its weights from its forward to its backward instead of being released and gathered
-        again: the last unit (`keep_last_unit_for_backward`), and the small units before it whose backward follows
+        again (`keep_last_unit_for_backward`): the last unit, and the small units before it whose backward follows
         (those whose gathers coalesce, from the second-to-last backwards while their weights together stay under
         `coalesce_gather_bytes`: the budget a prefetch may gather ahead of use)."""
-        if unit is self.units[-1]:
-            return self.keep_last_unit_for_backward
-        return unit.index >= self._first_unit_kept_for_backward()
+        if not self.keep_last_unit_for_backward:
+            return False
+        return unit is self.units[-1] or unit.index >= self._first_unit_kept_for_backward()
 
     def _first_unit_kept_for_backward(self) -> int:
         key = self.coalesce_gather_bytes
