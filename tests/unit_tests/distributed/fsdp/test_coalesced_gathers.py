@@ -81,9 +81,9 @@ def test_small_gathers_go_out_together_with_identical_training(world_size):
             assert torch.equal(mine, theirs)
 
 
-def _units_gathered_at_first_forward(coalesce_gather_bytes_in_units):
-    """Which units hold (or are gathering) their weights when unit 0's forward starts, with the threshold set to
-    that many units' gathered bytes plus one; and the bytes of one unit."""
+def _four_units_with_threshold_in_units(coalesce_gather_bytes_in_units):
+    """(model, one unit's gathered bytes, units gathered now): the toy model with four units under ZeRO-3, its
+    threshold set to that many units' gathered bytes plus one."""
     import megatron_fsdp
 
     model = models.make_model(0, num_blocks=4)
@@ -92,10 +92,16 @@ def _units_gathered_at_first_forward(coalesce_gather_bytes_in_units):
     schedule = model.schedule
     unit_bytes = sum(schedule._gather_bytes(group) for group in schedule.units[1].groups)
     schedule.coalesce_gather_bytes = coalesce_gather_bytes_in_units * unit_bytes + 1
+    return model, unit_bytes, lambda: [any(group.gathered for group in unit.groups) for unit in schedule.units]
+
+
+def _units_gathered_at_first_forward(coalesce_gather_bytes_in_units):
+    """Which units hold (or are gathering) their weights when unit 0's forward starts, with the threshold set to
+    that many units' gathered bytes plus one; and the bytes of one unit."""
+    model, unit_bytes, gathered_units = _four_units_with_threshold_in_units(coalesce_gather_bytes_in_units)
     seen = []
     # registered after Megatron-FSDP's pre-forward hook, which gathers unit 0 and prefetches what follows it
-    handle = schedule.units[0].module.register_forward_pre_hook(
-        lambda *_: seen.append([any(group.gathered for group in unit.groups) for unit in schedule.units]))
+    handle = model.schedule.units[0].module.register_forward_pre_hook(lambda *_: seen.append(gathered_units()))
     with torch.no_grad():
         model(torch.randn(2, models.IN_FEATURES))
     handle.remove()
@@ -115,19 +121,11 @@ def test_a_prefetch_takes_following_units_along_only_within_the_threshold(units_
 def _units_gathered_between_forward_and_backward(coalesce_gather_bytes_in_units):
     """Which units hold their weights after a forward with grad and after its backward, with the threshold set to
     that many units' gathered bytes plus one."""
-    import megatron_fsdp
-
-    model = models.make_model(0, num_blocks=4)
-    model, _ = megatron_fsdp.fully_shard(model, models.make_optimizer(model.parameters()),
-                                         fsdp_unit_modules=[models.Block], zero_dp_strategy=3)
-    schedule = model.schedule
-    unit_bytes = sum(schedule._gather_bytes(group) for group in schedule.units[1].groups)
-    schedule.coalesce_gather_bytes = coalesce_gather_bytes_in_units * unit_bytes + 1
+    model, _, gathered_units = _four_units_with_threshold_in_units(coalesce_gather_bytes_in_units)
     output = model(torch.randn(2, models.IN_FEATURES))
-    after_forward = [any(group.gathered for group in unit.groups) for unit in schedule.units]
+    after_forward = gathered_units()
     output.square().mean().backward()
-    after_backward = [any(group.gathered for group in unit.groups) for unit in schedule.units]
-    return after_forward, after_backward
+    return after_forward, gathered_units()
 
 
 @pytest.mark.parametrize("units_kept", [0, 1, 2, 3])
