@@ -41,8 +41,9 @@ def _live_storages() -> dict:
 
 def _settled_new_bytes(before: dict) -> int:
     """Bytes of the live storages not in `before`, measured until two measurements 10 ms apart agree: a
-    collective's worker thread (gloo's) drops its reference to a small tensor just after waking the waiter (the
-    per-step all-reduce of the ungraded-parameter marks), so a measurement taken at once may still see it."""
+    measurement taken at once sometimes still sees a small tensor that is gone 50 ms later (96 bytes here, the
+    size of the per-step all-reduce of the ungraded-parameter marks, whose reference gloo's worker thread may drop
+    just after waking the waiter)."""
     import time
 
     previous = None
