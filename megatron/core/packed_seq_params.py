@@ -1,8 +1,8 @@
 """`PackedSeqParams`: where each sequence starts in a batch of sequences packed back to back (upstream name).
 
-GPTModel here runs padded `[batch, sequence]` batches only; a model given packed-sequence parameters refuses
-them. The dataclass is the upstream record that tools build and pass around; `qkv_format` may be None (unset), as
-upstream allows.
+GPTModel and the transformer block, layer and attention run the 'thd' layout (see packed_sequences.py); the
+dataclass is the upstream record that tools build and pass around; `qkv_format` may be None (unset, read as
+'thd'), as upstream allows.
 """
 
 from dataclasses import dataclass

@@ -16,6 +16,7 @@ import torch
 from megatron.core.fp8_utils import get_fp8_context
 from megatron.core.offloading.activations import ActivationOffloader
 from megatron.core.offloading.fine_grained import attach_fine_grained_offloading
+from megatron.core.packed_sequences import packed_layer_inputs
 from megatron.core.transformer.attention import one_inference_context, refuse_unsupported_forward_inputs
 from megatron.core.transformer.init_seeds import resolve_base_init_seed
 from megatron.core.transformer.norms import build_norm
@@ -118,17 +119,22 @@ class TransformerBlock(torch.nn.Module):
         """`[s, b, h]` (`[s / tp, b, h]` with sequence parallelism) -> same shape. With `inference_context` (or
         its older name `inference_params`) each layer's attention decodes through the context's key/value cache
         (no recomputation). Upstream's arguments in its order; those the layers have no use for (`context`,
-        `context_mask`, `rotary_pos_cos` / `rotary_pos_sin`, `attention_bias`, `packed_seq_params`,
-        `sequence_len_offset`) must be None."""
+        `context_mask`, `rotary_pos_cos` / `rotary_pos_sin`, `attention_bias`, `sequence_len_offset`) must be
+        None. With `packed_seq_params` (upstream's THD call: `[t, 1, h]`, `rotary_pos_emb` of the longest
+        sequence's positions) each token attends within its own sequence at its own positions
+        (megatron/core/packed_sequences.py)."""
         refuse_unsupported_forward_inputs("TransformerBlock", context=context, context_mask=context_mask,
                                           rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
-                                          attention_bias=attention_bias, packed_seq_params=packed_seq_params,
-                                          sequence_len_offset=sequence_len_offset)
+                                          attention_bias=attention_bias, sequence_len_offset=sequence_len_offset)
         inference_context = one_inference_context("TransformerBlock", inference_context, inference_params)
         if not self.pre_process:
             if self.input_tensor is None:
                 raise RuntimeError("a pipeline stage that is not first needs set_input_tensor() before forward")
             hidden_states = self.input_tensor
+        if packed_seq_params is not None:
+            attention_mask, rotary_pos_emb = packed_layer_inputs(
+                "TransformerBlock", packed_seq_params, self.config, hidden_states, attention_mask, rotary_pos_emb,
+                decoding=inference_context is not None)
         if self.config.fp32_residual_connection:
             # The residual stream stays fp32 through the layers (and between pipeline stages).
             hidden_states = hidden_states.float()

@@ -109,7 +109,7 @@ def test_forward_takes_upstream_arguments_in_upstream_order():
     torch.testing.assert_close(output, keyword_output, rtol=0, atol=0)
     assert bias is attention.linear_proj.bias
     assert not torch.allclose(output, unrotated, rtol=0, atol=1e-6)  # the angles went to rotary_pos_emb
-    for name in ("key_value_states", "attention_bias", "packed_seq_params", "rotary_pos_sin"):
+    for name in ("key_value_states", "attention_bias", "rotary_pos_sin"):
         with pytest.raises(ValueError, match=rf"SelfAttention.forward\({name}=...\) is not supported: .* "
                                              rf"pass {name}=None"):
             attention(hidden, **{name: torch.zeros(1)})

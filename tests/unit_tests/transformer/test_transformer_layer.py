@@ -71,8 +71,7 @@ def test_forward_takes_upstream_arguments_and_returns_output_and_context():
     torch.testing.assert_close(output, middle + mlp_output + mlp_bias)
     torch.testing.assert_close(keyword_output, output)  # attention_mask None is causal too
     assert not torch.allclose(layer(x)[0], output)  # the rotary angles matter
-    for name in ("context", "context_mask", "attention_bias", "packed_seq_params", "sequence_len_offset",
-                 "rotary_pos_cos"):
+    for name in ("context", "context_mask", "attention_bias", "sequence_len_offset", "rotary_pos_cos"):
         with pytest.raises(ValueError, match=rf"TransformerLayer.forward\({name}=...\) is not supported: .* "
                                              rf"pass {name}=None"):
             layer(x, **{name: torch.zeros(1)})

@@ -39,6 +39,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     rotary_angles,
 )
 from megatron.core.models.gpt.gpt_layer_specs import check_layer_spec, check_mtp_block_spec
+from megatron.core.packed_sequences import check_packed_model_support, packed_forward_inputs, packed_rotary_angles
 from megatron.core.transformer.context_parallel import local_token_indices
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.module import ShardedStateModule
@@ -86,10 +87,7 @@ def _check_vp_stage(config, vp_stage):
         )
 
 
-def _refuse_unsupported_forward_inputs(packed_seq_params, extra_block_kwargs):
-    if packed_seq_params is not None:
-        raise ValueError("GPTModel.forward(packed_seq_params=...) is not supported: packed (THD) sequences are "
-                         "not; pass padded [b, s] batches with an attention_mask and loss_mask instead")
+def _refuse_unsupported_forward_inputs(extra_block_kwargs):
     if extra_block_kwargs:
         raise ValueError(f"GPTModel.forward(extra_block_kwargs={sorted(extra_block_kwargs)}) is not supported: "
                          "the decoder takes only the attention mask and rotary embeddings; drop them")
@@ -423,17 +421,37 @@ class GPTModel(ShardedStateModule):
                                  f"input_ids {tuple(input_ids.shape)} embed to [{seq_len}, {input_ids.shape[0]}, "
                                  f"{self.config.hidden_size}] on this rank: {fix}")
 
-    def _rotary_angles(self, input_ids, decoder_input=None):
+    def _batch_and_sequence(self, input_ids, decoder_input=None):
+        """(batch, this rank's sequence length before sequence parallelism's split, device) of the forward."""
+        if input_ids is not None:
+            return input_ids.shape[0], input_ids.shape[1], input_ids.device
+        # [s, b, h], or [s / tp, b, h] with sequence parallelism
+        received = decoder_input if decoder_input is not None else self.decoder.input_tensor
+        seq_len = received.shape[0]
+        if self.config.sequence_parallel:
+            seq_len *= self.config.tensor_model_parallel_size
+        return received.shape[1], seq_len, received.device
+
+    def _packed_inputs(self, packed_seq_params, input_ids, decoder_input, position_ids, attention_mask,
+                       inference_context):
+        """(attention mask, position ids, rotary row positions) of a packed-sequence forward (see
+        megatron/core/packed_sequences.py); the rotary positions are None without packed sequences."""
+        if packed_seq_params is None:
+            return attention_mask, position_ids, None
+        where = "GPTModel.forward"
+        check_packed_model_support(where, self.config, self.mtp_process, inference_context is not None)
+        batch, seq_len, device = self._batch_and_sequence(input_ids, decoder_input)
+        mask, positions = packed_forward_inputs(where, packed_seq_params, seq_len, batch, attention_mask, device)
+        if position_ids is None:
+            position_ids = positions[None]
+        return mask, position_ids, positions
+
+    def _rotary_angles(self, input_ids, decoder_input=None, packed_positions=None):
         if self.rotary_pos_emb is None:
             return None
-        if input_ids is not None:
-            seq_len, device = input_ids.shape[1], input_ids.device
-        else:
-            # [s, b, h], or [s / tp, b, h] with sequence parallelism
-            received = decoder_input if decoder_input is not None else self.decoder.input_tensor
-            seq_len, device = received.shape[0], received.device
-            if self.config.sequence_parallel:
-                seq_len *= self.config.tensor_model_parallel_size
+        _, seq_len, device = self._batch_and_sequence(input_ids, decoder_input)
+        if packed_positions is not None:  # context parallelism is refused with packed sequences
+            return packed_rotary_angles(rotary_angles(self.rotary_pos_emb, seq_len, device=device), packed_positions)
         cp_size = self.config.context_parallel_size
         if cp_size == 1:  # every position, whatever parallel_state's context-parallel group is (the config decides)
             return rotary_angles(self.rotary_pos_emb, seq_len, device=device)
@@ -506,10 +524,15 @@ class GPTModel(ShardedStateModule):
         left by k. It is ignored without labels. The parameters are upstream's, in its positional order
         (`decoder_input` fourth, `labels` fifth). `decoder_input`, as upstream, replaces the embedding on the
         first stage: its output `[s, b, h]` (`[s / tp, b, h]` with sequence parallelism); `input_ids` may then be
-        None unless multi-token prediction runs. `packed_seq_params` and `extra_block_kwargs` must be None (padded
-        `[b, s]` batches only).
+        None unless multi-token prediction runs. `extra_block_kwargs` must be None.
+
+        `packed_seq_params` (a `PackedSeqParams`, upstream's 'thd' layout): `input_ids` `[1, t]` hold several
+        sequences back to back; each token attends within its own sequence and its positions (rotary, and the
+        learned embedding when `position_ids` is None) restart at each sequence start, so each sequence's
+        per-token loss is the one it has alone (megatron/core/packed_sequences.py). Not with context
+        parallelism, multi-latent attention, multi-token prediction or decoding (each refused by name).
         """
-        _refuse_unsupported_forward_inputs(packed_seq_params, extra_block_kwargs)
+        _refuse_unsupported_forward_inputs(extra_block_kwargs)
         if inference_params is not None:
             if inference_context is not None and inference_context is not inference_params:
                 raise ValueError("GPTModel.forward: pass inference_context or its older name inference_params, "
@@ -517,6 +540,8 @@ class GPTModel(ShardedStateModule):
             inference_context = inference_params
         if decoder_input is not None:
             self._check_decoder_input(decoder_input, input_ids, inference_context)
+        attention_mask, position_ids, packed_positions = self._packed_inputs(
+            packed_seq_params, input_ids, decoder_input, position_ids, attention_mask, inference_context)
         if inference_context is not None:
             return self._decode(input_ids, position_ids, attention_mask, labels, inference_context,
                                 runtime_gather_output)
@@ -526,7 +551,7 @@ class GPTModel(ShardedStateModule):
             decoder_input = self.embedding(input_ids, position_ids)
             if self.config.sequence_parallel and not self.scatter_embedding_sequence_parallel:
                 decoder_input = tensor_parallel.scatter_to_sequence_parallel_region(decoder_input)
-        rotary_angles = self._rotary_angles(input_ids, decoder_input)
+        rotary_angles = self._rotary_angles(input_ids, decoder_input, packed_positions)
         hidden_states = self.decoder(decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary_angles)
         if not self.post_process:
             return hidden_states

@@ -78,8 +78,7 @@ def test_positional_arguments_follow_upstream_order():
     offset_expected = _reference_angles(3, 8, 500000.0, interleaved=True, interpolation=2.0, offset=4)
     torch.testing.assert_close(rope(3, 4).double(), offset_expected, rtol=1e-6, atol=1e-6)  # (max_seq_len, offset)
     torch.testing.assert_close(rope.inv_freq.double(), expected[1, 0, 0, 0::2] * 2.0, rtol=1e-6, atol=1e-9)
-    with pytest.raises(ValueError, match=r"packed_seq=True\): packed \(THD\) sequences are not supported"):
-        rope(6, 0, True)
+    torch.testing.assert_close(rope(6, 0, True), rope(6), rtol=0, atol=0)  # packed_seq: every position
 
 
 def test_yarn_positional_arguments_follow_upstream_order():
@@ -108,5 +107,27 @@ def test_apply_takes_upstreams_config_and_mscale(interleaved):
     else:
         expected = _complex_rope(x, 10000, 8)
     torch.testing.assert_close(rotated.double(), 1.5 * expected, rtol=0, atol=1e-5)
-    with pytest.raises(ValueError, match=r"cu_seqlens=...\): packed \(THD\) sequences are not supported"):
-        apply_rotary_pos_emb(x, angles, config, torch.tensor([0, 5]))
+
+
+@pytest.mark.parametrize("batch_dim", [False, True])
+def test_packed_sequences_restart_their_positions(batch_dim):
+    """Upstream's THD call `apply_rotary_pos_emb(t, freqs, config, cu_seqlens)`: `t` `[t, heads, d]` holds sequences
+    of 3, 5 and 2 rows back to back, then 2 rows of padding; each sequence is rotated as if it ran alone (the
+    complex reference from position 0), the padding rows as position 0 (left as they are)."""
+    from tests.unit_tests.models.gpt.gpt_test_utils import tiny_config
+
+    lengths = (3, 5, 2)
+    x = torch.randn(sum(lengths) + 2, 3, 8, generator=torch.Generator().manual_seed(5))
+    cu_seqlens = torch.tensor([0, 3, 8, 10], dtype=torch.int32)
+    angles = RotaryEmbedding(8)(max(lengths))  # the longest sequence's positions, as get_rotary_seq_len asks
+    packed = x.unsqueeze(1) if batch_dim else x
+    rotated = apply_rotary_pos_emb(packed, angles, tiny_config(), cu_seqlens).double()
+    rotated = rotated[:, 0] if batch_dim else rotated
+    start = 0
+    for length in lengths:
+        expected = _complex_rope(x[start:start + length, None], 10000, 8)[:, 0]
+        torch.testing.assert_close(rotated[start:start + length], expected, rtol=0, atol=1e-5)
+        start += length
+    torch.testing.assert_close(rotated[start:], x[start:].double(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"a packed sequence is longer than the 4 positions of freqs"):
+        apply_rotary_pos_emb(x, angles[:4], tiny_config(), cu_seqlens)

@@ -106,8 +106,13 @@ def test_get_rotary_seq_len_takes_upstreams_arguments():
         max_sequence_length = 24
 
     assert rope.get_rotary_seq_len(None, None, hidden_states, tiny_config(), inference_params=Context()) == 24
-    with pytest.raises(ValueError, match=r"packed_seq_params=None"):
-        rope.get_rotary_seq_len(None, None, hidden_states, tiny_config(), object())
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    offsets = torch.tensor([0, 5, 12])
+    packed = PackedSeqParams(cu_seqlens_q=offsets, cu_seqlens_kv=offsets, max_seqlen_q=7, max_seqlen_kv=7)
+    assert rope.get_rotary_seq_len(None, None, hidden_states, config, packed) == 7  # the longest sequence
+    with pytest.raises(ValueError, match=r"set max_seqlen_q and max_seqlen_kv"):
+        rope.get_rotary_seq_len(None, None, hidden_states, config, PackedSeqParams(cu_seqlens_q=offsets))
 
 
 def test_without_context_parallelism_the_call_returns_every_position():

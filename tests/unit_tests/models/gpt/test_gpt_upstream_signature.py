@@ -173,8 +173,6 @@ def test_loss_mask_keyword_masks_the_mtp_depths_not_the_main_loss():
 
 
 def test_upstream_forward_keywords_left_at_none_and_refused_otherwise():
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     tokens, labels, positions = fixed_batch()
     model = seeded_model(tiny_config(num_layers=1))
     with torch.no_grad():
@@ -182,8 +180,6 @@ def test_upstream_forward_keywords_left_at_none_and_refused_otherwise():
         same = model(tokens, positions, None, labels=labels, decoder_input=None, packed_seq_params=None,
                      extra_block_kwargs=None)
     torch.testing.assert_close(same, loss, atol=0, rtol=0)
-    with pytest.raises(ValueError, match=r"forward\(packed_seq_params=...\) is not supported"):
-        model(tokens, positions, labels=labels, packed_seq_params=PackedSeqParams())
     with pytest.raises(ValueError, match=r"forward\(extra_block_kwargs=\['foo'\]\) is not supported"):
         model(tokens, positions, labels=labels, extra_block_kwargs={"foo": 1})
 

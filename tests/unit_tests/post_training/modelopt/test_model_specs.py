@@ -12,7 +12,6 @@ from megatron.core import tensor_parallel
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.post_training.modelopt.gpt.model_specs import get_gpt_modelopt_spec
 from megatron.core.transformer.spec_utils import ModuleSpec, TransformerBlockSubmodules
-from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.test_utilities import Utils
 
@@ -81,6 +80,3 @@ def test_the_reasons_given_for_eagle_hold():
     assert "transformer_layer_spec" not in fields and "seq_length" not in fields
     with pytest.raises(AttributeError, match="dataclasses.replace"):  # EAGLE's conversion assigns fields after building
         TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2).hidden_size = 16
-    block = TransformerBlock(TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2))
-    with pytest.raises(ValueError, match=r"packed_seq_params=...\) is not supported"):  # packed sequences
-        block(torch.zeros(2, 1, 8), packed_seq_params=object())

@@ -120,7 +120,8 @@ class LanguageModelEmbedding(torch.nn.Module):
             if position_ids is None:
                 raise ValueError("learned_absolute position embeddings need position_ids")
             seq_len = input_ids.shape[1]
-            if seq_len > self.max_sequence_length:
+            # A row longer than the table is fine when its positions restart (packed sequences).
+            if seq_len > self.max_sequence_length and int(position_ids.max()) >= self.max_sequence_length:
                 raise ValueError(
                     f"sequence length {seq_len} exceeds --max-position-embeddings ({self.max_sequence_length})"
                 )

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.packed_sequences import packed_rotary_angles, rotary_positions_from_cu_seqlens
 from megatron.core.transformer.context_parallel.sequence_split import local_rows
 
 # Llama 3.1's frequency scaling, fixed as upstream Megatron fixes them (only the factor is a flag).
@@ -124,13 +125,11 @@ class RotaryEmbedding(torch.nn.Module):
         """The angles of positions `offset .. offset + max_seq_len - 1` (a decoding step starts past the cached
         positions), on `device`; with a `cp_group` of N > 1 ranks, this rank's two chunks of them
         (`[max_seq_len / N, 1, 1, rot_dim]`; `max_seq_len` is the whole sequence's length, see
-        `get_rotary_seq_len`). Upstream's positional order; `packed_seq` (THD) is not supported."""
-        if packed_seq:
-            raise ValueError("RotaryEmbedding(packed_seq=True): packed (THD) sequences are not supported here; "
-                             "pass packed_seq=False")
+        `get_rotary_seq_len`). Upstream's positional order; with `packed_seq` (THD, as upstream) all the angles,
+        whatever the context parallelism: `apply_rotary_pos_emb(cu_seqlens=...)` picks each row's."""
         angles = self.full_angles(max_seq_len, offset=offset, device=device)
         cp_size = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
-        if cp_size == 1:
+        if cp_size == 1 or packed_seq:
             return angles
         if max_seq_len % (2 * cp_size) != 0:
             raise ValueError(
@@ -145,10 +144,14 @@ class RotaryEmbedding(torch.nn.Module):
         """The whole sequence's length to pass to `forward` (upstream's method): the decoding context's
         `max_sequence_length`, else the length of the block's received `input_tensor` (a later pipeline stage)
         or of `transformer_input` (`[s, b, h]`), times the tensor-parallel size under sequence parallelism;
-        either way times the context-parallel size."""
+        either way times the context-parallel size. With `packed_seq_params` (upstream's rule): the longest
+        packed sequence, `max(max_seqlen_q, max_seqlen_kv)`."""
         if packed_seq_params is not None:
-            raise ValueError("RotaryEmbedding.get_rotary_seq_len(packed_seq_params=...): packed (THD) sequences "
-                             "are not supported here; pass packed_seq_params=None")
+            bounds = (packed_seq_params.max_seqlen_q, packed_seq_params.max_seqlen_kv)
+            if None in bounds:
+                raise ValueError("RotaryEmbedding.get_rotary_seq_len(packed_seq_params=...): the rotary length of "
+                                 "packed sequences is their longest one; set max_seqlen_q and max_seqlen_kv")
+            return max(int(bound) for bound in bounds)
         inference_context = inference_params if inference_params is not None else inference_context
         if inference_context is not None:
             seq_len = inference_context.max_sequence_length
@@ -187,11 +190,24 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config=None, cu_s
     RoPE). Upstream's signature: with a `config`, its `rotary_interleaved` picks the pair layout and with its
     `multi_latent_attention` the rotated channels' even ones are gathered before the odd ones first (upstream's
     layout for multi-latent attention); without one, `interleaved` pairs channels (2i, 2i + 1) (angles from a
-    `RotaryEmbedding(rotary_interleaved=True)`) instead of (i, i + rot_dim / 2). Packed sequences (`cu_seqlens`)
-    are not supported; `cp_group`, which upstream reads for packed sequences only, changes nothing."""
+    `RotaryEmbedding(rotary_interleaved=True)`) instead of (i, i + rot_dim / 2).
+
+    With `cu_seqlens` (packed sequences, upstream's THD layout): `t` is `[t, heads, head_dim]` (or
+    `[t, 1, heads, head_dim]`), sequences lie back to back at those offsets, and row r of a sequence starting at
+    row s is rotated by `freqs[r - s]`. `cp_group` (upstream's, for packed sequences split across
+    context-parallel ranks) must then be None or a single rank."""
     if cu_seqlens is not None:
-        raise ValueError("apply_rotary_pos_emb(cu_seqlens=...): packed (THD) sequences are not supported here; "
-                         "pass [s, b, heads, head_dim] tensors and cu_seqlens=None")
+        if cp_group is not None and dist.get_world_size(cp_group) > 1:
+            raise ValueError("apply_rotary_pos_emb(cu_seqlens=..., cp_group=...): packed sequences split across "
+                             "context-parallel ranks are not supported; pass whole packed sequences")
+        positions = rotary_positions_from_cu_seqlens(cu_seqlens, t.shape[0])
+        if positions.numel() and int(positions.max()) >= freqs.shape[0]:
+            raise ValueError(f"apply_rotary_pos_emb(cu_seqlens=...): a packed sequence is longer than the "
+                             f"{freqs.shape[0]} positions of freqs; compute the angles of the longest sequence")
+        rows = packed_rotary_angles(freqs, positions)
+        if t.dim() == 3:
+            return apply_rotary_pos_emb(t.unsqueeze(1), rows, config, None, mscale, interleaved=interleaved)[:, 0]
+        return apply_rotary_pos_emb(t, rows, config, None, mscale, interleaved=interleaved)
     regroup = False
     if config is not None:
         if interleaved is not None:

@@ -14,8 +14,8 @@ Here those are the `--transformer-impl local` layers, so the spec is `get_gpt_la
 
 modelopt's EAGLE speculative-decoding plugin (`modelopt.torch.speculative.plugins.megatron_eagle`) also calls this
 function, but its conversion does not run against this megatron.core: it assigns attributes on the
-`TransformerConfig` it builds (`transformer_layer_spec`, `seq_length`, ...; this config is frozen), replaces
-submodules of the returned spec and calls the decoder with `packed_seq_params`, which the block here refuses.
+`TransformerConfig` it builds (`transformer_layer_spec`, `seq_length`, ...; this config is frozen) and replaces
+submodules of the returned spec.
 For draft-model speculative decoding distil a smaller draft GPT (examples/post_training/distill.py); for EAGLE
 heads export the checkpoint to Hugging Face format (tools/checkpoint/convert_checkpoint.py --to hf) and use
 modelopt's Hugging Face EAGLE plugin.

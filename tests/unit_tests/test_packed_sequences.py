@@ -1,0 +1,89 @@
+"""The rows, positions and mask of packed (THD) sequences, and the inputs they are refused with."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.packed_sequences import (
+    check_packed_model_support,
+    packed_attention_mask,
+    packed_forward_inputs,
+    packed_segments_and_positions,
+    sequence_rows,
+)
+from tests.unit_tests.models.gpt.gpt_test_utils import tiny_config
+
+
+def _padded_params():
+    """Sequences of 3, 2 and 4 tokens at rows 0, 4 and 8 (padded to 4 rows each), in a row of 14."""
+    return PackedSeqParams(cu_seqlens_q=torch.tensor([0, 3, 5, 9], dtype=torch.int32),
+                           cu_seqlens_q_padded=torch.tensor([0, 4, 8, 12], dtype=torch.int32))
+
+
+def test_padded_sequences_get_their_rows_positions_and_segments():
+    params = _padded_params()
+    assert sequence_rows(params, 14) == [(0, 3), (4, 2), (8, 4)]
+    segments, positions = packed_segments_and_positions(params, 14)
+    # Padding rows (3, 6, 7, 12, 13) each get a segment of their own and position 0.
+    assert segments.tolist() == [0, 0, 0, -4, 1, 1, -7, -8, 2, 2, 2, 2, -13, -14]
+    assert positions.tolist() == [0, 1, 2, 0, 0, 1, 0, 0, 0, 1, 2, 3, 0, 0]
+
+
+def test_the_mask_lets_each_row_see_its_own_sequence_up_to_itself():
+    segments, _ = packed_segments_and_positions(_padded_params(), 14)
+    mask = packed_attention_mask(segments)
+    assert mask.shape == (1, 1, 14, 14) and mask.dtype == torch.bool
+    allowed = {(query, key) for query in range(14) for key in range(14) if not mask[0, 0, query, key]}
+    sequences = [range(0, 3), range(4, 6), range(8, 12)]
+    expected = {(query, key) for rows in sequences for query in rows for key in rows if key <= query}
+    expected |= {(row, row) for row in (3, 6, 7, 12, 13)}  # padding: itself only
+    assert allowed == expected
+
+
+def test_unpadded_offsets_and_a_given_mask_combine():
+    offsets = torch.tensor([0, 2, 5])
+    params = PackedSeqParams(cu_seqlens_q=offsets, cu_seqlens_kv=offsets.clone(), max_seqlen_q=3, max_seqlen_kv=3)
+    extra = torch.zeros(1, 1, 6, 6, dtype=torch.bool)
+    extra[..., 4, 3] = True  # one more pair masked inside the second sequence
+    mask, positions = packed_forward_inputs("GPTModel.forward", params, 6, 1, extra, None)
+    assert positions.tolist() == [0, 1, 0, 1, 2, 0]  # row 5, past the last offset, is padding
+    assert not mask[0, 0, 4, 2] and mask[0, 0, 4, 3] and not mask[0, 0, 4, 4] and mask[0, 0, 2, 1]
+
+
+@pytest.mark.parametrize("fields, total_len, message", [
+    (dict(qkv_format="sbhd", cu_seqlens_q=torch.tensor([0, 4])), 4, r"qkv_format='sbhd' is not supported"),
+    (dict(cu_seqlens_q=None), 4, r"cu_seqlens_q is None"),
+    (dict(cu_seqlens_q=torch.tensor([0, 4]), cu_seqlens_kv=torch.tensor([0, 3])), 4,
+     r"cu_seqlens_kv must equal cu_seqlens_q"),
+    (dict(cu_seqlens_q=torch.tensor([1, 4])), 4, r"must start at 0"),
+    (dict(cu_seqlens_q=torch.tensor([0, 3, 6])), 5, r"end at row 6 but the packed row has 5 tokens"),
+    (dict(cu_seqlens_q=torch.tensor([0, 3, 6]), cu_seqlens_q_padded=torch.tensor([0, 2, 6])), 6,
+     r"sequence 0 has 3 tokens but 2 padded rows"),
+    (dict(cu_seqlens_q=torch.tensor([0, 3, 6]), cu_seqlens_q_padded=torch.tensor([0, 6])), 6,
+     r"cu_seqlens_q_padded has 2 offsets and cu_seqlens_q 3"),
+    (dict(cu_seqlens_q=torch.tensor([0, 3, 8]), max_seqlen_q=4), 8, r"max_seqlen_q=4 is below the longest"),
+])
+def test_inconsistent_offsets_are_refused_naming_the_field(fields, total_len, message):
+    with pytest.raises(ValueError, match=message):
+        sequence_rows(PackedSeqParams(**fields), total_len)
+
+
+def test_a_batch_of_several_rows_and_unsupported_models_are_refused():
+    params = PackedSeqParams(cu_seqlens_q=torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match=r"packed sequences lie in one row, but the batch has 2 rows"):
+        packed_forward_inputs("GPTModel.forward", params, 4, 2, None, None)
+    with pytest.raises(TypeError, match=r"must be a megatron.core.packed_seq_params.PackedSeqParams"):
+        sequence_rows({"cu_seqlens_q": [0, 4]}, 4)
+    cases = [
+        (tiny_config(context_parallel_size=2), False, False, r"context parallelism \(--context-parallel-size 2\)"),
+        (SimpleNamespace(context_parallel_size=1, multi_latent_attention=True), False, False,
+         r"multi-latent attention"),
+        (tiny_config(), True, False, r"multi-token prediction"),
+        (tiny_config(), False, True, r"decoding \(inference_context\)"),
+    ]
+    for config, runs_mtp, decoding, message in cases:
+        with pytest.raises(ValueError, match=r"GPTModel.forward\(packed_seq_params=...\): " + message):
+            check_packed_model_support("GPTModel.forward", config, runs_mtp, decoding)
+    check_packed_model_support("GPTModel.forward", tiny_config(), False, False)
