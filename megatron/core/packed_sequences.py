@@ -13,8 +13,12 @@ A token's loss then equals the loss it has when its sequence runs alone, and the
 sum of its sequences' gradients (see tests/unit_tests/models/gpt/test_gpt_packed_sequences.py). Masking the last
 token of each sequence (whose label belongs to the next one) and the padding is the loss mask's job, as upstream.
 
-The mask is `[1, 1, t, t]` bools, built once per forward and shared by the layers.
+The mask is `[1, 1, t, t]` bools, built once per `PackedSeqParams` object and shared by the layers
+(`packed_rows`). Multi-token prediction shifts its inputs and labels within each sequence
+(`shift_left_within_sequences`).
 """
+
+from typing import NamedTuple
 
 import torch
 
@@ -103,55 +107,76 @@ def rotary_positions_from_cu_seqlens(cu_seqlens: torch.Tensor, total_len: int) -
     return packed_segments_and_positions(params, total_len)[1]
 
 
+class PackedRows(NamedTuple):
+    """What a packed row's layers share: `segments` and `positions` `[t]` (see `packed_segments_and_positions`),
+    the block-diagonal causal `mask` `[1, 1, t, t]` and the `longest` sequence's length."""
 
-def check_packed_model_support(where, config, runs_mtp: bool, decoding: bool):
+    segments: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+    longest: int
+
+
+def check_packed_model_support(where, config, decoding: bool):
     """Raises ValueError naming what `where` (e.g. "GPTModel.forward") cannot combine packed sequences with."""
-    refusals = (
-        (decoding, "decoding (inference_context) runs padded [b, s] prompts; pass packed_seq_params=None"),
-        (config.context_parallel_size > 1,
-         f"context parallelism (--context-parallel-size {config.context_parallel_size}) splits one padded "
-         "sequence into chunks across ranks; split the packed sequences across data-parallel ranks instead, or "
-         "run context parallelism on padded [b, s] batches"),
-        (bool(getattr(config, "multi_latent_attention", False)),
-         "multi-latent attention computes its rotary angles from row positions, not per packed sequence; pass "
-         "padded [b, s] batches"),
-        (runs_mtp, "multi-token prediction shifts labels across the whole row, over the packed sequences' "
-                   "boundaries; pass padded [b, s] batches or drop --mtp-num-layers"),
-    )
-    for refused, why in refusals:
-        if refused:
-            raise ValueError(f"{where}(packed_seq_params=...): {why}")
+    if decoding:
+        raise ValueError(f"{where}(packed_seq_params=...): decoding (inference_context) runs padded [b, s] prompts; "
+                         "pass packed_seq_params=None")
+    if config.context_parallel_size > 1:
+        raise ValueError(f"{where}(packed_seq_params=...): context parallelism (--context-parallel-size "
+                         f"{config.context_parallel_size}) splits one padded sequence into chunks across ranks; split "
+                         "the packed sequences across data-parallel ranks instead, or run context parallelism on "
+                         "padded [b, s] batches")
 
 
-def packed_forward_inputs(where, params: PackedSeqParams, total_len: int, batch: int, attention_mask, device):
-    """(attention mask, positions `[t]`) of a packed row of `total_len` tokens: the block-diagonal causal mask,
-    combined with `attention_mask` (True where masked) when one is given, and each row's position within its
-    sequence."""
+def packed_rows(where, params: PackedSeqParams, total_len: int, batch: int, device) -> PackedRows:
+    """The `PackedRows` of a packed row of `total_len` tokens on `device`. They are computed once per `params`
+    object, row length and device, and kept on `params`: every layer of a forward (and its backward) reads the
+    same tensors, and the offsets are read on the host once. Build a new `PackedSeqParams` for each batch (as
+    upstream's data code does) rather than changing the offsets of one in place."""
     if batch != 1:
         raise ValueError(f"{where}(packed_seq_params=...): packed sequences lie in one row, but the batch has "
                          f"{batch} rows; pass input_ids of shape [1, t] (hidden states [t, 1, h])")
-    segments, positions = packed_segments_and_positions(params, total_len, device=device)
-    mask = packed_attention_mask(segments)
-    if attention_mask is not None:
-        mask = mask | attention_mask.to(device=device, dtype=torch.bool)
-    return mask, positions
+    cache = params.__dict__.setdefault("_packed_rows", {})
+    key = (total_len, str(device))
+    if key not in cache:
+        longest = max((length for _, length in sequence_rows(params, total_len)), default=0)
+        segments, positions = packed_segments_and_positions(params, total_len, device=device)
+        cache[key] = PackedRows(segments, positions, packed_attention_mask(segments), longest)
+    return cache[key]
 
 
-def packed_layer_inputs(where, params: PackedSeqParams, config, hidden_states, attention_mask, rotary_pos_emb,
-                        decoding=False):
-    """(attention mask, rotary angles of each row) for a transformer block, layer or attention called with
-    `packed_seq_params` as upstream calls them: `hidden_states` `[t, 1, h]` (`[t / tp, 1, h]` with sequence
-    parallelism) and `rotary_pos_emb` the angles of positions 0 .. n - 1, n at least the longest sequence
-    (upstream's `get_rotary_seq_len`), or None."""
-    check_packed_model_support(where, config, runs_mtp=False, decoding=decoding)
+def packed_attention_inputs(where, params: PackedSeqParams, config, hidden_states, attention_mask, decoding=False):
+    """(attention mask, `PackedRows`) for an attention given `packed_seq_params`: `hidden_states` `[t, 1, h]`
+    (`[t / tp, 1, h]` with sequence parallelism); the block-diagonal causal mask, combined with `attention_mask`
+    (True where masked) when one is given."""
+    check_packed_model_support(where, config, decoding)
     total_len = hidden_states.shape[0] * (config.tensor_model_parallel_size if config.sequence_parallel else 1)
-    mask, positions = packed_forward_inputs(where, params, total_len, hidden_states.shape[1], attention_mask,
-                                            hidden_states.device)
-    if rotary_pos_emb is not None:
-        longest = int(positions.max()) + 1 if positions.numel() else 0
-        if longest > rotary_pos_emb.shape[0]:
-            raise ValueError(f"{where}(packed_seq_params=...): rotary_pos_emb holds the angles of "
-                             f"{rotary_pos_emb.shape[0]} positions but a packed sequence has {longest} tokens; "
-                             "compute them for max(max_seqlen_q, max_seqlen_kv) positions (get_rotary_seq_len)")
-        rotary_pos_emb = packed_rotary_angles(rotary_pos_emb, positions)
-    return mask, rotary_pos_emb
+    rows = packed_rows(where, params, total_len, hidden_states.shape[1], hidden_states.device)
+    if attention_mask is None:
+        return rows.mask, rows
+    return rows.mask | attention_mask.to(device=rows.mask.device, dtype=torch.bool), rows
+
+
+def rows_rotary_angles(where, angles: torch.Tensor, rows: PackedRows) -> torch.Tensor:
+    """Each packed row's rotary angles `[t, 1, 1, d]` from `angles` `[n, 1, 1, d]` of positions 0 .. n - 1 (n at
+    least the longest sequence, upstream's `get_rotary_seq_len`)."""
+    if rows.longest > angles.shape[0]:
+        raise ValueError(f"{where}(packed_seq_params=...): rotary_pos_emb holds the angles of {angles.shape[0]} "
+                         f"positions but a packed sequence has {rows.longest} tokens; compute them for "
+                         "max(max_seqlen_q, max_seqlen_kv) positions (get_rotary_seq_len)")
+    return packed_rotary_angles(angles, rows.positions)
+
+
+def shift_left_within_sequences(tensor: torch.Tensor, shift: int, segments: torch.Tensor, fill=0):
+    """(`tensor` `[..., t]` moved `shift` rows to the left within each packed sequence, the rows whose source lies
+    past their sequence's end filled with `fill`; bool `[t]`, True where the source row is in the same sequence)
+    (multi-token prediction on packed sequences: each sequence shifted as if alone)."""
+    total_len = segments.shape[0]
+    source = torch.arange(total_len, device=segments.device) + shift
+    inside = source < total_len
+    source = source.clamp(max=total_len - 1)
+    valid = inside & (segments[source] == segments) & (segments >= 0)
+    shifted = tensor.index_select(-1, source.to(tensor.device))
+    fill_value = torch.full_like(shifted, fill)
+    return torch.where(valid.to(tensor.device), shifted, fill_value), valid

@@ -1,6 +1,5 @@
-"""The rows, positions and mask of packed (THD) sequences, and the inputs they are refused with."""
-
-from types import SimpleNamespace
+"""The rows, positions and mask of packed (THD) sequences, the shift of multi-token prediction within them, and the
+inputs they are refused with."""
 
 import pytest
 import torch
@@ -8,10 +7,12 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.packed_sequences import (
     check_packed_model_support,
+    packed_attention_inputs,
     packed_attention_mask,
-    packed_forward_inputs,
+    packed_rows,
     packed_segments_and_positions,
     sequence_rows,
+    shift_left_within_sequences,
 )
 from tests.unit_tests.models.gpt.gpt_test_utils import tiny_config
 
@@ -47,9 +48,23 @@ def test_unpadded_offsets_and_a_given_mask_combine():
     params = PackedSeqParams(cu_seqlens_q=offsets, cu_seqlens_kv=offsets.clone(), max_seqlen_q=3, max_seqlen_kv=3)
     extra = torch.zeros(1, 1, 6, 6, dtype=torch.bool)
     extra[..., 4, 3] = True  # one more pair masked inside the second sequence
-    mask, positions = packed_forward_inputs("GPTModel.forward", params, 6, 1, extra, None)
-    assert positions.tolist() == [0, 1, 0, 1, 2, 0]  # row 5, past the last offset, is padding
+    mask, rows = packed_attention_inputs("SelfAttention", params, tiny_config(), torch.zeros(6, 1, 32), extra)
+    assert rows.positions.tolist() == [0, 1, 0, 1, 2, 0] and rows.longest == 3  # row 5, past the end, is padding
     assert not mask[0, 0, 4, 2] and mask[0, 0, 4, 3] and not mask[0, 0, 4, 4] and mask[0, 0, 2, 1]
+    assert mask.sum() == rows.mask.sum() + 1
+    # Under sequence parallelism a rank holds t / tp rows of the same packed row.
+    _, split = packed_attention_inputs("SelfAttention", params, tiny_config(tp=2, sequence_parallel=True),
+                                       torch.zeros(3, 1, 32), None)
+    assert split is rows  # computed once per params object, row length and device
+
+
+def test_multi_token_prediction_shifts_within_each_sequence():
+    segments, _ = packed_segments_and_positions(_padded_params(), 14)
+    values = torch.arange(100, 114)[None]
+    shifted, valid = shift_left_within_sequences(values, 2, segments, fill=-1)
+    # Sequence rows 0-2, 4-5 and 8-11: a row keeps the value two rows on only inside its own sequence.
+    assert shifted.tolist() == [[102, -1, -1, -1, -1, -1, -1, -1, 110, 111, -1, -1, -1, -1]]
+    assert valid.tolist() == [value != -1 for value in shifted[0].tolist()]
 
 
 @pytest.mark.parametrize("fields, total_len, message", [
@@ -73,17 +88,14 @@ def test_inconsistent_offsets_are_refused_naming_the_field(fields, total_len, me
 def test_a_batch_of_several_rows_and_unsupported_models_are_refused():
     params = PackedSeqParams(cu_seqlens_q=torch.tensor([0, 4]))
     with pytest.raises(ValueError, match=r"packed sequences lie in one row, but the batch has 2 rows"):
-        packed_forward_inputs("GPTModel.forward", params, 4, 2, None, None)
+        packed_rows("GPTModel.forward", params, 4, 2, None)
     with pytest.raises(TypeError, match=r"must be a megatron.core.packed_seq_params.PackedSeqParams"):
         sequence_rows({"cu_seqlens_q": [0, 4]}, 4)
     cases = [
-        (tiny_config(context_parallel_size=2), False, False, r"context parallelism \(--context-parallel-size 2\)"),
-        (SimpleNamespace(context_parallel_size=1, multi_latent_attention=True), False, False,
-         r"multi-latent attention"),
-        (tiny_config(), True, False, r"multi-token prediction"),
-        (tiny_config(), False, True, r"decoding \(inference_context\)"),
+        (tiny_config(context_parallel_size=2), False, r"context parallelism \(--context-parallel-size 2\)"),
+        (tiny_config(), True, r"decoding \(inference_context\)"),
     ]
-    for config, runs_mtp, decoding, message in cases:
+    for config, decoding, message in cases:
         with pytest.raises(ValueError, match=r"GPTModel.forward\(packed_seq_params=...\): " + message):
-            check_packed_model_support("GPTModel.forward", config, runs_mtp, decoding)
-    check_packed_model_support("GPTModel.forward", tiny_config(), False, False)
+            check_packed_model_support("GPTModel.forward", config, decoding)
+    check_packed_model_support("GPTModel.forward", tiny_config(), False)

@@ -42,7 +42,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.extensions.transformer_engine import fused_norm_linear_class, layer_classes
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
 from megatron.core.offloading.fine_grained import offloaded_saved_tensors
-from megatron.core.packed_sequences import packed_layer_inputs
+from megatron.core.packed_sequences import packed_attention_inputs, rows_rotary_angles
 from megatron.core.transformer.attention_logits import context_parallel_max_attention_logits, max_attention_logits
 from megatron.core.transformer.context_parallel import comm_type_of_layer, context_parallel_attention
 from megatron.core.transformer import layer_scaled_attention
@@ -83,8 +83,6 @@ _UNSUPPORTED_FORWARD_INPUTS = {
     "rotary_pos_cos": "pass the rotary angles as rotary_pos_emb (GPTModel computes them)",
     "rotary_pos_sin": "pass the rotary angles as rotary_pos_emb (GPTModel computes them)",
     "attention_bias": "an additive attention bias is not supported; mask with attention_mask (True where masked)",
-    "packed_seq_params": ("multi-latent attention computes its rotary angles from row positions, not per packed "
-                          "sequence; pass padded [s, b, h] batches"),
     "sequence_len_offset": "decoding takes its offset from inference_context.sequence_len_offset",
 }
 
@@ -277,8 +275,11 @@ class SelfAttention(Attention):
         upstream: the output has the input's shape; `bias` `[h]` is `linear_proj`'s, not yet added (None without
         `add_bias_linear`); the layer adds it with the residual dropout. Upstream's arguments in its order;
         `key_value_states`, `rotary_pos_cos` / `rotary_pos_sin`, `attention_bias` and `sequence_len_offset` must
-        be None, and `inference_params` is `inference_context`'s older name; `packed_seq_params` as in
-        `TransformerBlock.forward`.
+        be None, and `inference_params` is `inference_context`'s older name.
+
+        With `packed_seq_params` (upstream's THD call: `hidden_states` `[t, 1, h]`, `rotary_pos_emb` the angles of
+        positions 0 .. n - 1, n at least the longest sequence) each token attends within its own sequence, rotated
+        by its position in it (megatron/core/packed_sequences.py).
 
         With `inference_context` the step's keys and values go into its cache and the queries attend over all
         cached positions (`rotary_pos_emb` must then hold the angles of positions offset .. offset + s - 1);
@@ -288,9 +289,10 @@ class SelfAttention(Attention):
             rotary_pos_sin=rotary_pos_sin, attention_bias=attention_bias, sequence_len_offset=sequence_len_offset)
         inference_context = one_inference_context("SelfAttention", inference_context, inference_params)
         if packed_seq_params is not None:
-            attention_mask, rotary_pos_emb = packed_layer_inputs(
-                "SelfAttention", packed_seq_params, self.config, hidden_states, attention_mask, rotary_pos_emb,
-                decoding=inference_context is not None)
+            attention_mask, rows = packed_attention_inputs("SelfAttention", packed_seq_params, self.config,
+                                                           hidden_states, attention_mask, inference_context is not None)
+            if rotary_pos_emb is not None:
+                rotary_pos_emb = rows_rotary_angles("SelfAttention", rotary_pos_emb, rows)
         # [s, b, groups_per_partition * (m + 2) * head_dim]; (2m + 2) * head_dim per group with the output gate
         mixed_qkv, _ = self.linear_qkv(hidden_states)
         seq_len = mixed_qkv.shape[0]

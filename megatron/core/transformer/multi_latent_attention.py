@@ -53,6 +53,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     yarn_get_mscale,
 )
 from megatron.core.offloading.fine_grained import offloaded_saved_tensors
+from megatron.core.packed_sequences import packed_attention_inputs, packed_rotary_angles
 from megatron.core.tensor_parallel.duplicated_linear import DuplicatedLinear
 from megatron.core.transformer import layer_scaled_attention
 from megatron.core.transformer.attention import (
@@ -291,6 +292,8 @@ class MLASelfAttention(Attention):
         `SelfAttention.forward`).
 
         `rotary_pos_emb` (the model's angles for whole heads) is not used: the rope channels have their own.
+        With `packed_seq_params` each token attends within its own packed sequence, its rope channels rotated by
+        its position in it (megatron/core/packed_sequences.py).
         With `inference_context` the step goes through its key/value cache (`cached_attention`); the causal mask
         then follows the absolute positions, so `attention_mask` must be None.
 
@@ -299,9 +302,12 @@ class MLASelfAttention(Attention):
         del rotary_pos_emb
         refuse_unsupported_forward_inputs(
             "MLASelfAttention", key_value_states=key_value_states, rotary_pos_cos=rotary_pos_cos,
-            rotary_pos_sin=rotary_pos_sin, attention_bias=attention_bias, packed_seq_params=packed_seq_params,
-            sequence_len_offset=sequence_len_offset)
+            rotary_pos_sin=rotary_pos_sin, attention_bias=attention_bias, sequence_len_offset=sequence_len_offset)
         inference_context = one_inference_context("MLASelfAttention", inference_context, inference_params)
+        rows = None
+        if packed_seq_params is not None:
+            attention_mask, rows = packed_attention_inputs("MLASelfAttention", packed_seq_params, self.config,
+                                                           hidden_states, attention_mask, inference_context is not None)
         if inference_context is not None:
             if attention_mask is not None:
                 raise ValueError("MLASelfAttention: decoding through a key/value cache (inference_context) is causal "
@@ -309,6 +315,8 @@ class MLASelfAttention(Attention):
             return self.linear_proj(self.cached_attention(hidden_states, inference_context))
         query_input, kv_latent, k_rope = self._down_projections(hidden_states)
         angles = self._rotary_angles(k_rope.shape[0], k_rope.device)
+        if rows is not None:  # the angles of every row's position in its own sequence
+            angles = packed_rotary_angles(angles, rows.positions)
         if self.window_size is not None:
             # Over global positions: under context parallelism the mask covers the whole sequence.
             full_len = k_rope.shape[0] * self.config.context_parallel_size

@@ -43,6 +43,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.fp8_utils import get_fp8_context
 from megatron.core.offloading.activations import ActivationOffloader
 from megatron.core.offloading.fine_grained import attach_fine_grained_offloading
+from megatron.core.packed_sequences import packed_rows, shift_left_within_sequences
 from megatron.core.transformer.context_parallel.sequence_shift import shift_left_across_cp_ranks
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.moe.router import log_aux_losses_as_layer
@@ -106,9 +107,10 @@ class MultiTokenPredictionLayer(torch.nn.Module):
             self.activation_offloader = ActivationOffloader(min_offloaded_tensor_size=config.min_offloaded_tensor_size)
             attach_fine_grained_offloading(self.transformer_layer, self.activation_offloader, config.offload_modules)
 
-    def forward(self, embeddings, hidden_states, attention_mask=None, rotary_pos_emb=None):
+    def forward(self, embeddings, hidden_states, attention_mask=None, rotary_pos_emb=None, packed_seq_params=None):
         """`embeddings` (of the tokens shifted by `depth`) and `hidden_states` (h^{depth-1}): `[s, b, h]`, or
-        `[s / tp, b, h]` with sequence parallelism -> h^{depth}, same shape."""
+        `[s / tp, b, h]` with sequence parallelism -> h^{depth}, same shape. `packed_seq_params` goes to the
+        layer's attention."""
         combined = torch.cat([self.enorm(embeddings), self.hnorm(hidden_states)], dim=-1)
         projected, _ = self.eh_proj(combined)  # [s, b, h / tp]; under SP the sequence is gathered first
         projected = tensor_parallel.gather_from_tensor_model_parallel_region(projected)  # [s, b, h]
@@ -118,7 +120,8 @@ class MultiTokenPredictionLayer(torch.nn.Module):
         if fp32_residual:  # as in the decoder block: the layer's residual stream is fp32
             projected = projected.float()
         with get_fp8_context(self.config, self.transformer_layer.layer_number - 1):
-            output, _ = self.transformer_layer(projected, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+            output, _ = self.transformer_layer(projected, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+                                               packed_seq_params=packed_seq_params)
         if fp32_residual:
             output = output.to(self.config.params_dtype)
         return self.final_layernorm(output)
@@ -148,16 +151,26 @@ class MultiTokenPredictionBlock(torch.nn.Module):
         return layer
 
     def forward(self, input_ids, position_ids, hidden_states, embedding, attention_mask=None,
-                rotary_pos_emb=None) -> List[torch.Tensor]:
+                rotary_pos_emb=None, packed_seq_params=None) -> List[torch.Tensor]:
         """h^1..h^N (each like `hidden_states`, the decoder's normalised output h^0). `embedding(ids,
-        position_ids)` is the model's embedding; `input_ids` / `position_ids` are `[b, s]`."""
+        position_ids)` is the model's embedding; `input_ids` / `position_ids` are `[b, s]`. With
+        `packed_seq_params` (`[1, t]` ids) the ids and positions shift within each packed sequence."""
         outputs = []
         cp_group = context_parallel_group_or_none(self.config)
+        if packed_seq_params is None:
+            def shift(tensor, depth):
+                return shift_left(tensor, depth, cp_group=cp_group)
+        else:
+            segments = packed_rows("MultiTokenPredictionBlock.forward", packed_seq_params, input_ids.shape[1],
+                                   input_ids.shape[0], input_ids.device).segments
+
+            def shift(tensor, depth):
+                return shift_left_within_sequences(tensor, depth, segments)[0]
         for depth in range(1, self.config.mtp_num_layers + 1):
             layer = self.layer_at(depth)
-            shifted_positions = None if position_ids is None else shift_left(position_ids, depth, cp_group=cp_group)
-            embeddings = embedding(shift_left(input_ids, depth, cp_group=cp_group), shifted_positions)
-            hidden_states = layer(embeddings, hidden_states, attention_mask, rotary_pos_emb)
+            shifted_positions = None if position_ids is None else shift(position_ids, depth)
+            embeddings = embedding(shift(input_ids, depth), shifted_positions)
+            hidden_states = layer(embeddings, hidden_states, attention_mask, rotary_pos_emb, packed_seq_params)
             outputs.append(hidden_states)
         return outputs
 

@@ -16,7 +16,6 @@ import torch
 from megatron.core.fp8_utils import get_fp8_context
 from megatron.core.offloading.activations import ActivationOffloader
 from megatron.core.offloading.fine_grained import attach_fine_grained_offloading
-from megatron.core.packed_sequences import packed_layer_inputs
 from megatron.core.transformer.attention import one_inference_context, refuse_unsupported_forward_inputs
 from megatron.core.transformer.init_seeds import resolve_base_init_seed
 from megatron.core.transformer.norms import build_norm
@@ -73,14 +72,16 @@ class TransformerBlock(torch.nn.Module):
         """The activation received from the previous pipeline stage (`[s, b, h]`), used instead of the argument."""
         self.input_tensor = input_tensor
 
-    def _run_layers(self, start, end):
+    def _run_layers(self, start, end, packed_seq_params=None):
         def run(hidden_states, attention_mask, rotary_pos_emb, inference_context=None):
-            decode_kwargs = {} if inference_context is None else {"inference_context": inference_context}
+            kwargs = {} if inference_context is None else {"inference_context": inference_context}
+            if packed_seq_params is not None:
+                kwargs["packed_seq_params"] = packed_seq_params
             for index in range(start, end):
                 layer = self.layers[index]
                 with get_fp8_context(self.config, layer.layer_number - 1), self._activation_offload(index, layer):
                     hidden_states, _ = layer(hidden_states, attention_mask=attention_mask,
-                                             rotary_pos_emb=rotary_pos_emb, **decode_kwargs)
+                                             rotary_pos_emb=rotary_pos_emb, **kwargs)
             return hidden_states
 
         return run
@@ -95,18 +96,18 @@ class TransformerBlock(torch.nn.Module):
             self.activation_offloader = ActivationOffloader()
         return self.activation_offloader.hooks(layer.layer_number)
 
-    def _forward_with_full_recompute(self, hidden_states, attention_mask, rotary_pos_emb):
+    def _forward_with_full_recompute(self, hidden_states, attention_mask, rotary_pos_emb, packed_seq_params=None):
         checkpointed = distributed_checkpointed if self.config.distribute_saved_activations else plain_checkpointed
         num_layers = len(self.layers)
         chunk = self.config.recompute_num_layers
         if self.config.recompute_method == "uniform":
             for start in range(0, num_layers, chunk):
-                run_chunk = self._run_layers(start, min(start + chunk, num_layers))
+                run_chunk = self._run_layers(start, min(start + chunk, num_layers), packed_seq_params)
                 hidden_states = checkpointed(run_chunk, hidden_states, attention_mask, rotary_pos_emb)
             return hidden_states
         # "block": recompute the first `chunk` layers of this stage, keep the activations of the rest.
         for index in range(num_layers):
-            run_layer = self._run_layers(index, index + 1)
+            run_layer = self._run_layers(index, index + 1, packed_seq_params)
             if index < chunk:
                 hidden_states = checkpointed(run_layer, hidden_states, attention_mask, rotary_pos_emb)
             else:
@@ -120,9 +121,7 @@ class TransformerBlock(torch.nn.Module):
         its older name `inference_params`) each layer's attention decodes through the context's key/value cache
         (no recomputation). Upstream's arguments in its order; those the layers have no use for (`context`,
         `context_mask`, `rotary_pos_cos` / `rotary_pos_sin`, `attention_bias`, `sequence_len_offset`) must be
-        None. With `packed_seq_params` (upstream's THD call: `[t, 1, h]`, `rotary_pos_emb` of the longest
-        sequence's positions) each token attends within its own sequence at its own positions
-        (megatron/core/packed_sequences.py)."""
+        None. `packed_seq_params` goes to every layer's attention (see `SelfAttention.forward`)."""
         refuse_unsupported_forward_inputs("TransformerBlock", context=context, context_mask=context_mask,
                                           rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
                                           attention_bias=attention_bias, sequence_len_offset=sequence_len_offset)
@@ -131,18 +130,15 @@ class TransformerBlock(torch.nn.Module):
             if self.input_tensor is None:
                 raise RuntimeError("a pipeline stage that is not first needs set_input_tensor() before forward")
             hidden_states = self.input_tensor
-        if packed_seq_params is not None:
-            attention_mask, rotary_pos_emb = packed_layer_inputs(
-                "TransformerBlock", packed_seq_params, self.config, hidden_states, attention_mask, rotary_pos_emb,
-                decoding=inference_context is not None)
         if self.config.fp32_residual_connection:
             # The residual stream stays fp32 through the layers (and between pipeline stages).
             hidden_states = hidden_states.float()
         if self.config.recompute_granularity == "full" and self.training and inference_context is None:
-            hidden_states = self._forward_with_full_recompute(hidden_states, attention_mask, rotary_pos_emb)
+            hidden_states = self._forward_with_full_recompute(hidden_states, attention_mask, rotary_pos_emb,
+                                                              packed_seq_params)
         else:
-            hidden_states = self._run_layers(0, len(self.layers))(hidden_states, attention_mask, rotary_pos_emb,
-                                                                   inference_context)
+            hidden_states = self._run_layers(0, len(self.layers), packed_seq_params)(
+                hidden_states, attention_mask, rotary_pos_emb, inference_context)
         if self.final_layernorm is not None:
             if self.config.fp32_residual_connection:
                 hidden_states = hidden_states.to(self.config.params_dtype)

@@ -25,7 +25,6 @@ import torch
 
 from megatron.core import tensor_parallel
 from megatron.core.extensions.transformer_engine import uses_transformer_engine
-from megatron.core.packed_sequences import packed_layer_inputs
 from megatron.core.transformer.attention import (
     SelfAttention,
     one_inference_context,
@@ -169,26 +168,21 @@ class TransformerLayer(torch.nn.Module):
         `StaticInferenceContext`; `inference_params` is its older name): decode through its key/value cache (see
         `SelfAttention.forward`); None in training. The cross-attention inputs (`context`, `context_mask`),
         `rotary_pos_cos` / `rotary_pos_sin`, `attention_bias` and `sequence_len_offset` must be None (see
-        `refuse_unsupported_forward_inputs`); `packed_seq_params` as in `TransformerBlock.forward`."""
+        `refuse_unsupported_forward_inputs`); `packed_seq_params` goes to the attention (see
+        `SelfAttention.forward`)."""
         refuse_unsupported_forward_inputs("TransformerLayer", context=context, context_mask=context_mask,
                                           rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
                                           attention_bias=attention_bias, sequence_len_offset=sequence_len_offset)
         inference_context = one_inference_context("TransformerLayer", inference_context, inference_params)
-        if packed_seq_params is not None:
-            attention_mask, rotary_pos_emb = packed_layer_inputs(
-                "TransformerLayer", packed_seq_params, self.config, hidden_states, attention_mask, rotary_pos_emb,
-                decoding=inference_context is not None)
         attention_input, attention_context = self._norm_for(self.input_layernorm, hidden_states,
                                                             self.norms_fused_into_linears,
                                                             self.recompute_input_layernorm)
         with attention_context:
-            if inference_context is None:
-                attention_output = _add_bias(self.self_attention(attention_input, attention_mask=attention_mask,
-                                                                 rotary_pos_emb=rotary_pos_emb))
-            else:
-                attention_output = _add_bias(self.self_attention(attention_input, attention_mask=attention_mask,
-                                                                 rotary_pos_emb=rotary_pos_emb,
-                                                                 inference_context=inference_context))
+            # Only the inputs given: an attention from a spec may not take the others.
+            given = {name: value for name, value in (("inference_context", inference_context),
+                                                     ("packed_seq_params", packed_seq_params)) if value is not None}
+            attention_output = _add_bias(self.self_attention(attention_input, attention_mask=attention_mask,
+                                                             rotary_pos_emb=rotary_pos_emb, **given))
         hidden_states = self._residual_add(hidden_states, attention_input, attention_output)
         mlp_input, mlp_output = self._mlp_block(hidden_states)
         return self._residual_add(hidden_states, mlp_input, mlp_output), None

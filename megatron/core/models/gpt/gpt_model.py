@@ -39,7 +39,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     rotary_angles,
 )
 from megatron.core.models.gpt.gpt_layer_specs import check_layer_spec, check_mtp_block_spec
-from megatron.core.packed_sequences import check_packed_model_support, packed_forward_inputs, packed_rotary_angles
+from megatron.core.packed_sequences import check_packed_model_support, packed_rows, shift_left_within_sequences
 from megatron.core.transformer.context_parallel import local_token_indices
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.module import ShardedStateModule
@@ -432,26 +432,19 @@ class GPTModel(ShardedStateModule):
             seq_len *= self.config.tensor_model_parallel_size
         return received.shape[1], seq_len, received.device
 
-    def _packed_inputs(self, packed_seq_params, input_ids, decoder_input, position_ids, attention_mask,
-                       inference_context):
-        """(attention mask, position ids, rotary row positions) of a packed-sequence forward (see
-        megatron/core/packed_sequences.py); the rotary positions are None without packed sequences."""
+    def _packed_rows(self, packed_seq_params, input_ids, decoder_input, inference_context):
+        """The `PackedRows` of a packed-sequence forward (megatron/core/packed_sequences.py), None without."""
         if packed_seq_params is None:
-            return attention_mask, position_ids, None
+            return None
         where = "GPTModel.forward"
-        check_packed_model_support(where, self.config, self.mtp_process, inference_context is not None)
+        check_packed_model_support(where, self.config, inference_context is not None)
         batch, seq_len, device = self._batch_and_sequence(input_ids, decoder_input)
-        mask, positions = packed_forward_inputs(where, packed_seq_params, seq_len, batch, attention_mask, device)
-        if position_ids is None:
-            position_ids = positions[None]
-        return mask, position_ids, positions
+        return packed_rows(where, packed_seq_params, seq_len, batch, device)
 
-    def _rotary_angles(self, input_ids, decoder_input=None, packed_positions=None):
+    def _rotary_angles(self, input_ids, decoder_input=None):
         if self.rotary_pos_emb is None:
             return None
         _, seq_len, device = self._batch_and_sequence(input_ids, decoder_input)
-        if packed_positions is not None:  # context parallelism is refused with packed sequences
-            return packed_rotary_angles(rotary_angles(self.rotary_pos_emb, seq_len, device=device), packed_positions)
         cp_size = self.config.context_parallel_size
         if cp_size == 1:  # every position, whatever parallel_state's context-parallel group is (the config decides)
             return rotary_angles(self.rotary_pos_emb, seq_len, device=device)
@@ -529,8 +522,8 @@ class GPTModel(ShardedStateModule):
         `packed_seq_params` (a `PackedSeqParams`, upstream's 'thd' layout): `input_ids` `[1, t]` hold several
         sequences back to back; each token attends within its own sequence and its positions (rotary, and the
         learned embedding when `position_ids` is None) restart at each sequence start, so each sequence's
-        per-token loss is the one it has alone (megatron/core/packed_sequences.py). Not with context
-        parallelism, multi-latent attention, multi-token prediction or decoding (each refused by name).
+        per-token loss is the one it has alone (megatron/core/packed_sequences.py); multi-token prediction shifts
+        within each sequence. Not with context parallelism or decoding (each refused by name).
         """
         _refuse_unsupported_forward_inputs(extra_block_kwargs)
         if inference_params is not None:
@@ -540,8 +533,9 @@ class GPTModel(ShardedStateModule):
             inference_context = inference_params
         if decoder_input is not None:
             self._check_decoder_input(decoder_input, input_ids, inference_context)
-        attention_mask, position_ids, packed_positions = self._packed_inputs(
-            packed_seq_params, input_ids, decoder_input, position_ids, attention_mask, inference_context)
+        rows = self._packed_rows(packed_seq_params, input_ids, decoder_input, inference_context)
+        if rows is not None and position_ids is None:
+            position_ids = rows.positions[None]  # each sequence's own positions, for a learned position embedding
         if inference_context is not None:
             return self._decode(input_ids, position_ids, attention_mask, labels, inference_context,
                                 runtime_gather_output)
@@ -551,8 +545,9 @@ class GPTModel(ShardedStateModule):
             decoder_input = self.embedding(input_ids, position_ids)
             if self.config.sequence_parallel and not self.scatter_embedding_sequence_parallel:
                 decoder_input = tensor_parallel.scatter_to_sequence_parallel_region(decoder_input)
-        rotary_angles = self._rotary_angles(input_ids, decoder_input, packed_positions)
-        hidden_states = self.decoder(decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary_angles)
+        rotary_angles = self._rotary_angles(input_ids, decoder_input)  # by row; packed: attention picks by position
+        hidden_states = self.decoder(decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary_angles,
+                                     packed_seq_params=packed_seq_params)
         if not self.post_process:
             return hidden_states
 
@@ -565,7 +560,7 @@ class GPTModel(ShardedStateModule):
             return loss
         del logits
         return loss, self._mtp_losses(input_ids, position_ids, hidden_states, labels, attention_mask, rotary_angles,
-                                      loss_mask)
+                                      loss_mask, packed_seq_params, rows)
 
     def _batch_first_logits(self, logits, runtime_gather_output):
         """This rank's logits `[s, b, vocab / tp]` -> `[b, s, vocab / tp]`, or gathered `[b, s, vocab]`."""
@@ -600,13 +595,16 @@ class GPTModel(ShardedStateModule):
         return loss.transpose(0, 1).contiguous()
 
     def _mtp_losses(self, input_ids, position_ids, hidden_states, labels, attention_mask, rotary_angles,
-                    loss_mask=None):
+                    loss_mask=None, packed_seq_params=None, rows=None):
         """`[N, b, s]`: each MTP depth's per-token loss (see `forward`), logits from the shared output layer."""
         if input_ids is None:
             raise RuntimeError("the multi-token-prediction depths on the last stage need the input ids: pass the "
                                "tokens to forward() on every pipeline stage")
         depth_states = self.mtp(input_ids, position_ids, hidden_states, self.embedding,
-                                attention_mask=attention_mask, rotary_pos_emb=rotary_angles)
+                                attention_mask=attention_mask, rotary_pos_emb=rotary_angles,
+                                packed_seq_params=packed_seq_params)
+        if rows is not None:
+            return self._packed_mtp_losses(depth_states, labels, loss_mask, rows)
         cp_size = self.config.context_parallel_size
         seq_len = labels.shape[1] * cp_size
         if cp_size == 1:
@@ -622,5 +620,18 @@ class GPTModel(ShardedStateModule):
             loss = torch.where(positions < seq_len - depth, loss, torch.zeros_like(loss))
             if loss_mask is not None:
                 loss = loss * shift_left(loss_mask, depth, cp_group=cp_group).to(loss.dtype)
+            losses.append(loss)
+        return torch.stack(losses)
+
+    def _packed_mtp_losses(self, depth_states, labels, loss_mask, rows):
+        """`_mtp_losses` on packed sequences: the labels and loss mask shift within each sequence, and depth k's
+        loss is zero where the shifted label falls past the end of its sequence (as for each sequence alone)."""
+        losses = []
+        for depth, states in enumerate(depth_states, start=1):
+            shifted_labels, valid = shift_left_within_sequences(labels, depth, rows.segments)
+            loss = self._per_token_loss(self._vocab_parallel_logits(states), shifted_labels)
+            loss = torch.where(valid, loss, torch.zeros_like(loss))
+            if loss_mask is not None:
+                loss = loss * shift_left_within_sequences(loss_mask, depth, rows.segments)[0].to(loss.dtype)
             losses.append(loss)
         return torch.stack(losses)

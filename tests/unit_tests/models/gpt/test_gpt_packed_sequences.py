@@ -1,8 +1,8 @@
-"""GPTModel on packed (THD) sequences, upstream's `packed_seq_params`: each sequence of a packed row gets the
-per-token loss it has alone and the row's gradient is the sum of its sequences' gradients; the same holds for a
-transformer block called directly as upstream calls it, under tensor + sequence parallelism and a two-stage
-pipeline, and training on packed rows under every data-parallel wrapper matches one process on one row holding
-every rank's sequences."""
+"""GPTModel on packed (THD) sequences, upstream's `packed_seq_params` (with RoPE, learned positions, a sliding
+window, multi-latent attention and multi-token prediction): each sequence of a packed row gets the per-token loss
+it has alone and the row's gradient is the sum of its sequences' gradients; the same holds for a transformer block
+called directly as upstream calls it, under tensor + sequence parallelism and a two-stage pipeline, and training on
+packed rows under every data-parallel wrapper matches one process on one row holding every rank's sequences."""
 
 import os
 
@@ -72,10 +72,12 @@ def _packed(model, batch, position_ids=None):
 
 
 def _assert_matches(losses, grads, expected_losses, expected_grads):
-    # fp32: a row's attention sums the same terms as the sequence alone plus exact zeros for the masked keys.
+    # fp32: a row's attention sums the same terms as the sequence alone plus exact zeros for the masked keys. A
+    # gradient sums over all the row's tokens at once instead of sequence by sequence: another order of the same
+    # fp32 additions (biases: up to ~2e-6 on sums of order 1 over 16 tokens).
     torch.testing.assert_close(losses, expected_losses, rtol=0, atol=2e-6)
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=4e-6, msg=name)
 
 
 VARIANTS = {
@@ -83,6 +85,11 @@ VARIANTS = {
                                           config=dict(num_query_groups=2)),
     "learned absolute positions": dict(model=dict(position_embedding_type="learned_absolute"), config={}),
     "rope, sliding window of 3": dict(model=dict(position_embedding_type="rope"), config=dict(window_size=(2, 0))),
+    "multi-latent attention, YaRN": dict(
+        model=dict(position_embedding_type="none"),
+        config=dict(multi_latent_attention=True, kv_lora_rank=12, qk_head_dim=6, qk_pos_emb_head_dim=16, v_head_dim=10,
+                    q_lora_rank=10, rotary_scaling_factor=4.0, mscale=1.0, mscale_all_dim=0.8,
+                    original_max_position_embeddings=256)),
 }
 
 
@@ -103,7 +110,37 @@ def test_each_packed_sequence_trains_as_if_alone(variant, padded):
         tokens, labels, *_ = _packed_batch(sequences)
         with torch.no_grad():
             unpacked = model(tokens, torch.arange(tokens.shape[1])[None], labels=labels)[0]
-        assert (unpacked - expected[0]).abs().max() > 1e-2
+        assert (unpacked - expected[0]).abs().max() > 1e-3  # 500 x the tolerance above
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["back to back", "padded offsets"])
+def test_multi_token_prediction_depths_see_each_sequence_alone(padded):
+    """With --mtp-num-layers 2 each depth's per-token losses on a packed row equal those of each sequence alone
+    (labels and inputs shifted within the sequence, zero past its end), and so do the gradients."""
+    Utils.initialize_model_parallel()
+    try:
+        model = seeded_model(tiny_config(mtp_num_layers=2), position_embedding_type="rope")
+        sequences = _sequences()
+        model.zero_grad(set_to_none=True)
+        expected_main, expected_depths = [], []
+        for stream in sequences:
+            main, depths = model(stream[None, :-1], None, labels=stream[None, 1:])
+            (main.sum() + depths.sum()).backward()
+            expected_main.append(main.detach()[0])
+            expected_depths.append(depths.detach()[:, 0])
+        expected_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        tokens, labels, mask, params, real_rows = _packed_batch(sequences, padded=padded, trailing=2)
+        model.zero_grad(set_to_none=True)
+        main, depths = model(tokens, None, labels=labels, packed_seq_params=params, loss_mask=mask)
+        ((main * mask).sum() + depths.sum()).backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        _assert_matches(main.detach()[0, real_rows], grads, torch.cat(expected_main), expected_grads)
+        torch.testing.assert_close(depths.detach()[:, 0, real_rows], torch.cat(expected_depths, dim=1), rtol=0,
+                                   atol=2e-6)
+        padding_rows = [row for row in range(tokens.shape[1]) if row not in real_rows]
+        assert depths[:, 0, padding_rows].abs().max() == 0
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -127,7 +164,7 @@ def test_the_block_takes_upstreams_thd_call():
                 alone = block(hidden[start:start + length], None, rotary_pos_emb=rope(length))
                 torch.testing.assert_close(packed[start:start + length], alone, rtol=0, atol=2e-6)
                 start += length
-            with pytest.raises(ValueError, match=r"TransformerBlock\(packed_seq_params=...\): rotary_pos_emb holds "
+            with pytest.raises(ValueError, match=r"SelfAttention\(packed_seq_params=...\): rotary_pos_emb holds "
                                                  r"the angles of 4 positions but a packed sequence has 7 tokens"):
                 block(hidden, None, rotary_pos_emb=angles[:4], packed_seq_params=params)
     finally:
