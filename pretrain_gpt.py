@@ -24,6 +24,7 @@ from megatron.core.transformer.multi_token_prediction import (
 from megatron.training.datasets.gpt_dataset_config import gpt_dataset_config_from_args
 from megatron.training.global_vars import get_args, get_timers, get_tokenizer
 from megatron.training.model_config import core_transformer_config_from_args
+from megatron.training.packed_batch import packed_seq_params_from_batch
 from megatron.training.training import pretrain
 
 # --check-for-spiky-loss: a microbatch loss this many times the largest of the first losses is rejected.
@@ -54,11 +55,16 @@ BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
 def get_batch(data_iterator):
     """The next micro-batch on this process's device (every stage draws it, keeping iterators in step), cut to
     this context-parallel rank's two chunks of the sequence. Only the keys the step reads are kept (as upstream's
-    get_batch), so a blend's per-sample `dataset_id` does not reach the sequence split."""
+    get_batch), so a blend's per-sample `dataset_id` does not reach the sequence split. A batch of packed
+    sequences (with `cu_seqlens`, megatron/training/packed_batch.py) also gets its `packed_seq_params`."""
     batch = next(data_iterator)
     device = get_args().device
+    packed_seq_params = packed_seq_params_from_batch(batch, device)
     batch = {key: value.to(device, non_blocking=True) for key, value in batch.items() if key in BATCH_KEYS}
-    return get_batch_on_this_cp_rank(batch)
+    batch = get_batch_on_this_cp_rank(batch)
+    if packed_seq_params is not None:
+        batch["packed_seq_params"] = packed_seq_params
+    return batch
 
 
 def loss_func(loss_mask, output_tensor):
@@ -113,8 +119,10 @@ def forward_step(data_iterator, model):
     """Forward one micro-batch; returns (per-token loss on the last stage / hidden states elsewhere, loss_func)."""
     with timed(get_timers(), "batch-generator", log_level=2):
         batch = get_batch(data_iterator)
+    packed = {"packed_seq_params": batch["packed_seq_params"]} if "packed_seq_params" in batch else {}
     output_tensor = model(
-        batch["tokens"], batch["position_ids"], attention_mask=batch.get("attention_mask"), labels=batch["labels"]
+        batch["tokens"], batch["position_ids"], attention_mask=batch.get("attention_mask"), labels=batch["labels"],
+        **packed,
     )
     return output_tensor, partial(loss_func, batch["loss_mask"])
 
