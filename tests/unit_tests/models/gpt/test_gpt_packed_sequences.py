@@ -346,3 +346,20 @@ def test_packed_rows_train_alike_under_every_data_parallel_wrapper(wrapper):
     assert sorted(weights) == sorted(expected)
     for name, value in weights.items():
         torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.gpu
+def test_packed_sequences_on_cuda_train_as_if_alone():
+    """The mask on a CUDA device goes to other attention kernels than the causal flag: the same equality, with
+    fp32 kernel tolerances (TF32 off)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model = seeded_model(tiny_config(num_query_groups=2), position_embedding_type="rope").to("cuda")
+    sequences = [stream.to("cuda") for stream in _sequences()]
+    expected_losses, expected_grads = _separate(model, sequences)
+    tokens, labels, mask, params, real_rows = _packed_batch(sequences, padded=True, trailing=2)
+    batch = (tokens.cuda(), labels.cuda(), mask.cuda(), params, real_rows)
+    losses, grads = _packed(model, batch)
+    torch.testing.assert_close(losses, expected_losses, rtol=1e-5, atol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-5, msg=name)
