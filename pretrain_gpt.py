@@ -12,6 +12,7 @@ from megatron.core import parallel_state
 from megatron.core.datasets.gpt_dataset import build_gpt_datasets
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.packed_sequences import cut_packed_batch_for_cp_rank
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.timers import timed
 from megatron.core.transformer.context_parallel import get_batch_on_this_cp_rank
@@ -61,13 +62,15 @@ def get_batch(data_iterator):
     device = get_args().device
     packed_seq_params = packed_seq_params_from_batch(batch, device)
     batch = {key: value.to(device, non_blocking=True) for key, value in batch.items() if key in BATCH_KEYS}
-    batch = get_batch_on_this_cp_rank(batch)
-    if packed_seq_params is not None:
-        batch["packed_seq_params"] = packed_seq_params
+    if packed_seq_params is None:
+        return get_batch_on_this_cp_rank(batch)
+    # Packed sequences: each one cut into 2 x CP chunks (upstream's THD split), the model told where they lie.
+    batch = cut_packed_batch_for_cp_rank(batch, packed_seq_params)
+    batch["packed_seq_params"] = packed_seq_params
     return batch
 
 
-def loss_func(loss_mask, output_tensor):
+def loss_func(loss_mask, output_tensor, packed_seq_params=None):
     """(masked loss sum, token count, report): the schedule divides the loss by the count.
 
     The report is this rank's [sum, count]; the training loop sums reports over DP x CP. Under context
@@ -77,7 +80,8 @@ def loss_func(loss_mask, output_tensor):
     With multi-token prediction (`--mtp-num-layers`) the model also returns each depth's per-token losses: their
     term (`--mtp-loss-scaling-factor` / N times the sum of the depths' masked means) joins the loss for the
     backward, and in training each depth's sum and count are kept for the `mtp_k loss` log fields; the report
-    (`lm loss`) stays the main model's.
+    (`lm loss`) stays the main model's. On packed sequences (`packed_seq_params`) the depths' loss masks shift
+    within each sequence.
     """
     output_tensor, depth_losses = mtp_depth_losses_or_none(output_tensor)
     losses = output_tensor.float().reshape(-1)
@@ -89,7 +93,8 @@ def loss_func(loss_mask, output_tensor):
     group = parallel_state.get_context_parallel_group() if cp_size > 1 else None  # the CP ranks share each sequence
     if depth_losses is not None:
         args = get_args()
-        depth_sums, depth_counts = masked_depth_losses(depth_losses, loss_mask, cp_group=group)
+        depth_sums, depth_counts = masked_depth_losses(depth_losses, loss_mask, cp_group=group,
+                                                       packed_seq_params=packed_seq_params)
         if torch.is_grad_enabled():  # a training pass (evaluation runs under no_grad)
             track_mtp_losses(depth_sums, depth_counts)
         loss_sum = loss_sum + mtp_loss_for_backward(depth_sums, depth_counts, args.mtp_loss_scaling_factor,
@@ -124,7 +129,7 @@ def forward_step(data_iterator, model):
         batch["tokens"], batch["position_ids"], attention_mask=batch.get("attention_mask"), labels=batch["labels"],
         **packed,
     )
-    return output_tensor, partial(loss_func, batch["loss_mask"])
+    return output_tensor, partial(loss_func, batch["loss_mask"], **packed)
 
 
 def train_valid_test_datasets_provider(train_valid_test_num_samples):

@@ -16,13 +16,20 @@ token of each sequence (whose label belongs to the next one) and the padding is 
 The mask is `[1, 1, t, t]` bools, built once per `PackedSeqParams` object and shared by the layers
 (`packed_rows`). Multi-token prediction shifts its inputs and labels within each sequence
 (`shift_left_within_sequences`).
+
+Under context parallelism a rank holds upstream's THD split of the row (`thd_local_indices`: two chunks of every
+sequence) while the context-parallel attention reads masks over the positions of its standard split (two chunks
+of the whole row). The packed mask is therefore re-indexed once, so that each standard position stands for the
+packed row the rank holds there; every comm type then computes the exact packed attention.
 """
 
 from typing import NamedTuple
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.context_parallel.sequence_split import local_token_indices
 
 
 def _offsets(params: PackedSeqParams, name: str):
@@ -117,42 +124,105 @@ class PackedRows(NamedTuple):
     longest: int
 
 
-def check_packed_model_support(where, config, decoding: bool):
+def context_parallel_size_and_rank(config):
+    """(context-parallel size, this rank's index in its group) of `config`'s model: (1, 0) without."""
+    if config.context_parallel_size == 1:
+        return 1, 0
+    return config.context_parallel_size, parallel_state.get_context_parallel_rank()
+
+
+def check_packed_model_support(where, config, decoding: bool, runs_mtp: bool = False, window_size=None):
     """Raises ValueError naming what `where` (e.g. "GPTModel.forward") cannot combine packed sequences with."""
     if decoding:
         raise ValueError(f"{where}(packed_seq_params=...): decoding (inference_context) runs padded [b, s] prompts; "
                          "pass packed_seq_params=None")
-    if config.context_parallel_size > 1:
-        raise ValueError(f"{where}(packed_seq_params=...): context parallelism (--context-parallel-size "
-                         f"{config.context_parallel_size}) splits one padded sequence into chunks across ranks; split "
-                         "the packed sequences across data-parallel ranks instead, or run context parallelism on "
-                         "padded [b, s] batches")
+    if config.context_parallel_size == 1:
+        return
+    unsupported = (("multi-token prediction (--mtp-num-layers)", runs_mtp),
+                   ("a sliding window (--window-size)", window_size is not None))
+    for what, present in unsupported:
+        if present:
+            raise ValueError(f"{where}(packed_seq_params=...): {what} on packed sequences is not supported under "
+                             f"context parallelism (--context-parallel-size {config.context_parallel_size}); "
+                             "run it without context parallelism or on padded [b, s] batches")
 
 
-def packed_rows(where, params: PackedSeqParams, total_len: int, batch: int, device) -> PackedRows:
-    """The `PackedRows` of a packed row of `total_len` tokens on `device`. They are computed once per `params`
-    object, row length and device, and kept on `params`: every layer of a forward (and its backward) reads the
-    same tensors, and the offsets are read on the host once. Build a new `PackedSeqParams` for each batch (as
-    upstream's data code does) rather than changing the offsets of one in place."""
+def thd_local_indices(params: PackedSeqParams, total_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """The rows of a packed row of `total_len` tokens that context-parallel rank `cp_rank` of `cp_size` holds, in
+    its order (upstream's THD split, Transformer Engine's `thd_get_partitioned_indices`): each sequence's span
+    (from its start to the next one's, padding included) is cut into 2 x CP equal chunks and the rank takes chunks
+    `cp_rank` and `2 x CP - 1 - cp_rank` of every sequence, sequence after sequence. Each span must be a multiple
+    of 2 x CP rows and the last one must end the row (pad the sequences with `cu_seqlens_q_padded`)."""
+    rows = sequence_rows(params, total_len)
+    starts = [start for start, _ in rows] + [total_len]
+    offsets = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    if int(offsets[-1]) != total_len:
+        raise ValueError(f"packed_seq_params: under context parallelism the sequences must fill the row: they end "
+                         f"at row {int(offsets[-1])} of {total_len}; pad the last one (cu_seqlens_q_padded)")
+    pieces = []
+    for index in range(len(rows)):
+        span = starts[index + 1] - starts[index]
+        if span % (2 * cp_size):
+            raise ValueError(f"packed_seq_params: sequence {index} spans {span} rows, not a multiple of 2 x "
+                             f"--context-parallel-size ({2 * cp_size}); pad each sequence to a multiple of "
+                             f"{2 * cp_size} rows with cu_seqlens_q_padded (as upstream requires)")
+        chunk = span // (2 * cp_size)
+        for chunk_id in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            first = starts[index] + chunk_id * chunk
+            pieces.append(torch.arange(first, first + chunk, dtype=torch.int64))
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+
+
+def _rows_in_standard_order(mask, params, total_len, cp_size):
+    """`mask` `[1, 1, t, t]` over packed rows, re-indexed for the context-parallel attention: it reads masks over
+    the positions of the standard split (rank r holding chunks r and 2N - 1 - r of the whole row), so the row at
+    standard position p is the packed row that sits there under the THD split."""
+    standard = torch.cat([local_token_indices(total_len, cp_size, rank) for rank in range(cp_size)])
+    packed = torch.cat([thd_local_indices(params, total_len, cp_size, rank) for rank in range(cp_size)])
+    rows_at = torch.empty(total_len, dtype=torch.int64)
+    rows_at[standard] = packed
+    rows_at = rows_at.to(mask.device)
+    return mask.index_select(-2, rows_at).index_select(-1, rows_at)
+
+
+def packed_rows(where, params: PackedSeqParams, local_len: int, batch: int, device, cp_size: int = 1,
+                cp_rank: int = 0) -> PackedRows:
+    """The `PackedRows` of a packed row of which this rank holds `local_len` tokens on `device`. They are
+    computed once per `params` object, row length, device and context-parallel rank, and kept on `params`: every
+    layer of a forward (and its backward) reads the same tensors, and the offsets are read on the host once.
+    Build a new `PackedSeqParams` for each batch (as upstream's data code does) rather than changing the offsets
+    of one in place.
+
+    Under context parallelism (`cp_size` > 1) the rank holds its rows of upstream's THD split
+    (`thd_local_indices`): `positions` are those of its own rows, and `mask` covers the whole row re-indexed as
+    the context-parallel attention reads it (`_rows_in_standard_order`)."""
     if batch != 1:
         raise ValueError(f"{where}(packed_seq_params=...): packed sequences lie in one row, but the batch has "
                          f"{batch} rows; pass input_ids of shape [1, t] (hidden states [t, 1, h])")
     cache = params.__dict__.setdefault("_packed_rows", {})
-    key = (total_len, str(device))
+    key = (local_len, str(device), cp_size, cp_rank)
     if key not in cache:
+        total_len = local_len * cp_size
         longest = max((length for _, length in sequence_rows(params, total_len)), default=0)
         segments, positions = packed_segments_and_positions(params, total_len, device=device)
-        cache[key] = PackedRows(segments, positions, packed_attention_mask(segments), longest)
+        mask = packed_attention_mask(segments)
+        if cp_size > 1:
+            positions = positions[thd_local_indices(params, total_len, cp_size, cp_rank).to(device)]
+            mask = _rows_in_standard_order(mask, params, total_len, cp_size)
+        cache[key] = PackedRows(segments, positions, mask, longest)
     return cache[key]
 
 
-def packed_attention_inputs(where, params: PackedSeqParams, config, hidden_states, attention_mask, decoding=False):
+def packed_attention_inputs(where, params: PackedSeqParams, config, hidden_states, attention_mask, decoding=False,
+                            window_size=None):
     """(attention mask, `PackedRows`) for an attention given `packed_seq_params`: `hidden_states` `[t, 1, h]`
-    (`[t / tp, 1, h]` with sequence parallelism); the block-diagonal causal mask, combined with `attention_mask`
-    (True where masked) when one is given."""
-    check_packed_model_support(where, config, decoding)
-    total_len = hidden_states.shape[0] * (config.tensor_model_parallel_size if config.sequence_parallel else 1)
-    rows = packed_rows(where, params, total_len, hidden_states.shape[1], hidden_states.device)
+    (`[t / tp, 1, h]` with sequence parallelism, `[t / cp, 1, h]` this rank's THD rows under context
+    parallelism); the block-diagonal causal mask, combined with `attention_mask` (True where masked) when one is
+    given. `window_size`: the attention's sliding window, if any (refused under context parallelism)."""
+    check_packed_model_support(where, config, decoding, window_size=window_size)
+    local_len = hidden_states.shape[0] * (config.tensor_model_parallel_size if config.sequence_parallel else 1)
+    rows = packed_rows(where, params, local_len, hidden_states.shape[1], hidden_states.device,
+                       *context_parallel_size_and_rank(config))
     if attention_mask is None:
         return rows.mask, rows
     return rows.mask | attention_mask.to(device=rows.mask.device, dtype=torch.bool), rows
@@ -180,3 +250,43 @@ def shift_left_within_sequences(tensor: torch.Tensor, shift: int, segments: torc
     shifted = tensor.index_select(-1, source.to(tensor.device))
     fill_value = torch.full_like(shifted, fill)
     return torch.where(valid.to(tensor.device), shifted, fill_value), valid
+
+
+# Batch entries that are not indexed by token along dimension 1.
+_NOT_PER_TOKEN = ("attention_mask", "cu_seqlens", "cu_seqlens_padded", "max_seqlen")
+
+
+def get_thd_batch_on_this_cp_rank(batch: dict, cu_seqlens, cu_seqlens_padded=None, max_seqlen=None, cp_size=None,
+                                  cp_rank=None):
+    """(batch, packed_seq_params) of one packed micro-batch (upstream's name and order): the `[1, t]` entries of
+    `batch` (tokens, labels, loss mask, position ids) cut to this context-parallel rank's THD rows
+    (`thd_local_indices`), in place, and the `PackedSeqParams` of the whole row to pass to the model with them.
+    `cu_seqlens_padded` places the sequences at padded offsets (each span a multiple of 2 x CP rows);
+    `max_seqlen` defaults to the longest sequence. The sizes default to parallel_state's context-parallel group."""
+    offsets = torch.as_tensor(cu_seqlens).to(torch.int32)
+    padded = None if cu_seqlens_padded is None else torch.as_tensor(cu_seqlens_padded).to(torch.int32)
+    longest = (int(torch.as_tensor(max_seqlen).max()) if max_seqlen is not None
+               else int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=offsets, cu_seqlens_kv=offsets, cu_seqlens_q_padded=padded,
+                             cu_seqlens_kv_padded=padded, max_seqlen_q=longest, max_seqlen_kv=longest)
+    return cut_packed_batch_for_cp_rank(batch, params, cp_size, cp_rank), params
+
+
+def cut_packed_batch_for_cp_rank(batch: dict, params: PackedSeqParams, cp_size=None, cp_rank=None) -> dict:
+    """`batch`'s `[1, t]` entries cut, in place, to this context-parallel rank's THD rows of the packed row that
+    `params` describes (`thd_local_indices`); the sizes default to parallel_state's context-parallel group."""
+    if cp_size is None or cp_rank is None:
+        cp_size = parallel_state.get_context_parallel_world_size()
+        cp_rank = parallel_state.get_context_parallel_rank()
+    if cp_size == 1:
+        return batch
+    per_token = {key: value for key, value in batch.items()
+                 if isinstance(value, torch.Tensor) and value.dim() >= 2 and key not in _NOT_PER_TOKEN}
+    lengths = {value.shape[1] for value in per_token.values()}
+    if len(lengths) != 1:
+        raise ValueError(f"a packed batch's [1, t] entries have lengths {sorted(lengths)}; give tokens, labels, loss "
+                         "mask and position ids of one packed row")
+    rows = thd_local_indices(params, lengths.pop(), cp_size, cp_rank)
+    for key, value in per_token.items():
+        batch[key] = value.index_select(1, rows.to(value.device))
+    return batch

@@ -18,6 +18,7 @@ __all__ = [
     "get_model_type",
     "get_pg_rank",
     "get_pg_size",
+    "get_thd_batch_on_this_cp_rank",
     "get_tensor_model_parallel_group_if_none",
     "make_sharded_tensor_for_checkpoint",
     "make_tp_sharded_tensor_for_checkpoint",
@@ -119,6 +120,15 @@ def get_batch_on_this_cp_rank(batch, cp_group=None):
     from megatron.core.transformer.context_parallel.sequence_split import get_batch_on_this_cp_rank as cut
 
     return cut(batch, cp_group=cp_group)
+
+
+def get_thd_batch_on_this_cp_rank(batch, cu_seqlens, cu_seqlens_padded=None, max_seqlen=None, cp_size=None,
+                                  cp_rank=None):
+    """(batch, packed_seq_params): a packed micro-batch cut to this context-parallel rank's rows of upstream's
+    THD split (see `megatron.core.packed_sequences.get_thd_batch_on_this_cp_rank`)."""
+    from megatron.core.packed_sequences import get_thd_batch_on_this_cp_rank as cut
+
+    return cut(batch, cu_seqlens, cu_seqlens_padded, max_seqlen, cp_size, cp_rank)
 
 
 def get_pg_size(group=None) -> int:

@@ -7,12 +7,14 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.packed_sequences import (
     check_packed_model_support,
+    get_thd_batch_on_this_cp_rank,
     packed_attention_inputs,
     packed_attention_mask,
     packed_rows,
     packed_segments_and_positions,
     sequence_rows,
     shift_left_within_sequences,
+    thd_local_indices,
 )
 from tests.unit_tests.models.gpt.gpt_test_utils import tiny_config
 
@@ -91,11 +93,41 @@ def test_a_batch_of_several_rows_and_unsupported_models_are_refused():
         packed_rows("GPTModel.forward", params, 4, 2, None)
     with pytest.raises(TypeError, match=r"must be a megatron.core.packed_seq_params.PackedSeqParams"):
         sequence_rows({"cu_seqlens_q": [0, 4]}, 4)
+    context_parallel = tiny_config(context_parallel_size=2)
     cases = [
-        (tiny_config(context_parallel_size=2), False, r"context parallelism \(--context-parallel-size 2\)"),
-        (tiny_config(), True, r"decoding \(inference_context\)"),
+        (dict(config=context_parallel, runs_mtp=True), r"multi-token prediction \(--mtp-num-layers\) on packed "
+                                                       r"sequences is not supported under context parallelism"),
+        (dict(config=context_parallel, window_size=(4, 0)), r"a sliding window \(--window-size\)"),
+        (dict(config=tiny_config(), decoding=True), r"decoding \(inference_context\)"),
     ]
-    for config, decoding, message in cases:
+    for kwargs, message in cases:
         with pytest.raises(ValueError, match=r"GPTModel.forward\(packed_seq_params=...\): " + message):
-            check_packed_model_support("GPTModel.forward", config, decoding)
-    check_packed_model_support("GPTModel.forward", tiny_config(), False)
+            check_packed_model_support("GPTModel.forward", **dict(dict(decoding=False), **kwargs))
+    check_packed_model_support("GPTModel.forward", tiny_config(), False, runs_mtp=True, window_size=(4, 0))
+    check_packed_model_support("GPTModel.forward", context_parallel, False)
+
+
+def test_context_parallel_ranks_take_two_chunks_of_every_sequence():
+    """Upstream's THD split at CP 2: spans of 8, 4 and 4 rows in chunks of 2, 1 and 1; rank 0 takes chunks 0 and
+    3 of each, rank 1 chunks 1 and 2."""
+    params = PackedSeqParams(cu_seqlens_q=torch.tensor([0, 5, 8, 12]),
+                             cu_seqlens_q_padded=torch.tensor([0, 8, 12, 16]))
+    assert thd_local_indices(params, 16, 2, 0).tolist() == [0, 1, 6, 7, 8, 11, 12, 15]
+    assert thd_local_indices(params, 16, 2, 1).tolist() == [2, 3, 4, 5, 9, 10, 13, 14]
+    tokens = torch.arange(100, 116)[None]
+    batch, made = get_thd_batch_on_this_cp_rank({"tokens": tokens, "labels": tokens + 1},
+                                                params.cu_seqlens_q, params.cu_seqlens_q_padded, cp_size=2, cp_rank=1)
+    assert batch["tokens"].tolist() == [[102, 103, 104, 105, 109, 110, 113, 114]]
+    assert batch["labels"].tolist() == [[103, 104, 105, 106, 110, 111, 114, 115]]
+    assert made.cu_seqlens_q_padded.tolist() == [0, 8, 12, 16] and made.max_seqlen_q == 5
+    # Rank 1's rows: positions within their sequences, and the mask re-indexed for the standard split (its rows
+    # 4-11 are the standard positions of rank 1), so that row 4 there is packed row 2 (sequence 0, position 2).
+    rows = packed_rows("GPTModel.forward", params, 8, 1, "cpu", cp_size=2, cp_rank=1)
+    assert rows.positions.tolist() == [2, 3, 4, 0, 1, 2, 1, 2]  # row 5 is sequence 0's padding
+    whole = packed_rows("GPTModel.forward", params, 16, 1, "cpu")
+    assert torch.equal(rows.mask[0, 0, 4:12][:, 4:12],
+                       whole.mask[0, 0][[2, 3, 4, 5, 9, 10, 13, 14]][:, [2, 3, 4, 5, 9, 10, 13, 14]])
+    with pytest.raises(ValueError, match=r"sequence 1 spans 3 rows, not a multiple of 2 x --context-parallel-size"):
+        thd_local_indices(PackedSeqParams(cu_seqlens_q=torch.tensor([0, 4, 7, 8])), 8, 2, 0)
+    with pytest.raises(ValueError, match=r"the sequences must fill the row: they end at row 12 of 16"):
+        thd_local_indices(PackedSeqParams(cu_seqlens_q=torch.tensor([0, 4, 12])), 16, 2, 0)

@@ -290,7 +290,8 @@ class SelfAttention(Attention):
         inference_context = one_inference_context("SelfAttention", inference_context, inference_params)
         if packed_seq_params is not None:
             attention_mask, rows = packed_attention_inputs("SelfAttention", packed_seq_params, self.config,
-                                                           hidden_states, attention_mask, inference_context is not None)
+                                                           hidden_states, attention_mask, inference_context is not None,
+                                                           self.window_size)
             if rotary_pos_emb is not None:
                 rotary_pos_emb = rows_rotary_angles("SelfAttention", rotary_pos_emb, rows)
         # [s, b, groups_per_partition * (m + 2) * head_dim]; (2m + 2) * head_dim per group with the output gate

@@ -307,16 +307,20 @@ class MLASelfAttention(Attention):
         rows = None
         if packed_seq_params is not None:
             attention_mask, rows = packed_attention_inputs("MLASelfAttention", packed_seq_params, self.config,
-                                                           hidden_states, attention_mask, inference_context is not None)
+                                                           hidden_states, attention_mask, inference_context is not None,
+                                                           self.window_size)
         if inference_context is not None:
             if attention_mask is not None:
                 raise ValueError("MLASelfAttention: decoding through a key/value cache (inference_context) is causal "
                                  "over the cached positions; pass attention_mask=None")
             return self.linear_proj(self.cached_attention(hidden_states, inference_context))
         query_input, kv_latent, k_rope = self._down_projections(hidden_states)
-        angles = self._rotary_angles(k_rope.shape[0], k_rope.device)
-        if rows is not None:  # the angles of every row's position in its own sequence
-            angles = packed_rotary_angles(angles, rows.positions)
+        if rows is None:
+            angles = self._rotary_angles(k_rope.shape[0], k_rope.device)
+        else:  # the angles of every row's position in its own sequence (all rows' angles, then this rank's)
+            all_rows = k_rope.shape[0] * self.config.context_parallel_size
+            angles = packed_rotary_angles(rotary_angles(self.rotary_pos_emb, all_rows, device=k_rope.device),
+                                          rows.positions)
         if self.window_size is not None:
             # Over global positions: under context parallelism the mask covers the whole sequence.
             full_len = k_rope.shape[0] * self.config.context_parallel_size

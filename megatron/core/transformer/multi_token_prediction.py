@@ -180,12 +180,22 @@ class MultiTokenPredictionBlock(torch.nn.Module):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def masked_depth_losses(depth_losses: torch.Tensor, loss_mask: torch.Tensor, cp_group=None):
+def masked_depth_losses(depth_losses: torch.Tensor, loss_mask: torch.Tensor, cp_group=None, packed_seq_params=None):
     """(sums, counts), each `[N]` fp32: depth k's per-token losses (`depth_losses[k-1]`, `[b, s]`) summed under the
     loss mask shifted left by k, and that shifted mask's sum (the depth's token count). Under context parallelism
-    (`cp_group`) the mask is shifted along the whole sequence and the sums and counts are this rank's."""
+    (`cp_group`) the mask is shifted along the whole sequence and the sums and counts are this rank's; with
+    `packed_seq_params` (a `[1, t]` packed row) it is shifted within each packed sequence."""
     mask = loss_mask.detach().float()
-    masks = torch.stack([shift_left(mask, depth, cp_group=cp_group) for depth in range(1, depth_losses.shape[0] + 1)])
+    if packed_seq_params is None:
+        def shift(depth):
+            return shift_left(mask, depth, cp_group=cp_group)
+    else:
+        segments = packed_rows("masked_depth_losses", packed_seq_params, mask.shape[-1], mask.shape[0],
+                               mask.device).segments
+
+        def shift(depth):
+            return shift_left_within_sequences(mask, depth, segments)[0]
+    masks = torch.stack([shift(depth) for depth in range(1, depth_losses.shape[0] + 1)])
     sums = (depth_losses.float() * masks).sum(dim=(1, 2))
     return sums, masks.sum(dim=(1, 2))
 

@@ -46,6 +46,8 @@ class PackedRowDataset(torch.utils.data.Dataset):
         return self.num_samples
 
     def __getitem__(self, index):
+        if self.layout == "padded":
+            return self._padded_sample(index)
         generator = torch.Generator().manual_seed(index)
         cuts = sorted(torch.randperm(SEQ - 1, generator=generator)[:int(index % 4)].add(1).tolist())
         offsets = [0] + cuts + [SEQ]
@@ -63,8 +65,25 @@ class PackedRowDataset(torch.utils.data.Dataset):
             sample["attention_mask"] = ((segments[:, None] != segments[None, :]) | future)[None]
         return sample
 
+    def _padded_sample(self, index):
+        """Sequences at padded offsets (multiples of 4 rows, as context parallelism at CP 2 needs), each followed by
+        0-3 rows of padding; the padding is out of the loss."""
+        generator = torch.Generator().manual_seed(index)
+        starts = [0] + sorted((4 * (1 + torch.randperm(SEQ // 4 - 1, generator=generator)[:index % 3])).tolist())
+        spans = [end - start for start, end in zip(starts, starts[1:] + [SEQ])]
+        lengths = [span - int(torch.randint(0, min(3, span - 1) + 1, (1,), generator=generator)) for span in spans]
+        stream = torch.randint(0, 100, (SEQ + 1,), generator=generator)
+        positions, loss_mask = torch.zeros(SEQ, dtype=torch.int64), torch.zeros(SEQ)
+        for start, length in zip(starts, lengths):
+            positions[start:start + length] = torch.arange(length)
+            loss_mask[start:start + length - 1] = 1.0
+        offsets = [0] + torch.tensor(lengths).cumsum(0).tolist()
+        return {"tokens": stream[:-1], "labels": stream[1:], "loss_mask": loss_mask, "position_ids": positions,
+                "cu_seqlens": torch.tensor(offsets + [-1] * (4 - len(offsets)), dtype=torch.int32),
+                "cu_seqlens_padded": torch.tensor(starts + [SEQ] + [-1] * (4 - len(offsets)), dtype=torch.int32)}
 
-def _losses_of_layout(workdir, layout):
+
+def _losses_of_layout(workdir, layout, extra_args=""):
     import pretrain_gpt
     from tests.unit_tests.dist_checkpointing.pretrain_helpers import pretrain_records, tiny_gpt_argv
 
@@ -75,8 +94,9 @@ def _losses_of_layout(workdir, layout):
     pretrain_gpt.train_valid_test_datasets_provider = provider
     try:
         argv = tiny_gpt_argv("--micro-batch-size 1 --global-batch-size 4 --train-iters 3 --lr-decay-iters 3 "
-                             "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params")
-        records = pretrain_records(f"{workdir}/{layout}", argv)
+                             "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
+                             + extra_args)
+        records = pretrain_records(f"{workdir}/{layout}{extra_args.replace(' ', '')}", argv)
     finally:
         pretrain_gpt.train_valid_test_datasets_provider = original
     return [record["lm loss"] for record in records]
@@ -91,3 +111,14 @@ def test_pretrain_trains_packed_rows_as_their_dense_mask(world_size, tmp_path):
     torch.testing.assert_close(torch.tensor(losses["packed"]), torch.tensor(losses["dense"]), rtol=1e-6, atol=0)
     # Attending across the sequences changes the losses.
     assert max(abs(a - b) for a, b in zip(losses["packed"], losses["causal"])) > 5e-4  # 1.6e-3 measured
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_context_parallel_pretrain_on_packed_rows_logs_the_data_parallel_losses(world_size, tmp_path):
+    """The same packed rows (sequences at padded offsets) at DP 2 and at CP 2 (each rank two chunks of every
+    sequence, upstream's THD split): the same losses, up to the order of fp32 sums."""
+    data_parallel = run_on_ranks(world_size, _losses_of_layout, str(tmp_path), "padded")[0]
+    context_parallel = run_on_ranks(world_size, _losses_of_layout, str(tmp_path), "padded",
+                                    "--context-parallel-size 2")[0]
+    assert len(data_parallel) == 3
+    torch.testing.assert_close(torch.tensor(context_parallel), torch.tensor(data_parallel), rtol=1e-5, atol=0)

@@ -147,6 +147,20 @@ def test_shift_left_and_masked_depth_losses():
     assert per_token_term.item() == pytest.approx(0.1 / 2 * (13 + 18))
 
 
+def test_masked_depth_losses_shift_within_packed_sequences():
+    """Two packed sequences of 3 tokens: depth k's mask is each sequence's own mask shifted by k, so the rows whose
+    shifted label lies in the next sequence count for nothing."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    values = torch.arange(1.0, 7.0).view(1, 6)
+    depth_losses = torch.stack([values, 2 * values])
+    params = PackedSeqParams(cu_seqlens_q=torch.tensor([0, 3, 6]))
+    sums, counts = masked_depth_losses(depth_losses, torch.ones(1, 6), packed_seq_params=params)
+    # depth 1: rows 0, 1 and 3, 4 ([1, 1, 0, 1, 1, 0]); depth 2: rows 0 and 3
+    assert sums.tolist() == [1 + 2 + 4 + 5, 2 * (1 + 4)] and counts.tolist() == [4.0, 2.0]
+    assert masked_depth_losses(depth_losses, torch.ones(1, 6))[1].tolist() == [5.0, 4.0]  # across the boundary
+
+
 
 def test_a_depth_without_tokens_is_left_out_of_the_logged_mean(tmp_path, capsys):
     """A batch whose loss mask keeps only the first two of six positions leaves depth 2 (mask shifted by two) no

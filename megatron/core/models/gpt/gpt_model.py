@@ -39,7 +39,12 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     rotary_angles,
 )
 from megatron.core.models.gpt.gpt_layer_specs import check_layer_spec, check_mtp_block_spec
-from megatron.core.packed_sequences import check_packed_model_support, packed_rows, shift_left_within_sequences
+from megatron.core.packed_sequences import (
+    check_packed_model_support,
+    context_parallel_size_and_rank,
+    packed_rows,
+    shift_left_within_sequences,
+)
 from megatron.core.transformer.context_parallel import local_token_indices
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.module import ShardedStateModule
@@ -437,15 +442,18 @@ class GPTModel(ShardedStateModule):
         if packed_seq_params is None:
             return None
         where = "GPTModel.forward"
-        check_packed_model_support(where, self.config, inference_context is not None)
+        check_packed_model_support(where, self.config, inference_context is not None, runs_mtp=self.mtp_process)
         batch, seq_len, device = self._batch_and_sequence(input_ids, decoder_input)
-        return packed_rows(where, packed_seq_params, seq_len, batch, device)
+        return packed_rows(where, packed_seq_params, seq_len, batch, device,
+                           *context_parallel_size_and_rank(self.config))
 
-    def _rotary_angles(self, input_ids, decoder_input=None):
+    def _rotary_angles(self, input_ids, decoder_input=None, packed=False):
         if self.rotary_pos_emb is None:
             return None
         _, seq_len, device = self._batch_and_sequence(input_ids, decoder_input)
         cp_size = self.config.context_parallel_size
+        if packed:  # the angles of positions 0 .. t - 1 (upstream's packed_seq=True): attention picks each row's
+            return rotary_angles(self.rotary_pos_emb, seq_len * cp_size, device=device)
         if cp_size == 1:  # every position, whatever parallel_state's context-parallel group is (the config decides)
             return rotary_angles(self.rotary_pos_emb, seq_len, device=device)
         # This rank holds two chunks of the sequence: asked for the whole sequence, the module (built over the
@@ -523,8 +531,9 @@ class GPTModel(ShardedStateModule):
         sequences back to back; each token attends within its own sequence and its positions (rotary, and the
         learned embedding when `position_ids` is None) restart at each sequence start, so each sequence's
         per-token loss is the one it has alone (megatron/core/packed_sequences.py); multi-token prediction shifts
-        within each sequence. Not with context parallelism or decoding (each refused by name).
-        """
+        within each sequence. Under context parallelism `input_ids` are this rank's rows of upstream's THD split
+        (`get_thd_batch_on_this_cp_rank`) and `packed_seq_params` describe the whole row. Not with decoding, nor
+        with multi-token prediction under context parallelism (refused by name)."""
         _refuse_unsupported_forward_inputs(extra_block_kwargs)
         if inference_params is not None:
             if inference_context is not None and inference_context is not inference_params:
@@ -545,7 +554,7 @@ class GPTModel(ShardedStateModule):
             decoder_input = self.embedding(input_ids, position_ids)
             if self.config.sequence_parallel and not self.scatter_embedding_sequence_parallel:
                 decoder_input = tensor_parallel.scatter_to_sequence_parallel_region(decoder_input)
-        rotary_angles = self._rotary_angles(input_ids, decoder_input)  # by row; packed: attention picks by position
+        rotary_angles = self._rotary_angles(input_ids, decoder_input, packed=rows is not None)
         hidden_states = self.decoder(decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary_angles,
                                      packed_seq_params=packed_seq_params)
         if not self.post_process:

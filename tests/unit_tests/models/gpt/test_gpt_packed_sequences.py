@@ -243,6 +243,53 @@ def test_tensor_sequence_and_pipeline_parallel_packed_rows_match_one_rank(world_
         assert max(errors.values()) < 2e-5, errors
 
 
+MLA_CONFIG = VARIANTS["multi-latent attention, YaRN"]["config"]
+CONTEXT_PARALLEL_CASES = {  # name: (--cp-comm-type, config fields, model keywords)
+    "p2p": ("p2p", dict(num_query_groups=2), dict(position_embedding_type="rope")),
+    "allgather": ("allgather", dict(num_query_groups=2), dict(position_embedding_type="rope")),
+    "a2a": ("a2a", {}, dict(position_embedding_type="rope")),
+    "p2p, learned positions": ("p2p", {}, dict(position_embedding_type="learned_absolute")),
+    "p2p, multi-latent attention": ("p2p", MLA_CONFIG, dict(position_embedding_type="none")),
+}
+
+
+def _context_parallel_packed_rows(case):
+    """Errors of CP 2 on a packed row (upstream's THD split: two chunks of every sequence per rank) against CP 1:
+    each rank's per-token losses and the gradients summed over the context-parallel ranks."""
+    from megatron.core.packed_sequences import cut_packed_batch_for_cp_rank, thd_local_indices
+
+    comm_type, config_fields, model_kwargs = CONTEXT_PARALLEL_CASES[case]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens, labels, mask, params, _ = _packed_batch(_sequences(), padded=True)  # spans 8, 8, 4: multiples of 4
+    parallel_state.initialize_model_parallel()
+    reference = seeded_model(tiny_config(**config_fields), **model_kwargs)
+    reference_loss = reference(tokens, None, labels=labels, packed_seq_params=params)
+    (reference_loss * mask).sum().backward()
+    reference_grads = {name: p.grad.clone() for name, p in reference.named_parameters()}
+    parallel_state.destroy_model_parallel()
+
+    parallel_state.initialize_model_parallel(context_parallel_size=world)
+    model = seeded_model(tiny_config(context_parallel_size=world, cp_comm_type=comm_type, **config_fields),
+                         **model_kwargs)
+    local = cut_packed_batch_for_cp_rank({"tokens": tokens, "labels": labels, "loss_mask": mask}, params)
+    loss = model(local["tokens"], None, labels=local["labels"], packed_seq_params=params)
+    (loss * local["loss_mask"]).sum().backward()
+    rows = thd_local_indices(params, tokens.shape[1], world, rank)
+    errors = {"loss": (loss.detach() - reference_loss.detach()[:, rows]).abs().max().item()}
+    for name, p in model.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=parallel_state.get_context_parallel_group())
+        errors[f"grad {name}"] = (grad - reference_grads[name]).abs().max().item()
+    parallel_state.destroy_model_parallel()
+    return errors
+
+
+@pytest.mark.parametrize("case", CONTEXT_PARALLEL_CASES)
+def test_context_parallel_packed_rows_match_one_rank(case):
+    for errors in run_on_ranks(2, _context_parallel_packed_rows, case):
+        assert len(errors) > 10 and max(errors.values()) < 1e-5, errors
+
+
 STEPS = 3
 WRAPPER_FLAGS = {
     "ddp": "",
