@@ -26,14 +26,14 @@ def _sequences(lengths=LENGTHS, seed=0):
     return [torch.randint(0, VOCAB_SIZE, (length + 1,), generator=generator) for length in lengths]
 
 
-def _packed_batch(sequences, padded=False, trailing=0):
+def _packed_batch(sequences, padded=False, trailing=0, padded_to=PADDED_TO):
     """(tokens `[1, t]`, labels `[1, t]`, loss mask `[1, t]`, PackedSeqParams, real rows) of `sequences` back to
-    back; with `padded` each starts at a multiple of PADDED_TO, and `trailing` rows of padding end the row."""
+    back; with `padded` each starts at a multiple of `padded_to`, and `trailing` rows of padding end the row."""
     lengths = [len(stream) - 1 for stream in sequences]
     starts, row = [], 0
     for length in lengths:
         starts.append(row)
-        row += -(-length // PADDED_TO) * PADDED_TO if padded else length
+        row += -(-length // padded_to) * padded_to if padded else length
     total = row + trailing
     tokens, labels, mask = (torch.zeros(1, total, dtype=torch.int64), torch.zeros(1, total, dtype=torch.int64),
                             torch.zeros(1, total))
@@ -250,6 +250,8 @@ CONTEXT_PARALLEL_CASES = {  # name: (--cp-comm-type, config fields, model keywor
     "a2a": ("a2a", {}, dict(position_embedding_type="rope")),
     "p2p, learned positions": ("p2p", {}, dict(position_embedding_type="learned_absolute")),
     "p2p, multi-latent attention": ("p2p", MLA_CONFIG, dict(position_embedding_type="none")),
+    "a2a+p2p at CP 4": ("a2a+p2p", dict(hierarchical_context_parallel_sizes=[2, 2]),
+                        dict(position_embedding_type="rope")),
 }
 
 
@@ -260,15 +262,20 @@ def _context_parallel_packed_rows(case):
 
     comm_type, config_fields, model_kwargs = CONTEXT_PARALLEL_CASES[case]
     rank, world = dist.get_rank(), dist.get_world_size()
-    tokens, labels, mask, params, _ = _packed_batch(_sequences(), padded=True)  # spans 8, 8, 4: multiples of 4
+    # Each span a multiple of 2 x CP rows: 8, 8, 4 at CP 2; 8, 8, 8 at CP 4.
+    tokens, labels, mask, params, _ = _packed_batch(_sequences(), padded=True, padded_to=2 * world)
     parallel_state.initialize_model_parallel()
-    reference = seeded_model(tiny_config(**config_fields), **model_kwargs)
+    hierarchical_sizes = config_fields.get("hierarchical_context_parallel_sizes")
+    model_fields = {name: value for name, value in config_fields.items()
+                    if name != "hierarchical_context_parallel_sizes"}
+    reference = seeded_model(tiny_config(**model_fields), **model_kwargs)
     reference_loss = reference(tokens, None, labels=labels, packed_seq_params=params)
     (reference_loss * mask).sum().backward()
     reference_grads = {name: p.grad.clone() for name, p in reference.named_parameters()}
     parallel_state.destroy_model_parallel()
 
-    parallel_state.initialize_model_parallel(context_parallel_size=world)
+    parallel_state.initialize_model_parallel(context_parallel_size=world,
+                                             hierarchical_context_parallel_sizes=hierarchical_sizes)
     model = seeded_model(tiny_config(context_parallel_size=world, cp_comm_type=comm_type, **config_fields),
                          **model_kwargs)
     local = cut_packed_batch_for_cp_rank({"tokens": tokens, "labels": labels, "loss_mask": mask}, params)
@@ -286,7 +293,7 @@ def _context_parallel_packed_rows(case):
 
 @pytest.mark.parametrize("case", CONTEXT_PARALLEL_CASES)
 def test_context_parallel_packed_rows_match_one_rank(case):
-    for errors in run_on_ranks(2, _context_parallel_packed_rows, case):
+    for errors in run_on_ranks(4 if "CP 4" in case else 2, _context_parallel_packed_rows, case):
         assert len(errors) > 10 and max(errors.values()) < 1e-5, errors
 
 
