@@ -23,6 +23,8 @@ of the whole row). The packed mask is therefore re-indexed once, so that each st
 packed row the rank holds there; every comm type then computes the exact packed attention.
 """
 
+import weakref
+from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
@@ -185,13 +187,19 @@ def _rows_in_standard_order(mask, params, total_len, cp_size):
     return mask.index_select(-2, rows_at).index_select(-1, rows_at)
 
 
+# The `PackedRows` of the most recently used `PackedSeqParams` objects: enough for the microbatches a pipeline
+# schedule keeps in flight, and a bound on the masks held (a [t, t] mask each) whatever the caller keeps.
+ROWS_CACHE_SIZE = 8
+_ROWS_CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
+
+
 def packed_rows(where, params: PackedSeqParams, local_len: int, batch: int, device, cp_size: int = 1,
                 cp_rank: int = 0) -> PackedRows:
     """The `PackedRows` of a packed row of which this rank holds `local_len` tokens on `device`. They are
-    computed once per `params` object, row length, device and context-parallel rank, and kept on `params`: every
-    layer of a forward (and its backward) reads the same tensors, and the offsets are read on the host once.
-    Build a new `PackedSeqParams` for each batch (as upstream's data code does) rather than changing the offsets
-    of one in place.
+    computed once per `params` object, row length, device and context-parallel rank and kept while that object is
+    among the last `ROWS_CACHE_SIZE` used: every layer of a forward (and its backward) reads the same tensors, and
+    the offsets are read on the host once. Build a new `PackedSeqParams` for each batch (as upstream's data code
+    does) rather than changing the offsets of one in place.
 
     Under context parallelism (`cp_size` > 1) the rank holds its rows of upstream's THD split
     (`thd_local_indices`): `positions` are those of its own rows, and `mask` covers the whole row re-indexed as
@@ -199,18 +207,23 @@ def packed_rows(where, params: PackedSeqParams, local_len: int, batch: int, devi
     if batch != 1:
         raise ValueError(f"{where}(packed_seq_params=...): packed sequences lie in one row, but the batch has "
                          f"{batch} rows; pass input_ids of shape [1, t] (hidden states [t, 1, h])")
-    cache = params.__dict__.setdefault("_packed_rows", {})
-    key = (local_len, str(device), cp_size, cp_rank)
-    if key not in cache:
-        total_len = local_len * cp_size
-        longest = max((length for _, length in sequence_rows(params, total_len)), default=0)
-        segments, positions = packed_segments_and_positions(params, total_len, device=device)
-        mask = packed_attention_mask(segments)
-        if cp_size > 1:
-            positions = positions[thd_local_indices(params, total_len, cp_size, cp_rank).to(device)]
-            mask = _rows_in_standard_order(mask, params, total_len, cp_size)
-        cache[key] = PackedRows(segments, positions, mask, longest)
-    return cache[key]
+    key = (id(params), local_len, str(device), cp_size, cp_rank)
+    cached = _ROWS_CACHE.get(key)
+    if cached is not None and cached[0]() is params:  # the same object, not another one at a reused address
+        _ROWS_CACHE.move_to_end(key)
+        return cached[1]
+    total_len = local_len * cp_size
+    longest = max((length for _, length in sequence_rows(params, total_len)), default=0)
+    segments, positions = packed_segments_and_positions(params, total_len, device=device)
+    mask = packed_attention_mask(segments)
+    if cp_size > 1:
+        positions = positions[thd_local_indices(params, total_len, cp_size, cp_rank).to(device)]
+        mask = _rows_in_standard_order(mask, params, total_len, cp_size)
+    rows = PackedRows(segments, positions, mask, longest)
+    _ROWS_CACHE[key] = (weakref.ref(params), rows)
+    while len(_ROWS_CACHE) > ROWS_CACHE_SIZE:
+        _ROWS_CACHE.popitem(last=False)
+    return rows
 
 
 def packed_attention_inputs(where, params: PackedSeqParams, config, hidden_states, attention_mask, decoding=False,

@@ -6,6 +6,7 @@ import torch
 
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.packed_sequences import (
+    ROWS_CACHE_SIZE,
     check_packed_model_support,
     get_thd_batch_on_this_cp_rank,
     packed_attention_inputs,
@@ -131,3 +132,15 @@ def test_context_parallel_ranks_take_two_chunks_of_every_sequence():
         thd_local_indices(PackedSeqParams(cu_seqlens_q=torch.tensor([0, 4, 7, 8])), 8, 2, 0)
     with pytest.raises(ValueError, match=r"the sequences must fill the row: they end at row 12 of 16"):
         thd_local_indices(PackedSeqParams(cu_seqlens_q=torch.tensor([0, 4, 12])), 16, 2, 0)
+
+
+def test_the_rows_of_recent_params_are_kept_and_their_number_bounded():
+    first = PackedSeqParams(cu_seqlens_q=torch.tensor([0, 2, 5]))
+    rows = packed_rows("GPTModel.forward", first, 5, 1, "cpu")
+    assert packed_rows("GPTModel.forward", first, 5, 1, "cpu") is rows  # every layer of a forward
+    others = [PackedSeqParams(cu_seqlens_q=torch.tensor([0, 5])) for _ in range(ROWS_CACHE_SIZE)]
+    for other in others:
+        assert not packed_rows("GPTModel.forward", other, 5, 1, "cpu").mask[0, 0, 4, 0]  # one sequence: row 4 sees 0
+    again = packed_rows("GPTModel.forward", first, 5, 1, "cpu")  # pushed out by the later ones: computed again
+    assert again is not rows and torch.equal(again.mask, rows.mask) and again.mask[0, 0, 4, 0]
+
