@@ -1,8 +1,9 @@
 """GPTModel on packed (THD) sequences, upstream's `packed_seq_params` (with RoPE, learned positions, a sliding
-window, multi-latent attention and multi-token prediction): each sequence of a packed row gets the per-token loss
-it has alone and the row's gradient is the sum of its sequences' gradients; the same holds for a transformer block
-called directly as upstream calls it, under tensor + sequence parallelism and a two-stage pipeline, and training on
-packed rows under every data-parallel wrapper matches one process on one row holding every rank's sequences."""
+window, MoE, multi-latent attention and multi-token prediction): each sequence of a packed row gets the per-token
+loss it has alone and the row's gradient is the sum of its sequences' gradients; the same holds for a transformer
+block called directly as upstream calls it, under tensor + sequence parallelism, a two-stage pipeline and context
+parallelism (upstream's THD split, every comm type), and training on packed rows under every data-parallel wrapper
+matches one process on one row holding every rank's sequences."""
 
 import os
 
@@ -85,6 +86,9 @@ VARIANTS = {
                                           config=dict(num_query_groups=2)),
     "learned absolute positions": dict(model=dict(position_embedding_type="learned_absolute"), config={}),
     "rope, sliding window of 3": dict(model=dict(position_embedding_type="rope"), config=dict(window_size=(2, 0))),
+    # No auxiliary loss: the load-balancing loss couples the tokens of the whole batch, packed or not.
+    "MoE, 4 experts, top 2": dict(model=dict(position_embedding_type="rope"),
+                                  config=dict(num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.0)),
     "multi-latent attention, YaRN": dict(
         model=dict(position_embedding_type="none"),
         config=dict(multi_latent_attention=True, kv_lora_rank=12, qk_head_dim=6, qk_pos_emb_head_dim=16, v_head_dim=10,
