@@ -13,8 +13,9 @@ A token's loss then equals the loss it has when its sequence runs alone, and the
 sum of its sequences' gradients (see tests/unit_tests/models/gpt/test_gpt_packed_sequences.py). Masking the last
 token of each sequence (whose label belongs to the next one) and the padding is the loss mask's job, as upstream.
 
-The mask is `[1, 1, t, t]` bools, built once per `PackedSeqParams` object and shared by the layers
-(`packed_rows`). Multi-token prediction shifts its inputs and labels within each sequence
+The mask is `[1, 1, t, t]` bools, built once per `PackedSeqParams` object when first needed and shared by the
+layers (`packed_rows`); plain causal attention runs one sequence at a time without it
+(megatron/core/transformer/packed_attention.py). Multi-token prediction shifts its inputs and labels within each sequence
 (`shift_left_within_sequences`).
 
 Under context parallelism a rank holds upstream's THD split of the row (`thd_local_indices`: two chunks of every
@@ -25,7 +26,6 @@ packed row the rank holds there; every comm type then computes the exact packed 
 
 import weakref
 from collections import OrderedDict
-from typing import NamedTuple
 
 import torch
 
@@ -116,14 +116,21 @@ def rotary_positions_from_cu_seqlens(cu_seqlens: torch.Tensor, total_len: int) -
     return packed_segments_and_positions(params, total_len)[1]
 
 
-class PackedRows(NamedTuple):
+class PackedRows:
     """What a packed row's layers share: `segments` and `positions` `[t]` (see `packed_segments_and_positions`),
-    the block-diagonal causal `mask` `[1, 1, t, t]` and the `longest` sequence's length."""
+    the `longest` sequence's length, `runs` (without context parallelism: the (first row, row count) of each
+    sequence and each stretch of padding, in row order, covering the row) and the block-diagonal causal `mask`
+    `[1, 1, t, t]`, built when first read (an attention that runs per sequence never needs it)."""
 
-    segments: torch.Tensor
-    positions: torch.Tensor
-    mask: torch.Tensor
-    longest: int
+    def __init__(self, segments, positions, longest, runs, build_mask):
+        self.segments, self.positions, self.longest, self.runs = segments, positions, longest, runs
+        self._build_mask, self._mask = build_mask, None
+
+    @property
+    def mask(self) -> torch.Tensor:
+        if self._mask is None:
+            self._mask = self._build_mask()
+        return self._mask
 
 
 def context_parallel_size_and_rank(config):
@@ -187,6 +194,20 @@ def _rows_in_standard_order(mask, params, total_len, cp_size):
     return mask.index_select(-2, rows_at).index_select(-1, rows_at)
 
 
+def _runs(sequences, total_len):
+    """[(first row, row count)] of each sequence's real tokens and of each stretch of padding, in row order."""
+    runs, row = [], 0
+    for start, length in sequences:
+        if start > row:
+            runs.append((row, start - row))
+        if length:
+            runs.append((start, length))
+        row = start + length
+    if total_len > row:
+        runs.append((row, total_len - row))
+    return runs
+
+
 # The `PackedRows` of the most recently used `PackedSeqParams` objects: enough for the microbatches a pipeline
 # schedule keeps in flight, and a bound on the masks held (a [t, t] mask each) whatever the caller keeps.
 ROWS_CACHE_SIZE = 8
@@ -213,32 +234,37 @@ def packed_rows(where, params: PackedSeqParams, local_len: int, batch: int, devi
         _ROWS_CACHE.move_to_end(key)
         return cached[1]
     total_len = local_len * cp_size
-    longest = max((length for _, length in sequence_rows(params, total_len)), default=0)
+    sequences = sequence_rows(params, total_len)
+    longest = max((length for _, length in sequences), default=0)
     segments, positions = packed_segments_and_positions(params, total_len, device=device)
-    mask = packed_attention_mask(segments)
     if cp_size > 1:
         positions = positions[thd_local_indices(params, total_len, cp_size, cp_rank).to(device)]
-        mask = _rows_in_standard_order(mask, params, total_len, cp_size)
-    rows = PackedRows(segments, positions, mask, longest)
+        rows = PackedRows(segments, positions, longest, None, lambda: _rows_in_standard_order(
+            packed_attention_mask(segments), params, total_len, cp_size))
+    else:
+        rows = PackedRows(segments, positions, longest, _runs(sequences, total_len),
+                          lambda: packed_attention_mask(segments))
     _ROWS_CACHE[key] = (weakref.ref(params), rows)
     while len(_ROWS_CACHE) > ROWS_CACHE_SIZE:
         _ROWS_CACHE.popitem(last=False)
     return rows
 
 
-def packed_attention_inputs(where, params: PackedSeqParams, config, hidden_states, attention_mask, decoding=False,
-                            window_size=None):
-    """(attention mask, `PackedRows`) for an attention given `packed_seq_params`: `hidden_states` `[t, 1, h]`
-    (`[t / tp, 1, h]` with sequence parallelism, `[t / cp, 1, h]` this rank's THD rows under context
-    parallelism); the block-diagonal causal mask, combined with `attention_mask` (True where masked) when one is
-    given. `window_size`: the attention's sliding window, if any (refused under context parallelism)."""
+def packed_attention_rows(where, params: PackedSeqParams, config, hidden_states, decoding=False, window_size=None):
+    """The `PackedRows` for an attention given `packed_seq_params`: `hidden_states` `[t, 1, h]` (`[t / tp, 1, h]`
+    with sequence parallelism, `[t / cp, 1, h]` this rank's THD rows under context parallelism). `window_size`:
+    the attention's sliding window, if any (refused under context parallelism)."""
     check_packed_model_support(where, config, decoding, window_size=window_size)
     local_len = hidden_states.shape[0] * (config.tensor_model_parallel_size if config.sequence_parallel else 1)
-    rows = packed_rows(where, params, local_len, hidden_states.shape[1], hidden_states.device,
+    return packed_rows(where, params, local_len, hidden_states.shape[1], hidden_states.device,
                        *context_parallel_size_and_rank(config))
+
+
+def packed_attention_mask_with(rows: PackedRows, attention_mask):
+    """The block-diagonal causal mask of `rows`, combined with `attention_mask` (True where masked) if given."""
     if attention_mask is None:
-        return rows.mask, rows
-    return rows.mask | attention_mask.to(device=rows.mask.device, dtype=torch.bool), rows
+        return rows.mask
+    return rows.mask | attention_mask.to(device=rows.mask.device, dtype=torch.bool)
 
 
 def rows_rotary_angles(where, angles: torch.Tensor, rows: PackedRows) -> torch.Tensor:

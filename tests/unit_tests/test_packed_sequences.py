@@ -9,8 +9,9 @@ from megatron.core.packed_sequences import (
     ROWS_CACHE_SIZE,
     check_packed_model_support,
     get_thd_batch_on_this_cp_rank,
-    packed_attention_inputs,
     packed_attention_mask,
+    packed_attention_mask_with,
+    packed_attention_rows,
     packed_rows,
     packed_segments_and_positions,
     sequence_rows,
@@ -51,13 +52,15 @@ def test_unpadded_offsets_and_a_given_mask_combine():
     params = PackedSeqParams(cu_seqlens_q=offsets, cu_seqlens_kv=offsets.clone(), max_seqlen_q=3, max_seqlen_kv=3)
     extra = torch.zeros(1, 1, 6, 6, dtype=torch.bool)
     extra[..., 4, 3] = True  # one more pair masked inside the second sequence
-    mask, rows = packed_attention_inputs("SelfAttention", params, tiny_config(), torch.zeros(6, 1, 32), extra)
+    rows = packed_attention_rows("SelfAttention", params, tiny_config(), torch.zeros(6, 1, 32))
+    mask = packed_attention_mask_with(rows, extra)
     assert rows.positions.tolist() == [0, 1, 0, 1, 2, 0] and rows.longest == 3  # row 5, past the end, is padding
+    assert rows.runs == [(0, 2), (2, 3), (5, 1)]  # the two sequences, then the padding
     assert not mask[0, 0, 4, 2] and mask[0, 0, 4, 3] and not mask[0, 0, 4, 4] and mask[0, 0, 2, 1]
     assert mask.sum() == rows.mask.sum() + 1
     # Under sequence parallelism a rank holds t / tp rows of the same packed row.
-    _, split = packed_attention_inputs("SelfAttention", params, tiny_config(tp=2, sequence_parallel=True),
-                                       torch.zeros(3, 1, 32), None)
+    split = packed_attention_rows("SelfAttention", params, tiny_config(tp=2, sequence_parallel=True),
+                                  torch.zeros(3, 1, 32))
     assert split is rows  # computed once per params object, row length and device
 
 

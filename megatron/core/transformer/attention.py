@@ -42,7 +42,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.extensions.transformer_engine import fused_norm_linear_class, layer_classes
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
 from megatron.core.offloading.fine_grained import offloaded_saved_tensors
-from megatron.core.packed_sequences import packed_attention_inputs, rows_rotary_angles
+from megatron.core.packed_sequences import packed_attention_mask_with, packed_attention_rows, rows_rotary_angles
 from megatron.core.transformer.attention_logits import context_parallel_max_attention_logits, max_attention_logits
 from megatron.core.transformer.context_parallel import comm_type_of_layer, context_parallel_attention
 from megatron.core.transformer import layer_scaled_attention
@@ -63,6 +63,7 @@ from megatron.core.transformer.attention_variants import (
 )
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.norms import build_norm
+from megatron.core.transformer.packed_attention import attention_runs, per_run_core_attention
 from megatron.core.transformer.recompute import checkpointed, is_recomputing
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -115,6 +116,13 @@ class Attention(torch.nn.Module):
         if getattr(self, "softmax_offset", None) is not None:
             with torch.no_grad():
                 self.softmax_offset.zero_()
+
+    def _plain_attention(self, query) -> bool:
+        """Whether the core attention is plain causal attention that a packed row may run one sequence at a time
+        (packed_attention.py): no context parallelism, window, sinks, fp16 layer scaling or logit tracking."""
+        return (self.config.context_parallel_size == 1 and self.window_size is None
+                and self._sinks(query.device) is None and not layer_scaled_attention.applies(self.config, query)
+                and not self.tracks_max_attention_logits)
 
     def _sinks(self, device):
         """The sink logit of each local head for `--softmax-type` off-by-one / learnable; None for vanilla."""
@@ -288,10 +296,10 @@ class SelfAttention(Attention):
             "SelfAttention", key_value_states=key_value_states, rotary_pos_cos=rotary_pos_cos,
             rotary_pos_sin=rotary_pos_sin, attention_bias=attention_bias, sequence_len_offset=sequence_len_offset)
         inference_context = one_inference_context("SelfAttention", inference_context, inference_params)
+        rows = runs = None
         if packed_seq_params is not None:
-            attention_mask, rows = packed_attention_inputs("SelfAttention", packed_seq_params, self.config,
-                                                           hidden_states, attention_mask, inference_context is not None,
-                                                           self.window_size)
+            rows = packed_attention_rows("SelfAttention", packed_seq_params, self.config, hidden_states,
+                                         inference_context is not None, self.window_size)
             if rotary_pos_emb is not None:
                 rotary_pos_emb = rows_rotary_angles("SelfAttention", rotary_pos_emb, rows)
         # [s, b, groups_per_partition * (m + 2) * head_dim]; (2m + 2) * head_dim per group with the output gate
@@ -312,6 +320,11 @@ class SelfAttention(Attention):
             query = apply_rotary_pos_emb(query, rotary_pos_emb, self.config, mscale=scale)
             key = apply_rotary_pos_emb(key, rotary_pos_emb, self.config, mscale=scale)
 
+        if rows is not None:  # packed: one sequence at a time, or the whole row under the block-diagonal mask
+            runs = attention_runs(rows, attention_mask, self._plain_attention(query))
+            if runs is None:
+                attention_mask = packed_attention_mask_with(rows, attention_mask)
+        core_attention = per_run_core_attention(self.core_attention, runs)
         if inference_context is not None:
             if attention_mask is not None:
                 raise ValueError("SelfAttention: decoding through a key/value cache (inference_context) is causal "
@@ -325,10 +338,10 @@ class SelfAttention(Attention):
             if self.tracks_max_attention_logits and self.training and not is_recomputing():
                 self.track_max_attention_logits(query, key, attention_mask)
             if self.config.recomputes("core_attn"):
-                context = checkpointed(self.core_attention, query, key, value, attention_mask)
+                context = checkpointed(core_attention, query, key, value, attention_mask)
             else:
                 with offloaded_saved_tensors(self, "core_attn"):
-                    context = self.core_attention(query, key, value, attention_mask)
+                    context = core_attention(query, key, value, attention_mask)
 
         if gate is not None:
             context = gate_attention_output(context, gate)

@@ -53,7 +53,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     yarn_get_mscale,
 )
 from megatron.core.offloading.fine_grained import offloaded_saved_tensors
-from megatron.core.packed_sequences import packed_attention_inputs, packed_rotary_angles
+from megatron.core.packed_sequences import packed_attention_mask_with, packed_attention_rows, packed_rotary_angles
 from megatron.core.tensor_parallel.duplicated_linear import DuplicatedLinear
 from megatron.core.transformer import layer_scaled_attention
 from megatron.core.transformer.attention import (
@@ -73,6 +73,7 @@ from megatron.core.transformer.attention_variants import (
 from megatron.core.transformer.context_parallel import comm_type_of_layer, context_parallel_attention, local_rows
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.norms import build_norm
+from megatron.core.transformer.packed_attention import attention_runs, per_run_core_attention
 from megatron.core.transformer.recompute import checkpointed, is_recomputing, output_recomputed_in_backward
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -304,11 +305,10 @@ class MLASelfAttention(Attention):
             "MLASelfAttention", key_value_states=key_value_states, rotary_pos_cos=rotary_pos_cos,
             rotary_pos_sin=rotary_pos_sin, attention_bias=attention_bias, sequence_len_offset=sequence_len_offset)
         inference_context = one_inference_context("MLASelfAttention", inference_context, inference_params)
-        rows = None
+        rows = runs = None
         if packed_seq_params is not None:
-            attention_mask, rows = packed_attention_inputs("MLASelfAttention", packed_seq_params, self.config,
-                                                           hidden_states, attention_mask, inference_context is not None,
-                                                           self.window_size)
+            rows = packed_attention_rows("MLASelfAttention", packed_seq_params, self.config, hidden_states,
+                                         inference_context is not None, self.window_size)
         if inference_context is not None:
             if attention_mask is not None:
                 raise ValueError("MLASelfAttention: decoding through a key/value cache (inference_context) is causal "
@@ -321,6 +321,11 @@ class MLASelfAttention(Attention):
             all_rows = k_rope.shape[0] * self.config.context_parallel_size
             angles = packed_rotary_angles(rotary_angles(self.rotary_pos_emb, all_rows, device=k_rope.device),
                                           rows.positions)
+            # One sequence at a time, or the whole row under the block-diagonal mask (packed_attention.py).
+            runs = attention_runs(rows, attention_mask, self._plain_attention(k_rope))
+            if runs is None:
+                attention_mask = packed_attention_mask_with(rows, attention_mask)
+        core_attention = per_run_core_attention(self.core_attention, runs)
         if self.window_size is not None:
             # Over global positions: under context parallelism the mask covers the whole sequence.
             full_len = k_rope.shape[0] * self.config.context_parallel_size
@@ -333,7 +338,7 @@ class MLASelfAttention(Attention):
 
         if recompute_up and recompute_attention:
             context = checkpointed(
-                lambda *latents: self.core_attention(*up_projections(*latents), attention_mask),
+                lambda *latents: core_attention(*up_projections(*latents), attention_mask),
                 query_input, kv_latent, k_rope)
         else:
             if recompute_up:
@@ -343,8 +348,8 @@ class MLASelfAttention(Attention):
                 (query, key, value), attention_context = up_projections(query_input, kv_latent, k_rope), nullcontext()
             with attention_context:
                 if recompute_attention:
-                    context = checkpointed(self.core_attention, query, key, value, attention_mask)
+                    context = checkpointed(core_attention, query, key, value, attention_mask)
                 else:
                     with offloaded_saved_tensors(self, "core_attn"):
-                        context = self.core_attention(query, key, value, attention_mask)
+                        context = core_attention(query, key, value, attention_mask)
         return self.linear_proj(context)
