@@ -59,7 +59,7 @@ def chunk_forward(model, tokens, context):
     shape = p2p_communication.activation_shape(seq_length=seq_length, micro_batch_size=batch, config=config)
     # GPTModel's own decoding helpers give the positions and rotary angles of this step, as its forward does.
     position_ids = model._decoding_position_ids(tokens, None, context)
-    rotary_angles = model._decoding_rotary_angles(tokens, context)
+    rotary_angles = model._decoding_rotary_angles(tokens, context, position_ids)
     decoder_input = None
     if model.pre_process:
         decoder_input = model.embedding(tokens, position_ids)

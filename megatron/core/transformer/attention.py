@@ -97,6 +97,12 @@ def refuse_unsupported_forward_inputs(module_name, **given):
                              f"{_UNSUPPORTED_FORWARD_INPUTS[name]}; pass {name}=None")
 
 
+def is_dynamic_batching(inference_context) -> bool:
+    """Whether `inference_context` is continuous batching's (a `DynamicInferenceContext`)."""
+    query = getattr(inference_context, "is_dynamic_batching", None)
+    return bool(query()) if callable(query) else False
+
+
 def one_inference_context(module_name, inference_context, inference_params):
     """`inference_context`, or upstream's older name for it, `inference_params`."""
     if inference_params is None:
@@ -257,6 +263,19 @@ class SelfAttention(Attention):
         offset -> `[s, b, heads * head_dim]`. Causal in absolute positions; no dropout (decoding)."""
         offset = inference_context.sequence_len_offset
         key, value = inference_context.append_key_value(self.layer_number, key, value)
+        return self._attend_cached(query, key, value, offset)
+
+    def dynamic_core_attention(self, query, key, value, inference_context):
+        """`cached_core_attention` for continuous batching (a `DynamicInferenceContext`): the step's rows belong
+        to several requests; each request's queries attend over its own cached keys and values."""
+        pieces = [self._attend_cached(query[rows], request_keys, request_values, offset)
+                  for rows, request_keys, request_values, offset
+                  in inference_context.attention_inputs(self.layer_number, key, value)]
+        return torch.cat(pieces, dim=0)
+
+    def _attend_cached(self, query, key, value, offset):
+        """Queries `[s, b, heads, head_dim]` at positions offset .. offset + s - 1 over the keys and values of
+        positions 0 .. offset + s - 1 (`[offset + s, b, groups, ...]`) -> `[s, b, heads * head_dim]`."""
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # -> [b, heads, s, head_dim]
         query_len, key_len = query.shape[2], key.shape[2]
         # True where masked (Megatron's convention): query i (position offset + i) sees keys 0 .. offset + i.
@@ -329,7 +348,10 @@ class SelfAttention(Attention):
             if attention_mask is not None:
                 raise ValueError("SelfAttention: decoding through a key/value cache (inference_context) is causal "
                                  "over the cached positions; pass attention_mask=None")
-            context = self.cached_core_attention(query, key, value, inference_context)
+            if is_dynamic_batching(inference_context):
+                context = self.dynamic_core_attention(query, key, value, inference_context)
+            else:
+                context = self.cached_core_attention(query, key, value, inference_context)
         else:
             if self.window_size is not None:
                 # Over global positions: under context parallelism the mask covers the whole sequence.

@@ -59,6 +59,7 @@ from megatron.core.transformer import layer_scaled_attention
 from megatron.core.transformer.attention import (
     Attention,
     check_layer_number,
+    is_dynamic_batching,
     one_inference_context,
     refuse_unsupported_forward_inputs,
 )
@@ -313,6 +314,9 @@ class MLASelfAttention(Attention):
             if attention_mask is not None:
                 raise ValueError("MLASelfAttention: decoding through a key/value cache (inference_context) is causal "
                                  "over the cached positions; pass attention_mask=None")
+            if is_dynamic_batching(inference_context):
+                raise ValueError("MLASelfAttention: continuous batching (DynamicInferenceContext) is not supported "
+                                 "with multi-latent attention; generate with the StaticInferenceEngine")
             return self.linear_proj(self.cached_attention(hidden_states, inference_context))
         query_input, kv_latent, k_rope = self._down_projections(hidden_states)
         if rows is None:

@@ -46,6 +46,7 @@ from megatron.core.packed_sequences import (
     shift_left_within_sequences,
 )
 from megatron.core.transformer.context_parallel import local_token_indices
+from megatron.core.transformer.attention import is_dynamic_batching
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, resolve_base_init_seed
 from megatron.core.transformer.module import ShardedStateModule
 from megatron.core.transformer.multi_token_prediction import (
@@ -460,10 +461,15 @@ class GPTModel(ShardedStateModule):
         # context-parallel group) returns the angles of their global positions.
         return local_rotary_angles(self.rotary_pos_emb, seq_len * cp_size, device=device)
 
-    def _decoding_rotary_angles(self, input_ids, inference_context):
-        """The angles of the positions this decoding step fills (offset .. offset + s - 1)."""
+    def _decoding_rotary_angles(self, input_ids, inference_context, position_ids):
+        """The angles of the positions this decoding step fills (offset .. offset + s - 1; under continuous
+        batching each token's own position, `position_ids` `[1, T]`)."""
         if self.rotary_pos_emb is None:
             return None
+        if is_dynamic_batching(inference_context):
+            positions = position_ids[0]
+            angles = rotary_angles(self.rotary_pos_emb, int(positions.max()) + 1, device=input_ids.device)
+            return angles.index_select(0, positions.to(angles.device))
         return rotary_angles(self.rotary_pos_emb, input_ids.shape[1], device=input_ids.device,
                              offset=inference_context.sequence_len_offset)
 
@@ -471,12 +477,20 @@ class GPTModel(ShardedStateModule):
         """`position_ids`, or the positions offset .. offset + s - 1 of every row when None; checked against
         --max-position-embeddings for learned absolute position embeddings."""
         batch, seq_len = input_ids.shape
-        offset = inference_context.sequence_len_offset
-        if position_ids is None:
-            position_ids = torch.arange(offset, offset + seq_len, device=input_ids.device).expand(batch, seq_len)
-        if self.position_embedding_type == "learned_absolute" and offset + seq_len > self.max_sequence_length:
+        if is_dynamic_batching(inference_context):  # each token at its position in its own request
+            if batch != 1:
+                raise ValueError("GPTModel.forward: continuous batching (DynamicInferenceContext) runs the step's "
+                                 f"tokens as one row [1, T], got input_ids of shape {tuple(input_ids.shape)}")
+            position_ids = inference_context.token_positions(input_ids.device)[None]
+            last = int(position_ids.max()) + 1
+        else:
+            offset = inference_context.sequence_len_offset
+            if position_ids is None:
+                position_ids = torch.arange(offset, offset + seq_len, device=input_ids.device).expand(batch, seq_len)
+            last = offset + seq_len
+        if self.position_embedding_type == "learned_absolute" and last > self.max_sequence_length:
             raise ValueError(
-                f"decoding position {offset + seq_len - 1} is past the learned position embedding's "
+                f"decoding position {last - 1} is past the learned position embedding's "
                 f"{self.max_sequence_length} rows (--max-position-embeddings): generate fewer tokens "
                 "(--num-tokens-to-generate) or use shorter prompts"
             )
@@ -588,7 +602,8 @@ class GPTModel(ShardedStateModule):
             raise ValueError("GPTModel.forward: decoding (inference_context) needs the input_ids")
         position_ids = self._decoding_position_ids(input_ids, position_ids, inference_context)
         hidden_states = self.decoder(self.embedding(input_ids, position_ids), attention_mask=attention_mask,
-                                     rotary_pos_emb=self._decoding_rotary_angles(input_ids, inference_context),
+                                     rotary_pos_emb=self._decoding_rotary_angles(input_ids, inference_context,
+                                                                                 position_ids),
                                      inference_context=inference_context)
         return self._batch_first_logits(self._vocab_parallel_logits(hidden_states), runtime_gather_output)
 
