@@ -11,7 +11,9 @@ a request that goes on. Each attention layer writes the step's keys and values i
 `tensor_model_parallel_size` ranks as the attention splits them. A request needs its whole length (prompt plus
 tokens to generate) in chunks when it is admitted (`allocate`), so a running request never waits for memory.
 `max_requests_override` / `max_tokens_override` bound the requests of a step and the tokens of a step (default:
-as many requests as chunks, and `max_sequence_length` tokens, so that any prompt fits one step). Upstream's
+as many requests as chunks, and `max_sequence_length` tokens, so that any prompt fits one step); with
+`max_requests_override` the pool holds at most the chunks of that many requests of `max_sequence_length`. The pool
+of a layer is allocated at its first step. Upstream's
 `buffer_guaranteed_fraction`, `buffer_overflow_factor`, `num_cuda_graphs` and `use_flashinfer_fused_rope` are
 accepted and unused (no request pausing, CUDA graphs or fused kernels here).
 """
@@ -45,6 +47,8 @@ class DynamicInferenceContext:
         dtype_bytes = torch.empty(0, dtype=params_dtype).element_size()
         chunk_bytes = 2 * num_layers * chunk_size_tokens * self.heads_per_rank * kv_channels * dtype_bytes
         self.num_chunks = int(buffer_size_gb * 1024**3) // chunk_bytes
+        if max_requests_override is not None:  # never more than the requests can fill
+            self.num_chunks = min(self.num_chunks, max_requests_override * self.chunks_for(max_sequence_length))
         if self.num_chunks < 1:
             raise ValueError(f"DynamicInferenceContext: buffer_size_gb={buffer_size_gb} holds no chunk of "
                              f"{chunk_size_tokens} positions ({chunk_bytes} bytes for {num_layers} layers); raise it "

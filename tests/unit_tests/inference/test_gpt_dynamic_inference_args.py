@@ -1,0 +1,67 @@
+"""examples/inference/gpt/gpt_dynamic_inference.py: upstream's `--inference-dynamic-batching-*` flags and defaults,
+what it refuses, and the engine it builds, whose greedy tokens are the static generation's."""
+
+import pytest
+
+from examples.inference.gpt.gpt_dynamic_inference import add_dynamic_inference_args, build_engine, check_args
+from megatron.core import parallel_state
+from megatron.core.inference.sampling_params import SamplingParams
+from megatron.core.inference.static_generation import generate_in_batches
+from megatron.training.arguments import build_parser
+from tests.unit_tests.inference.test_dynamic_engine import _model
+from tests.unit_tests.inference.test_static_engine import TOKENIZER
+from tests.unit_tests.models.gpt.gpt_test_utils import VOCAB_SIZE
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+
+def _parse(argv):
+    return build_parser(add_dynamic_inference_args).parse_args(argv)
+
+
+def test_upstream_dynamic_batching_flags_and_defaults():
+    args = _parse(["--prompts", "def "])
+    assert args.inference_dynamic_batching_buffer_size_gb == 40.0
+    assert args.inference_dynamic_batching_chunk_size == 256
+    assert args.inference_dynamic_batching_buffer_guaranteed_fraction == 0.2
+    assert args.inference_dynamic_batching_buffer_overflow_factor is None
+    assert args.inference_dynamic_batching_max_requests_override is None
+    assert args.inference_dynamic_batching_max_tokens_override is None
+    assert (args.num_tokens_to_generate, args.top_k, args.inference_max_requests) == (30, 1, 8)  # the static flags
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--return-log-probs"], "--return-log-probs is not supported with continuous batching"),
+    (["--top-n-logprobs", "2"], "--top-n-logprobs is not supported with continuous batching"),
+    (["--stream"], "--stream is not supported with continuous batching"),
+])
+def test_what_needs_the_static_example_is_refused_by_flag(flags, message):
+    args = _parse(["--prompts", "def ", "--load", "ckpt", *flags])
+    args.pipeline_model_parallel_size = 1
+    with pytest.raises(ValueError, match=message):
+        check_args(args)
+
+
+def _engine_against_static_generation():
+    parallel_state.initialize_model_parallel()
+    try:
+        model = _model()
+        args = _parse(["--prompts", "x", "--inference-dynamic-batching-chunk-size", "4",
+                       "--inference-dynamic-batching-max-requests-override", "2", "--seed", "3"])
+        args.padded_vocab_size = VOCAB_SIZE
+        engine = build_engine(args, model, TOKENIZER, max_sequence_length=16)
+        prompts = [[3, 14, 15, 9, 2], [6, 5], [35, 8, 9]]
+        params = SamplingParams(top_k=1, num_tokens_to_generate=5)
+        dynamic = [request.generated_tokens for request in engine.generate(prompts, params)]
+        static = [result.generated_tokens for result in generate_in_batches(
+            model, prompts, params, eod_id=TOKENIZER.eod, max_sequence_length=16, max_batch_size=2,
+            vocab_size=TOKENIZER.vocab_size, seed=3)]
+        context = engine.context
+        return dynamic, static, (context.num_chunks, context.max_requests, context.chunk_size_tokens)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_the_engine_built_from_the_flags_decodes_the_static_tokens():
+    dynamic, static, sizes = run_on_ranks(1, _engine_against_static_generation)[0]
+    assert dynamic == static and len({tuple(tokens) for tokens in dynamic}) == 3
+    assert sizes == (8, 2, 4)  # 2 requests x 16 positions in chunks of 4: the 40 GB default is not allocated
