@@ -10,8 +10,8 @@ others (docs/inference.md, continuous batching). Takes gpt_static_inference.py's
 sampling, `--output-path`) and upstream's `--inference-dynamic-batching-*` flags: the memory per rank
 (`-buffer-size-gb`), its chunk (`-chunk-size`) and the requests and tokens of a step (`-max-requests-override`,
 `-max-tokens-override`); `-buffer-guaranteed-fraction` and `-buffer-overflow-factor` are accepted and unused.
-Log-probabilities (`--return-log-probs`, `--top-n-logprobs`) and `--stream` need gpt_static_inference.py; pipeline
-parallelism too. Greedy requests generate the same text as gpt_static_inference.py.
+`--return-log-probs` works as there; `--top-n-logprobs`, `--stream` and pipeline parallelism need
+gpt_static_inference.py. Greedy requests generate the same text as gpt_static_inference.py.
 """
 
 import json
@@ -58,8 +58,7 @@ def add_dynamic_inference_args(parser):
 
 def check_args(args):
     """gpt_static_inference.py's checks, and what continuous batching does not do (errors name the flag)."""
-    for flag, given in (("--return-log-probs", args.return_log_probs), ("--top-n-logprobs", args.top_n_logprobs),
-                        ("--stream", args.stream)):
+    for flag, given in (("--top-n-logprobs", args.top_n_logprobs), ("--stream", args.stream)):
         if given:
             raise ValueError(f"{flag} is not supported with continuous batching: use gpt_static_inference.py")
     if args.pipeline_model_parallel_size > 1:

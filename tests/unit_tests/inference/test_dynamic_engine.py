@@ -170,8 +170,8 @@ def _termination_sampling_and_refusals():
             model, _context(model), random_seed=7).generate(PROMPTS, sampled)] for _ in range(2)]
         refusals = {}
         cases = {
-            "log probs": lambda: _engine(model, _context(model)).add_request(
-                0, "1 2", sampling_params=SamplingParams(top_k=1, num_tokens_to_generate=2, return_log_probs=True)),
+            "top-n log probs": lambda: _engine(model, _context(model)).add_request(
+                0, "1 2", sampling_params=SamplingParams(top_k=1, num_tokens_to_generate=2, top_n_logprobs=2)),
             "too long": lambda: _engine(model, _context(model)).add_request(
                 0, "1 2 3 4 5 6 7 8 9 10 11 12 13 14", sampling_params=GREEDY),
             "cuda graph": lambda: _engine(model, _context(model), enable_cuda_graph=True),
@@ -205,8 +205,46 @@ def test_termination_seeded_sampling_and_refusals():
     first, second = results["seeded"]
     assert first == second and len({tuple(tokens) for tokens in first}) == 3
     refusals = results["refusals"]
-    assert "log-probabilities (return_log_probs) are not supported with continuous batching" in refusals["log probs"]
+    assert ("top-n log-probabilities (top_n_logprobs) are not supported with continuous batching"
+            in refusals["top-n log probs"])
     assert "exceed the context's max_sequence_length 16" in refusals["too long"]
     assert "CUDA graphs are not supported here" in refusals["cuda graph"]
     assert "generate runs its prompts alone" in refusals["busy generate"]
     assert "multi-latent attention is not supported with continuous batching" in refusals["multi-latent attention"]
+
+
+def _log_probs_against_full_forwards():
+    """Requests with `return_log_probs` (one skipping its prompt's) decoded together, and the log-softmax of full
+    forwards over their prompt and generated tokens."""
+    parallel_state.initialize_model_parallel()
+    try:
+        model = _model()
+        engine = _engine(model, _context(model, max_requests=3, buffer_chunks=9))
+        with_prompt = SamplingParams(top_k=1, num_tokens_to_generate=4, return_log_probs=True)
+        without_prompt = SamplingParams(top_k=1, num_tokens_to_generate=3, return_log_probs=True,
+                                        skip_prompt_log_probs=True)
+        requests = [engine.add_request(0, PROMPTS[0], sampling_params=with_prompt),
+                    engine.add_request(1, PROMPTS[1], sampling_params=without_prompt),
+                    engine.add_request(2, PROMPTS[2], sampling_params=GREEDY)]
+        while engine.has_unfinished_requests():
+            engine.step()
+        expected = [_full_forward_greedy(model, request.prompt_tokens, len(request.generated_tokens))
+                    for request in requests]
+        return [(request.prompt_log_probs, request.generated_log_probs, request.generated_tokens) for request in
+                requests], [(tokens, log_probs.tolist()) for tokens, log_probs in expected]
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_log_probabilities_are_those_of_full_forwards():
+    results, expected = run_on_ranks(1, _log_probs_against_full_forwards)[0]
+    (prompt_0, generated_0, tokens_0), (prompt_1, generated_1, tokens_1), (prompt_2, generated_2, _) = results
+    assert tokens_0 == expected[0][0] and tokens_1 == expected[1][0]
+    prompt_length = len(expected[0][1]) - len(generated_0)
+    torch.testing.assert_close(torch.tensor(prompt_0 + generated_0), torch.tensor(expected[0][1]), rtol=0,
+                               atol=1e-5)
+    assert len(prompt_0) == prompt_length == 4  # "3 14 15 9 2": every prompt token after the first
+    assert prompt_1 is None
+    torch.testing.assert_close(torch.tensor(generated_1), torch.tensor(expected[1][1][-3:]), rtol=0, atol=1e-5)
+    assert prompt_2 is None and generated_2 is None  # not asked
+

@@ -30,7 +30,6 @@ def test_upstream_dynamic_batching_flags_and_defaults():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--return-log-probs"], "--return-log-probs is not supported with continuous batching"),
     (["--top-n-logprobs", "2"], "--top-n-logprobs is not supported with continuous batching"),
     (["--stream"], "--stream is not supported with continuous batching"),
 ])

@@ -18,9 +18,10 @@ adds the prompts and steps until all are done. A request decodes as it would alo
 static engine for greedy decoding (up to the order of fp32 sums between its kernels and a step's).
 
 Sampling (temperature, top-k, top-p with `top_p_decay`) draws from a generator seeded with `random_seed` (else
-torch's default generator), on tensor-parallel rank 0, whose tokens every rank continues with. Not here, each
-refused by name: pipeline or context parallelism, sequence parallelism, multi-latent attention, log-probabilities,
-top-n log-probabilities and segments (use the `StaticInferenceEngine` for those), request pausing and CUDA graphs
+torch's default generator), on tensor-parallel rank 0, whose tokens every rank continues with. `return_log_probs`
+fills `generated_log_probs` (and `prompt_log_probs` unless `skip_prompt_log_probs`) as the static engine does. Not
+here, each refused by name: pipeline or context parallelism, sequence parallelism, multi-latent attention, top-n
+log-probabilities and segments (use the `StaticInferenceEngine` for those), request pausing and CUDA graphs
 (`enable_cuda_graph` must stay False).
 """
 
@@ -34,12 +35,12 @@ import torch
 
 from megatron.core.inference.communication import broadcast_from_tensor_parallel_source, is_tensor_parallel_source
 from megatron.core.inference.inference_request import InferenceRequest, Status
+from megatron.core.inference.log_probs import real_vocab_log_softmax
 from megatron.core.inference.model_checks import check_inference_supported
 from megatron.core.inference.sampling import params_for_next_step, sample_next_tokens
 from megatron.core.inference.sampling_params import SamplingParams
 
-_NOT_HERE = (("return_log_probs", "log-probabilities"), ("top_n_logprobs", "top-n log-probabilities"),
-             ("return_segments", "segments"))
+_NOT_HERE = (("top_n_logprobs", "top-n log-probabilities"), ("return_segments", "segments"))
 
 
 @dataclass
@@ -175,7 +176,9 @@ class DynamicInferenceEngine:
         rows = self.context.last_token_rows()
         self.context.finish_step()
         next_tokens = self._sample(logits[0, rows, :self.vocab_size], requests)
-        finished = [request for request, token in zip(requests, next_tokens) if self._extend(request, token)]
+        log_probs = self._log_probs(logits[0], requests, admitted, entries, rows, next_tokens)
+        finished = [request for request, token, log_prob in zip(requests, next_tokens, log_probs)
+                    if self._extend(request, token, log_prob)]
         self.step_count += 1
         if verbose:
             print(f"dynamic inference step {self.step_count}: {len(entries)} requests, {len(tokens)} tokens, "
@@ -192,9 +195,33 @@ class DynamicInferenceEngine:
                 self.step_params[request.request_id] = params_for_next_step(params)
         return broadcast_from_tensor_parallel_source(chosen).tolist()
 
-    def _extend(self, request, token) -> bool:
-        """Append `token`; True (and the request COMPLETED, its memory given back) once it is done."""
+    def _log_probs(self, logits, requests, admitted, entries, rows, next_tokens) -> List[Optional[float]]:
+        """`return_log_probs`: each request's log-probability of its next token (None for the others), and for the
+        requests admitted in this step, unless `skip_prompt_log_probs`, those of their prompt tokens after the
+        first (`prompt_log_probs`), from the step's logits `[T, V]` (over the real vocabulary, as the static
+        engine's)."""
+        wanted = [request.sampling_params.return_log_probs for request in requests]
+        if not any(wanted):
+            return [None] * len(requests)
+        log_softmax = real_vocab_log_softmax(logits, self.vocab_size)
+        first_rows = [row - count + 1 for row, (_, count) in zip(rows, entries)]
+        starting = {id(request) for request in admitted}
+        for request, first in zip(requests, first_rows):
+            if id(request) in starting and request.sampling_params.return_log_probs:
+                request.generated_log_probs = []
+                if not request.sampling_params.skip_prompt_log_probs:
+                    targets = torch.tensor(request.prompt_tokens[1:], device=logits.device)
+                    prompt_rows = log_softmax[first:first + len(targets)]
+                    request.prompt_log_probs = prompt_rows.gather(-1, targets[:, None])[:, 0].tolist()
+        return [log_softmax[row, token].item() if want else None
+                for row, token, want in zip(rows, next_tokens, wanted)]
+
+    def _extend(self, request, token, log_prob=None) -> bool:
+        """Append `token` (and its log-probability); True (and the request COMPLETED, its memory given back) once it
+        is done."""
         request.generated_tokens.append(token)
+        if log_prob is not None:
+            request.generated_log_probs.append(log_prob)
         stopped_at_eod = token == self._stop_id(request)
         if not stopped_at_eod and len(request.generated_tokens) < request.num_tokens_to_generate:
             return False
