@@ -14,12 +14,9 @@ sampling, `--output-path`) and upstream's `--inference-dynamic-batching-*` flags
 gpt_static_inference.py. Greedy requests generate the same text as gpt_static_inference.py.
 """
 
-import json
 import os
 import sys
 import time
-
-import torch.distributed as dist
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 if REPO_ROOT not in sys.path:
@@ -102,17 +99,11 @@ def run(args):
         steps += 1
     elapsed = time.perf_counter() - started
     records = [static.result_record(prompt, result, tokenizer) for prompt, result in zip(prompts, results)]
-    for index, record in enumerate(records):
-        static._print_rank0(f"prompt {index}: {record['prompt']!r}\ngenerated {index}: {record['generated_text']!r}"
-                            + (" [end of document]" if record["stopped_at_eod"] else ""))
+    static.print_records(records)
     generated = sum(len(result.generated_tokens) for result in results)
     static._print_rank0(f"generated {generated} tokens for {len(results)} prompts in {steps} steps, {elapsed:.2f} s "
                         f"({generated / elapsed:.1f} tokens/s)")
-    if args.output_path is not None and dist.get_rank() == 0:
-        with open(args.output_path, "w") as output:
-            for record in records:
-                output.write(json.dumps(record) + "\n")
-        print(f"wrote {len(records)} results to {args.output_path}", flush=True)
+    static.write_records(records, args.output_path)
     return records
 
 

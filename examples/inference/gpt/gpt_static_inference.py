@@ -191,9 +191,7 @@ def run(args):
                                   seed=args.seed, on_tokens=TextStream(tokenizer) if args.stream else None)
     elapsed = time.perf_counter() - started
     records = [result_record(prompt, result, tokenizer) for prompt, result in zip(prompts, results)]
-    for index, record in enumerate(records):
-        _print_rank0(f"prompt {index}: {record['prompt']!r}\ngenerated {index}: {record['generated_text']!r}"
-                     + (" [end of document]" if record["stopped_at_eod"] else ""))
+    print_records(records)
     generated = sum(len(result.generated_tokens) for result in results)
     prompts_phrase = f"{len(results)} prompt" + ("" if len(results) == 1 else "s")
     num_batches = -(-len(results) // args.inference_max_requests)
@@ -201,12 +199,24 @@ def run(args):
         prompts_phrase += f" ({num_batches} batches of at most {args.inference_max_requests})"
     _print_rank0(f"generated {generated} tokens for {prompts_phrase} in {elapsed:.2f} s "
                  f"({generated / elapsed:.1f} tokens/s)")
-    if args.output_path is not None and dist.get_rank() == 0:
-        with open(args.output_path, "w") as output:
+    write_records(records, args.output_path)
+    return records
+
+
+def print_records(records):
+    """Each prompt and its generated text, on rank 0."""
+    for index, record in enumerate(records):
+        _print_rank0(f"prompt {index}: {record['prompt']!r}\ngenerated {index}: {record['generated_text']!r}"
+                     + (" [end of document]" if record["stopped_at_eod"] else ""))
+
+
+def write_records(records, output_path):
+    """--output-path: one JSON line per prompt, written by rank 0."""
+    if output_path is not None and dist.get_rank() == 0:
+        with open(output_path, "w") as output:
             for record in records:
                 output.write(json.dumps(record) + "\n")
-        print(f"wrote {len(records)} results to {args.output_path}", flush=True)
-    return records
+        print(f"wrote {len(records)} results to {output_path}", flush=True)
 
 
 with_placeholder_data_flag = launch.with_placeholder_data_flag
