@@ -86,6 +86,9 @@ VARIANTS = {
                                           config=dict(num_query_groups=2)),
     "learned absolute positions": dict(model=dict(position_embedding_type="learned_absolute"), config={}),
     "rope, sliding window of 3": dict(model=dict(position_embedding_type="rope"), config=dict(window_size=(2, 0))),
+    "rope, attention recomputed in backward": dict(
+        model=dict(position_embedding_type="rope"),
+        config=dict(recompute_granularity="selective", recompute_modules=["core_attn"])),
     # No auxiliary loss: the load-balancing loss couples the tokens of the whole batch, packed or not.
     "MoE, 4 experts, top 2": dict(model=dict(position_embedding_type="rope"),
                                   config=dict(num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.0)),
