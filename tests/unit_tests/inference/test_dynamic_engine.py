@@ -170,8 +170,8 @@ def _termination_sampling_and_refusals():
             model, _context(model), random_seed=7).generate(PROMPTS, sampled)] for _ in range(2)]
         refusals = {}
         cases = {
-            "top-n log probs": lambda: _engine(model, _context(model)).add_request(
-                0, "1 2", sampling_params=SamplingParams(top_k=1, num_tokens_to_generate=2, top_n_logprobs=2)),
+            "top-n past the vocabulary": lambda: _engine(model, _context(model)).add_request(
+                0, "1 2", sampling_params=SamplingParams(top_k=1, num_tokens_to_generate=2, top_n_logprobs=99)),
             "too long": lambda: _engine(model, _context(model)).add_request(
                 0, "1 2 3 4 5 6 7 8 9 10 11 12 13 14", sampling_params=GREEDY),
             "cuda graph": lambda: _engine(model, _context(model), enable_cuda_graph=True),
@@ -205,8 +205,7 @@ def test_termination_seeded_sampling_and_refusals():
     first, second = results["seeded"]
     assert first == second and len({tuple(tokens) for tokens in first}) == 3
     refusals = results["refusals"]
-    assert ("top-n log-probabilities (top_n_logprobs) are not supported with continuous batching"
-            in refusals["top-n log probs"])
+    assert "--top-n-logprobs 99 exceeds the vocabulary size 64" in refusals["top-n past the vocabulary"]
     assert "exceed the context's max_sequence_length 16" in refusals["too long"]
     assert "CUDA graphs are not supported here" in refusals["cuda graph"]
     assert "generate runs its prompts alone" in refusals["busy generate"]
@@ -220,7 +219,8 @@ def _log_probs_against_full_forwards():
     try:
         model = _model()
         engine = _engine(model, _context(model, max_requests=3, buffer_chunks=9))
-        with_prompt = SamplingParams(top_k=1, num_tokens_to_generate=4, return_log_probs=True)
+        with_prompt = SamplingParams(top_k=1, num_tokens_to_generate=4, return_log_probs=True, top_n_logprobs=3,
+                                     return_prompt_top_n_logprobs=True, return_segments=True)
         without_prompt = SamplingParams(top_k=1, num_tokens_to_generate=3, return_log_probs=True,
                                         skip_prompt_log_probs=True)
         requests = [engine.add_request(0, PROMPTS[0], sampling_params=with_prompt),
@@ -230,14 +230,22 @@ def _log_probs_against_full_forwards():
             engine.step()
         expected = [_full_forward_greedy(model, request.prompt_tokens, len(request.generated_tokens))
                     for request in requests]
+        sequence = torch.tensor([requests[0].prompt_tokens + requests[0].generated_tokens])
+        with torch.no_grad():
+            logits = model(sequence, torch.arange(sequence.shape[1])[None])[0, :-1, :TOKENIZER.vocab_size]
+            full = torch.log_softmax(logits, -1)
+        top_n = torch.topk(full, 3)
+        first = requests[0]
         return [(request.prompt_log_probs, request.generated_log_probs, request.generated_tokens) for request in
-                requests], [(tokens, log_probs.tolist()) for tokens, log_probs in expected]
+                requests], [(tokens, log_probs.tolist()) for tokens, log_probs in expected], (
+            first.prompt_top_n_logprobs, first.generated_top_n_logprobs, first.segments, first.generated_text,
+            top_n.values.tolist(), top_n.indices.tolist(), requests[2].generated_top_n_logprobs)
     finally:
         parallel_state.destroy_model_parallel()
 
 
 def test_log_probabilities_are_those_of_full_forwards():
-    results, expected = run_on_ranks(1, _log_probs_against_full_forwards)[0]
+    results, expected, top_n = run_on_ranks(1, _log_probs_against_full_forwards)[0]
     (prompt_0, generated_0, tokens_0), (prompt_1, generated_1, tokens_1), (prompt_2, generated_2, _) = results
     assert tokens_0 == expected[0][0] and tokens_1 == expected[1][0]
     prompt_length = len(expected[0][1]) - len(generated_0)
@@ -247,4 +255,11 @@ def test_log_probabilities_are_those_of_full_forwards():
     assert prompt_1 is None
     torch.testing.assert_close(torch.tensor(generated_1), torch.tensor(expected[1][1][-3:]), rtol=0, atol=1e-5)
     assert prompt_2 is None and generated_2 is None  # not asked
+    # Top-3 of every row after the first (4 prompt rows, then the 4 generated tokens'), keyed by each token's text.
+    prompt_top, generated_top, segments, text, values, ids, not_asked = top_n
+    assert len(prompt_top) == 4 and len(generated_top) == 4 and not_asked is None
+    for row, entry in enumerate(prompt_top + generated_top):
+        assert list(entry) == [TOKENIZER.detokenize([token]) for token in ids[row]]
+        torch.testing.assert_close(torch.tensor(list(entry.values())), torch.tensor(values[row]), rtol=0, atol=1e-5)
+    assert "".join(segments) == text and len(segments) == 4
 

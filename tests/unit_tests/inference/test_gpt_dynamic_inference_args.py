@@ -30,7 +30,6 @@ def test_upstream_dynamic_batching_flags_and_defaults():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--top-n-logprobs", "2"], "--top-n-logprobs is not supported with continuous batching"),
     (["--stream"], "--stream is not supported with continuous batching"),
 ])
 def test_what_needs_the_static_example_is_refused_by_flag(flags, message):

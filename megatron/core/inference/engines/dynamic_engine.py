@@ -18,11 +18,11 @@ adds the prompts and steps until all are done. A request decodes as it would alo
 static engine for greedy decoding (up to the order of fp32 sums between its kernels and a step's).
 
 Sampling (temperature, top-k, top-p with `top_p_decay`) draws from a generator seeded with `random_seed` (else
-torch's default generator), on tensor-parallel rank 0, whose tokens every rank continues with. `return_log_probs`
-fills `generated_log_probs` (and `prompt_log_probs` unless `skip_prompt_log_probs`) as the static engine does. Not
-here, each refused by name: pipeline or context parallelism, sequence parallelism, multi-latent attention, top-n
-log-probabilities and segments (use the `StaticInferenceEngine` for those), request pausing and CUDA graphs
-(`enable_cuda_graph` must stay False).
+torch's default generator), on tensor-parallel rank 0, whose tokens every rank continues with. Log-probabilities
+(`return_log_probs`, `skip_prompt_log_probs`), the top-n log-probabilities (`top_n_logprobs`,
+`return_prompt_top_n_logprobs`) and `return_segments` fill the request's fields as the static engine does. Not
+here, each refused by name: pipeline or context parallelism, sequence parallelism, multi-latent attention (use the
+`StaticInferenceEngine` for those), request pausing and CUDA graphs (`enable_cuda_graph` must stay False).
 """
 
 import copy
@@ -35,12 +35,10 @@ import torch
 
 from megatron.core.inference.communication import broadcast_from_tensor_parallel_source, is_tensor_parallel_source
 from megatron.core.inference.inference_request import InferenceRequest, Status
-from megatron.core.inference.log_probs import real_vocab_log_softmax
+from megatron.core.inference.log_probs import check_top_n, real_vocab_log_softmax, top_n_by_text, top_n_dicts
 from megatron.core.inference.model_checks import check_inference_supported
 from megatron.core.inference.sampling import params_for_next_step, sample_next_tokens
 from megatron.core.inference.sampling_params import SamplingParams
-
-_NOT_HERE = (("top_n_logprobs", "top-n log-probabilities"), ("return_segments", "segments"))
 
 
 @dataclass
@@ -85,10 +83,10 @@ class DynamicInferenceEngine:
         if num_tokens_to_generate is not None:
             params.num_tokens_to_generate, params.num_tokens_total = num_tokens_to_generate, None
         params.check()
-        for name, what in _NOT_HERE:
-            if getattr(params, name):
-                raise ValueError(f"DynamicInferenceEngine.add_request: {what} ({name}) are not supported with "
-                                 "continuous batching; generate with the StaticInferenceEngine")
+        if params.top_n_logprobs:
+            check_top_n(params.top_n_logprobs, self.vocab_size)
+        if params.return_segments:
+            self.controller._check_segments()
         if isinstance(prompt, str):
             tokens = self.controller.tokenize_prompt(prompt, add_BOS=params.add_BOS)
         else:
@@ -196,25 +194,34 @@ class DynamicInferenceEngine:
         return broadcast_from_tensor_parallel_source(chosen).tolist()
 
     def _log_probs(self, logits, requests, admitted, entries, rows, next_tokens) -> List[Optional[float]]:
-        """`return_log_probs`: each request's log-probability of its next token (None for the others), and for the
-        requests admitted in this step, unless `skip_prompt_log_probs`, those of their prompt tokens after the
-        first (`prompt_log_probs`), from the step's logits `[T, V]` (over the real vocabulary, as the static
-        engine's)."""
-        wanted = [request.sampling_params.return_log_probs for request in requests]
-        if not any(wanted):
+        """From the step's logits `[T, V]`, over the real vocabulary as the static engine's: with
+        `return_log_probs` each request's log-probability of its next token (None for the others) and, for the
+        requests admitted in this step unless `skip_prompt_log_probs`, those of their prompt tokens after the first
+        (`prompt_log_probs`); with `top_n_logprobs` n the n most likely tokens of the next token's row
+        (`generated_top_n_logprobs`) and, with `return_prompt_top_n_logprobs`, of the prompt's rows."""
+        if not any(request.sampling_params.return_log_probs or request.sampling_params.top_n_logprobs
+                   for request in requests):
             return [None] * len(requests)
         log_softmax = real_vocab_log_softmax(logits, self.vocab_size)
-        first_rows = [row - count + 1 for row, (_, count) in zip(rows, entries)]
         starting = {id(request) for request in admitted}
-        for request, first in zip(requests, first_rows):
-            if id(request) in starting and request.sampling_params.return_log_probs:
+        log_probs = []
+        for request, row, (_, count), token in zip(requests, rows, entries, next_tokens):
+            params, first = request.sampling_params, row - count + 1
+            prompt_rows = log_softmax[first:first + len(request.prompt_tokens) - 1]
+            if params.return_log_probs and id(request) in starting:
                 request.generated_log_probs = []
-                if not request.sampling_params.skip_prompt_log_probs:
+                if not params.skip_prompt_log_probs:
                     targets = torch.tensor(request.prompt_tokens[1:], device=logits.device)
-                    prompt_rows = log_softmax[first:first + len(targets)]
                     request.prompt_log_probs = prompt_rows.gather(-1, targets[:, None])[:, 0].tolist()
-        return [log_softmax[row, token].item() if want else None
-                for row, token, want in zip(rows, next_tokens, wanted)]
+            if params.top_n_logprobs:
+                if id(request) in starting:
+                    request.generated_top_n_logprobs = []
+                    if params.return_prompt_top_n_logprobs:
+                        request.prompt_top_n_logprobs = top_n_dicts(*torch.topk(prompt_rows, params.top_n_logprobs))
+                request.generated_top_n_logprobs += top_n_dicts(*torch.topk(log_softmax[row:row + 1],
+                                                                            params.top_n_logprobs))
+            log_probs.append(log_softmax[row, token].item() if params.return_log_probs else None)
+        return log_probs
 
     def _extend(self, request, token, log_prob=None) -> bool:
         """Append `token` (and its log-probability); True (and the request COMPLETED, its memory given back) once it
@@ -229,6 +236,14 @@ class DynamicInferenceEngine:
         request.generated_length = len(request.generated_tokens)
         text_tokens = request.generated_tokens[:-1] if stopped_at_eod else request.generated_tokens
         request.generated_text = self.controller.detokenize_generations(text_tokens)
+        params = request.sampling_params
+        if params.return_segments:
+            request.segments = self.controller.segments(text_tokens, request.generated_text)
+        if params.top_n_logprobs:  # keyed by each token's text, as the static engine's
+            tokenizer = self.controller.tokenizer
+            request.generated_top_n_logprobs = top_n_by_text(request.generated_top_n_logprobs, tokenizer)
+            if params.return_prompt_top_n_logprobs:
+                request.prompt_top_n_logprobs = top_n_by_text(request.prompt_top_n_logprobs, tokenizer)
         request.status = Status.COMPLETED
         self.context.release(request.request_id)
         del self.active[request.request_id], self.step_params[request.request_id]
