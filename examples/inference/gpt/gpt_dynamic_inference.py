@@ -10,7 +10,7 @@ others (docs/inference.md, continuous batching). Takes gpt_static_inference.py's
 sampling, `--output-path`) and upstream's `--inference-dynamic-batching-*` flags: the memory per rank
 (`-buffer-size-gb`), its chunk (`-chunk-size`) and the requests and tokens of a step (`-max-requests-override`,
 `-max-tokens-override`); `-buffer-guaranteed-fraction` and `-buffer-overflow-factor` are accepted and unused.
-`--return-log-probs` and `--top-n-logprobs` work as there; `--stream` and pipeline parallelism need
+`--return-log-probs` and `--top-n-logprobs` work as there (not with pipeline parallelism); `--stream` needs
 gpt_static_inference.py. Greedy requests generate the same text as gpt_static_inference.py.
 """
 
@@ -57,9 +57,6 @@ def check_args(args):
     """gpt_static_inference.py's checks, and what continuous batching does not do (errors name the flag)."""
     if args.stream:
         raise ValueError("--stream is not supported with continuous batching: use gpt_static_inference.py")
-    if args.pipeline_model_parallel_size > 1:
-        raise ValueError("--pipeline-model-parallel-size > 1 is not supported with continuous batching: use "
-                         "gpt_static_inference.py")
     static.check_args(args)
 
 

@@ -21,10 +21,14 @@ from tests.unit_tests.multiprocess_harness import run_on_ranks
 GREEDY = SamplingParams(top_k=1, num_tokens_to_generate=4)
 
 
-def _model(tp=1):
-    """A tiny GPT whose greedy continuations vary (at the default init they repeat the last prompt token)."""
-    return seeded_model(tiny_config(tp=tp, num_query_groups=2, init_method_std=0.5),
-                        position_embedding_type="rope").eval()
+def _model(tp=1, pp=1):
+    """A tiny GPT (this rank's pipeline stage of it) whose greedy continuations vary (at the default init they
+    repeat the last prompt token)."""
+    stage = {} if pp == 1 else dict(pre_process=parallel_state.is_pipeline_first_stage(),
+                                    post_process=parallel_state.is_pipeline_last_stage())
+    return seeded_model(tiny_config(tp=tp, pp=pp, num_query_groups=2, init_method_std=0.5),
+                        position_embedding_type="rope", share_embeddings_and_output_weights=False,
+                        **stage).eval()
 
 
 def _context(model, max_requests=2, chunk_size=4, buffer_chunks=6, max_tokens=None):
@@ -46,12 +50,12 @@ def _engine(model, context, **kwargs):
     return DynamicInferenceEngine(controller, context, **kwargs)
 
 
-def _continuous_batching(tp):
+def _continuous_batching(tp, pp=1):
     """Five requests through a context of 2 requests, 6 chunks of 4 positions and 8 tokens a step, one of them added
     after two steps; returns what each produced and what the context held along the way."""
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     try:
-        model = _model(tp)
+        model = _model(tp, pp)
         context = _context(model, max_tokens=8)
         engine = _engine(model, context, random_seed=1)
         prompts = PROMPTS + ["7 7 7 1"]
@@ -109,9 +113,10 @@ def test_the_context_bounds_the_requests_and_gives_the_memory_back(one_rank):
     assert steps > 6  # two at a time: the requests queued for room
 
 
-@pytest.mark.parametrize("world_size", [2])
-def test_tensor_parallel_ranks_decode_the_one_rank_tokens(world_size, one_rank):
-    for requests, *_ in run_on_ranks(world_size, _continuous_batching, world_size):
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_tensor_and_pipeline_parallel_ranks_decode_the_one_rank_tokens(layout, one_rank):
+    sizes = (2, 1) if layout == "tp2" else (1, 2)
+    for requests, *_ in run_on_ranks(2, _continuous_batching, *sizes):
         assert {key: value[1] for key, value in requests.items()} == {key: value[1] for key, value in
                                                                       one_rank[0].items()}
 
@@ -159,10 +164,11 @@ def _termination_sampling_and_refusals():
         model = _model()
         results = {}
         # A termination id met at the second token ends the request there, keeping it as its last token.
-        (greedy,) = _engine(model, _context(model)).generate(["6 5"], SamplingParams(top_k=1, num_tokens_to_generate=6))
+        (greedy,) = _engine(model, _context(model)).generate(["35 8 9"], SamplingParams(top_k=1,
+                                                                                     num_tokens_to_generate=6))
         stop = greedy.generated_tokens[1]
         (stopped,) = _engine(model, _context(model), termination_id=stop).generate(
-            ["6 5"], SamplingParams(top_k=1, num_tokens_to_generate=6))
+            ["35 8 9"], SamplingParams(top_k=1, num_tokens_to_generate=6))
         results["termination"] = (greedy.generated_tokens, stopped.generated_tokens, stopped.stopped_at_eod,
                                   stopped.generated_text, TOKENIZER.detokenize(greedy.generated_tokens[:1]))
         sampled = SamplingParams(temperature=1.5, num_tokens_to_generate=5)
@@ -201,6 +207,7 @@ def _busy(model):
 def test_termination_seeded_sampling_and_refusals():
     results = run_on_ranks(1, _termination_sampling_and_refusals)[0]
     greedy, stopped, stopped_at_eod, text, first_text = results["termination"]
+    assert greedy[0] != greedy[1]  # the second token is the first to meet the termination id
     assert stopped == greedy[:2] and stopped_at_eod is True and text == first_text
     first, second = results["seeded"]
     assert first == second and len({tuple(tokens) for tokens in first}) == 3
@@ -263,3 +270,19 @@ def test_log_probabilities_are_those_of_full_forwards():
         torch.testing.assert_close(torch.tensor(list(entry.values())), torch.tensor(values[row]), rtol=0, atol=1e-5)
     assert "".join(segments) == text and len(segments) == 4
 
+
+
+def _log_probs_under_pipeline_parallelism():
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+    try:
+        model = _model(pp=2)
+        with pytest.raises(ValueError, match="computed on the last pipeline stage only") as refused:
+            _engine(model, _context(model)).add_request(
+                0, "1 2", sampling_params=SamplingParams(top_k=1, num_tokens_to_generate=2, return_log_probs=True))
+        return str(refused.value)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_log_probabilities_under_pipeline_parallelism_are_refused_on_every_rank():
+    assert all("StaticInferenceEngine" in message for message in run_on_ranks(2, _log_probs_under_pipeline_parallelism))

@@ -34,7 +34,6 @@ def test_upstream_dynamic_batching_flags_and_defaults():
 ])
 def test_what_needs_the_static_example_is_refused_by_flag(flags, message):
     args = _parse(["--prompts", "def ", "--load", "ckpt", *flags])
-    args.pipeline_model_parallel_size = 1
     with pytest.raises(ValueError, match=message):
         check_args(args)
 

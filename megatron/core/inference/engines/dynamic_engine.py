@@ -18,11 +18,13 @@ adds the prompts and steps until all are done. A request decodes as it would alo
 static engine for greedy decoding (up to the order of fp32 sums between its kernels and a step's).
 
 Sampling (temperature, top-k, top-p with `top_p_decay`) draws from a generator seeded with `random_seed` (else
-torch's default generator), on tensor-parallel rank 0, whose tokens every rank continues with. Log-probabilities
-(`return_log_probs`, `skip_prompt_log_probs`), the top-n log-probabilities (`top_n_logprobs`,
-`return_prompt_top_n_logprobs`) and `return_segments` fill the request's fields as the static engine does. Not
-here, each refused by name: pipeline or context parallelism, sequence parallelism, multi-latent attention (use the
-`StaticInferenceEngine` for those), request pausing and CUDA graphs (`enable_cuda_graph` must stay False).
+torch's default generator), on tensor-parallel rank 0 of the last pipeline stage, whose tokens every rank
+continues with; each pipeline stage runs its own layers (`pipeline_decoding.decode_forward`, the chunks of its
+layers' keys and values only). Log-probabilities (`return_log_probs`, `skip_prompt_log_probs`), the top-n
+log-probabilities (`top_n_logprobs`, `return_prompt_top_n_logprobs`) and `return_segments` fill the request's fields
+as the static engine does (log-probabilities not under pipeline parallelism). Not here, each refused by name:
+context parallelism, sequence parallelism, multi-latent attention (use the `StaticInferenceEngine` for those),
+request pausing and CUDA graphs (`enable_cuda_graph` must stay False).
 """
 
 import copy
@@ -33,10 +35,15 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from megatron.core.inference.communication import broadcast_from_tensor_parallel_source, is_tensor_parallel_source
+from megatron.core.inference.communication import (
+    broadcast_from_sampling_source,
+    is_sampling_source,
+    pipeline_parallel_size,
+)
 from megatron.core.inference.inference_request import InferenceRequest, Status
 from megatron.core.inference.log_probs import check_top_n, real_vocab_log_softmax, top_n_by_text, top_n_dicts
 from megatron.core.inference.model_checks import check_inference_supported
+from megatron.core.inference.pipeline_decoding import decode_forward
 from megatron.core.inference.sampling import params_for_next_step, sample_next_tokens
 from megatron.core.inference.sampling_params import SamplingParams
 
@@ -61,7 +68,7 @@ class DynamicInferenceEngine:
         self.controller, self.context = controller, context
         self.model = controller.inference_wrapped_model.model
         config = self.model.config
-        check_inference_supported(config, self.model.pre_process, self.model.post_process)
+        check_inference_supported(config)  # context and sequence parallelism; a pipeline stage decodes its layers
         if getattr(config, "multi_latent_attention", False):
             raise ValueError("DynamicInferenceEngine: multi-latent attention is not supported with continuous "
                              "batching; generate with the StaticInferenceEngine")
@@ -83,6 +90,10 @@ class DynamicInferenceEngine:
         if num_tokens_to_generate is not None:
             params.num_tokens_to_generate, params.num_tokens_total = num_tokens_to_generate, None
         params.check()
+        if pipeline_parallel_size() > 1 and (params.return_log_probs or params.top_n_logprobs):
+            raise ValueError("DynamicInferenceEngine.add_request: log-probabilities (return_log_probs, "
+                             "top_n_logprobs) are computed on the last pipeline stage only; with pipeline "
+                             "parallelism generate them with the StaticInferenceEngine")
         if params.top_n_logprobs:
             check_top_n(params.top_n_logprobs, self.vocab_size)
         if params.return_segments:
@@ -168,13 +179,13 @@ class DynamicInferenceEngine:
             tokens.extend(request.prompt_tokens)
         device = next(self.model.parameters()).device
         self.context.initialize_step(entries)
-        with torch.no_grad():
-            logits = self.model(torch.tensor([tokens], device=device), None, None, inference_context=self.context,
-                                runtime_gather_output=True)
+        with torch.no_grad():  # the logits on the last pipeline stage, None on the others
+            logits = decode_forward(self.model, torch.tensor([tokens], device=device), self.context)
         rows = self.context.last_token_rows()
         self.context.finish_step()
-        next_tokens = self._sample(logits[0, rows, :self.vocab_size], requests)
-        log_probs = self._log_probs(logits[0], requests, admitted, entries, rows, next_tokens)
+        next_tokens = self._sample(None if logits is None else logits[0, rows, :self.vocab_size], requests, device)
+        log_probs = ([None] * len(requests) if logits is None
+                     else self._log_probs(logits[0], requests, admitted, entries, rows, next_tokens))
         finished = [request for request, token, log_prob in zip(requests, next_tokens, log_probs)
                     if self._extend(request, token, log_prob)]
         self.step_count += 1
@@ -183,15 +194,16 @@ class DynamicInferenceEngine:
                   f"{len(finished)} finished, {len(self.waiting)} waiting", flush=True)
         return list(self.active.values()), finished, time.time() - start
 
-    def _sample(self, logits, requests) -> List[int]:
-        """Each request's next token from its row of `logits` (`[requests, vocab]`), the same on every rank."""
-        chosen = torch.zeros(len(requests), dtype=torch.int64, device=logits.device)
-        if is_tensor_parallel_source():
+    def _sample(self, logits, requests, device) -> List[int]:
+        """Each request's next token from its row of `logits` (`[requests, vocab]`; None off the last pipeline
+        stage), drawn on the sampling source and the same on every rank."""
+        chosen = torch.zeros(len(requests), dtype=torch.int64, device=device)
+        if is_sampling_source():
             for index, request in enumerate(requests):
                 params = self.step_params[request.request_id]
                 chosen[index] = sample_next_tokens(logits[index:index + 1], params, self.generator)[0]
                 self.step_params[request.request_id] = params_for_next_step(params)
-        return broadcast_from_tensor_parallel_source(chosen).tolist()
+        return broadcast_from_sampling_source(chosen).tolist()
 
     def _log_probs(self, logits, requests, admitted, entries, rows, next_tokens) -> List[Optional[float]]:
         """From the step's logits `[T, V]`, over the real vocabulary as the static engine's: with
