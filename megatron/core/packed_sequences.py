@@ -120,17 +120,34 @@ class PackedRows:
     """What a packed row's layers share: `segments` and `positions` `[t]` (see `packed_segments_and_positions`),
     the `longest` sequence's length, `runs` (without context parallelism: the (first row, row count) of each
     sequence and each stretch of padding, in row order, covering the row) and the block-diagonal causal `mask`
-    `[1, 1, t, t]`, built when first read (an attention that runs per sequence never needs it)."""
+    `[1, 1, t, t]`, built when first read (an attention that runs per sequence never needs it). `arrange` puts a
+    mask over the packed row in the order the attention reads it (identity without context parallelism)."""
 
-    def __init__(self, segments, positions, longest, runs, build_mask):
+    def __init__(self, segments, positions, longest, runs, arrange):
         self.segments, self.positions, self.longest, self.runs = segments, positions, longest, runs
-        self._build_mask, self._mask = build_mask, None
+        self._arrange, self._masks = arrange, {}
 
     @property
     def mask(self) -> torch.Tensor:
-        if self._mask is None:
-            self._mask = self._build_mask()
-        return self._mask
+        return self.mask_for_window(None)
+
+    def mask_for_window(self, window_size) -> torch.Tensor:
+        """The mask with a sliding window (`window_size` (left, right), None for none) applied within each
+        sequence: rows of one sequence are as far apart as their positions, so the window is applied over the
+        packed row before it is arranged for the attention."""
+        key = None if window_size is None else tuple(window_size)
+        if key not in self._masks:
+            mask = packed_attention_mask(self.segments)
+            if key is not None:  # attention_variants.window_blocked's rule, over the packed row
+                rows = torch.arange(self.segments.shape[0], device=self.segments.device)
+                offset = rows[:, None] - rows[None, :]
+                left, right = key
+                if left >= 0:
+                    mask = mask | (offset > left)[None, None]
+                if right >= 0:
+                    mask = mask | (offset < -right)[None, None]
+            self._masks[key] = self._arrange(mask)
+        return self._masks[key]
 
 
 def context_parallel_size_and_rank(config):
@@ -140,20 +157,18 @@ def context_parallel_size_and_rank(config):
     return config.context_parallel_size, parallel_state.get_context_parallel_rank()
 
 
-def check_packed_model_support(where, config, decoding: bool, runs_mtp: bool = False, window_size=None):
+def check_packed_model_support(where, config, decoding: bool, runs_mtp: bool = False):
     """Raises ValueError naming what `where` (e.g. "GPTModel.forward") cannot combine packed sequences with."""
     if decoding:
         raise ValueError(f"{where}(packed_seq_params=...): decoding (inference_context) runs padded [b, s] prompts; "
                          "pass packed_seq_params=None")
     if config.context_parallel_size == 1:
         return
-    unsupported = (("multi-token prediction (--mtp-num-layers)", runs_mtp),
-                   ("a sliding window (--window-size)", window_size is not None))
-    for what, present in unsupported:
-        if present:
-            raise ValueError(f"{where}(packed_seq_params=...): {what} on packed sequences is not supported under "
-                             f"context parallelism (--context-parallel-size {config.context_parallel_size}); "
-                             "run it without context parallelism or on padded [b, s] batches")
+    if runs_mtp:
+        raise ValueError(f"{where}(packed_seq_params=...): multi-token prediction (--mtp-num-layers) on packed "
+                         "sequences is not supported under context parallelism (--context-parallel-size "
+                         f"{config.context_parallel_size}); run it without context parallelism or on padded [b, s] "
+                         "batches")
 
 
 def thd_local_indices(params: PackedSeqParams, total_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -239,32 +254,32 @@ def packed_rows(where, params: PackedSeqParams, local_len: int, batch: int, devi
     segments, positions = packed_segments_and_positions(params, total_len, device=device)
     if cp_size > 1:
         positions = positions[thd_local_indices(params, total_len, cp_size, cp_rank).to(device)]
-        rows = PackedRows(segments, positions, longest, None, lambda: _rows_in_standard_order(
-            packed_attention_mask(segments), params, total_len, cp_size))
+        rows = PackedRows(segments, positions, longest, None,
+                          lambda mask: _rows_in_standard_order(mask, params, total_len, cp_size))
     else:
-        rows = PackedRows(segments, positions, longest, _runs(sequences, total_len),
-                          lambda: packed_attention_mask(segments))
+        rows = PackedRows(segments, positions, longest, _runs(sequences, total_len), lambda mask: mask)
     _ROWS_CACHE[key] = (weakref.ref(params), rows)
     while len(_ROWS_CACHE) > ROWS_CACHE_SIZE:
         _ROWS_CACHE.popitem(last=False)
     return rows
 
 
-def packed_attention_rows(where, params: PackedSeqParams, config, hidden_states, decoding=False, window_size=None):
+def packed_attention_rows(where, params: PackedSeqParams, config, hidden_states, decoding=False):
     """The `PackedRows` for an attention given `packed_seq_params`: `hidden_states` `[t, 1, h]` (`[t / tp, 1, h]`
-    with sequence parallelism, `[t / cp, 1, h]` this rank's THD rows under context parallelism). `window_size`:
-    the attention's sliding window, if any (refused under context parallelism)."""
-    check_packed_model_support(where, config, decoding, window_size=window_size)
+    with sequence parallelism, `[t / cp, 1, h]` this rank's THD rows under context parallelism)."""
+    check_packed_model_support(where, config, decoding)
     local_len = hidden_states.shape[0] * (config.tensor_model_parallel_size if config.sequence_parallel else 1)
     return packed_rows(where, params, local_len, hidden_states.shape[1], hidden_states.device,
                        *context_parallel_size_and_rank(config))
 
 
-def packed_attention_mask_with(rows: PackedRows, attention_mask):
-    """The block-diagonal causal mask of `rows`, combined with `attention_mask` (True where masked) if given."""
+def packed_attention_mask_with(rows: PackedRows, attention_mask, window_size=None):
+    """The block-diagonal causal mask of `rows` (with the sliding window `window_size` applied within each sequence
+    when given), combined with `attention_mask` (True where masked) if given."""
+    mask = rows.mask_for_window(window_size)
     if attention_mask is None:
-        return rows.mask
-    return rows.mask | attention_mask.to(device=rows.mask.device, dtype=torch.bool)
+        return mask
+    return mask | attention_mask.to(device=mask.device, dtype=torch.bool)
 
 
 def rows_rotary_angles(where, angles: torch.Tensor, rows: PackedRows) -> torch.Tensor:

@@ -101,13 +101,12 @@ def test_a_batch_of_several_rows_and_unsupported_models_are_refused():
     cases = [
         (dict(config=context_parallel, runs_mtp=True), r"multi-token prediction \(--mtp-num-layers\) on packed "
                                                        r"sequences is not supported under context parallelism"),
-        (dict(config=context_parallel, window_size=(4, 0)), r"a sliding window \(--window-size\)"),
         (dict(config=tiny_config(), decoding=True), r"decoding \(inference_context\)"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=r"GPTModel.forward\(packed_seq_params=...\): " + message):
             check_packed_model_support("GPTModel.forward", **dict(dict(decoding=False), **kwargs))
-    check_packed_model_support("GPTModel.forward", tiny_config(), False, runs_mtp=True, window_size=(4, 0))
+    check_packed_model_support("GPTModel.forward", tiny_config(), False, runs_mtp=True)
     check_packed_model_support("GPTModel.forward", context_parallel, False)
 
 

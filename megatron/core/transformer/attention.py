@@ -318,7 +318,7 @@ class SelfAttention(Attention):
         rows = runs = None
         if packed_seq_params is not None:
             rows = packed_attention_rows("SelfAttention", packed_seq_params, self.config, hidden_states,
-                                         inference_context is not None, self.window_size)
+                                         inference_context is not None)
             if rotary_pos_emb is not None:
                 rotary_pos_emb = rows_rotary_angles("SelfAttention", rotary_pos_emb, rows)
         # [s, b, groups_per_partition * (m + 2) * head_dim]; (2m + 2) * head_dim per group with the output gate
@@ -341,8 +341,8 @@ class SelfAttention(Attention):
 
         if rows is not None:  # packed: one sequence at a time, or the whole row under the block-diagonal mask
             runs = attention_runs(rows, attention_mask, self._plain_attention(query))
-            if runs is None:
-                attention_mask = packed_attention_mask_with(rows, attention_mask)
+            if runs is None:  # the window, if any, applied within each sequence
+                attention_mask = packed_attention_mask_with(rows, attention_mask, self.window_size)
         core_attention = per_run_core_attention(self.core_attention, runs)
         if inference_context is not None:
             if attention_mask is not None:
@@ -353,7 +353,7 @@ class SelfAttention(Attention):
             else:
                 context = self.cached_core_attention(query, key, value, inference_context)
         else:
-            if self.window_size is not None:
+            if self.window_size is not None and rows is None:
                 # Over global positions: under context parallelism the mask covers the whole sequence.
                 full_len = seq_len * self.config.context_parallel_size
                 attention_mask = windowed_mask(attention_mask, self.window_size, full_len, query.device)

@@ -309,7 +309,7 @@ class MLASelfAttention(Attention):
         rows = runs = None
         if packed_seq_params is not None:
             rows = packed_attention_rows("MLASelfAttention", packed_seq_params, self.config, hidden_states,
-                                         inference_context is not None, self.window_size)
+                                         inference_context is not None)
         if inference_context is not None:
             if attention_mask is not None:
                 raise ValueError("MLASelfAttention: decoding through a key/value cache (inference_context) is causal "
@@ -327,10 +327,10 @@ class MLASelfAttention(Attention):
                                           rows.positions)
             # One sequence at a time, or the whole row under the block-diagonal mask (packed_attention.py).
             runs = attention_runs(rows, attention_mask, self._plain_attention(k_rope))
-            if runs is None:
-                attention_mask = packed_attention_mask_with(rows, attention_mask)
+            if runs is None:  # the window, if any, applied within each sequence
+                attention_mask = packed_attention_mask_with(rows, attention_mask, self.window_size)
         core_attention = per_run_core_attention(self.core_attention, runs)
-        if self.window_size is not None:
+        if self.window_size is not None and rows is None:
             # Over global positions: under context parallelism the mask covers the whole sequence.
             full_len = k_rope.shape[0] * self.config.context_parallel_size
             attention_mask = windowed_mask(attention_mask, self.window_size, full_len, k_rope.device)

@@ -257,6 +257,7 @@ CONTEXT_PARALLEL_CASES = {  # name: (--cp-comm-type, config fields, model keywor
     "a2a": ("a2a", {}, dict(position_embedding_type="rope")),
     "p2p, learned positions": ("p2p", {}, dict(position_embedding_type="learned_absolute")),
     "p2p, multi-latent attention": ("p2p", MLA_CONFIG, dict(position_embedding_type="none")),
+    "allgather, sliding window of 3": ("allgather", dict(window_size=(2, 0)), dict(position_embedding_type="rope")),
     "a2a+p2p at CP 4": ("a2a+p2p", dict(hierarchical_context_parallel_sizes=[2, 2]),
                         dict(position_embedding_type="rope")),
 }
