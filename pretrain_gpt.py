@@ -1,7 +1,8 @@
 """Pretrain a GPT model: `torchrun --nproc-per-node N pretrain_gpt.py --num-layers ... --mock-data ...`.
 
 Supplies the three pieces `pretrain()` needs: the model of a pipeline stage, the forward step with its loss,
-and the train/valid/test datasets (mock token ids, or `--data-path` files with blending and `--split`).
+and the train/valid/test datasets (mock token ids, `--data-path` files with blending and `--split`, or chat
+conversations under `--sft`).
 """
 
 from functools import partial
@@ -23,6 +24,8 @@ from megatron.core.transformer.multi_token_prediction import (
     track_mtp_losses,
 )
 from megatron.training.datasets.gpt_dataset_config import gpt_dataset_config_from_args
+from megatron.training.datasets.sft_dataset import build_sft_datasets
+from megatron.training.datasets.sft_dataset_config import sft_dataset_config_from_args
 from megatron.training.global_vars import get_args, get_timers, get_tokenizer
 from megatron.training.model_config import core_transformer_config_from_args
 from megatron.training.packed_batch import packed_seq_params_from_batch
@@ -134,8 +137,12 @@ def forward_step(data_iterator, model):
 
 def train_valid_test_datasets_provider(train_valid_test_num_samples):
     """GPT datasets of the requested sizes from --mock-data, --data-path (weights, --split) or the per-split
-    --train/valid/test-data-path, with every data flag (megatron/training/datasets/gpt_dataset_config.py)."""
-    config = gpt_dataset_config_from_args(get_args(), get_tokenizer())
+    --train/valid/test-data-path, with every data flag (megatron/training/datasets/gpt_dataset_config.py); under
+    --sft, chat conversations from those paths' JSON-lines files (megatron/training/datasets/sft_dataset.py)."""
+    args = get_args()
+    if args.sft:
+        return build_sft_datasets(sft_dataset_config_from_args(args, get_tokenizer()), train_valid_test_num_samples)
+    config = gpt_dataset_config_from_args(args, get_tokenizer())
     return build_gpt_datasets(config, train_valid_test_num_samples)
 
 

@@ -38,6 +38,7 @@ from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 from megatron.core.transformer.moe.router import reset_global_aux_loss_counts, update_expert_biases
 from megatron.training import checkpoint_sources, checkpointing
 from megatron.training.checkpoint_sources import non_persistent_save_dir
+from megatron.training.datasets.sft_dataset import check_conversation_files
 from megatron.training.data_iterators import (  # noqa: F401 (upstream's names in megatron.training.training)
     build_data_iterators,
     build_train_valid_test_data_iterators,
@@ -170,8 +171,9 @@ def set_up_tokenizer_and_microbatches(args):
 
 
 def _check_data_files_before_building(args):
-    """Dataset prefixes (`--data-path` and the per-split paths) whose .bin / .idx files are missing stop the run
-    before the model is built and a checkpoint loaded, with the message the dataset builder would give later."""
+    """Dataset prefixes (`--data-path` and the per-split paths) whose .bin / .idx files are missing (under --sft:
+    JSON-lines files that are missing) stop the run before the model is built and a checkpoint loaded, with the
+    message the dataset builder would give later."""
     if getattr(args, "mock_data", False) or getattr(args, "dataloader_type", None) == "external":
         return
     prefixes = []
@@ -179,7 +181,9 @@ def _check_data_files_before_building(args):
                                                           "test_data_path")):
         if paths:
             prefixes += blend_from_data_path(paths)[0]
-    if prefixes:
+    if prefixes and getattr(args, "sft", False):
+        check_conversation_files(prefixes)
+    elif prefixes:
         check_data_files(prefixes)
 
 

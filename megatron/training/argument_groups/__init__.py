@@ -32,6 +32,7 @@ from megatron.training.argument_groups import (
     resilience,
     result_validation,
     run_control,
+    sft,
     training,
     upstream_compat,
     virtual_pipeline,
@@ -49,8 +50,9 @@ from megatron.training.argument_groups import (
 # virtual_pipeline follows training: its microbatch rule needs the global and micro batch sizes.
 # pipeline_split follows virtual_pipeline: the layers must divide into the virtual stages per rank it derives.
 # mtp follows pipeline_split: a layout's 'm' symbols must match --mtp-num-layers.
+# sft follows data: it reads the tokenizer type data settles.
 ARGUMENT_GROUPS = (upstream_compat, checkpoint_args, model_builders, parallelism, model, mla, activation_recompute,
                    training, muon, qk_clip, attention_variants, attention_head_transforms,
-                   virtual_pipeline, pipeline_split, mtp, data, logging_eval, profiling, checkpoint, memory,
+                   virtual_pipeline, pipeline_split, mtp, data, sft, logging_eval, profiling, checkpoint, memory,
                    data_parallel, communication, fp8, result_validation, numerics, data_parallel_tuning, run_control,
                    resilience, moe)

@@ -12,7 +12,7 @@ each one gets upstream's answer or a clear one:
 - refusals: features this build does not have (lazy model-parallel initialisation, pre-0.14 checkpoint layouts,
   local checkpoint replication, Transformer Engine export, in-process restart, NVIDIA Kitchen quantization; the
   --inprocess-* settings alone only warn) and the flags of other upstream programs (BERT, T5,
-  RETRO, REALM, SFT, the inference server and engine), each named with what to do.
+  RETRO, REALM, the multimodal tokenizer, the inference server and engine), each named with what to do.
 """
 
 import warnings
@@ -26,9 +26,8 @@ OTHER_PROGRAMS_FLAGS = (
     ("--output-bert-embeddings", "BERT embedding export"),
     ("--embedding-path", "the REALM / ORQA retriever's embedding store"),
     ("--retro-project-dir", "RETRO (retrieval-augmented) pretraining"),
-    ("--sft", "supervised fine-tuning (chat-formatted SFT datasets)"),
-    ("--sft-tokenizer-prompt-format", "supervised fine-tuning (its chat prompt format)"),
-    ("--tokenizer-prompt-format", "the multimodal and SFT tokenizers' chat prompt format"),
+    ("--tokenizer-prompt-format", "the multimodal tokenizer's chat prompt format (for --sft data the format "
+     "is --sft-tokenizer-prompt-format)"),
 )
 # (flag, what tools/run_text_generation_server.py does instead); given, each stops validation.
 SERVER_TUNING_FLAGS = (
@@ -183,10 +182,8 @@ def _add_refused(group):
     group.add_argument("--decoder-seq-length", type=int, default=None, help="T5: an error here.")
     group.add_argument("--embedding-path", default=None, help="REALM / ORQA: an error here.")
     group.add_argument("--retro-project-dir", default=None, help="RETRO: an error here.")
-    group.add_argument("--sft", action="store_true", help="Supervised fine-tuning: an error here.")
-    group.add_argument("--sft-tokenizer-prompt-format", default=None, help="Supervised fine-tuning: an error here.")
     group.add_argument("--tokenizer-prompt-format", default=None,
-                       help="Multimodal / SFT tokenizers: an error here.")
+                       help="The multimodal tokenizer: an error here.")
     group.add_argument("--inference-batch-times-seqlen-threshold", type=int, default=None,
                        help="Upstream's text-generation server: an error here.")
     group.add_argument("--max-tokens-to-oom", type=int, default=None,

@@ -94,7 +94,7 @@ def test_missing_features_stop_naming_the_flag(extra, what_to_do):
 
 @pytest.mark.parametrize("extra", [
     "--decoder-seq-length 16", "--bert-no-binary-head", "--output-bert-embeddings", "--embedding-path /e",
-    "--retro-project-dir /r", "--sft", "--sft-tokenizer-prompt-format nemotron-h-aligned",
+    "--retro-project-dir /r",
     "--tokenizer-prompt-format llama3",
 ])
 def test_other_model_families_stop_naming_the_flag(extra):

@@ -1,0 +1,107 @@
+"""Chat prompt formats for supervised fine-tuning: a conversation (upstream's `messages`, a list of
+`{"role": ..., "content": ...}`) rendered as text and tokenized, with the positions the loss trains on.
+
+A format wraps each message in a header naming its role and an end-of-turn marker. Training covers what the model
+must learn to produce: each assistant message's content and its end-of-turn marker (so it learns to stop), and
+the end-of-document id that closes a conversation ending with an assistant message. System and user messages and
+every header are context only. Upstream's SFT tokenizer returns the same pair: the token ids and a target holding
+each trained id and `IGNORE_INDEX` elsewhere.
+
+The pieces are tokenized one at a time and concatenated, so a trained span never shares a token with the text
+around it (a byte-level tokenizer gives exactly the ids of the whole text; a BPE may split differently at piece
+boundaries, as chat tokenizers that encode their markers as special tokens do). Only the first piece gets the
+special tokens the tokenizer adds (a beginning-of-sequence id).
+"""
+
+import dataclasses
+import inspect
+
+IGNORE_INDEX = -100  # upstream's target value for positions out of the loss
+ROLES = ("system", "user", "assistant")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatPromptFormat:
+    """How messages become text: `conversation_start`, then per message `header.format(role=role)`, the content and
+    `turn_end`; `add_generation_prompt` ends with the assistant's header."""
+
+    name: str
+    header: str
+    turn_end: str
+    conversation_start: str = ""
+
+    def __post_init__(self):
+        if "{role}" not in self.header:
+            raise ValueError(f"chat prompt format {self.name!r}: its header must contain {{role}}, got "
+                             f"{self.header!r}")
+
+
+PROMPT_FORMATS = {
+    # ChatML, as Qwen's and many open chat models' templates write it.
+    "chatml": ChatPromptFormat("chatml", header="<|im_start|>{role}\n", turn_end="<|im_end|>\n"),
+    # Llama 3's chat layout.
+    "llama3": ChatPromptFormat("llama3", header="<|start_header_id|>{role}<|end_header_id|>\n\n",
+                               turn_end="<|eot_id|>", conversation_start="<|begin_of_text|>"),
+    # Role names as plain text, for tokenizers without chat markers.
+    "plain": ChatPromptFormat("plain", header="{role}: ", turn_end="\n\n"),
+}
+DEFAULT_PROMPT_FORMAT = "chatml"
+
+
+def prompt_format(name):
+    """The registered format called `name` (--sft-tokenizer-prompt-format)."""
+    if name not in PROMPT_FORMATS:
+        raise ValueError(f"--sft-tokenizer-prompt-format {name!r} is not one of {', '.join(sorted(PROMPT_FORMATS))}; "
+                         "these formats write their markers as text, so any tokenizer reads them (upstream's "
+                         "tokenizer-specific formats such as nemotron-h-aligned are not available)")
+    return PROMPT_FORMATS[name]
+
+
+def check_messages(messages, where="conversation"):
+    """Raise naming the message when `messages` is not a non-empty list of {role, content} with a known role."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{\"role\": ..., \"content\": ...}}, got "
+                         f"{type(messages).__name__}")
+    for position, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise ValueError(f"{where}, message {position}: each message needs a string 'content', got {message!r:.80}")
+        if message.get("role") not in ROLES:
+            raise ValueError(f"{where}, message {position}: role {message.get('role')!r} is not one of "
+                             f"{', '.join(ROLES)}")
+
+
+def conversation_pieces(messages, chat_format, add_generation_prompt=False):
+    """[(text, trained)] in order: the rendered conversation, each piece marked by whether the loss trains on it."""
+    pieces = [(chat_format.conversation_start, False)] if chat_format.conversation_start else []
+    for message in messages:
+        trained = message["role"] == "assistant"
+        pieces.append((chat_format.header.format(role=message["role"]), False))
+        pieces.append((message["content"] + chat_format.turn_end, trained))
+    if add_generation_prompt:
+        pieces.append((chat_format.header.format(role="assistant"), False))
+    return [(text, trained) for text, trained in pieces if text]
+
+
+def _tokenize_piece(tokenizer, text, first):
+    """The ids of `text`; special tokens (a beginning-of-sequence id) only for the first piece."""
+    if first or "add_special_tokens" not in inspect.signature(tokenizer.tokenize).parameters:
+        return list(tokenizer.tokenize(text))
+    return list(tokenizer.tokenize(text, add_special_tokens=False))
+
+
+def tokenize_conversation(tokenizer, messages, chat_format, add_generation_prompt=False, append_eod=True):
+    """(tokens, target) of one conversation, both lists of ints: `target[i]` is `tokens[i]` where the loss trains
+    on that id and `IGNORE_INDEX` elsewhere. With `append_eod` the end-of-document id closes the conversation
+    (trained when the last message is the assistant's); a generation prompt leaves it off."""
+    if isinstance(chat_format, str):
+        chat_format = prompt_format(chat_format)
+    check_messages(messages)
+    tokens, target = [], []
+    for index, (text, trained) in enumerate(conversation_pieces(messages, chat_format, add_generation_prompt)):
+        ids = _tokenize_piece(tokenizer, text, first=index == 0)
+        tokens += ids
+        target += ids if trained else [IGNORE_INDEX] * len(ids)
+    if append_eod and not add_generation_prompt:
+        tokens.append(tokenizer.eod)
+        target.append(tokenizer.eod if messages[-1]["role"] == "assistant" else IGNORE_INDEX)
+    return tokens, target

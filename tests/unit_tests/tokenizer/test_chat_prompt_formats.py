@@ -1,0 +1,103 @@
+"""Chat prompt formats: the rendered text of a conversation, and which of its ids the SFT loss trains on."""
+
+import pytest
+
+from megatron.training.tokenizer.byte_level_tokenizer import ByteLevelTokenizer
+from megatron.training.tokenizer.chat_prompt_formats import (
+    IGNORE_INDEX,
+    PROMPT_FORMATS,
+    prompt_format,
+    tokenize_conversation,
+)
+
+EOD = 256
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"},
+                {"role": "assistant", "content": "6"}]
+
+
+def _text(ids):
+    return bytes(ids).decode()
+
+
+def _trained_spans(tokens, target):
+    """The trained ids as maximal runs of text (the end-of-document id written as <eod>)."""
+    spans, run = [], []
+    for token, label in zip(tokens, target):
+        if label == IGNORE_INDEX:
+            if run:
+                spans.append(run)
+            run = []
+        else:
+            assert label == token
+            run.append(token)
+    if run:
+        spans.append(run)
+    return [_text([t for t in span if t != EOD]) + ("<eod>" if span[-1] == EOD else "") for span in spans]
+
+
+def test_chatml_renders_every_turn_and_trains_on_the_replies_with_their_end_markers():
+    tokens, target = tokenize_conversation(ByteLevelTokenizer(), CONVERSATION, "chatml")
+    assert tokens[-1] == EOD and len(target) == len(tokens)
+    assert _text(tokens[:-1]) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n"
+                                  "<|im_start|>assistant\n4<|im_end|>\n<|im_start|>user\nAnd 3+3?<|im_end|>\n"
+                                  "<|im_start|>assistant\n6<|im_end|>\n")
+    assert _trained_spans(tokens, target) == ["4<|im_end|>\n", "6<|im_end|>\n<eod>"]
+
+
+@pytest.mark.parametrize("name, text, spans", [
+    ("llama3", "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"
+               "<|start_header_id|>assistant<|end_header_id|>\n\nhello<|eot_id|>", ["hello<|eot_id|><eod>"]),
+    ("plain", "user: hi\n\nassistant: hello\n\n", ["hello\n\n<eod>"]),
+])
+def test_other_formats(name, text, spans):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    tokens, target = tokenize_conversation(ByteLevelTokenizer(), messages, PROMPT_FORMATS[name])
+    assert _text(tokens[:-1]) == text and _trained_spans(tokens, target) == spans
+
+
+def test_a_conversation_ending_with_the_user_trains_no_end_of_document_and_a_generation_prompt_adds_none():
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                {"role": "user", "content": "bye"}]
+    tokens, target = tokenize_conversation(ByteLevelTokenizer(), messages, "plain")
+    assert tokens[-1] == EOD and target[-1] == IGNORE_INDEX and _trained_spans(tokens, target) == ["yo\n\n"]
+    prompt, prompt_target = tokenize_conversation(ByteLevelTokenizer(), messages, "plain", add_generation_prompt=True)
+    assert _text(prompt) == "user: hi\n\nassistant: yo\n\nuser: bye\n\nassistant: "
+    assert _trained_spans(prompt, prompt_target) == ["yo\n\n"]
+
+
+class WordTokenizer:
+    """Whitespace words -> ids 10, 11, ...; id 1 starts a sequence when special tokens are added."""
+
+    eod = 0
+
+    def __init__(self):
+        self.words = {}
+
+    def tokenize(self, text, add_special_tokens=True):
+        ids = [self.words.setdefault(word, 10 + len(self.words)) for word in text.split()]
+        return ([1] if add_special_tokens else []) + ids
+
+
+def test_only_the_first_piece_gets_the_special_tokens():
+    messages = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}]
+    tokens, target = tokenize_conversation(WordTokenizer(), messages, "plain")
+    # "user:" "hi" "there" | "assistant:" | "hello": one beginning-of-sequence id, then the words, then eod.
+    assert tokens == [1, 10, 11, 12, 13, 14, 0]
+    assert target == [IGNORE_INDEX] * 5 + [14, 0]
+
+
+@pytest.mark.parametrize("messages, message", [
+    ([], r"'messages' must be a non-empty list"),
+    ([{"role": "user"}], r"message 0: each message needs a string 'content'"),
+    ([{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}], r"message 1: role 'bot' is not one of"),
+])
+def test_malformed_conversations_are_refused(messages, message):
+    with pytest.raises(ValueError, match=message):
+        tokenize_conversation(ByteLevelTokenizer(), messages, "chatml")
+
+
+def test_an_unknown_format_names_the_flag_and_the_choices():
+    with pytest.raises(ValueError, match=r"--sft-tokenizer-prompt-format 'nemotron-h-aligned' is not one of chatml, "
+                                         r"llama3, plain"):
+        prompt_format("nemotron-h-aligned")
