@@ -11,7 +11,8 @@ checkpoint reshards on load. No data-parallel wrapper is built; with more ranks 
 every data-parallel replica generates the same batches and rank 0 reports. Prompts come from `--prompts` or
 `--prompt-file` (JSON lines with a "text" field); more of them than `--inference-max-requests` are generated in
 several batches. Greedy by default (`--top_k 1`); `--temperature`, `--top_k`, `--top_p` and `--seed` select
-sampling; `--return-log-probs` and `--top-n-logprobs N` add log-probabilities to the results. See docs/inference.md.
+sampling; `--return-log-probs` and `--top-n-logprobs N` add log-probabilities to the results. For a model fine-tuned
+with `--sft`, `--chat-prompt-format` makes each prompt a user message in that chat format. See docs/inference.md.
 """
 
 import json
@@ -31,6 +32,12 @@ from megatron.core.inference.sampling_params import SamplingParams  # noqa: E402
 from megatron.core.inference.static_generation import check_prompts, generate_in_batches  # noqa: E402
 from megatron.inference import launch  # noqa: E402
 from megatron.inference.launch import build_tokenizer, run_with_megatron  # noqa: E402
+from megatron.training.tokenizer.chat_prompt_formats import (  # noqa: E402
+    PROMPT_FORMATS,
+    check_messages,
+    prompt_format,
+    tokenize_conversation,
+)
 
 
 INFERENCE_MAX_REQUESTS = 8
@@ -66,6 +73,10 @@ def add_static_inference_args(parser):
                        help="Deprecated name of --inference-max-requests.")
     group.add_argument("--stream", action="store_true",
                        help="Print each prompt's new text as its tokens are generated (rank 0), before the results.")
+    group.add_argument("--chat-prompt-format", default=None,
+                       help="For a model fine-tuned with --sft: each prompt is a user message, rendered in this "
+                            f"chat format ({', '.join(sorted(PROMPT_FORMATS))}) up to the assistant's header; "
+                            "--prompt-file lines may then hold whole conversations as \"messages\".")
     return launch.declare_generation_program(parser)
 
 
@@ -99,14 +110,20 @@ def check_args(args):
                              f"{args.inference_max_requests} disagree: give only --inference-max-requests")
         _print_rank0(f"--max-batch-size is deprecated: use --inference-max-requests {args.max_batch_size}")
         args.inference_max_requests = args.max_batch_size
+    if args.chat_prompt_format is not None and args.chat_prompt_format not in PROMPT_FORMATS:
+        raise ValueError(f"--chat-prompt-format {args.chat_prompt_format!r} is not one of "
+                         f"{', '.join(sorted(PROMPT_FORMATS))}: give the format the model was fine-tuned with "
+                         "(its --sft-tokenizer-prompt-format)")
     launch.check_generation_args(args, _print_rank0)
     sampling_params_from_args(args)  # validates the sampling flags
 
 
-def read_prompt_file(path, num_truncate=None):
+def read_prompt_file(path, num_truncate=None, chat=False):
     """The prompts of a --prompt-file: the "text" field of each JSON line (blank lines skipped), the first
-    `num_truncate` of them when given."""
+    `num_truncate` of them when given. With `chat` a line may instead hold a conversation, {"messages": [...]}
+    (returned as that list), to be continued by the assistant."""
     prompts = []
+    example = '{"text": "def "}' + (' or {"messages": [{"role": "user", "content": "Hi"}]}' if chat else "")
     with open(path) as prompt_file:
         for line_number, line in enumerate(prompt_file, start=1):
             if not line.strip():
@@ -115,11 +132,15 @@ def read_prompt_file(path, num_truncate=None):
                 item = json.loads(line)
             except json.JSONDecodeError as error:
                 raise ValueError(f"--prompt-file {path}: line {line_number} is not JSON ({error.msg}); write one "
-                                 'JSON object a line, such as {"text": "def "}') from None
-            if not isinstance(item, dict) or not isinstance(item.get("text"), str):
+                                 f"JSON object a line, such as {example}") from None
+            if chat and isinstance(item, dict) and "messages" in item:
+                check_messages(item["messages"], f"--prompt-file {path}: line {line_number}")
+                prompts.append(item["messages"])
+            elif not isinstance(item, dict) or not isinstance(item.get("text"), str):
                 raise ValueError(f"--prompt-file {path}: line {line_number} has no string \"text\" field; write one "
-                                 'JSON object a line, such as {"text": "def "}')
-            prompts.append(item["text"])
+                                 f"JSON object a line, such as {example}")
+            else:
+                prompts.append(item["text"])
             if num_truncate is not None and len(prompts) == num_truncate:
                 break
     if not prompts:
@@ -127,11 +148,21 @@ def read_prompt_file(path, num_truncate=None):
     return prompts
 
 
+def prompt_tokens_of(prompt, tokenizer, chat_prompt_format=None):
+    """The ids to continue: the prompt's, or with a chat format its conversation (a prompt string is one user
+    message) rendered up to the assistant's header."""
+    if chat_prompt_format is None:
+        return tokenizer.tokenize(prompt)
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return tokenize_conversation(tokenizer, messages, prompt_format(chat_prompt_format), add_generation_prompt=True)[0]
+
+
 def tokenize_prompts(args, tokenizer):
-    """(the prompts' texts, their tokens, the cache length): every prompt plus --num-tokens-to-generate must fit
+    """(the prompts, their tokens, the cache length): every prompt plus --num-tokens-to-generate must fit
     --inference-max-seq-length and --max-position-embeddings (checked before a model is built)."""
-    prompts = args.prompts or read_prompt_file(args.prompt_file, args.prompt_file_num_truncate)
-    prompt_tokens = [tokenizer.tokenize(prompt) for prompt in prompts]
+    chat_format = getattr(args, "chat_prompt_format", None)
+    prompts = args.prompts or read_prompt_file(args.prompt_file, args.prompt_file_num_truncate, chat_format is not None)
+    prompt_tokens = [prompt_tokens_of(prompt, tokenizer, chat_format) for prompt in prompts]
     max_sequence_length, limit_flag = launch.generation_max_sequence_length(args)
     check_prompts(prompt_tokens, args.num_tokens_to_generate, max_sequence_length, limit_flag)
     return prompts, prompt_tokens, max_sequence_length

@@ -223,3 +223,29 @@ def test_moe_at_tensor_parallel_size_2_launches_for_generation_with_or_without_s
 
     assert build_parser(add_text_generation_server_args).parse_args([]).generation_program
     assert not hasattr(build_parser().parse_args([]), "generation_program")
+
+
+def test_chat_prompts_are_user_messages_rendered_up_to_the_assistant_header(tmp_path):
+    from megatron.training.tokenizer import build_tokenizer_from_args
+
+    tokenizer = build_tokenizer_from_args(_parse(["--tokenizer-type", "ByteLevelTokenizer"]))
+    model = ["--max-position-embeddings", "128", "--seq-length", "128"]
+    args = _validated(["--prompts", "Hi", "--chat-prompt-format", "chatml", *model])
+    check_args(args)
+    prompts, prompt_tokens, _ = tokenize_prompts(args, tokenizer)
+    assert prompts == ["Hi"] and bytes(prompt_tokens[0]) == b"<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    # A prompt file may then hold whole conversations, continued by the assistant.
+    prompt_file = tmp_path / "chats.jsonl"
+    prompt_file.write_text('{"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]}\n'
+                           '{"text": "T"}\n')
+    args = _validated(["--prompt-file", str(prompt_file), "--chat-prompt-format", "plain", *model])
+    prompts, prompt_tokens, _ = tokenize_prompts(args, tokenizer)
+    assert [bytes(tokens) for tokens in prompt_tokens] == [b"system: S\n\nuser: Q\n\nassistant: ",
+                                                           b"user: T\n\nassistant: "]
+    with pytest.raises(ValueError, match=r"line 1 has no string \"text\" field"):
+        tokenize_prompts(_validated(["--prompt-file", str(prompt_file), *model]), tokenizer)
+    prompt_file.write_text('{"messages": [{"role": "user"}]}\n')
+    with pytest.raises(ValueError, match=r"--prompt-file .*: line 1, message 0: each message needs a string"):
+        read_prompt_file(prompt_file, chat=True)
+    with pytest.raises(ValueError, match=r"--chat-prompt-format 'mistral' is not one of chatml, llama3, plain"):
+        check_args(_validated(["--prompts", "Hi", "--chat-prompt-format", "mistral"]))
