@@ -208,17 +208,17 @@ def validate(args):
     elif (args.tiktoken_pattern, args.tiktoken_special_tokens, args.tiktoken_num_special_tokens) != (None,) * 3:
         raise ValueError("--tiktoken-pattern / --tiktoken-special-tokens / --tiktoken-num-special-tokens need "
                          "--tokenizer-type TikTokenizer")
-    if args.trust_remote_code and args.tokenizer_type != "HuggingFaceTokenizer":
+    from megatron.training.tokenizer.tokenizer import HUGGING_FACE_TYPES, SENTENCEPIECE_TOKENIZER_TYPES
+
+    if args.trust_remote_code and args.tokenizer_type not in HUGGING_FACE_TYPES:
         raise ValueError(f"--trust-remote-code applies to --tokenizer-type HuggingFaceTokenizer (loading a "
                          f"--tokenizer-model directory); --tokenizer-type {args.tokenizer_type} runs no tokenizer "
                          "code: drop the flag")
     if args.tokenizer_type == "GPT2BPETokenizer" and (args.vocab_file is None or args.merge_file is None):
         raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
-    if args.tokenizer_type == "HuggingFaceTokenizer" and args.tokenizer_model is None:
-        raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a Hugging Face tokenizer "
+    if args.tokenizer_type in HUGGING_FACE_TYPES and args.tokenizer_model is None:
+        raise ValueError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model (a Hugging Face tokenizer "
                          "directory or name, or a tokenizer.json file)")
-    from megatron.training.tokenizer.tokenizer import SENTENCEPIECE_TOKENIZER_TYPES
-
     if args.tokenizer_type in SENTENCEPIECE_TOKENIZER_TYPES and args.tokenizer_model is None:
         raise ValueError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model (the SentencePiece .model "
                          "file)")

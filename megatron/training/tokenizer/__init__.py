@@ -11,6 +11,7 @@ from megatron.training.tokenizer.sentencepiece_tokenizer import (
     Llama2Tokenizer,
     SentencePieceTokenizer,
 )
+from megatron.training.tokenizer.sft_tokenizer import SFTTokenizer
 from megatron.training.tokenizer.tokenizer import (
     TOKENIZER_TYPES,
     build_tokenizer,
@@ -29,6 +30,7 @@ __all__ = [
     "SentencePieceTokenizer",
     "GPTSentencePieceTokenizer",
     "Llama2Tokenizer",
+    "SFTTokenizer",
     "TOKENIZER_TYPES",
     "TokenizerFileError",
     "build_tokenizer",

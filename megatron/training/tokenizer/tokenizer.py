@@ -10,6 +10,7 @@ from megatron.training.tokenizer.sentencepiece_tokenizer import (
     Llama2Tokenizer,
     SentencePieceTokenizer,
 )
+from megatron.training.tokenizer.sft_tokenizer import SFTTokenizer
 from megatron.training.tokenizer.tiktoken_tokenizer import DEFAULT_NUM_SPECIAL_TOKENS, TikTokenizer
 
 # Upstream's class names, imported by scripts written for it.
@@ -24,13 +25,15 @@ _Llama2Tokenizer = Llama2Tokenizer
 # Upstream's types that read a SentencePiece .model file with the sentencepiece package.
 SENTENCEPIECE_TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 TOKENIZER_TYPES = ("NullTokenizer", "ByteLevelTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
-                   "TikTokenizer") + SENTENCEPIECE_TOKENIZER_TYPES
+                   "TikTokenizer", "SFTTokenizer") + SENTENCEPIECE_TOKENIZER_TYPES
+# Types loading --tokenizer-model with transformers.AutoTokenizer (or the tokenizers package).
+HUGGING_FACE_TYPES = ("HuggingFaceTokenizer", "SFTTokenizer")
 
 
 def build_tokenizer(tokenizer_type, vocab_size=None, vocab_file=None, merge_file=None, tokenizer_model=None,
                     tiktoken_pattern=None, tiktoken_num_special_tokens=DEFAULT_NUM_SPECIAL_TOKENS,
                     tiktoken_special_tokens=None, trust_remote_code=False, vocab_extra_ids=0,
-                    **from_pretrained_kwargs):
+                    sft_tokenizer_prompt_format=None, **from_pretrained_kwargs):
     """The tokenizer named by `--tokenizer-type`, built from the file/size flags that type needs.
 
     Called as upstream's `build_tokenizer(args, **kwargs)` with the parsed arguments instead of a type name, it
@@ -43,13 +46,14 @@ def build_tokenizer(tokenizer_type, vocab_size=None, vocab_file=None, merge_file
             ("tokenizer_model", tokenizer_model, None), ("tiktoken_pattern", tiktoken_pattern, None),
             ("tiktoken_num_special_tokens", tiktoken_num_special_tokens, DEFAULT_NUM_SPECIAL_TOKENS),
             ("tiktoken_special_tokens", tiktoken_special_tokens, None),
-            ("trust_remote_code", trust_remote_code, False), ("vocab_extra_ids", vocab_extra_ids, 0))
+            ("trust_remote_code", trust_remote_code, False), ("vocab_extra_ids", vocab_extra_ids, 0),
+            ("sft_tokenizer_prompt_format", sft_tokenizer_prompt_format, None))
             if value != default]
         if flags_given:
             raise TypeError(f"build_tokenizer(args, ...) reads {', '.join(flags_given)} from args; set them on args "
                             "(the keywords after args go to transformers.AutoTokenizer.from_pretrained)")
         return _build_tokenizer_as_upstream(tokenizer_type, **from_pretrained_kwargs)
-    if from_pretrained_kwargs and tokenizer_type != "HuggingFaceTokenizer":
+    if from_pretrained_kwargs and tokenizer_type not in HUGGING_FACE_TYPES:
         raise ValueError(f"build_tokenizer keywords {', '.join(sorted(from_pretrained_kwargs))} go to "
                          "transformers.AutoTokenizer.from_pretrained, which only --tokenizer-type HuggingFaceTokenizer "
                          f"uses; --tokenizer-type {tokenizer_type} takes none: drop them")
@@ -63,6 +67,9 @@ def build_tokenizer(tokenizer_type, vocab_size=None, vocab_file=None, merge_file
         return ByteLevelTokenizer()
     if tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(tokenizer_model, trust_remote_code=trust_remote_code, **from_pretrained_kwargs)
+    if tokenizer_type == "SFTTokenizer":
+        return SFTTokenizer(tokenizer_model, sft_tokenizer_prompt_format, trust_remote_code=trust_remote_code,
+                            **from_pretrained_kwargs)
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "TikTokenizer":
@@ -83,7 +90,7 @@ def build_tokenizer_from_args(args, **from_pretrained_kwargs):
     """`build_tokenizer` reading `tokenizer_type`, `vocab_size`, `vocab_file`, `merge_file`, `tokenizer_model`,
     the tiktoken settings and `trust_remote_code`; `from_pretrained_kwargs` as `build_tokenizer`'s, with
     `use_fast=True` for a HuggingFaceTokenizer directory under `--tokenizer-hf-use-fast`."""
-    if (getattr(args, "tokenizer_hf_use_fast", False) and args.tokenizer_type == "HuggingFaceTokenizer"
+    if (getattr(args, "tokenizer_hf_use_fast", False) and args.tokenizer_type in HUGGING_FACE_TYPES
             and loads_with_auto_tokenizer(args.tokenizer_model)):
         from_pretrained_kwargs.setdefault("use_fast", True)
     return build_tokenizer(
@@ -97,6 +104,7 @@ def build_tokenizer_from_args(args, **from_pretrained_kwargs):
         tiktoken_special_tokens=getattr(args, "tiktoken_special_tokens", None),
         trust_remote_code=getattr(args, "trust_remote_code", False),
         vocab_extra_ids=getattr(args, "vocab_extra_ids", 0),
+        sft_tokenizer_prompt_format=getattr(args, "sft_tokenizer_prompt_format", None),
         **from_pretrained_kwargs,
     )
 

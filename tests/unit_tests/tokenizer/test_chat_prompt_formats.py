@@ -1,5 +1,6 @@
 """Chat prompt formats: the rendered text of a conversation, and which of its ids the SFT loss trains on."""
 
+import numpy as np
 import pytest
 
 from megatron.training.tokenizer.byte_level_tokenizer import ByteLevelTokenizer
@@ -101,3 +102,21 @@ def test_an_unknown_format_names_the_flag_and_the_choices():
     with pytest.raises(ValueError, match=r"--sft-tokenizer-prompt-format 'nemotron-h-aligned' is not one of chatml, "
                                          r"llama3, plain"):
         prompt_format("nemotron-h-aligned")
+
+
+def test_upstream_sft_tokenizer_is_the_hugging_face_tokenizer_with_tokenize_conversation(tmp_path):
+    from megatron.training.tokenizer import build_tokenizer
+    from megatron.training.tokenizer.bpe_training import save_bpe_tokenizer, train_bpe_tokenizer
+
+    texts = ["user: hello there\n\nassistant: general kenobi\n\n"] * 20
+    path = save_bpe_tokenizer(train_bpe_tokenizer(texts, vocab_size=300), str(tmp_path / "bpe"))
+    tokenizer = build_tokenizer("SFTTokenizer", tokenizer_model=path, sft_tokenizer_prompt_format="plain")
+    messages = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "general kenobi"}]
+    tokens, target = tokenizer.tokenize_conversation(messages, return_target=True, add_generation_prompt=False)
+    assert tokens.dtype == target.dtype == np.int64
+    assert tokenizer.detokenize(tokens[:-1]) == "user: hello there\n\nassistant: general kenobi\n\n"
+    trained = tokens[target != IGNORE_INDEX]
+    assert tokenizer.detokenize(trained[:-1]) == "general kenobi\n\n" and trained[-1] == tokenizer.eod
+    prompt = tokenizer.tokenize_conversation(messages[:1], return_target=False, add_generation_prompt=True)
+    assert tokenizer.detokenize(prompt) == "user: hello there\n\nassistant: "
+    assert tokenizer.unique_identifiers["prompt_format"] == "plain"

@@ -32,3 +32,10 @@ def test_defaults():
 def test_refused_combinations(extra, base, message):
     with pytest.raises(ValueError, match=message):
         argument_checks.validated(extra, base=base)
+
+
+def test_upstream_sft_tokenizer_type_needs_its_tokenizer_model():
+    args = validated("--tokenizer-type SFTTokenizer --tokenizer-model some/dir --trust-remote-code")
+    assert args.tokenizer_type == "SFTTokenizer" and args.trust_remote_code
+    with pytest.raises(ValueError, match=r"--tokenizer-type SFTTokenizer needs --tokenizer-model"):
+        validated("--tokenizer-type SFTTokenizer")
