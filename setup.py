@@ -45,5 +45,5 @@ setup(
         "modelopt": MODELOPT_REQUIREMENTS,
         "te": ["transformer-engine[pytorch]"],
     },
-    py_modules=["pretrain_gpt"],
+    py_modules=["pretrain_gpt", "pretrain_mamba"],
 )

@@ -15,6 +15,7 @@ def core_transformer_config_from_args(args, config_class=None):
     """The `TransformerConfig` (model shape, parallel sizes, precision, recompute) the flags describe."""
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.training.argument_groups.fp8 import transformer_config_kwargs as fp8_config_kwargs
+    from megatron.training.argument_groups.hybrid import transformer_config_kwargs as hybrid_config_kwargs
     from megatron.training.argument_groups.memory import transformer_config_kwargs as memory_config_kwargs
     from megatron.training.argument_groups.numerics import transformer_config_kwargs as numerics_config_kwargs
     from megatron.training.argument_groups.moe import transformer_config_kwargs as moe_config_kwargs
@@ -82,6 +83,7 @@ def core_transformer_config_from_args(args, config_class=None):
         **qk_clip_config_kwargs(args),
         **attention_variants_config_kwargs(args),
         **attention_head_transforms_config_kwargs(args),
+        **hybrid_config_kwargs(args),
     )
 
 

@@ -176,6 +176,11 @@ def training_flops_per_iteration(args, global_batch_size):
 
         attention = attention_flops_per_token(args)
     mlp_per_layer = _mlp_flops_per_layer(args, mlp_matrices)
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if pattern is not None:  # a hybrid model: each layer is a Mamba, an attention or an MLP layer
+        layer_flops = {"M": _mamba_flops_per_token(args), "*": attention, "-": mlp_per_layer[0]}
+        return 3 * (sum(layer_flops[symbol] for symbol in pattern)
+                    + 2 * hidden * args.padded_vocab_size) * seq * global_batch_size
     per_token_forward = (layers * attention + sum(mlp_per_layer)
                          + 2 * hidden * args.padded_vocab_size)  # logits
     mtp_depths = getattr(args, "mtp_num_layers", None) or 0
@@ -184,6 +189,15 @@ def training_flops_per_iteration(args, global_batch_size):
     per_token_forward += mtp_depths * (2 * 3 * hidden + 2 * 2 * hidden * hidden + attention + mlp_per_layer[-1]
                                        + 2 * hidden * args.padded_vocab_size)
     return 3 * per_token_forward * seq * global_batch_size
+
+
+def _mamba_flops_per_token(args):
+    """Forward FLOPs of one token in a Mamba layer, as upstream counts them: the input projection (z, x, B, C, dt),
+    the scan (7 x inner width x state size) and the output projection."""
+    heads = args.mamba_num_heads or 2 * args.hidden_size // args.mamba_head_dim
+    inner = heads * args.mamba_head_dim
+    in_proj = 2 * args.hidden_size * (2 * inner + 2 * args.mamba_num_groups * args.mamba_state_dim + heads)
+    return in_proj + 7 * inner * args.mamba_state_dim + 2 * inner * args.hidden_size
 
 
 def _mlp_flops_per_layer(args, mlp_matrices):

@@ -1,11 +1,12 @@
 """The layers one pipeline stage owns, plus the final norm on the last stage.
 
 A stage holds consecutive global layers offset + 1 .. offset + count (1-based `layer_number`); inside the module
-they are `layers.0 .. layers.{count - 1}`. Evenly split, stage p of P holds L/P layers from p * L/P; with an
-interleaved pipeline each model chunk is one virtual stage; uneven splits come from the pipeline-split flags
-(see `pipeline_stage_layer_range` and `pipeline_split`). A stage that is not first takes its input from
-`set_input_tensor` (what the previous stage sent) instead of the `hidden_states` argument. A stage may hold no
-layer at all (an uneven split): it then passes its input on (normalised on the last stage).
+they are `layers.0 .. layers.{count - 1}` (a hybrid model's Mamba layers among them, see `build_layer`). Evenly
+split, stage p of P holds L/P layers from p * L/P; with an interleaved pipeline each model chunk is one virtual
+stage; uneven splits come from the pipeline-split flags (see `pipeline_stage_layer_range` and `pipeline_split`). A
+stage that is not first takes its input from `set_input_tensor` (what the previous stage sent) instead of the
+`hidden_states` argument. A stage may hold no layer at all (an uneven split): it then passes its input on
+(normalised on the last stage).
 """
 
 import contextlib
@@ -16,6 +17,8 @@ import torch
 from megatron.core.fp8_utils import get_fp8_context
 from megatron.core.offloading.activations import ActivationOffloader
 from megatron.core.offloading.fine_grained import attach_fine_grained_offloading
+from megatron.core.ssm.mamba_config import MAMBA as MAMBA_LAYER
+from megatron.core.ssm.mamba_layer import MambaLayer
 from megatron.core.transformer.attention import one_inference_context, refuse_unsupported_forward_inputs
 from megatron.core.transformer.init_seeds import resolve_base_init_seed
 from megatron.core.transformer.norms import build_norm
@@ -27,6 +30,14 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 __all__ = ["TransformerBlock", "TransformerBlockSubmodules", "pipeline_stage_layer_range"]
+
+
+def build_layer(config: TransformerConfig, layer_number: int, base_init_seed):
+    """Global layer `layer_number`: a `MambaLayer` where a hybrid model's pattern says 'M', else a
+    `TransformerLayer` (attention only for '*', MLP only for '-', both in a GPT model)."""
+    if config.layer_symbol(layer_number) == MAMBA_LAYER:
+        return MambaLayer(config, layer_number, base_init_seed=base_init_seed)
+    return TransformerLayer(config, layer_number=layer_number, base_init_seed=base_init_seed)
 
 
 class TransformerBlock(torch.nn.Module):
@@ -55,8 +66,7 @@ class TransformerBlock(torch.nn.Module):
         if base_init_seed is None:
             base_init_seed = resolve_base_init_seed(config)
         self.layers = torch.nn.ModuleList(
-            TransformerLayer(config, layer_number=self.layer_offset + index + 1, base_init_seed=base_init_seed)
-            for index in range(num_local_layers)
+            build_layer(config, self.layer_offset + index + 1, base_init_seed) for index in range(num_local_layers)
         )
         self.post_layer_norm = post_layer_norm
         self.final_layernorm = build_norm(config, config.hidden_size) if post_process and post_layer_norm else None

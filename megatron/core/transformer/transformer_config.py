@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from megatron.core.model_parallel_config import ModelParallelConfig, allow_runtime_hook_assignment
 from megatron.core.offloading.fine_grained import EXPERT_MODULES, OFFLOADABLE_MODULES
 from megatron.core.transformer.init_methods import init_method_normal, scaled_init_method_normal
+from megatron.core.ssm.mamba_config import MambaConfigMixin
 from megatron.core.transformer.kernel_choice_config import KernelChoiceConfigMixin
 from megatron.core.transformer.moe.moe_config import MoEConfigMixin
 from megatron.core.transformer.mla_config import MLAConfigMixin
@@ -33,7 +34,7 @@ RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", 
 
 @dataclass(frozen=True, kw_only=True)
 class TransformerConfig(KernelChoiceConfigMixin, MTPConfigMixin, MLAConfigMixin, YarnConfigMixin, MoEConfigMixin,
-                        ModelParallelConfig):
+                        MambaConfigMixin, ModelParallelConfig):
     """Transformer shape, regularisation, initialisation and activation-recompute settings (upstream's kernel-choice
     fields: see `kernel_choice_config`)."""
 
@@ -261,6 +262,7 @@ class TransformerConfig(KernelChoiceConfigMixin, MTPConfigMixin, MLAConfigMixin,
         self._validate_attention_variants()
         self._validate_attention_head_transforms()
         self._validate_kernel_choices()
+        self._validate_hybrid_model()
 
     def _validate_attention_head_transforms(self):
         from megatron.core.transformer.attention_head_transforms import validated_head_transforms

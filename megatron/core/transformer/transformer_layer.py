@@ -25,6 +25,8 @@ import torch
 
 from megatron.core import tensor_parallel
 from megatron.core.extensions.transformer_engine import uses_transformer_engine
+from megatron.core.ssm.mamba_config import ATTENTION as ATTENTION_LAYER
+from megatron.core.ssm.mamba_config import MLP as MLP_LAYER
 from megatron.core.transformer.attention import (
     SelfAttention,
     one_inference_context,
@@ -90,20 +92,14 @@ class TransformerLayer(torch.nn.Module):
         self.norms_fused_into_linears = (uses_transformer_engine(config)
                                          and not config.apply_residual_connection_post_layernorm)
         fused = self.norms_fused_into_linears
-        self.input_layernorm = build_norm(config, config.hidden_size)
-        if config.multi_latent_attention:
-            self.self_attention = MLASelfAttention(config, layer_number, init_seed=self.init_seed)
-        else:
-            self.self_attention = SelfAttention(config, layer_number, init_seed=self.init_seed,
-                                                fused_input_norm=self.input_layernorm if fused else None)
-        self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
-        if moe_layer_pattern(config)[layer_number - 1]:
-            self.mlp = MoELayer(config, layer_number=layer_number, init_seed=self.init_seed)
-            self.norms_fused_into_mlp = False  # the router and the experts read the normalised input
-        else:
-            self.mlp = MLP(config, init_seed=self.init_seed,
-                           fused_input_norm=self.pre_mlp_layernorm if fused else None)
-            self.norms_fused_into_mlp = fused
+        # A hybrid model's attention layer ('*') has no MLP, its MLP layer ('-') no attention (upstream's IdentityOp).
+        symbol = config.layer_symbol(layer_number)
+        self.input_layernorm = self.self_attention = self.pre_mlp_layernorm = self.mlp = None
+        self.norms_fused_into_mlp = False
+        if symbol != MLP_LAYER:
+            self._build_attention(config, layer_number, fused)
+        if symbol != ATTENTION_LAYER:
+            self._build_mlp(config, layer_number, fused)
         self.hidden_dropout = torch.nn.Dropout(config.hidden_dropout if hidden_dropout is None else hidden_dropout)
         recompute_norms = config.recomputes("layernorm") and not config.apply_residual_connection_post_layernorm
         self.recompute_input_layernorm = recompute_norms and not self.norms_fused_into_linears
@@ -112,6 +108,24 @@ class TransformerLayer(torch.nn.Module):
         self.checkpoint_mlp = config.recomputes("mlp") and isinstance(self.mlp, MLP)
         self.checkpoint_norm_and_mlp = self.recompute_pre_mlp_layernorm and isinstance(self.mlp, MoELayer) and (
             config.recomputes("moe") or config.moe_layer_recompute)
+
+    def _build_attention(self, config, layer_number, fused):
+        self.input_layernorm = build_norm(config, config.hidden_size)
+        if config.multi_latent_attention:
+            self.self_attention = MLASelfAttention(config, layer_number, init_seed=self.init_seed)
+        else:
+            self.self_attention = SelfAttention(config, layer_number, init_seed=self.init_seed,
+                                                fused_input_norm=self.input_layernorm if fused else None)
+
+    def _build_mlp(self, config, layer_number, fused):
+        self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
+        if moe_layer_pattern(config)[layer_number - 1]:
+            self.mlp = MoELayer(config, layer_number=layer_number, init_seed=self.init_seed)
+            self.norms_fused_into_mlp = False  # the router and the experts read the normalised input
+        else:
+            self.mlp = MLP(config, init_seed=self.init_seed,
+                           fused_input_norm=self.pre_mlp_layernorm if fused else None)
+            self.norms_fused_into_mlp = fused
 
     def reset_parameters(self):
         """Redraw this layer's initial weights; the same values as at construction, whatever else ran before."""
@@ -174,6 +188,15 @@ class TransformerLayer(torch.nn.Module):
                                           rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
                                           attention_bias=attention_bias, sequence_len_offset=sequence_len_offset)
         inference_context = one_inference_context("TransformerLayer", inference_context, inference_params)
+        if self.self_attention is not None:
+            hidden_states = self._attention_block(hidden_states, attention_mask, rotary_pos_emb, inference_context,
+                                                  packed_seq_params)
+        if self.mlp is None:
+            return hidden_states, None
+        mlp_input, mlp_output = self._mlp_block(hidden_states)
+        return self._residual_add(hidden_states, mlp_input, mlp_output), None
+
+    def _attention_block(self, hidden_states, attention_mask, rotary_pos_emb, inference_context, packed_seq_params):
         attention_input, attention_context = self._norm_for(self.input_layernorm, hidden_states,
                                                             self.norms_fused_into_linears,
                                                             self.recompute_input_layernorm)
@@ -183,6 +206,4 @@ class TransformerLayer(torch.nn.Module):
                                                      ("packed_seq_params", packed_seq_params)) if value is not None}
             attention_output = _add_bias(self.self_attention(attention_input, attention_mask=attention_mask,
                                                              rotary_pos_emb=rotary_pos_emb, **given))
-        hidden_states = self._residual_add(hidden_states, attention_input, attention_output)
-        mlp_input, mlp_output = self._mlp_block(hidden_states)
-        return self._residual_add(hidden_states, mlp_input, mlp_output), None
+        return self._residual_add(hidden_states, attention_input, attention_output)

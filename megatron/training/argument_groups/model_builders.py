@@ -1,6 +1,9 @@
-"""Upstream flags that pick another way of building the model than this build's Megatron-Core GPT: the legacy
-models, layer specs, hybrid (Mamba) models, heterogeneous layers, an encoder-decoder's decoder depth, YAML
-configurations, and Transformer Engine export. They parse, so an upstream launch script reaches validation, and each stops there with what to do."""
+"""Upstream flags that pick another way of building the model than this build's Megatron-Core GPT and hybrid
+models: the legacy models, layer specs (other than the hybrid stack's), heterogeneous layers, an encoder-decoder's
+decoder depth, YAML configurations, and Transformer Engine export. They parse, so an upstream launch script
+reaches validation, and each stops there with what to do."""
+
+from megatron.training.argument_groups.hybrid import MAMBA_SPEC
 
 MEGATRON_CORE_GPT_ONLY = "this build has only the Megatron-Core GPT model, built from the command-line flags"
 
@@ -12,10 +15,6 @@ def add_arguments(parser):
     group.add_argument("--spec", nargs="*", default=None,
                        help="Upstream: <module function> returning a layer spec. Layers here are built from the "
                        "transformer config directly (no specs): an error.")
-    group.add_argument("--hybrid-override-pattern", default=None,
-                       help="Upstream: the layer pattern of a hybrid Mamba model. Not supported here: an error.")
-    group.add_argument("--is-hybrid-model", action="store_true",
-                       help="Upstream: a hybrid Mamba model. Not supported here: an error.")
     group.add_argument("--heterogeneous-layers-config-path", default=None,
                        help="Upstream: per-layer shapes from a JSON file. Not supported here: an error.")
     group.add_argument("--heterogeneous-layers-config-encoded-json", default=None,
@@ -33,14 +32,10 @@ def add_arguments(parser):
 def validate(args):
     stops = (
         ("--use-legacy-models", args.use_legacy_models, f"{MEGATRON_CORE_GPT_ONLY}: drop --use-legacy-models"),
-        ("--spec", args.spec is not None,
+        ("--spec", args.spec is not None and list(args.spec) != MAMBA_SPEC,
          "layers here are built from the transformer config, not from layer specs: drop --spec and describe the "
          "layer with flags (--normalization, --swiglu, --qk-layernorm, --multi-latent-attention, --num-experts, "
-         "...)"),
-        ("--hybrid-override-pattern", args.hybrid_override_pattern is not None,
-         f"hybrid Mamba models are not supported ({MEGATRON_CORE_GPT_ONLY}): drop --hybrid-override-pattern"),
-        ("--is-hybrid-model", args.is_hybrid_model,
-         f"hybrid Mamba models are not supported ({MEGATRON_CORE_GPT_ONLY}): drop --is-hybrid-model"),
+         "...; a hybrid model's layers with --hybrid-override-pattern)"),
         ("--heterogeneous-layers-config-path", args.heterogeneous_layers_config_path is not None,
          "every layer here has the shape the flags give (no per-layer configurations): drop "
          "--heterogeneous-layers-config-path"),

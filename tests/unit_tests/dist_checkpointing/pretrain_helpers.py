@@ -26,20 +26,27 @@ def tiny_gpt_argv(extra_args):
     return f"{base} {extra_args}"
 
 
-def pretrain_records(workdir, argv, forward_step=None):
+def pretrain_records(workdir, argv, forward_step=None, script=None):
     """pretrain() with the full command line `argv` on the calling rank pool; returns the training records of the
-    metrics file (one dict per iteration, as the last rank writes them) on every rank."""
+    metrics file (one dict per iteration, as the last rank writes them) on every rank. `script`: "pretrain_mamba"
+    trains that script's hybrid model (default: pretrain_gpt.py's GPT)."""
     import pretrain_gpt
     from megatron.core.enums import ModelType
     from megatron.training.training import pretrain
+
+    model_provider, args_defaults = pretrain_gpt.model_provider, {}
+    if script == "pretrain_mamba":
+        import pretrain_mamba
+
+        model_provider, args_defaults = pretrain_mamba.model_provider, {"is_hybrid_model": True}
 
     os.makedirs(workdir, exist_ok=True)
     metrics = os.path.join(workdir, f"metrics_{zlib.crc32(argv.encode()):08x}.jsonl")
     if torch.distributed.get_rank() == 0 and os.path.exists(metrics):
         os.remove(metrics)
     torch.distributed.barrier()
-    pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
-             ModelType.encoder_or_decoder, forward_step or pretrain_gpt.forward_step,
+    pretrain(pretrain_gpt.train_valid_test_datasets_provider, model_provider,
+             ModelType.encoder_or_decoder, forward_step or pretrain_gpt.forward_step, args_defaults=args_defaults,
              argv=f"{argv} --metrics-file {metrics}".split())
     torch.distributed.barrier()
     with open(metrics) as stream:

@@ -1,0 +1,3 @@
+from megatron.core.models.mamba.mamba_model import MambaModel
+
+__all__ = ["MambaModel"]

@@ -1,0 +1,1 @@
+"""State-space (Mamba-2) layers of hybrid models: the chunked scan, the mixer and the layer around it."""

@@ -1,0 +1,88 @@
+"""The hybrid-model fields of `TransformerConfig`: which layers are Mamba-2, attention or MLP layers, and the
+Mamba mixer's shape (upstream's `--mamba-state-dim`, `--mamba-head-dim`, `--mamba-num-groups`,
+`--mamba-num-heads`).
+
+`hybrid_layer_pattern` holds one symbol per layer (upstream's `--hybrid-override-pattern` alphabet): `M` a Mamba
+layer (norm, mixer, residual), `*` an attention layer (norm, self-attention, residual), `-` an MLP layer (norm, MLP,
+residual). None: every layer is a transformer layer (attention then MLP), the GPT model.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+MAMBA, ATTENTION, MLP = "M", "*", "-"
+HYBRID_SYMBOLS = (MAMBA, ATTENTION, MLP)
+PATTERN_FLAG = "--hybrid-override-pattern"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MambaConfigMixin:
+    """Hybrid-model settings; validated by `_validate_hybrid_model` (from `__post_init__`)."""
+
+    hybrid_layer_pattern: Optional[str] = None
+    """One of `M`, `*`, `-` per layer (see the module docstring); None: the GPT model's transformer layers."""
+    mamba_state_dim: int = 128
+    """State size N of each Mamba head (`--mamba-state-dim`)."""
+    mamba_head_dim: int = 64
+    """Channels P of each Mamba head (`--mamba-head-dim`)."""
+    mamba_num_groups: int = 8
+    """Groups of heads sharing their B and C projections (`--mamba-num-groups`); a multiple of the
+    tensor-parallel size, which splits the mixer by groups."""
+    mamba_num_heads: Optional[int] = None
+    """Mamba heads (`--mamba-num-heads`); None: 2 x hidden_size / mamba_head_dim (the inner width is twice the
+    hidden size)."""
+    mamba_conv_kernel: int = 4
+    """Width of the mixer's causal depthwise convolution."""
+    mamba_chunk_size: int = 128
+    """Tokens per chunk of the scan (`ssd_chunked_scan`); changes rounding only."""
+
+    @property
+    def mamba_heads(self) -> int:
+        return self.mamba_num_heads or 2 * self.hidden_size // self.mamba_head_dim
+
+    @property
+    def mamba_inner_size(self) -> int:
+        return self.mamba_heads * self.mamba_head_dim
+
+    def layer_symbol(self, layer_number: int) -> Optional[str]:
+        """The pattern's symbol of global layer `layer_number` (1-based); None for a GPT model."""
+        return None if self.hybrid_layer_pattern is None else self.hybrid_layer_pattern[layer_number - 1]
+
+    def _validate_hybrid_model(self):
+        pattern = self.hybrid_layer_pattern
+        if pattern is None:
+            return
+        if not isinstance(pattern, str) or len(pattern) != self.num_layers or set(pattern) - set(HYBRID_SYMBOLS):
+            raise ValueError(f"the hybrid layer pattern {pattern!r} must give one of {', '.join(HYBRID_SYMBOLS)} "
+                             f"(Mamba, attention, MLP) for each of the --num-layers {self.num_layers} layers "
+                             f"({PATTERN_FLAG})")
+        for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_conv_kernel", "mamba_chunk_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if MAMBA not in pattern:
+            return
+        check_mamba_shape(self.hidden_size, self.mamba_head_dim, self.mamba_num_heads, self.mamba_num_groups,
+                          self.tensor_model_parallel_size)
+        refused = [flag for flag, on in (
+            ("--context-parallel-size > 1", self.context_parallel_size > 1),
+            ("--mtp-num-layers", bool(self.mtp_num_layers)),
+            ("--num-experts", bool(self.num_moe_experts)),
+            ("--transformer-impl transformer_engine", self.transformer_impl == "transformer_engine"),
+            ("--fp8-format", self.fp8 is not None),
+        ) if on]
+        if refused:
+            raise ValueError(f"Mamba layers ('{MAMBA}' in {PATTERN_FLAG}) do not support {', '.join(refused)}: drop "
+                             f"{'it' if len(refused) == 1 else 'them'}, or use attention and MLP layers only")
+
+
+def check_mamba_shape(hidden_size, head_dim, num_heads, num_groups, tensor_parallel_size):
+    """Raise naming the flags when the Mamba mixer's heads, groups and tensor-parallel split do not fit."""
+    if num_heads is None and (2 * hidden_size) % head_dim:
+        raise ValueError(f"the Mamba inner width 2 x --hidden-size ({2 * hidden_size}) must be a multiple of "
+                         f"--mamba-head-dim {head_dim}; or give --mamba-num-heads")
+    heads = num_heads or 2 * hidden_size // head_dim
+    if heads % num_groups:
+        raise ValueError(f"the {heads} Mamba heads must divide into --mamba-num-groups {num_groups}")
+    if num_groups % tensor_parallel_size:
+        raise ValueError(f"--mamba-num-groups {num_groups} must be a multiple of --tensor-model-parallel-size "
+                         f"{tensor_parallel_size}: tensor parallelism splits the Mamba mixer by groups")

@@ -1,0 +1,157 @@
+"""The Mamba-2 mixer: input projection, causal depthwise convolution, selective scan, gated RMS norm, output
+projection.
+
+With inner width D = heads x head_dim, G groups and state size N, the input projection gives per group g (of
+heads h_g = heads / G): the gate z_g (D / G), the scan input x_g (D / G), B_g and C_g (N each) and dt_g (h_g).
+x, B and C go through a causal depthwise convolution of width `mamba_conv_kernel` and SiLU; each head scans with
+dt = softplus(dt + dt_bias), A = -exp(A_log) and the skip D (`ssd_scan`); the output is normalised per group
+after gating, RMSNorm(y * silu(z)), and projected back to the hidden size.
+
+Tensor parallelism splits the mixer by groups (`--mamba-num-groups` a multiple of the TP size): the input
+projection is column-parallel, the output projection row-parallel, and every per-channel parameter is cut the
+same way. The rows of the input projection, the convolution's channels and the per-head parameters are laid out
+group after group (`[z_0, x_0, B_0, C_0, dt_0, z_1, ...]`), so a tensor-parallel rank's contiguous slice holds whole
+groups: the full layout is the same at every TP size and TP=2 reproduces TP=1 from the same initialisation (as the
+gated MLP's interleaved fc1, see `mlp.py`). Under sequence parallelism the input projection gathers the sequence
+and the output projection scatters it again; the convolution and the scan see whole sequences.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.ssm.ssd_scan import ssd_chunked_scan
+from megatron.core.tensor_parallel.partitioned_parameters import initialize_partition_from_master
+from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, initialization_rng
+from megatron.core.transformer.utils import parameter_device
+
+# Initial values, as the Mamba-2 reference: A drawn from [1, 16], dt from a log-uniform [1e-3, 0.1] floored at 1e-4.
+A_INIT_RANGE = (1.0, 16.0)
+DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 0.1, 1e-4
+GATED_NORM_EPS = 1e-5
+
+
+def _init_a_log(master):
+    master.uniform_(*A_INIT_RANGE).log_()
+
+
+def _init_dt_bias(master):
+    """The inverse softplus of dt drawn log-uniformly in [DT_MIN, DT_MAX] (floored), so softplus(dt_bias) = dt."""
+    dt = torch.exp(torch.rand_like(master) * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN))
+    dt = dt.clamp(min=DT_FLOOR)
+    master.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+
+def _init_conv(bound):
+    def init(master):
+        master.uniform_(-bound, bound)
+
+    return init
+
+
+class MambaMixer(torch.nn.Module):
+    """`forward(hidden_states [s, b, h]) -> (output [s, b, h], None)` (the bias slot of upstream's sublayers; the
+    projections have no bias). Args: config (a `TransformerConfig` with the `mamba_*` fields), layer_number
+    (1-based, global), init_seed: the owning layer's seed; each parameter draws from a seed derived from it."""
+
+    def __init__(self, config, layer_number: int, init_seed: int):
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number
+        self.init_seed = init_seed
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.heads, self.head_dim = config.mamba_heads, config.mamba_head_dim
+        self.groups, self.state_dim = config.mamba_num_groups, config.mamba_state_dim
+        self.inner = self.heads * self.head_dim
+        self.local_groups = self.groups // tp
+        self.heads_per_group = self.heads // self.groups
+        self.inner_per_group = self.inner // self.groups
+        # One group's rows of the input projection: z, x, B, C, dt.
+        self.group_rows = 2 * self.inner_per_group + 2 * self.state_dim + self.heads_per_group
+        self.conv_channels_per_group = self.inner_per_group + 2 * self.state_dim
+        self.in_proj = build_with_init_seed(derive_init_seed(init_seed, "mixer.in_proj"), lambda: (
+            tensor_parallel.ColumnParallelLinear(config.hidden_size, self.groups * self.group_rows, config=config,
+                                                 init_method=config.init_method, bias=False, gather_output=False)))
+        self.out_proj = build_with_init_seed(derive_init_seed(init_seed, "mixer.out_proj"), lambda: (
+            tensor_parallel.RowParallelLinear(self.inner, config.hidden_size, config=config,
+                                              init_method=config.output_layer_init_method, bias=False,
+                                              input_is_parallel=True)))
+        device, dtype = parameter_device(config), config.params_dtype
+        local_heads, local_inner = self.local_groups * self.heads_per_group, self.local_groups * self.inner_per_group
+        local_channels = self.local_groups * self.conv_channels_per_group
+
+        def parameter(*shape):
+            param = torch.nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))
+            tensor_parallel.set_tensor_model_parallel_attributes(param, True, 0, 1)
+            return param
+
+        # Upstream's parameter names: conv1d.weight / conv1d.bias, A_log, D, dt_bias, norm.weight.
+        self.conv1d = torch.nn.Module()
+        self.conv1d.weight = parameter(local_channels, 1, config.mamba_conv_kernel)
+        self.conv1d.bias = parameter(local_channels)
+        self.A_log = parameter(local_heads)
+        self.D = parameter(local_heads)
+        self.dt_bias = parameter(local_heads)
+        self.norm = torch.nn.Module()
+        self.norm.weight = parameter(local_inner)
+        self.reset_parameters()
+
+    def _full_shapes(self):
+        kernel = self.config.mamba_conv_kernel
+        channels = self.groups * self.conv_channels_per_group
+        bound = 1.0 / math.sqrt(kernel)  # torch's Conv1d default for a depthwise kernel (fan-in = kernel)
+        return {"conv1d.weight": ((channels, 1, kernel), _init_conv(bound)),
+                "conv1d.bias": ((channels,), _init_conv(bound)),
+                "A_log": ((self.heads,), _init_a_log), "D": ((self.heads,), torch.nn.init.ones_),
+                "dt_bias": ((self.heads,), _init_dt_bias), "norm.weight": ((self.inner,), torch.nn.init.ones_)}
+
+    def reset_parameters(self):
+        """Draw this mixer's own parameters (the projections draw theirs): each from the full tensor under its
+        own seed, this rank keeping its groups' slice."""
+        if not self.config.perform_initialization:
+            return
+        for name, (shape, init) in self._full_shapes().items():
+            with initialization_rng(derive_init_seed(self.init_seed, "mixer", name)):
+                initialize_partition_from_master(self.get_parameter(name), shape, init, 0)
+
+    def _split_projection(self, projected):
+        """[s, b, local_groups * group_rows] -> z, xBC (conv channels, group after group), dt; z and dt [s, b, *]."""
+        seq, batch = projected.shape[:2]
+        per_group = projected.reshape(seq, batch, self.local_groups, self.group_rows)
+        z, xbc, dt = per_group.split([self.inner_per_group, self.conv_channels_per_group, self.heads_per_group], -1)
+        return z.reshape(seq, batch, -1), xbc.reshape(seq, batch, -1), dt.reshape(seq, batch, -1)
+
+    def _causal_conv(self, xbc):
+        """Depthwise causal convolution over the sequence, then SiLU: [s, b, c] -> [b, s, c]."""
+        length = xbc.shape[0]
+        channels_first = xbc.permute(1, 2, 0)  # [b, c, s]
+        out = F.conv1d(channels_first, self.conv1d.weight, self.conv1d.bias,
+                       padding=self.config.mamba_conv_kernel - 1, groups=channels_first.shape[1])
+        return F.silu(out[..., :length]).transpose(1, 2)
+
+    def _gated_norm(self, y, z):
+        """RMSNorm(y * silu(z)) over each group's channels, times the norm weight; [b, s, local_inner]."""
+        gated = (y * F.silu(z.float())).reshape(*y.shape[:2], self.local_groups, self.inner_per_group)
+        normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + GATED_NORM_EPS)
+        return normed.reshape(y.shape) * self.norm.weight.float()
+
+    def forward(self, hidden_states):
+        projected, _ = self.in_proj(hidden_states)
+        z, xbc, dt = self._split_projection(projected)
+        batch, length = hidden_states.shape[1], projected.shape[0]
+        xbc = self._causal_conv(xbc).reshape(batch, length, self.local_groups, self.conv_channels_per_group)
+        x, B, C = xbc.split([self.inner_per_group, self.state_dim, self.state_dim], -1)
+        local_heads = self.local_groups * self.heads_per_group
+        x = x.reshape(batch, length, local_heads, self.head_dim)
+        # Each head reads its group's B and C.
+        B = B.repeat_interleave(self.heads_per_group, dim=2)
+        C = C.repeat_interleave(self.heads_per_group, dim=2)
+        dt = F.softplus(dt.transpose(0, 1).float() + self.dt_bias.float())  # [b, s, heads]
+        A = -torch.exp(self.A_log.float())
+        y, _ = ssd_chunked_scan(x, dt, A, B, C, self.config.mamba_chunk_size)
+        y = y.float() + x.float() * self.D.float()[:, None]
+        y = self._gated_norm(y.reshape(batch, length, -1), z.transpose(0, 1))
+        out, _ = self.out_proj(y.to(hidden_states.dtype).transpose(0, 1).contiguous())
+        return out, None

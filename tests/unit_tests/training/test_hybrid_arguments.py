@@ -1,0 +1,63 @@
+"""Hybrid (Mamba) model flags: the layer pattern they resolve to, upstream's --spec for the hybrid stack, and the
+configuration the model is built from."""
+
+import pytest
+
+from megatron.training.model_config import core_transformer_config_from_args
+from tests.unit_tests.training.argument_checks import validated
+
+SHAPE = "--mamba-head-dim 16 --mamba-num-groups 2 --mamba-state-dim 8"
+
+
+def test_a_gpt_model_has_no_pattern():
+    args = validated()
+    assert args.is_hybrid_model is False and args.hybrid_layer_pattern is None
+    assert core_transformer_config_from_args(args).hybrid_layer_pattern is None
+
+
+@pytest.mark.parametrize("extra, pattern", [
+    ("--hybrid-override-pattern M*", "M*"),
+    ("--is-hybrid-model", "MM"),
+    ("--hybrid-attention-ratio 0.5", "M*"),
+    ("--num-layers 8 --hybrid-attention-ratio 0.25 --hybrid-mlp-ratio 0.25", "M-*MM-*M"),
+    ("--is-hybrid-model --spec megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec", "MM"),
+])
+def test_the_flags_resolve_the_layer_pattern(extra, pattern):
+    args = validated(f"{SHAPE} {extra}")
+    assert args.is_hybrid_model and args.hybrid_layer_pattern == pattern and args.spec is None
+    config = core_transformer_config_from_args(args)
+    assert config.hybrid_layer_pattern == pattern
+    assert (config.mamba_head_dim, config.mamba_num_groups, config.mamba_state_dim, config.mamba_heads) == (16, 2, 8, 8)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("--hybrid-override-pattern M*M", r"--hybrid-override-pattern 'M\*M' must give one of M, \*, - .* for each of "
+                                      r"the --num-layers 2 layers"),
+    ("--hybrid-attention-ratio 1.5", r"--hybrid-attention-ratio must be in \[0, 1\], got 1.5"),
+    ("--hybrid-attention-ratio 0.6 --hybrid-mlp-ratio 0.6", r"exceed 1"),
+    ("--spec megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec",
+     r"builds a hybrid model: launch pretrain_mamba.py"),
+    ("--is-hybrid-model --mamba-num-groups 3", r"Mamba heads must divide into --mamba-num-groups 3"),
+])
+def test_bad_hybrid_flags_stop_naming_them(extra, message):
+    with pytest.raises(ValueError, match=message):
+        validated(f"--mamba-head-dim 16 {extra}")
+
+
+def test_override_pattern_wins_over_ratios_that_disagree():
+    with pytest.warns(UserWarning, match=r"--hybrid-attention-ratio 0.5 and --hybrid-mlp-ratio 0.0 disagree"):
+        args = validated(f"{SHAPE} --hybrid-override-pattern MM --hybrid-attention-ratio 0.5")
+    assert args.hybrid_layer_pattern == "MM"
+
+
+def test_the_flop_estimate_counts_each_layer_by_its_kind():
+    from megatron.training.training_log import training_flops_per_iteration
+
+    args = validated(f"{SHAPE} --num-layers 3 --hybrid-override-pattern M*- --ffn-hidden-size 96")
+    args.padded_vocab_size = 128
+    hidden, seq, heads, inner, groups, state = 64, 32, 8, 128, 2, 8  # 8 Mamba heads of 16 channels
+    mamba = 2 * hidden * (2 * inner + 2 * groups * state + heads) + 7 * inner * state + 2 * inner * hidden
+    attention = 2 * hidden * 3 * hidden + 2 * hidden * hidden + 2 * seq * hidden  # QKV, projection, scores
+    mlp = 2 * 2 * hidden * 96  # fc1 and fc2 (no gate)
+    logits = 2 * hidden * 128
+    assert training_flops_per_iteration(args, 4) == 3 * (mamba + attention + mlp + logits) * seq * 4

@@ -1,0 +1,61 @@
+"""pretrain_mamba.py end to end on a hybrid model (Mamba, attention and MLP layers): every data-parallel wrapper,
+tensor parallelism with sequence parallelism, pipeline parallelism and full activation recompute log the losses of
+Megatron DDP on one layout, and a torch_dist checkpoint saved under DDP resumes under Megatron-FSDP ZeRO-3 at TP 2
+on the uninterrupted run's losses."""
+
+import pytest
+import torch
+
+from tests.unit_tests.dist_checkpointing.pretrain_helpers import pretrain_records
+from tests.unit_tests.multiprocess_harness import run_on_ranks
+
+HYBRID = ("--num-layers 4 --hybrid-override-pattern M*M- --hidden-size 32 --num-attention-heads 4 "
+          "--mamba-head-dim 8 --mamba-num-groups 2 --mamba-state-dim 8 --seq-length 32 --max-position-embeddings 32 "
+          "--position-embedding-type none --normalization RMSNorm --swiglu --hidden-dropout 0 --attention-dropout 0 "
+          "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --lr-decay-iters 4 --train-iters 4 --seed 11 "
+          "--init-method-std 0.1 --mock-data --tokenizer-type NullTokenizer --vocab-size 127 "
+          "--make-vocab-size-divisible-by 64 --num-workers 0 --log-interval 1 --eval-iters 0 "
+          "--distributed-backend gloo")
+LAYOUTS = {
+    "megatron_fsdp_z3": "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
+    "tp2_sp": "--tensor-model-parallel-size 2 --sequence-parallel",
+    "pp2": "--pipeline-model-parallel-size 2",
+    "recompute": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+}
+
+
+def _losses(workdir, name, extra):
+    records = pretrain_records(f"{workdir}/{name}", f"{HYBRID} {extra}", script="pretrain_mamba")
+    return [record["lm loss"] for record in records]
+
+
+def _all_runs(workdir):
+    losses = {"ddp": _losses(workdir, "ddp", "")}
+    for name, extra in LAYOUTS.items():
+        losses[name] = _losses(workdir, name, extra)
+    untied = "--untie-embeddings-and-output-weights"
+    losses["ddp_untied"] = _losses(workdir, "ddp_untied", untied)
+    losses["fsdp2_untied"] = _losses(workdir, "fsdp2_untied", f"{untied} --use-torch-fsdp2")
+    checkpoints = f"{workdir}/checkpoints"
+    save = f"--save {checkpoints} --save-interval 2 --ckpt-format torch_dist"
+    losses["saved"] = _losses(workdir, "saved", f"{save} --exit-interval 2")
+    losses["resumed"] = _losses(workdir, "resumed", f"--load {checkpoints} --ckpt-format torch_dist "
+                                                    f"{LAYOUTS['megatron_fsdp_z3']} --tensor-model-parallel-size 2")
+    return losses
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_every_layout_and_wrapper_trains_the_hybrid_model_alike(world_size, tmp_path):
+    losses = run_on_ranks(world_size, _all_runs, str(tmp_path))[0]
+    reference = torch.tensor(losses["ddp"])
+    assert len(reference) == 4
+    # The same computation, other data-parallel sharding or pipeline split: fp32 sums in another order at most.
+    for name in ("megatron_fsdp_z3", "pp2", "recompute"):
+        torch.testing.assert_close(torch.tensor(losses[name]), reference, rtol=1e-6, atol=0)
+    # Tensor parallelism splits the mixer by groups and reduces partial sums over 2 ranks.
+    torch.testing.assert_close(torch.tensor(losses["tp2_sp"]), reference, rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(losses["fsdp2_untied"]), torch.tensor(losses["ddp_untied"]),
+                               rtol=1e-6, atol=0)
+    # Saved at iteration 2 under DDP, resumed at TP 2 under Megatron-FSDP ZeRO-3: iterations 3 and 4 as uninterrupted.
+    assert losses["saved"] == losses["ddp"][:2]
+    torch.testing.assert_close(torch.tensor(losses["resumed"]), reference[2:], rtol=1e-5, atol=0)
