@@ -6,7 +6,9 @@
 Takes pretrain_gpt.py's model and tokenizer flags (`--use-checkpoint-args` reads the model's from the checkpoint)
 and `--load`; `--tensor-model-parallel-size 2` or `--pipeline-model-parallel-size 2` on 2 ranks splits the model
 (both on 4 ranks). Rank 0 answers `PUT /api` on `--port` (default 5000) on every interface; the other ranks
-follow its requests. Query it with curl or `python tools/text_generation_cli.py localhost:5000`. Upstream's
+follow its requests. Query it with curl or `python tools/text_generation_cli.py localhost:5000`. For a model
+fine-tuned with `--sft`, `--chat-prompt-format FORMAT` (its `--sft-tokenizer-prompt-format`) also answers OpenAI's
+`POST /v1/chat/completions`: the messages rendered in that format, the reply up to its end-of-turn marker. Upstream's
 server-wide sampling flags (`--temperature`, `--top_k`, `--top_p`, `--num-tokens-to-generate`, `--out-seq-length`,
 `--return-log-probs`) are accepted and, as upstream's, set nothing: each request gives its own fields (a note
 names each). See docs/inference.md.
@@ -25,6 +27,10 @@ import pretrain_gpt  # noqa: E402
 from megatron.inference import launch  # noqa: E402
 from megatron.inference.text_generation import GenerationLimits  # noqa: E402
 from megatron.inference.text_generation_server import TextGenerationServer, follow_requests  # noqa: E402
+from megatron.training.tokenizer.chat_prompt_formats import (  # noqa: E402
+    PROMPT_FORMATS,
+    chat_prompt_format_for_flag,
+)
 
 
 # Upstream's server-wide sampling flags -> (the PUT /api field that sets it per request, the field's default).
@@ -47,6 +53,10 @@ def add_text_generation_server_args(parser):
                             "--max-position-embeddings).")
     group.add_argument("--inference-max-requests", type=int, default=8,
                        help="Key/value cache batch size: a request with more prompts runs in several batches.")
+    group.add_argument("--chat-prompt-format", default=None,
+                       help="For a model fine-tuned with --sft: also answer POST /v1/chat/completions, rendering "
+                            f"each conversation in this chat format ({', '.join(sorted(PROMPT_FORMATS))}), the "
+                            "model's --sft-tokenizer-prompt-format.")
     group = parser.add_argument_group("upstream's server sampling flags (each request sets its own)")
     for flag, (field, default) in REQUEST_FIELD_FLAGS.items():
         help_text = f'Accepted for upstream launch scripts; a request\'s "{field}" (default {default}) sets it.'
@@ -87,16 +97,23 @@ def generation_limits(args, tokenizer) -> GenerationLimits:
                             max_sequence_length=max_sequence_length, max_batch_size=args.inference_max_requests)
 
 
+def chat_format_of(args):
+    """The --chat-prompt-format's ChatPromptFormat (None without the flag: no chat endpoint)."""
+    return None if args.chat_prompt_format is None else chat_prompt_format_for_flag(args.chat_prompt_format)
+
+
 def run(args):
     launch.check_generation_args(args, _print_rank0)
     for note in request_field_flag_notes(args):
         _print_rank0(note)
+    chat_format = chat_format_of(args)
     tokenizer = launch.build_tokenizer(args)
     limits = generation_limits(args, tokenizer)
     model = launch.load_model(args, pretrain_gpt.model_provider)
     try:
         if dist.get_rank() == 0:
-            TextGenerationServer(model, tokenizer, limits).serve("0.0.0.0", args.port)
+            server = TextGenerationServer(model, tokenizer, limits, chat_format=chat_format, model_name=args.load)
+            server.serve("0.0.0.0", args.port)
         else:
             follow_requests(model, limits)
     except KeyboardInterrupt:  # Ctrl-C reaches every rank of the job

@@ -19,7 +19,7 @@ distribution (before temperature and filtering), one fewer than `tokens[i]`. `to
 import inspect
 import random
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -31,6 +31,7 @@ from megatron.core.inference.log_probs import target_log_probs, top_n_by_text, t
 from megatron.core.inference.static_generation import GeneratedSequence, generate_static_batch
 from megatron.inference.generation_request import GenerationRequest, RequestError
 from megatron.inference.newline_rules import NewlineRules, NewlineRulesModel, strip_forced_stop
+from megatron.inference.stop_sequences import StopSequencesModel
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,9 @@ class GenerationLimits:
 
 @dataclass(frozen=True)
 class GenerationJob:
-    """A request as every rank runs it. `sampling_params` None: score the prompts only."""
+    """A request as every rank runs it. `sampling_params` None: score the prompts only. `stop_sequences`: token
+    sequences that end a generated sequence (the chat endpoint's end-of-turn marker; see
+    `megatron.inference.stop_sequences`)."""
 
     prompt_tokens: List[List[int]]
     sampling_params: Optional[SamplingParams]
@@ -54,9 +57,10 @@ class GenerationJob:
     logprobs: bool
     newline_rules: Optional[NewlineRules] = None
     top_n_logprobs: int = 0
+    stop_sequences: Tuple[Tuple[int, ...], ...] = ()
 
 
-def _text_ids(tokenizer, text):
+def text_ids(tokenizer, text):
     """The ids of `text` alone: without the BOS / EOS a Hugging Face tokenizer adds to whole prompts."""
     if "add_special_tokens" in inspect.signature(tokenizer.tokenize).parameters:
         return tokenizer.tokenize(text, add_special_tokens=False)
@@ -64,7 +68,7 @@ def _text_ids(tokenizer, text):
 
 
 def _single_token(tokenizer, text, field):
-    ids = _text_ids(tokenizer, text)
+    ids = text_ids(tokenizer, text)
     if field is not None and len(ids) != 1:
         raise RequestError(f"{field} needs a tokenizer that encodes {text!r} as one token; this one gives {ids}")
     return ids[0] if len(ids) == 1 else None
@@ -178,6 +182,9 @@ def run_job(model, job: GenerationJob, limits: GenerationLimits) -> List[Generat
         if job.newline_rules is not None:
             batch_model = NewlineRulesModel(model, job.newline_rules, [len(prompt) for prompt in batch],
                                             limits.eod_id)
+        if job.stop_sequences:
+            batch_model = StopSequencesModel(batch_model, job.stop_sequences, [len(prompt) for prompt in batch],
+                                             limits.eod_id)
         results += generate_static_batch(batch_model, batch, job.sampling_params, eod_id=limits.eod_id,
                                          max_sequence_length=limits.max_sequence_length,
                                          max_batch_size=limits.max_batch_size, vocab_size=limits.vocab_size,

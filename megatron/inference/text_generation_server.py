@@ -1,5 +1,6 @@
 """Upstream's text-generation HTTP endpoint on the standard library: `PUT /api` with a JSON body (see
-`generation_request`) answers upstream's response (see `text_generation`), or 400 with `{"message": ...}`.
+`generation_request`) answers upstream's response (see `text_generation`), or 400 with `{"message": ...}`. With a
+chat format, `POST /v1/chat/completions` answers OpenAI's chat requests (see `chat_request`, `chat_completion`).
 
 Rank 0 serves HTTP. Every request it accepts is checked and tokenized there first (a bad request reaches no other
 rank), then broadcast to all ranks as a `GenerationJob`; every rank runs it (the tensor- and pipeline-parallel ranks
@@ -17,10 +18,23 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch.distributed as dist
 
+from megatron.inference.chat_completion import build_chat_completion, prepare_chat_job
+from megatron.inference.chat_request import EXAMPLE_BODY as CHAT_EXAMPLE_BODY
+from megatron.inference.chat_request import parse_chat_request
 from megatron.inference.generation_request import RequestError, parse_generation_request
 from megatron.inference.text_generation import GenerationLimits, build_response, prepare_job, run_job
+from megatron.training.tokenizer.chat_prompt_formats import PROMPT_FORMATS
 
 API_PATH = "/api"
+CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
+# Each endpoint's method and an example of its body (a request with another method is answered with it).
+ENDPOINTS = {
+    API_PATH: ("PUT", '{"prompts": ["Hello"]}'),
+    CHAT_COMPLETIONS_PATH: ("POST", CHAT_EXAMPLE_BODY),
+}
+NO_CHAT_FORMAT = (f"POST {CHAT_COMPLETIONS_PATH} needs the model's chat format: launch the server with "
+                  f"--chat-prompt-format FORMAT ({', '.join(sorted(PROMPT_FORMATS))}), the format the model was "
+                  "fine-tuned with (its --sft-tokenizer-prompt-format)")
 _STOP = "stop"
 # The largest request body read (128 prompts of 2560 tokens take a few MiB of JSON); a larger declared size is
 # refused before anything is read, so a bad Content-Length cannot make the server allocate it.
@@ -64,35 +78,54 @@ def follow_requests(model, limits: GenerationLimits):
 
 
 class TextGenerationServer:
-    """Rank 0's side: answers requests (`generate`, `handle`) and serves them over HTTP (`serve`)."""
+    """Rank 0's side: answers requests (`generate`, `chat_completion`; `handle`, `handle_chat`) and serves them over
+    HTTP (`serve`). `chat_format` (a `ChatPromptFormat`; None: no chat endpoint) renders chat requests, and
+    `model_name` is the `model` of their answers."""
 
-    def __init__(self, model, tokenizer, limits: GenerationLimits):
+    def __init__(self, model, tokenizer, limits: GenerationLimits, chat_format=None, model_name="megatron-gpt"):
         self.model = model
         self.tokenizer = tokenizer
         self.limits = limits
+        self.chat_format = chat_format
+        self.model_name = model_name
         self.lock = threading.Lock()
 
-    def generate(self, body) -> dict:
-        """The response to a request body; raises RequestError for a bad one (before any rank does work)."""
-        request = parse_generation_request(body)
-        job = prepare_job(request, self.tokenizer, self.limits)
+    def _run(self, job, body, log: bool):
+        """Every rank's results of `job`: broadcast to the other ranks, then run here (one request at a time)."""
         with self.lock:
-            if not request.no_log:
+            if log:
                 print(f"request: {json.dumps(body)}\nstart time: {datetime.datetime.now()}", flush=True)
             broadcast_from_rank0(job)
             results = run_job(self.model, job, self.limits)
-            if not request.no_log:
+            if log:
                 print(f"end time: {datetime.datetime.now()}", flush=True)
+        return results
+
+    def generate(self, body) -> dict:
+        """The response to a `PUT /api` body; raises RequestError for a bad one (before any rank does work)."""
+        request = parse_generation_request(body)
+        job = prepare_job(request, self.tokenizer, self.limits)
+        results = self._run(job, body, log=not request.no_log)
         return build_response(job, results, self.tokenizer, self.limits.eod_id)
 
+    def chat_completion(self, body) -> dict:
+        """The response to a `POST /v1/chat/completions` body; raises RequestError for a bad one (before any rank
+        does work), or when the server has no chat format."""
+        if self.chat_format is None:
+            raise RequestError(NO_CHAT_FORMAT)
+        request = parse_chat_request(body)
+        job = prepare_chat_job(request, self.tokenizer, self.limits, self.chat_format)
+        [result] = self._run(job, body, log=True)
+        return build_chat_completion(job, result, self.tokenizer, self.limits.eod_id, self.chat_format,
+                                     self.model_name)
+
     def handle(self, body):
-        """(HTTP status, JSON payload) for a request body."""
-        try:
-            return HTTPStatus.OK, self.generate(body)
-        except RequestError as error:
-            return HTTPStatus.BAD_REQUEST, {"message": str(error)}
-        except Exception as error:  # answer the client; the server keeps serving
-            return HTTPStatus.INTERNAL_SERVER_ERROR, {"message": f"generation failed: {error!r}"}
+        """(HTTP status, JSON payload) for a `PUT /api` body."""
+        return _answer(self.generate, body)
+
+    def handle_chat(self, body):
+        """(HTTP status, JSON payload) for a `POST /v1/chat/completions` body."""
+        return _answer(self.chat_completion, body)
 
     def stop_followers(self):
         """Release the other ranks from `follow_requests` (once, when serving ends)."""
@@ -111,13 +144,28 @@ class TextGenerationServer:
         http_server = self.make_http_server(host, port)
         print(f"serving text generation on http://{host}:{http_server.server_address[1]}{API_PATH} (PUT)",
               flush=True)
+        if self.chat_format is not None:
+            print(f"serving chat completions ({self.chat_format.name}) on "
+                  f"http://{host}:{http_server.server_address[1]}{CHAT_COMPLETIONS_PATH} (POST)", flush=True)
         try:
             http_server.serve_forever()
         finally:
             http_server.server_close()
 
 
+def _answer(respond, body):
+    """(HTTP status, JSON payload): `respond(body)`'s, or the error's."""
+    try:
+        return HTTPStatus.OK, respond(body)
+    except RequestError as error:
+        return HTTPStatus.BAD_REQUEST, {"message": str(error)}
+    except Exception as error:  # answer the client; the server keeps serving
+        return HTTPStatus.INTERNAL_SERVER_ERROR, {"message": f"generation failed: {error!r}"}
+
+
 def _handler_class(server: TextGenerationServer):
+    handlers = {API_PATH: server.handle, CHAT_COMPLETIONS_PATH: server.handle_chat}
+
     class Handler(BaseHTTPRequestHandler):
         def _reply(self, status, payload):
             data = json.dumps(payload).encode()
@@ -127,9 +175,15 @@ def _handler_class(server: TextGenerationServer):
             self.end_headers()
             self.wfile.write(data)
 
-        def do_PUT(self):
-            if self.path.rstrip("/") != API_PATH:
-                return self._reply(HTTPStatus.NOT_FOUND, {"message": f"no endpoint {self.path}: use PUT {API_PATH}"})
+        def _serve_request(self):
+            path = self.path.rstrip("/")
+            if path not in ENDPOINTS:
+                endpoints = " or ".join(f"{method} {endpoint}" for endpoint, (method, _) in ENDPOINTS.items())
+                return self._reply(HTTPStatus.NOT_FOUND, {"message": f"no endpoint {self.path}: use {endpoints}"})
+            method, example = ENDPOINTS[path]
+            if self.command != method:
+                return self._reply(HTTPStatus.METHOD_NOT_ALLOWED,
+                                   {"message": f"use {method} {path} with a JSON body, such as {example}"})
             try:
                 data = self._read_body()
             except RequestTooLarge as error:
@@ -141,7 +195,7 @@ def _handler_class(server: TextGenerationServer):
                 body = json.loads(data or b"null")
             except (json.JSONDecodeError, UnicodeDecodeError) as error:
                 return self._reply(HTTPStatus.BAD_REQUEST, {"message": f"the request body is not JSON: {error}"})
-            self._reply(*server.handle(body))
+            self._reply(*handlers[path](body))
 
         def _read_body(self) -> bytes:
             """The request's body, sent with a Content-Length or chunked; ValueError when the framing is bad,
@@ -173,13 +227,9 @@ def _handler_class(server: TextGenerationServer):
             _check_body_size(int(length))
             return self.rfile.read(int(length))
 
-        def _wrong_method(self):
-            self._reply(HTTPStatus.METHOD_NOT_ALLOWED,
-                        {"message": f"use PUT {API_PATH} with a JSON body, such as {{\"prompts\": [\"Hello\"]}}"})
-
-        do_GET = do_POST = do_DELETE = do_PATCH = _wrong_method
+        do_GET = do_PUT = do_POST = do_DELETE = do_PATCH = _serve_request
 
         def log_message(self, format, *args):
-            pass  # requests are logged by TextGenerationServer.generate (unless no_log)
+            pass  # requests are logged by TextGenerationServer._run (unless no_log)
 
     return Handler

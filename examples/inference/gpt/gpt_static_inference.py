@@ -34,6 +34,7 @@ from megatron.inference import launch  # noqa: E402
 from megatron.inference.launch import build_tokenizer, run_with_megatron  # noqa: E402
 from megatron.training.tokenizer.chat_prompt_formats import (  # noqa: E402
     PROMPT_FORMATS,
+    chat_prompt_format_for_flag,
     check_messages,
     prompt_format,
     tokenize_conversation,
@@ -110,10 +111,8 @@ def check_args(args):
                              f"{args.inference_max_requests} disagree: give only --inference-max-requests")
         _print_rank0(f"--max-batch-size is deprecated: use --inference-max-requests {args.max_batch_size}")
         args.inference_max_requests = args.max_batch_size
-    if args.chat_prompt_format is not None and args.chat_prompt_format not in PROMPT_FORMATS:
-        raise ValueError(f"--chat-prompt-format {args.chat_prompt_format!r} is not one of "
-                         f"{', '.join(sorted(PROMPT_FORMATS))}: give the format the model was fine-tuned with "
-                         "(its --sft-tokenizer-prompt-format)")
+    if args.chat_prompt_format is not None:
+        chat_prompt_format_for_flag(args.chat_prompt_format)
     launch.check_generation_args(args, _print_rank0)
     sampling_params_from_args(args)  # validates the sampling flags
 

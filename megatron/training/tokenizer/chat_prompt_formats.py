@@ -35,6 +35,13 @@ class ChatPromptFormat:
             raise ValueError(f"chat prompt format {self.name!r}: its header must contain {{role}}, got "
                              f"{self.header!r}")
 
+    @property
+    def reply_ends(self):
+        """The end-of-turn marker as a generated reply may end with it, longest first: `turn_end` and, when they
+        differ, its stripped form (a reply may stop before the marker's trailing newline)."""
+        stripped = self.turn_end.strip()
+        return (self.turn_end, stripped) if stripped and stripped != self.turn_end else (self.turn_end,)
+
 
 PROMPT_FORMATS = {
     # ChatML, as Qwen's and many open chat models' templates write it.
@@ -54,6 +61,14 @@ def prompt_format(name):
         raise ValueError(f"--sft-tokenizer-prompt-format {name!r} is not one of {', '.join(sorted(PROMPT_FORMATS))}; "
                          "these formats write their markers as text, so any tokenizer reads them (upstream's "
                          "tokenizer-specific formats such as nemotron-h-aligned are not available)")
+    return PROMPT_FORMATS[name]
+
+
+def chat_prompt_format_for_flag(name, flag="--chat-prompt-format"):
+    """The registered format a generation program's `flag` names (the format the model was fine-tuned with)."""
+    if name not in PROMPT_FORMATS:
+        raise ValueError(f"{flag} {name!r} is not one of {', '.join(sorted(PROMPT_FORMATS))}: give the format the "
+                         "model was fine-tuned with (its --sft-tokenizer-prompt-format)")
     return PROMPT_FORMATS[name]
 
 

@@ -7,6 +7,7 @@ from megatron.training.tokenizer.byte_level_tokenizer import ByteLevelTokenizer
 from megatron.training.tokenizer.chat_prompt_formats import (
     IGNORE_INDEX,
     PROMPT_FORMATS,
+    chat_prompt_format_for_flag,
     prompt_format,
     tokenize_conversation,
 )
@@ -102,6 +103,15 @@ def test_an_unknown_format_names_the_flag_and_the_choices():
     with pytest.raises(ValueError, match=r"--sft-tokenizer-prompt-format 'nemotron-h-aligned' is not one of chatml, "
                                          r"llama3, plain"):
         prompt_format("nemotron-h-aligned")
+
+
+def test_a_generation_flag_names_a_format_and_a_reply_may_end_with_its_stripped_marker():
+    assert chat_prompt_format_for_flag("llama3") is PROMPT_FORMATS["llama3"]
+    with pytest.raises(ValueError, match=r"^--chat-prompt-format 'mistral' is not one of chatml, llama3, plain: give "
+                                         r"the format the model was fine-tuned with \(its --sft-tokenizer-prompt"):
+        chat_prompt_format_for_flag("mistral")
+    assert {name: chat_format.reply_ends for name, chat_format in PROMPT_FORMATS.items()} == {
+        "chatml": ("<|im_end|>\n", "<|im_end|>"), "llama3": ("<|eot_id|>",), "plain": ("\n\n",)}
 
 
 def test_upstream_sft_tokenizer_is_the_hugging_face_tokenizer_with_tokenize_conversation(tmp_path):

@@ -1,10 +1,12 @@
 """tools/run_text_generation_server.py's command line: upstream's server-wide sampling flags are accepted (upstream
-launch scripts pass them) and say which request field sets each instead, as upstream's requests never read them."""
+launch scripts pass them) and say which request field sets each instead, as upstream's requests never read them;
+--chat-prompt-format names a registered chat format (the chat endpoint's)."""
 
 import pytest
 
 from megatron.training.arguments import build_parser
-from tools.run_text_generation_server import add_text_generation_server_args, request_field_flag_notes
+from megatron.training.tokenizer.chat_prompt_formats import PROMPT_FORMATS
+from tools.run_text_generation_server import add_text_generation_server_args, chat_format_of, request_field_flag_notes
 
 
 def _parsed(*argv):
@@ -32,3 +34,13 @@ def test_a_sampling_flag_value_of_the_wrong_type_is_named(capsys):
     with pytest.raises(SystemExit):
         _parsed("--top_k", "0.5")
     assert "argument --top_k: invalid int value: '0.5'" in capsys.readouterr().err
+
+
+def test_chat_prompt_format_flag_names_a_registered_format():
+    assert chat_format_of(_parsed()) is None  # no chat endpoint
+    for name in ("chatml", "llama3", "plain"):
+        assert chat_format_of(_parsed("--chat-prompt-format", name)) is PROMPT_FORMATS[name]
+    with pytest.raises(ValueError) as error:
+        chat_format_of(_parsed("--chat-prompt-format", "mistral"))
+    assert str(error.value) == ("--chat-prompt-format 'mistral' is not one of chatml, llama3, plain: give the format "
+                                "the model was fine-tuned with (its --sft-tokenizer-prompt-format)")
