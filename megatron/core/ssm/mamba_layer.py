@@ -1,7 +1,7 @@
 """A Mamba layer of a hybrid model: x + drop(mixer(norm(x))), upstream's `MambaLayer` (parameters `norm.weight`
 and `mixer.*`). It takes the transformer layers' forward arguments so that a block runs both kinds alike; the
-attention inputs (mask, rotary angles) do not apply to it, and decoding through a cache and packed sequences are
-refused (the scan would carry its state across sequences)."""
+attention inputs (mask, rotary angles) do not apply to it, packed sequences each scan on their own, and decoding
+through a cache is refused (it would need a scan state per request)."""
 
 import torch
 
@@ -45,13 +45,9 @@ class MambaLayer(torch.nn.Module):
             raise NotImplementedError("generation through a key/value cache does not cover Mamba layers (they "
                                       "would need their own scan state per request): generate from a model of "
                                       "attention and MLP layers only")
-        if packed_seq_params is not None:
-            raise NotImplementedError("packed sequences (packed_seq_params) are not supported by Mamba layers: "
-                                      "their scan runs across sequence boundaries; pad each sequence to its own "
-                                      "sample instead (--no-sft-packing for --sft)")
         residual = hidden_states
         if self.config.fp32_residual_connection:
             hidden_states = hidden_states.to(self.config.params_dtype)
             residual = residual.float()
-        output, _ = self.mixer(self.norm(hidden_states))
+        output, _ = self.mixer(self.norm(hidden_states), packed_seq_params=packed_seq_params)
         return residual + self._dropout(output), None

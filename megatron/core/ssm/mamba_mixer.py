@@ -13,7 +13,8 @@ same way. The rows of the input projection, the convolution's channels and the p
 group after group (`[z_0, x_0, B_0, C_0, dt_0, z_1, ...]`), so a tensor-parallel rank's contiguous slice holds whole
 groups: the full layout is the same at every TP size and TP=2 reproduces TP=1 from the same initialisation (as the
 gated MLP's interleaved fc1, see `mlp.py`). Under sequence parallelism the input projection gathers the sequence
-and the output projection scatters it again; the convolution and the scan see whole sequences.
+and the output projection scatters it again; the convolution and the scan see whole sequences. On a packed row
+(upstream's `packed_seq_params`) each sequence is convolved and scanned on its own.
 """
 
 import math
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.packed_sequences import sequence_rows
 from megatron.core.ssm.ssd_scan import ssd_chunked_scan
 from megatron.core.tensor_parallel.partitioned_parameters import initialize_partition_from_master
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, initialization_rng
@@ -49,6 +51,14 @@ def _init_conv(bound):
         master.uniform_(-bound, bound)
 
     return init
+
+
+def packed_spans(packed_seq_params, length, batch):
+    """[(start, end)] rows of each packed sequence's span in a packed row of `length` tokens, covering the row."""
+    if batch != 1:
+        raise ValueError(f"packed sequences come as one row (batch 1, the 'thd' layout); got a batch of {batch}")
+    starts = [start for start, _ in sequence_rows(packed_seq_params, length)]
+    return list(zip(starts, starts[1:] + [length]))
 
 
 class MambaMixer(torch.nn.Module):
@@ -137,11 +147,15 @@ class MambaMixer(torch.nn.Module):
         normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + GATED_NORM_EPS)
         return normed.reshape(y.shape) * self.norm.weight.float()
 
-    def forward(self, hidden_states):
+    def forward(self, hidden_states, packed_seq_params=None):
+        """`packed_seq_params`: a packed row (`[t, 1, h]`) whose sequences each convolve and scan from a zero
+        state, as if alone (each span from a sequence's start to the next one's, its padding included)."""
         projected, _ = self.in_proj(hidden_states)
         z, xbc, dt = self._split_projection(projected)
         batch, length = hidden_states.shape[1], projected.shape[0]
-        xbc = self._causal_conv(xbc).reshape(batch, length, self.local_groups, self.conv_channels_per_group)
+        spans = [(0, length)] if packed_seq_params is None else packed_spans(packed_seq_params, length, batch)
+        xbc = torch.cat([self._causal_conv(xbc[start:end]) for start, end in spans], dim=1)
+        xbc = xbc.reshape(batch, length, self.local_groups, self.conv_channels_per_group)
         x, B, C = xbc.split([self.inner_per_group, self.state_dim, self.state_dim], -1)
         local_heads = self.local_groups * self.heads_per_group
         x = x.reshape(batch, length, local_heads, self.head_dim)
@@ -150,7 +164,8 @@ class MambaMixer(torch.nn.Module):
         C = C.repeat_interleave(self.heads_per_group, dim=2)
         dt = F.softplus(dt.transpose(0, 1).float() + self.dt_bias.float())  # [b, s, heads]
         A = -torch.exp(self.A_log.float())
-        y, _ = ssd_chunked_scan(x, dt, A, B, C, self.config.mamba_chunk_size)
+        y = torch.cat([ssd_chunked_scan(x[:, start:end], dt[:, start:end], A, B[:, start:end], C[:, start:end],
+                                        self.config.mamba_chunk_size)[0] for start, end in spans], dim=1)
         y = y.float() + x.float() * self.D.float()[:, None]
         y = self._gated_norm(y.reshape(batch, length, -1), z.transpose(0, 1))
         out, _ = self.out_proj(y.to(hidden_states.dtype).transpose(0, 1).contiguous())

@@ -1,5 +1,6 @@
 """`pretrain_gpt.py --sft` end to end: conversations packed into rows train on exactly the loss of the same
-conversations one per padded sample, at data parallel 2 and at context parallel 2 (upstream's THD split)."""
+conversations one per padded sample, at data parallel 2 and at context parallel 2 (upstream's THD split), and so
+do those of `pretrain_mamba.py`'s hybrid model."""
 
 import pytest
 import torch
@@ -20,6 +21,10 @@ SFT_GPT = (f"--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-lengt
            "--distributed-backend gloo --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params")
 
 
+# pretrain_mamba.py's hybrid model: Mamba layers scan each packed conversation from a zero state.
+HYBRID = "--hybrid-override-pattern M*- --num-layers 3 --mamba-head-dim 8 --mamba-num-groups 2 --mamba-state-dim 8"
+
+
 def first_batch_conversations(path, rows, pad_multiple):
     """How many conversations (in the epoch's order) the first `rows` packed rows hold."""
     config = SFTDatasetConfig(random_seed=SEED, sequence_length=SEQ, tokenizer=ByteLevelTokenizer(),
@@ -28,7 +33,7 @@ def first_batch_conversations(path, rows, pad_multiple):
     return sum(len(dataset.conversations_of_sample(row)) for row in range(rows))
 
 
-def _packed_and_padded_losses(workdir, path, layout_args, pad_multiple):
+def _packed_and_padded_losses(workdir, path, layout_args, pad_multiple, script=None):
     from tests.unit_tests.dist_checkpointing.pretrain_helpers import pretrain_records
 
     # A first global batch of packed rows whose conversations split evenly over 2 data-parallel ranks unpacked.
@@ -36,9 +41,13 @@ def _packed_and_padded_losses(workdir, path, layout_args, pad_multiple):
     conversations = first_batch_conversations(path, rows, pad_multiple)
     assert conversations > rows  # rows do hold several conversations
     argv = f"{SFT_GPT} --data-path {path}"
-    packed = pretrain_records(f"{workdir}/packed{pad_multiple}", f"{argv} --global-batch-size {rows} {layout_args}")
-    padded = pretrain_records(f"{workdir}/padded{pad_multiple}",
-                              f"{argv} --global-batch-size {conversations} --no-sft-packing")
+    if script == "pretrain_mamba":
+        argv += f" {HYBRID}"
+    name = f"{pad_multiple}{script or ''}"
+    packed = pretrain_records(f"{workdir}/packed{name}", f"{argv} --global-batch-size {rows} {layout_args}",
+                              script=script)
+    padded = pretrain_records(f"{workdir}/padded{name}",
+                              f"{argv} --global-batch-size {conversations} --no-sft-packing", script=script)
     return packed[0]["lm loss"], padded[0]["lm loss"]
 
 
@@ -48,7 +57,8 @@ def test_packed_conversations_train_on_the_loss_of_the_same_conversations_padded
     data_parallel = run_on_ranks(world_size, _packed_and_padded_losses, str(tmp_path), path, "", 1)[0]
     context_parallel = run_on_ranks(world_size, _packed_and_padded_losses, str(tmp_path), path,
                                     "--context-parallel-size 2", 4)[0]
-    for packed, padded in (data_parallel, context_parallel):
+    hybrid = run_on_ranks(world_size, _packed_and_padded_losses, str(tmp_path), path, "", 1, "pretrain_mamba")[0]
+    for packed, padded in (data_parallel, context_parallel, hybrid):
         # The same per-token losses of the same conversations, summed in another order (fp32).
         torch.testing.assert_close(torch.tensor(packed), torch.tensor(padded), rtol=1e-6, atol=0)
         # --init-method-std 0.3 makes the untrained model's guesses sharp and wrong: above the uniform ln 257 = 5.55

@@ -1,5 +1,6 @@
 """MambaModel: the hybrid pattern decides each layer's kind and parameters (upstream's names), the pattern can be
-given as upstream's arguments, and what Mamba layers cannot do is refused by name."""
+given as upstream's arguments, arguments it cannot honour are refused by name, and packed sequences each run as if
+alone."""
 
 import pytest
 import torch
@@ -61,10 +62,43 @@ def test_refusals():
         _model(_config(hybrid_layer_pattern="M*-"), hybrid_override_pattern="MMM")
     with pytest.raises(TypeError, match=r"mamba_stack_spec=.*pass megatron.core.models.mamba"):
         MambaModel(_config(), "a spec", vocab_size=VOCAB, max_sequence_length=SEQ)
-    model = _model(hybrid_override_pattern="M*-")
-    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(0))
-    offsets = torch.tensor([0, 5, SEQ], dtype=torch.int32)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=offsets, cu_seqlens_kv=offsets, max_seqlen_q=7,
-                             max_seqlen_kv=7)
-    with pytest.raises(NotImplementedError, match=r"packed sequences .* not supported by Mamba layers"):
-        model(ids, None, None, labels=ids, packed_seq_params=params)
+
+
+def _packed_params(lengths, starts, total):
+    offsets = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    padded = torch.tensor(starts + [total], dtype=torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=offsets, cu_seqlens_kv=offsets, cu_seqlens_q_padded=padded,
+                           cu_seqlens_kv_padded=padded, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+
+
+@pytest.mark.parametrize("pattern", ["MMMM", "M*M-"])
+def test_packed_sequences_each_scan_as_if_alone(pattern):
+    """A packed row of three sequences (at padded offsets, padding after each) gives every real token the loss it
+    has when its sequence runs alone, and the row's gradient is the sum of the sequences' gradients."""
+    model = _model(_config(num_layers=4, init_method_std=0.2), hybrid_override_pattern=pattern)
+    generator = torch.Generator().manual_seed(0)
+    lengths, starts, total = [5, 7, 3], [0, 8, 16], 20
+    streams = [torch.randint(0, VOCAB, (length + 1,), generator=generator) for length in lengths]
+    model.zero_grad(set_to_none=True)
+    alone = []
+    for stream in streams:
+        loss = model(stream[None, :-1], None, None, labels=stream[None, 1:])
+        loss.sum().backward()
+        alone.append(loss.detach()[0])
+    expected_grads = {name: param.grad.clone() for name, param in model.named_parameters()}
+    tokens, labels, mask = (torch.zeros(1, total, dtype=torch.int64), torch.zeros(1, total, dtype=torch.int64),
+                            torch.zeros(1, total))
+    for start, stream in zip(starts, streams):
+        tokens[0, start:start + len(stream) - 1], labels[0, start:start + len(stream) - 1] = stream[:-1], stream[1:]
+        mask[0, start:start + len(stream) - 1] = 1.0
+    model.zero_grad(set_to_none=True)
+    losses = model(tokens, None, None, labels=labels, packed_seq_params=_packed_params(lengths, starts, total))
+    (losses * mask).sum().backward()
+    real = [losses[0, start:start + length] for start, length in zip(starts, lengths)]
+    torch.testing.assert_close(torch.cat(real).detach(), torch.cat(alone), rtol=0, atol=2e-6)
+    for name, param in model.named_parameters():
+        scale = expected_grads[name].abs().max().clamp(min=1.0)
+        assert ((param.grad - expected_grads[name]).abs().max() / scale) < 5e-6, name
+    # Without packed_seq_params the sequences see the ones before them (through the scan state, and attention).
+    crossing = model(tokens, None, None, labels=labels)[0, starts[1]:starts[1] + lengths[1]]
+    assert (crossing.detach() - alone[1]).abs().max() > 1e-3
