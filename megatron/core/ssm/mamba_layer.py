@@ -1,7 +1,7 @@
 """A Mamba layer of a hybrid model: x + drop(mixer(norm(x))), upstream's `MambaLayer` (parameters `norm.weight`
 and `mixer.*`). It takes the transformer layers' forward arguments so that a block runs both kinds alike; the
 attention inputs (mask, rotary angles) do not apply to it, packed sequences each scan on their own, and decoding
-through a cache is refused (it would need a scan state per request)."""
+continues each batch row from the state a `StaticInferenceContext` keeps."""
 
 import torch
 
@@ -40,14 +40,13 @@ class MambaLayer(torch.nn.Module):
 
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None,
                 packed_seq_params=None, **unused):
-        """`[s, b, h]` -> (`[s, b, h]`, None), as `TransformerLayer.forward`."""
-        if inference_context is not None:
-            raise NotImplementedError("generation through a key/value cache does not cover Mamba layers (they "
-                                      "would need their own scan state per request): generate from a model of "
-                                      "attention and MLP layers only")
+        """`[s, b, h]` -> (`[s, b, h]`, None), as `TransformerLayer.forward` (`inference_params` is the context's
+        older name)."""
+        inference_context = inference_context if inference_context is not None else unused.get("inference_params")
         residual = hidden_states
         if self.config.fp32_residual_connection:
             hidden_states = hidden_states.to(self.config.params_dtype)
             residual = residual.float()
-        output, _ = self.mixer(self.norm(hidden_states), packed_seq_params=packed_seq_params)
+        output, _ = self.mixer(self.norm(hidden_states), packed_seq_params=packed_seq_params,
+                               inference_context=inference_context)
         return residual + self._dropout(output), None

@@ -133,13 +133,26 @@ class MambaMixer(torch.nn.Module):
         z, xbc, dt = per_group.split([self.inner_per_group, self.conv_channels_per_group, self.heads_per_group], -1)
         return z.reshape(seq, batch, -1), xbc.reshape(seq, batch, -1), dt.reshape(seq, batch, -1)
 
-    def _causal_conv(self, xbc):
-        """Depthwise causal convolution over the sequence, then SiLU: [s, b, c] -> [b, s, c]."""
-        length = xbc.shape[0]
-        channels_first = xbc.permute(1, 2, 0)  # [b, c, s]
-        out = F.conv1d(channels_first, self.conv1d.weight, self.conv1d.bias,
-                       padding=self.config.mamba_conv_kernel - 1, groups=channels_first.shape[1])
-        return F.silu(out[..., :length]).transpose(1, 2)
+    def _causal_conv(self, xbc, prefix=None):
+        """Depthwise causal convolution over the sequence, then SiLU: [s, b, c] -> ([b, s, c], the last
+        kernel - 1 inputs [kernel - 1, b, c]). `prefix`: the inputs before these (zeros: a sequence's start)."""
+        if prefix is None:
+            prefix = xbc.new_zeros(self.config.mamba_conv_kernel - 1, *xbc.shape[1:])
+        inputs = torch.cat([prefix.to(xbc.dtype), xbc], dim=0)
+        out = F.conv1d(inputs.permute(1, 2, 0), self.conv1d.weight, self.conv1d.bias, groups=xbc.shape[2])
+        return F.silu(out).transpose(1, 2), inputs[inputs.shape[0] - prefix.shape[0]:]
+
+    def _decoding_states(self, inference_context, batch, xbc):
+        """(convolution prefix [kernel - 1, b, c], scan state [b, heads, head_dim, state]) to continue from."""
+        if not (hasattr(inference_context, "mamba_states") and inference_context.is_static_batching()):
+            raise NotImplementedError(f"{type(inference_context).__name__}: Mamba layers decode with the static "
+                                      "engine's StaticInferenceContext only (they keep a scan state per batch row); "
+                                      "continuous batching does not cover them")
+        local_heads = self.local_groups * self.heads_per_group
+        conv_state, ssm_state = inference_context.mamba_states(
+            self.layer_number, batch, (self.config.mamba_conv_kernel - 1, xbc.shape[2]),
+            (local_heads, self.head_dim, self.state_dim), xbc.dtype, xbc.device)
+        return conv_state.transpose(0, 1), ssm_state
 
     def _gated_norm(self, y, z):
         """RMSNorm(y * silu(z)) over each group's channels, times the norm weight; [b, s, local_inner]."""
@@ -147,14 +160,20 @@ class MambaMixer(torch.nn.Module):
         normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + GATED_NORM_EPS)
         return normed.reshape(y.shape) * self.norm.weight.float()
 
-    def forward(self, hidden_states, packed_seq_params=None):
+    def forward(self, hidden_states, packed_seq_params=None, inference_context=None):
         """`packed_seq_params`: a packed row (`[t, 1, h]`) whose sequences each convolve and scan from a zero
-        state, as if alone (each span from a sequence's start to the next one's, its padding included)."""
+        state, as if alone (each span from a sequence's start to the next one's, its padding included).
+        `inference_context` (a `StaticInferenceContext`): continue each row from the state the context kept after
+        the previous positions, and keep the new one."""
         projected, _ = self.in_proj(hidden_states)
         z, xbc, dt = self._split_projection(projected)
         batch, length = hidden_states.shape[1], projected.shape[0]
         spans = [(0, length)] if packed_seq_params is None else packed_spans(packed_seq_params, length, batch)
-        xbc = torch.cat([self._causal_conv(xbc[start:end]) for start, end in spans], dim=1)
+        conv_prefix = initial_state = None
+        if inference_context is not None:
+            conv_prefix, initial_state = self._decoding_states(inference_context, batch, xbc)
+        convolved = [self._causal_conv(xbc[start:end], conv_prefix) for start, end in spans]
+        xbc = torch.cat([out for out, _ in convolved], dim=1)
         xbc = xbc.reshape(batch, length, self.local_groups, self.conv_channels_per_group)
         x, B, C = xbc.split([self.inner_per_group, self.state_dim, self.state_dim], -1)
         local_heads = self.local_groups * self.heads_per_group
@@ -164,8 +183,11 @@ class MambaMixer(torch.nn.Module):
         C = C.repeat_interleave(self.heads_per_group, dim=2)
         dt = F.softplus(dt.transpose(0, 1).float() + self.dt_bias.float())  # [b, s, heads]
         A = -torch.exp(self.A_log.float())
-        y = torch.cat([ssd_chunked_scan(x[:, start:end], dt[:, start:end], A, B[:, start:end], C[:, start:end],
-                                        self.config.mamba_chunk_size)[0] for start, end in spans], dim=1)
+        scanned = [ssd_chunked_scan(x[:, start:end], dt[:, start:end], A, B[:, start:end], C[:, start:end],
+                                    self.config.mamba_chunk_size, initial_state) for start, end in spans]
+        y = torch.cat([out for out, _ in scanned], dim=1)
+        if inference_context is not None:
+            inference_context.store_mamba_states(self.layer_number, convolved[-1][1].transpose(0, 1), scanned[-1][1])
         y = y.float() + x.float() * self.D.float()[:, None]
         y = self._gated_norm(y.reshape(batch, length, -1), z.transpose(0, 1))
         out, _ = self.out_proj(y.to(hidden_states.dtype).transpose(0, 1).contiguous())

@@ -61,3 +61,17 @@ def test_the_flop_estimate_counts_each_layer_by_its_kind():
     mlp = 2 * 2 * hidden * 96  # fc1 and fc2 (no gate)
     logits = 2 * hidden * 128
     assert training_flops_per_iteration(args, 4) == 3 * (mamba + attention + mlp + logits) * seq * 4
+
+
+def test_use_checkpoint_args_restores_the_hybrid_model():
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.checkpoint_args import apply_checkpoint_args
+    from tests.unit_tests.training.argument_checks import BASE
+
+    saved = validated(f"{SHAPE} --hybrid-override-pattern M*")
+    args = parse_args(args=BASE.split())  # a generation launch that names no hybrid flag
+    apply_checkpoint_args(args, saved)
+    args = validate_args(args)
+    assert args.is_hybrid_model and args.hybrid_layer_pattern == "M*"
+    config = core_transformer_config_from_args(args)
+    assert (config.hybrid_layer_pattern, config.mamba_head_dim, config.mamba_state_dim) == ("M*", 16, 8)

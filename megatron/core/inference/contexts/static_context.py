@@ -10,7 +10,8 @@ new positions writes its keys and values at `[sequence_len_offset, sequence_len_
 ran, the caller advances `sequence_len_offset` by `n`. A batch may also run as several micro-batches of rows
 (upstream's pipelined decoding): `increment_batch_size_offset(b)` after each, `reset_batch_size_offset()` before
 the next step. `swap_key_value_dict(batch_idx)` reorders the cached sequences (beam search), `reset()` starts a new
-batch.
+batch. A hybrid model's Mamba layers keep, per batch row, their last convolution inputs and scan state instead
+(`mamba_states` / `store_mamba_states`).
 """
 
 import torch
@@ -30,6 +31,7 @@ class StaticInferenceContext:
         self.batch_size_offset = 0
         self.decode_mode = False
         self.key_value_memory_dict = {}
+        self.mamba_state_dict = {}
 
     @classmethod
     def from_config(cls, inference_wrapper_config):
@@ -109,10 +111,32 @@ class StaticInferenceContext:
         value_cache[self.sequence_len_offset:seq_end, rows] = value
         return key_cache[:seq_end, rows], value_cache[:seq_end, rows]
 
+    # ---- a hybrid model's Mamba layers ----------------------------------------------------------------------
+    def mamba_states(self, layer_number: int, batch: int, conv_shape, ssm_shape, conv_dtype, device):
+        """(convolution inputs `[b, *conv_shape]`, scan state `[b, *ssm_shape]` fp32) a Mamba layer continues from,
+        for the batch rows `[batch_size_offset, batch_size_offset + b)`: zeros at the start of a batch (offset 0),
+        else what `store_mamba_states` kept at the previous step."""
+        if self.sequence_len_offset == 0 or layer_number not in self.mamba_state_dict:
+            return (torch.zeros(batch, *conv_shape, dtype=conv_dtype, device=device),
+                    torch.zeros(batch, *ssm_shape, dtype=torch.float32, device=device))
+        conv_state, ssm_state = self.mamba_state_dict[layer_number]
+        rows = slice(self.batch_size_offset, self.batch_size_offset + batch)
+        return conv_state[rows], ssm_state[rows]
+
+    def store_mamba_states(self, layer_number: int, conv_state: torch.Tensor, ssm_state: torch.Tensor):
+        """Keep a Mamba layer's state after the positions this forward added, for the current batch rows."""
+        stored = self.mamba_state_dict.get(layer_number)
+        if stored is None or stored[0].shape[1:] != conv_state.shape[1:] or stored[1].shape[1:] != ssm_state.shape[1:]:
+            stored = tuple(torch.zeros(self.max_batch_size, *state.shape[1:], dtype=state.dtype, device=state.device)
+                           for state in (conv_state, ssm_state))
+            self.mamba_state_dict[layer_number] = stored
+        rows = slice(self.batch_size_offset, self.batch_size_offset + conv_state.shape[0])
+        stored[0][rows], stored[1][rows] = conv_state.detach(), ssm_state.detach()
+
     def swap_key_value_dict(self, batch_idx):
         """Reorder the cached sequences of every layer: row i becomes old row `batch_idx[i]` (rows past
-        `len(batch_idx)` are left as they are)."""
-        if not self.key_value_memory_dict:
+        `len(batch_idx)` are left as they are); a Mamba layer's state moves with its row."""
+        if not self.key_value_memory_dict and not self.mamba_state_dict:
             raise ValueError("swap_key_value_dict: the key/value cache is empty (nothing decoded yet)")
         batch_idx = torch.as_tensor(batch_idx, dtype=torch.long)
         if batch_idx.dim() != 1 or batch_idx.numel() > self.max_batch_size:
@@ -122,6 +146,10 @@ class StaticInferenceContext:
             index = batch_idx.to(key_cache.device)
             for cache in (key_cache, value_cache):
                 cache[:, :index.numel()] = cache.index_select(1, index)
+        for states in self.mamba_state_dict.values():
+            for state in states:
+                index = batch_idx.to(state.device)
+                state[:index.numel()] = state.index_select(0, index)
 
     def __str__(self):
         return (f"StaticInferenceContext(max_batch_size={self.max_batch_size}, max_sequence_length="
