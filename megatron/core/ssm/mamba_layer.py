@@ -5,10 +5,10 @@ continues each batch row from the state a `StaticInferenceContext` keeps."""
 
 import torch
 
-from megatron.core import tensor_parallel
 from megatron.core.ssm.mamba_mixer import MambaMixer
 from megatron.core.transformer.init_seeds import reset_children_parameters, resolve_base_init_seed
 from megatron.core.transformer.norms import build_norm
+from megatron.core.transformer.utils import residual_dropout
 
 
 class MambaLayer(torch.nn.Module):
@@ -32,12 +32,6 @@ class MambaLayer(torch.nn.Module):
         """Redraw this layer's initial weights; the same values as at construction."""
         reset_children_parameters(self)
 
-    def _dropout(self, x):
-        if self.config.sequence_parallel:
-            with tensor_parallel.get_cuda_rng_tracker().fork():
-                return self.hidden_dropout(x)
-        return self.hidden_dropout(x)
-
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, inference_context=None,
                 packed_seq_params=None, **unused):
         """`[s, b, h]` -> (`[s, b, h]`, None), as `TransformerLayer.forward` (`inference_params` is the context's
@@ -49,4 +43,4 @@ class MambaLayer(torch.nn.Module):
             residual = residual.float()
         output, _ = self.mixer(self.norm(hidden_states), packed_seq_params=packed_seq_params,
                                inference_context=inference_context)
-        return residual + self._dropout(output), None
+        return residual + residual_dropout(self.hidden_dropout, output, self.config.sequence_parallel), None

@@ -23,7 +23,6 @@ from contextlib import nullcontext
 
 import torch
 
-from megatron.core import tensor_parallel
 from megatron.core.extensions.transformer_engine import uses_transformer_engine
 from megatron.core.ssm.mamba_config import ATTENTION as ATTENTION_LAYER
 from megatron.core.ssm.mamba_config import MLP as MLP_LAYER
@@ -40,6 +39,7 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.recompute import checkpointed, output_recomputed_in_backward
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import residual_dropout
 
 
 def layer_init_seed(base_seed: int, layer_number: int) -> int:
@@ -132,11 +132,7 @@ class TransformerLayer(torch.nn.Module):
         reset_children_parameters(self)
 
     def _dropout(self, x):
-        if self.config.sequence_parallel:
-            # Sequence-parallel ranks hold different tokens: each needs its own mask.
-            with tensor_parallel.get_cuda_rng_tracker().fork():
-                return self.hidden_dropout(x)
-        return self.hidden_dropout(x)
+        return residual_dropout(self.hidden_dropout, x, self.config.sequence_parallel)
 
     def _norm(self, norm, hidden_states, fused):
         """The sublayer's input: `norm(hidden_states)`, or `hidden_states` itself when the sublayer's first linear

@@ -29,6 +29,17 @@ def initialize_from_cpu_master(param: torch.nn.Parameter, init_method) -> None:
         param.copy_(master.to(dtype=param.dtype))
 
 
+def residual_dropout(dropout: torch.nn.Module, x: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+    """`dropout(x)` on a layer's output before the residual add; under sequence parallelism the ranks hold
+    different tokens, so each draws its own mask (the tensor-parallel RNG stream)."""
+    if sequence_parallel:
+        from megatron.core import tensor_parallel
+
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            return dropout(x)
+    return dropout(x)
+
+
 def openai_gelu(x: torch.Tensor) -> torch.Tensor:
     """GeLU's tanh approximation, 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) (`--openai-gelu`): the
     activation of the original GPT-2 code, kept for models trained with it."""
