@@ -13,9 +13,7 @@ and ":" must each be one token; "\\n\\n" may be none).
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
-import torch
-
-from megatron.core.inference.pipeline_decoding import decode_forward
+from megatron.inference.logit_rules import LogitRulesModel
 
 
 @dataclass(frozen=True)
@@ -40,30 +38,16 @@ class NewlineRules:
         return self.stop_on_eol or (self.stop_on_double_eol and previous == self.newline_id)
 
 
-class NewlineRulesModel(torch.nn.Module):
+class NewlineRulesModel(LogitRulesModel):
     """`model` with `rules` applied to the logits of the last position of every row that is generating (its
-    next token is past its prompt). `prompt_lengths` are the rows' prompt lengths of one static batch, decoded
-    from position 0. With a pipeline stage as `model` it returns None on the stages before the last."""
+    next token is past its prompt); see `LogitRulesModel`."""
 
     def __init__(self, model, rules: NewlineRules, prompt_lengths: Sequence[int], eod_id: int):
-        super().__init__()
-        self.model = model
+        super().__init__(model, prompt_lengths, eod_id)
         self.rules = rules
-        self.prompt_lengths = list(prompt_lengths)
-        self.eod_id = eod_id
         self.last_tokens = [None] * len(self.prompt_lengths)  # the input token before this step's, per row
-        self.train(model.training)  # generation restores this mode afterwards: keep the model's
 
-    def forward(self, tokens, position_ids, inference_context=None, runtime_gather_output=True):
-        """The logits over the whole vocabulary (the rules read it by token id), as `decode_forward` asks."""
-        if not runtime_gather_output:
-            raise ValueError("NewlineRulesModel returns the logits gathered over tensor-parallel ranks: pass "
-                             "runtime_gather_output=True")
-        if position_ids is not None:
-            raise ValueError("NewlineRulesModel decodes the positions of the context's offset: pass position_ids=None")
-        logits = decode_forward(self.model, tokens, inference_context)
-        if logits is None:  # a pipeline stage before the last: the last stage applies the rules
-            return None
+    def apply_rules(self, logits, tokens, inference_context):
         next_position = inference_context.sequence_len_offset + tokens.shape[1]
         for row, prompt_length in enumerate(self.prompt_lengths):
             last = int(tokens[row, -1])
@@ -72,11 +56,9 @@ class NewlineRulesModel(torch.nn.Module):
             if next_position < prompt_length:
                 continue  # the next token is the prompt's
             if next_position - 1 >= prompt_length and self.rules.stops_after(previous, last):
-                logits[row, -1] = float("-inf")
-                logits[row, -1, self.eod_id] = 0.0
+                self.force_stop(logits, row)
             elif self.rules.prevent_newline_after_colon and last == self.rules.colon_id:
                 logits[row, -1, self.rules.newline_id] = float("-inf")
-        return logits
 
 
 def strip_forced_stop(prompt_tokens: List[int], generated_tokens: List[int], rules: NewlineRules,
