@@ -48,12 +48,13 @@ def test_upstream_names_and_import_paths_still_work():
     from megatron.core.distributed.torch_fully_sharded_data_parallel import (
         TorchFullyShardedDataParallel as FromTorchModule,
     )
+    from megatron.core.ssm.mamba_layer import MambaLayer
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     assert FullyShardedDataParallel is FromFsdpPackage is FromAdapter is MegatronFSDPAdapter
     assert TorchFullyShardedDataParallel is FromTorchModule is TorchFSDP2
-    assert default_fsdp_unit_modules() == (TransformerLayer,)
-    assert default_fsdp_unit_modules(embedding_unit=True)[0] is TransformerLayer
+    assert default_fsdp_unit_modules() == (TransformerLayer, MambaLayer)  # a hybrid model's layers are units too
+    assert default_fsdp_unit_modules(embedding_unit=True)[:2] == (TransformerLayer, MambaLayer)
 
 
 @pytest.mark.parametrize(

@@ -161,8 +161,8 @@ def test_args_defaults_fill_only_unset_options():
         ("--no-position-embedding", 1, r"^--no-position-embedding asks for a model without a learned position table, "
          r"but --position-embedding-type is learned_absolute, .*add --position-embedding-type rope"),
         ("--tokenizer-type GPT2BPETokeniser", 1, r"^--tokenizer-type GPT2BPETokeniser is not one of NullTokenizer, "
-         r"ByteLevelTokenizer, HuggingFaceTokenizer, GPT2BPETokenizer, TikTokenizer, SentencePieceTokenizer, "
-         r"GPTSentencePieceTokenizer, Llama2Tokenizer$"),
+         r"ByteLevelTokenizer, HuggingFaceTokenizer, GPT2BPETokenizer, TikTokenizer, SFTTokenizer, "
+         r"SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer$"),
         ("--tokenizer-type GPTSentencePieceTokenizer", 1, r"^--tokenizer-type GPTSentencePieceTokenizer needs "
          r"--tokenizer-model \(the SentencePiece .model file\)$"),
         ("--weight-decay -0.1", 1, r"^--weight-decay must be >= 0, got -0.1$"),
