@@ -62,9 +62,8 @@ class MambaConfigMixin:
         if MAMBA not in pattern:
             return
         check_mamba_shape(self.hidden_size, self.mamba_head_dim, self.mamba_num_heads, self.mamba_num_groups,
-                          self.tensor_model_parallel_size)
+                          self.tensor_model_parallel_size, self.context_parallel_size)
         refused = [flag for flag, on in (
-            ("--context-parallel-size > 1", self.context_parallel_size > 1),
             ("--mtp-num-layers", bool(self.mtp_num_layers)),
             ("--num-experts", bool(self.num_moe_experts)),
             ("--transformer-impl transformer_engine", self.transformer_impl == "transformer_engine"),
@@ -75,14 +74,16 @@ class MambaConfigMixin:
                              f"{'it' if len(refused) == 1 else 'them'}, or use attention and MLP layers only")
 
 
-def check_mamba_shape(hidden_size, head_dim, num_heads, num_groups, tensor_parallel_size):
-    """Raise naming the flags when the Mamba mixer's heads, groups and tensor-parallel split do not fit."""
+def check_mamba_shape(hidden_size, head_dim, num_heads, num_groups, tensor_parallel_size, context_parallel_size=1):
+    """Raise naming the flags when the Mamba mixer's heads, groups and tensor- / context-parallel splits do not
+    fit (context parallelism gives each rank a share of a tensor-parallel rank's groups for the whole sequence)."""
     if num_heads is None and (2 * hidden_size) % head_dim:
         raise ValueError(f"the Mamba inner width 2 x --hidden-size ({2 * hidden_size}) must be a multiple of "
                          f"--mamba-head-dim {head_dim}; or give --mamba-num-heads")
     heads = num_heads or 2 * hidden_size // head_dim
     if heads % num_groups:
         raise ValueError(f"the {heads} Mamba heads must divide into --mamba-num-groups {num_groups}")
-    if num_groups % tensor_parallel_size:
+    if num_groups % (tensor_parallel_size * context_parallel_size):
         raise ValueError(f"--mamba-num-groups {num_groups} must be a multiple of --tensor-model-parallel-size "
-                         f"{tensor_parallel_size}: tensor parallelism splits the Mamba mixer by groups")
+                         f"{tensor_parallel_size} x --context-parallel-size {context_parallel_size}: tensor and "
+                         "context parallelism split the Mamba mixer by groups")

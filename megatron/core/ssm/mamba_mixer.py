@@ -23,9 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.packed_sequences import sequence_rows
+from megatron.core.packed_sequences import sequence_rows, thd_local_indices
 from megatron.core.ssm.ssd_scan import ssd_chunked_scan
 from megatron.core.tensor_parallel.partitioned_parameters import initialize_partition_from_master
+from megatron.core.transformer.context_parallel.allgather_attention import global_positions_in_rank_order
+from megatron.core.transformer.context_parallel.collectives import HeadsToSequence, SequenceToHeads
 from megatron.core.transformer.init_seeds import build_with_init_seed, derive_init_seed, initialization_rng
 from megatron.core.transformer.utils import parameter_device
 
@@ -126,20 +128,13 @@ class MambaMixer(torch.nn.Module):
             with initialization_rng(derive_init_seed(self.init_seed, "mixer", name)):
                 initialize_partition_from_master(self.get_parameter(name), shape, init, 0)
 
-    def _split_projection(self, projected):
-        """[s, b, local_groups * group_rows] -> z, xBC (conv channels, group after group), dt; z and dt [s, b, *]."""
-        seq, batch = projected.shape[:2]
-        per_group = projected.reshape(seq, batch, self.local_groups, self.group_rows)
-        z, xbc, dt = per_group.split([self.inner_per_group, self.conv_channels_per_group, self.heads_per_group], -1)
-        return z.reshape(seq, batch, -1), xbc.reshape(seq, batch, -1), dt.reshape(seq, batch, -1)
-
-    def _causal_conv(self, xbc, prefix=None):
+    def _causal_conv(self, xbc, weight, bias, prefix=None):
         """Depthwise causal convolution over the sequence, then SiLU: [s, b, c] -> ([b, s, c], the last
         kernel - 1 inputs [kernel - 1, b, c]). `prefix`: the inputs before these (zeros: a sequence's start)."""
         if prefix is None:
             prefix = xbc.new_zeros(self.config.mamba_conv_kernel - 1, *xbc.shape[1:])
         inputs = torch.cat([prefix.to(xbc.dtype), xbc], dim=0)
-        out = F.conv1d(inputs.permute(1, 2, 0), self.conv1d.weight, self.conv1d.bias, groups=xbc.shape[2])
+        out = F.conv1d(inputs.permute(1, 2, 0), weight, bias, groups=xbc.shape[2])
         return F.silu(out).transpose(1, 2), inputs[inputs.shape[0] - prefix.shape[0]:]
 
     def _decoding_states(self, inference_context, batch, xbc):
@@ -160,35 +155,74 @@ class MambaMixer(torch.nn.Module):
         normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + GATED_NORM_EPS)
         return normed.reshape(y.shape) * self.norm.weight.float()
 
+    def _scan_groups(self, xbc_dt, first_group, spans, inference_context):
+        """Convolution and scan of whole sequences for `groups` consecutive groups from this rank's group
+        `first_group`: xbc_dt `[s, b, groups, conv channels + dt]` -> y `[s, b, groups, inner / G]` fp32 (the
+        skip term included)."""
+        seq, batch, groups = xbc_dt.shape[:3]
+        heads = groups * self.heads_per_group
+        channels = slice(first_group * self.conv_channels_per_group,
+                         (first_group + groups) * self.conv_channels_per_group)
+        head_rows = slice(first_group * self.heads_per_group, first_group * self.heads_per_group + heads)
+        xbc, dt = xbc_dt.split([self.conv_channels_per_group, self.heads_per_group], -1)
+        xbc, dt = xbc.reshape(seq, batch, -1), dt.reshape(seq, batch, -1)
+        conv_prefix = initial_state = None
+        if inference_context is not None:
+            conv_prefix, initial_state = self._decoding_states(inference_context, batch, xbc)
+        weight, bias = self.conv1d.weight[channels], self.conv1d.bias[channels]
+        convolved = [self._causal_conv(xbc[start:end], weight, bias, conv_prefix) for start, end in spans]
+        xbc = torch.cat([out for out, _ in convolved], dim=1).reshape(batch, seq, groups, -1)
+        x, B, C = xbc.split([self.inner_per_group, self.state_dim, self.state_dim], -1)
+        x = x.reshape(batch, seq, heads, self.head_dim)
+        # Each head reads its group's B and C.
+        B = B.repeat_interleave(self.heads_per_group, dim=2)
+        C = C.repeat_interleave(self.heads_per_group, dim=2)
+        dt = F.softplus(dt.transpose(0, 1).float() + self.dt_bias[head_rows].float())  # [b, s, heads]
+        A = -torch.exp(self.A_log[head_rows].float())
+        scanned = [ssd_chunked_scan(x[:, start:end], dt[:, start:end], A, B[:, start:end], C[:, start:end],
+                                    self.config.mamba_chunk_size, initial_state) for start, end in spans]
+        y = torch.cat([out for out, _ in scanned], dim=1)
+        if inference_context is not None:
+            inference_context.store_mamba_states(self.layer_number, convolved[-1][1].transpose(0, 1), scanned[-1][1])
+        y = y.float() + x.float() * self.D[head_rows].float()[:, None]
+        return y.reshape(batch, seq, groups, self.inner_per_group).transpose(0, 1)
+
+    def _scan_across_context_parallel_ranks(self, xbc_dt, packed_seq_params):
+        """Under context parallelism: gather every rank's tokens of this rank's share of the groups (all-to-all),
+        scan the whole sequences, and send each rank its tokens back with all groups."""
+        group = parallel_state.get_context_parallel_group()
+        cp_size, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+        if self.local_groups % cp_size:
+            raise ValueError(f"the {self.local_groups} Mamba groups of a tensor-parallel rank must divide into "
+                             f"--context-parallel-size {cp_size}: raise --mamba-num-groups")
+        seq, batch = xbc_dt.shape[:2]
+        total = seq * cp_size
+        if packed_seq_params is None:
+            positions = global_positions_in_rank_order(total, cp_size, xbc_dt.device)
+            spans = [(0, total)]
+        else:
+            positions = torch.cat([thd_local_indices(packed_seq_params, total, cp_size, rank)
+                                   for rank in range(cp_size)]).to(xbc_dt.device)
+            spans = packed_spans(packed_seq_params, total, batch)
+        gathered = SequenceToHeads.apply(xbc_dt.contiguous(), group).index_select(0, torch.argsort(positions))
+        groups = self.local_groups // cp_size
+        y = self._scan_groups(gathered, cp_rank * groups, spans, None)
+        return HeadsToSequence.apply(y.index_select(0, positions).contiguous(), group)
+
     def forward(self, hidden_states, packed_seq_params=None, inference_context=None):
         """`packed_seq_params`: a packed row (`[t, 1, h]`) whose sequences each convolve and scan from a zero
         state, as if alone (each span from a sequence's start to the next one's, its padding included).
         `inference_context` (a `StaticInferenceContext`): continue each row from the state the context kept after
         the previous positions, and keep the new one."""
         projected, _ = self.in_proj(hidden_states)
-        z, xbc, dt = self._split_projection(projected)
-        batch, length = hidden_states.shape[1], projected.shape[0]
-        spans = [(0, length)] if packed_seq_params is None else packed_spans(packed_seq_params, length, batch)
-        conv_prefix = initial_state = None
-        if inference_context is not None:
-            conv_prefix, initial_state = self._decoding_states(inference_context, batch, xbc)
-        convolved = [self._causal_conv(xbc[start:end], conv_prefix) for start, end in spans]
-        xbc = torch.cat([out for out, _ in convolved], dim=1)
-        xbc = xbc.reshape(batch, length, self.local_groups, self.conv_channels_per_group)
-        x, B, C = xbc.split([self.inner_per_group, self.state_dim, self.state_dim], -1)
-        local_heads = self.local_groups * self.heads_per_group
-        x = x.reshape(batch, length, local_heads, self.head_dim)
-        # Each head reads its group's B and C.
-        B = B.repeat_interleave(self.heads_per_group, dim=2)
-        C = C.repeat_interleave(self.heads_per_group, dim=2)
-        dt = F.softplus(dt.transpose(0, 1).float() + self.dt_bias.float())  # [b, s, heads]
-        A = -torch.exp(self.A_log.float())
-        scanned = [ssd_chunked_scan(x[:, start:end], dt[:, start:end], A, B[:, start:end], C[:, start:end],
-                                    self.config.mamba_chunk_size, initial_state) for start, end in spans]
-        y = torch.cat([out for out, _ in scanned], dim=1)
-        if inference_context is not None:
-            inference_context.store_mamba_states(self.layer_number, convolved[-1][1].transpose(0, 1), scanned[-1][1])
-        y = y.float() + x.float() * self.D.float()[:, None]
-        y = self._gated_norm(y.reshape(batch, length, -1), z.transpose(0, 1))
+        seq, batch = projected.shape[:2]
+        per_group = projected.reshape(seq, batch, self.local_groups, self.group_rows)
+        z, xbc_dt = per_group.split([self.inner_per_group, self.group_rows - self.inner_per_group], -1)
+        if self.config.context_parallel_size > 1:
+            y = self._scan_across_context_parallel_ranks(xbc_dt, packed_seq_params)
+        else:
+            spans = [(0, seq)] if packed_seq_params is None else packed_spans(packed_seq_params, seq, batch)
+            y = self._scan_groups(xbc_dt, 0, spans, inference_context)
+        y = self._gated_norm(y.reshape(seq, batch, -1).transpose(0, 1), z.reshape(seq, batch, -1).transpose(0, 1))
         out, _ = self.out_proj(y.to(hidden_states.dtype).transpose(0, 1).contiguous())
         return out, None

@@ -51,7 +51,7 @@ def validate(args):
                                                 args.hybrid_override_pattern)
     if MAMBA in args.hybrid_layer_pattern:
         check_mamba_shape(args.hidden_size, args.mamba_head_dim, args.mamba_num_heads, args.mamba_num_groups,
-                          args.tensor_model_parallel_size)
+                          args.tensor_model_parallel_size, args.context_parallel_size)
 
 
 def transformer_config_kwargs(args):

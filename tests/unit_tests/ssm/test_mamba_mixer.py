@@ -1,5 +1,6 @@
 """The Mamba mixer against the Mamba-2 formulas written out token by token from its parameters (float64), its
-initial values, and tensor parallelism (TP=2, with and without sequence parallelism) reproducing one rank."""
+initial values, and tensor parallelism (TP=2, with and without sequence parallelism) and context parallelism
+(CP=2, also on packed sequences) reproducing one rank."""
 
 import math
 
@@ -92,8 +93,8 @@ def test_parameter_shapes_names_and_initial_values():
     (dict(mamba_num_groups=3), r"the 8 Mamba heads must divide into --mamba-num-groups 3"),
     (dict(mamba_head_dim=5), r"2 x --hidden-size \(32\) must be a multiple of --mamba-head-dim 5"),
     (dict(hybrid_layer_pattern="MX"), r"must give one of M, \*, - .* for each of the --num-layers 1 layers"),
-    (dict(context_parallel_size=2, num_layers=2, hybrid_layer_pattern="M*"),
-     r"Mamba layers .* do not support --context-parallel-size > 1"),
+    (dict(context_parallel_size=4, num_layers=2, hybrid_layer_pattern="M*"),
+     r"--mamba-num-groups 2 must be a multiple of --tensor-model-parallel-size 1 x --context-parallel-size 4"),
     (dict(mtp_num_layers=1), r"do not support --mtp-num-layers"),
 ])
 def test_config_rules(overrides, message):
@@ -131,10 +132,59 @@ def _tensor_parallel_worst(sequence_parallel):
     return worst
 
 
+def _context_parallel_worst(packed):
+    """The mixer at CP=2 (each rank two chunks of the sequence, or with `packed` two chunks of every packed
+    sequence) against one rank on the whole sequence."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.packed_sequences import thd_local_indices
+    from megatron.core.transformer.context_parallel.sequence_split import local_token_indices
+
+    length = 16
+    generator = torch.Generator().manual_seed(1)
+    hidden, upstream = (torch.randn(length, 1, HIDDEN, generator=generator) for _ in range(2))
+    params = None
+    if packed:  # sequences of 5 and 6 tokens at offsets 0 and 8 (spans of 8: multiples of 2 x CP)
+        offsets, padded = torch.tensor([0, 5, 11], dtype=torch.int32), torch.tensor([0, 8, 16], dtype=torch.int32)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=offsets, cu_seqlens_kv=offsets,
+                                 cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded, max_seqlen_q=6,
+                                 max_seqlen_kv=6)
+    parallel_state.initialize_model_parallel()
+    tensor_parallel.model_parallel_cuda_manual_seed(1)
+    # Two layers ('M*'): a CP config needs an attention layer to split; the output projection's init depends on it.
+    reference = _run_packed(MambaMixer(_config(num_layers=2, hybrid_layer_pattern="M*"), 1, init_seed=11), hidden,
+                            upstream, params)
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(context_parallel_size=2)
+    tensor_parallel.model_parallel_cuda_manual_seed(1)
+    rank = parallel_state.get_context_parallel_rank()
+    rows = thd_local_indices(params, length, 2, rank) if packed else local_token_indices(length, 2, rank)
+    mixer = MambaMixer(_config(context_parallel_size=2, num_layers=2, hybrid_layer_pattern="M*"), 1, init_seed=11)
+    output, hidden_grad, grads = _run_packed(mixer, hidden[rows], upstream[rows], params)
+    worst = max((output - reference[0][rows]).abs().max().item(),
+                (hidden_grad - reference[1][rows]).abs().max().item())
+    for name, param in mixer.named_parameters():
+        total = param.grad.clone()
+        torch.distributed.all_reduce(total, group=parallel_state.get_context_parallel_group())
+        expected = reference[2][name]
+        worst = max(worst, ((total - expected).abs().max() / expected.abs().max().clamp(min=1)).item())
+    parallel_state.destroy_model_parallel()
+    return worst
+
+
+def _run_packed(mixer, hidden, upstream, params):
+    hidden = hidden.clone().requires_grad_()
+    output, _ = mixer(hidden, packed_seq_params=params)
+    (output * upstream).sum().backward()
+    return output.detach(), hidden.grad, {name: param.grad for name, param in mixer.named_parameters()}
+
+
 def _tensor_parallel_differences():
-    return [_tensor_parallel_worst(sequence_parallel) for sequence_parallel in (False, True)]
+    return [_tensor_parallel_worst(sequence_parallel) for sequence_parallel in (False, True)] + [
+        _context_parallel_worst(packed) for packed in (False, True)]
 
 
-def test_tensor_parallel_equals_one_rank():
+def test_tensor_and_context_parallel_equal_one_rank():
+    """TP2, TP2 + SP, CP2 and CP2 on packed sequences: outputs, input gradients and parameter gradients (summed
+    over the context-parallel ranks, which each scan a share of the groups) equal one rank's."""
     for differences in run_on_ranks(2, _tensor_parallel_differences):
         assert max(differences) < 1e-5, differences

@@ -1,7 +1,7 @@
 """pretrain_mamba.py end to end on a hybrid model (Mamba, attention and MLP layers): every data-parallel wrapper,
-tensor parallelism with sequence parallelism, pipeline parallelism and full activation recompute log the losses of
-Megatron DDP on one layout, and a torch_dist checkpoint saved under DDP resumes under Megatron-FSDP ZeRO-3 at TP 2
-on the uninterrupted run's losses."""
+tensor parallelism with sequence parallelism, context parallelism, pipeline parallelism and full activation
+recompute log the losses of Megatron DDP on one layout, and a torch_dist checkpoint saved under DDP resumes under
+Megatron-FSDP ZeRO-3 at TP 2 on the uninterrupted run's losses."""
 
 import pytest
 import torch
@@ -21,6 +21,7 @@ LAYOUTS = {
     "tp2_sp": "--tensor-model-parallel-size 2 --sequence-parallel",
     "pp2": "--pipeline-model-parallel-size 2",
     "recompute": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+    "cp2": "--context-parallel-size 2",
 }
 
 
@@ -52,8 +53,10 @@ def test_every_layout_and_wrapper_trains_the_hybrid_model_alike(world_size, tmp_
     # The same computation, other data-parallel sharding or pipeline split: fp32 sums in another order at most.
     for name in ("megatron_fsdp_z3", "pp2", "recompute"):
         torch.testing.assert_close(torch.tensor(losses[name]), reference, rtol=1e-6, atol=0)
-    # Tensor parallelism splits the mixer by groups and reduces partial sums over 2 ranks.
-    torch.testing.assert_close(torch.tensor(losses["tp2_sp"]), reference, rtol=1e-5, atol=0)
+    # Tensor parallelism splits the mixer by groups and reduces partial sums over 2 ranks; context parallelism
+    # scans each rank's share of the groups over the whole sequence (all-to-all) and sums the loss over 2 ranks.
+    for name in ("tp2_sp", "cp2"):
+        torch.testing.assert_close(torch.tensor(losses[name]), reference, rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(losses["fsdp2_untied"]), torch.tensor(losses["ddp_untied"]),
                                rtol=1e-6, atol=0)
     # Saved at iteration 2 under DDP, resumed at TP 2 under Megatron-FSDP ZeRO-3: iterations 3 and 4 as uninterrupted.

@@ -1,6 +1,6 @@
 """`pretrain_gpt.py --sft` end to end: conversations packed into rows train on exactly the loss of the same
 conversations one per padded sample, at data parallel 2 and at context parallel 2 (upstream's THD split), and so
-do those of `pretrain_mamba.py`'s hybrid model."""
+do those of `pretrain_mamba.py`'s hybrid model (its Mamba layers scanning each conversation on its own)."""
 
 import pytest
 import torch
@@ -58,7 +58,9 @@ def test_packed_conversations_train_on_the_loss_of_the_same_conversations_padded
     context_parallel = run_on_ranks(world_size, _packed_and_padded_losses, str(tmp_path), path,
                                     "--context-parallel-size 2", 4)[0]
     hybrid = run_on_ranks(world_size, _packed_and_padded_losses, str(tmp_path), path, "", 1, "pretrain_mamba")[0]
-    for packed, padded in (data_parallel, context_parallel, hybrid):
+    hybrid_context_parallel = run_on_ranks(world_size, _packed_and_padded_losses, str(tmp_path), path,
+                                           "--context-parallel-size 2", 4, "pretrain_mamba")[0]
+    for packed, padded in (data_parallel, context_parallel, hybrid, hybrid_context_parallel):
         # The same per-token losses of the same conversations, summed in another order (fp32).
         torch.testing.assert_close(torch.tensor(packed), torch.tensor(padded), rtol=1e-6, atol=0)
         # --init-method-std 0.3 makes the untrained model's guesses sharp and wrong: above the uniform ln 257 = 5.55
