@@ -177,10 +177,11 @@ def training_flops_per_iteration(args, global_batch_size):
         attention = attention_flops_per_token(args)
     mlp_per_layer = _mlp_flops_per_layer(args, mlp_matrices)
     pattern = getattr(args, "hybrid_layer_pattern", None)
-    if pattern is not None:  # a hybrid model: each layer is a Mamba, an attention or an MLP layer
-        layer_flops = {"M": _mamba_flops_per_token(args), "*": attention, "-": mlp_per_layer[0]}
-        return 3 * (sum(layer_flops[symbol] for symbol in pattern)
-                    + 2 * hidden * args.padded_vocab_size) * seq * global_batch_size
+    if pattern is not None:  # a hybrid model: each layer is a Mamba, an attention, an MLP or a MoE layer
+        mamba = _mamba_flops_per_token(args)
+        layer_flops = [mamba if symbol == "M" else attention if symbol == "*" else mlp_per_layer[index]
+                       for index, symbol in enumerate(pattern)]
+        return 3 * (sum(layer_flops) + 2 * hidden * args.padded_vocab_size) * seq * global_batch_size
     per_token_forward = (layers * attention + sum(mlp_per_layer)
                          + 2 * hidden * args.padded_vocab_size)  # logits
     mtp_depths = getattr(args, "mtp_num_layers", None) or 0

@@ -4,14 +4,15 @@ Mamba mixer's shape (upstream's `--mamba-state-dim`, `--mamba-head-dim`, `--mamb
 
 `hybrid_layer_pattern` holds one symbol per layer (upstream's `--hybrid-override-pattern` alphabet): `M` a Mamba
 layer (norm, mixer, residual), `*` an attention layer (norm, self-attention, residual), `-` an MLP layer (norm, MLP,
-residual). None: every layer is a transformer layer (attention then MLP), the GPT model.
+residual), `E` a Mixture-of-Experts layer (norm, `MoELayer`, residual; the `--num-experts` / `--moe-*` settings).
+None: every layer is a transformer layer (attention then MLP), the GPT model.
 """
 
 from dataclasses import dataclass
 from typing import Optional
 
-MAMBA, ATTENTION, MLP = "M", "*", "-"
-HYBRID_SYMBOLS = (MAMBA, ATTENTION, MLP)
+MAMBA, ATTENTION, MLP, MOE = "M", "*", "-", "E"
+HYBRID_SYMBOLS = (MAMBA, ATTENTION, MLP, MOE)
 PATTERN_FLAG = "--hybrid-override-pattern"
 
 
@@ -20,7 +21,7 @@ class MambaConfigMixin:
     """Hybrid-model settings; validated by `_validate_hybrid_model` (from `__post_init__`)."""
 
     hybrid_layer_pattern: Optional[str] = None
-    """One of `M`, `*`, `-` per layer (see the module docstring); None: the GPT model's transformer layers."""
+    """One of `M`, `*`, `-`, `E` per layer (see the module docstring); None: the GPT model's transformer layers."""
     mamba_state_dim: int = 128
     """State size N of each Mamba head (`--mamba-state-dim`)."""
     mamba_head_dim: int = 64
@@ -54,18 +55,18 @@ class MambaConfigMixin:
             return
         if not isinstance(pattern, str) or len(pattern) != self.num_layers or set(pattern) - set(HYBRID_SYMBOLS):
             raise ValueError(f"the hybrid layer pattern {pattern!r} must give one of {', '.join(HYBRID_SYMBOLS)} "
-                             f"(Mamba, attention, MLP) for each of the --num-layers {self.num_layers} layers "
+                             f"(Mamba, attention, MLP, MoE) for each of the --num-layers {self.num_layers} layers "
                              f"({PATTERN_FLAG})")
         for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_conv_kernel", "mamba_chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        self._set("moe_layer_freq", hybrid_moe_layer_freq(pattern, self.num_moe_experts, self.moe_layer_freq))
         if MAMBA not in pattern:
             return
         check_mamba_shape(self.hidden_size, self.mamba_head_dim, self.mamba_num_heads, self.mamba_num_groups,
                           self.tensor_model_parallel_size, self.context_parallel_size)
         refused = [flag for flag, on in (
             ("--mtp-num-layers", bool(self.mtp_num_layers)),
-            ("--num-experts", bool(self.num_moe_experts)),
             ("--transformer-impl transformer_engine", self.transformer_impl == "transformer_engine"),
             ("--fp8-format", self.fp8 is not None),
         ) if on]
@@ -87,3 +88,23 @@ def check_mamba_shape(hidden_size, head_dim, num_heads, num_groups, tensor_paral
         raise ValueError(f"--mamba-num-groups {num_groups} must be a multiple of --tensor-model-parallel-size "
                          f"{tensor_parallel_size} x --context-parallel-size {context_parallel_size}: tensor and "
                          "context parallelism split the Mamba mixer by groups")
+
+
+def hybrid_moe_layer_freq(pattern, num_experts, moe_layer_freq):
+    """The `--moe-layer-freq` of a hybrid model: 1 for its `E` layers, 0 for the others (a list). `E` layers need
+    `--num-experts`, `--num-experts` needs `E` layers, and a `--moe-layer-freq` given must say the same."""
+    derived = [int(symbol == MOE) for symbol in pattern]
+    if not any(derived):
+        if num_experts is not None:
+            raise ValueError(f"--num-experts sets up the Mixture-of-Experts layers of a hybrid model, which are the "
+                             f"'{MOE}' layers of {PATTERN_FLAG}; the pattern {pattern!r} has none: add them or drop "
+                             "--num-experts")
+        return moe_layer_freq
+    if num_experts is None:
+        raise ValueError(f"the '{MOE}' layers of {PATTERN_FLAG} {pattern!r} are Mixture-of-Experts layers: give "
+                         "--num-experts (and the --moe-* settings)")
+    given = moe_layer_freq if isinstance(moe_layer_freq, int) else list(moe_layer_freq)
+    if given not in (1, derived):
+        raise ValueError(f"--moe-layer-freq {moe_layer_freq} disagrees with the '{MOE}' layers of {PATTERN_FLAG} "
+                         f"{pattern!r}: the pattern places a hybrid model's MoE layers; drop --moe-layer-freq")
+    return tuple(derived)

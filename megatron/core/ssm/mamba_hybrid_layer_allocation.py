@@ -1,6 +1,6 @@
 """Which layers of a hybrid model are Mamba, attention and MLP layers (upstream's `allocate_layers`).
 
-`--hybrid-override-pattern` spells the layers out, one symbol each (`M` Mamba, `*` attention, `-` MLP). Without
+`--hybrid-override-pattern` spells the layers out, one symbol each (`M` Mamba, `*` attention, `-` MLP, `E` MoE). Without
 it, `--hybrid-attention-ratio` and `--hybrid-mlp-ratio` give the shares of attention and MLP layers (rounded to
 whole layers) and the rest are Mamba layers: here the attention layers are spread evenly over the depth (each at
 the middle of its share of the layers) and the MLP layers evenly over the remaining positions. The placement of
@@ -40,7 +40,7 @@ def allocate_layers(total_layers, attention_ratio=0.0, mlp_ratio=0.0, override_p
         return pattern_from_ratios(total_layers, attention_ratio, mlp_ratio)
     if len(override_pattern) != total_layers or set(override_pattern) - set(HYBRID_SYMBOLS):
         raise ValueError(f"{PATTERN_FLAG} {override_pattern!r} must give one of {', '.join(HYBRID_SYMBOLS)} (Mamba, "
-                         f"attention, MLP) for each of the --num-layers {total_layers} layers")
+                         f"attention, MLP, MoE) for each of the --num-layers {total_layers} layers")
     actual = (override_pattern.count(ATTENTION) / total_layers, override_pattern.count(MLP) / total_layers)
     if (attention_ratio or mlp_ratio) and (round(actual[0] * total_layers) != round(attention_ratio * total_layers)
                                            or round(actual[1] * total_layers) != round(mlp_ratio * total_layers)):

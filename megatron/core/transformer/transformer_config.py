@@ -248,6 +248,7 @@ class TransformerConfig(KernelChoiceConfigMixin, MTPConfigMixin, MLAConfigMixin,
         self._fill_derived_defaults()
         self._validate_multi_token_prediction()  # before the split: a layout's 'm' count is checked there
         self._validate_parallel_split()
+        self._validate_hybrid_model()  # before MoE: a hybrid pattern's 'E' layers are its MoE layers
         self._validate_moe()
         self._validate_regularisation_and_norm()
         self._validate_recompute()
@@ -262,7 +263,6 @@ class TransformerConfig(KernelChoiceConfigMixin, MTPConfigMixin, MLAConfigMixin,
         self._validate_attention_variants()
         self._validate_attention_head_transforms()
         self._validate_kernel_choices()
-        self._validate_hybrid_model()
 
     def _validate_attention_head_transforms(self):
         from megatron.core.transformer.attention_head_transforms import validated_head_transforms

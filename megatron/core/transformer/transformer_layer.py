@@ -26,6 +26,7 @@ import torch
 from megatron.core.extensions.transformer_engine import uses_transformer_engine
 from megatron.core.ssm.mamba_config import ATTENTION as ATTENTION_LAYER
 from megatron.core.ssm.mamba_config import MLP as MLP_LAYER
+from megatron.core.ssm.mamba_config import MOE as MOE_LAYER
 from megatron.core.transformer.attention import (
     SelfAttention,
     one_inference_context,
@@ -92,11 +93,12 @@ class TransformerLayer(torch.nn.Module):
         self.norms_fused_into_linears = (uses_transformer_engine(config)
                                          and not config.apply_residual_connection_post_layernorm)
         fused = self.norms_fused_into_linears
-        # A hybrid model's attention layer ('*') has no MLP, its MLP layer ('-') no attention (upstream's IdentityOp).
+        # A hybrid model's attention layer ('*') has no MLP, its MLP and MoE layers ('-', 'E') no attention
+        # (upstream's IdentityOp).
         symbol = config.layer_symbol(layer_number)
         self.input_layernorm = self.self_attention = self.pre_mlp_layernorm = self.mlp = None
         self.norms_fused_into_mlp = False
-        if symbol != MLP_LAYER:
+        if symbol not in (MLP_LAYER, MOE_LAYER):
             self._build_attention(config, layer_number, fused)
         if symbol != ATTENTION_LAYER:
             self._build_mlp(config, layer_number, fused)

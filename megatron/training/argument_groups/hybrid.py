@@ -5,7 +5,7 @@ nonzero `--hybrid-attention-ratio` / `--hybrid-mlp-ratio`; validation resolves i
 `args.hybrid_layer_pattern` (None for a GPT model).
 """
 
-from megatron.core.ssm.mamba_config import MAMBA, check_mamba_shape
+from megatron.core.ssm.mamba_config import MAMBA, check_mamba_shape, hybrid_moe_layer_freq
 from megatron.core.ssm.mamba_hybrid_layer_allocation import allocate_layers
 
 MAMBA_SPEC = ["megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"]
@@ -19,8 +19,8 @@ def add_arguments(parser):
                        help="Share of attention layers ('*') of a hybrid model.")
     group.add_argument("--hybrid-mlp-ratio", type=float, default=0.0, help="Share of MLP layers ('-').")
     group.add_argument("--hybrid-override-pattern", default=None,
-                       help="The layers of a hybrid model, one symbol each: M Mamba, * attention, - MLP (e.g. "
-                       "M-M*-M-); overrides the ratios.")
+                       help="The layers of a hybrid model, one symbol each: M Mamba, * attention, - MLP, E MoE "
+                       "(e.g. M-M*-ME); overrides the ratios.")
     group.add_argument("--mamba-state-dim", type=int, default=128, help="State size of each Mamba head.")
     group.add_argument("--mamba-head-dim", type=int, default=64, help="Channels of each Mamba head.")
     group.add_argument("--mamba-num-groups", type=int, default=8,
@@ -49,6 +49,8 @@ def validate(args):
         return
     args.hybrid_layer_pattern = allocate_layers(args.num_layers, args.hybrid_attention_ratio, args.hybrid_mlp_ratio,
                                                 args.hybrid_override_pattern)
+    freq = hybrid_moe_layer_freq(args.hybrid_layer_pattern, args.num_experts, args.moe_layer_freq)
+    args.moe_layer_freq = list(freq) if isinstance(freq, tuple) else freq
     if MAMBA in args.hybrid_layer_pattern:
         check_mamba_shape(args.hidden_size, args.mamba_head_dim, args.mamba_num_heads, args.mamba_num_groups,
                           args.tensor_model_parallel_size, args.context_parallel_size)

@@ -92,7 +92,7 @@ def test_parameter_shapes_names_and_initial_values():
 @pytest.mark.parametrize("overrides, message", [
     (dict(mamba_num_groups=3), r"the 8 Mamba heads must divide into --mamba-num-groups 3"),
     (dict(mamba_head_dim=5), r"2 x --hidden-size \(32\) must be a multiple of --mamba-head-dim 5"),
-    (dict(hybrid_layer_pattern="MX"), r"must give one of M, \*, - .* for each of the --num-layers 1 layers"),
+    (dict(hybrid_layer_pattern="MX"), r"must give one of M, \*, -, E .* for each of the --num-layers 1 layers"),
     (dict(context_parallel_size=4, num_layers=2, hybrid_layer_pattern="M*"),
      r"--mamba-num-groups 2 must be a multiple of --tensor-model-parallel-size 1 x --context-parallel-size 4"),
     (dict(mtp_num_layers=1), r"do not support --mtp-num-layers"),

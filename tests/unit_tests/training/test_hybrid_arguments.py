@@ -31,7 +31,7 @@ def test_the_flags_resolve_the_layer_pattern(extra, pattern):
 
 
 @pytest.mark.parametrize("extra, message", [
-    ("--hybrid-override-pattern M*M", r"--hybrid-override-pattern 'M\*M' must give one of M, \*, - .* for each of "
+    ("--hybrid-override-pattern M*M", r"--hybrid-override-pattern 'M\*M' must give one of M, \*, -, E .* for each of "
                                       r"the --num-layers 2 layers"),
     ("--hybrid-attention-ratio 1.5", r"--hybrid-attention-ratio must be in \[0, 1\], got 1.5"),
     ("--hybrid-attention-ratio 0.6 --hybrid-mlp-ratio 0.6", r"exceed 1"),
@@ -75,3 +75,19 @@ def test_use_checkpoint_args_restores_the_hybrid_model():
     assert args.is_hybrid_model and args.hybrid_layer_pattern == "M*"
     config = core_transformer_config_from_args(args)
     assert (config.hybrid_layer_pattern, config.mamba_head_dim, config.mamba_state_dim) == ("M*", 16, 8)
+
+
+def test_moe_layers_are_the_patterns_e_layers():
+    args = validated(f"{SHAPE} --num-layers 4 --hybrid-override-pattern M*E- --num-experts 4")
+    assert args.moe_layer_freq == [0, 0, 1, 0]
+    config = core_transformer_config_from_args(args)
+    assert config.moe_layer_freq == (0, 0, 1, 0) and config.num_moe_experts == 4
+    for extra, message in (
+            ("--hybrid-override-pattern ME", r"the 'E' layers of --hybrid-override-pattern 'ME' are Mixture-of-Experts "
+                                             r"layers: give --num-experts"),
+            ("--hybrid-override-pattern M- --num-experts 4",
+             r"the pattern 'M-' has none: add them or drop --num-experts"),
+            ("--hybrid-override-pattern ME --num-experts 4 --moe-layer-freq 1 --moe-layer-freq ([1]*2)",
+             r"--moe-layer-freq \[1, 1\] disagrees with the 'E' layers")):
+        with pytest.raises(ValueError, match=message):
+            validated(f"{SHAPE} {extra}")

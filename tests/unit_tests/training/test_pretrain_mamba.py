@@ -37,6 +37,10 @@ def _all_runs(workdir):
     untied = "--untie-embeddings-and-output-weights"
     losses["ddp_untied"] = _losses(workdir, "ddp_untied", untied)
     losses["fsdp2_untied"] = _losses(workdir, "fsdp2_untied", f"{untied} --use-torch-fsdp2")
+    moe = "--hybrid-override-pattern M*E- --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01"
+    losses["moe"] = _losses(workdir, "moe", moe)
+    losses["moe_ep2_fsdp"] = _losses(workdir, "moe_ep2_fsdp", f"{moe} --expert-model-parallel-size 2 "
+                                                              f"{LAYOUTS['megatron_fsdp_z3']}")
     checkpoints = f"{workdir}/checkpoints"
     save = f"--save {checkpoints} --save-interval 2 --ckpt-format torch_dist"
     losses["saved"] = _losses(workdir, "saved", f"{save} --exit-interval 2")
@@ -59,6 +63,9 @@ def test_every_layout_and_wrapper_trains_the_hybrid_model_alike(world_size, tmp_
         torch.testing.assert_close(torch.tensor(losses[name]), reference, rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(losses["fsdp2_untied"]), torch.tensor(losses["ddp_untied"]),
                                rtol=1e-6, atol=0)
+    # MoE layers ('E'): experts split over 2 ranks under Megatron-FSDP, as all experts on every rank under DDP.
+    torch.testing.assert_close(torch.tensor(losses["moe_ep2_fsdp"]), torch.tensor(losses["moe"]), rtol=1e-6, atol=0)
+    assert losses["moe"] != losses["ddp"]
     # Saved at iteration 2 under DDP, resumed at TP 2 under Megatron-FSDP ZeRO-3: iterations 3 and 4 as uninterrupted.
     assert losses["saved"] == losses["ddp"][:2]
     torch.testing.assert_close(torch.tensor(losses["resumed"]), reference[2:], rtol=1e-5, atol=0)

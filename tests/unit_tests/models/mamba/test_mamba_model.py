@@ -49,6 +49,16 @@ def test_the_pattern_decides_each_layer():
     assert _model(hybrid_attention_ratio=0.34).hybrid_layer_pattern == "M*M"
 
 
+def test_e_layers_are_mixture_of_experts_layers_without_attention():
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    model = _model(_config(num_moe_experts=4, moe_router_topk=2), hybrid_override_pattern="ME-")
+    moe, dense = model.decoder.layers[1], model.decoder.layers[2]
+    assert isinstance(moe.mlp, MoELayer) and moe.self_attention is None and not isinstance(dense.mlp, MoELayer)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(model(ids, None, None, labels=ids)).all()
+
+
 def test_a_layer_does_not_depend_on_the_others():
     """Each layer's weights come from its own seed: layer 1 of 'M*-' equals layer 1 of '**-'."""
     first = _model(hybrid_override_pattern="M*-").decoder.layers[1].state_dict()
