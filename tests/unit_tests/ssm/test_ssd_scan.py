@@ -71,3 +71,18 @@ def test_gradients_equal_the_recurrences():
     for name, grad, reference in zip("x dt A B C".split(), (t.grad for t in inputs), expected):
         scale = reference.abs().max().clamp(min=1.0)
         assert ((grad - reference).abs().max() / scale) < 2e-6, name
+
+
+@pytest.mark.gpu
+def test_the_scan_on_a_cuda_device_equals_the_recurrence():
+    """On a GPU the chunked scan (fp32, TF32 off) equals the float64 recurrence as on the CPU."""
+    inputs = _inputs()
+    expected_y, expected_state = recurrence(*inputs)
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        y, state = ssd_chunked_scan(*(t.float().cuda() for t in inputs), 8)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+    torch.testing.assert_close(y.double().cpu(), expected_y, rtol=0, atol=2e-6)
+    torch.testing.assert_close(state.double().cpu(), expected_state, rtol=0, atol=2e-6)
