@@ -16,7 +16,8 @@ back gives a model-only checkpoint (training loads it with a fresh optimizer).
 hf: config.json and model.safetensors of a GPT2LMHeadModel (learned positions), LlamaForCausalLM (RoPE) or
 Qwen3ForCausalLM (RoPE with --qk-layernorm), with --num-experts of a MixtralForCausalLM, Qwen3MoeForCausalLM
 (--qk-layernorm) or Qwen2MoeForCausalLM (gated shared experts), with --multi-latent-attention of a
-DeepseekV3ForCausalLM (hf_deepseek.py), or of the MistralForCausalLM or Qwen2ForCausalLM a
+DeepseekV3ForCausalLM (hf_deepseek.py), with --hybrid-override-pattern of a NemotronHForCausalLM or, Mamba layers
+only, a Mamba2ForCausalLM (hf_hybrid.py), or of the MistralForCausalLM or Qwen2ForCausalLM a
 checkpoint was imported from (--hf-architecture names one), in the dtype the checkpoint trained in (--hf-dtype), that
 `transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)` loads and that computes our model's logits, plus
 megatron_extras.safetensors (vocabulary padding rows and what else HF has no place for); converting back gives
@@ -122,6 +123,8 @@ def to_hf(directory, output, vocab_size=None, architecture=None, dtype=None, voc
     architecture an import recorded, else the one our flags pick; the dtype of `export_dtype`. `vocab_size_flag`
     is named when the vocabulary size is needed and cannot be found."""
     import hf_deepseek
+    import hf_hybrid
+    import hf_hybrid_tensors
     import hf_mapping
     import hf_unsupported
     from megatron.core.dist_checkpointing import offline, safetensors_format
@@ -143,6 +146,7 @@ def to_hf(directory, output, vocab_size=None, architecture=None, dtype=None, voc
     requested_by = "as --hf-architecture asks" if architecture else (
         "the architecture it was imported from; pass --hf-architecture to write another")
     dtype = export_dtype(common, dtype)
+    config_keys = dict(source.get("config_keys") or {})
     try:
         shape = hf_mapping.ModelShape.from_args(args, true_vocab_size(common, vocab_size, vocab_size_flag),
                                                  padded_vocab_size)
@@ -150,6 +154,11 @@ def to_hf(directory, output, vocab_size=None, architecture=None, dtype=None, voc
         if architecture == hf_deepseek.DEEPSEEK_V3:
             rope_interleave = (source.get("config_keys") or {}).get("rope_interleave", True)
             tensors, extras = hf_deepseek.to_hf_tensors(model, shape, hf_mapping.HF_DTYPES[dtype], rope_interleave)
+        elif architecture in hf_hybrid.HYBRID_ARCHITECTURES:
+            tensors, extras = hf_hybrid_tensors.to_hf_tensors(model, shape, architecture, hf_mapping.HF_DTYPES[dtype],
+                                                              config_keys.get("use_conv_bias", True))
+            if shape.layers_marked(hf_hybrid.MAMBA):  # zero biases an import had none of stay out
+                config_keys["use_conv_bias"] = hf_hybrid_tensors.has_conv_bias(tensors)
         else:
             tensors, extras = hf_mapping.to_hf_tensors(model, shape, architecture, hf_mapping.HF_DTYPES[dtype])
     except hf_mapping.ConversionError as exc:
@@ -157,8 +166,7 @@ def to_hf(directory, output, vocab_size=None, architecture=None, dtype=None, voc
     os.makedirs(output, exist_ok=True)
     with open(os.path.join(output, hf_mapping.CONFIG_FILE), "w") as stream:
         token_ids = source["token_ids"] if "token_ids" in source else trained_token_ids(args)
-        json.dump(hf_mapping.hf_config(shape, architecture, dtype, token_ids, source.get("config_keys")), stream,
-                  indent=2)
+        json.dump(hf_mapping.hf_config(shape, architecture, dtype, token_ids, config_keys), stream, indent=2)
     safetensors_format.save_file(tensors, os.path.join(output, hf_mapping.MODEL_FILE), {"format": "pt"})
     safetensors_format.save_file(extras, os.path.join(output, hf_mapping.EXTRAS_FILE),
                                  hf_mapping.extras_metadata(shape, common.get("iteration", 0)))
@@ -206,10 +214,14 @@ def hf_tokenizer_vocab_size(directory):
 
 def tensor_parallel_sizes(shape, largest=8):
     """The tensor-parallel sizes up to `largest` (powers of two) that split the model's attention heads and
-    key/value heads evenly."""
+    key/value heads evenly, and a hybrid model's Mamba groups (its attention heads only with attention layers)."""
     sizes, size = [], 1
+    pattern = shape.hybrid_layer_pattern
+    attention = pattern is None or "*" in pattern
+    mamba = pattern is not None and "M" in pattern
     while size <= largest:
-        if shape.num_attention_heads % size == 0 and shape.num_query_groups % size == 0:
+        if (not attention or shape.num_attention_heads % size == 0 and shape.num_query_groups % size == 0) and \
+                (not mamba or shape.mamba_num_groups % size == 0):
             sizes.append(size)
         size *= 2
     return sizes
@@ -276,7 +288,8 @@ def hf_import_training_hint(directory, root, shape, tokenizer_vocab_size=None, s
                       f"exactly {rows} rows (D x TP divides {rows} and exceeds {rows} minus the tokens; "
                       f"{_padding_phrase(tokens, rows, sizes)})")
     flags = shape.training_flags() + (f" --make-vocab-size-divisible-by {divisor}" if divisor else "")
-    return (f"train from it with pretrain_gpt.py --load {root} --finetune --use-checkpoint-args (the model flags "
+    script = "pretrain_gpt.py" if shape.hybrid_layer_pattern is None else "pretrain_mamba.py"
+    return (f"train from it with {script} --load {root} --finetune --use-checkpoint-args (the model flags "
             f"below, recorded in the checkpoint; without --use-checkpoint-args pass them all) and {vocabulary}; "
             f"--seq-length at most {shape.max_position_embeddings}\n"
             f"model flags: {flags}")
@@ -287,6 +300,8 @@ def import_hf(directory, root, iteration, make_vocab_size_divisible_by, apply_la
     --make-vocab-size-divisible-by recorded or None). `tokens`: the tokenizer's vocabulary size where it is known
     otherwise (at most the embedding's rows), else the directory's tokenizer's."""
     import hf_deepseek
+    import hf_hybrid
+    import hf_hybrid_tensors
     import hf_mapping
     import hf_unsupported
     from megatron.core.dist_checkpointing import offline, safetensors_format
@@ -313,6 +328,9 @@ def import_hf(directory, root, iteration, make_vocab_size_divisible_by, apply_la
             model, shape = hf_deepseek.from_hf_tensors(hf_tensors, extras, shape, directory,
                                                        config.get("rope_interleave", True),
                                                        config.get("num_nextn_predict_layers", 0))
+        elif architecture in hf_hybrid.HYBRID_ARCHITECTURES:
+            model = hf_hybrid_tensors.from_hf_tensors(hf_tensors, extras, shape, directory,
+                                                      hf_hybrid.uses_conv_bias(config, architecture))
         else:
             model = hf_mapping.from_hf_tensors(hf_tensors, extras, shape, architecture, directory)
     except hf_mapping.ConversionError as exc:
@@ -326,6 +344,10 @@ def import_hf(directory, root, iteration, make_vocab_size_divisible_by, apply_la
               "token_ids": {key: config.get(key) for key in hf_mapping.TOKEN_ID_KEYS},
               "config_keys": {key: config[key] for key in (*hf_mapping.RECORDED_CONFIG_KEYS,
                                                             *hf_deepseek.RECORDED_CONFIG_KEYS) if key in config}}
+    if architecture in hf_hybrid.HYBRID_ARCHITECTURES:  # older Nemotron-H names under the current ones
+        hybrid_config = hf_hybrid.with_class_defaults(config, architecture)
+        source["config_keys"] = {key: hybrid_config[key] for key in hf_hybrid.RECORDED_CONFIG_KEYS
+                                 if key in hybrid_config}
     iteration = int(metadata.get("iteration", 0)) if iteration is None else iteration
     state = {f"model.{name}": tensor for name, tensor in model.items()}
     layout = _layout(f"{os.path.basename(os.path.normpath(directory))} ({architecture})")
@@ -404,7 +426,8 @@ def main(argv=None):
                         help="With --to hf: the Hugging Face architecture to write (default: the one the checkpoint "
                         "was imported from, else GPT2LMHeadModel for learned positions, LlamaForCausalLM for RoPE, "
                         "Qwen3ForCausalLM for RoPE with --qk-layernorm, DeepseekV3ForCausalLM for "
-                        "--multi-latent-attention); refused, naming the flags, where it would compute another model.")
+                        "--multi-latent-attention, NemotronHForCausalLM or Mamba2ForCausalLM for "
+                        "--hybrid-override-pattern); refused, naming the flags, where it would compute another model.")
     parser.add_argument("--hf-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="With --to hf: the dtype of the weights written (default: the one the checkpoint "
                         "trained in, bfloat16 with --bf16 and float16 with --fp16; for an imported checkpoint the "

@@ -24,6 +24,7 @@ from hf_families import (
     QWEN3_MOE,
 )
 from hf_gpt_oss import GPT_OSS, GPT_OSS_MODEL_TYPE, gpt_oss_config, gpt_oss_shape_values
+from hf_hybrid import HYBRID_ARCHITECTURES, hybrid_architecture_of_config, hybrid_config, hybrid_flags_of_config
 from hf_moe import hf_moe_config, moe_flags_of_config
 from hf_rope import hf_rope_config, hf_yarn_rope_config, rope_flags_of_config
 from hf_shape import ModelShape
@@ -104,6 +105,8 @@ def hf_config(shape: ModelShape, architecture: str, dtype: str = "float32", toke
         return gpt_oss_config(shape, common, recorded_keys)
     if architecture == DEEPSEEK_V3:
         return deepseek_config(shape, common, recorded_keys)
+    if architecture in HYBRID_ARCHITECTURES:
+        return hybrid_config(shape, architecture, common, recorded_keys)
     llama = {"model_type": LLAMA_RELATIVES[architecture], **common, "hidden_size": shape.hidden_size,
             "intermediate_size": shape.ffn_hidden_size, "num_hidden_layers": shape.num_layers,
             "num_attention_heads": shape.num_attention_heads, "num_key_value_heads": shape.num_query_groups,
@@ -150,11 +153,15 @@ def _architecture_of_config(config, path):
         return GPT_OSS
     if is_deepseek_v3_config(config):
         return DEEPSEEK_V3
+    hybrid = hybrid_architecture_of_config(config)
+    if hybrid is not None:
+        return hybrid
     for architecture, model_type in LLAMA_RELATIVES.items():
         if architecture in names or config.get("model_type") == model_type:
             return architecture
     raise ConversionError(f"{path}: config.json describes {names or config.get('model_type')!r}; only "
-                          f"{', '.join((GPT2, *LLAMA_RELATIVES, GPT_OSS, DEEPSEEK_V3))} convert to our GPT model")
+                          f"{', '.join((GPT2, *LLAMA_RELATIVES, GPT_OSS, DEEPSEEK_V3, *HYBRID_ARCHITECTURES))} "
+                          "convert to our GPT model")
 
 
 def _sliding_layers(config, architecture):
@@ -235,6 +242,8 @@ def shape_from_hf_config(config: dict, path: str, recorded: Optional[dict], padd
             hidden_dropout=config.get("resid_pdrop", 0.0), attention_dropout=config.get("attn_pdrop", 0.0))
     elif architecture == DEEPSEEK_V3:
         values.update(deepseek_flags_of_config(config, path, recorded))
+    elif architecture in HYBRID_ARCHITECTURES:
+        values.update(hybrid_flags_of_config(config, architecture, path, recorded))
     elif architecture == GPT_OSS:
         values.update(gpt_oss_shape_values(config, path), hidden_dropout=recorded.get("hidden_dropout", 0.0),
                       rotary_interleaved=recorded.get("rotary_interleaved", False))

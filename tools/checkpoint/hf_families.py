@@ -35,6 +35,10 @@ layers and a clamped quick-GeGLU; our flags pick it with --quick-geglu.
 
 DeepseekV3ForCausalLM (hf_deepseek.py) has multi-latent attention, dense first layers, then MoE layers with shared
 experts and a sigmoid router; our flags pick it with --multi-latent-attention.
+
+NemotronHForCausalLM and Mamba2ForCausalLM (hf_hybrid.py) are the hybrid models of Mamba, attention and MLP layers;
+--hybrid-override-pattern picks Mamba2 for Mamba layers only (when their inner width is a multiple of the hidden
+size), else Nemotron-H.
 """
 
 from typing import Optional
@@ -42,6 +46,7 @@ from typing import Optional
 from hf_deepseek import DEEPSEEK_V3, OWN_FORMATS, check_deepseek_architecture
 from hf_errors import ConversionError
 from hf_gpt_oss import GPT_OSS, gpt_oss_feature_problems, gpt_oss_problems
+from hf_hybrid import HYBRID_ARCHITECTURES, check_hybrid_architecture, default_hybrid_architecture
 from hf_shape import ModelShape
 
 GPT2, LLAMA, MISTRAL, QWEN2, QWEN3 = (
@@ -50,7 +55,7 @@ MIXTRAL, QWEN2_MOE, QWEN3_MOE = "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qw
 # The rotary architectures, each with its config.json model_type.
 LLAMA_RELATIVES = {LLAMA: "llama", MISTRAL: "mistral", QWEN2: "qwen2", QWEN3: "qwen3", MIXTRAL: "mixtral",
                    QWEN2_MOE: "qwen2_moe", QWEN3_MOE: "qwen3_moe"}
-ARCHITECTURES = (GPT2, *LLAMA_RELATIVES, GPT_OSS, DEEPSEEK_V3)
+ARCHITECTURES = (GPT2, *LLAMA_RELATIVES, GPT_OSS, DEEPSEEK_V3, *HYBRID_ARCHITECTURES)
 MOE_ARCHITECTURES = (MIXTRAL, QWEN2_MOE, QWEN3_MOE)
 # The dense architecture whose attention, norms and biases each MoE architecture has.
 DENSE_COUNTERPART = {MIXTRAL: MISTRAL, QWEN2_MOE: QWEN2, QWEN3_MOE: QWEN3}
@@ -156,7 +161,9 @@ def _moe_problems(shape: ModelShape, architecture: str):
 
 
 def default_architecture(shape: ModelShape) -> str:
-    """The architecture our flags pick: by position embedding, query / key norms and experts."""
+    """The architecture our flags pick: by hybrid layers, position embedding, query / key norms and experts."""
+    if shape.hybrid_layer_pattern is not None:
+        return default_hybrid_architecture(shape)
     if shape.multi_latent_attention:
         return DEEPSEEK_V3
     if shape.position_embedding_type not in ("rope", "yarn"):
@@ -180,6 +187,10 @@ def architecture_for(shape: ModelShape, requested: Optional[str] = None,
                               f"{', '.join(ARCHITECTURES)}")
     rope = shape.position_embedding_type in ("rope", "yarn")
     architecture = requested or default_architecture(shape)
+    if shape.hybrid_layer_pattern is not None or architecture in HYBRID_ARCHITECTURES:
+        why = requested_by if requested else \
+            f"the architecture for --hybrid-override-pattern {shape.hybrid_layer_pattern}"
+        return check_hybrid_architecture(shape, architecture, why)
     if DEEPSEEK_V3 in (architecture, default_architecture(shape)):
         why = requested_by if requested else "the architecture for multi-latent attention (--multi-latent-attention)"
         problems = gpt_oss_feature_problems(shape, DEEPSEEK_V3)

@@ -1,10 +1,13 @@
 """Tensor layouts both directions share: our logical tensor names, the fused QKV and SwiGLU rows split into HF's
-projections and joined again, the q / k channel order of --rotary-interleaved, and a source of named tensors
-that reports what is missing or misshapen.
+projections and joined again, the q / k channel order of --rotary-interleaved, the Mamba mixer's rows and
+channels in HF's order and ours, and a source of named tensors that reports what is missing or misshapen.
 
 Our fused layouts (megatron/core/transformer/attention.py, mlp.py): linear_qkv's rows are `[groups, (q_0 ..
 q_{m-1} | k | v), head_dim]` with m query heads per group, query head g * m + j being group g's j-th; SwiGLU's
-linear_fc1 rows interleave gate and up per unit, `[gate_0, up_0, gate_1, up_1, ...]`.
+linear_fc1 rows interleave gate and up per unit, `[gate_0, up_0, gate_1, up_1, ...]`. The Mamba mixer's
+(megatron/core/ssm/mamba_mixer.py) in_proj rows and conv1d channels go group after group, `[z_g, x_g, B_g, C_g,
+dt_g]` and `[x_g, B_g, C_g]` for g = 0 .. G - 1, where HF's go kind after kind, `[z, x, B, C, dt]` and `[x, B, C]`
+(each kind's rows group after group within it).
 """
 
 from typing import Dict
@@ -58,6 +61,25 @@ def query_key_rows(rows: torch.Tensor, shape: ModelShape, to_hf: bool) -> torch.
     head_dim, rest = shape.kv_channels, rows.shape[1:]
     heads = rows.reshape(-1, *((head_dim // 2, 2) if to_hf else (2, head_dim // 2)), *rest)
     return heads.transpose(1, 2).reshape(rows.shape)
+
+
+def _mamba_kinds(shape: ModelShape, with_gate_and_step: bool):
+    """The rows one group holds of each kind, in order: z, x, B, C, dt (in_proj) or x, B, C (conv1d)."""
+    groups, state = shape.mamba_num_groups, shape.mamba_state_dim
+    inner, heads = shape.mamba_inner_size // groups, shape.mamba_heads // groups
+    return [inner, inner, state, state, heads] if with_gate_and_step else [inner, state, state]
+
+
+def mamba_rows(rows: torch.Tensor, shape: ModelShape, to_hf: bool, with_gate_and_step: bool = True):
+    """The mixer's in_proj rows (`with_gate_and_step`) or conv1d channels (without: x, B and C), weight or bias,
+    from our group-major order to HF's kind-major one (`to_hf`) or back."""
+    groups, kinds, rest = shape.mamba_num_groups, _mamba_kinds(shape, with_gate_and_step), rows.shape[1:]
+    if to_hf:
+        per_group = rows.reshape(groups, sum(kinds), *rest).split(kinds, dim=1)
+        return torch.cat([kind.reshape(-1, *rest) for kind in per_group])
+    per_kind = rows.split([groups * width for width in kinds])
+    return torch.cat([kind.reshape(groups, width, *rest) for kind, width in zip(per_kind, kinds)],
+                     dim=1).reshape(rows.shape)
 
 
 class TensorSource:

@@ -91,6 +91,14 @@ class ModelShape:
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 0.0
     yarn_correction_range_round_to_int: bool = True
+    # Hybrid models (hf_hybrid.py): one of M (Mamba), * (attention), - (MLP) per layer, and the Mamba mixer
+    hybrid_layer_pattern: Optional[str] = None
+    """--hybrid-override-pattern; None: every layer is a transformer layer (attention then MLP)."""
+    mamba_state_dim: int = 128
+    mamba_head_dim: int = 64
+    mamba_num_groups: int = 8
+    mamba_num_heads: Optional[int] = None
+    """None: 2 x hidden_size / mamba_head_dim, as training derives it."""
     YARN_FIELDS = ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
                    "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int")
 
@@ -101,12 +109,14 @@ class ModelShape:
     DEEPSEEK_FIELDS = (*DEEPSEEK_ROUTER_FIELDS, "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
                        "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "rotary_scaling_factor", "mscale",
                        "mscale_all_dim", "original_max_position_embeddings", "mtp_num_layers")
+    HYBRID_FIELDS = ("hybrid_layer_pattern", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups",
+                     "mamba_num_heads")
     # Flags newer than some checkpoints: arguments saved without them had their default.
     ADDED_LATER = ("use_rope_scaling", "rope_scaling_factor", "rotary_interleaved",
                    "rotary_seq_len_interpolation_factor", "openai_gelu", "add_qkv_bias",
                    "apply_residual_connection_post_layernorm", *MOE_FIELDS, "quick_geglu",
                    "activation_func_clamp_value", "glu_linear_offset", "softmax_type", "window_size",
-                   "window_attn_skip_freq", *DEEPSEEK_FIELDS, *YARN_FIELDS, "moe_router_bias")
+                   "window_attn_skip_freq", *DEEPSEEK_FIELDS, *YARN_FIELDS, "moe_router_bias", *HYBRID_FIELDS)
 
     def __post_init__(self):
         if not 0 < self.vocab_size <= self.padded_vocab_size:
@@ -117,6 +127,8 @@ class ModelShape:
     def from_args(cls, args, vocab_size: int, padded_vocab_size: int) -> "ModelShape":
         """The shape of a checkpoint from the training arguments it recorded."""
         values = {"vocab_size": vocab_size, "padded_vocab_size": padded_vocab_size}
+        if not hasattr(args, "hybrid_layer_pattern"):  # validation resolves it; arguments from elsewhere may not
+            values["hybrid_layer_pattern"] = getattr(args, "hybrid_override_pattern", None)
         for field in dataclasses.fields(cls):
             if field.name not in values:
                 if not hasattr(args, field.name) and field.name in cls.ADDED_LATER:
@@ -138,6 +150,8 @@ class ModelShape:
         --tokenizer-type and --vocab-size stay (the checkpoint's vocabulary size is recorded beside the args)."""
         model_flags = {name: value for name, value in dataclasses.asdict(self).items()
                        if name not in ("vocab_size", "padded_vocab_size")}
+        if self.hybrid_layer_pattern is not None:  # the flags that build it again
+            model_flags.update(is_hybrid_model=True, hybrid_override_pattern=self.hybrid_layer_pattern)
         return argparse.Namespace(**model_flags,
                                   group_query_attention=self.num_query_groups != self.num_attention_heads)
 
@@ -179,6 +193,14 @@ class ModelShape:
                 flags.append(f"--moe-shared-expert-intermediate-size {self.moe_shared_expert_intermediate_size}")
             if self.moe_shared_expert_gate:
                 flags.append("--moe-shared-expert-gate")
+        if self.hybrid_layer_pattern is not None:  # a pattern starting with '-' would read as a flag without '='
+            flags.append(f"--hybrid-override-pattern={self.hybrid_layer_pattern}"
+                         if self.hybrid_layer_pattern.startswith("-") else
+                         f"--hybrid-override-pattern {self.hybrid_layer_pattern}")
+            flags.append(f"--mamba-state-dim {self.mamba_state_dim} --mamba-head-dim {self.mamba_head_dim} "
+                         f"--mamba-num-groups {self.mamba_num_groups}")
+            if self.mamba_num_heads is not None:
+                flags.append(f"--mamba-num-heads {self.mamba_num_heads}")
         # --use-checkpoint-args takes the recorded dropout too; given here where it is not training's default
         for name, rate in (("hidden-dropout", self.hidden_dropout), ("attention-dropout", self.attention_dropout)):
             if rate != TRAINING_DEFAULT_DROPOUT:
@@ -194,6 +216,19 @@ class ModelShape:
         if not self.num_experts:
             return [False] * self.num_layers
         return layer_pattern_from_freq(self.moe_layer_freq, self.num_layers)
+
+    @property
+    def mamba_heads(self) -> int:
+        """Heads of each Mamba mixer (--mamba-num-heads, else 2 x hidden / head dim)."""
+        return self.mamba_num_heads or 2 * self.hidden_size // self.mamba_head_dim
+
+    @property
+    def mamba_inner_size(self) -> int:
+        return self.mamba_heads * self.mamba_head_dim
+
+    def layers_marked(self, symbol: str) -> list:
+        """The indices of the layers the hybrid pattern marks `symbol` (none for a model without one)."""
+        return [index for index, mark in enumerate(self.hybrid_layer_pattern or "") if mark == symbol]
 
     @property
     def heads_per_group(self) -> int:

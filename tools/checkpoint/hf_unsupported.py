@@ -18,6 +18,9 @@ gpt-oss's MXFP4 hub checkpoints) are refused by `--from hf`.
 DeepseekV3ForCausalLM (hf_deepseek.py) has what the others lack: multi-latent attention, the sigmoid router with
 expert bias, group-limited choice and scaled probabilities, and one multi-token prediction layer. For a model with
 --multi-latent-attention those flags are checked there; --from hf reads DeepSeek-V3 directories.
+
+Nemotron-H's config.json always has expert keys (`n_routed_experts`, `moe_intermediate_size`); whether its blocks
+use them (`moe` layers, refused) is checked with the rest of it (hf_hybrid.py).
 """
 
 from hf_deepseek import EXPORT_FLAGS_CHECKED_HERE, is_deepseek_v3_config
@@ -80,7 +83,9 @@ _HF_MLA_KEYS = ("kv_lora_rank", "q_lora_rank")
 # The architectures with experts that --from hf reads (hf_families.MOE_ARCHITECTURES), with their model_type.
 _HF_MOE_READ = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
                 "Qwen3MoeForCausalLM": "qwen3_moe", "GptOssForCausalLM": "gpt_oss",
-                "DeepseekV3ForCausalLM": "deepseek_v3"}
+                "DeepseekV3ForCausalLM": "deepseek_v3",
+                # every Nemotron-H config.json has the expert keys; its 'moe' blocks are refused by hf_hybrid.py
+                "NemotronHForCausalLM": "nemotron_h"}
 # The blockers a GptOssForCausalLM computes, left to its own checks for a model that may be one.
 _GPT_OSS_FLAGS = ("activation_func_clamp_value", "glu_linear_offset", "window_size", "softmax_type", "quick_geglu")
 
@@ -117,8 +122,9 @@ def hf_export_refusal(args):
     problems = hf_export_problems(args)
     if not problems:
         return None
-    return ("Hugging Face export covers GPT-2, Llama, Mistral, Qwen2 and Qwen3 models and, with experts, Mixtral, "
-            "Qwen2-MoE, Qwen3-MoE, gpt-oss and DeepSeek-V3 models only; this checkpoint was trained with "
+    return ("Hugging Face export covers GPT-2, Llama, Mistral, Qwen2 and Qwen3 models, with experts Mixtral, "
+            "Qwen2-MoE, Qwen3-MoE, gpt-oss and DeepSeek-V3 models, and hybrid Nemotron-H and Mamba2 models only; "
+            "this checkpoint was trained with "
             + "; ".join(problems) + f". {OWN_FORMATS_HINT[0].upper()}{OWN_FORMATS_HINT[1:]}")
 
 
