@@ -440,7 +440,7 @@ MODEL_ARGS = (
     "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int",
     # A hybrid model's layers and Mamba mixers.
     "is_hybrid_model", "hybrid_override_pattern", "hybrid_attention_ratio", "hybrid_mlp_ratio", "mamba_state_dim",
-    "mamba_head_dim", "mamba_num_groups", "mamba_num_heads",
+    "mamba_head_dim", "mamba_num_groups", "mamba_num_heads", "mamba_dt_limit",
 )
 # Files the tokenizer reads: taken from the checkpoint only where the command line leaves them unset (a
 # checkpoint copied to another machine names paths that may not exist there).

@@ -11,6 +11,7 @@ squared ReLU (`relu2`, --squared-relu). Every Mamba2ForCausalLM block is a Mamba
 |---|---|
 | mamba_num_heads (Mamba2: num_heads), mamba_head_dim (head_dim) | --mamba-num-heads, --mamba-head-dim |
 | n_groups, ssm_state_size (Mamba2: state_size) | --mamba-num-groups, --mamba-state-dim |
+| time_step_min (Mamba2: time_step_limit) | --mamba-dt-limit time_step_min inf (Mamba2: its two bounds) |
 | num_attention_heads, num_key_value_heads, head_dim | --num-attention-heads, --num-query-groups, --kv-channels |
 | intermediate_size | --ffn-hidden-size |
 | layer_norm_epsilon | --norm-epsilon (1e-5: it is also the gated norm's epsilon, which ours fixes) |
@@ -20,10 +21,10 @@ HF's mixer computes as ours (megatron/core/ssm/mamba_mixer.py): the same project
 RMSNorm, normalised over each group's inner / n_groups channels; only the order of in_proj's rows and the
 convolution's channels differs (hf_layouts.mamba_rows). What it computes otherwise is refused, naming the key: a
 conv_kernel other than 4, in_proj / out_proj biases (`use_bias`), MLP biases (`mlp_bias`), a mixer activation other
-than silu, an MLP one other than relu2, Mixture-of-Experts blocks (`moe`), multi-token prediction layers, another
-layer_norm_epsilon, and a clamped step: transformers' Nemotron-H clamps softplus(dt) from below at `time_step_min`
-(Mamba2 to `time_step_limit`), which our mixer does not. `time_step_min` 0 clamps nothing (it otherwise sets only
-the initial range of dt_bias), so the export writes 0. `chunk_size` changes rounding only;
+than silu, an MLP one other than relu2, Nemotron-H's Mixture-of-Experts blocks (`moe`), multi-token prediction
+layers and another layer_norm_epsilon. transformers' Nemotron-H clamps each step softplus(dt) from below at
+`time_step_min` and Mamba2 to `time_step_limit`: ours with --mamba-dt-limit (a model without it exports with
+`time_step_min` 0 / `time_step_limit` [0, inf], which clamp nothing). `chunk_size` changes rounding only;
 `use_conv_bias` false reads as zero biases. The keys that change nothing computed are recorded and written back.
 """
 
@@ -151,7 +152,10 @@ def hybrid_problems(shape: ModelShape, architecture: str) -> list:
         problems.append(f"--apply-residual-connection-post-layernorm: {architecture} adds the un-normalised input "
                         "back")
     if shape.num_experts:
-        problems.append(f"--num-experts {shape.num_experts}: our hybrid layers have no experts")
+        problems.append(f"--num-experts {shape.num_experts}: Mixture-of-Experts layers ('E') are not converted")
+    if architecture == NEMOTRON_H and shape.mamba_dt_limit is not None and shape.mamba_dt_limit[1] != math.inf:
+        problems.append(f"--mamba-dt-limit {shape.mamba_dt_limit[0]:g} {shape.mamba_dt_limit[1]:g}: {NEMOTRON_H} "
+                        "clamps the step from below only (time_step_min)")
     return problems + _block_problems(shape, architecture) + gpt_oss_feature_problems(shape, architecture)
 
 
@@ -183,6 +187,7 @@ def hybrid_config(shape: ModelShape, architecture: str, common: dict, recorded: 
     """config.json of `shape` as `architecture`; `common` the keys every architecture has, `recorded` the keys an
     import kept (RECORDED_CONFIG_KEYS)."""
     recorded = recorded or {}
+    low, high = shape.mamba_dt_limit or (0.0, math.inf)
     mixer = {"n_groups": shape.mamba_num_groups, "conv_kernel": CONV_KERNEL, "use_bias": False,
              "use_conv_bias": bool(recorded.get("use_conv_bias", True)), "layer_norm_epsilon": shape.norm_epsilon,
              "chunk_size": recorded.get("chunk_size", MambaConfigMixin.mamba_chunk_size),
@@ -191,7 +196,8 @@ def hybrid_config(shape: ModelShape, architecture: str, common: dict, recorded: 
         config = {"model_type": HYBRID_MODEL_TYPES[MAMBA2], **common, "hidden_size": shape.hidden_size,
                   "num_hidden_layers": shape.num_layers, "num_heads": shape.mamba_heads,
                   "head_dim": shape.mamba_head_dim, "state_size": shape.mamba_state_dim, "hidden_act": "silu",
-                  **mixer, "expand": shape.mamba_inner_size // shape.hidden_size}
+                  **mixer, "expand": shape.mamba_inner_size // shape.hidden_size,
+                  "time_step_limit": _written_step_limit(recorded, low, high)}
     else:
         pattern = shape.hybrid_layer_pattern
         config = {"model_type": HYBRID_MODEL_TYPES[NEMOTRON_H], **common, "hidden_size": shape.hidden_size,
@@ -202,7 +208,7 @@ def hybrid_config(shape: ModelShape, architecture: str, common: dict, recorded: 
                   "attention_dropout": shape.attention_dropout, "hidden_dropout": shape.hidden_dropout,
                   "mlp_hidden_act": "relu2", "mlp_bias": False, "mamba_num_heads": shape.mamba_heads,
                   "mamba_head_dim": shape.mamba_head_dim, "ssm_state_size": shape.mamba_state_dim,
-                  "mamba_hidden_act": "silu", **mixer, "time_step_min": 0.0, "num_nextn_predict_layers": 0}
+                  "mamba_hidden_act": "silu", **mixer, "time_step_min": low, "num_nextn_predict_layers": 0}
     config.update({key: value for key, value in recorded.items() if key not in config})
     return config
 
@@ -238,6 +244,24 @@ def _step_limit(limit) -> tuple:
     return tuple(number(value) for value in limit)
 
 
+def _written_step_limit(recorded: dict, low: float, high: float):
+    """Mamba2's time_step_limit as the import recorded it when it says the same, else [low, high]."""
+    if "time_step_limit" in recorded and _step_limit(recorded["time_step_limit"]) == (low, high):
+        return recorded["time_step_limit"]
+    return [low, high]
+
+
+def _dt_limit_of_config(config: dict, architecture: str, pattern: str) -> Optional[tuple]:
+    """--mamba-dt-limit of the clamp transformers applies to each step (None: it clamps nothing)."""
+    if MAMBA not in pattern:
+        return None
+    if architecture == MAMBA2:
+        low, high = _step_limit(config.get("time_step_limit", (0.0, math.inf)))
+    else:
+        low, high = float(config["time_step_min"]), math.inf
+    return None if (low, high) == (0.0, math.inf) else (low, high)
+
+
 def _mixer_refusals(config: dict, architecture: str, pattern: str) -> list:
     refusals = []
     if config["conv_kernel"] != CONV_KERNEL:
@@ -251,20 +275,11 @@ def _mixer_refusals(config: dict, architecture: str, pattern: str) -> list:
         refusals.append(f"layer_norm_epsilon {config['layer_norm_epsilon']}: it is also the Mamba mixer's gated-norm "
                         f"epsilon, which ours fixes at {GATED_NORM_EPS:g}")
     if architecture == MAMBA2:
-        low, high = _step_limit(config.get("time_step_limit", (0.0, math.inf)))
-        if low > 0 or high != math.inf:
-            refusals.append(f"time_step_limit {[low, high]}: transformers clamps softplus(dt) to it, ours does not; "
-                            "[0.0, Infinity] clamps nothing")
         return refusals
-    if config["time_step_min"] > 0 and MAMBA in pattern:
-        refusals.append(f"time_step_min {config['time_step_min']}: transformers' Nemotron-H clamps softplus(dt) from "
-                        "below at it, which our mixer does not; set it to 0.0 in config.json to import the model "
-                        "unclamped (transformers then computes the same; time_step_min otherwise only sets the "
-                        "initial dt_bias range)")
     if EXPERTS in pattern:
         experts = [index for index, mark in enumerate(pattern) if mark == EXPERTS]
-        refusals.append(f"Mixture-of-Experts blocks ('moe' in layers_block_type, layers {experts}): "
-                        "our hybrid model's layers have no experts (--num-experts)")
+        refusals.append(f"Mixture-of-Experts blocks ('moe' in layers_block_type, layers {experts}): Nemotron-H's "
+                        "experts and router are not converted")
     if config["mlp_bias"]:
         refusals.append("mlp_bias true: our MLP layers have biases only with the attention layers' "
                         "(no --disable-bias-linear), which Nemotron-H's attention never has")
@@ -303,6 +318,7 @@ def hybrid_flags_of_config(config: dict, architecture: str, path: str, recorded:
     if refusals:
         raise ConversionError(f"{path}: " + "; ".join(refusals))
     values = dict(num_layers=len(pattern), hidden_size=hidden, normalization="RMSNorm",
+                  mamba_dt_limit=_dt_limit_of_config(config, architecture, pattern),
                   norm_epsilon=config["layer_norm_epsilon"], add_bias_linear=False,
                   untie_embeddings_and_output_weights=not config["tie_word_embeddings"],
                   position_embedding_type="none", hybrid_layer_pattern=pattern, mamba_state_dim=state,

@@ -99,6 +99,8 @@ class ModelShape:
     mamba_num_groups: int = 8
     mamba_num_heads: Optional[int] = None
     """None: 2 x hidden_size / mamba_head_dim, as training derives it."""
+    mamba_dt_limit: Optional[tuple] = None
+    """--mamba-dt-limit (low, high) of each Mamba step; None: no clamp."""
     YARN_FIELDS = ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
                    "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int")
 
@@ -110,7 +112,7 @@ class ModelShape:
                        "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "rotary_scaling_factor", "mscale",
                        "mscale_all_dim", "original_max_position_embeddings", "mtp_num_layers")
     HYBRID_FIELDS = ("hybrid_layer_pattern", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups",
-                     "mamba_num_heads")
+                     "mamba_num_heads", "mamba_dt_limit")
     # Flags newer than some checkpoints: arguments saved without them had their default.
     ADDED_LATER = ("use_rope_scaling", "rope_scaling_factor", "rotary_interleaved",
                    "rotary_seq_len_interpolation_factor", "openai_gelu", "add_qkv_bias",
@@ -201,6 +203,8 @@ class ModelShape:
                          f"--mamba-num-groups {self.mamba_num_groups}")
             if self.mamba_num_heads is not None:
                 flags.append(f"--mamba-num-heads {self.mamba_num_heads}")
+            if self.mamba_dt_limit is not None:
+                flags.append(f"--mamba-dt-limit {self.mamba_dt_limit[0]:g} {self.mamba_dt_limit[1]:g}")
         # --use-checkpoint-args takes the recorded dropout too; given here where it is not training's default
         for name, rate in (("hidden-dropout", self.hidden_dropout), ("attention-dropout", self.attention_dropout)):
             if rate != TRAINING_DEFAULT_DROPOUT:

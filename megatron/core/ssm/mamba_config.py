@@ -8,8 +8,9 @@ residual), `E` a Mixture-of-Experts layer (norm, `MoELayer`, residual; the `--nu
 None: every layer is a transformer layer (attention then MLP), the GPT model.
 """
 
+import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 MAMBA, ATTENTION, MLP, MOE = "M", "*", "-", "E"
 HYBRID_SYMBOLS = (MAMBA, ATTENTION, MLP, MOE)
@@ -36,6 +37,9 @@ class MambaConfigMixin:
     """Width of the mixer's causal depthwise convolution."""
     mamba_chunk_size: int = 128
     """Tokens per chunk of the scan (`ssd_chunked_scan`); changes rounding only."""
+    mamba_dt_limit: Tuple[float, float] = (0.0, math.inf)
+    """Each step softplus(dt + dt_bias) is clamped to [low, high] (`--mamba-dt-limit`): transformers' Nemotron-H
+    clamps from below at its `time_step_min`, Mamba2 to `time_step_limit`; the default clamps nothing."""
 
     @property
     def mamba_heads(self) -> int:
@@ -61,6 +65,10 @@ class MambaConfigMixin:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         self._set("moe_layer_freq", hybrid_moe_layer_freq(pattern, self.num_moe_experts, self.moe_layer_freq))
+        low, high = (float(bound) for bound in self.mamba_dt_limit)
+        if not 0.0 <= low < high:
+            raise ValueError(f"--mamba-dt-limit {low} {high}: give 0 <= LOW < HIGH (HIGH may be inf)")
+        self._set("mamba_dt_limit", (low, high))
         if MAMBA not in pattern:
             return
         check_mamba_shape(self.hidden_size, self.mamba_head_dim, self.mamba_num_heads, self.mamba_num_groups,

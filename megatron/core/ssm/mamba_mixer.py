@@ -1,11 +1,11 @@
 """The Mamba-2 mixer: input projection, causal depthwise convolution, selective scan, gated RMS norm, output
 projection.
 
-With inner width D = heads x head_dim, G groups and state size N, the input projection gives per group g (of
-heads h_g = heads / G): the gate z_g (D / G), the scan input x_g (D / G), B_g and C_g (N each) and dt_g (h_g).
-x, B and C go through a causal depthwise convolution of width `mamba_conv_kernel` and SiLU; each head scans with
-dt = softplus(dt + dt_bias), A = -exp(A_log) and the skip D (`ssd_scan`); the output is normalised per group
-after gating, RMSNorm(y * silu(z)), and projected back to the hidden size.
+With inner width D = heads x head_dim, G groups and state size N, the input projection gives per group g (of heads
+h_g = heads / G): the gate z_g (D / G), the scan input x_g (D / G), B_g and C_g (N each) and dt_g (h_g). x, B and C
+go through a causal depthwise convolution of width `mamba_conv_kernel` and SiLU; each head scans with dt =
+softplus(dt + dt_bias) (clamped to `mamba_dt_limit`), A = -exp(A_log) and the skip D (`ssd_scan`); the output is
+normalised per group after gating, RMSNorm(y * silu(z)), and projected back to the hidden size.
 
 Tensor parallelism splits the mixer by groups (`--mamba-num-groups` a multiple of the TP size): the input
 projection is column-parallel, the output projection row-parallel, and every per-channel parameter is cut the
@@ -14,7 +14,9 @@ group after group (`[z_0, x_0, B_0, C_0, dt_0, z_1, ...]`), so a tensor-parallel
 groups: the full layout is the same at every TP size and TP=2 reproduces TP=1 from the same initialisation (as the
 gated MLP's interleaved fc1, see `mlp.py`). Under sequence parallelism the input projection gathers the sequence
 and the output projection scatters it again; the convolution and the scan see whole sequences. On a packed row
-(upstream's `packed_seq_params`) each sequence is convolved and scanned on its own.
+(upstream's `packed_seq_params`) each sequence is convolved and scanned on its own. Under context parallelism an
+all-to-all gives each rank every rank's tokens for its share of the groups, so it scans whole sequences, and a
+second one returns each rank its tokens with all groups.
 """
 
 import math
@@ -178,6 +180,9 @@ class MambaMixer(torch.nn.Module):
         B = B.repeat_interleave(self.heads_per_group, dim=2)
         C = C.repeat_interleave(self.heads_per_group, dim=2)
         dt = F.softplus(dt.transpose(0, 1).float() + self.dt_bias[head_rows].float())  # [b, s, heads]
+        low, high = self.config.mamba_dt_limit
+        if low > 0.0 or high < math.inf:
+            dt = dt.clamp(low, high)
         A = -torch.exp(self.A_log[head_rows].float())
         scanned = [ssd_chunked_scan(x[:, start:end], dt[:, start:end], A, B[:, start:end], C[:, start:end],
                                     self.config.mamba_chunk_size, initial_state) for start, end in spans]

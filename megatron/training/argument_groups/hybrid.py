@@ -27,6 +27,10 @@ def add_arguments(parser):
                        help="Groups of Mamba heads sharing B and C (a multiple of the tensor-parallel size).")
     group.add_argument("--mamba-num-heads", type=int, default=None,
                        help="Mamba heads (default: 2 x --hidden-size / --mamba-head-dim).")
+    group.add_argument("--mamba-dt-limit", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
+                       help="Clamp each Mamba step softplus(dt + dt_bias) to [LOW, HIGH] (HIGH may be inf), as "
+                       "transformers' Nemotron-H (from below at time_step_min) and Mamba2 (time_step_limit) do; "
+                       "default: no clamp, as upstream's mixer.")
     group.add_argument("--disable-mamba-mem-eff-path", action="store_true",
                        help="Accepted for upstream scripts: upstream then runs the mixer's unfused kernels; the "
                        "mixer here is plain torch either way.")
@@ -59,4 +63,5 @@ def validate(args):
 def transformer_config_kwargs(args):
     return dict(hybrid_layer_pattern=getattr(args, "hybrid_layer_pattern", None),
                 mamba_state_dim=args.mamba_state_dim, mamba_head_dim=args.mamba_head_dim,
-                mamba_num_groups=args.mamba_num_groups, mamba_num_heads=args.mamba_num_heads)
+                mamba_num_groups=args.mamba_num_groups, mamba_num_heads=args.mamba_num_heads,
+                **({} if args.mamba_dt_limit is None else {"mamba_dt_limit": tuple(args.mamba_dt_limit)}))

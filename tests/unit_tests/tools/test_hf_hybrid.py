@@ -34,7 +34,8 @@ NEMOTRON_H_FLAGS = ("--num-layers 4 --hidden-size 64 --ffn-hidden-size 96 --num-
                     "--group-query-attention --num-query-groups 2 --max-position-embeddings 16 "
                     "--position-embedding-type none --normalization RMSNorm --norm-epsilon 1e-05 --squared-relu "
                     "--untie-embeddings-and-output-weights --disable-bias-linear --hybrid-override-pattern M*M- "
-                    "--mamba-state-dim 8 --mamba-head-dim 16 --mamba-num-groups 2 --mamba-num-heads 8")
+                    "--mamba-state-dim 8 --mamba-head-dim 16 --mamba-num-groups 2 --mamba-num-heads 8 "
+                    "--mamba-dt-limit 0.001 inf")  # transformers' default time_step_min clamps each step
 MAMBA2_FLAGS = ("--hybrid-override-pattern MMM --mamba-state-dim 8 --mamba-head-dim 16 --mamba-num-groups 2 "
                 "--mamba-num-heads 8")
 # Relative to the largest logit, fp32 on CPU: the scans sum in other orders (chunks of 8 against one of 128).
@@ -47,18 +48,13 @@ def _tokens():
 
 def _save_hf_model(directory, architecture, **changes):
     """transformers' model with random weights (0.2 x N(0, 1) added) saved in `directory`; its logits on _tokens().
-    Nemotron-H is saved with time_step_min 0, so that transformers does not clamp the step (which ours does not)."""
+    Nemotron-H keeps transformers' default time_step_min 0.001, which clamps some steps (--mamba-dt-limit)."""
     import transformers
 
     torch.manual_seed(0)
     config_class = transformers.NemotronHConfig if architecture == "NemotronHForCausalLM" else transformers.Mamba2Config
     defaults = NEMOTRON_H if architecture == "NemotronHForCausalLM" else MAMBA2
     model = transformers.AutoModelForCausalLM.from_config(config_class(**{**defaults, **changes})).eval()
-    if architecture == "NemotronHForCausalLM":
-        model.config.time_step_min = 0.0
-        for layer in model.model.layers:
-            if hasattr(layer.mixer, "time_step_limit"):
-                layer.mixer.time_step_limit = (0.0, float("inf"))
     with torch.no_grad():
         for param in model.parameters():
             param.add_(0.2 * torch.randn_like(param))
@@ -130,13 +126,17 @@ def test_nemotron_h_computes_transformers_logits_and_round_trips(tools, tmp_path
 
 
 @pytest.mark.world_size(1)
-def test_mamba2_computes_transformers_logits_and_round_trips(tools, tmp_path, capsys):
+@pytest.mark.parametrize("step_limit", [None, (0.05, 0.3)])
+def test_mamba2_computes_transformers_logits_and_round_trips(tools, tmp_path, capsys, step_limit):
+    """Without a step limit, and with one that clamps steps from both sides (--mamba-dt-limit)."""
     import transformers
 
     convert_checkpoint, _ = tools
-    original, theirs = _save_hf_model(tmp_path / "hf", "Mamba2ForCausalLM")
+    changes = {} if step_limit is None else {"time_step_limit": step_limit}
+    original, theirs = _save_hf_model(tmp_path / "hf", "Mamba2ForCausalLM", **changes)
     flags = import_hf(convert_checkpoint, tmp_path / "hf", tmp_path / "ours", capsys)
     assert MAMBA2_FLAGS in flags and "--untie-embeddings-and-output-weights" not in flags, flags
+    assert ("--mamba-dt-limit" in flags) == (step_limit is not None), flags
     ours = run_on_ranks(1, _load_and_forward, flags, str(tmp_path / "ours"))[0]
     assert_logits_close(theirs, ours, "Mamba2", LOGITS_TOLERANCE * theirs.abs().max().item())
 
@@ -186,8 +186,6 @@ def _write_config(directory, architecture, **changes):
 
 
 IMPORT_REFUSALS = [
-    ("NemotronHForCausalLM", dict(time_step_min=0.001), "time_step_min 0.001: transformers' Nemotron-H clamps "
-     r"softplus\(dt\) from below at it.*set it to 0.0 in config.json"),
     ("NemotronHForCausalLM", dict(conv_kernel=3), "conv_kernel 3: our Mamba mixer's convolution is 4 wide"),
     ("NemotronHForCausalLM", dict(use_bias=True), "use_bias true: our Mamba mixer's in_proj and out_proj have no"),
     ("NemotronHForCausalLM", dict(mlp_bias=True), "mlp_bias true: our MLP layers have biases only with"),
@@ -200,8 +198,6 @@ IMPORT_REFUSALS = [
     ("NemotronHForCausalLM", dict(num_nextn_predict_layers=1), "num_nextn_predict_layers 1: our hybrid model has no "
      "multi-token prediction layers"),
     ("NemotronHForCausalLM", dict(mamba_num_heads=6, n_groups=4), "mamba_num_heads 6 is not a multiple of n_groups 4"),
-    ("Mamba2ForCausalLM", dict(time_step_limit=[0.01, 1.0]), r"time_step_limit \[0.01, 1.0\]: transformers clamps "
-     r"softplus\(dt\) to it, ours does not"),
     ("Mamba2ForCausalLM", dict(expand=3), "expand 3 x hidden_size 64 differs from num_heads 8 x head_dim 16"),
     ("Mamba2ForCausalLM", dict(hidden_act="relu"), "hidden_act 'relu': our Mamba mixer applies silu"),
 ]

@@ -91,3 +91,12 @@ def test_moe_layers_are_the_patterns_e_layers():
              r"--moe-layer-freq \[1, 1\] disagrees with the 'E' layers")):
         with pytest.raises(ValueError, match=message):
             validated(f"{SHAPE} {extra}")
+
+
+def test_the_step_clamp():
+    config = core_transformer_config_from_args(validated(f"{SHAPE} --is-hybrid-model --mamba-dt-limit 0.001 inf"))
+    assert config.mamba_dt_limit == (0.001, float("inf"))
+    assert core_transformer_config_from_args(validated(f"{SHAPE} --is-hybrid-model")).mamba_dt_limit == (
+        0.0, float("inf"))
+    with pytest.raises(ValueError, match=r"--mamba-dt-limit 0.5 0.1: give 0 <= LOW < HIGH"):
+        core_transformer_config_from_args(validated(f"{SHAPE} --is-hybrid-model --mamba-dt-limit 0.5 0.1"))
