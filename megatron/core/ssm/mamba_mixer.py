@@ -139,28 +139,44 @@ class MambaMixer(torch.nn.Module):
         out = F.conv1d(inputs.permute(1, 2, 0), weight, bias, groups=xbc.shape[2])
         return F.silu(out).transpose(1, 2), inputs[inputs.shape[0] - prefix.shape[0]:]
 
-    def _decoding_states(self, inference_context, batch, xbc):
-        """(convolution prefix [kernel - 1, b, c], scan state [b, heads, head_dim, state]) to continue from."""
-        if not (hasattr(inference_context, "mamba_states") and inference_context.is_static_batching()):
-            raise NotImplementedError(f"{type(inference_context).__name__}: Mamba layers decode with the static "
-                                      "engine's StaticInferenceContext only (they keep a scan state per batch row); "
-                                      "continuous batching does not cover them")
+    def _state_shapes(self, channels):
+        """(convolution state, scan state) shapes of one sequence: [kernel - 1, c], [heads, head_dim, state]."""
         local_heads = self.local_groups * self.heads_per_group
-        conv_state, ssm_state = inference_context.mamba_states(
-            self.layer_number, batch, (self.config.mamba_conv_kernel - 1, xbc.shape[2]),
-            (local_heads, self.head_dim, self.state_dim), xbc.dtype, xbc.device)
-        return conv_state.transpose(0, 1), ssm_state
+        return (self.config.mamba_conv_kernel - 1, channels), (local_heads, self.head_dim, self.state_dim)
 
-    def _gated_norm(self, y, z):
-        """RMSNorm(y * silu(z)) over each group's channels, times the norm weight; [b, s, local_inner]."""
-        gated = (y * F.silu(z.float())).reshape(*y.shape[:2], self.local_groups, self.inner_per_group)
-        normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + GATED_NORM_EPS)
-        return normed.reshape(y.shape) * self.norm.weight.float()
+    def _decoding_spans(self, inference_context, xbc):
+        """(spans, their states to continue from, a function keeping their new states) of a decoding step: the
+        static context's batch as one span (a state per row), or the dynamic context's requests, one span each."""
+        conv_shape, ssm_shape = self._state_shapes(xbc.shape[2])
+        if getattr(inference_context, "is_dynamic_batching", lambda: False)():
+            spans = inference_context.step_spans()
+            states = [inference_context.request_mamba_states(self.layer_number, request_id, conv_shape, ssm_shape,
+                                                             xbc.dtype, xbc.device)
+                      for request_id, _ in inference_context.step_entries]
+
+            def keep(final_states):
+                for (request_id, _), (conv_state, ssm_state) in zip(inference_context.step_entries, final_states):
+                    inference_context.store_request_mamba_states(self.layer_number, request_id, conv_state[:, 0],
+                                                                 ssm_state[0])
+
+            return spans, [(conv[:, None], ssm[None]) for conv, ssm in states], keep
+        if not (hasattr(inference_context, "mamba_states") and inference_context.is_static_batching()):
+            raise NotImplementedError(f"{type(inference_context).__name__}: Mamba layers decode through a "
+                                      "StaticInferenceContext or a DynamicInferenceContext")
+        conv_state, ssm_state = inference_context.mamba_states(self.layer_number, xbc.shape[1], conv_shape,
+                                                               ssm_shape, xbc.dtype, xbc.device)
+
+        def keep(final_states):
+            conv_tail, final = final_states[0]
+            inference_context.store_mamba_states(self.layer_number, conv_tail.transpose(0, 1), final)
+
+        return [(0, xbc.shape[0])], [(conv_state.transpose(0, 1), ssm_state)], keep
 
     def _scan_groups(self, xbc_dt, first_group, spans, inference_context):
         """Convolution and scan of whole sequences for `groups` consecutive groups from this rank's group
         `first_group`: xbc_dt `[s, b, groups, conv channels + dt]` -> y `[s, b, groups, inner / G]` fp32 (the
-        skip term included)."""
+        skip term included). Each span starts from a zero state, or with `inference_context` from the state the
+        context kept for it (and keeps its new one)."""
         seq, batch, groups = xbc_dt.shape[:3]
         heads = groups * self.heads_per_group
         channels = slice(first_group * self.conv_channels_per_group,
@@ -168,11 +184,12 @@ class MambaMixer(torch.nn.Module):
         head_rows = slice(first_group * self.heads_per_group, first_group * self.heads_per_group + heads)
         xbc, dt = xbc_dt.split([self.conv_channels_per_group, self.heads_per_group], -1)
         xbc, dt = xbc.reshape(seq, batch, -1), dt.reshape(seq, batch, -1)
-        conv_prefix = initial_state = None
+        states, keep = [(None, None)] * len(spans), None
         if inference_context is not None:
-            conv_prefix, initial_state = self._decoding_states(inference_context, batch, xbc)
+            spans, states, keep = self._decoding_spans(inference_context, xbc)
         weight, bias = self.conv1d.weight[channels], self.conv1d.bias[channels]
-        convolved = [self._causal_conv(xbc[start:end], weight, bias, conv_prefix) for start, end in spans]
+        convolved = [self._causal_conv(xbc[start:end], weight, bias, prefix)
+                     for (start, end), (prefix, _) in zip(spans, states)]
         xbc = torch.cat([out for out, _ in convolved], dim=1).reshape(batch, seq, groups, -1)
         x, B, C = xbc.split([self.inner_per_group, self.state_dim, self.state_dim], -1)
         x = x.reshape(batch, seq, heads, self.head_dim)
@@ -185,12 +202,19 @@ class MambaMixer(torch.nn.Module):
             dt = dt.clamp(low, high)
         A = -torch.exp(self.A_log[head_rows].float())
         scanned = [ssd_chunked_scan(x[:, start:end], dt[:, start:end], A, B[:, start:end], C[:, start:end],
-                                    self.config.mamba_chunk_size, initial_state) for start, end in spans]
+                                    self.config.mamba_chunk_size, initial) for (start, end), (_, initial)
+                   in zip(spans, states)]
         y = torch.cat([out for out, _ in scanned], dim=1)
-        if inference_context is not None:
-            inference_context.store_mamba_states(self.layer_number, convolved[-1][1].transpose(0, 1), scanned[-1][1])
+        if keep is not None:
+            keep([(conv_tail, final) for (_, conv_tail), (_, final) in zip(convolved, scanned)])
         y = y.float() + x.float() * self.D[head_rows].float()[:, None]
         return y.reshape(batch, seq, groups, self.inner_per_group).transpose(0, 1)
+
+    def _gated_norm(self, y, z):
+        """RMSNorm(y * silu(z)) over each group's channels, times the norm weight; [b, s, local_inner]."""
+        gated = (y * F.silu(z.float())).reshape(*y.shape[:2], self.local_groups, self.inner_per_group)
+        normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + GATED_NORM_EPS)
+        return normed.reshape(y.shape) * self.norm.weight.float()
 
     def _scan_across_context_parallel_ranks(self, xbc_dt, packed_seq_params):
         """Under context parallelism: gather every rank's tokens of this rank's share of the groups (all-to-all),

@@ -21,14 +21,20 @@ from tests.unit_tests.multiprocess_harness import run_on_ranks
 GREEDY = SamplingParams(top_k=1, num_tokens_to_generate=4)
 
 
-def _model(tp=1, pp=1):
+# A hybrid model's layers: Mamba, attention, Mamba (each request keeps its own scan state).
+HYBRID = dict(num_layers=3, hybrid_layer_pattern="M*M", mamba_head_dim=8, mamba_num_groups=2, mamba_state_dim=4,
+              mamba_chunk_size=4)
+
+
+def _model(tp=1, pp=1, hybrid=False):
     """A tiny GPT (this rank's pipeline stage of it) whose greedy continuations vary (at the default init they
-    repeat the last prompt token)."""
+    repeat the last prompt token); with `hybrid` a hybrid model of Mamba and attention layers."""
     stage = {} if pp == 1 else dict(pre_process=parallel_state.is_pipeline_first_stage(),
                                     post_process=parallel_state.is_pipeline_last_stage())
-    return seeded_model(tiny_config(tp=tp, pp=pp, num_query_groups=2, init_method_std=0.5),
-                        position_embedding_type="rope", share_embeddings_and_output_weights=False,
-                        **stage).eval()
+    shape = HYBRID if hybrid else {}
+    return seeded_model(tiny_config(tp=tp, pp=pp, num_query_groups=2, init_method_std=0.5, **shape),
+                        position_embedding_type="none" if hybrid else "rope",
+                        share_embeddings_and_output_weights=False, **stage).eval()
 
 
 def _context(model, max_requests=2, chunk_size=4, buffer_chunks=6, max_tokens=None):
@@ -50,12 +56,12 @@ def _engine(model, context, **kwargs):
     return DynamicInferenceEngine(controller, context, **kwargs)
 
 
-def _continuous_batching(tp, pp=1):
+def _continuous_batching(tp, pp=1, hybrid=False):
     """Five requests through a context of 2 requests, 6 chunks of 4 positions and 8 tokens a step, one of them added
     after two steps; returns what each produced and what the context held along the way."""
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     try:
-        model = _model(tp, pp)
+        model = _model(tp, pp, hybrid)
         context = _context(model, max_tokens=8)
         engine = _engine(model, context, random_seed=1)
         prompts = PROMPTS + ["7 7 7 1"]
@@ -95,14 +101,31 @@ def test_each_request_decodes_the_greedy_tokens_of_full_forwards(one_rank):
     assert set(finished_order) == set(requests) and len(finished_order) == 5
 
 
-def _greedy_references(prompt_tokens, lengths):
+def _greedy_references(prompt_tokens, lengths, hybrid=False):
     parallel_state.initialize_model_parallel()
     try:
-        model = _model()
+        model = _model(hybrid=hybrid)
         return {request_id: _full_forward_greedy(model, tokens, lengths[request_id])[0]
                 for request_id, tokens in prompt_tokens.items()}
     finally:
         parallel_state.destroy_model_parallel()
+
+
+def test_a_hybrid_models_requests_each_continue_their_own_mamba_state():
+    """Requests that come and go through 2 slots: each Mamba layer continues every request from the state the
+    context kept for it, so each decodes the greedy tokens of full forwards; the states go with the requests."""
+    requests, *_ = run_on_ranks(1, _continuous_batching, 1, 1, True)[0]
+    references = run_on_ranks(1, _greedy_references, {key: value[0] for key, value in requests.items()},
+                              {0: 4, 1: 6, 2: 3, 3: 5, "late": 4}, True)[0]
+    for request_id, (_, generated, status, stopped_at_eod, _) in requests.items():
+        # A request that reaches the end-of-document token stops there; full forwards go on past it.
+        expected = references[request_id]
+        if stopped_at_eod:
+            expected = expected[:expected.index(TOKENIZER.eod) + 1]
+        assert status == Status.COMPLETED and generated == expected, request_id
+    assert sum(len(value[1]) for value in requests.values()) > 10
+    tp2, *_ = run_on_ranks(2, _continuous_batching, 2, 1, True)[0]
+    assert {key: value[1] for key, value in tp2.items()} == {key: value[1] for key, value in requests.items()}
 
 
 def test_the_context_bounds_the_requests_and_gives_the_memory_back(one_rank):

@@ -5,7 +5,9 @@ Requests of different lengths are decoded together and come and go between steps
 hold its positions (for every layer at once), taken when it is admitted and given back when it ends. A step runs
 the new tokens of several requests as one row (`[1, T]`): the whole prompt of a request that starts, one token of
 a request that goes on. Each attention layer writes the step's keys and values into the requests' chunks
-(`attention_inputs`), and every token attends to the positions of its own request up to its own.
+(`attention_inputs`), and every token attends to the positions of its own request up to its own. A hybrid model's
+Mamba layers keep instead, per request, their last convolution inputs and scan state (a fixed size per request,
+outside the chunk pool), continued step after step and dropped with the request.
 
 `num_attention_heads` is the model's number of key/value heads (its query groups), split over
 `tensor_model_parallel_size` ranks as the attention splits them. A request needs its whole length (prompt plus
@@ -59,6 +61,8 @@ class DynamicInferenceContext:
         self.request_chunks: Dict[object, List[int]] = {}
         self.request_lengths: Dict[object, int] = {}  # positions written so far
         self.key_value_memory: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        # A hybrid model's Mamba layers: (convolution inputs, scan state) per (layer, request).
+        self.mamba_memory: Dict[Tuple[int, object], Tuple[torch.Tensor, torch.Tensor]] = {}
         self.step_entries: List[Tuple[object, int]] = []  # (request id, new tokens) of the current step
 
     # ---- upstream's mode queries ---------------------------------------------------------------------------
@@ -96,6 +100,8 @@ class DynamicInferenceContext:
         """Give a finished request's chunks back."""
         self.free_chunks.extend(self.request_chunks.pop(request_id))
         del self.request_lengths[request_id]
+        for key in [key for key in self.mamba_memory if key[1] == request_id]:
+            del self.mamba_memory[key]
 
     # ---- one step --------------------------------------------------------------------------------------------
     def initialize_step(self, entries: List[Tuple[object, int]]):
@@ -122,6 +128,26 @@ class DynamicInferenceContext:
             row += count
             rows.append(row - 1)
         return rows
+
+    def step_spans(self) -> List[Tuple[int, int]]:
+        """[(first row, end row)] of each request's new tokens in the step's row, in step order."""
+        spans, row = [], 0
+        for _, count in self.step_entries:
+            spans.append((row, row + count))
+            row += count
+        return spans
+
+    def request_mamba_states(self, layer_number: int, request_id, conv_shape, ssm_shape, conv_dtype, device):
+        """(convolution inputs `conv_shape`, fp32 scan state `ssm_shape`) a Mamba layer continues `request_id`
+        from: zeros before its first token, else what `store_request_mamba_states` kept."""
+        if self.request_lengths[request_id] == 0 or (layer_number, request_id) not in self.mamba_memory:
+            return (torch.zeros(*conv_shape, dtype=conv_dtype, device=device),
+                    torch.zeros(*ssm_shape, dtype=torch.float32, device=device))
+        return self.mamba_memory[(layer_number, request_id)]
+
+    def store_request_mamba_states(self, layer_number: int, request_id, conv_state, ssm_state):
+        """Keep a Mamba layer's state of `request_id` after this step's tokens (released with the request)."""
+        self.mamba_memory[(layer_number, request_id)] = (conv_state.detach(), ssm_state.detach())
 
     def _pool(self, layer_number, key, value):
         if layer_number not in self.key_value_memory:
