@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 from typing import Optional, Tuple, Union
 
+from megatron.core.ssm.mamba_config import mamba_heads
 from megatron.core.transformer.moe.moe_config import layer_pattern_from_freq
 
 from hf_errors import ConversionError
@@ -224,7 +225,7 @@ class ModelShape:
     @property
     def mamba_heads(self) -> int:
         """Heads of each Mamba mixer (--mamba-num-heads, else 2 x hidden / head dim)."""
-        return self.mamba_num_heads or 2 * self.hidden_size // self.mamba_head_dim
+        return mamba_heads(self.hidden_size, self.mamba_head_dim, self.mamba_num_heads)
 
     @property
     def mamba_inner_size(self) -> int:

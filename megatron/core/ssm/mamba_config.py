@@ -43,7 +43,7 @@ class MambaConfigMixin:
 
     @property
     def mamba_heads(self) -> int:
-        return self.mamba_num_heads or 2 * self.hidden_size // self.mamba_head_dim
+        return mamba_heads(self.hidden_size, self.mamba_head_dim, self.mamba_num_heads)
 
     @property
     def mamba_inner_size(self) -> int:
@@ -83,13 +83,19 @@ class MambaConfigMixin:
                              f"{'it' if len(refused) == 1 else 'them'}, or use attention and MLP layers only")
 
 
+def mamba_heads(hidden_size, head_dim, num_heads=None) -> int:
+    """Heads of a Mamba mixer: `--mamba-num-heads`, else 2 x hidden size / head dim (an inner width of twice the
+    hidden size)."""
+    return num_heads or 2 * hidden_size // head_dim
+
+
 def check_mamba_shape(hidden_size, head_dim, num_heads, num_groups, tensor_parallel_size, context_parallel_size=1):
     """Raise naming the flags when the Mamba mixer's heads, groups and tensor- / context-parallel splits do not
     fit (context parallelism gives each rank a share of a tensor-parallel rank's groups for the whole sequence)."""
     if num_heads is None and (2 * hidden_size) % head_dim:
         raise ValueError(f"the Mamba inner width 2 x --hidden-size ({2 * hidden_size}) must be a multiple of "
                          f"--mamba-head-dim {head_dim}; or give --mamba-num-heads")
-    heads = num_heads or 2 * hidden_size // head_dim
+    heads = mamba_heads(hidden_size, head_dim, num_heads)
     if heads % num_groups:
         raise ValueError(f"the {heads} Mamba heads must divide into --mamba-num-groups {num_groups}")
     if num_groups % (tensor_parallel_size * context_parallel_size):

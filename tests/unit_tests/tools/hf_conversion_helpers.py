@@ -36,6 +36,18 @@ def eval_logits(state, tokens):
         return model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens)).clone()
 
 
+def ungated_training_state(flags):
+    """TINY_GPT without its --swiglu (for models whose MLP is not gated) + `flags`, as pretrain() builds it."""
+    from tests.unit_tests.dist_checkpointing import pretrain_helpers
+
+    tiny_gpt = pretrain_helpers.TINY_GPT
+    pretrain_helpers.TINY_GPT = tiny_gpt.replace(" --swiglu", "")
+    try:
+        return pretrain_helpers.TrainingState(flags)
+    finally:
+        pretrain_helpers.TINY_GPT = tiny_gpt
+
+
 def load_and_forward(state, tokens):
     """`state`'s model loaded as training loads it (its flags carry --load and --finetune); its logits on
     `tokens`. Closes `state`."""

@@ -24,6 +24,7 @@ from tests.unit_tests.tools.hf_conversion_helpers import (
     load_and_forward,
     read_config,
     train_save_and_forward,
+    ungated_training_state,
 )
 
 VOCAB, PADDED_VOCAB, SEQUENCE = 121, 128, 16  # TINY_GPT: NullTokenizer --vocab-size 120, divisible by 64
@@ -57,14 +58,7 @@ def _save_hf_model(directory, **changes):
 
 def _training_state(flags):
     """TINY_GPT without its --swiglu (gpt-oss's MLP is --quick-geglu) + `flags`, as pretrain() builds it."""
-    from tests.unit_tests.dist_checkpointing import pretrain_helpers
-
-    tiny_gpt = pretrain_helpers.TINY_GPT
-    pretrain_helpers.TINY_GPT = tiny_gpt.replace(" --swiglu", "")
-    try:
-        return pretrain_helpers.TrainingState(flags)
-    finally:
-        pretrain_helpers.TINY_GPT = tiny_gpt
+    return ungated_training_state(flags)
 
 
 def _load_and_forward(flags, root):

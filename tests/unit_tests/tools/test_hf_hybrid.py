@@ -21,6 +21,7 @@ from tests.unit_tests.tools.hf_conversion_helpers import (
     load_and_forward,
     read_config,
     train_save_and_forward,
+    ungated_training_state,
 )
 
 VOCAB, PADDED_VOCAB, SEQUENCE = 121, 128, 16  # TINY_GPT: NullTokenizer --vocab-size 120, divisible by 64
@@ -68,13 +69,8 @@ def _training_state(flags):
     tied embeddings unless `flags` untie them."""
     from tests.unit_tests.dist_checkpointing import pretrain_helpers
 
-    tiny_gpt = pretrain_helpers.TINY_GPT
-    pretrain_helpers.TINY_GPT = tiny_gpt.replace(" --swiglu", "")
     tied = "" if "--untie-embeddings-and-output-weights" in flags else f" {pretrain_helpers.TIED}"
-    try:
-        return pretrain_helpers.TrainingState(flags + tied)
-    finally:
-        pretrain_helpers.TINY_GPT = tiny_gpt
+    return ungated_training_state(flags + tied)
 
 
 def _load_and_forward(flags, root):
