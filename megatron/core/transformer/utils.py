@@ -3,6 +3,7 @@
 import torch
 
 from megatron.core.device_utils import get_current_device
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 
 def parameter_device(config) -> torch.device:
@@ -33,9 +34,7 @@ def residual_dropout(dropout: torch.nn.Module, x: torch.Tensor, sequence_paralle
     """`dropout(x)` on a layer's output before the residual add; under sequence parallelism the ranks hold
     different tokens, so each draws its own mask (the tensor-parallel RNG stream)."""
     if sequence_parallel:
-        from megatron.core import tensor_parallel
-
-        with tensor_parallel.get_cuda_rng_tracker().fork():
+        with get_cuda_rng_tracker().fork():
             return dropout(x)
     return dropout(x)
 
