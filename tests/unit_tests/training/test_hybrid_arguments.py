@@ -100,3 +100,25 @@ def test_the_step_clamp():
         0.0, float("inf"))
     with pytest.raises(ValueError, match=r"--mamba-dt-limit 0.5 0.1: give 0 <= LOW < HIGH"):
         core_transformer_config_from_args(validated(f"{SHAPE} --is-hybrid-model --mamba-dt-limit 0.5 0.1"))
+
+
+def test_an_upstream_hybrid_launch_line_validates():
+    """The flags of upstream's Mamba example (ratios, GQA, --spec of the hybrid stack, sequence parallelism and the
+    distributed optimizer), shrunk; pretrain_mamba.py sets --is-hybrid-model."""
+    flags = ("--is-hybrid-model --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 1 "
+             "--use-distributed-optimizer --overlap-param-gather --overlap-grad-reduce "
+             "--untie-embeddings-and-output-weights --init-method-std 0.02 --position-embedding-type none "
+             "--num-layers 12 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+             "--hybrid-attention-ratio 0.08 --hybrid-mlp-ratio 0.5 --seq-length 32 --max-position-embeddings 32 "
+             "--train-samples 64 --lr-warmup-samples 8 --lr-decay-samples 56 --micro-batch-size 2 "
+             "--global-batch-size 8 --lr 2.5e-4 --min-lr 2.5e-5 --lr-decay-style cosine --weight-decay 0.1 "
+             "--clip-grad 1.0 --attention-dropout 0.0 --hidden-dropout 0.0 --disable-bias-linear "
+             "--normalization RMSNorm --adam-beta1 0.9 --adam-beta2 0.95 --use-mcore-models "
+             "--spec megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec "
+             "--no-create-attention-mask-in-dataloader --mamba-head-dim 16 --mamba-num-groups 2")
+    from tests.unit_tests.training.argument_checks import validated as validated_on
+
+    args = validated_on(flags, world_size=2, base="--mock-data --vocab-size 128 --distributed-backend gloo")
+    # 12 layers: round(0.96) = 1 attention layer in the middle, 6 MLP layers spread over the other 11.
+    assert args.hybrid_layer_pattern == "-M-M-M*-M-M-" and args.spec is None
+    assert core_transformer_config_from_args(args).hybrid_layer_pattern == args.hybrid_layer_pattern
