@@ -1,10 +1,10 @@
 """Which layers of a hybrid model are Mamba, attention and MLP layers (upstream's `allocate_layers`).
 
-`--hybrid-override-pattern` spells the layers out, one symbol each (`M` Mamba, `*` attention, `-` MLP, `E` MoE). Without
-it, `--hybrid-attention-ratio` and `--hybrid-mlp-ratio` give the shares of attention and MLP layers (rounded to
-whole layers) and the rest are Mamba layers: here the attention layers are spread evenly over the depth (each at
-the middle of its share of the layers) and the MLP layers evenly over the remaining positions. The placement of
-upstream's own allocation may differ; give the pattern to pin it.
+`--hybrid-override-pattern` spells the layers out, one symbol each (`M` Mamba, `*` attention, `-` MLP, `E` MoE).
+Without it, `--hybrid-attention-ratio` and `--hybrid-mlp-ratio` give the shares of attention and MLP layers (rounded to
+whole layers) and the rest are Mamba layers: here the attention layers are spread evenly among the Mamba and
+attention layers (each at the middle of its share), and each of those is followed by its even share of the MLP
+layers (`M-M-M*-...`). The placement of upstream's own allocation may differ; give the pattern to pin it.
 """
 
 import warnings
@@ -25,12 +25,16 @@ def pattern_from_ratios(total_layers, attention_ratio, mlp_ratio):
         raise ValueError(f"--hybrid-attention-ratio {attention_ratio} plus --hybrid-mlp-ratio {mlp_ratio} exceed 1")
     attention = round(total_layers * attention_ratio)
     mlp = min(round(total_layers * mlp_ratio), total_layers - attention)
-    layers = [MAMBA] * total_layers
-    for position in _spread(attention, list(range(total_layers))) if attention else []:
-        layers[position] = ATTENTION
-    remaining = [position for position, symbol in enumerate(layers) if symbol == MAMBA]
-    for position in _spread(mlp, remaining) if mlp else []:
-        layers[position] = MLP
+    mixers = total_layers - mlp  # the Mamba and attention layers, each followed by its share of the MLP layers
+    if mixers == 0:
+        return MLP * total_layers
+    sequence = [MAMBA] * mixers
+    for position in _spread(attention, list(range(mixers))) if attention else []:
+        sequence[position] = ATTENTION
+    layers = []
+    for index, symbol in enumerate(sequence):
+        following = (index + 1) * mlp // mixers - index * mlp // mixers
+        layers.append(symbol + MLP * following)
     return "".join(layers)
 
 

@@ -19,7 +19,7 @@ def test_a_gpt_model_has_no_pattern():
     ("--hybrid-override-pattern M*", "M*"),
     ("--is-hybrid-model", "MM"),
     ("--hybrid-attention-ratio 0.5", "M*"),
-    ("--num-layers 8 --hybrid-attention-ratio 0.25 --hybrid-mlp-ratio 0.25", "M-*MM-*M"),
+    ("--num-layers 8 --hybrid-attention-ratio 0.25 --hybrid-mlp-ratio 0.25", "M*M-M*M-"),
     ("--is-hybrid-model --spec megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec", "MM"),
 ])
 def test_the_flags_resolve_the_layer_pattern(extra, pattern):
@@ -119,6 +119,6 @@ def test_an_upstream_hybrid_launch_line_validates():
     from tests.unit_tests.training.argument_checks import validated as validated_on
 
     args = validated_on(flags, world_size=2, base="--mock-data --vocab-size 128 --distributed-backend gloo")
-    # 12 layers: round(0.96) = 1 attention layer in the middle, 6 MLP layers spread over the other 11.
-    assert args.hybrid_layer_pattern == "-M-M-M*-M-M-" and args.spec is None
+    # 12 layers: round(0.96) = 1 attention layer among the 6 Mamba and attention layers, each followed by an MLP.
+    assert args.hybrid_layer_pattern == "M-M-M-*-M-M-" and args.spec is None
     assert core_transformer_config_from_args(args).hybrid_layer_pattern == args.hybrid_layer_pattern
