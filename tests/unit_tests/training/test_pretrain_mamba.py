@@ -1,7 +1,7 @@
 """pretrain_mamba.py end to end on a hybrid model (Mamba, attention and MLP layers): every data-parallel wrapper,
-tensor parallelism with sequence parallelism, context parallelism, pipeline parallelism and full activation
-recompute log the losses of Megatron DDP on one layout, and a torch_dist checkpoint saved under DDP resumes under
-Megatron-FSDP ZeRO-3 at TP 2 on the uninterrupted run's losses."""
+tensor parallelism with sequence parallelism, context parallelism, pipeline parallelism (also interleaved) and full
+activation recompute log the losses of Megatron DDP on one layout, and a torch_dist checkpoint saved under DDP
+resumes under Megatron-FSDP ZeRO-3 at TP 2 on the uninterrupted run's losses."""
 
 import pytest
 import torch
@@ -20,6 +20,7 @@ LAYOUTS = {
     "megatron_fsdp_z3": "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
     "tp2_sp": "--tensor-model-parallel-size 2 --sequence-parallel",
     "pp2": "--pipeline-model-parallel-size 2",
+    "pp2_interleaved": "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1",
     "recompute": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
     "cp2": "--context-parallel-size 2",
 }
@@ -55,7 +56,7 @@ def test_every_layout_and_wrapper_trains_the_hybrid_model_alike(world_size, tmp_
     reference = torch.tensor(losses["ddp"])
     assert len(reference) == 4
     # The same computation, other data-parallel sharding or pipeline split: fp32 sums in another order at most.
-    for name in ("megatron_fsdp_z3", "pp2", "recompute"):
+    for name in ("megatron_fsdp_z3", "pp2", "pp2_interleaved", "recompute"):
         torch.testing.assert_close(torch.tensor(losses[name]), reference, rtol=1e-6, atol=0)
     # Tensor parallelism splits the mixer by groups and reduces partial sums over 2 ranks; context parallelism
     # scans each rank's share of the groups over the whole sequence (all-to-all) and sums the loss over 2 ranks.
