@@ -76,7 +76,6 @@ class MambaConfigMixin:
         refused = [flag for flag, on in (
             ("--mtp-num-layers", bool(self.mtp_num_layers)),
             ("--transformer-impl transformer_engine", self.transformer_impl == "transformer_engine"),
-            ("--fp8-format", self.fp8 is not None),
         ) if on]
         if refused:
             raise ValueError(f"Mamba layers ('{MAMBA}' in {PATTERN_FLAG}) do not support {', '.join(refused)}: drop "
