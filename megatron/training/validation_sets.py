@@ -86,10 +86,15 @@ def as_validation_sets(valid):
     return [ValidationSet(None, stream=valid)]
 
 
+def _source_path(dataset):
+    """The prefix of a GPT dataset's indexed files, the JSON-lines file of an SFT dataset, else ""."""
+    return (getattr(getattr(dataset, "indexed_dataset", None), "path_prefix", "")
+            or getattr(dataset, "dataset_path", "") or "")
+
+
 def set_labels(datasets):
-    """The file name of each dataset's prefix (its position when it has none), made unique by position."""
-    names = [os.path.basename(getattr(getattr(dataset, "indexed_dataset", None), "path_prefix", "") or "")
-             or str(position) for position, dataset in enumerate(datasets)]
+    """The file name of each dataset's prefix or file (its position when it has none), made unique by position."""
+    names = [os.path.basename(_source_path(dataset)) or str(position) for position, dataset in enumerate(datasets)]
     if len(set(names)) < len(names):
         names = [f"{position}:{name}" for position, name in enumerate(names)]
     return names

@@ -157,3 +157,13 @@ def test_missing_files_and_bad_settings_are_refused(tmp_path):
     path = write_conversations(tmp_path / "a.jsonl", 0, extra=[{"messages": [{"role": "user", "content": "hi"}]}])
     with pytest.raises(ValueError, match=r"has no conversation with an assistant reply"):
         build_sft_datasets(_config([path]), (2, 0, 0))
+
+
+def test_multiple_validation_sets_are_labelled_by_their_files(tmp_path):
+    from megatron.training.validation_sets import set_labels
+
+    first = write_conversations(tmp_path / "a.jsonl", 20, seed=1)
+    second = write_conversations(tmp_path / "b.jsonl", 20, seed=2)
+    valid = build_sft_datasets(_config([first, second], split=(0.5, 0.5, 0.0), multiple_validation_sets=True),
+                               (4, 4, 0))[1]
+    assert isinstance(valid, list) and set_labels(valid) == ["a.jsonl", "b.jsonl"]
