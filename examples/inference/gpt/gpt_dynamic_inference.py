@@ -60,11 +60,20 @@ def check_args(args):
     static.check_args(args)
 
 
+def cached_layers(model):
+    """Layers of this pipeline stage that cache keys and values (attention layers; a hybrid model's Mamba and MLP
+    layers keep none), at least one: the context sizes its chunks by them."""
+    layers = getattr(getattr(model, "decoder", None), "layers", None)
+    if layers is None:
+        return model.config.num_layers
+    return max(1, sum(1 for layer in layers if getattr(layer, "self_attention", None) is not None))
+
+
 def build_engine(args, model, tokenizer, max_sequence_length):
     config = model.config
     max_requests = args.inference_dynamic_batching_max_requests_override or args.inference_max_requests
     context = DynamicInferenceContext(
-        params_dtype=config.params_dtype, num_layers=config.num_layers, kv_channels=config.kv_channels,
+        params_dtype=config.params_dtype, num_layers=cached_layers(model), kv_channels=config.kv_channels,
         num_attention_heads=config.num_query_groups, max_sequence_length=max_sequence_length,
         buffer_size_gb=args.inference_dynamic_batching_buffer_size_gb,
         chunk_size_tokens=args.inference_dynamic_batching_chunk_size, max_requests_override=max_requests,

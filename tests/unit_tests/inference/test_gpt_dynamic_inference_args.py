@@ -62,3 +62,14 @@ def test_the_engine_built_from_the_flags_decodes_the_static_tokens():
     dynamic, static, sizes = run_on_ranks(1, _engine_against_static_generation)[0]
     assert dynamic == static and len({tuple(tokens) for tokens in dynamic}) == 3
     assert sizes == (8, 2, 4)  # 2 requests x 16 positions in chunks of 4: the 40 GB default is not allocated
+
+
+def test_the_context_counts_the_layers_that_cache_keys_and_values():
+    from examples.inference.gpt.gpt_dynamic_inference import cached_layers
+    from megatron.core.models.mamba import MambaModel
+    from tests.unit_tests.models.gpt.gpt_test_utils import tiny_config
+
+    hybrid = MambaModel(tiny_config(num_layers=4, mamba_head_dim=8, mamba_num_groups=2, mamba_state_dim=4),
+                        vocab_size=VOCAB_SIZE, max_sequence_length=16, hybrid_override_pattern="M*M-")
+    assert cached_layers(hybrid) == 1  # one attention layer; the Mamba and MLP layers keep no keys or values
+    assert cached_layers(_model()) == _model().config.num_layers
