@@ -39,15 +39,18 @@ _PIECES_ATTRIBUTE = "offloaded_pieces"
 
 
 def _hooked_modules(layer, piece):
-    """The modules whose forward is the piece `piece` of `layer`."""
-    attention = layer.self_attention
+    """The modules whose forward is the piece `piece` of `layer` (none where the layer lacks the sublayer: a hybrid
+    model's Mamba, attention-only or MLP-only layers)."""
+    attention = getattr(layer, "self_attention", None)
+    if piece in ("attn_norm", "qkv_linear", "attn_proj") and attention is None:
+        return []
     if piece == "attn_norm":
         return [] if layer.norms_fused_into_linears else [layer.input_layernorm]
     if piece == "qkv_linear":
         return [getattr(attention, name) for name in _QKV_PROJECTIONS if hasattr(attention, name)]
     if piece == "attn_proj":
         return [attention.linear_proj]
-    if piece == "mlp_norm":
+    if piece == "mlp_norm" and getattr(layer, "mlp", None) is not None:
         return [] if layer.norms_fused_into_mlp else [layer.pre_mlp_layernorm]
     return []
 
@@ -55,8 +58,9 @@ def _hooked_modules(layer, piece):
 def _call_site_owners(layer, piece):
     """The modules whose forward calls the piece `piece` of `layer` as a function."""
     if piece == "core_attn":
-        return [layer.self_attention]
-    experts = getattr(layer.mlp, "experts", None)  # MoE layers only
+        attention = getattr(layer, "self_attention", None)
+        return [] if attention is None else [attention]
+    experts = getattr(getattr(layer, "mlp", None), "experts", None)  # MoE layers only
     if piece in EXPERT_MODULES and experts is not None:
         return [experts]
     return []

@@ -23,6 +23,8 @@ LAYOUTS = {
     "pp2_interleaved": "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1",
     "recompute": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
     "cp2": "--context-parallel-size 2",
+    "offloaded": "--fine-grained-activation-offloading --offload-modules attn_norm qkv_linear core_attn attn_proj "
+                 "mlp_norm",
 }
 
 
@@ -57,7 +59,7 @@ def test_every_layout_and_wrapper_trains_the_hybrid_model_alike(world_size, tmp_
     reference = torch.tensor(losses["ddp"])
     assert len(reference) == 4
     # The same computation, other data-parallel sharding or pipeline split: fp32 sums in another order at most.
-    for name in ("megatron_fsdp_z3", "pp2", "pp2_interleaved", "recompute"):
+    for name in ("megatron_fsdp_z3", "pp2", "pp2_interleaved", "recompute", "offloaded"):
         torch.testing.assert_close(torch.tensor(losses[name]), reference, rtol=1e-6, atol=0)
     # Tensor parallelism splits the mixer by groups and reduces partial sums over 2 ranks; context parallelism
     # scans each rank's share of the groups over the whole sequence (all-to-all) and sums the loss over 2 ranks.
