@@ -62,6 +62,9 @@ def check_prunable(model):
     if getattr(config, "softmax_type", "vanilla") == "learnable":
         raise ValueError("width pruning does not prune the learnable attention sinks of --softmax-type learnable "
                          "(one per query head): prune a model without them")
+    if getattr(config, "hybrid_layer_pattern", None) is not None:
+        raise ValueError("width pruning scores layers of attention and MLP; a hybrid model's Mamba, attention-only "
+                         "and MLP-only layers (--hybrid-override-pattern) are not covered: prune a GPT model")
     if any(layer.norms_fused_into_linears for layer in model.decoder.layers):
         raise ValueError("width pruning reads the norms' outputs, which Transformer Engine's fused LayerNorm-linears "
                          "do not expose: build the model with --transformer-impl local (the weights are the same)")

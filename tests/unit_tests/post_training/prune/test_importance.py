@@ -72,6 +72,7 @@ def test_no_forward_pass_means_no_scores():
     ({"attention_output_gate": True}, "--attention-output-gate"),
     ({"mtp_num_layers": 1}, "--mtp-num-layers"),
     ({"softmax_type": "learnable"}, "--softmax-type learnable"),
+    ({"hybrid_layer_pattern": "M*"}, "--hybrid-override-pattern"),
 ])
 def test_unsupported_models_are_refused_with_the_flag(overrides, message):
     model = tiny_gpt.tiny_gpt()
