@@ -16,7 +16,6 @@ distribution (before temperature and filtering), one fewer than `tokens[i]`. `to
 `{segment: log-probability}` object, most likely first (tokens that detokenize alike keep the likeliest entry).
 """
 
-import inspect
 import random
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -32,6 +31,7 @@ from megatron.core.inference.static_generation import GeneratedSequence, generat
 from megatron.inference.generation_request import GenerationRequest, RequestError
 from megatron.inference.newline_rules import NewlineRules, NewlineRulesModel, strip_forced_stop
 from megatron.inference.stop_sequences import StopSequencesModel
+from megatron.training.tokenizer import chat_prompt_formats
 
 
 @dataclass(frozen=True)
@@ -60,11 +60,7 @@ class GenerationJob:
     stop_sequences: Tuple[Tuple[int, ...], ...] = ()
 
 
-def text_ids(tokenizer, text):
-    """The ids of `text` alone: without the BOS / EOS a Hugging Face tokenizer adds to whole prompts."""
-    if "add_special_tokens" in inspect.signature(tokenizer.tokenize).parameters:
-        return tokenizer.tokenize(text, add_special_tokens=False)
-    return tokenizer.tokenize(text)
+text_ids = chat_prompt_formats.text_ids  # the ids of a text alone, without a tokenizer's BOS / EOS
 
 
 def _single_token(tokenizer, text, field):

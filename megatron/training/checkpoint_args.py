@@ -58,6 +58,29 @@ def _switch(name):
     return lambda args: bool(getattr(args, name)) if hasattr(args, name) else None
 
 
+def _hybrid_pattern(args):
+    """A hybrid model's layer pattern (resolved by validation, else as given); "none" for a GPT model (and arguments
+    older than hybrid models)."""
+    return (getattr(args, "hybrid_layer_pattern", None) or getattr(args, "hybrid_override_pattern", None)
+            or "none")
+
+
+def _both_hybrid(saved_args, args):
+    return _hybrid_pattern(saved_args) != "none" and _hybrid_pattern(args) != "none"
+
+
+def _mamba_heads(args):
+    from megatron.core.ssm.mamba_config import mamba_heads
+
+    return mamba_heads(args.hidden_size, args.mamba_head_dim, getattr(args, "mamba_num_heads", None))
+
+
+def _mamba_dt_limit(args):
+    """--mamba-dt-limit as two floats; (0, inf) where unset (no clamp)."""
+    limit = getattr(args, "mamba_dt_limit", None)
+    return (0.0, float("inf")) if limit is None else tuple(float(bound) for bound in limit)
+
+
 def _interpolation_factor(args):
     """--rotary-seq-len-interpolation-factor, 1 (positions as they are) where unset."""
     if not hasattr(args, "rotary_seq_len_interpolation_factor"):
@@ -253,6 +276,13 @@ ARCHITECTURE_FLAGS = (
     ArchitectureFlag("--moe-shared-expert-gate", _switch("moe_shared_expert_gate"), is_switch=True,
                      compared=_both_have_shared_experts),
     ArchitectureFlag("--moe-router-bias", _switch("moe_router_bias"), is_switch=True, compared=_both_use_moe),
+    # A hybrid model's layers and Mamba mixers.
+    ArchitectureFlag("--hybrid-override-pattern", _hybrid_pattern),
+    ArchitectureFlag("--mamba-state-dim", _get("mamba_state_dim"), compared=_both_hybrid),
+    ArchitectureFlag("--mamba-head-dim", _get("mamba_head_dim"), compared=_both_hybrid),
+    ArchitectureFlag("--mamba-num-groups", _get("mamba_num_groups"), compared=_both_hybrid),
+    ArchitectureFlag("--mamba-num-heads", _mamba_heads, compared=_both_hybrid),
+    ArchitectureFlag("--mamba-dt-limit", _mamba_dt_limit, compared=_both_hybrid),
     # YaRN of standard attention (--position-embedding-type yarn).
     ArchitectureFlag("--rotary-percent", _get("rotary_percent"), compared=_both_use_yarn),
     ArchitectureFlag("--rotary-base", _get("rotary_base"), compared=_both_use_yarn),

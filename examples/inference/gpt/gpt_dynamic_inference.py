@@ -103,7 +103,8 @@ def run(args):
         engine.step()
         steps += 1
     elapsed = time.perf_counter() - started
-    records = [static.result_record(prompt, result, tokenizer) for prompt, result in zip(prompts, results)]
+    records = [static.result_record(prompt, result, tokenizer, args.chat_prompt_format)
+               for prompt, result in zip(prompts, results)]
     static.print_records(records)
     generated = sum(len(result.generated_tokens) for result in results)
     static._print_rank0(f"generated {generated} tokens for {len(results)} prompts in {steps} steps, {elapsed:.2f} s "

@@ -77,7 +77,8 @@ def add_static_inference_args(parser):
     group.add_argument("--chat-prompt-format", default=None,
                        help="For a model fine-tuned with --sft: each prompt is a user message, rendered in this "
                             f"chat format ({', '.join(sorted(PROMPT_FORMATS))}) up to the assistant's header; "
-                            "--prompt-file lines may then hold whole conversations as \"messages\".")
+                            "--prompt-file lines may then hold whole conversations as \"messages\"; the "
+                            "generated text is the reply up to its end-of-turn marker.")
     return launch.declare_generation_program(parser)
 
 
@@ -194,9 +195,21 @@ class TextStream:
                 self.printed[row] = text
 
 
-def result_record(prompt, result, tokenizer):
+def reply_of(text, chat_prompt_format):
+    """With a chat format: the generated text up to the end of the assistant's turn (its end-of-turn marker and
+    anything after it left out); the text itself otherwise."""
+    if chat_prompt_format is None:
+        return text
+    for marker in prompt_format(chat_prompt_format).reply_ends:
+        if marker and marker in text:
+            return text[:text.index(marker)]
+    return text
+
+
+def result_record(prompt, result, tokenizer, chat_prompt_format=None):
     text_tokens = result.generated_tokens[:-1] if result.stopped_at_eod else result.generated_tokens
-    record = {"prompt": prompt, "generated_text": tokenizer.detokenize(text_tokens),
+    text = reply_of(tokenizer.detokenize(text_tokens), chat_prompt_format)
+    record = {"prompt": prompt, "generated_text": text,
               "prompt_tokens": result.prompt_tokens, "generated_tokens": result.generated_tokens,
               "stopped_at_eod": result.stopped_at_eod}
     if result.generated_log_probs is not None:
@@ -220,7 +233,8 @@ def run(args):
                                   max_batch_size=args.inference_max_requests, vocab_size=tokenizer.vocab_size,
                                   seed=args.seed, on_tokens=TextStream(tokenizer) if args.stream else None)
     elapsed = time.perf_counter() - started
-    records = [result_record(prompt, result, tokenizer) for prompt, result in zip(prompts, results)]
+    records = [result_record(prompt, result, tokenizer, args.chat_prompt_format)
+               for prompt, result in zip(prompts, results)]
     print_records(records)
     generated = sum(len(result.generated_tokens) for result in results)
     prompts_phrase = f"{len(results)} prompt" + ("" if len(results) == 1 else "s")

@@ -69,17 +69,16 @@ class MambaConfigMixin:
         if not 0.0 <= low < high:
             raise ValueError(f"--mamba-dt-limit {low} {high}: give 0 <= LOW < HIGH (HIGH may be inf)")
         self._set("mamba_dt_limit", (low, high))
+        if self.mtp_num_layers:
+            raise ValueError(f"--mtp-num-layers is not supported by hybrid models ({PATTERN_FLAG}): their "
+                             "prediction depths would take the last layer's kind; drop it")
         if MAMBA not in pattern:
             return
         check_mamba_shape(self.hidden_size, self.mamba_head_dim, self.mamba_num_heads, self.mamba_num_groups,
                           self.tensor_model_parallel_size, self.context_parallel_size)
-        refused = [flag for flag, on in (
-            ("--mtp-num-layers", bool(self.mtp_num_layers)),
-            ("--transformer-impl transformer_engine", self.transformer_impl == "transformer_engine"),
-        ) if on]
-        if refused:
-            raise ValueError(f"Mamba layers ('{MAMBA}' in {PATTERN_FLAG}) do not support {', '.join(refused)}: drop "
-                             f"{'it' if len(refused) == 1 else 'them'}, or use attention and MLP layers only")
+        if self.transformer_impl == "transformer_engine":
+            raise ValueError(f"Mamba layers ('{MAMBA}' in {PATTERN_FLAG}) do not support --transformer-impl "
+                             "transformer_engine: drop it, or use attention and MLP layers only")
 
 
 def mamba_heads(hidden_size, head_dim, num_heads=None) -> int:

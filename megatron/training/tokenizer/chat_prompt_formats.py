@@ -7,10 +7,12 @@ the end-of-document id that closes a conversation ending with an assistant messa
 every header are context only. Upstream's SFT tokenizer returns the same pair: the token ids and a target holding
 each trained id and `IGNORE_INDEX` elsewhere.
 
-The pieces are tokenized one at a time and concatenated, so a trained span never shares a token with the text
-around it (a byte-level tokenizer gives exactly the ids of the whole text; a BPE may split differently at piece
-boundaries, as chat tokenizers that encode their markers as special tokens do). Only the first piece gets the
-special tokens the tokenizer adds (a beginning-of-sequence id).
+The pieces are tokenized one at a time, without the special tokens a tokenizer adds to a whole text, and
+concatenated, so a trained span never shares a token with the text around it (a byte-level tokenizer gives exactly
+the ids of the whole text; a BPE may split differently at piece boundaries, as chat tokenizers that encode their
+markers as special tokens do). The tokenizer's own beginning-of-sequence id, if it adds one, opens the conversation
+once (not twice where the format writes it, as Llama 3's `<|begin_of_text|>`); an end-of-sequence id it appends to
+texts is left out (the end-of-document id closes the conversation).
 """
 
 import dataclasses
@@ -97,11 +99,24 @@ def conversation_pieces(messages, chat_format, add_generation_prompt=False):
     return [(text, trained) for text, trained in pieces if text]
 
 
-def _tokenize_piece(tokenizer, text, first):
-    """The ids of `text`; special tokens (a beginning-of-sequence id) only for the first piece."""
-    if first or "add_special_tokens" not in inspect.signature(tokenizer.tokenize).parameters:
-        return list(tokenizer.tokenize(text))
-    return list(tokenizer.tokenize(text, add_special_tokens=False))
+def text_ids(tokenizer, text):
+    """The ids of `text` alone, without the special tokens a tokenizer adds to a whole text (a Hugging Face
+    post-processor's BOS / EOS, Llama 2's `bos`)."""
+    parameters = inspect.signature(tokenizer.tokenize).parameters
+    if "add_special_tokens" in parameters:
+        return list(tokenizer.tokenize(text, add_special_tokens=False))
+    options = {name: False for name in ("bos", "eos") if name in parameters}
+    return list(tokenizer.tokenize(text, **options))
+
+
+def leading_special_ids(tokenizer, probe="a"):
+    """The ids a tokenizer puts before a whole text of its own (a beginning-of-sequence id), found by locating the
+    ids of `probe` alone in `tokenize(probe)`; [] for a tokenizer that adds none."""
+    whole, alone = list(tokenizer.tokenize(probe)), text_ids(tokenizer, probe)
+    for start in range(len(whole) - len(alone) + 1):
+        if whole[start:start + len(alone)] == alone:
+            return whole[:start]
+    return []
 
 
 def tokenize_conversation(tokenizer, messages, chat_format, add_generation_prompt=False, append_eod=True):
@@ -112,10 +127,14 @@ def tokenize_conversation(tokenizer, messages, chat_format, add_generation_promp
         chat_format = prompt_format(chat_format)
     check_messages(messages)
     tokens, target = [], []
-    for index, (text, trained) in enumerate(conversation_pieces(messages, chat_format, add_generation_prompt)):
-        ids = _tokenize_piece(tokenizer, text, first=index == 0)
+    for text, trained in conversation_pieces(messages, chat_format, add_generation_prompt):
+        ids = text_ids(tokenizer, text)
         tokens += ids
         target += ids if trained else [IGNORE_INDEX] * len(ids)
+    # The tokenizer's own beginning-of-sequence id opens the conversation, once (unless the format writes it).
+    leading = leading_special_ids(tokenizer)
+    if leading and tokens[:len(leading)] != leading:
+        tokens, target = leading + tokens, [IGNORE_INDEX] * len(leading) + target
     if append_eod and not add_generation_prompt:
         tokens.append(tokenizer.eod)
         target.append(tokenizer.eod if messages[-1]["role"] == "assistant" else IGNORE_INDEX)

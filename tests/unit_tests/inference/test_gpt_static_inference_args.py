@@ -249,3 +249,11 @@ def test_chat_prompts_are_user_messages_rendered_up_to_the_assistant_header(tmp_
         read_prompt_file(prompt_file, chat=True)
     with pytest.raises(ValueError, match=r"--chat-prompt-format 'mistral' is not one of chatml, llama3, plain"):
         check_args(_validated(["--prompts", "Hi", "--chat-prompt-format", "mistral"]))
+
+
+def test_a_chat_reply_ends_at_its_end_of_turn_marker():
+    from examples.inference.gpt.gpt_static_inference import reply_of
+
+    assert reply_of("4<|im_end|>\n<|im_start|>user\nmore", "chatml") == "4"
+    assert reply_of("4<|im_end|>", "chatml") == "4" and reply_of("no marker", "chatml") == "no marker"
+    assert reply_of("4<|im_end|>\n", None) == "4<|im_end|>\n"

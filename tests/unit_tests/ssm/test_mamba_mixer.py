@@ -95,7 +95,8 @@ def test_parameter_shapes_names_and_initial_values():
     (dict(hybrid_layer_pattern="MX"), r"must give one of M, \*, -, E .* for each of the --num-layers 1 layers"),
     (dict(context_parallel_size=4, num_layers=2, hybrid_layer_pattern="M*"),
      r"--mamba-num-groups 2 must be a multiple of --tensor-model-parallel-size 1 x --context-parallel-size 4"),
-    (dict(mtp_num_layers=1), r"do not support --mtp-num-layers"),
+    (dict(mtp_num_layers=1), r"--mtp-num-layers is not supported by hybrid models"),
+    (dict(mtp_num_layers=1, hybrid_layer_pattern="*"), r"--mtp-num-layers is not supported by hybrid models"),
 ])
 def test_config_rules(overrides, message):
     with pytest.raises(ValueError, match=message):

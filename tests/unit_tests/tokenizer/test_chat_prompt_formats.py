@@ -130,3 +130,31 @@ def test_upstream_sft_tokenizer_is_the_hugging_face_tokenizer_with_tokenize_conv
     prompt = tokenizer.tokenize_conversation(messages[:1], return_target=False, add_generation_prompt=True)
     assert tokenizer.detokenize(prompt) == "user: hello there\n\nassistant: "
     assert tokenizer.unique_identifiers["prompt_format"] == "plain"
+
+
+class SpecialTokensTokenizer(WordTokenizer):
+    """Adds a beginning-of-sequence id (1) and an end-of-sequence id (2) to a whole text, as a Hugging Face
+    post-processor `<s> $A </s>` does; `<|begin_of_text|>` is its beginning-of-sequence token."""
+
+    def tokenize(self, text, add_special_tokens=True):
+        ids = [1 if word == "<|begin_of_text|>" else self.words.setdefault(word, 10 + len(self.words))
+               for word in text.replace("<|begin_of_text|>", " <|begin_of_text|> ").split()]
+        return [1, *ids, 2] if add_special_tokens else ids
+
+
+class BosFlagTokenizer(WordTokenizer):
+    """Llama 2's interface: tokenize(text, bos=True, eos=False)."""
+
+    def tokenize(self, text, bos=True, eos=False):
+        return ([1] if bos else []) + super().tokenize(text, add_special_tokens=False) + ([2] if eos else [])
+
+
+@pytest.mark.parametrize("tokenizer", [SpecialTokensTokenizer(), BosFlagTokenizer()])
+@pytest.mark.parametrize("name", ["plain", "llama3"])
+def test_the_tokenizers_special_tokens_open_the_conversation_once(tokenizer, name):
+    messages = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}]
+    tokens, target = tokenize_conversation(tokenizer, messages, name)
+    assert tokens[0] == 1 and tokens.count(1) == 1 and 2 not in tokens  # one BOS, no EOS inside
+    assert tokens[-1] == 0 and target[-1] == 0  # the end-of-document id closes it, trained
+    prompt, _ = tokenize_conversation(tokenizer, messages[:1], name, add_generation_prompt=True)
+    assert prompt.count(1) == 1 and 2 not in prompt

@@ -122,3 +122,16 @@ def test_an_upstream_hybrid_launch_line_validates():
     # 12 layers: round(0.96) = 1 attention layer among the 6 Mamba and attention layers, each followed by an MLP.
     assert args.hybrid_layer_pattern == "M-M-M-*-M-M-" and args.spec is None
     assert core_transformer_config_from_args(args).hybrid_layer_pattern == args.hybrid_layer_pattern
+
+
+def test_loading_under_other_hybrid_flags_names_them():
+    from megatron.training.checkpoint_args import architecture_differences
+
+    saved = validated(f"{SHAPE} --hybrid-override-pattern M* --mamba-dt-limit 0.001 inf")
+    assert architecture_differences(saved, validated(f"{SHAPE} --hybrid-override-pattern M* "
+                                                     "--mamba-dt-limit 0.001 inf")) == []
+    assert architecture_differences(saved, validated(f"{SHAPE} --hybrid-override-pattern *M")) == [
+        "--hybrid-override-pattern: M* in the checkpoint, *M in this run",
+        "--mamba-dt-limit: (0.001, inf) in the checkpoint, (0.0, inf) in this run"]
+    assert architecture_differences(saved, validated()) == ["--hybrid-override-pattern: M* in the checkpoint, none in "
+                                                            "this run"]
