@@ -114,6 +114,7 @@ class SFTDataset(torch.utils.data.Dataset):
             raise ValueError(f"the {index_split.name} split of {dataset_path} has no conversation with an assistant "
                              "reply to train on: add conversations or adjust --split")
         self.rows_by_epoch = []  # packed: each epoch's rows, lists of positions in self.conversations
+        self._order = None  # one per sample: (epoch, that epoch's order of the conversations)
         epoch_size = len(self._rows_of_epoch(0)) if config.pack else len(self.conversations)
         self.num_samples = epoch_size if num_samples is None else int(num_samples)
 
@@ -160,8 +161,10 @@ class SFTDataset(torch.utils.data.Dataset):
         idx = sample_position(idx, self.num_samples, f"the {self.split.name} SFT dataset")
         if not self.config.pack:
             epoch, offset = divmod(idx, len(self.conversations))
-            order = _epoch_order(len(self.conversations), self.config.random_seed, epoch, self.split)
-            return [int(order[offset])]
+            if self._order is None or self._order[0] != epoch:  # samples are read epoch after epoch: keep one order
+                self._order = (epoch, _epoch_order(len(self.conversations), self.config.random_seed, epoch,
+                                                   self.split))
+            return [int(self._order[1][offset])]
         epoch = 0
         while idx >= len(self._rows_of_epoch(epoch)):
             idx -= len(self._rows_of_epoch(epoch))
