@@ -193,7 +193,7 @@ def training_flops_per_iteration(args, global_batch_size):
 
 
 def _mamba_flops_per_token(args):
-    """Forward FLOPs of one token in a Mamba layer, as upstream counts them: the input projection (z, x, B, C, dt),
+    """Forward FLOPs of one token in a Mamba layer: the input projection (z, x, B, C, dt),
     the scan (7 x inner width x state size) and the output projection."""
     heads = args.mamba_num_heads or 2 * args.hidden_size // args.mamba_head_dim
     inner = heads * args.mamba_head_dim
