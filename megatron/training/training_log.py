@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from megatron.core.ssm.mamba_config import mamba_heads
 from megatron.core.distributed.data_parallel_base import (
     DataParallelWrapper,
     parameter_and_grad_bytes,
@@ -193,9 +194,9 @@ def training_flops_per_iteration(args, global_batch_size):
 
 
 def _mamba_flops_per_token(args):
-    """Forward FLOPs of one token in a Mamba layer: the input projection (z, x, B, C, dt),
-    the scan (7 x inner width x state size) and the output projection."""
-    heads = args.mamba_num_heads or 2 * args.hidden_size // args.mamba_head_dim
+    """Forward FLOPs of one token in a Mamba layer: the input projection (z, x, B, C, dt), the scan (7 x inner
+    width x state size) and the output projection."""
+    heads = mamba_heads(args.hidden_size, args.mamba_head_dim, args.mamba_num_heads)
     inner = heads * args.mamba_head_dim
     in_proj = 2 * args.hidden_size * (2 * inner + 2 * args.mamba_num_groups * args.mamba_state_dim + heads)
     return in_proj + 7 * inner * args.mamba_state_dim + 2 * inner * args.hidden_size
