@@ -11,13 +11,13 @@ import os
 
 import torch
 
-from megatron.core.ssm.mamba_config import mamba_heads
 from megatron.core.distributed.data_parallel_base import (
     DataParallelWrapper,
     parameter_and_grad_bytes,
     storage_key,
     tensor_bytes,
 )
+from megatron.core.ssm.mamba_config import mamba_heads
 from megatron.training import accelerator
 from megatron.training.energy_monitor import EnergyMonitor, energy_and_power_per_gpu
 from megatron.training.expert_memory import expert_memory_usage, format_expert_memory
