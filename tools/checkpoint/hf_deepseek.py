@@ -160,10 +160,26 @@ def check_deepseek_architecture(shape: ModelShape, architecture: str, why: str, 
     return DEEPSEEK_V3
 
 
-def training_flags(shape: ModelShape) -> list:
-    """pretrain_gpt.py's flags for the latent attention, the router and multi-token prediction of `shape`."""
-    if not shape.multi_latent_attention:
+def router_training_flags(shape: ModelShape) -> list:
+    """The flags of the sigmoid router's scores, expert bias, groups and scale (none without experts)."""
+    if not shape.num_experts:
         return []
+    flags = [f"--moe-router-score-function {shape.moe_router_score_function}"]
+    if shape.moe_router_enable_expert_bias:
+        flags.append("--moe-router-enable-expert-bias")
+    if shape.moe_router_num_groups:
+        flags.append(f"--moe-router-num-groups {shape.moe_router_num_groups} --moe-router-group-topk "
+                     f"{shape.moe_router_group_topk}")
+    if shape.moe_router_topk_scaling_factor is not None:
+        flags.append(f"--moe-router-topk-scaling-factor {shape.moe_router_topk_scaling_factor:g}")
+    return flags
+
+
+def training_flags(shape: ModelShape) -> list:
+    """pretrain_gpt.py's flags for the latent attention, the router and multi-token prediction of `shape`; of a
+    hybrid model's experts ('E' layers, Nemotron-H's router) the router's."""
+    if not shape.multi_latent_attention:
+        return router_training_flags(shape) if "E" in (shape.hybrid_layer_pattern or "") else []
     flags = ["--multi-latent-attention"]
     if shape.q_lora_rank is not None:
         flags.append(f"--q-lora-rank {shape.q_lora_rank}")
@@ -176,15 +192,7 @@ def training_flags(shape: ModelShape) -> list:
                      f"--mscale-all-dim {shape.mscale_all_dim:g}")
         if shape.original_max_position_embeddings is not None:
             flags.append(f"--original-max-position-embeddings {shape.original_max_position_embeddings}")
-    if shape.num_experts:
-        flags.append(f"--moe-router-score-function {shape.moe_router_score_function}")
-        if shape.moe_router_enable_expert_bias:
-            flags.append("--moe-router-enable-expert-bias")
-        if shape.moe_router_num_groups:
-            flags.append(f"--moe-router-num-groups {shape.moe_router_num_groups} --moe-router-group-topk "
-                         f"{shape.moe_router_group_topk}")
-        if shape.moe_router_topk_scaling_factor is not None:
-            flags.append(f"--moe-router-topk-scaling-factor {shape.moe_router_topk_scaling_factor:g}")
+    flags += router_training_flags(shape)
     if shape.mtp_num_layers:
         flags.append(f"--mtp-num-layers {shape.mtp_num_layers}")
     return flags

@@ -2,10 +2,19 @@
 our models each is, and config.json both ways (the tensors: hf_hybrid_tensors.py).
 
 Both are a stack of blocks `x + mixer(RMSNorm(x))` between the embedding and a final RMSNorm (`backbone.norm_f`).
-Nemotron-H's blocks are Mamba-2 mixers, attention or MLPs, one per layer as `layers_block_type` (older configs:
-`hybrid_override_pattern`) says: our --hybrid-override-pattern, `linear_attention` M, `full_attention` *, `mlp` -.
-Its attention has no position embedding (--position-embedding-type none) and no biases, its MLP is up / down with
-squared ReLU (`relu2`, --squared-relu). Every Mamba2ForCausalLM block is a Mamba-2 mixer (pattern M...M).
+Nemotron-H's blocks are Mamba-2 mixers, attention, MLPs or Mixture-of-Experts, one per layer as `layers_block_type`
+(older configs: `hybrid_override_pattern`) says: our --hybrid-override-pattern, `linear_attention` M,
+`full_attention` *, `mlp` -, `moe` E. Its attention has no position embedding (--position-embedding-type none) and
+no biases, its MLP is up / down with squared ReLU (`relu2`, --squared-relu). Every Mamba2ForCausalLM block is a
+Mamba-2 mixer (pattern M...M).
+
+A `moe` block is our MoE layer: a router `gate` scoring each expert by sigmoid(W x) in fp32, choosing the top
+num_experts_per_tok of the scores plus `e_score_correction_bias` (our expert bias, which only chooses) among the
+topk_group best of n_group groups (a group scored by its best two), weighting the chosen experts by their scores,
+renormalised to sum to 1 (norm_topk_prob) and multiplied by routed_scaling_factor; experts up / down with the
+MLP's activation (relu2, as ours with --squared-relu, not gated); plus one shared expert of the same kind on the
+block's whole input, added ungated (`n_shared_experts` is not read by transformers; recorded and written back).
+transformers computes the router in fp32 whatever the model's dtype: ours with --moe-router-dtype fp32.
 
 | HF config.json | our flag |
 |---|---|
@@ -15,17 +24,26 @@ squared ReLU (`relu2`, --squared-relu). Every Mamba2ForCausalLM block is a Mamba
 | num_attention_heads, num_key_value_heads, head_dim | --num-attention-heads, --num-query-groups, --kv-channels |
 | intermediate_size | --ffn-hidden-size |
 | layer_norm_epsilon | --norm-epsilon (1e-5: it is also the gated norm's epsilon, which ours fixes) |
+| n_routed_experts, num_experts_per_tok | --num-experts, --moe-router-topk (--moe-router-score-function sigmoid) |
+| moe_intermediate_size | --moe-ffn-hidden-size |
+| moe_shared_expert_intermediate_size | --moe-shared-expert-intermediate-size |
+| n_group, topk_group (equal: every group) | --moe-router-num-groups, --moe-router-group-topk |
+| routed_scaling_factor (1.0: none) | --moe-router-topk-scaling-factor |
+| `mixer.gate.e_score_correction_bias` | --moe-router-enable-expert-bias (`mlp.router.expert_bias`) |
 | tie_word_embeddings | no --untie-embeddings-and-output-weights |
 
 HF's mixer computes as ours (megatron/core/ssm/mamba_mixer.py): the same projection, convolution, scan and gated
 RMSNorm, normalised over each group's inner / n_groups channels; only the order of in_proj's rows and the
 convolution's channels differs (hf_layouts.mamba_rows). What it computes otherwise is refused, naming the key: a
-conv_kernel other than 4, in_proj / out_proj biases (`use_bias`), MLP biases (`mlp_bias`), a mixer activation other
-than silu, an MLP one other than relu2, Nemotron-H's Mixture-of-Experts blocks (`moe`), multi-token prediction
-layers and another layer_norm_epsilon. transformers' Nemotron-H clamps each step softplus(dt) from below at
-`time_step_min` and Mamba2 to `time_step_limit`: ours with --mamba-dt-limit (a model without it exports with
-`time_step_min` 0 / `time_step_limit` [0, inf], which clamp nothing). `chunk_size` changes rounding only;
-`use_conv_bias` false reads as zero biases. The keys that change nothing computed are recorded and written back.
+conv_kernel other than 4, in_proj / out_proj biases (`use_bias`), MLP and expert biases (`mlp_bias`), a mixer
+activation other than silu, an MLP and expert one other than relu2, the experts' latent projections
+(`moe_latent_size`), norm_topk_prob other than num_experts_per_tok > 1 (ours renormalises exactly then), group
+choice our router scores otherwise (topk_group other than n_group with num_experts_per_tok / topk_group other than
+2), multi-token prediction layers and another layer_norm_epsilon. transformers' Nemotron-H clamps each step
+softplus(dt) from below at `time_step_min` and Mamba2 to `time_step_limit`: ours with --mamba-dt-limit (a model
+without it exports with `time_step_min` 0 / `time_step_limit` [0, inf], which clamp nothing). `chunk_size` changes
+rounding only; `use_conv_bias` false reads as zero biases. The keys that change nothing computed are recorded and
+written back.
 """
 
 import math
@@ -46,7 +64,7 @@ EXPERTS = "E"  # Nemotron-H's symbol of a Mixture-of-Experts block
 # Nemotron-H's layers_block_type names (and the older ones transformers still reads) of our pattern's symbols.
 LAYER_TYPES = {"linear_attention": MAMBA, "mamba": MAMBA, "full_attention": ATTENTION, "attention": ATTENTION,
                "mlp": MLP, "moe": EXPERTS}
-WRITTEN_LAYER_TYPES = {MAMBA: "linear_attention", ATTENTION: "full_attention", MLP: "mlp"}
+WRITTEN_LAYER_TYPES = {MAMBA: "linear_attention", ATTENTION: "full_attention", MLP: "mlp", EXPERTS: "moe"}
 # Older Nemotron-H config.json names transformers' NemotronHConfig renames.
 LEGACY_NEMOTRON_H_KEYS = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_expand": "expand",
                           "mamba_dt_min": "time_step_min", "mamba_dt_max": "time_step_max",
@@ -58,14 +76,17 @@ CONFIG_CLASS_DEFAULTS = {
                  "max_position_embeddings": 4096, "mlp_hidden_act": "relu2", "mlp_bias": False, "ssm_state_size": 128,
                  "mamba_num_heads": 128, "mamba_head_dim": 64, "mamba_hidden_act": "silu", "n_groups": 8,
                  "conv_kernel": 4, "time_step_min": 0.001, "use_conv_bias": True, "use_bias": False,
-                 "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False, "num_nextn_predict_layers": 0},
+                 "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False, "num_nextn_predict_layers": 0,
+                 "n_routed_experts": 8, "n_shared_experts": 1, "moe_intermediate_size": 7688,
+                 "moe_shared_expert_intermediate_size": 7688, "moe_latent_size": None, "num_experts_per_tok": 2,
+                 "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "norm_topk_prob": True},
     MAMBA2: {"num_heads": 128, "head_dim": 64, "hidden_size": 4096, "state_size": 128, "num_hidden_layers": 64,
              "layer_norm_epsilon": 1e-5, "expand": 2, "conv_kernel": 4, "n_groups": 8, "use_bias": False,
              "use_conv_bias": True, "hidden_act": "silu", "tie_word_embeddings": False},
 }
-# config.json keys that change nothing our model computes (initialisation, kernels, caches, the unused MoE and
-# multi-token prediction shapes, Nemotron-H's sliding_window, which its attention does not read), which an import
-# records and an export writes back.
+# config.json keys that change nothing our model computes (initialisation, kernels, caches, the MoE shapes of a
+# model without 'moe' blocks, the multi-token prediction shapes, Nemotron-H's sliding_window, which its attention
+# does not read), which an import records and an export writes back (where it does not compute them itself).
 RECORDED_CONFIG_KEYS = (
     "expand", "chunk_size", "residual_in_fp32", "rescale_prenorm_residual", "time_step_min", "time_step_max",
     "time_step_floor", "time_step_limit", "time_step_rank", "use_conv_bias", "mamba_proj_bias", "mamba_ssm_cache_dtype",
@@ -117,12 +138,33 @@ def _block_problems(shape: ModelShape, architecture: str) -> list:
         if shape.position_embedding_type != "none":
             problems.append(f"--position-embedding-type {shape.position_embedding_type}: {architecture}'s "
                             "attention has no position embedding (--position-embedding-type none)")
-    if shape.layers_marked(MLP) and (shape.swiglu or shape.openai_gelu or not shape.squared_relu):
+    mlps = shape.layers_marked(MLP) or shape.layers_marked(EXPERTS)
+    if mlps and (shape.swiglu or shape.openai_gelu or not shape.squared_relu):
         activation = "--swiglu" if shape.swiglu else "--openai-gelu" if shape.openai_gelu else "the GeLU MLP"
-        problems.append(f"{activation}: {architecture}'s MLP layers apply squared ReLU (--squared-relu)")
-    if (shape.layers_marked(ATTENTION) or shape.layers_marked(MLP)) and (shape.add_bias_linear or shape.add_qkv_bias):
+        problems.append(f"{activation}: {architecture}'s MLP layers and experts apply squared ReLU (--squared-relu)")
+    if (shape.layers_marked(ATTENTION) or mlps) and (shape.add_bias_linear or shape.add_qkv_bias):
         problems.append(f"linear biases (no --disable-bias-linear, or --add-qkv-bias): {architecture}'s attention "
-                        "layers have none (our MLP layers' come only with theirs)")
+                        "layers have none (our MLP layers' and experts' come only with theirs)")
+    return problems
+
+
+def _expert_problems(shape: ModelShape, architecture: str) -> list:
+    """What keeps the Mixture-of-Experts layers ('E') of `shape` from being Nemotron-H's `moe` blocks."""
+    if architecture != NEMOTRON_H or not shape.num_experts:
+        return []
+    problems = []
+    if shape.moe_router_score_function != "sigmoid":
+        problems.append(f"--moe-router-score-function {shape.moe_router_score_function}: {NEMOTRON_H}'s router "
+                        "scores experts by a sigmoid (--moe-router-score-function sigmoid)")
+    if not shape.moe_shared_expert_intermediate_size:
+        problems.append(f"no --moe-shared-expert-intermediate-size: every {NEMOTRON_H} 'moe' block adds a shared "
+                        "expert")
+    if shape.moe_shared_expert_gate:
+        problems.append(f"--moe-shared-expert-gate: {NEMOTRON_H}'s shared expert is not gated")
+    groups, group_topk = shape.moe_router_num_groups, shape.moe_router_group_topk
+    if group_topk and group_topk != groups and shape.moe_router_topk // group_topk != 2:
+        problems.append(f"--moe-router-topk {shape.moe_router_topk} with --moe-router-group-topk {group_topk}: "
+                        f"{NEMOTRON_H} scores each group by its best two experts, ours by its best topk / group-topk")
     return problems
 
 
@@ -151,12 +193,11 @@ def hybrid_problems(shape: ModelShape, architecture: str) -> list:
     if shape.apply_residual_connection_post_layernorm:
         problems.append(f"--apply-residual-connection-post-layernorm: {architecture} adds the un-normalised input "
                         "back")
-    if shape.num_experts:
-        problems.append(f"--num-experts {shape.num_experts}: Mixture-of-Experts layers ('E') are not converted")
     if architecture == NEMOTRON_H and shape.mamba_dt_limit is not None and shape.mamba_dt_limit[1] != math.inf:
         problems.append(f"--mamba-dt-limit {shape.mamba_dt_limit[0]:g} {shape.mamba_dt_limit[1]:g}: {NEMOTRON_H} "
                         "clamps the step from below only (time_step_min)")
-    return problems + _block_problems(shape, architecture) + gpt_oss_feature_problems(shape, architecture)
+    return (problems + _block_problems(shape, architecture) + _expert_problems(shape, architecture)
+            + gpt_oss_feature_problems(shape, architecture))
 
 
 def default_hybrid_architecture(shape: ModelShape) -> str:
@@ -209,8 +250,24 @@ def hybrid_config(shape: ModelShape, architecture: str, common: dict, recorded: 
                   "mlp_hidden_act": "relu2", "mlp_bias": False, "mamba_num_heads": shape.mamba_heads,
                   "mamba_head_dim": shape.mamba_head_dim, "ssm_state_size": shape.mamba_state_dim,
                   "mamba_hidden_act": "silu", **mixer, "time_step_min": low, "num_nextn_predict_layers": 0}
+        if EXPERTS in pattern:
+            config.update(_experts_config(shape, recorded))
     config.update({key: value for key, value in recorded.items() if key not in config})
     return config
+
+
+def _experts_config(shape: ModelShape, recorded: dict) -> dict:
+    """Nemotron-H's expert keys of the 'E' layers of `shape`. Without group-limited routing n_group and
+    topk_group are the recorded ones where they choose every group, else 1."""
+    groups, group_topk = shape.moe_router_num_groups, shape.moe_router_group_topk
+    if not group_topk:
+        groups = group_topk = recorded.get("n_group", 1) if recorded.get("n_group") == recorded.get("topk_group") else 1
+    return {"n_routed_experts": shape.num_experts, "num_experts_per_tok": shape.moe_router_topk,
+            "moe_intermediate_size": shape.moe_ffn_hidden_size,
+            "moe_shared_expert_intermediate_size": shape.moe_shared_expert_intermediate_size,
+            "n_shared_experts": recorded.get("n_shared_experts", 1), "moe_latent_size": None,
+            "routed_scaling_factor": float(shape.moe_router_topk_scaling_factor or 1.0), "n_group": groups,
+            "topk_group": group_topk, "norm_topk_prob": shape.moe_router_topk > 1}
 
 
 def _pattern_of_config(config: dict, path: str) -> str:
@@ -225,7 +282,7 @@ def _pattern_of_config(config: dict, path: str) -> str:
     if unknown:
         raise ConversionError(f"{path}: layer types {unknown} in config.json's layers_block_type / "
                               f"hybrid_override_pattern: ours are {', '.join(WRITTEN_LAYER_TYPES.values())} "
-                              f"({MAMBA}, {ATTENTION}, {MLP})")
+                              f"({MAMBA}, {ATTENTION}, {MLP}, {EXPERTS})")
     return "".join(LAYER_TYPES.get(kind, kind) for kind in types)
 
 
@@ -262,6 +319,34 @@ def _dt_limit_of_config(config: dict, architecture: str, pattern: str) -> Option
     return None if (low, high) == (0.0, math.inf) else (low, high)
 
 
+def _expert_refusals(config: dict) -> list:
+    """What in Nemotron-H's expert keys our MoE layer does not compute."""
+    refusals = []
+    if config["moe_latent_size"] is not None:
+        refusals.append(f"moe_latent_size {config['moe_latent_size']}: our experts read and write the hidden state "
+                        "itself (no latent projections fc1_latent_proj / fc2_latent_proj)")
+    experts, topk = config["n_routed_experts"], config["num_experts_per_tok"]
+    for key, value in (("n_routed_experts", experts), ("num_experts_per_tok", topk),
+                       ("moe_intermediate_size", config["moe_intermediate_size"]),
+                       ("moe_shared_expert_intermediate_size", config["moe_shared_expert_intermediate_size"]),
+                       ("n_group", config["n_group"]), ("topk_group", config["topk_group"])):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            return refusals + [f"config.json's {key} ({value!r}) must be a positive integer"]
+    if topk > experts:
+        refusals.append(f"num_experts_per_tok {topk} exceeds n_routed_experts {experts}")
+    if bool(config["norm_topk_prob"]) != (topk > 1):
+        refusals.append(f"norm_topk_prob {config['norm_topk_prob']} with num_experts_per_tok {topk}: our sigmoid "
+                        "router renormalises the chosen scores exactly when it chooses more than one")
+    groups, group_topk = config["n_group"], config["topk_group"]
+    if experts % groups or group_topk > groups:
+        refusals.append(f"n_group {groups} with topk_group {group_topk}: HF's router needs n_routed_experts "
+                        f"{experts} in n_group equal groups and at most n_group of them chosen")
+    elif group_topk != groups and (topk % group_topk or topk // group_topk != 2):
+        refusals.append(f"n_group {groups} with topk_group {group_topk} and num_experts_per_tok {topk}: HF scores "
+                        "each group by its best two experts, ours by its best num_experts_per_tok / topk_group")
+    return refusals
+
+
 def _mixer_refusals(config: dict, architecture: str, pattern: str) -> list:
     refusals = []
     if config["conv_kernel"] != CONV_KERNEL:
@@ -277,19 +362,33 @@ def _mixer_refusals(config: dict, architecture: str, pattern: str) -> list:
     if architecture == MAMBA2:
         return refusals
     if EXPERTS in pattern:
-        experts = [index for index, mark in enumerate(pattern) if mark == EXPERTS]
-        refusals.append(f"Mixture-of-Experts blocks ('moe' in layers_block_type, layers {experts}): Nemotron-H's "
-                        "experts and router are not converted")
+        refusals += _expert_refusals(config)
     if config["mlp_bias"]:
-        refusals.append("mlp_bias true: our MLP layers have biases only with the attention layers' "
+        refusals.append("mlp_bias true: our MLP layers and experts have biases only with the attention layers' "
                         "(no --disable-bias-linear), which Nemotron-H's attention never has")
-    if MLP in pattern and config["mlp_hidden_act"] != "relu2":
-        refusals.append(f"mlp_hidden_act '{config['mlp_hidden_act']}': our non-gated MLP is squared ReLU "
-                        "('relu2', --squared-relu)")
+    if (MLP in pattern or EXPERTS in pattern) and config["mlp_hidden_act"] != "relu2":
+        refusals.append(f"mlp_hidden_act '{config['mlp_hidden_act']}': our non-gated MLP and experts are squared "
+                        "ReLU ('relu2', --squared-relu)")
     if config["num_nextn_predict_layers"]:
         refusals.append(f"num_nextn_predict_layers {config['num_nextn_predict_layers']}: our hybrid model has no "
                         "multi-token prediction layers")
     return refusals
+
+
+def _expert_flags(config: dict, pattern: str, recorded: dict) -> dict:
+    """The MoE ModelShape fields of Nemotron-H's expert keys (checked by _expert_refusals); the MoE layers are the
+    pattern's 'E' layers (--moe-layer-freq as training derives it)."""
+    groups, group_topk, scaling = config["n_group"], config["topk_group"], float(config["routed_scaling_factor"])
+    limited = group_topk != groups
+    return dict(num_experts=config["n_routed_experts"], moe_ffn_hidden_size=config["moe_intermediate_size"],
+                moe_layer_freq=[int(symbol == EXPERTS) for symbol in pattern],
+                moe_router_topk=config["num_experts_per_tok"],
+                moe_shared_expert_intermediate_size=config["moe_shared_expert_intermediate_size"],
+                moe_router_score_function="sigmoid",
+                moe_router_enable_expert_bias=recorded.get("moe_router_enable_expert_bias", True),
+                moe_router_num_groups=groups if limited else None,
+                moe_router_group_topk=group_topk if limited else None,
+                moe_router_topk_scaling_factor=None if scaling == 1.0 else scaling)
 
 
 def hybrid_flags_of_config(config: dict, architecture: str, path: str, recorded: Optional[dict] = None) -> dict:
@@ -331,6 +430,8 @@ def hybrid_flags_of_config(config: dict, architecture: str, path: str, recorded:
                 "max_position_embeddings": recorded.get("max_position_embeddings", MAMBA2_MAX_POSITIONS),
                 "hidden_dropout": recorded.get("hidden_dropout", 0.0)}
     attention_heads = _positive_int(config, "num_attention_heads", path)
+    if EXPERTS in pattern:
+        values.update(_expert_flags(config, pattern, recorded))
     return {**values, "num_attention_heads": attention_heads,
             "num_query_groups": config.get("num_key_value_heads") or attention_heads,
             "kv_channels": config.get("head_dim") or hidden // attention_heads,

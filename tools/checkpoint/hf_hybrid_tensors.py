@@ -8,19 +8,23 @@
 | `self_attention.linear_qkv` | `mixer.q_proj`, `mixer.k_proj`, `mixer.v_proj` |
 | `self_attention.linear_proj` | `mixer.o_proj` |
 | `mlp.linear_fc1`, `mlp.linear_fc2` | `mixer.up_proj`, `mixer.down_proj` |
+| `pre_mlp_layernorm` (E), `mlp.router.weight` | `norm`, `mixer.gate.weight` |
+| `mlp.router.expert_bias` (zeros without --moe-router-enable-expert-bias) | `mixer.gate.e_score_correction_bias` |
+| `mlp.experts.local_experts.{e}.linear_fc1`, `linear_fc2` | `mixer.experts.{e}.up_proj`, `down_proj` |
+| `mlp.shared_experts.linear_fc1`, `linear_fc2` | `mixer.shared_experts.up_proj`, `down_proj` |
 
 The embedding (`backbone.embeddings`), final norm (`backbone.norm_f`) and output layer (`lm_head`) go as Llama's do
 (hf_import_tensors / hf_export_tensors: vocabulary padding, tied output layer, --apply-layernorm-1p). transformers'
 Nemotron-H computes with its own lm_head even when config.json says tie_word_embeddings, so a tied model is
 written with lm_head a copy of the embedding. Without conv biases (`use_conv_bias` false) ours are zeros, and the
-export leaves them out again while they stay zero.
+export leaves them out again while they stay zero. The expert bias, an fp32 buffer in both, is written in fp32.
 """
 
 import dataclasses
 from typing import Dict
 
 import torch
-from megatron.core.ssm.mamba_config import ATTENTION, MAMBA, MLP
+from megatron.core.ssm.mamba_config import ATTENTION, MAMBA, MLP, MOE
 
 from hf_errors import ConversionError
 from hf_hybrid import CONV_KERNEL, NEMOTRON_H
@@ -29,7 +33,8 @@ from hf_shape import ModelShape
 
 LLAMA = "LlamaForCausalLM"  # whose embedding, final norm and output layer names the generic code maps
 # Our norm of each layer kind; HF's is `norm` in every block.
-LAYER_NORMS = {MAMBA: "norm.weight", ATTENTION: "input_layernorm.weight", MLP: "pre_mlp_layernorm.weight"}
+LAYER_NORMS = {MAMBA: "norm.weight", ATTENTION: "input_layernorm.weight", MLP: "pre_mlp_layernorm.weight",
+               MOE: "pre_mlp_layernorm.weight"}
 # HF names of the embedding and final norm -> the Llama names the generic code maps.
 AS_LLAMA = {"backbone.embeddings.weight": "model.embed_tokens.weight", "backbone.norm_f.weight": "model.norm.weight"}
 # Mixer tensors that map one to one, under `mixer.`: one entry per head, per inner channel.
@@ -71,6 +76,15 @@ def _plain_tensors(shape: ModelShape, symbol: str, ours: str, theirs: str):
     elif symbol == ATTENTION:
         plain.append((ours + "self_attention.linear_proj.weight", theirs + "mixer.o_proj.weight",
                       (hidden, shape.num_attention_heads * shape.kv_channels)))
+    elif symbol == MOE:
+        plain.append((ours + "mlp.router.weight", theirs + "mixer.gate.weight", (shape.num_experts, hidden)))
+        mlps = [(f"{ours}mlp.experts.local_experts.{expert}.", f"{theirs}mixer.experts.{expert}.",
+                 shape.moe_ffn_hidden_size) for expert in range(shape.num_experts)]
+        mlps.append((ours + "mlp.shared_experts.", theirs + "mixer.shared_experts.",
+                     shape.moe_shared_expert_intermediate_size))
+        for our_prefix, hf_prefix, width in mlps:
+            plain += [(our_prefix + "linear_fc1.weight", hf_prefix + "up_proj.weight", (width, hidden)),
+                      (our_prefix + "linear_fc2.weight", hf_prefix + "down_proj.weight", (hidden, width))]
     else:
         plain += [(ours + "mlp.linear_fc1.weight", theirs + "mixer.up_proj.weight", (shape.ffn_hidden_size, hidden)),
                   (ours + "mlp.linear_fc2.weight", theirs + "mixer.down_proj.weight", (hidden, shape.ffn_hidden_size))]
@@ -111,6 +125,13 @@ def from_hf_tensors(hf_tensors: Dict[str, torch.Tensor], extras: Dict[str, torch
             query, key, value = (source.take(f"{theirs}mixer.{name}.weight", (width, hidden)) for name, width in
                                  (("q_proj", heads_width), ("k_proj", groups_width), ("v_proj", groups_width)))
             model[ours + "self_attention.linear_qkv.weight"] = fuse_qkv(query, key, value, shape)
+        elif symbol == MOE:
+            bias = source.take(theirs + "mixer.gate.e_score_correction_bias", (shape.num_experts,))
+            if shape.moe_router_enable_expert_bias:
+                model[ours + "mlp.router.expert_bias"] = bias
+            elif torch.count_nonzero(bias):
+                raise ConversionError(f"{where}: '{theirs}mixer.gate.e_score_correction_bias' is not zero, but the "
+                                      "model it was exported from had no --moe-router-enable-expert-bias")
     rest = {name: tensor for name, tensor in source.tensors.items() if name in (*AS_LLAMA, "lm_head.weight")}
     unknown = sorted(set(source.tensors) - set(rest))
     if unknown:
@@ -139,7 +160,7 @@ def to_hf_tensors(model: Dict[str, torch.Tensor], shape: ModelShape, architectur
     out; `has_conv_bias` tells what was written."""
     import hf_export_tensors
 
-    source, hf, extras = TensorSource(model, "the checkpoint", "its recorded arguments"), {}, {}
+    source, hf, extras, fp32 = TensorSource(model, "the checkpoint", "its recorded arguments"), {}, {}, set()
     rows, channels, _, _ = _sizes(shape)
     biases = {}
     for symbol, ours, theirs in _layers(shape):
@@ -160,6 +181,11 @@ def to_hf_tensors(model: Dict[str, torch.Tensor], shape: ModelShape, architectur
             query, key, value = split_qkv(source.take(ours + "self_attention.linear_qkv.weight"), shape)
             for name, tensor in (("q_proj", query), ("k_proj", key), ("v_proj", value)):
                 hf[f"{theirs}mixer.{name}.weight"] = tensor
+        elif symbol == MOE:
+            name = theirs + "mixer.gate.e_score_correction_bias"
+            hf[name] = (source.take(ours + "mlp.router.expert_bias", (shape.num_experts,))
+                        if shape.moe_router_enable_expert_bias else torch.zeros(shape.num_experts))
+            fp32.add(name)
     if conv_bias or any(torch.count_nonzero(bias) for bias in biases.values()):
         hf.update(biases)
     unknown = [name for name in source.tensors if name.startswith("decoder.layers.")]
@@ -172,7 +198,7 @@ def to_hf_tensors(model: Dict[str, torch.Tensor], shape: ModelShape, architectur
                for name, tensor in rest_hf.items()}
     if architecture == NEMOTRON_H and "lm_head.weight" not in rest_hf:  # it computes with its own lm_head
         rest_hf["lm_head.weight"] = rest_hf["backbone.embeddings.weight"].clone()
-    hf = {name: tensor.to(dtype).contiguous() for name, tensor in hf.items()}
+    hf = {name: (tensor.float() if name in fp32 else tensor.to(dtype)).contiguous() for name, tensor in hf.items()}
     hf.update(rest_hf)
     return hf, {name: tensor.contiguous() for name, tensor in extras.items()}
 

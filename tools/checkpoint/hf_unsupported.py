@@ -19,11 +19,12 @@ DeepseekV3ForCausalLM (hf_deepseek.py) has what the others lack: multi-latent at
 expert bias, group-limited choice and scaled probabilities, and one multi-token prediction layer. For a model with
 --multi-latent-attention those flags are checked there; --from hf reads DeepSeek-V3 directories.
 
-Nemotron-H's config.json always has expert keys (`n_routed_experts`, `moe_intermediate_size`); whether its blocks
-use them (`moe` layers, refused) is checked with the rest of it (hf_hybrid.py).
+Nemotron-H's config.json always has expert keys (`n_routed_experts`, `moe_intermediate_size`); its `moe` blocks
+(our hybrid 'E' layers) have DeepSeek-V3's router, whose flags are checked, with the rest of it, in hf_hybrid.py.
 """
 
 from hf_deepseek import EXPORT_FLAGS_CHECKED_HERE, is_deepseek_v3_config
+from hf_shape import ModelShape
 
 # (training argument, flag, what Hugging Face would need)
 _EXPORT_BLOCKERS = (
@@ -84,7 +85,7 @@ _HF_MLA_KEYS = ("kv_lora_rank", "q_lora_rank")
 _HF_MOE_READ = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
                 "Qwen3MoeForCausalLM": "qwen3_moe", "GptOssForCausalLM": "gpt_oss",
                 "DeepseekV3ForCausalLM": "deepseek_v3",
-                # every Nemotron-H config.json has the expert keys; its 'moe' blocks are refused by hf_hybrid.py
+                # every Nemotron-H config.json has the expert keys; its 'moe' blocks are checked by hf_hybrid.py
                 "NemotronHForCausalLM": "nemotron_h"}
 # The blockers a GptOssForCausalLM computes, left to its own checks for a model that may be one.
 _GPT_OSS_FLAGS = ("activation_func_clamp_value", "glu_linear_offset", "window_size", "softmax_type", "quick_geglu")
@@ -97,6 +98,8 @@ def hf_export_problems(args):
     experts = bool(getattr(args, "num_experts", None))
     gpt_oss = experts and bool(getattr(args, "quick_geglu", False))
     deepseek = bool(getattr(args, "multi_latent_attention", False))
+    # a hybrid model's experts ('E' layers) have Nemotron-H's router, DeepSeek-V3's, checked in hf_hybrid.py
+    hybrid_experts = experts and "E" in str(getattr(args, "hybrid_override_pattern", None) or "")
     for name, flag, needs in _EXPORT_BLOCKERS:
         value = getattr(args, name, None)
         if name.startswith("moe_") and not experts:  # a dense model's MoE flags keep their defaults
@@ -104,6 +107,8 @@ def hf_export_problems(args):
         if gpt_oss and name in _GPT_OSS_FLAGS:
             continue
         if deepseek and name in EXPORT_FLAGS_CHECKED_HERE:
+            continue
+        if hybrid_experts and name in ModelShape.DEEPSEEK_ROUTER_FIELDS:
             continue
         if name == "moe_router_load_balancing_type":
             blocks = "sinkhorn" in ([value] if isinstance(value, str) else list(value or []))

@@ -1,5 +1,6 @@
 """tools/checkpoint --from hf / --to hf with hybrid Mamba models: NemotronHForCausalLM (Mamba, attention and MLP
-layers, pattern M*M-) and Mamba2ForCausalLM (Mamba layers only, tied embeddings, no conv biases).
+layers, pattern M*M-; with a Mixture-of-Experts block, M*E-) and Mamba2ForCausalLM (Mamba layers only, tied
+embeddings, no conv biases).
 
 The models are tiny ones transformers builds in fp32 (hidden 64, 8 Mamba heads of 16 channels in 2 groups, state 8,
 121 tokens) with random weights; their scan runs in chunks of 8 over 16 positions, ours in one chunk of 128 (the same
@@ -29,6 +30,10 @@ MIXER = dict(hidden_size=64, n_groups=2, chunk_size=8, vocab_size=VOCAB)
 NEMOTRON_H = dict(MIXER, layers_block_type=["linear_attention", "full_attention", "linear_attention", "mlp"],
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=8,
                   mamba_head_dim=16, ssm_state_size=8, max_position_embeddings=SEQUENCE, tie_word_embeddings=False)
+# 4 experts in 2 groups, the best group's two chosen (the group-limited choice matters), weights scaled by 2.5
+NEMOTRON_H_EXPERTS = dict(layers_block_type=["linear_attention", "full_attention", "moe", "mlp"], n_routed_experts=4,
+                          num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+                          n_group=2, topk_group=1, routed_scaling_factor=2.5)
 MAMBA2 = dict(MIXER, num_hidden_layers=3, num_heads=8, head_dim=16, expand=2, state_size=8, tie_word_embeddings=True,
               use_conv_bias=False)
 NEMOTRON_H_FLAGS = ("--num-layers 4 --hidden-size 64 --ffn-hidden-size 96 --num-attention-heads 4 "
@@ -37,6 +42,10 @@ NEMOTRON_H_FLAGS = ("--num-layers 4 --hidden-size 64 --ffn-hidden-size 96 --num-
                     "--untie-embeddings-and-output-weights --disable-bias-linear --hybrid-override-pattern M*M- "
                     "--mamba-state-dim 8 --mamba-head-dim 16 --mamba-num-groups 2 --mamba-num-heads 8 "
                     "--mamba-dt-limit 0.001 inf")  # transformers' default time_step_min clamps each step
+EXPERT_FLAGS = ("--num-experts 4 --moe-ffn-hidden-size 32 --moe-router-topk 2 --moe-layer-freq [0,0,1,0] "
+                "--moe-shared-expert-intermediate-size 48 --hybrid-override-pattern M*E-",
+                "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-num-groups 2 "
+                "--moe-router-group-topk 1 --moe-router-topk-scaling-factor 2.5")
 MAMBA2_FLAGS = ("--hybrid-override-pattern MMM --mamba-state-dim 8 --mamba-head-dim 16 --mamba-num-groups 2 "
                 "--mamba-num-heads 8")
 # Relative to the largest logit, fp32 on CPU: the scans sum in other orders (chunks of 8 against one of 128).
@@ -48,8 +57,9 @@ def _tokens():
 
 
 def _save_hf_model(directory, architecture, **changes):
-    """transformers' model with random weights (0.2 x N(0, 1) added) saved in `directory`; its logits on _tokens().
-    Nemotron-H keeps transformers' default time_step_min 0.001, which clamps some steps (--mamba-dt-limit)."""
+    """transformers' model with random weights (0.2 x N(0, 1) added; expert biases 0.1 x N(0, 1)) saved in
+    `directory`; its logits on _tokens(). Nemotron-H keeps transformers' default time_step_min 0.001, which clamps
+    some steps (--mamba-dt-limit)."""
     import transformers
 
     torch.manual_seed(0)
@@ -59,6 +69,9 @@ def _save_hf_model(directory, architecture, **changes):
     with torch.no_grad():
         for param in model.parameters():
             param.add_(0.2 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn_like(buffer))
         logits = model(_tokens()).logits
     model.save_pretrained(str(directory))
     return model, logits
@@ -114,6 +127,31 @@ def test_nemotron_h_computes_transformers_logits_and_round_trips(tools, tmp_path
                                                 tmp_path / "back")
     assert {"backbone.layers.0.mixer.conv1d.bias", "backbone.layers.1.mixer.k_proj.weight",
             "backbone.layers.3.mixer.up_proj.weight", "lm_head.weight"} <= set(before)
+    _assert_config_written_back(tmp_path / "hf", tmp_path / "back", 50)
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
+    assert type(back) is type(original)
+    with torch.no_grad():
+        assert torch.equal(back(_tokens()).logits, theirs)
+
+
+@pytest.mark.world_size(1)
+def test_nemotron_h_experts_compute_transformers_logits_and_round_trip(tools, tmp_path, capsys):
+    """A 'moe' block (sigmoid router with expert bias, group-limited choice, scaled weights, squared-ReLU experts
+    and a shared expert) is our 'E' layer."""
+    import transformers
+
+    convert_checkpoint, _ = tools
+    original, theirs = _save_hf_model(tmp_path / "hf", "NemotronHForCausalLM", **NEMOTRON_H_EXPERTS)
+    flags = import_hf(convert_checkpoint, tmp_path / "hf", tmp_path / "ours", capsys)
+    assert all(expected in flags for expected in EXPERT_FLAGS), flags
+    ours = run_on_ranks(1, _load_and_forward, flags, str(tmp_path / "ours"))[0]
+    assert_logits_close(theirs, ours, "Nemotron-H experts", LOGITS_TOLERANCE * theirs.abs().max().item())
+
+    before, _ = assert_exports_back_bit_for_bit(convert_checkpoint, tmp_path / "ours", tmp_path / "hf",
+                                                tmp_path / "back")
+    assert {"backbone.layers.2.mixer.gate.weight", "backbone.layers.2.mixer.experts.3.up_proj.weight",
+            "backbone.layers.2.mixer.shared_experts.down_proj.weight"} <= set(before)
+    assert torch.count_nonzero(before["backbone.layers.2.mixer.gate.e_score_correction_bias"]) == 4
     _assert_config_written_back(tmp_path / "hf", tmp_path / "back", 50)
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
     assert type(back) is type(original)
@@ -184,13 +222,24 @@ def _write_config(directory, architecture, **changes):
 IMPORT_REFUSALS = [
     ("NemotronHForCausalLM", dict(conv_kernel=3), "conv_kernel 3: our Mamba mixer's convolution is 4 wide"),
     ("NemotronHForCausalLM", dict(use_bias=True), "use_bias true: our Mamba mixer's in_proj and out_proj have no"),
-    ("NemotronHForCausalLM", dict(mlp_bias=True), "mlp_bias true: our MLP layers have biases only with"),
+    ("NemotronHForCausalLM", dict(mlp_bias=True), "mlp_bias true: our MLP layers and experts have biases only with"),
     ("NemotronHForCausalLM", dict(layer_norm_epsilon=1e-6), "layer_norm_epsilon 1e-06: it is also the Mamba mixer's "
      "gated-norm epsilon, which ours fixes at 1e-05"),
-    ("NemotronHForCausalLM", dict(layers_block_type=["linear_attention", "moe", "full_attention", "mlp"]),
-     r"Mixture-of-Experts blocks \('moe' in layers_block_type, layers \[1\]\)"),
+    ("NemotronHForCausalLM", dict(NEMOTRON_H_EXPERTS, moe_latent_size=16), "moe_latent_size 16: our experts read "
+     "and write the hidden state itself"),
+    ("NemotronHForCausalLM", dict(NEMOTRON_H_EXPERTS, norm_topk_prob=False), "norm_topk_prob False with "
+     "num_experts_per_tok 2: our sigmoid router renormalises the chosen scores exactly when"),
+    ("NemotronHForCausalLM", dict(NEMOTRON_H_EXPERTS, num_experts_per_tok=1), "norm_topk_prob True with "
+     "num_experts_per_tok 1"),
+    ("NemotronHForCausalLM", dict(NEMOTRON_H_EXPERTS, n_routed_experts=8, num_experts_per_tok=3),
+     "n_group 2 with topk_group 1 and num_experts_per_tok 3: HF scores each group by its best two experts"),
+    ("NemotronHForCausalLM", dict(NEMOTRON_H_EXPERTS, n_group=3), "n_group 3 with topk_group 1: HF's router needs "
+     "n_routed_experts 4 in n_group equal groups"),
+    ("NemotronHForCausalLM", dict(NEMOTRON_H_EXPERTS, layers_block_type=["linear_attention", "moe"],
+                                  mlp_hidden_act="silu"), "mlp_hidden_act 'silu': our non-gated MLP and experts"),
     ("NemotronHForCausalLM", dict(mamba_hidden_act="gelu"), "mamba_hidden_act 'gelu': our Mamba mixer applies silu"),
-    ("NemotronHForCausalLM", dict(mlp_hidden_act="silu"), "mlp_hidden_act 'silu': our non-gated MLP is squared ReLU"),
+    ("NemotronHForCausalLM", dict(mlp_hidden_act="silu"), "mlp_hidden_act 'silu': our non-gated MLP and experts are "
+     "squared ReLU"),
     ("NemotronHForCausalLM", dict(num_nextn_predict_layers=1), "num_nextn_predict_layers 1: our hybrid model has no "
      "multi-token prediction layers"),
     ("NemotronHForCausalLM", dict(mamba_num_heads=6, n_groups=4), "mamba_num_heads 6 is not a multiple of n_groups 4"),
@@ -231,7 +280,8 @@ EXPORT_REFUSALS = [
     (dict(position_embedding_type="rope"), "--position-embedding-type rope: NemotronHForCausalLM's attention has no "
      r"position embedding \(--position-embedding-type none\)"),
     (dict(position_embedding_type="learned_absolute"), "NemotronHForCausalLM has no position embedding table"),
-    (dict(squared_relu=False, swiglu=True), r"--swiglu: NemotronHForCausalLM's MLP layers apply squared ReLU"),
+    (dict(squared_relu=False, swiglu=True), "--swiglu: NemotronHForCausalLM's MLP layers and experts apply squared "
+     "ReLU"),
     (dict(add_bias_linear=True), r"linear biases \(no --disable-bias-linear, or --add-qkv-bias\)"),
     (dict(qk_layernorm=True), "--qk-layernorm: NemotronHForCausalLM's attention does not normalise"),
     (dict(norm_epsilon=1e-6), "--norm-epsilon 1e-06: NemotronHForCausalLM's one layer_norm_epsilon is also its "
@@ -298,5 +348,87 @@ def test_trained_hybrid_checkpoint_exports_and_imports_back_bit_for_bit(tools, t
     saved = offline.full_precision_model(offline.read_checkpoint(os.path.join(tmp_path, "ours", "iter_0000001")))
     back = offline.full_precision_model(offline.read_checkpoint(os.path.join(tmp_path, "back", "iter_0000001")))
     assert set(back) == set(saved) and "decoder.layers.0.mixer.A_log" in back
+    for name, tensor in saved.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def _experts_shape(hf_mapping, **flags):
+    return _hybrid_shape(hf_mapping, **{**dict(hybrid_layer_pattern="M*E-", num_experts=4, moe_ffn_hidden_size=32,
+                                               moe_layer_freq=[0, 0, 1, 0], moe_shared_expert_intermediate_size=48,
+                                               moe_router_score_function="sigmoid"), **flags})
+
+
+EXPERT_EXPORT_REFUSALS = [
+    (dict(moe_router_score_function="softmax"), "--moe-router-score-function softmax: NemotronHForCausalLM's router "
+     "scores experts by a sigmoid"),
+    (dict(moe_shared_expert_intermediate_size=None), "no --moe-shared-expert-intermediate-size: every "
+     "NemotronHForCausalLM 'moe' block adds a shared expert"),
+    (dict(moe_shared_expert_gate=True), "--moe-shared-expert-gate: NemotronHForCausalLM's shared expert is not gated"),
+    (dict(moe_router_topk=3, moe_router_num_groups=2, moe_router_group_topk=1), "--moe-router-topk 3 with "
+     "--moe-router-group-topk 1: NemotronHForCausalLM scores each group by its best two experts"),
+    (dict(squared_relu=False, swiglu=True), "--swiglu: NemotronHForCausalLM's MLP layers and experts apply squared"),
+    (dict(moe_router_bias=True), "--moe-router-bias: NemotronHForCausalLM's router has no bias"),
+]
+
+
+@pytest.mark.parametrize("flags,message", EXPERT_EXPORT_REFUSALS)
+def test_hybrid_experts_export_names_the_flags_hf_cannot_compute(tools, flags, message):
+    _, hf_mapping = tools
+    assert hf_mapping.architecture_for(_experts_shape(hf_mapping, moe_router_enable_expert_bias=True,
+                                                      moe_router_num_groups=2, moe_router_group_topk=1,
+                                                      moe_router_topk_scaling_factor=2.5)) == "NemotronHForCausalLM"
+    with pytest.raises(hf_mapping.ConversionError, match=message):
+        hf_mapping.architecture_for(_experts_shape(hf_mapping, **flags))
+
+
+def test_hybrid_experts_router_flags_are_left_to_the_nemotron_h_checks(tools):
+    """The sigmoid router's flags, which block other models with experts, are Nemotron-H's; the rest still block."""
+    import argparse
+
+    import hf_unsupported
+
+    router = dict(num_experts=4, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                  moe_router_num_groups=2, moe_router_group_topk=1, moe_router_topk_scaling_factor=2.5)
+    assert hf_unsupported.hf_export_refusal(argparse.Namespace(**router, hybrid_override_pattern="M*E-")) is None
+    assert "--moe-router-score-function sigmoid" in hf_unsupported.hf_export_refusal(argparse.Namespace(**router))
+    blocked = hf_unsupported.hf_export_refusal(argparse.Namespace(**router, hybrid_override_pattern="M*E-",
+                                                                  moe_expert_capacity_factor=1.0, mtp_num_layers=1))
+    assert "--moe-expert-capacity-factor 1.0" in blocked and "--mtp-num-layers 1" in blocked
+    assert "--moe-router-score-function" not in blocked
+
+
+@pytest.mark.world_size(1)
+def test_trained_hybrid_experts_checkpoint_exports_and_imports_back_bit_for_bit(tools, tmp_path):
+    """A hybrid checkpoint with a Mixture-of-Experts layer (sigmoid router, expert bias, group-limited choice,
+    scaled weights, a shared expert) exports as NemotronHForCausalLM with a 'moe' block, transformers computes its
+    logits, and --from hf gives every model tensor back bit for bit."""
+    import transformers
+    from megatron.core.dist_checkpointing import offline
+
+    convert_checkpoint, _ = tools
+    flags = ("--untie-embeddings-and-output-weights --hidden-size 64 --position-embedding-type none "
+             "--normalization RMSNorm --norm-epsilon 1e-5 --squared-relu --disable-bias-linear "
+             "--hybrid-override-pattern M*E- --mamba-state-dim 8 --mamba-head-dim 16 --mamba-num-groups 2 "
+             "--num-experts 4 --moe-ffn-hidden-size 32 --moe-router-topk 2 --moe-shared-expert-intermediate-size 48 "
+             "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-num-groups 2 "
+             "--moe-router-group-topk 1 --moe-router-topk-scaling-factor 2.5")
+    ours = run_on_ranks(1, _train_save_and_forward, flags, str(tmp_path / "ours"))[0]
+    written = convert_checkpoint.to_hf(str(tmp_path / "ours"), str(tmp_path / "hf"))
+    config = read_config(tmp_path / "hf")
+    assert config["layers_block_type"] == ["linear_attention", "full_attention", "moe", "mlp"]
+    assert (config["n_routed_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"],
+            config["moe_shared_expert_intermediate_size"], config["n_group"], config["topk_group"],
+            config["routed_scaling_factor"], config["norm_topk_prob"]) == (4, 2, 32, 48, 2, 1, 2.5, True)
+    assert written["backbone.layers.2.mixer.experts.0.up_proj.weight"].shape == (32, 64)
+    assert written["backbone.layers.2.mixer.gate.e_score_correction_bias"].dtype == torch.float32
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = model(_tokens()).logits
+    assert_logits_close(theirs, ours, "trained hybrid experts", LOGITS_TOLERANCE * theirs.abs().max().item())
+
+    convert_checkpoint.from_hf(str(tmp_path / "hf"), str(tmp_path / "back"))
+    saved = offline.full_precision_model(offline.read_checkpoint(os.path.join(tmp_path, "ours", "iter_0000001")))
+    back = offline.full_precision_model(offline.read_checkpoint(os.path.join(tmp_path, "back", "iter_0000001")))
+    assert set(back) == set(saved) and "decoder.layers.2.mlp.router.expert_bias" in back
     for name, tensor in saved.items():
         assert torch.equal(back[name], tensor), name
