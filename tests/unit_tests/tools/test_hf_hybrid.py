@@ -320,14 +320,29 @@ def test_our_flags_pick_the_hybrid_architecture_and_refuse_the_others(tools):
     assert "--hybrid-override-pattern=-M*M" in _hybrid_shape(hf_mapping, hybrid_layer_pattern="-M*M").training_flags()
 
 
+def _assert_transformers_computes_it_and_it_imports_back(convert_checkpoint, tmp_path, ours, label, a_tensor):
+    """The export in tmp_path/hf computes our logits `ours` under transformers, and its import gives back every
+    tensor of tmp_path/ours (iteration 1) bit for bit, `a_tensor` among them."""
+    import transformers
+    from megatron.core.dist_checkpointing import offline
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = model(_tokens()).logits
+    assert_logits_close(theirs, ours, label, LOGITS_TOLERANCE * theirs.abs().max().item())
+    convert_checkpoint.from_hf(str(tmp_path / "hf"), str(tmp_path / "back"))
+    saved = offline.full_precision_model(offline.read_checkpoint(os.path.join(tmp_path, "ours", "iter_0000001")))
+    back = offline.full_precision_model(offline.read_checkpoint(os.path.join(tmp_path, "back", "iter_0000001")))
+    assert set(back) == set(saved) and a_tensor in back
+    for name, tensor in saved.items():
+        assert torch.equal(back[name], tensor), name
+
+
 @pytest.mark.world_size(1)
 def test_trained_hybrid_checkpoint_exports_and_imports_back_bit_for_bit(tools, tmp_path):
     """A hybrid checkpoint training wrote (--apply-layernorm-1p: norms stored as gamma - 1) exports as
     NemotronHForCausalLM with time_step_min 0, transformers computes its logits, and --from hf gives every model
     tensor back bit for bit."""
-    import transformers
-    from megatron.core.dist_checkpointing import offline
-
     convert_checkpoint, _ = tools
     flags = ("--untie-embeddings-and-output-weights --hidden-size 64 --position-embedding-type none "
              "--normalization RMSNorm --norm-epsilon 1e-5 --squared-relu --disable-bias-linear --apply-layernorm-1p "
@@ -339,17 +354,8 @@ def test_trained_hybrid_checkpoint_exports_and_imports_back_bit_for_bit(tools, t
     assert config["layers_block_type"] == ["linear_attention", "mlp", "full_attention", "linear_attention"]
     assert (config["mamba_num_heads"], config["n_groups"], config["ssm_state_size"]) == (8, 2, 8)
     assert written["backbone.layers.1.mixer.up_proj.weight"].shape == (256, 64)  # TINY_GPT's 4 x hidden
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
-    with torch.no_grad():
-        theirs = model(_tokens()).logits
-    assert_logits_close(theirs, ours, "trained hybrid", LOGITS_TOLERANCE * theirs.abs().max().item())
-
-    convert_checkpoint.from_hf(str(tmp_path / "hf"), str(tmp_path / "back"))
-    saved = offline.full_precision_model(offline.read_checkpoint(os.path.join(tmp_path, "ours", "iter_0000001")))
-    back = offline.full_precision_model(offline.read_checkpoint(os.path.join(tmp_path, "back", "iter_0000001")))
-    assert set(back) == set(saved) and "decoder.layers.0.mixer.A_log" in back
-    for name, tensor in saved.items():
-        assert torch.equal(back[name], tensor), name
+    _assert_transformers_computes_it_and_it_imports_back(convert_checkpoint, tmp_path, ours, "trained hybrid",
+                                                         "decoder.layers.0.mixer.A_log")
 
 
 def _experts_shape(hf_mapping, **flags):
@@ -402,9 +408,6 @@ def test_trained_hybrid_experts_checkpoint_exports_and_imports_back_bit_for_bit(
     """A hybrid checkpoint with a Mixture-of-Experts layer (sigmoid router, expert bias, group-limited choice,
     scaled weights, a shared expert) exports as NemotronHForCausalLM with a 'moe' block, transformers computes its
     logits, and --from hf gives every model tensor back bit for bit."""
-    import transformers
-    from megatron.core.dist_checkpointing import offline
-
     convert_checkpoint, _ = tools
     flags = ("--untie-embeddings-and-output-weights --hidden-size 64 --position-embedding-type none "
              "--normalization RMSNorm --norm-epsilon 1e-5 --squared-relu --disable-bias-linear "
@@ -421,14 +424,5 @@ def test_trained_hybrid_experts_checkpoint_exports_and_imports_back_bit_for_bit(
             config["routed_scaling_factor"], config["norm_topk_prob"]) == (4, 2, 32, 48, 2, 1, 2.5, True)
     assert written["backbone.layers.2.mixer.experts.0.up_proj.weight"].shape == (32, 64)
     assert written["backbone.layers.2.mixer.gate.e_score_correction_bias"].dtype == torch.float32
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
-    with torch.no_grad():
-        theirs = model(_tokens()).logits
-    assert_logits_close(theirs, ours, "trained hybrid experts", LOGITS_TOLERANCE * theirs.abs().max().item())
-
-    convert_checkpoint.from_hf(str(tmp_path / "hf"), str(tmp_path / "back"))
-    saved = offline.full_precision_model(offline.read_checkpoint(os.path.join(tmp_path, "ours", "iter_0000001")))
-    back = offline.full_precision_model(offline.read_checkpoint(os.path.join(tmp_path, "back", "iter_0000001")))
-    assert set(back) == set(saved) and "decoder.layers.2.mlp.router.expert_bias" in back
-    for name, tensor in saved.items():
-        assert torch.equal(back[name], tensor), name
+    _assert_transformers_computes_it_and_it_imports_back(convert_checkpoint, tmp_path, ours, "trained hybrid experts",
+                                                         "decoder.layers.2.mlp.router.expert_bias")
