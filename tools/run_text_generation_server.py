@@ -5,10 +5,11 @@
 
 Takes pretrain_gpt.py's model and tokenizer flags (`--use-checkpoint-args` reads the model's from the checkpoint)
 and `--load`; `--tensor-model-parallel-size 2` or `--pipeline-model-parallel-size 2` on 2 ranks splits the model
-(both on 4 ranks). Rank 0 answers `PUT /api` on `--port` (default 5000) on every interface; the other ranks
-follow its requests. Query it with curl or `python tools/text_generation_cli.py localhost:5000`. For a model
-fine-tuned with `--sft`, `--chat-prompt-format FORMAT` (its `--sft-tokenizer-prompt-format`) also answers OpenAI's
-`POST /v1/chat/completions`: the messages rendered in that format, the reply up to its end-of-turn marker. Upstream's
+(both on 4 ranks). Rank 0 answers `PUT /api` and OpenAI's text completions (`POST /v1/completions`) on `--port`
+(default 5000) on every interface; the other ranks follow its requests. Query it with curl or
+`python tools/text_generation_cli.py localhost:5000`. For a model fine-tuned with `--sft`, `--chat-prompt-format
+FORMAT` (its `--sft-tokenizer-prompt-format`) also answers OpenAI's `POST /v1/chat/completions`: the messages
+rendered in that format, the reply up to its end-of-turn marker. Upstream's
 server-wide sampling flags (`--temperature`, `--top_k`, `--top_p`, `--num-tokens-to-generate`, `--out-seq-length`,
 `--return-log-probs`) are accepted and, as upstream's, set nothing: each request gives its own fields (a note
 names each). See docs/inference.md.

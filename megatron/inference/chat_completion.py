@@ -15,33 +15,27 @@ The reply's `content` is the generated text without the end-of-document token an
 tokens the model generated (a stop's end-of-document token when the model chose it, not one the marker forced).
 """
 
-import random
 import time
 import uuid
-from typing import List
 
-from megatron.core.inference.sampling_params import SamplingParams
 from megatron.core.inference.static_generation import GeneratedSequence
 from megatron.inference.chat_request import ChatRequest
 from megatron.inference.generation_request import RequestError
+from megatron.inference.openai_fields import (
+    completion_token_count,
+    reply_tokens,
+    sampling_params_for,
+    seed_for,
+    usage,
+)
 from megatron.inference.text_generation import GenerationJob, GenerationLimits, text_ids
 from megatron.training.tokenizer.chat_prompt_formats import ChatPromptFormat, tokenize_conversation
-
-
-def sampling_params_for(request: ChatRequest) -> SamplingParams:
-    """OpenAI's sampling fields as the server's: temperature 0 is greedy (top_k 1), top_p 1.0 filters nothing."""
-    if request.greedy:
-        return SamplingParams(top_k=1, num_tokens_to_generate=request.max_tokens)
-    return SamplingParams(temperature=request.temperature, top_k=request.top_k,
-                          top_p=request.top_p if request.top_p < 1.0 else 0.0,
-                          num_tokens_to_generate=request.max_tokens)
 
 
 def prepare_chat_job(request: ChatRequest, tokenizer, limits: GenerationLimits,
                      chat_format: ChatPromptFormat) -> GenerationJob:
     """The job of `request`; raises RequestError (a 400) naming the field when it cannot run."""
-    if request.top_k > limits.vocab_size:
-        raise RequestError(f"top_k {request.top_k} exceeds the tokenizer's vocabulary of {limits.vocab_size} tokens")
+    sampling_params = sampling_params_for(request, limits.vocab_size)
     try:
         prompt_tokens, _ = tokenize_conversation(tokenizer, request.messages, chat_format, add_generation_prompt=True)
     except ValueError as error:
@@ -53,31 +47,19 @@ def prepare_chat_job(request: ChatRequest, tokenizer, limits: GenerationLimits,
             "server's --inference-max-seq-length, at most --max-position-embeddings); shorten the conversation or "
             "ask for fewer max_tokens")
     stop_sequences = tuple(tuple(text_ids(tokenizer, marker)) for marker in chat_format.reply_ends)
-    seed = request.seed if request.seed is not None else random.SystemRandom().randrange(2 ** 31)
-    return GenerationJob(prompt_tokens=[prompt_tokens], sampling_params=sampling_params_for(request), seed=seed,
+    return GenerationJob(prompt_tokens=[prompt_tokens], sampling_params=sampling_params, seed=seed_for(request),
                          logprobs=False, stop_sequences=tuple(sequence for sequence in stop_sequences if sequence))
-
-
-def _ends_with_any(tokens: List[int], sequences) -> bool:
-    return any(len(tokens) >= len(sequence) and tuple(tokens[len(tokens) - len(sequence):]) == tuple(sequence)
-               for sequence in sequences)
 
 
 def build_chat_completion(job: GenerationJob, result: GeneratedSequence, tokenizer, eod_id: int,
                           chat_format: ChatPromptFormat, model_name: str) -> dict:
     """OpenAI's chat completion for the job's one result (see the module docstring)."""
-    generated = result.generated_tokens
-    reply_tokens = generated[:-1] if result.stopped_at_eod else generated
-    completion_tokens = len(generated)
-    if result.stopped_at_eod and _ends_with_any(reply_tokens, job.stop_sequences):
-        completion_tokens -= 1  # the end-of-document token the marker forced
-    content = tokenizer.detokenize(reply_tokens)
+    content = tokenizer.detokenize(reply_tokens(result))
     ended_turn = False
     for marker in chat_format.reply_ends:
         if marker and content.endswith(marker):
             content, ended_turn = content[:len(content) - len(marker)], True
             break
-    prompt_tokens = len(result.prompt_tokens)
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",
@@ -85,6 +67,5 @@ def build_chat_completion(job: GenerationJob, result: GeneratedSequence, tokeniz
         "model": model_name,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
                      "finish_reason": "stop" if result.stopped_at_eod or ended_turn else "length"}],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
+        "usage": usage(len(result.prompt_tokens), completion_token_count(result, job.stop_sequences)),
     }

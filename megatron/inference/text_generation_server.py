@@ -1,6 +1,7 @@
 """Upstream's text-generation HTTP endpoint on the standard library: `PUT /api` with a JSON body (see
-`generation_request`) answers upstream's response (see `text_generation`), or 400 with `{"message": ...}`. With a
-chat format, `POST /v1/chat/completions` answers OpenAI's chat requests (see `chat_request`, `chat_completion`).
+`generation_request`) answers upstream's response (see `text_generation`), or 400 with `{"message": ...}`.
+`POST /v1/completions` answers OpenAI's text completion requests (see `completion_request`, `text_completion`), and
+with a chat format `POST /v1/chat/completions` OpenAI's chat requests (see `chat_request`, `chat_completion`).
 
 Rank 0 serves HTTP. Every request it accepts is checked and tokenized there first (a bad request reaches no other
 rank), then broadcast to all ranks as a `GenerationJob`; every rank runs it (the tensor- and pipeline-parallel ranks
@@ -21,16 +22,21 @@ import torch.distributed as dist
 from megatron.inference.chat_completion import build_chat_completion, prepare_chat_job
 from megatron.inference.chat_request import EXAMPLE_BODY as CHAT_EXAMPLE_BODY
 from megatron.inference.chat_request import parse_chat_request
+from megatron.inference.completion_request import EXAMPLE_BODY as COMPLETION_EXAMPLE_BODY
+from megatron.inference.completion_request import parse_completion_request
 from megatron.inference.generation_request import RequestError, parse_generation_request
+from megatron.inference.text_completion import build_text_completion, prepare_completion_job
 from megatron.inference.text_generation import GenerationLimits, build_response, prepare_job, run_job
 from megatron.training.tokenizer.chat_prompt_formats import PROMPT_FORMATS
 
 API_PATH = "/api"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
 # Each endpoint's method and an example of its body (a request with another method is answered with it).
 ENDPOINTS = {
     API_PATH: ("PUT", '{"prompts": ["Hello"]}'),
     CHAT_COMPLETIONS_PATH: ("POST", CHAT_EXAMPLE_BODY),
+    COMPLETIONS_PATH: ("POST", COMPLETION_EXAMPLE_BODY),
 }
 NO_CHAT_FORMAT = (f"POST {CHAT_COMPLETIONS_PATH} needs the model's chat format: launch the server with "
                   f"--chat-prompt-format FORMAT ({', '.join(sorted(PROMPT_FORMATS))}), the format the model was "
@@ -78,9 +84,9 @@ def follow_requests(model, limits: GenerationLimits):
 
 
 class TextGenerationServer:
-    """Rank 0's side: answers requests (`generate`, `chat_completion`; `handle`, `handle_chat`) and serves them over
-    HTTP (`serve`). `chat_format` (a `ChatPromptFormat`; None: no chat endpoint) renders chat requests, and
-    `model_name` is the `model` of their answers."""
+    """Rank 0's side: answers requests (`generate`, `chat_completion`, `completion`; `handle`, `handle_chat`,
+    `handle_completion`) and serves them over HTTP (`serve`). `chat_format` (a `ChatPromptFormat`; None: no chat
+    endpoint) renders chat requests, and `model_name` is the `model` of the OpenAI endpoints' answers."""
 
     def __init__(self, model, tokenizer, limits: GenerationLimits, chat_format=None, model_name="megatron-gpt"):
         self.model = model
@@ -119,6 +125,14 @@ class TextGenerationServer:
         return build_chat_completion(job, result, self.tokenizer, self.limits.eod_id, self.chat_format,
                                      self.model_name)
 
+    def completion(self, body) -> dict:
+        """The response to a `POST /v1/completions` body; raises RequestError for a bad one (before any rank does
+        work)."""
+        request = parse_completion_request(body)
+        job = prepare_completion_job(request, self.tokenizer, self.limits)
+        results = self._run(job, body, log=True)
+        return build_text_completion(request, job, results, self.tokenizer, self.model_name)
+
     def handle(self, body):
         """(HTTP status, JSON payload) for a `PUT /api` body."""
         return _answer(self.generate, body)
@@ -126,6 +140,10 @@ class TextGenerationServer:
     def handle_chat(self, body):
         """(HTTP status, JSON payload) for a `POST /v1/chat/completions` body."""
         return _answer(self.chat_completion, body)
+
+    def handle_completion(self, body):
+        """(HTTP status, JSON payload) for a `POST /v1/completions` body."""
+        return _answer(self.completion, body)
 
     def stop_followers(self):
         """Release the other ranks from `follow_requests` (once, when serving ends)."""
@@ -143,6 +161,8 @@ class TextGenerationServer:
         """Serve until interrupted (Ctrl-C reaches every rank of a torchrun job, so the other ranks stop too)."""
         http_server = self.make_http_server(host, port)
         print(f"serving text generation on http://{host}:{http_server.server_address[1]}{API_PATH} (PUT)",
+              flush=True)
+        print(f"serving text completions on http://{host}:{http_server.server_address[1]}{COMPLETIONS_PATH} (POST)",
               flush=True)
         if self.chat_format is not None:
             print(f"serving chat completions ({self.chat_format.name}) on "
@@ -164,7 +184,8 @@ def _answer(respond, body):
 
 
 def _handler_class(server: TextGenerationServer):
-    handlers = {API_PATH: server.handle, CHAT_COMPLETIONS_PATH: server.handle_chat}
+    handlers = {API_PATH: server.handle, CHAT_COMPLETIONS_PATH: server.handle_chat,
+                COMPLETIONS_PATH: server.handle_completion}
 
     class Handler(BaseHTTPRequestHandler):
         def _reply(self, status, payload):

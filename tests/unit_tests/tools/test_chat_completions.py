@@ -235,9 +235,10 @@ def test_http_routes(base_url):
         assert status == 405 and answer["message"].startswith("use POST /v1/chat/completions with a JSON body")
     status, answer = _send(base_url + "/api", b"{}", method="POST")
     assert status == 405 and answer["message"] == 'use PUT /api with a JSON body, such as {"prompts": ["Hello"]}'
-    status, answer = _send(base_url + "/v1/completions", b"{}")
+    status, answer = _send(base_url + "/v1/embeddings", b"{}")
     assert status == 404
-    assert answer["message"] == "no endpoint /v1/completions: use PUT /api or POST /v1/chat/completions"
+    assert answer["message"] == ("no endpoint /v1/embeddings: use PUT /api or POST /v1/chat/completions or "
+                                 "POST /v1/completions")
 
 
 def _chat_served_at(pp):
