@@ -20,10 +20,11 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+from examples.one_process_benchmark import one_process_world, report  # noqa: E402
 
 HEADS, HEAD_DIM, LAYERS, HIDDEN, VOCAB = 8, 64, 4, 256, 1024
 
@@ -123,21 +124,8 @@ def main(argv=None):
     for count in args.sequences:
         if count < 1 or args.row % count:
             parser.error(f"--sequences {count} must divide --row {args.row}")
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29517")
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
-    result = table(args.row, args.sequences, args.repeats)
-    print(result, flush=True)
-    if args.markdown:
-        with open(args.markdown, "w") as output:
-            output.write(result + "\n")
-    return result
+    one_process_world(29517)
+    return report(table(args.row, args.sequences, args.repeats), args.markdown)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,9 @@ import statistics
 import sys
 import time
 
-import torch
-import torch.distributed as dist
-
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+from examples.one_process_benchmark import one_process_world, report  # noqa: E402
 
 LAYERS, HIDDEN, HEADS = 4, 128, 4
 
@@ -102,24 +101,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.conversations < 1 or args.seq_length < 2 or args.repeats < 1:
         parser.error("--conversations, --repeats must be at least 1 and --seq-length at least 2")
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29519")
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    from megatron.core import parallel_state
     from tools.build_sft_conversations import main as build_conversations
 
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
+    one_process_world(29519)
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"sft_benchmark_{args.conversations}.jsonl")
     build_conversations(["--output", path, "--max-conversations", str(args.conversations)])
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
-    result, _ = table(path, args.seq_length, args.repeats)
-    print(result, flush=True)
-    if args.markdown:
-        with open(args.markdown, "w") as output:
-            output.write(result + "\n")
-    return result
+    return report(table(path, args.seq_length, args.repeats)[0], args.markdown)
 
 
 if __name__ == "__main__":
