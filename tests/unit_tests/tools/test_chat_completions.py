@@ -241,19 +241,26 @@ def test_http_routes(base_url):
                                  "POST /v1/completions")
 
 
-def _chat_served_at(pp):
+def served_at(pp, ask, **server_options):
+    """At pipeline size `pp`: rank 0 serves the tiny model and returns `ask(server)`, the other ranks follow its
+    requests (and return None)."""
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
     model = _model(pp)
     answers = None
     if torch.distributed.get_rank() == 0:
-        server = TextGenerationServer(model, TOKENIZER, LIMITS, chat_format=CHATML)
-        answers = [server.handle_chat({"messages": CONVERSATION, "max_tokens": 6, **fields})[1]["choices"]
-                   for fields in ({"temperature": 0}, {"temperature": 1.5, "seed": 9})]
+        server = TextGenerationServer(model, TOKENIZER, LIMITS, **server_options)
+        answers = ask(server)
         server.stop_followers()
     else:
         follow_requests(model, LIMITS)
     parallel_state.destroy_model_parallel()
     return answers
+
+
+def _chat_served_at(pp):
+    return served_at(pp, lambda server: [
+        server.handle_chat({"messages": CONVERSATION, "max_tokens": 6, **fields})[1]["choices"]
+        for fields in ({"temperature": 0}, {"temperature": 1.5, "seed": 9})], chat_format=CHATML)
 
 
 def _one_rank_then_pp2():

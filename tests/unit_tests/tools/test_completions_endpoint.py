@@ -9,17 +9,22 @@ import threading
 import time
 
 import pytest
-import torch
 
-from megatron.core import parallel_state
 from megatron.core.inference.sampling_params import SamplingParams
 from megatron.core.inference.static_generation import generate_in_batches
 from megatron.inference import text_generation_server
 from megatron.inference.completion_request import parse_completion_request
 from megatron.inference.generation_request import DEFAULT_TOKENS_TO_GENERATE
-from megatron.inference.text_generation_server import TextGenerationServer, follow_requests
+from megatron.inference.text_generation_server import TextGenerationServer
 from tests.unit_tests.multiprocess_harness import run_on_ranks
-from tests.unit_tests.tools.test_chat_completions import LIMITS, TOKENIZER, ScriptedReplyModel, _model, _send
+from tests.unit_tests.tools.test_chat_completions import (
+    LIMITS,
+    TOKENIZER,
+    ScriptedReplyModel,
+    _model,
+    _send,
+    served_at,
+)
 
 MODEL_NAME = "runs/tiny_gpt/checkpoints"
 PROMPTS = ["def add(a, b):", "The path", "x"]  # three prompts: two batches of at most LIMITS.max_batch_size 2
@@ -167,18 +172,9 @@ def test_http_routes(base_url):
 
 
 def _completions_served_at(pp):
-    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
-    model = _model(pp)
-    answers = None
-    if torch.distributed.get_rank() == 0:
-        server = TextGenerationServer(model, TOKENIZER, LIMITS)
-        answers = [server.handle_completion({"prompt": PROMPTS, "max_tokens": 6, **fields})[1]["choices"]
-                   for fields in ({"temperature": 0, "stop": "e"}, {"temperature": 1.5, "seed": 9})]
-        server.stop_followers()
-    else:
-        follow_requests(model, LIMITS)
-    parallel_state.destroy_model_parallel()
-    return answers
+    return served_at(pp, lambda server: [
+        server.handle_completion({"prompt": PROMPTS, "max_tokens": 6, **fields})[1]["choices"]
+        for fields in ({"temperature": 0, "stop": "e"}, {"temperature": 1.5, "seed": 9})])
 
 
 def _one_rank_then_pp2():
