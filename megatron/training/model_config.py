@@ -15,6 +15,7 @@ def core_transformer_config_from_args(args, config_class=None):
     """The `TransformerConfig` (model shape, parallel sizes, precision, recompute) the flags describe."""
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.training.argument_groups.fp8 import transformer_config_kwargs as fp8_config_kwargs
+    from megatron.training.argument_groups.heterogeneous import transformer_config_kwargs as heterogeneous_kwargs
     from megatron.training.argument_groups.hybrid import transformer_config_kwargs as hybrid_config_kwargs
     from megatron.training.argument_groups.memory import transformer_config_kwargs as memory_config_kwargs
     from megatron.training.argument_groups.numerics import transformer_config_kwargs as numerics_config_kwargs
@@ -84,6 +85,7 @@ def core_transformer_config_from_args(args, config_class=None):
         **attention_variants_config_kwargs(args),
         **attention_head_transforms_config_kwargs(args),
         **hybrid_config_kwargs(args),
+        **heterogeneous_kwargs(args),
     )
 
 

@@ -30,6 +30,7 @@ from megatron.core.inference.model_inference_wrappers.inference_wrapper_config i
 from megatron.core.inference.text_generation_controllers.text_generation_controller import (  # noqa: E402
     TextGenerationController,
 )
+from megatron.core.transformer.heterogeneous.linear_replacements import LinearReplacedAttention  # noqa: E402
 from megatron.inference import launch  # noqa: E402
 from megatron.inference.launch import build_tokenizer, run_with_megatron  # noqa: E402
 
@@ -60,13 +61,29 @@ def check_args(args):
     static.check_args(args)
 
 
+def _caching_attentions(model):
+    """The attention modules of this pipeline stage that cache keys and values: not a hybrid model's Mamba and MLP
+    layers, nor a heterogeneous model's dropped attentions and their linear stand-ins."""
+    layers = getattr(getattr(model, "decoder", None), "layers", None) or []
+    attentions = (getattr(layer, "self_attention", None) for layer in layers)
+    return [attention for attention in attentions
+            if attention is not None and not isinstance(attention, LinearReplacedAttention)]
+
+
 def cached_layers(model):
-    """Layers of this pipeline stage that cache keys and values (attention layers; a hybrid model's Mamba and MLP
-    layers keep none), at least one: the context sizes its chunks by them."""
-    layers = getattr(getattr(model, "decoder", None), "layers", None)
-    if layers is None:
+    """Layers of this pipeline stage that cache keys and values, at least one: the context sizes its chunks by
+    them."""
+    if getattr(getattr(model, "decoder", None), "layers", None) is None:
         return model.config.num_layers
-    return max(1, sum(1 for layer in layers if getattr(layer, "self_attention", None) is not None))
+    return max(1, len(_caching_attentions(model)))
+
+
+def cached_key_value_heads(model):
+    """Key/value heads of each caching layer: the most any of them has (a heterogeneous model's layers have their
+    own), so the chunks the context counts hold any layer's keys and values."""
+    groups = [attention.config.num_query_groups for attention in _caching_attentions(model)
+              if hasattr(attention, "config")]
+    return max(groups, default=model.config.num_query_groups)
 
 
 def build_engine(args, model, tokenizer, max_sequence_length):
@@ -74,7 +91,7 @@ def build_engine(args, model, tokenizer, max_sequence_length):
     max_requests = args.inference_dynamic_batching_max_requests_override or args.inference_max_requests
     context = DynamicInferenceContext(
         params_dtype=config.params_dtype, num_layers=cached_layers(model), kv_channels=config.kv_channels,
-        num_attention_heads=config.num_query_groups, max_sequence_length=max_sequence_length,
+        num_attention_heads=cached_key_value_heads(model), max_sequence_length=max_sequence_length,
         buffer_size_gb=args.inference_dynamic_batching_buffer_size_gb,
         chunk_size_tokens=args.inference_dynamic_batching_chunk_size, max_requests_override=max_requests,
         max_tokens_override=args.inference_dynamic_batching_max_tokens_override,

@@ -49,7 +49,8 @@ def _hooked_modules(layer, piece):
     if piece == "qkv_linear":
         return [getattr(attention, name) for name in _QKV_PROJECTIONS if hasattr(attention, name)]
     if piece == "attn_proj":
-        return [attention.linear_proj]
+        # A heterogeneous layer's linear stand-in (`linear_attn`) has no output projection.
+        return [attention.linear_proj] if hasattr(attention, "linear_proj") else []
     if piece == "mlp_norm" and getattr(layer, "mlp", None) is not None:
         return [] if layer.norms_fused_into_mlp else [layer.pre_mlp_layernorm]
     return []

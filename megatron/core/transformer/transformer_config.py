@@ -18,6 +18,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig, allow_runti
 from megatron.core.offloading.fine_grained import EXPERT_MODULES, OFFLOADABLE_MODULES
 from megatron.core.transformer.init_methods import init_method_normal, scaled_init_method_normal
 from megatron.core.ssm.mamba_config import MambaConfigMixin
+from megatron.core.transformer.heterogeneous.heterogeneous_config import HeterogeneousConfigMixin
 from megatron.core.transformer.kernel_choice_config import KernelChoiceConfigMixin
 from megatron.core.transformer.moe.moe_config import MoEConfigMixin
 from megatron.core.transformer.mla_config import MLAConfigMixin
@@ -34,7 +35,7 @@ RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", 
 
 @dataclass(frozen=True, kw_only=True)
 class TransformerConfig(KernelChoiceConfigMixin, MTPConfigMixin, MLAConfigMixin, YarnConfigMixin, MoEConfigMixin,
-                        MambaConfigMixin, ModelParallelConfig):
+                        MambaConfigMixin, HeterogeneousConfigMixin, ModelParallelConfig):
     """Transformer shape, regularisation, initialisation and activation-recompute settings (upstream's kernel-choice
     fields: see `kernel_choice_config`)."""
 
@@ -263,6 +264,7 @@ class TransformerConfig(KernelChoiceConfigMixin, MTPConfigMixin, MLAConfigMixin,
         self._validate_attention_variants()
         self._validate_attention_head_transforms()
         self._validate_kernel_choices()
+        self._validate_heterogeneous_layers()  # last: builds each layer shape's config from this validated one
 
     def _validate_attention_head_transforms(self):
         from megatron.core.transformer.attention_head_transforms import validated_head_transforms

@@ -12,6 +12,11 @@ fused linears use their parameters, so both implementations have the same parame
 post-layernorm residual needs the norm's output itself, so with it the layer applies its norms and TE's plain
 linears run.
 
+A heterogeneous model's layer (`--heterogeneous-layers-config-path`, see `heterogeneous/`) builds its attention
+and MLP from its own config (query groups, MLP width); either may be absent (`no_op`: the residual passes through,
+no norm) or one hidden x hidden linear after the norm (`replace_with_linear`: `self_attention.linear_attn`,
+`mlp.linear_mlp`).
+
 Selective recompute (`--recompute-modules`): with mlp, a dense layer's MLP is checkpointed (MoE layers: moe, see
 `MoELayer`); with layernorm, the layer's norms are recomputed in backward and their outputs are not kept by the
 sublayers reading them (`output_recomputed_in_backward`). Norms fused into TE's linears, and the post-layernorm
@@ -32,6 +37,7 @@ from megatron.core.transformer.attention import (
     one_inference_context,
     refuse_unsupported_forward_inputs,
 )
+from megatron.core.transformer.heterogeneous.linear_replacements import LinearReplacedAttention, LinearReplacedMLP
 from megatron.core.transformer.init_seeds import derive_init_seed, reset_children_parameters, resolve_base_init_seed
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_config import moe_layer_pattern
@@ -112,7 +118,16 @@ class TransformerLayer(torch.nn.Module):
             config.recomputes("moe") or config.moe_layer_recompute)
 
     def _build_attention(self, config, layer_number, fused):
+        # A heterogeneous model's layer may drop its attention (no_op) or put one linear in its place.
+        block = config.heterogeneous_block(layer_number)
+        if block is not None and block.attention.no_op:
+            return
         self.input_layernorm = build_norm(config, config.hidden_size)
+        if block is not None and block.attention.replace_with_linear:
+            self.norms_fused_into_linears = False
+            self.self_attention = LinearReplacedAttention(config, init_seed=self.init_seed)
+            return
+        config = config.get_config_for_layer(layer_number)
         if config.multi_latent_attention:
             self.self_attention = MLASelfAttention(config, layer_number, init_seed=self.init_seed)
         else:
@@ -120,7 +135,14 @@ class TransformerLayer(torch.nn.Module):
                                                 fused_input_norm=self.input_layernorm if fused else None)
 
     def _build_mlp(self, config, layer_number, fused):
+        block = config.heterogeneous_block(layer_number)
+        if block is not None and block.mlp.no_op:
+            return
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
+        if block is not None and block.mlp.replace_with_linear:
+            self.mlp = LinearReplacedMLP(config, init_seed=self.init_seed)
+            return
+        config = config.get_config_for_layer(layer_number)
         if moe_layer_pattern(config)[layer_number - 1]:
             self.mlp = MoELayer(config, layer_number=layer_number, init_seed=self.init_seed)
             self.norms_fused_into_mlp = False  # the router and the experts read the normalised input

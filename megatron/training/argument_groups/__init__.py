@@ -16,6 +16,7 @@ from megatron.training.argument_groups import (
     data_parallel,
     data_parallel_tuning,
     fp8,
+    heterogeneous,
     hybrid,
     logging_eval,
     memory,
@@ -53,7 +54,8 @@ from megatron.training.argument_groups import (
 # mtp follows pipeline_split: a layout's 'm' symbols must match --mtp-num-layers.
 # sft follows data: it reads the tokenizer type data settles.
 # hybrid follows model: it reads --num-layers; its pattern reaches the config moe validates.
-ARGUMENT_GROUPS = (upstream_compat, checkpoint_args, model_builders, parallelism, model, hybrid, mla,
+# heterogeneous follows hybrid: it refuses hybrid patterns (and MoE, MLA, MTP) with its layers.
+ARGUMENT_GROUPS = (upstream_compat, checkpoint_args, model_builders, parallelism, model, hybrid, heterogeneous, mla,
                    activation_recompute, training, muon, qk_clip, attention_variants, attention_head_transforms,
                    virtual_pipeline, pipeline_split, mtp, data, sft, logging_eval, profiling, checkpoint, memory,
                    data_parallel, communication, fp8, result_validation, numerics, data_parallel_tuning, run_control,

@@ -3,6 +3,8 @@ that come and go between steps each decode the greedy tokens of full forwards wi
 context's limits on requests, step tokens and memory; seeded sampling repeats; tensor parallelism gives the
 one-rank tokens; and what is not supported is refused by name."""
 
+import json
+
 import pytest
 import torch
 
@@ -24,24 +26,32 @@ GREEDY = SamplingParams(top_k=1, num_tokens_to_generate=4)
 # A hybrid model's layers: Mamba, attention, Mamba (each request keeps its own scan state).
 HYBRID = dict(num_layers=3, hybrid_layer_pattern="M*M", mamba_head_dim=8, mamba_num_groups=2, mamba_state_dim=4,
               mamba_chunk_size=4)
+# A heterogeneous model's layers: 2 key/value heads, a linear for the attention, 4 key/value heads.
+HETEROGENEOUS = dict(num_layers=3, heterogeneous_layers_config_encoded_json=json.dumps({"block_configs": [
+    {"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 2.0}},
+    {"attention": {"replace_with_linear": True}, "ffn": {"no_op": True}},
+    {"attention": {"n_heads_in_group": 1}, "ffn": {"replace_with_linear": True}}]}))
 
 
 def _model(tp=1, pp=1, hybrid=False):
     """A tiny GPT (this rank's pipeline stage of it) whose greedy continuations vary (at the default init they
-    repeat the last prompt token); with `hybrid` a hybrid model of Mamba and attention layers."""
+    repeat the last prompt token); `hybrid`: True for a hybrid model of Mamba and attention layers, "heterogeneous"
+    for layers of their own shapes."""
     stage = {} if pp == 1 else dict(pre_process=parallel_state.is_pipeline_first_stage(),
                                     post_process=parallel_state.is_pipeline_last_stage())
-    shape = HYBRID if hybrid else {}
+    shape = HETEROGENEOUS if hybrid == "heterogeneous" else HYBRID if hybrid else {}
     return seeded_model(tiny_config(tp=tp, pp=pp, num_query_groups=2, init_method_std=0.5, **shape),
-                        position_embedding_type="none" if hybrid else "rope",
+                        position_embedding_type="none" if hybrid is True else "rope",
                         share_embeddings_and_output_weights=False, **stage).eval()
 
 
 def _context(model, max_requests=2, chunk_size=4, buffer_chunks=6, max_tokens=None):
     config = model.config
-    chunk_bytes = 2 * config.num_layers * chunk_size * config.num_query_groups * config.kv_channels * 4
+    # Enough for the most key/value heads of any layer (a heterogeneous model's layer 3 has 4).
+    heads = 4 if config.is_heterogeneous else config.num_query_groups
+    chunk_bytes = 2 * config.num_layers * chunk_size * heads * config.kv_channels * 4
     return DynamicInferenceContext(params_dtype=torch.float32, num_layers=config.num_layers,
-                                   kv_channels=config.kv_channels, num_attention_heads=config.num_query_groups,
+                                   kv_channels=config.kv_channels, num_attention_heads=heads,
                                    max_sequence_length=16, buffer_size_gb=buffer_chunks * chunk_bytes / 1024**3,
                                    chunk_size_tokens=chunk_size, max_requests_override=max_requests,
                                    max_tokens_override=max_tokens,
@@ -111,12 +121,14 @@ def _greedy_references(prompt_tokens, lengths, hybrid=False):
         parallel_state.destroy_model_parallel()
 
 
-def test_a_hybrid_models_requests_each_continue_their_own_mamba_state():
+@pytest.mark.parametrize("layers", [True, "heterogeneous"], ids=["hybrid", "heterogeneous"])
+def test_hybrid_and_heterogeneous_models_requests_each_continue_their_own_state(layers):
     """Requests that come and go through 2 slots: each Mamba layer continues every request from the state the
-    context kept for it, so each decodes the greedy tokens of full forwards; the states go with the requests."""
-    requests, *_ = run_on_ranks(1, _continuous_batching, 1, 1, True)[0]
+    context kept for it, and a heterogeneous model's layers cache keys and values of their own head counts (its
+    linear stand-in none), so each decodes the greedy tokens of full forwards; the states go with the requests."""
+    requests, *_ = run_on_ranks(1, _continuous_batching, 1, 1, layers)[0]
     references = run_on_ranks(1, _greedy_references, {key: value[0] for key, value in requests.items()},
-                              {0: 4, 1: 6, 2: 3, 3: 5, "late": 4}, True)[0]
+                              {0: 4, 1: 6, 2: 3, 3: 5, "late": 4}, layers)[0]
     for request_id, (_, generated, status, stopped_at_eod, _) in requests.items():
         # A request that reaches the end-of-document token stops there; full forwards go on past it.
         expected = references[request_id]
@@ -124,7 +136,7 @@ def test_a_hybrid_models_requests_each_continue_their_own_mamba_state():
             expected = expected[:expected.index(TOKENIZER.eod) + 1]
         assert status == Status.COMPLETED and generated == expected, request_id
     assert sum(len(value[1]) for value in requests.values()) > 10
-    tp2, *_ = run_on_ranks(2, _continuous_batching, 2, 1, True)[0]
+    tp2, *_ = run_on_ranks(2, _continuous_batching, 2, 1, layers)[0]
     assert {key: value[1] for key, value in tp2.items()} == {key: value[1] for key, value in requests.items()}
 
 

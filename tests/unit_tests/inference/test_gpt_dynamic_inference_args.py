@@ -73,3 +73,12 @@ def test_the_context_counts_the_layers_that_cache_keys_and_values():
                         vocab_size=VOCAB_SIZE, max_sequence_length=16, hybrid_override_pattern="M*M-")
     assert cached_layers(hybrid) == 1  # one attention layer; the Mamba and MLP layers keep no keys or values
     assert cached_layers(_model()) == _model().config.num_layers
+
+
+def test_the_context_counts_a_heterogeneous_models_caching_layers_and_their_most_heads():
+    from examples.inference.gpt.gpt_dynamic_inference import cached_key_value_heads, cached_layers
+    from tests.unit_tests.inference.test_dynamic_engine import _model as heterogeneous_model
+
+    model = heterogeneous_model(hybrid="heterogeneous")  # 2 heads, a linear stand-in, 4 heads
+    assert cached_layers(model) == 2 and cached_key_value_heads(model) == 4
+    assert cached_key_value_heads(_model()) == _model().config.num_query_groups

@@ -1,6 +1,5 @@
-"""Upstream flags for other model builders (legacy models, specs other than the hybrid stack's, heterogeneous
-layers, YAML configurations, TE export) parse and stop at validation with a message naming the flag and what to
-do."""
+"""Upstream flags for other model builders (legacy models, specs other than the hybrid stack's, TE export) parse
+and stop at validation with a message naming the flag and what to do."""
 
 import pytest
 
@@ -11,9 +10,6 @@ from tests.unit_tests.training.argument_checks import validated
     ("--use-legacy-models", "only the Megatron-Core GPT model, built from the command-line flags: drop "
                             "--use-legacy-models"),
     ("--spec my.module my_spec", "drop --spec"),
-    ("--heterogeneous-layers-config-path layers.json", "drop --heterogeneous-layers-config-path"),
-    ("--heterogeneous-layers-config-encoded-json {}", "drop --heterogeneous-layers-config-encoded-json"),
-    ("--yaml-cfg run.yaml", "drop --yaml-cfg"),
     ("--export-te", "drop --export-te"),
 ])
 def test_other_model_builders_stop(extra, message):

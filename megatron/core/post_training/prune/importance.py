@@ -65,6 +65,10 @@ def check_prunable(model):
     if getattr(config, "hybrid_layer_pattern", None) is not None:
         raise ValueError("width pruning scores layers of attention and MLP; a hybrid model's Mamba, attention-only "
                          "and MLP-only layers (--hybrid-override-pattern) are not covered: prune a GPT model")
+    if getattr(config, "heterogeneous_block_configs", None) is not None:
+        raise ValueError("width pruning gives every layer the same --target-ffn-hidden-size and heads; a "
+                         "heterogeneous model's layers (--heterogeneous-layers-config-path) each have their own: "
+                         "prune a model of uniform layers")
     if any(layer.norms_fused_into_linears for layer in model.decoder.layers):
         raise ValueError("width pruning reads the norms' outputs, which Transformer Engine's fused LayerNorm-linears "
                          "do not expose: build the model with --transformer-impl local (the weights are the same)")

@@ -1,0 +1,1 @@
+"""Upstream's layer specs of heterogeneous GPT models."""
