@@ -45,8 +45,14 @@ class ArchitectureFlag(NamedTuple):
             return "no --no-rope-freq (every layer rotates)"
         if self.flag == "--no-rope-freq":
             return f'--no-rope-freq "{value}"'
+        if self.flag == "--heterogeneous-layers-config-path":
+            return ("uniform layers (no --heterogeneous-layers-config-path)" if value == "none" else
+                    f"--heterogeneous-layers-config-path of its layers (query groups/MLP width per layer: {value}; "
+                    "--use-checkpoint-args takes them)")
         if self.flag == "--moe-shared-expert-intermediate-size" and value == 0:
             return "no --moe-shared-expert-intermediate-size (no shared experts)"
+        if self.flag == "--moe-latent-size" and value == 0:
+            return "no --moe-latent-size (experts at the hidden width)"
         return f"{self.flag} {value}"
 
 
@@ -67,6 +73,28 @@ def _hybrid_pattern(args):
 
 def _both_hybrid(saved_args, args):
     return _hybrid_pattern(saved_args) != "none" and _hybrid_pattern(args) != "none"
+
+
+def _heterogeneous_layers(args):
+    """A heterogeneous model's layers, one 'attention/MLP' word each (query groups or linear or none, MLP width
+    or linear or none); "none" for uniform layers; None where the saved args predate heterogeneous layers."""
+    if not hasattr(args, "heterogeneous_layers_config_encoded_json"):
+        return None
+    text = args.heterogeneous_layers_config_encoded_json
+    if text is None:
+        return "none"
+    import json
+
+    from megatron.core.transformer.heterogeneous.block_configs import parse_block_configs
+
+    blocks = parse_block_configs(json.loads(text)["block_configs"], hidden_size=args.hidden_size,
+                                 num_attention_heads=args.num_attention_heads, source="the heterogeneous layers")
+
+    def word(block, size):
+        return "linear" if block.replace_with_linear else "none" if block.no_op else str(size)
+
+    return " ".join(f"{word(b.attention, b.attention.num_query_groups)}/{word(b.mlp, b.mlp.ffn_hidden_size)}"
+                    for b in blocks)
 
 
 def _mamba_heads(args):
@@ -276,6 +304,7 @@ ARCHITECTURE_FLAGS = (
     ArchitectureFlag("--moe-shared-expert-gate", _switch("moe_shared_expert_gate"), is_switch=True,
                      compared=_both_have_shared_experts),
     ArchitectureFlag("--moe-router-bias", _switch("moe_router_bias"), is_switch=True, compared=_both_use_moe),
+    ArchitectureFlag("--moe-latent-size", _unset_as_zero("moe_latent_size"), compared=_both_use_moe),
     # A hybrid model's layers and Mamba mixers.
     ArchitectureFlag("--hybrid-override-pattern", _hybrid_pattern),
     ArchitectureFlag("--mamba-state-dim", _get("mamba_state_dim"), compared=_both_hybrid),
@@ -283,6 +312,8 @@ ARCHITECTURE_FLAGS = (
     ArchitectureFlag("--mamba-num-groups", _get("mamba_num_groups"), compared=_both_hybrid),
     ArchitectureFlag("--mamba-num-heads", _mamba_heads, compared=_both_hybrid),
     ArchitectureFlag("--mamba-dt-limit", _mamba_dt_limit, compared=_both_hybrid),
+    # A heterogeneous model's layers.
+    ArchitectureFlag("--heterogeneous-layers-config-path", _heterogeneous_layers),
     # YaRN of standard attention (--position-embedding-type yarn).
     ArchitectureFlag("--rotary-percent", _get("rotary_percent"), compared=_both_use_yarn),
     ArchitectureFlag("--rotary-base", _get("rotary_base"), compared=_both_use_yarn),
@@ -462,7 +493,7 @@ MODEL_ARGS = (
     "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
     "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
     "moe_apply_probs_on_input",
-    "moe_router_bias",
+    "moe_router_bias", "moe_latent_size",
     # How the router picks experts (sinkhorn routes otherwise than top-k; top-1 sinkhorn needs no pre-softmax).
     "moe_router_load_balancing_type",
     # YaRN of standard attention.
@@ -471,6 +502,8 @@ MODEL_ARGS = (
     # A hybrid model's layers and Mamba mixers.
     "is_hybrid_model", "hybrid_override_pattern", "hybrid_attention_ratio", "hybrid_mlp_ratio", "mamba_state_dim",
     "mamba_head_dim", "mamba_num_groups", "mamba_num_heads", "mamba_dt_limit",
+    # A heterogeneous model's layers (the JSON text itself, so the file need not exist where the checkpoint loads).
+    "heterogeneous_layers_config_path", "heterogeneous_layers_config_encoded_json",
 )
 # Files the tokenizer reads: taken from the checkpoint only where the command line leaves them unset (a
 # checkpoint copied to another machine names paths that may not exist there).

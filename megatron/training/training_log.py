@@ -176,6 +176,10 @@ def training_flops_per_iteration(args, global_batch_size):
         from megatron.training.argument_groups.mla import attention_flops_per_token
 
         attention = attention_flops_per_token(args)
+    heterogeneous_layers = getattr(args, "heterogeneous_layers_config_encoded_json", None)
+    if heterogeneous_layers is not None:  # each layer with its own query groups and MLP width, or neither
+        layer_flops = _heterogeneous_layer_flops(args, heterogeneous_layers, mlp_matrices)
+        return 3 * (sum(layer_flops) + 2 * hidden * args.padded_vocab_size) * seq * global_batch_size
     mlp_per_layer = _mlp_flops_per_layer(args, mlp_matrices)
     pattern = getattr(args, "hybrid_layer_pattern", None)
     if pattern is not None:  # a hybrid model: each layer is a Mamba, an attention, an MLP or a MoE layer
@@ -193,6 +197,34 @@ def training_flops_per_iteration(args, global_batch_size):
     return 3 * per_token_forward * seq * global_batch_size
 
 
+def _heterogeneous_layer_flops(args, config_text, mlp_matrices):
+    """Forward FLOPs of one token in each layer of a heterogeneous model: its attention with its own key/value
+    heads, its MLP of its own width, a linear stand-in (hidden x hidden) for either, nothing for a dropped one."""
+    import json
+
+    from megatron.core.transformer.heterogeneous.block_configs import parse_block_configs
+
+    hidden, heads_width = args.hidden_size, args.kv_channels * args.num_attention_heads
+    blocks = parse_block_configs(json.loads(config_text)["block_configs"], hidden_size=hidden,
+                                 num_attention_heads=args.num_attention_heads, source="the heterogeneous layers")
+    linear = 2 * hidden * hidden
+    flops = []
+    for block in blocks:
+        attention = mlp = 0
+        if block.attention.is_attention:
+            key_value_width = args.kv_channels * block.attention.num_query_groups
+            attention = (2 * hidden * (heads_width + 2 * key_value_width) + 2 * heads_width * hidden
+                         + 2 * args.seq_length * heads_width)
+        elif block.attention.replace_with_linear:
+            attention = linear
+        if block.mlp.is_mlp:
+            mlp = 2 * mlp_matrices * hidden * block.mlp.ffn_hidden_size
+        elif block.mlp.replace_with_linear:
+            mlp = linear
+        flops.append(attention + mlp)
+    return flops
+
+
 def _mamba_flops_per_token(args):
     """Forward FLOPs of one token in a Mamba layer: the input projection (z, x, B, C, dt), the scan (7 x inner
     width x state size) and the output projection."""
@@ -204,14 +236,19 @@ def _mamba_flops_per_token(args):
 
 def _mlp_flops_per_layer(args, mlp_matrices):
     """Forward MLP FLOPs of one token in each decoder layer: dense MLPs, and on MoE layers the top-k experts it
-    goes through and the shared experts (not the router, as upstream)."""
+    goes through and the shared experts (not the router, as upstream). Under --moe-latent-size the experts read
+    and write the latent width, and the two latent projections (hidden -> latent -> hidden) count once per token."""
     dense = 2 * mlp_matrices * args.hidden_size * args.ffn_hidden_size
     if getattr(args, "num_experts", None) is None:
         return [dense] * args.num_layers
     from megatron.core.transformer.moe.moe_config import layer_pattern_from_freq
 
     expert_width = (args.moe_ffn_hidden_size or args.ffn_hidden_size) * args.moe_router_topk
-    moe = 2 * mlp_matrices * args.hidden_size * (expert_width + (args.moe_shared_expert_intermediate_size or 0))
+    latent = getattr(args, "moe_latent_size", None)
+    moe = (2 * mlp_matrices * (latent or args.hidden_size) * expert_width
+           + 2 * mlp_matrices * args.hidden_size * (args.moe_shared_expert_intermediate_size or 0))
+    if latent:
+        moe += 2 * 2 * args.hidden_size * latent
     pattern = layer_pattern_from_freq(args.moe_layer_freq, args.num_layers)
     return [moe if is_moe else dense for is_moe in pattern]
 

@@ -8,9 +8,9 @@ The expert-parallel layout rule (DP x CP divisible by EP) is checked here becaus
 `--num-experts 0` means no MoE, as upstream; `--moe-router-padding-for-quantization` is upstream's newer
 name of `--moe-router-padding-for-fp8`. Upstream's kernel-selection switches (--moe-permute-fusion,
 --moe-router-fusion, --moe-use-legacy-grouped-gemm, --use-fused-weighted-squared-relu) are accepted and change
-nothing: the torch ops run. DeepEP (--moe-enable-deepep) and latent MoE (--moe-latent-size) stop with what to do
-instead, and so does the removed --moe-router-topk-limited-devices; the deprecated --moe-extended-tp is ignored with
-a warning, as upstream ignores it.
+nothing: the torch ops run. DeepEP (--moe-enable-deepep) stops with what to do instead, and so does the removed
+--moe-router-topk-limited-devices; the deprecated --moe-extended-tp is ignored with a warning, as upstream ignores
+it. Latent MoE (--moe-latent-size) is a field of the config, validated there.
 """
 
 import warnings
@@ -126,8 +126,9 @@ def add_arguments(parser):
     group.add_argument("--moe-upcycling-granularity", type=int, default=1,
                        help="Upstream: experts per dense MLP slice when upcycling (only with --moe-use-upcycling).")
     group.add_argument("--moe-latent-size", type=int, default=None,
-                       help="Upstream: project the tokens to this latent width before the experts and back after "
-                       "them (latent MoE). Not provided here: an error.")
+                       help="Latent MoE (Nemotron-3): project the routed tokens from the hidden width down to this "
+                       "width before dispatch (fc1_latent_proj) and the combined output back (fc2_latent_proj); the "
+                       "experts work in it, the router and the shared experts read the full hidden state.")
     group.add_argument("--use-fused-weighted-squared-relu", action="store_true",
                        help="Accepted for upstream scripts (with --squared-relu and --num-experts): upstream fuses the "
                        "experts' squared ReLU with the routing-probability weighting in one kernel; the torch ops "
@@ -174,10 +175,6 @@ def validate(args):
                          "the MoE model from scratch, or load a MoE checkpoint; drop --moe-use-upcycling")
     if args.moe_upcycling_granularity != 1:
         raise ValueError("--moe-upcycling-granularity applies to --moe-use-upcycling, which is not supported; drop it")
-    if args.moe_latent_size is not None:
-        raise ValueError(f"--moe-latent-size {args.moe_latent_size} (latent MoE: experts working in a projected "
-                         "latent width) is not supported: drop it; the experts work at --hidden-size, with "
-                         "--moe-ffn-hidden-size as their inner width")
     if args.use_fused_weighted_squared_relu and not (args.squared_relu and args.num_experts):
         raise ValueError("--use-fused-weighted-squared-relu fuses the experts' squared ReLU: it needs --squared-relu "
                          "and --num-experts; add them or drop the flag")

@@ -117,6 +117,28 @@ def test_moe_layout_flags_are_compared_on_load_and_routing_choices_are_not():
         check_same_architecture("ckpt", _moe_args(num_experts=None), moe)
 
 
+def test_latent_moe_width_is_compared_on_load_and_taken_with_the_checkpoint_args():
+    from megatron.core.dist_checkpointing.serialization import CheckpointError
+    from megatron.training.checkpoint_args import check_same_architecture
+
+    latent = _moe_args(moe_latent_size=32)
+    assert architecture_differences(latent, _moe_args(moe_latent_size=32)) == []
+    assert architecture_differences(latent, _moe_args(moe_latent_size=None)) == [
+        "--moe-latent-size: 32 in the checkpoint, 0 in this run"]
+    assert architecture_differences(_moe_args(moe_latent_size=None), _moe_args(moe_latent_size=16)) == [
+        "--moe-latent-size: 0 in the checkpoint, 16 in this run"]
+    assert architecture_differences(_moe_args(), latent) == []  # saved before the flag existed
+    with pytest.raises(CheckpointError, match=r"launch with the checkpoint's no --moe-latent-size \(experts at the "
+                                              r"hidden width\)"):
+        check_same_architecture("ckpt", _moe_args(moe_latent_size=None), latent)
+    args = _moe_args(moe_latent_size=None)
+    apply_checkpoint_args(args, latent)
+    assert args.moe_latent_size == 32
+    args = _moe_args(moe_latent_size=16)
+    assert apply_checkpoint_args(args, latent) == ["--moe-latent-size 32 (command line: 16)"]
+    assert args.moe_latent_size == 32
+
+
 def test_norm_epsilon_is_compared_on_load():
     llama3 = argparse.Namespace(normalization="RMSNorm", norm_epsilon=1e-6)
     assert architecture_differences(llama3, argparse.Namespace(normalization="RMSNorm", norm_epsilon=1e-6)) == []

@@ -1,7 +1,8 @@
 """pretrain_mamba.py end to end on a hybrid model (Mamba, attention and MLP layers): every data-parallel wrapper,
 tensor parallelism with sequence parallelism, context parallelism, pipeline parallelism (also interleaved) and full
 activation recompute log the losses of Megatron DDP on one layout, and a torch_dist checkpoint saved under DDP
-resumes under Megatron-FSDP ZeRO-3 at TP 2 on the uninterrupted run's losses."""
+resumes under Megatron-FSDP ZeRO-3 at TP 2 on the uninterrupted run's losses. Latent MoE 'E' layers
+(--moe-latent-size) log the same losses under every wrapper and layout, and resume from DDP under EP 2."""
 
 import pytest
 import torch
@@ -45,6 +46,24 @@ def _all_runs(workdir):
     losses["moe"] = _losses(workdir, "moe", moe)
     losses["moe_ep2_fsdp"] = _losses(workdir, "moe_ep2_fsdp", f"{moe} --expert-model-parallel-size 2 "
                                                               f"{LAYOUTS['megatron_fsdp_z3']}")
+    # Latent MoE: every data-parallel wrapper and layout of the 'E' layer against DDP; a torch_dist checkpoint saved
+    # under DDP resumes with the experts split over 2 ranks under Megatron-FSDP.
+    latent = f"{moe} --moe-latent-size 16 --moe-shared-expert-intermediate-size 32"
+    latent_layouts = {"ddp": "", "ep2_fsdp": f"--expert-model-parallel-size 2 {LAYOUTS['megatron_fsdp_z3']}",
+                      "ep2_fsdp_z1": "--expert-model-parallel-size 2 --use-megatron-fsdp "
+                                     "--data-parallel-sharding-strategy optim",
+                      "fsdp2": "--use-torch-fsdp2 --untie-embeddings-and-output-weights",
+                      "ddp_untied": "--untie-embeddings-and-output-weights",
+                      "tp2_sp_dist_opt": f"{LAYOUTS['tp2_sp']} --use-distributed-optimizer --moe-grouped-gemm "
+                                         "--moe-token-dispatcher-type alltoall --moe-layer-recompute",
+                      "pp2": LAYOUTS["pp2"]}
+    for name, extra in latent_layouts.items():
+        losses[f"latent_{name}"] = _losses(workdir, f"latent_{name}", f"{latent} {extra}")
+    latent_checkpoints = f"{workdir}/latent_checkpoints"
+    losses["latent_saved"] = _losses(workdir, "latent_saved", f"{latent} --save {latent_checkpoints} --save-interval 2 "
+                                                              "--ckpt-format torch_dist --exit-interval 2")
+    losses["latent_resumed"] = _losses(workdir, "latent_resumed", f"{latent} --load {latent_checkpoints} --ckpt-format "
+                                                                  f"torch_dist {latent_layouts['ep2_fsdp']}")
     checkpoints = f"{workdir}/checkpoints"
     save = f"--save {checkpoints} --save-interval 2 --ckpt-format torch_dist"
     losses["saved"] = _losses(workdir, "saved", f"{save} --exit-interval 2")
@@ -74,6 +93,15 @@ def test_every_layout_and_wrapper_trains_the_hybrid_model_alike(world_size, tmp_
     # MoE layers ('E'): experts split over 2 ranks under Megatron-FSDP, as all experts on every rank under DDP.
     torch.testing.assert_close(torch.tensor(losses["moe_ep2_fsdp"]), torch.tensor(losses["moe"]), rtol=1e-6, atol=0)
     assert losses["moe"] != losses["ddp"]
+    # Latent MoE: the same computation under every wrapper and layout (TP 2 sums partial products over 2 ranks).
+    latent = torch.tensor(losses["latent_ddp"])
+    for name in ("ep2_fsdp", "ep2_fsdp_z1", "pp2"):
+        torch.testing.assert_close(torch.tensor(losses[f"latent_{name}"]), latent, rtol=1e-6, atol=0)
+    torch.testing.assert_close(torch.tensor(losses["latent_tp2_sp_dist_opt"]), latent, rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(losses["latent_fsdp2"]), torch.tensor(losses["latent_ddp_untied"]),
+                               rtol=1e-6, atol=0)
+    assert losses["latent_ddp"] != losses["moe"] and losses["latent_saved"] == losses["latent_ddp"][:2]
+    torch.testing.assert_close(torch.tensor(losses["latent_resumed"]), latent[2:], rtol=1e-6, atol=0)
     # Saved at iteration 2 under DDP, resumed at TP 2 under Megatron-FSDP ZeRO-3: iterations 3 and 4 as uninterrupted.
     assert losses["saved"] == losses["ddp"][:2]
     torch.testing.assert_close(torch.tensor(losses["resumed"]), reference[2:], rtol=1e-5, atol=0)

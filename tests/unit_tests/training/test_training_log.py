@@ -575,3 +575,21 @@ def test_an_iteration_whose_tokens_were_all_masked_is_left_out_of_the_interval_m
     assert [record["lm loss"] for record in records] == [4.0, None, 1.0, None, None, None]
     assert [(step, value) for name, value, step in recorder.scalars if name == "lm loss"] == [(1, 4.0), (3, 1.0)]
     assert not training_log.counts_as_nan_iteration(None, skipped=True)
+
+
+def test_flops_count_latent_experts_at_the_latent_width_and_their_two_projections():
+    """--moe-latent-size: the routed experts read and write the latent width l, the shared experts the hidden
+    width; each token goes through fc1_latent_proj (h -> l) and fc2_latent_proj (l -> h) once (upstream's formula:
+    12 x (l x moe_ffn x topk x gated + h x shared x gated) + 12 x h x l per token and layer)."""
+    h, s, layers, batch, moe_ffn, shared, topk, vocab, latent = 64, 32, 2, 3, 48, 80, 2, 128, 16
+    moe = dict(num_layers=layers, seq_length=s, swiglu=True, padded_vocab_size=vocab, num_experts=8,
+               moe_router_topk=topk, moe_ffn_hidden_size=moe_ffn, moe_shared_expert_intermediate_size=shared,
+               moe_layer_freq=1, mtp_num_layers=None)
+    args = _flops_args(**moe, moe_latent_size=latent)
+    attention = 12 * layers * h * h * ((1 + 4 / 4 + s / h / 2) * 64 / h)
+    mlp = 12 * layers * (latent * moe_ffn * topk * 1.5 + h * shared * 1.5 + h * latent)
+    expected = batch * s * (mlp + attention + 6 * h * vocab)
+    assert training_log.training_flops_per_iteration(args, batch) == pytest.approx(expected, rel=1e-12)
+    without = training_log.training_flops_per_iteration(_flops_args(**moe, moe_latent_size=None), batch)
+    assert without - expected == pytest.approx(batch * s * 12 * layers * ((h - latent) * moe_ffn * topk * 1.5
+                                                                         - h * latent), rel=1e-12)

@@ -232,7 +232,6 @@ def test_kernel_and_gate_switches_leave_the_model_unchanged():
 @pytest.mark.parametrize("extra, message", [
     ("--inprocess-restart --inprocess-granularity rank", "--inprocess-restart (restarting training inside the "
      "running processes"),
-    ("--moe-latent-size 16 --num-experts 2", "--moe-latent-size 16 (latent MoE"),
     ("--use-fused-weighted-squared-relu --num-experts 2", "--use-fused-weighted-squared-relu fuses the experts' "
      "squared ReLU: it needs --squared-relu and --num-experts"),
     ("--use-fused-weighted-squared-relu --squared-relu", "it needs --squared-relu and --num-experts"),

@@ -7,6 +7,9 @@ seed and that global index alone, so any expert-parallel size builds the same ex
 carries `expert_global_index` and `num_local_experts`, and so do the experts' tensor buffers (FP8 amax
 histories), which checkpoints therefore name by global expert index as well.
 
+Under `--moe-latent-size` the experts work in the latent width: fc1 reads latent-width tokens and fc2 writes
+them (the layer projects the tokens down before dispatch and back up after the combine, see `latent_projection`).
+
 The experts' linears are split over the expert tensor-parallel group (`--expert-tensor-parallel-size`, default
 the tensor-parallel size; 1 keeps each expert whole on its rank), not the dense layers' tensor-parallel group.
 The experts take tokens already dispatched to this rank, sorted by local expert (`tokens_per_expert` rows each),
@@ -53,6 +56,18 @@ from megatron.core.transformer.recompute import output_recomputed_in_backward
 
 def expert_init_seed(layer_init_seed, global_expert_index):
     return derive_init_seed(layer_init_seed, "mlp.experts", global_expert_index)
+
+
+def _expert_token_width(config):
+    """The config fields that give the experts their token width: the latent width under `--moe-latent-size`
+    (their fc1 reads it, their fc2 writes it), else nothing to change. A hybrid model's Mamba head count, which
+    defaults to one derived from the hidden size, is pinned so that the narrower width does not change it."""
+    if config.moe_latent_size is None:
+        return {}
+    fields = {"hidden_size": config.moe_latent_size}
+    if hasattr(config, "mamba_heads"):
+        fields["mamba_num_heads"] = config.mamba_heads
+    return fields
 
 
 def _tensor_parallel_rank():
@@ -121,7 +136,7 @@ class SequentialMLP(torch.nn.Module):
         self.first_global_index = first_global_index
         # The experts are plain torch-native MLPs of width moe_ffn_hidden_size (the dispatcher communicates).
         self.expert_config = dataclasses.replace(config, ffn_hidden_size=config.moe_ffn_hidden_size,
-                                                 transformer_impl="local")
+                                                 transformer_impl="local", **_expert_token_width(config))
         self.local_experts = torch.nn.ModuleList()
         for local_index in range(num_local_experts):
             global_index = first_global_index + local_index

@@ -46,6 +46,7 @@ _FIELDS_NEEDING_EXPERTS = {
     "moe_router_padding_for_fp8": (f"--moe-router-padding-for-fp8 ({FP8_PADDING_NEWER_NAME})", False),
     "moe_apply_probs_on_input": ("--moe-apply-probs-on-input", False),
     "moe_layer_recompute": ("--moe-layer-recompute", False),
+    "moe_latent_size": ("--moe-latent-size", None),
     "moe_per_layer_logging": ("--moe-per-layer-logging", False),
 }
 # Tokens per expert are padded to a multiple of this with --moe-router-padding-for-fp8 (FP8 GEMM alignment) under
@@ -210,6 +211,11 @@ class MoEConfigMixin:
     routing only) (`--moe-apply-probs-on-input`)."""
     moe_layer_recompute: bool = False
     """Recompute the whole MoE layer (router, dispatch, experts) in backward (`--moe-layer-recompute`)."""
+    moe_latent_size: Optional[int] = None
+    """Latent MoE (`--moe-latent-size`; Nemotron-3): the routed tokens are projected from the hidden width down to
+    this width before dispatch and the experts work in it (fc1 latent -> moe_ffn_hidden_size, fc2 back); the
+    combined output is projected back up. The router and the shared experts read the full hidden state. None: the
+    experts work at the hidden width."""
     moe_per_layer_logging: bool = False
     """Log each MoE layer's auxiliary losses too, besides their average (`--moe-per-layer-logging`)."""
     moe_router_padding_for_quantization: bool = False
@@ -250,6 +256,7 @@ class MoEConfigMixin:
         self._validate_capacity()
         self._validate_shared_experts()
         self._validate_moe_switches()
+        self._validate_latent_size()
         if self.fp8 is not None and self.transformer_impl == "transformer_engine":
             raise ValueError("--fp8-format with --num-experts needs --transformer-impl local: the experts run the "
                              "torch-native FP8 linears, which Transformer Engine's FP8 autocast does not reach")
@@ -429,6 +436,18 @@ class MoEConfigMixin:
         if self.moe_router_padding_for_fp8 and self.fp8 is None:
             raise ValueError("--moe-router-padding-for-fp8 pads the experts' token counts for FP8 GEMMs: it needs "
                              f"--fp8-format; add it or drop the flag (or its newer name {FP8_PADDING_NEWER_NAME})")
+
+    def _validate_latent_size(self):
+        size, tp = self.moe_latent_size, self.tensor_model_parallel_size
+        if size is None:
+            return
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"--moe-latent-size must be a positive integer, got {size!r}")
+        if size % tp != 0:
+            # The experts are built from this config with hidden_size = the latent width, which the tensor-parallel
+            # split rules then check; every practical latent width is a multiple of the tensor-parallel size.
+            raise ValueError(f"--moe-latent-size ({size}) must be divisible by --tensor-model-parallel-size ({tp}); "
+                             "pick a latent width that is a multiple of it")
 
     def _validate_shared_experts(self):
         size = self.moe_shared_expert_intermediate_size

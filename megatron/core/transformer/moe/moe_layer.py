@@ -9,6 +9,12 @@ dispatchers treat each rank's copy as tokens of its own, so every rank gets the 
 `--moe-apply-probs-on-input` (top-1) scales each token by its routing probability before dispatch and combines
 the experts' outputs with weight 1; `--moe-layer-recompute` (or selective `--recompute-modules moe`) checkpoints
 the whole layer (its collectives run again in backward).
+
+`--moe-latent-size` (latent MoE, Nemotron-3): the router reads the full hidden state; the tokens are projected
+down by `fc1_latent_proj` (hidden -> latent) before dispatch, so the token exchange carries latent-width tokens and
+the experts work in the latent width; the combined output is projected back by `fc2_latent_proj` (latent ->
+hidden). The shared experts read the full hidden state and add to the result. With `--moe-apply-probs-on-input`
+the projected tokens are scaled.
 """
 
 import torch
@@ -17,6 +23,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.recompute import checkpointed
 from megatron.core.transformer.init_seeds import resolve_base_init_seed
 from megatron.core.transformer.moe.experts import build_experts
+from megatron.core.transformer.moe.latent_projection import LatentProjection
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.moe.token_dispatcher import build_token_dispatcher
@@ -50,6 +57,14 @@ class MoELayer(torch.nn.Module):
         first = ep_rank * self.num_local_experts
         self.local_expert_indices = list(range(first, first + self.num_local_experts))
         self.router = TopKRouter(config, layer_number=layer_number, init_seed=init_seed)
+        self.fc1_latent_proj = self.fc2_latent_proj = None
+        if config.moe_latent_size is not None:
+            hidden, latent = config.hidden_size, config.moe_latent_size
+            self.fc1_latent_proj = LatentProjection(config, hidden, latent, init_method=config.init_method,
+                                                    init_seed=init_seed, name="fc1_latent_proj")
+            self.fc2_latent_proj = LatentProjection(config, latent, hidden,
+                                                    init_method=config.output_layer_init_method,
+                                                    init_seed=init_seed, name="fc2_latent_proj")
         self.experts = build_experts(config, init_seed, self.num_local_experts, first)
         self.token_dispatcher = build_token_dispatcher(config, self.num_local_experts, self.local_expert_indices)
         self.shared_experts = None
@@ -75,11 +90,13 @@ class MoELayer(torch.nn.Module):
     def _forward(self, hidden_states):
         probs, routing_map = self.router(hidden_states)
         expert_input = hidden_states
+        if self.fc1_latent_proj is not None:
+            expert_input = self.fc1_latent_proj(hidden_states)
         if self.config.moe_apply_probs_on_input:
             # Top-1: a token's row of probs holds its one expert's probability (0 if it was dropped).
             token_probs = probs.sum(dim=-1, keepdim=True)
-            expert_input = (hidden_states.reshape(token_probs.size(0), -1) * token_probs).to(hidden_states.dtype)
-            expert_input = expert_input.view(hidden_states.shape)
+            expert_input = (expert_input.reshape(token_probs.size(0), -1) * token_probs).to(expert_input.dtype)
+            expert_input = expert_input.view(*hidden_states.shape[:-1], -1)
             # Weight 1 where routed; 0 on padding (capacity or FP8 padding), whose probability is 0.
             probs = (probs != 0).to(probs.dtype)
         shared_output = None
@@ -93,6 +110,8 @@ class MoELayer(torch.nn.Module):
             if self.shared_experts is not None:
                 shared_output = self.shared_experts(hidden_states)
         output = self.token_dispatcher.combine(self.experts(tokens, tokens_per_expert))
+        if self.fc2_latent_proj is not None:
+            output = self.fc2_latent_proj(output)
         if shared_output is not None:
             output = output + shared_output
         return output
