@@ -18,7 +18,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig, allow_runti
 from megatron.core.offloading.fine_grained import EXPERT_MODULES, OFFLOADABLE_MODULES
 from megatron.core.transformer.init_methods import init_method_normal, scaled_init_method_normal
 from megatron.core.ssm.mamba_config import MambaConfigMixin
-from megatron.core.transformer.heterogeneous.heterogeneous_config import HeterogeneousConfigMixin
+from megatron.core.transformer.heterogeneous.heterogeneous_fields import HeterogeneousConfigMixin
 from megatron.core.transformer.kernel_choice_config import KernelChoiceConfigMixin
 from megatron.core.transformer.moe.moe_config import MoEConfigMixin
 from megatron.core.transformer.mla_config import MLAConfigMixin

@@ -9,7 +9,7 @@ where both are set the JSON text is used. The layers are checked here against th
 
 import os
 
-from megatron.core.transformer.heterogeneous.heterogeneous_config import JSON_FLAG, PATH_FLAG
+from megatron.core.transformer.heterogeneous.heterogeneous_fields import JSON_FLAG, PATH_FLAG
 
 
 def add_arguments(parser):

@@ -1,4 +1,4 @@
-"""Heterogeneous layers: each transformer layer with its own attention and MLP (see `block_configs`).
+"""The fields of heterogeneous layers (a mixin of `TransformerConfig`): each transformer layer with its own attention and MLP (see `block_configs`).
 
 `--heterogeneous-layers-config-path` names a Hugging Face `config.json` with `block_configs` (one entry per
 layer), `--heterogeneous-layers-config-encoded-json` gives the same JSON as text; the config keeps the text, so a
@@ -150,14 +150,3 @@ def _check_shape_matches_flags(document, source, config):
             raise ValueError(f"{source} has {key} {document[key]} but {flag} is {getattr(config, field)}: give "
                              f"{flag} {document[key]} (or the config.json of this model)")
 
-
-def __getattr__(name):
-    """Upstream's `HeterogeneousTransformerConfig` lives here too (defined apart: `TransformerConfig` imports this
-    module for the mixin)."""
-    if name == "HeterogeneousTransformerConfig":
-        from megatron.core.transformer.heterogeneous.heterogeneous_transformer_config import (
-            HeterogeneousTransformerConfig,
-        )
-
-        return HeterogeneousTransformerConfig
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
