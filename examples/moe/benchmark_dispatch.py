@@ -9,11 +9,11 @@ experts, the dispatch's backward sends the input gradients back). Theory, per ra
 
     tokens x topk x hidden x (EP - 1) / EP x bytes per element
 
-with tokens = the rank's tokens per step (global batch / DP x seq length) and every layer counted; it assumes the
+(with `--moe-latent-size L`, latent MoE, the tokens travel at the latent width: L in place of hidden), with tokens = the rank's tokens per step (global batch / DP x seq length) and every layer counted; it assumes the
 router spreads the token-expert pairs evenly over the expert-parallel ranks, so the measured bytes move with the
 routing (the aux loss keeps it near even). Prints a markdown table of the per-step mean over the iterations.
 
-    python examples/moe/benchmark_dispatch.py [--iters 10]
+    python examples/moe/benchmark_dispatch.py [--iters 10] [--moe-latent-size 32]
 """
 
 import argparse
@@ -38,10 +38,11 @@ PHASES = ("forward dispatch", "forward combine", "backward of combine", "backwar
 COUNTS_ENV = "MOE_DISPATCH_COUNTS_DIR"
 
 
-def theory_bytes_per_step():
+def theory_bytes_per_step(latent_size=None):
     data_parallel = WORLD  # TP = PP = CP = 1
     tokens = GLOBAL_BATCH // data_parallel * SEQ
-    return LAYERS * tokens * TOPK * HIDDEN * (EXPERT_PARALLEL - 1) // EXPERT_PARALLEL * BYTES_PER_ELEMENT
+    width = latent_size or HIDDEN
+    return LAYERS * tokens * TOPK * width * (EXPERT_PARALLEL - 1) // EXPERT_PARALLEL * BYTES_PER_ELEMENT
 
 
 def install_byte_counter(sent_bytes):
@@ -102,9 +103,10 @@ def train_rank(arguments):
         json.dump(sent_bytes, stream)
 
 
-def launch(iters, directory):
+def launch(iters, directory, latent_size=None):
+    latent = [] if latent_size is None else ["--moe-latent-size", str(latent_size)]
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD}", os.path.abspath(__file__),
-               "--train-rank", *MODEL.split(), "--train-iters", str(iters)]
+               "--train-rank", *MODEL.split(), *latent, "--train-iters", str(iters)]
     env = dict(os.environ, OMP_NUM_THREADS="1", **{COUNTS_ENV: directory})
     subprocess.run(command, check=True, cwd=REPOSITORY, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     counts = []
@@ -120,10 +122,12 @@ def main():
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--moe-latent-size", type=int, default=None,
+                        help="Latent MoE: the experts (and the dispatched tokens) at this width.")
     options = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
-        counts = launch(options.iters, directory)
-    theory = theory_bytes_per_step()
+        counts = launch(options.iters, directory, options.moe_latent_size)
+    theory = theory_bytes_per_step(options.moe_latent_size)
     print("| phase | " + " | ".join(f"rank {rank} (B/step)" for rank in range(WORLD)) + " | theory (B/step) "
           "| worst deviation |")
     print("|---|" + "---:|" * WORLD + "---:|---:|")
