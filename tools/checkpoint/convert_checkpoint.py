@@ -17,7 +17,8 @@ hf: config.json and model.safetensors of a GPT2LMHeadModel (learned positions), 
 Qwen3ForCausalLM (RoPE with --qk-layernorm), with --num-experts of a MixtralForCausalLM, Qwen3MoeForCausalLM
 (--qk-layernorm) or Qwen2MoeForCausalLM (gated shared experts), with --multi-latent-attention of a
 DeepseekV3ForCausalLM (hf_deepseek.py), with --hybrid-override-pattern of a NemotronHForCausalLM or, Mamba layers
-only, a Mamba2ForCausalLM (hf_hybrid.py), or of the MistralForCausalLM or Qwen2ForCausalLM a
+only, a Mamba2ForCausalLM (hf_hybrid.py), with --heterogeneous-layers-config-path of a Llama-Nemotron
+DeciLMForCausalLM (hf_nemotron_nas.py), or of the MistralForCausalLM or Qwen2ForCausalLM a
 checkpoint was imported from (--hf-architecture names one), in the dtype the checkpoint trained in (--hf-dtype), that
 `transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)` loads and that computes our model's logits, plus
 megatron_extras.safetensors (vocabulary padding rows and what else HF has no place for); converting back gives
@@ -126,6 +127,7 @@ def to_hf(directory, output, vocab_size=None, architecture=None, dtype=None, voc
     import hf_hybrid
     import hf_hybrid_tensors
     import hf_mapping
+    import hf_nemotron_nas
     import hf_unsupported
     from megatron.core.dist_checkpointing import offline, safetensors_format
 
@@ -159,6 +161,8 @@ def to_hf(directory, output, vocab_size=None, architecture=None, dtype=None, voc
                                                               config_keys.get("use_conv_bias", True))
             if shape.layers_marked(hf_hybrid.MAMBA):  # zero biases an import had none of stay out
                 config_keys["use_conv_bias"] = hf_hybrid_tensors.has_conv_bias(tensors)
+        elif architecture == hf_nemotron_nas.NEMOTRON_NAS:
+            tensors, extras = hf_nemotron_nas.to_hf_tensors(model, shape, hf_mapping.HF_DTYPES[dtype])
         else:
             tensors, extras = hf_mapping.to_hf_tensors(model, shape, architecture, hf_mapping.HF_DTYPES[dtype])
     except hf_mapping.ConversionError as exc:
@@ -214,14 +218,18 @@ def hf_tokenizer_vocab_size(directory):
 
 def tensor_parallel_sizes(shape, largest=8):
     """The tensor-parallel sizes up to `largest` (powers of two) that split the model's attention heads and
-    key/value heads evenly, and a hybrid model's Mamba groups (its attention heads only with attention layers)."""
+    key/value heads evenly (a heterogeneous model's: every attention layer's), and a hybrid model's Mamba groups
+    (its attention heads only with attention layers)."""
+    from hf_nemotron_nas import layer_query_groups
+
     sizes, size = [], 1
     pattern = shape.hybrid_layer_pattern
     attention = pattern is None or "*" in pattern
     mamba = pattern is not None and "M" in pattern
+    groups = layer_query_groups(shape)
     while size <= largest:
-        if (not attention or shape.num_attention_heads % size == 0 and shape.num_query_groups % size == 0) and \
-                (not mamba or shape.mamba_num_groups % size == 0):
+        if (not attention or shape.num_attention_heads % size == 0 and all(group % size == 0 for group in groups)) \
+                and (not mamba or shape.mamba_num_groups % size == 0):
             sizes.append(size)
         size *= 2
     return sizes
@@ -287,7 +295,9 @@ def hf_import_training_hint(directory, root, shape, tokenizer_vocab_size=None, s
                       f"vocabulary, so give the --make-vocab-size-divisible-by that pads the tokenizer's tokens to "
                       f"exactly {rows} rows (D x TP divides {rows} and exceeds {rows} minus the tokens; "
                       f"{_padding_phrase(tokens, rows, sizes)})")
-    flags = shape.training_flags() + (f" --make-vocab-size-divisible-by {divisor}" if divisor else "")
+    # a heterogeneous model's layers: the directory's config.json, whose text the checkpoint records
+    flags = shape.training_flags(os.path.join(directory, "config.json")) + \
+        (f" --make-vocab-size-divisible-by {divisor}" if divisor else "")
     script = "pretrain_gpt.py" if shape.hybrid_layer_pattern is None else "pretrain_mamba.py"
     return (f"train from it with {script} --load {root} --finetune --use-checkpoint-args (the model flags "
             f"below, recorded in the checkpoint; without --use-checkpoint-args pass them all) and {vocabulary}; "
@@ -303,6 +313,7 @@ def import_hf(directory, root, iteration, make_vocab_size_divisible_by, apply_la
     import hf_hybrid
     import hf_hybrid_tensors
     import hf_mapping
+    import hf_nemotron_nas
     import hf_unsupported
     from megatron.core.dist_checkpointing import offline, safetensors_format
     from megatron.training.tokenizer import pad_vocab_size
@@ -311,7 +322,8 @@ def import_hf(directory, root, iteration, make_vocab_size_divisible_by, apply_la
     if not os.path.exists(config_path):
         raise SystemExit(f"{directory}: no {hf_mapping.CONFIG_FILE}; is it a Hugging Face model directory?")
     with open(config_path) as stream:
-        config = json.load(stream)
+        config_text = stream.read()
+    config = json.loads(config_text)
     refusal = hf_unsupported.hf_import_refusal(config, directory)
     if refusal is not None:
         raise SystemExit(refusal)
@@ -322,7 +334,8 @@ def import_hf(directory, root, iteration, make_vocab_size_divisible_by, apply_la
     recorded = json.loads(metadata["megatron_model"]) if "megatron_model" in metadata else None
     try:
         padded = pad_vocab_size(config.get("vocab_size", 1), make_vocab_size_divisible_by)
-        shape, architecture = hf_mapping.shape_from_hf_config(config, directory, recorded, padded, apply_layernorm_1p)
+        shape, architecture = hf_mapping.shape_from_hf_config(config, directory, recorded, padded, apply_layernorm_1p,
+                                                              config_text)
         hf_tensors = _read_hf_tensors(directory)
         if architecture == hf_deepseek.DEEPSEEK_V3:  # the shape gains the MTP layer and expert bias the files hold
             model, shape = hf_deepseek.from_hf_tensors(hf_tensors, extras, shape, directory,
@@ -331,6 +344,8 @@ def import_hf(directory, root, iteration, make_vocab_size_divisible_by, apply_la
         elif architecture in hf_hybrid.HYBRID_ARCHITECTURES:
             model = hf_hybrid_tensors.from_hf_tensors(hf_tensors, extras, shape, directory,
                                                       hf_hybrid.uses_conv_bias(config, architecture))
+        elif architecture == hf_nemotron_nas.NEMOTRON_NAS:
+            model = hf_nemotron_nas.from_hf_tensors(hf_tensors, extras, shape, directory)
         else:
             model = hf_mapping.from_hf_tensors(hf_tensors, extras, shape, architecture, directory)
     except hf_mapping.ConversionError as exc:
@@ -427,7 +442,8 @@ def main(argv=None):
                         "was imported from, else GPT2LMHeadModel for learned positions, LlamaForCausalLM for RoPE, "
                         "Qwen3ForCausalLM for RoPE with --qk-layernorm, DeepseekV3ForCausalLM for "
                         "--multi-latent-attention, NemotronHForCausalLM or Mamba2ForCausalLM for "
-                        "--hybrid-override-pattern); refused, naming the flags, where it would compute another model.")
+                        "--hybrid-override-pattern, DeciLMForCausalLM for --heterogeneous-layers-config-path); "
+                        "refused, naming the flags, where it would compute another model.")
     parser.add_argument("--hf-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="With --to hf: the dtype of the weights written (default: the one the checkpoint "
                         "trained in, bfloat16 with --bf16 and float16 with --fp16; for an imported checkpoint the "

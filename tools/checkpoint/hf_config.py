@@ -26,6 +26,7 @@ from hf_families import (
 from hf_gpt_oss import GPT_OSS, GPT_OSS_MODEL_TYPE, gpt_oss_config, gpt_oss_shape_values
 from hf_hybrid import HYBRID_ARCHITECTURES, hybrid_architecture_of_config, hybrid_config, hybrid_flags_of_config
 from hf_moe import hf_moe_config, moe_flags_of_config
+from hf_nemotron_nas import NEMOTRON_NAS, is_nemotron_nas_config, nemotron_nas_config, nemotron_nas_flags_of_config
 from hf_rope import hf_rope_config, hf_yarn_rope_config, rope_flags_of_config
 from hf_shape import ModelShape
 
@@ -107,6 +108,8 @@ def hf_config(shape: ModelShape, architecture: str, dtype: str = "float32", toke
         return deepseek_config(shape, common, recorded_keys)
     if architecture in HYBRID_ARCHITECTURES:
         return hybrid_config(shape, architecture, common, recorded_keys)
+    if architecture == NEMOTRON_NAS:
+        return nemotron_nas_config(shape, common)
     llama = {"model_type": LLAMA_RELATIVES[architecture], **common, "hidden_size": shape.hidden_size,
             "intermediate_size": shape.ffn_hidden_size, "num_hidden_layers": shape.num_layers,
             "num_attention_heads": shape.num_attention_heads, "num_key_value_heads": shape.num_query_groups,
@@ -156,12 +159,14 @@ def _architecture_of_config(config, path):
     hybrid = hybrid_architecture_of_config(config)
     if hybrid is not None:
         return hybrid
+    if is_nemotron_nas_config(config):
+        return NEMOTRON_NAS
     for architecture, model_type in LLAMA_RELATIVES.items():
         if architecture in names or config.get("model_type") == model_type:
             return architecture
+    known = (GPT2, *LLAMA_RELATIVES, GPT_OSS, DEEPSEEK_V3, *HYBRID_ARCHITECTURES, NEMOTRON_NAS)
     raise ConversionError(f"{path}: config.json describes {names or config.get('model_type')!r}; only "
-                          f"{', '.join((GPT2, *LLAMA_RELATIVES, GPT_OSS, DEEPSEEK_V3, *HYBRID_ARCHITECTURES))} "
-                          "convert to our GPT model")
+                          f"{', '.join(known)} convert to our GPT model")
 
 
 def _sliding_layers(config, architecture):
@@ -211,10 +216,11 @@ def _llama_biases(config, architecture, path):
 
 
 def shape_from_hf_config(config: dict, path: str, recorded: Optional[dict], padded_vocab_size: int,
-                         apply_layernorm_1p: bool) -> Tuple[ModelShape, str]:
+                         apply_layernorm_1p: bool, text: Optional[str] = None) -> Tuple[ModelShape, str]:
     """(shape, architecture) of a Hugging Face directory. config.json decides everything it says; `recorded`
     (the extras' megatron_model, None for a model from elsewhere) adds what it cannot say; `padded_vocab_size`
-    and `apply_layernorm_1p` are used where nothing is recorded."""
+    and `apply_layernorm_1p` are used where nothing is recorded. `text`: config.json as read (a DeciLM model
+    keeps it as its heterogeneous layers' JSON)."""
     architecture = _architecture_of_config(config, path)
     config = {**CONFIG_CLASS_DEFAULTS.get(architecture, {}), **config}
     recorded = recorded or {}
@@ -244,6 +250,8 @@ def shape_from_hf_config(config: dict, path: str, recorded: Optional[dict], padd
         values.update(deepseek_flags_of_config(config, path, recorded))
     elif architecture in HYBRID_ARCHITECTURES:
         values.update(hybrid_flags_of_config(config, architecture, path, recorded))
+    elif architecture == NEMOTRON_NAS:
+        values.update(nemotron_nas_flags_of_config(config, path, recorded, text))
     elif architecture == GPT_OSS:
         values.update(gpt_oss_shape_values(config, path), hidden_dropout=recorded.get("hidden_dropout", 0.0),
                       rotary_interleaved=recorded.get("rotary_interleaved", False))

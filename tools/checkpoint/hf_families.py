@@ -39,6 +39,9 @@ experts and a sigmoid router; our flags pick it with --multi-latent-attention.
 NemotronHForCausalLM and Mamba2ForCausalLM (hf_hybrid.py) are the hybrid models of Mamba, attention and MLP layers;
 --hybrid-override-pattern picks Mamba2 for Mamba layers only (when their inner width is a multiple of the hidden
 size), else Nemotron-H.
+
+DeciLMForCausalLM (hf_nemotron_nas.py, Llama-Nemotron) is a Llama whose layers each have their own shape; our flags
+pick it with --heterogeneous-layers-config-path.
 """
 
 from typing import Optional
@@ -47,6 +50,7 @@ from hf_deepseek import DEEPSEEK_V3, OWN_FORMATS, check_deepseek_architecture
 from hf_errors import ConversionError
 from hf_gpt_oss import GPT_OSS, gpt_oss_feature_problems, gpt_oss_problems
 from hf_hybrid import HYBRID_ARCHITECTURES, check_hybrid_architecture, default_hybrid_architecture
+from hf_nemotron_nas import NEMOTRON_NAS, check_nemotron_nas_architecture
 from hf_shape import ModelShape
 
 GPT2, LLAMA, MISTRAL, QWEN2, QWEN3 = (
@@ -55,7 +59,7 @@ MIXTRAL, QWEN2_MOE, QWEN3_MOE = "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qw
 # The rotary architectures, each with its config.json model_type.
 LLAMA_RELATIVES = {LLAMA: "llama", MISTRAL: "mistral", QWEN2: "qwen2", QWEN3: "qwen3", MIXTRAL: "mixtral",
                    QWEN2_MOE: "qwen2_moe", QWEN3_MOE: "qwen3_moe"}
-ARCHITECTURES = (GPT2, *LLAMA_RELATIVES, GPT_OSS, DEEPSEEK_V3, *HYBRID_ARCHITECTURES)
+ARCHITECTURES = (GPT2, *LLAMA_RELATIVES, GPT_OSS, DEEPSEEK_V3, *HYBRID_ARCHITECTURES, NEMOTRON_NAS)
 MOE_ARCHITECTURES = (MIXTRAL, QWEN2_MOE, QWEN3_MOE)
 # The dense architecture whose attention, norms and biases each MoE architecture has.
 DENSE_COUNTERPART = {MIXTRAL: MISTRAL, QWEN2_MOE: QWEN2, QWEN3_MOE: QWEN3}
@@ -161,9 +165,12 @@ def _moe_problems(shape: ModelShape, architecture: str):
 
 
 def default_architecture(shape: ModelShape) -> str:
-    """The architecture our flags pick: by hybrid layers, position embedding, query / key norms and experts."""
+    """The architecture our flags pick: by hybrid or heterogeneous layers, position embedding, query / key norms
+    and experts."""
     if shape.hybrid_layer_pattern is not None:
         return default_hybrid_architecture(shape)
+    if shape.heterogeneous_layers_config_encoded_json is not None:
+        return NEMOTRON_NAS
     if shape.multi_latent_attention:
         return DEEPSEEK_V3
     if shape.position_embedding_type not in ("rope", "yarn"):
@@ -191,6 +198,9 @@ def architecture_for(shape: ModelShape, requested: Optional[str] = None,
         why = requested_by if requested else \
             f"the architecture for --hybrid-override-pattern {shape.hybrid_layer_pattern}"
         return check_hybrid_architecture(shape, architecture, why)
+    if NEMOTRON_NAS in (architecture, default_architecture(shape)):
+        why = requested_by if requested else "the architecture for --heterogeneous-layers-config-path"
+        return check_nemotron_nas_architecture(shape, architecture, why)
     if DEEPSEEK_V3 in (architecture, default_architecture(shape)):
         why = requested_by if requested else "the architecture for multi-latent attention (--multi-latent-attention)"
         problems = gpt_oss_feature_problems(shape, DEEPSEEK_V3)

@@ -14,6 +14,8 @@ topk_group best of n_group groups (a group scored by its best two), weighting th
 renormalised to sum to 1 (norm_topk_prob) and multiplied by routed_scaling_factor; experts up / down with the
 MLP's activation (relu2, as ours with --squared-relu, not gated); plus one shared expert of the same kind on the
 block's whole input, added ungated (`n_shared_experts` is not read by transformers; recorded and written back).
+With `moe_latent_size` the routed experts work in that width between `fc1_latent_proj` (hidden -> latent, before
+them) and `fc2_latent_proj` (latent -> hidden, after the weighted sum), as ours with --moe-latent-size.
 transformers computes the router in fp32 whatever the model's dtype: ours with --moe-router-dtype fp32.
 
 | HF config.json | our flag |
@@ -27,6 +29,7 @@ transformers computes the router in fp32 whatever the model's dtype: ours with -
 | n_routed_experts, num_experts_per_tok | --num-experts, --moe-router-topk (--moe-router-score-function sigmoid) |
 | moe_intermediate_size | --moe-ffn-hidden-size |
 | moe_shared_expert_intermediate_size | --moe-shared-expert-intermediate-size |
+| moe_latent_size (null: none) | --moe-latent-size |
 | n_group, topk_group (equal: every group) | --moe-router-num-groups, --moe-router-group-topk |
 | routed_scaling_factor (1.0: none) | --moe-router-topk-scaling-factor |
 | `mixer.gate.e_score_correction_bias` | --moe-router-enable-expert-bias (`mlp.router.expert_bias`) |
@@ -36,12 +39,12 @@ HF's mixer computes as ours (megatron/core/ssm/mamba_mixer.py): the same project
 RMSNorm, normalised over each group's inner / n_groups channels; only the order of in_proj's rows and the
 convolution's channels differs (hf_layouts.mamba_rows). What it computes otherwise is refused, naming the key: a
 conv_kernel other than 4, in_proj / out_proj biases (`use_bias`), MLP and expert biases (`mlp_bias`), a mixer
-activation other than silu, an MLP and expert one other than relu2, the experts' latent projections
-(`moe_latent_size`), norm_topk_prob other than num_experts_per_tok > 1 (ours renormalises exactly then), group
-choice our router scores otherwise (topk_group other than n_group with num_experts_per_tok / topk_group other than
-2), multi-token prediction layers and another layer_norm_epsilon. transformers' Nemotron-H clamps each step
-softplus(dt) from below at `time_step_min` and Mamba2 to `time_step_limit`: ours with --mamba-dt-limit (a model
-without it exports with `time_step_min` 0 / `time_step_limit` [0, inf], which clamp nothing). `chunk_size` changes
+activation other than silu, an MLP and expert one other than relu2, norm_topk_prob other than
+num_experts_per_tok > 1 (ours renormalises exactly then), group choice our router scores otherwise (topk_group
+other than n_group with num_experts_per_tok / topk_group other than 2), multi-token prediction layers and another
+layer_norm_epsilon. transformers' Nemotron-H clamps each step softplus(dt) from below at `time_step_min` and Mamba2
+to `time_step_limit`: ours with --mamba-dt-limit (a model without it exports with `time_step_min` 0 /
+`time_step_limit` [0, inf], which clamp nothing). `chunk_size` changes
 rounding only; `use_conv_bias` false reads as zero biases. The keys that change nothing computed are recorded and
 written back.
 """
@@ -265,7 +268,7 @@ def _experts_config(shape: ModelShape, recorded: dict) -> dict:
     return {"n_routed_experts": shape.num_experts, "num_experts_per_tok": shape.moe_router_topk,
             "moe_intermediate_size": shape.moe_ffn_hidden_size,
             "moe_shared_expert_intermediate_size": shape.moe_shared_expert_intermediate_size,
-            "n_shared_experts": recorded.get("n_shared_experts", 1), "moe_latent_size": None,
+            "n_shared_experts": recorded.get("n_shared_experts", 1), "moe_latent_size": shape.moe_latent_size,
             "routed_scaling_factor": float(shape.moe_router_topk_scaling_factor or 1.0), "n_group": groups,
             "topk_group": group_topk, "norm_topk_prob": shape.moe_router_topk > 1}
 
@@ -322,9 +325,9 @@ def _dt_limit_of_config(config: dict, architecture: str, pattern: str) -> Option
 def _expert_refusals(config: dict) -> list:
     """What in Nemotron-H's expert keys our MoE layer does not compute."""
     refusals = []
-    if config["moe_latent_size"] is not None:
-        refusals.append(f"moe_latent_size {config['moe_latent_size']}: our experts read and write the hidden state "
-                        "itself (no latent projections fc1_latent_proj / fc2_latent_proj)")
+    latent = config["moe_latent_size"]
+    if latent is not None and (isinstance(latent, bool) or not isinstance(latent, int) or latent <= 0):
+        refusals.append(f"config.json's moe_latent_size ({latent!r}) must be a positive integer or null")
     experts, topk = config["n_routed_experts"], config["num_experts_per_tok"]
     for key, value in (("n_routed_experts", experts), ("num_experts_per_tok", topk),
                        ("moe_intermediate_size", config["moe_intermediate_size"]),
@@ -388,7 +391,8 @@ def _expert_flags(config: dict, pattern: str, recorded: dict) -> dict:
                 moe_router_enable_expert_bias=recorded.get("moe_router_enable_expert_bias", True),
                 moe_router_num_groups=groups if limited else None,
                 moe_router_group_topk=group_topk if limited else None,
-                moe_router_topk_scaling_factor=None if scaling == 1.0 else scaling)
+                moe_router_topk_scaling_factor=None if scaling == 1.0 else scaling,
+                moe_latent_size=config["moe_latent_size"])
 
 
 def hybrid_flags_of_config(config: dict, architecture: str, path: str, recorded: Optional[dict] = None) -> dict:

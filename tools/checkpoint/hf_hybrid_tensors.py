@@ -11,6 +11,7 @@
 | `pre_mlp_layernorm` (E), `mlp.router.weight` | `norm`, `mixer.gate.weight` |
 | `mlp.router.expert_bias` (zeros without --moe-router-enable-expert-bias) | `mixer.gate.e_score_correction_bias` |
 | `mlp.experts.local_experts.{e}.linear_fc1`, `linear_fc2` | `mixer.experts.{e}.up_proj`, `down_proj` |
+| `mlp.fc1_latent_proj`, `mlp.fc2_latent_proj` (--moe-latent-size) | `mixer.fc1_latent_proj`, `fc2_latent_proj` |
 | `mlp.shared_experts.linear_fc1`, `linear_fc2` | `mixer.shared_experts.up_proj`, `down_proj` |
 
 The embedding (`backbone.embeddings`), final norm (`backbone.norm_f`) and output layer (`lm_head`) go as Llama's do
@@ -78,13 +79,17 @@ def _plain_tensors(shape: ModelShape, symbol: str, ours: str, theirs: str):
                       (hidden, shape.num_attention_heads * shape.kv_channels)))
     elif symbol == MOE:
         plain.append((ours + "mlp.router.weight", theirs + "mixer.gate.weight", (shape.num_experts, hidden)))
+        latent = shape.moe_latent_size
+        if latent:  # the routed experts read and write the latent width
+            plain += [(ours + "mlp.fc1_latent_proj.weight", theirs + "mixer.fc1_latent_proj.weight", (latent, hidden)),
+                      (ours + "mlp.fc2_latent_proj.weight", theirs + "mixer.fc2_latent_proj.weight", (hidden, latent))]
         mlps = [(f"{ours}mlp.experts.local_experts.{expert}.", f"{theirs}mixer.experts.{expert}.",
-                 shape.moe_ffn_hidden_size) for expert in range(shape.num_experts)]
+                 shape.moe_ffn_hidden_size, latent or hidden) for expert in range(shape.num_experts)]
         mlps.append((ours + "mlp.shared_experts.", theirs + "mixer.shared_experts.",
-                     shape.moe_shared_expert_intermediate_size))
-        for our_prefix, hf_prefix, width in mlps:
-            plain += [(our_prefix + "linear_fc1.weight", hf_prefix + "up_proj.weight", (width, hidden)),
-                      (our_prefix + "linear_fc2.weight", hf_prefix + "down_proj.weight", (hidden, width))]
+                     shape.moe_shared_expert_intermediate_size, hidden))
+        for our_prefix, hf_prefix, width, token_width in mlps:
+            plain += [(our_prefix + "linear_fc1.weight", hf_prefix + "up_proj.weight", (width, token_width)),
+                      (our_prefix + "linear_fc2.weight", hf_prefix + "down_proj.weight", (token_width, width))]
     else:
         plain += [(ours + "mlp.linear_fc1.weight", theirs + "mixer.up_proj.weight", (shape.ffn_hidden_size, hidden)),
                   (ours + "mlp.linear_fc2.weight", theirs + "mixer.down_proj.weight", (hidden, shape.ffn_hidden_size))]

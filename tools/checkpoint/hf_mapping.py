@@ -42,6 +42,10 @@ Hybrid models (--hybrid-override-pattern: Mamba-2, attention and MLP layers) are
 Mamba layers only Mamba2ForCausalLM (hf_hybrid.py, hf_hybrid_tensors.py): their mixer's in_proj rows and conv1d
 channels are permuted between HF's kind-major order and our group-major one.
 
+Heterogeneous models (--heterogeneous-layers-config-path: each layer's query groups and MLP width, or its attention
+or MLP dropped or one linear) are Llama-Nemotron's DeciLMForCausalLM (hf_nemotron_nas.py), whose config.json's
+block_configs the checkpoint keeps as its layers' JSON.
+
 The conversion, one job per file: hf_shape.py (the model flags), hf_families.py (which architecture),
 hf_config.py (config.json both ways, the weights' dtype), hf_rope.py (RoPE in config.json), hf_moe.py (experts:
 config keys and tensors), hf_layouts.py (fused rows, tensor names), hf_export_tensors.py and hf_import_tensors.py
@@ -93,6 +97,7 @@ from hf_layouts import (
 )
 from hf_gpt_oss import RECORDED_CONFIG_KEYS as GPT_OSS_RECORDED_CONFIG_KEYS
 from hf_hybrid import MAMBA2, NEMOTRON_H
+from hf_nemotron_nas import NEMOTRON_NAS
 from hf_moe import RECORDED_CONFIG_KEYS as MOE_RECORDED_CONFIG_KEYS
 from hf_shape import ModelShape
 
@@ -102,8 +107,8 @@ RECORDED_CONFIG_KEYS = MOE_RECORDED_CONFIG_KEYS + GPT2_RECORDED_CONFIG_KEYS + GP
 __all__ = [
     "ARCHITECTURES", "CONFIG_FILE", "EXTRAS_FILE", "FP8_BUFFER_SUFFIXES", "GPT2", "GPT2_ACTIVATIONS", "HF_DTYPES",
     "LLAMA", "LLAMA_RELATIVES", "MAMBA2", "MISTRAL", "MIXTRAL", "MODEL_FILE", "MODEL_INDEX_FILE", "MOE_ARCHITECTURES",
-    "NEMOTRON_H", "OUTPUT_LAYER", "PADDING_SUFFIX", "POSITION_EMBEDDING", "QWEN2", "QWEN2_MOE", "QWEN3", "QWEN3_MOE",
-    "RECORDED_CONFIG_KEYS", "TOKEN_ID_KEYS", "WORD_EMBEDDING", "ConversionError", "ModelShape",
+    "NEMOTRON_H", "NEMOTRON_NAS", "OUTPUT_LAYER", "PADDING_SUFFIX", "POSITION_EMBEDDING", "QWEN2", "QWEN2_MOE",
+    "QWEN3", "QWEN3_MOE", "RECORDED_CONFIG_KEYS", "TOKEN_ID_KEYS", "WORD_EMBEDDING", "ConversionError", "ModelShape",
     "architecture_for", "dtype_of_tensors", "extras_metadata", "from_hf_tensors", "fuse_gate_up", "fuse_qkv",
     "hf_config", "shape_from_hf_config", "split_gate_up", "split_qkv", "to_hf_tensors", "training_dtype",
 ]

@@ -58,6 +58,8 @@ class ModelShape:
     moe_router_pre_softmax: bool = False
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_gate: bool = False
+    moe_latent_size: Optional[int] = None
+    """--moe-latent-size: the experts' token width (None: the hidden width); Nemotron-H's moe_latent_size."""
     # gpt-oss (hf_gpt_oss.py): its gated MLP, attention sinks, sliding-window layers and router bias
     quick_geglu: bool = False
     activation_func_clamp_value: Optional[float] = None
@@ -102,11 +104,14 @@ class ModelShape:
     """None: 2 x hidden_size / mamba_head_dim, as training derives it."""
     mamba_dt_limit: Optional[tuple] = None
     """--mamba-dt-limit (low, high) of each Mamba step; None: no clamp."""
+    # Heterogeneous layers (hf_nemotron_nas.py): each layer's shape from a Llama-Nemotron block_configs JSON
+    heterogeneous_layers_config_encoded_json: Optional[str] = None
+    """--heterogeneous-layers-config-encoded-json (the JSON text); None: uniform layers."""
     YARN_FIELDS = ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
                    "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int")
 
     MOE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq", "moe_router_pre_softmax",
-                  "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
+                  "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_latent_size")
     DEEPSEEK_ROUTER_FIELDS = ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_num_groups",
                               "moe_router_group_topk", "moe_router_topk_scaling_factor")
     DEEPSEEK_FIELDS = (*DEEPSEEK_ROUTER_FIELDS, "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
@@ -119,7 +124,8 @@ class ModelShape:
                    "rotary_seq_len_interpolation_factor", "openai_gelu", "add_qkv_bias",
                    "apply_residual_connection_post_layernorm", *MOE_FIELDS, "quick_geglu",
                    "activation_func_clamp_value", "glu_linear_offset", "softmax_type", "window_size",
-                   "window_attn_skip_freq", *DEEPSEEK_FIELDS, *YARN_FIELDS, "moe_router_bias", *HYBRID_FIELDS)
+                   "window_attn_skip_freq", *DEEPSEEK_FIELDS, *YARN_FIELDS, "moe_router_bias", *HYBRID_FIELDS,
+                   "heterogeneous_layers_config_encoded_json")
 
     def __post_init__(self):
         if not 0 < self.vocab_size <= self.padded_vocab_size:
@@ -158,8 +164,9 @@ class ModelShape:
         return argparse.Namespace(**model_flags,
                                   group_query_attention=self.num_query_groups != self.num_attention_heads)
 
-    def training_flags(self) -> str:
-        """pretrain_gpt.py's model flags that build this model (what --use-checkpoint-args takes from it)."""
+    def training_flags(self, heterogeneous_config_path: Optional[str] = None) -> str:
+        """pretrain_gpt.py's model flags that build this model (what --use-checkpoint-args takes from it);
+        `heterogeneous_config_path`: a config.json holding the heterogeneous layers' JSON, named in its place."""
         flags = [f"--num-layers {self.num_layers}", f"--hidden-size {self.hidden_size}",
                  f"--ffn-hidden-size {self.ffn_hidden_size}", f"--num-attention-heads {self.num_attention_heads}"]
         if self.num_query_groups != self.num_attention_heads:
@@ -196,6 +203,8 @@ class ModelShape:
                 flags.append(f"--moe-shared-expert-intermediate-size {self.moe_shared_expert_intermediate_size}")
             if self.moe_shared_expert_gate:
                 flags.append("--moe-shared-expert-gate")
+            if self.moe_latent_size:
+                flags.append(f"--moe-latent-size {self.moe_latent_size}")
         if self.hybrid_layer_pattern is not None:  # a pattern starting with '-' would read as a flag without '='
             flags.append(f"--hybrid-override-pattern={self.hybrid_layer_pattern}"
                          if self.hybrid_layer_pattern.startswith("-") else
@@ -212,8 +221,10 @@ class ModelShape:
                 flags.append(f"--{name} {rate:g}")
         from hf_deepseek import training_flags as deepseek_training_flags
         from hf_gpt_oss import gpt_oss_training_flags
+        from hf_nemotron_nas import training_flags as heterogeneous_training_flags
 
-        return " ".join(flags + gpt_oss_training_flags(self) + deepseek_training_flags(self))
+        return " ".join(flags + gpt_oss_training_flags(self) + deepseek_training_flags(self)
+                        + heterogeneous_training_flags(self, heterogeneous_config_path))
 
     @property
     def moe_layers(self) -> list:

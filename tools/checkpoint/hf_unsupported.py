@@ -51,6 +51,9 @@ _EXPORT_BLOCKERS = (
      "experts applied to the input scaled by its probability, where HF's scale the experts' output"),
     ("moe_router_force_load_balancing", "--moe-router-force-load-balancing",
      "routing by random logits (benchmarking), which no HF router does"),
+    ("moe_latent_size", "--moe-latent-size",
+     "latent experts (projections to a narrower width around them, Nemotron-3-style), which only "
+     "NemotronHForCausalLM's 'moe' blocks compute (a hybrid model's 'E' layers)"),
     ("mtp_num_layers", "--mtp-num-layers", "multi-token prediction layers (DeepSeek-V3-style), which would be "
                                            "lost"),
     ("activation_func_clamp_value", "--activation-func-clamp-value",
@@ -108,7 +111,7 @@ def hf_export_problems(args):
             continue
         if deepseek and name in EXPORT_FLAGS_CHECKED_HERE:
             continue
-        if hybrid_experts and name in ModelShape.DEEPSEEK_ROUTER_FIELDS:
+        if hybrid_experts and name in (*ModelShape.DEEPSEEK_ROUTER_FIELDS, "moe_latent_size"):
             continue
         if name == "moe_router_load_balancing_type":
             blocks = "sinkhorn" in ([value] if isinstance(value, str) else list(value or []))

@@ -27,7 +27,7 @@ TORCHRUN = {"--max-restarts", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", 
 
 OTHER_PROGRAMS = {
     "training_flags.md": PREPROCESS_DATA | {"--to", "--from", "--world", "--wrappers"},
-    "moe.md": set(),
+    "moe.md": {"--to"},  # convert_checkpoint.py --to hf
     "offloading.md": {"--arms", "--tiny", "--cpu-offloading-activations", "--cpu-offloading-weights"},
     "multi_token_prediction.md": set(),
     "checkpointing.md": CONVERT_CHECKPOINT | UPSTREAM_CONVERT | TORCHRUN,

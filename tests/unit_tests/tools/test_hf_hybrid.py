@@ -135,15 +135,19 @@ def test_nemotron_h_computes_transformers_logits_and_round_trips(tools, tmp_path
 
 
 @pytest.mark.world_size(1)
-def test_nemotron_h_experts_compute_transformers_logits_and_round_trip(tools, tmp_path, capsys):
+@pytest.mark.parametrize("latent", [None, 16])
+def test_nemotron_h_experts_compute_transformers_logits_and_round_trip(tools, tmp_path, capsys, latent):
     """A 'moe' block (sigmoid router with expert bias, group-limited choice, scaled weights, squared-ReLU experts
-    and a shared expert) is our 'E' layer."""
+    and a shared expert) is our 'E' layer; with moe_latent_size 16 (Nemotron-3's latent experts) our layer with
+    --moe-latent-size 16, the experts working in 16 of the 64 hidden channels."""
     import transformers
 
     convert_checkpoint, _ = tools
-    original, theirs = _save_hf_model(tmp_path / "hf", "NemotronHForCausalLM", **NEMOTRON_H_EXPERTS)
+    changes = dict(NEMOTRON_H_EXPERTS, moe_latent_size=latent)
+    original, theirs = _save_hf_model(tmp_path / "hf", "NemotronHForCausalLM", **changes)
     flags = import_hf(convert_checkpoint, tmp_path / "hf", tmp_path / "ours", capsys)
-    assert all(expected in flags for expected in EXPERT_FLAGS), flags
+    assert ("--moe-latent-size 16" in flags) == (latent is not None), flags
+    assert all(expected in flags.replace(" --moe-latent-size 16", "") for expected in EXPERT_FLAGS), flags
     ours = run_on_ranks(1, _load_and_forward, flags, str(tmp_path / "ours"))[0]
     assert_logits_close(theirs, ours, "Nemotron-H experts", LOGITS_TOLERANCE * theirs.abs().max().item())
 
@@ -151,6 +155,11 @@ def test_nemotron_h_experts_compute_transformers_logits_and_round_trip(tools, tm
                                                 tmp_path / "back")
     assert {"backbone.layers.2.mixer.gate.weight", "backbone.layers.2.mixer.experts.3.up_proj.weight",
             "backbone.layers.2.mixer.shared_experts.down_proj.weight"} <= set(before)
+    assert before["backbone.layers.2.mixer.experts.3.up_proj.weight"].shape == (32, latent or 64)
+    assert before["backbone.layers.2.mixer.shared_experts.up_proj.weight"].shape == (48, 64)
+    if latent is not None:
+        assert before["backbone.layers.2.mixer.fc1_latent_proj.weight"].shape == (16, 64)
+        assert before["backbone.layers.2.mixer.fc2_latent_proj.weight"].shape == (64, 16)
     assert torch.count_nonzero(before["backbone.layers.2.mixer.gate.e_score_correction_bias"]) == 4
     _assert_config_written_back(tmp_path / "hf", tmp_path / "back", 50)
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
@@ -225,8 +234,8 @@ IMPORT_REFUSALS = [
     ("NemotronHForCausalLM", dict(mlp_bias=True), "mlp_bias true: our MLP layers and experts have biases only with"),
     ("NemotronHForCausalLM", dict(layer_norm_epsilon=1e-6), "layer_norm_epsilon 1e-06: it is also the Mamba mixer's "
      "gated-norm epsilon, which ours fixes at 1e-05"),
-    ("NemotronHForCausalLM", dict(NEMOTRON_H_EXPERTS, moe_latent_size=16), "moe_latent_size 16: our experts read "
-     "and write the hidden state itself"),
+    ("NemotronHForCausalLM", dict(NEMOTRON_H_EXPERTS, moe_latent_size=0), r"config.json's moe_latent_size \(0\) "
+     "must be a positive integer or null"),
     ("NemotronHForCausalLM", dict(NEMOTRON_H_EXPERTS, norm_topk_prob=False), "norm_topk_prob False with "
      "num_experts_per_tok 2: our sigmoid router renormalises the chosen scores exactly when"),
     ("NemotronHForCausalLM", dict(NEMOTRON_H_EXPERTS, num_experts_per_tok=1), "norm_topk_prob True with "
@@ -426,3 +435,19 @@ def test_trained_hybrid_experts_checkpoint_exports_and_imports_back_bit_for_bit(
     assert written["backbone.layers.2.mixer.gate.e_score_correction_bias"].dtype == torch.float32
     _assert_transformers_computes_it_and_it_imports_back(convert_checkpoint, tmp_path, ours, "trained hybrid experts",
                                                          "decoder.layers.2.mlp.router.expert_bias")
+
+
+def test_latent_experts_export_as_nemotron_h_only(tools):
+    """--moe-latent-size is Nemotron-H's moe_latent_size: a hybrid model's 'E' layers write it; a GPT model with
+    latent experts has no Hugging Face counterpart (Mixtral's and Qwen-MoE's experts read the hidden state)."""
+    import argparse
+
+    import hf_unsupported
+
+    _, hf_mapping = tools
+    shape = _experts_shape(hf_mapping, moe_latent_size=16)
+    assert hf_mapping.architecture_for(shape) == "NemotronHForCausalLM"
+    assert "--moe-latent-size 16" in shape.training_flags()
+    latent = dict(num_experts=4, moe_latent_size=16)
+    assert hf_unsupported.hf_export_refusal(argparse.Namespace(**latent, hybrid_override_pattern="M*E-")) is None
+    assert "--moe-latent-size 16: latent experts" in hf_unsupported.hf_export_refusal(argparse.Namespace(**latent))
