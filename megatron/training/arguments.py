@@ -8,7 +8,9 @@ Megatron-LM so existing launch scripts carry over.
 import argparse
 import difflib
 import re
+import sys
 
+from megatron.training import yaml_arguments
 from megatron.training.argument_groups import ARGUMENT_GROUPS
 from megatron.training.model_config import core_transformer_config_from_args  # also here: upstream's import path
 
@@ -81,14 +83,17 @@ def build_parser(extra_args_provider=None):
     parser = _MegatronArgumentParser(description="Megatron-style GPT pretraining", allow_abbrev=False)
     for group in ARGUMENT_GROUPS:
         group.add_arguments(parser)
+    yaml_arguments.add_arguments(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser) or parser
     return parser
 
 
 def parse_args(extra_args_provider=None, ignore_unknown_args=False, args=None):
-    """Parse `args` (default: `sys.argv[1:]`); unknown flags are an argparse error unless ignored."""
+    """Parse `args` (default: `sys.argv[1:]`); unknown flags are an argparse error unless ignored. With
+    --yaml-cfg FILE the file's keys come first and the flags given with it override them (`yaml_arguments`)."""
     parser = build_parser(extra_args_provider)
+    args = yaml_arguments.with_yaml_arguments(parser, list(sys.argv[1:] if args is None else args))
     if ignore_unknown_args:
         parsed, _ = parser.parse_known_args(args)
     else:

@@ -1,7 +1,7 @@
 """Upstream flags that pick another way of building the model than this build's Megatron-Core GPT and hybrid
-models: the legacy models, layer specs (other than the hybrid stack's), heterogeneous layers, an encoder-decoder's
-decoder depth, YAML configurations, and Transformer Engine export. They parse, so an upstream launch script
-reaches validation, and each stops there with what to do."""
+models: the legacy models, layer specs (other than the hybrid stack's), an encoder-decoder's decoder depth, and
+Transformer Engine export. They parse, so an upstream launch script reaches validation, and each stops there
+with what to do."""
 
 from megatron.training.argument_groups.hybrid import MAMBA_SPEC
 
@@ -15,16 +15,9 @@ def add_arguments(parser):
     group.add_argument("--spec", nargs="*", default=None,
                        help="Upstream: <module function> returning a layer spec. Layers here are built from the "
                        "transformer config directly (no specs): an error.")
-    group.add_argument("--heterogeneous-layers-config-path", default=None,
-                       help="Upstream: per-layer shapes from a JSON file. Not supported here: an error.")
-    group.add_argument("--heterogeneous-layers-config-encoded-json", default=None,
-                       help="Upstream: per-layer shapes as a JSON string. Not supported here: an error.")
     group.add_argument("--decoder-num-layers", type=int, default=None,
                        help="Upstream: the decoder's layers of an encoder-decoder (T5) model. GPT is decoder-only "
                        "and takes its depth from --num-layers: an error.")
-    group.add_argument("--yaml-cfg", default=None,
-                       help="Upstream: all arguments from a YAML file. Not supported here (pass the flags): an "
-                       "error.")
     group.add_argument("--export-te", action="store_true",
                        help="Upstream: export a Transformer Engine model (modelopt). Not supported here: an error.")
 
@@ -36,17 +29,9 @@ def validate(args):
          "layers here are built from the transformer config, not from layer specs: drop --spec and describe the "
          "layer with flags (--normalization, --swiglu, --qk-layernorm, --multi-latent-attention, --num-experts, "
          "...; a hybrid model's layers with --hybrid-override-pattern)"),
-        ("--heterogeneous-layers-config-path", args.heterogeneous_layers_config_path is not None,
-         "every layer here has the shape the flags give (no per-layer configurations): drop "
-         "--heterogeneous-layers-config-path"),
-        ("--heterogeneous-layers-config-encoded-json", args.heterogeneous_layers_config_encoded_json is not None,
-         "every layer here has the shape the flags give (no per-layer configurations): drop "
-         "--heterogeneous-layers-config-encoded-json"),
         ("--decoder-num-layers", args.decoder_num_layers is not None,
          "it sets the decoder depth of an encoder-decoder (T5) model; GPT is decoder-only: give its layers with "
          "--num-layers and drop --decoder-num-layers"),
-        ("--yaml-cfg", args.yaml_cfg is not None,
-         "arguments are read from the command line only: pass the YAML file's settings as flags and drop --yaml-cfg"),
         ("--export-te", args.export_te,
          "there is no Transformer Engine export: drop --export-te; checkpoints convert with "
          "tools/checkpoint/convert_checkpoint.py (e.g. --to hf), and --transformer-impl transformer_engine trains "
