@@ -87,3 +87,26 @@ def test_every_layout_and_wrapper_trains_the_heterogeneous_model_alike(world_siz
     # Saved at iteration 2 under DDP, resumed at TP 2 under Megatron-FSDP ZeRO-3: iterations 3 and 4 as uninterrupted.
     assert losses["saved"] == losses["ddp"][:2]
     torch.testing.assert_close(torch.tensor(losses["resumed"]), reference[2:], rtol=1e-5, atol=0)
+
+
+def _three_rank_runs(workdir):
+    config_path = f"{workdir}/config.json"
+    if torch.distributed.get_rank() == 0:
+        with open(config_path, "w") as handle:
+            json.dump({"block_configs": BLOCK_CONFIGS}, handle)
+    torch.distributed.barrier()
+    model = f"{MODEL} --heterogeneous-layers-config-path {config_path} --global-batch-size 6"
+    return {"ddp": _losses(workdir, "ddp", model),
+            "megatron_fsdp_z3": _losses(workdir, "fsdp", f"{model} {LAYOUTS['megatron_fsdp_z3']}"),
+            "fsdp2_untied": _losses(workdir, "fsdp2", f"{model} --untie-embeddings-and-output-weights "
+                                                      "--use-torch-fsdp2"),
+            "ddp_untied": _losses(workdir, "ddp_untied", f"{model} --untie-embeddings-and-output-weights")}
+
+
+def test_three_data_parallel_ranks_shard_the_heterogeneous_layers_unevenly_and_train_alike(tmp_path):
+    """Three ranks: the layers' parameters (64 x 64 stand-ins next to 512-wide MLPs) split into uneven shards."""
+    losses = run_on_ranks(3, _three_rank_runs, str(tmp_path))[0]
+    torch.testing.assert_close(torch.tensor(losses["megatron_fsdp_z3"]), torch.tensor(losses["ddp"]), rtol=1e-6,
+                               atol=0)
+    torch.testing.assert_close(torch.tensor(losses["fsdp2_untied"]), torch.tensor(losses["ddp_untied"]), rtol=1e-6,
+                               atol=0)
