@@ -12,9 +12,17 @@ import sys
 DATA_FLAGS = ("--data-path", "--train-data-path", "--mock-data", "--data-args-path", "--per-split-data-args-path")
 
 
-def with_placeholder_data_flag(argv):
-    """`argv` plus --mock-data when it names no dataset (the data flags' validation asks for one)."""
-    if any(arg.split("=")[0] in DATA_FLAGS for arg in argv):
+def with_placeholder_data_flag(argv, add_arguments=None):
+    """`argv` plus --mock-data when it names no dataset (the data flags' validation asks for one), neither as a flag
+    nor in its --yaml-cfg file. `add_arguments` adds the program's own flags (keys of the file too)."""
+    from megatron.training import yaml_arguments
+
+    words = argv
+    if yaml_arguments.yaml_cfg_path(argv) is not None:
+        from megatron.training.arguments import build_parser
+
+        words = yaml_arguments.with_yaml_arguments(build_parser(add_arguments), list(argv))
+    if any(arg.split("=")[0] in DATA_FLAGS for arg in words):
         return argv
     return [*argv, "--mock-data"]
 
@@ -32,9 +40,12 @@ def training_placeholders(argv, add_arguments=None):
     """Values for pretrain_gpt.py's required training flags that `argv` leaves unset. The run length fits the
     schedule flags `argv` gives: none when it sets --train-samples, and longer than any --lr-warmup-iters.
     `add_arguments` adds the program's own flags to the parser (so their values are not read as training flags)."""
+    from megatron.training import yaml_arguments
     from megatron.training.arguments import build_parser
 
-    given, _ = build_parser(add_arguments).parse_known_args(argv)
+    parser = build_parser(add_arguments)
+    # A --yaml-cfg file's keys count as given, like the flags.
+    given, _ = parser.parse_known_args(yaml_arguments.with_yaml_arguments(parser, list(argv)))
     placeholders = {"micro_batch_size": 1, "lr": 0.0}
     if given.global_batch_size is None and (given.pipeline_model_parallel_size or 1) > 1:
         # An interleaved pipeline's validation wants at least --pipeline-model-parallel-size microbatches a
@@ -74,7 +85,7 @@ def run_with_megatron(add_arguments, run_function, argv=None):
     from megatron.training.initialize import initialize_megatron
     from megatron.training.training import _teardown
 
-    argv = with_placeholder_data_flag(sys.argv[1:] if argv is None else list(argv))
+    argv = with_placeholder_data_flag(sys.argv[1:] if argv is None else list(argv), add_arguments)
     args = initialize_megatron(extra_args_provider=add_arguments,
                                args_defaults=training_placeholders(argv, add_arguments), args=argv)
     try:

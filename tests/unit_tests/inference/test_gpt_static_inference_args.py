@@ -257,3 +257,27 @@ def test_a_chat_reply_ends_at_its_end_of_turn_marker():
     assert reply_of("4<|im_end|>\n<|im_start|>user\nmore", "chatml") == "4"
     assert reply_of("4<|im_end|>", "chatml") == "4" and reply_of("no marker", "chatml") == "no marker"
     assert reply_of("4<|im_end|>\n", None) == "4<|im_end|>\n"
+
+
+def test_a_yaml_cfg_files_training_keys_count_as_given(tmp_path):
+    """A --yaml-cfg file read by a generation script: its warm-up needs no placeholder run length."""
+    config = tmp_path / "run.yaml"
+    config.write_text("language_model:\n  num_layers: 2\n  hidden_size: 32\n  num_attention_heads: 4\n"
+                      "seq_length: 16\nmax_position_embeddings: 16\nlr_warmup_iters: 20\nmicro_batch_size: 4\n")
+    argv = with_placeholder_data_flag(["--yaml-cfg", str(config), "--load", "ckpt", "--tokenizer-type",
+                                       "ByteLevelTokenizer", "--prompts", "def "])
+    placeholders = training_placeholders(argv)
+    assert placeholders["train_iters"] == 21  # longer than the file's warm-up
+    from megatron.training.arguments import parse_args
+
+    args = validate_args(parse_args(add_static_inference_args, args=argv), placeholders)
+    assert (args.num_layers, args.micro_batch_size, args.lr_warmup_iters, args.train_iters) == (2, 4, 20, 21)
+
+
+def test_a_yaml_cfg_files_data_path_takes_the_place_of_the_placeholder_data(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("data_path: [/nonexistent/data_text_document]\n")
+    with_file = ["--yaml-cfg", str(config), "--prompts", "def "]
+    assert with_placeholder_data_flag(with_file, add_static_inference_args) == with_file
+    config.write_text("lr: 0.1\n")
+    assert with_placeholder_data_flag(with_file, add_static_inference_args) == [*with_file, "--mock-data"]
