@@ -86,6 +86,14 @@ def cached_key_value_heads(model):
     return max(groups, default=model.config.num_query_groups)
 
 
+def mamba_state_bytes(model):
+    """Bytes of one request's decoding states in this stage's Mamba layers (a hybrid model's; 0 for others)."""
+    layers = getattr(getattr(model, "decoder", None), "layers", None) or []
+    mixers = (getattr(layer, "mixer", None) for layer in layers)
+    return sum(mixer.decoding_state_bytes(model.config.params_dtype) for mixer in mixers
+               if hasattr(mixer, "decoding_state_bytes"))
+
+
 def build_engine(args, model, tokenizer, max_sequence_length):
     config = model.config
     max_requests = args.inference_dynamic_batching_max_requests_override or args.inference_max_requests
@@ -95,7 +103,8 @@ def build_engine(args, model, tokenizer, max_sequence_length):
         buffer_size_gb=args.inference_dynamic_batching_buffer_size_gb,
         chunk_size_tokens=args.inference_dynamic_batching_chunk_size, max_requests_override=max_requests,
         max_tokens_override=args.inference_dynamic_batching_max_tokens_override,
-        tensor_model_parallel_size=config.tensor_model_parallel_size)
+        tensor_model_parallel_size=config.tensor_model_parallel_size,
+        mamba_state_bytes_per_request=mamba_state_bytes(model))
     wrapper_config = InferenceWrapperConfig(hidden_size=config.hidden_size, params_dtype=config.params_dtype,
                                             inference_batch_times_seqlen_threshold=-1,
                                             padded_vocab_size=args.padded_vocab_size,

@@ -144,6 +144,13 @@ class MambaMixer(torch.nn.Module):
         local_heads = self.local_groups * self.heads_per_group
         return (self.config.mamba_conv_kernel - 1, channels), (local_heads, self.head_dim, self.state_dim)
 
+    def decoding_state_bytes(self, dtype) -> int:
+        """Bytes of one sequence's decoding state on this rank: its last convolution inputs (in `dtype`, the
+        activations') and its fp32 scan state."""
+        conv_shape, ssm_shape = self._state_shapes(self.local_groups * self.conv_channels_per_group)
+        return (math.prod(conv_shape) * torch.empty(0, dtype=dtype).element_size()
+                + math.prod(ssm_shape) * torch.empty(0, dtype=torch.float32).element_size())
+
     def _decoding_spans(self, inference_context, xbc):
         """(spans, their states to continue from, a function keeping their new states) of a decoding step: the
         static context's batch as one span (a state per row), or the dynamic context's requests, one span each."""

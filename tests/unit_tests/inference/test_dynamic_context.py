@@ -35,6 +35,17 @@ def test_chunks_come_from_the_buffer_and_go_back():
     assert split.heads_per_rank == 1 and split.num_chunks == 10  # half the heads: twice the chunks per rank
 
 
+def test_the_requests_mamba_states_come_out_of_the_buffer_first():
+    # 10 chunks' bytes; each request's Mamba states take one and a half chunks.
+    states = CHUNK_BYTES * 3 // 2
+    # 3 requests: 4.5 chunks' bytes of states, 5 whole chunks left (fewer than 3 requests of 12 positions fill).
+    assert _context(chunks=10, max_requests_override=3, mamba_state_bytes_per_request=states).num_chunks == 5
+    # Without a request limit every chunk may be a request of its own: chunk and states together.
+    assert _context(chunks=10, mamba_state_bytes_per_request=states).num_chunks == 10 * 2 // 5
+    with pytest.raises(ValueError, match=r"beside the requests' Mamba states \(%d bytes each\)" % (4 * CHUNK_BYTES)):
+        _context(chunks=3, max_requests_override=1, mamba_state_bytes_per_request=4 * CHUNK_BYTES)
+
+
 def test_a_step_writes_each_request_and_reads_back_its_own_positions():
     context = _context(chunks=5)
     context.allocate("a", 6)

@@ -82,3 +82,28 @@ def test_the_context_counts_a_heterogeneous_models_caching_layers_and_their_most
     model = heterogeneous_model(hybrid="heterogeneous")  # 2 heads, a linear stand-in, 4 heads
     assert cached_layers(model) == 2 and cached_key_value_heads(model) == 4
     assert cached_key_value_heads(_model()) == _model().config.num_query_groups
+
+
+def _stored_mamba_bytes():
+    """(the bytes one request's Mamba states take in the context after a step, what the script budgets for them)."""
+    from examples.inference.gpt.gpt_dynamic_inference import mamba_state_bytes
+    from megatron.core.inference.sampling_params import SamplingParams
+    from tests.unit_tests.inference.test_dynamic_engine import _context, _engine
+    from tests.unit_tests.inference.test_dynamic_engine import _model as engine_model
+
+    parallel_state.initialize_model_parallel()
+    try:
+        model = engine_model(hybrid=True)  # Mamba, attention, Mamba
+        engine = _engine(model, _context(model))
+        engine.add_request("r", "1 2 3", sampling_params=SamplingParams(top_k=1, num_tokens_to_generate=4))
+        engine.step()
+        stored = sum(tensor.numel() * tensor.element_size() for (layer, request), states
+                     in engine.context.mamba_memory.items() if request == "r" for tensor in states)
+        return stored, mamba_state_bytes(model), mamba_state_bytes(_model())
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_the_context_budgets_the_bytes_a_requests_mamba_states_take():
+    stored, budgeted, gpt = run_on_ranks(1, _stored_mamba_bytes)[0]
+    assert stored == budgeted > 0 and gpt == 0

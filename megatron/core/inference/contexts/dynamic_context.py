@@ -7,7 +7,9 @@ the new tokens of several requests as one row (`[1, T]`): the whole prompt of a 
 a request that goes on. Each attention layer writes the step's keys and values into the requests' chunks
 (`attention_inputs`), and every token attends to the positions of its own request up to its own. A hybrid model's
 Mamba layers keep instead, per request, their last convolution inputs and scan state (a fixed size per request,
-outside the chunk pool), continued step after step and dropped with the request.
+outside the chunk pool), continued step after step and dropped with the request; `mamba_state_bytes_per_request`
+(ours: those bytes of all this rank's Mamba layers) is taken from `buffer_size_gb` for every request the context
+admits before the rest is cut into chunks.
 
 `num_attention_heads` is the model's number of key/value heads (its query groups), split over
 `tensor_model_parallel_size` ranks as the attention splits them. A request needs its whole length (prompt plus
@@ -32,7 +34,7 @@ class DynamicInferenceContext:
                  chunk_size_tokens: int = 256, buffer_overflow_factor: Optional[float] = None,
                  max_requests_override: Optional[int] = None, max_tokens_override: Optional[int] = None,
                  tensor_model_parallel_size: Optional[int] = None, num_cuda_graphs: Optional[int] = None,
-                 use_flashinfer_fused_rope: bool = False):
+                 use_flashinfer_fused_rope: bool = False, mamba_state_bytes_per_request: int = 0):
         del buffer_guaranteed_fraction, buffer_overflow_factor, num_cuda_graphs, use_flashinfer_fused_rope
         tp = 1 if tensor_model_parallel_size is None else tensor_model_parallel_size
         for name, value in (("num_layers", num_layers), ("kv_channels", kv_channels),
@@ -48,12 +50,20 @@ class DynamicInferenceContext:
         self.max_sequence_length, self.chunk_size_tokens = max_sequence_length, chunk_size_tokens
         dtype_bytes = torch.empty(0, dtype=params_dtype).element_size()
         chunk_bytes = 2 * num_layers * chunk_size_tokens * self.heads_per_rank * kv_channels * dtype_bytes
-        self.num_chunks = int(buffer_size_gb * 1024**3) // chunk_bytes
-        if max_requests_override is not None:  # never more than the requests can fill
-            self.num_chunks = min(self.num_chunks, max_requests_override * self.chunks_for(max_sequence_length))
+        if not isinstance(mamba_state_bytes_per_request, int) or mamba_state_bytes_per_request < 0:
+            raise ValueError("DynamicInferenceContext: mamba_state_bytes_per_request must be a non-negative integer, "
+                             f"got {mamba_state_bytes_per_request!r}")
+        budget = int(buffer_size_gb * 1024**3)
+        if max_requests_override is None:  # as many requests as chunks, each with its Mamba states
+            self.num_chunks = budget // (chunk_bytes + mamba_state_bytes_per_request)
+        else:  # the requests' Mamba states first; never more chunks than the requests can fill
+            states = max_requests_override * mamba_state_bytes_per_request
+            self.num_chunks = min(max(0, budget - states) // chunk_bytes,
+                                  max_requests_override * self.chunks_for(max_sequence_length))
         if self.num_chunks < 1:
             raise ValueError(f"DynamicInferenceContext: buffer_size_gb={buffer_size_gb} holds no chunk of "
-                             f"{chunk_size_tokens} positions ({chunk_bytes} bytes for {num_layers} layers); raise it "
+                             f"{chunk_size_tokens} positions ({chunk_bytes} bytes for {num_layers} layers) beside "
+                             f"the requests' Mamba states ({mamba_state_bytes_per_request} bytes each); raise it "
                              "or lower chunk_size_tokens")
         self.max_requests = self.num_chunks if max_requests_override is None else max_requests_override
         self.max_tokens = max_sequence_length if max_tokens_override is None else max_tokens_override
