@@ -36,7 +36,7 @@ from megatron.core.optimizer.qk_clip import (
 )
 from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 from megatron.core.transformer.moe.router import reset_global_aux_loss_counts, update_expert_biases
-from megatron.training import checkpoint_sources, checkpointing
+from megatron.training import checkpoint_sources, checkpointing, moe_upcycling
 from megatron.training.checkpoint_sources import non_persistent_save_dir
 from megatron.training.datasets.sft_dataset import check_conversation_files
 from megatron.training.data_iterators import (  # noqa: F401 (upstream's names in megatron.training.training)
@@ -190,6 +190,8 @@ def _check_data_files_before_building(args):
 def _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func, args, non_loss_data=NO_HOOKS):
     checkpointing.check_checkpoint_format(args)
     _check_data_files_before_building(args)
+    if getattr(args, "moe_use_upcycling", False):  # refused before the model is built
+        moe_upcycling.check_sources(args)
     timers = timers_or_none()
     with timed(timers, "model-and-optimizer-setup", log_level=0, barrier=True):
         model, optimizer, scheduler, config = setup_model_and_optimizer(model_provider, args)
@@ -201,9 +203,12 @@ def _pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fu
     if args.load is not None or getattr(args, "non_persistent_ckpt_type", None) == "local" or \
             getattr(args, "pretrained_checkpoint", None) is not None:  # local: with --load or without
         with timed(timers, "load-checkpoint", log_level=0, barrier=True):
-            args.iteration = checkpointing.load_checkpoint(model, optimizer, scheduler, args)
+            if args.moe_use_upcycling:  # --load is the dense checkpoint; the MoE one is written to --save and loaded
+                args.iteration = moe_upcycling.upcycle_and_load(model, optimizer, scheduler, args)
+            else:
+                args.iteration = checkpointing.load_checkpoint(model, optimizer, scheduler, args)
         timers.log(["load-checkpoint"])
-        if args.load is not None:
+        if args.load is not None and not args.moe_use_upcycling:
             load_rerun_state(args.load, args.iteration)
     if getattr(args, "ckpt_convert_format", None) is not None:  # save the loaded checkpoint in it, then stop
         checkpointing.save_converted_checkpoint(args.iteration, model, optimizer, scheduler, args)

@@ -121,10 +121,13 @@ def add_arguments(parser):
                        "one microbatch with another's compute on CUDA streams; here the exchange runs in order (no "
                        "effect on results).")
     group.add_argument("--moe-use-upcycling", action="store_true",
-                       help="Upstream: build the MoE model from a dense checkpoint (--load) by copying its MLPs into "
-                       "every expert. Not provided here: an error.")
+                       help="Build the MoE model from the dense checkpoint --load names: each expert of a MoE layer "
+                       "starts as a copy of that layer's dense MLP, the router freshly initialised; the upcycled "
+                       "checkpoint is written to --save (which must hold none) and training goes on from it. For the "
+                       "first run only: later runs resume from --save without the flag (see docs/moe.md).")
     group.add_argument("--moe-upcycling-granularity", type=int, default=1,
-                       help="Upstream: experts per dense MLP slice when upcycling (only with --moe-use-upcycling).")
+                       help="Upstream: experts per dense MLP slice when upcycling; only 1 (each expert a full copy of "
+                       "the dense MLP) is built.")
     group.add_argument("--moe-latent-size", type=int, default=None,
                        help="Latent MoE (Nemotron-3): project the routed tokens from the hidden width down to this "
                        "width before dispatch (fc1_latent_proj) and the combined output back (fc2_latent_proj); the "
@@ -164,17 +167,34 @@ def _uses_moe_flags(args):
     return any(getattr(args, field) != default for field, (_, default) in _FIELDS_NEEDING_EXPERTS.items())
 
 
+def _validate_upcycling(args):
+    """--moe-use-upcycling (megatron/training/moe_upcycling.py): what it needs, and what it cannot copy."""
+    granularity = args.moe_upcycling_granularity
+    if granularity != 1:
+        raise ValueError(f"--moe-upcycling-granularity {granularity}: granular upcycling (each dense MLP cut into "
+                         f"{granularity} narrower experts) is not built; use 1 (each expert a copy of the dense MLP)")
+    if not args.moe_use_upcycling:
+        return
+    needed = [flag for flag, value in (("--num-experts", args.num_experts), ("--load", args.load),
+                                       ("--save", args.save)) if not value]
+    if needed:
+        raise ValueError(f"--moe-use-upcycling needs {', '.join(needed)}: --load names the dense checkpoint, the MoE "
+                         "flags describe the model built from it, and --save receives the upcycled checkpoint")
+    if args.ckpt_format not in ("torch_dist", "torch_dcp", "fsdp_dtensor"):
+        raise ValueError(f"--moe-use-upcycling writes and loads a torch_dist checkpoint: --ckpt-format "
+                         f"{args.ckpt_format} cannot load it; use --ckpt-format torch_dist")
+    if args.moe_latent_size is not None:
+        raise ValueError("--moe-use-upcycling copies the dense MLP into each expert, but with --moe-latent-size the "
+                         "experts work in another width than the dense MLP: drop one of them")
+
+
 def validate(args):
     if args.num_experts == 0:
         args.num_experts = None  # as upstream: no MoE
     if args.moe_enable_deepep:
         raise ValueError("--moe-enable-deepep needs DeepEP on CUDA GPUs, which this build does not provide: drop it "
                          "and use --moe-token-dispatcher-type alltoall (or allgather)")
-    if args.moe_use_upcycling:
-        raise ValueError("--moe-use-upcycling (building a MoE model from a dense checkpoint) is not supported: train "
-                         "the MoE model from scratch, or load a MoE checkpoint; drop --moe-use-upcycling")
-    if args.moe_upcycling_granularity != 1:
-        raise ValueError("--moe-upcycling-granularity applies to --moe-use-upcycling, which is not supported; drop it")
+    _validate_upcycling(args)
     if args.use_fused_weighted_squared_relu and not (args.squared_relu and args.num_experts):
         raise ValueError("--use-fused-weighted-squared-relu fuses the experts' squared ReLU: it needs --squared-relu "
                          "and --num-experts; add them or drop the flag")

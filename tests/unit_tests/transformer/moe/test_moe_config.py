@@ -191,13 +191,13 @@ def test_upstream_recipe_flags_validate(monkeypatch):
     assert no_moe.num_experts is None and core_transformer_config_from_args(no_moe).num_moe_experts is None
     padded = _validated("--num-experts 4 --moe-router-padding-for-quantization --fp8-format e4m3", monkeypatch)
     assert core_transformer_config_from_args(padded).moe_router_padding_for_fp8
-    # Newer upstream flags: performance switches parse, upcycling is refused by name.
+    # Newer upstream flags: performance switches parse; upcycling needs its checkpoints, granular upcycling is refused.
     overlapped = _validated("--num-experts 4 --moe-token-dispatcher-type alltoall --overlap-moe-expert-parallel-comm "
                             "--moe-flex-dispatcher-backend hybridep --moe-hybridep-num-sms 8", monkeypatch)
     assert overlapped.overlap_moe_expert_parallel_comm and overlapped.moe_token_dispatcher_type == "alltoall"
-    with pytest.raises(ValueError, match="--moe-use-upcycling .* is not supported"):
+    with pytest.raises(ValueError, match="--moe-use-upcycling needs --load, --save"):
         _validated("--num-experts 4 --moe-use-upcycling", monkeypatch)
-    with pytest.raises(ValueError, match="--moe-upcycling-granularity applies to --moe-use-upcycling"):
+    with pytest.raises(ValueError, match="--moe-upcycling-granularity 2: granular upcycling .* is not built"):
         _validated("--num-experts 4 --moe-upcycling-granularity 2", monkeypatch)
 
 
