@@ -1,6 +1,7 @@
 """`--moe-use-upcycling` end to end on 2 gloo ranks: a dense GPT trained 2 iterations and saved is upcycled into 4
 experts (top-2 softmax routing renormalises the two probabilities to sum 1, so identical experts compute the dense
-MLP exactly), under Megatron DDP and under Megatron-FSDP ZeRO-3 with expert parallelism 2. The upcycled run's first
+MLP exactly), under Megatron DDP, under Megatron-FSDP ZeRO-3 with expert parallelism 2, at TP2 + SP with grouped
+GEMM experts and at PP2. The upcycled run's first
 loss is the dense model's loss of the same batch (the dense run resumed for one more iteration), its experts are
 the dense MLPs bit for bit, and a second launch into the same --save, or one with another --num-layers, is
 refused."""
@@ -49,6 +50,11 @@ def _all_runs(workdir):
     losses["ddp"] = _losses(workdir, "ddp", f"{DENSE} {MOE} --load {dense_root} --save {workdir}/moe_ddp")
     losses["fsdp_ep2"] = _losses(workdir, "fsdp_ep2", f"{DENSE} {MOE} {FSDP_EP2} --load {dense_root} "
                                                       f"--save {workdir}/moe_fsdp")
+    losses["tp2_sp_grouped"] = _losses(workdir, "tp2", f"{DENSE} {MOE} --tensor-model-parallel-size 2 "
+                                                      "--sequence-parallel --moe-grouped-gemm "
+                                                      f"--load {dense_root} --save {workdir}/moe_tp2")
+    losses["pp2"] = _losses(workdir, "pp2", f"{DENSE} {MOE} --pipeline-model-parallel-size 2 --load {dense_root} "
+                                            f"--save {workdir}/moe_pp2")
     with pytest.raises(UpcyclingError) as refused:
         _losses(workdir, "again", f"{DENSE} {MOE} --load {dense_root} --save {workdir}/moe_ddp")
     with pytest.raises(UpcyclingError) as mismatched:
@@ -69,6 +75,11 @@ def test_upcycled_moe_starts_from_the_dense_model(world_size, tmp_path):
     for run in ("ddp", "fsdp_ep2"):
         assert sorted(losses[run]) == [3], run  # resumed at the dense checkpoint's iteration and samples
         assert losses[run][3] == pytest.approx(dense, rel=1e-6), run
+    # The upcycled checkpoint is written whole, so other layouts load it: tensor parallelism with sequence
+    # parallelism and grouped GEMM experts sums partial products over 2 ranks (1e-5), pipeline stages do not.
+    assert sorted(losses["tp2_sp_grouped"]) == [3] and sorted(losses["pp2"]) == [3]
+    assert losses["tp2_sp_grouped"][3] == pytest.approx(dense, rel=1e-5)
+    assert losses["pp2"][3] == pytest.approx(dense, rel=1e-6)
     assert len(pairs) == 16 and router_shape == (4, 32)
     for name, (expert, dense_mlp) in pairs.items():
         assert torch.equal(expert, dense_mlp), name
