@@ -9,7 +9,8 @@ experts, the dispatch's backward sends the input gradients back). Theory, per ra
 
     tokens x topk x hidden x (EP - 1) / EP x bytes per element
 
-(with `--moe-latent-size L`, latent MoE, the tokens travel at the latent width: L in place of hidden), with tokens = the rank's tokens per step (global batch / DP x seq length) and every layer counted; it assumes the
+(with `--moe-latent-size L`, latent MoE, the tokens travel at the latent width: L in place of hidden), with tokens =
+the rank's tokens per step (global batch / DP x seq length) and every layer counted; it assumes the
 router spreads the token-expert pairs evenly over the expert-parallel ranks, so the measured bytes move with the
 routing (the aux loss keeps it near even). Prints a markdown table of the per-step mean over the iterations.
 

@@ -30,7 +30,6 @@ from megatron.training.checkpoint_args import architecture_differences
 
 SCRATCH_SUBDIR = "upcycling_fresh_moe"  # under --save while step 2 runs; removed after
 _EXPERT_KEY = re.compile(r"^(?P<prefix>.*\.mlp\.)experts\.local_experts\.\d+\.(?P<rest>linear_fc[12]\..*)$")
-_FUSED_NORM_KEY = re.compile(r"^(?P<prefix>.*\.)mlp\.linear_fc1\.layer_norm_(?P<what>weight|bias)$")
 
 
 class UpcyclingError(ValueError):

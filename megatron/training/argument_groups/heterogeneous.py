@@ -7,9 +7,7 @@ where both are set the JSON text is used. The layers are checked here against th
 (each entry's query groups and width), and what they do not combine with is refused by flag.
 """
 
-import os
-
-from megatron.core.transformer.heterogeneous.heterogeneous_fields import JSON_FLAG, PATH_FLAG
+from megatron.core.transformer.heterogeneous.heterogeneous_fields import PATH_FLAG, read_config_file
 
 
 def add_arguments(parser):
@@ -24,12 +22,7 @@ def add_arguments(parser):
 
 def validate(args):
     if args.heterogeneous_layers_config_encoded_json is None and args.heterogeneous_layers_config_path is not None:
-        path = args.heterogeneous_layers_config_path
-        if not os.path.isfile(path):
-            raise ValueError(f"{PATH_FLAG} {path}: no such file; give the model's config.json with block_configs "
-                             f"(or its text with {JSON_FLAG})")
-        with open(path, encoding="utf-8") as handle:
-            args.heterogeneous_layers_config_encoded_json = handle.read()
+        args.heterogeneous_layers_config_encoded_json = read_config_file(args.heterogeneous_layers_config_path)
     if args.heterogeneous_layers_config_encoded_json is None:
         return
     for flag, given in (("--num-experts", bool(args.num_experts)),

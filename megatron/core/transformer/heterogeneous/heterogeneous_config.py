@@ -1,5 +1,5 @@
-"""`HeterogeneousTransformerConfig`, upstream's config class for heterogeneous layers, at upstream's import path (scripts
-pass it as `core_transformer_config_from_args(args, config_class=HeterogeneousTransformerConfig)`). Every
+"""`HeterogeneousTransformerConfig`, upstream's config class for heterogeneous layers, at upstream's import path
+(scripts pass it as `core_transformer_config_from_args(args, config_class=HeterogeneousTransformerConfig)`). Every
 `TransformerConfig` takes the heterogeneous fields (`heterogeneous_fields`); this class only insists that they are
 given."""
 

@@ -1,4 +1,5 @@
-"""The fields of heterogeneous layers (a mixin of `TransformerConfig`): each transformer layer with its own attention and MLP (see `block_configs`).
+"""The fields of heterogeneous layers (a mixin of `TransformerConfig`): each transformer layer with its own
+attention and MLP (see `block_configs`).
 
 `--heterogeneous-layers-config-path` names a Hugging Face `config.json` with `block_configs` (one entry per
 layer), `--heterogeneous-layers-config-encoded-json` gives the same JSON as text; the config keeps the text, so a
@@ -70,7 +71,7 @@ class HeterogeneousConfigMixin:
                                  f"{PATH_FLAG} or {JSON_FLAG}")
             return
         if text is None:
-            text = _read_config_file(path)
+            text = read_config_file(path)
             self._set("heterogeneous_layers_config_encoded_json", text)
         source = JSON_FLAG if path is None else f"{PATH_FLAG} {path}"
         document = _config_document(text, source)
@@ -125,9 +126,11 @@ def _layer_shape(config, block: LayerBlockConfig):
     return groups, width
 
 
-def _read_config_file(path):
+def read_config_file(path):
+    """The text of the `--heterogeneous-layers-config-path` file."""
     if not os.path.isfile(path):
-        raise ValueError(f"{PATH_FLAG} {path}: no such file; give the model's config.json with block_configs")
+        raise ValueError(f"{PATH_FLAG} {path}: no such file; give the model's config.json with block_configs (or "
+                         f"its text with {JSON_FLAG})")
     with open(path, encoding="utf-8") as handle:
         return handle.read()
 
